@@ -1,0 +1,3 @@
+//! The `dstack-shim` binary.
+
+fn main() {}

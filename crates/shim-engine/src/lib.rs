@@ -1,0 +1,1 @@
+//! shim-engine (work in progress).

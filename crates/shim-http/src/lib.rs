@@ -1,0 +1,1 @@
+//! shim-http (work in progress).

@@ -1,0 +1,1 @@
+//! shim-resources (work in progress).

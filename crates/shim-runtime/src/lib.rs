@@ -1,0 +1,1 @@
+//! shim-runtime (work in progress).

@@ -1,0 +1,1 @@
+//! shim-store (work in progress).

@@ -1,0 +1,104 @@
+//! What the API reports about a task (`TaskInfo`), and the resources a task holds.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::TaskId;
+use crate::ssh::PublicKey;
+use crate::status::TaskStatus;
+
+/// A published port: container port → host port on 127.0.0.1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PortMapping {
+    /// Host port.
+    pub host: u16,
+    /// Container port.
+    pub container: u16,
+}
+
+/// Image pull progress, summed over layers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PullProgress {
+    /// Bytes downloaded so far.
+    pub downloaded_bytes: u64,
+    /// Bytes extracted so far.
+    pub extracted_bytes: u64,
+    /// Total bytes of the layers known so far.
+    pub total_bytes: u64,
+    /// Whether every layer's size is known (total will not grow).
+    pub is_total_bytes_final: bool,
+}
+
+/// The API's view of a task (`GET /api/tasks/{id}`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskInfo {
+    /// Task id.
+    pub id: TaskId,
+    /// Current status.
+    pub status: TaskStatus,
+    /// `""` until terminated.
+    pub termination_reason: String,
+    /// Why, readable; may be empty.
+    pub termination_message: String,
+    /// `null` until known; `[]` in host network mode.
+    pub ports: Option<Vec<PortMapping>>,
+    /// `null` until a pull began.
+    pub image_pull_progress: Option<PullProgress>,
+    /// The container's name (known from submit on).
+    pub container_name: String,
+    /// The container's id, once created.
+    pub container_id: String,
+    /// GPU ids, once acquired.
+    pub gpu_ids: Option<Vec<String>>,
+}
+
+/// Host SSH keys a task added to a user's authorized_keys.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct HostKeysGrant {
+    /// The host user.
+    pub user: String,
+    /// The keys added for this task.
+    pub keys: Vec<PublicKey>,
+}
+
+/// A volume a task mounted on the host.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MountedVolume {
+    /// The volume name.
+    pub name: String,
+    /// The host mount point.
+    pub mount_point: String,
+    /// The block device (empty when recovered from a container's mounts).
+    #[serde(default)]
+    pub device: String,
+}
+
+/// The host resources a task acquired and has not yet released.
+///
+/// Each entry is recorded as soon as it is acquired and removed once it is released, so release
+/// frees exactly what was acquired and a failed release is retried with what is left. `released`
+/// becomes true once release has completed; it never goes back.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resources {
+    /// Locked GPU ids (NVIDIA UUIDs, AMD render nodes, indexes otherwise).
+    #[serde(default)]
+    pub gpus: Vec<String>,
+    /// Keys added to a host user's authorized_keys.
+    #[serde(default)]
+    pub host_keys: Option<HostKeysGrant>,
+    /// Volumes mounted on the host.
+    #[serde(default)]
+    pub volumes: Vec<MountedVolume>,
+    /// Instance-mount directories the shim created (left in place on release: they hold data).
+    #[serde(default)]
+    pub created_dirs: Vec<String>,
+    /// Release completed: nothing is held any more.
+    #[serde(default)]
+    pub released: bool,
+}
+
+impl Resources {
+    /// Whether anything still needs releasing.
+    pub fn holds_any(&self) -> bool {
+        !self.gpus.is_empty() || self.host_keys.is_some() || !self.volumes.is_empty()
+    }
+}

@@ -1,0 +1,3 @@
+//! Developer tasks.
+
+fn main() {}
