@@ -1,0 +1,103 @@
+//! The store's errors.
+
+use std::io;
+use std::path::PathBuf;
+
+use shim_task::TaskId;
+
+/// What went wrong in a store operation.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// A filesystem operation failed. `context` says what the store was doing; the source
+    /// (an `fs-err` error) names the path.
+    #[error("{context}")]
+    Io {
+        /// What the store was doing, e.g. "writing the state of task t1".
+        context: String,
+        /// The underlying error, with its path.
+        #[source]
+        source: io::Error,
+    },
+    /// `create_task_dir` for an id whose directory already holds a state file.
+    #[error("task {id} already exists ({})", path.display())]
+    TaskExists {
+        /// The id that is taken.
+        id: TaskId,
+        /// Its state file.
+        path: PathBuf,
+    },
+    /// `write` for a task whose directory does not exist (never created, or deleted).
+    #[error("task {id} has no directory ({}): create it first", path.display())]
+    NoTaskDir {
+        /// The task.
+        id: TaskId,
+        /// The missing directory.
+        path: PathBuf,
+    },
+    /// A path the store would use is not what it must be (not a directory, a symlink, or
+    /// outside the tasks directory). Never expected with validated ids; refused anyway.
+    #[error("unsafe path {}: {why}", path.display())]
+    UnsafePath {
+        /// The offending path.
+        path: PathBuf,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// A state file exists but cannot be used (see [`RecordError`]). `read` reports this;
+    /// `scan` moves such files aside instead.
+    #[error("state file {} is unreadable", path.display())]
+    Unreadable {
+        /// The state file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: RecordError,
+    },
+    /// The record could not be serialized (not expected for a `TaskRecord`).
+    #[error("cannot serialize the record of task {id}")]
+    Serialize {
+        /// The task.
+        id: TaskId,
+        /// The serializer's error.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Why a state file is not a usable record. Such a file is never overwritten blindly: `scan`
+/// moves it aside as `task.json.corrupt-<unix ms>`.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    /// The file is empty (e.g. a crash on a filesystem without ordered writes).
+    #[error("the file is empty")]
+    Empty,
+    /// The file is not JSON, is truncated, or does not hold a task record.
+    #[error("not a valid task record: {0}")]
+    Malformed(#[source] serde_json::Error),
+    /// The envelope's schema version is newer than this shim understands.
+    #[error("written by a newer shim (schema {0})")]
+    NewerSchema(u64),
+    /// The envelope's schema version is one no shim ever wrote (0).
+    #[error("unknown schema version {0}")]
+    UnknownSchema(u64),
+    /// The record is for another task than its directory's name says.
+    #[error("the record is for task {found}, not {expected}")]
+    WrongTask {
+        /// The directory's id.
+        expected: TaskId,
+        /// The id in the record.
+        found: TaskId,
+    },
+    /// The file is larger than any record the shim writes.
+    #[error("the file is too large ({0} bytes)")]
+    TooLarge(u64),
+    /// `task.json` is not a regular file (a directory, a symlink, …).
+    #[error("not a regular file")]
+    NotAFile,
+    /// The file could not be read.
+    #[error("cannot read the file")]
+    Io(#[source] io::Error),
+}
+
+/// The store's result type.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
