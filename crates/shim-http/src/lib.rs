@@ -1,1 +1,112 @@
-//! shim-http (work in progress).
+//! The HTTP API of the dstack shim, wire-compatible with the dstack server's shim client
+//! (API "v2", dstack 0.22.x).
+//!
+//! A hyper 1 server that routes requests ([`routes::ROUTES`]), enforces the body rules
+//! (JSON only, at most [`MAX_BODY_BYTES`]), and calls the engine through the [`ShimApi`]
+//! trait and the component installer through [`ComponentsApi`]. It knows nothing of Docker or
+//! files; the only place where an error becomes a status code is [`ErrorKind::status`].
+//!
+//! ```no_run
+//! # async fn f(api: std::sync::Arc<dyn shim_http::ShimApi>,
+//! #            comps: std::sync::Arc<dyn shim_http::ComponentsApi>) -> Result<(), shim_http::Error> {
+//! use shim_http::{Listeners, ServerConfig, serve};
+//! let listeners = Listeners::bind("127.0.0.1:10998".parse().unwrap(), None).await?;
+//! let shutdown = tokio_util::sync::CancellationToken::new();
+//! serve(listeners, api, comps, ServerConfig::new("0.22.0"), shutdown).await
+//! # }
+//! ```
+
+pub mod api;
+pub mod body;
+mod handlers;
+pub mod routes;
+mod server;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+pub use api::{
+    ApiError, ComponentInfo, ComponentName, ComponentStatus, ComponentsApi, ErrorKind,
+    InstallRequest, InstanceInfo, ShimApi, ShutdownRequest, TerminateRequest,
+};
+pub use body::MAX_BODY_BYTES;
+pub use server::{DrainFuture, Listeners, ServerConfig, serve};
+
+/// The oldest healthcheck version with which the dstack server treats running tasks as
+/// restart-safe; the version the server is configured with must be a release at least this.
+pub const MIN_COMPATIBLE_VERSION: &str = "0.21.3";
+
+/// Errors of setting up or running the server (request errors are [`ApiError`]s).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The API must only be reachable from the host itself.
+    #[error("refusing to listen on {addr}: the shim API is loopback-only")]
+    NotLoopback {
+        /// The rejected address.
+        addr: SocketAddr,
+    },
+    /// The TCP port could not be bound.
+    #[error("cannot listen on {addr}")]
+    BindTcp {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Another process accepts on the Unix socket path.
+    #[error("unix socket {} is in use by another process", path.display())]
+    SocketInUse {
+        /// The socket path.
+        path: PathBuf,
+    },
+    /// Something other than a socket exists at the Unix socket path.
+    #[error("{} exists and is not a socket; refusing to replace it", path.display())]
+    NotASocket {
+        /// The path.
+        path: PathBuf,
+    },
+    /// Setting up the Unix socket failed.
+    #[error("cannot {op} unix socket {}", path.display())]
+    UnixSocket {
+        /// The socket path.
+        path: PathBuf,
+        /// What was being done.
+        op: &'static str,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Whether `version` is a final release (`X.Y[.Z]`, no pre-release or dev suffix) at least
+/// `min` — the way the dstack server reads the healthcheck version.
+pub fn is_release_at_least(version: &str, min: &str) -> bool {
+    fn parse(v: &str) -> Option<(u64, u64, u64)> {
+        let mut it = v.split('.');
+        let major = it.next()?.parse().ok()?;
+        let minor = it.next()?.parse().ok()?;
+        let patch = it.next().map_or(Some(0), |p| p.parse().ok())?;
+        if it.next().is_some() {
+            return None;
+        }
+        Some((major, minor, patch))
+    }
+    matches!((parse(version), parse(min)), (Some(v), Some(m)) if v >= m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn release_versions() {
+        assert!(is_release_at_least("0.21.3", MIN_COMPATIBLE_VERSION));
+        assert!(is_release_at_least("0.22.0", MIN_COMPATIBLE_VERSION));
+        assert!(is_release_at_least("1.0", MIN_COMPATIBLE_VERSION));
+        assert!(!is_release_at_least("0.21.2", MIN_COMPATIBLE_VERSION));
+        assert!(!is_release_at_least("0.22.0rc1", MIN_COMPATIBLE_VERSION));
+        assert!(!is_release_at_least("1234", MIN_COMPATIBLE_VERSION));
+        assert!(!is_release_at_least("", MIN_COMPATIBLE_VERSION));
+    }
+}

@@ -1,0 +1,271 @@
+//! The seams of the HTTP layer: the traits the engine and the component installer implement,
+//! the wire types they exchange, and [`ApiError`], whose [`ErrorKind`] alone picks the status
+//! code (see [`ErrorKind::status`]).
+
+use std::fmt;
+
+use async_trait::async_trait;
+use http::StatusCode;
+use serde::{Deserialize, Serialize};
+use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
+
+/// What went wrong with a request; decides the HTTP status code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// 400: the request is malformed or a field is invalid.
+    BadRequest,
+    /// 404: no such task / route / exporter.
+    NotFound,
+    /// 405: the path exists, the method does not.
+    MethodNotAllowed,
+    /// 409: the request conflicts with the current state (id already known, task not
+    /// terminated, component already installing).
+    Conflict,
+    /// 413: the body is larger than [`crate::MAX_BODY_BYTES`].
+    PayloadTooLarge,
+    /// 415: the body is not `application/json`.
+    UnsupportedMediaType,
+    /// 500: the shim failed to do what it was asked.
+    Internal,
+    /// 502: an upstream the shim relies on (the metrics exporter) failed.
+    BadGateway,
+    /// 503: the shim is not ready to do this (yet).
+    Unavailable,
+}
+
+impl ErrorKind {
+    /// The one place where an error becomes a status code.
+    pub fn status(self) -> StatusCode {
+        match self {
+            Self::BadRequest => StatusCode::BAD_REQUEST,
+            Self::NotFound => StatusCode::NOT_FOUND,
+            Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            Self::Conflict => StatusCode::CONFLICT,
+            Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::BadGateway => StatusCode::BAD_GATEWAY,
+            Self::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+}
+
+/// An error answered to an API client: a kind (the status code) and a readable message (the
+/// `text/plain` body). The optional source is logged, never sent.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct ApiError {
+    /// Decides the status code.
+    pub kind: ErrorKind,
+    /// The response body.
+    pub message: String,
+    /// The underlying error, for the log.
+    #[source]
+    pub source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+}
+
+impl ApiError {
+    /// An error of `kind` with `message`.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// Attaches the underlying error (logged, not sent).
+    #[must_use]
+    pub fn with_source(mut self, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        self.source = Some(Box::new(source));
+        self
+    }
+
+    /// 400.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::BadRequest, message)
+    }
+
+    /// 404.
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::NotFound, message)
+    }
+
+    /// 409.
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Conflict, message)
+    }
+
+    /// 500.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Internal, message)
+    }
+
+    /// 502.
+    pub fn bad_gateway(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::BadGateway, message)
+    }
+
+    /// 503.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Unavailable, message)
+    }
+
+    /// The status code this error is answered with.
+    pub fn status(&self) -> StatusCode {
+        self.kind.status()
+    }
+}
+
+/// `GET /api/instance/info`: fields are omitted when unknown.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InstanceInfo {
+    /// `nvidia`, `amd`, `tenstorrent`, `intel`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_vendor: Option<String>,
+    /// The GPU driver version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_driver_version: Option<String>,
+}
+
+/// Body of `POST /api/tasks/{id}/terminate`. Every field is optional.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct TerminateRequest {
+    /// Stored as given; `""` when absent.
+    #[serde(deserialize_with = "null_default")]
+    pub termination_reason: String,
+    /// Stored as given; `""` when absent.
+    #[serde(deserialize_with = "null_default")]
+    pub termination_message: String,
+    /// Seconds Docker waits after SIGTERM before SIGKILL; `0` kills at once.
+    #[serde(deserialize_with = "null_default")]
+    pub timeout: u64,
+}
+
+/// Body of `POST /api/shutdown`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+pub struct ShutdownRequest {
+    /// Close at once instead of draining in-flight requests and background jobs.
+    #[serde(default, deserialize_with = "null_default")]
+    pub force: bool,
+}
+
+/// Body of `POST /api/components/install`. Names are checked by the handler (an unknown name
+/// is a 400 with a readable message, not a deserialization error).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+pub struct InstallRequest {
+    /// `dstack-runner` or `dstack-shim`.
+    #[serde(default, deserialize_with = "null_default")]
+    pub name: String,
+    /// Where to download the binary from.
+    #[serde(default, deserialize_with = "null_default")]
+    pub url: String,
+}
+
+fn null_default<'de, D: serde::Deserializer<'de>, T: Default + Deserialize<'de>>(
+    d: D,
+) -> Result<T, D::Error> {
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
+/// An installable component.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum ComponentName {
+    /// The in-container agent (`dstack-runner`).
+    #[serde(rename = "dstack-runner")]
+    Runner,
+    /// This binary (`dstack-shim`).
+    #[serde(rename = "dstack-shim")]
+    Shim,
+}
+
+impl ComponentName {
+    /// Both components, in the order the list reports them.
+    pub const ALL: [Self; 2] = [Self::Runner, Self::Shim];
+
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Runner => "dstack-runner",
+            Self::Shim => "dstack-shim",
+        }
+    }
+
+    /// Parses a wire name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|c| c.as_str() == s)
+    }
+}
+
+impl fmt::Display for ComponentName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A component's install state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ComponentStatus {
+    /// No binary at the configured path.
+    NotInstalled,
+    /// A binary that reports its version.
+    Installed,
+    /// A download is in progress.
+    Installing,
+    /// The last install failed, or the binary does not report a version.
+    Error,
+}
+
+/// One entry of `GET /api/components`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ComponentInfo {
+    /// The component.
+    pub name: ComponentName,
+    /// Empty unless [`ComponentStatus::Installed`].
+    pub version: String,
+    /// The install state.
+    pub status: ComponentStatus,
+}
+
+/// What the HTTP layer needs from the engine. Implemented by the engine (and by fakes in
+/// tests); every method is called from a request handler, so none may block.
+#[async_trait]
+pub trait ShimApi: Send + Sync + 'static {
+    /// Validated config in, `pending` TaskInfo out once the task is persisted.
+    /// Errors: `Conflict` when the id is already known, `Internal` otherwise.
+    async fn submit(&self, config: TaskConfig) -> Result<TaskInfo, ApiError>;
+    /// One task. `NotFound` when unknown.
+    async fn task_info(&self, id: &TaskId) -> Result<TaskInfo, ApiError>;
+    /// Every known task, terminated included.
+    async fn list_tasks(&self) -> Vec<(TaskId, TaskStatus)>;
+    /// Terminates a task and answers its (now terminated) info. `NotFound`, `Conflict`,
+    /// `Internal`.
+    async fn terminate(
+        &self,
+        id: &TaskId,
+        reason: TerminationReason,
+        message: String,
+        timeout_s: u64,
+    ) -> Result<TaskInfo, ApiError>;
+    /// Removes a terminated task. `NotFound`, `Conflict` (not terminated), `Internal`.
+    async fn remove(&self, id: &TaskId) -> Result<(), ApiError>;
+    /// GPU vendor and driver version, where known.
+    async fn instance_info(&self) -> InstanceInfo;
+    /// `{}` or `{"dcgm": {...}}`.
+    async fn instance_health(&self) -> serde_json::Value;
+    /// Prometheus text of the task's GPU metrics. `NotFound` when there is no exporter or no
+    /// such task, `BadGateway` when the exporter failed.
+    async fn task_metrics(&self, id: &TaskId) -> Result<String, ApiError>;
+}
+
+/// What the HTTP layer needs from the component installer (implemented by `shim-components`).
+#[async_trait]
+pub trait ComponentsApi: Send + Sync + 'static {
+    /// The state of every component, runner first.
+    async fn list(&self) -> Vec<ComponentInfo>;
+    /// Starts installing `name` from `url` in the background and returns at once.
+    /// `Conflict` when that component is already installing.
+    async fn install(&self, name: ComponentName, url: String) -> Result<(), ApiError>;
+}

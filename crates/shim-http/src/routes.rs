@@ -1,0 +1,166 @@
+//! The route table: every method and path the API serves, in one static list.
+//!
+//! The table is public so that tests (and `docs/openapi.json`'s sync test) can enumerate it.
+//! Paths use `{id}` for the task-id segment; it matches any one non-empty segment, which the
+//! handler then validates with [`shim_task::TaskId::new`].
+
+use crate::api::ApiError;
+
+/// Which handler a request goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RouteId {
+    /// `GET /api/healthcheck`.
+    Healthcheck,
+    /// `POST /api/shutdown`.
+    Shutdown,
+    /// `GET /api/instance/health`.
+    InstanceHealth,
+    /// `GET /api/instance/info`.
+    InstanceInfo,
+    /// `GET /api/components`.
+    ComponentList,
+    /// `POST /api/components/install`.
+    ComponentInstall,
+    /// `GET /api/tasks`.
+    TaskList,
+    /// `POST /api/tasks`.
+    TaskSubmit,
+    /// `GET /api/tasks/{id}`.
+    TaskInfo,
+    /// `POST /api/tasks/{id}/terminate`.
+    TaskTerminate,
+    /// `POST /api/tasks/{id}/remove`.
+    TaskRemove,
+    /// `GET /metrics/tasks/{id}`.
+    TaskMetrics,
+}
+
+/// One entry of the route table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Route {
+    /// `GET` or `POST`.
+    pub method: &'static str,
+    /// The path pattern, `{id}` standing for a task id.
+    pub path: &'static str,
+    /// The handler.
+    pub id: RouteId,
+}
+
+const fn r(method: &'static str, path: &'static str, id: RouteId) -> Route {
+    Route { method, path, id }
+}
+
+/// Every route the server answers.
+pub static ROUTES: &[Route] = &[
+    r("GET", "/api/healthcheck", RouteId::Healthcheck),
+    r("POST", "/api/shutdown", RouteId::Shutdown),
+    r("GET", "/api/instance/health", RouteId::InstanceHealth),
+    r("GET", "/api/instance/info", RouteId::InstanceInfo),
+    r("GET", "/api/components", RouteId::ComponentList),
+    r("POST", "/api/components/install", RouteId::ComponentInstall),
+    r("GET", "/api/tasks", RouteId::TaskList),
+    r("POST", "/api/tasks", RouteId::TaskSubmit),
+    r("GET", "/api/tasks/{id}", RouteId::TaskInfo),
+    r("POST", "/api/tasks/{id}/terminate", RouteId::TaskTerminate),
+    r("POST", "/api/tasks/{id}/remove", RouteId::TaskRemove),
+    r("GET", "/metrics/tasks/{id}", RouteId::TaskMetrics),
+];
+
+/// Matches `path` against `pattern`; returns the `{id}` segment (if the pattern has one).
+fn matches<'p>(pattern: &str, path: &'p str) -> Option<Option<&'p str>> {
+    let mut id = None;
+    let mut pat = pattern.split('/');
+    let mut got = path.split('/');
+    loop {
+        match (pat.next(), got.next()) {
+            (None, None) => return Some(id),
+            (Some("{id}"), Some(seg)) if !seg.is_empty() => id = Some(seg),
+            (Some(p), Some(seg)) if p == seg => {}
+            _ => return None,
+        }
+    }
+}
+
+/// A resolved request: the handler and the raw `{id}` segment, if any.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resolved<'p> {
+    /// The handler.
+    pub route: RouteId,
+    /// The raw (not yet validated) task id segment.
+    pub id: Option<&'p str>,
+}
+
+/// Finds the route for `method` and `path`: 404 when no pattern matches the path, 405 (with
+/// the allowed methods in the message) when patterns match but none with this method.
+pub fn resolve<'p>(method: &str, path: &'p str) -> Result<Resolved<'p>, ApiError> {
+    let mut allowed: Vec<&'static str> = Vec::new();
+    for route in ROUTES {
+        if let Some(id) = matches(route.path, path) {
+            if route.method == method {
+                return Ok(Resolved {
+                    route: route.id,
+                    id,
+                });
+            }
+            allowed.push(route.method);
+        }
+    }
+    if allowed.is_empty() {
+        Err(ApiError::not_found(format!("no route for {path}")))
+    } else {
+        Err(MethodNotAllowed { allowed }.into())
+    }
+}
+
+/// The allowed methods of a path that exists (carried into the 405's `Allow` header).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("method not allowed; allowed: {}", allowed.join(", "))]
+pub struct MethodNotAllowed {
+    /// The methods the path accepts.
+    pub allowed: Vec<&'static str>,
+}
+
+impl From<MethodNotAllowed> for ApiError {
+    fn from(e: MethodNotAllowed) -> Self {
+        ApiError::new(crate::api::ErrorKind::MethodNotAllowed, e.to_string()).with_source(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::ErrorKind;
+
+    #[test]
+    fn resolves_every_route() {
+        for route in ROUTES {
+            let path = route.path.replace("{id}", "abc");
+            let got = resolve(route.method, &path).unwrap();
+            assert_eq!(got.route, route.id, "{path}");
+            assert_eq!(got.id.is_some(), route.path.contains("{id}"));
+        }
+    }
+
+    #[test]
+    fn unknown_paths_and_methods() {
+        assert_eq!(
+            resolve("GET", "/api/nope").unwrap_err().kind,
+            ErrorKind::NotFound
+        );
+        assert_eq!(
+            resolve("GET", "/api/tasks/").unwrap_err().kind,
+            ErrorKind::NotFound
+        );
+        assert_eq!(
+            resolve("GET", "/api/tasks/a/b").unwrap_err().kind,
+            ErrorKind::NotFound
+        );
+        let e = resolve("DELETE", "/api/tasks").unwrap_err();
+        assert_eq!(e.kind, ErrorKind::MethodNotAllowed);
+        assert_eq!(e.message, "method not allowed; allowed: GET, POST");
+        assert_eq!(
+            resolve("GET", "/api/tasks/x/remove").unwrap_err().kind,
+            ErrorKind::MethodNotAllowed
+        );
+    }
+}
