@@ -1,0 +1,112 @@
+//! Helpers shared by the integration tests.
+#![allow(
+    dead_code,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::print_stderr
+)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use shim_task::{TaskConfig, TaskId, TaskName, TaskRecord};
+
+/// Whether root-only tests (mount) run: `SHIM_TEST_ROOT=1`. Otherwise prints why it skips.
+pub fn root_tests(test: &str) -> bool {
+    if std::env::var("SHIM_TEST_ROOT").as_deref() == Ok("1") {
+        true
+    } else {
+        eprintln!("skipped {test}: needs root and mount; set SHIM_TEST_ROOT=1 to run it");
+        false
+    }
+}
+
+/// A tmpfs of `size` mounted at `dir`, unmounted on drop.
+pub struct Tmpfs {
+    /// The mount point.
+    pub dir: PathBuf,
+}
+
+impl Tmpfs {
+    /// Mounts it; fails the test if that fails.
+    pub fn mount(dir: &Path, size: &str) -> Self {
+        fs_err::create_dir_all(dir).unwrap();
+        let out = Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0755"),
+                "tmpfs",
+            ])
+            .arg(dir)
+            .output()
+            .expect("running mount");
+        assert!(
+            out.status.success(),
+            "SHIM_TEST_ROOT=1 but mounting a tmpfs at {} failed: {}",
+            dir.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Self {
+            dir: dir.to_owned(),
+        }
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        umount(&self.dir);
+    }
+}
+
+/// Unmounts `dir`, reporting (not failing) errors.
+pub fn umount(dir: &Path) {
+    let out = Command::new("umount")
+        .arg(dir)
+        .output()
+        .expect("running umount");
+    if !out.status.success() {
+        eprintln!(
+            "umount {} failed: {}",
+            dir.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+/// A task id.
+pub fn id(s: &str) -> TaskId {
+    TaskId::new(s).unwrap()
+}
+
+/// A fresh `pending` record for task `task`.
+pub fn record(task: &str) -> TaskRecord {
+    let config = TaskConfig::new(id(task), TaskName::new("job").unwrap(), "shim-test:1");
+    TaskRecord::new(&config, format!("job-{task}"), 1_700_000_000_000)
+}
+
+/// Names in a directory, sorted.
+pub fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs_err::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Every regular file under `dir`, recursively (symlinks not followed).
+pub fn all_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in fs_err::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        let t = e.file_type().unwrap();
+        if t.is_dir() {
+            out.extend(all_files(&e.path()));
+        } else if t.is_file() {
+            out.push(e.path());
+        }
+    }
+    out
+}

@@ -1,0 +1,125 @@
+//! Tests on real mounts (`SHIM_TEST_ROOT=1`): a full filesystem, an undeletable directory.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers
+
+mod common;
+
+use std::io::Write as _;
+
+use common::{Tmpfs, names, record, root_tests, umount};
+use shim_store::{ScanEntry, Store, StoreError};
+use shim_task::TaskStatus;
+
+/// Fills the filesystem holding `path` with a file there until it is full; returns its size.
+fn fill(path: &std::path::Path) -> u64 {
+    let mut f = fs_err::File::create(path).unwrap();
+    let chunk = vec![0xaa_u8; 4096];
+    let mut written = 0u64;
+    loop {
+        match f.write(&chunk) {
+            Ok(0) => break,
+            Ok(n) => written += n as u64,
+            Err(e) if e.kind() == std::io::ErrorKind::StorageFull => break,
+            Err(e) => panic!("filling {}: {e}", path.display()),
+        }
+    }
+    written
+}
+
+fn is_enospc(err: &StoreError) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = source {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::StorageFull {
+                return true;
+            }
+        }
+        source = e.source();
+    }
+    false
+}
+
+#[test]
+fn a_full_filesystem_fails_the_write_and_keeps_the_old_record() {
+    if !root_tests("a_full_filesystem_fails_the_write_and_keeps_the_old_record") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mnt = Tmpfs::mount(&tmp.path().join("fs"), "1m");
+    let store = Store::open(mnt.dir.join("home")).unwrap();
+    let old = record("t1");
+    let paths = store.create_task_dir(&old.id).unwrap();
+    store.write(&old).unwrap();
+
+    let mut new = old.clone();
+    new.status = TaskStatus::Terminated;
+    // Far larger than what will be free: the write fails part-way through.
+    new.termination_message = "m".repeat(256 * 1024);
+
+    let filler = mnt.dir.join("filler");
+    let size = fill(&filler);
+    assert!(size > 0);
+
+    // Completely full.
+    let err = store.write(&new).unwrap_err();
+    assert!(is_enospc(&err), "{err:?}");
+    assert_eq!(store.read(&old.id).unwrap().unwrap(), old);
+    assert_eq!(names(&paths.dir), ["runner", "task.json"]);
+
+    // Some room, not enough: the temp file gets part of the record, then ENOSPC.
+    fs_err::OpenOptions::new()
+        .write(true)
+        .open(&filler)
+        .unwrap()
+        .set_len(size - 64 * 1024)
+        .unwrap();
+    let err = store.write(&new).unwrap_err();
+    assert!(is_enospc(&err), "{err:?}");
+    assert_eq!(store.read(&old.id).unwrap().unwrap(), old);
+    assert_eq!(
+        names(&paths.dir),
+        ["runner", "task.json"],
+        "temp file removed"
+    );
+    // Scan agrees.
+    let entries = Store::open(mnt.dir.join("home")).unwrap().scan().unwrap();
+    assert!(matches!(&entries[..], [ScanEntry::Record(r)] if *r == old));
+
+    // Space is back: the same write succeeds.
+    fs_err::remove_file(&filler).unwrap();
+    store.write(&new).unwrap();
+    assert_eq!(store.read(&old.id).unwrap().unwrap(), new);
+    drop(store);
+}
+
+#[test]
+fn an_undeletable_task_dir_goes_to_the_trash() {
+    if !root_tests("an_undeletable_task_dir_goes_to_the_trash") {
+        return;
+    }
+    let home = tempfile::tempdir().unwrap();
+    let store = Store::open(home.path()).unwrap();
+    let r = record("t1");
+    let paths = store.create_task_dir(&r.id).unwrap();
+    store.write(&r).unwrap();
+    // A mount point inside the runner dir cannot be removed (EBUSY) while mounted.
+    let inner = Tmpfs::mount(&paths.runner_dir.join("busy"), "64k");
+    std::mem::forget(inner); // unmounted by hand below, at its new path.
+
+    store.delete(&r.id).unwrap();
+    assert!(!paths.dir.exists(), "the task is gone from its place");
+    assert!(store.read(&r.id).unwrap().is_none());
+    let trash: Vec<String> = names(store.tasks_dir());
+    assert_eq!(trash.len(), 1, "{trash:?}");
+    assert!(trash[0].starts_with(".trash-t1-"), "{trash:?}");
+    assert!(store.scan().unwrap().is_empty(), "trash is not a task");
+    // The id is free again.
+    store.create_task_dir(&r.id).unwrap();
+    store.delete(&r.id).unwrap();
+
+    // Still mounted: sweeping fails, logged, not fatal.
+    assert_eq!(store.sweep_trash(), 0);
+    let busy = store.tasks_dir().join(&trash[0]).join("runner/busy");
+    umount(&busy);
+    assert_eq!(store.sweep_trash(), 1);
+    assert!(names(store.tasks_dir()).is_empty());
+}

@@ -1,0 +1,594 @@
+//! The store against a real filesystem: layout, round trips, quarantine, credentials, delete.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt as _;
+
+use common::{all_files, id, names, record};
+use proptest::prelude::*;
+use shim_store::{RecordError, ScanEntry, Store, StoreError};
+use shim_task::{
+    GpuDevice, HostKeysGrant, InstanceMountPoint, MountedVolume, NetworkMode, PublicKey, Resources,
+    Secret, TaskConfig, TaskId, TaskName, TaskRecord, TaskStatus, TerminationReason, VolumeBackend,
+    VolumeMountPoint, VolumeSpec,
+};
+
+fn mode(p: &std::path::Path) -> u32 {
+    fs_err::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+#[test]
+fn store_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Store>();
+    check::<StoreError>();
+}
+
+#[test]
+fn layout_and_modes() {
+    let home = tempfile::tempdir().unwrap();
+    let store = Store::open(home.path().join("home")).unwrap();
+    let tasks = home.path().join("home/tasks");
+    assert_eq!(store.tasks_dir(), tasks);
+    assert_eq!(mode(&tasks), 0o700);
+
+    let r = record("t1");
+    let p = store.create_task_dir(&r.id).unwrap();
+    assert_eq!(p.dir, tasks.join("t1"));
+    assert_eq!(p.state_file, tasks.join("t1/task.json"));
+    assert_eq!(p.pull_log, tasks.join("t1/pull.log"));
+    assert_eq!(p.runner_dir, tasks.join("t1/runner"));
+    assert_eq!(store.paths(&r.id).unwrap(), p);
+    assert_eq!(mode(&p.dir), 0o700);
+    assert_eq!(mode(&p.runner_dir), 0o755);
+    assert!(!p.state_file.exists(), "no record before the first write");
+
+    store.write(&r).unwrap();
+    assert_eq!(mode(&p.state_file), 0o600);
+    let json: serde_json::Value =
+        serde_json::from_slice(&fs_err::read(&p.state_file).unwrap()).unwrap();
+    assert_eq!(json["schema_version"], 1);
+    assert_eq!(json["task"]["id"], "t1");
+    assert_eq!(names(&p.dir), ["runner", "task.json"]);
+}
+
+#[test]
+fn create_task_dir_refuses_a_taken_id_and_reuses_an_empty_dir() {
+    let home = tempfile::tempdir().unwrap();
+    let store = Store::open(home.path()).unwrap();
+    let r = record("t1");
+    store.create_task_dir(&r.id).unwrap();
+    // No record yet (a submit cut short before its first write): the directory is reused.
+    store.create_task_dir(&r.id).unwrap();
+    store.write(&r).unwrap();
+    let err = store.create_task_dir(&r.id).unwrap_err();
+    assert!(matches!(err, StoreError::TaskExists { .. }), "{err:?}");
+    assert_eq!(
+        store.read(&r.id).unwrap().unwrap(),
+        r,
+        "the record is untouched"
+    );
+}
+
+#[test]
+fn read_and_write_without_a_directory() {
+    let home = tempfile::tempdir().unwrap();
+    let store = Store::open(home.path()).unwrap();
+    let r = record("t1");
+    assert!(store.read(&r.id).unwrap().is_none());
+    let err = store.write(&r).unwrap_err();
+    assert!(matches!(err, StoreError::NoTaskDir { .. }), "{err:?}");
+    assert!(
+        !store.paths(&r.id).unwrap().dir.exists(),
+        "write never creates the dir"
+    );
+}
+
+#[test]
+fn rewrite_replaces_the_record() {
+    let home = tempfile::tempdir().unwrap();
+    let store = Store::open(home.path()).unwrap();
+    let mut r = record("t1");
+    let p = store.create_task_dir(&r.id).unwrap();
+    for status in [
+        TaskStatus::Pending,
+        TaskStatus::Preparing,
+        TaskStatus::Running,
+    ] {
+        r.status = status;
+        store.write(&r).unwrap();
+        assert_eq!(store.read(&r.id).unwrap().unwrap(), r);
+    }
+    assert_eq!(names(&p.dir), ["runner", "task.json"]);
+    // A reopened store (a restarted shim) sees the last record.
+    let again = Store::open(home.path()).unwrap();
+    let entries = again.scan().unwrap();
+    assert!(matches!(&entries[..], [ScanEntry::Record(got)] if *got == r));
+}
+
+/// A secret that must never appear on disk.
+const PASSWORD: &str = "hunter2-never-on-disk";
+
+#[test]
+fn registry_password_never_reaches_the_disk() {
+    let home = tempfile::tempdir().unwrap();
+    let store = Store::open(home.path()).unwrap();
+    let mut config = TaskConfig::new(id("t1"), TaskName::new("job").unwrap(), "img:1");
+    config.registry_username = "shimtest".into();
+    config.registry_password = Secret::new(PASSWORD);
+
+    // The normal path: TaskRecord::new strips credentials.
+    let normal = TaskRecord::new(&config, "job-1".into(), 1);
+    store.create_task_dir(&normal.id).unwrap();
+    store.write(&normal).unwrap();
+
+    // A careless caller passing the full config: the store strips them itself.
+    let mut config2 = config.clone();
+    config2.id = id("t2");
+    let mut careless = TaskRecord::new(&config2, "job-2".into(), 1);
+    careless.config = Some(config2.clone());
+    assert_eq!(
+        careless.config.as_ref().unwrap().registry_password.expose(),
+        PASSWORD
+    );
+    store.create_task_dir(&careless.id).unwrap();
+    store.write(&careless).unwrap();
+    careless.status = TaskStatus::Running;
+    store.write(&careless).unwrap();
+
+    let back = store.read(&careless.id).unwrap().unwrap();
+    let stored = back.config.unwrap();
+    assert!(stored.registry_password.is_empty());
+    assert!(stored.registry_username.is_empty());
+    assert_eq!(stored, config2.without_credentials());
+
+    // Through a scan (which may move files around) too.
+    store.scan().unwrap();
+    let files = all_files(home.path());
+    assert!(files.len() >= 2, "{files:?}");
+    for f in files {
+        let bytes = fs_err::read(&f).unwrap();
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(
+            !text.contains(PASSWORD),
+            "{} holds the password",
+            f.display()
+        );
+        assert!(!text.contains("shimtest"), "{} holds the user", f.display());
+    }
+}
+
+/// Writes raw bytes as task `name`'s state file.
+fn plant(store: &Store, name: &str, bytes: &[u8]) -> std::path::PathBuf {
+    let p = store.create_task_dir(&id(name)).unwrap();
+    fs_err::write(&p.state_file, bytes).unwrap();
+    p.state_file
+}
+
+#[test]
+fn unusable_state_files_are_moved_aside_and_the_scan_goes_on() {
+    let home = tempfile::tempdir().unwrap();
+    let store = Store::open(home.path()).unwrap();
+
+    let good = record("good");
+    store.create_task_dir(&good.id).unwrap();
+    store.write(&good).unwrap();
+    let good_bytes = fs_err::read(store.paths(&good.id).unwrap().state_file).unwrap();
+    let text = String::from_utf8(good_bytes.clone()).unwrap();
+
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("empty", vec![], "empty"),
+        ("blank", b"  \n".to_vec(), "empty"),
+        (
+            "truncated",
+            good_bytes[..good_bytes.len() / 2].to_vec(),
+            "not a valid task record",
+        ),
+        (
+            "garbage",
+            vec![0xff, 0x00, 0x13, 0x37, b'{'],
+            "not a valid task record",
+        ),
+        (
+            "other-json",
+            br#"{"a": 1}"#.to_vec(),
+            "not a valid task record",
+        ),
+        (
+            "no-task",
+            br#"{"schema_version": 1}"#.to_vec(),
+            "not a valid task record",
+        ),
+        (
+            "newer",
+            text.replace("\"schema_version\": 1", "\"schema_version\": 2")
+                .into_bytes(),
+            "written by a newer shim (schema 2)",
+        ),
+        (
+            "zero",
+            text.replace("\"schema_version\": 1", "\"schema_version\": 0")
+                .into_bytes(),
+            "unknown schema version 0",
+        ),
+        (
+            "wrong-task",
+            good_bytes.clone(),
+            "the record is for task good, not wrong-task",
+        ),
+    ];
+    for (name, bytes, _) in &cases {
+        plant(&store, name, bytes);
+    }
+    // task.json as a directory, and as a symlink to a valid record elsewhere.
+    let p = store.create_task_dir(&id("a-dir")).unwrap();
+    fs_err::create_dir(&p.state_file).unwrap();
+    let p = store.create_task_dir(&id("a-link")).unwrap();
+    std::os::unix::fs::symlink(store.paths(&good.id).unwrap().state_file, &p.state_file).unwrap();
+
+    // read() reports, and leaves the file where it is.
+    let err = store.read(&id("newer")).unwrap_err();
+    assert!(matches!(
+        err,
+        StoreError::Unreadable {
+            source: RecordError::NewerSchema(2),
+            ..
+        }
+    ));
+    assert!(store.paths(&id("newer")).unwrap().state_file.exists());
+
+    let entries = store.scan().unwrap();
+    assert_eq!(entries.len(), cases.len() + 3, "{entries:#?}");
+    let mut corrupt = 0;
+    for e in &entries {
+        match e {
+            ScanEntry::Record(r) => assert_eq!(*r, good),
+            ScanEntry::NoRecord { dir } => panic!("unexpected NoRecord {}", dir.display()),
+            ScanEntry::Corrupt {
+                id,
+                dir,
+                moved_to,
+                error,
+            } => {
+                corrupt += 1;
+                let moved = moved_to.as_ref().expect("moved aside");
+                assert_eq!(moved.parent(), Some(dir.as_path()));
+                let file = moved.file_name().unwrap().to_str().unwrap();
+                let ms = file.strip_prefix("task.json.corrupt-").unwrap();
+                assert!(ms.parse::<u64>().unwrap() > 1_600_000_000_000, "{file}");
+                assert!(!dir.join("task.json").exists(), "{id}: still task.json");
+                let msg = error.to_string();
+                match cases.iter().find(|c| c.0 == id.as_str()) {
+                    Some((_, bytes, expect)) => {
+                        assert!(msg.contains(expect), "{id}: {msg:?} lacks {expect:?}");
+                        assert_eq!(fs_err::read(moved).unwrap(), *bytes, "{id}: kept as is");
+                    }
+                    None => {
+                        assert!(matches!(error, RecordError::NotAFile), "{id}: {error:?}");
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(corrupt, cases.len() + 2);
+    // The symlink's target was not touched.
+    assert_eq!(store.read(&good.id).unwrap().unwrap(), good);
+
+    // Next start: those tasks have no record any more; nothing is moved twice.
+    let entries = store.scan().unwrap();
+    let no_record = entries
+        .iter()
+        .filter(|e| matches!(e, ScanEntry::NoRecord { .. }))
+        .count();
+    assert_eq!(no_record, cases.len() + 2);
+}
+
+#[test]
+fn foreign_directories_are_reported_and_never_touched() {
+    let home = tempfile::tempdir().unwrap();
+    let store = Store::open(home.path()).unwrap();
+    let tasks = store.tasks_dir().to_owned();
+    for d in ["lost+found", ".hidden", "no-record"] {
+        fs_err::create_dir(tasks.join(d)).unwrap();
+        fs_err::write(tasks.join(d).join("task.json.tmp"), b"x").unwrap();
+    }
+    // Garbage in a dir whose name is not a task id: not ours, not moved.
+    fs_err::write(tasks.join("lost+found/task.json"), b"garbage").unwrap();
+    fs_err::write(tasks.join("stray-file"), b"x").unwrap();
+    std::os::unix::fs::symlink(tasks.join("no-record"), tasks.join("a-symlink")).unwrap();
+    fs_err::create_dir(tasks.join(".trash-old-1")).unwrap();
+
+    let entries = store.scan().unwrap();
+    let mut dirs: Vec<String> = entries
+        .iter()
+        .map(|e| match e {
+            ScanEntry::NoRecord { dir } => dir.file_name().unwrap().to_str().unwrap().to_owned(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    dirs.sort();
+    assert_eq!(dirs, [".hidden", "lost+found", "no-record"]);
+    assert_eq!(
+        names(&tasks.join("lost+found")),
+        ["task.json", "task.json.tmp"]
+    );
+    assert_eq!(
+        fs_err::read(tasks.join("lost+found/task.json")).unwrap(),
+        b"garbage"
+    );
+    assert_eq!(names(&tasks.join("no-record")), ["task.json.tmp"]);
+}
+
+#[test]
+fn delete_removes_the_task_and_unknown_is_ok() {
+    let home = tempfile::tempdir().unwrap();
+    let store = Store::open(home.path()).unwrap();
+    let r = record("t1");
+    let p = store.create_task_dir(&r.id).unwrap();
+    store.write(&r).unwrap();
+    fs_err::write(&p.pull_log, b"{}").unwrap();
+    fs_err::create_dir_all(p.runner_dir.join("a/b")).unwrap();
+    fs_err::write(p.runner_dir.join("a/b/c"), b"x").unwrap();
+    // A symlink out of the runner dir (the container can write those): not followed.
+    let outside = home.path().join("outside");
+    fs_err::create_dir(&outside).unwrap();
+    fs_err::write(outside.join("keep"), b"x").unwrap();
+    std::os::unix::fs::symlink(&outside, p.runner_dir.join("escape")).unwrap();
+
+    store.delete(&r.id).unwrap();
+    assert!(!p.dir.exists());
+    assert!(outside.join("keep").exists());
+    assert!(store.read(&r.id).unwrap().is_none());
+    store.delete(&r.id).unwrap();
+    store.delete(&id("never-existed")).unwrap();
+    assert!(store.scan().unwrap().is_empty());
+    // The id can be used again.
+    store.create_task_dir(&r.id).unwrap();
+}
+
+// --- round trip ---------------------------------------------------------------------------
+
+const KEY: &str =
+    "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAID1C4oAsnzrPpqMilIIwxvatSq1HhXjaqM9ge9X3BgAe";
+
+fn id_str() -> impl Strategy<Value = String> {
+    "[a-zA-Z0-9][a-zA-Z0-9_.-]{0,40}"
+}
+
+fn task_name() -> impl Strategy<Value = TaskName> {
+    id_str().prop_map(|s| TaskName::new(s).unwrap())
+}
+
+fn key() -> impl Strategy<Value = PublicKey> {
+    proptest::option::of("[a-zA-Z0-9@._-]{1,12}( [a-z]{1,5})?").prop_map(|c| {
+        PublicKey::parse(&match c {
+            Some(c) => format!("{KEY} {c}"),
+            None => KEY.to_owned(),
+        })
+        .unwrap()
+    })
+}
+
+fn status() -> impl Strategy<Value = TaskStatus> {
+    prop_oneof![
+        Just(TaskStatus::Pending),
+        Just(TaskStatus::Preparing),
+        Just(TaskStatus::Pulling),
+        Just(TaskStatus::Creating),
+        Just(TaskStatus::Running),
+        Just(TaskStatus::Terminated),
+    ]
+}
+
+fn reason() -> impl Strategy<Value = TerminationReason> {
+    prop_oneof![
+        Just(TerminationReason::ExecutorError),
+        Just(TerminationReason::CreatingContainerError),
+        Just(TerminationReason::ContainerExitedWithError),
+        Just(TerminationReason::DoneByRunner),
+        Just(TerminationReason::TerminatedByUser),
+        Just(TerminationReason::TerminatedByServer),
+        Just(TerminationReason::MaxDurationExceeded),
+        Just(TerminationReason::LogQuotaExceeded),
+        // Known strings parse to the known variants, so `Other` carries only unknown ones.
+        ".*".prop_map(|s| TerminationReason::parse(&s)),
+    ]
+}
+
+fn config(task: TaskId) -> impl Strategy<Value = TaskConfig> {
+    let volume = (
+        prop_oneof![Just(VolumeBackend::Aws), Just(VolumeBackend::Gcp)],
+        task_name(),
+        ".*",
+        any::<bool>(),
+        ".*",
+    )
+        .prop_map(
+            |(backend, name, volume_id, init_fs, device_name)| VolumeSpec {
+                backend,
+                name,
+                volume_id,
+                init_fs,
+                device_name,
+            },
+        );
+    (
+        (
+            task_name(),
+            ".*",
+            ".*",
+            ".*",
+            ".*",
+            any::<bool>(),
+            any::<i64>(),
+        ),
+        (
+            // Decimal CPU counts as a server sends them. (Arbitrary f64 may come back one ULP
+            // off: serde_json parses floats exactly only with its `float_roundtrip` feature.)
+            (0u32..=1_000_000).prop_map(|n| f64::from(n) / 1000.0),
+            any::<i64>(),
+            any::<i64>(),
+            any::<bool>(),
+        ),
+        (
+            proptest::collection::vec(volume, 0..3),
+            proptest::collection::vec(
+                (task_name(), ".*").prop_map(|(name, path)| VolumeMountPoint { name, path }),
+                0..3,
+            ),
+            proptest::collection::vec(
+                (".*", ".*").prop_map(|(instance_path, path)| InstanceMountPoint {
+                    instance_path,
+                    path,
+                }),
+                0..3,
+            ),
+            proptest::collection::vec(
+                (".*", ".*").prop_map(|(path_on_host, path_in_container)| GpuDevice {
+                    path_on_host,
+                    path_in_container,
+                }),
+                0..3,
+            ),
+        ),
+        (
+            ".*",
+            proptest::collection::vec(key(), 0..3),
+            proptest::collection::vec(key(), 0..3),
+        ),
+    )
+        .prop_map(
+            move |(
+                (name, image, user, password, container_user, privileged, gpu),
+                (cpu, memory, shm_size, bridge),
+                (volumes, volume_mounts, instance_mounts, gpu_devices),
+                (host_ssh_user, host_ssh_keys, container_ssh_keys),
+            )| TaskConfig {
+                id: task.clone(),
+                name,
+                image_name: image,
+                registry_username: user,
+                registry_password: Secret::new(password),
+                container_user,
+                privileged,
+                gpu,
+                cpu,
+                memory,
+                shm_size,
+                network_mode: if bridge {
+                    NetworkMode::Bridge
+                } else {
+                    NetworkMode::Host
+                },
+                volumes,
+                volume_mounts,
+                instance_mounts,
+                gpu_devices,
+                host_ssh_user,
+                host_ssh_keys,
+                container_ssh_keys,
+            },
+        )
+}
+
+fn resources() -> impl Strategy<Value = Resources> {
+    (
+        proptest::collection::vec(".*", 0..4),
+        proptest::option::of(
+            (".*", proptest::collection::vec(key(), 0..3))
+                .prop_map(|(user, keys)| HostKeysGrant { user, keys }),
+        ),
+        proptest::collection::vec(
+            (".*", ".*", ".*").prop_map(|(name, mount_point, device)| MountedVolume {
+                name,
+                mount_point,
+                device,
+            }),
+            0..3,
+        ),
+        proptest::collection::vec(".*", 0..3),
+        any::<bool>(),
+    )
+        .prop_map(
+            |(gpus, host_keys, volumes, created_dirs, released)| Resources {
+                gpus,
+                host_keys,
+                volumes,
+                created_dirs,
+                released,
+            },
+        )
+}
+
+fn task_record() -> impl Strategy<Value = TaskRecord> {
+    id_str()
+        .prop_map(|s| TaskId::new(s).unwrap())
+        .prop_flat_map(|task| {
+            (
+                task_name(),
+                ".*",
+                proptest::option::of(config(task.clone())),
+                status(),
+                proptest::option::of(reason()),
+                ".*",
+                ".*",
+                resources(),
+                any::<u64>(),
+                any::<u64>(),
+            )
+                .prop_map(
+                    move |(
+                        name,
+                        container_name,
+                        config,
+                        status,
+                        termination_reason,
+                        termination_message,
+                        container_id,
+                        resources,
+                        created_at_ms,
+                        updated_at_ms,
+                    )| TaskRecord {
+                        id: task.clone(),
+                        name,
+                        container_name,
+                        config,
+                        status,
+                        termination_reason,
+                        termination_message,
+                        container_id,
+                        resources,
+                        created_at_ms,
+                        updated_at_ms,
+                    },
+                )
+        })
+}
+
+/// What reading back must give: the record without registry credentials.
+fn stored_form(r: &TaskRecord) -> TaskRecord {
+    TaskRecord {
+        config: r.config.as_ref().map(TaskConfig::without_credentials),
+        ..r.clone()
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn records_round_trip(r in task_record()) {
+        let home = tempfile::tempdir().unwrap();
+        let store = Store::open(home.path()).unwrap();
+        store.create_task_dir(&r.id).unwrap();
+        store.write(&r).unwrap();
+        prop_assert_eq!(store.read(&r.id).unwrap().unwrap(), stored_form(&r));
+        let entries = Store::open(home.path()).unwrap().scan().unwrap();
+        prop_assert_eq!(entries.len(), 1);
+        match &entries[0] {
+            ScanEntry::Record(got) => prop_assert_eq!(got, &stored_form(&r)),
+            other => prop_assert!(false, "{:?}", other),
+        }
+    }
+}
