@@ -1,1 +1,91 @@
-//! shim-runtime (work in progress).
+//! The container runtime seen by the shim: the [`ContainerRuntime`] trait, its runtime-neutral
+//! types, the container spec of SPEC §6 (built by pure functions in [`spec`]), the Docker
+//! implementation ([`DockerRuntime`], on bollard) and, behind the `test-support` feature, an
+//! in-memory fake ([`fake::FakeRuntime`]) for fast tests of the layers above.
+//!
+//! This crate knows nothing of tasks or HTTP: the engine maps its tasks to these types.
+//! Foreign errors (bollard, io) are translated once, here, into [`RuntimeError`].
+
+mod docker;
+mod error;
+#[cfg(feature = "test-support")]
+pub mod fake;
+pub mod spec;
+mod types;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures_util::stream::BoxStream;
+use tokio_util::sync::CancellationToken;
+
+pub use docker::DockerRuntime;
+pub use error::{BoxError, RuntimeError};
+pub use spec::{
+    BindMount, ContainerInputs, ContainerSpec, DeviceMapping, DeviceRequest, GpuConfig,
+    HostDevices, NetworkMode, RunnerParams, Ulimit, build_container_spec, without_nvidia_display,
+};
+pub use types::{
+    ContainerDetails, ContainerState, ContainerSummary, ExitEvent, MountPoint, PublishedPort,
+    PullProgress, PullRequest, RegistryAuth,
+};
+
+/// The result type of this crate.
+pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
+
+/// A stream of container exit hints (see [`ContainerRuntime::exit_events`]).
+pub type ExitEventStream = BoxStream<'static, Result<ExitEvent>>;
+
+/// A callback receiving the folded pull progress after every progress message.
+pub type ProgressFn<'a> = &'a (dyn Fn(PullProgress) + Send + Sync);
+
+/// A container runtime: what the engine needs of Docker, and nothing more.
+///
+/// Object safe; used as `Arc<dyn ContainerRuntime>`. Every method translates the runtime's own
+/// errors into [`RuntimeError`], naming the container or image concerned.
+#[async_trait]
+pub trait ContainerRuntime: Send + Sync {
+    /// Whether `image` (a full reference, e.g. `repo/name:tag`) is present locally.
+    async fn image_present(&self, image: &str) -> Result<bool>;
+
+    /// Pulls an image, calling `progress` with the folded per-layer progress as it changes,
+    /// writing the daemon's progress messages as JSON lines to `request.log_path` (if any),
+    /// giving up after `request.timeout` ([`RuntimeError::PullTimeout`]) and returning promptly
+    /// with [`RuntimeError::Cancelled`] once `cancel` fires. Returns the final progress (with
+    /// `is_total_bytes_final` set).
+    async fn pull(
+        &self,
+        request: &PullRequest,
+        progress: ProgressFn<'_>,
+        cancel: CancellationToken,
+    ) -> Result<PullProgress>;
+
+    /// Creates a container; returns its id. A name already in use is
+    /// [`RuntimeError::Conflict`]; a missing image is [`RuntimeError::NotFound`].
+    async fn create(&self, spec: &ContainerSpec) -> Result<String>;
+
+    /// Starts a created container. The error message of a failed start is the daemon's own
+    /// (see [`spec::without_nvidia_display`] for the one retry the engine makes).
+    async fn start(&self, id: &str) -> Result<()>;
+
+    /// Inspects a container by id or name.
+    async fn inspect(&self, id_or_name: &str) -> Result<ContainerDetails>;
+
+    /// Lists the containers (in every state) carrying all of `labels`, in one request.
+    async fn list(&self, labels: &[(String, String)]) -> Result<Vec<ContainerSummary>>;
+
+    /// Stops a container: SIGTERM, then SIGKILL after `timeout` (zero kills at once). A
+    /// container that is already stopped is success.
+    async fn stop(&self, id: &str, timeout: Duration) -> Result<()>;
+
+    /// Force-removes a container (and its anonymous volumes). An unknown container is success.
+    async fn remove(&self, id: &str) -> Result<()>;
+
+    /// The last `n` lines of a container's log, stdout and stderr interleaved as the runtime
+    /// returns them, without trailing newlines.
+    async fn logs_tail(&self, id: &str, n: usize) -> Result<Vec<String>>;
+
+    /// Subscribes to exit ("die") events of containers carrying all of `labels`, from now on.
+    /// Events are hints only: the runtime may drop them; the list is the source of truth.
+    async fn exit_events(&self, labels: &[(String, String)]) -> Result<ExitEventStream>;
+}

@@ -1,0 +1,138 @@
+//! The crate's error type: every foreign error is translated into it once, at the edge.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// A boxed foreign error kept as the source of a [`RuntimeError`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// What went wrong talking to the container runtime.
+///
+/// Every variant names what it concerns (`what` is e.g. `container abc123` or
+/// `image repo/x:1`), and `op` the operation (`create`, `start`, …).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RuntimeError {
+    /// The container or image does not exist.
+    #[error("{what} not found")]
+    NotFound {
+        /// What was not found, e.g. `container abc`.
+        what: String,
+    },
+    /// The request conflicts with the current state (e.g. a container name in use).
+    #[error("{op} {what}: conflict: {message}")]
+    Conflict {
+        /// The operation.
+        op: &'static str,
+        /// What it concerns.
+        what: String,
+        /// The daemon's message.
+        message: String,
+    },
+    /// The daemon cannot be reached (socket missing, connection refused or reset).
+    #[error("{op} {what}: container runtime unavailable")]
+    DaemonUnavailable {
+        /// The operation.
+        op: &'static str,
+        /// What it concerns.
+        what: String,
+        /// The transport error.
+        #[source]
+        source: BoxError,
+    },
+    /// The daemon answered with an error (its own message is kept verbatim).
+    #[error("{op} {what}: {message}")]
+    Daemon {
+        /// The operation.
+        op: &'static str,
+        /// What it concerns.
+        what: String,
+        /// The HTTP status the daemon answered with.
+        status: u16,
+        /// The daemon's message.
+        message: String,
+    },
+    /// An image pull failed.
+    #[error("pulling image {image} failed after {downloaded_bytes} bytes: {message}")]
+    PullFailed {
+        /// The image reference.
+        image: String,
+        /// The daemon's own message.
+        message: String,
+        /// Bytes downloaded before the failure.
+        downloaded_bytes: u64,
+    },
+    /// An image pull did not finish in time.
+    #[error(
+        "pulling image {image} timed out after {timeout:?} ({downloaded_bytes} bytes downloaded)"
+    )]
+    PullTimeout {
+        /// The image reference.
+        image: String,
+        /// The timeout that expired.
+        timeout: Duration,
+        /// Bytes downloaded before the timeout.
+        downloaded_bytes: u64,
+    },
+    /// The operation was cancelled by the caller.
+    #[error("{op} {what}: cancelled")]
+    Cancelled {
+        /// The operation.
+        op: &'static str,
+        /// What it concerns.
+        what: String,
+    },
+    /// The pull log could not be written.
+    #[error("writing pull log {path}")]
+    PullLog {
+        /// The log file.
+        path: PathBuf,
+        /// The io error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Anything else (malformed answer, unexpected transport error).
+    #[error("{op} {what}")]
+    Other {
+        /// The operation.
+        op: &'static str,
+        /// What it concerns.
+        what: String,
+        /// The underlying error.
+        #[source]
+        source: BoxError,
+    },
+}
+
+impl RuntimeError {
+    /// Whether the daemon could not be reached (the caller should retry later and change
+    /// nothing).
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, Self::DaemonUnavailable { .. })
+    }
+
+    /// Whether the container or image does not exist.
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, Self::NotFound { .. })
+    }
+
+    /// The daemon's own message where there is one (failed start, failed pull…), else the
+    /// error's display text with its sources.
+    pub fn message(&self) -> String {
+        match self {
+            Self::Daemon { message, .. }
+            | Self::Conflict { message, .. }
+            | Self::PullFailed { message, .. } => message.clone(),
+            other => {
+                let mut text = other.to_string();
+                let mut source = std::error::Error::source(other);
+                while let Some(err) = source {
+                    text.push_str(": ");
+                    text.push_str(&err.to_string());
+                    source = err.source();
+                }
+                text
+            }
+        }
+    }
+}

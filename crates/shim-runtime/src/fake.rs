@@ -1,0 +1,716 @@
+//! An in-memory [`ContainerRuntime`] for fast, deterministic tests of the layers above
+//! (feature `test-support`).
+//!
+//! It records every call ([`FakeRuntime::calls`]) and can be told to make a container exit
+//! ([`FakeRuntime::exit`], which also emits the exit event), vanish, fail or hang on start,
+//! fail, hang or time out on pull, report logs, or have the daemon unreachable.
+//!
+//! Container ids are 64 hex digits, counting up from 1; published host ports are assigned from
+//! 32768 upwards at start, in bridge mode.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures_util::StreamExt;
+use tokio::sync::{broadcast, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::error::BoxError;
+use crate::spec::{ContainerSpec, NetworkMode};
+use crate::types::{
+    ContainerDetails, ContainerState, ContainerSummary, ExitEvent, MountPoint, PublishedPort,
+    PullProgress, PullRequest,
+};
+use crate::{ContainerRuntime, ExitEventStream, ProgressFn, Result, RuntimeError};
+
+/// One recorded call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Call {
+    /// `image_present(image)`.
+    ImagePresent(String),
+    /// `pull(request)` (the image, and whether credentials were given).
+    Pull {
+        /// The image.
+        image: String,
+        /// Whether credentials were given.
+        with_auth: bool,
+    },
+    /// `create(spec)`.
+    Create(Box<ContainerSpec>),
+    /// `start(id)`.
+    Start(String),
+    /// `inspect(id)`.
+    Inspect(String),
+    /// `list(labels)`.
+    List(Vec<(String, String)>),
+    /// `stop(id, timeout)`.
+    Stop(String, Duration),
+    /// `remove(id)`.
+    Remove(String),
+    /// `logs_tail(id, n)`.
+    LogsTail(String, usize),
+    /// `exit_events(labels)`.
+    ExitEvents(Vec<(String, String)>),
+}
+
+impl Call {
+    /// The operation's name (`"start"`, `"list"`, …), handy for counting calls.
+    pub fn op(&self) -> &'static str {
+        match self {
+            Self::ImagePresent(_) => "image_present",
+            Self::Pull { .. } => "pull",
+            Self::Create(_) => "create",
+            Self::Start(_) => "start",
+            Self::Inspect(_) => "inspect",
+            Self::List(_) => "list",
+            Self::Stop(..) => "stop",
+            Self::Remove(_) => "remove",
+            Self::LogsTail(..) => "logs_tail",
+            Self::ExitEvents(_) => "exit_events",
+        }
+    }
+}
+
+/// What `pull` does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PullBehavior {
+    /// Reports `progress` steps, then succeeds (the image becomes present).
+    Succeed {
+        /// The progress reported, in order (the last one, made final, is returned).
+        steps: Vec<PullProgress>,
+    },
+    /// Reports `steps`, then fails with the daemon message `message`.
+    Fail {
+        /// The progress reported before failing.
+        steps: Vec<PullProgress>,
+        /// The daemon's message.
+        message: String,
+    },
+    /// Reports `steps`, then waits until cancelled (→ `Cancelled`), the request's timeout
+    /// expires (→ `PullTimeout`), or [`FakeRuntime::release_pulls`] is called (→ success).
+    Hang {
+        /// The progress reported before hanging.
+        steps: Vec<PullProgress>,
+    },
+}
+
+impl Default for PullBehavior {
+    fn default() -> Self {
+        Self::Succeed {
+            steps: vec![PullProgress {
+                downloaded_bytes: 100,
+                extracted_bytes: 100,
+                total_bytes: 100,
+                is_total_bytes_final: true,
+            }],
+        }
+    }
+}
+
+/// What `start` does.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum StartBehavior {
+    /// The container runs.
+    #[default]
+    Succeed,
+    /// Start fails with this daemon message (the container stays `created`).
+    Fail(String),
+    /// Start waits until [`FakeRuntime::release_starts`], then succeeds.
+    Hang,
+}
+
+#[derive(Debug, Clone)]
+struct FakeContainer {
+    id: String,
+    spec: ContainerSpec,
+    state: ContainerState,
+    exit_code: Option<i64>,
+    error: String,
+    ports: Vec<PublishedPort>,
+    logs: Vec<String>,
+    started_at: Option<String>,
+    finished_at: Option<String>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    calls: Vec<Call>,
+    unreachable: bool,
+    images: BTreeSet<String>,
+    containers: BTreeMap<String, FakeContainer>,
+    next_id: u64,
+    next_port: u16,
+    clock: u64,
+    pull: PullBehavior,
+    start: StartBehavior,
+    start_queue: VecDeque<StartBehavior>,
+    stop_exit_code: Option<i64>,
+}
+
+/// The in-memory fake runtime. Cheap to clone (clones share state).
+#[derive(Debug, Clone)]
+pub struct FakeRuntime {
+    state: Arc<Mutex<State>>,
+    events: broadcast::Sender<(BTreeMap<String, String>, ExitEvent)>,
+    calls_seen: Arc<watch::Sender<usize>>,
+    starts_released: Arc<watch::Sender<u64>>,
+    pulls_released: Arc<watch::Sender<u64>>,
+}
+
+impl Default for FakeRuntime {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn unavailable(op: &'static str, what: &str) -> RuntimeError {
+    let source: BoxError = Box::new(std::io::Error::new(
+        std::io::ErrorKind::ConnectionRefused,
+        "fake daemon unreachable",
+    ));
+    RuntimeError::DaemonUnavailable {
+        op,
+        what: what.to_owned(),
+        source,
+    }
+}
+
+fn container_not_found(id: &str) -> RuntimeError {
+    RuntimeError::NotFound {
+        what: format!("container {id}"),
+    }
+}
+
+fn has_labels(have: &BTreeMap<String, String>, want: &[(String, String)]) -> bool {
+    want.iter().all(|(k, v)| have.get(k) == Some(v))
+}
+
+impl FakeRuntime {
+    /// A fake with no images and no containers; pulls and starts succeed.
+    pub fn new() -> Self {
+        let (events, _) = broadcast::channel(1024);
+        Self {
+            state: Arc::new(Mutex::new(State {
+                next_id: 1,
+                next_port: 32768,
+                ..State::default()
+            })),
+            events,
+            calls_seen: Arc::new(watch::channel(0).0),
+            starts_released: Arc::new(watch::channel(0).0),
+            pulls_released: Arc::new(watch::channel(0).0),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A test that panicked while holding the lock poisons it; the data is still usable.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records a call; fails with `DaemonUnavailable` when the daemon is "unreachable".
+    fn record(&self, call: Call, what: &str) -> Result<MutexGuard<'_, State>> {
+        let mut state = self.lock();
+        let op = call.op();
+        state.calls.push(call);
+        let n = state.calls.len();
+        self.calls_seen.send_replace(n);
+        if state.unreachable {
+            return Err(unavailable(op, what));
+        }
+        Ok(state)
+    }
+
+    fn timestamp(state: &mut State) -> String {
+        state.clock += 1;
+        format!(
+            "2026-01-01T00:00:{:02}.{:09}Z",
+            state.clock / 1000 % 60,
+            state.clock
+        )
+    }
+
+    // ---- driving the fake ----
+
+    /// Every call so far, in order.
+    pub fn calls(&self) -> Vec<Call> {
+        self.lock().calls.clone()
+    }
+
+    /// How many calls of operation `op` (see [`Call::op`]) were made.
+    pub fn count(&self, op: &str) -> usize {
+        self.lock().calls.iter().filter(|c| c.op() == op).count()
+    }
+
+    /// Forgets the recorded calls.
+    pub fn clear_calls(&self) {
+        self.lock().calls.clear();
+    }
+
+    /// Waits until a recorded call satisfies `pred` (checks past calls too).
+    pub async fn wait_for_call(&self, pred: impl Fn(&Call) -> bool) -> Call {
+        let mut seen = self.calls_seen.subscribe();
+        loop {
+            if let Some(call) = self.lock().calls.iter().find(|c| pred(c)).cloned() {
+                return call;
+            }
+            // The sender lives as long as self: changed() cannot fail here.
+            let _ = seen.changed().await;
+        }
+    }
+
+    /// Makes every call fail with `DaemonUnavailable` (or stop doing so).
+    pub fn set_unreachable(&self, unreachable: bool) {
+        self.lock().unreachable = unreachable;
+    }
+
+    /// Makes an image present.
+    pub fn add_image(&self, image: &str) {
+        self.lock().images.insert(image.to_owned());
+    }
+
+    /// Removes an image.
+    pub fn remove_image(&self, image: &str) {
+        self.lock().images.remove(image);
+    }
+
+    /// Sets what every following pull does.
+    pub fn set_pull_behavior(&self, behavior: PullBehavior) {
+        self.lock().pull = behavior;
+    }
+
+    /// Lets every hanging pull succeed.
+    pub fn release_pulls(&self) {
+        self.pulls_released.send_modify(|n| *n += 1);
+    }
+
+    /// Sets what every following start does (unless one is queued).
+    pub fn set_start_behavior(&self, behavior: StartBehavior) {
+        self.lock().start = behavior;
+    }
+
+    /// Queues a one-shot start behavior, used before the default one (e.g. fail the first
+    /// start with `/dev/nvidia-modeset`, then succeed).
+    pub fn queue_start_behavior(&self, behavior: StartBehavior) {
+        self.lock().start_queue.push_back(behavior);
+    }
+
+    /// Lets every hanging start proceed (and succeed).
+    pub fn release_starts(&self) {
+        self.starts_released.send_modify(|n| *n += 1);
+    }
+
+    /// The exit code containers get when stopped (default: 137 when killed at once, 143
+    /// otherwise).
+    pub fn set_stop_exit_code(&self, code: Option<i64>) {
+        self.lock().stop_exit_code = code;
+    }
+
+    /// Makes a running (or created) container exit with `code` and emits its exit event.
+    /// Returns false if there is no such container.
+    pub fn exit(&self, id: &str, code: i64) -> bool {
+        let event = {
+            let mut state = self.lock();
+            let now = Self::timestamp(&mut state);
+            let Some(c) = state.containers.get_mut(id) else {
+                return false;
+            };
+            c.state = ContainerState::Exited;
+            c.exit_code = Some(code);
+            c.finished_at = Some(now);
+            (
+                c.spec.labels.clone(),
+                ExitEvent {
+                    container_id: id.to_owned(),
+                    exit_code: Some(code),
+                },
+            )
+        };
+        // No subscriber is fine.
+        let _ = self.events.send(event);
+        true
+    }
+
+    /// Makes a container disappear without an event (as if removed behind the shim's back).
+    pub fn vanish(&self, id: &str) -> bool {
+        self.lock().containers.remove(id).is_some()
+    }
+
+    /// Sets a container's log lines.
+    pub fn set_logs(&self, id: &str, lines: &[&str]) {
+        if let Some(c) = self.lock().containers.get_mut(id) {
+            c.logs = lines.iter().map(|l| (*l).to_owned()).collect();
+        }
+    }
+
+    /// Appends a log line to a container.
+    pub fn push_log(&self, id: &str, line: &str) {
+        if let Some(c) = self.lock().containers.get_mut(id) {
+            c.logs.push(line.to_owned());
+        }
+    }
+
+    /// Adds a container directly (e.g. left over by an earlier shim), without recording a
+    /// call. Returns its id.
+    pub fn add_container(
+        &self,
+        spec: &ContainerSpec,
+        state: ContainerState,
+        exit_code: Option<i64>,
+    ) -> String {
+        let mut st = self.lock();
+        let id = Self::new_container(&mut st, spec);
+        if let Some(c) = st.containers.get_mut(&id) {
+            c.state = state.clone();
+            c.exit_code = exit_code;
+        }
+        if matches!(state, ContainerState::Running | ContainerState::Exited) {
+            Self::assign_ports(&mut st, &id);
+        }
+        id
+    }
+
+    /// The spec a container was created with.
+    pub fn spec(&self, id: &str) -> Option<ContainerSpec> {
+        self.lock().containers.get(id).map(|c| c.spec.clone())
+    }
+
+    /// The state of a container.
+    pub fn state(&self, id: &str) -> Option<ContainerState> {
+        self.lock().containers.get(id).map(|c| c.state.clone())
+    }
+
+    /// The ids of all containers.
+    pub fn container_ids(&self) -> Vec<String> {
+        self.lock().containers.keys().cloned().collect()
+    }
+
+    /// The id of the container with this name.
+    pub fn id_by_name(&self, name: &str) -> Option<String> {
+        self.lock()
+            .containers
+            .values()
+            .find(|c| c.spec.name == name)
+            .map(|c| c.id.clone())
+    }
+
+    fn new_container(state: &mut State, spec: &ContainerSpec) -> String {
+        let id = format!("{:064x}", state.next_id);
+        state.next_id += 1;
+        state.containers.insert(
+            id.clone(),
+            FakeContainer {
+                id: id.clone(),
+                spec: spec.clone(),
+                state: ContainerState::Created,
+                exit_code: Some(0),
+                error: String::new(),
+                ports: Vec::new(),
+                logs: Vec::new(),
+                started_at: None,
+                finished_at: None,
+            },
+        );
+        id
+    }
+
+    fn assign_ports(state: &mut State, id: &str) {
+        let Some(c) = state.containers.get(id) else {
+            return;
+        };
+        if c.spec.network != NetworkMode::Bridge || !c.ports.is_empty() {
+            return;
+        }
+        let wanted = c.spec.published_ports.clone();
+        let mut ports = Vec::new();
+        for container in wanted {
+            ports.push(PublishedPort {
+                container,
+                host: state.next_port,
+            });
+            state.next_port = state.next_port.wrapping_add(1).max(32768);
+        }
+        ports.sort();
+        if let Some(c) = state.containers.get_mut(id) {
+            c.ports = ports;
+        }
+    }
+
+    fn resolve<'a>(state: &'a mut State, id_or_name: &str) -> Option<&'a mut FakeContainer> {
+        let key = if state.containers.contains_key(id_or_name) {
+            Some(id_or_name.to_owned())
+        } else {
+            state
+                .containers
+                .values()
+                .find(|c| c.spec.name == id_or_name || c.id.starts_with(id_or_name))
+                .map(|c| c.id.clone())
+        };
+        key.and_then(move |k| state.containers.get_mut(&k))
+    }
+
+    async fn report_steps(steps: &[PullProgress], progress: ProgressFn<'_>) -> PullProgress {
+        let mut last = PullProgress::default();
+        for step in steps {
+            progress(*step);
+            last = *step;
+            tokio::task::yield_now().await;
+        }
+        last
+    }
+}
+
+#[async_trait]
+impl ContainerRuntime for FakeRuntime {
+    async fn image_present(&self, image: &str) -> Result<bool> {
+        let state = self.record(Call::ImagePresent(image.to_owned()), image)?;
+        Ok(state.images.contains(image))
+    }
+
+    async fn pull(
+        &self,
+        request: &PullRequest,
+        progress: ProgressFn<'_>,
+        cancel: CancellationToken,
+    ) -> Result<PullProgress> {
+        let image = request.image.clone();
+        let behavior = {
+            let state = self.record(
+                Call::Pull {
+                    image: image.clone(),
+                    with_auth: request.auth.is_some(),
+                },
+                &image,
+            )?;
+            state.pull.clone()
+        };
+        if cancel.is_cancelled() {
+            return Err(RuntimeError::Cancelled {
+                op: "pull",
+                what: format!("image {image}"),
+            });
+        }
+        let finish = |last: PullProgress| {
+            self.add_image(&image);
+            let done = PullProgress {
+                is_total_bytes_final: true,
+                ..last
+            };
+            progress(done);
+            Ok(done)
+        };
+        match behavior {
+            PullBehavior::Succeed { steps } => {
+                let last = Self::report_steps(&steps, progress).await;
+                finish(last)
+            }
+            PullBehavior::Fail { steps, message } => {
+                let last = Self::report_steps(&steps, progress).await;
+                Err(RuntimeError::PullFailed {
+                    image,
+                    message,
+                    downloaded_bytes: last.downloaded_bytes,
+                })
+            }
+            PullBehavior::Hang { steps } => {
+                let mut released = self.pulls_released.subscribe();
+                released.mark_unchanged();
+                let last = Self::report_steps(&steps, progress).await;
+                tokio::select! {
+                    () = cancel.cancelled() => Err(RuntimeError::Cancelled {
+                        op: "pull",
+                        what: format!("image {image}"),
+                    }),
+                    () = tokio::time::sleep(request.timeout) => Err(RuntimeError::PullTimeout {
+                        image,
+                        timeout: request.timeout,
+                        downloaded_bytes: last.downloaded_bytes,
+                    }),
+                    _ = released.changed() => finish(last),
+                }
+            }
+        }
+    }
+
+    async fn create(&self, spec: &ContainerSpec) -> Result<String> {
+        let mut state = self.record(Call::Create(Box::new(spec.clone())), &spec.name)?;
+        if !state.images.contains(&spec.image) {
+            return Err(RuntimeError::NotFound {
+                what: format!("image {}", spec.image),
+            });
+        }
+        if state.containers.values().any(|c| c.spec.name == spec.name) {
+            return Err(RuntimeError::Conflict {
+                op: "create",
+                what: format!("container {}", spec.name),
+                message: format!("the container name \"/{}\" is already in use", spec.name),
+            });
+        }
+        Ok(Self::new_container(&mut state, spec))
+    }
+
+    async fn start(&self, id: &str) -> Result<()> {
+        let (behavior, mut released) = {
+            let mut state = self.record(Call::Start(id.to_owned()), id)?;
+            if Self::resolve(&mut state, id).is_none() {
+                return Err(container_not_found(id));
+            }
+            let behavior = match state.start_queue.pop_front() {
+                Some(b) => b,
+                None => state.start.clone(),
+            };
+            let mut rx = self.starts_released.subscribe();
+            rx.mark_unchanged();
+            (behavior, rx)
+        };
+        match behavior {
+            StartBehavior::Succeed => {}
+            StartBehavior::Fail(message) => {
+                let mut state = self.lock();
+                if let Some(c) = Self::resolve(&mut state, id) {
+                    c.error = message.clone();
+                    c.exit_code = Some(128);
+                }
+                return Err(RuntimeError::Daemon {
+                    op: "start",
+                    what: format!("container {id}"),
+                    status: 500,
+                    message,
+                });
+            }
+            StartBehavior::Hang => {
+                // The sender lives as long as self.
+                let _ = released.changed().await;
+            }
+        }
+        let mut state = self.lock();
+        let now = Self::timestamp(&mut state);
+        let Some(c) = Self::resolve(&mut state, id) else {
+            return Err(container_not_found(id));
+        };
+        if c.state != ContainerState::Running {
+            c.state = ContainerState::Running;
+            c.exit_code = Some(0);
+            c.error.clear();
+            c.started_at = Some(now);
+            c.finished_at = None;
+        }
+        let id = c.id.clone();
+        Self::assign_ports(&mut state, &id);
+        Ok(())
+    }
+
+    async fn inspect(&self, id_or_name: &str) -> Result<ContainerDetails> {
+        let mut state = self.record(Call::Inspect(id_or_name.to_owned()), id_or_name)?;
+        let c =
+            Self::resolve(&mut state, id_or_name).ok_or_else(|| container_not_found(id_or_name))?;
+        let spec = &c.spec;
+        Ok(ContainerDetails {
+            id: c.id.clone(),
+            name: spec.name.clone(),
+            image: spec.image.clone(),
+            state: c.state.clone(),
+            exit_code: c.exit_code,
+            error: c.error.clone(),
+            oom_killed: false,
+            started_at: c.started_at.clone(),
+            finished_at: c.finished_at.clone(),
+            labels: spec.labels.clone(),
+            ports: c.ports.clone(),
+            mounts: spec
+                .mounts
+                .iter()
+                .map(|m| MountPoint {
+                    source: m.source.to_string_lossy().into_owned(),
+                    destination: m.target.clone(),
+                    read_write: !m.read_only,
+                })
+                .collect(),
+            env: spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
+            device_requests: spec.device_requests.clone(),
+            devices: spec.devices.clone(),
+            network_mode: spec.network.as_str().to_owned(),
+            nano_cpus: spec.nano_cpus,
+            memory: spec.memory,
+            privileged: spec.privileged,
+            shm_size: spec.shm_size.unwrap_or(64 << 20),
+            tmpfs: spec.tmpfs.clone(),
+            user: spec.user.clone(),
+        })
+    }
+
+    async fn list(&self, labels: &[(String, String)]) -> Result<Vec<ContainerSummary>> {
+        let state = self.record(Call::List(labels.to_vec()), "containers")?;
+        Ok(state
+            .containers
+            .values()
+            .filter(|c| has_labels(&c.spec.labels, labels))
+            .map(|c| ContainerSummary {
+                id: c.id.clone(),
+                name: c.spec.name.clone(),
+                state: c.state.clone(),
+                labels: c.spec.labels.clone(),
+                mount_sources: c
+                    .spec
+                    .mounts
+                    .iter()
+                    .map(|m| m.source.to_string_lossy().into_owned())
+                    .collect(),
+            })
+            .collect())
+    }
+
+    async fn stop(&self, id: &str, timeout: Duration) -> Result<()> {
+        let (full_id, code) = {
+            let mut state = self.record(Call::Stop(id.to_owned(), timeout), id)?;
+            let code = state
+                .stop_exit_code
+                .unwrap_or(if timeout.is_zero() { 137 } else { 143 });
+            let c = Self::resolve(&mut state, id).ok_or_else(|| container_not_found(id))?;
+            if !c.state.is_running() {
+                return Ok(());
+            }
+            (c.id.clone(), code)
+        };
+        self.exit(&full_id, code);
+        Ok(())
+    }
+
+    async fn remove(&self, id: &str) -> Result<()> {
+        let mut state = self.record(Call::Remove(id.to_owned()), id)?;
+        let key = Self::resolve(&mut state, id).map(|c| c.id.clone());
+        if let Some(key) = key {
+            state.containers.remove(&key);
+        }
+        Ok(())
+    }
+
+    async fn logs_tail(&self, id: &str, n: usize) -> Result<Vec<String>> {
+        let mut state = self.record(Call::LogsTail(id.to_owned(), n), id)?;
+        let c = Self::resolve(&mut state, id).ok_or_else(|| container_not_found(id))?;
+        let skip = c.logs.len().saturating_sub(n);
+        Ok(c.logs[skip..].to_vec())
+    }
+
+    async fn exit_events(&self, labels: &[(String, String)]) -> Result<ExitEventStream> {
+        drop(self.record(Call::ExitEvents(labels.to_vec()), "events")?);
+        let want = labels.to_vec();
+        let rx = self.events.subscribe();
+        let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+            loop {
+                match rx.recv().await {
+                    Ok(item) => return Some((item, rx)),
+                    // Dropped events are fine: they are hints.
+                    Err(broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(broadcast::error::RecvError::Closed) => return None,
+                }
+            }
+        })
+        .filter_map(move |(labels, event)| {
+            let keep = has_labels(&labels, &want);
+            async move { keep.then_some(Ok(event)) }
+        });
+        Ok(stream.boxed())
+    }
+}

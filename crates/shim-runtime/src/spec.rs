@@ -1,0 +1,690 @@
+//! The runtime-neutral container spec, and the pure functions that build the task container of
+//! SPEC §6 from neutral inputs (no IO here: whatever depends on the host is an input).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// Where the runner directory is mounted inside the container.
+pub const RUNNER_DIR_IN_CONTAINER: &str = "/tmp/runner";
+/// Where the runner binary is mounted inside the container.
+pub const RUNNER_BINARY_IN_CONTAINER: &str = "/usr/local/bin/dstack-runner";
+/// The exit code of the container command when `sshd` is missing and no package manager is
+/// found.
+pub const EXIT_NO_PACKAGE_MANAGER: i64 = 11;
+/// The exit code of the container command when installing `sshd` failed.
+pub const EXIT_SSHD_INSTALL_FAILED: i64 = 12;
+/// The NVIDIA driver capabilities requested for GPU containers.
+pub const NVIDIA_CAPABILITIES: [&str; 7] = [
+    "gpu", "utility", "compute", "graphics", "video", "display", "compat32",
+];
+/// The path of InfiniBand devices (mapped when present on the host).
+pub const INFINIBAND_PATH: &str = "/dev/infiniband";
+/// The 1 GiB hugepages mount (bound for Tenstorrent when present on the host).
+pub const HUGEPAGES_1G_PATH: &str = "/dev/hugepages-1G";
+
+/// The container's network mode.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NetworkMode {
+    /// The host's network namespace (no ports published).
+    #[default]
+    Host,
+    /// Docker's bridge; exposed ports are published on `127.0.0.1`.
+    Bridge,
+}
+
+impl NetworkMode {
+    /// Docker's name for the mode.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Host => "host",
+            Self::Bridge => "bridge",
+        }
+    }
+}
+
+/// A bind mount.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BindMount {
+    /// The host path.
+    pub source: PathBuf,
+    /// The path inside the container.
+    pub target: String,
+    /// Whether the container sees it read-only.
+    pub read_only: bool,
+}
+
+/// A host device mapped into the container.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct DeviceMapping {
+    /// The device on the host.
+    pub path_on_host: String,
+    /// The path inside the container.
+    pub path_in_container: String,
+    /// The cgroup permissions (`rwm`).
+    pub cgroup_permissions: String,
+}
+
+impl DeviceMapping {
+    /// Maps a device to the same path inside the container, with `rwm`.
+    pub fn same_path(path: &str) -> Self {
+        Self {
+            path_on_host: path.to_owned(),
+            path_in_container: path.to_owned(),
+            cgroup_permissions: "rwm".to_owned(),
+        }
+    }
+}
+
+/// A device request (NVIDIA GPUs).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct DeviceRequest {
+    /// The driver (`nvidia`).
+    pub driver: String,
+    /// Device ids (GPU UUIDs).
+    pub device_ids: Vec<String>,
+    /// Capabilities, all required together.
+    pub capabilities: Vec<String>,
+}
+
+/// A resource limit (`ulimit`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Ulimit {
+    /// The name (`memlock`, …).
+    pub name: String,
+    /// The soft limit (`-1` = unlimited).
+    pub soft: i64,
+    /// The hard limit (`-1` = unlimited).
+    pub hard: i64,
+}
+
+/// Everything needed to create a container, independent of the runtime.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerSpec {
+    /// The container name.
+    pub name: String,
+    /// The image reference.
+    pub image: String,
+    /// The entrypoint (empty = the image's).
+    pub entrypoint: Vec<String>,
+    /// The command (empty = the image's).
+    pub cmd: Vec<String>,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// Environment variables, in order.
+    pub env: Vec<(String, String)>,
+    /// Bind mounts.
+    pub mounts: Vec<BindMount>,
+    /// Size of `/dev/shm` in bytes (`None` = the runtime's default).
+    pub shm_size: Option<i64>,
+    /// tmpfs mounts: path → mount options (e.g. `/dev/shm` → `exec,size=N`).
+    pub tmpfs: BTreeMap<String, String>,
+    /// The network mode.
+    pub network: NetworkMode,
+    /// TCP ports published on `127.0.0.1` with ephemeral host ports (bridge mode only).
+    pub published_ports: Vec<u16>,
+    /// CPU limit in nano-CPUs (0 = none).
+    pub nano_cpus: i64,
+    /// Memory limit in bytes (0 = none).
+    pub memory: i64,
+    /// Privileged container.
+    pub privileged: bool,
+    /// The user (empty = the image's).
+    pub user: String,
+    /// Devices mapped into the container.
+    pub devices: Vec<DeviceMapping>,
+    /// Device requests.
+    pub device_requests: Vec<DeviceRequest>,
+    /// Added capabilities.
+    pub cap_add: Vec<String>,
+    /// The IPC mode (`host`), `None` = default.
+    pub ipc_mode: Option<String>,
+    /// Security options (`seccomp=unconfined`).
+    pub security_opt: Vec<String>,
+    /// The OCI runtime (`habana`), `None` = default.
+    pub runtime: Option<String>,
+    /// Resource limits.
+    pub ulimits: Vec<Ulimit>,
+}
+
+/// The accelerators given to a container.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum GpuConfig {
+    /// No accelerators.
+    #[default]
+    None,
+    /// NVIDIA GPUs by UUID (a device request).
+    Nvidia {
+        /// GPU UUIDs.
+        uuids: Vec<String>,
+    },
+    /// AMD GPUs by render node (`/dev/dri/renderD128`).
+    Amd {
+        /// Render node paths.
+        render_nodes: Vec<String>,
+    },
+    /// Tenstorrent devices by id (`/dev/tenstorrent/<id>`).
+    Tenstorrent {
+        /// Device ids.
+        ids: Vec<String>,
+    },
+    /// Intel Gaudi devices by index.
+    Intel {
+        /// Device ids.
+        ids: Vec<String>,
+    },
+    /// Plain device mappings given by the task, replacing the vendor logic.
+    Devices(Vec<DeviceMapping>),
+}
+
+/// Host facts the spec depends on (checked by the caller; the builder does no IO).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct HostDevices {
+    /// `/dev/infiniband` exists on the host.
+    pub infiniband: bool,
+    /// `/dev/hugepages-1G` exists on the host.
+    pub hugepages_1g: bool,
+}
+
+/// How the runner is started inside the container.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunnerParams {
+    /// The runner binary on the host (mounted read-only at [`RUNNER_BINARY_IN_CONTAINER`]).
+    pub binary_host_path: PathBuf,
+    /// The task's runner directory on the host (mounted at [`RUNNER_DIR_IN_CONTAINER`]).
+    pub dir_host_path: PathBuf,
+    /// The runner's HTTP port.
+    pub http_port: u16,
+    /// The runner's SSH port.
+    pub ssh_port: u16,
+    /// The runner's log level.
+    pub log_level: u32,
+    /// The runner's sshd log level, if set.
+    pub ssh_log_level: Option<String>,
+    /// Pass `--http-address localhost` (host network mode).
+    pub http_address_localhost: bool,
+    /// Public keys the runner's sshd accepts (already validated by the caller).
+    pub authorized_keys: Vec<String>,
+}
+
+/// Everything the task container is built from.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerInputs {
+    /// The container name.
+    pub name: String,
+    /// The image reference.
+    pub image: String,
+    /// Labels (task marker, task id, owner identity).
+    pub labels: BTreeMap<String, String>,
+    /// The runner.
+    pub runner: RunnerParams,
+    /// The network mode.
+    pub network: NetworkMode,
+    /// The user (empty = the image's).
+    pub user: String,
+    /// Privileged container.
+    pub privileged: bool,
+    /// CPU limit in nano-CPUs (0 = none), see [`nano_cpus`].
+    pub nano_cpus: i64,
+    /// Memory limit in bytes (0 = none).
+    pub memory: i64,
+    /// `/dev/shm` size in bytes (0 = the runtime's default: noexec, 64 MiB).
+    pub shm_size: i64,
+    /// Extra bind mounts (volumes, instance mounts).
+    pub mounts: Vec<BindMount>,
+    /// Environment passed through from the shim (name, value), in order.
+    pub env: Vec<(String, String)>,
+    /// `PJRT_DEVICE`, when configured.
+    pub pjrt_device: Option<String>,
+    /// Accelerators.
+    pub gpu: GpuConfig,
+    /// Host facts.
+    pub host: HostDevices,
+}
+
+/// Converts a CPU count (`0` = unlimited) to nano-CPUs.
+pub fn nano_cpus(cpu: f64) -> i64 {
+    if cpu.is_finite() && cpu > 0.0 {
+        (cpu * 1e9).round() as i64
+    } else {
+        0
+    }
+}
+
+/// Quotes `s` as one word for `sh`.
+pub fn shell_quote(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('\'');
+    for c in s.chars() {
+        if c == '\'' {
+            out.push_str("'\\''");
+        } else {
+            out.push(c);
+        }
+    }
+    out.push('\'');
+    out
+}
+
+/// The `/bin/sh -c` script of the task container: make sure `sshd` exists (installing it with
+/// apt-get, yum or apk; exit [`EXIT_NO_PACKAGE_MANAGER`] if there is none,
+/// [`EXIT_SSHD_INSTALL_FAILED`] if installing fails), then exec the runner.
+pub fn runner_script(runner: &RunnerParams) -> String {
+    let mut script = String::from(
+        "if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then \
+if command -v apt-get >/dev/null 2>&1; then \
+{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server; }; \
+elif command -v yum >/dev/null 2>&1; then yum -y -q install openssh-server; \
+elif command -v apk >/dev/null 2>&1; then apk add -q --no-cache openssh-server; \
+else echo 'sshd is missing and no package manager (apt-get, yum, apk) was found' >&2; exit 11; fi \
+|| { echo 'installing openssh-server failed' >&2; exit 12; }; \
+fi; exec ",
+    );
+    let mut args = vec![
+        RUNNER_BINARY_IN_CONTAINER.to_owned(),
+        "--log-level".to_owned(),
+        runner.log_level.to_string(),
+        "start".to_owned(),
+        "--temp-dir".to_owned(),
+        RUNNER_DIR_IN_CONTAINER.to_owned(),
+        "--http-port".to_owned(),
+        runner.http_port.to_string(),
+        "--ssh-port".to_owned(),
+        runner.ssh_port.to_string(),
+    ];
+    if runner.http_address_localhost {
+        args.push("--http-address".to_owned());
+        args.push("localhost".to_owned());
+    }
+    for key in &runner.authorized_keys {
+        args.push("--ssh-authorized-key".to_owned());
+        args.push(key.clone());
+    }
+    if let Some(level) = &runner.ssh_log_level {
+        args.push("--ssh-log-level".to_owned());
+        args.push(level.clone());
+    }
+    let quoted: Vec<String> = args.iter().map(|a| shell_quote(a)).collect();
+    script.push_str(&quoted.join(" "));
+    script
+}
+
+/// Builds the task container's spec (SPEC §6) from its inputs.
+pub fn build_container_spec(inputs: &ContainerInputs) -> ContainerSpec {
+    let mut spec = ContainerSpec {
+        name: inputs.name.clone(),
+        image: inputs.image.clone(),
+        entrypoint: vec!["/bin/sh".to_owned(), "-c".to_owned()],
+        cmd: vec![runner_script(&inputs.runner)],
+        labels: inputs.labels.clone(),
+        env: inputs.env.clone(),
+        network: inputs.network,
+        nano_cpus: inputs.nano_cpus.max(0),
+        memory: inputs.memory.max(0),
+        privileged: inputs.privileged,
+        user: inputs.user.clone(),
+        ..ContainerSpec::default()
+    };
+    if let Some(device) = &inputs.pjrt_device {
+        spec.env.push(("PJRT_DEVICE".to_owned(), device.clone()));
+    }
+    spec.mounts.push(BindMount {
+        source: inputs.runner.dir_host_path.clone(),
+        target: RUNNER_DIR_IN_CONTAINER.to_owned(),
+        read_only: false,
+    });
+    spec.mounts.push(BindMount {
+        source: inputs.runner.binary_host_path.clone(),
+        target: RUNNER_BINARY_IN_CONTAINER.to_owned(),
+        read_only: true,
+    });
+    spec.mounts.extend(inputs.mounts.iter().cloned());
+    if inputs.shm_size > 0 {
+        spec.shm_size = Some(inputs.shm_size);
+        spec.tmpfs.insert(
+            "/dev/shm".to_owned(),
+            format!("exec,size={}", inputs.shm_size),
+        );
+    }
+    if inputs.network == NetworkMode::Bridge {
+        spec.published_ports = vec![inputs.runner.http_port, inputs.runner.ssh_port];
+        spec.published_ports.dedup();
+    }
+    apply_gpu(&mut spec, &inputs.gpu, inputs.host);
+    if inputs.host.infiniband {
+        spec.devices.push(DeviceMapping::same_path(INFINIBAND_PATH));
+        spec.ulimits.push(Ulimit {
+            name: "memlock".to_owned(),
+            soft: -1,
+            hard: -1,
+        });
+    }
+    spec
+}
+
+fn apply_gpu(spec: &mut ContainerSpec, gpu: &GpuConfig, host: HostDevices) {
+    match gpu {
+        GpuConfig::None => {}
+        GpuConfig::Nvidia { uuids } => {
+            if !uuids.is_empty() {
+                spec.device_requests.push(DeviceRequest {
+                    driver: "nvidia".to_owned(),
+                    device_ids: uuids.clone(),
+                    capabilities: NVIDIA_CAPABILITIES
+                        .iter()
+                        .map(|c| (*c).to_owned())
+                        .collect(),
+                });
+            }
+        }
+        GpuConfig::Amd { render_nodes } => {
+            spec.devices.push(DeviceMapping::same_path("/dev/kfd"));
+            spec.devices
+                .extend(render_nodes.iter().map(|n| DeviceMapping::same_path(n)));
+            spec.ipc_mode = Some("host".to_owned());
+            spec.cap_add.push("SYS_PTRACE".to_owned());
+            spec.security_opt.push("seccomp=unconfined".to_owned());
+        }
+        GpuConfig::Tenstorrent { ids } => {
+            spec.devices.extend(
+                ids.iter()
+                    .map(|id| DeviceMapping::same_path(&format!("/dev/tenstorrent/{id}"))),
+            );
+            if host.hugepages_1g {
+                spec.mounts.push(BindMount {
+                    source: PathBuf::from(HUGEPAGES_1G_PATH),
+                    target: HUGEPAGES_1G_PATH.to_owned(),
+                    read_only: false,
+                });
+            }
+        }
+        GpuConfig::Intel { ids } => {
+            spec.runtime = Some("habana".to_owned());
+            spec.ipc_mode = Some("host".to_owned());
+            spec.cap_add.push("SYS_NICE".to_owned());
+            spec.env
+                .push(("HABANA_VISIBLE_DEVICES".to_owned(), ids.join(",")));
+        }
+        GpuConfig::Devices(devices) => spec.devices.extend(devices.iter().cloned()),
+    }
+}
+
+/// The NVIDIA display-capability retry: when a start failed because of `/dev/nvidia-modeset`
+/// and the spec requests the `display` capability, the same spec without it (the engine
+/// recreates the container and retries once). `None` when the retry does not apply.
+pub fn without_nvidia_display(spec: &ContainerSpec, start_error: &str) -> Option<ContainerSpec> {
+    if !start_error.contains("/dev/nvidia-modeset") {
+        return None;
+    }
+    let mut changed = false;
+    let mut retry = spec.clone();
+    for request in &mut retry.device_requests {
+        let before = request.capabilities.len();
+        request.capabilities.retain(|c| c != "display");
+        changed |= request.capabilities.len() != before;
+    }
+    changed.then_some(retry)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn inputs() -> ContainerInputs {
+        ContainerInputs {
+            name: "task-1234abcd".to_owned(),
+            image: "ubuntu:22.04".to_owned(),
+            labels: BTreeMap::from([("ai.dstack.shim.task".to_owned(), "t1".to_owned())]),
+            runner: RunnerParams {
+                binary_host_path: PathBuf::from("/opt/dstack-runner"),
+                dir_host_path: PathBuf::from("/home/x/.dstack/tasks/t1/runner"),
+                http_port: 10999,
+                ssh_port: 10022,
+                log_level: 4,
+                ssh_log_level: None,
+                http_address_localhost: true,
+                authorized_keys: vec![],
+            },
+            ..ContainerInputs::default()
+        }
+    }
+
+    #[test]
+    fn shell_quote_escapes_single_quotes() {
+        assert_eq!(shell_quote("abc"), "'abc'");
+        assert_eq!(shell_quote("a'b"), "'a'\\''b'");
+        assert_eq!(shell_quote(""), "''");
+        assert_eq!(shell_quote("$(rm -rf /) `x`"), "'$(rm -rf /) `x`'");
+    }
+
+    #[test]
+    fn script_starts_runner_with_flags() {
+        let mut runner = inputs().runner;
+        runner.authorized_keys = vec![
+            "ssh-ed25519 AAAAC3Nz me@host".to_owned(),
+            "ssh-rsa AAAAB3 it's".to_owned(),
+        ];
+        runner.ssh_log_level = Some("DEBUG".to_owned());
+        let script = runner_script(&runner);
+        assert!(script.ends_with(
+            "exec '/usr/local/bin/dstack-runner' '--log-level' '4' 'start' '--temp-dir' \
+'/tmp/runner' '--http-port' '10999' '--ssh-port' '10022' '--http-address' 'localhost' \
+'--ssh-authorized-key' 'ssh-ed25519 AAAAC3Nz me@host' '--ssh-authorized-key' \
+'ssh-rsa AAAAB3 it'\\''s' '--ssh-log-level' 'DEBUG'"
+        ));
+        assert!(script.contains("apt-get install"));
+        assert!(script.contains("yum -y -q install openssh-server"));
+        assert!(script.contains("apk add"));
+        assert!(script.contains("exit 11"));
+    }
+
+    #[test]
+    fn script_without_localhost_in_bridge() {
+        let mut runner = inputs().runner;
+        runner.http_address_localhost = false;
+        let script = runner_script(&runner);
+        assert!(!script.contains("--http-address"));
+        assert!(!script.contains("--ssh-authorized-key"));
+        assert!(!script.contains("--ssh-log-level"));
+    }
+
+    #[test]
+    fn base_spec() {
+        let mut i = inputs();
+        i.env = vec![("HTTP_PROXY".to_owned(), "http://p:3128".to_owned())];
+        i.pjrt_device = Some("TPU".to_owned());
+        i.mounts = vec![BindMount {
+            source: PathBuf::from("/mnt/disks/dstack-volumes/data"),
+            target: "/data".to_owned(),
+            read_only: false,
+        }];
+        i.nano_cpus = nano_cpus(1.5);
+        i.memory = 1 << 30;
+        i.user = "root".to_owned();
+        let spec = build_container_spec(&i);
+        assert_eq!(spec.entrypoint, ["/bin/sh", "-c"]);
+        assert_eq!(spec.cmd.len(), 1);
+        assert_eq!(spec.nano_cpus, 1_500_000_000);
+        assert_eq!(spec.memory, 1 << 30);
+        assert_eq!(spec.user, "root");
+        assert_eq!(
+            spec.env,
+            [
+                ("HTTP_PROXY".to_owned(), "http://p:3128".to_owned()),
+                ("PJRT_DEVICE".to_owned(), "TPU".to_owned())
+            ]
+        );
+        let targets: Vec<_> = spec.mounts.iter().map(|m| m.target.as_str()).collect();
+        assert_eq!(
+            targets,
+            ["/tmp/runner", "/usr/local/bin/dstack-runner", "/data"]
+        );
+        assert!(spec.mounts[1].read_only);
+        assert!(!spec.mounts[0].read_only);
+        assert_eq!(spec.mounts[0].source, i.runner.dir_host_path);
+        assert_eq!(spec.network, NetworkMode::Host);
+        assert!(spec.published_ports.is_empty());
+        assert_eq!(spec.shm_size, None);
+        assert!(spec.tmpfs.is_empty());
+        assert!(spec.devices.is_empty() && spec.device_requests.is_empty());
+        assert!(spec.ulimits.is_empty());
+        assert_eq!(spec.labels, i.labels);
+    }
+
+    #[test]
+    fn shm_and_bridge() {
+        let mut i = inputs();
+        i.shm_size = 256 << 20;
+        i.network = NetworkMode::Bridge;
+        let spec = build_container_spec(&i);
+        assert_eq!(spec.shm_size, Some(256 << 20));
+        assert_eq!(spec.tmpfs["/dev/shm"], "exec,size=268435456");
+        assert_eq!(spec.published_ports, [10999, 10022]);
+    }
+
+    #[test]
+    fn nano_cpus_conversion() {
+        assert_eq!(nano_cpus(0.0), 0);
+        assert_eq!(nano_cpus(-1.0), 0);
+        assert_eq!(nano_cpus(f64::NAN), 0);
+        assert_eq!(nano_cpus(2.0), 2_000_000_000);
+        assert_eq!(nano_cpus(0.1), 100_000_000);
+    }
+
+    #[test]
+    fn nvidia() {
+        let mut i = inputs();
+        i.gpu = GpuConfig::Nvidia {
+            uuids: vec!["GPU-a".to_owned(), "GPU-b".to_owned()],
+        };
+        let spec = build_container_spec(&i);
+        assert_eq!(
+            spec.device_requests,
+            [DeviceRequest {
+                driver: "nvidia".to_owned(),
+                device_ids: vec!["GPU-a".to_owned(), "GPU-b".to_owned()],
+                capabilities: NVIDIA_CAPABILITIES
+                    .iter()
+                    .map(|c| (*c).to_owned())
+                    .collect(),
+            }]
+        );
+        assert!(without_nvidia_display(&spec, "some other error").is_none());
+        let retry = without_nvidia_display(
+            &spec,
+            "error gathering device information while adding custom device \"/dev/nvidia-modeset\": no such file or directory",
+        )
+        .unwrap();
+        assert_eq!(
+            retry.device_requests[0].capabilities,
+            ["gpu", "utility", "compute", "graphics", "video", "compat32"]
+        );
+        // Only once: the retried spec has no display capability left.
+        assert!(without_nvidia_display(&retry, "/dev/nvidia-modeset").is_none());
+        // Nothing to drop without GPUs.
+        assert!(
+            without_nvidia_display(&build_container_spec(&inputs()), "/dev/nvidia-modeset")
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn nvidia_without_uuids_requests_nothing() {
+        let mut i = inputs();
+        i.gpu = GpuConfig::Nvidia { uuids: vec![] };
+        assert!(build_container_spec(&i).device_requests.is_empty());
+    }
+
+    #[test]
+    fn amd() {
+        let mut i = inputs();
+        i.gpu = GpuConfig::Amd {
+            render_nodes: vec!["/dev/dri/renderD128".to_owned()],
+        };
+        let spec = build_container_spec(&i);
+        assert_eq!(
+            spec.devices,
+            [
+                DeviceMapping::same_path("/dev/kfd"),
+                DeviceMapping::same_path("/dev/dri/renderD128")
+            ]
+        );
+        assert_eq!(spec.ipc_mode.as_deref(), Some("host"));
+        assert_eq!(spec.cap_add, ["SYS_PTRACE"]);
+        assert_eq!(spec.security_opt, ["seccomp=unconfined"]);
+    }
+
+    #[test]
+    fn tenstorrent_with_and_without_hugepages() {
+        let mut i = inputs();
+        i.gpu = GpuConfig::Tenstorrent {
+            ids: vec!["0".to_owned(), "1".to_owned()],
+        };
+        let spec = build_container_spec(&i);
+        assert_eq!(
+            spec.devices,
+            [
+                DeviceMapping::same_path("/dev/tenstorrent/0"),
+                DeviceMapping::same_path("/dev/tenstorrent/1")
+            ]
+        );
+        assert!(!spec.mounts.iter().any(|m| m.target == HUGEPAGES_1G_PATH));
+        i.host.hugepages_1g = true;
+        let spec = build_container_spec(&i);
+        assert!(
+            spec.mounts
+                .iter()
+                .any(|m| m.target == HUGEPAGES_1G_PATH && m.source == Path::new(HUGEPAGES_1G_PATH))
+        );
+    }
+
+    #[test]
+    fn intel() {
+        let mut i = inputs();
+        i.gpu = GpuConfig::Intel {
+            ids: vec!["0".to_owned(), "3".to_owned()],
+        };
+        let spec = build_container_spec(&i);
+        assert_eq!(spec.runtime.as_deref(), Some("habana"));
+        assert_eq!(spec.ipc_mode.as_deref(), Some("host"));
+        assert_eq!(spec.cap_add, ["SYS_NICE"]);
+        assert!(
+            spec.env
+                .contains(&("HABANA_VISIBLE_DEVICES".to_owned(), "0,3".to_owned()))
+        );
+    }
+
+    #[test]
+    fn plain_devices_replace_vendor_logic() {
+        let mut i = inputs();
+        let dev = DeviceMapping {
+            path_on_host: "/dev/accel0".to_owned(),
+            path_in_container: "/dev/accel/0".to_owned(),
+            cgroup_permissions: "rwm".to_owned(),
+        };
+        i.gpu = GpuConfig::Devices(vec![dev.clone()]);
+        let spec = build_container_spec(&i);
+        assert_eq!(spec.devices, [dev]);
+        assert!(spec.device_requests.is_empty());
+        assert!(spec.runtime.is_none() && spec.ipc_mode.is_none() && spec.cap_add.is_empty());
+    }
+
+    #[test]
+    fn infiniband() {
+        let mut i = inputs();
+        i.host.infiniband = true;
+        let spec = build_container_spec(&i);
+        assert_eq!(spec.devices, [DeviceMapping::same_path("/dev/infiniband")]);
+        assert_eq!(
+            spec.ulimits,
+            [Ulimit {
+                name: "memlock".to_owned(),
+                soft: -1,
+                hard: -1
+            }]
+        );
+    }
+}

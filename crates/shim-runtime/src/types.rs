@@ -1,0 +1,206 @@
+//! Runtime-neutral types exchanged with a [`crate::ContainerRuntime`].
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::spec::{DeviceMapping, DeviceRequest};
+
+/// Registry credentials. `Debug` never shows the password; the type is not `Serialize` so that
+/// it cannot reach a file by accident.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RegistryAuth {
+    /// The user name.
+    pub username: String,
+    /// The password or token (never logged).
+    pub password: String,
+}
+
+impl fmt::Debug for RegistryAuth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegistryAuth")
+            .field("username", &self.username)
+            .field("password", &"<redacted>")
+            .finish()
+    }
+}
+
+/// What to pull, and how.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PullRequest {
+    /// The full image reference, with a tag or digest (`repo/name:tag`).
+    pub image: String,
+    /// Registry credentials, if any.
+    pub auth: Option<RegistryAuth>,
+    /// Where to write the daemon's progress messages (JSON lines), if anywhere.
+    pub log_path: Option<PathBuf>,
+    /// How long the whole pull may take.
+    pub timeout: Duration,
+}
+
+/// Pull progress summed over the image's layers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PullProgress {
+    /// Bytes downloaded so far.
+    pub downloaded_bytes: u64,
+    /// Bytes extracted so far.
+    pub extracted_bytes: u64,
+    /// Total bytes of the layers whose size is known so far.
+    pub total_bytes: u64,
+    /// Whether every layer's size is known (the total will not grow any more).
+    pub is_total_bytes_final: bool,
+}
+
+/// A container's state as the runtime reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ContainerState {
+    /// Created, never started.
+    Created,
+    /// Running.
+    Running,
+    /// Paused.
+    Paused,
+    /// Restarting.
+    Restarting,
+    /// Being removed.
+    Removing,
+    /// Exited (was started and its process ended).
+    Exited,
+    /// Dead (the daemon failed to stop or remove it).
+    Dead,
+    /// A state this crate does not know.
+    Other(String),
+}
+
+impl ContainerState {
+    /// Parses Docker's state string (`created`, `running`, …).
+    pub fn parse(state: &str) -> Self {
+        match state {
+            "created" => Self::Created,
+            "running" => Self::Running,
+            "paused" => Self::Paused,
+            "restarting" => Self::Restarting,
+            "removing" => Self::Removing,
+            "exited" => Self::Exited,
+            "dead" => Self::Dead,
+            other => Self::Other(other.to_owned()),
+        }
+    }
+
+    /// Whether the container's process is (or may still be) alive: running, paused or
+    /// restarting.
+    pub fn is_running(&self) -> bool {
+        matches!(self, Self::Running | Self::Paused | Self::Restarting)
+    }
+}
+
+impl fmt::Display for ContainerState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Created => "created",
+            Self::Running => "running",
+            Self::Paused => "paused",
+            Self::Restarting => "restarting",
+            Self::Removing => "removing",
+            Self::Exited => "exited",
+            Self::Dead => "dead",
+            Self::Other(s) => s,
+        })
+    }
+}
+
+/// A container port published on a host port (IPv4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct PublishedPort {
+    /// The port inside the container.
+    pub container: u16,
+    /// The host port it is published on.
+    pub host: u16,
+}
+
+/// A mount of a container.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MountPoint {
+    /// The host path (bind mounts) or volume path.
+    pub source: String,
+    /// The path inside the container.
+    pub destination: String,
+    /// Whether it is mounted read-write.
+    pub read_write: bool,
+}
+
+/// What [`crate::ContainerRuntime::inspect`] tells about a container.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerDetails {
+    /// The full container id.
+    pub id: String,
+    /// The name, without Docker's leading `/`.
+    pub name: String,
+    /// The image reference it was created from.
+    pub image: String,
+    /// Its state.
+    pub state: ContainerState,
+    /// The exit code (meaningful once exited).
+    pub exit_code: Option<i64>,
+    /// The daemon's error for this container (e.g. why start failed), empty if none.
+    pub error: String,
+    /// Whether the kernel OOM killer ended it.
+    pub oom_killed: bool,
+    /// When it started (RFC 3339), `None` if never started.
+    pub started_at: Option<String>,
+    /// When it finished (RFC 3339), `None` if it has not finished.
+    pub finished_at: Option<String>,
+    /// Its labels.
+    pub labels: BTreeMap<String, String>,
+    /// Published ports (IPv4 bindings only), sorted.
+    pub ports: Vec<PublishedPort>,
+    /// Its mounts.
+    pub mounts: Vec<MountPoint>,
+    /// Its environment (`NAME=value`).
+    pub env: Vec<String>,
+    /// GPU/accelerator device requests.
+    pub device_requests: Vec<DeviceRequest>,
+    /// Devices mapped into it.
+    pub devices: Vec<DeviceMapping>,
+    /// The network mode (`host`, `bridge`, …).
+    pub network_mode: String,
+    /// CPU limit in nano-CPUs (0 = none).
+    pub nano_cpus: i64,
+    /// Memory limit in bytes (0 = none).
+    pub memory: i64,
+    /// Whether it is privileged.
+    pub privileged: bool,
+    /// The `/dev/shm` size in bytes (0 = unknown/default).
+    pub shm_size: i64,
+    /// The tmpfs mounts (path → options).
+    pub tmpfs: BTreeMap<String, String>,
+    /// The user it runs as (empty = image default).
+    pub user: String,
+}
+
+/// One entry of [`crate::ContainerRuntime::list`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerSummary {
+    /// The full container id.
+    pub id: String,
+    /// The name, without Docker's leading `/`.
+    pub name: String,
+    /// Its state.
+    pub state: ContainerState,
+    /// Its labels.
+    pub labels: BTreeMap<String, String>,
+    /// The sources of its mounts.
+    pub mount_sources: Vec<String>,
+}
+
+/// A container's process ended (a hint: re-check with the list or inspect).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitEvent {
+    /// The container id.
+    pub container_id: String,
+    /// The exit code, if the runtime reported one.
+    pub exit_code: Option<i64>,
+}
