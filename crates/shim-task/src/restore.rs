@@ -1,0 +1,185 @@
+//! The restore decision (SPEC §5): a persisted record and an observed container in, the task
+//! as it is now and what to do out.
+
+use crate::ids::{TaskId, TaskName};
+use crate::info::{MountedVolume, PortMapping, Resources};
+use crate::machine::{Action, StopState, Task, record_changed, settle};
+use crate::naming::task_name_of_container;
+use crate::record::TaskRecord;
+use crate::status::{TaskStatus, TerminationReason};
+
+/// A container's state as Docker reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ContainerState {
+    /// Created, never started.
+    Created,
+    /// Running (or paused, or restarting: the process exists).
+    Running,
+    /// Exited with this code.
+    Exited {
+        /// The exit code.
+        code: i64,
+    },
+    /// Dead (removal failed half-way).
+    Dead,
+    /// Any other state string.
+    Other(String),
+}
+
+impl ContainerState {
+    /// Whether the container's process may be running.
+    pub fn is_running(&self) -> bool {
+        matches!(self, Self::Running)
+    }
+}
+
+/// A container of this shim found on restart (by its label).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObservedContainer {
+    /// The container id.
+    pub id: String,
+    /// The container name (a leading `/` is ignored).
+    pub name: String,
+    /// The task id from the container's label.
+    pub task_id: TaskId,
+    /// Its state.
+    pub state: ContainerState,
+    /// GPU ids from its device requests / devices.
+    pub gpu_ids: Vec<String>,
+    /// Its published ports (`[]` in host network mode).
+    pub ports: Vec<PortMapping>,
+    /// Volumes recovered from its mounts (used for containers without a state file).
+    pub recovered_volumes: Vec<MountedVolume>,
+}
+
+/// Why a task restored without a container ended.
+fn lost_container_message(record: &TaskRecord) -> String {
+    if record.container_id.is_empty() {
+        format!(
+            "the shim stopped while the task was {}; its container was never created",
+            record.status
+        )
+    } else {
+        format!(
+            "container vanished: container {} was not found when the shim restarted",
+            record.container_id
+        )
+    }
+}
+
+/// A record for a container an older shim made without a state file: no config, no SSH keys
+/// (they cannot be recovered), volumes from the container's mounts.
+fn adopted_record(c: &ObservedContainer, now_ms: u64) -> Option<TaskRecord> {
+    let name = match task_name_of_container(&c.name) {
+        Some(name) => name,
+        None => TaskName::new(c.task_id.as_str()).ok()?,
+    };
+    Some(TaskRecord {
+        id: c.task_id.clone(),
+        name,
+        container_name: c.name.strip_prefix('/').unwrap_or(&c.name).to_owned(),
+        config: None,
+        status: TaskStatus::Running,
+        termination_reason: None,
+        termination_message: String::new(),
+        container_id: c.id.clone(),
+        resources: Resources {
+            gpus: c.gpu_ids.clone(),
+            host_keys: None,
+            volumes: c.recovered_volumes.clone(),
+            created_dirs: Vec::new(),
+            released: false,
+        },
+        created_at_ms: now_ms,
+        updated_at_ms: now_ms,
+    })
+}
+
+/// Decides what a task is after a restart of the shim (SPEC §5), from its state file's record
+/// (if any) and its container (if any; a container whose task id differs from the record's is
+/// ignored). `None` when there is neither.
+///
+/// - a recorded termination reason wins: `terminated` with it; a still running container is
+///   stopped (`StopContainer{0}`); what is not released is released;
+/// - no reason, but a container: `running` (the reconciler decides next), with the container
+///   id, ports and GPU ids from the container;
+/// - a record without a container: `terminated` with `executor_error` saying what happened,
+///   and released;
+/// - a container without a record (an older shim): a task without config whose volumes were
+///   recovered from the container's mounts, no SSH keys.
+///
+/// GPUs are locked again ([`Action::LockGpus`], first after any [`Action::Persist`]) for every
+/// restored task whose resources are not released. Restoring the restored task's record with
+/// the same container gives the same task and no [`Action::Persist`].
+pub fn restore(
+    record: Option<TaskRecord>,
+    container: Option<ObservedContainer>,
+    now_ms: u64,
+) -> Option<(Task, Vec<Action>)> {
+    let container = match (&record, container) {
+        (Some(r), Some(c)) if c.task_id != r.id => None,
+        (_, c) => c,
+    };
+    let (original, record) = match (record, &container) {
+        (None, None) => return None,
+        (None, Some(c)) => (None, adopted_record(c, now_ms)?),
+        (Some(r), _) => (Some(r.clone()), r),
+    };
+    let mut t = Task::restored(record);
+    let mut actions = Vec::new();
+
+    if t.record.termination_reason.is_some() {
+        t.record.status = TaskStatus::Terminated;
+    } else if container.is_some() {
+        if t.record.status == TaskStatus::Terminated {
+            // Terminated without a reason cannot be written by this shim; keep it final.
+            t.record.termination_reason = Some(TerminationReason::ExecutorError);
+        } else {
+            t.record.status = TaskStatus::Running;
+        }
+    } else {
+        let message = lost_container_message(&t.record);
+        t.record.status = TaskStatus::Terminated;
+        t.record.termination_reason = Some(TerminationReason::ExecutorError);
+        t.record.termination_message = message;
+    }
+
+    if let Some(c) = &container {
+        if !c.id.is_empty() {
+            t.record.container_id = c.id.clone();
+        }
+        t.ports = Some(c.ports.clone());
+        t.gpu_ids = Some(c.gpu_ids.clone());
+        if t.record.status == TaskStatus::Running && !t.record.resources.released {
+            // The running container uses these GPUs: hold them.
+            for g in &c.gpu_ids {
+                if !t.record.resources.gpus.contains(g) {
+                    t.record.resources.gpus.push(g.clone());
+                }
+            }
+        }
+    } else if !t.record.resources.gpus.is_empty() {
+        t.gpu_ids = Some(t.record.resources.gpus.clone());
+    }
+
+    if !t.record.resources.released && !t.record.resources.gpus.is_empty() {
+        actions.push(Action::LockGpus(t.record.resources.gpus.clone()));
+    }
+    if t.record.status == TaskStatus::Terminated
+        && container.as_ref().is_some_and(|c| c.state.is_running())
+    {
+        t.stop = StopState::InFlight;
+        actions.push(Action::StopContainer { timeout_s: 0 });
+    }
+    settle(&mut t, &mut actions);
+
+    let changed = match &original {
+        None => true,
+        Some(o) => record_changed(o, &t.record),
+    };
+    if changed {
+        t.record.updated_at_ms = now_ms.max(t.record.updated_at_ms);
+        actions.insert(0, Action::Persist);
+    }
+    Some((t, actions))
+}
