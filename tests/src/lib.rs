@@ -1,1 +1,173 @@
-//! End-to-end tests live in `tests/`.
+//! Shared test fixtures of the dstack-shim workspace, and the end-to-end tests (in `tests/`).
+//!
+//! This library is the one place where the names of the test fixtures are defined. `cargo xtask
+//! dev-env` builds them under exactly these names, and tests of any crate find them through the
+//! functions below (each reads an environment variable and falls back to the default constant):
+//!
+//! | fixture | default | env var |
+//! |---|---|---|
+//! | local busybox image (`docker import`, stub `/usr/sbin/sshd`) | [`IMAGE`] | [`ENV_IMAGE`] |
+//! | registry with htpasswd auth | [`REGISTRY`] | [`ENV_REGISTRY`] |
+//! | registry user | [`REGISTRY_USER`] | [`ENV_REGISTRY_USER`] |
+//! | registry password | [`REGISTRY_PASSWORD`] | [`ENV_REGISTRY_PASSWORD`] |
+//! | small image in the registry | `<registry>/`[`REGISTRY_SMALL_REPO`]`:`[`REGISTRY_TAG`] | — |
+//! | large image (one layer >= [`LARGE_LAYER_BYTES`]) | `<registry>/`[`REGISTRY_LARGE_REPO`]`:`[`REGISTRY_TAG`] | — |
+//! | stub runner script | [`RUNNER_PATH_IN_REPO`] | [`ENV_RUNNER`] |
+//!
+//! The registry images are *not* kept in the local Docker daemon after `dev-env` pushed them, so
+//! a pull of the large image really downloads it. `dev-env` pushes with a throwaway Docker
+//! client config, so `~/.docker/config.json` never holds the registry credentials: a pull
+//! without credentials fails with `unauthorized: authentication required`.
+//!
+//! Test gating: tests that need Docker run only when [`ENV_TEST_DOCKER`]` = 1`, tests that need
+//! root (loop devices, mounts) only when [`ENV_TEST_ROOT`]` = 1`; see [`docker_tests_enabled`]
+//! and [`root_tests_enabled`].
+//!
+//! Keep this library free of dependencies: `xtask` depends on it.
+
+use std::path::PathBuf;
+
+/// Environment variable naming the local test image.
+pub const ENV_IMAGE: &str = "SHIM_TEST_IMAGE";
+/// Environment variable naming the test registry (`host:port`).
+pub const ENV_REGISTRY: &str = "SHIM_TEST_REGISTRY";
+/// Environment variable holding the test registry's user name.
+pub const ENV_REGISTRY_USER: &str = "SHIM_TEST_REGISTRY_USER";
+/// Environment variable holding the test registry's password.
+pub const ENV_REGISTRY_PASSWORD: &str = "SHIM_TEST_REGISTRY_PASSWORD";
+/// Environment variable holding the absolute path of the stub runner script.
+pub const ENV_RUNNER: &str = "SHIM_TEST_RUNNER";
+/// Set to `1` to run the tests that need a Docker daemon (they then fail if it is unreachable).
+pub const ENV_TEST_DOCKER: &str = "SHIM_TEST_DOCKER";
+/// Set to `1` to run the tests that need root (loop devices, mounts).
+pub const ENV_TEST_ROOT: &str = "SHIM_TEST_ROOT";
+
+/// The local test image: a busybox root made with `docker import` (never pulled).
+pub const IMAGE: &str = "shim-test:1";
+/// The local test registry, plain HTTP on loopback (Docker treats 127.0.0.1 as insecure).
+pub const REGISTRY: &str = "127.0.0.1:5799";
+/// The port of [`REGISTRY`].
+pub const REGISTRY_PORT: u16 = 5799;
+/// The test registry's user (htpasswd auth).
+pub const REGISTRY_USER: &str = "shimtest";
+/// The test registry's password (a test fixture, not a secret).
+pub const REGISTRY_PASSWORD: &str = "shimtest-pw";
+/// Repository of the small image in the registry (same content as [`IMAGE`]).
+pub const REGISTRY_SMALL_REPO: &str = "shim-test";
+/// Repository of the large image in the registry (one layer of incompressible data).
+pub const REGISTRY_LARGE_REPO: &str = "shim-test-large";
+/// Tag of both registry images.
+pub const REGISTRY_TAG: &str = "1";
+/// Size of the random payload in the large image's single layer (220 MiB).
+pub const LARGE_LAYER_BYTES: u64 = 220 * 1024 * 1024;
+/// The stub runner script, relative to the repository root.
+pub const RUNNER_PATH_IN_REPO: &str = "testdata/runner/dstack-runner";
+/// Where the shim bind-mounts the runner in the container.
+pub const RUNNER_PATH_IN_CONTAINER: &str = "/usr/local/bin/dstack-runner";
+/// The file the stub runner waits for: its content is the exit code (relative to the runner's
+/// `--temp-dir`, which is the task's runner directory mounted at `/tmp/runner`).
+pub const RUNNER_EXIT_FILE: &str = "exit";
+
+fn env_or(name: &str, default: &str) -> String {
+    match std::env::var(name) {
+        Ok(value) if !value.is_empty() => value,
+        _ => default.to_owned(),
+    }
+}
+
+/// The local test image ([`ENV_IMAGE`] or [`IMAGE`]).
+pub fn image() -> String {
+    env_or(ENV_IMAGE, IMAGE)
+}
+
+/// The test registry `host:port` ([`ENV_REGISTRY`] or [`REGISTRY`]).
+pub fn registry() -> String {
+    env_or(ENV_REGISTRY, REGISTRY)
+}
+
+/// The test registry's user ([`ENV_REGISTRY_USER`] or [`REGISTRY_USER`]).
+pub fn registry_user() -> String {
+    env_or(ENV_REGISTRY_USER, REGISTRY_USER)
+}
+
+/// The test registry's password ([`ENV_REGISTRY_PASSWORD`] or [`REGISTRY_PASSWORD`]).
+pub fn registry_password() -> String {
+    env_or(ENV_REGISTRY_PASSWORD, REGISTRY_PASSWORD)
+}
+
+/// The small registry image, e.g. `127.0.0.1:5799/shim-test:1`.
+pub fn registry_small_image() -> String {
+    format!("{}/{REGISTRY_SMALL_REPO}:{REGISTRY_TAG}", registry())
+}
+
+/// The large registry image, e.g. `127.0.0.1:5799/shim-test-large:1`.
+pub fn registry_large_image() -> String {
+    format!("{}/{REGISTRY_LARGE_REPO}:{REGISTRY_TAG}", registry())
+}
+
+/// The repository root (this package lives in `<root>/tests`).
+pub fn repo_root() -> PathBuf {
+    let manifest_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest_dir
+        .parent()
+        .map(PathBuf::from)
+        .unwrap_or(manifest_dir)
+}
+
+/// Absolute path of the stub runner script ([`ENV_RUNNER`] or [`RUNNER_PATH_IN_REPO`]).
+pub fn runner_path() -> PathBuf {
+    match std::env::var_os(ENV_RUNNER) {
+        Some(path) if !path.is_empty() => PathBuf::from(path),
+        _ => repo_root().join(RUNNER_PATH_IN_REPO),
+    }
+}
+
+#[allow(
+    clippy::print_stderr,
+    reason = "tells the person running the tests why one did nothing"
+)]
+fn gate(var: &str, test: &str, needs: &str) -> bool {
+    if std::env::var(var).is_ok_and(|v| v == "1") {
+        return true;
+    }
+    eprintln!("skipped {test}: needs {needs}; set {var}=1 to run it");
+    false
+}
+
+/// Whether a test that needs Docker should run: true when [`ENV_TEST_DOCKER`]` = 1`; otherwise
+/// prints (stderr) that `test` was skipped and why, and returns false. When it returns true the
+/// test must fail, not skip, if Docker is unreachable.
+pub fn docker_tests_enabled(test: &str) -> bool {
+    gate(
+        ENV_TEST_DOCKER,
+        test,
+        "a Docker daemon and the dev-env fixtures",
+    )
+}
+
+/// Whether a test that needs root (loop devices, mounts) should run: true when
+/// [`ENV_TEST_ROOT`]` = 1`; otherwise prints why `test` was skipped and returns false.
+pub fn root_tests_enabled(test: &str) -> bool {
+    gate(ENV_TEST_ROOT, test, "root (loop devices, mounts)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registry_images_are_under_the_registry() {
+        // Unless overridden by the environment, the names are the documented ones.
+        if std::env::var_os(ENV_REGISTRY).is_none() {
+            assert_eq!(registry_small_image(), "127.0.0.1:5799/shim-test:1");
+            assert_eq!(registry_large_image(), "127.0.0.1:5799/shim-test-large:1");
+        }
+        assert!(REGISTRY.ends_with(&format!(":{REGISTRY_PORT}")));
+    }
+
+    #[test]
+    fn runner_script_is_in_the_repository() {
+        let path = repo_root().join(RUNNER_PATH_IN_REPO);
+        assert!(path.is_file(), "{} missing", path.display());
+    }
+}

@@ -1,3 +1,99 @@
-//! Developer tasks.
+//! Developer tasks of the dstack-shim workspace, run as `cargo xtask <command>`.
+//!
+//! - `dev-env [--check]`: make this machine ready for the tests (Debian 12, as root): install
+//!   Docker and the fixture tools, start `dockerd` if needed, build the local test image, run
+//!   the local registry and push the registry images. Idempotent; `--check` only reports.
+//! - `ci`: `dev-env`, then fmt, clippy, cargo-deny, all tests, docs; a timing summary at the end.
+//! - `run [ARGS..]`: start Docker if needed and run the shim against it, with its home under
+//!   `target/shim-home`; `ARGS` are passed to `dstack-shim`.
+//!
+//! The fixture names live in the `shim-e2e` library (`tests/src/lib.rs`).
 
-fn main() {}
+#![allow(
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "xtask is a command-line tool that reports to the person running it"
+)]
+
+mod ci;
+mod cmd;
+mod devenv;
+mod docker;
+mod http;
+mod image;
+mod packages;
+mod proc;
+mod registry;
+mod run;
+
+use std::process::ExitCode;
+
+use anyhow::{Result, bail};
+
+const USAGE: &str = "\
+usage: cargo xtask <command>
+
+commands:
+  dev-env [--check]   install and start Docker, build the test image, run the test registry
+                      (idempotent); --check only reports what is missing
+  ci [--skip-dev-env] dev-env, fmt, clippy, cargo-deny, tests (nextest), docs; timing summary
+  run [ARGS..]        start Docker if needed, then run dstack-shim with
+                      --shim-home <repo>/target/shim-home and ARGS
+  help                this text
+";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match dispatch(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("xtask: error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn dispatch(args: &[String]) -> Result<()> {
+    let (command, rest) = match args.split_first() {
+        Some((command, rest)) => (command.as_str(), rest),
+        None => {
+            print!("{USAGE}");
+            bail!("no command given");
+        }
+    };
+    match command {
+        "dev-env" => match flags(rest, &["--check"])?.as_slice() {
+            [] => devenv::dev_env(),
+            _ => devenv::check(),
+        },
+        "ci" => {
+            let skip_dev_env = !flags(rest, &["--skip-dev-env"])?.is_empty();
+            ci::ci(skip_dev_env)
+        }
+        "run" => run::run(rest),
+        "help" | "--help" | "-h" => {
+            print!("{USAGE}");
+            Ok(())
+        }
+        other => {
+            print!("{USAGE}");
+            bail!("unknown command `{other}`")
+        }
+    }
+}
+
+/// The given `args`, each of which must be one of `allowed`.
+fn flags<'a>(args: &'a [String], allowed: &[&str]) -> Result<Vec<&'a str>> {
+    args.iter()
+        .map(|arg| {
+            if allowed.contains(&arg.as_str()) {
+                Ok(arg.as_str())
+            } else {
+                bail!(
+                    "unexpected argument `{arg}` (allowed: {})",
+                    allowed.join(", ")
+                )
+            }
+        })
+        .collect()
+}

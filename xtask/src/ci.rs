@@ -1,0 +1,131 @@
+//! `cargo xtask ci`: the whole check, as CI runs it. Every step runs even after a failure, so
+//! one run reports all failures; a timing summary at the end shows where the time goes.
+
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Result, bail};
+use shim_e2e::{
+    ENV_IMAGE, ENV_REGISTRY, ENV_REGISTRY_PASSWORD, ENV_REGISTRY_USER, ENV_RUNNER, ENV_TEST_DOCKER,
+    ENV_TEST_ROOT,
+};
+
+use crate::cmd;
+use crate::devenv::{self, Timings};
+use crate::run::cargo;
+
+/// Runs dev-env (unless `skip_dev_env`), fmt, clippy, cargo-deny, nextest and rustdoc.
+pub fn ci(skip_dev_env: bool) -> Result<()> {
+    let root = shim_e2e::repo_root();
+    let mut timings = Timings::default();
+    let mut failures: Vec<String> = Vec::new();
+    let mut note = |name: &str, result: Result<()>| {
+        if let Err(err) = result {
+            eprintln!("\nci: step `{name}` FAILED: {err:#}");
+            failures.push(format!("{name}: {err:#}"));
+        }
+    };
+
+    if skip_dev_env {
+        timings.record("dev-env", 0.0, "skipped");
+    } else {
+        let mut dev = Timings::default();
+        let result = devenv::dev_env_timed(&mut dev);
+        dev.print("dev-env timings:");
+        let seconds = dev.total();
+        timings.record(
+            "dev-env",
+            seconds,
+            if result.is_ok() { "ok" } else { "FAILED" },
+        );
+        note("dev-env", result);
+    }
+
+    let result = timings.time("tools", ensure_tools);
+    note("tools", result);
+
+    let result = timings.time("fmt", || {
+        cmd::run(cargo_in(&root).args(["fmt", "--all", "--", "--check"]))
+    });
+    note("fmt", result);
+
+    let result = timings.time("clippy", || {
+        cmd::run(cargo_in(&root).args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]))
+    });
+    note("clippy", result);
+
+    let result = timings.time("deny", || {
+        cmd::run(cargo_in(&root).args(["deny", "check", "licenses", "bans", "sources"]))
+    });
+    note("deny", result);
+
+    let result = timings.time("tests", || {
+        let runner = root.join(shim_e2e::RUNNER_PATH_IN_REPO);
+        cmd::run(
+            cargo_in(&root)
+                .args(["nextest", "run", "--workspace", "--no-fail-fast"])
+                .env(ENV_TEST_DOCKER, "1")
+                .env(ENV_TEST_ROOT, "1")
+                .env(ENV_IMAGE, shim_e2e::image())
+                .env(ENV_REGISTRY, shim_e2e::registry())
+                .env(ENV_REGISTRY_USER, shim_e2e::registry_user())
+                .env(ENV_REGISTRY_PASSWORD, shim_e2e::registry_password())
+                .env(ENV_RUNNER, runner),
+        )
+    });
+    note("tests", result);
+
+    let result = timings.time("doc", || {
+        cmd::run(
+            cargo_in(&root)
+                .args(["doc", "--workspace", "--no-deps"])
+                .env("RUSTDOCFLAGS", "-D warnings"),
+        )
+    });
+    note("doc", result);
+
+    timings.print("ci timings:");
+    if failures.is_empty() {
+        println!("\nci: all steps passed");
+        Ok(())
+    } else {
+        eprintln!("\nci: {} step(s) failed:", failures.len());
+        for failure in &failures {
+            eprintln!("  - {failure}");
+        }
+        bail!("ci failed")
+    }
+}
+
+fn cargo_in(root: &Path) -> Command {
+    let mut command = cmd::cmd(cargo());
+    command.current_dir(root);
+    command
+}
+
+/// Installs what the steps need and CI may lack: the rustfmt and clippy components,
+/// cargo-nextest and cargo-deny (`cargo install --locked`, a few minutes each on 2 cores).
+fn ensure_tools() -> Result<()> {
+    for (probe, component) in [("fmt", "rustfmt"), ("clippy", "clippy")] {
+        if cmd::succeeds(cmd::cmd(cargo()).args([probe, "--version"])) {
+            println!("tools: cargo {probe} present");
+        } else {
+            cmd::run(cmd::cmd("rustup").args(["component", "add", component]))?;
+        }
+    }
+    for (probe, krate) in [("nextest", "cargo-nextest"), ("deny", "cargo-deny")] {
+        if cmd::succeeds(cmd::cmd(cargo()).args([probe, "--version"])) {
+            println!("tools: cargo {probe} present");
+        } else {
+            cmd::run(cmd::cmd(cargo()).args(["install", "--locked", krate]))?;
+        }
+    }
+    Ok(())
+}

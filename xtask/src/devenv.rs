@@ -1,0 +1,236 @@
+//! `cargo xtask dev-env`: make a Debian 12 machine (as root) ready for every test. Idempotent:
+//! each step checks first and does only what is missing, so a rerun takes seconds.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context as _, Result, bail};
+use shim_e2e::{
+    IMAGE, LARGE_LAYER_BYTES, REGISTRY, REGISTRY_LARGE_REPO, REGISTRY_SMALL_REPO, REGISTRY_TAG,
+};
+
+use crate::{cmd, docker, image, packages, registry};
+
+/// State of the dev environment: the registry's config, auth and storage, temporary build dirs.
+pub fn state_dir() -> PathBuf {
+    PathBuf::from("/var/lib/dstack-shim-dev")
+}
+
+/// Logs of the daemons dev-env starts (`dockerd.log`, `registry.log`).
+pub fn log_dir() -> PathBuf {
+    PathBuf::from("/var/log/dstack-shim-dev")
+}
+
+fn small_ref() -> String {
+    format!("{REGISTRY}/{REGISTRY_SMALL_REPO}:{REGISTRY_TAG}")
+}
+
+fn large_ref() -> String {
+    format!("{REGISTRY}/{REGISTRY_LARGE_REPO}:{REGISTRY_TAG}")
+}
+
+/// Timings of named phases, printed as a table.
+#[derive(Default)]
+pub struct Timings {
+    rows: Vec<(String, f64, String)>,
+}
+
+impl Timings {
+    /// Runs `phase`, recording how long it took and whether it failed.
+    pub fn time<T>(&mut self, name: &str, phase: impl FnOnce() -> Result<T>) -> Result<T> {
+        println!("\n=== {name}");
+        let started = Instant::now();
+        let result = phase();
+        let outcome = match &result {
+            Ok(_) => "ok".to_owned(),
+            Err(_) => "FAILED".to_owned(),
+        };
+        self.rows
+            .push((name.to_owned(), started.elapsed().as_secs_f64(), outcome));
+        result
+    }
+
+    /// Records a phase that was measured elsewhere.
+    pub fn record(&mut self, name: &str, seconds: f64, outcome: &str) {
+        self.rows
+            .push((name.to_owned(), seconds, outcome.to_owned()));
+    }
+
+    /// The sum of all recorded phases, in seconds.
+    pub fn total(&self) -> f64 {
+        self.rows.iter().map(|row| row.1).sum()
+    }
+
+    /// Prints the table with a total.
+    pub fn print(&self, title: &str) {
+        let width = self
+            .rows
+            .iter()
+            .map(|r| r.0.len())
+            .max()
+            .unwrap_or(0)
+            .max(5);
+        println!("\n{title}");
+        for (name, seconds, outcome) in &self.rows {
+            println!("  {name:<width$}  {seconds:>8.1}s  {outcome}");
+        }
+        println!("  {:<width$}  {:>8.1}s", "total", self.total());
+    }
+}
+
+/// Docker only (what `cargo xtask run` needs): the package and a running daemon.
+pub fn ensure_docker() -> Result<()> {
+    packages::ensure(packages::DOCKER)?;
+    docker::ensure_daemon()
+}
+
+/// The whole dev environment; prints a timing summary.
+pub fn dev_env() -> Result<()> {
+    let mut timings = Timings::default();
+    let result = dev_env_timed(&mut timings);
+    timings.print("dev-env timings:");
+    result
+}
+
+/// The whole dev environment, each phase recorded in `timings`.
+pub fn dev_env_timed(timings: &mut Timings) -> Result<()> {
+    timings.time("packages", || packages::ensure(packages::ALL))?;
+    timings.time("docker daemon", docker::ensure_daemon)?;
+    let rebuilt = timings.time("local image", ensure_local_image)?;
+    timings.time("registry", registry::ensure_running)?;
+    timings.time("registry small image", || push_small(rebuilt))?;
+    timings.time("registry large image", push_large)?;
+    println!(
+        "\ndev-env ready: image {IMAGE}, registry {REGISTRY} ({} / {}), images {} and {}",
+        shim_e2e::REGISTRY_USER,
+        shim_e2e::REGISTRY_PASSWORD,
+        small_ref(),
+        large_ref()
+    );
+    Ok(())
+}
+
+/// Builds [`IMAGE`] unless it exists with the hash of the current root file system.
+/// Returns whether it was (re)built.
+fn ensure_local_image() -> Result<bool> {
+    let rootfs = image::build_rootfs(&state_dir().join("tmp"))?;
+    match image::local_hash(IMAGE) {
+        Some(hash) if hash == rootfs.hash => {
+            println!("image: {IMAGE} is up to date ({})", short(&rootfs.hash));
+            Ok(false)
+        }
+        found => {
+            match found {
+                None => println!("image: {IMAGE} missing; building it"),
+                Some(_) => println!("image: {IMAGE} is out of date; rebuilding it"),
+            }
+            image::import(rootfs.path(), IMAGE, &rootfs.hash)?;
+            Ok(true)
+        }
+    }
+}
+
+/// Pushes [`IMAGE`] as the small registry image unless the registry has it already (and
+/// [`IMAGE`] was not just rebuilt); the registry tag is then removed from the local daemon.
+fn push_small(rebuilt: bool) -> Result<()> {
+    let reference = small_ref();
+    if !rebuilt && registry::has_tag(REGISTRY_SMALL_REPO, REGISTRY_TAG)? {
+        println!("registry: has {reference}");
+        return Ok(());
+    }
+    cmd::run(cmd::cmd("docker").args(["tag", IMAGE, &reference]))?;
+    let login = registry::Login::new()?;
+    login.push(&reference)?;
+    // Only untags: the content stays as IMAGE.
+    cmd::run(cmd::cmd("docker").args(["rmi", &reference]))?;
+    Ok(())
+}
+
+/// Builds and pushes the large registry image unless the registry has it, then removes it from
+/// the local daemon so that pulling it really downloads it.
+fn push_large() -> Result<()> {
+    let reference = large_ref();
+    if registry::has_tag(REGISTRY_LARGE_REPO, REGISTRY_TAG)? {
+        println!("registry: has {reference}");
+        return Ok(());
+    }
+    println!(
+        "registry: building {reference} with a {} MiB random layer",
+        LARGE_LAYER_BYTES / (1024 * 1024)
+    );
+    let rootfs = image::build_rootfs(&state_dir().join("tmp"))?;
+    image::add_random_payload(rootfs.path(), LARGE_LAYER_BYTES)?;
+    image::import(rootfs.path(), &reference, &rootfs.hash)?;
+    drop(rootfs);
+    let login = registry::Login::new()?;
+    login.push(&reference)?;
+    cmd::run(cmd::cmd("docker").args(["rmi", &reference]))?;
+    Ok(())
+}
+
+fn short(hash: &str) -> &str {
+    hash.get(..12).unwrap_or(hash)
+}
+
+/// `cargo xtask dev-env --check`: reports what is ready and what is missing; changes nothing.
+pub fn check() -> Result<()> {
+    let mut missing: Vec<String> = Vec::new();
+    let mut line = |ok: bool, what: String| {
+        println!("[{}] {what}", if ok { " ok " } else { "MISS" });
+        if !ok {
+            missing.push(what);
+        }
+    };
+    for package in packages::ALL {
+        line(packages::installed(package), format!("package {package}"));
+    }
+    let version = docker::server_version();
+    let docker_ok = version.is_some();
+    line(
+        docker_ok,
+        format!(
+            "docker daemon answers{}",
+            version
+                .map(|v| format!(" (server {v})"))
+                .unwrap_or_default()
+        ),
+    );
+    if docker_ok {
+        let current = image::build_rootfs(&state_dir().join("tmp"))
+            .map(|rootfs| rootfs.hash)
+            .context("could not build the image root file system to compare hashes")?;
+        line(
+            image::local_hash(IMAGE).as_deref() == Some(current.as_str()),
+            format!("image {IMAGE} up to date"),
+        );
+        line(
+            !image::exists_locally(&large_ref()),
+            format!(
+                "{} not in the local daemon (pulls download it)",
+                large_ref()
+            ),
+        );
+    }
+    let registry_ok = registry::answers();
+    line(
+        registry_ok,
+        format!("registry answers on {REGISTRY} with auth"),
+    );
+    if registry_ok {
+        for repo in [REGISTRY_SMALL_REPO, REGISTRY_LARGE_REPO] {
+            line(
+                registry::has_tag(repo, REGISTRY_TAG).unwrap_or(false),
+                format!("registry has {REGISTRY}/{repo}:{REGISTRY_TAG}"),
+            );
+        }
+    }
+    if missing.is_empty() {
+        println!("dev-env: ready");
+        Ok(())
+    } else {
+        bail!(
+            "dev-env not ready ({} missing); run `cargo xtask dev-env`",
+            missing.len()
+        )
+    }
+}

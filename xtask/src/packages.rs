@@ -1,0 +1,72 @@
+//! Debian packages the dev environment needs.
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::cmd;
+
+/// Docker itself (daemon `dockerd` and client `docker`).
+pub const DOCKER: &[&str] = &["docker.io"];
+
+/// Everything `dev-env` needs: Docker, the static busybox of the test image, the registry and
+/// `htpasswd` for its auth file.
+pub const ALL: &[&str] = &[
+    "docker.io",
+    "busybox-static",
+    "docker-registry",
+    "apache2-utils",
+];
+
+/// Whether the Debian package `name` is installed (`dpkg-query` status `install ok installed`).
+pub fn installed(name: &str) -> bool {
+    cmd::output(cmd::cmd("dpkg-query").args(["-W", "-f", "${Status}", name]))
+        .is_ok_and(|status| status.trim() == "install ok installed")
+}
+
+/// The packages of `names` that are not installed.
+pub fn missing(names: &[&str]) -> Vec<String> {
+    names
+        .iter()
+        .filter(|name| !installed(name))
+        .map(|name| (*name).to_owned())
+        .collect()
+}
+
+/// Installs the packages of `names` that are missing; `apt-get update` runs only if one is.
+pub fn ensure(names: &[&str]) -> Result<()> {
+    let missing = missing(names);
+    if missing.is_empty() {
+        println!("packages: all installed ({})", names.join(", "));
+        return Ok(());
+    }
+    if !cmd::have_program("apt-get") {
+        bail!(
+            "packages {} are missing and there is no apt-get: dev-env supports Debian 12; \
+             install them by hand",
+            missing.join(", ")
+        );
+    }
+    println!("packages: installing {}", missing.join(", "));
+    cmd::run(
+        cmd::cmd("apt-get")
+            .arg("update")
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
+    .context(
+        "apt-get update failed (dev-env must run as root, with the Debian mirrors reachable)",
+    )?;
+    cmd::run(
+        cmd::cmd("apt-get")
+            .args(["install", "-y"])
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
+    .with_context(|| format!("could not install {}", missing.join(", ")))?;
+    let still = self::missing(names);
+    if !still.is_empty() {
+        bail!(
+            "apt-get succeeded but {} still not installed",
+            still.join(", ")
+        );
+    }
+    Ok(())
+}
