@@ -1,0 +1,1073 @@
+//! Real HTTP requests over TCP (and a Unix socket) against the server, with a fake engine.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test file: panics are failures
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use shim_http::{
+    ApiError, ComponentInfo, ComponentName, ComponentStatus, ComponentsApi, Error, InstanceInfo,
+    Listeners, ServerConfig, ShimApi, serve,
+};
+use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpStream, UnixStream};
+use tokio::sync::{Notify, oneshot};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+const BOUND: Duration = Duration::from_secs(20);
+
+// ---------------------------------------------------------------------------------------------
+// The fake engine and installer.
+
+#[derive(Default)]
+struct FakeEngine {
+    tasks: Mutex<HashMap<TaskId, TaskInfo>>,
+    terminations: Mutex<Vec<(String, String, String, u64)>>,
+    /// `GET /api/tasks/slow` signals `entered` and waits for `release`.
+    entered: Notify,
+    release: Notify,
+}
+
+fn info(id: &TaskId, status: TaskStatus) -> TaskInfo {
+    TaskInfo {
+        id: id.clone(),
+        status,
+        termination_reason: String::new(),
+        termination_message: String::new(),
+        ports: None,
+        image_pull_progress: None,
+        container_name: format!("{id}-0123abcd"),
+        container_id: String::new(),
+        gpu_ids: None,
+    }
+}
+
+#[async_trait]
+impl ShimApi for FakeEngine {
+    async fn submit(&self, config: TaskConfig) -> Result<TaskInfo, ApiError> {
+        let mut tasks = self.tasks.lock().unwrap();
+        if tasks.contains_key(&config.id) {
+            return Err(ApiError::conflict(format!(
+                "task {} already exists",
+                config.id
+            )));
+        }
+        let i = info(&config.id, TaskStatus::Pending);
+        tasks.insert(config.id.clone(), i.clone());
+        Ok(i)
+    }
+
+    async fn task_info(&self, id: &TaskId) -> Result<TaskInfo, ApiError> {
+        if id.as_str() == "slow" {
+            self.entered.notify_one();
+            self.release.notified().await;
+            return Ok(info(id, TaskStatus::Running));
+        }
+        if id.as_str() == "boom" {
+            return Err(ApiError::internal("engine exploded"));
+        }
+        self.tasks
+            .lock()
+            .unwrap()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| ApiError::not_found(format!("task {id} not found")))
+    }
+
+    async fn list_tasks(&self) -> Vec<(TaskId, TaskStatus)> {
+        let mut v: Vec<_> = self
+            .tasks
+            .lock()
+            .unwrap()
+            .values()
+            .map(|t| (t.id.clone(), t.status))
+            .collect();
+        v.sort();
+        v
+    }
+
+    async fn terminate(
+        &self,
+        id: &TaskId,
+        reason: TerminationReason,
+        message: String,
+        timeout_s: u64,
+    ) -> Result<TaskInfo, ApiError> {
+        self.terminations.lock().unwrap().push((
+            id.to_string(),
+            reason.to_string(),
+            message.clone(),
+            timeout_s,
+        ));
+        let mut tasks = self.tasks.lock().unwrap();
+        let t = tasks
+            .get_mut(id)
+            .ok_or_else(|| ApiError::not_found(format!("task {id} not found")))?;
+        if t.status != TaskStatus::Terminated {
+            t.status = TaskStatus::Terminated;
+            t.termination_reason = reason.to_string();
+            t.termination_message = message;
+        }
+        Ok(t.clone())
+    }
+
+    async fn remove(&self, id: &TaskId) -> Result<(), ApiError> {
+        let mut tasks = self.tasks.lock().unwrap();
+        match tasks.get(id) {
+            None => Err(ApiError::not_found(format!("task {id} not found"))),
+            Some(t) if t.status != TaskStatus::Terminated => {
+                Err(ApiError::conflict(format!("task {id} is not terminated")))
+            }
+            Some(_) => {
+                tasks.remove(id);
+                Ok(())
+            }
+        }
+    }
+
+    async fn instance_info(&self) -> InstanceInfo {
+        InstanceInfo {
+            gpu_vendor: Some("nvidia".into()),
+            gpu_driver_version: None,
+        }
+    }
+
+    async fn instance_health(&self) -> serde_json::Value {
+        serde_json::json!({})
+    }
+
+    async fn task_metrics(&self, id: &TaskId) -> Result<String, ApiError> {
+        match id.as_str() {
+            "metrics-ok" => Ok("DCGM_FI_DEV_GPU_UTIL{gpu=\"0\"} 42\n".into()),
+            "metrics-bad" => Err(ApiError::bad_gateway("exporter: connection refused")),
+            _ => Err(ApiError::not_found("DCGM Exporter is not available")),
+        }
+    }
+}
+
+#[derive(Default)]
+struct FakeComponents {
+    installs: Mutex<Vec<(ComponentName, String)>>,
+}
+
+#[async_trait]
+impl ComponentsApi for FakeComponents {
+    async fn list(&self) -> Vec<ComponentInfo> {
+        vec![
+            ComponentInfo {
+                name: ComponentName::Runner,
+                version: "1.2.3".into(),
+                status: ComponentStatus::Installed,
+            },
+            ComponentInfo {
+                name: ComponentName::Shim,
+                version: String::new(),
+                status: ComponentStatus::Installing,
+            },
+        ]
+    }
+
+    async fn install(&self, name: ComponentName, url: String) -> Result<(), ApiError> {
+        if name == ComponentName::Shim {
+            return Err(ApiError::conflict("already installing"));
+        }
+        self.installs.lock().unwrap().push((name, url));
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A server under test and a raw HTTP/1.1 client (exact bytes in, exact bytes out).
+
+struct Server {
+    addr: SocketAddr,
+    engine: Arc<FakeEngine>,
+    components: Arc<FakeComponents>,
+    shutdown: CancellationToken,
+    force: CancellationToken,
+    handle: JoinHandle<Result<(), Error>>,
+}
+
+/// A drain hook the test controls: `started` fires when the server awaits it, `release` ends it.
+struct Drain {
+    started: oneshot::Sender<()>,
+    release: oneshot::Receiver<()>,
+}
+
+/// The test's ends of a [`Drain`].
+struct DrainCtl {
+    started: oneshot::Receiver<()>,
+    release: oneshot::Sender<()>,
+}
+
+fn drain() -> (Drain, DrainCtl) {
+    let (started_tx, started_rx) = oneshot::channel();
+    let (release_tx, release_rx) = oneshot::channel();
+    (
+        Drain {
+            started: started_tx,
+            release: release_rx,
+        },
+        DrainCtl {
+            started: started_rx,
+            release: release_tx,
+        },
+    )
+}
+
+async fn start_with(unix: Option<&Path>, drain: Option<Drain>) -> Server {
+    let engine = Arc::new(FakeEngine::default());
+    let components = Arc::new(FakeComponents::default());
+    let listeners = Listeners::bind("127.0.0.1:0".parse().unwrap(), unix)
+        .await
+        .unwrap();
+    let addr = listeners.tcp_addr();
+    let shutdown = CancellationToken::new();
+    let force = CancellationToken::new();
+    let mut config = ServerConfig::new("0.22.0").with_force_shutdown(force.clone());
+    if let Some(d) = drain {
+        config = config.with_drain(async move {
+            let _ = d.started.send(());
+            let _ = d.release.await;
+        });
+    }
+    let handle = tokio::spawn(serve(
+        listeners,
+        engine.clone(),
+        components.clone(),
+        config,
+        shutdown.clone(),
+    ));
+    Server {
+        addr,
+        engine,
+        components,
+        shutdown,
+        force,
+        handle,
+    }
+}
+
+async fn start() -> Server {
+    start_with(None, None).await
+}
+
+#[derive(Debug)]
+struct Resp {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Resp {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn json(&self) -> serde_json::Value {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/json"),
+            "{self:?}"
+        );
+        serde_json::from_str(&self.body).unwrap()
+    }
+
+    /// Asserts an error answer: status, `text/plain`, exact message.
+    fn assert_error(&self, status: u16, body: &str) {
+        assert_eq!(self.status, status, "{self:?}");
+        assert_eq!(
+            self.header("content-type"),
+            Some("text/plain; charset=utf-8"),
+            "{self:?}"
+        );
+        assert_eq!(self.body, body);
+    }
+}
+
+fn parse_response(raw: &[u8]) -> Resp {
+    let text = String::from_utf8_lossy(raw);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("incomplete response: {text:?}"));
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().unwrap();
+    let status = status_line.split(' ').nth(1).unwrap().parse().unwrap();
+    let headers = lines
+        .map(|l| {
+            let (k, v) = l.split_once(':').unwrap();
+            (k.trim().to_owned(), v.trim().to_owned())
+        })
+        .collect();
+    Resp {
+        status,
+        headers,
+        body: body.to_owned(),
+    }
+}
+
+async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, request: &[u8]) -> Resp {
+    s.write_all(request).await.unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await.unwrap();
+    parse_response(&raw)
+}
+
+fn request_bytes(
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&[u8]>,
+) -> Vec<u8> {
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if let Some(b) = body {
+        req.push_str(&format!("Content-Length: {}\r\n", b.len()));
+    }
+    req.push_str("\r\n");
+    let mut bytes = req.into_bytes();
+    if let Some(b) = body {
+        bytes.extend_from_slice(b);
+    }
+    bytes
+}
+
+async fn raw(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&[u8]>,
+) -> Resp {
+    let s = TcpStream::connect(addr).await.unwrap();
+    tokio::time::timeout(
+        BOUND,
+        exchange(s, &request_bytes(method, path, headers, body)),
+    )
+    .await
+    .expect("response within the bound")
+}
+
+async fn get(addr: SocketAddr, path: &str) -> Resp {
+    raw(addr, "GET", path, &[], None).await
+}
+
+async fn post(addr: SocketAddr, path: &str, body: &str) -> Resp {
+    raw(
+        addr,
+        "POST",
+        path,
+        &[("Content-Type", "application/json")],
+        Some(body.as_bytes()),
+    )
+    .await
+}
+
+async fn stop(server: Server) {
+    server.shutdown.cancel();
+    tokio::time::timeout(BOUND, server.handle)
+        .await
+        .expect("serve returns")
+        .unwrap()
+        .unwrap();
+}
+
+const KEY: &str =
+    "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIAABAgMEBQYHCAkKCwwNDg8QERITFBUWFxgZGhscHR4f user@host";
+
+fn submit_body(id: &str) -> String {
+    // What dstack's Python ShimClient sends (every field present), plus a field from the future.
+    serde_json::json!({
+        "id": id, "name": "job-1", "registry_username": "", "registry_password": "",
+        "image_name": "shim-test:1", "container_user": "", "privileged": false,
+        "gpu": -1, "cpu": 0, "memory": 0, "shm_size": 0, "network_mode": "host",
+        "volumes": [], "volume_mounts": [], "instance_mounts": [], "gpu_devices": [],
+        "host_ssh_user": "", "host_ssh_keys": [], "container_ssh_keys": [],
+        "some_future_field": {"x": 1}
+    })
+    .to_string()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Routes.
+
+#[tokio::test]
+async fn healthcheck_and_instance_routes() {
+    let s = start().await;
+    let r = get(s.addr, "/api/healthcheck").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body, r#"{"service":"dstack-shim","version":"0.22.0"}"#);
+    assert_eq!(r.json()["service"], "dstack-shim");
+
+    let r = get(s.addr, "/api/instance/info").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json(), serde_json::json!({"gpu_vendor": "nvidia"}));
+
+    let r = get(s.addr, "/api/instance/health").await;
+    assert_eq!((r.status, r.body.as_str()), (200, "{}"));
+    stop(s).await;
+}
+
+#[tokio::test]
+async fn task_lifecycle_routes() {
+    let s = start().await;
+    assert_eq!(
+        get(s.addr, "/api/tasks").await.json(),
+        serde_json::json!({"tasks": []})
+    );
+
+    let r = post(s.addr, "/api/tasks", &submit_body("t1")).await;
+    assert_eq!(r.status, 200, "{r:?}");
+    let v = r.json();
+    assert_eq!(v["id"], "t1");
+    assert_eq!(v["status"], "pending");
+    assert_eq!(v["termination_reason"], "");
+    assert_eq!(v["ports"], serde_json::Value::Null);
+
+    post(s.addr, "/api/tasks", &submit_body("t1"))
+        .await
+        .assert_error(409, "task t1 already exists");
+
+    let v = get(s.addr, "/api/tasks").await.json();
+    assert_eq!(
+        v,
+        serde_json::json!({"tasks": [{"id": "t1", "status": "pending"}]})
+    );
+    assert_eq!(
+        get(s.addr, "/api/tasks/t1").await.json()["status"],
+        "pending"
+    );
+
+    post(s.addr, "/api/tasks/t1/remove", "{}")
+        .await
+        .assert_error(409, "task t1 is not terminated");
+
+    // What the Python client sends.
+    let r = post(
+        s.addr,
+        "/api/tasks/t1/terminate",
+        r#"{"termination_reason":"terminated_by_user","termination_message":"bye","timeout":10}"#,
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    assert_eq!(v["status"], "terminated");
+    assert_eq!(v["termination_reason"], "terminated_by_user");
+    assert_eq!(v["termination_message"], "bye");
+
+    // Every terminate field is optional.
+    assert_eq!(
+        post(s.addr, "/api/tasks/t1/terminate", "{}").await.status,
+        200
+    );
+    assert_eq!(
+        post(
+            s.addr,
+            "/api/tasks/t1/terminate",
+            r#"{"termination_reason":null,"timeout":null}"#
+        )
+        .await
+        .status,
+        200
+    );
+    assert_eq!(
+        *s.engine.terminations.lock().unwrap(),
+        vec![
+            ("t1".into(), "terminated_by_user".into(), "bye".into(), 10),
+            ("t1".into(), String::new(), String::new(), 0),
+            ("t1".into(), String::new(), String::new(), 0),
+        ]
+    );
+
+    // Remove sends no body at all (Python passes json=None).
+    let r = raw(s.addr, "POST", "/api/tasks/t1/remove", &[], None).await;
+    assert_eq!((r.status, r.body.as_str()), (200, "{}"));
+    get(s.addr, "/api/tasks/t1")
+        .await
+        .assert_error(404, "task t1 not found");
+    post(s.addr, "/api/tasks/t1/remove", "")
+        .await
+        .assert_error(404, "task t1 not found");
+    post(s.addr, "/api/tasks/t1/terminate", "{}")
+        .await
+        .assert_error(404, "task t1 not found");
+    get(s.addr, "/api/tasks/boom")
+        .await
+        .assert_error(500, "engine exploded");
+    stop(s).await;
+}
+
+#[tokio::test]
+async fn submit_validation() {
+    let s = start().await;
+    let cases: Vec<(serde_json::Value, &str)> = vec![
+        (
+            serde_json::json!({"name": "n", "image_name": "i"}),
+            "invalid request body: missing field `id` at line 1 column 29",
+        ),
+        (
+            serde_json::json!({"id": "a", "image_name": "i"}),
+            "invalid request body: missing field `name` at line 1 column 27",
+        ),
+        (
+            serde_json::json!({"id": "a", "name": "n"}),
+            "invalid request body: missing field `image_name` at line 1 column 21",
+        ),
+        (
+            serde_json::json!({"id": "", "name": "n", "image_name": "i"}),
+            "invalid request body: id \"\" is invalid: must not be empty at line 1 column 8",
+        ),
+        (
+            serde_json::json!({"id": "a", "name": "n", "image_name": ""}),
+            "invalid task config: image_name: must not be empty",
+        ),
+        (
+            serde_json::json!({"id": "a", "name": "n", "image_name": "i", "gpu": -2}),
+            "invalid task config: gpu: must be -1 (all), 0 or a positive count",
+        ),
+        (
+            serde_json::json!({"id": "a", "name": "n", "image_name": "i", "network_mode": "none"}),
+            "invalid request body: network_mode must be \"host\" or \"bridge\", not \"none\" at line 1 column 60",
+        ),
+    ];
+    for (body, message) in cases {
+        post(s.addr, "/api/tasks", &body.to_string())
+            .await
+            .assert_error(400, message);
+    }
+    let bad_key = serde_json::json!({
+        "id": "a", "name": "n", "image_name": "i", "container_ssh_keys": ["command=\"x\" ssh-ed25519 AAAA"]
+    });
+    let r = post(s.addr, "/api/tasks", &bad_key.to_string()).await;
+    assert_eq!(r.status, 400, "{r:?}");
+    assert!(r.body.contains("invalid SSH public key"), "{r:?}");
+    assert!(s.engine.tasks.lock().unwrap().is_empty());
+
+    // A valid key and null optional fields are fine.
+    let ok = serde_json::json!({
+        "id": "a", "name": "n", "image_name": "i", "container_ssh_keys": [KEY], "volumes": null
+    });
+    let r = post(s.addr, "/api/tasks", &ok.to_string()).await;
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(s.engine.tasks.lock().unwrap().len(), 1);
+    stop(s).await;
+}
+
+#[tokio::test]
+async fn ids_in_paths_are_validated() {
+    let s = start().await;
+    get(s.addr, "/api/tasks/-x").await.assert_error(
+        400,
+        "id \"-x\" is invalid: must start with a letter or a digit",
+    );
+    get(s.addr, "/api/tasks/..").await.assert_error(
+        400,
+        "id \"..\" is invalid: must start with a letter or a digit",
+    );
+    get(s.addr, "/api/tasks/a%2Fb").await.assert_error(
+        400,
+        "id \"a%2Fb\" is invalid: may contain only letters, digits, '_', '.' and '-'",
+    );
+    post(s.addr, "/api/tasks/-x/terminate", "{}")
+        .await
+        .assert_error(
+            400,
+            "id \"-x\" is invalid: must start with a letter or a digit",
+        );
+    get(s.addr, "/metrics/tasks/-x").await.assert_error(
+        400,
+        "id \"-x\" is invalid: must start with a letter or a digit",
+    );
+    stop(s).await;
+}
+
+#[tokio::test]
+async fn not_found_and_method_not_allowed() {
+    let s = start().await;
+    get(s.addr, "/api/nope")
+        .await
+        .assert_error(404, "no route for /api/nope");
+    get(s.addr, "/api/tasks/")
+        .await
+        .assert_error(404, "no route for /api/tasks/");
+    get(s.addr, "/").await.assert_error(404, "no route for /");
+    get(s.addr, "/api/tasks/a/b")
+        .await
+        .assert_error(404, "no route for /api/tasks/a/b");
+
+    let r = raw(s.addr, "DELETE", "/api/tasks", &[], None).await;
+    r.assert_error(405, "method not allowed; allowed: GET, POST");
+    assert_eq!(r.header("allow"), Some("GET, POST"));
+    let r = get(s.addr, "/api/tasks/a/terminate").await;
+    r.assert_error(405, "method not allowed; allowed: POST");
+    assert_eq!(r.header("allow"), Some("POST"));
+    post(s.addr, "/api/healthcheck", "{}")
+        .await
+        .assert_error(405, "method not allowed; allowed: GET");
+    raw(s.addr, "PUT", "/metrics/tasks/a", &[], None)
+        .await
+        .assert_error(405, "method not allowed; allowed: GET");
+    stop(s).await;
+}
+
+#[tokio::test]
+async fn body_rules() {
+    let s = start().await;
+    let json = [("Content-Type", "application/json")];
+    // 415
+    raw(
+        s.addr,
+        "POST",
+        "/api/tasks",
+        &[("Content-Type", "text/plain")],
+        Some(b"{}"),
+    )
+    .await
+    .assert_error(
+        415,
+        "Content-Type must be application/json, got \"text/plain\"",
+    );
+    raw(
+        s.addr,
+        "POST",
+        "/api/shutdown",
+        &[("Content-Type", "application/x-www-form-urlencoded")],
+        Some(b"force=true"),
+    )
+    .await
+    .assert_error(
+        415,
+        "Content-Type must be application/json, got \"application/x-www-form-urlencoded\"",
+    );
+    // Parameters are fine; so is a missing Content-Type (as with dstack's Go shim).
+    let r = raw(
+        s.addr,
+        "POST",
+        "/api/tasks",
+        &[("Content-Type", "application/json; charset=utf-8")],
+        Some(submit_body("cs").as_bytes()),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{r:?}");
+    let r = raw(
+        s.addr,
+        "POST",
+        "/api/tasks",
+        &[],
+        Some(submit_body("noct").as_bytes()),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{r:?}");
+
+    // 400
+    raw(s.addr, "POST", "/api/tasks/cs/terminate", &json, Some(b""))
+        .await
+        .assert_error(400, "request body must not be empty");
+    raw(s.addr, "POST", "/api/tasks/cs/terminate", &json, None)
+        .await
+        .assert_error(400, "request body must not be empty");
+    post(s.addr, "/api/tasks/cs/terminate", "[]")
+        .await
+        .assert_error(400, "request body must be a single JSON object");
+    post(s.addr, "/api/tasks/cs/terminate", "{} {}")
+        .await
+        .assert_error(
+            400,
+            "invalid request body: trailing characters at line 1 column 4",
+        );
+    post(s.addr, "/api/tasks/cs/terminate", "{\"timeout\": ")
+        .await
+        .assert_error(
+            400,
+            "invalid request body: EOF while parsing a value at line 1 column 12",
+        );
+    post(s.addr, "/api/tasks/cs/terminate", r#"{"timeout": -1}"#)
+        .await
+        .assert_error(
+            400,
+            "invalid request body: invalid value: integer `-1`, expected u64 at line 1 column 14",
+        );
+    post(s.addr, "/api/shutdown", r#"{"force": "yes"}"#)
+        .await
+        .assert_error(
+            400,
+            "invalid request body: invalid type: string \"yes\", expected a boolean at line 1 column 15",
+        );
+
+    // 413 announced by Content-Length: answered without reading the body.
+    let big = (shim_http::MAX_BODY_BYTES + 1).to_string();
+    let r = raw(
+        s.addr,
+        "POST",
+        "/api/tasks",
+        &[
+            ("Content-Type", "application/json"),
+            ("Content-Length", &big),
+        ],
+        None,
+    )
+    .await;
+    r.assert_error(413, "request body must not be larger than 1048576 bytes");
+
+    // Exactly the limit is accepted (and then judged as JSON).
+    let mut at_limit = b"{\"termination_message\":\"".to_vec();
+    at_limit.resize(shim_http::MAX_BODY_BYTES - 2, b'x');
+    at_limit.extend_from_slice(b"\"}");
+    assert_eq!(at_limit.len(), shim_http::MAX_BODY_BYTES);
+    let r = raw(
+        s.addr,
+        "POST",
+        "/api/tasks/cs/terminate",
+        &json,
+        Some(&at_limit),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // 413 discovered while streaming (chunked, no Content-Length). The chunks stop right past
+    // the limit without a final chunk, so the server has read everything the client sent.
+    let mut req = b"POST /api/tasks HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+        Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        .to_vec();
+    let chunk = vec![b' '; 64 * 1024];
+    for _ in 0..(shim_http::MAX_BODY_BYTES / chunk.len()) {
+        req.extend_from_slice(format!("{:x}\r\n", chunk.len()).as_bytes());
+        req.extend_from_slice(&chunk);
+        req.extend_from_slice(b"\r\n");
+    }
+    req.extend_from_slice(b"1\r\n \r\n");
+    let stream = TcpStream::connect(s.addr).await.unwrap();
+    let r = tokio::time::timeout(BOUND, exchange(stream, &req))
+        .await
+        .unwrap();
+    r.assert_error(413, "request body must not be larger than 1048576 bytes");
+    stop(s).await;
+}
+
+#[tokio::test]
+async fn metrics_route() {
+    let s = start().await;
+    let r = get(s.addr, "/metrics/tasks/metrics-ok").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("content-type"),
+        Some("text/plain; version=0.0.4; charset=utf-8")
+    );
+    assert_eq!(r.body, "DCGM_FI_DEV_GPU_UTIL{gpu=\"0\"} 42\n");
+    get(s.addr, "/metrics/tasks/metrics-bad")
+        .await
+        .assert_error(502, "exporter: connection refused");
+    get(s.addr, "/metrics/tasks/t")
+        .await
+        .assert_error(404, "DCGM Exporter is not available");
+    stop(s).await;
+}
+
+#[tokio::test]
+async fn component_routes() {
+    let s = start().await;
+    let v = get(s.addr, "/api/components").await.json();
+    assert_eq!(
+        v,
+        serde_json::json!({"components": [
+            {"name": "dstack-runner", "version": "1.2.3", "status": "installed"},
+            {"name": "dstack-shim", "version": "", "status": "installing"},
+        ]})
+    );
+    let install = "/api/components/install";
+    post(s.addr, install, r#"{"name":"","url":"http://x/y"}"#)
+        .await
+        .assert_error(400, "empty name");
+    post(s.addr, install, r#"{"url":"http://x/y"}"#)
+        .await
+        .assert_error(400, "empty name");
+    post(
+        s.addr,
+        install,
+        r#"{"name":"dstack-gateway","url":"http://x/y"}"#,
+    )
+    .await
+    .assert_error(400, "unknown component: dstack-gateway");
+    post(s.addr, install, r#"{"name":"dstack-runner","url":""}"#)
+        .await
+        .assert_error(400, "empty url");
+    post(
+        s.addr,
+        install,
+        r#"{"name":"dstack-shim","url":"http://x/y"}"#,
+    )
+    .await
+    .assert_error(409, "already installing");
+    let r = post(
+        s.addr,
+        install,
+        r#"{"name":"dstack-runner","url":"http://x/y"}"#,
+    )
+    .await;
+    assert_eq!((r.status, r.body.as_str()), (200, "{}"));
+    assert_eq!(
+        *s.components.installs.lock().unwrap(),
+        vec![(ComponentName::Runner, "http://x/y".to_owned())]
+    );
+    stop(s).await;
+}
+
+#[tokio::test]
+async fn fifty_parallel_requests() {
+    let s = start().await;
+    let mut joins = Vec::new();
+    for i in 0..50 {
+        let addr = s.addr;
+        joins.push(tokio::spawn(async move {
+            let id = format!("p{i}");
+            let r = post(addr, "/api/tasks", &submit_body(&id)).await;
+            assert_eq!(r.status, 200, "{r:?}");
+            let r = get(addr, &format!("/api/tasks/{id}")).await;
+            assert_eq!(r.json()["id"], id.as_str());
+        }));
+    }
+    for j in joins {
+        j.await.unwrap();
+    }
+    let v = get(s.addr, "/api/tasks").await.json();
+    assert_eq!(v["tasks"].as_array().unwrap().len(), 50);
+    stop(s).await;
+}
+
+#[tokio::test]
+async fn keep_alive_connection_serves_several_requests() {
+    let s = start().await;
+    let mut stream = TcpStream::connect(s.addr).await.unwrap();
+    for _ in 0..3 {
+        stream
+            .write_all(b"GET /api/healthcheck HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = vec![0u8; 4096];
+        let n = stream.read(&mut buf).await.unwrap();
+        let r = parse_response(&buf[..n]);
+        assert_eq!(r.status, 200);
+    }
+    drop(stream);
+    stop(s).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sockets.
+
+#[tokio::test]
+async fn refuses_non_loopback() {
+    let e = Listeners::bind("0.0.0.0:0".parse().unwrap(), None)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::NotLoopback { .. }), "{e}");
+    assert_eq!(
+        e.to_string(),
+        "refusing to listen on 0.0.0.0:0: the shim API is loopback-only"
+    );
+    let e = Listeners::bind("192.0.2.1:0".parse().unwrap(), None)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::NotLoopback { .. }), "{e}");
+}
+
+#[tokio::test]
+async fn unix_socket_mode_0600_and_serves() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("shim.sock");
+    // A stale socket (nobody listens) is replaced.
+    drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+    assert!(
+        fs_err::symlink_metadata(&path)
+            .unwrap()
+            .file_type()
+            .is_socket()
+    );
+
+    let s = start_with(Some(&path), None).await;
+    let meta = fs_err::symlink_metadata(&path).unwrap();
+    assert!(meta.file_type().is_socket());
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    // No temporary file left beside it.
+    let names: Vec<_> = fs_err::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, vec![std::ffi::OsString::from("shim.sock")]);
+
+    let stream = UnixStream::connect(&path).await.unwrap();
+    let r = exchange(stream, &request_bytes("GET", "/api/healthcheck", &[], None)).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["version"], "0.22.0");
+
+    // A live socket is not stolen.
+    let e = Listeners::bind("127.0.0.1:0".parse().unwrap(), Some(&path))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::SocketInUse { .. }), "{e}");
+
+    stop(s).await;
+    assert!(!path.exists(), "the socket is removed on shutdown");
+
+    // Something that is not a socket is never replaced.
+    fs_err::write(&path, "precious").unwrap();
+    let e = Listeners::bind("127.0.0.1:0".parse().unwrap(), Some(&path))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::NotASocket { .. }), "{e}");
+    assert_eq!(fs_err::read_to_string(&path).unwrap(), "precious");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shutdown.
+
+/// Starts `GET /api/tasks/slow` and waits until the engine holds it.
+async fn start_slow_request(s: &Server) -> JoinHandle<Vec<u8>> {
+    let addr = s.addr;
+    let join = tokio::spawn(async move {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        stream
+            .write_all(&request_bytes("GET", "/api/tasks/slow", &[], None))
+            .await
+            .unwrap();
+        let mut raw = Vec::new();
+        let _ = stream.read_to_end(&mut raw).await;
+        raw
+    });
+    tokio::time::timeout(BOUND, s.engine.entered.notified())
+        .await
+        .expect("the slow request reaches the engine");
+    join
+}
+
+/// Waits (bounded) until connecting to `addr` is refused.
+async fn until_refused(addr: SocketAddr) {
+    tokio::time::timeout(BOUND, async {
+        while TcpStream::connect(addr).await.is_ok() {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the listener closes");
+}
+
+#[tokio::test]
+async fn graceful_shutdown_finishes_in_flight_requests_then_drains() {
+    let (d, ctl) = drain();
+    let s = start_with(None, Some(d)).await;
+    let slow = start_slow_request(&s).await;
+
+    s.shutdown.cancel();
+    until_refused(s.addr).await;
+    assert!(
+        !s.handle.is_finished(),
+        "an in-flight request holds the server"
+    );
+
+    s.engine.release.notify_one();
+    let r = parse_response(&tokio::time::timeout(BOUND, slow).await.unwrap().unwrap());
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["status"], "running");
+
+    // Requests drained; now the server waits for the background jobs.
+    tokio::time::timeout(BOUND, ctl.started)
+        .await
+        .expect("the server awaits the drain hook")
+        .unwrap();
+    assert!(!s.handle.is_finished(), "the drain future holds the server");
+    ctl.release.send(()).unwrap();
+    tokio::time::timeout(BOUND, s.handle)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}
+
+#[tokio::test]
+async fn forced_shutdown_closes_at_once() {
+    let (d, _ctl) = drain();
+    let s = start_with(None, Some(d)).await;
+    let slow = start_slow_request(&s).await;
+
+    s.force.cancel();
+    // serve returns although a request is in flight and the drain never completes.
+    tokio::time::timeout(BOUND, s.handle)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let raw = tokio::time::timeout(BOUND, slow).await.unwrap().unwrap();
+    assert!(
+        raw.is_empty(),
+        "the in-flight request got no answer: {raw:?}"
+    );
+    assert!(TcpStream::connect(s.addr).await.is_err());
+}
+
+#[tokio::test]
+async fn forced_shutdown_interrupts_a_graceful_one() {
+    let (d, _ctl) = drain();
+    let s = start_with(None, Some(d)).await;
+    let slow = start_slow_request(&s).await;
+    s.shutdown.cancel();
+    until_refused(s.addr).await;
+    s.force.cancel();
+    tokio::time::timeout(BOUND, s.handle)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let raw = tokio::time::timeout(BOUND, slow).await.unwrap().unwrap();
+    assert!(raw.is_empty(), "{raw:?}");
+}
+
+#[tokio::test]
+async fn shutdown_endpoint_graceful() {
+    let (d, ctl) = drain();
+    let s = start_with(None, Some(d)).await;
+    let r = post(s.addr, "/api/shutdown", r#"{"force":false}"#).await;
+    assert_eq!((r.status, r.body.as_str()), (200, "{}"));
+    until_refused(s.addr).await;
+    assert!(s.shutdown.is_cancelled());
+    assert!(!s.force.is_cancelled());
+    tokio::time::timeout(BOUND, ctl.started)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!s.handle.is_finished());
+    ctl.release.send(()).unwrap();
+    tokio::time::timeout(BOUND, s.handle)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}
+
+#[tokio::test]
+async fn shutdown_endpoint_force() {
+    let (d, _ctl) = drain();
+    let s = start_with(None, Some(d)).await;
+    let slow = start_slow_request(&s).await;
+    let r = post(s.addr, "/api/shutdown", r#"{"force":true}"#).await;
+    assert_eq!((r.status, r.body.as_str()), (200, "{}"));
+    tokio::time::timeout(BOUND, s.handle)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(s.force.is_cancelled());
+    let raw = tokio::time::timeout(BOUND, slow).await.unwrap().unwrap();
+    assert!(raw.is_empty(), "{raw:?}");
+}
