@@ -1,0 +1,1 @@
+//! Installs and reports the shim's components (work in progress).
