@@ -1,0 +1,203 @@
+//! The crate's error type: every variant says which path, device, user or command it concerns.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Result with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What went wrong with a host resource.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A file system operation failed.
+    #[error("{action} {}: {source}", path.display())]
+    Io {
+        /// What was being done (`read`, `rename`, …).
+        action: &'static str,
+        /// The path concerned.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The user name is not acceptable (empty, or contains `/` or NUL).
+    #[error("invalid user name {user:?}")]
+    InvalidUser {
+        /// The rejected name.
+        user: String,
+    },
+    /// The user does not exist in the passwd database.
+    #[error("user {user:?} does not exist")]
+    UnknownUser {
+        /// The user looked up.
+        user: String,
+    },
+    /// The passwd lookup itself failed.
+    #[error("cannot look up user {user:?}: {source}")]
+    UserLookup {
+        /// The user looked up.
+        user: String,
+        /// The underlying error.
+        #[source]
+        source: nix::errno::Errno,
+    },
+    /// A command could not be started.
+    #[error("cannot run {program}: {source}")]
+    Spawn {
+        /// The program.
+        program: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A command ran past its time limit and was killed.
+    #[error("{program} did not finish within {timeout:?}")]
+    CommandTimedOut {
+        /// The program.
+        program: String,
+        /// The limit.
+        timeout: Duration,
+    },
+    /// A command exited with an unexpected status.
+    #[error("{command} failed (exit code {code:?}): {stderr}")]
+    CommandFailed {
+        /// The command line, for the message.
+        command: String,
+        /// The exit code (`None` when killed by a signal).
+        code: Option<i32>,
+        /// The end of its stderr (or stdout when stderr is empty).
+        stderr: String,
+    },
+    /// A tool's output could not be understood.
+    #[error("cannot parse the output of {tool}: {why}")]
+    Parse {
+        /// The tool (`nvidia-smi`, `lsblk`, …).
+        tool: &'static str,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// Fewer GPUs are free than requested; nothing was locked.
+    #[error("{requested} GPU(s) requested, {free} of {total} free")]
+    NotEnoughGpus {
+        /// How many were requested.
+        requested: i64,
+        /// How many are free.
+        free: usize,
+        /// How many the host has.
+        total: usize,
+    },
+    /// The GPU count requested is invalid (below -1).
+    #[error("invalid GPU count {requested}")]
+    InvalidGpuCount {
+        /// The count requested.
+        requested: i64,
+    },
+    /// A volume's block device could not be found.
+    #[error("device of volume {volume:?} not found within {waited:?}: {detail}")]
+    DeviceNotFound {
+        /// The volume name.
+        volume: String,
+        /// How long it was waited for.
+        waited: Duration,
+        /// What was looked for.
+        detail: String,
+    },
+    /// The device path exists but is not a usable (non-empty) block device.
+    #[error("{} is not a ready block device (waited {waited:?}): {detail}", device.display())]
+    NotBlockDevice {
+        /// The device path.
+        device: PathBuf,
+        /// How long it was waited for.
+        waited: Duration,
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// The device is blank and the volume did not ask for a file system to be created.
+    #[error("volume {volume:?}: device {} has no file system and init_fs is false", device.display())]
+    NoFilesystem {
+        /// The volume name.
+        volume: String,
+        /// The device path.
+        device: PathBuf,
+    },
+    /// The device carries a signature that is not a file system (e.g. a partition table).
+    #[error("device {} has no file system but a {signature} signature; wrong device?", device.display())]
+    NotAFilesystem {
+        /// The device path.
+        device: PathBuf,
+        /// What `blkid` reported.
+        signature: String,
+    },
+    /// Mounting failed.
+    #[error("cannot mount {} on {}: {source}", device.display(), target.display())]
+    Mount {
+        /// The device.
+        device: PathBuf,
+        /// The mount point.
+        target: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: nix::errno::Errno,
+    },
+    /// Unmounting failed.
+    #[error("cannot unmount {}: {source}", target.display())]
+    Unmount {
+        /// The mount point.
+        target: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: nix::errno::Errno,
+    },
+    /// A system call other than mount failed.
+    #[error("{action} {}: {source}", path.display())]
+    Sys {
+        /// What was being done.
+        action: &'static str,
+        /// The path concerned.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: nix::errno::Errno,
+    },
+    /// JSON could not be produced.
+    #[error("cannot encode {what}: {source}")]
+    Json {
+        /// What was being encoded.
+        what: &'static str,
+        /// The underlying error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A blocking job panicked or was cancelled.
+    #[error("background job {what} failed: {source}")]
+    Join {
+        /// The job.
+        what: &'static str,
+        /// The underlying error.
+        #[source]
+        source: tokio::task::JoinError,
+    },
+}
+
+impl Error {
+    pub(crate) fn io(
+        action: &'static str,
+        path: impl Into<PathBuf>,
+        source: std::io::Error,
+    ) -> Self {
+        Self::Io {
+            action,
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+/// `map_err` helper: `.map_err(io_err("read", &path))`.
+pub(crate) fn io_err<'a>(
+    action: &'static str,
+    path: &'a std::path::Path,
+) -> impl FnOnce(std::io::Error) -> Error + 'a {
+    move |source| Error::io(action, path, source)
+}

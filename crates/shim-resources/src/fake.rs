@@ -1,0 +1,185 @@
+//! Fakes for the engine's tests (feature `test-support`): volumes and authorized_keys that
+//! record calls and fail on demand. GPUs need no fake: use [`crate::gpu::HostGpus::fake_nvidia`]
+//! with a real [`crate::gpu::GpuLock`].
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use async_trait::async_trait;
+use shim_task::{MountedVolume, PublicKey, TaskId, VolumeSpec};
+
+use crate::error::{Error, Result};
+use crate::keys::AuthorizedKeys;
+use crate::volumes::VolumeManager;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A call made to a fake.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FakeCall {
+    /// `prepare` of the volume with this name.
+    Prepare(String),
+    /// `release` of the volume mounted at this path.
+    Release(String),
+    /// `add` for a task, user, key count.
+    AddKeys(TaskId, String, usize),
+    /// `restore` for a task.
+    RestoreKeys(TaskId),
+    /// `remove` for a task and user.
+    RemoveKeys(TaskId, String),
+}
+
+/// In-memory volumes: `prepare` "mounts" under a fake root, `release` "unmounts"; volumes named
+/// in [`FakeVolumes::fail_prepare`] / [`FakeVolumes::fail_release`] fail.
+#[derive(Debug)]
+pub struct FakeVolumes {
+    root: PathBuf,
+    mounted: Mutex<BTreeSet<String>>,
+    fail_prepare: Mutex<BTreeSet<String>>,
+    fail_release: Mutex<BTreeSet<String>>,
+    calls: Mutex<Vec<FakeCall>>,
+}
+
+impl FakeVolumes {
+    /// Fake volumes "mounted" under `root` (nothing is created there).
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self {
+            root: root.into(),
+            mounted: Mutex::default(),
+            fail_prepare: Mutex::default(),
+            fail_release: Mutex::default(),
+            calls: Mutex::default(),
+        }
+    }
+
+    /// Makes `prepare` of volume `name` fail (or succeed again with `false`).
+    pub fn fail_prepare(&self, name: &str, fail: bool) {
+        set(&self.fail_prepare, name, fail);
+    }
+
+    /// Makes `release` of volume `name` fail (or succeed again with `false`).
+    pub fn fail_release(&self, name: &str, fail: bool) {
+        set(&self.fail_release, name, fail);
+    }
+
+    /// The names of the volumes currently "mounted".
+    pub fn mounted(&self) -> Vec<String> {
+        lock(&self.mounted).iter().cloned().collect()
+    }
+
+    /// Every call so far.
+    pub fn calls(&self) -> Vec<FakeCall> {
+        lock(&self.calls).clone()
+    }
+}
+
+fn set(m: &Mutex<BTreeSet<String>>, name: &str, on: bool) {
+    let mut s = lock(m);
+    if on {
+        s.insert(name.to_owned());
+    } else {
+        s.remove(name);
+    }
+}
+
+fn fake_error(what: &str) -> Error {
+    Error::CommandFailed {
+        command: format!("fake {what}"),
+        code: Some(1),
+        stderr: "injected failure".to_owned(),
+    }
+}
+
+#[async_trait]
+impl VolumeManager for FakeVolumes {
+    async fn prepare(&self, spec: &VolumeSpec) -> Result<MountedVolume> {
+        let name = spec.name.as_str().to_owned();
+        lock(&self.calls).push(FakeCall::Prepare(name.clone()));
+        if lock(&self.fail_prepare).contains(&name) {
+            return Err(fake_error(&format!("prepare {name}")));
+        }
+        lock(&self.mounted).insert(name.clone());
+        Ok(MountedVolume {
+            mount_point: self.mount_point(&name).to_string_lossy().into_owned(),
+            device: format!("/dev/fake-{name}"),
+            name,
+        })
+    }
+
+    async fn release(&self, volume: &MountedVolume) -> Result<()> {
+        lock(&self.calls).push(FakeCall::Release(volume.mount_point.clone()));
+        if lock(&self.fail_release).contains(&volume.name) {
+            return Err(fake_error(&format!("release {}", volume.name)));
+        }
+        lock(&self.mounted).remove(&volume.name);
+        Ok(())
+    }
+
+    fn mount_point(&self, name: &str) -> PathBuf {
+        self.root.join(name)
+    }
+}
+
+/// In-memory authorized_keys: the live set per task, with the same semantics as the real
+/// manager (marked keys of a user = keys of that user's live tasks), and injectable failures.
+#[derive(Debug, Default)]
+pub struct FakeAuthorizedKeys {
+    live: Mutex<BTreeMap<TaskId, (String, Vec<PublicKey>)>>,
+    fail: Mutex<bool>,
+    calls: Mutex<Vec<FakeCall>>,
+}
+
+impl FakeAuthorizedKeys {
+    /// An empty fake.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Makes `add` and `remove` fail (or succeed again with `false`).
+    pub fn set_fail(&self, fail: bool) {
+        *lock(&self.fail) = fail;
+    }
+
+    /// The fingerprints a user's file would hold as shim-owned lines.
+    pub fn keys_of(&self, user: &str) -> BTreeSet<String> {
+        lock(&self.live)
+            .values()
+            .filter(|(u, _)| u == user)
+            .flat_map(|(_, k)| k.iter().map(|k| k.fingerprint().to_owned()))
+            .collect()
+    }
+
+    /// Every call so far.
+    pub fn calls(&self) -> Vec<FakeCall> {
+        lock(&self.calls).clone()
+    }
+}
+
+#[async_trait]
+impl AuthorizedKeys for FakeAuthorizedKeys {
+    async fn add(&self, task: &TaskId, user: &str, keys: &[PublicKey]) -> Result<()> {
+        lock(&self.calls).push(FakeCall::AddKeys(task.clone(), user.to_owned(), keys.len()));
+        if *lock(&self.fail) {
+            return Err(fake_error("authorized_keys add"));
+        }
+        lock(&self.live).insert(task.clone(), (user.to_owned(), keys.to_vec()));
+        Ok(())
+    }
+
+    fn restore(&self, task: &TaskId, user: &str, keys: &[PublicKey]) {
+        lock(&self.calls).push(FakeCall::RestoreKeys(task.clone()));
+        lock(&self.live).insert(task.clone(), (user.to_owned(), keys.to_vec()));
+    }
+
+    async fn remove(&self, task: &TaskId, user: &str) -> Result<()> {
+        lock(&self.calls).push(FakeCall::RemoveKeys(task.clone(), user.to_owned()));
+        lock(&self.live).remove(task);
+        if *lock(&self.fail) {
+            return Err(fake_error("authorized_keys remove"));
+        }
+        Ok(())
+    }
+}
