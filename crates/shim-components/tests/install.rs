@@ -1,0 +1,320 @@
+//! Installs from a real local HTTP server; versions from real executables.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test file: panics are failures
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use shim_components::{Components, ComponentsConfig, Error, binary_version};
+use shim_http::{ComponentName, ComponentStatus, ComponentsApi, ErrorKind};
+
+const BOUND: Duration = Duration::from_secs(30);
+
+fn script(version_line: &str) -> String {
+    format!("#!/bin/sh\necho \"{version_line}\"\n")
+}
+
+/// A tiny HTTP server: `/runner` and `/shim` serve scripts, `/gated` waits for a go signal
+/// before answering, `/empty` is empty, anything else is 404.
+struct FileServer {
+    addr: SocketAddr,
+    gate: mpsc::Sender<()>,
+}
+
+fn file_server() -> FileServer {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (gate_tx, gate_rx) = mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut line = String::new();
+            reader.read_line(&mut line).unwrap();
+            let path = line.split(' ').nth(1).unwrap_or("").to_owned();
+            loop {
+                let mut h = String::new();
+                if reader.read_line(&mut h).unwrap() == 0 || h == "\r\n" {
+                    break;
+                }
+            }
+            let path = path.split('?').next().unwrap().to_owned();
+            let (status, body) = match path.as_str() {
+                "/runner" => ("200 OK", script("dstack-runner version 1.2.3")),
+                "/runner2" => ("200 OK", script("dstack-runner version 2.0.0")),
+                "/shim" => ("200 OK", script("dstack-shim version 0.22.1")),
+                "/gated" => {
+                    let _ = gate_rx.recv_timeout(BOUND);
+                    ("200 OK", script("dstack-runner version 3.0.0"))
+                }
+                "/empty" => ("200 OK", String::new()),
+                _ => ("404 Not Found", "nope".to_owned()),
+            };
+            let _ = write!(
+                stream,
+                "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    FileServer {
+        addr,
+        gate: gate_tx,
+    }
+}
+
+fn components(dir: &Path) -> Components {
+    let mut config = ComponentsConfig::new(dir.join("bin/dstack-runner"), dir.join("dstack-shim"));
+    config.version_timeout = Duration::from_secs(2);
+    Components::new(config)
+}
+
+async fn wait_idle(c: &Components) {
+    tokio::time::timeout(BOUND, c.wait_idle())
+        .await
+        .expect("installs finish");
+}
+
+fn dir_entries(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs_err::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+#[tokio::test]
+async fn nothing_installed() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = components(dir.path());
+    let list = c.list().await;
+    assert_eq!(
+        serde_json::to_value(&list).unwrap(),
+        serde_json::json!([
+            {"name": "dstack-runner", "version": "", "status": "not-installed"},
+            {"name": "dstack-shim", "version": "", "status": "not-installed"},
+        ])
+    );
+}
+
+#[tokio::test]
+async fn installs_in_the_background_atomically() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = file_server();
+    let c = components(dir.path());
+
+    ComponentsApi::install(
+        &c,
+        ComponentName::Runner,
+        format!("http://{}/runner?sig=secret", server.addr),
+    )
+    .await
+    .unwrap();
+    wait_idle(&c).await;
+    let runner = c.info(ComponentName::Runner).await;
+    assert_eq!(runner.status, ComponentStatus::Installed);
+    assert_eq!(runner.version, "1.2.3");
+    let path = dir.path().join("bin/dstack-runner");
+    let mode = fs_err::metadata(&path).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o755);
+    assert_eq!(dir_entries(&dir.path().join("bin")), vec!["dstack-runner"]);
+
+    // Upgrade in place.
+    c.install(
+        ComponentName::Runner,
+        &format!("http://{}/runner2", server.addr),
+    )
+    .await
+    .unwrap();
+    assert_eq!(c.info(ComponentName::Runner).await.version, "2.0.0");
+
+    // The shim, too.
+    c.install(ComponentName::Shim, &format!("http://{}/shim", server.addr))
+        .await
+        .unwrap();
+    let list = c.list().await;
+    assert_eq!(list[0].name, ComponentName::Runner);
+    assert_eq!(
+        (list[1].name, list[1].version.as_str()),
+        (ComponentName::Shim, "0.22.1")
+    );
+    assert_eq!(list[1].status, ComponentStatus::Installed);
+}
+
+#[tokio::test]
+async fn second_install_while_installing_is_a_conflict() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = file_server();
+    let c = components(dir.path());
+    let url = format!("http://{}/gated", server.addr);
+    ComponentsApi::install(&c, ComponentName::Runner, url.clone())
+        .await
+        .unwrap();
+    let info = c.info(ComponentName::Runner).await;
+    assert_eq!(
+        (info.status, info.version.as_str()),
+        (ComponentStatus::Installing, "")
+    );
+
+    let e = ComponentsApi::install(&c, ComponentName::Runner, url.clone())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Conflict);
+    assert_eq!(e.message, "dstack-runner is already installing");
+    // The other component is independent.
+    assert_eq!(
+        c.info(ComponentName::Shim).await.status,
+        ComponentStatus::NotInstalled
+    );
+
+    server.gate.send(()).unwrap();
+    wait_idle(&c).await;
+    let info = c.info(ComponentName::Runner).await;
+    assert_eq!(
+        (info.status, info.version.as_str()),
+        (ComponentStatus::Installed, "3.0.0")
+    );
+}
+
+#[tokio::test]
+async fn failed_downloads_leave_the_target_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = file_server();
+    let c = components(dir.path());
+
+    // Nothing installed yet: a failure shows as `error`.
+    let e = c
+        .install(
+            ComponentName::Runner,
+            &format!("http://{}/missing?token=s3cr3t", server.addr),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Download { .. }), "{e}");
+    assert!(!format!("{e:?}").contains("s3cr3t"), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "cannot download dstack-runner from http://{}/missing",
+            server.addr
+        )
+    );
+    assert_eq!(
+        c.info(ComponentName::Runner).await.status,
+        ComponentStatus::Error
+    );
+
+    let e = c
+        .install(
+            ComponentName::Runner,
+            &format!("http://{}/empty", server.addr),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Size { .. }), "{e}");
+
+    // With a working binary in place, a failed upgrade keeps it.
+    c.install(
+        ComponentName::Runner,
+        &format!("http://{}/runner", server.addr),
+    )
+    .await
+    .unwrap();
+    c.install(
+        ComponentName::Runner,
+        &format!("http://{}/missing", server.addr),
+    )
+    .await
+    .unwrap_err();
+    let info = c.info(ComponentName::Runner).await;
+    assert_eq!(
+        (info.status, info.version.as_str()),
+        (ComponentStatus::Installed, "1.2.3")
+    );
+    assert_eq!(dir_entries(&dir.path().join("bin")), vec!["dstack-runner"]);
+
+    // Unreachable server.
+    let closed = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let e = c
+        .install(ComponentName::Runner, &format!("http://{closed}/runner"))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Download { .. }), "{e}");
+}
+
+#[tokio::test]
+async fn bad_urls_are_refused_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = components(dir.path());
+    let e = ComponentsApi::install(&c, ComponentName::Runner, "ftp://x/y".into())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::BadRequest);
+    assert_eq!(
+        e.message,
+        "cannot install dstack-runner: only http and https are supported: ftp://x/y"
+    );
+    let e = ComponentsApi::install(&c, ComponentName::Runner, String::new())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::BadRequest);
+    assert_eq!(
+        c.info(ComponentName::Runner).await.status,
+        ComponentStatus::NotInstalled
+    );
+}
+
+#[tokio::test]
+async fn versions_of_real_executables() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, body: &str| {
+        let p = dir.path().join(name);
+        fs_err::write(&p, body).unwrap();
+        fs_err::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        p
+    };
+    let t = Duration::from_secs(2);
+    let ok = write("ok", &script("dstack-runner version 1.2.3"));
+    assert_eq!(binary_version(&ok, t).await.unwrap(), "1.2.3");
+
+    let silent = write("silent", "#!/bin/sh\necho hello\n");
+    let e = binary_version(&silent, t).await.unwrap_err();
+    assert!(
+        e.to_string()
+            .ends_with("does not report a version: unexpected output \"hello\""),
+        "{e}"
+    );
+
+    let failing = write("failing", "#!/bin/sh\necho boom >&2\nexit 3\n");
+    let e = binary_version(&failing, t).await.unwrap_err();
+    assert!(e.to_string().contains("exit status: 3: boom"), "{e}");
+
+    let hanging = write("hanging", "#!/bin/sh\nexec sleep 600\n");
+    let e = binary_version(&hanging, Duration::from_millis(300))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("no answer within"), "{e}");
+
+    let not_exec = dir.path().join("plain");
+    fs_err::write(&not_exec, script("x version 1")).unwrap();
+    assert!(binary_version(&not_exec, t).await.is_err());
+
+    // A binary that does not answer its version shows as `error`.
+    let c = Components::new(ComponentsConfig::new(&silent, &ok));
+    assert_eq!(
+        c.info(ComponentName::Runner).await.status,
+        ComponentStatus::Error
+    );
+    assert_eq!(
+        c.info(ComponentName::Shim).await.status,
+        ComponentStatus::Installed
+    );
+}
