@@ -128,3 +128,36 @@ pub fn tail(path: &Path, lines: usize) -> String {
         Err(err) => format!("(no log: {err})"),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn display_quotes_what_a_shell_would_split() {
+        let mut command = cmd("docker");
+        command.args(["import", "--change", "CMD [\"/bin/sh\"]", "", "it's"]);
+        assert_eq!(
+            display(&command),
+            r#"docker import --change 'CMD ["/bin/sh"]' '' 'it'\''s'"#
+        );
+    }
+
+    #[test]
+    fn output_reports_the_failing_command_and_its_stderr() {
+        let err = output(cmd("sh").args(["-c", "echo boom >&2; exit 3"])).unwrap_err();
+        let message = format!("{err:#}");
+        assert!(message.contains("sh -c"), "{message}");
+        assert!(message.contains("boom"), "{message}");
+        assert_eq!(output(cmd("sh").args(["-c", "echo hi"])).unwrap(), "hi\n");
+    }
+
+    #[test]
+    fn tail_keeps_the_last_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log");
+        fs_err::write(&path, "1\n2\n3\n4\n").unwrap();
+        assert_eq!(tail(&path, 2), "3\n4");
+        assert!(tail(&dir.path().join("missing"), 2).starts_with("(no log"));
+    }
+}

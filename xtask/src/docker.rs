@@ -64,12 +64,12 @@ fn wait_for_daemon(log: &Path, foreign: bool) -> Result<()> {
         }
         if started.elapsed() > START_TIMEOUT {
             let whose = if foreign {
-                "(that dockerd was not started by xtask; its log may be elsewhere) "
+                " (that dockerd was not started by xtask; its log may be elsewhere)"
             } else {
                 ""
             };
             bail!(
-                "the Docker daemon did not answer within {}s; last lines of {} {whose}:\n{}",
+                "the Docker daemon did not answer within {}s{whose}; last lines of {}:\n{}",
                 START_TIMEOUT.as_secs(),
                 log.display(),
                 cmd::tail(log, 30)

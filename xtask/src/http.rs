@@ -53,3 +53,61 @@ pub fn status(
         ),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read as _;
+    use std::net::TcpListener;
+
+    use super::*;
+
+    /// Serves one connection with `response`, returning the request it received.
+    fn serve_once(response: &'static str) -> (SocketAddr, std::thread::JoinHandle<String>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let handle = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut request = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !request.ends_with(b"\r\n\r\n") {
+                let n = stream.read(&mut buf).unwrap();
+                assert!(n > 0, "client closed early");
+                request.extend_from_slice(&buf[..n]);
+            }
+            stream.write_all(response.as_bytes()).unwrap();
+            String::from_utf8(request).unwrap()
+        });
+        (addr, handle)
+    }
+
+    #[test]
+    fn status_sends_basic_auth_and_reads_the_code() {
+        let (addr, server) = serve_once("HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n");
+        let code = status(addr, "HEAD", "/v2/x/manifests/1", Some(("u", "p"))).unwrap();
+        assert_eq!(code, 404);
+        let request = server.join().unwrap();
+        assert!(
+            request.starts_with("HEAD /v2/x/manifests/1 HTTP/1.1\r\n"),
+            "{request}"
+        );
+        // base64("u:p") = "dTpw"
+        assert!(
+            request.contains("Authorization: Basic dTpw\r\n"),
+            "{request}"
+        );
+    }
+
+    #[test]
+    fn status_rejects_non_http_answers_and_silence() {
+        let (addr, server) = serve_once("SSH-2.0-OpenSSH\r\n");
+        let err = status(addr, "GET", "/v2/", None).unwrap_err();
+        assert!(format!("{err:#}").contains("not HTTP"), "{err:#}");
+        server.join().unwrap();
+
+        let closed = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        assert!(status(closed, "GET", "/v2/", None).is_err());
+    }
+}

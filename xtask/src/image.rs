@@ -238,3 +238,76 @@ pub fn import(root: &Path, reference: &str, hash: &str) -> Result<()> {
     }
     import_result.with_context(|| format!("could not import the image {reference}"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tree() -> TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        fs_err::create_dir_all(dir.path().join("a/b")).unwrap();
+        fs_err::write(dir.path().join("a/b/file"), "content").unwrap();
+        symlink("/bin/busybox", dir.path().join("a/sh")).unwrap();
+        dir
+    }
+
+    #[test]
+    fn hash_is_stable_and_sees_content_mode_and_links() {
+        let dir = tree();
+        let root = dir.path();
+        let first = hash_tree(root).unwrap();
+        assert_eq!(first.len(), 64);
+        assert_eq!(hash_tree(root).unwrap(), first);
+        assert_eq!(
+            hash_tree(tree().path()).unwrap(),
+            first,
+            "same tree elsewhere"
+        );
+
+        fs_err::write(root.join("a/b/file"), "other").unwrap();
+        let content_changed = hash_tree(root).unwrap();
+        assert_ne!(content_changed, first);
+
+        set_mode(&root.join("a/b/file"), 0o700).unwrap();
+        let mode_changed = hash_tree(root).unwrap();
+        assert_ne!(mode_changed, content_changed);
+
+        fs_err::remove_file(root.join("a/sh")).unwrap();
+        symlink("/bin/other", root.join("a/sh")).unwrap();
+        assert_ne!(hash_tree(root).unwrap(), mode_changed);
+    }
+
+    #[test]
+    fn rootfs_has_what_the_runner_and_the_shim_need() {
+        if !Path::new(BUSYBOX).is_file() {
+            // After dev-env (as in CI, which sets SHIM_TEST_DOCKER) busybox must be there.
+            assert!(
+                std::env::var(shim_e2e::ENV_TEST_DOCKER).is_err(),
+                "{BUSYBOX} missing although dev-env ran"
+            );
+            eprintln!("skipped: {BUSYBOX} missing (run `cargo xtask dev-env`)");
+            return;
+        }
+        let parent = tempfile::tempdir().unwrap();
+        let rootfs = build_rootfs(parent.path()).unwrap();
+        let root = rootfs.path();
+        for applet in [
+            "bin/sh",
+            "bin/sleep",
+            "bin/cat",
+            "bin/mkdir",
+            "usr/sbin/httpd",
+            "bin/kill",
+        ] {
+            let link = fs_err::read_link(root.join(applet)).unwrap();
+            assert_eq!(link, Path::new("/bin/busybox"), "{applet}");
+        }
+        let sshd = fs_err::metadata(root.join("usr/sbin/sshd")).unwrap();
+        assert_eq!(sshd.permissions().mode() & 0o777, 0o755);
+        let tmp = fs_err::metadata(root.join("tmp")).unwrap();
+        assert_eq!(tmp.permissions().mode() & 0o7777, 0o1777);
+        let passwd = fs_err::read_to_string(root.join("etc/passwd")).unwrap();
+        assert!(passwd.starts_with("root:x:0:0:"));
+        assert_eq!(rootfs.hash, hash_tree(root).unwrap());
+    }
+}

@@ -84,3 +84,19 @@ pub fn spawn_daemon(program: &Path, args: &[&str], log: &Path) -> Result<()> {
     anyhow::ensure!(status.success(), "`{line}` failed: {status}");
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn find_sees_this_process_and_filters_by_command_line() {
+        let comm = fs_err::read_to_string("/proc/self/comm").unwrap();
+        let me = std::process::id();
+        assert!(find(comm.trim_end(), None).contains(&me));
+        let exe = std::env::args().next().unwrap();
+        assert!(find(comm.trim_end(), Some(&exe)).contains(&me));
+        assert!(!find(comm.trim_end(), Some("no-such-argument-anywhere-42")).contains(&me));
+        assert!(find("no-such-process-name", None).is_empty());
+    }
+}

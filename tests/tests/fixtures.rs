@@ -1,0 +1,207 @@
+//! The dev-env fixtures themselves, against the real Docker daemon and registry: the test image
+//! runs the stub runner the way the shim does, and the registry demands the test credentials and
+//! holds both images. If these fail, every Docker test of the workspace is suspect.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test code: a failed unwrap is a failed test"
+)]
+
+use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use shim_e2e::{
+    REGISTRY_LARGE_REPO, REGISTRY_SMALL_REPO, REGISTRY_TAG, RUNNER_EXIT_FILE,
+    RUNNER_PATH_IN_CONTAINER, docker_tests_enabled, image, registry, registry_password,
+    registry_small_image, registry_user, runner_path,
+};
+
+fn docker(args: &[&str]) -> Output {
+    Command::new("docker")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("the docker CLI runs")
+}
+
+fn docker_ok(args: &[&str]) -> String {
+    let output = docker(args);
+    assert!(
+        output.status.success(),
+        "docker {args:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).unwrap()
+}
+
+/// Force-removes the container when the test ends, however it ends.
+struct Container(String);
+
+impl Drop for Container {
+    fn drop(&mut self) {
+        let _ = docker(&["rm", "-f", &self.0]);
+    }
+}
+
+/// One HTTP/1.1 request; returns the status code and the body.
+fn http(addr: SocketAddr, method: &str, path: &str, auth: Option<&str>) -> (u16, String) {
+    try_http(addr, method, path, auth).unwrap_or_else(|e| panic!("{method} {path} on {addr}: {e}"))
+}
+
+fn try_http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    auth: Option<&str>,
+) -> std::io::Result<(u16, String)> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut request = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    request.push_str(
+        "Accept: application/vnd.docker.distribution.manifest.v2+json, \
+         application/vnd.oci.image.manifest.v1+json\r\n",
+    );
+    if let Some(basic) = auth {
+        request.push_str(&format!("Authorization: Basic {basic}\r\n"));
+    }
+    request.push_str("\r\n");
+    stream.write_all(request.as_bytes())?;
+    let mut reader = BufReader::new(stream);
+    let mut status = String::new();
+    reader.read_line(&mut status)?;
+    let code = status
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("not an HTTP status line: {status:?}")))?;
+    let mut rest = String::new();
+    if method != "HEAD" {
+        reader.read_to_string(&mut rest)?;
+    }
+    let body = rest.split("\r\n\r\n").nth(1).unwrap_or("").to_owned();
+    Ok((code, body))
+}
+
+fn base64(input: &str) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(input)
+}
+
+#[test]
+fn stub_runner_serves_http_and_exits_with_the_code_from_the_exit_file() {
+    if !docker_tests_enabled("stub_runner_serves_http_and_exits_with_the_code_from_the_exit_file") {
+        return;
+    }
+    let runner = runner_path();
+    assert!(runner.is_file(), "{} missing", runner.display());
+    let temp_dir = tempfile::tempdir().unwrap();
+    let name = format!("shim-e2e-fixture-runner-{}", std::process::id());
+    let _ = docker(&["rm", "-f", &name]);
+    let container = Container(name);
+    let runner_mount = format!("{}:{RUNNER_PATH_IN_CONTAINER}:ro", runner.display());
+    let temp_mount = format!("{}:/tmp/runner", temp_dir.path().display());
+    // The command the shim runs (SPEC §6), with the stub sshd in place of the package install.
+    let script = format!(
+        "command -v sshd >/dev/null || exit 11; {RUNNER_PATH_IN_CONTAINER} --log-level 6 start \
+         --temp-dir /tmp/runner --http-port 10999 --ssh-port 10022 \
+         --ssh-authorized-key 'ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE0 test@fixture'"
+    );
+    docker_ok(&[
+        "run",
+        "-d",
+        "--name",
+        &container.0,
+        "--label",
+        "dev.dstack-shim.test=fixtures",
+        "-v",
+        &runner_mount,
+        "-v",
+        &temp_mount,
+        "-p",
+        "127.0.0.1::10999",
+        "--entrypoint",
+        "/bin/sh",
+        &image(),
+        "-c",
+        &script,
+    ]);
+    let port_line = docker_ok(&["port", &container.0, "10999/tcp"]);
+    let port: u16 = port_line
+        .lines()
+        .next()
+        .and_then(|l| l.rsplit(':').next())
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no published port in {port_line:?}"));
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+
+    // docker-proxy accepts before the runner listens: retry until the runner answers (bounded).
+    let started = Instant::now();
+    let body = loop {
+        match try_http(addr, "GET", "/api/healthcheck", None) {
+            Ok((200, body)) => break body,
+            _ if started.elapsed() < Duration::from_secs(20) => {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            other => panic!("the stub runner's HTTP server did not answer: {other:?}"),
+        }
+    };
+    assert!(body.contains("dstack-runner"), "{body}");
+    let args = fs_err::read_to_string(temp_dir.path().join("stub-runner.args")).unwrap();
+    assert!(args.contains("--http-port\n10999\n"), "{args}");
+    assert!(
+        args.contains("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE0 test@fixture\n"),
+        "{args}"
+    );
+
+    fs_err::write(temp_dir.path().join(RUNNER_EXIT_FILE), "7\n").unwrap();
+    let code = docker_ok(&["wait", &container.0]);
+    assert_eq!(code.trim(), "7");
+    let logs = docker(&["logs", &container.0]);
+    let stdout = String::from_utf8_lossy(&logs.stdout);
+    let stderr = String::from_utf8_lossy(&logs.stderr);
+    assert!(stdout.contains("--http-port 10999"), "{stdout}");
+    assert!(stdout.contains("runner exiting with 7"), "{stdout}");
+    assert!(stderr.contains("stub runner"), "{stderr}");
+}
+
+#[test]
+fn registry_demands_the_credentials_and_holds_both_images() {
+    if !docker_tests_enabled("registry_demands_the_credentials_and_holds_both_images") {
+        return;
+    }
+    let addr: SocketAddr = registry().parse().expect("registry is host:port");
+    let good = base64(&format!("{}:{}", registry_user(), registry_password()));
+    let bad = base64(&format!("{}:wrong", registry_user()));
+    assert_eq!(http(addr, "GET", "/v2/", None).0, 401);
+    assert_eq!(http(addr, "GET", "/v2/", Some(&bad)).0, 401);
+    assert_eq!(http(addr, "GET", "/v2/", Some(&good)).0, 200);
+    for repo in [REGISTRY_SMALL_REPO, REGISTRY_LARGE_REPO] {
+        let path = format!("/v2/{repo}/manifests/{REGISTRY_TAG}");
+        assert_eq!(http(addr, "HEAD", &path, Some(&good)).0, 200, "{path}");
+        assert_eq!(http(addr, "HEAD", &path, None).0, 401, "{path}");
+    }
+}
+
+#[test]
+fn pulling_from_the_registry_without_credentials_is_refused() {
+    if !docker_tests_enabled("pulling_from_the_registry_without_credentials_is_refused") {
+        return;
+    }
+    // An empty client config: whatever the user's ~/.docker holds does not count.
+    let config = tempfile::tempdir().unwrap();
+    let output = Command::new("docker")
+        .env("DOCKER_CONFIG", config.path())
+        .args(["pull", &registry_small_image()])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("no basic auth credentials") || stderr.contains("unauthorized"),
+        "{stderr}"
+    );
+}
