@@ -453,6 +453,14 @@ impl DockerRuntime {
         Self::from_client(docker).await
     }
 
+    /// Connects to `host` (`unix:///path`, `tcp://…`, as in `DOCKER_HOST`) and negotiates the
+    /// API version.
+    pub async fn connect_to(host: &str) -> Result<Self> {
+        let docker = Docker::connect_with_host(host)
+            .map_err(|e| translate("connect", format!("docker daemon at {host}"), e))?;
+        Self::from_client(docker).await
+    }
+
     /// Wraps a bollard client, negotiating the API version.
     pub async fn from_client(docker: Docker) -> Result<Self> {
         let docker = docker

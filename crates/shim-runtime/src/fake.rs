@@ -475,6 +475,10 @@ impl ContainerRuntime for FakeRuntime {
         cancel: CancellationToken,
     ) -> Result<PullProgress> {
         let image = request.image.clone();
+        // Subscribed before the call is recorded, so that a release after `wait_for_call`
+        // always reaches this pull.
+        let mut released = self.pulls_released.subscribe();
+        released.mark_unchanged();
         let behavior = {
             let state = self.record(
                 Call::Pull {
@@ -514,8 +518,6 @@ impl ContainerRuntime for FakeRuntime {
                 })
             }
             PullBehavior::Hang { steps } => {
-                let mut released = self.pulls_released.subscribe();
-                released.mark_unchanged();
                 let last = Self::report_steps(&steps, progress).await;
                 tokio::select! {
                     () = cancel.cancelled() => Err(RuntimeError::Cancelled {
@@ -551,18 +553,18 @@ impl ContainerRuntime for FakeRuntime {
     }
 
     async fn start(&self, id: &str) -> Result<()> {
-        let (behavior, mut released) = {
+        // Subscribed before the call is recorded (see `pull`).
+        let mut released = self.starts_released.subscribe();
+        released.mark_unchanged();
+        let behavior = {
             let mut state = self.record(Call::Start(id.to_owned()), id)?;
             if Self::resolve(&mut state, id).is_none() {
                 return Err(container_not_found(id));
             }
-            let behavior = match state.start_queue.pop_front() {
+            match state.start_queue.pop_front() {
                 Some(b) => b,
                 None => state.start.clone(),
-            };
-            let mut rx = self.starts_released.subscribe();
-            rx.mark_unchanged();
-            (behavior, rx)
+            }
         };
         match behavior {
             StartBehavior::Succeed => {}
@@ -712,5 +714,224 @@ impl ContainerRuntime for FakeRuntime {
             async move { keep.then_some(Ok(event)) }
         });
         Ok(stream.boxed())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn labels(v: &str) -> Vec<(String, String)> {
+        vec![("owner".to_owned(), v.to_owned())]
+    }
+
+    fn spec(name: &str, owner: &str) -> ContainerSpec {
+        ContainerSpec {
+            name: name.to_owned(),
+            image: "img:1".to_owned(),
+            labels: labels(owner).into_iter().collect(),
+            network: NetworkMode::Bridge,
+            published_ports: vec![10999, 10022],
+            ..ContainerSpec::default()
+        }
+    }
+
+    fn no_progress(_: PullProgress) {}
+
+    fn request() -> PullRequest {
+        PullRequest {
+            image: "img:1".to_owned(),
+            auth: None,
+            log_path: None,
+            timeout: Duration::from_secs(600),
+        }
+    }
+
+    #[tokio::test]
+    async fn lifecycle() {
+        let fake = FakeRuntime::new();
+        assert!(
+            fake.create(&spec("a", "me"))
+                .await
+                .unwrap_err()
+                .is_not_found()
+        );
+        assert!(!fake.image_present("img:1").await.unwrap());
+        let done = fake
+            .pull(&request(), &no_progress, CancellationToken::new())
+            .await
+            .unwrap();
+        assert!(done.is_total_bytes_final);
+        assert!(fake.image_present("img:1").await.unwrap());
+
+        let id = fake.create(&spec("a", "me")).await.unwrap();
+        assert_eq!(id.len(), 64);
+        assert!(matches!(
+            fake.create(&spec("a", "me")).await,
+            Err(RuntimeError::Conflict { .. })
+        ));
+        assert_eq!(
+            fake.inspect("a").await.unwrap().state,
+            ContainerState::Created
+        );
+        fake.start(&id).await.unwrap();
+        let d = fake.inspect(&id).await.unwrap();
+        assert_eq!(d.state, ContainerState::Running);
+        assert_eq!(
+            d.ports,
+            [
+                PublishedPort {
+                    container: 10022,
+                    host: 32769
+                },
+                PublishedPort {
+                    container: 10999,
+                    host: 32768
+                }
+            ]
+        );
+
+        let mut events = fake.exit_events(&labels("me")).await.unwrap();
+        let other = fake.add_container(&spec("b", "someone"), ContainerState::Running, None);
+        assert!(fake.exit(&other, 3));
+        assert!(fake.exit(&id, 7));
+        let ev = events.next().await.unwrap().unwrap();
+        assert_eq!(
+            ev,
+            ExitEvent {
+                container_id: id.clone(),
+                exit_code: Some(7)
+            }
+        );
+
+        let listed = fake.list(&labels("me")).await.unwrap();
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].state, ContainerState::Exited);
+        fake.set_logs(&id, &["1", "2", "3"]);
+        assert_eq!(fake.logs_tail(&id, 2).await.unwrap(), ["2", "3"]);
+        fake.stop(&id, Duration::ZERO).await.unwrap();
+        fake.remove(&id).await.unwrap();
+        fake.remove(&id).await.unwrap();
+        assert!(fake.inspect(&id).await.unwrap_err().is_not_found());
+        assert_eq!(fake.count("remove"), 2);
+    }
+
+    #[tokio::test]
+    async fn stop_emits_exit() {
+        let fake = FakeRuntime::new();
+        let id = fake.add_container(&spec("a", "me"), ContainerState::Running, None);
+        let mut events = fake.exit_events(&[]).await.unwrap();
+        fake.stop(&id, Duration::from_secs(10)).await.unwrap();
+        assert_eq!(events.next().await.unwrap().unwrap().exit_code, Some(143));
+        assert_eq!(fake.inspect(&id).await.unwrap().exit_code, Some(143));
+    }
+
+    #[tokio::test]
+    async fn unreachable_daemon_fails_every_call() {
+        let fake = FakeRuntime::new();
+        let id = fake.add_container(&spec("a", "me"), ContainerState::Running, None);
+        fake.set_unreachable(true);
+        assert!(fake.list(&[]).await.unwrap_err().is_unavailable());
+        assert!(fake.inspect(&id).await.unwrap_err().is_unavailable());
+        assert!(
+            fake.stop(&id, Duration::ZERO)
+                .await
+                .unwrap_err()
+                .is_unavailable()
+        );
+        assert!(fake.exit_events(&[]).await.is_err());
+        fake.set_unreachable(false);
+        assert_eq!(fake.list(&[]).await.unwrap().len(), 1);
+        assert_eq!(fake.count("list"), 2);
+    }
+
+    #[tokio::test]
+    async fn start_failures_and_hangs() {
+        let fake = FakeRuntime::new();
+        fake.add_image("img:1");
+        let id = fake.create(&spec("a", "me")).await.unwrap();
+        fake.queue_start_behavior(StartBehavior::Fail(
+            "/dev/nvidia-modeset: no such file".into(),
+        ));
+        let err = fake.start(&id).await.unwrap_err();
+        assert!(err.message().contains("nvidia-modeset"));
+        assert_eq!(fake.state(&id), Some(ContainerState::Created));
+
+        fake.set_start_behavior(StartBehavior::Hang);
+        let f2 = fake.clone();
+        let id2 = id.clone();
+        let start = tokio::spawn(async move { f2.start(&id2).await });
+        // Wait until the second start call is in flight: it hangs.
+        let mut seen = fake.calls_seen.subscribe();
+        while fake.count("start") < 2 {
+            seen.changed().await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!start.is_finished());
+        fake.release_starts();
+        start.await.unwrap().unwrap();
+        assert_eq!(fake.state(&id), Some(ContainerState::Running));
+    }
+
+    #[tokio::test]
+    async fn pull_fail_hang_cancel_timeout() {
+        let fake = FakeRuntime::new();
+        let step = PullProgress {
+            downloaded_bytes: 5,
+            extracted_bytes: 0,
+            total_bytes: 10,
+            is_total_bytes_final: true,
+        };
+        fake.set_pull_behavior(PullBehavior::Fail {
+            steps: vec![step],
+            message: "unauthorized: authentication required".to_owned(),
+        });
+        let seen = Mutex::new(Vec::new());
+        let record = |p: PullProgress| seen.lock().unwrap().push(p);
+        match fake
+            .pull(&request(), &record, CancellationToken::new())
+            .await
+        {
+            Err(RuntimeError::PullFailed {
+                downloaded_bytes: 5,
+                message,
+                ..
+            }) => {
+                assert!(message.contains("unauthorized"));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert_eq!(seen.lock().unwrap().as_slice(), [step]);
+
+        fake.set_pull_behavior(PullBehavior::Hang { steps: vec![step] });
+        let cancel = CancellationToken::new();
+        let req = request();
+        let (r, ()) = tokio::join!(fake.pull(&req, &no_progress, cancel.clone()), async {
+            cancel.cancel()
+        });
+        assert!(matches!(r, Err(RuntimeError::Cancelled { .. })));
+
+        let mut short = request();
+        short.timeout = Duration::from_millis(10);
+        assert!(matches!(
+            fake.pull(&short, &no_progress, CancellationToken::new())
+                .await,
+            Err(RuntimeError::PullTimeout {
+                downloaded_bytes: 5,
+                ..
+            })
+        ));
+        assert!(!fake.image_present("img:1").await.unwrap());
+
+        let (r, ()) = tokio::join!(
+            fake.pull(&req, &no_progress, CancellationToken::new()),
+            async {
+                fake.wait_for_call(|c| c.op() == "pull").await;
+                tokio::task::yield_now().await;
+                fake.release_pulls();
+            }
+        );
+        // A release after the pull call was recorded always reaches it.
+        assert!(r.unwrap().is_total_bytes_final);
     }
 }

@@ -1,0 +1,873 @@
+//! shim-runtime against the real Docker daemon (only with `SHIM_TEST_DOCKER=1`; then Docker
+//! must be reachable, and the fixtures of `cargo xtask dev-env` present: the image
+//! `shim-test:1`, the registry on 127.0.0.1:5799 and the stub runner).
+//!
+//! Every container a test makes carries the label `shim-runtime-test=<unique run value>` and is
+//! removed by a guard, also when the test fails.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // a test file: panics are failures
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use futures_util::StreamExt;
+use shim_runtime::spec::{RUNNER_DIR_IN_CONTAINER, runner_script};
+use shim_runtime::{
+    BindMount, ContainerDetails, ContainerInputs, ContainerRuntime, ContainerSpec, ContainerState,
+    DeviceMapping, DeviceRequest, DockerRuntime, GpuConfig, NetworkMode, PullProgress, PullRequest,
+    RegistryAuth, RunnerParams, RuntimeError, Ulimit, build_container_spec,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+const TEST_LABEL: &str = "shim-runtime-test";
+const LARGE_BYTES: u64 = 200 * 1000 * 1000;
+
+fn docker_tests_enabled(test: &str) -> bool {
+    if std::env::var("SHIM_TEST_DOCKER").as_deref() == Ok("1") {
+        true
+    } else {
+        eprintln!("skipping {test}: needs a Docker daemon (set SHIM_TEST_DOCKER=1)");
+        false
+    }
+}
+
+fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name)
+        .ok()
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| default.to_owned())
+}
+
+fn image() -> String {
+    env_or("SHIM_TEST_IMAGE", "shim-test:1")
+}
+
+fn registry() -> String {
+    env_or("SHIM_TEST_REGISTRY", "127.0.0.1:5799")
+}
+
+fn registry_auth() -> RegistryAuth {
+    RegistryAuth {
+        username: env_or("SHIM_TEST_REGISTRY_USER", "shimtest"),
+        password: env_or("SHIM_TEST_REGISTRY_PASSWORD", "shimtest-pw"),
+    }
+}
+
+fn runner_binary() -> PathBuf {
+    match std::env::var("SHIM_TEST_RUNNER") {
+        Ok(path) if !path.is_empty() => PathBuf::from(path),
+        _ => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/runner/dstack-runner"),
+    }
+}
+
+/// A label value unique to this test in this run.
+fn unique(test: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{test}-{}-{nanos}", std::process::id())
+}
+
+async fn runtime() -> DockerRuntime {
+    DockerRuntime::connect()
+        .await
+        .expect("SHIM_TEST_DOCKER=1 but the Docker daemon is unreachable")
+}
+
+/// Removes every container carrying this test's label when dropped.
+struct Cleanup {
+    labels: Vec<(String, String)>,
+}
+
+impl Cleanup {
+    fn new(value: &str) -> Self {
+        Self {
+            labels: vec![(TEST_LABEL.to_owned(), value.to_owned())],
+        }
+    }
+
+    fn labels(&self) -> BTreeMap<String, String> {
+        self.labels.iter().cloned().collect()
+    }
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let labels = self.labels.clone();
+        // A separate thread: the test's own runtime may be the one dropping us.
+        let joined = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let docker = DockerRuntime::connect().await.unwrap();
+                for c in docker.list(&labels).await.unwrap() {
+                    docker.remove(&c.id).await.unwrap();
+                }
+            });
+        })
+        .join();
+        if joined.is_err() {
+            eprintln!("cleanup of {:?} failed", self.labels);
+        }
+    }
+}
+
+/// A container running `script` with `/bin/sh -c` in the test image.
+fn shell_spec(name: &str, labels: &BTreeMap<String, String>, script: &str) -> ContainerSpec {
+    ContainerSpec {
+        name: name.to_owned(),
+        image: image(),
+        entrypoint: vec!["/bin/sh".to_owned(), "-c".to_owned()],
+        cmd: vec![script.to_owned()],
+        labels: labels.clone(),
+        ..ContainerSpec::default()
+    }
+}
+
+async fn wait_exited(docker: &DockerRuntime, id: &str) -> ContainerDetails {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let details = docker.inspect(id).await.unwrap();
+        if matches!(details.state, ContainerState::Exited | ContainerState::Dead) {
+            return details;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "container {id} did not exit: {details:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn run_to_exit(
+    docker: &DockerRuntime,
+    spec: &ContainerSpec,
+) -> (ContainerDetails, Vec<String>) {
+    let id = docker.create(spec).await.unwrap();
+    docker.start(&id).await.unwrap();
+    let details = wait_exited(docker, &id).await;
+    let logs = docker.logs_tail(&id, 100).await.unwrap();
+    (details, logs)
+}
+
+fn shm_line(logs: &[String]) -> &str {
+    logs.iter()
+        .find(|l| l.contains(" /dev/shm "))
+        .unwrap_or_else(|| panic!("no /dev/shm mount line in {logs:?}"))
+}
+
+const SHM_SCRIPT: &str = "mount | grep ' /dev/shm '; \
+printf '#!/bin/sh\\necho shm-exec-ok\\n' > /dev/shm/x.sh && chmod +x /dev/shm/x.sh && /dev/shm/x.sh; \
+echo done";
+
+#[tokio::test]
+async fn dev_shm_is_noexec_by_default_and_exec_with_shm_size() {
+    if !docker_tests_enabled("dev_shm") {
+        return;
+    }
+    let docker = runtime().await;
+    let run = unique("shm");
+    let guard = Cleanup::new(&run);
+
+    let (details, logs) = run_to_exit(
+        &docker,
+        &shell_spec(&format!("{run}-default"), &guard.labels(), SHM_SCRIPT),
+    )
+    .await;
+    assert_eq!(details.exit_code, Some(0), "{logs:?}");
+    let line = shm_line(&logs);
+    assert!(line.contains("noexec"), "{line}");
+    assert!(line.contains("size=65536k"), "{line}");
+    assert!(!logs.iter().any(|l| l == "shm-exec-ok"), "{logs:?}");
+
+    // The spec built for a task with shm_size set.
+    let runner_dir = tempfile::tempdir().unwrap();
+    let mut spec = build_container_spec(&ContainerInputs {
+        name: format!("{run}-sized"),
+        image: image(),
+        labels: guard.labels(),
+        runner: RunnerParams {
+            binary_host_path: runner_binary(),
+            dir_host_path: runner_dir.path().to_owned(),
+            http_port: 10999,
+            ssh_port: 10022,
+            ..RunnerParams::default()
+        },
+        shm_size: 128 << 20,
+        ..ContainerInputs::default()
+    });
+    spec.cmd = vec![SHM_SCRIPT.to_owned()];
+    let (details, logs) = run_to_exit(&docker, &spec).await;
+    assert_eq!(details.exit_code, Some(0), "{logs:?}");
+    assert_eq!(details.shm_size, 128 << 20);
+    assert_eq!(
+        details.tmpfs.get("/dev/shm").map(String::as_str),
+        Some("exec,size=134217728")
+    );
+    let line = shm_line(&logs);
+    assert!(!line.contains("noexec"), "{line}");
+    assert!(line.contains("size=131072k"), "{line}");
+    assert!(logs.iter().any(|l| l == "shm-exec-ok"), "{logs:?}");
+}
+
+fn runner_inputs(
+    run: &str,
+    labels: BTreeMap<String, String>,
+    dir: &Path,
+    network: NetworkMode,
+) -> ContainerInputs {
+    ContainerInputs {
+        name: run.to_owned(),
+        image: image(),
+        labels,
+        runner: RunnerParams {
+            binary_host_path: runner_binary(),
+            dir_host_path: dir.to_owned(),
+            http_port: 10999,
+            ssh_port: 10022,
+            log_level: 4,
+            ssh_log_level: None,
+            http_address_localhost: network == NetworkMode::Host,
+            authorized_keys: vec![
+                "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey1 it's me".to_owned(),
+                "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey2 $(touch /tmp/pwned)".to_owned(),
+            ],
+        },
+        network,
+        env: vec![("SHIM_RUNTIME_TEST".to_owned(), "1".to_owned())],
+        ..ContainerInputs::default()
+    }
+}
+
+async fn http_get(port: u16, path: &str) -> std::io::Result<String> {
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
+        .await?;
+    let mut body = String::new();
+    stream.read_to_string(&mut body).await?;
+    Ok(body)
+}
+
+#[tokio::test]
+async fn runner_container_bridge_ports_exit_code_and_event() {
+    if !docker_tests_enabled("runner_container_bridge") {
+        return;
+    }
+    let docker = runtime().await;
+    let run = unique("bridge");
+    let guard = Cleanup::new(&run);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = build_container_spec(&runner_inputs(
+        &run,
+        guard.labels(),
+        dir.path(),
+        NetworkMode::Bridge,
+    ));
+    let mut events = docker.exit_events(&guard.labels).await.unwrap();
+
+    let id = docker.create(&spec).await.unwrap();
+    docker.start(&id).await.unwrap();
+    let details = docker.inspect(&id).await.unwrap();
+    assert_eq!(details.state, ContainerState::Running);
+    assert_eq!(details.name, run);
+    assert_eq!(details.network_mode, "bridge");
+    assert!(details.env.contains(&"SHIM_RUNTIME_TEST=1".to_owned()));
+    let containers: Vec<u16> = details.ports.iter().map(|p| p.container).collect();
+    assert_eq!(containers, [10022, 10999], "{:?}", details.ports);
+    assert!(details.ports.iter().all(|p| p.host != 0));
+    let mounts: BTreeMap<&str, &str> = details
+        .mounts
+        .iter()
+        .map(|m| (m.destination.as_str(), m.source.as_str()))
+        .collect();
+    assert_eq!(
+        mounts[RUNNER_DIR_IN_CONTAINER],
+        dir.path().to_str().unwrap()
+    );
+    assert!(mounts.contains_key("/usr/local/bin/dstack-runner"));
+
+    // The runner answers through the published port (bounded wait while it starts).
+    let http = details
+        .ports
+        .iter()
+        .find(|p| p.container == 10999)
+        .unwrap()
+        .host;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match http_get(http, "/api/healthcheck").await {
+            Ok(body) if body.contains("dstack-runner") => break,
+            other => {
+                assert!(
+                    Instant::now() < deadline,
+                    "runner not reachable on {http}: {other:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    // Keys reached the runner verbatim, one argument each, nothing executed.
+    let args = fs_err::read_to_string(dir.path().join("stub-runner.args")).unwrap();
+    let args: Vec<&str> = args.lines().collect();
+    assert!(
+        args.contains(&"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey1 it's me"),
+        "{args:?}"
+    );
+    assert!(
+        args.contains(&"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey2 $(touch /tmp/pwned)"),
+        "{args:?}"
+    );
+    assert!(!args.contains(&"--http-address"), "{args:?}");
+
+    // The runner exits with the code written to its exit file.
+    fs_err::write(dir.path().join("exit"), "42").unwrap();
+    let event = tokio::time::timeout(Duration::from_secs(30), events.next())
+        .await
+        .expect("no exit event within 30 s")
+        .expect("event stream ended")
+        .unwrap();
+    assert_eq!(event.container_id, id);
+    assert_eq!(event.exit_code, Some(42));
+    let details = wait_exited(&docker, &id).await;
+    assert_eq!(details.exit_code, Some(42));
+    assert!(details.finished_at.is_some() && details.started_at.is_some());
+    let logs = docker.logs_tail(&id, 5).await.unwrap();
+    assert_eq!(
+        logs.last().map(String::as_str),
+        Some("runner exiting with 42"),
+        "{logs:?}"
+    );
+}
+
+#[tokio::test]
+async fn host_network_has_no_ports() {
+    if !docker_tests_enabled("host_network_has_no_ports") {
+        return;
+    }
+    let docker = runtime().await;
+    let run = unique("host");
+    let guard = Cleanup::new(&run);
+    let dir = tempfile::tempdir().unwrap();
+    let mut inputs = runner_inputs(&run, guard.labels(), dir.path(), NetworkMode::Host);
+    // Another port than a real runner on this host might use.
+    inputs.runner.http_port = 0;
+    let mut spec = build_container_spec(&inputs);
+    spec.cmd = vec!["sleep 30".to_owned()];
+    let id = docker.create(&spec).await.unwrap();
+    docker.start(&id).await.unwrap();
+    let details = docker.inspect(&id).await.unwrap();
+    assert_eq!(details.network_mode, "host");
+    assert_eq!(details.state, ContainerState::Running);
+    assert!(details.ports.is_empty(), "{:?}", details.ports);
+    docker.stop(&id, Duration::ZERO).await.unwrap();
+    let details = wait_exited(&docker, &id).await;
+    assert_eq!(details.exit_code, Some(137));
+    // Stopping a stopped container is fine.
+    docker.stop(&id, Duration::from_secs(1)).await.unwrap();
+}
+
+#[tokio::test]
+async fn failing_container_exit_code_and_last_lines() {
+    if !docker_tests_enabled("failing_container") {
+        return;
+    }
+    let docker = runtime().await;
+    let run = unique("fail");
+    let guard = Cleanup::new(&run);
+    let script = "for i in 1 2 3 4 5 6; do echo out $i; done; sleep 0.1; echo err 7 >&2; sleep 0.1; echo out 8; exit 3";
+    let (details, _) = run_to_exit(&docker, &shell_spec(&run, &guard.labels(), script)).await;
+    assert_eq!(details.exit_code, Some(3));
+    assert_eq!(details.state, ContainerState::Exited);
+    let lines = docker.logs_tail(&details.id, 5).await.unwrap();
+    assert_eq!(lines, ["out 4", "out 5", "out 6", "err 7", "out 8"]);
+}
+
+#[tokio::test]
+async fn sshd_missing_and_no_package_manager_exits_11() {
+    if !docker_tests_enabled("sshd_missing") {
+        return;
+    }
+    let docker = runtime().await;
+    let run = unique("nosshd");
+    let guard = Cleanup::new(&run);
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = build_container_spec(&runner_inputs(
+        &run,
+        guard.labels(),
+        dir.path(),
+        NetworkMode::Bridge,
+    ));
+    // Hide the image's stub sshd: busybox has no apt-get, yum or apk.
+    spec.tmpfs.insert("/usr/sbin".to_owned(), String::new());
+    let (details, logs) = run_to_exit(&docker, &spec).await;
+    assert_eq!(details.exit_code, Some(11), "{logs:?}");
+    assert!(
+        logs.iter().any(|l| l.contains("no package manager")),
+        "{logs:?}"
+    );
+    assert!(!dir.path().join("stub-runner.args").exists());
+}
+
+#[tokio::test]
+async fn list_finds_exactly_one_label_set_in_all_states() {
+    if !docker_tests_enabled("list") {
+        return;
+    }
+    let docker = runtime().await;
+    let run = unique("list");
+    let guard = Cleanup::new(&run);
+    let mut mine = guard.labels();
+    mine.insert("set".to_owned(), "a".to_owned());
+    let mut other = guard.labels();
+    other.insert("set".to_owned(), "b".to_owned());
+
+    let created = docker
+        .create(&shell_spec(&format!("{run}-created"), &mine, "exit 0"))
+        .await
+        .unwrap();
+    let mut exited_spec = shell_spec(&format!("{run}-exited"), &mine, "exit 5");
+    exited_spec.mounts.push(BindMount {
+        source: std::env::temp_dir(),
+        target: "/hosttmp".to_owned(),
+        read_only: true,
+    });
+    let (exited, _) = run_to_exit(&docker, &exited_spec).await;
+    let running = docker
+        .create(&shell_spec(&format!("{run}-running"), &mine, "sleep 60"))
+        .await
+        .unwrap();
+    docker.start(&running).await.unwrap();
+    docker
+        .create(&shell_spec(&format!("{run}-other"), &other, "exit 0"))
+        .await
+        .unwrap();
+
+    let wanted: Vec<(String, String)> = mine.clone().into_iter().collect();
+    let mut listed = docker.list(&wanted).await.unwrap();
+    listed.sort_by(|a, b| a.name.cmp(&b.name));
+    let names: Vec<&str> = listed.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            format!("{run}-created"),
+            format!("{run}-exited"),
+            format!("{run}-running")
+        ]
+    );
+    let by_id: BTreeMap<&str, &ContainerState> =
+        listed.iter().map(|c| (c.id.as_str(), &c.state)).collect();
+    assert_eq!(by_id[created.as_str()], &ContainerState::Created);
+    assert_eq!(by_id[exited.id.as_str()], &ContainerState::Exited);
+    assert_eq!(by_id[running.as_str()], &ContainerState::Running);
+    let exited_summary = listed.iter().find(|c| c.id == exited.id).unwrap();
+    assert_eq!(
+        exited_summary.mount_sources,
+        [std::env::temp_dir().to_str().unwrap()]
+    );
+    assert!(
+        mine.iter()
+            .all(|(k, v)| exited_summary.labels.get(k) == Some(v)),
+        "{:?}",
+        exited_summary.labels
+    );
+    // The run's label alone finds all four.
+    assert_eq!(docker.list(&guard.labels).await.unwrap().len(), 4);
+}
+
+#[tokio::test]
+async fn exit_event_carries_the_code_and_respects_labels() {
+    if !docker_tests_enabled("exit_event") {
+        return;
+    }
+    let docker = runtime().await;
+    let run = unique("event");
+    let guard = Cleanup::new(&run);
+    let mut mine = guard.labels();
+    mine.insert("set".to_owned(), "mine".to_owned());
+    let mut other = guard.labels();
+    other.insert("set".to_owned(), "other".to_owned());
+    let wanted: Vec<(String, String)> = mine.clone().into_iter().collect();
+    let mut events = docker.exit_events(&wanted).await.unwrap();
+
+    let (other_exit, _) = run_to_exit(
+        &docker,
+        &shell_spec(&format!("{run}-other"), &other, "exit 1"),
+    )
+    .await;
+    let id = docker
+        .create(&shell_spec(&format!("{run}-mine"), &mine, "exit 42"))
+        .await
+        .unwrap();
+    docker.start(&id).await.unwrap();
+    let event = tokio::time::timeout(Duration::from_secs(30), events.next())
+        .await
+        .expect("no exit event within 30 s")
+        .expect("event stream ended")
+        .unwrap();
+    assert_ne!(
+        event.container_id, other_exit.id,
+        "event of a container without the labels"
+    );
+    assert_eq!(event.container_id, id);
+    assert_eq!(event.exit_code, Some(42));
+}
+
+#[tokio::test]
+async fn limits_privileged_labels_and_devices_in_config() {
+    if !docker_tests_enabled("limits") {
+        return;
+    }
+    let docker = runtime().await;
+    let run = unique("limits");
+    let guard = Cleanup::new(&run);
+    let mut labels = guard.labels();
+    labels.insert("ai.dstack.shim.task-id".to_owned(), "t-1".to_owned());
+    let mut inputs = runner_inputs(&run, labels.clone(), Path::new("/tmp"), NetworkMode::Host);
+    inputs.nano_cpus = shim_runtime::spec::nano_cpus(0.5);
+    inputs.memory = 256 << 20;
+    inputs.privileged = true;
+    inputs.user = "root".to_owned();
+    inputs.gpu = GpuConfig::Devices(vec![DeviceMapping {
+        path_on_host: "/dev/null".to_owned(),
+        path_in_container: "/dev/fake-gpu0".to_owned(),
+        cgroup_permissions: "rwm".to_owned(),
+    }]);
+    inputs.host.infiniband = false;
+    let mut spec = build_container_spec(&inputs);
+    spec.device_requests.push(DeviceRequest {
+        driver: "nvidia".to_owned(),
+        device_ids: vec!["GPU-0000".to_owned()],
+        capabilities: vec!["gpu".to_owned(), "utility".to_owned()],
+    });
+    spec.ulimits.push(Ulimit {
+        name: "memlock".to_owned(),
+        soft: -1,
+        hard: -1,
+    });
+    // Created, never started: privileged containers cannot run on this VM.
+    let id = docker.create(&spec).await.unwrap();
+    let d = docker.inspect(&id).await.unwrap();
+    assert_eq!(d.state, ContainerState::Created);
+    assert_eq!(d.started_at, None);
+    assert_eq!(d.nano_cpus, 500_000_000);
+    assert_eq!(d.memory, 256 << 20);
+    assert!(d.privileged);
+    assert_eq!(d.user, "root");
+    // The image's own labels come along.
+    assert!(
+        labels.iter().all(|(k, v)| d.labels.get(k) == Some(v)),
+        "{:?}",
+        d.labels
+    );
+    assert_eq!(d.image, image());
+    assert_eq!(d.devices, spec.devices);
+    assert_eq!(d.device_requests, spec.device_requests);
+    assert!(d.ports.is_empty());
+
+    // A name in use is a conflict; an unknown container is not found / removed fine.
+    assert!(matches!(
+        docker.create(&spec).await,
+        Err(RuntimeError::Conflict { .. })
+    ));
+    assert!(
+        docker
+            .inspect(&format!("{run}-nope"))
+            .await
+            .unwrap_err()
+            .is_not_found()
+    );
+    docker.remove(&format!("{run}-nope")).await.unwrap();
+    docker.remove(&id).await.unwrap();
+    docker.remove(&id).await.unwrap();
+    assert!(docker.inspect(&id).await.unwrap_err().is_not_found());
+    assert!(
+        docker
+            .stop(&id, Duration::ZERO)
+            .await
+            .unwrap_err()
+            .is_not_found()
+    );
+    assert!(docker.logs_tail(&id, 5).await.unwrap_err().is_not_found());
+    let missing = ContainerSpec {
+        image: "shim-runtime-test-missing:1".to_owned(),
+        name: format!("{run}-missing"),
+        ..spec
+    };
+    match docker.create(&missing).await {
+        Err(RuntimeError::NotFound { what }) => {
+            assert!(what.contains("shim-runtime-test-missing"), "{what}")
+        }
+        other => panic!("expected not found, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn unreachable_daemon_is_reported_as_such() {
+    if !docker_tests_enabled("unreachable_daemon") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // No socket at all.
+    let missing = dir.path().join("missing.sock");
+    let err = DockerRuntime::connect_to(&format!("unix://{}", missing.display()))
+        .await
+        .unwrap_err();
+    assert!(err.is_unavailable(), "{err:?}");
+    // A socket nobody listens on (connection refused).
+    let stale = dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    let err = DockerRuntime::connect_to(&format!("unix://{}", stale.display()))
+        .await
+        .unwrap_err();
+    assert!(err.is_unavailable(), "{err:?}");
+}
+
+async fn remove_image(docker: &DockerRuntime, image: &str) {
+    match docker
+        .client()
+        .remove_image(
+            image,
+            None::<bollard::query_parameters::RemoveImageOptions>,
+            None,
+        )
+        .await
+    {
+        Ok(_) => {}
+        Err(bollard::errors::Error::DockerResponseServerError {
+            status_code: 404, ..
+        }) => {}
+        Err(e) => panic!("cannot remove {image} before pulling it: {e}"),
+    }
+}
+
+#[tokio::test]
+async fn pull_from_registry_with_and_without_credentials() {
+    if !docker_tests_enabled("pull") {
+        return;
+    }
+    let docker = runtime().await;
+    let small = format!("{}/shim-test:1", registry());
+    let dir = tempfile::tempdir().unwrap();
+    let log_path = dir.path().join("pull.log");
+    let request = |image: &str, auth: Option<RegistryAuth>| PullRequest {
+        image: image.to_owned(),
+        auth,
+        log_path: Some(log_path.clone()),
+        timeout: Duration::from_secs(300),
+    };
+    let ignore = |_: PullProgress| {};
+
+    // Wrong password.
+    let wrong = RegistryAuth {
+        password: "wrong-password".to_owned(),
+        ..registry_auth()
+    };
+    remove_image(&docker, &small).await;
+    match docker
+        .pull(
+            &request(&small, Some(wrong)),
+            &ignore,
+            CancellationToken::new(),
+        )
+        .await
+    {
+        Err(RuntimeError::PullFailed { message, image, .. }) => {
+            assert!(
+                message.contains("unauthorized") || message.contains("authentication"),
+                "{message}"
+            );
+            assert_eq!(image, small);
+        }
+        other => panic!("expected a pull failure, got {other:?}"),
+    }
+    // No credentials.
+    match docker
+        .pull(&request(&small, None), &ignore, CancellationToken::new())
+        .await
+    {
+        Err(RuntimeError::PullFailed { message, .. }) => {
+            assert!(
+                message.contains("no basic auth credentials") || message.contains("unauthorized"),
+                "{message}"
+            );
+        }
+        other => panic!("expected a pull failure, got {other:?}"),
+    }
+    // A missing image.
+    let missing = format!("{}/shim-runtime-missing:1", registry());
+    match docker
+        .pull(
+            &request(&missing, Some(registry_auth())),
+            &ignore,
+            CancellationToken::new(),
+        )
+        .await
+    {
+        Err(RuntimeError::PullFailed { message, .. }) => {
+            assert!(
+                message.contains("not found") || message.contains("manifest unknown"),
+                "{message}"
+            );
+        }
+        other => panic!("expected a pull failure, got {other:?}"),
+    }
+    assert!(!docker.image_present(&small).await.unwrap());
+
+    // Right credentials.
+    let done = docker
+        .pull(
+            &request(&small, Some(registry_auth())),
+            &ignore,
+            CancellationToken::new(),
+        )
+        .await
+        .unwrap();
+    assert!(done.is_total_bytes_final);
+    assert!(docker.image_present(&small).await.unwrap());
+    let log = fs_err::read_to_string(&log_path).unwrap();
+    assert!(!log.is_empty());
+    for line in log.lines() {
+        serde_json::from_str::<serde_json::Value>(line).unwrap();
+    }
+    assert!(!log.contains(&registry_auth().password));
+}
+
+/// One test for everything the large image is needed for: nextest runs tests in parallel
+/// processes, and each part removes the image first.
+#[tokio::test]
+async fn large_image_pull_progress_cancel_and_timeout() {
+    if !docker_tests_enabled("large_image_pull") {
+        return;
+    }
+    let docker = runtime().await;
+    let large = format!("{}/shim-test-large:1", registry());
+    let request = |timeout: Duration| PullRequest {
+        image: large.clone(),
+        auth: Some(registry_auth()),
+        log_path: None,
+        timeout,
+    };
+
+    // Cancel from another task as soon as the big layer is moving.
+    remove_image(&docker, &large).await;
+    let cancel = CancellationToken::new();
+    let (tx, mut rx) = tokio::sync::watch::channel(PullProgress::default());
+    let on_progress = |p: PullProgress| {
+        tx.send_replace(p);
+    };
+    let canceller = async {
+        let moving = tokio::time::timeout(
+            Duration::from_secs(60),
+            rx.wait_for(|p| p.downloaded_bytes > 0),
+        )
+        .await;
+        let at = Instant::now();
+        cancel.cancel();
+        (moving.is_ok(), at)
+    };
+    let (result, (moved, cancelled_at)) = tokio::join!(
+        async {
+            let r = docker
+                .pull(
+                    &request(Duration::from_secs(300)),
+                    &on_progress,
+                    cancel.clone(),
+                )
+                .await;
+            (r, Instant::now())
+        },
+        canceller
+    );
+    let (result, returned) = result;
+    assert!(moved, "the pull never reported progress: {result:?}");
+    let latency = returned.saturating_duration_since(cancelled_at);
+    eprintln!("MEASURED pull cancellation returned {latency:?} after cancel");
+    assert!(
+        matches!(result, Err(RuntimeError::Cancelled { .. })),
+        "{result:?}"
+    );
+    assert!(
+        latency < Duration::from_secs(5),
+        "cancellation took {latency:?}"
+    );
+    // The daemon abandoned the pull (a whole pull takes about 2 s here).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(
+        !docker.image_present(&large).await.unwrap(),
+        "the daemon finished the cancelled pull"
+    );
+
+    // A timeout.
+    let result = docker
+        .pull(
+            &request(Duration::from_millis(1)),
+            &|_| {},
+            CancellationToken::new(),
+        )
+        .await;
+    assert!(
+        matches!(result, Err(RuntimeError::PullTimeout { .. })),
+        "{result:?}"
+    );
+
+    // A whole pull: progress during, final after.
+    remove_image(&docker, &large).await;
+    let seen = Mutex::new(Vec::<PullProgress>::new());
+    let record = |p: PullProgress| seen.lock().unwrap().push(p);
+    let started = Instant::now();
+    let done = docker
+        .pull(
+            &request(Duration::from_secs(300)),
+            &record,
+            CancellationToken::new(),
+        )
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    let seen = seen.into_inner().unwrap();
+    eprintln!(
+        "MEASURED pulled {large}: {done:?} in {took:?}, {} progress reports",
+        seen.len()
+    );
+    assert!(done.is_total_bytes_final);
+    assert!(done.total_bytes >= LARGE_BYTES, "{done:?}");
+    assert_eq!(done.downloaded_bytes, done.total_bytes, "{done:?}");
+    assert_eq!(done.extracted_bytes, done.total_bytes, "{done:?}");
+    assert_eq!(seen.last(), Some(&done));
+    let during = seen
+        .iter()
+        .filter(|p| p.downloaded_bytes > 0 && p.downloaded_bytes < done.total_bytes)
+        .count();
+    assert!(during > 0, "no intermediate progress in {seen:?}");
+    assert!(
+        seen.windows(2)
+            .all(|w| w[0].downloaded_bytes <= w[1].downloaded_bytes),
+        "downloaded bytes went backwards: {seen:?}"
+    );
+    assert!(docker.image_present(&large).await.unwrap());
+}
+
+#[test]
+fn runner_script_is_valid_sh() {
+    let script = runner_script(&RunnerParams {
+        authorized_keys: vec!["ssh-ed25519 AAAA it's".to_owned()],
+        ssh_log_level: Some("INFO".to_owned()),
+        http_address_localhost: true,
+        ..RunnerParams::default()
+    });
+    let out = std::process::Command::new("sh")
+        .args(["-n", "-c", &script])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
