@@ -1,1 +1,57 @@
-//! shim-engine (work in progress).
+//! The shim engine: submit, start, terminate, remove, reconcile and restore tasks.
+//!
+//! The engine is the only place where side effects are sequenced. The pure state machine of
+//! [`shim_task::machine`] decides; the engine steps it with an event, carries out the returned
+//! actions in order against the container runtime ([`shim_runtime`]), the host resources
+//! ([`shim_resources`]) and the task store ([`shim_store`]), and feeds each action's outcome
+//! back as the next event. Every record change is persisted before the next side effect.
+//!
+//! - [`Engine::submit`] writes the task's state file, then launches start in the background;
+//!   start returns as soon as the container runs.
+//! - A background reconciler (one container list request per cycle, woken by exit events, with
+//!   a relist every second as the backstop) completes tasks whose containers ended and releases
+//!   what terminated tasks hold.
+//! - [`Engine::open`] restores every task of this shim from its state files and its labelled
+//!   containers and runs the first reconcile cycle before it returns, so an HTTP server started
+//!   afterwards never serves a stale view.
+//!
+//! # Embedding
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use shim_engine::{Deps, Engine, EngineConfig};
+//! use shim_resources::{AuthorizedKeysManager, BlockVolumes, GpuLock, HostGpus, SystemCommandRunner, VolumeConfig};
+//! use shim_runtime::DockerRuntime;
+//! use shim_task::{TaskConfig, TaskId, TaskName};
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let runtime = Arc::new(DockerRuntime::connect().await?);
+//! let host_gpus = HostGpus::none();
+//! let deps = Deps {
+//!     runtime,
+//!     gpus: Arc::new(GpuLock::for_host(&host_gpus)),
+//!     host_gpus,
+//!     fake_gpus: false,
+//!     keys: Arc::new(AuthorizedKeysManager::system()),
+//!     volumes: Arc::new(BlockVolumes::new(VolumeConfig::default(), Arc::new(SystemCommandRunner))),
+//!     host_devices: Default::default(),
+//! };
+//! let engine = Engine::open(EngineConfig::new("/var/lib/my-agent"), deps).await?;
+//! let config = TaskConfig::new(TaskId::new("t1")?, TaskName::new("job")?, "busybox:1");
+//! let info = engine.submit(config).await?;
+//! println!("{} is {}", info.id, info.status);
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod engine;
+mod error;
+mod exec;
+pub mod labels;
+mod reconcile;
+mod restore;
+mod spec;
+
+pub use config::{EngineConfig, default_pass_env};
+pub use engine::{Deps, Engine};
+pub use error::{EngineError, Result};

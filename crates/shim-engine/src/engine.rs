@@ -1,0 +1,361 @@
+//! The engine: the task table, the public operations, and the driver that carries out the
+//! state machine's actions.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use shim_resources::{AuthorizedKeys, GpuLock, HostGpus, VolumeManager};
+use shim_runtime::{ContainerRuntime, HostDevices, RegistryAuth};
+use shim_store::Store;
+use shim_task::machine::{Action, Event, Task, step};
+use shim_task::{TaskConfig, TaskId, TaskInfo, TaskRecord, TaskStatus, TerminationReason};
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::EngineConfig;
+use crate::error::{EngineError, Result};
+use crate::labels::owner_identity;
+
+/// The external systems the engine works with. Real implementations for the binary, fakes for
+/// tests.
+#[derive(Clone)]
+pub struct Deps {
+    /// The container runtime (Docker).
+    pub runtime: Arc<dyn ContainerRuntime>,
+    /// The host's GPUs (detected, or a fake host).
+    pub host_gpus: HostGpus,
+    /// The GPU lock over [`Deps::host_gpus`].
+    pub gpus: Arc<GpuLock>,
+    /// When true the GPUs are accounted for but not passed to containers (a fake GPU host).
+    pub fake_gpus: bool,
+    /// The host users' authorized_keys.
+    pub keys: Arc<dyn AuthorizedKeys>,
+    /// Block volumes.
+    pub volumes: Arc<dyn VolumeManager>,
+    /// Host device facts for the container spec.
+    pub host_devices: HostDevices,
+}
+
+/// One task in memory: the state machine's task, plus what only this process needs.
+pub(crate) struct Slot {
+    pub(crate) id: TaskId,
+    task: Mutex<Task>,
+    /// Serializes writes of this task's record, so a later write never loses to an earlier one.
+    persist: tokio::sync::Mutex<()>,
+    /// Cancels the pull in flight.
+    pub(crate) pull_cancel: CancellationToken,
+    /// Registry credentials from submit: memory only.
+    pub(crate) auth: Option<RegistryAuth>,
+}
+
+impl Slot {
+    pub(crate) fn new(task: Task, auth: Option<RegistryAuth>) -> Self {
+        Self {
+            id: task.record.id.clone(),
+            task: Mutex::new(task),
+            persist: tokio::sync::Mutex::new(()),
+            pull_cancel: CancellationToken::new(),
+            auth,
+        }
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Task> {
+        // A panic while holding this lock cannot leave the task half-updated: `step` returns
+        // a new task that replaces the old one in a single assignment.
+        self.task.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn snapshot(&self) -> Task {
+        self.lock().clone()
+    }
+
+    /// Steps the state machine atomically; the task is replaced only on success.
+    pub(crate) fn step(&self, event: Event) -> Result<Vec<Action>> {
+        let mut task = self.lock();
+        let tr = step(&task, event, now_ms())?;
+        *task = tr.task;
+        Ok(tr.actions)
+    }
+}
+
+pub(crate) fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+pub(crate) struct Inner {
+    pub(crate) cfg: EngineConfig,
+    pub(crate) deps: Deps,
+    pub(crate) store: Arc<Store>,
+    pub(crate) owner: String,
+    pub(crate) tasks: Mutex<BTreeMap<TaskId, Arc<Slot>>>,
+    /// Wakes the reconciler (exit events, terminate, shutdown).
+    pub(crate) wake: Notify,
+    /// Unix ms of the last successful reconcile cycle.
+    pub(crate) last_cycle_ms: Mutex<Option<u64>>,
+    pub(crate) shutdown: CancellationToken,
+    /// Start jobs in flight (graceful shutdown waits for them, with a bound).
+    pub(crate) jobs: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Inner {
+    pub(crate) fn table(&self) -> MutexGuard<'_, BTreeMap<TaskId, Arc<Slot>>> {
+        self.tasks.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn slot(&self, id: &TaskId) -> Result<Arc<Slot>> {
+        self.table()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| EngineError::NotFound(id.clone()))
+    }
+
+    pub(crate) fn slots(&self) -> Vec<Arc<Slot>> {
+        self.table().values().cloned().collect()
+    }
+
+    /// Runs the store's blocking IO off the async workers.
+    pub(crate) async fn blocking<T, F>(&self, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Store) -> std::result::Result<T, shim_store::StoreError> + Send + 'static,
+    {
+        let store = self.store.clone();
+        Ok(tokio::task::spawn_blocking(move || f(&store)).await??)
+    }
+
+    /// Writes the task's current record. Serialized per task; the record is read after the
+    /// per-task lock is taken, so the file always ends with the newest state.
+    pub(crate) async fn persist(&self, slot: &Slot) -> Result<()> {
+        let _guard = slot.persist.lock().await;
+        let record: TaskRecord = slot.lock().record.clone();
+        self.blocking(move |store| match store.write(&record) {
+            Err(shim_store::StoreError::NoTaskDir { .. }) => {
+                // A task adopted from a container of an older shim has no directory yet.
+                store.create_task_dir(&record.id)?;
+                store.write(&record)
+            }
+            other => other,
+        })
+        .await
+    }
+
+    /// Feeds `event` to the task and carries out the resulting actions in order. The outcome
+    /// of an action is stepped at once, and the actions it yields run before the rest of the
+    /// list (depth first), so "persist before the next side effect" holds across outcomes.
+    pub(crate) async fn drive(self: &Arc<Self>, slot: &Arc<Slot>, event: Event) -> Result<()> {
+        let actions = slot.step(event)?;
+        self.run_actions(slot, actions).await
+    }
+
+    pub(crate) async fn run_actions(
+        self: &Arc<Self>,
+        slot: &Arc<Slot>,
+        actions: Vec<Action>,
+    ) -> Result<()> {
+        let mut queue: VecDeque<Action> = actions.into();
+        while let Some(action) = queue.pop_front() {
+            if let Some(outcome) = self.execute(slot, action).await? {
+                let more = slot.step(outcome)?;
+                for a in more.into_iter().rev() {
+                    queue.push_front(a);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The start job: drives start from `StartBegan` until it finishes, whatever happens.
+    pub(crate) async fn run_start(self: Arc<Self>, slot: Arc<Slot>) {
+        let outcome = self.drive(&slot, Event::StartBegan).await;
+        if let Err(e) = &outcome {
+            tracing::error!(task = %slot.id, error = %e, "start failed");
+        }
+        // Start must always give up ownership, also when the driver stopped on an error.
+        if slot.lock().start_in_flight {
+            if let Err(e) = outcome {
+                let ev = Event::StartAborted {
+                    message: format!("start failed: {e}"),
+                };
+                if let Err(e) = self.drive(&slot, ev).await {
+                    tracing::error!(task = %slot.id, error = %e, "aborting start failed");
+                }
+            }
+            if slot.lock().start_in_flight
+                && let Err(e) = self.drive(&slot, Event::StartFinished).await
+            {
+                tracing::error!(task = %slot.id, error = %e, "finishing start failed");
+            }
+        }
+        self.wake.notify_one();
+    }
+}
+
+/// The shim engine. Cheap to clone; all clones share one task table.
+#[derive(Clone)]
+pub struct Engine {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl Engine {
+    /// Opens the engine on `cfg.home`: restores every task of this shim (state files and
+    /// containers carrying its owner label), runs the first reconcile cycle, then starts the
+    /// background reconciler. When this returns the engine is ready to serve: containers that
+    /// exited while the shim was down have been processed.
+    pub async fn open(cfg: EngineConfig, deps: Deps) -> Result<Engine> {
+        let home = cfg.home.clone();
+        let store = tokio::task::spawn_blocking(move || Store::open(home)).await??;
+        let owner = owner_identity(&cfg.home);
+        let inner = Arc::new(Inner {
+            cfg,
+            deps,
+            store: Arc::new(store),
+            owner,
+            tasks: Mutex::new(BTreeMap::new()),
+            wake: Notify::new(),
+            last_cycle_ms: Mutex::new(None),
+            shutdown: CancellationToken::new(),
+            jobs: Mutex::new(Vec::new()),
+        });
+        inner.restore_all().await?;
+        inner.first_cycle().await;
+        crate::reconcile::spawn_background(&inner);
+        Ok(Engine { inner })
+    }
+
+    /// The owner identity scoping this shim's containers.
+    pub fn owner(&self) -> &str {
+        &self.inner.owner
+    }
+
+    /// Unix milliseconds of the last successful reconcile cycle.
+    pub fn last_reconcile_ms(&self) -> Option<u64> {
+        *self
+            .inner
+            .last_cycle_ms
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The host's GPUs as the engine accounts for them.
+    pub fn host_gpus(&self) -> &HostGpus {
+        &self.inner.deps.host_gpus
+    }
+
+    /// Submits a task: validates the config, creates the task directory and writes the state
+    /// file, then launches start in the background and returns the `pending` task.
+    pub async fn submit(&self, config: TaskConfig) -> Result<TaskInfo> {
+        config.validate()?;
+        let inner = &self.inner;
+        let id = config.id.clone();
+        let container_name = shim_task::naming::container_name(&config.name, &id);
+        let record = TaskRecord::new(&config, container_name, now_ms());
+        let auth = (!config.registry_username.is_empty() || !config.registry_password.is_empty())
+            .then(|| RegistryAuth {
+                username: config.registry_username.clone(),
+                password: config.registry_password.expose().to_owned(),
+            });
+        let slot = Arc::new(Slot::new(Task::new(record.clone()), auth));
+        {
+            let mut table = inner.table();
+            if table.contains_key(&id) {
+                return Err(EngineError::AlreadyExists(id));
+            }
+            table.insert(id.clone(), slot.clone());
+        }
+        let created = inner
+            .blocking(move |store| {
+                store.create_task_dir(&record.id)?;
+                store.write(&record)
+            })
+            .await;
+        if let Err(e) = created {
+            inner.table().remove(&id);
+            return Err(match e {
+                EngineError::Store(shim_store::StoreError::TaskExists { .. }) => {
+                    EngineError::AlreadyExists(id)
+                }
+                other => other,
+            });
+        }
+        let info = slot.lock().info();
+        tracing::info!(task = %id, image = %config.image_name, "task submitted");
+        let job = tokio::spawn(inner.clone().run_start(slot));
+        let mut jobs = inner.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        jobs.retain(|j| !j.is_finished());
+        jobs.push(job);
+        Ok(info)
+    }
+
+    /// The task's current view.
+    pub fn task_info(&self, id: &TaskId) -> Result<TaskInfo> {
+        Ok(self.inner.slot(id)?.lock().info())
+    }
+
+    /// Every known task (terminated included) with its status.
+    pub fn list(&self) -> Vec<(TaskId, TaskStatus)> {
+        self.inner
+            .slots()
+            .iter()
+            .map(|s| (s.id.clone(), s.lock().status()))
+            .collect()
+    }
+
+    /// Terminates a task: in any status but `terminated` it becomes `terminated` with the given
+    /// reason and message (persisted first); a running container is stopped with `timeout`
+    /// (0 kills at once), a pull in flight is cancelled at once, and start stops at its next
+    /// step. A terminated task is left as it is (its first reason is kept). Resources are
+    /// released before this returns, unless start still owns the task (start releases when it
+    /// returns).
+    pub async fn terminate(
+        &self,
+        id: &TaskId,
+        reason: TerminationReason,
+        message: String,
+        timeout: Duration,
+    ) -> Result<TaskInfo> {
+        let slot = self.inner.slot(id)?;
+        let event = Event::TerminateRequested {
+            reason,
+            message,
+            timeout_s: timeout.as_secs(),
+        };
+        self.inner.drive(&slot, event).await?;
+        if slot.lock().needs_release() {
+            self.inner.drive(&slot, Event::ReleaseRequested).await?;
+        }
+        Ok(slot.lock().info())
+    }
+
+    /// Removes a terminated task: force-removes its container, releases what it still holds,
+    /// deletes its directory (or renames it to a trash name) and forgets it.
+    pub async fn remove(&self, id: &TaskId) -> Result<()> {
+        let slot = self.inner.slot(id)?;
+        self.inner.drive(&slot, Event::RemoveRequested).await
+    }
+
+    /// Stops the background jobs. Containers keep running. With `graceful`, waits (at most
+    /// `grace`) for start jobs in flight to finish, so no task is left half-started.
+    pub async fn shutdown(&self, graceful: bool, grace: Duration) {
+        self.inner.shutdown.cancel();
+        self.inner.wake.notify_waiters();
+        if graceful {
+            let jobs: Vec<JoinHandle<()>> =
+                std::mem::take(&mut *self.inner.jobs.lock().unwrap_or_else(|p| p.into_inner()));
+            let wait = futures_util::future::join_all(jobs);
+            if tokio::time::timeout(grace, wait).await.is_err() {
+                tracing::warn!("shutdown: start jobs still running after {grace:?}; leaving them");
+            }
+        }
+    }
+
+    /// Runs one reconcile cycle now (normally the background job does this every second and
+    /// on exit events). Returns whether the container list succeeded.
+    pub async fn reconcile_now(&self) -> bool {
+        self.inner.cycle().await
+    }
+}

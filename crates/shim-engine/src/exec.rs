@@ -1,0 +1,351 @@
+//! Carrying out one action of the state machine, and reporting its outcome as an event.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use shim_runtime::{PullRequest, RuntimeError};
+use shim_task::machine::{Action, Event, Observation};
+use shim_task::{MountedVolume, PortMapping, PullProgress, Resources, TaskStatus};
+
+use crate::engine::{Inner, Slot};
+use crate::error::{EngineError, Result};
+
+impl Inner {
+    /// Executes `action` for the task in `slot`. Returns the outcome event, if the action has
+    /// one. An error stops the driver (the caller decides what that means for the task).
+    pub(crate) async fn execute(
+        self: &Arc<Self>,
+        slot: &Arc<Slot>,
+        action: Action,
+    ) -> Result<Option<Event>> {
+        let id = slot.id.clone();
+        tracing::debug!(task = %id, ?action, "action");
+        Ok(match action {
+            Action::Persist => {
+                self.persist(slot).await?;
+                None
+            }
+            Action::AcquireGpus { count } => Some(match self.deps.gpus.acquire(count) {
+                Ok(ids) => Event::GpusAcquired(ids),
+                Err(e) => Event::PrepareFailed {
+                    message: format!("cannot acquire GPUs: {e}"),
+                },
+            }),
+            Action::AddHostKeys(grant) => Some(
+                match self.deps.keys.add(&id, &grant.user, &grant.keys).await {
+                    Ok(()) => Event::HostKeysAdded(grant),
+                    Err(e) => Event::PrepareFailed {
+                        message: format!("cannot add SSH keys for host user {:?}: {e}", grant.user),
+                    },
+                },
+            ),
+            Action::MountVolume(spec) => Some(match self.deps.volumes.prepare(&spec).await {
+                Ok(v) => Event::VolumeMounted(v),
+                Err(e) => Event::PrepareFailed {
+                    message: format!("cannot prepare volume {:?}: {e}", spec.name.as_str()),
+                },
+            }),
+            Action::CreateDir(path) => {
+                let p = PathBuf::from(&path);
+                let r =
+                    tokio::task::spawn_blocking(move || shim_resources::ensure_instance_dir(&p))
+                        .await?;
+                Some(match r {
+                    Ok(true) => Event::DirCreated(path),
+                    Ok(false) => Event::DirExisted(path),
+                    Err(e) => Event::PrepareFailed {
+                        message: format!("cannot create instance mount directory {path:?}: {e}"),
+                    },
+                })
+            }
+            Action::Pull { image } => Some(self.pull(slot, image).await),
+            Action::CancelPull => {
+                slot.pull_cancel.cancel();
+                None
+            }
+            Action::CreateContainer => Some(match self.create(slot).await {
+                Ok(container_id) => Event::ContainerCreated { container_id },
+                Err(e) => Event::CreateFailed {
+                    message: format!("cannot create container: {e}"),
+                },
+            }),
+            Action::StartContainer => Some(match self.start_container(slot).await {
+                Ok(ports) => Event::ContainerStarted { ports },
+                Err(message) => Event::StartFailed { message },
+            }),
+            Action::StopContainer { timeout_s } => {
+                let cid = container_ref(slot);
+                match self
+                    .deps
+                    .runtime
+                    .stop(&cid, Duration::from_secs(timeout_s))
+                    .await
+                {
+                    Ok(()) | Err(RuntimeError::NotFound { .. }) => Some(Event::ContainerStopped),
+                    Err(e) => {
+                        tracing::warn!(task = %id, container = %cid, error = %e, "stop failed");
+                        Some(Event::StopFailed {
+                            message: e.to_string(),
+                        })
+                    }
+                }
+            }
+            Action::Release(resources) => Some(self.release(slot, resources).await),
+            Action::RemoveContainer => {
+                let cid = container_ref(slot);
+                self.deps.runtime.remove(&cid).await?;
+                None
+            }
+            Action::DeleteTaskDir => {
+                let held = slot.lock().record.resources.clone();
+                if held.holds_any() {
+                    return Err(EngineError::ReleaseIncomplete {
+                        id,
+                        message: describe(&held),
+                    });
+                }
+                let tid = id.clone();
+                self.blocking(move |store| store.delete(&tid)).await?;
+                None
+            }
+            Action::Forget => {
+                self.table().remove(&id);
+                tracing::info!(task = %id, "task removed");
+                None
+            }
+            Action::FinishStart => Some(Event::StartFinished),
+            Action::LockGpus(ids) => Some(Event::GpusRelocked(self.deps.gpus.lock(&ids))),
+        })
+    }
+
+    async fn pull(self: &Arc<Self>, slot: &Arc<Slot>, image: String) -> Event {
+        let runtime = &self.deps.runtime;
+        if !image.ends_with(":latest") {
+            match runtime.image_present(&image).await {
+                Ok(true) => return Event::PullSkipped,
+                Ok(false) => {}
+                Err(e) => {
+                    return Event::PullFailed {
+                        message: format!("cannot check image {image}: {e}"),
+                    };
+                }
+            }
+        }
+        let log_path = self.store.paths(&slot.id).ok().map(|p| p.pull_log);
+        let request = PullRequest {
+            image: image.clone(),
+            auth: slot.auth.clone(),
+            log_path,
+            timeout: self.cfg.pull_timeout,
+        };
+        let progress_slot = slot.clone();
+        let progress = move |p: shim_runtime::PullProgress| {
+            // Progress never changes the record: stepping it only updates the view.
+            let _ = progress_slot.step(Event::PullProgressed(convert_progress(p)));
+        };
+        tracing::info!(task = %slot.id, %image, "pulling image");
+        match runtime
+            .pull(&request, &progress, slot.pull_cancel.clone())
+            .await
+        {
+            Ok(p) => Event::PullDone(convert_progress(p)),
+            Err(e) => Event::PullFailed {
+                message: e.to_string(),
+            },
+        }
+    }
+
+    async fn create(self: &Arc<Self>, slot: &Arc<Slot>) -> Result<String> {
+        let task = slot.snapshot();
+        let spec = crate::spec::container_spec(self, &task)?;
+        // A container left with our name by an earlier attempt of this very task (the shim
+        // stopped between create and recording it) would make create fail: remove it if it
+        // carries this task's labels.
+        match self.deps.runtime.create(&spec).await {
+            Err(RuntimeError::Conflict { .. })
+                if self.is_own_leftover(&spec.name, &slot.id).await =>
+            {
+                self.deps.runtime.remove(&spec.name).await?;
+                Ok(self.deps.runtime.create(&spec).await?)
+            }
+            other => Ok(other?),
+        }
+    }
+
+    async fn is_own_leftover(&self, name: &str, id: &shim_task::TaskId) -> bool {
+        match self.deps.runtime.inspect(name).await {
+            Ok(d) => {
+                d.labels.get(crate::labels::LABEL_OWNER) == Some(&self.owner)
+                    && d.labels
+                        .get(crate::labels::LABEL_TASK_ID)
+                        .map(String::as_str)
+                        == Some(id.as_str())
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Starts the container and reads its published ports. On an NVIDIA host, a start that
+    /// fails on `/dev/nvidia-modeset` is retried once without the `display` capability.
+    async fn start_container(
+        self: &Arc<Self>,
+        slot: &Arc<Slot>,
+    ) -> Result<Vec<PortMapping>, String> {
+        let runtime = &self.deps.runtime;
+        let mut cid = slot.lock().record.container_id.clone();
+        if let Err(e) = runtime.start(&cid).await {
+            let message = e.to_string();
+            let task = slot.snapshot();
+            let retry = crate::spec::container_spec(self, &task)
+                .ok()
+                .and_then(|spec| shim_runtime::without_nvidia_display(&spec, &message));
+            let Some(spec) = retry else {
+                return Err(self.start_failure(&cid, &message).await);
+            };
+            tracing::warn!(task = %slot.id, "start failed on nvidia-modeset; retrying without the display capability");
+            let _ = runtime.remove(&cid).await;
+            cid = runtime
+                .create(&spec)
+                .await
+                .map_err(|e| format!("cannot recreate container without display: {e}"))?;
+            slot.lock().record.container_id = cid.clone();
+            self.persist(slot)
+                .await
+                .map_err(|e| format!("cannot persist the recreated container: {e}"))?;
+            if let Err(e) = runtime.start(&cid).await {
+                return Err(self.start_failure(&cid, &e.to_string()).await);
+            }
+        }
+        let details = runtime
+            .inspect(&cid)
+            .await
+            .map_err(|e| format!("container started but cannot be inspected: {e}"))?;
+        Ok(details
+            .ports
+            .iter()
+            .map(|p| PortMapping {
+                host: p.host,
+                container: p.container,
+            })
+            .collect())
+    }
+
+    async fn start_failure(&self, cid: &str, error: &str) -> String {
+        match self
+            .deps
+            .runtime
+            .logs_tail(cid, self.cfg.exit_log_lines)
+            .await
+        {
+            Ok(lines) if !lines.is_empty() => format!("{error}\n{}", lines.join("\n")),
+            _ => error.to_owned(),
+        }
+    }
+
+    /// Releases exactly `resources`; reports what was released (partial success allowed).
+    async fn release(self: &Arc<Self>, slot: &Arc<Slot>, resources: Resources) -> Event {
+        let id = &slot.id;
+        let mut errors = Vec::new();
+        self.deps.gpus.release(&resources.gpus);
+        let mut host_keys = false;
+        if let Some(grant) = &resources.host_keys {
+            match self.deps.keys.remove(id, &grant.user).await {
+                Ok(()) => host_keys = true,
+                Err(e) => errors.push(format!("SSH keys of {:?}: {e}", grant.user)),
+            }
+        }
+        let mut volumes = Vec::new();
+        for v in &resources.volumes {
+            match self.deps.volumes.release(v).await {
+                Ok(()) => volumes.push(v.name.clone()),
+                Err(e) => errors.push(format!("volume {:?}: {e}", v.name)),
+            }
+        }
+        if errors.is_empty() {
+            tracing::info!(task = %id, "resources released");
+        } else {
+            tracing::warn!(task = %id, errors = ?errors, "release incomplete; will retry");
+        }
+        let any = !resources.gpus.is_empty() || host_keys || !volumes.is_empty();
+        if !errors.is_empty() && !any {
+            Event::ReleaseFailed {
+                message: errors.join("; "),
+            }
+        } else {
+            Event::Released {
+                gpus: resources.gpus,
+                host_keys,
+                volumes,
+            }
+        }
+    }
+
+    /// What the reconciler saw of a running task's container, given its summary state.
+    pub(crate) async fn observe_stopped(&self, container_id: &str) -> Observation {
+        match self.deps.runtime.inspect(container_id).await {
+            Err(RuntimeError::NotFound { .. }) => Observation::Missing,
+            Err(e) => {
+                tracing::warn!(container = %container_id, error = %e, "inspect failed");
+                Observation::Running
+            }
+            Ok(d) => match d.state {
+                shim_runtime::ContainerState::Created => Observation::NeverStarted,
+                s if s.is_running() => Observation::Running,
+                _ => {
+                    let code = d.exit_code.unwrap_or(-1);
+                    let last_lines = self
+                        .deps
+                        .runtime
+                        .logs_tail(container_id, self.cfg.exit_log_lines)
+                        .await
+                        .unwrap_or_default();
+                    Observation::Exited { code, last_lines }
+                }
+            },
+        }
+    }
+}
+
+/// The container id if known, else its name (the name is fixed at submit).
+pub(crate) fn container_ref(slot: &Slot) -> String {
+    let t = slot.lock();
+    if t.record.container_id.is_empty() {
+        t.record.container_name.clone()
+    } else {
+        t.record.container_id.clone()
+    }
+}
+
+fn convert_progress(p: shim_runtime::PullProgress) -> PullProgress {
+    PullProgress {
+        downloaded_bytes: p.downloaded_bytes,
+        extracted_bytes: p.extracted_bytes,
+        total_bytes: p.total_bytes,
+        is_total_bytes_final: p.is_total_bytes_final,
+    }
+}
+
+fn describe(r: &Resources) -> String {
+    let mut parts = Vec::new();
+    if !r.gpus.is_empty() {
+        parts.push(format!("GPUs {:?}", r.gpus));
+    }
+    if let Some(k) = &r.host_keys {
+        parts.push(format!("SSH keys of {:?}", k.user));
+    }
+    if !r.volumes.is_empty() {
+        let names: Vec<&str> = r
+            .volumes
+            .iter()
+            .map(|v: &MountedVolume| v.name.as_str())
+            .collect();
+        parts.push(format!("volumes {names:?}"));
+    }
+    parts.join(", ")
+}
+
+/// Whether a status is one the reconciler observes (start no longer in flight, not ended).
+pub(crate) fn observed_status(s: TaskStatus) -> bool {
+    s == TaskStatus::Running
+}

@@ -1,0 +1,136 @@
+//! From a task to the runtime-neutral container inputs (SPEC §6).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use shim_resources::GpuVendor;
+use shim_runtime::{
+    BindMount, ContainerInputs, ContainerSpec, DeviceMapping, GpuConfig, NetworkMode, RunnerParams,
+    build_container_spec,
+};
+use shim_task::machine::Task;
+use shim_task::{NetworkMode as TaskNetwork, TaskConfig};
+
+use crate::engine::Inner;
+use crate::error::{EngineError, Result};
+use crate::labels::{LABEL_GPUS, LABEL_OWNER, LABEL_TASK, LABEL_TASK_ID};
+
+/// The container spec of a task that has a config (start only runs for those).
+pub(crate) fn container_spec(inner: &Inner, task: &Task) -> Result<ContainerSpec> {
+    let config = task
+        .record
+        .config
+        .as_ref()
+        .ok_or_else(|| EngineError::WrongStatus {
+            id: task.record.id.clone(),
+            status: task.record.status,
+        })?;
+    let paths = inner.store.paths(&task.record.id)?;
+    Ok(build_container_spec(&inputs(
+        inner,
+        task,
+        config,
+        paths.runner_dir,
+    )))
+}
+
+fn inputs(inner: &Inner, task: &Task, config: &TaskConfig, runner_dir: PathBuf) -> ContainerInputs {
+    let cfg = &inner.cfg;
+    let gpus = &task.record.resources.gpus;
+    let mut labels = BTreeMap::new();
+    labels.insert(LABEL_TASK.to_owned(), "true".to_owned());
+    labels.insert(LABEL_TASK_ID.to_owned(), task.record.id.to_string());
+    labels.insert(LABEL_OWNER.to_owned(), inner.owner.clone());
+    if !gpus.is_empty() {
+        labels.insert(LABEL_GPUS.to_owned(), gpus.join(","));
+    }
+    let network = match config.network_mode {
+        TaskNetwork::Host => NetworkMode::Host,
+        TaskNetwork::Bridge => NetworkMode::Bridge,
+    };
+    let mut mounts = Vec::new();
+    for m in &config.volume_mounts {
+        let source = task
+            .record
+            .resources
+            .volumes
+            .iter()
+            .find(|v| v.name == m.name.as_str())
+            .map(|v| PathBuf::from(&v.mount_point))
+            .unwrap_or_else(|| inner.deps.volumes.mount_point(m.name.as_str()));
+        mounts.push(BindMount {
+            source,
+            target: m.path.clone(),
+            read_only: false,
+        });
+    }
+    for m in &config.instance_mounts {
+        mounts.push(BindMount {
+            source: PathBuf::from(&m.instance_path),
+            target: m.path.clone(),
+            read_only: false,
+        });
+    }
+    let env = cfg
+        .pass_env
+        .iter()
+        .filter_map(|name| std::env::var(name).ok().map(|v| (name.clone(), v)))
+        .collect();
+    let gpu = if !config.gpu_devices.is_empty() {
+        GpuConfig::Devices(
+            config
+                .gpu_devices
+                .iter()
+                .map(|d| DeviceMapping {
+                    path_on_host: d.path_on_host.clone(),
+                    path_in_container: d.path_in_container.clone(),
+                    cgroup_permissions: "rwm".to_owned(),
+                })
+                .collect(),
+        )
+    } else if gpus.is_empty() || inner.deps.fake_gpus {
+        GpuConfig::None
+    } else {
+        match inner.deps.host_gpus.vendor {
+            Some(GpuVendor::Nvidia) => GpuConfig::Nvidia {
+                uuids: gpus.clone(),
+            },
+            Some(GpuVendor::Amd) => GpuConfig::Amd {
+                render_nodes: gpus.clone(),
+            },
+            Some(GpuVendor::Tenstorrent) => GpuConfig::Tenstorrent { ids: gpus.clone() },
+            Some(GpuVendor::Intel) => GpuConfig::Intel { ids: gpus.clone() },
+            None => GpuConfig::None,
+        }
+    };
+    ContainerInputs {
+        name: task.record.container_name.clone(),
+        image: config.image_ref(),
+        labels,
+        runner: RunnerParams {
+            binary_host_path: cfg.runner_binary_path.clone(),
+            dir_host_path: runner_dir,
+            http_port: cfg.runner_http_port,
+            ssh_port: cfg.runner_ssh_port,
+            log_level: u32::from(cfg.runner_log_level),
+            ssh_log_level: cfg.runner_ssh_log_level.clone(),
+            http_address_localhost: network == NetworkMode::Host,
+            authorized_keys: config
+                .container_ssh_keys
+                .iter()
+                .map(|k| k.line().to_owned())
+                .collect(),
+        },
+        network,
+        user: config.effective_user().to_owned(),
+        privileged: config.privileged || cfg.privileged,
+        nano_cpus: shim_runtime::spec::nano_cpus(config.cpu),
+        memory: config.memory,
+        shm_size: config.shm_size,
+        mounts,
+        env,
+        pjrt_device: cfg.pjrt_device.clone(),
+        gpu,
+        host: inner.deps.host_devices,
+    }
+}
