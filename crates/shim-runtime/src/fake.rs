@@ -310,12 +310,26 @@ impl FakeRuntime {
     /// Makes a running (or created) container exit with `code` and emits its exit event.
     /// Returns false if there is no such container.
     pub fn exit(&self, id: &str, code: i64) -> bool {
+        match self.exit_inner(id, code) {
+            Some(event) => {
+                // No subscriber is fine.
+                let _ = self.events.send(event);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Like [`FakeRuntime::exit`], but the exit event is lost (events are only hints).
+    pub fn exit_without_event(&self, id: &str, code: i64) -> bool {
+        self.exit_inner(id, code).is_some()
+    }
+
+    fn exit_inner(&self, id: &str, code: i64) -> Option<(BTreeMap<String, String>, ExitEvent)> {
         let event = {
             let mut state = self.lock();
             let now = Self::timestamp(&mut state);
-            let Some(c) = state.containers.get_mut(id) else {
-                return false;
-            };
+            let c = state.containers.get_mut(id)?;
             c.state = ContainerState::Exited;
             c.exit_code = Some(code);
             c.finished_at = Some(now);
@@ -327,9 +341,7 @@ impl FakeRuntime {
                 },
             )
         };
-        // No subscriber is fine.
-        let _ = self.events.send(event);
-        true
+        Some(event)
     }
 
     /// Makes a container disappear without an event (as if removed behind the shim's back).
@@ -450,6 +462,27 @@ impl FakeRuntime {
         key.and_then(move |k| state.containers.get_mut(&k))
     }
 
+    /// Writes the steps as JSON lines to the request's log path, like the real pull log.
+    fn write_log(request: &PullRequest, steps: &[PullProgress]) -> Result<()> {
+        let Some(path) = &request.log_path else {
+            return Ok(());
+        };
+        let mut text = String::new();
+        for step in steps {
+            let line = serde_json::json!({
+                "status": "Downloading",
+                "id": "fake",
+                "progressDetail": {"current": step.downloaded_bytes, "total": step.total_bytes},
+            });
+            text.push_str(&line.to_string());
+            text.push('\n');
+        }
+        fs_err::write(path, text).map_err(|source| RuntimeError::PullLog {
+            path: path.clone(),
+            source,
+        })
+    }
+
     async fn report_steps(steps: &[PullProgress], progress: ProgressFn<'_>) -> PullProgress {
         let mut last = PullProgress::default();
         for step in steps {
@@ -489,6 +522,12 @@ impl ContainerRuntime for FakeRuntime {
             )?;
             state.pull.clone()
         };
+        let steps = match &behavior {
+            PullBehavior::Succeed { steps }
+            | PullBehavior::Fail { steps, .. }
+            | PullBehavior::Hang { steps } => steps.clone(),
+        };
+        Self::write_log(request, &steps)?;
         if cancel.is_cancelled() {
             return Err(RuntimeError::Cancelled {
                 op: "pull",
@@ -814,6 +853,29 @@ mod tests {
         fake.remove(&id).await.unwrap();
         assert!(fake.inspect(&id).await.unwrap_err().is_not_found());
         assert_eq!(fake.count("remove"), 2);
+    }
+
+    #[tokio::test]
+    async fn pull_log_and_silent_exit() {
+        let fake = FakeRuntime::new();
+        let dir = tempfile::tempdir().unwrap();
+        let mut req = request();
+        req.log_path = Some(dir.path().join("pull.log"));
+        fake.pull(&req, &no_progress, CancellationToken::new())
+            .await
+            .unwrap();
+        let log = fs_err::read_to_string(dir.path().join("pull.log")).unwrap();
+        assert_eq!(log.lines().count(), 1);
+
+        let id = fake.add_container(&spec("a", "me"), ContainerState::Running, None);
+        let mut events = fake.exit_events(&[]).await.unwrap();
+        assert!(fake.exit_without_event(&id, 9));
+        assert!(fake.exit(&id, 9));
+        // Only the second exit was announced.
+        assert_eq!(events.next().await.unwrap().unwrap().exit_code, Some(9));
+        let pending = futures_util::FutureExt::now_or_never(events.next());
+        assert!(pending.is_none());
+        assert!(!fake.exit(&"0".repeat(64), 1));
     }
 
     #[tokio::test]
