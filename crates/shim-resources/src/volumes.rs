@@ -278,7 +278,15 @@ impl BlockVolumes {
 
     /// The device of a volume spec, polled for (AWS) and checked to be a ready block device.
     pub async fn resolve_device(&self, spec: &VolumeSpec) -> Result<PathBuf> {
-        let device = match spec.backend {
+        let device = self.find_device(spec).await?;
+        self.wait_block_device(&device).await?;
+        Ok(device)
+    }
+
+    /// The device path of a volume spec (AWS: polled for up to `resolve_wait`), not yet
+    /// checked to be a block device.
+    pub async fn find_device(&self, spec: &VolumeSpec) -> Result<PathBuf> {
+        Ok(match spec.backend {
             VolumeBackend::Gcp => {
                 let n = &spec.device_name;
                 if n.is_empty() || n.contains(['/', '\0']) || n == ".." {
@@ -291,9 +299,7 @@ impl BlockVolumes {
                 self.config.gcp_by_id_dir.join(format!("google-{n}"))
             }
             VolumeBackend::Aws => self.resolve_aws(spec).await?,
-        };
-        self.wait_block_device(&device).await?;
-        Ok(device)
+        })
     }
 
     async fn resolve_aws(&self, spec: &VolumeSpec) -> Result<PathBuf> {

@@ -1,0 +1,383 @@
+//! authorized_keys against real files in temporary homes (no root needed).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // a test file: panics are failures
+
+use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use shim_resources::keys::{MARKER, marked_line, parse_marked_line, render};
+use shim_resources::{AuthorizedKeys, AuthorizedKeysManager, Error, StaticUserDb};
+use shim_task::{PublicKey, TaskId};
+
+// Generated with ssh-keygen; fingerprints as `ssh-keygen -l` printed them.
+const K1: &str =
+    "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAILJGWz0/8QjYK+L+mj9V7g/pcOzi/5qYPRvJ0QrLvroM user1@host";
+const K1_FP: &str = "SHA256:2DTPWGjxUaZLgAK1dXrpRy0NzNFdEC88p2W35qCmeXY";
+const K2: &str =
+    "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIIjY0BqsQsHfRsbOue0mJhmhj/RTNPTIVoiDvsMluylj user2@host";
+const K3: &str =
+    "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIMYbIVPdSaeAJtsHT7WxEAWvFN5k2J7MntJ7UTNKQn1o user3@host";
+const K4: &str = "ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAAAgQDDWxDV3/eP8Na9Nm/AjQn/R3lzb+OYQEFoOkfacNOt49QuT/g2+DQjTt+z5Bopbdwzx3Pr+MjYvOSBzo01N/dVlfOfWxFCiBU55EqKtYRu3GSe3Mv3VgrxpJxWaQisPTZh8y4ovI20NmY6h3mUBCU5lUNUHBcn+vAW0P0tLQKYjw== rsa@host";
+
+fn key(s: &str) -> PublicKey {
+    PublicKey::parse(s).unwrap()
+}
+
+fn task(s: &str) -> TaskId {
+    TaskId::new(s).unwrap()
+}
+
+struct Home {
+    _tmp: tempfile::TempDir,
+    home: PathBuf,
+    manager: AuthorizedKeysManager,
+}
+
+impl Home {
+    fn new() -> Self {
+        let tmp = tempfile::tempdir().unwrap();
+        let home = tmp.path().join("alice");
+        fs_err::create_dir(&home).unwrap();
+        let db = StaticUserDb::new()
+            .with_user("alice", &home)
+            .with_user("bob", tmp.path().join("bob"));
+        Self {
+            manager: AuthorizedKeysManager::new(Arc::new(db)),
+            home,
+            _tmp: tmp,
+        }
+    }
+
+    fn file(&self) -> PathBuf {
+        self.home.join(".ssh/authorized_keys")
+    }
+
+    fn read(&self) -> String {
+        fs_err::read_to_string(self.file()).unwrap()
+    }
+
+    fn write(&self, content: &str) {
+        fs_err::create_dir_all(self.home.join(".ssh")).unwrap();
+        fs_err::write(self.file(), content).unwrap();
+    }
+
+    /// Fingerprints of the marked lines, in file order.
+    fn marked(&self) -> Vec<String> {
+        self.read()
+            .lines()
+            .filter_map(parse_marked_line)
+            .map(|k| k.fingerprint().to_owned())
+            .collect()
+    }
+}
+
+fn mode(p: &Path) -> u32 {
+    fs_err::metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+#[tokio::test]
+async fn creates_ssh_dir_and_file_with_modes_and_owner() {
+    let h = Home::new();
+    let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
+    h.manager
+        .add(&task("t1"), "alice", &[key(K1), key(K4)])
+        .await
+        .unwrap();
+    nix::sys::stat::umask(old);
+    assert_eq!(mode(&h.home.join(".ssh")), 0o700);
+    assert_eq!(mode(&h.file()), 0o600);
+    let meta = fs_err::metadata(h.file()).unwrap();
+    assert_eq!(meta.uid(), nix::unistd::getuid().as_raw());
+    assert_eq!(
+        h.read(),
+        format!("{} {MARKER}\n{} {MARKER}\n", key(K1).line(), key(K4).line())
+    );
+    // No backup of a file that did not exist; no temp file left.
+    assert!(!h.home.join(".ssh/authorized_keys.bak").exists());
+    let names: Vec<_> = fs_err::read_dir(h.home.join(".ssh"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(names, vec!["authorized_keys"]);
+}
+
+#[tokio::test]
+async fn written_file_is_read_by_ssh_keygen() {
+    let h = Home::new();
+    h.manager
+        .add(&task("t1"), "alice", &[key(K1), key(K4)])
+        .await
+        .unwrap();
+    let out = std::process::Command::new("ssh-keygen")
+        .arg("-l")
+        .arg("-f")
+        .arg(h.file())
+        .output();
+    match out {
+        Ok(out) => {
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{text} {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(text.contains(K1_FP), "{text}");
+            assert!(text.contains(MARKER), "{text}");
+            assert_eq!(text.lines().count(), 2, "{text}");
+        }
+        Err(e) => eprintln!("skipped the ssh-keygen cross-check: cannot run ssh-keygen: {e}"),
+    }
+}
+
+#[tokio::test]
+async fn preserves_foreign_lines_mode_and_keeps_backup() {
+    let h = Home::new();
+    let original = format!(
+        "# my comment\n{K2}\nthis is garbage \t with tabs\n\ncommand=\"x\" {K3}\n\u{e9}t\u{e9} caf\u{e9}\n"
+    );
+    h.write(&original);
+    fs_err::set_permissions(h.file(), std::fs::Permissions::from_mode(0o640)).unwrap();
+    h.manager
+        .add(&task("t1"), "alice", &[key(K1)])
+        .await
+        .unwrap();
+    assert_eq!(h.read(), format!("{original}{} {MARKER}\n", key(K1).line()));
+    assert_eq!(mode(&h.file()), 0o640, "mode kept");
+    assert_eq!(
+        fs_err::read_to_string(h.home.join(".ssh/authorized_keys.bak")).unwrap(),
+        original
+    );
+    h.manager.remove(&task("t1"), "alice").await.unwrap();
+    assert_eq!(h.read(), original, "back to the original byte for byte");
+    assert_eq!(mode(&h.file()), 0o640);
+}
+
+#[tokio::test]
+async fn invalid_utf8_and_missing_final_newline_survive() {
+    let h = Home::new();
+    fs_err::create_dir_all(h.home.join(".ssh")).unwrap();
+    let mut original = b"\xff\xfe binary junk\n".to_vec();
+    original.extend_from_slice(K2.as_bytes()); // no final newline
+    fs_err::write(h.file(), &original).unwrap();
+    h.manager
+        .add(&task("t1"), "alice", &[key(K1)])
+        .await
+        .unwrap();
+    let now = fs_err::read(h.file()).unwrap();
+    assert!(now.starts_with(&original));
+    h.manager.remove(&task("t1"), "alice").await.unwrap();
+    let mut expected = original.clone();
+    expected.push(b'\n');
+    assert_eq!(fs_err::read(h.file()).unwrap(), expected);
+}
+
+#[tokio::test]
+async fn shared_key_survives_release_of_first_task() {
+    let h = Home::new();
+    h.manager
+        .add(&task("a"), "alice", &[key(K1), key(K2)])
+        .await
+        .unwrap();
+    h.manager
+        .add(&task("b"), "alice", &[key(K2), key(K3)])
+        .await
+        .unwrap();
+    let fp = |k: &str| key(k).fingerprint().to_owned();
+    assert_eq!(
+        h.marked(),
+        vec![fp(K1), fp(K2), fp(K3)],
+        "no duplicate line for K2"
+    );
+    h.manager.remove(&task("a"), "alice").await.unwrap();
+    assert_eq!(h.marked(), vec![fp(K2), fp(K3)]);
+    h.manager.remove(&task("b"), "alice").await.unwrap();
+    assert!(h.marked().is_empty());
+    // Idempotent.
+    h.manager.remove(&task("b"), "alice").await.unwrap();
+    assert!(h.marked().is_empty());
+}
+
+#[tokio::test]
+async fn foreign_line_with_same_key_is_never_removed() {
+    let h = Home::new();
+    // The user's own line holds K1 in another formatting (other comment, extra spaces).
+    let own = K1.replace(' ', "   ").replace("user1@host", "laptop");
+    h.write(&format!("{own}\n"));
+    h.manager
+        .add(&task("a"), "alice", &[key(K1)])
+        .await
+        .unwrap();
+    assert_eq!(h.marked(), vec![K1_FP.to_owned()]);
+    h.manager.remove(&task("a"), "alice").await.unwrap();
+    assert_eq!(h.read(), format!("{own}\n"));
+}
+
+#[tokio::test]
+async fn marked_line_in_other_formatting_is_recognized() {
+    let h = Home::new();
+    // A marked line written with different spacing and comment: still ours, same key.
+    let k1 = K1.replace("user1@host", "").replace(' ', "  ");
+    h.write(&format!("{k1} {MARKER}\n"));
+    h.manager.restore(&task("a"), "alice", &[key(K1)]);
+    h.manager
+        .add(&task("b"), "alice", &[key(K1)])
+        .await
+        .unwrap();
+    assert_eq!(h.marked(), vec![K1_FP.to_owned()], "not duplicated");
+    h.manager.remove(&task("a"), "alice").await.unwrap();
+    assert_eq!(h.marked(), vec![K1_FP.to_owned()], "b still needs it");
+    h.manager.remove(&task("b"), "alice").await.unwrap();
+    assert!(h.marked().is_empty());
+}
+
+#[tokio::test]
+async fn restart_restore_then_remove_keeps_live_keys() {
+    let h = Home::new();
+    h.write(&format!("{K4}\n"));
+    h.manager
+        .add(&task("a"), "alice", &[key(K1), key(K2)])
+        .await
+        .unwrap();
+    h.manager
+        .add(&task("b"), "alice", &[key(K2)])
+        .await
+        .unwrap();
+    h.manager
+        .add(&task("c"), "alice", &[key(K3)])
+        .await
+        .unwrap();
+
+    // Restart: a fresh manager, empty memory. b and c are live; a finished while down.
+    let db = StaticUserDb::new().with_user("alice", &h.home);
+    let after = AuthorizedKeysManager::new(Arc::new(db));
+    after.restore(&task("b"), "alice", &[key(K2)]);
+    after.restore(&task("c"), "alice", &[key(K3)]);
+    // Restore alone touches nothing.
+    let fp = |k: &str| key(k).fingerprint().to_owned();
+    assert_eq!(h.marked(), vec![fp(K1), fp(K2), fp(K3)]);
+    after.remove(&task("a"), "alice").await.unwrap();
+    assert_eq!(h.marked(), vec![fp(K2), fp(K3)]);
+    assert!(
+        h.read().starts_with(&format!("{K4}\n")),
+        "foreign line kept"
+    );
+    let live: Vec<_> = after.live_tasks().into_iter().map(|(t, _)| t).collect();
+    assert_eq!(live, vec![task("b"), task("c")]);
+}
+
+#[tokio::test]
+async fn leftover_marked_line_without_a_task_is_pruned_on_next_removal() {
+    let h = Home::new();
+    // A crash after writing but before recording: a marked K3 line no task claims.
+    h.write(&format!("{}\n", marked_line(&key(K3))));
+    h.manager
+        .add(&task("a"), "alice", &[key(K1)])
+        .await
+        .unwrap();
+    assert_eq!(h.marked().len(), 2, "add never removes");
+    h.manager.remove(&task("a"), "alice").await.unwrap();
+    assert!(h.marked().is_empty());
+}
+
+#[tokio::test]
+async fn users_are_separate() {
+    let h = Home::new();
+    let bob_home = h.home.parent().unwrap().join("bob");
+    fs_err::create_dir(&bob_home).unwrap();
+    h.manager
+        .add(&task("a"), "alice", &[key(K1)])
+        .await
+        .unwrap();
+    h.manager.add(&task("b"), "bob", &[key(K1)]).await.unwrap();
+    h.manager.remove(&task("a"), "alice").await.unwrap();
+    assert!(h.marked().is_empty());
+    let bob = fs_err::read_to_string(bob_home.join(".ssh/authorized_keys")).unwrap();
+    assert_eq!(bob, format!("{}\n", marked_line(&key(K1))));
+}
+
+#[tokio::test]
+async fn unknown_or_invalid_user_is_an_error_and_registers_nothing() {
+    let h = Home::new();
+    let e = h
+        .manager
+        .add(&task("a"), "mallory", &[key(K1)])
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::UnknownUser { .. }), "{e}");
+    for bad in ["", "../etc", "a/b"] {
+        let e = h
+            .manager
+            .add(&task("a"), bad, &[key(K1)])
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidUser { .. }), "{e}");
+    }
+    assert!(h.manager.live_tasks().is_empty());
+}
+
+#[tokio::test]
+async fn failed_write_registers_nothing_and_changes_nothing() {
+    let h = Home::new();
+    h.write(&format!("{K4}\n"));
+    // A home whose .ssh is a file: every write fails.
+    let db = StaticUserDb::new().with_user("alice", h.file());
+    let broken = AuthorizedKeysManager::new(Arc::new(db));
+    assert!(broken.add(&task("a"), "alice", &[key(K1)]).await.is_err());
+    assert!(broken.live_tasks().is_empty());
+    assert_eq!(h.read(), format!("{K4}\n"));
+}
+
+#[tokio::test]
+async fn concurrent_updates_are_serialized() {
+    let h = Home::new();
+    h.write(&format!("{K4}\n"));
+    let keys = [key(K1), key(K2), key(K3)];
+    let mut handles = Vec::new();
+    for i in 0..30 {
+        let m = h.manager.clone();
+        let k = keys[i % 3].clone();
+        handles.push(tokio::spawn(async move {
+            let t = task(&format!("t{i}"));
+            m.add(&t, "alice", &[k]).await.unwrap();
+            if i % 2 == 0 {
+                m.remove(&t, "alice").await.unwrap();
+            }
+        }));
+    }
+    for h in handles {
+        h.await.unwrap();
+    }
+    // Odd tasks stay: t1 (K2), t3 (K1), t5 (K3), … — every key is held by some odd task.
+    let mut marked = h.marked();
+    marked.sort();
+    let mut want: Vec<String> = keys.iter().map(|k| k.fingerprint().to_owned()).collect();
+    want.sort();
+    assert_eq!(marked, want);
+    assert!(h.read().starts_with(&format!("{K4}\n")));
+}
+
+#[test]
+fn render_rules() {
+    let k1 = key(K1);
+    let k2 = key(K2);
+    let old = format!(
+        "x\n{}\n{}\n{}\n",
+        marked_line(&k1),
+        marked_line(&k1),
+        marked_line(&k2)
+    );
+    // Without pruning: nothing dropped except the duplicate; wanted keys present.
+    let r = String::from_utf8(render(old.as_bytes(), std::slice::from_ref(&k1), false)).unwrap();
+    assert_eq!(
+        r,
+        format!("x\n{}\n{}\n", marked_line(&k1), marked_line(&k2))
+    );
+    // Pruning keeps exactly the wanted keys.
+    let r = String::from_utf8(render(old.as_bytes(), std::slice::from_ref(&k1), true)).unwrap();
+    assert_eq!(r, format!("x\n{}\n", marked_line(&k1)));
+    // The marker must be an exact trailing field.
+    assert!(parse_marked_line(&format!("{K1}{MARKER}")).is_none());
+    assert!(parse_marked_line(&format!("{K1} # added by dstack")).is_none());
+    assert!(parse_marked_line(&format!("{K1} {MARKER}")).is_some());
+    assert!(parse_marked_line(&format!("garbage {MARKER}")).is_none());
+}

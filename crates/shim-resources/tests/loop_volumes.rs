@@ -1,0 +1,301 @@
+//! Block volumes on real loop devices: format, mount, unmount. Needs root, `losetup`,
+//! `mkfs.ext4`, `blkid` and mount(2); runs only with `SHIM_TEST_ROOT=1` and then fails loudly
+//! if any of it is missing.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // a test file: panics are failures
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use shim_resources::volumes::Probe;
+use shim_resources::{BlockVolumes, Error, SystemCommandRunner, VolumeConfig, VolumeManager};
+use shim_task::{MountedVolume, TaskName, VolumeBackend, VolumeSpec};
+
+fn root_tests(test: &str) -> bool {
+    if std::env::var("SHIM_TEST_ROOT").as_deref() == Ok("1") {
+        true
+    } else {
+        eprintln!("skipped {test}: needs root and loop devices; set SHIM_TEST_ROOT=1 to run it");
+        false
+    }
+}
+
+fn run(program: &str, args: &[&str]) -> String {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {program}: {e}"));
+    assert!(
+        out.status.success(),
+        "{program} {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// A loop device over a temporary file, with a volumes root and a GCP-style by-id dir linking
+/// `google-test-disk` to it. Dropping it unmounts what is left and detaches the device.
+struct Loop {
+    tmp: tempfile::TempDir,
+    dev: PathBuf,
+}
+
+impl Loop {
+    fn new(size_mib: u64, prepare_file: impl FnOnce(&Path)) -> Self {
+        let tmp = tempfile::tempdir().unwrap();
+        let img = tmp.path().join("disk.img");
+        let f = fs_err::File::create(&img).unwrap();
+        f.set_len(size_mib * 1024 * 1024).unwrap();
+        drop(f);
+        prepare_file(&img);
+        let dev = PathBuf::from(run("losetup", &["-f", "--show", img.to_str().unwrap()]));
+        fs_err::create_dir(tmp.path().join("by-id")).unwrap();
+        std::os::unix::fs::symlink(&dev, tmp.path().join("by-id/google-test-disk")).unwrap();
+        Self { tmp, dev }
+    }
+
+    fn blank(size_mib: u64) -> Self {
+        Self::new(size_mib, |_| {})
+    }
+
+    fn root(&self) -> PathBuf {
+        self.tmp.path().join("volumes")
+    }
+
+    fn manager(&self) -> BlockVolumes {
+        let mut config = VolumeConfig::with_root(self.root()).fast();
+        config.gcp_by_id_dir = self.tmp.path().join("by-id");
+        BlockVolumes::new(config, Arc::new(SystemCommandRunner::default()))
+    }
+
+    fn spec(&self, init_fs: bool) -> VolumeSpec {
+        VolumeSpec {
+            backend: VolumeBackend::Gcp,
+            name: TaskName::new("data").unwrap(),
+            volume_id: String::new(),
+            init_fs,
+            device_name: "test-disk".to_owned(),
+        }
+    }
+
+    fn dev_str(&self) -> &str {
+        self.dev.to_str().unwrap()
+    }
+
+    fn blkid(&self) -> (Option<i32>, String) {
+        let out = Command::new("blkid")
+            .args(["-p", "-o", "export", self.dev_str()])
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        let mp = self.root().join("data");
+        let table = fs_err::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        if shim_resources::volumes::is_mount_point_in(&table, &mp) {
+            let _ = Command::new("umount").arg("-l").arg(&mp).status();
+        }
+        let _ = Command::new("losetup").arg("-d").arg(&self.dev).status();
+    }
+}
+
+fn is_mounted(p: &Path) -> bool {
+    let table = fs_err::read_to_string("/proc/self/mountinfo").unwrap();
+    shim_resources::volumes::is_mount_point_in(&table, p)
+}
+
+fn mode(p: &Path) -> u32 {
+    fs_err::metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+#[tokio::test]
+async fn blank_device_with_init_fs_is_formatted_mounted_and_released() {
+    if !root_tests("blank_device_with_init_fs_is_formatted_mounted_and_released") {
+        return;
+    }
+    let lp = Loop::blank(64);
+    let m = lp.manager();
+    let vol = m.prepare(&lp.spec(true)).await.unwrap();
+    let mp = lp.root().join("data");
+    assert_eq!(vol.mount_point, mp.to_string_lossy());
+    assert_eq!(
+        vol.device,
+        lp.tmp
+            .path()
+            .join("by-id/google-test-disk")
+            .to_string_lossy()
+    );
+    assert!(is_mounted(&mp));
+    assert_eq!(
+        mode(&mp),
+        0o777,
+        "root of a file system we created is world-writable"
+    );
+    let (code, out) = lp.blkid();
+    assert_eq!(code, Some(0));
+    assert!(out.contains("TYPE=ext4"), "{out}");
+    fs_err::write(mp.join("keep.txt"), "data").unwrap();
+
+    // Prepare again while mounted: returned as is.
+    let again = m.prepare(&lp.spec(true)).await.unwrap();
+    assert_eq!(again, vol);
+
+    m.release(&vol).await.unwrap();
+    assert!(!is_mounted(&mp));
+    m.release(&vol).await.unwrap(); // idempotent
+
+    // Mounted again: the data is there, so it was not formatted a second time.
+    let vol = m.prepare(&lp.spec(true)).await.unwrap();
+    assert_eq!(fs_err::read_to_string(mp.join("keep.txt")).unwrap(), "data");
+    m.release(&vol).await.unwrap();
+}
+
+#[tokio::test]
+async fn existing_filesystem_is_never_formatted_nor_chmodded() {
+    if !root_tests("existing_filesystem_is_never_formatted_nor_chmodded") {
+        return;
+    }
+    let lp = Loop::blank(64);
+    run("mkfs.ext4", &["-q", "-F", lp.dev_str()]);
+    // Put a file on it and make its root 0755, as a user-formatted volume would be.
+    let scratch = lp.tmp.path().join("scratch");
+    fs_err::create_dir(&scratch).unwrap();
+    run("mount", &[lp.dev_str(), scratch.to_str().unwrap()]);
+    fs_err::write(scratch.join("user-data"), "precious").unwrap();
+    fs_err::set_permissions(&scratch, std::fs::Permissions::from_mode(0o755)).unwrap();
+    run("umount", &[scratch.to_str().unwrap()]);
+
+    let m = lp.manager();
+    let vol = m.prepare(&lp.spec(true)).await.unwrap();
+    let mp = lp.root().join("data");
+    assert_eq!(
+        fs_err::read_to_string(mp.join("user-data")).unwrap(),
+        "precious"
+    );
+    assert_eq!(
+        mode(&mp),
+        0o755,
+        "a file system we did not create keeps its mode"
+    );
+    m.release(&vol).await.unwrap();
+    assert!(!is_mounted(&mp));
+}
+
+#[tokio::test]
+async fn blank_device_without_init_fs_is_an_error_and_stays_blank() {
+    if !root_tests("blank_device_without_init_fs_is_an_error_and_stays_blank") {
+        return;
+    }
+    let lp = Loop::blank(32);
+    let m = lp.manager();
+    let e = m.prepare(&lp.spec(false)).await.unwrap_err();
+    assert!(matches!(e, Error::NoFilesystem { .. }), "{e}");
+    assert!(e.to_string().contains("init_fs"), "{e}");
+    assert_eq!(lp.blkid().0, Some(2), "still blank");
+    assert!(!is_mounted(&lp.root().join("data")));
+}
+
+#[tokio::test]
+async fn partitioned_device_is_never_formatted() {
+    if !root_tests("partitioned_device_is_never_formatted") {
+        return;
+    }
+    // An MBR with one Linux partition, written before attaching.
+    let lp = Loop::new(32, |img| {
+        let mut mbr = vec![0u8; 512];
+        mbr[446 + 4] = 0x83;
+        mbr[446 + 8..446 + 12].copy_from_slice(&2048u32.to_le_bytes());
+        mbr[446 + 12..446 + 16].copy_from_slice(&(65536u32 - 2048).to_le_bytes());
+        mbr[510] = 0x55;
+        mbr[511] = 0xaa;
+        let mut f = fs_err::OpenOptions::new().write(true).open(img).unwrap();
+        std::io::Write::write_all(&mut f, &mbr).unwrap();
+    });
+    let m = lp.manager();
+    assert_eq!(
+        m.probe(&lp.dev).await.unwrap(),
+        Probe::Other("partition table dos".to_owned())
+    );
+    let e = m.prepare(&lp.spec(true)).await.unwrap_err();
+    assert!(matches!(e, Error::NotAFilesystem { .. }), "{e}");
+    let (code, out) = lp.blkid();
+    assert_eq!(code, Some(0));
+    assert!(
+        out.contains("PTTYPE=dos") && !out.contains("TYPE=ext4"),
+        "{out}"
+    );
+}
+
+#[tokio::test]
+async fn busy_mount_fails_release_until_freed() {
+    if !root_tests("busy_mount_fails_release_until_freed") {
+        return;
+    }
+    let lp = Loop::blank(32);
+    let m = lp.manager();
+    let vol = m.prepare(&lp.spec(true)).await.unwrap();
+    let mp = lp.root().join("data");
+    let open = fs_err::File::create(mp.join("open-file")).unwrap();
+    let e = m.release(&vol).await.unwrap_err();
+    assert!(matches!(e, Error::Unmount { .. }), "{e}");
+    assert!(is_mounted(&mp));
+    drop(open);
+    m.release(&vol).await.unwrap();
+    assert!(!is_mounted(&mp));
+}
+
+#[tokio::test]
+async fn aws_fallback_resolves_a_real_device_with_real_lsblk() {
+    if !root_tests("aws_fallback_resolves_a_real_device_with_real_lsblk") {
+        return;
+    }
+    let lp = Loop::blank(32);
+    let m = lp.manager();
+    let spec = VolumeSpec {
+        backend: VolumeBackend::Aws,
+        volume_id: "vol-0123456789abcdef0".to_owned(),
+        device_name: lp.dev_str().to_owned(),
+        ..lp.spec(true)
+    };
+    assert_eq!(m.resolve_device(&spec).await.unwrap(), lp.dev);
+    let vol = m.prepare(&spec).await.unwrap();
+    assert_eq!(vol.device, lp.dev_str());
+    m.release(&vol).await.unwrap();
+}
+
+#[tokio::test]
+async fn zero_size_device_is_refused() {
+    if !root_tests("zero_size_device_is_refused") {
+        return;
+    }
+    let lp = Loop::new(0, |_| {});
+    let m = lp.manager();
+    let e = m.resolve_device(&lp.spec(true)).await.unwrap_err();
+    assert!(e.to_string().contains("size is zero"), "{e}");
+    let e = m.prepare(&lp.spec(true)).await.unwrap_err();
+    assert!(matches!(e, Error::NotBlockDevice { .. }), "{e}");
+}
+
+#[tokio::test]
+async fn release_of_recovered_volume_without_device() {
+    if !root_tests("release_of_recovered_volume_without_device") {
+        return;
+    }
+    let lp = Loop::blank(32);
+    let m = lp.manager();
+    let vol = m.prepare(&lp.spec(true)).await.unwrap();
+    // What the engine builds from an old container's mounts: no device known.
+    let recovered = MountedVolume {
+        device: String::new(),
+        ..vol
+    };
+    m.release(&recovered).await.unwrap();
+    assert!(!is_mounted(&lp.root().join("data")));
+}

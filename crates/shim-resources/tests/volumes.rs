@@ -1,0 +1,268 @@
+//! Volume resolution, probing and mount-table parsing with recorded tool outputs (no root).
+//! The real-device tests are in `loop_volumes.rs`.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // a test file: panics are failures
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use shim_resources::volumes::{
+    Probe, aws_fallback_names, find_aws_device, is_mount_point_in, parse_blkid,
+};
+use shim_resources::{
+    BlockVolumes, CommandOutput, Error, ScriptedCommandRunner, VolumeConfig, VolumeManager,
+};
+use shim_task::{MountedVolume, TaskName, VolumeBackend, VolumeSpec};
+
+fn fixture(name: &str) -> String {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("testdata/lsblk")
+        .join(name);
+    fs_err::read_to_string(p).unwrap()
+}
+
+fn aws(volume_id: &str, device_name: &str) -> VolumeSpec {
+    VolumeSpec {
+        backend: VolumeBackend::Aws,
+        name: TaskName::new("data").unwrap(),
+        volume_id: volume_id.to_owned(),
+        init_fs: true,
+        device_name: device_name.to_owned(),
+    }
+}
+
+fn manager(runner: Arc<ScriptedCommandRunner>, dev_dir: &Path) -> BlockVolumes {
+    let mut config = VolumeConfig::with_root("/nonexistent/volumes").fast();
+    config.dev_dir = dev_dir.to_owned();
+    config.gcp_by_id_dir = dev_dir.join("disk/by-id");
+    BlockVolumes::new(config, runner)
+}
+
+#[test]
+fn aws_serial_matching_and_partitions() {
+    let nitro = fixture("nitro.json");
+    let find = |id: &str| find_aws_device(&nitro, id, &[]).unwrap();
+    // Unpartitioned: the disk itself.
+    assert_eq!(find("vol-0123456789abcdef0").as_deref(), Some("nvme1n1"));
+    // Partitioned: the first partition.
+    assert_eq!(find("vol-0fedcba9876543210").as_deref(), Some("nvme2n1p1"));
+    assert_eq!(find("vol-0a1b2c3d4e5f60718").as_deref(), Some("nvme0n1p1"));
+    // Unknown id, and a serial that is not a volume id, match nothing.
+    assert_eq!(find("vol-0000000000000000"), None);
+    assert_eq!(find("AWS22D4E8F2A1B3C4D5E"), None);
+    assert_eq!(find(""), None);
+    assert!(find_aws_device("not json", "vol-1", &[]).is_err());
+}
+
+#[test]
+fn aws_device_name_fallback() {
+    assert_eq!(aws_fallback_names("/dev/sdf"), vec!["sdf", "xvdf"]);
+    assert_eq!(aws_fallback_names("/dev/xvdg"), vec!["xvdg"]);
+    assert!(aws_fallback_names("sdf").is_empty());
+    assert!(aws_fallback_names("/dev/../etc").is_empty());
+    assert!(aws_fallback_names("/dev/").is_empty());
+    let xen = fixture("xen.json");
+    let f = aws_fallback_names("/dev/sdf");
+    assert_eq!(
+        find_aws_device(&xen, "vol-0123", &f).unwrap().as_deref(),
+        Some("xvdf")
+    );
+    let g = aws_fallback_names("/dev/sdg");
+    assert_eq!(
+        find_aws_device(&xen, "vol-0123", &g).unwrap().as_deref(),
+        Some("xvdg1"),
+        "first partition of the fallback device"
+    );
+    assert_eq!(
+        find_aws_device(&xen, "", &aws_fallback_names("/dev/sdz")).unwrap(),
+        None
+    );
+}
+
+#[tokio::test]
+async fn aws_device_appearing_late_is_polled_for() {
+    let tmp = tempfile::tempdir().unwrap();
+    let runner = Arc::new(ScriptedCommandRunner::new());
+    runner.push("lsblk", CommandOutput::ok(fixture("empty.json")));
+    runner.push("lsblk", CommandOutput::ok(fixture("empty.json")));
+    runner.always("lsblk", CommandOutput::ok(fixture("nitro.json")));
+    let m = manager(runner.clone(), tmp.path());
+    let dev = m
+        .find_device(&aws("vol-0123456789abcdef0", "/dev/sdf"))
+        .await
+        .unwrap();
+    assert_eq!(dev, tmp.path().join("nvme1n1"));
+    assert_eq!(runner.count("lsblk"), 3);
+    assert_eq!(runner.calls()[0][1..], ["-J", "-o", "NAME,SERIAL,TYPE"]);
+}
+
+#[tokio::test]
+async fn aws_device_never_appearing_is_an_error_after_the_wait() {
+    let tmp = tempfile::tempdir().unwrap();
+    let runner = Arc::new(ScriptedCommandRunner::new());
+    runner.always("lsblk", CommandOutput::ok(fixture("empty.json")));
+    let m = manager(runner.clone(), tmp.path());
+    let e = m
+        .find_device(&aws("vol-0123456789abcdef0", "/dev/sdf"))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::DeviceNotFound { .. }), "{e}");
+    assert!(runner.count("lsblk") >= 2, "polled");
+}
+
+#[tokio::test]
+async fn aws_fallback_device_node_not_in_lsblk() {
+    let tmp = tempfile::tempdir().unwrap();
+    fs_err::write(tmp.path().join("xvdf"), "").unwrap();
+    let runner = Arc::new(ScriptedCommandRunner::new());
+    runner.always("lsblk", CommandOutput::ok(fixture("empty.json")));
+    let m = manager(runner, tmp.path());
+    let dev = m.find_device(&aws("vol-1", "/dev/sdf")).await.unwrap();
+    assert_eq!(dev, tmp.path().join("xvdf"));
+}
+
+#[tokio::test]
+async fn gcp_uses_the_by_id_path() {
+    let tmp = tempfile::tempdir().unwrap();
+    let runner = Arc::new(ScriptedCommandRunner::new());
+    let m = manager(runner.clone(), tmp.path());
+    let spec = VolumeSpec {
+        backend: VolumeBackend::Gcp,
+        device_name: "pd-data".to_owned(),
+        ..aws("", "")
+    };
+    assert_eq!(
+        m.find_device(&spec).await.unwrap(),
+        tmp.path().join("disk/by-id/google-pd-data")
+    );
+    assert!(runner.calls().is_empty());
+    let bad = VolumeSpec {
+        device_name: "../sda".to_owned(),
+        ..spec
+    };
+    assert!(m.find_device(&bad).await.is_err());
+}
+
+#[tokio::test]
+async fn missing_or_non_block_device_is_an_error_after_a_bounded_wait() {
+    let tmp = tempfile::tempdir().unwrap();
+    let runner = Arc::new(ScriptedCommandRunner::new());
+    let m = manager(runner, tmp.path());
+    let e = m
+        .wait_block_device(&tmp.path().join("missing"))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::NotBlockDevice { .. }), "{e}");
+    let file = tmp.path().join("regular");
+    fs_err::write(&file, "data").unwrap();
+    let e = m.wait_block_device(&file).await.unwrap_err();
+    assert!(e.to_string().contains("not a block device"), "{e}");
+    // A character device is not a block device either.
+    let e = m
+        .wait_block_device(Path::new("/dev/null"))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("not a block device"), "{e}");
+}
+
+#[test]
+fn blkid_output() {
+    assert_eq!(parse_blkid(Some(2), ""), Some(Probe::Blank));
+    assert_eq!(
+        parse_blkid(
+            Some(0),
+            "DEVNAME=/dev/loop0\nUUID=ab\nBLOCK_SIZE=4096\nTYPE=ext4\nUSAGE=filesystem\n"
+        ),
+        Some(Probe::Filesystem("ext4".to_owned()))
+    );
+    assert_eq!(
+        parse_blkid(Some(0), "DEVNAME=/dev/loop0\nPTTYPE=dos\n"),
+        Some(Probe::Other("partition table dos".to_owned()))
+    );
+    assert_eq!(
+        parse_blkid(Some(0), "TYPE=crypto_LUKS\nUSAGE=crypto\n"),
+        Some(Probe::Other("crypto_LUKS (crypto)".to_owned()))
+    );
+    assert_eq!(parse_blkid(Some(4), ""), None);
+    assert_eq!(parse_blkid(None, ""), None);
+}
+
+#[tokio::test]
+async fn blank_must_be_confirmed_before_it_is_believed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let runner = Arc::new(ScriptedCommandRunner::new());
+    let m = manager(runner.clone(), tmp.path());
+    let dev = PathBuf::from("/dev/fake");
+    // A file system shows up on the third probe: not blank.
+    runner.push("blkid", CommandOutput::exit(2, ""));
+    runner.push("blkid", CommandOutput::exit(2, ""));
+    runner.push("blkid", CommandOutput::ok("TYPE=xfs\nUSAGE=filesystem\n"));
+    assert_eq!(
+        m.probe_confirmed(&dev).await.unwrap(),
+        Probe::Filesystem("xfs".to_owned())
+    );
+    // Blank every time: one probe plus three confirmations.
+    let runner = Arc::new(ScriptedCommandRunner::new());
+    runner.always("blkid", CommandOutput::exit(2, ""));
+    let m = manager(runner.clone(), tmp.path());
+    assert_eq!(m.probe_confirmed(&dev).await.unwrap(), Probe::Blank);
+    assert_eq!(runner.count("blkid"), 4);
+    assert_eq!(runner.calls()[0][1..], ["-p", "-o", "export", "/dev/fake"]);
+    // A probe failure is an error, not "blank".
+    let runner = Arc::new(ScriptedCommandRunner::new());
+    runner.push("blkid", CommandOutput::exit(2, ""));
+    runner.push("blkid", CommandOutput::exit(8, "ambivalent result"));
+    let m = manager(runner, tmp.path());
+    assert!(m.probe_confirmed(&dev).await.is_err());
+}
+
+#[test]
+fn mount_points_from_mountinfo() {
+    let table = "22 1 8:1 / / rw,relatime - ext4 /dev/vda1 rw\n\
+                 43 22 7:0 / /mnt/disks/dstack-volumes/data rw,relatime - ext4 /dev/loop0 rw\n\
+                 44 22 7:1 / /mnt/with\\040space rw - ext4 /dev/loop1 rw\n";
+    assert!(is_mount_point_in(
+        table,
+        Path::new("/mnt/disks/dstack-volumes/data")
+    ));
+    assert!(is_mount_point_in(table, Path::new("/mnt/with space")));
+    assert!(!is_mount_point_in(
+        table,
+        Path::new("/mnt/disks/dstack-volumes")
+    ));
+    assert!(!is_mount_point_in(table, Path::new("/mnt/with\\040space")));
+}
+
+#[tokio::test]
+async fn release_outside_root_or_not_mounted_is_a_no_op() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut config = VolumeConfig::with_root(tmp.path().join("volumes")).fast();
+    let mountinfo = tmp.path().join("mountinfo");
+    fs_err::write(
+        &mountinfo,
+        "22 1 8:1 / / rw - ext4 /dev/vda1 rw\n30 22 0:5 / /proc rw - proc proc rw\n",
+    )
+    .unwrap();
+    config.mountinfo = mountinfo;
+    let m = BlockVolumes::new(config, Arc::new(ScriptedCommandRunner::new()));
+    for mp in [
+        "/proc".to_owned(),
+        "/".to_owned(),
+        tmp.path().join("volumes").to_string_lossy().into_owned(),
+        tmp.path()
+            .join("volumes/../../x")
+            .to_string_lossy()
+            .into_owned(),
+        tmp.path()
+            .join("volumes/data")
+            .to_string_lossy()
+            .into_owned(),
+    ] {
+        let v = MountedVolume {
+            name: "data".to_owned(),
+            mount_point: mp,
+            device: String::new(),
+        };
+        m.release(&v).await.unwrap();
+    }
+    assert_eq!(m.mount_point("data"), tmp.path().join("volumes/data"));
+}
