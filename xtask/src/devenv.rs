@@ -5,6 +5,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context as _, Result, bail};
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
 use shim_e2e::{
     IMAGE, LARGE_LAYER_BYTES, REGISTRY, REGISTRY_LARGE_REPO, REGISTRY_SMALL_REPO, REGISTRY_TAG,
 };
@@ -14,6 +16,50 @@ use crate::{cmd, docker, image, packages, registry};
 /// State of the dev environment: the registry's config, auth and storage, temporary build dirs.
 pub fn state_dir() -> PathBuf {
     PathBuf::from("/var/lib/dstack-shim-dev")
+}
+
+/// Scratch space of one dev-env run (image roots, throwaway Docker client configs); emptied at
+/// the start of every run, under the lock.
+pub fn tmp_dir() -> PathBuf {
+    state_dir().join("tmp")
+}
+
+/// Serialises dev-env runs on this machine (several developers or CI jobs may run
+/// `cargo xtask ci` at once): an exclusive `flock` on a file in the state directory, released
+/// when the returned guard is dropped (or the process dies).
+pub fn lock() -> Result<Flock<std::fs::File>> {
+    let dir = state_dir();
+    fs_err::create_dir_all(&dir)?;
+    let path = dir.join("dev-env.lock");
+    let file = fs_err::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)?
+        .into_parts()
+        .0;
+    let file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        Ok(lock) => return Ok(lock),
+        Err((file, Errno::EWOULDBLOCK)) => file,
+        Err((_, errno)) => bail!("could not lock {}: {errno}", path.display()),
+    };
+    println!(
+        "dev-env: another dev-env holds {}; waiting for it",
+        path.display()
+    );
+    Flock::lock(file, FlockArg::LockExclusive)
+        .map_err(|(_, errno)| anyhow::anyhow!("could not lock {}: {errno}", path.display()))
+}
+
+/// Removes what an interrupted earlier run may have left in [`tmp_dir`] (a 220 MiB payload,
+/// a client config holding the registry password). Call only under [`lock`].
+fn clean_tmp() -> Result<()> {
+    let tmp = tmp_dir();
+    if tmp.exists() {
+        fs_err::remove_dir_all(&tmp)?;
+    }
+    fs_err::create_dir_all(&tmp)?;
+    Ok(())
 }
 
 /// Logs of the daemons dev-env starts (`dockerd.log`, `registry.log`).
@@ -80,6 +126,7 @@ impl Timings {
 
 /// Docker only (what `cargo xtask run` needs): the package and a running daemon.
 pub fn ensure_docker() -> Result<()> {
+    let _lock = lock()?;
     packages::ensure(packages::DOCKER)?;
     docker::ensure_daemon()
 }
@@ -94,6 +141,8 @@ pub fn dev_env() -> Result<()> {
 
 /// The whole dev environment, each phase recorded in `timings`.
 pub fn dev_env_timed(timings: &mut Timings) -> Result<()> {
+    let _lock = lock()?;
+    clean_tmp()?;
     timings.time("packages", || packages::ensure(packages::ALL))?;
     timings.time("docker daemon", docker::ensure_daemon)?;
     let rebuilt = timings.time("local image", ensure_local_image)?;
@@ -113,7 +162,7 @@ pub fn dev_env_timed(timings: &mut Timings) -> Result<()> {
 /// Builds [`IMAGE`] unless it exists with the hash of the current root file system.
 /// Returns whether it was (re)built.
 fn ensure_local_image() -> Result<bool> {
-    let rootfs = image::build_rootfs(&state_dir().join("tmp"))?;
+    let rootfs = image::build_rootfs(&tmp_dir())?;
     match image::local_hash(IMAGE) {
         Some(hash) if hash == rootfs.hash => {
             println!("image: {IMAGE} is up to date ({})", short(&rootfs.hash));
@@ -146,19 +195,26 @@ fn push_small(rebuilt: bool) -> Result<()> {
     Ok(())
 }
 
-/// Builds and pushes the large registry image unless the registry has it, then removes it from
-/// the local daemon so that pulling it really downloads it.
+/// Builds and pushes the large registry image unless the registry has it, and makes sure the
+/// local daemon does not have it, so that pulling it really downloads it.
 fn push_large() -> Result<()> {
     let reference = large_ref();
     if registry::has_tag(REGISTRY_LARGE_REPO, REGISTRY_TAG)? {
         println!("registry: has {reference}");
+        if image::exists_locally(&reference) {
+            // A pull test left it behind; remove it so the next pull downloads it again.
+            // Best effort: a container still using it keeps it.
+            if let Err(err) = cmd::run(cmd::cmd("docker").args(["rmi", &reference])) {
+                println!("registry: warning: could not remove the local {reference}: {err:#}");
+            }
+        }
         return Ok(());
     }
     println!(
         "registry: building {reference} with a {} MiB random layer",
         LARGE_LAYER_BYTES / (1024 * 1024)
     );
-    let rootfs = image::build_rootfs(&state_dir().join("tmp"))?;
+    let rootfs = image::build_rootfs(&tmp_dir())?;
     image::add_random_payload(rootfs.path(), LARGE_LAYER_BYTES)?;
     image::import(rootfs.path(), &reference, &rootfs.hash)?;
     drop(rootfs);
@@ -196,7 +252,7 @@ pub fn check() -> Result<()> {
         ),
     );
     if docker_ok {
-        let current = image::build_rootfs(&state_dir().join("tmp"))
+        let current = image::build_rootfs(&std::env::temp_dir())
             .map(|rootfs| rootfs.hash)
             .context("could not build the image root file system to compare hashes")?;
         line(

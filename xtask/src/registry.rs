@@ -192,7 +192,7 @@ impl Login {
     pub fn new() -> Result<Self> {
         let dir = tempfile::Builder::new()
             .prefix("docker-config-")
-            .tempdir_in(devenv::state_dir())
+            .tempdir_in(devenv::tmp_dir())
             .context("could not create a temporary Docker client config directory")?;
         cmd::run_with_stdin(
             cmd::cmd("docker").env("DOCKER_CONFIG", dir.path()).args([
