@@ -16,6 +16,9 @@ pub const ALL: &[&str] = &[
     "apache2-utils",
 ];
 
+/// Wait for the dpkg lock (a fresh VM may be running unattended upgrades) instead of failing.
+const APT_LOCK_WAIT: [&str; 2] = ["-o", "DPkg::Lock::Timeout=300"];
+
 /// Whether the Debian package `name` is installed (`dpkg-query` status `install ok installed`).
 pub fn installed(name: &str) -> bool {
     cmd::output(cmd::cmd("dpkg-query").args(["-W", "-f", "${Status}", name]))
@@ -48,6 +51,7 @@ pub fn ensure(names: &[&str]) -> Result<()> {
     println!("packages: installing {}", missing.join(", "));
     cmd::run(
         cmd::cmd("apt-get")
+            .args(APT_LOCK_WAIT)
             .arg("update")
             .env("DEBIAN_FRONTEND", "noninteractive"),
     )
@@ -56,6 +60,7 @@ pub fn ensure(names: &[&str]) -> Result<()> {
     )?;
     cmd::run(
         cmd::cmd("apt-get")
+            .args(APT_LOCK_WAIT)
             .args(["install", "-y"])
             .args(&missing)
             .env("DEBIAN_FRONTEND", "noninteractive"),
