@@ -1,0 +1,653 @@
+//! Engine tests on the fake runtime and fake host resources: every ordering that matters.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use shim_engine::{Deps, Engine, EngineConfig, EngineError};
+use shim_resources::fake::{FakeAuthorizedKeys, FakeVolumes};
+use shim_resources::{GpuLock, HostGpus};
+use shim_runtime::fake::{Call, FakeRuntime, PullBehavior, StartBehavior};
+use shim_runtime::{ContainerState, PullProgress};
+use shim_task::{
+    HostKeysGrant, PublicKey, TaskConfig, TaskId, TaskName, TaskStatus, TerminationReason,
+    VolumeBackend, VolumeMountPoint, VolumeSpec,
+};
+
+const KEY: &str =
+    "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAID1C4oAsnzrPpqMilIIwxvatSq1HhXjaqM9ge9X3BgAe user@host";
+const IMAGE: &str = "img:1";
+
+struct World {
+    home: tempfile::TempDir,
+    runtime: FakeRuntime,
+    gpus: Arc<GpuLock>,
+    host_gpus: HostGpus,
+    keys: Arc<FakeAuthorizedKeys>,
+    volumes: Arc<FakeVolumes>,
+}
+
+impl World {
+    fn new(n_gpus: u32) -> World {
+        let host_gpus = HostGpus::fake_nvidia(n_gpus);
+        let runtime = FakeRuntime::new();
+        runtime.add_image(IMAGE);
+        World {
+            home: tempfile::tempdir().unwrap(),
+            runtime,
+            gpus: Arc::new(GpuLock::for_host(&host_gpus)),
+            host_gpus,
+            keys: Arc::new(FakeAuthorizedKeys::new()),
+            volumes: Arc::new(FakeVolumes::new("/fake/volumes")),
+        }
+    }
+
+    fn deps(&self) -> Deps {
+        Deps {
+            runtime: Arc::new(self.runtime.clone()),
+            host_gpus: self.host_gpus.clone(),
+            gpus: self.gpus.clone(),
+            fake_gpus: false,
+            keys: self.keys.clone(),
+            volumes: self.volumes.clone(),
+            host_devices: Default::default(),
+        }
+    }
+
+    fn config(&self) -> EngineConfig {
+        let mut cfg = EngineConfig::new(self.home.path());
+        cfg.volumes_root = "/fake/volumes".into();
+        // Long: tests that rely on the relist call reconcile_now.
+        cfg.reconcile_interval = Duration::from_secs(3600);
+        cfg
+    }
+
+    async fn engine(&self) -> Engine {
+        Engine::open(self.config(), self.deps()).await.unwrap()
+    }
+
+    /// A fresh engine on the same home and fakes, with new in-memory GPU and key state (as a
+    /// restarted process would have).
+    async fn restart(&mut self, old: Engine) -> Engine {
+        old.shutdown(true, Duration::from_secs(5)).await;
+        drop(old);
+        self.gpus = Arc::new(GpuLock::for_host(&self.host_gpus));
+        self.engine().await
+    }
+}
+
+fn config(id: &str) -> TaskConfig {
+    TaskConfig::new(
+        TaskId::new(id).unwrap(),
+        TaskName::new("job").unwrap(),
+        IMAGE,
+    )
+}
+
+fn tid(id: &str) -> TaskId {
+    TaskId::new(id).unwrap()
+}
+
+async fn wait_status(engine: &Engine, id: &str, status: TaskStatus) -> shim_task::TaskInfo {
+    for _ in 0..500 {
+        let info = engine.task_info(&tid(id)).unwrap();
+        if info.status == status {
+            return info;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!(
+        "task {id} never became {status}: {:?}",
+        engine.task_info(&tid(id))
+    );
+}
+
+async fn wait_released(engine: &Engine, w: &World, id: &str) {
+    for _ in 0..500 {
+        engine.reconcile_now().await;
+        let info = engine.task_info(&tid(id)).unwrap();
+        if info.status == TaskStatus::Terminated && w.gpus.locked().is_empty() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("task {id} never released: {:?}", w.gpus.locked());
+}
+
+fn state_file(w: &World, id: &str) -> serde_json::Value {
+    let p = w.home.path().join("tasks").join(id).join("task.json");
+    serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
+}
+
+#[tokio::test]
+async fn submit_runs_and_exit_event_completes() {
+    let w = World::new(2);
+    let engine = w.engine().await;
+    let mut c = config("t1");
+    c.gpu = 1;
+    let info = engine.submit(c).await.unwrap();
+    assert_eq!(info.status, TaskStatus::Pending);
+    assert!(info.container_name.starts_with("job-"));
+    let info = wait_status(&engine, "t1", TaskStatus::Running).await;
+    assert!(!info.container_id.is_empty());
+    assert_eq!(info.ports, Some(vec![]));
+    assert_eq!(info.gpu_ids.as_ref().map(Vec::len), Some(1));
+    assert_eq!(w.gpus.locked().len(), 1);
+    // Running is persisted right after it is set (the API may see it a moment earlier).
+    for _ in 0..100 {
+        if state_file(&w, "t1")["task"]["status"] == "running" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(state_file(&w, "t1")["task"]["status"], "running");
+    // The container's spec carries our labels and the runner.
+    let spec = w.runtime.spec(&info.container_id).unwrap();
+    assert_eq!(spec.labels["ai.dstack.shim.task-id"], "t1");
+    assert_eq!(spec.labels["ai.dstack.shim.owner"], engine.owner());
+
+    // The exit event wakes the reconciler even though the relist period is an hour.
+    w.runtime.set_logs(&info.container_id, &["bye"]);
+    assert!(w.runtime.exit(&info.container_id, 0));
+    let info = wait_status(&engine, "t1", TaskStatus::Terminated).await;
+    assert_eq!(info.termination_reason, "done_by_runner");
+    assert_eq!(info.termination_message, "");
+    wait_released(&engine, &w, "t1").await;
+    assert_eq!(state_file(&w, "t1")["task"]["resources"]["released"], true);
+}
+
+#[tokio::test]
+async fn exit_without_event_is_found_by_relist_with_last_lines() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    engine.submit(config("t1")).await.unwrap();
+    let info = wait_status(&engine, "t1", TaskStatus::Running).await;
+    let lines: Vec<String> = (1..=8).map(|i| format!("line {i}")).collect();
+    let refs: Vec<&str> = lines.iter().map(String::as_str).collect();
+    w.runtime.set_logs(&info.container_id, &refs);
+    assert!(w.runtime.exit_without_event(&info.container_id, 3));
+    assert!(engine.reconcile_now().await);
+    let info = engine.task_info(&tid("t1")).unwrap();
+    assert_eq!(info.status, TaskStatus::Terminated);
+    assert_eq!(info.termination_reason, "container_exited_with_error");
+    assert_eq!(
+        info.termination_message,
+        "line 4\nline 5\nline 6\nline 7\nline 8"
+    );
+}
+
+#[tokio::test]
+async fn terminate_running_stops_with_timeout_and_releases() {
+    let w = World::new(1);
+    let engine = w.engine().await;
+    let mut c = config("t1");
+    c.gpu = -1;
+    c.host_ssh_user = "ubuntu".into();
+    c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap()];
+    engine.submit(c).await.unwrap();
+    let info = wait_status(&engine, "t1", TaskStatus::Running).await;
+    assert_eq!(w.keys.keys_of("ubuntu").len(), 1);
+    let info2 = engine
+        .terminate(
+            &tid("t1"),
+            TerminationReason::TerminatedByUser,
+            "bye".into(),
+            Duration::from_secs(7),
+        )
+        .await
+        .unwrap();
+    assert_eq!(info2.status, TaskStatus::Terminated);
+    assert_eq!(info2.termination_reason, "terminated_by_user");
+    assert!(w.runtime.calls().iter().any(
+        |c| matches!(c, Call::Stop(id, t) if *id == info.container_id && *t == Duration::from_secs(7))
+    ));
+    assert!(w.gpus.locked().is_empty());
+    assert!(w.keys.keys_of("ubuntu").is_empty());
+    // A second terminate keeps the first reason; the exit the stop caused changes nothing.
+    let info3 = engine
+        .terminate(
+            &tid("t1"),
+            TerminationReason::TerminatedByServer,
+            "again".into(),
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    assert_eq!(info3.termination_reason, "terminated_by_user");
+    assert_eq!(info3.termination_message, "bye");
+    engine.reconcile_now().await;
+    assert_eq!(
+        engine.task_info(&tid("t1")).unwrap().termination_reason,
+        "terminated_by_user"
+    );
+}
+
+#[tokio::test]
+async fn terminate_during_pull_cancels_it() {
+    let w = World::new(1);
+    let engine = w.engine().await;
+    w.runtime.set_pull_behavior(PullBehavior::Hang {
+        steps: vec![PullProgress {
+            downloaded_bytes: 10,
+            extracted_bytes: 0,
+            total_bytes: 100,
+            is_total_bytes_final: false,
+        }],
+    });
+    let mut c = config("t1");
+    c.image_name = "img:latest".into();
+    c.gpu = 1;
+    engine.submit(c).await.unwrap();
+    let info = wait_status(&engine, "t1", TaskStatus::Pulling).await;
+    assert_eq!(w.gpus.locked().len(), 1);
+    let _ = info;
+    let info = engine
+        .terminate(
+            &tid("t1"),
+            TerminationReason::TerminatedByServer,
+            "stop".into(),
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    assert_eq!(info.status, TaskStatus::Terminated);
+    assert_eq!(info.termination_reason, "terminated_by_server");
+    // Start returns at its next step and releases what it acquired.
+    wait_released(&engine, &w, "t1").await;
+    assert_eq!(w.runtime.count("create"), 0);
+    let info = engine.task_info(&tid("t1")).unwrap();
+    assert_eq!(info.termination_reason, "terminated_by_server");
+}
+
+#[tokio::test]
+async fn terminate_during_container_start_stops_the_container() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    w.runtime.set_start_behavior(StartBehavior::Hang);
+    engine.submit(config("t1")).await.unwrap();
+    w.runtime
+        .wait_for_call(|c| matches!(c, Call::Start(_)))
+        .await;
+    let info = engine
+        .terminate(
+            &tid("t1"),
+            TerminationReason::TerminatedByUser,
+            String::new(),
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    assert_eq!(info.status, TaskStatus::Terminated);
+    w.runtime.release_starts();
+    // Start notices at its next step and stops the container it just started.
+    for _ in 0..500 {
+        let cid = engine.task_info(&tid("t1")).unwrap().container_id;
+        if !cid.is_empty() && w.runtime.state(&cid) == Some(ContainerState::Exited) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the container started after terminate was not stopped");
+}
+
+#[tokio::test]
+async fn start_step_failures_map_to_reasons() {
+    let w = World::new(1);
+    let engine = w.engine().await;
+
+    // Not enough GPUs → executor_error, nothing locked.
+    let mut c = config("gpu");
+    c.gpu = 2;
+    engine.submit(c).await.unwrap();
+    let info = wait_status(&engine, "gpu", TaskStatus::Terminated).await;
+    assert_eq!(info.termination_reason, "executor_error");
+    assert!(info.termination_message.contains("GPU"), "{info:?}");
+    assert!(w.gpus.locked().is_empty());
+
+    // SSH keys cannot be added → executor_error, GPUs released.
+    w.keys.set_fail(true);
+    let mut c = config("keys");
+    c.gpu = 1;
+    c.host_ssh_user = "ubuntu".into();
+    c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap()];
+    engine.submit(c).await.unwrap();
+    let info = wait_status(&engine, "keys", TaskStatus::Terminated).await;
+    assert_eq!(info.termination_reason, "executor_error");
+    wait_released(&engine, &w, "keys").await;
+    w.keys.set_fail(false);
+
+    // A volume cannot be prepared → executor_error.
+    w.volumes.fail_prepare("data", true);
+    let mut c = config("vol");
+    c.volumes = vec![VolumeSpec {
+        backend: VolumeBackend::Aws,
+        name: TaskName::new("data").unwrap(),
+        volume_id: "vol-1".into(),
+        init_fs: true,
+        device_name: "/dev/sdf".into(),
+    }];
+    c.volume_mounts = vec![VolumeMountPoint {
+        name: TaskName::new("data").unwrap(),
+        path: "/data".into(),
+    }];
+    engine.submit(c).await.unwrap();
+    let info = wait_status(&engine, "vol", TaskStatus::Terminated).await;
+    assert_eq!(info.termination_reason, "executor_error");
+    assert!(info.termination_message.contains("data"), "{info:?}");
+
+    // Pull fails → creating_container_error with the daemon's message.
+    w.runtime.set_pull_behavior(PullBehavior::Fail {
+        steps: vec![],
+        message: "manifest unknown".into(),
+    });
+    let mut c = config("pull");
+    c.image_name = "missing:2".into();
+    engine.submit(c).await.unwrap();
+    let info = wait_status(&engine, "pull", TaskStatus::Terminated).await;
+    assert_eq!(info.termination_reason, "creating_container_error");
+    assert!(
+        info.termination_message.contains("manifest unknown"),
+        "{info:?}"
+    );
+
+    // Start fails → container_exited_with_error.
+    w.runtime
+        .set_start_behavior(StartBehavior::Fail("exec format error".into()));
+    engine.submit(config("start")).await.unwrap();
+    let info = wait_status(&engine, "start", TaskStatus::Terminated).await;
+    assert_eq!(info.termination_reason, "container_exited_with_error");
+    assert!(info.termination_message.contains("exec format error"));
+}
+
+#[tokio::test]
+async fn nvidia_display_retry() {
+    let w = World::new(1);
+    let engine = w.engine().await;
+    w.runtime.queue_start_behavior(StartBehavior::Fail(
+        "error gathering device information while adding custom device \"/dev/nvidia-modeset\": no such file or directory".into(),
+    ));
+    let mut c = config("t1");
+    c.gpu = 1;
+    engine.submit(c).await.unwrap();
+    let info = wait_status(&engine, "t1", TaskStatus::Running).await;
+    assert_eq!(w.runtime.count("create"), 2);
+    let spec = w.runtime.spec(&info.container_id).unwrap();
+    let caps = &spec.device_requests[0].capabilities;
+    assert!(!caps.iter().any(|c| c == "display"), "{caps:?}");
+    assert_eq!(
+        state_file(&w, "t1")["task"]["container_id"],
+        info.container_id
+    );
+}
+
+#[tokio::test]
+async fn remove_only_terminated_and_deletes_everything() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    engine.submit(config("t1")).await.unwrap();
+    let info = wait_status(&engine, "t1", TaskStatus::Running).await;
+    let err = engine.remove(&tid("t1")).await.unwrap_err();
+    assert!(matches!(err, EngineError::Conflict(_)), "{err}");
+    engine
+        .terminate(
+            &tid("t1"),
+            TerminationReason::TerminatedByUser,
+            String::new(),
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    engine.remove(&tid("t1")).await.unwrap();
+    assert!(matches!(
+        engine.task_info(&tid("t1")),
+        Err(EngineError::NotFound(_))
+    ));
+    assert!(w.runtime.state(&info.container_id).is_none());
+    assert!(!w.home.path().join("tasks/t1").exists());
+    assert!(matches!(
+        engine.remove(&tid("t1")).await,
+        Err(EngineError::NotFound(_))
+    ));
+    // The id can be used again once removed.
+    engine.submit(config("t1")).await.unwrap();
+    assert!(matches!(
+        engine.submit(config("t1")).await,
+        Err(EngineError::AlreadyExists(_))
+    ));
+}
+
+#[tokio::test]
+async fn restart_restores_every_case() {
+    let mut w = World::new(4);
+    let engine = w.engine().await;
+    for id in ["running", "exited", "user", "never"] {
+        let mut c = config(id);
+        c.gpu = 1;
+        engine.submit(c).await.unwrap();
+        wait_status(&engine, id, TaskStatus::Running).await;
+    }
+    // A task whose shim dies while it pulls: state file, no container.
+    w.runtime
+        .set_pull_behavior(PullBehavior::Hang { steps: vec![] });
+    let mut c = config("pulling");
+    c.image_name = "other:latest".into();
+    c.host_ssh_user = "ubuntu".into();
+    c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap()];
+    engine.submit(c).await.unwrap();
+    wait_status(&engine, "pulling", TaskStatus::Pulling).await;
+    engine
+        .terminate(
+            &tid("user"),
+            TerminationReason::TerminatedByUser,
+            "by user".into(),
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    let info_running = engine.task_info(&tid("running")).unwrap();
+    let info_exited = engine.task_info(&tid("exited")).unwrap();
+    let info_never = engine.task_info(&tid("never")).unwrap();
+    // The shim dies (no graceful wait: the pull hangs).
+    engine.shutdown(false, Duration::ZERO).await;
+    drop(engine);
+
+    // While it is down: one container exits, one goes back to "created".
+    w.runtime.set_logs(&info_exited.container_id, &["oops"]);
+    w.runtime.exit_without_event(&info_exited.container_id, 2);
+    w.runtime.vanish(&info_never.container_id);
+    let spec = w.runtime.spec(&info_running.container_id).unwrap();
+    let mut never_spec = spec.clone();
+    never_spec.name = info_never.container_name.clone();
+    never_spec
+        .labels
+        .insert("ai.dstack.shim.task-id".into(), "never".into());
+    never_spec.labels.insert(
+        "ai.dstack.shim.gpus".into(),
+        info_never.gpu_ids.clone().unwrap().join(","),
+    );
+    w.runtime
+        .add_container(&never_spec, ContainerState::Created, None);
+    w.runtime.set_pull_behavior(PullBehavior::default());
+
+    w.gpus = Arc::new(GpuLock::for_host(&w.host_gpus));
+    let engine = w.engine().await;
+    let running = engine.task_info(&tid("running")).unwrap();
+    assert_eq!(running.status, TaskStatus::Running);
+    assert_eq!(running.container_id, info_running.container_id);
+    assert_eq!(running.gpu_ids, info_running.gpu_ids);
+    let exited = engine.task_info(&tid("exited")).unwrap();
+    assert_eq!(exited.status, TaskStatus::Terminated);
+    assert_eq!(exited.termination_reason, "container_exited_with_error");
+    assert_eq!(exited.termination_message, "oops");
+    let user = engine.task_info(&tid("user")).unwrap();
+    assert_eq!(user.termination_reason, "terminated_by_user");
+    assert_eq!(user.termination_message, "by user");
+    let never = engine.task_info(&tid("never")).unwrap();
+    assert_eq!(never.termination_reason, "executor_error");
+    assert!(
+        never.termination_message.contains("never started"),
+        "{never:?}"
+    );
+    let pulling = engine.task_info(&tid("pulling")).unwrap();
+    assert_eq!(pulling.status, TaskStatus::Terminated);
+    assert_eq!(pulling.termination_reason, "executor_error");
+    assert!(!pulling.termination_message.is_empty());
+    // Keys of the task cut short are gone; only the running task's GPU is locked again.
+    assert!(w.keys.keys_of("ubuntu").is_empty());
+    assert_eq!(w.gpus.locked(), info_running.gpu_ids.clone().unwrap());
+
+    // Restoring again changes nothing.
+    let engine = w.restart(engine).await;
+    assert_eq!(
+        engine
+            .task_info(&tid("exited"))
+            .unwrap()
+            .termination_message,
+        "oops"
+    );
+    assert_eq!(
+        engine.task_info(&tid("running")).unwrap().status,
+        TaskStatus::Running
+    );
+    assert_eq!(w.gpus.locked().len(), 1);
+    engine.remove(&tid("pulling")).await.unwrap();
+    assert!(!w.home.path().join("tasks/pulling").exists());
+}
+
+#[tokio::test]
+async fn restart_keeps_shared_key_of_live_task() {
+    let mut w = World::new(0);
+    let engine = w.engine().await;
+    for id in ["a", "b"] {
+        let mut c = config(id);
+        c.host_ssh_user = "ubuntu".into();
+        c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap()];
+        engine.submit(c).await.unwrap();
+        wait_status(&engine, id, TaskStatus::Running).await;
+    }
+    let a = engine.task_info(&tid("a")).unwrap();
+    engine.shutdown(true, Duration::from_secs(1)).await;
+    drop(engine);
+    // The fake keeps its live set across the "restart" like a file would keep its lines;
+    // a new fake would also do: the engine re-registers live tasks first.
+    w.runtime.exit_without_event(&a.container_id, 0);
+    let engine = w.restart_with_new_keys().await;
+    assert_eq!(
+        engine.task_info(&tid("a")).unwrap().status,
+        TaskStatus::Terminated
+    );
+    assert_eq!(w.keys.keys_of("ubuntu").len(), 1, "b still needs the key");
+    let _ = HostKeysGrant {
+        user: String::new(),
+        keys: vec![],
+    };
+}
+
+impl World {
+    async fn restart_with_new_keys(&mut self) -> Engine {
+        self.gpus = Arc::new(GpuLock::for_host(&self.host_gpus));
+        self.engine().await
+    }
+}
+
+#[tokio::test]
+async fn daemon_down_changes_nothing_then_carries_on() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    engine.submit(config("t1")).await.unwrap();
+    let info = wait_status(&engine, "t1", TaskStatus::Running).await;
+    w.runtime.set_unreachable(true);
+    assert!(!engine.reconcile_now().await);
+    assert!(!engine.reconcile_now().await);
+    assert_eq!(
+        engine.task_info(&tid("t1")).unwrap().status,
+        TaskStatus::Running
+    );
+    w.runtime.set_unreachable(false);
+    w.runtime.exit_without_event(&info.container_id, 0);
+    assert!(engine.reconcile_now().await);
+    assert_eq!(
+        engine.task_info(&tid("t1")).unwrap().termination_reason,
+        "done_by_runner"
+    );
+}
+
+#[tokio::test]
+async fn two_homes_never_touch_each_other() {
+    let w1 = World::new(0);
+    let mut w2 = World::new(0);
+    w2.runtime = w1.runtime.clone();
+    let e1 = w1.engine().await;
+    let e2 = w2.engine().await;
+    assert_ne!(e1.owner(), e2.owner());
+    e1.submit(config("t1")).await.unwrap();
+    let info = wait_status(&e1, "t1", TaskStatus::Running).await;
+    // e2 sees no task and does not stop e1's container.
+    e2.reconcile_now().await;
+    assert!(e2.list().is_empty());
+    assert_eq!(
+        w1.runtime.state(&info.container_id),
+        Some(ContainerState::Running)
+    );
+    // A restarted e2 adopts nothing either.
+    let e2 = w2.restart(e2).await;
+    assert!(e2.list().is_empty());
+}
+
+#[tokio::test]
+async fn fifty_concurrent_tasks() {
+    let w = World::new(8);
+    let engine = w.engine().await;
+    let mut joins = Vec::new();
+    for i in 0..50 {
+        let e = engine.clone();
+        joins.push(tokio::spawn(async move {
+            let mut c = config(&format!("t{i}"));
+            c.gpu = i64::from(i % 2);
+            e.submit(c).await.unwrap();
+        }));
+    }
+    for j in joins {
+        j.await.unwrap();
+    }
+    let mut joins = Vec::new();
+    for i in 0..50 {
+        let e = engine.clone();
+        joins.push(tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(i * 2)).await;
+            e.terminate(
+                &tid(&format!("t{i}")),
+                TerminationReason::TerminatedByServer,
+                String::new(),
+                Duration::ZERO,
+            )
+            .await
+            .unwrap()
+        }));
+    }
+    for j in joins {
+        assert_eq!(j.await.unwrap().status, TaskStatus::Terminated);
+    }
+    for _ in 0..500 {
+        engine.reconcile_now().await;
+        if w.gpus.locked().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        w.gpus.locked().is_empty(),
+        "leaked GPUs: {:?}",
+        w.gpus.locked()
+    );
+    for i in 0..50 {
+        engine.remove(&tid(&format!("t{i}"))).await.unwrap();
+    }
+    assert!(engine.list().is_empty());
+    let running = w
+        .runtime
+        .container_ids()
+        .into_iter()
+        .filter(|c| w.runtime.state(c) == Some(ContainerState::Running))
+        .count();
+    assert_eq!(running, 0);
+}
