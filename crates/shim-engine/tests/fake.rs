@@ -1,4 +1,5 @@
 //! Engine tests on the fake runtime and fake host resources: every ordering that matters.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers outside #[test] fns
 
 use std::sync::Arc;
 use std::time::Duration;
