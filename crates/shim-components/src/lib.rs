@@ -200,6 +200,33 @@ pub async fn binary_version(path: &Path, timeout: Duration) -> Result<String, Er
 struct SlotState {
     installing: bool,
     last_error: Option<String>,
+    /// The last `--version` answer, valid while the file is the same (device, inode, size,
+    /// mtime): the server polls the component list, and a binary does not change its version
+    /// without changing its file.
+    cached: Option<(FileKey, String)>,
+}
+
+/// Identifies one version of a file on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileKey {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime: i64,
+    mtime_nsec: i64,
+}
+
+impl FileKey {
+    fn of(meta: &std::fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        Self {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            len: meta.len(),
+            mtime: meta.mtime(),
+            mtime_nsec: meta.mtime_nsec(),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -294,7 +321,7 @@ impl Components {
         if installing {
             return status(ComponentStatus::Installing, String::new());
         }
-        match tokio::fs::metadata(&slot.path).await {
+        let key = match tokio::fs::metadata(&slot.path).await {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 return if last_error.is_some() {
                     status(ComponentStatus::Error, String::new())
@@ -306,10 +333,18 @@ impl Components {
                 tracing::warn!(component = %name, error = %e, "cannot inspect the binary");
                 return status(ComponentStatus::Error, String::new());
             }
-            Ok(_) => {}
+            Ok(meta) => FileKey::of(&meta),
+        };
+        if let Some((cached_key, version)) = &slot.state().cached {
+            if *cached_key == key {
+                return status(ComponentStatus::Installed, version.clone());
+            }
         }
         match binary_version(&slot.path, self.inner.config.version_timeout).await {
-            Ok(v) => status(ComponentStatus::Installed, v),
+            Ok(v) => {
+                slot.state().cached = Some((key, v.clone()));
+                status(ComponentStatus::Installed, v)
+            }
             Err(e) => {
                 tracing::warn!(component = %name, error = %e, "cannot read the version");
                 status(ComponentStatus::Error, String::new())

@@ -318,3 +318,36 @@ async fn versions_of_real_executables() {
         ComponentStatus::Installed
     );
 }
+
+#[tokio::test]
+async fn versions_are_cached_per_file_version() {
+    let dir = tempfile::tempdir().unwrap();
+    let runner = dir.path().join("dstack-runner");
+    let counter = dir.path().join("runs");
+    let body = |v: &str| {
+        format!(
+            "#!/bin/sh\necho x >> '{}'\necho 'dstack-runner version {v}'\n",
+            counter.display()
+        )
+    };
+    let write = |v: &str| {
+        // Replace the file (new inode), as an install does.
+        let tmp = dir.path().join("tmp");
+        fs_err::write(&tmp, body(v)).unwrap();
+        fs_err::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).unwrap();
+        fs_err::rename(&tmp, &runner).unwrap();
+    };
+    let runs = || {
+        fs_err::read_to_string(&counter)
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    };
+    write("1.0.0");
+    let c = Components::new(ComponentsConfig::new(&runner, dir.path().join("none")));
+    assert_eq!(c.info(ComponentName::Runner).await.version, "1.0.0");
+    assert_eq!(c.info(ComponentName::Runner).await.version, "1.0.0");
+    assert_eq!(runs(), 1, "the second answer comes from the cache");
+    write("1.0.1");
+    assert_eq!(c.info(ComponentName::Runner).await.version, "1.0.1");
+    assert_eq!(runs(), 2);
+}
