@@ -116,7 +116,7 @@ async fn wait_released(engine: &Engine, w: &World, id: &str) {
 
 fn state_file(w: &World, id: &str) -> serde_json::Value {
     let p = w.home.path().join("tasks").join(id).join("task.json");
-    serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
+    serde_json::from_slice(&fs_err::read(p).unwrap()).unwrap()
 }
 
 #[tokio::test]
