@@ -1,0 +1,952 @@
+//! Property tests of the state machine and the restore decision, driven by a small simulated
+//! engine that carries out the machine's actions against a model world (GPU locks, mounted
+//! volumes, host keys, one container, the state file) with random failures, random external
+//! events (terminate, container exits or vanishes, reconcile cycles, remove) and crashes of
+//! the shim at any point followed by `restore`.
+//!
+//! The simulated engine runs several jobs concurrently (the start job, request handlers, the
+//! reconciler); an action's effect and the delivery of its outcome are separate scheduling
+//! points, so any external event may come between them. A leading `Persist` is written
+//! together with the step that returned it (the engine holds the task's lock for both).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // test helpers: panics are failures
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use proptest::prelude::*;
+use shim_task::{
+    Action, ContainerState, Event, InstanceMountPoint, MountedVolume, NetworkMode, Observation,
+    ObservedContainer, PortMapping, PublicKey, PullProgress, Task, TaskConfig, TaskId, TaskName,
+    TaskRecord, TaskStatus, TerminationReason, TransitionError, VolumeBackend, VolumeSpec,
+    container_name, restore, step,
+};
+
+const KEY: &str =
+    "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAID1C4oAsnzrPpqMilIIwxvatSq1HhXjaqM9ge9X3BgAe k";
+const GPUS: [&str; 4] = ["GPU-0", "GPU-1", "GPU-2", "GPU-3"];
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Carry out an action.
+    Do(Action),
+    /// Step an event (the outcome of an action of this job).
+    Deliver(Event),
+    /// A pull in progress (the effect of `Action::Pull`), reporting progress until it ends.
+    PullRunning { reports: u32 },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Ctr {
+    Created,
+    Running,
+    Exited(i64),
+}
+
+#[derive(Debug, Clone)]
+struct Container {
+    id: String,
+    state: Ctr,
+    gpu_ids: Vec<String>,
+    ports: Vec<PortMapping>,
+    volumes: Vec<MountedVolume>,
+}
+
+/// The model world. Everything but `gpus_locked` (process memory) survives a crash.
+#[derive(Debug, Default)]
+struct World {
+    gpus_locked: BTreeSet<String>,
+    volumes_mounted: BTreeSet<String>,
+    keys_present: bool,
+    container: Option<Container>,
+    containers_made: u32,
+    pull_cancelled: bool,
+    /// The state file: the record as of the last `Persist`.
+    persisted: Option<TaskRecord>,
+    /// Acquisitions per resource key ("gpu:X", "vol:X", "keys").
+    acquired: BTreeMap<String, u32>,
+    /// Releases that freed a held resource.
+    released: BTreeMap<String, u32>,
+}
+
+impl World {
+    fn acquire(&mut self, key: String) {
+        *self.acquired.entry(key).or_default() += 1;
+    }
+
+    /// Frees `key` if held; returns false when it was not held (a no-op release).
+    fn free(&mut self, key: String, held: bool) -> bool {
+        if held {
+            *self.released.entry(key).or_default() += 1;
+        }
+        held
+    }
+}
+
+struct Sim {
+    task: Option<Task>,
+    world: World,
+    /// Job 0 is the start job; the others are handlers and the reconciler. A job created by a
+    /// remove request aborts once a release leaves something held.
+    jobs: Vec<(VecDeque<Op>, bool)>,
+    now: u64,
+    failures: bool,
+    crashed: bool,
+    /// A crash lost the state file: the task was adopted from its container (SSH keys cannot
+    /// be recovered; the status may go back to running).
+    corrupted: bool,
+    config: TaskConfig,
+}
+
+/// Prints the simulation's steps when `SHIM_TASK_TRACE` is set (for debugging a failure).
+fn trace(args: std::fmt::Arguments<'_>) {
+    if std::env::var_os("SHIM_TASK_TRACE").is_some() {
+        eprintln!("{args}");
+    }
+}
+
+fn same_record(a: &TaskRecord, b: &TaskRecord) -> bool {
+    let mut b = b.clone();
+    b.updated_at_ms = a.updated_at_ms;
+    *a == b
+}
+
+fn config_from(gpu: i64, keys: bool, volumes: u8, dirs: u8, bridge: bool) -> TaskConfig {
+    let mut c = TaskConfig::new(
+        TaskId::new("task-1").unwrap(),
+        TaskName::new("job").unwrap(),
+        "shim-test:1",
+    );
+    c.gpu = gpu;
+    if keys {
+        c.host_ssh_user = "ubuntu".into();
+        c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap()];
+    }
+    c.volumes = (0..volumes)
+        .map(|i| VolumeSpec {
+            backend: VolumeBackend::Aws,
+            name: TaskName::new(format!("vol{i}")).unwrap(),
+            volume_id: format!("vol-{i}"),
+            init_fs: true,
+            device_name: String::new(),
+        })
+        .collect();
+    c.instance_mounts = (0..dirs)
+        .map(|i| InstanceMountPoint {
+            instance_path: format!("/mnt/data{i}"),
+            path: format!("/data{i}"),
+        })
+        .collect();
+    c.network_mode = if bridge {
+        NetworkMode::Bridge
+    } else {
+        NetworkMode::Host
+    };
+    c
+}
+
+impl Sim {
+    fn new(config: TaskConfig) -> Self {
+        let name = container_name(&config.name, &config.id);
+        let record = TaskRecord::new(&config, name, 1_000);
+        let world = World {
+            // Submit writes the state file before anything else.
+            persisted: Some(record.clone()),
+            ..World::default()
+        };
+        Sim {
+            task: Some(Task::new(record)),
+            world,
+            jobs: vec![(VecDeque::from([Op::Deliver(Event::StartBegan)]), false)],
+            now: 1_000,
+            failures: true,
+            crashed: false,
+            corrupted: false,
+            config,
+        }
+    }
+
+    fn fail(&self, b: u8) -> bool {
+        self.failures && b % 4 == 0
+    }
+
+    /// Steps an event and checks the step's properties; the actions go to the front of `job`
+    /// (or a new job). Returns the step's error, if any.
+    fn feed(&mut self, event: Event, job: Option<usize>) -> Result<(), TransitionError> {
+        let Some(before) = self.task.clone() else {
+            return Ok(()); // forgotten: late outcomes are dropped
+        };
+        self.now += 7;
+        let is_remove = matches!(event, Event::RemoveRequested);
+        trace(format_args!("step {event:?} (job {job:?})"));
+        let tr = match step(&before, event.clone(), self.now) {
+            Ok(tr) => tr,
+            Err(e) => {
+                assert_eq!(self.task.as_ref(), Some(&before));
+                return Err(e);
+            }
+        };
+        let after = &tr.task;
+        // Statuses never move backwards; terminated absorbs every event and keeps the first
+        // reason and message.
+        assert!(
+            after.record.status >= before.record.status,
+            "{:?} -> {:?} on {event:?}",
+            before.record.status,
+            after.record.status
+        );
+        if before.record.status == TaskStatus::Terminated {
+            assert_eq!(after.record.status, TaskStatus::Terminated);
+            assert_eq!(
+                after.record.termination_reason,
+                before.record.termination_reason
+            );
+            assert_eq!(
+                after.record.termination_message,
+                before.record.termination_message
+            );
+        }
+        if after.record.status == TaskStatus::Terminated {
+            assert!(after.record.termination_reason.is_some());
+        } else {
+            assert!(after.record.termination_reason.is_none());
+        }
+        // Remove only from terminated.
+        if is_remove {
+            assert_eq!(before.record.status, TaskStatus::Terminated);
+            assert!(!before.start_in_flight);
+        }
+        // A changed record is persisted first, and Persist is only ever first.
+        let changed = !same_record(&before.record, &after.record);
+        assert_eq!(
+            tr.actions.first() == Some(&Action::Persist),
+            changed,
+            "{event:?}: {:?}",
+            tr.actions
+        );
+        assert!(!tr.actions.iter().skip(1).any(|a| *a == Action::Persist));
+        assert!(after.record.updated_at_ms >= before.record.updated_at_ms);
+        // `released` only once nothing is held.
+        if after.record.resources.released {
+            assert!(!after.record.resources.holds_any());
+        }
+        let mut actions: VecDeque<Op> = tr.actions.iter().cloned().map(Op::Do).collect();
+        if actions
+            .front()
+            .is_some_and(|a| matches!(a, Op::Do(Action::Persist)))
+        {
+            actions.pop_front();
+            self.world.persisted = Some(after.record.clone());
+        }
+        self.task = Some(tr.task);
+        match job {
+            Some(j) => {
+                let queue = &mut self.jobs[j].0;
+                for op in actions.into_iter().rev() {
+                    queue.push_front(op);
+                }
+            }
+            None => {
+                if !actions.is_empty() {
+                    self.jobs.push((actions, is_remove));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn observation(&self) -> Observation {
+        match self.world.container.as_ref().map(|c| &c.state) {
+            None => Observation::Missing,
+            Some(Ctr::Created) => Observation::NeverStarted,
+            Some(Ctr::Running) => Observation::Running,
+            Some(Ctr::Exited(code)) => Observation::Exited {
+                code: *code,
+                last_lines: (1..=7).map(|i| format!("line {i}")).collect(),
+            },
+        }
+    }
+
+    fn observed_container(&self) -> Option<ObservedContainer> {
+        self.world.container.as_ref().map(|c| ObservedContainer {
+            id: c.id.clone(),
+            name: format!("/{}", container_name(&self.config.name, &self.config.id)),
+            task_id: self.config.id.clone(),
+            state: match c.state {
+                Ctr::Created => ContainerState::Created,
+                Ctr::Running => ContainerState::Running,
+                Ctr::Exited(code) => ContainerState::Exited { code },
+            },
+            gpu_ids: c.gpu_ids.clone(),
+            ports: c.ports.clone(),
+            recovered_volumes: c.volumes.clone(),
+        })
+    }
+
+    /// Whether a crash now would lose an acquisition that is not yet recorded (the known
+    /// window between mounting a volume / adding keys and persisting it). GPU locks live in
+    /// memory and vanish with the process, so they cannot leak.
+    fn crash_window_open(&self) -> bool {
+        self.jobs.iter().any(|(q, _)| {
+            matches!(
+                q.front(),
+                Some(Op::Deliver(
+                    Event::VolumeMounted(_) | Event::HostKeysAdded(_)
+                ))
+            )
+        })
+    }
+
+    fn crash(&mut self, lose_state_file: bool, b: u8) {
+        if self.task.is_none() || self.crash_window_open() {
+            return;
+        }
+        let before = self.task.clone().unwrap();
+        if let Some(p) = &self.world.persisted {
+            assert!(same_record(&before.record, p));
+        }
+        self.crashed = true;
+        self.jobs.clear();
+        // GPU locks live in the process: its death frees them.
+        for g in std::mem::take(&mut self.world.gpus_locked) {
+            *self.world.released.entry(format!("gpu:{g}")).or_default() += 1;
+        }
+        self.world.pull_cancelled = false;
+        let container = self.observed_container();
+        let record = if lose_state_file && container.is_some() {
+            self.corrupted = true;
+            None
+        } else {
+            self.world.persisted.clone()
+        };
+        self.now += 1_000;
+        let Some((task, actions)) = restore(record.clone(), container.clone(), self.now) else {
+            assert!(record.is_none() && container.is_none());
+            self.task = None;
+            return;
+        };
+        assert!(!task.start_in_flight);
+        assert_eq!(
+            actions.first() == Some(&Action::Persist),
+            record
+                .as_ref()
+                .is_none_or(|r| !same_record(r, &task.record))
+        );
+        if !self.corrupted {
+            assert!(task.record.status >= before.record.status);
+            if before.record.status == TaskStatus::Terminated {
+                assert_eq!(
+                    task.record.termination_reason,
+                    before.record.termination_reason
+                );
+                assert_eq!(
+                    task.record.termination_message,
+                    before.record.termination_message
+                );
+            }
+        }
+        if task.record.status == TaskStatus::Terminated {
+            assert!(task.record.termination_reason.is_some());
+        }
+        // Restore is idempotent.
+        let (again, again_actions) =
+            restore(Some(task.record.clone()), container, self.now + 5).unwrap();
+        assert_eq!(again, task, "restore is not idempotent");
+        assert!(!again_actions.contains(&Action::Persist));
+
+        let mut queue: VecDeque<Op> = actions.into_iter().map(Op::Do).collect();
+        if matches!(queue.front(), Some(Op::Do(Action::Persist))) {
+            queue.pop_front();
+            self.world.persisted = Some(task.record.clone());
+        }
+        self.task = Some(task);
+        self.jobs.push((queue, false));
+        // The engine carries out restore's actions before its reconciler's first cycle and
+        // before serving requests.
+        let mut b = b;
+        while self.jobs.iter().any(|(q, _)| !q.is_empty()) {
+            b = b.wrapping_mul(31).wrapping_add(7);
+            self.run_one(0, b);
+        }
+        // GPUs the task still holds are locked again.
+        if let Some(t) = &self.task {
+            for g in &t.record.resources.gpus {
+                assert!(self.world.gpus_locked.contains(g), "{g} not locked again");
+            }
+        }
+    }
+
+    /// Runs the next op of a job picked by `pick`; `b` decides outcomes.
+    fn run_one(&mut self, pick: u8, b: u8) {
+        let live: Vec<usize> = (0..self.jobs.len())
+            .filter(|&j| !self.jobs[j].0.is_empty())
+            .collect();
+        if live.is_empty() {
+            return;
+        }
+        let j = live[pick as usize % live.len()];
+        let op = self.jobs[j].0.pop_front().unwrap();
+        match op {
+            Op::Deliver(event) => {
+                let is_release_outcome =
+                    matches!(event, Event::Released { .. } | Event::ReleaseFailed { .. });
+                if let Err(e) = self.feed(event.clone(), Some(j)) {
+                    panic!("outcome {event:?} rejected: {e}");
+                }
+                if is_release_outcome
+                    && self.jobs[j].1
+                    && self
+                        .task
+                        .as_ref()
+                        .is_some_and(|t| t.record.resources.holds_any())
+                {
+                    // The remove failed: the engine stops carrying out its actions.
+                    self.jobs[j].0.clear();
+                }
+            }
+            Op::PullRunning { reports } => {
+                let outcome = if self.world.pull_cancelled {
+                    Event::PullFailed {
+                        message: "pull cancelled".into(),
+                    }
+                } else if self.fail(b) {
+                    Event::PullFailed {
+                        message: "pull failed: 1000 bytes downloaded".into(),
+                    }
+                } else if reports < 3 && b % 3 != 0 {
+                    self.jobs[j].0.push_front(Op::PullRunning {
+                        reports: reports + 1,
+                    });
+                    let p = PullProgress {
+                        downloaded_bytes: u64::from(reports) * 100,
+                        extracted_bytes: 0,
+                        total_bytes: 1000,
+                        is_total_bytes_final: false,
+                    };
+                    Event::PullProgressed(p)
+                } else {
+                    Event::PullDone(PullProgress {
+                        downloaded_bytes: 1000,
+                        extracted_bytes: 1000,
+                        total_bytes: 1000,
+                        is_total_bytes_final: true,
+                    })
+                };
+                self.jobs[j].0.push_front(Op::Deliver(outcome));
+            }
+            Op::Do(action) => self.carry_out(j, action, b),
+        }
+    }
+
+    fn carry_out(&mut self, j: usize, action: Action, b: u8) {
+        trace(format_args!("job {j}: do {action:?}"));
+        let Some(task) = self.task.clone() else {
+            return;
+        };
+        if action.is_side_effect()
+            && let Some(p) = &self.world.persisted
+        {
+            // Persist precedes every side effect that follows a record change.
+            assert!(
+                same_record(&task.record, p),
+                "{action:?} with an unpersisted record"
+            );
+        }
+        let fail = self.fail(b);
+        let outcome = match action {
+            Action::Persist => panic!("Persist not at the head of a step's actions"),
+            Action::FinishStart => {
+                assert_eq!(j, 0, "FinishStart outside the start job");
+                Some(Event::StartFinished)
+            }
+            Action::Forget => {
+                self.task = None;
+                self.jobs.clear();
+                None
+            }
+            Action::AcquireGpus { count } => {
+                let free: Vec<String> = GPUS
+                    .iter()
+                    .map(|g| g.to_string())
+                    .filter(|g| !self.world.gpus_locked.contains(g))
+                    .collect();
+                let want = if count < 0 {
+                    free.len()
+                } else {
+                    count as usize
+                };
+                if fail || want > free.len() {
+                    Some(Event::PrepareFailed {
+                        message: format!("{want} GPUs unavailable"),
+                    })
+                } else {
+                    let ids: Vec<String> = free.into_iter().take(want).collect();
+                    for g in &ids {
+                        self.world.gpus_locked.insert(g.clone());
+                        self.world.acquire(format!("gpu:{g}"));
+                    }
+                    Some(Event::GpusAcquired(ids))
+                }
+            }
+            Action::AddHostKeys(grant) => {
+                if fail {
+                    Some(Event::PrepareFailed {
+                        message: "authorized_keys not writable".into(),
+                    })
+                } else {
+                    assert!(!self.world.keys_present);
+                    self.world.keys_present = true;
+                    self.world.acquire("keys".into());
+                    Some(Event::HostKeysAdded(grant))
+                }
+            }
+            Action::MountVolume(spec) => {
+                if fail {
+                    Some(Event::PrepareFailed {
+                        message: format!("volume {} not found", spec.name),
+                    })
+                } else {
+                    let name = spec.name.to_string();
+                    assert!(self.world.volumes_mounted.insert(name.clone()));
+                    self.world.acquire(format!("vol:{name}"));
+                    Some(Event::VolumeMounted(MountedVolume {
+                        mount_point: format!("/mnt/disks/dstack-volumes/{name}"),
+                        name,
+                        device: "/dev/loop0".into(),
+                    }))
+                }
+            }
+            Action::CreateDir(path) => Some(if fail {
+                Event::PrepareFailed {
+                    message: format!("cannot create {path}"),
+                }
+            } else if b % 2 == 0 {
+                Event::DirCreated(path)
+            } else {
+                Event::DirExisted(path)
+            }),
+            Action::Pull { image } => {
+                assert_eq!(image, "shim-test:1");
+                if b % 5 == 1 {
+                    Some(Event::PullSkipped)
+                } else {
+                    self.jobs[j].0.push_front(Op::PullRunning { reports: 0 });
+                    None
+                }
+            }
+            Action::CancelPull => {
+                self.world.pull_cancelled = true;
+                None
+            }
+            Action::CreateContainer => {
+                assert!(self.world.container.is_none());
+                if fail {
+                    Some(Event::CreateFailed {
+                        message: "create failed".into(),
+                    })
+                } else {
+                    self.world.containers_made += 1;
+                    let id = format!("c{}", self.world.containers_made);
+                    self.world.container = Some(Container {
+                        id: id.clone(),
+                        state: Ctr::Created,
+                        gpu_ids: task.record.resources.gpus.clone(),
+                        ports: Vec::new(),
+                        volumes: task.record.resources.volumes.clone(),
+                    });
+                    Some(Event::ContainerCreated { container_id: id })
+                }
+            }
+            Action::StartContainer => match self.world.container.as_mut() {
+                Some(c) if !fail && c.state == Ctr::Created => {
+                    c.state = Ctr::Running;
+                    if self.config.network_mode == NetworkMode::Bridge {
+                        c.ports = vec![PortMapping {
+                            host: 32768,
+                            container: 10999,
+                        }];
+                    }
+                    Some(Event::ContainerStarted {
+                        ports: c.ports.clone(),
+                    })
+                }
+                _ => Some(Event::StartFailed {
+                    message: "start failed".into(),
+                }),
+            },
+            Action::StopContainer { .. } => {
+                if fail {
+                    Some(Event::StopFailed {
+                        message: "daemon busy".into(),
+                    })
+                } else {
+                    if let Some(c) = self.world.container.as_mut()
+                        && c.state == Ctr::Running
+                    {
+                        c.state = Ctr::Exited(137);
+                    }
+                    Some(Event::ContainerStopped)
+                }
+            }
+            Action::Release(res) => {
+                // Nothing is released while start is in flight, or for a task not terminated.
+                assert!(!task.start_in_flight, "release while start is in flight");
+                // Nor while the container may still use the resources.
+                assert!(
+                    self.world
+                        .container
+                        .as_ref()
+                        .is_none_or(|c| c.state != Ctr::Running),
+                    "release while the container runs"
+                );
+                assert_eq!(task.record.status, TaskStatus::Terminated);
+                assert!(!res.holds_any() || task.release_in_flight);
+                let mut freed_gpus = Vec::new();
+                let mut freed_volumes = Vec::new();
+                let mut freed_keys = false;
+                let mut any_failed = false;
+                for (i, g) in res.gpus.iter().enumerate() {
+                    if self.fail(b.wrapping_add(i as u8 * 3 + 1)) {
+                        any_failed = true;
+                        continue;
+                    }
+                    let held = self.world.gpus_locked.remove(g);
+                    self.check_release_of(&format!("gpu:{g}"), held);
+                    freed_gpus.push(g.clone());
+                }
+                if res.host_keys.is_some() {
+                    if self.fail(b.wrapping_add(2)) {
+                        any_failed = true;
+                    } else {
+                        let held = std::mem::take(&mut self.world.keys_present);
+                        self.check_release_of("keys", held);
+                        freed_keys = true;
+                    }
+                }
+                for (i, v) in res.volumes.iter().enumerate() {
+                    if self.fail(b.wrapping_add(i as u8 * 5 + 3)) {
+                        any_failed = true;
+                        continue;
+                    }
+                    let held = self.world.volumes_mounted.remove(&v.name);
+                    self.check_release_of(&format!("vol:{}", v.name), held);
+                    freed_volumes.push(v.name.clone());
+                }
+                Some(
+                    if any_failed
+                        && freed_gpus.is_empty()
+                        && !freed_keys
+                        && freed_volumes.is_empty()
+                    {
+                        Event::ReleaseFailed {
+                            message: "umount: target is busy".into(),
+                        }
+                    } else {
+                        Event::Released {
+                            gpus: freed_gpus,
+                            host_keys: freed_keys,
+                            volumes: freed_volumes,
+                        }
+                    },
+                )
+            }
+            Action::RemoveContainer => {
+                self.world.container = None;
+                None
+            }
+            Action::DeleteTaskDir => {
+                self.world.persisted = None;
+                None
+            }
+            Action::LockGpus(ids) => {
+                assert!(!task.record.resources.released);
+                for g in &ids {
+                    if self.world.gpus_locked.insert(g.clone()) {
+                        self.world.acquire(format!("gpu:{g}"));
+                    }
+                }
+                Some(Event::GpusRelocked(ids))
+            }
+        };
+        if let Some(event) = outcome
+            && !self.jobs.is_empty()
+        {
+            self.jobs[j].0.push_front(Op::Deliver(event));
+        }
+    }
+
+    /// Nothing is released that was never acquired: a release of something not held happens
+    /// only after a crash, for something released before the crash whose release was not yet
+    /// recorded (release is idempotent).
+    fn check_release_of(&mut self, key: &str, held: bool) {
+        assert!(
+            self.world.acquired.get(key).copied().unwrap_or(0) > 0,
+            "release of {key}, never acquired"
+        );
+        if !self.world.free(key.to_owned(), held) {
+            // GPU locks are taken again on restore before anything is released.
+            assert!(!key.starts_with("gpu:"), "release of {key}, not locked");
+            assert!(self.crashed, "release of {key}, not held, without a crash");
+            assert!(self.world.released.get(key).copied().unwrap_or(0) > 0);
+        }
+    }
+
+    fn reconcile(&mut self) {
+        if self.task.is_none() {
+            return;
+        }
+        // (The engine skips tasks whose start is in flight; the machine ignores them too.)
+        let obs = self.observation();
+        self.feed(Event::Observed(obs), None).unwrap();
+        if self.task.as_ref().is_some_and(Task::needs_release) {
+            self.feed(Event::ReleaseRequested, None).unwrap();
+        }
+    }
+
+    fn run_all(&mut self) {
+        for _ in 0..10_000 {
+            if self.jobs.iter().all(|(q, _)| q.is_empty()) {
+                self.jobs.retain(|(q, _)| !q.is_empty());
+                return;
+            }
+            self.run_one(0, 1);
+        }
+        panic!("jobs do not finish: {:?}", self.jobs);
+    }
+
+    fn apply(&mut self, choice: (u8, u8, u8)) {
+        let (kind, a, b) = choice;
+        match kind % 32 {
+            0..=15 => self.run_one(a, b),
+            16 | 17 => {
+                let reasons = [
+                    TerminationReason::TerminatedByUser,
+                    TerminationReason::TerminatedByServer,
+                    TerminationReason::MaxDurationExceeded,
+                    TerminationReason::Other("custom_reason".into()),
+                ];
+                let event = Event::TerminateRequested {
+                    reason: reasons[a as usize % reasons.len()].clone(),
+                    message: format!("terminate {b}"),
+                    timeout_s: u64::from(b % 3) * 10,
+                };
+                self.feed(event, None).unwrap();
+            }
+            18 => {
+                if let Some(c) = self.world.container.as_mut()
+                    && c.state == Ctr::Running
+                {
+                    c.state = Ctr::Exited(i64::from(a % 3));
+                }
+            }
+            19 => {
+                if a % 4 == 0 {
+                    self.world.container = None;
+                }
+            }
+            20..=23 => self.reconcile(),
+            24 => {
+                self.feed(Event::ReleaseRequested, None).unwrap();
+            }
+            25 | 26 => {
+                if let Some(t) = self.task.clone() {
+                    match self.feed(Event::RemoveRequested, None) {
+                        Ok(()) => {}
+                        Err(TransitionError::NotTerminated { .. }) => {
+                            assert_ne!(t.record.status, TaskStatus::Terminated)
+                        }
+                        Err(TransitionError::StartInFlight { .. }) => assert!(t.start_in_flight),
+                        Err(TransitionError::ReleaseInFlight { .. }) => {
+                            assert!(t.release_in_flight)
+                        }
+                        Err(e) => panic!("remove: {e}"),
+                    }
+                }
+            }
+            27 => self.crash(a % 8 == 0, b),
+            _ => self.run_one(a, b),
+        }
+    }
+
+    /// Stops injecting failures and lets everything settle: start finishes, the task ends,
+    /// releases succeed; then checks that nothing leaked and removes the task.
+    fn drain_and_check(&mut self) {
+        self.failures = false;
+        for _ in 0..20 {
+            self.run_all();
+            let Some(t) = self.task.clone() else { break };
+            if t.record.status != TaskStatus::Terminated && !t.start_in_flight {
+                self.feed(
+                    Event::TerminateRequested {
+                        reason: TerminationReason::TerminatedByServer,
+                        message: "drain".into(),
+                        timeout_s: 0,
+                    },
+                    None,
+                )
+                .unwrap();
+                self.run_all();
+            }
+            self.reconcile();
+            self.run_all();
+            let t = self.task.as_ref().unwrap();
+            if t.record.status == TaskStatus::Terminated
+                && !t.start_in_flight
+                && !t.record.resources.holds_any()
+            {
+                break;
+            }
+        }
+        if let Some(t) = &self.task {
+            assert_eq!(t.record.status, TaskStatus::Terminated);
+            assert!(!t.start_in_flight);
+            assert!(!t.record.resources.holds_any(), "{:?}", t.record.resources);
+            assert!(t.record.resources.released);
+            assert!(!t.needs_release());
+            // What the API shows of a terminated task.
+            let info = t.info();
+            assert_eq!(
+                info.termination_reason,
+                t.record.termination_reason.as_ref().unwrap().as_str()
+            );
+        }
+        // Every resource acquired was released exactly once per acquisition; nothing is held.
+        assert!(self.world.gpus_locked.is_empty(), "{:?}", self.world);
+        assert!(self.world.volumes_mounted.is_empty(), "{:?}", self.world);
+        if !self.corrupted {
+            assert!(!self.world.keys_present, "{:?}", self.world);
+        }
+        for (key, n) in &self.world.acquired {
+            if self.corrupted && key == "keys" {
+                continue; // SPEC §5: an adopted container's keys cannot be recovered
+            }
+            assert_eq!(
+                self.world.released.get(key),
+                Some(n),
+                "{key}: acquired {n} times"
+            );
+        }
+        for key in self.world.released.keys() {
+            assert!(self.world.acquired.contains_key(key));
+        }
+        // Remove is possible now and removes everything.
+        if self.task.is_some() {
+            self.feed(Event::RemoveRequested, None).unwrap();
+            self.run_all();
+            assert!(self.task.is_none());
+            assert!(self.world.container.is_none());
+            assert!(self.world.persisted.is_none());
+        }
+    }
+}
+
+fn config_strategy() -> impl Strategy<Value = TaskConfig> {
+    (-1i64..=2, any::<bool>(), 0u8..=2, 0u8..=2, any::<bool>()).prop_map(
+        |(gpu, keys, volumes, dirs, bridge)| config_from(gpu, keys, volumes, dirs, bridge),
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 10_000,
+        max_shrink_iters: 10_000,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    /// Random event sequences with random failures and crashes: no panic, statuses never move
+    /// backwards, terminated absorbs everything, Persist precedes side effects, remove only
+    /// from terminated, restore idempotent, and after draining every acquired resource was
+    /// released exactly once.
+    #[test]
+    fn random_sequences_keep_the_invariants(
+        config in config_strategy(),
+        choices in prop::collection::vec(any::<(u8, u8, u8)>(), 0..80),
+    ) {
+        let mut sim = Sim::new(config);
+        for c in choices {
+            sim.apply(c);
+        }
+        sim.drain_and_check();
+    }
+}
+
+/// Found by the property test: a reconciler release that overtook restore's `LockGpus` freed
+/// nothing, then the relock leaked every GPU. The engine carries out restore's actions first.
+#[test]
+fn restore_relocks_before_the_reconciler_releases() {
+    let mut sim = Sim::new(config_from(-1, false, 0, 0, false));
+    for c in [
+        (92, 0, 0),
+        (60, 0, 17),
+        (0, 0, 0),
+        (92, 0, 6),
+        (60, 0, 0),
+        (28, 0, 29),
+        (219, 0, 0),
+        (52, 0, 0),
+        (60, 29, 0),
+    ] {
+        sim.apply(c);
+    }
+    sim.drain_and_check();
+}
+
+/// Keeps the simulator honest: without failures it reaches `running`, and every kind of
+/// resource is acquired and released.
+#[test]
+fn simulator_happy_path_runs_and_releases() {
+    let mut sim = Sim::new(config_from(2, true, 2, 1, true));
+    sim.failures = false;
+    sim.run_all();
+    let t = sim.task.clone().unwrap();
+    assert_eq!(t.record.status, TaskStatus::Running);
+    assert!(!t.start_in_flight);
+    assert_eq!(t.record.resources.gpus.len(), 2);
+    assert!(t.record.resources.host_keys.is_some());
+    assert_eq!(t.record.resources.volumes.len(), 2);
+    assert_eq!(t.info().ports.unwrap().len(), 1);
+    assert_eq!(sim.world.acquired.len(), 5);
+    sim.world.container.as_mut().unwrap().state = Ctr::Exited(0);
+    sim.reconcile();
+    sim.run_all();
+    let t = sim.task.clone().unwrap();
+    assert_eq!(
+        t.record.termination_reason,
+        Some(TerminationReason::DoneByRunner)
+    );
+    assert!(t.record.resources.released);
+    assert_eq!(sim.world.released, sim.world.acquired);
+    sim.drain_and_check();
+}
+
+/// A crash in every status restores a task that drains cleanly.
+#[test]
+fn crash_at_every_point_of_a_clean_start() {
+    for crash_after in 0..40 {
+        let mut sim = Sim::new(config_from(1, true, 1, 1, false));
+        sim.failures = false;
+        for _ in 0..crash_after {
+            sim.run_one(0, 1);
+        }
+        sim.crash(false, 1);
+        sim.drain_and_check();
+    }
+}
+
+/// The unrecorded-acquisition window exists and is the only one the simulator excludes: a
+/// crash right after a volume is mounted, before it is recorded, would leak it.
+#[test]
+fn crash_window_is_only_between_mount_and_record() {
+    let mut sim = Sim::new(config_from(0, false, 1, 0, false));
+    sim.failures = false;
+    let mut saw_window = false;
+    for _ in 0..20 {
+        sim.run_one(0, 1);
+        if sim.crash_window_open() {
+            saw_window = true;
+            let head = sim.jobs[0].0.front().cloned();
+            assert!(matches!(head, Some(Op::Deliver(Event::VolumeMounted(_)))));
+        }
+    }
+    assert!(saw_window);
+}
