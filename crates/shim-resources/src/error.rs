@@ -42,6 +42,15 @@ pub enum Error {
         #[source]
         source: nix::errno::Errno,
     },
+    /// A path is not what it must be (a symlink where a plain file or directory is required);
+    /// nothing was read or written through it.
+    #[error("refusing to use {}: {why}", path.display())]
+    Insecure {
+        /// The path.
+        path: PathBuf,
+        /// What is wrong with it.
+        why: &'static str,
+    },
     /// A command could not be started.
     #[error("cannot run {program}: {source}")]
     Spawn {

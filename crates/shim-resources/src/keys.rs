@@ -330,25 +330,31 @@ fn sync_user(
     let entry = users.lookup(user)?;
     let ssh_dir = entry.home.join(".ssh");
     let path = ssh_dir.join("authorized_keys");
-    let old = match fs_err::read(&path) {
-        Ok(bytes) => Some(bytes),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => return Err(Error::io("read", &path, e)),
+    let ssh_dir_exists = check_ssh_dir(&ssh_dir)?;
+    // Read without following a symlink (a container with the home bind-mounted could plant
+    // one pointing at a secret); mode and owner come from the opened file itself.
+    let existing = if ssh_dir_exists {
+        read_nofollow(&path)?
+    } else {
+        None
     };
-    let new = render(old.as_deref().unwrap_or_default(), &wanted, prune);
-    if old.as_deref() == Some(new.as_slice()) {
+    let old = existing.as_ref().map(|(bytes, _)| bytes.as_slice());
+    let new = render(old.unwrap_or_default(), &wanted, prune);
+    if old == Some(new.as_slice()) {
         return Ok(());
     }
     if old.is_none() && wanted.is_empty() {
         return Ok(());
     }
-    ensure_ssh_dir(&ssh_dir, &entry)?;
-    let (mode, uid, gid) = match fs_err::metadata(&path) {
-        Ok(m) => (m.permissions().mode() & 0o7777, m.uid(), m.gid()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => (0o600, entry.uid, entry.gid),
-        Err(e) => return Err(Error::io("stat", &path, e)),
-    };
-    if let Some(old) = &old {
+    if !ssh_dir_exists {
+        create_ssh_dir(&ssh_dir, &entry)?;
+    }
+    let (mode, uid, gid) = existing
+        .as_ref()
+        .map_or((0o600, entry.uid, entry.gid), |(_, m)| {
+            (m.permissions().mode() & 0o7777, m.uid(), m.gid())
+        });
+    if let Some(old) = old {
         let bak = ssh_dir.join("authorized_keys.bak");
         atomic_write(&bak, old, mode, uid, gid)?;
     }
@@ -362,38 +368,86 @@ fn sync_user(
     Ok(())
 }
 
-fn ensure_ssh_dir(dir: &Path, entry: &UserEntry) -> Result<()> {
-    match fs_err::metadata(dir) {
-        Ok(_) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            std::fs::DirBuilder::new()
-                .mode(0o700)
-                .create(dir)
-                .map_err(io_err("create", dir))?;
-            // The umask may have narrowed it; it cannot have widened it.
-            fs_err::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-                .map_err(io_err("chmod", dir))?;
-            chown(dir, entry.uid, entry.gid)?;
-            if let Some(home) = dir.parent() {
-                fsync_dir(home)?;
-            }
-            Ok(())
-        }
+/// Whether `~/.ssh` exists; an error if it is anything but a real directory.
+fn check_ssh_dir(dir: &Path) -> Result<bool> {
+    match fs_err::symlink_metadata(dir) {
+        Ok(m) if m.file_type().is_symlink() => Err(Error::Insecure {
+            path: dir.to_owned(),
+            why: "it is a symbolic link",
+        }),
+        Ok(m) if !m.is_dir() => Err(Error::Insecure {
+            path: dir.to_owned(),
+            why: "it is not a directory",
+        }),
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
         Err(e) => Err(Error::io("stat", dir, e)),
     }
 }
 
-fn chown(path: &Path, uid: u32, gid: u32) -> Result<()> {
-    nix::unistd::chown(
-        path,
-        Some(nix::unistd::Uid::from_raw(uid)),
-        Some(nix::unistd::Gid::from_raw(gid)),
+/// The content and metadata of a regular file, `None` if missing; never follows a symlink.
+fn read_nofollow(path: &Path) -> Result<Option<(Vec<u8>, std::fs::Metadata)>> {
+    // A clear error for a planted symlink; O_NOFOLLOW below closes the race (ELOOP).
+    match fs_err::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => {
+            return Err(Error::Insecure {
+                path: path.to_owned(),
+                why: "it is a symbolic link",
+            });
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io("stat", path, e)),
+    }
+    let mut f = match fs_err::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io("open", path, e)),
+    };
+    let meta = f.metadata().map_err(io_err("stat", path))?;
+    if !meta.is_file() {
+        return Err(Error::Insecure {
+            path: path.to_owned(),
+            why: "it is not a regular file",
+        });
+    }
+    let mut bytes = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0));
+    std::io::Read::read_to_end(&mut f, &mut bytes).map_err(io_err("read", path))?;
+    Ok(Some((bytes, meta)))
+}
+
+fn create_ssh_dir(dir: &Path, entry: &UserEntry) -> Result<()> {
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(dir)
+        .map_err(io_err("create", dir))?;
+    // The umask may have narrowed the mode. Mode and owner are set through a descriptor
+    // opened without following symlinks, so a symlink swapped in meanwhile is never used.
+    let d = fs_err::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
+        .open(dir)
+        .map_err(io_err("open", dir))?;
+    d.set_permissions(std::fs::Permissions::from_mode(0o700))
+        .map_err(io_err("chmod", dir))?;
+    nix::unistd::fchown(
+        std::os::fd::AsRawFd::as_raw_fd(d.file()),
+        Some(nix::unistd::Uid::from_raw(entry.uid)),
+        Some(nix::unistd::Gid::from_raw(entry.gid)),
     )
     .map_err(|source| Error::Sys {
         action: "chown",
-        path: path.to_owned(),
+        path: dir.to_owned(),
         source,
-    })
+    })?;
+    if let Some(home) = dir.parent() {
+        fsync_dir(home)?;
+    }
+    Ok(())
 }
 
 fn fsync_dir(dir: &Path) -> Result<()> {
@@ -411,12 +465,19 @@ pub(crate) fn atomic_write(path: &Path, data: &[u8], mode: u32, uid: u32, gid: u
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    // A stale temp file (or anything planted under its name) goes first; then the temp file
+    // is created exclusively, never through a symlink.
+    match fs_err::remove_file(&tmp) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(Error::io("remove", &tmp, e)),
+    }
     let result = (|| {
         let mut f = fs_err::OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .mode(mode)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&tmp)
             .map_err(io_err("create", &tmp))?;
         // The umask may have narrowed the mode.
@@ -428,7 +489,16 @@ pub(crate) fn atomic_write(path: &Path, data: &[u8], mode: u32, uid: u32, gid: u
                 nix::unistd::getegid().as_raw(),
             )
         {
-            chown(&tmp, uid, gid)?;
+            nix::unistd::fchown(
+                std::os::fd::AsRawFd::as_raw_fd(f.file()),
+                Some(nix::unistd::Uid::from_raw(uid)),
+                Some(nix::unistd::Gid::from_raw(gid)),
+            )
+            .map_err(|source| Error::Sys {
+                action: "chown",
+                path: tmp.clone(),
+                source,
+            })?;
         }
         f.write_all(data).map_err(io_err("write", &tmp))?;
         f.sync_all().map_err(io_err("fsync", &tmp))?;

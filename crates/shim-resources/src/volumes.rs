@@ -101,9 +101,13 @@ impl VolumeConfig {
 }
 
 /// The real [`VolumeManager`]: block devices, `blkid`, `mkfs.ext4`, mount(2), umount(2).
+///
+/// Probing, formatting, mounting and unmounting are serialized within one manager, so two
+/// tasks sharing a blank volume can never both decide to format it.
 pub struct BlockVolumes {
     config: VolumeConfig,
     runner: Arc<dyn CommandRunner>,
+    ops: tokio::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for BlockVolumes {
@@ -268,7 +272,11 @@ fn unescape_mountinfo(s: &str) -> String {
 impl BlockVolumes {
     /// Volumes under `config.root`, tools run with `runner`.
     pub fn new(config: VolumeConfig, runner: Arc<dyn CommandRunner>) -> Self {
-        Self { config, runner }
+        Self {
+            config,
+            runner,
+            ops: tokio::sync::Mutex::new(()),
+        }
     }
 
     /// The configuration.
@@ -432,6 +440,7 @@ impl VolumeManager for BlockVolumes {
             mount_point: mount_point.to_string_lossy().into_owned(),
             device: device.to_string_lossy().into_owned(),
         };
+        let _serialized = self.ops.lock().await;
         if self.is_mounted(&mount_point)? {
             tracing::info!(volume = name, mount_point = %mount_point.display(),
                 "volume already mounted");
@@ -503,6 +512,7 @@ impl VolumeManager for BlockVolumes {
             tracing::warn!(mount_point = %mp.display(), "not unmounting a path with '..'");
             return Ok(());
         }
+        let _serialized = self.ops.lock().await;
         if !self.is_mounted(&mp)? {
             tracing::debug!(mount_point = %mp.display(), "not mounted; nothing to release");
             return Ok(());

@@ -381,3 +381,90 @@ fn render_rules() {
     assert!(parse_marked_line(&format!("{K1} {MARKER}")).is_some());
     assert!(parse_marked_line(&format!("garbage {MARKER}")).is_none());
 }
+
+#[tokio::test]
+async fn symlinked_file_or_ssh_dir_is_refused_and_never_followed() {
+    let h = Home::new();
+    let secret = h.home.parent().unwrap().join("secret");
+    fs_err::write(&secret, "top secret\n").unwrap();
+    // ~/.ssh/authorized_keys → secret.
+    fs_err::create_dir(h.home.join(".ssh")).unwrap();
+    std::os::unix::fs::symlink(&secret, h.file()).unwrap();
+    let e = h
+        .manager
+        .add(&task("a"), "alice", &[key(K1)])
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Insecure { .. }), "{e}");
+    assert!(h.manager.live_tasks().is_empty());
+    assert_eq!(fs_err::read_to_string(&secret).unwrap(), "top secret\n");
+    assert!(!h.home.join(".ssh/authorized_keys.bak").exists());
+    // ~/.ssh → another directory.
+    fs_err::remove_file(h.file()).unwrap();
+    fs_err::remove_dir(h.home.join(".ssh")).unwrap();
+    let elsewhere = h.home.parent().unwrap().join("elsewhere");
+    fs_err::create_dir(&elsewhere).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, h.home.join(".ssh")).unwrap();
+    let e = h
+        .manager
+        .add(&task("a"), "alice", &[key(K1)])
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Insecure { .. }), "{e}");
+    assert_eq!(fs_err::read_dir(&elsewhere).unwrap().count(), 0);
+}
+
+#[tokio::test]
+async fn planted_temp_file_symlink_is_not_written_through() {
+    let h = Home::new();
+    h.write(&format!("{K4}\n"));
+    let victim = h.home.parent().unwrap().join("victim");
+    fs_err::write(&victim, "keep me\n").unwrap();
+    let tmp_name = format!(".authorized_keys.tmp-{}", std::process::id());
+    std::os::unix::fs::symlink(&victim, h.home.join(".ssh").join(tmp_name)).unwrap();
+    h.manager
+        .add(&task("a"), "alice", &[key(K1)])
+        .await
+        .unwrap();
+    assert_eq!(fs_err::read_to_string(&victim).unwrap(), "keep me\n");
+    assert_eq!(h.marked(), vec![K1_FP.to_owned()]);
+}
+
+#[tokio::test]
+async fn files_are_owned_by_the_user_when_run_as_root() {
+    if std::env::var("SHIM_TEST_ROOT").as_deref() != Ok("1") {
+        eprintln!("skipped files_are_owned_by_the_user_when_run_as_root: set SHIM_TEST_ROOT=1");
+        return;
+    }
+    assert_eq!(
+        nix::unistd::geteuid().as_raw(),
+        0,
+        "SHIM_TEST_ROOT=1 needs root"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let home = tmp.path().join("carol");
+    fs_err::create_dir(&home).unwrap();
+    let entry = shim_resources::UserEntry {
+        home: home.clone(),
+        uid: 54321,
+        gid: 54322,
+    };
+    let m = AuthorizedKeysManager::new(Arc::new(StaticUserDb::new().with_entry("carol", entry)));
+    m.add(&task("a"), "carol", &[key(K1)]).await.unwrap();
+    for p in [home.join(".ssh"), home.join(".ssh/authorized_keys")] {
+        let meta = fs_err::metadata(&p).unwrap();
+        assert_eq!((meta.uid(), meta.gid()), (54321, 54322), "{}", p.display());
+    }
+    assert_eq!(mode(&home.join(".ssh")), 0o700);
+    assert_eq!(mode(&home.join(".ssh/authorized_keys")), 0o600);
+    // An existing file keeps its owner and mode through rewrites, and the backup gets them too.
+    m.add(&task("b"), "carol", &[key(K2)]).await.unwrap();
+    for p in [
+        home.join(".ssh/authorized_keys"),
+        home.join(".ssh/authorized_keys.bak"),
+    ] {
+        let meta = fs_err::metadata(&p).unwrap();
+        assert_eq!((meta.uid(), meta.gid()), (54321, 54322), "{}", p.display());
+        assert_eq!(mode(&p), 0o600);
+    }
+}

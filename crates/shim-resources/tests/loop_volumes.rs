@@ -299,3 +299,59 @@ async fn release_of_recovered_volume_without_device() {
     m.release(&recovered).await.unwrap();
     assert!(!is_mounted(&lp.root().join("data")));
 }
+
+/// Delegates to the system runner and counts `mkfs.ext4` runs.
+#[derive(Default)]
+struct CountingRunner {
+    inner: SystemCommandRunner,
+    mkfs: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl shim_resources::CommandRunner for CountingRunner {
+    async fn run(
+        &self,
+        program: &str,
+        args: &[&str],
+    ) -> shim_resources::Result<shim_resources::CommandOutput> {
+        if program == "mkfs.ext4" {
+            self.mkfs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        self.inner.run(program, args).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_prepares_of_one_blank_volume_format_it_once() {
+    if !root_tests("concurrent_prepares_of_one_blank_volume_format_it_once") {
+        return;
+    }
+    let lp = Loop::blank(64);
+    let runner = Arc::new(CountingRunner::default());
+    let mut config = VolumeConfig::with_root(lp.root()).fast();
+    config.gcp_by_id_dir = lp.tmp.path().join("by-id");
+    let m = Arc::new(BlockVolumes::new(config, runner.clone()));
+    let spec = lp.spec(true);
+    let tasks: Vec<_> = (0..4)
+        .map(|_| {
+            let (m, spec) = (m.clone(), spec.clone());
+            tokio::spawn(async move { m.prepare(&spec).await })
+        })
+        .collect();
+    let mut vols = Vec::new();
+    for t in tasks {
+        vols.push(t.await.unwrap().unwrap());
+    }
+    assert_eq!(runner.mkfs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert!(vols.windows(2).all(|w| w[0] == w[1]));
+    // Mounted once, not stacked four times.
+    let table = fs_err::read_to_string("/proc/self/mountinfo").unwrap();
+    let mp = lp.root().join("data");
+    let count = table
+        .lines()
+        .filter(|l| l.split(' ').nth(4) == Some(mp.to_str().unwrap()))
+        .count();
+    assert_eq!(count, 1, "{table}");
+    m.release(&vols[0]).await.unwrap();
+    assert!(!is_mounted(&mp));
+}
