@@ -183,3 +183,62 @@ impl AuthorizedKeys for FakeAuthorizedKeys {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use shim_task::{TaskName, VolumeBackend};
+
+    use super::*;
+
+    fn spec(name: &str) -> VolumeSpec {
+        VolumeSpec {
+            backend: VolumeBackend::Gcp,
+            name: TaskName::new(name).unwrap(),
+            volume_id: String::new(),
+            init_fs: true,
+            device_name: name.to_owned(),
+        }
+    }
+
+    #[tokio::test]
+    async fn fake_volumes_record_and_fail_on_demand() {
+        let v = FakeVolumes::new("/fake/volumes");
+        let a = v.prepare(&spec("a")).await.unwrap();
+        assert_eq!(a.mount_point, "/fake/volumes/a");
+        v.fail_prepare("b", true);
+        assert!(v.prepare(&spec("b")).await.is_err());
+        v.fail_release("a", true);
+        assert!(v.release(&a).await.is_err());
+        assert_eq!(v.mounted(), vec!["a"]);
+        v.fail_release("a", false);
+        v.release(&a).await.unwrap();
+        assert!(v.mounted().is_empty());
+        assert_eq!(
+            v.calls(),
+            vec![
+                FakeCall::Prepare("a".into()),
+                FakeCall::Prepare("b".into()),
+                FakeCall::Release("/fake/volumes/a".into()),
+                FakeCall::Release("/fake/volumes/a".into()),
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn fake_keys_follow_live_tasks() {
+        let k = PublicKey::parse(
+            "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAILJGWz0/8QjYK+L+mj9V7g/pcOzi/5qYPRvJ0QrLvroM u",
+        )
+        .unwrap();
+        let f = FakeAuthorizedKeys::new();
+        let (a, b) = (TaskId::new("a").unwrap(), TaskId::new("b").unwrap());
+        f.add(&a, "u", std::slice::from_ref(&k)).await.unwrap();
+        f.restore(&b, "u", std::slice::from_ref(&k));
+        f.remove(&a, "u").await.unwrap();
+        assert_eq!(f.keys_of("u").len(), 1, "b still holds it");
+        f.set_fail(true);
+        assert!(f.add(&a, "u", &[]).await.is_err());
+        assert!(f.remove(&b, "u").await.is_err());
+        assert!(f.keys_of("u").is_empty());
+    }
+}
