@@ -1,0 +1,1056 @@
+//! One test per row of SPEC §2's "how a task ends" table, the terminate and remove rules of
+//! §4, the TaskInfo rules of §3 and the restore table of §5, against `step` and `restore`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test file: panics are failures
+
+use shim_task::machine::{EXIT_MESSAGE_LINES, NEVER_STARTED_MESSAGE, VANISHED_MESSAGE};
+use shim_task::{
+    Action, ContainerState, Event, HostKeysGrant, InstanceMountPoint, MountedVolume, NetworkMode,
+    Observation, ObservedContainer, PortMapping, PublicKey, PullProgress, StartStep, StopState,
+    Task, TaskConfig, TaskId, TaskName, TaskRecord, TaskStatus, TerminationReason, TransitionError,
+    VolumeBackend, VolumeSpec, container_name, restore, step,
+};
+
+const KEY: &str =
+    "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAID1C4oAsnzrPpqMilIIwxvatSq1HhXjaqM9ge9X3BgAe k";
+
+fn config() -> TaskConfig {
+    let mut c = TaskConfig::new(
+        TaskId::new("t1").unwrap(),
+        TaskName::new("job").unwrap(),
+        "img:1",
+    );
+    c.gpu = 1;
+    c.host_ssh_user = "ubuntu".into();
+    c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap()];
+    c.volumes = vec![VolumeSpec {
+        backend: VolumeBackend::Aws,
+        name: TaskName::new("data").unwrap(),
+        volume_id: "vol-1".into(),
+        init_fs: true,
+        device_name: String::new(),
+    }];
+    c.instance_mounts = vec![InstanceMountPoint {
+        instance_path: "/mnt/cache".into(),
+        path: "/cache".into(),
+    }];
+    c
+}
+
+fn new_task(c: &TaskConfig) -> Task {
+    Task::new(TaskRecord::new(c, container_name(&c.name, &c.id), 100))
+}
+
+fn grant() -> HostKeysGrant {
+    HostKeysGrant {
+        user: "ubuntu".into(),
+        keys: vec![PublicKey::parse(KEY).unwrap()],
+    }
+}
+
+fn volume() -> MountedVolume {
+    MountedVolume {
+        name: "data".into(),
+        mount_point: "/mnt/disks/dstack-volumes/data".into(),
+        device: "/dev/loop3".into(),
+    }
+}
+
+/// Steps `event` and returns the actions.
+fn go(t: &mut Task, event: Event) -> Vec<Action> {
+    let tr = step(t, event, 200).unwrap();
+    *t = tr.task;
+    tr.actions
+}
+
+/// A task whose start has reached the awaited step `until` (all outcomes successful).
+fn started_until(until: StartStep) -> Task {
+    let mut t = new_task(&config());
+    go(&mut t, Event::StartBegan);
+    let outcomes = [
+        (
+            StartStep::AcquireGpus,
+            Event::GpusAcquired(vec!["GPU-a".into()]),
+        ),
+        (StartStep::AddHostKeys, Event::HostKeysAdded(grant())),
+        (StartStep::MountVolume(0), Event::VolumeMounted(volume())),
+        (
+            StartStep::CreateDir(0),
+            Event::DirCreated("/mnt/cache".into()),
+        ),
+        (StartStep::Pull, Event::PullDone(PullProgress::default())),
+        (
+            StartStep::CreateContainer,
+            Event::ContainerCreated {
+                container_id: "cid".into(),
+            },
+        ),
+        (
+            StartStep::StartContainer,
+            Event::ContainerStarted { ports: vec![] },
+        ),
+    ];
+    for (s, event) in outcomes {
+        if t.start_step == Some(until) {
+            break;
+        }
+        assert_eq!(t.start_step, Some(s));
+        go(&mut t, event);
+    }
+    assert_eq!(t.start_step, Some(until));
+    t
+}
+
+fn running() -> Task {
+    let mut t = started_until(StartStep::Finish);
+    go(&mut t, Event::StartFinished);
+    assert_eq!(t.status(), TaskStatus::Running);
+    t
+}
+
+fn assert_ended(t: &Task, reason: TerminationReason, message: &str) {
+    assert_eq!(t.status(), TaskStatus::Terminated);
+    assert_eq!(t.record.termination_reason, Some(reason.clone()));
+    assert_eq!(t.record.termination_message, message);
+    let info = t.info();
+    assert_eq!(info.termination_reason, reason.as_str());
+    assert_eq!(info.termination_message, message);
+}
+
+fn release_of(t: &Task) -> Action {
+    Action::Release(t.held())
+}
+
+#[test]
+fn start_emits_each_step_with_persist_before_it() {
+    let c = config();
+    let mut t = new_task(&c);
+    assert!(t.start_in_flight);
+    let a = go(&mut t, Event::StartBegan);
+    assert_eq!(a, vec![Action::Persist, Action::AcquireGpus { count: 1 }]);
+    assert_eq!(t.status(), TaskStatus::Preparing);
+    let a = go(&mut t, Event::GpusAcquired(vec!["GPU-a".into()]));
+    assert_eq!(a, vec![Action::Persist, Action::AddHostKeys(grant())]);
+    assert_eq!(t.record.resources.gpus, ["GPU-a"]);
+    let a = go(&mut t, Event::HostKeysAdded(grant()));
+    assert_eq!(
+        a,
+        vec![Action::Persist, Action::MountVolume(c.volumes[0].clone())]
+    );
+    let a = go(&mut t, Event::VolumeMounted(volume()));
+    assert_eq!(
+        a,
+        vec![Action::Persist, Action::CreateDir("/mnt/cache".into())]
+    );
+    assert_eq!(t.record.resources.volumes, [volume()]);
+    let a = go(&mut t, Event::DirCreated("/mnt/cache".into()));
+    assert_eq!(
+        a,
+        vec![
+            Action::Persist,
+            Action::Pull {
+                image: "img:1".into()
+            }
+        ]
+    );
+    assert_eq!(t.status(), TaskStatus::Pulling);
+    assert_eq!(t.record.resources.created_dirs, ["/mnt/cache"]);
+    let p = PullProgress {
+        downloaded_bytes: 5,
+        extracted_bytes: 0,
+        total_bytes: 10,
+        is_total_bytes_final: false,
+    };
+    assert_eq!(go(&mut t, Event::PullProgressed(p)), vec![]);
+    assert_eq!(t.info().image_pull_progress, Some(p));
+    let a = go(&mut t, Event::PullDone(p));
+    assert_eq!(a, vec![Action::Persist, Action::CreateContainer]);
+    assert_eq!(t.status(), TaskStatus::Creating);
+    let a = go(
+        &mut t,
+        Event::ContainerCreated {
+            container_id: "cid".into(),
+        },
+    );
+    assert_eq!(a, vec![Action::Persist, Action::StartContainer]);
+    assert_eq!(t.info().container_id, "cid");
+    let ports = vec![PortMapping {
+        host: 40000,
+        container: 10999,
+    }];
+    let a = go(
+        &mut t,
+        Event::ContainerStarted {
+            ports: ports.clone(),
+        },
+    );
+    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
+    assert_eq!(t.status(), TaskStatus::Running);
+    assert_eq!(t.info().ports, Some(ports));
+    assert!(t.start_in_flight);
+    assert_eq!(go(&mut t, Event::StartFinished), vec![]);
+    assert!(!t.start_in_flight);
+    assert!(!t.needs_release());
+}
+
+#[test]
+fn minimal_config_skips_keys_volumes_dirs_and_a_present_image() {
+    let mut c = TaskConfig::new(
+        TaskId::new("t2").unwrap(),
+        TaskName::new("job").unwrap(),
+        "ubuntu",
+    );
+    c.gpu = 0;
+    let mut t = new_task(&c);
+    go(&mut t, Event::StartBegan);
+    let a = go(&mut t, Event::GpusAcquired(vec![]));
+    // Nothing recorded changed (no GPUs), only the status moved to pulling.
+    assert_eq!(
+        a,
+        vec![
+            Action::Persist,
+            Action::Pull {
+                image: "ubuntu:latest".into()
+            }
+        ]
+    );
+    assert_eq!(t.info().gpu_ids, Some(vec![]));
+    let a = go(&mut t, Event::PullSkipped);
+    assert_eq!(a, vec![Action::Persist, Action::CreateContainer]);
+    assert_eq!(t.info().image_pull_progress, None);
+}
+
+// ---- SPEC §2: how a task ends ----
+
+#[test]
+fn gpus_unavailable_is_executor_error() {
+    let mut t = started_until(StartStep::AcquireGpus);
+    let a = go(
+        &mut t,
+        Event::PrepareFailed {
+            message: "2 GPUs requested, 1 available".into(),
+        },
+    );
+    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
+    assert_ended(
+        &t,
+        TerminationReason::ExecutorError,
+        "2 GPUs requested, 1 available",
+    );
+    // Nothing held: start returning settles the task as released.
+    let a = go(&mut t, Event::StartFinished);
+    assert_eq!(a, vec![Action::Persist]);
+    assert!(t.record.resources.released);
+}
+
+#[test]
+fn ssh_keys_failure_is_executor_error_and_releases_gpus_after_start_returns() {
+    let mut t = started_until(StartStep::AddHostKeys);
+    let a = go(
+        &mut t,
+        Event::PrepareFailed {
+            message: "cannot write authorized_keys".into(),
+        },
+    );
+    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
+    assert_ended(
+        &t,
+        TerminationReason::ExecutorError,
+        "cannot write authorized_keys",
+    );
+    // Still owned by start: no release yet.
+    assert!(!t.needs_release());
+    let a = go(&mut t, Event::StartFinished);
+    assert_eq!(a, vec![release_of(&t)]);
+    assert_eq!(t.held().gpus, ["GPU-a"]);
+    assert!(t.held().host_keys.is_none());
+}
+
+#[test]
+fn volume_failure_is_executor_error() {
+    let mut t = started_until(StartStep::MountVolume(0));
+    go(
+        &mut t,
+        Event::PrepareFailed {
+            message: "volume vol-1 not found".into(),
+        },
+    );
+    assert_ended(
+        &t,
+        TerminationReason::ExecutorError,
+        "volume vol-1 not found",
+    );
+    let a = go(&mut t, Event::StartFinished);
+    assert_eq!(a, vec![release_of(&t)]);
+    assert_eq!(t.held().host_keys, Some(grant()));
+}
+
+#[test]
+fn instance_mount_failure_is_executor_error() {
+    let mut t = started_until(StartStep::CreateDir(0));
+    go(
+        &mut t,
+        Event::PrepareFailed {
+            message: "mkdir /mnt/cache: read-only".into(),
+        },
+    );
+    assert_ended(
+        &t,
+        TerminationReason::ExecutorError,
+        "mkdir /mnt/cache: read-only",
+    );
+}
+
+#[test]
+fn pull_failure_is_creating_container_error() {
+    let mut t = started_until(StartStep::Pull);
+    let a = go(
+        &mut t,
+        Event::PullFailed {
+            message: "pull timed out after 20m (1024 bytes downloaded)".into(),
+        },
+    );
+    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
+    assert_ended(
+        &t,
+        TerminationReason::CreatingContainerError,
+        "pull timed out after 20m (1024 bytes downloaded)",
+    );
+}
+
+#[test]
+fn create_failure_is_creating_container_error() {
+    let mut t = started_until(StartStep::CreateContainer);
+    go(
+        &mut t,
+        Event::CreateFailed {
+            message: "no such image".into(),
+        },
+    );
+    assert_ended(
+        &t,
+        TerminationReason::CreatingContainerError,
+        "no such image",
+    );
+}
+
+#[test]
+fn start_failure_is_container_exited_with_error() {
+    let mut t = started_until(StartStep::StartContainer);
+    go(
+        &mut t,
+        Event::StartFailed {
+            message: "exec: /bin/sh: not found".into(),
+        },
+    );
+    assert_ended(
+        &t,
+        TerminationReason::ContainerExitedWithError,
+        "exec: /bin/sh: not found",
+    );
+}
+
+#[test]
+fn exit_zero_is_done_by_runner_with_empty_message() {
+    let mut t = running();
+    let a = go(
+        &mut t,
+        Event::Observed(Observation::Exited {
+            code: 0,
+            last_lines: vec!["bye".into()],
+        }),
+    );
+    assert_ended(&t, TerminationReason::DoneByRunner, "");
+    assert_eq!(a, vec![Action::Persist, release_of(&t)]);
+}
+
+#[test]
+fn exit_nonzero_is_container_exited_with_error_with_last_five_lines() {
+    let mut t = running();
+    let lines: Vec<String> = (1..=8).map(|i| format!("line {i}")).collect();
+    go(
+        &mut t,
+        Event::Observed(Observation::Exited {
+            code: 3,
+            last_lines: lines,
+        }),
+    );
+    assert_eq!(EXIT_MESSAGE_LINES, 5);
+    assert_ended(
+        &t,
+        TerminationReason::ContainerExitedWithError,
+        "line 4\nline 5\nline 6\nline 7\nline 8",
+    );
+    // No log lines: the code is the message.
+    let mut t = running();
+    go(
+        &mut t,
+        Event::Observed(Observation::Exited {
+            code: 137,
+            last_lines: vec![],
+        }),
+    );
+    assert_ended(
+        &t,
+        TerminationReason::ContainerExitedWithError,
+        "container exited with code 137",
+    );
+}
+
+#[test]
+fn never_started_is_executor_error_saying_so() {
+    let mut t = running();
+    go(&mut t, Event::Observed(Observation::NeverStarted));
+    assert_ended(&t, TerminationReason::ExecutorError, NEVER_STARTED_MESSAGE);
+    assert!(NEVER_STARTED_MESSAGE.contains("never started"));
+}
+
+#[test]
+fn vanished_is_executor_error_saying_so() {
+    let mut t = running();
+    go(&mut t, Event::Observed(Observation::Missing));
+    assert_ended(&t, TerminationReason::ExecutorError, VANISHED_MESSAGE);
+    assert_eq!(VANISHED_MESSAGE, "container vanished");
+}
+
+#[test]
+fn terminate_request_stores_reason_and_message_as_given() {
+    let mut t = running();
+    let a = go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::parse("brand_new_reason"),
+            message: "why not".into(),
+            timeout_s: 15,
+        },
+    );
+    assert_eq!(
+        a,
+        vec![Action::Persist, Action::StopContainer { timeout_s: 15 }]
+    );
+    assert_ended(
+        &t,
+        TerminationReason::Other("brand_new_reason".into()),
+        "why not",
+    );
+    assert_eq!(t.info().termination_reason, "brand_new_reason");
+    // Release waits for the stop.
+    assert!(!t.needs_release());
+    let a = go(&mut t, Event::ContainerStopped);
+    assert_eq!(a, vec![release_of(&t)]);
+}
+
+// ---- SPEC §2 / §4: terminated is final, terminate during start ----
+
+#[test]
+fn second_terminate_keeps_the_first_reason_and_changes_nothing() {
+    let mut t = running();
+    go(
+        &mut t,
+        Event::Observed(Observation::Exited {
+            code: 0,
+            last_lines: vec![],
+        }),
+    );
+    go(
+        &mut t,
+        Event::Released {
+            gpus: vec!["GPU-a".into()],
+            host_keys: true,
+            volumes: vec!["data".into()],
+        },
+    );
+    let before = t.clone();
+    let tr = step(
+        &t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByUser,
+            message: "stop".into(),
+            timeout_s: 10,
+        },
+        999,
+    )
+    .unwrap();
+    assert_eq!(tr.task, before);
+    assert_eq!(tr.actions, vec![]);
+    assert_ended(&tr.task, TerminationReason::DoneByRunner, "");
+}
+
+#[test]
+fn terminated_absorbs_every_observation() {
+    let mut t = running();
+    go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByUser,
+            message: "user".into(),
+            timeout_s: 0,
+        },
+    );
+    go(&mut t, Event::ContainerStopped);
+    for obs in [
+        Observation::Exited {
+            code: 1,
+            last_lines: vec!["x".into()],
+        },
+        Observation::Exited {
+            code: 0,
+            last_lines: vec![],
+        },
+        Observation::NeverStarted,
+        Observation::Missing,
+    ] {
+        go(&mut t, Event::Observed(obs));
+        assert_ended(&t, TerminationReason::TerminatedByUser, "user");
+    }
+}
+
+#[test]
+fn terminate_while_pending_finishes_start_at_once() {
+    let c = config();
+    let mut t = new_task(&c);
+    let a = go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByServer,
+            message: "gone".into(),
+            timeout_s: 0,
+        },
+    );
+    assert_eq!(a, vec![Action::Persist]);
+    assert_ended(&t, TerminationReason::TerminatedByServer, "gone");
+    assert!(t.start_in_flight);
+    assert_eq!(go(&mut t, Event::StartBegan), vec![Action::FinishStart]);
+    go(&mut t, Event::StartFinished);
+    assert!(!t.start_in_flight);
+    assert!(t.record.resources.released);
+}
+
+#[test]
+fn terminate_while_preparing_stops_start_at_its_next_step() {
+    let mut t = started_until(StartStep::AddHostKeys);
+    let a = go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByUser,
+            message: String::new(),
+            timeout_s: 0,
+        },
+    );
+    assert_eq!(a, vec![Action::Persist]);
+    // The keys step in progress completes: recorded, then start finishes.
+    let a = go(&mut t, Event::HostKeysAdded(grant()));
+    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
+    assert_eq!(t.record.resources.host_keys, Some(grant()));
+    let a = go(&mut t, Event::StartFinished);
+    assert_eq!(a, vec![release_of(&t)]);
+    assert_eq!(t.held().gpus, ["GPU-a"]);
+    assert_eq!(t.held().host_keys, Some(grant()));
+}
+
+#[test]
+fn terminate_while_pulling_cancels_the_pull_at_once() {
+    let mut t = started_until(StartStep::Pull);
+    let a = go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByUser,
+            message: "cancel".into(),
+            timeout_s: 0,
+        },
+    );
+    assert_eq!(a, vec![Action::Persist, Action::CancelPull]);
+    let a = go(
+        &mut t,
+        Event::PullFailed {
+            message: "cancelled".into(),
+        },
+    );
+    assert_eq!(a, vec![Action::FinishStart]);
+    assert_ended(&t, TerminationReason::TerminatedByUser, "cancel");
+}
+
+#[test]
+fn terminate_while_creating_does_not_start_the_created_container() {
+    let mut t = started_until(StartStep::CreateContainer);
+    go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByUser,
+            message: String::new(),
+            timeout_s: 30,
+        },
+    );
+    let a = go(
+        &mut t,
+        Event::ContainerCreated {
+            container_id: "cid".into(),
+        },
+    );
+    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
+    assert_eq!(t.record.container_id, "cid");
+}
+
+#[test]
+fn container_started_after_terminate_is_stopped_then_released() {
+    let mut t = started_until(StartStep::StartContainer);
+    go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByUser,
+            message: String::new(),
+            timeout_s: 30,
+        },
+    );
+    let a = go(&mut t, Event::ContainerStarted { ports: vec![] });
+    assert_eq!(
+        a,
+        vec![Action::StopContainer { timeout_s: 0 }, Action::FinishStart]
+    );
+    assert_eq!(t.status(), TaskStatus::Terminated);
+    assert_eq!(go(&mut t, Event::ContainerStopped), vec![]);
+    let a = go(&mut t, Event::StartFinished);
+    assert_eq!(a, vec![release_of(&t)]);
+}
+
+#[test]
+fn observations_are_ignored_while_start_is_in_flight() {
+    let t = started_until(StartStep::StartContainer);
+    for obs in [
+        Observation::Missing,
+        Observation::NeverStarted,
+        Observation::Exited {
+            code: 1,
+            last_lines: vec![],
+        },
+    ] {
+        let tr = step(&t, Event::Observed(obs), 300).unwrap();
+        assert_eq!(tr.task, t);
+        assert!(tr.actions.is_empty());
+    }
+}
+
+#[test]
+fn start_returning_early_is_executor_error() {
+    let mut t = started_until(StartStep::Pull);
+    let a = go(&mut t, Event::StartFinished);
+    assert_eq!(a[0], Action::Persist);
+    assert_eq!(a[1], release_of(&t));
+    assert_eq!(
+        t.record.termination_reason,
+        Some(TerminationReason::ExecutorError)
+    );
+    let mut t = started_until(StartStep::CreateContainer);
+    let a = go(
+        &mut t,
+        Event::StartAborted {
+            message: "state file: disk full".into(),
+        },
+    );
+    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
+    assert_ended(
+        &t,
+        TerminationReason::ExecutorError,
+        "state file: disk full",
+    );
+}
+
+#[test]
+fn an_outcome_of_a_step_not_awaited_is_an_error() {
+    let t = started_until(StartStep::Pull);
+    let err = step(
+        &t,
+        Event::ContainerCreated {
+            container_id: "x".into(),
+        },
+        1,
+    )
+    .unwrap_err();
+    assert!(matches!(err, TransitionError::Unexpected { .. }), "{err}");
+    let r = running();
+    assert!(step(&r, Event::StartBegan, 1).is_err());
+    assert!(step(&r, Event::StartFinished, 1).is_err());
+}
+
+// ---- SPEC §4: release ----
+
+#[test]
+fn partial_release_keeps_the_rest_for_the_next_cycle() {
+    let mut t = running();
+    let a = go(&mut t, Event::Observed(Observation::Missing));
+    assert_eq!(a[1], release_of(&t));
+    assert!(t.release_in_flight);
+    assert!(!t.needs_release());
+    // Only the GPU and the keys were released.
+    let a = go(
+        &mut t,
+        Event::Released {
+            gpus: vec!["GPU-a".into()],
+            host_keys: true,
+            volumes: vec![],
+        },
+    );
+    assert_eq!(a, vec![Action::Persist]);
+    assert_eq!(t.held().volumes, [volume()]);
+    assert!(t.held().gpus.is_empty() && t.held().host_keys.is_none());
+    assert!(!t.record.resources.released);
+    // The next cycle retries what is left.
+    assert!(t.needs_release());
+    let a = go(&mut t, Event::ReleaseRequested);
+    assert_eq!(a, vec![release_of(&t)]);
+    let a = go(
+        &mut t,
+        Event::ReleaseFailed {
+            message: "target is busy".into(),
+        },
+    );
+    assert_eq!(a, vec![]);
+    assert!(t.needs_release());
+    go(&mut t, Event::ReleaseRequested);
+    let a = go(
+        &mut t,
+        Event::Released {
+            gpus: vec![],
+            host_keys: false,
+            volumes: vec!["data".into()],
+        },
+    );
+    assert_eq!(a, vec![Action::Persist]);
+    assert!(t.record.resources.released);
+    assert!(!t.needs_release());
+    // The GPU ids stay visible after release.
+    assert_eq!(t.info().gpu_ids, Some(vec!["GPU-a".into()]));
+    // The created dir is never part of a release.
+    assert_eq!(t.record.resources.created_dirs, ["/mnt/cache"]);
+}
+
+#[test]
+fn failed_stop_defers_release_until_the_container_is_seen_stopped() {
+    let mut t = running();
+    go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByUser,
+            message: String::new(),
+            timeout_s: 10,
+        },
+    );
+    assert_eq!(
+        go(
+            &mut t,
+            Event::StopFailed {
+                message: "timeout".into()
+            }
+        ),
+        vec![]
+    );
+    assert_eq!(t.stop, StopState::Failed);
+    assert!(!t.needs_release());
+    // Still running: stop again, at once.
+    let a = go(&mut t, Event::Observed(Observation::Running));
+    assert_eq!(a, vec![Action::StopContainer { timeout_s: 0 }]);
+    go(&mut t, Event::ContainerStopped);
+    assert!(t.release_in_flight);
+}
+
+// ---- SPEC §4: remove ----
+
+#[test]
+fn remove_only_from_terminated() {
+    let t = running();
+    assert!(matches!(
+        step(&t, Event::RemoveRequested, 1),
+        Err(TransitionError::NotTerminated {
+            status: TaskStatus::Running,
+            ..
+        })
+    ));
+    let mut t = started_until(StartStep::Pull);
+    go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByUser,
+            message: String::new(),
+            timeout_s: 0,
+        },
+    );
+    assert!(matches!(
+        step(&t, Event::RemoveRequested, 1),
+        Err(TransitionError::StartInFlight { .. })
+    ));
+    go(
+        &mut t,
+        Event::PullFailed {
+            message: "cancelled".into(),
+        },
+    );
+    let a = go(&mut t, Event::StartFinished);
+    assert_eq!(a, vec![release_of(&t)]);
+    assert!(matches!(
+        step(&t, Event::RemoveRequested, 1),
+        Err(TransitionError::ReleaseInFlight { .. })
+    ));
+    go(
+        &mut t,
+        Event::ReleaseFailed {
+            message: "x".into(),
+        },
+    );
+    let a = go(&mut t, Event::RemoveRequested);
+    assert_eq!(
+        a,
+        vec![
+            Action::RemoveContainer,
+            release_of(&t),
+            Action::DeleteTaskDir,
+            Action::Forget
+        ]
+    );
+}
+
+#[test]
+fn remove_of_a_released_task_has_no_release() {
+    let mut t = new_task(&config());
+    go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByUser,
+            message: String::new(),
+            timeout_s: 0,
+        },
+    );
+    go(&mut t, Event::StartBegan);
+    go(&mut t, Event::StartFinished);
+    let a = go(&mut t, Event::RemoveRequested);
+    assert_eq!(
+        a,
+        vec![
+            Action::RemoveContainer,
+            Action::DeleteTaskDir,
+            Action::Forget
+        ]
+    );
+}
+
+// ---- SPEC §3: TaskInfo ----
+
+#[test]
+fn task_info_rules() {
+    let mut c = config();
+    c.network_mode = NetworkMode::Host;
+    let t = new_task(&c);
+    let info = t.info();
+    assert_eq!(info.status, TaskStatus::Pending);
+    assert_eq!(info.termination_reason, "");
+    assert_eq!(info.termination_message, "");
+    assert_eq!(info.ports, None);
+    assert_eq!(info.gpu_ids, None);
+    assert_eq!(info.image_pull_progress, None);
+    assert_eq!(info.container_id, "");
+    assert_eq!(info.container_name, container_name(&c.name, &c.id));
+    let json = serde_json::to_value(&info).unwrap();
+    assert!(json["ports"].is_null() && json["gpu_ids"].is_null());
+    let r = running();
+    assert_eq!(r.info().ports, Some(vec![]));
+    assert_eq!(
+        serde_json::to_value(r.info()).unwrap()["ports"],
+        serde_json::json!([])
+    );
+}
+
+// ---- SPEC §5: restore ----
+
+fn observed(state: ContainerState) -> ObservedContainer {
+    ObservedContainer {
+        id: "cid".into(),
+        name: format!(
+            "/{}",
+            container_name(&TaskName::new("job").unwrap(), &TaskId::new("t1").unwrap())
+        ),
+        task_id: TaskId::new("t1").unwrap(),
+        state,
+        gpu_ids: vec!["GPU-a".into()],
+        ports: vec![PortMapping {
+            host: 41000,
+            container: 10999,
+        }],
+        recovered_volumes: vec![MountedVolume {
+            name: "data".into(),
+            mount_point: "/mnt/disks/dstack-volumes/data".into(),
+            device: String::new(),
+        }],
+    }
+}
+
+fn assert_idempotent(task: &Task, container: Option<ObservedContainer>) {
+    let (again, actions) = restore(Some(task.record.clone()), container, 10_000).unwrap();
+    assert_eq!(&again, task);
+    assert!(!actions.contains(&Action::Persist));
+}
+
+#[test]
+fn restore_recorded_reason_wins_and_a_running_container_is_stopped() {
+    let mut t = running();
+    go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByUser,
+            message: "by user".into(),
+            timeout_s: 10,
+        },
+    );
+    // The shim died before the stop: the container still runs.
+    let c = observed(ContainerState::Running);
+    let (r, a) = restore(Some(t.record.clone()), Some(c.clone()), 5_000).unwrap();
+    assert_ended(&r, TerminationReason::TerminatedByUser, "by user");
+    assert_eq!(
+        a,
+        vec![
+            Action::LockGpus(vec!["GPU-a".into()]),
+            Action::StopContainer { timeout_s: 0 }
+        ]
+    );
+    assert!(!r.start_in_flight);
+    assert_idempotent(&r, Some(c));
+    // Exited container: released at once, the exit code does not replace the reason.
+    let c = observed(ContainerState::Exited { code: 1 });
+    let (r, a) = restore(Some(t.record.clone()), Some(c.clone()), 5_000).unwrap();
+    assert_ended(&r, TerminationReason::TerminatedByUser, "by user");
+    assert_eq!(
+        a,
+        vec![Action::LockGpus(vec!["GPU-a".into()]), release_of(&r)]
+    );
+    assert_idempotent(&r, Some(c));
+}
+
+#[test]
+fn restore_without_reason_with_container_is_running_with_the_containers_facts() {
+    let t = started_until(StartStep::StartContainer);
+    // The shim died between create and start.
+    let c = observed(ContainerState::Created);
+    let (r, a) = restore(Some(t.record.clone()), Some(c.clone()), 5_000).unwrap();
+    assert_eq!(r.status(), TaskStatus::Running);
+    assert_eq!(
+        a,
+        vec![Action::Persist, Action::LockGpus(vec!["GPU-a".into()])]
+    );
+    assert_eq!(r.info().container_id, "cid");
+    assert_eq!(r.info().ports, Some(c.ports.clone()));
+    assert_eq!(r.info().gpu_ids, Some(vec!["GPU-a".into()]));
+    assert_idempotent(&r, Some(c));
+    // The reconciler then finds it never started.
+    let mut r = r;
+    go(&mut r, Event::Observed(Observation::NeverStarted));
+    assert_ended(&r, TerminationReason::ExecutorError, NEVER_STARTED_MESSAGE);
+}
+
+#[test]
+fn restore_record_without_container_is_executor_error_saying_what_happened() {
+    let t = started_until(StartStep::Pull);
+    let (r, a) = restore(Some(t.record.clone()), None, 5_000).unwrap();
+    assert_ended(
+        &r,
+        TerminationReason::ExecutorError,
+        "the shim stopped while the task was pulling; its container was never created",
+    );
+    assert_eq!(
+        a,
+        vec![
+            Action::Persist,
+            Action::LockGpus(vec!["GPU-a".into()]),
+            release_of(&r)
+        ]
+    );
+    assert_idempotent(&r, None);
+
+    let t = running();
+    let (r, _) = restore(Some(t.record.clone()), None, 5_000).unwrap();
+    assert_eq!(
+        r.record.termination_reason,
+        Some(TerminationReason::ExecutorError)
+    );
+    assert!(
+        r.record
+            .termination_message
+            .starts_with("container vanished")
+    );
+    assert_idempotent(&r, None);
+}
+
+#[test]
+fn restore_record_without_container_keeps_a_recorded_reason() {
+    let mut t = started_until(StartStep::Pull);
+    go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::MaxDurationExceeded,
+            message: "too long".into(),
+            timeout_s: 0,
+        },
+    );
+    let (r, a) = restore(Some(t.record.clone()), None, 5_000).unwrap();
+    assert_ended(&r, TerminationReason::MaxDurationExceeded, "too long");
+    assert_eq!(
+        a,
+        vec![Action::LockGpus(vec!["GPU-a".into()]), release_of(&r)]
+    );
+}
+
+#[test]
+fn restore_of_a_released_task_locks_nothing() {
+    let mut t = running();
+    go(&mut t, Event::Observed(Observation::Missing));
+    go(
+        &mut t,
+        Event::Released {
+            gpus: vec!["GPU-a".into()],
+            host_keys: true,
+            volumes: vec!["data".into()],
+        },
+    );
+    let c = observed(ContainerState::Exited { code: 0 });
+    let (r, a) = restore(Some(t.record.clone()), Some(c), 5_000).unwrap();
+    assert_eq!(a, vec![]);
+    assert!(r.record.resources.released);
+}
+
+#[test]
+fn restore_container_without_record_adopts_it() {
+    let c = observed(ContainerState::Running);
+    let (r, a) = restore(None, Some(c.clone()), 5_000).unwrap();
+    assert_eq!(r.status(), TaskStatus::Running);
+    assert!(r.record.config.is_none());
+    assert_eq!(r.record.name.as_str(), "job");
+    assert_eq!(r.id().as_str(), "t1");
+    assert_eq!(r.record.resources.volumes, c.recovered_volumes);
+    assert_eq!(r.record.resources.host_keys, None);
+    assert_eq!(r.record.resources.gpus, ["GPU-a"]);
+    assert_eq!(
+        a,
+        vec![Action::Persist, Action::LockGpus(vec!["GPU-a".into()])]
+    );
+    assert_idempotent(&r, Some(c.clone()));
+    // When it ends, its recovered volumes are released.
+    let mut r = r;
+    let a = go(
+        &mut r,
+        Event::Observed(Observation::Exited {
+            code: 0,
+            last_lines: vec![],
+        }),
+    );
+    match &a[1] {
+        Action::Release(res) => assert_eq!(res.volumes, c.recovered_volumes),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn restore_with_neither_is_nothing_and_a_foreign_container_is_ignored() {
+    assert!(restore(None, None, 1).is_none());
+    let t = running();
+    let mut c = observed(ContainerState::Running);
+    c.task_id = TaskId::new("other").unwrap();
+    let (r, _) = restore(Some(t.record.clone()), Some(c), 5_000).unwrap();
+    assert_eq!(r.status(), TaskStatus::Terminated);
+}
