@@ -3,7 +3,7 @@
 //! This crate does no IO, has no async runtime and no clock of its own (time is an argument):
 //! the engine feeds it events and carries out the actions it returns. That makes every
 //! decision testable by property tests over random event sequences (`tests/`), including a
-//! crash of the shim at any point followed by [`restore`].
+//! crash of the shim at any point followed by [`restore()`].
 //!
 //! - [`ids`]: validated task ids and names (they become directory and container names).
 //! - [`status`]: statuses and termination reasons as they appear on the wire.
@@ -29,8 +29,11 @@
 //!
 //!  terminated: absorbs every event (first reason and message kept); resources are recorded
 //!  as they are acquired and released (Action::Release) only when
-//!      terminated ∧ holds something ∧ ¬start_in_flight ∧ no stop pending ∧ no release out;
-//!  Released removes what was freed, `released = true` once nothing is held.
+//!      terminated ∧ holds something ∧ ¬start_in_flight ∧ no stop in flight ∧ no release out
+//!      ∧ the last stop (if any) succeeded — a failed stop is retried (StopContainer{0}) by
+//!      the reconciler's next ReleaseRequested, or cleared when it sees the container stopped;
+//!  Released removes what was freed, `released = true` once nothing is held; what is left
+//!  (ReleaseFailed, partial Released) is retried on the reconciler's next cycle.
 //!  RemoveRequested (terminated, start returned) ─> RemoveContainer, Release?, DeleteTaskDir,
 //!  Forget.
 //! ```

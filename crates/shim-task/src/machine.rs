@@ -7,6 +7,28 @@
 //! next action of the same list is carried out (depth first: the actions of that step come
 //! first). [`Action::Persist`] leads the list whenever the step changed the record, so the state
 //! file is written before any later side effect. See the crate docs for the state diagram.
+//!
+//! # What the engine must do (checked by the simulated engine in `tests/properties.rs`)
+//!
+//! - Write the record on [`Action::Persist`] before carrying out the next action, under the
+//!   same per-task ordering as the step that returned it (a terminate answers 200 only after).
+//! - Step the outcome of every action that has one (see each [`Action`]) — in particular one
+//!   of [`Event::Released`] / [`Event::ReleaseFailed`] for every [`Action::Release`], and
+//!   [`Event::StartFinished`] whenever the start job returns, however it returns.
+//! - Launch start for every [`Task::new`] task (it counts as in flight from submit on).
+//! - Carry out the actions of [`restore()`](crate::restore::restore) (GPU locks first) before
+//!   the reconciler's first cycle.
+//! - Reconciler, every cycle, for each task whose start is not in flight: step
+//!   [`Event::Observed`] (for a terminated task at least when its container runs), then
+//!   [`Event::ReleaseRequested`] if [`Task::needs_release`]. Failed stops and failed releases
+//!   are retried this way, never in a tight loop.
+//! - Remove: carry out the list in order and stop at the first failure; a release that leaves
+//!   anything held ([`Task::held`] not empty after its outcome) is a failure, so the task and
+//!   its directory stay and a later remove retries.
+//!
+//! Known window: a crash after a volume was mounted (or host keys added) but before the
+//! outcome's [`Action::Persist`] leaves that resource unrecorded. GPU locks live in memory and
+//! cannot leak that way; every other point of a crash is covered by [`restore()`](crate::restore::restore).
 
 use crate::config::{TaskConfig, VolumeSpec};
 use crate::ids::TaskId;
@@ -56,7 +78,8 @@ pub enum StopState {
     /// still use the resources.
     InFlight,
     /// The last stop failed: the container may still run, so release waits until the
-    /// reconciler sees it not running (a running one is stopped again).
+    /// reconciler sees it not running, or a stop retried by the reconciler (on
+    /// [`Event::Observed`] `Running` or [`Event::ReleaseRequested`]) succeeds.
     Failed,
 }
 
@@ -401,13 +424,15 @@ impl Task {
     }
 
     /// Whether a release is due now: terminated, holding something, start not in flight, no
-    /// stop pending or failed, and no release already out. The reconciler asks this every
-    /// cycle and then steps [`Event::ReleaseRequested`].
+    /// stop in flight and no release already out. The reconciler asks this every cycle and
+    /// then steps [`Event::ReleaseRequested`], which emits [`Action::Release`] — or, when the
+    /// last stop failed, [`Action::StopContainer`] again first (release waits for a successful
+    /// stop, since the container may still use the resources).
     pub fn needs_release(&self) -> bool {
         self.record.status == TaskStatus::Terminated
             && self.record.resources.holds_any()
             && !self.start_in_flight
-            && self.stop == StopState::Idle
+            && self.stop != StopState::InFlight
             && !self.release_in_flight
     }
 
@@ -736,6 +761,8 @@ fn apply(
             t.stop = StopState::Idle;
         }
         Event::StopFailed { .. } => {
+            // Retried by the reconciler's next cycle, not at once.
+            *settle = false;
             t.stop = StopState::Failed;
         }
         Event::RemoveRequested => {
@@ -840,8 +867,13 @@ fn apply(
 /// as released.
 pub(crate) fn settle(t: &mut Task, actions: &mut Vec<Action>) {
     if t.needs_release() {
-        t.release_in_flight = true;
-        actions.push(Action::Release(t.held()));
+        if t.stop == StopState::Failed {
+            t.stop = StopState::InFlight;
+            actions.push(Action::StopContainer { timeout_s: 0 });
+        } else {
+            t.release_in_flight = true;
+            actions.push(Action::Release(t.held()));
+        }
     } else if t.terminated()
         && !t.start_in_flight
         && !t.release_in_flight

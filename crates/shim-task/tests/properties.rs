@@ -690,13 +690,15 @@ impl Sim {
         }
     }
 
-    fn reconcile(&mut self) {
-        if self.task.is_none() {
-            return;
-        }
+    /// A reconcile cycle. `all`: observe terminated tasks' containers in every state; else
+    /// as the engine does: a terminated task's container only when it runs.
+    fn reconcile(&mut self, all: bool) {
+        let Some(t) = &self.task else { return };
         // (The engine skips tasks whose start is in flight; the machine ignores them too.)
         let obs = self.observation();
-        self.feed(Event::Observed(obs), None).unwrap();
+        if all || t.record.status != TaskStatus::Terminated || obs == Observation::Running {
+            self.feed(Event::Observed(obs), None).unwrap();
+        }
         if self.task.as_ref().is_some_and(Task::needs_release) {
             self.feed(Event::ReleaseRequested, None).unwrap();
         }
@@ -743,7 +745,7 @@ impl Sim {
                     self.world.container = None;
                 }
             }
-            20..=23 => self.reconcile(),
+            20..=23 => self.reconcile(a % 2 == 0),
             24 => {
                 self.feed(Event::ReleaseRequested, None).unwrap();
             }
@@ -786,7 +788,7 @@ impl Sim {
                 .unwrap();
                 self.run_all();
             }
-            self.reconcile();
+            self.reconcile(false);
             self.run_all();
             let t = self.task.as_ref().unwrap();
             if t.record.status == TaskStatus::Terminated
@@ -907,7 +909,7 @@ fn simulator_happy_path_runs_and_releases() {
     assert_eq!(t.info().ports.unwrap().len(), 1);
     assert_eq!(sim.world.acquired.len(), 5);
     sim.world.container.as_mut().unwrap().state = Ctr::Exited(0);
-    sim.reconcile();
+    sim.reconcile(false);
     sim.run_all();
     let t = sim.task.clone().unwrap();
     assert_eq!(

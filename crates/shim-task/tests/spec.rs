@@ -725,7 +725,7 @@ fn partial_release_keeps_the_rest_for_the_next_cycle() {
 }
 
 #[test]
-fn failed_stop_defers_release_until_the_container_is_seen_stopped() {
+fn failed_stop_defers_release_until_a_stop_succeeds_or_the_container_is_seen_stopped() {
     let mut t = running();
     go(
         &mut t,
@@ -735,22 +735,37 @@ fn failed_stop_defers_release_until_the_container_is_seen_stopped() {
             timeout_s: 10,
         },
     );
-    assert_eq!(
-        go(
-            &mut t,
-            Event::StopFailed {
-                message: "timeout".into()
-            }
-        ),
-        vec![]
-    );
+    let failed = || Event::StopFailed {
+        message: "timeout".into(),
+    };
+    // No retry at once: the reconciler's next cycle retries.
+    assert_eq!(go(&mut t, failed()), vec![]);
     assert_eq!(t.stop, StopState::Failed);
+    // The reconciler's release request retries the stop first, never releases before.
+    assert!(t.needs_release());
+    let a = go(&mut t, Event::ReleaseRequested);
+    assert_eq!(a, vec![Action::StopContainer { timeout_s: 0 }]);
     assert!(!t.needs_release());
-    // Still running: stop again, at once.
+    assert_eq!(go(&mut t, failed()), vec![]);
+    // Seen running: stopped again, at once.
     let a = go(&mut t, Event::Observed(Observation::Running));
     assert_eq!(a, vec![Action::StopContainer { timeout_s: 0 }]);
-    go(&mut t, Event::ContainerStopped);
+    let a = go(&mut t, Event::ContainerStopped);
+    assert_eq!(a, vec![release_of(&t)]);
     assert!(t.release_in_flight);
+    // Seen not running after a failed stop: released without another stop.
+    let mut t = running();
+    go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByUser,
+            message: String::new(),
+            timeout_s: 10,
+        },
+    );
+    go(&mut t, failed());
+    let a = go(&mut t, Event::Observed(Observation::Missing));
+    assert_eq!(a, vec![release_of(&t)]);
 }
 
 // ---- SPEC §4: remove ----
