@@ -26,9 +26,11 @@
 //!   anything held ([`Task::held`] not empty after its outcome) is a failure, so the task and
 //!   its directory stay and a later remove retries.
 //!
-//! Known window: a crash after a volume was mounted (or host keys added) but before the
-//! outcome's [`Action::Persist`] leaves that resource unrecorded. GPU locks live in memory and
-//! cannot leak that way; every other point of a crash is covered by [`restore()`](crate::restore::restore).
+//! Known window: a crash after a volume was mounted but before the outcome's
+//! [`Action::Persist`] leaves that volume unrecorded (its mount point is the engine's to
+//! choose, so it cannot be recorded ahead). Host keys are recorded ahead of the add, and GPU
+//! locks live in memory, so neither can leak that way; every other point of a crash is
+//! covered by [`restore()`](crate::restore::restore).
 
 use crate::config::{TaskConfig, VolumeSpec};
 use crate::ids::TaskId;
@@ -239,8 +241,9 @@ pub enum Action {
         /// As in [`TaskConfig::gpu`].
         count: i64,
     },
-    /// Add keys to the user's authorized_keys. Outcome: [`Event::HostKeysAdded`] or
-    /// [`Event::PrepareFailed`].
+    /// Add keys to the user's authorized_keys, atomically (all or nothing). The grant is
+    /// already recorded (write-ahead) when this is emitted. Outcome: [`Event::HostKeysAdded`]
+    /// or [`Event::PrepareFailed`] (which drops the grant from the record).
     AddHostKeys(HostKeysGrant),
     /// Find, maybe format, and mount a volume. Outcome: [`Event::VolumeMounted`] or
     /// [`Event::PrepareFailed`].
@@ -510,9 +513,15 @@ fn begin(t: &mut Task, step: StartStep, actions: &mut Vec<Action>) {
     });
     match action {
         Some(action) => {
-            match step {
-                StartStep::Pull => t.set_status(TaskStatus::Pulling),
-                StartStep::CreateContainer => t.set_status(TaskStatus::Creating),
+            match (step, &action) {
+                (StartStep::Pull, _) => t.set_status(TaskStatus::Pulling),
+                (StartStep::CreateContainer, _) => t.set_status(TaskStatus::Creating),
+                (StartStep::AddHostKeys, Action::AddHostKeys(grant)) => {
+                    // Recorded ahead (and persisted before the add): a crash during the add
+                    // cannot leak the keys, and removing a task's keys that were never added
+                    // is a no-op.
+                    t.record.resources.host_keys = Some(grant.clone());
+                }
                 _ => {}
             }
             t.start_step = Some(step);
@@ -670,6 +679,10 @@ fn apply(
         }
         Event::PrepareFailed { message } => {
             expect(t, name, is_preparing)?;
+            if t.start_step == Some(StartStep::AddHostKeys) {
+                // The add is atomic: it failed, so nothing was added.
+                t.record.resources.host_keys = None;
+            }
             t.terminate(TerminationReason::ExecutorError, message);
             advance(t, actions);
         }

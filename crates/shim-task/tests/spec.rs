@@ -132,11 +132,10 @@ fn start_emits_each_step_with_persist_before_it() {
     let a = go(&mut t, Event::GpusAcquired(vec!["GPU-a".into()]));
     assert_eq!(a, vec![Action::Persist, Action::AddHostKeys(grant())]);
     assert_eq!(t.record.resources.gpus, ["GPU-a"]);
+    // The keys are recorded (and persisted) ahead of the add.
+    assert_eq!(t.record.resources.host_keys, Some(grant()));
     let a = go(&mut t, Event::HostKeysAdded(grant()));
-    assert_eq!(
-        a,
-        vec![Action::Persist, Action::MountVolume(c.volumes[0].clone())]
-    );
+    assert_eq!(a, vec![Action::MountVolume(c.volumes[0].clone())]);
     let a = go(&mut t, Event::VolumeMounted(volume()));
     assert_eq!(
         a,
@@ -538,9 +537,9 @@ fn terminate_while_preparing_stops_start_at_its_next_step() {
         },
     );
     assert_eq!(a, vec![Action::Persist]);
-    // The keys step in progress completes: recorded, then start finishes.
+    // The keys step in progress completes (recorded ahead), then start finishes.
     let a = go(&mut t, Event::HostKeysAdded(grant()));
-    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
+    assert_eq!(a, vec![Action::FinishStart]);
     assert_eq!(t.record.resources.host_keys, Some(grant()));
     let a = go(&mut t, Event::StartFinished);
     assert_eq!(a, vec![release_of(&t)]);
