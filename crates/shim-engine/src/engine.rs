@@ -95,6 +95,10 @@ pub(crate) struct Inner {
     pub(crate) tasks: Mutex<BTreeMap<TaskId, Arc<Slot>>>,
     /// Wakes the reconciler (exit events, terminate, shutdown).
     pub(crate) wake: Notify,
+    /// Containers an exit event named since the last cycle. Docker sends `die` before its
+    /// container list reflects the exit, so the next cycle inspects these even when the list
+    /// still says "running" (inspect waits for the container's lock, so it sees the exit).
+    pub(crate) exit_hints: Mutex<std::collections::HashSet<String>>,
     /// Unix ms of the last successful reconcile cycle.
     pub(crate) last_cycle_ms: Mutex<Option<u64>>,
     pub(crate) shutdown: CancellationToken,
@@ -217,6 +221,7 @@ impl Engine {
             owner,
             tasks: Mutex::new(BTreeMap::new()),
             wake: Notify::new(),
+            exit_hints: Mutex::new(std::collections::HashSet::new()),
             last_cycle_ms: Mutex::new(None),
             shutdown: CancellationToken::new(),
             jobs: Mutex::new(Vec::new()),
@@ -294,6 +299,11 @@ impl Engine {
     /// The task's current view.
     pub fn task_info(&self, id: &TaskId) -> Result<TaskInfo> {
         Ok(self.inner.slot(id)?.lock().info())
+    }
+
+    /// Whether the task's start job still owns it (the reconciler leaves such tasks alone).
+    pub fn is_starting(&self, id: &TaskId) -> Result<bool> {
+        Ok(self.inner.slot(id)?.lock().start_in_flight)
     }
 
     /// Every known task (terminated included) with its status.

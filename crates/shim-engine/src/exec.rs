@@ -291,7 +291,7 @@ impl Inner {
             }
             Ok(d) => match d.state {
                 shim_runtime::ContainerState::Created => Observation::NeverStarted,
-                s if s.is_running() => Observation::Running,
+                ref s if s.is_running() => Observation::Running,
                 _ => {
                     let code = d.exit_code.unwrap_or(-1);
                     let last_lines = self

@@ -33,7 +33,7 @@
 //!     host_gpus,
 //!     fake_gpus: false,
 //!     keys: Arc::new(AuthorizedKeysManager::system()),
-//!     volumes: Arc::new(BlockVolumes::new(VolumeConfig::default(), Arc::new(SystemCommandRunner))),
+//!     volumes: Arc::new(BlockVolumes::new(VolumeConfig::default(), Arc::new(SystemCommandRunner::default()))),
 //!     host_devices: Default::default(),
 //! };
 //! let engine = Engine::open(EngineConfig::new("/var/lib/my-agent"), deps).await?;

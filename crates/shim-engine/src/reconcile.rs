@@ -9,7 +9,7 @@
 //! Cycles run every `reconcile_interval` and whenever the runtime reports a container exit of
 //! ours (events are hints: they can be lost, the periodic list is the source of truth).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,6 +48,8 @@ impl Inner {
                 return false;
             }
         };
+        let hints: HashSet<String> =
+            std::mem::take(&mut *self.exit_hints.lock().unwrap_or_else(|p| p.into_inner()));
         let by_task: HashMap<&str, &ContainerSummary> = containers
             .iter()
             .filter_map(|c| c.labels.get(LABEL_TASK_ID).map(|id| (id.as_str(), c)))
@@ -73,7 +75,7 @@ impl Inner {
             let observation = if observed_status(status) {
                 match summary {
                     None => Some(Observation::Missing),
-                    Some(c) if c.state.is_running() => None,
+                    Some(c) if c.state.is_running() && !hints.contains(&c.id) => None,
                     Some(c) => Some(self.observe_stopped(&c.id).await),
                 }
             } else if status == TaskStatus::Terminated {
@@ -131,6 +133,10 @@ pub(crate) fn spawn_background(inner: &Arc<Inner>) {
                         item = stream.next() => match item {
                             Some(Ok(ev)) => {
                                 tracing::debug!(container = %ev.container_id, code = ?ev.exit_code, "exit event");
+                                this.exit_hints
+                                    .lock()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .insert(ev.container_id);
                                 this.wake.notify_one();
                             }
                             Some(Err(e)) => {

@@ -88,10 +88,12 @@ fn tid(id: &str) -> TaskId {
     TaskId::new(id).unwrap()
 }
 
+/// Waits until the task has `status` and its start job has returned (until then the
+/// reconciler leaves it alone).
 async fn wait_status(engine: &Engine, id: &str, status: TaskStatus) -> shim_task::TaskInfo {
     for _ in 0..500 {
         let info = engine.task_info(&tid(id)).unwrap();
-        if info.status == status {
+        if info.status == status && !engine.is_starting(&tid(id)).unwrap() {
             return info;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -100,6 +102,17 @@ async fn wait_status(engine: &Engine, id: &str, status: TaskStatus) -> shim_task
         "task {id} never became {status}: {:?}",
         engine.task_info(&tid(id))
     );
+}
+
+async fn wait_pulling(engine: &Engine, id: &str) -> shim_task::TaskInfo {
+    for _ in 0..500 {
+        let info = engine.task_info(&tid(id)).unwrap();
+        if info.status == TaskStatus::Pulling {
+            return info;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("task {id} never pulled");
 }
 
 async fn wait_released(engine: &Engine, w: &World, id: &str) {
@@ -238,7 +251,7 @@ async fn terminate_during_pull_cancels_it() {
     c.image_name = "img:latest".into();
     c.gpu = 1;
     engine.submit(c).await.unwrap();
-    let info = wait_status(&engine, "t1", TaskStatus::Pulling).await;
+    let info = wait_pulling(&engine, "t1").await;
     assert_eq!(w.gpus.locked().len(), 1);
     let _ = info;
     let info = engine
@@ -434,7 +447,7 @@ async fn restart_restores_every_case() {
     c.host_ssh_user = "ubuntu".into();
     c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap()];
     engine.submit(c).await.unwrap();
-    wait_status(&engine, "pulling", TaskStatus::Pulling).await;
+    wait_pulling(&engine, "pulling").await;
     engine
         .terminate(
             &tid("user"),

@@ -1,0 +1,642 @@
+//! The engine on the real Docker daemon, real authorized_keys files and a real loop-device
+//! volume. Runs with `SHIM_TEST_DOCKER=1` (the restart test also needs `SHIM_TEST_ROOT=1`);
+//! fails, never skips, when those say it runs.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers outside #[test] fns
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use shim_engine::{Deps, Engine, EngineConfig};
+use shim_resources::{
+    AuthorizedKeysManager, BlockVolumes, GpuLock, HostGpus, StaticUserDb, SystemCommandRunner,
+    VolumeConfig,
+};
+use shim_runtime::{ContainerRuntime, DockerRuntime};
+use shim_task::{
+    NetworkMode, PublicKey, TaskConfig, TaskId, TaskInfo, TaskName, TaskStatus, TerminationReason,
+    VolumeBackend, VolumeMountPoint, VolumeSpec,
+};
+
+const KEY: &str =
+    "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAID1C4oAsnzrPpqMilIIwxvatSq1HhXjaqM9ge9X3BgAe user@host";
+
+/// A shim home, a user home with a real authorized_keys, a volumes root and a GCP by-id dir.
+struct Host {
+    dir: tempfile::TempDir,
+    gpus: HostGpus,
+    docker_host: Option<String>,
+}
+
+impl Host {
+    fn new() -> Host {
+        let dir = tempfile::tempdir().unwrap();
+        for d in ["home", "user", "volumes", "by-id"] {
+            fs_err::create_dir_all(dir.path().join(d)).unwrap();
+        }
+        Host {
+            dir,
+            gpus: HostGpus::fake_nvidia(2),
+            docker_host: None,
+        }
+    }
+
+    fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    fn authorized_keys(&self) -> String {
+        fs_err::read_to_string(self.path("user/.ssh/authorized_keys")).unwrap_or_default()
+    }
+
+    async fn engine(&self) -> Engine {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+        let runtime = match &self.docker_host {
+            Some(h) => DockerRuntime::connect_to(h).await.unwrap(),
+            None => DockerRuntime::connect().await.unwrap(),
+        };
+        let users = StaticUserDb::new().with_user("tester", self.path("user"));
+        let mut vcfg = VolumeConfig::with_root(self.path("volumes")).fast();
+        vcfg.gcp_by_id_dir = self.path("by-id");
+        let deps = Deps {
+            runtime: Arc::new(runtime),
+            gpus: Arc::new(GpuLock::for_host(&self.gpus)),
+            host_gpus: self.gpus.clone(),
+            fake_gpus: true,
+            keys: Arc::new(AuthorizedKeysManager::new(Arc::new(users))),
+            volumes: Arc::new(BlockVolumes::new(
+                vcfg,
+                Arc::new(SystemCommandRunner::default()),
+            )),
+            host_devices: Default::default(),
+        };
+        let mut cfg = EngineConfig::new(self.path("home"));
+        cfg.runner_binary_path = shim_e2e::runner_path();
+        cfg.volumes_root = self.path("volumes");
+        cfg.reconcile_interval = Duration::from_secs(3600);
+        Engine::open(cfg, deps).await.unwrap()
+    }
+
+    fn runner_dir(&self, id: &str) -> PathBuf {
+        self.path("home").join("tasks").join(id).join("runner")
+    }
+
+    /// Tells the stub runner of task `id` to exit with `code`.
+    fn exit_runner(&self, id: &str, code: i32) {
+        fs_err::write(self.runner_dir(id).join("exit"), format!("{code}\n")).unwrap();
+    }
+}
+
+fn config(id: &str) -> TaskConfig {
+    let mut c = TaskConfig::new(
+        TaskId::new(id).unwrap(),
+        TaskName::new("enginetest").unwrap(),
+        shim_e2e::image(),
+    );
+    // Bridge: every runner listens on the same container port without clashing.
+    c.network_mode = NetworkMode::Bridge;
+    c
+}
+
+/// A task id unique to this run, so leftovers of earlier runs never collide.
+fn unique(prefix: &str) -> String {
+    let n = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{prefix}-{}-{n}", std::process::id())
+}
+
+async fn wait_for(
+    engine: &Engine,
+    id: &str,
+    what: &str,
+    f: impl Fn(&TaskInfo) -> bool,
+) -> TaskInfo {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let info = engine.task_info(&TaskId::new(id).unwrap()).unwrap();
+        if f(&info) {
+            return info;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "task {id} never {what}: {info:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until the task has `status` and its start job has returned.
+async fn wait_status(engine: &Engine, id: &str, status: TaskStatus) -> TaskInfo {
+    wait_for(engine, id, status.as_str(), |i| {
+        i.status == status && !engine.is_starting(&i.id).unwrap()
+    })
+    .await
+}
+
+async fn cleanup(engine: &Engine, ids: &[&str]) {
+    for id in ids {
+        let tid = TaskId::new(*id).unwrap();
+        let _ = engine
+            .terminate(
+                &tid,
+                TerminationReason::TerminatedByServer,
+                String::new(),
+                Duration::ZERO,
+            )
+            .await;
+        let _ = engine.remove(&tid).await;
+    }
+}
+
+fn docker(args: &[&str]) -> String {
+    let out = Command::new("docker").args(args).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+#[tokio::test]
+async fn done_by_runner_and_exit_with_error() {
+    if !shim_e2e::docker_tests_enabled("done_by_runner_and_exit_with_error") {
+        return;
+    }
+    let host = Host::new();
+    let engine = host.engine().await;
+    let (ok, bad) = (unique("ok"), unique("bad"));
+    engine.submit(config(&ok)).await.unwrap();
+    engine.submit(config(&bad)).await.unwrap();
+    let info = wait_status(&engine, &ok, TaskStatus::Running).await;
+    let ports = info.ports.clone().unwrap();
+    assert_eq!(
+        ports.len(),
+        2,
+        "runner http and ssh ports published: {ports:?}"
+    );
+    assert!(ports.iter().all(|p| p.host > 0));
+    wait_status(&engine, &bad, TaskStatus::Running).await;
+
+    let t0 = Instant::now();
+    host.exit_runner(&ok, 0);
+    let info = wait_status(&engine, &ok, TaskStatus::Terminated).await;
+    eprintln!(
+        "exit seen {:?} after the exit file was written",
+        t0.elapsed()
+    );
+    assert_eq!(info.termination_reason, "done_by_runner");
+    assert_eq!(info.termination_message, "");
+
+    host.exit_runner(&bad, 3);
+    let info = wait_status(&engine, &bad, TaskStatus::Terminated).await;
+    assert_eq!(info.termination_reason, "container_exited_with_error");
+    let lines: Vec<&str> = info.termination_message.lines().collect();
+    assert_eq!(lines.len(), 5, "{lines:?}");
+    assert_eq!(lines[4], "runner exiting with 3");
+    cleanup(&engine, &[&ok, &bad]).await;
+    engine.shutdown(true, Duration::from_secs(5)).await;
+}
+
+#[tokio::test]
+async fn terminate_running_now_and_with_grace() {
+    if !shim_e2e::docker_tests_enabled("terminate_running_now_and_with_grace") {
+        return;
+    }
+    let host = Host::new();
+    let engine = host.engine().await;
+    let (now, grace) = (unique("kill"), unique("grace"));
+    engine.submit(config(&now)).await.unwrap();
+    engine.submit(config(&grace)).await.unwrap();
+    let killed = wait_status(&engine, &now, TaskStatus::Running).await;
+    let graceful = wait_status(&engine, &grace, TaskStatus::Running).await;
+
+    let t0 = Instant::now();
+    let info = engine
+        .terminate(
+            &TaskId::new(&*now).unwrap(),
+            TerminationReason::TerminatedByUser,
+            "stop now".into(),
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    eprintln!("terminate with timeout 0 took {:?}", t0.elapsed());
+    assert_eq!(info.status, TaskStatus::Terminated);
+    assert_eq!(info.termination_reason, "terminated_by_user");
+    assert_eq!(
+        docker(&["inspect", "-f", "{{.State.ExitCode}}", &killed.container_id]),
+        "137"
+    );
+
+    let info = engine
+        .terminate(
+            &TaskId::new(&*grace).unwrap(),
+            TerminationReason::TerminatedByServer,
+            "stop nicely".into(),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    assert_eq!(info.termination_reason, "terminated_by_server");
+    // The runner got SIGTERM and exited on its own (143), well before the grace period.
+    assert_eq!(
+        docker(&[
+            "inspect",
+            "-f",
+            "{{.State.ExitCode}}",
+            &graceful.container_id
+        ]),
+        "143"
+    );
+    // The reconciler does not replace the reason with the exit code.
+    engine.reconcile_now().await;
+    assert_eq!(
+        engine
+            .task_info(&TaskId::new(&*grace).unwrap())
+            .unwrap()
+            .termination_message,
+        "stop nicely"
+    );
+    cleanup(&engine, &[&now, &grace]).await;
+    assert!(
+        docker(&[
+            "ps",
+            "-aq",
+            "--filter",
+            &format!("id={}", killed.container_id)
+        ])
+        .is_empty()
+    );
+    engine.shutdown(true, Duration::from_secs(5)).await;
+}
+
+#[tokio::test]
+async fn terminate_during_large_pull_cancels_it() {
+    if !shim_e2e::docker_tests_enabled("terminate_during_large_pull_cancels_it") {
+        return;
+    }
+    let host = Host::new();
+    let engine = host.engine().await;
+    let image = shim_e2e::registry_large_image();
+    // Another test may have left it; a pull must really download.
+    docker(&["rmi", "-f", &image]);
+    let id = unique("pull");
+    let mut c = config(&id);
+    c.image_name = image.clone();
+    c.registry_username = shim_e2e::registry_user();
+    c.registry_password = shim_task::Secret::new(shim_e2e::registry_password());
+    engine.submit(c).await.unwrap();
+    wait_for(&engine, &id, "downloading", |i| {
+        i.image_pull_progress
+            .is_some_and(|p| p.downloaded_bytes > 0)
+    })
+    .await;
+    let t0 = Instant::now();
+    let info = engine
+        .terminate(
+            &TaskId::new(&*id).unwrap(),
+            TerminationReason::TerminatedByUser,
+            String::new(),
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    assert_eq!(info.status, TaskStatus::Terminated);
+    // Start returns at once: the pull is cancelled, nothing is created.
+    let engine2 = engine.clone();
+    let id2 = id.clone();
+    let done = wait_for(&engine2, &id2, "released", |_| true).await;
+    assert_eq!(done.container_id, "");
+    let elapsed = t0.elapsed();
+    eprintln!("terminate during pull returned after {elapsed:?}");
+    assert!(elapsed < Duration::from_secs(5), "{elapsed:?}");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        engine
+            .task_info(&TaskId::new(&*id).unwrap())
+            .unwrap()
+            .container_id
+            .is_empty(),
+        "no container was created after the cancelled pull"
+    );
+    let pull_log = host.path("home").join("tasks").join(&id).join("pull.log");
+    let log = fs_err::read_to_string(&pull_log).unwrap_or_default();
+    assert!(!log.contains(&shim_e2e::registry_password()));
+    cleanup(&engine, &[&id]).await;
+    engine.shutdown(true, Duration::from_secs(5)).await;
+}
+
+/// A loop device with a GCP-style by-id link; detached and unmounted on drop.
+struct LoopDevice {
+    dev: String,
+    mount: PathBuf,
+}
+
+impl LoopDevice {
+    fn new(host: &Host, name: &str) -> LoopDevice {
+        let file = host.path(&format!("{name}.img"));
+        let f = fs_err::File::create(&file).unwrap();
+        f.set_len(32 * 1024 * 1024).unwrap();
+        let out = Command::new("losetup")
+            .args(["-f", "--show"])
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "losetup: {out:?}");
+        let dev = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+        std::os::unix::fs::symlink(&dev, host.path("by-id").join(format!("google-{name}")))
+            .unwrap();
+        LoopDevice {
+            dev,
+            mount: host.path("volumes").join(name),
+        }
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.mount).status();
+        let _ = Command::new("losetup").args(["-d", &self.dev]).status();
+    }
+}
+
+fn is_mounted(path: &Path) -> bool {
+    let info = fs_err::read_to_string("/proc/self/mountinfo").unwrap();
+    let p = path.to_str().unwrap();
+    info.lines().any(|l| l.split(' ').nth(4) == Some(p))
+}
+
+/// Every restore case of SPEC §5 after a crash: the shim process is simulated by a tokio
+/// runtime that is dropped (killing its tasks, like SIGKILL), then a new one on the same home.
+#[test]
+fn crash_and_restore_on_real_docker() {
+    if !shim_e2e::docker_tests_enabled("crash_and_restore_on_real_docker")
+        || !shim_e2e::root_tests_enabled("crash_and_restore_on_real_docker")
+    {
+        return;
+    }
+    let host = Host::new();
+    let vol = LoopDevice::new(&host, &unique("vol").replace('-', ""));
+    let vol_name = vol.mount.file_name().unwrap().to_str().unwrap().to_owned();
+    let [run, exits, user, never, cut] = ["run", "exits", "user", "never", "cut"].map(unique);
+
+    let rt1 = tokio::runtime::Runtime::new().unwrap();
+    let (never_info, run_info) = rt1.block_on(async {
+        let engine = host.engine().await;
+        engine.submit(config(&run)).await.unwrap();
+        let mut c = config(&exits);
+        c.gpu = 1;
+        c.host_ssh_user = "tester".into();
+        c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap()];
+        c.volumes = vec![VolumeSpec {
+            backend: VolumeBackend::Gcp,
+            name: TaskName::new(&*vol_name).unwrap(),
+            volume_id: String::new(),
+            init_fs: true,
+            device_name: vol_name.clone(),
+        }];
+        c.volume_mounts = vec![VolumeMountPoint {
+            name: TaskName::new(&*vol_name).unwrap(),
+            path: "/data".into(),
+        }];
+        engine.submit(c).await.unwrap();
+        engine.submit(config(&user)).await.unwrap();
+        engine.submit(config(&never)).await.unwrap();
+        let run_info = wait_status(&engine, &run, TaskStatus::Running).await;
+        wait_status(&engine, &exits, TaskStatus::Running).await;
+        wait_status(&engine, &user, TaskStatus::Running).await;
+        let never_info = wait_status(&engine, &never, TaskStatus::Running).await;
+        engine
+            .terminate(
+                &TaskId::new(&*user).unwrap(),
+                TerminationReason::TerminatedByUser,
+                "user said so".into(),
+                Duration::ZERO,
+            )
+            .await
+            .unwrap();
+        // Cut short while pulling: a state file, no container, an SSH key.
+        let image = shim_e2e::registry_large_image();
+        docker(&["rmi", "-f", &image]);
+        let mut c = config(&cut);
+        c.image_name = image;
+        c.registry_username = shim_e2e::registry_user();
+        c.registry_password = shim_task::Secret::new(shim_e2e::registry_password());
+        c.host_ssh_user = "tester".into();
+        c.host_ssh_keys = vec![PublicKey::parse(
+            "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKzk3CWHbq3U5nQ6BHV1ToyN2NUxT9b3FbiIYDwGBtJd other@host",
+        )
+        .unwrap()];
+        engine.submit(c).await.unwrap();
+        wait_for(&engine, &cut, "pulling", |i| i.status == TaskStatus::Pulling).await;
+        (never_info, run_info)
+    });
+    assert!(host.authorized_keys().contains("user@host"));
+    assert!(host.authorized_keys().contains("other@host"));
+    assert!(is_mounted(&vol.mount));
+    // SIGKILL.
+    rt1.shutdown_background();
+
+    // While the shim is down: one runner exits; one container is replaced by one that was
+    // created but never started (as if the shim died between create and start).
+    host.exit_runner(&exits, 4);
+    let exits_cid_state = || {
+        docker(&[
+            "ps",
+            "-a",
+            "--filter",
+            &format!("label=ai.dstack.shim.task-id={exits}"),
+            "--format",
+            "{{.State}}",
+        ])
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while exits_cid_state() != "exited" {
+        assert!(Instant::now() < deadline, "runner did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let labels: Vec<String> = docker(&[
+        "inspect",
+        "-f",
+        "{{range $k, $v := .Config.Labels}}{{$k}}={{$v}} {{end}}",
+        &never_info.container_id,
+    ])
+    .split_whitespace()
+    .filter(|l| l.starts_with("ai.dstack.shim."))
+    .map(str::to_owned)
+    .collect();
+    docker(&["rm", "-f", &never_info.container_id]);
+    let mut args = vec![
+        "create".to_owned(),
+        "--name".to_owned(),
+        never_info.container_name.clone(),
+    ];
+    for l in &labels {
+        args.push("--label".to_owned());
+        args.push(l.clone());
+    }
+    args.extend([shim_e2e::image(), "true".to_owned()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert!(!docker(&args).is_empty(), "docker create failed");
+
+    let rt2 = tokio::runtime::Runtime::new().unwrap();
+    rt2.block_on(async {
+        let engine = host.engine().await;
+        let info = |id: &str| engine.task_info(&TaskId::new(id).unwrap()).unwrap();
+        // (a) still running: same task, same container.
+        let r = info(&run);
+        assert_eq!(r.status, TaskStatus::Running);
+        assert_eq!(r.container_id, run_info.container_id);
+        // (b) exited meanwhile: terminated with its code and logs on the first query; keys
+        // removed, the volume unmounted.
+        let e = info(&exits);
+        assert_eq!(e.status, TaskStatus::Terminated);
+        assert_eq!(e.termination_reason, "container_exited_with_error");
+        assert!(
+            e.termination_message.ends_with("runner exiting with 4"),
+            "{e:?}"
+        );
+        assert!(
+            !host.authorized_keys().contains("user@host"),
+            "{}",
+            host.authorized_keys()
+        );
+        assert!(!is_mounted(&vol.mount));
+        // (c) the recorded reason is kept.
+        let u = info(&user);
+        assert_eq!(u.termination_reason, "terminated_by_user");
+        assert_eq!(u.termination_message, "user said so");
+        // (d) created, never started.
+        let n = info(&never);
+        assert_eq!(n.termination_reason, "executor_error");
+        assert!(n.termination_message.contains("never started"), "{n:?}");
+        // (e) a state file without a container: released, reported, removable.
+        let c = info(&cut);
+        assert_eq!(c.status, TaskStatus::Terminated);
+        assert_eq!(c.termination_reason, "executor_error");
+        assert!(c.termination_message.contains("pulling"), "{c:?}");
+        assert!(!host.authorized_keys().contains("other@host"));
+        engine.remove(&TaskId::new(&*cut).unwrap()).await.unwrap();
+        assert!(!host.path("home/tasks").join(&cut).exists());
+        cleanup(&engine, &[&run, &exits, &user, &never]).await;
+        engine.shutdown(true, Duration::from_secs(5)).await;
+    });
+    drop(vol);
+}
+
+#[tokio::test]
+async fn two_homes_on_one_daemon() {
+    if !shim_e2e::docker_tests_enabled("two_homes_on_one_daemon") {
+        return;
+    }
+    let (h1, h2) = (Host::new(), Host::new());
+    let e1 = h1.engine().await;
+    let e2 = h2.engine().await;
+    let id = unique("mine");
+    e1.submit(config(&id)).await.unwrap();
+    let info = wait_status(&e1, &id, TaskStatus::Running).await;
+    assert!(e2.reconcile_now().await);
+    assert!(e2.list().is_empty());
+    e2.shutdown(true, Duration::from_secs(1)).await;
+    let e2 = h2.engine().await;
+    assert!(e2.list().is_empty(), "the other shim adopted nothing");
+    assert_eq!(
+        docker(&["inspect", "-f", "{{.State.Status}}", &info.container_id]),
+        "running"
+    );
+    cleanup(&e1, &[&id]).await;
+}
+
+/// A Unix-socket proxy to the Docker socket that can be "stopped" (every connection dropped,
+/// new ones refused) and "started" again: the daemon as the engine sees it.
+struct FlakyDocker {
+    path: PathBuf,
+    down: Arc<AtomicBool>,
+    cut: tokio::sync::watch::Sender<u64>,
+}
+
+impl FlakyDocker {
+    async fn start(dir: &Path) -> FlakyDocker {
+        let path = dir.join("docker.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let down = Arc::new(AtomicBool::new(false));
+        let (cut, _) = tokio::sync::watch::channel(0u64);
+        let (d, c) = (down.clone(), cut.clone());
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                if d.load(Ordering::SeqCst) {
+                    continue; // dropped: connection closed
+                }
+                let mut rx = c.subscribe();
+                tokio::spawn(async move {
+                    let Ok(mut upstream) =
+                        tokio::net::UnixStream::connect("/var/run/docker.sock").await
+                    else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut upstream) => {}
+                        _ = rx.changed() => {}
+                    }
+                });
+            }
+        });
+        FlakyDocker { path, down, cut }
+    }
+
+    fn set_down(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
+        if down {
+            self.cut.send_modify(|n| *n += 1);
+        }
+    }
+}
+
+#[tokio::test]
+async fn daemon_unreachable_for_a_while_changes_nothing() {
+    if !shim_e2e::docker_tests_enabled("daemon_unreachable_for_a_while_changes_nothing") {
+        return;
+    }
+    let mut host = Host::new();
+    let proxy = FlakyDocker::start(host.dir.path()).await;
+    host.docker_host = Some(format!("unix://{}", proxy.path.display()));
+    let engine = host.engine().await;
+    let id = unique("flaky");
+    engine.submit(config(&id)).await.unwrap();
+    let info = wait_status(&engine, &id, TaskStatus::Running).await;
+
+    proxy.set_down(true);
+    host.exit_runner(&id, 0);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while docker(&["inspect", "-f", "{{.State.Status}}", &info.container_id]) != "exited" {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for _ in 0..3 {
+        assert!(
+            !engine.reconcile_now().await,
+            "the list must fail while the daemon is away"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let now = engine.task_info(&TaskId::new(&*id).unwrap()).unwrap();
+    assert_eq!(
+        now.status,
+        TaskStatus::Running,
+        "no task changes while Docker is away"
+    );
+
+    proxy.set_down(false);
+    let info = wait_status(&engine, &id, TaskStatus::Terminated).await;
+    assert_eq!(info.termination_reason, "done_by_runner");
+    cleanup(&engine, &[&id]).await;
+    engine.shutdown(true, Duration::from_secs(5)).await;
+}
+
+#[allow(dead_code)]
+async fn _runtime_is_object_safe(r: &dyn ContainerRuntime) {
+    let _ = r.list(&[]).await;
+}
