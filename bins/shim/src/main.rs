@@ -6,10 +6,11 @@
 //! task already reflects containers that ended while the shim was down. Shutdown (SIGTERM,
 //! SIGINT, `POST /api/shutdown`) never stops containers.
 
+mod adapter;
 mod config;
+mod engine;
 mod logging;
 mod signals;
-mod unwired;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::unix::fs::DirBuilderExt;
@@ -92,18 +93,22 @@ async fn run(config: Config) -> anyhow::Result<()> {
         }
     }
 
-    // ============================================================================================
-    // ENGINE WIRING (coordinator): build the engine from `config` and `home`, restore tasks and
-    // run the first reconcile cycle here, then pass it as `api` and await its background jobs
-    // in the drain future below. Until then the placeholder answers 503 for task routes.
-    let api: Arc<dyn ShimApi> = Arc::new(unwired::Unwired);
-    // ============================================================================================
+    // The engine restores every task and completes its first reconcile cycle before the API
+    // listens: the first answer about any task already reflects what happened while the shim
+    // was down.
+    let engine = engine::open(&config, &home).await?;
+    let api: Arc<dyn ShimApi> = Arc::new(adapter::EngineApi::new(engine.clone()));
 
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, config.shim_http_port));
     let listeners = Listeners::bind(addr, config.unix_socket.as_deref()).await?;
     let drain = {
         let components = components.clone();
-        async move { components.wait_idle().await }
+        let engine = engine.clone();
+        async move {
+            components.wait_idle().await;
+            // Start jobs in flight finish (bounded) so no task is left half-started.
+            engine.shutdown(true, engine::SHUTDOWN_GRACE).await;
+        }
     };
     let server_config = ServerConfig::new(API_VERSION)
         .with_force_shutdown(force.clone())
@@ -119,6 +124,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
     if force.is_cancelled() {
         components.cancel();
     }
+    engine.shutdown(false, std::time::Duration::ZERO).await;
     tracing::info!("dstack-shim stopped; containers keep running");
     Ok(())
 }

@@ -1,0 +1,103 @@
+//! Building the engine from the command line: the Docker runtime, the host's GPUs (or a fake
+//! GPU host for tests), authorized_keys, block volumes, and `host_info.json`.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use shim_engine::{Deps, Engine, EngineConfig};
+use shim_resources::{
+    AuthorizedKeysManager, BlockVolumes, GpuDetector, GpuLock, HostGpus, SystemCommandRunner,
+    VolumeConfig,
+};
+use shim_runtime::{DockerRuntime, HostDevices};
+
+use crate::config::Config;
+
+/// How long a graceful shutdown waits for start jobs in flight.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+/// Connects to Docker, detects the host, restores tasks and runs the first reconcile cycle.
+pub async fn open(config: &Config, home: &Path) -> anyhow::Result<Engine> {
+    let runtime = DockerRuntime::connect()
+        .await
+        .context("cannot connect to the Docker daemon")?;
+    let commands = Arc::new(SystemCommandRunner::default());
+    let (host_gpus, fake_gpus) = match config.fake_gpus {
+        Some(n) => (HostGpus::fake_nvidia(n), true),
+        None => (GpuDetector::new(commands.clone()).detect().await, false),
+    };
+    tracing::info!(
+        vendor = ?host_gpus.vendor,
+        driver = ?host_gpus.driver_version,
+        count = host_gpus.gpus.len(),
+        fake = fake_gpus,
+        "GPUs"
+    );
+    spawn_host_info(home, commands.clone(), host_gpus.clone());
+    let deps = Deps {
+        runtime: Arc::new(runtime),
+        gpus: Arc::new(GpuLock::for_host(&host_gpus)),
+        host_gpus,
+        fake_gpus,
+        keys: Arc::new(AuthorizedKeysManager::system()),
+        volumes: Arc::new(BlockVolumes::new(
+            VolumeConfig::with_root(&config.volumes_root),
+            commands,
+        )),
+        host_devices: HostDevices {
+            infiniband: Path::new("/dev/infiniband").exists(),
+            hugepages_1g: Path::new(shim_runtime::spec::HUGEPAGES_1G_PATH).exists(),
+        },
+    };
+    let mut cfg = EngineConfig::new(home);
+    cfg.runner_binary_path = config.runner_binary_path.clone();
+    cfg.runner_http_port = config.runner_http_port;
+    cfg.runner_ssh_port = config.runner_ssh_port;
+    cfg.runner_log_level = config
+        .runner_log_level
+        .trim()
+        .parse()
+        .with_context(|| format!("invalid --runner-log-level {:?}", config.runner_log_level))?;
+    cfg.runner_ssh_log_level = Some(config.runner_ssh_log_level.clone()).filter(|l| !l.is_empty());
+    cfg.pass_env = config.pass_env_names();
+    cfg.privileged = config.privileged;
+    cfg.pjrt_device = config.pjrt_device.clone().filter(|d| !d.is_empty());
+    cfg.volumes_root = config.volumes_root.clone();
+    let engine = Engine::open(cfg, deps)
+        .await
+        .context("cannot restore tasks")?;
+    tracing::info!(
+        tasks = engine.list().len(),
+        owner = engine.owner(),
+        "engine ready"
+    );
+    Ok(engine)
+}
+
+/// Writes `host_info.json` once, in the background (it runs vendor tools and `ip`).
+fn spawn_host_info(home: &Path, commands: Arc<SystemCommandRunner>, gpus: HostGpus) {
+    let home = home.to_path_buf();
+    tokio::spawn(async move {
+        let info =
+            match shim_resources::host::collect(&*commands, Path::new("/var/lib/docker"), &gpus)
+                .await
+            {
+                Ok(info) => info,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot collect host info");
+                    return;
+                }
+            };
+        let written =
+            tokio::task::spawn_blocking(move || shim_resources::write_host_info_once(&home, &info))
+                .await;
+        match written {
+            Ok(Ok((path, true))) => tracing::info!(path = %path.display(), "host info written"),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "cannot write host info"),
+            Err(e) => tracing::warn!(error = %e, "host info job failed"),
+        }
+    });
+}
