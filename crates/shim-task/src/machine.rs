@@ -862,7 +862,7 @@ fn apply(
                 r.host_keys = None;
             }
             r.volumes.retain(|v| !volumes.contains(&v.name));
-            if !r.holds_any() {
+            if !r.holds_any() && t.record.status == TaskStatus::Terminated && !t.start_in_flight {
                 r.released = true;
             }
             t.release_in_flight = false;

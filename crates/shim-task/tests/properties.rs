@@ -949,3 +949,138 @@ fn crash_window_is_only_between_mount_and_record() {
     }
     assert!(saw_window);
 }
+
+/// Any event, including ones no correct engine would send at that point, decoded from bytes
+/// (cheaper to generate than a union of strategies).
+fn any_event((kind, a, b): (u8, u8, u8)) -> Event {
+    let gpus: Vec<String> = GPUS
+        .iter()
+        .take(usize::from(a % 3))
+        .map(|g| g.to_string())
+        .collect();
+    let progress = PullProgress {
+        downloaded_bytes: u64::from(b),
+        extracted_bytes: 0,
+        total_bytes: u64::from(b) * 2,
+        is_total_bytes_final: a % 2 == 0,
+    };
+    let message = format!("m{b}");
+    match kind % 28 {
+        0 => Event::StartBegan,
+        1 => Event::GpusAcquired(gpus),
+        2 => Event::HostKeysAdded(shim_task::HostKeysGrant {
+            user: "ubuntu".into(),
+            keys: vec![PublicKey::parse(KEY).unwrap()],
+        }),
+        3 => Event::VolumeMounted(MountedVolume {
+            name: format!("vol{}", a % 2),
+            mount_point: "/mnt/disks/dstack-volumes/vol0".into(),
+            device: String::new(),
+        }),
+        4 => Event::DirCreated("/mnt/data0".into()),
+        5 => Event::DirExisted("/mnt/data0".into()),
+        6 => Event::PrepareFailed { message },
+        7 => Event::PullSkipped,
+        8 => Event::PullProgressed(progress),
+        9 => Event::PullDone(progress),
+        10 => Event::PullFailed { message },
+        11 => Event::ContainerCreated {
+            container_id: "c".into(),
+        },
+        12 => Event::CreateFailed { message },
+        13 => Event::ContainerStarted { ports: vec![] },
+        14 => Event::StartFailed { message },
+        15 => Event::StartAborted { message },
+        16 => Event::StartFinished,
+        17 => Event::TerminateRequested {
+            reason: [
+                TerminationReason::TerminatedByUser,
+                TerminationReason::TerminatedByServer,
+                TerminationReason::LogQuotaExceeded,
+                TerminationReason::Other("x".into()),
+            ][usize::from(a % 4)]
+            .clone(),
+            message,
+            timeout_s: u64::from(b),
+        },
+        18 => Event::ContainerStopped,
+        19 => Event::StopFailed { message },
+        20 => Event::RemoveRequested,
+        21 => Event::Observed(match a % 4 {
+            0 => Observation::Running,
+            1 => Observation::NeverStarted,
+            2 => Observation::Missing,
+            _ => Observation::Exited {
+                code: i64::from(b % 3),
+                last_lines: (0..b % 8).map(|i| format!("l{i}")).collect(),
+            },
+        }),
+        22 => Event::ReleaseRequested,
+        23 | 24 => Event::Released {
+            gpus,
+            host_keys: b % 2 == 0,
+            volumes: if b % 3 == 0 {
+                vec!["vol0".into()]
+            } else {
+                vec![]
+            },
+        },
+        25 => Event::ReleaseFailed { message },
+        26 => Event::GpusRelocked(gpus),
+        _ => Event::Observed(Observation::Running),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 10_000,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    /// Arbitrary events in arbitrary order (an engine with bugs): `step` never panics, and
+    /// whatever it accepts keeps statuses monotonic, terminated final with its first reason,
+    /// Persist first after a record change, `released` only when nothing is held, and remove
+    /// only from terminated.
+    #[test]
+    fn arbitrary_events_never_break_the_rules(
+        config in config_strategy(),
+        events in prop::collection::vec(any::<(u8, u8, u8)>(), 0..40),
+    ) {
+        let name = container_name(&config.name, &config.id);
+        let mut task = Task::new(TaskRecord::new(&config, name, 1));
+        let mut now = 1;
+        for event in events.into_iter().map(any_event) {
+            now += 1;
+            let is_remove = matches!(event, Event::RemoveRequested);
+            let Ok(tr) = step(&task, event, now) else { continue };
+            let (b, a) = (&task.record, &tr.task.record);
+            prop_assert!(a.status >= b.status);
+            if b.status == TaskStatus::Terminated {
+                prop_assert_eq!(&a.termination_reason, &b.termination_reason);
+                prop_assert_eq!(&a.termination_message, &b.termination_message);
+            }
+            prop_assert_eq!(a.status == TaskStatus::Terminated, a.termination_reason.is_some());
+            prop_assert_eq!(
+                tr.actions.first() == Some(&Action::Persist),
+                !same_record(b, a)
+            );
+            if a.resources.released {
+                prop_assert!(!a.resources.holds_any());
+            }
+            if is_remove {
+                prop_assert_eq!(b.status, TaskStatus::Terminated);
+                prop_assert!(!task.start_in_flight);
+                prop_assert!(tr.actions.last() == Some(&Action::Forget));
+                break;
+            }
+            for action in &tr.actions {
+                if matches!(action, Action::Release(_)) {
+                    prop_assert!(!tr.task.start_in_flight);
+                    prop_assert_eq!(a.status, TaskStatus::Terminated);
+                }
+            }
+            task = tr.task;
+        }
+    }
+}
