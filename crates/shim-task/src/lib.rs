@@ -18,25 +18,34 @@
 //! # The state machine
 //!
 //! ```text
-//!  submit ──> pending ──StartBegan──> preparing ──(GPUs, host keys, volumes, dirs)──┐
-//!                                                                                   v
-//!             running <──ContainerStarted── creating <──PullDone/PullSkipped── pulling
-//!                │                                                                  
-//!                │ Observed(Exited/NeverStarted/Missing) ─> terminated (reason per SPEC §2)
-//!                │ TerminateRequested ─> terminated + StopContainer{timeout}
-//!                v
-//!  every status ──(failure of a start step / terminate)──> terminated   (final)
+//!            StartBegan            GpusAcquired → [HostKeysAdded] → VolumeMounted×n
+//!  pending ─────────────> preparing ─── → DirCreated/DirExisted×m ───┐
+//!                                                                    v
+//!  running <──ContainerStarted── creating <──PullDone/PullSkipped── pulling
+//!     │          (ContainerCreated keeps creating)
+//!     │ Observed(Exited 0)           ─> terminated done_by_runner, ""
+//!     │ Observed(Exited n≠0)         ─> terminated container_exited_with_error, last 5 lines
+//!     │ Observed(NeverStarted/Missing) ─> terminated executor_error, says so
+//!     │ TerminateRequested           ─> terminated (request's reason) + StopContainer{timeout}
+//!     v
+//!  terminated  (final; also reached from every status by a start failure or a terminate)
 //!
-//!  terminated: absorbs every event (first reason and message kept); resources are recorded
-//!  as they are acquired and released (Action::Release) only when
-//!      terminated ∧ holds something ∧ ¬start_in_flight ∧ no stop in flight ∧ no release out
-//!      ∧ the last stop (if any) succeeded — a failed stop is retried (StopContainer{0}) by
-//!      the reconciler's next ReleaseRequested, or cleared when it sees the container stopped;
-//!  Released removes what was freed, `released = true` once nothing is held; what is left
-//!  (ReleaseFailed, partial Released) is retried on the reconciler's next cycle.
-//!  RemoveRequested (terminated, start returned) ─> RemoveContainer, Release?, DeleteTaskDir,
-//!  Forget.
+//!  start failures: PrepareFailed → executor_error; PullFailed, CreateFailed →
+//!  creating_container_error; StartFailed → container_exited_with_error; StartAborted, or
+//!  StartFinished before running → executor_error.
 //! ```
+//!
+//! - `terminated` absorbs every event: the first reason and message are kept.
+//! - Resources are recorded in `record.resources` as they are acquired (host keys just before
+//!   the add), and [`Action::Release`] is emitted only when the task is terminated, holds
+//!   something, start is not in flight, no stop is in flight, the last stop (if any)
+//!   succeeded, and no release is out. A failed stop is retried (`StopContainer{0}`) on the
+//!   reconciler's next [`Event::ReleaseRequested`], or cleared when it sees the container not
+//!   running. [`Event::Released`] removes what was freed; `released = true` once nothing is
+//!   held; what is left is retried on the reconciler's next cycle ([`Task::needs_release`]).
+//! - [`Event::RemoveRequested`] (terminated, start returned, no release out) →
+//!   `RemoveContainer, Release (if held), DeleteTaskDir, Forget`; anything else is a
+//!   [`TransitionError`].
 //!
 //! Start is a chain of actions: each action the machine emits is carried out by the engine,
 //! whose outcome comes back as the next event, and the machine emits the next step:
@@ -44,23 +53,23 @@
 //! → StartContainer → FinishStart`; the start job then steps `StartFinished`. A terminate during
 //! start terminates at once (pull: `CancelPull` at once) and start stops at its next step; a
 //! container started by the step in progress is stopped (`StopContainer{0}`). Every step that
-//! changes the record returns [`Action::Persist`] first.
-//!
-//! Failures of start map to reasons as in SPEC §2: preparing → `executor_error`; pull or
-//! create → `creating_container_error`; start → `container_exited_with_error`.
+//! changes the record returns [`Action::Persist`] first. See [`machine`] for what the engine
+//! must do.
 //!
 //! # Restore
 //!
 //! ```text
-//!  record \ container │ present                               │ absent
-//!  ───────────────────┼───────────────────────────────────────┼──────────────────────────────
-//!  reason recorded    │ terminated (kept); running → Stop{0}  │ terminated (kept); release
-//!  no reason          │ running (reconciler decides); LockGpus │ terminated executor_error
-//!                     │                                        │ "...never created"/"vanished"
-//!  no record          │ running, config None, volumes from     │ nothing
-//!                     │ mounts, no SSH keys; LockGpus          │
+//!  record \ container │ present                                │ absent
+//!  ───────────────────┼────────────────────────────────────────┼─────────────────────────────
+//!  reason recorded    │ terminated (kept); running → Stop{0};  │ terminated (kept); release
+//!                     │ release once stopped                   │
+//!  no reason          │ running (the reconciler decides); ids, │ terminated executor_error:
+//!                     │ ports, GPU ids from the container      │ "…never created" / "…vanished"
+//!  no record          │ running, config None, volumes from its │ nothing
+//!                     │ mounts, no SSH keys                    │
 //! ```
-//! GPUs are locked again for every restored task whose resources are not released.
+//! GPUs are locked again (`LockGpus`) for every restored task whose resources are not
+//! released; the engine carries restore's actions out before the reconciler's first cycle.
 
 pub mod config;
 pub mod ids;
