@@ -665,3 +665,31 @@ async fn fifty_concurrent_tasks() {
         .count();
     assert_eq!(running, 0);
 }
+
+#[tokio::test]
+async fn a_duplicate_gpu_claim_after_restart_never_frees_a_gpu_in_use() {
+    let mut w = World::new(1);
+    let engine = w.engine().await;
+    let mut c = config("owner");
+    c.gpu = 1;
+    engine.submit(c).await.unwrap();
+    let owner = wait_status(&engine, "owner", TaskStatus::Running).await;
+    engine.shutdown(true, Duration::from_secs(1)).await;
+    drop(engine);
+    // A second container claims the same GPU (e.g. left by an older shim without a state
+    // file) and has exited.
+    let mut spec = w.runtime.spec(&owner.container_id).unwrap();
+    spec.name = "stale-00000000".into();
+    spec.labels
+        .insert("ai.dstack.shim.task-id".into(), "a-stale".into());
+    w.runtime
+        .add_container(&spec, ContainerState::Exited, Some(0));
+    let engine = w.restart_with_new_keys().await;
+    let stale = engine.task_info(&tid("a-stale")).unwrap();
+    assert_eq!(stale.status, TaskStatus::Terminated);
+    // The stale task was restored first (ids sort before "owner") and exited: releasing it
+    // must not unlock the GPU the running task uses.
+    assert_eq!(w.gpus.locked(), owner.gpu_ids.clone().unwrap());
+    assert_eq!(w.gpus.free_count(), 0);
+    let _ = w.restart(engine).await;
+}

@@ -284,7 +284,9 @@ pub enum Action {
     Forget,
     /// Start is done: the start job returns, then steps [`Event::StartFinished`].
     FinishStart,
-    /// Restore: lock these GPUs again. Outcome: [`Event::GpusRelocked`] (optional).
+    /// Restore: lock these GPUs again. Outcome: [`Event::GpusRelocked`] with the ids this call
+    /// newly locked; the task keeps only those (a GPU already locked by another task is not
+    /// this task's to free).
     LockGpus(Vec<String>),
 }
 
@@ -871,7 +873,11 @@ fn apply(
             *settle = false;
             t.release_in_flight = false;
         }
-        Event::GpusRelocked(_) => {}
+        Event::GpusRelocked(locked) => {
+            // Only what this task newly locked is its own: a GPU another restored task (a
+            // duplicate, or a stale record) locked first must not be freed by this one.
+            t.record.resources.gpus.retain(|g| locked.contains(g));
+        }
     }
     Ok(())
 }

@@ -1068,3 +1068,26 @@ fn restore_with_neither_is_nothing_and_a_foreign_container_is_ignored() {
     let (r, _) = restore(Some(t.record.clone()), Some(c), 5_000).unwrap();
     assert_eq!(r.status(), TaskStatus::Terminated);
 }
+
+#[test]
+fn relock_keeps_only_the_gpus_newly_locked() {
+    let (mut t, actions) = restore(None, Some(observed(ContainerState::Running)), 1_000).unwrap();
+    assert!(actions.contains(&Action::LockGpus(vec!["GPU-a".into()])));
+    // Another restored task locked GPU-a first: this one must never free it.
+    let actions = go(&mut t, Event::GpusRelocked(vec![]));
+    assert!(t.record.resources.gpus.is_empty());
+    assert_eq!(actions.first(), Some(&Action::Persist));
+    let actions = go(
+        &mut t,
+        Event::Observed(Observation::Exited {
+            code: 0,
+            last_lines: vec![],
+        }),
+    );
+    assert!(
+        !actions
+            .iter()
+            .any(|a| matches!(a, Action::Release(r) if !r.gpus.is_empty())),
+        "{actions:?}"
+    );
+}
