@@ -1,7 +1,7 @@
 //! The container runtime seen by the shim: the [`ContainerRuntime`] trait, its runtime-neutral
 //! types, the container spec of SPEC §6 (built by pure functions in [`spec`]), the Docker
 //! implementation ([`DockerRuntime`], on bollard) and, behind the `test-support` feature, an
-//! in-memory fake ([`fake::FakeRuntime`]) for fast tests of the layers above.
+//! in-memory fake (`fake::FakeRuntime`) for fast tests of the layers above.
 //!
 //! This crate knows nothing of tasks or HTTP: the engine maps its tasks to these types.
 //! Foreign errors (bollard, io) are translated once, here, into [`RuntimeError`].
