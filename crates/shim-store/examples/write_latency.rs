@@ -2,6 +2,7 @@
 //!
 //! `cargo run -p shim-store --release --example write_latency -- [DIR] [COUNT]`
 //! DIR must be on the filesystem to measure (default: a temp dir under the current directory).
+//! A last line `json {...}` repeats the figures in microseconds for `cargo xtask bench`.
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::{Duration, Instant};
@@ -49,4 +50,16 @@ fn main() {
         pct(99),
         times[times.len() - 1],
     );
+    let us = |d: Duration| (d.as_secs_f64() * 1e7).round() / 10.0;
+    let json = serde_json::json!({
+        "name": "task.json durable write",
+        "n": count,
+        "bytes": size,
+        "min_us": us(times[0]),
+        "p50_us": us(pct(50)),
+        "p90_us": us(pct(90)),
+        "p99_us": us(pct(99)),
+        "max_us": us(times[times.len() - 1]),
+    });
+    println!("json {json}");
 }
