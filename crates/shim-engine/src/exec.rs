@@ -40,12 +40,22 @@ impl Inner {
                     },
                 },
             ),
-            Action::MountVolume(spec) => Some(match self.deps.volumes.prepare(&spec).await {
-                Ok(v) => Event::VolumeMounted(v),
-                Err(e) => Event::PrepareFailed {
-                    message: format!("cannot prepare volume {:?}: {e}", spec.name.as_str()),
-                },
-            }),
+            Action::MountVolume(spec) => {
+                // Write-ahead: the volume is recorded (and persisted) before it is mounted.
+                let ahead = MountedVolume {
+                    name: spec.name.to_string(),
+                    mount_point: self
+                        .deps
+                        .volumes
+                        .mount_point(spec.name.as_str())
+                        .to_string_lossy()
+                        .into_owned(),
+                    device: String::new(),
+                };
+                let actions = slot.step(Event::VolumeMounting(ahead))?;
+                Box::pin(self.run_actions(slot, actions)).await?;
+                Some(self.mount(&spec).await)
+            }
             Action::CreateDir(path) => {
                 let p = PathBuf::from(&path);
                 let r =
@@ -117,6 +127,15 @@ impl Inner {
             Action::FinishStart => Some(Event::StartFinished),
             Action::LockGpus(ids) => Some(Event::GpusRelocked(self.deps.gpus.lock(&ids))),
         })
+    }
+
+    async fn mount(&self, spec: &shim_task::VolumeSpec) -> Event {
+        match self.deps.volumes.prepare(spec).await {
+            Ok(v) => Event::VolumeMounted(v),
+            Err(e) => Event::PrepareFailed {
+                message: format!("cannot prepare volume {:?}: {e}", spec.name.as_str()),
+            },
+        }
     }
 
     async fn pull(self: &Arc<Self>, slot: &Arc<Slot>, image: String) -> Event {

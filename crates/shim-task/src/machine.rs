@@ -136,6 +136,11 @@ pub enum Event {
     GpusAcquired(Vec<String>),
     /// Outcome of [`Action::AddHostKeys`].
     HostKeysAdded(HostKeysGrant),
+    /// Write-ahead for [`Action::MountVolume`]: the engine is about to mount this volume here.
+    /// Recorded (and persisted) before the mount, so a crash during the format or the mount
+    /// cannot leak it: releasing a volume that was never mounted is a no-op. Not an outcome:
+    /// the step is still awaited.
+    VolumeMounting(MountedVolume),
     /// Outcome of [`Action::MountVolume`].
     VolumeMounted(MountedVolume),
     /// Outcome of [`Action::CreateDir`] when the engine created the directory.
@@ -245,8 +250,10 @@ pub enum Action {
     /// already recorded (write-ahead) when this is emitted. Outcome: [`Event::HostKeysAdded`]
     /// or [`Event::PrepareFailed`] (which drops the grant from the record).
     AddHostKeys(HostKeysGrant),
-    /// Find, maybe format, and mount a volume. Outcome: [`Event::VolumeMounted`] or
-    /// [`Event::PrepareFailed`].
+    /// Find, maybe format, and mount a volume. The engine first steps
+    /// [`Event::VolumeMounting`] with the mount point (and persists), then mounts. Outcome:
+    /// [`Event::VolumeMounted`] or [`Event::PrepareFailed`] (the recorded volume stays recorded
+    /// and is released: unmounting what is not mounted is a no-op).
     MountVolume(VolumeSpec),
     /// Create an instance mount directory if missing. Outcome: [`Event::DirCreated`] (only if
     /// it really created it), [`Event::DirExisted`] or [`Event::PrepareFailed`].
@@ -570,6 +577,7 @@ fn event_name(e: &Event) -> &'static str {
         Event::StartBegan => "StartBegan",
         Event::GpusAcquired(_) => "GpusAcquired",
         Event::HostKeysAdded(_) => "HostKeysAdded",
+        Event::VolumeMounting(_) => "VolumeMounting",
         Event::VolumeMounted(_) => "VolumeMounted",
         Event::DirCreated(_) => "DirCreated",
         Event::DirExisted(_) => "DirExisted",
@@ -661,6 +669,18 @@ fn apply(
             expect(t, name, |s| s == StartStep::AddHostKeys)?;
             t.record.resources.host_keys = Some(grant);
             advance(t, actions);
+        }
+        Event::VolumeMounting(volume) => {
+            expect(t, name, |s| matches!(s, StartStep::MountVolume(_)))?;
+            if !t
+                .record
+                .resources
+                .volumes
+                .iter()
+                .any(|v| v.name == volume.name)
+            {
+                t.record.resources.volumes.push(volume);
+            }
         }
         Event::VolumeMounted(volume) => {
             expect(t, name, |s| matches!(s, StartStep::MountVolume(_)))?;

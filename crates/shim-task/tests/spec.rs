@@ -1091,3 +1091,40 @@ fn relock_keeps_only_the_gpus_newly_locked() {
         "{actions:?}"
     );
 }
+
+#[test]
+fn a_volume_is_recorded_and_persisted_before_it_is_mounted() {
+    let mut t = started_until(StartStep::MountVolume(0));
+    let a = go(&mut t, Event::VolumeMounting(volume()));
+    assert_eq!(a, vec![Action::Persist], "persisted before the mount");
+    assert_eq!(
+        t.start_step,
+        Some(StartStep::MountVolume(0)),
+        "still awaited"
+    );
+    assert!(t.record.resources.volumes.contains(&volume()));
+    // The shim dies during the mount: restored without a container, the volume is released.
+    let (r, actions) = restore(Some(t.record.clone()), None, 9_000).unwrap();
+    assert_eq!(r.status(), TaskStatus::Terminated);
+    assert!(
+        actions
+            .iter()
+            .any(|a| matches!(a, Action::Release(res) if res.volumes.contains(&volume()))),
+        "{actions:?}"
+    );
+    // A failed mount keeps the record (releasing it is a no-op) and ends the task.
+    let mut t = started_until(StartStep::MountVolume(0));
+    go(&mut t, Event::VolumeMounting(volume()));
+    go(
+        &mut t,
+        Event::PrepareFailed {
+            message: "no device".into(),
+        },
+    );
+    let a = go(&mut t, Event::StartFinished);
+    assert!(
+        a.iter()
+            .any(|a| matches!(a, Action::Release(res) if res.volumes.contains(&volume()))),
+        "{a:?}"
+    );
+}
