@@ -6,6 +6,10 @@
 //! - `ci`: `dev-env`, then fmt, clippy, cargo-deny, all tests, docs; a timing summary at the end.
 //! - `run [ARGS..]`: start Docker if needed and run the shim against it, with its home under
 //!   `target/shim-home`; `ARGS` are passed to `dstack-shim`.
+//! - `demo [--large]`: one task's life on the real shim and Docker (pull with credentials, GPUs,
+//!   ports, runner exit, remove, shutdown), narrated.
+//! - `bench [--quick] [--no-docker]`: speed and memory figures, a table and
+//!   `target/bench.json` (see `docs/BENCHMARKS.md`).
 //!
 //! The fixture names live in the `shim-e2e` library (`tests/src/lib.rs`).
 
@@ -15,8 +19,10 @@
     reason = "xtask is a command-line tool that reports to the person running it"
 )]
 
+mod bench;
 mod ci;
 mod cmd;
+mod demo;
 mod devenv;
 mod docker;
 mod http;
@@ -25,6 +31,7 @@ mod packages;
 mod proc;
 mod registry;
 mod run;
+mod shim;
 
 use std::process::ExitCode;
 
@@ -39,6 +46,13 @@ commands:
   ci [--skip-dev-env] dev-env, fmt, clippy, cargo-deny, tests (nextest), docs; timing summary
   run [ARGS..]        start Docker if needed, then run dstack-shim with
                       --shim-home <repo>/target/shim-home and ARGS
+  demo [--large]      start dstack-shim on a temp home with the stub runner and 2 fake GPUs,
+                      run one task (registry pull with credentials, bridge ports, 1 GPU)
+                      to done_by_runner, remove it, shut down; prints every step;
+                      --large pulls the 220 MiB registry image (pull progress moves)
+  bench [--quick] [--no-docker]
+                      speed and memory figures (store writes, engine on the fake runtime,
+                      the release binary on Docker): a table and target/bench.json
   help                this text
 ";
 
@@ -71,6 +85,17 @@ fn dispatch(args: &[String]) -> Result<()> {
             ci::ci(skip_dev_env)
         }
         "run" => run::run(rest),
+        "demo" => {
+            let large = !flags(rest, &["--large"])?.is_empty();
+            demo::demo(large)
+        }
+        "bench" => {
+            let given = flags(rest, &["--quick", "--no-docker"])?;
+            bench::bench(bench::Options {
+                quick: given.contains(&"--quick"),
+                no_docker: given.contains(&"--no-docker"),
+            })
+        }
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(())
