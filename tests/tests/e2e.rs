@@ -1,0 +1,1711 @@
+//! End-to-end tests of the built `dstack-shim` binary: a real Docker daemon, the dev-env
+//! fixtures (local image, registry, stub runner) and the HTTP API of SPEC §3, driven the way
+//! the dstack server drives it.
+//!
+//! Each test gets its own temporary shim home (so its owner identity differs and no test ever
+//! adopts another's containers), its own API port, the stub runner, four fake GPUs, and its
+//! tasks run in bridge network mode (runner ports published on ephemeral host ports, so
+//! runners never clash). The shim's stderr goes to a file beside the home, printed when a test
+//! fails. A guard kills the shim and force-removes every container labelled with the home's
+//! owner identity, however the test ends.
+//!
+//! Run: `SHIM_TEST_DOCKER=1 cargo nextest run -p shim-e2e` (the tests build the binary with
+//! `cargo build -p dstack-shim` first; set `SHIM_E2E_BINARY` to use another one).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::print_stderr,
+    reason = "test code: a failed unwrap is a failed test; figures and logs go to stderr"
+)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::{Arc, Barrier, OnceLock};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use sha2::{Digest as _, Sha256};
+use shim_e2e::{
+    RUNNER_EXIT_FILE, docker_tests_enabled, image, registry, registry_password, registry_user,
+    repo_root, runner_path,
+};
+
+/// How many fake GPUs every shim of these tests has.
+const FAKE_GPUS: usize = 4;
+/// The runner ports in the container (the shim's defaults).
+const RUNNER_HTTP_PORT: u16 = 10999;
+const RUNNER_SSH_PORT: u16 = 10022;
+/// Bounds of the waits (never timed assertions: generous, only there so a hang fails).
+const START_BOUND: Duration = Duration::from_secs(60);
+const STATUS_BOUND: Duration = Duration::from_secs(90);
+const EXIT_BOUND: Duration = Duration::from_secs(60);
+
+// ---------------------------------------------------------------------------------------------
+// The binary
+// ---------------------------------------------------------------------------------------------
+
+/// Builds `dstack-shim` once per test process (a no-op build takes well under a second) and
+/// returns its path; `SHIM_E2E_BINARY` overrides both.
+fn shim_binary() -> &'static Path {
+    static BINARY: OnceLock<PathBuf> = OnceLock::new();
+    BINARY.get_or_init(|| {
+        if let Some(path) = std::env::var_os("SHIM_E2E_BINARY").filter(|p| !p.is_empty()) {
+            return PathBuf::from(path);
+        }
+        let root = repo_root();
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let mut build = Command::new(cargo);
+        // The variables cargo sets for this test would reach build scripts that watch them
+        // (ring reruns on CARGO_MANIFEST_DIR): the next ordinary build would rebuild the
+        // world. The nested build sees the environment of an ordinary one.
+        for (name, _) in std::env::vars_os() {
+            let name = name.to_string_lossy();
+            if name.starts_with("CARGO_PKG_")
+                || [
+                    "CARGO_MANIFEST_DIR",
+                    "CARGO_MANIFEST_PATH",
+                    "CARGO_CRATE_NAME",
+                    "CARGO_BIN_NAME",
+                    "CARGO_PRIMARY_PACKAGE",
+                    "CARGO_TARGET_TMPDIR",
+                    "CARGO_RUSTC_CURRENT_DIR",
+                    "OUT_DIR",
+                ]
+                .contains(&name.as_ref())
+            {
+                build.env_remove(name.as_ref());
+            }
+        }
+        let mut child = build
+            .args(["build", "-p", "dstack-shim", "--bin", "dstack-shim"])
+            .current_dir(&root)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("cargo runs");
+        // `cargo test` (unlike nextest) holds the build lock while tests run: do not hang.
+        let started = Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if started.elapsed() > Duration::from_secs(600) {
+                let _ = child.kill();
+                panic!(
+                    "`cargo build -p dstack-shim` did not finish in 10 minutes (plain `cargo \
+                     test` holds the build lock: use `cargo nextest run`, or set SHIM_E2E_BINARY)"
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        assert!(status.success(), "cargo build -p dstack-shim failed");
+        let target = std::env::var_os("CARGO_TARGET_DIR")
+            .filter(|t| !t.is_empty())
+            .map(PathBuf::from)
+            .map_or_else(|| root.join("target"), |t| root.join(t));
+        let binary = target.join("debug").join("dstack-shim");
+        assert!(
+            binary.is_file(),
+            "{} missing after the build",
+            binary.display()
+        );
+        binary
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Docker CLI
+// ---------------------------------------------------------------------------------------------
+
+fn docker(args: &[&str]) -> Output {
+    Command::new("docker")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("the docker CLI runs")
+}
+
+fn docker_ok(args: &[&str]) -> String {
+    let output = docker(args);
+    assert!(
+        output.status.success(),
+        "docker {args:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).unwrap()
+}
+
+/// `docker inspect -f {{.State.Running}}`: `Some(running)`, or `None` if there is no such
+/// container.
+fn container_running(id: &str) -> Option<bool> {
+    let output = docker(&["inspect", "-f", "{{.State.Running}}", id]);
+    if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains("No such"),
+            "docker inspect {id} failed: {stderr}"
+        );
+        return None;
+    }
+    match String::from_utf8_lossy(&output.stdout).trim() {
+        "true" => Some(true),
+        "false" => Some(false),
+        other => panic!("docker inspect {id}: unexpected {other:?}"),
+    }
+}
+
+fn assert_container_running(id: &str) {
+    assert_eq!(
+        container_running(id),
+        Some(true),
+        "container {id} should be running"
+    );
+}
+
+fn wait_container_stopped(id: &str) {
+    let started = Instant::now();
+    while container_running(id) == Some(true) {
+        assert!(
+            started.elapsed() < STATUS_BOUND,
+            "container {id} still running"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn image_present(image: &str) -> bool {
+    docker(&["image", "inspect", image]).status.success()
+}
+
+// ---------------------------------------------------------------------------------------------
+// HTTP/1.1 client over std TcpStream
+// ---------------------------------------------------------------------------------------------
+
+/// A response: status code, headers (names lowercased), body.
+#[derive(Debug, Clone)]
+struct Resp {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Resp {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn json(&self) -> Value {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/json"),
+            "not a JSON answer: {self:?}"
+        );
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("bad JSON ({e}): {self:?}"))
+    }
+
+    /// Asserts a 200 and returns the JSON body.
+    fn ok(&self) -> Value {
+        assert_eq!(self.status, 200, "expected 200, got {self:?}");
+        self.json()
+    }
+
+    /// Asserts an error status with a `text/plain` body equal to `message`.
+    fn assert_error(&self, status: u16, message: &str) {
+        assert_eq!(
+            (self.status, self.body.as_str()),
+            (status, message),
+            "{self:?}"
+        );
+        assert!(
+            self.header("content-type")
+                .is_some_and(|ct| ct.starts_with("text/plain")),
+            "errors are text/plain: {self:?}"
+        );
+    }
+
+    /// Asserts an error status with a `text/plain` body starting with `prefix`.
+    fn assert_error_starts(&self, status: u16, prefix: &str) {
+        assert_eq!(self.status, status, "{self:?}");
+        assert!(
+            self.body.starts_with(prefix),
+            "{prefix:?} expected: {self:?}"
+        );
+        assert!(
+            self.header("content-type")
+                .is_some_and(|ct| ct.starts_with("text/plain")),
+            "errors are text/plain: {self:?}"
+        );
+    }
+}
+
+/// A request body and how it is sent.
+#[derive(Debug, Clone, Copy)]
+enum Body<'a> {
+    None,
+    /// With `Content-Length`.
+    Sized(&'a [u8]),
+    /// With `Transfer-Encoding: chunked` (the size is only discovered while reading).
+    Chunked(&'a [u8]),
+}
+
+/// Sends one request (`Connection: close`) and reads the response. The body is written from a
+/// second thread while the response is read, so a server that answers before reading all of
+/// it (413) is seen answering, not as a broken pipe.
+fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    content_type: Option<&str>,
+    body: Body<'_>,
+) -> std::io::Result<Resp> {
+    let stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    stream.set_read_timeout(Some(Duration::from_secs(180)))?;
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    if let Some(ct) = content_type {
+        head.push_str(&format!("Content-Type: {ct}\r\n"));
+    }
+    let mut payload = Vec::new();
+    match body {
+        Body::None => {
+            if method == "POST" {
+                head.push_str("Content-Length: 0\r\n");
+            }
+        }
+        Body::Sized(b) => {
+            head.push_str(&format!("Content-Length: {}\r\n", b.len()));
+            payload.extend_from_slice(b);
+        }
+        Body::Chunked(b) => {
+            head.push_str("Transfer-Encoding: chunked\r\n");
+            for chunk in b.chunks(64 * 1024) {
+                payload.extend_from_slice(format!("{:x}\r\n", chunk.len()).as_bytes());
+                payload.extend_from_slice(chunk);
+                payload.extend_from_slice(b"\r\n");
+            }
+            payload.extend_from_slice(b"0\r\n\r\n");
+        }
+    }
+    head.push_str("\r\n");
+    let mut writer = stream.try_clone()?;
+    let sender = std::thread::spawn(move || {
+        // Errors are the server closing early; the response tells what happened.
+        let _ = writer.write_all(head.as_bytes());
+        let _ = writer.write_all(&payload);
+        let _ = writer.flush();
+    });
+    let response = read_response(&stream, method == "HEAD");
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+    let _ = sender.join();
+    response
+}
+
+fn read_response(stream: &TcpStream, head_only: bool) -> std::io::Result<Resp> {
+    let mut reader = BufReader::new(stream);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("not an HTTP status line: {line:?}")))?;
+    let mut headers = Vec::new();
+    loop {
+        line.clear();
+        reader.read_line(&mut line)?;
+        let trimmed = line.trim_end();
+        if trimmed.is_empty() {
+            break;
+        }
+        let (name, value) = trimmed
+            .split_once(':')
+            .ok_or_else(|| std::io::Error::other(format!("bad header line {trimmed:?}")))?;
+        headers.push((name.trim().to_ascii_lowercase(), value.trim().to_owned()));
+    }
+    let find = |n: &str| {
+        headers
+            .iter()
+            .find(|(name, _)| name == n)
+            .map(|(_, v): &(String, String)| v.clone())
+    };
+    let mut body = Vec::new();
+    if head_only {
+    } else if let Some(len) = find("content-length") {
+        let len: usize = len.parse().map_err(std::io::Error::other)?;
+        body.resize(len, 0);
+        reader.read_exact(&mut body)?;
+    } else if find("transfer-encoding").is_some_and(|te| te.eq_ignore_ascii_case("chunked")) {
+        loop {
+            line.clear();
+            reader.read_line(&mut line)?;
+            let size = usize::from_str_radix(line.trim().split(';').next().unwrap_or(""), 16)
+                .map_err(std::io::Error::other)?;
+            if size == 0 {
+                break;
+            }
+            let start = body.len();
+            body.resize(start + size, 0);
+            reader.read_exact(&mut body[start..])?;
+            line.clear();
+            reader.read_line(&mut line)?;
+        }
+    } else {
+        reader.read_to_end(&mut body)?;
+    }
+    Ok(Resp {
+        status,
+        headers,
+        body: String::from_utf8(body).map_err(std::io::Error::other)?,
+    })
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The shim under test
+// ---------------------------------------------------------------------------------------------
+
+/// One test's shim: a temporary home, the running binary (or none between restarts), and the
+/// clean-up guard.
+struct Shim {
+    root: tempfile::TempDir,
+    home: PathBuf,
+    owner: String,
+    child: Option<Child>,
+    port: u16,
+    starts: u32,
+}
+
+impl Shim {
+    /// A new home; nothing is started yet.
+    fn new() -> Self {
+        let _ = shim_binary();
+        let root = tempfile::Builder::new()
+            .prefix("shim-e2e-")
+            .tempdir()
+            .unwrap();
+        let home = std::path::absolute(root.path().join("home")).unwrap();
+        fs_err::create_dir(&home).unwrap();
+        let digest = Sha256::digest(home.as_os_str().as_encoded_bytes());
+        let owner = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        Self {
+            root,
+            home,
+            owner,
+            child: None,
+            port: 0,
+            starts: 0,
+        }
+    }
+
+    /// A new home with the shim started on it.
+    fn started() -> Self {
+        let mut shim = Self::new();
+        shim.start();
+        shim
+    }
+
+    fn stderr_path(&self, n: u32) -> PathBuf {
+        self.root.path().join(format!("stderr-{n}.log"))
+    }
+
+    /// Starts the binary on this home (a fresh API port each time) and waits, bounded, until
+    /// its port accepts connections. Sends no HTTP request: the next request is the first one
+    /// the new process answers.
+    fn start(&mut self) {
+        assert!(self.child.is_none(), "the shim is already running");
+        self.starts += 1;
+        self.port = free_port();
+        let stderr = fs_err::File::create(self.stderr_path(self.starts)).unwrap();
+        let child = Command::new(shim_binary())
+            .arg("--shim-home")
+            .arg(&self.home)
+            .args(["--shim-http-port", &self.port.to_string()])
+            .arg("--runner-binary-path")
+            .arg(runner_path())
+            .args(["--runner-http-port", &RUNNER_HTTP_PORT.to_string()])
+            .args(["--runner-ssh-port", &RUNNER_SSH_PORT.to_string()])
+            .args(["--fake-gpus", &FAKE_GPUS.to_string()])
+            .arg("--volumes-root")
+            .arg(self.root.path().join("volumes"))
+            .args(["--shim-log-level", "5"])
+            .env_remove("RUST_LOG")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(stderr.into_parts().0))
+            .spawn()
+            .expect("the shim binary starts");
+        self.child = Some(child);
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                self.child = None;
+                panic!("the shim exited during start-up: {status}");
+            }
+            if TcpStream::connect_timeout(&self.addr(), Duration::from_millis(200)).is_ok() {
+                return;
+            }
+            assert!(
+                started.elapsed() < START_BOUND,
+                "the shim did not open its port"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().expect("the shim runs").id()
+    }
+
+    /// SIGKILL, as a crash or an OOM kill would.
+    fn kill(&mut self) {
+        let mut child = self.child.take().expect("the shim runs");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    fn sigterm(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Waits (bounded) for the process to exit by itself.
+    fn wait_exit(&mut self) -> ExitStatus {
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .expect("the shim runs")
+                .try_wait()
+                .unwrap()
+            {
+                self.child = None;
+                return status;
+            }
+            assert!(started.elapsed() < EXIT_BOUND, "the shim did not exit");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
+    fn request(
+        &self,
+        method: &str,
+        path: &str,
+        content_type: Option<&str>,
+        body: Body<'_>,
+    ) -> Resp {
+        http(self.addr(), method, path, content_type, body)
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+    }
+
+    fn get(&self, path: &str) -> Resp {
+        self.request("GET", path, None, Body::None)
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Resp {
+        let bytes = serde_json::to_vec(body).unwrap();
+        self.request("POST", path, Some("application/json"), Body::Sized(&bytes))
+    }
+
+    fn post_raw(&self, path: &str, content_type: Option<&str>, body: &[u8]) -> Resp {
+        self.request("POST", path, content_type, Body::Sized(body))
+    }
+
+    fn submit(&self, config: &Value) -> Resp {
+        self.post("/api/tasks", config)
+    }
+
+    fn info(&self, id: &str) -> Value {
+        self.get(&format!("/api/tasks/{id}")).ok()
+    }
+
+    fn terminate(&self, id: &str, reason: &str, message: &str, timeout: u64) -> Resp {
+        self.post(
+            &format!("/api/tasks/{id}/terminate"),
+            &json!({"termination_reason": reason, "termination_message": message, "timeout": timeout}),
+        )
+    }
+
+    fn remove(&self, id: &str) -> Resp {
+        self.request("POST", &format!("/api/tasks/{id}/remove"), None, Body::None)
+    }
+
+    /// `GET /api/tasks` as a map id → status.
+    fn list(&self) -> BTreeMap<String, String> {
+        let list = self.get("/api/tasks").ok();
+        let tasks = list["tasks"].as_array().expect("tasks is an array");
+        let map: BTreeMap<String, String> = tasks
+            .iter()
+            .map(|t| {
+                (
+                    t["id"].as_str().unwrap().to_owned(),
+                    t["status"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect();
+        assert_eq!(map.len(), tasks.len(), "duplicate ids in {list}");
+        map
+    }
+
+    /// Polls the task (bounded) until its status is `status`; a task that ends while another
+    /// status is awaited fails the test at once.
+    fn wait_status(&self, id: &str, status: &str) -> Value {
+        let started = Instant::now();
+        loop {
+            let info = self.info(id);
+            if info["status"] == status {
+                return info;
+            }
+            assert!(
+                info["status"] != "terminated",
+                "task {id} ended while waiting for {status}: {info}"
+            );
+            assert!(
+                started.elapsed() < STATUS_BOUND,
+                "task {id} never became {status}: {info}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn tasks_dir(&self) -> PathBuf {
+        self.home.join("tasks")
+    }
+
+    fn task_dir(&self, id: &str) -> PathBuf {
+        self.tasks_dir().join(id)
+    }
+
+    /// Names in `dir` (sorted); empty if it does not exist.
+    fn entries(dir: &Path) -> BTreeSet<String> {
+        match fs_err::read_dir(dir) {
+            Ok(rd) => rd
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeSet::new(),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Makes the stub runner of task `id` exit with `code` (the file appears atomically).
+    fn exit_runner(&self, id: &str, code: i32) {
+        let runner = self.task_dir(id).join("runner");
+        let tmp = runner.join("exit.tmp");
+        fs_err::write(&tmp, format!("{code}\n")).unwrap();
+        fs_err::rename(&tmp, runner.join(RUNNER_EXIT_FILE)).unwrap();
+    }
+
+    /// Ids of the containers (running or not) labelled with this home's owner identity.
+    fn containers(&self) -> BTreeSet<String> {
+        let filter = format!("label=ai.dstack.shim.owner={}", self.owner);
+        docker_ok(&["ps", "-aq", "--no-trunc", "--filter", &filter])
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// Terminates (if needed) and removes a task over the API, checking both answers.
+    fn finish(&self, id: &str) {
+        let info = self
+            .terminate(id, "terminated_by_server", "e2e clean-up", 0)
+            .ok();
+        assert_eq!(info["status"], "terminated", "{info}");
+        let removed = self.remove(id);
+        assert_eq!(
+            (removed.status, removed.body.as_str()),
+            (200, "{}"),
+            "{removed:?}"
+        );
+        self.get(&format!("/api/tasks/{id}"))
+            .assert_error(404, &format!("task {id} not found"));
+    }
+
+    fn stderr_tail(&self) -> String {
+        let mut out = String::new();
+        for n in 1..=self.starts {
+            let text = fs_err::read_to_string(self.stderr_path(n)).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(150)..];
+            out.push_str(&format!(
+                "----- shim stderr, start #{n} (last {} lines) -----\n{}\n",
+                tail.len(),
+                tail.join("\n")
+            ));
+        }
+        out
+    }
+}
+
+impl Drop for Shim {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if std::thread::panicking() {
+            eprintln!("{}", self.stderr_tail());
+        }
+        let filter = format!("label=ai.dstack.shim.owner={}", self.owner);
+        let ids = docker(&["ps", "-aq", "--filter", &filter]);
+        let ids = String::from_utf8_lossy(&ids.stdout);
+        let ids: Vec<&str> = ids.split_whitespace().collect();
+        if !ids.is_empty() {
+            let mut args = vec!["rm", "-f"];
+            args.extend(ids);
+            let _ = docker(&args);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Task configs and expectations
+// ---------------------------------------------------------------------------------------------
+
+/// A task config as the server sends it: bridge mode, the local test image.
+fn task(id: &str, gpu: i64) -> Value {
+    json!({
+        "id": id,
+        "name": format!("e2e-{id}"),
+        "image_name": image(),
+        "gpu": gpu,
+        "cpu": 0,
+        "memory": 0,
+        "shm_size": 0,
+        "network_mode": "bridge",
+        "container_user": "root",
+        "privileged": false,
+        "volumes": [],
+        "volume_mounts": [],
+        "instance_mounts": [],
+        "host_ssh_user": "",
+        "host_ssh_keys": [],
+        "container_ssh_keys": [],
+        "registry_username": "",
+        "registry_password": "",
+        // Newer servers send fields this shim does not know: ignored.
+        "some_future_field": {"x": 1},
+    })
+}
+
+/// `<name>-<first 8 hex chars of sha256("<name>/<id>")>` (SPEC §6).
+fn container_name(name: &str, id: &str) -> String {
+    let digest = Sha256::digest(format!("{name}/{id}").as_bytes());
+    let hex: String = digest.iter().take(4).map(|b| format!("{b:02x}")).collect();
+    format!("{name}-{hex}")
+}
+
+/// The exact TaskInfo of a task that was just submitted.
+fn pending_info(config: &Value) -> Value {
+    let id = config["id"].as_str().unwrap();
+    let name = config["name"].as_str().unwrap();
+    json!({
+        "id": id,
+        "status": "pending",
+        "termination_reason": "",
+        "termination_message": "",
+        "ports": null,
+        "image_pull_progress": null,
+        "container_name": container_name(name, id),
+        "container_id": "",
+        "gpu_ids": null,
+    })
+}
+
+fn fake_gpu_ids() -> BTreeSet<String> {
+    (0..FAKE_GPUS)
+        .map(|i| format!("GPU-00000000-0000-4000-8000-{i:012x}"))
+        .collect()
+}
+
+fn gpu_ids(info: &Value) -> BTreeSet<String> {
+    let ids = info["gpu_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{info}"));
+    let set: BTreeSet<String> = ids.iter().map(|g| g.as_str().unwrap().to_owned()).collect();
+    assert_eq!(set.len(), ids.len(), "duplicate GPU ids: {info}");
+    assert!(set.is_subset(&fake_gpu_ids()), "unknown GPU ids: {info}");
+    set
+}
+
+/// The published ports of a running bridge-mode task, container port → host port.
+fn ports(info: &Value) -> BTreeMap<u16, u16> {
+    let ports = info["ports"].as_array().unwrap_or_else(|| panic!("{info}"));
+    ports
+        .iter()
+        .map(|p| {
+            let host = u16::try_from(p["host"].as_u64().unwrap()).unwrap();
+            let container = u16::try_from(p["container"].as_u64().unwrap()).unwrap();
+            assert_ne!(host, 0, "{info}");
+            (container, host)
+        })
+        .collect()
+}
+
+/// Checks what a running task must look like, on the wire and in Docker.
+fn assert_running(info: &Value, config: &Value, gpus: usize) {
+    let id = config["id"].as_str().unwrap();
+    let name = config["name"].as_str().unwrap();
+    assert_eq!(info["id"], id, "{info}");
+    assert_eq!(info["status"], "running", "{info}");
+    assert_eq!(info["termination_reason"], "", "{info}");
+    assert_eq!(info["termination_message"], "", "{info}");
+    assert_eq!(info["container_name"], container_name(name, id), "{info}");
+    let cid = info["container_id"].as_str().unwrap();
+    assert_eq!(cid.len(), 64, "{info}");
+    let published = ports(info);
+    assert_eq!(
+        published.keys().copied().collect::<Vec<_>>(),
+        [RUNNER_SSH_PORT, RUNNER_HTTP_PORT],
+        "{info}"
+    );
+    assert_eq!(gpu_ids(info).len(), gpus, "{info}");
+    let inspected = docker_ok(&[
+        "inspect",
+        "-f",
+        "{{.Name}} {{.State.Running}} {{index .Config.Labels \"ai.dstack.shim.task-id\"}}",
+        cid,
+    ]);
+    assert_eq!(
+        inspected.trim(),
+        format!("/{} true {id}", container_name(name, id))
+    );
+}
+
+/// Parses `X.Y.Z` (all numeric, no pre-release) and compares it with `min`.
+fn release_at_least(version: &str, min: [u64; 3]) -> bool {
+    let parts: Vec<Option<u64>> = version.split('.').map(|p| p.parse().ok()).collect();
+    if parts.len() != 3 || parts.iter().any(Option::is_none) {
+        return false;
+    }
+    let v: Vec<u64> = parts.into_iter().flatten().collect();
+    [v[0], v[1], v[2]] >= min
+}
+
+/// A valid OpenSSH ed25519 public key line (a random 32-byte key).
+fn ssh_key(comment: &str) -> String {
+    use base64::Engine as _;
+    let mut blob = Vec::new();
+    blob.extend_from_slice(&11u32.to_be_bytes());
+    blob.extend_from_slice(b"ssh-ed25519");
+    blob.extend_from_slice(&32u32.to_be_bytes());
+    let seed = Sha256::digest(comment.as_bytes());
+    blob.extend_from_slice(&seed);
+    let b64 = base64::engine::general_purpose::STANDARD.encode(blob);
+    format!("ssh-ed25519 {b64} {comment}")
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tests
+// ---------------------------------------------------------------------------------------------
+
+/// SPEC §3: the healthcheck names the service and a release the dstack server accepts
+/// (>= 0.21.3); `--version` shows the binary's own version; instance info shows the (fake)
+/// NVIDIA GPUs.
+#[test]
+fn healthcheck_version_is_a_compatible_release() {
+    if !docker_tests_enabled("healthcheck_version_is_a_compatible_release") {
+        return;
+    }
+    let shim = Shim::started();
+    let health = shim.get("/api/healthcheck").ok();
+    assert_eq!(health["service"], "dstack-shim", "{health}");
+    let version = health["version"].as_str().expect("version is a string");
+    assert!(
+        release_at_least(version, [0, 21, 3]),
+        "healthcheck version {version:?} is not a release >= 0.21.3"
+    );
+    assert_eq!(health.as_object().unwrap().len(), 2, "{health}");
+    assert!(!release_at_least("0.21.2", [0, 21, 3]));
+    assert!(!release_at_least("0.22.0rc1", [0, 21, 3]));
+
+    let info = shim.get("/api/instance/info").ok();
+    assert_eq!(
+        info,
+        json!({"gpu_vendor": "nvidia", "gpu_driver_version": "0.0.0-fake"})
+    );
+
+    let out = Command::new(shim_binary())
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.starts_with("dstack-shim version ") && text.trim().len() > 20,
+        "{text:?}"
+    );
+}
+
+/// SPEC §2–§4, the whole life of a task over HTTP: submit answers the exact pending TaskInfo;
+/// the task runs with published ports (the runner answers through them) and its GPUs; the list
+/// shows it; the runner exits 0 → `done_by_runner`; a later terminate keeps that reason;
+/// remove deletes the container and the task directory; the task is then unknown.
+#[test]
+fn full_lifecycle_over_http() {
+    if !docker_tests_enabled("full_lifecycle_over_http") {
+        return;
+    }
+    let shim = Shim::started();
+    assert_eq!(shim.list(), BTreeMap::new());
+
+    let key = ssh_key("e2e@lifecycle");
+    let mut config = task("life-1", 2);
+    config["container_ssh_keys"] = json!([key]);
+    let submitted = shim.submit(&config).ok();
+    assert_eq!(submitted, pending_info(&config));
+    // The state file exists before the 200 (SPEC §4), outside the mounted runner directory.
+    assert!(shim.task_dir("life-1").join("task.json").is_file());
+
+    let info = shim.wait_status("life-1", "running");
+    assert_running(&info, &config, 2);
+    let cid = info["container_id"].as_str().unwrap().to_owned();
+    assert_eq!(
+        shim.list(),
+        BTreeMap::from([("life-1".to_owned(), "running".to_owned())])
+    );
+
+    // The runner's HTTP port is reachable through the published host port.
+    let runner_addr = SocketAddr::from(([127, 0, 0, 1], ports(&info)[&RUNNER_HTTP_PORT]));
+    let started = Instant::now();
+    let health = loop {
+        // docker-proxy accepts before the runner listens: retry, bounded.
+        match http(runner_addr, "GET", "/api/healthcheck", None, Body::None) {
+            Ok(r) if r.status == 200 => break r.body,
+            other => {
+                assert!(
+                    started.elapsed() < STATUS_BOUND,
+                    "runner never answered: {other:?}"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    };
+    assert!(health.contains("\"dstack-runner\""), "{health}");
+    // The container SSH key reached the runner's command line.
+    let args = fs_err::read_to_string(
+        shim.task_dir("life-1")
+            .join("runner")
+            .join("stub-runner.args"),
+    )
+    .unwrap();
+    assert!(
+        args.contains(&format!("--ssh-authorized-key\n{key}\n")),
+        "{args}"
+    );
+
+    shim.exit_runner("life-1", 0);
+    let done = shim.wait_status("life-1", "terminated");
+    assert_eq!(done["termination_reason"], "done_by_runner", "{done}");
+    assert_eq!(done["termination_message"], "", "{done}");
+    assert_eq!(done["container_id"], cid.as_str(), "{done}");
+    assert_eq!(container_running(&cid), Some(false));
+    assert_eq!(
+        shim.list(),
+        BTreeMap::from([("life-1".to_owned(), "terminated".to_owned())])
+    );
+
+    // The server always sends terminate, also for ended tasks: the first reason is kept.
+    let again = shim
+        .terminate("life-1", "terminated_by_server", "too late", 0)
+        .ok();
+    assert_eq!(again["status"], "terminated", "{again}");
+    assert_eq!(again["termination_reason"], "done_by_runner", "{again}");
+    assert_eq!(again["termination_message"], "", "{again}");
+
+    // Its GPUs were released: a task wanting all four gets them.
+    let all = task("life-2", FAKE_GPUS as i64);
+    shim.submit(&all).ok();
+    let info2 = shim.wait_status("life-2", "running");
+    assert_eq!(gpu_ids(&info2), fake_gpu_ids(), "{info2}");
+    shim.finish("life-2");
+
+    let removed = shim.remove("life-1");
+    assert_eq!(
+        (removed.status, removed.body.as_str()),
+        (200, "{}"),
+        "{removed:?}"
+    );
+    shim.get("/api/tasks/life-1")
+        .assert_error(404, "task life-1 not found");
+    assert_eq!(container_running(&cid), None, "the container was removed");
+    assert!(!shim.task_dir("life-1").exists());
+    assert_eq!(Shim::entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(shim.list(), BTreeMap::new());
+    assert_eq!(shim.containers(), BTreeSet::new());
+}
+
+/// SPEC §4 `pulling`: an image not on the host is pulled from the registry with the task's
+/// credentials; `image_pull_progress` ends with downloaded bytes > 0 and a final total; the
+/// password reaches no file of the home and no log.
+#[test]
+fn pull_from_registry_with_credentials_reports_progress() {
+    if !docker_tests_enabled("pull_from_registry_with_credentials_reports_progress") {
+        return;
+    }
+    let mut shim = Shim::new();
+    // An image whose top layer this daemon does not have: the base layers are those of the
+    // test image (already present), the top one is fresh random bytes (so the pull really
+    // downloads something; the registry's small image shares every layer with `shim-test:1`).
+    let pulled = push_fresh_image(shim.root.path());
+    let _image_guard = RemoveImage(pulled.clone());
+    shim.start_with_image_check(&pulled);
+
+    let mut config = task("pull-1", 0);
+    config["image_name"] = json!(pulled);
+    config["registry_username"] = json!(registry_user());
+    config["registry_password"] = json!(registry_password());
+    let submitted = shim.submit(&config).ok();
+    assert_eq!(submitted, pending_info(&config));
+
+    let info = shim.wait_status("pull-1", "running");
+    let progress = &info["image_pull_progress"];
+    eprintln!("MEASURED pull progress at running: {progress}");
+    let downloaded = progress["downloaded_bytes"].as_u64().unwrap();
+    assert!(downloaded >= PAYLOAD_BYTES, "{info}");
+    assert_eq!(progress["total_bytes"].as_u64(), Some(downloaded), "{info}");
+    assert_eq!(
+        progress["extracted_bytes"].as_u64(),
+        Some(downloaded),
+        "{info}"
+    );
+    assert_eq!(progress["is_total_bytes_final"], true, "{info}");
+    assert!(image_present(&pulled));
+    assert_eq!(info["gpu_ids"], json!([]), "{info}");
+
+    // The raw pull log is kept in the task directory; no credentials anywhere on disk.
+    let pull_log = fs_err::read_to_string(shim.task_dir("pull-1").join("pull.log")).unwrap();
+    assert!(pull_log.contains("Downloading"), "{pull_log}");
+    let password = registry_password();
+    for file in walk(&shim.home) {
+        let bytes = fs_err::read(&file).unwrap();
+        assert!(
+            !String::from_utf8_lossy(&bytes).contains(&password),
+            "the registry password is in {}",
+            file.display()
+        );
+    }
+    let stderr = fs_err::read_to_string(shim.stderr_path(1)).unwrap();
+    assert!(!stderr.contains(&password), "the password is in the log");
+
+    shim.finish("pull-1");
+    assert_eq!(shim.containers(), BTreeSet::new());
+}
+
+/// Bytes of random payload in the fresh image's top layer.
+const PAYLOAD_BYTES: u64 = 128 * 1024;
+
+/// Removes a local image when the test ends.
+struct RemoveImage(String);
+
+impl Drop for RemoveImage {
+    fn drop(&mut self) {
+        let _ = docker(&["rmi", "-f", &self.0]);
+    }
+}
+
+/// Builds `<registry>/shim-e2e-pull:1` from the test image plus a layer of fresh random bytes,
+/// pushes it (with a throwaway client config that is deleted at once) and removes it from the
+/// local daemon.
+fn push_fresh_image(scratch: &Path) -> String {
+    let pulled = format!("{}/shim-e2e-pull:1", registry());
+    let context = scratch.join("build");
+    fs_err::create_dir(&context).unwrap();
+    let mut payload = vec![0u8; usize::try_from(PAYLOAD_BYTES).unwrap()];
+    fs_err::File::open("/dev/urandom")
+        .unwrap()
+        .read_exact(&mut payload)
+        .unwrap();
+    fs_err::write(context.join("payload"), &payload).unwrap();
+    fs_err::write(
+        context.join("Dockerfile"),
+        format!("FROM {}\nCOPY payload /e2e-payload\n", image()),
+    )
+    .unwrap();
+    let built = Command::new("docker")
+        .env("DOCKER_BUILDKIT", "0")
+        .args(["build", "-q", "-t", &pulled])
+        .arg(&context)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        built.status.success(),
+        "docker build: {}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let client_config = scratch.join("docker-config");
+    fs_err::create_dir(&client_config).unwrap();
+    let mut login = Command::new("docker")
+        .arg("--config")
+        .arg(&client_config)
+        .args([
+            "login",
+            "-u",
+            &registry_user(),
+            "--password-stdin",
+            &registry(),
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    login
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(registry_password().as_bytes())
+        .unwrap();
+    let login = login.wait_with_output().unwrap();
+    assert!(
+        login.status.success(),
+        "docker login: {}",
+        String::from_utf8_lossy(&login.stderr)
+    );
+    let pushed = Command::new("docker")
+        .arg("--config")
+        .arg(&client_config)
+        .args(["push", &pulled])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    fs_err::remove_dir_all(&client_config).unwrap();
+    assert!(
+        pushed.status.success(),
+        "docker push: {}",
+        String::from_utf8_lossy(&pushed.stderr)
+    );
+    docker_ok(&["rmi", &pulled]);
+    assert!(!image_present(&pulled));
+    pulled
+}
+
+/// Every regular file under `dir`.
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for entry in fs_err::read_dir(dir).unwrap() {
+        let entry = entry.unwrap();
+        let kind = entry.file_type().unwrap();
+        if kind.is_dir() {
+            files.extend(walk(&entry.path()));
+        } else if kind.is_file() {
+            files.push(entry.path());
+        }
+    }
+    files
+}
+
+impl Shim {
+    /// Starts the shim after checking the image is not on the host (so its start-up cannot
+    /// have pulled it either).
+    fn start_with_image_check(&mut self, image: &str) {
+        assert!(!image_present(image), "{image} is still on the host");
+        self.start();
+    }
+}
+
+/// SPEC §1, §4, §5: SIGKILL with tasks running, then a restart on the same home.
+/// - a task that kept running is the same task (same container, ports, GPUs), still running;
+/// - a task whose runner exited with 3 while the shim was down is `terminated` /
+///   `container_exited_with_error` with its last log lines in the very FIRST answer after the
+///   restart (the reconciler ran before the API listened);
+/// - the restored task's GPUs are locked again (not handed out twice), those of the ended task
+///   are free again.
+#[test]
+fn sigkill_and_restart_keep_tasks_and_report_exits_that_happened_while_down() {
+    if !docker_tests_enabled(
+        "sigkill_and_restart_keep_tasks_and_report_exits_that_happened_while_down",
+    ) {
+        return;
+    }
+    let mut shim = Shim::started();
+    let keep = task("keep", 2);
+    let exits = task("exits", 2);
+    shim.submit(&keep).ok();
+    shim.submit(&exits).ok();
+    let keep_before = shim.wait_status("keep", "running");
+    let exits_before = shim.wait_status("exits", "running");
+    assert_running(&keep_before, &keep, 2);
+    assert_running(&exits_before, &exits, 2);
+    assert!(gpu_ids(&keep_before).is_disjoint(&gpu_ids(&exits_before)));
+    let keep_cid = keep_before["container_id"].as_str().unwrap().to_owned();
+    let exits_cid = exits_before["container_id"].as_str().unwrap().to_owned();
+
+    shim.kill();
+    assert_container_running(&keep_cid);
+    // While the shim is down, one runner exits with 3.
+    shim.exit_runner("exits", 3);
+    wait_container_stopped(&exits_cid);
+    assert_container_running(&keep_cid);
+
+    shim.start();
+    // The first request the new process answers.
+    let first = shim.info("exits");
+    assert_eq!(first["status"], "terminated", "{first}");
+    assert_eq!(
+        first["termination_reason"], "container_exited_with_error",
+        "{first}"
+    );
+    let message = first["termination_message"].as_str().unwrap();
+    let lines: Vec<&str> = message.lines().collect();
+    assert!(
+        (1..=5).contains(&lines.len()),
+        "the last 5 log lines: {message:?}"
+    );
+    assert_eq!(lines.last(), Some(&"runner exiting with 3"), "{message:?}");
+    assert_eq!(first["container_id"], exits_cid.as_str(), "{first}");
+
+    let keep_after = shim.info("keep");
+    assert_running(&keep_after, &keep, 2);
+    assert_eq!(keep_after["container_id"], keep_cid.as_str());
+    assert_eq!(keep_after["ports"], keep_before["ports"]);
+    assert_eq!(keep_after["gpu_ids"], keep_before["gpu_ids"]);
+    assert_eq!(
+        shim.list(),
+        BTreeMap::from([
+            ("exits".to_owned(), "terminated".to_owned()),
+            ("keep".to_owned(), "running".to_owned()),
+        ])
+    );
+
+    // GPUs after the restart: the ended task's two are free, the kept task's two are not.
+    let more = task("more", 2);
+    shim.submit(&more).ok();
+    let more_info = shim.wait_status("more", "running");
+    assert_eq!(gpu_ids(&more_info), gpu_ids(&exits_before), "{more_info}");
+    let none_left = task("none-left", 1);
+    shim.submit(&none_left).ok();
+    let refused = shim.wait_status("none-left", "terminated");
+    assert_eq!(refused["termination_reason"], "executor_error", "{refused}");
+    assert_eq!(refused["container_id"], "", "{refused}");
+
+    for id in ["keep", "exits", "more", "none-left"] {
+        shim.finish(id);
+    }
+    assert_eq!(shim.containers(), BTreeSet::new());
+    assert_eq!(Shim::entries(&shim.tasks_dir()), BTreeSet::new());
+}
+
+/// SPEC §3 shutdown and §1: `POST /api/shutdown` (graceful and forced) and SIGTERM stop the
+/// shim and leave the containers running; each restarted shim finds the task running in the
+/// same container.
+#[test]
+fn shutdown_and_sigterm_leave_containers_running() {
+    if !docker_tests_enabled("shutdown_and_sigterm_leave_containers_running") {
+        return;
+    }
+    let mut shim = Shim::started();
+    let config = task("stays", 1);
+    shim.submit(&config).ok();
+    let before = shim.wait_status("stays", "running");
+    let cid = before["container_id"].as_str().unwrap().to_owned();
+
+    // A malformed shutdown request shuts nothing down.
+    shim.post_raw("/api/shutdown", Some("application/json"), b"{\"force\":")
+        .assert_error_starts(400, "invalid request body: ");
+    shim.post("/api/shutdown", &json!({"force": "yes"}))
+        .assert_error_starts(400, "invalid request body: ");
+    assert_eq!(shim.info("stays")["status"], "running");
+
+    let check_restart = |shim: &mut Shim, how: &str| {
+        assert_container_running(&cid);
+        shim.start();
+        let info = shim.info("stays");
+        assert_running(&info, &config, 1);
+        assert_eq!(info["container_id"], cid.as_str(), "after {how}: {info}");
+        assert_eq!(info["gpu_ids"], before["gpu_ids"], "after {how}: {info}");
+    };
+
+    for force in [false, true] {
+        let answer = shim.post("/api/shutdown", &json!({ "force": force }));
+        assert_eq!(answer.ok(), json!({}));
+        let status = shim.wait_exit();
+        assert!(status.success(), "shutdown force={force}: {status}");
+        check_restart(&mut shim, &format!("shutdown force={force}"));
+    }
+
+    shim.sigterm();
+    let status = shim.wait_exit();
+    assert!(status.success(), "SIGTERM: {status}");
+    check_restart(&mut shim, "SIGTERM");
+
+    shim.finish("stays");
+    assert_eq!(shim.containers(), BTreeSet::new());
+}
+
+/// SPEC §2, §3: bad input is refused with the right status and a readable message, and
+/// changes nothing: the task list, the home and the tasks directory, and the shim's
+/// containers are the same afterwards; the running task is untouched.
+#[test]
+fn bad_input_is_refused_and_changes_nothing() {
+    if !docker_tests_enabled("bad_input_is_refused_and_changes_nothing") {
+        return;
+    }
+    let shim = Shim::started();
+    let good_key = ssh_key("e2e@bad-input");
+    let mut running = task("ok-1", 1);
+    running["container_ssh_keys"] = json!([good_key]);
+    shim.submit(&running).ok();
+    let before = shim.wait_status("ok-1", "running");
+    let cid = before["container_id"].as_str().unwrap().to_owned();
+
+    let list = shim.list();
+    let tasks = Shim::entries(&shim.tasks_dir());
+    let containers = shim.containers();
+    let home_entries = || {
+        let mut e = Shim::entries(&shim.home);
+        e.remove("host_info.json"); // written once in the background after start
+        e
+    };
+    let home = home_entries();
+    let root = Shim::entries(shim.root.path());
+    let unchanged = |what: &str| {
+        assert_eq!(shim.list(), list, "{what}: the list changed");
+        assert_eq!(
+            Shim::entries(&shim.tasks_dir()),
+            tasks,
+            "{what}: a task directory appeared"
+        );
+        assert_eq!(home_entries(), home, "{what}: the home changed");
+        assert_eq!(
+            Shim::entries(shim.root.path()),
+            root,
+            "{what}: something appeared beside the home"
+        );
+        assert_eq!(
+            shim.containers(),
+            containers,
+            "{what}: a container appeared"
+        );
+    };
+
+    let submit_with = |field: &str, value: Value| {
+        let mut config = task("bad-1", 0);
+        config[field] = value;
+        config
+    };
+    let without = |field: &str| {
+        let mut config = task("bad-1", 0);
+        config.as_object_mut().unwrap().remove(field);
+        config
+    };
+    let key_body = good_key.split(' ').nth(1).unwrap().to_owned();
+
+    // Malformed bodies, content types, sizes.
+    let cases: Vec<(&str, Resp, u16, &str, bool)> = vec![
+        (
+            "malformed JSON",
+            shim.post_raw("/api/tasks", Some("application/json"), b"{\"id\": \"x\", "),
+            400,
+            "invalid request body: EOF while parsing a value at line 1 column 12",
+            true,
+        ),
+        (
+            "trailing data",
+            shim.post_raw(
+                "/api/tasks",
+                Some("application/json"),
+                format!("{} {{}}", task("bad-1", 0)).as_bytes(),
+            ),
+            400,
+            "invalid request body: trailing characters",
+            false,
+        ),
+        (
+            "empty body",
+            shim.post_raw("/api/tasks", Some("application/json"), b""),
+            400,
+            "request body must not be empty",
+            true,
+        ),
+        (
+            "a JSON array",
+            shim.post_raw("/api/tasks", Some("application/json"), b"[1]"),
+            400,
+            "request body must be a single JSON object",
+            true,
+        ),
+        (
+            "wrong content type",
+            shim.post_raw(
+                "/api/tasks",
+                Some("text/plain"),
+                task("bad-1", 0).to_string().as_bytes(),
+            ),
+            415,
+            "Content-Type must be application/json, got \"text/plain\"",
+            true,
+        ),
+        (
+            "form content type",
+            shim.post_raw(
+                "/api/tasks",
+                Some("application/x-www-form-urlencoded"),
+                b"id=bad-1",
+            ),
+            415,
+            "Content-Type must be application/json, got \"application/x-www-form-urlencoded\"",
+            true,
+        ),
+        (
+            "body over 1 MiB (Content-Length)",
+            shim.post_raw("/api/tasks", Some("application/json"), &big_config()),
+            413,
+            "request body must not be larger than 1048576 bytes",
+            true,
+        ),
+        (
+            "body over 1 MiB (chunked)",
+            shim.request(
+                "POST",
+                "/api/tasks",
+                Some("application/json"),
+                Body::Chunked(&big_config()),
+            ),
+            413,
+            "request body must not be larger than 1048576 bytes",
+            true,
+        ),
+        (
+            "missing id",
+            shim.submit(&without("id")),
+            400,
+            "invalid request body: missing field `id`",
+            false,
+        ),
+        (
+            "missing name",
+            shim.submit(&without("name")),
+            400,
+            "invalid request body: missing field `name`",
+            false,
+        ),
+        (
+            "missing image_name",
+            shim.submit(&without("image_name")),
+            400,
+            "invalid request body: missing field `image_name`",
+            false,
+        ),
+        (
+            "empty image_name",
+            shim.submit(&submit_with("image_name", json!(""))),
+            400,
+            "invalid task config: image_name: must not be empty",
+            true,
+        ),
+        (
+            "gpu -2",
+            shim.submit(&submit_with("gpu", json!(-2))),
+            400,
+            "invalid task config: gpu: must be -1 (all), 0 or a positive count",
+            true,
+        ),
+        (
+            "memory -1",
+            shim.submit(&submit_with("memory", json!(-1))),
+            400,
+            "invalid task config: memory: must be >= 0",
+            true,
+        ),
+        (
+            "network mode overlay",
+            shim.submit(&submit_with("network_mode", json!("overlay"))),
+            400,
+            "invalid request body: network_mode must be \"host\" or \"bridge\", not \"overlay\"",
+            false,
+        ),
+        (
+            "relative instance mount",
+            shim.submit(&submit_with(
+                "instance_mounts",
+                json!([{"instance_path": "rel/dir", "path": "/data"}]),
+            )),
+            400,
+            "invalid task config: instance_mounts[0].instance_path: \"rel/dir\" is not an absolute path",
+            true,
+        ),
+    ];
+    for (what, resp, status, message, exact) in &cases {
+        if *exact {
+            resp.assert_error(*status, message);
+        } else {
+            resp.assert_error_starts(*status, message);
+        }
+        unchanged(what);
+    }
+
+    // Ids and names that must never become a path or a container name.
+    let long = "a".repeat(129);
+    let max = "b".repeat(128);
+    for bad in [
+        "a/b",
+        "..",
+        "../escape",
+        "a b",
+        ".hidden",
+        "-dash",
+        "",
+        long.as_str(),
+    ] {
+        for field in ["id", "name"] {
+            let resp = shim.submit(&submit_with(field, json!(bad)));
+            assert_eq!(resp.status, 400, "{field} {bad:?}: {resp:?}");
+            assert!(
+                resp.body.starts_with(&format!(
+                    "invalid request body: {field} {bad:?} is invalid: "
+                )),
+                "{field} {bad:?}: {resp:?}"
+            );
+            unchanged(&format!("{field} {bad:?}"));
+        }
+    }
+    // 128 characters is still fine for a name (the positive control of the length rule).
+    let mut long_name = task("ok-long", 0);
+    long_name["name"] = json!(max);
+    assert_eq!(shim.submit(&long_name).ok(), pending_info(&long_name));
+    shim.finish("ok-long");
+    unchanged("a 128-character name, submitted and removed");
+
+    // SSH keys: exactly one OpenSSH public key line, no options, that parses.
+    let bad_keys = [
+        ("a line break", format!("{good_key}\n{}", ssh_key("second"))),
+        ("options", format!("command=\"x\" {good_key}")),
+        ("options only", format!("no-pty {good_key}")),
+        ("garbage", "garbage".to_owned()),
+        ("bad base64", "ssh-ed25519 !!!notbase64!!! x".to_owned()),
+        (
+            "blob of another type",
+            format!("ssh-rsa {key_body} mismatched"),
+        ),
+        ("a carriage return", format!("{good_key}\r")),
+    ];
+    for (what, key) in &bad_keys {
+        for (field, extra) in [
+            ("container_ssh_keys", None),
+            ("host_ssh_keys", Some(("host_ssh_user", "root"))),
+        ] {
+            let mut config = submit_with(field, json!([key]));
+            if let Some((f, v)) = extra {
+                config[f] = json!(v);
+            }
+            let resp = shim.submit(&config);
+            assert_eq!(resp.status, 400, "{field} with {what}: {resp:?}");
+            assert!(
+                resp.body
+                    .starts_with("invalid request body: invalid SSH public key "),
+                "{field} with {what}: {resp:?}"
+            );
+            unchanged(&format!("{field} with {what}"));
+        }
+    }
+
+    // Unknown tasks: 404 everywhere; an invalid id in the path is 400.
+    shim.get("/api/tasks/nope")
+        .assert_error(404, "task nope not found");
+    shim.terminate("nope", "terminated_by_user", "", 0)
+        .assert_error(404, "task nope not found");
+    shim.remove("nope").assert_error(404, "task nope not found");
+    unchanged("unknown task");
+    let bad_path = shim.get("/api/tasks/..");
+    assert_eq!(bad_path.status, 400, "{bad_path:?}");
+    let bad_path = shim.remove("a%2Fb");
+    assert_eq!(bad_path.status, 400, "{bad_path:?}");
+    unchanged("invalid ids in the path");
+
+    // Remove of a running task: 409, and it still runs.
+    shim.remove("ok-1").assert_error_starts(409, "");
+    let still = shim.info("ok-1");
+    assert_running(&still, &running, 1);
+    assert_eq!(still["container_id"], cid.as_str());
+    unchanged("remove of a running task");
+
+    // A duplicate id: 409, whatever else the config says; the first task is untouched.
+    shim.submit(&running).assert_error_starts(409, "");
+    let mut other = task("ok-1", 0);
+    other["name"] = json!("another-name");
+    shim.submit(&other).assert_error_starts(409, "");
+    assert_eq!(shim.info("ok-1"), before);
+    unchanged("duplicate id");
+
+    // Unknown routes and methods.
+    shim.get("/api/nothing-here").assert_error_starts(404, "");
+    shim.get("/api/shutdown").assert_error_starts(405, "");
+    unchanged("unknown routes");
+
+    let messages: Vec<String> = [
+        shim.remove("ok-1"),
+        shim.submit(&running),
+        shim.get("/api/nothing-here"),
+        shim.get("/api/shutdown"),
+    ]
+    .iter()
+    .map(|r| format!("{} {}", r.status, r.body))
+    .collect();
+    eprintln!("error messages: {messages:#?}");
+    for m in &messages {
+        assert!(m.len() > 10, "a readable message: {m:?}");
+    }
+
+    shim.finish("ok-1");
+    assert_eq!(shim.containers(), BTreeSet::new());
+}
+
+/// A valid task config padded past 1 MiB with an unknown field.
+fn big_config() -> Vec<u8> {
+    let mut config = task("big-1", 0);
+    config["padding"] = json!("x".repeat(1024 * 1024 + 1));
+    serde_json::to_vec(&config).unwrap()
+}
+
+/// SPEC §4 under concurrency: 50 tasks submitted at once all run; 50 concurrent terminates
+/// all end `terminated` with the requested reason and message; after removing them nothing is
+/// leaked: no container of this shim, an empty tasks directory, and every GPU free again
+/// (a task wanting all four gets them).
+#[test]
+fn fifty_concurrent_tasks_leave_nothing_behind() {
+    if !docker_tests_enabled("fifty_concurrent_tasks_leave_nothing_behind") {
+        return;
+    }
+    const N: usize = 50;
+    let shim = Arc::new(Shim::started());
+    // Four of them take one GPU each: all fake GPUs are in use at once.
+    let configs: Vec<Value> = (0..N)
+        .map(|i| task(&format!("many-{i:02}"), i64::from(i < FAKE_GPUS)))
+        .collect();
+
+    let run_all = |what: &'static str, f: Arc<dyn Fn(usize) + Send + Sync>| -> Duration {
+        let barrier = Arc::new(Barrier::new(N + 1));
+        let threads: Vec<_> = (0..N)
+            .map(|i| {
+                let barrier = barrier.clone();
+                let f = f.clone();
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    f(i);
+                })
+            })
+            .collect();
+        barrier.wait();
+        let started = Instant::now();
+        for t in threads {
+            t.join()
+                .unwrap_or_else(|_| panic!("a {what} thread failed"));
+        }
+        started.elapsed()
+    };
+
+    let submit_time = {
+        let shim = shim.clone();
+        let configs = configs.clone();
+        run_all(
+            "submit",
+            Arc::new(move |i| {
+                let answer = shim.submit(&configs[i]).ok();
+                assert_eq!(answer, pending_info(&configs[i]));
+            }),
+        )
+    };
+    let submitted_at = Instant::now();
+
+    // All of them run.
+    let started = Instant::now();
+    loop {
+        let list = shim.list();
+        assert_eq!(list.len(), N);
+        assert!(
+            list.values().all(|s| s != "terminated"),
+            "a task ended: {list:?}"
+        );
+        if list.values().all(|s| s == "running") {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "not all running: {list:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let all_running = submitted_at.elapsed();
+    let mut used_gpus = BTreeSet::new();
+    for (i, config) in configs.iter().enumerate() {
+        let info = shim.info(config["id"].as_str().unwrap());
+        assert_running(&info, config, usize::from(i < FAKE_GPUS));
+        used_gpus.extend(gpu_ids(&info));
+    }
+    assert_eq!(used_gpus, fake_gpu_ids());
+    assert_eq!(shim.containers().len(), N);
+
+    let terminate_time = {
+        let shim = shim.clone();
+        run_all(
+            "terminate",
+            Arc::new(move |i| {
+                let id = format!("many-{i:02}");
+                let message = format!("e2e stop {i}");
+                let info = shim.terminate(&id, "terminated_by_user", &message, 10).ok();
+                assert_eq!(info["status"], "terminated", "{info}");
+                assert_eq!(info["termination_reason"], "terminated_by_user", "{info}");
+                assert_eq!(info["termination_message"], message.as_str(), "{info}");
+            }),
+        )
+    };
+    for config in &configs {
+        let info = shim.info(config["id"].as_str().unwrap());
+        assert_eq!(info["termination_reason"], "terminated_by_user", "{info}");
+        assert_eq!(
+            container_running(info["container_id"].as_str().unwrap()),
+            Some(false),
+            "{info}"
+        );
+    }
+
+    let remove_time = {
+        let shim = shim.clone();
+        run_all(
+            "remove",
+            Arc::new(move |i| {
+                let resp = shim.remove(&format!("many-{i:02}"));
+                assert_eq!((resp.status, resp.body.as_str()), (200, "{}"), "{resp:?}");
+            }),
+        )
+    };
+    eprintln!(
+        "MEASURED {N} concurrent submits: {submit_time:?}; all running {all_running:?} after \
+         the last submit answered; {N} concurrent terminates (timeout 10 s, the stub runner \
+         exits on SIGTERM): {terminate_time:?}; {N} concurrent removes: {remove_time:?}"
+    );
+
+    assert_eq!(shim.list(), BTreeMap::new());
+    assert_eq!(shim.containers(), BTreeSet::new());
+    assert_eq!(Shim::entries(&shim.tasks_dir()), BTreeSet::new());
+
+    // Every GPU was released.
+    let all = task("all-gpus", FAKE_GPUS as i64);
+    shim.submit(&all).ok();
+    let info = shim.wait_status("all-gpus", "running");
+    assert_eq!(gpu_ids(&info), fake_gpu_ids(), "{info}");
+    shim.finish("all-gpus");
+    assert_eq!(shim.containers(), BTreeSet::new());
+    assert_eq!(Shim::entries(&shim.tasks_dir()), BTreeSet::new());
+}
