@@ -11,6 +11,7 @@
 //!    terminated, terminate with timeout 0, remove, the shim's RSS idle and with 20 running
 //!    tasks, and its restart time (SIGKILL → API answering with the 20 tasks restored).
 
+use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context as _, Result, bail};
@@ -317,13 +318,13 @@ fn poll_until(api: &Api, id: &str, status: &str, limit: Duration) -> Result<(Val
     }
 }
 
-/// A bridge-mode task of the local test image.
-fn task_config(id: &str) -> Value {
+/// A task of the local test image in network `mode`.
+fn task_config(id: &str, mode: &str) -> Value {
     json!({
         "id": id,
         "name": id,
         "image_name": shim_e2e::image(),
-        "network_mode": "bridge",
+        "network_mode": mode,
     })
 }
 
@@ -381,6 +382,60 @@ fn us_between(earlier: SystemTime, later: SystemTime) -> Option<f64> {
         .map(|d| d.as_secs_f64() * 1e6)
 }
 
+/// `n` tasks one at a time in network `mode`: submit -> running, runner exit -> terminated,
+/// remove. Task ids are `<prefix><i>`.
+fn sequential(api: &Api, home: &Path, prefix: &str, mode: &str, n: usize) -> Result<Vec<Row>> {
+    const G: &str = "docker";
+    println!(
+        "\n=== {n} tasks one at a time ({mode} network): submit -> running -> runner exits -> terminated -> remove"
+    );
+    let mut submit = Vec::new();
+    let mut exit_file = Vec::new();
+    let mut exit_docker = Vec::new();
+    let mut remove = Vec::new();
+    for i in 0..n {
+        let id = format!("{prefix}{i}");
+        let t = Instant::now();
+        api.post("/api/tasks", &task_config(&id, mode))?;
+        poll_until(api, &id, "running", Duration::from_secs(60))?;
+        submit.push(t.elapsed());
+        let t = Instant::now();
+        shim::make_runner_exit(home, &id, 0)?;
+        let (info, seen) = poll_until(api, &id, "terminated", Duration::from_secs(30))?;
+        exit_file.push(t.elapsed());
+        anyhow::ensure!(
+            info["termination_reason"] == "done_by_runner",
+            "task {id} ended unexpectedly: {info}"
+        );
+        let container = info["container_id"].as_str().unwrap_or_default();
+        let after_exit = us_between(finished_at(container)?, seen);
+        exit_docker.extend(after_exit);
+        let t = Instant::now();
+        api.post(&format!("/api/tasks/{id}/remove"), &json!({}))?;
+        remove.push(t.elapsed());
+        println!(
+            "  {id}: running {:.0} ms after submit; terminated {:.0} ms after the exit file, {:.0} ms after the container exited",
+            submit[i].as_secs_f64() * 1e3,
+            exit_file[i].as_secs_f64() * 1e3,
+            after_exit.unwrap_or(f64::NAN) / 1e3,
+        );
+    }
+    Ok(vec![
+        Row::durations(G, format!("submit -> running ({mode})"), &submit),
+        Row::durations(
+            G,
+            format!("exit file -> terminated ({mode}; runner polls 100 ms)"),
+            &exit_file,
+        ),
+        Row::times(
+            G,
+            format!("container exit (FinishedAt) -> terminated ({mode})"),
+            exit_docker,
+        ),
+        Row::durations(G, format!("remove terminated ({mode})"), &remove),
+    ])
+}
+
 /// The benchmarks against the real daemon.
 fn docker_benches(opts: Options) -> Result<Vec<Row>> {
     println!("\n=== build (release)");
@@ -392,9 +447,21 @@ fn docker_benches(opts: Options) -> Result<Vec<Row>> {
     fs_err::create_dir_all(&home)?;
     let log = tmp.path().join("shim.log");
     let port = shim::free_port()?;
+    // Free runner ports: host-network tasks listen on them on this machine.
+    let http_port = shim::free_port()?;
+    let ssh_port = loop {
+        let port = shim::free_port()?;
+        if port != http_port {
+            break port;
+        }
+    };
     let args = vec![
         "--runner-binary-path".to_owned(),
         shim_e2e::runner_path().display().to_string(),
+        "--runner-http-port".to_owned(),
+        http_port.to_string(),
+        "--runner-ssh-port".to_owned(),
+        ssh_port.to_string(),
     ];
     let prefix = format!("xbench-{}-", std::process::id());
     let sweeper = ContainerSweeper {
@@ -427,52 +494,17 @@ fn docker_benches(opts: Options) -> Result<Vec<Row>> {
         figure: Figure::Memory { kib: idle },
     });
 
-    // Sequential tasks: submit -> running, runner exit -> terminated, remove.
+    // Sequential tasks, in both network modes.
     let n = if opts.quick { 3 } else { 10 };
-    println!("\n=== {n} tasks one at a time: submit -> running -> runner exits -> terminated");
-    let mut submit = Vec::new();
-    let mut exit_file = Vec::new();
-    let mut exit_docker = Vec::new();
-    let mut remove = Vec::new();
-    for i in 0..n {
-        let id = format!("{prefix}seq{i}");
-        let t = Instant::now();
-        api.post("/api/tasks", &task_config(&id))?;
-        poll_until(&api, &id, "running", Duration::from_secs(60))?;
-        submit.push(t.elapsed());
-        let t = Instant::now();
-        shim::make_runner_exit(&home, &id, 0)?;
-        let (info, seen) = poll_until(&api, &id, "terminated", Duration::from_secs(30))?;
-        exit_file.push(t.elapsed());
-        anyhow::ensure!(
-            info["termination_reason"] == "done_by_runner",
-            "task {id} ended unexpectedly: {info}"
-        );
-        let container = info["container_id"].as_str().unwrap_or_default();
-        if let Some(us) = us_between(finished_at(container)?, seen) {
-            exit_docker.push(us);
-        }
-        let t = Instant::now();
-        api.post(&format!("/api/tasks/{id}/remove"), &json!({}))?;
-        remove.push(t.elapsed());
-        println!(
-            "  {id}: running after {:.0} ms, terminated {:.0} ms after the exit file",
-            submit[i].as_secs_f64() * 1e3,
-            exit_file[i].as_secs_f64() * 1e3
-        );
+    for mode in ["bridge", "host"] {
+        rows.extend(sequential(
+            &api,
+            &home,
+            &format!("{prefix}{mode}"),
+            mode,
+            n,
+        )?);
     }
-    rows.push(Row::durations(G, "submit -> running (bridge)", &submit));
-    rows.push(Row::durations(
-        G,
-        "exit file -> terminated (incl. runner's 100 ms poll)",
-        &exit_file,
-    ));
-    rows.push(Row::times(
-        G,
-        "container exit (FinishedAt) -> terminated seen",
-        exit_docker,
-    ));
-    rows.push(Row::durations(G, "remove (terminated task)", &remove));
 
     // 20 running tasks: memory, restart, terminate.
     let many = 20;
@@ -480,7 +512,7 @@ fn docker_benches(opts: Options) -> Result<Vec<Row>> {
     let t = Instant::now();
     let ids: Vec<String> = (0..many).map(|i| format!("{prefix}many{i}")).collect();
     for id in &ids {
-        api.post("/api/tasks", &task_config(id))?;
+        api.post("/api/tasks", &task_config(id, "bridge"))?;
     }
     for id in &ids {
         poll_until(&api, id, "running", Duration::from_secs(120))?;
@@ -489,7 +521,7 @@ fn docker_benches(opts: Options) -> Result<Vec<Row>> {
     println!("{many} tasks submitted at once all running after {all_running:.1?}");
     rows.push(Row::durations(
         G,
-        "20 submits at once -> all running",
+        "20 submits at once -> all running (bridge)",
         &[all_running],
     ));
     std::thread::sleep(Duration::from_secs(1));
