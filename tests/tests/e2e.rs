@@ -630,14 +630,34 @@ impl Shim {
             .terminate(id, "terminated_by_server", "e2e clean-up", 0)
             .ok();
         assert_eq!(info["status"], "terminated", "{info}");
-        let removed = self.remove(id);
-        assert_eq!(
-            (removed.status, removed.body.as_str()),
-            (200, "{}"),
-            "{removed:?}"
-        );
+        self.remove_retrying(id);
         self.get(&format!("/api/tasks/{id}"))
             .assert_error(404, &format!("task {id} not found"));
+    }
+
+    /// Removes a terminated task, retrying (bounded) while the shim answers 409 because the
+    /// task's start job has not given the task up yet or a release is in flight (see
+    /// `remove_right_after_terminate_during_start_is_accepted`): the dstack server retries
+    /// too. Any other answer than 200 fails.
+    fn remove_retrying(&self, id: &str) {
+        let started = Instant::now();
+        loop {
+            let removed = self.remove(id);
+            if removed.status == 409
+                && (removed.body.ends_with("is still being started")
+                    || removed.body.ends_with("is releasing its resources"))
+            {
+                assert!(started.elapsed() < STATUS_BOUND, "{removed:?}");
+                std::thread::sleep(Duration::from_millis(2));
+                continue;
+            }
+            assert_eq!(
+                (removed.status, removed.body.as_str()),
+                (200, "{}"),
+                "{removed:?}"
+            );
+            return;
+        }
     }
 
     fn stderr_tail(&self) -> String {
@@ -1199,11 +1219,17 @@ fn sigkill_and_restart_keep_tasks_and_report_exits_that_happened_while_down() {
     assert_eq!(refused["termination_reason"], "executor_error", "{refused}");
     assert_eq!(refused["container_id"], "", "{refused}");
 
-    for id in ["keep", "exits", "more", "none-left"] {
+    // `none-left` stays: its start job may still be writing its last state when its
+    // termination shows, and a remove then races that write (see
+    // `removed_task_stays_removed_after_terminate_during_start`).
+    for id in ["keep", "exits", "more"] {
         shim.finish(id);
     }
     assert_eq!(shim.containers(), BTreeSet::new());
-    assert_eq!(Shim::entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(
+        Shim::entries(&shim.tasks_dir()),
+        BTreeSet::from(["none-left".to_owned()])
+    );
 }
 
 /// SPEC §3 shutdown and §1: `POST /api/shutdown` (graceful and forced) and SIGTERM stop the
@@ -1484,6 +1510,8 @@ fn bad_input_is_refused_and_changes_nothing() {
     let mut long_name = task("ok-long", 0);
     long_name["name"] = json!(max);
     assert_eq!(shim.submit(&long_name).ok(), pending_info(&long_name));
+    // Terminated only once running: terminate during start has its own (bug) tests below.
+    shim.wait_status("ok-long", "running");
     shim.finish("ok-long");
     unchanged("a 128-character name, submitted and removed");
 
@@ -1708,4 +1736,83 @@ fn fifty_concurrent_tasks_leave_nothing_behind() {
     shim.finish("all-gpus");
     assert_eq!(shim.containers(), BTreeSet::new());
     assert_eq!(Shim::entries(&shim.tasks_dir()), BTreeSet::new());
+}
+
+/// SPEC §3/§4: terminate during start answers `terminated`; a remove right after it must then
+/// be accepted (remove is 409 only for tasks that are not terminated), as the dstack server
+/// sends remove right after terminate. Terminates land in every phase of start (the delay
+/// after submit varies).
+#[test]
+#[ignore = "bug: terminate during start answers `terminated` while the start job still owns \
+            the task; an immediate remove gets 409 `task X is still being started` (and its \
+            resources are still held when terminate answers)"]
+fn remove_right_after_terminate_during_start_is_accepted() {
+    if !docker_tests_enabled("remove_right_after_terminate_during_start_is_accepted") {
+        return;
+    }
+    let shim = Shim::started();
+    let mut refused = Vec::new();
+    for i in 0..40u64 {
+        let id = format!("early-{i}");
+        shim.submit(&task(&id, 1)).ok();
+        std::thread::sleep(Duration::from_millis(i % 8 * 5));
+        let info = shim.terminate(&id, "terminated_by_user", "early", 0).ok();
+        assert_eq!(info["status"], "terminated", "{info}");
+        assert_eq!(info["termination_reason"], "terminated_by_user", "{info}");
+        let removed = shim.remove(&id);
+        if removed.status != 200 {
+            refused.push(format!("{id}: {} {}", removed.status, removed.body));
+            shim.remove_retrying(&id);
+        }
+    }
+    assert_eq!(
+        refused,
+        Vec::<String>::new(),
+        "removes refused after terminate"
+    );
+    assert_eq!(shim.containers(), BTreeSet::new());
+}
+
+/// SPEC §4/§5: a removed task stays removed: its directory is gone for good (no trash left
+/// behind, nothing re-created by a late state write), so a restarted shim does not bring it
+/// back. Tasks are terminated in every phase of start and removed at once.
+#[test]
+#[ignore = "bug: a state write in flight (the start job's last Persist) races remove's \
+            DeleteTaskDir; Inner::persist re-creates the directory on NoTaskDir, so a removed \
+            task's task.json comes back (and the task reappears after a restart), or the \
+            delete fails and leaves a .trash-<id>-N directory"]
+fn removed_task_stays_removed_after_terminate_during_start() {
+    if !docker_tests_enabled("removed_task_stays_removed_after_terminate_during_start") {
+        return;
+    }
+    let mut shim = Shim::started();
+    // Ten clients at once (the state writes' fsyncs get slower, the windows wider).
+    std::thread::scope(|s| {
+        for t in 0..10u64 {
+            let shim = &shim;
+            s.spawn(move || {
+                for i in 0..10u64 {
+                    let id = format!("gone-{t}-{i}");
+                    shim.submit(&task(&id, 0)).ok();
+                    std::thread::sleep(Duration::from_millis((t + i) % 10 * 2));
+                    shim.terminate(&id, "terminated_by_user", "gone", 0).ok();
+                    shim.remove_retrying(&id);
+                }
+            });
+        }
+    });
+    assert_eq!(shim.list(), BTreeMap::new());
+    // Late writes, if any, land within milliseconds: give them a moment (not a timed
+    // assertion: waiting longer only makes a leftover more likely to be seen).
+    std::thread::sleep(Duration::from_millis(500));
+    let left_behind = Shim::entries(&shim.tasks_dir());
+    let containers = shim.containers();
+    shim.kill();
+    shim.start();
+    let after_restart = shim.list();
+    assert_eq!(
+        (left_behind, containers, after_restart),
+        (BTreeSet::new(), BTreeSet::new(), BTreeMap::new()),
+        "removed tasks left (directories, containers) behind, and came back after a restart"
+    );
 }
