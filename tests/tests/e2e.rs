@@ -1743,9 +1743,6 @@ fn fifty_concurrent_tasks_leave_nothing_behind() {
 /// sends remove right after terminate. Terminates land in every phase of start (the delay
 /// after submit varies).
 #[test]
-#[ignore = "bug: terminate during start answers `terminated` while the start job still owns \
-            the task; an immediate remove gets 409 `task X is still being started` (and its \
-            resources are still held when terminate answers)"]
 fn remove_right_after_terminate_during_start_is_accepted() {
     if !docker_tests_enabled("remove_right_after_terminate_during_start_is_accepted") {
         return;
@@ -1777,10 +1774,6 @@ fn remove_right_after_terminate_during_start_is_accepted() {
 /// behind, nothing re-created by a late state write), so a restarted shim does not bring it
 /// back. Tasks are terminated in every phase of start and removed at once.
 #[test]
-#[ignore = "bug: a state write in flight (the start job's last Persist) races remove's \
-            DeleteTaskDir; Inner::persist re-creates the directory on NoTaskDir, so a removed \
-            task's task.json comes back (and the task reappears after a restart), or the \
-            delete fails and leaves a .trash-<id>-N directory"]
 fn removed_task_stays_removed_after_terminate_during_start() {
     if !docker_tests_enabled("removed_task_stays_removed_after_terminate_during_start") {
         return;

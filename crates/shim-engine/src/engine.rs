@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use shim_resources::{AuthorizedKeys, GpuLock, HostGpus, VolumeManager};
 use shim_runtime::{ContainerRuntime, HostDevices, RegistryAuth};
 use shim_store::Store;
-use shim_task::machine::{Action, Event, Task, step};
+use shim_task::machine::{Action, Event, Task, TransitionError, step};
 use shim_task::{TaskConfig, TaskId, TaskInfo, TaskRecord, TaskStatus, TerminationReason};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
@@ -42,8 +42,11 @@ pub struct Deps {
 pub(crate) struct Slot {
     pub(crate) id: TaskId,
     task: Mutex<Task>,
-    /// Serializes writes of this task's record, so a later write never loses to an earlier one.
-    persist: tokio::sync::Mutex<()>,
+    /// Serializes writes of this task's record, so a later write never loses to an earlier one;
+    /// guards `deleted` (set under it, so no write recreates a deleted task's directory).
+    persist: tokio::sync::Mutex<bool>,
+    /// True while the start job runs (until it has also released what it must).
+    starting: tokio::sync::watch::Sender<bool>,
     /// Cancels the pull in flight.
     pub(crate) pull_cancel: CancellationToken,
     /// Registry credentials from submit: memory only.
@@ -55,7 +58,8 @@ impl Slot {
         Self {
             id: task.record.id.clone(),
             task: Mutex::new(task),
-            persist: tokio::sync::Mutex::new(()),
+            persist: tokio::sync::Mutex::new(false),
+            starting: tokio::sync::watch::Sender::new(false),
             pull_cancel: CancellationToken::new(),
             auth,
         }
@@ -65,6 +69,12 @@ impl Slot {
         // A panic while holding this lock cannot leave the task half-updated: `step` returns
         // a new task that replaces the old one in a single assignment.
         self.task.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits (at most `bound`) until no start job runs for this task.
+    pub(crate) async fn start_settled(&self, bound: Duration) {
+        let mut rx = self.starting.subscribe();
+        let _ = tokio::time::timeout(bound, rx.wait_for(|running| !running)).await;
     }
 
     pub(crate) fn snapshot(&self) -> Task {
@@ -135,10 +145,14 @@ impl Inner {
     /// Writes the task's current record. Serialized per task; the record is read after the
     /// per-task lock is taken, so the file always ends with the newest state.
     pub(crate) async fn persist(&self, slot: &Slot) -> Result<()> {
-        let _guard = slot.persist.lock().await;
+        let deleted = slot.persist.lock().await;
+        if *deleted {
+            // Removed: nothing of it may come back on disk.
+            return Ok(());
+        }
         let record: TaskRecord = slot.lock().record.clone();
         self.blocking(move |store| match store.write(&record) {
-            Err(shim_store::StoreError::NoTaskDir { .. }) => {
+            Err(shim_store::StoreError::NoTaskDir { .. }) if record.config.is_none() => {
                 // A task adopted from a container of an older shim has no directory yet.
                 store.create_task_dir(&record.id)?;
                 store.write(&record)
@@ -146,6 +160,15 @@ impl Inner {
             other => other,
         })
         .await
+    }
+
+    /// Deletes the task's directory; no later write recreates it.
+    pub(crate) async fn delete_dir(&self, slot: &Slot) -> Result<()> {
+        let mut deleted = slot.persist.lock().await;
+        let id = slot.id.clone();
+        self.blocking(move |store| store.delete(&id)).await?;
+        *deleted = true;
+        Ok(())
     }
 
     /// Feeds `event` to the task and carries out the resulting actions in order. The outcome
@@ -175,6 +198,8 @@ impl Inner {
 
     /// The start job: drives start from `StartBegan` until it finishes, whatever happens.
     pub(crate) async fn run_start(self: Arc<Self>, slot: Arc<Slot>) {
+        // Set at submit, before this job was spawned; cleared when it is over.
+        let _running = StartingGuard(&slot.starting);
         let outcome = self.drive(&slot, Event::StartBegan).await;
         if let Err(e) = &outcome {
             tracing::error!(task = %slot.id, error = %e, "start failed");
@@ -198,6 +223,22 @@ impl Inner {
         self.wake.notify_one();
     }
 }
+
+/// Clears the "start job running" flag when the job ends, however it ends.
+struct StartingGuard<'a>(&'a tokio::sync::watch::Sender<bool>);
+
+impl Drop for StartingGuard<'_> {
+    fn drop(&mut self) {
+        self.0.send_replace(false);
+    }
+}
+
+/// How long terminate and remove wait for a start job to let go of a task (a cancelled pull
+/// returns at once; preparing a volume can take longer).
+const START_SETTLE: Duration = Duration::from_secs(30);
+
+/// How long remove waits for a release in flight (the reconciler's) to end.
+const RELEASE_SETTLE: Duration = Duration::from_secs(10);
 
 /// The shim engine. Cheap to clone; all clones share one task table.
 #[derive(Clone)]
@@ -288,6 +329,7 @@ impl Engine {
             });
         }
         let info = slot.lock().info();
+        slot.starting.send_replace(true);
         tracing::info!(task = %id, image = %config.image_name, "task submitted");
         let job = tokio::spawn(inner.clone().run_start(slot));
         let mut jobs = inner.jobs.lock().unwrap_or_else(|p| p.into_inner());
@@ -335,6 +377,9 @@ impl Engine {
             timeout_s: timeout.as_secs(),
         };
         self.inner.drive(&slot, event).await?;
+        // Start stops at its next step and releases what it acquired: wait for it, so the
+        // server's remove that follows a terminate finds the task settled.
+        slot.start_settled(START_SETTLE).await;
         if slot.lock().needs_release() {
             self.inner.drive(&slot, Event::ReleaseRequested).await?;
         }
@@ -343,9 +388,23 @@ impl Engine {
 
     /// Removes a terminated task: force-removes its container, releases what it still holds,
     /// deletes its directory (or renames it to a trash name) and forgets it.
+    ///
+    /// A terminated task whose start job or release is still running is waited for (bounded)
+    /// rather than refused.
     pub async fn remove(&self, id: &TaskId) -> Result<()> {
         let slot = self.inner.slot(id)?;
-        self.inner.drive(&slot, Event::RemoveRequested).await
+        slot.start_settled(START_SETTLE).await;
+        let deadline = tokio::time::Instant::now() + RELEASE_SETTLE;
+        loop {
+            match self.inner.drive(&slot, Event::RemoveRequested).await {
+                Err(EngineError::Conflict(TransitionError::ReleaseInFlight { .. }))
+                    if tokio::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Stops the background jobs. Containers keep running. With `graceful`, waits (at most

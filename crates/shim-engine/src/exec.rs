@@ -115,8 +115,7 @@ impl Inner {
                         message: describe(&held),
                     });
                 }
-                let tid = id.clone();
-                self.blocking(move |store| store.delete(&tid)).await?;
+                self.delete_dir(slot).await?;
                 None
             }
             Action::Forget => {

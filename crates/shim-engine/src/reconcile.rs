@@ -41,6 +41,15 @@ impl Inner {
 
     /// One reconcile cycle. Returns whether the list request succeeded.
     pub(crate) async fn cycle(self: &Arc<Self>) -> bool {
+        // Tasks whose start had returned before the list was requested. A start that returns
+        // while the list is in flight made a container the list may not show: judging that
+        // task by this list would call its new container vanished.
+        let settled: HashSet<String> = self
+            .slots()
+            .iter()
+            .filter(|s| !s.lock().start_in_flight)
+            .map(|s| s.id.as_str().to_owned())
+            .collect();
         let containers = match self.deps.runtime.list(&owner_labels(&self.owner)).await {
             Ok(c) => c,
             Err(e) => {
@@ -64,7 +73,7 @@ impl Inner {
                     t.needs_release(),
                 )
             };
-            if in_flight {
+            if in_flight || !settled.contains(slot.id.as_str()) {
                 continue;
             }
             let summary = by_task.get(slot.id.as_str()).copied().or_else(|| {
