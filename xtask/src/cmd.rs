@@ -8,8 +8,35 @@ use std::process::{Command, Stdio};
 use anyhow::{Context as _, Result, bail};
 
 /// A new command for `program`.
+///
+/// The variables cargo sets for the package it runs (`CARGO_MANIFEST_DIR`, `CARGO_PKG_*`, …)
+/// are not passed on: they describe xtask, not the child, and a nested `cargo` that sees them
+/// rebuilds crates whose build scripts watch them (ring) every time.
 pub fn cmd(program: impl AsRef<OsStr>) -> Command {
-    Command::new(program)
+    let mut command = Command::new(program);
+    for (name, _) in std::env::vars_os() {
+        let Some(name) = name.to_str() else { continue };
+        if is_package_var(name) {
+            command.env_remove(name);
+        }
+    }
+    command
+}
+
+/// Whether cargo sets `name` for the package being run (as opposed to user configuration
+/// such as `CARGO_HOME` or `CARGO_TARGET_DIR`).
+fn is_package_var(name: &str) -> bool {
+    matches!(
+        name,
+        "CARGO_MANIFEST_DIR"
+            | "CARGO_MANIFEST_PATH"
+            | "CARGO_MANIFEST_LINKS"
+            | "CARGO_CRATE_NAME"
+            | "CARGO_BIN_NAME"
+            | "CARGO_PRIMARY_PACKAGE"
+            | "CARGO_RUSTC_CURRENT_DIR"
+    ) || name.starts_with("CARGO_PKG_")
+        || name.starts_with("CARGO_BIN_EXE_")
 }
 
 /// The command line of `command`, for messages.
@@ -132,6 +159,27 @@ pub fn tail(path: &Path, lines: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn package_variables_are_not_passed_on_but_configuration_is() {
+        for v in [
+            "CARGO_MANIFEST_DIR",
+            "CARGO_PKG_NAME",
+            "CARGO_BIN_EXE_x",
+            "CARGO_CRATE_NAME",
+        ] {
+            assert!(is_package_var(v), "{v}");
+        }
+        for v in [
+            "CARGO_HOME",
+            "CARGO_TARGET_DIR",
+            "CARGO",
+            "PATH",
+            "CARGO_TERM_COLOR",
+        ] {
+            assert!(!is_package_var(v), "{v}");
+        }
+    }
 
     #[test]
     fn display_quotes_what_a_shell_would_split() {

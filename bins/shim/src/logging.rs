@@ -1,5 +1,6 @@
 //! Logs go to stderr and are appended to `<home>/shim.log`.
 
+use std::io::IsTerminal as _;
 use std::path::Path;
 use std::sync::Mutex;
 
@@ -29,7 +30,11 @@ pub fn init(level: LevelFilter, home: &Path) -> anyhow::Result<()> {
         .context("invalid RUST_LOG")?;
     tracing_subscriber::registry()
         .with(filter)
-        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_ansi(std::io::stderr().is_terminal())
+                .with_writer(std::io::stderr),
+        )
         .with(
             tracing_subscriber::fmt::layer()
                 .with_ansi(false)
