@@ -35,7 +35,9 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<Engine> {
         fake = fake_gpus,
         "GPUs"
     );
-    spawn_host_info(home, commands.clone(), host_gpus.clone());
+    if config.service {
+        spawn_host_info(home, commands.clone(), host_gpus.clone());
+    }
     let deps = Deps {
         runtime: Arc::new(runtime),
         gpus: Arc::new(GpuLock::for_host(&host_gpus)),

@@ -221,3 +221,30 @@ fn unknown_task_is_404_and_the_list_is_empty() {
         (200, r#"{"tasks":[]}"#.into())
     );
 }
+
+#[test]
+fn service_mode_writes_host_info_once() {
+    if !shim_e2e::docker_tests_enabled("service_mode_writes_host_info_once") {
+        return;
+    }
+    let home = tempfile::tempdir().unwrap();
+    let path = home.path().join("host_info.json");
+    {
+        let _shim = start(home.path(), &["--service", "--fake-gpus", "2"]);
+        let deadline = Instant::now() + BOUND;
+        while !path.exists() {
+            assert!(Instant::now() < deadline, "host_info.json was not written");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let info: serde_json::Value =
+        serde_json::from_str(&fs_err::read_to_string(&path).unwrap()).unwrap();
+    assert!(info["cpus"].as_u64().unwrap() > 0, "{info}");
+    assert!(info["memory"].as_u64().unwrap() > 0, "{info}");
+    assert_eq!(info["gpu_count"], 2, "{info}");
+    // Written once: a second start leaves it as it is.
+    let before = fs_err::read(&path).unwrap();
+    let _shim = start(home.path(), &["--service"]);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(fs_err::read(&path).unwrap(), before);
+}
