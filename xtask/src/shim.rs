@@ -222,7 +222,7 @@ pub struct ShimProcess {
 
 impl ShimProcess {
     /// Starts `binary --shim-home home --shim-http-port port args..`, output appended to
-    /// `log`, and waits (at most 60 s) until its healthcheck answers.
+    /// `log`, and waits (at most 60 s, polling every 5 ms) until its healthcheck answers.
     pub fn start(
         binary: &Path,
         home: &Path,
@@ -231,7 +231,7 @@ impl ShimProcess {
         log: &Path,
     ) -> Result<ShimProcess> {
         let mut shim = Self::spawn(binary, home, port, args, log)?;
-        shim.wait_until_answering(Duration::from_secs(60), Duration::from_millis(20))?;
+        shim.wait_until_answering(Duration::from_secs(60), Duration::from_millis(5))?;
         Ok(shim)
     }
 
@@ -324,7 +324,8 @@ impl ShimProcess {
         Ok(())
     }
 
-    /// Waits (at most `limit`) for it to exit by itself; fails on a non-zero exit or timeout.
+    /// Waits (at most `limit`, polling every 2 ms) for it to exit by itself; fails on a
+    /// non-zero exit or timeout.
     pub fn wait_exit(mut self, limit: Duration) -> Result<()> {
         let started = Instant::now();
         loop {
@@ -340,7 +341,7 @@ impl ShimProcess {
             if started.elapsed() > limit {
                 bail!("dstack-shim did not exit within {limit:?}");
             }
-            sleep(Duration::from_millis(20));
+            sleep(Duration::from_millis(2));
         }
     }
 }
