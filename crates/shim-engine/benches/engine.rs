@@ -10,7 +10,8 @@
 //! - terminate (timeout 0) of a running task, and remove of a terminated one.
 //!
 //! Prints a table; with `--json PATH` also writes the figures as JSON (used by
-//! `cargo xtask bench`). No figure is asserted.
+//! `cargo xtask bench`). No figure is asserted. Run without `--bench` (as `cargo test
+//! --all-targets` does), it makes a quick smoke run.
 #![allow(
     clippy::print_stdout,
     clippy::unwrap_used,
@@ -42,15 +43,19 @@ fn opts() -> Opts {
         quick: false,
         json: None,
     };
+    // `cargo bench` passes `--bench`; without it (`cargo test --all-targets` runs this too)
+    // only a quick smoke run is made.
+    let mut benching = false;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--quick" => opts.quick = true,
+            "--bench" => benching = true,
             "--json" => opts.json = Some(PathBuf::from(args.next().expect("--json PATH"))),
-            // cargo bench passes --bench; cargo test --benches passes nothing we need.
             _ => {}
         }
     }
+    opts.quick |= !benching;
     opts
 }
 
