@@ -281,6 +281,12 @@ async fn terminate_during_container_start_stops_the_container() {
     w.runtime
         .wait_for_call(|c| matches!(c, Call::Start(_)))
         .await;
+    // Terminate waits for start to let go; the hanging start proceeds a moment later.
+    let runtime = w.runtime.clone();
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        runtime.release_starts();
+    });
     let info = engine
         .terminate(
             &tid("t1"),
@@ -290,17 +296,19 @@ async fn terminate_during_container_start_stops_the_container() {
         )
         .await
         .unwrap();
+    release.await.unwrap();
     assert_eq!(info.status, TaskStatus::Terminated);
-    w.runtime.release_starts();
-    // Start notices at its next step and stops the container it just started.
-    for _ in 0..500 {
-        let cid = engine.task_info(&tid("t1")).unwrap().container_id;
-        if !cid.is_empty() && w.runtime.state(&cid) == Some(ContainerState::Exited) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the container started after terminate was not stopped");
+    assert!(
+        !engine.is_starting(&tid("t1")).unwrap(),
+        "terminate returned after start"
+    );
+    // Start noticed at its next step and stopped the container it had just started.
+    let cid = info.container_id;
+    assert!(!cid.is_empty());
+    assert_eq!(w.runtime.state(&cid), Some(ContainerState::Exited));
+    // Nothing is left to release: a remove right away is accepted.
+    engine.remove(&tid("t1")).await.unwrap();
+    assert!(w.runtime.state(&cid).is_none());
 }
 
 #[tokio::test]
