@@ -234,11 +234,13 @@ impl Drop for StartingGuard<'_> {
 }
 
 /// How long terminate and remove wait for a start job to let go of a task (a cancelled pull
-/// returns at once; preparing a volume can take longer).
-const START_SETTLE: Duration = Duration::from_secs(30);
+/// returns at once; preparing a volume can take longer). Kept well under the dstack server's
+/// 9-second request timeout: past it, terminate answers `terminated` anyway and start releases
+/// when it returns; remove answers 409 and the server retries.
+const START_SETTLE: Duration = Duration::from_secs(4);
 
 /// How long remove waits for a release in flight (the reconciler's) to end.
-const RELEASE_SETTLE: Duration = Duration::from_secs(10);
+const RELEASE_SETTLE: Duration = Duration::from_secs(4);
 
 /// The shim engine. Cheap to clone; all clones share one task table.
 #[derive(Clone)]
