@@ -18,7 +18,7 @@
 //! # The state machine
 //!
 //! ```text
-//!            StartBegan            GpusAcquired → [HostKeysAdded] → VolumeMounted×n
+//!            StartBegan     GpusAcquired → [HostKeysAdded] → (VolumeMounting, VolumeMounted)×n
 //!  pending ─────────────> preparing ─── → DirCreated/DirExisted×m ───┐
 //!                                                                    v
 //!  running <──ContainerStarted── creating <──PullDone/PullSkipped── pulling
@@ -37,7 +37,7 @@
 //!
 //! - `terminated` absorbs every event: the first reason and message are kept.
 //! - Resources are recorded in `record.resources` as they are acquired (host keys just before
-//!   the add), and [`Action::Release`] is emitted only when the task is terminated, holds
+//!   the add, volumes just before the mount: [`Event::VolumeMounting`]), and [`Action::Release`] is emitted only when the task is terminated, holds
 //!   something, start is not in flight, no stop is in flight, the last stop (if any)
 //!   succeeded, and no release is out. A failed stop is retried (`StopContainer{0}`) on the
 //!   reconciler's next [`Event::ReleaseRequested`], or cleared when it sees the container not
