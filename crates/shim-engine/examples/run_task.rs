@@ -1,0 +1,88 @@
+//! Runs one task on the local Docker daemon with the engine, as an embedding agent would, and
+//! prints its lifecycle.
+//!
+//! ```sh
+//! cargo run -p shim-engine --example run_task -- [IMAGE] [RUNNER]
+//! # e.g., after `cargo xtask dev-env`:
+//! cargo run -p shim-engine --example run_task -- shim-test:1 testdata/runner/dstack-runner
+//! ```
+//!
+//! The runner is any executable: the engine bind-mounts it into the container and starts it
+//! with the runner's command line. The task is terminated after a few seconds of running and
+//! then removed; the shim home is a temporary directory.
+#![allow(clippy::print_stdout, clippy::print_stderr)] // an example's output is the point
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use shim_engine::{Deps, Engine, EngineConfig};
+use shim_resources::{
+    AuthorizedKeysManager, BlockVolumes, GpuLock, HostGpus, SystemCommandRunner, VolumeConfig,
+};
+use shim_runtime::DockerRuntime;
+use shim_task::{NetworkMode, TaskConfig, TaskId, TaskName, TaskStatus, TerminationReason};
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let image = args.next().unwrap_or_else(|| "shim-test:1".to_owned());
+    let runner = args
+        .next()
+        .unwrap_or_else(|| "testdata/runner/dstack-runner".to_owned());
+    let home = tempfile::tempdir()?;
+
+    let host_gpus = HostGpus::none();
+    let commands = Arc::new(SystemCommandRunner::default());
+    let deps = Deps {
+        runtime: Arc::new(DockerRuntime::connect().await?),
+        gpus: Arc::new(GpuLock::for_host(&host_gpus)),
+        host_gpus,
+        fake_gpus: false,
+        keys: Arc::new(AuthorizedKeysManager::system()),
+        volumes: Arc::new(BlockVolumes::new(VolumeConfig::default(), commands)),
+        host_devices: Default::default(),
+    };
+    let mut cfg = EngineConfig::new(home.path());
+    cfg.runner_binary_path = std::path::absolute(&runner)?;
+    let engine = Engine::open(cfg, deps).await?;
+    println!("engine ready; owner identity {}", engine.owner());
+
+    let id = TaskId::new(format!("example-{}", std::process::id()))?;
+    let mut config = TaskConfig::new(id.clone(), TaskName::new("example")?, image);
+    config.network_mode = NetworkMode::Bridge;
+    let info = engine.submit(config).await?;
+    println!("submitted: {} {}", info.id, info.status);
+
+    let mut last = info.status;
+    for _ in 0..600 {
+        let info = engine.task_info(&id)?;
+        if info.status != last {
+            println!(
+                "{} container={} ports={:?} {}",
+                info.status, info.container_name, info.ports, info.termination_message
+            );
+            last = info.status;
+        }
+        if matches!(info.status, TaskStatus::Running | TaskStatus::Terminated) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let info = engine
+        .terminate(
+            &id,
+            TerminationReason::TerminatedByUser,
+            "example done".to_owned(),
+            Duration::from_secs(5),
+        )
+        .await?;
+    println!(
+        "{} {} {:?}",
+        info.status, info.termination_reason, info.termination_message
+    );
+    engine.remove(&id).await?;
+    println!("removed");
+    engine.shutdown(true, Duration::from_secs(5)).await;
+    Ok(())
+}
