@@ -151,6 +151,35 @@ pub fn root_tests_enabled(test: &str) -> bool {
     gate(ENV_TEST_ROOT, test, "root (loop devices, mounts)")
 }
 
+/// Runs the `docker` CLI (no stdin) and returns its output; panics if the CLI cannot run at
+/// all. For tests.
+#[allow(
+    clippy::expect_used,
+    reason = "a test helper: a missing docker CLI fails the test"
+)]
+pub fn docker(args: &[&str]) -> std::process::Output {
+    std::process::Command::new("docker")
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("the docker CLI runs")
+}
+
+/// Runs the `docker` CLI and returns its stdout; panics (failing the test) unless it exits 0.
+#[allow(
+    clippy::panic,
+    reason = "a test helper: a failed docker command fails the test"
+)]
+pub fn docker_ok(args: &[&str]) -> String {
+    let output = docker(args);
+    assert!(
+        output.status.success(),
+        "docker {args:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

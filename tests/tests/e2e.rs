@@ -23,7 +23,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead as _, BufReader, Read as _, Write as _};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Barrier, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -120,23 +120,7 @@ fn shim_binary() -> &'static Path {
 // Docker CLI
 // ---------------------------------------------------------------------------------------------
 
-fn docker(args: &[&str]) -> Output {
-    Command::new("docker")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("the docker CLI runs")
-}
-
-fn docker_ok(args: &[&str]) -> String {
-    let output = docker(args);
-    assert!(
-        output.status.success(),
-        "docker {args:?} failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8(output.stdout).unwrap()
-}
+use shim_e2e::{docker, docker_ok};
 
 /// `docker inspect -f {{.State.Running}}`: `Some(running)`, or `None` if there is no such
 /// container.

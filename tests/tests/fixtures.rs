@@ -10,7 +10,7 @@
 
 use std::io::{BufRead as _, BufReader, Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use shim_e2e::{
@@ -19,23 +19,7 @@ use shim_e2e::{
     registry_small_image, registry_user, runner_path,
 };
 
-fn docker(args: &[&str]) -> Output {
-    Command::new("docker")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("the docker CLI runs")
-}
-
-fn docker_ok(args: &[&str]) -> String {
-    let output = docker(args);
-    assert!(
-        output.status.success(),
-        "docker {args:?} failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8(output.stdout).unwrap()
-}
+use shim_e2e::{docker, docker_ok};
 
 /// Force-removes the container when the test ends, however it ends.
 struct Container(String);
