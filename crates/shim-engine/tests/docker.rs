@@ -92,6 +92,19 @@ impl Host {
     }
 }
 
+/// Removes every container of this host's shim however the test ends (a failed assertion
+/// skips the test's own clean-up).
+impl Drop for Host {
+    fn drop(&mut self) {
+        let owner = shim_engine::labels::owner_identity(&self.path("home"));
+        let filter = format!("label={}={owner}", shim_engine::labels::LABEL_OWNER);
+        let ids = docker(&["ps", "-aq", "--filter", &filter]);
+        for id in ids.split_whitespace() {
+            docker(&["rm", "-f", id]);
+        }
+    }
+}
+
 fn config(id: &str) -> TaskConfig {
     let mut c = TaskConfig::new(
         TaskId::new(id).unwrap(),
