@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use shim_runtime::{PullRequest, RuntimeError};
 use shim_task::machine::{Action, Event, Observation};
-use shim_task::{MountedVolume, PortMapping, PullProgress, Resources, TaskStatus};
+use shim_task::{MountedVolume, PortMapping, PullProgress, Resources};
 
 use crate::engine::{Inner, Slot};
 use crate::error::{EngineError, Result};
@@ -361,9 +361,4 @@ fn describe(r: &Resources) -> String {
         parts.push(format!("volumes {names:?}"));
     }
     parts.join(", ")
-}
-
-/// Whether a status is one the reconciler observes (start no longer in flight, not ended).
-pub(crate) fn observed_status(s: TaskStatus) -> bool {
-    s == TaskStatus::Running
 }

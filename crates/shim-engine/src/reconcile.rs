@@ -19,7 +19,6 @@ use shim_task::TaskStatus;
 use shim_task::machine::{Event, Observation};
 
 use crate::engine::{Inner, now_ms};
-use crate::exec::observed_status;
 use crate::labels::{LABEL_TASK_ID, owner_labels};
 
 impl Inner {
@@ -81,7 +80,7 @@ impl Inner {
                     .iter()
                     .find(|c| !container_id.is_empty() && c.id == container_id)
             });
-            let observation = if observed_status(status) {
+            let observation = if status == TaskStatus::Running {
                 match summary {
                     None => Some(Observation::Missing),
                     Some(c) if c.state.is_running() && !hints.contains(&c.id) => None,

@@ -1,6 +1,6 @@
 //! Restore at start-up (SPEC §5): state files and containers become tasks again.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -71,26 +71,25 @@ impl Inner {
             }
         }
 
-        let ids: Vec<TaskId> = records.keys().chain(observed.keys()).cloned().collect();
+        let ids: BTreeSet<TaskId> = records.keys().chain(observed.keys()).cloned().collect();
         let mut restored = Vec::new();
         for id in ids {
-            if restored
-                .iter()
-                .any(|(s, _): &(Arc<Slot>, Vec<Action>)| s.id == id)
-            {
-                continue;
-            }
             let record = records.remove(&id).flatten();
             let container = observed.remove(&id);
+            let running = container.as_ref().is_some_and(|c| c.state.is_running());
             let Some((task, actions)) = restore(record, container, now_ms()) else {
                 continue;
             };
             tracing::info!(task = %id, status = %task.status(), reason = ?task.record.termination_reason, "task restored");
-            restored.push((Arc::new(Slot::new(task, None)), actions));
+            restored.push((Arc::new(Slot::new(task, None)), actions, running));
         }
+        // GPUs go to the tasks whose containers run first: when two tasks claim one GPU (a
+        // stale container of an older shim, a duplicate), the one using it keeps it, and the
+        // other, which locked nothing, frees nothing.
+        restored.sort_by_key(|(_, _, running)| !running);
 
         // Phase 1: register what live tasks hold, before anything is released.
-        for (slot, _) in &restored {
+        for (slot, _, _) in &restored {
             let t = slot.lock();
             if !t.record.resources.released
                 && let Some(grant) = &t.record.resources.host_keys
@@ -99,7 +98,7 @@ impl Inner {
             }
         }
         let mut rest = Vec::new();
-        for (slot, actions) in restored {
+        for (slot, actions, _) in restored {
             self.table().insert(slot.id.clone(), slot.clone());
             let (locks, others): (Vec<Action>, Vec<Action>) = actions
                 .into_iter()

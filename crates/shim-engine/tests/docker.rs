@@ -14,7 +14,7 @@ use shim_resources::{
     AuthorizedKeysManager, BlockVolumes, GpuLock, HostGpus, StaticUserDb, SystemCommandRunner,
     VolumeConfig,
 };
-use shim_runtime::{ContainerRuntime, DockerRuntime};
+use shim_runtime::DockerRuntime;
 use shim_task::{
     NetworkMode, PublicKey, TaskConfig, TaskId, TaskInfo, TaskName, TaskStatus, TerminationReason,
     VolumeBackend, VolumeMountPoint, VolumeSpec,
@@ -647,9 +647,4 @@ async fn daemon_unreachable_for_a_while_changes_nothing() {
     assert_eq!(info.termination_reason, "done_by_runner");
     cleanup(&engine, &[&id]).await;
     engine.shutdown(true, Duration::from_secs(5)).await;
-}
-
-#[allow(dead_code)]
-async fn _runtime_is_object_safe(r: &dyn ContainerRuntime) {
-    let _ = r.list(&[]).await;
 }

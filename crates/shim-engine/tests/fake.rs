@@ -10,8 +10,8 @@ use shim_resources::{GpuLock, HostGpus};
 use shim_runtime::fake::{Call, FakeRuntime, PullBehavior, StartBehavior};
 use shim_runtime::{ContainerState, PullProgress};
 use shim_task::{
-    HostKeysGrant, PublicKey, TaskConfig, TaskId, TaskName, TaskStatus, TerminationReason,
-    VolumeBackend, VolumeMountPoint, VolumeSpec,
+    PublicKey, TaskConfig, TaskId, TaskName, TaskStatus, TerminationReason, VolumeBackend,
+    VolumeMountPoint, VolumeSpec,
 };
 
 const KEY: &str =
@@ -66,12 +66,18 @@ impl World {
         Engine::open(self.config(), self.deps()).await.unwrap()
     }
 
-    /// A fresh engine on the same home and fakes, with new in-memory GPU and key state (as a
-    /// restarted process would have).
+    /// Stops `old` gracefully, then [`World::fresh_process`].
     async fn restart(&mut self, old: Engine) -> Engine {
         old.shutdown(true, Duration::from_secs(5)).await;
         drop(old);
+        self.fresh_process().await
+    }
+
+    /// A new engine on the same home, Docker and volumes, with the in-memory state a restarted
+    /// process starts with: no GPU locked, no task's SSH keys registered.
+    async fn fresh_process(&mut self) -> Engine {
         self.gpus = Arc::new(GpuLock::for_host(&self.host_gpus));
+        self.keys = Arc::new(FakeAuthorizedKeys::new());
         self.engine().await
     }
 }
@@ -490,8 +496,7 @@ async fn restart_restores_every_case() {
         .add_container(&never_spec, ContainerState::Created, None);
     w.runtime.set_pull_behavior(PullBehavior::default());
 
-    w.gpus = Arc::new(GpuLock::for_host(&w.host_gpus));
-    let engine = w.engine().await;
+    let engine = w.fresh_process().await;
     let running = engine.task_info(&tid("running")).unwrap();
     assert_eq!(running.status, TaskStatus::Running);
     assert_eq!(running.container_id, info_running.container_id);
@@ -549,26 +554,15 @@ async fn restart_keeps_shared_key_of_live_task() {
     let a = engine.task_info(&tid("a")).unwrap();
     engine.shutdown(true, Duration::from_secs(1)).await;
     drop(engine);
-    // The fake keeps its live set across the "restart" like a file would keep its lines;
-    // a new fake would also do: the engine re-registers live tasks first.
+    // The restarted process knows no task's keys: unless the engine registers b's before it
+    // releases a's, releasing a's would leave the user without the key b still needs.
     w.runtime.exit_without_event(&a.container_id, 0);
-    let engine = w.restart_with_new_keys().await;
+    let engine = w.fresh_process().await;
     assert_eq!(
         engine.task_info(&tid("a")).unwrap().status,
         TaskStatus::Terminated
     );
     assert_eq!(w.keys.keys_of("ubuntu").len(), 1, "b still needs the key");
-    let _ = HostKeysGrant {
-        user: String::new(),
-        keys: vec![],
-    };
-}
-
-impl World {
-    async fn restart_with_new_keys(&mut self) -> Engine {
-        self.gpus = Arc::new(GpuLock::for_host(&self.host_gpus));
-        self.engine().await
-    }
 }
 
 #[tokio::test]
@@ -692,11 +686,11 @@ async fn a_duplicate_gpu_claim_after_restart_never_frees_a_gpu_in_use() {
         .insert("ai.dstack.shim.task-id".into(), "a-stale".into());
     w.runtime
         .add_container(&spec, ContainerState::Exited, Some(0));
-    let engine = w.restart_with_new_keys().await;
+    let engine = w.fresh_process().await;
     let stale = engine.task_info(&tid("a-stale")).unwrap();
     assert_eq!(stale.status, TaskStatus::Terminated);
-    // The stale task was restored first (ids sort before "owner") and exited: releasing it
-    // must not unlock the GPU the running task uses.
+    // The stale task's id sorts first, but the running task gets the GPU; the stale one,
+    // which exited, locked nothing and must not unlock the GPU the running task uses.
     assert_eq!(w.gpus.locked(), owner.gpu_ids.clone().unwrap());
     assert_eq!(w.gpus.free_count(), 0);
     let _ = w.restart(engine).await;
