@@ -118,7 +118,7 @@ fn inputs(inner: &Inner, task: &Task, config: &TaskConfig, runner_dir: PathBuf) 
             authorized_keys: config
                 .container_ssh_keys
                 .iter()
-                .map(|k| k.line().to_owned())
+                .map(|k| k.as_str().to_owned())
                 .collect(),
         },
         network,

@@ -403,7 +403,7 @@ fn crash_and_restore_on_real_docker() {
         let mut c = config(&exits);
         c.gpu = 1;
         c.host_ssh_user = "tester".into();
-        c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap()];
+        c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap().into()];
         c.volumes = vec![VolumeSpec {
             backend: VolumeBackend::Gcp,
             name: TaskName::new(&*vol_name).unwrap(),
@@ -442,7 +442,8 @@ fn crash_and_restore_on_real_docker() {
         c.host_ssh_keys = vec![PublicKey::parse(
             "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKzk3CWHbq3U5nQ6BHV1ToyN2NUxT9b3FbiIYDwGBtJd other@host",
         )
-        .unwrap()];
+        .unwrap()
+        .into()];
         engine.submit(c).await.unwrap();
         wait_for(&engine, &cut, "pulling", |i| i.status == TaskStatus::Pulling).await;
         (never_info, run_info)

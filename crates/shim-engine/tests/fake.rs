@@ -202,7 +202,7 @@ async fn terminate_running_stops_with_timeout_and_releases() {
     let mut c = config("t1");
     c.gpu = -1;
     c.host_ssh_user = "ubuntu".into();
-    c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap()];
+    c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap().into()];
     engine.submit(c).await.unwrap();
     let info = wait_status(&engine, "t1", TaskStatus::Running).await;
     assert_eq!(w.keys.keys_of("ubuntu").len(), 1);
@@ -336,7 +336,7 @@ async fn start_step_failures_map_to_reasons() {
     let mut c = config("keys");
     c.gpu = 1;
     c.host_ssh_user = "ubuntu".into();
-    c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap()];
+    c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap().into()];
     engine.submit(c).await.unwrap();
     let info = wait_status(&engine, "keys", TaskStatus::Terminated).await;
     assert_eq!(info.termination_reason, "executor_error");
@@ -459,7 +459,7 @@ async fn restart_restores_every_case() {
     let mut c = config("pulling");
     c.image_name = "other:latest".into();
     c.host_ssh_user = "ubuntu".into();
-    c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap()];
+    c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap().into()];
     engine.submit(c).await.unwrap();
     wait_pulling(&engine, "pulling").await;
     engine
@@ -547,7 +547,7 @@ async fn restart_keeps_shared_key_of_live_task() {
     for id in ["a", "b"] {
         let mut c = config(id);
         c.host_ssh_user = "ubuntu".into();
-        c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap()];
+        c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap().into()];
         engine.submit(c).await.unwrap();
         wait_status(&engine, id, TaskStatus::Running).await;
     }

@@ -547,13 +547,25 @@ async fn submit_validation() {
             .await
             .assert_error(400, message);
     }
+    // A key line that could inject a second line is refused before anything is stored.
     let bad_key = serde_json::json!({
-        "id": "a", "name": "n", "image_name": "i", "container_ssh_keys": ["command=\"x\" ssh-ed25519 AAAA"]
+        "id": "a", "name": "n", "image_name": "i", "container_ssh_keys": [format!("{KEY}\n{KEY}")]
     });
     let r = post(s.addr, "/api/tasks", &bad_key.to_string()).await;
     assert_eq!(r.status, 400, "{r:?}");
-    assert!(r.body.contains("invalid SSH public key"), "{r:?}");
+    assert!(r.body.contains("line break"), "{r:?}");
     assert!(s.engine.tasks.lock().unwrap().is_empty());
+
+    // A key with options is accepted as upstream accepts it (the runner gets it as given;
+    // a host key like it is skipped at start): upstream runner/internal/shim/docker.go
+    // (DockerShellCommands) passes container keys verbatim.
+    let optioned = serde_json::json!({
+        "id": "o", "name": "n", "image_name": "i", "container_ssh_keys": ["command=\"x\" ssh-ed25519 AAAA"],
+        "host_ssh_keys": ["garbage"], "host_ssh_user": ""
+    });
+    let r = post(s.addr, "/api/tasks", &optioned.to_string()).await;
+    assert_eq!(r.status, 200, "{r:?}");
+    s.engine.tasks.lock().unwrap().clear();
 
     // A valid key and null optional fields are fine.
     let ok = serde_json::json!({

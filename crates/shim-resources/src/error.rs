@@ -102,6 +102,15 @@ pub enum Error {
         /// The count requested.
         requested: i64,
     },
+    /// The volume cannot be attached by this shim: an unsupported backend, or a field its
+    /// backend needs is missing (see `VolumeSpec::problem`).
+    #[error("volume {volume:?} cannot be attached: {why}")]
+    UnsupportedVolume {
+        /// The volume name.
+        volume: String,
+        /// Why.
+        why: String,
+    },
     /// A volume's block device could not be found.
     #[error("device of volume {volume:?} not found within {waited:?}: {detail}")]
     DeviceNotFound {

@@ -294,6 +294,12 @@ impl BlockVolumes {
     /// The device path of a volume spec (AWS: polled for up to `resolve_wait`), not yet
     /// checked to be a block device.
     pub async fn find_device(&self, spec: &VolumeSpec) -> Result<PathBuf> {
+        if let Some(why) = spec.problem() {
+            return Err(Error::UnsupportedVolume {
+                volume: spec.name.as_str().to_owned(),
+                why,
+            });
+        }
         Ok(match spec.backend {
             VolumeBackend::Gcp => {
                 let n = &spec.device_name;
@@ -307,6 +313,13 @@ impl BlockVolumes {
                 self.config.gcp_by_id_dir.join(format!("google-{n}"))
             }
             VolumeBackend::Aws => self.resolve_aws(spec).await?,
+            VolumeBackend::Other(_) => {
+                // `problem()` refused it above; kept for exhaustiveness.
+                return Err(Error::UnsupportedVolume {
+                    volume: spec.name.as_str().to_owned(),
+                    why: format!("backend {:?} is not supported", spec.backend.as_str()),
+                });
+            }
         })
     }
 

@@ -486,8 +486,8 @@ fn config(task: TaskId) -> impl Strategy<Value = TaskConfig> {
                 instance_mounts,
                 gpu_devices,
                 host_ssh_user,
-                host_ssh_keys,
-                container_ssh_keys,
+                host_ssh_keys: host_ssh_keys.into_iter().map(Into::into).collect(),
+                container_ssh_keys: container_ssh_keys.into_iter().map(Into::into).collect(),
             },
         )
 }

@@ -1,16 +1,19 @@
 //! The task config: the body of a submit request, with SPEC's defaults and validation.
 //!
-//! Deserializing checks the types, ids, names and SSH keys (each key must be one OpenSSH public
-//! key line); [`TaskConfig::validate`] checks the ranges and paths. Unknown fields are ignored
-//! (newer servers send more), `null` is the default of any optional field, and the registry
-//! password never appears in `Debug` output or in serialized form.
+//! Deserializing checks the types, ids and names, and that no SSH key could inject a line (no
+//! line break, no NUL); [`TaskConfig::validate`] checks the ranges and paths. What the upstream
+//! shim accepts at submit and only handles at start is accepted here too (SPEC §2): a host key
+//! that is not one plain OpenSSH public key is skipped at start ([`TaskConfig::host_keys`]), and a
+//! volume this shim cannot attach fails the task at start ([`VolumeSpec::problem`]). Unknown
+//! fields are ignored (newer servers send more), `null` is the default of any optional field,
+//! and the registry password never appears in `Debug` output or in serialized form.
 
 use std::fmt;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::ids::{TaskId, TaskName};
-use crate::ssh::PublicKey;
+use crate::ssh::{InvalidKey, PublicKey};
 
 /// A config value the shim refuses.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -97,19 +100,62 @@ impl<'de> Deserialize<'de> for NetworkMode {
 }
 
 /// The cloud a volume lives in, which says how its device is found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+///
+/// Any string is accepted at submit (upstream accepts any and fails at start); a backend this
+/// shim cannot attach is [`VolumeBackend::Other`] and fails the task at start.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum VolumeBackend {
     /// AWS EBS: the device is found by the volume id in `lsblk` serials.
     Aws,
     /// GCP persistent disk: `/dev/disk/by-id/google-<device_name>`.
     Gcp,
+    /// Any other backend, as sent (empty when missing): cannot be attached here.
+    Other(String),
+}
+
+impl VolumeBackend {
+    /// The wire name.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Self::Aws => "aws",
+            Self::Gcp => "gcp",
+            Self::Other(s) => s,
+        }
+    }
+}
+
+impl Default for VolumeBackend {
+    fn default() -> Self {
+        Self::Other(String::new())
+    }
+}
+
+impl Serialize for VolumeBackend {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for VolumeBackend {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(
+            match Option::<String>::deserialize(d)?
+                .unwrap_or_default()
+                .as_str()
+            {
+                "aws" => Self::Aws,
+                "gcp" => Self::Gcp,
+                other => Self::Other(other.to_owned()),
+            },
+        )
+    }
 }
 
 /// A network volume attached to the host, to be formatted (maybe) and mounted.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct VolumeSpec {
     /// Where the volume lives.
+    #[serde(default)]
     pub backend: VolumeBackend,
     /// The volume's name: the mount point is `<volumes root>/<name>`.
     pub name: TaskName,
@@ -202,12 +248,13 @@ pub struct TaskConfig {
     /// The host user whose authorized_keys get [`TaskConfig::host_ssh_keys`].
     #[serde(default, deserialize_with = "null_default")]
     pub host_ssh_user: String,
-    /// Keys added to the host user's authorized_keys while the task lives.
+    /// Keys added to the host user's authorized_keys while the task lives; those that are not
+    /// one plain OpenSSH public key are skipped at start ([`TaskConfig::host_keys`]).
     #[serde(default, deserialize_with = "null_default")]
-    pub host_ssh_keys: Vec<PublicKey>,
-    /// Keys the runner authorizes inside the container.
+    pub host_ssh_keys: Vec<KeyLine>,
+    /// Keys the runner authorizes inside the container, passed to it as given.
     #[serde(default, deserialize_with = "null_default")]
-    pub container_ssh_keys: Vec<PublicKey>,
+    pub container_ssh_keys: Vec<KeyLine>,
 }
 
 impl TaskConfig {
@@ -256,14 +303,11 @@ impl TaskConfig {
         if self.shm_size < 0 {
             return Err(err("shm_size", "must be >= 0"));
         }
-        if !self.host_ssh_keys.is_empty() && self.host_ssh_user.is_empty() {
+        if !valid_user_name(&self.host_ssh_user) {
             return Err(err(
                 "host_ssh_user",
-                "is required when host_ssh_keys are given",
+                "must not contain '/', a line break or NUL, nor be \".\" or \"..\"",
             ));
-        }
-        if !self.host_ssh_user.is_empty() && !valid_user_name(&self.host_ssh_user) {
-            return Err(err("host_ssh_user", "is not a valid user name"));
         }
         for (i, m) in self.volume_mounts.iter().enumerate() {
             absolute(&format!("volume_mounts[{i}].path"), &m.path)?;
@@ -289,19 +333,9 @@ impl TaskConfig {
             )?;
         }
         for (i, v) in self.volumes.iter().enumerate() {
-            if v.backend == VolumeBackend::Aws && v.volume_id.is_empty() {
-                return Err(err(
-                    format!("volumes[{i}].volume_id"),
-                    "is required for aws",
-                ));
-            }
-            if v.backend == VolumeBackend::Gcp && v.device_name.is_empty() {
-                return Err(err(
-                    format!("volumes[{i}].device_name"),
-                    "is required for gcp",
-                ));
-            }
-            if v.volume_id.contains(['/', '\0']) || v.device_name.contains('\0') {
+            // A backend this shim cannot attach, or a missing field, fails the task at start
+            // (`VolumeSpec::problem`): only what could reach a path or a command is refused here.
+            if v.volume_id.contains(['/', '\0', '\n']) || v.device_name.contains(['\0', '\n']) {
                 return Err(err(
                     format!("volumes[{i}]"),
                     "contains a forbidden character",
@@ -327,6 +361,21 @@ impl TaskConfig {
         } else {
             &self.container_user
         }
+    }
+
+    /// The host keys that are one plain OpenSSH public key each (written to authorized_keys),
+    /// and the rejected ones with why (skipped and logged, never written: upstream skips them
+    /// too, and a 400 would make the server retry the submit for minutes).
+    pub fn host_keys(&self) -> (Vec<PublicKey>, Vec<InvalidKey>) {
+        let mut valid = Vec::new();
+        let mut invalid = Vec::new();
+        for k in &self.host_ssh_keys {
+            match k.parse() {
+                Ok(key) => valid.push(key),
+                Err(e) => invalid.push(e),
+            }
+        }
+        (valid, invalid)
     }
 
     /// The image reference to pull: bare names get `:latest`.
@@ -361,13 +410,81 @@ fn absolute(field: &str, path: &str) -> Result<(), ConfigError> {
     Ok(())
 }
 
-/// POSIX-ish user names: what `useradd` accepts.
+/// A host user name as upstream takes it (any name the passwd database may hold, looked up at
+/// start): only what could reach a path or a line is refused. Empty means "no user".
 fn valid_user_name(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 32
-        && !s.starts_with('-')
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b'$'))
+    !s.contains(['/', '\n', '\r', '\0']) && s != "." && s != ".."
+}
+
+/// An SSH key line as the server sends it (read from users' files without validation): any
+/// text without a line break or NUL, so it can never inject a second line into a file or a
+/// command.
+#[derive(Clone, PartialEq, Eq, Hash, Serialize)]
+#[serde(transparent)]
+pub struct KeyLine(String);
+
+impl KeyLine {
+    /// Checks that `s` holds no line break and no NUL.
+    pub fn new(s: impl Into<String>) -> Result<Self, InvalidKey> {
+        let s = s.into();
+        if s.contains(['\n', '\r', '\0']) {
+            return Err(InvalidKey {
+                shown: s.chars().take(40).collect(),
+                why: "contains a line break or NUL".to_owned(),
+            });
+        }
+        Ok(Self(s))
+    }
+
+    /// The line as given.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The line as one plain OpenSSH public key, if it is one (no options, a known type,
+    /// matching key data).
+    pub fn parse(&self) -> Result<PublicKey, InvalidKey> {
+        PublicKey::parse(&self.0)
+    }
+}
+
+impl fmt::Debug for KeyLine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+impl From<PublicKey> for KeyLine {
+    fn from(k: PublicKey) -> Self {
+        Self(k.line().to_owned())
+    }
+}
+
+impl<'de> Deserialize<'de> for KeyLine {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Self::new(String::deserialize(d)?).map_err(serde::de::Error::custom)
+    }
+}
+
+impl VolumeSpec {
+    /// Why this shim cannot attach the volume, if it cannot: an unsupported backend, or a field
+    /// its backend needs that is missing. Checked at start (the task then ends with
+    /// `executor_error` naming the volume), not at submit, as upstream does.
+    pub fn problem(&self) -> Option<String> {
+        match &self.backend {
+            VolumeBackend::Aws if self.volume_id.is_empty() => {
+                Some("volume_id is required for the aws backend".to_owned())
+            }
+            VolumeBackend::Gcp if self.device_name.is_empty() => {
+                Some("device_name is required for the gcp backend".to_owned())
+            }
+            VolumeBackend::Aws | VolumeBackend::Gcp => None,
+            VolumeBackend::Other(b) if b.is_empty() => Some("no backend given".to_owned()),
+            VolumeBackend::Other(b) => Some(format!(
+                "backend {b:?} is not supported by this shim (aws and gcp are)"
+            )),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -407,7 +524,8 @@ mod tests {
             ("memory", serde_json::json!(-1)),
             ("shm_size", serde_json::json!(-1)),
             ("network_mode", serde_json::json!("none")),
-            ("host_ssh_keys", serde_json::json!(["garbage"])),
+            ("host_ssh_keys", serde_json::json!([format!("{KEY}\r")])),
+            ("host_ssh_user", serde_json::json!("../root")),
             (
                 "container_ssh_keys",
                 serde_json::json!([format!("{KEY}\n{KEY}")]),
@@ -431,11 +549,36 @@ mod tests {
             v.as_object_mut().unwrap().remove(missing);
             assert!(parse(v).is_err(), "missing {missing}");
         }
+        // Upstream accepts these at submit and handles them at start (SPEC §2): keys that do
+        // not parse are skipped, a missing user fails the key step, a volume this shim cannot
+        // attach fails the task. upstream: runner/internal/shim/docker.go (Run: AppendPublicKeys
+        // with user.Lookup at start), runner/internal/shim/backends (backend chosen at start).
         let mut v = base.clone();
-        v["host_ssh_keys"] = serde_json::json!([KEY]);
-        assert!(parse(v.clone()).is_err(), "keys without a user");
-        v["host_ssh_user"] = serde_json::json!("ubuntu");
+        v["host_ssh_keys"] = serde_json::json!([KEY, "garbage", format!("command=\"x\" {KEY}")]);
+        let c = parse(v.clone()).unwrap();
+        let (valid, invalid) = c.host_keys();
+        assert_eq!(valid.len(), 1);
+        assert_eq!(invalid.len(), 2);
+        v["host_ssh_user"] = serde_json::json!("john.doe@corp.example");
         parse(v).unwrap();
+        let mut v = base.clone();
+        v["volumes"] = serde_json::json!([
+            {"backend": "azure", "name": "v1", "volume_id": "x"},
+            {"backend": "gcp", "name": "v2"},
+            {"name": "v3"},
+            {"backend": "aws", "name": "v4", "volume_id": "vol-1"},
+        ]);
+        let c = parse(v).unwrap();
+        let problems: Vec<Option<String>> = c.volumes.iter().map(VolumeSpec::problem).collect();
+        assert!(
+            problems[0]
+                .as_deref()
+                .unwrap()
+                .contains("\"azure\" is not supported")
+        );
+        assert!(problems[1].as_deref().unwrap().contains("device_name"));
+        assert!(problems[2].as_deref().unwrap().contains("no backend"));
+        assert_eq!(problems[3], None);
     }
 
     #[test]

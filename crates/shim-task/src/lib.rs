@@ -82,8 +82,8 @@ pub mod ssh;
 pub mod status;
 
 pub use config::{
-    ConfigError, GpuDevice, InstanceMountPoint, NetworkMode, Secret, TaskConfig, VolumeBackend,
-    VolumeMountPoint, VolumeSpec,
+    ConfigError, GpuDevice, InstanceMountPoint, KeyLine, NetworkMode, Secret, TaskConfig,
+    VolumeBackend, VolumeMountPoint, VolumeSpec,
 };
 pub use ids::{InvalidId, TaskId, TaskName};
 pub use info::{HostKeysGrant, MountedVolume, PortMapping, PullProgress, Resources, TaskInfo};

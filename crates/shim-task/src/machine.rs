@@ -485,7 +485,7 @@ impl Task {
 /// The steps of start for a config, in order.
 fn plan(config: &TaskConfig) -> Vec<StartStep> {
     let mut steps = vec![StartStep::AcquireGpus];
-    if !config.host_ssh_keys.is_empty() {
+    if !config.host_keys().0.is_empty() {
         steps.push(StartStep::AddHostKeys);
     }
     steps.extend((0..config.volumes.len()).map(StartStep::MountVolume));
@@ -507,7 +507,7 @@ fn begin(t: &mut Task, step: StartStep, actions: &mut Vec<Action>) {
         StartStep::AcquireGpus => Some(Action::AcquireGpus { count: c.gpu }),
         StartStep::AddHostKeys => Some(Action::AddHostKeys(HostKeysGrant {
             user: c.host_ssh_user.clone(),
-            keys: c.host_ssh_keys.clone(),
+            keys: c.host_keys().0,
         })),
         StartStep::MountVolume(i) => c.volumes.get(i).cloned().map(Action::MountVolume),
         StartStep::CreateDir(i) => c

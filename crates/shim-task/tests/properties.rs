@@ -121,7 +121,7 @@ fn config_from(gpu: i64, keys: bool, volumes: u8, dirs: u8, bridge: bool) -> Tas
     c.gpu = gpu;
     if keys {
         c.host_ssh_user = "ubuntu".into();
-        c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap()];
+        c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap().into()];
     }
     c.volumes = (0..volumes)
         .map(|i| VolumeSpec {

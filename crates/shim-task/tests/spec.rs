@@ -22,7 +22,7 @@ fn config() -> TaskConfig {
     );
     c.gpu = 1;
     c.host_ssh_user = "ubuntu".into();
-    c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap()];
+    c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap().into()];
     c.volumes = vec![VolumeSpec {
         backend: VolumeBackend::Aws,
         name: TaskName::new("data").unwrap(),
