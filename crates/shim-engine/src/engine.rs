@@ -16,7 +16,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
-use crate::labels::owner_identity;
 
 /// The external systems the engine works with. Real implementations for the binary, fakes for
 /// tests.
@@ -41,27 +40,45 @@ pub struct Deps {
 /// One task in memory: the state machine's task, plus what only this process needs.
 pub(crate) struct Slot {
     pub(crate) id: TaskId,
+    /// The task's container name (fixed at submit): its directory's name.
+    pub(crate) container_name: String,
     task: Mutex<Task>,
-    /// Serializes writes of this task's record, so a later write never loses to an earlier one;
-    /// guards `deleted` (set under it, so no write recreates a deleted task's directory).
-    persist: tokio::sync::Mutex<bool>,
+    /// Serializes the task's steps with their state writes: a step that changes the record,
+    /// its write and the write's outcome are one unit no other step of the task comes between
+    /// (so the file always ends with the newest state, and the durable view is exact). Guards
+    /// `deleted` (set under it, so no write recreates a deleted task's directory). Never held
+    /// across a side effect.
+    step_lock: tokio::sync::Mutex<bool>,
     /// True while the start job runs (until it has also released what it must).
     starting: tokio::sync::watch::Sender<bool>,
     /// Cancels the pull in flight.
     pub(crate) pull_cancel: CancellationToken,
     /// Registry credentials from submit: memory only.
     pub(crate) auth: Option<RegistryAuth>,
+    /// The task's state is never written: its container (made by the upstream shim before it
+    /// kept state files) mounts the whole task directory, where the container could change it.
+    stateless: bool,
 }
 
 impl Slot {
     pub(crate) fn new(task: Task, auth: Option<RegistryAuth>) -> Self {
         Self {
             id: task.record.id.clone(),
+            container_name: task.record.container_name.clone(),
             task: Mutex::new(task),
-            persist: tokio::sync::Mutex::new(false),
+            step_lock: tokio::sync::Mutex::new(false),
             starting: tokio::sync::watch::Sender::new(false),
             pull_cancel: CancellationToken::new(),
             auth,
+            stateless: false,
+        }
+    }
+
+    /// A task restored at start-up (`stateless`: see [`Slot::stateless`]).
+    pub(crate) fn restored(task: Task, stateless: bool) -> Self {
+        Self {
+            stateless,
+            ..Self::new(task, None)
         }
     }
 
@@ -81,8 +98,9 @@ impl Slot {
         self.lock().clone()
     }
 
-    /// Steps the state machine atomically; the task is replaced only on success.
-    pub(crate) fn step(&self, event: Event) -> Result<Vec<Action>> {
+    /// Steps the state machine atomically; the task is replaced only on success. Callers that
+    /// may change the record go through [`Inner::step`], which holds the step lock.
+    pub(crate) fn step_volatile(&self, event: Event) -> Result<Vec<Action>> {
         let mut task = self.lock();
         let tr = step(&task, event, now_ms())?;
         *task = tr.task;
@@ -95,6 +113,21 @@ pub(crate) fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+/// An error with its whole cause chain, as the API answers and the log show it.
+pub(crate) fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
 }
 
 pub(crate) struct Inner {
@@ -142,19 +175,17 @@ impl Inner {
         Ok(tokio::task::spawn_blocking(move || f(&store)).await??)
     }
 
-    /// Writes the task's current record. Serialized per task; the record is read after the
-    /// per-task lock is taken, so the file always ends with the newest state.
-    pub(crate) async fn persist(&self, slot: &Slot) -> Result<()> {
-        let deleted = slot.persist.lock().await;
-        if *deleted {
+    /// Writes the task's current record (the caller holds the step lock).
+    async fn write(&self, slot: &Slot, deleted: bool) -> Result<()> {
+        if deleted || slot.stateless {
             // Removed: nothing of it may come back on disk.
             return Ok(());
         }
         let record: TaskRecord = slot.lock().record.clone();
         self.blocking(move |store| match store.write(&record) {
             Err(shim_store::StoreError::NoTaskDir { .. }) if record.config.is_none() => {
-                // A task adopted from a container of an older shim has no directory yet.
-                store.create_task_dir(&record.id)?;
+                // A task adopted from a container without a state file has no directory yet.
+                store.create_task_dir(&record.container_name)?;
                 store.write(&record)
             }
             other => other,
@@ -162,21 +193,55 @@ impl Inner {
         .await
     }
 
+    /// Steps `event` under the task's step lock. A leading [`Action::Persist`] is carried out
+    /// at once, under the same lock, and its outcome stepped; the actions returned are what
+    /// remains to do. A failed write is reported as the second value (the task has recorded
+    /// it; what it still wants goes out once a later write succeeds).
+    pub(crate) async fn step(
+        &self,
+        slot: &Slot,
+        event: Event,
+    ) -> Result<(Vec<Action>, Option<EngineError>)> {
+        let deleted = slot.step_lock.lock().await;
+        let mut actions = slot.step_volatile(event)?;
+        if actions.first() != Some(&Action::Persist) {
+            return Ok((actions, None));
+        }
+        actions.remove(0);
+        let (outcome, failure) = match self.write(slot, *deleted).await {
+            Ok(()) => (Event::Persisted, None),
+            Err(e) => {
+                let message = chain(&e);
+                tracing::warn!(task = %slot.id, error = %message, "cannot write the task's state; retried by the reconciler");
+                (Event::PersistFailed { message }, Some(e))
+            }
+        };
+        let more = slot.step_volatile(outcome)?;
+        // Relocks (the only actions a write may carry along) go first.
+        actions.extend(more);
+        Ok((actions, failure))
+    }
+
     /// Deletes the task's directory; no later write recreates it.
     pub(crate) async fn delete_dir(&self, slot: &Slot) -> Result<()> {
-        let mut deleted = slot.persist.lock().await;
-        let id = slot.id.clone();
-        self.blocking(move |store| store.delete(&id)).await?;
+        let mut deleted = slot.step_lock.lock().await;
+        let name = slot.container_name.clone();
+        self.blocking(move |store| store.delete(&name)).await?;
         *deleted = true;
         Ok(())
     }
 
     /// Feeds `event` to the task and carries out the resulting actions in order. The outcome
     /// of an action is stepped at once, and the actions it yields run before the rest of the
-    /// list (depth first), so "persist before the next side effect" holds across outcomes.
+    /// list (depth first). Returns the first failure (a state write, an action without an
+    /// outcome), after everything that could still be done was done.
     pub(crate) async fn drive(self: &Arc<Self>, slot: &Arc<Slot>, event: Event) -> Result<()> {
-        let actions = slot.step(event)?;
-        self.run_actions(slot, actions).await
+        let (actions, failure) = self.step(slot, event).await?;
+        let result = self.run_actions(slot, actions).await;
+        match failure {
+            Some(e) => Err(e),
+            None => result,
+        }
     }
 
     pub(crate) async fn run_actions(
@@ -185,15 +250,37 @@ impl Inner {
         actions: Vec<Action>,
     ) -> Result<()> {
         let mut queue: VecDeque<Action> = actions.into();
+        let mut first_failure = None;
         while let Some(action) = queue.pop_front() {
-            if let Some(outcome) = self.execute(slot, action).await? {
-                let more = slot.step(outcome)?;
-                for a in more.into_iter().rev() {
-                    queue.push_front(a);
+            let event = match self.execute(slot, action.clone()).await {
+                Ok(Some(outcome)) => outcome,
+                Ok(None) => continue,
+                Err(e) => {
+                    // The action failed without an outcome: the rest of the list is dropped,
+                    // and the task is told, so nothing stays marked as in flight.
+                    let message = chain(&e);
+                    tracing::warn!(task = %slot.id, ?action, error = %message, "action failed");
+                    let mut abandoned = vec![action];
+                    abandoned.extend(queue.drain(..));
+                    first_failure.get_or_insert(e);
+                    Event::ActionsAbandoned {
+                        actions: abandoned,
+                        message,
+                    }
                 }
+            };
+            let (more, failure) = self.step(slot, event).await?;
+            if let Some(e) = failure {
+                first_failure.get_or_insert(e);
+            }
+            for a in more.into_iter().rev() {
+                queue.push_front(a);
             }
         }
-        Ok(())
+        match first_failure {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// The start job: drives start from `StartBegan` until it finishes, whatever happens.
@@ -202,22 +289,22 @@ impl Inner {
         let _running = StartingGuard(&slot.starting);
         let outcome = self.drive(&slot, Event::StartBegan).await;
         if let Err(e) = &outcome {
-            tracing::error!(task = %slot.id, error = %e, "start failed");
+            tracing::error!(task = %slot.id, error = %chain(e), "start failed");
         }
         // Start must always give up ownership, also when the driver stopped on an error.
         if slot.lock().start_in_flight {
             if let Err(e) = outcome {
                 let ev = Event::StartAborted {
-                    message: format!("start failed: {e}"),
+                    message: format!("start failed: {}", chain(&e)),
                 };
                 if let Err(e) = self.drive(&slot, ev).await {
-                    tracing::error!(task = %slot.id, error = %e, "aborting start failed");
+                    tracing::error!(task = %slot.id, error = %chain(&e), "aborting start failed");
                 }
             }
             if slot.lock().start_in_flight
                 && let Err(e) = self.drive(&slot, Event::StartFinished).await
             {
-                tracing::error!(task = %slot.id, error = %e, "finishing start failed");
+                tracing::error!(task = %slot.id, error = %chain(&e), "finishing start failed");
             }
         }
         self.wake.notify_one();
@@ -255,12 +342,12 @@ impl Engine {
     /// exited while the shim was down have been processed.
     pub async fn open(cfg: EngineConfig, deps: Deps) -> Result<Engine> {
         let home = cfg.home.clone();
-        let store = tokio::task::spawn_blocking(move || Store::open(home)).await??;
-        let owner = owner_identity(&cfg.home);
+        let store = Arc::new(tokio::task::spawn_blocking(move || Store::open(home)).await??);
+        let owner = crate::restore::determine_owner(&store, deps.runtime.as_ref()).await?;
         let inner = Arc::new(Inner {
             cfg,
             deps,
-            store: Arc::new(store),
+            store,
             owner,
             tasks: Mutex::new(BTreeMap::new()),
             wake: Notify::new(),
@@ -307,6 +394,10 @@ impl Engine {
                 username: config.registry_username.clone(),
                 password: config.registry_password.expose().to_owned(),
             });
+        let (_, skipped) = config.host_keys();
+        for key in &skipped {
+            tracing::warn!(task = %id, error = %key, "host SSH key skipped: not one plain OpenSSH public key (never written)");
+        }
         let slot = Arc::new(Slot::new(Task::new(record.clone()), auth));
         {
             let mut table = inner.table();
@@ -315,12 +406,27 @@ impl Engine {
             }
             table.insert(id.clone(), slot.clone());
         }
-        let created = inner
-            .blocking(move |store| {
-                store.create_task_dir(&record.id)?;
-                store.write(&record)
-            })
-            .await;
+        // The first write, under the task's step lock like every other one: the state file
+        // exists before the answer, and before anything is acquired.
+        let created = {
+            let _guard = slot.step_lock.lock().await;
+            inner
+                .blocking(move |store| {
+                    store.create_task_dir(&record.container_name)?;
+                    match store.write(&record) {
+                        Ok(()) => Ok(()),
+                        Err(e) => {
+                            // Nothing was acquired: leave nothing behind (or a skeleton the
+                            // next start-up sweeps).
+                            if let Err(rm) = store.remove_skeleton(&record.container_name) {
+                                tracing::warn!(error = %rm, "cannot remove the directory of a failed submit");
+                            }
+                            Err(e)
+                        }
+                    }
+                })
+                .await
+        };
         if let Err(e) = created {
             inner.table().remove(&id);
             return Err(match e {

@@ -22,10 +22,9 @@ impl Inner {
         let id = slot.id.clone();
         tracing::debug!(task = %id, ?action, "action");
         Ok(match action {
-            Action::Persist => {
-                self.persist(slot).await?;
-                None
-            }
+            // Writes are carried out by `Inner::step`, under the step lock; a stray one asks
+            // for it there.
+            Action::Persist => Some(Event::PersistRequested),
             Action::AcquireGpus { count } => Some(match self.deps.gpus.acquire(count) {
                 Ok(ids) => Event::GpusAcquired(ids),
                 Err(e) => Event::PrepareFailed {
@@ -52,7 +51,17 @@ impl Inner {
                         .into_owned(),
                     device: String::new(),
                 };
-                let actions = slot.step(Event::VolumeMounting(ahead))?;
+                let (actions, failure) = self.step(slot, Event::VolumeMounting(ahead)).await?;
+                if let Some(e) = failure {
+                    // Not recorded ahead: never mounted.
+                    return Ok(Some(Event::PrepareFailed {
+                        message: format!(
+                            "cannot record volume {:?} before mounting it: {}",
+                            spec.name.as_str(),
+                            crate::engine::chain(&e)
+                        ),
+                    }));
+                }
                 Box::pin(self.run_actions(slot, actions)).await?;
                 Some(self.mount(&spec).await)
             }
@@ -108,6 +117,7 @@ impl Inner {
                 None
             }
             Action::DeleteTaskDir => {
+                // Renamed to a trash name first, then removed (SPEC §4).
                 let held = slot.lock().record.resources.clone();
                 if held.holds_any() {
                     return Err(EngineError::ReleaseIncomplete {
@@ -150,7 +160,11 @@ impl Inner {
                 }
             }
         }
-        let log_path = self.store.paths(&slot.id).ok().map(|p| p.pull_log);
+        let log_path = self
+            .store
+            .paths(&slot.container_name)
+            .ok()
+            .map(|p| p.pull_log);
         let request = PullRequest {
             image: image.clone(),
             auth: slot.auth.clone(),
@@ -160,7 +174,7 @@ impl Inner {
         let progress_slot = slot.clone();
         let progress = move |p: shim_runtime::PullProgress| {
             // Progress never changes the record: stepping it only updates the view.
-            let _ = progress_slot.step(Event::PullProgressed(convert_progress(p)));
+            let _ = progress_slot.step_volatile(Event::PullProgressed(convert_progress(p)));
         };
         tracing::info!(task = %slot.id, %image, "pulling image");
         match runtime
@@ -227,10 +241,20 @@ impl Inner {
                 .create(&spec)
                 .await
                 .map_err(|e| format!("cannot recreate container without display: {e}"))?;
-            slot.lock().record.container_id = cid.clone();
-            self.persist(slot)
-                .await
-                .map_err(|e| format!("cannot persist the recreated container: {e}"))?;
+            // The record's one writer is the state machine: the new id goes through it, and
+            // is durable before the container starts.
+            let recreated = Event::ContainerRecreated {
+                container_id: cid.clone(),
+            };
+            match self.step(slot, recreated).await {
+                Ok((_, None)) => {}
+                Ok((_, Some(e))) | Err(e) => {
+                    return Err(format!(
+                        "cannot record the recreated container: {}",
+                        crate::engine::chain(&e)
+                    ));
+                }
+            }
             if let Err(e) = runtime.start(&cid).await {
                 return Err(self.start_failure(&cid, &e.to_string()).await);
             }
@@ -273,6 +297,9 @@ impl Inner {
                 Err(e) => errors.push(format!("SSH keys of {:?}: {e}", grant.user)),
             }
         }
+        // Dropping the hold on unknown-origin key lines lets the next rewrite of that user's
+        // file prune them (SPEC §7).
+        let unknown_keys = resources.unknown_keys.is_some();
         let mut volumes = Vec::new();
         for v in &resources.volumes {
             match self.deps.volumes.release(v).await {
@@ -285,7 +312,7 @@ impl Inner {
         } else {
             tracing::warn!(task = %id, errors = ?errors, "release incomplete; will retry");
         }
-        let any = !resources.gpus.is_empty() || host_keys || !volumes.is_empty();
+        let any = !resources.gpus.is_empty() || host_keys || !volumes.is_empty() || unknown_keys;
         if !errors.is_empty() && !any {
             Event::ReleaseFailed {
                 message: errors.join("; "),
@@ -295,6 +322,7 @@ impl Inner {
                 gpus: resources.gpus,
                 host_keys,
                 volumes,
+                unknown_keys,
             }
         }
     }
@@ -318,7 +346,11 @@ impl Inner {
                         .logs_tail(container_id, self.cfg.exit_log_lines)
                         .await
                         .unwrap_or_default();
-                    Observation::Exited { code, last_lines }
+                    Observation::Exited {
+                        code,
+                        last_lines,
+                        oom_killed: d.oom_killed,
+                    }
                 }
             },
         }

@@ -18,8 +18,8 @@ use shim_runtime::ContainerSummary;
 use shim_task::TaskStatus;
 use shim_task::machine::{Event, Observation};
 
-use crate::engine::{Inner, now_ms};
-use crate::labels::{LABEL_TASK_ID, owner_labels};
+use crate::engine::{Inner, chain, now_ms};
+use crate::labels::{LABEL_TASK_ID, any_shim_filter, is_ours, owner_labels};
 
 impl Inner {
     /// Runs cycles until one succeeds (Docker may still be starting), with a bound, so the
@@ -49,13 +49,19 @@ impl Inner {
             .filter(|s| !s.lock().start_in_flight)
             .map(|s| s.id.as_str().to_owned())
             .collect();
-        let containers = match self.deps.runtime.list(&owner_labels(&self.owner)).await {
+        let containers = match self.deps.runtime.list(&any_shim_filter()).await {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!(error = %e, "container list failed; no task changed");
+                tracing::warn!(error = %chain(&e), "container list failed; no task changed");
                 return false;
             }
         };
+        let dirs = self.runners_dirs();
+        let dirs: Vec<&std::path::Path> = dirs.iter().map(std::path::PathBuf::as_path).collect();
+        let containers: Vec<ContainerSummary> = containers
+            .into_iter()
+            .filter(|c| is_ours(&c.labels, &c.mounts, &self.owner, &dirs))
+            .collect();
         let hints: HashSet<String> =
             std::mem::take(&mut *self.exit_hints.lock().unwrap_or_else(|p| p.into_inner()));
         let by_task: HashMap<&str, &ContainerSummary> = containers
@@ -74,6 +80,13 @@ impl Inner {
             };
             if in_flight || !settled.contains(slot.id.as_str()) {
                 continue;
+            }
+            if slot.lock().dirty {
+                // A write failed before (a full disk): retry it; what waited on it follows.
+                if let Err(e) = self.drive(&slot, Event::PersistRequested).await {
+                    tracing::warn!(task = %slot.id, error = %chain(&e), "state write still failing");
+                    continue;
+                }
             }
             let summary = by_task.get(slot.id.as_str()).copied().or_else(|| {
                 containers
@@ -100,12 +113,12 @@ impl Inner {
                     tracing::info!(task = %slot.id, observation = ?obs, "container observed");
                 }
                 if let Err(e) = self.drive(&slot, Event::Observed(obs)).await {
-                    tracing::error!(task = %slot.id, error = %e, "reconcile step failed");
+                    tracing::error!(task = %slot.id, error = %chain(&e), "reconcile step failed");
                 }
             }
             let needs_release = needs_release || slot.lock().needs_release();
             if needs_release && let Err(e) = self.drive(&slot, Event::ReleaseRequested).await {
-                tracing::error!(task = %slot.id, error = %e, "release failed");
+                tracing::error!(task = %slot.id, error = %chain(&e), "release failed");
             }
         }
         *self.last_cycle_ms.lock().unwrap_or_else(|p| p.into_inner()) = Some(now_ms());

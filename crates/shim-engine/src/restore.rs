@@ -1,87 +1,240 @@
 //! Restore at start-up (SPEC §5): state files and containers become tasks again.
+//!
+//! Tasks are paired with containers by container name (a task's directory is named after its
+//! container). State files of the upstream shim are adopted with what they hold; containers
+//! without a state file (an unreadable one moved aside, or an upstream container of the
+//! version without state files) are adopted from what the container shows.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use shim_runtime::{ContainerDetails, ContainerState as RtState};
-use shim_store::ScanEntry;
+use shim_runtime::{ContainerDetails, ContainerRuntime, ContainerState as RtState};
+use shim_store::{Origin, ScanEntry, Store};
 use shim_task::machine::Action;
 use shim_task::{
-    ContainerState, MountedVolume, ObservedContainer, PortMapping, TaskId, TaskRecord, restore,
+    ContainerState, HostKeysGrant, MountedVolume, ObservedContainer, PortMapping, TaskId,
+    TaskRecord, UnknownKeys, restore,
 };
 
-use crate::engine::{Inner, Slot, now_ms};
+use crate::engine::{Inner, Slot, chain, now_ms};
 use crate::error::{EngineError, Result};
-use crate::labels::{LABEL_GPUS, LABEL_TASK_ID, owner_labels};
+use crate::labels::{
+    LABEL_GPUS, LABEL_OWNER, LABEL_TASK_ID, LEGACY_LABEL_TASK, any_shim_filter, is_ours,
+    legacy_owner_identity, new_owner_identity, runner_mount,
+};
 
 /// How long start-up waits for the container runtime before giving up.
 const RUNTIME_WAIT: Duration = Duration::from_secs(60);
 
+/// Lists containers with `labels`, waiting (bounded) for the runtime to answer.
+async fn list_waiting(
+    runtime: &dyn ContainerRuntime,
+    labels: &[(String, String)],
+) -> Result<Vec<shim_runtime::ContainerSummary>> {
+    let deadline = tokio::time::Instant::now() + RUNTIME_WAIT;
+    loop {
+        match runtime.list(labels).await {
+            Ok(s) => return Ok(s),
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                tracing::warn!(error = %chain(&e), "container runtime not reachable yet; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e) => return Err(EngineError::RuntimeUnavailable(e)),
+        }
+    }
+}
+
+/// The owner identity of the home: the one stored in it, or, the first time, a new one — or,
+/// for a home of the first release (which derived it from the home's path as spelled), the
+/// identity its running containers carry, so they stay this shim's. Stored once.
+pub(crate) async fn determine_owner(
+    store: &Arc<Store>,
+    runtime: &dyn ContainerRuntime,
+) -> Result<String> {
+    let s = store.clone();
+    if let Some(id) = tokio::task::spawn_blocking(move || s.owner_id()).await?? {
+        return Ok(id);
+    }
+    let home = store.home().to_path_buf();
+    let id = if store.has_legacy_layout() {
+        let s = store.clone();
+        let records = tokio::task::spawn_blocking(move || s.legacy_records()).await?;
+        let mut found = None;
+        if !records.is_empty() {
+            let legacy = [(LEGACY_LABEL_TASK.to_owned(), "true".to_owned())];
+            for c in list_waiting(runtime, &legacy).await? {
+                let matches = records.iter().any(|r| {
+                    c.labels.get(LABEL_TASK_ID).map(String::as_str) == Some(r.id.as_str())
+                        && c.name == r.container_name
+                });
+                if matches && let Some(owner) = c.labels.get(LABEL_OWNER) {
+                    found = Some(owner.clone());
+                    break;
+                }
+            }
+        }
+        found.unwrap_or_else(|| legacy_owner_identity(&home))
+    } else {
+        new_owner_identity(&home)
+    };
+    let s = store.clone();
+    let stored = id.clone();
+    tokio::task::spawn_blocking(move || s.set_owner_id(&stored)).await??;
+    tracing::info!(owner = %id, "owner identity created and stored in the home");
+    Ok(id)
+}
+
+/// What the state files say about one container name.
+enum Found {
+    Record(Box<TaskRecord>, Origin),
+    /// The state file was unreadable (moved aside).
+    Corrupt,
+    /// A directory without a state file.
+    Bare {
+        skeleton: bool,
+    },
+}
+
 impl Inner {
+    /// The runners directory as spelled and as resolved (containers record either).
+    pub(crate) fn runners_dirs(&self) -> Vec<PathBuf> {
+        let dir = self.store.runners_dir().to_path_buf();
+        let mut dirs = vec![dir.clone()];
+        if let Ok(c) = fs_err::canonicalize(&dir)
+            && c != dir
+        {
+            dirs.push(c);
+        }
+        dirs
+    }
+
     /// Restores every task of this shim. Nothing is released before every live task's SSH
     /// keys and GPUs are registered again, so a release never drops what a live task needs.
     pub(crate) async fn restore_all(self: &Arc<Self>) -> Result<()> {
-        let entries = self
+        let (migration, swept, entries) = self
             .blocking(|store| {
+                let migration = store.migrate_legacy()?;
                 let swept = store.sweep_trash();
-                if swept > 0 {
-                    tracing::info!(swept, "removed leftover trash directories");
-                }
-                store.scan()
+                Ok((migration, swept, store.scan()?))
             })
             .await?;
-        let mut records: BTreeMap<TaskId, Option<TaskRecord>> = BTreeMap::new();
+        if migration.moved > 0 || migration.left > 0 {
+            tracing::info!(
+                moved = migration.moved,
+                left = migration.left,
+                "task directories of the first release migrated"
+            );
+        }
+        if swept > 0 {
+            tracing::info!(swept, "removed leftover trash directories");
+        }
+        let mut found: BTreeMap<String, Found> = BTreeMap::new();
         for entry in entries {
             match entry {
-                ScanEntry::Record(r) => {
-                    records.insert(r.id.clone(), Some(r));
+                ScanEntry::Record { record, origin } => {
+                    found.insert(
+                        record.container_name.clone(),
+                        Found::Record(Box::new(record), origin),
+                    );
                 }
-                ScanEntry::NoRecord { dir } => {
-                    tracing::debug!(dir = %dir.display(), "task directory without a state file left alone");
+                ScanEntry::NoRecord { name, skeleton, .. } => {
+                    found.insert(name, Found::Bare { skeleton });
                 }
                 ScanEntry::Corrupt {
-                    id,
+                    name,
                     dir,
                     moved_to,
                     error,
                 } => {
                     tracing::error!(
-                        task = %id,
                         dir = %dir.display(),
                         moved_to = ?moved_to,
                         error = %error,
                         "unreadable state file moved aside; the task is restored from its container if it has one"
                     );
-                    records.insert(id, None);
+                    found.insert(name, Found::Corrupt);
                 }
             }
         }
 
         let containers = self.list_at_startup().await?;
-        let mut observed: BTreeMap<TaskId, ObservedContainer> = BTreeMap::new();
-        for c in containers {
-            if let Some(o) = observe(&c, &self.cfg.volumes_root) {
-                if observed.contains_key(&o.task_id) {
-                    tracing::warn!(task = %o.task_id, container = %o.id, "a second container for one task; ignored");
-                    continue;
-                }
-                observed.insert(o.task_id.clone(), o);
-            }
-        }
-
-        let ids: BTreeSet<TaskId> = records.keys().chain(observed.keys()).cloned().collect();
-        let mut restored = Vec::new();
-        for id in ids {
-            let record = records.remove(&id).flatten();
-            let container = observed.remove(&id);
-            let running = container.as_ref().is_some_and(|c| c.state.is_running());
-            let Some((task, actions)) = restore(record, container, now_ms()) else {
+        let referenced: BTreeSet<String> = containers
+            .iter()
+            .flat_map(|c| c.mounts.iter().map(|m| m.source.clone()))
+            .collect();
+        let mut observed: BTreeMap<String, (ObservedContainer, bool)> = BTreeMap::new();
+        for c in &containers {
+            let Some(o) = observe(c, &self.cfg.volumes_root) else {
                 continue;
             };
-            tracing::info!(task = %id, status = %task.status(), reason = ?task.record.termination_reason, "task restored");
-            restored.push((Arc::new(Slot::new(task, None)), actions, running));
+            if observed.contains_key(&o.name) {
+                tracing::warn!(container = %o.id, "a second container with one name; ignored");
+                continue;
+            }
+            // A container of the upstream version without state files mounts its whole
+            // task directory: nothing the shim keeps may be written there.
+            let whole_dir = runner_mount(&c.mounts)
+                .is_some_and(|src| Path::new(src).parent() == Some(self.store.runners_dir()));
+            observed.insert(o.name.clone(), (o, whole_dir));
+        }
+
+        let names: BTreeSet<String> = found.keys().chain(observed.keys()).cloned().collect();
+        let mut restored = Vec::new();
+        for name in names {
+            let (container, whole_dir) = match observed.remove(&name) {
+                Some((c, w)) => (Some(c), w),
+                None => (None, false),
+            };
+            let running = container.as_ref().is_some_and(|c| c.state.is_running());
+            let (record, unknown) = match found.remove(&name) {
+                Some(Found::Record(mut r, origin)) => {
+                    if origin == Origin::Upstream {
+                        self.complete_upstream_record(&mut r);
+                    }
+                    (Some(*r), None)
+                }
+                Some(Found::Corrupt) => (None, Some(UnknownKeys { user: None })),
+                Some(Found::Bare { skeleton }) => {
+                    if container.is_none() {
+                        let dir = self.store.runners_dir().join(&name);
+                        if skeleton && !referenced.iter().any(|s| Path::new(s).starts_with(&dir)) {
+                            // What a submit cut short before its first write leaves: no
+                            // container can exist for it (the state file is written before
+                            // any acquisition).
+                            let n = name.clone();
+                            match self.blocking(move |s| s.remove_skeleton(&n)).await {
+                                Ok(true) => {
+                                    tracing::info!(dir = %dir.display(), "removed the empty directory of a submit cut short")
+                                }
+                                Ok(false) => {}
+                                Err(e) => {
+                                    tracing::warn!(dir = %dir.display(), error = %chain(&e), "cannot remove an empty task directory")
+                                }
+                            }
+                        } else {
+                            tracing::debug!(dir = %dir.display(), "task directory without a state file left alone");
+                        }
+                        continue;
+                    }
+                    (None, None)
+                }
+                None => (None, None),
+            };
+            let Some((mut task, actions)) = restore(record, container, now_ms()) else {
+                continue;
+            };
+            if let Some(hold) = unknown
+                && !task.record.resources.released
+            {
+                task.record.resources.unknown_keys = Some(hold);
+            }
+            tracing::info!(task = %task.record.id, status = %task.status(), reason = ?task.record.termination_reason, "task restored");
+            if whole_dir {
+                tracing::warn!(task = %task.record.id, "container mounts its whole task directory (an upstream shim without state files made it): its state stays in memory");
+            }
+            restored.push((Arc::new(Slot::restored(task, whole_dir)), actions, running));
         }
         // GPUs go to the tasks whose containers run first: when two tasks claim one GPU (a
         // stale container of an older shim, a duplicate), the one using it keeps it, and the
@@ -99,40 +252,78 @@ impl Inner {
         }
         let mut rest = Vec::new();
         for (slot, actions, _) in restored {
-            self.table().insert(slot.id.clone(), slot.clone());
+            let dup = self.table().insert(slot.id.clone(), slot.clone());
+            if let Some(other) = dup {
+                tracing::warn!(task = %slot.id, first = %other.container_name, second = %slot.container_name, "two task directories or containers for one task id; the second one is used");
+            }
             let (locks, others): (Vec<Action>, Vec<Action>) = actions
                 .into_iter()
                 .partition(|a| matches!(a, Action::LockGpus(_)));
             if let Err(e) = self.run_actions(&slot, locks).await {
-                tracing::error!(task = %slot.id, error = %e, "relocking GPUs failed");
+                tracing::error!(task = %slot.id, error = %chain(&e), "relocking GPUs failed");
             }
             rest.push((slot, others));
         }
         // Phase 2: everything else (persist the restored state, stop, release).
         for (slot, actions) in rest {
-            if let Err(e) = self.run_actions(&slot, actions).await {
-                tracing::error!(task = %slot.id, error = %e, "restore actions failed; the reconciler retries");
+            let result = match actions.first() {
+                Some(Action::Persist) => {
+                    // restore() asked for a write: carry it out under the step lock.
+                    self.drive(&slot, shim_task::Event::PersistRequested).await
+                }
+                _ => self.run_actions(&slot, actions).await,
+            };
+            if let Err(e) = result {
+                tracing::error!(task = %slot.id, error = %chain(&e), "restore actions failed; the reconciler retries");
             }
         }
         Ok(())
     }
 
+    /// Fills in what a state file of the upstream shim does not hold: the resources its
+    /// config says the task acquired (unless upstream recorded them as cleaned up).
+    fn complete_upstream_record(&self, r: &mut TaskRecord) {
+        if r.resources.released {
+            return;
+        }
+        match &r.config {
+            Some(c) => {
+                let (keys, _) = c.host_keys();
+                if !keys.is_empty() {
+                    r.resources.host_keys = Some(HostKeysGrant {
+                        user: c.host_ssh_user.clone(),
+                        keys,
+                    });
+                }
+                r.resources.volumes = c
+                    .volumes
+                    .iter()
+                    .map(|v| MountedVolume {
+                        name: v.name.to_string(),
+                        mount_point: self
+                            .deps
+                            .volumes
+                            .mount_point(v.name.as_str())
+                            .to_string_lossy()
+                            .into_owned(),
+                        device: String::new(),
+                    })
+                    .collect();
+            }
+            None => r.resources.unknown_keys = Some(UnknownKeys { user: None }),
+        }
+    }
+
     /// Lists this shim's containers and inspects each; waits (bounded) for the runtime.
     async fn list_at_startup(&self) -> Result<Vec<ContainerDetails>> {
-        let labels = owner_labels(&self.owner);
-        let deadline = tokio::time::Instant::now() + RUNTIME_WAIT;
-        let summaries = loop {
-            match self.deps.runtime.list(&labels).await {
-                Ok(s) => break s,
-                Err(e) if tokio::time::Instant::now() < deadline => {
-                    tracing::warn!(error = %e, "container runtime not reachable yet; retrying");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
-                Err(e) => return Err(EngineError::RuntimeUnavailable(e)),
-            }
-        };
+        let summaries = list_waiting(self.deps.runtime.as_ref(), &any_shim_filter()).await?;
+        let dirs = self.runners_dirs();
+        let dirs: Vec<&Path> = dirs.iter().map(PathBuf::as_path).collect();
         let mut out = Vec::new();
         for s in summaries {
+            if !is_ours(&s.labels, &s.mounts, &self.owner, &dirs) {
+                continue;
+            }
             match self.deps.runtime.inspect(&s.id).await {
                 Ok(d) => out.push(d),
                 Err(shim_runtime::RuntimeError::NotFound { .. }) => {}
@@ -187,7 +378,8 @@ fn observe(d: &ContainerDetails, volumes_root: &Path) -> Option<ObservedContaine
 }
 
 /// GPU ids of a container: our label first (any vendor, fake hosts too), then NVIDIA device
-/// requests, then AMD render nodes.
+/// requests, then AMD render nodes (as upstream recovers them: `docker.go`,
+/// `restoreStateFromContainers`).
 fn gpu_ids(d: &ContainerDetails) -> Vec<String> {
     if let Some(l) = d.labels.get(LABEL_GPUS) {
         return l

@@ -13,7 +13,7 @@ use shim_task::{NetworkMode as TaskNetwork, TaskConfig};
 
 use crate::engine::Inner;
 use crate::error::{EngineError, Result};
-use crate::labels::{LABEL_GPUS, LABEL_OWNER, LABEL_TASK, LABEL_TASK_ID};
+use crate::labels::{LABEL_GPUS, LABEL_IS_TASK, LABEL_OWNER, LABEL_TASK_ID};
 
 /// The container spec of a task that has a config (start only runs for those).
 pub(crate) fn container_spec(inner: &Inner, task: &Task) -> Result<ContainerSpec> {
@@ -25,7 +25,7 @@ pub(crate) fn container_spec(inner: &Inner, task: &Task) -> Result<ContainerSpec
             id: task.record.id.clone(),
             status: task.record.status,
         })?;
-    let paths = inner.store.paths(&task.record.id)?;
+    let paths = inner.store.paths(&task.record.container_name)?;
     Ok(build_container_spec(&inputs(
         inner,
         task,
@@ -38,7 +38,7 @@ fn inputs(inner: &Inner, task: &Task, config: &TaskConfig, runner_dir: PathBuf) 
     let cfg = &inner.cfg;
     let gpus = &task.record.resources.gpus;
     let mut labels = BTreeMap::new();
-    labels.insert(LABEL_TASK.to_owned(), "true".to_owned());
+    labels.insert(LABEL_IS_TASK.to_owned(), "true".to_owned());
     labels.insert(LABEL_TASK_ID.to_owned(), task.record.id.to_string());
     labels.insert(LABEL_OWNER.to_owned(), inner.owner.clone());
     if !gpus.is_empty() {
@@ -76,7 +76,9 @@ fn inputs(inner: &Inner, task: &Task, config: &TaskConfig, runner_dir: PathBuf) 
         .iter()
         .filter_map(|name| std::env::var(name).ok().map(|v| (name.clone(), v)))
         .collect();
-    let gpu = if !config.gpu_devices.is_empty() {
+    // `gpu_devices` replace the vendor logic, and only when the task acquired GPUs (upstream
+    // `runner/internal/shim/docker.go`, `createContainer`: `if len(task.gpuIDs) > 0`).
+    let gpu = if !gpus.is_empty() && !config.gpu_devices.is_empty() {
         GpuConfig::Devices(
             config
                 .gpu_devices

@@ -83,7 +83,11 @@ impl Host {
     }
 
     fn runner_dir(&self, id: &str) -> PathBuf {
-        self.path("home").join("tasks").join(id).join("runner")
+        let name = shim_task::container_name(
+            &TaskName::new("enginetest").unwrap(),
+            &TaskId::new(id).unwrap(),
+        );
+        self.path("home").join("runners").join(name).join("runner")
     }
 
     /// Tells the stub runner of task `id` to exit with `code`.
@@ -96,7 +100,10 @@ impl Host {
 /// skips the test's own clean-up).
 impl Drop for Host {
     fn drop(&mut self) {
-        let owner = shim_engine::labels::owner_identity(&self.path("home"));
+        let Ok(owner) = fs_err::read_to_string(self.path("home").join("owner-id")) else {
+            return;
+        };
+        let owner = owner.trim();
         let filter = format!("label={}={owner}", shim_engine::labels::LABEL_OWNER);
         let ids = docker(&["ps", "-aq", "--filter", &filter]);
         for id in ids.split_whitespace() {

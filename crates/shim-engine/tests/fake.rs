@@ -133,9 +133,15 @@ async fn wait_released(engine: &Engine, w: &World, id: &str) {
     panic!("task {id} never released: {:?}", w.gpus.locked());
 }
 
+/// This shim's part of the task's state file (`runners/<container name>/task.json`).
 fn state_file(w: &World, id: &str) -> serde_json::Value {
-    let p = w.home.path().join("tasks").join(id).join("task.json");
-    serde_json::from_slice(&fs_err::read(p).unwrap()).unwrap()
+    let c = config(id);
+    let name = shim_task::container_name(&c.name, &c.id);
+    let p = w.home.path().join("runners").join(name).join("task.json");
+    let file: serde_json::Value = serde_json::from_slice(&fs_err::read(p).unwrap()).unwrap();
+    let mut ours = file["rust_shim"].clone();
+    ours["resources"]["released"] = file["cleaned_up"].clone();
+    ours
 }
 
 #[tokio::test]
@@ -154,12 +160,12 @@ async fn submit_runs_and_exit_event_completes() {
     assert_eq!(w.gpus.locked().len(), 1);
     // Running is persisted right after it is set (the API may see it a moment earlier).
     for _ in 0..100 {
-        if state_file(&w, "t1")["task"]["status"] == "running" {
+        if state_file(&w, "t1")["status"] == "running" {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(state_file(&w, "t1")["task"]["status"], "running");
+    assert_eq!(state_file(&w, "t1")["status"], "running");
     // The container's spec carries our labels and the runner.
     let spec = w.runtime.spec(&info.container_id).unwrap();
     assert_eq!(spec.labels["ai.dstack.shim.task-id"], "t1");
@@ -172,7 +178,7 @@ async fn submit_runs_and_exit_event_completes() {
     assert_eq!(info.termination_reason, "done_by_runner");
     assert_eq!(info.termination_message, "");
     wait_released(&engine, &w, "t1").await;
-    assert_eq!(state_file(&w, "t1")["task"]["resources"]["released"], true);
+    assert_eq!(state_file(&w, "t1")["resources"]["released"], true);
 }
 
 #[tokio::test]
@@ -401,10 +407,7 @@ async fn nvidia_display_retry() {
     let spec = w.runtime.spec(&info.container_id).unwrap();
     let caps = &spec.device_requests[0].capabilities;
     assert!(!caps.iter().any(|c| c == "display"), "{caps:?}");
-    assert_eq!(
-        state_file(&w, "t1")["task"]["container_id"],
-        info.container_id
-    );
+    assert_eq!(state_file(&w, "t1")["container_id"], info.container_id);
 }
 
 #[tokio::test]

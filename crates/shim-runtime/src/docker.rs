@@ -80,8 +80,19 @@ fn container(id: &str) -> String {
     format!("container {id}")
 }
 
+/// Docker's label filters: `key=value`, or `key` alone (the label is present) for an empty
+/// value.
 fn label_filters(labels: &[(String, String)]) -> HashMap<String, Vec<String>> {
-    let values = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let values = labels
+        .iter()
+        .map(|(k, v)| {
+            if v.is_empty() {
+                k.clone()
+            } else {
+                format!("{k}={v}")
+            }
+        })
+        .collect();
     HashMap::from([("label".to_owned(), values)])
 }
 
@@ -657,11 +668,15 @@ impl ContainerRuntime for DockerRuntime {
                     ContainerState::parse(s.as_ref())
                 }),
                 labels: c.labels.unwrap_or_default().into_iter().collect(),
-                mount_sources: c
+                mounts: c
                     .mounts
                     .unwrap_or_default()
                     .into_iter()
-                    .filter_map(|m| m.source)
+                    .map(|m| MountPoint {
+                        source: m.source.unwrap_or_default(),
+                        destination: m.destination.unwrap_or_default(),
+                        read_write: m.rw.unwrap_or(false),
+                    })
                     .collect(),
             })
             .collect())

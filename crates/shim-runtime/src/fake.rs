@@ -183,8 +183,12 @@ fn container_not_found(id: &str) -> RuntimeError {
     }
 }
 
+/// Docker's label filter: every `(key, value)` matches, an empty value only asks for the key.
 fn has_labels(have: &BTreeMap<String, String>, want: &[(String, String)]) -> bool {
-    want.iter().all(|(k, v)| have.get(k) == Some(v))
+    want.iter().all(|(k, v)| match have.get(k) {
+        Some(h) => v.is_empty() || h == v,
+        None => false,
+    })
 }
 
 impl FakeRuntime {
@@ -692,11 +696,15 @@ impl ContainerRuntime for FakeRuntime {
                 name: c.spec.name.clone(),
                 state: c.state.clone(),
                 labels: c.spec.labels.clone(),
-                mount_sources: c
+                mounts: c
                     .spec
                     .mounts
                     .iter()
-                    .map(|m| m.source.to_string_lossy().into_owned())
+                    .map(|m| MountPoint {
+                        source: m.source.to_string_lossy().into_owned(),
+                        destination: m.target.clone(),
+                        read_write: !m.read_only,
+                    })
                     .collect(),
             })
             .collect())

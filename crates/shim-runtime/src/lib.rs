@@ -71,7 +71,8 @@ pub trait ContainerRuntime: Send + Sync {
     /// Inspects a container by id or name.
     async fn inspect(&self, id_or_name: &str) -> Result<ContainerDetails>;
 
-    /// Lists the containers (in every state) carrying all of `labels`, in one request.
+    /// Lists the containers (in every state) carrying all of `labels`, in one request. A label
+    /// with an empty value matches any value (the label is present).
     async fn list(&self, labels: &[(String, String)]) -> Result<Vec<ContainerSummary>>;
 
     /// Stops a container: SIGTERM, then SIGKILL after `timeout` (zero kills at once). A

@@ -192,8 +192,8 @@ pub struct ContainerSummary {
     pub state: ContainerState,
     /// Its labels.
     pub labels: BTreeMap<String, String>,
-    /// The sources of its mounts.
-    pub mount_sources: Vec<String>,
+    /// Its mounts (source and destination).
+    pub mounts: Vec<MountPoint>,
 }
 
 /// A container's process ended (a hint: re-check with the list or inspect).

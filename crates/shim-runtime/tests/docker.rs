@@ -466,10 +466,12 @@ async fn list_finds_exactly_one_label_set_in_all_states() {
     assert_eq!(by_id[exited.id.as_str()], &ContainerState::Exited);
     assert_eq!(by_id[running.as_str()], &ContainerState::Running);
     let exited_summary = listed.iter().find(|c| c.id == exited.id).unwrap();
-    assert_eq!(
-        exited_summary.mount_sources,
-        [std::env::temp_dir().to_str().unwrap()]
-    );
+    let sources: Vec<&str> = exited_summary
+        .mounts
+        .iter()
+        .map(|m| m.source.as_str())
+        .collect();
+    assert_eq!(sources, [std::env::temp_dir().to_str().unwrap()]);
     assert!(
         mine.iter()
             .all(|(k, v)| exited_summary.labels.get(k) == Some(v)),

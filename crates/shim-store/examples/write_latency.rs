@@ -19,10 +19,10 @@ fn main() {
     let id = TaskId::new("bench").unwrap();
     let config = TaskConfig::new(id.clone(), TaskName::new("job").unwrap(), "shim-test:1");
     let mut record = TaskRecord::new(&config, "job-01234567".into(), 0);
-    store.create_task_dir(&id).unwrap();
+    store.create_task_dir(&record.container_name).unwrap();
     let size = {
         store.write(&record).unwrap();
-        fs_err::metadata(store.paths(&id).unwrap().state_file)
+        fs_err::metadata(store.paths(&record.container_name).unwrap().state_file)
             .unwrap()
             .len()
     };

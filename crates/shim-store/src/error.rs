@@ -18,11 +18,11 @@ pub enum StoreError {
         #[source]
         source: io::Error,
     },
-    /// `create_task_dir` for an id whose directory already holds a state file.
-    #[error("task {id} already exists ({})", path.display())]
+    /// `create_task_dir` for a task whose directory already holds a state file.
+    #[error("task directory {name} already holds a state file ({})", path.display())]
     TaskExists {
-        /// The id that is taken.
-        id: TaskId,
+        /// The directory's name (the container name).
+        name: String,
         /// Its state file.
         path: PathBuf,
     },
@@ -81,10 +81,10 @@ pub enum RecordError {
     #[error("unknown schema version {0}")]
     UnknownSchema(u64),
     /// The record is for another task than its directory's name says.
-    #[error("the record is for task {found}, not {expected}")]
+    #[error("the record is for task {found}, not for directory {expected}")]
     WrongTask {
-        /// The directory's id.
-        expected: TaskId,
+        /// The directory's name.
+        expected: String,
         /// The id in the record.
         found: TaskId,
     },

@@ -1,35 +1,43 @@
-//! Durable per-task state of the dstack shim.
+//! Durable per-task state of the dstack shim, in the upstream shim's on-host layout and format.
 //!
-//! Layout under the shim home:
+//! Layout under the shim home (SPEC §5; upstream `runner/internal/shim/docker.go`,
+//! `MakeRunnerDir`, and dstack PR #4220):
 //!
 //! ```text
-//! <home>/tasks/                 0700
-//! <home>/tasks/<task id>/       0700  only the shim reads or writes here
-//!     task.json                 0600  {"schema_version": 1, "task": <TaskRecord>}
-//!     pull.log                        the daemon's raw pull progress
-//!     runner/                   0755  the only part bind-mounted into the container
+//! <home>/owner-id                     this shim's owner identity (created once)
+//! <home>/runners/                0755
+//! <home>/runners/<container name>/ 0700  only the shim reads or writes here
+//!     task.json                  0600  upstream's format version 1 + this shim's "rust_shim" field
+//!     pull.log                         the daemon's raw pull progress
+//!     runner/                    0755  the only part bind-mounted into the container
+//! <home>/runners/.trash-<name>-<ms>    a task directory being deleted
 //! ```
 //!
 //! Every write is durable and atomic (temp file in the task directory, fsync, rename over
 //! `task.json`, fsync the directory), so after a crash at any point the state file holds the
-//! old or the new record, never a mix. Registry credentials never reach the disk: the config's
-//! password does not serialize and [`Store::write`] strips credentials again.
+//! old or the new record, never a mix. Registry credentials never reach the disk.
 //!
 //! [`Store::scan`] never fails because of one task: an unusable state file (empty, truncated,
-//! garbage, a newer schema) is moved aside as `task.json.corrupt-<unix ms>` and reported, and
-//! directories that are not tasks are reported and left alone.
+//! garbage, a newer format) is moved aside as `task.json.corrupt-<unix ms>` and reported, and
+//! directories that are not tasks are reported and left alone. [`Store::delete`] renames a
+//! task directory to a trash name before removing it, so a kill during a delete leaves
+//! nothing that looks like a task; [`Store::sweep_trash`] finishes such deletes and
+//! [`Store::remove_skeleton`] removes what a submit cut short before its first write leaves.
+//! Homes of the first release (`tasks/<id>/`, another envelope) are migrated by
+//! [`Store::migrate_legacy`].
 //!
 //! The API is blocking (std filesystem calls); async callers use `spawn_blocking`.
 
-mod envelope;
 mod error;
+mod format;
 mod store;
 #[cfg(test)]
 mod tests;
 
-pub use envelope::{MAX_RECORD_BYTES, SCHEMA_VERSION};
 pub use error::{RecordError, Result, StoreError};
+pub use format::{EXTENSION_FIELD, EXTENSION_SCHEMA, FORMAT_VERSION, MAX_RECORD_BYTES, Origin};
 pub use store::{
-    DIR_MODE, FILE_MODE, PULL_LOG, RUNNER_DIR, RUNNER_DIR_MODE, STATE_FILE, ScanEntry, Store,
-    TASKS_DIR, TaskPaths,
+    DIR_MODE, FILE_MODE, LEGACY_TASKS_DIR, Migration, OWNER_FILE, PULL_LOG, RUNNER_DIR,
+    RUNNER_DIR_MODE, RUNNERS_DIR, RUNNERS_DIR_MODE, STATE_FILE, ScanEntry, Store, TRASH_PREFIX,
+    TaskPaths, valid_dir_name,
 };

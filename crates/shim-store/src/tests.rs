@@ -43,7 +43,7 @@ fn failure_at_each_step_keeps_the_old_record_and_cleans_up() {
         let home = tempfile::tempdir().unwrap();
         let store = Store::open(home.path()).unwrap();
         let old = record("t1", TaskStatus::Pending);
-        let paths = store.create_task_dir(&old.id).unwrap();
+        let paths = store.create_task_dir(&old.container_name).unwrap();
         store.write(&old).unwrap();
 
         let mut new = old.clone();
@@ -58,7 +58,7 @@ fn failure_at_each_step_keeps_the_old_record_and_cleans_up() {
             "{step:?} not reached"
         );
 
-        let got = store.read(&old.id).unwrap().unwrap();
+        let got = store.read(&old.container_name).unwrap().unwrap();
         if step == Step::SyncDir {
             // The rename happened: the new record is in place (not yet known durable).
             assert_eq!(got, new, "{step:?}");
@@ -69,7 +69,7 @@ fn failure_at_each_step_keeps_the_old_record_and_cleans_up() {
         assert_eq!(files_in(&paths.dir), ["runner", "task.json"], "{step:?}");
         // And the next write goes through.
         store.write(&new).unwrap();
-        assert_eq!(store.read(&old.id).unwrap().unwrap(), new);
+        assert_eq!(store.read(&old.container_name).unwrap().unwrap(), new);
     }
 }
 
@@ -84,7 +84,7 @@ fn crash_at_each_step_leaves_old_or_new_and_scan_cleans_up() {
         new.container_id = "c".repeat(64);
         let paths = {
             let store = Store::open(home.path()).unwrap();
-            let paths = store.create_task_dir(&old.id).unwrap();
+            let paths = store.create_task_dir(&old.container_name).unwrap();
             store.write(&old).unwrap();
             arm(&store, step, FaultKind::Crash);
             store.write(&new).unwrap_err();
@@ -106,7 +106,7 @@ fn crash_at_each_step_leaves_old_or_new_and_scan_cleans_up() {
         let store = Store::open(home.path()).unwrap();
         let entries = store.scan().unwrap();
         assert_eq!(entries.len(), 1, "{step:?}");
-        let ScanEntry::Record(got) = &entries[0] else {
+        let ScanEntry::Record { record: got, .. } = &entries[0] else {
             panic!("{step:?}: {:?}", entries[0]);
         };
         let expected = if step == Step::SyncDir { &new } else { &old };
@@ -120,7 +120,7 @@ fn scan_keeps_its_own_temp_files() {
     let home = tempfile::tempdir().unwrap();
     let store = Store::open(home.path()).unwrap();
     let r = record("t1", TaskStatus::Pending);
-    let paths = store.create_task_dir(&r.id).unwrap();
+    let paths = store.create_task_dir(&r.container_name).unwrap();
     store.write(&r).unwrap();
     arm(&store, Step::Rename, FaultKind::Crash);
     store.write(&r).unwrap_err();

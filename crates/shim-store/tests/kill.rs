@@ -44,7 +44,7 @@ fn killed_writer_leaves_a_whole_record() {
     let home = tempfile::tempdir().unwrap();
     let store = Store::open(home.path()).unwrap();
     let first = variant(0);
-    store.create_task_dir(&first.id).unwrap();
+    store.create_task_dir(&first.container_name).unwrap();
     store.write(&first).unwrap();
     let exe = std::env::current_exe().unwrap();
     let mut interrupted = 0;
@@ -67,7 +67,7 @@ fn killed_writer_leaves_a_whole_record() {
         child.kill().unwrap();
         child.wait().unwrap();
 
-        let dir = store.paths(&first.id).unwrap().dir;
+        let dir = store.paths(&first.container_name).unwrap().dir;
         if common::names(&dir)
             .iter()
             .any(|n| n.starts_with(".task.json.tmp-"))
@@ -75,7 +75,7 @@ fn killed_writer_leaves_a_whole_record() {
             interrupted += 1;
         }
         let entries = Store::open(home.path()).unwrap().scan().unwrap();
-        let [ScanEntry::Record(r)] = &entries[..] else {
+        let [ScanEntry::Record { record: r, .. }] = &entries[..] else {
             panic!("round {round}: {entries:?}");
         };
         assert_eq!(

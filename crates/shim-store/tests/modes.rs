@@ -19,9 +19,9 @@ fn modes_are_exact_whatever_the_umask() {
         let home = tempfile::tempdir().unwrap();
         let store = Store::open(home.path()).unwrap();
         let r = common::record("t1");
-        let p = store.create_task_dir(&r.id).unwrap();
+        let p = store.create_task_dir(&r.container_name).unwrap();
         store.write(&r).unwrap();
-        assert_eq!(mode(store.tasks_dir()), 0o700, "umask {mask:o}");
+        assert_eq!(mode(store.runners_dir()), 0o755, "umask {mask:o}");
         assert_eq!(mode(&p.dir), 0o700, "umask {mask:o}");
         assert_eq!(mode(&p.runner_dir), 0o755, "umask {mask:o}");
         assert_eq!(mode(&p.state_file), 0o600, "umask {mask:o}");
@@ -35,17 +35,17 @@ fn loose_modes_are_tightened() {
     let home = tempfile::tempdir().unwrap();
     let store = Store::open(home.path()).unwrap();
     let r = common::record("t1");
-    let p = store.create_task_dir(&r.id).unwrap();
+    let p = store.create_task_dir(&r.container_name).unwrap();
     store.write(&r).unwrap();
     for (path, m) in [
-        (store.tasks_dir(), 0o777),
+        (store.runners_dir(), 0o777),
         (p.dir.as_path(), 0o755),
         (p.state_file.as_path(), 0o644),
     ] {
         fs_err::set_permissions(path, std::fs::Permissions::from_mode(m)).unwrap();
     }
     let store = Store::open(home.path()).unwrap();
-    assert_eq!(mode(store.tasks_dir()), 0o700);
+    assert_eq!(mode(store.runners_dir()), 0o755);
     store.write(&r).unwrap();
     assert_eq!(mode(&p.state_file), 0o600);
 }

@@ -47,11 +47,12 @@ fn a_full_filesystem_fails_the_write_and_keeps_the_old_record() {
     let mnt = Tmpfs::mount(&tmp.path().join("fs"), "1m");
     let store = Store::open(mnt.dir.join("home")).unwrap();
     let old = record("t1");
-    let paths = store.create_task_dir(&old.id).unwrap();
+    let paths = store.create_task_dir(&old.container_name).unwrap();
     store.write(&old).unwrap();
 
     let mut new = old.clone();
     new.status = TaskStatus::Terminated;
+    new.termination_reason = Some(shim_task::TerminationReason::TerminatedByUser);
     // Far larger than what will be free: the write fails part-way through.
     new.termination_message = "m".repeat(256 * 1024);
 
@@ -62,7 +63,7 @@ fn a_full_filesystem_fails_the_write_and_keeps_the_old_record() {
     // Completely full.
     let err = store.write(&new).unwrap_err();
     assert!(is_enospc(&err), "{err:?}");
-    assert_eq!(store.read(&old.id).unwrap().unwrap(), old);
+    assert_eq!(store.read(&old.container_name).unwrap().unwrap(), old);
     assert_eq!(names(&paths.dir), ["runner", "task.json"]);
 
     // Some room, not enough: the temp file gets part of the record, then ENOSPC.
@@ -74,7 +75,7 @@ fn a_full_filesystem_fails_the_write_and_keeps_the_old_record() {
         .unwrap();
     let err = store.write(&new).unwrap_err();
     assert!(is_enospc(&err), "{err:?}");
-    assert_eq!(store.read(&old.id).unwrap().unwrap(), old);
+    assert_eq!(store.read(&old.container_name).unwrap().unwrap(), old);
     assert_eq!(
         names(&paths.dir),
         ["runner", "task.json"],
@@ -82,12 +83,12 @@ fn a_full_filesystem_fails_the_write_and_keeps_the_old_record() {
     );
     // Scan agrees.
     let entries = Store::open(mnt.dir.join("home")).unwrap().scan().unwrap();
-    assert!(matches!(&entries[..], [ScanEntry::Record(r)] if *r == old));
+    assert!(matches!(&entries[..], [ScanEntry::Record { record: r, .. }] if *r == old));
 
     // Space is back: the same write succeeds.
     fs_err::remove_file(&filler).unwrap();
     store.write(&new).unwrap();
-    assert_eq!(store.read(&old.id).unwrap().unwrap(), new);
+    assert_eq!(store.read(&old.container_name).unwrap().unwrap(), new);
     drop(store);
 }
 
@@ -99,27 +100,27 @@ fn an_undeletable_task_dir_goes_to_the_trash() {
     let home = tempfile::tempdir().unwrap();
     let store = Store::open(home.path()).unwrap();
     let r = record("t1");
-    let paths = store.create_task_dir(&r.id).unwrap();
+    let paths = store.create_task_dir(&r.container_name).unwrap();
     store.write(&r).unwrap();
     // A mount point inside the runner dir cannot be removed (EBUSY) while mounted.
     let inner = Tmpfs::mount(&paths.runner_dir.join("busy"), "64k");
     std::mem::forget(inner); // unmounted by hand below, at its new path.
 
-    store.delete(&r.id).unwrap();
+    store.delete(&r.container_name).unwrap();
     assert!(!paths.dir.exists(), "the task is gone from its place");
-    assert!(store.read(&r.id).unwrap().is_none());
-    let trash: Vec<String> = names(store.tasks_dir());
+    assert!(store.read(&r.container_name).unwrap().is_none());
+    let trash: Vec<String> = names(store.runners_dir());
     assert_eq!(trash.len(), 1, "{trash:?}");
-    assert!(trash[0].starts_with(".trash-t1-"), "{trash:?}");
+    assert!(trash[0].starts_with(".trash-job-t1-"), "{trash:?}");
     assert!(store.scan().unwrap().is_empty(), "trash is not a task");
     // The id is free again.
-    store.create_task_dir(&r.id).unwrap();
-    store.delete(&r.id).unwrap();
+    store.create_task_dir(&r.container_name).unwrap();
+    store.delete(&r.container_name).unwrap();
 
     // Still mounted: sweeping fails, logged, not fatal.
     assert_eq!(store.sweep_trash(), 0);
-    let busy = store.tasks_dir().join(&trash[0]).join("runner/busy");
+    let busy = store.runners_dir().join(&trash[0]).join("runner/busy");
     umount(&busy);
     assert_eq!(store.sweep_trash(), 1);
-    assert!(names(store.tasks_dir()).is_empty());
+    assert!(names(store.runners_dir()).is_empty());
 }

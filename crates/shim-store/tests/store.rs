@@ -29,17 +29,18 @@ fn store_is_send_and_sync() {
 fn layout_and_modes() {
     let home = tempfile::tempdir().unwrap();
     let store = Store::open(home.path().join("home")).unwrap();
-    let tasks = home.path().join("home/tasks");
-    assert_eq!(store.tasks_dir(), tasks);
-    assert_eq!(mode(&tasks), 0o700);
+    let tasks = home.path().join("home/runners");
+    assert_eq!(store.runners_dir(), tasks);
+    assert_eq!(mode(&tasks), 0o755);
+    assert_eq!(mode(&home.path().join("home")), 0o700);
 
     let r = record("t1");
-    let p = store.create_task_dir(&r.id).unwrap();
-    assert_eq!(p.dir, tasks.join("t1"));
-    assert_eq!(p.state_file, tasks.join("t1/task.json"));
-    assert_eq!(p.pull_log, tasks.join("t1/pull.log"));
-    assert_eq!(p.runner_dir, tasks.join("t1/runner"));
-    assert_eq!(store.paths(&r.id).unwrap(), p);
+    let p = store.create_task_dir(&r.container_name).unwrap();
+    assert_eq!(p.dir, tasks.join("job-t1"));
+    assert_eq!(p.state_file, tasks.join("job-t1/task.json"));
+    assert_eq!(p.pull_log, tasks.join("job-t1/pull.log"));
+    assert_eq!(p.runner_dir, tasks.join("job-t1/runner"));
+    assert_eq!(store.paths(&r.container_name).unwrap(), p);
     assert_eq!(mode(&p.dir), 0o700);
     assert_eq!(mode(&p.runner_dir), 0o755);
     assert!(!p.state_file.exists(), "no record before the first write");
@@ -48,8 +49,14 @@ fn layout_and_modes() {
     assert_eq!(mode(&p.state_file), 0o600);
     let json: serde_json::Value =
         serde_json::from_slice(&fs_err::read(&p.state_file).unwrap()).unwrap();
-    assert_eq!(json["schema_version"], 1);
-    assert_eq!(json["task"]["id"], "t1");
+    // Upstream's format version 1, this shim's records in their own field.
+    assert_eq!(json["version"], 1);
+    assert_eq!(json["id"], "t1");
+    assert_eq!(json["config"]["id"], "t1");
+    assert_eq!(json["termination_reason"], "");
+    assert_eq!(json["cleaned_up"], false);
+    assert_eq!(json["rust_shim"]["container_name"], "job-t1");
+    assert_eq!(json["rust_shim"]["status"], "pending");
     assert_eq!(names(&p.dir), ["runner", "task.json"]);
 }
 
@@ -58,14 +65,14 @@ fn create_task_dir_refuses_a_taken_id_and_reuses_an_empty_dir() {
     let home = tempfile::tempdir().unwrap();
     let store = Store::open(home.path()).unwrap();
     let r = record("t1");
-    store.create_task_dir(&r.id).unwrap();
+    store.create_task_dir(&r.container_name).unwrap();
     // No record yet (a submit cut short before its first write): the directory is reused.
-    store.create_task_dir(&r.id).unwrap();
+    store.create_task_dir(&r.container_name).unwrap();
     store.write(&r).unwrap();
-    let err = store.create_task_dir(&r.id).unwrap_err();
+    let err = store.create_task_dir(&r.container_name).unwrap_err();
     assert!(matches!(err, StoreError::TaskExists { .. }), "{err:?}");
     assert_eq!(
-        store.read(&r.id).unwrap().unwrap(),
+        store.read(&r.container_name).unwrap().unwrap(),
         r,
         "the record is untouched"
     );
@@ -76,11 +83,11 @@ fn read_and_write_without_a_directory() {
     let home = tempfile::tempdir().unwrap();
     let store = Store::open(home.path()).unwrap();
     let r = record("t1");
-    assert!(store.read(&r.id).unwrap().is_none());
+    assert!(store.read(&r.container_name).unwrap().is_none());
     let err = store.write(&r).unwrap_err();
     assert!(matches!(err, StoreError::NoTaskDir { .. }), "{err:?}");
     assert!(
-        !store.paths(&r.id).unwrap().dir.exists(),
+        !store.paths(&r.container_name).unwrap().dir.exists(),
         "write never creates the dir"
     );
 }
@@ -90,7 +97,7 @@ fn rewrite_replaces_the_record() {
     let home = tempfile::tempdir().unwrap();
     let store = Store::open(home.path()).unwrap();
     let mut r = record("t1");
-    let p = store.create_task_dir(&r.id).unwrap();
+    let p = store.create_task_dir(&r.container_name).unwrap();
     for status in [
         TaskStatus::Pending,
         TaskStatus::Preparing,
@@ -98,13 +105,13 @@ fn rewrite_replaces_the_record() {
     ] {
         r.status = status;
         store.write(&r).unwrap();
-        assert_eq!(store.read(&r.id).unwrap().unwrap(), r);
+        assert_eq!(store.read(&r.container_name).unwrap().unwrap(), r);
     }
     assert_eq!(names(&p.dir), ["runner", "task.json"]);
     // A reopened store (a restarted shim) sees the last record.
     let again = Store::open(home.path()).unwrap();
     let entries = again.scan().unwrap();
-    assert!(matches!(&entries[..], [ScanEntry::Record(got)] if *got == r));
+    assert!(matches!(&entries[..], [ScanEntry::Record { record: got, .. }] if *got == r));
 }
 
 /// A secret that must never appear on disk.
@@ -120,7 +127,7 @@ fn registry_password_never_reaches_the_disk() {
 
     // The normal path: TaskRecord::new strips credentials.
     let normal = TaskRecord::new(&config, "job-1".into(), 1);
-    store.create_task_dir(&normal.id).unwrap();
+    store.create_task_dir(&normal.container_name).unwrap();
     store.write(&normal).unwrap();
 
     // A careless caller passing the full config: the store strips them itself.
@@ -132,12 +139,12 @@ fn registry_password_never_reaches_the_disk() {
         careless.config.as_ref().unwrap().registry_password.expose(),
         PASSWORD
     );
-    store.create_task_dir(&careless.id).unwrap();
+    store.create_task_dir(&careless.container_name).unwrap();
     store.write(&careless).unwrap();
     careless.status = TaskStatus::Running;
     store.write(&careless).unwrap();
 
-    let back = store.read(&careless.id).unwrap().unwrap();
+    let back = store.read(&careless.container_name).unwrap().unwrap();
     let stored = back.config.unwrap();
     assert!(stored.registry_password.is_empty());
     assert!(stored.registry_username.is_empty());
@@ -161,7 +168,7 @@ fn registry_password_never_reaches_the_disk() {
 
 /// Writes raw bytes as task `name`'s state file.
 fn plant(store: &Store, name: &str, bytes: &[u8]) -> std::path::PathBuf {
-    let p = store.create_task_dir(&id(name)).unwrap();
+    let p = store.create_task_dir(name).unwrap();
     fs_err::write(&p.state_file, bytes).unwrap();
     p.state_file
 }
@@ -172,9 +179,9 @@ fn unusable_state_files_are_moved_aside_and_the_scan_goes_on() {
     let store = Store::open(home.path()).unwrap();
 
     let good = record("good");
-    store.create_task_dir(&good.id).unwrap();
+    store.create_task_dir(&good.container_name).unwrap();
     store.write(&good).unwrap();
-    let good_bytes = fs_err::read(store.paths(&good.id).unwrap().state_file).unwrap();
+    let good_bytes = fs_err::read(store.paths(&good.container_name).unwrap().state_file).unwrap();
     let text = String::from_utf8(good_bytes.clone()).unwrap();
 
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
@@ -193,42 +200,51 @@ fn unusable_state_files_are_moved_aside_and_the_scan_goes_on() {
         (
             "other-json",
             br#"{"a": 1}"#.to_vec(),
-            "not a valid task record",
+            "unknown schema version 0",
         ),
         (
             "no-task",
-            br#"{"schema_version": 1}"#.to_vec(),
+            br#"{"version": 1}"#.to_vec(),
             "not a valid task record",
         ),
         (
             "newer",
-            text.replace("\"schema_version\": 1", "\"schema_version\": 2")
+            text.replace("\"version\": 1", "\"version\": 2")
                 .into_bytes(),
             "written by a newer shim (schema 2)",
         ),
         (
+            "newer-extension",
+            text.replace("\"schema\": 1", "\"schema\": 7").into_bytes(),
+            "written by a newer shim (schema 7)",
+        ),
+        (
             "zero",
-            text.replace("\"schema_version\": 1", "\"schema_version\": 0")
+            text.replace("\"version\": 1", "\"version\": 0")
                 .into_bytes(),
             "unknown schema version 0",
         ),
         (
             "wrong-task",
             good_bytes.clone(),
-            "the record is for task good, not wrong-task",
+            "the record is for task good, not for directory wrong-task",
         ),
     ];
     for (name, bytes, _) in &cases {
         plant(&store, name, bytes);
     }
     // task.json as a directory, and as a symlink to a valid record elsewhere.
-    let p = store.create_task_dir(&id("a-dir")).unwrap();
+    let p = store.create_task_dir("a-dir").unwrap();
     fs_err::create_dir(&p.state_file).unwrap();
-    let p = store.create_task_dir(&id("a-link")).unwrap();
-    std::os::unix::fs::symlink(store.paths(&good.id).unwrap().state_file, &p.state_file).unwrap();
+    let p = store.create_task_dir("a-link").unwrap();
+    std::os::unix::fs::symlink(
+        store.paths(&good.container_name).unwrap().state_file,
+        &p.state_file,
+    )
+    .unwrap();
 
     // read() reports, and leaves the file where it is.
-    let err = store.read(&id("newer")).unwrap_err();
+    let err = store.read("newer").unwrap_err();
     assert!(matches!(
         err,
         StoreError::Unreadable {
@@ -236,17 +252,17 @@ fn unusable_state_files_are_moved_aside_and_the_scan_goes_on() {
             ..
         }
     ));
-    assert!(store.paths(&id("newer")).unwrap().state_file.exists());
+    assert!(store.paths("newer").unwrap().state_file.exists());
 
     let entries = store.scan().unwrap();
     assert_eq!(entries.len(), cases.len() + 3, "{entries:#?}");
     let mut corrupt = 0;
     for e in &entries {
         match e {
-            ScanEntry::Record(r) => assert_eq!(*r, good),
-            ScanEntry::NoRecord { dir } => panic!("unexpected NoRecord {}", dir.display()),
+            ScanEntry::Record { record: r, .. } => assert_eq!(*r, good),
+            ScanEntry::NoRecord { dir, .. } => panic!("unexpected NoRecord {}", dir.display()),
             ScanEntry::Corrupt {
-                id,
+                name: id,
                 dir,
                 moved_to,
                 error,
@@ -259,7 +275,7 @@ fn unusable_state_files_are_moved_aside_and_the_scan_goes_on() {
                 assert!(ms.parse::<u64>().unwrap() > 1_600_000_000_000, "{file}");
                 assert!(!dir.join("task.json").exists(), "{id}: still task.json");
                 let msg = error.to_string();
-                match cases.iter().find(|c| c.0 == id.as_str()) {
+                match cases.iter().find(|c| c.0 == id) {
                     Some((_, bytes, expect)) => {
                         assert!(msg.contains(expect), "{id}: {msg:?} lacks {expect:?}");
                         assert_eq!(fs_err::read(moved).unwrap(), *bytes, "{id}: kept as is");
@@ -273,7 +289,7 @@ fn unusable_state_files_are_moved_aside_and_the_scan_goes_on() {
     }
     assert_eq!(corrupt, cases.len() + 2);
     // The symlink's target was not touched.
-    assert_eq!(store.read(&good.id).unwrap().unwrap(), good);
+    assert_eq!(store.read(&good.container_name).unwrap().unwrap(), good);
 
     // Next start: those tasks have no record any more; nothing is moved twice.
     let entries = store.scan().unwrap();
@@ -288,12 +304,12 @@ fn unusable_state_files_are_moved_aside_and_the_scan_goes_on() {
 fn foreign_directories_are_reported_and_never_touched() {
     let home = tempfile::tempdir().unwrap();
     let store = Store::open(home.path()).unwrap();
-    let tasks = store.tasks_dir().to_owned();
+    let tasks = store.runners_dir().to_owned();
     for d in ["lost+found", ".hidden", "no-record"] {
         fs_err::create_dir(tasks.join(d)).unwrap();
         fs_err::write(tasks.join(d).join("task.json.tmp"), b"x").unwrap();
     }
-    // Garbage in a dir whose name is not a task id: not ours, not moved.
+    // Garbage in a dir whose name is not a container name: not ours, not moved.
     fs_err::write(tasks.join("lost+found/task.json"), b"garbage").unwrap();
     fs_err::write(tasks.join("stray-file"), b"x").unwrap();
     std::os::unix::fs::symlink(tasks.join("no-record"), tasks.join("a-symlink")).unwrap();
@@ -303,12 +319,15 @@ fn foreign_directories_are_reported_and_never_touched() {
     let mut dirs: Vec<String> = entries
         .iter()
         .map(|e| match e {
-            ScanEntry::NoRecord { dir } => dir.file_name().unwrap().to_str().unwrap().to_owned(),
+            ScanEntry::NoRecord { name, skeleton, .. } => {
+                assert!(!skeleton, "{name} holds a file");
+                name.clone()
+            }
             other => panic!("{other:?}"),
         })
         .collect();
     dirs.sort();
-    assert_eq!(dirs, [".hidden", "lost+found", "no-record"]);
+    assert_eq!(dirs, ["no-record"]);
     assert_eq!(
         names(&tasks.join("lost+found")),
         ["task.json", "task.json.tmp"]
@@ -325,7 +344,7 @@ fn delete_removes_the_task_and_unknown_is_ok() {
     let home = tempfile::tempdir().unwrap();
     let store = Store::open(home.path()).unwrap();
     let r = record("t1");
-    let p = store.create_task_dir(&r.id).unwrap();
+    let p = store.create_task_dir(&r.container_name).unwrap();
     store.write(&r).unwrap();
     fs_err::write(&p.pull_log, b"{}").unwrap();
     fs_err::create_dir_all(p.runner_dir.join("a/b")).unwrap();
@@ -336,15 +355,17 @@ fn delete_removes_the_task_and_unknown_is_ok() {
     fs_err::write(outside.join("keep"), b"x").unwrap();
     std::os::unix::fs::symlink(&outside, p.runner_dir.join("escape")).unwrap();
 
-    store.delete(&r.id).unwrap();
+    store.delete(&r.container_name).unwrap();
     assert!(!p.dir.exists());
     assert!(outside.join("keep").exists());
-    assert!(store.read(&r.id).unwrap().is_none());
-    store.delete(&r.id).unwrap();
-    store.delete(&id("never-existed")).unwrap();
+    assert!(store.read(&r.container_name).unwrap().is_none());
+    store.delete(&r.container_name).unwrap();
+    store.delete("never-existed").unwrap();
+    // Nothing is left behind, not even the trash.
+    assert!(names(store.runners_dir()).is_empty());
     assert!(store.scan().unwrap().is_empty());
     // The id can be used again.
-    store.create_task_dir(&r.id).unwrap();
+    store.create_task_dir(&r.container_name).unwrap();
 }
 
 // --- round trip ---------------------------------------------------------------------------
@@ -508,14 +529,18 @@ fn resources() -> impl Strategy<Value = Resources> {
             0..3,
         ),
         proptest::collection::vec(".*", 0..3),
+        proptest::option::of(
+            proptest::option::of(".*").prop_map(|user| shim_task::UnknownKeys { user }),
+        ),
         any::<bool>(),
     )
         .prop_map(
-            |(gpus, host_keys, volumes, created_dirs, released)| Resources {
+            |(gpus, host_keys, volumes, created_dirs, unknown_keys, released)| Resources {
                 gpus,
                 host_keys,
                 volumes,
                 created_dirs,
+                unknown_keys,
                 released,
             },
         )
@@ -527,7 +552,7 @@ fn task_record() -> impl Strategy<Value = TaskRecord> {
         .prop_flat_map(|task| {
             (
                 task_name(),
-                ".*",
+                id_str(),
                 proptest::option::of(config(task.clone())),
                 status(),
                 proptest::option::of(reason()),
@@ -566,10 +591,17 @@ fn task_record() -> impl Strategy<Value = TaskRecord> {
         })
 }
 
-/// What reading back must give: the record without registry credentials.
+/// What reading back must give: the record without registry credentials, and a reason only
+/// for a terminated task (upstream's format reads a reason as "terminated"; the state machine
+/// never keeps one otherwise).
 fn stored_form(r: &TaskRecord) -> TaskRecord {
     TaskRecord {
         config: r.config.as_ref().map(TaskConfig::without_credentials),
+        termination_reason: (r.status == TaskStatus::Terminated).then(|| {
+            r.termination_reason
+                .clone()
+                .unwrap_or_else(|| TerminationReason::parse(""))
+        }),
         ..r.clone()
     }
 }
@@ -581,13 +613,13 @@ proptest! {
     fn records_round_trip(r in task_record()) {
         let home = tempfile::tempdir().unwrap();
         let store = Store::open(home.path()).unwrap();
-        store.create_task_dir(&r.id).unwrap();
+        store.create_task_dir(&r.container_name).unwrap();
         store.write(&r).unwrap();
-        prop_assert_eq!(store.read(&r.id).unwrap().unwrap(), stored_form(&r));
+        prop_assert_eq!(store.read(&r.container_name).unwrap().unwrap(), stored_form(&r));
         let entries = Store::open(home.path()).unwrap().scan().unwrap();
         prop_assert_eq!(entries.len(), 1);
         match &entries[0] {
-            ScanEntry::Record(got) => prop_assert_eq!(got, &stored_form(&r)),
+            ScanEntry::Record { record: got, .. } => prop_assert_eq!(got, &stored_form(&r)),
             other => prop_assert!(false, "{:?}", other),
         }
     }

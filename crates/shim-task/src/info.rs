@@ -91,14 +91,32 @@ pub struct Resources {
     /// Instance-mount directories the shim created (left in place on release: they hold data).
     #[serde(default)]
     pub created_dirs: Vec<String>,
+    /// The task may hold host key lines that nobody can name (its state file was unreadable, or
+    /// it is a container of another shim that left none): while it lives, marked lines of
+    /// unknown origin stay in the users' authorized_keys (SPEC §7). Released like a resource.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unknown_keys: Option<UnknownKeys>,
     /// Release completed: nothing is held any more.
     #[serde(default)]
     pub released: bool,
 }
 
+/// A hold on the marked authorized_keys lines of unknown origin (see
+/// [`Resources::unknown_keys`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct UnknownKeys {
+    /// The host user, when known (the config survived but the key lines did not); `None`
+    /// protects the unknown-origin lines of every user.
+    #[serde(default)]
+    pub user: Option<String>,
+}
+
 impl Resources {
     /// Whether anything still needs releasing.
     pub fn holds_any(&self) -> bool {
-        !self.gpus.is_empty() || self.host_keys.is_some() || !self.volumes.is_empty()
+        !self.gpus.is_empty()
+            || self.host_keys.is_some()
+            || !self.volumes.is_empty()
+            || self.unknown_keys.is_some()
     }
 }

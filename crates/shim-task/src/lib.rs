@@ -86,7 +86,9 @@ pub use config::{
     VolumeBackend, VolumeMountPoint, VolumeSpec,
 };
 pub use ids::{InvalidId, TaskId, TaskName};
-pub use info::{HostKeysGrant, MountedVolume, PortMapping, PullProgress, Resources, TaskInfo};
+pub use info::{
+    HostKeysGrant, MountedVolume, PortMapping, PullProgress, Resources, TaskInfo, UnknownKeys,
+};
 pub use machine::{
     Action, Event, Observation, StartStep, StopState, Task, Transition, TransitionError, step,
 };

@@ -2,35 +2,47 @@
 //!
 //! [`step`] is a pure function. The engine holds a [`Task`], feeds it an [`Event`] (a request,
 //! the outcome of an action it carried out, or what the reconciler saw), and gets a
-//! [`Transition`]: the task to keep and the [`Action`]s to carry out, in order. Every action
-//! that has an outcome (see [`Action`]) is answered by stepping the matching event before the
-//! next action of the same list is carried out (depth first: the actions of that step come
-//! first). [`Action::Persist`] leads the list whenever the step changed the record, so the state
-//! file is written before any later side effect. See the crate docs for the state diagram.
+//! [`Transition`]: the task to keep and the [`Action`]s to carry out, in order.
+//!
+//! # Durability first
+//!
+//! The record ([`Task::record`]) is what the machine intends; [`Task::saved`] is what the state
+//! file last durably held, and it is what the API shows ([`Task::info`]): the in-memory state
+//! never claims what is not durable. A step that changes the record returns exactly
+//! `[Persist]` and nothing else; every side effect that step calls for waits in the task as an
+//! intent (the next start step, a stop, a pull cancel, a release) and is emitted by the step of
+//! [`Event::Persisted`]. So a side effect never runs before the state that called for it is on
+//! disk, and a failed write ([`Event::PersistFailed`]) loses no intent: the reconciler retries
+//! the write ([`Event::PersistRequested`]) and the intents go out once it succeeds. A request
+//! that finds the record not yet durable retries the write too (a second terminate after the
+//! disk filled up and emptied again answers from a durable record).
 //!
 //! # What the engine must do (checked by the simulated engine in `tests/properties.rs`)
 //!
-//! - Write the record on [`Action::Persist`] before carrying out the next action, under the
-//!   same per-task ordering as the step that returned it (a terminate answers 200 only after).
+//! - Carry out [`Action::Persist`] (always alone in its list) under the same per-task lock as
+//!   the step that returned it, and step [`Event::Persisted`] or [`Event::PersistFailed`]
+//!   before the lock is released: no other step of the task may come between.
 //! - Step the outcome of every action that has one (see each [`Action`]) — in particular one
 //!   of [`Event::Released`] / [`Event::ReleaseFailed`] for every [`Action::Release`], and
 //!   [`Event::StartFinished`] whenever the start job returns, however it returns.
+//! - When it stops carrying out a list because an action failed without an outcome event,
+//!   step [`Event::ActionsAbandoned`] with that action and the rest of the list, so nothing
+//!   stays marked as in flight.
 //! - Launch start for every [`Task::new`] task (it counts as in flight from submit on).
 //! - Carry out the actions of [`restore()`](crate::restore::restore) (GPU locks first) before
 //!   the reconciler's first cycle.
-//! - Reconciler, every cycle, for each task whose start is not in flight: step
-//!   [`Event::Observed`] (for a terminated task at least when its container runs), then
-//!   [`Event::ReleaseRequested`] if [`Task::needs_release`]. Failed stops and failed releases
-//!   are retried this way, never in a tight loop.
+//! - Reconciler, for each task whose start is not in flight: step
+//!   [`Event::PersistRequested`] if [`Task::dirty`], [`Event::Observed`] (for a terminated
+//!   task at least when its container runs), then [`Event::ReleaseRequested`] if
+//!   [`Task::needs_release`]. Failed writes, stops and releases are retried this way, never in
+//!   a tight loop.
 //! - Remove: carry out the list in order and stop at the first failure; a release that leaves
 //!   anything held ([`Task::held`] not empty after its outcome) is a failure, so the task and
 //!   its directory stay and a later remove retries.
 //!
-//! Known window: a crash after a volume was mounted but before the outcome's
-//! [`Action::Persist`] leaves that volume unrecorded (its mount point is the engine's to
-//! choose, so it cannot be recorded ahead). Host keys are recorded ahead of the add, and GPU
-//! locks live in memory, so neither can leak that way; every other point of a crash is
-//! covered by [`restore()`](crate::restore::restore).
+//! Host keys and volumes are recorded ahead of their acquisition (write-ahead), and GPU locks
+//! live in memory, so a crash at any point leaves nothing unrecorded; every point of a crash
+//! is covered by [`restore()`](crate::restore::restore).
 
 use crate::config::{TaskConfig, VolumeSpec};
 use crate::ids::TaskId;
@@ -48,25 +60,30 @@ pub const NEVER_STARTED_MESSAGE: &str =
 /// The message of a task whose container disappeared.
 pub const VANISHED_MESSAGE: &str = "container vanished";
 
-/// The step of start that the machine is waiting on: the action it emitted last, whose outcome
-/// the next start event must report.
+/// The line added to the message of a container the kernel's OOM killer ended.
+pub const OOM_NOTE: &str = "out of memory: the kernel's OOM killer ended the container's process";
+
+/// The prefix of the message of a start given up because its state could not be written.
+pub const WRITE_FAILED_PREFIX: &str = "cannot write the task's state file";
+
+/// The steps of start, in order. The machine waits on one at a time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum StartStep {
-    /// [`Action::AcquireGpus`] is out.
+    /// [`Action::AcquireGpus`].
     AcquireGpus,
-    /// [`Action::AddHostKeys`] is out.
+    /// [`Action::AddHostKeys`].
     AddHostKeys,
-    /// [`Action::MountVolume`] for `config.volumes[i]` is out.
+    /// [`Action::MountVolume`] for `config.volumes[i]`.
     MountVolume(usize),
-    /// [`Action::CreateDir`] for `config.instance_mounts[i]` is out.
+    /// [`Action::CreateDir`] for `config.instance_mounts[i]`.
     CreateDir(usize),
-    /// [`Action::Pull`] is out.
+    /// [`Action::Pull`].
     Pull,
-    /// [`Action::CreateContainer`] is out.
+    /// [`Action::CreateContainer`].
     CreateContainer,
-    /// [`Action::StartContainer`] is out.
+    /// [`Action::StartContainer`].
     StartContainer,
-    /// [`Action::FinishStart`] is out: start is returning.
+    /// [`Action::FinishStart`]: start is returning.
     Finish,
 }
 
@@ -76,6 +93,11 @@ pub enum StopState {
     /// No stop is pending.
     #[default]
     Idle,
+    /// A stop is called for and goes out once the record is durable.
+    Wanted {
+        /// Seconds between SIGTERM and SIGKILL.
+        timeout_s: u64,
+    },
     /// [`Action::StopContainer`] is out: release waits for its outcome, since the container may
     /// still use the resources.
     InFlight,
@@ -85,11 +107,41 @@ pub enum StopState {
     Failed,
 }
 
-/// A task in memory: the persisted record plus what only lives as long as the process.
+/// What the API shows of a task: the status, reason and message of its last durable record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Saved {
+    /// The status.
+    pub status: TaskStatus,
+    /// The reason (set once terminated).
+    pub termination_reason: Option<TerminationReason>,
+    /// The message.
+    pub termination_message: String,
+}
+
+impl Saved {
+    /// The view of a record.
+    pub fn of(record: &TaskRecord) -> Self {
+        Self {
+            status: record.status,
+            termination_reason: record.termination_reason.clone(),
+            termination_message: record.termination_message.clone(),
+        }
+    }
+}
+
+/// A task in memory: the intended record, its durable view, and what only lives as long as
+/// the process.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Task {
-    /// What is persisted (status, reason, resources...).
+    /// What is persisted (status, reason, resources...): the machine's intent.
     pub record: TaskRecord,
+    /// The status, reason and message of the last durable record: what the API shows.
+    pub saved: Saved,
+    /// The record changed since the last successful write.
+    pub dirty: bool,
+    /// The last failed side effect (a write, a stop, a release...), for logs; cleared by the
+    /// next successful write.
+    pub last_error: Option<String>,
     /// Start owns the task while true: nothing else may release its resources.
     pub start_in_flight: bool,
     /// Published ports: `None` until known, `[]` in host network mode.
@@ -98,13 +150,21 @@ pub struct Task {
     pub pull_progress: Option<PullProgress>,
     /// GPU ids for [`TaskInfo`]; kept after release.
     pub gpu_ids: Option<Vec<String>>,
-    /// The start step whose outcome is awaited (`None` before [`Event::StartBegan`] and after
+    /// The start step in progress (`None` before [`Event::StartBegan`] and after
     /// [`Event::StartFinished`]).
     pub start_step: Option<StartStep>,
+    /// The action of [`Task::start_step`] is out (its outcome is awaited); false while it
+    /// waits to be emitted.
+    pub start_step_out: bool,
+    /// A [`Action::CancelPull`] is called for.
+    pub cancel_pull: bool,
     /// Where stopping the container stands.
     pub stop: StopState,
     /// An [`Action::Release`] is out and its outcome not yet stepped: no second one is emitted.
     pub release_in_flight: bool,
+    /// A release, a stop or a write just failed: the next one waits for the reconciler's next
+    /// cycle ([`Event::ReleaseRequested`]), never a tight loop.
+    pub release_backoff: bool,
 }
 
 /// What the reconciler saw of a task's container.
@@ -119,6 +179,8 @@ pub enum Observation {
         code: i64,
         /// The last log lines.
         last_lines: Vec<String>,
+        /// The kernel's OOM killer ended it.
+        oom_killed: bool,
     },
     /// The container exists but was never started.
     NeverStarted,
@@ -154,7 +216,8 @@ pub enum Event {
     },
     /// Outcome of [`Action::Pull`] when the image is present and not `:latest`.
     PullSkipped,
-    /// Pull progress (any number of times while [`Action::Pull`] is out).
+    /// Pull progress (any number of times while [`Action::Pull`] is out). Never changes the
+    /// record.
     PullProgressed(PullProgress),
     /// Outcome of [`Action::Pull`]: the pull completed.
     PullDone(PullProgress),
@@ -173,6 +236,12 @@ pub enum Event {
         /// What failed.
         message: String,
     },
+    /// While [`Action::StartContainer`] is out: the engine replaced the container with a new
+    /// one (the NVIDIA display retry). Not an outcome: the step is still awaited.
+    ContainerRecreated {
+        /// The new container's id.
+        container_id: String,
+    },
     /// Outcome of [`Action::StartContainer`]: the container runs.
     ContainerStarted {
         /// The published ports (`[]` in host network mode).
@@ -183,8 +252,8 @@ pub enum Event {
         /// Last log lines or the error.
         message: String,
     },
-    /// The start job hit an error of its own (e.g. the state file could not be written) and
-    /// is returning early: `executor_error`, then [`Action::FinishStart`].
+    /// The start job hit an error of its own and is returning early: `executor_error`, then
+    /// [`Action::FinishStart`].
     StartAborted {
         /// What went wrong.
         message: String,
@@ -209,12 +278,12 @@ pub enum Event {
         /// What failed.
         message: String,
     },
-    /// A remove request (only for terminated tasks whose start has returned).
+    /// A remove request (only for tasks durably terminated whose start has returned).
     RemoveRequested,
     /// The reconciler's view of the task's container (ignored while start is in flight).
     Observed(Observation),
     /// The reconciler asks for a release of what a terminated task still holds (emits
-    /// [`Action::Release`] when [`Task::needs_release`]).
+    /// [`Action::Release`] when [`Task::needs_release`]); it also ends a release backoff.
     ReleaseRequested,
     /// Outcome of [`Action::Release`]: what WAS released (partial success is allowed; what is
     /// not listed stays recorded and is retried on a later cycle).
@@ -225,6 +294,8 @@ pub enum Event {
         host_keys: bool,
         /// Names of the unmounted volumes.
         volumes: Vec<String>,
+        /// The hold on key lines of unknown origin was dropped.
+        unknown_keys: bool,
     },
     /// Outcome of [`Action::Release`]: nothing more could be released now.
     ReleaseFailed {
@@ -233,12 +304,32 @@ pub enum Event {
     },
     /// Outcome of [`Action::LockGpus`] (restore): these GPUs are locked again.
     GpusRelocked(Vec<String>),
+    /// Outcome of [`Action::Persist`]: the record is on disk.
+    Persisted,
+    /// Outcome of [`Action::Persist`]: the write failed; the record stays dirty and the write
+    /// is retried by the reconciler or the next request. A start that was waiting on it is
+    /// given up (`executor_error` saying the state could not be written).
+    PersistFailed {
+        /// Why, with its cause chain.
+        message: String,
+    },
+    /// The reconciler (or a request) asks for the record to be written again if it is dirty.
+    PersistRequested,
+    /// The engine stopped carrying out a list: `actions` (the one that failed without an
+    /// outcome event first) were not carried out, or carried out without an outcome.
+    ActionsAbandoned {
+        /// The actions not carried out.
+        actions: Vec<Action>,
+        /// Why.
+        message: String,
+    },
 }
 
 /// Something the engine must do, in the order given.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
-    /// Write the task's record to its state file now, before the next action. No outcome.
+    /// Write the task's record to its state file now. Always alone in its list. Outcome:
+    /// [`Event::Persisted`] or [`Event::PersistFailed`], stepped under the same lock.
     Persist,
     /// Lock GPUs (`-1` all available, `0` none, `N` exactly N). Outcome:
     /// [`Event::GpusAcquired`] or [`Event::PrepareFailed`].
@@ -270,8 +361,9 @@ pub enum Action {
     CancelPull,
     /// Create the container. Outcome: [`Event::ContainerCreated`] or [`Event::CreateFailed`].
     CreateContainer,
-    /// Start the container (the NVIDIA display retry is the engine's). Outcome:
-    /// [`Event::ContainerStarted`] or [`Event::StartFailed`].
+    /// Start the container (the NVIDIA display retry is the engine's, reported with
+    /// [`Event::ContainerRecreated`]). Outcome: [`Event::ContainerStarted`] or
+    /// [`Event::StartFailed`].
     StartContainer,
     /// Stop the container with this timeout. Outcome: [`Event::ContainerStopped`] or
     /// [`Event::StopFailed`].
@@ -283,9 +375,9 @@ pub enum Action {
     /// and/or [`Event::ReleaseFailed`] (exactly one of them ends the release).
     Release(Resources),
     /// Force-remove the container. No outcome; on failure the engine stops carrying out the
-    /// rest of the list.
+    /// rest of the list (and steps [`Event::ActionsAbandoned`]).
     RemoveContainer,
-    /// Delete the task directory (or rename it to a trash name in the same parent). No outcome.
+    /// Delete the task directory (renamed to a trash name first). No outcome.
     DeleteTaskDir,
     /// Drop the task from memory. No outcome.
     Forget,
@@ -302,6 +394,31 @@ impl Action {
     pub fn is_side_effect(&self) -> bool {
         !matches!(self, Self::Persist | Self::FinishStart | Self::Forget)
     }
+
+    /// Whether the action may only run once the record that called for it is durable: every
+    /// side effect but GPU relocks (memory only) and the steps of a remove (which runs on a
+    /// durably terminated task and deletes its record).
+    pub fn needs_durable_record(&self) -> bool {
+        self.is_side_effect()
+            && !matches!(
+                self,
+                Self::LockGpus(_) | Self::RemoveContainer | Self::DeleteTaskDir
+            )
+    }
+
+    fn is_start_step(&self) -> bool {
+        matches!(
+            self,
+            Self::AcquireGpus { .. }
+                | Self::AddHostKeys(_)
+                | Self::MountVolume(_)
+                | Self::CreateDir(_)
+                | Self::Pull { .. }
+                | Self::CreateContainer
+                | Self::StartContainer
+                | Self::FinishStart
+        )
+    }
 }
 
 /// The result of a step: the task to keep and what to do.
@@ -316,12 +433,12 @@ pub struct Transition {
 /// A forbidden transition. The task is unchanged.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TransitionError {
-    /// Remove of a task that is not terminated (the API answers 409).
+    /// Remove of a task that is not (durably) terminated (the API answers 409).
     #[error("task {id} is {status}, not terminated: terminate it first")]
     NotTerminated {
         /// The task.
         id: TaskId,
-        /// Its status.
+        /// Its status as the API shows it.
         status: TaskStatus,
     },
     /// Remove while start still owns the task (409: retry once start has returned).
@@ -366,24 +483,33 @@ pub enum TransitionError {
 }
 
 impl Task {
-    /// A freshly submitted pending task. Its start counts as in flight from now on: the engine
-    /// launches start for every new task (and steps [`Event::StartFinished`] if it cannot).
+    /// A freshly submitted pending task, whose record submit has written. Its start counts as
+    /// in flight from now on: the engine launches start for every new task (and steps
+    /// [`Event::StartFinished`] if it cannot).
     pub fn new(record: TaskRecord) -> Task {
         Task {
+            saved: Saved::of(&record),
             record,
+            dirty: false,
+            last_error: None,
             start_in_flight: true,
             ports: None,
             pull_progress: None,
             gpu_ids: None,
             start_step: None,
+            start_step_out: false,
+            cancel_pull: false,
             stop: StopState::Idle,
             release_in_flight: false,
+            release_backoff: false,
         }
     }
 
-    /// A task rebuilt from what survives a restart (start is not in flight).
-    pub(crate) fn restored(record: TaskRecord) -> Task {
+    /// A task rebuilt from what survives a restart (start is not in flight); `saved` is the
+    /// record as read from disk.
+    pub(crate) fn restored(record: TaskRecord, saved: Saved) -> Task {
         Task {
+            saved,
             start_in_flight: false,
             ..Task::new(record)
         }
@@ -394,23 +520,23 @@ impl Task {
         &self.record.id
     }
 
-    /// The task status.
+    /// The task status as the API shows it (durable).
     pub fn status(&self) -> TaskStatus {
-        self.record.status
+        self.saved.status
     }
 
-    /// The API view (SPEC §3).
+    /// The API view (SPEC §3): status, reason and message from the durable record.
     pub fn info(&self) -> TaskInfo {
-        let terminated = self.record.status == TaskStatus::Terminated;
+        let terminated = self.saved.status == TaskStatus::Terminated;
         TaskInfo {
             id: self.record.id.clone(),
-            status: self.record.status,
-            termination_reason: match (&self.record.termination_reason, terminated) {
+            status: self.saved.status,
+            termination_reason: match (&self.saved.termination_reason, terminated) {
                 (Some(reason), true) => reason.as_str().to_owned(),
                 _ => String::new(),
             },
             termination_message: if terminated {
-                self.record.termination_message.clone()
+                self.saved.termination_message.clone()
             } else {
                 String::new()
             },
@@ -431,20 +557,23 @@ impl Task {
             host_keys: r.host_keys.clone(),
             volumes: r.volumes.clone(),
             created_dirs: Vec::new(),
+            unknown_keys: r.unknown_keys.clone(),
             released: false,
         }
     }
 
-    /// Whether a release is due now: terminated, holding something, start not in flight, no
-    /// stop in flight and no release already out. The reconciler asks this every cycle and
-    /// then steps [`Event::ReleaseRequested`], which emits [`Action::Release`] — or, when the
-    /// last stop failed, [`Action::StopContainer`] again first (release waits for a successful
-    /// stop, since the container may still use the resources).
+    /// Whether a release is due now: terminated (durably), holding something, start not in
+    /// flight, no stop wanted or in flight and no release already out. The reconciler asks
+    /// this every cycle and then steps [`Event::ReleaseRequested`], which emits
+    /// [`Action::Release`] — or, when the last stop failed, [`Action::StopContainer`] again
+    /// first (release waits for a successful stop, since the container may still use the
+    /// resources).
     pub fn needs_release(&self) -> bool {
         self.record.status == TaskStatus::Terminated
+            && !self.dirty
             && self.record.resources.holds_any()
             && !self.start_in_flight
-            && self.stop != StopState::InFlight
+            && matches!(self.stop, StopState::Idle | StopState::Failed)
             && !self.release_in_flight
     }
 
@@ -499,11 +628,11 @@ fn plan(config: &TaskConfig) -> Vec<StartStep> {
     steps
 }
 
-/// Emits `step`'s action and waits on it; sets the status the step belongs to. A step the
-/// config does not have (or a task without config) finishes start.
-fn begin(t: &mut Task, step: StartStep, actions: &mut Vec<Action>) {
-    let action = t.record.config.as_ref().and_then(|c| match step {
-        StartStep::Finish => None,
+/// The action of a start step, if the config has it.
+fn start_action(config: Option<&TaskConfig>, step: StartStep) -> Option<Action> {
+    let c = config?;
+    match step {
+        StartStep::Finish => Some(Action::FinishStart),
         StartStep::AcquireGpus => Some(Action::AcquireGpus { count: c.gpu }),
         StartStep::AddHostKeys => Some(Action::AddHostKeys(HostKeysGrant {
             user: c.host_ssh_user.clone(),
@@ -519,33 +648,38 @@ fn begin(t: &mut Task, step: StartStep, actions: &mut Vec<Action>) {
         }),
         StartStep::CreateContainer => Some(Action::CreateContainer),
         StartStep::StartContainer => Some(Action::StartContainer),
-    });
-    match action {
-        Some(action) => {
-            match (step, &action) {
-                (StartStep::Pull, _) => t.set_status(TaskStatus::Pulling),
-                (StartStep::CreateContainer, _) => t.set_status(TaskStatus::Creating),
-                (StartStep::AddHostKeys, Action::AddHostKeys(grant)) => {
-                    // Recorded ahead (and persisted before the add): a crash during the add
-                    // cannot leak the keys, and removing a task's keys that were never added
-                    // is a no-op.
-                    t.record.resources.host_keys = Some(grant.clone());
-                }
-                _ => {}
-            }
-            t.start_step = Some(step);
-            actions.push(action);
-        }
-        None => {
-            t.start_step = Some(StartStep::Finish);
-            actions.push(Action::FinishStart);
-        }
     }
 }
 
-/// The outcome of the awaited step arrived: go on with the next step, or finish when the task
-/// was terminated meanwhile (start stops at its next step).
-fn advance(t: &mut Task, actions: &mut Vec<Action>) {
+/// Makes `step` the step in progress (its action goes out once the record is durable) and
+/// records what must be recorded ahead of it; a step the config does not have (or a task
+/// without config) finishes start.
+fn begin(t: &mut Task, step: StartStep) {
+    let step = match start_action(t.config(), step) {
+        Some(Action::AddHostKeys(grant)) => {
+            // Recorded ahead (and persisted before the add): a crash during the add cannot
+            // leak the keys, and removing a task's keys that were never added is a no-op.
+            t.record.resources.host_keys = Some(grant);
+            step
+        }
+        Some(Action::Pull { .. }) => {
+            t.set_status(TaskStatus::Pulling);
+            step
+        }
+        Some(Action::CreateContainer) => {
+            t.set_status(TaskStatus::Creating);
+            step
+        }
+        Some(_) => step,
+        None => StartStep::Finish,
+    };
+    t.start_step = Some(step);
+    t.start_step_out = false;
+}
+
+/// The outcome of the step in progress arrived: go on with the next step, or finish when the
+/// task was terminated meanwhile (start stops at its next step).
+fn advance(t: &mut Task) {
     let next = match (t.terminated(), t.start_step, t.config()) {
         (false, Some(current), Some(config)) => {
             let steps = plan(config);
@@ -557,17 +691,18 @@ fn advance(t: &mut Task, actions: &mut Vec<Action>) {
         }
         _ => StartStep::Finish,
     };
-    begin(t, next, actions);
+    begin(t, next);
 }
 
-/// Checks that `event` is the outcome of the awaited step (`ok` says which steps match).
+/// Checks that `event` is the outcome of the step whose action is out (`ok` says which steps
+/// match).
 fn expect(
     t: &Task,
     event: &'static str,
     ok: impl Fn(StartStep) -> bool,
 ) -> Result<(), TransitionError> {
     match t.start_step {
-        Some(s) if t.start_in_flight && ok(s) => Ok(()),
+        Some(s) if t.start_in_flight && t.start_step_out && ok(s) => Ok(()),
         _ => Err(t.unexpected(event)),
     }
 }
@@ -588,6 +723,7 @@ fn event_name(e: &Event) -> &'static str {
         Event::PullFailed { .. } => "PullFailed",
         Event::ContainerCreated { .. } => "ContainerCreated",
         Event::CreateFailed { .. } => "CreateFailed",
+        Event::ContainerRecreated { .. } => "ContainerRecreated",
         Event::ContainerStarted { .. } => "ContainerStarted",
         Event::StartFailed { .. } => "StartFailed",
         Event::StartAborted { .. } => "StartAborted",
@@ -601,6 +737,10 @@ fn event_name(e: &Event) -> &'static str {
         Event::Released { .. } => "Released",
         Event::ReleaseFailed { .. } => "ReleaseFailed",
         Event::GpusRelocked(_) => "GpusRelocked",
+        Event::Persisted => "Persisted",
+        Event::PersistFailed { .. } => "PersistFailed",
+        Event::PersistRequested => "PersistRequested",
+        Event::ActionsAbandoned { .. } => "ActionsAbandoned",
     }
 }
 
@@ -614,32 +754,49 @@ fn is_preparing(s: StartStep) -> bool {
     )
 }
 
-/// The message of a container that exited with an error: its last log lines.
-pub fn exit_message(code: i64, last_lines: &[String]) -> String {
+/// The message of a container that exited with an error: its last log lines (and a note when
+/// the OOM killer ended it).
+pub fn exit_message(code: i64, last_lines: &[String], oom_killed: bool) -> String {
     let start = last_lines.len().saturating_sub(EXIT_MESSAGE_LINES);
-    match last_lines.get(start..) {
+    let mut message = match last_lines.get(start..) {
         Some(lines) if !lines.is_empty() => lines.join("\n"),
         _ => format!("container exited with code {code}"),
+    };
+    if oom_killed {
+        message.push('\n');
+        message.push_str(OOM_NOTE);
     }
+    message
 }
 
-/// Applies one event. `settle` is cleared for events after which no release may be emitted
-/// automatically (the release outcomes: a failed release is retried on the next cycle).
-fn apply(
-    t: &mut Task,
-    event: Event,
-    actions: &mut Vec<Action>,
-    settle: &mut bool,
-) -> Result<(), TransitionError> {
+/// How a step's event shapes the actions beyond its own.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    /// A write that the record needs goes out now even if this event did not change it (a
+    /// request or the reconciler finding a dirty record).
+    retry_write: bool,
+    /// No write may be emitted (the event is a write's failure: the retry waits).
+    no_write: bool,
+}
+
+const PLAIN: Shape = Shape {
+    retry_write: false,
+    no_write: false,
+};
+
+/// Applies one event: changes the task and may push actions that need no durable record (the
+/// steps of a remove, the end of a given-up start).
+fn apply(t: &mut Task, event: Event, actions: &mut Vec<Action>) -> Result<Shape, TransitionError> {
     let name = event_name(&event);
+    let mut shape = PLAIN;
     match event {
         Event::StartBegan => {
             if !t.start_in_flight || t.start_step.is_some() {
                 return Err(t.unexpected(name));
             }
             if t.terminated() {
-                begin(t, StartStep::Finish, actions);
-                return Ok(());
+                begin(t, StartStep::Finish);
+                return Ok(shape);
             }
             if t.record.status != TaskStatus::Pending {
                 return Err(TransitionError::NotPending {
@@ -653,7 +810,7 @@ fn apply(
                 });
             }
             t.set_status(TaskStatus::Preparing);
-            begin(t, StartStep::AcquireGpus, actions);
+            begin(t, StartStep::AcquireGpus);
         }
         Event::GpusAcquired(ids) => {
             expect(t, name, |s| s == StartStep::AcquireGpus)?;
@@ -663,12 +820,12 @@ fn apply(
                 }
             }
             t.gpu_ids = Some(ids);
-            advance(t, actions);
+            advance(t);
         }
         Event::HostKeysAdded(grant) => {
             expect(t, name, |s| s == StartStep::AddHostKeys)?;
             t.record.resources.host_keys = Some(grant);
-            advance(t, actions);
+            advance(t);
         }
         Event::VolumeMounting(volume) => {
             expect(t, name, |s| matches!(s, StartStep::MountVolume(_)))?;
@@ -686,18 +843,18 @@ fn apply(
             expect(t, name, |s| matches!(s, StartStep::MountVolume(_)))?;
             t.record.resources.volumes.retain(|v| v.name != volume.name);
             t.record.resources.volumes.push(volume);
-            advance(t, actions);
+            advance(t);
         }
         Event::DirCreated(path) => {
             expect(t, name, |s| matches!(s, StartStep::CreateDir(_)))?;
             if !t.record.resources.created_dirs.contains(&path) {
                 t.record.resources.created_dirs.push(path);
             }
-            advance(t, actions);
+            advance(t);
         }
         Event::DirExisted(_) => {
             expect(t, name, |s| matches!(s, StartStep::CreateDir(_)))?;
-            advance(t, actions);
+            advance(t);
         }
         Event::PrepareFailed { message } => {
             expect(t, name, is_preparing)?;
@@ -706,7 +863,7 @@ fn apply(
                 t.record.resources.host_keys = None;
             }
             t.terminate(TerminationReason::ExecutorError, message);
-            advance(t, actions);
+            advance(t);
         }
         Event::PullProgressed(progress) => {
             expect(t, name, |s| s == StartStep::Pull)?;
@@ -714,51 +871,58 @@ fn apply(
         }
         Event::PullSkipped => {
             expect(t, name, |s| s == StartStep::Pull)?;
-            advance(t, actions);
+            t.cancel_pull = false;
+            advance(t);
         }
         Event::PullDone(progress) => {
             expect(t, name, |s| s == StartStep::Pull)?;
             t.pull_progress = Some(progress);
-            advance(t, actions);
+            t.cancel_pull = false;
+            advance(t);
         }
         Event::PullFailed { message } => {
             expect(t, name, |s| s == StartStep::Pull)?;
+            t.cancel_pull = false;
             t.terminate(TerminationReason::CreatingContainerError, message);
-            advance(t, actions);
+            advance(t);
         }
         Event::ContainerCreated { container_id } => {
             expect(t, name, |s| s == StartStep::CreateContainer)?;
             t.record.container_id = container_id;
-            advance(t, actions);
+            advance(t);
         }
         Event::CreateFailed { message } => {
             expect(t, name, |s| s == StartStep::CreateContainer)?;
             t.terminate(TerminationReason::CreatingContainerError, message);
-            advance(t, actions);
+            advance(t);
+        }
+        Event::ContainerRecreated { container_id } => {
+            expect(t, name, |s| s == StartStep::StartContainer)?;
+            t.record.container_id = container_id;
         }
         Event::ContainerStarted { ports } => {
             expect(t, name, |s| s == StartStep::StartContainer)?;
             t.ports = Some(ports);
             if t.terminated() {
                 // Terminated while starting: nothing may keep running.
-                t.stop = StopState::InFlight;
-                actions.push(Action::StopContainer { timeout_s: 0 });
+                t.stop = StopState::Wanted { timeout_s: 0 };
             } else {
                 t.set_status(TaskStatus::Running);
             }
-            advance(t, actions);
+            advance(t);
         }
         Event::StartFailed { message } => {
             expect(t, name, |s| s == StartStep::StartContainer)?;
             t.terminate(TerminationReason::ContainerExitedWithError, message);
-            advance(t, actions);
+            advance(t);
         }
         Event::StartAborted { message } => {
             if !t.start_in_flight {
                 return Err(t.unexpected(name));
             }
+            t.cancel_pull = false;
             t.terminate(TerminationReason::ExecutorError, message);
-            begin(t, StartStep::Finish, actions);
+            begin(t, StartStep::Finish);
         }
         Event::StartFinished => {
             if !t.start_in_flight {
@@ -773,39 +937,59 @@ fn apply(
             }
             t.start_in_flight = false;
             t.start_step = None;
+            t.start_step_out = false;
+            t.cancel_pull = false;
         }
         Event::TerminateRequested {
             reason,
             message,
             timeout_s,
-        } => match t.record.status {
-            TaskStatus::Terminated => {}
-            TaskStatus::Running => {
-                t.terminate(reason, message);
-                t.stop = StopState::InFlight;
-                actions.push(Action::StopContainer { timeout_s });
-            }
-            _ => {
-                t.terminate(reason, message);
-                if t.start_in_flight && t.start_step == Some(StartStep::Pull) {
-                    actions.push(Action::CancelPull);
+        } => {
+            // A request, not a retry loop: whatever failed before may go out again.
+            shape.retry_write = true;
+            t.release_backoff = false;
+            match t.record.status {
+                TaskStatus::Terminated => {
+                    // A task terminated without a reason takes the reason of a later
+                    // terminate (upstream: runner/internal/shim/task.go, TaskStorage.Update).
+                    if t.record
+                        .termination_reason
+                        .as_ref()
+                        .is_some_and(|r| r.as_str().is_empty())
+                    {
+                        t.record.termination_reason = Some(reason);
+                        t.record.termination_message = message;
+                    }
+                }
+                TaskStatus::Running => {
+                    t.terminate(reason, message);
+                    t.stop = StopState::Wanted { timeout_s };
+                }
+                _ => {
+                    t.terminate(reason, message);
+                    if t.start_in_flight
+                        && t.start_step == Some(StartStep::Pull)
+                        && t.start_step_out
+                    {
+                        t.cancel_pull = true;
+                    }
                 }
             }
-        },
+        }
         Event::ContainerStopped => {
             t.stop = StopState::Idle;
         }
-        Event::StopFailed { .. } => {
+        Event::StopFailed { message } => {
             // Retried by the reconciler's next cycle, not at once.
-            *settle = false;
+            t.release_backoff = true;
             t.stop = StopState::Failed;
+            t.last_error = Some(message);
         }
         Event::RemoveRequested => {
-            *settle = false;
-            if !t.terminated() {
+            if t.saved.status != TaskStatus::Terminated {
                 return Err(TransitionError::NotTerminated {
                     id: t.record.id.clone(),
-                    status: t.record.status,
+                    status: t.saved.status,
                 });
             }
             if t.start_in_flight {
@@ -818,6 +1002,7 @@ fn apply(
                     id: t.record.id.clone(),
                 });
             }
+            t.release_backoff = true;
             actions.push(Action::RemoveContainer);
             if t.record.resources.holds_any() {
                 t.release_in_flight = true;
@@ -828,14 +1013,15 @@ fn apply(
         }
         Event::Observed(observation) => {
             if t.start_in_flight {
-                return Ok(());
+                return Ok(shape);
             }
+            // An observation is the reconciler's (or Docker's) news, not a retry loop.
+            t.release_backoff = false;
             if t.terminated() {
                 match observation {
                     Observation::Running => {
-                        if t.stop != StopState::InFlight {
-                            t.stop = StopState::InFlight;
-                            actions.push(Action::StopContainer { timeout_s: 0 });
+                        if matches!(t.stop, StopState::Idle | StopState::Failed) {
+                            t.stop = StopState::Wanted { timeout_s: 0 };
                         }
                     }
                     _ => {
@@ -847,13 +1033,21 @@ fn apply(
             } else {
                 match observation {
                     Observation::Running => {}
-                    Observation::Exited { code: 0, .. } => {
+                    Observation::Exited {
+                        code: 0,
+                        oom_killed: false,
+                        ..
+                    } => {
                         t.terminate(TerminationReason::DoneByRunner, String::new());
                     }
-                    Observation::Exited { code, last_lines } => {
+                    Observation::Exited {
+                        code,
+                        last_lines,
+                        oom_killed,
+                    } => {
                         t.terminate(
                             TerminationReason::ContainerExitedWithError,
-                            exit_message(code, &last_lines),
+                            exit_message(code, &last_lines, oom_killed),
                         );
                     }
                     Observation::NeverStarted => {
@@ -871,41 +1065,119 @@ fn apply(
                 }
             }
         }
-        Event::ReleaseRequested => {}
+        Event::ReleaseRequested => {
+            shape.retry_write = true;
+            t.release_backoff = false;
+            if t.needs_release() && t.stop == StopState::Failed {
+                t.stop = StopState::Wanted { timeout_s: 0 };
+            }
+        }
         Event::Released {
             gpus,
             host_keys,
             volumes,
+            unknown_keys,
         } => {
-            *settle = false;
+            t.release_backoff = true;
             let r = &mut t.record.resources;
             r.gpus.retain(|g| !gpus.contains(g));
             if host_keys {
                 r.host_keys = None;
             }
-            r.volumes.retain(|v| !volumes.contains(&v.name));
-            if !r.holds_any() && t.record.status == TaskStatus::Terminated && !t.start_in_flight {
-                r.released = true;
+            if unknown_keys {
+                r.unknown_keys = None;
             }
+            r.volumes.retain(|v| !volumes.contains(&v.name));
             t.release_in_flight = false;
         }
-        Event::ReleaseFailed { .. } => {
-            *settle = false;
+        Event::ReleaseFailed { message } => {
+            t.release_backoff = true;
             t.release_in_flight = false;
+            t.last_error = Some(message);
         }
         Event::GpusRelocked(locked) => {
             // Only what this task newly locked is its own: a GPU another restored task (a
             // duplicate, or a stale record) locked first must not be freed by this one.
             t.record.resources.gpus.retain(|g| locked.contains(g));
         }
+        Event::Persisted => {
+            t.dirty = false;
+            t.saved = Saved::of(&t.record);
+            t.last_error = None;
+        }
+        Event::PersistFailed { message } => {
+            shape.no_write = true;
+            t.release_backoff = true;
+            if t.start_in_flight
+                && !t.start_step_out
+                && t.start_step.is_some_and(|s| s != StartStep::Finish)
+            {
+                // The start chain waits on this write, which failed: give the start up.
+                t.terminate(
+                    TerminationReason::ExecutorError,
+                    format!("{WRITE_FAILED_PREFIX}: {message}"),
+                );
+                begin(t, StartStep::Finish);
+            }
+            t.last_error = Some(message);
+        }
+        Event::PersistRequested => {
+            shape.retry_write = true;
+            t.release_backoff = false;
+        }
+        Event::ActionsAbandoned {
+            actions: abandoned,
+            message,
+        } => {
+            t.release_backoff = true;
+            for a in &abandoned {
+                match a {
+                    Action::StopContainer { .. } => t.stop = StopState::Failed,
+                    Action::Release(_) => t.release_in_flight = false,
+                    Action::CancelPull => t.cancel_pull = true,
+                    a if a.is_start_step() && t.start_in_flight && t.start_step_out => {
+                        // The awaited outcome will never come: start is given up.
+                        t.cancel_pull = false;
+                        t.terminate(TerminationReason::ExecutorError, message.clone());
+                        begin(t, StartStep::Finish);
+                    }
+                    _ => {}
+                }
+            }
+            t.last_error = Some(message);
+        }
     }
-    Ok(())
+    Ok(shape)
 }
 
-/// Emits the release when it is due, and marks a settled terminated task that holds nothing
-/// as released.
-pub(crate) fn settle(t: &mut Task, actions: &mut Vec<Action>) {
-    if t.needs_release() {
+/// The side effects due now, marking each as out. Only [`Action::FinishStart`] goes out while
+/// the record is not durable; everything else waits for the write.
+fn due(t: &mut Task, actions: &mut Vec<Action>) {
+    if !t.dirty && t.cancel_pull {
+        t.cancel_pull = false;
+        actions.push(Action::CancelPull);
+    }
+    if !t.dirty
+        && let StopState::Wanted { timeout_s } = t.stop
+    {
+        t.stop = StopState::InFlight;
+        actions.push(Action::StopContainer { timeout_s });
+    }
+    if t.start_in_flight
+        && !t.start_step_out
+        && let Some(s) = t.start_step
+        && (s == StartStep::Finish || !t.dirty)
+        && let Some(action) = start_action(t.config(), s).or(Some(Action::FinishStart))
+    {
+        if !matches!(action, Action::FinishStart) {
+            t.start_step = Some(s);
+        } else {
+            t.start_step = Some(StartStep::Finish);
+        }
+        t.start_step_out = true;
+        actions.push(action);
+    }
+    if !t.release_backoff && t.needs_release() {
         if t.stop == StopState::Failed {
             t.stop = StopState::InFlight;
             actions.push(Action::StopContainer { timeout_s: 0 });
@@ -913,7 +1185,12 @@ pub(crate) fn settle(t: &mut Task, actions: &mut Vec<Action>) {
             t.release_in_flight = true;
             actions.push(Action::Release(t.held()));
         }
-    } else if t.terminated()
+    }
+}
+
+/// Marks a settled terminated task that holds nothing as released.
+fn settle_released(t: &mut Task) {
+    if t.terminated()
         && !t.start_in_flight
         && !t.release_in_flight
         && !t.record.resources.holds_any()
@@ -923,18 +1200,52 @@ pub(crate) fn settle(t: &mut Task, actions: &mut Vec<Action>) {
     }
 }
 
-/// Whether two records differ in more than their update time.
+/// Whether two records differ in more than their update time. Exhaustive by construction: a
+/// new field of [`TaskRecord`] is a compile error here until it is compared.
 pub(crate) fn record_changed(old: &TaskRecord, new: &TaskRecord) -> bool {
-    old.id != new.id
-        || old.name != new.name
-        || old.container_name != new.container_name
-        || old.config != new.config
-        || old.status != new.status
-        || old.termination_reason != new.termination_reason
-        || old.termination_message != new.termination_message
-        || old.container_id != new.container_id
-        || old.resources != new.resources
-        || old.created_at_ms != new.created_at_ms
+    let TaskRecord {
+        id,
+        name,
+        container_name,
+        config,
+        status,
+        termination_reason,
+        termination_message,
+        container_id,
+        resources,
+        created_at_ms,
+        updated_at_ms: _,
+    } = old;
+    *id != new.id
+        || *name != new.name
+        || *container_name != new.container_name
+        || *config != new.config
+        || *status != new.status
+        || *termination_reason != new.termination_reason
+        || *termination_message != new.termination_message
+        || *container_id != new.container_id
+        || *resources != new.resources
+        || *created_at_ms != new.created_at_ms
+}
+
+/// Finishes a transition: a changed (or, when asked, a dirty) record is written first and
+/// alone; otherwise the side effects due go out.
+fn finish(before: &TaskRecord, t: &mut Task, actions: &mut Vec<Action>, shape: Shape, now_ms: u64) {
+    settle_released(t);
+    if record_changed(before, &t.record) {
+        t.record.updated_at_ms = now_ms.max(before.updated_at_ms);
+        t.dirty = true;
+    }
+    let write =
+        t.dirty && !shape.no_write && (record_changed(before, &t.record) || shape.retry_write);
+    if write {
+        // Only actions that need no durable record may follow the write (GPU relocks at
+        // restore); the side effects wait for `Persisted`.
+        debug_assert!(actions.iter().all(|a| !a.needs_durable_record()));
+        actions.insert(0, Action::Persist);
+    } else {
+        due(t, actions);
+    }
 }
 
 /// Steps a task through one event at time `now_ms` (Unix milliseconds).
@@ -943,14 +1254,29 @@ pub(crate) fn record_changed(old: &TaskRecord, new: &TaskRecord) -> bool {
 pub fn step(task: &Task, event: Event, now_ms: u64) -> Result<Transition, TransitionError> {
     let mut t = task.clone();
     let mut actions = Vec::new();
-    let mut settle_after = true;
-    apply(&mut t, event, &mut actions, &mut settle_after)?;
-    if settle_after {
-        settle(&mut t, &mut actions);
-    }
-    if record_changed(&task.record, &t.record) {
-        t.record.updated_at_ms = now_ms.max(task.record.updated_at_ms);
-        actions.insert(0, Action::Persist);
-    }
+    let shape = apply(&mut t, event, &mut actions)?;
+    finish(&task.record, &mut t, &mut actions, shape, now_ms);
     Ok(Transition { task: t, actions })
+}
+
+/// Finishes the transition of a restored task: `before` is the record read from disk, or
+/// `None` when there was none (the task is written either way).
+pub(crate) fn finish_restore(
+    before: Option<&TaskRecord>,
+    t: &mut Task,
+    actions: &mut Vec<Action>,
+    now_ms: u64,
+) {
+    let shape = match before {
+        Some(_) => PLAIN,
+        None => {
+            t.dirty = true;
+            Shape {
+                retry_write: true,
+                no_write: false,
+            }
+        }
+    };
+    let before = before.cloned().unwrap_or_else(|| t.record.clone());
+    finish(&before, t, actions, shape, now_ms);
 }

@@ -3,7 +3,7 @@
 
 use crate::ids::{TaskId, TaskName};
 use crate::info::{MountedVolume, PortMapping, Resources};
-use crate::machine::{Action, StopState, Task, record_changed, settle};
+use crate::machine::{Action, Saved, StopState, Task, finish_restore};
 use crate::naming::task_name_of_container;
 use crate::record::TaskRecord;
 use crate::status::{TaskStatus, TerminationReason};
@@ -88,6 +88,8 @@ fn adopted_record(c: &ObservedContainer, now_ms: u64) -> Option<TaskRecord> {
             host_keys: None,
             volumes: c.recovered_volumes.clone(),
             created_dirs: Vec::new(),
+            // Whatever host keys it added cannot be named: keep marked lines of unknown origin.
+            unknown_keys: Some(crate::info::UnknownKeys { user: None }),
             released: false,
         },
         created_at_ms: now_ms,
@@ -108,9 +110,11 @@ fn adopted_record(c: &ObservedContainer, now_ms: u64) -> Option<TaskRecord> {
 /// - a container without a record (an older shim): a task without config whose volumes were
 ///   recovered from the container's mounts, no SSH keys.
 ///
-/// GPUs are locked again ([`Action::LockGpus`], first after any [`Action::Persist`]) for every
-/// restored task whose resources are not released. Restoring the restored task's record with
-/// the same container gives the same task and no [`Action::Persist`].
+/// GPUs are locked again ([`Action::LockGpus`], which needs no durable record and which the
+/// engine carries out for every task before anything else) for every restored task whose
+/// resources are not released. A changed record is written ([`Action::Persist`] first); the
+/// stop and the release it calls for go out once it is durable. Restoring the restored task's
+/// record with the same container gives the same task and no [`Action::Persist`].
 pub fn restore(
     record: Option<TaskRecord>,
     container: Option<ObservedContainer>,
@@ -125,7 +129,8 @@ pub fn restore(
         (None, Some(c)) => (None, adopted_record(c, now_ms)?),
         (Some(r), _) => (Some(r.clone()), r),
     };
-    let mut t = Task::restored(record);
+    let saved = Saved::of(original.as_ref().unwrap_or(&record));
+    let mut t = Task::restored(record, saved);
     let mut actions = Vec::new();
 
     if t.record.termination_reason.is_some() {
@@ -168,18 +173,8 @@ pub fn restore(
     if t.record.status == TaskStatus::Terminated
         && container.as_ref().is_some_and(|c| c.state.is_running())
     {
-        t.stop = StopState::InFlight;
-        actions.push(Action::StopContainer { timeout_s: 0 });
+        t.stop = StopState::Wanted { timeout_s: 0 };
     }
-    settle(&mut t, &mut actions);
-
-    let changed = match &original {
-        None => true,
-        Some(o) => record_changed(o, &t.record),
-    };
-    if changed {
-        t.record.updated_at_ms = now_ms.max(t.record.updated_at_ms);
-        actions.insert(0, Action::Persist);
-    }
+    finish_restore(original.as_ref(), &mut t, &mut actions, now_ms);
     Some((t, actions))
 }

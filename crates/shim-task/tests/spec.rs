@@ -56,11 +56,21 @@ fn volume() -> MountedVolume {
     }
 }
 
-/// Steps `event` and returns the actions.
+/// Steps `event` and returns the actions. A leading `Persist` is carried out as the engine
+/// does (under the same lock): its `Persisted` outcome is stepped at once, and what that step
+/// returns follows the `Persist` in the returned list.
 fn go(t: &mut Task, event: Event) -> Vec<Action> {
     let tr = step(t, event, 200).unwrap();
     *t = tr.task;
-    tr.actions
+    let mut actions = tr.actions;
+    if actions.first() == Some(&Action::Persist) {
+        let tr = step(t, Event::Persisted, 200).unwrap();
+        assert!(!t.info().status.ne(&t.saved.status));
+        *t = tr.task;
+        assert!(!t.dirty);
+        actions.extend(tr.actions);
+    }
+    actions
 }
 
 /// A task whose start has reached the awaited step `until` (all outcomes successful).
@@ -355,6 +365,7 @@ fn exit_zero_is_done_by_runner_with_empty_message() {
     let a = go(
         &mut t,
         Event::Observed(Observation::Exited {
+            oom_killed: false,
             code: 0,
             last_lines: vec!["bye".into()],
         }),
@@ -370,6 +381,7 @@ fn exit_nonzero_is_container_exited_with_error_with_last_five_lines() {
     go(
         &mut t,
         Event::Observed(Observation::Exited {
+            oom_killed: false,
             code: 3,
             last_lines: lines,
         }),
@@ -385,6 +397,7 @@ fn exit_nonzero_is_container_exited_with_error_with_last_five_lines() {
     go(
         &mut t,
         Event::Observed(Observation::Exited {
+            oom_killed: false,
             code: 137,
             last_lines: vec![],
         }),
@@ -447,6 +460,7 @@ fn second_terminate_keeps_the_first_reason_and_changes_nothing() {
     go(
         &mut t,
         Event::Observed(Observation::Exited {
+            oom_killed: false,
             code: 0,
             last_lines: vec![],
         }),
@@ -454,6 +468,7 @@ fn second_terminate_keeps_the_first_reason_and_changes_nothing() {
     go(
         &mut t,
         Event::Released {
+            unknown_keys: false,
             gpus: vec!["GPU-a".into()],
             host_keys: true,
             volumes: vec!["data".into()],
@@ -470,7 +485,8 @@ fn second_terminate_keeps_the_first_reason_and_changes_nothing() {
         999,
     )
     .unwrap();
-    assert_eq!(tr.task, before);
+    assert_eq!(tr.task.record, before.record);
+    assert_eq!(tr.task.saved, before.saved);
     assert_eq!(tr.actions, vec![]);
     assert_ended(&tr.task, TerminationReason::DoneByRunner, "");
 }
@@ -489,10 +505,12 @@ fn terminated_absorbs_every_observation() {
     go(&mut t, Event::ContainerStopped);
     for obs in [
         Observation::Exited {
+            oom_killed: false,
             code: 1,
             last_lines: vec!["x".into()],
         },
         Observation::Exited {
+            oom_killed: false,
             code: 0,
             last_lines: vec![],
         },
@@ -619,6 +637,7 @@ fn observations_are_ignored_while_start_is_in_flight() {
         Observation::Missing,
         Observation::NeverStarted,
         Observation::Exited {
+            oom_killed: false,
             code: 1,
             last_lines: vec![],
         },
@@ -684,6 +703,7 @@ fn partial_release_keeps_the_rest_for_the_next_cycle() {
     let a = go(
         &mut t,
         Event::Released {
+            unknown_keys: false,
             gpus: vec!["GPU-a".into()],
             host_keys: true,
             volumes: vec![],
@@ -709,6 +729,7 @@ fn partial_release_keeps_the_rest_for_the_next_cycle() {
     let a = go(
         &mut t,
         Event::Released {
+            unknown_keys: false,
             gpus: vec![],
             host_keys: false,
             volumes: vec!["data".into()],
@@ -896,6 +917,22 @@ fn observed(state: ContainerState) -> ObservedContainer {
     }
 }
 
+/// `restore`, with a leading `Persist` carried out as the engine does (its `Persisted` is
+/// stepped at once and what that returns follows it).
+fn restored(
+    record: Option<TaskRecord>,
+    container: Option<ObservedContainer>,
+    now: u64,
+) -> Option<(Task, Vec<Action>)> {
+    let (mut t, mut actions) = restore(record, container, now)?;
+    if actions.first() == Some(&Action::Persist) {
+        let tr = step(&t, Event::Persisted, now).unwrap();
+        t = tr.task;
+        actions.extend(tr.actions);
+    }
+    Some((t, actions))
+}
+
 fn assert_idempotent(task: &Task, container: Option<ObservedContainer>) {
     let (again, actions) = restore(Some(task.record.clone()), container, 10_000).unwrap();
     assert_eq!(&again, task);
@@ -915,7 +952,7 @@ fn restore_recorded_reason_wins_and_a_running_container_is_stopped() {
     );
     // The shim died before the stop: the container still runs.
     let c = observed(ContainerState::Running);
-    let (r, a) = restore(Some(t.record.clone()), Some(c.clone()), 5_000).unwrap();
+    let (r, a) = restored(Some(t.record.clone()), Some(c.clone()), 5_000).unwrap();
     assert_ended(&r, TerminationReason::TerminatedByUser, "by user");
     assert_eq!(
         a,
@@ -928,7 +965,7 @@ fn restore_recorded_reason_wins_and_a_running_container_is_stopped() {
     assert_idempotent(&r, Some(c));
     // Exited container: released at once, the exit code does not replace the reason.
     let c = observed(ContainerState::Exited { code: 1 });
-    let (r, a) = restore(Some(t.record.clone()), Some(c.clone()), 5_000).unwrap();
+    let (r, a) = restored(Some(t.record.clone()), Some(c.clone()), 5_000).unwrap();
     assert_ended(&r, TerminationReason::TerminatedByUser, "by user");
     assert_eq!(
         a,
@@ -942,7 +979,7 @@ fn restore_without_reason_with_container_is_running_with_the_containers_facts() 
     let t = started_until(StartStep::StartContainer);
     // The shim died between create and start.
     let c = observed(ContainerState::Created);
-    let (r, a) = restore(Some(t.record.clone()), Some(c.clone()), 5_000).unwrap();
+    let (r, a) = restored(Some(t.record.clone()), Some(c.clone()), 5_000).unwrap();
     assert_eq!(r.status(), TaskStatus::Running);
     assert_eq!(
         a,
@@ -961,7 +998,7 @@ fn restore_without_reason_with_container_is_running_with_the_containers_facts() 
 #[test]
 fn restore_record_without_container_is_executor_error_saying_what_happened() {
     let t = started_until(StartStep::Pull);
-    let (r, a) = restore(Some(t.record.clone()), None, 5_000).unwrap();
+    let (r, a) = restored(Some(t.record.clone()), None, 5_000).unwrap();
     assert_ended(
         &r,
         TerminationReason::ExecutorError,
@@ -978,7 +1015,7 @@ fn restore_record_without_container_is_executor_error_saying_what_happened() {
     assert_idempotent(&r, None);
 
     let t = running();
-    let (r, _) = restore(Some(t.record.clone()), None, 5_000).unwrap();
+    let (r, _) = restored(Some(t.record.clone()), None, 5_000).unwrap();
     assert_eq!(
         r.record.termination_reason,
         Some(TerminationReason::ExecutorError)
@@ -1002,7 +1039,7 @@ fn restore_record_without_container_keeps_a_recorded_reason() {
             timeout_s: 0,
         },
     );
-    let (r, a) = restore(Some(t.record.clone()), None, 5_000).unwrap();
+    let (r, a) = restored(Some(t.record.clone()), None, 5_000).unwrap();
     assert_ended(&r, TerminationReason::MaxDurationExceeded, "too long");
     assert_eq!(
         a,
@@ -1017,13 +1054,14 @@ fn restore_of_a_released_task_locks_nothing() {
     go(
         &mut t,
         Event::Released {
+            unknown_keys: false,
             gpus: vec!["GPU-a".into()],
             host_keys: true,
             volumes: vec!["data".into()],
         },
     );
     let c = observed(ContainerState::Exited { code: 0 });
-    let (r, a) = restore(Some(t.record.clone()), Some(c), 5_000).unwrap();
+    let (r, a) = restored(Some(t.record.clone()), Some(c), 5_000).unwrap();
     assert_eq!(a, vec![]);
     assert!(r.record.resources.released);
 }
@@ -1031,7 +1069,7 @@ fn restore_of_a_released_task_locks_nothing() {
 #[test]
 fn restore_container_without_record_adopts_it() {
     let c = observed(ContainerState::Running);
-    let (r, a) = restore(None, Some(c.clone()), 5_000).unwrap();
+    let (r, a) = restored(None, Some(c.clone()), 5_000).unwrap();
     assert_eq!(r.status(), TaskStatus::Running);
     assert!(r.record.config.is_none());
     assert_eq!(r.record.name.as_str(), "job");
@@ -1049,6 +1087,7 @@ fn restore_container_without_record_adopts_it() {
     let a = go(
         &mut r,
         Event::Observed(Observation::Exited {
+            oom_killed: false,
             code: 0,
             last_lines: vec![],
         }),
@@ -1065,13 +1104,13 @@ fn restore_with_neither_is_nothing_and_a_foreign_container_is_ignored() {
     let t = running();
     let mut c = observed(ContainerState::Running);
     c.task_id = TaskId::new("other").unwrap();
-    let (r, _) = restore(Some(t.record.clone()), Some(c), 5_000).unwrap();
+    let (r, _) = restored(Some(t.record.clone()), Some(c), 5_000).unwrap();
     assert_eq!(r.status(), TaskStatus::Terminated);
 }
 
 #[test]
 fn relock_keeps_only_the_gpus_newly_locked() {
-    let (mut t, actions) = restore(None, Some(observed(ContainerState::Running)), 1_000).unwrap();
+    let (mut t, actions) = restored(None, Some(observed(ContainerState::Running)), 1_000).unwrap();
     assert!(actions.contains(&Action::LockGpus(vec!["GPU-a".into()])));
     // Another restored task locked GPU-a first: this one must never free it.
     let actions = go(&mut t, Event::GpusRelocked(vec![]));
@@ -1080,6 +1119,7 @@ fn relock_keeps_only_the_gpus_newly_locked() {
     let actions = go(
         &mut t,
         Event::Observed(Observation::Exited {
+            oom_killed: false,
             code: 0,
             last_lines: vec![],
         }),
@@ -1104,7 +1144,7 @@ fn a_volume_is_recorded_and_persisted_before_it_is_mounted() {
     );
     assert!(t.record.resources.volumes.contains(&volume()));
     // The shim dies during the mount: restored without a container, the volume is released.
-    let (r, actions) = restore(Some(t.record.clone()), None, 9_000).unwrap();
+    let (r, actions) = restored(Some(t.record.clone()), None, 9_000).unwrap();
     assert_eq!(r.status(), TaskStatus::Terminated);
     assert!(
         actions
@@ -1126,5 +1166,210 @@ fn a_volume_is_recorded_and_persisted_before_it_is_mounted() {
         a.iter()
             .any(|a| matches!(a, Action::Release(res) if res.volumes.contains(&volume()))),
         "{a:?}"
+    );
+}
+
+// ---- Faults: a failed write wedges nothing (issue: disk full) ----
+
+/// Steps `event` with the write failing (a full disk): the write's failure is stepped at once.
+fn go_disk_full(t: &mut Task, event: Event) -> Vec<Action> {
+    let tr = step(t, event, 300).unwrap();
+    *t = tr.task;
+    let mut actions = tr.actions;
+    if actions.first() == Some(&Action::Persist) {
+        let tr = step(
+            t,
+            Event::PersistFailed {
+                message: "No space left on device (os error 28)".into(),
+            },
+            300,
+        )
+        .unwrap();
+        *t = tr.task;
+        assert!(t.dirty);
+        actions.extend(tr.actions);
+    }
+    actions
+}
+
+#[test]
+fn a_terminate_whose_write_fails_changes_nothing_visible_and_is_retried() {
+    let mut t = running();
+    let terminate = || Event::TerminateRequested {
+        reason: TerminationReason::TerminatedByUser,
+        message: "bye".into(),
+        timeout_s: 10,
+    };
+    let a = go_disk_full(&mut t, terminate());
+    // No stop before the reason is durable, and the API still says running.
+    assert_eq!(a, vec![Action::Persist]);
+    assert_eq!(t.info().status, TaskStatus::Running);
+    assert_eq!(t.info().termination_reason, "");
+    assert!(!t.needs_release());
+    // The reconciler's retry fails too while the disk is full: still nothing.
+    assert_eq!(
+        go_disk_full(&mut t, Event::PersistRequested),
+        vec![Action::Persist]
+    );
+    // A second terminate once space is back: written, then the stop with the first timeout.
+    let a = go(&mut t, terminate());
+    assert_eq!(
+        a,
+        vec![Action::Persist, Action::StopContainer { timeout_s: 10 }]
+    );
+    assert_ended(&t, TerminationReason::TerminatedByUser, "bye");
+    // Then released as usual.
+    let a = go(&mut t, Event::ContainerStopped);
+    assert_eq!(a, vec![release_of(&t)]);
+}
+
+#[test]
+fn an_exit_whose_write_fails_keeps_the_resources_until_the_reason_is_durable() {
+    let mut t = running();
+    let a = go_disk_full(
+        &mut t,
+        Event::Observed(Observation::Exited {
+            code: 0,
+            last_lines: vec![],
+            oom_killed: false,
+        }),
+    );
+    assert_eq!(a, vec![Action::Persist]);
+    assert_eq!(t.status(), TaskStatus::Running, "not durable, not shown");
+    assert!(
+        !t.needs_release(),
+        "released only once the reason is durable"
+    );
+    // The reconciler's next cycle writes it and releases in the same cycle.
+    let a = go(&mut t, Event::PersistRequested);
+    assert_eq!(a, vec![Action::Persist, release_of(&t)]);
+    assert_ended(&t, TerminationReason::DoneByRunner, "");
+}
+
+#[test]
+fn a_start_whose_write_fails_is_given_up_with_the_cause() {
+    let mut t = started_until(StartStep::AddHostKeys);
+    // The keys are recorded ahead, but the write fails: the add never goes out.
+    let mut t2 = new_task(&config());
+    go(&mut t2, Event::StartBegan);
+    let a = go_disk_full(&mut t2, Event::GpusAcquired(vec!["GPU-a".into()]));
+    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
+    assert_eq!(t2.record.status, TaskStatus::Terminated);
+    assert!(
+        t2.record
+            .termination_message
+            .starts_with("cannot write the task's state file: No space left"),
+        "{}",
+        t2.record.termination_message
+    );
+    go(&mut t2, Event::StartFinished);
+    // Nothing is released before the termination is durable ...
+    assert!(!t2.needs_release());
+    // ... and all of it right after.
+    let a = go(&mut t2, Event::PersistRequested);
+    assert_eq!(a[0], Action::Persist);
+    assert!(matches!(&a[1], Action::Release(r) if r.gpus == ["GPU-a"] && r.host_keys.is_some()));
+    // A step in flight is not given up by a write failure of another event.
+    let a = go_disk_full(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByServer,
+            message: String::new(),
+            timeout_s: 0,
+        },
+    );
+    assert_eq!(a, vec![Action::Persist]);
+    assert_eq!(t.start_step, Some(StartStep::AddHostKeys));
+}
+
+#[test]
+fn an_abandoned_remove_leaves_nothing_in_flight() {
+    let mut t = running();
+    go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByUser,
+            message: String::new(),
+            timeout_s: 0,
+        },
+    );
+    go(&mut t, Event::ContainerStopped);
+    go(
+        &mut t,
+        Event::ReleaseFailed {
+            message: "busy".into(),
+        },
+    );
+    let a = go(&mut t, Event::RemoveRequested);
+    assert_eq!(a[0], Action::RemoveContainer);
+    assert!(t.release_in_flight);
+    // Docker refuses the container removal: the engine drops the rest and says so.
+    let a = go(
+        &mut t,
+        Event::ActionsAbandoned {
+            actions: a,
+            message: "cannot remove the container".into(),
+        },
+    );
+    assert_eq!(a, vec![]);
+    assert!(!t.release_in_flight);
+    // The next cycle releases; a later remove is accepted.
+    assert!(t.needs_release());
+    go(&mut t, Event::RemoveRequested);
+}
+
+#[test]
+fn a_reason_left_empty_takes_the_reason_of_a_later_terminate() {
+    // upstream: runner/internal/shim/task.go (TaskStorage.Update): "if the stored terminated
+    // task has an empty reason, a later terminated update replaces reason and message". The
+    // server's terminate of a dangling task sends no reason.
+    let mut t = running();
+    go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::parse(""),
+            message: String::new(),
+            timeout_s: 0,
+        },
+    );
+    assert_eq!(t.info().status, TaskStatus::Terminated);
+    assert_eq!(t.info().termination_reason, "");
+    let a = go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByServer,
+            message: "later".into(),
+            timeout_s: 0,
+        },
+    );
+    assert_eq!(a.first(), Some(&Action::Persist));
+    assert_ended(&t, TerminationReason::TerminatedByServer, "later");
+    // A non-empty reason is then final.
+    go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByUser,
+            message: "again".into(),
+            timeout_s: 0,
+        },
+    );
+    assert_ended(&t, TerminationReason::TerminatedByServer, "later");
+}
+
+#[test]
+fn the_display_retry_records_the_new_container_through_an_event() {
+    let mut t = started_until(StartStep::StartContainer);
+    let a = go(
+        &mut t,
+        Event::ContainerRecreated {
+            container_id: "cid2".into(),
+        },
+    );
+    assert_eq!(a, vec![Action::Persist], "the new id is durable first");
+    assert_eq!(t.record.container_id, "cid2");
+    assert_eq!(
+        t.start_step,
+        Some(StartStep::StartContainer),
+        "still awaited"
     );
 }
