@@ -1,8 +1,8 @@
 //! [`DcgmExporter`]: `dcgm-exporter` as a supervised child, and the task metrics read from it.
 
 use std::io::Write;
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -31,7 +31,9 @@ const MAX_BODY_BYTES: usize = 32 << 20;
 #[derive(Debug)]
 pub struct DcgmExporter {
     supervisor: Supervisor,
-    counters: tempfile::TempPath,
+    counters_path: PathBuf,
+    /// Removes the collectors file when dropped; taken by shutdown.
+    counters: std::sync::Mutex<Option<tempfile::TempPath>>,
     url: String,
     port: u16,
     fetch_timeout: Duration,
@@ -89,7 +91,8 @@ impl DcgmExporter {
         });
         Ok(Self {
             supervisor,
-            counters,
+            counters_path: counters.to_path_buf(),
+            counters: std::sync::Mutex::new(Some(counters)),
             url: format!("http://{listen}/metrics"),
             port: config.exporter_http_port,
             fetch_timeout: config.fetch_timeout,
@@ -105,7 +108,7 @@ impl DcgmExporter {
 
     /// The collectors file given with `-f`.
     pub fn counters_path(&self) -> &Path {
-        &self.counters
+        &self.counters_path
     }
 
     /// The running exporter's pid (`None` between a crash and its restart).
@@ -143,10 +146,15 @@ impl DcgmExporter {
     }
 
     /// Stops the exporter (SIGTERM, SIGKILL after the grace period) and removes the
-    /// collectors file.
-    pub async fn shutdown(self) {
+    /// collectors file. Fetches fail afterwards; later calls do nothing.
+    pub async fn shutdown(&self) {
         self.supervisor.shutdown().await;
-        if let Err(e) = self.counters.close() {
+        let counters = self
+            .counters
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(Err(e)) = counters.map(tempfile::TempPath::close) {
             tracing::warn!(error = %e, "failed to remove the dcgm-exporter collectors file");
         }
     }

@@ -11,7 +11,7 @@
 //! upstream's embedded one.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -205,9 +205,10 @@ const NOT_ENABLED: &str = "Health watches not enabled";
 #[derive(Debug)]
 pub struct DcgmHealth {
     inner: Arc<Inner>,
-    enabler: Option<JoinHandle<()>>,
+    enabler: std::sync::Mutex<Option<JoinHandle<()>>>,
     hostengine: Option<Supervisor>,
-    _socket_dir: Option<tempfile::TempDir>,
+    /// The private host engine's directory, removed when dropped; taken by shutdown.
+    socket_dir: std::sync::Mutex<Option<tempfile::TempDir>>,
 }
 
 struct Inner {
@@ -273,9 +274,9 @@ impl DcgmHealth {
             config.command_timeout,
         );
         health.hostengine = hostengine;
-        health._socket_dir = socket_dir;
+        health.socket_dir = std::sync::Mutex::new(socket_dir);
         let inner = health.inner.clone();
-        health.enabler = Some(tokio::spawn(async move {
+        health.enabler = std::sync::Mutex::new(Some(tokio::spawn(async move {
             for attempt in 1..=ENABLE_ATTEMPTS {
                 match inner.enable().await {
                     Ok(()) => return,
@@ -286,7 +287,7 @@ impl DcgmHealth {
                 }
                 tokio::time::sleep(ENABLE_RETRY).await;
             }
-        }));
+        })));
         Some(health)
     }
 
@@ -306,9 +307,9 @@ impl DcgmHealth {
                 timeout,
                 enabled: Mutex::new(false),
             }),
-            enabler: None,
+            enabler: std::sync::Mutex::new(None),
             hostengine: None,
-            _socket_dir: None,
+            socket_dir: std::sync::Mutex::new(None),
         }
     }
 
@@ -347,22 +348,38 @@ impl DcgmHealth {
         }
     }
 
-    /// Stops the background enabling and the private host engine.
-    pub async fn shutdown(mut self) {
-        if let Some(enabler) = self.enabler.take() {
+    fn stop_enabling(&self) {
+        let enabler = self
+            .enabler
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(enabler) = enabler {
             enabler.abort();
         }
-        if let Some(hostengine) = self.hostengine.take() {
+    }
+
+    /// Stops the background enabling and the private host engine (SIGTERM, SIGKILL after the
+    /// grace period) and removes its directory. Later calls do nothing.
+    pub async fn shutdown(&self) {
+        self.stop_enabling();
+        if let Some(hostengine) = &self.hostengine {
             hostengine.shutdown().await;
+        }
+        let dir = self
+            .socket_dir
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(Err(e)) = dir.map(tempfile::TempDir::close) {
+            tracing::warn!(error = %e, "failed to remove nv-hostengine's directory");
         }
     }
 }
 
 impl Drop for DcgmHealth {
     fn drop(&mut self) {
-        if let Some(enabler) = self.enabler.take() {
-            enabler.abort();
-        }
+        self.stop_enabling();
     }
 }
 

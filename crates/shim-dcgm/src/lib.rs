@@ -73,12 +73,14 @@ impl Dcgm {
         }
     }
 
-    /// Stops what runs (exporter, private host engine).
-    pub async fn shutdown(self) {
-        if let Some(exporter) = self.exporter {
+    /// Stops what runs (exporter, private host engine). Takes `&self` so that the API can
+    /// share the `Dcgm` (in an `Arc`) while the binary still stops it at the end; later calls
+    /// do nothing. Dropping a `Dcgm` without this kills the children (SIGKILL).
+    pub async fn shutdown(&self) {
+        if let Some(exporter) = &self.exporter {
             exporter.shutdown().await;
         }
-        if let Some(health) = self.health {
+        if let Some(health) = &self.health {
             health.shutdown().await;
         }
     }

@@ -5,8 +5,8 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::Stdio;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use nix::sys::signal::{Signal, kill};
@@ -43,7 +43,7 @@ struct State {
 #[derive(Debug)]
 pub(crate) struct Supervisor {
     stop: watch::Sender<bool>,
-    task: Option<JoinHandle<()>>,
+    task: Mutex<Option<JoinHandle<()>>>,
     state: Arc<State>,
 }
 
@@ -56,7 +56,7 @@ impl Supervisor {
         let task = tokio::spawn(run(spec, stop_rx, state.clone()));
         Self {
             stop,
-            task: Some(task),
+            task: Mutex::new(Some(task)),
             state,
         }
     }
@@ -74,10 +74,18 @@ impl Supervisor {
         self.state.starts.load(Ordering::SeqCst)
     }
 
-    /// Stops restarting and stops the child: SIGTERM, SIGKILL after the grace period.
-    pub async fn shutdown(mut self) {
+    fn take_task(&self) -> Option<JoinHandle<()>> {
+        self.task
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+
+    /// Stops restarting and stops the child: SIGTERM, SIGKILL after the grace period. Later
+    /// calls return at once.
+    pub async fn shutdown(&self) {
         self.stop.send_replace(true);
-        if let Some(task) = self.task.take() {
+        if let Some(task) = self.take_task() {
             if let Err(e) = task.await {
                 tracing::warn!(error = %e, "a supervisor task failed");
             }
@@ -89,7 +97,7 @@ impl Drop for Supervisor {
     fn drop(&mut self) {
         // Aborting drops the task's future and with it the Child, whose kill_on_drop sends
         // SIGKILL.
-        if let Some(task) = self.task.take() {
+        if let Some(task) = self.take_task() {
             task.abort();
         }
     }

@@ -255,9 +255,11 @@ async fn a_private_host_engine_unless_an_address_is_given() {
 
     let pid = health.hostengine_pid().expect("nv-hostengine runs");
     assert!(alive(pid));
-    dcgm.shutdown().await;
+    let shared = Arc::new(dcgm); // as the API holds it
+    shared.shutdown().await;
     assert!(!alive(pid), "nv-hostengine still runs");
     assert!(!socket_dir.exists(), "the socket directory is left behind");
+    shared.shutdown().await; // a second call does nothing
 
     // With an address: dcgmi asks it, no host engine of ours.
     fs_err::remove_file(&args_file).unwrap();
