@@ -1,0 +1,307 @@
+//! [`DcgmConfig`]: the upstream `--dcgm-*` settings plus a few of ours, with upstream's
+//! defaults. [`DcgmArgs`] declares them as clap flags with upstream's names and environment
+//! variables.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Upstream's `--dcgm-exporter-http-port` default.
+pub const DEFAULT_EXPORTER_HTTP_PORT: u16 = 10997;
+/// Upstream's `--dcgm-exporter-interval` default, in milliseconds.
+pub const DEFAULT_EXPORTER_INTERVAL_MS: u64 = 5000;
+/// The exporter's executable name, looked up in `PATH` (upstream: `dcgmExporterExecName`).
+pub const EXPORTER_PROGRAM: &str = "dcgm-exporter";
+/// DCGM's command line client, looked up in `PATH`.
+pub const DCGMI_PROGRAM: &str = "dcgmi";
+/// DCGM's host engine, looked up in `PATH`.
+pub const HOSTENGINE_PROGRAM: &str = "nv-hostengine";
+
+/// How a supervised program is restarted after it exits: the first restart waits `initial`,
+/// each further one twice as long up to `max`; a run that lasted `reset_after` or longer
+/// starts the sequence again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    /// The first delay.
+    pub initial: Duration,
+    /// The longest delay.
+    pub max: Duration,
+    /// A run at least this long resets the delay to `initial`.
+    pub reset_after: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self {
+            initial: Duration::from_secs(1),
+            max: Duration::from_secs(60),
+            reset_after: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The DCGM settings of the shim.
+///
+/// Upstream (`runner/cmd/shim/main.go`) has three: `--dcgm-exporter-http-port`
+/// (`DSTACK_DCGM_EXPORTER_HTTP_PORT`, 10997), `--dcgm-exporter-interval`
+/// (`DSTACK_DCGM_EXPORTER_INTERVAL`, 5000 ms) and `--dcgm-address` (`DSTACK_DCGM_ADDRESS`,
+/// empty). The program paths are ours (upstream only looks `dcgm-exporter` up in `PATH`); the
+/// timeouts and the backoff are fixed in upstream and only settable here for tests.
+#[derive(Debug, Clone)]
+pub struct DcgmConfig {
+    /// The exporter listens on `localhost:<port>`.
+    pub exporter_http_port: u16,
+    /// The exporter's collect interval (`-c <ms>`), also how long a fetched answer is reused.
+    pub exporter_interval: Duration,
+    /// `nv-hostengine` to ask for health (`dcgmi --host <address>`). Empty or `None`: like
+    /// upstream's embedded libdcgm, the shim runs its own host engine when `nv-hostengine` is
+    /// found, else `dcgmi` asks the default one (`localhost`).
+    pub address: Option<String>,
+    /// The exporter binary; `None` looks `dcgm-exporter` up in `PATH`.
+    pub exporter_path: Option<PathBuf>,
+    /// The `dcgmi` binary; `None` looks it up in `PATH`.
+    pub dcgmi_path: Option<PathBuf>,
+    /// The `nv-hostengine` binary; `None` looks it up in `PATH`.
+    pub hostengine_path: Option<PathBuf>,
+    /// Where the private host engine writes `nv-hostengine.log`; `None`: its temporary
+    /// directory (removed at shutdown).
+    pub log_dir: Option<PathBuf>,
+    /// How long one fetch of the exporter's metrics may take (upstream: 10 s).
+    pub fetch_timeout: Duration,
+    /// How long one `dcgmi` or `dcgm-exporter -v` run may take.
+    pub command_timeout: Duration,
+    /// How long a stopping child gets between SIGTERM and SIGKILL (upstream: 5 s).
+    pub stop_grace: Duration,
+    /// Restart delays of the supervised programs.
+    pub backoff: Backoff,
+}
+
+impl Default for DcgmConfig {
+    fn default() -> Self {
+        Self {
+            exporter_http_port: DEFAULT_EXPORTER_HTTP_PORT,
+            exporter_interval: Duration::from_millis(DEFAULT_EXPORTER_INTERVAL_MS),
+            address: None,
+            exporter_path: None,
+            dcgmi_path: None,
+            hostengine_path: None,
+            log_dir: None,
+            fetch_timeout: Duration::from_secs(10),
+            command_timeout: Duration::from_secs(10),
+            stop_grace: Duration::from_secs(5),
+            backoff: Backoff::default(),
+        }
+    }
+}
+
+impl DcgmConfig {
+    /// The host engine address when one was given (empty counts as none, as upstream).
+    pub fn address(&self) -> Option<&str> {
+        self.address.as_deref().filter(|a| !a.is_empty())
+    }
+
+    /// The exporter binary: the configured path if it is an executable file, else
+    /// `dcgm-exporter` from `PATH`.
+    pub fn find_exporter(&self) -> Option<PathBuf> {
+        find(self.exporter_path.as_deref(), EXPORTER_PROGRAM)
+    }
+
+    /// The `dcgmi` binary, the same way.
+    pub fn find_dcgmi(&self) -> Option<PathBuf> {
+        find(self.dcgmi_path.as_deref(), DCGMI_PROGRAM)
+    }
+
+    /// The `nv-hostengine` binary, the same way.
+    pub fn find_hostengine(&self) -> Option<PathBuf> {
+        find(self.hostengine_path.as_deref(), HOSTENGINE_PROGRAM)
+    }
+}
+
+fn find(configured: Option<&Path>, name: &str) -> Option<PathBuf> {
+    match configured {
+        Some(p) => is_executable(p).then(|| p.to_path_buf()),
+        None => find_program(name, std::env::var_os("PATH").as_deref()),
+    }
+}
+
+/// Looks `name` up in the `PATH`-style list `path` like a shell does (Go's `exec.LookPath`):
+/// the first directory holding an executable regular file of that name wins.
+pub fn find_program(name: &str, path: Option<&std::ffi::OsStr>) -> Option<PathBuf> {
+    let path: OsString = path?.to_owned();
+    std::env::split_paths(&path)
+        .filter(|dir| !dir.as_os_str().is_empty())
+        .map(|dir| dir.join(name))
+        .find(|candidate| is_executable(candidate))
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    fs_err::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// The upstream `--dcgm-*` flags, to be flattened into the binary's arguments
+/// (`#[command(flatten)]`), plus our program paths.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DcgmArgs {
+    /// DCGM Exporter http port
+    #[arg(
+        long,
+        env = "DSTACK_DCGM_EXPORTER_HTTP_PORT",
+        default_value_t = DEFAULT_EXPORTER_HTTP_PORT,
+        value_name = "PORT"
+    )]
+    pub dcgm_exporter_http_port: u16,
+    /// DCGM Exporter collect interval, milliseconds
+    #[arg(
+        long,
+        env = "DSTACK_DCGM_EXPORTER_INTERVAL",
+        default_value_t = DEFAULT_EXPORTER_INTERVAL_MS,
+        value_name = "MS"
+    )]
+    pub dcgm_exporter_interval: u64,
+    /// nv-hostengine `hostname`, e.g., `localhost` [default: start a private nv-hostengine]
+    #[arg(long, env = "DSTACK_DCGM_ADDRESS", value_name = "hostname")]
+    pub dcgm_address: Option<String>,
+    /// The dcgm-exporter binary [default: dcgm-exporter in PATH]
+    #[arg(long, env = "DSTACK_DCGM_EXPORTER_PATH", value_name = "PATH")]
+    pub dcgm_exporter_path: Option<PathBuf>,
+    /// The dcgmi binary [default: dcgmi in PATH]
+    #[arg(long, env = "DSTACK_DCGMI_PATH", value_name = "PATH")]
+    pub dcgmi_path: Option<PathBuf>,
+    /// The nv-hostengine binary [default: nv-hostengine in PATH]
+    #[arg(long, env = "DSTACK_NV_HOSTENGINE_PATH", value_name = "PATH")]
+    pub nv_hostengine_path: Option<PathBuf>,
+}
+
+impl DcgmArgs {
+    /// The configuration these flags describe; `log_dir` is where the private host engine
+    /// logs (the binary passes the shim home).
+    pub fn to_config(&self, log_dir: Option<PathBuf>) -> DcgmConfig {
+        DcgmConfig {
+            exporter_http_port: self.dcgm_exporter_http_port,
+            exporter_interval: Duration::from_millis(self.dcgm_exporter_interval),
+            address: self.dcgm_address.clone(),
+            exporter_path: self.dcgm_exporter_path.clone(),
+            dcgmi_path: self.dcgmi_path.clone(),
+            hostengine_path: self.nv_hostengine_path.clone(),
+            log_dir,
+            ..DcgmConfig::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn touch(path: &Path, mode: u32) {
+        fs_err::write(path, "#!/bin/sh\n").unwrap();
+        fs_err::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    #[test]
+    fn find_program_takes_the_first_executable_file_in_path_order() {
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        let c = tempfile::tempdir().unwrap();
+        touch(&a.path().join("dcgmi"), 0o644); // not executable: skipped
+        fs_err::create_dir(b.path().join("dcgmi")).unwrap(); // a directory: skipped
+        touch(&c.path().join("dcgmi"), 0o755);
+        let path = std::env::join_paths([a.path(), b.path(), c.path()]).unwrap();
+        assert_eq!(
+            find_program("dcgmi", Some(&path)),
+            Some(c.path().join("dcgmi"))
+        );
+        assert_eq!(find_program("dcgm-exporter", Some(&path)), None);
+        assert_eq!(find_program("dcgmi", None), None);
+    }
+
+    #[test]
+    fn a_configured_path_must_be_executable_and_is_not_searched() {
+        let dir = tempfile::tempdir().unwrap();
+        let exe = dir.path().join("my-exporter");
+        touch(&exe, 0o755);
+        let config = DcgmConfig {
+            exporter_path: Some(exe.clone()),
+            dcgmi_path: Some(dir.path().join("missing")),
+            ..DcgmConfig::default()
+        };
+        assert_eq!(config.find_exporter(), Some(exe));
+        assert_eq!(config.find_dcgmi(), None);
+    }
+
+    #[derive(Debug, clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        dcgm: DcgmArgs,
+    }
+
+    // upstream: runner/cmd/shim/main.go (flags dcgm-exporter-http-port, dcgm-exporter-interval,
+    // dcgm-address and their DSTACK_* environment variables)
+    #[test]
+    fn flags_and_environment_variables_are_upstreams() {
+        use clap::{CommandFactory, Parser};
+
+        let envs: Vec<(String, Option<String>)> = Cli::command()
+            .get_arguments()
+            .map(|a| {
+                (
+                    a.get_long().unwrap().to_owned(),
+                    a.get_env().map(|e| e.to_string_lossy().into_owned()),
+                )
+            })
+            .collect();
+        for (flag, env) in [
+            ("dcgm-exporter-http-port", "DSTACK_DCGM_EXPORTER_HTTP_PORT"),
+            ("dcgm-exporter-interval", "DSTACK_DCGM_EXPORTER_INTERVAL"),
+            ("dcgm-address", "DSTACK_DCGM_ADDRESS"),
+        ] {
+            assert!(
+                envs.contains(&(flag.to_owned(), Some(env.to_owned()))),
+                "--{flag} / {env} missing: {envs:?}"
+            );
+        }
+
+        let defaults = Cli::try_parse_from(["dstack-shim"]).unwrap().dcgm;
+        let c = defaults.to_config(None);
+        assert_eq!(c.exporter_http_port, 10997);
+        assert_eq!(c.exporter_interval, Duration::from_millis(5000));
+        assert_eq!(c.address(), None);
+        assert_eq!(c.exporter_path, None);
+
+        let set = Cli::try_parse_from([
+            "dstack-shim",
+            "--dcgm-exporter-http-port",
+            "20997",
+            "--dcgm-exporter-interval=1000",
+            "--dcgm-address",
+            "localhost",
+            "--dcgm-exporter-path",
+            "/opt/dcgm-exporter",
+        ])
+        .unwrap()
+        .dcgm
+        .to_config(Some(PathBuf::from("/root/.dstack")));
+        assert_eq!(set.exporter_http_port, 20997);
+        assert_eq!(set.exporter_interval, Duration::from_millis(1000));
+        assert_eq!(set.address(), Some("localhost"));
+        assert_eq!(set.exporter_path, Some(PathBuf::from("/opt/dcgm-exporter")));
+        assert_eq!(set.log_dir, Some(PathBuf::from("/root/.dstack")));
+    }
+
+    // upstream: runner/cmd/shim/main.go (dcgm-exporter-http-port 10997, dcgm-exporter-interval
+    // 5000 ms, dcgm-address empty)
+    #[test]
+    fn defaults_are_upstreams() {
+        let c = DcgmConfig::default();
+        assert_eq!(c.exporter_http_port, 10997);
+        assert_eq!(c.exporter_interval, Duration::from_millis(5000));
+        assert_eq!(c.address(), None);
+        let c = DcgmConfig {
+            address: Some(String::new()),
+            ..c
+        };
+        assert_eq!(c.address(), None);
+    }
+}

@@ -1,0 +1,340 @@
+//! `DcgmExporter` against fake exporters: real shell scripts started, restarted and stopped as
+//! the real binary would be, and a real HTTP server serving a recorded dcgm-exporter payload.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test file: panics are failures
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{FakeExporter, Reply, alive, closed_port, lines, script, testdata, wait_until};
+use shim_dcgm::{
+    Backoff, COUNTERS, DcgmConfig, DcgmError, DcgmErrorKind, DcgmExporter, counters_csv,
+};
+
+const PAYLOAD: &str = "dcgm-exporter-8xA800-mig.prom";
+const GPU0: &str = "GPU-1f027ee8-6e1e-2b8c-0108-3d370e5f0418"; // MIG: 3 samples per family
+const GPU1: &str = "GPU-9e5b8fec-61bf-5124-a0a9-079af1b65cc6";
+const GPU7: &str = "GPU-4e75c9ab-0ed7-8a57-75f5-23761b9f053f";
+
+fn ids(ids: &[&str]) -> Vec<String> {
+    ids.iter().map(|s| (*s).to_owned()).collect()
+}
+
+fn config(port: u16, exporter: &Path) -> DcgmConfig {
+    DcgmConfig {
+        exporter_http_port: port,
+        exporter_path: Some(exporter.to_path_buf()),
+        stop_grace: Duration::from_secs(2),
+        backoff: Backoff {
+            initial: Duration::from_millis(20),
+            max: Duration::from_millis(100),
+            reset_after: Duration::from_secs(60),
+        },
+        ..DcgmConfig::default()
+    }
+}
+
+/// A fake `dcgm-exporter`: answers `-v` like the real one; otherwise records its arguments and
+/// a copy of its collectors file (`-f`), then sleeps until killed.
+fn fake_exporter(dir: &Path) -> std::path::PathBuf {
+    let d = dir.display();
+    script(
+        dir,
+        "dcgm-exporter",
+        &format!(
+            r#"if [ "$1" = "-v" ]; then echo "DCGM Exporter version 4.1.1-4.0.4"; exit 0; fi
+printf '%s\n' "$@" >> {d}/args
+cp "$2" {d}/counters.csv
+echo "listening on $4" >&2
+exec sleep 600"#
+        ),
+    )
+}
+
+// upstream: runner/internal/shim/dcgm/exporter.go (Start: `-f <counters.csv> -a
+// localhost:<port> -c <interval ms>`; GetDCGMExporterExecPath: `-v` must exit 0; Stop: remove
+// the counters file), runner/internal/shim/api/handlers.go (TaskMetricsHandler: fetch, then
+// FilterMetrics by the task's GPU ids)
+#[tokio::test]
+async fn serves_each_tasks_gpus_from_a_supervised_exporter() {
+    let dir = tempfile::tempdir().unwrap();
+    let payload = testdata(PAYLOAD);
+    let server = FakeExporter::start(Reply::Answer(200, payload.clone())).await;
+    let program = fake_exporter(dir.path());
+    let exporter = DcgmExporter::start(&config(server.port, &program))
+        .await
+        .expect("the exporter starts");
+    assert_eq!(
+        exporter.url(),
+        format!("http://localhost:{}/metrics", server.port)
+    );
+
+    let args_file = dir.path().join("args");
+    wait_until("the exporter's arguments", Duration::from_secs(10), || {
+        lines(&args_file).len() == 6 && dir.path().join("counters.csv").exists()
+    })
+    .await;
+    let counters = exporter.counters_path().to_path_buf();
+    assert_eq!(
+        lines(&args_file),
+        [
+            "-f",
+            counters.to_str().unwrap(),
+            "-a",
+            &format!("localhost:{}", server.port),
+            "-c",
+            "5000"
+        ]
+    );
+    assert!(
+        counters
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .starts_with("counters-")
+    );
+    assert_eq!(
+        fs_err::read_to_string(dir.path().join("counters.csv")).unwrap(),
+        counters_csv(COUNTERS)
+    );
+    let pid = exporter.pid().expect("running");
+    assert!(alive(pid));
+
+    // One GPU: the HELP, TYPE and sample of each of the nine families.
+    let got = exporter.fetch_task_metrics(&ids(&[GPU1])).await.unwrap();
+    let want: String = payload
+        .lines()
+        .filter(|l| l.starts_with('#') || l.contains(GPU1))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(got.lines().count(), 9 * 3);
+    assert!(!got.contains(GPU7) && !got.contains(GPU0));
+
+    // The MIG GPU: three samples per family, and no GPU_UTIL/MEM_COPY_UTIL families at all
+    // (it has no samples there).
+    let got = exporter.fetch_task_metrics(&ids(&[GPU0])).await.unwrap();
+    assert_eq!(got.lines().count(), 7 * (2 + 3));
+    assert!(!got.contains("DCGM_FI_DEV_GPU_UTIL"), "{got}");
+    assert!(!got.contains("DCGM_FI_DEV_MEM_COPY_UTIL"), "{got}");
+    assert_eq!(got.matches("GPU_I_ID=").count(), 7 * 3);
+
+    // Two GPUs of eight.
+    let got = exporter
+        .fetch_task_metrics(&ids(&[GPU7, GPU1]))
+        .await
+        .unwrap();
+    assert_eq!(got.lines().count(), 9 * 4);
+    assert_eq!(got.matches(GPU1).count(), 9);
+    assert_eq!(got.matches(GPU7).count(), 9);
+
+    // No GPUs, or GPUs the exporter does not know: an empty body.
+    assert_eq!(exporter.fetch_task_metrics(&[]).await.unwrap(), "");
+    assert_eq!(
+        exporter
+            .fetch_task_metrics(&ids(&["GPU-00000000-0000-0000-0000-000000000000"]))
+            .await
+            .unwrap(),
+        ""
+    );
+    // All of that came from one request: answers are reused for the collect interval.
+    assert_eq!(server.requests(), 1);
+
+    exporter.shutdown().await;
+    assert!(!alive(pid), "the exporter still runs");
+    assert!(!counters.exists(), "the counters file is left behind");
+}
+
+// upstream: runner/internal/shim/dcgm/exporter.go (Fetch: the last answer is reused while it
+// is younger than the collect interval; errors are not cached)
+#[tokio::test]
+async fn answers_are_reused_for_the_collect_interval_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = FakeExporter::start(Reply::Answer(200, testdata(PAYLOAD))).await;
+    let program = fake_exporter(dir.path());
+
+    let mut cfg = config(server.port, &program);
+    cfg.exporter_interval = Duration::from_millis(200);
+    let exporter = DcgmExporter::spawn(&program, &cfg).unwrap();
+    exporter.fetch().await.unwrap();
+    exporter.fetch().await.unwrap();
+    assert_eq!(server.requests(), 1);
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    exporter.fetch().await.unwrap();
+    assert_eq!(server.requests(), 2);
+    exporter.shutdown().await;
+
+    cfg.exporter_interval = Duration::ZERO;
+    let exporter = DcgmExporter::spawn(&program, &cfg).unwrap();
+    exporter.fetch().await.unwrap();
+    exporter.fetch().await.unwrap();
+    assert_eq!(server.requests(), 4);
+    exporter.shutdown().await;
+}
+
+// upstream: runner/internal/shim/api/handlers.go (TaskMetricsHandler: any Fetch error → 502),
+// runner/internal/shim/dcgm/exporter.go (Fetch: `status is not OK: %d`; client timeout 10 s)
+#[tokio::test]
+async fn exporter_failures_are_upstream_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let program = fake_exporter(dir.path());
+
+    let server = FakeExporter::start(Reply::Answer(500, "oops".into())).await;
+    let exporter = DcgmExporter::spawn(&program, &config(server.port, &program)).unwrap();
+    let err = exporter
+        .fetch_task_metrics(&ids(&[GPU1]))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, DcgmError::Status { status: 500, .. }),
+        "{err}"
+    );
+    assert_eq!(err.kind(), DcgmErrorKind::Upstream);
+    assert!(err.to_string().contains("status is not OK: 500"), "{err}");
+    // Failures are not cached: the next call asks again.
+    exporter
+        .fetch_task_metrics(&ids(&[GPU1]))
+        .await
+        .unwrap_err();
+    assert_eq!(server.requests(), 2);
+    exporter.shutdown().await;
+
+    let port = closed_port().await;
+    let exporter = DcgmExporter::spawn(&program, &config(port, &program)).unwrap();
+    let err = exporter
+        .fetch_task_metrics(&ids(&[GPU1]))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, DcgmError::Fetch { .. }), "{err}");
+    assert_eq!(err.kind(), DcgmErrorKind::Upstream);
+    assert!(
+        err.to_string().contains(&format!("localhost:{port}")),
+        "{err}"
+    );
+    exporter.shutdown().await;
+
+    let server = FakeExporter::start(Reply::Hang).await;
+    let mut cfg = config(server.port, &program);
+    cfg.fetch_timeout = Duration::from_millis(200);
+    let exporter = DcgmExporter::spawn(&program, &cfg).unwrap();
+    let started = Instant::now();
+    let err = exporter.fetch().await.unwrap_err();
+    assert!(matches!(err, DcgmError::FetchTimeout { .. }), "{err}");
+    assert_eq!(err.kind(), DcgmErrorKind::Upstream);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    exporter.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_exporter_that_exits_is_restarted_with_backoff() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let program = script(
+        dir.path(),
+        "dcgm-exporter",
+        &format!("date +%s.%N >> {d}/starts\necho 'Failed to initialize NVML' >&2\nexit 1"),
+    );
+    let exporter = DcgmExporter::spawn(&program, &config(closed_port().await, &program)).unwrap();
+    let starts = dir.path().join("starts");
+    wait_until("four starts", Duration::from_secs(10), || {
+        lines(&starts).len() >= 4
+    })
+    .await;
+    assert!(exporter.starts() >= 4, "{}", exporter.starts());
+    // Delays 20, 40, 80 ms: the fourth start is at least 140 ms after the first.
+    let times: Vec<f64> = lines(&starts).iter().map(|l| l.parse().unwrap()).collect();
+    assert!(times[3] - times[0] >= 0.13, "{times:?}");
+    exporter.shutdown().await;
+    let after = lines(&starts).len();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(lines(&starts).len(), after, "restarted after shutdown");
+}
+
+// upstream: runner/internal/shim/dcgm/exporter.go (Stop: SIGTERM, then SIGKILL after
+// WaitDelay = 5 s)
+#[tokio::test]
+async fn shutdown_sends_sigterm_then_sigkill() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    // Ignores SIGTERM (records it) and keeps running.
+    let stubborn = script(
+        dir.path(),
+        "stubborn",
+        &format!("trap 'echo TERM >> {d}/signals' TERM\nwhile true; do sleep 0.05; done"),
+    );
+    let mut cfg = config(closed_port().await, &stubborn);
+    cfg.stop_grace = Duration::from_millis(300);
+    let exporter = DcgmExporter::spawn(&stubborn, &cfg).unwrap();
+    wait_until("the start", Duration::from_secs(10), || {
+        exporter.pid().is_some()
+    })
+    .await;
+    let pid = exporter.pid().unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await; // let the trap be installed
+    let started = Instant::now();
+    exporter.shutdown().await;
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert!(!alive(pid));
+    assert_eq!(lines(&dir.path().join("signals")), ["TERM"]);
+
+    // One that exits on SIGTERM stops at once.
+    let polite = script(dir.path(), "polite", "exec sleep 600");
+    cfg.stop_grace = Duration::from_secs(10);
+    let exporter = DcgmExporter::spawn(&polite, &cfg).unwrap();
+    wait_until("the start", Duration::from_secs(10), || {
+        exporter.pid().is_some()
+    })
+    .await;
+    let pid = exporter.pid().unwrap();
+    let started = Instant::now();
+    exporter.shutdown().await;
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(!alive(pid));
+}
+
+#[tokio::test]
+async fn dropping_the_exporter_kills_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let program = script(dir.path(), "dcgm-exporter", "exec sleep 600");
+    let exporter = DcgmExporter::spawn(&program, &config(closed_port().await, &program)).unwrap();
+    wait_until("the start", Duration::from_secs(10), || {
+        exporter.pid().is_some()
+    })
+    .await;
+    let pid = exporter.pid().unwrap();
+    let counters = exporter.counters_path().to_path_buf();
+    drop(exporter);
+    wait_until("the kill", Duration::from_secs(10), || !alive(pid)).await;
+    assert!(!counters.exists());
+}
+
+// upstream: runner/cmd/shim/main.go and runner/internal/shim/dcgm/exporter.go
+// (GetDCGMExporterExecPath: not found or `-v` failing → no exporter → handlers.go answers 404)
+#[tokio::test]
+async fn a_missing_or_broken_exporter_is_not_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let broken = script(
+        dir.path(),
+        "dcgm-exporter",
+        &format!(
+            "echo ran >> {d}/ran\necho 'libdcgm.so.4: cannot open shared object file' >&2\nexit 1"
+        ),
+    );
+    assert!(
+        DcgmExporter::start(&config(closed_port().await, &broken))
+            .await
+            .is_none()
+    );
+    assert_eq!(lines(&dir.path().join("ran")), ["ran"], "only `-v` ran");
+
+    let missing = dir.path().join("nowhere/dcgm-exporter");
+    assert!(
+        DcgmExporter::start(&config(closed_port().await, &missing))
+            .await
+            .is_none()
+    );
+}
