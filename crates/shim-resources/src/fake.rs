@@ -28,6 +28,8 @@ pub enum FakeCall {
     AddKeys(TaskId, String, usize),
     /// `restore` for a task.
     RestoreKeys(TaskId),
+    /// `hold_unknown` for a task and its user, if known.
+    HoldUnknown(TaskId, Option<String>),
     /// `remove` for a task and user.
     RemoveKeys(TaskId, String),
 }
@@ -123,11 +125,13 @@ impl VolumeManager for FakeVolumes {
     }
 }
 
-/// In-memory authorized_keys: the live set per task, with the same semantics as the real
-/// manager (marked keys of a user = keys of that user's live tasks), and injectable failures.
+/// In-memory authorized_keys: the live set per task and the unknown holds, with the same
+/// registration semantics as the real manager (marked keys of a user = keys of that user's live
+/// tasks), and injectable failures.
 #[derive(Debug, Default)]
 pub struct FakeAuthorizedKeys {
     live: Mutex<BTreeMap<TaskId, (String, Vec<PublicKey>)>>,
+    unknown: Mutex<BTreeMap<TaskId, Option<String>>>,
     fail: Mutex<bool>,
     calls: Mutex<Vec<FakeCall>>,
 }
@@ -152,6 +156,14 @@ impl FakeAuthorizedKeys {
             .collect()
     }
 
+    /// The live tasks whose keys are unknown, with their users (`None`: unknown).
+    pub fn unknown_holds(&self) -> Vec<(TaskId, Option<String>)> {
+        lock(&self.unknown)
+            .iter()
+            .map(|(t, u)| (t.clone(), u.clone()))
+            .collect()
+    }
+
     /// Every call so far.
     pub fn calls(&self) -> Vec<FakeCall> {
         lock(&self.calls).clone()
@@ -165,18 +177,30 @@ impl AuthorizedKeys for FakeAuthorizedKeys {
         if *lock(&self.fail) {
             return Err(fake_error("authorized_keys add"));
         }
+        if user.is_empty() && !keys.is_empty() {
+            return Err(Error::MissingUser { keys: keys.len() });
+        }
+        lock(&self.unknown).remove(task);
         lock(&self.live).insert(task.clone(), (user.to_owned(), keys.to_vec()));
         Ok(())
     }
 
     fn restore(&self, task: &TaskId, user: &str, keys: &[PublicKey]) {
         lock(&self.calls).push(FakeCall::RestoreKeys(task.clone()));
+        lock(&self.unknown).remove(task);
         lock(&self.live).insert(task.clone(), (user.to_owned(), keys.to_vec()));
     }
 
-    async fn remove(&self, task: &TaskId, user: &str) -> Result<()> {
+    fn hold_unknown(&self, task: &TaskId, user: Option<&str>) {
+        let user = user.filter(|u| !u.is_empty()).map(str::to_owned);
+        lock(&self.calls).push(FakeCall::HoldUnknown(task.clone(), user.clone()));
+        lock(&self.unknown).insert(task.clone(), user);
+    }
+
+    async fn remove(&self, task: &TaskId, user: &str, _keys: &[PublicKey]) -> Result<()> {
         lock(&self.calls).push(FakeCall::RemoveKeys(task.clone(), user.to_owned()));
         lock(&self.live).remove(task);
+        lock(&self.unknown).remove(task);
         if *lock(&self.fail) {
             return Err(fake_error("authorized_keys remove"));
         }
@@ -232,13 +256,32 @@ mod tests {
         .unwrap();
         let f = FakeAuthorizedKeys::new();
         let (a, b) = (TaskId::new("a").unwrap(), TaskId::new("b").unwrap());
+        let c = TaskId::new("c").unwrap();
         f.add(&a, "u", std::slice::from_ref(&k)).await.unwrap();
         f.restore(&b, "u", std::slice::from_ref(&k));
-        f.remove(&a, "u").await.unwrap();
+        f.hold_unknown(&c, None);
+        assert_eq!(f.unknown_holds(), vec![(c.clone(), None)]);
+        f.remove(&a, "u", std::slice::from_ref(&k)).await.unwrap();
         assert_eq!(f.keys_of("u").len(), 1, "b still holds it");
+        assert!(f.add(&a, "", std::slice::from_ref(&k)).await.is_err());
         f.set_fail(true);
         assert!(f.add(&a, "u", &[]).await.is_err());
-        assert!(f.remove(&b, "u").await.is_err());
+        assert!(f.remove(&b, "u", &[]).await.is_err());
+        assert!(f.remove(&c, "", &[]).await.is_err());
         assert!(f.keys_of("u").is_empty());
+        assert!(f.unknown_holds().is_empty());
+        assert_eq!(
+            f.calls(),
+            vec![
+                FakeCall::AddKeys(a.clone(), "u".into(), 1),
+                FakeCall::RestoreKeys(b.clone()),
+                FakeCall::HoldUnknown(c.clone(), None),
+                FakeCall::RemoveKeys(a.clone(), "u".into()),
+                FakeCall::AddKeys(a.clone(), String::new(), 1),
+                FakeCall::AddKeys(a.clone(), "u".into(), 0),
+                FakeCall::RemoveKeys(b, "u".into()),
+                FakeCall::RemoveKeys(c, String::new()),
+            ]
+        );
     }
 }

@@ -32,7 +32,7 @@ pub use cmd::{CommandOutput, CommandRunner, ScriptedCommandRunner, SystemCommand
 pub use dirs::ensure_instance_dir;
 pub use error::{Error, Result};
 pub use gpu::{GpuDetector, GpuInfo, GpuLock, GpuVendor, HostGpus};
-pub use host::{HOST_INFO_FILE, HostInfo, write_host_info_once};
+pub use host::{HOST_INFO_FILE, HostInfo, write_host_info, write_host_info_once};
 pub use keys::{
     AuthorizedKeys, AuthorizedKeysManager, StaticUserDb, SystemUserDb, UserDb, UserEntry,
 };
