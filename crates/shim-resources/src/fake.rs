@@ -1,17 +1,20 @@
-//! Fakes for the engine's tests (feature `test-support`): volumes and authorized_keys that
-//! record calls and fail on demand. GPUs need no fake: use [`crate::gpu::HostGpus::fake_nvidia`]
-//! with a real [`crate::gpu::GpuLock`].
+//! Fakes for the engine's tests (feature `test-support`): volumes, the mount system calls and
+//! authorized_keys that record calls and fail on demand. GPUs need no fake: use
+//! [`crate::gpu::HostGpus::fake_nvidia`] with a real [`crate::gpu::GpuLock`], or a
+//! [`crate::gpu::GpuDetector`] over a temporary device root with a
+//! [`crate::cmd::ScriptedCommandRunner`].
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use shim_task::{MountedVolume, PublicKey, TaskId, VolumeSpec};
 
 use crate::error::{Error, Result};
 use crate::keys::AuthorizedKeys;
-use crate::volumes::VolumeManager;
+use crate::volumes::{Mounter, VolumeManager};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -32,6 +35,10 @@ pub enum FakeCall {
     HoldUnknown(TaskId, Option<String>),
     /// `remove` for a task and user.
     RemoveKeys(TaskId, String),
+    /// [`Mounter::mount`] of a device at a mount point with a file system type.
+    Mount(PathBuf, PathBuf, String),
+    /// [`Mounter::unmount`] of a mount point.
+    Unmount(PathBuf),
 }
 
 /// In-memory volumes: `prepare` "mounts" under a fake root, `release` "unmounts"; volumes named
@@ -122,6 +129,91 @@ impl VolumeManager for FakeVolumes {
 
     fn mount_point(&self, name: &str) -> PathBuf {
         self.root.join(name)
+    }
+}
+
+/// A recording [`Mounter`]: an in-memory mount table, failures on demand, and an optional
+/// delay in `unmount` (an ext4 flush), for testing that unmounts block nothing else.
+#[derive(Debug, Default)]
+pub struct FakeMounter {
+    mounted: Mutex<BTreeSet<PathBuf>>,
+    fail: Mutex<BTreeSet<PathBuf>>,
+    unmount_delay: Mutex<Duration>,
+    calls: Mutex<Vec<FakeCall>>,
+}
+
+impl FakeMounter {
+    /// An empty mount table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Marks `target` as mounted (e.g. by an earlier shim process).
+    pub fn set_mounted(&self, target: impl Into<PathBuf>) {
+        lock(&self.mounted).insert(target.into());
+    }
+
+    /// Makes `mount` and `unmount` at `target` fail (or succeed again with `false`).
+    pub fn fail_at(&self, target: impl Into<PathBuf>, fail: bool) {
+        let mut f = lock(&self.fail);
+        let target = target.into();
+        if fail {
+            f.insert(target);
+        } else {
+            f.remove(&target);
+        }
+    }
+
+    /// Makes every `unmount` block the calling thread this long first.
+    pub fn set_unmount_delay(&self, delay: Duration) {
+        *lock(&self.unmount_delay) = delay;
+    }
+
+    /// The mount points currently mounted.
+    pub fn mounted(&self) -> Vec<PathBuf> {
+        lock(&self.mounted).iter().cloned().collect()
+    }
+
+    /// Every mount and unmount so far.
+    pub fn calls(&self) -> Vec<FakeCall> {
+        lock(&self.calls).clone()
+    }
+}
+
+impl Mounter for FakeMounter {
+    fn mount(&self, device: &Path, target: &Path, fstype: &str) -> Result<()> {
+        lock(&self.calls).push(FakeCall::Mount(
+            device.to_owned(),
+            target.to_owned(),
+            fstype.to_owned(),
+        ));
+        if lock(&self.fail).contains(target) {
+            return Err(Error::Mount {
+                device: device.to_owned(),
+                target: target.to_owned(),
+                source: nix::errno::Errno::EIO,
+            });
+        }
+        lock(&self.mounted).insert(target.to_owned());
+        Ok(())
+    }
+
+    fn unmount(&self, target: &Path) -> Result<()> {
+        lock(&self.calls).push(FakeCall::Unmount(target.to_owned()));
+        let delay = *lock(&self.unmount_delay);
+        std::thread::sleep(delay);
+        if lock(&self.fail).contains(target) {
+            return Err(Error::Unmount {
+                target: target.to_owned(),
+                source: nix::errno::Errno::EBUSY,
+            });
+        }
+        lock(&self.mounted).remove(target);
+        Ok(())
+    }
+
+    fn is_mounted(&self, target: &Path) -> Result<bool> {
+        Ok(lock(&self.mounted).contains(target))
     }
 }
 

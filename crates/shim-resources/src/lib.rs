@@ -36,4 +36,6 @@ pub use host::{HOST_INFO_FILE, HostInfo, write_host_info, write_host_info_once};
 pub use keys::{
     AuthorizedKeys, AuthorizedKeysManager, StaticUserDb, SystemUserDb, UserDb, UserEntry,
 };
-pub use volumes::{BlockVolumes, DEFAULT_VOLUMES_ROOT, VolumeConfig, VolumeManager};
+pub use volumes::{
+    BlockVolumes, DEFAULT_VOLUMES_ROOT, Mounter, SystemMounter, VolumeConfig, VolumeManager,
+};
