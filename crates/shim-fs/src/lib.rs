@@ -17,7 +17,7 @@
 //!   [`read_file`] (the directory part of the path is trusted and opened following links).
 //!
 //! Errors: one [`Error`] enum naming the path and the [`Step`] that failed. With `cfg(test)` or
-//! the `test-support` feature, [`fault`] injects a failure or a crash at any step.
+//! the `test-support` feature, the `fault` module injects a failure or a crash at any step.
 //!
 //! Crash safety is tested here once (fault injection at every step, a writer killed with
 //! SIGKILL at random moments, modes under every umask); the other crates use this crate
