@@ -36,7 +36,7 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<Engine> {
         "GPUs"
     );
     if config.service {
-        spawn_host_info(home, commands.clone(), host_gpus.clone());
+        spawn_host_info(home, host_gpus.clone());
     }
     let deps = Deps {
         runtime: Arc::new(runtime),
@@ -78,23 +78,15 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<Engine> {
     Ok(engine)
 }
 
-/// Writes `host_info.json` once, in the background (it runs vendor tools and `ip`).
-fn spawn_host_info(home: &Path, commands: Arc<SystemCommandRunner>, gpus: HostGpus) {
+/// Writes `host_info.json` once, in the background.
+fn spawn_host_info(home: &Path, gpus: HostGpus) {
     let home = home.to_path_buf();
     tokio::spawn(async move {
-        let info =
-            match shim_resources::host::collect(&*commands, Path::new("/var/lib/docker"), &gpus)
-                .await
-            {
-                Ok(info) => info,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot collect host info");
-                    return;
-                }
-            };
-        let written =
-            tokio::task::spawn_blocking(move || shim_resources::write_host_info_once(&home, &info))
-                .await;
+        // TODO(lead): pass Docker's DockerRootDir (from `docker info`) instead of the default.
+        let written = tokio::task::spawn_blocking(move || {
+            shim_resources::write_host_info(&home, Path::new("/var/lib/docker"), &gpus)
+        })
+        .await;
         match written {
             Ok(Ok((path, true))) => tracing::info!(path = %path.display(), "host info written"),
             Ok(Ok(_)) => {}

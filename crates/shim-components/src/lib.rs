@@ -2,9 +2,10 @@
 //! and the `dstack-shim` binary itself.
 //!
 //! [`Components`] reports each one's state (`GET /api/components`) and installs a new binary
-//! from a URL (`POST /api/components/install`): the download goes to a temporary file beside
-//! the target, is synced, made executable (0755) and renamed over the target, so a reader of
-//! the path sees the old binary or the new one, never a partial file. Replacing the running
+//! from a URL (`POST /api/components/install`): the download is streamed into a temporary file
+//! (0755) beside the target, fsynced and renamed over the target, and the directory fsynced
+//! (`shim_fs::write_atomic_with`), so a reader of the path sees the old binary or the new one,
+//! never a partial file. Replacing the running
 //! shim's own binary is safe: the running process keeps the old inode until it is restarted.
 //!
 //! Downloads use `ureq` (blocking, in `spawn_blocking`) over http or https (rustls with the
@@ -14,12 +15,8 @@
 //! A binary's version is read from `<binary> --version` (output `... version X`), with a
 //! timeout.
 
-use std::io::{self, Read, Write};
-use std::os::unix::fs::PermissionsExt;
-
-use fs_err::os::unix::fs::OpenOptionsExt;
+use std::io::{self, Read};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -105,6 +102,9 @@ pub enum Error {
         /// What is wrong.
         why: String,
     },
+    /// Writing the binary into place failed (the target is left as it was).
+    #[error(transparent)]
+    Fs(#[from] shim_fs::Error),
     /// A file operation failed.
     #[error("cannot {op} {}", path.display())]
     Io {
@@ -278,8 +278,6 @@ impl Inner {
         }
     }
 }
-
-static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 impl Components {
     /// A manager for the binaries at the configured paths.
@@ -463,10 +461,6 @@ fn download(
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    let file_name = target
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| name.as_str().to_owned());
     fs_err::create_dir_all(&dir).map_err(io_err("create directory", &dir))?;
 
     let agent: ureq::Agent = ureq::Agent::config_builder()
@@ -481,20 +475,10 @@ fn download(
     })?;
     let mut reader = response.into_body().into_reader();
 
-    let tmp = dir.join(format!(
-        ".{file_name}.download-{}-{}",
-        std::process::id(),
-        TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    let written = (|| {
-        let mut file = fs_err::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o700)
-            .open(&tmp)
-            .map_err(io_err("create", &tmp))?;
+    // Temp file beside the target (0755 from the start), streamed, fsynced, renamed over the
+    // target, directory fsynced: a reader of the path sees the old binary or the new one.
+    shim_fs::write_atomic_with(target, &shim_fs::WriteOptions::new(0o755), |file| {
         let mut buf = vec![0u8; 64 * 1024];
-        let mut total: u64 = 0;
         loop {
             if cancel.is_cancelled() {
                 return Err(Error::Cancelled { name });
@@ -511,43 +495,24 @@ fn download(
                     });
                 }
             };
-            total += n as u64;
-            if total > config.max_download_bytes {
+            if file.written() + n as u64 > config.max_download_bytes {
                 return Err(Error::Size {
                     name,
                     url: shown.clone(),
                     why: format!("larger than {} bytes", config.max_download_bytes),
                 });
             }
-            file.write_all(&buf[..n]).map_err(io_err("write", &tmp))?;
+            file.write_all(&buf[..n])?;
         }
-        if total == 0 {
+        if file.written() == 0 {
             return Err(Error::Size {
                 name,
                 url: shown.clone(),
                 why: "empty".into(),
             });
         }
-        file.sync_all().map_err(io_err("sync", &tmp))?;
-        drop(file);
-        fs_err::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))
-            .map_err(io_err("chmod", &tmp))?;
-        fs_err::rename(&tmp, target).map_err(io_err("rename into place", target))?;
         Ok(())
-    })();
-    if let Err(e) = written {
-        if let Err(rm) = fs_err::remove_file(&tmp) {
-            if rm.kind() != io::ErrorKind::NotFound {
-                tracing::warn!(error = %rm, "cannot remove a partial download");
-            }
-        }
-        return Err(e);
-    }
-    // Make the rename durable.
-    fs_err::File::open(&dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io_err("sync directory", &dir))?;
-    Ok(())
+    })
 }
 
 #[async_trait]

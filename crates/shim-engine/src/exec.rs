@@ -292,7 +292,7 @@ impl Inner {
         self.deps.gpus.release(&resources.gpus);
         let mut host_keys = false;
         if let Some(grant) = &resources.host_keys {
-            match self.deps.keys.remove(id, &grant.user).await {
+            match self.deps.keys.remove(id, &grant.user, &grant.keys).await {
                 Ok(()) => host_keys = true,
                 Err(e) => errors.push(format!("SSH keys of {:?}: {e}", grant.user)),
             }

@@ -21,11 +21,18 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    /// The user name is not acceptable (empty, or contains `/` or NUL).
+    /// The user name is not acceptable: empty, `.`, `..`, or containing `/`, NUL or a line
+    /// break.
     #[error("invalid user name {user:?}")]
     InvalidUser {
         /// The rejected name.
         user: String,
+    },
+    /// SSH keys were given for the host without a host user.
+    #[error("{keys} SSH key(s) given for the host but no host user")]
+    MissingUser {
+        /// How many keys.
+        keys: usize,
     },
     /// The user does not exist in the passwd database.
     #[error("user {user:?} does not exist")]
@@ -42,15 +49,10 @@ pub enum Error {
         #[source]
         source: nix::errno::Errno,
     },
-    /// A path is not what it must be (a symlink where a plain file or directory is required);
-    /// nothing was read or written through it.
-    #[error("refusing to use {}: {why}", path.display())]
-    Insecure {
-        /// The path.
-        path: PathBuf,
-        /// What is wrong with it.
-        why: &'static str,
-    },
+    /// A file operation failed, or a path is not what it must be (a symbolic link where a
+    /// directory or a regular file is required: nothing was read or written through it).
+    #[error(transparent)]
+    Fs(#[from] shim_fs::Error),
     /// A command could not be started.
     #[error("cannot run {program}: {source}")]
     Spawn {

@@ -1,17 +1,20 @@
-//! Fakes for the engine's tests (feature `test-support`): volumes and authorized_keys that
-//! record calls and fail on demand. GPUs need no fake: use [`crate::gpu::HostGpus::fake_nvidia`]
-//! with a real [`crate::gpu::GpuLock`].
+//! Fakes for the engine's tests (feature `test-support`): volumes, the mount system calls and
+//! authorized_keys that record calls and fail on demand. GPUs need no fake: use
+//! [`crate::gpu::HostGpus::fake_nvidia`] with a real [`crate::gpu::GpuLock`], or a
+//! [`crate::gpu::GpuDetector`] over a temporary device root with a
+//! [`crate::cmd::ScriptedCommandRunner`].
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use shim_task::{MountedVolume, PublicKey, TaskId, VolumeSpec};
 
 use crate::error::{Error, Result};
 use crate::keys::AuthorizedKeys;
-use crate::volumes::VolumeManager;
+use crate::volumes::{Mounter, VolumeManager};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -28,8 +31,14 @@ pub enum FakeCall {
     AddKeys(TaskId, String, usize),
     /// `restore` for a task.
     RestoreKeys(TaskId),
+    /// `hold_unknown` for a task and its user, if known.
+    HoldUnknown(TaskId, Option<String>),
     /// `remove` for a task and user.
     RemoveKeys(TaskId, String),
+    /// [`Mounter::mount`] of a device at a mount point with a file system type.
+    Mount(PathBuf, PathBuf, String),
+    /// [`Mounter::unmount`] of a mount point.
+    Unmount(PathBuf),
 }
 
 /// In-memory volumes: `prepare` "mounts" under a fake root, `release` "unmounts"; volumes named
@@ -123,11 +132,98 @@ impl VolumeManager for FakeVolumes {
     }
 }
 
-/// In-memory authorized_keys: the live set per task, with the same semantics as the real
-/// manager (marked keys of a user = keys of that user's live tasks), and injectable failures.
+/// A recording [`Mounter`]: an in-memory mount table, failures on demand, and an optional
+/// delay in `unmount` (an ext4 flush), for testing that unmounts block nothing else.
+#[derive(Debug, Default)]
+pub struct FakeMounter {
+    mounted: Mutex<BTreeSet<PathBuf>>,
+    fail: Mutex<BTreeSet<PathBuf>>,
+    unmount_delay: Mutex<Duration>,
+    calls: Mutex<Vec<FakeCall>>,
+}
+
+impl FakeMounter {
+    /// An empty mount table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Marks `target` as mounted (e.g. by an earlier shim process).
+    pub fn set_mounted(&self, target: impl Into<PathBuf>) {
+        lock(&self.mounted).insert(target.into());
+    }
+
+    /// Makes `mount` and `unmount` at `target` fail (or succeed again with `false`).
+    pub fn fail_at(&self, target: impl Into<PathBuf>, fail: bool) {
+        let mut f = lock(&self.fail);
+        let target = target.into();
+        if fail {
+            f.insert(target);
+        } else {
+            f.remove(&target);
+        }
+    }
+
+    /// Makes every `unmount` block the calling thread this long first.
+    pub fn set_unmount_delay(&self, delay: Duration) {
+        *lock(&self.unmount_delay) = delay;
+    }
+
+    /// The mount points currently mounted.
+    pub fn mounted(&self) -> Vec<PathBuf> {
+        lock(&self.mounted).iter().cloned().collect()
+    }
+
+    /// Every mount and unmount so far.
+    pub fn calls(&self) -> Vec<FakeCall> {
+        lock(&self.calls).clone()
+    }
+}
+
+impl Mounter for FakeMounter {
+    fn mount(&self, device: &Path, target: &Path, fstype: &str) -> Result<()> {
+        lock(&self.calls).push(FakeCall::Mount(
+            device.to_owned(),
+            target.to_owned(),
+            fstype.to_owned(),
+        ));
+        if lock(&self.fail).contains(target) {
+            return Err(Error::Mount {
+                device: device.to_owned(),
+                target: target.to_owned(),
+                source: nix::errno::Errno::EIO,
+            });
+        }
+        lock(&self.mounted).insert(target.to_owned());
+        Ok(())
+    }
+
+    fn unmount(&self, target: &Path) -> Result<()> {
+        lock(&self.calls).push(FakeCall::Unmount(target.to_owned()));
+        let delay = *lock(&self.unmount_delay);
+        std::thread::sleep(delay);
+        if lock(&self.fail).contains(target) {
+            return Err(Error::Unmount {
+                target: target.to_owned(),
+                source: nix::errno::Errno::EBUSY,
+            });
+        }
+        lock(&self.mounted).remove(target);
+        Ok(())
+    }
+
+    fn is_mounted(&self, target: &Path) -> Result<bool> {
+        Ok(lock(&self.mounted).contains(target))
+    }
+}
+
+/// In-memory authorized_keys: the live set per task and the unknown holds, with the same
+/// registration semantics as the real manager (marked keys of a user = keys of that user's live
+/// tasks), and injectable failures.
 #[derive(Debug, Default)]
 pub struct FakeAuthorizedKeys {
     live: Mutex<BTreeMap<TaskId, (String, Vec<PublicKey>)>>,
+    unknown: Mutex<BTreeMap<TaskId, Option<String>>>,
     fail: Mutex<bool>,
     calls: Mutex<Vec<FakeCall>>,
 }
@@ -152,6 +248,14 @@ impl FakeAuthorizedKeys {
             .collect()
     }
 
+    /// The live tasks whose keys are unknown, with their users (`None`: unknown).
+    pub fn unknown_holds(&self) -> Vec<(TaskId, Option<String>)> {
+        lock(&self.unknown)
+            .iter()
+            .map(|(t, u)| (t.clone(), u.clone()))
+            .collect()
+    }
+
     /// Every call so far.
     pub fn calls(&self) -> Vec<FakeCall> {
         lock(&self.calls).clone()
@@ -165,18 +269,30 @@ impl AuthorizedKeys for FakeAuthorizedKeys {
         if *lock(&self.fail) {
             return Err(fake_error("authorized_keys add"));
         }
+        if user.is_empty() && !keys.is_empty() {
+            return Err(Error::MissingUser { keys: keys.len() });
+        }
+        lock(&self.unknown).remove(task);
         lock(&self.live).insert(task.clone(), (user.to_owned(), keys.to_vec()));
         Ok(())
     }
 
     fn restore(&self, task: &TaskId, user: &str, keys: &[PublicKey]) {
         lock(&self.calls).push(FakeCall::RestoreKeys(task.clone()));
+        lock(&self.unknown).remove(task);
         lock(&self.live).insert(task.clone(), (user.to_owned(), keys.to_vec()));
     }
 
-    async fn remove(&self, task: &TaskId, user: &str) -> Result<()> {
+    fn hold_unknown(&self, task: &TaskId, user: Option<&str>) {
+        let user = user.filter(|u| !u.is_empty()).map(str::to_owned);
+        lock(&self.calls).push(FakeCall::HoldUnknown(task.clone(), user.clone()));
+        lock(&self.unknown).insert(task.clone(), user);
+    }
+
+    async fn remove(&self, task: &TaskId, user: &str, _keys: &[PublicKey]) -> Result<()> {
         lock(&self.calls).push(FakeCall::RemoveKeys(task.clone(), user.to_owned()));
         lock(&self.live).remove(task);
+        lock(&self.unknown).remove(task);
         if *lock(&self.fail) {
             return Err(fake_error("authorized_keys remove"));
         }
@@ -232,13 +348,32 @@ mod tests {
         .unwrap();
         let f = FakeAuthorizedKeys::new();
         let (a, b) = (TaskId::new("a").unwrap(), TaskId::new("b").unwrap());
+        let c = TaskId::new("c").unwrap();
         f.add(&a, "u", std::slice::from_ref(&k)).await.unwrap();
         f.restore(&b, "u", std::slice::from_ref(&k));
-        f.remove(&a, "u").await.unwrap();
+        f.hold_unknown(&c, None);
+        assert_eq!(f.unknown_holds(), vec![(c.clone(), None)]);
+        f.remove(&a, "u", std::slice::from_ref(&k)).await.unwrap();
         assert_eq!(f.keys_of("u").len(), 1, "b still holds it");
+        assert!(f.add(&a, "", std::slice::from_ref(&k)).await.is_err());
         f.set_fail(true);
         assert!(f.add(&a, "u", &[]).await.is_err());
-        assert!(f.remove(&b, "u").await.is_err());
+        assert!(f.remove(&b, "u", &[]).await.is_err());
+        assert!(f.remove(&c, "", &[]).await.is_err());
         assert!(f.keys_of("u").is_empty());
+        assert!(f.unknown_holds().is_empty());
+        assert_eq!(
+            f.calls(),
+            vec![
+                FakeCall::AddKeys(a.clone(), "u".into(), 1),
+                FakeCall::RestoreKeys(b.clone()),
+                FakeCall::HoldUnknown(c.clone(), None),
+                FakeCall::RemoveKeys(a.clone(), "u".into()),
+                FakeCall::AddKeys(a.clone(), String::new(), 1),
+                FakeCall::AddKeys(a.clone(), "u".into(), 0),
+                FakeCall::RemoveKeys(b, "u".into()),
+                FakeCall::RemoveKeys(c, String::new()),
+            ]
+        );
     }
 }

@@ -1,41 +1,63 @@
 //! Host users' `~/.ssh/authorized_keys`: the keys of live tasks, and nothing else of ours.
 //!
-//! The manager keeps, in memory, the keys of every live (not yet released) task. Lines the shim
-//! writes end with [`MARKER`]; everything else in the file (the user's own keys, comments,
-//! garbage) is preserved verbatim and never removed, even when it holds the same key as a task.
+//! Lines the shim writes end with [`MARKER`]; everything else in the file (the user's own keys,
+//! comments, garbage, lines that are not UTF-8) is preserved verbatim and never removed, even
+//! when it holds the same key as a task. Keys are compared by SHA256 fingerprint, so any
+//! formatting of a key matches.
 //!
-//! - [`AuthorizedKeys::add`] registers a task's keys and makes sure each has a marked line
-//!   (it never removes a line);
-//! - [`AuthorizedKeys::restore`] only registers (no IO), for live tasks after a shim restart;
-//! - [`AuthorizedKeys::remove`] forgets a task and rewrites the user's file so that the marked
-//!   lines are exactly the keys of the user's live tasks (compared by SHA256 fingerprint), so a
-//!   key shared by two tasks stays until the last one is released.
+//! The manager keeps in memory the keys of every live (not yet released) task, and the live
+//! tasks whose keys are *unknown* (their state file was unreadable, or they are containers of
+//! the upstream shim, which keeps none):
 //!
-//! Restart contract: after a restart the in-memory set is empty. The engine must `restore` every
-//! live task *before* it removes the keys of any finished task; a removal then keeps every key a
-//! live task still needs. Because removal is state-based, a marked line left behind by a crash
-//! (written, but the task never recorded it) disappears at the user's next removal.
+//! - [`AuthorizedKeys::add`] registers a task's keys and makes sure each has a marked line; it
+//!   never removes a line;
+//! - [`AuthorizedKeys::restore`] registers a live task's keys, [`AuthorizedKeys::hold_unknown`]
+//!   a live task whose keys are unknown; both are memory only (after a restart, before any
+//!   removal);
+//! - [`AuthorizedKeys::remove`] forgets a task (its keys and its hold) and rewrites its user's
+//!   file.
 //!
-//! Writes are atomic (temp file in `~/.ssh`, fsync, rename, fsync of the directory), keep the
-//! file's mode and owner, and leave the previous content in `authorized_keys.bak`. `~/.ssh`
-//! (0700) and the file (0600) are created, owned by the user, when missing. One mutex per
-//! manager serializes all updates; the manager is meant to be a single instance per process.
+//! The rewrite rule for user U (SPEC §7): the marked lines wanted are the keys of U's live
+//! tasks. A marked line not wanted is removed when its key belongs to the task being removed
+//! (known origin); a marked line of unknown origin (a crash between writing and recording, a
+//! task whose record was lost, another shim's) is removed only while no unknown hold covers U
+//! (a hold for U, or a hold whose user is unknown too, which covers every user); otherwise it
+//! is kept. So key lines go only when they belong to a released task and no live task needs
+//! them, and a key shared by two tasks stays until the last one is released.
+//!
+//! Restart contract: after a restart the memory is empty. The engine registers every live
+//! task (`restore` or `hold_unknown`) *before* it removes the keys of any finished task.
+//!
+//! Safety: the home comes from the passwd database; `~/.ssh` is opened relative to the home
+//! with `O_NOFOLLOW|O_DIRECTORY`, and every read and replace happens relative to that handle
+//! (`openat`, `renameat`), so a `.ssh` that is a symbolic link is refused and one swapped for a
+//! link after it was opened redirects nothing. Writes are atomic (temp file in `~/.ssh`,
+//! fsync, rename, fsync of the directory, through [`shim_fs`]), keep the file's mode and owner,
+//! and leave the previous content in `authorized_keys.bak`. `~/.ssh` (0700) and the file (0600)
+//! are created, owned by the user, when missing. Updates are serialized within a manager,
+//! which is meant to be a single instance per process.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::io::Write as _;
-use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as _};
-
-use fs_err::os::unix::fs::OpenOptionsExt as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use async_trait::async_trait;
+use shim_fs::{Dir, Owner, WriteOptions};
 use shim_task::{PublicKey, TaskId};
 
-use crate::error::{Error, Result, io_err};
+use crate::error::{Error, Result};
 
-/// The suffix of every line the shim writes (the same marker dstack's Go shim writes).
+/// The suffix of every line the shim writes.
 pub const MARKER: &str = "# added by dstack-shim";
+
+/// The directory under the home.
+const SSH_DIR: &str = ".ssh";
+/// The file in it.
+const FILE: &str = "authorized_keys";
+/// The previous content.
+const BACKUP: &str = "authorized_keys.bak";
+/// The largest `authorized_keys` read (thousands of keys).
+const MAX_FILE_BYTES: u64 = 4 << 20;
 
 /// A host user as the passwd database describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,7 +76,8 @@ pub trait UserDb: Send + Sync {
     fn lookup(&self, user: &str) -> Result<UserEntry>;
 }
 
-/// The system's passwd database (`getpwnam_r`).
+/// The system's passwd database (`getpwnam_r`), like upstream's `user.Lookup`: any name it has
+/// an entry for is accepted.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SystemUserDb;
 
@@ -125,20 +148,30 @@ impl UserDb for StaticUserDb {
 /// serialize updates.
 #[async_trait]
 pub trait AuthorizedKeys: Send + Sync {
-    /// Registers `keys` as task `task`'s keys for `user` (replacing what the task had) and makes
-    /// sure each has a marked line in the user's file. Never removes a line. On error nothing is
-    /// registered for the task and the file is unchanged.
+    /// Registers `keys` as task `task`'s keys for `user` (replacing what the task had, and any
+    /// unknown hold of it) and makes sure each has a marked line in the user's file. Never
+    /// removes a line. An empty `user` with keys is [`Error::MissingUser`]. On error nothing
+    /// is registered for the task and the file is unchanged.
     async fn add(&self, task: &TaskId, user: &str, keys: &[PublicKey]) -> Result<()>;
 
-    /// Registers a live task's keys without touching any file (after a shim restart, before any
-    /// removal).
+    /// Registers a live task's keys without touching any file (after a shim restart, before
+    /// any removal). Replaces an unknown hold of the task.
     fn restore(&self, task: &TaskId, user: &str, keys: &[PublicKey]);
 
-    /// Forgets task `task` and rewrites `user`'s file (and the file of the user the task was
-    /// registered with, if another) so that the marked lines are exactly the keys of that user's
-    /// live tasks. Idempotent; safe for a task never registered (e.g. after a restart). On
-    /// error the task stays forgotten and a retry rewrites again.
-    async fn remove(&self, task: &TaskId, user: &str) -> Result<()>;
+    /// Registers a live task whose keys are unknown (its state file was unreadable, or it is
+    /// a container of the upstream shim), without touching any file. Until the task is
+    /// removed, marked lines of unknown origin are kept in `user`'s file, or in every user's
+    /// file when `user` is `None` (unknown too). Cleared by [`AuthorizedKeys::remove`] of the
+    /// task, replaced by `add` or `restore` of it.
+    fn hold_unknown(&self, task: &TaskId, user: Option<&str>);
+
+    /// Forgets task `task` (its keys and its unknown hold) and rewrites `user`'s file (and the
+    /// file of the user the task was registered with, if another) by the rule of the module
+    /// documentation; `keys` are the task's keys as recorded (the memory may not know them
+    /// after a restart). Idempotent; a no-op for a user that does not exist, has no home or
+    /// no `~/.ssh` (nothing of ours can be there). On error the task stays forgotten and a
+    /// retry rewrites again.
+    async fn remove(&self, task: &TaskId, user: &str, keys: &[PublicKey]) -> Result<()>;
 }
 
 /// The real [`AuthorizedKeys`]: files in the users' homes. Cheap to clone (shared state).
@@ -147,23 +180,55 @@ pub struct AuthorizedKeysManager {
     inner: Arc<Inner>,
 }
 
+/// What the manager knows of live tasks.
+#[derive(Debug, Default)]
+struct State {
+    /// Live tasks → (user, keys).
+    live: BTreeMap<TaskId, (String, Vec<PublicKey>)>,
+    /// Live tasks whose keys are unknown → their user (`None`: unknown too).
+    unknown: BTreeMap<TaskId, Option<String>>,
+}
+
+impl State {
+    fn wanted(&self, user: &str) -> Vec<PublicKey> {
+        self.live
+            .values()
+            .filter(|(u, _)| u == user)
+            .flat_map(|(_, keys)| keys.iter().cloned())
+            .collect()
+    }
+
+    fn unknown_covers(&self, user: &str) -> bool {
+        self.unknown
+            .values()
+            .any(|u| u.as_deref().is_none_or(|u| u == user))
+    }
+}
+
 struct Inner {
     users: Arc<dyn UserDb>,
-    /// Live tasks → (user, keys). The mutex also serializes file updates.
-    live: Mutex<BTreeMap<TaskId, (String, Vec<PublicKey>)>>,
+    state: Mutex<State>,
+    /// Serializes file updates (the state lock is never held across IO).
+    io: Mutex<()>,
 }
 
 impl std::fmt::Debug for AuthorizedKeysManager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let st = self.inner.state();
         f.debug_struct("AuthorizedKeysManager")
-            .field("live_tasks", &self.inner.lock().len())
+            .field("live_tasks", &st.live.len())
+            .field("unknown_holds", &st.unknown.len())
             .finish()
     }
 }
 
 impl Inner {
-    fn lock(&self) -> MutexGuard<'_, BTreeMap<TaskId, (String, Vec<PublicKey>)>> {
-        self.live.lock().unwrap_or_else(PoisonError::into_inner)
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn io(&self) -> MutexGuard<'_, ()> {
+        self.io.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -173,7 +238,8 @@ impl AuthorizedKeysManager {
         Self {
             inner: Arc::new(Inner {
                 users,
-                live: Mutex::new(BTreeMap::new()),
+                state: Mutex::default(),
+                io: Mutex::new(()),
             }),
         }
     }
@@ -185,35 +251,87 @@ impl AuthorizedKeysManager {
 
     /// Blocking form of [`AuthorizedKeys::add`].
     pub fn add_blocking(&self, task: &TaskId, user: &str, keys: &[PublicKey]) -> Result<()> {
+        if user.is_empty() {
+            if keys.is_empty() {
+                return Ok(());
+            }
+            return Err(Error::MissingUser { keys: keys.len() });
+        }
         check_user(user)?;
-        let mut live = self.inner.lock();
-        let previous = live.insert(task.clone(), (user.to_owned(), keys.to_vec()));
-        let result = sync_user(&*self.inner.users, &live, user, false);
+        let _io = self.inner.io();
+        let (previous, previous_hold, wanted) = {
+            let mut st = self.inner.state();
+            let previous = st
+                .live
+                .insert(task.clone(), (user.to_owned(), keys.to_vec()));
+            let previous_hold = st.unknown.remove(task);
+            (previous, previous_hold, st.wanted(user))
+        };
+        let rewrite = Rewrite {
+            wanted: &wanted,
+            released: &[],
+            prune_unknown: false,
+        };
+        let result = sync_user(&*self.inner.users, user, &rewrite, true);
         if result.is_err() {
+            let mut st = self.inner.state();
             match previous {
-                Some(p) => live.insert(task.clone(), p),
-                None => live.remove(task),
+                Some(p) => st.live.insert(task.clone(), p),
+                None => st.live.remove(task),
             };
+            if let Some(h) = previous_hold {
+                st.unknown.insert(task.clone(), h);
+            }
         }
         result
     }
 
     /// Blocking form of [`AuthorizedKeys::remove`].
-    pub fn remove_blocking(&self, task: &TaskId, user: &str) -> Result<()> {
-        let mut live = self.inner.lock();
-        let previous = live.remove(task);
-        let mut users = vec![user.to_owned()];
-        if let Some((u, _)) = previous {
-            if u != user {
+    pub fn remove_blocking(&self, task: &TaskId, user: &str, keys: &[PublicKey]) -> Result<()> {
+        let _io = self.inner.io();
+        let mut released = keys.to_vec();
+        let mut users: Vec<String> = Vec::new();
+        let mut push = |u: String| {
+            if !u.is_empty() && !users.contains(&u) {
                 users.push(u);
+            }
+        };
+        push(user.to_owned());
+        {
+            let mut st = self.inner.state();
+            if let Some((u, k)) = st.live.remove(task) {
+                released.extend(k);
+                push(u);
+            }
+            if let Some(Some(u)) = st.unknown.remove(task) {
+                push(u);
             }
         }
         let mut first_err = None;
-        for u in users.iter().filter(|u| !u.is_empty()) {
-            let r = check_user(u).and_then(|()| sync_user(&*self.inner.users, &live, u, true));
-            if let Err(e) = r {
-                tracing::warn!(task = %task, user = %u, error = %e, "cannot remove host SSH keys");
-                first_err.get_or_insert(e);
+        for u in &users {
+            if let Err(e) = check_user(u) {
+                // Never written: add refuses such a name.
+                tracing::debug!(task = %task, error = %e, "no authorized_keys to clean");
+                continue;
+            }
+            let (wanted, prune_unknown) = {
+                let st = self.inner.state();
+                (st.wanted(u), !st.unknown_covers(u))
+            };
+            let rewrite = Rewrite {
+                wanted: &wanted,
+                released: &released,
+                prune_unknown,
+            };
+            match sync_user(&*self.inner.users, u, &rewrite, false) {
+                Ok(()) => {}
+                Err(Error::UnknownUser { .. }) => {
+                    tracing::debug!(task = %task, user = %u, "no such user; no keys to remove");
+                }
+                Err(e) => {
+                    tracing::warn!(task = %task, user = %u, error = %e, "cannot remove host SSH keys");
+                    first_err.get_or_insert(e);
+                }
             }
         }
         first_err.map_or(Ok(()), Err)
@@ -222,9 +340,20 @@ impl AuthorizedKeysManager {
     /// The tasks whose keys are registered, with their users (for diagnostics and tests).
     pub fn live_tasks(&self) -> Vec<(TaskId, String)> {
         self.inner
-            .lock()
+            .state()
+            .live
             .iter()
             .map(|(t, (u, _))| (t.clone(), u.clone()))
+            .collect()
+    }
+
+    /// The live tasks whose keys are unknown, with their users (`None`: unknown).
+    pub fn unknown_holds(&self) -> Vec<(TaskId, Option<String>)> {
+        self.inner
+            .state()
+            .unknown
+            .iter()
+            .map(|(t, u)| (t.clone(), u.clone()))
             .collect()
     }
 }
@@ -243,15 +372,23 @@ impl AuthorizedKeys for AuthorizedKeysManager {
     }
 
     fn restore(&self, task: &TaskId, user: &str, keys: &[PublicKey]) {
-        self.inner
-            .lock()
+        let mut st = self.inner.state();
+        st.unknown.remove(task);
+        st.live
             .insert(task.clone(), (user.to_owned(), keys.to_vec()));
     }
 
-    async fn remove(&self, task: &TaskId, user: &str) -> Result<()> {
+    fn hold_unknown(&self, task: &TaskId, user: Option<&str>) {
+        let user = user.filter(|u| !u.is_empty()).map(str::to_owned);
+        tracing::info!(task = %task, user = ?user,
+            "keys of a live task unknown: keeping marked lines of unknown origin");
+        self.inner.state().unknown.insert(task.clone(), user);
+    }
+
+    async fn remove(&self, task: &TaskId, user: &str, keys: &[PublicKey]) -> Result<()> {
         let this = self.clone();
-        let (task, user) = (task.clone(), user.to_owned());
-        tokio::task::spawn_blocking(move || this.remove_blocking(&task, &user))
+        let (task, user, keys) = (task.clone(), user.to_owned(), keys.to_vec());
+        tokio::task::spawn_blocking(move || this.remove_blocking(&task, &user, &keys))
             .await
             .map_err(|source| Error::Join {
                 what: "authorized_keys remove",
@@ -260,8 +397,11 @@ impl AuthorizedKeys for AuthorizedKeysManager {
     }
 }
 
-fn check_user(user: &str) -> Result<()> {
-    if user.is_empty() || user.contains(['/', '\0']) || user == "." || user == ".." {
+/// Refuses user names that could reach another path or inject a line: names containing `/`,
+/// NUL or a line break, and `.`/`..`. Any other name is looked up in the passwd database
+/// (like upstream's `user.Lookup`, runner/internal/shim/authorized_keys.go).
+pub fn check_user(user: &str) -> Result<()> {
+    if user.is_empty() || user.contains(['/', '\0', '\n', '\r']) || user == "." || user == ".." {
         return Err(Error::InvalidUser {
             user: user.to_owned(),
         });
@@ -284,20 +424,45 @@ pub fn parse_marked_line(line: &str) -> Option<PublicKey> {
     PublicKey::parse(body.trim()).ok()
 }
 
-/// The new content of a file whose current content is `old`, given the keys the live tasks of
-/// its user want. With `prune`, marked lines not wanted are dropped; without, none is dropped.
-/// Unmarked lines (including lines that are not UTF-8) are kept byte for byte and in order;
-/// marked duplicates are dropped; wanted keys without a marked line are appended.
-pub fn render(old: &[u8], wanted: &[PublicKey], prune: bool) -> Vec<u8> {
-    let wanted_fps: HashSet<&str> = wanted.iter().map(PublicKey::fingerprint).collect();
+/// What a rewrite of one user's file must achieve (see the module documentation).
+#[derive(Debug, Clone, Copy)]
+pub struct Rewrite<'a> {
+    /// The keys of the user's live tasks: each gets exactly one marked line.
+    pub wanted: &'a [PublicKey],
+    /// The keys of the tasks being removed (known origin): their marked lines go unless
+    /// wanted.
+    pub released: &'a [PublicKey],
+    /// Whether marked lines of unknown origin (neither wanted nor released) go: true when no
+    /// unknown hold covers the user.
+    pub prune_unknown: bool,
+}
+
+impl Rewrite<'_> {
+    /// Whether a marked line whose key has fingerprint `fp` stays.
+    pub fn keeps(&self, fp: &str) -> bool {
+        if self.wanted.iter().any(|k| k.fingerprint() == fp) {
+            return true;
+        }
+        if self.released.iter().any(|k| k.fingerprint() == fp) {
+            return false;
+        }
+        !self.prune_unknown
+    }
+}
+
+/// The new content of a file whose current content is `old`. Unmarked lines (including lines
+/// that are not UTF-8) are kept byte for byte and in order; marked lines are kept or dropped by
+/// [`Rewrite::keeps`], and marked duplicates dropped; wanted keys without a marked line are
+/// appended. A missing final newline is added.
+pub fn render(old: &[u8], rewrite: &Rewrite<'_>) -> Vec<u8> {
     let mut present: HashSet<String> = HashSet::new();
-    let mut out = Vec::with_capacity(old.len() + wanted.len() * 128);
+    let mut out = Vec::with_capacity(old.len() + rewrite.wanted.len() * 128);
     let body = old.strip_suffix(b"\n").unwrap_or(old);
     if !old.is_empty() {
         for line in body.split(|&b| b == b'\n') {
             if let Some(key) = std::str::from_utf8(line).ok().and_then(parse_marked_line) {
                 let fp = key.fingerprint();
-                if present.contains(fp) || (prune && !wanted_fps.contains(fp)) {
+                if present.contains(fp) || !rewrite.keeps(fp) {
                     continue;
                 }
                 present.insert(fp.to_owned());
@@ -306,7 +471,7 @@ pub fn render(old: &[u8], wanted: &[PublicKey], prune: bool) -> Vec<u8> {
             out.push(b'\n');
         }
     }
-    for key in wanted {
+    for key in rewrite.wanted {
         if present.insert(key.fingerprint().to_owned()) {
             out.extend_from_slice(marked_line(key).as_bytes());
             out.push(b'\n');
@@ -315,198 +480,49 @@ pub fn render(old: &[u8], wanted: &[PublicKey], prune: bool) -> Vec<u8> {
     out
 }
 
-/// Brings `user`'s file in line with the live set (see [`render`]).
-fn sync_user(
-    users: &dyn UserDb,
-    live: &BTreeMap<TaskId, (String, Vec<PublicKey>)>,
-    user: &str,
-    prune: bool,
-) -> Result<()> {
-    let wanted: Vec<PublicKey> = live
-        .values()
-        .filter(|(u, _)| u == user)
-        .flat_map(|(_, keys)| keys.iter().cloned())
-        .collect();
+/// Applies `rewrite` to `user`'s file, relative to a handle of `~/.ssh` opened without
+/// following links. With `create`, a missing `~/.ssh` and file are created; without, a missing
+/// home, `~/.ssh` or file means there is nothing to do.
+fn sync_user(users: &dyn UserDb, user: &str, rewrite: &Rewrite<'_>, create: bool) -> Result<()> {
     let entry = users.lookup(user)?;
-    let ssh_dir = entry.home.join(".ssh");
-    let path = ssh_dir.join("authorized_keys");
-    let ssh_dir_exists = check_ssh_dir(&ssh_dir)?;
-    // Read without following a symlink (a container with the home bind-mounted could plant
-    // one pointing at a secret); mode and owner come from the opened file itself.
-    let existing = if ssh_dir_exists {
-        read_nofollow(&path)?
-    } else {
-        None
+    let owner = Owner::new(entry.uid, entry.gid);
+    // The home comes from the passwd database: a trusted path, opened following links.
+    let home = match Dir::open(&entry.home) {
+        Ok(d) => d,
+        Err(e) if !create && e.is_not_found() => return Ok(()),
+        Err(e) => return Err(e.into()),
     };
+    let ssh = home.open_dir(SSH_DIR)?;
+    let existing = match &ssh {
+        Some(d) => d.read_file(FILE, MAX_FILE_BYTES)?,
+        None => None,
+    };
+    if existing.is_none() && !create {
+        return Ok(());
+    }
     let old = existing.as_ref().map(|(bytes, _)| bytes.as_slice());
-    let new = render(old.unwrap_or_default(), &wanted, prune);
-    if old == Some(new.as_slice()) {
+    let new = render(old.unwrap_or_default(), rewrite);
+    if old == Some(new.as_slice()) || (old.is_none() && new.is_empty()) {
         return Ok(());
     }
-    if old.is_none() && wanted.is_empty() {
-        return Ok(());
-    }
-    if !ssh_dir_exists {
-        create_ssh_dir(&ssh_dir, &entry)?;
-    }
-    let (mode, uid, gid) = existing
+    let ssh = match ssh {
+        Some(d) => d,
+        None => home.create_dir(SSH_DIR, 0o700, Some(owner))?.0,
+    };
+    // An existing file keeps its mode and owner; a new one is the user's, 0600.
+    let (mode, owner) = existing
         .as_ref()
-        .map_or((0o600, entry.uid, entry.gid), |(_, m)| {
-            (m.permissions().mode() & 0o7777, m.uid(), m.gid())
-        });
+        .map_or((0o600, owner), |(_, info)| (info.mode, info.owner()));
+    let opts = WriteOptions::new(mode).owner(owner);
     if let Some(old) = old {
-        let bak = ssh_dir.join("authorized_keys.bak");
-        atomic_write(&bak, old, mode, uid, gid)?;
+        ssh.write_atomic(BACKUP, old, &opts)?;
     }
-    atomic_write(&path, &new, mode, uid, gid)?;
+    ssh.write_atomic(FILE, &new, &opts)?;
     tracing::info!(
         user,
-        path = %path.display(),
-        keys = wanted.len(),
+        path = %ssh.join(FILE).display(),
+        keys = rewrite.wanted.len(),
         "authorized_keys updated"
     );
     Ok(())
-}
-
-/// Whether `~/.ssh` exists; an error if it is anything but a real directory.
-fn check_ssh_dir(dir: &Path) -> Result<bool> {
-    match fs_err::symlink_metadata(dir) {
-        Ok(m) if m.file_type().is_symlink() => Err(Error::Insecure {
-            path: dir.to_owned(),
-            why: "it is a symbolic link",
-        }),
-        Ok(m) if !m.is_dir() => Err(Error::Insecure {
-            path: dir.to_owned(),
-            why: "it is not a directory",
-        }),
-        Ok(_) => Ok(true),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(Error::io("stat", dir, e)),
-    }
-}
-
-/// The content and metadata of a regular file, `None` if missing; never follows a symlink.
-fn read_nofollow(path: &Path) -> Result<Option<(Vec<u8>, std::fs::Metadata)>> {
-    // A clear error for a planted symlink; O_NOFOLLOW below closes the race (ELOOP).
-    match fs_err::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_symlink() => {
-            return Err(Error::Insecure {
-                path: path.to_owned(),
-                why: "it is a symbolic link",
-            });
-        }
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(Error::io("stat", path, e)),
-    }
-    let mut f = match fs_err::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)
-    {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(Error::io("open", path, e)),
-    };
-    let meta = f.metadata().map_err(io_err("stat", path))?;
-    if !meta.is_file() {
-        return Err(Error::Insecure {
-            path: path.to_owned(),
-            why: "it is not a regular file",
-        });
-    }
-    let mut bytes = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0));
-    std::io::Read::read_to_end(&mut f, &mut bytes).map_err(io_err("read", path))?;
-    Ok(Some((bytes, meta)))
-}
-
-fn create_ssh_dir(dir: &Path, entry: &UserEntry) -> Result<()> {
-    std::fs::DirBuilder::new()
-        .mode(0o700)
-        .create(dir)
-        .map_err(io_err("create", dir))?;
-    // The umask may have narrowed the mode. Mode and owner are set through a descriptor
-    // opened without following symlinks, so a symlink swapped in meanwhile is never used.
-    let d = fs_err::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
-        .open(dir)
-        .map_err(io_err("open", dir))?;
-    d.set_permissions(std::fs::Permissions::from_mode(0o700))
-        .map_err(io_err("chmod", dir))?;
-    nix::unistd::fchown(
-        std::os::fd::AsRawFd::as_raw_fd(d.file()),
-        Some(nix::unistd::Uid::from_raw(entry.uid)),
-        Some(nix::unistd::Gid::from_raw(entry.gid)),
-    )
-    .map_err(|source| Error::Sys {
-        action: "chown",
-        path: dir.to_owned(),
-        source,
-    })?;
-    if let Some(home) = dir.parent() {
-        fsync_dir(home)?;
-    }
-    Ok(())
-}
-
-fn fsync_dir(dir: &Path) -> Result<()> {
-    fs_err::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io_err("fsync", dir))
-}
-
-/// Writes `data` to `path` atomically: a temp file in the same directory with `mode` and
-/// owner `uid:gid`, fsync, rename over `path`, fsync of the directory.
-pub(crate) fn atomic_write(path: &Path, data: &[u8], mode: u32, uid: u32, gid: u32) -> Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    // A stale temp file (or anything planted under its name) goes first; then the temp file
-    // is created exclusively, never through a symlink.
-    match fs_err::remove_file(&tmp) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(Error::io("remove", &tmp, e)),
-    }
-    let result = (|| {
-        let mut f = fs_err::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(mode)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&tmp)
-            .map_err(io_err("create", &tmp))?;
-        // The umask may have narrowed the mode.
-        f.set_permissions(std::fs::Permissions::from_mode(mode))
-            .map_err(io_err("chmod", &tmp))?;
-        if (uid, gid)
-            != (
-                nix::unistd::geteuid().as_raw(),
-                nix::unistd::getegid().as_raw(),
-            )
-        {
-            nix::unistd::fchown(
-                std::os::fd::AsRawFd::as_raw_fd(f.file()),
-                Some(nix::unistd::Uid::from_raw(uid)),
-                Some(nix::unistd::Gid::from_raw(gid)),
-            )
-            .map_err(|source| Error::Sys {
-                action: "chown",
-                path: tmp.clone(),
-                source,
-            })?;
-        }
-        f.write_all(data).map_err(io_err("write", &tmp))?;
-        f.sync_all().map_err(io_err("fsync", &tmp))?;
-        fs_err::rename(&tmp, path).map_err(io_err("rename", &tmp))?;
-        fsync_dir(dir)
-    })();
-    if result.is_err() {
-        let _ = fs_err::remove_file(&tmp);
-    }
-    result
 }

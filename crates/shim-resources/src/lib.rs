@@ -1,20 +1,34 @@
 //! Host resources of the shim: GPUs, host users' authorized_keys, block volumes, instance
 //! mount directories and host facts.
 //!
-//! This crate knows nothing of Docker or HTTP. Each resource the engine drives sits behind a
-//! small `Send + Sync` trait usable as `Arc<dyn Trait>`, with a real implementation tested
-//! against the real thing (temporary homes, loop devices, real directories) and, with the
-//! `test-support` feature, fakes that record calls:
+//! This crate knows nothing of HTTP, of tasks' containers or of the Docker API. Its one use of
+//! Docker: AMD and Tenstorrent GPUs are listed, as dstack's Go shim does, by running the
+//! vendor's tool image with the `docker` CLI (`docker run --rm --device … dstackai/amd-smi`,
+//! `dstackai/tt-smi`), through the [`CommandRunner`] like every other host tool.
 //!
-//! - [`gpu`] — [`GpuDetector`] (vendor from device paths, GPUs from the vendor tool),
-//!   [`HostGpus`] (with [`HostGpus::fake_nvidia`] for GPU-less machines) and [`GpuLock`].
+//! Each resource the engine drives sits behind a small `Send + Sync` trait usable as
+//! `Arc<dyn Trait>`, with a real implementation tested against the real thing (temporary
+//! homes, loop devices, real directories) and, with the `test-support` feature, fakes that
+//! record calls (the `fake` module):
+//!
+//! - [`gpu`] — detection ([`GpuDetector`]: vendor from device paths, GPUs from the vendor
+//!   tool; its seams are the injected command runner and device roots, not a trait), parsing
+//!   per vendor, and the in-memory [`GpuLock`]. The engine takes the detected [`HostGpus`] as
+//!   data ([`HostGpus::fake_nvidia`] for GPU-less machines) and a real lock, which needs no
+//!   fake.
 //! - [`keys`] — [`AuthorizedKeys`] / [`AuthorizedKeysManager`]: the shim-owned lines of a user's
-//!   file are exactly the keys of that user's live tasks.
+//!   file are exactly the keys of that user's live tasks; lines of unknown origin stay while a
+//!   live task's keys are unknown ([`AuthorizedKeys::hold_unknown`]); every read and write is
+//!   relative to a handle of `~/.ssh` opened without following links.
 //! - [`volumes`] — [`VolumeManager`] / [`BlockVolumes`]: resolve, probe, format (only when
-//!   confirmed blank and asked to), mount, unmount.
+//!   confirmed blank and asked to), mount, unmount; the system calls behind [`Mounter`], run on
+//!   the blocking pool, locked per mount point and device.
 //! - [`dirs`] — [`ensure_instance_dir`].
-//! - [`host`] — [`HostInfo`], [`host::collect`], [`write_host_info_once`].
+//! - [`host`] — [`HostInfo`], [`host::collect`], [`write_host_info`]: upstream's
+//!   `host_info.json`.
 //! - [`cmd`] — [`CommandRunner`], the injectable way every host tool is run.
+//!
+//! Durable writes (authorized_keys, host_info.json) go through [`shim_fs`].
 //!
 //! Errors: one [`Error`] enum; every variant names the path, device, user or command.
 
@@ -32,8 +46,10 @@ pub use cmd::{CommandOutput, CommandRunner, ScriptedCommandRunner, SystemCommand
 pub use dirs::ensure_instance_dir;
 pub use error::{Error, Result};
 pub use gpu::{GpuDetector, GpuInfo, GpuLock, GpuVendor, HostGpus};
-pub use host::{HOST_INFO_FILE, HostInfo, write_host_info_once};
+pub use host::{HOST_INFO_FILE, HostInfo, write_host_info, write_host_info_once};
 pub use keys::{
     AuthorizedKeys, AuthorizedKeysManager, StaticUserDb, SystemUserDb, UserDb, UserEntry,
 };
-pub use volumes::{BlockVolumes, DEFAULT_VOLUMES_ROOT, VolumeConfig, VolumeManager};
+pub use volumes::{
+    BlockVolumes, DEFAULT_VOLUMES_ROOT, Mounter, SystemMounter, VolumeConfig, VolumeManager,
+};

@@ -11,11 +11,19 @@
 //! - only the root of a file system we created is made world-writable (0777);
 //! - release unmounts only a path under the volumes root that `/proc/self/mountinfo` lists as a
 //!   mount point; anything else is a no-op, so release is idempotent.
+//!
+//! Concurrency: mount(2), umount(2) (which can block for seconds while ext4 flushes), the
+//! mount table and the directory work go through a [`Mounter`] (the real one is
+//! [`SystemMounter`]; a recording fake is `fake::FakeMounter`) and run on tokio's blocking
+//! pool, never on an async worker. Operations are serialized per mount point and, for
+//! `prepare`, per device (always in that order), so two tasks sharing a blank volume can never
+//! both decide to format it, while releases of different volumes run in parallel.
 
+use std::collections::HashMap;
 use std::io::{Seek as _, SeekFrom};
 use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -100,14 +108,109 @@ impl VolumeConfig {
     }
 }
 
-/// The real [`VolumeManager`]: block devices, `blkid`, `mkfs.ext4`, mount(2), umount(2).
+/// The mount system calls and the mount table, behind a trait so that the volume logic can be
+/// tested with a recording fake (youki's `Syscall` pattern). Blocking: [`BlockVolumes`] calls
+/// every method from `tokio::task::spawn_blocking`.
+pub trait Mounter: Send + Sync {
+    /// Mounts the file system `fstype` on `device` at `target` (which exists).
+    fn mount(&self, device: &Path, target: &Path, fstype: &str) -> Result<()>;
+
+    /// Unmounts `target`; a target that is not (or no longer) mounted, or gone, is `Ok`.
+    fn unmount(&self, target: &Path) -> Result<()>;
+
+    /// Whether `target` is a mount point.
+    fn is_mounted(&self, target: &Path) -> Result<bool>;
+}
+
+/// The real [`Mounter`]: mount(2), umount(2) and a mountinfo table.
+#[derive(Debug, Clone)]
+pub struct SystemMounter {
+    mountinfo: PathBuf,
+}
+
+impl SystemMounter {
+    /// Mount points are read from `mountinfo` (normally `/proc/self/mountinfo`).
+    pub fn new(mountinfo: impl Into<PathBuf>) -> Self {
+        Self {
+            mountinfo: mountinfo.into(),
+        }
+    }
+}
+
+impl Mounter for SystemMounter {
+    fn mount(&self, device: &Path, target: &Path, fstype: &str) -> Result<()> {
+        nix::mount::mount(
+            Some(device),
+            target,
+            Some(fstype),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        )
+        .map_err(|source| Error::Mount {
+            device: device.to_owned(),
+            target: target.to_owned(),
+            source,
+        })
+    }
+
+    fn unmount(&self, target: &Path) -> Result<()> {
+        match nix::mount::umount(target) {
+            Ok(()) | Err(nix::errno::Errno::EINVAL | nix::errno::Errno::ENOENT) => Ok(()),
+            Err(source) => Err(Error::Unmount {
+                target: target.to_owned(),
+                source,
+            }),
+        }
+    }
+
+    fn is_mounted(&self, target: &Path) -> Result<bool> {
+        let table =
+            fs_err::read_to_string(&self.mountinfo).map_err(io_err("read", &self.mountinfo))?;
+        Ok(is_mount_point_in(&table, target))
+    }
+}
+
+/// One async lock per key (a mount point, a device), created on demand and dropped when no
+/// one holds or waits for it.
+#[derive(Debug, Default)]
+struct KeyedLocks {
+    locks: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl KeyedLocks {
+    async fn lock(&self, key: &Path) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = {
+            let mut map = self.locks.lock().unwrap_or_else(PoisonError::into_inner);
+            // Only the map refers to it: nobody holds or waits for it.
+            map.retain(|_, l| Arc::strong_count(l) > 1);
+            map.entry(key.to_owned()).or_default().clone()
+        };
+        lock.lock_owned().await
+    }
+}
+
+/// Runs blocking volume work on tokio's blocking pool.
+async fn blocking<T: Send + 'static>(
+    what: &'static str,
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|source| Error::Join { what, source })?
+}
+
+/// The real [`VolumeManager`]: block devices, `blkid`, `mkfs.ext4`, and a [`Mounter`]
+/// (mount(2), umount(2) by default).
 ///
-/// Probing, formatting, mounting and unmounting are serialized within one manager, so two
-/// tasks sharing a blank volume can never both decide to format it.
+/// Probing, formatting and mounting are serialized per mount point and per device, and
+/// unmounting per mount point, so two tasks sharing a blank volume can never both decide to
+/// format it, and a slow unmount holds up nothing else.
 pub struct BlockVolumes {
     config: VolumeConfig,
     runner: Arc<dyn CommandRunner>,
-    ops: tokio::sync::Mutex<()>,
+    mounter: Arc<dyn Mounter>,
+    mount_points: KeyedLocks,
+    devices: KeyedLocks,
 }
 
 impl std::fmt::Debug for BlockVolumes {
@@ -270,13 +373,23 @@ fn unescape_mountinfo(s: &str) -> String {
 }
 
 impl BlockVolumes {
-    /// Volumes under `config.root`, tools run with `runner`.
+    /// Volumes under `config.root`, tools run with `runner`, mounted with mount(2) and
+    /// umount(2) ([`SystemMounter`] reading `config.mountinfo`).
     pub fn new(config: VolumeConfig, runner: Arc<dyn CommandRunner>) -> Self {
+        let mounter = Arc::new(SystemMounter::new(&config.mountinfo));
         Self {
             config,
             runner,
-            ops: tokio::sync::Mutex::new(()),
+            mounter,
+            mount_points: KeyedLocks::default(),
+            devices: KeyedLocks::default(),
         }
+    }
+
+    /// Mounts, unmounts and reads the mount table with `mounter` instead.
+    pub fn with_mounter(mut self, mounter: Arc<dyn Mounter>) -> Self {
+        self.mounter = mounter;
+        self
     }
 
     /// The configuration.
@@ -361,7 +474,9 @@ impl BlockVolumes {
     pub async fn wait_block_device(&self, device: &Path) -> Result<u64> {
         let start = Instant::now();
         loop {
-            let why = match block_device_size(device) {
+            let dev = device.to_owned();
+            let size = blocking("block device size", move || Ok(block_device_size(&dev))).await?;
+            let why = match size {
                 Ok(size) if size > 0 => return Ok(size),
                 Ok(_) => "size is zero".to_owned(),
                 Err(e) => e,
@@ -404,10 +519,9 @@ impl BlockVolumes {
         Ok(Probe::Blank)
     }
 
-    fn is_mounted(&self, path: &Path) -> Result<bool> {
-        let table = fs_err::read_to_string(&self.config.mountinfo)
-            .map_err(io_err("read", &self.config.mountinfo))?;
-        Ok(is_mount_point_in(&table, path))
+    async fn is_mounted(&self, path: &Path) -> Result<bool> {
+        let (mounter, path) = (self.mounter.clone(), path.to_owned());
+        blocking("read the mount table", move || mounter.is_mounted(&path)).await
     }
 }
 
@@ -442,6 +556,29 @@ fn create_dirs(path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Creates the mount point, mounts, and opens up the root of a file system just created.
+fn mount_at(
+    mounter: &dyn Mounter,
+    device: &Path,
+    mount_point: &Path,
+    fstype: &str,
+    created: bool,
+) -> Result<()> {
+    create_dirs(mount_point)?;
+    mounter.mount(device, mount_point, fstype)?;
+    if created {
+        if let Err(e) = fs_err::set_permissions(mount_point, std::fs::Permissions::from_mode(0o777))
+        {
+            if let Err(u) = mounter.unmount(mount_point) {
+                tracing::warn!(mount_point = %mount_point.display(), error = %u,
+                    "cannot unmount after a failed chmod");
+            }
+            return Err(Error::io("chmod", mount_point, e));
+        }
+    }
+    Ok(())
+}
+
 #[async_trait]
 impl VolumeManager for BlockVolumes {
     async fn prepare(&self, spec: &VolumeSpec) -> Result<MountedVolume> {
@@ -453,8 +590,18 @@ impl VolumeManager for BlockVolumes {
             mount_point: mount_point.to_string_lossy().into_owned(),
             device: device.to_string_lossy().into_owned(),
         };
-        let _serialized = self.ops.lock().await;
-        if self.is_mounted(&mount_point)? {
+        // Mount point first, then device: the same order everywhere, so no deadlock. The
+        // device is locked by its resolved path, so two names of one disk share the lock.
+        let _mount_point = self.mount_points.lock(&mount_point).await;
+        let real_device = {
+            let d = device.clone();
+            blocking("resolve the device", move || {
+                Ok(fs_err::canonicalize(&d).unwrap_or(d))
+            })
+            .await?
+        };
+        let _device = self.devices.lock(&real_device).await;
+        if self.is_mounted(&mount_point).await? {
             tracing::info!(volume = name, mount_point = %mount_point.display(),
                 "volume already mounted");
             return Ok(mounted);
@@ -485,26 +632,13 @@ impl VolumeManager for BlockVolumes {
                 ("ext4".to_owned(), true)
             }
         };
-        create_dirs(&mount_point)?;
-        nix::mount::mount(
-            Some(device.as_path()),
-            mount_point.as_path(),
-            Some(fstype.as_str()),
-            nix::mount::MsFlags::empty(),
-            None::<&str>,
-        )
-        .map_err(|source| Error::Mount {
-            device: device.clone(),
-            target: mount_point.clone(),
-            source,
-        })?;
-        if created {
-            if let Err(e) =
-                fs_err::set_permissions(&mount_point, std::fs::Permissions::from_mode(0o777))
-            {
-                let _ = nix::mount::umount(mount_point.as_path());
-                return Err(Error::io("chmod", &mount_point, e));
-            }
+        {
+            let (mounter, device, mount_point) =
+                (self.mounter.clone(), device.clone(), mount_point.clone());
+            blocking("mount", move || {
+                mount_at(&*mounter, &device, &mount_point, &fstype, created)
+            })
+            .await?;
         }
         tracing::info!(volume = name, device = %device.display(),
             mount_point = %mount_point.display(), created, "volume mounted");
@@ -525,21 +659,154 @@ impl VolumeManager for BlockVolumes {
             tracing::warn!(mount_point = %mp.display(), "not unmounting a path with '..'");
             return Ok(());
         }
-        let _serialized = self.ops.lock().await;
-        if !self.is_mounted(&mp)? {
+        let _mount_point = self.mount_points.lock(&mp).await;
+        if !self.is_mounted(&mp).await? {
             tracing::debug!(mount_point = %mp.display(), "not mounted; nothing to release");
             return Ok(());
         }
-        match nix::mount::umount(mp.as_path()) {
-            Ok(()) | Err(nix::errno::Errno::EINVAL | nix::errno::Errno::ENOENT) => {
-                tracing::info!(volume = %volume.name, mount_point = %mp.display(), "volume unmounted");
-                Ok(())
-            }
-            Err(source) => Err(Error::Unmount { target: mp, source }),
+        {
+            let (mounter, mp) = (self.mounter.clone(), mp.clone());
+            blocking("unmount", move || mounter.unmount(&mp)).await?;
         }
+        tracing::info!(volume = %volume.name, mount_point = %mp.display(), "volume unmounted");
+        Ok(())
     }
 
     fn mount_point(&self, name: &str) -> PathBuf {
         self.config.root.join(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use shim_task::TaskName;
+
+    use super::*;
+    use crate::cmd::ScriptedCommandRunner;
+    use crate::fake::{FakeCall, FakeMounter};
+
+    fn manager(root: &Path, mounter: Arc<FakeMounter>) -> BlockVolumes {
+        BlockVolumes::new(
+            VolumeConfig::with_root(root).fast(),
+            Arc::new(ScriptedCommandRunner::new()),
+        )
+        .with_mounter(mounter)
+    }
+
+    fn volume(root: &Path, name: &str) -> MountedVolume {
+        MountedVolume {
+            name: name.to_owned(),
+            mount_point: root.join(name).to_string_lossy().into_owned(),
+            device: format!("/dev/fake-{name}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn release_unmounts_only_what_is_mounted() {
+        let root = Path::new("/fake/volumes");
+        let mounter = Arc::new(FakeMounter::new());
+        mounter.set_mounted(root.join("a"));
+        let m = manager(root, mounter.clone());
+        m.release(&volume(root, "a")).await.unwrap();
+        m.release(&volume(root, "a")).await.unwrap();
+        m.release(&volume(root, "b")).await.unwrap();
+        assert_eq!(mounter.calls(), vec![FakeCall::Unmount(root.join("a"))]);
+        assert!(mounter.mounted().is_empty());
+        // A failing unmount is an error naming the mount point; the volume stays mounted.
+        mounter.set_mounted(root.join("c"));
+        mounter.fail_at(root.join("c"), true);
+        let e = m.release(&volume(root, "c")).await.unwrap_err();
+        assert!(matches!(e, Error::Unmount { .. }), "{e}");
+        assert!(e.to_string().contains("/fake/volumes/c"), "{e}");
+        assert_eq!(mounter.mounted(), vec![root.join("c")]);
+    }
+
+    // One worker thread: were the unmount run on it, or were releases serialized by one
+    // lock, nothing else could progress while it blocks.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_slow_unmount_blocks_neither_the_runtime_nor_other_volumes() {
+        let root = Path::new("/fake/volumes");
+        let mounter = Arc::new(FakeMounter::new());
+        for v in ["slow", "fast"] {
+            mounter.set_mounted(root.join(v));
+        }
+        mounter.set_unmount_delay(Duration::from_millis(600));
+        let m = Arc::new(manager(root, mounter.clone()));
+        let start = Instant::now();
+        let slow = {
+            let m = m.clone();
+            tokio::spawn(async move { m.release(&volume(root, "slow")).await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let ticked = start.elapsed();
+        let fast = {
+            let m = m.clone();
+            tokio::spawn(async move { m.release(&volume(root, "fast")).await })
+        };
+        fast.await.unwrap().unwrap();
+        let fast_done = start.elapsed();
+        slow.await.unwrap().unwrap();
+        let slow_done = start.elapsed();
+        assert!(
+            ticked < Duration::from_millis(400),
+            "runtime blocked: {ticked:?}"
+        );
+        // Both unmounts ran side by side (each sleeps 600 ms).
+        assert!(
+            fast_done < Duration::from_millis(1100),
+            "serialized: {fast_done:?}"
+        );
+        assert!(slow_done >= Duration::from_millis(600));
+        assert!(mounter.mounted().is_empty());
+    }
+
+    #[tokio::test]
+    async fn releases_of_one_mount_point_are_serialized() {
+        let root = Path::new("/fake/volumes");
+        let mounter = Arc::new(FakeMounter::new());
+        mounter.set_mounted(root.join("a"));
+        mounter.set_unmount_delay(Duration::from_millis(100));
+        let m = Arc::new(manager(root, mounter.clone()));
+        let tasks: Vec<_> = (0..4)
+            .map(|_| {
+                let m = m.clone();
+                tokio::spawn(async move { m.release(&volume(root, "a")).await })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap().unwrap();
+        }
+        // The first unmounts; the others, serialized behind it, find nothing mounted.
+        assert_eq!(mounter.calls(), vec![FakeCall::Unmount(root.join("a"))]);
+    }
+
+    #[tokio::test]
+    async fn unsupported_volume_fails_naming_it_before_any_tool_runs() {
+        let root = Path::new("/fake/volumes");
+        let mounter = Arc::new(FakeMounter::new());
+        let runner = Arc::new(ScriptedCommandRunner::new());
+        let m = BlockVolumes::new(VolumeConfig::with_root(root).fast(), runner.clone())
+            .with_mounter(mounter.clone());
+        for (backend, volume_id, device_name) in [
+            (VolumeBackend::Other("azure".into()), "", ""),
+            (VolumeBackend::Other(String::new()), "", ""),
+            (VolumeBackend::Aws, "", "/dev/sdf"),
+            (VolumeBackend::Gcp, "", ""),
+        ] {
+            let spec = VolumeSpec {
+                backend,
+                name: TaskName::new("my-data").unwrap(),
+                volume_id: volume_id.into(),
+                init_fs: true,
+                device_name: device_name.into(),
+            };
+            let e = m.prepare(&spec).await.unwrap_err();
+            assert!(matches!(e, Error::UnsupportedVolume { .. }), "{e}");
+            assert!(e.to_string().contains("\"my-data\""), "{e}");
+        }
+        assert!(runner.calls().is_empty());
+        assert!(mounter.calls().is_empty());
     }
 }

@@ -1,10 +1,14 @@
-//! GPU detection against a fake device root and recorded tool outputs; the lock.
+//! GPU detection against a fake device root and recorded tool outputs; the lock. Detection
+//! order, tool arguments and parsing follow dstack's Go shim, cited where pinned.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // a test file: panics are failures
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use shim_resources::gpu::{parse_amd_smi, parse_hl_smi, parse_nvidia_smi, parse_tt_smi};
+use shim_resources::gpu::{
+    AMD_SMI_IMAGE, GpuInfo, TT_SMI_IMAGE, parse_amd_smi, parse_hl_smi, parse_nvidia_smi,
+    parse_tt_smi,
+};
 use shim_resources::{
     CommandOutput, Error, GpuDetector, GpuLock, GpuVendor, HostGpus, ScriptedCommandRunner,
 };
@@ -24,7 +28,7 @@ struct FakeHost {
 impl FakeHost {
     fn new() -> Self {
         let tmp = tempfile::tempdir().unwrap();
-        for d in ["dev", "sys", "bin"] {
+        for d in ["dev", "sys", "wsl"] {
             fs_err::create_dir(tmp.path().join(d)).unwrap();
         }
         Self {
@@ -47,20 +51,32 @@ impl FakeHost {
         fs_err::create_dir_all(self.dev().join(rel)).unwrap();
     }
 
-    fn tool_on_path(&self, name: &str) {
-        fs_err::write(self.tmp.path().join("bin").join(name), "").unwrap();
+    fn wsl_nvidia_smi(&self) -> PathBuf {
+        self.tmp.path().join("wsl/nvidia-smi")
     }
 
     fn detector(&self) -> GpuDetector {
         GpuDetector::new(self.runner.clone())
             .with_dev_root(self.dev())
             .with_sys_root(self.tmp.path().join("sys"))
-            .with_path_env(self.tmp.path().join("bin"))
+            .with_wsl_nvidia_smi(self.wsl_nvidia_smi())
     }
+
+    fn tt_driver_version(&self, v: &str) {
+        let d = self.tmp.path().join("sys/module/tenstorrent");
+        fs_err::create_dir_all(&d).unwrap();
+        fs_err::write(d.join("version"), v).unwrap();
+    }
+}
+
+fn args(call: &[String]) -> Vec<&str> {
+    call.iter().map(String::as_str).collect()
 }
 
 #[test]
 fn vendor_detection_order() {
+    // upstream: runner/internal/common/gpu/gpu.go (GetGpuVendor): /dev/nvidiactl, then
+    // /dev/dxg with /usr/lib/wsl/lib/nvidia-smi, /dev/tenstorrent, /dev/kfd, /dev/accel.
     let h = FakeHost::new();
     assert_eq!(h.detector().detect_vendor(), None);
     h.touch_dev("accel");
@@ -69,15 +85,23 @@ fn vendor_detection_order() {
     assert_eq!(h.detector().detect_vendor(), Some(GpuVendor::Amd));
     h.mkdir_dev("tenstorrent");
     assert_eq!(h.detector().detect_vendor(), Some(GpuVendor::Tenstorrent));
-    // WSL: /dev/dxg alone is not NVIDIA; with nvidia-smi on the PATH it is.
+    // WSL: /dev/dxg alone is not NVIDIA; with WSL's nvidia-smi it is.
     h.touch_dev("dxg");
     assert_eq!(h.detector().detect_vendor(), Some(GpuVendor::Tenstorrent));
-    h.tool_on_path("nvidia-smi");
+    fs_err::write(h.wsl_nvidia_smi(), "").unwrap();
     assert_eq!(h.detector().detect_vendor(), Some(GpuVendor::Nvidia));
+    // An NVIDIA dGPU beside an AMD iGPU is NVIDIA (dstack issue 4085).
     let h2 = FakeHost::new();
     h2.touch_dev("kfd");
     h2.touch_dev("nvidiactl");
     assert_eq!(h2.detector().detect_vendor(), Some(GpuVendor::Nvidia));
+    // checkPath stats (follows links): a dangling link is absent, a link to a node present.
+    let h3 = FakeHost::new();
+    std::os::unix::fs::symlink("/nonexistent/nvidiactl", h3.dev().join("nvidiactl")).unwrap();
+    assert_eq!(h3.detector().detect_vendor(), None);
+    h3.touch_dev("real-kfd");
+    std::os::unix::fs::symlink(h3.dev().join("real-kfd"), h3.dev().join("kfd")).unwrap();
+    assert_eq!(h3.detector().detect_vendor(), Some(GpuVendor::Amd));
 }
 
 #[tokio::test]
@@ -94,10 +118,11 @@ async fn nvidia_from_nvidia_smi() {
     assert_eq!(gpus.gpus[0].memory_mib, 81559);
     assert_eq!(gpus.gpus[1].id, "GPU-7a1c9e02-5b3d-4a51-9c0e-1f2d3e4a5b6c");
     assert_eq!(gpus.gpus[1].index, 1);
-    let call = &h.runner.calls()[0];
+    // upstream: runner/internal/shim/host/gpu.go (getNvidiaGpuInfo).
     assert_eq!(
-        call[1..],
+        args(&h.runner.calls()[0]),
         [
+            "nvidia-smi",
             "--query-gpu=name,memory.total,uuid,driver_version",
             "--format=csv,noheader,nounits"
         ]
@@ -121,9 +146,12 @@ async fn failing_tool_yields_vendor_without_gpus() {
 #[test]
 fn nvidia_parse_errors_and_placeholders() {
     assert!(parse_nvidia_smi("a, 1, GPU-x\n").is_err());
+    // upstream: runner/internal/shim/host/gpu.go (normalizeDriverVersion, Atoi → 0).
     let (gpus, driver) = parse_nvidia_smi("Tesla T4, [N/A], GPU-1, [Not Supported]\n").unwrap();
     assert_eq!(gpus[0].memory_mib, 0);
     assert_eq!(driver, None);
+    let (_, driver) = parse_nvidia_smi("T4, 1, GPU-1,  570.86.15 \n").unwrap();
+    assert_eq!(driver.as_deref(), Some("570.86.15"));
     assert!(parse_nvidia_smi("").unwrap().0.is_empty());
 }
 
@@ -139,19 +167,35 @@ fn render_nodes(h: &FakeHost, bdfs: &[(&str, u32)]) {
     }
 }
 
+/// upstream: runner/internal/shim/host/gpu.go (execAmdSmiStatic).
+const AMD_ARGS: [&str; 13] = [
+    "docker",
+    "run",
+    "--rm",
+    "--device",
+    "/dev/kfd",
+    "--device",
+    "/dev/dri",
+    AMD_SMI_IMAGE,
+    "static",
+    "--json",
+    "--asic",
+    "--vram",
+    "--bus",
+];
+
 #[tokio::test]
-async fn amd_rocm6_list_with_fallback_without_driver_option() {
+async fn amd_via_docker_with_fallback_without_driver_option() {
     let h = FakeHost::new();
     h.touch_dev("kfd");
-    h.tool_on_path("amd-smi");
     render_nodes(&h, &[("0000:5f:00.0", 128), ("0000:75:00.0", 136)]);
-    // Old amd-smi rejects --driver, then answers without it.
+    // An amd-smi that rejects --driver exits non-zero; then it answers without it.
     h.runner.push(
-        "amd-smi",
+        "docker",
         CommandOutput::exit(2, "unrecognized arguments: --driver"),
     );
     h.runner
-        .push("amd-smi", CommandOutput::ok(fixture("amd-smi-rocm6.json")));
+        .push("docker", CommandOutput::ok(fixture("amd-smi-rocm6.json")));
     let gpus = h.detector().detect().await;
     assert_eq!(gpus.vendor, Some(GpuVendor::Amd));
     assert_eq!(gpus.driver_version, None);
@@ -167,12 +211,27 @@ async fn amd_rocm6_list_with_fallback_without_driver_option() {
     assert_eq!(gpus.gpus[0].name, "AMD Instinct MI300X");
     assert_eq!(gpus.gpus[0].memory_mib, 196_592);
     let calls = h.runner.calls();
-    assert!(calls[0].contains(&"--driver".to_owned()));
-    assert!(!calls[1].contains(&"--driver".to_owned()));
+    assert_eq!(calls.len(), 2);
+    let mut with_driver = AMD_ARGS.to_vec();
+    with_driver.push("--driver");
+    assert_eq!(args(&calls[0]), with_driver);
+    assert_eq!(args(&calls[1]), AMD_ARGS);
 }
 
 #[tokio::test]
-async fn amd_rocm7_object_via_docker_when_not_installed() {
+async fn amd_does_not_retry_when_docker_cannot_run() {
+    // upstream: only an amd-smi that exited with an error is retried without --driver.
+    let h = FakeHost::new();
+    h.touch_dev("kfd");
+    h.runner.push_spawn_error("docker", "docker: not found");
+    let gpus = h.detector().detect().await;
+    assert_eq!(gpus.vendor, Some(GpuVendor::Amd));
+    assert!(gpus.gpus.is_empty());
+    assert_eq!(h.runner.count("docker"), 1);
+}
+
+#[tokio::test]
+async fn amd_rocm7_object() {
     let h = FakeHost::new();
     h.touch_dev("kfd");
     render_nodes(&h, &[("0000:05:00.0", 128)]);
@@ -183,9 +242,6 @@ async fn amd_rocm7_object_via_docker_when_not_installed() {
     assert_eq!(gpus.gpus.len(), 1);
     assert_eq!(gpus.gpus[0].name, "AMD Instinct MI325X");
     assert!(gpus.gpus[0].id.ends_with("/dri/renderD128"));
-    let call = &h.runner.calls()[0];
-    assert_eq!(call[0], "docker");
-    assert!(call.contains(&shim_resources::gpu::AMD_SMI_IMAGE.to_owned()));
 }
 
 #[test]
@@ -195,77 +251,255 @@ fn amd_parse_shapes() {
     assert_eq!(g6[1].bdf, "0000:75:00.0");
     let (g7, d7) = parse_amd_smi(&fixture("amd-smi-rocm7.json")).unwrap();
     assert_eq!((g7.len(), d7.as_deref()), (1, Some("6.10.5")));
-    // driver_version key, other case.
-    let (_, d) = parse_amd_smi(
-        r#"[{"asic":{},"bus":{"bdf":"x"},"vram":{},"driver":{"Driver_Version":"6.8"}}]"#,
-    )
-    .unwrap();
-    assert_eq!(d.as_deref(), Some("6.8"));
     assert!(parse_amd_smi(r#"{"other": 1}"#).is_err());
     assert!(parse_amd_smi("not json").is_err());
+}
+
+#[test]
+fn amd_driver_versions_as_upstream() {
+    // upstream: runner/internal/shim/host/gpu_test.go (TestParseAmdSmiOutputWithDriver).
+    let gpu = |driver: &str| {
+        format!(
+            r#"[{{"gpu": 0, "asic": {{"market_name": "MI300X"}}, "vram": {{"size": {{"value": 196592}}}}, "bus": {{"bdf": "0000:05:00.0"}}{driver}}}]"#
+        )
+    };
+    let cases = [
+        (
+            r#", "driver": {"name": "amdgpu", "version": "6.10.5"}"#,
+            Some("6.10.5"),
+        ),
+        (
+            r#", "driver": {"version": "6.10.5", "driver_version": "6.8.5"}"#,
+            Some("6.10.5"),
+        ),
+        (
+            r#", "driver": {"NAME": "amdgpu", "VERSION": "6.12.12"}"#,
+            Some("6.12.12"),
+        ),
+        (
+            r#", "driver": {"driver_name": "amdgpu", "driver_version": "6.8.5"}"#,
+            Some("6.8.5"),
+        ),
+        ("", None),
+        (r#", "driver": "amdgpu 6.8.5""#, None),
+        (r#", "driver": {"name": "N/A", "version": "N/A"}"#, None),
+        (
+            r#", "driver": {"version": "N/A", "driver_version": "6.8.5"}"#,
+            Some("6.8.5"),
+        ),
+    ];
+    for (driver, want) in cases {
+        let (gpus, got) = parse_amd_smi(&gpu(driver)).unwrap();
+        assert_eq!(gpus.len(), 1, "{driver}");
+        assert_eq!(gpus[0].name, "MI300X");
+        assert_eq!(got.as_deref(), want, "{driver}");
+    }
+    let wrapped = format!(r#"{{"gpu_data": {}}}"#, gpu(cases[2].0));
+    assert_eq!(
+        parse_amd_smi(&wrapped).unwrap().1.as_deref(),
+        Some("6.12.12")
+    );
 }
 
 #[tokio::test]
 async fn amd_gpu_without_render_node_is_skipped() {
     let h = FakeHost::new();
     h.touch_dev("kfd");
-    h.tool_on_path("amd-smi");
     render_nodes(&h, &[("0000:5f:00.0", 128)]);
     h.runner
-        .push("amd-smi", CommandOutput::ok(fixture("amd-smi-rocm6.json")));
+        .push("docker", CommandOutput::ok(fixture("amd-smi-rocm6.json")));
     let gpus = h.detector().detect().await;
     assert_eq!(gpus.gpus.len(), 1);
     assert_eq!(gpus.gpus[0].index, 0);
 }
 
 #[tokio::test]
-async fn tenstorrent_n300_boards_combine_local_and_remote_chips() {
+async fn tenstorrent_via_docker_with_the_driver_version_file() {
     let h = FakeHost::new();
     h.mkdir_dev("tenstorrent");
-    h.tool_on_path("tt-smi");
     h.runner
-        .push("tt-smi", CommandOutput::ok(fixture("tt-smi-n300x2.json")));
+        .push("docker", CommandOutput::ok(fixture("tt-smi-n300x2.json")));
     let gpus = h.detector().detect().await;
     assert_eq!(gpus.vendor, Some(GpuVendor::Tenstorrent));
-    assert_eq!(gpus.driver_version.as_deref(), Some("1.34"));
+    // upstream: runner/internal/shim/host/gpu.go (getTenstorrentGpuInfo).
+    assert_eq!(
+        args(&h.runner.calls()[0]),
+        [
+            "docker",
+            "run",
+            "--rm",
+            "--device",
+            "/dev/tenstorrent",
+            TT_SMI_IMAGE,
+            "-s"
+        ]
+    );
     assert_eq!(gpus.gpus.len(), 2);
     for (i, g) in gpus.gpus.iter().enumerate() {
         assert_eq!(g.name, "n300");
         assert_eq!(g.memory_mib, 24 * 1024, "L + R chips");
         assert_eq!(g.id, i.to_string());
     }
-    // The driver version file wins over tt-smi's report.
-    fs_err::create_dir_all(h.tmp.path().join("sys/module/tenstorrent")).unwrap();
-    fs_err::write(
-        h.tmp.path().join("sys/module/tenstorrent/version"),
-        "2.0.0\n",
-    )
-    .unwrap();
+    // upstream (getTenstorrentDriverVersion): only /sys/module/tenstorrent/version counts,
+    // not tt-smi's host_info.Driver ("TT-KMD 1.34" in this fixture).
+    assert_eq!(gpus.driver_version, None);
+    h.tt_driver_version("2.0.0\n");
     h.runner
-        .push("tt-smi", CommandOutput::ok(fixture("tt-smi-n300x2.json")));
+        .push("docker", CommandOutput::ok(fixture("tt-smi-n300x2.json")));
     assert_eq!(
         h.detector().detect().await.driver_version.as_deref(),
         Some("2.0.0")
     );
 }
 
-#[test]
-fn tenstorrent_mixed_boards() {
-    let (gpus, driver) = parse_tt_smi(&fixture("tt-smi-mixed.json")).unwrap();
-    assert_eq!(driver, None, "N/A is unknown");
-    let names: Vec<_> = gpus
+fn tt(file: &str) -> Vec<GpuInfo> {
+    parse_tt_smi(&fixture(&format!("tenstorrent/{file}"))).unwrap()
+}
+
+fn tt_devices(devices: &[(&str, &str, &str)]) -> Vec<GpuInfo> {
+    let list: Vec<serde_json::Value> = devices
         .iter()
-        .map(|g| (g.name.as_str(), g.memory_mib))
+        .map(|(t, id, bus)| {
+            serde_json::json!({"board_info": {"board_type": t, "board_id": id, "bus_id": bus}})
+        })
         .collect();
+    parse_tt_smi(&serde_json::json!({ "device_info": list }).to_string()).unwrap()
+}
+
+fn summary(gpus: &[GpuInfo]) -> Vec<(String, u64, String)> {
+    gpus.iter()
+        .map(|g| (g.name.clone(), g.memory_mib / 1024, g.id.clone()))
+        .collect()
+}
+
+fn s(name: &str, gib: u64, id: usize) -> (String, u64, String) {
+    (name.to_owned(), gib, id.to_string())
+}
+
+#[test]
+fn tenstorrent_upstream_fixtures() {
+    // upstream: runner/internal/shim/host/gpu_test.go (TestGetGpusFromTtSmiSnapshot*), on
+    // the fixtures of runner/internal/shim/host/testdata/tenstorrent.
+    assert_eq!(summary(&tt("single_n150_gpu.json")), vec![s("n150", 12, 0)]);
     assert_eq!(
-        names,
+        summary(&tt("valid_multiple_devices.json")),
+        (0..4).map(|i| s("n300", 24, i)).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        summary(&tt("galaxy.json")),
+        (0..32)
+            .map(|i| s("tt-galaxy-wh", 12, i))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        summary(&tt("blackhole_galaxy.json")),
+        (0..32)
+            .map(|i| s("tt-galaxy-bh", 32, i))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        summary(&tt("blackhole_boards.json")),
         vec![
-            ("n150", 12 * 1024),
-            ("p150", 32 * 1024),
-            ("p150", 32 * 1024)
+            s("p100a", 28, 0),
+            s("p150", 32, 1),
+            s("p150", 32, 2),
+            s("p300", 32, 3),
+            s("p300", 32, 4),
         ]
     );
+    assert_eq!(
+        summary(&tt("blackhole_8xp150.json")),
+        (0..8).map(|i| s("p150", 32, i)).collect::<Vec<_>>()
+    );
+    for empty in [
+        "empty_device_info.json",
+        "missing_device_info.json",
+        "empty_json.json",
+    ] {
+        assert!(tt(empty).is_empty(), "{empty}");
+    }
+    assert!(parse_tt_smi(&fixture("tenstorrent/invalid_json.json")).is_err());
     assert!(parse_tt_smi(r#"{"device_info": "x"}"#).is_err());
+}
+
+#[test]
+fn tenstorrent_upstream_synthetic_cases() {
+    // upstream: gpu_test.go (…WormholePrefixMemoryCompatibility).
+    assert_eq!(
+        summary(&tt_devices(&[
+            ("n150-custom L", "100018000000001", ""),
+            ("n300-custom L", "100014000000001", ""),
+            ("n300-custom R", "100014000000001", ""),
+            ("tt-galaxy-wh-custom L", "100035000000001", ""),
+        ])),
+        vec![
+            s("n150-custom", 12, 0),
+            s("n300-custom", 24, 1),
+            s("tt-galaxy-wh-custom", 12, 2)
+        ]
+    );
+    // (…BlackholeRevisions).
+    let revisions = tt_devices(&[
+        ("bh-scrappy", "0000360000000000", ""),
+        ("p100", "0000430000000000", ""),
+        ("p100a", "0000430000000000", ""),
+        ("p150a", "0000400000000000", ""),
+        ("p150b", "0000410000000000", ""),
+        ("p150c", "0000420000000000", ""),
+        ("p300b", "0000440000000000", ""),
+        ("p300a", "0000450000000000", ""),
+        ("p300c", "0000460000000000", ""),
+    ]);
+    let names: Vec<(String, u64)> = revisions
+        .iter()
+        .map(|g| (g.name.clone(), g.memory_mib / 1024))
+        .collect();
+    let want: Vec<(String, u64)> = [
+        ("p100a", 28),
+        ("p100a", 28),
+        ("p100a", 28),
+        ("p150", 32),
+        ("p150", 32),
+        ("p150", 32),
+        ("p300", 32),
+        ("p300", 32),
+        ("p300", 32),
+    ]
+    .map(|(n, g)| (n.to_owned(), g))
+    .to_vec();
+    assert_eq!(names, want);
+    // (…BlackholeP300SameBoardID): two local chips of one board are two GPUs.
+    assert_eq!(
+        summary(&tt_devices(&[
+            ("p300a", "0000450000000000", "0000:01:00.0"),
+            ("p300a", "0000450000000000", "0000:02:00.0"),
+        ])),
+        vec![s("p300", 32, 0), s("p300", 32, 1)]
+    );
+    // (…BlackholeP300RemoteChip): a remote chip adds its memory to the local one.
+    assert_eq!(
+        summary(&tt_devices(&[
+            ("p300a", "0000450000000000", "0000:01:00.0"),
+            ("p300a", "0000450000000000", "N/A"),
+        ])),
+        vec![s("p300", 64, 0)]
+    );
+    // L chips come first, then chips without a side; a Wormhole chip without a side joins a
+    // GPU of its board.
+    assert_eq!(
+        summary(&tt_devices(&[
+            ("n150", "B1", "0000:02:00.0"),
+            ("n300 L", "B2", "0000:03:00.0"),
+            ("n300", "B2", "N/A"),
+        ])),
+        vec![s("n300", 24, 0), s("n150", 12, 1)]
+    );
+    // Our own captured mixed host: n150, p150a, p150b.
+    let mixed = parse_tt_smi(&fixture("tt-smi-mixed.json")).unwrap();
+    assert_eq!(
+        summary(&mixed),
+        vec![s("n150", 12, 0), s("p150", 32, 1), s("p150", 32, 2)]
+    );
 }
 
 #[tokio::test]
@@ -276,14 +510,21 @@ async fn intel_from_hl_smi() {
         .push("hl-smi", CommandOutput::ok(fixture("hl-smi.csv")));
     let gpus = h.detector().detect().await;
     assert_eq!(gpus.vendor, Some(GpuVendor::Intel));
-    assert_eq!(gpus.driver_version.as_deref(), Some("1.19.1-fw-53.1.1"));
+    // upstream: runner/internal/shim/host/gpu.go (getIntelGpuInfo): three fields, no driver.
+    assert_eq!(
+        args(&h.runner.calls()[0]),
+        [
+            "hl-smi",
+            "--query-aip=name,memory.total,index",
+            "--format=csv,noheader,nounits"
+        ]
+    );
+    assert_eq!(gpus.driver_version, None);
     let ids: Vec<_> = gpus.gpus.iter().map(|g| g.id.as_str()).collect();
     assert_eq!(ids, ["0", "1", "2"]);
     assert_eq!(gpus.gpus[2].memory_mib, 98304);
-    // Three columns (no driver version) also parse.
-    let (g, d) = parse_hl_smi("HL-205, 32768, 0\n").unwrap();
-    assert_eq!((g.len(), d), (1, None));
     assert!(parse_hl_smi("HL-205, 32768, x\n").is_err());
+    assert!(parse_hl_smi("HL-205, 32768, 0, 1.19\n").is_err());
 }
 
 #[test]

@@ -5,8 +5,8 @@ use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use shim_resources::keys::{MARKER, marked_line, parse_marked_line, render};
-use shim_resources::{AuthorizedKeys, AuthorizedKeysManager, Error, StaticUserDb};
+use shim_resources::keys::{MARKER, Rewrite, marked_line, parse_marked_line, render};
+use shim_resources::{AuthorizedKeys, AuthorizedKeysManager, Error, StaticUserDb, UserDb as _};
 use shim_task::{PublicKey, TaskId};
 
 // Generated with ssh-keygen; fingerprints as `ssh-keygen -l` printed them.
@@ -147,7 +147,7 @@ async fn preserves_foreign_lines_mode_and_keeps_backup() {
         fs_err::read_to_string(h.home.join(".ssh/authorized_keys.bak")).unwrap(),
         original
     );
-    h.manager.remove(&task("t1"), "alice").await.unwrap();
+    h.manager.remove(&task("t1"), "alice", &[]).await.unwrap();
     assert_eq!(h.read(), original, "back to the original byte for byte");
     assert_eq!(mode(&h.file()), 0o640);
 }
@@ -165,7 +165,7 @@ async fn invalid_utf8_and_missing_final_newline_survive() {
         .unwrap();
     let now = fs_err::read(h.file()).unwrap();
     assert!(now.starts_with(&original));
-    h.manager.remove(&task("t1"), "alice").await.unwrap();
+    h.manager.remove(&task("t1"), "alice", &[]).await.unwrap();
     let mut expected = original.clone();
     expected.push(b'\n');
     assert_eq!(fs_err::read(h.file()).unwrap(), expected);
@@ -188,12 +188,12 @@ async fn shared_key_survives_release_of_first_task() {
         vec![fp(K1), fp(K2), fp(K3)],
         "no duplicate line for K2"
     );
-    h.manager.remove(&task("a"), "alice").await.unwrap();
+    h.manager.remove(&task("a"), "alice", &[]).await.unwrap();
     assert_eq!(h.marked(), vec![fp(K2), fp(K3)]);
-    h.manager.remove(&task("b"), "alice").await.unwrap();
+    h.manager.remove(&task("b"), "alice", &[]).await.unwrap();
     assert!(h.marked().is_empty());
     // Idempotent.
-    h.manager.remove(&task("b"), "alice").await.unwrap();
+    h.manager.remove(&task("b"), "alice", &[]).await.unwrap();
     assert!(h.marked().is_empty());
 }
 
@@ -208,7 +208,7 @@ async fn foreign_line_with_same_key_is_never_removed() {
         .await
         .unwrap();
     assert_eq!(h.marked(), vec![K1_FP.to_owned()]);
-    h.manager.remove(&task("a"), "alice").await.unwrap();
+    h.manager.remove(&task("a"), "alice", &[]).await.unwrap();
     assert_eq!(h.read(), format!("{own}\n"));
 }
 
@@ -224,9 +224,9 @@ async fn marked_line_in_other_formatting_is_recognized() {
         .await
         .unwrap();
     assert_eq!(h.marked(), vec![K1_FP.to_owned()], "not duplicated");
-    h.manager.remove(&task("a"), "alice").await.unwrap();
+    h.manager.remove(&task("a"), "alice", &[]).await.unwrap();
     assert_eq!(h.marked(), vec![K1_FP.to_owned()], "b still needs it");
-    h.manager.remove(&task("b"), "alice").await.unwrap();
+    h.manager.remove(&task("b"), "alice", &[]).await.unwrap();
     assert!(h.marked().is_empty());
 }
 
@@ -255,7 +255,10 @@ async fn restart_restore_then_remove_keeps_live_keys() {
     // Restore alone touches nothing.
     let fp = |k: &str| key(k).fingerprint().to_owned();
     assert_eq!(h.marked(), vec![fp(K1), fp(K2), fp(K3)]);
-    after.remove(&task("a"), "alice").await.unwrap();
+    after
+        .remove(&task("a"), "alice", &[key(K1), key(K2)])
+        .await
+        .unwrap();
     assert_eq!(h.marked(), vec![fp(K2), fp(K3)]);
     assert!(
         h.read().starts_with(&format!("{K4}\n")),
@@ -275,7 +278,7 @@ async fn leftover_marked_line_without_a_task_is_pruned_on_next_removal() {
         .await
         .unwrap();
     assert_eq!(h.marked().len(), 2, "add never removes");
-    h.manager.remove(&task("a"), "alice").await.unwrap();
+    h.manager.remove(&task("a"), "alice", &[]).await.unwrap();
     assert!(h.marked().is_empty());
 }
 
@@ -289,7 +292,7 @@ async fn users_are_separate() {
         .await
         .unwrap();
     h.manager.add(&task("b"), "bob", &[key(K1)]).await.unwrap();
-    h.manager.remove(&task("a"), "alice").await.unwrap();
+    h.manager.remove(&task("a"), "alice", &[]).await.unwrap();
     assert!(h.marked().is_empty());
     let bob = fs_err::read_to_string(bob_home.join(".ssh/authorized_keys")).unwrap();
     assert_eq!(bob, format!("{}\n", marked_line(&key(K1))));
@@ -304,15 +307,180 @@ async fn unknown_or_invalid_user_is_an_error_and_registers_nothing() {
         .await
         .unwrap_err();
     assert!(matches!(e, Error::UnknownUser { .. }), "{e}");
-    for bad in ["", "../etc", "a/b"] {
+    for bad in ["../etc", "a/b", ".", "..", "a\nb", "a\rb", "a\0b"] {
         let e = h
             .manager
             .add(&task("a"), bad, &[key(K1)])
             .await
             .unwrap_err();
-        assert!(matches!(e, Error::InvalidUser { .. }), "{e}");
+        assert!(matches!(e, Error::InvalidUser { .. }), "{bad:?}: {e}");
     }
+    // An empty user with keys fails with a clear error; without keys there is nothing to do.
+    let e = h.manager.add(&task("a"), "", &[key(K1)]).await.unwrap_err();
+    assert!(matches!(e, Error::MissingUser { keys: 1 }), "{e}");
+    assert!(e.to_string().contains("no host user"), "{e}");
+    h.manager.add(&task("a"), "", &[]).await.unwrap();
     assert!(h.manager.live_tasks().is_empty());
+    // Removing keys of a user that does not exist (or could never have been written) is a
+    // no-op, so a release recorded ahead of a failed add goes through.
+    h.manager
+        .remove(&task("a"), "mallory", &[key(K1)])
+        .await
+        .unwrap();
+    h.manager
+        .remove(&task("a"), "../etc", &[key(K1)])
+        .await
+        .unwrap();
+    h.manager.remove(&task("a"), "", &[key(K1)]).await.unwrap();
+    // Nor is a user without a home or without ~/.ssh an error on removal.
+    h.manager
+        .remove(&task("a"), "bob", &[key(K1)])
+        .await
+        .unwrap();
+    h.manager
+        .remove(&task("a"), "alice", &[key(K1)])
+        .await
+        .unwrap();
+    assert!(!h.home.join(".ssh").exists(), "removal creates nothing");
+}
+
+#[tokio::test]
+async fn any_name_the_passwd_database_knows_is_accepted() {
+    // upstream: runner/internal/shim/authorized_keys.go looks any name up with user.Lookup;
+    // only names that could reach another path or inject a line are refused before that.
+    let tmp = tempfile::tempdir().unwrap();
+    let names = [
+        "first.last",
+        "UPPER",
+        "user@corp.example",
+        "10001",
+        "a-b_c$",
+        "x y",
+    ];
+    let mut db = StaticUserDb::new();
+    for n in names {
+        let home = tmp.path().join(n.replace(['@', ' ', '$'], "_"));
+        fs_err::create_dir(&home).unwrap();
+        db = db.with_user(n, home);
+    }
+    let m = AuthorizedKeysManager::new(Arc::new(db));
+    for (i, n) in names.iter().enumerate() {
+        m.add(&task(&format!("t{i}")), n, &[key(K1)]).await.unwrap();
+    }
+    assert_eq!(m.live_tasks().len(), names.len());
+    // The system database: root exists everywhere, and an odd name is merely unknown.
+    let root = shim_resources::SystemUserDb.lookup("root").unwrap();
+    assert_eq!(root.uid, 0);
+    assert!(matches!(
+        shim_resources::SystemUserDb.lookup("no.such.user-4b1d"),
+        Err(Error::UnknownUser { .. })
+    ));
+}
+
+#[tokio::test]
+async fn unknown_hold_keeps_marked_lines_of_unknown_origin_for_its_user() {
+    let h = Home::new();
+    let bob_home = h.home.parent().unwrap().join("bob");
+    fs_err::create_dir_all(bob_home.join(".ssh")).unwrap();
+    // Marked lines nobody registered: K3 for alice (an upstream container's, say), K4 for bob.
+    h.write(&format!("{K4}\n{}\n", marked_line(&key(K3))));
+    fs_err::write(
+        bob_home.join(".ssh/authorized_keys"),
+        format!("{}\n", marked_line(&key(K4))),
+    )
+    .unwrap();
+    h.manager
+        .add(&task("a"), "alice", &[key(K1)])
+        .await
+        .unwrap();
+    h.manager.add(&task("b"), "bob", &[key(K2)]).await.unwrap();
+    h.manager.hold_unknown(&task("up"), Some("alice"));
+    // Releasing a: its own key goes (known origin), K3 of unknown origin stays.
+    h.manager
+        .remove(&task("a"), "alice", &[key(K1)])
+        .await
+        .unwrap();
+    assert_eq!(h.marked(), vec![key(K3).fingerprint().to_owned()]);
+    assert!(h.read().starts_with(&format!("{K4}\n")));
+    // The hold covers alice only: bob's unknown-origin K4 goes with b's removal.
+    h.manager
+        .remove(&task("b"), "bob", &[key(K2)])
+        .await
+        .unwrap();
+    assert_eq!(
+        fs_err::read_to_string(bob_home.join(".ssh/authorized_keys")).unwrap(),
+        ""
+    );
+    // Releasing the held task clears the hold, and its rewrite prunes the unknown line.
+    h.manager.remove(&task("up"), "alice", &[]).await.unwrap();
+    assert!(h.manager.unknown_holds().is_empty());
+    assert!(h.marked().is_empty());
+    assert_eq!(h.read(), format!("{K4}\n"));
+}
+
+#[tokio::test]
+async fn hold_without_user_covers_every_user_until_removed() {
+    let h = Home::new();
+    let bob_home = h.home.parent().unwrap().join("bob");
+    fs_err::create_dir_all(bob_home.join(".ssh")).unwrap();
+    let bob_file = bob_home.join(".ssh/authorized_keys");
+    fs_err::write(&bob_file, format!("{}\n", marked_line(&key(K4)))).unwrap();
+    h.manager.hold_unknown(&task("lost"), None);
+    h.manager.add(&task("b"), "bob", &[key(K2)]).await.unwrap();
+    h.manager
+        .remove(&task("b"), "bob", &[key(K2)])
+        .await
+        .unwrap();
+    assert_eq!(
+        fs_err::read_to_string(&bob_file).unwrap(),
+        format!("{}\n", marked_line(&key(K4))),
+        "unknown origin kept while a task of unknown user and keys lives"
+    );
+    // The held task's keys become known (restore replaces the hold): K4 is no longer
+    // protected, and the next rewrite for bob prunes it.
+    h.manager.restore(&task("lost"), "alice", &[key(K1)]);
+    assert!(h.manager.unknown_holds().is_empty());
+    h.manager.add(&task("c"), "bob", &[key(K2)]).await.unwrap();
+    h.manager
+        .remove(&task("c"), "bob", &[key(K2)])
+        .await
+        .unwrap();
+    assert_eq!(fs_err::read_to_string(&bob_file).unwrap(), "");
+}
+
+#[tokio::test]
+async fn restart_with_a_held_task_removes_only_known_keys() {
+    let h = Home::new();
+    h.manager
+        .add(&task("a"), "alice", &[key(K1)])
+        .await
+        .unwrap();
+    h.manager
+        .add(&task("gone"), "alice", &[key(K2)])
+        .await
+        .unwrap();
+    h.manager
+        .add(&task("up"), "alice", &[key(K3)])
+        .await
+        .unwrap();
+    // Restart: a is live, "up"'s state file is unreadable (keys unknown), "gone" finished.
+    let after =
+        AuthorizedKeysManager::new(Arc::new(StaticUserDb::new().with_user("alice", &h.home)));
+    after.restore(&task("a"), "alice", &[key(K1)]);
+    after.hold_unknown(&task("up"), Some("alice"));
+    after
+        .remove(&task("gone"), "alice", &[key(K2)])
+        .await
+        .unwrap();
+    let fp = |k: &str| key(k).fingerprint().to_owned();
+    assert_eq!(
+        h.marked(),
+        vec![fp(K1), fp(K3)],
+        "K2 known and released; K3 held"
+    );
+    // Add never removes, hold or not.
+    after.add(&task("d"), "alice", &[key(K4)]).await.unwrap();
+    assert_eq!(h.marked(), vec![fp(K1), fp(K3), fp(K4)]);
 }
 
 #[tokio::test]
@@ -340,7 +508,7 @@ async fn concurrent_updates_are_serialized() {
             let t = task(&format!("t{i}"));
             m.add(&t, "alice", &[k]).await.unwrap();
             if i % 2 == 0 {
-                m.remove(&t, "alice").await.unwrap();
+                m.remove(&t, "alice", &[]).await.unwrap();
             }
         }));
     }
@@ -366,20 +534,75 @@ fn render_rules() {
         marked_line(&k1),
         marked_line(&k2)
     );
-    // Without pruning: nothing dropped except the duplicate; wanted keys present.
-    let r = String::from_utf8(render(old.as_bytes(), std::slice::from_ref(&k1), false)).unwrap();
+    fn add(wanted: &[PublicKey]) -> Rewrite<'_> {
+        Rewrite {
+            wanted,
+            released: &[],
+            prune_unknown: false,
+        }
+    }
+    // Add: nothing dropped except the duplicate; wanted keys present.
+    let r = String::from_utf8(render(old.as_bytes(), &add(std::slice::from_ref(&k1)))).unwrap();
     assert_eq!(
         r,
         format!("x\n{}\n{}\n", marked_line(&k1), marked_line(&k2))
     );
-    // Pruning keeps exactly the wanted keys.
-    let r = String::from_utf8(render(old.as_bytes(), std::slice::from_ref(&k1), true)).unwrap();
+    // A removal without holds keeps exactly the wanted keys.
+    let rw = Rewrite {
+        wanted: std::slice::from_ref(&k1),
+        released: &[],
+        prune_unknown: true,
+    };
+    let r = String::from_utf8(render(old.as_bytes(), &rw)).unwrap();
     assert_eq!(r, format!("x\n{}\n", marked_line(&k1)));
     // The marker must be an exact trailing field.
     assert!(parse_marked_line(&format!("{K1}{MARKER}")).is_none());
     assert!(parse_marked_line(&format!("{K1} # added by dstack")).is_none());
     assert!(parse_marked_line(&format!("{K1} {MARKER}")).is_some());
     assert!(parse_marked_line(&format!("garbage {MARKER}")).is_none());
+}
+
+#[test]
+fn rewrite_rule_known_and_unknown_origin() {
+    // SPEC §7: key lines are removed only when they belong to a released task and no live
+    // task needs them; while a live task's keys are unknown, marked lines of unknown origin
+    // stay.
+    let (k1, k2, k3, k4) = (key(K1), key(K2), key(K3), key(K4));
+    let foreign = format!("{K3}\n"); // the user's own line with K3: never ours to remove
+    let old = format!(
+        "{foreign}{}\n{}\n{}\n{}\n",
+        marked_line(&k1),
+        marked_line(&k2),
+        marked_line(&k3),
+        marked_line(&k4)
+    );
+    let keep = |rw: &Rewrite<'_>| -> Vec<String> {
+        let out = String::from_utf8(render(old.as_bytes(), rw)).unwrap();
+        assert!(out.starts_with(&foreign), "foreign line kept: {out}");
+        out.lines()
+            .filter_map(parse_marked_line)
+            .map(|k| k.fingerprint().to_owned())
+            .collect()
+    };
+    let fp = |k: &PublicKey| k.fingerprint().to_owned();
+    // K1 wanted (a live task), K2 released (the task removed), K3 and K4 of unknown origin.
+    let wanted = [k1.clone()];
+    let released = [k2.clone(), k1.clone()];
+    // No unknown hold: only the wanted key stays.
+    let rw = Rewrite {
+        wanted: &wanted,
+        released: &released,
+        prune_unknown: true,
+    };
+    assert_eq!(keep(&rw), vec![fp(&k1)]);
+    // A hold covers the user: the released key goes, unknown-origin lines stay, the wanted
+    // key stays even though the removed task also had it.
+    let rw = Rewrite {
+        prune_unknown: false,
+        ..rw
+    };
+    assert_eq!(keep(&rw), vec![fp(&k1), fp(&k3), fp(&k4)]);
+    assert!(rw.keeps(&fp(&k1)) && !rw.keeps(&fp(&k2)) && rw.keeps(&fp(&k3)));
 }
 
 #[tokio::test]
@@ -395,7 +618,16 @@ async fn symlinked_file_or_ssh_dir_is_refused_and_never_followed() {
         .add(&task("a"), "alice", &[key(K1)])
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::Insecure { .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::Fs(shim_fs::Error::WrongType {
+                found: "a symbolic link",
+                ..
+            })
+        ),
+        "{e}"
+    );
     assert!(h.manager.live_tasks().is_empty());
     assert_eq!(fs_err::read_to_string(&secret).unwrap(), "top secret\n");
     assert!(!h.home.join(".ssh/authorized_keys.bak").exists());
@@ -410,7 +642,16 @@ async fn symlinked_file_or_ssh_dir_is_refused_and_never_followed() {
         .add(&task("a"), "alice", &[key(K1)])
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::Insecure { .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::Fs(shim_fs::Error::WrongType {
+                found: "a symbolic link",
+                ..
+            })
+        ),
+        "{e}"
+    );
     assert_eq!(fs_err::read_dir(&elsewhere).unwrap().count(), 0);
 }
 
@@ -467,4 +708,81 @@ async fn files_are_owned_by_the_user_when_run_as_root() {
         assert_eq!((meta.uid(), meta.gid()), (54321, 54322), "{}", p.display());
         assert_eq!(mode(&p), 0o600);
     }
+}
+
+#[test]
+fn ssh_dir_swapped_for_a_link_mid_update_is_never_written_through() {
+    // Another thread swaps ~/.ssh and a link to another directory back and forth (atomically,
+    // with RENAME_EXCHANGE) while the manager adds and removes keys. Whatever the timing, the
+    // manager writes into the real directory or refuses; never through the link (a check of
+    // the path followed by a write by path would, whenever the swap lands in between).
+    let h = Home::new();
+    h.write(&format!("{K4}\n"));
+    let parent = h.home.parent().unwrap().to_owned();
+    let elsewhere = parent.join("elsewhere");
+    fs_err::create_dir(&elsewhere).unwrap();
+    let link = h.home.join(".ssh.swap");
+    std::os::unix::fs::symlink(&elsewhere, &link).unwrap();
+    let ssh = h.home.join(".ssh");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let swapper = {
+        let (stop, ssh, link) = (stop.clone(), ssh.clone(), link.clone());
+        std::thread::spawn(move || {
+            let mut swaps = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                nix::fcntl::renameat2(
+                    None,
+                    &ssh,
+                    None,
+                    &link,
+                    nix::fcntl::RenameFlags::RENAME_EXCHANGE,
+                )
+                .unwrap();
+                swaps += 1;
+                std::thread::yield_now();
+            }
+            // Leave the real directory at ~/.ssh.
+            if fs_err::symlink_metadata(&ssh)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+            {
+                nix::fcntl::renameat2(
+                    None,
+                    &ssh,
+                    None,
+                    &link,
+                    nix::fcntl::RenameFlags::RENAME_EXCHANGE,
+                )
+                .unwrap();
+            }
+            swaps
+        })
+    };
+    let (mut ok, mut refused) = (0, 0);
+    let keys = [key(K1), key(K2), key(K3)];
+    for i in 0..300 {
+        let t = task(&format!("t{i}"));
+        let k = std::slice::from_ref(&keys[i % 3]);
+        for r in [
+            h.manager.add_blocking(&t, "alice", k),
+            h.manager.remove_blocking(&t, "alice", k),
+        ] {
+            match r {
+                Ok(()) => ok += 1,
+                Err(Error::Fs(_)) => refused += 1,
+                Err(e) => panic!("unexpected error: {e}"),
+            }
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let swaps = swapper.join().unwrap();
+    eprintln!("{swaps} swaps; {ok} updates done, {refused} refused");
+    assert!(swaps > 0 && ok > 0);
+    let leaked: Vec<_> = fs_err::read_dir(&elsewhere).unwrap().collect();
+    assert!(leaked.is_empty(), "written through the link: {leaked:?}");
+    assert!(
+        h.read().starts_with(&format!("{K4}\n")),
+        "foreign line kept"
+    );
 }

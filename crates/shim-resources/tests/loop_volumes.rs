@@ -355,3 +355,60 @@ async fn concurrent_prepares_of_one_blank_volume_format_it_once() {
     m.release(&vols[0]).await.unwrap();
     assert!(!is_mounted(&mp));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_volumes_prepare_and_release_in_parallel() {
+    if !root_tests("two_volumes_prepare_and_release_in_parallel") {
+        return;
+    }
+    // Locks are per mount point and per device: two blank volumes are formatted, mounted and
+    // unmounted side by side by one manager, each exactly once.
+    let a = Loop::blank(32);
+    let b = Loop::blank(32);
+    std::os::unix::fs::symlink(&b.dev, a.tmp.path().join("by-id/google-other-disk")).unwrap();
+    let runner = Arc::new(CountingRunner::default());
+    let mut config = VolumeConfig::with_root(a.root()).fast();
+    config.gcp_by_id_dir = a.tmp.path().join("by-id");
+    let m = Arc::new(BlockVolumes::new(config, runner.clone()));
+    let specs = [
+        a.spec(true),
+        VolumeSpec {
+            name: TaskName::new("other").unwrap(),
+            device_name: "other-disk".to_owned(),
+            ..a.spec(true)
+        },
+    ];
+    let prepared: Vec<_> = specs
+        .iter()
+        .map(|spec| {
+            let (m, spec) = (m.clone(), spec.clone());
+            tokio::spawn(async move { m.prepare(&spec).await })
+        })
+        .collect();
+    let mut vols = Vec::new();
+    for p in prepared {
+        vols.push(p.await.unwrap().unwrap());
+    }
+    assert_eq!(runner.mkfs.load(std::sync::atomic::Ordering::SeqCst), 2);
+    assert_eq!(
+        Path::new(&vols[1].device),
+        a.tmp.path().join("by-id/google-other-disk")
+    );
+    for v in &vols {
+        assert!(is_mounted(Path::new(&v.mount_point)), "{v:?}");
+    }
+    let released: Vec<_> = vols
+        .iter()
+        .map(|v| {
+            let (m, v) = (m.clone(), v.clone());
+            tokio::spawn(async move { m.release(&v).await })
+        })
+        .collect();
+    for r in released {
+        r.await.unwrap().unwrap();
+    }
+    for v in &vols {
+        assert!(!is_mounted(Path::new(&v.mount_point)), "{v:?}");
+    }
+    assert_eq!(b.blkid().0, Some(0), "formatted");
+}

@@ -1,0 +1,391 @@
+//! Directory handles: every operation is relative to an open directory (`openat`,
+//! `renameat`, `fstatat`, `unlinkat`), so replacing a directory on the way by a symbolic link
+//! after it was opened cannot redirect anything.
+
+use std::ffi::{OsStr, OsString};
+use std::io::Read as _;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt as _;
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{AtFlags, FileType, Mode, OFlags};
+use rustix::io::Errno;
+
+use crate::error::{Error, Result, Step};
+
+/// What kind of file a path is (never following a symbolic link).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FileKind {
+    /// A regular file.
+    Regular,
+    /// A directory.
+    Directory,
+    /// A symbolic link.
+    Symlink,
+    /// A named pipe.
+    Fifo,
+    /// A Unix socket.
+    Socket,
+    /// A character device.
+    CharDevice,
+    /// A block device.
+    BlockDevice,
+    /// Anything else.
+    Unknown,
+}
+
+impl FileKind {
+    fn from_mode(st_mode: u32) -> Self {
+        match FileType::from_raw_mode(st_mode as _) {
+            FileType::RegularFile => Self::Regular,
+            FileType::Directory => Self::Directory,
+            FileType::Symlink => Self::Symlink,
+            FileType::Fifo => Self::Fifo,
+            FileType::Socket => Self::Socket,
+            FileType::CharacterDevice => Self::CharDevice,
+            FileType::BlockDevice => Self::BlockDevice,
+            _ => Self::Unknown,
+        }
+    }
+
+    /// `"a regular file"`, `"a symbolic link"`, … (for messages).
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::Regular => "a regular file",
+            Self::Directory => "a directory",
+            Self::Symlink => "a symbolic link",
+            Self::Fifo => "a named pipe",
+            Self::Socket => "a socket",
+            Self::CharDevice => "a character device",
+            Self::BlockDevice => "a block device",
+            Self::Unknown => "of an unknown type",
+        }
+    }
+}
+
+/// A file's type, permission bits, owner and size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileInfo {
+    /// Its type.
+    pub kind: FileKind,
+    /// Its permission bits (`mode & 0o7777`).
+    pub mode: u32,
+    /// Its owner.
+    pub uid: u32,
+    /// Its group.
+    pub gid: u32,
+    /// Its size in bytes.
+    pub len: u64,
+}
+
+impl FileInfo {
+    pub(crate) fn from_stat(st: &rustix::fs::Stat) -> Self {
+        #[allow(
+            clippy::unnecessary_cast,
+            reason = "st_mode's type differs between platforms"
+        )]
+        let raw_mode = st.st_mode as u32;
+        Self {
+            kind: FileKind::from_mode(raw_mode),
+            mode: raw_mode & 0o7777,
+            uid: st.st_uid,
+            gid: st.st_gid,
+            len: u64::try_from(st.st_size).unwrap_or(0),
+        }
+    }
+
+    /// The owner as an [`Owner`].
+    pub fn owner(&self) -> Owner {
+        Owner {
+            uid: self.uid,
+            gid: self.gid,
+        }
+    }
+}
+
+/// A file owner (user and group ids).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Owner {
+    /// The user id.
+    pub uid: u32,
+    /// The group id.
+    pub gid: u32,
+}
+
+impl Owner {
+    /// `uid:gid`.
+    pub fn new(uid: u32, gid: u32) -> Self {
+        Self { uid, gid }
+    }
+}
+
+/// An open directory. Every method works relative to it: a name is one path component, a
+/// symbolic link in its place is never followed, and swapping the directory's path for a link
+/// after it was opened changes nothing (the handle keeps pointing at the directory opened).
+///
+/// The path is kept for messages only; it is never used to reach a file.
+#[derive(Debug)]
+pub struct Dir {
+    fd: OwnedFd,
+    path: PathBuf,
+}
+
+impl AsFd for Dir {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+fn dir_flags() -> OFlags {
+    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC
+}
+
+/// Checks that `name` is one path component and not `.` or `..`.
+pub(crate) fn check_name<'a>(dir: &Path, name: &'a OsStr) -> Result<&'a OsStr> {
+    let b = name.as_bytes();
+    if b.is_empty() || b == b"." || b == b".." || b.contains(&b'/') || b.contains(&0) {
+        return Err(Error::InvalidName {
+            dir: dir.to_owned(),
+            name: name.to_string_lossy().into_owned(),
+        });
+    }
+    Ok(name)
+}
+
+impl Dir {
+    /// Opens the directory at `path`, following symbolic links on the way (for a trusted path:
+    /// the shim's home, a home from the passwd database).
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let fd = rustix::fs::openat(rustix::fs::CWD, path, dir_flags(), Mode::empty())
+            .map_err(|e| Error::sys(Step::OpenDir, path, e))?;
+        Ok(Self {
+            fd,
+            path: path.to_owned(),
+        })
+    }
+
+    /// Opens the directory at `path`, refusing ([`Error::WrongType`]) when its last component
+    /// is a symbolic link or not a directory.
+    pub fn open_nofollow(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        match rustix::fs::openat(
+            rustix::fs::CWD,
+            path,
+            dir_flags() | OFlags::NOFOLLOW,
+            Mode::empty(),
+        ) {
+            Ok(fd) => Ok(Self {
+                fd,
+                path: path.to_owned(),
+            }),
+            Err(e) => Err(classify_dir_error(rustix::fs::CWD, path, path, e)),
+        }
+    }
+
+    /// The path it was opened at (for messages).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `path/name` (for messages).
+    pub fn join(&self, name: impl AsRef<OsStr>) -> PathBuf {
+        self.path.join(name.as_ref())
+    }
+
+    /// Opens the subdirectory `name` without following a symbolic link: `None` when it does
+    /// not exist, [`Error::WrongType`] when it is a link or not a directory.
+    pub fn open_dir(&self, name: impl AsRef<OsStr>) -> Result<Option<Dir>> {
+        let name = check_name(&self.path, name.as_ref())?;
+        let path = self.join(name);
+        match rustix::fs::openat(
+            &self.fd,
+            name,
+            dir_flags() | OFlags::NOFOLLOW,
+            Mode::empty(),
+        ) {
+            Ok(fd) => Ok(Some(Self { fd, path })),
+            Err(Errno::NOENT) => Ok(None),
+            Err(e) => Err(classify_dir_error(&self.fd, name, &path, e)),
+        }
+    }
+
+    /// Opens the subdirectory `name` (never through a link), creating it first when missing
+    /// with exactly `mode` (whatever the umask) and, when given, `owner`; the creation is made
+    /// durable (the parent is fsynced). An existing directory is left as it is. Returns the
+    /// handle and whether it was created.
+    pub fn create_dir(
+        &self,
+        name: impl AsRef<OsStr>,
+        mode: u32,
+        owner: Option<Owner>,
+    ) -> Result<(Dir, bool)> {
+        let name = check_name(&self.path, name.as_ref())?;
+        let path = self.join(name);
+        // Two rounds: a directory removed between a failed mkdir and the open is retried once.
+        for _ in 0..2 {
+            if let Some(d) = self.open_dir(name)? {
+                return Ok((d, false));
+            }
+            match rustix::fs::mkdirat(&self.fd, name, Mode::from_raw_mode(mode as _)) {
+                Ok(()) => {}
+                Err(Errno::EXIST) => continue,
+                Err(e) => return Err(Error::sys(Step::CreateDir, &path, e)),
+            }
+            let Some(d) = self.open_dir(name)? else {
+                continue;
+            };
+            if let Some(o) = owner {
+                set_owner(&d.fd, o, &path)?;
+            }
+            rustix::fs::fchmod(&d.fd, Mode::from_raw_mode(mode as _))
+                .map_err(|e| Error::sys(Step::SetMode, &path, e))?;
+            self.sync()?;
+            return Ok((d, true));
+        }
+        Err(Error::io(
+            Step::CreateDir,
+            path,
+            std::io::Error::other("the directory kept disappearing"),
+        ))
+    }
+
+    /// The type, mode, owner and size of `name`, not following a symbolic link; `None` when
+    /// it does not exist.
+    pub fn stat(&self, name: impl AsRef<OsStr>) -> Result<Option<FileInfo>> {
+        let name = check_name(&self.path, name.as_ref())?;
+        match rustix::fs::statat(&self.fd, name, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => Ok(Some(FileInfo::from_stat(&st))),
+            Err(Errno::NOENT) => Ok(None),
+            Err(e) => Err(Error::sys(Step::Stat, self.join(name), e)),
+        }
+    }
+
+    /// The directory's own type, mode and owner.
+    pub fn info(&self) -> Result<FileInfo> {
+        rustix::fs::fstat(&self.fd)
+            .map(|st| FileInfo::from_stat(&st))
+            .map_err(|e| Error::sys(Step::Stat, &self.path, e))
+    }
+
+    /// Reads the regular file `name` whole, at most `max` bytes: `None` when it does not
+    /// exist; [`Error::WrongType`] for a symbolic link (never followed), a FIFO, a device or a
+    /// directory; [`Error::TooLarge`] beyond `max`. The info is that of the file read.
+    pub fn read_file(
+        &self,
+        name: impl AsRef<OsStr>,
+        max: u64,
+    ) -> Result<Option<(Vec<u8>, FileInfo)>> {
+        let name = check_name(&self.path, name.as_ref())?;
+        let path = self.join(name);
+        // O_NONBLOCK: opening a FIFO planted under the name must not block.
+        let flags =
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
+        let fd = match rustix::fs::openat(&self.fd, name, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(Errno::NOENT) => return Ok(None),
+            Err(e @ Errno::LOOP) => {
+                return Err(match self.stat(name) {
+                    Ok(Some(info)) if info.kind != FileKind::Regular => Error::WrongType {
+                        step: Step::Open,
+                        path,
+                        found: info.kind.describe(),
+                        expected: "a regular file",
+                    },
+                    _ => Error::sys(Step::Open, path, e),
+                });
+            }
+            Err(e) => return Err(Error::sys(Step::Open, path, e)),
+        };
+        let info = rustix::fs::fstat(&fd)
+            .map(|st| FileInfo::from_stat(&st))
+            .map_err(|e| Error::sys(Step::Stat, &path, e))?;
+        if info.kind != FileKind::Regular {
+            return Err(Error::WrongType {
+                step: Step::Open,
+                path,
+                found: info.kind.describe(),
+                expected: "a regular file",
+            });
+        }
+        if info.len > max {
+            return Err(Error::TooLarge { path, max });
+        }
+        let mut data = Vec::with_capacity(usize::try_from(info.len).unwrap_or(0));
+        std::fs::File::from(fd)
+            .take(max.saturating_add(1))
+            .read_to_end(&mut data)
+            .map_err(|e| Error::io(Step::Read, &path, e))?;
+        if data.len() as u64 > max {
+            return Err(Error::TooLarge { path, max });
+        }
+        Ok(Some((data, info)))
+    }
+
+    /// Removes the file (or symbolic link) `name`; `false` when it did not exist.
+    pub fn remove_file(&self, name: impl AsRef<OsStr>) -> Result<bool> {
+        let name = check_name(&self.path, name.as_ref())?;
+        match rustix::fs::unlinkat(&self.fd, name, AtFlags::empty()) {
+            Ok(()) => Ok(true),
+            Err(Errno::NOENT) => Ok(false),
+            Err(e) => Err(Error::sys(Step::Remove, self.join(name), e)),
+        }
+    }
+
+    /// The names in the directory (without `.` and `..`).
+    pub fn names(&self) -> Result<Vec<OsString>> {
+        let listing = rustix::fs::Dir::read_from(&self.fd)
+            .map_err(|e| Error::sys(Step::List, &self.path, e))?;
+        let mut names = Vec::new();
+        for entry in listing {
+            let entry = entry.map_err(|e| Error::sys(Step::List, &self.path, e))?;
+            let n = entry.file_name().to_bytes();
+            if n != b"." && n != b".." {
+                names.push(OsStr::from_bytes(n).to_owned());
+            }
+        }
+        Ok(names)
+    }
+
+    /// fsyncs the directory: makes creations, renames and removals in it durable.
+    pub fn sync(&self) -> Result<()> {
+        rustix::fs::fsync(&self.fd).map_err(|e| Error::sys(Step::SyncDir, &self.path, e))
+    }
+}
+
+/// Sets `owner` on an open file unless it already has it.
+pub(crate) fn set_owner(fd: &OwnedFd, owner: Owner, path: &Path) -> Result<()> {
+    let st = rustix::fs::fstat(fd).map_err(|e| Error::sys(Step::Stat, path, e))?;
+    if (st.st_uid, st.st_gid) == (owner.uid, owner.gid) {
+        return Ok(());
+    }
+    rustix::fs::fchown(
+        fd,
+        Some(rustix::fs::Uid::from_raw_unchecked(owner.uid)),
+        Some(rustix::fs::Gid::from_raw_unchecked(owner.gid)),
+    )
+    .map_err(|e| Error::sys(Step::SetOwner, path, e))
+}
+
+/// A failed `open(O_DIRECTORY|O_NOFOLLOW)`: a link or a non-directory is [`Error::WrongType`].
+fn classify_dir_error<Fd: AsFd, P: rustix::path::Arg>(
+    at: Fd,
+    name: P,
+    path: &Path,
+    e: Errno,
+) -> Error {
+    if matches!(e, Errno::LOOP | Errno::NOTDIR) {
+        if let Ok(st) = rustix::fs::statat(at, name, AtFlags::SYMLINK_NOFOLLOW) {
+            let kind = FileInfo::from_stat(&st).kind;
+            if kind != FileKind::Directory {
+                return Error::WrongType {
+                    step: Step::OpenDir,
+                    path: path.to_owned(),
+                    found: kind.describe(),
+                    expected: "a directory",
+                };
+            }
+        }
+    }
+    Error::sys(Step::OpenDir, path, e)
+}

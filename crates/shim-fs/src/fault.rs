@@ -1,0 +1,102 @@
+//! Fault injection for crash-safety tests (built with `cfg(test)` or the `test-support`
+//! feature only): arm a [`Faults`] at one [`Step`] of an atomic write and pass it with
+//! [`crate::WriteOptions::faults`].
+//!
+//! - [`FaultKind::Fail`]: the step fails with an error; the write cleans up (removes its temp
+//!   file) and returns the error, as for a real failure.
+//! - [`FaultKind::Crash`]: the process "dies" at this step: nothing after it runs and nothing is
+//!   cleaned up. At [`Step::Write`] half the bytes are written first (for byte writes).
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use crate::Step;
+
+/// What an injected fault does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FaultKind {
+    /// The step fails with an error.
+    Fail,
+    /// The process stops at this step: no further step, no cleanup.
+    Crash,
+}
+
+/// One armed fault. Shared between a test and the writes it passes it to.
+#[derive(Debug, Default)]
+pub struct Faults {
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    armed: Option<(Step, FaultKind)>,
+    fired: Option<(Step, FaultKind)>,
+}
+
+impl Faults {
+    /// Nothing armed.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Arms one fault at `step` (replacing any armed one; forgets what fired before).
+    pub fn arm(&self, step: Step, kind: FaultKind) {
+        let mut s = self.state();
+        s.armed = Some((step, kind));
+        s.fired = None;
+    }
+
+    /// The fault that fired, if the write reached its step.
+    pub fn fired(&self) -> Option<(Step, FaultKind)> {
+        self.state().fired
+    }
+
+    /// Whether a crash fired: the "process" is dead, nothing may be cleaned up.
+    pub fn crashed(&self) -> bool {
+        matches!(self.state().fired, Some((_, FaultKind::Crash)))
+    }
+
+    /// The armed fault's kind if it is armed at `step` (it fires once).
+    pub(crate) fn take(&self, step: Step) -> Option<FaultKind> {
+        let mut s = self.state();
+        match s.armed {
+            Some((at, kind)) if at == step => {
+                s.armed = None;
+                s.fired = Some((at, kind));
+                Some(kind)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The source error of an injected fault (inside [`crate::Error::Io`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Injected {
+    /// Where it fired.
+    pub step: Step,
+    /// What it did.
+    pub kind: FaultKind,
+}
+
+impl std::fmt::Display for Injected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "injected {:?} at {:?}", self.kind, self.step)
+    }
+}
+
+impl std::error::Error for Injected {}
+
+/// The injected fault behind `err`, if it is one.
+pub fn injected(err: &crate::Error) -> Option<Injected> {
+    match err {
+        crate::Error::Io { source, .. } => source
+            .get_ref()
+            .and_then(|e| e.downcast_ref::<Injected>())
+            .copied(),
+        _ => None,
+    }
+}

@@ -1,0 +1,40 @@
+//! Durable file writes for the shim, in one place.
+//!
+//! - [`Dir`]: a directory handle. Every operation is relative to it (`openat`, `renameat`,
+//!   `fstatat`, `unlinkat`, `linkat`, `mkdirat`), names are single components, and a symbolic
+//!   link is never followed: [`Dir::open_nofollow`], [`Dir::open_dir`] and
+//!   [`Dir::create_dir`] refuse a link where a directory is expected, and once a directory is
+//!   open, replacing its path by a link redirects nothing.
+//! - Atomic replace, [`Dir::write_atomic`] (bytes) and [`Dir::write_atomic_with`] (a writer
+//!   callback, e.g. a download): temp file in the same directory (`O_CREAT|O_EXCL|O_NOFOLLOW`,
+//!   the mode set explicitly whatever the umask, the owner set when asked), write, fsync,
+//!   rename over the target, fsync of the directory. [`WriteOptions::preserve_existing`]
+//!   keeps an existing file's mode and owner. [`Dir::create_new_atomic`] publishes with
+//!   `linkat` instead, so the first write wins. [`Dir::remove_stale_temps`] removes what a
+//!   crashed process left.
+//! - [`Dir::read_file`]: a bounded read of a regular file (never a link, FIFO or device).
+//! - Path forms of the same: [`write_atomic`], [`write_atomic_with`], [`create_new_atomic`],
+//!   [`read_file`] (the directory part of the path is trusted and opened following links).
+//!
+//! Errors: one [`Error`] enum naming the path and the [`Step`] that failed. With `cfg(test)` or
+//! the `test-support` feature, the `fault` module injects a failure or a crash at any step.
+//!
+//! Crash safety is tested here once (fault injection at every step, a writer killed with
+//! SIGKILL at random moments, modes under every umask); the other crates use this crate
+//! instead of their own copies.
+
+mod atomic;
+mod dir;
+mod error;
+#[cfg(any(test, feature = "test-support"))]
+pub mod fault;
+
+pub use atomic::{
+    TempFile, WriteOptions, create_new_atomic, is_temp_of, read_file, write_atomic,
+    write_atomic_with,
+};
+pub use dir::{Dir, FileInfo, FileKind, Owner};
+pub use error::{Error, Result, Step};
+
+#[cfg(test)]
+mod tests;

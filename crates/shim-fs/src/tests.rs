@@ -1,0 +1,182 @@
+//! Fault injection: a failure or a crash at each step of an atomic write leaves the old or the
+//! new content, never a partial one. (Ported from shim-store's store tests.)
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+
+use crate::fault::{FaultKind, Faults, injected};
+use crate::{Dir, Error, Step, WriteOptions, is_temp_of};
+
+const STEPS: [Step; 5] = [
+    Step::CreateTemp,
+    Step::Write,
+    Step::SyncFile,
+    Step::Rename,
+    Step::SyncDir,
+];
+
+fn names(dir: &Dir) -> Vec<String> {
+    let mut v: Vec<String> = dir
+        .names()
+        .unwrap()
+        .into_iter()
+        .map(|n| n.into_string().unwrap())
+        .collect();
+    v.sort();
+    v
+}
+
+fn read(dir: &Dir, name: &str) -> Vec<u8> {
+    dir.read_file(name, 1 << 20).unwrap().unwrap().0
+}
+
+fn armed(step: Step, kind: FaultKind) -> (Arc<Faults>, WriteOptions) {
+    let f = Arc::new(Faults::new());
+    f.arm(step, kind);
+    (f.clone(), WriteOptions::new(0o600).faults(f))
+}
+
+#[test]
+fn failure_at_each_step_keeps_the_old_content_and_cleans_up() {
+    for step in STEPS {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = Dir::open(tmp.path()).unwrap();
+        let old = b"old content\n".to_vec();
+        let new = vec![b'n'; 10_000];
+        dir.write_atomic("state", &old, &WriteOptions::new(0o600))
+            .unwrap();
+
+        let (faults, opts) = armed(step, FaultKind::Fail);
+        let err = dir.write_atomic("state", &new, &opts).unwrap_err();
+        let inj = injected(&err).unwrap_or_else(|| panic!("{step:?}: {err:?}"));
+        assert_eq!((inj.step, err.step()), (step, Some(step)), "{err}");
+        assert_eq!(
+            faults.fired(),
+            Some((step, FaultKind::Fail)),
+            "{step:?} not reached"
+        );
+
+        if step == Step::SyncDir {
+            // The rename happened: the new content is in place (not yet known durable).
+            assert_eq!(read(&dir, "state"), new, "{step:?}");
+        } else {
+            assert_eq!(read(&dir, "state"), old, "{step:?}");
+        }
+        // No temp file is left behind after a reported failure.
+        assert_eq!(names(&dir), ["state"], "{step:?}");
+        // And the next write goes through.
+        dir.write_atomic("state", &new, &WriteOptions::new(0o600))
+            .unwrap();
+        assert_eq!(read(&dir, "state"), new);
+    }
+}
+
+#[test]
+fn crash_at_each_step_leaves_old_or_new_and_a_recognisable_temp() {
+    for step in STEPS {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = Dir::open(tmp.path()).unwrap();
+        let old = vec![b'o'; 5000];
+        let new = vec![b'n'; 8000];
+        dir.write_atomic("state", &old, &WriteOptions::new(0o600))
+            .unwrap();
+        let (faults, opts) = armed(step, FaultKind::Crash);
+        dir.write_atomic("state", &new, &opts).unwrap_err();
+        assert_eq!(faults.fired(), Some((step, FaultKind::Crash)), "{step:?}");
+
+        let expected = if step == Step::SyncDir { &new } else { &old };
+        assert_eq!(&read(&dir, "state"), expected, "{step:?}");
+        let leftovers: Vec<String> = names(&dir).into_iter().filter(|n| n != "state").collect();
+        let leaves_temp = matches!(step, Step::Write | Step::SyncFile | Step::Rename);
+        assert_eq!(
+            !leftovers.is_empty(),
+            leaves_temp,
+            "{step:?}: {leftovers:?}"
+        );
+        for l in &leftovers {
+            assert!(is_temp_of("state", l), "{step:?}: {l}");
+            if step == Step::Write {
+                // Half the bytes: a torn write, which nobody may read as the state.
+                assert_eq!(read(&dir, l).len(), new.len() / 2);
+            }
+        }
+        // This process's own temp files are never taken for stale ones (a write may be in
+        // flight); another process's are (tests/kill.rs).
+        assert_eq!(dir.remove_stale_temps("state").unwrap(), 0);
+    }
+}
+
+#[test]
+fn writer_callback_failure_removes_the_temp_and_returns_its_error() {
+    #[derive(Debug)]
+    enum MyError {
+        Fs(Error),
+        Mine(&'static str),
+    }
+    impl From<Error> for MyError {
+        fn from(e: Error) -> Self {
+            Self::Fs(e)
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = Dir::open(tmp.path()).unwrap();
+    dir.write_atomic("bin", b"v1", &WriteOptions::new(0o755))
+        .unwrap();
+    let r: Result<(), MyError> = dir.write_atomic_with("bin", &WriteOptions::new(0o755), |f| {
+        f.write_all(b"partial download")?;
+        assert_eq!(f.written(), 16);
+        Err(MyError::Mine("connection reset"))
+    });
+    assert!(matches!(r, Err(MyError::Mine("connection reset"))), "{r:?}");
+    assert_eq!(read(&dir, "bin"), b"v1");
+    assert_eq!(names(&dir), ["bin"]);
+    // A fault inside the callback's steps comes back as the callback's error type.
+    let (_, opts) = armed(Step::SyncFile, FaultKind::Fail);
+    let r: Result<(), MyError> = dir.write_atomic_with("bin", &opts, |f| Ok(f.write_all(b"v2")?));
+    assert!(
+        matches!(r, Err(MyError::Fs(ref e)) if e.step() == Some(Step::SyncFile)),
+        "{r:?}"
+    );
+    assert_eq!(names(&dir), ["bin"]);
+    let r: Result<(), MyError> =
+        dir.write_atomic_with(
+            "bin",
+            &WriteOptions::new(0o755),
+            |f| Ok(f.write_all(b"v2")?),
+        );
+    r.unwrap();
+    assert_eq!(read(&dir, "bin"), b"v2");
+}
+
+#[test]
+fn create_new_is_first_write_wins_and_fails_cleanly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = Dir::open(tmp.path()).unwrap();
+    let opts = WriteOptions::new(0o644);
+    // A failure at the link step leaves neither the file nor a temp file.
+    let (faults, failing) = armed(Step::Link, FaultKind::Fail);
+    assert!(dir.create_new_atomic("info", b"first", &failing).is_err());
+    assert_eq!(faults.fired(), Some((Step::Link, FaultKind::Fail)));
+    assert!(names(&dir).is_empty());
+    assert!(dir.create_new_atomic("info", b"first", &opts).unwrap());
+    assert!(!dir.create_new_atomic("info", b"second", &opts).unwrap());
+    assert_eq!(read(&dir, "info"), b"first");
+    assert_eq!(names(&dir), ["info"]);
+}
+
+#[test]
+fn names_must_be_one_component() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = Dir::open(tmp.path()).unwrap();
+    for bad in ["", ".", "..", "a/b", "../x", "a\0b"] {
+        let e = dir
+            .write_atomic(bad, b"x", &WriteOptions::default())
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidName { .. }), "{bad:?}: {e}");
+        assert!(matches!(
+            dir.read_file(bad, 10),
+            Err(Error::InvalidName { .. })
+        ));
+    }
+    assert!(names(&dir).is_empty());
+}

@@ -1,0 +1,239 @@
+//! Directory handles against real files: symbolic links are never followed, a directory
+//! swapped for a link after it was opened redirects nothing, bounded reads refuse what is not
+//! a small regular file; owners (as root).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // test helpers
+
+use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _, symlink};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use shim_fs::{Dir, Error, FileKind, Owner, Step, WriteOptions};
+
+fn names(p: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs_err::read_dir(p)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_link_where_a_directory_is_expected_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let real = tmp.path().join("real");
+    fs_err::create_dir(&real).unwrap();
+    symlink(&real, tmp.path().join("link")).unwrap();
+    fs_err::write(tmp.path().join("file"), "x").unwrap();
+
+    let e = Dir::open_nofollow(tmp.path().join("link")).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::WrongType {
+                found: "a symbolic link",
+                step: Step::OpenDir,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = Dir::open_nofollow(tmp.path().join("file")).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::WrongType {
+                found: "a regular file",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // The trusted form follows it.
+    assert_eq!(
+        Dir::open(tmp.path().join("link"))
+            .unwrap()
+            .info()
+            .unwrap()
+            .kind,
+        FileKind::Directory
+    );
+
+    let top = Dir::open_nofollow(tmp.path()).unwrap();
+    assert!(matches!(top.open_dir("link"), Err(Error::WrongType { .. })));
+    assert!(top.open_dir("missing").unwrap().is_none());
+    // create_dir on a link neither follows it nor replaces it.
+    let e = top.create_dir("link", 0o700, None).unwrap_err();
+    assert!(matches!(e, Error::WrongType { .. }), "{e}");
+    assert!(names(&real).is_empty());
+    assert!(
+        fs_err::symlink_metadata(tmp.path().join("link"))
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+}
+
+#[test]
+fn a_directory_swapped_for_a_link_after_open_redirects_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ssh = tmp.path().join(".ssh");
+    let elsewhere = tmp.path().join("elsewhere");
+    fs_err::create_dir(&ssh).unwrap();
+    fs_err::create_dir(&elsewhere).unwrap();
+    fs_err::write(ssh.join("keys"), "mine\n").unwrap();
+    let d = Dir::open_nofollow(&ssh).unwrap();
+    // The swap: the real directory moves away, a link to another one takes its name.
+    fs_err::rename(&ssh, tmp.path().join("moved")).unwrap();
+    symlink(&elsewhere, &ssh).unwrap();
+
+    assert_eq!(d.read_file("keys", 100).unwrap().unwrap().0, b"mine\n");
+    d.write_atomic(
+        "keys",
+        b"new\n",
+        &WriteOptions::new(0o600).preserve_existing(),
+    )
+    .unwrap();
+    d.write_atomic("keys.bak", b"mine\n", &WriteOptions::new(0o600))
+        .unwrap();
+    assert!(
+        names(&elsewhere).is_empty(),
+        "nothing written through the link"
+    );
+    assert_eq!(
+        fs_err::read_to_string(tmp.path().join("moved/keys")).unwrap(),
+        "new\n"
+    );
+    assert_eq!(names(&tmp.path().join("moved")), ["keys", "keys.bak"]);
+}
+
+#[test]
+fn a_link_at_the_target_is_replaced_not_followed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let victim = tmp.path().join("victim");
+    fs_err::write(&victim, "keep me\n").unwrap();
+    let dir = tmp.path().join("d");
+    fs_err::create_dir(&dir).unwrap();
+    symlink(&victim, dir.join("target")).unwrap();
+    let d = Dir::open(&dir).unwrap();
+    // Reading through it is refused.
+    let e = d.read_file("target", 100).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::WrongType {
+                found: "a symbolic link",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // Preserve takes nothing from a link (its target's mode is not ours to copy).
+    fs_err::set_permissions(&victim, std::fs::Permissions::from_mode(0o666)).unwrap();
+    d.write_atomic(
+        "target",
+        b"new\n",
+        &WriteOptions::new(0o600).preserve_existing(),
+    )
+    .unwrap();
+    assert_eq!(fs_err::read_to_string(&victim).unwrap(), "keep me\n");
+    let meta = fs_err::symlink_metadata(dir.join("target")).unwrap();
+    assert!(meta.is_file());
+    assert_eq!(meta.permissions().mode() & 0o7777, 0o600);
+    // The path form does the same.
+    symlink(&victim, dir.join("other")).unwrap();
+    shim_fs::write_atomic(dir.join("other"), b"x", &WriteOptions::default()).unwrap();
+    assert_eq!(fs_err::read_to_string(&victim).unwrap(), "keep me\n");
+}
+
+#[test]
+fn bounded_reads_refuse_what_is_not_a_small_regular_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = Dir::open(tmp.path()).unwrap();
+    fs_err::write(tmp.path().join("ten"), "0123456789").unwrap();
+    assert_eq!(d.read_file("ten", 10).unwrap().unwrap().0, b"0123456789");
+    let (_, info) = d.read_file("ten", 10).unwrap().unwrap();
+    assert_eq!((info.kind, info.len), (FileKind::Regular, 10));
+    assert!(matches!(
+        d.read_file("ten", 9),
+        Err(Error::TooLarge { max: 9, .. })
+    ));
+    assert!(d.read_file("missing", 10).unwrap().is_none());
+    fs_err::create_dir(tmp.path().join("dir")).unwrap();
+    assert!(matches!(
+        d.read_file("dir", 10),
+        Err(Error::WrongType {
+            found: "a directory",
+            ..
+        })
+    ));
+    // A FIFO: refused at once, never waited on.
+    nix::unistd::mkfifo(&tmp.path().join("fifo"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+    let start = Instant::now();
+    assert!(matches!(
+        d.read_file("fifo", 10),
+        Err(Error::WrongType {
+            found: "a named pipe",
+            ..
+        })
+    ));
+    assert!(start.elapsed() < Duration::from_secs(2));
+    // The path form.
+    assert_eq!(
+        shim_fs::read_file(tmp.path().join("ten"), 100)
+            .unwrap()
+            .unwrap()
+            .0,
+        b"0123456789"
+    );
+    // A missing directory is an error naming it.
+    let e = Dir::open(tmp.path().join("nope")).unwrap_err();
+    assert!(e.is_not_found(), "{e}");
+    assert!(e.to_string().contains("nope"), "{e}");
+}
+
+#[test]
+fn owners_are_set_and_preserved_as_root() {
+    if std::env::var("SHIM_TEST_ROOT").as_deref() != Ok("1") {
+        eprintln!("skipped owners_are_set_and_preserved_as_root: set SHIM_TEST_ROOT=1");
+        return;
+    }
+    assert_eq!(
+        nix::unistd::geteuid().as_raw(),
+        0,
+        "SHIM_TEST_ROOT=1 needs root"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let d = Dir::open(tmp.path()).unwrap();
+    let carol = Owner::new(54321, 54322);
+    let owner = |p: &Path| {
+        let m = fs_err::symlink_metadata(p).unwrap();
+        (m.uid(), m.gid(), m.permissions().mode() & 0o7777)
+    };
+    let (sub, created) = d.create_dir(".ssh", 0o700, Some(carol)).unwrap();
+    assert!(created);
+    assert_eq!(owner(&tmp.path().join(".ssh")), (54321, 54322, 0o700));
+    sub.write_atomic("keys", b"k\n", &WriteOptions::new(0o600).owner(carol))
+        .unwrap();
+    let keys = tmp.path().join(".ssh/keys");
+    assert_eq!(owner(&keys), (54321, 54322, 0o600));
+    // Preserve keeps the existing owner and mode even when another owner is given.
+    nix::unistd::chown(
+        &keys,
+        Some(nix::unistd::Uid::from_raw(4242)),
+        Some(nix::unistd::Gid::from_raw(4343)),
+    )
+    .unwrap();
+    fs_err::set_permissions(&keys, std::fs::Permissions::from_mode(0o640)).unwrap();
+    sub.write_atomic(
+        "keys",
+        b"k2\n",
+        &WriteOptions::new(0o600).owner(carol).preserve_existing(),
+    )
+    .unwrap();
+    assert_eq!(owner(&keys), (4242, 4343, 0o640));
+    // A set-id bit survives the chown that precedes the chmod.
+    d.write_atomic("tool", b"#!", &WriteOptions::new(0o4755).owner(carol))
+        .unwrap();
+    assert_eq!(owner(&tmp.path().join("tool")), (54321, 54322, 0o4755));
+}

@@ -1,0 +1,77 @@
+//! Modes do not depend on the process umask, and an existing file's mode survives a replace
+//! that asks to preserve it. (Its own test binary: the umask is per process. Ported from
+//! shim-store's tests/modes.rs.)
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::Path;
+
+use nix::sys::stat::{Mode, umask};
+use shim_fs::{Dir, FileKind, WriteOptions};
+
+fn mode(p: &Path) -> u32 {
+    fs_err::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+#[test]
+fn modes_are_exact_whatever_the_umask() {
+    for mask in [0o000, 0o022, 0o077, 0o277] {
+        umask(Mode::from_bits_truncate(mask));
+        let tmp = tempfile::tempdir().unwrap();
+        let d = Dir::open(tmp.path()).unwrap();
+        for (name, m) in [("a", 0o600), ("b", 0o644), ("c", 0o755), ("d", 0o777)] {
+            d.write_atomic(name, b"x", &WriteOptions::new(m)).unwrap();
+            assert_eq!(mode(&tmp.path().join(name)), m, "umask {mask:o}, {name}");
+        }
+        d.write_atomic_with("e", &WriteOptions::new(0o755), |f| f.write_all(b"#!"))
+            .unwrap();
+        assert_eq!(mode(&tmp.path().join("e")), 0o755, "umask {mask:o}");
+        assert!(
+            d.create_new_atomic("f", b"x", &WriteOptions::new(0o644))
+                .unwrap()
+        );
+        assert_eq!(mode(&tmp.path().join("f")), 0o644, "umask {mask:o}");
+        let (sub, created) = d.create_dir("sub", 0o700, None).unwrap();
+        assert!(created);
+        assert_eq!(mode(&tmp.path().join("sub")), 0o700, "umask {mask:o}");
+        assert_eq!(sub.info().unwrap().kind, FileKind::Directory);
+        let (_, created) = d.create_dir("wide", 0o777, None).unwrap();
+        assert!(created);
+        assert_eq!(mode(&tmp.path().join("wide")), 0o777, "umask {mask:o}");
+    }
+    umask(Mode::from_bits_truncate(0o022));
+}
+
+#[test]
+fn replace_sets_or_preserves_the_mode() {
+    umask(Mode::from_bits_truncate(0o022));
+    let tmp = tempfile::tempdir().unwrap();
+    let d = Dir::open(tmp.path()).unwrap();
+    let p = tmp.path().join("f");
+    d.write_atomic("f", b"1", &WriteOptions::new(0o600))
+        .unwrap();
+    fs_err::set_permissions(&p, std::fs::Permissions::from_mode(0o640)).unwrap();
+    // Preserve: the existing file's mode wins over the one given for creation.
+    d.write_atomic("f", b"2", &WriteOptions::new(0o600).preserve_existing())
+        .unwrap();
+    assert_eq!(mode(&p), 0o640);
+    // Without preserve, the given mode is set: a loose mode is tightened.
+    fs_err::set_permissions(&p, std::fs::Permissions::from_mode(0o666)).unwrap();
+    d.write_atomic("f", b"3", &WriteOptions::new(0o600))
+        .unwrap();
+    assert_eq!(mode(&p), 0o600);
+    // Preserve on a missing file: the given mode.
+    d.write_atomic("g", b"1", &WriteOptions::new(0o604).preserve_existing())
+        .unwrap();
+    assert_eq!(mode(&tmp.path().join("g")), 0o604);
+    // An existing directory is left as it is by create_dir.
+    fs_err::create_dir(tmp.path().join("sub")).unwrap();
+    fs_err::set_permissions(
+        tmp.path().join("sub"),
+        std::fs::Permissions::from_mode(0o751),
+    )
+    .unwrap();
+    let (_, created) = d.create_dir("sub", 0o700, None).unwrap();
+    assert!(!created);
+    assert_eq!(mode(&tmp.path().join("sub")), 0o751);
+}
