@@ -1,6 +1,7 @@
 //! The HTTP layer's view of the engine: [`ShimApi`] implemented over [`Engine`], with engine
 //! errors mapped to API error kinds (the status codes themselves are chosen in `shim-http`).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -8,19 +9,35 @@ use shim_engine::{Engine, EngineError};
 use shim_http::{ApiError, InstanceInfo, ShimApi};
 use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
 
-/// The engine behind the API.
+/// The engine behind the API, and DCGM on NVIDIA hosts.
 pub struct EngineApi {
     engine: Engine,
+    dcgm: Arc<shim_dcgm::Dcgm>,
 }
 
 impl EngineApi {
-    pub fn new(engine: Engine) -> Self {
-        Self { engine }
+    pub fn new(engine: Engine, dcgm: Arc<shim_dcgm::Dcgm>) -> Self {
+        Self { engine, dcgm }
     }
 }
 
+/// An error with its whole cause chain: what the client and the log see.
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
+}
+
 fn api_error(e: EngineError) -> ApiError {
-    let message = e.to_string();
+    let message = chain(&e);
     match e {
         EngineError::NotFound(_) => ApiError::not_found(message),
         EngineError::AlreadyExists(_)
@@ -71,12 +88,27 @@ impl ShimApi for EngineApi {
     }
 
     async fn instance_health(&self) -> serde_json::Value {
-        // No DCGM integration: GPU health is unknown, which the server reads from `{}`.
-        serde_json::json!({})
+        // Without DCGM, GPU health is unknown, which the server reads from `{}`.
+        match &self.dcgm.health {
+            Some(h) => serde_json::to_value(h.instance_health().await)
+                .unwrap_or_else(|_| serde_json::json!({})),
+            None => serde_json::json!({}),
+        }
     }
 
+    /// As upstream (`runner/internal/shim/api/handlers.go`, `TaskMetricsHandler`): no
+    /// exporter is 404 before the task is looked up; an exporter failure is 502.
     async fn task_metrics(&self, id: &TaskId) -> Result<String, ApiError> {
-        self.engine.task_info(id).map_err(api_error)?;
-        Err(ApiError::not_found("no GPU metrics exporter on this host"))
+        let Some(exporter) = &self.dcgm.exporter else {
+            return Err(ApiError::not_found("DCGM Exporter is not available"));
+        };
+        let info = self.engine.task_info(id).map_err(api_error)?;
+        exporter
+            .fetch_task_metrics(&info.gpu_ids.unwrap_or_default())
+            .await
+            .map_err(|e| match e.kind() {
+                shim_dcgm::DcgmErrorKind::Upstream => ApiError::bad_gateway(chain(&e)),
+                shim_dcgm::DcgmErrorKind::Internal => ApiError::internal(chain(&e)),
+            })
     }
 }

@@ -1,124 +1,513 @@
-//! Command line flags and environment variables.
+//! Command line flags and environment variables, parsed exactly as the upstream shim parses
+//! them (upstream `runner/cmd/shim/main.go` with urfave/cli v3), so this binary is a drop-in:
 //!
-//! Names, defaults and environment variables follow dstack's Go `dstack-shim`, so this binary
-//! is a drop-in replacement (SPEC §8). Our own additions: `--unix-socket`, `--volumes-root`
-//! and the hidden, testing-only `--fake-gpus`.
+//! - precedence: command line, then the flag's environment variables (in order), then the
+//!   default;
+//! - booleans take what Go's `strconv.ParseBool` takes (`1 t T TRUE true True 0 f F FALSE
+//!   false False`); an empty value in the environment means false;
+//! - integers take what `strconv.ParseInt(s, 0, 64)` takes (`0x`, `0o`, `0b` prefixes, a
+//!   leading `0` for octal, `_` separators); an empty value in the environment is ignored;
+//! - strings are taken as they are: an empty value in the environment overrides the default;
+//! - positional arguments are ignored (old servers start `dstack-shim docker …`), except
+//!   `help` / `h`.
+//!
+//! Upstream's names are read first; where this shim had its own name (`DSTACK_SHIM_PASS_ENV`)
+//! it stays an alias. Our additions: `--unix-socket`, `--volumes-root`, `--log-format`,
+//! `--reconcile-interval`, the DCGM binary paths, and the hidden, testing-only `--fake-gpus`.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
 use tracing_subscriber::filter::LevelFilter;
 
-/// The binary's own version (`--version`, and what the component list reports for it).
-pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+/// The dstack release whose shim API this binary implements.
+pub const DSTACK_VERSION: &str = "0.22.5";
 
-/// The version the healthcheck answers. The dstack server gates features on it and treats
-/// running tasks as restart-safe from 0.21.3 on; this shim implements the API of dstack 0.22.
-pub const API_VERSION: &str = "0.22.0";
+/// The one version string: `--version`, the components list (which the server reads from
+/// `--version`) and the healthcheck. `<dstack release>+rust.<crate version>`: the dstack
+/// server's check (`_maybe_install_components`) reads it as newer than its own release (a
+/// PEP 440 local version sorts after the release), so a release server does not install its
+/// Go shim over it, and it compares the installed and running strings as they are, so it
+/// does not restart the shim while they are the same build; the API gates parse it as the
+/// release, all on. See docs/OPERATIONS.md.
+pub const VERSION: &str = concat!("0.22.5+rust.", env!("CARGO_PKG_VERSION"));
 
 /// The environment variables passed into containers by default (proxies, both cases).
 pub const DEFAULT_PASS_ENV: &str =
     "http_proxy,https_proxy,no_proxy,HTTP_PROXY,HTTPS_PROXY,NO_PROXY";
 
-/// dstack-shim: runs GPU tasks as Docker containers for the dstack server and survives its
-/// own restarts without killing them.
-#[derive(Debug, Clone, Parser)]
-#[command(name = "dstack-shim", disable_version_flag = true)]
-pub struct Config {
+/// How logs are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line, with task ids as fields.
+    Json,
+}
+
+/// The command line as given (values raw; see [`Config::resolve`]).
+#[derive(Debug, Clone, Default, Parser)]
+#[command(
+    name = "dstack-shim",
+    disable_version_flag = true,
+    about = "Starts dstack-runner or docker container.",
+    after_help = ENV_HELP
+)]
+pub struct Args {
     /// Print `dstack-shim version X` and exit.
     #[arg(long, short = 'v')]
     pub version: bool,
-
-    /// The shim's home directory: task state, shim.log, host_info.json [default: ~/.dstack].
-    #[arg(long, env = "DSTACK_SHIM_HOME", value_name = "DIR")]
-    pub shim_home: Option<PathBuf>,
-
-    /// The shim's own binary, as the component list reports and installs it [default: the
-    /// running executable].
-    #[arg(long, env = "DSTACK_SHIM_BINARY_PATH", value_name = "PATH")]
-    pub shim_binary_path: Option<PathBuf>,
-
-    /// The API port, on 127.0.0.1 only.
-    #[arg(long, env = "DSTACK_SHIM_HTTP_PORT", default_value_t = 10998)]
-    pub shim_http_port: u16,
-
-    /// Log level: 0–6 as in dstack (2 error, 3 warn, 4 info, 5 debug, 6 trace) or a name.
-    #[arg(long, env = "DSTACK_SHIM_LOG_LEVEL", default_value = "4")]
-    pub shim_log_level: String,
-
-    /// Download the runner from this URL at start when it is not installed.
-    #[arg(long, env = "DSTACK_RUNNER_DOWNLOAD_URL", value_name = "URL")]
+    /// Set shim's home directory [default: ~/.dstack]
+    #[arg(long, value_name = "DIR")]
+    pub shim_home: Option<String>,
+    /// Path to shim's binary [default: the running executable]
+    #[arg(long, value_name = "PATH")]
+    pub shim_binary_path: Option<String>,
+    /// Set shim's http port (on 127.0.0.1) [default: 10998]
+    #[arg(long, value_name = "PORT")]
+    pub shim_http_port: Option<String>,
+    /// Set shim's log level: 1-6 or fatal, error, warn, info, debug, trace [default: info]
+    #[arg(long, value_name = "LEVEL")]
+    pub shim_log_level: Option<String>,
+    /// Set runner's download URL
+    #[arg(long, value_name = "URL")]
     pub runner_download_url: Option<String>,
-
-    /// The runner binary on the host, bind-mounted into every container.
-    #[arg(
-        long,
-        env = "DSTACK_RUNNER_BINARY_PATH",
-        default_value = "/usr/local/bin/dstack-runner",
-        value_name = "PATH"
-    )]
-    pub runner_binary_path: PathBuf,
-
-    /// The runner's HTTP port in the container.
-    #[arg(long, env = "DSTACK_RUNNER_HTTP_PORT", default_value_t = 10999)]
-    pub runner_http_port: u16,
-
-    /// The runner's SSH port in the container.
-    #[arg(long, env = "DSTACK_RUNNER_SSH_PORT", default_value_t = 10022)]
-    pub runner_ssh_port: u16,
-
-    /// The runner's `--ssh-log-level` (not passed when empty).
-    #[arg(long, env = "DSTACK_RUNNER_SSH_LOG_LEVEL", default_value = "")]
-    pub runner_ssh_log_level: String,
-
-    /// The runner's `--log-level`.
-    #[arg(long, env = "DSTACK_RUNNER_LOG_LEVEL", default_value = "4")]
-    pub runner_log_level: String,
-
-    /// Comma-separated names of the shim's environment variables passed into containers.
-    #[arg(long, env = "DSTACK_SHIM_PASS_ENV", default_value = DEFAULT_PASS_ENV, value_name = "NAMES")]
-    pub pass_env: String,
-
-    /// Run every container privileged.
-    #[arg(long, env = "DSTACK_DOCKER_PRIVILEGED")]
-    pub privileged: bool,
-
-    /// Set `PJRT_DEVICE` in containers (e.g. TPU).
-    #[arg(long, env = "PJRT_DEVICE", value_name = "DEVICE")]
+    /// Path to runner's binary [default: /usr/local/bin/dstack-runner]
+    #[arg(long, value_name = "PATH")]
+    pub runner_binary_path: Option<String>,
+    /// Set runner's http port [default: 10999]
+    #[arg(long, value_name = "PORT")]
+    pub runner_http_port: Option<String>,
+    /// Set runner's ssh port [default: 10022]
+    #[arg(long, value_name = "PORT")]
+    pub runner_ssh_port: Option<String>,
+    /// Set runner's ssh log level
+    #[arg(long, value_name = "LEVEL")]
+    pub runner_ssh_log_level: Option<String>,
+    /// Set runner's log level [default: info]
+    #[arg(long, value_name = "LEVEL")]
+    pub runner_log_level: Option<String>,
+    /// DCGM Exporter http port [default: 10997]
+    #[arg(long, value_name = "PORT")]
+    pub dcgm_exporter_http_port: Option<String>,
+    /// DCGM Exporter collect interval, milliseconds [default: 5000]
+    #[arg(long, value_name = "MS")]
+    pub dcgm_exporter_interval: Option<String>,
+    /// nv-hostengine hostname, e.g., localhost [default: a private nv-hostengine]
+    #[arg(long, value_name = "HOSTNAME")]
+    pub dcgm_address: Option<String>,
+    /// Environment variables to pass on to the container, a comma-separated list of names
+    #[arg(long, value_name = "NAMES")]
+    pub pass_env: Option<String>,
+    /// Give extended privileges to the container
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub privileged: Option<String>,
+    /// Set the PJRT_DEVICE environment variable (e.g., TPU, GPU)
+    #[arg(long, value_name = "DEVICE")]
     pub pjrt_device: Option<String>,
-
-    /// Run as a service: write host_info.json to the home at start.
-    #[arg(long, env = "DSTACK_SERVICE_MODE")]
-    pub service: bool,
-
-    /// Also serve the API on this Unix socket (mode 0600).
-    #[arg(long, env = "DSTACK_SHIM_UNIX_SOCKET", value_name = "PATH")]
-    pub unix_socket: Option<PathBuf>,
-
-    /// Where volumes are mounted on the host.
-    #[arg(
-        long,
-        env = "DSTACK_SHIM_VOLUMES_ROOT",
-        default_value = "/mnt/disks/dstack-volumes",
-        value_name = "DIR"
-    )]
-    pub volumes_root: PathBuf,
-
+    /// Start as a service (write host_info.json to the home at start)
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub service: Option<String>,
+    /// Also serve the API on this Unix socket (mode 0600)
+    #[arg(long, value_name = "PATH")]
+    pub unix_socket: Option<String>,
+    /// Where volumes are mounted on the host [default: /mnt/disks/dstack-volumes]
+    #[arg(long, value_name = "DIR")]
+    pub volumes_root: Option<String>,
+    /// Log format: text or json [default: text]
+    #[arg(long, value_name = "FORMAT")]
+    pub log_format: Option<String>,
+    /// Seconds between full container lists (a backstop: Docker's events drive the
+    /// reconciler) [default: 300]
+    #[arg(long, value_name = "SECONDS")]
+    pub reconcile_interval: Option<String>,
+    /// The dcgm-exporter binary [default: dcgm-exporter in PATH]
+    #[arg(long, value_name = "PATH")]
+    pub dcgm_exporter_path: Option<String>,
+    /// The dcgmi binary [default: dcgmi in PATH]
+    #[arg(long, value_name = "PATH")]
+    pub dcgmi_path: Option<String>,
+    /// The nv-hostengine binary [default: nv-hostengine in PATH]
+    #[arg(long, value_name = "PATH")]
+    pub nv_hostengine_path: Option<String>,
     /// Testing only: pretend the host has N GPUs.
     #[arg(long, hide = true, value_name = "N")]
-    pub fake_gpus: Option<u32>,
+    pub fake_gpus: Option<String>,
+    /// Ignored (old servers start `dstack-shim docker ...`); `help` shows this help.
+    #[arg(hide = true)]
+    pub positional: Vec<String>,
+}
 
-    /// Accepted and ignored: old dstack servers start `dstack-shim docker ...`.
-    #[arg(hide = true, value_parser = ["docker"])]
-    pub legacy_mode: Option<String>,
+/// The environment variables of each flag, in the order they are read (upstream's first).
+pub const ENV: &[(&str, &[&str])] = &[
+    ("shim-home", &["DSTACK_SHIM_HOME"]),
+    ("shim-binary-path", &["DSTACK_SHIM_BINARY_PATH"]),
+    ("shim-http-port", &["DSTACK_SHIM_HTTP_PORT"]),
+    ("shim-log-level", &["DSTACK_SHIM_LOG_LEVEL"]),
+    ("runner-download-url", &["DSTACK_RUNNER_DOWNLOAD_URL"]),
+    ("runner-binary-path", &["DSTACK_RUNNER_BINARY_PATH"]),
+    ("runner-http-port", &["DSTACK_RUNNER_HTTP_PORT"]),
+    ("runner-ssh-port", &["DSTACK_RUNNER_SSH_PORT"]),
+    ("runner-ssh-log-level", &["DSTACK_RUNNER_SSH_LOG_LEVEL"]),
+    ("runner-log-level", &["DSTACK_RUNNER_LOG_LEVEL"]),
+    (
+        "dcgm-exporter-http-port",
+        &["DSTACK_DCGM_EXPORTER_HTTP_PORT"],
+    ),
+    ("dcgm-exporter-interval", &["DSTACK_DCGM_EXPORTER_INTERVAL"]),
+    ("dcgm-address", &["DSTACK_DCGM_ADDRESS"]),
+    (
+        "pass-env",
+        &["DSTACK_DOCKER_PASS_ENV", "DSTACK_SHIM_PASS_ENV"],
+    ),
+    ("privileged", &["DSTACK_DOCKER_PRIVILEGED"]),
+    ("pjrt-device", &["PJRT_DEVICE"]),
+    ("service", &["DSTACK_SERVICE_MODE"]),
+    ("unix-socket", &["DSTACK_SHIM_UNIX_SOCKET"]),
+    ("volumes-root", &["DSTACK_SHIM_VOLUMES_ROOT"]),
+    ("log-format", &["DSTACK_SHIM_LOG_FORMAT"]),
+    ("reconcile-interval", &["DSTACK_SHIM_RECONCILE_INTERVAL"]),
+    ("dcgm-exporter-path", &["DSTACK_DCGM_EXPORTER_PATH"]),
+    ("dcgmi-path", &["DSTACK_DCGMI_PATH"]),
+    ("nv-hostengine-path", &["DSTACK_NV_HOSTENGINE_PATH"]),
+];
+
+const ENV_HELP: &str = "Environment variables (read when the flag is not given): \
+DSTACK_SHIM_HOME, DSTACK_SHIM_BINARY_PATH, DSTACK_SHIM_HTTP_PORT, DSTACK_SHIM_LOG_LEVEL, \
+DSTACK_RUNNER_DOWNLOAD_URL, DSTACK_RUNNER_BINARY_PATH, DSTACK_RUNNER_HTTP_PORT, \
+DSTACK_RUNNER_SSH_PORT, DSTACK_RUNNER_SSH_LOG_LEVEL, DSTACK_RUNNER_LOG_LEVEL, \
+DSTACK_DCGM_EXPORTER_HTTP_PORT, DSTACK_DCGM_EXPORTER_INTERVAL, DSTACK_DCGM_ADDRESS, \
+DSTACK_DOCKER_PASS_ENV (or DSTACK_SHIM_PASS_ENV), DSTACK_DOCKER_PRIVILEGED, PJRT_DEVICE, \
+DSTACK_SERVICE_MODE, DSTACK_SHIM_UNIX_SOCKET, DSTACK_SHIM_VOLUMES_ROOT, DSTACK_SHIM_LOG_FORMAT, \
+DSTACK_SHIM_RECONCILE_INTERVAL, DSTACK_DCGM_EXPORTER_PATH, DSTACK_DCGMI_PATH, \
+DSTACK_NV_HOSTENGINE_PATH. Booleans: 1 t T TRUE true True 0 f F FALSE false False.";
+
+/// The resolved configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// `--version` was asked for.
+    pub version: bool,
+    /// `help` was given as a positional argument.
+    pub help: bool,
+    /// The home directory, when set (empty: `~/.dstack`).
+    pub shim_home: String,
+    /// The shim binary, when set.
+    pub shim_binary_path: Option<String>,
+    /// API port.
+    pub shim_http_port: u16,
+    /// The shim's log level.
+    pub shim_log_level: LevelFilter,
+    /// Runner download URL (empty: none).
+    pub runner_download_url: String,
+    /// The runner binary on the host.
+    pub runner_binary_path: PathBuf,
+    /// The runner's HTTP port.
+    pub runner_http_port: u16,
+    /// The runner's SSH port.
+    pub runner_ssh_port: u16,
+    /// The runner's `--ssh-log-level` (empty: not passed).
+    pub runner_ssh_log_level: String,
+    /// The runner's `--log-level`, passed as given (validated like upstream).
+    pub runner_log_level: String,
+    /// DCGM settings.
+    pub dcgm: shim_dcgm::DcgmConfig,
+    /// Names of the variables passed into containers.
+    pub pass_env: Vec<String>,
+    /// Every container privileged.
+    pub privileged: bool,
+    /// `PJRT_DEVICE` for containers (empty: none).
+    pub pjrt_device: String,
+    /// Service mode: write host_info.json.
+    pub service: bool,
+    /// An extra Unix socket for the API.
+    pub unix_socket: Option<PathBuf>,
+    /// Where volumes are mounted.
+    pub volumes_root: PathBuf,
+    /// Log format.
+    pub log_format: LogFormat,
+    /// The full-list backstop period.
+    pub reconcile_interval: Duration,
+    /// Testing only: a fake GPU host of N GPUs.
+    pub fake_gpus: Option<u32>,
+}
+
+/// Go's `strconv.ParseBool`.
+pub fn go_bool(s: &str) -> Option<bool> {
+    match s {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Some(true),
+        "0" | "f" | "F" | "FALSE" | "false" | "False" => Some(false),
+        _ => None,
+    }
+}
+
+/// Go's `strconv.ParseInt(s, 0, 64)`: an optional sign, then `0x`/`0X` hex, `0o`/`0O` or a
+/// leading `0` octal, `0b`/`0B` binary, or decimal; `_` only between digits after a prefix.
+pub fn go_int(s: &str) -> Option<i64> {
+    let (neg, body) = match s.as_bytes().first()? {
+        b'+' => (false, &s[1..]),
+        b'-' => (true, &s[1..]),
+        _ => (false, s),
+    };
+    let lower = body.to_ascii_lowercase();
+    let (radix, digits, prefixed) = if let Some(d) = lower.strip_prefix("0x") {
+        (16, d.to_owned(), true)
+    } else if let Some(d) = lower.strip_prefix("0o") {
+        (8, d.to_owned(), true)
+    } else if let Some(d) = lower.strip_prefix("0b") {
+        (2, d.to_owned(), true)
+    } else if lower.len() > 1 && lower.starts_with('0') {
+        (8, lower[1..].to_owned(), true)
+    } else {
+        (10, lower.clone(), false)
+    };
+    if digits.contains('_') {
+        // Underscores only with base 0 and a prefix, each between digits.
+        if !prefixed || digits.ends_with('_') || digits.contains("__") {
+            return None;
+        }
+    }
+    let digits: String = digits.chars().filter(|c| *c != '_').collect();
+    if digits.is_empty() {
+        return None;
+    }
+    let magnitude = i128::from_str_radix(&digits, radix).ok()?;
+    let value = if neg { -magnitude } else { magnitude };
+    i64::try_from(value).ok()
+}
+
+/// dstack's log levels (upstream `runner/internal/common/log/log.go`, `ParseLevel`): one
+/// digit 1 (fatal) to 6 (trace), or a logrus level name in any case; `panic` (0), `0`, `7`,
+/// `""` and others are refused.
+pub fn parse_level(s: &str) -> anyhow::Result<LevelFilter> {
+    let level = if s.len() == 1 && s.as_bytes()[0].is_ascii_digit() {
+        u32::from(s.as_bytes()[0] - b'0')
+    } else {
+        match s.to_ascii_lowercase().as_str() {
+            "panic" => 0,
+            "fatal" => 1,
+            "error" => 2,
+            "warn" | "warning" => 3,
+            "info" => 4,
+            "debug" => 5,
+            "trace" => 6,
+            _ => bail!("invalid log level: {s}"),
+        }
+    };
+    Ok(match level {
+        1 | 2 => LevelFilter::ERROR,
+        3 => LevelFilter::WARN,
+        4 => LevelFilter::INFO,
+        5 => LevelFilter::DEBUG,
+        6 => LevelFilter::TRACE,
+        _ => bail!("invalid log level: {s}"),
+    })
+}
+
+/// Where a raw value came from, for messages.
+enum Source {
+    Flag,
+    Env(&'static str),
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Flag => f.write_str("the command line"),
+            Self::Env(name) => write!(f, "environment variable {name:?}"),
+        }
+    }
+}
+
+/// Looks up a flag's value: the command line, else its environment variables in order.
+struct Lookup<'a> {
+    env: &'a dyn Fn(&str) -> Option<String>,
+}
+
+impl Lookup<'_> {
+    fn raw(&self, flag: &str, cli: &Option<String>) -> Option<(String, Source)> {
+        if let Some(v) = cli {
+            return Some((v.clone(), Source::Flag));
+        }
+        let names = ENV
+            .iter()
+            .find(|(f, _)| *f == flag)
+            .map_or(&[][..], |e| e.1);
+        names
+            .iter()
+            .find_map(|name| (self.env)(name).map(|v| (v, Source::Env(name))))
+    }
+
+    /// A string flag: an empty environment value overrides the default.
+    fn string(&self, flag: &str, cli: &Option<String>, default: &str) -> String {
+        self.raw(flag, cli)
+            .map_or_else(|| default.to_owned(), |(v, _)| v)
+    }
+
+    /// An integer flag: an empty environment value is ignored.
+    fn int(&self, flag: &str, cli: &Option<String>, default: i64) -> anyhow::Result<i64> {
+        match self.raw(flag, cli) {
+            Some((v, Source::Env(_))) if v.is_empty() => Ok(default),
+            Some((v, source)) => go_int(&v).with_context(|| {
+                format!("could not parse {v:?} as int value from {source} for flag {flag}")
+            }),
+            None => Ok(default),
+        }
+    }
+
+    fn port(&self, flag: &str, cli: &Option<String>, default: u16) -> anyhow::Result<u16> {
+        let n = self.int(flag, cli, i64::from(default))?;
+        u16::try_from(n).with_context(|| format!("{flag}: {n} is not a port number"))
+    }
+
+    /// A boolean flag: an empty environment value is false.
+    fn bool(&self, flag: &str, cli: &Option<String>) -> anyhow::Result<bool> {
+        match self.raw(flag, cli) {
+            Some((v, Source::Env(_))) if v.is_empty() => Ok(false),
+            Some((v, source)) => go_bool(&v).with_context(|| {
+                format!(
+                    "could not parse {v:?} as bool value from {source} for flag {flag}: parse error"
+                )
+            }),
+            None => Ok(false),
+        }
+    }
 }
 
 impl Config {
-    /// The home directory: `--shim-home`, or `~/.dstack`.
+    /// Parses the process's command line and environment.
+    pub fn from_process() -> anyhow::Result<Self> {
+        let args = Args::parse();
+        Self::resolve(&args, &|name| std::env::var(name).ok())
+    }
+
+    /// Resolves the command line against an environment (`env(name)` gives a variable's value
+    /// if it is set, empty or not).
+    pub fn resolve(args: &Args, env: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<Self> {
+        let l = Lookup { env };
+        let help = args.positional.iter().any(|a| a == "help" || a == "h");
+        if args.version || help {
+            // Like upstream, --version and help win over bad values elsewhere.
+            return Ok(Self::for_version(args.version, help));
+        }
+        // Upstream checks the runner's level first, then the shim's.
+        let runner_log_level = l.string("runner-log-level", &args.runner_log_level, "info");
+        parse_level(&runner_log_level)?;
+        let shim_log_level =
+            parse_level(&l.string("shim-log-level", &args.shim_log_level, "info"))?;
+        let pass_env = l
+            .string("pass-env", &args.pass_env, DEFAULT_PASS_ENV)
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect();
+        let log_format = match l.string("log-format", &args.log_format, "text").as_str() {
+            "text" | "" => LogFormat::Text,
+            "json" => LogFormat::Json,
+            other => bail!("invalid log format {other:?}: use text or json"),
+        };
+        let interval = l.int("reconcile-interval", &args.reconcile_interval, 300)?;
+        if interval <= 0 {
+            bail!("reconcile-interval must be a positive number of seconds, not {interval}");
+        }
+        let path = |flag: &str, cli: &Option<String>| {
+            Some(l.string(flag, cli, ""))
+                .filter(|p| !p.is_empty())
+                .map(PathBuf::from)
+        };
+        let dcgm = shim_dcgm::DcgmConfig {
+            exporter_http_port: l.port(
+                "dcgm-exporter-http-port",
+                &args.dcgm_exporter_http_port,
+                shim_dcgm::DEFAULT_EXPORTER_HTTP_PORT,
+            )?,
+            exporter_interval: Duration::from_millis(
+                u64::try_from(l.int(
+                    "dcgm-exporter-interval",
+                    &args.dcgm_exporter_interval,
+                    i64::try_from(shim_dcgm::DEFAULT_EXPORTER_INTERVAL_MS).unwrap_or(5000),
+                )?)
+                .context("dcgm-exporter-interval must not be negative")?,
+            ),
+            address: Some(l.string("dcgm-address", &args.dcgm_address, ""))
+                .filter(|a| !a.is_empty()),
+            exporter_path: path("dcgm-exporter-path", &args.dcgm_exporter_path),
+            dcgmi_path: path("dcgmi-path", &args.dcgmi_path),
+            hostengine_path: path("nv-hostengine-path", &args.nv_hostengine_path),
+            ..shim_dcgm::DcgmConfig::default()
+        };
+        Ok(Self {
+            version: false,
+            help: false,
+            shim_home: l.string("shim-home", &args.shim_home, ""),
+            shim_binary_path: l
+                .raw("shim-binary-path", &args.shim_binary_path)
+                .map(|(v, _)| v),
+            shim_http_port: l.port("shim-http-port", &args.shim_http_port, 10998)?,
+            shim_log_level,
+            runner_download_url: l.string("runner-download-url", &args.runner_download_url, ""),
+            runner_binary_path: PathBuf::from(l.string(
+                "runner-binary-path",
+                &args.runner_binary_path,
+                "/usr/local/bin/dstack-runner",
+            )),
+            runner_http_port: l.port("runner-http-port", &args.runner_http_port, 10999)?,
+            runner_ssh_port: l.port("runner-ssh-port", &args.runner_ssh_port, 10022)?,
+            runner_ssh_log_level: l.string("runner-ssh-log-level", &args.runner_ssh_log_level, ""),
+            runner_log_level,
+            dcgm,
+            pass_env,
+            privileged: l.bool("privileged", &args.privileged)?,
+            pjrt_device: l.string("pjrt-device", &args.pjrt_device, ""),
+            service: l.bool("service", &args.service)?,
+            unix_socket: path("unix-socket", &args.unix_socket),
+            volumes_root: PathBuf::from(l.string(
+                "volumes-root",
+                &args.volumes_root,
+                "/mnt/disks/dstack-volumes",
+            )),
+            log_format,
+            reconcile_interval: Duration::from_secs(interval.unsigned_abs()),
+            fake_gpus: match &args.fake_gpus {
+                Some(n) => Some(n.parse().context("--fake-gpus takes a count")?),
+                None => None,
+            },
+        })
+    }
+
+    fn for_version(version: bool, help: bool) -> Self {
+        Self {
+            version,
+            help,
+            shim_home: String::new(),
+            shim_binary_path: None,
+            shim_http_port: 10998,
+            shim_log_level: LevelFilter::INFO,
+            runner_download_url: String::new(),
+            runner_binary_path: PathBuf::new(),
+            runner_http_port: 10999,
+            runner_ssh_port: 10022,
+            runner_ssh_log_level: String::new(),
+            runner_log_level: "info".to_owned(),
+            dcgm: shim_dcgm::DcgmConfig::default(),
+            pass_env: Vec::new(),
+            privileged: false,
+            pjrt_device: String::new(),
+            service: false,
+            unix_socket: None,
+            volumes_root: PathBuf::new(),
+            log_format: LogFormat::Text,
+            reconcile_interval: Duration::from_secs(300),
+            fake_gpus: None,
+        }
+    }
+
+    /// The home directory: `--shim-home`, or `~/.dstack` (also when set empty, as upstream).
     pub fn home(&self) -> anyhow::Result<PathBuf> {
-        if let Some(home) = &self.shim_home {
-            return Ok(home.clone());
+        if !self.shim_home.is_empty() {
+            return Ok(PathBuf::from(&self.shim_home));
         }
         let user_home = std::env::var_os("HOME")
             .filter(|h| !h.is_empty())
@@ -131,131 +520,225 @@ impl Config {
     /// The shim binary: `--shim-binary-path`, or the running executable.
     pub fn shim_binary(&self) -> anyhow::Result<PathBuf> {
         match &self.shim_binary_path {
-            Some(p) => Ok(p.clone()),
+            Some(p) if p.is_empty() => bail!("shim-binary-path is empty"),
+            Some(p) => Ok(PathBuf::from(p)),
             None => std::env::current_exe().context("cannot find the running executable"),
         }
     }
-
-    /// The names in `--pass-env`, trimmed, empty ones dropped.
-    pub fn pass_env_names(&self) -> Vec<String> {
-        self.pass_env
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(str::to_owned)
-            .collect()
-    }
-
-    /// The shim's log level as a tracing filter.
-    pub fn log_level(&self) -> anyhow::Result<LevelFilter> {
-        parse_level(&self.shim_log_level)
-    }
-}
-
-/// dstack's numeric levels (logrus: 0 panic … 6 trace) or a level name.
-pub fn parse_level(s: &str) -> anyhow::Result<LevelFilter> {
-    Ok(match s.trim().to_ascii_lowercase().as_str() {
-        "0" | "1" | "2" | "panic" | "fatal" | "error" => LevelFilter::ERROR,
-        "3" | "warn" | "warning" => LevelFilter::WARN,
-        "4" | "info" => LevelFilter::INFO,
-        "5" | "debug" => LevelFilter::DEBUG,
-        "6" | "trace" => LevelFilter::TRACE,
-        "off" => LevelFilter::OFF,
-        other => bail!("unknown log level {other:?}: use 0-6 or error, warn, info, debug, trace"),
-    })
 }
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
 
-    fn parse(args: &[&str]) -> Config {
-        Config::try_parse_from(std::iter::once("dstack-shim").chain(args.iter().copied())).unwrap()
+    fn resolve(args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Config> {
+        let args =
+            Args::try_parse_from(std::iter::once("dstack-shim").chain(args.iter().copied()))?;
+        let env: BTreeMap<String, String> = env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        Config::resolve(&args, &|name| env.get(name).cloned())
     }
 
+    fn ok(args: &[&str], env: &[(&str, &str)]) -> Config {
+        resolve(args, env).unwrap()
+    }
+
+    /// Upstream's flags, environment variables and defaults (upstream `runner/cmd/shim/main.go`,
+    /// `mainInner`; `runner/internal/common/consts/consts.go`), read back through this
+    /// binary's parsing.
     #[test]
-    fn defaults() {
-        let c = parse(&[]);
-        assert_eq!(c.shim_http_port, 10998);
-        assert_eq!(c.runner_http_port, 10999);
-        assert_eq!(c.runner_ssh_port, 10022);
-        assert_eq!(
-            c.runner_binary_path,
-            PathBuf::from("/usr/local/bin/dstack-runner")
+    fn upstream_names_and_defaults() {
+        let table: &[(&str, &str, &str)] = &[
+            // (flag, env var, default as resolved)
+            ("shim-home", "DSTACK_SHIM_HOME", ""),
+            ("shim-http-port", "DSTACK_SHIM_HTTP_PORT", "10998"),
+            ("shim-log-level", "DSTACK_SHIM_LOG_LEVEL", "info"),
+            ("runner-download-url", "DSTACK_RUNNER_DOWNLOAD_URL", ""),
+            (
+                "runner-binary-path",
+                "DSTACK_RUNNER_BINARY_PATH",
+                "/usr/local/bin/dstack-runner",
+            ),
+            ("runner-http-port", "DSTACK_RUNNER_HTTP_PORT", "10999"),
+            ("runner-ssh-port", "DSTACK_RUNNER_SSH_PORT", "10022"),
+            ("runner-ssh-log-level", "DSTACK_RUNNER_SSH_LOG_LEVEL", ""),
+            ("runner-log-level", "DSTACK_RUNNER_LOG_LEVEL", "info"),
+            (
+                "dcgm-exporter-http-port",
+                "DSTACK_DCGM_EXPORTER_HTTP_PORT",
+                "10997",
+            ),
+            (
+                "dcgm-exporter-interval",
+                "DSTACK_DCGM_EXPORTER_INTERVAL",
+                "5000",
+            ),
+            ("dcgm-address", "DSTACK_DCGM_ADDRESS", ""),
+            ("pass-env", "DSTACK_DOCKER_PASS_ENV", DEFAULT_PASS_ENV),
+            ("privileged", "DSTACK_DOCKER_PRIVILEGED", "false"),
+            ("pjrt-device", "PJRT_DEVICE", ""),
+            ("service", "DSTACK_SERVICE_MODE", "false"),
+        ];
+        let show = |c: &Config, flag: &str| -> String {
+            match flag {
+                "shim-home" => c.shim_home.clone(),
+                "shim-http-port" => c.shim_http_port.to_string(),
+                "shim-log-level" => c.shim_log_level.to_string().to_lowercase(),
+                "runner-download-url" => c.runner_download_url.clone(),
+                "runner-binary-path" => c.runner_binary_path.display().to_string(),
+                "runner-http-port" => c.runner_http_port.to_string(),
+                "runner-ssh-port" => c.runner_ssh_port.to_string(),
+                "runner-ssh-log-level" => c.runner_ssh_log_level.clone(),
+                "runner-log-level" => c.runner_log_level.clone(),
+                "dcgm-exporter-http-port" => c.dcgm.exporter_http_port.to_string(),
+                "dcgm-exporter-interval" => c.dcgm.exporter_interval.as_millis().to_string(),
+                "dcgm-address" => c.dcgm.address.clone().unwrap_or_default(),
+                "pass-env" => c.pass_env.join(","),
+                "privileged" => c.privileged.to_string(),
+                "pjrt-device" => c.pjrt_device.clone(),
+                "service" => c.service.to_string(),
+                other => panic!("{other}"),
+            }
+        };
+        let defaults = ok(&[], &[]);
+        for (flag, env, default) in table {
+            assert_eq!(show(&defaults, flag), *default, "default of --{flag}");
+            // Each flag reads its upstream environment variable.
+            let names = ENV.iter().find(|(f, _)| f == flag).unwrap().1;
+            assert_eq!(names[0], *env, "--{flag} reads {env} first");
+        }
+        // Values through the environment, as an SSH fleet's shim.env sets them (upstream
+        // server `ssh_fleets/provisioning.py`).
+        let c = ok(
+            &[],
+            &[
+                ("DSTACK_SHIM_HOME", "/root/.dstack"),
+                ("DSTACK_SHIM_HTTP_PORT", "10998"),
+                ("DSTACK_SHIM_LOG_LEVEL", "5"),
+                ("DSTACK_RUNNER_DOWNLOAD_URL", "https://x/dstack-runner"),
+                ("DSTACK_RUNNER_BINARY_PATH", "/usr/local/bin/dstack-runner"),
+                ("DSTACK_RUNNER_HTTP_PORT", "10999"),
+                ("DSTACK_RUNNER_SSH_PORT", "10022"),
+                ("DSTACK_RUNNER_LOG_LEVEL", "5"),
+                ("DSTACK_SERVICE_MODE", "1"),
+                ("DSTACK_DOCKER_PRIVILEGED", "T"),
+                ("DSTACK_DOCKER_PASS_ENV", "A,B"),
+                ("DSTACK_DCGM_EXPORTER_HTTP_PORT", "0x2af5"),
+                ("PJRT_DEVICE", "TPU"),
+            ],
         );
-        assert_eq!(c.runner_log_level, "4");
-        assert_eq!(c.runner_ssh_log_level, "");
-        assert_eq!(c.volumes_root, PathBuf::from("/mnt/disks/dstack-volumes"));
-        assert!(!c.privileged && !c.service && !c.version);
-        assert_eq!(
-            c.pass_env_names(),
-            [
-                "http_proxy",
-                "https_proxy",
-                "no_proxy",
-                "HTTP_PROXY",
-                "HTTPS_PROXY",
-                "NO_PROXY"
-            ]
+        assert!(c.service && c.privileged);
+        assert_eq!(c.shim_log_level, LevelFilter::DEBUG);
+        assert_eq!(c.runner_log_level, "5", "passed to the runner as given");
+        assert_eq!(c.pass_env, ["A", "B"]);
+        assert_eq!(c.dcgm.exporter_http_port, 0x2af5);
+        assert_eq!(c.pjrt_device, "TPU");
+        assert_eq!(c.home().unwrap(), PathBuf::from("/root/.dstack"));
+        // Our old name stays an alias.
+        assert_eq!(ok(&[], &[("DSTACK_SHIM_PASS_ENV", "C")]).pass_env, ["C"]);
+    }
+
+    /// urfave/cli v3's value rules (`flag_bool.go`, `flag_int.go`, `flag_impl.go` PostParse).
+    #[test]
+    fn values_are_parsed_as_upstream_parses_them() {
+        for v in ["1", "t", "T", "TRUE", "true", "True"] {
+            assert!(ok(&[], &[("DSTACK_SERVICE_MODE", v)]).service, "{v}");
+        }
+        for v in ["0", "f", "F", "FALSE", "false", "False", ""] {
+            assert!(!ok(&[], &[("DSTACK_SERVICE_MODE", v)]).service, "{v:?}");
+        }
+        let err = resolve(&[], &[("DSTACK_SERVICE_MODE", "yes")]).unwrap_err();
+        assert!(err.to_string().contains("DSTACK_SERVICE_MODE"), "{err}");
+        // The flag on the command line, with or without a value.
+        assert!(ok(&["--privileged"], &[]).privileged);
+        assert!(
+            !ok(
+                &["--privileged=false"],
+                &[("DSTACK_DOCKER_PRIVILEGED", "1")]
+            )
+            .privileged
         );
-        assert_eq!(c.log_level().unwrap(), LevelFilter::INFO);
+        // Integers: base 0, sign, an empty environment value ignored.
+        for (v, port) in [
+            ("010", 8),
+            ("0x10", 16),
+            ("0b11", 3),
+            ("0o17", 15),
+            ("1_0", 0),
+        ] {
+            let r = resolve(&[], &[("DSTACK_RUNNER_HTTP_PORT", v)]);
+            if v == "1_0" {
+                assert!(r.is_err(), "underscores need a prefix");
+            } else {
+                assert_eq!(r.unwrap().runner_http_port, port, "{v}");
+            }
+        }
+        assert_eq!(go_int("-12"), Some(-12));
+        assert_eq!(go_int("0x_1f"), Some(31));
+        assert_eq!(go_int(" 1"), None);
+        assert_eq!(
+            ok(&[], &[("DSTACK_RUNNER_HTTP_PORT", "")]).runner_http_port,
+            10999
+        );
+        assert!(resolve(&[], &[("DSTACK_SHIM_HTTP_PORT", "abc")]).is_err());
+        // Strings: an empty value overrides the default.
+        assert!(
+            ok(&[], &[("DSTACK_DOCKER_PASS_ENV", "")])
+                .pass_env
+                .is_empty()
+        );
+        assert!(resolve(&[], &[("DSTACK_SHIM_LOG_LEVEL", "")]).is_err());
+        assert_eq!(ok(&[], &[("DSTACK_SHIM_HOME", "")]).shim_home, "");
+        // The command line wins over the environment.
+        assert_eq!(
+            ok(
+                &["--shim-http-port", "1234"],
+                &[("DSTACK_SHIM_HTTP_PORT", "99")]
+            )
+            .shim_http_port,
+            1234
+        );
     }
 
     #[test]
-    fn flags() {
-        let c = parse(&[
-            "--shim-home",
-            "/h",
-            "--shim-http-port",
-            "1234",
-            "--shim-log-level",
-            "6",
-            "--runner-download-url",
-            "https://x/r",
-            "--runner-ssh-log-level",
-            "DEBUG3",
-            "--pass-env",
-            " A, ,B ",
-            "--privileged",
-            "--pjrt-device",
-            "TPU",
-            "--service",
-            "--unix-socket",
-            "/run/s.sock",
-            "--fake-gpus",
-            "2",
-        ]);
-        assert_eq!(c.home().unwrap(), PathBuf::from("/h"));
-        assert_eq!(c.shim_http_port, 1234);
-        assert_eq!(c.log_level().unwrap(), LevelFilter::TRACE);
-        assert_eq!(c.runner_download_url.as_deref(), Some("https://x/r"));
-        assert_eq!(c.pass_env_names(), ["A", "B"]);
-        assert!(c.privileged && c.service);
-        assert_eq!(c.pjrt_device.as_deref(), Some("TPU"));
-        assert_eq!(c.unix_socket, Some(PathBuf::from("/run/s.sock")));
-        assert_eq!(c.fake_gpus, Some(2));
+    fn positional_arguments_are_ignored_but_help() {
+        assert!(ok(&["docker", "--privileged"], &[]).privileged);
+        assert!(ok(&["podman"], &[]).pass_env.len() == 6);
+        assert!(ok(&["help"], &[("DSTACK_SERVICE_MODE", "bad")]).help);
+        assert!(ok(&["-v"], &[("DSTACK_SERVICE_MODE", "bad")]).version);
+        // An unknown flag is an error, as upstream.
+        assert!(resolve(&["docker", "--ssh-key", "x"], &[]).is_err());
     }
 
-    #[test]
-    fn legacy_docker_subcommand_is_accepted() {
-        let c = parse(&["docker", "--privileged"]);
-        assert!(c.privileged);
-        assert!(Config::try_parse_from(["dstack-shim", "podman"]).is_err());
-    }
-
+    /// upstream `runner/internal/common/log/log_test.go` (TestParseLevel, TestParseLevelError).
     #[test]
     fn levels() {
+        assert_eq!(parse_level("1").unwrap(), LevelFilter::ERROR);
         assert_eq!(parse_level("2").unwrap(), LevelFilter::ERROR);
         assert_eq!(parse_level("3").unwrap(), LevelFilter::WARN);
         assert_eq!(parse_level("Debug").unwrap(), LevelFilter::DEBUG);
-        assert!(parse_level("7").is_err());
-        assert!(parse_level("loud").is_err());
+        assert_eq!(parse_level("WARNING").unwrap(), LevelFilter::WARN);
+        for bad in ["", "verbose", "panic", "0", "7", "9", "10", "-1", "4 "] {
+            assert!(parse_level(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
-    fn api_version_is_a_compatible_release() {
+    fn one_version_string() {
+        assert_eq!(
+            VERSION,
+            format!("{DSTACK_VERSION}+rust.{}", env!("CARGO_PKG_VERSION"))
+        );
+        assert!(
+            !VERSION.contains(char::is_whitespace),
+            "--version must print 3 words"
+        );
         assert!(shim_http::is_release_at_least(
-            API_VERSION,
+            VERSION,
             shim_http::MIN_COMPATIBLE_VERSION
         ));
     }
@@ -263,6 +746,6 @@ mod tests {
     #[test]
     fn help_renders() {
         use clap::CommandFactory;
-        Config::command().debug_assert();
+        Args::command().debug_assert();
     }
 }

@@ -1,15 +1,15 @@
 //! Building the engine from the command line: the Docker runtime, the host's GPUs (or a fake
 //! GPU host for tests), authorized_keys, block volumes, and `host_info.json`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use shim_engine::{Deps, Engine, EngineConfig};
 use shim_resources::{
-    AuthorizedKeysManager, BlockVolumes, GpuDetector, GpuLock, HostGpus, SystemCommandRunner,
-    VolumeConfig,
+    AuthorizedKeysManager, BlockVolumes, GpuDetector, GpuLock, GpuVendor, HostGpus,
+    SystemCommandRunner, VolumeConfig,
 };
 use shim_runtime::{DockerRuntime, HostDevices};
 
@@ -18,11 +18,21 @@ use crate::config::Config;
 /// How long a graceful shutdown waits for start jobs in flight.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
-/// Connects to Docker, detects the host, restores tasks and runs the first reconcile cycle.
-pub async fn open(config: &Config, home: &Path) -> anyhow::Result<Engine> {
+/// Connects to Docker, detects the host, starts DCGM on NVIDIA hosts, restores tasks and
+/// runs the first reconcile cycle.
+pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<shim_dcgm::Dcgm>)> {
     let runtime = DockerRuntime::connect()
         .await
         .context("cannot connect to the Docker daemon")?;
+    // Docker's own data directory: host_info.json reports its filesystem's size, as upstream
+    // (`runner/internal/shim/host/host.go`, `GetDiskSize` of `DockerRootDir`).
+    let docker_root = match runtime.client().info().await {
+        Ok(info) => info.docker_root_dir.map(PathBuf::from),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read Docker's info; the disk size is reported as 0");
+            None
+        }
+    };
     let commands = Arc::new(SystemCommandRunner::default());
     let (host_gpus, fake_gpus) = match config.fake_gpus {
         Some(n) => (HostGpus::fake_nvidia(n), true),
@@ -35,8 +45,14 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<Engine> {
         fake = fake_gpus,
         "GPUs"
     );
+    let nvidia = config.fake_gpus.is_none() && host_gpus.vendor == Some(GpuVendor::Nvidia);
+    let dcgm_config = shim_dcgm::DcgmConfig {
+        log_dir: Some(home.to_path_buf()),
+        ..config.dcgm.clone()
+    };
+    let dcgm = Arc::new(shim_dcgm::Dcgm::start(&dcgm_config, nvidia).await);
     if config.service {
-        spawn_host_info(home, host_gpus.clone());
+        spawn_host_info(home, docker_root, host_gpus.clone());
     }
     let deps = Deps {
         runtime: Arc::new(runtime),
@@ -57,16 +73,13 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<Engine> {
     cfg.runner_binary_path = config.runner_binary_path.clone();
     cfg.runner_http_port = config.runner_http_port;
     cfg.runner_ssh_port = config.runner_ssh_port;
-    cfg.runner_log_level = config
-        .runner_log_level
-        .trim()
-        .parse()
-        .with_context(|| format!("invalid --runner-log-level {:?}", config.runner_log_level))?;
+    cfg.runner_log_level = config.runner_log_level.clone();
     cfg.runner_ssh_log_level = Some(config.runner_ssh_log_level.clone()).filter(|l| !l.is_empty());
-    cfg.pass_env = config.pass_env_names();
+    cfg.pass_env = config.pass_env.clone();
     cfg.privileged = config.privileged;
-    cfg.pjrt_device = config.pjrt_device.clone().filter(|d| !d.is_empty());
+    cfg.pjrt_device = Some(config.pjrt_device.clone()).filter(|d| !d.is_empty());
     cfg.volumes_root = config.volumes_root.clone();
+    cfg.reconcile_interval = config.reconcile_interval;
     let engine = Engine::open(cfg, deps)
         .await
         .context("cannot restore tasks")?;
@@ -75,16 +88,17 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<Engine> {
         owner = engine.owner(),
         "engine ready"
     );
-    Ok(engine)
+    Ok((engine, dcgm))
 }
 
-/// Writes `host_info.json` once, in the background.
-fn spawn_host_info(home: &Path, gpus: HostGpus) {
+/// Writes `host_info.json` once, in the background. `docker_root` is Docker's data
+/// directory (its disk size is reported; 0 when unknown, the file is still written).
+fn spawn_host_info(home: &Path, docker_root: Option<PathBuf>, gpus: HostGpus) {
     let home = home.to_path_buf();
     tokio::spawn(async move {
-        // TODO(lead): pass Docker's DockerRootDir (from `docker info`) instead of the default.
         let written = tokio::task::spawn_blocking(move || {
-            shim_resources::write_host_info(&home, Path::new("/var/lib/docker"), &gpus)
+            let root = docker_root.unwrap_or_default();
+            shim_resources::write_host_info(&home, &root, &gpus)
         })
         .await;
         match written {

@@ -18,16 +18,34 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::Context;
-use clap::Parser;
 use shim_components::{Components, ComponentsConfig};
 use shim_http::{ComponentName, Listeners, ServerConfig, ShimApi, serve};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{API_VERSION, Config, VERSION};
+use crate::config::{Config, VERSION};
 
 fn main() -> ExitCode {
-    let config = Config::parse();
+    let config = match Config::from_process() {
+        Ok(c) => c,
+        Err(e) => {
+            #[allow(clippy::print_stderr)] // no logger yet
+            {
+                eprintln!("dstack-shim: {e:#}");
+            }
+            return ExitCode::FAILURE;
+        }
+    };
+    if config.help {
+        use clap::CommandFactory as _;
+        #[allow(clippy::print_stdout)] // the one thing help does
+        {
+            println!("{}", config::Args::command().render_help());
+        }
+        return ExitCode::SUCCESS;
+    }
     if config.version {
+        // Exactly three words: the server's component check (and upstream's own start-up
+        // check) splits this output (upstream `runner/internal/shim/components/utils.go`).
         #[allow(clippy::print_stdout)] // the one thing --version does
         {
             println!("dstack-shim version {VERSION}");
@@ -67,10 +85,9 @@ async fn run(config: Config) -> anyhow::Result<()> {
         .mode(0o700)
         .create(&home)
         .with_context(|| format!("cannot create the home directory {}", home.display()))?;
-    logging::init(config.log_level()?, &home)?;
-    tracing::info!(version = VERSION, api_version = API_VERSION, home = %home.display(),
-        "starting dstack-shim");
-    tracing::debug!(?config, pass_env = ?config.pass_env_names(), "configuration");
+    logging::init(config.shim_log_level, config.log_format, &home)?;
+    tracing::info!(version = VERSION, dstack_api = config::DSTACK_VERSION, home = %home.display(), "starting dstack-shim");
+    tracing::debug!(?config, "configuration");
 
     let shutdown = CancellationToken::new();
     let force = CancellationToken::new();
@@ -80,11 +97,8 @@ async fn run(config: Config) -> anyhow::Result<()> {
         &config.runner_binary_path,
         config.shim_binary()?,
     ));
-    if let Some(url) = config
-        .runner_download_url
-        .as_deref()
-        .filter(|u| !u.is_empty())
-    {
+    if !config.runner_download_url.is_empty() {
+        let url = config.runner_download_url.as_str();
         if !config.runner_binary_path.exists() {
             components
                 .install(ComponentName::Runner, url)
@@ -96,8 +110,8 @@ async fn run(config: Config) -> anyhow::Result<()> {
     // The engine restores every task and completes its first reconcile cycle before the API
     // listens: the first answer about any task already reflects what happened while the shim
     // was down.
-    let engine = engine::open(&config, &home).await?;
-    let api: Arc<dyn ShimApi> = Arc::new(adapter::EngineApi::new(engine.clone()));
+    let (engine, dcgm) = engine::open(&config, &home).await?;
+    let api: Arc<dyn ShimApi> = Arc::new(adapter::EngineApi::new(engine.clone(), dcgm.clone()));
 
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, config.shim_http_port));
     let listeners = Listeners::bind(addr, config.unix_socket.as_deref()).await?;
@@ -110,7 +124,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
             engine.shutdown(true, engine::SHUTDOWN_GRACE).await;
         }
     };
-    let server_config = ServerConfig::new(API_VERSION)
+    let server_config = ServerConfig::new(VERSION)
         .with_force_shutdown(force.clone())
         .with_drain(drain);
     serve(
@@ -125,6 +139,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         components.cancel();
     }
     engine.shutdown(false, std::time::Duration::ZERO).await;
+    dcgm.shutdown().await;
     tracing::info!("dstack-shim stopped; containers keep running");
     Ok(())
 }

@@ -107,7 +107,7 @@ fn prints_its_version() {
         assert!(out.status.success());
         assert_eq!(
             String::from_utf8(out.stdout).unwrap(),
-            format!("dstack-shim version {}\n", env!("CARGO_PKG_VERSION"))
+            format!("dstack-shim version 0.22.5+rust.{}\n", env!("CARGO_PKG_VERSION"))
         );
     }
 }
@@ -127,7 +127,7 @@ fn rejects_bad_flags() {
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown log level"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("invalid log level: loud"));
 }
 
 #[test]
@@ -140,7 +140,12 @@ fn serves_logs_and_stops_on_sigterm() {
 
     let (status, body) = http(shim.port, "GET", "/api/healthcheck", None);
     assert_eq!(status, 200);
-    assert_eq!(body, r#"{"service":"dstack-shim","version":"0.22.0"}"#);
+    // One version string everywhere (the healthcheck, `--version`, the components list).
+    let version = format!("0.22.5+rust.{}", env!("CARGO_PKG_VERSION"));
+    assert_eq!(
+        body,
+        format!(r#"{{"service":"dstack-shim","version":"{version}"}}"#)
+    );
 
     // The shim reports itself as an installed component, the runner as missing.
     let (status, body) = http(shim.port, "GET", "/api/components", None);
@@ -152,7 +157,7 @@ fn serves_logs_and_stops_on_sigterm() {
     );
     assert_eq!(
         v["components"][1],
-        serde_json::json!({"name": "dstack-shim", "version": env!("CARGO_PKG_VERSION"), "status": "installed"})
+        serde_json::json!({"name": "dstack-shim", "version": version, "status": "installed"})
     );
 
     let log = home.path().join("shim.log");

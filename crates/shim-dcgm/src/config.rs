@@ -1,6 +1,5 @@
 //! [`DcgmConfig`]: the upstream `--dcgm-*` settings plus a few of ours, with upstream's
-//! defaults. [`DcgmArgs`] declares them as clap flags with upstream's names and environment
-//! variables.
+//! defaults (the binary maps upstream's `--dcgm-*` flags and environment variables onto it).
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -139,57 +138,6 @@ fn is_executable(path: &Path) -> bool {
     fs_err::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
-/// The upstream `--dcgm-*` flags, to be flattened into the binary's arguments
-/// (`#[command(flatten)]`), plus our program paths.
-#[derive(Debug, Clone, clap::Args)]
-pub struct DcgmArgs {
-    /// DCGM Exporter http port
-    #[arg(
-        long,
-        env = "DSTACK_DCGM_EXPORTER_HTTP_PORT",
-        default_value_t = DEFAULT_EXPORTER_HTTP_PORT,
-        value_name = "PORT"
-    )]
-    pub dcgm_exporter_http_port: u16,
-    /// DCGM Exporter collect interval, milliseconds
-    #[arg(
-        long,
-        env = "DSTACK_DCGM_EXPORTER_INTERVAL",
-        default_value_t = DEFAULT_EXPORTER_INTERVAL_MS,
-        value_name = "MS"
-    )]
-    pub dcgm_exporter_interval: u64,
-    /// nv-hostengine `hostname`, e.g., `localhost` [default: start a private nv-hostengine]
-    #[arg(long, env = "DSTACK_DCGM_ADDRESS", value_name = "hostname")]
-    pub dcgm_address: Option<String>,
-    /// The dcgm-exporter binary [default: dcgm-exporter in PATH]
-    #[arg(long, env = "DSTACK_DCGM_EXPORTER_PATH", value_name = "PATH")]
-    pub dcgm_exporter_path: Option<PathBuf>,
-    /// The dcgmi binary [default: dcgmi in PATH]
-    #[arg(long, env = "DSTACK_DCGMI_PATH", value_name = "PATH")]
-    pub dcgmi_path: Option<PathBuf>,
-    /// The nv-hostengine binary [default: nv-hostengine in PATH]
-    #[arg(long, env = "DSTACK_NV_HOSTENGINE_PATH", value_name = "PATH")]
-    pub nv_hostengine_path: Option<PathBuf>,
-}
-
-impl DcgmArgs {
-    /// The configuration these flags describe; `log_dir` is where the private host engine
-    /// logs (the binary passes the shim home).
-    pub fn to_config(&self, log_dir: Option<PathBuf>) -> DcgmConfig {
-        DcgmConfig {
-            exporter_http_port: self.dcgm_exporter_http_port,
-            exporter_interval: Duration::from_millis(self.dcgm_exporter_interval),
-            address: self.dcgm_address.clone(),
-            exporter_path: self.dcgm_exporter_path.clone(),
-            dcgmi_path: self.dcgmi_path.clone(),
-            hostengine_path: self.nv_hostengine_path.clone(),
-            log_dir,
-            ..DcgmConfig::default()
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -229,65 +177,6 @@ mod tests {
         };
         assert_eq!(config.find_exporter(), Some(exe));
         assert_eq!(config.find_dcgmi(), None);
-    }
-
-    #[derive(Debug, clap::Parser)]
-    struct Cli {
-        #[command(flatten)]
-        dcgm: DcgmArgs,
-    }
-
-    // upstream: runner/cmd/shim/main.go (flags dcgm-exporter-http-port, dcgm-exporter-interval,
-    // dcgm-address and their DSTACK_* environment variables)
-    #[test]
-    fn flags_and_environment_variables_are_upstreams() {
-        use clap::{CommandFactory, Parser};
-
-        let envs: Vec<(String, Option<String>)> = Cli::command()
-            .get_arguments()
-            .map(|a| {
-                (
-                    a.get_long().unwrap().to_owned(),
-                    a.get_env().map(|e| e.to_string_lossy().into_owned()),
-                )
-            })
-            .collect();
-        for (flag, env) in [
-            ("dcgm-exporter-http-port", "DSTACK_DCGM_EXPORTER_HTTP_PORT"),
-            ("dcgm-exporter-interval", "DSTACK_DCGM_EXPORTER_INTERVAL"),
-            ("dcgm-address", "DSTACK_DCGM_ADDRESS"),
-        ] {
-            assert!(
-                envs.contains(&(flag.to_owned(), Some(env.to_owned()))),
-                "--{flag} / {env} missing: {envs:?}"
-            );
-        }
-
-        let defaults = Cli::try_parse_from(["dstack-shim"]).unwrap().dcgm;
-        let c = defaults.to_config(None);
-        assert_eq!(c.exporter_http_port, 10997);
-        assert_eq!(c.exporter_interval, Duration::from_millis(5000));
-        assert_eq!(c.address(), None);
-        assert_eq!(c.exporter_path, None);
-
-        let set = Cli::try_parse_from([
-            "dstack-shim",
-            "--dcgm-exporter-http-port",
-            "20997",
-            "--dcgm-exporter-interval=1000",
-            "--dcgm-address",
-            "localhost",
-            "--dcgm-exporter-path",
-            "/opt/dcgm-exporter",
-        ])
-        .unwrap()
-        .dcgm
-        .to_config(Some(PathBuf::from("/root/.dstack")));
-        assert_eq!(set.exporter_http_port, 20997);
-        assert_eq!(set.exporter_interval, Duration::from_millis(1000));
-        assert_eq!(set.address(), Some("localhost"));
-        assert_eq!(set.exporter_path, Some(PathBuf::from("/opt/dcgm-exporter")));
-        assert_eq!(set.log_dir, Some(PathBuf::from("/root/.dstack")));
     }
 
     // upstream: runner/cmd/shim/main.go (dcgm-exporter-http-port 10997, dcgm-exporter-interval

@@ -22,9 +22,8 @@
 //! | exporter/dcgmi failed | 502 ([`DcgmErrorKind::Upstream`]) | `{}`, error logged |
 //! | fine | 200, filtered Prometheus text (empty without GPUs) | `{"dcgm":{...}}` |
 //!
-//! Settings: [`DcgmConfig`] ([`DcgmArgs`]: upstream's
-//! `--dcgm-exporter-http-port`, `--dcgm-exporter-interval`, `--dcgm-address` and their
-//! `DSTACK_*` variables).
+//! Settings: [`DcgmConfig`] (the binary maps upstream's `--dcgm-exporter-http-port`,
+//! `--dcgm-exporter-interval`, `--dcgm-address` and their `DSTACK_*` variables onto it).
 
 mod command;
 mod config;
@@ -37,8 +36,8 @@ mod supervisor;
 
 pub use command::{CommandOutput, CommandRunner, TokioCommandRunner};
 pub use config::{
-    Backoff, DCGMI_PROGRAM, DEFAULT_EXPORTER_HTTP_PORT, DEFAULT_EXPORTER_INTERVAL_MS, DcgmArgs,
-    DcgmConfig, EXPORTER_PROGRAM, HOSTENGINE_PROGRAM, find_program,
+    Backoff, DCGMI_PROGRAM, DEFAULT_EXPORTER_HTTP_PORT, DEFAULT_EXPORTER_INTERVAL_MS, DcgmConfig,
+    EXPORTER_PROGRAM, HOSTENGINE_PROGRAM, find_program,
 };
 pub use counters::{COUNTERS, Counter, counters_csv};
 pub use error::{BoxError, DcgmError, DcgmErrorKind};

@@ -15,8 +15,8 @@ pub struct EngineConfig {
     pub runner_http_port: u16,
     /// The runner's SSH port in the container.
     pub runner_ssh_port: u16,
-    /// The runner's log level (passed as `--log-level`).
-    pub runner_log_level: u8,
+    /// The runner's log level, passed as given (`--log-level`).
+    pub runner_log_level: String,
     /// The runner's SSH server log level, if any (passed as `--ssh-log-level`).
     pub runner_ssh_log_level: Option<String>,
     /// Names of environment variables whose values (in the shim's own environment) are passed
@@ -30,7 +30,7 @@ pub struct EngineConfig {
     pub volumes_root: PathBuf,
     /// The longest an image pull may take.
     pub pull_timeout: Duration,
-    /// The reconciler's relist period (the backstop for lost exit events).
+    /// The period of the full container list, the backstop for lost events.
     pub reconcile_interval: Duration,
     /// Lines of log reported for a container that exited with an error.
     pub exit_log_lines: usize,
@@ -44,7 +44,7 @@ impl EngineConfig {
             runner_binary_path: PathBuf::from("/usr/local/bin/dstack-runner"),
             runner_http_port: 10999,
             runner_ssh_port: 10022,
-            runner_log_level: 4,
+            runner_log_level: "4".to_owned(),
             runner_ssh_log_level: None,
             pass_env: default_pass_env(),
             privileged: false,

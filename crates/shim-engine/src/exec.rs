@@ -294,17 +294,28 @@ impl Inner {
         if let Some(grant) = &resources.host_keys {
             match self.deps.keys.remove(id, &grant.user, &grant.keys).await {
                 Ok(()) => host_keys = true,
-                Err(e) => errors.push(format!("SSH keys of {:?}: {e}", grant.user)),
+                Err(e) => errors.push(format!(
+                    "SSH keys of {:?}: {}",
+                    grant.user,
+                    crate::engine::chain(&e)
+                )),
             }
         }
-        // Dropping the hold on unknown-origin key lines lets the next rewrite of that user's
-        // file prune them (SPEC §7).
-        let unknown_keys = resources.unknown_keys.is_some();
+        // Dropping the hold on unknown-origin key lines lets that user's file be pruned of
+        // them (SPEC §7): `remove` with no keys forgets the hold and rewrites the file.
+        let mut unknown_keys = false;
+        if let Some(hold) = &resources.unknown_keys {
+            let user = hold.user.as_deref().unwrap_or("");
+            match self.deps.keys.remove(id, user, &[]).await {
+                Ok(()) => unknown_keys = true,
+                Err(e) => errors.push(format!("unknown-origin SSH keys of {user:?}: {e}")),
+            }
+        }
         let mut volumes = Vec::new();
         for v in &resources.volumes {
             match self.deps.volumes.release(v).await {
                 Ok(()) => volumes.push(v.name.clone()),
-                Err(e) => errors.push(format!("volume {:?}: {e}", v.name)),
+                Err(e) => errors.push(format!("volume {:?}: {}", v.name, crate::engine::chain(&e))),
             }
         }
         if errors.is_empty() {

@@ -244,10 +244,16 @@ impl Inner {
         // Phase 1: register what live tasks hold, before anything is released.
         for (slot, _, _) in &restored {
             let t = slot.lock();
-            if !t.record.resources.released
-                && let Some(grant) = &t.record.resources.host_keys
-            {
+            let r = &t.record.resources;
+            if r.released {
+                continue;
+            }
+            if let Some(grant) = &r.host_keys {
                 self.deps.keys.restore(&slot.id, &grant.user, &grant.keys);
+            }
+            if let Some(hold) = &r.unknown_keys {
+                // Keys nobody can name: marked lines of unknown origin stay while it lives.
+                self.deps.keys.hold_unknown(&slot.id, hold.user.as_deref());
             }
         }
         let mut rest = Vec::new();

@@ -114,7 +114,7 @@ fn inputs(inner: &Inner, task: &Task, config: &TaskConfig, runner_dir: PathBuf) 
             dir_host_path: runner_dir,
             http_port: cfg.runner_http_port,
             ssh_port: cfg.runner_ssh_port,
-            log_level: u32::from(cfg.runner_log_level),
+            log_level: cfg.runner_log_level.clone(),
             ssh_log_level: cfg.runner_ssh_log_level.clone(),
             http_address_localhost: network == NetworkMode::Host,
             authorized_keys: config

@@ -79,9 +79,13 @@ pub enum Error {
     },
 }
 
-/// Whether `version` is a final release (`X.Y[.Z]`, no pre-release or dev suffix) at least
-/// `min` — the way the dstack server reads the healthcheck version.
+/// Whether `version` is a final release (`X.Y[.Z]`, no pre-release or dev suffix, a PEP 440
+/// local part `+…` ignored) at least `min` — the way the dstack server reads the healthcheck
+/// version.
 pub fn is_release_at_least(version: &str, min: &str) -> bool {
+    let version = version
+        .split_once('+')
+        .map_or(version, |(release, _)| release);
     fn parse(v: &str) -> Option<(u64, u64, u64)> {
         let mut it = v.split('.');
         let major = it.next()?.parse().ok()?;
@@ -108,5 +112,9 @@ mod tests {
         assert!(!is_release_at_least("0.22.0rc1", MIN_COMPATIBLE_VERSION));
         assert!(!is_release_at_least("1234", MIN_COMPATIBLE_VERSION));
         assert!(!is_release_at_least("", MIN_COMPATIBLE_VERSION));
+        assert!(is_release_at_least(
+            "0.22.5+rust.0.1.0",
+            MIN_COMPATIBLE_VERSION
+        ));
     }
 }

@@ -200,7 +200,7 @@ pub struct RunnerParams {
     /// The runner's SSH port.
     pub ssh_port: u16,
     /// The runner's log level.
-    pub log_level: u32,
+    pub log_level: String,
     /// The runner's sshd log level, if set.
     pub ssh_log_level: Option<String>,
     /// Pass `--http-address localhost` (host network mode).
@@ -271,21 +271,27 @@ pub fn shell_quote(s: &str) -> String {
 /// The `/bin/sh -c` script of the task container: make sure `sshd` exists (installing it with
 /// apt-get, yum or apk; exit [`EXIT_NO_PACKAGE_MANAGER`] if there is none,
 /// [`EXIT_SSHD_INSTALL_FAILED`] if installing fails), then exec the runner.
+///
+/// The check and the install run in a subshell with `LD_LIBRARY_PATH` and `LD_PRELOAD`
+/// unset, so an image's preloaded libraries cannot break the package manager; the runner
+/// keeps the image's values (upstream `runner/internal/shim/docker.go`,
+/// `getSSHShellCommands`, dstack issue #1769).
 pub fn runner_script(runner: &RunnerParams) -> String {
     let mut script = String::from(
-        "if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then \
+        "( unset LD_LIBRARY_PATH; unset LD_PRELOAD; \
+if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then \
 if command -v apt-get >/dev/null 2>&1; then \
 { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server; }; \
 elif command -v yum >/dev/null 2>&1; then yum -y -q install openssh-server; \
 elif command -v apk >/dev/null 2>&1; then apk add -q --no-cache openssh-server; \
 else echo 'sshd is missing and no package manager (apt-get, yum, apk) was found' >&2; exit 11; fi \
 || { echo 'installing openssh-server failed' >&2; exit 12; }; \
-fi; exec ",
+fi ) || exit $?; exec ",
     );
     let mut args = vec![
         RUNNER_BINARY_IN_CONTAINER.to_owned(),
         "--log-level".to_owned(),
-        runner.log_level.to_string(),
+        runner.log_level.clone(),
         "start".to_owned(),
         "--temp-dir".to_owned(),
         RUNNER_DIR_IN_CONTAINER.to_owned(),
@@ -443,7 +449,7 @@ mod tests {
                 dir_host_path: PathBuf::from("/home/x/.dstack/tasks/t1/runner"),
                 http_port: 10999,
                 ssh_port: 10022,
-                log_level: 4,
+                log_level: "4".to_owned(),
                 ssh_log_level: None,
                 http_address_localhost: true,
                 authorized_keys: vec![],
@@ -479,6 +485,61 @@ mod tests {
         assert!(script.contains("yum -y -q install openssh-server"));
         assert!(script.contains("apk add"));
         assert!(script.contains("exit 11"));
+    }
+
+    /// The sshd check and install see no `LD_LIBRARY_PATH`/`LD_PRELOAD`; the runner keeps
+    /// them (upstream `runner/internal/shim/docker.go`, `getSSHShellCommands`, issue #1769).
+    /// Runs the script in a real `sh` with a fake `apt-get` and runner.
+    #[test]
+    fn sshd_install_runs_without_preloads_and_the_runner_with_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("bin");
+        fs_err::create_dir(&bin).unwrap();
+        let out = dir.path().join("out");
+        let write = |name: &str, body: &str| {
+            use std::os::unix::fs::PermissionsExt as _;
+            let p = bin.join(name);
+            fs_err::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+            fs_err::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+            p
+        };
+        write(
+            "apt-get",
+            &format!(
+                "echo \"apt $1 [$LD_PRELOAD] [$LD_LIBRARY_PATH]\" >> {}",
+                out.display()
+            ),
+        );
+        let runner = write(
+            "runner",
+            &format!(
+                "echo \"runner [$LD_PRELOAD] [$LD_LIBRARY_PATH] $*\" >> {}",
+                out.display()
+            ),
+        );
+        let script = runner_script(&inputs().runner)
+            .replace(RUNNER_BINARY_IN_CONTAINER, &runner.display().to_string());
+        let status = std::process::Command::new("/bin/sh")
+            .arg("-c")
+            .arg(&script)
+            .env_clear()
+            // No sshd on this PATH, nor in /usr/sbin of a test machine we can rely on: only
+            // run the check when /usr/sbin/sshd is absent.
+            .env("PATH", &bin)
+            .env("LD_PRELOAD", "libfake.so")
+            .env("LD_LIBRARY_PATH", "/opt/lib")
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let log = fs_err::read_to_string(&out).unwrap();
+        if !std::path::Path::new("/usr/sbin/sshd").exists() {
+            assert!(log.contains("apt update [] []"), "{log}");
+            assert!(log.contains("apt install [] []"), "{log}");
+        }
+        assert!(
+            log.contains("runner [libfake.so] [/opt/lib] --log-level 4 start"),
+            "{log}"
+        );
     }
 
     #[test]

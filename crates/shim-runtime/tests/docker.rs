@@ -230,7 +230,7 @@ fn runner_inputs(
             dir_host_path: dir.to_owned(),
             http_port: 10999,
             ssh_port: 10022,
-            log_level: 4,
+            log_level: "4".to_owned(),
             ssh_log_level: None,
             http_address_localhost: network == NetworkMode::Host,
             authorized_keys: vec![
