@@ -8,8 +8,8 @@ use std::time::Duration;
 use anyhow::Context;
 use shim_engine::{Deps, Engine, EngineConfig};
 use shim_resources::{
-    AuthorizedKeysManager, BlockVolumes, GpuDetector, GpuLock, GpuVendor, HostGpus,
-    SystemCommandRunner, VolumeConfig,
+    AuthorizedKeysManager, BlockVolumes, GpuDetector, GpuVendor, HostGpus, SystemCommandRunner,
+    VolumeConfig,
 };
 use shim_runtime::{DockerRuntime, HostDevices};
 
@@ -56,7 +56,6 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
     }
     let deps = Deps {
         runtime: Arc::new(runtime),
-        gpus: Arc::new(GpuLock::for_host(&host_gpus)),
         host_gpus,
         fake_gpus,
         keys: Arc::new(AuthorizedKeysManager::system()),

@@ -121,7 +121,9 @@ async fn run(config: Config) -> anyhow::Result<()> {
         async move {
             components.wait_idle().await;
             // Start jobs in flight finish (bounded) so no task is left half-started.
-            engine.shutdown(true, engine::SHUTDOWN_GRACE).await;
+            engine
+                .shutdown(shim_engine::Shutdown::Graceful(engine::SHUTDOWN_GRACE))
+                .await;
         }
     };
     let server_config = ServerConfig::new(VERSION)
@@ -138,7 +140,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
     if force.is_cancelled() {
         components.cancel();
     }
-    engine.shutdown(false, std::time::Duration::ZERO).await;
+    engine.shutdown(shim_engine::Shutdown::Now).await;
     dcgm.shutdown().await;
     tracing::info!("dstack-shim stopped; containers keep running");
     Ok(())

@@ -107,7 +107,10 @@ fn prints_its_version() {
         assert!(out.status.success());
         assert_eq!(
             String::from_utf8(out.stdout).unwrap(),
-            format!("dstack-shim version 0.22.5+rust.{}\n", env!("CARGO_PKG_VERSION"))
+            format!(
+                "dstack-shim version 0.22.5+rust.{}\n",
+                env!("CARGO_PKG_VERSION")
+            )
         );
     }
 }

@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use shim_engine::{Deps, Engine, EngineConfig};
+use shim_resources::HostGpus;
 use shim_resources::fake::{FakeAuthorizedKeys, FakeVolumes};
-use shim_resources::{GpuLock, HostGpus};
 use shim_runtime::fake::FakeRuntime;
 use shim_task::{TaskConfig, TaskId, TaskName, TaskStatus, TerminationReason};
 
@@ -133,7 +133,6 @@ impl World {
         let deps = Deps {
             runtime: Arc::new(self.runtime.clone()),
             host_gpus: self.host_gpus.clone(),
-            gpus: Arc::new(GpuLock::for_host(&self.host_gpus)),
             fake_gpus: false,
             keys: Arc::new(FakeAuthorizedKeys::new()),
             volumes: Arc::new(FakeVolumes::new("/fake/volumes")),
@@ -230,7 +229,9 @@ async fn reconcile_cycle(n: usize, quick: bool) -> Stats {
         }
     })
     .await;
-    engine.shutdown(true, Duration::from_secs(5)).await;
+    engine
+        .shutdown(shim_engine::Shutdown::Graceful(Duration::from_secs(5)))
+        .await;
     Stats::new(format!("reconcile cycle, {n} running tasks"), samples)
 }
 
@@ -287,7 +288,9 @@ async fn lifecycle(quick: bool) -> Vec<Stats> {
         engine.remove(&id).await.unwrap();
         remove.push(t.elapsed());
     }
-    engine.shutdown(true, Duration::from_secs(5)).await;
+    engine
+        .shutdown(shim_engine::Shutdown::Graceful(Duration::from_secs(5)))
+        .await;
     vec![
         Stats::new("submit -> running", submit),
         Stats::new("container exit -> terminated (event)", exit),

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use shim_engine::{Deps, Engine, EngineConfig};
 use shim_resources::{
-    AuthorizedKeysManager, BlockVolumes, GpuLock, HostGpus, SystemCommandRunner, VolumeConfig,
+    AuthorizedKeysManager, BlockVolumes, HostGpus, SystemCommandRunner, VolumeConfig,
 };
 use shim_runtime::DockerRuntime;
 use shim_task::{NetworkMode, TaskConfig, TaskId, TaskName, TaskStatus, TerminationReason};
@@ -35,7 +35,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let commands = Arc::new(SystemCommandRunner::default());
     let deps = Deps {
         runtime: Arc::new(DockerRuntime::connect().await?),
-        gpus: Arc::new(GpuLock::for_host(&host_gpus)),
         host_gpus,
         fake_gpus: false,
         keys: Arc::new(AuthorizedKeysManager::system()),
@@ -83,6 +82,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     engine.remove(&id).await?;
     println!("removed");
-    engine.shutdown(true, Duration::from_secs(5)).await;
+    engine
+        .shutdown(shim_engine::Shutdown::Graceful(Duration::from_secs(5)))
+        .await;
     Ok(())
 }

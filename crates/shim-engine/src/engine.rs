@@ -2,11 +2,12 @@
 //! state machine's actions.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use shim_resources::{AuthorizedKeys, GpuLock, HostGpus, VolumeManager};
-use shim_runtime::{ContainerRuntime, HostDevices, RegistryAuth};
+use shim_runtime::{ContainerEvent, ContainerRuntime, HostDevices, RegistryAuth};
 use shim_store::Store;
 use shim_task::machine::{Action, Event, Task, TransitionError, step};
 use shim_task::{TaskConfig, TaskId, TaskInfo, TaskRecord, TaskStatus, TerminationReason};
@@ -23,10 +24,9 @@ use crate::error::{EngineError, Result};
 pub struct Deps {
     /// The container runtime (Docker).
     pub runtime: Arc<dyn ContainerRuntime>,
-    /// The host's GPUs (detected, or a fake host).
+    /// The host's GPUs (detected, or a fake host); the engine keeps its lock over exactly
+    /// these.
     pub host_gpus: HostGpus,
-    /// The GPU lock over [`Deps::host_gpus`].
-    pub gpus: Arc<GpuLock>,
     /// When true the GPUs are accounted for but not passed to containers (a fake GPU host).
     pub fake_gpus: bool,
     /// The host users' authorized_keys.
@@ -58,6 +58,13 @@ pub(crate) struct Slot {
     /// The task's state is never written: its container (made by the upstream shim before it
     /// kept state files) mounts the whole task directory, where the container could change it.
     stateless: bool,
+    /// Container events waiting to be handled, in order, and whether a worker handles them.
+    events: Mutex<(VecDeque<ContainerEvent>, bool)>,
+    /// An `oom` event came for the container: its `die` reports it.
+    pub(crate) oom: AtomicBool,
+    /// Unix ms when the start job last returned (0: never): a list requested before that
+    /// cannot judge the task.
+    pub(crate) start_returned_ms: AtomicU64,
 }
 
 impl Slot {
@@ -71,7 +78,41 @@ impl Slot {
             pull_cancel: CancellationToken::new(),
             auth,
             stateless: false,
+            events: Mutex::new((VecDeque::new(), false)),
+            oom: AtomicBool::new(false),
+            start_returned_ms: AtomicU64::new(0),
         }
+    }
+
+    /// Queues a container event for the task.
+    pub(crate) fn queue_event(&self, event: ContainerEvent) {
+        self.events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .0
+            .push_back(event);
+    }
+
+    /// Claims the right to handle the task's queued events; false if a worker already does,
+    /// or nothing is queued.
+    pub(crate) fn claim_event_worker(&self) -> bool {
+        let mut q = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        if q.1 || q.0.is_empty() {
+            return false;
+        }
+        q.1 = true;
+        true
+    }
+
+    /// The next queued event for the worker; `None` ends the worker's claim (atomically with
+    /// finding the queue empty, so no event is left behind).
+    pub(crate) fn next_event(&self) -> Option<ContainerEvent> {
+        let mut q = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        let next = q.0.pop_front();
+        if next.is_none() {
+            q.1 = false;
+        }
+        next
     }
 
     /// A task restored at start-up (`stateless`: see [`Slot::stateless`]).
@@ -133,15 +174,21 @@ pub(crate) fn chain(e: &(dyn std::error::Error + 'static)) -> String {
 pub(crate) struct Inner {
     pub(crate) cfg: EngineConfig,
     pub(crate) deps: Deps,
+    /// The GPU lock over `deps.host_gpus` (memory only: a new process starts with none).
+    pub(crate) gpus: GpuLock,
+    /// The background jobs (event listener, reconciler), awaited at shutdown.
+    pub(crate) background: Mutex<Vec<JoinHandle<()>>>,
     pub(crate) store: Arc<Store>,
     pub(crate) owner: String,
     pub(crate) tasks: Mutex<BTreeMap<TaskId, Arc<Slot>>>,
-    /// Wakes the reconciler (exit events, terminate, shutdown).
-    pub(crate) wake: Notify,
-    /// Containers an exit event named since the last cycle. Docker sends `die` before its
-    /// container list reflects the exit, so the next cycle inspects these even when the list
-    /// still says "running" (inspect waits for the container's lock, so it sees the exit).
-    pub(crate) exit_hints: Mutex<std::collections::HashSet<String>>,
+    /// Asks the reconciler for a full list now (the event stream reconnected).
+    pub(crate) relist: Notify,
+    /// Unix ns of the newest container event seen (the resubscription's `since`).
+    pub(crate) events_since: AtomicI64,
+    /// The event stream is connected.
+    pub(crate) events_connected: AtomicBool,
+    /// How many times the event stream connected.
+    pub(crate) events_reconnects: AtomicU64,
     /// Unix ms of the last successful reconcile cycle.
     pub(crate) last_cycle_ms: Mutex<Option<u64>>,
     pub(crate) shutdown: CancellationToken,
@@ -307,7 +354,9 @@ impl Inner {
                 tracing::error!(task = %slot.id, error = %chain(&e), "finishing start failed");
             }
         }
-        self.wake.notify_one();
+        slot.start_returned_ms.store(now_ms(), Ordering::SeqCst);
+        // Events that came while start owned the task.
+        self.kick_events(&slot);
     }
 }
 
@@ -326,8 +375,21 @@ impl Drop for StartingGuard<'_> {
 /// when it returns; remove answers 409 and the server retries.
 const START_SETTLE: Duration = Duration::from_secs(4);
 
+/// How much longer than the stop's grace period terminate waits for the stop before it
+/// answers (the stop goes on in the background).
+const STOP_SLACK: Duration = Duration::from_secs(4);
+
 /// How long remove waits for a release in flight (the reconciler's) to end.
 const RELEASE_SETTLE: Duration = Duration::from_secs(4);
+
+/// How [`Engine::shutdown`] treats start jobs in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shutdown {
+    /// Wait for them to finish, at most this long.
+    Graceful(Duration),
+    /// Do not wait.
+    Now,
+}
 
 /// The shim engine. Cheap to clone; all clones share one task table.
 #[derive(Clone)]
@@ -344,21 +406,33 @@ impl Engine {
         let home = cfg.home.clone();
         let store = Arc::new(tokio::task::spawn_blocking(move || Store::open(home)).await??);
         let owner = crate::restore::determine_owner(&store, deps.runtime.as_ref()).await?;
+        // Events are read from before the start-up list on: nothing falls between them.
+        let since = i64::try_from(
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        )
+        .unwrap_or(i64::MAX);
         let inner = Arc::new(Inner {
+            gpus: GpuLock::for_host(&deps.host_gpus),
+            background: Mutex::new(Vec::new()),
             cfg,
             deps,
             store,
             owner,
             tasks: Mutex::new(BTreeMap::new()),
-            wake: Notify::new(),
-            exit_hints: Mutex::new(std::collections::HashSet::new()),
+            relist: Notify::new(),
+            events_since: AtomicI64::new(since),
+            events_connected: AtomicBool::new(false),
+            events_reconnects: AtomicU64::new(0),
             last_cycle_ms: Mutex::new(None),
             shutdown: CancellationToken::new(),
             jobs: Mutex::new(Vec::new()),
         });
-        inner.restore_all().await?;
-        inner.first_cycle().await;
-        crate::reconcile::spawn_background(&inner);
+        let listed = inner.restore_all().await?;
+        inner.first_cycle(listed).await;
+        let handles = crate::reconcile::spawn_background(&inner);
+        *inner.background.lock().unwrap_or_else(|p| p.into_inner()) = handles;
         Ok(Engine { inner })
     }
 
@@ -379,6 +453,11 @@ impl Engine {
     /// The host's GPUs as the engine accounts for them.
     pub fn host_gpus(&self) -> &HostGpus {
         &self.inner.deps.host_gpus
+    }
+
+    /// The GPU lock (which GPUs tasks hold now).
+    pub fn gpu_lock(&self) -> &GpuLock {
+        &self.inner.gpus
     }
 
     /// Submits a task: validates the config, creates the task directory and writes the state
@@ -484,7 +563,22 @@ impl Engine {
             message,
             timeout_s: timeout.as_secs(),
         };
-        self.inner.drive(&slot, event).await?;
+        // The stop and the release run in a job of their own: a daemon that does not answer
+        // (frozen, restarting) does not hold the answer past the grace period and a bound;
+        // they finish in the background, and the answer says what is durable by then. A
+        // failed write is answered (500, with its cause) as soon as it happens.
+        let job = {
+            let inner = self.inner.clone();
+            let slot = slot.clone();
+            tokio::spawn(async move { inner.drive(&slot, event).await })
+        };
+        match tokio::time::timeout(timeout.saturating_add(STOP_SLACK), job).await {
+            Ok(done) => done??,
+            Err(_) => {
+                tracing::warn!(task = %id, "terminate: the stop is still running; answering now, it finishes in the background");
+                return Ok(slot.lock().info());
+            }
+        }
         // Start stops at its next step and releases what it acquired: wait for it, so the
         // server's remove that follows a terminate finds the task settled.
         slot.start_settled(START_SETTLE).await;
@@ -515,12 +609,25 @@ impl Engine {
         }
     }
 
-    /// Stops the background jobs. Containers keep running. With `graceful`, waits (at most
-    /// `grace`) for start jobs in flight to finish, so no task is left half-started.
-    pub async fn shutdown(&self, graceful: bool, grace: Duration) {
+    /// Stops the background jobs and waits for them to end. Containers keep running. A
+    /// [`Shutdown::Graceful`] shutdown also waits (at most its bound) for start jobs in
+    /// flight, so no task is left half-started; [`Shutdown::Now`] leaves them.
+    pub async fn shutdown(&self, how: Shutdown) {
         self.inner.shutdown.cancel();
-        self.inner.wake.notify_waiters();
-        if graceful {
+        let background: Vec<JoinHandle<()>> = std::mem::take(
+            &mut *self
+                .inner
+                .background
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        // They stop at their next await on the cancellation; a cycle in progress finishes.
+        let _ = tokio::time::timeout(
+            Duration::from_secs(10),
+            futures_util::future::join_all(background),
+        )
+        .await;
+        if let Shutdown::Graceful(grace) = how {
             let jobs: Vec<JoinHandle<()>> =
                 std::mem::take(&mut *self.inner.jobs.lock().unwrap_or_else(|p| p.into_inner()));
             let wait = futures_util::future::join_all(jobs);
@@ -530,8 +637,9 @@ impl Engine {
         }
     }
 
-    /// Runs one reconcile cycle now (normally the background job does this every second and
-    /// on exit events). Returns whether the container list succeeded.
+    /// Runs one full reconcile cycle now (one list request; the background job runs them on
+    /// every event stream reconnection and as a slow backstop). Returns whether the list
+    /// succeeded.
     pub async fn reconcile_now(&self) -> bool {
         self.inner.cycle().await
     }

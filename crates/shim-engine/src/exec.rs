@@ -25,7 +25,7 @@ impl Inner {
             // Writes are carried out by `Inner::step`, under the step lock; a stray one asks
             // for it there.
             Action::Persist => Some(Event::PersistRequested),
-            Action::AcquireGpus { count } => Some(match self.deps.gpus.acquire(count) {
+            Action::AcquireGpus { count } => Some(match self.gpus.acquire(count) {
                 Ok(ids) => Event::GpusAcquired(ids),
                 Err(e) => Event::PrepareFailed {
                     message: format!("cannot acquire GPUs: {e}"),
@@ -134,7 +134,7 @@ impl Inner {
                 None
             }
             Action::FinishStart => Some(Event::StartFinished),
-            Action::LockGpus(ids) => Some(Event::GpusRelocked(self.deps.gpus.lock(&ids))),
+            Action::LockGpus(ids) => Some(Event::GpusRelocked(self.gpus.lock(&ids))),
         })
     }
 
@@ -289,7 +289,7 @@ impl Inner {
     async fn release(self: &Arc<Self>, slot: &Arc<Slot>, resources: Resources) -> Event {
         let id = &slot.id;
         let mut errors = Vec::new();
-        self.deps.gpus.release(&resources.gpus);
+        self.gpus.release(&resources.gpus);
         let mut host_keys = false;
         if let Some(grant) = &resources.host_keys {
             match self.deps.keys.remove(id, &grant.user, &grant.keys).await {

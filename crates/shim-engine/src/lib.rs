@@ -20,7 +20,7 @@
 //! ```no_run
 //! use std::sync::Arc;
 //! use shim_engine::{Deps, Engine, EngineConfig};
-//! use shim_resources::{AuthorizedKeysManager, BlockVolumes, GpuLock, HostGpus, SystemCommandRunner, VolumeConfig};
+//! use shim_resources::{AuthorizedKeysManager, BlockVolumes, HostGpus, SystemCommandRunner, VolumeConfig};
 //! use shim_runtime::DockerRuntime;
 //! use shim_task::{TaskConfig, TaskId, TaskName};
 //!
@@ -29,7 +29,6 @@
 //! let host_gpus = HostGpus::none();
 //! let deps = Deps {
 //!     runtime,
-//!     gpus: Arc::new(GpuLock::for_host(&host_gpus)),
 //!     host_gpus,
 //!     fake_gpus: false,
 //!     keys: Arc::new(AuthorizedKeysManager::system()),
@@ -53,5 +52,5 @@ mod restore;
 mod spec;
 
 pub use config::{EngineConfig, default_pass_env};
-pub use engine::{Deps, Engine};
+pub use engine::{Deps, Engine, Shutdown};
 pub use error::{EngineError, Result};

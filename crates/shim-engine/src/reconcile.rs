@@ -1,31 +1,53 @@
-//! The reconciler: brings tasks in line with their containers, in the background.
+//! The reconciler: brings tasks in line with their containers, in the background, driven by
+//! Docker's events.
 //!
-//! One cycle makes one container list request for all of this shim's containers. A running
-//! task whose container still runs costs nothing more; one whose container stopped is inspected
-//! (only then: the list reports the exit code inside a human-readable string only) and
-//! terminated per SPEC §2. Terminated tasks that still hold resources are released. Tasks whose
-//! start is in flight are skipped entirely. A failed list changes no task.
-//!
-//! Cycles run every `reconcile_interval` and whenever the runtime reports a container exit of
-//! ours (events are hints: they can be lost, the periodic list is the source of truth).
+//! - **Events first.** One subscription to the `die`, `oom` and `destroy` events of every
+//!   dstack shim container; each event goes to its task (by container name, and by id once the
+//!   task knows its container), in order per task, tasks in parallel. A `die` carries the exit
+//!   code, so an exit needs no blocking inspect (in bridge mode Docker holds the container's
+//!   lock for ~140 ms while it tears the network down); only a non-zero exit reads the last log
+//!   lines. A `destroy` marks a vanished container. Events for a task whose start is in flight
+//!   wait until start returns.
+//! - **Lists as a backstop.** One list request for all containers runs at start-up, on every
+//!   reconnection of the event stream (which resubscribes `since` the last event seen, so
+//!   Docker replays what it still has), and every `reconcile_interval` (minutes), never every
+//!   second. A failed list changes no task.
+//! - **Retries cost nothing while idle.** Every second, tasks with a failed write, a failed
+//!   stop, a release to retry or queued events are driven again; in-memory checks only, no
+//!   Docker request when nothing is to do.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures_util::StreamExt as _;
-use shim_runtime::ContainerSummary;
+use shim_runtime::{ContainerEvent, ContainerSummary, EventKind};
 use shim_task::TaskStatus;
 use shim_task::machine::{Event, Observation};
 
-use crate::engine::{Inner, chain, now_ms};
-use crate::labels::{LABEL_TASK_ID, any_shim_filter, is_ours, owner_labels};
+use crate::engine::{Inner, Slot, chain, now_ms};
+use crate::labels::{LABEL_TASK_ID, any_shim_filter, is_ours};
+
+/// How often failed side effects and queued events are retried.
+const RETRY_EVERY: Duration = Duration::from_secs(1);
+
+/// The event stream's reconnection delays.
+const RECONNECT_MIN: Duration = Duration::from_millis(200);
+const RECONNECT_MAX: Duration = Duration::from_secs(5);
 
 impl Inner {
     /// Runs cycles until one succeeds (Docker may still be starting), with a bound, so the
     /// engine reports ready only after containers that exited while the shim was down are
-    /// processed.
-    pub(crate) async fn first_cycle(self: &Arc<Self>) {
+    /// processed. `listed` is the start-up list restore made, reused for the first cycle.
+    pub(crate) async fn first_cycle(
+        self: &Arc<Self>,
+        listed: Option<(Vec<ContainerSummary>, u64)>,
+    ) {
+        if let Some((containers, listed_at)) = listed {
+            self.cycle_with_since(containers, listed_at).await;
+            return;
+        }
         for attempt in 0..30u32 {
             if self.cycle().await {
                 return;
@@ -38,145 +60,293 @@ impl Inner {
         );
     }
 
-    /// One reconcile cycle. Returns whether the list request succeeded.
-    pub(crate) async fn cycle(self: &Arc<Self>) -> bool {
-        // Tasks whose start had returned before the list was requested. A start that returns
-        // while the list is in flight made a container the list may not show: judging that
-        // task by this list would call its new container vanished.
-        let settled: HashSet<String> = self
-            .slots()
-            .iter()
-            .filter(|s| !s.lock().start_in_flight)
-            .map(|s| s.id.as_str().to_owned())
-            .collect();
-        let containers = match self.deps.runtime.list(&any_shim_filter()).await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = %chain(&e), "container list failed; no task changed");
-                return false;
-            }
-        };
+    /// This shim's containers, in one list request.
+    pub(crate) async fn list_ours(&self) -> shim_runtime::Result<Vec<ContainerSummary>> {
+        let containers = self.deps.runtime.list(&any_shim_filter()).await?;
         let dirs = self.runners_dirs();
         let dirs: Vec<&std::path::Path> = dirs.iter().map(std::path::PathBuf::as_path).collect();
-        let containers: Vec<ContainerSummary> = containers
+        Ok(containers
             .into_iter()
             .filter(|c| is_ours(&c.labels, &c.mounts, &self.owner, &dirs))
-            .collect();
-        let hints: HashSet<String> =
-            std::mem::take(&mut *self.exit_hints.lock().unwrap_or_else(|p| p.into_inner()));
+            .collect())
+    }
+
+    /// One full cycle: one list request, then every task against it. Returns whether the
+    /// list request succeeded.
+    pub(crate) async fn cycle(self: &Arc<Self>) -> bool {
+        let listed_at = now_ms();
+        match self.list_ours().await {
+            Ok(containers) => {
+                self.cycle_with_since(containers, listed_at).await;
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %chain(&e), "container list failed; no task changed");
+                false
+            }
+        }
+    }
+
+    /// Every task against `containers`, a list requested at `listed_at` (Unix ms).
+    async fn cycle_with_since(self: &Arc<Self>, containers: Vec<ContainerSummary>, listed_at: u64) {
         let by_task: HashMap<&str, &ContainerSummary> = containers
             .iter()
             .filter_map(|c| c.labels.get(LABEL_TASK_ID).map(|id| (id.as_str(), c)))
             .collect();
+        let by_name: HashMap<&str, &ContainerSummary> =
+            containers.iter().map(|c| (c.name.as_str(), c)).collect();
         for slot in self.slots() {
-            let (status, in_flight, container_id, needs_release) = {
-                let t = slot.lock();
-                (
-                    t.status(),
-                    t.start_in_flight,
-                    t.record.container_id.clone(),
-                    t.needs_release(),
-                )
-            };
-            if in_flight || !settled.contains(slot.id.as_str()) {
+            // Only tasks whose start had returned before the list was requested: a start that
+            // returned since made a container the list may not show; judging it by this list
+            // would call its new container vanished.
+            if slot.lock().start_in_flight
+                || slot.start_returned_ms.load(Ordering::SeqCst) >= listed_at
+            {
                 continue;
             }
-            if slot.lock().dirty {
-                // A write failed before (a full disk): retry it; what waited on it follows.
-                if let Err(e) = self.drive(&slot, Event::PersistRequested).await {
-                    tracing::warn!(task = %slot.id, error = %chain(&e), "state write still failing");
-                    continue;
-                }
-            }
-            let summary = by_task.get(slot.id.as_str()).copied().or_else(|| {
-                containers
-                    .iter()
-                    .find(|c| !container_id.is_empty() && c.id == container_id)
-            });
-            let observation = if status == TaskStatus::Running {
-                match summary {
-                    None => Some(Observation::Missing),
-                    Some(c) if c.state.is_running() && !hints.contains(&c.id) => None,
-                    Some(c) => Some(self.observe_stopped(&c.id).await),
-                }
-            } else if status == TaskStatus::Terminated {
+            let (status, container_id) = {
+                let t = slot.lock();
+                (t.record.status, t.record.container_id.clone())
+            };
+            let summary = by_name
+                .get(slot.container_name.as_str())
+                .or_else(|| by_task.get(slot.id.as_str()))
+                .copied()
+                .filter(|c| {
+                    container_id.is_empty() || c.id == container_id || c.name == slot.container_name
+                });
+            let observation = if status == TaskStatus::Terminated {
                 // A terminated task's container that still runs (a stop that failed, or a
                 // shim that stopped between recording the reason and stopping) is stopped.
                 summary
                     .filter(|c| c.state.is_running())
                     .map(|_| Observation::Running)
             } else {
-                None
+                match summary {
+                    None => Some(Observation::Missing),
+                    Some(c) if c.state.is_running() => None,
+                    Some(c) => Some(self.observe_stopped(&c.id).await),
+                }
             };
             if let Some(obs) = observation {
-                if !matches!(obs, Observation::Running) || status == TaskStatus::Terminated {
-                    tracing::info!(task = %slot.id, observation = ?obs, "container observed");
-                }
+                tracing::info!(task = %slot.id, observation = ?obs, "container observed");
                 if let Err(e) = self.drive(&slot, Event::Observed(obs)).await {
                     tracing::error!(task = %slot.id, error = %chain(&e), "reconcile step failed");
                 }
             }
-            let needs_release = needs_release || slot.lock().needs_release();
-            if needs_release && let Err(e) = self.drive(&slot, Event::ReleaseRequested).await {
-                tracing::error!(task = %slot.id, error = %chain(&e), "release failed");
-            }
+            self.retry_task(&slot).await;
         }
         *self.last_cycle_ms.lock().unwrap_or_else(|p| p.into_inner()) = Some(now_ms());
-        true
+    }
+
+    /// Retries what a task still wants after a failure: a write, a stop, a release; and its
+    /// queued events. Nothing is asked of Docker unless something is to do.
+    pub(crate) async fn retry_task(self: &Arc<Self>, slot: &Arc<Slot>) {
+        let (in_flight, dirty) = {
+            let t = slot.lock();
+            (t.start_in_flight, t.dirty)
+        };
+        if in_flight {
+            return;
+        }
+        if dirty && let Err(e) = self.drive(slot, Event::PersistRequested).await {
+            tracing::warn!(task = %slot.id, error = %chain(&e), "state write still failing");
+            return;
+        }
+        if slot.lock().needs_release()
+            && let Err(e) = self.drive(slot, Event::ReleaseRequested).await
+        {
+            tracing::warn!(task = %slot.id, error = %chain(&e), "release still failing");
+        }
+        self.kick_events(slot);
+    }
+
+    /// The retry pass: every task, in memory only.
+    async fn retry_all(self: &Arc<Self>) {
+        for slot in self.slots() {
+            let wants = {
+                let t = slot.lock();
+                !t.start_in_flight && (t.dirty || t.needs_release())
+            };
+            if wants {
+                self.retry_task(&slot).await;
+            } else {
+                self.kick_events(&slot);
+            }
+        }
+    }
+
+    /// Routes one event to its task (if it is one of ours).
+    fn route(self: &Arc<Self>, event: ContainerEvent) {
+        let slot = self
+            .slots()
+            .into_iter()
+            .find(|s| s.container_name == event.name);
+        let Some(slot) = slot else {
+            return;
+        };
+        tracing::debug!(task = %slot.id, container = %event.container_id, kind = ?event.kind, "container event");
+        slot.queue_event(event);
+        self.kick_events(&slot);
+    }
+
+    /// Makes sure a task's queued events are being handled, unless start owns it (start's
+    /// end kicks them).
+    pub(crate) fn kick_events(self: &Arc<Self>, slot: &Arc<Slot>) {
+        if slot.lock().start_in_flight || !slot.claim_event_worker() {
+            return;
+        }
+        let this = self.clone();
+        let slot = slot.clone();
+        tokio::spawn(async move {
+            while let Some(event) = slot.next_event() {
+                this.handle_event(&slot, event).await;
+            }
+        });
+    }
+
+    async fn handle_event(self: &Arc<Self>, slot: &Arc<Slot>, event: ContainerEvent) {
+        {
+            let t = slot.lock();
+            // An event of another container of the same name (one this task replaced, or an
+            // earlier task's) is not about this task.
+            if !t.record.container_id.is_empty() && t.record.container_id != event.container_id {
+                return;
+            }
+        }
+        let observation = match event.kind {
+            EventKind::Oom => {
+                slot.oom.store(true, Ordering::SeqCst);
+                return;
+            }
+            EventKind::Destroy => Observation::Missing,
+            EventKind::Die { exit_code: None } => self.observe_stopped(&event.container_id).await,
+            EventKind::Die {
+                exit_code: Some(code),
+            } => {
+                let oom_killed = slot.oom.swap(false, Ordering::SeqCst);
+                // A clean exit needs no log lines; an error reads them (Docker serves logs
+                // without the container's lock).
+                let last_lines = if code == 0 && !oom_killed {
+                    Vec::new()
+                } else {
+                    self.deps
+                        .runtime
+                        .logs_tail(&event.container_id, self.cfg.exit_log_lines)
+                        .await
+                        .unwrap_or_default()
+                };
+                Observation::Exited {
+                    code,
+                    last_lines,
+                    oom_killed,
+                }
+            }
+        };
+        if let Err(e) = self.drive(slot, Event::Observed(observation)).await {
+            tracing::error!(task = %slot.id, error = %chain(&e), "event step failed");
+        }
     }
 }
 
-/// Starts the background reconciler and the exit-event listener that wakes it.
-pub(crate) fn spawn_background(inner: &Arc<Inner>) {
-    let this = inner.clone();
-    tokio::spawn(async move {
-        loop {
-            tokio::select! {
-                _ = this.shutdown.cancelled() => break,
-                _ = this.wake.notified() => {}
-                _ = tokio::time::sleep(this.cfg.reconcile_interval) => {}
+/// Starts the background jobs: the event listener, the retry pass and the backstop list.
+pub(crate) fn spawn_background(inner: &Arc<Inner>) -> Vec<tokio::task::JoinHandle<()>> {
+    let events = {
+        let this = inner.clone();
+        tokio::spawn(async move { this.run_events().await })
+    };
+    let reconciler = {
+        let this = inner.clone();
+        tokio::spawn(async move {
+            let mut backstop = tokio::time::interval(this.cfg.reconcile_interval);
+            backstop.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            backstop.tick().await; // the first cycle ran at start-up
+            let mut retry = tokio::time::interval(RETRY_EVERY);
+            retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = this.shutdown.cancelled() => break,
+                    _ = backstop.tick() => {
+                        let swept = this.blocking(|s| Ok(s.sweep_trash())).await.unwrap_or(0);
+                        if swept > 0 {
+                            tracing::info!(swept, "removed trash directories");
+                        }
+                        this.cycle().await;
+                    }
+                    _ = this.relist.notified() => {
+                        this.cycle().await;
+                    }
+                    _ = retry.tick() => this.retry_all().await,
+                }
             }
-            if this.shutdown.is_cancelled() {
-                break;
-            }
-            this.cycle().await;
-        }
-        tracing::debug!("reconciler stopped");
-    });
-    let this = inner.clone();
-    tokio::spawn(async move {
-        let labels = owner_labels(&this.owner);
-        while !this.shutdown.is_cancelled() {
-            match this.deps.runtime.exit_events(&labels).await {
-                Ok(mut stream) => loop {
-                    tokio::select! {
-                        _ = this.shutdown.cancelled() => return,
-                        item = stream.next() => match item {
-                            Some(Ok(ev)) => {
-                                tracing::debug!(container = %ev.container_id, code = ?ev.exit_code, "exit event");
-                                this.exit_hints
-                                    .lock()
-                                    .unwrap_or_else(|p| p.into_inner())
-                                    .insert(ev.container_id);
-                                this.wake.notify_one();
+            tracing::debug!("reconciler stopped");
+        })
+    };
+    vec![events, reconciler]
+}
+
+impl Inner {
+    /// Listens to the container events for as long as the engine runs, reconnecting with a
+    /// backoff; every reconnection resubscribes since the last event seen and asks for a
+    /// full list (what the daemon no longer had is found that way).
+    async fn run_events(self: Arc<Self>) {
+        let mut delay = RECONNECT_MIN;
+        let mut seen: HashSet<(String, i64)> = HashSet::new();
+        while !self.shutdown.is_cancelled() {
+            let since = self.events_since.load(Ordering::SeqCst);
+            match self
+                .deps
+                .runtime
+                .events(&any_shim_filter(), Some(since))
+                .await
+            {
+                Ok(mut stream) => {
+                    if self.events_connected.swap(true, Ordering::SeqCst) {
+                        // Unreachable: the flag is cleared below before reconnecting.
+                    }
+                    if self.events_reconnects.fetch_add(1, Ordering::SeqCst) > 0 {
+                        tracing::info!("container event stream reconnected; relisting");
+                        self.relist.notify_one();
+                    }
+                    delay = RECONNECT_MIN;
+                    loop {
+                        let item = tokio::select! {
+                            _ = self.shutdown.cancelled() => return,
+                            item = stream.next() => item,
+                        };
+                        match item {
+                            Some(Ok(event)) => {
+                                // A replay (`since` is inclusive) may repeat an event.
+                                if !seen.insert((event.container_id.clone(), event.time_ns)) {
+                                    continue;
+                                }
+                                if seen.len() > 4096 {
+                                    seen.clear();
+                                }
+                                self.events_since.fetch_max(event.time_ns, Ordering::SeqCst);
+                                self.route(event);
                             }
                             Some(Err(e)) => {
-                                tracing::debug!(error = %e, "exit event stream error");
+                                tracing::warn!(error = %chain(&e), "container event stream broke");
                                 break;
                             }
-                            None => break,
+                            None => {
+                                tracing::warn!("container event stream ended");
+                                break;
+                            }
                         }
                     }
-                },
-                Err(e) => tracing::debug!(error = %e, "cannot subscribe to exit events"),
+                    self.events_connected.store(false, Ordering::SeqCst);
+                }
+                Err(e) => {
+                    tracing::debug!(error = %chain(&e), "cannot subscribe to container events");
+                }
             }
-            // Resubscribe after a pause; the periodic list covers the gap.
             tokio::select! {
-                _ = this.shutdown.cancelled() => return,
-                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                _ = self.shutdown.cancelled() => return,
+                _ = tokio::time::sleep(delay) => {}
             }
-            // Events may have been missed while unsubscribed.
-            this.wake.notify_one();
+            delay = (delay * 2).min(RECONNECT_MAX);
         }
-    });
+    }
 }

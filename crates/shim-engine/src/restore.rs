@@ -10,7 +10,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use shim_runtime::{ContainerDetails, ContainerRuntime, ContainerState as RtState};
+use shim_runtime::{
+    ContainerDetails, ContainerRuntime, ContainerState as RtState, ContainerSummary,
+};
 use shim_store::{Origin, ScanEntry, Store};
 use shim_task::machine::Action;
 use shim_task::{
@@ -112,7 +114,10 @@ impl Inner {
 
     /// Restores every task of this shim. Nothing is released before every live task's SSH
     /// keys and GPUs are registered again, so a release never drops what a live task needs.
-    pub(crate) async fn restore_all(self: &Arc<Self>) -> Result<()> {
+    /// Returns the start-up list (and when it was requested) for the first cycle.
+    pub(crate) async fn restore_all(
+        self: &Arc<Self>,
+    ) -> Result<Option<(Vec<ContainerSummary>, u64)>> {
         let (migration, swept, entries) = self
             .blocking(|store| {
                 let migration = store.migrate_legacy()?;
@@ -159,14 +164,15 @@ impl Inner {
             }
         }
 
-        let containers = self.list_at_startup().await?;
-        let referenced: BTreeSet<String> = containers
+        let listed_at = now_ms();
+        let summaries = self.list_at_startup().await?;
+        let referenced: BTreeSet<String> = summaries
             .iter()
             .flat_map(|c| c.mounts.iter().map(|m| m.source.clone()))
             .collect();
         let mut observed: BTreeMap<String, (ObservedContainer, bool)> = BTreeMap::new();
-        for c in &containers {
-            let Some(o) = observe(c, &self.cfg.volumes_root) else {
+        for c in &summaries {
+            let Some(o) = self.observe(c).await? else {
                 continue;
             };
             if observed.contains_key(&o.name) {
@@ -283,7 +289,7 @@ impl Inner {
                 tracing::error!(task = %slot.id, error = %chain(&e), "restore actions failed; the reconciler retries");
             }
         }
-        Ok(())
+        Ok(Some((summaries, listed_at)))
     }
 
     /// Fills in what a state file of the upstream shim does not hold: the resources its
@@ -320,79 +326,93 @@ impl Inner {
         }
     }
 
-    /// Lists this shim's containers and inspects each; waits (bounded) for the runtime.
-    async fn list_at_startup(&self) -> Result<Vec<ContainerDetails>> {
+    /// Lists this shim's containers; waits (bounded) for the runtime.
+    async fn list_at_startup(&self) -> Result<Vec<ContainerSummary>> {
         let summaries = list_waiting(self.deps.runtime.as_ref(), &any_shim_filter()).await?;
         let dirs = self.runners_dirs();
         let dirs: Vec<&Path> = dirs.iter().map(PathBuf::as_path).collect();
-        let mut out = Vec::new();
-        for s in summaries {
-            if !is_ours(&s.labels, &s.mounts, &self.owner, &dirs) {
-                continue;
-            }
-            match self.deps.runtime.inspect(&s.id).await {
-                Ok(d) => out.push(d),
-                Err(shim_runtime::RuntimeError::NotFound { .. }) => {}
+        Ok(summaries
+            .into_iter()
+            .filter(|s| is_ours(&s.labels, &s.mounts, &self.owner, &dirs))
+            .collect())
+    }
+
+    /// What restore needs of a container, or `None` if it has no valid task id label. The
+    /// list entry tells everything (state, labels, ports, mounts) but the GPUs of a container
+    /// the upstream shim made: only those are inspected.
+    async fn observe(&self, c: &ContainerSummary) -> Result<Option<ObservedContainer>> {
+        let Some(task_id) = c
+            .labels
+            .get(LABEL_TASK_ID)
+            .and_then(|id| TaskId::new(id.as_str()).ok())
+        else {
+            return Ok(None);
+        };
+        let gpu_ids = match gpu_ids_from_label(&c.labels) {
+            Some(ids) => ids,
+            None if c.labels.contains_key(LABEL_OWNER) => Vec::new(),
+            None => match self.deps.runtime.inspect(&c.id).await {
+                Ok(d) => gpu_ids(&d),
+                Err(shim_runtime::RuntimeError::NotFound { .. }) => return Ok(None),
                 Err(e) => return Err(EngineError::Runtime(e)),
-            }
-        }
-        Ok(out)
+            },
+        };
+        let state = match c.state {
+            RtState::Created => ContainerState::Created,
+            RtState::Running | RtState::Paused | RtState::Restarting => ContainerState::Running,
+            // The exit code is the reconciler's to read (it inspects stopped containers).
+            RtState::Exited => ContainerState::Exited { code: -1 },
+            RtState::Dead => ContainerState::Dead,
+            ref other => ContainerState::Other(other.to_string()),
+        };
+        let volumes_root = &self.cfg.volumes_root;
+        Ok(Some(ObservedContainer {
+            id: c.id.clone(),
+            name: c.name.clone(),
+            task_id,
+            state,
+            gpu_ids,
+            ports: c
+                .ports
+                .iter()
+                .map(|p| PortMapping {
+                    host: p.host,
+                    container: p.container,
+                })
+                .collect(),
+            recovered_volumes: c
+                .mounts
+                .iter()
+                .filter_map(|m| {
+                    let source = Path::new(&m.source);
+                    let rel = source.strip_prefix(volumes_root).ok()?;
+                    let name = rel.to_str().filter(|n| !n.is_empty() && !n.contains('/'))?;
+                    Some(MountedVolume {
+                        name: name.to_owned(),
+                        mount_point: m.source.clone(),
+                        device: String::new(),
+                    })
+                })
+                .collect(),
+        }))
     }
 }
 
-/// What restore needs of a container, or `None` if it has no valid task id label.
-fn observe(d: &ContainerDetails, volumes_root: &Path) -> Option<ObservedContainer> {
-    let task_id = TaskId::new(d.labels.get(LABEL_TASK_ID)?.as_str()).ok()?;
-    let state = match d.state {
-        RtState::Created => ContainerState::Created,
-        RtState::Running | RtState::Paused | RtState::Restarting => ContainerState::Running,
-        RtState::Exited => ContainerState::Exited {
-            code: d.exit_code.unwrap_or(-1),
-        },
-        RtState::Dead => ContainerState::Dead,
-        ref other => ContainerState::Other(other.to_string()),
-    };
-    Some(ObservedContainer {
-        id: d.id.clone(),
-        name: d.name.clone(),
-        task_id,
-        state,
-        gpu_ids: gpu_ids(d),
-        ports: d
-            .ports
-            .iter()
-            .map(|p| PortMapping {
-                host: p.host,
-                container: p.container,
-            })
-            .collect(),
-        recovered_volumes: d
-            .mounts
-            .iter()
-            .filter_map(|m| {
-                let source = Path::new(&m.source);
-                let rel = source.strip_prefix(volumes_root).ok()?;
-                let name = rel.to_str().filter(|n| !n.is_empty() && !n.contains('/'))?;
-                Some(MountedVolume {
-                    name: name.to_owned(),
-                    mount_point: m.source.clone(),
-                    device: String::new(),
-                })
-            })
-            .collect(),
+/// The GPU ids of our label, if it is there (any vendor, fake hosts too).
+fn gpu_ids_from_label(labels: &BTreeMap<String, String>) -> Option<Vec<String>> {
+    labels.get(LABEL_GPUS).map(|l| {
+        l.split(',')
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect()
     })
 }
 
-/// GPU ids of a container: our label first (any vendor, fake hosts too), then NVIDIA device
-/// requests, then AMD render nodes (as upstream recovers them: `docker.go`,
-/// `restoreStateFromContainers`).
+/// GPU ids of a container: our label first, then NVIDIA device requests, then AMD render
+/// nodes (as upstream recovers them: `docker.go`, `restoreStateFromContainers`).
 fn gpu_ids(d: &ContainerDetails) -> Vec<String> {
-    if let Some(l) = d.labels.get(LABEL_GPUS) {
-        return l
-            .split(',')
-            .filter(|s| !s.is_empty())
-            .map(str::to_owned)
-            .collect();
+    if let Some(ids) = gpu_ids_from_label(&d.labels) {
+        return ids;
     }
     let nvidia: Vec<String> = d
         .device_requests

@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 
 use shim_engine::{Deps, Engine, EngineConfig};
 use shim_resources::{
-    AuthorizedKeysManager, BlockVolumes, GpuLock, HostGpus, StaticUserDb, SystemCommandRunner,
-    VolumeConfig,
+    AuthorizedKeysManager, BlockVolumes, HostGpus, StaticUserDb, SystemCommandRunner, VolumeConfig,
 };
 use shim_runtime::DockerRuntime;
 use shim_task::{
@@ -65,7 +64,6 @@ impl Host {
         vcfg.gcp_by_id_dir = self.path("by-id");
         let deps = Deps {
             runtime: Arc::new(runtime),
-            gpus: Arc::new(GpuLock::for_host(&self.gpus)),
             host_gpus: self.gpus.clone(),
             fake_gpus: true,
             keys: Arc::new(AuthorizedKeysManager::new(Arc::new(users))),
@@ -217,7 +215,9 @@ async fn done_by_runner_and_exit_with_error() {
     assert_eq!(lines.len(), 5, "{lines:?}");
     assert_eq!(lines[4], "runner exiting with 3");
     cleanup(&engine, &[&ok, &bad]).await;
-    engine.shutdown(true, Duration::from_secs(5)).await;
+    engine
+        .shutdown(shim_engine::Shutdown::Graceful(Duration::from_secs(5)))
+        .await;
 }
 
 #[tokio::test]
@@ -290,7 +290,9 @@ async fn terminate_running_now_and_with_grace() {
         ])
         .is_empty()
     );
-    engine.shutdown(true, Duration::from_secs(5)).await;
+    engine
+        .shutdown(shim_engine::Shutdown::Graceful(Duration::from_secs(5)))
+        .await;
 }
 
 #[tokio::test]
@@ -346,7 +348,9 @@ async fn terminate_during_large_pull_cancels_it() {
     let log = fs_err::read_to_string(&pull_log).unwrap_or_default();
     assert!(!log.contains(&shim_e2e::registry_password()));
     cleanup(&engine, &[&id]).await;
-    engine.shutdown(true, Duration::from_secs(5)).await;
+    engine
+        .shutdown(shim_engine::Shutdown::Graceful(Duration::from_secs(5)))
+        .await;
 }
 
 /// A loop device with a GCP-style by-id link; detached and unmounted on drop.
@@ -543,7 +547,9 @@ fn crash_and_restore_on_real_docker() {
         engine.remove(&TaskId::new(&*cut).unwrap()).await.unwrap();
         assert!(!host.path("home/tasks").join(&cut).exists());
         cleanup(&engine, &[&run, &exits, &user, &never]).await;
-        engine.shutdown(true, Duration::from_secs(5)).await;
+        engine
+            .shutdown(shim_engine::Shutdown::Graceful(Duration::from_secs(5)))
+            .await;
     });
     drop(vol);
 }
@@ -561,7 +567,8 @@ async fn two_homes_on_one_daemon() {
     let info = wait_status(&e1, &id, TaskStatus::Running).await;
     assert!(e2.reconcile_now().await);
     assert!(e2.list().is_empty());
-    e2.shutdown(true, Duration::from_secs(1)).await;
+    e2.shutdown(shim_engine::Shutdown::Graceful(Duration::from_secs(1)))
+        .await;
     let e2 = h2.engine().await;
     assert!(e2.list().is_empty(), "the other shim adopted nothing");
     assert_eq!(
@@ -654,5 +661,7 @@ async fn daemon_unreachable_for_a_while_changes_nothing() {
     let info = wait_status(&engine, &id, TaskStatus::Terminated).await;
     assert_eq!(info.termination_reason, "done_by_runner");
     cleanup(&engine, &[&id]).await;
-    engine.shutdown(true, Duration::from_secs(5)).await;
+    engine
+        .shutdown(shim_engine::Shutdown::Graceful(Duration::from_secs(5)))
+        .await;
 }

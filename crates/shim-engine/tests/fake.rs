@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use shim_engine::{Deps, Engine, EngineConfig, EngineError};
+use shim_resources::HostGpus;
 use shim_resources::fake::{FakeAuthorizedKeys, FakeVolumes};
-use shim_resources::{GpuLock, HostGpus};
 use shim_runtime::fake::{Call, FakeRuntime, PullBehavior, StartBehavior};
 use shim_runtime::{ContainerState, PullProgress};
 use shim_task::{
@@ -21,7 +21,6 @@ const IMAGE: &str = "img:1";
 struct World {
     home: tempfile::TempDir,
     runtime: FakeRuntime,
-    gpus: Arc<GpuLock>,
     host_gpus: HostGpus,
     keys: Arc<FakeAuthorizedKeys>,
     volumes: Arc<FakeVolumes>,
@@ -35,7 +34,6 @@ impl World {
         World {
             home: tempfile::tempdir().unwrap(),
             runtime,
-            gpus: Arc::new(GpuLock::for_host(&host_gpus)),
             host_gpus,
             keys: Arc::new(FakeAuthorizedKeys::new()),
             volumes: Arc::new(FakeVolumes::new("/fake/volumes")),
@@ -46,7 +44,6 @@ impl World {
         Deps {
             runtime: Arc::new(self.runtime.clone()),
             host_gpus: self.host_gpus.clone(),
-            gpus: self.gpus.clone(),
             fake_gpus: false,
             keys: self.keys.clone(),
             volumes: self.volumes.clone(),
@@ -68,7 +65,8 @@ impl World {
 
     /// Stops `old` gracefully, then [`World::fresh_process`].
     async fn restart(&mut self, old: Engine) -> Engine {
-        old.shutdown(true, Duration::from_secs(5)).await;
+        old.shutdown(shim_engine::Shutdown::Graceful(Duration::from_secs(5)))
+            .await;
         drop(old);
         self.fresh_process().await
     }
@@ -76,7 +74,6 @@ impl World {
     /// A new engine on the same home, Docker and volumes, with the in-memory state a restarted
     /// process starts with: no GPU locked, no task's SSH keys registered.
     async fn fresh_process(&mut self) -> Engine {
-        self.gpus = Arc::new(GpuLock::for_host(&self.host_gpus));
         self.keys = Arc::new(FakeAuthorizedKeys::new());
         self.engine().await
     }
@@ -121,16 +118,16 @@ async fn wait_pulling(engine: &Engine, id: &str) -> shim_task::TaskInfo {
     panic!("task {id} never pulled");
 }
 
-async fn wait_released(engine: &Engine, w: &World, id: &str) {
+async fn wait_released(engine: &Engine, _w: &World, id: &str) {
     for _ in 0..500 {
         engine.reconcile_now().await;
         let info = engine.task_info(&tid(id)).unwrap();
-        if info.status == TaskStatus::Terminated && w.gpus.locked().is_empty() {
+        if info.status == TaskStatus::Terminated && engine.gpu_lock().locked().is_empty() {
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    panic!("task {id} never released: {:?}", w.gpus.locked());
+    panic!("task {id} never released: {:?}", engine.gpu_lock().locked());
 }
 
 /// This shim's part of the task's state file (`runners/<container name>/task.json`).
@@ -157,7 +154,7 @@ async fn submit_runs_and_exit_event_completes() {
     assert!(!info.container_id.is_empty());
     assert_eq!(info.ports, Some(vec![]));
     assert_eq!(info.gpu_ids.as_ref().map(Vec::len), Some(1));
-    assert_eq!(w.gpus.locked().len(), 1);
+    assert_eq!(engine.gpu_lock().locked().len(), 1);
     // Running is persisted right after it is set (the API may see it a moment earlier).
     for _ in 0..100 {
         if state_file(&w, "t1")["status"] == "running" {
@@ -226,7 +223,7 @@ async fn terminate_running_stops_with_timeout_and_releases() {
     assert!(w.runtime.calls().iter().any(
         |c| matches!(c, Call::Stop(id, t) if *id == info.container_id && *t == Duration::from_secs(7))
     ));
-    assert!(w.gpus.locked().is_empty());
+    assert!(engine.gpu_lock().locked().is_empty());
     assert!(w.keys.keys_of("ubuntu").is_empty());
     // A second terminate keeps the first reason; the exit the stop caused changes nothing.
     let info3 = engine
@@ -264,7 +261,7 @@ async fn terminate_during_pull_cancels_it() {
     c.gpu = 1;
     engine.submit(c).await.unwrap();
     let info = wait_pulling(&engine, "t1").await;
-    assert_eq!(w.gpus.locked().len(), 1);
+    assert_eq!(engine.gpu_lock().locked().len(), 1);
     let _ = info;
     let info = engine
         .terminate(
@@ -335,7 +332,7 @@ async fn start_step_failures_map_to_reasons() {
     let info = wait_status(&engine, "gpu", TaskStatus::Terminated).await;
     assert_eq!(info.termination_reason, "executor_error");
     assert!(info.termination_message.contains("GPU"), "{info:?}");
-    assert!(w.gpus.locked().is_empty());
+    assert!(engine.gpu_lock().locked().is_empty());
 
     // SSH keys cannot be added → executor_error, GPUs released.
     w.keys.set_fail(true);
@@ -478,7 +475,7 @@ async fn restart_restores_every_case() {
     let info_exited = engine.task_info(&tid("exited")).unwrap();
     let info_never = engine.task_info(&tid("never")).unwrap();
     // The shim dies (no graceful wait: the pull hangs).
-    engine.shutdown(false, Duration::ZERO).await;
+    engine.shutdown(shim_engine::Shutdown::Now).await;
     drop(engine);
 
     // While it is down: one container exits, one goes back to "created".
@@ -523,7 +520,10 @@ async fn restart_restores_every_case() {
     assert!(!pulling.termination_message.is_empty());
     // Keys of the task cut short are gone; only the running task's GPU is locked again.
     assert!(w.keys.keys_of("ubuntu").is_empty());
-    assert_eq!(w.gpus.locked(), info_running.gpu_ids.clone().unwrap());
+    assert_eq!(
+        engine.gpu_lock().locked(),
+        info_running.gpu_ids.clone().unwrap()
+    );
 
     // Restoring again changes nothing.
     let engine = w.restart(engine).await;
@@ -538,7 +538,7 @@ async fn restart_restores_every_case() {
         engine.task_info(&tid("running")).unwrap().status,
         TaskStatus::Running
     );
-    assert_eq!(w.gpus.locked().len(), 1);
+    assert_eq!(engine.gpu_lock().locked().len(), 1);
     engine.remove(&tid("pulling")).await.unwrap();
     assert!(!w.home.path().join("tasks/pulling").exists());
 }
@@ -555,7 +555,9 @@ async fn restart_keeps_shared_key_of_live_task() {
         wait_status(&engine, id, TaskStatus::Running).await;
     }
     let a = engine.task_info(&tid("a")).unwrap();
-    engine.shutdown(true, Duration::from_secs(1)).await;
+    engine
+        .shutdown(shim_engine::Shutdown::Graceful(Duration::from_secs(1)))
+        .await;
     drop(engine);
     // The restarted process knows no task's keys: unless the engine registers b's before it
     // releases a's, releasing a's would leave the user without the key b still needs.
@@ -648,15 +650,15 @@ async fn fifty_concurrent_tasks() {
     }
     for _ in 0..500 {
         engine.reconcile_now().await;
-        if w.gpus.locked().is_empty() {
+        if engine.gpu_lock().locked().is_empty() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(
-        w.gpus.locked().is_empty(),
+        engine.gpu_lock().locked().is_empty(),
         "leaked GPUs: {:?}",
-        w.gpus.locked()
+        engine.gpu_lock().locked()
     );
     for i in 0..50 {
         engine.remove(&tid(&format!("t{i}"))).await.unwrap();
@@ -679,7 +681,9 @@ async fn a_duplicate_gpu_claim_after_restart_never_frees_a_gpu_in_use() {
     c.gpu = 1;
     engine.submit(c).await.unwrap();
     let owner = wait_status(&engine, "owner", TaskStatus::Running).await;
-    engine.shutdown(true, Duration::from_secs(1)).await;
+    engine
+        .shutdown(shim_engine::Shutdown::Graceful(Duration::from_secs(1)))
+        .await;
     drop(engine);
     // A second container claims the same GPU (e.g. left by an older shim without a state
     // file) and has exited.
@@ -694,7 +698,7 @@ async fn a_duplicate_gpu_claim_after_restart_never_frees_a_gpu_in_use() {
     assert_eq!(stale.status, TaskStatus::Terminated);
     // The stale task's id sorts first, but the running task gets the GPU; the stale one,
     // which exited, locked nothing and must not unlock the GPU the running task uses.
-    assert_eq!(w.gpus.locked(), owner.gpu_ids.clone().unwrap());
-    assert_eq!(w.gpus.free_count(), 0);
+    assert_eq!(engine.gpu_lock().locked(), owner.gpu_ids.clone().unwrap());
+    assert_eq!(engine.gpu_lock().free_count(), 0);
     let _ = w.restart(engine).await;
 }

@@ -25,10 +25,13 @@ use tracing::{debug, warn};
 
 use crate::spec::{ContainerSpec, DeviceMapping, DeviceRequest, NetworkMode};
 use crate::types::{
-    ContainerDetails, ContainerState, ContainerSummary, ExitEvent, MountPoint, PublishedPort,
-    PullProgress, PullRequest,
+    ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, EventKind, MountPoint,
+    PublishedPort, PullProgress, PullRequest,
 };
-use crate::{ContainerRuntime, ExitEventStream, ProgressFn, Result, RuntimeError};
+use crate::{ContainerRuntime, EventStream, ProgressFn, Result, RuntimeError};
+
+/// How long any request may wait for the daemon's answer to begin (streams then run on).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The [`ContainerRuntime`] backed by a Docker daemon.
 #[derive(Debug, Clone)]
@@ -94,6 +97,26 @@ fn label_filters(labels: &[(String, String)]) -> HashMap<String, Vec<String>> {
         })
         .collect();
     HashMap::from([("label".to_owned(), values)])
+}
+
+/// The IPv4 host bindings of a container list entry, sorted.
+fn summary_ports(ports: &[bollard::models::PortSummary]) -> Vec<PublishedPort> {
+    let mut out: Vec<PublishedPort> = ports
+        .iter()
+        .filter(|p| {
+            p.ip.as_deref()
+                .is_some_and(|ip| ip.parse::<std::net::Ipv4Addr>().is_ok())
+        })
+        .filter_map(|p| {
+            Some(PublishedPort {
+                container: p.private_port,
+                host: p.public_port?,
+            })
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
 }
 
 /// Appends `:latest` to a reference without a tag or digest.
@@ -472,9 +495,12 @@ impl DockerRuntime {
         Self::from_client(docker).await
     }
 
-    /// Wraps a bollard client, negotiating the API version.
+    /// Wraps a bollard client, negotiating the API version. Every request gets at most
+    /// [`REQUEST_TIMEOUT`] for its response to begin (a frozen daemon does not hang the
+    /// shim); a stop gets its grace period on top.
     pub async fn from_client(docker: Docker) -> Result<Self> {
         let docker = docker
+            .with_timeout(REQUEST_TIMEOUT)
             .negotiate_version()
             .await
             .map_err(|e| translate("negotiate version", "docker daemon".to_owned(), e))?;
@@ -668,6 +694,7 @@ impl ContainerRuntime for DockerRuntime {
                     ContainerState::parse(s.as_ref())
                 }),
                 labels: c.labels.unwrap_or_default().into_iter().collect(),
+                ports: summary_ports(c.ports.as_deref().unwrap_or_default()),
                 mounts: c
                     .mounts
                     .unwrap_or_default()
@@ -754,23 +781,35 @@ impl ContainerRuntime for DockerRuntime {
         Ok(lines[skip..].to_vec())
     }
 
-    async fn exit_events(&self, labels: &[(String, String)]) -> Result<ExitEventStream> {
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default();
-        let since = format!("{}.{:09}", now.as_secs(), now.subsec_nanos());
+    async fn events(
+        &self,
+        labels: &[(String, String)],
+        since_ns: Option<i64>,
+    ) -> Result<EventStream> {
+        let since_ns = since_ns.unwrap_or_else(|| {
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+        });
+        let since = format!(
+            "{}.{:09}",
+            since_ns.div_euclid(1_000_000_000),
+            since_ns.rem_euclid(1_000_000_000)
+        );
         let mut filters = label_filters(labels);
         filters.insert("type".to_owned(), vec!["container".to_owned()]);
-        filters.insert("event".to_owned(), vec!["die".to_owned()]);
+        filters.insert(
+            "event".to_owned(),
+            vec!["die".to_owned(), "oom".to_owned(), "destroy".to_owned()],
+        );
         let options = EventsOptionsBuilder::new()
             .since(&since)
             .filters(&filters)
             .build();
-        // The events request has no response timeout of its own beyond the headers.
         let stream = self.docker.events(Some(options)).filter_map(
             |item: std::result::Result<EventMessage, BollardError>| async move {
                 match item {
-                    Ok(msg) => exit_event(msg).map(Ok),
+                    Ok(msg) => container_event(msg).map(Ok),
                     Err(err) => Some(Err(translate("events", "containers".to_owned(), err))),
                 }
             },
@@ -779,20 +818,35 @@ impl ContainerRuntime for DockerRuntime {
     }
 }
 
-fn exit_event(msg: EventMessage) -> Option<ExitEvent> {
-    if msg.action.as_deref() != Some("die") {
-        return None;
-    }
-    let actor = msg.actor?;
+fn container_event(msg: EventMessage) -> Option<ContainerEvent> {
+    let mut actor = msg.actor?;
     let container_id = actor.id?;
-    let exit_code = actor
-        .attributes
-        .as_ref()
-        .and_then(|a| a.get("exitCode"))
-        .and_then(|c| c.parse::<i64>().ok());
-    Some(ExitEvent {
+    let attributes = actor.attributes.take().unwrap_or_default();
+    let kind = match msg.action.as_deref()? {
+        "die" => EventKind::Die {
+            exit_code: attributes
+                .get("exitCode")
+                .and_then(|c| c.parse::<i64>().ok()),
+        },
+        "oom" => EventKind::Oom,
+        "destroy" => EventKind::Destroy,
+        _ => return None,
+    };
+    let name = attributes
+        .get("name")
+        .map(|n| strip_slash(n))
+        .unwrap_or_default();
+    let time_ns = msg
+        .time_nano
+        .or_else(|| msg.time.map(|t| t.saturating_mul(1_000_000_000)))
+        .unwrap_or(0);
+    Some(ContainerEvent {
         container_id,
-        exit_code,
+        name,
+        kind,
+        // Docker puts the labels among the attributes, with name, image and exitCode.
+        labels: attributes.into_iter().collect(),
+        time_ns,
     })
 }
 

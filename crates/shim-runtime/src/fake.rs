@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use futures_util::StreamExt;
@@ -20,10 +20,10 @@ use tokio_util::sync::CancellationToken;
 use crate::error::BoxError;
 use crate::spec::{ContainerSpec, NetworkMode};
 use crate::types::{
-    ContainerDetails, ContainerState, ContainerSummary, ExitEvent, MountPoint, PublishedPort,
-    PullProgress, PullRequest,
+    ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, EventKind, MountPoint,
+    PublishedPort, PullProgress, PullRequest,
 };
-use crate::{ContainerRuntime, ExitEventStream, ProgressFn, Result, RuntimeError};
+use crate::{ContainerRuntime, EventStream, ProgressFn, Result, RuntimeError};
 
 /// One recorded call.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,8 +51,8 @@ pub enum Call {
     Remove(String),
     /// `logs_tail(id, n)`.
     LogsTail(String, usize),
-    /// `exit_events(labels)`.
-    ExitEvents(Vec<(String, String)>),
+    /// `events(labels, since_ns)`.
+    Events(Vec<(String, String)>, Option<i64>),
 }
 
 impl Call {
@@ -68,7 +68,7 @@ impl Call {
             Self::Stop(..) => "stop",
             Self::Remove(_) => "remove",
             Self::LogsTail(..) => "logs_tail",
-            Self::ExitEvents(_) => "exit_events",
+            Self::Events(..) => "events",
         }
     }
 }
@@ -132,6 +132,7 @@ struct FakeContainer {
     logs: Vec<String>,
     started_at: Option<String>,
     finished_at: Option<String>,
+    oom_killed: bool,
 }
 
 #[derive(Debug, Default)]
@@ -147,13 +148,17 @@ struct State {
     start: StartBehavior,
     start_queue: VecDeque<StartBehavior>,
     stop_exit_code: Option<i64>,
+    /// Every event sent so far, for replays (`since`), like the daemon's ring buffer.
+    event_log: Vec<ContainerEvent>,
+    /// The events clock: Unix nanoseconds of the next event (strictly increasing).
+    event_clock: i64,
 }
 
 /// The in-memory fake runtime. Cheap to clone (clones share state).
 #[derive(Debug, Clone)]
 pub struct FakeRuntime {
     state: Arc<Mutex<State>>,
-    events: broadcast::Sender<(BTreeMap<String, String>, ExitEvent)>,
+    events: broadcast::Sender<ContainerEvent>,
     calls_seen: Arc<watch::Sender<usize>>,
     starts_released: Arc<watch::Sender<u64>>,
     pulls_released: Arc<watch::Sender<u64>>,
@@ -311,41 +316,66 @@ impl FakeRuntime {
         self.lock().stop_exit_code = code;
     }
 
-    /// Makes a running (or created) container exit with `code` and emits its exit event.
+    /// Makes a running (or created) container exit with `code` and emits its `die` event.
     /// Returns false if there is no such container.
     pub fn exit(&self, id: &str, code: i64) -> bool {
-        match self.exit_inner(id, code) {
-            Some(event) => {
-                // No subscriber is fine.
-                let _ = self.events.send(event);
-                true
-            }
-            None => false,
-        }
+        self.exit_inner(id, code, false, true)
     }
 
-    /// Like [`FakeRuntime::exit`], but the exit event is lost (events are only hints).
+    /// Like [`FakeRuntime::exit`], with the `oom` event first and the OOM flag set, as when
+    /// the kernel's OOM killer ends the process.
+    pub fn exit_oom(&self, id: &str, code: i64) -> bool {
+        self.exit_inner(id, code, true, true)
+    }
+
+    /// Like [`FakeRuntime::exit`], but the event is lost (a subscriber that was not connected,
+    /// or a daemon whose buffer dropped it).
     pub fn exit_without_event(&self, id: &str, code: i64) -> bool {
-        self.exit_inner(id, code).is_some()
+        self.exit_inner(id, code, false, false)
     }
 
-    fn exit_inner(&self, id: &str, code: i64) -> Option<(BTreeMap<String, String>, ExitEvent)> {
-        let event = {
-            let mut state = self.lock();
-            let now = Self::timestamp(&mut state);
-            let c = state.containers.get_mut(id)?;
-            c.state = ContainerState::Exited;
-            c.exit_code = Some(code);
-            c.finished_at = Some(now);
-            (
-                c.spec.labels.clone(),
-                ExitEvent {
-                    container_id: id.to_owned(),
+    /// Records and broadcasts an event (the state lock is held by the caller).
+    fn emit(&self, state: &mut State, c: &FakeContainer, kind: EventKind) {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX));
+        state.event_clock = state.event_clock.max(now).saturating_add(1);
+        let event = ContainerEvent {
+            container_id: c.id.clone(),
+            name: c.spec.name.clone(),
+            kind,
+            labels: c.spec.labels.clone(),
+            time_ns: state.event_clock,
+        };
+        state.event_log.push(event.clone());
+        // No subscriber is fine.
+        let _ = self.events.send(event);
+    }
+
+    fn exit_inner(&self, id: &str, code: i64, oom: bool, announce: bool) -> bool {
+        let mut state = self.lock();
+        let now = Self::timestamp(&mut state);
+        let Some(c) = state.containers.get_mut(id) else {
+            return false;
+        };
+        c.state = ContainerState::Exited;
+        c.exit_code = Some(code);
+        c.oom_killed = oom;
+        c.finished_at = Some(now);
+        let c = c.clone();
+        if announce {
+            if oom {
+                self.emit(&mut state, &c, EventKind::Oom);
+            }
+            self.emit(
+                &mut state,
+                &c,
+                EventKind::Die {
                     exit_code: Some(code),
                 },
-            )
-        };
-        Some(event)
+            );
+        }
+        true
     }
 
     /// Makes a container disappear without an event (as if removed behind the shim's back).
@@ -426,6 +456,7 @@ impl FakeRuntime {
                 logs: Vec::new(),
                 started_at: None,
                 finished_at: None,
+                oom_killed: false,
             },
         );
         id
@@ -658,7 +689,7 @@ impl ContainerRuntime for FakeRuntime {
             state: c.state.clone(),
             exit_code: c.exit_code,
             error: c.error.clone(),
-            oom_killed: false,
+            oom_killed: c.oom_killed,
             started_at: c.started_at.clone(),
             finished_at: c.finished_at.clone(),
             labels: spec.labels.clone(),
@@ -692,6 +723,7 @@ impl ContainerRuntime for FakeRuntime {
             .values()
             .filter(|c| has_labels(&c.spec.labels, labels))
             .map(|c| ContainerSummary {
+                ports: c.ports.clone(),
                 id: c.id.clone(),
                 name: c.spec.name.clone(),
                 state: c.state.clone(),
@@ -729,8 +761,19 @@ impl ContainerRuntime for FakeRuntime {
     async fn remove(&self, id: &str) -> Result<()> {
         let mut state = self.record(Call::Remove(id.to_owned()), id)?;
         let key = Self::resolve(&mut state, id).map(|c| c.id.clone());
-        if let Some(key) = key {
-            state.containers.remove(&key);
+        if let Some(key) = key
+            && let Some(c) = state.containers.remove(&key)
+        {
+            if c.state.is_running() {
+                self.emit(
+                    &mut state,
+                    &c,
+                    EventKind::Die {
+                        exit_code: Some(137),
+                    },
+                );
+            }
+            self.emit(&mut state, &c, EventKind::Destroy);
         }
         Ok(())
     }
@@ -742,24 +785,44 @@ impl ContainerRuntime for FakeRuntime {
         Ok(c.logs[skip..].to_vec())
     }
 
-    async fn exit_events(&self, labels: &[(String, String)]) -> Result<ExitEventStream> {
-        drop(self.record(Call::ExitEvents(labels.to_vec()), "events")?);
-        let want = labels.to_vec();
-        let rx = self.events.subscribe();
-        let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+    async fn events(
+        &self,
+        labels: &[(String, String)],
+        since_ns: Option<i64>,
+    ) -> Result<EventStream> {
+        let (replay, rx) = {
+            let state = self.record(Call::Events(labels.to_vec(), since_ns), "events")?;
+            // Subscribed under the lock: nothing falls between the replay and the live feed.
+            let rx = self.events.subscribe();
+            let replay: Vec<ContainerEvent> = match since_ns {
+                Some(since) => state
+                    .event_log
+                    .iter()
+                    // Docker's `since` includes its own instant.
+                    .filter(|e| e.time_ns >= since)
+                    .cloned()
+                    .collect(),
+                None => Vec::new(),
+            };
+            (replay, rx)
+        };
+        let live = futures_util::stream::unfold(rx, |mut rx| async move {
             loop {
                 match rx.recv().await {
                     Ok(item) => return Some((item, rx)),
-                    // Dropped events are fine: they are hints.
+                    // Like the daemon's: a subscriber too slow loses events.
                     Err(broadcast::error::RecvError::Lagged(_)) => {}
                     Err(broadcast::error::RecvError::Closed) => return None,
                 }
             }
-        })
-        .filter_map(move |(labels, event)| {
-            let keep = has_labels(&labels, &want);
-            async move { keep.then_some(Ok(event)) }
         });
+        let want = labels.to_vec();
+        let stream = futures_util::stream::iter(replay)
+            .chain(live)
+            .filter_map(move |event| {
+                let keep = has_labels(&event.labels, &want);
+                async move { keep.then_some(Ok(event)) }
+            });
         Ok(stream.boxed())
     }
 }
@@ -838,18 +901,14 @@ mod tests {
             ]
         );
 
-        let mut events = fake.exit_events(&labels("me")).await.unwrap();
+        let mut events = fake.events(&labels("me"), None).await.unwrap();
         let other = fake.add_container(&spec("b", "someone"), ContainerState::Running, None);
         assert!(fake.exit(&other, 3));
         assert!(fake.exit(&id, 7));
         let ev = events.next().await.unwrap().unwrap();
-        assert_eq!(
-            ev,
-            ExitEvent {
-                container_id: id.clone(),
-                exit_code: Some(7)
-            }
-        );
+        assert_eq!(ev.container_id, id);
+        assert_eq!(ev.name, "a");
+        assert_eq!(ev.kind, EventKind::Die { exit_code: Some(7) });
 
         let listed = fake.list(&labels("me")).await.unwrap();
         assert_eq!(listed.len(), 1);
@@ -876,11 +935,14 @@ mod tests {
         assert_eq!(log.lines().count(), 1);
 
         let id = fake.add_container(&spec("a", "me"), ContainerState::Running, None);
-        let mut events = fake.exit_events(&[]).await.unwrap();
+        let mut events = fake.events(&[], None).await.unwrap();
         assert!(fake.exit_without_event(&id, 9));
         assert!(fake.exit(&id, 9));
         // Only the second exit was announced.
-        assert_eq!(events.next().await.unwrap().unwrap().exit_code, Some(9));
+        assert_eq!(
+            events.next().await.unwrap().unwrap().kind,
+            EventKind::Die { exit_code: Some(9) }
+        );
         let pending = futures_util::FutureExt::now_or_never(events.next());
         assert!(pending.is_none());
         assert!(!fake.exit(&"0".repeat(64), 1));
@@ -890,10 +952,52 @@ mod tests {
     async fn stop_emits_exit() {
         let fake = FakeRuntime::new();
         let id = fake.add_container(&spec("a", "me"), ContainerState::Running, None);
-        let mut events = fake.exit_events(&[]).await.unwrap();
+        let mut events = fake.events(&[], None).await.unwrap();
         fake.stop(&id, Duration::from_secs(10)).await.unwrap();
-        assert_eq!(events.next().await.unwrap().unwrap().exit_code, Some(143));
+        assert_eq!(
+            events.next().await.unwrap().unwrap().kind,
+            EventKind::Die {
+                exit_code: Some(143)
+            }
+        );
         assert_eq!(fake.inspect(&id).await.unwrap().exit_code, Some(143));
+    }
+
+    #[tokio::test]
+    async fn events_replay_since_and_report_oom_and_destroy() {
+        let fake = FakeRuntime::new();
+        let a = fake.add_container(&spec("a", "me"), ContainerState::Running, None);
+        let b = fake.add_container(&spec("b", "me"), ContainerState::Running, None);
+        assert!(fake.exit_oom(&a, 137));
+        let mut all = fake.events(&[], Some(0)).await.unwrap();
+        let first = all.next().await.unwrap().unwrap();
+        assert_eq!(first.kind, EventKind::Oom);
+        let die = all.next().await.unwrap().unwrap();
+        assert_eq!(
+            die.kind,
+            EventKind::Die {
+                exit_code: Some(137)
+            }
+        );
+        assert!(fake.inspect(&a).await.unwrap().oom_killed);
+        // A subscriber since the die sees it again (Docker's `since` is inclusive), then
+        // what came after.
+        let mut later = fake.events(&[], Some(die.time_ns)).await.unwrap();
+        assert_eq!(later.next().await.unwrap().unwrap(), die);
+        fake.remove(&b).await.unwrap();
+        let ev = later.next().await.unwrap().unwrap();
+        assert_eq!(
+            (ev.name.as_str(), ev.kind),
+            (
+                "b",
+                EventKind::Die {
+                    exit_code: Some(137)
+                }
+            )
+        );
+        let ev = later.next().await.unwrap().unwrap();
+        assert_eq!((ev.name.as_str(), ev.kind), ("b", EventKind::Destroy));
+        assert!(ev.time_ns > die.time_ns);
     }
 
     #[tokio::test]
@@ -909,7 +1013,7 @@ mod tests {
                 .unwrap_err()
                 .is_unavailable()
         );
-        assert!(fake.exit_events(&[]).await.is_err());
+        assert!(fake.events(&[], None).await.is_err());
         fake.set_unreachable(false);
         assert_eq!(fake.list(&[]).await.unwrap().len(), 1);
         assert_eq!(fake.count("list"), 2);

@@ -26,15 +26,15 @@ pub use spec::{
     HostDevices, NetworkMode, RunnerParams, Ulimit, build_container_spec, without_nvidia_display,
 };
 pub use types::{
-    ContainerDetails, ContainerState, ContainerSummary, ExitEvent, MountPoint, PublishedPort,
-    PullProgress, PullRequest, RegistryAuth,
+    ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, EventKind, MountPoint,
+    PublishedPort, PullProgress, PullRequest, RegistryAuth,
 };
 
 /// The result type of this crate.
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
 
-/// A stream of container exit hints (see [`ContainerRuntime::exit_events`]).
-pub type ExitEventStream = BoxStream<'static, Result<ExitEvent>>;
+/// A stream of container events (see [`ContainerRuntime::events`]).
+pub type EventStream = BoxStream<'static, Result<ContainerEvent>>;
 
 /// A callback receiving the folded pull progress after every progress message.
 pub type ProgressFn<'a> = &'a (dyn Fn(PullProgress) + Send + Sync);
@@ -86,7 +86,14 @@ pub trait ContainerRuntime: Send + Sync {
     /// returns them, without trailing newlines.
     async fn logs_tail(&self, id: &str, n: usize) -> Result<Vec<String>>;
 
-    /// Subscribes to exit ("die") events of containers carrying all of `labels`, from now on.
-    /// Events are hints only: the runtime may drop them; the list is the source of truth.
-    async fn exit_events(&self, labels: &[(String, String)]) -> Result<ExitEventStream>;
+    /// Subscribes to the `die`, `oom` and `destroy` events of containers carrying all of
+    /// `labels` (an empty value: the label is present), from `since_ns` (Unix nanoseconds;
+    /// the runtime replays what it still remembers of the events since then) or from now on.
+    /// The stream ends or errs when the connection is lost; events the runtime dropped are
+    /// not in it, so a subscriber relists after every (re)connection.
+    async fn events(
+        &self,
+        labels: &[(String, String)],
+        since_ns: Option<i64>,
+    ) -> Result<EventStream>;
 }

@@ -194,13 +194,35 @@ pub struct ContainerSummary {
     pub labels: BTreeMap<String, String>,
     /// Its mounts (source and destination).
     pub mounts: Vec<MountPoint>,
+    /// Published ports (IPv4 bindings only), sorted.
+    pub ports: Vec<PublishedPort>,
 }
 
-/// A container's process ended (a hint: re-check with the list or inspect).
+/// What happened to a container, as the runtime's event stream reports it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ExitEvent {
+pub enum EventKind {
+    /// Its process ended with this code (Docker's `die`; the code may be missing).
+    Die {
+        /// The exit code.
+        exit_code: Option<i64>,
+    },
+    /// The kernel's OOM killer hit it (Docker sends `oom` before `die`).
+    Oom,
+    /// It was removed.
+    Destroy,
+}
+
+/// One container event.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerEvent {
     /// The container id.
     pub container_id: String,
-    /// The exit code, if the runtime reported one.
-    pub exit_code: Option<i64>,
+    /// Its name, without Docker's leading `/`.
+    pub name: String,
+    /// What happened.
+    pub kind: EventKind,
+    /// Its labels.
+    pub labels: BTreeMap<String, String>,
+    /// When, in Unix nanoseconds (the daemon's clock).
+    pub time_ns: i64,
 }

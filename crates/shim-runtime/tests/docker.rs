@@ -15,8 +15,8 @@ use futures_util::StreamExt;
 use shim_runtime::spec::{RUNNER_DIR_IN_CONTAINER, runner_script};
 use shim_runtime::{
     BindMount, ContainerDetails, ContainerInputs, ContainerRuntime, ContainerSpec, ContainerState,
-    DeviceMapping, DeviceRequest, DockerRuntime, GpuConfig, NetworkMode, PullProgress, PullRequest,
-    RegistryAuth, RunnerParams, RuntimeError, Ulimit, build_container_spec,
+    DeviceMapping, DeviceRequest, DockerRuntime, EventKind, GpuConfig, NetworkMode, PullProgress,
+    PullRequest, RegistryAuth, RunnerParams, RuntimeError, Ulimit, build_container_spec,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
@@ -269,7 +269,7 @@ async fn runner_container_bridge_ports_exit_code_and_event() {
         dir.path(),
         NetworkMode::Bridge,
     ));
-    let mut events = docker.exit_events(&guard.labels).await.unwrap();
+    let mut events = docker.events(&guard.labels, None).await.unwrap();
 
     let id = docker.create(&spec).await.unwrap();
     docker.start(&id).await.unwrap();
@@ -333,7 +333,13 @@ async fn runner_container_bridge_ports_exit_code_and_event() {
         .expect("event stream ended")
         .unwrap();
     assert_eq!(event.container_id, id);
-    assert_eq!(event.exit_code, Some(42));
+    assert_eq!(event.name, run);
+    assert_eq!(
+        event.kind,
+        EventKind::Die {
+            exit_code: Some(42)
+        }
+    );
     let details = wait_exited(&docker, &id).await;
     assert_eq!(details.exit_code, Some(42));
     assert!(details.finished_at.is_some() && details.started_at.is_some());
@@ -495,7 +501,7 @@ async fn exit_event_carries_the_code_and_respects_labels() {
     let mut other = guard.labels();
     other.insert("set".to_owned(), "other".to_owned());
     let wanted: Vec<(String, String)> = mine.clone().into_iter().collect();
-    let mut events = docker.exit_events(&wanted).await.unwrap();
+    let mut events = docker.events(&wanted, None).await.unwrap();
 
     let (other_exit, _) = run_to_exit(
         &docker,
@@ -517,7 +523,40 @@ async fn exit_event_carries_the_code_and_respects_labels() {
         "event of a container without the labels"
     );
     assert_eq!(event.container_id, id);
-    assert_eq!(event.exit_code, Some(42));
+    assert_eq!(
+        event.kind,
+        EventKind::Die {
+            exit_code: Some(42)
+        }
+    );
+    assert_eq!(event.labels.get("set").map(String::as_str), Some("mine"));
+    let die_ns = event.time_ns;
+    assert!(die_ns > 0);
+
+    // Removing it is a `destroy`; a subscriber since the `die` gets both replayed (Docker's
+    // `since` includes its own instant).
+    docker.remove(&id).await.unwrap();
+    let mut replay = docker.events(&wanted, Some(die_ns)).await.unwrap();
+    let mut kinds = Vec::new();
+    while kinds.last() != Some(&EventKind::Destroy) {
+        let event = tokio::time::timeout(Duration::from_secs(30), replay.next())
+            .await
+            .expect("no destroy event within 30 s")
+            .expect("event stream ended")
+            .unwrap();
+        assert_eq!(event.container_id, id);
+        assert!(event.time_ns >= die_ns);
+        kinds.push(event.kind);
+    }
+    assert_eq!(
+        kinds,
+        [
+            EventKind::Die {
+                exit_code: Some(42)
+            },
+            EventKind::Destroy
+        ]
+    );
 }
 
 #[tokio::test]
