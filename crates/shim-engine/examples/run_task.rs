@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use shim_engine::{Deps, Engine, EngineConfig};
+use shim_engine::{ChangeKind, Deps, Engine, EngineConfig, SubscriptionError};
 use shim_resources::{
     AuthorizedKeysManager, BlockVolumes, HostGpus, SystemCommandRunner, VolumeConfig,
 };
@@ -46,40 +46,50 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let engine = Engine::open(cfg, deps).await?;
     println!("engine ready; owner identity {}", engine.owner());
 
+    // Subscribe before submitting: every change of the task arrives, in order.
+    let mut changes = engine.subscribe();
     let id = TaskId::new(format!("example-{}", std::process::id()))?;
     let mut config = TaskConfig::new(id.clone(), TaskName::new("example")?, image);
     config.network_mode = NetworkMode::Bridge;
     let info = engine.submit(config).await?;
     println!("submitted: {} {}", info.id, info.status);
 
-    let mut last = info.status;
-    for _ in 0..600 {
-        let info = engine.task_info(&id)?;
-        if info.status != last {
-            println!(
-                "{} container={} ports={:?} {}",
-                info.status, info.container_name, info.ports, info.termination_message
-            );
-            last = info.status;
+    let mut terminated = false;
+    while !terminated {
+        let change = match changes.recv().await {
+            Ok(change) if change.task == id => change,
+            Ok(_) => continue,
+            Err(SubscriptionError::Lagged { .. }) => {
+                // Fell behind: the task's state now is the resync.
+                println!("resync: {:?}", engine.task_info(&id)?.status);
+                continue;
+            }
+            Err(SubscriptionError::Closed) => break,
+        };
+        println!("#{} {:?}", change.seq, change.kind);
+        match change.kind {
+            ChangeKind::Status {
+                status: TaskStatus::Running,
+            } => {
+                let info = engine.task_info(&id)?;
+                println!(
+                    "running: container={} ports={:?}",
+                    info.container_name, info.ports
+                );
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                engine
+                    .terminate(
+                        &id,
+                        TerminationReason::TerminatedByUser,
+                        "example done".to_owned(),
+                        Duration::from_secs(5),
+                    )
+                    .await?;
+            }
+            ChangeKind::Terminated { .. } => terminated = true,
+            _ => {}
         }
-        if matches!(info.status, TaskStatus::Running | TaskStatus::Terminated) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let info = engine
-        .terminate(
-            &id,
-            TerminationReason::TerminatedByUser,
-            "example done".to_owned(),
-            Duration::from_secs(5),
-        )
-        .await?;
-    println!(
-        "{} {} {:?}",
-        info.status, info.termination_reason, info.termination_message
-    );
     engine.remove(&id).await?;
     println!("removed");
     engine

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use shim_resources::{AuthorizedKeys, GpuLock, HostGpus, VolumeManager};
@@ -15,8 +15,12 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use prometheus_client::registry::Registry;
+
+use crate::changes::{ChangeKind, Changes, Subscription};
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
+use crate::metrics::{Metered, Metrics, WriteTimer};
 
 /// The external systems the engine works with. Real implementations for the binary, fakes for
 /// tests.
@@ -65,6 +69,9 @@ pub(crate) struct Slot {
     /// Unix ms when the start job last returned (0: never): a list requested before that
     /// cannot judge the task.
     pub(crate) start_returned_ms: AtomicU64,
+    /// Unix ns when the task's container exited, as Docker reports it (0: unknown): the
+    /// start of the exit → terminated latency.
+    pub(crate) exit_ns: AtomicI64,
 }
 
 impl Slot {
@@ -81,6 +88,7 @@ impl Slot {
             events: Mutex::new((VecDeque::new(), false)),
             oom: AtomicBool::new(false),
             start_returned_ms: AtomicU64::new(0),
+            exit_ns: AtomicI64::new(0),
         }
     }
 
@@ -189,6 +197,12 @@ pub(crate) struct Inner {
     pub(crate) events_connected: AtomicBool,
     /// How many times the event stream connected.
     pub(crate) events_reconnects: AtomicU64,
+    /// Task changes, for subscribers.
+    pub(crate) changes: Changes,
+    /// The engine's metrics.
+    pub(crate) metrics: Arc<Metrics>,
+    /// Where the metrics are registered (set once, right after the engine is built).
+    pub(crate) registry: OnceLock<Registry>,
     /// Unix ms of the last successful reconcile cycle.
     pub(crate) last_cycle_ms: Mutex<Option<u64>>,
     pub(crate) shutdown: CancellationToken,
@@ -240,6 +254,48 @@ impl Inner {
         .await
     }
 
+    /// Steps the state machine (the caller holds the step lock when the step may change the
+    /// record) and tells subscribers and the metrics what the API now shows differently, in
+    /// order: the changes are sent under the task's lock.
+    pub(crate) fn apply(&self, slot: &Slot, event: Event) -> Result<Vec<Action>> {
+        let mut task = slot.lock();
+        let tr = step(&task, event, now_ms())?;
+        let changes = Changes::between(&task.saved, &tr.task.saved);
+        let created_at_ms = tr.task.record.created_at_ms;
+        *task = tr.task;
+        for change in changes {
+            let now = now_ms();
+            match &change {
+                ChangeKind::Status {
+                    status: TaskStatus::Running,
+                } => self
+                    .metrics
+                    .submit_to_running
+                    .observe(now.saturating_sub(created_at_ms) as f64 / 1000.0),
+                ChangeKind::Terminated {
+                    termination_reason, ..
+                } => {
+                    self.metrics.terminated(termination_reason);
+                    let exit_ns = slot.exit_ns.swap(0, Ordering::SeqCst);
+                    if exit_ns > 0 {
+                        let now_ns = i64::try_from(u128::from(now) * 1_000_000).unwrap_or(0);
+                        self.metrics
+                            .exit_to_terminated
+                            .observe(now_ns.saturating_sub(exit_ns).max(0) as f64 / 1e9);
+                    }
+                }
+                _ => {}
+            }
+            self.changes.send(&slot.id, change, now);
+        }
+        Ok(tr.actions)
+    }
+
+    /// The last successful full cycle (Unix ms).
+    pub(crate) fn last_cycle(&self) -> Option<u64> {
+        *self.last_cycle_ms.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Steps `event` under the task's step lock. A leading [`Action::Persist`] is carried out
     /// at once, under the same lock, and its outcome stepped; the actions returned are what
     /// remains to do. A failed write is reported as the second value (the task has recorded
@@ -250,12 +306,15 @@ impl Inner {
         event: Event,
     ) -> Result<(Vec<Action>, Option<EngineError>)> {
         let deleted = slot.step_lock.lock().await;
-        let mut actions = slot.step_volatile(event)?;
+        let mut actions = self.apply(slot, event)?;
         if actions.first() != Some(&Action::Persist) {
             return Ok((actions, None));
         }
         actions.remove(0);
-        let (outcome, failure) = match self.write(slot, *deleted).await {
+        let timer = WriteTimer::start();
+        let written = self.write(slot, *deleted).await;
+        timer.done(&self.metrics, written.is_ok());
+        let (outcome, failure) = match written {
             Ok(()) => (Event::Persisted, None),
             Err(e) => {
                 let message = chain(&e);
@@ -263,7 +322,7 @@ impl Inner {
                 (Event::PersistFailed { message }, Some(e))
             }
         };
-        let more = slot.step_volatile(outcome)?;
+        let more = self.apply(slot, outcome)?;
         // Relocks (the only actions a write may carry along) go first.
         actions.extend(more);
         Ok((actions, failure))
@@ -382,6 +441,29 @@ const STOP_SLACK: Duration = Duration::from_secs(4);
 /// How long remove waits for a release in flight (the reconciler's) to end.
 const RELEASE_SETTLE: Duration = Duration::from_secs(4);
 
+/// What [`Engine::health`] reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineHealth {
+    /// Docker's event stream is connected (exits are seen as they happen).
+    pub events_connected: bool,
+    /// How long ago the last successful full container list was (`None`: none yet).
+    pub last_cycle_age: Option<Duration>,
+    /// The period of the full list.
+    pub backstop: Duration,
+}
+
+impl EngineHealth {
+    /// Ready: the event stream is connected and a full list succeeded within two backstop
+    /// periods. A shim that is not ready answers from what it knew last; exits it has not
+    /// seen yet are seen once Docker answers again.
+    pub fn is_ready(&self) -> bool {
+        self.events_connected
+            && self
+                .last_cycle_age
+                .is_some_and(|age| age <= self.backstop.saturating_mul(2))
+    }
+}
+
 /// How [`Engine::shutdown`] treats start jobs in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Shutdown {
@@ -413,7 +495,18 @@ impl Engine {
                 .map_or(0, |d| d.as_nanos()),
         )
         .unwrap_or(i64::MAX);
+        let metrics = Arc::new(Metrics::new());
+        let deps = Deps {
+            runtime: Arc::new(Metered {
+                runtime: deps.runtime,
+                metrics: metrics.clone(),
+            }),
+            ..deps
+        };
         let inner = Arc::new(Inner {
+            changes: Changes::new(),
+            metrics,
+            registry: OnceLock::new(),
             gpus: GpuLock::for_host(&deps.host_gpus),
             background: Mutex::new(Vec::new()),
             cfg,
@@ -429,6 +522,11 @@ impl Engine {
             shutdown: CancellationToken::new(),
             jobs: Mutex::new(Vec::new()),
         });
+        let mut registry = Registry::default();
+        inner
+            .metrics
+            .register(&mut registry, Arc::downgrade(&inner));
+        let _ = inner.registry.set(registry);
         let listed = inner.restore_all().await?;
         inner.first_cycle(listed).await;
         let handles = crate::reconcile::spawn_background(&inner);
@@ -453,6 +551,52 @@ impl Engine {
     /// The host's GPUs as the engine accounts for them.
     pub fn host_gpus(&self) -> &HostGpus {
         &self.inner.deps.host_gpus
+    }
+
+    /// Subscribes to every task change from now on (see [`crate::changes`]): submitted,
+    /// each status step, terminated with its reason and message, released, removed, in
+    /// order per task; a subscriber that falls far behind is told to resync.
+    ///
+    /// ```no_run
+    /// # async fn watch(engine: shim_engine::Engine) {
+    /// let mut changes = engine.subscribe();
+    /// loop {
+    ///     match changes.recv().await {
+    ///         Ok(change) => println!("{} {:?}", change.task, change.kind),
+    ///         Err(shim_engine::SubscriptionError::Lagged { .. }) => {
+    ///             // Resync: the current state of every task.
+    ///             for (id, status) in engine.list() {
+    ///                 println!("{id} is {status}");
+    ///             }
+    ///         }
+    ///         Err(shim_engine::SubscriptionError::Closed) => break,
+    ///     }
+    /// }
+    /// # }
+    /// ```
+    pub fn subscribe(&self) -> Subscription {
+        self.inner.changes.subscribe()
+    }
+
+    /// The engine's metrics in Prometheus' text format (OpenMetrics), to serve or to append to
+    /// an embedder's own (see [`crate::metrics`]).
+    pub fn encode_metrics(&self, out: &mut String) -> std::fmt::Result {
+        match self.inner.registry.get() {
+            Some(r) => prometheus_client::encoding::text::encode(out, r),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the engine keeps up with Docker: the event stream is connected, and when the
+    /// last successful full list was. A readiness signal independent of the API's
+    /// healthcheck (which only says the process answers).
+    pub fn health(&self) -> EngineHealth {
+        let last = self.inner.last_cycle();
+        EngineHealth {
+            events_connected: self.inner.events_connected.load(Ordering::SeqCst),
+            last_cycle_age: last.map(|l| Duration::from_millis(now_ms().saturating_sub(l))),
+            backstop: self.inner.cfg.reconcile_interval,
+        }
     }
 
     /// The GPU lock (which GPUs tasks hold now).
@@ -515,7 +659,12 @@ impl Engine {
                 other => other,
             });
         }
-        let info = slot.lock().info();
+        let info = {
+            let t = slot.lock();
+            inner.changes.send(&id, ChangeKind::Submitted, now_ms());
+            t.info()
+        };
+        inner.metrics.submitted.inc();
         slot.starting.send_replace(true);
         tracing::info!(task = %id, image = %config.image_name, "task submitted");
         let job = tokio::spawn(inner.clone().run_start(slot));

@@ -130,6 +130,14 @@ impl Inner {
             }
             Action::Forget => {
                 self.table().remove(&id);
+                {
+                    let _order = slot.lock();
+                    self.changes.send(
+                        &id,
+                        crate::changes::ChangeKind::Removed,
+                        crate::engine::now_ms(),
+                    );
+                }
                 tracing::info!(task = %id, "task removed");
                 None
             }
@@ -259,6 +267,17 @@ impl Inner {
                 return Err(self.start_failure(&cid, &e.to_string()).await);
             }
         }
+        let host_network = slot
+            .lock()
+            .record
+            .config
+            .as_ref()
+            .is_none_or(|c| c.network_mode == shim_task::NetworkMode::Host);
+        if host_network {
+            // Nothing is published in the host's network: no inspect needed.
+            return Ok(Vec::new());
+        }
+        // Docker picks the ephemeral host ports at start: read them back.
         let details = runtime
             .inspect(&cid)
             .await
@@ -338,32 +357,60 @@ impl Inner {
         }
     }
 
+    /// [`Inner::observe_stopped`], also noting when the container exited (the start of the
+    /// exit → terminated latency).
+    pub(crate) async fn observe_stopped_slot(
+        &self,
+        slot: &Slot,
+        container_id: &str,
+    ) -> Observation {
+        let (observation, finished_ns) = self.observe_stopped_at(container_id).await;
+        if let Some(ns) = finished_ns {
+            slot.exit_ns.store(ns, std::sync::atomic::Ordering::SeqCst);
+        }
+        observation
+    }
+
     /// What the reconciler saw of a running task's container, given its summary state.
     pub(crate) async fn observe_stopped(&self, container_id: &str) -> Observation {
-        match self.deps.runtime.inspect(container_id).await {
-            Err(RuntimeError::NotFound { .. }) => Observation::Missing,
+        self.observe_stopped_at(container_id).await.0
+    }
+
+    async fn observe_stopped_at(&self, container_id: &str) -> (Observation, Option<i64>) {
+        let d = match self.deps.runtime.inspect(container_id).await {
+            Err(RuntimeError::NotFound { .. }) => return (Observation::Missing, None),
             Err(e) => {
                 tracing::warn!(container = %container_id, error = %e, "inspect failed");
-                Observation::Running
+                return (Observation::Running, None);
             }
-            Ok(d) => match d.state {
-                shim_runtime::ContainerState::Created => Observation::NeverStarted,
-                ref s if s.is_running() => Observation::Running,
-                _ => {
-                    let code = d.exit_code.unwrap_or(-1);
-                    let last_lines = self
-                        .deps
-                        .runtime
-                        .logs_tail(container_id, self.cfg.exit_log_lines)
-                        .await
-                        .unwrap_or_default();
-                    Observation::Exited {
-                        code,
-                        last_lines,
-                        oom_killed: d.oom_killed,
-                    }
+            Ok(d) => d,
+        };
+        let finished = d.finished_at.as_deref().and_then(rfc3339_ns);
+        (self.observation_of(container_id, d).await, finished)
+    }
+
+    async fn observation_of(
+        &self,
+        container_id: &str,
+        d: shim_runtime::ContainerDetails,
+    ) -> Observation {
+        match d.state {
+            shim_runtime::ContainerState::Created => Observation::NeverStarted,
+            ref s if s.is_running() => Observation::Running,
+            _ => {
+                let code = d.exit_code.unwrap_or(-1);
+                let last_lines = self
+                    .deps
+                    .runtime
+                    .logs_tail(container_id, self.cfg.exit_log_lines)
+                    .await
+                    .unwrap_or_default();
+                Observation::Exited {
+                    code,
+                    last_lines,
+                    oom_killed: d.oom_killed,
                 }
-            },
+            }
         }
     }
 }
@@ -404,4 +451,53 @@ fn describe(r: &Resources) -> String {
         parts.push(format!("volumes {names:?}"));
     }
     parts.join(", ")
+}
+
+/// Unix nanoseconds of an RFC 3339 UTC time as Docker writes them
+/// (`2026-11-30T15:59:51.123456789Z`); `None` for anything else.
+pub(crate) fn rfc3339_ns(t: &str) -> Option<i64> {
+    let (date, time) = t.strip_suffix('Z')?.split_once('T')?;
+    let mut d = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
+    let (y, m, day) = (d.next()??, d.next()??, d.next()??);
+    let (hms, frac) = time.split_once('.').unwrap_or((time, ""));
+    let mut h = hms.splitn(3, ':').map(|p| p.parse::<i64>().ok());
+    let (hh, mm, ss) = (h.next()??, h.next()??, h.next()??);
+    if !(1..=12).contains(&m) || !(1..=31).contains(&day) || hh > 23 || mm > 59 || ss > 60 {
+        return None;
+    }
+    if !frac.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let nanos: i64 = format!("{frac:0<9}").get(..9)?.parse().ok()?;
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs = days * 86_400 + hh * 3600 + mm * 60 + ss;
+    secs.checked_mul(1_000_000_000)?.checked_add(nanos)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rfc3339_ns;
+
+    #[test]
+    fn docker_times() {
+        assert_eq!(rfc3339_ns("1970-01-01T00:00:00Z"), Some(0));
+        assert_eq!(
+            rfc3339_ns("2026-11-30T15:59:51.123456789Z"),
+            Some(1_796_054_391_123_456_789)
+        );
+        assert_eq!(
+            rfc3339_ns("2000-03-01T00:00:01.5Z"),
+            Some(951_868_801_500_000_000)
+        );
+        assert_eq!(rfc3339_ns("0001-01-01T00:00:00Z").map(|n| n < 0), None);
+        assert_eq!(rfc3339_ns("2026-11-30 15:59:51Z"), None);
+        assert_eq!(rfc3339_ns("garbage"), None);
+    }
 }

@@ -42,15 +42,18 @@
 //! # Ok(()) }
 //! ```
 
+pub mod changes;
 mod config;
 mod engine;
 mod error;
 mod exec;
 pub mod labels;
+pub mod metrics;
 mod reconcile;
 mod restore;
 mod spec;
 
+pub use changes::{ChangeKind, Subscription, SubscriptionError, TaskChange};
 pub use config::{EngineConfig, default_pass_env};
-pub use engine::{Deps, Engine, Shutdown};
+pub use engine::{Deps, Engine, EngineHealth, Shutdown};
 pub use error::{EngineError, Result};

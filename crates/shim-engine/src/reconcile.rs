@@ -89,6 +89,7 @@ impl Inner {
 
     /// Every task against `containers`, a list requested at `listed_at` (Unix ms).
     async fn cycle_with_since(self: &Arc<Self>, containers: Vec<ContainerSummary>, listed_at: u64) {
+        let started = std::time::Instant::now();
         let by_task: HashMap<&str, &ContainerSummary> = containers
             .iter()
             .filter_map(|c| c.labels.get(LABEL_TASK_ID).map(|id| (id.as_str(), c)))
@@ -125,7 +126,7 @@ impl Inner {
                 match summary {
                     None => Some(Observation::Missing),
                     Some(c) if c.state.is_running() => None,
-                    Some(c) => Some(self.observe_stopped(&c.id).await),
+                    Some(c) => Some(self.observe_stopped_slot(&slot, &c.id).await),
                 }
             };
             if let Some(obs) = observation {
@@ -137,6 +138,7 @@ impl Inner {
             self.retry_task(&slot).await;
         }
         *self.last_cycle_ms.lock().unwrap_or_else(|p| p.into_inner()) = Some(now_ms());
+        self.metrics.cycle.observe(started.elapsed().as_secs_f64());
     }
 
     /// Retries what a task still wants after a failure: a write, a stop, a release; and its
@@ -214,6 +216,11 @@ impl Inner {
                 return;
             }
         }
+        self.metrics.event(match event.kind {
+            EventKind::Die { .. } => "die",
+            EventKind::Oom => "oom",
+            EventKind::Destroy => "destroy",
+        });
         let observation = match event.kind {
             EventKind::Oom => {
                 slot.oom.store(true, Ordering::SeqCst);
@@ -224,6 +231,7 @@ impl Inner {
             EventKind::Die {
                 exit_code: Some(code),
             } => {
+                slot.exit_ns.store(event.time_ns, Ordering::SeqCst);
                 let oom_killed = slot.oom.swap(false, Ordering::SeqCst);
                 // A clean exit needs no log lines; an error reads them (Docker serves logs
                 // without the container's lock).
@@ -304,6 +312,7 @@ impl Inner {
                     if self.events_connected.swap(true, Ordering::SeqCst) {
                         // Unreachable: the flag is cleared below before reconnecting.
                     }
+                    self.metrics.events_reconnects.inc();
                     if self.events_reconnects.fetch_add(1, Ordering::SeqCst) > 0 {
                         tracing::info!("container event stream reconnected; relisting");
                         self.relist.notify_one();

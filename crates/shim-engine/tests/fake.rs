@@ -702,3 +702,228 @@ async fn a_duplicate_gpu_claim_after_restart_never_frees_a_gpu_in_use() {
     assert_eq!(engine.gpu_lock().free_count(), 0);
     let _ = w.restart(engine).await;
 }
+
+/// The Docker requests a start makes, counted on the fake: an image check, create, start, and
+/// (bridge only) one inspect to read the published ports. Nothing else: no list, and no
+/// request from the reconciler because a start returned.
+#[tokio::test]
+async fn a_start_makes_the_minimum_docker_requests() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    // The engine's one subscription to Docker's events is not a start's.
+    w.runtime
+        .wait_for_call(|c| matches!(c, shim_runtime::fake::Call::Events(..)))
+        .await;
+    for (id, bridge, expected) in [("host", false, 3), ("bridge", true, 4)] {
+        w.runtime.clear_calls();
+        let mut c = config(id);
+        if bridge {
+            c.network_mode = shim_task::NetworkMode::Bridge;
+        }
+        engine.submit(c).await.unwrap();
+        wait_status(&engine, id, TaskStatus::Running).await;
+        // Let anything a finished start might trigger happen.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let ops: Vec<&str> = w.runtime.calls().iter().map(|c| c.op()).collect();
+        assert_eq!(ops.len(), expected, "{id}: {ops:?}");
+        assert_eq!(&ops[..3], ["image_present", "create", "start"], "{id}");
+        if bridge {
+            assert_eq!(ops[3], "inspect");
+        }
+    }
+}
+
+/// A `die` event terminates the task with the code it carries: no inspect, no list; an error
+/// reads the last log lines; an `oom` before the `die` says so.
+#[tokio::test]
+async fn exits_come_from_events_without_an_inspect() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    engine.submit(config("ok")).await.unwrap();
+    engine.submit(config("bad")).await.unwrap();
+    engine.submit(config("oom")).await.unwrap();
+    let ok = wait_status(&engine, "ok", TaskStatus::Running).await;
+    let bad = wait_status(&engine, "bad", TaskStatus::Running).await;
+    let oom = wait_status(&engine, "oom", TaskStatus::Running).await;
+    w.runtime.set_logs(&bad.container_id, &["x", "boom"]);
+    w.runtime.set_logs(&oom.container_id, &["killed"]);
+    w.runtime.clear_calls();
+    assert!(w.runtime.exit(&ok.container_id, 0));
+    assert!(w.runtime.exit(&bad.container_id, 2));
+    assert!(w.runtime.exit_oom(&oom.container_id, 137));
+    let ok = wait_status(&engine, "ok", TaskStatus::Terminated).await;
+    assert_eq!(ok.termination_reason, "done_by_runner");
+    let bad = wait_status(&engine, "bad", TaskStatus::Terminated).await;
+    assert_eq!(bad.termination_reason, "container_exited_with_error");
+    assert_eq!(bad.termination_message, "x\nboom");
+    let oom = wait_status(&engine, "oom", TaskStatus::Terminated).await;
+    assert_eq!(
+        oom.termination_message,
+        format!("killed\n{}", shim_task::machine::OOM_NOTE)
+    );
+    let ops: Vec<&str> = w.runtime.calls().iter().map(|c| c.op()).collect();
+    assert!(!ops.contains(&"inspect"), "{ops:?}");
+    assert!(!ops.contains(&"list"), "{ops:?}");
+    assert_eq!(
+        ops.iter().filter(|o| **o == "logs_tail").count(),
+        2,
+        "{ops:?}"
+    );
+
+    // A container whose exit went unannounced, then removed behind the shim's back: its
+    // `destroy` event says it vanished.
+    engine.submit(config("gone")).await.unwrap();
+    let gone = wait_status(&engine, "gone", TaskStatus::Running).await;
+    assert!(w.runtime.exit_without_event(&gone.container_id, 0));
+    shim_runtime::ContainerRuntime::remove(&w.runtime, &gone.container_id)
+        .await
+        .unwrap();
+    let gone = wait_status(&engine, "gone", TaskStatus::Terminated).await;
+    assert_eq!(gone.termination_reason, "executor_error");
+    assert_eq!(
+        gone.termination_message,
+        shim_task::machine::VANISHED_MESSAGE
+    );
+}
+
+/// Idle, the engine asks Docker for nothing: no list every second (the full list is a
+/// backstop of minutes), no retries when nothing failed.
+#[tokio::test]
+async fn idle_costs_no_docker_request() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    w.runtime
+        .wait_for_call(|c| matches!(c, shim_runtime::fake::Call::Events(..)))
+        .await;
+    for i in 0..5 {
+        engine.submit(config(&format!("t{i}"))).await.unwrap();
+        wait_status(&engine, &format!("t{i}"), TaskStatus::Running).await;
+    }
+    w.runtime.clear_calls();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(w.runtime.calls(), [], "requests while idle");
+}
+
+/// A subscriber sees every change of 50 concurrent tasks exactly once, in order per task,
+/// with increasing sequence numbers: submitted, each status step, terminated, released,
+/// removed.
+#[tokio::test]
+async fn subscribers_see_every_change_of_fifty_concurrent_tasks_in_order() {
+    use shim_engine::ChangeKind;
+    let w = World::new(0);
+    let engine = w.engine().await;
+    let mut sub = engine.subscribe();
+    let ids: Vec<String> = (0..50).map(|i| format!("c{i}")).collect();
+    let submits = ids.iter().map(|id| engine.submit(config(id)));
+    for r in futures_util::future::join_all(submits).await {
+        r.unwrap();
+    }
+    for id in &ids {
+        let info = wait_status(&engine, id, TaskStatus::Running).await;
+        assert!(w.runtime.exit(&info.container_id, 0));
+    }
+    for id in &ids {
+        wait_status(&engine, id, TaskStatus::Terminated).await;
+        wait_released(&engine, &w, id).await;
+        engine.remove(&tid(id)).await.unwrap();
+    }
+    let mut seen: std::collections::BTreeMap<String, Vec<ChangeKind>> = Default::default();
+    let mut last_seq = 0;
+    while seen.values().map(Vec::len).sum::<usize>() < 50 * 8 {
+        let change = tokio::time::timeout(Duration::from_secs(5), sub.recv())
+            .await
+            .expect("a change is missing")
+            .unwrap();
+        assert!(change.seq > last_seq, "sequence numbers increase");
+        last_seq = change.seq;
+        seen.entry(change.task.to_string())
+            .or_default()
+            .push(change.kind);
+    }
+    assert!(sub.try_recv().is_none(), "no change twice");
+    let status = |status| ChangeKind::Status { status };
+    let expected = [
+        ChangeKind::Submitted,
+        status(TaskStatus::Preparing),
+        status(TaskStatus::Pulling),
+        status(TaskStatus::Creating),
+        status(TaskStatus::Running),
+        ChangeKind::Terminated {
+            termination_reason: "done_by_runner".into(),
+            termination_message: String::new(),
+        },
+        ChangeKind::Released,
+        ChangeKind::Removed,
+    ];
+    assert_eq!(seen.len(), 50);
+    for (id, changes) in &seen {
+        assert_eq!(changes[..], expected[..], "{id}");
+    }
+}
+
+/// The metrics are Prometheus text and move as tasks run.
+#[tokio::test]
+async fn metrics_move_as_tasks_run() {
+    let w = World::new(2);
+    let engine = w.engine().await;
+    let scrape = || {
+        let mut out = String::new();
+        engine.encode_metrics(&mut out).unwrap();
+        out
+    };
+    let before = scrape();
+    assert!(
+        before.contains("dstack_shim_tasks_submitted_total 0"),
+        "{before}"
+    );
+    assert!(before.contains("dstack_shim_gpus_total 2"), "{before}");
+    let mut c = config("m1");
+    c.gpu = 1;
+    engine.submit(c).await.unwrap();
+    let info = wait_status(&engine, "m1", TaskStatus::Running).await;
+    let running = scrape();
+    assert!(
+        running.contains("dstack_shim_tasks_submitted_total 1"),
+        "{running}"
+    );
+    assert!(
+        running.contains("dstack_shim_tasks{status=\"running\"} 1"),
+        "{running}"
+    );
+    assert!(running.contains("dstack_shim_gpus_locked 1"), "{running}");
+    assert!(
+        running.contains("dstack_shim_submit_to_running_seconds_count 1"),
+        "{running}"
+    );
+    assert!(
+        running.contains("dstack_shim_docker_requests_total{op=\"create\"} 1"),
+        "{running}"
+    );
+    assert!(w.runtime.exit(&info.container_id, 0));
+    wait_status(&engine, "m1", TaskStatus::Terminated).await;
+    wait_released(&engine, &w, "m1").await;
+    let done = scrape();
+    assert!(
+        done.contains("dstack_shim_tasks_terminated_total{reason=\"done_by_runner\"} 1"),
+        "{done}"
+    );
+    assert!(
+        done.contains("dstack_shim_exit_to_terminated_seconds_count 1"),
+        "{done}"
+    );
+    assert!(
+        done.contains("dstack_shim_events_received_total{kind=\"die\"} 1"),
+        "{done}"
+    );
+    assert!(done.contains("dstack_shim_gpus_locked 0"), "{done}");
+    assert!(
+        done.contains("dstack_shim_reconcile_last_success_age_seconds"),
+        "{done}"
+    );
+    assert!(
+        done.ends_with("# EOF\n"),
+        "OpenMetrics text ends with # EOF"
+    );
+    let health = engine.health();
+    assert!(health.events_connected && health.is_ready(), "{health:?}");
+}

@@ -116,6 +116,8 @@ pub struct Saved {
     pub termination_reason: Option<TerminationReason>,
     /// The message.
     pub termination_message: String,
+    /// Everything the task held is released.
+    pub released: bool,
 }
 
 impl Saved {
@@ -125,6 +127,7 @@ impl Saved {
             status: record.status,
             termination_reason: record.termination_reason.clone(),
             termination_message: record.termination_message.clone(),
+            released: record.resources.released,
         }
     }
 }
