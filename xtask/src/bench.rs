@@ -17,8 +17,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context as _, Result, bail};
 use serde_json::{Value, json};
 
-use crate::shim::{self, Api, ContainerSweeper, ShimProcess};
-use crate::{cmd, demo, docker, run::cargo};
+use shim_e2e::harness::{self, Api, ContainerSweeper, ShimProcess, cargo, status_of};
+
+use crate::{cmd, demo, docker, run};
 
 /// Options of `cargo xtask bench`.
 #[derive(Debug, Clone, Copy, Default)]
@@ -197,7 +198,7 @@ pub fn bench(opts: Options) -> Result<()> {
     }
     print_table(&rows);
 
-    let path = shim::target_dir().join("bench.json");
+    let path = harness::target_dir().join("bench.json");
     let report = json!({
         "date": cmd::output(cmd::cmd("date").args(["-u", "+%Y-%m-%dT%H:%M:%SZ"]))
             .map(|d| d.trim().to_owned())
@@ -248,7 +249,7 @@ fn host() -> Value {
 /// Durable writes with the `write_latency` example.
 fn store(opts: Options) -> Result<Row> {
     let count = if opts.quick { "50" } else { "500" };
-    let target = shim::target_dir();
+    let target = harness::target_dir();
     let mut command = cmd::cmd(cargo());
     command
         .current_dir(shim_e2e::repo_root())
@@ -278,7 +279,7 @@ fn store(opts: Options) -> Result<Row> {
 
 /// The engine bench on the fake runtime.
 fn engine(opts: Options) -> Result<Vec<Row>> {
-    let path = shim::target_dir().join("bench-engine.json");
+    let path = harness::target_dir().join("bench-engine.json");
     let mut command = cmd::cmd(cargo());
     command
         .current_dir(shim_e2e::repo_root())
@@ -304,7 +305,7 @@ fn poll_until(api: &Api, id: &str, status: &str, limit: Duration) -> Result<(Val
     let started = Instant::now();
     loop {
         let info = api.task(id)?;
-        let now = shim::status_of(&info);
+        let now = status_of(&info);
         if now == status {
             return Ok((info, SystemTime::now()));
         }
@@ -397,10 +398,10 @@ fn sequential(api: &Api, home: &Path, prefix: &str, mode: &str, n: usize) -> Res
         let id = format!("{prefix}{i}");
         let t = Instant::now();
         api.post("/api/tasks", &task_config(&id, mode))?;
-        poll_until(api, &id, "running", Duration::from_secs(60))?;
+        let (running, _) = poll_until(api, &id, "running", Duration::from_secs(60))?;
         submit.push(t.elapsed());
         let t = Instant::now();
-        shim::make_runner_exit(home, &id, 0)?;
+        harness::write_runner_exit(home, &running, 0)?;
         let (info, seen) = poll_until(api, &id, "terminated", Duration::from_secs(30))?;
         exit_file.push(t.elapsed());
         anyhow::ensure!(
@@ -439,18 +440,18 @@ fn sequential(api: &Api, home: &Path, prefix: &str, mode: &str, n: usize) -> Res
 /// The benchmarks against the real daemon.
 fn docker_benches(opts: Options) -> Result<Vec<Row>> {
     println!("\n=== build (release)");
-    let binary = shim::build(true)?;
+    let binary = run::build_shim(true)?;
     let tmp = tempfile::Builder::new()
         .prefix("xtask-bench-")
-        .tempdir_in(shim::target_dir())?;
+        .tempdir_in(harness::target_dir())?;
     let home = tmp.path().join("home");
     fs_err::create_dir_all(&home)?;
     let log = tmp.path().join("shim.log");
-    let port = shim::free_port()?;
+    let port = harness::free_port()?;
     // Free runner ports: host-network tasks listen on them on this machine.
-    let http_port = shim::free_port()?;
+    let http_port = harness::free_port()?;
     let ssh_port = loop {
-        let port = shim::free_port()?;
+        let port = harness::free_port()?;
         if port != http_port {
             break port;
         }
@@ -464,9 +465,7 @@ fn docker_benches(opts: Options) -> Result<Vec<Row>> {
         ssh_port.to_string(),
     ];
     let prefix = format!("xbench-{}-", std::process::id());
-    let sweeper = ContainerSweeper {
-        prefix: prefix.clone(),
-    };
+    let sweeper = ContainerSweeper::for_home(&home);
     let mut rows = Vec::new();
     const G: &str = "docker";
 
@@ -478,7 +477,7 @@ fn docker_benches(opts: Options) -> Result<Vec<Row>> {
         "start (spawn -> API answers), empty home",
         &[t.elapsed()],
     ));
-    let api = shim.api;
+    let api = shim.api();
     println!(
         "dstack-shim pid {} on {} (log {})",
         shim.pid(),
@@ -536,9 +535,9 @@ fn docker_benches(opts: Options) -> Result<Vec<Row>> {
     let t = Instant::now();
     shim.kill()?;
     shim = ShimProcess::spawn(&binary, &home, port, &args, &log)?;
-    shim.wait_until_answering(Duration::from_secs(60), Duration::from_millis(5))?;
+    shim.wait_answering(Duration::from_secs(60), Duration::from_millis(5))?;
     let restart = t.elapsed();
-    let api = shim.api;
+    let api = shim.api();
     let tasks = api.get("/api/tasks")?;
     let running = tasks["tasks"]
         .as_array()
@@ -580,7 +579,8 @@ fn docker_benches(opts: Options) -> Result<Vec<Row>> {
 
     let t = Instant::now();
     api.post("/api/shutdown", &json!({"force": false}))?;
-    shim.wait_exit(Duration::from_secs(30))?;
+    let status = shim.wait_exit(Duration::from_secs(30))?;
+    anyhow::ensure!(status.success(), "dstack-shim exited with {status}");
     rows.push(Row::durations(
         G,
         "graceful shutdown (idle)",

@@ -12,7 +12,7 @@ use shim_e2e::{
 
 use crate::cmd;
 use crate::devenv::{self, Timings};
-use crate::run::cargo;
+use shim_e2e::harness::cargo;
 
 /// Runs dev-env (unless `skip_dev_env`), fmt, clippy, cargo-deny, nextest and rustdoc.
 pub fn ci(skip_dev_env: bool) -> Result<()> {

@@ -25,13 +25,12 @@ mod cmd;
 mod demo;
 mod devenv;
 mod docker;
-mod http;
 mod image;
 mod packages;
+mod paths;
 mod proc;
 mod registry;
 mod run;
-mod shim;
 
 use std::process::ExitCode;
 
