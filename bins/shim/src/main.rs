@@ -10,6 +10,7 @@ mod adapter;
 mod config;
 mod engine;
 mod logging;
+mod rlimit;
 mod signals;
 
 use std::net::{Ipv4Addr, SocketAddr};
@@ -70,6 +71,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
     logging::init(config.log_level()?, &home)?;
     tracing::info!(version = VERSION, api_version = API_VERSION, home = %home.display(),
         "starting dstack-shim");
+    rlimit::raise_open_files_limit();
     tracing::debug!(?config, pass_env = ?config.pass_env_names(), "configuration");
 
     let shutdown = CancellationToken::new();

@@ -178,3 +178,64 @@ fn service_mode_writes_host_info_once() {
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(fs_err::read(&path).unwrap(), before);
 }
+
+/// The shim raises its open-files soft limit to the hard limit at start (logged), so 300
+/// stalled connections (half of them nothing sent, half of them half a request head) do not
+/// keep a normal client from being answered, even when it was started with a soft limit of
+/// 256, which they would exhaust.
+#[test]
+fn stalled_connections_do_not_make_the_api_unreachable() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    use std::io::Write as _;
+
+    if !shim_e2e::docker_tests_enabled("stalled_connections_do_not_make_the_api_unreachable") {
+        return;
+    }
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    assert!(
+        hard > 1024,
+        "the hard open-files limit {hard} is too low for this test"
+    );
+    let home = tempfile::tempdir().unwrap();
+    // The shim inherits a soft limit of 256; this test process gets its own back at once.
+    setrlimit(Resource::RLIMIT_NOFILE, 256, hard).unwrap();
+    let started = std::panic::catch_unwind(|| start(home.path(), &[]));
+    setrlimit(Resource::RLIMIT_NOFILE, soft, hard).unwrap();
+    let shim = started.unwrap();
+    let limits = fs_err::read_to_string(format!("/proc/{}/limits", shim.pid())).unwrap();
+    let open_files = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap()
+        .split_whitespace()
+        .skip(3)
+        .take(2)
+        .map(|n| n.parse::<u64>().unwrap())
+        .collect::<Vec<_>>();
+    assert_eq!(open_files, [hard, hard], "{limits}");
+    let log = fs_err::read_to_string(home.path().join("shim.log")).unwrap();
+    assert!(
+        log.contains("raised the open-files limit to the hard limit"),
+        "{log}"
+    );
+
+    let stalled: Vec<TcpStream> = (0..300)
+        .map(|i| {
+            let mut stream = TcpStream::connect(shim.addr()).unwrap();
+            if i % 2 == 1 {
+                stream
+                    .write_all(b"GET /api/healthcheck HTTP/1.1\r\nHost: x\r\nX-Half: ")
+                    .unwrap();
+            }
+            stream
+        })
+        .collect();
+    let (status, body) = http(&shim, "GET", "/api/healthcheck", None);
+    assert_eq!(
+        (status, body.as_str()),
+        (200, r#"{"service":"dstack-shim","version":"0.22.0"}"#)
+    );
+    let (status, _) = http(&shim, "GET", "/api/tasks", None);
+    assert_eq!(status, 200);
+    drop(stalled);
+}
