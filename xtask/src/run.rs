@@ -30,5 +30,7 @@ pub fn run(args: &[String]) -> Result<()> {
 pub fn build_shim(release: bool) -> Result<PathBuf> {
     let profile = if release { " --release" } else { "" };
     println!("$ cargo build -p dstack-shim --bin dstack-shim{profile}");
-    shim_e2e::harness::build_shim(release).context("could not build dstack-shim")
+    // Bounded only against a hang: a cold release build on a busy 2-core machine takes long.
+    shim_e2e::harness::build_shim(release, std::time::Duration::from_secs(3600))
+        .context("could not build dstack-shim")
 }

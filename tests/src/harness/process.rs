@@ -96,9 +96,9 @@ pub fn cargo() -> PathBuf {
         .map_or_else(|| PathBuf::from("cargo"), PathBuf::from)
 }
 
-/// Builds `dstack-shim` (`release` or debug) with the output shown, bounded to 10 minutes,
-/// and returns the binary's path.
-pub fn build_shim(release: bool) -> io::Result<PathBuf> {
+/// Builds `dstack-shim` (`release` or debug) with the output shown, bounded by `limit`, and
+/// returns the binary's path.
+pub fn build_shim(release: bool, limit: Duration) -> io::Result<PathBuf> {
     let mut build = Command::new(cargo());
     scrub_cargo_env(&mut build)
         .args(["build", "-p", "dstack-shim", "--bin", "dstack-shim"])
@@ -113,14 +113,14 @@ pub fn build_shim(release: bool) -> io::Result<PathBuf> {
         if let Some(status) = child.try_wait()? {
             break status;
         }
-        if started.elapsed() > Duration::from_secs(600) {
+        if started.elapsed() > limit {
             let _ = child.kill();
             let _ = child.wait();
-            return Err(io::Error::other(
-                "`cargo build -p dstack-shim` did not finish in 10 minutes (plain `cargo test` \
+            return Err(io::Error::other(format!(
+                "`cargo build -p dstack-shim` did not finish in {limit:?} (plain `cargo test` \
                  holds the build lock while tests run: use `cargo nextest run`, or set \
-                 SHIM_E2E_BINARY)",
-            ));
+                 SHIM_E2E_BINARY)"
+            )));
         }
         std::thread::sleep(Duration::from_millis(100));
     };
@@ -153,7 +153,7 @@ pub fn shim_binary() -> &'static Path {
         if let Some(path) = std::env::var_os(ENV_BINARY).filter(|p| !p.is_empty()) {
             return PathBuf::from(path);
         }
-        build_shim(false).unwrap_or_else(|e| panic!("{e}"))
+        build_shim(false, Duration::from_secs(600)).unwrap_or_else(|e| panic!("{e}"))
     })
 }
 
