@@ -252,9 +252,12 @@ impl BenchShim {
         Ok(())
     }
 
-    /// SIGTERM and wait for a clean exit (containers keep running).
+    /// SIGTERM and wait for a clean exit (containers keep running); nothing if it is not
+    /// running.
     pub fn stop(&mut self) -> Result<()> {
-        let process = self.process.take().context("the shim is not running")?;
+        let Some(process) = self.process.take() else {
+            return Ok(());
+        };
         process.sigterm()?;
         let status = process.wait_exit(BOUND)?;
         anyhow::ensure!(status.success(), "dstack-shim exited with {status}");
@@ -329,6 +332,97 @@ impl BenchShim {
         let tasks = list["tasks"].as_array().cloned().unwrap_or_default();
         let running = tasks.iter().filter(|t| t["status"] == "running").count();
         Ok((tasks.len(), running))
+    }
+}
+
+/// Watches a shim's task list (one `GET /api/tasks` every `every`, from one thread) so that
+/// many clients can wait for their tasks to run without each polling the API: on a small
+/// machine, sixteen clients polling every few milliseconds would take the CPU Docker needs.
+pub struct Watcher {
+    state: std::sync::Arc<(std::sync::Mutex<WatchState>, std::sync::Condvar)>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct WatchState {
+    running: std::collections::HashSet<String>,
+    error: Option<String>,
+    stop: bool,
+}
+
+impl Watcher {
+    /// Starts watching the shim at `api`.
+    pub fn new(api: Api, every: Duration) -> Self {
+        let state = std::sync::Arc::new((
+            std::sync::Mutex::new(WatchState::default()),
+            std::sync::Condvar::new(),
+        ));
+        let shared = state.clone();
+        let handle = std::thread::spawn(move || {
+            let (lock, changed) = &*shared;
+            loop {
+                let listed = api.get("/api/tasks");
+                let Ok(mut st) = lock.lock() else { return };
+                if st.stop {
+                    return;
+                }
+                match listed {
+                    Ok(list) => {
+                        st.running = list["tasks"]
+                            .as_array()
+                            .map(|tasks| {
+                                tasks
+                                    .iter()
+                                    .filter(|t| t["status"] == "running")
+                                    .filter_map(|t| t["id"].as_str().map(str::to_owned))
+                                    .collect()
+                            })
+                            .unwrap_or_default();
+                    }
+                    Err(e) => st.error = Some(e.to_string()),
+                }
+                drop(st);
+                changed.notify_all();
+                std::thread::sleep(every);
+            }
+        });
+        Self {
+            state,
+            handle: Some(handle),
+        }
+    }
+
+    /// Waits (bounded) until the list shows task `id` running.
+    pub fn wait_running(&self, id: &str) -> Result<()> {
+        let (lock, changed) = &*self.state;
+        let started = Instant::now();
+        let mut st = lock
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the watcher failed"))?;
+        while !st.running.contains(id) {
+            if let Some(e) = &st.error {
+                bail!("listing the tasks failed: {e}");
+            }
+            if started.elapsed() > BOUND {
+                bail!("task {id} not running after {BOUND:?}");
+            }
+            st = changed
+                .wait_timeout(st, Duration::from_millis(100))
+                .map_err(|_| anyhow::anyhow!("the watcher failed"))?
+                .0;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        if let Ok(mut st) = self.state.0.lock() {
+            st.stop = true;
+        }
+        if let Some(handle) = self.handle.take() {
+            let _ = handle.join();
+        }
     }
 }
 

@@ -147,6 +147,8 @@ impl Ctx {
 /// `cargo xtask bench [--quick] [--no-docker] [FIGURE..]`.
 pub fn bench(opts: &Options) -> Result<()> {
     let started = Instant::now();
+    // Other work on the machine shows in every figure: the load average at start and end.
+    let host_at_start = host();
     let figures = opts.selected();
     let mut rows: Vec<Row> = Vec::new();
     let mut comparisons: Vec<Comparison> = Vec::new();
@@ -159,6 +161,39 @@ pub fn bench(opts: &Options) -> Result<()> {
         rows.extend(micro::engine(opts.quick)?);
     }
     let mut context = Value::Null;
+    let measured = docker_figures(opts, &figures, &mut comparisons, &mut context);
+
+    report::print_rows(&rows);
+    report::print_comparisons(&comparisons);
+    let path = harness::target_dir().join("bench.json");
+    let out = json!({
+        "date": cmd::output(cmd::cmd("date").args(["-u", "+%Y-%m-%dT%H:%M:%SZ"]))
+            .map(|d| d.trim().to_owned())
+            .unwrap_or_default(),
+        "host": host_at_start,
+        "loadavg_at_end": fs_err::read_to_string("/proc/loadavg").unwrap_or_default().trim(),
+        "quick": opts.quick,
+        "docker": context,
+        "error": measured.as_ref().err().map(|e| format!("{e:#}")),
+        "figures": comparisons.iter().map(Comparison::json).collect::<Vec<_>>(),
+        "micro": report::rows_json(&rows),
+    });
+    fs_err::write(&path, serde_json::to_vec_pretty(&out)?)?;
+    println!(
+        "\nbench: wrote {} (took {:.0}s)",
+        path.display(),
+        started.elapsed().as_secs_f64()
+    );
+    measured
+}
+
+/// The figures that need Docker (what was measured stays in `comparisons` if one fails).
+fn docker_figures(
+    opts: &Options,
+    figures: &[Fig],
+    comparisons: &mut Vec<Comparison>,
+    context: &mut Value,
+) -> Result<()> {
     if figures.iter().any(|f| f.needs_docker()) {
         println!("\n=== docker: the shim against raw Docker");
         demo::ensure_fixtures()?;
@@ -172,53 +207,33 @@ pub fn bench(opts: &Options) -> Result<()> {
                  activity is part of dockerd's CPU time"
             );
         }
+        *context = json!({
+            "profile": if opts.quick { "debug" } else { "release" },
+            "binary": binary,
+            "other_containers_at_start": others_before,
+        });
         let ctx = Ctx {
             quick: opts.quick,
-            figures: figures.clone(),
+            figures: figures.to_vec(),
             binary,
             scratch,
         };
         if ctx.wants(Fig::ExitLatency) {
-            latency::exit_latency(&ctx, &mut comparisons)?;
+            latency::exit_latency(&ctx, comparisons)?;
         }
         if ctx.wants(Fig::SubmitLatency) {
-            latency::submit_latency(&ctx, &mut comparisons)?;
+            latency::submit_latency(&ctx, comparisons)?;
         }
         if ctx.wants(Fig::Throughput) {
-            load::throughput(&ctx, &mut comparisons)?;
+            load::throughput(&ctx, comparisons)?;
         }
         if ctx.wants(Fig::IdleCpu) || ctx.wants(Fig::Restart) || ctx.wants(Fig::Rss) {
-            scale::scale(&ctx, &mut comparisons)?;
+            scale::scale(&ctx, comparisons)?;
         }
         let left = ctx.scratch.raw_remove_all()?;
         anyhow::ensure!(left == 0, "{left} raw containers were left behind");
-        context = json!({
-            "profile": if opts.quick { "debug" } else { "release" },
-            "binary": ctx.binary,
-            "other_containers_at_start": others_before,
-            "other_containers_at_end": foreign_containers(&ctx.scratch)?,
-        });
+        context["other_containers_at_end"] = json!(foreign_containers(&ctx.scratch)?);
     }
-
-    report::print_rows(&rows);
-    report::print_comparisons(&comparisons);
-    let path = harness::target_dir().join("bench.json");
-    let out = json!({
-        "date": cmd::output(cmd::cmd("date").args(["-u", "+%Y-%m-%dT%H:%M:%SZ"]))
-            .map(|d| d.trim().to_owned())
-            .unwrap_or_default(),
-        "host": host(),
-        "quick": opts.quick,
-        "docker": context,
-        "figures": comparisons.iter().map(Comparison::json).collect::<Vec<_>>(),
-        "micro": report::rows_json(&rows),
-    });
-    fs_err::write(&path, serde_json::to_vec_pretty(&out)?)?;
-    println!(
-        "\nbench: wrote {} (took {:.0}s)",
-        path.display(),
-        started.elapsed().as_secs_f64()
-    );
     Ok(())
 }
 
@@ -259,6 +274,7 @@ fn host() -> Value {
         "mem_mib": mem_kib("MemTotal:") / 1024,
         "mem_available_mib": mem_kib("MemAvailable:") / 1024,
         "kernel": read("/proc/sys/kernel/osrelease"),
+        "loadavg": read("/proc/loadavg"),
         "debian": read("/etc/debian_version"),
         "docker": docker::server_version().unwrap_or_default(),
     })

@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 use shim_e2e::harness::{LABEL_OWNER, owner_identity};
 
 use super::dockerapi::parallel;
-use super::fleet::{BOUND, BenchShim, cpu_seconds, dockerd_pid, tick_seconds};
+use super::fleet::{BOUND, BenchShim, Watcher, cpu_seconds, dockerd_pid, tick_seconds};
 use super::report::{Comparison, Goal, median};
 use super::{Ctx, Fig};
 
@@ -102,9 +102,10 @@ fn fill(shim: &BenchShim, have: usize, want: usize) -> Result<usize> {
     println!("\n--- starting tasks {have}..{want}");
     let t = Instant::now();
     let ids: Vec<String> = (have..want).map(|i| format!("scale-{i}")).collect();
+    let watcher = Watcher::new(shim.api(), Duration::from_millis(50));
     parallel(&ids, 16, |id| {
         shim.submit(id, "host")?;
-        shim.wait_running(id, Duration::from_millis(20)).map(drop)
+        watcher.wait_running(id)
     })
     .into_iter()
     .collect::<Result<Vec<()>>>()?;
