@@ -27,6 +27,30 @@ pub fn try_docker(args: &[&str]) -> std::io::Result<Output> {
         .output()
 }
 
+/// Like [`try_docker`], but kills the CLI if it has not finished within `limit` (a wedged
+/// daemon must not hang a clean-up forever).
+pub fn try_docker_within(args: &[&str], limit: std::time::Duration) -> std::io::Result<Output> {
+    let mut child = Command::new("docker")
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let started = std::time::Instant::now();
+    while child.try_wait()?.is_none() {
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("docker {args:?} did not finish within {limit:?}"),
+            ));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.wait_with_output()
+}
+
 /// Runs the `docker` CLI and returns its stdout; panics (failing the test) unless it exits 0.
 #[allow(
     clippy::panic,
@@ -54,7 +78,10 @@ pub fn owner_identity(home: &Path) -> String {
 /// the CLI fails.
 pub fn containers_labelled(key: &str, value: &str) -> Vec<String> {
     let filter = format!("label={key}={value}");
-    match try_docker(&["ps", "-aq", "--no-trunc", "--filter", &filter]) {
+    match try_docker_within(
+        &["ps", "-aq", "--no-trunc", "--filter", &filter],
+        std::time::Duration::from_secs(60),
+    ) {
         Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout)
             .split_whitespace()
             .map(str::to_owned)
@@ -65,7 +92,11 @@ pub fn containers_labelled(key: &str, value: &str) -> Vec<String> {
 
 /// Whether Docker knows a container named (or with the id) `name`.
 pub fn container_exists(name: &str) -> bool {
-    try_docker(&["inspect", "--type", "container", name]).is_ok_and(|out| out.status.success())
+    try_docker_within(
+        &["inspect", "--type", "container", name],
+        std::time::Duration::from_secs(60),
+    )
+    .is_ok_and(|out| out.status.success())
 }
 
 /// Force-removes every container carrying one label when [`ContainerSweeper::sweep`] is
@@ -100,13 +131,14 @@ impl ContainerSweeper {
         containers_labelled(&self.key, &self.value)
     }
 
-    /// Force-removes them now; returns how many there were.
+    /// Force-removes them now (each `docker rm` bounded to two minutes); returns how many
+    /// there were.
     pub fn sweep(&self) -> usize {
         let ids = self.containers();
         for batch in ids.chunks(200) {
             let mut args = vec!["rm", "-f"];
             args.extend(batch.iter().map(String::as_str));
-            let _ = try_docker(&args);
+            let _ = try_docker_within(&args, std::time::Duration::from_secs(120));
         }
         ids.len()
     }
@@ -129,8 +161,20 @@ impl Drop for ContainerSweeper {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, reason = "test code")]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_docker_cli_that_hangs_is_killed_after_the_limit() {
+        // `docker events` never ends by itself (or fails at once without a daemon).
+        let started = std::time::Instant::now();
+        let out = try_docker_within(&["events"], std::time::Duration::from_millis(300));
+        assert!(started.elapsed() < std::time::Duration::from_secs(30));
+        if let Err(e) = out {
+            assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+        }
+    }
 
     #[test]
     fn owner_identity_is_16_hex_of_the_absolute_home() {

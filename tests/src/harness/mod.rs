@@ -20,7 +20,7 @@ pub mod process;
 
 pub use docker::{
     ContainerSweeper, LABEL_OWNER, container_exists, containers_labelled, docker, docker_ok,
-    owner_identity, try_docker,
+    owner_identity, try_docker, try_docker_within,
 };
 pub use http::{Api, Request, Response, status_of};
 pub use layout::{runner_dir, task_dir, tasks_dir, write_runner_exit};

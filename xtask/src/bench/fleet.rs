@@ -121,9 +121,9 @@ impl Scratch {
         Ok(RawContainer { id, dir })
     }
 
-    /// Removes every raw container of this run, 8 at a time.
+    /// Removes every raw container of this run, 4 at a time.
     pub fn raw_remove_all(&self) -> Result<usize> {
-        self.docker.remove_all(RAW_LABEL, &self.run, 8)
+        self.docker.remove_all(RAW_LABEL, &self.run, 4)
     }
 }
 

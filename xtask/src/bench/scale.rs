@@ -86,10 +86,10 @@ pub fn scale(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
         Ok(())
     })();
     // Removing a thousand containers one by one through the sweeper's CLI is slow: the raw
-    // API, 8 at a time, first.
+    // API, 4 at a time, first.
     let owner = owner_identity(&shim.home);
     let _ = shim.kill();
-    let removed = ctx.scratch.docker.remove_all(LABEL_OWNER, &owner, 8);
+    let removed = ctx.scratch.docker.remove_all(LABEL_OWNER, &owner, 4);
     println!("\nscale: removed {} task containers", removed.unwrap_or(0));
     result
 }
