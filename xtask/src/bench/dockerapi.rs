@@ -25,9 +25,23 @@ pub struct Docker {
 }
 
 impl Default for Docker {
+    /// The daemon of `DOCKER_HOST` (`unix://PATH`) if set, else [`SOCKET`].
     fn default() -> Self {
-        Self::new(Path::new(SOCKET))
+        Self::new(&socket_path())
     }
+}
+
+/// The daemon's socket: `DOCKER_HOST` if it is `unix://PATH`, else [`SOCKET`].
+pub fn socket_path() -> PathBuf {
+    std::env::var("DOCKER_HOST")
+        .ok()
+        .and_then(|host| host.strip_prefix("unix://").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(SOCKET))
+}
+
+/// Whether `DOCKER_HOST` names another daemon than the default one.
+pub fn private_daemon() -> bool {
+    socket_path() != Path::new(SOCKET)
 }
 
 /// Percent-encodes `s` for a query string.
@@ -77,6 +91,12 @@ impl Docker {
             );
         }
         Ok(response)
+    }
+
+    /// Whether the daemon has the image `reference`.
+    pub fn has_image(&self, reference: &str) -> Result<bool> {
+        let path = format!("/images/{}/json", encode(reference));
+        Ok(self.send(Request::get(&path), &[200, 404])?.status == 200)
     }
 
     /// `GET /_ping`.

@@ -460,13 +460,30 @@ fn clock_ticks() -> f64 {
     })
 }
 
-/// The pid of the Docker daemon.
+/// The pid of the Docker daemon the bench uses: the `dockerd` whose command line names the
+/// socket of `DOCKER_HOST`, or, for the default socket, the one started without `-H`.
 pub fn dockerd_pid() -> Result<u32> {
-    let pids = proc::find("dockerd", None);
+    let socket = super::dockerapi::socket_path();
+    let pids: Vec<u32> = if super::dockerapi::private_daemon() {
+        proc::find("dockerd", Some(&socket.to_string_lossy()))
+    } else {
+        proc::find("dockerd", None)
+            .into_iter()
+            .filter(|pid| {
+                let cmdline = fs_err::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+                !cmdline.contains(" -H ") && !cmdline.contains("--host")
+                    || cmdline.contains(super::dockerapi::SOCKET)
+            })
+            .collect()
+    };
     match pids.as_slice() {
         [pid] => Ok(*pid),
-        [] => bail!("no dockerd process found"),
-        more => bail!("several dockerd processes: {more:?}"),
+        [] => bail!("no dockerd process serves {}", socket.display()),
+        more => bail!(
+            "several dockerd processes serve {}: {more:?}",
+            socket.display()
+        ),
     }
 }
 

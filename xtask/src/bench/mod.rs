@@ -196,10 +196,19 @@ fn docker_figures(
 ) -> Result<()> {
     if figures.iter().any(|f| f.needs_docker()) {
         println!("\n=== docker: the shim against raw Docker");
-        demo::ensure_fixtures()?;
+        let private = dockerapi::private_daemon();
+        if !private {
+            demo::ensure_fixtures()?;
+        }
         let binary = run::build_shim(!opts.quick)?;
         let scratch = fleet::Scratch::new()?;
         scratch.docker.ping()?;
+        if private && !scratch.docker.has_image(&shim_e2e::image())? {
+            bail!(
+                "the daemon of DOCKER_HOST lacks {0}: docker save {0} | DOCKER_HOST=… docker load",
+                shim_e2e::image()
+            );
+        }
         let others_before = foreign_containers(&scratch)?;
         if others_before > 0 {
             println!(
@@ -210,6 +219,8 @@ fn docker_figures(
         *context = json!({
             "profile": if opts.quick { "debug" } else { "release" },
             "binary": binary,
+            "socket": dockerapi::socket_path(),
+            "dockerd_pid": fleet::dockerd_pid()?,
             "other_containers_at_start": others_before,
         });
         let ctx = Ctx {
