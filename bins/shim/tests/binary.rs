@@ -119,6 +119,12 @@ fn stops_on_api_shutdown_and_serves_a_unix_socket() {
     let home = tempfile::tempdir().unwrap();
     let sock = home.path().join("shim.sock");
     let shim = start(home.path(), &["--unix-socket", sock.to_str().unwrap()]);
+    // The TCP port is bound (and accepts) a moment before the socket is placed.
+    let deadline = Instant::now() + BOUND;
+    while !sock.exists() {
+        assert!(Instant::now() < deadline, "the unix socket never appeared");
+        std::thread::sleep(Duration::from_millis(10));
+    }
 
     let meta = fs_err::symlink_metadata(&sock).unwrap();
     assert!(meta.file_type().is_socket());

@@ -7,7 +7,7 @@
 //! - [`process`]: building `dstack-shim`, [`free_port`], [`open_log`], and [`ShimProcess`],
 //!   a guard that starts the binary on a home and port, waits until it listens or answers,
 //!   sends SIGTERM or SIGKILL, reads its RSS and kills it when dropped;
-//! - [`docker`]: the `docker` CLI, the owner identity of a home, and [`ContainerSweeper`],
+//! - [`docker`](mod@docker): the `docker` CLI, the owner identity of a home, and [`ContainerSweeper`],
 //!   which force-removes a home's (or a label's) containers however a run ends;
 //! - [`layout`]: where a task's files are on the host ([`runner_dir`], [`task_dir`]).
 //!
