@@ -23,9 +23,20 @@
 //! root (loop devices, mounts) only when [`ENV_TEST_ROOT`]` = 1`; see [`docker_tests_enabled`]
 //! and [`root_tests_enabled`].
 //!
-//! Keep this library free of dependencies: `xtask` depends on it.
+//! The [`harness`] module is the one test harness of the workspace (HTTP client, shim process
+//! guard, Docker helpers, task paths), used by the end-to-end tests, the binary's tests and
+//! `xtask`.
+//!
+//! Keep this library's dependencies few and light (`xtask` and the tests of other crates
+//! depend on it): `serde_json` (task configs and answers), `sha2` (the owner identity of a
+//! home) and `fs-err`, all already used across the workspace; no async runtime, no HTTP
+//! library.
+
+pub mod harness;
 
 use std::path::PathBuf;
+
+pub use harness::{docker, docker_ok};
 
 /// Environment variable naming the local test image.
 pub const ENV_IMAGE: &str = "SHIM_TEST_IMAGE";
@@ -149,35 +160,6 @@ pub fn docker_tests_enabled(test: &str) -> bool {
 /// [`ENV_TEST_ROOT`]` = 1`; otherwise prints why `test` was skipped and returns false.
 pub fn root_tests_enabled(test: &str) -> bool {
     gate(ENV_TEST_ROOT, test, "root (loop devices, mounts)")
-}
-
-/// Runs the `docker` CLI (no stdin) and returns its output; panics if the CLI cannot run at
-/// all. For tests.
-#[allow(
-    clippy::expect_used,
-    reason = "a test helper: a missing docker CLI fails the test"
-)]
-pub fn docker(args: &[&str]) -> std::process::Output {
-    std::process::Command::new("docker")
-        .args(args)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .expect("the docker CLI runs")
-}
-
-/// Runs the `docker` CLI and returns its stdout; panics (failing the test) unless it exits 0.
-#[allow(
-    clippy::panic,
-    reason = "a test helper: a failed docker command fails the test"
-)]
-pub fn docker_ok(args: &[&str]) -> String {
-    let output = docker(args);
-    assert!(
-        output.status.success(),
-        "docker {args:?} failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 #[cfg(test)]

@@ -8,8 +8,7 @@
     reason = "test code: a failed unwrap is a failed test"
 )]
 
-use std::io::{BufRead as _, BufReader, Read as _, Write as _};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -19,6 +18,7 @@ use shim_e2e::{
     registry_small_image, registry_user, runner_path,
 };
 
+use shim_e2e::harness::{Request, Response};
 use shim_e2e::{docker, docker_ok};
 
 /// Force-removes the container when the test ends, however it ends.
@@ -30,43 +30,31 @@ impl Drop for Container {
     }
 }
 
-/// One HTTP/1.1 request; returns the status code and the body.
-fn http(addr: SocketAddr, method: &str, path: &str, auth: Option<&str>) -> (u16, String) {
-    try_http(addr, method, path, auth).unwrap_or_else(|e| panic!("{method} {path} on {addr}: {e}"))
-}
+/// Manifest media types a registry may hold for our images.
+const MANIFEST_ACCEPT: &str = "application/vnd.docker.distribution.manifest.v2+json, \
+     application/vnd.oci.image.manifest.v1+json";
 
+/// One request to the registry with an optional basic-auth token; the answer.
 fn try_http(
     addr: SocketAddr,
     method: &str,
     path: &str,
     auth: Option<&str>,
-) -> std::io::Result<(u16, String)> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    let mut request = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
-    request.push_str(
-        "Accept: application/vnd.docker.distribution.manifest.v2+json, \
-         application/vnd.oci.image.manifest.v1+json\r\n",
-    );
+) -> std::io::Result<Response> {
+    let mut request = Request::new(method, path)
+        .header("Accept", MANIFEST_ACCEPT)
+        .timeout(Duration::from_secs(10));
     if let Some(basic) = auth {
-        request.push_str(&format!("Authorization: Basic {basic}\r\n"));
+        request = request.header("Authorization", format!("Basic {basic}"));
     }
-    request.push_str("\r\n");
-    stream.write_all(request.as_bytes())?;
-    let mut reader = BufReader::new(stream);
-    let mut status = String::new();
-    reader.read_line(&mut status)?;
-    let code = status
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| std::io::Error::other(format!("not an HTTP status line: {status:?}")))?;
-    let mut rest = String::new();
-    if method != "HEAD" {
-        reader.read_to_string(&mut rest)?;
-    }
-    let body = rest.split("\r\n\r\n").nth(1).unwrap_or("").to_owned();
-    Ok((code, body))
+    request.send(addr)
+}
+
+/// [`try_http`]'s status code; panics if nothing answers.
+fn status(addr: SocketAddr, method: &str, path: &str, auth: Option<&str>) -> u16 {
+    try_http(addr, method, path, auth)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .status
 }
 
 fn base64(input: &str) -> String {
@@ -125,7 +113,7 @@ fn stub_runner_serves_http_and_exits_with_the_code_from_the_exit_file() {
     let started = Instant::now();
     let body = loop {
         match try_http(addr, "GET", "/api/healthcheck", None) {
-            Ok((200, body)) => break body,
+            Ok(r) if r.status == 200 => break r.body,
             _ if started.elapsed() < Duration::from_secs(20) => {
                 std::thread::sleep(Duration::from_millis(100));
             }
@@ -159,13 +147,13 @@ fn registry_demands_the_credentials_and_holds_both_images() {
     let addr: SocketAddr = registry().parse().expect("registry is host:port");
     let good = base64(&format!("{}:{}", registry_user(), registry_password()));
     let bad = base64(&format!("{}:wrong", registry_user()));
-    assert_eq!(http(addr, "GET", "/v2/", None).0, 401);
-    assert_eq!(http(addr, "GET", "/v2/", Some(&bad)).0, 401);
-    assert_eq!(http(addr, "GET", "/v2/", Some(&good)).0, 200);
+    assert_eq!(status(addr, "GET", "/v2/", None), 401);
+    assert_eq!(status(addr, "GET", "/v2/", Some(&bad)), 401);
+    assert_eq!(status(addr, "GET", "/v2/", Some(&good)), 200);
     for repo in [REGISTRY_SMALL_REPO, REGISTRY_LARGE_REPO] {
         let path = format!("/v2/{repo}/manifests/{REGISTRY_TAG}");
-        assert_eq!(http(addr, "HEAD", &path, Some(&good)).0, 200, "{path}");
-        assert_eq!(http(addr, "HEAD", &path, None).0, 401, "{path}");
+        assert_eq!(status(addr, "HEAD", &path, Some(&good)), 200, "{path}");
+        assert_eq!(status(addr, "HEAD", &path, None), 401, "{path}");
     }
 }
 

@@ -1,4 +1,4 @@
-//! `cargo xtask ci`: the whole check, as CI runs it. Every step runs even after a failure, so
+//! `cargo xtask ci`: the whole check, as CI runs it (including a `bench --quick` smoke run). Every step runs even after a failure, so
 //! one run reports all failures; a timing summary at the end shows where the time goes.
 
 use std::path::Path;
@@ -12,7 +12,7 @@ use shim_e2e::{
 
 use crate::cmd;
 use crate::devenv::{self, Timings};
-use crate::run::cargo;
+use shim_e2e::harness::cargo;
 
 /// Runs dev-env (unless `skip_dev_env`), fmt, clippy, cargo-deny, nextest and rustdoc.
 pub fn ci(skip_dev_env: bool) -> Result<()> {
@@ -81,6 +81,13 @@ pub fn ci(skip_dev_env: bool) -> Result<()> {
         )
     });
     note("tests", result);
+
+    // A smoke run of the bench harness (few samples, no time asserted): fails only if the
+    // harness itself breaks.
+    let result = timings.time("bench --quick", || {
+        crate::bench::bench(&crate::bench::Options::parse(&["--quick".to_owned()])?)
+    });
+    note("bench --quick", result);
 
     let result = timings.time("doc", || {
         cmd::run(

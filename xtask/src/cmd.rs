@@ -7,36 +7,12 @@ use std::process::{Command, Stdio};
 
 use anyhow::{Context as _, Result, bail};
 
-/// A new command for `program`.
-///
-/// The variables cargo sets for the package it runs (`CARGO_MANIFEST_DIR`, `CARGO_PKG_*`, …)
-/// are not passed on: they describe xtask, not the child, and a nested `cargo` that sees them
-/// rebuilds crates whose build scripts watch them (ring) every time.
+/// A new command for `program`, without the variables cargo set for xtask (see
+/// [`shim_e2e::harness::scrub_cargo_env`]).
 pub fn cmd(program: impl AsRef<OsStr>) -> Command {
     let mut command = Command::new(program);
-    for (name, _) in std::env::vars_os() {
-        let Some(name) = name.to_str() else { continue };
-        if is_package_var(name) {
-            command.env_remove(name);
-        }
-    }
+    shim_e2e::harness::scrub_cargo_env(&mut command);
     command
-}
-
-/// Whether cargo sets `name` for the package being run (as opposed to user configuration
-/// such as `CARGO_HOME` or `CARGO_TARGET_DIR`).
-fn is_package_var(name: &str) -> bool {
-    matches!(
-        name,
-        "CARGO_MANIFEST_DIR"
-            | "CARGO_MANIFEST_PATH"
-            | "CARGO_MANIFEST_LINKS"
-            | "CARGO_CRATE_NAME"
-            | "CARGO_BIN_NAME"
-            | "CARGO_PRIMARY_PACKAGE"
-            | "CARGO_RUSTC_CURRENT_DIR"
-    ) || name.starts_with("CARGO_PKG_")
-        || name.starts_with("CARGO_BIN_EXE_")
 }
 
 /// The command line of `command`, for messages.
@@ -145,41 +121,9 @@ pub fn have_program(name: &str) -> bool {
         .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(name).is_file()))
 }
 
-/// The last `lines` lines of the file at `path` (a note if it cannot be read).
-pub fn tail(path: &Path, lines: usize) -> String {
-    match fs_err::read_to_string(path) {
-        Ok(text) => {
-            let all: Vec<&str> = text.lines().collect();
-            all[all.len().saturating_sub(lines)..].join("\n")
-        }
-        Err(err) => format!("(no log: {err})"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn package_variables_are_not_passed_on_but_configuration_is() {
-        for v in [
-            "CARGO_MANIFEST_DIR",
-            "CARGO_PKG_NAME",
-            "CARGO_BIN_EXE_x",
-            "CARGO_CRATE_NAME",
-        ] {
-            assert!(is_package_var(v), "{v}");
-        }
-        for v in [
-            "CARGO_HOME",
-            "CARGO_TARGET_DIR",
-            "CARGO",
-            "PATH",
-            "CARGO_TERM_COLOR",
-        ] {
-            assert!(!is_package_var(v), "{v}");
-        }
-    }
 
     #[test]
     fn display_quotes_what_a_shell_would_split() {
@@ -198,14 +142,5 @@ mod tests {
         assert!(message.contains("sh -c"), "{message}");
         assert!(message.contains("boom"), "{message}");
         assert_eq!(output(cmd("sh").args(["-c", "echo hi"])).unwrap(), "hi\n");
-    }
-
-    #[test]
-    fn tail_keeps_the_last_lines() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("log");
-        fs_err::write(&path, "1\n2\n3\n4\n").unwrap();
-        assert_eq!(tail(&path, 2), "3\n4");
-        assert!(tail(&dir.path().join("missing"), 2).starts_with("(no log"));
     }
 }

@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail};
 use serde_json::{Value, json};
 
-use crate::shim::{self, Api, ContainerSweeper, ShimProcess};
-use crate::{cmd, devenv, image, registry};
+use shim_e2e::harness::{self, Api, ContainerSweeper, Request, ShimProcess, status_of};
+
+use crate::{cmd, devenv, image, registry, run};
 
 /// Makes sure Docker runs and the fixtures `demo` and `bench` use are there (the local
 /// image, the registry with the small image); runs `dev-env` if one is missing. Leaves the
@@ -50,21 +51,19 @@ pub fn demo(large: bool) -> Result<()> {
     println!("=== fixtures");
     ensure_fixtures()?;
     println!("\n=== build");
-    let binary = shim::build(false)?;
+    let binary = run::build_shim(false)?;
 
     let pid = std::process::id();
     let id = format!("demo-{pid}");
     let name = format!("xtask-demo-{pid}");
-    let _sweeper = ContainerSweeper {
-        prefix: format!("{name}-"),
-    };
     let tmp = tempfile::Builder::new()
         .prefix("xtask-demo-")
-        .tempdir_in(shim::target_dir())?;
+        .tempdir_in(harness::target_dir())?;
     let home = tmp.path().join("home");
     fs_err::create_dir_all(&home)?;
+    let _sweeper = ContainerSweeper::for_home(&home);
     let log = tmp.path().join("shim.log");
-    let port = shim::free_port()?;
+    let port = harness::free_port()?;
     let runner = shim_e2e::runner_path();
     let args = vec![
         "--runner-binary-path".to_owned(),
@@ -76,7 +75,7 @@ pub fn demo(large: bool) -> Result<()> {
     println!("\n=== start the shim");
     let t0 = Instant::now();
     let shim = ShimProcess::start(&binary, &home, port, &args, &log)?;
-    let api = shim.api;
+    let api = shim.api();
     say(
         t0,
         &format!(
@@ -129,7 +128,7 @@ pub fn demo(large: bool) -> Result<()> {
         t0,
         &format!(
             "POST /api/tasks {id} ({image_ref}, gpu 1, bridge) -> {}",
-            shim::status_of(&info)
+            status_of(&info)
         ),
     );
     expect_eq(&info["status"], "pending", "status after submit")?;
@@ -138,7 +137,7 @@ pub fn demo(large: bool) -> Result<()> {
     let info = watch.until(t0, &api, &id, "running", Duration::from_secs(120))?;
     check_running(&info)?;
     runner_health(t0, &info)?;
-    let pull_log = home.join("tasks").join(&id).join("pull.log");
+    let pull_log = harness::task_dir(&home, &id).join("pull.log");
     let text = fs_err::read_to_string(&pull_log).unwrap_or_default();
     say(
         t0,
@@ -156,10 +155,15 @@ pub fn demo(large: bool) -> Result<()> {
     );
 
     println!("\n=== the runner exits with 0");
-    shim::make_runner_exit(&home, &id, 0)?;
+    harness::write_runner_exit(&home, &info, 0)?;
     say(
         t0,
-        &format!("wrote 0 to {}/tasks/{id}/runner/exit", home.display()),
+        &format!(
+            "wrote 0 to {}",
+            harness::runner_dir(&home, &info)
+                .join(shim_e2e::RUNNER_EXIT_FILE)
+                .display()
+        ),
     );
     let info = watch.until(t0, &api, &id, "terminated", Duration::from_secs(60))?;
     expect_eq(
@@ -177,17 +181,18 @@ pub fn demo(large: bool) -> Result<()> {
     let gone = api.call("GET", &format!("/api/tasks/{id}"), None, 404)?;
     say(
         t0,
-        &format!("GET /api/tasks/{id} -> 404 {}", gone.text().trim()),
+        &format!("GET /api/tasks/{id} -> 404 {}", gone.body.trim()),
     );
     let container = info["container_name"].as_str().unwrap_or_default();
     anyhow::ensure!(
-        !shim::container_exists(container),
+        !harness::container_exists(container),
         "container {container} still exists after remove"
     );
     say(t0, &format!("container {container} is gone"));
     api.post("/api/shutdown", &json!({"force": false}))?;
     say(t0, "POST /api/shutdown {\"force\":false} -> 200");
-    shim.wait_exit(Duration::from_secs(30))?;
+    let status = shim.wait_exit(Duration::from_secs(30))?;
+    anyhow::ensure!(status.success(), "dstack-shim exited with {status}");
     say(t0, "dstack-shim exited with 0");
     if large {
         // So that pull tests download it again (dev-env leaves it out of the daemon).
@@ -249,22 +254,22 @@ fn runner_health(t0: Instant, info: &Value) -> Result<()> {
     let started = Instant::now();
     // docker-proxy accepts before the runner listens: retry for a few seconds.
     loop {
-        match shim::request(addr, "GET", "/api/healthcheck", None) {
+        match Request::get("/api/healthcheck").send(addr) {
             Ok(r) if r.status == 200 => {
                 say(
                     t0,
                     &format!(
                         "runner in the container answers on 127.0.0.1:{port}: {}",
-                        r.text().trim()
+                        r.body.trim()
                     ),
                 );
                 return Ok(());
             }
             Ok(r) if started.elapsed() > Duration::from_secs(10) => {
-                bail!("the runner answered {}: {}", r.status, r.text())
+                bail!("the runner answered {}: {}", r.status, r.body)
             }
             Err(err) if started.elapsed() > Duration::from_secs(10) => {
-                return Err(err.context("the runner never answered"));
+                return Err(anyhow::Error::new(err).context("the runner never answered"));
             }
             _ => std::thread::sleep(Duration::from_millis(100)),
         }
@@ -303,7 +308,7 @@ impl Watch {
         loop {
             let info = api.task(id)?;
             self.show(t0, &info);
-            let now = shim::status_of(&info);
+            let now = status_of(&info);
             if now == status {
                 return Ok(info);
             }

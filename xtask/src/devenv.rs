@@ -1,7 +1,6 @@
 //! `cargo xtask dev-env`: make a Debian 12 machine (as root) ready for every test. Idempotent:
 //! each step checks first and does only what is missing, so a rerun takes seconds.
 
-use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context as _, Result, bail};
@@ -11,18 +10,8 @@ use shim_e2e::{
     IMAGE, LARGE_LAYER_BYTES, REGISTRY, REGISTRY_LARGE_REPO, REGISTRY_SMALL_REPO, REGISTRY_TAG,
 };
 
+use crate::paths::{state_dir, tmp_dir};
 use crate::{cmd, docker, image, packages, registry};
-
-/// State of the dev environment: the registry's config, auth and storage, temporary build dirs.
-pub fn state_dir() -> PathBuf {
-    PathBuf::from("/var/lib/dstack-shim-dev")
-}
-
-/// Scratch space of one dev-env run (image roots, throwaway Docker client configs); emptied at
-/// the start of every run, under the lock.
-pub fn tmp_dir() -> PathBuf {
-    state_dir().join("tmp")
-}
 
 /// Serialises dev-env runs on this machine (several developers or CI jobs may run
 /// `cargo xtask ci` at once): an exclusive `flock` on a file in the state directory, released
@@ -60,11 +49,6 @@ fn clean_tmp() -> Result<()> {
     }
     fs_err::create_dir_all(&tmp)?;
     Ok(())
-}
-
-/// Logs of the daemons dev-env starts (`dockerd.log`, `registry.log`).
-pub fn log_dir() -> PathBuf {
-    PathBuf::from("/var/log/dstack-shim-dev")
 }
 
 fn small_ref() -> String {

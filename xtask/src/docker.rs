@@ -6,14 +6,16 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 
-use crate::{cmd, devenv, proc};
+use shim_e2e::harness::tail;
+
+use crate::{cmd, paths, proc};
 
 /// How long to wait for the daemon to answer after starting it (or finding it starting).
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The log of a `dockerd` started by xtask.
 pub fn log_path() -> PathBuf {
-    devenv::log_dir().join("dockerd.log")
+    paths::log_dir().join("dockerd.log")
 }
 
 /// The daemon's version if the Docker socket answers within a few seconds.
@@ -72,7 +74,7 @@ fn wait_for_daemon(log: &Path, foreign: bool) -> Result<()> {
                 "the Docker daemon did not answer within {}s{whose}; last lines of {}:\n{}",
                 START_TIMEOUT.as_secs(),
                 log.display(),
-                cmd::tail(log, 30)
+                tail(log, 30)
             );
         }
         // (After a grace period: right after `setsid --fork` the child may not have exec'd yet.)
@@ -83,7 +85,7 @@ fn wait_for_daemon(log: &Path, foreign: bool) -> Result<()> {
             bail!(
                 "dockerd exited during start-up; last lines of {}:\n{}",
                 log.display(),
-                cmd::tail(log, 30)
+                tail(log, 30)
             );
         }
         sleep(Duration::from_millis(500));

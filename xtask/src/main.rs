@@ -3,13 +3,14 @@
 //! - `dev-env [--check]`: make this machine ready for the tests (Debian 12, as root): install
 //!   Docker and the fixture tools, start `dockerd` if needed, build the local test image, run
 //!   the local registry and push the registry images. Idempotent; `--check` only reports.
-//! - `ci`: `dev-env`, then fmt, clippy, cargo-deny, all tests, docs; a timing summary at the end.
+//! - `ci`: `dev-env`, then fmt, clippy, cargo-deny, all tests, `bench --quick`, docs; a timing
+//!   summary at the end.
 //! - `run [ARGS..]`: start Docker if needed and run the shim against it, with its home under
 //!   `target/shim-home`; `ARGS` are passed to `dstack-shim`.
 //! - `demo [--large]`: one task's life on the real shim and Docker (pull with credentials, GPUs,
 //!   ports, runner exit, remove, shutdown), narrated.
-//! - `bench [--quick] [--no-docker]`: speed and memory figures, a table and
-//!   `target/bench.json` (see `docs/BENCHMARKS.md`).
+//! - `bench [--quick] [--no-docker] [FIGURE..]`: the shim side by side with raw Docker, a
+//!   table and `target/bench.json` (see `docs/BENCHMARKS.md`).
 //!
 //! The fixture names live in the `shim-e2e` library (`tests/src/lib.rs`).
 
@@ -25,13 +26,12 @@ mod cmd;
 mod demo;
 mod devenv;
 mod docker;
-mod http;
 mod image;
 mod packages;
+mod paths;
 mod proc;
 mod registry;
 mod run;
-mod shim;
 
 use std::process::ExitCode;
 
@@ -43,16 +43,20 @@ usage: cargo xtask <command>
 commands:
   dev-env [--check]   install and start Docker, build the test image, run the test registry
                       (idempotent); --check only reports what is missing
-  ci [--skip-dev-env] dev-env, fmt, clippy, cargo-deny, tests (nextest), docs; timing summary
+  ci [--skip-dev-env] dev-env, fmt, clippy, cargo-deny, tests (nextest), bench --quick, docs;
+                      timing summary
   run [ARGS..]        start Docker if needed, then run dstack-shim with
                       --shim-home <repo>/target/shim-home and ARGS
   demo [--large]      start dstack-shim on a temp home with the stub runner and 2 fake GPUs,
                       run one task (registry pull with credentials, bridge ports, 1 GPU)
                       to done_by_runner, remove it, shut down; prints every step;
                       --large pulls the 220 MiB registry image (pull progress moves)
-  bench [--quick] [--no-docker]
-                      speed and memory figures (store writes, engine on the fake runtime,
-                      the release binary on Docker): a table and target/bench.json
+  bench [--quick] [--no-docker] [FIGURE..]
+                      the release shim side by side with raw Docker in one run, plus store
+                      writes and the engine on the fake runtime: a table and
+                      target/bench.json. FIGURE: store, engine, exit-latency, idle-cpu,
+                      throughput, submit-latency, restart, rss (default: all; --quick: few
+                      samples, small task counts, the debug build, Docker figures only)
   help                this text
 ";
 
@@ -89,13 +93,7 @@ fn dispatch(args: &[String]) -> Result<()> {
             let large = !flags(rest, &["--large"])?.is_empty();
             demo::demo(large)
         }
-        "bench" => {
-            let given = flags(rest, &["--quick", "--no-docker"])?;
-            bench::bench(bench::Options {
-                quick: given.contains(&"--quick"),
-                no_docker: given.contains(&"--no-docker"),
-            })
-        }
+        "bench" => bench::bench(&bench::Options::parse(rest)?),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(())

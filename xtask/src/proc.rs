@@ -5,6 +5,8 @@ use std::process::Stdio;
 
 use anyhow::{Context as _, Result};
 
+use shim_e2e::harness::open_log;
+
 use crate::cmd;
 
 /// Pids of running processes whose name (`/proc/<pid>/comm`, at most 15 bytes) is `name` and,
@@ -57,25 +59,14 @@ pub fn find(name: &str, cmdline_part: Option<&str>) -> Vec<u32> {
 /// `/dev/null`, stdout and stderr appended to `log`. It outlives this process and is not killed
 /// by a terminal hang-up or Ctrl-C of the xtask.
 pub fn spawn_daemon(program: &Path, args: &[&str], log: &Path) -> Result<()> {
-    if let Some(dir) = log.parent() {
-        fs_err::create_dir_all(dir)?;
-    }
-    let log_file = || -> Result<std::fs::File> {
-        Ok(fs_err::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log)?
-            .into_parts()
-            .0)
-    };
     let mut command = cmd::cmd(cmd::find_program("setsid"));
     command
         .arg("--fork")
         .arg(program)
         .args(args)
         .stdin(Stdio::null())
-        .stdout(log_file()?)
-        .stderr(log_file()?);
+        .stdout(open_log(log)?)
+        .stderr(open_log(log)?);
     let line = cmd::display(&command);
     println!("$ {line} >>{} 2>&1", log.display());
     let status = command

@@ -8,13 +8,16 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail};
 use shim_e2e::{REGISTRY, REGISTRY_PASSWORD, REGISTRY_PORT, REGISTRY_USER};
 
-use crate::{cmd, devenv, http, proc};
+use base64::Engine as _;
+use shim_e2e::harness::{Request, tail};
+
+use crate::{cmd, paths, proc};
 
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The registry's state directory (config, htpasswd, storage).
 pub fn dir() -> PathBuf {
-    devenv::state_dir().join("registry")
+    paths::state_dir().join("registry")
 }
 
 fn config_path() -> PathBuf {
@@ -27,7 +30,7 @@ fn htpasswd_path() -> PathBuf {
 
 /// The registry's log.
 pub fn log_path() -> PathBuf {
-    devenv::log_dir().join("registry.log")
+    paths::log_dir().join("registry.log")
 }
 
 fn addr() -> SocketAddr {
@@ -58,15 +61,27 @@ auth:
     )
 }
 
+/// Manifest media types a registry may hold for our images.
+const MANIFEST_ACCEPT: &str = "application/vnd.docker.distribution.manifest.v2+json, \
+     application/vnd.docker.distribution.manifest.list.v2+json, \
+     application/vnd.oci.image.manifest.v1+json, application/vnd.oci.image.index.v1+json";
+
+/// `method path` on the registry with the fixture credentials (basic auth); the status code.
+/// Fails if nothing answers or the answer is not HTTP.
+fn status(method: &str, path: &str) -> Result<u16> {
+    let token = base64::engine::general_purpose::STANDARD
+        .encode(format!("{REGISTRY_USER}:{REGISTRY_PASSWORD}"));
+    let response = Request::new(method, path)
+        .header("Accept", MANIFEST_ACCEPT)
+        .header("Authorization", format!("Basic {token}"))
+        .timeout(Duration::from_secs(10))
+        .send(addr())?;
+    Ok(response.status)
+}
+
 /// Status code of `GET /v2/` with the fixture credentials (`None`: nothing answers).
 fn probe() -> Option<u16> {
-    http::status(
-        addr(),
-        "GET",
-        "/v2/",
-        Some((REGISTRY_USER, REGISTRY_PASSWORD)),
-    )
-    .ok()
+    status("GET", "/v2/").ok()
 }
 
 /// Whether the registry answers `GET /v2/` with 200 for the fixture credentials.
@@ -77,12 +92,7 @@ pub fn answers() -> bool {
 /// Whether the registry holds `repo:tag` (`HEAD /v2/<repo>/manifests/<tag>` with basic auth).
 pub fn has_tag(repo: &str, tag: &str) -> Result<bool> {
     let path = format!("/v2/{repo}/manifests/{tag}");
-    let code = http::status(
-        addr(),
-        "HEAD",
-        &path,
-        Some((REGISTRY_USER, REGISTRY_PASSWORD)),
-    )?;
+    let code = status("HEAD", &path)?;
     match code {
         200 => Ok(true),
         404 => Ok(false),
@@ -145,7 +155,7 @@ pub fn ensure_running() -> Result<()> {
             Some(code) => bail!(
                 "the registry answers GET /v2/ with HTTP {code}; last lines of {}:\n{}",
                 log_path().display(),
-                cmd::tail(&log_path(), 20)
+                tail(&log_path(), 20)
             ),
             None => {}
         }
@@ -154,7 +164,7 @@ pub fn ensure_running() -> Result<()> {
                 "the registry did not answer on {REGISTRY} within {}s; last lines of {}:\n{}",
                 START_TIMEOUT.as_secs(),
                 log_path().display(),
-                cmd::tail(&log_path(), 20)
+                tail(&log_path(), 20)
             );
         }
         sleep(Duration::from_millis(200));
@@ -192,7 +202,7 @@ impl Login {
     pub fn new() -> Result<Self> {
         let dir = tempfile::Builder::new()
             .prefix("docker-config-")
-            .tempdir_in(devenv::tmp_dir())
+            .tempdir_in(paths::tmp_dir())
             .context("could not create a temporary Docker client config directory")?;
         cmd::run_with_stdin(
             cmd::cmd("docker").env("DOCKER_CONFIG", dir.path()).args([

@@ -4,14 +4,9 @@ use std::path::PathBuf;
 
 use anyhow::{Context as _, Result};
 
-use crate::{cmd, devenv};
+use shim_e2e::harness::cargo;
 
-/// The path of `cargo` that runs us (cargo sets `CARGO`), else `cargo` from `PATH`.
-pub fn cargo() -> PathBuf {
-    std::env::var_os("CARGO")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("cargo"))
-}
+use crate::{cmd, devenv};
 
 /// Ensures Docker runs, then `cargo run -p dstack-shim --bin dstack-shim -- --shim-home
 /// <repo>/target/shim-home ARGS..`.
@@ -29,4 +24,13 @@ pub fn run(args: &[String]) -> Result<()> {
             .args(args),
     )
     .context("the shim failed")
+}
+
+/// Builds `dstack-shim` (`release` or debug), saying so first, and returns the binary's path.
+pub fn build_shim(release: bool) -> Result<PathBuf> {
+    let profile = if release { " --release" } else { "" };
+    println!("$ cargo build -p dstack-shim --bin dstack-shim{profile}");
+    // Bounded only against a hang: a cold release build on a busy 2-core machine takes long.
+    shim_e2e::harness::build_shim(release, std::time::Duration::from_secs(3600))
+        .context("could not build dstack-shim")
 }

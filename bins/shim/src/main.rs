@@ -10,6 +10,7 @@ mod adapter;
 mod config;
 mod engine;
 mod logging;
+mod rlimit;
 mod signals;
 
 use std::net::{Ipv4Addr, SocketAddr};
@@ -87,6 +88,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         .with_context(|| format!("cannot create the home directory {}", home.display()))?;
     logging::init(config.shim_log_level, config.log_format, &home)?;
     tracing::info!(version = VERSION, dstack_api = config::DSTACK_VERSION, home = %home.display(), "starting dstack-shim");
+    rlimit::raise_open_files_limit();
     tracing::debug!(?config, "configuration");
 
     let shutdown = CancellationToken::new();

@@ -2,102 +2,38 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test file: panics are failures
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
+
+use shim_e2e::harness::{Request, ShimProcess, free_port};
 
 const BIN: &str = env!("CARGO_BIN_EXE_dstack-shim");
 const BOUND: Duration = Duration::from_secs(30);
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Shim {
-    child: Child,
-    port: u16,
-}
-
-impl Drop for Shim {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start(home: &Path, extra: &[&str]) -> Shim {
-    let port = free_port();
-    let child = Command::new(BIN)
-        .args(["--shim-home", home.to_str().unwrap()])
-        .args(["--shim-http-port", &port.to_string()])
-        .args([
-            "--runner-binary-path",
-            home.join("no-runner").to_str().unwrap(),
-        ])
-        .args(extra)
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let shim = Shim { child, port };
-    let deadline = Instant::now() + BOUND;
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "the shim did not start listening"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+/// Starts the binary on `home` (output to `<home>/stdio.log`) and waits until it listens.
+fn start(home: &Path, extra: &[&str]) -> ShimProcess {
+    let mut args = vec![
+        "--runner-binary-path".to_owned(),
+        home.join("no-runner").display().to_string(),
+    ];
+    args.extend(extra.iter().map(|a| (*a).to_owned()));
+    let port = free_port().unwrap();
+    let mut shim =
+        ShimProcess::spawn(Path::new(BIN), home, port, &args, &home.join("stdio.log")).unwrap();
+    shim.wait_listening(BOUND).unwrap();
     shim
 }
 
-fn exchange(
-    mut s: impl Read + Write,
-    method: &str,
-    path: &str,
-    body: Option<&str>,
-) -> (u16, String) {
-    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n");
+fn http(shim: &ShimProcess, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    let mut request = Request::new(method, path).timeout(BOUND);
     if let Some(b) = body {
-        req.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}",
-            b.len()
-        ));
-    } else {
-        req.push_str("\r\n");
+        request = request.body(Some("application/json"), b);
     }
-    s.write_all(req.as_bytes()).unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).unwrap();
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (status, body.to_owned())
-}
-
-fn http(port: u16, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-    let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(BOUND)).unwrap();
-    exchange(s, method, path, body)
-}
-
-fn wait_exit(child: &mut Child) -> ExitStatus {
-    let deadline = Instant::now() + BOUND;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        assert!(Instant::now() < deadline, "the shim did not exit");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let response = request.send(shim.addr()).unwrap();
+    (response.status, response.body)
 }
 
 #[test]
@@ -139,9 +75,9 @@ fn serves_logs_and_stops_on_sigterm() {
         return;
     }
     let home = tempfile::tempdir().unwrap();
-    let mut shim = start(home.path(), &[]);
+    let shim = start(home.path(), &[]);
 
-    let (status, body) = http(shim.port, "GET", "/api/healthcheck", None);
+    let (status, body) = http(&shim, "GET", "/api/healthcheck", None);
     assert_eq!(status, 200);
     // One version string everywhere (the healthcheck, `--version`, the components list).
     let version = format!("0.22.5+rust.{}", env!("CARGO_PKG_VERSION"));
@@ -151,7 +87,7 @@ fn serves_logs_and_stops_on_sigterm() {
     );
 
     // The shim reports itself as an installed component, the runner as missing.
-    let (status, body) = http(shim.port, "GET", "/api/components", None);
+    let (status, body) = http(&shim, "GET", "/api/components", None);
     assert_eq!(status, 200);
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(
@@ -171,19 +107,16 @@ fn serves_logs_and_stops_on_sigterm() {
         0o600
     );
 
-    let kill = Command::new("kill")
-        .args(["-TERM", &shim.child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(kill.success());
-    let status = wait_exit(&mut shim.child);
+    let addr = shim.addr();
+    shim.sigterm().unwrap();
+    let status = shim.wait_exit(BOUND).unwrap();
     assert!(status.success(), "{status}");
     let text = fs_err::read_to_string(&log).unwrap();
     assert!(
         text.contains("dstack-shim stopped; containers keep running"),
         "{text}"
     );
-    assert!(TcpStream::connect(("127.0.0.1", shim.port)).is_err());
+    assert!(TcpStream::connect(addr).is_err());
 }
 
 #[test]
@@ -193,23 +126,26 @@ fn stops_on_api_shutdown_and_serves_a_unix_socket() {
     }
     let home = tempfile::tempdir().unwrap();
     let sock = home.path().join("shim.sock");
-    let mut shim = start(home.path(), &["--unix-socket", sock.to_str().unwrap()]);
+    let shim = start(home.path(), &["--unix-socket", sock.to_str().unwrap()]);
+    // The TCP port is bound (and accepts) a moment before the socket is placed.
+    let deadline = Instant::now() + BOUND;
+    while !sock.exists() {
+        assert!(Instant::now() < deadline, "the unix socket never appeared");
+        std::thread::sleep(Duration::from_millis(10));
+    }
 
     let meta = fs_err::symlink_metadata(&sock).unwrap();
     assert!(meta.file_type().is_socket());
     assert_eq!(meta.permissions().mode() & 0o777, 0o600);
-    let s = UnixStream::connect(&sock).unwrap();
-    s.set_read_timeout(Some(BOUND)).unwrap();
-    assert_eq!(exchange(s, "GET", "/api/healthcheck", None).0, 200);
+    let over_unix = Request::get("/api/healthcheck")
+        .timeout(BOUND)
+        .send_unix(&sock)
+        .unwrap();
+    assert_eq!(over_unix.status, 200);
 
-    let (status, body) = http(
-        shim.port,
-        "POST",
-        "/api/shutdown",
-        Some(r#"{"force":false}"#),
-    );
+    let (status, body) = http(&shim, "POST", "/api/shutdown", Some(r#"{"force":false}"#));
     assert_eq!((status, body.as_str()), (200, "{}"));
-    let status = wait_exit(&mut shim.child);
+    let status = shim.wait_exit(BOUND).unwrap();
     assert!(status.success(), "{status}");
     assert!(!sock.exists());
 }
@@ -221,11 +157,11 @@ fn unknown_task_is_404_and_the_list_is_empty() {
     }
     let home = tempfile::tempdir().unwrap();
     let shim = start(home.path(), &[]);
-    let (status, body) = http(shim.port, "GET", "/api/tasks/abc", None);
+    let (status, body) = http(&shim, "GET", "/api/tasks/abc", None);
     assert_eq!(status, 404);
     assert_eq!(body, "task abc not found");
     assert_eq!(
-        http(shim.port, "GET", "/api/tasks", None),
+        http(&shim, "GET", "/api/tasks", None),
         (200, r#"{"tasks":[]}"#.into())
     );
 }
@@ -255,4 +191,66 @@ fn service_mode_writes_host_info_once() {
     let _shim = start(home.path(), &["--service"]);
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(fs_err::read(&path).unwrap(), before);
+}
+
+/// The shim raises its open-files soft limit to the hard limit at start (logged), so 300
+/// stalled connections (half of them nothing sent, half of them half a request head) do not
+/// keep a normal client from being answered, even when it was started with a soft limit of
+/// 256, which they would exhaust.
+#[test]
+fn stalled_connections_do_not_make_the_api_unreachable() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    use std::io::Write as _;
+
+    if !shim_e2e::docker_tests_enabled("stalled_connections_do_not_make_the_api_unreachable") {
+        return;
+    }
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    assert!(
+        hard > 1024,
+        "the hard open-files limit {hard} is too low for this test"
+    );
+    let home = tempfile::tempdir().unwrap();
+    // The shim inherits a soft limit of 256; this test process gets its own back at once.
+    setrlimit(Resource::RLIMIT_NOFILE, 256, hard).unwrap();
+    let started = std::panic::catch_unwind(|| start(home.path(), &[]));
+    setrlimit(Resource::RLIMIT_NOFILE, soft, hard).unwrap();
+    let shim = started.unwrap();
+    let limits = fs_err::read_to_string(format!("/proc/{}/limits", shim.pid())).unwrap();
+    let open_files = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap()
+        .split_whitespace()
+        .skip(3)
+        .take(2)
+        .map(|n| n.parse::<u64>().unwrap())
+        .collect::<Vec<_>>();
+    assert_eq!(open_files, [hard, hard], "{limits}");
+    let log = fs_err::read_to_string(home.path().join("shim.log")).unwrap();
+    assert!(
+        log.contains("raised the open-files limit to the hard limit"),
+        "{log}"
+    );
+
+    let stalled: Vec<TcpStream> = (0..300)
+        .map(|i| {
+            let mut stream = TcpStream::connect(shim.addr()).unwrap();
+            if i % 2 == 1 {
+                stream
+                    .write_all(b"GET /api/healthcheck HTTP/1.1\r\nHost: x\r\nX-Half: ")
+                    .unwrap();
+            }
+            stream
+        })
+        .collect();
+    let (status, body) = http(&shim, "GET", "/api/healthcheck", None);
+    assert_eq!(status, 200);
+    assert!(
+        body.starts_with(r#"{"service":"dstack-shim","version":"#),
+        "{body}"
+    );
+    let (status, _) = http(&shim, "GET", "/api/tasks", None);
+    assert_eq!(status, 200);
+    drop(stalled);
 }

@@ -6,6 +6,10 @@
 //! trait and the component installer through [`ComponentsApi`]. It knows nothing of Docker or
 //! files; the only place where an error becomes a status code is [`ErrorKind::status`].
 //!
+//! Connections are bounded ([`ConnectionLimits`]: request head read timeout, idle timeout,
+//! a cap on connections that evicts the longest-idle one, a cap on the request head's size),
+//! so stalled or idle clients cannot make the API unreachable.
+//!
 //! ```no_run
 //! # async fn f(api: std::sync::Arc<dyn shim_http::ShimApi>,
 //! #            comps: std::sync::Arc<dyn shim_http::ComponentsApi>) -> Result<(), shim_http::Error> {
@@ -30,7 +34,7 @@ pub use api::{
     InstallRequest, InstanceInfo, ShimApi, ShutdownRequest, TerminateRequest,
 };
 pub use body::MAX_BODY_BYTES;
-pub use server::{DrainFuture, Listeners, ServerConfig, serve};
+pub use server::{ConnectionLimits, DrainFuture, Listeners, ServerConfig, serve};
 
 /// The oldest healthcheck version with which the dstack server treats running tasks as
 /// restart-safe; the version the server is configured with must be a release at least this.

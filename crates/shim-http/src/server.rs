@@ -1,5 +1,6 @@
 //! Listening sockets and the server loop.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
@@ -7,12 +8,14 @@ use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncRead, AsyncWrite};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -122,6 +125,41 @@ fn bind_unix(path: &Path) -> Result<UnixListener, Error> {
 /// finished: the binary's background jobs (engine start tasks, component installs).
 pub type DrainFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 
+/// Limits that keep the API reachable whatever clients do (stalled connections, idle
+/// keep-alive connections, oversized headers). See [`ConnectionLimits::default`] for the
+/// defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// A request head (request line and headers) must be complete within this time of the
+    /// server starting to wait for it: when the connection opens, and again after each answer.
+    /// A client that trickles its headers is cut off. The connection is closed without an
+    /// answer.
+    pub header_read_timeout: Duration,
+    /// A connection with no request in progress on which nothing has been received or sent for
+    /// this long is closed: before its first request and between keep-alive requests.
+    pub idle_timeout: Duration,
+    /// At most this many connections (TCP and Unix socket together) are served at once. A
+    /// connection beyond it makes the server close the connection that has been idle longest
+    /// (no request in progress), so stalled connections cannot lock a well-behaved client
+    /// out; only if every connection has a request in progress is the new one closed at once.
+    pub max_connections: usize,
+    /// Largest request head (request line and headers) in bytes; a larger one is answered
+    /// `431 Request Header Fields Too Large` and the connection is closed.
+    pub max_header_bytes: usize,
+}
+
+impl Default for ConnectionLimits {
+    /// 30 s to send a request head, 15 s of silence, 512 connections, 16 KiB of headers.
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(15),
+            max_connections: 512,
+            max_header_bytes: 16 * 1024,
+        }
+    }
+}
+
 /// Server settings.
 pub struct ServerConfig {
     /// The healthcheck `version`. The dstack server gates features on it: it must parse as a
@@ -132,6 +170,8 @@ pub struct ServerConfig {
     pub force_shutdown: CancellationToken,
     /// Awaited during a graceful shutdown once requests have drained.
     pub drain: Option<DrainFuture>,
+    /// Timeouts and caps of connections.
+    pub limits: ConnectionLimits,
 }
 
 impl ServerConfig {
@@ -141,7 +181,15 @@ impl ServerConfig {
             version: version.into(),
             force_shutdown: CancellationToken::new(),
             drain: None,
+            limits: ConnectionLimits::default(),
         }
+    }
+
+    /// Sets the connection limits.
+    #[must_use]
+    pub fn with_limits(mut self, limits: ConnectionLimits) -> Self {
+        self.limits = limits;
+        self
     }
 
     /// Sets the future awaited during a graceful shutdown.
@@ -165,6 +213,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("version", &self.version)
             .field("force_shutdown", &self.force_shutdown.is_cancelled())
             .field("drain", &self.drain.is_some())
+            .field("limits", &self.limits)
             .finish()
     }
 }
@@ -179,6 +228,8 @@ impl std::fmt::Debug for ServerConfig {
 /// keep-alive connections are closed), then awaits [`ServerConfig::drain`], and returns. When
 /// [`ServerConfig::force_shutdown`] is cancelled (also by `{"force":true}`), it closes every
 /// connection at once and returns without draining. Containers are never touched here.
+///
+/// Connections are bounded by [`ServerConfig::limits`] ([`ConnectionLimits`]).
 pub async fn serve(
     listeners: Listeners,
     api: Arc<dyn ShimApi>,
@@ -190,6 +241,7 @@ pub async fn serve(
         version,
         force_shutdown: force,
         drain,
+        limits,
     } = config;
     let state = Arc::new(State {
         api,
@@ -207,29 +259,36 @@ pub async fn serve(
         Some((l, p)) => (Some(l), Some(p)),
         None => (None, None),
     };
-    tracing::info!(addr = %tcp_addr, unix = ?unix_path, "serving the shim API");
+    tracing::info!(addr = %tcp_addr, unix = ?unix_path, ?limits, "serving the shim API");
 
-    let mut conns = JoinSet::new();
+    let mut conns = Connections {
+        set: JoinSet::new(),
+        live: HashMap::new(),
+        epoch: Instant::now(),
+        limits,
+        state,
+        shutdown: shutdown.clone(),
+        force: force.clone(),
+    };
     loop {
         tokio::select! {
             biased;
             () = shutdown.cancelled() => break,
             () = force.cancelled() => break,
             accepted = tcp.accept() => match accepted {
-                Ok((stream, _peer)) => {
-                    conns.spawn(connection(stream, state.clone(), shutdown.clone(), force.clone()));
-                }
+                Ok((stream, _peer)) => conns.serve(stream),
                 Err(e) => accept_failed(&e).await,
             },
             accepted = accept_unix(unix.as_ref()) => match accepted {
-                Ok(stream) => {
-                    conns.spawn(connection(stream, state.clone(), shutdown.clone(), force.clone()));
-                }
+                Ok(stream) => conns.serve(stream),
                 Err(e) => accept_failed(&e).await,
             },
-            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            Some(joined) = conns.set.join_next_with_id(), if !conns.set.is_empty() => {
+                conns.ended(joined);
+            }
         }
     }
+    let mut conns = conns.set;
     drop(tcp);
     drop(unix);
     if let Some(path) = &unix_path {
@@ -283,34 +342,260 @@ async fn accept_failed(e: &io::Error) {
     tokio::time::sleep(Duration::from_millis(100)).await;
 }
 
+/// The connections being served, and what a new one needs.
+struct Connections {
+    set: JoinSet<()>,
+    /// The live connections by task, for the cap.
+    live: HashMap<tokio::task::Id, Arc<Activity>>,
+    epoch: Instant,
+    limits: ConnectionLimits,
+    state: Arc<State>,
+    shutdown: CancellationToken,
+    force: CancellationToken,
+}
+
+impl Connections {
+    /// Serves `io` in a task of its own, after making room under the cap.
+    fn serve<I>(&mut self, io: I)
+    where
+        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        if self.live.len() >= self.limits.max_connections && !self.evict_longest_idle() {
+            tracing::warn!(
+                max_connections = self.limits.max_connections,
+                "every connection has a request in progress: closing a new connection at once"
+            );
+            return;
+        }
+        let activity = Arc::new(Activity::new(self.epoch));
+        let handle = self.set.spawn(connection(
+            io,
+            activity.clone(),
+            self.state.clone(),
+            self.limits,
+            self.shutdown.clone(),
+            self.force.clone(),
+        ));
+        self.live.insert(handle.id(), activity);
+    }
+
+    /// Closes the live connection that has been idle longest (no request in progress);
+    /// false if there is none.
+    fn evict_longest_idle(&mut self) -> bool {
+        let victim = self
+            .live
+            .values()
+            .filter(|a| a.in_flight.load(Ordering::Acquire) == 0 && !a.close.is_cancelled())
+            .min_by_key(|a| a.last_ms.load(Ordering::Relaxed));
+        match victim {
+            Some(activity) => {
+                tracing::debug!(
+                    max_connections = self.limits.max_connections,
+                    "connection limit reached: closing the longest-idle connection"
+                );
+                activity.close.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A connection task ended.
+    fn ended(&mut self, joined: Result<(tokio::task::Id, ()), tokio::task::JoinError>) {
+        let id = match joined {
+            Ok((id, ())) => id,
+            Err(e) => {
+                tracing::warn!(error = %e, "a connection task failed");
+                e.id()
+            }
+        };
+        self.live.remove(&id);
+    }
+}
+
+/// What the cap and the idle timeout need to know of one connection.
+#[derive(Debug)]
+struct Activity {
+    epoch: Instant,
+    /// When a byte was last received or sent, or a request ended (ms since `epoch`).
+    last_ms: AtomicU64,
+    /// Requests being handled (0 or 1 with HTTP/1.1 without pipelining).
+    in_flight: AtomicUsize,
+    /// Cancelled to close the connection (evicted under the cap).
+    close: CancellationToken,
+}
+
+impl Activity {
+    fn new(epoch: Instant) -> Self {
+        let activity = Self {
+            epoch,
+            last_ms: AtomicU64::new(0),
+            in_flight: AtomicUsize::new(0),
+            close: CancellationToken::new(),
+        };
+        activity.touch();
+        activity
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn touch(&self) {
+        self.last_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// How long nothing has happened on the connection.
+    fn idle_for(&self) -> Duration {
+        Duration::from_millis(
+            self.now_ms()
+                .saturating_sub(self.last_ms.load(Ordering::Relaxed)),
+        )
+    }
+}
+
+/// Counts a request as in progress while it lives.
+struct InFlight(Arc<Activity>);
+
+impl InFlight {
+    fn new(activity: Arc<Activity>) -> Self {
+        activity.in_flight.fetch_add(1, Ordering::AcqRel);
+        Self(activity)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.touch();
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// An IO stream that records on its [`Activity`] every read or write that moved bytes.
+struct Tracked<I> {
+    io: I,
+    activity: Arc<Activity>,
+}
+
+impl<I: AsyncRead + Unpin> AsyncRead for Tracked<I> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut this.io).poll_read(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            this.activity.touch();
+        }
+        polled
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for Tracked<I> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.io).poll_write(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            this.activity.touch();
+        }
+        polled
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            this.activity.touch();
+        }
+        polled
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+/// Serves one connection until it ends, is idle for too long, is evicted, or the server
+/// shuts down (gracefully: the request in progress finishes; forced: closed at once).
 async fn connection<I>(
     io: I,
+    activity: Arc<Activity>,
     state: Arc<State>,
+    limits: ConnectionLimits,
     shutdown: CancellationToken,
     force: CancellationToken,
 ) where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let service = service_fn(move |req| {
-        let state = state.clone();
-        async move { Ok::<_, std::convert::Infallible>(handle(state, req).await) }
-    });
-    let conn = http1::Builder::new().serve_connection(TokioIo::new(io), service);
+    let service = {
+        let activity = activity.clone();
+        service_fn(move |req| {
+            let state = state.clone();
+            let in_flight = InFlight::new(activity.clone());
+            async move {
+                let response = handle(state, req).await;
+                drop(in_flight);
+                Ok::<_, std::convert::Infallible>(response)
+            }
+        })
+    };
+    let io = Tracked {
+        io,
+        activity: activity.clone(),
+    };
+    let conn = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_header_size(limits.max_header_bytes)
+        .serve_connection(TokioIo::new(io), service);
     tokio::pin!(conn);
-    tokio::select! {
-        biased;
-        () = force.cancelled() => return,
-        res = conn.as_mut() => {
-            log_conn_end(res);
-            return;
+    let mut draining = false;
+    loop {
+        // While a request is in progress the connection is not idle: look again later.
+        let idle_left = if activity.in_flight.load(Ordering::Acquire) > 0 {
+            limits.idle_timeout
+        } else {
+            limits.idle_timeout.saturating_sub(activity.idle_for())
+        };
+        tokio::select! {
+            biased;
+            () = force.cancelled() => return,
+            () = activity.close.cancelled() => return,
+            res = conn.as_mut() => {
+                log_conn_end(res);
+                return;
+            }
+            () = shutdown.cancelled(), if !draining => {
+                conn.as_mut().graceful_shutdown();
+                draining = true;
+            }
+            () = tokio::time::sleep(idle_left) => {
+                let idle = activity.in_flight.load(Ordering::Acquire) == 0
+                    && activity.idle_for() >= limits.idle_timeout;
+                if idle {
+                    tracing::debug!(idle_timeout = ?limits.idle_timeout, "closing an idle connection");
+                    return;
+                }
+            }
         }
-        () = shutdown.cancelled() => {}
-    }
-    conn.as_mut().graceful_shutdown();
-    tokio::select! {
-        biased;
-        () = force.cancelled() => {}
-        res = conn.as_mut() => log_conn_end(res),
     }
 }
 

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use shim_http::{
-    ApiError, ComponentInfo, ComponentName, ComponentStatus, ComponentsApi, Error, InstanceInfo,
-    Listeners, ServerConfig, ShimApi, serve,
+    ApiError, ComponentInfo, ComponentName, ComponentStatus, ComponentsApi, ConnectionLimits,
+    Error, InstanceInfo, Listeners, ServerConfig, ShimApi, serve,
 };
 use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -223,6 +223,14 @@ fn drain() -> (Drain, DrainCtl) {
 }
 
 async fn start_with(unix: Option<&Path>, drain: Option<Drain>) -> Server {
+    start_limited(unix, drain, ConnectionLimits::default()).await
+}
+
+async fn start_limited(
+    unix: Option<&Path>,
+    drain: Option<Drain>,
+    limits: ConnectionLimits,
+) -> Server {
     let engine = Arc::new(FakeEngine::default());
     let components = Arc::new(FakeComponents::default());
     let listeners = Listeners::bind("127.0.0.1:0".parse().unwrap(), unix)
@@ -231,7 +239,9 @@ async fn start_with(unix: Option<&Path>, drain: Option<Drain>) -> Server {
     let addr = listeners.tcp_addr();
     let shutdown = CancellationToken::new();
     let force = CancellationToken::new();
-    let mut config = ServerConfig::new("0.22.0").with_force_shutdown(force.clone());
+    let mut config = ServerConfig::new("0.22.0")
+        .with_force_shutdown(force.clone())
+        .with_limits(limits);
     if let Some(d) = drain {
         config = config.with_drain(async move {
             let _ = d.started.send(());
@@ -1082,4 +1092,218 @@ async fn shutdown_endpoint_force() {
     assert!(s.force.is_cancelled());
     let raw = tokio::time::timeout(BOUND, slow).await.unwrap().unwrap();
     assert!(raw.is_empty(), "{raw:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Connection limits: stalled, idle and oversized clients cannot make the API unreachable.
+
+/// Short timeouts for the tests (the defaults are tens of seconds).
+fn short_limits() -> ConnectionLimits {
+    ConnectionLimits {
+        header_read_timeout: Duration::from_secs(2),
+        idle_timeout: Duration::from_millis(300),
+        ..ConnectionLimits::default()
+    }
+}
+
+/// Reads until the server closes the connection (EOF or reset), bounded; returns what came.
+async fn until_closed(stream: &mut TcpStream) -> Vec<u8> {
+    let mut raw = Vec::new();
+    let read = tokio::time::timeout(BOUND, async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => raw.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "the server did not close the connection");
+    raw
+}
+
+/// Opens `n` connections that stall: every other one sends nothing, the rest half a request
+/// head (no blank line ends it).
+async fn stalled_connections(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
+    let mut stalled = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        if i % 2 == 1 {
+            stream
+                .write_all(b"GET /api/healthcheck HTTP/1.1\r\nHost: x\r\nX-Half: ")
+                .await
+                .unwrap();
+        }
+        stalled.push(stream);
+    }
+    stalled
+}
+
+/// 300 stalled connections, more than the cap of 100: a normal client is still answered (the
+/// longest-idle connections make room), and every stalled connection is closed, by eviction or
+/// by the timeouts, without an answer.
+#[tokio::test]
+async fn stalled_connections_do_not_lock_out_a_normal_client() {
+    let limits = ConnectionLimits {
+        max_connections: 100,
+        ..short_limits()
+    };
+    let s = start_limited(None, None, limits).await;
+    let mut stalled = stalled_connections(s.addr, 300).await;
+
+    let r = get(s.addr, "/api/healthcheck").await;
+    assert_eq!(r.status, 200, "{r:?}");
+    let r = get(s.addr, "/api/tasks").await;
+    assert_eq!(r.status, 200, "{r:?}");
+
+    for stream in &mut stalled {
+        let raw = until_closed(stream).await;
+        assert!(raw.is_empty(), "{:?}", String::from_utf8_lossy(&raw));
+    }
+    stop(s).await;
+}
+
+/// Under the cap, the timeouts close stalled connections: one that sends nothing and one that
+/// sent half a head (idle timeout), and one that trickles its head a byte at a time so it is
+/// never idle (header read timeout). A client that keeps to the rules is answered meanwhile.
+#[tokio::test]
+async fn stalled_connections_are_closed_after_the_timeouts() {
+    let s = start_limited(None, None, short_limits()).await;
+    let mut stalled = stalled_connections(s.addr, 2).await;
+
+    let mut trickler = TcpStream::connect(s.addr).await.unwrap();
+    let head = b"GET /api/healthcheck HTTP/1.1\r\nHost: x\r\nX-Slow: ".to_vec();
+    let trickled = tokio::time::timeout(BOUND, async {
+        // A byte every 100 ms (well under the idle timeout), forever: only the header read
+        // timeout ends it, with a write error or EOF.
+        for byte in head.iter().copied().chain(std::iter::repeat(b'a')) {
+            if trickler.write_all(&[byte]).await.is_err() {
+                return;
+            }
+            let mut probe = [0u8; 1];
+            match tokio::time::timeout(Duration::from_millis(100), trickler.read(&mut probe)).await
+            {
+                Ok(Ok(0) | Err(_)) => return,
+                Ok(Ok(_)) => panic!("the trickling client got an answer"),
+                Err(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(trickled.is_ok(), "the trickling client was never cut off");
+
+    assert_eq!(get(s.addr, "/api/healthcheck").await.status, 200);
+    for stream in &mut stalled {
+        let raw = until_closed(stream).await;
+        assert!(raw.is_empty(), "{:?}", String::from_utf8_lossy(&raw));
+    }
+    stop(s).await;
+}
+
+/// A keep-alive connection is served several times, then closed once idle.
+#[tokio::test]
+async fn idle_keep_alive_connections_are_closed() {
+    let limits = ConnectionLimits {
+        header_read_timeout: Duration::from_secs(60),
+        idle_timeout: Duration::from_millis(300),
+        ..ConnectionLimits::default()
+    };
+    let s = start_limited(None, None, limits).await;
+    let mut stream = TcpStream::connect(s.addr).await.unwrap();
+    for _ in 0..2 {
+        stream
+            .write_all(b"GET /api/healthcheck HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = vec![0u8; 4096];
+        let n = tokio::time::timeout(BOUND, stream.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(parse_response(&buf[..n]).status, 200);
+    }
+    // Nothing more is sent: the server closes the connection (the header read timeout is a
+    // minute, so the idle timeout is what closes it).
+    assert!(until_closed(&mut stream).await.is_empty());
+    stop(s).await;
+}
+
+/// A request head over the limit is answered 431 and the connection closed; one under it is
+/// served.
+#[tokio::test]
+async fn oversized_headers_are_refused() {
+    let s = start().await;
+    let max = ConnectionLimits::default().max_header_bytes;
+    let under = "a".repeat(max / 2);
+    let r = raw(
+        s.addr,
+        "GET",
+        "/api/healthcheck",
+        &[("X-Big", &under)],
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{r:?}");
+
+    let over = "a".repeat(max + 1);
+    let mut stream = TcpStream::connect(s.addr).await.unwrap();
+    stream
+        .write_all(&request_bytes(
+            "GET",
+            "/api/healthcheck",
+            &[("X-Big", &over)],
+            None,
+        ))
+        .await
+        .unwrap();
+    let answer = until_closed(&mut stream).await;
+    let r = parse_response(&answer);
+    assert_eq!(r.status, 431, "{r:?}");
+    stop(s).await;
+}
+
+/// At the cap with every connection busy (a request in progress), a new connection is
+/// closed at once without an answer; once the request finished, new connections are served.
+#[tokio::test]
+async fn at_the_cap_with_every_connection_busy_a_new_one_is_closed() {
+    let limits = ConnectionLimits {
+        max_connections: 1,
+        ..ConnectionLimits::default()
+    };
+    let s = start_limited(None, None, limits).await;
+    let slow = start_slow_request(&s).await;
+
+    let mut refused = TcpStream::connect(s.addr).await.unwrap();
+    let _ = refused
+        .write_all(b"GET /api/healthcheck HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await;
+    assert!(until_closed(&mut refused).await.is_empty());
+
+    s.engine.release.notify_one();
+    let r = parse_response(&tokio::time::timeout(BOUND, slow).await.unwrap().unwrap());
+    assert_eq!(r.status, 200);
+    // The slow connection's task ends soon after its answer (bounded retries, not a timing
+    // assertion): then a new client is served.
+    let served = tokio::time::timeout(BOUND, async {
+        loop {
+            let Ok(mut stream) = TcpStream::connect(s.addr).await else {
+                continue;
+            };
+            let request = request_bytes("GET", "/api/healthcheck", &[], None);
+            if stream.write_all(&request).await.is_err() {
+                continue;
+            }
+            let mut raw = Vec::new();
+            let _ = stream.read_to_end(&mut raw).await;
+            if !raw.is_empty() {
+                return parse_response(&raw).status;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("a new connection is served once the busy one is done");
+    assert_eq!(served, 200);
+    stop(s).await;
 }

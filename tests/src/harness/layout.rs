@@ -1,0 +1,74 @@
+//! Where the shim keeps a task's files on the host. The one place tests and developer tasks
+//! compute these paths: when the shim's layout changes, only this file changes.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::RUNNER_EXIT_FILE;
+
+/// The directory holding one directory per task under the shim home `home` (upstream's
+/// layout: `<home>/runners/<container name>/`).
+pub fn tasks_dir(home: &Path) -> PathBuf {
+    home.join("runners")
+}
+
+/// The directory of task `id` under the shim home `home` (its `task.json`, `pull.log`): the
+/// one whose `task.json` names the task. A task without one (removed, or never written) gets
+/// a path that does not exist.
+pub fn task_dir(home: &Path, id: &str) -> PathBuf {
+    let dirs = fs_err::read_dir(tasks_dir(home))
+        .map(|l| l.flatten().map(|e| e.path()).collect::<Vec<_>>())
+        .unwrap_or_default();
+    for dir in dirs {
+        let Ok(bytes) = fs_err::read(dir.join("task.json")) else {
+            continue;
+        };
+        let Ok(json) = serde_json::from_slice::<Value>(&bytes) else {
+            continue;
+        };
+        if json["id"].as_str() == Some(id) {
+            return dir;
+        }
+    }
+    tasks_dir(home).join(format!("no-task-{id}"))
+}
+
+/// The task's runner directory on the host (mounted at `/tmp/runner` in the container; the
+/// stub runner's `--temp-dir`), from the shim home and the task's TaskInfo JSON (which has
+/// `id` and `container_name`): `<home>/runners/<container name>/runner`.
+pub fn runner_dir(home: &Path, info: &Value) -> PathBuf {
+    let name = info["container_name"].as_str().unwrap_or_default();
+    tasks_dir(home).join(name).join("runner")
+}
+
+/// Makes the stub runner of the task exit with `code`: writes its exit file in
+/// [`runner_dir`] (temp file + rename, so the runner never reads a half-written file).
+pub fn write_runner_exit(home: &Path, info: &Value, code: i32) -> io::Result<()> {
+    let dir = runner_dir(home, info);
+    let tmp = dir.join(".exit.tmp");
+    fs_err::write(&tmp, format!("{code}\n"))?;
+    fs_err::rename(&tmp, dir.join(RUNNER_EXIT_FILE))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, reason = "test code")]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_exit_file_lands_in_the_runner_directory() {
+        let home = tempfile::tempdir().unwrap();
+        let info = serde_json::json!({"id": "t1", "container_name": "t1-0a1b2c3d"});
+        let dir = runner_dir(home.path(), &info);
+        assert!(dir.starts_with(home.path()));
+        fs_err::create_dir_all(&dir).unwrap();
+        write_runner_exit(home.path(), &info, 7).unwrap();
+        assert_eq!(
+            fs_err::read_to_string(dir.join(RUNNER_EXIT_FILE)).unwrap(),
+            "7\n"
+        );
+        assert!(!dir.join(".exit.tmp").exists());
+    }
+}

@@ -1,0 +1,340 @@
+//! A raw Docker Engine API client of the bench's own, over the Unix socket
+//! (`/var/run/docker.sock`, HTTP/1.1 with the harness's client): what a program that drives
+//! Docker directly would do, to compare the shim with. Create, start, kill, inspect, list,
+//! remove, and the `/events` stream (read by a thread that stamps each event when it arrives).
+
+use std::io::{BufRead, BufReader, Read as _, Write as _};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::{Duration, SystemTime};
+
+use anyhow::{Context as _, Result, bail};
+use serde_json::{Value, json};
+use shim_e2e::harness::{Request, Response};
+
+use super::clock::parse_rfc3339_utc;
+
+/// The daemon's socket.
+pub const SOCKET: &str = "/var/run/docker.sock";
+
+/// A client of the daemon at a Unix socket.
+#[derive(Debug, Clone)]
+pub struct Docker {
+    socket: PathBuf,
+}
+
+impl Default for Docker {
+    /// The daemon of `DOCKER_HOST` (`unix://PATH`) if set, else [`SOCKET`].
+    fn default() -> Self {
+        Self::new(&socket_path())
+    }
+}
+
+/// The daemon's socket: `DOCKER_HOST` if it is `unix://PATH`, else [`SOCKET`].
+pub fn socket_path() -> PathBuf {
+    std::env::var("DOCKER_HOST")
+        .ok()
+        .and_then(|host| host.strip_prefix("unix://").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(SOCKET))
+}
+
+/// Whether `DOCKER_HOST` names another daemon than the default one.
+pub fn private_daemon() -> bool {
+    socket_path() != Path::new(SOCKET)
+}
+
+/// Percent-encodes `s` for a query string.
+pub fn encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// `{"label":["key=value"]}` and more, encoded for `filters=`.
+pub fn filters(pairs: &[(&str, &str)]) -> String {
+    let mut map = serde_json::Map::new();
+    for (key, value) in pairs {
+        let entry = map.entry((*key).to_owned()).or_insert_with(|| json!([]));
+        if let Some(list) = entry.as_array_mut() {
+            list.push(json!(value));
+        }
+    }
+    encode(&Value::Object(map).to_string())
+}
+
+impl Docker {
+    /// A client of the daemon at `socket`.
+    pub fn new(socket: &Path) -> Self {
+        Self {
+            socket: socket.to_owned(),
+        }
+    }
+
+    fn send(&self, request: Request, expect: &[u16]) -> Result<Response> {
+        let what = format!("{request:?}");
+        let response = request
+            .timeout(Duration::from_secs(120))
+            .send_unix(&self.socket)?;
+        if !expect.contains(&response.status) {
+            bail!(
+                "Docker answered {} to {}: {}",
+                response.status,
+                what.chars().take(200).collect::<String>(),
+                response.body.trim()
+            );
+        }
+        Ok(response)
+    }
+
+    /// Whether the daemon has the image `reference`.
+    pub fn has_image(&self, reference: &str) -> Result<bool> {
+        let path = format!("/images/{}/json", encode(reference));
+        Ok(self.send(Request::get(&path), &[200, 404])?.status == 200)
+    }
+
+    /// `GET /_ping`.
+    pub fn ping(&self) -> Result<()> {
+        self.send(Request::get("/_ping"), &[200]).map(drop)
+    }
+
+    /// Creates a container named `name` from `body` (the Engine API's create body); its id.
+    pub fn create(&self, name: &str, body: &Value) -> Result<String> {
+        let path = format!("/containers/create?name={}", encode(name));
+        let created = self.send(Request::post(&path).json(body), &[201])?.json()?;
+        created["Id"]
+            .as_str()
+            .map(str::to_owned)
+            .with_context(|| format!("no Id in {created}"))
+    }
+
+    /// Starts a created container.
+    pub fn start(&self, id: &str) -> Result<()> {
+        self.send(
+            Request::post(&format!("/containers/{id}/start")),
+            &[204, 304],
+        )
+        .map(drop)
+    }
+
+    /// `GET /containers/{id}/json`.
+    pub fn inspect(&self, id: &str) -> Result<Value> {
+        Ok(self
+            .send(Request::get(&format!("/containers/{id}/json")), &[200])?
+            .json()?)
+    }
+
+    /// When the container stopped (`State.FinishedAt`).
+    pub fn finished_at(&self, id: &str) -> Result<SystemTime> {
+        let info = self.inspect(id)?;
+        let text = info["State"]["FinishedAt"].as_str().unwrap_or_default();
+        parse_rfc3339_utc(text).with_context(|| format!("{id}: bad FinishedAt {text:?}"))
+    }
+
+    /// The containers (running or not) labelled `key=value`.
+    pub fn list(&self, key: &str, value: &str) -> Result<Vec<Value>> {
+        let label = format!("{key}={value}");
+        let path = format!(
+            "/containers/json?all=1&filters={}",
+            filters(&[("label", &label)])
+        );
+        let list = self.send(Request::get(&path), &[200])?.json()?;
+        Ok(list.as_array().cloned().unwrap_or_default())
+    }
+
+    /// Force-removes a container (and its anonymous volumes); a missing one is fine.
+    pub fn remove(&self, id: &str) -> Result<()> {
+        let path = format!("/containers/{id}?force=1&v=1");
+        self.send(Request::new("DELETE", &path), &[204, 404])
+            .map(drop)
+    }
+
+    /// Force-removes every container labelled `key=value`, `threads` at a time; how many.
+    pub fn remove_all(&self, key: &str, value: &str, threads: usize) -> Result<usize> {
+        let ids: Vec<String> = self
+            .list(key, value)?
+            .iter()
+            .filter_map(|c| c["Id"].as_str().map(str::to_owned))
+            .collect();
+        let results = parallel(&ids, threads, |id| self.remove(id));
+        results.into_iter().collect::<Result<Vec<()>>>()?;
+        Ok(ids.len())
+    }
+
+    /// Subscribes to `/events` with `filter` pairs (e.g. `("type","container")`,
+    /// `("event","die")`); events arrive, stamped, on the returned channel.
+    pub fn events(&self, filter: &[(&str, &str)]) -> Result<Events> {
+        let mut stream = UnixStream::connect(&self.socket)
+            .with_context(|| format!("cannot connect to {}", self.socket.display()))?;
+        let path = format!("/events?filters={}", filters(filter));
+        stream.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nUser-Agent: xtask-bench\r\n\r\n")
+                .as_bytes(),
+        )?;
+        let mut reader = BufReader::new(stream.try_clone()?);
+        let mut line = String::new();
+        reader.read_line(&mut line)?;
+        anyhow::ensure!(
+            line.starts_with("HTTP/1.1 200") || line.starts_with("HTTP/1.0 200"),
+            "GET /events answered {line:?}"
+        );
+        let mut chunked = false;
+        loop {
+            line.clear();
+            reader.read_line(&mut line)?;
+            if line.trim_end().is_empty() {
+                break;
+            }
+            let lower = line.to_ascii_lowercase();
+            chunked |= lower.starts_with("transfer-encoding:") && lower.contains("chunked");
+        }
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || read_events(reader, chunked, &tx));
+        Ok(Events { rx, stream })
+    }
+}
+
+/// The events of an `/events` subscription, each with when it was read. Dropping it closes
+/// the connection (and ends its reader thread).
+pub struct Events {
+    rx: mpsc::Receiver<(Value, SystemTime)>,
+    stream: UnixStream,
+}
+
+impl Events {
+    /// The next event whose `id` is `id` (others are skipped), within `limit`.
+    pub fn wait_for(&self, id: &str, limit: Duration) -> Result<(Value, SystemTime)> {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.rx.recv_timeout(left) {
+                Ok((event, at)) if event["id"] == id => return Ok((event, at)),
+                Ok(_) => {}
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    bail!("no event for container {id} within {limit:?}")
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the event stream ended"),
+            }
+        }
+    }
+}
+
+impl Drop for Events {
+    fn drop(&mut self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// Reads JSON events (one per line, chunked or not) until the stream ends.
+fn read_events(
+    mut reader: BufReader<UnixStream>,
+    chunked: bool,
+    tx: &mpsc::Sender<(Value, SystemTime)>,
+) {
+    let mut pending = Vec::new();
+    let mut line = String::new();
+    loop {
+        if chunked {
+            line.clear();
+            match reader.read_line(&mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+            let Ok(size) = usize::from_str_radix(line.trim().split(';').next().unwrap_or(""), 16)
+            else {
+                return;
+            };
+            if size == 0 {
+                return;
+            }
+            let mut chunk = vec![0u8; size + 2];
+            if reader.read_exact(&mut chunk).is_err() {
+                return;
+            }
+            chunk.truncate(size);
+            pending.extend_from_slice(&chunk);
+        } else {
+            let mut buf = [0u8; 8192];
+            match reader.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => pending.extend_from_slice(&buf[..n]),
+            }
+        }
+        let at = SystemTime::now();
+        while let Some(end) = pending.iter().position(|b| *b == b'\n') {
+            let event: Vec<u8> = pending.drain(..=end).collect();
+            if let Ok(value) = serde_json::from_slice::<Value>(&event) {
+                if tx.send((value, at)).is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Runs `f` on every item, `threads` at a time, and returns the results in order.
+pub fn parallel<T: Sync, R: Send>(
+    items: &[T],
+    threads: usize,
+    f: impl Fn(&T) -> R + Sync,
+) -> Vec<R> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<std::sync::Mutex<Option<R>>> =
+        items.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    std::thread::scope(|s| {
+        for _ in 0..threads.max(1).min(items.len().max(1)) {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(item) = items.get(i) else { return };
+                    let result = f(item);
+                    if let Ok(mut slot) = results[i].lock() {
+                        *slot = Some(result);
+                    }
+                }
+            });
+        }
+    });
+    results
+        .into_iter()
+        .filter_map(|slot| slot.into_inner().ok().flatten())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filters_are_json_percent_encoded() {
+        assert_eq!(encode("a b/c=d"), "a%20b%2Fc%3Dd");
+        let f = filters(&[("type", "container"), ("event", "die"), ("event", "start")]);
+        let decoded = f
+            .replace("%22", "\"")
+            .replace("%3A", ":")
+            .replace("%2C", ",");
+        let decoded = decoded
+            .replace("%7B", "{")
+            .replace("%7D", "}")
+            .replace("%5B", "[")
+            .replace("%5D", "]");
+        let value: Value = serde_json::from_str(&decoded).unwrap();
+        assert_eq!(
+            value,
+            json!({"type": ["container"], "event": ["die", "start"]})
+        );
+    }
+
+    #[test]
+    fn parallel_keeps_the_order() {
+        let items: Vec<u32> = (0..50).collect();
+        let out = parallel(&items, 7, |i| i * 2);
+        assert_eq!(out, items.iter().map(|i| i * 2).collect::<Vec<_>>());
+    }
+}

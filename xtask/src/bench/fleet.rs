@@ -1,0 +1,523 @@
+//! The two fleets the bench compares: tasks of a `dstack-shim` process (its API) and raw
+//! containers of the same image made through the Engine API, both running the same cheap
+//! runner, and what is read about them (dockerd's CPU time, FIFO exits).
+
+use std::os::unix::fs::PermissionsExt as _;
+
+use fs_err::os::unix::fs::OpenOptionsExt as _;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{Context as _, Result, bail};
+use serde_json::{Value, json};
+use shim_e2e::harness::{self, Api, ContainerSweeper, ShimProcess, status_of};
+
+use super::dockerapi::Docker;
+use crate::proc;
+
+/// The bench runner, bind-mounted as the runner into shim tasks and raw containers alike: it
+/// waits at no cost (a blocking read of a FIFO in its temp dir, the task's runner directory)
+/// until the bench writes an exit code into it. It never listens on a port, so any number of
+/// them run in host network mode.
+const RUNNER: &str = r#"#!/bin/sh
+# dstack-shim bench runner: waits, costing nothing, for a line on <temp-dir>/exit.fifo and
+# exits with it.
+temp_dir=/tmp/runner
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --temp-dir) temp_dir="$2"; shift 2 ;;
+        *) shift ;;
+    esac
+done
+mkdir -p "$temp_dir"
+[ -p "$temp_dir/exit.fifo" ] || mkfifo "$temp_dir/exit.fifo"
+read -r code < "$temp_dir/exit.fifo"
+exit "${code:-0}"
+"#;
+
+/// Where the runner is mounted in containers (as the shim mounts it).
+const RUNNER_IN_CONTAINER: &str = shim_e2e::RUNNER_PATH_IN_CONTAINER;
+/// The label of the bench's raw containers (value: the run's id).
+pub const RAW_LABEL: &str = "dev.dstack-shim.bench";
+/// How long any single wait of the bench may take (a bound, never a goal).
+pub const BOUND: Duration = Duration::from_secs(120);
+
+/// The scratch space of one bench run: the runner script, shim homes, raw containers'
+/// runner directories. Its raw containers are removed when it is dropped.
+pub struct Scratch {
+    // Dropped first: the raw containers go before their directories.
+    _raw_sweeper: ContainerSweeper,
+    dir: tempfile::TempDir,
+    /// The run's id (in container names and the raw label).
+    pub run: String,
+    /// The bench runner script.
+    pub runner: PathBuf,
+    /// The raw Docker client.
+    pub docker: Docker,
+}
+
+impl Scratch {
+    /// A new scratch directory under the target directory, with the runner script.
+    pub fn new() -> Result<Self> {
+        let dir = tempfile::Builder::new()
+            .prefix("xtask-bench-")
+            .tempdir_in(harness::target_dir())?;
+        // Containers run the runner as root from a bind mount: it must be readable by all.
+        fs_err::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+        let runner = dir.path().join("bench-runner");
+        fs_err::write(&runner, RUNNER)?;
+        fs_err::set_permissions(&runner, std::fs::Permissions::from_mode(0o755))?;
+        let run = format!("xb{}", std::process::id());
+        Ok(Self {
+            _raw_sweeper: ContainerSweeper::for_label(RAW_LABEL, &run),
+            dir,
+            run,
+            runner,
+            docker: Docker::default(),
+        })
+    }
+
+    /// A path in the scratch directory.
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// A raw container like a shim task of network `mode` (`host` or `bridge`), named
+    /// `<run>-raw-<name>`: the test image, the runner bind-mounted, its own runner directory,
+    /// the runner ports published on 127.0.0.1 in bridge mode. Created, not started.
+    pub fn raw_create(&self, name: &str, mode: &str) -> Result<RawContainer> {
+        let dir = self.path("raw").join(name);
+        fs_err::create_dir_all(&dir)?;
+        let mut host_config = json!({
+            "NetworkMode": mode,
+            "Binds": [
+                format!("{}:{RUNNER_IN_CONTAINER}:ro", self.runner.display()),
+                format!("{}:/tmp/runner", dir.display()),
+            ],
+        });
+        let mut body = json!({
+            "Image": shim_e2e::image(),
+            "Entrypoint": ["/bin/sh", "-c"],
+            "Cmd": [format!("{RUNNER_IN_CONTAINER} --log-level 4 start --temp-dir /tmp/runner")],
+            "Labels": {RAW_LABEL: self.run},
+        });
+        if mode == "bridge" {
+            let ports = ["10022/tcp", "10999/tcp"];
+            body["ExposedPorts"] = ports.iter().map(|p| ((*p).to_owned(), json!({}))).collect();
+            host_config["PortBindings"] = ports
+                .iter()
+                .map(|p| {
+                    (
+                        (*p).to_owned(),
+                        json!([{"HostIp": "127.0.0.1", "HostPort": ""}]),
+                    )
+                })
+                .collect();
+        }
+        body["HostConfig"] = host_config;
+        let id = self
+            .docker
+            .create(&format!("{}-raw-{name}", self.run), &body)?;
+        Ok(RawContainer { id, dir })
+    }
+
+    /// Removes every raw container of this run, 4 at a time.
+    pub fn raw_remove_all(&self) -> Result<usize> {
+        self.docker.remove_all(RAW_LABEL, &self.run, 4)
+    }
+}
+
+/// A raw container of the bench.
+#[derive(Debug, Clone)]
+pub struct RawContainer {
+    /// Its id.
+    pub id: String,
+    /// Its runner directory on the host.
+    pub dir: PathBuf,
+}
+
+/// Writes `code` into the runner's FIFO in `dir` once the runner waits on it (bounded).
+pub fn trigger_exit(dir: &Path, code: i32) -> Result<()> {
+    let fifo = dir.join("exit.fifo");
+    let started = Instant::now();
+    loop {
+        // Non-blocking: fails with ENXIO until the runner has opened the FIFO for reading.
+        let opened = fs_err::OpenOptions::new()
+            .write(true)
+            .custom_flags(nix::fcntl::OFlag::O_NONBLOCK.bits())
+            .open(&fifo);
+        match opened {
+            Ok(mut file) => {
+                use std::io::Write as _;
+                file.write_all(format!("{code}\n").as_bytes())?;
+                return Ok(());
+            }
+            Err(_) if started.elapsed() < BOUND => std::thread::sleep(Duration::from_millis(1)),
+            Err(e) => bail!("the runner never waited on {}: {e}", fifo.display()),
+        }
+    }
+}
+
+/// A `dstack-shim` of the bench on its own home (its containers are swept when dropped).
+pub struct BenchShim {
+    binary: PathBuf,
+    /// Its home.
+    pub home: PathBuf,
+    log: PathBuf,
+    port: u16,
+    args: Vec<String>,
+    process: Option<ShimProcess>,
+    _sweeper: ContainerSweeper,
+}
+
+impl BenchShim {
+    /// A shim on the new home `<scratch>/<name>`, started with the bench runner.
+    pub fn start(binary: &Path, scratch: &Scratch, name: &str) -> Result<Self> {
+        let home = scratch.path(name);
+        fs_err::create_dir_all(&home)?;
+        let mut shim = Self {
+            binary: binary.to_owned(),
+            log: scratch.path(&format!("{name}.log")),
+            port: harness::free_port()?,
+            args: vec![
+                "--runner-binary-path".to_owned(),
+                scratch.runner.display().to_string(),
+                "--shim-log-level".to_owned(),
+                "3".to_owned(),
+            ],
+            process: None,
+            _sweeper: ContainerSweeper::for_home(&home),
+            home,
+        };
+        shim.spawn()?;
+        shim.wait_answering()?;
+        Ok(shim)
+    }
+
+    /// Starts the process (after a kill or stop) without waiting for it.
+    pub fn spawn(&mut self) -> Result<()> {
+        anyhow::ensure!(self.process.is_none(), "the shim already runs");
+        self.process = Some(ShimProcess::spawn(
+            &self.binary,
+            &self.home,
+            self.port,
+            &self.args,
+            &self.log,
+        )?);
+        Ok(())
+    }
+
+    /// Starts the process unless it runs, and waits until it answers.
+    pub fn ensure_running(&mut self) -> Result<()> {
+        if self.process.is_none() {
+            self.spawn()?;
+        }
+        self.wait_answering()
+    }
+
+    fn process(&self) -> Result<&ShimProcess> {
+        self.process.as_ref().context("the shim is not running")
+    }
+
+    /// Waits until the healthcheck answers.
+    pub fn wait_answering(&mut self) -> Result<()> {
+        let process = self.process.as_mut().context("the shim is not running")?;
+        process.wait_answering(BOUND, Duration::from_millis(2))?;
+        Ok(())
+    }
+
+    /// Its API.
+    pub fn api(&self) -> Api {
+        Api {
+            addr: std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, self.port)),
+        }
+    }
+
+    /// Its pid.
+    pub fn pid(&self) -> Result<u32> {
+        Ok(self.process()?.pid())
+    }
+
+    /// Its RSS in KiB.
+    pub fn rss_kib(&self) -> Result<u64> {
+        Ok(self.process()?.rss_kib()?)
+    }
+
+    /// SIGKILL.
+    pub fn kill(&mut self) -> Result<()> {
+        self.process
+            .take()
+            .context("the shim is not running")?
+            .kill()?;
+        Ok(())
+    }
+
+    /// SIGTERM and wait for a clean exit (containers keep running); nothing if it is not
+    /// running.
+    pub fn stop(&mut self) -> Result<()> {
+        let Some(process) = self.process.take() else {
+            return Ok(());
+        };
+        process.sigterm()?;
+        let status = process.wait_exit(BOUND)?;
+        anyhow::ensure!(status.success(), "dstack-shim exited with {status}");
+        Ok(())
+    }
+
+    /// Submits task `id` in network `mode`.
+    pub fn submit(&self, id: &str, mode: &str) -> Result<()> {
+        let config =
+            json!({"id": id, "name": id, "image_name": shim_e2e::image(), "network_mode": mode});
+        self.api().post("/api/tasks", &config)?;
+        Ok(())
+    }
+
+    /// Polls the task every `every` until it is `running` (bounded); its TaskInfo.
+    pub fn wait_running(&self, id: &str, every: Duration) -> Result<Value> {
+        self.wait_status(id, "running", every).map(|(info, _)| info)
+    }
+
+    /// Polls the task every `every` until its status is `status` (bounded); its TaskInfo and
+    /// when that was first seen.
+    pub fn wait_status(
+        &self,
+        id: &str,
+        status: &str,
+        every: Duration,
+    ) -> Result<(Value, SystemTime)> {
+        let api = self.api();
+        let started = Instant::now();
+        loop {
+            let info = api.task(id)?;
+            let now = status_of(&info);
+            if now == status {
+                return Ok((info, SystemTime::now()));
+            }
+            if now == "terminated" {
+                bail!("task {id} ended while waiting for {status}: {info}");
+            }
+            if started.elapsed() > BOUND {
+                bail!("task {id} not {status} after {BOUND:?}: {info}");
+            }
+            std::thread::sleep(every);
+        }
+    }
+
+    /// The task's runner directory on the host.
+    pub fn runner_dir(&self, info: &Value) -> PathBuf {
+        harness::runner_dir(&self.home, info)
+    }
+
+    /// Terminates (timeout 0) and removes the task.
+    pub fn finish(&self, id: &str) -> Result<()> {
+        let api = self.api();
+        api.post(
+            &format!("/api/tasks/{id}/terminate"),
+            &json!({"termination_reason": "terminated_by_user", "termination_message": "", "timeout": 0}),
+        )?;
+        let started = Instant::now();
+        loop {
+            let removed = api.request("POST", &format!("/api/tasks/{id}/remove"), None)?;
+            match removed.status {
+                200 => return Ok(()),
+                409 if started.elapsed() < BOUND => std::thread::sleep(Duration::from_millis(5)),
+                _ => bail!("remove {id}: {} {}", removed.status, removed.body),
+            }
+        }
+    }
+
+    /// How many tasks the list shows, and how many of them are running.
+    pub fn counts(&self) -> Result<(usize, usize)> {
+        let list = self.api().get("/api/tasks")?;
+        let tasks = list["tasks"].as_array().cloned().unwrap_or_default();
+        let running = tasks.iter().filter(|t| t["status"] == "running").count();
+        Ok((tasks.len(), running))
+    }
+}
+
+/// Watches a shim's task list (one `GET /api/tasks` every `every`, from one thread) so that
+/// many clients can wait for their tasks to run without each polling the API: on a small
+/// machine, sixteen clients polling every few milliseconds would take the CPU Docker needs.
+pub struct Watcher {
+    state: std::sync::Arc<(std::sync::Mutex<WatchState>, std::sync::Condvar)>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct WatchState {
+    running: std::collections::HashSet<String>,
+    error: Option<String>,
+    stop: bool,
+}
+
+impl Watcher {
+    /// Starts watching the shim at `api`.
+    pub fn new(api: Api, every: Duration) -> Self {
+        let state = std::sync::Arc::new((
+            std::sync::Mutex::new(WatchState::default()),
+            std::sync::Condvar::new(),
+        ));
+        let shared = state.clone();
+        let handle = std::thread::spawn(move || {
+            let (lock, changed) = &*shared;
+            loop {
+                let listed = api.get("/api/tasks");
+                let Ok(mut st) = lock.lock() else { return };
+                if st.stop {
+                    return;
+                }
+                match listed {
+                    Ok(list) => {
+                        st.running = list["tasks"]
+                            .as_array()
+                            .map(|tasks| {
+                                tasks
+                                    .iter()
+                                    .filter(|t| t["status"] == "running")
+                                    .filter_map(|t| t["id"].as_str().map(str::to_owned))
+                                    .collect()
+                            })
+                            .unwrap_or_default();
+                    }
+                    Err(e) => st.error = Some(e.to_string()),
+                }
+                drop(st);
+                changed.notify_all();
+                std::thread::sleep(every);
+            }
+        });
+        Self {
+            state,
+            handle: Some(handle),
+        }
+    }
+
+    /// Waits (bounded) until the list shows task `id` running.
+    pub fn wait_running(&self, id: &str) -> Result<()> {
+        let (lock, changed) = &*self.state;
+        let started = Instant::now();
+        let mut st = lock
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the watcher failed"))?;
+        while !st.running.contains(id) {
+            if let Some(e) = &st.error {
+                bail!("listing the tasks failed: {e}");
+            }
+            if started.elapsed() > BOUND {
+                bail!("task {id} not running after {BOUND:?}");
+            }
+            st = changed
+                .wait_timeout(st, Duration::from_millis(100))
+                .map_err(|_| anyhow::anyhow!("the watcher failed"))?
+                .0;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        if let Ok(mut st) = self.state.0.lock() {
+            st.stop = true;
+        }
+        if let Some(handle) = self.handle.take() {
+            let _ = handle.join();
+        }
+    }
+}
+
+/// CPU time of a process in seconds (user + system, all threads, from `/proc/<pid>/stat`).
+pub fn cpu_seconds(pid: u32) -> Result<f64> {
+    let path = format!("/proc/{pid}/stat");
+    let stat = fs_err::read_to_string(&path)?;
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    // After the command: state (field 3) is index 0, utime (14) index 11, stime (15) index 12.
+    let ticks = |i: usize| -> Result<u64> {
+        fields
+            .get(i)
+            .and_then(|f| f.parse().ok())
+            .with_context(|| format!("bad {path}: {stat:?}"))
+    };
+    Ok((ticks(11)? + ticks(12)?) as f64 / clock_ticks())
+}
+
+/// The resolution of [`cpu_seconds`].
+pub fn tick_seconds() -> f64 {
+    1.0 / clock_ticks()
+}
+
+/// Clock ticks per second (`getconf CLK_TCK`; 100 on Linux).
+fn clock_ticks() -> f64 {
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        crate::cmd::output(crate::cmd::cmd("getconf").arg("CLK_TCK"))
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(100.0)
+    })
+}
+
+/// The pid of the Docker daemon the bench uses: the `dockerd` whose command line names the
+/// socket of `DOCKER_HOST`, or, for the default socket, the one started without `-H`.
+pub fn dockerd_pid() -> Result<u32> {
+    let socket = super::dockerapi::socket_path();
+    let pids: Vec<u32> = if super::dockerapi::private_daemon() {
+        proc::find("dockerd", Some(&socket.to_string_lossy()))
+    } else {
+        proc::find("dockerd", None)
+            .into_iter()
+            .filter(|pid| {
+                let cmdline = fs_err::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+                !cmdline.contains(" -H ") && !cmdline.contains("--host")
+                    || cmdline.contains(super::dockerapi::SOCKET)
+            })
+            .collect()
+    };
+    match pids.as_slice() {
+        [pid] => Ok(*pid),
+        [] => bail!("no dockerd process serves {}", socket.display()),
+        more => bail!(
+            "several dockerd processes serve {}: {more:?}",
+            socket.display()
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_time_of_this_process_grows() {
+        let me = std::process::id();
+        let before = cpu_seconds(me).unwrap();
+        let started = Instant::now();
+        let mut x = 0u64;
+        while started.elapsed() < Duration::from_millis(100) {
+            x = x.wrapping_add(std::hint::black_box(1));
+        }
+        assert!(x > 0);
+        assert!(cpu_seconds(me).unwrap() >= before);
+    }
+
+    #[test]
+    fn the_runner_exits_with_what_is_written_to_its_fifo() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("runner");
+        fs_err::write(&script, RUNNER).unwrap();
+        let temp = dir.path().join("temp");
+        let child = std::process::Command::new("sh")
+            .arg(&script)
+            .args(["--log-level", "4", "start", "--temp-dir"])
+            .arg(&temp)
+            .spawn()
+            .unwrap();
+        trigger_exit(&temp, 7).unwrap();
+        let status = child.wait_with_output().unwrap().status;
+        assert_eq!(status.code(), Some(7));
+    }
+}

@@ -1,0 +1,154 @@
+//! Figures (1) container exit → `terminated` visible through the shim's API, against raw
+//! Docker's `die` event, and (5) submit → running one task at a time, against a raw create
+//! and start. Samples are interleaved (shim, raw, raw, shim, …) so that drifts of the machine
+//! hit both alike.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result};
+use serde_json::{Value, json};
+
+use super::Ctx;
+use super::clock::ms_between;
+use super::fleet::{BenchShim, RAW_LABEL, RawContainer, trigger_exit};
+use super::report::{Comparison, Goal, median, percentile};
+
+/// Figure (1), host and bridge network.
+pub fn exit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
+    let n = ctx.pick(3, 40);
+    let docker = &ctx.scratch.docker;
+    let shim = BenchShim::start(&ctx.binary, &ctx.scratch, "exit")?;
+    let label = format!("{RAW_LABEL}={}", ctx.scratch.run);
+    let events = docker.events(&[("type", "container"), ("event", "die"), ("label", &label)])?;
+    for (mode, p50_goal, p99_goal) in [
+        ("host", Goal::RawPlus(8.0), Goal::None),
+        ("bridge", Goal::RawPlus(10.0), Goal::AtMost(60.0)),
+    ] {
+        println!("\n--- exit -> terminated, {mode} network: {n} shim tasks and {n} raw containers");
+        let ids: Vec<String> = (0..n).map(|i| format!("exit-{mode}-{i}")).collect();
+        let mut raws = Vec::new();
+        for (i, id) in ids.iter().enumerate() {
+            shim.submit(id, mode)?;
+            let raw = ctx.scratch.raw_create(&format!("exit-{mode}-{i}"), mode)?;
+            docker.start(&raw.id)?;
+            raws.push(raw);
+        }
+        let infos: Vec<Value> = ids
+            .iter()
+            .map(|id| shim.wait_running(id, Duration::from_millis(5)))
+            .collect::<Result<_>>()?;
+        let mut shim_ms = Vec::new();
+        let mut raw_ms = Vec::new();
+        for i in 0..n {
+            let shim_sample = || -> Result<f64> {
+                trigger_exit(&shim.runner_dir(&infos[i]), 0)?;
+                let (done, seen) =
+                    shim.wait_status(&ids[i], "terminated", Duration::from_millis(1))?;
+                let container = done["container_id"]
+                    .as_str()
+                    .with_context(|| format!("no container id: {done}"))?;
+                Ok(ms_between(docker.finished_at(container)?, seen))
+            };
+            let raw_sample = |raw: &RawContainer| -> Result<f64> {
+                trigger_exit(&raw.dir, 0)?;
+                let (_, at) = events.wait_for(&raw.id, super::fleet::BOUND)?;
+                Ok(ms_between(docker.finished_at(&raw.id)?, at))
+            };
+            if i % 2 == 0 {
+                shim_ms.push(shim_sample()?);
+                raw_ms.push(raw_sample(&raws[i])?);
+            } else {
+                raw_ms.push(raw_sample(&raws[i])?);
+                shim_ms.push(shim_sample()?);
+            }
+            println!(
+                "  sample {i}: shim {:.1} ms, raw die event {:.1} ms after FinishedAt",
+                shim_ms[i], raw_ms[i]
+            );
+        }
+        for id in &ids {
+            shim.finish(id)?;
+        }
+        for raw in &raws {
+            docker.remove(&raw.id)?;
+        }
+        let detail = json!({"n": n, "shim_ms": shim_ms, "raw_ms": raw_ms});
+        out.push(
+            Comparison::new(
+                format!("exit_to_terminated_p50_{mode}"),
+                format!("container exit → `terminated` p50, {mode} network (raw: `die` event)"),
+                "ms",
+                median(&shim_ms),
+                Some(median(&raw_ms)),
+                p50_goal,
+            )
+            .with_detail(detail),
+        );
+        out.push(Comparison::new(
+            format!("exit_to_terminated_p99_{mode}"),
+            format!("container exit → `terminated` p99, {mode} network (raw: `die` event)"),
+            "ms",
+            percentile(&shim_ms, 99),
+            Some(percentile(&raw_ms, 99)),
+            p99_goal,
+        ));
+    }
+    Ok(())
+}
+
+/// Figure (5): submit → running, one task at a time, host network.
+pub fn submit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
+    let n = ctx.pick(3, 30);
+    let docker = &ctx.scratch.docker;
+    let shim = BenchShim::start(&ctx.binary, &ctx.scratch, "submit")?;
+    println!("\n--- submit -> running one at a time: {n} shim tasks, {n} raw create+start");
+    let mut shim_ms = Vec::new();
+    let mut raw_ms = Vec::new();
+    let mut raws = Vec::new();
+    for i in 0..n {
+        let id = format!("submit-{i}");
+        let shim_sample = || -> Result<f64> {
+            let t = Instant::now();
+            shim.submit(&id, "host")?;
+            shim.wait_running(&id, Duration::from_millis(1))?;
+            Ok(t.elapsed().as_secs_f64() * 1e3)
+        };
+        let mut raw_sample = || -> Result<f64> {
+            let t = Instant::now();
+            let raw = ctx.scratch.raw_create(&format!("submit-{i}"), "host")?;
+            docker.start(&raw.id)?;
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            raws.push(raw);
+            Ok(ms)
+        };
+        if i % 2 == 0 {
+            shim_ms.push(shim_sample()?);
+            raw_ms.push(raw_sample()?);
+        } else {
+            raw_ms.push(raw_sample()?);
+            shim_ms.push(shim_sample()?);
+        }
+        println!(
+            "  sample {i}: shim {:.1} ms, raw {:.1} ms",
+            shim_ms[i], raw_ms[i]
+        );
+    }
+    for i in 0..n {
+        shim.finish(&format!("submit-{i}"))?;
+    }
+    for raw in &raws {
+        docker.remove(&raw.id)?;
+    }
+    out.push(
+        Comparison::new(
+            "submit_to_running_p50",
+            "submit → `running` p50, one at a time (raw: create + start)",
+            "ms",
+            median(&shim_ms),
+            Some(median(&raw_ms)),
+            Goal::AtMostRawTimes(1.03),
+        )
+        .with_detail(json!({"n": n, "shim_ms": shim_ms, "raw_ms": raw_ms})),
+    );
+    Ok(())
+}
