@@ -311,7 +311,15 @@ impl Inner {
         self.gpus.release(&resources.gpus);
         let mut host_keys = false;
         if let Some(grant) = &resources.host_keys {
-            match self.deps.keys.remove(id, &grant.user, &grant.keys).await {
+            let removed = if grant.upstream {
+                self.deps
+                    .keys
+                    .remove_upstream(id, &grant.user, &grant.keys)
+                    .await
+            } else {
+                self.deps.keys.remove(id, &grant.user, &grant.keys).await
+            };
+            match removed {
                 Ok(()) => host_keys = true,
                 Err(e) => errors.push(format!(
                     "SSH keys of {:?}: {}",

@@ -305,6 +305,7 @@ impl Inner {
                     r.resources.host_keys = Some(HostKeysGrant {
                         user: c.host_ssh_user.clone(),
                         keys,
+                        upstream: true,
                     });
                 }
                 r.resources.volumes = c

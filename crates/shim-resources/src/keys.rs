@@ -172,6 +172,13 @@ pub trait AuthorizedKeys: Send + Sync {
     /// no `~/.ssh` (nothing of ours can be there). On error the task stays forgotten and a
     /// retry rewrites again.
     async fn remove(&self, task: &TaskId, user: &str, keys: &[PublicKey]) -> Result<()>;
+
+    /// [`AuthorizedKeys::remove`] for keys the upstream shim added (a task adopted from its
+    /// state file): its lines carry no marker, so every line with one of `keys` that no live
+    /// task needs goes too, as upstream removes them.
+    async fn remove_upstream(&self, task: &TaskId, user: &str, keys: &[PublicKey]) -> Result<()> {
+        self.remove(task, user, keys).await
+    }
 }
 
 /// The real [`AuthorizedKeys`]: files in the users' homes. Cheap to clone (shared state).
@@ -271,6 +278,7 @@ impl AuthorizedKeysManager {
             wanted: &wanted,
             released: &[],
             prune_unknown: false,
+            released_unmarked: &[],
         };
         let result = sync_user(&*self.inner.users, user, &rewrite, true);
         if result.is_err() {
@@ -288,6 +296,26 @@ impl AuthorizedKeysManager {
 
     /// Blocking form of [`AuthorizedKeys::remove`].
     pub fn remove_blocking(&self, task: &TaskId, user: &str, keys: &[PublicKey]) -> Result<()> {
+        self.remove_lines(task, user, keys, false)
+    }
+
+    /// Blocking form of [`AuthorizedKeys::remove_upstream`].
+    pub fn remove_upstream_blocking(
+        &self,
+        task: &TaskId,
+        user: &str,
+        keys: &[PublicKey],
+    ) -> Result<()> {
+        self.remove_lines(task, user, keys, true)
+    }
+
+    fn remove_lines(
+        &self,
+        task: &TaskId,
+        user: &str,
+        keys: &[PublicKey],
+        upstream: bool,
+    ) -> Result<()> {
         let _io = self.inner.io();
         let mut released = keys.to_vec();
         let mut users: Vec<String> = Vec::new();
@@ -322,6 +350,7 @@ impl AuthorizedKeysManager {
                 wanted: &wanted,
                 released: &released,
                 prune_unknown,
+                released_unmarked: if upstream { &released } else { &[] },
             };
             match sync_user(&*self.inner.users, u, &rewrite, false) {
                 Ok(()) => {}
@@ -385,6 +414,17 @@ impl AuthorizedKeys for AuthorizedKeysManager {
         self.inner.state().unknown.insert(task.clone(), user);
     }
 
+    async fn remove_upstream(&self, task: &TaskId, user: &str, keys: &[PublicKey]) -> Result<()> {
+        let this = self.clone();
+        let (task, user, keys) = (task.clone(), user.to_owned(), keys.to_vec());
+        tokio::task::spawn_blocking(move || this.remove_upstream_blocking(&task, &user, &keys))
+            .await
+            .map_err(|source| Error::Join {
+                what: "authorized_keys remove",
+                source,
+            })?
+    }
+
     async fn remove(&self, task: &TaskId, user: &str, keys: &[PublicKey]) -> Result<()> {
         let this = self.clone();
         let (task, user, keys) = (task.clone(), user.to_owned(), keys.to_vec());
@@ -435,6 +475,9 @@ pub struct Rewrite<'a> {
     /// Whether marked lines of unknown origin (neither wanted nor released) go: true when no
     /// unknown hold covers the user.
     pub prune_unknown: bool,
+    /// Keys the upstream shim added without a marker for a task being removed: unmarked lines
+    /// with one of them go too, unless wanted (upstream removes every line with the key).
+    pub released_unmarked: &'a [PublicKey],
 }
 
 impl Rewrite<'_> {
@@ -460,12 +503,27 @@ pub fn render(old: &[u8], rewrite: &Rewrite<'_>) -> Vec<u8> {
     let body = old.strip_suffix(b"\n").unwrap_or(old);
     if !old.is_empty() {
         for line in body.split(|&b| b == b'\n') {
-            if let Some(key) = std::str::from_utf8(line).ok().and_then(parse_marked_line) {
+            let text = std::str::from_utf8(line).ok();
+            if let Some(key) = text.and_then(parse_marked_line) {
                 let fp = key.fingerprint();
                 if present.contains(fp) || !rewrite.keeps(fp) {
                     continue;
                 }
                 present.insert(fp.to_owned());
+            } else if !rewrite.released_unmarked.is_empty()
+                && let Some(key) =
+                    text.and_then(|t| PublicKey::parse(t.trim_end_matches('\r')).ok())
+            {
+                let fp = key.fingerprint();
+                let wanted = rewrite.wanted.iter().any(|k| k.fingerprint() == fp);
+                if !wanted
+                    && rewrite
+                        .released_unmarked
+                        .iter()
+                        .any(|k| k.fingerprint() == fp)
+                {
+                    continue;
+                }
             }
             out.extend_from_slice(line);
             out.push(b'\n');

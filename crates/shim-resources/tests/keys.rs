@@ -539,6 +539,7 @@ fn render_rules() {
             wanted,
             released: &[],
             prune_unknown: false,
+            released_unmarked: &[],
         }
     }
     // Add: nothing dropped except the duplicate; wanted keys present.
@@ -552,6 +553,7 @@ fn render_rules() {
         wanted: std::slice::from_ref(&k1),
         released: &[],
         prune_unknown: true,
+        released_unmarked: &[],
     };
     let r = String::from_utf8(render(old.as_bytes(), &rw)).unwrap();
     assert_eq!(r, format!("x\n{}\n", marked_line(&k1)));
@@ -593,6 +595,7 @@ fn rewrite_rule_known_and_unknown_origin() {
         wanted: &wanted,
         released: &released,
         prune_unknown: true,
+        released_unmarked: &[],
     };
     assert_eq!(keep(&rw), vec![fp(&k1)]);
     // A hold covers the user: the released key goes, unknown-origin lines stay, the wanted
@@ -785,4 +788,41 @@ fn ssh_dir_swapped_for_a_link_mid_update_is_never_written_through() {
         h.read().starts_with(&format!("{K4}\n")),
         "foreign line kept"
     );
+}
+
+/// Keys the upstream shim added carry no marker; it removes every line with the key
+/// (upstream `runner/internal/shim/authorized_keys.go`, `RemovePublicKeys`). A task adopted
+/// from an upstream state file releases them the same way, except lines a live task wants.
+#[test]
+fn upstream_lines_go_as_upstream_removes_them() {
+    let (k1, k2) = (key(K1), key(K2));
+    let old = format!(
+        "# a comment\n{K1}\n{K2}\ncommand=\"x\" {K1}\n{}\n",
+        marked_line(&k2)
+    );
+    let released = [k1.clone(), k2.clone()];
+    let wanted = [k2.clone()];
+    let rw = Rewrite {
+        wanted: &wanted,
+        released: &released,
+        prune_unknown: false,
+        released_unmarked: &released,
+    };
+    let out = String::from_utf8(render(old.as_bytes(), &rw)).unwrap();
+    // K1's plain line goes; K2 stays (a live task wants it), as does its marked line; a line
+    // with options is not a plain key line and is left alone (upstream fails to parse it too).
+    assert_eq!(
+        out,
+        format!(
+            "# a comment\n{K2}\ncommand=\"x\" {K1}\n{}\n",
+            marked_line(&k2)
+        )
+    );
+    // Without the upstream flag nothing unmarked is touched.
+    let rw = Rewrite {
+        released_unmarked: &[],
+        ..rw
+    };
+    let out = String::from_utf8(render(old.as_bytes(), &rw)).unwrap();
+    assert!(out.contains(&format!("\n{K1}\n")), "{out}");
 }

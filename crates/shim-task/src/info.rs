@@ -58,6 +58,12 @@ pub struct HostKeysGrant {
     pub user: String,
     /// The keys added for this task.
     pub keys: Vec<PublicKey>,
+    /// The upstream shim added them (a task adopted from its state file): its lines carry no
+    /// marker, and they go as upstream removes them, every line with one of these keys that
+    /// no live task needs (upstream `runner/internal/shim/authorized_keys.go`,
+    /// `RemovePublicKeys`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub upstream: bool,
 }
 
 /// A volume a task mounted on the host.

@@ -640,6 +640,7 @@ fn start_action(config: Option<&TaskConfig>, step: StartStep) -> Option<Action> 
         StartStep::AddHostKeys => Some(Action::AddHostKeys(HostKeysGrant {
             user: c.host_ssh_user.clone(),
             keys: c.host_keys().0,
+            upstream: false,
         })),
         StartStep::MountVolume(i) => c.volumes.get(i).cloned().map(Action::MountVolume),
         StartStep::CreateDir(i) => c

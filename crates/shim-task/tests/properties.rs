@@ -1141,6 +1141,7 @@ fn any_event((kind, a, b): (u8, u8, u8)) -> Event {
         2 => Event::HostKeysAdded(shim_task::HostKeysGrant {
             user: "ubuntu".into(),
             keys: vec![PublicKey::parse(KEY).unwrap()],
+            upstream: false,
         }),
         3 => Event::VolumeMounted(MountedVolume {
             name: format!("vol{}", a % 2),

@@ -45,6 +45,7 @@ fn grant() -> HostKeysGrant {
     HostKeysGrant {
         user: "ubuntu".into(),
         keys: vec![PublicKey::parse(KEY).unwrap()],
+        upstream: false,
     }
 }
 
