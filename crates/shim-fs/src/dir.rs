@@ -381,17 +381,17 @@ fn classify_dir_error<Fd: AsFd, P: rustix::path::Arg>(
     path: &Path,
     e: Errno,
 ) -> Error {
-    if matches!(e, Errno::LOOP | Errno::NOTDIR) {
-        if let Ok(st) = rustix::fs::statat(at, name, AtFlags::SYMLINK_NOFOLLOW) {
-            let kind = FileInfo::from_stat(&st).kind;
-            if kind != FileKind::Directory {
-                return Error::WrongType {
-                    step: Step::OpenDir,
-                    path: path.to_owned(),
-                    found: kind.describe(),
-                    expected: "a directory",
-                };
-            }
+    if matches!(e, Errno::LOOP | Errno::NOTDIR)
+        && let Ok(st) = rustix::fs::statat(at, name, AtFlags::SYMLINK_NOFOLLOW)
+    {
+        let kind = FileInfo::from_stat(&st).kind;
+        if kind != FileKind::Directory {
+            return Error::WrongType {
+                step: Step::OpenDir,
+                path: path.to_owned(),
+                found: kind.describe(),
+                expected: "a directory",
+            };
         }
     }
     Error::sys(Step::OpenDir, path, e)

@@ -184,7 +184,7 @@ impl Sim {
     }
 
     fn fail(&self, b: u8) -> bool {
-        self.failures && b % 4 == 0
+        self.failures && b.is_multiple_of(4)
     }
 
     /// Steps an event and checks the step's properties; the actions go to the front of `job`
@@ -505,7 +505,7 @@ impl Sim {
                     Event::PullFailed {
                         message: "pull failed: 1000 bytes downloaded".into(),
                     }
-                } else if reports < 3 && b % 3 != 0 {
+                } else if reports < 3 && !b.is_multiple_of(3) {
                     self.jobs[j].0.push_front(Op::PullRunning {
                         reports: reports + 1,
                     });
@@ -629,7 +629,7 @@ impl Sim {
                 Event::PrepareFailed {
                     message: format!("cannot create {path}"),
                 }
-            } else if b % 2 == 0 {
+            } else if b.is_multiple_of(2) {
                 Event::DirCreated(path)
             } else {
                 Event::DirExisted(path)
