@@ -7,6 +7,7 @@
 //! SIGINT, `POST /api/shutdown`) never stops containers.
 
 mod adapter;
+mod components;
 mod config;
 mod engine;
 mod logging;
@@ -19,8 +20,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::Context;
-use shim_components::{Components, ComponentsConfig};
-use shim_http::{ComponentName, Listeners, ServerConfig, ShimApi, serve};
+use shim_components::{ComponentName, Components, ComponentsConfig};
+use shim_http::{Listeners, ServerConfig, ShimApi, serve};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, VERSION};
@@ -134,7 +135,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
     serve(
         listeners,
         api,
-        Arc::new(components.clone()),
+        Arc::new(components::ComponentsHttp(components.clone())),
         server_config,
         shutdown,
     )

@@ -9,8 +9,10 @@ use std::path::Path;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use shim_components::{Components, ComponentsConfig, Error, binary_version};
-use shim_http::{ComponentName, ComponentStatus, ComponentsApi, ErrorKind};
+use shim_components::{
+    ComponentInfo, ComponentName, ComponentStatus, Components, ComponentsConfig, Error,
+    binary_version,
+};
 
 const BOUND: Duration = Duration::from_secs(30);
 
@@ -93,12 +95,14 @@ async fn nothing_installed() {
     let dir = tempfile::tempdir().unwrap();
     let c = components(dir.path());
     let list = c.list().await;
+    let none = |name| ComponentInfo {
+        name,
+        version: String::new(),
+        status: ComponentStatus::NotInstalled,
+    };
     assert_eq!(
-        serde_json::to_value(&list).unwrap(),
-        serde_json::json!([
-            {"name": "dstack-runner", "version": "", "status": "not-installed"},
-            {"name": "dstack-shim", "version": "", "status": "not-installed"},
-        ])
+        list,
+        vec![none(ComponentName::Runner), none(ComponentName::Shim)]
     );
 }
 
@@ -108,12 +112,10 @@ async fn installs_in_the_background_atomically() {
     let server = file_server();
     let c = components(dir.path());
 
-    ComponentsApi::install(
-        &c,
+    c.start_install(
         ComponentName::Runner,
-        format!("http://{}/runner?sig=secret", server.addr),
+        &format!("http://{}/runner?sig=secret", server.addr),
     )
-    .await
     .unwrap();
     wait_idle(&c).await;
     let runner = c.info(ComponentName::Runner).await;
@@ -152,20 +154,16 @@ async fn second_install_while_installing_is_a_conflict() {
     let server = file_server();
     let c = components(dir.path());
     let url = format!("http://{}/gated", server.addr);
-    ComponentsApi::install(&c, ComponentName::Runner, url.clone())
-        .await
-        .unwrap();
+    c.start_install(ComponentName::Runner, &url).unwrap();
     let info = c.info(ComponentName::Runner).await;
     assert_eq!(
         (info.status, info.version.as_str()),
         (ComponentStatus::Installing, "")
     );
 
-    let e = ComponentsApi::install(&c, ComponentName::Runner, url.clone())
-        .await
-        .unwrap_err();
-    assert_eq!(e.kind, ErrorKind::Conflict);
-    assert_eq!(e.message, "dstack-runner is already installing");
+    let e = c.start_install(ComponentName::Runner, &url).unwrap_err();
+    assert!(matches!(e, Error::AlreadyInstalling { .. }), "{e}");
+    assert_eq!(e.to_string(), "dstack-runner is already installing");
     // The other component is independent.
     assert_eq!(
         c.info(ComponentName::Shim).await.status,
@@ -254,18 +252,17 @@ async fn failed_downloads_leave_the_target_alone() {
 async fn bad_urls_are_refused_up_front() {
     let dir = tempfile::tempdir().unwrap();
     let c = components(dir.path());
-    let e = ComponentsApi::install(&c, ComponentName::Runner, "ftp://x/y".into())
-        .await
+    let e = c
+        .start_install(ComponentName::Runner, "ftp://u:pw@x/y?token=s")
         .unwrap_err();
-    assert_eq!(e.kind, ErrorKind::BadRequest);
+    assert!(matches!(e, Error::BadUrl { .. }), "{e}");
     assert_eq!(
-        e.message,
+        e.to_string(),
         "cannot install dstack-runner: only http and https are supported: ftp://x/y"
     );
-    let e = ComponentsApi::install(&c, ComponentName::Runner, String::new())
-        .await
-        .unwrap_err();
-    assert_eq!(e.kind, ErrorKind::BadRequest);
+    let e = c.start_install(ComponentName::Runner, "").unwrap_err();
+    assert!(matches!(e, Error::BadUrl { .. }), "{e}");
+    assert_eq!(e.to_string(), "cannot install dstack-runner: empty url");
     assert_eq!(
         c.info(ComponentName::Runner).await.status,
         ComponentStatus::NotInstalled

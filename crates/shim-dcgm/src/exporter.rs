@@ -125,10 +125,10 @@ impl DcgmExporter {
     /// (upstream `Fetch`: the exporter has nothing newer anyway); failures are not cached.
     pub async fn fetch(&self) -> Result<Arc<str>, DcgmError> {
         let mut cache = self.cache.lock().await;
-        if let Some((at, body)) = cache.as_ref() {
-            if at.elapsed() < self.interval {
-                return Ok(body.clone());
-            }
+        if let Some((at, body)) = cache.as_ref()
+            && at.elapsed() < self.interval
+        {
+            return Ok(body.clone());
         }
         let now = Instant::now();
         let body: Arc<str> = self.get().await?.into();

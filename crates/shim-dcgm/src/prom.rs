@@ -302,12 +302,12 @@ pub fn filter_metrics(text: &str, gpu_ids: &[String]) -> String {
             continue;
         }
         for pending in [&mut help, &mut typ] {
-            if let Some((family, meta)) = *pending {
-                if in_family(sample.name, family) {
-                    out.push_str(meta);
-                    out.push('\n');
-                    *pending = None;
-                }
+            if let Some((family, meta)) = *pending
+                && in_family(sample.name, family)
+            {
+                out.push_str(meta);
+                out.push('\n');
+                *pending = None;
             }
         }
         out.push_str(line);

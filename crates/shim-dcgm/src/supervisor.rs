@@ -85,10 +85,10 @@ impl Supervisor {
     /// calls return at once.
     pub async fn shutdown(&self) {
         self.stop.send_replace(true);
-        if let Some(task) = self.take_task() {
-            if let Err(e) = task.await {
-                tracing::warn!(error = %e, "a supervisor task failed");
-            }
+        if let Some(task) = self.take_task()
+            && let Err(e) = task.await
+        {
+            tracing::warn!(error = %e, "a supervisor task failed");
         }
     }
 }

@@ -157,6 +157,7 @@ impl Inner {
 
     async fn pull(self: &Arc<Self>, slot: &Arc<Slot>, image: String) -> Event {
         let runtime = &self.deps.runtime;
+        let image = shim_runtime::spec::with_default_tag(&image);
         if !image.ends_with(":latest") {
             match runtime.image_present(&image).await {
                 Ok(true) => return Event::PullSkipped,

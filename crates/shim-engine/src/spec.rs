@@ -107,7 +107,7 @@ fn inputs(inner: &Inner, task: &Task, config: &TaskConfig, runner_dir: PathBuf) 
     };
     ContainerInputs {
         name: task.record.container_name.clone(),
-        image: config.image_ref(),
+        image: shim_runtime::spec::with_default_tag(&config.image_name),
         labels,
         runner: RunnerParams {
             binary_host_path: cfg.runner_binary_path.clone(),

@@ -388,11 +388,11 @@ impl Drop for TempGuard<'_> {
         if self.hooks.crashed() {
             return;
         }
-        if let Err(e) = rustix::fs::unlinkat(self.dir, &name, AtFlags::empty()) {
-            if e != Errno::NOENT {
-                tracing::warn!(file = %self.dir.join(&name).display(), error = %e,
+        if let Err(e) = rustix::fs::unlinkat(self.dir, &name, AtFlags::empty())
+            && e != Errno::NOENT
+        {
+            tracing::warn!(file = %self.dir.join(&name).display(), error = %e,
                     "cannot remove the temp file of a failed write");
-            }
         }
     }
 }

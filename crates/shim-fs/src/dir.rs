@@ -268,6 +268,13 @@ impl Dir {
             .map_err(|e| Error::sys(Step::Stat, &self.path, e))
     }
 
+    /// Sets the directory's own mode to exactly `mode` (`fchmod` on the handle, so a link
+    /// swapped in at its path changes nothing).
+    pub fn set_mode(&self, mode: u32) -> Result<()> {
+        rustix::fs::fchmod(&self.fd, Mode::from_raw_mode((mode & 0o7777) as _))
+            .map_err(|e| Error::sys(Step::SetMode, &self.path, e))
+    }
+
     /// Reads the regular file `name` whole, at most `max` bytes: `None` when it does not
     /// exist; [`Error::WrongType`] for a symbolic link (never followed), a FIFO, a device or a
     /// directory; [`Error::TooLarge`] beyond `max`. The info is that of the file read.
@@ -374,17 +381,17 @@ fn classify_dir_error<Fd: AsFd, P: rustix::path::Arg>(
     path: &Path,
     e: Errno,
 ) -> Error {
-    if matches!(e, Errno::LOOP | Errno::NOTDIR) {
-        if let Ok(st) = rustix::fs::statat(at, name, AtFlags::SYMLINK_NOFOLLOW) {
-            let kind = FileInfo::from_stat(&st).kind;
-            if kind != FileKind::Directory {
-                return Error::WrongType {
-                    step: Step::OpenDir,
-                    path: path.to_owned(),
-                    found: kind.describe(),
-                    expected: "a directory",
-                };
-            }
+    if matches!(e, Errno::LOOP | Errno::NOTDIR)
+        && let Ok(st) = rustix::fs::statat(at, name, AtFlags::SYMLINK_NOFOLLOW)
+    {
+        let kind = FileInfo::from_stat(&st).kind;
+        if kind != FileKind::Directory {
+            return Error::WrongType {
+                step: Step::OpenDir,
+                path: path.to_owned(),
+                found: kind.describe(),
+                expected: "a directory",
+            };
         }
     }
     Error::sys(Step::OpenDir, path, e)

@@ -13,6 +13,9 @@
 //!   `linkat` instead, so the first write wins. [`Dir::remove_stale_temps`] removes what a
 //!   crashed process left.
 //! - [`Dir::read_file`]: a bounded read of a regular file (never a link, FIFO or device).
+//! - On a handle, also: [`Dir::stat`] (never following a link), [`Dir::names`],
+//!   [`Dir::remove_file`], [`Dir::set_mode`] (`fchmod` of the directory itself) and
+//!   [`Dir::sync`].
 //! - Path forms of the same: [`write_atomic`], [`write_atomic_with`], [`create_new_atomic`],
 //!   [`read_file`] (the directory part of the path is trusted and opened following links).
 //!

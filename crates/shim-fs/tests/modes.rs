@@ -71,7 +71,21 @@ fn replace_sets_or_preserves_the_mode() {
         std::fs::Permissions::from_mode(0o751),
     )
     .unwrap();
-    let (_, created) = d.create_dir("sub", 0o700, None).unwrap();
+    let (sub, created) = d.create_dir("sub", 0o700, None).unwrap();
     assert!(!created);
     assert_eq!(mode(&tmp.path().join("sub")), 0o751);
+    // set_mode tightens it, on the handle: a link swapped in at its path is not followed.
+    sub.set_mode(0o700).unwrap();
+    assert_eq!(mode(&tmp.path().join("sub")), 0o700);
+    assert_eq!(sub.info().unwrap().mode, 0o700);
+    fs_err::rename(tmp.path().join("sub"), tmp.path().join("moved")).unwrap();
+    fs_err::create_dir(tmp.path().join("other")).unwrap();
+    std::os::unix::fs::symlink(tmp.path().join("other"), tmp.path().join("sub")).unwrap();
+    sub.set_mode(0o750).unwrap();
+    assert_eq!(mode(&tmp.path().join("moved")), 0o750);
+    assert_eq!(
+        mode(&tmp.path().join("other")),
+        0o755,
+        "umask 022, untouched"
+    );
 }

@@ -291,10 +291,10 @@ pub async fn serve(
     let mut conns = conns.set;
     drop(tcp);
     drop(unix);
-    if let Some(path) = &unix_path {
-        if let Err(e) = fs_err::remove_file(path) {
-            tracing::warn!(error = %e, "could not remove the unix socket");
-        }
+    if let Some(path) = &unix_path
+        && let Err(e) = fs_err::remove_file(path)
+    {
+        tracing::warn!(error = %e, "could not remove the unix socket");
     }
 
     if force.is_cancelled() {

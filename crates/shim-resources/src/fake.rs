@@ -1,4 +1,4 @@
-//! Fakes for the engine's tests (feature `test-support`): volumes, the mount system calls and
+//! Fakes for the engine's tests (`cfg(test)` or feature `test-support`): volumes, the mount system calls and
 //! authorized_keys that record calls and fail on demand. GPUs need no fake: use
 //! [`crate::gpu::HostGpus::fake_nvidia`] with a real [`crate::gpu::GpuLock`], or a
 //! [`crate::gpu::GpuDetector`] over a temporary device root with a

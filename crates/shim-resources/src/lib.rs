@@ -8,14 +8,15 @@
 //!
 //! Each resource the engine drives sits behind a small `Send + Sync` trait usable as
 //! `Arc<dyn Trait>`, with a real implementation tested against the real thing (temporary
-//! homes, loop devices, real directories) and, with the `test-support` feature, fakes that
-//! record calls (the `fake` module):
+//! homes, loop devices, real directories) and, under `cfg(test)` or the `test-support` feature,
+//! fakes that record calls and fail on demand (the `fake` module: volumes, the mount system
+//! calls, authorized_keys):
 //!
 //! - [`gpu`] — detection ([`GpuDetector`]: vendor from device paths, GPUs from the vendor
 //!   tool; its seams are the injected command runner and device roots, not a trait), parsing
 //!   per vendor, and the in-memory [`GpuLock`]. The engine takes the detected [`HostGpus`] as
-//!   data ([`HostGpus::fake_nvidia`] for GPU-less machines) and a real lock, which needs no
-//!   fake.
+//!   data ([`HostGpus::fake_nvidia`] in tests and for `--test-fake-gpus`) and a real lock,
+//!   which needs no fake.
 //! - [`keys`] — [`AuthorizedKeys`] / [`AuthorizedKeysManager`]: the shim-owned lines of a user's
 //!   file are exactly the keys of that user's live tasks; lines of unknown origin stay while a
 //!   live task's keys are unknown ([`AuthorizedKeys::hold_unknown`]); every read and write is
@@ -23,10 +24,13 @@
 //! - [`volumes`] — [`VolumeManager`] / [`BlockVolumes`]: resolve, probe, format (only when
 //!   confirmed blank and asked to), mount, unmount; the system calls behind [`Mounter`], run on
 //!   the blocking pool, locked per mount point and device.
-//! - [`dirs`] — [`ensure_instance_dir`].
-//! - [`host`] — [`HostInfo`], [`host::collect`], [`write_host_info`]: upstream's
+//! - [`dirs`] — [`ensure_instance_dir`]: a missing instance-mount directory is created 0777
+//!   (its missing parents 0755), an existing one is left exactly as it is.
+//! - [`host`] — [`HostInfo`], [`host::collect`] (facts as upstream computes them; 0 when
+//!   unreadable), [`write_host_info`] and [`write_host_info_once`]: upstream's
 //!   `host_info.json`.
-//! - [`cmd`] — [`CommandRunner`], the injectable way every host tool is run.
+//! - [`cmd`] — [`CommandRunner`], the injectable way every host tool is run
+//!   ([`SystemCommandRunner`]; [`ScriptedCommandRunner`] answers from a script in tests).
 //!
 //! Durable writes (authorized_keys, host_info.json) go through [`shim_fs`].
 //!

@@ -305,14 +305,14 @@ pub fn find_aws_device(
         why: e.to_string(),
     })?;
     let want = normalize_vol(volume_id);
-    if !want.is_empty() {
-        if let Some(d) = parsed.blockdevices.iter().find(|d| {
+    if !want.is_empty()
+        && let Some(d) = parsed.blockdevices.iter().find(|d| {
             d.serial
                 .as_deref()
                 .is_some_and(|s| s.trim().starts_with("vol") && normalize_vol(s) == want)
-        }) {
-            return Ok(Some(d.first_partition_or_self().to_owned()));
-        }
+        })
+    {
+        return Ok(Some(d.first_partition_or_self().to_owned()));
     }
     for name in fallbacks {
         if let Some(d) = parsed.blockdevices.iter().find(|d| &d.name == name) {
@@ -352,18 +352,17 @@ fn unescape_mountinfo(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\' {
-            if let Some(oct) = b.get(i + 1..i + 4) {
-                if oct.iter().all(|c| (b'0'..=b'7').contains(c)) {
-                    let v = oct
-                        .iter()
-                        .fold(0u32, |acc, c| acc * 8 + u32::from(c - b'0'));
-                    if let Ok(v) = u8::try_from(v) {
-                        out.push(v);
-                        i += 4;
-                        continue;
-                    }
-                }
+        if b[i] == b'\\'
+            && let Some(oct) = b.get(i + 1..i + 4)
+            && oct.iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            let v = oct
+                .iter()
+                .fold(0u32, |acc, c| acc * 8 + u32::from(c - b'0'));
+            if let Ok(v) = u8::try_from(v) {
+                out.push(v);
+                i += 4;
+                continue;
             }
         }
         out.push(b[i]);
@@ -566,15 +565,14 @@ fn mount_at(
 ) -> Result<()> {
     create_dirs(mount_point)?;
     mounter.mount(device, mount_point, fstype)?;
-    if created {
-        if let Err(e) = fs_err::set_permissions(mount_point, std::fs::Permissions::from_mode(0o777))
-        {
-            if let Err(u) = mounter.unmount(mount_point) {
-                tracing::warn!(mount_point = %mount_point.display(), error = %u,
+    if created
+        && let Err(e) = fs_err::set_permissions(mount_point, std::fs::Permissions::from_mode(0o777))
+    {
+        if let Err(u) = mounter.unmount(mount_point) {
+            tracing::warn!(mount_point = %mount_point.display(), error = %u,
                     "cannot unmount after a failed chmod");
-            }
-            return Err(Error::io("chmod", mount_point, e));
         }
+        return Err(Error::io("chmod", mount_point, e));
     }
     Ok(())
 }

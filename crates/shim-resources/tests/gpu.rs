@@ -600,10 +600,10 @@ fn lock_never_over_allocates_under_contention() {
                     if let Ok(ids) = lock.acquire(1 + (i + round) % 3) {
                         held.push(ids);
                     }
-                    if round % 3 == 0 {
-                        if let Some(ids) = held.pop() {
-                            lock.release(&ids);
-                        }
+                    if round % 3 == 0
+                        && let Some(ids) = held.pop()
+                    {
+                        lock.release(&ids);
                     }
                 }
                 held.into_iter().flatten().collect::<Vec<_>>()

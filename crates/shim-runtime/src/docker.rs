@@ -119,16 +119,6 @@ fn summary_ports(ports: &[bollard::models::PortSummary]) -> Vec<PublishedPort> {
     out
 }
 
-/// Appends `:latest` to a reference without a tag or digest.
-pub(crate) fn with_default_tag(image: &str) -> String {
-    let last = image.rsplit('/').next().unwrap_or(image);
-    if image.contains('@') || last.contains(':') {
-        image.to_owned()
-    } else {
-        format!("{image}:latest")
-    }
-}
-
 /// Docker's "zero time" for never started/finished containers.
 fn docker_time(t: Option<String>) -> Option<String> {
     t.filter(|t| !t.is_empty() && !t.starts_with("0001-01-01"))
@@ -589,7 +579,7 @@ impl ContainerRuntime for DockerRuntime {
         progress: ProgressFn<'_>,
         cancel: CancellationToken,
     ) -> Result<PullProgress> {
-        let image = with_default_tag(&request.image);
+        let image = crate::spec::with_default_tag(&request.image);
         let mut log = match &request.log_path {
             Some(path) => Some(PullLog::create(path).await?),
             None => None,
@@ -862,18 +852,6 @@ mod tests {
             progress_detail: Some(ProgressDetail { current, total }),
             ..CreateImageInfo::default()
         }
-    }
-
-    #[test]
-    fn default_tag() {
-        assert_eq!(with_default_tag("ubuntu"), "ubuntu:latest");
-        assert_eq!(with_default_tag("ubuntu:22.04"), "ubuntu:22.04");
-        assert_eq!(
-            with_default_tag("127.0.0.1:5799/x"),
-            "127.0.0.1:5799/x:latest"
-        );
-        assert_eq!(with_default_tag("127.0.0.1:5799/x:1"), "127.0.0.1:5799/x:1");
-        assert_eq!(with_default_tag("x@sha256:abc"), "x@sha256:abc");
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! An in-memory [`ContainerRuntime`] for fast, deterministic tests of the layers above
-//! (feature `test-support`).
+//! (`cfg(test)` or feature `test-support`, like every fake of the workspace).
 //!
 //! It records every call ([`FakeRuntime::calls`]) and can be told to make a container exit
 //! ([`FakeRuntime::exit`], which also emits the exit event), vanish, fail or hang on start,

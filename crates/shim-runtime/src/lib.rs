@@ -8,7 +8,7 @@
 
 mod docker;
 mod error;
-#[cfg(feature = "test-support")]
+#[cfg(any(test, feature = "test-support"))]
 pub mod fake;
 pub mod spec;
 mod types;

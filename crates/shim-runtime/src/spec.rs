@@ -244,6 +244,18 @@ pub struct ContainerInputs {
     pub host: HostDevices,
 }
 
+/// The image reference to pull and run: a reference without a tag or digest gets `:latest`.
+/// The one place of this rule: Docker pulls *every* tag of a bare name, and the engine skips
+/// the pull of a present image unless its tag is `latest`, so both must see the tagged form.
+pub fn with_default_tag(image: &str) -> String {
+    let last = image.rsplit('/').next().unwrap_or(image);
+    if image.contains('@') || last.contains(':') {
+        image.to_owned()
+    } else {
+        format!("{image}:latest")
+    }
+}
+
 /// Converts a CPU count (`0` = unlimited) to nano-CPUs.
 pub fn nano_cpus(cpu: f64) -> i64 {
     if cpu.is_finite() && cpu > 0.0 {
@@ -438,6 +450,21 @@ pub fn without_nvidia_display(spec: &ContainerSpec, start_error: &str) -> Option
 mod tests {
     use super::*;
     use std::path::Path;
+
+    // upstream: runner/internal/shim/docker.go (pullImage) adds `:latest` when the name has no
+    // `:`; a registry port (`host:5000/x`) is not a tag here, and a digest keeps the name as is.
+    #[test]
+    fn default_tag() {
+        assert_eq!(with_default_tag("ubuntu"), "ubuntu:latest");
+        assert_eq!(with_default_tag("ubuntu:22.04"), "ubuntu:22.04");
+        assert_eq!(
+            with_default_tag("127.0.0.1:5799/x"),
+            "127.0.0.1:5799/x:latest"
+        );
+        assert_eq!(with_default_tag("127.0.0.1:5799/x:1"), "127.0.0.1:5799/x:1");
+        assert_eq!(with_default_tag("x@sha256:abc"), "x@sha256:abc");
+        assert_eq!(with_default_tag("a/b@sha256:00"), "a/b@sha256:00");
+    }
 
     fn inputs() -> ContainerInputs {
         ContainerInputs {

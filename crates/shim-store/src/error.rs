@@ -9,7 +9,8 @@ use shim_task::TaskId;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// A filesystem operation failed. `context` says what the store was doing; the source
-    /// (an `fs-err` error) names the path.
+    /// (an `fs-err` error, or a `shim_fs::Error` inside an `io::Error` of the same kind)
+    /// names the path.
     #[error("{context}")]
     Io {
         /// What the store was doing, e.g. "writing the state of task t1".

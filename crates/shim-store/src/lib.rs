@@ -13,9 +13,13 @@
 //! <home>/runners/.trash-<name>-<ms>    a task directory being deleted
 //! ```
 //!
-//! Every write is durable and atomic (temp file in the task directory, fsync, rename over
-//! `task.json`, fsync the directory), so after a crash at any point the state file holds the
-//! old or the new record, never a mix. Registry credentials never reach the disk.
+//! Every write is durable and atomic through `shim-fs` (temp file in the task directory,
+//! fsync, rename over `task.json`, fsync the directory), so after a crash at any point the
+//! state file holds the old or the new record, never a mix. The home and `runners/` are opened
+//! once as directory handles; a task directory is opened relative to `runners/` and never
+//! through a symbolic link (one in its place is [`StoreError::UnsafePath`]), and its state file
+//! is read (bounded, a regular file only) and replaced relative to that handle. Registry
+//! credentials never reach the disk.
 //!
 //! [`Store::scan`] never fails because of one task: an unusable state file (empty, truncated,
 //! garbage, a newer format) is moved aside as `task.json.corrupt-<unix ms>` and reported, and

@@ -1,13 +1,12 @@
 //! The store itself: task directories, durable writes, scanning, deletion, migration.
 
-use std::io::{self, Read as _, Write as _};
+use std::io;
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use fs_err as fs;
-use fs_err::os::unix::fs::OpenOptionsExt as _;
+use shim_fs::{Dir, FileKind, WriteOptions};
 use shim_task::TaskRecord;
 
 use crate::error::{RecordError, Result, StoreError};
@@ -36,15 +35,10 @@ pub const RUNNER_DIR_MODE: u32 = 0o755;
 /// Mode of the state file.
 pub const FILE_MODE: u32 = 0o600;
 
-/// Prefix of the temp files a write creates next to its target.
-const TEMP_PREFIX: &str = ".task.json.tmp-";
 /// Prefix of a state file moved aside.
 const CORRUPT_PREFIX: &str = "task.json.corrupt-";
 /// Prefix of a task directory being deleted (renamed first, then removed; swept at start-up).
 pub const TRASH_PREFIX: &str = ".trash-";
-
-/// Makes temp names unique within a process (with the store's token across processes).
-static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 /// The paths of one task.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,37 +105,12 @@ pub struct Migration {
     pub left: usize,
 }
 
-/// Which step of a durable write; fault injection points in tests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(not(test), allow(dead_code))]
-pub(crate) enum Step {
-    CreateTemp,
-    Write,
-    SyncFile,
-    Rename,
-    SyncDir,
-}
-
-/// What an injected fault does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(not(test), allow(dead_code))]
-pub(crate) enum FaultKind {
-    /// The step fails with an error; the write cleans up and returns it.
-    Fail,
-    /// The process "dies" at this step: nothing after it runs, no cleanup (a write step writes
-    /// half the bytes first).
-    Crash,
-}
-
-#[cfg(test)]
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Fault {
-    pub(crate) at: Step,
-    pub(crate) kind: FaultKind,
-}
-
 /// The durable task store under a shim home. Cheap to share (`Send + Sync`); all methods are
 /// blocking (call them from `spawn_blocking` in async code).
+///
+/// The home and the runners directory are opened once, as directory handles (`shim_fs::Dir`);
+/// a task directory is opened relative to the runners directory, never through a symbolic
+/// link, and its files are read and replaced relative to that handle.
 ///
 /// Writes to one task must be serialized by the caller (the engine holds a per-task lock);
 /// writes to different tasks may run concurrently.
@@ -149,15 +118,44 @@ pub(crate) struct Fault {
 pub struct Store {
     home: PathBuf,
     runners_dir: PathBuf,
-    /// Distinguishes this store's temp files from those of a crashed earlier process.
-    token: String,
+    /// The home (opened following links: the operator's path).
+    home_handle: Dir,
+    /// `<home>/runners`, never through a link.
+    runners: Dir,
+    /// Faults injected into this store's atomic writes (unit tests).
     #[cfg(test)]
-    pub(crate) fault: std::sync::Mutex<Option<Fault>>,
+    pub(crate) faults: std::sync::Arc<shim_fs::fault::Faults>,
 }
 
 fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> StoreError {
     let context = context.into();
     move |source| StoreError::Io { context, source }
+}
+
+/// A shim-fs error as a store error: a link or a file where a directory must be is
+/// [`StoreError::UnsafePath`]; anything else is [`StoreError::Io`] whose source keeps the
+/// error kind (not found, disk full) and the shim-fs error (its path and step) as the message.
+fn fs_err_ctx(context: impl Into<String>) -> impl FnOnce(shim_fs::Error) -> StoreError {
+    let context = context.into();
+    move |e| match e {
+        shim_fs::Error::WrongType {
+            path,
+            expected: "a directory",
+            ..
+        } => StoreError::UnsafePath {
+            path,
+            why: "exists and is not a directory",
+        },
+        e => StoreError::Io {
+            context,
+            source: fs_io(e),
+        },
+    }
+}
+
+/// A shim-fs error as an `io::Error` of the same kind.
+fn fs_io(e: shim_fs::Error) -> io::Error {
+    io::Error::new(e.io_kind().unwrap_or(io::ErrorKind::Other), e)
 }
 
 fn now_ms() -> u64 {
@@ -166,31 +164,18 @@ fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// fsync a directory, making renames and creations in it durable.
-fn sync_dir(dir: &Path) -> io::Result<()> {
-    fs::File::open(dir)?.sync_all()
-}
-
-/// Makes `path` a real directory (not a symlink) with exactly `mode`, creating it if missing.
-/// Returns whether it was created.
-fn ensure_dir(path: &Path, mode: u32) -> Result<bool> {
-    let created = match fs::create_dir(path) {
-        Ok(()) => true,
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
-        Err(e) => return Err(io_err("creating a store directory")(e)),
-    };
-    let meta = fs::symlink_metadata(path).map_err(io_err("checking a store directory"))?;
-    if !meta.is_dir() {
-        return Err(StoreError::UnsafePath {
-            path: path.to_owned(),
-            why: "exists and is not a directory",
-        });
+/// Opens `parent/name` as a directory (never through a symbolic link: a link or a file there
+/// is [`StoreError::UnsafePath`]) with exactly `mode`, creating it (durably) if missing.
+/// Returns the handle and whether it was created.
+fn ensure_dir(parent: &Dir, name: &str, mode: u32) -> Result<(Dir, bool)> {
+    let ctx = || format!("creating the directory {}", parent.join(name).display());
+    let (dir, created) = parent
+        .create_dir(name, mode, None)
+        .map_err(fs_err_ctx(ctx()))?;
+    if !created && dir.info().map_err(fs_err_ctx(ctx()))?.mode != mode {
+        dir.set_mode(mode).map_err(fs_err_ctx(ctx()))?;
     }
-    if meta.permissions().mode() & 0o7777 != mode {
-        fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-            .map_err(io_err("setting a store directory's mode"))?;
-    }
-    Ok(created)
+    Ok((dir, created))
 }
 
 /// A name `<prefix><ms>` (or a later ms) that does not exist in `dir`.
@@ -226,19 +211,20 @@ impl Store {
             fs::set_permissions(home, std::fs::Permissions::from_mode(DIR_MODE))
                 .map_err(io_err("setting the shim home's mode"))?;
         }
-        let runners_dir = home.join(RUNNERS_DIR);
-        if ensure_dir(&runners_dir, RUNNERS_DIR_MODE)? {
-            sync_dir(home).map_err(io_err("syncing the shim home"))?;
+        let home_handle = Dir::open(home).map_err(fs_err_ctx("opening the shim home"))?;
+        // Created durably (the home is fsynced) when missing.
+        let (runners, _) = ensure_dir(&home_handle, RUNNERS_DIR, RUNNERS_DIR_MODE)?;
+        // A crash while writing the owner identity leaves a temp file there.
+        if let Err(e) = home_handle.remove_stale_temps(OWNER_FILE) {
+            tracing::warn!(error = %e, "cannot remove stale temp files from the shim home");
         }
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
         Ok(Self {
             home: home.to_owned(),
-            runners_dir,
-            token: format!("{}.{}.{nanos}", std::process::id(), now_ms()),
+            runners_dir: home.join(RUNNERS_DIR),
+            home_handle,
+            runners,
             #[cfg(test)]
-            fault: std::sync::Mutex::new(None),
+            faults: std::sync::Arc::default(),
         })
     }
 
@@ -270,30 +256,34 @@ impl Store {
         })
     }
 
+    /// How every file of the store is written: exactly 0600.
+    fn write_options(&self) -> WriteOptions {
+        let opts = WriteOptions::new(FILE_MODE);
+        #[cfg(test)]
+        let opts = opts.faults(self.faults.clone());
+        opts
+    }
+
     /// Creates the task directory (0700) and its runner directory (0755). An existing
     /// directory without a state file (a submit cut short) is reused; one with a state file
     /// means the task exists: [`StoreError::TaskExists`].
     pub fn create_task_dir(&self, container_name: &str) -> Result<TaskPaths> {
         let paths = self.paths(container_name)?;
-        let ctx = || format!("creating the directory {}", paths.dir.display());
-        let created = ensure_dir(&paths.dir, DIR_MODE)?;
+        // Each creation is durable: create_dir fsyncs the parent of what it creates.
+        let (dir, created) = ensure_dir(&self.runners, container_name, DIR_MODE)?;
         if !created {
-            match fs::symlink_metadata(&paths.state_file) {
-                Ok(_) => {
-                    return Err(StoreError::TaskExists {
-                        name: container_name.to_owned(),
-                        path: paths.state_file,
-                    });
-                }
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(io_err(ctx())(e)),
+            let state = dir.stat(STATE_FILE).map_err(fs_err_ctx(format!(
+                "creating the directory {}",
+                paths.dir.display()
+            )))?;
+            if state.is_some() {
+                return Err(StoreError::TaskExists {
+                    name: container_name.to_owned(),
+                    path: paths.state_file,
+                });
             }
         }
-        ensure_dir(&paths.runner_dir, RUNNER_DIR_MODE)?;
-        sync_dir(&paths.dir).map_err(io_err(ctx()))?;
-        if created {
-            sync_dir(&self.runners_dir).map_err(io_err(ctx()))?;
-        }
+        ensure_dir(&dir, RUNNER_DIR, RUNNER_DIR_MODE)?;
         Ok(paths)
     }
 
@@ -302,7 +292,10 @@ impl Store {
     /// that write fails. Returns whether it was removed; anything else in it is left alone.
     pub fn remove_skeleton(&self, container_name: &str) -> Result<bool> {
         let paths = self.paths(container_name)?;
-        if !is_skeleton(&paths.dir) {
+        let Ok(Some(dir)) = self.runners.open_dir(container_name) else {
+            return Ok(false);
+        };
+        if !is_skeleton(&dir) {
             return Ok(false);
         }
         let ctx = || format!("removing the empty task directory {}", paths.dir.display());
@@ -312,15 +305,16 @@ impl Store {
             Err(e) => return Err(io_err(ctx())(e)),
         }
         fs::remove_dir(&paths.dir).map_err(io_err(ctx()))?;
-        if let Err(e) = sync_dir(&self.runners_dir) {
+        if let Err(e) = self.runners.sync() {
             tracing::warn!(error = %e, "cannot sync the runners directory");
         }
         Ok(true)
     }
 
-    /// Durably replaces the record: a temp file in the task directory is written, fsynced and
-    /// renamed over `task.json` (0600), then the directory is fsynced. After a crash at any
-    /// point the state file holds either the old or the new record.
+    /// Durably replaces the record (`shim_fs::Dir::write_atomic` in the task directory,
+    /// opened without following links): a temp file in the task directory is written,
+    /// fsynced and renamed over `task.json` (0600), then the directory is fsynced. After a
+    /// crash at any point the state file holds either the old or the new record.
     ///
     /// On error the old record is intact, except when syncing the directory after the rename
     /// failed: then the new record is in place but may not survive a power loss.
@@ -330,52 +324,19 @@ impl Store {
             id: record.id.clone(),
             source,
         })?;
-        self.write_atomic(&paths.dir, &paths.state_file, &bytes)
-            .map_err(|source| {
-                if source.kind() == io::ErrorKind::NotFound && !paths.dir.is_dir() {
-                    StoreError::NoTaskDir {
-                        id: record.id.clone(),
-                        path: paths.dir.clone(),
-                    }
-                } else {
-                    StoreError::Io {
-                        context: format!("writing the state of task {}", record.id),
-                        source,
-                    }
-                }
-            })
-    }
-
-    fn write_atomic(&self, dir: &Path, target: &Path, bytes: &[u8]) -> io::Result<()> {
-        let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let tmp = dir.join(format!("{TEMP_PREFIX}{}.{n}", self.token));
-        self.inject(Step::CreateTemp)?;
-        let mut file = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(FILE_MODE)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&tmp)?;
-        let result = (|| {
-            file.set_permissions(std::fs::Permissions::from_mode(FILE_MODE))?;
-            self.inject_write(&mut file, bytes)?;
-            file.write_all(bytes)?;
-            self.inject(Step::SyncFile)?;
-            file.sync_all()?;
-            drop(file);
-            self.inject(Step::Rename)?;
-            fs::rename(&tmp, target)
-        })();
-        if let Err(e) = result {
-            if !is_crash(&e) {
-                if let Err(rm) = fs::remove_file(&tmp) {
-                    tracing::warn!(error = %rm, "cannot remove a temp file after a failed write");
-                }
+        let ctx = || format!("writing the state of task {}", record.id);
+        let dir = match self.runners.open_dir(&record.container_name) {
+            Ok(Some(dir)) => dir,
+            Ok(None) => {
+                return Err(StoreError::NoTaskDir {
+                    id: record.id.clone(),
+                    path: paths.dir,
+                });
             }
-            return Err(e);
-        }
-        self.inject(Step::SyncDir)?;
-        sync_dir(dir)
+            Err(e) => return Err(fs_err_ctx(ctx())(e)),
+        };
+        dir.write_atomic(STATE_FILE, &bytes, &self.write_options())
+            .map_err(fs_err_ctx(ctx()))
     }
 
     /// Reads the record of the task whose container is `container_name`: `None` if it has no
@@ -383,13 +344,18 @@ impl Store {
     /// where it is).
     pub fn read(&self, container_name: &str) -> Result<Option<TaskRecord>> {
         let paths = self.paths(container_name)?;
-        match read_record(&paths.state_file, Expect::Container(container_name)) {
-            Ok((r, _)) => Ok(Some(r)),
-            Err(RecordError::Io(e)) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(source) => Err(StoreError::Unreadable {
-                path: paths.state_file,
-                source,
-            }),
+        let unreadable = |source| StoreError::Unreadable {
+            path: paths.state_file.clone(),
+            source,
+        };
+        let dir = match self.runners.open_dir(container_name) {
+            Ok(Some(dir)) => dir,
+            Ok(None) => return Ok(None),
+            Err(e) => return Err(unreadable(RecordError::Io(fs_io(e)))),
+        };
+        match read_record(&dir, Expect::Container(container_name)) {
+            Ok(r) => Ok(r.map(|(r, _)| r)),
+            Err(source) => Err(unreadable(source)),
         }
     }
 
@@ -402,7 +368,8 @@ impl Store {
     /// Call it before writing through this store (it is meant for startup).
     pub fn scan(&self) -> Result<Vec<ScanEntry>> {
         let mut out = Vec::new();
-        for (name, dir) in list_dirs(&self.runners_dir)? {
+        for name in list_dirs(&self.runners)? {
+            let dir = self.runners_dir.join(&name);
             if !valid_dir_name(&name) {
                 tracing::debug!(dir = %dir.display(), "not a task directory; left alone");
                 continue;
@@ -413,10 +380,24 @@ impl Store {
     }
 
     fn scan_task(&self, name: String, dir: PathBuf) -> ScanEntry {
-        self.remove_stale_temps(&dir);
+        let handle = match self.runners.open_dir(&name) {
+            Ok(Some(handle)) => handle,
+            Ok(None) | Err(_) => {
+                tracing::warn!(dir = %dir.display(), "cannot open a task directory; left alone");
+                return ScanEntry::NoRecord {
+                    name,
+                    dir,
+                    skeleton: false,
+                };
+            }
+        };
+        // Temp files left by a write that a crash interrupted (never this process's own).
+        if let Err(e) = handle.remove_stale_temps(STATE_FILE) {
+            tracing::warn!(error = %e, "cannot remove stale temp files");
+        }
         let state_file = dir.join(STATE_FILE);
-        let error = match read_record(&state_file, Expect::Container(&name)) {
-            Ok((record, Origin::Legacy)) => {
+        let error = match read_record(&handle, Expect::Container(&name)) {
+            Ok(Some((record, Origin::Legacy))) => {
                 // Not where a legacy file lives: treat it as ours (a half-done migration
                 // rewrites it at the next write).
                 return ScanEntry::Record {
@@ -424,9 +405,9 @@ impl Store {
                     origin: Origin::Ours,
                 };
             }
-            Ok((record, origin)) => return ScanEntry::Record { record, origin },
-            Err(RecordError::Io(e)) if e.kind() == io::ErrorKind::NotFound => {
-                let skeleton = is_skeleton(&dir);
+            Ok(Some((record, origin))) => return ScanEntry::Record { record, origin },
+            Ok(None) => {
+                let skeleton = is_skeleton(&handle);
                 return ScanEntry::NoRecord {
                     name,
                     dir,
@@ -438,7 +419,7 @@ impl Store {
         let target = free_name(&dir, CORRUPT_PREFIX);
         let moved_to = match fs::rename(&state_file, &target) {
             Ok(()) => {
-                if let Err(e) = sync_dir(&dir) {
+                if let Err(e) = handle.sync() {
                     tracing::warn!(error = %e, "cannot sync a task directory");
                 }
                 Some(target)
@@ -462,29 +443,6 @@ impl Store {
         }
     }
 
-    /// Removes temp files left by a write that a crash interrupted (never this store's own).
-    fn remove_stale_temps(&self, dir: &Path) {
-        let Ok(listing) = fs::read_dir(dir) else {
-            return;
-        };
-        for entry in listing.flatten() {
-            let name = entry.file_name();
-            let Some(name) = name.to_str() else { continue };
-            let Some(rest) = name.strip_prefix(TEMP_PREFIX) else {
-                continue;
-            };
-            if rest.starts_with(&format!("{}.", self.token)) {
-                continue;
-            }
-            match fs::remove_file(entry.path()) {
-                Ok(()) => {
-                    tracing::info!(file = %entry.path().display(), "removed the temp file of an interrupted write")
-                }
-                Err(e) => tracing::warn!(error = %e, "cannot remove a stale temp file"),
-            }
-        }
-    }
-
     /// Deletes a task's directory: it is first renamed to a trash name in the same parent
     /// (atomic: from then on the task is gone, even if the shim dies), then removed. A trash
     /// directory that cannot be removed now (e.g. the container left files it cannot delete)
@@ -502,7 +460,7 @@ impl Store {
         );
         fs::rename(&paths.dir, &trash)
             .map_err(io_err(format!("deleting {}", paths.dir.display())))?;
-        if let Err(e) = sync_dir(&self.runners_dir) {
+        if let Err(e) = self.runners.sync() {
             tracing::warn!(error = %e, "cannot sync the runners directory after a delete");
         }
         if let Err(e) = remove_any(&trash) {
@@ -514,23 +472,19 @@ impl Store {
     /// Removes the trash directories left by [`Store::delete`] (or by a kill during it).
     /// Errors are logged, never returned. Returns how many were removed.
     pub fn sweep_trash(&self) -> usize {
-        let listing = match fs::read_dir(&self.runners_dir) {
-            Ok(l) => l,
+        let names = match self.runners.names() {
+            Ok(names) => names,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot list the runners directory to sweep the trash");
                 return 0;
             }
         };
         let mut removed = 0;
-        for entry in listing.flatten() {
-            if !entry
-                .file_name()
-                .to_str()
-                .is_some_and(|n| n.starts_with(TRASH_PREFIX))
-            {
+        for name in names {
+            if !name.to_str().is_some_and(|n| n.starts_with(TRASH_PREFIX)) {
                 continue;
             }
-            match remove_any(&entry.path()) {
+            match remove_any(&self.runners.join(&name)) {
                 Ok(()) => removed += 1,
                 Err(e) => tracing::warn!(error = %e, "cannot remove a trash directory"),
             }
@@ -540,28 +494,33 @@ impl Store {
 
     /// The owner identity stored in the home, if any.
     pub fn owner_id(&self) -> Result<Option<String>> {
-        let path = self.home.join(OWNER_FILE);
-        match fs::read_to_string(&path) {
-            Ok(s) => {
-                let id = s.trim();
-                if id.is_empty() || !id.bytes().all(|b| b.is_ascii_alphanumeric()) {
-                    return Err(StoreError::UnsafePath {
-                        path,
-                        why: "the owner identity file holds something else than an identity",
-                    });
-                }
-                Ok(Some(id.to_owned()))
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(io_err("reading the owner identity")(e)),
+        let read = self
+            .home_handle
+            .read_file(OWNER_FILE, 4096)
+            .map_err(fs_err_ctx("reading the owner identity"))?;
+        let Some((bytes, _)) = read else {
+            return Ok(None);
+        };
+        let id = String::from_utf8_lossy(&bytes);
+        let id = id.trim();
+        if id.is_empty() || !id.bytes().all(|b| b.is_ascii_alphanumeric()) {
+            return Err(StoreError::UnsafePath {
+                path: self.home.join(OWNER_FILE),
+                why: "the owner identity file holds something else than an identity",
+            });
         }
+        Ok(Some(id.to_owned()))
     }
 
     /// Stores the owner identity in the home, durably (created once; see SPEC §5).
     pub fn set_owner_id(&self, id: &str) -> Result<()> {
-        let path = self.home.join(OWNER_FILE);
-        self.write_atomic(&self.home, &path, format!("{id}\n").as_bytes())
-            .map_err(io_err("writing the owner identity"))
+        self.home_handle
+            .write_atomic(
+                OWNER_FILE,
+                format!("{id}\n").as_bytes(),
+                &self.write_options(),
+            )
+            .map_err(fs_err_ctx("writing the owner identity"))
     }
 
     /// Whether the home has the first release's `tasks/` directory.
@@ -569,15 +528,30 @@ impl Store {
         self.home.join(LEGACY_TASKS_DIR).is_dir()
     }
 
+    /// The first release's `tasks/` directory (opened following a link, as that release
+    /// did), or `None` when there is none.
+    fn legacy_dir(&self) -> Result<Option<Dir>> {
+        match Dir::open(self.home.join(LEGACY_TASKS_DIR)) {
+            Ok(dir) => Ok(Some(dir)),
+            Err(e) if e.is_not_found() => Ok(None),
+            Err(e) => Err(fs_err_ctx("listing the task directories")(e)),
+        }
+    }
+
     /// The records of the first release's `tasks/<id>/` directories, read in place (nothing
     /// is changed): used to find the owner identity of such a home before migrating it.
     pub fn legacy_records(&self) -> Vec<TaskRecord> {
-        let Ok(dirs) = list_dirs(&self.home.join(LEGACY_TASKS_DIR)) else {
+        let Ok(Some(legacy)) = self.legacy_dir() else {
             return Vec::new();
         };
-        dirs.into_iter()
-            .filter_map(|(name, dir)| {
-                read_record(&dir.join(STATE_FILE), Expect::TaskId(&name)).ok()
+        let Ok(names) = list_dirs(&legacy) else {
+            return Vec::new();
+        };
+        names
+            .into_iter()
+            .filter_map(|name| {
+                let dir = legacy.open_dir(&name).ok()??;
+                read_record(&dir, Expect::TaskId(&name)).ok()?
             })
             .map(|(record, _)| record)
             .collect()
@@ -590,24 +564,21 @@ impl Store {
     /// directory). A directory without a readable record is left where it is (logged), and
     /// `tasks/` is removed once empty.
     pub fn migrate_legacy(&self) -> Result<Migration> {
-        let legacy = self.home.join(LEGACY_TASKS_DIR);
         let mut report = Migration::default();
-        let dirs = match list_dirs(&legacy) {
-            Ok(d) => d,
-            Err(StoreError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
-                return Ok(report);
-            }
-            Err(e) => return Err(e),
+        let Some(legacy) = self.legacy_dir()? else {
+            return Ok(report);
         };
-        for (name, dir) in dirs {
-            self.remove_stale_temps(&dir);
-            let state_file = dir.join(STATE_FILE);
-            let record = read_record(&state_file, Expect::TaskId(&name))
-                .ok()
-                .map(|(record, _)| record);
-            let Some(record) = record else {
-                let skeleton = is_skeleton(&dir);
-                if skeleton {
+        for name in list_dirs(&legacy)? {
+            let dir = legacy.join(&name);
+            let handle = legacy.open_dir(&name).ok().flatten();
+            let record = handle.as_ref().and_then(|h| {
+                if let Err(e) = h.remove_stale_temps(STATE_FILE) {
+                    tracing::warn!(error = %e, "cannot remove stale temp files");
+                }
+                read_record(h, Expect::TaskId(&name)).ok().flatten()
+            });
+            let (Some(handle), Some((record, _))) = (&handle, record) else {
+                if handle.as_ref().is_some_and(is_skeleton) {
                     remove_any(&dir).map_err(io_err("removing an empty legacy task directory"))?;
                 } else {
                     tracing::warn!(dir = %dir.display(), "legacy task directory without a readable state file left where it is");
@@ -625,22 +596,30 @@ impl Store {
                 id: record.id.clone(),
                 source,
             })?;
-            self.write_atomic(&dir, &state_file, &bytes)
-                .map_err(io_err(format!("rewriting {}", state_file.display())))?;
+            handle
+                .write_atomic(STATE_FILE, &bytes, &self.write_options())
+                .map_err(fs_err_ctx(format!(
+                    "rewriting {}",
+                    dir.join(STATE_FILE).display()
+                )))?;
             fs::rename(&dir, &target.dir).map_err(io_err(format!(
                 "moving {} to {}",
                 dir.display(),
                 target.dir.display()
             )))?;
-            sync_dir(&self.runners_dir).map_err(io_err("syncing the runners directory"))?;
-            sync_dir(&legacy).map_err(io_err("syncing the legacy tasks directory"))?;
+            self.runners
+                .sync()
+                .map_err(fs_err_ctx("syncing the runners directory"))?;
+            legacy
+                .sync()
+                .map_err(fs_err_ctx("syncing the legacy tasks directory"))?;
             tracing::info!(task = %record.id, from = %dir.display(), to = %target.dir.display(), "task directory migrated");
             report.moved += 1;
         }
         if report.left == 0 {
-            match fs::remove_dir(&legacy) {
+            match fs::remove_dir(self.home.join(LEGACY_TASKS_DIR)) {
                 Ok(()) => {
-                    if let Err(e) = sync_dir(&self.home) {
+                    if let Err(e) = self.home_handle.sync() {
                         tracing::warn!(error = %e, "cannot sync the shim home");
                     }
                 }
@@ -649,67 +628,25 @@ impl Store {
         }
         Ok(report)
     }
-
-    #[cfg(test)]
-    fn take_fault(&self, step: Step) -> Option<FaultKind> {
-        let mut slot = self.fault.lock().ok()?;
-        match *slot {
-            Some(f) if f.at == step => slot.take().map(|f| f.kind),
-            _ => None,
-        }
-    }
-
-    #[cfg(not(test))]
-    #[inline(always)]
-    fn take_fault(&self, _step: Step) -> Option<FaultKind> {
-        None
-    }
-
-    /// Injected fault at `step` (tests only; a no-op otherwise).
-    fn inject(&self, step: Step) -> io::Result<()> {
-        match self.take_fault(step) {
-            None => Ok(()),
-            Some(kind) => Err(injected(step, kind)),
-        }
-    }
-
-    /// The write step's fault: a crash writes half the bytes first.
-    fn inject_write(&self, file: &mut fs::File, bytes: &[u8]) -> io::Result<()> {
-        match self.take_fault(Step::Write) {
-            None => Ok(()),
-            Some(kind) => {
-                if kind == FaultKind::Crash {
-                    file.write_all(&bytes[..bytes.len() / 2])?;
-                }
-                Err(injected(Step::Write, kind))
-            }
-        }
-    }
 }
 
-/// The directories in `dir` (not following symlinks), sorted by name; trash and hidden
-/// entries are skipped.
-fn list_dirs(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
-    let listing = fs::read_dir(dir).map_err(io_err("listing the task directories"))?;
+/// The names of the directories in `dir` (never a symbolic link), sorted; hidden entries
+/// (trash among them) and names that are not UTF-8 are skipped.
+fn list_dirs(dir: &Dir) -> Result<Vec<String>> {
+    let listing = dir
+        .names()
+        .map_err(fs_err_ctx("listing the task directories"))?;
     let mut dirs = Vec::new();
-    for entry in listing {
-        let entry = match entry {
-            Ok(e) => e,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot read an entry of a task directory root");
-                continue;
-            }
-        };
-        let Ok(name) = entry.file_name().into_string() else {
+    for name in listing {
+        let Ok(name) = name.into_string() else {
             continue;
         };
         if name.starts_with('.') {
             continue;
         }
-        // DirEntry::file_type does not follow symlinks: a symlink is never a task dir.
-        match entry.file_type() {
-            Ok(t) if t.is_dir() => dirs.push((name, entry.path())),
-            Ok(_) => tracing::debug!(path = %entry.path().display(), "not a directory; ignored"),
+        match dir.stat(&name) {
+            Ok(Some(info)) if info.kind == FileKind::Directory => dirs.push(name),
+            Ok(_) => tracing::debug!(path = %dir.join(&name).display(), "not a directory; ignored"),
             Err(e) => tracing::warn!(error = %e, "cannot stat an entry of a task directory root"),
         }
     }
@@ -718,29 +655,15 @@ fn list_dirs(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
 }
 
 /// Whether `dir` holds nothing but an empty `runner/` directory (or nothing at all).
-fn is_skeleton(dir: &Path) -> bool {
-    let Ok(listing) = fs::read_dir(dir) else {
+fn is_skeleton(dir: &Dir) -> bool {
+    let Ok(names) = dir.names() else {
         return false;
     };
-    for entry in listing {
-        let Ok(entry) = entry else { return false };
-        if entry.file_name() != RUNNER_DIR {
-            return false;
-        }
-        match entry.file_type() {
-            Ok(t) if t.is_dir() => {}
-            _ => return false,
-        }
-        match fs::read_dir(entry.path()) {
-            Ok(mut inner) => {
-                if inner.next().is_some() {
-                    return false;
-                }
-            }
-            Err(_) => return false,
-        }
-    }
-    true
+    names.iter().all(|name| {
+        name == RUNNER_DIR
+            && matches!(dir.open_dir(RUNNER_DIR), Ok(Some(runner))
+                if runner.names().is_ok_and(|inner| inner.is_empty()))
+    })
 }
 
 /// Removes a directory tree or a file.
@@ -753,51 +676,21 @@ fn remove_any(path: &Path) -> io::Result<()> {
     }
 }
 
-/// Marker payload of an injected fault.
-#[derive(Debug)]
-struct Injected {
-    step: Step,
-    kind: FaultKind,
-}
-
-impl std::fmt::Display for Injected {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "injected {:?} at {:?}", self.kind, self.step)
+/// Reads and decodes the state file in a task directory (a bounded read of a regular file,
+/// never through a link); `None` when there is none.
+fn read_record(dir: &Dir, expect: Expect<'_>) -> Result<Option<(TaskRecord, Origin)>, RecordError> {
+    match dir.read_file(STATE_FILE, MAX_RECORD_BYTES) {
+        Ok(Some((bytes, _))) => format::decode(&bytes, expect).map(Some),
+        Ok(None) => Ok(None),
+        Err(shim_fs::Error::WrongType { .. }) => Err(RecordError::NotAFile),
+        Err(shim_fs::Error::TooLarge { .. }) => {
+            let len = dir
+                .stat(STATE_FILE)
+                .ok()
+                .flatten()
+                .map_or(MAX_RECORD_BYTES + 1, |info| info.len);
+            Err(RecordError::TooLarge(len))
+        }
+        Err(e) => Err(RecordError::Io(fs_io(e))),
     }
-}
-
-impl std::error::Error for Injected {}
-
-fn injected(step: Step, kind: FaultKind) -> io::Error {
-    io::Error::other(Injected { step, kind })
-}
-
-fn is_crash(e: &io::Error) -> bool {
-    e.get_ref()
-        .and_then(|inner| inner.downcast_ref::<Injected>())
-        .is_some_and(|i| i.kind == FaultKind::Crash)
-}
-
-/// Reads and decodes a state file. A missing file is `RecordError::Io(NotFound)`.
-fn read_record(path: &Path, expect: Expect<'_>) -> Result<(TaskRecord, Origin), RecordError> {
-    let meta = fs::symlink_metadata(path).map_err(RecordError::Io)?;
-    if !meta.is_file() {
-        return Err(RecordError::NotAFile);
-    }
-    if meta.len() > MAX_RECORD_BYTES {
-        return Err(RecordError::TooLarge(meta.len()));
-    }
-    let file = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(RecordError::Io)?;
-    let mut bytes = Vec::new();
-    file.take(MAX_RECORD_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(RecordError::Io)?;
-    if bytes.len() as u64 > MAX_RECORD_BYTES {
-        return Err(RecordError::TooLarge(bytes.len() as u64));
-    }
-    format::decode(&bytes, expect)
 }

@@ -1,11 +1,14 @@
-//! Unit tests with fault injection: a failure or a crash at each step of a durable write leaves
-//! the old or the new record, never a partial one.
+//! The store's writes under fault injection (shim-fs's, at each step of the atomic write it
+//! goes through): a failure or a crash at any step leaves the old or the new record, never a
+//! partial one. shim-fs tests the write itself at every step and under real kills; these pin
+//! that the store's records go through it.
 
 use std::path::Path;
 
+use shim_fs::Step;
+use shim_fs::fault::FaultKind;
 use shim_task::{TaskConfig, TaskId, TaskName, TaskRecord, TaskStatus, TerminationReason};
 
-use crate::store::{Fault, FaultKind, Step};
 use crate::{ScanEntry, Store};
 
 const STEPS: [Step; 5] = [
@@ -33,8 +36,8 @@ fn files_in(dir: &Path) -> Vec<String> {
     v
 }
 
-fn arm(store: &Store, at: Step, kind: FaultKind) {
-    *store.fault.lock().unwrap() = Some(Fault { at, kind });
+fn is_temp(name: &str) -> bool {
+    shim_fs::is_temp_of("task.json", name)
 }
 
 #[test]
@@ -50,11 +53,12 @@ fn failure_at_each_step_keeps_the_old_record_and_cleans_up() {
         new.status = TaskStatus::Terminated;
         new.termination_reason = Some(TerminationReason::TerminatedByUser);
         new.termination_message = "x".repeat(10_000);
-        arm(&store, step, FaultKind::Fail);
+        store.faults.arm(step, FaultKind::Fail);
         let err = store.write(&new).unwrap_err();
         assert!(format!("{err:?}").contains("Injected"), "{step:?}: {err:?}");
-        assert!(
-            store.fault.lock().unwrap().is_none(),
+        assert_eq!(
+            store.faults.fired(),
+            Some((step, FaultKind::Fail)),
             "{step:?} not reached"
         );
 
@@ -74,7 +78,7 @@ fn failure_at_each_step_keeps_the_old_record_and_cleans_up() {
 }
 
 #[test]
-fn crash_at_each_step_leaves_old_or_new_and_scan_cleans_up() {
+fn crash_at_each_step_leaves_old_or_new() {
     for step in STEPS {
         let home = tempfile::tempdir().unwrap();
         let old = record("t1", TaskStatus::Running);
@@ -86,23 +90,21 @@ fn crash_at_each_step_leaves_old_or_new_and_scan_cleans_up() {
             let store = Store::open(home.path()).unwrap();
             let paths = store.create_task_dir(&old.container_name).unwrap();
             store.write(&old).unwrap();
-            arm(&store, step, FaultKind::Crash);
+            store.faults.arm(step, FaultKind::Crash);
             store.write(&new).unwrap_err();
-            assert!(
-                store.fault.lock().unwrap().is_none(),
-                "{step:?} not reached"
-            );
+            assert!(store.faults.crashed(), "{step:?} not reached");
             paths
         };
         let before = files_in(&paths.dir);
         let leaves_temp = matches!(step, Step::Write | Step::SyncFile | Step::Rename);
         assert_eq!(
-            before.iter().any(|f| f.starts_with(".task.json.tmp-")),
+            before.iter().any(|f| is_temp(f)),
             leaves_temp,
             "{step:?}: {before:?}"
         );
 
-        // The shim restarts.
+        // The shim restarts (in this process: the temp file is still "its own"; a restarted
+        // process removes it, see `scan_removes_only_other_processes_temp_files`).
         let store = Store::open(home.path()).unwrap();
         let entries = store.scan().unwrap();
         assert_eq!(entries.len(), 1, "{step:?}");
@@ -111,23 +113,33 @@ fn crash_at_each_step_leaves_old_or_new_and_scan_cleans_up() {
         };
         let expected = if step == Step::SyncDir { &new } else { &old };
         assert_eq!(got, expected, "{step:?}");
-        assert_eq!(files_in(&paths.dir), ["runner", "task.json"], "{step:?}");
+        // The next write goes through.
+        store.write(&new).unwrap();
+        assert_eq!(store.read(&old.container_name).unwrap().unwrap(), new);
     }
 }
 
 #[test]
-fn scan_keeps_its_own_temp_files() {
+fn scan_removes_only_other_processes_temp_files() {
     let home = tempfile::tempdir().unwrap();
     let store = Store::open(home.path()).unwrap();
     let r = record("t1", TaskStatus::Pending);
     let paths = store.create_task_dir(&r.container_name).unwrap();
     store.write(&r).unwrap();
-    arm(&store, Step::Rename, FaultKind::Crash);
+    store.faults.arm(Step::Rename, FaultKind::Crash);
     store.write(&r).unwrap_err();
-    // Same store (same process, a write possibly in flight): its temp file is not touched.
+    let own: Vec<String> = files_in(&paths.dir)
+        .into_iter()
+        .filter(|f| is_temp(f))
+        .collect();
+    assert_eq!(own.len(), 1);
+    // What a process killed mid-write left (its pid and start time in the name).
+    fs_err::write(paths.dir.join(".task.json.tmp-1-0.0"), b"{").unwrap();
+    // This process (a write possibly in flight) keeps its own temp file; the other one goes.
     store.scan().unwrap();
-    assert_eq!(files_in(&paths.dir).len(), 3);
-    // Another store (a restarted shim) removes it.
-    Store::open(home.path()).unwrap().scan().unwrap();
-    assert_eq!(files_in(&paths.dir), ["runner", "task.json"]);
+    assert_eq!(
+        files_in(&paths.dir),
+        [own[0].as_str(), "runner", "task.json"]
+    );
+    assert_eq!(store.read(&r.container_name).unwrap().unwrap(), r);
 }

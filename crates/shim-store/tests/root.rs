@@ -28,10 +28,10 @@ fn fill(path: &std::path::Path) -> u64 {
 fn is_enospc(err: &StoreError) -> bool {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(err);
     while let Some(e) = source {
-        if let Some(io) = e.downcast_ref::<std::io::Error>() {
-            if io.kind() == std::io::ErrorKind::StorageFull {
-                return true;
-            }
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && io.kind() == std::io::ErrorKind::StorageFull
+        {
+            return true;
         }
         source = e.source();
     }

@@ -93,6 +93,30 @@ fn read_and_write_without_a_directory() {
 }
 
 #[test]
+fn a_task_directory_that_is_a_link_is_never_used() {
+    let home = tempfile::tempdir().unwrap();
+    let store = Store::open(home.path().join("home")).unwrap();
+    let r = record("t1");
+    let elsewhere = home.path().join("elsewhere");
+    fs_err::create_dir(&elsewhere).unwrap();
+    let dir = store.paths(&r.container_name).unwrap().dir;
+    std::os::unix::fs::symlink(&elsewhere, &dir).unwrap();
+
+    let err = store.write(&r).unwrap_err();
+    assert!(matches!(err, StoreError::UnsafePath { .. }), "{err:?}");
+    let err = store.create_task_dir(&r.container_name).unwrap_err();
+    assert!(matches!(err, StoreError::UnsafePath { .. }), "{err:?}");
+    assert!(store.read(&r.container_name).is_err());
+    assert!(!store.remove_skeleton(&r.container_name).unwrap());
+    assert!(
+        names(&elsewhere).is_empty(),
+        "nothing written through the link"
+    );
+    // The scan does not follow it either.
+    assert!(store.scan().unwrap().is_empty());
+}
+
+#[test]
 fn rewrite_replaces_the_record() {
     let home = tempfile::tempdir().unwrap();
     let store = Store::open(home.path()).unwrap();

@@ -204,7 +204,7 @@ pub struct TaskConfig {
     pub id: TaskId,
     /// The task name.
     pub name: TaskName,
-    /// The image to run; bare names get `:latest`.
+    /// The image to run, as given (the engine adds `:latest` to a bare name).
     pub image_name: String,
     /// Registry user, if the image needs auth.
     #[serde(default, deserialize_with = "null_default")]
@@ -377,24 +377,6 @@ impl TaskConfig {
         }
         (valid, invalid)
     }
-
-    /// The image reference to pull: bare names get `:latest`.
-    pub fn image_ref(&self) -> String {
-        normalize_image(&self.image_name)
-    }
-}
-
-/// Adds `:latest` to an image reference without a tag or digest.
-pub fn normalize_image(image: &str) -> String {
-    if image.contains('@') {
-        return image.to_owned();
-    }
-    let last = image.rsplit('/').next().unwrap_or(image);
-    if last.contains(':') {
-        image.to_owned()
-    } else {
-        format!("{image}:latest")
-    }
 }
 
 fn absolute(field: &str, path: &str) -> Result<(), ConfigError> {
@@ -508,7 +490,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.network_mode, NetworkMode::Host);
         assert_eq!(c.effective_user(), "root");
-        assert_eq!(c.image_ref(), "ubuntu:latest");
+        assert_eq!(c.image_name, "ubuntu");
         assert!(c.volumes.is_empty());
     }
 
@@ -597,17 +579,5 @@ mod tests {
         let back: TaskConfig =
             serde_json::from_str(&serde_json::to_string(&stripped).unwrap()).unwrap();
         assert_eq!(back, stripped);
-    }
-
-    #[test]
-    fn image_normalization() {
-        assert_eq!(normalize_image("a"), "a:latest");
-        assert_eq!(normalize_image("a:1"), "a:1");
-        assert_eq!(
-            normalize_image("127.0.0.1:5000/a"),
-            "127.0.0.1:5000/a:latest"
-        );
-        assert_eq!(normalize_image("127.0.0.1:5000/a:2"), "127.0.0.1:5000/a:2");
-        assert_eq!(normalize_image("a@sha256:00"), "a@sha256:00");
     }
 }

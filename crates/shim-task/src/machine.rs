@@ -352,11 +352,11 @@ pub enum Action {
     /// Create an instance mount directory if missing. Outcome: [`Event::DirCreated`] (only if
     /// it really created it), [`Event::DirExisted`] or [`Event::PrepareFailed`].
     CreateDir(String),
-    /// Pull the image, or skip when present and not `:latest` (the engine knows). Outcome:
-    /// [`Event::PullProgressed`]*, then [`Event::PullDone`], [`Event::PullSkipped`] or
-    /// [`Event::PullFailed`].
+    /// Pull the image, or skip when present and not `:latest` (the engine knows, and adds the
+    /// `:latest` of a bare name). Outcome: [`Event::PullProgressed`]*, then [`Event::PullDone`],
+    /// [`Event::PullSkipped`] or [`Event::PullFailed`].
     Pull {
-        /// The normalized image reference.
+        /// The image as submitted (`image_name`).
         image: String,
     },
     /// Cancel the pull in progress now (its outcome is still reported by the start job).
@@ -648,7 +648,7 @@ fn start_action(config: Option<&TaskConfig>, step: StartStep) -> Option<Action> 
             .get(i)
             .map(|m| Action::CreateDir(m.instance_path.clone())),
         StartStep::Pull => Some(Action::Pull {
-            image: c.image_ref(),
+            image: c.image_name.clone(),
         }),
         StartStep::CreateContainer => Some(Action::CreateContainer),
         StartStep::StartContainer => Some(Action::StartContainer),

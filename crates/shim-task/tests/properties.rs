@@ -8,7 +8,13 @@
 //! reconciler); an action's effect and the delivery of its outcome are separate scheduling
 //! points, so any external event may come between them. A `Persist` is written together with
 //! the step that returned it, and its outcome (`Persisted`, or `PersistFailed` while the disk
-//! is full) is stepped at once (the engine holds the task's lock for all three).
+//! is full) is stepped at once: here the three are one scheduling point, as in the engine
+//! (`crates/shim-engine/src/engine.rs`), which holds the task's `step_lock` (an async mutex,
+//! one per task) across the step, its state write and the step of the write's outcome, so no
+//! other step of that task comes between them. The task itself sits behind a std mutex taken
+//! only for the instant of one step or one read, inside the step lock when both are held and
+//! never across an await; pull progress, which never changes the record, is stepped under that
+//! mutex alone.
 //!
 //! Faults: actions fail at random, the disk fills up and empties again (every write fails
 //! meanwhile), remove's container removal fails, and the shim crashes anywhere. Properties
@@ -184,7 +190,7 @@ impl Sim {
     }
 
     fn fail(&self, b: u8) -> bool {
-        self.failures && b % 4 == 0
+        self.failures && b.is_multiple_of(4)
     }
 
     /// Steps an event and checks the step's properties; the actions go to the front of `job`
@@ -273,7 +279,7 @@ impl Sim {
         let mut actions: VecDeque<Op> = VecDeque::new();
         if tr.actions.first() == Some(&Action::Persist) {
             tr.actions.remove(0);
-            // The write and its outcome, under the task's lock.
+            // The write and its outcome, under the task's step lock (one scheduling point).
             let outcome = if self.disk_full {
                 Event::PersistFailed {
                     message: "No space left on device (os error 28)".into(),
@@ -505,7 +511,7 @@ impl Sim {
                     Event::PullFailed {
                         message: "pull failed: 1000 bytes downloaded".into(),
                     }
-                } else if reports < 3 && b % 3 != 0 {
+                } else if reports < 3 && !b.is_multiple_of(3) {
                     self.jobs[j].0.push_front(Op::PullRunning {
                         reports: reports + 1,
                     });
@@ -629,7 +635,7 @@ impl Sim {
                 Event::PrepareFailed {
                     message: format!("cannot create {path}"),
                 }
-            } else if b % 2 == 0 {
+            } else if b.is_multiple_of(2) {
                 Event::DirCreated(path)
             } else {
                 Event::DirExisted(path)

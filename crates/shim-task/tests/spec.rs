@@ -220,7 +220,7 @@ fn minimal_config_skips_keys_volumes_dirs_and_a_present_image() {
         vec![
             Action::Persist,
             Action::Pull {
-                image: "ubuntu:latest".into()
+                image: "ubuntu".into()
             }
         ]
     );

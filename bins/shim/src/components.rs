@@ -1,0 +1,133 @@
+//! The HTTP layer's view of the component installer: [`ComponentsApi`] implemented over
+//! [`Components`], its types mapped to the API's wire types and its errors to API error kinds
+//! (the status codes themselves are chosen in `shim-http`).
+
+use async_trait::async_trait;
+use shim_components::{Components, Error};
+use shim_http::{ApiError, ComponentInfo, ComponentName, ComponentStatus, ComponentsApi};
+
+/// The component installer behind the API.
+pub struct ComponentsHttp(pub Components);
+
+fn name_to_wire(name: shim_components::ComponentName) -> ComponentName {
+    match name {
+        shim_components::ComponentName::Runner => ComponentName::Runner,
+        shim_components::ComponentName::Shim => ComponentName::Shim,
+    }
+}
+
+fn name_from_wire(name: ComponentName) -> shim_components::ComponentName {
+    match name {
+        ComponentName::Runner => shim_components::ComponentName::Runner,
+        ComponentName::Shim => shim_components::ComponentName::Shim,
+    }
+}
+
+fn info_to_wire(info: shim_components::ComponentInfo) -> ComponentInfo {
+    use shim_components::ComponentStatus as S;
+    ComponentInfo {
+        name: name_to_wire(info.name),
+        version: info.version,
+        status: match info.status {
+            S::NotInstalled => ComponentStatus::NotInstalled,
+            S::Installed => ComponentStatus::Installed,
+            S::Installing => ComponentStatus::Installing,
+            S::Error => ComponentStatus::Error,
+        },
+    }
+}
+
+/// 409 while that component installs, 400 for an unusable URL, 500 otherwise.
+fn api_error(e: Error) -> ApiError {
+    match e {
+        Error::AlreadyInstalling { .. } => ApiError::conflict(e.to_string()),
+        Error::BadUrl { .. } => ApiError::bad_request(e.to_string()),
+        other => ApiError::internal(other.to_string()).with_source(other),
+    }
+}
+
+#[async_trait]
+impl ComponentsApi for ComponentsHttp {
+    async fn list(&self) -> Vec<ComponentInfo> {
+        self.0.list().await.into_iter().map(info_to_wire).collect()
+    }
+
+    async fn install(&self, name: ComponentName, url: String) -> Result<(), ApiError> {
+        self.0
+            .start_install(name_from_wire(name), &url)
+            .map_err(api_error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a test: panics are failures
+
+    use std::os::unix::fs::PermissionsExt;
+
+    use shim_components::ComponentsConfig;
+    use shim_http::ErrorKind;
+
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for name in ComponentName::ALL {
+            assert_eq!(name_to_wire(name_from_wire(name)), name);
+            assert_eq!(name_from_wire(name).as_str(), name.as_str());
+        }
+    }
+
+    /// The wire list as the server reads it, from real files.
+    #[tokio::test]
+    async fn lists_in_the_wire_shape() {
+        let dir = tempfile::tempdir().unwrap();
+        let shim = dir.path().join("dstack-shim");
+        fs_err::write(&shim, "#!/bin/sh\necho 'dstack-shim version 0.22.1'\n").unwrap();
+        fs_err::set_permissions(&shim, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let api = ComponentsHttp(Components::new(ComponentsConfig::new(
+            dir.path().join("dstack-runner"),
+            &shim,
+        )));
+        assert_eq!(
+            serde_json::to_value(api.list().await).unwrap(),
+            serde_json::json!([
+                {"name": "dstack-runner", "version": "", "status": "not-installed"},
+                {"name": "dstack-shim", "version": "0.22.1", "status": "installed"},
+            ])
+        );
+    }
+
+    #[tokio::test]
+    async fn install_errors_map_to_kinds() {
+        let dir = tempfile::tempdir().unwrap();
+        let api = ComponentsHttp(Components::new(ComponentsConfig::new(
+            dir.path().join("dstack-runner"),
+            dir.path().join("dstack-shim"),
+        )));
+        let e = api
+            .install(ComponentName::Runner, "ftp://x/y".into())
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::BadRequest);
+        assert_eq!(
+            e.message,
+            "cannot install dstack-runner: only http and https are supported: ftp://x/y"
+        );
+        let e = api
+            .install(ComponentName::Shim, String::new())
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::BadRequest);
+
+        let name = shim_components::ComponentName::Runner;
+        let e = api_error(Error::AlreadyInstalling { name });
+        assert_eq!(
+            (e.kind, e.message.as_str()),
+            (ErrorKind::Conflict, "dstack-runner is already installing")
+        );
+        let e = api_error(Error::Cancelled { name });
+        assert_eq!(e.kind, ErrorKind::Internal);
+        assert!(e.source.is_some(), "the cause is kept for the log");
+    }
+}

@@ -1,0 +1,130 @@
+//! Downloading a binary into place: the URL checks, and the blocking download streamed into a
+//! temporary file (0755) beside the target that replaces it atomically
+//! (`shim_fs::write_atomic_with`).
+
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::{ComponentName, ComponentsConfig, Error};
+
+/// The URL without query string, fragment and `user:password@`, for logs and messages.
+pub fn redact_url(url: &str) -> String {
+    let end = url.find(['?', '#']).unwrap_or(url.len());
+    let mut shown = url[..end].to_owned();
+    // Drop `user:password@` as well.
+    if let Some(scheme_end) = shown.find("://") {
+        let rest = &shown[scheme_end + 3..];
+        let host_end = rest.find('/').unwrap_or(rest.len());
+        if let Some(at) = rest[..host_end].rfind('@') {
+            shown = format!("{}{}", &shown[..scheme_end + 3], &rest[at + 1..]);
+        }
+    }
+    shown
+}
+
+/// Refuses an empty URL and anything but http and https, before an install starts.
+pub(crate) fn check_url(name: ComponentName, url: &str) -> Result<(), Error> {
+    if url.is_empty() {
+        return Err(Error::BadUrl {
+            name,
+            why: "empty url".into(),
+        });
+    }
+    if !(url.starts_with("http://") || url.starts_with("https://")) {
+        return Err(Error::BadUrl {
+            name,
+            why: format!("only http and https are supported: {}", redact_url(url)),
+        });
+    }
+    Ok(())
+}
+
+/// Downloads `url` over `target` (blocking: run it on the blocking pool). On any failure the
+/// target is left as it was and the temporary file is removed.
+pub(crate) fn download(
+    name: ComponentName,
+    url: &str,
+    target: &Path,
+    config: &ComponentsConfig,
+    cancel: &CancellationToken,
+) -> Result<(), Error> {
+    let shown = redact_url(url);
+    let dir = match target.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    fs_err::create_dir_all(&dir).map_err(|source| Error::Io {
+        op: "create directory",
+        path: dir.clone(),
+        source,
+    })?;
+
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(config.download_timeout))
+        .timeout_connect(Some(Duration::from_secs(30)))
+        .build()
+        .into();
+    let response = agent.get(url).call().map_err(|e| Error::Download {
+        name,
+        url: shown.clone(),
+        source: Box::new(e),
+    })?;
+    let mut reader = response.into_body().into_reader();
+
+    // Temp file beside the target (0755 from the start), streamed, fsynced, renamed over the
+    // target, directory fsynced: a reader of the path sees the old binary or the new one.
+    shim_fs::write_atomic_with(target, &shim_fs::WriteOptions::new(0o755), |file| {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            if cancel.is_cancelled() {
+                return Err(Error::Cancelled { name });
+            }
+            let n = match reader.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(source) => {
+                    return Err(Error::Body {
+                        name,
+                        url: shown.clone(),
+                        source,
+                    });
+                }
+            };
+            if file.written() + n as u64 > config.max_download_bytes {
+                return Err(Error::Size {
+                    name,
+                    url: shown.clone(),
+                    why: format!("larger than {} bytes", config.max_download_bytes),
+                });
+            }
+            file.write_all(&buf[..n])?;
+        }
+        if file.written() == 0 {
+            return Err(Error::Size {
+                name,
+                url: shown.clone(),
+                why: "empty".into(),
+            });
+        }
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts() {
+        assert_eq!(
+            redact_url("https://b.s3.amazonaws.com/r/dstack-runner?X-Amz-Signature=abc"),
+            "https://b.s3.amazonaws.com/r/dstack-runner"
+        );
+        assert_eq!(redact_url("http://u:pw@h:1/p#f"), "http://h:1/p");
+        assert_eq!(redact_url("http://h/p@x"), "http://h/p@x");
+    }
+}

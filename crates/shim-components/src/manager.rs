@@ -1,0 +1,267 @@
+//! The component manager: one slot per component (its path, whether an install runs, the last
+//! install error, the cached version), background installs and their shutdown.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::download::{check_url, download, redact_url};
+use crate::version::{FileKey, binary_version};
+use crate::{ComponentInfo, ComponentName, ComponentStatus, Error};
+
+/// Where the components live and how long things may take.
+#[derive(Debug, Clone)]
+pub struct ComponentsConfig {
+    /// The runner binary (`--runner-binary-path`).
+    pub runner_path: PathBuf,
+    /// The shim binary (`--shim-binary-path`, default: the running executable).
+    pub shim_path: PathBuf,
+    /// How long `<binary> --version` may take.
+    pub version_timeout: Duration,
+    /// How long a whole download may take.
+    pub download_timeout: Duration,
+    /// The largest binary accepted.
+    pub max_download_bytes: u64,
+}
+
+impl ComponentsConfig {
+    /// Defaults: 5 s for `--version`, 20 min per download, at most 1 GiB.
+    pub fn new(runner_path: impl Into<PathBuf>, shim_path: impl Into<PathBuf>) -> Self {
+        Self {
+            runner_path: runner_path.into(),
+            shim_path: shim_path.into(),
+            version_timeout: Duration::from_secs(5),
+            download_timeout: Duration::from_secs(20 * 60),
+            max_download_bytes: 1 << 30,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct SlotState {
+    installing: bool,
+    last_error: Option<String>,
+    /// The last `--version` answer, valid while the file is the same: the server polls the
+    /// component list.
+    cached: Option<(FileKey, String)>,
+}
+
+#[derive(Debug)]
+struct Slot {
+    path: PathBuf,
+    state: Mutex<SlotState>,
+}
+
+impl Slot {
+    fn state(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: ComponentsConfig,
+    runner: Slot,
+    shim: Slot,
+    /// Number of installs in flight.
+    jobs: watch::Sender<usize>,
+    cancel: CancellationToken,
+}
+
+/// The component manager. Cheap to clone (shared state).
+#[derive(Debug, Clone)]
+pub struct Components {
+    inner: Arc<Inner>,
+}
+
+/// Decrements the in-flight count and clears `installing` when an install ends, however.
+struct JobGuard {
+    inner: Arc<Inner>,
+    name: ComponentName,
+}
+
+impl Drop for JobGuard {
+    fn drop(&mut self) {
+        self.inner.slot(self.name).state().installing = false;
+        self.inner.jobs.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+impl Inner {
+    fn slot(&self, name: ComponentName) -> &Slot {
+        match name {
+            ComponentName::Runner => &self.runner,
+            ComponentName::Shim => &self.shim,
+        }
+    }
+}
+
+impl Components {
+    /// A manager for the binaries at the configured paths.
+    pub fn new(config: ComponentsConfig) -> Self {
+        let slot = |path: &Path| Slot {
+            path: path.to_path_buf(),
+            state: Mutex::new(SlotState::default()),
+        };
+        Self {
+            inner: Arc::new(Inner {
+                runner: slot(&config.runner_path),
+                shim: slot(&config.shim_path),
+                config,
+                jobs: watch::channel(0).0,
+                cancel: CancellationToken::new(),
+            }),
+        }
+    }
+
+    /// The path of a component's binary.
+    pub fn path(&self, name: ComponentName) -> &Path {
+        &self.inner.slot(name).path
+    }
+
+    /// The state of every component, runner first (`GET /api/components`).
+    pub async fn list(&self) -> Vec<ComponentInfo> {
+        let (runner, shim) = tokio::join!(
+            self.info(ComponentName::Runner),
+            self.info(ComponentName::Shim)
+        );
+        vec![runner, shim]
+    }
+
+    /// A component's state: `installing` while a download runs; `not-installed` when there is
+    /// no binary (`error` if the last install failed); `installed` with its version when
+    /// `--version` answers; `error` otherwise.
+    pub async fn info(&self, name: ComponentName) -> ComponentInfo {
+        let slot = self.inner.slot(name);
+        let (installing, last_error) = {
+            let st = slot.state();
+            (st.installing, st.last_error.clone())
+        };
+        let status = |status, version: String| ComponentInfo {
+            name,
+            version,
+            status,
+        };
+        if installing {
+            return status(ComponentStatus::Installing, String::new());
+        }
+        let key = match tokio::fs::metadata(&slot.path).await {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return if last_error.is_some() {
+                    status(ComponentStatus::Error, String::new())
+                } else {
+                    status(ComponentStatus::NotInstalled, String::new())
+                };
+            }
+            Err(e) => {
+                tracing::warn!(component = %name, error = %e, "cannot inspect the binary");
+                return status(ComponentStatus::Error, String::new());
+            }
+            Ok(meta) => FileKey::of(&meta),
+        };
+        if let Some((cached_key, version)) = &slot.state().cached
+            && *cached_key == key
+        {
+            return status(ComponentStatus::Installed, version.clone());
+        }
+        match binary_version(&slot.path, self.inner.config.version_timeout).await {
+            Ok(v) => {
+                slot.state().cached = Some((key, v.clone()));
+                status(ComponentStatus::Installed, v)
+            }
+            Err(e) => {
+                tracing::warn!(component = %name, error = %e, "cannot read the version");
+                status(ComponentStatus::Error, String::new())
+            }
+        }
+    }
+
+    /// Starts installing `name` from `url` in the background; returns at once
+    /// (`POST /api/components/install`). [`Error::BadUrl`] for an unusable URL,
+    /// [`Error::AlreadyInstalling`] while an install of `name` runs.
+    pub fn start_install(&self, name: ComponentName, url: &str) -> Result<(), Error> {
+        let guard = self.begin(name, url)?;
+        let this = self.clone();
+        let url = url.to_owned();
+        tokio::spawn(async move {
+            let _guard = guard;
+            if let Err(e) = this.run_install(name, &url).await {
+                tracing::error!(component = %name, error = %error_chain(&e), "component install failed");
+            }
+        });
+        Ok(())
+    }
+
+    /// Installs `name` from `url` and waits for it (e.g. the runner at startup when it is
+    /// missing and a download URL is configured).
+    pub async fn install(&self, name: ComponentName, url: &str) -> Result<(), Error> {
+        let _guard = self.begin(name, url)?;
+        self.run_install(name, url).await
+    }
+
+    /// Waits until no install is running.
+    pub async fn wait_idle(&self) {
+        let mut rx = self.inner.jobs.subscribe();
+        let _ = rx.wait_for(|n| *n == 0).await;
+    }
+
+    /// Cancels running downloads (their temp files are removed, the targets left untouched).
+    pub fn cancel(&self) {
+        self.inner.cancel.cancel();
+    }
+
+    fn begin(&self, name: ComponentName, url: &str) -> Result<JobGuard, Error> {
+        check_url(name, url)?;
+        {
+            let mut st = self.inner.slot(name).state();
+            if st.installing {
+                return Err(Error::AlreadyInstalling { name });
+            }
+            st.installing = true;
+        }
+        self.inner.jobs.send_modify(|n| *n += 1);
+        Ok(JobGuard {
+            inner: self.inner.clone(),
+            name,
+        })
+    }
+
+    async fn run_install(&self, name: ComponentName, url: &str) -> Result<(), Error> {
+        let slot = self.inner.slot(name);
+        tracing::info!(component = %name, url = %redact_url(url), path = %slot.path.display(),
+            "installing component");
+        let target = slot.path.clone();
+        let config = self.inner.config.clone();
+        let cancel = self.inner.cancel.clone();
+        let owned_url = url.to_owned();
+        let result = tokio::task::spawn_blocking(move || {
+            download(name, &owned_url, &target, &config, &cancel)
+        })
+        .await
+        .unwrap_or_else(|source| Err(Error::Join { name, source }));
+        match &result {
+            Ok(()) => {
+                slot.state().last_error = None;
+                tracing::info!(component = %name, path = %slot.path.display(), "component installed");
+            }
+            Err(e) => slot.state().last_error = Some(error_chain(e)),
+        }
+        result
+    }
+}
+
+/// `error: cause: cause` on one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
