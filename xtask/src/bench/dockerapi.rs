@@ -269,10 +269,10 @@ fn read_events(
         let at = SystemTime::now();
         while let Some(end) = pending.iter().position(|b| *b == b'\n') {
             let event: Vec<u8> = pending.drain(..=end).collect();
-            if let Ok(value) = serde_json::from_slice::<Value>(&event) {
-                if tx.send((value, at)).is_err() {
-                    return;
-                }
+            if let Ok(value) = serde_json::from_slice::<Value>(&event)
+                && tx.send((value, at)).is_err()
+            {
+                return;
             }
         }
     }
