@@ -46,7 +46,7 @@ fn fake_exporter(dir: &Path) -> std::path::PathBuf {
         &format!(
             r#"if [ "$1" = "-v" ]; then echo "DCGM Exporter version 4.1.1-4.0.4"; exit 0; fi
 printf '%s\n' "$@" >> {d}/args
-cp "$2" {d}/counters.csv
+cp "$2" {d}/counters.tmp && mv {d}/counters.tmp {d}/counters.csv
 echo "listening on $4" >&2
 exec sleep 600"#
         ),

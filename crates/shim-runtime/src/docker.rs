@@ -486,7 +486,7 @@ impl DockerRuntime {
     }
 
     /// Wraps a bollard client, negotiating the API version. Every request gets at most
-    /// [`REQUEST_TIMEOUT`] for its response to begin (a frozen daemon does not hang the
+    /// `REQUEST_TIMEOUT` (30 s) for its response to begin (a frozen daemon does not hang the
     /// shim); a stop gets its grace period on top.
     pub async fn from_client(docker: Docker) -> Result<Self> {
         let docker = docker
