@@ -927,3 +927,215 @@ async fn metrics_move_as_tasks_run() {
     let health = engine.health();
     assert!(health.events_connected && health.is_ready(), "{health:?}");
 }
+
+/// A state file as the upstream shim writes it (Go's `json.Marshal` of its state struct:
+/// `version`, `id`, `config` in `TaskConfig`'s field order, `termination_reason`,
+/// `termination_message`, `cleaned_up`; a slice the server did not send is `null`).
+fn upstream_task_json(id: &str, name: &str, gpu: i64, reason: &str, cleaned_up: bool) -> String {
+    format!(
+        concat!(
+            r#"{{"version":1,"id":"{id}","config":{{"id":"{id}","name":"{name}","#,
+            r#""registry_username":"","registry_password":"","image_name":"{IMAGE}","#,
+            r#""container_user":"root","privileged":false,"gpu":{gpu},"cpu":0,"memory":0,"#,
+            r#""shm_size":0,"network_mode":"bridge","#,
+            r#""volumes":[{{"backend":"aws","name":"vol1","volume_id":"vol-0123","init_fs":true,"device_name":""}}],"#,
+            r#""volume_mounts":[{{"name":"vol1","path":"/data"}}],"instance_mounts":null,"#,
+            r#""gpu_devices":null,"host_ssh_user":"ubuntu","host_ssh_keys":["{KEY}"],"#,
+            r#""container_ssh_keys":[]}},"termination_reason":"{reason}","#,
+            r#""termination_message":"","cleaned_up":{cleaned_up}}}"#
+        ),
+        id = id,
+        name = name,
+        IMAGE = IMAGE,
+        gpu = gpu,
+        KEY = KEY,
+        reason = reason,
+        cleaned_up = cleaned_up,
+    )
+}
+
+/// A container as the upstream shim creates it: its two labels only (no owner, no GPU label),
+/// `/tmp/runner` bound from `runner_dir`, NVIDIA GPUs as one device request.
+fn upstream_container(
+    w: &World,
+    id: &str,
+    name: &str,
+    runner_dir: &std::path::Path,
+    gpus: &[String],
+    state: ContainerState,
+) -> String {
+    let spec = shim_runtime::ContainerSpec {
+        name: name.to_owned(),
+        image: IMAGE.to_owned(),
+        labels: [
+            ("ai.dstack.shim.is-task".to_owned(), "true".to_owned()),
+            ("ai.dstack.shim.task-id".to_owned(), id.to_owned()),
+        ]
+        .into(),
+        mounts: vec![shim_runtime::BindMount {
+            source: runner_dir.to_path_buf(),
+            target: "/tmp/runner".to_owned(),
+            read_only: false,
+        }],
+        device_requests: vec![shim_runtime::DeviceRequest {
+            driver: "nvidia".to_owned(),
+            device_ids: gpus.to_vec(),
+            capabilities: vec!["gpu".to_owned()],
+        }],
+        ..Default::default()
+    };
+    let code = matches!(state, ContainerState::Exited).then_some(0);
+    w.runtime.add_container(&spec, state, code)
+}
+
+// upstream: runner/internal/shim/docker.go (restoreStateFromContainers: containers labelled
+// `ai.dstack.shim.is-task=true`, the task id from `ai.dstack.shim.task-id`, NVIDIA GPUs from
+// the one device request, the runner directory from the `/tmp/runner` mount; Remove deletes
+// the runner directory), runner/internal/shim/models.go (TaskConfig). The state file follows
+// dstack PR #4220's format version 1 as the issue describes it (the PR's source is not in the
+// mirror).
+#[tokio::test]
+async fn upstream_tasks_are_adopted_and_release_exactly_theirs() {
+    let w = World::new(4);
+    let all = w.host_gpus.ids();
+    let runners = w.home.path().join("runners");
+
+    // With a state file (the upstream version with per-task state): two GPUs, a volume, a key.
+    let name_a = shim_task::container_name(
+        &TaskName::new("up-a").unwrap(),
+        &TaskId::new("a1").unwrap(),
+    );
+    let dir_a = runners.join(&name_a);
+    fs_err::create_dir_all(dir_a.join("runner")).unwrap();
+    fs_err::write(
+        dir_a.join("task.json"),
+        upstream_task_json("a1", "up-a", 2, "", false),
+    )
+    .unwrap();
+    let cid_a = upstream_container(
+        &w,
+        "a1",
+        &name_a,
+        &dir_a.join("runner"),
+        &all[..2],
+        ContainerState::Running,
+    );
+
+    // Without a state file (the upstream version before it): the whole directory is mounted.
+    let name_b = "up-b-0-0-12345678";
+    let dir_b = runners.join(name_b);
+    fs_err::create_dir_all(&dir_b).unwrap();
+    fs_err::write(dir_b.join("pull.log"), "pulled\n").unwrap();
+    let cid_b = upstream_container(
+        &w,
+        "b1",
+        name_b,
+        &dir_b,
+        &all[2..3],
+        ContainerState::Running,
+    );
+    // An upstream container of another home on this daemon: not ours.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let foreign = upstream_container(
+        &w,
+        "c1",
+        "up-c-0-0-87654321",
+        elsewhere.path(),
+        &all[3..],
+        ContainerState::Running,
+    );
+
+    let engine = w.engine().await;
+    let a = engine.task_info(&tid("a1")).unwrap();
+    assert_eq!(a.status, TaskStatus::Running);
+    assert_eq!(a.container_id, cid_a);
+    assert_eq!(a.container_name, name_a);
+    assert_eq!(a.gpu_ids, Some(all[..2].to_vec()));
+    let b = engine.task_info(&tid("b1")).unwrap();
+    assert_eq!(b.status, TaskStatus::Running);
+    assert_eq!(b.container_id, cid_b);
+    assert_eq!(b.gpu_ids, Some(all[2..3].to_vec()));
+    assert!(engine.task_info(&tid("c1")).is_err(), "another home's task");
+    assert_eq!(engine.gpu_lock().locked(), all[..3].to_vec());
+    // Only one GPU is free: a task asking for two fails to start, one asking for one runs.
+    let mut big = config("big");
+    big.gpu = 2;
+    engine.submit(big).await.unwrap();
+    let big = wait_status(&engine, "big", TaskStatus::Terminated).await;
+    assert_eq!(big.termination_reason, "executor_error", "{big:?}");
+    // The upstream version without state files: nothing is written into its directory.
+    let entries = |d: &std::path::Path| -> Vec<String> {
+        let mut v: Vec<String> = fs_err::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(entries(&dir_b), ["pull.log"]);
+
+    // Terminate and remove both: each releases exactly its own GPUs, keys and volume.
+    engine
+        .terminate(
+            &tid("a1"),
+            TerminationReason::TerminatedByServer,
+            "switch".into(),
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    for _ in 0..500 {
+        engine.reconcile_now().await;
+        if engine.gpu_lock().locked() == all[2..3].to_vec() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(engine.gpu_lock().locked(), all[2..3].to_vec());
+    assert_eq!(w.runtime.state(&cid_a), Some(ContainerState::Exited));
+    assert!(
+        w.volumes
+            .calls()
+            .contains(&shim_resources::fake::FakeCall::Release(
+                "/fake/volumes/vol1".into()
+            )),
+        "{:?}",
+        w.volumes.calls()
+    );
+    assert!(
+        w.keys.calls().iter().any(|c| matches!(c,
+            shim_resources::fake::FakeCall::RemoveKeys(t, u) if t.as_str() == "a1" && u == "ubuntu")),
+        "{:?}",
+        w.keys.calls()
+    );
+    // The state file is still upstream's format, now terminated and cleaned up.
+    let file: serde_json::Value =
+        serde_json::from_slice(&fs_err::read(dir_a.join("task.json")).unwrap()).unwrap();
+    assert_eq!(file["version"], 1);
+    assert_eq!(file["termination_reason"], "terminated_by_server");
+    assert_eq!(file["termination_message"], "switch");
+    assert_eq!(file["cleaned_up"], true);
+    engine.remove(&tid("a1")).await.unwrap();
+    assert!(!dir_a.exists());
+    assert_eq!(w.runtime.state(&cid_a), None);
+
+    engine
+        .terminate(
+            &tid("b1"),
+            TerminationReason::TerminatedByServer,
+            "switch".into(),
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    wait_released(&engine, &w, "b1").await;
+    assert_eq!(entries(&dir_b), ["pull.log"], "state stays in memory");
+    engine.remove(&tid("b1")).await.unwrap();
+    assert!(!dir_b.exists(), "upstream's Remove deletes the runner directory");
+    assert_eq!(w.runtime.state(&cid_b), None);
+    assert_eq!(
+        w.runtime.state(&foreign),
+        Some(ContainerState::Running),
+        "another home's container is never touched"
+    );
+}
