@@ -1528,3 +1528,457 @@ fn removed_task_stays_removed_after_terminate_during_start() {
         "removed tasks left (directories, containers) behind, and came back after a restart"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Upstream's on-host contract (a host switched to and from the upstream Go shim)
+// ---------------------------------------------------------------------------------------------
+
+/// Force-removes a container by name when the test ends, however it ends (the fixtures of
+/// the upstream shim carry no owner label for the sweeper to find).
+struct NamedContainer(String);
+
+impl Drop for NamedContainer {
+    fn drop(&mut self) {
+        let _ = docker(&["rm", "-f", &self.0]);
+    }
+}
+
+/// A host user made for one test (`useradd`, no login shell), with an `authorized_keys`
+/// holding `lines`; deleted when the test ends.
+struct HostUser {
+    name: String,
+    home: PathBuf,
+}
+
+impl HostUser {
+    fn create(root: &Path, lines: &[&str]) -> Self {
+        let nonce = root.file_name().unwrap().to_string_lossy();
+        let suffix: String = nonce
+            .chars()
+            .filter(char::is_ascii_alphanumeric)
+            .rev()
+            .take(6)
+            .collect::<String>()
+            .to_lowercase();
+        let name = format!("shime2e{suffix}");
+        let home = root.join(format!("user-{name}"));
+        let out = Command::new("useradd")
+            .args(["-M", "-d", &home.display().to_string(), "-s", "/usr/sbin/nologin"])
+            .arg(&name)
+            .output()
+            .expect("useradd runs (the Docker tests run as root)");
+        assert!(
+            out.status.success(),
+            "useradd {name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let user = Self { name, home };
+        let ssh = user.home.join(".ssh");
+        fs_err::create_dir_all(&ssh).unwrap();
+        let mut text = lines.join("\n");
+        text.push('\n');
+        fs_err::write(ssh.join("authorized_keys"), text).unwrap();
+        let owner = format!("{0}:{0}", user.name);
+        let chown = Command::new("chown")
+            .args(["-R", &owner, &user.home.display().to_string()])
+            .status()
+            .unwrap();
+        assert!(chown.success());
+        user
+    }
+
+    fn authorized_keys(&self) -> Vec<String> {
+        fs_err::read_to_string(self.home.join(".ssh/authorized_keys"))
+            .unwrap()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+impl Drop for HostUser {
+    fn drop(&mut self) {
+        let _ = Command::new("userdel").arg(&self.name).output();
+    }
+}
+
+/// A state file byte for byte as the upstream shim writes it: Go's `json.Marshal` of its
+/// state (`version`, `id`, `config` with `TaskConfig`'s fields in declaration order,
+/// `termination_reason`, `termination_message`, `cleaned_up`); slices the server did not send
+/// are `null`; registry credentials blank.
+fn upstream_state_file(config: &Value) -> String {
+    let s = |f: &str| Value::String(config[f].as_str().unwrap().to_owned()).to_string();
+    let keys = |f: &str| config[f].to_string();
+    format!(
+        concat!(
+            r#"{{"version":1,"id":{id},"config":{{"id":{id},"name":{name},"#,
+            r#""registry_username":"","registry_password":"","image_name":{image},"#,
+            r#""container_user":{user},"privileged":false,"gpu":0,"cpu":0,"memory":0,"#,
+            r#""shm_size":0,"network_mode":{net},"volumes":[],"volume_mounts":[],"#,
+            r#""instance_mounts":[],"gpu_devices":null,"host_ssh_user":{host_user},"#,
+            r#""host_ssh_keys":{host_keys},"container_ssh_keys":{keys}}},"#,
+            r#""termination_reason":"","termination_message":"","cleaned_up":false}}"#
+        ),
+        id = s("id"),
+        name = s("name"),
+        image = s("image_name"),
+        user = s("container_user"),
+        net = s("network_mode"),
+        host_user = s("host_ssh_user"),
+        host_keys = keys("host_ssh_keys"),
+        keys = keys("container_ssh_keys"),
+    )
+}
+
+/// Runs a container the way the upstream shim does for `config` (upstream
+/// `runner/internal/shim/docker.go`, `createContainer`): its two labels only, `/tmp/runner`
+/// bound from `runner_dir`, the runner bound at `/usr/local/bin/dstack-runner`, `/bin/sh -c`
+/// with the runner's start command, runner ports published (bridge mode).
+fn run_upstream_container(config: &Value, runner_dir: &Path) -> (String, NamedContainer) {
+    let name = container_name(
+        config["name"].as_str().unwrap(),
+        config["id"].as_str().unwrap(),
+    );
+    let guard = NamedContainer(name.clone());
+    let label_id = format!("ai.dstack.shim.task-id={}", config["id"].as_str().unwrap());
+    let runner_mount = format!("{}:/tmp/runner", runner_dir.display());
+    let runner_bin = format!("{}:/usr/local/bin/dstack-runner", runner_path().display());
+    let http = format!("127.0.0.1::{RUNNER_HTTP_PORT}");
+    let ssh = format!("127.0.0.1::{RUNNER_SSH_PORT}");
+    let command = format!(
+        "/usr/local/bin/dstack-runner --log-level 6 start --temp-dir /tmp/runner \
+         --http-port {RUNNER_HTTP_PORT} --ssh-port {RUNNER_SSH_PORT}"
+    );
+    let cid = docker_ok(&[
+        "run",
+        "-d",
+        "--name",
+        &name,
+        "--label",
+        "ai.dstack.shim.is-task=true",
+        "--label",
+        &label_id,
+        "-v",
+        &runner_mount,
+        "-v",
+        &runner_bin,
+        "-p",
+        &http,
+        "-p",
+        &ssh,
+        "--entrypoint",
+        "/bin/sh",
+        &image(),
+        "-c",
+        &command,
+    ]);
+    (cid.trim().to_owned(), guard)
+}
+
+/// Waits (bounded) until `check` holds.
+fn wait_for(what: &str, mut check: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !check() {
+        assert!(started.elapsed() < STATUS_BOUND, "never: {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Issue 11, the switch from the upstream shim with tasks running, on real Docker: fixtures
+/// reproduce upstream's containers (labels, mounts, command) and directories, with and without
+/// its state file (dstack PR #4220's format version 1: the PR's source is not in the mirror,
+/// so the file follows the fields the issue names, written as Go's encoding/json writes
+/// them). Each task is listed with its status, survives a restart of this shim, is terminated
+/// and removed, and releases exactly what it holds: its container, its directory and the
+/// key line upstream added without a marker (the user's own line stays).
+///
+/// upstream: runner/internal/shim/docker.go (restoreStateFromContainers: the is-task label,
+/// the task id label, the runner directory from the `/tmp/runner` mount, `exited` →
+/// terminated; Remove deletes the runner directory), runner/internal/shim/authorized_keys.go
+/// (keys appended verbatim, removed by fingerprint).
+#[test]
+fn upstream_tasks_are_adopted_terminated_removed_and_released() {
+    if !docker_tests_enabled("upstream_tasks_are_adopted_terminated_removed_and_released") {
+        return;
+    }
+    let mut shim = Shim::new();
+    let own_key = ssh_key("the-user's-own-key");
+    let task_key = ssh_key("upstream-task-key");
+    let user = HostUser::create(shim.root.path(), &[&own_key, &task_key]);
+    let runners = shim.home.join("runners");
+
+    // With a state file: the runner/ subdirectory is mounted.
+    let mut with_file = task("upstream-a", 0);
+    with_file["host_ssh_user"] = json!(user.name);
+    with_file["host_ssh_keys"] = json!([task_key]);
+    let dir_a = runners.join(container_name("e2e-upstream-a", "upstream-a"));
+    fs_err::create_dir_all(dir_a.join("runner")).unwrap();
+    let state = upstream_state_file(&with_file);
+    fs_err::write(dir_a.join("task.json"), &state).unwrap();
+    let (cid_a, _a) = run_upstream_container(&with_file, &dir_a.join("runner"));
+
+    // Without a state file (upstream before PR #4220): the whole directory is mounted.
+    let without = task("upstream-b", 0);
+    let dir_b = runners.join(container_name("e2e-upstream-b", "upstream-b"));
+    fs_err::create_dir_all(&dir_b).unwrap();
+    let (cid_b, _b) = run_upstream_container(&without, &dir_b);
+
+    // One whose runner finished before the switch: upstream shows it terminated with no
+    // reason; this shim reads the exit code.
+    let finished = task("upstream-c", 0);
+    let dir_c = runners.join(container_name("e2e-upstream-c", "upstream-c"));
+    fs_err::create_dir_all(dir_c.join("runner")).unwrap();
+    fs_err::write(dir_c.join("task.json"), upstream_state_file(&finished)).unwrap();
+    let (cid_c, _c) = run_upstream_container(&finished, &dir_c.join("runner"));
+    let exit_c = dir_c.join("runner").join(shim_e2e::RUNNER_EXIT_FILE);
+    wait_for("the stub runner of upstream-c starts", || {
+        dir_c.join("runner/stub-runner.pid").exists()
+    });
+    fs_err::write(&exit_c, "0\n").unwrap();
+    wait_container_stopped(&cid_c);
+
+    shim.start();
+    let expected = BTreeMap::from([
+        ("upstream-a".to_owned(), "running".to_owned()),
+        ("upstream-b".to_owned(), "running".to_owned()),
+        ("upstream-c".to_owned(), "terminated".to_owned()),
+    ]);
+    assert_eq!(shim.list(), expected);
+    let a = shim.info("upstream-a");
+    assert_eq!(a["container_id"], cid_a.as_str(), "{a}");
+    assert_eq!(a["container_name"], container_name("e2e-upstream-a", "upstream-a"));
+    assert_eq!(
+        ports(&a).keys().copied().collect::<Vec<_>>(),
+        [RUNNER_SSH_PORT, RUNNER_HTTP_PORT],
+        "{a}"
+    );
+    let b = shim.info("upstream-b");
+    assert_eq!(b["container_id"], cid_b.as_str(), "{b}");
+    let c = shim.info("upstream-c");
+    assert_eq!(c["termination_reason"], "done_by_runner", "{c}");
+    assert_eq!(c["container_id"], cid_c.as_str(), "{c}");
+    // Nothing this shim keeps is written into a directory the container sees whole.
+    assert_eq!(
+        Shim::entries(&dir_b),
+        BTreeSet::from(["stub-runner.args".to_owned(), "stub-runner.pid".to_owned()])
+    );
+    // The running tasks are not disturbed; the key line stays while its task lives.
+    assert_container_running(&cid_a);
+    assert_container_running(&cid_b);
+    assert_eq!(user.authorized_keys(), [own_key.clone(), task_key.clone()]);
+
+    // This shim's own restart keeps them as they are.
+    shim.kill();
+    shim.start();
+    assert_eq!(shim.list(), expected);
+    assert_eq!(shim.info("upstream-a")["container_id"], cid_a.as_str());
+    assert_eq!(shim.info("upstream-c")["termination_reason"], "done_by_runner");
+
+    // Terminate and remove: each releases exactly its own.
+    let t = shim
+        .terminate("upstream-a", "terminated_by_server", "switched", 2)
+        .ok();
+    assert_eq!(t["status"], "terminated", "{t}");
+    assert_eq!(t["termination_reason"], "terminated_by_server", "{t}");
+    wait_container_stopped(&cid_a);
+    wait_for("the upstream key line is removed", || {
+        user.authorized_keys() == [own_key.clone()]
+    });
+    let file: Value =
+        serde_json::from_slice(&fs_err::read(dir_a.join("task.json")).unwrap()).unwrap();
+    assert_eq!(file["version"], 1, "{file}");
+    assert_eq!(file["termination_reason"], "terminated_by_server", "{file}");
+    assert_eq!(file["termination_message"], "switched", "{file}");
+    assert_container_running(&cid_b);
+    shim.remove_retrying("upstream-a");
+    assert!(!dir_a.exists());
+    assert_eq!(container_running(&cid_a), None);
+
+    shim.terminate("upstream-b", "terminated_by_server", "switched", 2)
+        .ok();
+    wait_container_stopped(&cid_b);
+    assert!(!dir_b.join("task.json").exists(), "never written: {dir_b:?}");
+    shim.remove_retrying("upstream-b");
+    assert!(!dir_b.exists(), "upstream's Remove deletes the runner directory");
+    assert_eq!(container_running(&cid_b), None);
+
+    shim.remove_retrying("upstream-c");
+    assert!(!dir_c.exists());
+    assert_eq!(container_running(&cid_c), None);
+    assert_eq!(shim.list(), BTreeMap::new());
+    assert_eq!(user.authorized_keys(), [own_key]);
+}
+
+/// Issue 11, the switch the other way: what this shim leaves on the host is what the upstream
+/// shim adopts. Its container carries upstream's labels, mounts the task's `runner/`
+/// directory at `/tmp/runner`, and `task.json` decodes into upstream's state with Go's
+/// rules (format version 1, each field of `TaskConfig` present with its JSON type, integers
+/// where Go has integers, registry credentials blank); a reason appears only once terminated.
+///
+/// upstream: runner/internal/shim/docker.go (restoreStateFromContainers, DockerMounts),
+/// runner/internal/shim/models.go (TaskConfig).
+#[test]
+fn this_shims_containers_and_state_files_follow_upstreams_rules() {
+    if !docker_tests_enabled("this_shims_containers_and_state_files_follow_upstreams_rules") {
+        return;
+    }
+    let shim = Shim::started();
+    let mut config = task("ours-1", 1);
+    config["registry_username"] = json!("someone");
+    config["registry_password"] = json!("never-on-disk");
+    config["container_ssh_keys"] = json!([ssh_key("e2e@ours")]);
+    config["cpu"] = json!(1.5);
+    config["memory"] = json!(1_073_741_824_i64);
+    shim.submit(&config).ok();
+    let info = shim.wait_status("ours-1", "running");
+    let cid = info["container_id"].as_str().unwrap();
+    let dir = shim.home.join("runners").join(info["container_name"].as_str().unwrap());
+
+    let labels: BTreeMap<String, String> = serde_json::from_str(&docker_ok(&[
+        "inspect",
+        "-f",
+        "{{json .Config.Labels}}",
+        cid,
+    ]))
+    .unwrap();
+    assert_eq!(labels["ai.dstack.shim.is-task"], "true", "{labels:?}");
+    assert_eq!(labels["ai.dstack.shim.task-id"], "ours-1", "{labels:?}");
+    let mounts: Vec<Value> =
+        serde_json::from_str(&docker_ok(&["inspect", "-f", "{{json .Mounts}}", cid])).unwrap();
+    let runner = mounts
+        .iter()
+        .find(|m| m["Destination"] == "/tmp/runner")
+        .unwrap_or_else(|| panic!("{mounts:?}"));
+    assert_eq!(
+        Path::new(runner["Source"].as_str().unwrap()),
+        dir.join("runner")
+    );
+
+    let bytes = fs_err::read(dir.join("task.json")).unwrap();
+    let text = String::from_utf8(bytes.clone()).unwrap();
+    assert!(!text.contains("never-on-disk") && !text.contains("someone"), "{text}");
+    let file: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(file["version"], 1, "{file}");
+    assert_eq!(file["id"], "ours-1", "{file}");
+    assert_eq!(file["termination_reason"], "", "{file}");
+    assert_eq!(file["termination_message"], "", "{file}");
+    assert_eq!(file["cleaned_up"], false, "{file}");
+    let stored = &file["config"];
+    // Go's TaskConfig: each field, its JSON type (an int field refuses 1.0).
+    let strings = [
+        "id",
+        "name",
+        "registry_username",
+        "registry_password",
+        "image_name",
+        "container_user",
+        "network_mode",
+        "host_ssh_user",
+    ];
+    for f in strings {
+        assert!(stored[f].is_string(), "{f}: {stored}");
+    }
+    for f in ["gpu", "memory", "shm_size"] {
+        assert!(stored[f].is_i64(), "{f} must be a JSON integer: {stored}");
+    }
+    assert!(stored["cpu"].is_number(), "{stored}");
+    assert!(stored["privileged"].is_boolean(), "{stored}");
+    for f in [
+        "volumes",
+        "volume_mounts",
+        "instance_mounts",
+        "gpu_devices",
+        "host_ssh_keys",
+        "container_ssh_keys",
+    ] {
+        assert!(stored[f].is_array() || stored[f].is_null(), "{f}: {stored}");
+    }
+    assert_eq!(stored.as_object().unwrap().len(), 19, "{stored}");
+    for f in [
+        "id",
+        "name",
+        "image_name",
+        "container_user",
+        "gpu",
+        "cpu",
+        "memory",
+        "network_mode",
+        "container_ssh_keys",
+    ] {
+        assert_eq!(stored[f], config[f], "{f}");
+    }
+    assert_eq!(stored["registry_username"], "");
+    assert_eq!(stored["registry_password"], "");
+
+    shim.terminate("ours-1", "terminated_by_user", "bye", 0).ok();
+    wait_for("the release is recorded", || {
+        let file: Value =
+            serde_json::from_slice(&fs_err::read(dir.join("task.json")).unwrap()).unwrap();
+        file["termination_reason"] == "terminated_by_user"
+            && file["termination_message"] == "bye"
+            && file["cleaned_up"] == true
+    });
+    shim.remove_retrying("ours-1");
+}
+
+/// Issue 11: what upstream accepts is accepted. The server sends the keys of users' files
+/// "without any validation": a host key with options, a certificate and a garbage line are
+/// accepted (200), skipped at start and logged, and never written (the valid key is); a
+/// `gcp` volume without `device_name` and a backend this shim cannot attach are accepted and
+/// end the task at start with `executor_error` naming the volume (a 400 would make the server
+/// retry for ten minutes). The probes of `bad_input_is_refused_and_changes_nothing` still
+/// refuse.
+///
+/// upstream: runner/internal/shim/docker.go (Run: host keys appended without checks;
+/// prepareVolumes: GetBackend fails the task), runner/internal/shim/backends/backends.go.
+#[test]
+fn what_upstream_accepts_is_accepted_and_ends_as_upstream_ends_it() {
+    if !docker_tests_enabled("what_upstream_accepts_is_accepted_and_ends_as_upstream_ends_it") {
+        return;
+    }
+    let shim = Shim::started();
+    let own = ssh_key("own@host");
+    let user = HostUser::create(shim.root.path(), &[&own]);
+    let good = ssh_key("e2e@accepted");
+    let optioned = format!("no-pty,command=\"/bin/false\" {}", ssh_key("e2e@optioned"));
+    let cert = ssh_key("e2e@cert").replacen("ssh-ed25519 ", "ssh-ed25519-cert-v01@openssh.com ", 1);
+    let mut keys = task("keys-1", 0);
+    keys["host_ssh_user"] = json!(user.name);
+    keys["host_ssh_keys"] = json!([optioned, cert, "not a key at all", good]);
+    keys["container_ssh_keys"] = json!([cert, good]);
+    assert_eq!(shim.submit(&keys).ok(), pending_info(&keys));
+    shim.wait_status("keys-1", "running");
+    let lines = user.authorized_keys();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert_eq!(lines[0], own);
+    assert!(
+        lines[1].starts_with(&good) && lines[1].ends_with("# added by dstack-shim"),
+        "{lines:?}"
+    );
+    let log = fs_err::read_to_string(shim.log_path(1)).unwrap();
+    assert_eq!(
+        log.matches("host SSH key skipped").count(),
+        3,
+        "each skipped key is logged"
+    );
+
+    let mut gcp = task("gcp-1", 0);
+    gcp["volumes"] = json!([{"backend": "gcp", "name": "disk-1", "volume_id": "v1", "init_fs": true}]);
+    gcp["volume_mounts"] = json!([{"name": "disk-1", "path": "/data"}]);
+    let mut azure = task("azure-1", 0);
+    azure["volumes"] = json!([{"backend": "azure", "name": "disk-2", "volume_id": "v2", "init_fs": false, "device_name": "sdb"}]);
+    for (config, volume) in [(&gcp, "disk-1"), (&azure, "disk-2")] {
+        let id = config["id"].as_str().unwrap();
+        assert_eq!(shim.submit(config).ok(), pending_info(config));
+        let ended = shim.wait_status(id, "terminated");
+        assert_eq!(ended["termination_reason"], "executor_error", "{ended}");
+        let message = ended["termination_message"].as_str().unwrap();
+        assert!(message.contains(volume), "names the volume: {message:?}");
+        assert_eq!(ended["container_id"], "", "{ended}");
+        shim.remove_retrying(id);
+    }
+
+    shim.finish("keys-1");
+    assert_eq!(user.authorized_keys(), [own]);
+    assert_eq!(shim.containers(), BTreeSet::new());
+}
