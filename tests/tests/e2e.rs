@@ -1982,3 +1982,168 @@ fn what_upstream_accepts_is_accepted_and_ends_as_upstream_ends_it() {
     assert_eq!(user.authorized_keys(), [own]);
     assert_eq!(shim.containers(), BTreeSet::new());
 }
+
+/// A state file byte for byte as the first release of this shim wrote it (captured from that
+/// release's binary, commit 57e98cf, for a bridge-mode task with one GPU).
+fn first_release_state_file(id: &str, name: &str, cname: &str, cid: &str, gpu: &str) -> String {
+    format!(
+        r#"{{
+  "schema_version": 1,
+  "task": {{
+    "id": "{id}",
+    "name": "{name}",
+    "container_name": "{cname}",
+    "config": {{
+      "id": "{id}",
+      "name": "{name}",
+      "image_name": "{image}",
+      "registry_username": "",
+      "container_user": "root",
+      "privileged": false,
+      "gpu": 1,
+      "cpu": 0.0,
+      "memory": 0,
+      "shm_size": 0,
+      "network_mode": "bridge",
+      "volumes": [],
+      "volume_mounts": [],
+      "instance_mounts": [],
+      "gpu_devices": [],
+      "host_ssh_user": "",
+      "host_ssh_keys": [],
+      "container_ssh_keys": []
+    }},
+    "status": "running",
+    "termination_reason": null,
+    "termination_message": "",
+    "container_id": "{cid}",
+    "resources": {{
+      "gpus": [
+        "{gpu}"
+      ],
+      "host_keys": null,
+      "volumes": [],
+      "created_dirs": [],
+      "released": false
+    }},
+    "created_at_ms": 1796058356297,
+    "updated_at_ms": 1796058357104
+  }}
+}}
+"#,
+        image = image(),
+    )
+}
+
+/// Issue 11, the first upgrade: a home written by this shim's first release (`tasks/<id>/`,
+/// the `{"schema_version": 1, "task": ..}` envelope, containers labelled
+/// `ai.dstack.shim.task=true` with an owner derived from the home's path) is migrated at start
+/// with its task running: the task keeps its container and GPU, the home's owner identity is
+/// the one its containers carry, the state file moves to `runners/<container name>/task.json`
+/// in upstream's format, and the runner, whose bind-mounted directory moved with it, still
+/// ends the task through it. A second start finds everything migrated already.
+#[test]
+fn first_release_home_is_migrated_with_its_task_running() {
+    if !docker_tests_enabled("first_release_home_is_migrated_with_its_task_running") {
+        return;
+    }
+    let mut shim = Shim::new();
+    let digest = Sha256::digest(shim.home.as_os_str().as_encoded_bytes());
+    let legacy_owner: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    let id = "first-1";
+    let config = task(id, 1);
+    let cname = container_name("e2e-first-1", id);
+    let old_dir = shim.home.join("tasks").join(id);
+    fs_err::create_dir_all(old_dir.join("runner")).unwrap();
+    let gpu = "GPU-00000000-0000-4000-8000-000000000002";
+
+    let _guard = NamedContainer(cname.clone());
+    let runner_mount = format!("{}:/tmp/runner", old_dir.join("runner").display());
+    let runner_bin = format!("{}:/usr/local/bin/dstack-runner:ro", runner_path().display());
+    let command = format!(
+        "/usr/local/bin/dstack-runner --log-level 6 start --temp-dir /tmp/runner \
+         --http-port {RUNNER_HTTP_PORT} --ssh-port {RUNNER_SSH_PORT}"
+    );
+    let cid = docker_ok(&[
+        "run",
+        "-d",
+        "--name",
+        &cname,
+        "--label",
+        "ai.dstack.shim.task=true",
+        "--label",
+        &format!("ai.dstack.shim.task-id={id}"),
+        "--label",
+        &format!("ai.dstack.shim.owner={legacy_owner}"),
+        "--label",
+        &format!("ai.dstack.shim.gpus={gpu}"),
+        "-v",
+        &runner_mount,
+        "-v",
+        &runner_bin,
+        "-p",
+        &format!("127.0.0.1::{RUNNER_HTTP_PORT}"),
+        "-p",
+        &format!("127.0.0.1::{RUNNER_SSH_PORT}"),
+        "--entrypoint",
+        "/bin/sh",
+        &image(),
+        "-c",
+        &command,
+    ])
+    .trim()
+    .to_owned();
+    fs_err::write(
+        old_dir.join("task.json"),
+        first_release_state_file(id, "e2e-first-1", &cname, &cid, gpu),
+    )
+    .unwrap();
+
+    shim.start();
+    let info = shim.info(id);
+    assert_eq!(info["status"], "running", "{info}");
+    assert_eq!(info["container_id"], cid.as_str(), "{info}");
+    assert_eq!(info["gpu_ids"], json!([gpu]), "{info}");
+    assert_eq!(
+        fs_err::read_to_string(shim.home.join("owner-id"))
+            .unwrap()
+            .trim(),
+        legacy_owner
+    );
+    assert!(!shim.home.join("tasks").exists(), "the old layout is gone");
+    let new_dir = shim.home.join("runners").join(&cname);
+    let file: Value =
+        serde_json::from_slice(&fs_err::read(new_dir.join("task.json")).unwrap()).unwrap();
+    assert_eq!(file["version"], 1, "{file}");
+    assert_eq!(file["id"], id, "{file}");
+    assert_eq!(file["config"]["gpu"], config["gpu"], "{file}");
+    assert_container_running(&cid);
+
+    // Its GPU stays locked: four fake GPUs, one held, so four more cannot be had.
+    let greedy = task("first-greedy", 4);
+    shim.submit(&greedy).ok();
+    let refused = shim.wait_status("first-greedy", "terminated");
+    assert_eq!(refused["termination_reason"], "executor_error", "{refused}");
+
+    // Idempotent: a second start finds the new layout and the same task.
+    shim.kill();
+    shim.start();
+    let again = shim.info(id);
+    assert_eq!(again["status"], "running", "{again}");
+    assert_eq!(again["container_id"], cid.as_str(), "{again}");
+    assert_eq!(
+        fs_err::read_to_string(shim.home.join("owner-id"))
+            .unwrap()
+            .trim(),
+        legacy_owner
+    );
+
+    // The runner still sees its directory at the new path: it ends the task through it.
+    shim.exit_runner(&again, 0);
+    let done = shim.wait_status(id, "terminated");
+    assert_eq!(done["termination_reason"], "done_by_runner", "{done}");
+    shim.remove_retrying(id);
+    assert!(!new_dir.exists());
+    assert_eq!(container_running(&cid), None);
+    shim.remove_retrying("first-greedy");
+}
