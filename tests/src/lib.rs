@@ -48,6 +48,15 @@ pub const ENV_REGISTRY_USER: &str = "SHIM_TEST_REGISTRY_USER";
 pub const ENV_REGISTRY_PASSWORD: &str = "SHIM_TEST_REGISTRY_PASSWORD";
 /// Environment variable holding the absolute path of the stub runner script.
 pub const ENV_RUNNER: &str = "SHIM_TEST_RUNNER";
+/// Environment variable holding the Python of a venv with the dstack server package
+/// ([`DSTACK_VERSION`]); default [`DSTACK_PYTHON`] (made by `cargo xtask dev-env`).
+pub const ENV_DSTACK_PYTHON: &str = "SHIM_TEST_DSTACK_PYTHON";
+/// The dstack release whose server code checks the shim (PyPI `dstack[server]`).
+pub const DSTACK_VERSION: &str = "0.22.5";
+/// The venv `cargo xtask dev-env` makes for it.
+pub const DSTACK_VENV: &str = "/var/lib/dstack-shim-dev/venv-dstack";
+/// Its Python.
+pub const DSTACK_PYTHON: &str = "/var/lib/dstack-shim-dev/venv-dstack/bin/python";
 /// Set to `1` to run the tests that need a Docker daemon (they then fail if it is unreachable).
 pub const ENV_TEST_DOCKER: &str = "SHIM_TEST_DOCKER";
 /// Set to `1` to run the tests that need root (loop devices, mounts).
@@ -123,6 +132,11 @@ pub fn repo_root() -> PathBuf {
         .parent()
         .map(PathBuf::from)
         .unwrap_or(manifest_dir)
+}
+
+/// The Python with the dstack server package ([`ENV_DSTACK_PYTHON`] or [`DSTACK_PYTHON`]).
+pub fn dstack_python() -> PathBuf {
+    PathBuf::from(env_or(ENV_DSTACK_PYTHON, DSTACK_PYTHON))
 }
 
 /// Absolute path of the stub runner script ([`ENV_RUNNER`] or [`RUNNER_PATH_IN_REPO`]).

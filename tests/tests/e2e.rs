@@ -35,8 +35,8 @@ use shim_e2e::harness::{
     tasks_dir, write_runner_exit,
 };
 use shim_e2e::{
-    docker, docker_ok, docker_tests_enabled, image, registry, registry_password, registry_user,
-    runner_path,
+    docker, docker_ok, docker_tests_enabled, dstack_python, image, registry, registry_password,
+    registry_user, repo_root, runner_path,
 };
 
 /// How many fake GPUs every shim of these tests has.
@@ -1563,7 +1563,13 @@ impl HostUser {
         let name = format!("shime2e{suffix}");
         let home = root.join(format!("user-{name}"));
         let out = Command::new("useradd")
-            .args(["-M", "-d", &home.display().to_string(), "-s", "/usr/sbin/nologin"])
+            .args([
+                "-M",
+                "-d",
+                &home.display().to_string(),
+                "-s",
+                "/usr/sbin/nologin",
+            ])
             .arg(&name)
             .output()
             .expect("useradd runs (the Docker tests run as root)");
@@ -1746,7 +1752,10 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     assert_eq!(shim.list(), expected);
     let a = shim.info("upstream-a");
     assert_eq!(a["container_id"], cid_a.as_str(), "{a}");
-    assert_eq!(a["container_name"], container_name("e2e-upstream-a", "upstream-a"));
+    assert_eq!(
+        a["container_name"],
+        container_name("e2e-upstream-a", "upstream-a")
+    );
     assert_eq!(
         ports(&a).keys().copied().collect::<Vec<_>>(),
         [RUNNER_SSH_PORT, RUNNER_HTTP_PORT],
@@ -1772,7 +1781,10 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     shim.start();
     assert_eq!(shim.list(), expected);
     assert_eq!(shim.info("upstream-a")["container_id"], cid_a.as_str());
-    assert_eq!(shim.info("upstream-c")["termination_reason"], "done_by_runner");
+    assert_eq!(
+        shim.info("upstream-c")["termination_reason"],
+        "done_by_runner"
+    );
 
     // Terminate and remove: each releases exactly its own.
     let t = shim
@@ -1797,9 +1809,15 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     shim.terminate("upstream-b", "terminated_by_server", "switched", 2)
         .ok();
     wait_container_stopped(&cid_b);
-    assert!(!dir_b.join("task.json").exists(), "never written: {dir_b:?}");
+    assert!(
+        !dir_b.join("task.json").exists(),
+        "never written: {dir_b:?}"
+    );
     shim.remove_retrying("upstream-b");
-    assert!(!dir_b.exists(), "upstream's Remove deletes the runner directory");
+    assert!(
+        !dir_b.exists(),
+        "upstream's Remove deletes the runner directory"
+    );
     assert_eq!(container_running(&cid_b), None);
 
     shim.remove_retrying("upstream-c");
@@ -1832,7 +1850,10 @@ fn this_shims_containers_and_state_files_follow_upstreams_rules() {
     shim.submit(&config).ok();
     let info = shim.wait_status("ours-1", "running");
     let cid = info["container_id"].as_str().unwrap();
-    let dir = shim.home.join("runners").join(info["container_name"].as_str().unwrap());
+    let dir = shim
+        .home
+        .join("runners")
+        .join(info["container_name"].as_str().unwrap());
 
     let labels: BTreeMap<String, String> = serde_json::from_str(&docker_ok(&[
         "inspect",
@@ -1856,7 +1877,10 @@ fn this_shims_containers_and_state_files_follow_upstreams_rules() {
 
     let bytes = fs_err::read(dir.join("task.json")).unwrap();
     let text = String::from_utf8(bytes.clone()).unwrap();
-    assert!(!text.contains("never-on-disk") && !text.contains("someone"), "{text}");
+    assert!(
+        !text.contains("never-on-disk") && !text.contains("someone"),
+        "{text}"
+    );
     let file: Value = serde_json::from_slice(&bytes).unwrap();
     assert_eq!(file["version"], 1, "{file}");
     assert_eq!(file["id"], "ours-1", "{file}");
@@ -1910,7 +1934,8 @@ fn this_shims_containers_and_state_files_follow_upstreams_rules() {
     assert_eq!(stored["registry_username"], "");
     assert_eq!(stored["registry_password"], "");
 
-    shim.terminate("ours-1", "terminated_by_user", "bye", 0).ok();
+    shim.terminate("ours-1", "terminated_by_user", "bye", 0)
+        .ok();
     wait_for("the release is recorded", || {
         let file: Value =
             serde_json::from_slice(&fs_err::read(dir.join("task.json")).unwrap()).unwrap();
@@ -1963,7 +1988,8 @@ fn what_upstream_accepts_is_accepted_and_ends_as_upstream_ends_it() {
     );
 
     let mut gcp = task("gcp-1", 0);
-    gcp["volumes"] = json!([{"backend": "gcp", "name": "disk-1", "volume_id": "v1", "init_fs": true}]);
+    gcp["volumes"] =
+        json!([{"backend": "gcp", "name": "disk-1", "volume_id": "v1", "init_fs": true}]);
     gcp["volume_mounts"] = json!([{"name": "disk-1", "path": "/data"}]);
     let mut azure = task("azure-1", 0);
     azure["volumes"] = json!([{"backend": "azure", "name": "disk-2", "volume_id": "v2", "init_fs": false, "device_name": "sdb"}]);
@@ -2059,7 +2085,10 @@ fn first_release_home_is_migrated_with_its_task_running() {
 
     let _guard = NamedContainer(cname.clone());
     let runner_mount = format!("{}:/tmp/runner", old_dir.join("runner").display());
-    let runner_bin = format!("{}:/usr/local/bin/dstack-runner:ro", runner_path().display());
+    let runner_bin = format!(
+        "{}:/usr/local/bin/dstack-runner:ro",
+        runner_path().display()
+    );
     let command = format!(
         "/usr/local/bin/dstack-runner --log-level 6 start --temp-dir /tmp/runner \
          --http-port {RUNNER_HTTP_PORT} --ssh-port {RUNNER_SSH_PORT}"
@@ -2146,4 +2175,223 @@ fn first_release_home_is_migrated_with_its_task_running() {
     assert!(!new_dir.exists());
     assert_eq!(container_running(&cid), None);
     shim.remove_retrying("first-greedy");
+}
+
+/// Issue 11, as an SSH fleet starts the shim and a dstack 0.22.5 server checks it: every
+/// setting from upstream's environment variables (no flag at all; `DSTACK_SERVICE_MODE="1"`
+/// as the server writes it into `shim.env`), host_info.json written, the settings in effect
+/// in a task's container; then the server's own code (PyPI `dstack[server]==0.22.5`, the venv
+/// `cargo xtask dev-env` makes) negotiates API v2 with every feature gate on and, as a
+/// release server and as one without a version, requests no install and no shutdown.
+///
+/// upstream: runner/cmd/shim/main.go (the flags' environment variables),
+/// src/dstack/_internal/server/services/ssh_fleets/provisioning.py (shim.env,
+/// DSTACK_SERVICE_MODE), runner/internal/shim/host_info.go.
+#[test]
+fn started_as_ssh_fleets_start_it_the_dstack_server_keeps_it() {
+    if !docker_tests_enabled("started_as_ssh_fleets_start_it_the_dstack_server_keeps_it") {
+        return;
+    }
+    let python = dstack_python();
+    assert!(
+        python.exists(),
+        "{} is missing: run `cargo xtask dev-env` (it installs dstack[server]=={} in a venv) or \
+         set {}",
+        python.display(),
+        shim_e2e::DSTACK_VERSION,
+        shim_e2e::ENV_DSTACK_PYTHON
+    );
+    let root = tempfile::Builder::new()
+        .prefix("shim-e2e-env-")
+        .tempdir()
+        .unwrap();
+    let home = std::path::absolute(root.path().join("home")).unwrap();
+    let _sweeper = ContainerSweeper::for_home(&home);
+    let port = free_port().unwrap();
+    let (http_port, ssh_port) = (11999_u16, 11022_u16);
+    let env: Vec<(&str, String)> = vec![
+        ("DSTACK_SHIM_HOME", home.display().to_string()),
+        (
+            "DSTACK_SHIM_BINARY_PATH",
+            shim_binary().display().to_string(),
+        ),
+        ("DSTACK_SHIM_HTTP_PORT", port.to_string()),
+        ("DSTACK_SHIM_LOG_LEVEL", "5".to_owned()),
+        // Not fetched: the runner is there already (as upstream: installed only if missing).
+        (
+            "DSTACK_RUNNER_DOWNLOAD_URL",
+            "http://127.0.0.1:9/dstack-runner".to_owned(),
+        ),
+        (
+            "DSTACK_RUNNER_BINARY_PATH",
+            runner_path().display().to_string(),
+        ),
+        ("DSTACK_RUNNER_HTTP_PORT", http_port.to_string()),
+        ("DSTACK_RUNNER_SSH_PORT", ssh_port.to_string()),
+        ("DSTACK_RUNNER_SSH_LOG_LEVEL", "debug".to_owned()),
+        ("DSTACK_RUNNER_LOG_LEVEL", "5".to_owned()),
+        (
+            "DSTACK_DCGM_EXPORTER_HTTP_PORT",
+            free_port().unwrap().to_string(),
+        ),
+        ("DSTACK_DCGM_EXPORTER_INTERVAL", "5000".to_owned()),
+        ("DSTACK_DCGM_ADDRESS", String::new()),
+        ("DSTACK_DOCKER_PASS_ENV", "E2E_PASSED,E2E_UNSET".to_owned()),
+        ("DSTACK_DOCKER_PRIVILEGED", "0".to_owned()),
+        ("PJRT_DEVICE", "TPU".to_owned()),
+        ("DSTACK_SERVICE_MODE", "1".to_owned()),
+        ("E2E_PASSED", "yes".to_owned()),
+        // The stub runner reports the server's release, as an installed runner would.
+        ("STUB_RUNNER_VERSION", shim_e2e::DSTACK_VERSION.to_owned()),
+    ];
+    let mut command = Command::new(shim_binary());
+    command
+        .env_remove("RUST_LOG")
+        .env_remove("E2E_UNSET")
+        .env("NO_COLOR", "1")
+        .envs(env.iter().map(|(k, v)| (k, v)));
+    let log = root.path().join("shim.log");
+    let mut shim = ShimProcess::from_command(command, port, &log).unwrap();
+    let dump = |what: &str| format!("{what}\n{}", shim_e2e::harness::tail(&log, 80));
+    shim.wait_answering(START_BOUND, Duration::from_millis(20))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let addr = shim.addr();
+    let get = |path: &str| Request::get(path).send(addr).unwrap().ok();
+
+    // host_info.json, as upstream computes it.
+    let host_info = home.join("host_info.json");
+    wait_for("host_info.json is written", || host_info.exists());
+    let info: Value = serde_json::from_slice(&fs_err::read(&host_info).unwrap()).unwrap();
+    assert!(info["cpus"].as_u64().unwrap() > 0, "{info}");
+    assert!(info["memory"].as_u64().unwrap() > 0, "{info}");
+    assert!(
+        info["disk_size"].as_u64().unwrap() > 0,
+        "Docker's root directory is readable: {info}"
+    );
+    let addresses = info["addresses"].as_array().unwrap();
+    assert!(!addresses.is_empty(), "{info}");
+    assert!(
+        addresses
+            .iter()
+            .all(|a| !a.as_str().unwrap().starts_with("127.") && a != "::1/128"),
+        "no loopback address: {info}"
+    );
+
+    // One version string; the runner's version read from the binary the variable names.
+    let version = get("/api/healthcheck")["version"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let components = get("/api/components");
+    let by_name = |name: &str| {
+        components["components"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap_or_else(|| panic!("{components}"))
+            .clone()
+    };
+    assert_eq!(
+        by_name("dstack-shim")["version"],
+        version.as_str(),
+        "{components}"
+    );
+    assert_eq!(
+        by_name("dstack-runner")["version"],
+        shim_e2e::DSTACK_VERSION,
+        "{components}"
+    );
+
+    // The settings in effect in a task's container.
+    let config = task("env-1", 0);
+    let submitted = Request::post("/api/tasks")
+        .json(&config)
+        .send(addr)
+        .unwrap();
+    assert_eq!(submitted.status, 200, "{}", dump(&format!("{submitted:?}")));
+    let started = Instant::now();
+    let running = loop {
+        let info = get("/api/tasks/env-1");
+        if info["status"] == "running" {
+            break info;
+        }
+        assert!(
+            info["status"] != "terminated",
+            "{}",
+            dump(&info.to_string())
+        );
+        assert!(started.elapsed() < STATUS_BOUND, "{info}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(
+        ports(&running).keys().copied().collect::<Vec<_>>(),
+        [ssh_port, http_port],
+        "{running}"
+    );
+    let cid = running["container_id"].as_str().unwrap();
+    let container_env: Vec<String> =
+        serde_json::from_str(&docker_ok(&["inspect", "-f", "{{json .Config.Env}}", cid])).unwrap();
+    for wanted in ["PJRT_DEVICE=TPU", "E2E_PASSED=yes"] {
+        assert!(
+            container_env.iter().any(|e| e == wanted),
+            "{wanted}: {container_env:?}"
+        );
+    }
+    assert!(
+        !container_env.iter().any(|e| e.starts_with("E2E_UNSET")),
+        "{container_env:?}"
+    );
+    assert_eq!(
+        docker_ok(&["inspect", "-f", "{{.HostConfig.Privileged}}", cid]).trim(),
+        "false"
+    );
+    let args_file = runner_dir(&home, &running).join("stub-runner.args");
+    wait_for("the runner writes its arguments", || args_file.exists());
+    let args = fs_err::read_to_string(&args_file).unwrap();
+    let args: Vec<&str> = args.lines().collect();
+    for pair in [
+        ["--log-level", "5"],
+        ["--http-port", "11999"],
+        ["--ssh-port", "11022"],
+        ["--ssh-log-level", "debug"],
+    ] {
+        assert!(args.windows(2).any(|w| w == pair), "{pair:?} in {args:?}");
+    }
+
+    // The dstack server's own decisions about this shim.
+    let out = Command::new(&python)
+        .arg(repo_root().join("tests/dstack-server/check_shim.py"))
+        .arg(format!("http://{addr}"))
+        .arg("--host-info")
+        .arg(&host_info)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("check_shim.py:\n{stdout}");
+    assert!(
+        out.status.success(),
+        "the dstack server's checks fail ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    let last = stdout.lines().last().unwrap_or_default();
+    assert!(last.ends_with(" passed, 0 failed"), "{last}");
+
+    let terminated = Request::post("/api/tasks/env-1/terminate")
+        .json(&json!({"termination_reason": "terminated_by_server", "termination_message": "", "timeout": 0}))
+        .send(addr)
+        .unwrap();
+    assert_eq!(terminated.status, 200, "{terminated:?}");
+    wait_container_stopped(cid);
+    let started = Instant::now();
+    loop {
+        let removed = Request::post("/api/tasks/env-1/remove").send(addr).unwrap();
+        if removed.status == 200 {
+            break;
+        }
+        assert!(started.elapsed() < STATUS_BOUND, "{removed:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(shim);
 }

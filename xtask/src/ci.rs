@@ -6,8 +6,8 @@ use std::process::Command;
 
 use anyhow::{Result, bail};
 use shim_e2e::{
-    ENV_IMAGE, ENV_REGISTRY, ENV_REGISTRY_PASSWORD, ENV_REGISTRY_USER, ENV_RUNNER, ENV_TEST_DOCKER,
-    ENV_TEST_ROOT,
+    ENV_DSTACK_PYTHON, ENV_IMAGE, ENV_REGISTRY, ENV_REGISTRY_PASSWORD, ENV_REGISTRY_USER,
+    ENV_RUNNER, ENV_TEST_DOCKER, ENV_TEST_ROOT,
 };
 
 use crate::cmd;
@@ -77,7 +77,8 @@ pub fn ci(skip_dev_env: bool) -> Result<()> {
                 .env(ENV_REGISTRY, shim_e2e::registry())
                 .env(ENV_REGISTRY_USER, shim_e2e::registry_user())
                 .env(ENV_REGISTRY_PASSWORD, shim_e2e::registry_password())
-                .env(ENV_RUNNER, runner),
+                .env(ENV_RUNNER, runner)
+                .env(ENV_DSTACK_PYTHON, shim_e2e::dstack_python()),
         )
     });
     note("tests", result);

@@ -133,6 +133,7 @@ pub fn dev_env_timed(timings: &mut Timings) -> Result<()> {
     timings.time("registry", registry::ensure_running)?;
     timings.time("registry small image", || push_small(rebuilt))?;
     timings.time("registry large image", push_large)?;
+    timings.time("dstack server venv", ensure_dstack_venv)?;
     println!(
         "\ndev-env ready: image {IMAGE}, registry {REGISTRY} ({} / {}), images {} and {}",
         shim_e2e::REGISTRY_USER,
@@ -140,6 +141,44 @@ pub fn dev_env_timed(timings: &mut Timings) -> Result<()> {
         small_ref(),
         large_ref()
     );
+    Ok(())
+}
+
+/// Makes the venv with the dstack server package ([`shim_e2e::DSTACK_VERSION`] from PyPI) that
+/// the tests run the server's own code from, unless it has that version already.
+fn ensure_dstack_venv() -> Result<()> {
+    let venv = std::path::Path::new(shim_e2e::DSTACK_VENV);
+    let python = venv.join("bin/python");
+    let version = shim_e2e::DSTACK_VERSION;
+    let probe = format!(
+        "import importlib.metadata as m, sys; import dstack._internal.server.services.runner.client; \
+         sys.exit(m.version('dstack') != '{version}')"
+    );
+    if python.exists() && cmd::succeeds(cmd::cmd(&python).args(["-c", &probe])) {
+        println!("dstack venv: {} has dstack {version}", venv.display());
+        return Ok(());
+    }
+    if venv.exists() {
+        println!(
+            "dstack venv: {} is incomplete; making it again",
+            venv.display()
+        );
+        fs_err::remove_dir_all(venv)?;
+    }
+    cmd::run(cmd::cmd("python3").args(["-m", "venv"]).arg(venv))?;
+    cmd::run(cmd::cmd(venv.join("bin/pip")).args([
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        &format!("dstack[server]=={version}"),
+    ]))?;
+    if !cmd::succeeds(cmd::cmd(&python).args(["-c", &probe])) {
+        bail!(
+            "dstack venv: {} lacks dstack {version} after pip install",
+            venv.display()
+        );
+    }
+    println!("dstack venv: installed dstack[server]=={version}");
     Ok(())
 }
 

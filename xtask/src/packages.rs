@@ -8,12 +8,13 @@ use crate::cmd;
 pub const DOCKER: &[&str] = &["docker.io"];
 
 /// Everything `dev-env` needs: Docker, the static busybox of the test image, the registry and
-/// `htpasswd` for its auth file.
+/// `htpasswd` for its auth file, and Python's venv for the dstack server package.
 pub const ALL: &[&str] = &[
     "docker.io",
     "busybox-static",
     "docker-registry",
     "apache2-utils",
+    "python3-venv",
 ];
 
 /// Wait for the dpkg lock (a fresh VM may be running unattended upgrades) instead of failing.

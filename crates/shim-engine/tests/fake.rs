@@ -1001,10 +1001,8 @@ async fn upstream_tasks_are_adopted_and_release_exactly_theirs() {
     let runners = w.home.path().join("runners");
 
     // With a state file (the upstream version with per-task state): two GPUs, a volume, a key.
-    let name_a = shim_task::container_name(
-        &TaskName::new("up-a").unwrap(),
-        &TaskId::new("a1").unwrap(),
-    );
+    let name_a =
+        shim_task::container_name(&TaskName::new("up-a").unwrap(), &TaskId::new("a1").unwrap());
     let dir_a = runners.join(&name_a);
     fs_err::create_dir_all(dir_a.join("runner")).unwrap();
     fs_err::write(
@@ -1131,7 +1129,10 @@ async fn upstream_tasks_are_adopted_and_release_exactly_theirs() {
     wait_released(&engine, &w, "b1").await;
     assert_eq!(entries(&dir_b), ["pull.log"], "state stays in memory");
     engine.remove(&tid("b1")).await.unwrap();
-    assert!(!dir_b.exists(), "upstream's Remove deletes the runner directory");
+    assert!(
+        !dir_b.exists(),
+        "upstream's Remove deletes the runner directory"
+    );
     assert_eq!(w.runtime.state(&cid_b), None);
     assert_eq!(
         w.runtime.state(&foreign),

@@ -215,6 +215,25 @@ impl ShimProcess {
         Ok(shim)
     }
 
+    /// Starts a command the caller prepared (how it gets its home and port, by flags or by
+    /// environment, is the caller's), stdout and stderr appended to `log`; its API is taken
+    /// to listen on `port`. Returns at once.
+    pub fn from_command(mut command: Command, port: u16, log: &Path) -> io::Result<Self> {
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(open_log(log)?)
+            .stderr(open_log(log)?)
+            .spawn()
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot start {command:?}: {e}")))?;
+        Ok(Self {
+            child,
+            api: Api {
+                addr: SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
+            },
+            log: log.to_owned(),
+        })
+    }
+
     /// Its API.
     pub fn api(&self) -> Api {
         self.api
