@@ -1,0 +1,423 @@
+//! The Docker implementation of [`ContainerRuntime`], on bollard: the calls here, the
+//! conversions between bollard's models and this crate's types in [`convert`], the folding of
+//! pull progress and the pull log in [`progress`].
+
+mod convert;
+mod progress;
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use bollard::Docker;
+use bollard::auth::DockerCredentials;
+use bollard::errors::Error as BollardError;
+use bollard::models::{CreateImageInfo, EventMessage};
+use bollard::query_parameters::{
+    CreateContainerOptionsBuilder, CreateImageOptionsBuilder, EventsOptionsBuilder,
+    ListContainersOptionsBuilder, LogsOptionsBuilder, RemoveContainerOptionsBuilder,
+    StopContainerOptionsBuilder,
+};
+use futures_util::{StreamExt, TryStreamExt};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::spec::ContainerSpec;
+use crate::types::{
+    ContainerDetails, ContainerState, ContainerSummary, MountPoint, PullProgress, PullRequest,
+};
+use crate::{ContainerRuntime, EventStream, ProgressFn, Result, RuntimeError};
+
+use convert::{container_event, create_body, details, label_filters, strip_slash, summary_ports};
+use progress::{ProgressFolder, PullLog};
+
+/// How long any request may wait for the daemon's answer to begin (streams then run on).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The [`ContainerRuntime`] backed by a Docker daemon.
+#[derive(Debug, Clone)]
+pub struct DockerRuntime {
+    docker: Docker,
+}
+
+/// Translates a bollard error into a [`RuntimeError`], once.
+fn translate(op: &'static str, what: String, err: BollardError) -> RuntimeError {
+    match err {
+        BollardError::DockerResponseServerError {
+            status_code: 404,
+            message,
+        } => {
+            debug!(op, %what, %message, "not found");
+            RuntimeError::NotFound { what }
+        }
+        BollardError::DockerResponseServerError {
+            status_code: 409,
+            message,
+        } => RuntimeError::Conflict { op, what, message },
+        BollardError::DockerResponseServerError {
+            status_code,
+            message,
+        } => RuntimeError::Daemon {
+            op,
+            what,
+            status: status_code,
+            message,
+        },
+        err @ (BollardError::SocketNotFoundError(_)
+        | BollardError::HyperLegacyError { .. }
+        | BollardError::HyperResponseError { .. }
+        | BollardError::IOError { .. }
+        | BollardError::RequestTimeoutError) => RuntimeError::DaemonUnavailable {
+            op,
+            what,
+            source: Box::new(err),
+        },
+        err => RuntimeError::Other {
+            op,
+            what,
+            source: Box::new(err),
+        },
+    }
+}
+
+fn container(id: &str) -> String {
+    format!("container {id}")
+}
+
+impl DockerRuntime {
+    /// Connects through `DOCKER_HOST` or the default socket and negotiates the API version.
+    pub async fn connect() -> Result<Self> {
+        let docker = Docker::connect_with_defaults()
+            .map_err(|e| translate("connect", "docker daemon".to_owned(), e))?;
+        Self::from_client(docker).await
+    }
+
+    /// Connects to `host` (`unix:///path`, `tcp://…`, as in `DOCKER_HOST`) and negotiates the
+    /// API version.
+    pub async fn connect_to(host: &str) -> Result<Self> {
+        let docker = Docker::connect_with_host(host)
+            .map_err(|e| translate("connect", format!("docker daemon at {host}"), e))?;
+        Self::from_client(docker).await
+    }
+
+    /// Wraps a bollard client, negotiating the API version. Every request gets at most
+    /// `REQUEST_TIMEOUT` (30 s) for its response to begin (a frozen daemon does not hang the
+    /// shim); a stop gets its grace period on top.
+    pub async fn from_client(docker: Docker) -> Result<Self> {
+        let docker = docker
+            .with_timeout(REQUEST_TIMEOUT)
+            .negotiate_version()
+            .await
+            .map_err(|e| translate("negotiate version", "docker daemon".to_owned(), e))?;
+        Ok(Self { docker })
+    }
+
+    /// The underlying bollard client.
+    pub fn client(&self) -> &Docker {
+        &self.docker
+    }
+
+    async fn pull_stream(
+        &self,
+        request: &PullRequest,
+        image: &str,
+        folder: &mut ProgressFolder,
+        progress: ProgressFn<'_>,
+        log: &mut Option<PullLog>,
+    ) -> Result<()> {
+        let options = CreateImageOptionsBuilder::new().from_image(image).build();
+        let credentials = request.auth.as_ref().map(|a| DockerCredentials {
+            username: Some(a.username.clone()),
+            password: Some(a.password.clone()),
+            ..DockerCredentials::default()
+        });
+        let mut stream = self.docker.create_image(Some(options), None, credentials);
+        while let Some(item) = stream.next().await {
+            match item {
+                Ok(info) => {
+                    if let Some(log) = log.as_mut() {
+                        log.write(&info).await?;
+                    }
+                    if folder.feed(&info) {
+                        progress(folder.progress(false));
+                    }
+                }
+                Err(BollardError::DockerStreamError { error }) => {
+                    return Err(RuntimeError::PullFailed {
+                        image: image.to_owned(),
+                        message: error,
+                        downloaded_bytes: folder.progress(false).downloaded_bytes,
+                    });
+                }
+                Err(BollardError::DockerResponseServerError {
+                    message,
+                    status_code,
+                }) if status_code != 500 || !message.is_empty() => {
+                    if let Some(log) = log.as_mut() {
+                        let line = CreateImageInfo {
+                            error_detail: Some(bollard::models::ErrorDetail {
+                                code: Some(i64::from(status_code)),
+                                message: Some(message.clone()),
+                            }),
+                            ..CreateImageInfo::default()
+                        };
+                        log.write(&line).await?;
+                    }
+                    return Err(RuntimeError::PullFailed {
+                        image: image.to_owned(),
+                        message,
+                        downloaded_bytes: folder.progress(false).downloaded_bytes,
+                    });
+                }
+                Err(err) => return Err(translate("pull", format!("image {image}"), err)),
+            }
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl ContainerRuntime for DockerRuntime {
+    async fn image_present(&self, image: &str) -> Result<bool> {
+        match self.docker.inspect_image(image).await {
+            Ok(_) => Ok(true),
+            Err(err) => match translate("inspect image", format!("image {image}"), err) {
+                RuntimeError::NotFound { .. } => Ok(false),
+                other => Err(other),
+            },
+        }
+    }
+
+    async fn pull(
+        &self,
+        request: &PullRequest,
+        progress: ProgressFn<'_>,
+        cancel: CancellationToken,
+    ) -> Result<PullProgress> {
+        let image = crate::spec::with_default_tag(&request.image);
+        let mut log = match &request.log_path {
+            Some(path) => Some(PullLog::create(path).await?),
+            None => None,
+        };
+        debug!(%image, with_auth = request.auth.is_some(), "pulling image");
+        let mut folder = ProgressFolder::default();
+        // Dropping the pull future drops the response stream and its connection: the daemon
+        // then abandons the pull.
+        let outcome = tokio::select! {
+            biased;
+            () = cancel.cancelled() => Err(RuntimeError::Cancelled {
+                op: "pull",
+                what: format!("image {image}"),
+            }),
+            () = tokio::time::sleep(request.timeout) => Err(RuntimeError::PullTimeout {
+                image: image.clone(),
+                timeout: request.timeout,
+                downloaded_bytes: 0,
+            }),
+            r = self.pull_stream(request, &image, &mut folder, progress, &mut log) => r,
+        };
+        if let Some(log) = log {
+            log.finish().await;
+        }
+        match outcome {
+            Ok(()) => {
+                let done = folder.progress(true);
+                progress(done);
+                Ok(done)
+            }
+            Err(RuntimeError::PullTimeout { image, timeout, .. }) => {
+                Err(RuntimeError::PullTimeout {
+                    image,
+                    timeout,
+                    downloaded_bytes: folder.progress(false).downloaded_bytes,
+                })
+            }
+            Err(err) => Err(err),
+        }
+    }
+
+    async fn create(&self, spec: &ContainerSpec) -> Result<String> {
+        let options = CreateContainerOptionsBuilder::new()
+            .name(&spec.name)
+            .build();
+        let resp = self
+            .docker
+            .create_container(Some(options), create_body(spec))
+            .await
+            .map_err(|e| match translate("create", container(&spec.name), e) {
+                // 404 on create means the image is missing.
+                RuntimeError::NotFound { .. } => RuntimeError::NotFound {
+                    what: format!("image {}", spec.image),
+                },
+                other => other,
+            })?;
+        for warning in &resp.warnings {
+            warn!(container = %spec.name, %warning, "docker warning on create");
+        }
+        Ok(resp.id)
+    }
+
+    async fn start(&self, id: &str) -> Result<()> {
+        self.docker
+            .start_container(id, None::<bollard::query_parameters::StartContainerOptions>)
+            .await
+            .map_err(|e| translate("start", container(id), e))
+    }
+
+    async fn inspect(&self, id_or_name: &str) -> Result<ContainerDetails> {
+        let resp = self
+            .docker
+            .inspect_container(
+                id_or_name,
+                None::<bollard::query_parameters::InspectContainerOptions>,
+            )
+            .await
+            .map_err(|e| translate("inspect", container(id_or_name), e))?;
+        Ok(details(resp))
+    }
+
+    async fn list(&self, labels: &[(String, String)]) -> Result<Vec<ContainerSummary>> {
+        let options = ListContainersOptionsBuilder::new()
+            .all(true)
+            .filters(&label_filters(labels))
+            .build();
+        let containers = self
+            .docker
+            .list_containers(Some(options))
+            .await
+            .map_err(|e| translate("list", "containers".to_owned(), e))?;
+        Ok(containers
+            .into_iter()
+            .map(|c| ContainerSummary {
+                id: c.id.unwrap_or_default(),
+                name: c
+                    .names
+                    .and_then(|n| n.into_iter().next())
+                    .map(|n| strip_slash(&n))
+                    .unwrap_or_default(),
+                state: c.state.map_or(ContainerState::Other(String::new()), |s| {
+                    ContainerState::parse(s.as_ref())
+                }),
+                labels: c.labels.unwrap_or_default().into_iter().collect(),
+                ports: summary_ports(c.ports.as_deref().unwrap_or_default()),
+                mounts: c
+                    .mounts
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|m| MountPoint {
+                        source: m.source.unwrap_or_default(),
+                        destination: m.destination.unwrap_or_default(),
+                        read_write: m.rw.unwrap_or(false),
+                    })
+                    .collect(),
+            })
+            .collect())
+    }
+
+    async fn stop(&self, id: &str, timeout: Duration) -> Result<()> {
+        let secs = i32::try_from(timeout.as_secs()).unwrap_or(i32::MAX);
+        let options = StopContainerOptionsBuilder::new().t(secs).build();
+        // The request lasts as long as the grace period: give the client more than that.
+        let docker = self
+            .docker
+            .clone()
+            .with_timeout(timeout.saturating_add(Duration::from_secs(60)));
+        match docker.stop_container(id, Some(options)).await {
+            Ok(()) => Ok(()),
+            // 304: already stopped.
+            Err(BollardError::DockerResponseServerError {
+                status_code: 304, ..
+            }) => Ok(()),
+            Err(err) => Err(translate("stop", container(id), err)),
+        }
+    }
+
+    async fn remove(&self, id: &str) -> Result<()> {
+        let options = RemoveContainerOptionsBuilder::new()
+            .force(true)
+            .v(true)
+            .build();
+        match self.docker.remove_container(id, Some(options)).await {
+            Ok(()) => Ok(()),
+            Err(err) => match translate("remove", container(id), err) {
+                RuntimeError::NotFound { .. } => Ok(()),
+                // Removal already in progress: it will be gone.
+                RuntimeError::Conflict { message, .. }
+                    if message.contains("already in progress") =>
+                {
+                    Ok(())
+                }
+                other => Err(other),
+            },
+        }
+    }
+
+    async fn logs_tail(&self, id: &str, n: usize) -> Result<Vec<String>> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let options = LogsOptionsBuilder::new()
+            .stdout(true)
+            .stderr(true)
+            .follow(false)
+            .tail(&n.to_string())
+            .build();
+        let chunks: Vec<_> = self
+            .docker
+            .logs(id, Some(options))
+            .try_collect()
+            .await
+            .map_err(|e| translate("logs", container(id), e))?;
+        let mut bytes = Vec::new();
+        for chunk in chunks {
+            bytes.extend_from_slice(&chunk.into_bytes());
+        }
+        let text = String::from_utf8_lossy(&bytes);
+        let lines: Vec<String> = text
+            .split('\n')
+            .map(|l| l.strip_suffix('\r').unwrap_or(l).to_owned())
+            .collect();
+        // A trailing newline leaves an empty last element.
+        let lines: Vec<String> = match lines.split_last() {
+            Some((last, rest)) if last.is_empty() => rest.to_vec(),
+            _ => lines,
+        };
+        let skip = lines.len().saturating_sub(n);
+        Ok(lines[skip..].to_vec())
+    }
+
+    async fn events(
+        &self,
+        labels: &[(String, String)],
+        since_ns: Option<i64>,
+    ) -> Result<EventStream> {
+        let since_ns = since_ns.unwrap_or_else(|| {
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+        });
+        let since = format!(
+            "{}.{:09}",
+            since_ns.div_euclid(1_000_000_000),
+            since_ns.rem_euclid(1_000_000_000)
+        );
+        let mut filters = label_filters(labels);
+        filters.insert("type".to_owned(), vec!["container".to_owned()]);
+        filters.insert(
+            "event".to_owned(),
+            vec!["die".to_owned(), "oom".to_owned(), "destroy".to_owned()],
+        );
+        let options = EventsOptionsBuilder::new()
+            .since(&since)
+            .filters(&filters)
+            .build();
+        let stream = self.docker.events(Some(options)).filter_map(
+            |item: std::result::Result<EventMessage, BollardError>| async move {
+                match item {
+                    Ok(msg) => container_event(msg).map(Ok),
+                    Err(err) => Some(Err(translate("events", "containers".to_owned(), err))),
+                }
+            },
+        );
+        Ok(stream.boxed())
+    }
+}
