@@ -14,7 +14,8 @@ use crate::cmd;
 use crate::devenv::{self, Timings};
 use shim_e2e::harness::cargo;
 
-/// Runs dev-env (unless `skip_dev_env`), fmt, clippy, cargo-deny, nextest and rustdoc.
+/// Runs dev-env (unless `skip_dev_env`), fmt, clippy, cargo-deny, nextest, doctests, a quick
+/// bench and rustdoc.
 pub fn ci(skip_dev_env: bool) -> Result<()> {
     let root = shim_e2e::repo_root();
     let mut timings = Timings::default();
@@ -82,6 +83,12 @@ pub fn ci(skip_dev_env: bool) -> Result<()> {
         )
     });
     note("tests", result);
+
+    // nextest does not run doctests: the embedding examples in the crate docs compile here.
+    let result = timings.time("doctests", || {
+        cmd::run(cargo_in(&root).args(["test", "--doc", "--workspace"]))
+    });
+    note("doctests", result);
 
     // A smoke run of the bench harness (few samples, no time asserted): fails only if the
     // harness itself breaks.
