@@ -1,7 +1,7 @@
 //! The engine: the task table, the public operations, and the driver that carries out the
 //! state machine's actions.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -208,6 +208,9 @@ pub(crate) struct Inner {
     pub(crate) shutdown: CancellationToken,
     /// Start jobs in flight (graceful shutdown waits for them, with a bound).
     pub(crate) jobs: Mutex<Vec<JoinHandle<()>>>,
+    /// Images (with their tag) this engine saw present: a start of one skips the image
+    /// check; a create that finds it gone pulls it and creates again.
+    pub(crate) known_images: Mutex<BTreeSet<String>>,
 }
 
 impl Inner {
@@ -521,6 +524,7 @@ impl Engine {
             last_cycle_ms: Mutex::new(None),
             shutdown: CancellationToken::new(),
             jobs: Mutex::new(Vec::new()),
+            known_images: Mutex::new(BTreeSet::new()),
         });
         let mut registry = Registry::default();
         inner

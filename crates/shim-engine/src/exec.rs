@@ -11,6 +11,9 @@ use shim_task::{MountedVolume, PortMapping, PullProgress, Resources};
 use crate::engine::{Inner, Slot};
 use crate::error::{EngineError, Result};
 
+/// The most images [`Inner::pull`] remembers as present.
+const MAX_KNOWN_IMAGES: usize = 256;
+
 impl Inner {
     /// Executes `action` for the task in `slot`. Returns the outcome event, if the action has
     /// one. An error stops the driver (the caller decides what that means for the task).
@@ -155,12 +158,38 @@ impl Inner {
         }
     }
 
+    /// The images this engine saw present.
+    fn known_images(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeSet<String>> {
+        self.known_images
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Remembers that `image` is present (a bounded set: past the bound it starts over).
+    fn image_seen(&self, image: &str) {
+        let mut known = self.known_images();
+        if known.len() >= MAX_KNOWN_IMAGES {
+            known.clear();
+        }
+        known.insert(image.to_owned());
+    }
+
+    /// The pull step: a `:latest` image is always pulled (as upstream does); another is
+    /// pulled only when it is not present. An image this engine saw present already is not
+    /// checked again (one Docker request less per start); if it was removed since, the
+    /// create finds out and pulls it ([`Inner::create`]).
     async fn pull(self: &Arc<Self>, slot: &Arc<Slot>, image: String) -> Event {
         let runtime = &self.deps.runtime;
         let image = shim_runtime::spec::with_default_tag(&image);
         if !image.ends_with(":latest") {
+            if self.known_images().contains(&image) {
+                return Event::PullSkipped;
+            }
             match runtime.image_present(&image).await {
-                Ok(true) => return Event::PullSkipped,
+                Ok(true) => {
+                    self.image_seen(&image);
+                    return Event::PullSkipped;
+                }
                 Ok(false) => {}
                 Err(e) => {
                     return Event::PullFailed {
@@ -169,13 +198,34 @@ impl Inner {
                 }
             }
         }
+        match self.pull_image(slot, &image).await {
+            Ok(p) => {
+                if !image.ends_with(":latest") {
+                    self.image_seen(&image);
+                }
+                Event::PullDone(convert_progress(p))
+            }
+            Err(e) => Event::PullFailed {
+                message: e.to_string(),
+            },
+        }
+    }
+
+    /// Pulls `image` for the task: its credentials, its pull log, its cancellation, progress
+    /// into its view.
+    async fn pull_image(
+        self: &Arc<Self>,
+        slot: &Arc<Slot>,
+        image: &str,
+    ) -> shim_runtime::Result<shim_runtime::PullProgress> {
+        let runtime = &self.deps.runtime;
         let log_path = self
             .store
             .paths(&slot.container_name)
             .ok()
             .map(|p| p.pull_log);
         let request = PullRequest {
-            image: image.clone(),
+            image: image.to_owned(),
             auth: slot.auth.clone(),
             log_path,
             timeout: self.cfg.pull_timeout,
@@ -186,15 +236,9 @@ impl Inner {
             let _ = progress_slot.step_volatile(Event::PullProgressed(convert_progress(p)));
         };
         tracing::info!(task = %slot.id, %image, "pulling image");
-        match runtime
+        runtime
             .pull(&request, &progress, slot.pull_cancel.clone())
             .await
-        {
-            Ok(p) => Event::PullDone(convert_progress(p)),
-            Err(e) => Event::PullFailed {
-                message: e.to_string(),
-            },
-        }
     }
 
     async fn create(self: &Arc<Self>, slot: &Arc<Slot>) -> Result<String> {
@@ -208,6 +252,16 @@ impl Inner {
                 if self.is_own_leftover(&spec.name, &slot.id).await =>
             {
                 self.deps.runtime.remove(&spec.name).await?;
+                Ok(self.deps.runtime.create(&spec).await?)
+            }
+            // The image was present when this engine last looked and is gone now (pruned
+            // behind its back): pull it, then create again.
+            Err(RuntimeError::NotFound { .. })
+                if self.known_images().remove(&spec.image) =>
+            {
+                tracing::warn!(task = %slot.id, image = %spec.image, "image gone since it was last seen; pulling it again");
+                self.pull_image(slot, &spec.image).await?;
+                self.image_seen(&spec.image);
                 Ok(self.deps.runtime.create(&spec).await?)
             }
             other => Ok(other?),

@@ -703,9 +703,10 @@ async fn a_duplicate_gpu_claim_after_restart_never_frees_a_gpu_in_use() {
     let _ = w.restart(engine).await;
 }
 
-/// The Docker requests a start makes, counted on the fake: an image check, create, start, and
-/// (bridge only) one inspect to read the published ports. Nothing else: no list, and no
-/// request from the reconciler because a start returned.
+/// The Docker requests a start makes, counted on the fake: create, start, and (bridge only)
+/// one inspect to read the published ports, plus an image check the first time an image is
+/// used. Nothing else: no list, and no request from the reconciler because a start returned.
+/// An image removed behind the engine's back is pulled when the create finds it missing.
 #[tokio::test]
 async fn a_start_makes_the_minimum_docker_requests() {
     let w = World::new(0);
@@ -714,7 +715,12 @@ async fn a_start_makes_the_minimum_docker_requests() {
     w.runtime
         .wait_for_call(|c| matches!(c, shim_runtime::fake::Call::Events(..)))
         .await;
-    for (id, bridge, expected) in [("host", false, 3), ("bridge", true, 4)] {
+    let cases: [(&str, bool, &[&str]); 3] = [
+        ("first", false, &["image_present", "create", "start"]),
+        ("bridge", true, &["create", "start", "inspect"]),
+        ("host", false, &["create", "start"]),
+    ];
+    for (id, bridge, expected) in cases {
         w.runtime.clear_calls();
         let mut c = config(id);
         if bridge {
@@ -725,12 +731,17 @@ async fn a_start_makes_the_minimum_docker_requests() {
         // Let anything a finished start might trigger happen.
         tokio::time::sleep(Duration::from_millis(100)).await;
         let ops: Vec<&str> = w.runtime.calls().iter().map(|c| c.op()).collect();
-        assert_eq!(ops.len(), expected, "{id}: {ops:?}");
-        assert_eq!(&ops[..3], ["image_present", "create", "start"], "{id}");
-        if bridge {
-            assert_eq!(ops[3], "inspect");
-        }
+        assert_eq!(ops, expected, "{id}");
     }
+
+    // The image is pruned behind the engine's back: the create finds it missing, the image
+    // is pulled and the container created again.
+    w.runtime.remove_image(IMAGE);
+    w.runtime.clear_calls();
+    engine.submit(config("pruned")).await.unwrap();
+    wait_status(&engine, "pruned", TaskStatus::Running).await;
+    let ops: Vec<&str> = w.runtime.calls().iter().map(|c| c.op()).collect();
+    assert_eq!(ops, ["create", "pull", "create", "start"]);
 }
 
 /// A `die` event terminates the task with the code it carries: no inspect, no list; an error
