@@ -290,7 +290,13 @@ pub async fn serve(
             () = shutdown.cancelled() => break,
             () = force.cancelled() => break,
             accepted = tcp.accept() => match accepted {
-                Ok((stream, _peer)) => conns.serve(stream),
+                Ok((stream, _peer)) => {
+                    // Answers and events go out as written, not held back for an ACK (Nagle).
+                    if let Err(e) = stream.set_nodelay(true) {
+                        tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+                    }
+                    conns.serve(stream);
+                }
                 Err(e) => accept_failed(&e).await,
             },
             accepted = accept_unix(unix.as_ref()) => match accepted {

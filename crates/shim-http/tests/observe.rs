@@ -567,10 +567,10 @@ async fn events_end_when_the_feed_closes() {
     stop(s).await;
 }
 
-/// A client that stops reading while changes pour in: the producer's sends never wait, a
-/// client that reads gets every change in order, and the stalled client is disconnected
-/// (the body cut off, no clean end) once its queue is full. Then the server still answers
-/// and the stalled client's place is free again.
+/// A client that stops reading while changes pour in: a client that reads gets every change
+/// in order meanwhile, and the stalled client is disconnected (the body cut off, no clean
+/// end) once its queue is full. Then the server still answers and the stalled client's place
+/// is free again.
 #[tokio::test]
 async fn a_slow_client_is_disconnected_when_its_queue_is_full() {
     slow_client_is_disconnected(EventsConfig {
@@ -588,7 +588,7 @@ async fn a_slow_client_is_disconnected_when_its_queue_is_full() {
 async fn a_stalled_client_is_disconnected_after_a_keep_alive_period() {
     slow_client_is_disconnected(EventsConfig {
         max_clients: 2,
-        keep_alive: Duration::from_millis(200),
+        keep_alive: Duration::from_secs(1),
         max_queued_bytes: 1 << 30,
     })
     .await;
@@ -602,25 +602,39 @@ async fn slow_client_is_disconnected(events: EventsConfig) {
     assert_eq!(stalled.next_event().await.unwrap().event, "snapshot");
     let mut reader = subscribed(s.addr).await;
 
-    // ~16 MiB: more than the socket buffers, hyper's buffer and the queue together.
-    let fake = s.fake.clone();
-    let producer = tokio::spawn(async move {
+    // ~16 MiB: more than the socket buffers, hyper's buffer and the queue together. The
+    // producer keeps at most a few changes ahead of the reading client (so only the stalled
+    // one can fall behind, however the machine schedules the test).
+    let received = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let reading = {
+        let received = received.clone();
+        tokio::spawn(async move {
+            for seq in 1..=CHANGES {
+                let event = reader.next_event().await.unwrap();
+                assert_eq!(
+                    (event.event.as_str(), event.id),
+                    ("change", Some(seq)),
+                    "the reading client gets every change in order"
+                );
+                received.store(seq, std::sync::atomic::Ordering::Release);
+            }
+            reader
+        })
+    };
+    let produced = tokio::time::timeout(BOUND, async {
         for seq in 1..=CHANGES {
-            fake.send(seq, change_json(seq, "a", PAD));
+            while seq > received.load(std::sync::atomic::Ordering::Acquire) + 4 {
+                tokio::task::yield_now().await;
+            }
+            s.fake.send(seq, change_json(seq, "a", PAD));
             tokio::task::yield_now().await;
         }
-    });
-    for seq in 1..=CHANGES {
-        let event = reader.next_event().await.unwrap();
-        assert_eq!(
-            (event.event.as_str(), event.id),
-            ("change", Some(seq)),
-            "the reading client gets every change in order"
-        );
-    }
-    tokio::time::timeout(BOUND, producer)
+    })
+    .await;
+    assert!(produced.is_ok(), "the reading client fell behind");
+    let reader = tokio::time::timeout(BOUND, reading)
         .await
-        .expect("the producer never waits")
+        .expect("the reading client got every change")
         .unwrap();
 
     // The stalled client now reads: what was in flight, then the cut.
