@@ -39,11 +39,14 @@ const EVENT_BOUND: Duration = Duration::from_secs(90);
 // ---------------------------------------------------------------------------------------------
 
 struct Shim {
+    /// Swept in `drop`, while the home (which holds the owner identity) still exists.
+    containers: ContainerSweeper,
     root: tempfile::TempDir,
     home: PathBuf,
     process: Option<ShimProcess>,
     port: u16,
-    _containers: ContainerSweeper,
+    /// Makes task ids unique to this run (container names derive from them).
+    run: String,
 }
 
 impl Shim {
@@ -74,13 +77,26 @@ impl Shim {
         process
             .wait_answering(START_BOUND, Duration::from_millis(10))
             .unwrap_or_else(|e| panic!("{e}"));
+        let run = root
+            .path()
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .trim_start_matches("shim-observe-")
+            .to_ascii_lowercase();
         Self {
+            containers,
             root,
             home,
             process: Some(process),
             port,
-            _containers: containers,
+            run,
         }
+    }
+
+    /// A task id unique to this run.
+    fn task_id(&self, name: &str) -> String {
+        format!("{name}-{}", self.run)
     }
 
     fn addr(&self) -> SocketAddr {
@@ -165,6 +181,7 @@ impl Shim {
 impl Drop for Shim {
     fn drop(&mut self) {
         drop(self.process.take());
+        self.containers.sweep();
         if std::thread::panicking() {
             for path in [
                 self.root.path().join("shim.out"),
@@ -553,7 +570,8 @@ fn events_follow_a_task_from_submit_to_removal_and_json_logs() {
     let snapshot: Value = serde_json::from_str(&snapshot.data).unwrap();
     assert_eq!(snapshot, json!({"tasks": []}));
 
-    let id = "observe-events-1";
+    let id = shim.task_id("events");
+    let id = id.as_str();
     shim.submit(id);
     let info = shim.wait_status(id, "running");
     let mut late = Sse::connect(shim.addr());
@@ -671,7 +689,8 @@ fn metrics_parse_and_move_as_a_task_runs() {
     assert_eq!(creates(&before), 0.0);
     assert_eq!(exits(&before), 0.0);
 
-    let id = "observe-metrics-1";
+    let id = shim.task_id("metrics-1");
+    let id = id.as_str();
     shim.submit(id);
     shim.wait_status(id, "running");
     let running = shim.metrics();
@@ -716,7 +735,9 @@ fn metrics_parse_and_move_as_a_task_runs() {
     );
     assert_eq!(removed.get("dstack_shim_tasks_submitted_total", &[]), 1.0);
     // A second task moves the counters again.
-    shim.run_to_exit("observe-metrics-2");
+    let second_id = shim.task_id("metrics-2");
+    shim.run_to_exit(&second_id);
+    shim.remove(&second_id);
     let second = shim.metrics();
     assert_eq!(second.get("dstack_shim_tasks_submitted_total", &[]), 2.0);
     assert_eq!(creates(&second), 2.0);
