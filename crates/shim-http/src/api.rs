@@ -258,6 +258,89 @@ pub trait ShimApi: Send + Sync + 'static {
     /// Prometheus text of the task's GPU metrics. `NotFound` when there is no exporter or no
     /// such task, `BadGateway` when the exporter failed.
     async fn task_metrics(&self, id: &TaskId) -> Result<String, ApiError>;
+
+    /// Subscribes to task changes (`GET /api/events`): every change from now on, in order.
+    /// The handler subscribes *before* it takes the snapshot ([`ShimApi::list_tasks`]), so
+    /// no change falls between the two. The default: `NotFound` (no change feed).
+    fn subscribe(&self) -> Result<Box<dyn ChangeFeed>, ApiError> {
+        Err(ApiError::not_found("task change events are not available"))
+    }
+
+    /// The shim's own metrics (`GET /metrics`) in the OpenMetrics text format, ending with
+    /// `# EOF`. The default: `NotFound` (no metrics).
+    async fn metrics(&self) -> Result<String, ApiError> {
+        Err(ApiError::not_found("metrics are not available"))
+    }
+
+    /// Whether the shim keeps up with the container runtime (`GET /api/ready`). The default:
+    /// ready, with no details.
+    async fn readiness(&self) -> Readiness {
+        Readiness::ready()
+    }
+}
+
+/// One task change as `GET /api/events` streams it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChangeEvent {
+    /// The change's sequence number, strictly increasing across tasks (the SSE `id`).
+    pub seq: u64,
+    /// The change as one JSON object (the SSE `data`).
+    pub json: String,
+}
+
+/// Why a [`ChangeFeed`] gave no change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum FeedError {
+    /// The subscriber fell behind and `missed` changes were dropped for it.
+    #[error("fell behind: {missed} task changes were dropped")]
+    Lagged {
+        /// How many changes were dropped.
+        missed: u64,
+    },
+    /// The producer is gone; no more changes will come.
+    #[error("the change feed closed")]
+    Closed,
+}
+
+/// A subscription to task changes ([`ShimApi::subscribe`]). The producer must never wait
+/// for a subscriber: one that falls behind gets [`FeedError::Lagged`].
+#[async_trait]
+pub trait ChangeFeed: Send + 'static {
+    /// The next change, in order. Must be cancel-safe: it is raced against timers and the
+    /// client going away, and a change must not be lost when the future is dropped.
+    async fn recv(&mut self) -> Result<ChangeEvent, FeedError>;
+}
+
+/// `GET /api/ready`: whether the shim keeps up with the container runtime. Answered 200 when
+/// `ready`, else 503, with this body either way.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Readiness {
+    /// Ready: exits are seen as they happen and the last full view is recent.
+    pub ready: bool,
+    /// Why not ready (empty when ready), readable sentences.
+    pub reasons: Vec<String>,
+    /// Whether the container runtime's event stream is connected.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub events_connected: Option<bool>,
+    /// Seconds since the last successful full container list (absent before the first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_reconcile_age_seconds: Option<f64>,
+    /// The largest age of the last full list at which the shim is still ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reconcile_max_age_seconds: Option<f64>,
+}
+
+impl Readiness {
+    /// Ready, with no details.
+    pub fn ready() -> Self {
+        Self {
+            ready: true,
+            reasons: Vec::new(),
+            events_connected: None,
+            last_reconcile_age_seconds: None,
+            reconcile_max_age_seconds: None,
+        }
+    }
 }
 
 /// What the HTTP layer needs from the component installer (implemented by `shim-components`).

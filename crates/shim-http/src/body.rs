@@ -1,7 +1,10 @@
-//! Request bodies in (JSON with limits) and response bodies out.
+//! Request bodies in (JSON with limits) and response bodies out (complete, or streamed
+//! through a bounded queue).
 
 use std::convert::Infallible;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -9,6 +12,7 @@ use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::{Body, Frame, SizeHint};
 use serde::de::DeserializeOwned;
+use tokio::sync::mpsc;
 
 use crate::api::{ApiError, ErrorKind};
 
@@ -81,19 +85,27 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
 
 type OnDone = Box<dyn FnOnce() + Send + Sync>;
 
-/// A complete response body, optionally running a hook once hyper is done with it (used to
-/// start a shutdown only after its own 200 has been written).
+/// A response body: complete, or a stream of frames fed by a [`StreamSink`]. It can run a
+/// hook once hyper is done with it (used to start a shutdown only after its own 200 has been
+/// written) and hold guards that live exactly as long as the response is being written.
 pub struct ResponseBody {
-    data: Option<Bytes>,
+    kind: Kind,
     on_done: Option<OnDone>,
+    guards: Vec<Box<dyn Send + Sync>>,
+}
+
+enum Kind {
+    Full(Option<Bytes>),
+    Stream(StreamSource),
 }
 
 impl ResponseBody {
     /// A body holding `data`.
     pub fn new(data: impl Into<Bytes>) -> Self {
         Self {
-            data: Some(data.into()),
+            kind: Kind::Full(Some(data.into())),
             on_done: None,
+            guards: Vec::new(),
         }
     }
 
@@ -102,12 +114,39 @@ impl ResponseBody {
         Self::new(Bytes::new())
     }
 
+    /// A streaming body and the sink that feeds it. At most about `max_queued_bytes` wait in
+    /// the queue between the two (see [`StreamSink::push`]); the body ends once the sink is
+    /// dropped and what it queued has been sent.
+    pub fn stream(max_queued_bytes: usize) -> (Self, StreamSink) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let counters = Arc::new(Counters::default());
+        let body = Self {
+            kind: Kind::Stream(StreamSource {
+                rx,
+                counters: counters.clone(),
+            }),
+            on_done: None,
+            guards: Vec::new(),
+        };
+        let sink = StreamSink {
+            tx,
+            counters,
+            max_queued_bytes,
+        };
+        (body, sink)
+    }
+
     /// Runs `f` when the body is dropped, i.e. once it has been written (or the connection
     /// is gone).
     #[must_use]
     pub fn on_done(mut self, f: impl FnOnce() + Send + Sync + 'static) -> Self {
         self.on_done = Some(Box::new(f));
         self
+    }
+
+    /// Keeps `guard` alive until the body is dropped.
+    pub fn hold(&mut self, guard: impl Send + Sync + 'static) {
+        self.guards.push(Box::new(guard));
     }
 }
 
@@ -125,23 +164,114 @@ impl Body for ResponseBody {
 
     fn poll_frame(
         self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
+        cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        let this = self.get_mut();
-        Poll::Ready(
-            this.data
-                .take()
-                .filter(|d| !d.is_empty())
-                .map(|d| Ok(Frame::data(d))),
-        )
+        match &mut self.get_mut().kind {
+            Kind::Full(data) => Poll::Ready(
+                data.take()
+                    .filter(|d| !d.is_empty())
+                    .map(|d| Ok(Frame::data(d))),
+            ),
+            Kind::Stream(source) => source.poll_frame(cx),
+        }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.data.as_ref().is_none_or(Bytes::is_empty)
+        match &self.kind {
+            Kind::Full(data) => data.as_ref().is_none_or(Bytes::is_empty),
+            Kind::Stream(_) => false,
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
-        SizeHint::with_exact(self.data.as_ref().map_or(0, |d| d.len() as u64))
+        match &self.kind {
+            Kind::Full(data) => SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64)),
+            Kind::Stream(_) => SizeHint::default(),
+        }
+    }
+}
+
+/// What the two ends of a stream count (frames and bytes pushed and taken).
+#[derive(Debug, Default)]
+struct Counters {
+    queued_bytes: AtomicUsize,
+    pushed: AtomicU64,
+    taken: AtomicU64,
+}
+
+struct StreamSource {
+    rx: mpsc::UnboundedReceiver<Bytes>,
+    counters: Arc<Counters>,
+}
+
+impl StreamSource {
+    fn poll_frame(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.rx.poll_recv(cx) {
+            Poll::Ready(Some(frame)) => {
+                self.counters
+                    .queued_bytes
+                    .fetch_sub(frame.len(), Ordering::AcqRel);
+                self.counters.taken.fetch_add(1, Ordering::AcqRel);
+                Poll::Ready(Some(Ok(Frame::data(frame))))
+            }
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// Why [`StreamSink::push`] did not queue a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum PushError {
+    /// The queue holds its limit already: the connection does not take what it is sent.
+    #[error("the client does not read fast enough")]
+    Full,
+    /// The body is gone (the response ended or the connection closed).
+    #[error("the client is gone")]
+    Closed,
+}
+
+/// The producing end of a streaming [`ResponseBody`].
+#[derive(Debug)]
+pub struct StreamSink {
+    tx: mpsc::UnboundedSender<Bytes>,
+    counters: Arc<Counters>,
+    max_queued_bytes: usize,
+}
+
+impl StreamSink {
+    /// Queues `frame`. Never waits: when the frames queued and not yet taken by the connection
+    /// would exceed the limit it is [`PushError::Full`] (a frame is always accepted by an empty
+    /// queue, so the queue holds at most the limit plus one frame).
+    pub fn push(&self, frame: impl Into<Bytes>) -> Result<(), PushError> {
+        let frame = frame.into();
+        let queued = self.counters.queued_bytes.load(Ordering::Acquire);
+        if queued > 0 && queued.saturating_add(frame.len()) > self.max_queued_bytes {
+            return Err(PushError::Full);
+        }
+        self.counters
+            .queued_bytes
+            .fetch_add(frame.len(), Ordering::AcqRel);
+        self.counters.pushed.fetch_add(1, Ordering::AcqRel);
+        self.tx.send(frame).map_err(|_| PushError::Closed)
+    }
+
+    /// Frames pushed so far.
+    pub fn pushed(&self) -> u64 {
+        self.counters.pushed.load(Ordering::Acquire)
+    }
+
+    /// Frames the connection has taken so far.
+    pub fn taken(&self) -> u64 {
+        self.counters.taken.load(Ordering::Acquire)
+    }
+
+    /// Resolves once the body is gone.
+    pub async fn closed(&self) {
+        self.tx.closed().await;
     }
 }
 

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::header::{ALLOW, CONTENT_TYPE};
+use http::header::{ALLOW, CACHE_CONTROL, CONTENT_TYPE};
 use http::{Request, Response, StatusCode};
 use hyper::body::Body;
 use serde::Serialize;
@@ -11,11 +11,17 @@ use shim_task::{TaskConfig, TaskId, TerminationReason};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{
-    ApiError, ComponentInfo, ComponentName, ComponentsApi, ErrorKind, InstallRequest, ShimApi,
+    ApiError, ComponentInfo, ComponentName, ComponentsApi, InstallRequest, ShimApi,
     ShutdownRequest, TerminateRequest,
 };
 use crate::body::{ResponseBody, read_json};
+use crate::events::{self, ConnectionClose, EventsHub};
 use crate::routes::{self, MethodNotAllowed, RouteId};
+
+/// The content type of `GET /metrics`: the OpenMetrics text format, which Prometheus
+/// negotiates first and `prometheus-client` writes.
+pub(crate) const OPENMETRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Everything a handler may touch.
 pub(crate) struct State {
@@ -26,6 +32,8 @@ pub(crate) struct State {
     pub shutdown: CancellationToken,
     /// Forced shutdown: close at once.
     pub force: CancellationToken,
+    /// The event streams (`GET /api/events`).
+    pub events: EventsHub,
 }
 
 #[derive(Serialize)]
@@ -109,6 +117,25 @@ fn json<T: Serialize>(value: &T) -> Result<Response<ResponseBody>, ApiError> {
         .map_err(|e| ApiError::internal(format!("failed to build the response: {e}")))
 }
 
+fn build(
+    builder: http::response::Builder,
+    body: ResponseBody,
+) -> Result<Response<ResponseBody>, ApiError> {
+    builder
+        .body(body)
+        .map_err(|e| ApiError::internal(format!("failed to build the response: {e}")))
+}
+
+async fn task_list(api: &dyn ShimApi) -> TaskList {
+    let tasks = api
+        .list_tasks()
+        .await
+        .into_iter()
+        .map(|(id, status)| TaskListItem { id, status })
+        .collect();
+    TaskList { tasks }
+}
+
 fn empty_ok() -> Result<Response<ResponseBody>, ApiError> {
     json(&serde_json::json!({}))
 }
@@ -166,16 +193,7 @@ where
             state.components.install(name, body.url).await?;
             empty_ok()
         }
-        RouteId::TaskList => {
-            let tasks = state
-                .api
-                .list_tasks()
-                .await
-                .into_iter()
-                .map(|(id, status)| TaskListItem { id, status })
-                .collect();
-            json(&TaskList { tasks })
-        }
+        RouteId::TaskList => json(&task_list(state.api.as_ref()).await),
         RouteId::TaskSubmit => {
             let config: TaskConfig = read_json(req).await?;
             config
@@ -206,16 +224,55 @@ where
         RouteId::TaskMetrics => {
             let id = task_id(resolved.id)?;
             let text = state.api.task_metrics(&id).await?;
-            Response::builder()
-                .status(StatusCode::OK)
-                .header(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")
-                .body(ResponseBody::new(text))
-                .map_err(|e| {
-                    ApiError::new(
-                        ErrorKind::Internal,
-                        format!("failed to build the response: {e}"),
-                    )
-                })
+            build(
+                Response::builder()
+                    .status(StatusCode::OK)
+                    .header(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8"),
+                ResponseBody::new(text),
+            )
+        }
+        RouteId::Metrics => {
+            let text = state.api.metrics().await?;
+            build(
+                Response::builder()
+                    .status(StatusCode::OK)
+                    .header(CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE),
+                ResponseBody::new(text),
+            )
+        }
+        RouteId::Ready => {
+            let readiness = state.api.readiness().await;
+            let status = if readiness.ready {
+                StatusCode::OK
+            } else {
+                StatusCode::SERVICE_UNAVAILABLE
+            };
+            let mut resp = json(&readiness)?;
+            *resp.status_mut() = status;
+            Ok(resp)
+        }
+        RouteId::Events => {
+            let close = req.extensions().get::<ConnectionClose>().cloned();
+            let api = state.api.clone();
+            let body = events::start(
+                &state.events,
+                || api.subscribe(),
+                || async {
+                    serde_json::to_string(&task_list(state.api.as_ref()).await).map_err(|e| {
+                        ApiError::internal(format!("failed to encode the snapshot: {e}"))
+                    })
+                },
+                state.shutdown.clone(),
+                close,
+            )
+            .await?;
+            build(
+                Response::builder()
+                    .status(StatusCode::OK)
+                    .header(CONTENT_TYPE, "text/event-stream")
+                    .header(CACHE_CONTROL, "no-cache"),
+                body,
+            )
         }
     }
 }

@@ -8,7 +8,14 @@
 //!
 //! Connections are bounded ([`ConnectionLimits`]: request head read timeout, idle timeout,
 //! a cap on connections that evicts the longest-idle one, a cap on the request head's size),
-//! so stalled or idle clients cannot make the API unreachable.
+//! so stalled or idle clients cannot make the API unreachable. A request counts as in progress
+//! until its answer has been written, so a streaming answer is never idle.
+//!
+//! Beyond dstack's API, three routes for operators: `GET /api/events` (task changes as
+//! Server-Sent Events from [`ShimApi::subscribe`]: a snapshot, then each change; bounded per
+//! client and in number, see [`EventsConfig`]), `GET /metrics` ([`ShimApi::metrics`],
+//! OpenMetrics text) and `GET /api/ready` ([`ShimApi::readiness`]: 200 or 503). The trait
+//! gives these defaults (404, 404, ready), so an implementation needs only dstack's routes.
 //!
 //! ```no_run
 //! # async fn f(api: std::sync::Arc<dyn shim_http::ShimApi>,
@@ -22,6 +29,7 @@
 
 pub mod api;
 pub mod body;
+mod events;
 mod handlers;
 pub mod routes;
 mod server;
@@ -30,10 +38,12 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 pub use api::{
-    ApiError, ComponentInfo, ComponentName, ComponentStatus, ComponentsApi, ErrorKind,
-    InstallRequest, InstanceInfo, ShimApi, ShutdownRequest, TerminateRequest,
+    ApiError, ChangeEvent, ChangeFeed, ComponentInfo, ComponentName, ComponentStatus,
+    ComponentsApi, ErrorKind, FeedError, InstallRequest, InstanceInfo, Readiness, ShimApi,
+    ShutdownRequest, TerminateRequest,
 };
 pub use body::MAX_BODY_BYTES;
+pub use events::EventsConfig;
 pub use server::{ConnectionLimits, DrainFuture, Listeners, ServerConfig, serve};
 
 /// The oldest healthcheck version with which the dstack server treats running tasks as

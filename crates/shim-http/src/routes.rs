@@ -33,6 +33,12 @@ pub enum RouteId {
     TaskRemove,
     /// `GET /metrics/tasks/{id}`.
     TaskMetrics,
+    /// `GET /api/events` (an extension: task changes as Server-Sent Events).
+    Events,
+    /// `GET /metrics` (an extension: the shim's own metrics).
+    Metrics,
+    /// `GET /api/ready` (an extension: readiness).
+    Ready,
 }
 
 /// One entry of the route table.
@@ -64,6 +70,9 @@ pub static ROUTES: &[Route] = &[
     r("POST", "/api/tasks/{id}/terminate", RouteId::TaskTerminate),
     r("POST", "/api/tasks/{id}/remove", RouteId::TaskRemove),
     r("GET", "/metrics/tasks/{id}", RouteId::TaskMetrics),
+    r("GET", "/api/events", RouteId::Events),
+    r("GET", "/metrics", RouteId::Metrics),
+    r("GET", "/api/ready", RouteId::Ready),
 ];
 
 /// Matches `path` against `pattern`; returns the `{id}` segment (if the pattern has one).

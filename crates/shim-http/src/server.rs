@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::Error;
 use crate::api::{ComponentsApi, ShimApi};
+use crate::events::{ConnectionClose, EventsConfig, EventsHub};
 use crate::handlers::{State, handle};
 
 /// The sockets the API listens on: TCP on a loopback address, and optionally a Unix socket.
@@ -172,6 +173,8 @@ pub struct ServerConfig {
     pub drain: Option<DrainFuture>,
     /// Timeouts and caps of connections.
     pub limits: ConnectionLimits,
+    /// Limits of `GET /api/events`.
+    pub events: EventsConfig,
 }
 
 impl ServerConfig {
@@ -182,7 +185,15 @@ impl ServerConfig {
             force_shutdown: CancellationToken::new(),
             drain: None,
             limits: ConnectionLimits::default(),
+            events: EventsConfig::default(),
         }
+    }
+
+    /// Sets the limits of `GET /api/events`.
+    #[must_use]
+    pub fn with_events(mut self, events: EventsConfig) -> Self {
+        self.events = events;
+        self
     }
 
     /// Sets the connection limits.
@@ -214,6 +225,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("force_shutdown", &self.force_shutdown.is_cancelled())
             .field("drain", &self.drain.is_some())
             .field("limits", &self.limits)
+            .field("events", &self.events)
             .finish()
     }
 }
@@ -242,6 +254,7 @@ pub async fn serve(
         force_shutdown: force,
         drain,
         limits,
+        events,
     } = config;
     let state = Arc::new(State {
         api,
@@ -249,6 +262,7 @@ pub async fn serve(
         version,
         shutdown: shutdown.clone(),
         force: force.clone(),
+        events: EventsHub::new(events),
     });
     let Listeners {
         tcp,
@@ -276,7 +290,13 @@ pub async fn serve(
             () = shutdown.cancelled() => break,
             () = force.cancelled() => break,
             accepted = tcp.accept() => match accepted {
-                Ok((stream, _peer)) => conns.serve(stream),
+                Ok((stream, _peer)) => {
+                    // Answers and events go out as written, not held back for an ACK (Nagle).
+                    if let Err(e) = stream.set_nodelay(true) {
+                        tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+                    }
+                    conns.serve(stream);
+                }
                 Err(e) => accept_failed(&e).await,
             },
             accepted = accept_unix(unix.as_ref()) => match accepted {
@@ -419,7 +439,9 @@ struct Activity {
     epoch: Instant,
     /// When a byte was last received or sent, or a request ended (ms since `epoch`).
     last_ms: AtomicU64,
-    /// Requests being handled (0 or 1 with HTTP/1.1 without pipelining).
+    /// Requests being handled or answered (0 or 1 with HTTP/1.1 without pipelining): from
+    /// the request head until the response body has been written (or dropped), so a
+    /// streaming answer (`GET /api/events`) is never idle.
     in_flight: AtomicUsize,
     /// Cancelled to close the connection (evicted under the cap).
     close: CancellationToken,
@@ -454,7 +476,8 @@ impl Activity {
     }
 }
 
-/// Counts a request as in progress while it lives.
+/// Counts a request as in progress while it lives: it is moved into the response body, so
+/// the request counts until its answer has been written.
 struct InFlight(Arc<Activity>);
 
 impl InFlight {
@@ -547,12 +570,14 @@ async fn connection<I>(
 {
     let service = {
         let activity = activity.clone();
-        service_fn(move |req| {
+        service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
             let state = state.clone();
             let in_flight = InFlight::new(activity.clone());
+            req.extensions_mut()
+                .insert(ConnectionClose(activity.close.clone()));
             async move {
-                let response = handle(state, req).await;
-                drop(in_flight);
+                let mut response = handle(state, req).await;
+                response.body_mut().hold(in_flight);
                 Ok::<_, std::convert::Infallible>(response)
             }
         })

@@ -1,0 +1,764 @@
+//! The observability routes over real TCP with a fake engine: `GET /api/events` (Server-Sent
+//! Events: framing, snapshot first, keep-alives, lagged, slow clients, the client cap, the
+//! connection timeouts), `GET /metrics` and `GET /api/ready`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test file: panics are failures
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use shim_http::{
+    ApiError, ChangeEvent, ChangeFeed, ComponentInfo, ComponentName, ComponentsApi,
+    ConnectionLimits, EventsConfig, FeedError, InstanceInfo, Listeners, Readiness, ServerConfig,
+    ShimApi, serve,
+};
+use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpSocket, TcpStream};
+use tokio::sync::broadcast;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// Every wait is bounded by this (a safety bound, never a timing assertion).
+const BOUND: Duration = Duration::from_secs(30);
+
+// ---------------------------------------------------------------------------------------------
+// A fake engine: a task list, a broadcast of changes (or injected feed errors), metrics and a
+// settable readiness. `plain` fakes implement only the required methods.
+
+type Item = Result<ChangeEvent, FeedError>;
+
+struct Fake {
+    tasks: Vec<(TaskId, TaskStatus)>,
+    changes: broadcast::Sender<Item>,
+    readiness: Mutex<Readiness>,
+    plain: bool,
+}
+
+impl Fake {
+    fn new(plain: bool) -> Self {
+        Self {
+            tasks: vec![
+                (TaskId::new("a").unwrap(), TaskStatus::Running),
+                (TaskId::new("b").unwrap(), TaskStatus::Terminated),
+            ],
+            changes: broadcast::channel(16 * 1024).0,
+            readiness: Mutex::new(Readiness::ready()),
+            plain,
+        }
+    }
+
+    /// Sends a change to every subscriber (none is fine: the test then sees what is missing).
+    fn send(&self, seq: u64, json: impl Into<String>) {
+        let _ = self.changes.send(Ok(ChangeEvent {
+            seq,
+            json: json.into(),
+        }));
+    }
+}
+
+struct Feed(broadcast::Receiver<Item>);
+
+#[async_trait]
+impl ChangeFeed for Feed {
+    async fn recv(&mut self) -> Result<ChangeEvent, FeedError> {
+        match self.0.recv().await {
+            Ok(item) => item,
+            Err(broadcast::error::RecvError::Lagged(missed)) => Err(FeedError::Lagged { missed }),
+            Err(broadcast::error::RecvError::Closed) => Err(FeedError::Closed),
+        }
+    }
+}
+
+#[async_trait]
+impl ShimApi for Fake {
+    async fn submit(&self, _config: TaskConfig) -> Result<TaskInfo, ApiError> {
+        Err(ApiError::internal("not in this test"))
+    }
+    async fn task_info(&self, id: &TaskId) -> Result<TaskInfo, ApiError> {
+        Err(ApiError::not_found(format!("task {id} not found")))
+    }
+    async fn list_tasks(&self) -> Vec<(TaskId, TaskStatus)> {
+        self.tasks.clone()
+    }
+    async fn terminate(
+        &self,
+        id: &TaskId,
+        _reason: TerminationReason,
+        _message: String,
+        _timeout_s: u64,
+    ) -> Result<TaskInfo, ApiError> {
+        Err(ApiError::not_found(format!("task {id} not found")))
+    }
+    async fn remove(&self, id: &TaskId) -> Result<(), ApiError> {
+        Err(ApiError::not_found(format!("task {id} not found")))
+    }
+    async fn instance_info(&self) -> InstanceInfo {
+        InstanceInfo::default()
+    }
+    async fn instance_health(&self) -> serde_json::Value {
+        serde_json::json!({})
+    }
+    async fn task_metrics(&self, _id: &TaskId) -> Result<String, ApiError> {
+        Err(ApiError::not_found("DCGM Exporter is not available"))
+    }
+
+    fn subscribe(&self) -> Result<Box<dyn ChangeFeed>, ApiError> {
+        if self.plain {
+            return Err(ApiError::not_found("task change events are not available"));
+        }
+        Ok(Box::new(Feed(self.changes.subscribe())))
+    }
+
+    async fn metrics(&self) -> Result<String, ApiError> {
+        if self.plain {
+            return Err(ApiError::not_found("metrics are not available"));
+        }
+        Ok("# TYPE x counter\nx_total 1\n# EOF\n".to_owned())
+    }
+
+    async fn readiness(&self) -> Readiness {
+        self.readiness.lock().unwrap().clone()
+    }
+}
+
+struct NoComponents;
+
+#[async_trait]
+impl ComponentsApi for NoComponents {
+    async fn list(&self) -> Vec<ComponentInfo> {
+        Vec::new()
+    }
+    async fn install(&self, _name: ComponentName, _url: String) -> Result<(), ApiError> {
+        Err(ApiError::internal("not in this test"))
+    }
+}
+
+struct Server {
+    addr: SocketAddr,
+    fake: Arc<Fake>,
+    shutdown: CancellationToken,
+    handle: JoinHandle<Result<(), shim_http::Error>>,
+}
+
+async fn start(fake: Fake, limits: ConnectionLimits, events: EventsConfig) -> Server {
+    let fake = Arc::new(fake);
+    let listeners = Listeners::bind("127.0.0.1:0".parse().unwrap(), None)
+        .await
+        .unwrap();
+    let addr = listeners.tcp_addr();
+    let shutdown = CancellationToken::new();
+    let config = ServerConfig::new("0.22.0")
+        .with_limits(limits)
+        .with_events(events);
+    let handle = tokio::spawn(serve(
+        listeners,
+        fake.clone(),
+        Arc::new(NoComponents),
+        config,
+        shutdown.clone(),
+    ));
+    Server {
+        addr,
+        fake,
+        shutdown,
+        handle,
+    }
+}
+
+async fn start_default() -> Server {
+    start(
+        Fake::new(false),
+        ConnectionLimits::default(),
+        EventsConfig::default(),
+    )
+    .await
+}
+
+async fn stop(server: Server) {
+    server.shutdown.cancel();
+    tokio::time::timeout(BOUND, server.handle)
+        .await
+        .expect("serve returns")
+        .unwrap()
+        .unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Clients: one request and its whole answer, and an SSE reader (chunked decoding as it comes).
+
+struct Answer {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+async fn get(addr: SocketAddr, path: &str) -> Answer {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    tokio::time::timeout(BOUND, stream.read_to_end(&mut raw))
+        .await
+        .expect("an answer within the bound")
+        .unwrap();
+    let text = String::from_utf8(raw).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let headers = lines
+        .map(|l| {
+            let (k, v) = l.split_once(':').unwrap();
+            (k.trim().to_owned(), v.trim().to_owned())
+        })
+        .collect();
+    Answer {
+        status,
+        headers,
+        body: body.to_owned(),
+    }
+}
+
+/// One SSE event (or comment, as `event == ":"`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Event {
+    event: String,
+    id: Option<u64>,
+    data: String,
+}
+
+/// How a stream ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Ended {
+    /// The terminating chunk came: the server ended the answer.
+    Cleanly,
+    /// The connection closed (or was reset) in the middle of the chunked body.
+    Cut,
+}
+
+struct Sse {
+    reader: BufReader<TcpStream>,
+    status: u16,
+    headers: Vec<(String, String)>,
+    /// Decoded body bytes not yet parsed into events.
+    pending: Vec<u8>,
+}
+
+impl Sse {
+    async fn connect(addr: SocketAddr) -> Sse {
+        Self::over(TcpStream::connect(addr).await.unwrap()).await
+    }
+
+    /// Over a connection with a small receive buffer (so a client that stops reading makes
+    /// the server's side fill up sooner).
+    async fn connect_small_buffer(addr: SocketAddr) -> Sse {
+        let socket = TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        Self::over(socket.connect(addr).await.unwrap()).await
+    }
+
+    async fn over(mut stream: TcpStream) -> Sse {
+        stream
+            .write_all(b"GET /api/events HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n\r\n")
+            .await
+            .unwrap();
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
+        bounded(reader.read_line(&mut line)).await.unwrap();
+        let status = line.split(' ').nth(1).unwrap().parse().unwrap();
+        let mut headers = Vec::new();
+        loop {
+            line.clear();
+            bounded(reader.read_line(&mut line)).await.unwrap();
+            let l = line.trim_end();
+            if l.is_empty() {
+                break;
+            }
+            let (k, v) = l.split_once(':').unwrap();
+            headers.push((k.trim().to_ascii_lowercase(), v.trim().to_owned()));
+        }
+        Sse {
+            reader,
+            status,
+            headers,
+            pending: Vec::new(),
+        }
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Reads one chunk into `pending`; `Err` when the body ends.
+    async fn chunk(&mut self) -> Result<(), Ended> {
+        let mut line = String::new();
+        match bounded(self.reader.read_line(&mut line)).await {
+            Ok(0) | Err(_) => return Err(Ended::Cut),
+            Ok(_) => {}
+        }
+        let size = usize::from_str_radix(line.trim_end(), 16)
+            .unwrap_or_else(|_| panic!("bad chunk size line {line:?}"));
+        if size == 0 {
+            line.clear();
+            let _ = bounded(self.reader.read_line(&mut line)).await;
+            assert_eq!(line, "\r\n", "no trailers are sent");
+            return Err(Ended::Cleanly);
+        }
+        let start = self.pending.len();
+        self.pending.resize(start + size + 2, 0);
+        if bounded(self.reader.read_exact(&mut self.pending[start..]))
+            .await
+            .is_err()
+        {
+            return Err(Ended::Cut);
+        }
+        assert_eq!(&self.pending[start + size..], b"\r\n");
+        self.pending.truncate(start + size);
+        Ok(())
+    }
+
+    /// The next event or comment; `Err` when the stream ends first.
+    async fn next(&mut self) -> Result<Event, Ended> {
+        loop {
+            if let Some(end) = self.pending.windows(2).position(|w| w == b"\n\n") {
+                let block: Vec<u8> = self.pending.drain(..end + 2).collect();
+                let block = String::from_utf8(block).unwrap();
+                return Ok(parse_event(block.trim_end_matches('\n')));
+            }
+            self.chunk().await?;
+        }
+    }
+
+    /// The next event that is not a comment.
+    async fn next_event(&mut self) -> Result<Event, Ended> {
+        loop {
+            let event = self.next().await?;
+            if event.event != ":" {
+                return Ok(event);
+            }
+        }
+    }
+
+    /// Reads until the stream ends (bounded as a whole: keep-alives would go on forever),
+    /// returning how; events in between are dropped.
+    async fn until_end(&mut self) -> Ended {
+        tokio::time::timeout(BOUND, async {
+            loop {
+                if let Err(end) = self.next().await {
+                    return end;
+                }
+            }
+        })
+        .await
+        .expect("the stream ended within the bound")
+    }
+}
+
+/// Parses one event block (strictly: every line is a field this server sends).
+fn parse_event(block: &str) -> Event {
+    let mut event = Event {
+        event: String::new(),
+        id: None,
+        data: String::new(),
+    };
+    let mut data = Vec::new();
+    for line in block.split('\n') {
+        if let Some(comment) = line.strip_prefix(':') {
+            assert_eq!(comment, " keep-alive", "{block:?}");
+            event.event = ":".to_owned();
+        } else if let Some(v) = line.strip_prefix("event: ") {
+            event.event = v.to_owned();
+        } else if let Some(v) = line.strip_prefix("id: ") {
+            event.id = Some(v.parse().unwrap());
+        } else if let Some(v) = line.strip_prefix("data: ") {
+            data.push(v);
+        } else {
+            panic!("unexpected line {line:?} in {block:?}");
+        }
+    }
+    event.data = data.join("\n");
+    event
+}
+
+async fn bounded<T>(f: impl Future<Output = std::io::Result<T>>) -> std::io::Result<T> {
+    tokio::time::timeout(BOUND, f)
+        .await
+        .expect("the server answered within the bound")
+}
+
+fn change_json(seq: u64, task: &str, pad: usize) -> String {
+    serde_json::json!({"seq": seq, "task": task, "change": "status", "status": "running",
+        "pad": "x".repeat(pad)})
+    .to_string()
+}
+
+/// Waits (bounded) until `f` holds, checking every few milliseconds.
+async fn eventually(what: &str, mut f: impl AsyncFnMut() -> bool) {
+    let found = tokio::time::timeout(BOUND, async {
+        loop {
+            if f().await {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(found.is_ok(), "never: {what}");
+}
+
+/// Subscribed: the snapshot has been read, so changes sent from now on reach the client.
+async fn subscribed(addr: SocketAddr) -> Sse {
+    let mut sse = Sse::connect(addr).await;
+    assert_eq!(sse.status, 200);
+    let snapshot = sse.next_event().await.unwrap();
+    assert_eq!(snapshot.event, "snapshot");
+    sse
+}
+
+// ---------------------------------------------------------------------------------------------
+// Events
+
+/// The answer's head, the snapshot first (what the list says, no id), then each change with
+/// its sequence number as the id, in order; a graceful shutdown ends the stream cleanly and
+/// the server stops.
+#[tokio::test]
+async fn events_snapshot_first_then_changes_in_order() {
+    let s = start_default().await;
+    let mut sse = Sse::connect(s.addr).await;
+    assert_eq!(sse.status, 200);
+    assert_eq!(sse.header("content-type"), Some("text/event-stream"));
+    assert_eq!(sse.header("cache-control"), Some("no-cache"));
+    assert_eq!(sse.header("transfer-encoding"), Some("chunked"));
+
+    let snapshot = sse.next().await.unwrap();
+    assert_eq!(
+        snapshot,
+        Event {
+            event: "snapshot".into(),
+            id: None,
+            data: r#"{"tasks":[{"id":"a","status":"running"},{"id":"b","status":"terminated"}]}"#
+                .into(),
+        }
+    );
+    for seq in 1..=3 {
+        s.fake.send(seq, change_json(seq, "a", 0));
+    }
+    // A value with a line break (not what serde_json writes, but any JSON a feed gives) is
+    // sent as several data lines and read back whole.
+    s.fake.send(4, "{\"a\":\n1}");
+    for seq in 1..=3 {
+        let event = sse.next().await.unwrap();
+        assert_eq!(event.event, "change");
+        assert_eq!(event.id, Some(seq));
+        let data: serde_json::Value = serde_json::from_str(&event.data).unwrap();
+        assert_eq!(data["seq"], seq);
+    }
+    assert_eq!(sse.next().await.unwrap().data, "{\"a\":\n1}");
+
+    s.shutdown.cancel();
+    assert_eq!(sse.until_end().await, Ended::Cleanly);
+    tokio::time::timeout(BOUND, s.handle)
+        .await
+        .expect("serve returns with a stream open")
+        .unwrap()
+        .unwrap();
+}
+
+/// A keep-alive comment is sent every keep-alive period.
+#[tokio::test]
+async fn events_keep_alive_comments() {
+    let s = start(
+        Fake::new(false),
+        ConnectionLimits::default(),
+        EventsConfig {
+            keep_alive: Duration::from_millis(50),
+            ..EventsConfig::default()
+        },
+    )
+    .await;
+    let mut sse = subscribed(s.addr).await;
+    for _ in 0..3 {
+        assert_eq!(sse.next().await.unwrap().event, ":");
+    }
+    stop(s).await;
+}
+
+/// The connection's idle and header-read timeouts do not close a stream in progress, even
+/// one on which nothing is sent for many times those timeouts.
+#[tokio::test]
+async fn events_outlive_the_connection_timeouts() {
+    let limits = ConnectionLimits {
+        header_read_timeout: Duration::from_millis(200),
+        idle_timeout: Duration::from_millis(200),
+        ..ConnectionLimits::default()
+    };
+    let s = start(
+        Fake::new(false),
+        limits,
+        EventsConfig {
+            keep_alive: Duration::from_secs(3600),
+            ..EventsConfig::default()
+        },
+    )
+    .await;
+    let mut sse = subscribed(s.addr).await;
+    // Silence on the connection, longer than both timeouts (a lower bound: a slow machine
+    // only makes it longer).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    s.fake.send(1, change_json(1, "a", 0));
+    let event = sse.next().await.expect("the stream is still open");
+    assert_eq!((event.event.as_str(), event.id), ("change", Some(1)));
+    stop(s).await;
+}
+
+/// A feed that fell behind: `event: lagged` with the number missed, then the stream ends
+/// (cleanly); a reconnect gets a new snapshot.
+#[tokio::test]
+async fn events_lagged_ends_the_stream() {
+    let s = start_default().await;
+    let mut sse = subscribed(s.addr).await;
+    s.fake.send(1, change_json(1, "a", 0));
+    s.fake
+        .changes
+        .send(Err(FeedError::Lagged { missed: 17 }))
+        .unwrap();
+    assert_eq!(sse.next().await.unwrap().id, Some(1));
+    assert_eq!(
+        sse.next().await.unwrap(),
+        Event {
+            event: "lagged".into(),
+            id: None,
+            data: r#"{"missed":17}"#.into(),
+        }
+    );
+    assert_eq!(sse.until_end().await, Ended::Cleanly);
+    let _again = subscribed(s.addr).await;
+    stop(s).await;
+}
+
+/// The producer closing ends the stream cleanly.
+#[tokio::test]
+async fn events_end_when_the_feed_closes() {
+    let s = start_default().await;
+    let mut sse = subscribed(s.addr).await;
+    s.fake.changes.send(Err(FeedError::Closed)).unwrap();
+    assert_eq!(sse.until_end().await, Ended::Cleanly);
+    stop(s).await;
+}
+
+/// A client that stops reading while changes pour in: a client that reads gets every change
+/// in order meanwhile, and the stalled client is disconnected (the body cut off, no clean
+/// end) once its queue is full. Then the server still answers and the stalled client's place
+/// is free again.
+#[tokio::test]
+async fn a_slow_client_is_disconnected_when_its_queue_is_full() {
+    slow_client_is_disconnected(EventsConfig {
+        max_clients: 2,
+        // Only the queue limit can catch it.
+        keep_alive: Duration::from_secs(3600),
+        max_queued_bytes: 64 * 1024,
+    })
+    .await;
+}
+
+/// As above, caught by the other check: frames waiting a whole keep-alive period without
+/// the connection taking any (the queue limit is too large to be reached).
+#[tokio::test]
+async fn a_stalled_client_is_disconnected_after_a_keep_alive_period() {
+    slow_client_is_disconnected(EventsConfig {
+        max_clients: 2,
+        keep_alive: Duration::from_secs(1),
+        max_queued_bytes: 1 << 30,
+    })
+    .await;
+}
+
+async fn slow_client_is_disconnected(events: EventsConfig) {
+    const CHANGES: u64 = 4000;
+    const PAD: usize = 4096;
+    let s = start(Fake::new(false), ConnectionLimits::default(), events).await;
+    let mut stalled = Sse::connect_small_buffer(s.addr).await;
+    assert_eq!(stalled.next_event().await.unwrap().event, "snapshot");
+    let mut reader = subscribed(s.addr).await;
+
+    // ~16 MiB: more than the socket buffers, hyper's buffer and the queue together. The
+    // producer keeps at most a few changes ahead of the reading client (so only the stalled
+    // one can fall behind, however the machine schedules the test).
+    let received = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let reading = {
+        let received = received.clone();
+        tokio::spawn(async move {
+            for seq in 1..=CHANGES {
+                let event = reader.next_event().await.unwrap();
+                assert_eq!(
+                    (event.event.as_str(), event.id),
+                    ("change", Some(seq)),
+                    "the reading client gets every change in order"
+                );
+                received.store(seq, std::sync::atomic::Ordering::Release);
+            }
+            reader
+        })
+    };
+    let produced = tokio::time::timeout(BOUND, async {
+        for seq in 1..=CHANGES {
+            while seq > received.load(std::sync::atomic::Ordering::Acquire) + 4 {
+                tokio::task::yield_now().await;
+            }
+            s.fake.send(seq, change_json(seq, "a", PAD));
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    assert!(produced.is_ok(), "the reading client fell behind");
+    let reader = tokio::time::timeout(BOUND, reading)
+        .await
+        .expect("the reading client got every change")
+        .unwrap();
+
+    // The stalled client now reads: what was in flight, then the cut.
+    let end = stalled.until_end().await;
+    assert_eq!(end, Ended::Cut, "the stalled client was disconnected");
+
+    assert_eq!(get(s.addr, "/api/ready").await.status, 200);
+    // Its place under the cap (2) is free again: the reader and one more.
+    eventually("the stalled client's place is given back", async || {
+        Sse::connect(s.addr).await.status == 200
+    })
+    .await;
+    drop(reader);
+    stop(s).await;
+}
+
+/// At most `max_clients` streams: more are answered 503; a closed stream's place is given
+/// back.
+#[tokio::test]
+async fn events_client_cap() {
+    let s = start(
+        Fake::new(false),
+        ConnectionLimits::default(),
+        EventsConfig {
+            max_clients: 2,
+            ..EventsConfig::default()
+        },
+    )
+    .await;
+    let first = subscribed(s.addr).await;
+    let _second = subscribed(s.addr).await;
+    let refused = get(s.addr, "/api/events").await;
+    assert_eq!(refused.status, 503);
+    assert_eq!(
+        refused.body,
+        "too many event streams (at most 2); try again later"
+    );
+    // Other routes are unaffected.
+    assert_eq!(get(s.addr, "/api/healthcheck").await.status, 200);
+
+    drop(first);
+    eventually("a closed stream's place is given back", async || {
+        let mut sse = Sse::connect(s.addr).await;
+        sse.status == 200 && sse.next_event().await.is_ok_and(|e| e.event == "snapshot")
+    })
+    .await;
+    stop(s).await;
+}
+
+/// Without a change feed (the trait's default) the route answers 404.
+#[tokio::test]
+async fn events_without_a_feed_is_404() {
+    let s = start(
+        Fake::new(true),
+        ConnectionLimits::default(),
+        EventsConfig::default(),
+    )
+    .await;
+    let r = get(s.addr, "/api/events").await;
+    assert_eq!(r.status, 404);
+    assert_eq!(r.body, "task change events are not available");
+    stop(s).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Metrics and readiness
+
+/// `GET /metrics`: the text as given, as OpenMetrics; 404 without metrics (the default).
+#[tokio::test]
+async fn metrics_route_and_content_type() {
+    let s = start_default().await;
+    let r = get(s.addr, "/metrics").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("content-type"),
+        Some("application/openmetrics-text; version=1.0.0; charset=utf-8")
+    );
+    assert_eq!(r.body, "# TYPE x counter\nx_total 1\n# EOF\n");
+    // The task metrics route is still there, and distinct.
+    assert_eq!(get(s.addr, "/metrics/tasks/a").await.status, 404);
+    stop(s).await;
+
+    let s = start(
+        Fake::new(true),
+        ConnectionLimits::default(),
+        EventsConfig::default(),
+    )
+    .await;
+    let r = get(s.addr, "/metrics").await;
+    assert_eq!(
+        (r.status, r.body.as_str()),
+        (404, "metrics are not available")
+    );
+    stop(s).await;
+}
+
+/// `GET /api/ready`: 200 with the readiness when ready, 503 with the same shape and the
+/// reasons when not; the default (a fake without health) is ready.
+#[tokio::test]
+async fn readiness_200_and_503() {
+    let s = start_default().await;
+    let r = get(s.addr, "/api/ready").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    assert_eq!(r.body, r#"{"ready":true,"reasons":[]}"#);
+
+    *s.fake.readiness.lock().unwrap() = Readiness {
+        ready: false,
+        reasons: vec!["Docker's event stream is disconnected".into()],
+        events_connected: Some(false),
+        last_reconcile_age_seconds: Some(1.5),
+        reconcile_max_age_seconds: Some(600.0),
+    };
+    let r = get(s.addr, "/api/ready").await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    let body: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(
+        body,
+        serde_json::json!({"ready": false, "reasons": ["Docker's event stream is disconnected"],
+            "events_connected": false, "last_reconcile_age_seconds": 1.5,
+            "reconcile_max_age_seconds": 600.0})
+    );
+    // The healthcheck says only that the process answers.
+    assert_eq!(get(s.addr, "/api/healthcheck").await.status, 200);
+    stop(s).await;
+}

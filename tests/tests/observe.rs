@@ -1,0 +1,771 @@
+//! End-to-end tests of the shim's observability (the binary, real Docker, HTTP): the live task
+//! events of `GET /api/events`, the metrics of `GET /metrics` (parsed with a strict OpenMetrics
+//! text parser) moving as a task runs, readiness, and JSON logs.
+//!
+//! Each test gets its own temporary home, API port, the stub runner and fake GPUs; its tasks
+//! run in bridge mode. The harness's guards kill the shim and force-remove the home's
+//! containers however the test ends; the shim's output is printed when a test fails.
+//!
+//! Run: `SHIM_TEST_DOCKER=1 cargo nextest run -p shim-e2e --test observe`.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::print_stderr,
+    reason = "test code: a failed unwrap is a failed test; logs go to stderr"
+)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use shim_e2e::harness::{
+    ContainerSweeper, Request, Response, ShimProcess, free_port, shim_binary, write_runner_exit,
+};
+use shim_e2e::{docker_tests_enabled, image, runner_path};
+
+/// Bounds of the waits (never timed assertions: generous, only there so a hang fails).
+const START_BOUND: Duration = Duration::from_secs(60);
+const STATUS_BOUND: Duration = Duration::from_secs(90);
+/// How long the event stream may stay silent before the test gives up (keep-alives come
+/// every 15 s).
+const EVENT_BOUND: Duration = Duration::from_secs(90);
+
+// ---------------------------------------------------------------------------------------------
+// The shim under test
+// ---------------------------------------------------------------------------------------------
+
+struct Shim {
+    /// Swept in `drop`, while the home (which holds the owner identity) still exists.
+    containers: ContainerSweeper,
+    root: tempfile::TempDir,
+    home: PathBuf,
+    process: Option<ShimProcess>,
+    port: u16,
+    /// Makes task ids unique to this run (container names derive from them).
+    run: String,
+}
+
+impl Shim {
+    /// A new home and the shim started on it with `extra` arguments.
+    fn start(extra: &[&str]) -> Self {
+        let root = tempfile::Builder::new()
+            .prefix("shim-observe-")
+            .tempdir()
+            .unwrap();
+        let home = std::path::absolute(root.path().join("home")).unwrap();
+        fs_err::create_dir(&home).unwrap();
+        let containers = ContainerSweeper::for_home(&home);
+        let port = free_port().unwrap();
+        let mut args: Vec<String> = [
+            "--runner-binary-path",
+            &runner_path().display().to_string(),
+            "--fake-gpus",
+            "2",
+            "--volumes-root",
+            &root.path().join("volumes").display().to_string(),
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        let log = root.path().join("shim.out");
+        let mut process = ShimProcess::spawn(shim_binary(), &home, port, &args, &log).unwrap();
+        process
+            .wait_answering(START_BOUND, Duration::from_millis(10))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let run = root
+            .path()
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .trim_start_matches("shim-observe-")
+            .to_ascii_lowercase();
+        Self {
+            containers,
+            root,
+            home,
+            process: Some(process),
+            port,
+            run,
+        }
+    }
+
+    /// A task id unique to this run.
+    fn task_id(&self, name: &str) -> String {
+        format!("{name}-{}", self.run)
+    }
+
+    fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
+    fn send(&self, request: &Request) -> Response {
+        request.send(self.addr()).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn ok(&self, request: &Request) -> Value {
+        let r = self.send(request);
+        assert_eq!(r.status, 200, "{r:?}");
+        r.json().unwrap()
+    }
+
+    fn info(&self, id: &str) -> Value {
+        self.ok(&Request::get(&format!("/api/tasks/{id}")))
+    }
+
+    /// Submits a bridge-mode task of the local image with no GPU; answers its TaskInfo.
+    fn submit(&self, id: &str) -> Value {
+        let config = json!({
+            "id": id, "name": format!("observe-{id}"), "image_name": image(),
+            "gpu": 0, "network_mode": "bridge", "container_user": "root",
+        });
+        self.ok(&Request::post("/api/tasks").json(&config))
+    }
+
+    /// Polls (bounded) until the task's status is `status`.
+    fn wait_status(&self, id: &str, status: &str) -> Value {
+        let started = Instant::now();
+        loop {
+            let info = self.info(id);
+            if info["status"] == status {
+                return info;
+            }
+            assert!(
+                started.elapsed() < STATUS_BOUND,
+                "task {id} never became {status}: {info}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Removes a terminated task, retrying (bounded) while a release is in flight (409).
+    fn remove(&self, id: &str) {
+        let started = Instant::now();
+        loop {
+            let r = self.send(&Request::post(&format!("/api/tasks/{id}/remove")));
+            if r.status == 200 {
+                return;
+            }
+            assert!(
+                r.status == 409 && started.elapsed() < STATUS_BOUND,
+                "remove {id}: {r:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Runs task `id` to its end: submitted, running, the runner exits 0 (→ `done_by_runner`).
+    fn run_to_exit(&self, id: &str) {
+        self.submit(id);
+        let info = self.wait_status(id, "running");
+        write_runner_exit(&self.home, &info, 0).unwrap();
+        let info = self.wait_status(id, "terminated");
+        assert_eq!(info["termination_reason"], "done_by_runner", "{info}");
+    }
+
+    fn metrics(&self) -> Metrics {
+        let r = self.send(&Request::get("/metrics"));
+        assert_eq!(r.status, 200, "{r:?}");
+        assert_eq!(
+            r.header("content-type"),
+            Some("application/openmetrics-text; version=1.0.0; charset=utf-8")
+        );
+        parse_openmetrics(&r.body).unwrap_or_else(|e| panic!("{e}\n{}", r.body))
+    }
+}
+
+impl Drop for Shim {
+    fn drop(&mut self) {
+        drop(self.process.take());
+        self.containers.sweep();
+        if std::thread::panicking() {
+            for path in [
+                self.root.path().join("shim.out"),
+                self.home.join("shim.log"),
+            ] {
+                eprintln!(
+                    "----- {} (last 100 lines) -----\n{}",
+                    path.display(),
+                    shim_e2e::harness::tail(&path, 100)
+                );
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// An SSE client (blocking; chunked decoding as it comes)
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Event {
+    event: String,
+    id: Option<u64>,
+    data: String,
+}
+
+struct Sse {
+    reader: BufReader<TcpStream>,
+    pending: Vec<u8>,
+}
+
+impl Sse {
+    /// Connects, checks the answer's head and returns the stream (the snapshot is next).
+    fn connect(addr: SocketAddr) -> Self {
+        let mut stream = TcpStream::connect(addr).unwrap();
+        stream.set_read_timeout(Some(EVENT_BOUND)).unwrap();
+        stream
+            .write_all(
+                b"GET /api/events HTTP/1.1\r\nHost: localhost\r\nAccept: text/event-stream\r\n\r\n",
+            )
+            .unwrap();
+        let mut reader = BufReader::new(stream);
+        let mut head = Vec::new();
+        loop {
+            let mut line = String::new();
+            reader.read_line(&mut line).unwrap();
+            if line == "\r\n" || line.is_empty() {
+                break;
+            }
+            head.push(line.trim_end().to_ascii_lowercase());
+        }
+        assert!(head[0].starts_with("http/1.1 200"), "{head:?}");
+        for expected in [
+            "content-type: text/event-stream",
+            "transfer-encoding: chunked",
+        ] {
+            assert!(head.iter().any(|h| h == expected), "{expected}: {head:?}");
+        }
+        Self {
+            reader,
+            pending: Vec::new(),
+        }
+    }
+
+    fn chunk(&mut self) {
+        let mut line = String::new();
+        self.reader.read_line(&mut line).unwrap();
+        let size = usize::from_str_radix(line.trim_end(), 16)
+            .unwrap_or_else(|_| panic!("bad chunk size line {line:?}"));
+        assert_ne!(size, 0, "the event stream ended");
+        let start = self.pending.len();
+        self.pending.resize(start + size + 2, 0);
+        self.reader.read_exact(&mut self.pending[start..]).unwrap();
+        assert_eq!(&self.pending[start + size..], b"\r\n");
+        self.pending.truncate(start + size);
+    }
+
+    /// The next event, keep-alive comments skipped.
+    fn next_event(&mut self) -> Event {
+        loop {
+            let Some(end) = self.pending.windows(2).position(|w| w == b"\n\n") else {
+                self.chunk();
+                continue;
+            };
+            let block: Vec<u8> = self.pending.drain(..end + 2).collect();
+            let block = String::from_utf8(block).unwrap();
+            let mut event = Event {
+                event: String::new(),
+                id: None,
+                data: String::new(),
+            };
+            for line in block.trim_end_matches('\n').split('\n') {
+                if line.starts_with(':') {
+                    continue;
+                } else if let Some(v) = line.strip_prefix("event: ") {
+                    event.event = v.to_owned();
+                } else if let Some(v) = line.strip_prefix("id: ") {
+                    event.id = Some(v.parse().unwrap());
+                } else if let Some(v) = line.strip_prefix("data: ") {
+                    event.data.push_str(v);
+                } else {
+                    panic!("unexpected line {line:?} in {block:?}");
+                }
+            }
+            if !event.event.is_empty() {
+                return event;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A strict parser of the OpenMetrics text format (what the checks below need of it)
+// ---------------------------------------------------------------------------------------------
+
+/// A sample's labels, sorted by name.
+type Labels = Vec<(String, String)>;
+
+/// Samples by name, then by their label set.
+#[derive(Debug, Default)]
+struct Metrics {
+    samples: BTreeMap<String, BTreeMap<Labels, f64>>,
+    types: BTreeMap<String, String>,
+}
+
+impl Metrics {
+    /// The value of `name{labels}`; 0 when absent (a labelled counter appears on first use).
+    fn get(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        let mut key: Labels = labels
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        key.sort();
+        self.samples
+            .get(name)
+            .and_then(|by_labels| by_labels.get(&key))
+            .copied()
+            .unwrap_or(0.0)
+    }
+}
+
+fn is_name(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || c == ':')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+}
+
+/// The suffixes a family of `typ` may give its samples.
+fn suffixes(typ: &str) -> &'static [&'static str] {
+    match typ {
+        "counter" => &["_total", "_created"],
+        "histogram" => &["_bucket", "_count", "_sum", "_created"],
+        "info" => &["_info"],
+        "gauge" | "unknown" => &[""],
+        _ => &[],
+    }
+}
+
+fn parse_value(s: &str) -> Result<f64, String> {
+    match s {
+        "+Inf" => Ok(f64::INFINITY),
+        "-Inf" => Ok(f64::NEG_INFINITY),
+        "NaN" => Ok(f64::NAN),
+        _ => s.parse().map_err(|_| format!("bad value {s:?}")),
+    }
+}
+
+/// Parses `{k="v",...}` (escapes `\\`, `\"`, `\n`); returns the labels and the rest.
+fn parse_labels(s: &str) -> Result<(Labels, &str), String> {
+    let Some(mut rest) = s.strip_prefix('{') else {
+        return Ok((Vec::new(), s));
+    };
+    let mut labels = Vec::new();
+    if let Some(r) = rest.strip_prefix('}') {
+        return Ok((labels, r));
+    }
+    loop {
+        let (name, r) = rest
+            .split_once("=\"")
+            .ok_or_else(|| format!("bad label in {s:?}"))?;
+        if !is_name(name) || name.contains(':') {
+            return Err(format!("bad label name {name:?}"));
+        }
+        let mut value = String::new();
+        let mut chars = r.char_indices();
+        let after = loop {
+            match chars.next() {
+                Some((_, '\\')) => match chars.next() {
+                    Some((_, '\\')) => value.push('\\'),
+                    Some((_, '"')) => value.push('"'),
+                    Some((_, 'n')) => value.push('\n'),
+                    other => return Err(format!("bad escape {other:?} in {s:?}")),
+                },
+                Some((i, '"')) => break &r[i + 1..],
+                Some((_, c)) => value.push(c),
+                None => return Err(format!("unterminated label value in {s:?}")),
+            }
+        };
+        if labels.iter().any(|(n, _)| n == name) {
+            return Err(format!("label {name} twice in {s:?}"));
+        }
+        labels.push((name.to_owned(), value));
+        if let Some(r) = after.strip_prefix(',') {
+            rest = r;
+        } else if let Some(r) = after.strip_prefix('}') {
+            labels.sort();
+            return Ok((labels, r));
+        } else {
+            return Err(format!("expected , or }} in {s:?}"));
+        }
+    }
+}
+
+/// Parses an OpenMetrics text exposition strictly: `# HELP`/`# TYPE`/`# UNIT` lines naming a
+/// family once, before its samples; each sample named after the current family with a suffix
+/// its type allows; no sample twice; `# EOF` as the last line; histograms with `le` buckets
+/// that are cumulative and end in `+Inf` equal to `_count`; counters not negative.
+fn parse_openmetrics(text: &str) -> Result<Metrics, String> {
+    let body = text
+        .strip_suffix("# EOF\n")
+        .ok_or("the exposition does not end with `# EOF`")?;
+    let mut metrics = Metrics::default();
+    let mut family: Option<(String, String)> = None;
+    let mut done_families = BTreeSet::new();
+    for line in body.lines() {
+        if line.is_empty() {
+            return Err("empty line".into());
+        }
+        if let Some(meta) = line.strip_prefix("# ") {
+            let mut parts = meta.splitn(3, ' ');
+            let (kind, name) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+            let rest = parts.next();
+            if !is_name(name) {
+                return Err(format!("bad family name in {line:?}"));
+            }
+            if family.as_ref().is_none_or(|(f, _)| f != name) {
+                if !done_families.insert(name.to_owned()) {
+                    return Err(format!("family {name} appears twice"));
+                }
+                family = Some((name.to_owned(), "unknown".to_owned()));
+            }
+            match (kind, rest) {
+                ("HELP", _) | ("UNIT", Some(_)) => {}
+                ("TYPE", Some(typ)) => {
+                    if suffixes(typ).is_empty() {
+                        return Err(format!("unknown type in {line:?}"));
+                    }
+                    if metrics
+                        .types
+                        .insert(name.to_owned(), typ.to_owned())
+                        .is_some()
+                    {
+                        return Err(format!("two TYPE lines for {name}"));
+                    }
+                    family = Some((name.to_owned(), typ.to_owned()));
+                }
+                _ => return Err(format!("bad metadata line {line:?}")),
+            }
+            continue;
+        }
+        if line.starts_with('#') {
+            return Err(format!("bad comment line {line:?}"));
+        }
+        let name_end = line
+            .find(['{', ' '])
+            .ok_or(format!("bad sample {line:?}"))?;
+        let name = &line[..name_end];
+        let (labels, rest) = parse_labels(&line[name_end..])?;
+        let mut fields = rest
+            .strip_prefix(' ')
+            .ok_or(format!("bad sample {line:?}"))?
+            .split(' ');
+        let value = parse_value(fields.next().unwrap_or(""))?;
+        if let Some(ts) = fields.next() {
+            parse_value(ts)?;
+        }
+        if fields.next().is_some() {
+            return Err(format!("trailing fields in {line:?}"));
+        }
+        let (fam, typ) = family
+            .as_ref()
+            .ok_or(format!("sample before any family: {line:?}"))?;
+        let suffix = name
+            .strip_prefix(fam.as_str())
+            .ok_or(format!("sample {name} outside its family {fam}"))?;
+        if !suffixes(typ).contains(&suffix) {
+            return Err(format!("sample {name} does not fit {typ} family {fam}"));
+        }
+        if typ == "counter" && suffix == "_total" && (value < 0.0 || value.is_nan()) {
+            return Err(format!("negative counter {line:?}"));
+        }
+        let by_labels = metrics.samples.entry(name.to_owned()).or_default();
+        if by_labels.insert(labels, value).is_some() {
+            return Err(format!("sample twice: {line:?}"));
+        }
+    }
+    check_histograms(&metrics)?;
+    Ok(metrics)
+}
+
+fn check_histograms(metrics: &Metrics) -> Result<(), String> {
+    for (fam, typ) in &metrics.types {
+        if typ != "histogram" {
+            continue;
+        }
+        let buckets = metrics
+            .samples
+            .get(&format!("{fam}_bucket"))
+            .ok_or(format!("histogram {fam} has no buckets"))?;
+        let count = metrics.get(&format!("{fam}_count"), &[]);
+        let mut bounds: Vec<(f64, f64)> = buckets
+            .iter()
+            .map(|(labels, v)| {
+                let le = labels
+                    .iter()
+                    .find(|(k, _)| k == "le")
+                    .ok_or(format!("bucket of {fam} without le"))?;
+                Ok((parse_value(&le.1)?, *v))
+            })
+            .collect::<Result<_, String>>()?;
+        bounds.sort_by(|a, b| a.0.total_cmp(&b.0));
+        if bounds.last().map(|b| b.0) != Some(f64::INFINITY) {
+            return Err(format!("histogram {fam} has no +Inf bucket"));
+        }
+        if bounds.windows(2).any(|w| w[1].1 < w[0].1) {
+            return Err(format!("histogram {fam} buckets are not cumulative"));
+        }
+        if bounds.last().map(|b| b.1) != Some(count) {
+            return Err(format!("histogram {fam}: +Inf bucket != _count"));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn the_parser_is_strict() {
+    let good = "# HELP a_seconds x\n# TYPE a_seconds histogram\n\
+        a_seconds_sum 1.5\na_seconds_count 2\n\
+        a_seconds_bucket{le=\"1.0\"} 1\na_seconds_bucket{le=\"+Inf\"} 2\n\
+        # TYPE b counter\nb_total{op=\"x\\\"y\"} 3\n# TYPE c info\nc_info{v=\"1\"} 1\n# EOF\n";
+    let m = parse_openmetrics(good).unwrap();
+    assert_eq!(m.get("b_total", &[("op", "x\"y")]), 3.0);
+    assert_eq!(m.get("a_seconds_count", &[]), 2.0);
+    for bad in [
+        good.trim_end_matches("# EOF\n"),
+        &good.replace("b_total", "b"),
+        &good.replace(
+            "a_seconds_bucket{le=\"+Inf\"} 2",
+            "a_seconds_bucket{le=\"+Inf\"} 3",
+        ),
+        &good.replace(
+            "a_seconds_bucket{le=\"1.0\"} 1",
+            "a_seconds_bucket{le=\"1.0\"} 5",
+        ),
+        &good.replace("# TYPE c info", "# TYPE b info"),
+        &good.replace("c_info{v=\"1\"} 1", "c_info{v=\"1\"} 1\nc_info{v=\"1\"} 1"),
+        &good.replace("c_info{v=\"1\"}", "c_info{v=\"1}"),
+        &good.replace("b_total{op=\"x\\\"y\"} 3", "b_total{op=\"x\\\"y\"} -3"),
+    ] {
+        assert!(parse_openmetrics(bad).is_err(), "accepted:\n{bad}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tests
+// ---------------------------------------------------------------------------------------------
+
+/// An SSE client sees a task from submit to removal: the snapshot first, then submitted,
+/// each status (preparing, pulling, creating, running), terminated with its reason, released,
+/// removed — in order, with strictly increasing ids equal to each change's `seq`. A second
+/// client that connects while the task runs gets it in its snapshot. The shim logs in JSON
+/// (`--log-format json`): every line of `shim.log` is a JSON object, and lines about the task
+/// carry its id in the `task` field.
+#[test]
+fn events_follow_a_task_from_submit_to_removal_and_json_logs() {
+    if !docker_tests_enabled("events_follow_a_task_from_submit_to_removal_and_json_logs") {
+        return;
+    }
+    let shim = Shim::start(&["--log-format", "json"]);
+    let mut sse = Sse::connect(shim.addr());
+    let snapshot = sse.next_event();
+    assert_eq!(snapshot.event, "snapshot");
+    assert_eq!(snapshot.id, None);
+    let snapshot: Value = serde_json::from_str(&snapshot.data).unwrap();
+    assert_eq!(snapshot, json!({"tasks": []}));
+
+    let id = shim.task_id("events");
+    let id = id.as_str();
+    shim.submit(id);
+    let info = shim.wait_status(id, "running");
+    let mut late = Sse::connect(shim.addr());
+    let late_snapshot: Value = serde_json::from_str(&late.next_event().data).unwrap();
+    assert_eq!(
+        late_snapshot,
+        json!({"tasks": [{"id": id, "status": "running"}]})
+    );
+    drop(late);
+    write_runner_exit(&shim.home, &info, 0).unwrap();
+    shim.wait_status(id, "terminated");
+    shim.remove(id);
+
+    let mut seen = Vec::new();
+    let mut last_id = 0;
+    loop {
+        let event = sse.next_event();
+        assert_eq!(event.event, "change", "{event:?}");
+        let data: Value = serde_json::from_str(&event.data).unwrap();
+        let event_id = event.id.expect("a change has an id");
+        assert!(
+            event_id > last_id,
+            "ids increase: {event_id} after {last_id}"
+        );
+        last_id = event_id;
+        assert_eq!(data["seq"], event_id, "{data}");
+        assert_eq!(data["task"], id, "{data}");
+        assert!(data["time_ms"].as_u64().unwrap() > 0, "{data}");
+        let change = data["change"].as_str().unwrap().to_owned();
+        seen.push(match change.as_str() {
+            "status" => data["status"].as_str().unwrap().to_owned(),
+            "terminated" => format!(
+                "terminated:{}",
+                data["termination_reason"].as_str().unwrap()
+            ),
+            _ => change.clone(),
+        });
+        if change == "removed" {
+            break;
+        }
+    }
+    assert_eq!(
+        seen,
+        [
+            "submitted",
+            "preparing",
+            "pulling",
+            "creating",
+            "running",
+            "terminated:done_by_runner",
+            "released",
+            "removed"
+        ]
+    );
+
+    // JSON logs: every line of shim.log is an object; the task's lines name it.
+    let log = fs_err::read_to_string(shim.home.join("shim.log")).unwrap();
+    let mut task_messages = BTreeSet::new();
+    for line in log.lines() {
+        let value: Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("not a JSON log line ({e}): {line:?}"));
+        let object = value.as_object().unwrap_or_else(|| panic!("{line}"));
+        for key in ["timestamp", "level", "message", "target"] {
+            assert!(object.contains_key(key), "{key} missing: {line}");
+        }
+        if object.get("task").and_then(Value::as_str) == Some(id) {
+            task_messages.insert(object["message"].as_str().unwrap().to_owned());
+        }
+    }
+    for message in ["task submitted", "task removed"] {
+        assert!(
+            task_messages.contains(message),
+            "no {message:?} line with task={id}: {task_messages:?}"
+        );
+    }
+}
+
+/// `GET /metrics` parses as OpenMetrics and its figures follow a task: submits, tasks by
+/// status, Docker creates, the exit → terminated histogram, terminations by reason; the build
+/// info names the version the healthcheck answers. `GET /api/ready` answers ready.
+#[test]
+fn metrics_parse_and_move_as_a_task_runs() {
+    if !docker_tests_enabled("metrics_parse_and_move_as_a_task_runs") {
+        return;
+    }
+    let shim = Shim::start(&[]);
+    let ready = shim.send(&Request::get("/api/ready"));
+    assert_eq!(ready.status, 200, "{ready:?}");
+    let ready = ready.json().unwrap();
+    assert_eq!(ready["ready"], true, "{ready}");
+    assert_eq!(ready["events_connected"], true, "{ready}");
+
+    let version = shim.ok(&Request::get("/api/healthcheck"))["version"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let before = shim.metrics();
+    assert_eq!(before.types["dstack_shim_build"], "info");
+    assert_eq!(
+        before.get("dstack_shim_build_info", &[("version", &version)]),
+        1.0
+    );
+    assert_eq!(before.types["dstack_shim_tasks_submitted"], "counter");
+    assert_eq!(
+        before.types["dstack_shim_exit_to_terminated_seconds"],
+        "histogram"
+    );
+    assert_eq!(before.get("dstack_shim_tasks_submitted_total", &[]), 0.0);
+    assert_eq!(
+        before.get("dstack_shim_tasks", &[("status", "running")]),
+        0.0
+    );
+    let creates = |m: &Metrics| m.get("dstack_shim_docker_requests_total", &[("op", "create")]);
+    let exits = |m: &Metrics| m.get("dstack_shim_exit_to_terminated_seconds_count", &[]);
+    assert_eq!(creates(&before), 0.0);
+    assert_eq!(exits(&before), 0.0);
+
+    let id = shim.task_id("metrics-1");
+    let id = id.as_str();
+    shim.submit(id);
+    shim.wait_status(id, "running");
+    let running = shim.metrics();
+    assert_eq!(running.get("dstack_shim_tasks_submitted_total", &[]), 1.0);
+    assert_eq!(
+        running.get("dstack_shim_tasks", &[("status", "running")]),
+        1.0
+    );
+    assert_eq!(creates(&running), 1.0);
+    assert_eq!(
+        running.get("dstack_shim_submit_to_running_seconds_count", &[]),
+        1.0
+    );
+    assert_eq!(exits(&running), 0.0);
+
+    let info = shim.info(id);
+    write_runner_exit(&shim.home, &info, 0).unwrap();
+    shim.wait_status(id, "terminated");
+    let ended = shim.metrics();
+    assert_eq!(
+        ended.get("dstack_shim_tasks", &[("status", "running")]),
+        0.0
+    );
+    assert_eq!(
+        ended.get("dstack_shim_tasks", &[("status", "terminated")]),
+        1.0
+    );
+    assert_eq!(exits(&ended), 1.0);
+    assert_eq!(
+        ended.get(
+            "dstack_shim_tasks_terminated_total",
+            &[("reason", "done_by_runner")]
+        ),
+        1.0
+    );
+
+    shim.remove(id);
+    let removed = shim.metrics();
+    assert_eq!(
+        removed.get("dstack_shim_tasks", &[("status", "terminated")]),
+        0.0
+    );
+    assert_eq!(removed.get("dstack_shim_tasks_submitted_total", &[]), 1.0);
+    // A second task moves the counters again.
+    let second_id = shim.task_id("metrics-2");
+    shim.run_to_exit(&second_id);
+    shim.remove(&second_id);
+    let second = shim.metrics();
+    assert_eq!(second.get("dstack_shim_tasks_submitted_total", &[]), 2.0);
+    assert_eq!(creates(&second), 2.0);
+    assert_eq!(exits(&second), 2.0);
+    assert!(
+        second.get("dstack_shim_events_connected", &[]) == 1.0,
+        "the event stream is connected"
+    );
+}
+
+/// The metrics' documentation names every family the shim serves (docs/OPERATIONS.md).
+#[test]
+fn operations_md_lists_every_metric() {
+    if !docker_tests_enabled("operations_md_lists_every_metric") {
+        return;
+    }
+    let shim = Shim::start(&[]);
+    let metrics = shim.metrics();
+    let doc = fs_err::read_to_string(shim_e2e::repo_root().join("docs/OPERATIONS.md")).unwrap();
+    for (family, typ) in &metrics.types {
+        let sample = match typ.as_str() {
+            "counter" => format!("{family}_total"),
+            "info" => format!("{family}_info"),
+            _ => family.clone(),
+        };
+        assert!(
+            doc.contains(&format!("`{sample}`")) || doc.contains(&format!("`{sample}{{")),
+            "docs/OPERATIONS.md does not list {sample}"
+        );
+    }
+}
