@@ -407,9 +407,10 @@ impl Shim {
 
 impl Drop for Shim {
     fn drop(&mut self) {
-        // The shim dies before its containers are swept (the sweeper is a field, dropped
-        // after this).
+        // The shim dies before its containers are swept, and they are swept before the home
+        // (the first field) is deleted: the sweeper reads the owner identity from it.
         drop(self.process.take());
+        self.containers.sweep();
         if std::thread::panicking() {
             eprintln!("{}", self.log_tail());
         }

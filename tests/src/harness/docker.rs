@@ -116,8 +116,9 @@ pub struct ContainerSweeper {
 enum Value {
     Fixed(String),
     /// The owner identity of a home, read when sweeping (the shim creates it at its first
-    /// start, after the sweeper was made).
-    OwnerOf(std::path::PathBuf),
+    /// start, after the sweeper was made) and kept once the home has it, so a sweep after the
+    /// home is gone still finds the containers.
+    OwnerOf(std::path::PathBuf, std::sync::OnceLock<String>),
 }
 
 impl ContainerSweeper {
@@ -125,7 +126,7 @@ impl ContainerSweeper {
     pub fn for_home(home: &Path) -> Self {
         Self {
             key: LABEL_OWNER.to_owned(),
-            value: Value::OwnerOf(home.to_path_buf()),
+            value: Value::OwnerOf(home.to_path_buf(), std::sync::OnceLock::new()),
         }
     }
 
@@ -141,7 +142,16 @@ impl ContainerSweeper {
     pub fn value(&self) -> String {
         match &self.value {
             Value::Fixed(v) => v.clone(),
-            Value::OwnerOf(home) => owner_identity(home),
+            Value::OwnerOf(_, known) if known.get().is_some() => {
+                known.get().cloned().unwrap_or_default()
+            }
+            Value::OwnerOf(home, known) => {
+                let id = owner_identity(home);
+                if home.join("owner-id").exists() {
+                    let _ = known.set(id.clone());
+                }
+                id
+            }
         }
     }
 
