@@ -37,7 +37,7 @@
 //! are created, owned by the user, when missing. Updates are serialized within a manager,
 //! which is meant to be a single instance per process.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -166,8 +166,8 @@ pub trait AuthorizedKeys: Send + Sync {
     fn hold_unknown(&self, task: &TaskId, user: Option<&str>);
 
     /// Forgets task `task` (its keys and its unknown hold) and rewrites `user`'s file (and the
-    /// file of the user the task was registered with, if another) by the rule of the module
-    /// documentation; `keys` are the task's keys as recorded (the memory may not know them
+    /// file of the user the task was registered with, if another; for a hold without a user,
+    /// the file of every user the manager has seen) by the rule of the module documentation; `keys` are the task's keys as recorded (the memory may not know them
     /// after a restart). Idempotent; a no-op for a user that does not exist, has no home or
     /// no `~/.ssh` (nothing of ours can be there). On error the task stays forgotten and a
     /// retry rewrites again.
@@ -194,6 +194,9 @@ struct State {
     live: BTreeMap<TaskId, (String, Vec<PublicKey>)>,
     /// Live tasks whose keys are unknown → their user (`None`: unknown too).
     unknown: BTreeMap<TaskId, Option<String>>,
+    /// Every user this manager registered a task for or rewrote: where the marked lines kept
+    /// for a task of unknown user may be, rewritten when that task is removed.
+    seen: BTreeSet<String>,
 }
 
 impl State {
@@ -268,6 +271,7 @@ impl AuthorizedKeysManager {
         let _io = self.inner.io();
         let (previous, previous_hold, wanted) = {
             let mut st = self.inner.state();
+            st.seen.insert(user.to_owned());
             let previous = st
                 .live
                 .insert(task.clone(), (user.to_owned(), keys.to_vec()));
@@ -331,9 +335,15 @@ impl AuthorizedKeysManager {
                 released.extend(k);
                 push(u);
             }
-            if let Some(Some(u)) = st.unknown.remove(task) {
-                push(u);
+            match st.unknown.remove(task) {
+                Some(Some(u)) => push(u),
+                // Its user is unknown too: the marked lines kept for it may be in the file of
+                // any user this manager knows; each is rewritten (and pruned unless another
+                // hold still covers it).
+                Some(None) => st.seen.iter().cloned().for_each(&mut push),
+                None => {}
             }
+            st.seen.extend(users.iter().cloned());
         }
         let mut first_err = None;
         for u in &users {
@@ -403,6 +413,9 @@ impl AuthorizedKeys for AuthorizedKeysManager {
     fn restore(&self, task: &TaskId, user: &str, keys: &[PublicKey]) {
         let mut st = self.inner.state();
         st.unknown.remove(task);
+        if !user.is_empty() {
+            st.seen.insert(user.to_owned());
+        }
         st.live
             .insert(task.clone(), (user.to_owned(), keys.to_vec()));
     }
@@ -411,7 +424,11 @@ impl AuthorizedKeys for AuthorizedKeysManager {
         let user = user.filter(|u| !u.is_empty()).map(str::to_owned);
         tracing::info!(task = %task, user = ?user,
             "keys of a live task unknown: keeping marked lines of unknown origin");
-        self.inner.state().unknown.insert(task.clone(), user);
+        let mut st = self.inner.state();
+        if let Some(u) = &user {
+            st.seen.insert(u.clone());
+        }
+        st.unknown.insert(task.clone(), user);
     }
 
     async fn remove_upstream(&self, task: &TaskId, user: &str, keys: &[PublicKey]) -> Result<()> {

@@ -449,6 +449,30 @@ async fn hold_without_user_covers_every_user_until_removed() {
 }
 
 #[tokio::test]
+async fn lines_kept_for_a_task_of_unknown_user_go_when_it_is_released() {
+    // After a restart: a's keys are known; "lost" had its state file unreadable, so neither
+    // its user nor its keys are known, and K3 is of unknown origin.
+    let h = Home::new();
+    h.write(&format!(
+        "{K4}\n{}\n{}\n",
+        marked_line(&key(K1)),
+        marked_line(&key(K3))
+    ));
+    h.manager.restore(&task("a"), "alice", &[key(K1)]);
+    h.manager.hold_unknown(&task("lost"), None);
+    h.manager
+        .remove(&task("a"), "alice", &[key(K1)])
+        .await
+        .unwrap();
+    let fp = |k: &str| key(k).fingerprint().to_owned();
+    assert_eq!(h.marked(), vec![fp(K3)], "kept while the held task lives");
+    // Its release (the engine passes no user: none is known) rewrites alice's file too.
+    h.manager.remove(&task("lost"), "", &[]).await.unwrap();
+    assert!(h.marked().is_empty(), "{}", h.read());
+    assert_eq!(h.read(), format!("{K4}\n"));
+}
+
+#[tokio::test]
 async fn restart_with_a_held_task_removes_only_known_keys() {
     let h = Home::new();
     h.manager

@@ -170,8 +170,14 @@ pub fn restore(
     if !t.record.resources.released && !t.record.resources.gpus.is_empty() {
         actions.push(Action::LockGpus(t.record.resources.gpus.clone()));
     }
+    // A container the list shows as created may be starting right now (the shim was killed
+    // during its start: a list does not wait for a start in flight, a stop does), so it is
+    // stopped too; a stop of a container that never starts changes nothing. Otherwise it
+    // would run on with what the terminated task releases.
     if t.record.status == TaskStatus::Terminated
-        && container.as_ref().is_some_and(|c| c.state.is_running())
+        && container
+            .as_ref()
+            .is_some_and(|c| c.state.is_running() || c.state == ContainerState::Created)
     {
         t.stop = StopState::Wanted { timeout_s: 0 };
     }

@@ -976,6 +976,32 @@ fn restore_recorded_reason_wins_and_a_running_container_is_stopped() {
 }
 
 #[test]
+fn restore_recorded_reason_with_a_created_container_stops_it_before_releasing() {
+    // Terminated during start, and the shim was killed while Docker started the container:
+    // the start-up list shows it created, and it runs a moment later.
+    let mut t = started_until(StartStep::StartContainer);
+    go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByUser,
+            message: "by user".into(),
+            timeout_s: 10,
+        },
+    );
+    let c = observed(ContainerState::Created);
+    let (r, a) = restored(Some(t.record.clone()), Some(c.clone()), 5_000).unwrap();
+    assert_ended(&r, TerminationReason::TerminatedByUser, "by user");
+    assert_eq!(
+        a,
+        vec![
+            Action::LockGpus(vec!["GPU-a".into()]),
+            Action::StopContainer { timeout_s: 0 }
+        ]
+    );
+    assert!(!r.needs_release(), "released only after the stop");
+}
+
+#[test]
 fn restore_without_reason_with_container_is_running_with_the_containers_facts() {
     let t = started_until(StartStep::StartContainer);
     // The shim died between create and start.

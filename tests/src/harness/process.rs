@@ -169,7 +169,8 @@ pub struct ShimProcess {
 
 impl ShimProcess {
     /// Starts `binary --shim-home home --shim-http-port port args..` (with `RUST_LOG` removed
-    /// and `NO_COLOR=1`) and returns at once.
+    /// and `NO_COLOR=1`) and returns at once. `home` is passed as spelled (a trailing slash,
+    /// `.` components, a symbolic link stay as they are).
     pub fn spawn<A: AsRef<OsStr>>(
         binary: &Path,
         home: &Path,
@@ -177,14 +178,32 @@ impl ShimProcess {
         args: &[A],
         log: &Path,
     ) -> io::Result<Self> {
-        let child = Command::new(binary)
+        Self::spawn_with_env(binary, home, port, args, &[], log)
+    }
+
+    /// [`ShimProcess::spawn`] with more environment variables for the process (e.g.
+    /// `DOCKER_HOST` for a daemon of the test's own).
+    pub fn spawn_with_env<A: AsRef<OsStr>>(
+        binary: &Path,
+        home: &Path,
+        port: u16,
+        args: &[A],
+        env: &[(&str, &OsStr)],
+        log: &Path,
+    ) -> io::Result<Self> {
+        let mut command = Command::new(binary);
+        command
             .arg("--shim-home")
             .arg(home)
             .arg("--shim-http-port")
             .arg(port.to_string())
             .args(args)
             .env_remove("RUST_LOG")
-            .env("NO_COLOR", "1")
+            .env("NO_COLOR", "1");
+        for (name, value) in env {
+            command.env(name, value);
+        }
+        let child = command
             .stdin(Stdio::null())
             .stdout(open_log(log)?)
             .stderr(open_log(log)?)

@@ -1,0 +1,2220 @@
+//! Fault injection against the built `dstack-shim` on real Docker (SPEC §4–§5): the shim is
+//! SIGKILLed at random points of concurrent requests, its Docker daemon is frozen, stopped and
+//! restarted under running tasks, its home fills up during each kind of state write, its state
+//! files are corrupted, it is killed mid-submit and mid-delete, and its home is spelled in
+//! other ways. After each fault: what the API answered stays true, nothing is leaked or lost
+//! (containers, task directories, `authorized_keys` lines, GPU locks), and everything converges
+//! without a restart of the shim.
+//!
+//! Each test has its own shim home (so its own owner identity: it never sees another test's
+//! containers), API port, fake GPUs, the stub runner, and tasks in bridge mode. What a test
+//! makes is removed however it ends: the shim (killed), the home's containers (a
+//! `ContainerSweeper`), test users, loop mounts, a private Docker daemon and its bridge, images
+//! it pulled. Waits are bounded; the few timed assertions (a frozen daemon must not hold the
+//! API) have generous bounds.
+//!
+//! Gating: every test needs Docker (`SHIM_TEST_DOCKER=1`); those that need a host user's
+//! `authorized_keys`, a loop device or a Docker daemon of their own also need root
+//! (`SHIM_TEST_ROOT=1`). With the variables set, a missing piece fails the test.
+//!
+//! Run: `SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1 cargo nextest run -p shim-e2e --test faults`.
+//! The random test prints its seed; `SHIM_FAULTS_SEED=<seed>` replays its choices (thread
+//! timing still varies).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::print_stderr,
+    reason = "test code: a failed unwrap is a failed test; figures and logs go to stderr"
+)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsStr;
+use std::io::Write as _;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use sha2::{Digest as _, Sha256};
+use shim_e2e::harness::{
+    ContainerSweeper, LABEL_OWNER, Request, Response, ShimProcess, free_port, runner_dir,
+    shim_binary, tasks_dir, try_docker_within, write_runner_exit,
+};
+use shim_e2e::{
+    RUNNER_EXIT_FILE, docker_tests_enabled, image, registry, registry_password, registry_user,
+    root_tests_enabled, runner_path,
+};
+
+/// How many fake GPUs every shim of these tests has.
+const FAKE_GPUS: usize = 4;
+/// The runner ports in the container (the shim's defaults).
+const RUNNER_HTTP_PORT: u16 = 10999;
+const RUNNER_SSH_PORT: u16 = 10022;
+/// Bound of the waits for a status or for convergence (never a timed assertion: generous,
+/// only there so that a hang fails).
+const WAIT: Duration = Duration::from_secs(60);
+/// The suffix of every `authorized_keys` line the shim writes (shim-resources' `MARKER`).
+const MARKER: &str = "# added by dstack-shim";
+/// The prefix of the message of a start given up because its state could not be written
+/// (shim-task's `WRITE_FAILED_PREFIX`).
+const WRITE_FAILED: &str = "cannot write the task's state file";
+/// What the kernel's ENOSPC reads as in an error chain.
+const ENOSPC: &str = "No space left on device";
+
+// ---------------------------------------------------------------------------------------------
+// Gating
+// ---------------------------------------------------------------------------------------------
+
+/// Whether `test` runs: it needs Docker, and root too when `root`. When it runs, the pieces
+/// must be there: Docker answers, and we are root.
+fn enabled(test: &str, root: bool) -> bool {
+    let docker = docker_tests_enabled(test);
+    let root_ok = !root || root_tests_enabled(test);
+    if !(docker && root_ok) {
+        return false;
+    }
+    let info = try_docker_within(&["info", "--format", "{{.ID}}"], Duration::from_secs(60));
+    assert!(
+        info.as_ref().is_ok_and(|o| o.status.success()),
+        "{test}: SHIM_TEST_DOCKER=1 but Docker does not answer (run `cargo xtask dev-env`): \
+         {info:?}"
+    );
+    if root {
+        let uid = run_ok("id", &["-u"]);
+        assert_eq!(uid.trim(), "0", "{test}: SHIM_TEST_ROOT=1 but not root");
+    }
+    true
+}
+
+// ---------------------------------------------------------------------------------------------
+// Commands
+// ---------------------------------------------------------------------------------------------
+
+/// Runs a command to its end (no stdin) and returns its output; panics if it cannot run.
+fn run(program: &str, args: &[&str]) -> Output {
+    Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {program}: {e}"))
+}
+
+/// Runs a command and returns its stdout; panics unless it exits 0.
+fn run_ok(program: &str, args: &[&str]) -> String {
+    let out = run(program, args);
+    assert!(
+        out.status.success(),
+        "{program} {args:?} failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Sends `signal` (`TERM`, `STOP`, …) to process `pid`.
+fn signal(pid: u32, signal: &str) {
+    run_ok("kill", &[&format!("-{signal}"), &pid.to_string()]);
+}
+
+/// The `docker` CLI against `host` (`unix:///…`; `None`: the default daemon), bounded.
+fn docker_at(host: Option<&str>, args: &[&str]) -> Output {
+    let mut all: Vec<&str> = Vec::new();
+    if let Some(h) = host {
+        all.extend(["-H", h]);
+    }
+    all.extend_from_slice(args);
+    try_docker_within(&all, Duration::from_secs(120)).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`docker_at`], which must exit 0; its stdout.
+fn docker_at_ok(host: Option<&str>, args: &[&str]) -> String {
+    let out = docker_at(host, args);
+    assert!(
+        out.status.success(),
+        "docker {args:?} on {host:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `Some(running)` of a container, `None` if there is none of that name or id.
+fn container_running(host: Option<&str>, id: &str) -> Option<bool> {
+    let out = docker_at(host, &["inspect", "-f", "{{.State.Running}}", id]);
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("No such"), "docker inspect {id}: {stderr}");
+        return None;
+    }
+    match String::from_utf8_lossy(&out.stdout).trim() {
+        "true" => Some(true),
+        "false" => Some(false),
+        other => panic!("docker inspect {id}: unexpected {other:?}"),
+    }
+}
+
+/// Polls `probe` every 50 ms until it returns `Ok`, at most `bound`; then panics with the last
+/// `Err` (what was still wrong).
+fn wait_for<T>(what: &str, bound: Duration, mut probe: impl FnMut() -> Result<T, String>) -> T {
+    let started = Instant::now();
+    loop {
+        match probe() {
+            Ok(v) => return v,
+            Err(why) => {
+                assert!(
+                    started.elapsed() < bound,
+                    "{what}: not within {bound:?}: {why}"
+                );
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Names in `dir` (sorted); empty if it does not exist.
+fn entries(dir: &Path) -> BTreeSet<String> {
+    match fs_err::read_dir(dir) {
+        Ok(rd) => rd
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeSet::new(),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Task configs
+// ---------------------------------------------------------------------------------------------
+
+/// A task config as the server sends it: bridge mode, the local test image.
+fn task(id: &str, gpu: i64) -> Value {
+    json!({
+        "id": id,
+        "name": format!("flt-{id}"),
+        "image_name": image(),
+        "gpu": gpu,
+        "cpu": 0,
+        "memory": 0,
+        "shm_size": 0,
+        "network_mode": "bridge",
+        "container_user": "root",
+        "privileged": false,
+        "volumes": [],
+        "volume_mounts": [],
+        "instance_mounts": [],
+        "host_ssh_user": "",
+        "host_ssh_keys": [],
+        "container_ssh_keys": [],
+        "registry_username": "",
+        "registry_password": "",
+    })
+}
+
+/// `config` with host SSH keys for `user`.
+fn with_host_keys(mut config: Value, user: &str, keys: &[&str]) -> Value {
+    config["host_ssh_user"] = json!(user);
+    config["host_ssh_keys"] = json!(keys);
+    config
+}
+
+/// `<name>-<first 8 hex chars of sha256("<name>/<id>")>` (SPEC §6).
+fn container_name(config: &Value) -> String {
+    let name = config["name"].as_str().unwrap();
+    let id = config["id"].as_str().unwrap();
+    let digest = Sha256::digest(format!("{name}/{id}").as_bytes());
+    let hex: String = digest.iter().take(4).map(|b| format!("{b:02x}")).collect();
+    format!("{name}-{hex}")
+}
+
+/// A valid OpenSSH ed25519 public key line (32 bytes derived from `comment`).
+fn ssh_key(comment: &str) -> String {
+    use base64::Engine as _;
+    let mut blob = Vec::new();
+    blob.extend_from_slice(&11u32.to_be_bytes());
+    blob.extend_from_slice(b"ssh-ed25519");
+    blob.extend_from_slice(&32u32.to_be_bytes());
+    blob.extend_from_slice(&Sha256::digest(comment.as_bytes()));
+    let b64 = base64::engine::general_purpose::STANDARD.encode(blob);
+    format!("ssh-ed25519 {b64} {comment}")
+}
+
+/// The base64 field of a key line (what identifies the key).
+fn key_blob(line: &str) -> String {
+    line.split_whitespace()
+        .nth(1)
+        .unwrap_or_default()
+        .to_owned()
+}
+
+fn fake_gpu_ids() -> BTreeSet<String> {
+    (0..FAKE_GPUS)
+        .map(|i| format!("GPU-00000000-0000-4000-8000-{i:012x}"))
+        .collect()
+}
+
+fn gpu_ids(info: &Value) -> BTreeSet<String> {
+    let Some(ids) = info["gpu_ids"].as_array() else {
+        return BTreeSet::new();
+    };
+    let set: BTreeSet<String> = ids.iter().map(|g| g.as_str().unwrap().to_owned()).collect();
+    assert_eq!(set.len(), ids.len(), "duplicate GPU ids: {info}");
+    set
+}
+
+/// Status, termination reason and message, and container of a TaskInfo.
+fn ending(info: &Value) -> [&str; 4] {
+    [
+        "status",
+        "termination_reason",
+        "termination_message",
+        "container_id",
+    ]
+    .map(|f| info[f].as_str().unwrap_or("?"))
+}
+
+fn status(info: &Value) -> &str {
+    info["status"].as_str().unwrap_or("?")
+}
+
+// ---------------------------------------------------------------------------------------------
+// The shim under test
+// ---------------------------------------------------------------------------------------------
+
+/// One test's shim: its home (spelled as given to `--shim-home`), the running binary (or none
+/// between restarts), its logs (outside the home: the home may be full), and the containers'
+/// clean-up guard.
+struct Shim {
+    /// The home where the test reads files (absolute, as created).
+    home: PathBuf,
+    /// `--shim-home` as passed (changed by the spelling test).
+    spelled: PathBuf,
+    logs: PathBuf,
+    env: Vec<(String, String)>,
+    extra: Vec<String>,
+    /// `DOCKER_HOST` of the shim and of the test's docker commands (`None`: the default).
+    docker_host: Option<String>,
+    process: Option<ShimProcess>,
+    port: u16,
+    starts: u32,
+    /// Force-removes the home's containers on the default daemon (a private daemon cleans up
+    /// its own).
+    _sweeper: Option<ContainerSweeper>,
+}
+
+impl Shim {
+    /// A shim for `home` (created if missing) that logs into `logs`; nothing runs yet.
+    fn new(home: &Path, logs: &Path) -> Self {
+        let _ = shim_binary();
+        fs_err::create_dir_all(home).unwrap();
+        fs_err::create_dir_all(logs).unwrap();
+        let home = std::path::absolute(home).unwrap();
+        Self {
+            spelled: home.clone(),
+            _sweeper: Some(ContainerSweeper::for_home(&home)),
+            home,
+            logs: logs.to_owned(),
+            env: Vec::new(),
+            extra: Vec::new(),
+            docker_host: None,
+            process: None,
+            port: 0,
+            starts: 0,
+        }
+    }
+
+    /// Uses the Docker daemon at `host` (`unix:///…`) instead of the default one.
+    fn on_daemon(mut self, host: &str) -> Self {
+        self.docker_host = Some(host.to_owned());
+        self.env.push(("DOCKER_HOST".to_owned(), host.to_owned()));
+        self._sweeper = None;
+        self
+    }
+
+    fn log_path(&self, n: u32) -> PathBuf {
+        self.logs.join(format!("shim-{n}.log"))
+    }
+
+    /// Starts the binary (a fresh API port each time) and waits, bounded, until it listens:
+    /// restore and the first reconcile cycle are done then.
+    fn start(&mut self) {
+        assert!(self.process.is_none(), "the shim is already running");
+        self.starts += 1;
+        self.port = free_port().unwrap();
+        let mut args = vec![
+            "--runner-binary-path".to_owned(),
+            runner_path().display().to_string(),
+            "--runner-http-port".to_owned(),
+            RUNNER_HTTP_PORT.to_string(),
+            "--runner-ssh-port".to_owned(),
+            RUNNER_SSH_PORT.to_string(),
+            "--fake-gpus".to_owned(),
+            FAKE_GPUS.to_string(),
+            "--volumes-root".to_owned(),
+            self.logs.join("volumes").display().to_string(),
+            "--shim-log-level".to_owned(),
+            "5".to_owned(),
+        ];
+        args.extend(self.extra.iter().cloned());
+        let env: Vec<(&str, &OsStr)> = self
+            .env
+            .iter()
+            .map(|(k, v)| (k.as_str(), OsStr::new(v)))
+            .collect();
+        let log = self.log_path(self.starts);
+        let mut process =
+            ShimProcess::spawn_with_env(shim_binary(), &self.spelled, self.port, &args, &env, &log)
+                .unwrap();
+        process
+            .wait_listening(Duration::from_secs(90))
+            .unwrap_or_else(|e| panic!("{e}"));
+        self.process = Some(process);
+    }
+
+    /// SIGKILL, as a crash or an OOM kill would.
+    fn kill(&mut self) {
+        self.process.take().expect("the shim runs").kill().unwrap();
+    }
+
+    fn restart(&mut self) {
+        self.kill();
+        self.start();
+    }
+
+    fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
+    fn try_send(&self, request: &Request) -> std::io::Result<Response> {
+        request.send(self.addr())
+    }
+
+    fn send(&self, request: &Request) -> Response {
+        self.try_send(request).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn submit(&self, config: &Value) -> Response {
+        self.send(&Request::post("/api/tasks").json(config))
+    }
+
+    /// The TaskInfo of `id`, or `None` if the shim does not know it (404).
+    fn info_opt(&self, id: &str) -> Option<Value> {
+        let r = self.send(&Request::get(&format!("/api/tasks/{id}")));
+        match r.status {
+            200 => Some(r.json().unwrap()),
+            404 => None,
+            _ => panic!("GET /api/tasks/{id}: {r:?}"),
+        }
+    }
+
+    fn info(&self, id: &str) -> Value {
+        self.info_opt(id)
+            .unwrap_or_else(|| panic!("task {id} is unknown"))
+    }
+
+    fn terminate_request(id: &str, reason: &str, message: &str, timeout: u64) -> Request {
+        Request::post(&format!("/api/tasks/{id}/terminate")).json(&json!({
+            "termination_reason": reason,
+            "termination_message": message,
+            "timeout": timeout,
+        }))
+    }
+
+    fn terminate(&self, id: &str, reason: &str, message: &str, timeout: u64) -> Response {
+        self.send(&Self::terminate_request(id, reason, message, timeout))
+    }
+
+    fn remove(&self, id: &str) -> Response {
+        self.send(&Request::post(&format!("/api/tasks/{id}/remove")))
+    }
+
+    /// `GET /api/tasks` as a map id → status.
+    fn list(&self) -> BTreeMap<String, String> {
+        let r = self.send(&Request::get("/api/tasks"));
+        assert_eq!(r.status, 200, "{r:?}");
+        let list = r.json().unwrap();
+        list["tasks"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{list}"))
+            .iter()
+            .map(|t| {
+                (
+                    t["id"].as_str().unwrap().to_owned(),
+                    t["status"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect()
+    }
+
+    /// Polls the task until its status is `wanted`; a task that ends while another status is
+    /// awaited fails at once.
+    fn wait_status(&self, id: &str, wanted: &str) -> Value {
+        wait_for(&format!("task {id} {wanted}"), WAIT, || {
+            let info = self.info(id);
+            if status(&info) == wanted {
+                return Ok(info);
+            }
+            assert!(
+                status(&info) != "terminated",
+                "task {id} ended while waiting for {wanted}: {info}"
+            );
+            Err(info.to_string())
+        })
+    }
+
+    /// Removes a terminated task, retrying while the shim answers 409 because its start job
+    /// or a release is still settling (the dstack server retries too).
+    fn remove_retrying(&self, id: &str) {
+        wait_for(&format!("remove {id}"), WAIT, || {
+            let r = self.remove(id);
+            match (r.status, r.body.as_str()) {
+                (200, "{}") => Ok(()),
+                (409, body)
+                    if body.ends_with("is still being started")
+                        || body.ends_with("is releasing its resources") =>
+                {
+                    Err(format!("{r:?}"))
+                }
+                _ => panic!("remove {id}: {r:?}"),
+            }
+        });
+    }
+
+    /// Terminates (if needed) and removes a task, checking both answers.
+    fn finish(&self, id: &str) {
+        let r = self.terminate(id, "terminated_by_server", "faults clean-up", 0);
+        assert_eq!(r.status, 200, "{r:?}");
+        assert_eq!(status(&r.json().unwrap()), "terminated", "{r:?}");
+        self.remove_retrying(id);
+        assert!(self.info_opt(id).is_none());
+    }
+
+    /// The home's owner identity (stored at the first start).
+    fn owner(&self) -> String {
+        fs_err::read_to_string(self.home.join("owner-id"))
+            .unwrap()
+            .trim()
+            .to_owned()
+    }
+
+    /// This home's containers (running or not): name → (id, running).
+    fn containers(&self) -> BTreeMap<String, (String, bool)> {
+        let filter = format!("label={LABEL_OWNER}={}", self.owner());
+        docker_at_ok(
+            self.docker_host.as_deref(),
+            &[
+                "ps",
+                "-a",
+                "--no-trunc",
+                "--filter",
+                &filter,
+                "--format",
+                "{{.Names}} {{.ID}} {{.State}}",
+            ],
+        )
+        .lines()
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f[0].to_owned(), (f[1].to_owned(), f[2] == "running"))
+        })
+        .collect()
+    }
+
+    fn running(&self, container: &str) -> Option<bool> {
+        container_running(self.docker_host.as_deref(), container)
+    }
+
+    fn tasks_dir(&self) -> PathBuf {
+        tasks_dir(&self.home)
+    }
+
+    /// The end of each start's output, without the lines of GET requests (the test polls).
+    fn log_tail(&self) -> String {
+        let mut out = String::new();
+        for n in self.starts.saturating_sub(3) + 1..=self.starts {
+            let text = fs_err::read_to_string(self.log_path(n)).unwrap_or_default();
+            let lines: Vec<&str> = text
+                .lines()
+                .filter(|l| !l.contains("request method=GET"))
+                .collect();
+            let tail = lines[lines.len().saturating_sub(150)..].join("\n");
+            out.push_str(&format!(
+                "----- shim output, start #{n} (last 150 lines but GET requests) -----\n{tail}\n"
+            ));
+        }
+        out
+    }
+
+    /// Everything the shim logged since it was first started.
+    fn all_logs(&self) -> String {
+        (1..=self.starts)
+            .map(|n| fs_err::read_to_string(self.log_path(n)).unwrap_or_default())
+            .collect()
+    }
+}
+
+impl Drop for Shim {
+    fn drop(&mut self) {
+        // The shim dies before its containers are swept (the sweeper is dropped after this).
+        drop(self.process.take());
+        if std::thread::panicking() {
+            eprintln!("{}", self.log_tail());
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A host user with an authorized_keys file
+// ---------------------------------------------------------------------------------------------
+
+/// A system user made for one test (`useradd`, home in the test's directory), deleted when
+/// dropped. The shim finds it in the passwd database like any host user.
+struct TestUser {
+    name: String,
+    home: PathBuf,
+}
+
+impl TestUser {
+    /// `tag` tells the users of one test process apart.
+    fn create(dir: &Path, tag: &str) -> Self {
+        let name = format!("shimflt{}{tag}", std::process::id());
+        let home = dir.join(format!("user-{tag}"));
+        fs_err::create_dir_all(&home).unwrap();
+        let home_str = home.display().to_string();
+        // useradd locks /etc/passwd: other tests may hold it for a moment.
+        wait_for(&format!("useradd {name}"), WAIT, || {
+            let _ = run("userdel", &[&name]);
+            let out = run(
+                "useradd",
+                &["-M", "-d", &home_str, "-s", "/usr/sbin/nologin", &name],
+            );
+            if out.status.success() {
+                Ok(())
+            } else {
+                Err(String::from_utf8_lossy(&out.stderr).into_owned())
+            }
+        });
+        Self { name, home }
+    }
+
+    fn authorized_keys(&self) -> PathBuf {
+        self.home.join(".ssh").join("authorized_keys")
+    }
+
+    /// The lines of its authorized_keys (none if there is no file).
+    fn lines(&self) -> Vec<String> {
+        match fs_err::read_to_string(self.authorized_keys()) {
+            Ok(text) => text.lines().map(str::to_owned).collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// The keys (base64 fields) of the lines the shim wrote.
+    fn marked(&self) -> BTreeSet<String> {
+        self.lines()
+            .iter()
+            .filter(|l| l.trim_end().ends_with(MARKER))
+            .map(|l| key_blob(l))
+            .collect()
+    }
+
+    /// Writes a line of the user's own (no marker), as if the user had added it.
+    fn add_own_line(&self, line: &str) {
+        let ssh = self.home.join(".ssh");
+        fs_err::create_dir_all(&ssh).unwrap();
+        let mut text = fs_err::read_to_string(self.authorized_keys()).unwrap_or_default();
+        text.push_str(line);
+        text.push('\n');
+        fs_err::write(self.authorized_keys(), text).unwrap();
+    }
+}
+
+impl Drop for TestUser {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            let out = run("userdel", &[&self.name]);
+            // 6: no such user.
+            if out.status.success() || out.status.code() == Some(6) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        eprintln!("cleanup: cannot delete the test user {}", self.name);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A small filesystem on a loop device
+// ---------------------------------------------------------------------------------------------
+
+/// An ext4 filesystem in an image file, loop-mounted (no reserved blocks: root fills it
+/// too); unmounted when dropped.
+struct LoopFs {
+    mount: PathBuf,
+}
+
+impl LoopFs {
+    fn create(dir: &Path, size_mib: u64) -> Self {
+        let image = dir.join("fs.img");
+        let mount = dir.join("fs");
+        fs_err::File::create(&image)
+            .unwrap()
+            .set_len(size_mib << 20)
+            .unwrap();
+        let image_str = image.display().to_string();
+        run_ok("mkfs.ext4", &["-q", "-F", "-m", "0", &image_str]);
+        fs_err::create_dir_all(&mount).unwrap();
+        run_ok(
+            "mount",
+            &["-o", "loop", &image_str, &mount.display().to_string()],
+        );
+        Self { mount }
+    }
+
+    /// Fills the filesystem with a file until a write fails with ENOSPC; returns the file.
+    fn fill(&self) -> PathBuf {
+        let filler = self.mount.join("filler");
+        let mut file = fs_err::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&filler)
+            .unwrap();
+        for chunk in [1 << 20, 64 << 10, 4 << 10, 1 << 10, 512] {
+            let buf = vec![0u8; chunk];
+            loop {
+                match file.write_all(&buf) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::StorageFull => break,
+                    Err(e) => panic!("filling {}: {e}", filler.display()),
+                }
+            }
+        }
+        let _ = file.sync_all();
+        // Full: a new file cannot hold a byte.
+        let probe = self.mount.join("probe");
+        let written = fs_err::write(&probe, [0u8; 4096])
+            .and_then(|()| fs_err::File::open(&probe)?.sync_all());
+        let _ = fs_err::remove_file(&probe);
+        assert!(
+            written
+                .as_ref()
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::StorageFull),
+            "the filesystem is not full: {written:?}"
+        );
+        filler
+    }
+
+    /// Frees what [`LoopFs::fill`] took.
+    fn free(&self, filler: &Path) {
+        fs_err::remove_file(filler).unwrap();
+        run_ok("sync", &["-f", &self.mount.display().to_string()]);
+    }
+}
+
+impl Drop for LoopFs {
+    fn drop(&mut self) {
+        let mount = self.mount.display().to_string();
+        if !run("umount", &[&mount]).status.success() {
+            // Something still holds it: detach it now, the kernel finishes when it is free.
+            let out = run("umount", &["-l", &mount]);
+            if !out.status.success() {
+                eprintln!(
+                    "cleanup: cannot unmount {mount}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A Docker daemon of the test's own
+// ---------------------------------------------------------------------------------------------
+
+/// A second `dockerd` beside the shared one: its own socket, data root, exec root (so its own
+/// containerd), pid file and bridge (`--iptables=false`: the shared daemon's rules are not
+/// touched), `--live-restore` so containers outlive a daemon restart as on a production host.
+/// The test image is loaded into it from the default daemon. Dropped: thawed, its containers
+/// removed, stopped, its mounts and files removed, its bridge deleted.
+struct PrivateDocker {
+    root: PathBuf,
+    bridge: String,
+    host: String,
+    child: Option<Child>,
+    starts: u32,
+}
+
+impl PrivateDocker {
+    fn start(root: &Path) -> Self {
+        fs_err::create_dir_all(root).unwrap();
+        let root = std::path::absolute(root).unwrap();
+        // An interface name (at most 15 bytes) and a /24 nobody on this host uses.
+        let pid = std::process::id();
+        let bridge = format!("shflt{}", pid % 1_000_000);
+        let used = run_ok("ip", &["-4", "-o", "addr"]);
+        let net = (0..250u32)
+            .map(|i| (pid + i) % 250 + 1)
+            .map(|x| format!("10.213.{x}."))
+            .find(|prefix| !used.contains(prefix.as_str()))
+            .expect("a free 10.213.x.0/24");
+        let _ = run("ip", &["link", "del", &bridge]);
+        run_ok("ip", &["link", "add", &bridge, "type", "bridge"]);
+        run_ok(
+            "ip",
+            &["addr", "add", &format!("{net}1/24"), "dev", &bridge],
+        );
+        run_ok("ip", &["link", "set", &bridge, "up"]);
+        let host = format!("unix://{}", root.join("docker.sock").display());
+        let mut daemon = Self {
+            root,
+            bridge,
+            host,
+            child: None,
+            starts: 0,
+        };
+        daemon.start_daemon();
+        // The test image, from the shared daemon.
+        let mut save = Command::new("docker")
+            .args(["save", &image()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let load = Command::new("docker")
+            .args(["-H", &daemon.host, "load"])
+            .stdin(save.stdout.take().unwrap())
+            .output()
+            .unwrap();
+        assert!(save.wait().unwrap().success(), "docker save {}", image());
+        assert!(
+            load.status.success(),
+            "docker load: {}",
+            String::from_utf8_lossy(&load.stderr)
+        );
+        daemon
+    }
+
+    fn host(&self) -> &str {
+        &self.host
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().expect("the daemon runs").id()
+    }
+
+    /// Starts `dockerd` and waits until it answers.
+    fn start_daemon(&mut self) {
+        assert!(self.child.is_none(), "the daemon runs already");
+        self.starts += 1;
+        let r = &self.root;
+        let config = r.join("daemon.json");
+        fs_err::write(&config, "{}\n").unwrap();
+        let log =
+            shim_e2e::harness::open_log(&r.join(format!("dockerd-{}.log", self.starts))).unwrap();
+        let child = Command::new("dockerd")
+            .arg("--config-file")
+            .arg(&config)
+            .arg("--data-root")
+            .arg(r.join("data"))
+            .arg("--exec-root")
+            .arg(r.join("exec"))
+            .arg("--pidfile")
+            .arg(r.join("docker.pid"))
+            .args(["-H", &self.host, "--bridge", &self.bridge])
+            .args(["--iptables=false", "--ip-masq=false", "--live-restore"])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start dockerd: {e}"));
+        self.child = Some(child);
+        let host = self.host.clone();
+        wait_for("the private dockerd answers", WAIT, || {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!(
+                    "dockerd exited ({status}): {}",
+                    shim_e2e::harness::tail(
+                        &self.root.join(format!("dockerd-{}.log", self.starts)),
+                        30
+                    )
+                );
+            }
+            match try_docker_within(&["-H", &host, "version"], Duration::from_secs(10)) {
+                Ok(o) if o.status.success() => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        });
+    }
+
+    /// SIGTERM and waits for the daemon to exit (containers keep running: live restore).
+    fn stop(&mut self) {
+        let mut child = self.child.take().expect("the daemon runs");
+        signal(child.id(), "CONT");
+        signal(child.id(), "TERM");
+        let started = Instant::now();
+        while child.try_wait().unwrap().is_none() {
+            if started.elapsed() > WAIT {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("dockerd did not stop within {WAIT:?}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn freeze(&self) {
+        signal(self.pid(), "STOP");
+    }
+
+    fn thaw(&self) {
+        signal(self.pid(), "CONT");
+    }
+}
+
+impl Drop for PrivateDocker {
+    fn drop(&mut self) {
+        if let Some(child) = &self.child {
+            let _ = run("kill", &["-CONT", &child.id().to_string()]);
+        } else {
+            // Containers outlive a stopped daemon (live restore): start it to remove them.
+            let restarted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.start_daemon();
+            }));
+            if restarted.is_err() {
+                eprintln!("cleanup: cannot restart the private dockerd to clean up");
+            }
+        }
+        if self.child.is_some() {
+            let ids = try_docker_within(&["-H", &self.host, "ps", "-aq"], WAIT)
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                .unwrap_or_default();
+            let ids: Vec<&str> = ids.split_whitespace().collect();
+            if !ids.is_empty() {
+                let mut args = vec!["-H", self.host.as_str(), "rm", "-f"];
+                args.extend(ids);
+                let _ = try_docker_within(&args, Duration::from_secs(120));
+            }
+            if let Some(mut child) = self.child.take() {
+                let _ = run("kill", &["-TERM", &child.id().to_string()]);
+                let started = Instant::now();
+                while matches!(child.try_wait(), Ok(None)) {
+                    if started.elapsed() > WAIT {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+        // The daemon leaves mounts under its roots (its data root bind-mounted on itself).
+        let mountinfo = fs_err::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let mut points: Vec<&str> = mountinfo
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(4))
+            .filter(|p| Path::new(p).starts_with(&self.root))
+            .collect();
+        points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+        for p in points {
+            if !run("umount", &[p]).status.success() {
+                let _ = run("umount", &["-l", p]);
+            }
+        }
+        if let Err(e) = fs_err::remove_dir_all(&self.root) {
+            eprintln!("cleanup: {e}");
+        }
+        let _ = run("ip", &["link", "del", &self.bridge]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A TCP proxy that holds connections until it is opened
+// ---------------------------------------------------------------------------------------------
+
+/// Accepts connections on a loopback port and forwards them to `upstream` once opened: a
+/// registry behind it makes a pull that waits as long as the test wants.
+struct GatedProxy {
+    port: u16,
+    gate: Arc<(Mutex<bool>, Condvar)>,
+    accepted: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+}
+
+impl GatedProxy {
+    fn start(upstream: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let gate = Arc::new((Mutex::new(false), Condvar::new()));
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        {
+            let (gate, accepted, stop) = (gate.clone(), accepted.clone(), stop.clone());
+            std::thread::spawn(move || {
+                for client in listener.incoming() {
+                    if stop.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let Ok(client) = client else { continue };
+                    accepted.fetch_add(1, Ordering::SeqCst);
+                    let gate = gate.clone();
+                    std::thread::spawn(move || {
+                        let (lock, opened) = &*gate;
+                        let mut open = lock.lock().unwrap();
+                        while !*open {
+                            open = opened.wait(open).unwrap();
+                        }
+                        drop(open);
+                        if let Ok(server) = TcpStream::connect(upstream) {
+                            pipe(client, server);
+                        }
+                    });
+                }
+            });
+        }
+        Self {
+            port,
+            gate,
+            accepted,
+            stop,
+        }
+    }
+
+    fn open(&self) {
+        let (lock, opened) = &*self.gate;
+        *lock.lock().unwrap() = true;
+        opened.notify_all();
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for GatedProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.open();
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
+
+/// Copies both ways between two connections until both ends are closed.
+fn pipe(a: TcpStream, b: TcpStream) {
+    let (a2, b2) = (a.try_clone().unwrap(), b.try_clone().unwrap());
+    let one = std::thread::spawn(move || copy_then_close(a, b2));
+    copy_then_close(b, a2);
+    let _ = one.join();
+}
+
+fn copy_then_close(mut from: TcpStream, mut to: TcpStream) {
+    let _ = std::io::copy(&mut from, &mut to);
+    let _ = to.shutdown(Shutdown::Write);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A seeded PRNG
+// ---------------------------------------------------------------------------------------------
+
+/// SplitMix64: small, seeded, good enough to pick delays and operations.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n`.
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// The seed: `SHIM_FAULTS_SEED`, else the clock.
+fn seed() -> u64 {
+    match std::env::var("SHIM_FAULTS_SEED") {
+        Ok(s) if !s.is_empty() => s.parse().expect("SHIM_FAULTS_SEED is a u64"),
+        _ => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. SIGKILL at random points of concurrent submit / terminate / remove
+// ---------------------------------------------------------------------------------------------
+
+/// Rounds of the random test (each ends with a SIGKILL and a restart).
+const ROUNDS: u32 = 25;
+/// Clients sending requests at once.
+const WORKERS: usize = 3;
+/// Tasks the clients keep at most (not yet removed).
+const MAX_LIVE: usize = 8;
+
+/// What the random test knows of one task.
+#[derive(Debug, Clone)]
+struct Tracked {
+    /// The submit was answered 200 (false: no answer came, the task may or may not exist).
+    submitted: bool,
+    /// A terminate answered 200 with this reason and message.
+    terminated: Option<(String, String)>,
+    /// A remove got no answer (it may have happened).
+    remove_unanswered: bool,
+    /// GPUs it asked for.
+    gpu: u64,
+    /// A request about it is in flight (one at a time per task).
+    busy: bool,
+}
+
+/// The random test's book: every task, what the shim answered, and what went wrong.
+#[derive(Default)]
+struct Book {
+    tasks: BTreeMap<String, Tracked>,
+    /// Removed after a 200 remove, or found gone after an unanswered one: never seen again.
+    removed: BTreeSet<String>,
+    /// Submits without an answer that the restarted shim did not know: never seen again.
+    never: BTreeSet<String>,
+    errors: Vec<String>,
+    /// Answers by kind, for the report.
+    counts: BTreeMap<String, usize>,
+    next: u64,
+}
+
+#[derive(Debug)]
+enum Op {
+    Submit(String, Value),
+    Terminate(String, String, String, u64),
+    Remove(String),
+}
+
+impl Op {
+    fn id(&self) -> &str {
+        match self {
+            Op::Submit(id, _) | Op::Terminate(id, ..) | Op::Remove(id) => id,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            Op::Submit(..) => "submit",
+            Op::Terminate(..) => "terminate",
+            Op::Remove(..) => "remove",
+        }
+    }
+
+    fn request(&self) -> Request {
+        let request = match self {
+            Op::Submit(_, config) => Request::post("/api/tasks").json(config),
+            Op::Terminate(id, reason, message, timeout) => {
+                Shim::terminate_request(id, reason, message, *timeout)
+            }
+            Op::Remove(id) => Request::post(&format!("/api/tasks/{id}/remove")),
+        };
+        request.timeout(Duration::from_secs(60))
+    }
+}
+
+impl Book {
+    /// Picks the next request of worker `w` (and marks its task busy), or `None` if every
+    /// task is busy.
+    fn choose(&mut self, rng: &mut Rng, round: u32, w: usize, user: &str) -> Option<Op> {
+        let idle: Vec<String> = self
+            .tasks
+            .iter()
+            .filter(|(_, t)| !t.busy)
+            .map(|(id, _)| id.clone())
+            .collect();
+        let r = rng.below(100);
+        let op = if self.tasks.len() < MAX_LIVE && (r < 45 || idle.is_empty()) {
+            self.next += 1;
+            let id = format!("k{round:02}w{w}n{}", self.next);
+            let gpu = rng.below(3);
+            let key = ssh_key(&id);
+            let config = with_host_keys(task(&id, gpu as i64), user, &[&key]);
+            self.tasks.insert(
+                id.clone(),
+                Tracked {
+                    submitted: false,
+                    terminated: None,
+                    remove_unanswered: false,
+                    gpu,
+                    busy: false,
+                },
+            );
+            Op::Submit(id, config)
+        } else if idle.is_empty() {
+            return None;
+        } else {
+            let id = idle[rng.below(idle.len() as u64) as usize].clone();
+            // A terminated task is mostly removed (now and then terminated again: the first
+            // reason stays); a running one mostly terminated (now and then removed: 409).
+            let remove = if self.tasks[&id].terminated.is_some() {
+                rng.below(10) < 7
+            } else {
+                rng.below(10) < 2
+            };
+            if remove {
+                Op::Remove(id)
+            } else {
+                let reason = ["terminated_by_user", "terminated_by_server"][rng.below(2) as usize];
+                let message = format!("stop {} (round {round}, worker {w})", self.next);
+                self.next += 1;
+                Op::Terminate(id, reason.to_owned(), message, rng.below(2))
+            }
+        };
+        self.tasks.get_mut(op.id()).unwrap().busy = true;
+        Some(op)
+    }
+
+    /// Records the outcome of `op`; `killed`: the shim had been killed when it came.
+    fn record(&mut self, op: &Op, result: std::io::Result<Response>, killed: bool) {
+        let id = op.id().to_owned();
+        let t = self.tasks.get_mut(&id).unwrap();
+        t.busy = false;
+        let outcome = match &result {
+            Ok(r) => format!("{} {}", op.kind(), r.status),
+            Err(_) => format!("{} unanswered", op.kind()),
+        };
+        *self.counts.entry(outcome).or_default() += 1;
+        let r = match result {
+            Ok(r) => r,
+            Err(e) => {
+                if !killed {
+                    self.errors
+                        .push(format!("{op:?}: no answer while the shim was running: {e}"));
+                }
+                if matches!(op, Op::Remove(_)) {
+                    t.remove_unanswered = true;
+                }
+                return;
+            }
+        };
+        // Within a round every task is known to exist (the previous check resolved the
+        // doubtful ones), so anything but these answers is wrong.
+        let json = r.json().ok();
+        match (op, r.status) {
+            (Op::Submit(..), 200) if json.as_ref().is_some_and(|j| status(j) == "pending") => {
+                t.submitted = true;
+            }
+            (Op::Terminate(..), 200) => {
+                let info = json.unwrap_or_default();
+                let got = (
+                    info["termination_reason"]
+                        .as_str()
+                        .unwrap_or("?")
+                        .to_owned(),
+                    info["termination_message"]
+                        .as_str()
+                        .unwrap_or("?")
+                        .to_owned(),
+                );
+                if status(&info) != "terminated" {
+                    self.errors
+                        .push(format!("{op:?}: answered 200 but not terminated: {info}"));
+                } else if let Some(first) = &t.terminated
+                    && *first != got
+                {
+                    self.errors.push(format!(
+                        "{op:?}: the first answered reason {first:?} became {got:?}"
+                    ));
+                } else {
+                    t.terminated = Some(got);
+                }
+            }
+            (Op::Remove(..), 200) if r.body == "{}" => {
+                self.tasks.remove(&id);
+                self.removed.insert(id);
+            }
+            // Not terminated yet, or its start / a release is still settling.
+            (Op::Remove(..), 409) => {}
+            _ => self.errors.push(format!("{op:?}: unexpected answer {r:?}")),
+        }
+    }
+}
+
+/// One client of the random test: requests until the shim is killed.
+fn client(
+    addr: SocketAddr,
+    book: &Mutex<Book>,
+    killed: &AtomicBool,
+    user: &str,
+    round: u32,
+    w: usize,
+    mut rng: Rng,
+) {
+    while !killed.load(Ordering::SeqCst) {
+        let op = book.lock().unwrap().choose(&mut rng, round, w, user);
+        let Some(op) = op else {
+            std::thread::sleep(Duration::from_millis(5));
+            continue;
+        };
+        let result = op.request().send(addr);
+        let killed_now = killed.load(Ordering::SeqCst);
+        book.lock().unwrap().record(&op, result, killed_now);
+        std::thread::sleep(Duration::from_millis(rng.below(15)));
+    }
+}
+
+/// After a restart: what the shim answered before the kill is still true.
+fn check_answers_survived(shim: &Shim, book: &mut Book, round: u32) {
+    assert!(
+        book.errors.is_empty(),
+        "round {round}: wrong answers:\n{}",
+        book.errors.join("\n")
+    );
+    let list = shim.list();
+    for id in list.keys() {
+        assert!(
+            book.tasks.contains_key(id),
+            "round {round}: task {id} is listed, but it was removed after a 200 remove ({}), \
+             or its unanswered submit was already found gone ({}), or it was never submitted",
+            book.removed.contains(id),
+            book.never.contains(id)
+        );
+    }
+    let ids: Vec<String> = book.tasks.keys().cloned().collect();
+    for id in ids {
+        let listed = list.contains_key(&id);
+        let t = book.tasks.get_mut(&id).unwrap();
+        if t.remove_unanswered {
+            t.remove_unanswered = false;
+            if !listed {
+                book.tasks.remove(&id);
+                book.removed.insert(id);
+                continue;
+            }
+        }
+        if !t.submitted {
+            if listed {
+                t.submitted = true;
+            } else {
+                book.tasks.remove(&id);
+                book.never.insert(id);
+                continue;
+            }
+        }
+        assert!(
+            listed,
+            "round {round}: task {id} was submitted (answered 200) and is lost after the restart"
+        );
+        if let Some((reason, message)) = &t.terminated {
+            let info = shim.info(&id);
+            assert_eq!(
+                (
+                    status(&info),
+                    info["termination_reason"].as_str().unwrap(),
+                    info["termination_message"].as_str().unwrap()
+                ),
+                ("terminated", reason.as_str(), message.as_str()),
+                "round {round}: task {id} was terminated (answered 200) and lost its reason \
+                 across the restart: {info}"
+            );
+        }
+    }
+}
+
+/// What must hold once the shim settled after a restart (or `Err` with what does not yet):
+/// every task running or terminated; a running task's container runs and a terminated one's
+/// does not; no container but the tasks'; the marked `authorized_keys` lines are exactly the
+/// keys of the running tasks; the task directories are exactly the tasks' (no trash, no
+/// skeleton). Returns the tasks' infos.
+fn settled(shim: &Shim, user: &TestUser) -> Result<BTreeMap<String, Value>, String> {
+    let infos: BTreeMap<String, Value> = shim
+        .list()
+        .keys()
+        .map(|id| (id.clone(), shim.info(id)))
+        .collect();
+    let mut problems = Vec::new();
+    let containers = shim.containers();
+    let names: BTreeSet<String> = infos
+        .values()
+        .map(|i| i["container_name"].as_str().unwrap().to_owned())
+        .collect();
+    let mut want_keys = BTreeSet::new();
+    for (id, info) in &infos {
+        let name = info["container_name"].as_str().unwrap();
+        let running = containers.get(name).map(|c| c.1);
+        match status(info) {
+            "running" => {
+                want_keys.insert(key_blob(&ssh_key(id)));
+                if running != Some(true) {
+                    problems.push(format!("{id} is running, its container is {running:?}"));
+                }
+            }
+            "terminated" => {
+                if running == Some(true) {
+                    problems.push(format!("{id} is terminated, its container still runs"));
+                }
+            }
+            other => problems.push(format!("{id} is {other}")),
+        }
+    }
+    let leaked: Vec<&String> = containers.keys().filter(|n| !names.contains(*n)).collect();
+    if !leaked.is_empty() {
+        problems.push(format!("containers of no task: {leaked:?}"));
+    }
+    let marked = user.marked();
+    if marked != want_keys {
+        problems.push(format!(
+            "authorized_keys: lines of no running task {:?}, keys of running tasks missing {:?}",
+            marked.difference(&want_keys).collect::<Vec<_>>(),
+            want_keys.difference(&marked).collect::<Vec<_>>()
+        ));
+    }
+    let dirs = entries(&shim.tasks_dir());
+    if dirs != names {
+        problems.push(format!(
+            "task directories of no task {:?}, tasks without a directory {:?}",
+            dirs.difference(&names).collect::<Vec<_>>(),
+            names.difference(&dirs).collect::<Vec<_>>()
+        ));
+    }
+    if problems.is_empty() {
+        Ok(infos)
+    } else {
+        Err(problems.join("; "))
+    }
+}
+
+/// The GPUs of the running tasks do not overlap and are what each asked for, and every other
+/// GPU is free: a task asking for all of the rest gets exactly them.
+fn check_gpus(
+    shim: &Shim,
+    infos: &BTreeMap<String, Value>,
+    asked: &dyn Fn(&str) -> u64,
+    probe: &str,
+) {
+    let mut used = BTreeSet::new();
+    for (id, info) in infos.iter().filter(|(_, i)| status(i) == "running") {
+        let gpus = gpu_ids(info);
+        assert_eq!(gpus.len() as u64, asked(id), "{id}: {info}");
+        assert!(
+            gpus.is_disjoint(&used),
+            "{id} holds a GPU another running task holds: {info}"
+        );
+        used.extend(gpus);
+    }
+    let free: BTreeSet<String> = fake_gpu_ids().difference(&used).cloned().collect();
+    if free.is_empty() {
+        return;
+    }
+    let r = shim.submit(&task(probe, free.len() as i64));
+    assert_eq!(r.status, 200, "{r:?}");
+    let info = shim.wait_status(probe, "running");
+    assert_eq!(gpu_ids(&info), free, "the free GPUs: {info}");
+    shim.finish(probe);
+}
+
+/// SPEC §4–§5 under crashes: 25 rounds of three clients sending submits, terminates and
+/// removes at once, ended by a SIGKILL after a short random delay, then a restart on the same
+/// home. After each restart: every submit answered 200 is still known (unless removed after a
+/// 200 remove), every terminate answered 200 keeps its reason and message, and once the shim
+/// settles nothing is leaked or lost (containers, task directories, `authorized_keys` lines of
+/// a real user, GPU locks of four fake GPUs). At the end everything is terminated and
+/// removed, leaving no container, no task directory, no trash and no marked key line.
+#[test]
+fn sigkill_at_random_points_of_concurrent_requests_loses_nothing() {
+    if !enabled(
+        "sigkill_at_random_points_of_concurrent_requests_loses_nothing",
+        true,
+    ) {
+        return;
+    }
+    let seed = seed();
+    eprintln!("seed {seed} (SHIM_FAULTS_SEED={seed} replays the choices)");
+    let started = Instant::now();
+    let mut rng = Rng(seed);
+    let dir = tempfile::Builder::new()
+        .prefix("shim-faults-")
+        .tempdir()
+        .unwrap();
+    let user = TestUser::create(dir.path(), "r");
+    // A line of the user's own: never touched.
+    let own = ssh_key("own@faults");
+    user.add_own_line(&own);
+    let mut shim = Shim::new(&dir.path().join("home"), &dir.path().join("logs"));
+    shim.start();
+    let book = Mutex::new(Book::default());
+    for round in 0..ROUNDS {
+        let killed = AtomicBool::new(false);
+        // Now and then right after the start, mostly while requests are in full swing.
+        let delay = if rng.below(5) == 0 {
+            rng.below(50)
+        } else {
+            50 + rng.below(550)
+        };
+        let addr = shim.addr();
+        std::thread::scope(|s| {
+            for w in 0..WORKERS {
+                let client_rng = Rng(rng.next());
+                let (book, killed, user) = (&book, &killed, user.name.as_str());
+                s.spawn(move || client(addr, book, killed, user, round, w, client_rng));
+            }
+            std::thread::sleep(Duration::from_millis(delay));
+            killed.store(true, Ordering::SeqCst);
+            shim.kill();
+        });
+        shim.start();
+        let mut b = book.lock().unwrap();
+        check_answers_survived(&shim, &mut b, round);
+        let infos = wait_for(&format!("round {round}: settled"), WAIT, || {
+            settled(&shim, &user)
+        });
+        let asked = |id: &str| b.tasks[id].gpu;
+        check_gpus(&shim, &infos, &asked, &format!("probe{round:02}"));
+        assert!(user.lines().contains(&own), "the user's own line is gone");
+    }
+
+    // Everything can be terminated and removed; nothing is left.
+    let ids: Vec<String> = shim.list().into_keys().collect();
+    for id in &ids {
+        let r = shim.terminate(id, "terminated_by_server", "the end", 0);
+        assert_eq!(r.status, 200, "{r:?}");
+    }
+    for id in &ids {
+        shim.remove_retrying(id);
+    }
+    assert_eq!(shim.list(), BTreeMap::new());
+    let all = task("all-gpus", FAKE_GPUS as i64);
+    assert_eq!(shim.submit(&all).status, 200);
+    let info = shim.wait_status("all-gpus", "running");
+    assert_eq!(gpu_ids(&info), fake_gpu_ids(), "every GPU is free: {info}");
+    shim.finish("all-gpus");
+    assert_eq!(shim.containers(), BTreeMap::new(), "containers left");
+    assert_eq!(
+        entries(&shim.tasks_dir()),
+        BTreeSet::new(),
+        "task directories left"
+    );
+    assert_eq!(user.marked(), BTreeSet::new(), "marked key lines left");
+    assert_eq!(
+        user.lines(),
+        vec![own],
+        "the user's own line is all that is left"
+    );
+    let b = book.lock().unwrap();
+    eprintln!(
+        "MEASURED {ROUNDS} rounds in {:?}: {} tasks removed, {} unanswered submits never \
+         existed; answers: {:?}",
+        started.elapsed(),
+        b.removed.len(),
+        b.never.len(),
+        b.counts
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Docker frozen, stopped and restarted under running tasks
+// ---------------------------------------------------------------------------------------------
+
+/// Asserts that `f` (an API request answered from memory) takes under two seconds.
+fn quickly<T>(what: &str, f: impl FnOnce() -> T) -> T {
+    let started = Instant::now();
+    let out = f();
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "{what} took {took:?}: the API must not wait on Docker"
+    );
+    out
+}
+
+/// The last line of a terminated task's message.
+fn last_line(info: &Value) -> String {
+    info["termination_message"]
+        .as_str()
+        .unwrap_or_default()
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// SPEC §4 (reconciler) against a Docker daemon of the test's own, with running tasks:
+/// - frozen (SIGSTOP): task info and the list answer at once; a terminate answers within its
+///   grace period and a few seconds (the stop goes on in the background) with the durable
+///   `terminated`; a runner that exits meanwhile is not seen yet;
+/// - thawed (SIGCONT): everything converges without a restart of the shim: the stop is done,
+///   the exit is reported with its code;
+/// - restarted (stop + start, live restore keeps the containers): the event stream
+///   reconnects, the shim relists, and an exit that happened while the daemon was down is
+///   reported with its exit code; a task that kept running is untouched.
+#[test]
+fn docker_frozen_stopped_and_restarted_under_running_tasks() {
+    if !enabled(
+        "docker_frozen_stopped_and_restarted_under_running_tasks",
+        true,
+    ) {
+        return;
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("shim-faults-")
+        .tempdir()
+        .unwrap();
+    let mut daemon = PrivateDocker::start(&dir.path().join("docker"));
+    let mut shim =
+        Shim::new(&dir.path().join("home"), &dir.path().join("logs")).on_daemon(daemon.host());
+    shim.start();
+    // a: terminated while frozen; b: exits (5) while frozen; c and e: exit (0 and 3) while
+    // the daemon is down; d: runs throughout.
+    let ids = ["a", "b", "c", "d", "e"];
+    let mut infos = BTreeMap::new();
+    for (id, gpu) in [("a", 1), ("b", 1), ("c", 0), ("d", 1), ("e", 0)] {
+        assert_eq!(shim.submit(&task(id, gpu)).status, 200);
+    }
+    for id in ids {
+        infos.insert(id, shim.wait_status(id, "running"));
+    }
+    let cid = |id: &str| infos[id]["container_id"].as_str().unwrap().to_owned();
+
+    // Frozen.
+    daemon.freeze();
+    for _ in 0..3 {
+        quickly("task info (daemon frozen)", || shim.info("d"));
+        quickly("the list (daemon frozen)", || shim.list());
+    }
+    write_runner_exit(&shim.home, &infos["b"], 5).unwrap();
+    let started = Instant::now();
+    let r = shim.terminate("a", "terminated_by_user", "while frozen", 2);
+    let took = started.elapsed();
+    assert_eq!(r.status, 200, "{r:?}");
+    let answered = r.json().unwrap();
+    assert_eq!(
+        (
+            status(&answered),
+            answered["termination_reason"].as_str().unwrap(),
+            answered["termination_message"].as_str().unwrap()
+        ),
+        ("terminated", "terminated_by_user", "while frozen"),
+        "{answered}"
+    );
+    eprintln!("MEASURED terminate (timeout 2 s) with the daemon frozen answered in {took:?}");
+    assert!(
+        took < Duration::from_secs(2 + 4 + 4),
+        "terminate with the daemon frozen took {took:?}"
+    );
+    assert_eq!(quickly("task info", || shim.info("a")), answered);
+    let list = quickly("the list", || shim.list());
+    assert_eq!(
+        list["b"], "running",
+        "the daemon could not tell yet: {list:?}"
+    );
+    // Still frozen: the container the stop was sent for may not have stopped.
+    daemon.thaw();
+
+    // Converges without a restart.
+    wait_for("a stopped, b's exit reported", WAIT, || {
+        let b = shim.info("b");
+        if shim.running(&cid("a")) != Some(false) {
+            return Err("a's container still runs".to_owned());
+        }
+        if status(&b) != "terminated" {
+            return Err(format!("b: {b}"));
+        }
+        Ok(())
+    });
+    let b = shim.info("b");
+    assert_eq!(
+        (
+            b["termination_reason"].as_str().unwrap(),
+            last_line(&b).as_str()
+        ),
+        ("container_exited_with_error", "runner exiting with 5"),
+        "{b}"
+    );
+    assert_eq!(shim.info("a"), answered, "a keeps its reason");
+    for id in ["c", "d", "e"] {
+        assert_eq!(status(&shim.info(id)), "running", "{id}");
+    }
+
+    // Restarted: c's and e's runners exit while the daemon is down.
+    let reconnects_before = shim.all_logs().matches("event stream reconnected").count();
+    daemon.stop();
+    quickly("task info (daemon down)", || shim.info("c"));
+    write_runner_exit(&shim.home, &infos["c"], 0).unwrap();
+    write_runner_exit(&shim.home, &infos["e"], 3).unwrap();
+    // The stub runner polls its exit file every 100 ms.
+    std::thread::sleep(Duration::from_millis(1500));
+    daemon.start_daemon();
+    wait_for(
+        "c's and e's exits reported after the daemon restart",
+        WAIT,
+        || {
+            let (c, e) = (shim.info("c"), shim.info("e"));
+            if status(&c) == "terminated" && status(&e) == "terminated" {
+                Ok(())
+            } else {
+                Err(format!("{c} {e}"))
+            }
+        },
+    );
+    // What a container prints while the daemon is down is lost (Docker reads its output), so
+    // the exit codes tell: 0 is done, 3 an error, and the shim saw 3.
+    let c = shim.info("c");
+    assert_eq!(c["termination_reason"], "done_by_runner", "{c}");
+    let e = shim.info("e");
+    assert_eq!(
+        e["termination_reason"], "container_exited_with_error",
+        "{e}"
+    );
+    assert!(
+        shim.all_logs()
+            .contains("task=e observation=Exited { code: 3,"),
+        "e's exit code 3:\n{}",
+        shim.log_tail()
+    );
+    let d = shim.info("d");
+    assert_eq!(status(&d), "running", "{d}");
+    assert_eq!(d["container_id"], infos["d"]["container_id"], "{d}");
+    assert_eq!(shim.running(&cid("d")), Some(true));
+    let reconnects = shim.all_logs().matches("event stream reconnected").count();
+    assert!(
+        reconnects > reconnects_before,
+        "the event stream did not reconnect:\n{}",
+        shim.log_tail()
+    );
+
+    for id in ids {
+        shim.finish(id);
+    }
+    assert_eq!(shim.containers(), BTreeMap::new());
+    assert_eq!(entries(&shim.tasks_dir()), BTreeSet::new());
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. The home fills up
+// ---------------------------------------------------------------------------------------------
+
+/// Removes an image from the default daemon when dropped.
+struct RemoveImage(String);
+
+impl Drop for RemoveImage {
+    fn drop(&mut self) {
+        let _ = try_docker_within(&["rmi", &self.0], Duration::from_secs(60));
+    }
+}
+
+/// SPEC §4–§5 with the home on a 16 MiB ext4 filesystem that fills up (ENOSPC) during each
+/// kind of state write, then frees up. While full:
+/// - a submit answers 500 with the cause and leaves nothing behind;
+/// - a start whose status write fails is given up (`executor_error`, "cannot write the task's
+///   state file: … No space left on device") — shown once that can be written;
+/// - a terminate answers 500 with the cause; the task keeps showing `running` and its
+///   container runs;
+/// - a runner that exits is not reported, and its task keeps its keys, until the state can be
+///   written.
+///
+/// Once space returns, without a restart: the exit and the given-up start are reported within
+/// a second or two, the failed terminate's reason is written and its container stopped, a
+/// second terminate answers 200, removes are accepted; after a restart every terminate
+/// answered 200 keeps its reason.
+#[test]
+fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
+    if !enabled(
+        "a_full_home_fails_writes_with_their_cause_and_converges_when_freed",
+        true,
+    ) {
+        return;
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("shim-faults-")
+        .tempdir()
+        .unwrap();
+    let fs = LoopFs::create(dir.path(), 16);
+    let user = TestUser::create(dir.path(), "f");
+    let mut shim = Shim::new(&fs.mount.join("home"), &dir.path().join("logs"));
+    shim.start();
+
+    // t1: terminated while full; t2: its runner exits while full.
+    let k1 = ssh_key("t1@faults");
+    let k2 = ssh_key("t2@faults");
+    for (id, key) in [("t1", &k1), ("t2", &k2)] {
+        let config = with_host_keys(task(id, 1), &user.name, &[key]);
+        assert_eq!(shim.submit(&config).status, 200);
+    }
+    let t1 = shim.wait_status("t1", "running");
+    let t2 = shim.wait_status("t2", "running");
+    let t1_cid = t1["container_id"].as_str().unwrap().to_owned();
+    let t2_cid = t2["container_id"].as_str().unwrap().to_owned();
+    // t2's exit file, ready to be renamed into place (a rename needs no free block).
+    let t2_runner = runner_dir(&shim.home, &t2);
+    fs_err::write(t2_runner.join(".exit.tmp"), "0\n").unwrap();
+
+    // t4: its pull waits behind a gated proxy of the test registry, so its start is held in
+    // `pulling` until the disk is full; its next status write then fails.
+    let proxy = GatedProxy::start(registry().parse().unwrap());
+    let pulled = format!(
+        "127.0.0.1:{}/{}:{}",
+        proxy.port,
+        shim_e2e::REGISTRY_SMALL_REPO,
+        shim_e2e::REGISTRY_TAG
+    );
+    let _pulled_image = RemoveImage(pulled.clone());
+    let mut t4_config = task("t4", 0);
+    t4_config["image_name"] = json!(pulled);
+    t4_config["registry_username"] = json!(registry_user());
+    t4_config["registry_password"] = json!(registry_password());
+    assert_eq!(shim.submit(&t4_config).status, 200);
+    wait_for("t4 pulling through the proxy", WAIT, || {
+        let t4 = shim.info("t4");
+        if status(&t4) == "pulling" && proxy.accepted() > 0 {
+            Ok(())
+        } else {
+            Err(format!("{t4}, {} connections", proxy.accepted()))
+        }
+    });
+    assert_eq!(user.marked(), [&k1, &k2].map(|k| key_blob(k)).into());
+
+    let filler = fs.fill();
+
+    // Submit: 500 with the cause, nothing left behind.
+    let t3 = task("t3", 0);
+    let r = shim.submit(&t3);
+    assert_eq!(r.status, 500, "{r:?}");
+    assert!(r.body.contains(ENOSPC), "the cause: {r:?}");
+    assert!(shim.info_opt("t3").is_none());
+    assert!(
+        !shim.tasks_dir().join(container_name(&t3)).exists(),
+        "a failed submit left its directory: {:?}",
+        entries(&shim.tasks_dir())
+    );
+
+    // Terminate: 500 with the cause; the task shows what is durable, its container runs.
+    let r = shim.terminate("t1", "terminated_by_user", "first", 0);
+    assert_eq!(r.status, 500, "{r:?}");
+    assert!(r.body.contains(ENOSPC), "the cause: {r:?}");
+    assert_eq!(shim.info("t1"), t1, "t1 shows what is durable");
+    assert_eq!(shim.running(&t1_cid), Some(true), "t1's container runs on");
+
+    // An exit while full: not reported, nothing released.
+    fs_err::rename(
+        t2_runner.join(".exit.tmp"),
+        t2_runner.join(RUNNER_EXIT_FILE),
+    )
+    .unwrap();
+    wait_for("t2's container exits", WAIT, || {
+        match shim.running(&t2_cid) {
+            Some(false) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+
+    // The pull completes; the start's next write fails.
+    proxy.open();
+    wait_for("t4's image pulled", WAIT, || {
+        if docker_at(None, &["image", "inspect", &pulled])
+            .status
+            .success()
+        {
+            Ok(())
+        } else {
+            Err("not yet".to_owned())
+        }
+    });
+    // Let the shim try (the retry pass runs every second): nothing changes while full.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(
+        status(&shim.info("t2")),
+        "running",
+        "t2's exit is not durable yet"
+    );
+    assert_eq!(
+        status(&shim.info("t4")),
+        "pulling",
+        "t4's end is not durable yet"
+    );
+    assert_eq!(
+        status(&shim.info("t1")),
+        "running",
+        "t1's terminate is not durable yet"
+    );
+    assert!(
+        user.marked().contains(&key_blob(&k2)),
+        "t2's key is released before its end is durable"
+    );
+    assert!(
+        !shim.containers().contains_key(&container_name(&t4_config)),
+        "t4's container was created although its start could not be recorded"
+    );
+
+    // Space returns: everything converges without a restart.
+    fs.free(&filler);
+    let freed = Instant::now();
+    let r = shim.terminate("t1", "terminated_by_server", "second", 0);
+    assert_eq!(r.status, 200, "{r:?}");
+    let t1_done = r.json().unwrap();
+    assert_eq!(
+        (
+            status(&t1_done),
+            t1_done["termination_reason"].as_str().unwrap(),
+            t1_done["termination_message"].as_str().unwrap()
+        ),
+        ("terminated", "terminated_by_user", "first"),
+        "the first terminate's reason was recorded: {t1_done}"
+    );
+    assert_eq!(shim.running(&t1_cid), Some(false), "t1 stopped");
+    wait_for("t2 and t4 reported", WAIT, || {
+        let (t2, t4) = (shim.info("t2"), shim.info("t4"));
+        if status(&t2) == "terminated" && status(&t4) == "terminated" && user.marked().is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{t2} {t4} {:?}", user.marked()))
+        }
+    });
+    let converged = freed.elapsed();
+    eprintln!(
+        "MEASURED space freed -> exit and given-up start reported, keys released: {converged:?}"
+    );
+    assert!(
+        converged < Duration::from_secs(5),
+        "converged {converged:?} after space returned (the retry pass runs every second)"
+    );
+    let t2_done = shim.info("t2");
+    assert_eq!(t2_done["termination_reason"], "done_by_runner", "{t2_done}");
+    let t4_done = shim.info("t4");
+    assert_eq!(t4_done["termination_reason"], "executor_error", "{t4_done}");
+    let message = t4_done["termination_message"].as_str().unwrap();
+    assert!(
+        message.starts_with(WRITE_FAILED) && message.contains(ENOSPC),
+        "{t4_done}"
+    );
+
+    // Restart: what was answered stays (a stopped container publishes no ports any more).
+    shim.restart();
+    for done in [&t1_done, &t2_done, &t4_done] {
+        let id = done["id"].as_str().unwrap();
+        assert_eq!(
+            ending(&shim.info(id)),
+            ending(done),
+            "{id} after the restart"
+        );
+    }
+    assert!(shim.info_opt("t3").is_none());
+    for id in ["t1", "t2", "t4"] {
+        shim.remove_retrying(id);
+    }
+    assert_eq!(shim.list(), BTreeMap::new());
+    assert_eq!(shim.containers(), BTreeMap::new());
+    assert_eq!(entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(user.marked(), BTreeSet::new());
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Unusable state files
+// ---------------------------------------------------------------------------------------------
+
+/// SPEC §5, §7: state files that are garbage, truncated, of a future format version, or a
+/// directory, with their containers running. The shim starts; each task is restored from its
+/// container (running, same container) and can be terminated and removed; the bad file is
+/// moved aside as `task.json.corrupt-<ms>` (the directory too). The `authorized_keys` lines
+/// of those tasks, now of unknown origin, stay while any of them lives — even when another
+/// task of the same user is released — and go once the last of them is released; the user's
+/// own line is never touched.
+#[test]
+fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
+    if !enabled(
+        "unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys",
+        true,
+    ) {
+        return;
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("shim-faults-")
+        .tempdir()
+        .unwrap();
+    let user = TestUser::create(dir.path(), "c");
+    let own = ssh_key("own@faults");
+    user.add_own_line(&own);
+    let mut shim = Shim::new(&dir.path().join("home"), &dir.path().join("logs"));
+    shim.start();
+    let kinds = ["garbage", "truncated", "future", "directory"];
+    let ids: Vec<&str> = kinds.iter().copied().chain(["healthy"]).collect();
+    let mut configs = BTreeMap::new();
+    for id in &ids {
+        let config = with_host_keys(task(id, 0), &user.name, &[&ssh_key(id)]);
+        assert_eq!(shim.submit(&config).status, 200);
+        configs.insert(*id, config);
+    }
+    let mut before = BTreeMap::new();
+    for id in &ids {
+        before.insert(*id, shim.wait_status(id, "running"));
+    }
+    let all_keys: BTreeSet<String> = ids.iter().map(|id| key_blob(&ssh_key(id))).collect();
+    assert_eq!(user.marked(), all_keys);
+
+    shim.kill();
+    let mut bad = BTreeMap::new();
+    for kind in kinds {
+        let file = shim
+            .tasks_dir()
+            .join(container_name(&configs[kind]))
+            .join("task.json");
+        let good = fs_err::read(&file).unwrap();
+        let content: Option<Vec<u8>> = match kind {
+            "garbage" => Some(b"\0\x01 this is not JSON {".to_vec()),
+            "truncated" => Some(good[..good.len() / 2].to_vec()),
+            "future" => {
+                let mut json: Value = serde_json::from_slice(&good).unwrap();
+                assert_eq!(json["version"], 1, "{json}");
+                json["version"] = json!(2);
+                Some(serde_json::to_vec(&json).unwrap())
+            }
+            _ => None,
+        };
+        match &content {
+            Some(bytes) => fs_err::write(&file, bytes).unwrap(),
+            None => {
+                fs_err::remove_file(&file).unwrap();
+                fs_err::create_dir(&file).unwrap();
+                fs_err::write(file.join("inside"), "x").unwrap();
+            }
+        }
+        bad.insert(kind, content);
+    }
+    shim.start();
+
+    for kind in kinds {
+        let info = shim.info(kind);
+        assert_eq!(status(&info), "running", "{kind}: {info}");
+        assert_eq!(
+            info["container_id"], before[kind]["container_id"],
+            "{kind}: {info}"
+        );
+        let task_dir = shim.tasks_dir().join(container_name(&configs[kind]));
+        let aside: Vec<String> = entries(&task_dir)
+            .into_iter()
+            .filter(|n| n.starts_with("task.json.corrupt-"))
+            .collect();
+        assert_eq!(aside.len(), 1, "{kind}: {:?}", entries(&task_dir));
+        let aside = task_dir.join(&aside[0]);
+        match &bad[kind] {
+            Some(bytes) => assert_eq!(&fs_err::read(&aside).unwrap(), bytes, "{kind}"),
+            None => assert_eq!(
+                fs_err::read_to_string(aside.join("inside")).unwrap(),
+                "x",
+                "{kind}: the directory is moved aside as it was"
+            ),
+        }
+    }
+    assert_eq!(status(&shim.info("healthy")), "running");
+    assert_eq!(user.marked(), all_keys, "no key line lost at the restart");
+
+    // Released one by one: the unknown-origin lines stay while any restored task lives, also
+    // when the healthy task (same user, known keys) is released.
+    let healthy = key_blob(&ssh_key("healthy"));
+    let unknown: BTreeSet<String> = all_keys
+        .iter()
+        .filter(|k| **k != healthy)
+        .cloned()
+        .collect();
+    for id in ["garbage", "truncated", "healthy", "future"] {
+        shim.finish(id);
+        let marked = user.marked();
+        assert!(
+            unknown.is_subset(&marked),
+            "after releasing {id}: lines of unknown origin went while a task with unknown keys \
+             lives: {marked:?}"
+        );
+        let released_healthy = ["healthy", "future"].contains(&id);
+        assert_eq!(
+            marked.contains(&healthy),
+            !released_healthy,
+            "after releasing {id}: the healthy task's line: {marked:?}"
+        );
+    }
+    shim.finish("directory");
+    assert_eq!(
+        user.marked(),
+        BTreeSet::new(),
+        "the lines of unknown origin go once the last task with unknown keys is released"
+    );
+    assert_eq!(user.lines(), vec![own]);
+    assert_eq!(shim.containers(), BTreeMap::new());
+    assert_eq!(entries(&shim.tasks_dir()), BTreeSet::new());
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. Kills mid-submit and mid-delete
+// ---------------------------------------------------------------------------------------------
+
+/// SPEC §5: what a kill between creating a task directory and its first state write leaves
+/// (a directory with nothing but an empty `runner/`, or nothing at all) and what a kill during
+/// a delete leaves (a `.trash-…` directory: the real one of a removed task, and one with files
+/// in it) are gone after a restart; a directory with anything else in it is left alone, and a
+/// running task is untouched.
+#[test]
+fn kills_mid_submit_and_mid_delete_leave_nothing_after_a_restart() {
+    if !enabled(
+        "kills_mid_submit_and_mid_delete_leave_nothing_after_a_restart",
+        false,
+    ) {
+        return;
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("shim-faults-")
+        .tempdir()
+        .unwrap();
+    let mut shim = Shim::new(&dir.path().join("home"), &dir.path().join("logs"));
+    shim.start();
+    let stays = task("stays", 1);
+    let removed = task("removed", 1);
+    assert_eq!(shim.submit(&stays).status, 200);
+    assert_eq!(shim.submit(&removed).status, 200);
+    let stays_before = shim.wait_status("stays", "running");
+    let removed_info = shim.wait_status("removed", "running");
+    assert_eq!(
+        shim.terminate("removed", "terminated_by_user", "gone", 0)
+            .status,
+        200
+    );
+    shim.kill();
+
+    let runners = shim.tasks_dir();
+    // A remove killed after its container was removed and its directory renamed to trash.
+    docker_at_ok(
+        None,
+        &["rm", "-f", removed_info["container_id"].as_str().unwrap()],
+    );
+    let removed_dir = runners.join(container_name(&removed));
+    let trash = runners.join(format!(".trash-{}-1700000000000", container_name(&removed)));
+    fs_err::rename(&removed_dir, &trash).unwrap();
+    // A delete killed half-way through removing a tree.
+    let old_trash = runners.join(".trash-flt-old-89abcdef-1700000000001");
+    fs_err::create_dir_all(old_trash.join("runner/sub")).unwrap();
+    fs_err::write(old_trash.join("runner/sub/deep.txt"), "x").unwrap();
+    fs_err::write(old_trash.join("pull.log"), "{}").unwrap();
+    // Submits killed before their first state write.
+    let skeleton = runners.join("flt-skel-0123abcd");
+    fs_err::create_dir_all(skeleton.join("runner")).unwrap();
+    let bare = runners.join("flt-bare-0123abcd");
+    fs_err::create_dir_all(&bare).unwrap();
+    // Not ours to judge: anything else in a directory without a state file.
+    let keep = [
+        ("notes", "notes.txt"),
+        ("flt-busy-0123abcd", "runner/output.log"),
+        ("flt-extra-0123abcd", "pull.log"),
+    ];
+    for (d, f) in keep {
+        let file = runners.join(d).join(f);
+        fs_err::create_dir_all(file.parent().unwrap()).unwrap();
+        fs_err::write(&file, format!("keep {d}")).unwrap();
+    }
+    fs_err::create_dir_all(runners.join("flt-extra-0123abcd/runner")).unwrap();
+
+    shim.start();
+    assert!(
+        shim.info_opt("removed").is_none(),
+        "a removed task came back"
+    );
+    let after = shim.info("stays");
+    assert_eq!(status(&after), "running", "{after}");
+    assert_eq!(after["container_id"], stays_before["container_id"]);
+    assert_eq!(after["gpu_ids"], stays_before["gpu_ids"]);
+    let expected: BTreeSet<String> = keep
+        .iter()
+        .map(|(d, _)| (*d).to_owned())
+        .chain([container_name(&stays)])
+        .collect();
+    assert_eq!(entries(&runners), expected);
+    for (d, f) in keep {
+        assert_eq!(
+            fs_err::read_to_string(runners.join(d).join(f)).unwrap(),
+            format!("keep {d}")
+        );
+    }
+    // The removed task's GPU is free, the running task's is not.
+    let probe = task("probe", (FAKE_GPUS - 1) as i64);
+    assert_eq!(shim.submit(&probe).status, 200);
+    let probe_info = shim.wait_status("probe", "running");
+    assert!(
+        gpu_ids(&probe_info).is_disjoint(&gpu_ids(&after)),
+        "{probe_info}"
+    );
+    shim.finish("probe");
+    shim.finish("stays");
+    assert_eq!(shim.containers(), BTreeMap::new());
+    let left: BTreeSet<String> = keep.iter().map(|(d, _)| (*d).to_owned()).collect();
+    assert_eq!(entries(&runners), left);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 6. The spelling of the home
+// ---------------------------------------------------------------------------------------------
+
+/// SPEC §5: the owner identity is stored in the home, so it does not depend on how
+/// `--shim-home` is spelled. Started as `<dir>/home/`, then after each SIGKILL as
+/// `<dir>/./home`, through a symbolic link, and as `<dir>/home/../home`: the task is still
+/// running in the same container (never restarted), with the same GPUs held.
+#[test]
+fn the_owner_identity_does_not_depend_on_how_the_home_is_spelled() {
+    if !enabled(
+        "the_owner_identity_does_not_depend_on_how_the_home_is_spelled",
+        false,
+    ) {
+        return;
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("shim-faults-")
+        .tempdir()
+        .unwrap();
+    let root = std::path::absolute(dir.path()).unwrap();
+    let mut shim = Shim::new(&root.join("home"), &root.join("logs"));
+    shim.spelled = PathBuf::from(format!("{}/home/", root.display()));
+    shim.start();
+    let config = task("same", 2);
+    assert_eq!(shim.submit(&config).status, 200);
+    let before = shim.wait_status("same", "running");
+    let owner = shim.owner();
+    let cid = before["container_id"].as_str().unwrap().to_owned();
+    let started_at = docker_at_ok(None, &["inspect", "-f", "{{.State.StartedAt}}", &cid]);
+    std::os::unix::fs::symlink(root.join("home"), root.join("link")).unwrap();
+
+    for spelled in [
+        format!("{}/./home", root.display()),
+        format!("{}/link", root.display()),
+        format!("{}/home/../home", root.display()),
+    ] {
+        shim.kill();
+        shim.spelled = PathBuf::from(&spelled);
+        shim.start();
+        let info = shim.info("same");
+        assert_eq!(status(&info), "running", "home {spelled}: {info}");
+        for field in ["container_id", "gpu_ids", "ports"] {
+            assert_eq!(info[field], before[field], "home {spelled}: {field}");
+        }
+        assert_eq!(shim.owner(), owner, "home {spelled}");
+        assert_eq!(
+            docker_at_ok(
+                None,
+                &[
+                    "inspect",
+                    "-f",
+                    "{{.State.Running}} {{.State.StartedAt}}",
+                    &cid
+                ]
+            ),
+            format!("true {started_at}"),
+            "home {spelled}: the container was stopped or restarted"
+        );
+        assert_eq!(shim.containers().len(), 1, "home {spelled}");
+    }
+    // Its GPUs are still held: a task asking for the other two gets exactly those.
+    let probe = task("probe", 2);
+    assert_eq!(shim.submit(&probe).status, 200);
+    let probe_info = shim.wait_status("probe", "running");
+    let rest: BTreeSet<String> = fake_gpu_ids()
+        .difference(&gpu_ids(&before))
+        .cloned()
+        .collect();
+    assert_eq!(gpu_ids(&probe_info), rest, "{probe_info}");
+    shim.finish("probe");
+    shim.finish("same");
+    assert_eq!(shim.containers(), BTreeMap::new());
+}
