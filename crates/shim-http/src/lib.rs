@@ -23,7 +23,7 @@
 //! use shim_http::{Listeners, ServerConfig, serve};
 //! let listeners = Listeners::bind("127.0.0.1:10998".parse().unwrap(), None).await?;
 //! let shutdown = tokio_util::sync::CancellationToken::new();
-//! serve(listeners, api, comps, ServerConfig::new("0.22.0"), shutdown).await
+//! serve(listeners, api, comps, ServerConfig::new("0.22.5+rust.0.1.0"), shutdown).await
 //! # }
 //! ```
 
