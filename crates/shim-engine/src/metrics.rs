@@ -11,7 +11,7 @@
 //! | `dstack_shim_tasks_submitted` | counter | submits accepted |
 //! | `dstack_shim_tasks_terminated{reason}` | counter | terminations (durable) |
 //! | `dstack_shim_submit_to_running_seconds` | histogram | submit → `running` visible |
-//! | `dstack_shim_exit_to_terminated_seconds` | histogram | the container's exit (Docker's time) → `terminated` visible |
+//! | `dstack_shim_exit_to_terminated_seconds` | histogram | the container's exit → `terminated` visible; the exit's time is the `die` event's (dockerd's, a little after the container's `FinishedAt`) or, for an exit found by a list, `FinishedAt` |
 //! | `dstack_shim_reconcile_cycle_seconds` | histogram | full reconcile cycles (one list each) |
 //! | `dstack_shim_reconcile_last_success_timestamp_seconds` | gauge | the last successful full cycle |
 //! | `dstack_shim_reconcile_last_success_age_seconds` | gauge | seconds since then (the readiness signal) |
@@ -164,7 +164,7 @@ impl Metrics {
         );
         r.register(
             "exit_to_terminated_seconds",
-            "From the container's exit (Docker's time) to `terminated` shown by the API",
+            "From the container's exit (the die event's time, or FinishedAt when found by a list) to `terminated` shown by the API",
             self.exit_to_terminated.clone(),
         );
         r.register(

@@ -3,7 +3,7 @@
 //! Docker directly would do, to compare the shim with. Create, start, kill, inspect, list,
 //! remove, and the `/events` stream (read by a thread that stamps each event when it arrives).
 
-use std::io::{BufRead, BufReader, Read as _, Write as _};
+use std::io::{BufRead, BufReader, Read};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -170,19 +170,66 @@ impl Docker {
     /// Subscribes to `/events` with `filter` pairs (e.g. `("type","container")`,
     /// `("event","die")`); events arrive, stamped, on the returned channel.
     pub fn events(&self, filter: &[(&str, &str)]) -> Result<Events> {
-        let mut stream = UnixStream::connect(&self.socket)
+        let stream = UnixStream::connect(&self.socket)
             .with_context(|| format!("cannot connect to {}", self.socket.display()))?;
         let path = format!("/events?filters={}", filters(filter));
+        let reader = BufReader::new(stream.try_clone()?);
+        Events::open(reader, stream, &path, Framing::JsonLines)
+    }
+}
+
+/// How a stream's body frames its events.
+#[derive(Debug, Clone, Copy)]
+pub enum Framing {
+    /// One JSON object per line (Docker's `/events`).
+    JsonLines,
+    /// Server-Sent Events: the JSON is on the `data: ` lines (the shim's `/api/events`).
+    Sse,
+}
+
+/// A stream socket the event reader can shut down.
+pub trait Shutdown: Send {
+    /// Shuts both directions down (the reader thread then ends).
+    fn shutdown(&self);
+}
+
+impl Shutdown for UnixStream {
+    fn shutdown(&self) {
+        let _ = UnixStream::shutdown(self, std::net::Shutdown::Both);
+    }
+}
+
+impl Shutdown for std::net::TcpStream {
+    fn shutdown(&self) {
+        let _ = std::net::TcpStream::shutdown(self, std::net::Shutdown::Both);
+    }
+}
+
+/// The events of an `/events` subscription, each with when it was read. Dropping it closes
+/// the connection (and ends its reader thread).
+pub struct Events {
+    rx: mpsc::Receiver<(Value, SystemTime)>,
+    stream: Box<dyn Shutdown>,
+}
+
+impl Events {
+    /// Sends `GET path` on `stream` (read through `reader`, a clone of it), checks for 200 and
+    /// starts a thread that stamps each event when it arrives.
+    pub fn open<S: Shutdown + std::io::Write + 'static, R: Read + Send + 'static>(
+        mut reader: BufReader<R>,
+        mut stream: S,
+        path: &str,
+        framing: Framing,
+    ) -> Result<Self> {
         stream.write_all(
             format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nUser-Agent: xtask-bench\r\n\r\n")
                 .as_bytes(),
         )?;
-        let mut reader = BufReader::new(stream.try_clone()?);
         let mut line = String::new();
         reader.read_line(&mut line)?;
         anyhow::ensure!(
             line.starts_with("HTTP/1.1 200") || line.starts_with("HTTP/1.0 200"),
-            "GET /events answered {line:?}"
+            "GET {path} answered {line:?}"
         );
         let mut chunked = false;
         loop {
@@ -195,30 +242,32 @@ impl Docker {
             chunked |= lower.starts_with("transfer-encoding:") && lower.contains("chunked");
         }
         let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || read_events(reader, chunked, &tx));
-        Ok(Events { rx, stream })
+        std::thread::spawn(move || read_events(reader, chunked, framing, &tx));
+        Ok(Events {
+            rx,
+            stream: Box::new(stream),
+        })
     }
-}
 
-/// The events of an `/events` subscription, each with when it was read. Dropping it closes
-/// the connection (and ends its reader thread).
-pub struct Events {
-    rx: mpsc::Receiver<(Value, SystemTime)>,
-    stream: UnixStream,
-}
-
-impl Events {
     /// The next event whose `id` is `id` (others are skipped), within `limit`.
     pub fn wait_for(&self, id: &str, limit: Duration) -> Result<(Value, SystemTime)> {
+        self.wait_until(limit, |event| event["id"] == id)
+            .with_context(|| format!("no event for container {id}"))
+    }
+
+    /// The next event `wanted` accepts (others are skipped), within `limit`.
+    pub fn wait_until(
+        &self,
+        limit: Duration,
+        wanted: impl Fn(&Value) -> bool,
+    ) -> Result<(Value, SystemTime)> {
         let deadline = std::time::Instant::now() + limit;
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             match self.rx.recv_timeout(left) {
-                Ok((event, at)) if event["id"] == id => return Ok((event, at)),
+                Ok((event, at)) if wanted(&event) => return Ok((event, at)),
                 Ok(_) => {}
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    bail!("no event for container {id} within {limit:?}")
-                }
+                Err(mpsc::RecvTimeoutError::Timeout) => bail!("no such event within {limit:?}"),
                 Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the event stream ended"),
             }
         }
@@ -227,14 +276,15 @@ impl Events {
 
 impl Drop for Events {
     fn drop(&mut self) {
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.stream.shutdown();
     }
 }
 
-/// Reads JSON events (one per line, chunked or not) until the stream ends.
-fn read_events(
-    mut reader: BufReader<UnixStream>,
+/// Reads events (chunked or not) until the stream ends.
+fn read_events<R: Read>(
+    mut reader: BufReader<R>,
     chunked: bool,
+    framing: Framing,
     tx: &mpsc::Sender<(Value, SystemTime)>,
 ) {
     let mut pending = Vec::new();
@@ -268,8 +318,13 @@ fn read_events(
         }
         let at = SystemTime::now();
         while let Some(end) = pending.iter().position(|b| *b == b'\n') {
-            let event: Vec<u8> = pending.drain(..=end).collect();
-            if let Ok(value) = serde_json::from_slice::<Value>(&event)
+            let line: Vec<u8> = pending.drain(..=end).collect();
+            let json = match framing {
+                Framing::JsonLines => Some(line.as_slice()),
+                Framing::Sse => line.strip_prefix(b"data: "),
+            };
+            if let Some(json) = json
+                && let Ok(value) = serde_json::from_slice::<Value>(json)
                 && tx.send((value, at)).is_err()
             {
                 return;

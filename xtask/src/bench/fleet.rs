@@ -12,7 +12,7 @@ use anyhow::{Context as _, Result, bail};
 use serde_json::{Value, json};
 use shim_e2e::harness::{self, Api, ContainerSweeper, ShimProcess, status_of};
 
-use super::dockerapi::Docker;
+use super::dockerapi::{Docker, Events, Framing};
 use crate::proc;
 
 /// The bench runner, bind-mounted as the runner into shim tasks and raw containers alike: it
@@ -231,6 +231,16 @@ impl BenchShim {
         Api {
             addr: std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, self.port)),
         }
+    }
+
+    /// Its task changes (`GET /api/events`), each stamped when it arrives.
+    pub fn events(&self) -> Result<Events> {
+        let addr = self.api().addr;
+        let stream = std::net::TcpStream::connect(addr)
+            .with_context(|| format!("cannot connect to the shim at {addr}"))?;
+        stream.set_nodelay(true)?;
+        let reader = std::io::BufReader::new(stream.try_clone()?);
+        Events::open(reader, stream, "/api/events", Framing::Sse)
     }
 
     /// Its pid.

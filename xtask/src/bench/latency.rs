@@ -18,6 +18,8 @@ pub fn exit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
     let n = ctx.pick(3, 40);
     let docker = &ctx.scratch.docker;
     let shim = BenchShim::start(&ctx.binary, &ctx.scratch, "exit")?;
+    // Pushed like the raw client's `die` events: the shim's own change stream, no polling.
+    let changes = shim.events()?;
     let label = format!("{RAW_LABEL}={}", ctx.scratch.run);
     let events = docker.events(&[("type", "container"), ("event", "die"), ("label", &label)])?;
     for (mode, p50_goal, p99_goal) in [
@@ -25,6 +27,7 @@ pub fn exit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
         ("bridge", Goal::RawPlus(10.0), Goal::AtMost(60.0)),
     ] {
         println!("\n--- exit -> terminated, {mode} network: {n} shim tasks and {n} raw containers");
+        let before = histogram(&shim, "dstack_shim_exit_to_terminated_seconds")?;
         let ids: Vec<String> = (0..n).map(|i| format!("exit-{mode}-{i}")).collect();
         let mut raws = Vec::new();
         for (i, id) in ids.iter().enumerate() {
@@ -42,11 +45,12 @@ pub fn exit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
         for i in 0..n {
             let shim_sample = || -> Result<f64> {
                 trigger_exit(&shim.runner_dir(&infos[i]), 0)?;
-                let (done, seen) =
-                    shim.wait_status(&ids[i], "terminated", Duration::from_millis(1))?;
-                let container = done["container_id"]
+                let (_, seen) = changes.wait_until(super::fleet::BOUND, |c| {
+                    c["task"] == ids[i].as_str() && c["change"] == "terminated"
+                })?;
+                let container = infos[i]["container_id"]
                     .as_str()
-                    .with_context(|| format!("no container id: {done}"))?;
+                    .with_context(|| format!("no container id: {}", infos[i]))?;
                 Ok(ms_between(docker.finished_at(container)?, seen))
             };
             let raw_sample = |raw: &RawContainer| -> Result<f64> {
@@ -66,13 +70,15 @@ pub fn exit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
                 shim_ms[i], raw_ms[i]
             );
         }
+        let metric = histogram(&shim, "dstack_shim_exit_to_terminated_seconds")?.since(before);
+        println!("{}", metric.versus(&shim_ms));
         for id in &ids {
             shim.finish(id)?;
         }
         for raw in &raws {
             docker.remove(&raw.id)?;
         }
-        let detail = json!({"n": n, "shim_ms": shim_ms, "raw_ms": raw_ms});
+        let detail = json!({"n": n, "shim_ms": shim_ms, "raw_ms": raw_ms, "metric": metric.json()});
         out.push(
             Comparison::new(
                 format!("exit_to_terminated_p50_{mode}"),
@@ -102,6 +108,7 @@ pub fn submit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
     let docker = &ctx.scratch.docker;
     let shim = BenchShim::start(&ctx.binary, &ctx.scratch, "submit")?;
     println!("\n--- submit -> running one at a time: {n} shim tasks, {n} raw create+start");
+    let before = histogram(&shim, "dstack_shim_submit_to_running_seconds")?;
     let mut shim_ms = Vec::new();
     let mut raw_ms = Vec::new();
     let mut raws = Vec::new();
@@ -133,6 +140,8 @@ pub fn submit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
             shim_ms[i], raw_ms[i]
         );
     }
+    let metric = histogram(&shim, "dstack_shim_submit_to_running_seconds")?.since(before);
+    println!("{}", metric.versus(&shim_ms));
     for i in 0..n {
         shim.finish(&format!("submit-{i}"))?;
     }
@@ -148,7 +157,83 @@ pub fn submit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
             Some(median(&raw_ms)),
             Goal::AtMostRawTimes(1.03),
         )
-        .with_detail(json!({"n": n, "shim_ms": shim_ms, "raw_ms": raw_ms})),
+        .with_detail(json!({"n": n, "shim_ms": shim_ms, "raw_ms": raw_ms, "metric": metric.json()})),
     );
     Ok(())
+}
+
+/// Count and sum (seconds) of one of the shim's latency histograms, from its `/metrics`.
+#[derive(Debug, Clone, Copy)]
+struct Histogram {
+    name: &'static str,
+    count: f64,
+    sum: f64,
+}
+
+impl Histogram {
+    /// What was observed since `before`.
+    fn since(self, before: Histogram) -> Histogram {
+        Histogram {
+            count: self.count - before.count,
+            sum: self.sum - before.sum,
+            ..self
+        }
+    }
+
+    /// Its mean in ms.
+    fn mean_ms(&self) -> f64 {
+        if self.count > 0.0 {
+            self.sum / self.count * 1e3
+        } else {
+            f64::NAN
+        }
+    }
+
+    /// A line comparing it with the bench's own samples of the same span (the bench's also
+    /// include its 1 ms polling of the API).
+    fn versus(&self, bench_ms: &[f64]) -> String {
+        let bench_mean = bench_ms.iter().sum::<f64>() / bench_ms.len().max(1) as f64;
+        format!(
+            "  the shim's {}: {} samples, mean {:.1} ms; the bench measured {} samples, mean {:.1} ms",
+            self.name,
+            self.count,
+            self.mean_ms(),
+            bench_ms.len(),
+            bench_mean
+        )
+    }
+
+    fn json(&self) -> Value {
+        json!({"name": self.name, "count": self.count, "mean_ms": self.mean_ms()})
+    }
+}
+
+/// Reads `name`'s `_count` and `_sum` from the shim's `/metrics` (OpenMetrics text).
+fn histogram(shim: &BenchShim, name: &'static str) -> Result<Histogram> {
+    let answer = shim
+        .api()
+        .request("GET", "/metrics", None)
+        .context("GET /metrics")?;
+    anyhow::ensure!(answer.status == 200, "GET /metrics: {answer:?}");
+    let value = |suffix: &str| -> Result<f64> {
+        let sample = format!("{name}{suffix}");
+        answer
+            .body
+            .lines()
+            .filter_map(|line| {
+                let rest = line.strip_prefix(&sample)?;
+                let rest = match rest.strip_prefix('{') {
+                    Some(labelled) => labelled.split_once('}')?.1,
+                    None => rest,
+                };
+                rest.split_whitespace().next()?.parse::<f64>().ok()
+            })
+            .reduce(|a, b| a + b)
+            .with_context(|| format!("no {sample} in the shim's /metrics"))
+    };
+    Ok(Histogram {
+        name,
+        count: value("_count")?,
+        sum: value("_sum")?,
+    })
 }
