@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use shim_engine::{Engine, EngineError, Subscription, SubscriptionError};
+use shim_engine::{Engine, EngineError, Subscription, SubscriptionError, error_chain as chain};
 use shim_http::{ApiError, ChangeEvent, ChangeFeed, FeedError, InstanceInfo, Readiness, ShimApi};
 use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
 
@@ -23,21 +23,6 @@ impl EngineApi {
     pub fn new(engine: Engine, dcgm: Arc<shim_dcgm::Dcgm>) -> Self {
         Self { engine, dcgm }
     }
-}
-
-/// An error with its whole cause chain: what the client and the log see.
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = s.source();
-    }
-    out
 }
 
 /// The engine's task changes as the HTTP layer's change feed.

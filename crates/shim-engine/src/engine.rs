@@ -164,8 +164,9 @@ pub(crate) fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// An error with its whole cause chain, as the API answers and the log show it.
-pub(crate) fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+/// An error with its whole cause chain, as the API answers and the log show it: each cause
+/// appended after `: ` unless the text so far already says it.
+pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

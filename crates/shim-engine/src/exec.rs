@@ -256,9 +256,7 @@ impl Inner {
             }
             // The image was present when this engine last looked and is gone now (pruned
             // behind its back): pull it, then create again.
-            Err(RuntimeError::NotFound { .. })
-                if self.known_images().remove(&spec.image) =>
-            {
+            Err(RuntimeError::NotFound { .. }) if self.known_images().remove(&spec.image) => {
                 tracing::warn!(task = %slot.id, image = %spec.image, "image gone since it was last seen; pulling it again");
                 self.pull_image(slot, &spec.image).await?;
                 self.image_seen(&spec.image);

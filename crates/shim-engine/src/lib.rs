@@ -55,5 +55,5 @@ mod spec;
 
 pub use changes::{ChangeKind, Subscription, SubscriptionError, TaskChange};
 pub use config::{EngineConfig, default_pass_env};
-pub use engine::{Deps, Engine, EngineHealth, Shutdown};
+pub use engine::{Deps, Engine, EngineHealth, Shutdown, chain as error_chain};
 pub use error::{EngineError, Result};

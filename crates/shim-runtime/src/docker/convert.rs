@@ -10,8 +10,40 @@ use bollard::models::{
 
 use crate::spec::{ContainerSpec, DeviceMapping, DeviceRequest, NetworkMode};
 use crate::types::{
-    ContainerDetails, ContainerEvent, ContainerState, EventKind, MountPoint, PublishedPort,
+    ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, EventKind, MountPoint,
+    PublishedPort,
 };
+
+/// A container list entry.
+pub(super) fn summary(c: bollard::models::ContainerSummary) -> ContainerSummary {
+    ContainerSummary {
+        id: c.id.unwrap_or_default(),
+        name: c
+            .names
+            .and_then(|n| n.into_iter().next())
+            .map(|n| strip_slash(&n))
+            .unwrap_or_default(),
+        state: c.state.map_or(ContainerState::Other(String::new()), |s| {
+            ContainerState::parse(s.as_ref())
+        }),
+        labels: c.labels.unwrap_or_default().into_iter().collect(),
+        ports: summary_ports(c.ports.as_deref().unwrap_or_default()),
+        mounts: mounts(c.mounts),
+    }
+}
+
+/// A container's mounts (list entry and inspect alike).
+fn mounts(mounts: Option<Vec<bollard::models::MountPoint>>) -> Vec<MountPoint> {
+    mounts
+        .unwrap_or_default()
+        .into_iter()
+        .map(|m| MountPoint {
+            source: m.source.unwrap_or_default(),
+            destination: m.destination.unwrap_or_default(),
+            read_write: m.rw.unwrap_or(false),
+        })
+        .collect()
+}
 
 /// Docker's label filters: `key=value`, or `key` alone (the label is present) for an empty
 /// value.
@@ -30,7 +62,7 @@ pub(super) fn label_filters(labels: &[(String, String)]) -> HashMap<String, Vec<
 }
 
 /// The IPv4 host bindings of a container list entry, sorted.
-pub(super) fn summary_ports(ports: &[bollard::models::PortSummary]) -> Vec<PublishedPort> {
+fn summary_ports(ports: &[bollard::models::PortSummary]) -> Vec<PublishedPort> {
     let mut out: Vec<PublishedPort> = ports
         .iter()
         .filter(|p| {
@@ -54,7 +86,7 @@ fn docker_time(t: Option<String>) -> Option<String> {
     t.filter(|t| !t.is_empty() && !t.starts_with("0001-01-01"))
 }
 
-pub(super) fn strip_slash(name: &str) -> String {
+fn strip_slash(name: &str) -> String {
     name.strip_prefix('/').unwrap_or(name).to_owned()
 }
 
@@ -209,16 +241,7 @@ pub(super) fn details(resp: ContainerInspectResponse) -> ContainerDetails {
                 .as_ref()
                 .and_then(|n| n.ports.as_ref()),
         ),
-        mounts: resp
-            .mounts
-            .unwrap_or_default()
-            .into_iter()
-            .map(|m| MountPoint {
-                source: m.source.unwrap_or_default(),
-                destination: m.destination.unwrap_or_default(),
-                read_write: m.rw.unwrap_or(false),
-            })
-            .collect(),
+        mounts: mounts(resp.mounts),
         env: config.env.unwrap_or_default(),
         device_requests: host
             .device_requests

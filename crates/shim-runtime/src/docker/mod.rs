@@ -22,12 +22,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::spec::ContainerSpec;
-use crate::types::{
-    ContainerDetails, ContainerState, ContainerSummary, MountPoint, PullProgress, PullRequest,
-};
+use crate::types::{ContainerDetails, ContainerSummary, PullProgress, PullRequest};
 use crate::{ContainerRuntime, EventStream, ProgressFn, Result, RuntimeError};
 
-use convert::{container_event, create_body, details, label_filters, strip_slash, summary_ports};
+use convert::{container_event, create_body, details, label_filters, summary};
 use progress::{ProgressFolder, PullLog};
 
 /// How long any request may wait for the daemon's answer to begin (streams then run on).
@@ -285,32 +283,7 @@ impl ContainerRuntime for DockerRuntime {
             .list_containers(Some(options))
             .await
             .map_err(|e| translate("list", "containers".to_owned(), e))?;
-        Ok(containers
-            .into_iter()
-            .map(|c| ContainerSummary {
-                id: c.id.unwrap_or_default(),
-                name: c
-                    .names
-                    .and_then(|n| n.into_iter().next())
-                    .map(|n| strip_slash(&n))
-                    .unwrap_or_default(),
-                state: c.state.map_or(ContainerState::Other(String::new()), |s| {
-                    ContainerState::parse(s.as_ref())
-                }),
-                labels: c.labels.unwrap_or_default().into_iter().collect(),
-                ports: summary_ports(c.ports.as_deref().unwrap_or_default()),
-                mounts: c
-                    .mounts
-                    .unwrap_or_default()
-                    .into_iter()
-                    .map(|m| MountPoint {
-                        source: m.source.unwrap_or_default(),
-                        destination: m.destination.unwrap_or_default(),
-                        read_write: m.rw.unwrap_or(false),
-                    })
-                    .collect(),
-            })
-            .collect())
+        Ok(containers.into_iter().map(summary).collect())
     }
 
     async fn stop(&self, id: &str, timeout: Duration) -> Result<()> {
