@@ -157,7 +157,9 @@ pub fn submit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
             Some(median(&raw_ms)),
             Goal::AtMostRawTimes(1.03),
         )
-        .with_detail(json!({"n": n, "shim_ms": shim_ms, "raw_ms": raw_ms, "metric": metric.json()})),
+        .with_detail(
+            json!({"n": n, "shim_ms": shim_ms, "raw_ms": raw_ms, "metric": metric.json()}),
+        ),
     );
     Ok(())
 }
