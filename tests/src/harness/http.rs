@@ -248,6 +248,59 @@ impl Response {
     }
 }
 
+/// Checks for tests: each panics (failing the test) with the whole answer when it does not
+/// hold.
+#[allow(
+    clippy::panic,
+    reason = "test assertions: a failed check fails the test"
+)]
+impl Response {
+    /// Asserts `Content-Type: application/json` and returns the parsed body.
+    pub fn json_body(&self) -> Value {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/json"),
+            "not a JSON answer: {self:?}"
+        );
+        self.json().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Asserts a 200 with a JSON body ([`Response::json_body`]) and returns that body.
+    pub fn ok(&self) -> Value {
+        assert_eq!(self.status, 200, "expected 200, got {self:?}");
+        self.json_body()
+    }
+
+    /// Asserts the error `status` with a `text/plain` body equal to `message`.
+    pub fn assert_error(&self, status: u16, message: &str) {
+        assert_eq!(
+            (self.status, self.body.as_str()),
+            (status, message),
+            "{self:?}"
+        );
+        self.assert_text_plain();
+    }
+
+    /// Asserts the error `status` with a `text/plain` body starting with `prefix`.
+    pub fn assert_error_starts(&self, status: u16, prefix: &str) {
+        assert_eq!(self.status, status, "{self:?}");
+        assert!(
+            self.body.starts_with(prefix),
+            "{prefix:?} expected: {self:?}"
+        );
+        self.assert_text_plain();
+    }
+
+    /// Asserts a `text/plain` answer (what every error of the shim is).
+    pub fn assert_text_plain(&self) {
+        assert!(
+            self.header("content-type")
+                .is_some_and(|ct| ct.starts_with("text/plain")),
+            "errors are text/plain: {self:?}"
+        );
+    }
+}
+
 fn invalid(message: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, message)
 }
