@@ -29,8 +29,8 @@
 //!
 //! Keep this library's dependencies few and light (`xtask` and the tests of other crates
 //! depend on it): `serde_json` (task configs and answers), `sha2` (the owner identity of a
-//! home), `tempfile` (the temporary home of a [`harness::TestShim`]) and `fs-err`, all
-//! already used across the workspace; no async runtime, no HTTP library.
+//! home), `tempfile` (the temporary home of a [`harness::TestShim`]), `base64` (SSH keys) and
+//! `fs-err`, all already used across the workspace; no async runtime, no HTTP library.
 
 pub mod harness;
 

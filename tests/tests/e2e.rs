@@ -32,8 +32,9 @@ use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
 use shim_e2e::harness::{
     ContainerSweeper, FAKE_GPUS, HostUser, NamedContainer, RUNNER_HTTP_PORT, RUNNER_SSH_PORT,
-    RemoveImage, Request, Response, ShimProcess, TestShim, container_running, entries, free_port,
-    runner_dir, shim_binary, wait_until,
+    RemoveImage, Request, Response, ShimProcess, TestShim, bridge_task, container_name,
+    container_running, entries, fake_gpu_ids, free_port, runner_dir, shim_binary, ssh_key,
+    wait_until,
 };
 use shim_e2e::{
     docker, docker_ok, docker_tests_enabled, dstack_python, image, registry, registry_password,
@@ -77,35 +78,10 @@ fn image_present(image: &str) -> bool {
 
 /// A task config as the server sends it: bridge mode, the local test image.
 fn task(id: &str, gpu: i64) -> Value {
-    json!({
-        "id": id,
-        "name": format!("e2e-{id}"),
-        "image_name": image(),
-        "gpu": gpu,
-        "cpu": 0,
-        "memory": 0,
-        "shm_size": 0,
-        "network_mode": "bridge",
-        "container_user": "root",
-        "privileged": false,
-        "volumes": [],
-        "volume_mounts": [],
-        "instance_mounts": [],
-        "host_ssh_user": "",
-        "host_ssh_keys": [],
-        "container_ssh_keys": [],
-        "registry_username": "",
-        "registry_password": "",
-        // Newer servers send fields this shim does not know: ignored.
-        "some_future_field": {"x": 1},
-    })
-}
-
-/// `<name>-<first 8 hex chars of sha256("<name>/<id>")>` (SPEC §6).
-fn container_name(name: &str, id: &str) -> String {
-    let digest = Sha256::digest(format!("{name}/{id}").as_bytes());
-    let hex: String = digest.iter().take(4).map(|b| format!("{b:02x}")).collect();
-    format!("{name}-{hex}")
+    let mut config = bridge_task(id, &format!("e2e-{id}"), gpu);
+    // Newer servers send fields this shim does not know: ignored.
+    config["some_future_field"] = json!({"x": 1});
+    config
 }
 
 /// The exact TaskInfo of a task that was just submitted.
@@ -123,12 +99,6 @@ fn pending_info(config: &Value) -> Value {
         "container_id": "",
         "gpu_ids": null,
     })
-}
-
-fn fake_gpu_ids() -> BTreeSet<String> {
-    (0..FAKE_GPUS)
-        .map(|i| format!("GPU-00000000-0000-4000-8000-{i:012x}"))
-        .collect()
 }
 
 fn gpu_ids(info: &Value) -> BTreeSet<String> {
@@ -197,19 +167,6 @@ fn release_at_least(version: &str, min: [u64; 3]) -> bool {
     }
     let v: Vec<u64> = parts.into_iter().flatten().collect();
     [v[0], v[1], v[2]] >= min
-}
-
-/// A valid OpenSSH ed25519 public key line (a random 32-byte key).
-fn ssh_key(comment: &str) -> String {
-    use base64::Engine as _;
-    let mut blob = Vec::new();
-    blob.extend_from_slice(&11u32.to_be_bytes());
-    blob.extend_from_slice(b"ssh-ed25519");
-    blob.extend_from_slice(&32u32.to_be_bytes());
-    let seed = Sha256::digest(comment.as_bytes());
-    blob.extend_from_slice(&seed);
-    let b64 = base64::engine::general_purpose::STANDARD.encode(blob);
-    format!("ssh-ed25519 {b64} {comment}")
 }
 
 // ---------------------------------------------------------------------------------------------

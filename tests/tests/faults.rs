@@ -38,10 +38,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use sha2::{Digest as _, Sha256};
 use shim_e2e::harness::{
-    FAKE_GPUS, HostUser, RemoveImage, Request, Response, TestShim, docker_at, docker_at_ok,
-    entries, runner_dir, status_of, try_docker_within, wait_for, write_runner_exit,
+    FAKE_GPUS, HostUser, RemoveImage, Request, Response, TestShim, bridge_task, container_name,
+    docker_at, docker_at_ok, entries, fake_gpu_ids, runner_dir, ssh_key, status_of,
+    try_docker_within, wait_for, write_runner_exit,
 };
 use shim_e2e::{
     RUNNER_EXIT_FILE, docker_tests_enabled, image, registry, registry_password, registry_user,
@@ -120,26 +120,7 @@ fn signal(pid: u32, signal: &str) {
 
 /// A task config as the server sends it: bridge mode, the local test image.
 fn task(id: &str, gpu: i64) -> Value {
-    json!({
-        "id": id,
-        "name": format!("flt-{id}"),
-        "image_name": image(),
-        "gpu": gpu,
-        "cpu": 0,
-        "memory": 0,
-        "shm_size": 0,
-        "network_mode": "bridge",
-        "container_user": "root",
-        "privileged": false,
-        "volumes": [],
-        "volume_mounts": [],
-        "instance_mounts": [],
-        "host_ssh_user": "",
-        "host_ssh_keys": [],
-        "container_ssh_keys": [],
-        "registry_username": "",
-        "registry_password": "",
-    })
+    bridge_task(id, &format!("flt-{id}"), gpu)
 }
 
 /// `config` with host SSH keys for `user`.
@@ -149,25 +130,12 @@ fn with_host_keys(mut config: Value, user: &str, keys: &[&str]) -> Value {
     config
 }
 
-/// `<name>-<first 8 hex chars of sha256("<name>/<id>")>` (SPEC §6).
-fn container_name(config: &Value) -> String {
-    let name = config["name"].as_str().unwrap();
-    let id = config["id"].as_str().unwrap();
-    let digest = Sha256::digest(format!("{name}/{id}").as_bytes());
-    let hex: String = digest.iter().take(4).map(|b| format!("{b:02x}")).collect();
-    format!("{name}-{hex}")
-}
-
-/// A valid OpenSSH ed25519 public key line (32 bytes derived from `comment`).
-fn ssh_key(comment: &str) -> String {
-    use base64::Engine as _;
-    let mut blob = Vec::new();
-    blob.extend_from_slice(&11u32.to_be_bytes());
-    blob.extend_from_slice(b"ssh-ed25519");
-    blob.extend_from_slice(&32u32.to_be_bytes());
-    blob.extend_from_slice(&Sha256::digest(comment.as_bytes()));
-    let b64 = base64::engine::general_purpose::STANDARD.encode(blob);
-    format!("ssh-ed25519 {b64} {comment}")
+/// The container name of the task of `config` (SPEC §6).
+fn container_name_of(config: &Value) -> String {
+    container_name(
+        config["name"].as_str().unwrap(),
+        config["id"].as_str().unwrap(),
+    )
 }
 
 /// The base64 field of a key line (what identifies the key).
@@ -176,12 +144,6 @@ fn key_blob(line: &str) -> String {
         .nth(1)
         .unwrap_or_default()
         .to_owned()
-}
-
-fn fake_gpu_ids() -> BTreeSet<String> {
-    (0..FAKE_GPUS)
-        .map(|i| format!("GPU-00000000-0000-4000-8000-{i:012x}"))
-        .collect()
 }
 
 fn gpu_ids(info: &Value) -> BTreeSet<String> {
@@ -1350,7 +1312,7 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     assert!(r.body.contains(ENOSPC), "the cause: {r:?}");
     assert!(shim.info_opt("t3").is_none());
     assert!(
-        !shim.tasks_dir().join(container_name(&t3)).exists(),
+        !shim.tasks_dir().join(container_name_of(&t3)).exists(),
         "a failed submit left its directory: {:?}",
         entries(&shim.tasks_dir())
     );
@@ -1409,7 +1371,9 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
         "t2's key is released before its end is durable"
     );
     assert!(
-        !shim.containers().contains_key(&container_name(&t4_config)),
+        !shim
+            .containers()
+            .contains_key(&container_name_of(&t4_config)),
         "t4's container was created although its start could not be recorded"
     );
 
@@ -1528,7 +1492,7 @@ fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
     for kind in kinds {
         let file = shim
             .tasks_dir()
-            .join(container_name(&configs[kind]))
+            .join(container_name_of(&configs[kind]))
             .join("task.json");
         let good = fs_err::read(&file).unwrap();
         let content: Option<Vec<u8>> = match kind {
@@ -1561,7 +1525,7 @@ fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
             info["container_id"], before[kind]["container_id"],
             "{kind}: {info}"
         );
-        let task_dir = shim.tasks_dir().join(container_name(&configs[kind]));
+        let task_dir = shim.tasks_dir().join(container_name_of(&configs[kind]));
         let aside: Vec<String> = entries(&task_dir)
             .into_iter()
             .filter(|n| n.starts_with("task.json.corrupt-"))
@@ -1662,8 +1626,11 @@ fn kills_mid_submit_and_mid_delete_leave_nothing_after_a_restart() {
         None,
         &["rm", "-f", removed_info["container_id"].as_str().unwrap()],
     );
-    let removed_dir = runners.join(container_name(&removed));
-    let trash = runners.join(format!(".trash-{}-1700000000000", container_name(&removed)));
+    let removed_dir = runners.join(container_name_of(&removed));
+    let trash = runners.join(format!(
+        ".trash-{}-1700000000000",
+        container_name_of(&removed)
+    ));
     fs_err::rename(&removed_dir, &trash).unwrap();
     // A delete killed half-way through removing a tree.
     let old_trash = runners.join(".trash-flt-old-89abcdef-1700000000001");
@@ -1700,7 +1667,7 @@ fn kills_mid_submit_and_mid_delete_leave_nothing_after_a_restart() {
     let expected: BTreeSet<String> = keep
         .iter()
         .map(|(d, _)| (*d).to_owned())
-        .chain([container_name(&stays)])
+        .chain([container_name_of(&stays)])
         .collect();
     assert_eq!(entries(&runners), expected);
     for (d, f) in keep {

@@ -14,6 +14,8 @@
 //! - [`shim`]: [`TestShim`], one test's shim under test (a home, the process across
 //!   restarts, its logs, its API with the checks the tests make, its containers) and its
 //!   clean-up;
+//! - [`task`]: task configs as the server sends them, container names, fake GPU ids, SSH
+//!   keys;
 //! - [`user`]: [`HostUser`], a host user of one test with an `authorized_keys`;
 //! - [`wait`]: bounded waits that fail the test ([`wait_for`], [`wait_until`]).
 //!
@@ -26,6 +28,7 @@ pub mod http;
 pub mod layout;
 pub mod process;
 pub mod shim;
+pub mod task;
 pub mod user;
 pub mod wait;
 
@@ -43,5 +46,6 @@ pub use process::{
 pub use shim::{
     FAKE_GPUS, RUNNER_HTTP_PORT, RUNNER_SSH_PORT, TestShim, TestShimBuilder, WAIT_BOUND,
 };
+pub use task::{bridge_task, container_name, fake_gpu_ids, ssh_key};
 pub use user::HostUser;
 pub use wait::{wait_for, wait_until};
