@@ -16,12 +16,12 @@
 )]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::io::{BufReader, Read as _};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use shim_e2e::harness::{Request, TestShim};
+use shim_e2e::harness::{Body, Request, TestShim};
 use shim_e2e::{docker_tests_enabled, image};
 
 /// How long the event stream may stay silent before the test gives up (keep-alives come
@@ -81,54 +81,42 @@ struct Event {
 }
 
 struct Sse {
-    reader: BufReader<TcpStream>,
+    body: Body<BufReader<TcpStream>>,
     pending: Vec<u8>,
 }
 
 impl Sse {
     /// Connects, checks the answer's head and returns the stream (the snapshot is next).
     fn connect(addr: SocketAddr) -> Self {
-        let mut stream = TcpStream::connect(addr).unwrap();
-        stream.set_read_timeout(Some(EVENT_BOUND)).unwrap();
-        stream
-            .write_all(
-                b"GET /api/events HTTP/1.1\r\nHost: localhost\r\nAccept: text/event-stream\r\n\r\n",
-            )
+        let streamed = Request::get("/api/events")
+            .header("Accept", "text/event-stream")
+            .timeout(EVENT_BOUND)
+            .open(addr)
             .unwrap();
-        let mut reader = BufReader::new(stream);
-        let mut head = Vec::new();
-        loop {
-            let mut line = String::new();
-            reader.read_line(&mut line).unwrap();
-            if line == "\r\n" || line.is_empty() {
-                break;
-            }
-            head.push(line.trim_end().to_ascii_lowercase());
-        }
-        assert!(head[0].starts_with("http/1.1 200"), "{head:?}");
-        for expected in [
-            "content-type: text/event-stream",
-            "transfer-encoding: chunked",
-        ] {
-            assert!(head.iter().any(|h| h == expected), "{expected}: {head:?}");
-        }
+        assert_eq!(streamed.status, 200, "{streamed:?}");
+        assert_eq!(
+            streamed.header("content-type"),
+            Some("text/event-stream"),
+            "{streamed:?}"
+        );
+        assert_eq!(
+            streamed.header("transfer-encoding"),
+            Some("chunked"),
+            "{streamed:?}"
+        );
         Self {
-            reader,
+            body: streamed.body,
             pending: Vec::new(),
         }
     }
 
+    /// Reads what arrived of the stream (chunked transfer decoded by the harness) into
+    /// `pending`.
     fn chunk(&mut self) {
-        let mut line = String::new();
-        self.reader.read_line(&mut line).unwrap();
-        let size = usize::from_str_radix(line.trim_end(), 16)
-            .unwrap_or_else(|_| panic!("bad chunk size line {line:?}"));
-        assert_ne!(size, 0, "the event stream ended");
-        let start = self.pending.len();
-        self.pending.resize(start + size + 2, 0);
-        self.reader.read_exact(&mut self.pending[start..]).unwrap();
-        assert_eq!(&self.pending[start + size..], b"\r\n");
-        self.pending.truncate(start + size);
+        let mut buf = [0u8; 16 * 1024];
+        let n = self.body.read(&mut buf).unwrap();
+        assert_ne!(n, 0, "the event stream ended");
+        self.pending.extend_from_slice(&buf[..n]);
     }
 
     /// The next event, keep-alive comments skipped.

@@ -2,8 +2,8 @@
 //! `xtask` (demo, bench, dev-env):
 //!
 //! - [`http`]: a blocking HTTP/1.1 client (TCP or Unix socket, `Content-Length` and chunked
-//!   bodies both ways, bounded connects and reads) and [`Api`], the shim's JSON API with
-//!   status checks;
+//!   bodies both ways, answers read whole or streamed, bounded connects and reads) and
+//!   [`Api`], the shim's JSON API with status checks;
 //! - [`process`]: building `dstack-shim`, [`free_port`], [`open_log`], and [`ShimProcess`],
 //!   a guard that starts the binary on a home and port, waits until it listens or answers,
 //!   sends SIGTERM or SIGKILL, reads its RSS and kills it when dropped;
@@ -37,7 +37,7 @@ pub use docker::{
     container_running, containers_labelled, docker, docker_at, docker_at_ok, docker_ok,
     owner_identity, try_docker, try_docker_within,
 };
-pub use http::{Api, Request, Response, status_of};
+pub use http::{Api, Body, Request, Response, Streamed, status_of};
 pub use layout::{entries, runner_dir, task_dir, tasks_dir, write_runner_exit};
 pub use process::{
     ShimProcess, build_shim, cargo, free_port, open_log, scrub_cargo_env, shim_binary, tail,

@@ -3,7 +3,7 @@
 //! Docker directly would do, to compare the shim with. Create, start, kill, inspect, list,
 //! remove, and the `/events` stream (read by a thread that stamps each event when it arrives).
 
-use std::io::{BufRead, BufReader, Read as _, Write as _};
+use std::io::{BufReader, Read as _};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -11,12 +11,14 @@ use std::time::{Duration, SystemTime};
 
 use anyhow::{Context as _, Result, bail};
 use serde_json::{Value, json};
-use shim_e2e::harness::{Request, Response};
+use shim_e2e::harness::{Body, Request, Response};
 
 use super::clock::parse_rfc3339_utc;
 
 /// The daemon's socket.
 pub const SOCKET: &str = "/var/run/docker.sock";
+/// How long the `/events` stream may stay silent (no bound worth the name: a day).
+const EVENTS_IDLE: Duration = Duration::from_secs(24 * 3600);
 
 /// A client of the daemon at a Unix socket.
 #[derive(Debug, Clone)]
@@ -170,32 +172,19 @@ impl Docker {
     /// Subscribes to `/events` with `filter` pairs (e.g. `("type","container")`,
     /// `("event","die")`); events arrive, stamped, on the returned channel.
     pub fn events(&self, filter: &[(&str, &str)]) -> Result<Events> {
-        let mut stream = UnixStream::connect(&self.socket)
-            .with_context(|| format!("cannot connect to {}", self.socket.display()))?;
         let path = format!("/events?filters={}", filters(filter));
-        stream.write_all(
-            format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nUser-Agent: xtask-bench\r\n\r\n")
-                .as_bytes(),
-        )?;
-        let mut reader = BufReader::new(stream.try_clone()?);
-        let mut line = String::new();
-        reader.read_line(&mut line)?;
+        // The stream is silent until something happens: reads wait as long as a bench runs.
+        let streamed = Request::get(&path)
+            .timeout(EVENTS_IDLE)
+            .open_unix(&self.socket)?;
         anyhow::ensure!(
-            line.starts_with("HTTP/1.1 200") || line.starts_with("HTTP/1.0 200"),
-            "GET /events answered {line:?}"
+            streamed.status == 200,
+            "GET /events answered {}",
+            streamed.status
         );
-        let mut chunked = false;
-        loop {
-            line.clear();
-            reader.read_line(&mut line)?;
-            if line.trim_end().is_empty() {
-                break;
-            }
-            let lower = line.to_ascii_lowercase();
-            chunked |= lower.starts_with("transfer-encoding:") && lower.contains("chunked");
-        }
+        let stream = streamed.body.get_ref().get_ref().try_clone()?;
         let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || read_events(reader, chunked, &tx));
+        std::thread::spawn(move || read_events(streamed.body, &tx));
         Ok(Events { rx, stream })
     }
 }
@@ -231,40 +220,15 @@ impl Drop for Events {
     }
 }
 
-/// Reads JSON events (one per line, chunked or not) until the stream ends.
-fn read_events(
-    mut reader: BufReader<UnixStream>,
-    chunked: bool,
-    tx: &mpsc::Sender<(Value, SystemTime)>,
-) {
+/// Reads JSON events (one per line; chunked transfer decoded by the harness) until the
+/// stream ends, each stamped with when its last byte was read.
+fn read_events(mut body: Body<BufReader<UnixStream>>, tx: &mpsc::Sender<(Value, SystemTime)>) {
     let mut pending = Vec::new();
-    let mut line = String::new();
+    let mut buf = [0u8; 8192];
     loop {
-        if chunked {
-            line.clear();
-            match reader.read_line(&mut line) {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
-            let Ok(size) = usize::from_str_radix(line.trim().split(';').next().unwrap_or(""), 16)
-            else {
-                return;
-            };
-            if size == 0 {
-                return;
-            }
-            let mut chunk = vec![0u8; size + 2];
-            if reader.read_exact(&mut chunk).is_err() {
-                return;
-            }
-            chunk.truncate(size);
-            pending.extend_from_slice(&chunk);
-        } else {
-            let mut buf = [0u8; 8192];
-            match reader.read(&mut buf) {
-                Ok(0) | Err(_) => return,
-                Ok(n) => pending.extend_from_slice(&buf[..n]),
-            }
+        match body.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => pending.extend_from_slice(&buf[..n]),
         }
         let at = SystemTime::now();
         while let Some(end) = pending.iter().position(|b| *b == b'\n') {
