@@ -24,13 +24,13 @@
 //! and [`root_tests_enabled`].
 //!
 //! The [`harness`] module is the one test harness of the workspace (HTTP client, shim process
-//! guard, Docker helpers, task paths), used by the end-to-end tests, the binary's tests and
-//! `xtask`.
+//! guard, the shim under test, host users, Docker helpers, task paths, bounded waits), used by
+//! the end-to-end tests, the binary's tests and `xtask`.
 //!
 //! Keep this library's dependencies few and light (`xtask` and the tests of other crates
 //! depend on it): `serde_json` (task configs and answers), `sha2` (the owner identity of a
-//! home) and `fs-err`, all already used across the workspace; no async runtime, no HTTP
-//! library.
+//! home), `tempfile` (the temporary home of a [`harness::TestShim`]), `base64` (SSH keys) and
+//! `fs-err`, all already used across the workspace; no async runtime, no HTTP library.
 
 pub mod harness;
 

@@ -6,9 +6,9 @@
 //! adopts another's containers), its own API port, the stub runner, four fake GPUs, and its
 //! tasks run in bridge network mode (runner ports published on ephemeral host ports, so
 //! runners never clash). The shim's output goes to a file beside the home, printed when a test
-//! fails. Guards (the harness's `ShimProcess` and `ContainerSweeper`) kill the shim and
-//! force-remove every container labelled with the home's owner identity, however the test
-//! ends.
+//! fails. The harness's `TestShim` (and, for the one test that starts the shim by environment
+//! alone, `ShimProcess` and `ContainerSweeper`) kills the shim and force-removes every
+//! container labelled with the home's owner identity, however the test ends.
 //!
 //! Run: `SHIM_TEST_DOCKER=1 cargo nextest run -p shim-e2e` (the tests build the binary with
 //! `cargo build -p dstack-shim` first; set `SHIM_E2E_BINARY` to use another one).
@@ -24,57 +24,34 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read as _, Write as _};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
 use shim_e2e::harness::{
-    ContainerSweeper, Request, Response, ShimProcess, free_port, runner_dir, shim_binary, task_dir,
-    tasks_dir, write_runner_exit,
+    ContainerSweeper, FAKE_GPUS, HostUser, NamedContainer, RUNNER_HTTP_PORT, RUNNER_SSH_PORT,
+    RemoveImage, Request, Response, ShimProcess, TestShim, bridge_task, container_name,
+    container_running, entries, fake_gpu_ids, free_port, runner_dir, shim_binary, ssh_key,
+    wait_until,
 };
 use shim_e2e::{
     docker, docker_ok, docker_tests_enabled, dstack_python, image, registry, registry_password,
     registry_user, repo_root, runner_path,
 };
 
-/// How many fake GPUs every shim of these tests has.
-const FAKE_GPUS: usize = 4;
-/// The runner ports in the container (the shim's defaults).
-const RUNNER_HTTP_PORT: u16 = 10999;
-const RUNNER_SSH_PORT: u16 = 10022;
 /// Bounds of the waits (never timed assertions: generous, only there so a hang fails).
 const START_BOUND: Duration = Duration::from_secs(60);
 const STATUS_BOUND: Duration = Duration::from_secs(90);
-const EXIT_BOUND: Duration = Duration::from_secs(60);
 
 // ---------------------------------------------------------------------------------------------
 // Docker CLI
 // ---------------------------------------------------------------------------------------------
 
-/// `docker inspect -f {{.State.Running}}`: `Some(running)`, or `None` if there is no such
-/// container.
-fn container_running(id: &str) -> Option<bool> {
-    let output = docker(&["inspect", "-f", "{{.State.Running}}", id]);
-    if !output.status.success() {
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(
-            stderr.contains("No such"),
-            "docker inspect {id} failed: {stderr}"
-        );
-        return None;
-    }
-    match String::from_utf8_lossy(&output.stdout).trim() {
-        "true" => Some(true),
-        "false" => Some(false),
-        other => panic!("docker inspect {id}: unexpected {other:?}"),
-    }
-}
-
 fn assert_container_running(id: &str) {
     assert_eq!(
-        container_running(id),
+        container_running(None, id),
         Some(true),
         "container {id} should be running"
     );
@@ -82,7 +59,7 @@ fn assert_container_running(id: &str) {
 
 fn wait_container_stopped(id: &str) {
     let started = Instant::now();
-    while container_running(id) == Some(true) {
+    while container_running(None, id) == Some(true) {
         assert!(
             started.elapsed() < STATUS_BOUND,
             "container {id} still running"
@@ -96,362 +73,15 @@ fn image_present(image: &str) -> bool {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Checks of answers
-// ---------------------------------------------------------------------------------------------
-
-/// Assertions on the harness's [`Response`].
-trait Check {
-    /// Asserts `Content-Type: application/json` and returns the parsed body.
-    fn json_body(&self) -> Value;
-    /// Asserts a 200 and returns the JSON body.
-    fn ok(&self) -> Value;
-    /// Asserts an error status with a `text/plain` body equal to `message`.
-    fn assert_error(&self, status: u16, message: &str);
-    /// Asserts an error status with a `text/plain` body starting with `prefix`.
-    fn assert_error_starts(&self, status: u16, prefix: &str);
-}
-
-impl Check for Response {
-    fn json_body(&self) -> Value {
-        assert_eq!(
-            self.header("content-type"),
-            Some("application/json"),
-            "not a JSON answer: {self:?}"
-        );
-        self.json().unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    fn ok(&self) -> Value {
-        assert_eq!(self.status, 200, "expected 200, got {self:?}");
-        self.json_body()
-    }
-
-    fn assert_error(&self, status: u16, message: &str) {
-        assert_eq!(
-            (self.status, self.body.as_str()),
-            (status, message),
-            "{self:?}"
-        );
-        assert_text_plain(self);
-    }
-
-    fn assert_error_starts(&self, status: u16, prefix: &str) {
-        assert_eq!(self.status, status, "{self:?}");
-        assert!(
-            self.body.starts_with(prefix),
-            "{prefix:?} expected: {self:?}"
-        );
-        assert_text_plain(self);
-    }
-}
-
-fn assert_text_plain(response: &Response) {
-    assert!(
-        response
-            .header("content-type")
-            .is_some_and(|ct| ct.starts_with("text/plain")),
-        "errors are text/plain: {response:?}"
-    );
-}
-
-// ---------------------------------------------------------------------------------------------
-// The shim under test
-// ---------------------------------------------------------------------------------------------
-
-/// One test's shim: a temporary home, the running binary (or none between restarts), and the
-/// clean-up guards.
-struct Shim {
-    root: tempfile::TempDir,
-    home: PathBuf,
-    process: Option<ShimProcess>,
-    port: u16,
-    starts: u32,
-    containers: ContainerSweeper,
-}
-
-impl Shim {
-    /// A new home; nothing is started yet.
-    fn new() -> Self {
-        let _ = shim_binary();
-        let root = tempfile::Builder::new()
-            .prefix("shim-e2e-")
-            .tempdir()
-            .unwrap();
-        let home = std::path::absolute(root.path().join("home")).unwrap();
-        fs_err::create_dir(&home).unwrap();
-        let containers = ContainerSweeper::for_home(&home);
-        Self {
-            root,
-            home,
-            process: None,
-            port: 0,
-            starts: 0,
-            containers,
-        }
-    }
-
-    /// A new home with the shim started on it.
-    fn started() -> Self {
-        let mut shim = Self::new();
-        shim.start();
-        shim
-    }
-
-    fn log_path(&self, n: u32) -> PathBuf {
-        self.root.path().join(format!("shim-{n}.log"))
-    }
-
-    /// Starts the binary on this home (a fresh API port each time) and waits, bounded, until
-    /// its port accepts connections. Sends no HTTP request: the next request is the first one
-    /// the new process answers.
-    fn start(&mut self) {
-        assert!(self.process.is_none(), "the shim is already running");
-        self.starts += 1;
-        self.port = free_port().unwrap();
-        let args = [
-            "--runner-binary-path".to_owned(),
-            runner_path().display().to_string(),
-            "--runner-http-port".to_owned(),
-            RUNNER_HTTP_PORT.to_string(),
-            "--runner-ssh-port".to_owned(),
-            RUNNER_SSH_PORT.to_string(),
-            "--fake-gpus".to_owned(),
-            FAKE_GPUS.to_string(),
-            "--volumes-root".to_owned(),
-            self.root.path().join("volumes").display().to_string(),
-            "--shim-log-level".to_owned(),
-            "5".to_owned(),
-        ];
-        let log = self.log_path(self.starts);
-        let mut process =
-            ShimProcess::spawn(shim_binary(), &self.home, self.port, &args, &log).unwrap();
-        process
-            .wait_listening(START_BOUND)
-            .unwrap_or_else(|e| panic!("{e}"));
-        self.process = Some(process);
-    }
-
-    fn process(&self) -> &ShimProcess {
-        self.process.as_ref().expect("the shim runs")
-    }
-
-    /// SIGKILL, as a crash or an OOM kill would.
-    fn kill(&mut self) {
-        self.process.take().expect("the shim runs").kill().unwrap();
-    }
-
-    fn sigterm(&self) {
-        self.process().sigterm().unwrap();
-    }
-
-    /// Waits (bounded) for the process to exit by itself.
-    fn wait_exit(&mut self) -> ExitStatus {
-        let process = self.process.take().expect("the shim runs");
-        process.wait_exit(EXIT_BOUND).unwrap()
-    }
-
-    fn addr(&self) -> SocketAddr {
-        SocketAddr::from(([127, 0, 0, 1], self.port))
-    }
-
-    fn send(&self, request: &Request) -> Response {
-        request.send(self.addr()).unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    fn get(&self, path: &str) -> Response {
-        self.send(&Request::get(path))
-    }
-
-    fn post(&self, path: &str, body: &Value) -> Response {
-        self.send(&Request::post(path).json(body))
-    }
-
-    fn post_raw(&self, path: &str, content_type: Option<&str>, body: &[u8]) -> Response {
-        self.send(&Request::post(path).body(content_type, body))
-    }
-
-    fn submit(&self, config: &Value) -> Response {
-        self.post("/api/tasks", config)
-    }
-
-    fn info(&self, id: &str) -> Value {
-        self.get(&format!("/api/tasks/{id}")).ok()
-    }
-
-    fn terminate(&self, id: &str, reason: &str, message: &str, timeout: u64) -> Response {
-        self.post(
-            &format!("/api/tasks/{id}/terminate"),
-            &json!({"termination_reason": reason, "termination_message": message, "timeout": timeout}),
-        )
-    }
-
-    fn remove(&self, id: &str) -> Response {
-        self.send(&Request::post(&format!("/api/tasks/{id}/remove")))
-    }
-
-    /// `GET /api/tasks` as a map id → status.
-    fn list(&self) -> BTreeMap<String, String> {
-        let list = self.get("/api/tasks").ok();
-        let tasks = list["tasks"].as_array().expect("tasks is an array");
-        let map: BTreeMap<String, String> = tasks
-            .iter()
-            .map(|t| {
-                (
-                    t["id"].as_str().unwrap().to_owned(),
-                    t["status"].as_str().unwrap().to_owned(),
-                )
-            })
-            .collect();
-        assert_eq!(map.len(), tasks.len(), "duplicate ids in {list}");
-        map
-    }
-
-    /// Polls the task (bounded) until its status is `status`; a task that ends while another
-    /// status is awaited fails the test at once.
-    fn wait_status(&self, id: &str, status: &str) -> Value {
-        let started = Instant::now();
-        loop {
-            let info = self.info(id);
-            if info["status"] == status {
-                return info;
-            }
-            assert!(
-                info["status"] != "terminated",
-                "task {id} ended while waiting for {status}: {info}"
-            );
-            assert!(
-                started.elapsed() < STATUS_BOUND,
-                "task {id} never became {status}: {info}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn tasks_dir(&self) -> PathBuf {
-        tasks_dir(&self.home)
-    }
-
-    fn task_dir(&self, id: &str) -> PathBuf {
-        task_dir(&self.home, id)
-    }
-
-    /// Names in `dir` (sorted); empty if it does not exist.
-    fn entries(dir: &Path) -> BTreeSet<String> {
-        match fs_err::read_dir(dir) {
-            Ok(rd) => rd
-                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-                .collect(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeSet::new(),
-            Err(e) => panic!("{e}"),
-        }
-    }
-
-    /// Makes the stub runner of the task (its TaskInfo `info`) exit with `code` (the file
-    /// appears atomically). Works while the shim is down.
-    fn exit_runner(&self, info: &Value, code: i32) {
-        write_runner_exit(&self.home, info, code).unwrap();
-    }
-
-    /// Ids of the containers (running or not) labelled with this home's owner identity.
-    fn containers(&self) -> BTreeSet<String> {
-        self.containers.containers().into_iter().collect()
-    }
-
-    /// Terminates (if needed) and removes a task over the API, checking both answers.
-    fn finish(&self, id: &str) {
-        let info = self
-            .terminate(id, "terminated_by_server", "e2e clean-up", 0)
-            .ok();
-        assert_eq!(info["status"], "terminated", "{info}");
-        self.remove_retrying(id);
-        self.get(&format!("/api/tasks/{id}"))
-            .assert_error(404, &format!("task {id} not found"));
-    }
-
-    /// Removes a terminated task, retrying (bounded) while the shim answers 409 because the
-    /// task's start job has not given the task up yet or a release is in flight (see
-    /// `remove_right_after_terminate_during_start_is_accepted`): the dstack server retries
-    /// too. Any other answer than 200 fails.
-    fn remove_retrying(&self, id: &str) {
-        let started = Instant::now();
-        loop {
-            let removed = self.remove(id);
-            if removed.status == 409
-                && (removed.body.ends_with("is still being started")
-                    || removed.body.ends_with("is releasing its resources"))
-            {
-                assert!(started.elapsed() < STATUS_BOUND, "{removed:?}");
-                std::thread::sleep(Duration::from_millis(2));
-                continue;
-            }
-            assert_eq!(
-                (removed.status, removed.body.as_str()),
-                (200, "{}"),
-                "{removed:?}"
-            );
-            return;
-        }
-    }
-
-    fn log_tail(&self) -> String {
-        let mut out = String::new();
-        for n in 1..=self.starts {
-            let tail = shim_e2e::harness::tail(&self.log_path(n), 150);
-            out.push_str(&format!(
-                "----- shim output, start #{n} (last 150 lines) -----\n{tail}\n"
-            ));
-        }
-        out
-    }
-}
-
-impl Drop for Shim {
-    fn drop(&mut self) {
-        // The shim dies before its containers are swept, and they are swept before the home
-        // (the first field) is deleted: the sweeper reads the owner identity from it.
-        drop(self.process.take());
-        self.containers.sweep();
-        if std::thread::panicking() {
-            eprintln!("{}", self.log_tail());
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
 // Task configs and expectations
 // ---------------------------------------------------------------------------------------------
 
 /// A task config as the server sends it: bridge mode, the local test image.
 fn task(id: &str, gpu: i64) -> Value {
-    json!({
-        "id": id,
-        "name": format!("e2e-{id}"),
-        "image_name": image(),
-        "gpu": gpu,
-        "cpu": 0,
-        "memory": 0,
-        "shm_size": 0,
-        "network_mode": "bridge",
-        "container_user": "root",
-        "privileged": false,
-        "volumes": [],
-        "volume_mounts": [],
-        "instance_mounts": [],
-        "host_ssh_user": "",
-        "host_ssh_keys": [],
-        "container_ssh_keys": [],
-        "registry_username": "",
-        "registry_password": "",
-        // Newer servers send fields this shim does not know: ignored.
-        "some_future_field": {"x": 1},
-    })
-}
-
-/// `<name>-<first 8 hex chars of sha256("<name>/<id>")>` (SPEC §6).
-fn container_name(name: &str, id: &str) -> String {
-    let digest = Sha256::digest(format!("{name}/{id}").as_bytes());
-    let hex: String = digest.iter().take(4).map(|b| format!("{b:02x}")).collect();
-    format!("{name}-{hex}")
+    let mut config = bridge_task(id, &format!("e2e-{id}"), gpu);
+    // Newer servers send fields this shim does not know: ignored.
+    config["some_future_field"] = json!({"x": 1});
+    config
 }
 
 /// The exact TaskInfo of a task that was just submitted.
@@ -469,12 +99,6 @@ fn pending_info(config: &Value) -> Value {
         "container_id": "",
         "gpu_ids": null,
     })
-}
-
-fn fake_gpu_ids() -> BTreeSet<String> {
-    (0..FAKE_GPUS)
-        .map(|i| format!("GPU-00000000-0000-4000-8000-{i:012x}"))
-        .collect()
 }
 
 fn gpu_ids(info: &Value) -> BTreeSet<String> {
@@ -545,19 +169,6 @@ fn release_at_least(version: &str, min: [u64; 3]) -> bool {
     [v[0], v[1], v[2]] >= min
 }
 
-/// A valid OpenSSH ed25519 public key line (a random 32-byte key).
-fn ssh_key(comment: &str) -> String {
-    use base64::Engine as _;
-    let mut blob = Vec::new();
-    blob.extend_from_slice(&11u32.to_be_bytes());
-    blob.extend_from_slice(b"ssh-ed25519");
-    blob.extend_from_slice(&32u32.to_be_bytes());
-    let seed = Sha256::digest(comment.as_bytes());
-    blob.extend_from_slice(&seed);
-    let b64 = base64::engine::general_purpose::STANDARD.encode(blob);
-    format!("ssh-ed25519 {b64} {comment}")
-}
-
 // ---------------------------------------------------------------------------------------------
 // The tests
 // ---------------------------------------------------------------------------------------------
@@ -570,7 +181,7 @@ fn healthcheck_version_is_a_compatible_release() {
     if !docker_tests_enabled("healthcheck_version_is_a_compatible_release") {
         return;
     }
-    let shim = Shim::started();
+    let shim = TestShim::builder("e2e").start();
     let health = shim.get("/api/healthcheck").ok();
     assert_eq!(health["service"], "dstack-shim", "{health}");
     let version = health["version"].as_str().expect("version is a string");
@@ -618,7 +229,7 @@ fn full_lifecycle_over_http() {
     if !docker_tests_enabled("full_lifecycle_over_http") {
         return;
     }
-    let shim = Shim::started();
+    let shim = TestShim::builder("e2e").start();
     assert_eq!(shim.list(), BTreeMap::new());
 
     let key = ssh_key("e2e@lifecycle");
@@ -656,7 +267,7 @@ fn full_lifecycle_over_http() {
     assert!(health.contains("\"dstack-runner\""), "{health}");
     // The container SSH key reached the runner's command line.
     let args =
-        fs_err::read_to_string(runner_dir(&shim.home, &info).join("stub-runner.args")).unwrap();
+        fs_err::read_to_string(runner_dir(shim.home(), &info).join("stub-runner.args")).unwrap();
     assert!(
         args.contains(&format!("--ssh-authorized-key\n{key}\n")),
         "{args}"
@@ -667,7 +278,7 @@ fn full_lifecycle_over_http() {
     assert_eq!(done["termination_reason"], "done_by_runner", "{done}");
     assert_eq!(done["termination_message"], "", "{done}");
     assert_eq!(done["container_id"], cid.as_str(), "{done}");
-    assert_eq!(container_running(&cid), Some(false));
+    assert_eq!(container_running(None, &cid), Some(false));
     assert_eq!(
         shim.list(),
         BTreeMap::from([("life-1".to_owned(), "terminated".to_owned())])
@@ -696,11 +307,15 @@ fn full_lifecycle_over_http() {
     );
     shim.get("/api/tasks/life-1")
         .assert_error(404, "task life-1 not found");
-    assert_eq!(container_running(&cid), None, "the container was removed");
+    assert_eq!(
+        container_running(None, &cid),
+        None,
+        "the container was removed"
+    );
     assert!(!shim.task_dir("life-1").exists());
-    assert_eq!(Shim::entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(entries(&shim.tasks_dir()), BTreeSet::new());
     assert_eq!(shim.list(), BTreeMap::new());
-    assert_eq!(shim.containers(), BTreeSet::new());
+    assert_eq!(shim.container_ids(), BTreeSet::new());
 }
 
 /// SPEC §4 `pulling`: an image not on the host is pulled from the registry with the task's
@@ -711,13 +326,13 @@ fn pull_from_registry_with_credentials_reports_progress() {
     if !docker_tests_enabled("pull_from_registry_with_credentials_reports_progress") {
         return;
     }
-    let mut shim = Shim::new();
+    let mut shim = TestShim::builder("e2e").build();
     // An image whose top layer this daemon does not have: the base layers are those of the
     // test image (already present), the top one is fresh random bytes (so the pull really
     // downloads something; the registry's small image shares every layer with `shim-test:1`).
-    let pulled = push_fresh_image(shim.root.path());
+    let pulled = push_fresh_image(shim.root());
     let _image_guard = RemoveImage(pulled.clone());
-    shim.start_with_image_check(&pulled);
+    start_with_image_check(&mut shim, &pulled);
 
     let mut config = task("pull-1", 0);
     config["image_name"] = json!(pulled);
@@ -745,7 +360,7 @@ fn pull_from_registry_with_credentials_reports_progress() {
     let pull_log = fs_err::read_to_string(shim.task_dir("pull-1").join("pull.log")).unwrap();
     assert!(pull_log.contains("Downloading"), "{pull_log}");
     let password = registry_password();
-    for file in walk(&shim.home) {
+    for file in walk(shim.home()) {
         let bytes = fs_err::read(&file).unwrap();
         assert!(
             !String::from_utf8_lossy(&bytes).contains(&password),
@@ -757,20 +372,11 @@ fn pull_from_registry_with_credentials_reports_progress() {
     assert!(!stderr.contains(&password), "the password is in the log");
 
     shim.finish("pull-1");
-    assert_eq!(shim.containers(), BTreeSet::new());
+    assert_eq!(shim.container_ids(), BTreeSet::new());
 }
 
 /// Bytes of random payload in the fresh image's top layer.
 const PAYLOAD_BYTES: u64 = 128 * 1024;
-
-/// Removes a local image when the test ends.
-struct RemoveImage(String);
-
-impl Drop for RemoveImage {
-    fn drop(&mut self) {
-        let _ = docker(&["rmi", "-f", &self.0]);
-    }
-}
 
 /// Builds `<registry>/shim-e2e-pull:1` from the test image plus a layer of fresh random bytes,
 /// pushes it (with a throwaway client config that is deleted at once) and removes it from the
@@ -864,13 +470,11 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
-impl Shim {
-    /// Starts the shim after checking the image is not on the host (so its start-up cannot
-    /// have pulled it either).
-    fn start_with_image_check(&mut self, image: &str) {
-        assert!(!image_present(image), "{image} is still on the host");
-        self.start();
-    }
+/// Starts the shim after checking the image is not on the host (so its start-up cannot have
+/// pulled it either).
+fn start_with_image_check(shim: &mut TestShim, image: &str) {
+    assert!(!image_present(image), "{image} is still on the host");
+    shim.start();
 }
 
 /// SPEC §1, §4, §5: SIGKILL with tasks running, then a restart on the same home.
@@ -887,7 +491,7 @@ fn sigkill_and_restart_keep_tasks_and_report_exits_that_happened_while_down() {
     ) {
         return;
     }
-    let mut shim = Shim::started();
+    let mut shim = TestShim::builder("e2e").start();
     let keep = task("keep", 2);
     let exits = task("exits", 2);
     shim.submit(&keep).ok();
@@ -954,9 +558,9 @@ fn sigkill_and_restart_keep_tasks_and_report_exits_that_happened_while_down() {
     for id in ["keep", "exits", "more"] {
         shim.finish(id);
     }
-    assert_eq!(shim.containers(), BTreeSet::new());
+    assert_eq!(shim.container_ids(), BTreeSet::new());
     assert_eq!(
-        Shim::entries(&shim.tasks_dir()),
+        entries(&shim.tasks_dir()),
         BTreeSet::from([refused["container_name"].as_str().unwrap().to_owned()])
     );
 }
@@ -969,7 +573,7 @@ fn shutdown_and_sigterm_leave_containers_running() {
     if !docker_tests_enabled("shutdown_and_sigterm_leave_containers_running") {
         return;
     }
-    let mut shim = Shim::started();
+    let mut shim = TestShim::builder("e2e").start();
     let config = task("stays", 1);
     shim.submit(&config).ok();
     let before = shim.wait_status("stays", "running");
@@ -982,7 +586,7 @@ fn shutdown_and_sigterm_leave_containers_running() {
         .assert_error_starts(400, "invalid request body: ");
     assert_eq!(shim.info("stays")["status"], "running");
 
-    let check_restart = |shim: &mut Shim, how: &str| {
+    let check_restart = |shim: &mut TestShim, how: &str| {
         assert_container_running(&cid);
         shim.start();
         let info = shim.info("stays");
@@ -1005,7 +609,7 @@ fn shutdown_and_sigterm_leave_containers_running() {
     check_restart(&mut shim, "SIGTERM");
 
     shim.finish("stays");
-    assert_eq!(shim.containers(), BTreeSet::new());
+    assert_eq!(shim.container_ids(), BTreeSet::new());
 }
 
 /// SPEC §2, §3: bad input is refused with the right status and a readable message, and
@@ -1016,7 +620,7 @@ fn bad_input_is_refused_and_changes_nothing() {
     if !docker_tests_enabled("bad_input_is_refused_and_changes_nothing") {
         return;
     }
-    let shim = Shim::started();
+    let shim = TestShim::builder("e2e").start();
     let good_key = ssh_key("e2e@bad-input");
     let mut running = task("ok-1", 1);
     running["container_ssh_keys"] = json!([good_key]);
@@ -1025,30 +629,30 @@ fn bad_input_is_refused_and_changes_nothing() {
     let cid = before["container_id"].as_str().unwrap().to_owned();
 
     let list = shim.list();
-    let tasks = Shim::entries(&shim.tasks_dir());
-    let containers = shim.containers();
+    let tasks = entries(&shim.tasks_dir());
+    let containers = shim.container_ids();
     let home_entries = || {
-        let mut e = Shim::entries(&shim.home);
+        let mut e = entries(shim.home());
         e.remove("host_info.json"); // written once in the background after start
         e
     };
     let home = home_entries();
-    let root = Shim::entries(shim.root.path());
+    let root = entries(shim.root());
     let unchanged = |what: &str| {
         assert_eq!(shim.list(), list, "{what}: the list changed");
         assert_eq!(
-            Shim::entries(&shim.tasks_dir()),
+            entries(&shim.tasks_dir()),
             tasks,
             "{what}: a task directory appeared"
         );
         assert_eq!(home_entries(), home, "{what}: the home changed");
         assert_eq!(
-            Shim::entries(shim.root.path()),
+            entries(shim.root()),
             root,
             "{what}: something appeared beside the home"
         );
         assert_eq!(
-            shim.containers(),
+            shim.container_ids(),
             containers,
             "{what}: a container appeared"
         );
@@ -1316,7 +920,7 @@ fn bad_input_is_refused_and_changes_nothing() {
     }
 
     shim.finish("ok-1");
-    assert_eq!(shim.containers(), BTreeSet::new());
+    assert_eq!(shim.container_ids(), BTreeSet::new());
 }
 
 /// A valid task config padded past 1 MiB with an unknown field.
@@ -1336,7 +940,7 @@ fn fifty_concurrent_tasks_leave_nothing_behind() {
         return;
     }
     const N: usize = 50;
-    let shim = Arc::new(Shim::started());
+    let shim = Arc::new(TestShim::builder("e2e").start());
     // Four of them take one GPU each: all fake GPUs are in use at once.
     let configs: Vec<Value> = (0..N)
         .map(|i| task(&format!("many-{i:02}"), i64::from(i < FAKE_GPUS)))
@@ -1402,7 +1006,7 @@ fn fifty_concurrent_tasks_leave_nothing_behind() {
         used_gpus.extend(gpu_ids(&info));
     }
     assert_eq!(used_gpus, fake_gpu_ids());
-    assert_eq!(shim.containers().len(), N);
+    assert_eq!(shim.container_ids().len(), N);
 
     let terminate_time = {
         let shim = shim.clone();
@@ -1422,7 +1026,7 @@ fn fifty_concurrent_tasks_leave_nothing_behind() {
         let info = shim.info(config["id"].as_str().unwrap());
         assert_eq!(info["termination_reason"], "terminated_by_user", "{info}");
         assert_eq!(
-            container_running(info["container_id"].as_str().unwrap()),
+            container_running(None, info["container_id"].as_str().unwrap()),
             Some(false),
             "{info}"
         );
@@ -1445,8 +1049,8 @@ fn fifty_concurrent_tasks_leave_nothing_behind() {
     );
 
     assert_eq!(shim.list(), BTreeMap::new());
-    assert_eq!(shim.containers(), BTreeSet::new());
-    assert_eq!(Shim::entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(shim.container_ids(), BTreeSet::new());
+    assert_eq!(entries(&shim.tasks_dir()), BTreeSet::new());
 
     // Every GPU was released.
     let all = task("all-gpus", FAKE_GPUS as i64);
@@ -1454,8 +1058,8 @@ fn fifty_concurrent_tasks_leave_nothing_behind() {
     let info = shim.wait_status("all-gpus", "running");
     assert_eq!(gpu_ids(&info), fake_gpu_ids(), "{info}");
     shim.finish("all-gpus");
-    assert_eq!(shim.containers(), BTreeSet::new());
-    assert_eq!(Shim::entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(shim.container_ids(), BTreeSet::new());
+    assert_eq!(entries(&shim.tasks_dir()), BTreeSet::new());
 }
 
 /// SPEC §3/§4: terminate during start answers `terminated`; a remove right after it must then
@@ -1467,7 +1071,7 @@ fn remove_right_after_terminate_during_start_is_accepted() {
     if !docker_tests_enabled("remove_right_after_terminate_during_start_is_accepted") {
         return;
     }
-    let shim = Shim::started();
+    let shim = TestShim::builder("e2e").start();
     let mut refused = Vec::new();
     for i in 0..40u64 {
         let id = format!("early-{i}");
@@ -1487,7 +1091,7 @@ fn remove_right_after_terminate_during_start_is_accepted() {
         Vec::<String>::new(),
         "removes refused after terminate"
     );
-    assert_eq!(shim.containers(), BTreeSet::new());
+    assert_eq!(shim.container_ids(), BTreeSet::new());
 }
 
 /// SPEC §4/§5: a removed task stays removed: its directory is gone for good (no trash left
@@ -1498,7 +1102,7 @@ fn removed_task_stays_removed_after_terminate_during_start() {
     if !docker_tests_enabled("removed_task_stays_removed_after_terminate_during_start") {
         return;
     }
-    let mut shim = Shim::started();
+    let mut shim = TestShim::builder("e2e").start();
     // Ten clients at once (the state writes' fsyncs get slower, the windows wider).
     std::thread::scope(|s| {
         for t in 0..10u64 {
@@ -1518,8 +1122,8 @@ fn removed_task_stays_removed_after_terminate_during_start() {
     // Late writes, if any, land within milliseconds: give them a moment (not a timed
     // assertion: waiting longer only makes a leftover more likely to be seen).
     std::thread::sleep(Duration::from_millis(500));
-    let left_behind = Shim::entries(&shim.tasks_dir());
-    let containers = shim.containers();
+    let left_behind = entries(&shim.tasks_dir());
+    let containers = shim.container_ids();
     shim.kill();
     shim.start();
     let after_restart = shim.list();
@@ -1533,81 +1137,6 @@ fn removed_task_stays_removed_after_terminate_during_start() {
 // ---------------------------------------------------------------------------------------------
 // Upstream's on-host contract (a host switched to and from the upstream Go shim)
 // ---------------------------------------------------------------------------------------------
-
-/// Force-removes a container by name when the test ends, however it ends (the fixtures of
-/// the upstream shim carry no owner label for the sweeper to find).
-struct NamedContainer(String);
-
-impl Drop for NamedContainer {
-    fn drop(&mut self) {
-        let _ = docker(&["rm", "-f", &self.0]);
-    }
-}
-
-/// A host user made for one test (`useradd`, no login shell), with an `authorized_keys`
-/// holding `lines`; deleted when the test ends.
-struct HostUser {
-    name: String,
-    home: PathBuf,
-}
-
-impl HostUser {
-    fn create(root: &Path, lines: &[&str]) -> Self {
-        let nonce = root.file_name().unwrap().to_string_lossy();
-        let suffix: String = nonce
-            .chars()
-            .filter(char::is_ascii_alphanumeric)
-            .rev()
-            .take(6)
-            .collect::<String>()
-            .to_lowercase();
-        let name = format!("shime2e{suffix}");
-        let home = root.join(format!("user-{name}"));
-        let out = Command::new("useradd")
-            .args([
-                "-M",
-                "-d",
-                &home.display().to_string(),
-                "-s",
-                "/usr/sbin/nologin",
-            ])
-            .arg(&name)
-            .output()
-            .expect("useradd runs (the Docker tests run as root)");
-        assert!(
-            out.status.success(),
-            "useradd {name}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let user = Self { name, home };
-        let ssh = user.home.join(".ssh");
-        fs_err::create_dir_all(&ssh).unwrap();
-        let mut text = lines.join("\n");
-        text.push('\n');
-        fs_err::write(ssh.join("authorized_keys"), text).unwrap();
-        let owner = format!("{0}:{0}", user.name);
-        let chown = Command::new("chown")
-            .args(["-R", &owner, &user.home.display().to_string()])
-            .status()
-            .unwrap();
-        assert!(chown.success());
-        user
-    }
-
-    fn authorized_keys(&self) -> Vec<String> {
-        fs_err::read_to_string(self.home.join(".ssh/authorized_keys"))
-            .unwrap()
-            .lines()
-            .map(str::to_owned)
-            .collect()
-    }
-}
-
-impl Drop for HostUser {
-    fn drop(&mut self) {
-        let _ = Command::new("userdel").arg(&self.name).output();
-    }
-}
 
 /// A state file byte for byte as the upstream shim writes it: Go's `json.Marshal` of its
 /// state (`version`, `id`, `config` with `TaskConfig`'s fields in declaration order,
@@ -1682,15 +1211,6 @@ fn run_upstream_container(config: &Value, runner_dir: &Path) -> (String, NamedCo
     (cid.trim().to_owned(), guard)
 }
 
-/// Waits (bounded) until `check` holds.
-fn wait_for(what: &str, mut check: impl FnMut() -> bool) {
-    let started = Instant::now();
-    while !check() {
-        assert!(started.elapsed() < STATUS_BOUND, "never: {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// Issue 11, the switch from the upstream shim with tasks running, on real Docker: fixtures
 /// reproduce upstream's containers (labels, mounts, command) and directories, with and without
 /// its state file (dstack PR #4220's format version 1: the PR's source is not in the mirror,
@@ -1708,15 +1228,17 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     if !docker_tests_enabled("upstream_tasks_are_adopted_terminated_removed_and_released") {
         return;
     }
-    let mut shim = Shim::new();
+    let mut shim = TestShim::builder("e2e").build();
     let own_key = ssh_key("the-user's-own-key");
     let task_key = ssh_key("upstream-task-key");
-    let user = HostUser::create(shim.root.path(), &[&own_key, &task_key]);
-    let runners = shim.home.join("runners");
+    let user = HostUser::create(shim.root());
+    user.add_line(&own_key);
+    user.add_line(&task_key);
+    let runners = shim.home().join("runners");
 
     // With a state file: the runner/ subdirectory is mounted.
     let mut with_file = task("upstream-a", 0);
-    with_file["host_ssh_user"] = json!(user.name);
+    with_file["host_ssh_user"] = json!(user.name());
     with_file["host_ssh_keys"] = json!([task_key]);
     let dir_a = runners.join(container_name("e2e-upstream-a", "upstream-a"));
     fs_err::create_dir_all(dir_a.join("runner")).unwrap();
@@ -1738,7 +1260,7 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     fs_err::write(dir_c.join("task.json"), upstream_state_file(&finished)).unwrap();
     let (cid_c, _c) = run_upstream_container(&finished, &dir_c.join("runner"));
     let exit_c = dir_c.join("runner").join(shim_e2e::RUNNER_EXIT_FILE);
-    wait_for("the stub runner of upstream-c starts", || {
+    wait_until("the stub runner of upstream-c starts", STATUS_BOUND, || {
         dir_c.join("runner/stub-runner.pid").exists()
     });
     fs_err::write(&exit_c, "0\n").unwrap();
@@ -1769,13 +1291,13 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     assert_eq!(c["container_id"], cid_c.as_str(), "{c}");
     // Nothing this shim keeps is written into a directory the container sees whole.
     assert_eq!(
-        Shim::entries(&dir_b),
+        entries(&dir_b),
         BTreeSet::from(["stub-runner.args".to_owned(), "stub-runner.pid".to_owned()])
     );
     // The running tasks are not disturbed; the key line stays while its task lives.
     assert_container_running(&cid_a);
     assert_container_running(&cid_b);
-    assert_eq!(user.authorized_keys(), [own_key.clone(), task_key.clone()]);
+    assert_eq!(user.lines(), [own_key.clone(), task_key.clone()]);
 
     // This shim's own restart keeps them as they are.
     shim.kill();
@@ -1794,8 +1316,8 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     assert_eq!(t["status"], "terminated", "{t}");
     assert_eq!(t["termination_reason"], "terminated_by_server", "{t}");
     wait_container_stopped(&cid_a);
-    wait_for("the upstream key line is removed", || {
-        user.authorized_keys() == [own_key.clone()]
+    wait_until("the upstream key line is removed", STATUS_BOUND, || {
+        user.lines() == [own_key.clone()]
     });
     let file: Value =
         serde_json::from_slice(&fs_err::read(dir_a.join("task.json")).unwrap()).unwrap();
@@ -1805,7 +1327,7 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     assert_container_running(&cid_b);
     shim.remove_retrying("upstream-a");
     assert!(!dir_a.exists());
-    assert_eq!(container_running(&cid_a), None);
+    assert_eq!(container_running(None, &cid_a), None);
 
     shim.terminate("upstream-b", "terminated_by_server", "switched", 2)
         .ok();
@@ -1819,13 +1341,13 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
         !dir_b.exists(),
         "upstream's Remove deletes the runner directory"
     );
-    assert_eq!(container_running(&cid_b), None);
+    assert_eq!(container_running(None, &cid_b), None);
 
     shim.remove_retrying("upstream-c");
     assert!(!dir_c.exists());
-    assert_eq!(container_running(&cid_c), None);
+    assert_eq!(container_running(None, &cid_c), None);
     assert_eq!(shim.list(), BTreeMap::new());
-    assert_eq!(user.authorized_keys(), [own_key]);
+    assert_eq!(user.lines(), [own_key]);
 }
 
 /// Issue 11, the switch the other way: what this shim leaves on the host is what the upstream
@@ -1841,7 +1363,7 @@ fn this_shims_containers_and_state_files_follow_upstreams_rules() {
     if !docker_tests_enabled("this_shims_containers_and_state_files_follow_upstreams_rules") {
         return;
     }
-    let shim = Shim::started();
+    let shim = TestShim::builder("e2e").start();
     let mut config = task("ours-1", 1);
     config["registry_username"] = json!("someone");
     config["registry_password"] = json!("never-on-disk");
@@ -1852,7 +1374,7 @@ fn this_shims_containers_and_state_files_follow_upstreams_rules() {
     let info = shim.wait_status("ours-1", "running");
     let cid = info["container_id"].as_str().unwrap();
     let dir = shim
-        .home
+        .home()
         .join("runners")
         .join(info["container_name"].as_str().unwrap());
 
@@ -1937,7 +1459,7 @@ fn this_shims_containers_and_state_files_follow_upstreams_rules() {
 
     shim.terminate("ours-1", "terminated_by_user", "bye", 0)
         .ok();
-    wait_for("the release is recorded", || {
+    wait_until("the release is recorded", STATUS_BOUND, || {
         let file: Value =
             serde_json::from_slice(&fs_err::read(dir.join("task.json")).unwrap()).unwrap();
         file["termination_reason"] == "terminated_by_user"
@@ -1962,19 +1484,20 @@ fn what_upstream_accepts_is_accepted_and_ends_as_upstream_ends_it() {
     if !docker_tests_enabled("what_upstream_accepts_is_accepted_and_ends_as_upstream_ends_it") {
         return;
     }
-    let shim = Shim::started();
+    let shim = TestShim::builder("e2e").start();
     let own = ssh_key("own@host");
-    let user = HostUser::create(shim.root.path(), &[&own]);
+    let user = HostUser::create(shim.root());
+    user.add_line(&own);
     let good = ssh_key("e2e@accepted");
     let optioned = format!("no-pty,command=\"/bin/false\" {}", ssh_key("e2e@optioned"));
     let cert = ssh_key("e2e@cert").replacen("ssh-ed25519 ", "ssh-ed25519-cert-v01@openssh.com ", 1);
     let mut keys = task("keys-1", 0);
-    keys["host_ssh_user"] = json!(user.name);
+    keys["host_ssh_user"] = json!(user.name());
     keys["host_ssh_keys"] = json!([optioned, cert, "not a key at all", good]);
     keys["container_ssh_keys"] = json!([cert, good]);
     assert_eq!(shim.submit(&keys).ok(), pending_info(&keys));
     shim.wait_status("keys-1", "running");
-    let lines = user.authorized_keys();
+    let lines = user.lines();
     assert_eq!(lines.len(), 2, "{lines:?}");
     assert_eq!(lines[0], own);
     assert!(
@@ -2006,8 +1529,8 @@ fn what_upstream_accepts_is_accepted_and_ends_as_upstream_ends_it() {
     }
 
     shim.finish("keys-1");
-    assert_eq!(user.authorized_keys(), [own]);
-    assert_eq!(shim.containers(), BTreeSet::new());
+    assert_eq!(user.lines(), [own]);
+    assert_eq!(shim.container_ids(), BTreeSet::new());
 }
 
 /// A state file byte for byte as the first release of this shim wrote it (captured from that
@@ -2074,13 +1597,13 @@ fn first_release_home_is_migrated_with_its_task_running() {
     if !docker_tests_enabled("first_release_home_is_migrated_with_its_task_running") {
         return;
     }
-    let mut shim = Shim::new();
-    let digest = Sha256::digest(shim.home.as_os_str().as_encoded_bytes());
+    let mut shim = TestShim::builder("e2e").build();
+    let digest = Sha256::digest(shim.home().as_os_str().as_encoded_bytes());
     let legacy_owner: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
     let id = "first-1";
     let config = task(id, 1);
     let cname = container_name("e2e-first-1", id);
-    let old_dir = shim.home.join("tasks").join(id);
+    let old_dir = shim.home().join("tasks").join(id);
     fs_err::create_dir_all(old_dir.join("runner")).unwrap();
     let gpu = "GPU-00000000-0000-4000-8000-000000000002";
 
@@ -2135,13 +1658,16 @@ fn first_release_home_is_migrated_with_its_task_running() {
     assert_eq!(info["container_id"], cid.as_str(), "{info}");
     assert_eq!(info["gpu_ids"], json!([gpu]), "{info}");
     assert_eq!(
-        fs_err::read_to_string(shim.home.join("owner-id"))
+        fs_err::read_to_string(shim.home().join("owner-id"))
             .unwrap()
             .trim(),
         legacy_owner
     );
-    assert!(!shim.home.join("tasks").exists(), "the old layout is gone");
-    let new_dir = shim.home.join("runners").join(&cname);
+    assert!(
+        !shim.home().join("tasks").exists(),
+        "the old layout is gone"
+    );
+    let new_dir = shim.home().join("runners").join(&cname);
     let file: Value =
         serde_json::from_slice(&fs_err::read(new_dir.join("task.json")).unwrap()).unwrap();
     assert_eq!(file["version"], 1, "{file}");
@@ -2162,7 +1688,7 @@ fn first_release_home_is_migrated_with_its_task_running() {
     assert_eq!(again["status"], "running", "{again}");
     assert_eq!(again["container_id"], cid.as_str(), "{again}");
     assert_eq!(
-        fs_err::read_to_string(shim.home.join("owner-id"))
+        fs_err::read_to_string(shim.home().join("owner-id"))
             .unwrap()
             .trim(),
         legacy_owner
@@ -2174,7 +1700,7 @@ fn first_release_home_is_migrated_with_its_task_running() {
     assert_eq!(done["termination_reason"], "done_by_runner", "{done}");
     shim.remove_retrying(id);
     assert!(!new_dir.exists());
-    assert_eq!(container_running(&cid), None);
+    assert_eq!(container_running(None, &cid), None);
     shim.remove_retrying("first-greedy");
 }
 
@@ -2261,7 +1787,9 @@ fn started_as_ssh_fleets_start_it_the_dstack_server_keeps_it() {
 
     // host_info.json, as upstream computes it.
     let host_info = home.join("host_info.json");
-    wait_for("host_info.json is written", || host_info.exists());
+    wait_until("host_info.json is written", STATUS_BOUND, || {
+        host_info.exists()
+    });
     let info: Value = serde_json::from_slice(&fs_err::read(&host_info).unwrap()).unwrap();
     assert!(info["cpus"].as_u64().unwrap() > 0, "{info}");
     assert!(info["memory"].as_u64().unwrap() > 0, "{info}");
@@ -2348,7 +1876,9 @@ fn started_as_ssh_fleets_start_it_the_dstack_server_keeps_it() {
         "false"
     );
     let args_file = runner_dir(&home, &running).join("stub-runner.args");
-    wait_for("the runner writes its arguments", || args_file.exists());
+    wait_until("the runner writes its arguments", STATUS_BOUND, || {
+        args_file.exists()
+    });
     let args = fs_err::read_to_string(&args_file).unwrap();
     let args: Vec<&str> = args.lines().collect();
     for pair in [

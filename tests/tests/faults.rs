@@ -8,9 +8,9 @@
 //!
 //! Each test has its own shim home (so its own owner identity: it never sees another test's
 //! containers), API port, fake GPUs, the stub runner, and tasks in bridge mode. What a test
-//! makes is removed however it ends: the shim (killed), the home's containers (a
-//! `ContainerSweeper`), test users, loop mounts, a private Docker daemon and its bridge, images
-//! it pulled. Waits are bounded; the few timed assertions (a frozen daemon must not hold the
+//! makes is removed however it ends: the shim (killed) and the home's containers (swept), both
+//! by the harness's `TestShim`, test users (its `HostUser`), loop mounts, a private Docker
+//! daemon and its bridge, images it pulled. Waits are bounded; the few timed assertions (a frozen daemon must not hold the
 //! API) have generous bounds.
 //!
 //! Gating: every test needs Docker (`SHIM_TEST_DOCKER=1`); those that need a host user's
@@ -29,7 +29,6 @@
 )]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::ffi::OsStr;
 use std::io::Write as _;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -39,21 +38,16 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use sha2::{Digest as _, Sha256};
 use shim_e2e::harness::{
-    ContainerSweeper, LABEL_OWNER, Request, Response, ShimProcess, free_port, runner_dir,
-    shim_binary, tasks_dir, try_docker_within, write_runner_exit,
+    FAKE_GPUS, HostUser, RemoveImage, Request, Response, TestShim, bridge_task, container_name,
+    docker_at, docker_at_ok, entries, fake_gpu_ids, runner_dir, ssh_key, status_of,
+    try_docker_within, wait_for, write_runner_exit,
 };
 use shim_e2e::{
     RUNNER_EXIT_FILE, docker_tests_enabled, image, registry, registry_password, registry_user,
-    root_tests_enabled, runner_path,
+    root_tests_enabled,
 };
 
-/// How many fake GPUs every shim of these tests has.
-const FAKE_GPUS: usize = 4;
-/// The runner ports in the container (the shim's defaults).
-const RUNNER_HTTP_PORT: u16 = 10999;
-const RUNNER_SSH_PORT: u16 = 10022;
 /// Bound of the waits for a status or for convergence (never a timed assertion: generous,
 /// only there so that a hang fails).
 const WAIT: Duration = Duration::from_secs(60);
@@ -120,97 +114,13 @@ fn signal(pid: u32, signal: &str) {
     run_ok("kill", &[&format!("-{signal}"), &pid.to_string()]);
 }
 
-/// The `docker` CLI against `host` (`unix:///…`; `None`: the default daemon), bounded.
-fn docker_at(host: Option<&str>, args: &[&str]) -> Output {
-    let mut all: Vec<&str> = Vec::new();
-    if let Some(h) = host {
-        all.extend(["-H", h]);
-    }
-    all.extend_from_slice(args);
-    try_docker_within(&all, Duration::from_secs(120)).unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// [`docker_at`], which must exit 0; its stdout.
-fn docker_at_ok(host: Option<&str>, args: &[&str]) -> String {
-    let out = docker_at(host, args);
-    assert!(
-        out.status.success(),
-        "docker {args:?} on {host:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// `Some(running)` of a container, `None` if there is none of that name or id.
-fn container_running(host: Option<&str>, id: &str) -> Option<bool> {
-    let out = docker_at(host, &["inspect", "-f", "{{.State.Running}}", id]);
-    if !out.status.success() {
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(stderr.contains("No such"), "docker inspect {id}: {stderr}");
-        return None;
-    }
-    match String::from_utf8_lossy(&out.stdout).trim() {
-        "true" => Some(true),
-        "false" => Some(false),
-        other => panic!("docker inspect {id}: unexpected {other:?}"),
-    }
-}
-
-/// Polls `probe` every 50 ms until it returns `Ok`, at most `bound`; then panics with the last
-/// `Err` (what was still wrong).
-fn wait_for<T>(what: &str, bound: Duration, mut probe: impl FnMut() -> Result<T, String>) -> T {
-    let started = Instant::now();
-    loop {
-        match probe() {
-            Ok(v) => return v,
-            Err(why) => {
-                assert!(
-                    started.elapsed() < bound,
-                    "{what}: not within {bound:?}: {why}"
-                );
-            }
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// Names in `dir` (sorted); empty if it does not exist.
-fn entries(dir: &Path) -> BTreeSet<String> {
-    match fs_err::read_dir(dir) {
-        Ok(rd) => rd
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect(),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeSet::new(),
-        Err(e) => panic!("{e}"),
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Task configs
 // ---------------------------------------------------------------------------------------------
 
 /// A task config as the server sends it: bridge mode, the local test image.
 fn task(id: &str, gpu: i64) -> Value {
-    json!({
-        "id": id,
-        "name": format!("flt-{id}"),
-        "image_name": image(),
-        "gpu": gpu,
-        "cpu": 0,
-        "memory": 0,
-        "shm_size": 0,
-        "network_mode": "bridge",
-        "container_user": "root",
-        "privileged": false,
-        "volumes": [],
-        "volume_mounts": [],
-        "instance_mounts": [],
-        "host_ssh_user": "",
-        "host_ssh_keys": [],
-        "container_ssh_keys": [],
-        "registry_username": "",
-        "registry_password": "",
-    })
+    bridge_task(id, &format!("flt-{id}"), gpu)
 }
 
 /// `config` with host SSH keys for `user`.
@@ -220,25 +130,12 @@ fn with_host_keys(mut config: Value, user: &str, keys: &[&str]) -> Value {
     config
 }
 
-/// `<name>-<first 8 hex chars of sha256("<name>/<id>")>` (SPEC §6).
-fn container_name(config: &Value) -> String {
-    let name = config["name"].as_str().unwrap();
-    let id = config["id"].as_str().unwrap();
-    let digest = Sha256::digest(format!("{name}/{id}").as_bytes());
-    let hex: String = digest.iter().take(4).map(|b| format!("{b:02x}")).collect();
-    format!("{name}-{hex}")
-}
-
-/// A valid OpenSSH ed25519 public key line (32 bytes derived from `comment`).
-fn ssh_key(comment: &str) -> String {
-    use base64::Engine as _;
-    let mut blob = Vec::new();
-    blob.extend_from_slice(&11u32.to_be_bytes());
-    blob.extend_from_slice(b"ssh-ed25519");
-    blob.extend_from_slice(&32u32.to_be_bytes());
-    blob.extend_from_slice(&Sha256::digest(comment.as_bytes()));
-    let b64 = base64::engine::general_purpose::STANDARD.encode(blob);
-    format!("ssh-ed25519 {b64} {comment}")
+/// The container name of the task of `config` (SPEC §6).
+fn container_name_of(config: &Value) -> String {
+    container_name(
+        config["name"].as_str().unwrap(),
+        config["id"].as_str().unwrap(),
+    )
 }
 
 /// The base64 field of a key line (what identifies the key).
@@ -247,12 +144,6 @@ fn key_blob(line: &str) -> String {
         .nth(1)
         .unwrap_or_default()
         .to_owned()
-}
-
-fn fake_gpu_ids() -> BTreeSet<String> {
-    (0..FAKE_GPUS)
-        .map(|i| format!("GPU-00000000-0000-4000-8000-{i:012x}"))
-        .collect()
 }
 
 fn gpu_ids(info: &Value) -> BTreeSet<String> {
@@ -275,375 +166,17 @@ fn ending(info: &Value) -> [&str; 4] {
     .map(|f| info[f].as_str().unwrap_or("?"))
 }
 
-fn status(info: &Value) -> &str {
-    info["status"].as_str().unwrap_or("?")
-}
-
 // ---------------------------------------------------------------------------------------------
-// The shim under test
+// A host user's authorized_keys
 // ---------------------------------------------------------------------------------------------
 
-/// One test's shim: its home (spelled as given to `--shim-home`), the running binary (or none
-/// between restarts), its logs (outside the home: the home may be full), and the containers'
-/// clean-up guard.
-struct Shim {
-    /// The home where the test reads files (absolute, as created).
-    home: PathBuf,
-    /// `--shim-home` as passed (changed by the spelling test).
-    spelled: PathBuf,
-    logs: PathBuf,
-    env: Vec<(String, String)>,
-    extra: Vec<String>,
-    /// `DOCKER_HOST` of the shim and of the test's docker commands (`None`: the default).
-    docker_host: Option<String>,
-    process: Option<ShimProcess>,
-    port: u16,
-    starts: u32,
-    /// Force-removes the home's containers on the default daemon (a private daemon cleans up
-    /// its own).
-    _sweeper: Option<ContainerSweeper>,
-}
-
-impl Shim {
-    /// A shim for `home` (created if missing) that logs into `logs`; nothing runs yet.
-    fn new(home: &Path, logs: &Path) -> Self {
-        let _ = shim_binary();
-        fs_err::create_dir_all(home).unwrap();
-        fs_err::create_dir_all(logs).unwrap();
-        let home = std::path::absolute(home).unwrap();
-        Self {
-            spelled: home.clone(),
-            _sweeper: Some(ContainerSweeper::for_home(&home)),
-            home,
-            logs: logs.to_owned(),
-            env: Vec::new(),
-            extra: Vec::new(),
-            docker_host: None,
-            process: None,
-            port: 0,
-            starts: 0,
-        }
-    }
-
-    /// Uses the Docker daemon at `host` (`unix:///…`) instead of the default one.
-    fn on_daemon(mut self, host: &str) -> Self {
-        self.docker_host = Some(host.to_owned());
-        self.env.push(("DOCKER_HOST".to_owned(), host.to_owned()));
-        self._sweeper = None;
-        self
-    }
-
-    fn log_path(&self, n: u32) -> PathBuf {
-        self.logs.join(format!("shim-{n}.log"))
-    }
-
-    /// Starts the binary (a fresh API port each time) and waits, bounded, until it listens:
-    /// restore and the first reconcile cycle are done then.
-    fn start(&mut self) {
-        assert!(self.process.is_none(), "the shim is already running");
-        self.starts += 1;
-        self.port = free_port().unwrap();
-        let mut args = vec![
-            "--runner-binary-path".to_owned(),
-            runner_path().display().to_string(),
-            "--runner-http-port".to_owned(),
-            RUNNER_HTTP_PORT.to_string(),
-            "--runner-ssh-port".to_owned(),
-            RUNNER_SSH_PORT.to_string(),
-            "--fake-gpus".to_owned(),
-            FAKE_GPUS.to_string(),
-            "--volumes-root".to_owned(),
-            self.logs.join("volumes").display().to_string(),
-            "--shim-log-level".to_owned(),
-            "5".to_owned(),
-        ];
-        args.extend(self.extra.iter().cloned());
-        let env: Vec<(&str, &OsStr)> = self
-            .env
-            .iter()
-            .map(|(k, v)| (k.as_str(), OsStr::new(v)))
-            .collect();
-        let log = self.log_path(self.starts);
-        let mut process =
-            ShimProcess::spawn_with_env(shim_binary(), &self.spelled, self.port, &args, &env, &log)
-                .unwrap();
-        process
-            .wait_listening(Duration::from_secs(90))
-            .unwrap_or_else(|e| panic!("{e}"));
-        self.process = Some(process);
-    }
-
-    /// SIGKILL, as a crash or an OOM kill would.
-    fn kill(&mut self) {
-        self.process.take().expect("the shim runs").kill().unwrap();
-    }
-
-    fn restart(&mut self) {
-        self.kill();
-        self.start();
-    }
-
-    fn addr(&self) -> SocketAddr {
-        SocketAddr::from(([127, 0, 0, 1], self.port))
-    }
-
-    fn try_send(&self, request: &Request) -> std::io::Result<Response> {
-        request.send(self.addr())
-    }
-
-    fn send(&self, request: &Request) -> Response {
-        self.try_send(request).unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    fn submit(&self, config: &Value) -> Response {
-        self.send(&Request::post("/api/tasks").json(config))
-    }
-
-    /// The TaskInfo of `id`, or `None` if the shim does not know it (404).
-    fn info_opt(&self, id: &str) -> Option<Value> {
-        let r = self.send(&Request::get(&format!("/api/tasks/{id}")));
-        match r.status {
-            200 => Some(r.json().unwrap()),
-            404 => None,
-            _ => panic!("GET /api/tasks/{id}: {r:?}"),
-        }
-    }
-
-    fn info(&self, id: &str) -> Value {
-        self.info_opt(id)
-            .unwrap_or_else(|| panic!("task {id} is unknown"))
-    }
-
-    fn terminate_request(id: &str, reason: &str, message: &str, timeout: u64) -> Request {
-        Request::post(&format!("/api/tasks/{id}/terminate")).json(&json!({
-            "termination_reason": reason,
-            "termination_message": message,
-            "timeout": timeout,
-        }))
-    }
-
-    fn terminate(&self, id: &str, reason: &str, message: &str, timeout: u64) -> Response {
-        self.send(&Self::terminate_request(id, reason, message, timeout))
-    }
-
-    fn remove(&self, id: &str) -> Response {
-        self.send(&Request::post(&format!("/api/tasks/{id}/remove")))
-    }
-
-    /// `GET /api/tasks` as a map id → status.
-    fn list(&self) -> BTreeMap<String, String> {
-        let r = self.send(&Request::get("/api/tasks"));
-        assert_eq!(r.status, 200, "{r:?}");
-        let list = r.json().unwrap();
-        list["tasks"]
-            .as_array()
-            .unwrap_or_else(|| panic!("{list}"))
-            .iter()
-            .map(|t| {
-                (
-                    t["id"].as_str().unwrap().to_owned(),
-                    t["status"].as_str().unwrap().to_owned(),
-                )
-            })
-            .collect()
-    }
-
-    /// Polls the task until its status is `wanted`; a task that ends while another status is
-    /// awaited fails at once.
-    fn wait_status(&self, id: &str, wanted: &str) -> Value {
-        wait_for(&format!("task {id} {wanted}"), WAIT, || {
-            let info = self.info(id);
-            if status(&info) == wanted {
-                return Ok(info);
-            }
-            assert!(
-                status(&info) != "terminated",
-                "task {id} ended while waiting for {wanted}: {info}"
-            );
-            Err(info.to_string())
-        })
-    }
-
-    /// Removes a terminated task, retrying while the shim answers 409 because its start job
-    /// or a release is still settling (the dstack server retries too).
-    fn remove_retrying(&self, id: &str) {
-        wait_for(&format!("remove {id}"), WAIT, || {
-            let r = self.remove(id);
-            match (r.status, r.body.as_str()) {
-                (200, "{}") => Ok(()),
-                (409, body)
-                    if body.ends_with("is still being started")
-                        || body.ends_with("is releasing its resources") =>
-                {
-                    Err(format!("{r:?}"))
-                }
-                _ => panic!("remove {id}: {r:?}"),
-            }
-        });
-    }
-
-    /// Terminates (if needed) and removes a task, checking both answers.
-    fn finish(&self, id: &str) {
-        let r = self.terminate(id, "terminated_by_server", "faults clean-up", 0);
-        assert_eq!(r.status, 200, "{r:?}");
-        assert_eq!(status(&r.json().unwrap()), "terminated", "{r:?}");
-        self.remove_retrying(id);
-        assert!(self.info_opt(id).is_none());
-    }
-
-    /// The home's owner identity (stored at the first start).
-    fn owner(&self) -> String {
-        fs_err::read_to_string(self.home.join("owner-id"))
-            .unwrap()
-            .trim()
-            .to_owned()
-    }
-
-    /// This home's containers (running or not): name → (id, running).
-    fn containers(&self) -> BTreeMap<String, (String, bool)> {
-        let filter = format!("label={LABEL_OWNER}={}", self.owner());
-        docker_at_ok(
-            self.docker_host.as_deref(),
-            &[
-                "ps",
-                "-a",
-                "--no-trunc",
-                "--filter",
-                &filter,
-                "--format",
-                "{{.Names}} {{.ID}} {{.State}}",
-            ],
-        )
-        .lines()
-        .map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f[0].to_owned(), (f[1].to_owned(), f[2] == "running"))
-        })
+/// The keys (base64 fields) of the lines the shim wrote in the user's `authorized_keys`.
+fn marked_keys(user: &HostUser) -> BTreeSet<String> {
+    user.lines()
+        .iter()
+        .filter(|l| l.trim_end().ends_with(MARKER))
+        .map(|l| key_blob(l))
         .collect()
-    }
-
-    fn running(&self, container: &str) -> Option<bool> {
-        container_running(self.docker_host.as_deref(), container)
-    }
-
-    fn tasks_dir(&self) -> PathBuf {
-        tasks_dir(&self.home)
-    }
-
-    /// The end of each start's output, without the lines of GET requests (the test polls).
-    fn log_tail(&self) -> String {
-        let mut out = String::new();
-        for n in self.starts.saturating_sub(3) + 1..=self.starts {
-            let text = fs_err::read_to_string(self.log_path(n)).unwrap_or_default();
-            let lines: Vec<&str> = text
-                .lines()
-                .filter(|l| !l.contains("request method=GET"))
-                .collect();
-            let tail = lines[lines.len().saturating_sub(150)..].join("\n");
-            out.push_str(&format!(
-                "----- shim output, start #{n} (last 150 lines but GET requests) -----\n{tail}\n"
-            ));
-        }
-        out
-    }
-
-    /// Everything the shim logged since it was first started.
-    fn all_logs(&self) -> String {
-        (1..=self.starts)
-            .map(|n| fs_err::read_to_string(self.log_path(n)).unwrap_or_default())
-            .collect()
-    }
-}
-
-impl Drop for Shim {
-    fn drop(&mut self) {
-        // The shim dies before its containers are swept (the sweeper is dropped after this).
-        drop(self.process.take());
-        if std::thread::panicking() {
-            eprintln!("{}", self.log_tail());
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// A host user with an authorized_keys file
-// ---------------------------------------------------------------------------------------------
-
-/// A system user made for one test (`useradd`, home in the test's directory), deleted when
-/// dropped. The shim finds it in the passwd database like any host user.
-struct TestUser {
-    name: String,
-    home: PathBuf,
-}
-
-impl TestUser {
-    /// `tag` tells the users of one test process apart.
-    fn create(dir: &Path, tag: &str) -> Self {
-        let name = format!("shimflt{}{tag}", std::process::id());
-        let home = dir.join(format!("user-{tag}"));
-        fs_err::create_dir_all(&home).unwrap();
-        let home_str = home.display().to_string();
-        // useradd locks /etc/passwd: other tests may hold it for a moment.
-        wait_for(&format!("useradd {name}"), WAIT, || {
-            let _ = run("userdel", &[&name]);
-            let out = run(
-                "useradd",
-                &["-M", "-d", &home_str, "-s", "/usr/sbin/nologin", &name],
-            );
-            if out.status.success() {
-                Ok(())
-            } else {
-                Err(String::from_utf8_lossy(&out.stderr).into_owned())
-            }
-        });
-        Self { name, home }
-    }
-
-    fn authorized_keys(&self) -> PathBuf {
-        self.home.join(".ssh").join("authorized_keys")
-    }
-
-    /// The lines of its authorized_keys (none if there is no file).
-    fn lines(&self) -> Vec<String> {
-        match fs_err::read_to_string(self.authorized_keys()) {
-            Ok(text) => text.lines().map(str::to_owned).collect(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => panic!("{e}"),
-        }
-    }
-
-    /// The keys (base64 fields) of the lines the shim wrote.
-    fn marked(&self) -> BTreeSet<String> {
-        self.lines()
-            .iter()
-            .filter(|l| l.trim_end().ends_with(MARKER))
-            .map(|l| key_blob(l))
-            .collect()
-    }
-
-    /// Writes a line of the user's own (no marker), as if the user had added it.
-    fn add_own_line(&self, line: &str) {
-        let ssh = self.home.join(".ssh");
-        fs_err::create_dir_all(&ssh).unwrap();
-        let mut text = fs_err::read_to_string(self.authorized_keys()).unwrap_or_default();
-        text.push_str(line);
-        text.push('\n');
-        fs_err::write(self.authorized_keys(), text).unwrap();
-    }
-}
-
-impl Drop for TestUser {
-    fn drop(&mut self) {
-        for _ in 0..50 {
-            let out = run("userdel", &[&self.name]);
-            // 6: no such user.
-            if out.status.success() || out.status.code() == Some(6) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        eprintln!("cleanup: cannot delete the test user {}", self.name);
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1113,7 +646,7 @@ impl Op {
         let request = match self {
             Op::Submit(_, config) => Request::post("/api/tasks").json(config),
             Op::Terminate(id, reason, message, timeout) => {
-                Shim::terminate_request(id, reason, message, *timeout)
+                TestShim::terminate_request(id, reason, message, *timeout)
             }
             Op::Remove(id) => Request::post(&format!("/api/tasks/{id}/remove")),
         };
@@ -1200,7 +733,7 @@ impl Book {
         // doubtful ones), so anything but these answers is wrong.
         let json = r.json().ok();
         match (op, r.status) {
-            (Op::Submit(..), 200) if json.as_ref().is_some_and(|j| status(j) == "pending") => {
+            (Op::Submit(..), 200) if json.as_ref().is_some_and(|j| status_of(j) == "pending") => {
                 t.submitted = true;
             }
             (Op::Terminate(..), 200) => {
@@ -1215,7 +748,7 @@ impl Book {
                         .unwrap_or("?")
                         .to_owned(),
                 );
-                if status(&info) != "terminated" {
+                if status_of(&info) != "terminated" {
                     self.errors
                         .push(format!("{op:?}: answered 200 but not terminated: {info}"));
                 } else if let Some(first) = &t.terminated
@@ -1263,7 +796,7 @@ fn client(
 }
 
 /// After a restart: what the shim answered before the kill is still true.
-fn check_answers_survived(shim: &Shim, book: &mut Book, round: u32) {
+fn check_answers_survived(shim: &TestShim, book: &mut Book, round: u32) {
     assert!(
         book.errors.is_empty(),
         "round {round}: wrong answers:\n{}",
@@ -1308,7 +841,7 @@ fn check_answers_survived(shim: &Shim, book: &mut Book, round: u32) {
             let info = shim.info(&id);
             assert_eq!(
                 (
-                    status(&info),
+                    status_of(&info),
                     info["termination_reason"].as_str().unwrap(),
                     info["termination_message"].as_str().unwrap()
                 ),
@@ -1325,7 +858,7 @@ fn check_answers_survived(shim: &Shim, book: &mut Book, round: u32) {
 /// does not; no container but the tasks'; the marked `authorized_keys` lines are exactly the
 /// keys of the running tasks; the task directories are exactly the tasks' (no trash, no
 /// skeleton). Returns the tasks' infos.
-fn settled(shim: &Shim, user: &TestUser) -> Result<BTreeMap<String, Value>, String> {
+fn settled(shim: &TestShim, user: &HostUser) -> Result<BTreeMap<String, Value>, String> {
     let infos: BTreeMap<String, Value> = shim
         .list()
         .keys()
@@ -1341,7 +874,7 @@ fn settled(shim: &Shim, user: &TestUser) -> Result<BTreeMap<String, Value>, Stri
     for (id, info) in &infos {
         let name = info["container_name"].as_str().unwrap();
         let running = containers.get(name).map(|c| c.1);
-        match status(info) {
+        match status_of(info) {
             "running" => {
                 want_keys.insert(key_blob(&ssh_key(id)));
                 if running != Some(true) {
@@ -1360,7 +893,7 @@ fn settled(shim: &Shim, user: &TestUser) -> Result<BTreeMap<String, Value>, Stri
     if !leaked.is_empty() {
         problems.push(format!("containers of no task: {leaked:?}"));
     }
-    let marked = user.marked();
+    let marked = marked_keys(user);
     if marked != want_keys {
         problems.push(format!(
             "authorized_keys: lines of no running task {:?}, keys of running tasks missing {:?}",
@@ -1386,13 +919,13 @@ fn settled(shim: &Shim, user: &TestUser) -> Result<BTreeMap<String, Value>, Stri
 /// The GPUs of the running tasks do not overlap and are what each asked for, and every other
 /// GPU is free: a task asking for all of the rest gets exactly them.
 fn check_gpus(
-    shim: &Shim,
+    shim: &TestShim,
     infos: &BTreeMap<String, Value>,
     asked: &dyn Fn(&str) -> u64,
     probe: &str,
 ) {
     let mut used = BTreeSet::new();
-    for (id, info) in infos.iter().filter(|(_, i)| status(i) == "running") {
+    for (id, info) in infos.iter().filter(|(_, i)| status_of(i) == "running") {
         let gpus = gpu_ids(info);
         assert_eq!(gpus.len() as u64, asked(id), "{id}: {info}");
         assert!(
@@ -1435,11 +968,13 @@ fn sigkill_at_random_points_of_concurrent_requests_loses_nothing() {
         .prefix("shim-faults-")
         .tempdir()
         .unwrap();
-    let user = TestUser::create(dir.path(), "r");
+    let user = HostUser::create(dir.path());
     // A line of the user's own: never touched.
     let own = ssh_key("own@faults");
-    user.add_own_line(&own);
-    let mut shim = Shim::new(&dir.path().join("home"), &dir.path().join("logs"));
+    user.add_line(&own);
+    let mut shim = TestShim::builder("faults")
+        .home(&dir.path().join("home"), &dir.path().join("logs"))
+        .build();
     shim.start();
     let book = Mutex::new(Book::default());
     for round in 0..ROUNDS {
@@ -1454,7 +989,7 @@ fn sigkill_at_random_points_of_concurrent_requests_loses_nothing() {
         std::thread::scope(|s| {
             for w in 0..WORKERS {
                 let client_rng = Rng(rng.next());
-                let (book, killed, user) = (&book, &killed, user.name.as_str());
+                let (book, killed, user) = (&book, &killed, user.name());
                 s.spawn(move || client(addr, book, killed, user, round, w, client_rng));
             }
             std::thread::sleep(Duration::from_millis(delay));
@@ -1493,7 +1028,7 @@ fn sigkill_at_random_points_of_concurrent_requests_loses_nothing() {
         BTreeSet::new(),
         "task directories left"
     );
-    assert_eq!(user.marked(), BTreeSet::new(), "marked key lines left");
+    assert_eq!(marked_keys(&user), BTreeSet::new(), "marked key lines left");
     assert_eq!(
         user.lines(),
         vec![own],
@@ -1559,8 +1094,10 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
         .tempdir()
         .unwrap();
     let mut daemon = PrivateDocker::start(&dir.path().join("docker"));
-    let mut shim =
-        Shim::new(&dir.path().join("home"), &dir.path().join("logs")).on_daemon(daemon.host());
+    let mut shim = TestShim::builder("faults")
+        .home(&dir.path().join("home"), &dir.path().join("logs"))
+        .docker_host(daemon.host())
+        .build();
     shim.start();
     // a: terminated while frozen; b: exits (5) while frozen; c and e: exit (0 and 3) while
     // the daemon is down; d: runs throughout.
@@ -1580,7 +1117,7 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
         quickly("task info (daemon frozen)", || shim.info("d"));
         quickly("the list (daemon frozen)", || shim.list());
     }
-    write_runner_exit(&shim.home, &infos["b"], 5).unwrap();
+    write_runner_exit(shim.home(), &infos["b"], 5).unwrap();
     let started = Instant::now();
     let r = shim.terminate("a", "terminated_by_user", "while frozen", 2);
     let took = started.elapsed();
@@ -1588,7 +1125,7 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
     let answered = r.json().unwrap();
     assert_eq!(
         (
-            status(&answered),
+            status_of(&answered),
             answered["termination_reason"].as_str().unwrap(),
             answered["termination_message"].as_str().unwrap()
         ),
@@ -1615,7 +1152,7 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
         if shim.running(&cid("a")) != Some(false) {
             return Err("a's container still runs".to_owned());
         }
-        if status(&b) != "terminated" {
+        if status_of(&b) != "terminated" {
             return Err(format!("b: {b}"));
         }
         Ok(())
@@ -1631,15 +1168,15 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
     );
     assert_eq!(shim.info("a"), answered, "a keeps its reason");
     for id in ["c", "d", "e"] {
-        assert_eq!(status(&shim.info(id)), "running", "{id}");
+        assert_eq!(status_of(&shim.info(id)), "running", "{id}");
     }
 
     // Restarted: c's and e's runners exit while the daemon is down.
     let reconnects_before = shim.all_logs().matches("event stream reconnected").count();
     daemon.stop();
     quickly("task info (daemon down)", || shim.info("c"));
-    write_runner_exit(&shim.home, &infos["c"], 0).unwrap();
-    write_runner_exit(&shim.home, &infos["e"], 3).unwrap();
+    write_runner_exit(shim.home(), &infos["c"], 0).unwrap();
+    write_runner_exit(shim.home(), &infos["e"], 3).unwrap();
     // The stub runner polls its exit file every 100 ms.
     std::thread::sleep(Duration::from_millis(1500));
     daemon.start_daemon();
@@ -1648,7 +1185,7 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
         WAIT,
         || {
             let (c, e) = (shim.info("c"), shim.info("e"));
-            if status(&c) == "terminated" && status(&e) == "terminated" {
+            if status_of(&c) == "terminated" && status_of(&e) == "terminated" {
                 Ok(())
             } else {
                 Err(format!("{c} {e}"))
@@ -1671,7 +1208,7 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
         shim.log_tail()
     );
     let d = shim.info("d");
-    assert_eq!(status(&d), "running", "{d}");
+    assert_eq!(status_of(&d), "running", "{d}");
     assert_eq!(d["container_id"], infos["d"]["container_id"], "{d}");
     assert_eq!(shim.running(&cid("d")), Some(true));
     let reconnects = shim.all_logs().matches("event stream reconnected").count();
@@ -1693,14 +1230,6 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
 // ---------------------------------------------------------------------------------------------
 
 /// Removes an image from the default daemon when dropped.
-struct RemoveImage(String);
-
-impl Drop for RemoveImage {
-    fn drop(&mut self) {
-        let _ = try_docker_within(&["rmi", &self.0], Duration::from_secs(60));
-    }
-}
-
 /// SPEC §4–§5 with the home on a 16 MiB ext4 filesystem that fills up (ENOSPC) during each
 /// kind of state write, then frees up. While full:
 /// - a submit answers 500 with the cause and leaves nothing behind;
@@ -1728,15 +1257,17 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
         .tempdir()
         .unwrap();
     let fs = LoopFs::create(dir.path(), 16);
-    let user = TestUser::create(dir.path(), "f");
-    let mut shim = Shim::new(&fs.mount.join("home"), &dir.path().join("logs"));
+    let user = HostUser::create(dir.path());
+    let mut shim = TestShim::builder("faults")
+        .home(&fs.mount.join("home"), &dir.path().join("logs"))
+        .build();
     shim.start();
 
     // t1: terminated while full; t2: its runner exits while full.
     let k1 = ssh_key("t1@faults");
     let k2 = ssh_key("t2@faults");
     for (id, key) in [("t1", &k1), ("t2", &k2)] {
-        let config = with_host_keys(task(id, 1), &user.name, &[key]);
+        let config = with_host_keys(task(id, 1), user.name(), &[key]);
         assert_eq!(shim.submit(&config).status, 200);
     }
     let t1 = shim.wait_status("t1", "running");
@@ -1744,7 +1275,7 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     let t1_cid = t1["container_id"].as_str().unwrap().to_owned();
     let t2_cid = t2["container_id"].as_str().unwrap().to_owned();
     // t2's exit file, ready to be renamed into place (a rename needs no free block).
-    let t2_runner = runner_dir(&shim.home, &t2);
+    let t2_runner = runner_dir(shim.home(), &t2);
     fs_err::write(t2_runner.join(".exit.tmp"), "0\n").unwrap();
 
     // t4: its pull waits behind a gated proxy of the test registry, so its start is held in
@@ -1764,13 +1295,13 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     assert_eq!(shim.submit(&t4_config).status, 200);
     wait_for("t4 pulling through the proxy", WAIT, || {
         let t4 = shim.info("t4");
-        if status(&t4) == "pulling" && proxy.accepted() > 0 {
+        if status_of(&t4) == "pulling" && proxy.accepted() > 0 {
             Ok(())
         } else {
             Err(format!("{t4}, {} connections", proxy.accepted()))
         }
     });
-    assert_eq!(user.marked(), [&k1, &k2].map(|k| key_blob(k)).into());
+    assert_eq!(marked_keys(&user), [&k1, &k2].map(|k| key_blob(k)).into());
 
     let filler = fs.fill();
 
@@ -1781,7 +1312,7 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     assert!(r.body.contains(ENOSPC), "the cause: {r:?}");
     assert!(shim.info_opt("t3").is_none());
     assert!(
-        !shim.tasks_dir().join(container_name(&t3)).exists(),
+        !shim.tasks_dir().join(container_name_of(&t3)).exists(),
         "a failed submit left its directory: {:?}",
         entries(&shim.tasks_dir())
     );
@@ -1821,26 +1352,28 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     // Let the shim try (the retry pass runs every second): nothing changes while full.
     std::thread::sleep(Duration::from_millis(2500));
     assert_eq!(
-        status(&shim.info("t2")),
+        status_of(&shim.info("t2")),
         "running",
         "t2's exit is not durable yet"
     );
     assert_eq!(
-        status(&shim.info("t4")),
+        status_of(&shim.info("t4")),
         "pulling",
         "t4's end is not durable yet"
     );
     assert_eq!(
-        status(&shim.info("t1")),
+        status_of(&shim.info("t1")),
         "running",
         "t1's terminate is not durable yet"
     );
     assert!(
-        user.marked().contains(&key_blob(&k2)),
+        marked_keys(&user).contains(&key_blob(&k2)),
         "t2's key is released before its end is durable"
     );
     assert!(
-        !shim.containers().contains_key(&container_name(&t4_config)),
+        !shim
+            .containers()
+            .contains_key(&container_name_of(&t4_config)),
         "t4's container was created although its start could not be recorded"
     );
 
@@ -1852,7 +1385,7 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     let t1_done = r.json().unwrap();
     assert_eq!(
         (
-            status(&t1_done),
+            status_of(&t1_done),
             t1_done["termination_reason"].as_str().unwrap(),
             t1_done["termination_message"].as_str().unwrap()
         ),
@@ -1862,10 +1395,13 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     assert_eq!(shim.running(&t1_cid), Some(false), "t1 stopped");
     wait_for("t2 and t4 reported", WAIT, || {
         let (t2, t4) = (shim.info("t2"), shim.info("t4"));
-        if status(&t2) == "terminated" && status(&t4) == "terminated" && user.marked().is_empty() {
+        if status_of(&t2) == "terminated"
+            && status_of(&t4) == "terminated"
+            && marked_keys(&user).is_empty()
+        {
             Ok(())
         } else {
-            Err(format!("{t2} {t4} {:?}", user.marked()))
+            Err(format!("{t2} {t4} {:?}", marked_keys(&user)))
         }
     });
     let converged = freed.elapsed();
@@ -1903,7 +1439,7 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     assert_eq!(shim.list(), BTreeMap::new());
     assert_eq!(shim.containers(), BTreeMap::new());
     assert_eq!(entries(&shim.tasks_dir()), BTreeSet::new());
-    assert_eq!(user.marked(), BTreeSet::new());
+    assert_eq!(marked_keys(&user), BTreeSet::new());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1929,16 +1465,18 @@ fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
         .prefix("shim-faults-")
         .tempdir()
         .unwrap();
-    let user = TestUser::create(dir.path(), "c");
+    let user = HostUser::create(dir.path());
     let own = ssh_key("own@faults");
-    user.add_own_line(&own);
-    let mut shim = Shim::new(&dir.path().join("home"), &dir.path().join("logs"));
+    user.add_line(&own);
+    let mut shim = TestShim::builder("faults")
+        .home(&dir.path().join("home"), &dir.path().join("logs"))
+        .build();
     shim.start();
     let kinds = ["garbage", "truncated", "future", "directory"];
     let ids: Vec<&str> = kinds.iter().copied().chain(["healthy"]).collect();
     let mut configs = BTreeMap::new();
     for id in &ids {
-        let config = with_host_keys(task(id, 0), &user.name, &[&ssh_key(id)]);
+        let config = with_host_keys(task(id, 0), user.name(), &[&ssh_key(id)]);
         assert_eq!(shim.submit(&config).status, 200);
         configs.insert(*id, config);
     }
@@ -1947,14 +1485,14 @@ fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
         before.insert(*id, shim.wait_status(id, "running"));
     }
     let all_keys: BTreeSet<String> = ids.iter().map(|id| key_blob(&ssh_key(id))).collect();
-    assert_eq!(user.marked(), all_keys);
+    assert_eq!(marked_keys(&user), all_keys);
 
     shim.kill();
     let mut bad = BTreeMap::new();
     for kind in kinds {
         let file = shim
             .tasks_dir()
-            .join(container_name(&configs[kind]))
+            .join(container_name_of(&configs[kind]))
             .join("task.json");
         let good = fs_err::read(&file).unwrap();
         let content: Option<Vec<u8>> = match kind {
@@ -1982,12 +1520,12 @@ fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
 
     for kind in kinds {
         let info = shim.info(kind);
-        assert_eq!(status(&info), "running", "{kind}: {info}");
+        assert_eq!(status_of(&info), "running", "{kind}: {info}");
         assert_eq!(
             info["container_id"], before[kind]["container_id"],
             "{kind}: {info}"
         );
-        let task_dir = shim.tasks_dir().join(container_name(&configs[kind]));
+        let task_dir = shim.tasks_dir().join(container_name_of(&configs[kind]));
         let aside: Vec<String> = entries(&task_dir)
             .into_iter()
             .filter(|n| n.starts_with("task.json.corrupt-"))
@@ -2003,8 +1541,12 @@ fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
             ),
         }
     }
-    assert_eq!(status(&shim.info("healthy")), "running");
-    assert_eq!(user.marked(), all_keys, "no key line lost at the restart");
+    assert_eq!(status_of(&shim.info("healthy")), "running");
+    assert_eq!(
+        marked_keys(&user),
+        all_keys,
+        "no key line lost at the restart"
+    );
 
     // Released one by one: the unknown-origin lines stay while any restored task lives, also
     // when the healthy task (same user, known keys) is released.
@@ -2016,7 +1558,7 @@ fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
         .collect();
     for id in ["garbage", "truncated", "healthy", "future"] {
         shim.finish(id);
-        let marked = user.marked();
+        let marked = marked_keys(&user);
         assert!(
             unknown.is_subset(&marked),
             "after releasing {id}: lines of unknown origin went while a task with unknown keys \
@@ -2031,7 +1573,7 @@ fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
     }
     shim.finish("directory");
     assert_eq!(
-        user.marked(),
+        marked_keys(&user),
         BTreeSet::new(),
         "the lines of unknown origin go once the last task with unknown keys is released"
     );
@@ -2061,7 +1603,9 @@ fn kills_mid_submit_and_mid_delete_leave_nothing_after_a_restart() {
         .prefix("shim-faults-")
         .tempdir()
         .unwrap();
-    let mut shim = Shim::new(&dir.path().join("home"), &dir.path().join("logs"));
+    let mut shim = TestShim::builder("faults")
+        .home(&dir.path().join("home"), &dir.path().join("logs"))
+        .build();
     shim.start();
     let stays = task("stays", 1);
     let removed = task("removed", 1);
@@ -2082,8 +1626,11 @@ fn kills_mid_submit_and_mid_delete_leave_nothing_after_a_restart() {
         None,
         &["rm", "-f", removed_info["container_id"].as_str().unwrap()],
     );
-    let removed_dir = runners.join(container_name(&removed));
-    let trash = runners.join(format!(".trash-{}-1700000000000", container_name(&removed)));
+    let removed_dir = runners.join(container_name_of(&removed));
+    let trash = runners.join(format!(
+        ".trash-{}-1700000000000",
+        container_name_of(&removed)
+    ));
     fs_err::rename(&removed_dir, &trash).unwrap();
     // A delete killed half-way through removing a tree.
     let old_trash = runners.join(".trash-flt-old-89abcdef-1700000000001");
@@ -2114,13 +1661,13 @@ fn kills_mid_submit_and_mid_delete_leave_nothing_after_a_restart() {
         "a removed task came back"
     );
     let after = shim.info("stays");
-    assert_eq!(status(&after), "running", "{after}");
+    assert_eq!(status_of(&after), "running", "{after}");
     assert_eq!(after["container_id"], stays_before["container_id"]);
     assert_eq!(after["gpu_ids"], stays_before["gpu_ids"]);
     let expected: BTreeSet<String> = keep
         .iter()
         .map(|(d, _)| (*d).to_owned())
-        .chain([container_name(&stays)])
+        .chain([container_name_of(&stays)])
         .collect();
     assert_eq!(entries(&runners), expected);
     for (d, f) in keep {
@@ -2165,8 +1712,10 @@ fn the_owner_identity_does_not_depend_on_how_the_home_is_spelled() {
         .tempdir()
         .unwrap();
     let root = std::path::absolute(dir.path()).unwrap();
-    let mut shim = Shim::new(&root.join("home"), &root.join("logs"));
-    shim.spelled = PathBuf::from(format!("{}/home/", root.display()));
+    let mut shim = TestShim::builder("faults")
+        .home(&root.join("home"), &root.join("logs"))
+        .build();
+    shim.spell_home_as(Path::new(&format!("{}/home/", root.display())));
     shim.start();
     let config = task("same", 2);
     assert_eq!(shim.submit(&config).status, 200);
@@ -2182,10 +1731,10 @@ fn the_owner_identity_does_not_depend_on_how_the_home_is_spelled() {
         format!("{}/home/../home", root.display()),
     ] {
         shim.kill();
-        shim.spelled = PathBuf::from(&spelled);
+        shim.spell_home_as(Path::new(&spelled));
         shim.start();
         let info = shim.info("same");
-        assert_eq!(status(&info), "running", "home {spelled}: {info}");
+        assert_eq!(status_of(&info), "running", "home {spelled}: {info}");
         for field in ["container_id", "gpu_ids", "ports"] {
             assert_eq!(info[field], before[field], "home {spelled}: {field}");
         }

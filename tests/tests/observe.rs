@@ -3,7 +3,7 @@
 //! text parser) moving as a task runs, readiness, and JSON logs.
 //!
 //! Each test gets its own temporary home, API port, the stub runner and fake GPUs; its tasks
-//! run in bridge mode. The harness's guards kill the shim and force-remove the home's
+//! run in bridge mode. The harness's `TestShim` kills the shim and force-removes the home's
 //! containers however the test ends; the shim's output is printed when a test fails.
 //!
 //! Run: `SHIM_TEST_DOCKER=1 cargo nextest run -p shim-e2e --test observe`.
@@ -16,20 +16,14 @@
 )]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::io::{BufReader, Read as _};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{Value, json};
-use shim_e2e::harness::{
-    ContainerSweeper, Request, Response, ShimProcess, free_port, shim_binary, write_runner_exit,
-};
-use shim_e2e::{docker_tests_enabled, image, runner_path};
+use shim_e2e::harness::{Body, Request, TestShim};
+use shim_e2e::{docker_tests_enabled, image};
 
-/// Bounds of the waits (never timed assertions: generous, only there so a hang fails).
-const START_BOUND: Duration = Duration::from_secs(60);
-const STATUS_BOUND: Duration = Duration::from_secs(90);
 /// How long the event stream may stay silent before the test gives up (keep-alives come
 /// every 15 s).
 const EVENT_BOUND: Duration = Duration::from_secs(90);
@@ -38,163 +32,41 @@ const EVENT_BOUND: Duration = Duration::from_secs(90);
 // The shim under test
 // ---------------------------------------------------------------------------------------------
 
-struct Shim {
-    /// Swept in `drop`, while the home (which holds the owner identity) still exists.
-    containers: ContainerSweeper,
-    root: tempfile::TempDir,
-    home: PathBuf,
-    process: Option<ShimProcess>,
-    port: u16,
-    /// Makes task ids unique to this run (container names derive from them).
-    run: String,
+/// A new home and the shim started on it with `extra` arguments (waits until it answers).
+fn start(extra: &[&str]) -> TestShim {
+    TestShim::builder("observe")
+        .args(extra)
+        .wait_answering()
+        .start()
 }
 
-impl Shim {
-    /// A new home and the shim started on it with `extra` arguments.
-    fn start(extra: &[&str]) -> Self {
-        let root = tempfile::Builder::new()
-            .prefix("shim-observe-")
-            .tempdir()
-            .unwrap();
-        let home = std::path::absolute(root.path().join("home")).unwrap();
-        fs_err::create_dir(&home).unwrap();
-        let containers = ContainerSweeper::for_home(&home);
-        let port = free_port().unwrap();
-        let mut args: Vec<String> = [
-            "--runner-binary-path",
-            &runner_path().display().to_string(),
-            "--fake-gpus",
-            "2",
-            "--volumes-root",
-            &root.path().join("volumes").display().to_string(),
-        ]
-        .iter()
-        .map(|s| (*s).to_owned())
-        .collect();
-        args.extend(extra.iter().map(|s| (*s).to_owned()));
-        let log = root.path().join("shim.out");
-        let mut process = ShimProcess::spawn(shim_binary(), &home, port, &args, &log).unwrap();
-        process
-            .wait_answering(START_BOUND, Duration::from_millis(10))
-            .unwrap_or_else(|e| panic!("{e}"));
-        let run = root
-            .path()
-            .file_name()
-            .unwrap()
-            .to_string_lossy()
-            .trim_start_matches("shim-observe-")
-            .to_ascii_lowercase();
-        Self {
-            containers,
-            root,
-            home,
-            process: Some(process),
-            port,
-            run,
-        }
-    }
-
-    /// A task id unique to this run.
-    fn task_id(&self, name: &str) -> String {
-        format!("{name}-{}", self.run)
-    }
-
-    fn addr(&self) -> SocketAddr {
-        SocketAddr::from(([127, 0, 0, 1], self.port))
-    }
-
-    fn send(&self, request: &Request) -> Response {
-        request.send(self.addr()).unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    fn ok(&self, request: &Request) -> Value {
-        let r = self.send(request);
-        assert_eq!(r.status, 200, "{r:?}");
-        r.json().unwrap()
-    }
-
-    fn info(&self, id: &str) -> Value {
-        self.ok(&Request::get(&format!("/api/tasks/{id}")))
-    }
-
-    /// Submits a bridge-mode task of the local image with no GPU; answers its TaskInfo.
-    fn submit(&self, id: &str) -> Value {
-        let config = json!({
-            "id": id, "name": format!("observe-{id}"), "image_name": image(),
-            "gpu": 0, "network_mode": "bridge", "container_user": "root",
-        });
-        self.ok(&Request::post("/api/tasks").json(&config))
-    }
-
-    /// Polls (bounded) until the task's status is `status`.
-    fn wait_status(&self, id: &str, status: &str) -> Value {
-        let started = Instant::now();
-        loop {
-            let info = self.info(id);
-            if info["status"] == status {
-                return info;
-            }
-            assert!(
-                started.elapsed() < STATUS_BOUND,
-                "task {id} never became {status}: {info}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// Removes a terminated task, retrying (bounded) while a release is in flight (409).
-    fn remove(&self, id: &str) {
-        let started = Instant::now();
-        loop {
-            let r = self.send(&Request::post(&format!("/api/tasks/{id}/remove")));
-            if r.status == 200 {
-                return;
-            }
-            assert!(
-                r.status == 409 && started.elapsed() < STATUS_BOUND,
-                "remove {id}: {r:?}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// Runs task `id` to its end: submitted, running, the runner exits 0 (→ `done_by_runner`).
-    fn run_to_exit(&self, id: &str) {
-        self.submit(id);
-        let info = self.wait_status(id, "running");
-        write_runner_exit(&self.home, &info, 0).unwrap();
-        let info = self.wait_status(id, "terminated");
-        assert_eq!(info["termination_reason"], "done_by_runner", "{info}");
-    }
-
-    fn metrics(&self) -> Metrics {
-        let r = self.send(&Request::get("/metrics"));
-        assert_eq!(r.status, 200, "{r:?}");
-        assert_eq!(
-            r.header("content-type"),
-            Some("application/openmetrics-text; version=1.0.0; charset=utf-8")
-        );
-        parse_openmetrics(&r.body).unwrap_or_else(|e| panic!("{e}\n{}", r.body))
-    }
+/// Submits a bridge-mode task of the local image with no GPU; answers its TaskInfo.
+fn submit(shim: &TestShim, id: &str) -> Value {
+    let config = json!({
+        "id": id, "name": format!("observe-{id}"), "image_name": image(),
+        "gpu": 0, "network_mode": "bridge", "container_user": "root",
+    });
+    shim.submit(&config).ok()
 }
 
-impl Drop for Shim {
-    fn drop(&mut self) {
-        drop(self.process.take());
-        self.containers.sweep();
-        if std::thread::panicking() {
-            for path in [
-                self.root.path().join("shim.out"),
-                self.home.join("shim.log"),
-            ] {
-                eprintln!(
-                    "----- {} (last 100 lines) -----\n{}",
-                    path.display(),
-                    shim_e2e::harness::tail(&path, 100)
-                );
-            }
-        }
-    }
+/// Runs task `id` to its end: submitted, running, the runner exits 0 (→ `done_by_runner`).
+fn run_to_exit(shim: &TestShim, id: &str) {
+    submit(shim, id);
+    let info = shim.wait_status(id, "running");
+    shim.exit_runner(&info, 0);
+    let info = shim.wait_status(id, "terminated");
+    assert_eq!(info["termination_reason"], "done_by_runner", "{info}");
+}
+
+/// `GET /metrics`, parsed.
+fn metrics(shim: &TestShim) -> Metrics {
+    let r = shim.get("/metrics");
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(
+        r.header("content-type"),
+        Some("application/openmetrics-text; version=1.0.0; charset=utf-8")
+    );
+    parse_openmetrics(&r.body).unwrap_or_else(|e| panic!("{e}\n{}", r.body))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -209,54 +81,42 @@ struct Event {
 }
 
 struct Sse {
-    reader: BufReader<TcpStream>,
+    body: Body<BufReader<TcpStream>>,
     pending: Vec<u8>,
 }
 
 impl Sse {
     /// Connects, checks the answer's head and returns the stream (the snapshot is next).
     fn connect(addr: SocketAddr) -> Self {
-        let mut stream = TcpStream::connect(addr).unwrap();
-        stream.set_read_timeout(Some(EVENT_BOUND)).unwrap();
-        stream
-            .write_all(
-                b"GET /api/events HTTP/1.1\r\nHost: localhost\r\nAccept: text/event-stream\r\n\r\n",
-            )
+        let streamed = Request::get("/api/events")
+            .header("Accept", "text/event-stream")
+            .timeout(EVENT_BOUND)
+            .open(addr)
             .unwrap();
-        let mut reader = BufReader::new(stream);
-        let mut head = Vec::new();
-        loop {
-            let mut line = String::new();
-            reader.read_line(&mut line).unwrap();
-            if line == "\r\n" || line.is_empty() {
-                break;
-            }
-            head.push(line.trim_end().to_ascii_lowercase());
-        }
-        assert!(head[0].starts_with("http/1.1 200"), "{head:?}");
-        for expected in [
-            "content-type: text/event-stream",
-            "transfer-encoding: chunked",
-        ] {
-            assert!(head.iter().any(|h| h == expected), "{expected}: {head:?}");
-        }
+        assert_eq!(streamed.status, 200, "{streamed:?}");
+        assert_eq!(
+            streamed.header("content-type"),
+            Some("text/event-stream"),
+            "{streamed:?}"
+        );
+        assert_eq!(
+            streamed.header("transfer-encoding"),
+            Some("chunked"),
+            "{streamed:?}"
+        );
         Self {
-            reader,
+            body: streamed.body,
             pending: Vec::new(),
         }
     }
 
+    /// Reads what arrived of the stream (chunked transfer decoded by the harness) into
+    /// `pending`.
     fn chunk(&mut self) {
-        let mut line = String::new();
-        self.reader.read_line(&mut line).unwrap();
-        let size = usize::from_str_radix(line.trim_end(), 16)
-            .unwrap_or_else(|_| panic!("bad chunk size line {line:?}"));
-        assert_ne!(size, 0, "the event stream ended");
-        let start = self.pending.len();
-        self.pending.resize(start + size + 2, 0);
-        self.reader.read_exact(&mut self.pending[start..]).unwrap();
-        assert_eq!(&self.pending[start + size..], b"\r\n");
-        self.pending.truncate(start + size);
+        let mut buf = [0u8; 16 * 1024];
+        let n = self.body.read(&mut buf).unwrap();
+        assert_ne!(n, 0, "the event stream ended");
+        self.pending.extend_from_slice(&buf[..n]);
     }
 
     /// The next event, keep-alive comments skipped.
@@ -562,7 +422,7 @@ fn events_follow_a_task_from_submit_to_removal_and_json_logs() {
     if !docker_tests_enabled("events_follow_a_task_from_submit_to_removal_and_json_logs") {
         return;
     }
-    let shim = Shim::start(&["--log-format", "json"]);
+    let shim = start(&["--log-format", "json"]);
     let mut sse = Sse::connect(shim.addr());
     let snapshot = sse.next_event();
     assert_eq!(snapshot.event, "snapshot");
@@ -570,9 +430,9 @@ fn events_follow_a_task_from_submit_to_removal_and_json_logs() {
     let snapshot: Value = serde_json::from_str(&snapshot.data).unwrap();
     assert_eq!(snapshot, json!({"tasks": []}));
 
-    let id = shim.task_id("events");
+    let id = shim.unique_id("events");
     let id = id.as_str();
-    shim.submit(id);
+    submit(&shim, id);
     let info = shim.wait_status(id, "running");
     let mut late = Sse::connect(shim.addr());
     let late_snapshot: Value = serde_json::from_str(&late.next_event().data).unwrap();
@@ -581,9 +441,9 @@ fn events_follow_a_task_from_submit_to_removal_and_json_logs() {
         json!({"tasks": [{"id": id, "status": "running"}]})
     );
     drop(late);
-    write_runner_exit(&shim.home, &info, 0).unwrap();
+    shim.exit_runner(&info, 0);
     shim.wait_status(id, "terminated");
-    shim.remove(id);
+    shim.remove_retrying(id);
 
     let mut seen = Vec::new();
     let mut last_id = 0;
@@ -628,7 +488,7 @@ fn events_follow_a_task_from_submit_to_removal_and_json_logs() {
     );
 
     // JSON logs: every line of shim.log is an object; the task's lines name it.
-    let log = fs_err::read_to_string(shim.home.join("shim.log")).unwrap();
+    let log = fs_err::read_to_string(shim.home().join("shim.log")).unwrap();
     let mut task_messages = BTreeSet::new();
     for line in log.lines() {
         let value: Value = serde_json::from_str(line)
@@ -657,7 +517,7 @@ fn metrics_parse_and_move_as_a_task_runs() {
     if !docker_tests_enabled("metrics_parse_and_move_as_a_task_runs") {
         return;
     }
-    let shim = Shim::start(&[]);
+    let shim = start(&[]);
     let ready = shim.send(&Request::get("/api/ready"));
     assert_eq!(ready.status, 200, "{ready:?}");
     let ready = ready.json().unwrap();
@@ -668,7 +528,7 @@ fn metrics_parse_and_move_as_a_task_runs() {
         .as_str()
         .unwrap()
         .to_owned();
-    let before = shim.metrics();
+    let before = metrics(&shim);
     assert_eq!(before.types["dstack_shim_build"], "info");
     assert_eq!(
         before.get("dstack_shim_build_info", &[("version", &version)]),
@@ -689,11 +549,11 @@ fn metrics_parse_and_move_as_a_task_runs() {
     assert_eq!(creates(&before), 0.0);
     assert_eq!(exits(&before), 0.0);
 
-    let id = shim.task_id("metrics-1");
+    let id = shim.unique_id("metrics-1");
     let id = id.as_str();
-    shim.submit(id);
+    submit(&shim, id);
     shim.wait_status(id, "running");
-    let running = shim.metrics();
+    let running = metrics(&shim);
     assert_eq!(running.get("dstack_shim_tasks_submitted_total", &[]), 1.0);
     assert_eq!(
         running.get("dstack_shim_tasks", &[("status", "running")]),
@@ -707,9 +567,9 @@ fn metrics_parse_and_move_as_a_task_runs() {
     assert_eq!(exits(&running), 0.0);
 
     let info = shim.info(id);
-    write_runner_exit(&shim.home, &info, 0).unwrap();
+    shim.exit_runner(&info, 0);
     shim.wait_status(id, "terminated");
-    let ended = shim.metrics();
+    let ended = metrics(&shim);
     assert_eq!(
         ended.get("dstack_shim_tasks", &[("status", "running")]),
         0.0
@@ -727,18 +587,18 @@ fn metrics_parse_and_move_as_a_task_runs() {
         1.0
     );
 
-    shim.remove(id);
-    let removed = shim.metrics();
+    shim.remove_retrying(id);
+    let removed = metrics(&shim);
     assert_eq!(
         removed.get("dstack_shim_tasks", &[("status", "terminated")]),
         0.0
     );
     assert_eq!(removed.get("dstack_shim_tasks_submitted_total", &[]), 1.0);
     // A second task moves the counters again.
-    let second_id = shim.task_id("metrics-2");
-    shim.run_to_exit(&second_id);
-    shim.remove(&second_id);
-    let second = shim.metrics();
+    let second_id = shim.unique_id("metrics-2");
+    run_to_exit(&shim, &second_id);
+    shim.remove_retrying(&second_id);
+    let second = metrics(&shim);
     assert_eq!(second.get("dstack_shim_tasks_submitted_total", &[]), 2.0);
     assert_eq!(creates(&second), 2.0);
     assert_eq!(exits(&second), 2.0);
@@ -754,8 +614,8 @@ fn operations_md_lists_every_metric() {
     if !docker_tests_enabled("operations_md_lists_every_metric") {
         return;
     }
-    let shim = Shim::start(&[]);
-    let metrics = shim.metrics();
+    let shim = start(&[]);
+    let metrics = metrics(&shim);
     let doc = fs_err::read_to_string(shim_e2e::repo_root().join("docs/OPERATIONS.md")).unwrap();
     for (family, typ) in &metrics.types {
         let sample = match typ.as_str() {

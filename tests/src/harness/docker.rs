@@ -66,6 +66,79 @@ pub fn docker_ok(args: &[&str]) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
+/// How long one `docker` command of [`docker_at`] may take before it is killed.
+pub const DOCKER_BOUND: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// The `docker` CLI against the daemon at `host` (`unix:///…`; `None`: the default one),
+/// killed after [`DOCKER_BOUND`]; its output whatever its exit status. Panics if the CLI
+/// cannot run or hangs.
+#[allow(
+    clippy::panic,
+    reason = "a test helper: a docker CLI that cannot run fails the test"
+)]
+pub fn docker_at(host: Option<&str>, args: &[&str]) -> Output {
+    let mut all: Vec<&str> = Vec::new();
+    if let Some(h) = host {
+        all.extend(["-H", h]);
+    }
+    all.extend_from_slice(args);
+    try_docker_within(&all, DOCKER_BOUND).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`docker_at`], which must exit 0 (else the test fails); its stdout.
+pub fn docker_at_ok(host: Option<&str>, args: &[&str]) -> String {
+    let out = docker_at(host, args);
+    assert!(
+        out.status.success(),
+        "docker {args:?} on {host:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Whether the container named (or with the id) `id` on the daemon at `host` runs:
+/// `Some(running)`, or `None` if there is no such container. Any other failure of
+/// `docker inspect` fails the test.
+#[allow(
+    clippy::panic,
+    reason = "a test helper: an unexpected answer of docker fails the test"
+)]
+pub fn container_running(host: Option<&str>, id: &str) -> Option<bool> {
+    let out = docker_at(host, &["inspect", "-f", "{{.State.Running}}", id]);
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("No such"), "docker inspect {id}: {stderr}");
+        return None;
+    }
+    match String::from_utf8_lossy(&out.stdout).trim() {
+        "true" => Some(true),
+        "false" => Some(false),
+        other => panic!("docker inspect {id}: unexpected {other:?}"),
+    }
+}
+
+/// Force-removes the container of this name (`docker rm -f`, on the default daemon) when
+/// dropped, however the test ends: for containers a test makes without the owner label a
+/// [`ContainerSweeper`] finds (fixtures of the upstream shim, of older releases).
+#[derive(Debug)]
+pub struct NamedContainer(pub String);
+
+impl Drop for NamedContainer {
+    fn drop(&mut self) {
+        let _ = try_docker_within(&["rm", "-f", &self.0], DOCKER_BOUND);
+    }
+}
+
+/// Removes a local image (`docker rmi -f`, on the default daemon) when dropped.
+#[derive(Debug)]
+pub struct RemoveImage(pub String);
+
+impl Drop for RemoveImage {
+    fn drop(&mut self) {
+        let _ = try_docker_within(&["rmi", "-f", &self.0], DOCKER_BOUND);
+    }
+}
+
 /// The owner identity the shim gives the containers of `home`: the one it stored in the home
 /// (`<home>/owner-id`, created at its first start; SPEC §5), or, before that, the identity the
 /// first release derived from the home's absolute path (what an older home keeps).

@@ -1,6 +1,7 @@
 //! A blocking HTTP/1.1 client over TCP or a Unix socket: one request per connection
 //! (`Connection: close`), `Content-Length` or chunked request bodies, responses with
-//! `Content-Length`, chunked or read-to-close bodies, and bounded connects and reads.
+//! `Content-Length`, chunked or read-to-close bodies, read whole ([`Request::send`]) or as
+//! they arrive ([`Request::open`]: event streams), and bounded connects and reads.
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
@@ -113,6 +114,43 @@ impl Request {
         let result =
             UnixStream::connect(path).and_then(|stream| self.exchange(stream, "localhost"));
         result.map_err(|e| self.context(&path.display().to_string(), e))
+    }
+
+    /// Sends the request over a new TCP connection to `addr` and reads the answer's head;
+    /// its body is read as it arrives (an event stream). Reads block at most the request's
+    /// [`Request::timeout`] each.
+    pub fn open(&self, addr: SocketAddr) -> io::Result<Streamed<TcpStream>> {
+        let result = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT).and_then(|stream| {
+            stream.set_nodelay(true)?;
+            self.start(stream, &addr.to_string())
+        });
+        result.map_err(|e| self.context(&addr.to_string(), e))
+    }
+
+    /// [`Request::open`] over a new connection to the Unix socket at `path`.
+    pub fn open_unix(&self, path: &Path) -> io::Result<Streamed<UnixStream>> {
+        let result = UnixStream::connect(path).and_then(|stream| self.start(stream, "localhost"));
+        result.map_err(|e| self.context(&path.display().to_string(), e))
+    }
+
+    /// Writes the request and reads the answer's head.
+    fn start<S>(&self, stream: S, host: &str) -> io::Result<Streamed<S>>
+    where
+        S: Stream + Read + Write,
+    {
+        stream.set_timeouts(self.timeout)?;
+        let (head, payload) = self.encode(host);
+        let mut stream = stream;
+        stream.write_all(&head)?;
+        stream.write_all(&payload)?;
+        let mut reader = BufReader::new(stream);
+        let (status, headers) = read_head(&mut reader)?;
+        let body = Body::new(reader, status, &headers, self.method == "HEAD")?;
+        Ok(Streamed {
+            status,
+            headers,
+            body,
+        })
     }
 
     fn context(&self, target: &str, e: io::Error) -> io::Error {
@@ -248,12 +286,65 @@ impl Response {
     }
 }
 
+/// Checks for tests: each panics (failing the test) with the whole answer when it does not
+/// hold.
+#[allow(
+    clippy::panic,
+    reason = "test assertions: a failed check fails the test"
+)]
+impl Response {
+    /// Asserts `Content-Type: application/json` and returns the parsed body.
+    pub fn json_body(&self) -> Value {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/json"),
+            "not a JSON answer: {self:?}"
+        );
+        self.json().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Asserts a 200 with a JSON body ([`Response::json_body`]) and returns that body.
+    pub fn ok(&self) -> Value {
+        assert_eq!(self.status, 200, "expected 200, got {self:?}");
+        self.json_body()
+    }
+
+    /// Asserts the error `status` with a `text/plain` body equal to `message`.
+    pub fn assert_error(&self, status: u16, message: &str) {
+        assert_eq!(
+            (self.status, self.body.as_str()),
+            (status, message),
+            "{self:?}"
+        );
+        self.assert_text_plain();
+    }
+
+    /// Asserts the error `status` with a `text/plain` body starting with `prefix`.
+    pub fn assert_error_starts(&self, status: u16, prefix: &str) {
+        assert_eq!(self.status, status, "{self:?}");
+        assert!(
+            self.body.starts_with(prefix),
+            "{prefix:?} expected: {self:?}"
+        );
+        self.assert_text_plain();
+    }
+
+    /// Asserts a `text/plain` answer (what every error of the shim is).
+    pub fn assert_text_plain(&self) {
+        assert!(
+            self.header("content-type")
+                .is_some_and(|ct| ct.starts_with("text/plain")),
+            "errors are text/plain: {self:?}"
+        );
+    }
+}
+
 fn invalid(message: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, message)
 }
 
-/// Reads one answer from `reader`; `head_only` for the answer to a HEAD request.
-pub fn read_response(mut reader: impl BufRead, head_only: bool) -> io::Result<Response> {
+/// Reads an answer's status line and headers (names lowercased, in order) from `reader`.
+fn read_head(reader: &mut impl BufRead) -> io::Result<(u16, Vec<(String, String)>)> {
     let mut line = String::new();
     reader.read_line(&mut line)?;
     let status = line
@@ -278,28 +369,14 @@ pub fn read_response(mut reader: impl BufRead, head_only: bool) -> io::Result<Re
             .ok_or_else(|| invalid(format!("bad header line {trimmed:?}")))?;
         headers.push((name.trim().to_ascii_lowercase(), value.trim().to_owned()));
     }
-    let find = |n: &str| {
-        headers
-            .iter()
-            .find(|(name, _)| name == n)
-            .map(|(_, v): &(String, String)| v.clone())
-    };
+    Ok((status, headers))
+}
+
+/// Reads one answer from `reader`; `head_only` for the answer to a HEAD request.
+pub fn read_response(mut reader: impl BufRead, head_only: bool) -> io::Result<Response> {
+    let (status, headers) = read_head(&mut reader)?;
     let mut body = Vec::new();
-    let no_body = head_only || status == 204 || status == 304 || (100..200).contains(&status);
-    if no_body {
-    } else if find("transfer-encoding")
-        .is_some_and(|te| te.to_ascii_lowercase().contains("chunked"))
-    {
-        read_chunked(&mut reader, &mut body)?;
-    } else if let Some(len) = find("content-length") {
-        let len: usize = len
-            .parse()
-            .map_err(|_| invalid(format!("bad Content-Length {len:?}")))?;
-        body.resize(len, 0);
-        reader.read_exact(&mut body)?;
-    } else {
-        reader.read_to_end(&mut body)?;
-    }
+    Body::new(&mut reader, status, &headers, head_only)?.read_to_end(&mut body)?;
     let body = String::from_utf8(body)
         .map_err(|e| invalid(format!("the body ({status}) is not UTF-8: {e}")))?;
     Ok(Response {
@@ -309,33 +386,149 @@ pub fn read_response(mut reader: impl BufRead, head_only: bool) -> io::Result<Re
     })
 }
 
-fn read_chunked(reader: &mut impl BufRead, body: &mut Vec<u8>) -> io::Result<()> {
-    let mut line = String::new();
-    loop {
-        line.clear();
-        if reader.read_line(&mut line)? == 0 {
-            return Err(invalid("truncated chunked body".to_owned()));
+/// The body of an answer as it arrives: chunked transfer decoded, a `Content-Length` body
+/// ended after its length, any other read until the connection closes. A body cut short is
+/// an error (`UnexpectedEof`), a malformed chunk `InvalidData`.
+#[derive(Debug)]
+pub struct Body<R> {
+    reader: R,
+    framing: Framing,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    /// Chunked: what is left of the current chunk (0: a size line comes next).
+    Chunked(usize),
+    /// `Content-Length`: what is left of it.
+    Length(usize),
+    /// Until the connection closes.
+    Close,
+    /// Read to its end.
+    Done,
+}
+
+impl<R: BufRead> Body<R> {
+    /// The body that follows a head with `status` and `headers` in `reader`; `head_only` for
+    /// the answer to a HEAD request (no body).
+    fn new(
+        reader: R,
+        status: u16,
+        headers: &[(String, String)],
+        head_only: bool,
+    ) -> io::Result<Self> {
+        let find = |n: &str| headers.iter().find(|(name, _)| name == n).map(|(_, v)| v);
+        let no_body = head_only || status == 204 || status == 304 || (100..200).contains(&status);
+        let framing = if no_body {
+            Framing::Done
+        } else if find("transfer-encoding")
+            .is_some_and(|te| te.to_ascii_lowercase().contains("chunked"))
+        {
+            Framing::Chunked(0)
+        } else if let Some(len) = find("content-length") {
+            let len: usize = len
+                .parse()
+                .map_err(|_| invalid(format!("bad Content-Length {len:?}")))?;
+            Framing::Length(len)
+        } else {
+            Framing::Close
+        };
+        Ok(Self { reader, framing })
+    }
+
+    /// The connection it reads from (e.g. to shut it down from another thread).
+    pub fn get_ref(&self) -> &R {
+        &self.reader
+    }
+
+    /// Reads a chunk's size line; 0 is the last chunk, whose trailers and final empty line
+    /// are read too (a server may also just close).
+    fn chunk_size(&mut self) -> io::Result<usize> {
+        let mut line = String::new();
+        if self.reader.read_line(&mut line)? == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "truncated chunked body",
+            ));
         }
         let size_text = line.split(';').next().unwrap_or_default().trim();
         let size = usize::from_str_radix(size_text, 16)
             .map_err(|_| invalid(format!("bad chunk size {size_text:?}")))?;
         if size == 0 {
-            // Trailers, then the empty line (a server may also just close).
             loop {
                 line.clear();
-                if reader.read_line(&mut line)? == 0 || line.trim_end().is_empty() {
-                    return Ok(());
+                if self.reader.read_line(&mut line)? == 0 || line.trim_end().is_empty() {
+                    break;
                 }
             }
         }
-        let start = body.len();
-        body.resize(start + size, 0);
-        reader.read_exact(&mut body[start..])?;
-        line.clear();
-        reader.read_line(&mut line)?;
-        if line != "\r\n" {
-            return Err(invalid(format!("no CRLF after a chunk: {line:?}")));
+        Ok(size)
+    }
+}
+
+impl<R: BufRead> Read for Body<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
         }
+        let left = match self.framing {
+            Framing::Done => return Ok(0),
+            Framing::Close => return self.reader.read(buf),
+            Framing::Length(0) => {
+                self.framing = Framing::Done;
+                return Ok(0);
+            }
+            Framing::Length(left) => left,
+            Framing::Chunked(0) => match self.chunk_size()? {
+                0 => {
+                    self.framing = Framing::Done;
+                    return Ok(0);
+                }
+                size => size,
+            },
+            Framing::Chunked(left) => left,
+        };
+        let want = buf.len().min(left);
+        let n = self.reader.read(&mut buf[..want])?;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("the body ended {left} bytes short"),
+            ));
+        }
+        self.framing = match self.framing {
+            Framing::Length(_) => Framing::Length(left - n),
+            _ if left > n => Framing::Chunked(left - n),
+            _ => {
+                let mut crlf = String::new();
+                self.reader.read_line(&mut crlf)?;
+                if crlf != "\r\n" {
+                    return Err(invalid(format!("no CRLF after a chunk: {crlf:?}")));
+                }
+                Framing::Chunked(0)
+            }
+        };
+        Ok(n)
+    }
+}
+
+/// An answer whose body is read as it arrives ([`Request::open`]): an event stream.
+#[derive(Debug)]
+pub struct Streamed<S> {
+    /// The status code.
+    pub status: u16,
+    /// The headers, names lowercased.
+    pub headers: Vec<(String, String)>,
+    /// The body: reads block until more of it arrives (up to the request's timeout).
+    pub body: Body<BufReader<S>>,
+}
+
+impl<S> Streamed<S> {
+    /// The first header called `name` (lowercase).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
     }
 }
 
@@ -510,6 +703,60 @@ mod tests {
             "{request}"
         );
         assert!(!request.contains("Content-Length"), "{request}");
+    }
+
+    #[test]
+    fn a_streamed_body_is_read_as_it_arrives() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (go_on, wait) = std::sync::mpsc::channel::<()>();
+        let server = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut buf = [0u8; 4096];
+            let mut request = Vec::new();
+            while !request.ends_with(b"\r\n\r\n") {
+                let n = stream.read(&mut buf).unwrap();
+                assert!(n > 0);
+                request.extend_from_slice(&buf[..n]);
+            }
+            stream
+                .write_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: b\r\n\r\n6\r\nfirst\n\r\n")
+                .unwrap();
+            // The second chunk only once the client has read the first.
+            wait.recv().unwrap();
+            stream.write_all(b"7\r\nsecond\n\r\n0\r\n\r\n").unwrap();
+        });
+        // A client that waited for the whole body would time out instead.
+        let mut streamed = Request::get("/events")
+            .timeout(Duration::from_secs(10))
+            .open(addr)
+            .unwrap();
+        assert_eq!((streamed.status, streamed.header("x-a")), (200, Some("b")));
+        let mut lines = BufReader::new(&mut streamed.body).lines();
+        assert_eq!(lines.next().unwrap().unwrap(), "first");
+        go_on.send(()).unwrap();
+        assert_eq!(lines.next().unwrap().unwrap(), "second");
+        assert!(lines.next().is_none(), "the last chunk ends the body");
+        server.join().unwrap();
+    }
+
+    #[test]
+    fn a_body_cut_short_is_an_error() {
+        let mut body = Vec::new();
+        let mut reader = &b"5\r\nab"[..];
+        let err = Body::new(
+            &mut reader,
+            200,
+            &[("transfer-encoding".to_owned(), "chunked".to_owned())],
+            false,
+        )
+        .unwrap()
+        .read_to_end(&mut body)
+        .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof, "{err}");
+        let err = parse(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabX\r\n")
+            .unwrap_err();
+        assert!(err.to_string().contains("no CRLF after a chunk"), "{err}");
     }
 
     #[test]

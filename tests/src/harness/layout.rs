@@ -1,6 +1,7 @@
 //! Where the shim keeps a task's files on the host. The one place tests and developer tasks
 //! compute these paths: when the shim's layout changes, only this file changes.
 
+use std::collections::BTreeSet;
 use std::io;
 use std::path::{Path, PathBuf};
 
@@ -52,6 +53,25 @@ pub fn write_runner_exit(home: &Path, info: &Value, code: i32) -> io::Result<()>
     fs_err::rename(&tmp, dir.join(RUNNER_EXIT_FILE))
 }
 
+/// The names in `dir`, sorted; empty if it does not exist. Panics (failing the test) on any
+/// other error.
+#[allow(
+    clippy::panic,
+    reason = "a test helper: an unreadable directory fails the test"
+)]
+pub fn entries(dir: &Path) -> BTreeSet<String> {
+    match fs_err::read_dir(dir) {
+        Ok(listing) => listing
+            .map(|e| {
+                e.map(|e| e.file_name().to_string_lossy().into_owned())
+                    .unwrap_or_else(|e| panic!("listing {}: {e}", dir.display()))
+            })
+            .collect(),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => BTreeSet::new(),
+        Err(e) => panic!("{e}"),
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, reason = "test code")]
 mod tests {
@@ -70,5 +90,17 @@ mod tests {
             "7\n"
         );
         assert!(!dir.join(".exit.tmp").exists());
+    }
+
+    #[test]
+    fn entries_are_sorted_names_and_a_missing_directory_has_none() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(entries(&dir.path().join("missing")), BTreeSet::new());
+        fs_err::write(dir.path().join("b"), "").unwrap();
+        fs_err::create_dir(dir.path().join("a")).unwrap();
+        assert_eq!(
+            entries(dir.path()).into_iter().collect::<Vec<_>>(),
+            ["a", "b"]
+        );
     }
 }

@@ -2,29 +2,50 @@
 //! `xtask` (demo, bench, dev-env):
 //!
 //! - [`http`]: a blocking HTTP/1.1 client (TCP or Unix socket, `Content-Length` and chunked
-//!   bodies both ways, bounded connects and reads) and [`Api`], the shim's JSON API with
-//!   status checks;
+//!   bodies both ways, answers read whole or streamed, bounded connects and reads) and
+//!   [`Api`], the shim's JSON API with status checks;
 //! - [`process`]: building `dstack-shim`, [`free_port`], [`open_log`], and [`ShimProcess`],
 //!   a guard that starts the binary on a home and port, waits until it listens or answers,
 //!   sends SIGTERM or SIGKILL, reads its RSS and kills it when dropped;
 //! - [`docker`](mod@docker): the `docker` CLI, the owner identity of a home, and [`ContainerSweeper`],
 //!   which force-removes a home's (or a label's) containers however a run ends;
-//! - [`layout`]: where a task's files are on the host ([`runner_dir`], [`task_dir`]).
+//! - [`layout`]: where a task's files are on the host ([`runner_dir`], [`task_dir`]), and
+//!   [`entries`] of a directory;
+//! - [`shim`]: [`TestShim`], one test's shim under test (a home, the process across
+//!   restarts, its logs, its API with the checks the tests make, its containers) and its
+//!   clean-up;
+//! - [`task`]: task configs as the server sends them, container names, fake GPU ids, SSH
+//!   keys;
+//! - [`user`]: [`HostUser`], a host user of one test with an `authorized_keys`;
+//! - [`wait`]: bounded waits that fail the test ([`wait_for`], [`wait_until`]).
 //!
-//! Errors are `std::io::Error`s whose message names the request, process or file.
+//! Errors are `std::io::Error`s whose message names the request, process or file; the
+//! helpers made only for tests ([`TestShim`], [`HostUser`], [`wait_for`], [`docker_ok`], the
+//! checks of a [`Response`]) panic instead, failing the test with what was wrong.
 
 pub mod docker;
 pub mod http;
 pub mod layout;
 pub mod process;
+pub mod shim;
+pub mod task;
+pub mod user;
+pub mod wait;
 
 pub use docker::{
-    ContainerSweeper, LABEL_OWNER, container_exists, containers_labelled, docker, docker_ok,
+    ContainerSweeper, LABEL_OWNER, NamedContainer, RemoveImage, container_exists,
+    container_running, containers_labelled, docker, docker_at, docker_at_ok, docker_ok,
     owner_identity, try_docker, try_docker_within,
 };
-pub use http::{Api, Request, Response, status_of};
-pub use layout::{runner_dir, task_dir, tasks_dir, write_runner_exit};
+pub use http::{Api, Body, Request, Response, Streamed, status_of};
+pub use layout::{entries, runner_dir, task_dir, tasks_dir, write_runner_exit};
 pub use process::{
     ShimProcess, build_shim, cargo, free_port, open_log, scrub_cargo_env, shim_binary, tail,
     target_dir,
 };
+pub use shim::{
+    FAKE_GPUS, RUNNER_HTTP_PORT, RUNNER_SSH_PORT, TestShim, TestShimBuilder, WAIT_BOUND,
+};
+pub use task::{bridge_task, container_name, fake_gpu_ids, ssh_key};
+pub use user::HostUser;
+pub use wait::{wait_for, wait_until};

@@ -3,7 +3,7 @@
 //! Docker directly would do, to compare the shim with. Create, start, kill, inspect, list,
 //! remove, and the `/events` stream (read by a thread that stamps each event when it arrives).
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, Read};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -11,12 +11,14 @@ use std::time::{Duration, SystemTime};
 
 use anyhow::{Context as _, Result, bail};
 use serde_json::{Value, json};
-use shim_e2e::harness::{Request, Response};
+use shim_e2e::harness::{Body, Request, Response, Streamed};
 
 use super::clock::parse_rfc3339_utc;
 
 /// The daemon's socket.
 pub const SOCKET: &str = "/var/run/docker.sock";
+/// How long the `/events` stream may stay silent (no bound worth the name: a day).
+pub const EVENTS_IDLE: Duration = Duration::from_secs(24 * 3600);
 
 /// A client of the daemon at a Unix socket.
 #[derive(Debug, Clone)]
@@ -170,11 +172,12 @@ impl Docker {
     /// Subscribes to `/events` with `filter` pairs (e.g. `("type","container")`,
     /// `("event","die")`); events arrive, stamped, on the returned channel.
     pub fn events(&self, filter: &[(&str, &str)]) -> Result<Events> {
-        let stream = UnixStream::connect(&self.socket)
-            .with_context(|| format!("cannot connect to {}", self.socket.display()))?;
         let path = format!("/events?filters={}", filters(filter));
-        let reader = BufReader::new(stream.try_clone()?);
-        Events::open(reader, stream, &path, Framing::JsonLines)
+        // The stream is silent until something happens: reads wait as long as a bench runs.
+        let streamed = Request::get(&path)
+            .timeout(EVENTS_IDLE)
+            .open_unix(&self.socket)?;
+        Events::read(streamed, &path, Framing::JsonLines)
     }
 }
 
@@ -189,17 +192,25 @@ pub enum Framing {
 
 /// A stream socket the event reader can shut down.
 pub trait Shutdown: Send {
+    /// A handle on the same socket (to shut it down while a thread reads it).
+    fn handle(&self) -> std::io::Result<Box<dyn Shutdown>>;
     /// Shuts both directions down (the reader thread then ends).
     fn shutdown(&self);
 }
 
 impl Shutdown for UnixStream {
+    fn handle(&self) -> std::io::Result<Box<dyn Shutdown>> {
+        Ok(Box::new(self.try_clone()?))
+    }
     fn shutdown(&self) {
         let _ = UnixStream::shutdown(self, std::net::Shutdown::Both);
     }
 }
 
 impl Shutdown for std::net::TcpStream {
+    fn handle(&self) -> std::io::Result<Box<dyn Shutdown>> {
+        Ok(Box::new(self.try_clone()?))
+    }
     fn shutdown(&self) {
         let _ = std::net::TcpStream::shutdown(self, std::net::Shutdown::Both);
     }
@@ -213,40 +224,22 @@ pub struct Events {
 }
 
 impl Events {
-    /// Sends `GET path` on `stream` (read through `reader`, a clone of it), checks for 200 and
-    /// starts a thread that stamps each event when it arrives.
-    pub fn open<S: Shutdown + std::io::Write + 'static, R: Read + Send + 'static>(
-        mut reader: BufReader<R>,
-        mut stream: S,
+    /// Checks that the answer to `GET path` is 200 and starts a thread that reads its body's
+    /// events (framed as `framing`), stamping each when it arrives.
+    pub fn read<S: Read + Shutdown + 'static>(
+        streamed: Streamed<S>,
         path: &str,
         framing: Framing,
     ) -> Result<Self> {
-        stream.write_all(
-            format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nUser-Agent: xtask-bench\r\n\r\n")
-                .as_bytes(),
-        )?;
-        let mut line = String::new();
-        reader.read_line(&mut line)?;
         anyhow::ensure!(
-            line.starts_with("HTTP/1.1 200") || line.starts_with("HTTP/1.0 200"),
-            "GET {path} answered {line:?}"
+            streamed.status == 200,
+            "GET {path} answered {}",
+            streamed.status
         );
-        let mut chunked = false;
-        loop {
-            line.clear();
-            reader.read_line(&mut line)?;
-            if line.trim_end().is_empty() {
-                break;
-            }
-            let lower = line.to_ascii_lowercase();
-            chunked |= lower.starts_with("transfer-encoding:") && lower.contains("chunked");
-        }
+        let stream = streamed.body.get_ref().get_ref().handle()?;
         let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || read_events(reader, chunked, framing, &tx));
-        Ok(Events {
-            rx,
-            stream: Box::new(stream),
-        })
+        std::thread::spawn(move || read_events(streamed.body, framing, &tx));
+        Ok(Events { rx, stream })
     }
 
     /// The next event whose `id` is `id` (others are skipped), within `limit`.
@@ -280,41 +273,19 @@ impl Drop for Events {
     }
 }
 
-/// Reads events (chunked or not) until the stream ends.
-fn read_events<R: Read>(
-    mut reader: BufReader<R>,
-    chunked: bool,
+/// Reads events (chunked transfer decoded by the harness, framed as `framing`) until the
+/// stream ends, each stamped with when its last byte was read.
+fn read_events<R: BufRead>(
+    mut body: Body<R>,
     framing: Framing,
     tx: &mpsc::Sender<(Value, SystemTime)>,
 ) {
     let mut pending = Vec::new();
-    let mut line = String::new();
+    let mut buf = [0u8; 8192];
     loop {
-        if chunked {
-            line.clear();
-            match reader.read_line(&mut line) {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
-            let Ok(size) = usize::from_str_radix(line.trim().split(';').next().unwrap_or(""), 16)
-            else {
-                return;
-            };
-            if size == 0 {
-                return;
-            }
-            let mut chunk = vec![0u8; size + 2];
-            if reader.read_exact(&mut chunk).is_err() {
-                return;
-            }
-            chunk.truncate(size);
-            pending.extend_from_slice(&chunk);
-        } else {
-            let mut buf = [0u8; 8192];
-            match reader.read(&mut buf) {
-                Ok(0) | Err(_) => return,
-                Ok(n) => pending.extend_from_slice(&buf[..n]),
-            }
+        match body.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => pending.extend_from_slice(&buf[..n]),
         }
         let at = SystemTime::now();
         while let Some(end) = pending.iter().position(|b| *b == b'\n') {

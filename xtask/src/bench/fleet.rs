@@ -10,9 +10,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context as _, Result, bail};
 use serde_json::{Value, json};
-use shim_e2e::harness::{self, Api, ContainerSweeper, ShimProcess, status_of};
+use shim_e2e::harness::{self, Api, ContainerSweeper, Request, ShimProcess, status_of};
 
-use super::dockerapi::{Docker, Events, Framing};
+use super::dockerapi::{Docker, EVENTS_IDLE, Events, Framing};
 use crate::proc;
 
 /// The bench runner, bind-mounted as the runner into shim tasks and raw containers alike: it
@@ -235,12 +235,11 @@ impl BenchShim {
 
     /// Its task changes (`GET /api/events`), each stamped when it arrives.
     pub fn events(&self) -> Result<Events> {
-        let addr = self.api().addr;
-        let stream = std::net::TcpStream::connect(addr)
-            .with_context(|| format!("cannot connect to the shim at {addr}"))?;
-        stream.set_nodelay(true)?;
-        let reader = std::io::BufReader::new(stream.try_clone()?);
-        Events::open(reader, stream, "/api/events", Framing::Sse)
+        let path = "/api/events";
+        let streamed = Request::get(path)
+            .timeout(EVENTS_IDLE)
+            .open(self.api().addr)?;
+        Events::read(streamed, path, Framing::Sse)
     }
 
     /// Its pid.

@@ -1,0 +1,84 @@
+//! Task configs and the names the shim derives from them, as the tests need them: a config as
+//! the dstack server sends it, the container name of SPEC §6, the fake GPUs' ids and valid
+//! SSH public keys.
+
+use std::collections::BTreeSet;
+
+use base64::Engine as _;
+use serde_json::{Value, json};
+use sha2::{Digest as _, Sha256};
+
+use super::shim::FAKE_GPUS;
+
+/// A task config as the dstack server sends it: task `id` named `name`, `gpu` GPUs, bridge
+/// network mode, the local test image ([`crate::image`]), run as root, nothing else set.
+pub fn bridge_task(id: &str, name: &str, gpu: i64) -> Value {
+    json!({
+        "id": id,
+        "name": name,
+        "image_name": crate::image(),
+        "gpu": gpu,
+        "cpu": 0,
+        "memory": 0,
+        "shm_size": 0,
+        "network_mode": "bridge",
+        "container_user": "root",
+        "privileged": false,
+        "volumes": [],
+        "volume_mounts": [],
+        "instance_mounts": [],
+        "host_ssh_user": "",
+        "host_ssh_keys": [],
+        "container_ssh_keys": [],
+        "registry_username": "",
+        "registry_password": "",
+    })
+}
+
+/// The container name of task `id` named `name`: `<name>-<first 8 hex digits of
+/// sha256("<name>/<id>")>` (SPEC §6).
+pub fn container_name(name: &str, id: &str) -> String {
+    let digest = Sha256::digest(format!("{name}/{id}").as_bytes());
+    let hex: String = digest.iter().take(4).map(|b| format!("{b:02x}")).collect();
+    format!("{name}-{hex}")
+}
+
+/// The ids of the [`FAKE_GPUS`] fake GPUs of a [`super::TestShim`] (`--fake-gpus`).
+pub fn fake_gpu_ids() -> BTreeSet<String> {
+    (0..FAKE_GPUS)
+        .map(|i| format!("GPU-00000000-0000-4000-8000-{i:012x}"))
+        .collect()
+}
+
+/// A valid OpenSSH ed25519 public key line whose 32 key bytes derive from `comment`, which
+/// ends the line.
+pub fn ssh_key(comment: &str) -> String {
+    let mut blob = Vec::new();
+    blob.extend_from_slice(&11u32.to_be_bytes());
+    blob.extend_from_slice(b"ssh-ed25519");
+    blob.extend_from_slice(&32u32.to_be_bytes());
+    blob.extend_from_slice(&Sha256::digest(comment.as_bytes()));
+    let b64 = base64::engine::general_purpose::STANDARD.encode(blob);
+    format!("ssh-ed25519 {b64} {comment}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_keys_and_gpus_are_the_documented_ones() {
+        // printf 'a/t1' | sha256sum | cut -c1-8
+        assert_eq!(container_name("a", "t1"), "a-665b47b4");
+        assert_eq!(fake_gpu_ids().len(), FAKE_GPUS);
+        assert!(fake_gpu_ids().contains("GPU-00000000-0000-4000-8000-000000000003"));
+        let key = ssh_key("me@host");
+        let fields: Vec<&str> = key.split(' ').collect();
+        assert_eq!((fields[0], fields[2]), ("ssh-ed25519", "me@host"));
+        let blob = base64::engine::general_purpose::STANDARD
+            .decode(fields[1])
+            .unwrap_or_default();
+        assert_eq!(blob.len(), 4 + 11 + 4 + 32);
+        assert_eq!(bridge_task("t1", "a", 2)["gpu"], 2);
+    }
+}
