@@ -67,6 +67,11 @@ pub fn ci(skip_dev_env: bool) -> Result<()> {
     });
     note("deny", result);
 
+    // A machine CI used before may hold containers of an earlier run that was killed before
+    // its clean-up (their fixed names would clash with this run's).
+    let result = timings.time("stale test containers", remove_stale_test_containers);
+    note("stale test containers", result);
+
     let result = timings.time("tests", || {
         let runner = root.join(shim_e2e::RUNNER_PATH_IN_REPO);
         cmd::run(
@@ -141,6 +146,23 @@ fn ensure_tools() -> Result<()> {
         } else {
             cmd::run(cmd::cmd(cargo()).args(["install", "--locked", krate]))?;
         }
+    }
+    Ok(())
+}
+
+/// Removes every container made from a test image (they carry the image's
+/// [`HASH_LABEL`](crate::image::HASH_LABEL); no real task does). Run before the tests, when no
+/// test is running.
+fn remove_stale_test_containers() -> Result<()> {
+    let filter = format!("label={}", crate::image::HASH_LABEL);
+    let out = cmd::output(Command::new("docker").args(["ps", "-aq", "--filter", &filter]))?;
+    let ids: Vec<&str> = out.split_whitespace().collect();
+    if ids.is_empty() {
+        return Ok(());
+    }
+    eprintln!("ci: removing {} stale test container(s)", ids.len());
+    for batch in ids.chunks(100) {
+        cmd::run(Command::new("docker").args(["rm", "-f"]).args(batch))?;
     }
     Ok(())
 }
