@@ -381,7 +381,10 @@ impl Sim {
         if let Some(p) = &self.world.persisted {
             // What the API showed is exactly what is on disk.
             assert_eq!(before.saved, Saved::of(p));
-            assert_eq!(!before.dirty, same_record(&before.record, p));
+            // Not dirty: the disk holds the record. Dirty may be conservative: a change undone
+            // before its write (a volume recorded ahead while the disk was full, then released
+            // again) leaves the record as on disk, and costs one redundant write.
+            assert!(before.dirty || same_record(&before.record, p));
         }
         self.crashed = true;
         self.jobs.clear();
@@ -1331,5 +1334,40 @@ fn an_adopted_task_never_written_is_forgotten_when_its_container_goes() {
     assert!(sim.forgotten);
     assert!(sim.world.gpus_locked.is_empty());
     assert_eq!(sim.world.volumes_mounted.len(), 1);
+    sim.drain_and_check();
+}
+
+/// Found by the property test: a volume recorded ahead in memory while the disk is full, then
+/// released again by a remove, leaves the record as it is on disk but marked dirty (one
+/// redundant write); a crash then restores from the disk and nothing is lost.
+#[test]
+fn a_change_undone_before_its_write_stays_dirty_and_loses_nothing() {
+    let mut sim = Sim::new(config_from(1, false, 1, 0, false));
+    for c in [
+        (0, 0, 0),
+        (29, 0, 1),
+        (29, 0, 0),
+        (48, 0, 0),
+        (28, 114, 0),
+        (29, 0, 1),
+        (29, 0, 0),
+        (157, 0, 0),
+        (125, 0, 0),
+        (61, 0, 0),
+        (0, 0, 0),
+        (153, 0, 0),
+        (61, 0, 29),
+        (29, 0, 179),
+        (29, 0, 0),
+    ] {
+        sim.apply(c);
+    }
+    let t = sim.task.clone().unwrap();
+    assert!(t.dirty);
+    assert!(same_record(
+        &t.record,
+        sim.world.persisted.as_ref().unwrap()
+    ));
+    sim.apply((123, 0, 0)); // a crash that loses the state file
     sim.drain_and_check();
 }
