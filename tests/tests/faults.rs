@@ -1229,7 +1229,6 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
 // 3. The home fills up
 // ---------------------------------------------------------------------------------------------
 
-/// Removes an image from the default daemon when dropped.
 /// SPEC §4–§5 with the home on a 16 MiB ext4 filesystem that fills up (ENOSPC) during each
 /// kind of state write, then frees up. While full:
 /// - a submit answers 500 with the cause and leaves nothing behind;
