@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use shim_runtime::{PullRequest, RuntimeError};
+use shim_runtime::{PullRequest, RuntimeError, docker_time_ns};
 use shim_task::machine::{Action, Event, Observation};
 use shim_task::{MountedVolume, PortMapping, PullProgress, Resources};
 
@@ -446,7 +446,7 @@ impl Inner {
             }
             Ok(d) => d,
         };
-        let finished = d.finished_at.as_deref().and_then(rfc3339_ns);
+        let finished = d.finished_at.as_deref().and_then(docker_time_ns);
         (self.observation_of(container_id, d).await, finished)
     }
 
@@ -512,53 +512,4 @@ fn describe(r: &Resources) -> String {
         parts.push(format!("volumes {names:?}"));
     }
     parts.join(", ")
-}
-
-/// Unix nanoseconds of an RFC 3339 UTC time as Docker writes them
-/// (`2026-11-30T15:59:51.123456789Z`); `None` for anything else.
-pub(crate) fn rfc3339_ns(t: &str) -> Option<i64> {
-    let (date, time) = t.strip_suffix('Z')?.split_once('T')?;
-    let mut d = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
-    let (y, m, day) = (d.next()??, d.next()??, d.next()??);
-    let (hms, frac) = time.split_once('.').unwrap_or((time, ""));
-    let mut h = hms.splitn(3, ':').map(|p| p.parse::<i64>().ok());
-    let (hh, mm, ss) = (h.next()??, h.next()??, h.next()??);
-    if !(1..=12).contains(&m) || !(1..=31).contains(&day) || hh > 23 || mm > 59 || ss > 60 {
-        return None;
-    }
-    if !frac.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let nanos: i64 = format!("{frac:0<9}").get(..9)?.parse().ok()?;
-    // Days from the civil date (Howard Hinnant's algorithm).
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    let secs = days * 86_400 + hh * 3600 + mm * 60 + ss;
-    secs.checked_mul(1_000_000_000)?.checked_add(nanos)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::rfc3339_ns;
-
-    #[test]
-    fn docker_times() {
-        assert_eq!(rfc3339_ns("1970-01-01T00:00:00Z"), Some(0));
-        assert_eq!(
-            rfc3339_ns("2026-11-30T15:59:51.123456789Z"),
-            Some(1_796_054_391_123_456_789)
-        );
-        assert_eq!(
-            rfc3339_ns("2000-03-01T00:00:01.5Z"),
-            Some(951_868_801_500_000_000)
-        );
-        assert_eq!(rfc3339_ns("0001-01-01T00:00:00Z").map(|n| n < 0), None);
-        assert_eq!(rfc3339_ns("2026-11-30 15:59:51Z"), None);
-        assert_eq!(rfc3339_ns("garbage"), None);
-    }
 }

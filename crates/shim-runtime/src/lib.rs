@@ -11,6 +11,7 @@ mod error;
 #[cfg(any(test, feature = "test-support"))]
 pub mod fake;
 pub mod spec;
+mod time;
 mod types;
 
 use std::time::Duration;
@@ -25,6 +26,7 @@ pub use spec::{
     BindMount, ContainerInputs, ContainerSpec, DeviceMapping, DeviceRequest, GpuConfig,
     HostDevices, NetworkMode, RunnerParams, Ulimit, build_container_spec, without_nvidia_display,
 };
+pub use time::docker_time_ns;
 pub use types::{
     ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, EventKind, MountPoint,
     PublishedPort, PullProgress, PullRequest, RegistryAuth,
