@@ -246,10 +246,12 @@ async fn terminate_running_now_and_with_grace() {
     eprintln!("terminate with timeout 0 took {:?}", t0.elapsed());
     assert_eq!(info.status, TaskStatus::Terminated);
     assert_eq!(info.termination_reason, "terminated_by_user");
-    assert_eq!(
-        docker(&["inspect", "-f", "{{.State.ExitCode}}", &killed.container_id]),
-        "137"
-    );
+    // Timeout 0 is `docker stop -t 0` (upstream: runner/internal/shim/docker.go, Terminate:
+    // ContainerStop with the request's timeout): SIGTERM, then SIGKILL without waiting. The
+    // stub runner traps SIGTERM, so it may exit on its own (143) before the kill lands (137);
+    // either way it is stopped when terminate answers.
+    let code = docker(&["inspect", "-f", "{{.State.ExitCode}}", &killed.container_id]);
+    assert!(code == "137" || code == "143", "exit code {code}");
 
     let info = engine
         .terminate(
