@@ -4,11 +4,14 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test file: panics are failures
 
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use common::get;
 use shim_http::{
     ApiError, ChangeEvent, ChangeFeed, ComponentInfo, ComponentName, ComponentsApi,
     ConnectionLimits, EventsConfig, FeedError, InstanceInfo, Listeners, Readiness, ServerConfig,
@@ -187,55 +190,8 @@ async fn stop(server: Server) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Clients: one request and its whole answer, and an SSE reader (chunked decoding as it comes).
-
-struct Answer {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: String,
-}
-
-impl Answer {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
-    }
-}
-
-async fn get(addr: SocketAddr, path: &str) -> Answer {
-    let mut stream = TcpStream::connect(addr).await.unwrap();
-    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut raw = Vec::new();
-    tokio::time::timeout(BOUND, stream.read_to_end(&mut raw))
-        .await
-        .expect("an answer within the bound")
-        .unwrap();
-    let text = String::from_utf8(raw).unwrap();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap();
-    let mut lines = head.split("\r\n");
-    let status = lines
-        .next()
-        .unwrap()
-        .split(' ')
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap();
-    let headers = lines
-        .map(|l| {
-            let (k, v) = l.split_once(':').unwrap();
-            (k.trim().to_owned(), v.trim().to_owned())
-        })
-        .collect();
-    Answer {
-        status,
-        headers,
-        body: body.to_owned(),
-    }
-}
+// Clients: one request and its whole answer (`common::get`), and an SSE reader (chunked
+// decoding as it comes).
 
 /// One SSE event (or comment, as `event == ":"`).
 #[derive(Debug, Clone, PartialEq, Eq)]

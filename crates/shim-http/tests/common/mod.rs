@@ -1,0 +1,132 @@
+//! What the HTTP tests share: a raw HTTP/1.1 client that sends exact bytes and reads the whole
+//! answer (`Connection: close`), with the checks every test makes of an answer.
+
+#![allow(
+    dead_code,
+    reason = "each test file uses the part of the client it needs"
+)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// How long an answer may take (a safety bound, never a timing assertion).
+pub const ANSWER_BOUND: Duration = Duration::from_secs(20);
+
+#[derive(Debug)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl Resp {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/json"),
+            "{self:?}"
+        );
+        serde_json::from_str(&self.body).unwrap()
+    }
+
+    /// Asserts an error answer: status, `text/plain`, exact message.
+    pub fn assert_error(&self, status: u16, body: &str) {
+        assert_eq!(self.status, status, "{self:?}");
+        assert_eq!(
+            self.header("content-type"),
+            Some("text/plain; charset=utf-8"),
+            "{self:?}"
+        );
+        assert_eq!(self.body, body);
+    }
+}
+
+pub fn parse_response(raw: &[u8]) -> Resp {
+    let text = String::from_utf8_lossy(raw);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("incomplete response: {text:?}"));
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().unwrap();
+    let status = status_line.split(' ').nth(1).unwrap().parse().unwrap();
+    let headers = lines
+        .map(|l| {
+            let (k, v) = l.split_once(':').unwrap();
+            (k.trim().to_owned(), v.trim().to_owned())
+        })
+        .collect();
+    Resp {
+        status,
+        headers,
+        body: body.to_owned(),
+    }
+}
+
+pub async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, request: &[u8]) -> Resp {
+    s.write_all(request).await.unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await.unwrap();
+    parse_response(&raw)
+}
+
+pub fn request_bytes(
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&[u8]>,
+) -> Vec<u8> {
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if let Some(b) = body {
+        req.push_str(&format!("Content-Length: {}\r\n", b.len()));
+    }
+    req.push_str("\r\n");
+    let mut bytes = req.into_bytes();
+    if let Some(b) = body {
+        bytes.extend_from_slice(b);
+    }
+    bytes
+}
+
+pub async fn raw(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&[u8]>,
+) -> Resp {
+    let s = TcpStream::connect(addr).await.unwrap();
+    tokio::time::timeout(
+        ANSWER_BOUND,
+        exchange(s, &request_bytes(method, path, headers, body)),
+    )
+    .await
+    .expect("response within the bound")
+}
+
+pub async fn get(addr: SocketAddr, path: &str) -> Resp {
+    raw(addr, "GET", path, &[], None).await
+}
+
+pub async fn post(addr: SocketAddr, path: &str, body: &str) -> Resp {
+    raw(
+        addr,
+        "POST",
+        path,
+        &[("Content-Type", "application/json")],
+        Some(body.as_bytes()),
+    )
+    .await
+}
