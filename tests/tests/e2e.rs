@@ -29,16 +29,15 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use sha2::{Digest as _, Sha256};
 use shim_e2e::harness::{
     ContainerSweeper, FAKE_GPUS, HostUser, NamedContainer, RUNNER_HTTP_PORT, RUNNER_SSH_PORT,
     RemoveImage, Request, Response, ShimProcess, TestShim, bridge_task, container_name,
-    container_running, entries, fake_gpu_ids, free_port, runner_dir, shim_binary, ssh_key,
-    wait_until,
+    container_running, entries, fake_gpu_ids, free_port, owner_identity, run_tag, runner_dir,
+    shim_binary, ssh_key, wait_until,
 };
 use shim_e2e::{
     docker, docker_ok, docker_tests_enabled, dstack_python, image, registry, registry_password,
-    registry_user, repo_root, runner_path,
+    registry_user, repo_root, root_tests_enabled, runner_path,
 };
 
 /// Bounds of the waits (never timed assertions: generous, only there so a hang fails).
@@ -78,10 +77,19 @@ fn image_present(image: &str) -> bool {
 
 /// A task config as the server sends it: bridge mode, the local test image.
 fn task(id: &str, gpu: i64) -> Value {
-    let mut config = bridge_task(id, &format!("e2e-{id}"), gpu);
+    // The run tag keeps container names unique to this run.
+    let mut config = bridge_task(id, &format!("e2e-{id}-{}", run_tag()), gpu);
     // Newer servers send fields this shim does not know: ignored.
     config["some_future_field"] = json!({"x": 1});
     config
+}
+
+/// The container name of `config`'s task.
+fn name_of(config: &Value) -> String {
+    container_name(
+        config["name"].as_str().unwrap(),
+        config["id"].as_str().unwrap(),
+    )
 }
 
 /// The exact TaskInfo of a task that was just submitted.
@@ -155,27 +163,18 @@ fn assert_running(info: &Value, config: &Value, gpus: usize) {
     );
 }
 
-/// Parses `X.Y.Z` (all numeric, no pre-release) and compares it with `min`.
-fn release_at_least(version: &str, min: [u64; 3]) -> bool {
-    // A PEP 440 local part (`+rust.0.1.0`) does not change the release.
-    let version = version
-        .split_once('+')
-        .map_or(version, |(release, _)| release);
-    let parts: Vec<Option<u64>> = version.split('.').map(|p| p.parse().ok()).collect();
-    if parts.len() != 3 || parts.iter().any(Option::is_none) {
-        return false;
-    }
-    let v: Vec<u64> = parts.into_iter().flatten().collect();
-    [v[0], v[1], v[2]] >= min
-}
-
 // ---------------------------------------------------------------------------------------------
 // The tests
 // ---------------------------------------------------------------------------------------------
 
-/// SPEC §3: the healthcheck names the service and a release the dstack server accepts
-/// (>= 0.21.3); `--version` shows the binary's own version; instance info shows the (fake)
-/// NVIDIA GPUs.
+/// SPEC §3: the healthcheck names the service and the one version string; `--version` shows
+/// the same string; instance info shows the (fake) NVIDIA GPUs. What the dstack server makes
+/// of the string (every feature gate on from 0.21.3, no reinstall, no restart) is checked
+/// against its own code by `started_as_ssh_fleets_start_it_the_dstack_server_keeps_it`.
+///
+/// dstack server: src/dstack/_internal/server/services/runner/client.py (ShimClient: version
+/// gates), src/dstack/_internal/server/background/pipeline_tasks/instances/check.py
+/// (_maybe_install_components: compares the installed and running versions).
 #[test]
 fn healthcheck_version_is_a_compatible_release() {
     if !docker_tests_enabled("healthcheck_version_is_a_compatible_release") {
@@ -185,13 +184,7 @@ fn healthcheck_version_is_a_compatible_release() {
     let health = shim.get("/api/healthcheck").ok();
     assert_eq!(health["service"], "dstack-shim", "{health}");
     let version = health["version"].as_str().expect("version is a string");
-    assert!(
-        release_at_least(version, [0, 21, 3]),
-        "healthcheck version {version:?} is not a release >= 0.21.3"
-    );
     assert_eq!(health.as_object().unwrap().len(), 2, "{health}");
-    assert!(!release_at_least("0.21.2", [0, 21, 3]));
-    assert!(!release_at_least("0.22.0rc1", [0, 21, 3]));
 
     let info = shim.get("/api/instance/info").ok();
     assert_eq!(
@@ -1065,6 +1058,9 @@ fn fifty_concurrent_tasks_leave_nothing_behind() {
 /// be accepted (remove is 409 only for tasks that are not terminated), as the dstack server
 /// sends remove right after terminate. Terminates land in every phase of start (the delay
 /// after submit varies).
+///
+/// dstack server: src/dstack/_internal/server/services/instances.py
+/// (remove_dangling_tasks_from_instance: terminate_task, then remove_task at once).
 #[test]
 fn remove_right_after_terminate_during_start_is_accepted() {
     if !docker_tests_enabled("remove_right_after_terminate_during_start_is_accepted") {
@@ -1165,34 +1161,33 @@ fn upstream_state_file(config: &Value) -> String {
     )
 }
 
-/// Runs a container the way the upstream shim does for `config` (upstream
-/// `runner/internal/shim/docker.go`, `createContainer`): its two labels only, `/tmp/runner`
-/// bound from `runner_dir`, the runner bound at `/usr/local/bin/dstack-runner`, `/bin/sh -c`
-/// with the runner's start command, runner ports published (bridge mode).
-fn run_upstream_container(config: &Value, runner_dir: &Path) -> (String, NamedContainer) {
-    let name = container_name(
-        config["name"].as_str().unwrap(),
-        config["id"].as_str().unwrap(),
-    );
-    let guard = NamedContainer(name.clone());
-    let label_id = format!("ai.dstack.shim.task-id={}", config["id"].as_str().unwrap());
+/// Runs a container as another shim made it (not this binary): named `name`, with `labels`,
+/// `/tmp/runner` bound from `runner_dir`, the stub runner bound at
+/// `/usr/local/bin/dstack-runner` (read-only if `runner_ro`), `/bin/sh -c` with the runner's
+/// start command, both runner ports published on 127.0.0.1. Returns its id.
+fn run_foreign_container(
+    name: &str,
+    labels: &[String],
+    runner_dir: &Path,
+    runner_ro: bool,
+) -> String {
     let runner_mount = format!("{}:/tmp/runner", runner_dir.display());
-    let runner_bin = format!("{}:/usr/local/bin/dstack-runner", runner_path().display());
+    let ro = if runner_ro { ":ro" } else { "" };
+    let runner_bin = format!(
+        "{}:/usr/local/bin/dstack-runner{ro}",
+        runner_path().display()
+    );
     let http = format!("127.0.0.1::{RUNNER_HTTP_PORT}");
     let ssh = format!("127.0.0.1::{RUNNER_SSH_PORT}");
     let command = format!(
         "/usr/local/bin/dstack-runner --log-level 6 start --temp-dir /tmp/runner \
          --http-port {RUNNER_HTTP_PORT} --ssh-port {RUNNER_SSH_PORT}"
     );
-    let cid = docker_ok(&[
-        "run",
-        "-d",
-        "--name",
-        &name,
-        "--label",
-        "ai.dstack.shim.is-task=true",
-        "--label",
-        &label_id,
+    let mut args = vec!["run", "-d", "--name", name];
+    for label in labels {
+        args.extend(["--label", label.as_str()]);
+    }
+    args.extend([
         "-v",
         &runner_mount,
         "-v",
@@ -1201,13 +1196,24 @@ fn run_upstream_container(config: &Value, runner_dir: &Path) -> (String, NamedCo
         &http,
         "-p",
         &ssh,
-        "--entrypoint",
-        "/bin/sh",
-        &image(),
-        "-c",
-        &command,
     ]);
-    (cid.trim().to_owned(), guard)
+    let image = image();
+    args.extend(["--entrypoint", "/bin/sh", &image, "-c", &command]);
+    docker_ok(&args).trim().to_owned()
+}
+
+/// Runs a container the way the upstream shim does for `config` (upstream
+/// `runner/internal/shim/docker.go`, `createContainer`): its two labels only, the runner
+/// directory `runner_dir`, runner ports published (bridge mode).
+fn run_upstream_container(config: &Value, runner_dir: &Path) -> (String, NamedContainer) {
+    let name = name_of(config);
+    let guard = NamedContainer(name.clone());
+    let labels = [
+        "ai.dstack.shim.is-task=true".to_owned(),
+        format!("ai.dstack.shim.task-id={}", config["id"].as_str().unwrap()),
+    ];
+    let cid = run_foreign_container(&name, &labels, runner_dir, false);
+    (cid, guard)
 }
 
 /// Issue 11, the switch from the upstream shim with tasks running, on real Docker: fixtures
@@ -1224,7 +1230,10 @@ fn run_upstream_container(config: &Value, runner_dir: &Path) -> (String, NamedCo
 /// (keys appended verbatim, removed by fingerprint).
 #[test]
 fn upstream_tasks_are_adopted_terminated_removed_and_released() {
-    if !docker_tests_enabled("upstream_tasks_are_adopted_terminated_removed_and_released") {
+    // HostUser runs useradd: root.
+    if !docker_tests_enabled("upstream_tasks_are_adopted_terminated_removed_and_released")
+        || !root_tests_enabled("upstream_tasks_are_adopted_terminated_removed_and_released")
+    {
         return;
     }
     let mut shim = TestShim::builder("e2e").build();
@@ -1239,7 +1248,7 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     let mut with_file = task("upstream-a", 0);
     with_file["host_ssh_user"] = json!(user.name());
     with_file["host_ssh_keys"] = json!([task_key]);
-    let dir_a = runners.join(container_name("e2e-upstream-a", "upstream-a"));
+    let dir_a = runners.join(name_of(&with_file));
     fs_err::create_dir_all(dir_a.join("runner")).unwrap();
     let state = upstream_state_file(&with_file);
     fs_err::write(dir_a.join("task.json"), &state).unwrap();
@@ -1247,14 +1256,14 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
 
     // Without a state file (upstream before PR #4220): the whole directory is mounted.
     let without = task("upstream-b", 0);
-    let dir_b = runners.join(container_name("e2e-upstream-b", "upstream-b"));
+    let dir_b = runners.join(name_of(&without));
     fs_err::create_dir_all(&dir_b).unwrap();
     let (cid_b, _b) = run_upstream_container(&without, &dir_b);
 
     // One whose runner finished before the switch: upstream shows it terminated with no
     // reason; this shim reads the exit code.
     let finished = task("upstream-c", 0);
-    let dir_c = runners.join(container_name("e2e-upstream-c", "upstream-c"));
+    let dir_c = runners.join(name_of(&finished));
     fs_err::create_dir_all(dir_c.join("runner")).unwrap();
     fs_err::write(dir_c.join("task.json"), upstream_state_file(&finished)).unwrap();
     let (cid_c, _c) = run_upstream_container(&finished, &dir_c.join("runner"));
@@ -1274,10 +1283,7 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     assert_eq!(shim.list(), expected);
     let a = shim.info("upstream-a");
     assert_eq!(a["container_id"], cid_a.as_str(), "{a}");
-    assert_eq!(
-        a["container_name"],
-        container_name("e2e-upstream-a", "upstream-a")
-    );
+    assert_eq!(a["container_name"], name_of(&with_file));
     assert_eq!(
         ports(&a).keys().copied().collect::<Vec<_>>(),
         [RUNNER_SSH_PORT, RUNNER_HTTP_PORT],
@@ -1480,7 +1486,10 @@ fn this_shims_containers_and_state_files_follow_upstreams_rules() {
 /// prepareVolumes: GetBackend fails the task), runner/internal/shim/backends/backends.go.
 #[test]
 fn what_upstream_accepts_is_accepted_and_ends_as_upstream_ends_it() {
-    if !docker_tests_enabled("what_upstream_accepts_is_accepted_and_ends_as_upstream_ends_it") {
+    // HostUser runs useradd: root.
+    if !docker_tests_enabled("what_upstream_accepts_is_accepted_and_ends_as_upstream_ends_it")
+        || !root_tests_enabled("what_upstream_accepts_is_accepted_and_ends_as_upstream_ends_it")
+    {
         return;
     }
     let shim = TestShim::builder("e2e").start();
@@ -1597,57 +1606,28 @@ fn first_release_home_is_migrated_with_its_task_running() {
         return;
     }
     let mut shim = TestShim::builder("e2e").build();
-    let digest = Sha256::digest(shim.home().as_os_str().as_encoded_bytes());
-    let legacy_owner: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    // The first release derived its owner from the home's path: what the harness computes
+    // for a home without an owner-id file.
+    let legacy_owner = owner_identity(shim.home());
     let id = "first-1";
     let config = task(id, 1);
-    let cname = container_name("e2e-first-1", id);
+    let name = config["name"].as_str().unwrap().to_owned();
+    let cname = name_of(&config);
     let old_dir = shim.home().join("tasks").join(id);
     fs_err::create_dir_all(old_dir.join("runner")).unwrap();
     let gpu = "GPU-00000000-0000-4000-8000-000000000002";
 
     let _guard = NamedContainer(cname.clone());
-    let runner_mount = format!("{}:/tmp/runner", old_dir.join("runner").display());
-    let runner_bin = format!(
-        "{}:/usr/local/bin/dstack-runner:ro",
-        runner_path().display()
-    );
-    let command = format!(
-        "/usr/local/bin/dstack-runner --log-level 6 start --temp-dir /tmp/runner \
-         --http-port {RUNNER_HTTP_PORT} --ssh-port {RUNNER_SSH_PORT}"
-    );
-    let cid = docker_ok(&[
-        "run",
-        "-d",
-        "--name",
-        &cname,
-        "--label",
-        "ai.dstack.shim.task=true",
-        "--label",
-        &format!("ai.dstack.shim.task-id={id}"),
-        "--label",
-        &format!("ai.dstack.shim.owner={legacy_owner}"),
-        "--label",
-        &format!("ai.dstack.shim.gpus={gpu}"),
-        "-v",
-        &runner_mount,
-        "-v",
-        &runner_bin,
-        "-p",
-        &format!("127.0.0.1::{RUNNER_HTTP_PORT}"),
-        "-p",
-        &format!("127.0.0.1::{RUNNER_SSH_PORT}"),
-        "--entrypoint",
-        "/bin/sh",
-        &image(),
-        "-c",
-        &command,
-    ])
-    .trim()
-    .to_owned();
+    let labels = [
+        "ai.dstack.shim.task=true".to_owned(),
+        format!("ai.dstack.shim.task-id={id}"),
+        format!("ai.dstack.shim.owner={legacy_owner}"),
+        format!("ai.dstack.shim.gpus={gpu}"),
+    ];
+    let cid = run_foreign_container(&cname, &labels, &old_dir.join("runner"), true);
     fs_err::write(
         old_dir.join("task.json"),
-        first_release_state_file(id, "e2e-first-1", &cname, &cid, gpu),
+        first_release_state_file(id, &name, &cname, &cid, gpu),
     )
     .unwrap();
 

@@ -18,17 +18,8 @@ use shim_e2e::{
     registry_small_image, registry_user, runner_path,
 };
 
-use shim_e2e::harness::{Request, Response};
+use shim_e2e::harness::{NamedContainer, Request, Response};
 use shim_e2e::{docker, docker_ok};
-
-/// Force-removes the container when the test ends, however it ends.
-struct Container(String);
-
-impl Drop for Container {
-    fn drop(&mut self) {
-        let _ = docker(&["rm", "-f", &self.0]);
-    }
-}
 
 /// Manifest media types a registry may hold for our images.
 const MANIFEST_ACCEPT: &str = "application/vnd.docker.distribution.manifest.v2+json, \
@@ -72,7 +63,7 @@ fn stub_runner_serves_http_and_exits_with_the_code_from_the_exit_file() {
     let temp_dir = tempfile::tempdir().unwrap();
     let name = format!("shim-e2e-fixture-runner-{}", std::process::id());
     let _ = docker(&["rm", "-f", &name]);
-    let container = Container(name);
+    let container = NamedContainer(name);
     let runner_mount = format!("{}:{RUNNER_PATH_IN_CONTAINER}:ro", runner.display());
     let temp_mount = format!("{}:/tmp/runner", temp_dir.path().display());
     // The command the shim runs (SPEC §6), with the stub sshd in place of the package install.

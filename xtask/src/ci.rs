@@ -5,10 +5,7 @@ use std::path::Path;
 use std::process::Command;
 
 use anyhow::{Result, bail};
-use shim_e2e::{
-    ENV_DSTACK_PYTHON, ENV_IMAGE, ENV_REGISTRY, ENV_REGISTRY_PASSWORD, ENV_REGISTRY_USER,
-    ENV_RUNNER, ENV_TEST_DOCKER, ENV_TEST_ROOT,
-};
+use shim_e2e::{ENV_TEST_DOCKER, ENV_TEST_ROOT};
 
 use crate::cmd;
 use crate::devenv::{self, Timings};
@@ -67,24 +64,18 @@ pub fn ci(skip_dev_env: bool) -> Result<()> {
     });
     note("deny", result);
 
-    // A machine CI used before may hold containers of an earlier run that was killed before
-    // its clean-up (their fixed names would clash with this run's).
+    // A machine CI used before may hold stopped containers of an earlier run that was killed
+    // before its clean-up (test names carry a per-run tag, so they no longer clash; this keeps
+    // a reused machine from piling them up).
     let result = timings.time("stale test containers", remove_stale_test_containers);
     note("stale test containers", result);
 
     let result = timings.time("tests", || {
-        let runner = root.join(shim_e2e::RUNNER_PATH_IN_REPO);
         cmd::run(
             cargo_in(&root)
                 .args(["nextest", "run", "--workspace", "--no-fail-fast"])
                 .env(ENV_TEST_DOCKER, "1")
-                .env(ENV_TEST_ROOT, "1")
-                .env(ENV_IMAGE, shim_e2e::image())
-                .env(ENV_REGISTRY, shim_e2e::registry())
-                .env(ENV_REGISTRY_USER, shim_e2e::registry_user())
-                .env(ENV_REGISTRY_PASSWORD, shim_e2e::registry_password())
-                .env(ENV_RUNNER, runner)
-                .env(ENV_DSTACK_PYTHON, shim_e2e::dstack_python()),
+                .env(ENV_TEST_ROOT, "1"),
         )
     });
     note("tests", result);
@@ -150,19 +141,18 @@ fn ensure_tools() -> Result<()> {
     Ok(())
 }
 
-/// Removes every container made from a test image (they carry the image's
-/// [`HASH_LABEL`](crate::image::HASH_LABEL); no real task does). Run before the tests, when no
-/// test is running.
+/// Removes the stopped containers made from a test image (they carry the image's
+/// [`HASH_LABEL`](crate::image::HASH_LABEL); no real task does) that were created more than an
+/// hour ago: no test runs that long, so another run's containers on the same daemon stay.
 fn remove_stale_test_containers() -> Result<()> {
-    let filter = format!("label={}", crate::image::HASH_LABEL);
-    let out = cmd::output(Command::new("docker").args(["ps", "-aq", "--filter", &filter]))?;
-    let ids: Vec<&str> = out.split_whitespace().collect();
-    if ids.is_empty() {
-        return Ok(());
-    }
-    eprintln!("ci: removing {} stale test container(s)", ids.len());
-    for batch in ids.chunks(100) {
-        cmd::run(Command::new("docker").args(["rm", "-f"]).args(batch))?;
-    }
-    Ok(())
+    let label = format!("label={}", crate::image::HASH_LABEL);
+    cmd::run(Command::new("docker").args([
+        "container",
+        "prune",
+        "--force",
+        "--filter",
+        &label,
+        "--filter",
+        "until=1h",
+    ]))
 }

@@ -264,19 +264,19 @@ impl Drop for ContainerSweeper {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, reason = "test code")]
+#[allow(clippy::unwrap_used, clippy::expect_used, reason = "test code")]
 mod tests {
     use super::*;
 
     #[test]
     fn a_docker_cli_that_hangs_is_killed_after_the_limit() {
-        // `docker events` never ends by itself (or fails at once without a daemon).
-        let started = std::time::Instant::now();
-        let out = try_docker_within(&["events"], std::time::Duration::from_millis(300));
-        assert!(started.elapsed() < std::time::Duration::from_secs(30));
-        if let Err(e) = out {
-            assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+        // `docker events` never ends by itself while a daemon answers.
+        if !crate::docker_tests_enabled("a_docker_cli_that_hangs_is_killed_after_the_limit") {
+            return;
         }
+        let out = try_docker_within(&["events"], std::time::Duration::from_millis(300));
+        let err = out.expect_err("docker events ended by itself");
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "{err}");
     }
 
     #[test]

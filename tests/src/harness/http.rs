@@ -51,11 +51,6 @@ impl Request {
         Self::new("GET", path)
     }
 
-    /// `HEAD path` (the answer's body is not read).
-    pub fn head(path: &str) -> Self {
-        Self::new("HEAD", path)
-    }
-
     /// `POST path` (with `Content-Length: 0` unless a body is set).
     pub fn post(path: &str) -> Self {
         Self::new("POST", path)

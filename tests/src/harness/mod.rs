@@ -46,6 +46,6 @@ pub use process::{
 pub use shim::{
     FAKE_GPUS, RUNNER_HTTP_PORT, RUNNER_SSH_PORT, TestShim, TestShimBuilder, WAIT_BOUND,
 };
-pub use task::{bridge_task, container_name, fake_gpu_ids, ssh_key};
+pub use task::{bridge_task, container_name, fake_gpu_ids, run_tag, ssh_key};
 pub use user::HostUser;
 pub use wait::{wait_for, wait_until};

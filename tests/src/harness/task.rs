@@ -35,6 +35,20 @@ pub fn bridge_task(id: &str, name: &str, gpu: i64) -> Value {
     })
 }
 
+/// A tag unique to this test process (8 hex digits of its pid and start time): task names
+/// carry it so that container names never clash with those an earlier, killed run left on the
+/// daemon, or with another run's.
+pub fn run_tag() -> &'static str {
+    static TAG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TAG.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let digest = Sha256::digest(format!("{}/{nanos}", std::process::id()).as_bytes());
+        digest.iter().take(4).map(|b| format!("{b:02x}")).collect()
+    })
+}
+
 /// The container name of task `id` named `name`: `<name>-<first 8 hex digits of
 /// sha256("<name>/<id>")>` (SPEC §6).
 pub fn container_name(name: &str, id: &str) -> String {

@@ -510,7 +510,8 @@ mod tests {
             x = x.wrapping_add(std::hint::black_box(1));
         }
         assert!(x > 0);
-        assert!(cpu_seconds(me).unwrap() >= before);
+        // 100 ms of spinning is ten 10 ms ticks: the counter moved.
+        assert!(cpu_seconds(me).unwrap() > before);
     }
 
     #[test]
