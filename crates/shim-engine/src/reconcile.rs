@@ -155,10 +155,10 @@ impl Inner {
             tracing::warn!(task = %slot.id, error = %chain(&e), "state write still failing");
             return;
         }
-        if slot.lock().needs_release()
+        if slot.lock().needs_retry()
             && let Err(e) = self.drive(slot, Event::ReleaseRequested).await
         {
-            tracing::warn!(task = %slot.id, error = %chain(&e), "release still failing");
+            tracing::warn!(task = %slot.id, error = %chain(&e), "stop or release still failing");
         }
         self.kick_events(slot);
     }
@@ -168,7 +168,7 @@ impl Inner {
         for slot in self.slots() {
             let wants = {
                 let t = slot.lock();
-                !t.start_in_flight && (t.dirty || t.needs_release())
+                !t.start_in_flight && (t.dirty || t.needs_retry())
             };
             if wants {
                 self.retry_task(&slot).await;

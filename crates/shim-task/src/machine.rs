@@ -580,6 +580,22 @@ impl Task {
             && !self.release_in_flight
     }
 
+    /// Whether the reconciler's retry pass should step [`Event::ReleaseRequested`]: a release
+    /// is due ([`Task::needs_release`]), or the last stop of a terminated task failed, whatever
+    /// the task holds (a container that did not stop is retried without waiting for Docker's
+    /// news or the backstop list).
+    pub fn needs_retry(&self) -> bool {
+        self.needs_release() || self.stop_failed()
+    }
+
+    /// A durably terminated task whose last stop failed, with nothing else in flight.
+    fn stop_failed(&self) -> bool {
+        self.record.status == TaskStatus::Terminated
+            && !self.dirty
+            && !self.start_in_flight
+            && self.stop == StopState::Failed
+    }
+
     fn config(&self) -> Option<&TaskConfig> {
         self.record.config.as_ref()
     }
@@ -1072,7 +1088,7 @@ fn apply(t: &mut Task, event: Event, actions: &mut Vec<Action>) -> Result<Shape,
         Event::ReleaseRequested => {
             shape.retry_write = true;
             t.release_backoff = false;
-            if t.needs_release() && t.stop == StopState::Failed {
+            if t.stop_failed() {
                 t.stop = StopState::Wanted { timeout_s: 0 };
             }
         }

@@ -852,7 +852,7 @@ impl Sim {
         if all || t.record.status != TaskStatus::Terminated || obs == Observation::Running {
             self.feed(Event::Observed(obs), None).unwrap();
         }
-        if self.task.as_ref().is_some_and(Task::needs_release) {
+        if self.task.as_ref().is_some_and(Task::needs_retry) {
             self.feed(Event::ReleaseRequested, None).unwrap();
         }
     }

@@ -66,9 +66,10 @@ fn go(t: &mut Task, event: Event) -> Vec<Action> {
     let mut actions = tr.actions;
     if actions.first() == Some(&Action::Persist) {
         let tr = step(t, Event::Persisted, 200).unwrap();
-        assert!(!t.info().status.ne(&t.saved.status));
         *t = tr.task;
         assert!(!t.dirty);
+        // Durable now: the API shows the record.
+        assert_eq!(t.info().status, t.record.status);
         actions.extend(tr.actions);
     }
     actions
@@ -787,6 +788,56 @@ fn failed_stop_defers_release_until_a_stop_succeeds_or_the_container_is_seen_sto
     go(&mut t, failed());
     let a = go(&mut t, Event::Observed(Observation::Missing));
     assert_eq!(a, vec![release_of(&t)]);
+}
+
+/// Found in review: a task that holds nothing (no GPU, keys, volume) and whose stop failed is
+/// retried by the reconciler's in-memory retry pass (`needs_retry` → `ReleaseRequested`), not
+/// only when Docker's news or the backstop list next sees its container running.
+#[test]
+fn a_failed_stop_is_retried_when_the_task_holds_nothing() {
+    let c = TaskConfig::new(
+        TaskId::new("t2").unwrap(),
+        TaskName::new("bare").unwrap(),
+        "img:1",
+    );
+    let mut t = new_task(&c);
+    go(&mut t, Event::StartBegan);
+    go(&mut t, Event::GpusAcquired(vec![]));
+    go(&mut t, Event::PullDone(PullProgress::default()));
+    go(
+        &mut t,
+        Event::ContainerCreated {
+            container_id: "cid".into(),
+        },
+    );
+    go(&mut t, Event::ContainerStarted { ports: vec![] });
+    go(&mut t, Event::StartFinished);
+    assert_eq!(t.status(), TaskStatus::Running);
+    let a = go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByUser,
+            message: String::new(),
+            timeout_s: 10,
+        },
+    );
+    assert_eq!(a.last(), Some(&Action::StopContainer { timeout_s: 10 }));
+    assert!(!t.record.resources.holds_any());
+    let a = go(
+        &mut t,
+        Event::StopFailed {
+            message: "timeout".into(),
+        },
+    );
+    assert_eq!(a, vec![]);
+    assert!(!t.needs_release(), "nothing to release");
+    assert!(t.needs_retry(), "but the stop is to be retried");
+    let a = go(&mut t, Event::ReleaseRequested);
+    assert_eq!(a, vec![Action::StopContainer { timeout_s: 0 }]);
+    assert!(!t.needs_retry());
+    go(&mut t, Event::ContainerStopped);
+    assert!(!t.needs_retry());
+    assert_eq!(t.stop, StopState::Idle);
 }
 
 // ---- SPEC §4: remove ----
