@@ -329,14 +329,19 @@ impl AuthorizedKeysManager {
             }
         };
         push(user.to_owned());
-        {
+        // The holds are dropped before the rewrites (so the files no longer keep what they
+        // covered) and put back if a rewrite fails, so that a retry, which may know neither
+        // the user nor the keys, rewrites the same files.
+        let (removed_live, removed_unknown) = {
             let mut st = self.inner.state();
-            if let Some((u, k)) = st.live.remove(task) {
-                released.extend(k);
-                push(u);
+            let removed_live = st.live.remove(task);
+            if let Some((u, k)) = &removed_live {
+                released.extend(k.iter().cloned());
+                push(u.clone());
             }
-            match st.unknown.remove(task) {
-                Some(Some(u)) => push(u),
+            let removed_unknown = st.unknown.remove(task);
+            match &removed_unknown {
+                Some(Some(u)) => push(u.clone()),
                 // Its user is unknown too: the marked lines kept for it may be in the file of
                 // any user this manager knows; each is rewritten (and pruned unless another
                 // hold still covers it).
@@ -344,7 +349,8 @@ impl AuthorizedKeysManager {
                 None => {}
             }
             st.seen.extend(users.iter().cloned());
-        }
+            (removed_live, removed_unknown)
+        };
         let mut first_err = None;
         for u in &users {
             if let Err(e) = check_user(u) {
@@ -371,6 +377,15 @@ impl AuthorizedKeysManager {
                     tracing::warn!(task = %task, user = %u, error = %e, "cannot remove host SSH keys");
                     first_err.get_or_insert(e);
                 }
+            }
+        }
+        if first_err.is_some() {
+            let mut st = self.inner.state();
+            if let Some(hold) = removed_live {
+                st.live.insert(task.clone(), hold);
+            }
+            if let Some(hold) = removed_unknown {
+                st.unknown.insert(task.clone(), hold);
             }
         }
         first_err.map_or(Ok(()), Err)

@@ -472,6 +472,34 @@ async fn lines_kept_for_a_task_of_unknown_user_go_when_it_is_released() {
     assert_eq!(h.read(), format!("{K4}\n"));
 }
 
+/// Found in review: a release of a task of unknown user whose rewrite fails keeps its hold, so
+/// the engine's retry (which knows neither user nor keys) rewrites the same file once the fault
+/// is gone (it used to drop the hold first and then rewrite nothing).
+#[tokio::test]
+async fn a_failed_release_of_a_task_of_unknown_user_is_redone_by_the_retry() {
+    let h = Home::new();
+    h.write(&format!("{K4}\n{}\n", marked_line(&key(K3))));
+    h.manager.restore(&task("a"), "alice", &[key(K1)]);
+    h.manager.hold_unknown(&task("lost"), None);
+    h.manager
+        .remove(&task("a"), "alice", &[key(K1)])
+        .await
+        .unwrap();
+    // alice's ~/.ssh cannot be opened as a directory: the rewrite fails.
+    let ssh = h.home.join(".ssh");
+    let aside = h.home.join(".ssh-aside");
+    fs_err::rename(&ssh, &aside).unwrap();
+    fs_err::write(&ssh, "not a directory").unwrap();
+    assert!(h.manager.remove(&task("lost"), "", &[]).await.is_err());
+    fs_err::remove_file(&ssh).unwrap();
+    fs_err::rename(&aside, &ssh).unwrap();
+    let fp = |k: &str| key(k).fingerprint().to_owned();
+    assert_eq!(h.marked(), vec![fp(K3)], "nothing rewritten yet");
+    // The retry, as the engine sends it.
+    h.manager.remove(&task("lost"), "", &[]).await.unwrap();
+    assert_eq!(h.read(), format!("{K4}\n"));
+}
+
 #[tokio::test]
 async fn restart_with_a_held_task_removes_only_known_keys() {
     let h = Home::new();
