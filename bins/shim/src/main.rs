@@ -100,10 +100,18 @@ async fn run(config: Config) -> anyhow::Result<()> {
         .mode(0o700)
         .create(&home)
         .with_context(|| format!("cannot create the home directory {}", home.display()))?;
+    // One shim per home: a second one would restore, sweep and move aside what the first
+    // one is using. Held until the process exits.
+    let _home_lock = lock_home(&home)?;
     logging::init(config.shim_log_level, config.log_format, &home)?;
     tracing::info!(version = VERSION, dstack_api = config::DSTACK_VERSION, home = %home.display(), "starting dstack-shim");
     rlimit::raise_open_files_limit();
-    tracing::debug!(?config, "configuration");
+    // A download URL may carry credentials in its query (presigned URLs).
+    let shown = Config {
+        runner_download_url: shim_components::redact_url(&config.runner_download_url),
+        ..config.clone()
+    };
+    tracing::debug!(config = ?shown, "configuration");
 
     let shutdown = CancellationToken::new();
     let force = CancellationToken::new();
@@ -123,18 +131,22 @@ async fn run(config: Config) -> anyhow::Result<()> {
         }
     }
 
-    // The engine restores every task and completes its first reconcile cycle before the API
-    // listens: the first answer about any task already reflects what happened while the shim
-    // was down.
+    // The port is bound first, so a taken port fails before anything is restored. The engine
+    // restores every task and completes its first reconcile cycle before the API answers:
+    // the first answer about any task already reflects what happened while the shim was down
+    // (connections wait in the backlog meanwhile).
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, config.shim_http_port));
+    let listeners = Listeners::bind(addr, config.unix_socket.as_deref()).await?;
     let (engine, dcgm) = engine::open(&config, &home).await?;
     let api: Arc<dyn ShimApi> = Arc::new(adapter::EngineApi::new(engine.clone(), dcgm.clone()));
 
-    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, config.shim_http_port));
-    let listeners = Listeners::bind(addr, config.unix_socket.as_deref()).await?;
     let drain = {
         let components = components.clone();
         let engine = engine.clone();
         async move {
+            // Downloads are cancelled on every shutdown, graceful or not (upstream:
+            // runner/internal/shim/api/server.go, Shutdown: bgJobsCancel).
+            components.cancel();
             components.wait_idle().await;
             // Start jobs in flight finish (bounded) so no task is left half-started.
             engine
@@ -160,4 +172,27 @@ async fn run(config: Config) -> anyhow::Result<()> {
     dcgm.shutdown().await;
     tracing::info!("dstack-shim stopped; containers keep running");
     Ok(())
+}
+
+/// Takes an exclusive lock on `<home>/dstack-shim.lock`, or fails at once if another shim
+/// holds it.
+fn lock_home(home: &std::path::Path) -> anyhow::Result<nix::fcntl::Flock<std::fs::File>> {
+    let path = home.join("dstack-shim.lock");
+    let file = fs_err::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)?
+        .into_parts()
+        .0;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(
+        |(_, errno)| match errno {
+            nix::errno::Errno::EWOULDBLOCK => anyhow::anyhow!(
+                "another dstack-shim uses the home {} (it holds {})",
+                home.display(),
+                path.display()
+            ),
+            e => anyhow::anyhow!("cannot lock {}: {e}", path.display()),
+        },
+    )
 }

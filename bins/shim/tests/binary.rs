@@ -119,6 +119,43 @@ fn serves_logs_and_stops_on_sigterm() {
     assert!(TcpStream::connect(addr).is_err());
 }
 
+/// A second shim on the same home refuses to start (it would restore, sweep and move aside
+/// what the first one uses), and so does one on a taken port, before it restores anything
+/// (the port is bound first). The first shim keeps serving.
+#[test]
+fn a_second_shim_on_the_same_home_or_port_refuses_to_start() {
+    if !shim_e2e::docker_tests_enabled("a_second_shim_on_the_same_home_or_port_refuses_to_start") {
+        return;
+    }
+    let home = tempfile::tempdir().unwrap();
+    let first = start(home.path(), &[]);
+    let run = |home: &Path, port: u16| {
+        Command::new(BIN)
+            .args(["--shim-home", &home.display().to_string()])
+            .args(["--shim-http-port", &port.to_string()])
+            .output()
+            .unwrap()
+    };
+
+    let out = run(home.path(), free_port().unwrap());
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("another dstack-shim uses the home"),
+        "{stderr}"
+    );
+
+    // Another home, the first shim's port: refused before its restore runs (nothing of a
+    // restore, such as the owner identity, is written).
+    let other = tempfile::tempdir().unwrap();
+    let out = run(other.path(), first.addr().port());
+    assert!(!out.status.success());
+    assert!(!other.path().join("owner-id").exists());
+
+    let (status, _) = http(&first, "GET", "/api/healthcheck", None);
+    assert_eq!(status, 200);
+}
+
 #[test]
 fn stops_on_api_shutdown_and_serves_a_unix_socket() {
     if !shim_e2e::docker_tests_enabled("stops_on_api_shutdown_and_serves_a_unix_socket") {
