@@ -424,13 +424,15 @@ async fn remove_only_terminated_and_deletes_everything() {
         )
         .await
         .unwrap();
+    let dir = w.home.path().join("runners").join(&info.container_name);
+    assert!(dir.join("task.json").exists());
     engine.remove(&tid("t1")).await.unwrap();
     assert!(matches!(
         engine.task_info(&tid("t1")),
         Err(EngineError::NotFound(_))
     ));
     assert!(w.runtime.state(&info.container_id).is_none());
-    assert!(!w.home.path().join("tasks/t1").exists());
+    assert!(!dir.exists());
     assert!(matches!(
         engine.remove(&tid("t1")).await,
         Err(EngineError::NotFound(_))
@@ -539,8 +541,11 @@ async fn restart_restores_every_case() {
         TaskStatus::Running
     );
     assert_eq!(engine.gpu_lock().locked().len(), 1);
+    let name = engine.task_info(&tid("pulling")).unwrap().container_name;
+    let dir = w.home.path().join("runners").join(name);
+    assert!(dir.join("task.json").exists());
     engine.remove(&tid("pulling")).await.unwrap();
-    assert!(!w.home.path().join("tasks/pulling").exists());
+    assert!(!dir.exists());
 }
 
 #[tokio::test]
