@@ -297,7 +297,10 @@ impl Inner {
                 return Err(self.start_failure(&cid, &message).await);
             };
             tracing::warn!(task = %slot.id, "start failed on nvidia-modeset; retrying without the display capability");
-            let _ = runtime.remove(&cid).await;
+            runtime
+                .remove(&cid)
+                .await
+                .map_err(|e| format!("remove container before retry: {e}"))?;
             cid = runtime
                 .create(&spec)
                 .await

@@ -17,14 +17,12 @@ use shim_runtime::MountPoint;
 pub const LABEL_IS_TASK: &str = "ai.dstack.shim.is-task";
 /// The task id (upstream's label).
 pub const LABEL_TASK_ID: &str = "ai.dstack.shim.task-id";
-/// The owner identity (this shim's; see [`owner_labels`]).
+/// The owner identity (this shim's: SPEC §5).
 pub const LABEL_OWNER: &str = "ai.dstack.shim.owner";
 /// The task's GPU ids, comma-separated (how GPUs are recovered for any vendor, fake included).
 pub const LABEL_GPUS: &str = "ai.dstack.shim.gpus";
 /// The task marker of this shim's first release (before upstream's labels were adopted).
 pub const LEGACY_LABEL_TASK: &str = "ai.dstack.shim.task";
-/// Where the runner directory is mounted in the container.
-pub const RUNNER_MOUNT: &str = "/tmp/runner";
 
 /// The owner identity the first release of this shim derived from its home: the first 16 hex
 /// chars of the SHA-256 of the home's absolute path as given. Homes made by that release keep
@@ -49,14 +47,6 @@ pub fn new_owner_identity(home: &Path) -> String {
 
 fn hex16(digest: &[u8]) -> String {
     digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
-}
-
-/// The labels every container of this shim carries (what the event stream filters on).
-pub fn owner_labels(owner: &str) -> Vec<(String, String)> {
-    vec![
-        (LABEL_IS_TASK.to_owned(), "true".to_owned()),
-        (LABEL_OWNER.to_owned(), owner.to_owned()),
-    ]
 }
 
 /// The list filter that finds every container of any dstack shim on the daemon (this
@@ -90,7 +80,7 @@ pub fn is_ours(
 pub fn runner_mount(mounts: &[MountPoint]) -> Option<&str> {
     mounts
         .iter()
-        .find(|m| m.destination == RUNNER_MOUNT)
+        .find(|m| m.destination == shim_runtime::spec::RUNNER_DIR_IN_CONTAINER)
         .map(|m| m.source.as_str())
 }
 
@@ -101,7 +91,7 @@ mod tests {
     fn mount(source: &str) -> MountPoint {
         MountPoint {
             source: source.into(),
-            destination: RUNNER_MOUNT.into(),
+            destination: shim_runtime::spec::RUNNER_DIR_IN_CONTAINER.into(),
             read_write: true,
         }
     }

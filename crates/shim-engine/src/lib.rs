@@ -8,9 +8,10 @@
 //!
 //! - [`Engine::submit`] writes the task's state file, then launches start in the background;
 //!   start returns as soon as the container runs.
-//! - A background reconciler (one container list request per cycle, woken by exit events, with
-//!   a relist every second as the backstop) completes tasks whose containers ended and releases
-//!   what terminated tasks hold.
+//! - A background reconciler, driven by Docker's `die`/`oom`/`destroy` events, completes tasks
+//!   whose containers ended and releases what terminated tasks hold; a full container list
+//!   runs at start-up, on every reconnection of the event stream and as a slow backstop
+//!   (minutes), and a one-second pass in memory retries failed writes, stops and releases.
 //! - [`Engine::open`] restores every task of this shim from its state files and its labelled
 //!   containers and runs the first reconcile cycle before it returns, so an HTTP server started
 //!   afterwards never serves a stale view.

@@ -309,9 +309,7 @@ impl Inner {
                 .await
             {
                 Ok(mut stream) => {
-                    if self.events_connected.swap(true, Ordering::SeqCst) {
-                        // Unreachable: the flag is cleared below before reconnecting.
-                    }
+                    self.events_connected.store(true, Ordering::SeqCst);
                     self.metrics.events_reconnects.inc();
                     if self.events_reconnects.fetch_add(1, Ordering::SeqCst) > 0 {
                         tracing::info!("container event stream reconnected; relisting");

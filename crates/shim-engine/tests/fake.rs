@@ -389,6 +389,12 @@ async fn start_step_failures_map_to_reasons() {
     assert!(info.termination_message.contains("exec format error"));
 }
 
+/// On an NVIDIA host a start that fails on `/dev/nvidia-modeset` is retried once: the
+/// container is removed (a failure there ends the start), created again without the `display`
+/// capability, and started.
+///
+/// upstream: runner/internal/shim/docker.go (executeTask:
+/// shouldRetryWithoutNvidiaDisplayCapability, "remove container before retry").
 #[tokio::test]
 async fn nvidia_display_retry() {
     let w = World::new(1);
@@ -405,6 +411,27 @@ async fn nvidia_display_retry() {
     let caps = &spec.device_requests[0].capabilities;
     assert!(!caps.iter().any(|c| c == "display"), "{caps:?}");
     assert_eq!(state_file(&w, "t1")["container_id"], info.container_id);
+}
+
+/// An image tagged `:latest` is pulled at every start even when present (it may have moved);
+/// any other tag is only checked.
+///
+/// upstream: runner/internal/shim/docker.go (pullImage: `:latest` is always pulled, other
+/// images only when missing).
+#[tokio::test]
+async fn latest_is_pulled_at_every_start() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    w.runtime.add_image("img:latest");
+    for id in ["l1", "l2"] {
+        w.runtime.clear_calls();
+        let mut c = config(id);
+        c.image_name = "img:latest".into();
+        engine.submit(c).await.unwrap();
+        wait_status(&engine, id, TaskStatus::Running).await;
+        assert_eq!(w.runtime.count("pull"), 1, "{id}");
+        assert_eq!(w.runtime.count("image_present"), 0, "{id}");
+    }
 }
 
 #[tokio::test]
