@@ -86,28 +86,51 @@ struct UpstreamConfig<'a> {
 }
 
 impl<'a> UpstreamConfig<'a> {
+    /// Exhaustive by construction: a new field of [`TaskConfig`] is a compile error here
+    /// until it is written (or deliberately left out).
     fn of(c: &'a TaskConfig) -> Self {
-        Self {
-            id: c.id.as_str(),
-            name: c.name.as_str(),
+        let TaskConfig {
+            id,
+            name,
+            image_name,
             // Credentials never reach the disk (SPEC §5).
+            registry_username: _,
+            registry_password: _,
+            container_user,
+            privileged,
+            gpu,
+            cpu,
+            memory,
+            shm_size,
+            network_mode,
+            volumes,
+            volume_mounts,
+            instance_mounts,
+            gpu_devices,
+            host_ssh_user,
+            host_ssh_keys,
+            container_ssh_keys,
+        } = c;
+        Self {
+            id: id.as_str(),
+            name: name.as_str(),
             registry_username: "",
             registry_password: "",
-            image_name: &c.image_name,
-            container_user: &c.container_user,
-            privileged: c.privileged,
-            gpu: c.gpu,
-            cpu: c.cpu,
-            memory: c.memory,
-            shm_size: c.shm_size,
-            network_mode: c.network_mode,
-            volumes: &c.volumes,
-            volume_mounts: &c.volume_mounts,
-            instance_mounts: &c.instance_mounts,
-            gpu_devices: &c.gpu_devices,
-            host_ssh_user: &c.host_ssh_user,
-            host_ssh_keys: &c.host_ssh_keys,
-            container_ssh_keys: &c.container_ssh_keys,
+            image_name,
+            container_user,
+            privileged: *privileged,
+            gpu: *gpu,
+            cpu: *cpu,
+            memory: *memory,
+            shm_size: *shm_size,
+            network_mode: *network_mode,
+            volumes,
+            volume_mounts,
+            instance_mounts,
+            gpu_devices,
+            host_ssh_user,
+            host_ssh_keys,
+            container_ssh_keys,
         }
     }
 }

@@ -540,13 +540,15 @@ fn config(task: TaskId) -> impl Strategy<Value = TaskConfig> {
 fn resources() -> impl Strategy<Value = Resources> {
     (
         proptest::collection::vec(".*", 0..4),
-        proptest::option::of((".*", proptest::collection::vec(key(), 0..3)).prop_map(
-            |(user, keys)| HostKeysGrant {
-                user,
-                keys,
-                upstream: false,
-            },
-        )),
+        proptest::option::of(
+            (".*", proptest::collection::vec(key(), 0..3), any::<bool>()).prop_map(
+                |(user, keys, upstream)| HostKeysGrant {
+                    user,
+                    keys,
+                    upstream,
+                },
+            ),
+        ),
         proptest::collection::vec(
             (".*", ".*", ".*").prop_map(|(name, mount_point, device)| MountedVolume {
                 name,
