@@ -26,8 +26,8 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
         .context("cannot connect to the Docker daemon")?;
     // Docker's own data directory: host_info.json reports its filesystem's size, as upstream
     // (`runner/internal/shim/host/host.go`, `GetDiskSize` of `DockerRootDir`).
-    let docker_root = match runtime.client().info().await {
-        Ok(info) => info.docker_root_dir.map(PathBuf::from),
+    let docker_root = match runtime.docker_root_dir().await {
+        Ok(dir) => dir,
         Err(e) => {
             tracing::warn!(error = %e, "cannot read Docker's info; the disk size is reported as 0");
             None

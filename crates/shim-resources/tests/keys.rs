@@ -862,7 +862,9 @@ fn upstream_lines_go_as_upstream_removes_them() {
     };
     let out = String::from_utf8(render(old.as_bytes(), &rw)).unwrap();
     // K1's plain line goes; K2 stays (a live task wants it), as does its marked line; a line
-    // with options is not a plain key line and is left alone (upstream fails to parse it too).
+    // with options is not a plain key line and is left alone. Upstream's RemovePublicKeys
+    // (runner/internal/shim/authorized_keys.go, ssh.ParseAuthorizedKey) would remove it too;
+    // this shim removes only lines that are exactly the key, on purpose.
     assert_eq!(
         out,
         format!(

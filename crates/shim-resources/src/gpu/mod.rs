@@ -102,7 +102,7 @@ impl HostGpus {
     }
 
     /// A fake NVIDIA host with `n` GPUs (`n == 0` gives a host without GPUs) with UUIDs
-    /// `GPU-00000000-0000-4000-8000-00000000000<i>`, for tests and `--test-fake-gpus`.
+    /// `GPU-00000000-0000-4000-8000-00000000000<i>`, for tests and `--fake-gpus`.
     pub fn fake_nvidia(n: u32) -> Self {
         if n == 0 {
             return Self::none();

@@ -109,7 +109,17 @@ impl DockerRuntime {
         Ok(Self { docker })
     }
 
-    /// The underlying bollard client.
+    /// Docker's data directory (`DockerRootDir` of `GET /info`), if the daemon names one.
+    pub async fn docker_root_dir(&self) -> Result<Option<std::path::PathBuf>> {
+        let info = self
+            .docker
+            .info()
+            .await
+            .map_err(|e| translate("info", "the daemon".to_owned(), e))?;
+        Ok(info.docker_root_dir.map(std::path::PathBuf::from))
+    }
+
+    /// The underlying bollard client (for tests that prepare the daemon).
     pub fn client(&self) -> &Docker {
         &self.docker
     }
