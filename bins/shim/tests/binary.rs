@@ -36,6 +36,11 @@ fn http(shim: &ShimProcess, method: &str, path: &str, body: Option<&str>) -> (u1
     (response.status, response.body)
 }
 
+/// `--version` prints exactly `dstack-shim version X`: what the components list of this shim,
+/// and of upstream's, reads back.
+///
+/// upstream: runner/internal/shim/components/utils.go (checkDstackComponent: three fields, the
+/// first the component's name).
 #[test]
 fn prints_its_version() {
     for flag in ["--version", "-v"] {

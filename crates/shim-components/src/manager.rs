@@ -168,7 +168,7 @@ impl Components {
         {
             return status(ComponentStatus::Installed, version.clone());
         }
-        match binary_version(&slot.path, self.inner.config.version_timeout).await {
+        match binary_version(&slot.path, name.as_str(), self.inner.config.version_timeout).await {
             Ok(v) => {
                 slot.state().cached = Some((key, v.clone()));
                 status(ComponentStatus::Installed, v)

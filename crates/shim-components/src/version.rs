@@ -1,26 +1,26 @@
-//! Reading a binary's version: `<binary> --version` (output `... version X`), with a timeout,
-//! and the key under which an answer stays valid.
+//! Reading a component's version: `<binary> --version`, whose output must be exactly
+//! `<component name> version X` (upstream: runner/internal/shim/components/utils.go,
+//! checkDstackComponent), with a timeout, and the key under which an answer stays valid.
 
 use std::path::Path;
 use std::time::Duration;
 
 use crate::Error;
 
-/// Extracts `X` from `... version X ...` (the first line that has it).
-pub fn parse_version(output: &str) -> Option<String> {
-    output.lines().find_map(|line| {
-        let mut words = line.split_whitespace();
-        while let Some(w) = words.next() {
-            if w.eq_ignore_ascii_case("version") {
-                return words.next().map(str::to_owned);
-            }
-        }
-        None
-    })
+/// Extracts `X` from `--version`'s output `<name> version X`: exactly three words, the first
+/// the component's name (upstream's checkDstackComponent; a runner binary in the shim's place
+/// is not an installed shim).
+pub fn parse_version(output: &str, name: &str) -> Option<String> {
+    let words: Vec<&str> = output.split_whitespace().collect();
+    match words.as_slice() {
+        [first, _, version] if *first == name => Some((*version).to_owned()),
+        _ => None,
+    }
 }
 
-/// Runs `<path> --version` (killed after `timeout`) and parses its output.
-pub async fn binary_version(path: &Path, timeout: Duration) -> Result<String, Error> {
+/// Runs `<path> --version` (killed after `timeout`) and parses its standard output as the
+/// version of component `name` (see [`parse_version`]).
+pub async fn binary_version(path: &Path, name: &str, timeout: Duration) -> Result<String, Error> {
     let verr = |why: String| Error::Version {
         path: path.to_path_buf(),
         why,
@@ -37,12 +37,11 @@ pub async fn binary_version(path: &Path, timeout: Duration) -> Result<String, Er
         .map_err(|_| verr(format!("no answer within {timeout:?}")))?
         .map_err(|e| verr(format!("cannot run it: {e}")))?;
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
     if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
         return Err(verr(format!("{}: {}", out.status, stderr.trim())));
     }
-    parse_version(&stdout)
-        .or_else(|| parse_version(&stderr))
+    parse_version(&stdout, name)
         .ok_or_else(|| verr(format!("unexpected output {:?}", stdout.trim())))
 }
 
@@ -77,15 +76,26 @@ mod tests {
     #[test]
     fn versions() {
         assert_eq!(
-            parse_version("dstack-runner version 1.2.3\n").as_deref(),
+            parse_version("dstack-runner version 1.2.3\n", "dstack-runner").as_deref(),
             Some("1.2.3")
         );
+        // Anything but exactly `<name> version X` is not a version (upstream's rule).
         assert_eq!(
-            parse_version("banner\ndstack-shim version 0.19.1 (abc)\n").as_deref(),
-            Some("0.19.1")
+            parse_version("dstack-runner version 1.2.3\n", "dstack-shim"),
+            None
         );
-        assert_eq!(parse_version("no version here?").as_deref(), Some("here?"));
-        assert_eq!(parse_version("1.2.3"), None);
-        assert_eq!(parse_version("dstack-runner version"), None);
+        assert_eq!(
+            parse_version("banner\ndstack-shim version 0.19.1\n", "dstack-shim"),
+            None
+        );
+        assert_eq!(
+            parse_version("dstack-shim version 0.19.1 (abc)", "dstack-shim"),
+            None
+        );
+        assert_eq!(parse_version("1.2.3", "dstack-shim"), None);
+        assert_eq!(
+            parse_version("dstack-runner version", "dstack-runner"),
+            None
+        );
     }
 }

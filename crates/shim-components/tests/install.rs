@@ -280,10 +280,15 @@ async fn versions_of_real_executables() {
     };
     let t = Duration::from_secs(2);
     let ok = write("ok", &script("dstack-runner version 1.2.3"));
-    assert_eq!(binary_version(&ok, t).await.unwrap(), "1.2.3");
+    assert_eq!(
+        binary_version(&ok, "dstack-runner", t).await.unwrap(),
+        "1.2.3"
+    );
 
     let silent = write("silent", "#!/bin/sh\necho hello\n");
-    let e = binary_version(&silent, t).await.unwrap_err();
+    let e = binary_version(&silent, "dstack-runner", t)
+        .await
+        .unwrap_err();
     assert!(
         e.to_string()
             .ends_with("does not report a version: unexpected output \"hello\""),
@@ -291,24 +296,41 @@ async fn versions_of_real_executables() {
     );
 
     let failing = write("failing", "#!/bin/sh\necho boom >&2\nexit 3\n");
-    let e = binary_version(&failing, t).await.unwrap_err();
+    let e = binary_version(&failing, "dstack-runner", t)
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("exit status: 3: boom"), "{e}");
 
     let hanging = write("hanging", "#!/bin/sh\nexec sleep 600\n");
-    let e = binary_version(&hanging, Duration::from_millis(300))
+    let e = binary_version(&hanging, "dstack-runner", Duration::from_millis(300))
         .await
         .unwrap_err();
     assert!(e.to_string().contains("no answer within"), "{e}");
 
     let not_exec = dir.path().join("plain");
     fs_err::write(&not_exec, script("x version 1")).unwrap();
-    assert!(binary_version(&not_exec, t).await.is_err());
+    assert!(binary_version(&not_exec, "dstack-runner", t).await.is_err());
 
-    // A binary that does not answer its version shows as `error`.
+    // Upstream's rule (runner/internal/shim/components/utils.go, checkDstackComponent): the
+    // output is exactly `<component name> version X`; a runner binary is not a shim.
+    assert!(binary_version(&ok, "dstack-shim", t).await.is_err());
+
+    // A binary that does not answer its version shows as `error`, and so does a runner
+    // binary in the shim's place.
     let c = Components::new(ComponentsConfig::new(&silent, &ok));
     assert_eq!(
         c.info(ComponentName::Runner).await.status,
         ComponentStatus::Error
+    );
+    assert_eq!(
+        c.info(ComponentName::Shim).await.status,
+        ComponentStatus::Error
+    );
+    let shim = write("shim", &script("dstack-shim version 0.22.1"));
+    let c = Components::new(ComponentsConfig::new(&ok, &shim));
+    assert_eq!(
+        c.info(ComponentName::Runner).await.status,
+        ComponentStatus::Installed
     );
     assert_eq!(
         c.info(ComponentName::Shim).await.status,

@@ -684,6 +684,10 @@ async fn metrics_route() {
     stop(s).await;
 }
 
+/// The components routes' answers, including the refusals of an install request ("empty
+/// name", "unknown component", "empty url", 409 while installing).
+///
+/// upstream: runner/internal/shim/api/handlers.go (ComponentInstallHandler).
 #[tokio::test]
 async fn component_routes() {
     let s = start().await;
