@@ -1023,6 +1023,10 @@ fn apply(t: &mut Task, event: Event, actions: &mut Vec<Action>) -> Result<Shape,
                 });
             }
             t.release_backoff = true;
+            // The container is force-removed: a stop still wanted or failed is moot.
+            if matches!(t.stop, StopState::Failed | StopState::Wanted { .. }) {
+                t.stop = StopState::Idle;
+            }
             actions.push(Action::RemoveContainer);
             if t.record.resources.holds_any() {
                 t.release_in_flight = true;

@@ -1410,3 +1410,30 @@ fn a_partial_release_during_remove_keeps_what_its_outcome_calls_for() {
     assert_eq!(sim.task.as_ref().unwrap().record.resources.volumes.len(), 2);
     sim.drain_and_check();
 }
+
+/// Found by the property test after `needs_retry`: a remove accepted while the last stop had
+/// failed must not let the retry pass send that stop again while the task's directory is being
+/// deleted (the force-removal makes the stop moot).
+#[test]
+fn a_remove_after_a_failed_stop_sends_no_stop() {
+    let mut sim = Sim::new(config_from(0, false, 0, 0, false));
+    for c in [
+        (0, 0, 0),
+        (0, 0, 1),
+        (29, 0, 0),
+        (29, 0, 16),
+        (29, 0, 0),
+        (29, 0, 5),
+        (27, 1, 0),
+        (16, 0, 0),
+        (0, 0, 88),
+        (219, 1, 3),
+        (121, 0, 0),
+        (0, 0, 1),
+        (29, 0, 0),
+        (148, 31, 0),
+    ] {
+        sim.apply(c);
+    }
+    sim.drain_and_check();
+}
