@@ -155,10 +155,25 @@ impl Inner {
             tracing::warn!(task = %slot.id, error = %chain(&e), "state write still failing");
             return;
         }
-        if slot.lock().needs_retry()
-            && let Err(e) = self.drive(slot, Event::ReleaseRequested).await
-        {
-            tracing::warn!(task = %slot.id, error = %chain(&e), "stop or release still failing");
+        let (needs_release, stop_failed, container_id) = {
+            let t = slot.lock();
+            (
+                t.needs_release(),
+                t.stop_failed(),
+                t.record.container_id.clone(),
+            )
+        };
+        if needs_release {
+            if let Err(e) = self.drive(slot, Event::ReleaseRequested).await {
+                tracing::warn!(task = %slot.id, error = %chain(&e), "release still failing");
+            }
+        } else if stop_failed && !container_id.is_empty() {
+            // Its stop failed and it holds nothing: what does the container do now? A
+            // container still running is stopped again; one that is gone or ended is settled.
+            let observation = self.observe_stopped_slot(slot, &container_id).await;
+            if let Err(e) = self.drive(slot, Event::Observed(observation)).await {
+                tracing::warn!(task = %slot.id, error = %chain(&e), "stop still failing");
+            }
         }
         self.kick_events(slot);
     }

@@ -434,6 +434,43 @@ async fn latest_is_pulled_at_every_start() {
     }
 }
 
+/// Found in review: a task that holds nothing and whose stop failed (the daemon did not
+/// answer) is stopped by the one-second retry pass once the daemon answers again, not only by
+/// the backstop list (an hour here) or by Docker's news.
+#[tokio::test]
+async fn a_failed_stop_is_retried_by_the_retry_pass() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    engine.submit(config("t1")).await.unwrap();
+    let info = wait_status(&engine, "t1", TaskStatus::Running).await;
+    w.runtime.set_unreachable(true);
+    let answered = engine
+        .terminate(
+            &tid("t1"),
+            TerminationReason::TerminatedByUser,
+            String::new(),
+            Duration::ZERO,
+        )
+        .await;
+    // Terminated (durably); the stop failed and is left to the reconciler.
+    assert_eq!(answered.unwrap().status, TaskStatus::Terminated);
+    assert_eq!(
+        w.runtime.state(&info.container_id),
+        Some(ContainerState::Running)
+    );
+    w.runtime.set_unreachable(false);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while w.runtime.state(&info.container_id) == Some(ContainerState::Running) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the container still runs: the failed stop was not retried"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let t = engine.task_info(&tid("t1")).unwrap();
+    assert_eq!(t.termination_reason, "terminated_by_user");
+}
+
 #[tokio::test]
 async fn remove_only_terminated_and_deletes_everything() {
     let w = World::new(0);

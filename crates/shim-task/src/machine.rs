@@ -580,16 +580,18 @@ impl Task {
             && !self.release_in_flight
     }
 
-    /// Whether the reconciler's retry pass should step [`Event::ReleaseRequested`]: a release
-    /// is due ([`Task::needs_release`]), or the last stop of a terminated task failed, whatever
-    /// the task holds (a container that did not stop is retried without waiting for Docker's
-    /// news or the backstop list).
+    /// Whether the reconciler's retry pass has something to do for this task: a release is
+    /// due ([`Task::needs_release`]: it steps [`Event::ReleaseRequested`], which retries a
+    /// failed stop first), or the last stop failed and the task holds nothing
+    /// ([`Task::stop_failed`]: it looks at the container and steps [`Event::Observed`], which
+    /// stops a container still running). A container that did not stop is thus retried
+    /// without waiting for Docker's news or the backstop list, whatever the task holds.
     pub fn needs_retry(&self) -> bool {
         self.needs_release() || self.stop_failed()
     }
 
     /// A durably terminated task whose last stop failed, with nothing else in flight.
-    fn stop_failed(&self) -> bool {
+    pub fn stop_failed(&self) -> bool {
         self.record.status == TaskStatus::Terminated
             && !self.dirty
             && !self.start_in_flight
@@ -1023,10 +1025,6 @@ fn apply(t: &mut Task, event: Event, actions: &mut Vec<Action>) -> Result<Shape,
                 });
             }
             t.release_backoff = true;
-            // The container is force-removed: a stop still wanted or failed is moot.
-            if matches!(t.stop, StopState::Failed | StopState::Wanted { .. }) {
-                t.stop = StopState::Idle;
-            }
             actions.push(Action::RemoveContainer);
             if t.record.resources.holds_any() {
                 t.release_in_flight = true;
@@ -1092,7 +1090,7 @@ fn apply(t: &mut Task, event: Event, actions: &mut Vec<Action>) -> Result<Shape,
         Event::ReleaseRequested => {
             shape.retry_write = true;
             t.release_backoff = false;
-            if t.stop_failed() {
+            if t.needs_release() && t.stop == StopState::Failed {
                 t.stop = StopState::Wanted { timeout_s: 0 };
             }
         }

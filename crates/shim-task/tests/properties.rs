@@ -852,8 +852,12 @@ impl Sim {
         if all || t.record.status != TaskStatus::Terminated || obs == Observation::Running {
             self.feed(Event::Observed(obs), None).unwrap();
         }
-        if self.task.as_ref().is_some_and(Task::needs_retry) {
+        if self.task.as_ref().is_some_and(Task::needs_release) {
             self.feed(Event::ReleaseRequested, None).unwrap();
+        } else if self.task.as_ref().is_some_and(Task::stop_failed) {
+            // The engine's retry pass looks at the container of a task whose stop failed.
+            let obs = self.observation();
+            self.feed(Event::Observed(obs), None).unwrap();
         }
     }
 

@@ -791,8 +791,9 @@ fn failed_stop_defers_release_until_a_stop_succeeds_or_the_container_is_seen_sto
 }
 
 /// Found in review: a task that holds nothing (no GPU, keys, volume) and whose stop failed is
-/// retried by the reconciler's in-memory retry pass (`needs_retry` → `ReleaseRequested`), not
-/// only when Docker's news or the backstop list next sees its container running.
+/// still the retry pass's business (`needs_retry`, `stop_failed`): the pass looks at the
+/// container and steps `Observed`, which stops it again if it still runs, without waiting for
+/// Docker's news or the backstop list.
 #[test]
 fn a_failed_stop_is_retried_when_the_task_holds_nothing() {
     let c = TaskConfig::new(
@@ -831,13 +832,21 @@ fn a_failed_stop_is_retried_when_the_task_holds_nothing() {
     );
     assert_eq!(a, vec![]);
     assert!(!t.needs_release(), "nothing to release");
-    assert!(t.needs_retry(), "but the stop is to be retried");
-    let a = go(&mut t, Event::ReleaseRequested);
+    assert!(
+        t.stop_failed() && t.needs_retry(),
+        "but the stop is to be retried"
+    );
+    let a = go(&mut t, Event::Observed(Observation::Running));
     assert_eq!(a, vec![Action::StopContainer { timeout_s: 0 }]);
     assert!(!t.needs_retry());
     go(&mut t, Event::ContainerStopped);
     assert!(!t.needs_retry());
     assert_eq!(t.stop, StopState::Idle);
+    // A container found gone settles it without another stop.
+    let mut gone = t.clone();
+    gone.stop = StopState::Failed;
+    assert_eq!(go(&mut gone, Event::Observed(Observation::Missing)), vec![]);
+    assert!(!gone.needs_retry());
 }
 
 // ---- SPEC §4: remove ----
