@@ -220,7 +220,30 @@ impl Dir {
         mode: u32,
         owner: Option<Owner>,
     ) -> Result<(Dir, bool)> {
-        let name = check_name(&self.path, name.as_ref())?;
+        self.make_dir(name.as_ref(), mode, owner, true)
+    }
+
+    /// [`Dir::create_dir`] without the fsync of this directory: the creation becomes durable
+    /// with this directory's next fsync ([`Dir::sync`], or a [`Dir::write_atomic`] into it),
+    /// which the caller makes before it relies on the new directory surviving a crash. Saves
+    /// one fsync when a file is written here right after.
+    pub fn create_dir_unsynced(
+        &self,
+        name: impl AsRef<OsStr>,
+        mode: u32,
+        owner: Option<Owner>,
+    ) -> Result<(Dir, bool)> {
+        self.make_dir(name.as_ref(), mode, owner, false)
+    }
+
+    fn make_dir(
+        &self,
+        name: &OsStr,
+        mode: u32,
+        owner: Option<Owner>,
+        sync: bool,
+    ) -> Result<(Dir, bool)> {
+        let name = check_name(&self.path, name)?;
         let path = self.join(name);
         // Two rounds: a directory removed between a failed mkdir and the open is retried once.
         for _ in 0..2 {
@@ -240,7 +263,9 @@ impl Dir {
             }
             rustix::fs::fchmod(&d.fd, Mode::from_raw_mode(mode as _))
                 .map_err(|e| Error::sys(Step::SetMode, &path, e))?;
-            self.sync()?;
+            if sync {
+                self.sync()?;
+            }
             return Ok((d, true));
         }
         Err(Error::io(

@@ -65,6 +65,8 @@ fn a_link_where_a_directory_is_expected_is_refused() {
     // create_dir on a link neither follows it nor replaces it.
     let e = top.create_dir("link", 0o700, None).unwrap_err();
     assert!(matches!(e, Error::WrongType { .. }), "{e}");
+    let e = top.create_dir_unsynced("link", 0o700, None).unwrap_err();
+    assert!(matches!(e, Error::WrongType { .. }), "{e}");
     assert!(names(&real).is_empty());
     assert!(
         fs_err::symlink_metadata(tmp.path().join("link"))

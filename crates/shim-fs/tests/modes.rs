@@ -38,6 +38,12 @@ fn modes_are_exact_whatever_the_umask() {
         let (_, created) = d.create_dir("wide", 0o777, None).unwrap();
         assert!(created);
         assert_eq!(mode(&tmp.path().join("wide")), 0o777, "umask {mask:o}");
+        // The unsynced variant makes the same directory, and finds it the second time.
+        let (_, created) = d.create_dir_unsynced("lazy", 0o755, None).unwrap();
+        assert!(created);
+        assert_eq!(mode(&tmp.path().join("lazy")), 0o755, "umask {mask:o}");
+        let (_, created) = d.create_dir_unsynced("lazy", 0o755, None).unwrap();
+        assert!(!created);
     }
     umask(Mode::from_bits_truncate(0o022));
 }
