@@ -248,6 +248,15 @@ impl Events {
             .with_context(|| format!("no event for container {id}"))
     }
 
+    /// The next event, if one comes within `limit`.
+    pub fn next(&self, limit: Duration) -> Result<Option<(Value, SystemTime)>> {
+        match self.rx.recv_timeout(limit) {
+            Ok(event) => Ok(Some(event)),
+            Err(mpsc::RecvTimeoutError::Timeout) => Ok(None),
+            Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the event stream ended"),
+        }
+    }
+
     /// The next event `wanted` accepts (others are skipped), within `limit`.
     pub fn wait_until(
         &self,

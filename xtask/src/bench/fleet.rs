@@ -344,93 +344,63 @@ impl BenchShim {
     }
 }
 
-/// Watches a shim's task list (one `GET /api/tasks` every `every`, from one thread) so that
-/// many clients can wait for their tasks to run without each polling the API: on a small
-/// machine, sixteen clients polling every few milliseconds would take the CPU Docker needs.
+/// Watches a shim's task changes (its `GET /api/events` stream, read by whichever waiting
+/// client holds the lock) so that many clients can wait for their tasks to run without
+/// polling the API: on a small machine, sixteen clients polling every few milliseconds would
+/// take the CPU Docker needs, and the raw fleet's clients do not poll either (their start
+/// returns when the container runs).
 pub struct Watcher {
-    state: std::sync::Arc<(std::sync::Mutex<WatchState>, std::sync::Condvar)>,
-    handle: Option<std::thread::JoinHandle<()>>,
+    state: std::sync::Mutex<WatchState>,
 }
 
-#[derive(Default)]
 struct WatchState {
+    events: Events,
     running: std::collections::HashSet<String>,
-    error: Option<String>,
-    stop: bool,
 }
 
 impl Watcher {
-    /// Starts watching the shim at `api`.
-    pub fn new(api: Api, every: Duration) -> Self {
-        let state = std::sync::Arc::new((
-            std::sync::Mutex::new(WatchState::default()),
-            std::sync::Condvar::new(),
-        ));
-        let shared = state.clone();
-        let handle = std::thread::spawn(move || {
-            let (lock, changed) = &*shared;
-            loop {
-                let listed = api.get("/api/tasks");
-                let Ok(mut st) = lock.lock() else { return };
-                if st.stop {
-                    return;
-                }
-                match listed {
-                    Ok(list) => {
-                        st.running = list["tasks"]
-                            .as_array()
-                            .map(|tasks| {
-                                tasks
-                                    .iter()
-                                    .filter(|t| t["status"] == "running")
-                                    .filter_map(|t| t["id"].as_str().map(str::to_owned))
-                                    .collect()
-                            })
-                            .unwrap_or_default();
-                    }
-                    Err(e) => st.error = Some(e.to_string()),
-                }
-                drop(st);
-                changed.notify_all();
-                std::thread::sleep(every);
-            }
-        });
-        Self {
-            state,
-            handle: Some(handle),
-        }
+    /// Starts watching `shim` (its event stream opens now, before any submit).
+    pub fn new(shim: &BenchShim) -> Result<Self> {
+        Ok(Self {
+            state: std::sync::Mutex::new(WatchState {
+                events: shim.events()?,
+                running: std::collections::HashSet::new(),
+            }),
+        })
     }
 
-    /// Waits (bounded) until the list shows task `id` running.
+    /// Waits (bounded) until the stream says task `id` is running.
     pub fn wait_running(&self, id: &str) -> Result<()> {
-        let (lock, changed) = &*self.state;
         let started = Instant::now();
-        let mut st = lock
-            .lock()
-            .map_err(|_| anyhow::anyhow!("the watcher failed"))?;
-        while !st.running.contains(id) {
-            if let Some(e) = &st.error {
-                bail!("listing the tasks failed: {e}");
+        loop {
+            let mut st = self
+                .state
+                .lock()
+                .map_err(|_| anyhow::anyhow!("the watcher failed"))?;
+            if st.running.contains(id) {
+                return Ok(());
             }
             if started.elapsed() > BOUND {
                 bail!("task {id} not running after {BOUND:?}");
             }
-            st = changed
-                .wait_timeout(st, Duration::from_millis(100))
-                .map_err(|_| anyhow::anyhow!("the watcher failed"))?
-                .0;
-        }
-        Ok(())
-    }
-}
-
-impl Drop for Watcher {
-    fn drop(&mut self) {
-        if let Ok(mut st) = self.state.0.lock() {
-            st.stop = true;
-        }
-        if let Some(handle) = self.handle.take() {
-            let _ = handle.join();
+            // Short slices: the lock is given up often, and whatever arrives is recorded for
+            // whichever client waits for it.
+            if let Some((event, _)) = st.events.next(Duration::from_millis(20))? {
+                if event["change"] == "status"
+                    && event["status"] == "running"
+                    && let Some(task) = event["task"].as_str()
+                {
+                    st.running.insert(task.to_owned());
+                }
+                // A subscriber that lagged gets a snapshot of every task instead.
+                for t in event["tasks"].as_array().into_iter().flatten() {
+                    if t["status"] == "running"
+                        && let Some(task) = t["id"].as_str()
+                    {
+                        st.running.insert(task.to_owned());
+                    }
+                }
+            }
         }
     }
 }

@@ -3,7 +3,7 @@
 //! raw batches alternate. Shim clients learn that their task runs from one watcher that lists
 //! the tasks every 5 ms (not each polling its task), so the bench's own polling stays small.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Result;
 use serde_json::json;
@@ -72,7 +72,7 @@ pub fn throughput(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
                 .map(|i| format!("load-{concurrency}-{round}-{i}"))
                 .collect();
             let shim_batch = || -> Result<Batch> {
-                let watcher = Watcher::new(shim.api(), Duration::from_millis(5));
+                let watcher = Watcher::new(&shim)?;
                 let batch = measure(&ids, concurrency, |id| {
                     shim.submit(id, "host")?;
                     watcher.wait_running(id)

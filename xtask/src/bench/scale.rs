@@ -102,7 +102,7 @@ fn fill(shim: &BenchShim, have: usize, want: usize) -> Result<usize> {
     println!("\n--- starting tasks {have}..{want}");
     let t = Instant::now();
     let ids: Vec<String> = (have..want).map(|i| format!("scale-{i}")).collect();
-    let watcher = Watcher::new(shim.api(), Duration::from_millis(50));
+    let watcher = Watcher::new(shim)?;
     parallel(&ids, 16, |id| {
         shim.submit(id, "host")?;
         watcher.wait_running(id)
