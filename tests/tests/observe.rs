@@ -477,8 +477,8 @@ fn events_follow_a_task_from_submit_to_removal_and_json_logs() {
         seen,
         [
             "submitted",
-            "preparing",
-            "pulling",
+            // `preparing` and `pulling` pass with nothing to do (the image is present):
+            // start progress, written with the container id, so never shown on their own.
             "creating",
             "running",
             "terminated:done_by_runner",

@@ -638,7 +638,9 @@ impl Engine {
         // exists before the answer, and before anything is acquired.
         let created = {
             let _guard = slot.step_lock.lock().await;
-            inner
+            // Counted with every other state write (here with the directory's creation).
+            let timer = WriteTimer::start();
+            let created = inner
                 .blocking(move |store| {
                     store.create_task_dir(&record.container_name)?;
                     match store.write(&record) {
@@ -653,7 +655,9 @@ impl Engine {
                         }
                     }
                 })
-                .await
+                .await;
+            timer.done(&inner.metrics, created.is_ok());
+            created
         };
         if let Err(e) = created {
             inner.table().remove(&id);

@@ -198,6 +198,19 @@ impl Inner {
                 }
             }
         }
+        // A real pull may take minutes: `pulling` (start progress, not written yet) is made
+        // durable, and so shown, before it begins.
+        match self.step(slot, Event::PersistRequested).await {
+            Ok((actions, _)) if !actions.is_empty() => {
+                if let Err(e) = Box::pin(self.run_actions(slot, actions)).await {
+                    tracing::warn!(task = %slot.id, error = %crate::engine::chain(&e), "before the pull");
+                }
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(task = %slot.id, error = %crate::engine::chain(&e), "cannot record the pull");
+            }
+        }
         match self.pull_image(slot, &image).await {
             Ok(p) => {
                 if !image.ends_with(":latest") {

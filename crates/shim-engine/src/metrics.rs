@@ -269,7 +269,7 @@ impl Collector for State {
             if t.record.status == TaskStatus::Terminated && r.holds_any() {
                 pending += 1;
             }
-            if t.dirty {
+            if t.dirty && !t.progress_only {
                 unwritten += 1;
             }
         }

@@ -119,6 +119,9 @@ pub enum StartBehavior {
     Fail(String),
     /// Start waits until [`FakeRuntime::release_starts`], then succeeds.
     Hang,
+    /// The container starts, but the answer is lost: the call fails as a request that timed
+    /// out does ([`RuntimeError::DaemonUnavailable`]).
+    StartsAnswerLost,
 }
 
 #[derive(Debug, Clone)]
@@ -640,8 +643,9 @@ impl ContainerRuntime for FakeRuntime {
                 None => state.start.clone(),
             }
         };
+        let answer_lost = behavior == StartBehavior::StartsAnswerLost;
         match behavior {
-            StartBehavior::Succeed => {}
+            StartBehavior::Succeed | StartBehavior::StartsAnswerLost => {}
             StartBehavior::Fail(message) => {
                 let mut state = self.lock();
                 if let Some(c) = Self::resolve(&mut state, id) {
@@ -674,6 +678,13 @@ impl ContainerRuntime for FakeRuntime {
         }
         let id = c.id.clone();
         Self::assign_ports(&mut state, &id);
+        if answer_lost {
+            return Err(RuntimeError::DaemonUnavailable {
+                op: "start",
+                what: format!("container {id}"),
+                source: "request timed out".into(),
+            });
+        }
         Ok(())
     }
 

@@ -9,13 +9,24 @@
 //! The record ([`Task::record`]) is what the machine intends; [`Task::saved`] is what the state
 //! file last durably held, and it is what the API shows ([`Task::info`]): the in-memory state
 //! never claims what is not durable. A step that changes the record returns exactly
-//! `[Persist]` and nothing else; every side effect that step calls for waits in the task as an
+//! `[Persist]` and nothing else (one exception below); every side effect that step calls for waits in the task as an
 //! intent (the next start step, a stop, a pull cancel, a release) and is emitted by the step of
 //! [`Event::Persisted`]. So a side effect never runs before the state that called for it is on
 //! disk, and a failed write ([`Event::PersistFailed`]) loses no intent: the reconciler retries
 //! the write ([`Event::PersistRequested`]) and the intents go out once it succeeds. A request
 //! that finds the record not yet durable retries the write too (a second terminate after the
 //! disk filled up and emptied again answers from a durable record).
+//!
+//! The exception is start progress ([`Task::progress_only`]): a step that only advances the
+//! status through `preparing`, `pulling` and `creating` needs no write of its own. Nothing a
+//! restore does depends on which of them was reached (without a container each restores as
+//! a start cut short; a container is found by its labels), and the API keeps showing the last
+//! durable status, so the next start step goes out at once and the next write carries the
+//! progress along. Everything a crash could lose (the write-ahead of keys and volumes, GPU
+//! ids, the container id, `running`, a termination) is still written before what follows it.
+//! This keeps a start's state-file writes at three (`pending` at submit, the container id,
+//! `running`) when nothing is acquired and the image is present; the engine writes `pulling`
+//! before an image is really pulled, so a long pull shows it.
 //!
 //! # What the engine must do (checked by the simulated engine in `tests/properties.rs`)
 //!
@@ -142,6 +153,14 @@ pub struct Task {
     pub saved: Saved,
     /// The record changed since the last successful write.
     pub dirty: bool,
+    /// Everything in the record not yet durable is start progress ([`Task::dirty`] is then
+    /// true too): a start status (`preparing`, `pulling`, `creating`) reached with nothing
+    /// else changed. Progress needs no write of its own: the API keeps showing the last
+    /// durable status, the next start step goes out at once, and the next write (the step
+    /// that records something, `running`, a termination, or [`Event::PersistRequested`])
+    /// carries it. A crash loses nothing a restore needs: without a container any start
+    /// status restores the same way.
+    pub progress_only: bool,
     /// The last failed side effect (a write, a stop, a release...), for logs; cleared by the
     /// next successful write.
     pub last_error: Option<String>,
@@ -494,6 +513,7 @@ impl Task {
             saved: Saved::of(&record),
             record,
             dirty: false,
+            progress_only: false,
             last_error: None,
             start_in_flight: true,
             ports: None,
@@ -1124,6 +1144,7 @@ fn apply(t: &mut Task, event: Event, actions: &mut Vec<Action>) -> Result<Shape,
         }
         Event::Persisted => {
             t.dirty = false;
+            t.progress_only = false;
             t.saved = Saved::of(&t.record);
             t.last_error = None;
         }
@@ -1173,22 +1194,22 @@ fn apply(t: &mut Task, event: Event, actions: &mut Vec<Action>) -> Result<Shape,
 }
 
 /// The side effects due now, marking each as out. Only [`Action::FinishStart`] goes out while
-/// the record is not durable; everything else waits for the write.
+/// the record is not durable, unless all that is not durable is start progress
+/// ([`Task::progress_only`]); everything else waits for the write.
 fn due(t: &mut Task, actions: &mut Vec<Action>) {
-    if !t.dirty && t.cancel_pull {
+    let durable_enough = !t.dirty || t.progress_only;
+    if durable_enough && t.cancel_pull {
         t.cancel_pull = false;
         actions.push(Action::CancelPull);
     }
-    if !t.dirty
-        && let StopState::Wanted { timeout_s } = t.stop
-    {
+    if durable_enough && let StopState::Wanted { timeout_s } = t.stop {
         t.stop = StopState::InFlight;
         actions.push(Action::StopContainer { timeout_s });
     }
     if t.start_in_flight
         && !t.start_step_out
         && let Some(s) = t.start_step
-        && (s == StartStep::Finish || !t.dirty)
+        && (s == StartStep::Finish || durable_enough)
         && let Some(action) = start_action(t.config(), s).or(Some(Action::FinishStart))
     {
         if !matches!(action, Action::FinishStart) {
@@ -1250,16 +1271,40 @@ pub(crate) fn record_changed(old: &TaskRecord, new: &TaskRecord) -> bool {
         || *created_at_ms != new.created_at_ms
 }
 
+/// Whether `new` differs from `old` only by start progress: the status advanced to a start
+/// status (`preparing`, `pulling`, `creating`), and the update time.
+pub(crate) fn is_progress(old: &TaskRecord, new: &TaskRecord) -> bool {
+    let start_status = |s: TaskStatus| {
+        matches!(
+            s,
+            TaskStatus::Preparing | TaskStatus::Pulling | TaskStatus::Creating
+        )
+    };
+    new.status > old.status
+        && start_status(new.status)
+        && !record_changed(
+            old,
+            &TaskRecord {
+                status: old.status,
+                ..new.clone()
+            },
+        )
+}
+
 /// Finishes a transition: a changed (or, when asked, a dirty) record is written first and
-/// alone; otherwise the side effects due go out.
+/// alone, unless the change is start progress only ([`Task::progress_only`]); otherwise the
+/// side effects due go out.
 fn finish(before: &TaskRecord, t: &mut Task, actions: &mut Vec<Action>, shape: Shape, now_ms: u64) {
     settle_released(t);
-    if record_changed(before, &t.record) {
+    let changed = record_changed(before, &t.record);
+    if changed {
         t.record.updated_at_ms = now_ms.max(before.updated_at_ms);
+        // Start progress stays progress only while nothing else waits to be written.
+        t.progress_only =
+            t.start_in_flight && (!t.dirty || t.progress_only) && is_progress(before, &t.record);
         t.dirty = true;
     }
-    let write =
-        t.dirty && !shape.no_write && (record_changed(before, &t.record) || shape.retry_write);
+    let write = t.dirty && !shape.no_write && ((changed && !t.progress_only) || shape.retry_write);
     if write {
         // Only actions that need no durable record may follow the write (GPU relocks at
         // restore); the side effects wait for `Persisted`.

@@ -136,6 +136,23 @@ fn same_record(a: &TaskRecord, b: &TaskRecord) -> bool {
     *a == b
 }
 
+fn is_start_status(s: TaskStatus) -> bool {
+    matches!(
+        s,
+        TaskStatus::Preparing | TaskStatus::Pulling | TaskStatus::Creating
+    )
+}
+
+/// `new` is `old` with only start progress: a start status further on (or the same), nothing
+/// else.
+fn only_progress(old: &TaskRecord, new: &TaskRecord) -> bool {
+    let mut o = old.clone();
+    o.status = new.status;
+    same_record(&o, new)
+        && new.status >= old.status
+        && (new.status == old.status || is_start_status(new.status))
+}
+
 fn config_from(gpu: i64, keys: bool, volumes: u8, dirs: u8, bridge: bool) -> TaskConfig {
     let mut c = TaskConfig::new(
         TaskId::new("task-1").unwrap(),
@@ -254,8 +271,18 @@ impl Sim {
         }
         // A changed record is persisted first, and Persist is only ever first; nothing that
         // needs a durable record follows it.
+        // The one exception: start progress, while everything not yet written is progress.
         let changed = !same_record(&before.record, &after.record);
-        if changed {
+        let lazy = after.progress_only;
+        if lazy && tr.actions.first() != Some(&Action::Persist) {
+            assert!(after.dirty && after.start_in_flight);
+            let durable = self.world.persisted.as_ref().unwrap();
+            assert!(
+                only_progress(durable, &after.record),
+                "{event:?}: more than progress unwritten"
+            );
+        }
+        if changed && !lazy {
             assert_eq!(tr.actions.first(), Some(&Action::Persist), "{event:?}");
         }
         if tr.actions.first() == Some(&Action::Persist) {
@@ -319,9 +346,25 @@ impl Sim {
                 if let Op::Do(a) = op
                     && a.needs_durable_record()
                 {
-                    assert!(!tr.task.dirty, "{a:?} with a record not yet durable");
                     let p = self.world.persisted.as_ref().unwrap();
-                    assert!(same_record(&tr.task.record, p), "{a:?} unpersisted");
+                    if tr.task.progress_only {
+                        // Only start progress is unwritten: the next start step may go.
+                        let start_step = matches!(
+                            a,
+                            Action::AcquireGpus { .. }
+                                | Action::AddHostKeys(_)
+                                | Action::MountVolume(_)
+                                | Action::CreateDir(_)
+                                | Action::Pull { .. }
+                                | Action::CreateContainer
+                                | Action::StartContainer
+                        );
+                        assert!(start_step, "{a:?} with a record not yet durable");
+                        assert!(only_progress(p, &tr.task.record), "{a:?} unpersisted");
+                    } else {
+                        assert!(!tr.task.dirty, "{a:?} with a record not yet durable");
+                        assert!(same_record(&tr.task.record, p), "{a:?} unpersisted");
+                    }
                 }
             }
         }
@@ -1285,7 +1328,14 @@ proptest! {
                 prop_assert_eq!(&a.termination_message, &b.termination_message);
             }
             prop_assert_eq!(a.status == TaskStatus::Terminated, a.termination_reason.is_some());
-            if !same_record(b, a) && !is_write_failure {
+            if tr.task.progress_only {
+                prop_assert!(tr.task.dirty && tr.task.start_in_flight);
+            }
+            if !same_record(b, a) && tr.task.progress_only {
+                // Start progress needs no write of its own.
+                prop_assert!(only_progress(b, a), "{:?} -> {:?}", b, a);
+                prop_assert!(!tr.actions.contains(&Action::Persist));
+            } else if !same_record(b, a) && !is_write_failure {
                 prop_assert!(tr.actions.first() == Some(&Action::Persist));
             }
             if tr.actions.first() == Some(&Action::Persist) {
@@ -1293,7 +1343,7 @@ proptest! {
                 prop_assert!(tr.actions.iter().skip(1).all(|x| !x.needs_durable_record()));
             }
             if tr.actions.iter().any(Action::needs_durable_record) && !is_remove {
-                prop_assert!(!tr.task.dirty, "{:?}", tr.actions);
+                prop_assert!(!tr.task.dirty || tr.task.progress_only, "{:?}", tr.actions);
             }
             // The shown state changes only with a write's success.
             if tr.task.saved != task.saved {

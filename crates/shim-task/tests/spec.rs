@@ -134,15 +134,21 @@ fn release_of(t: &Task) -> Action {
 }
 
 #[test]
-fn start_emits_each_step_with_persist_before_it() {
+fn start_emits_each_step_with_persist_before_what_needs_it() {
     let c = config();
     let mut t = new_task(&c);
     assert!(t.start_in_flight);
+    // `preparing` alone is start progress: no write of its own, the API still shows the
+    // durable `pending`, and the first step goes out at once.
     let a = go(&mut t, Event::StartBegan);
-    assert_eq!(a, vec![Action::Persist, Action::AcquireGpus { count: 1 }]);
-    assert_eq!(t.status(), TaskStatus::Preparing);
+    assert_eq!(a, vec![Action::AcquireGpus { count: 1 }]);
+    assert_eq!(t.record.status, TaskStatus::Preparing);
+    assert_eq!(t.status(), TaskStatus::Pending);
+    assert!(t.dirty && t.progress_only);
+    // GPU ids are recorded: written (with the progress) before the next step.
     let a = go(&mut t, Event::GpusAcquired(vec!["GPU-a".into()]));
     assert_eq!(a, vec![Action::Persist, Action::AddHostKeys(grant())]);
+    assert_eq!(t.status(), TaskStatus::Preparing);
     assert_eq!(t.record.resources.gpus, ["GPU-a"]);
     // The keys are recorded (and persisted) ahead of the add.
     assert_eq!(t.record.resources.host_keys, Some(grant()));
@@ -174,9 +180,12 @@ fn start_emits_each_step_with_persist_before_it() {
     };
     assert_eq!(go(&mut t, Event::PullProgressed(p)), vec![]);
     assert_eq!(t.info().image_pull_progress, Some(p));
+    // `creating` is progress again: create goes out at once.
     let a = go(&mut t, Event::PullDone(p));
-    assert_eq!(a, vec![Action::Persist, Action::CreateContainer]);
-    assert_eq!(t.status(), TaskStatus::Creating);
+    assert_eq!(a, vec![Action::CreateContainer]);
+    assert_eq!(t.record.status, TaskStatus::Creating);
+    assert_eq!(t.status(), TaskStatus::Pulling);
+    // The container id is written before the start.
     let a = go(
         &mut t,
         Event::ContainerCreated {
@@ -184,6 +193,7 @@ fn start_emits_each_step_with_persist_before_it() {
         },
     );
     assert_eq!(a, vec![Action::Persist, Action::StartContainer]);
+    assert_eq!(t.status(), TaskStatus::Creating);
     assert_eq!(t.info().container_id, "cid");
     let ports = vec![PortMapping {
         host: 40000,
@@ -213,22 +223,81 @@ fn minimal_config_skips_keys_volumes_dirs_and_a_present_image() {
     );
     c.gpu = 0;
     let mut t = new_task(&c);
-    go(&mut t, Event::StartBegan);
+    assert_eq!(
+        go(&mut t, Event::StartBegan),
+        vec![Action::AcquireGpus { count: 0 }]
+    );
     let a = go(&mut t, Event::GpusAcquired(vec![]));
-    // Nothing recorded changed (no GPUs), only the status moved to pulling.
+    // Nothing recorded changed (no GPUs), only the status moved to pulling: start progress,
+    // which needs no write of its own.
     assert_eq!(
         a,
-        vec![
-            Action::Persist,
-            Action::Pull {
-                image: "ubuntu".into()
-            }
-        ]
+        vec![Action::Pull {
+            image: "ubuntu".into()
+        }]
     );
     assert_eq!(t.info().gpu_ids, Some(vec![]));
     let a = go(&mut t, Event::PullSkipped);
-    assert_eq!(a, vec![Action::Persist, Action::CreateContainer]);
+    assert_eq!(a, vec![Action::CreateContainer]);
     assert_eq!(t.info().image_pull_progress, None);
+    // Three statuses on, the state file still holds `pending`, and the API shows it.
+    assert_eq!(t.record.status, TaskStatus::Creating);
+    assert_eq!(t.status(), TaskStatus::Pending);
+    // The first write after submit carries the container id and the progress.
+    let a = go(
+        &mut t,
+        Event::ContainerCreated {
+            container_id: "cid".into(),
+        },
+    );
+    assert_eq!(a, vec![Action::Persist, Action::StartContainer]);
+    assert_eq!(t.status(), TaskStatus::Creating);
+    assert!(!t.dirty && !t.progress_only);
+    let a = go(&mut t, Event::ContainerStarted { ports: vec![] });
+    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
+    assert_eq!(t.status(), TaskStatus::Running);
+}
+
+/// A step that records something while progress is unwritten writes both; a write asked for
+/// (the engine's, before a real pull) makes the progress durable and shown, and sends nothing
+/// again.
+#[test]
+fn progress_is_written_with_the_next_record_or_when_asked() {
+    let mut c = TaskConfig::new(
+        TaskId::new("t3").unwrap(),
+        TaskName::new("job").unwrap(),
+        "ubuntu:22.04",
+    );
+    c.gpu = 0;
+    let mut t = new_task(&c);
+    go(&mut t, Event::StartBegan);
+    go(&mut t, Event::GpusAcquired(vec![]));
+    assert_eq!(t.status(), TaskStatus::Pending);
+    assert!(t.progress_only);
+    // Asked: `pulling` is written and shown; the pull is out already, nothing goes again.
+    let tr = step(&t, Event::PersistRequested, 300).unwrap();
+    assert_eq!(tr.actions, vec![Action::Persist]);
+    t = tr.task;
+    let tr = step(&t, Event::Persisted, 300).unwrap();
+    assert_eq!(tr.actions, vec![]);
+    t = tr.task;
+    assert_eq!(t.status(), TaskStatus::Pulling);
+    assert!(!t.dirty && !t.progress_only);
+    // A terminate while progress is unwritten: one write with both, then the cancel.
+    let mut t = new_task(&c);
+    go(&mut t, Event::StartBegan);
+    go(&mut t, Event::GpusAcquired(vec![]));
+    let a = go(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByUser,
+            message: "bye".into(),
+            timeout_s: 0,
+        },
+    );
+    assert_eq!(a, vec![Action::Persist, Action::CancelPull]);
+    assert_eq!(t.status(), TaskStatus::Terminated);
+    assert!(!t.progress_only);
 }
 
 // ---- SPEC §2: how a task ends ----
