@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use shim_runtime::{PullRequest, RuntimeError, docker_time_ns};
+use shim_runtime::{ContainerState, PullRequest, RuntimeError, docker_time_ns};
 use shim_task::machine::{Action, Event, Observation};
 use shim_task::{MountedVolume, PortMapping, PullProgress, Resources};
 
@@ -300,7 +300,14 @@ impl Inner {
     ) -> Result<Vec<PortMapping>, String> {
         let runtime = &self.deps.runtime;
         let mut cid = slot.lock().record.container_id.clone();
-        if let Err(e) = runtime.start(&cid).await {
+        let mut started = runtime.start(&cid).await;
+        if let Err(e @ RuntimeError::DaemonUnavailable { .. }) = &started
+            && self.started_anyway(&cid).await
+        {
+            tracing::warn!(task = %slot.id, error = %e, "the start's answer was lost, but the container started: going on");
+            started = Ok(());
+        }
+        if let Err(e) = started {
             let message = e.to_string();
             let task = slot.snapshot();
             let retry = crate::spec::container_spec(self, &task)
@@ -359,6 +366,23 @@ impl Inner {
                 container: p.container,
             })
             .collect())
+    }
+
+    /// Whether a container whose start request failed in transit (a timeout on a loaded
+    /// daemon, a dropped connection) started nonetheless: an inspect waits for a start still
+    /// in progress (the daemon holds the container's lock), then tells. Upstream's start has
+    /// no timeout at all; this one has, so it must not turn a slow start into a failure.
+    async fn started_anyway(&self, cid: &str) -> bool {
+        match self.deps.runtime.inspect(cid).await {
+            Ok(d) => matches!(
+                d.state,
+                ContainerState::Running
+                    | ContainerState::Paused
+                    | ContainerState::Restarting
+                    | ContainerState::Exited
+            ),
+            Err(_) => false,
+        }
     }
 
     async fn start_failure(&self, cid: &str, error: &str) -> String {

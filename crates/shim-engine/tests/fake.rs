@@ -932,6 +932,31 @@ async fn a_start_writes_the_state_file_three_times() {
     assert_eq!(record["rust_shim"]["status"], "running", "{record}");
 }
 
+/// A start whose answer is lost in transit (a request timeout on a loaded daemon) while the
+/// container did start is a start, not a failure: the engine looks at the container.
+#[tokio::test]
+async fn a_start_whose_answer_was_lost_looks_at_the_container() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    w.runtime
+        .set_start_behavior(StartBehavior::StartsAnswerLost);
+    engine.submit(config("t1")).await.unwrap();
+    let info = wait_status(&engine, "t1", TaskStatus::Running).await;
+    assert_eq!(
+        w.runtime.state(&info.container_id),
+        Some(ContainerState::Running)
+    );
+    // A start that failed for real still fails.
+    w.runtime
+        .set_start_behavior(StartBehavior::Fail("no such device".into()));
+    engine.submit(config("t2")).await.unwrap();
+    let info = wait_status(&engine, "t2", TaskStatus::Terminated).await;
+    assert_eq!(
+        info.termination_reason, "container_exited_with_error",
+        "{info:?}"
+    );
+}
+
 /// A real pull shows `pulling` while it lasts, also for a task that acquires nothing: the
 /// engine writes the progress before it pulls.
 #[tokio::test]
