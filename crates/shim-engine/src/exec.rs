@@ -275,21 +275,35 @@ impl Inner {
                 self.image_seen(&spec.image);
                 Ok(self.deps.runtime.create(&spec).await?)
             }
+            // The answer was lost in transit (a timeout on a loaded daemon): the container may
+            // exist all the same, under this task's name and labels.
+            Err(e @ RuntimeError::DaemonUnavailable { .. }) => {
+                match self.own_container_id(&spec.name, &slot.id).await {
+                    Some(cid) => {
+                        tracing::warn!(task = %slot.id, error = %e, "the create's answer was lost, but the container exists: going on");
+                        Ok(cid)
+                    }
+                    None => Err(e.into()),
+                }
+            }
             other => Ok(other?),
         }
     }
 
     async fn is_own_leftover(&self, name: &str, id: &shim_task::TaskId) -> bool {
-        match self.deps.runtime.inspect(name).await {
-            Ok(d) => {
-                d.labels.get(crate::labels::LABEL_OWNER) == Some(&self.owner)
-                    && d.labels
-                        .get(crate::labels::LABEL_TASK_ID)
-                        .map(String::as_str)
-                        == Some(id.as_str())
-            }
-            Err(_) => false,
-        }
+        self.own_container_id(name, id).await.is_some()
+    }
+
+    /// The id of the container named `name` if it carries this engine's owner label and task
+    /// `id`'s label.
+    async fn own_container_id(&self, name: &str, id: &shim_task::TaskId) -> Option<String> {
+        let d = self.deps.runtime.inspect(name).await.ok()?;
+        let ours = d.labels.get(crate::labels::LABEL_OWNER) == Some(&self.owner)
+            && d.labels
+                .get(crate::labels::LABEL_TASK_ID)
+                .map(String::as_str)
+                == Some(id.as_str());
+        ours.then_some(d.id)
     }
 
     /// Starts the container and reads its published ports. On an NVIDIA host, a start that

@@ -932,8 +932,9 @@ async fn a_start_writes_the_state_file_three_times() {
     assert_eq!(record["rust_shim"]["status"], "running", "{record}");
 }
 
-/// A start whose answer is lost in transit (a request timeout on a loaded daemon) while the
-/// container did start is a start, not a failure: the engine looks at the container.
+/// A start (or create) whose answer is lost in transit (a request timeout on a loaded daemon)
+/// while the container did start (or was made) is not a failure: the engine looks at the
+/// container.
 #[tokio::test]
 async fn a_start_whose_answer_was_lost_looks_at_the_container() {
     let w = World::new(0);
@@ -945,6 +946,15 @@ async fn a_start_whose_answer_was_lost_looks_at_the_container() {
     assert_eq!(
         w.runtime.state(&info.container_id),
         Some(ContainerState::Running)
+    );
+    // The same for a create: the container made under the task's name and labels is taken.
+    w.runtime.set_start_behavior(StartBehavior::Succeed);
+    w.runtime.lose_next_create_answer();
+    engine.submit(config("t3")).await.unwrap();
+    let info = wait_status(&engine, "t3", TaskStatus::Running).await;
+    assert_eq!(
+        w.runtime.id_by_name(&info.container_name),
+        Some(info.container_id.clone())
     );
     // A start that failed for real still fails.
     w.runtime

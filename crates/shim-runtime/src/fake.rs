@@ -150,6 +150,8 @@ struct State {
     pull: PullBehavior,
     start: StartBehavior,
     start_queue: VecDeque<StartBehavior>,
+    /// The next create makes its container but fails as a request that timed out.
+    lose_create_answer: bool,
     stop_exit_code: Option<i64>,
     /// Every event sent so far, for replays (`since`), like the daemon's ring buffer.
     event_log: Vec<ContainerEvent>,
@@ -306,6 +308,12 @@ impl FakeRuntime {
     /// start with `/dev/nvidia-modeset`, then succeed).
     pub fn queue_start_behavior(&self, behavior: StartBehavior) {
         self.lock().start_queue.push_back(behavior);
+    }
+
+    /// The next create makes its container, but its answer is lost: the call fails as a
+    /// request that timed out does ([`RuntimeError::DaemonUnavailable`]).
+    pub fn lose_next_create_answer(&self) {
+        self.lock().lose_create_answer = true;
     }
 
     /// Lets every hanging start proceed (and succeed).
@@ -626,7 +634,15 @@ impl ContainerRuntime for FakeRuntime {
                 message: format!("the container name \"/{}\" is already in use", spec.name),
             });
         }
-        Ok(Self::new_container(&mut state, spec))
+        let id = Self::new_container(&mut state, spec);
+        if std::mem::take(&mut state.lose_create_answer) {
+            return Err(RuntimeError::DaemonUnavailable {
+                op: "create",
+                what: format!("container {}", spec.name),
+                source: "request timed out".into(),
+            });
+        }
+        Ok(id)
     }
 
     async fn start(&self, id: &str) -> Result<()> {
