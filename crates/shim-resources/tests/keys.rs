@@ -780,10 +780,10 @@ fn ssh_dir_swapped_for_a_link_mid_update_is_never_written_through() {
     std::os::unix::fs::symlink(&elsewhere, &link).unwrap();
     let ssh = h.home.join(".ssh");
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let swaps = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let swapper = {
-        let (stop, ssh, link) = (stop.clone(), ssh.clone(), link.clone());
+        let (stop, swaps, ssh, link) = (stop.clone(), swaps.clone(), ssh.clone(), link.clone());
         std::thread::spawn(move || {
-            let mut swaps = 0u64;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 nix::fcntl::renameat2(
                     None,
@@ -793,8 +793,10 @@ fn ssh_dir_swapped_for_a_link_mid_update_is_never_written_through() {
                     nix::fcntl::RenameFlags::RENAME_EXCHANGE,
                 )
                 .unwrap();
-                swaps += 1;
-                std::thread::yield_now();
+                swaps.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                // A short sleep, not a spin: on a loaded machine a spinning swapper can be
+                // starved with the link in place, and then nothing but refusals is tested.
+                std::thread::sleep(std::time::Duration::from_micros(50));
             }
             // Leave the real directory at ~/.ssh.
             if fs_err::symlink_metadata(&ssh)
@@ -811,12 +813,20 @@ fn ssh_dir_swapped_for_a_link_mid_update_is_never_written_through() {
                 )
                 .unwrap();
             }
-            swaps
         })
     };
     let (mut ok, mut refused) = (0, 0);
     let keys = [key(K1), key(K2), key(K3)];
-    for i in 0..300 {
+    // At least 300 rounds, and on until both outcomes were seen under many swaps (bounded).
+    let started = std::time::Instant::now();
+    for i in 0.. {
+        let enough = i >= 300
+            && ok > 0
+            && refused > 0
+            && swaps.load(std::sync::atomic::Ordering::Relaxed) > 100;
+        if enough || started.elapsed() > std::time::Duration::from_secs(60) {
+            break;
+        }
         let t = task(&format!("t{i}"));
         let k = std::slice::from_ref(&keys[i % 3]);
         for r in [
@@ -831,9 +841,10 @@ fn ssh_dir_swapped_for_a_link_mid_update_is_never_written_through() {
         }
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let swaps = swapper.join().unwrap();
+    swapper.join().unwrap();
+    let swaps = swaps.load(std::sync::atomic::Ordering::Relaxed);
     eprintln!("{swaps} swaps; {ok} updates done, {refused} refused");
-    assert!(swaps > 0 && ok > 0);
+    assert!(swaps > 100 && ok > 0, "the race was not exercised");
     let leaked: Vec<_> = fs_err::read_dir(&elsewhere).unwrap().collect();
     assert!(leaked.is_empty(), "written through the link: {leaked:?}");
     assert!(
