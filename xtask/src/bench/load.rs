@@ -60,7 +60,7 @@ fn measure(
 /// Figures (3) and (4).
 pub fn throughput(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
     let n = ctx.pick(8, 50);
-    let rounds = ctx.pick(1, 2);
+    let rounds = ctx.pick(1, 5);
     let docker = &ctx.scratch.docker;
     let shim = BenchShim::start(&ctx.binary, &ctx.scratch, "load")?;
     for concurrency in [4, 16] {
