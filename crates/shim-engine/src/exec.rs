@@ -199,16 +199,17 @@ impl Inner {
             }
         }
         // A real pull may take minutes: `pulling` (start progress, not written yet) is made
-        // durable, and so shown, before it begins.
+        // durable, and so shown, before it begins. A failed write does not stop the pull: the
+        // task stays dirty and its next write (or the reconciler) carries it.
         match self.step(slot, Event::PersistRequested).await {
             Ok((actions, _)) if !actions.is_empty() => {
                 if let Err(e) = Box::pin(self.run_actions(slot, actions)).await {
-                    tracing::warn!(task = %slot.id, error = %crate::engine::chain(&e), "before the pull");
+                    tracing::warn!(task = %slot.id, error = %crate::engine::chain(&e), "an action due before the pull failed");
                 }
             }
             Ok(_) => {}
             Err(e) => {
-                tracing::warn!(task = %slot.id, error = %crate::engine::chain(&e), "cannot record the pull");
+                tracing::warn!(task = %slot.id, error = %crate::engine::chain(&e), "cannot record that the pull begins");
             }
         }
         match self.pull_image(slot, &image).await {

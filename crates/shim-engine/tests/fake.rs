@@ -107,6 +107,13 @@ async fn wait_status(engine: &Engine, id: &str, status: TaskStatus) -> shim_task
     );
 }
 
+/// The engine's metrics as Prometheus text.
+fn scrape(engine: &Engine) -> String {
+    let mut out = String::new();
+    engine.encode_metrics(&mut out).unwrap();
+    out
+}
+
 async fn wait_pulling(engine: &Engine, id: &str) -> shim_task::TaskInfo {
     for _ in 0..500 {
         let info = engine.task_info(&tid(id)).unwrap();
@@ -894,9 +901,8 @@ async fn a_start_writes_the_state_file_three_times() {
     let w = World::new(0);
     let engine = w.engine().await;
     let writes = || {
-        let mut out = String::new();
-        engine.encode_metrics(&mut out).unwrap();
-        out.lines()
+        scrape(&engine)
+            .lines()
             .find_map(|l| l.strip_prefix("dstack_shim_state_write_seconds_count "))
             .unwrap()
             .parse::<u64>()
@@ -934,7 +940,10 @@ async fn a_start_writes_the_state_file_three_times() {
 
 /// A start (or create) whose answer is lost in transit (a request timeout on a loaded daemon)
 /// while the container did start (or was made) is not a failure: the engine looks at the
-/// container.
+/// container. Upstream puts no deadline on either: runner/internal/shim/api/handlers.go runs
+/// the task with `context.Background()`, and runner/internal/shim/docker.go passes that
+/// context to `ContainerCreate` and `ContainerStart`; this shim bounds every request (30 s),
+/// so a slow answer must not turn into a failed task.
 #[tokio::test]
 async fn a_start_whose_answer_was_lost_looks_at_the_container() {
     let w = World::new(0);
@@ -1046,11 +1055,7 @@ async fn subscribers_see_every_change_of_fifty_concurrent_tasks_in_order() {
 async fn metrics_move_as_tasks_run() {
     let w = World::new(2);
     let engine = w.engine().await;
-    let scrape = || {
-        let mut out = String::new();
-        engine.encode_metrics(&mut out).unwrap();
-        out
-    };
+    let scrape = || scrape(&engine);
     let before = scrape();
     assert!(
         before.contains("dstack_shim_tasks_submitted_total 0"),

@@ -9,8 +9,8 @@
 //! The record ([`Task::record`]) is what the machine intends; [`Task::saved`] is what the state
 //! file last durably held, and it is what the API shows ([`Task::info`]): the in-memory state
 //! never claims what is not durable. A step that changes the record returns exactly
-//! `[Persist]` and nothing else (one exception below); every side effect that step calls for waits in the task as an
-//! intent (the next start step, a stop, a pull cancel, a release) and is emitted by the step of
+//! `[Persist]` and nothing else (one exception below); every side effect that step calls for
+//! waits in the task as an intent (the next start step, a stop, a pull cancel, a release) and is emitted by the step of
 //! [`Event::Persisted`]. So a side effect never runs before the state that called for it is on
 //! disk, and a failed write ([`Event::PersistFailed`]) loses no intent: the reconciler retries
 //! the write ([`Event::PersistRequested`]) and the intents go out once it succeeds. A request
@@ -153,13 +153,9 @@ pub struct Task {
     pub saved: Saved,
     /// The record changed since the last successful write.
     pub dirty: bool,
-    /// Everything in the record not yet durable is start progress ([`Task::dirty`] is then
-    /// true too): a start status (`preparing`, `pulling`, `creating`) reached with nothing
-    /// else changed. Progress needs no write of its own: the API keeps showing the last
-    /// durable status, the next start step goes out at once, and the next write (the step
-    /// that records something, `running`, a termination, or [`Event::PersistRequested`])
-    /// carries it. A crash loses nothing a restore needs: without a container any start
-    /// status restores the same way.
+    /// Everything in the record not yet durable is start progress (see the module docs;
+    /// [`Task::dirty`] is then true too): the next start step may go out, and the next write
+    /// carries the progress.
     pub progress_only: bool,
     /// The last failed side effect (a write, a stop, a release...), for logs; cleared by the
     /// next successful write.
@@ -1197,19 +1193,20 @@ fn apply(t: &mut Task, event: Event, actions: &mut Vec<Action>) -> Result<Shape,
 /// the record is not durable, unless all that is not durable is start progress
 /// ([`Task::progress_only`]); everything else waits for the write.
 fn due(t: &mut Task, actions: &mut Vec<Action>) {
-    let durable_enough = !t.dirty || t.progress_only;
-    if durable_enough && t.cancel_pull {
+    if !t.dirty && t.cancel_pull {
         t.cancel_pull = false;
         actions.push(Action::CancelPull);
     }
-    if durable_enough && let StopState::Wanted { timeout_s } = t.stop {
+    if !t.dirty
+        && let StopState::Wanted { timeout_s } = t.stop
+    {
         t.stop = StopState::InFlight;
         actions.push(Action::StopContainer { timeout_s });
     }
     if t.start_in_flight
         && !t.start_step_out
         && let Some(s) = t.start_step
-        && (s == StartStep::Finish || durable_enough)
+        && (s == StartStep::Finish || !t.dirty || t.progress_only)
         && let Some(action) = start_action(t.config(), s).or(Some(Action::FinishStart))
     {
         if !matches!(action, Action::FinishStart) {
@@ -1272,8 +1269,8 @@ pub(crate) fn record_changed(old: &TaskRecord, new: &TaskRecord) -> bool {
 }
 
 /// Whether `new` differs from `old` only by start progress: the status advanced to a start
-/// status (`preparing`, `pulling`, `creating`), and the update time.
-pub(crate) fn is_progress(old: &TaskRecord, new: &TaskRecord) -> bool {
+/// status (`preparing`, `pulling`, `creating`).
+fn is_progress(old: &TaskRecord, new: &TaskRecord) -> bool {
     let start_status = |s: TaskStatus| {
         matches!(
             s,
