@@ -53,9 +53,6 @@ use shim_e2e::{
 const WAIT: Duration = Duration::from_secs(60);
 /// The suffix of every `authorized_keys` line the shim writes (shim-resources' `MARKER`).
 const MARKER: &str = "# added by dstack-shim";
-/// The prefix of the message of a start given up because its state could not be written
-/// (shim-task's `WRITE_FAILED_PREFIX`).
-const WRITE_FAILED: &str = "cannot write the task's state file";
 /// What the kernel's ENOSPC reads as in an error chain.
 const ENOSPC: &str = "No space left on device";
 
@@ -1240,18 +1237,18 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
 /// SPEC §4–§5 with the home on a 16 MiB ext4 filesystem that fills up (ENOSPC) during each
 /// kind of state write, then frees up. While full:
 /// - a submit answers 500 with the cause and leaves nothing behind;
-/// - a start whose next write (here the container id's, after the pull and the create) fails
-///   is given up before its container runs (`executor_error`, "cannot write the task's state
-///   file: … No space left on device") — shown once that can be written;
+/// - a start whose next write is `running` (after the pull, the create and the start, which are
+///   start progress and need no write of their own) is not given up: its container runs, and
+///   the task shows its last durable status (`pulling`) until `running` can be written;
 /// - a terminate answers 500 with the cause; the task keeps showing `running` and its
 ///   container runs;
 /// - a runner that exits is not reported, and its task keeps its keys, until the state can be
 ///   written.
 ///
-/// Once space returns, without a restart: the exit and the given-up start are reported within
-/// a second or two, the failed terminate's reason is written and its container stopped, a
-/// second terminate answers 200, removes are accepted; after a restart every terminate
-/// answered 200 keeps its reason.
+/// Once space returns, without a restart: the exit and the start are reported within a second
+/// or two, the failed terminate's reason is written and its container stopped, a second
+/// terminate answers 200, removes are accepted; after a restart every terminate answered 200
+/// keeps its reason and the started task runs on in its container.
 #[test]
 fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     if !enabled(
@@ -1345,7 +1342,7 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
         }
     });
 
-    // The pull completes; the start's next write fails.
+    // The pull completes; the start goes on to `running`, whose write fails.
     proxy.open();
     wait_for("t4's image pulled", WAIT, || {
         if docker_at(None, &["image", "inspect", &pulled])
@@ -1367,7 +1364,7 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     assert_eq!(
         status_of(&shim.info("t4")),
         "pulling",
-        "t4's end is not durable yet"
+        "t4's `running` is not durable yet"
     );
     assert_eq!(
         status_of(&shim.info("t1")),
@@ -1378,18 +1375,17 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
         marked_keys(&user).contains(&key_blob(&k2)),
         "t2's key is released before its end is durable"
     );
-    // The pull's end and `creating` are start progress, which needs no write of its own, and
-    // a create needs no record (the container carries the task's labels): the create goes
-    // out. The container id's write is the start's next write; it fails, so the start is
-    // given up before the container runs.
-    let t4_container = shim
-        .containers()
-        .get(&container_name_of(&t4_config))
-        .cloned();
-    assert!(
-        t4_container.as_ref().is_none_or(|(_, running)| !running),
-        "t4's container runs although its start could not be recorded: {t4_container:?}"
-    );
+    // The pull's end, `creating` and the new container's id are start progress, which needs
+    // no write of its own, and neither a create nor a start needs a record (the container
+    // carries the task's labels, so a restart finds it): the container runs. The start is not
+    // given up for the failed `running` write; the reconciler retries it.
+    let t4_cid = wait_for("t4's container runs", WAIT, || {
+        match shim.containers().get(&container_name_of(&t4_config)) {
+            Some((cid, true)) => Ok(cid.clone()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    assert_eq!(status_of(&shim.info("t4")), "pulling");
 
     // Space returns: everything converges without a restart.
     fs.free(&filler);
@@ -1410,7 +1406,7 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     wait_for("t2 and t4 reported", WAIT, || {
         let (t2, t4) = (shim.info("t2"), shim.info("t4"));
         if status_of(&t2) == "terminated"
-            && status_of(&t4) == "terminated"
+            && status_of(&t4) == "running"
             && marked_keys(&user).is_empty()
         {
             Ok(())
@@ -1419,22 +1415,23 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
         }
     });
     let converged = freed.elapsed();
-    eprintln!(
-        "MEASURED space freed -> exit and given-up start reported, keys released: {converged:?}"
-    );
+    eprintln!("MEASURED space freed -> exit and start reported, keys released: {converged:?}");
     let t2_done = shim.info("t2");
     assert_eq!(t2_done["termination_reason"], "done_by_runner", "{t2_done}");
-    let t4_done = shim.info("t4");
-    assert_eq!(t4_done["termination_reason"], "executor_error", "{t4_done}");
-    let message = t4_done["termination_message"].as_str().unwrap();
-    assert!(
-        message.starts_with(WRITE_FAILED) && message.contains(ENOSPC),
-        "{t4_done}"
-    );
+    assert_eq!(shim.info("t4")["container_id"], t4_cid.as_str());
 
     // Restart: what was answered stays (a stopped container publishes no ports any more).
     shim.restart();
-    for done in [&t1_done, &t2_done, &t4_done] {
+    let t4 = shim.info("t4");
+    assert_eq!(
+        (status_of(&t4), t4["container_id"].as_str().unwrap()),
+        ("running", t4_cid.as_str()),
+        "{t4}"
+    );
+    assert_eq!(shim.running(&t4_cid), Some(true));
+    let r = shim.terminate("t4", "terminated_by_server", "", 0);
+    assert_eq!(r.status, 200, "{r:?}");
+    for done in [&t1_done, &t2_done] {
         let id = done["id"].as_str().unwrap();
         assert_eq!(
             ending(&shim.info(id)),

@@ -412,7 +412,7 @@ fn the_parser_is_strict() {
 // ---------------------------------------------------------------------------------------------
 
 /// An SSE client sees a task from submit to removal: the snapshot first, then submitted,
-/// each status (preparing, pulling, creating, running), terminated with its reason, released,
+/// each durable status (here only running), terminated with its reason, released,
 /// removed — in order, with strictly increasing ids equal to each change's `seq`. A second
 /// client that connects while the task runs gets it in its snapshot. The shim logs in JSON
 /// (`--log-format json`): every line of `shim.log` is a JSON object, and lines about the task
@@ -477,9 +477,8 @@ fn events_follow_a_task_from_submit_to_removal_and_json_logs() {
         seen,
         [
             "submitted",
-            // `preparing` and `pulling` pass with nothing to do (the image is present):
-            // start progress, written with the container id, so never shown on their own.
-            "creating",
+            // `preparing`, `pulling` and `creating` pass with nothing to do (the image is
+            // present): start progress, written with `running`, so never shown on their own.
             "running",
             "terminated:done_by_runner",
             "released",

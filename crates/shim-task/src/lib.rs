@@ -64,7 +64,7 @@
 //!  reason recorded    │ terminated (kept); running → Stop{0};  │ terminated (kept); release
 //!                     │ release once stopped                   │
 //!  no reason          │ running (the reconciler decides); ids, │ terminated executor_error:
-//!                     │ ports, GPU ids from the container      │ "…never created" / "…vanished"
+//!                     │ ports, GPU ids from the container      │ "…no container…found" / "…vanished"
 //!  no record          │ running, config None, volumes from its │ nothing
 //!                     │ mounts, no SSH keys                    │
 //! ```

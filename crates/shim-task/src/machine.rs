@@ -18,15 +18,16 @@
 //! disk filled up and emptied again answers from a durable record).
 //!
 //! The exception is start progress ([`Task::progress_only`]): a step that only advances the
-//! status through `preparing`, `pulling` and `creating` needs no write of its own. Nothing a
-//! restore does depends on which of them was reached (without a container each restores as
-//! a start cut short; a container is found by its labels), and the API keeps showing the last
-//! durable status, so the next start step goes out at once and the next write carries the
-//! progress along. Everything a crash could lose (the write-ahead of keys and volumes, GPU
-//! ids, the container id, `running`, a termination) is still written before what follows it.
-//! This keeps a start's state-file writes at three (`pending` at submit, the container id,
-//! `running`) when nothing is acquired and the image is present; the engine writes `pulling`
-//! before an image is really pulled, so a long pull shows it.
+//! status through `preparing`, `pulling` and `creating`, or records the id of the container
+//! just created, needs no write of its own. Nothing a restore does depends on it: without a
+//! container every start status restores as a start cut short, and a container is found by
+//! its labels, not by a recorded id. The API keeps showing the last durable status, so the
+//! next start step goes out at once and the next write carries the progress along.
+//! Everything a crash could lose (the write-ahead of keys and volumes, GPU ids, created
+//! directories, `running`, a termination) is still written before what follows it. This
+//! keeps a start's state-file writes at two (`pending` at submit, `running`) when nothing is
+//! acquired and the image is present; the engine writes `pulling` before an image is really
+//! pulled, so a long pull shows it.
 //!
 //! # What the engine must do (checked by the simulated engine in `tests/properties.rs`)
 //!
@@ -1269,7 +1270,7 @@ pub(crate) fn record_changed(old: &TaskRecord, new: &TaskRecord) -> bool {
 }
 
 /// Whether `new` differs from `old` only by start progress: the status advanced to a start
-/// status (`preparing`, `pulling`, `creating`).
+/// status (`preparing`, `pulling`, `creating`), or the first container id arrived during one.
 fn is_progress(old: &TaskRecord, new: &TaskRecord) -> bool {
     let start_status = |s: TaskStatus| {
         matches!(
@@ -1277,12 +1278,16 @@ fn is_progress(old: &TaskRecord, new: &TaskRecord) -> bool {
             TaskStatus::Preparing | TaskStatus::Pulling | TaskStatus::Creating
         )
     };
-    new.status > old.status
+    let advanced = new.status > old.status;
+    let first_container = old.container_id.is_empty() && !new.container_id.is_empty();
+    (advanced || first_container)
+        && new.status >= old.status
         && start_status(new.status)
         && !record_changed(
             old,
             &TaskRecord {
                 status: old.status,
+                container_id: old.container_id.clone(),
                 ..new.clone()
             },
         )

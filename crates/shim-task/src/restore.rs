@@ -52,11 +52,15 @@ pub struct ObservedContainer {
     pub recovered_volumes: Vec<MountedVolume>,
 }
 
-/// Why a task restored without a container ended.
+/// Why a task restored without a container ended. A start does not write the id of the
+/// container it just created on its own (start progress, see the machine's docs), so a record
+/// without one may have had a container that was removed while the shim was down.
 fn lost_container_message(record: &TaskRecord) -> String {
     if record.container_id.is_empty() {
         format!(
-            "the shim stopped while the task was {}; its container was never created",
+            "the shim stopped while the task was {}; no container of it was found when the \
+             shim restarted (its start was cut short before the container was created, or the \
+             container was removed while the shim was down)",
             record.status
         )
     } else {

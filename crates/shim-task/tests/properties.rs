@@ -143,14 +143,17 @@ fn is_start_status(s: TaskStatus) -> bool {
     )
 }
 
-/// `new` is `old` with only start progress: a start status further on (or the same), nothing
-/// else.
+/// `new` is `old` with only start progress: a start status further on (or the same), and the
+/// first container id, nothing else.
 fn only_progress(old: &TaskRecord, new: &TaskRecord) -> bool {
     let mut o = old.clone();
     o.status = new.status;
+    if old.container_id.is_empty() {
+        o.container_id = new.container_id.clone();
+    }
     same_record(&o, new)
         && new.status >= old.status
-        && (new.status == old.status || is_start_status(new.status))
+        && (same_record(old, new) || is_start_status(new.status))
 }
 
 fn config_from(gpu: i64, keys: bool, volumes: u8, dirs: u8, bridge: bool) -> TaskConfig {

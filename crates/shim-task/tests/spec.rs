@@ -185,15 +185,17 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
     assert_eq!(a, vec![Action::CreateContainer]);
     assert_eq!(t.record.status, TaskStatus::Creating);
     assert_eq!(t.status(), TaskStatus::Pulling);
-    // The container id is written before the start.
+    // The first container id is progress too (a restore finds the container by its labels):
+    // the start goes out at once, and `running` carries the id and `creating` to disk.
     let a = go(
         &mut t,
         Event::ContainerCreated {
             container_id: "cid".into(),
         },
     );
-    assert_eq!(a, vec![Action::Persist, Action::StartContainer]);
-    assert_eq!(t.status(), TaskStatus::Creating);
+    assert_eq!(a, vec![Action::StartContainer]);
+    assert_eq!(t.status(), TaskStatus::Pulling);
+    assert!(t.dirty && t.progress_only);
     assert_eq!(t.info().container_id, "cid");
     let ports = vec![PortMapping {
         host: 40000,
@@ -243,19 +245,53 @@ fn minimal_config_skips_keys_volumes_dirs_and_a_present_image() {
     // Three statuses on, the state file still holds `pending`, and the API shows it.
     assert_eq!(t.record.status, TaskStatus::Creating);
     assert_eq!(t.status(), TaskStatus::Pending);
-    // The first write after submit carries the container id and the progress.
+    // The container id is progress as well: the start goes out without a write.
     let a = go(
         &mut t,
         Event::ContainerCreated {
             container_id: "cid".into(),
         },
     );
-    assert_eq!(a, vec![Action::Persist, Action::StartContainer]);
-    assert_eq!(t.status(), TaskStatus::Creating);
-    assert!(!t.dirty && !t.progress_only);
+    assert_eq!(a, vec![Action::StartContainer]);
+    assert_eq!(t.status(), TaskStatus::Pending);
+    assert!(t.dirty && t.progress_only);
+    // The first write after submit is `running`, with the container id.
     let a = go(&mut t, Event::ContainerStarted { ports: vec![] });
     assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
     assert_eq!(t.status(), TaskStatus::Running);
+    assert!(!t.dirty && !t.progress_only);
+    assert_eq!(t.record.container_id, "cid");
+}
+
+/// A replacement container (the NVIDIA display retry) is not the first id: it is written
+/// at once, while the start is still out.
+#[test]
+fn a_replaced_container_id_is_written_at_once() {
+    let mut t = new_task(&TaskConfig::new(
+        TaskId::new("t3").unwrap(),
+        TaskName::new("job").unwrap(),
+        "ubuntu",
+    ));
+    go(&mut t, Event::StartBegan);
+    go(&mut t, Event::GpusAcquired(vec![]));
+    go(&mut t, Event::PullSkipped);
+    let a = go(
+        &mut t,
+        Event::ContainerCreated {
+            container_id: "c1".into(),
+        },
+    );
+    assert_eq!(a, vec![Action::StartContainer]);
+    let a = go(
+        &mut t,
+        Event::ContainerRecreated {
+            container_id: "c2".into(),
+        },
+    );
+    assert_eq!(a, vec![Action::Persist]);
+    assert!(!t.dirty && !t.progress_only);
+    assert_eq!(t.status(), TaskStatus::Creating);
+    assert_eq!(t.record.container_id, "c2");
 }
 
 /// A step that records something while progress is unwritten writes both; a write asked for
@@ -1158,7 +1194,9 @@ fn restore_record_without_container_is_executor_error_saying_what_happened() {
     assert_ended(
         &r,
         TerminationReason::ExecutorError,
-        "the shim stopped while the task was pulling; its container was never created",
+        "the shim stopped while the task was pulling; no container of it was found when the \
+         shim restarted (its start was cut short before the container was created, or the \
+         container was removed while the shim was down)",
     );
     assert_eq!(
         a,
@@ -1436,6 +1474,38 @@ fn a_start_whose_write_fails_is_given_up_with_the_cause() {
     );
     assert_eq!(a, vec![Action::Persist]);
     assert_eq!(t.start_step, Some(StartStep::AddHostKeys));
+}
+
+/// The first write of a start that acquires nothing is `running`, after the container
+/// started: its failure does not give the start up (the container runs, and a restart would
+/// find it by its labels). The API shows the last durable status until the reconciler's retry
+/// writes `running` with the container id.
+#[test]
+fn a_start_whose_running_write_fails_is_not_given_up() {
+    let mut t = new_task(&TaskConfig::new(
+        TaskId::new("t4").unwrap(),
+        TaskName::new("job").unwrap(),
+        "ubuntu",
+    ));
+    go(&mut t, Event::StartBegan);
+    go(&mut t, Event::GpusAcquired(vec![]));
+    go(&mut t, Event::PullSkipped);
+    go(
+        &mut t,
+        Event::ContainerCreated {
+            container_id: "cid".into(),
+        },
+    );
+    let a = go_disk_full(&mut t, Event::ContainerStarted { ports: vec![] });
+    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
+    assert_eq!(t.record.status, TaskStatus::Running);
+    assert_eq!(t.status(), TaskStatus::Pending, "not durable, not shown");
+    assert!(t.record.termination_reason.is_none());
+    go(&mut t, Event::StartFinished);
+    assert_eq!(go(&mut t, Event::PersistRequested), vec![Action::Persist]);
+    assert_eq!(t.status(), TaskStatus::Running);
+    assert!(!t.dirty);
+    assert_eq!(t.info().container_id, "cid");
 }
 
 #[test]
