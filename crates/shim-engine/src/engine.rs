@@ -642,9 +642,9 @@ impl Engine {
             let timer = WriteTimer::start();
             let created = inner
                 .blocking(move |store| {
-                    store.create_task_dir(&record.container_name)?;
-                    match store.write(&record) {
-                        Ok(()) => Ok(()),
+                    match store.create(&record) {
+                        Ok(_) => Ok(()),
+                        Err(e @ shim_store::StoreError::TaskExists { .. }) => Err(e),
                         Err(e) => {
                             // Nothing was acquired: leave nothing behind (or a skeleton the
                             // next start-up sweeps).

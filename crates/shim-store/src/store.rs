@@ -276,11 +276,43 @@ impl Store {
     /// directory without a state file (a submit cut short) is reused; one with a state file
     /// means the task exists: [`StoreError::TaskExists`]. The task directory is durable on
     /// return; its `runner/` entry becomes durable with the first [`Store::write`] (which
-    /// fsyncs the task directory), one fsync less on the way to answering a submit. A crash
-    /// before that write leaves at most a skeleton, which the scan at start-up recognises.
+    /// fsyncs the task directory). A crash before that write leaves at most a skeleton, which
+    /// the scan at start-up recognises. [`Store::create`] does both with one fsync less.
     pub fn create_task_dir(&self, container_name: &str) -> Result<TaskPaths> {
+        let (paths, _) = self.make_task_dir(container_name, true)?;
+        Ok(paths)
+    }
+
+    /// A new task: [`Store::create_task_dir`] and its first [`Store::write`], durable on
+    /// return. The directories are created without their own fsyncs: the state file's write
+    /// fsyncs the task directory (making `runner/` durable), and the runners directory is
+    /// fsynced last (making the task directory durable), by which time the journal has
+    /// usually committed it already. A crash before the return leaves nothing, a skeleton
+    /// (swept at start-up) or the complete task, never a state file without its directory.
+    ///
+    /// On error no state file is left (one written before a failed fsync is removed again, so
+    /// a failed submit does not come back as a task at the next start-up), but the directory
+    /// may be, as a skeleton ([`Store::remove_skeleton`]).
+    pub fn create(&self, record: &TaskRecord) -> Result<TaskPaths> {
+        let (paths, dir) = self.make_task_dir(&record.container_name, false)?;
+        let written = self.write_into(&dir, record).and_then(|()| {
+            self.runners.sync().map_err(fs_err_ctx(format!(
+                "writing the state of task {}",
+                record.id
+            )))
+        });
+        if let Err(e) = written {
+            if let Err(rm) = dir.remove_file(STATE_FILE) {
+                tracing::warn!(error = %rm, path = %paths.state_file.display(), "cannot remove the state file of a failed submit");
+            }
+            return Err(e);
+        }
+        Ok(paths)
+    }
+
+    fn make_task_dir(&self, container_name: &str, sync: bool) -> Result<(TaskPaths, Dir)> {
         let paths = self.paths(container_name)?;
-        let (dir, created) = ensure_dir(&self.runners, container_name, DIR_MODE)?;
+        let (dir, created) = ensure_dir_with(&self.runners, container_name, DIR_MODE, sync)?;
         if !created {
             let state = dir.stat(STATE_FILE).map_err(fs_err_ctx(format!(
                 "creating the directory {}",
@@ -294,7 +326,7 @@ impl Store {
             }
         }
         ensure_dir_with(&dir, RUNNER_DIR, RUNNER_DIR_MODE, false)?;
-        Ok(paths)
+        Ok((paths, dir))
     }
 
     /// Removes a task directory that holds nothing but an empty `runner/` (or nothing at
@@ -330,11 +362,6 @@ impl Store {
     /// failed: then the new record is in place but may not survive a power loss.
     pub fn write(&self, record: &TaskRecord) -> Result<()> {
         let paths = self.paths(&record.container_name)?;
-        let bytes = format::encode(record).map_err(|source| StoreError::Serialize {
-            id: record.id.clone(),
-            source,
-        })?;
-        let ctx = || format!("writing the state of task {}", record.id);
         let dir = match self.runners.open_dir(&record.container_name) {
             Ok(Some(dir)) => dir,
             Ok(None) => {
@@ -343,10 +370,27 @@ impl Store {
                     path: paths.dir,
                 });
             }
-            Err(e) => return Err(fs_err_ctx(ctx())(e)),
+            Err(e) => {
+                return Err(fs_err_ctx(format!(
+                    "writing the state of task {}",
+                    record.id
+                ))(e));
+            }
         };
+        self.write_into(&dir, record)
+    }
+
+    /// Writes `record` atomically into its open task directory `dir`.
+    fn write_into(&self, dir: &Dir, record: &TaskRecord) -> Result<()> {
+        let bytes = format::encode(record).map_err(|source| StoreError::Serialize {
+            id: record.id.clone(),
+            source,
+        })?;
         dir.write_atomic(STATE_FILE, &bytes, &self.write_options())
-            .map_err(fs_err_ctx(ctx()))
+            .map_err(fs_err_ctx(format!(
+                "writing the state of task {}",
+                record.id
+            )))
     }
 
     /// Reads the record of the task whose container is `container_name`: `None` if it has no

@@ -143,3 +143,30 @@ fn scan_removes_only_other_processes_temp_files() {
     );
     assert_eq!(store.read(&r.container_name).unwrap().unwrap(), r);
 }
+
+/// `Store::create` (a submit's first write) that fails at any step of the state file's write
+/// leaves no state file, even after the rename (a failed submit must not come back as a task
+/// at the next start-up); the skeleton goes with `remove_skeleton` and the next create works.
+#[test]
+fn a_failed_create_leaves_no_state_file() {
+    for step in STEPS {
+        let home = tempfile::tempdir().unwrap();
+        let store = Store::open(home.path()).unwrap();
+        let r = record("t1", TaskStatus::Pending);
+        store.faults.arm(step, FaultKind::Fail);
+        let err = store.create(&r).unwrap_err();
+        assert!(format!("{err:?}").contains("Injected"), "{step:?}: {err:?}");
+        assert_eq!(store.faults.fired(), Some((step, FaultKind::Fail)));
+        let dir = home.path().join("runners").join(&r.container_name);
+        assert_eq!(files_in(&dir), ["runner"], "{step:?}");
+        assert!(store.remove_skeleton(&r.container_name).unwrap());
+        assert!(!dir.exists());
+        let paths = store.create(&r).unwrap();
+        assert_eq!(store.read(&r.container_name).unwrap(), Some(r.clone()));
+        assert_eq!(files_in(&paths.dir), ["runner", "task.json"]);
+        assert!(matches!(
+            store.create(&r),
+            Err(crate::StoreError::TaskExists { .. })
+        ));
+    }
+}
