@@ -48,6 +48,7 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
     let nvidia = config.fake_gpus.is_none() && host_gpus.vendor == Some(GpuVendor::Nvidia);
     let dcgm_config = shim_dcgm::DcgmConfig {
         log_dir: Some(home.to_path_buf()),
+        state_dir: Some(home.to_path_buf()),
         ..config.dcgm.clone()
     };
     let dcgm = Arc::new(shim_dcgm::Dcgm::start(&dcgm_config, nvidia).await);

@@ -65,6 +65,11 @@ pub struct DcgmConfig {
     /// Where the private host engine writes `nv-hostengine.log`; `None`: its temporary
     /// directory (removed at shutdown).
     pub log_dir: Option<PathBuf>,
+    /// Where the supervised children's pid files live (`dcgm-exporter.pid`,
+    /// `nv-hostengine.pid`; the shim passes its home). A child left running by a shim that was
+    /// killed without its shutdown (SIGKILL, a crash) is stopped when the next one starts, so
+    /// it neither lingers nor keeps the port its successor needs. `None`: no pid files.
+    pub state_dir: Option<PathBuf>,
     /// How long one fetch of the exporter's metrics may take (upstream: 10 s).
     pub fetch_timeout: Duration,
     /// How long one `dcgmi` or `dcgm-exporter -v` run may take.
@@ -85,6 +90,7 @@ impl Default for DcgmConfig {
             dcgmi_path: None,
             hostengine_path: None,
             log_dir: None,
+            state_dir: None,
             fetch_timeout: Duration::from_secs(10),
             command_timeout: Duration::from_secs(10),
             stop_grace: Duration::from_secs(5),

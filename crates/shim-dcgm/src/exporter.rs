@@ -88,6 +88,10 @@ impl DcgmExporter {
             args,
             stop_grace: config.stop_grace,
             backoff: config.backoff,
+            pid_file: config
+                .state_dir
+                .as_ref()
+                .map(|d| d.join("dcgm-exporter.pid")),
         });
         Ok(Self {
             supervisor,

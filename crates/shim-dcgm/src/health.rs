@@ -477,6 +477,10 @@ fn start_hostengine(
         args,
         stop_grace: config.stop_grace,
         backoff: config.backoff,
+        pid_file: config
+            .state_dir
+            .as_ref()
+            .map(|d| d.join("nv-hostengine.pid")),
     });
     Ok((supervisor, dir, socket))
 }

@@ -1,6 +1,14 @@
 //! A child process kept running: started at once, restarted with backoff whenever it exits,
 //! its output logged line by line at debug level, stopped with SIGTERM then SIGKILL on
 //! [`Supervisor::shutdown`], and killed when the supervisor is dropped.
+//!
+//! With a pid file ([`ChildSpec::pid_file`]) the running child is recorded as `<pid> <start
+//! time> <boot id>` (the start time in clock ticks since boot, `/proc/<pid>/stat` field 22;
+//! the boot id from `/proc/sys/kernel/random/boot_id`), and the file is removed when the child
+//! ends. A shim killed without its shutdown leaves the child running and the file behind:
+//! before its first start, the next supervisor stops the process the file names (SIGTERM,
+//! SIGKILL after the grace period), but only if that pid still has the recorded start time in
+//! the same boot, so a pid reused by another process is never signalled.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -28,6 +36,8 @@ pub(crate) struct ChildSpec {
     pub args: Vec<OsString>,
     pub stop_grace: Duration,
     pub backoff: Backoff,
+    /// Where the running child's pid is recorded (see the module docs); `None`: nowhere.
+    pub pid_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Default)]
@@ -111,6 +121,9 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 async fn run(spec: ChildSpec, mut stop: watch::Receiver<bool>, state: Arc<State>) {
     let name = spec.name;
     let mut delay = spec.backoff.initial;
+    if let Some(file) = &spec.pid_file {
+        stop_leftover(&spec, file).await;
+    }
     loop {
         if *stop.borrow() {
             return;
@@ -122,9 +135,13 @@ async fn run(spec: ChildSpec, mut stop: watch::Receiver<bool>, state: Arc<State>
                 state.pid.store(pid, Ordering::SeqCst);
                 state.starts.fetch_add(1, Ordering::SeqCst);
                 tracing::info!(name, pid, program = %spec.program.display(), "started");
+                if let Some(file) = &spec.pid_file {
+                    record_pid(name, file, pid);
+                }
                 tokio::select! {
                     status = child.wait() => {
                         state.pid.store(0, Ordering::SeqCst);
+                        forget_pid(name, spec.pid_file.as_deref());
                         if started.elapsed() >= spec.backoff.reset_after {
                             delay = spec.backoff.initial;
                         }
@@ -141,6 +158,7 @@ async fn run(spec: ChildSpec, mut stop: watch::Receiver<bool>, state: Arc<State>
                     () = stopped(&mut stop) => {
                         terminate(name, &mut child, spec.stop_grace).await;
                         state.pid.store(0, Ordering::SeqCst);
+                        forget_pid(name, spec.pid_file.as_deref());
                         return;
                     }
                 }
@@ -212,6 +230,95 @@ async fn terminate(name: &'static str, child: &mut Child, grace: Duration) {
             if let Err(e) = child.kill().await {
                 tracing::warn!(name, pid, error = %e, "SIGKILL failed");
             }
+        }
+    }
+}
+
+/// The start time of process `pid` (clock ticks since boot, `/proc/<pid>/stat` field 22), and
+/// whether it is a zombie (exited, not yet reaped); `None` when there is no such process.
+fn process_start(pid: u32) -> Option<(u64, bool)> {
+    let stat = fs_err::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) state ...": the comm may hold anything, so fields count from the last ')'.
+    let (_, rest) = stat.rsplit_once(')')?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let zombie = fields.first().is_some_and(|s| matches!(*s, "Z" | "X"));
+    Some((fields.get(19)?.parse().ok()?, zombie))
+}
+
+/// This boot's id: with a pid and its start time, it names one process for good.
+fn boot_id() -> Option<String> {
+    let id = fs_err::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    Some(id.trim().to_owned()).filter(|id| !id.is_empty())
+}
+
+/// Records the running child `pid` in `file` (written aside and renamed into place).
+fn record_pid(name: &'static str, file: &std::path::Path, pid: u32) {
+    let (Some((start, _)), Some(boot)) = (process_start(pid), boot_id()) else {
+        return; // already gone (or no /proc): nothing to record
+    };
+    let tmp = file.with_extension("pid.tmp");
+    let written = fs_err::write(&tmp, format!("{pid} {start} {boot}\n"))
+        .and_then(|()| fs_err::rename(&tmp, file));
+    if let Err(e) = written {
+        tracing::warn!(name, pid, error = %e, "cannot record the pid; a shim killed now would leave it running");
+    }
+}
+
+/// Removes the pid file once its child ended.
+fn forget_pid(name: &'static str, file: Option<&std::path::Path>) {
+    if let Some(file) = file
+        && let Err(e) = fs_err::remove_file(file)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(name, error = %e, "cannot remove the pid file");
+    }
+}
+
+/// Stops the child a previous supervisor of the same program left running (its pid file
+/// survived it): SIGTERM, then SIGKILL after the grace period. A pid file that names no such
+/// process any more (another start time, another boot) is only removed.
+async fn stop_leftover(spec: &ChildSpec, file: &std::path::Path) {
+    let name = spec.name;
+    let recorded = match fs_err::read_to_string(file) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+        Err(e) => {
+            tracing::warn!(name, error = %e, "cannot read the pid file of a previous run");
+            return;
+        }
+    };
+    forget_pid(name, Some(file));
+    let mut words = recorded.split_whitespace();
+    let parsed = (
+        words.next().and_then(|w| w.parse::<i32>().ok()),
+        words.next().and_then(|w| w.parse::<u64>().ok()),
+        words.next(),
+    );
+    let (Some(raw), Some(start), Some(boot)) = parsed else {
+        tracing::warn!(name, file = %file.display(), "ignoring an unreadable pid file");
+        return;
+    };
+    let Ok(pid) = u32::try_from(raw) else { return };
+    let same = || process_start(pid).is_some_and(|(s, zombie)| s == start && !zombie);
+    if boot_id().as_deref() != Some(boot) || !same() {
+        return;
+    }
+    tracing::warn!(
+        name,
+        pid,
+        "stopping the process a previous shim left running"
+    );
+    let _ = kill(Pid::from_raw(raw), Signal::SIGTERM);
+    let deadline = Instant::now() + spec.stop_grace;
+    while same() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if same() {
+        tracing::warn!(name, pid, grace = ?spec.stop_grace, "did not stop on SIGTERM; killing");
+        let _ = kill(Pid::from_raw(raw), Signal::SIGKILL);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while same() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 }

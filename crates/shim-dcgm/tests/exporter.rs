@@ -338,3 +338,112 @@ async fn a_missing_or_broken_exporter_is_not_used() {
             .is_none()
     );
 }
+
+/// Field 22 of `/proc/<pid>/stat`: the start time in clock ticks since boot.
+fn start_time(pid: u32) -> u64 {
+    let stat = fs_err::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let (_, rest) = stat.rsplit_once(')').unwrap();
+    rest.split_whitespace().nth(19).unwrap().parse().unwrap()
+}
+
+/// What a pid file says of process `pid` in this boot.
+fn pid_line(pid: u32) -> String {
+    let boot = fs_err::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+    format!("{pid} {} {}", start_time(pid), boot.trim())
+}
+
+/// A shim killed without its shutdown (SIGKILL, a crash) leaves its exporter running, and the
+/// exporter keeps the port the next shim's exporter needs. The pid file in the shim's home
+/// lets the next shim stop it before starting its own; the file goes with a clean shutdown.
+#[tokio::test]
+async fn an_exporter_left_by_a_killed_shim_is_stopped_by_the_next_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let home = dir.path().join("home");
+    fs_err::create_dir(&home).unwrap();
+    let program = fake_exporter(dir.path());
+    let mut cfg = config(closed_port().await, &program);
+    cfg.state_dir = Some(home.clone());
+    let pid_file = home.join("dcgm-exporter.pid");
+    // The killed shim: its runtime never runs again and is never dropped, so nothing stops,
+    // waits on or restarts its exporter, as after a SIGKILL.
+    let killed = {
+        let (program, cfg) = (program.clone(), cfg.clone());
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let pid = rt.block_on(async {
+                let exporter = DcgmExporter::spawn(&program, &cfg).unwrap();
+                wait_until("the first start", Duration::from_secs(10), || {
+                    exporter.pid().is_some()
+                })
+                .await;
+                let pid = exporter.pid().unwrap();
+                std::mem::forget(exporter);
+                pid
+            });
+            std::mem::forget(rt);
+            pid
+        })
+        .join()
+        .unwrap()
+    };
+    assert!(alive(killed));
+    assert_eq!(lines(&pid_file), [pid_line(killed)]);
+
+    let next = DcgmExporter::spawn(&program, &cfg).unwrap();
+    wait_until("the next start", Duration::from_secs(10), || {
+        next.pid().is_some()
+    })
+    .await;
+    assert!(!alive(killed), "the killed shim's exporter still runs");
+    let pid = next.pid().unwrap();
+    assert_ne!(pid, killed);
+    assert_eq!(lines(&pid_file), [pid_line(pid)]);
+    next.shutdown().await;
+    assert!(!alive(pid));
+    assert!(!pid_file.exists(), "a clean shutdown leaves no pid file");
+}
+
+/// A pid file never makes the shim signal a process that merely has the recorded pid: one
+/// with another start time, or one of another boot (a reboot may give the pid and even the
+/// start time to another process).
+#[tokio::test]
+async fn a_pid_file_naming_another_process_is_only_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let home = dir.path().join("home");
+    fs_err::create_dir(&home).unwrap();
+    let program = fake_exporter(dir.path());
+    let mut cfg = config(closed_port().await, &program);
+    cfg.state_dir = Some(home.clone());
+    let pid_file = home.join("dcgm-exporter.pid");
+    let mut other = std::process::Command::new("sleep")
+        .arg("600")
+        .spawn()
+        .unwrap();
+    let other_pid = other.id();
+    let line = pid_line(other_pid);
+    let start = start_time(other_pid);
+    for recorded in [
+        // The right pid with another start time.
+        line.replacen(&format!(" {start} "), &format!(" {} ", start + 1), 1),
+        // The right pid and start time, of another boot.
+        format!("{other_pid} {start} 00000000-0000-0000-0000-000000000000"),
+        // Not a pid file at all.
+        "garbage".to_owned(),
+    ] {
+        assert_ne!(recorded, line);
+        fs_err::write(&pid_file, &recorded).unwrap();
+        let exporter = DcgmExporter::spawn(&program, &cfg).unwrap();
+        wait_until("the start", Duration::from_secs(10), || {
+            exporter.pid().is_some()
+        })
+        .await;
+        assert!(alive(other_pid), "signalled after {recorded:?}");
+        exporter.shutdown().await;
+        assert!(!pid_file.exists());
+    }
+    other.kill().unwrap();
+    other.wait().unwrap();
+}
