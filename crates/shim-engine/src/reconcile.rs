@@ -248,9 +248,9 @@ impl Inner {
             } => {
                 slot.exit_ns.store(event.time_ns, Ordering::SeqCst);
                 let oom_killed = slot.oom.swap(false, Ordering::SeqCst);
-                // A clean exit needs no log lines; an error reads them (Docker serves logs
-                // without the container's lock).
-                let last_lines = if code == 0 && !oom_killed {
+                // A clean exit (code 0, OOM-killed helpers or not) needs no log lines; an
+                // error reads them (Docker serves logs without the container's lock).
+                let last_lines = if code == 0 {
                     Vec::new()
                 } else {
                     self.deps

@@ -1072,11 +1072,10 @@ fn apply(t: &mut Task, event: Event, actions: &mut Vec<Action>) -> Result<Shape,
             } else {
                 match observation {
                     Observation::Running => {}
-                    Observation::Exited {
-                        code: 0,
-                        oom_killed: false,
-                        ..
-                    } => {
+                    Observation::Exited { code: 0, .. } => {
+                        // Exit 0 is the runner's own end, even when the kernel killed some
+                        // other process of the container for memory (SPEC §2; upstream's
+                        // waitContainer looks at the exit code only).
                         t.terminate(TerminationReason::DoneByRunner, String::new());
                     }
                     Observation::Exited {

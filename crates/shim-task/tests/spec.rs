@@ -466,19 +466,24 @@ fn start_failure_is_container_exited_with_error() {
     );
 }
 
+/// SPEC §2: exit 0 is `done_by_runner` with an empty message, also when Docker marks the
+/// container OOM-killed (the kernel killed another of its processes; the runner itself ended
+/// well). Upstream: runner/internal/shim/docker.go, waitContainer, looks at the exit code only.
 #[test]
 fn exit_zero_is_done_by_runner_with_empty_message() {
-    let mut t = running();
-    let a = go(
-        &mut t,
-        Event::Observed(Observation::Exited {
-            oom_killed: false,
-            code: 0,
-            last_lines: vec!["bye".into()],
-        }),
-    );
-    assert_ended(&t, TerminationReason::DoneByRunner, "");
-    assert_eq!(a, vec![Action::Persist, release_of(&t)]);
+    for oom_killed in [false, true] {
+        let mut t = running();
+        let a = go(
+            &mut t,
+            Event::Observed(Observation::Exited {
+                oom_killed,
+                code: 0,
+                last_lines: vec!["bye".into()],
+            }),
+        );
+        assert_ended(&t, TerminationReason::DoneByRunner, "");
+        assert_eq!(a, vec![Action::Persist, release_of(&t)]);
+    }
 }
 
 #[test]
