@@ -82,17 +82,7 @@ impl DcgmExporter {
             "-c".into(),
             config.exporter_interval.as_millis().to_string().into(),
         ];
-        let supervisor = Supervisor::spawn(ChildSpec {
-            name: "dcgm-exporter",
-            program: program.to_path_buf(),
-            args,
-            stop_grace: config.stop_grace,
-            backoff: config.backoff,
-            pid_file: config
-                .state_dir
-                .as_ref()
-                .map(|d| d.join("dcgm-exporter.pid")),
-        });
+        let supervisor = Supervisor::spawn(ChildSpec::new("dcgm-exporter", program, args, config));
         Ok(Self {
             supervisor,
             counters_path: counters.to_path_buf(),

@@ -471,17 +471,7 @@ fn start_hostengine(
         "-f".into(),
         log.into_os_string(),
     ];
-    let supervisor = Supervisor::spawn(ChildSpec {
-        name: "nv-hostengine",
-        program: program.to_path_buf(),
-        args,
-        stop_grace: config.stop_grace,
-        backoff: config.backoff,
-        pid_file: config
-            .state_dir
-            .as_ref()
-            .map(|d| d.join("nv-hostengine.pid")),
-    });
+    let supervisor = Supervisor::spawn(ChildSpec::new("nv-hostengine", program, args, config));
     Ok((supervisor, dir, socket))
 }
 

@@ -48,6 +48,29 @@ struct State {
     starts: AtomicU64,
 }
 
+impl ChildSpec {
+    /// `program args` as `name`, with `config`'s grace period and backoff, and its pid file
+    /// `<state dir>/<name>.pid` when `config` has a state directory.
+    pub(crate) fn new(
+        name: &'static str,
+        program: &std::path::Path,
+        args: Vec<OsString>,
+        config: &crate::DcgmConfig,
+    ) -> Self {
+        Self {
+            name,
+            program: program.to_path_buf(),
+            args,
+            stop_grace: config.stop_grace,
+            backoff: config.backoff,
+            pid_file: config
+                .state_dir
+                .as_ref()
+                .map(|d| d.join(format!("{name}.pid"))),
+        }
+    }
+}
+
 /// The handle of a supervised child. Dropping it kills the child (SIGKILL); prefer
 /// [`Supervisor::shutdown`], which lets it exit on SIGTERM first.
 #[derive(Debug)]

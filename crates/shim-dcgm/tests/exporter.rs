@@ -352,18 +352,24 @@ fn pid_line(pid: u32) -> String {
     format!("{pid} {} {}", start_time(pid), boot.trim())
 }
 
+/// A fake exporter in `dir`, its config with the state directory `dir/home`, and the pid file
+/// there.
+async fn with_home(dir: &Path) -> (std::path::PathBuf, DcgmConfig, std::path::PathBuf) {
+    let home = dir.join("home");
+    fs_err::create_dir(&home).unwrap();
+    let program = fake_exporter(dir);
+    let mut cfg = config(closed_port().await, &program);
+    cfg.state_dir = Some(home.clone());
+    (program, cfg, home.join("dcgm-exporter.pid"))
+}
+
 /// A shim killed without its shutdown (SIGKILL, a crash) leaves its exporter running, and the
 /// exporter keeps the port the next shim's exporter needs. The pid file in the shim's home
 /// lets the next shim stop it before starting its own; the file goes with a clean shutdown.
 #[tokio::test]
 async fn an_exporter_left_by_a_killed_shim_is_stopped_by_the_next_one() {
     let dir = tempfile::tempdir().unwrap();
-    let home = dir.path().join("home");
-    fs_err::create_dir(&home).unwrap();
-    let program = fake_exporter(dir.path());
-    let mut cfg = config(closed_port().await, &program);
-    cfg.state_dir = Some(home.clone());
-    let pid_file = home.join("dcgm-exporter.pid");
+    let (program, cfg, pid_file) = with_home(dir.path()).await;
     // The killed shim: its runtime never runs again and is never dropped, so nothing stops,
     // waits on or restarts its exporter, as after a SIGKILL.
     let killed = {
@@ -412,12 +418,7 @@ async fn an_exporter_left_by_a_killed_shim_is_stopped_by_the_next_one() {
 #[tokio::test]
 async fn a_pid_file_naming_another_process_is_only_removed() {
     let dir = tempfile::tempdir().unwrap();
-    let home = dir.path().join("home");
-    fs_err::create_dir(&home).unwrap();
-    let program = fake_exporter(dir.path());
-    let mut cfg = config(closed_port().await, &program);
-    cfg.state_dir = Some(home.clone());
-    let pid_file = home.join("dcgm-exporter.pid");
+    let (program, cfg, pid_file) = with_home(dir.path()).await;
     let mut other = std::process::Command::new("sleep")
         .arg("600")
         .spawn()
