@@ -263,10 +263,9 @@ fn minimal_config_skips_keys_volumes_dirs_and_a_present_image() {
     assert_eq!(t.record.container_id, "cid");
 }
 
-/// A replacement container (the NVIDIA display retry) is not the first id: it is written
-/// at once, while the start is still out.
-#[test]
-fn a_replaced_container_id_is_written_at_once() {
+/// A task that acquires nothing on a present image, its container `cid` just created: all of
+/// it start progress, nothing written since `pending`, the start going out.
+fn minimal_created(cid: &str) -> Task {
     let mut t = new_task(&TaskConfig::new(
         TaskId::new("t3").unwrap(),
         TaskName::new("job").unwrap(),
@@ -278,10 +277,20 @@ fn a_replaced_container_id_is_written_at_once() {
     let a = go(
         &mut t,
         Event::ContainerCreated {
-            container_id: "c1".into(),
+            container_id: cid.into(),
         },
     );
     assert_eq!(a, vec![Action::StartContainer]);
+    assert!(t.dirty && t.progress_only);
+    assert_eq!(t.status(), TaskStatus::Pending);
+    t
+}
+
+/// A replacement container (the NVIDIA display retry) is not the first id: it is written
+/// at once, while the start is still out.
+#[test]
+fn a_replaced_container_id_is_written_at_once() {
+    let mut t = minimal_created("c1");
     let a = go(
         &mut t,
         Event::ContainerRecreated {
@@ -1487,20 +1496,7 @@ fn a_start_whose_write_fails_is_given_up_with_the_cause() {
 /// writes `running` with the container id.
 #[test]
 fn a_start_whose_running_write_fails_is_not_given_up() {
-    let mut t = new_task(&TaskConfig::new(
-        TaskId::new("t4").unwrap(),
-        TaskName::new("job").unwrap(),
-        "ubuntu",
-    ));
-    go(&mut t, Event::StartBegan);
-    go(&mut t, Event::GpusAcquired(vec![]));
-    go(&mut t, Event::PullSkipped);
-    go(
-        &mut t,
-        Event::ContainerCreated {
-            container_id: "cid".into(),
-        },
-    );
+    let mut t = minimal_created("cid");
     let a = go_disk_full(&mut t, Event::ContainerStarted { ports: vec![] });
     assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
     assert_eq!(t.record.status, TaskStatus::Running);
