@@ -1,8 +1,8 @@
 //! Fault injection against the built `dstack-shim` on real Docker (SPEC §4–§5): the shim is
 //! SIGKILLed at random points of concurrent requests, its Docker daemon is frozen, stopped and
 //! restarted under running tasks, its home fills up during each kind of state write, its state
-//! files are corrupted, it is killed mid-submit and mid-delete, and its home is spelled in
-//! other ways. After each fault: what the API answered stays true, nothing is leaked or lost
+//! files are corrupted, it is killed mid-submit and mid-delete, its home is spelled in other
+//! ways, and Docker's answers to a create and a start are lost. After each fault: what the API answered stays true, nothing is leaked or lost
 //! (containers, task directories, `authorized_keys` lines, GPU locks), and everything converges
 //! without a restart of the shim.
 //!
@@ -39,9 +39,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use shim_e2e::harness::{
-    FAKE_GPUS, HostUser, RemoveImage, Request, Response, TestShim, bridge_task, container_name,
-    docker_at, docker_at_ok, entries, fake_gpu_ids, run_tag, runner_dir, ssh_key, status_of,
-    try_docker_within, wait_for, write_runner_exit,
+    ContainerSweeper, FAKE_GPUS, HostUser, LosingProxy, RemoveImage, Request, Response, TestShim,
+    bridge_task, container_name, docker_at, docker_at_ok, docker_socket, entries, fake_gpu_ids,
+    run_tag, runner_dir, ssh_key, status_of, try_docker_within, wait_for, write_runner_exit,
 };
 use shim_e2e::{
     RUNNER_EXIT_FILE, docker_tests_enabled, image, registry, registry_password, registry_user,
@@ -1772,5 +1772,45 @@ fn the_owner_identity_does_not_depend_on_how_the_home_is_spelled() {
     assert_eq!(gpu_ids(&probe_info), rest, "{probe_info}");
     shim.finish("probe");
     shim.finish("same");
+    assert_eq!(shim.containers(), BTreeMap::new());
+}
+
+// ---------------------------------------------------------------------------------------------
+// 7. Lost answers
+// ---------------------------------------------------------------------------------------------
+
+/// A create and a start whose answers never reach the shim (a proxy on the Docker socket
+/// passes both requests to Docker and closes the connection instead of answering, as a request
+/// timeout on a loaded daemon would look) do not fail the task: the shim looks at the
+/// container, takes the one made under the task's name and labels, finds it started, and the
+/// task runs in it. Upstream does not bound these requests (runner/internal/shim/docker.go
+/// creates and starts with the task's `context.Background()`); this shim bounds each at 30 s,
+/// so a slow answer must not become a failed task.
+#[test]
+fn a_create_and_a_start_whose_answers_are_lost_still_run_the_task() {
+    if !enabled(
+        "a_create_and_a_start_whose_answers_are_lost_still_run_the_task",
+        false,
+    ) {
+        return;
+    }
+    let proxy = LosingProxy::start(&docker_socket(), &["/containers/create", "/start "]).unwrap();
+    let mut shim = TestShim::builder("faults")
+        .docker_host(&proxy.host())
+        .build();
+    // The proxy fronts the usual daemon: sweep the home's containers there however this ends.
+    let _sweeper = ContainerSweeper::for_home(shim.home());
+    shim.start();
+    let config = task("lost", 1);
+    assert_eq!(shim.submit(&config).status, 200);
+    let info = shim.wait_status("lost", "running");
+    let lost = proxy.lost();
+    assert_eq!(lost.len(), 2, "{lost:?}");
+    assert!(lost[0].contains("/containers/create"), "{lost:?}");
+    assert!(lost[1].contains("/start "), "{lost:?}");
+    let cid = info["container_id"].as_str().unwrap();
+    assert_eq!(shim.running(cid), Some(true));
+    assert_eq!(shim.containers().len(), 1, "one container, made once");
+    shim.finish("lost");
     assert_eq!(shim.containers(), BTreeMap::new());
 }

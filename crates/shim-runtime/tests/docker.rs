@@ -12,6 +12,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures_util::StreamExt;
+use shim_e2e::harness::{LosingProxy, docker_socket};
 use shim_runtime::spec::{RUNNER_DIR_IN_CONTAINER, runner_script};
 use shim_runtime::{
     BindMount, ContainerDetails, ContainerInputs, ContainerRuntime, ContainerSpec, ContainerState,
@@ -917,134 +918,6 @@ fn runner_script_is_valid_sh() {
 // A lost answer
 // ---------------------------------------------------------------------------------------------
 
-/// The daemon's socket: `DOCKER_HOST` when it is a `unix://` path, else the default.
-fn docker_socket() -> PathBuf {
-    match std::env::var("DOCKER_HOST") {
-        Ok(host) if host.starts_with("unix://") => PathBuf::from(&host["unix://".len()..]),
-        _ => PathBuf::from("/var/run/docker.sock"),
-    }
-}
-
-/// A proxy on a Unix socket in front of Docker's that passes requests and answers through
-/// (HTTP/1.1, keep-alive, bodies framed by `Content-Length` or chunked), except the answer to
-/// the first request whose request line contains `lose`: that request reaches Docker, which
-/// carries it out and answers, and then the client's connection is closed instead. This is
-/// what a request timeout on a loaded daemon looks like from the client.
-struct LosingProxy {
-    path: PathBuf,
-    lost: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    task: tokio::task::JoinHandle<()>,
-    _dir: tempfile::TempDir,
-}
-
-impl LosingProxy {
-    fn start(lose: &str) -> Self {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("docker.sock");
-        let listener = tokio::net::UnixListener::bind(&path).unwrap();
-        let lost = std::sync::Arc::new(AtomicUsize::new(0));
-        let (lose, counter) = (lose.to_owned(), lost.clone());
-        let task = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let (lose, counter) = (lose.clone(), counter.clone());
-                tokio::spawn(async move {
-                    let upstream = tokio::net::UnixStream::connect(docker_socket())
-                        .await
-                        .unwrap();
-                    let mut client = tokio::io::BufReader::new(client);
-                    let mut upstream = tokio::io::BufReader::new(upstream);
-                    while let Some(head) = read_head(&mut client).await {
-                        let body = read_body(&mut client, &head).await;
-                        upstream.get_mut().write_all(&head).await.unwrap();
-                        upstream.get_mut().write_all(&body).await.unwrap();
-                        let Some(answer) = read_head(&mut upstream).await else {
-                            return;
-                        };
-                        let request_line = String::from_utf8_lossy(&head)
-                            .lines()
-                            .next()
-                            .map(str::to_owned);
-                        if request_line.is_some_and(|l| l.contains(&lose))
-                            && counter.fetch_add(1, Ordering::SeqCst) == 0
-                        {
-                            return; // both connections dropped: the answer is lost
-                        }
-                        let answer_body = read_body(&mut upstream, &answer).await;
-                        client.get_mut().write_all(&answer).await.unwrap();
-                        client.get_mut().write_all(&answer_body).await.unwrap();
-                    }
-                });
-            }
-        });
-        Self {
-            path,
-            lost,
-            task,
-            _dir: dir,
-        }
-    }
-
-    fn host(&self) -> String {
-        format!("unix://{}", self.path.display())
-    }
-
-    fn lost(&self) -> usize {
-        self.lost.load(std::sync::atomic::Ordering::SeqCst)
-    }
-}
-
-impl Drop for LosingProxy {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-/// An HTTP message head (through the blank line), or `None` at the end of the stream.
-async fn read_head<R: tokio::io::AsyncBufRead + Unpin>(r: &mut R) -> Option<Vec<u8>> {
-    use tokio::io::AsyncBufReadExt;
-    let mut head = Vec::new();
-    loop {
-        let n = r.read_until(b'\n', &mut head).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        if head.ends_with(b"\r\n\r\n") {
-            return Some(head);
-        }
-    }
-}
-
-/// The body that follows `head`, raw as it came: `Content-Length` bytes, or chunks through the
-/// last one, or nothing.
-async fn read_body<R: tokio::io::AsyncBufRead + Unpin>(r: &mut R, head: &[u8]) -> Vec<u8> {
-    use tokio::io::AsyncBufReadExt;
-    let head = String::from_utf8_lossy(head).to_ascii_lowercase();
-    let header = |name: &str| {
-        head.lines()
-            .find_map(|l| l.strip_prefix(name).map(|v| v.trim().to_owned()))
-    };
-    let mut body = Vec::new();
-    if let Some(len) = header("content-length:") {
-        body.resize(len.parse().unwrap(), 0);
-        r.read_exact(&mut body).await.unwrap();
-    } else if header("transfer-encoding:").is_some_and(|v| v.contains("chunked")) {
-        loop {
-            let start = body.len();
-            r.read_until(b'\n', &mut body).await.unwrap();
-            let size_line = String::from_utf8_lossy(&body[start..]).trim().to_owned();
-            let size = usize::from_str_radix(size_line.split(';').next().unwrap(), 16).unwrap();
-            let at = body.len();
-            body.resize(at + size + 2, 0); // the chunk and its CRLF
-            r.read_exact(&mut body[at..]).await.unwrap();
-            if size == 0 {
-                return body;
-            }
-        }
-    }
-    body
-}
-
 /// A create or start whose answer is lost (the daemon did the work; the connection closed
 /// before the answer reached the shim) is `DaemonUnavailable`, the error on which the engine
 /// looks at the container instead of failing the task (shim-engine's fake tests cover that
@@ -1058,7 +931,7 @@ async fn a_lost_answer_is_daemon_unavailable_though_the_work_was_done() {
     let run = unique("lost-answer");
     let guard = Cleanup::new(&run);
 
-    let proxy = LosingProxy::start("/start ");
+    let proxy = LosingProxy::start(&docker_socket(), &["/start "]).unwrap();
     let lossy = DockerRuntime::connect_to(&proxy.host()).await.unwrap();
     let id = direct
         .create(&shell_spec(
@@ -1070,7 +943,7 @@ async fn a_lost_answer_is_daemon_unavailable_though_the_work_was_done() {
         .unwrap();
     let err = lossy.start(&id).await.unwrap_err();
     assert!(err.is_unavailable(), "{err:?}");
-    assert_eq!(proxy.lost(), 1);
+    assert_eq!(proxy.lost().len(), 1, "{:?}", proxy.lost());
     assert_eq!(
         direct.inspect(&id).await.unwrap().state,
         ContainerState::Running
@@ -1081,7 +954,7 @@ async fn a_lost_answer_is_daemon_unavailable_though_the_work_was_done() {
         ContainerState::Running
     );
 
-    let proxy = LosingProxy::start("/containers/create");
+    let proxy = LosingProxy::start(&docker_socket(), &["/containers/create"]).unwrap();
     let lossy = DockerRuntime::connect_to(&proxy.host()).await.unwrap();
     let name = format!("{run}-c");
     let err = lossy
@@ -1089,7 +962,7 @@ async fn a_lost_answer_is_daemon_unavailable_though_the_work_was_done() {
         .await
         .unwrap_err();
     assert!(err.is_unavailable(), "{err:?}");
-    assert_eq!(proxy.lost(), 1);
+    assert_eq!(proxy.lost().len(), 1);
     let made = direct.inspect(&name).await.unwrap();
     assert_eq!(made.state, ContainerState::Created);
 }

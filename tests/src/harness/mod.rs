@@ -11,6 +11,8 @@
 //!   which force-removes a home's (or a label's) containers however a run ends;
 //! - [`layout`]: where a task's files are on the host ([`runner_dir`], [`task_dir`]), and
 //!   [`entries`] of a directory;
+//! - [`proxy`]: [`LosingProxy`], a proxy on a Unix socket in front of Docker's that loses the
+//!   answers to chosen requests (the daemon did the work; the answer never came);
 //! - [`shim`]: [`TestShim`], one test's shim under test (a home, the process across
 //!   restarts, its logs, its API with the checks the tests make, its containers) and its
 //!   clean-up;
@@ -27,6 +29,7 @@ pub mod docker;
 pub mod http;
 pub mod layout;
 pub mod process;
+pub mod proxy;
 pub mod shim;
 pub mod task;
 pub mod user;
@@ -43,6 +46,7 @@ pub use process::{
     ShimProcess, build_shim, cargo, free_port, open_log, scrub_cargo_env, shim_binary, tail,
     target_dir,
 };
+pub use proxy::{LosingProxy, docker_socket};
 pub use shim::{
     FAKE_GPUS, RUNNER_HTTP_PORT, RUNNER_SSH_PORT, TestShim, TestShimBuilder, WAIT_BOUND,
 };
