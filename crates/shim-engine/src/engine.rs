@@ -532,8 +532,8 @@ impl Engine {
             .metrics
             .register(&mut registry, Arc::downgrade(&inner));
         let _ = inner.registry.set(registry);
-        let listed = inner.restore_all().await?;
-        inner.first_cycle(listed).await;
+        let (listed, listed_at) = inner.restore_all().await?;
+        inner.first_cycle(listed, listed_at).await;
         let handles = crate::reconcile::spawn_background(&inner);
         *inner.background.lock().unwrap_or_else(|p| p.into_inner()) = handles;
         Ok(Engine { inner })

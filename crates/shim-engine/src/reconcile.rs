@@ -37,27 +37,16 @@ const RECONNECT_MIN: Duration = Duration::from_millis(200);
 const RECONNECT_MAX: Duration = Duration::from_secs(5);
 
 impl Inner {
-    /// Runs cycles until one succeeds (Docker may still be starting), with a bound, so the
-    /// engine reports ready only after containers that exited while the shim was down are
-    /// processed. `listed` is the start-up list restore made, reused for the first cycle.
+    /// The first cycle, on the list restore made at start-up (`listed_at`: when it was
+    /// requested), so the engine reports ready only after containers that exited while the
+    /// shim was down are processed. Restore waits for Docker (bounded) and fails the start-up
+    /// without that list, so there is always one.
     pub(crate) async fn first_cycle(
         self: &Arc<Self>,
-        listed: Option<(Vec<ContainerSummary>, u64)>,
+        containers: Vec<ContainerSummary>,
+        listed_at: u64,
     ) {
-        if let Some((containers, listed_at)) = listed {
-            self.cycle_with_since(containers, listed_at).await;
-            return;
-        }
-        for attempt in 0..30u32 {
-            if self.cycle().await {
-                return;
-            }
-            tracing::warn!(attempt, "first reconcile cycle failed; retrying");
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-        tracing::error!(
-            "no reconcile cycle succeeded at start-up; serving anyway, retrying in the background"
-        );
+        self.cycle_with_since(containers, listed_at).await;
     }
 
     /// This shim's containers, in one list request.

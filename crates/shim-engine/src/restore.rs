@@ -82,10 +82,9 @@ pub(crate) async fn determine_owner(
         new_owner_identity(&home)
     };
     let s = store.clone();
-    let stored = id.clone();
-    tokio::task::spawn_blocking(move || s.set_owner_id(&stored)).await??;
-    tracing::info!(owner = %id, "owner identity created and stored in the home");
-    Ok(id)
+    let stored = tokio::task::spawn_blocking(move || s.create_owner_id(&id)).await??;
+    tracing::info!(owner = %stored, "owner identity created and stored in the home");
+    Ok(stored)
 }
 
 /// What the state files say about one container name.
@@ -115,9 +114,7 @@ impl Inner {
     /// Restores every task of this shim. Nothing is released before every live task's SSH
     /// keys and GPUs are registered again, so a release never drops what a live task needs.
     /// Returns the start-up list (and when it was requested) for the first cycle.
-    pub(crate) async fn restore_all(
-        self: &Arc<Self>,
-    ) -> Result<Option<(Vec<ContainerSummary>, u64)>> {
+    pub(crate) async fn restore_all(self: &Arc<Self>) -> Result<(Vec<ContainerSummary>, u64)> {
         let (migration, swept, entries) = self
             .blocking(|store| {
                 let migration = store.migrate_legacy()?;
@@ -289,7 +286,7 @@ impl Inner {
                 tracing::error!(task = %slot.id, error = %chain(&e), "restore actions failed; the reconciler retries");
             }
         }
-        Ok(Some((summaries, listed_at)))
+        Ok((summaries, listed_at))
     }
 
     /// Fills in what a state file of the upstream shim does not hold: the resources its

@@ -566,15 +566,25 @@ impl Store {
         Ok(Some(id.to_owned()))
     }
 
-    /// Stores the owner identity in the home, durably (created once; see SPEC §5).
-    pub fn set_owner_id(&self, id: &str) -> Result<()> {
-        self.home_handle
-            .write_atomic(
+    /// Stores `id` as the owner identity of the home, durably, unless the home has one: the
+    /// file is created once (SPEC §5) and never replaced, even by a writer racing this one.
+    /// Returns the identity the home has now (`id`, or the one found).
+    pub fn create_owner_id(&self, id: &str) -> Result<String> {
+        let created = self
+            .home_handle
+            .create_new_atomic(
                 OWNER_FILE,
                 format!("{id}\n").as_bytes(),
                 &self.write_options(),
             )
-            .map_err(fs_err_ctx("writing the owner identity"))
+            .map_err(fs_err_ctx("writing the owner identity"))?;
+        if created {
+            return Ok(id.to_owned());
+        }
+        self.owner_id()?.ok_or_else(|| StoreError::UnsafePath {
+            path: self.home.join(OWNER_FILE),
+            why: "the owner identity file vanished right after it was found",
+        })
     }
 
     /// Whether the home has the first release's `tasks/` directory.

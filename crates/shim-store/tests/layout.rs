@@ -265,7 +265,15 @@ fn the_owner_identity_is_stored_once_in_the_home() {
     let home = tempfile::tempdir().unwrap();
     let store = Store::open(home.path()).unwrap();
     assert_eq!(store.owner_id().unwrap(), None);
-    store.set_owner_id("0123abcd4567ef89").unwrap();
+    assert_eq!(
+        store.create_owner_id("0123abcd4567ef89").unwrap(),
+        "0123abcd4567ef89"
+    );
+    // Created once: a second identity is not stored, the first one is returned.
+    assert_eq!(
+        store.create_owner_id("fedcba9876543210").unwrap(),
+        "0123abcd4567ef89"
+    );
     // Another spelling of the same home reads the same identity.
     let spelled = format!("{}/./", home.path().display());
     let again = Store::open(spelled).unwrap();
