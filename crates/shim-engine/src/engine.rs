@@ -66,9 +66,10 @@ pub(crate) struct Slot {
     events: Mutex<(VecDeque<ContainerEvent>, bool)>,
     /// An `oom` event came for the container: its `die` reports it.
     pub(crate) oom: AtomicBool,
-    /// Unix ms when the start job last returned (0: never): a list requested before that
-    /// cannot judge the task.
-    pub(crate) start_returned_ms: AtomicU64,
+    /// When the start job last finished ([`mono_ns`]; 0: never): a list requested before
+    /// that cannot judge the task. Set before the task leaves the start's ownership, so a
+    /// cycle never sees a finished start without it.
+    pub(crate) start_returned: AtomicU64,
     /// Unix ns when the task's container exited, as Docker reports it (0: unknown): the
     /// start of the exit → terminated latency.
     pub(crate) exit_ns: AtomicI64,
@@ -87,7 +88,7 @@ impl Slot {
             stateless: false,
             events: Mutex::new((VecDeque::new(), false)),
             oom: AtomicBool::new(false),
-            start_returned_ms: AtomicU64::new(0),
+            start_returned: AtomicU64::new(0),
             exit_ns: AtomicI64::new(0),
         }
     }
@@ -155,6 +156,17 @@ impl Slot {
         *task = tr.task;
         Ok(tr.actions)
     }
+}
+
+/// Nanoseconds on a monotonic clock since the first call in this process, plus one (never 0):
+/// orders a list request against the end of a start, which milliseconds cannot (both may fall
+/// in the same one).
+pub(crate) fn mono_ns() -> u64 {
+    static BASE: OnceLock<std::time::Instant> = OnceLock::new();
+    let base = *BASE.get_or_init(std::time::Instant::now);
+    u64::try_from(base.elapsed().as_nanos())
+        .unwrap_or(u64::MAX - 1)
+        .saturating_add(1)
 }
 
 pub(crate) fn now_ms() -> u64 {
@@ -417,7 +429,7 @@ impl Inner {
                 tracing::error!(task = %slot.id, error = %chain(&e), "finishing start failed");
             }
         }
-        slot.start_returned_ms.store(now_ms(), Ordering::SeqCst);
+        slot.start_returned.store(mono_ns(), Ordering::SeqCst);
         // Events that came while start owned the task.
         self.kick_events(&slot);
     }

@@ -144,7 +144,14 @@ impl Inner {
                 tracing::info!(task = %id, "task removed");
                 None
             }
-            Action::FinishStart => Some(Event::StartFinished),
+            Action::FinishStart => {
+                // Before the task leaves the start's ownership (see `Slot::start_returned`).
+                slot.start_returned.store(
+                    crate::engine::mono_ns(),
+                    std::sync::atomic::Ordering::SeqCst,
+                );
+                Some(Event::StartFinished)
+            }
             Action::LockGpus(ids) => Some(Event::GpusRelocked(self.gpus.lock(&ids))),
         })
     }

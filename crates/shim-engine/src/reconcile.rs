@@ -63,7 +63,7 @@ impl Inner {
     /// One full cycle: one list request, then every task against it. Returns whether the
     /// list request succeeded.
     pub(crate) async fn cycle(self: &Arc<Self>) -> bool {
-        let listed_at = now_ms();
+        let listed_at = crate::engine::mono_ns();
         match self.list_ours().await {
             Ok(containers) => {
                 self.cycle_with_since(containers, listed_at).await;
@@ -76,7 +76,7 @@ impl Inner {
         }
     }
 
-    /// Every task against `containers`, a list requested at `listed_at` (Unix ms).
+    /// Every task against `containers`, a list requested at `listed_at` ([`mono_ns`](crate::engine::mono_ns)).
     async fn cycle_with_since(self: &Arc<Self>, containers: Vec<ContainerSummary>, listed_at: u64) {
         let started = std::time::Instant::now();
         let by_task: HashMap<&str, &ContainerSummary> = containers
@@ -90,7 +90,7 @@ impl Inner {
             // returned since made a container the list may not show; judging it by this list
             // would call its new container vanished.
             if slot.lock().start_in_flight
-                || slot.start_returned_ms.load(Ordering::SeqCst) >= listed_at
+                || slot.start_returned.load(Ordering::SeqCst) >= listed_at
             {
                 continue;
             }

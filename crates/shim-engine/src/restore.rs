@@ -161,7 +161,7 @@ impl Inner {
             }
         }
 
-        let listed_at = now_ms();
+        let listed_at = crate::engine::mono_ns();
         let summaries = self.list_at_startup().await?;
         let referenced: BTreeSet<String> = summaries
             .iter()
