@@ -656,10 +656,10 @@ impl Engine {
                 .blocking(move |store| {
                     match store.create(&record) {
                         Ok(_) => Ok(()),
-                        Err(e @ shim_store::StoreError::TaskExists { .. }) => Err(e),
                         Err(e) => {
                             // Nothing was acquired: leave nothing behind (or a skeleton the
-                            // next start-up sweeps).
+                            // next start-up sweeps). Another task's directory (`TaskExists`)
+                            // holds a state file, which `remove_skeleton` leaves alone.
                             if let Err(rm) = store.remove_skeleton(&record.container_name) {
                                 tracing::warn!(error = %rm, "cannot remove the directory of a failed submit");
                             }

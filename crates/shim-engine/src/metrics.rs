@@ -20,7 +20,7 @@
 //! | `dstack_shim_events_received{kind}` | counter | container events handled |
 //! | `dstack_shim_docker_requests{op}` | counter | Docker API requests |
 //! | `dstack_shim_docker_errors{op,kind}` | counter | failed Docker requests, by error kind |
-//! | `dstack_shim_state_write_seconds` | histogram | durable task.json writes (submit's first one with the directory) |
+//! | `dstack_shim_state_write_seconds` | histogram | durable task.json writes (with submit's) |
 //! | `dstack_shim_state_write_errors` | counter | failed task.json writes |
 //! | `dstack_shim_gpus_locked` / `dstack_shim_gpus_total` | gauge | GPUs held by tasks / on the host |
 //! | `dstack_shim_host_key_tasks` | gauge | tasks holding host SSH key lines |

@@ -76,7 +76,8 @@ impl Inner {
         }
     }
 
-    /// Every task against `containers`, a list requested at `listed_at` ([`mono_ns`](crate::engine::mono_ns)).
+    /// Every task against `containers`, a list requested at `listed_at`
+    /// ([`mono_ns`](crate::engine::mono_ns)).
     async fn cycle_with_since(self: &Arc<Self>, containers: Vec<ContainerSummary>, listed_at: u64) {
         let started = std::time::Instant::now();
         let by_task: HashMap<&str, &ContainerSummary> = containers

@@ -10,8 +10,8 @@
 //! file last durably held, and it is what the API shows ([`Task::info`]): the in-memory state
 //! never claims what is not durable. A step that changes the record returns exactly
 //! `[Persist]` and nothing else (one exception below); every side effect that step calls for
-//! waits in the task as an intent (the next start step, a stop, a pull cancel, a release) and is emitted by the step of
-//! [`Event::Persisted`]. So a side effect never runs before the state that called for it is on
+//! waits in the task as an intent (the next start step, a stop, a pull cancel, a release)
+//! and is emitted by the step of [`Event::Persisted`]. So a side effect never runs before the state that called for it is on
 //! disk, and a failed write ([`Event::PersistFailed`]) loses no intent: the reconciler retries
 //! the write ([`Event::PersistRequested`]) and the intents go out once it succeeds. A request
 //! that finds the record not yet durable retries the write too (a second terminate after the
@@ -425,7 +425,10 @@ impl Action {
             )
     }
 
-    fn is_start_step(&self) -> bool {
+    /// Whether this is a step of start ([`Task::start_step`]'s action, or its end): the only
+    /// side effects that may go out while the unwritten part of the record is start progress
+    /// ([`Task::progress_only`]).
+    pub fn is_start_step(&self) -> bool {
         matches!(
             self,
             Self::AcquireGpus { .. }

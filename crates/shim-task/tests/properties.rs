@@ -352,17 +352,7 @@ impl Sim {
                     let p = self.world.persisted.as_ref().unwrap();
                     if tr.task.progress_only {
                         // Only start progress is unwritten: the next start step may go.
-                        let start_step = matches!(
-                            a,
-                            Action::AcquireGpus { .. }
-                                | Action::AddHostKeys(_)
-                                | Action::MountVolume(_)
-                                | Action::CreateDir(_)
-                                | Action::Pull { .. }
-                                | Action::CreateContainer
-                                | Action::StartContainer
-                        );
-                        assert!(start_step, "{a:?} with a record not yet durable");
+                        assert!(a.is_start_step(), "{a:?} with a record not yet durable");
                         assert!(only_progress(p, &tr.task.record), "{a:?} unpersisted");
                     } else {
                         assert!(!tr.task.dirty, "{a:?} with a record not yet durable");

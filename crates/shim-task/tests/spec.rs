@@ -216,8 +216,10 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
     assert!(!t.needs_release());
 }
 
-#[test]
-fn minimal_config_skips_keys_volumes_dirs_and_a_present_image() {
+/// A task that acquires nothing (no GPU, key, volume or directory) on a present image, its
+/// container `cid` just created: every step is start progress, so nothing has been written
+/// since `pending`, and each next start step went out at once.
+fn minimal_created(cid: &str) -> Task {
     let mut c = TaskConfig::new(
         TaskId::new("t2").unwrap(),
         TaskName::new("job").unwrap(),
@@ -229,9 +231,9 @@ fn minimal_config_skips_keys_volumes_dirs_and_a_present_image() {
         go(&mut t, Event::StartBegan),
         vec![Action::AcquireGpus { count: 0 }]
     );
-    let a = go(&mut t, Event::GpusAcquired(vec![]));
     // Nothing recorded changed (no GPUs), only the status moved to pulling: start progress,
     // which needs no write of its own.
+    let a = go(&mut t, Event::GpusAcquired(vec![]));
     assert_eq!(
         a,
         vec![Action::Pull {
@@ -249,41 +251,24 @@ fn minimal_config_skips_keys_volumes_dirs_and_a_present_image() {
     let a = go(
         &mut t,
         Event::ContainerCreated {
-            container_id: "cid".into(),
+            container_id: cid.into(),
         },
     );
     assert_eq!(a, vec![Action::StartContainer]);
     assert_eq!(t.status(), TaskStatus::Pending);
     assert!(t.dirty && t.progress_only);
+    t
+}
+
+#[test]
+fn minimal_config_skips_keys_volumes_dirs_and_a_present_image() {
+    let mut t = minimal_created("cid");
     // The first write after submit is `running`, with the container id.
     let a = go(&mut t, Event::ContainerStarted { ports: vec![] });
     assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
     assert_eq!(t.status(), TaskStatus::Running);
     assert!(!t.dirty && !t.progress_only);
     assert_eq!(t.record.container_id, "cid");
-}
-
-/// A task that acquires nothing on a present image, its container `cid` just created: all of
-/// it start progress, nothing written since `pending`, the start going out.
-fn minimal_created(cid: &str) -> Task {
-    let mut t = new_task(&TaskConfig::new(
-        TaskId::new("t3").unwrap(),
-        TaskName::new("job").unwrap(),
-        "ubuntu",
-    ));
-    go(&mut t, Event::StartBegan);
-    go(&mut t, Event::GpusAcquired(vec![]));
-    go(&mut t, Event::PullSkipped);
-    let a = go(
-        &mut t,
-        Event::ContainerCreated {
-            container_id: cid.into(),
-        },
-    );
-    assert_eq!(a, vec![Action::StartContainer]);
-    assert!(t.dirty && t.progress_only);
-    assert_eq!(t.status(), TaskStatus::Pending);
-    t
 }
 
 /// A replacement container (the NVIDIA display retry) is not the first id: it is written
