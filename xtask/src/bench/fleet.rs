@@ -6,6 +6,9 @@ use std::os::unix::fs::PermissionsExt as _;
 
 use fs_err::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context as _, Result, bail};
@@ -173,7 +176,12 @@ pub struct BenchShim {
 impl BenchShim {
     /// A shim on the new home `<scratch>/<name>`, started with the bench runner.
     pub fn start(binary: &Path, scratch: &Scratch, name: &str) -> Result<Self> {
-        let home = scratch.path(name);
+        Self::start_at(binary, scratch, name, scratch.path(name))
+    }
+
+    /// A shim on the new home `home` (anywhere; the caller removes it after the shim is
+    /// dropped), logging to `<scratch>/<name>.log`, started with the bench runner.
+    pub fn start_at(binary: &Path, scratch: &Scratch, name: &str, home: PathBuf) -> Result<Self> {
         fs_err::create_dir_all(&home)?;
         let mut shim = Self {
             binary: binary.to_owned(),
@@ -344,63 +352,109 @@ impl BenchShim {
     }
 }
 
-/// Watches a shim's task changes (its `GET /api/events` stream, read by whichever waiting
-/// client holds the lock) so that many clients can wait for their tasks to run without
+/// Watches a shim's task changes so that many clients can wait for their tasks to run without
 /// polling the API: on a small machine, sixteen clients polling every few milliseconds would
 /// take the CPU Docker needs, and the raw fleet's clients do not poll either (their start
-/// returns when the container runs).
+/// returns when the container runs). One thread reads the shim's `GET /api/events` stream and
+/// wakes every waiting client on each change, so a client learns of its task as soon as the
+/// stream says so. (Until 2026-12-01 the waiting clients took turns reading the stream under a
+/// lock in 20 ms slices; a client whose task ran had to wait for the reader's slice to end, a
+/// few ms per task at concurrency 4, which the tasks/s figures counted against the shim.)
 pub struct Watcher {
-    state: std::sync::Mutex<WatchState>,
+    shared: Arc<(Mutex<WatchState>, Condvar)>,
+    stop: Arc<AtomicBool>,
+    reader: Option<JoinHandle<()>>,
 }
 
+#[derive(Default)]
 struct WatchState {
-    events: Events,
     running: std::collections::HashSet<String>,
+    /// Why the stream ended, once it has.
+    ended: Option<String>,
 }
 
 impl Watcher {
     /// Starts watching `shim` (its event stream opens now, before any submit).
     pub fn new(shim: &BenchShim) -> Result<Self> {
+        let events = shim.events()?;
+        let shared = Arc::new((Mutex::new(WatchState::default()), Condvar::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let reader = {
+            let (shared, stop) = (shared.clone(), stop.clone());
+            std::thread::spawn(move || Self::read(&events, &shared, &stop))
+        };
         Ok(Self {
-            state: std::sync::Mutex::new(WatchState {
-                events: shim.events()?,
-                running: std::collections::HashSet::new(),
-            }),
+            shared,
+            stop,
+            reader: Some(reader),
         })
+    }
+
+    /// The reader thread: records every task the stream says is running and wakes the waiters.
+    fn read(events: &Events, shared: &(Mutex<WatchState>, Condvar), stop: &AtomicBool) {
+        let (state, changed) = shared;
+        while !stop.load(Ordering::Relaxed) {
+            let event = events.next(Duration::from_millis(50));
+            let Ok(mut st) = state.lock() else { return };
+            match event {
+                Ok(Some((event, _))) => {
+                    if event["change"] == "status"
+                        && event["status"] == "running"
+                        && let Some(task) = event["task"].as_str()
+                    {
+                        st.running.insert(task.to_owned());
+                    }
+                    // A subscriber that lagged gets a snapshot of every task instead.
+                    for t in event["tasks"].as_array().into_iter().flatten() {
+                        if t["status"] == "running"
+                            && let Some(task) = t["id"].as_str()
+                        {
+                            st.running.insert(task.to_owned());
+                        }
+                    }
+                }
+                Ok(None) => continue,
+                Err(e) => {
+                    st.ended = Some(format!("{e:#}"));
+                    changed.notify_all();
+                    return;
+                }
+            }
+            changed.notify_all();
+        }
     }
 
     /// Waits (bounded) until the stream says task `id` is running.
     pub fn wait_running(&self, id: &str) -> Result<()> {
         let started = Instant::now();
+        let (state, changed) = &*self.shared;
+        let mut st = state
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the watcher failed"))?;
         loop {
-            let mut st = self
-                .state
-                .lock()
-                .map_err(|_| anyhow::anyhow!("the watcher failed"))?;
             if st.running.contains(id) {
                 return Ok(());
             }
-            if started.elapsed() > BOUND {
+            if let Some(why) = &st.ended {
+                bail!("the shim's event stream ended before task {id} ran: {why}");
+            }
+            let Some(left) = BOUND.checked_sub(started.elapsed()) else {
                 bail!("task {id} not running after {BOUND:?}");
-            }
-            // Short slices: the lock is given up often, and whatever arrives is recorded for
-            // whichever client waits for it.
-            if let Some((event, _)) = st.events.next(Duration::from_millis(20))? {
-                if event["change"] == "status"
-                    && event["status"] == "running"
-                    && let Some(task) = event["task"].as_str()
-                {
-                    st.running.insert(task.to_owned());
-                }
-                // A subscriber that lagged gets a snapshot of every task instead.
-                for t in event["tasks"].as_array().into_iter().flatten() {
-                    if t["status"] == "running"
-                        && let Some(task) = t["id"].as_str()
-                    {
-                        st.running.insert(task.to_owned());
-                    }
-                }
-            }
+            };
+            st = changed
+                .wait_timeout(st, left)
+                .map_err(|_| anyhow::anyhow!("the watcher failed"))?
+                .0;
+        }
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(reader) = self.reader.take() {
+            // It ends within one 50 ms slice; a panic in it has nothing left to report.
+            let _ = reader.join();
         }
     }
 }

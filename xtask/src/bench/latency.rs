@@ -15,7 +15,7 @@ use super::report::{Comparison, Goal, median, percentile};
 
 /// Figure (1), host and bridge network.
 pub fn exit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
-    let n = ctx.pick(3, 40);
+    let n = ctx.pick(3, 100);
     let docker = &ctx.scratch.docker;
     let shim = BenchShim::start(&ctx.binary, &ctx.scratch, "exit")?;
     // Pushed like the raw client's `die` events: the shim's own change stream, no polling.

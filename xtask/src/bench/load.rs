@@ -1,8 +1,10 @@
 //! Figures (3) tasks per second for a batch of tasks started at a given concurrency and (4)
-//! dockerd's CPU time per started task, through the shim and as raw create + start. Shim and
-//! raw batches alternate. Shim clients learn that their task runs from one watcher that lists
-//! the tasks every 5 ms (not each polling its task), so the bench's own polling stays small.
+//! dockerd's CPU time per started task, through the shim and as raw create + start; and, as a
+//! diagnostic, (3) through a second shim whose home is on tmpfs. The fleets' batches take turns.
+//! Shim clients learn that their task runs from one watcher on the shim's event stream
+//! (`GET /api/events`, opened before the batch), so neither side polls.
 
+use std::os::unix::fs::PermissionsExt as _;
 use std::time::Instant;
 
 use anyhow::Result;
@@ -57,59 +59,114 @@ fn measure(
     })
 }
 
-/// Figures (3) and (4).
+/// A directory on tmpfs for a shim home (`/dev/shm` when it is a tmpfs), or why there is none.
+fn tmpfs_home() -> Result<tempfile::TempDir> {
+    let mounts = fs_err::read_to_string("/proc/mounts")?;
+    let shm = mounts.lines().any(|line| {
+        let mut fields = line.split_whitespace().skip(1);
+        fields.next() == Some("/dev/shm") && fields.next() == Some("tmpfs")
+    });
+    anyhow::ensure!(shm, "/dev/shm is not a tmpfs");
+    let dir = tempfile::Builder::new()
+        .prefix("xtask-bench-home-")
+        .tempdir_in("/dev/shm")?;
+    // Containers read the runner directory below it as root; the mode only has to let them in.
+    fs_err::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+    Ok(dir)
+}
+
+/// Who starts a batch's tasks.
+enum Fleet<'a> {
+    /// A shim: its name in the output, and the prefix of its task ids.
+    Shim(&'a BenchShim, &'static str, &'static str),
+    /// The bench's own create + start.
+    Raw,
+}
+
+/// Figures (3) and (4), and (as a diagnostic without a goal) (3) once more with the shim's home
+/// on tmpfs, where a durable write costs no disk flush: the three fleets' batches take turns.
 pub fn throughput(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
     let n = ctx.pick(8, 50);
-    let rounds = ctx.pick(1, 5);
+    let rounds = ctx.pick(1, 10);
     let docker = &ctx.scratch.docker;
+    // Declared before the shim on it, so removed after it.
+    let tmpfs = tmpfs_home()
+        .inspect_err(|e| println!("(no shim home on tmpfs, its diagnostic is not measured: {e:#})"))
+        .ok();
     let shim = BenchShim::start(&ctx.binary, &ctx.scratch, "load")?;
+    let shim_tmpfs = match &tmpfs {
+        Some(dir) => Some(BenchShim::start_at(
+            &ctx.binary,
+            &ctx.scratch,
+            "load-tmpfs",
+            dir.path().join("home"),
+        )?),
+        None => None,
+    };
+    let mut fleets = vec![Fleet::Shim(&shim, "shim", "load")];
+    if let Some(s) = &shim_tmpfs {
+        fleets.push(Fleet::Shim(s, "shim (tmpfs home)", "tmpfs"));
+    }
+    fleets.push(Fleet::Raw);
     for concurrency in [4, 16] {
-        println!("\n--- {n} tasks at concurrency {concurrency}, {rounds} round(s) of shim and raw");
-        let mut shim_total = Batch::default();
-        let mut raw_total = Batch::default();
+        println!(
+            "\n--- {n} tasks at concurrency {concurrency}, {rounds} round(s) of each of {} fleets",
+            fleets.len()
+        );
+        let mut totals = vec![Batch::default(); fleets.len()];
         for round in 0..rounds {
-            let ids: Vec<String> = (0..n)
-                .map(|i| format!("load-{concurrency}-{round}-{i}"))
-                .collect();
-            let shim_batch = || -> Result<Batch> {
-                let watcher = Watcher::new(&shim)?;
-                let batch = measure(&ids, concurrency, |id| {
-                    shim.submit(id, "host")?;
-                    watcher.wait_running(id)
-                })?;
-                drop(watcher);
-                // Clean-up is not measured: 4 at a time. Many concurrent `docker stop -t 0`
-                // on a loaded machine once lost exit events in dockerd 20.10 and wedged it.
-                parallel(&ids, 4, |id| shim.finish(id))
-                    .into_iter()
-                    .collect::<Result<Vec<()>>>()?;
-                Ok(batch)
+            let batch = |fleet: &Fleet<'_>| -> Result<Batch> {
+                match *fleet {
+                    Fleet::Shim(shim, _, prefix) => {
+                        let ids: Vec<String> = (0..n)
+                            .map(|i| format!("{prefix}-{concurrency}-{round}-{i}"))
+                            .collect();
+                        let watcher = Watcher::new(shim)?;
+                        let batch = measure(&ids, concurrency, |id| {
+                            shim.submit(id, "host")?;
+                            watcher.wait_running(id)
+                        })?;
+                        drop(watcher);
+                        // Clean-up is not measured: 4 at a time. Many concurrent `docker stop
+                        // -t 0` on a loaded machine once lost exit events in dockerd 20.10 and
+                        // wedged it.
+                        parallel(&ids, 4, |id| shim.finish(id))
+                            .into_iter()
+                            .collect::<Result<Vec<()>>>()?;
+                        Ok(batch)
+                    }
+                    Fleet::Raw => {
+                        let ids: Vec<String> = (0..n)
+                            .map(|i| format!("load-{concurrency}-{round}-{i}"))
+                            .collect();
+                        let batch = measure(&ids, concurrency, |id| {
+                            let raw = ctx.scratch.raw_create(id, "host")?;
+                            docker.start(&raw.id)
+                        })?;
+                        ctx.scratch.raw_remove_all()?;
+                        Ok(batch)
+                    }
+                }
             };
-            let raw_batch = || -> Result<Batch> {
-                let batch = measure(&ids, concurrency, |id| {
-                    let raw = ctx.scratch.raw_create(id, "host")?;
-                    docker.start(&raw.id)
-                })?;
-                ctx.scratch.raw_remove_all()?;
-                Ok(batch)
-            };
-            let (s, r) = if round % 2 == 0 {
-                let s = shim_batch()?;
-                (s, raw_batch()?)
-            } else {
-                let r = raw_batch()?;
-                (shim_batch()?, r)
-            };
-            println!(
-                "  round {round}: shim {:.1} tasks/s ({:.0} ms dockerd CPU/task), raw {:.1} tasks/s ({:.0} ms/task)",
-                s.per_second(),
-                s.cpu_ms_per_task(),
-                r.per_second(),
-                r.cpu_ms_per_task()
-            );
-            shim_total.add(s);
-            raw_total.add(r);
+            // Each round starts with the next fleet, so each leads as often as the others.
+            let mut line = format!("  round {round}:");
+            for k in 0..fleets.len() {
+                let f = (round + k) % fleets.len();
+                let b = batch(&fleets[f])?;
+                totals[f].add(b);
+                let name = match fleets[f] {
+                    Fleet::Shim(_, name, _) => name,
+                    Fleet::Raw => "raw",
+                };
+                line += &format!(
+                    " {name} {:.1} tasks/s ({:.0} ms dockerd CPU/task);",
+                    b.per_second(),
+                    b.cpu_ms_per_task()
+                );
+            }
+            println!("{}", line.trim_end_matches(';'));
         }
+        let (shim_total, raw_total) = (totals[0], totals[fleets.len() - 1]);
         let detail = json!({
             "tasks": shim_total.tasks, "rounds": rounds,
             "shim_seconds": shim_total.seconds, "raw_seconds": raw_total.seconds,
@@ -126,6 +183,25 @@ pub fn throughput(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
             )
             .with_detail(detail.clone()),
         );
+        if shim_tmpfs.is_some() {
+            let t = totals[1];
+            out.push(
+                Comparison::new(
+                    format!("tasks_per_second_c{concurrency}_tmpfs_home"),
+                    format!(
+                        "tasks/s, {n} tasks at concurrency {concurrency}, shim home on tmpfs (diagnostic)"
+                    ),
+                    "tasks/s",
+                    t.per_second(),
+                    Some(raw_total.per_second()),
+                    Goal::None,
+                )
+                .with_detail(json!({
+                    "tasks": t.tasks, "rounds": rounds, "shim_seconds": t.seconds,
+                    "raw_seconds": raw_total.seconds, "shim_dockerd_cpu_s": t.dockerd_cpu,
+                })),
+            );
+        }
         out.push(
             Comparison::new(
                 format!("dockerd_cpu_per_task_c{concurrency}"),
