@@ -352,6 +352,23 @@ impl BenchShim {
     }
 }
 
+/// A new directory on tmpfs (in `/dev/shm` when that is a tmpfs), or why there is none: the
+/// home of a diagnostic shim whose durable writes cost no disk flush.
+pub fn tmpfs_home() -> Result<tempfile::TempDir> {
+    let mounts = fs_err::read_to_string("/proc/mounts")?;
+    let shm = mounts.lines().any(|line| {
+        let mut fields = line.split_whitespace().skip(1);
+        fields.next() == Some("/dev/shm") && fields.next() == Some("tmpfs")
+    });
+    anyhow::ensure!(shm, "/dev/shm is not a tmpfs");
+    let dir = tempfile::Builder::new()
+        .prefix("xtask-bench-home-")
+        .tempdir_in("/dev/shm")?;
+    // Containers read the runner directory below it as root; the mode only has to let them in.
+    fs_err::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+    Ok(dir)
+}
+
 /// Watches a shim's task changes so that many clients can wait for their tasks to run without
 /// polling the API: on a small machine, sixteen clients polling every few milliseconds would
 /// take the CPU Docker needs, and the raw fleet's clients do not poll either (their start

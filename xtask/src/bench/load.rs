@@ -4,7 +4,6 @@
 //! Shim clients learn that their task runs from one watcher on the shim's event stream
 //! (`GET /api/events`, opened before the batch), so neither side polls.
 
-use std::os::unix::fs::PermissionsExt as _;
 use std::time::Instant;
 
 use anyhow::Result;
@@ -12,7 +11,7 @@ use serde_json::json;
 
 use super::Ctx;
 use super::dockerapi::parallel;
-use super::fleet::{BenchShim, Watcher, cpu_seconds, dockerd_pid};
+use super::fleet::{BenchShim, Watcher, cpu_seconds, dockerd_pid, tmpfs_home};
 use super::report::{Comparison, Goal};
 
 /// One measured batch: tasks, seconds, dockerd CPU seconds.
@@ -57,22 +56,6 @@ fn measure(
         seconds,
         dockerd_cpu,
     })
-}
-
-/// A directory on tmpfs for a shim home (`/dev/shm` when it is a tmpfs), or why there is none.
-fn tmpfs_home() -> Result<tempfile::TempDir> {
-    let mounts = fs_err::read_to_string("/proc/mounts")?;
-    let shm = mounts.lines().any(|line| {
-        let mut fields = line.split_whitespace().skip(1);
-        fields.next() == Some("/dev/shm") && fields.next() == Some("tmpfs")
-    });
-    anyhow::ensure!(shm, "/dev/shm is not a tmpfs");
-    let dir = tempfile::Builder::new()
-        .prefix("xtask-bench-home-")
-        .tempdir_in("/dev/shm")?;
-    // Containers read the runner directory below it as root; the mode only has to let them in.
-    fs_err::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
-    Ok(dir)
 }
 
 /// Who starts a batch's tasks.
@@ -213,6 +196,18 @@ pub fn throughput(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
             )
             .with_detail(detail),
         );
+        if shim_tmpfs.is_some() {
+            out.push(Comparison::new(
+                format!("dockerd_cpu_per_task_c{concurrency}_tmpfs_home"),
+                format!(
+                    "dockerd CPU per started task, concurrency {concurrency}, shim home on tmpfs (diagnostic)"
+                ),
+                "ms",
+                totals[1].cpu_ms_per_task(),
+                Some(raw_total.cpu_ms_per_task()),
+                Goal::None,
+            ));
+        }
     }
     Ok(())
 }
