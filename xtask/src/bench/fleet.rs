@@ -352,21 +352,44 @@ impl BenchShim {
     }
 }
 
-/// A new directory on tmpfs (in `/dev/shm` when that is a tmpfs), or why there is none: the
-/// home of a diagnostic shim whose durable writes cost no disk flush.
-pub fn tmpfs_home() -> Result<tempfile::TempDir> {
-    let mounts = fs_err::read_to_string("/proc/mounts")?;
-    let shm = mounts.lines().any(|line| {
-        let mut fields = line.split_whitespace().skip(1);
-        fields.next() == Some("/dev/shm") && fields.next() == Some("tmpfs")
-    });
-    anyhow::ensure!(shm, "/dev/shm is not a tmpfs");
-    let dir = tempfile::Builder::new()
-        .prefix("xtask-bench-home-")
-        .tempdir_in("/dev/shm")?;
-    // Containers read the runner directory below it as root; the mode only has to let them in.
-    fs_err::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
-    Ok(dir)
+/// A diagnostic shim whose home is a new directory on tmpfs (in `/dev/shm`): its durable
+/// writes cost no disk flush. The shim goes (its containers swept) before its home is removed.
+pub struct TmpfsShim {
+    /// The shim.
+    pub shim: BenchShim,
+    _home: tempfile::TempDir,
+}
+
+impl TmpfsShim {
+    /// Starts one logging to `<scratch>/<name>.log`; `None` (with a printed note) where
+    /// `/dev/shm` is not a tmpfs.
+    pub fn start(binary: &Path, scratch: &Scratch, name: &str) -> Result<Option<Self>> {
+        let home = match Self::home() {
+            Ok(home) => home,
+            Err(e) => {
+                println!("(no shim home on tmpfs, its diagnostic is not measured: {e:#})");
+                return Ok(None);
+            }
+        };
+        let shim = BenchShim::start_at(binary, scratch, name, home.path().join("home"))?;
+        Ok(Some(Self { shim, _home: home }))
+    }
+
+    fn home() -> Result<tempfile::TempDir> {
+        let mounts = fs_err::read_to_string("/proc/mounts")?;
+        let shm = mounts.lines().any(|line| {
+            let mut fields = line.split_whitespace().skip(1);
+            fields.next() == Some("/dev/shm") && fields.next() == Some("tmpfs")
+        });
+        anyhow::ensure!(shm, "/dev/shm is not a tmpfs");
+        let dir = tempfile::Builder::new()
+            .prefix("xtask-bench-home-")
+            .tempdir_in("/dev/shm")?;
+        // Containers read the runner directory below it as root; the mode only has to let
+        // them in.
+        fs_err::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+        Ok(dir)
+    }
 }
 
 /// Watches a shim's task changes so that many clients can wait for their tasks to run without

@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 use super::Ctx;
 use super::clock::ms_between;
 use super::dockerapi::Events;
-use super::fleet::{BenchShim, RAW_LABEL, RawContainer, tmpfs_home, trigger_exit};
+use super::fleet::{BenchShim, RAW_LABEL, RawContainer, TmpfsShim, trigger_exit};
 use super::report::{Comparison, Goal, median, percentile};
 
 /// Figure (1), host and bridge network.
@@ -111,27 +111,16 @@ pub fn exit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
 pub fn submit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
     let n = ctx.pick(3, 120);
     let docker = &ctx.scratch.docker;
-    // Declared before the shim on it, so removed after it.
-    let tmpfs = tmpfs_home()
-        .inspect_err(|e| println!("(no shim home on tmpfs, its diagnostic is not measured: {e:#})"))
-        .ok();
     let shim = BenchShim::start(&ctx.binary, &ctx.scratch, "submit")?;
-    let shim_tmpfs = match &tmpfs {
-        Some(dir) => Some(BenchShim::start_at(
-            &ctx.binary,
-            &ctx.scratch,
-            "submit-tmpfs",
-            dir.path().join("home"),
-        )?),
-        None => None,
-    };
+    let tmpfs = TmpfsShim::start(&ctx.binary, &ctx.scratch, "submit-tmpfs")?;
+    let shim_tmpfs = tmpfs.as_ref().map(|t| &t.shim);
     println!("\n--- submit -> running one at a time: {n} shim tasks, {n} raw create+start");
     let before = histogram(&shim, "dstack_shim_submit_to_running_seconds")?;
     // Pushed news on both sides: the shim's `running` arrives on its event stream, as the
     // raw side learns it from its start's answer; polling would cost the shim (and the 2 CPUs
     // Docker needs) what the raw side does not pay.
     let changes = shim.events()?;
-    let tmpfs_changes = shim_tmpfs.as_ref().map(BenchShim::events).transpose()?;
+    let tmpfs_changes = shim_tmpfs.map(BenchShim::events).transpose()?;
     let shim_sample = |shim: &BenchShim, changes: &Events, id: &str| -> Result<f64> {
         let t = Instant::now();
         shim.submit(id, "host")?;
@@ -154,7 +143,7 @@ pub fn submit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
                     line += &format!(" shim {:.1} ms", shim_ms[i]);
                 }
                 1 => {
-                    let (Some(s), Some(c)) = (&shim_tmpfs, &tmpfs_changes) else {
+                    let (Some(s), Some(c)) = (shim_tmpfs, &tmpfs_changes) else {
                         continue;
                     };
                     // Its own ids: the container names come from them.
@@ -197,7 +186,7 @@ pub fn submit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
     for i in 0..n {
         let id = format!("submit-{i}");
         shim.finish(&id)?;
-        if let Some(s) = &shim_tmpfs {
+        if let Some(s) = shim_tmpfs {
             s.finish(&format!("tmpfs-{id}"))?;
         }
     }

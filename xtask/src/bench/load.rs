@@ -11,7 +11,7 @@ use serde_json::json;
 
 use super::Ctx;
 use super::dockerapi::parallel;
-use super::fleet::{BenchShim, Watcher, cpu_seconds, dockerd_pid, tmpfs_home};
+use super::fleet::{BenchShim, TmpfsShim, Watcher, cpu_seconds, dockerd_pid};
 use super::report::{Comparison, Goal};
 
 /// One measured batch: tasks, seconds, dockerd CPU seconds.
@@ -72,23 +72,11 @@ pub fn throughput(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
     let n = ctx.pick(8, 50);
     let rounds = ctx.pick(1, 10);
     let docker = &ctx.scratch.docker;
-    // Declared before the shim on it, so removed after it.
-    let tmpfs = tmpfs_home()
-        .inspect_err(|e| println!("(no shim home on tmpfs, its diagnostic is not measured: {e:#})"))
-        .ok();
     let shim = BenchShim::start(&ctx.binary, &ctx.scratch, "load")?;
-    let shim_tmpfs = match &tmpfs {
-        Some(dir) => Some(BenchShim::start_at(
-            &ctx.binary,
-            &ctx.scratch,
-            "load-tmpfs",
-            dir.path().join("home"),
-        )?),
-        None => None,
-    };
+    let shim_tmpfs = TmpfsShim::start(&ctx.binary, &ctx.scratch, "load-tmpfs")?;
     let mut fleets = vec![Fleet::Shim(&shim, "shim", "load")];
-    if let Some(s) = &shim_tmpfs {
-        fleets.push(Fleet::Shim(s, "shim (tmpfs home)", "tmpfs"));
+    if let Some(t) = &shim_tmpfs {
+        fleets.push(Fleet::Shim(&t.shim, "shim (tmpfs home)", "tmpfs"));
     }
     fleets.push(Fleet::Raw);
     for concurrency in [4, 16] {
