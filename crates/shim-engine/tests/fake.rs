@@ -205,6 +205,41 @@ async fn exit_without_event_is_found_by_relist_with_last_lines() {
     );
 }
 
+/// A cycle never judges a task by a list requested before the task's start ended: that list
+/// cannot show the container the start made. Here the list answers late, after the start,
+/// with what it saw when requested (no container). Until 2026-11-30 the check compared
+/// millisecond stamps and stamped the start's end only after the task had left the start's
+/// ownership, so a start ending in the list's millisecond, or a cycle reaching the task in
+/// between, judged it by the older list and could call its new container vanished.
+#[tokio::test]
+async fn a_list_requested_before_a_start_ended_does_not_judge_the_task() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    let lists = w.runtime.count("list");
+    w.runtime.hold_lists();
+    let cycle = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.reconcile_now().await }
+    });
+    while w.runtime.count("list") == lists {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    engine.submit(config("t1")).await.unwrap();
+    let info = wait_status(&engine, "t1", TaskStatus::Running).await;
+    w.runtime.release_lists();
+    assert!(cycle.await.unwrap(), "the held list answered");
+    let after = engine.task_info(&tid("t1")).unwrap();
+    assert_eq!(after.status, TaskStatus::Running, "{after:?}");
+    assert_eq!(w.runtime.state(&info.container_id), Some(ContainerState::Running));
+    // A list requested after the start ended does judge it: here the container exited
+    // without an event, and the cycle finds it.
+    assert!(w.runtime.exit_without_event(&info.container_id, 3));
+    assert!(engine.reconcile_now().await);
+    let after = engine.task_info(&tid("t1")).unwrap();
+    assert_eq!(after.status, TaskStatus::Terminated, "{after:?}");
+    assert_eq!(after.termination_reason, "container_exited_with_error");
+}
+
 #[tokio::test]
 async fn terminate_running_stops_with_timeout_and_releases() {
     let w = World::new(1);

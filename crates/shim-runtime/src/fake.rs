@@ -3,7 +3,8 @@
 //!
 //! It records every call ([`FakeRuntime::calls`]) and can be told to make a container exit
 //! ([`FakeRuntime::exit`], which also emits the exit event), vanish, fail or hang on start,
-//! fail, hang or time out on pull, report logs, or have the daemon unreachable.
+//! fail, hang or time out on pull, report logs, answer lists late, or have the daemon
+//! unreachable.
 //!
 //! Container ids are 64 hex digits, counting up from 1; published host ports are assigned from
 //! 32768 upwards at start, in bridge mode.
@@ -157,6 +158,8 @@ struct State {
     event_log: Vec<ContainerEvent>,
     /// The events clock: Unix nanoseconds of the next event (strictly increasing).
     event_clock: i64,
+    /// Lists answer only once released, with what they saw when called.
+    hold_lists: bool,
 }
 
 /// The in-memory fake runtime. Cheap to clone (clones share state).
@@ -167,6 +170,7 @@ pub struct FakeRuntime {
     calls_seen: Arc<watch::Sender<usize>>,
     starts_released: Arc<watch::Sender<u64>>,
     pulls_released: Arc<watch::Sender<u64>>,
+    lists_released: Arc<watch::Sender<u64>>,
 }
 
 impl Default for FakeRuntime {
@@ -215,6 +219,7 @@ impl FakeRuntime {
             calls_seen: Arc::new(watch::channel(0).0),
             starts_released: Arc::new(watch::channel(0).0),
             pulls_released: Arc::new(watch::channel(0).0),
+            lists_released: Arc::new(watch::channel(0).0),
         }
     }
 
@@ -243,6 +248,32 @@ impl FakeRuntime {
             state.clock / 1000 % 60,
             state.clock
         )
+    }
+
+    /// What a list with `labels` shows now.
+    fn summaries(state: &State, labels: &[(String, String)]) -> Vec<ContainerSummary> {
+        state
+            .containers
+            .values()
+            .filter(|c| has_labels(&c.spec.labels, labels))
+            .map(|c| ContainerSummary {
+                ports: c.ports.clone(),
+                id: c.id.clone(),
+                name: c.spec.name.clone(),
+                state: c.state.clone(),
+                labels: c.spec.labels.clone(),
+                mounts: c
+                    .spec
+                    .mounts
+                    .iter()
+                    .map(|m| MountPoint {
+                        source: m.source.to_string_lossy().into_owned(),
+                        destination: m.target.clone(),
+                        read_write: !m.read_only,
+                    })
+                    .collect(),
+            })
+            .collect()
     }
 
     // ---- driving the fake ----
@@ -319,6 +350,19 @@ impl FakeRuntime {
     /// Lets every hanging start proceed (and succeed).
     pub fn release_starts(&self) {
         self.starts_released.send_modify(|n| *n += 1);
+    }
+
+    /// Makes every following list answer late: with the containers it saw when it was
+    /// called, once [`FakeRuntime::release_lists`] is called (an answer delayed in transit,
+    /// while the daemon went on).
+    pub fn hold_lists(&self) {
+        self.lock().hold_lists = true;
+    }
+
+    /// Lets every held list answer, and the following ones answer at once.
+    pub fn release_lists(&self) {
+        self.lock().hold_lists = false;
+        self.lists_released.send_modify(|n| *n += 1);
     }
 
     /// The exit code containers get when stopped (default: 137 when killed at once, 143
@@ -744,29 +788,18 @@ impl ContainerRuntime for FakeRuntime {
     }
 
     async fn list(&self, labels: &[(String, String)]) -> Result<Vec<ContainerSummary>> {
-        let state = self.record(Call::List(labels.to_vec()), "containers")?;
-        Ok(state
-            .containers
-            .values()
-            .filter(|c| has_labels(&c.spec.labels, labels))
-            .map(|c| ContainerSummary {
-                ports: c.ports.clone(),
-                id: c.id.clone(),
-                name: c.spec.name.clone(),
-                state: c.state.clone(),
-                labels: c.spec.labels.clone(),
-                mounts: c
-                    .spec
-                    .mounts
-                    .iter()
-                    .map(|m| MountPoint {
-                        source: m.source.to_string_lossy().into_owned(),
-                        destination: m.target.clone(),
-                        read_write: !m.read_only,
-                    })
-                    .collect(),
-            })
-            .collect())
+        // Subscribed before the call is recorded (see `pull`).
+        let mut released = self.lists_released.subscribe();
+        released.mark_unchanged();
+        let (held, seen) = {
+            let state = self.record(Call::List(labels.to_vec()), "containers")?;
+            (state.hold_lists, Self::summaries(&state, labels))
+        };
+        if held {
+            // The sender lives as long as self: changed() cannot fail here.
+            let _ = released.changed().await;
+        }
+        Ok(seen)
     }
 
     async fn stop(&self, id: &str, timeout: Duration) -> Result<()> {
