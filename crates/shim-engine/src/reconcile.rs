@@ -320,7 +320,8 @@ impl Inner {
                         tracing::info!("container event stream reconnected; relisting");
                         self.relist.notify_one();
                     }
-                    delay = RECONNECT_MIN;
+                    let connected = tokio::time::Instant::now();
+                    let mut carried = false;
                     loop {
                         let item = tokio::select! {
                             _ = self.shutdown.cancelled() => return,
@@ -336,6 +337,7 @@ impl Inner {
                                     seen.clear();
                                 }
                                 self.events_since.fetch_max(event.time_ns, Ordering::SeqCst);
+                                carried = true;
                                 self.route(event);
                             }
                             Some(Err(e)) => {
@@ -349,6 +351,13 @@ impl Inner {
                         }
                     }
                     self.events_connected.store(false, Ordering::SeqCst);
+                    // Only a connection that carried events or lasted starts the backoff
+                    // over. One that broke at once is a daemon still down behind a
+                    // subscription that fails only when read (bollard's): resubscribing,
+                    // and relisting, at the shortest delay would spin.
+                    if carried || connected.elapsed() >= RECONNECT_MAX {
+                        delay = RECONNECT_MIN;
+                    }
                 }
                 Err(e) => {
                     tracing::debug!(error = %chain(&e), "cannot subscribe to container events");

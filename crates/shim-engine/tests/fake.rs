@@ -230,7 +230,10 @@ async fn a_list_requested_before_a_start_ended_does_not_judge_the_task() {
     assert!(cycle.await.unwrap(), "the held list answered");
     let after = engine.task_info(&tid("t1")).unwrap();
     assert_eq!(after.status, TaskStatus::Running, "{after:?}");
-    assert_eq!(w.runtime.state(&info.container_id), Some(ContainerState::Running));
+    assert_eq!(
+        w.runtime.state(&info.container_id),
+        Some(ContainerState::Running)
+    );
     // A list requested after the start ended does judge it: here the container exited
     // without an event, and the cycle finds it.
     assert!(w.runtime.exit_without_event(&info.container_id, 3));
@@ -238,6 +241,40 @@ async fn a_list_requested_before_a_start_ended_does_not_judge_the_task() {
     let after = engine.task_info(&tid("t1")).unwrap();
     assert_eq!(after.status, TaskStatus::Terminated, "{after:?}");
     assert_eq!(after.termination_reason, "container_exited_with_error");
+}
+
+/// A runtime whose event subscription fails only when its stream is read (bollard's, while
+/// the daemon is down) does not keep the engine resubscribing, and relisting, at the shortest
+/// delay: a connection that broke before it carried anything lets the backoff grow. Once the
+/// daemon is back the engine subscribes again and lists.
+#[tokio::test]
+async fn an_event_stream_that_breaks_at_once_backs_off() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    while !engine.health().events_connected {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    w.runtime.set_event_subscriptions_fail_late(true);
+    w.runtime.set_unreachable(true);
+    let before = w.runtime.count("events");
+    w.runtime.break_event_streams();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let attempts = w.runtime.count("events") - before;
+    // At the shortest delay (200 ms) 7 or 8 would come; backing off (200, 400, 800 ms), 3.
+    assert!(
+        (1..=4).contains(&attempts),
+        "{attempts} subscriptions in 1.5 s"
+    );
+    let lists = w.runtime.count("list");
+    w.runtime.set_unreachable(false);
+    for _ in 0..1000 {
+        if engine.health().events_connected && w.runtime.count("list") > lists {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(engine.health().events_connected, "{:?}", engine.health());
+    assert!(w.runtime.count("list") > lists, "the reconnection relists");
 }
 
 #[tokio::test]

@@ -3,8 +3,8 @@
 //!
 //! It records every call ([`FakeRuntime::calls`]) and can be told to make a container exit
 //! ([`FakeRuntime::exit`], which also emits the exit event), vanish, fail or hang on start,
-//! fail, hang or time out on pull, report logs, answer lists late, or have the daemon
-//! unreachable.
+//! fail, hang or time out on pull, report logs, answer lists late, break event streams, or
+//! have the daemon unreachable.
 //!
 //! Container ids are 64 hex digits, counting up from 1; published host ports are assigned from
 //! 32768 upwards at start, in bridge mode.
@@ -160,6 +160,8 @@ struct State {
     event_clock: i64,
     /// Lists answer only once released, with what they saw when called.
     hold_lists: bool,
+    /// An unreachable daemon shows on a new event stream's first item, not at subscribing.
+    events_fail_late: bool,
 }
 
 /// The in-memory fake runtime. Cheap to clone (clones share state).
@@ -171,6 +173,8 @@ pub struct FakeRuntime {
     starts_released: Arc<watch::Sender<u64>>,
     pulls_released: Arc<watch::Sender<u64>>,
     lists_released: Arc<watch::Sender<u64>>,
+    /// Bumped to end every open event stream with an error.
+    streams_broken: Arc<watch::Sender<u64>>,
 }
 
 impl Default for FakeRuntime {
@@ -220,6 +224,7 @@ impl FakeRuntime {
             starts_released: Arc::new(watch::channel(0).0),
             pulls_released: Arc::new(watch::channel(0).0),
             lists_released: Arc::new(watch::channel(0).0),
+            streams_broken: Arc::new(watch::channel(0).0),
         }
     }
 
@@ -363,6 +368,19 @@ impl FakeRuntime {
     pub fn release_lists(&self) {
         self.lock().hold_lists = false;
         self.lists_released.send_modify(|n| *n += 1);
+    }
+
+    /// Ends every open event stream with [`RuntimeError::DaemonUnavailable`], as a daemon
+    /// restart or a lost connection does.
+    pub fn break_event_streams(&self) {
+        self.streams_broken.send_modify(|n| *n += 1);
+    }
+
+    /// Makes an unreachable daemon show on a new event stream's first item (an error) instead
+    /// of failing the subscription: what a runtime whose subscription only connects when read
+    /// does.
+    pub fn set_event_subscriptions_fail_late(&self, late: bool) {
+        self.lock().events_fail_late = late;
     }
 
     /// The exit code containers get when stopped (default: 137 when killed at once, 143
@@ -850,8 +868,17 @@ impl ContainerRuntime for FakeRuntime {
         labels: &[(String, String)],
         since_ns: Option<i64>,
     ) -> Result<EventStream> {
+        let mut broken = self.streams_broken.subscribe();
+        broken.mark_unchanged();
+        let fail_late = self.lock().events_fail_late;
         let (replay, rx) = {
-            let state = self.record(Call::Events(labels.to_vec(), since_ns), "events")?;
+            let state = match self.record(Call::Events(labels.to_vec(), since_ns), "events") {
+                Ok(state) => state,
+                Err(e) if fail_late => {
+                    return Ok(futures_util::stream::once(async move { Err(e) }).boxed());
+                }
+                Err(e) => return Err(e),
+            };
             // Subscribed under the lock: nothing falls between the replay and the live feed.
             let rx = self.events.subscribe();
             let replay: Vec<ContainerEvent> = match since_ns {
@@ -866,22 +893,32 @@ impl ContainerRuntime for FakeRuntime {
             };
             (replay, rx)
         };
-        let live = futures_util::stream::unfold(rx, |mut rx| async move {
+        let live = futures_util::stream::unfold(Some((rx, broken)), |open| async move {
+            let (mut rx, mut broken) = open?;
             loop {
-                match rx.recv().await {
-                    Ok(item) => return Some((item, rx)),
-                    // Like the daemon's: a subscriber too slow loses events.
-                    Err(broadcast::error::RecvError::Lagged(_)) => {}
-                    Err(broadcast::error::RecvError::Closed) => return None,
+                tokio::select! {
+                    item = rx.recv() => match item {
+                        Ok(item) => return Some((Ok(item), Some((rx, broken)))),
+                        // Like the daemon's: a subscriber too slow loses events.
+                        Err(broadcast::error::RecvError::Lagged(_)) => {}
+                        Err(broadcast::error::RecvError::Closed) => return None,
+                    },
+                    // (Disabled once the fake is gone: its sender with it.)
+                    Ok(()) = broken.changed() => {
+                        return Some((Err(unavailable("events", "containers")), None));
+                    }
                 }
             }
         });
         let want = labels.to_vec();
-        let stream = futures_util::stream::iter(replay)
+        let stream = futures_util::stream::iter(replay.into_iter().map(Ok))
             .chain(live)
-            .filter_map(move |event| {
-                let keep = has_labels(&event.labels, &want);
-                async move { keep.then_some(Ok(event)) }
+            .filter_map(move |item: Result<ContainerEvent>| {
+                let keep = match &item {
+                    Ok(event) => has_labels(&event.labels, &want),
+                    Err(_) => true,
+                };
+                async move { keep.then_some(item) }
             });
         Ok(stream.boxed())
     }
@@ -1058,6 +1095,29 @@ mod tests {
         let ev = later.next().await.unwrap().unwrap();
         assert_eq!((ev.name.as_str(), ev.kind), ("b", EventKind::Destroy));
         assert!(ev.time_ns > die.time_ns);
+    }
+
+    #[tokio::test]
+    async fn event_streams_break_and_subscriptions_can_fail_late() {
+        let fake = FakeRuntime::new();
+        let a = fake.add_container(&spec("a", "me"), ContainerState::Running, None);
+        let mut stream = fake.events(&[], None).await.unwrap();
+        fake.break_event_streams();
+        assert!(stream.next().await.unwrap().unwrap_err().is_unavailable());
+        assert!(
+            stream.next().await.is_none(),
+            "the stream ends after its error"
+        );
+        // A new stream is not broken by the earlier break.
+        let mut stream = fake.events(&[], None).await.unwrap();
+        assert!(fake.exit(&a, 0));
+        assert_eq!(stream.next().await.unwrap().unwrap().container_id, a);
+        fake.set_unreachable(true);
+        assert!(matches!(fake.events(&[], None).await, Err(e) if e.is_unavailable()));
+        fake.set_event_subscriptions_fail_late(true);
+        let mut late = fake.events(&[], None).await.unwrap();
+        assert!(late.next().await.unwrap().unwrap_err().is_unavailable());
+        assert!(late.next().await.is_none());
     }
 
     #[tokio::test]

@@ -922,6 +922,42 @@ fn runner_script_is_valid_sh() {
 /// before the answer reached the shim) is `DaemonUnavailable`, the error on which the engine
 /// looks at the container instead of failing the task (shim-engine's fake tests cover that
 /// part: `a_start_whose_answer_was_lost_looks_at_the_container`).
+/// A daemon that does not answer fails the event subscription itself, as the trait says, not
+/// the stream's first item: bollard's stream connects only when read, so `events` asks the
+/// daemon first (a subscriber that counted such a stream as connected would resubscribe and
+/// relist at its shortest delay while Docker is down). The proxy loses the answer to that
+/// first question; the next subscription works and carries the container's `die`.
+#[tokio::test]
+async fn an_event_subscription_fails_when_the_daemon_does_not_answer() {
+    if !docker_tests_enabled("an_event_subscription_fails") {
+        return;
+    }
+    let direct = runtime().await;
+    let run = unique("events-unanswered");
+    let guard = Cleanup::new(&run);
+    let proxy = LosingProxy::start(&docker_socket(), &["/_ping"]).unwrap();
+    let lossy = DockerRuntime::connect_to(&proxy.host()).await.unwrap();
+    let err = match lossy.events(&guard.labels, None).await {
+        Ok(_) => panic!("subscribed though the daemon's answer was lost"),
+        Err(e) => e,
+    };
+    assert!(err.is_unavailable(), "{err:?}");
+    assert_eq!(proxy.lost().len(), 1, "{:?}", proxy.lost());
+    let mut events = lossy.events(&guard.labels, None).await.unwrap();
+    let id = direct
+        .create(&shell_spec(&format!("{run}-e"), &guard.labels(), "exit 3"))
+        .await
+        .unwrap();
+    direct.start(&id).await.unwrap();
+    let event = tokio::time::timeout(Duration::from_secs(30), events.next())
+        .await
+        .expect("no exit event within 30 s")
+        .expect("event stream ended")
+        .unwrap();
+    assert_eq!(event.container_id, id);
+    assert_eq!(event.kind, EventKind::Die { exit_code: Some(3) });
+}
+
 #[tokio::test]
 async fn a_lost_answer_is_daemon_unavailable_though_the_work_was_done() {
     if !docker_tests_enabled("a_lost_answer") {

@@ -393,6 +393,13 @@ impl ContainerRuntime for DockerRuntime {
             .since(&since)
             .filters(&filters)
             .build();
+        // bollard's stream connects only when first read: a daemon that is down would show
+        // as a subscription that breaks at once. One ping first makes it fail here, as the
+        // trait says, so a subscriber backs off instead of counting a connection.
+        self.docker
+            .ping()
+            .await
+            .map_err(|e| translate("events", "containers".to_owned(), e))?;
         let stream = self.docker.events(Some(options)).filter_map(
             |item: std::result::Result<EventMessage, BollardError>| async move {
                 match item {
