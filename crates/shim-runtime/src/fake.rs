@@ -201,6 +201,18 @@ fn container_not_found(id: &str) -> RuntimeError {
     }
 }
 
+/// The mounts Docker reports for a container made from `spec`.
+fn mount_points(spec: &ContainerSpec) -> Vec<MountPoint> {
+    spec.mounts
+        .iter()
+        .map(|m| MountPoint {
+            source: m.source.to_string_lossy().into_owned(),
+            destination: m.target.clone(),
+            read_write: !m.read_only,
+        })
+        .collect()
+}
+
 /// Docker's label filter: every `(key, value)` matches, an empty value only asks for the key.
 fn has_labels(have: &BTreeMap<String, String>, want: &[(String, String)]) -> bool {
     want.iter().all(|(k, v)| match have.get(k) {
@@ -267,16 +279,7 @@ impl FakeRuntime {
                 name: c.spec.name.clone(),
                 state: c.state.clone(),
                 labels: c.spec.labels.clone(),
-                mounts: c
-                    .spec
-                    .mounts
-                    .iter()
-                    .map(|m| MountPoint {
-                        source: m.source.to_string_lossy().into_owned(),
-                        destination: m.target.clone(),
-                        read_write: !m.read_only,
-                    })
-                    .collect(),
+                mounts: mount_points(&c.spec),
             })
             .collect()
     }
@@ -783,15 +786,7 @@ impl ContainerRuntime for FakeRuntime {
             finished_at: c.finished_at.clone(),
             labels: spec.labels.clone(),
             ports: c.ports.clone(),
-            mounts: spec
-                .mounts
-                .iter()
-                .map(|m| MountPoint {
-                    source: m.source.to_string_lossy().into_owned(),
-                    destination: m.target.clone(),
-                    read_write: !m.read_only,
-                })
-                .collect(),
+            mounts: mount_points(spec),
             env: spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
             device_requests: spec.device_requests.clone(),
             devices: spec.devices.clone(),
