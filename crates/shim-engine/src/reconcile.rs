@@ -307,12 +307,14 @@ impl Inner {
         let mut seen: HashSet<(String, i64)> = HashSet::new();
         while !self.shutdown.is_cancelled() {
             let since = self.events_since.load(Ordering::SeqCst);
-            match self
-                .deps
-                .runtime
-                .events(&any_shim_filter(), Some(since))
-                .await
-            {
+            // Subscribing asks the daemon (bounded by the request timeout): a frozen daemon
+            // must not hold up a shutdown.
+            let filter = any_shim_filter();
+            let subscribed = tokio::select! {
+                _ = self.shutdown.cancelled() => return,
+                subscribed = self.deps.runtime.events(&filter, Some(since)) => subscribed,
+            };
+            match subscribed {
                 Ok(mut stream) => {
                     self.events_connected.store(true, Ordering::SeqCst);
                     self.metrics.events_reconnects.inc();
