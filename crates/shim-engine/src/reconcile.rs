@@ -355,8 +355,9 @@ impl Inner {
                     self.events_connected.store(false, Ordering::SeqCst);
                     // Only a connection that carried events or lasted starts the backoff
                     // over. One that broke at once is a daemon still down behind a
-                    // subscription that fails only when read (bollard's): resubscribing,
-                    // and relisting, at the shortest delay would spin.
+                    // subscription that fails only when read (a runtime that does not ask the
+                    // daemon when subscribing, or a daemon that went down right after):
+                    // resubscribing, and relisting, at the shortest delay would spin.
                     if carried || connected.elapsed() >= RECONNECT_MAX {
                         delay = RECONNECT_MIN;
                     }
