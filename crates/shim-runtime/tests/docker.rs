@@ -922,6 +922,20 @@ fn runner_script_is_valid_sh() {
 /// before the answer reached the shim) is `DaemonUnavailable`, the error on which the engine
 /// looks at the container instead of failing the task (shim-engine's fake tests cover that
 /// part: `a_start_whose_answer_was_lost_looks_at_the_container`).
+/// A runtime on the daemon, one through a [`LosingProxy`] losing the first answer to a request
+/// matching `lose`, the proxy, a run name made from `name`, and its cleanup.
+async fn through_losing_proxy(
+    name: &str,
+    lose: &str,
+) -> (DockerRuntime, DockerRuntime, LosingProxy, String, Cleanup) {
+    let direct = runtime().await;
+    let run = unique(name);
+    let guard = Cleanup::new(&run);
+    let proxy = LosingProxy::start(&docker_socket(), &[lose]).unwrap();
+    let lossy = DockerRuntime::connect_to(&proxy.host()).await.unwrap();
+    (direct, lossy, proxy, run, guard)
+}
+
 /// A daemon that does not answer fails the event subscription itself, as the trait says, not
 /// the stream's first item: bollard's stream connects only when read, so `events` asks the
 /// daemon first (a subscriber that counted such a stream as connected would resubscribe and
@@ -932,11 +946,8 @@ async fn an_event_subscription_fails_when_the_daemon_does_not_answer() {
     if !docker_tests_enabled("an_event_subscription_fails") {
         return;
     }
-    let direct = runtime().await;
-    let run = unique("events-unanswered");
-    let guard = Cleanup::new(&run);
-    let proxy = LosingProxy::start(&docker_socket(), &["/_ping"]).unwrap();
-    let lossy = DockerRuntime::connect_to(&proxy.host()).await.unwrap();
+    let (direct, lossy, proxy, run, guard) =
+        through_losing_proxy("events-unanswered", "/_ping").await;
     let err = match lossy.events(&guard.labels, None).await {
         Ok(_) => panic!("subscribed though the daemon's answer was lost"),
         Err(e) => e,
@@ -963,12 +974,7 @@ async fn a_lost_answer_is_daemon_unavailable_though_the_work_was_done() {
     if !docker_tests_enabled("a_lost_answer") {
         return;
     }
-    let direct = runtime().await;
-    let run = unique("lost-answer");
-    let guard = Cleanup::new(&run);
-
-    let proxy = LosingProxy::start(&docker_socket(), &["/start "]).unwrap();
-    let lossy = DockerRuntime::connect_to(&proxy.host()).await.unwrap();
+    let (direct, lossy, proxy, run, guard) = through_losing_proxy("lost-answer", "/start ").await;
     let id = direct
         .create(&shell_spec(
             &format!("{run}-s"),
