@@ -328,11 +328,7 @@ async fn runner_container_bridge_ports_exit_code_and_event() {
 
     // The runner exits with the code written to its exit file.
     fs_err::write(dir.path().join("exit"), "42").unwrap();
-    let event = tokio::time::timeout(Duration::from_secs(30), events.next())
-        .await
-        .expect("no exit event within 30 s")
-        .expect("event stream ended")
-        .unwrap();
+    let event = next_event(&mut events).await;
     assert_eq!(event.container_id, id);
     assert_eq!(event.name, run);
     assert_eq!(
@@ -514,11 +510,7 @@ async fn exit_event_carries_the_code_and_respects_labels() {
         .await
         .unwrap();
     docker.start(&id).await.unwrap();
-    let event = tokio::time::timeout(Duration::from_secs(30), events.next())
-        .await
-        .expect("no exit event within 30 s")
-        .expect("event stream ended")
-        .unwrap();
+    let event = next_event(&mut events).await;
     assert_ne!(
         event.container_id, other_exit.id,
         "event of a container without the labels"
@@ -922,6 +914,15 @@ fn runner_script_is_valid_sh() {
 /// before the answer reached the shim) is `DaemonUnavailable`, the error on which the engine
 /// looks at the container instead of failing the task (shim-engine's fake tests cover that
 /// part: `a_start_whose_answer_was_lost_looks_at_the_container`).
+/// The next event of `events`, within 30 s.
+async fn next_event(events: &mut shim_runtime::EventStream) -> shim_runtime::ContainerEvent {
+    tokio::time::timeout(Duration::from_secs(30), events.next())
+        .await
+        .expect("no exit event within 30 s")
+        .expect("event stream ended")
+        .unwrap()
+}
+
 /// A runtime on the daemon, one through a [`LosingProxy`] losing the first answer to a request
 /// matching `lose`, the proxy, a run name made from `name`, and its cleanup.
 async fn through_losing_proxy(
@@ -960,11 +961,7 @@ async fn an_event_subscription_fails_when_the_daemon_does_not_answer() {
         .await
         .unwrap();
     direct.start(&id).await.unwrap();
-    let event = tokio::time::timeout(Duration::from_secs(30), events.next())
-        .await
-        .expect("no exit event within 30 s")
-        .expect("event stream ended")
-        .unwrap();
+    let event = next_event(&mut events).await;
     assert_eq!(event.container_id, id);
     assert_eq!(event.kind, EventKind::Die { exit_code: Some(3) });
 }
