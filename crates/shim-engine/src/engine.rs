@@ -546,7 +546,8 @@ impl Engine {
         let _ = inner.registry.set(registry);
         let (listed, listed_at) = inner.restore_all().await?;
         inner.first_cycle(listed, listed_at).await;
-        let handles = crate::reconcile::spawn_background(&inner);
+        let first = inner.first_subscription().await;
+        let handles = crate::reconcile::spawn_background(&inner, first);
         *inner.background.lock().unwrap_or_else(|p| p.into_inner()) = handles;
         Ok(Engine { inner })
     }

@@ -22,7 +22,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures_util::StreamExt as _;
-use shim_runtime::{ContainerEvent, ContainerSummary, EventKind};
+use shim_runtime::{ContainerEvent, ContainerSummary, EventKind, EventStream};
 use shim_task::TaskStatus;
 use shim_task::machine::{Event, Observation};
 
@@ -262,11 +262,15 @@ impl Inner {
     }
 }
 
-/// Starts the background jobs: the event listener, the retry pass and the backstop list.
-pub(crate) fn spawn_background(inner: &Arc<Inner>) -> Vec<tokio::task::JoinHandle<()>> {
+/// Starts the background jobs: the event listener (on `first`, the subscription made at
+/// start-up, if it succeeded), the retry pass and the backstop list.
+pub(crate) fn spawn_background(
+    inner: &Arc<Inner>,
+    first: Option<EventStream>,
+) -> Vec<tokio::task::JoinHandle<()>> {
     let events = {
         let this = inner.clone();
-        tokio::spawn(async move { this.run_events().await })
+        tokio::spawn(async move { this.run_events(first).await })
     };
     let reconciler = {
         let this = inner.clone();
@@ -299,20 +303,55 @@ pub(crate) fn spawn_background(inner: &Arc<Inner>) -> Vec<tokio::task::JoinHandl
 }
 
 impl Inner {
-    /// Listens to the container events for as long as the engine runs, reconnecting with a
-    /// backoff; every reconnection resubscribes since the last event seen and asks for a
-    /// full list (what the daemon no longer had is found that way).
-    async fn run_events(self: Arc<Self>) {
+    /// The first subscription to the container events, made at start-up before the engine is
+    /// handed out, so that a shim that serves is subscribed from its first request (bounded
+    /// by [`RECONNECT_MAX`]; `None` when it failed, and the listener tries again).
+    pub(crate) async fn first_subscription(&self) -> Option<EventStream> {
+        let since = self.events_since.load(Ordering::SeqCst);
+        let filter = any_shim_filter();
+        match tokio::time::timeout(
+            RECONNECT_MAX,
+            self.deps.runtime.events(&filter, Some(since)),
+        )
+        .await
+        {
+            Ok(Ok(stream)) => {
+                self.events_connected.store(true, Ordering::SeqCst);
+                Some(stream)
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %chain(&e), "cannot subscribe to container events; retrying");
+                None
+            }
+            Err(_) => {
+                tracing::warn!(
+                    "subscribing to container events took over {RECONNECT_MAX:?}; retrying"
+                );
+                None
+            }
+        }
+    }
+
+    /// Listens to the container events for as long as the engine runs (on `first`, then on
+    /// its own subscriptions), reconnecting with a backoff; every reconnection resubscribes
+    /// since the last event seen and asks for a full list (what the daemon no longer had is
+    /// found that way).
+    async fn run_events(self: Arc<Self>, mut first: Option<EventStream>) {
         let mut delay = RECONNECT_MIN;
         let mut seen: HashSet<(String, i64)> = HashSet::new();
         while !self.shutdown.is_cancelled() {
-            let since = self.events_since.load(Ordering::SeqCst);
-            // Subscribing asks the daemon (bounded by the request timeout): a frozen daemon
-            // must not hold up a shutdown.
-            let filter = any_shim_filter();
-            let subscribed = tokio::select! {
-                _ = self.shutdown.cancelled() => return,
-                subscribed = self.deps.runtime.events(&filter, Some(since)) => subscribed,
+            let subscribed = match first.take() {
+                Some(stream) => Ok(stream),
+                None => {
+                    let since = self.events_since.load(Ordering::SeqCst);
+                    // Subscribing asks the daemon (bounded by the request timeout): a frozen
+                    // daemon must not hold up a shutdown.
+                    let filter = any_shim_filter();
+                    tokio::select! {
+                        _ = self.shutdown.cancelled() => return,
+                        subscribed = self.deps.runtime.events(&filter, Some(since)) => subscribed,
+                    }
+                }
             };
             match subscribed {
                 Ok(mut stream) => {
