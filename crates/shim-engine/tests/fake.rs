@@ -276,6 +276,31 @@ async fn an_event_stream_that_breaks_at_once_backs_off() {
     assert!(w.runtime.count("list") > lists, "the reconnection relists");
 }
 
+/// Shutdown does not wait for an event subscription in progress: subscribing asks the daemon,
+/// and a frozen one would hold it up to the request timeout (30 s; the engine gives its
+/// background jobs 10 s before it leaves them).
+#[tokio::test]
+async fn shutdown_does_not_wait_for_a_subscription_in_progress() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    let subscriptions = w.runtime.count("events");
+    w.runtime.hold_subscriptions();
+    w.runtime.break_event_streams();
+    while w.runtime.count("events") == subscriptions {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let shutdown = tokio::time::timeout(
+        Duration::from_secs(5),
+        engine.shutdown(shim_engine::Shutdown::Now),
+    )
+    .await;
+    assert!(
+        shutdown.is_ok(),
+        "shutdown waited for the held subscription"
+    );
+    w.runtime.release_subscriptions();
+}
+
 #[tokio::test]
 async fn terminate_running_stops_with_timeout_and_releases() {
     let w = World::new(1);

@@ -3,7 +3,8 @@
 //!
 //! It records every call ([`FakeRuntime::calls`]) and can be told to make a container exit
 //! ([`FakeRuntime::exit`], which also emits the exit event), vanish, fail or hang on start,
-//! fail, hang or time out on pull, report logs, answer lists late, break event streams, or
+//! fail, hang or time out on pull, report logs, answer lists and event subscriptions late,
+//! break event streams, or
 //! have the daemon unreachable.
 //!
 //! Container ids are 64 hex digits, counting up from 1; published host ports are assigned from
@@ -162,6 +163,8 @@ struct State {
     hold_lists: bool,
     /// An unreachable daemon shows on a new event stream's first item, not at subscribing.
     events_fail_late: bool,
+    /// Event subscriptions answer only once released.
+    hold_subscriptions: bool,
 }
 
 /// The in-memory fake runtime. Cheap to clone (clones share state).
@@ -175,6 +178,7 @@ pub struct FakeRuntime {
     lists_released: Arc<watch::Sender<u64>>,
     /// Bumped to end every open event stream with an error.
     streams_broken: Arc<watch::Sender<u64>>,
+    subscriptions_released: Arc<watch::Sender<u64>>,
 }
 
 impl Default for FakeRuntime {
@@ -237,6 +241,7 @@ impl FakeRuntime {
             pulls_released: Arc::new(watch::channel(0).0),
             lists_released: Arc::new(watch::channel(0).0),
             streams_broken: Arc::new(watch::channel(0).0),
+            subscriptions_released: Arc::new(watch::channel(0).0),
         }
     }
 
@@ -384,6 +389,18 @@ impl FakeRuntime {
     /// does.
     pub fn set_event_subscriptions_fail_late(&self, late: bool) {
         self.lock().events_fail_late = late;
+    }
+
+    /// Makes every following event subscription wait for its answer until
+    /// [`FakeRuntime::release_subscriptions`] (a frozen daemon).
+    pub fn hold_subscriptions(&self) {
+        self.lock().hold_subscriptions = true;
+    }
+
+    /// Lets every held event subscription answer, and the following ones answer at once.
+    pub fn release_subscriptions(&self) {
+        self.lock().hold_subscriptions = false;
+        self.subscriptions_released.send_modify(|n| *n += 1);
     }
 
     /// The exit code containers get when stopped (default: 137 when killed at once, 143
@@ -863,10 +880,13 @@ impl ContainerRuntime for FakeRuntime {
         labels: &[(String, String)],
         since_ns: Option<i64>,
     ) -> Result<EventStream> {
+        // Subscribed before the call is recorded (see `pull`).
+        let mut released = self.subscriptions_released.subscribe();
+        released.mark_unchanged();
         let mut broken = self.streams_broken.subscribe();
         broken.mark_unchanged();
         let fail_late = self.lock().events_fail_late;
-        let (replay, rx) = {
+        let (held, replay, rx) = {
             let state = match self.record(Call::Events(labels.to_vec(), since_ns), "events") {
                 Ok(state) => state,
                 Err(e) if fail_late => {
@@ -886,8 +906,12 @@ impl ContainerRuntime for FakeRuntime {
                     .collect(),
                 None => Vec::new(),
             };
-            (replay, rx)
+            (state.hold_subscriptions, replay, rx)
         };
+        if held {
+            // The sender lives as long as self: changed() cannot fail here.
+            let _ = released.changed().await;
+        }
         let live = futures_util::stream::unfold(Some((rx, broken)), |open| async move {
             let (mut rx, mut broken) = open?;
             loop {
