@@ -4,8 +4,7 @@
 //! It records every call ([`FakeRuntime::calls`]) and can be told to make a container exit
 //! ([`FakeRuntime::exit`], which also emits the exit event), vanish, fail or hang on start,
 //! fail, hang or time out on pull, report logs, answer lists and event subscriptions late,
-//! break event streams, or
-//! have the daemon unreachable.
+//! break event streams, or have the daemon unreachable.
 //!
 //! Container ids are 64 hex digits, counting up from 1; published host ports are assigned from
 //! 32768 upwards at start, in bridge mode.
