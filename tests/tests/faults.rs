@@ -2,9 +2,10 @@
 //! SIGKILLed at random points of concurrent requests, its Docker daemon is frozen, stopped and
 //! restarted under running tasks, its home fills up during each kind of state write, its state
 //! files are corrupted, it is killed mid-submit and mid-delete, its home is spelled in other
-//! ways, and Docker's answers to a create, a start and a removal are lost. After each fault: what the API answered stays true, nothing is leaked or lost
-//! (containers, task directories, `authorized_keys` lines, GPU locks), and everything converges
-//! without a restart of the shim.
+//! ways, and Docker's answers to a create, a start and a removal are lost. After each fault:
+//! what the API answered stays true, nothing is leaked or lost (containers, task directories,
+//! `authorized_keys` lines, GPU locks), and everything converges without a restart of the
+//! shim.
 //!
 //! Each test has its own shim home (so its own owner identity: it never sees another test's
 //! containers), API port, fake GPUs, the stub runner, and tasks in bridge mode. What a test

@@ -332,16 +332,21 @@ async fn stop_leftover(spec: &ChildSpec, file: &std::path::Path) {
         "stopping the process a previous shim left running"
     );
     let _ = kill(Pid::from_raw(raw), Signal::SIGTERM);
-    let deadline = Instant::now() + spec.stop_grace;
-    while same() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    if same() {
+    if !gone_within(&same, spec.stop_grace).await {
         tracing::warn!(name, pid, grace = ?spec.stop_grace, "did not stop on SIGTERM; killing");
         let _ = kill(Pid::from_raw(raw), Signal::SIGKILL);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while same() && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        gone_within(&same, Duration::from_secs(5)).await;
     }
+}
+
+/// Waits until `alive` says no, at most `limit`; returns whether it did.
+async fn gone_within(alive: &impl Fn() -> bool, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while alive() {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    true
 }

@@ -412,6 +412,41 @@ async fn an_exporter_left_by_a_killed_shim_is_stopped_by_the_next_one() {
     assert!(!pid_file.exists(), "a clean shutdown leaves no pid file");
 }
 
+/// A leftover that ignores SIGTERM is killed once the grace period is over, before the next
+/// exporter starts.
+#[tokio::test]
+async fn a_leftover_that_ignores_sigterm_is_killed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (program, mut cfg, pid_file) = with_home(dir.path()).await;
+    cfg.stop_grace = Duration::from_millis(300);
+    let mut stubborn = std::process::Command::new("sh")
+        .args(["-c", "trap '' TERM; while true; do sleep 0.05; done"])
+        .spawn()
+        .unwrap();
+    let pid = stubborn.id();
+    tokio::time::sleep(Duration::from_millis(100)).await; // let the trap be installed
+    fs_err::write(&pid_file, pid_line(pid)).unwrap();
+    let exporter = DcgmExporter::spawn(&program, &cfg).unwrap();
+    wait_until("the start", Duration::from_secs(10), || {
+        exporter.pid().is_some()
+    })
+    .await;
+    // The exporter starts only after the leftover is gone: it was killed by then.
+    let status = stubborn.try_wait().unwrap();
+    if status.is_none() {
+        stubborn.kill().unwrap();
+        stubborn.wait().unwrap();
+        panic!("the leftover that ignores SIGTERM still runs");
+    }
+    let status = status.unwrap();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9),
+        "{status:?}"
+    );
+    exporter.shutdown().await;
+}
+
 /// A pid file never makes the shim signal a process that merely has the recorded pid: one
 /// with another start time, or one of another boot (a reboot may give the pid and even the
 /// start time to another process).

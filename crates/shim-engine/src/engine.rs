@@ -156,6 +156,12 @@ impl Slot {
         *task = tr.task;
         Ok(tr.actions)
     }
+
+    /// Stamps the end of a start: called before the task leaves the start's ownership (and
+    /// again when the start job is over), so a cycle never sees a finished start without it.
+    pub(crate) fn mark_start_returned(&self) {
+        self.start_returned.store(mono_ns(), Ordering::SeqCst);
+    }
 }
 
 /// Nanoseconds on a monotonic clock since the first call in this process, plus one (never 0):
@@ -423,13 +429,14 @@ impl Inner {
                     tracing::error!(task = %slot.id, error = %chain(&e), "aborting start failed");
                 }
             }
-            if slot.lock().start_in_flight
-                && let Err(e) = self.drive(&slot, Event::StartFinished).await
-            {
-                tracing::error!(task = %slot.id, error = %chain(&e), "finishing start failed");
+            if slot.lock().start_in_flight {
+                slot.mark_start_returned();
+                if let Err(e) = self.drive(&slot, Event::StartFinished).await {
+                    tracing::error!(task = %slot.id, error = %chain(&e), "finishing start failed");
+                }
             }
         }
-        slot.start_returned.store(mono_ns(), Ordering::SeqCst);
+        slot.mark_start_returned();
         // Events that came while start owned the task.
         self.kick_events(&slot);
     }

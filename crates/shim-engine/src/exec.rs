@@ -145,11 +145,7 @@ impl Inner {
                 None
             }
             Action::FinishStart => {
-                // Before the task leaves the start's ownership (see `Slot::start_returned`).
-                slot.start_returned.store(
-                    crate::engine::mono_ns(),
-                    std::sync::atomic::Ordering::SeqCst,
-                );
+                slot.mark_start_returned();
                 Some(Event::StartFinished)
             }
             Action::LockGpus(ids) => Some(Event::GpusRelocked(self.gpus.lock(&ids))),

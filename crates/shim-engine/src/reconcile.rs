@@ -307,14 +307,7 @@ impl Inner {
     /// handed out, so that a shim that serves is subscribed from its first request (bounded
     /// by [`RECONNECT_MAX`]; `None` when it failed, and the listener tries again).
     pub(crate) async fn first_subscription(&self) -> Option<EventStream> {
-        let since = self.events_since.load(Ordering::SeqCst);
-        let filter = any_shim_filter();
-        match tokio::time::timeout(
-            RECONNECT_MAX,
-            self.deps.runtime.events(&filter, Some(since)),
-        )
-        .await
-        {
+        match tokio::time::timeout(RECONNECT_MAX, self.subscribe()).await {
             Ok(Ok(stream)) => {
                 self.events_connected.store(true, Ordering::SeqCst);
                 Some(stream)
@@ -332,6 +325,15 @@ impl Inner {
         }
     }
 
+    /// Subscribes to this shim's container events since the last one seen.
+    async fn subscribe(&self) -> shim_runtime::Result<EventStream> {
+        let since = self.events_since.load(Ordering::SeqCst);
+        self.deps
+            .runtime
+            .events(&any_shim_filter(), Some(since))
+            .await
+    }
+
     /// Listens to the container events for as long as the engine runs (on `first`, then on
     /// its own subscriptions), reconnecting with a backoff; every reconnection resubscribes
     /// since the last event seen and asks for a full list (what the daemon no longer had is
@@ -342,16 +344,12 @@ impl Inner {
         while !self.shutdown.is_cancelled() {
             let subscribed = match first.take() {
                 Some(stream) => Ok(stream),
-                None => {
-                    let since = self.events_since.load(Ordering::SeqCst);
-                    // Subscribing asks the daemon (bounded by the request timeout): a frozen
-                    // daemon must not hold up a shutdown.
-                    let filter = any_shim_filter();
-                    tokio::select! {
-                        _ = self.shutdown.cancelled() => return,
-                        subscribed = self.deps.runtime.events(&filter, Some(since)) => subscribed,
-                    }
-                }
+                // Subscribing asks the daemon (bounded by the request timeout): a frozen
+                // daemon must not hold up a shutdown.
+                None => tokio::select! {
+                    _ = self.shutdown.cancelled() => return,
+                    subscribed = self.subscribe() => subscribed,
+                },
             };
             match subscribed {
                 Ok(mut stream) => {

@@ -221,9 +221,7 @@ async fn a_list_requested_before_a_start_ended_does_not_judge_the_task() {
         let engine = engine.clone();
         async move { engine.reconcile_now().await }
     });
-    while w.runtime.count("list") == lists {
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    w.runtime.wait_for_count("list", lists).await;
     engine.submit(config("t1")).await.unwrap();
     let info = wait_status(&engine, "t1", TaskStatus::Running).await;
     w.runtime.release_lists();
@@ -286,9 +284,7 @@ async fn shutdown_does_not_wait_for_a_subscription_in_progress() {
     let subscriptions = w.runtime.count("events");
     w.runtime.hold_subscriptions();
     w.runtime.break_event_streams();
-    while w.runtime.count("events") == subscriptions {
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    w.runtime.wait_for_count("events", subscriptions).await;
     let shutdown = tokio::time::timeout(
         Duration::from_secs(5),
         engine.shutdown(shim_engine::Shutdown::Now),

@@ -317,6 +317,15 @@ impl FakeRuntime {
         }
     }
 
+    /// Waits until operation `op` (see [`Call::op`]) has been called more than `count` times.
+    pub async fn wait_for_count(&self, op: &str, count: usize) {
+        let mut seen = self.calls_seen.subscribe();
+        while self.count(op) <= count {
+            // The sender lives as long as self: changed() cannot fail here.
+            let _ = seen.changed().await;
+        }
+    }
+
     /// Makes every call fail with `DaemonUnavailable` (or stop doing so).
     pub fn set_unreachable(&self, unreachable: bool) {
         self.lock().unreachable = unreachable;

@@ -132,6 +132,11 @@ fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> StoreError {
     move |source| StoreError::Io { context, source }
 }
 
+/// The context of an error while writing `record`'s state.
+fn writing(record: &TaskRecord) -> String {
+    format!("writing the state of task {}", record.id)
+}
+
 /// A shim-fs error as a store error: a link or a file where a directory must be is
 /// [`StoreError::UnsafePath`]; anything else is [`StoreError::Io`] whose source keeps the
 /// error kind (not found, disk full) and the shim-fs error (its path and step) as the message.
@@ -295,12 +300,9 @@ impl Store {
     /// may be, as a skeleton ([`Store::remove_skeleton`]).
     pub fn create(&self, record: &TaskRecord) -> Result<TaskPaths> {
         let (paths, dir) = self.make_task_dir(&record.container_name, false)?;
-        let written = self.write_into(&dir, record).and_then(|()| {
-            self.runners.sync().map_err(fs_err_ctx(format!(
-                "writing the state of task {}",
-                record.id
-            )))
-        });
+        let written = self
+            .write_into(&dir, record)
+            .and_then(|()| self.runners.sync().map_err(fs_err_ctx(writing(record))));
         if let Err(e) = written {
             if let Err(rm) = dir.remove_file(STATE_FILE) {
                 tracing::warn!(error = %rm, path = %paths.state_file.display(), "cannot remove the state file of a failed submit");
@@ -371,10 +373,7 @@ impl Store {
                 });
             }
             Err(e) => {
-                return Err(fs_err_ctx(format!(
-                    "writing the state of task {}",
-                    record.id
-                ))(e));
+                return Err(fs_err_ctx(writing(record))(e));
             }
         };
         self.write_into(&dir, record)
@@ -387,10 +386,7 @@ impl Store {
             source,
         })?;
         dir.write_atomic(STATE_FILE, &bytes, &self.write_options())
-            .map_err(fs_err_ctx(format!(
-                "writing the state of task {}",
-                record.id
-            )))
+            .map_err(fs_err_ctx(writing(record)))
     }
 
     /// Reads the record of the task whose container is `container_name`: `None` if it has no

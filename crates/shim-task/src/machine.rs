@@ -11,9 +11,10 @@
 //! never claims what is not durable. A step that changes the record returns exactly
 //! `[Persist]` and nothing else (one exception below); every side effect that step calls for
 //! waits in the task as an intent (the next start step, a stop, a pull cancel, a release)
-//! and is emitted by the step of [`Event::Persisted`]. So a side effect never runs before the state that called for it is on
-//! disk, and a failed write ([`Event::PersistFailed`]) loses no intent: the reconciler retries
-//! the write ([`Event::PersistRequested`]) and the intents go out once it succeeds. A request
+//! and is emitted by the step of [`Event::Persisted`]. So a side effect never runs before the
+//! state that called for it is on disk, and a failed write ([`Event::PersistFailed`]) loses
+//! no intent: the reconciler retries the write ([`Event::PersistRequested`]) and the intents
+//! go out once it succeeds. A request
 //! that finds the record not yet durable retries the write too (a second terminate after the
 //! disk filled up and emptied again answers from a durable record).
 //!
