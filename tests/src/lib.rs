@@ -51,8 +51,9 @@ pub const ENV_RUNNER: &str = "SHIM_TEST_RUNNER";
 /// Environment variable holding the Python of a venv with the dstack server package
 /// ([`DSTACK_VERSION`]); default [`DSTACK_PYTHON`] (made by `cargo xtask dev-env`).
 pub const ENV_DSTACK_PYTHON: &str = "SHIM_TEST_DSTACK_PYTHON";
-/// The dstack release whose server code checks the shim (PyPI `dstack[server]`).
-pub const DSTACK_VERSION: &str = "0.22.5";
+/// The dstack release whose server code checks the shim (PyPI `dstack[server]`), and the one a
+/// default build of the binary speaks for: `bins/shim/upstream-version`, kept once.
+pub const DSTACK_VERSION: &str = include_str!("../../bins/shim/upstream-version").trim_ascii();
 /// The venv `cargo xtask dev-env` makes for it.
 pub const DSTACK_VENV: &str = "/var/lib/dstack-shim-dev/venv-dstack";
 /// Its Python.

@@ -203,7 +203,11 @@ fn healthcheck_version_is_a_compatible_release() {
     assert_eq!(text, format!("dstack-shim version {version}\n"));
     assert_eq!(
         version,
-        format!("0.22.5+rust.{}", env!("CARGO_PKG_VERSION")),
+        format!(
+            "{}+rust.{}",
+            shim_e2e::DSTACK_VERSION,
+            env!("CARGO_PKG_VERSION")
+        ),
         "<dstack release>+rust.<crate version>"
     );
     let components = shim.get("/api/components").ok();

@@ -22,8 +22,10 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use tracing_subscriber::filter::LevelFilter;
 
-/// The dstack release whose shim API this binary implements.
-pub const DSTACK_VERSION: &str = "0.22.5";
+/// The dstack release this build speaks for: chosen when it is built
+/// (`DSTACK_SHIM_UPSTREAM_VERSION`, set by `cargo xtask dist --upstream-version V`; default
+/// `bins/shim/upstream-version`, the release the tests run against). See `build.rs`.
+pub const DSTACK_VERSION: &str = env!("DSTACK_SHIM_UPSTREAM_VERSION");
 
 /// The one version string: `--version`, the components list (which the server reads from
 /// `--version`) and the healthcheck. `<dstack release>+rust.<crate version>`: the dstack
@@ -32,7 +34,11 @@ pub const DSTACK_VERSION: &str = "0.22.5";
 /// Go shim over it, and it compares the installed and running strings as they are, so it
 /// does not restart the shim while they are the same build; the API gates parse it as the
 /// release, all on. See docs/OPERATIONS.md.
-pub const VERSION: &str = concat!("0.22.5+rust.", env!("CARGO_PKG_VERSION"));
+pub const VERSION: &str = concat!(
+    env!("DSTACK_SHIM_UPSTREAM_VERSION"),
+    "+rust.",
+    env!("CARGO_PKG_VERSION")
+);
 
 /// The environment variables passed into containers by default (proxies, both cases).
 pub const DEFAULT_PASS_ENV: &str =

@@ -49,7 +49,8 @@ fn prints_its_version() {
         assert_eq!(
             String::from_utf8(out.stdout).unwrap(),
             format!(
-                "dstack-shim version 0.22.5+rust.{}\n",
+                "dstack-shim version {}+rust.{}\n",
+                env!("DSTACK_SHIM_UPSTREAM_VERSION"),
                 env!("CARGO_PKG_VERSION")
             )
         );
@@ -85,7 +86,11 @@ fn serves_logs_and_stops_on_sigterm() {
     let (status, body) = http(&shim, "GET", "/api/healthcheck", None);
     assert_eq!(status, 200);
     // One version string everywhere (the healthcheck, `--version`, the components list).
-    let version = format!("0.22.5+rust.{}", env!("CARGO_PKG_VERSION"));
+    let version = format!(
+        "{}+rust.{}",
+        env!("DSTACK_SHIM_UPSTREAM_VERSION"),
+        env!("CARGO_PKG_VERSION")
+    );
     assert_eq!(
         body,
         format!(r#"{{"service":"dstack-shim","version":"{version}"}}"#)
