@@ -13,6 +13,7 @@
 //! | small image in the registry | `<registry>/`[`REGISTRY_SMALL_REPO`]`:`[`REGISTRY_TAG`] | — |
 //! | large image (one layer >= [`LARGE_LAYER_BYTES`]) | `<registry>/`[`REGISTRY_LARGE_REPO`]`:`[`REGISTRY_TAG`] | — |
 //! | stub runner script | [`RUNNER_PATH_IN_REPO`] | [`ENV_RUNNER`] |
+//! | release artifacts (`cargo xtask dist`) | `<repo>/target/dist` | [`ENV_DIST_DIR`] |
 //!
 //! The registry images are *not* kept in the local Docker daemon after `dev-env` pushed them, so
 //! a pull of the large image really downloads it. `dev-env` pushes with a throwaway Docker
@@ -133,6 +134,39 @@ pub fn repo_root() -> PathBuf {
         .parent()
         .map(PathBuf::from)
         .unwrap_or(manifest_dir)
+}
+
+/// Environment variable naming the directory of release artifacts, laid out as `cargo xtask
+/// dist` writes them: `<dir>/<release>/dstack-shim-linux-<arch>` (with a `.sha256` beside).
+pub const ENV_DIST_DIR: &str = "SHIM_TEST_DIST_DIR";
+/// An older dstack release than [`DSTACK_VERSION`] that CI also builds an artifact for (the
+/// server replaces it; an upgrade goes from it to the current one).
+pub const OLDER_DSTACK_VERSION: &str = "0.22.4";
+
+/// The release artifacts' directory ([`ENV_DIST_DIR`] or `<repo>/target/dist`).
+pub fn dist_dir() -> PathBuf {
+    match std::env::var_os(ENV_DIST_DIR) {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
+        _ => repo_root().join("target").join("dist"),
+    }
+}
+
+/// The architecture as upstream's artifact names spell it (Go's `GOARCH`: `amd64`, `arm64`).
+pub fn go_arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        other => other,
+    }
+}
+
+/// The release artifact built for `release` for this machine's architecture:
+/// `<dist_dir>/<release>/dstack-shim-linux-<go arch>`. It may not exist: tests that need it
+/// fail and say to run `cargo xtask dist --upstream-version <release>`.
+pub fn dist_artifact(release: &str) -> PathBuf {
+    dist_dir()
+        .join(release)
+        .join(format!("dstack-shim-linux-{}", go_arch()))
 }
 
 /// The Python with the dstack server package ([`ENV_DSTACK_PYTHON`] or [`DSTACK_PYTHON`]).
