@@ -84,3 +84,8 @@ impl Dcgm {
         }
     }
 }
+
+/// The code in this crate's README, compiled as a doctest so it stays true.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

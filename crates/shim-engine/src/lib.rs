@@ -58,3 +58,8 @@ pub use changes::{ChangeKind, Subscription, SubscriptionError, TaskChange};
 pub use config::{EngineConfig, default_pass_env};
 pub use engine::{Deps, Engine, EngineHealth, Shutdown, chain as error_chain};
 pub use error::{EngineError, Result};
+
+/// The code in this crate's README, compiled as a doctest so it stays true.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

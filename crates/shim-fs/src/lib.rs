@@ -41,3 +41,8 @@ pub use error::{Error, Result, Step};
 
 #[cfg(test)]
 mod tests;
+
+/// The code in this crate's README, compiled as a doctest so it stays true.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -57,3 +57,8 @@ pub use keys::{
 pub use volumes::{
     BlockVolumes, DEFAULT_VOLUMES_ROOT, Mounter, SystemMounter, VolumeConfig, VolumeManager,
 };
+
+/// The code in this crate's README, compiled as a doctest so it stays true.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

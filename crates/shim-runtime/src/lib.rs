@@ -99,3 +99,8 @@ pub trait ContainerRuntime: Send + Sync {
         since_ns: Option<i64>,
     ) -> Result<EventStream>;
 }
+
+/// The code in this crate's README, compiled as a doctest so it stays true.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

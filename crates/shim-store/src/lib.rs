@@ -45,3 +45,8 @@ pub use store::{
     RUNNER_DIR_MODE, RUNNERS_DIR, RUNNERS_DIR_MODE, STATE_FILE, ScanEntry, Store, TRASH_PREFIX,
     TaskPaths, valid_dir_name,
 };
+
+/// The code in this crate's README, compiled as a doctest so it stays true.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -97,3 +97,8 @@ pub use record::TaskRecord;
 pub use restore::{ContainerState, ObservedContainer, restore};
 pub use ssh::{InvalidKey, PublicKey};
 pub use status::{TaskStatus, TerminationReason};
+
+/// The code in this crate's README, compiled as a doctest so it stays true.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
