@@ -21,7 +21,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use shim_e2e::harness::{Body, Request, TestShim};
+use shim_e2e::harness::{Body, Request, SseEvent, SseParser, TestShim};
 use shim_e2e::{docker_tests_enabled, image};
 
 /// How long the event stream may stay silent before the test gives up (keep-alives come
@@ -73,16 +73,9 @@ fn metrics(shim: &TestShim) -> Metrics {
 // An SSE client (blocking; chunked decoding as it comes)
 // ---------------------------------------------------------------------------------------------
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Event {
-    event: String,
-    id: Option<u64>,
-    data: String,
-}
-
 struct Sse {
     body: Body<BufReader<TcpStream>>,
-    pending: Vec<u8>,
+    parser: SseParser,
 }
 
 impl Sse {
@@ -106,48 +99,24 @@ impl Sse {
         );
         Self {
             body: streamed.body,
-            pending: Vec::new(),
+            parser: SseParser::new(),
         }
     }
 
-    /// Reads what arrived of the stream (chunked transfer decoded by the harness) into
-    /// `pending`.
-    fn chunk(&mut self) {
-        let mut buf = [0u8; 16 * 1024];
-        let n = self.body.read(&mut buf).unwrap();
-        assert_ne!(n, 0, "the event stream ended");
-        self.pending.extend_from_slice(&buf[..n]);
-    }
-
     /// The next event, keep-alive comments skipped.
-    fn next_event(&mut self) -> Event {
+    fn next_event(&mut self) -> SseEvent {
         loop {
-            let Some(end) = self.pending.windows(2).position(|w| w == b"\n\n") else {
-                self.chunk();
-                continue;
-            };
-            let block: Vec<u8> = self.pending.drain(..end + 2).collect();
-            let block = String::from_utf8(block).unwrap();
-            let mut event = Event {
-                event: String::new(),
-                id: None,
-                data: String::new(),
-            };
-            for line in block.trim_end_matches('\n').split('\n') {
-                if line.starts_with(':') {
-                    continue;
-                } else if let Some(v) = line.strip_prefix("event: ") {
-                    event.event = v.to_owned();
-                } else if let Some(v) = line.strip_prefix("id: ") {
-                    event.id = Some(v.parse().unwrap());
-                } else if let Some(v) = line.strip_prefix("data: ") {
-                    event.data.push_str(v);
-                } else {
-                    panic!("unexpected line {line:?} in {block:?}");
+            match self.parser.next_block() {
+                Some(Ok(event)) if event.is_comment() => {}
+                Some(Ok(event)) => return event,
+                Some(Err(e)) => panic!("{e}"),
+                None => {
+                    // What arrived of the stream (chunked transfer decoded by the harness).
+                    let mut buf = [0u8; 16 * 1024];
+                    let n = self.body.read(&mut buf).unwrap();
+                    assert_ne!(n, 0, "the event stream ended");
+                    self.parser.push(&buf[..n]);
                 }
-            }
-            if !event.event.is_empty() {
-                return event;
             }
         }
     }

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use common::get;
+use shim_e2e::harness::{SseEvent, SseParser};
 use shim_http::{
     ApiError, ChangeEvent, ChangeFeed, ComponentInfo, ComponentName, ComponentsApi,
     ConnectionLimits, EventsConfig, FeedError, InstanceInfo, Listeners, Readiness, ServerConfig,
@@ -193,14 +194,6 @@ async fn stop(server: Server) {
 // Clients: one request and its whole answer (`common::get`), and an SSE reader (chunked
 // decoding as it comes).
 
-/// One SSE event (or comment, as `event == ":"`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Event {
-    event: String,
-    id: Option<u64>,
-    data: String,
-}
-
 /// How a stream ended.
 #[derive(Debug, PartialEq, Eq)]
 enum Ended {
@@ -215,7 +208,7 @@ struct Sse {
     status: u16,
     headers: Vec<(String, String)>,
     /// Decoded body bytes not yet parsed into events.
-    pending: Vec<u8>,
+    parser: SseParser,
 }
 
 impl Sse {
@@ -255,7 +248,7 @@ impl Sse {
             reader,
             status,
             headers,
-            pending: Vec::new(),
+            parser: SseParser::new(),
         }
     }
 
@@ -281,36 +274,34 @@ impl Sse {
             assert_eq!(line, "\r\n", "no trailers are sent");
             return Err(Ended::Cleanly);
         }
-        let start = self.pending.len();
-        self.pending.resize(start + size + 2, 0);
-        if bounded(self.reader.read_exact(&mut self.pending[start..]))
-            .await
-            .is_err()
-        {
+        let mut chunk = vec![0; size + 2];
+        if bounded(self.reader.read_exact(&mut chunk)).await.is_err() {
             return Err(Ended::Cut);
         }
-        assert_eq!(&self.pending[start + size..], b"\r\n");
-        self.pending.truncate(start + size);
+        assert_eq!(&chunk[size..], b"\r\n");
+        self.parser.push(&chunk[..size]);
         Ok(())
     }
 
     /// The next event or comment; `Err` when the stream ends first.
-    async fn next(&mut self) -> Result<Event, Ended> {
+    async fn next(&mut self) -> Result<SseEvent, Ended> {
         loop {
-            if let Some(end) = self.pending.windows(2).position(|w| w == b"\n\n") {
-                let block: Vec<u8> = self.pending.drain(..end + 2).collect();
-                let block = String::from_utf8(block).unwrap();
-                return Ok(parse_event(block.trim_end_matches('\n')));
+            if let Some(block) = self.parser.next_block() {
+                let event = block.unwrap_or_else(|e| panic!("{e}"));
+                if event.is_comment() {
+                    assert_eq!(event.data, " keep-alive", "{event:?}");
+                }
+                return Ok(event);
             }
             self.chunk().await?;
         }
     }
 
     /// The next event that is not a comment.
-    async fn next_event(&mut self) -> Result<Event, Ended> {
+    async fn next_event(&mut self) -> Result<SseEvent, Ended> {
         loop {
             let event = self.next().await?;
-            if event.event != ":" {
+            if !event.is_comment() {
                 return Ok(event);
             }
         }
@@ -329,32 +320,6 @@ impl Sse {
         .await
         .expect("the stream ended within the bound")
     }
-}
-
-/// Parses one event block (strictly: every line is a field this server sends).
-fn parse_event(block: &str) -> Event {
-    let mut event = Event {
-        event: String::new(),
-        id: None,
-        data: String::new(),
-    };
-    let mut data = Vec::new();
-    for line in block.split('\n') {
-        if let Some(comment) = line.strip_prefix(':') {
-            assert_eq!(comment, " keep-alive", "{block:?}");
-            event.event = ":".to_owned();
-        } else if let Some(v) = line.strip_prefix("event: ") {
-            event.event = v.to_owned();
-        } else if let Some(v) = line.strip_prefix("id: ") {
-            event.id = Some(v.parse().unwrap());
-        } else if let Some(v) = line.strip_prefix("data: ") {
-            data.push(v);
-        } else {
-            panic!("unexpected line {line:?} in {block:?}");
-        }
-    }
-    event.data = data.join("\n");
-    event
 }
 
 async fn bounded<T>(f: impl Future<Output = std::io::Result<T>>) -> std::io::Result<T> {
@@ -410,7 +375,7 @@ async fn events_snapshot_first_then_changes_in_order() {
     let snapshot = sse.next().await.unwrap();
     assert_eq!(
         snapshot,
-        Event {
+        SseEvent {
             event: "snapshot".into(),
             id: None,
             data: r#"{"tasks":[{"id":"a","status":"running"},{"id":"b","status":"terminated"}]}"#
@@ -502,7 +467,7 @@ async fn events_lagged_ends_the_stream() {
     assert_eq!(sse.next().await.unwrap().id, Some(1));
     assert_eq!(
         sse.next().await.unwrap(),
-        Event {
+        SseEvent {
             event: "lagged".into(),
             id: None,
             data: r#"{"missed":17}"#.into(),

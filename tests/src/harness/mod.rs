@@ -16,6 +16,7 @@
 //! - [`shim`]: [`TestShim`], one test's shim under test (a home, the process across
 //!   restarts, its logs, its API with the checks the tests make, its containers) and its
 //!   clean-up;
+//! - [`sse`]: [`SseParser`], the one parser of the shim's Server-Sent Events (tests and bench);
 //! - [`task`]: task configs as the server sends them, container names, fake GPU ids, SSH
 //!   keys;
 //! - [`user`]: [`HostUser`], a host user of one test with an `authorized_keys`;
@@ -31,6 +32,7 @@ pub mod layout;
 pub mod process;
 pub mod proxy;
 pub mod shim;
+pub mod sse;
 pub mod task;
 pub mod user;
 pub mod wait;
@@ -50,6 +52,7 @@ pub use proxy::{LosingProxy, docker_socket};
 pub use shim::{
     FAKE_GPUS, RUNNER_HTTP_PORT, RUNNER_SSH_PORT, TestShim, TestShimBuilder, WAIT_BOUND,
 };
+pub use sse::{SseEvent, SseParser, parse_block};
 pub use task::{bridge_task, container_name, fake_gpu_ids, run_tag, ssh_key};
 pub use user::HostUser;
 pub use wait::{wait_for, wait_until};

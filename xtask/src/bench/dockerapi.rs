@@ -11,7 +11,7 @@ use std::time::{Duration, SystemTime};
 
 use anyhow::{Context as _, Result, bail};
 use serde_json::{Value, json};
-use shim_e2e::harness::{Body, Request, Response, Streamed};
+use shim_e2e::harness::{Body, Request, Response, SseParser, Streamed};
 
 use super::clock::parse_rfc3339_utc;
 
@@ -290,23 +290,36 @@ fn read_events<R: BufRead>(
     tx: &mpsc::Sender<(Value, SystemTime)>,
 ) {
     let mut pending = Vec::new();
+    let mut sse = SseParser::new();
     let mut buf = [0u8; 8192];
     loop {
-        match body.read(&mut buf) {
+        let n = match body.read(&mut buf) {
             Ok(0) | Err(_) => return,
-            Ok(n) => pending.extend_from_slice(&buf[..n]),
-        }
+            Ok(n) => n,
+        };
         let at = SystemTime::now();
-        while let Some(end) = pending.iter().position(|b| *b == b'\n') {
-            let line: Vec<u8> = pending.drain(..=end).collect();
-            let json = match framing {
-                Framing::JsonLines => Some(line.as_slice()),
-                Framing::Sse => line.strip_prefix(b"data: "),
-            };
-            if let Some(json) = json
-                && let Ok(value) = serde_json::from_slice::<Value>(json)
-                && tx.send((value, at)).is_err()
-            {
+        let mut values = Vec::new();
+        match framing {
+            Framing::JsonLines => {
+                pending.extend_from_slice(&buf[..n]);
+                while let Some(end) = pending.iter().position(|b| *b == b'\n') {
+                    let line: Vec<u8> = pending.drain(..=end).collect();
+                    values.extend(serde_json::from_slice::<Value>(&line).ok());
+                }
+            }
+            Framing::Sse => {
+                sse.push(&buf[..n]);
+                while let Some(block) = sse.next_block() {
+                    if let Ok(event) = block
+                        && !event.is_comment()
+                    {
+                        values.extend(serde_json::from_str::<Value>(&event.data).ok());
+                    }
+                }
+            }
+        }
+        for value in values {
+            if tx.send((value, at)).is_err() {
                 return;
             }
         }
