@@ -4,8 +4,6 @@
 use std::time::Instant;
 
 use anyhow::{Context as _, Result, bail};
-use nix::errno::Errno;
-use nix::fcntl::{Flock, FlockArg};
 use shim_e2e::{
     IMAGE, LARGE_LAYER_BYTES, REGISTRY, REGISTRY_LARGE_REPO, REGISTRY_SMALL_REPO, REGISTRY_TAG,
 };
@@ -16,28 +14,18 @@ use crate::{cmd, docker, image, packages, registry};
 /// Serialises dev-env runs on this machine (several developers or CI jobs may run
 /// `cargo xtask ci` at once): an exclusive `flock` on a file in the state directory, released
 /// when the returned guard is dropped (or the process dies).
-pub fn lock() -> Result<Flock<std::fs::File>> {
+pub fn lock() -> Result<shim_fs::FileLock> {
     let dir = state_dir();
     fs_err::create_dir_all(&dir)?;
     let path = dir.join("dev-env.lock");
-    let file = fs_err::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)?
-        .into_parts()
-        .0;
-    let file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-        Ok(lock) => return Ok(lock),
-        Err((file, Errno::EWOULDBLOCK)) => file,
-        Err((_, errno)) => bail!("could not lock {}: {errno}", path.display()),
-    };
+    if let Some(lock) = shim_fs::FileLock::try_exclusive(&path)? {
+        return Ok(lock);
+    }
     println!(
         "dev-env: another dev-env holds {}; waiting for it",
         path.display()
     );
-    Flock::lock(file, FlockArg::LockExclusive)
-        .map_err(|(_, errno)| anyhow::anyhow!("could not lock {}: {errno}", path.display()))
+    Ok(shim_fs::FileLock::exclusive(&path)?)
 }
 
 /// Removes what an interrupted earlier run may have left in [`tmp_dir`] (a 220 MiB payload,

@@ -176,23 +176,13 @@ async fn run(config: Config) -> anyhow::Result<()> {
 
 /// Takes an exclusive lock on `<home>/dstack-shim.lock`, or fails at once if another shim
 /// holds it.
-fn lock_home(home: &std::path::Path) -> anyhow::Result<nix::fcntl::Flock<std::fs::File>> {
+fn lock_home(home: &std::path::Path) -> anyhow::Result<shim_fs::FileLock> {
     let path = home.join("dstack-shim.lock");
-    let file = fs_err::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)?
-        .into_parts()
-        .0;
-    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(
-        |(_, errno)| match errno {
-            nix::errno::Errno::EWOULDBLOCK => anyhow::anyhow!(
-                "another dstack-shim uses the home {} (it holds {})",
-                home.display(),
-                path.display()
-            ),
-            e => anyhow::anyhow!("cannot lock {}: {e}", path.display()),
-        },
-    )
+    shim_fs::FileLock::try_exclusive(&path)?.ok_or_else(|| {
+        anyhow::anyhow!(
+            "another dstack-shim uses the home {} (it holds {})",
+            home.display(),
+            path.display()
+        )
+    })
 }

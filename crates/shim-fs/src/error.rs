@@ -41,6 +41,8 @@ pub enum Step {
     Remove,
     /// Listing a directory.
     List,
+    /// Taking a file lock (`flock`).
+    Lock,
 }
 
 impl Step {
@@ -62,6 +64,7 @@ impl Step {
             Self::SyncDir => "fsync directory",
             Self::Remove => "remove",
             Self::List => "list directory",
+            Self::Lock => "lock",
         }
     }
 }

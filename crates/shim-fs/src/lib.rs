@@ -16,6 +16,7 @@
 //! - On a handle, also: [`Dir::stat`] (never following a link), [`Dir::names`],
 //!   [`Dir::remove_file`], [`Dir::set_mode`] (`fchmod` of the directory itself) and
 //!   [`Dir::sync`].
+//! - [`FileLock`]: an exclusive `flock` on a file, held until dropped (one shim per home).
 //! - Path forms of the same: [`write_atomic`], [`write_atomic_with`], [`create_new_atomic`],
 //!   [`read_file`] (the directory part of the path is trusted and opened following links).
 //!
@@ -31,6 +32,7 @@ mod dir;
 mod error;
 #[cfg(any(test, feature = "test-support"))]
 pub mod fault;
+mod lock;
 
 pub use atomic::{
     TempFile, WriteOptions, create_new_atomic, is_temp_of, read_file, write_atomic,
@@ -38,6 +40,7 @@ pub use atomic::{
 };
 pub use dir::{Dir, FileInfo, FileKind, Owner};
 pub use error::{Error, Result, Step};
+pub use lock::FileLock;
 
 #[cfg(test)]
 mod tests;
