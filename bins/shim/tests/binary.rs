@@ -93,7 +93,7 @@ fn serves_logs_and_stops_on_sigterm() {
     );
     assert_eq!(
         body,
-        format!(r#"{{"service":"dstack-shim","version":"{version}"}}"#)
+        format!("{{\"service\":\"dstack-shim\",\"version\":\"{version}\"}}\n")
     );
 
     // The shim reports itself as an installed component, the runner as missing.
@@ -190,27 +190,58 @@ fn stops_on_api_shutdown_and_serves_a_unix_socket() {
         .unwrap();
     assert_eq!(over_unix.status, 200);
 
+    // Upstream answers a handler that returns nothing with Go's `http.Error(w, "", 200)`.
     let (status, body) = http(&shim, "POST", "/api/shutdown", Some(r#"{"force":false}"#));
-    assert_eq!((status, body.as_str()), (200, "{}"));
+    assert_eq!((status, body.as_str()), (200, "\n"));
     let status = shim.wait_exit(BOUND).unwrap();
     assert!(status.success(), "{status}");
     assert!(!sock.exists());
 }
 
+/// The binary's answers are upstream's, byte for byte, where the adapter decides them: an
+/// unknown task, an id that cannot be one, GPU health without DCGM, task metrics without an
+/// exporter (this host has no NVIDIA GPU).
+///
+/// upstream: runner/internal/shim/api/handlers.go (TaskInfoHandler, TaskRemoveHandler,
+/// InstanceHealthHandler, TaskMetricsHandler), schemas.go (InstanceHealthResponse).
 #[test]
-fn unknown_task_is_404_and_the_list_is_empty() {
-    if !shim_e2e::docker_tests_enabled("unknown_task_is_404_and_the_list_is_empty") {
+fn unknown_tasks_and_unknown_health_are_answered_as_upstream() {
+    if !shim_e2e::docker_tests_enabled("unknown_tasks_and_unknown_health_are_answered_as_upstream")
+    {
         return;
     }
     let home = tempfile::tempdir().unwrap();
     let shim = start(home.path(), &[]);
-    let (status, body) = http(&shim, "GET", "/api/tasks/abc", None);
-    assert_eq!(status, 404);
-    assert_eq!(body, "task abc not found");
+    for path in ["/api/tasks/abc", "/api/tasks/-x"] {
+        assert_eq!(
+            http(&shim, "GET", path, None),
+            (404, "Not Found\n".into()),
+            "{path}"
+        );
+    }
+    assert_eq!(
+        http(&shim, "POST", "/api/tasks/abc/remove", None),
+        (404, "task abc: not found\n".into())
+    );
+    assert_eq!(
+        http(&shim, "POST", "/api/tasks/abc/terminate", Some("{}")),
+        (404, "task abc: not found\n".into())
+    );
     assert_eq!(
         http(&shim, "GET", "/api/tasks", None),
-        (200, r#"{"tasks":[]}"#.into())
+        (200, "{\"tasks\":[]}\n".into())
     );
+    assert_eq!(
+        http(&shim, "GET", "/api/instance/health", None),
+        (200, "{\"dcgm\":null}\n".into())
+    );
+    for path in ["/metrics/tasks/abc", "/metrics/tasks/-x"] {
+        assert_eq!(
+            http(&shim, "GET", path, None),
+            (404, "DCGM Exporter is not available\n".into()),
+            "{path}"
+        );
+    }
 }
 
 #[test]

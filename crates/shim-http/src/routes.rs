@@ -2,7 +2,8 @@
 //!
 //! The table is public so that tests (and `docs/openapi.json`'s sync test) can enumerate it.
 //! Paths use `{id}` for the task-id segment; it matches any one non-empty segment, which the
-//! handler then validates with [`shim_task::TaskId::new`].
+//! handler then validates with [`shim_task::TaskId::new`] (a segment that is not a valid id
+//! names no task: 404, as upstream answers it).
 
 use crate::api::ApiError;
 
@@ -99,24 +100,32 @@ pub struct Resolved<'p> {
     pub id: Option<&'p str>,
 }
 
-/// Finds the route for `method` and `path`: 404 when no pattern matches the path, 405 (with
-/// the allowed methods in the message) when patterns match but none with this method.
+/// Finds the route for `method` and `path` as Go's `http.ServeMux` does for upstream's
+/// patterns: `HEAD` is served by the `GET` route; 404 `404 page not found` when no pattern
+/// matches the path, 405 `Method Not Allowed` (the allowed methods, sorted, `HEAD` with
+/// `GET`, go into the `Allow` header) when patterns match but none with this method.
 pub fn resolve<'p>(method: &str, path: &'p str) -> Result<Resolved<'p>, ApiError> {
+    let wanted = if method == "HEAD" { "GET" } else { method };
     let mut allowed: Vec<&'static str> = Vec::new();
     for route in ROUTES {
         if let Some(id) = matches(route.path, path) {
-            if route.method == method {
+            if route.method == wanted {
                 return Ok(Resolved {
                     route: route.id,
                     id,
                 });
             }
             allowed.push(route.method);
+            if route.method == "GET" {
+                allowed.push("HEAD");
+            }
         }
     }
     if allowed.is_empty() {
-        Err(ApiError::not_found(format!("no route for {path}")))
+        Err(ApiError::not_found("404 page not found"))
     } else {
+        allowed.sort_unstable();
+        allowed.dedup();
         Err(MethodNotAllowed { allowed }.into())
     }
 }
@@ -130,8 +139,13 @@ pub struct MethodNotAllowed {
 }
 
 impl From<MethodNotAllowed> for ApiError {
+    /// Go's answer: `Method Not Allowed` (the methods go into the `Allow` header).
     fn from(e: MethodNotAllowed) -> Self {
-        ApiError::new(crate::api::ErrorKind::MethodNotAllowed, e.to_string()).with_source(e)
+        ApiError::new(
+            crate::api::ErrorKind::MethodNotAllowed,
+            "Method Not Allowed",
+        )
+        .with_source(e)
     }
 }
 
@@ -166,7 +180,17 @@ mod tests {
         );
         let e = resolve("DELETE", "/api/tasks").unwrap_err();
         assert_eq!(e.kind, ErrorKind::MethodNotAllowed);
-        assert_eq!(e.message, "method not allowed; allowed: GET, POST");
+        assert_eq!(e.message, "Method Not Allowed");
+        let allowed = e
+            .source
+            .as_deref()
+            .unwrap()
+            .downcast_ref::<MethodNotAllowed>();
+        assert_eq!(allowed.unwrap().allowed, ["GET", "HEAD", "POST"]);
+        assert_eq!(
+            resolve("HEAD", "/api/tasks/a").unwrap().route,
+            RouteId::TaskInfo
+        );
         assert_eq!(
             resolve("GET", "/api/tasks/x/remove").unwrap_err().kind,
             ErrorKind::MethodNotAllowed
