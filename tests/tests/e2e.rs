@@ -885,7 +885,7 @@ fn bad_input_is_refused_and_changes_nothing() {
     shim.remove("nope")
         .assert_error(404, "task nope: not found");
     unchanged("unknown task");
-    shim.get("/api/tasks/..").assert_error(404, "Not Found");
+    shim.get("/api/tasks/...").assert_error(404, "Not Found");
     shim.remove("a%2Fb")
         .assert_error(404, "task a%2Fb: not found");
     shim.terminate("-x", "terminated_by_user", "", 0)

@@ -155,6 +155,36 @@ async fn task_list(api: &dyn ShimApi) -> TaskList {
     TaskList { tasks }
 }
 
+/// Go's `http.ServeMux` answer to a path that is not canonical (`//api/tasks`,
+/// `/api/./tasks`): `307 Temporary Redirect` to the clean path, with Go's `http.Redirect`
+/// body for `GET` (an HTML link, and a newline after it) and type for `GET` and `HEAD`.
+fn redirect(method: &http::Method, clean: &str, query: Option<&str>) -> Response<ResponseBody> {
+    let mut location = clean.to_owned();
+    if let Some(q) = query.filter(|q| !q.is_empty()) {
+        location.push('?');
+        location.push_str(q);
+    }
+    let mut builder = Response::builder()
+        .status(StatusCode::TEMPORARY_REDIRECT)
+        .header(http::header::LOCATION, &location);
+    let mut body = String::new();
+    if method == http::Method::GET || method == http::Method::HEAD {
+        builder = builder.header(CONTENT_TYPE, "text/html; charset=utf-8");
+    }
+    if method == http::Method::GET {
+        let href = location
+            .replace('&', "&amp;")
+            .replace('<', "&lt;")
+            .replace('>', "&gt;")
+            .replace('"', "&#34;")
+            .replace('\'', "&#39;");
+        body = format!("<a href=\"{href}\">Temporary Redirect</a>.\n\n");
+    }
+    builder
+        .body(ResponseBody::new(body))
+        .unwrap_or_else(|_| fallback())
+}
+
 /// Upstream's answer of a handler that returns no body (shutdown, remove, install).
 fn empty_ok() -> Result<Response<ResponseBody>, ApiError> {
     Ok(go_error(StatusCode::OK, ""))
@@ -245,6 +275,12 @@ where
     B::Error: std::error::Error + Send + Sync + 'static,
 {
     let path = req.uri().path().to_owned();
+    if req.method() != http::Method::CONNECT {
+        let clean = routes::clean_path(&path);
+        if clean != path {
+            return Ok(redirect(req.method(), &clean, req.uri().query()));
+        }
+    }
     let resolved = routes::resolve(req.method().as_str(), &path)?;
     match resolved.route {
         RouteId::Healthcheck => json(&Healthcheck {

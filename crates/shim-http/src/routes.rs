@@ -130,6 +130,34 @@ pub fn resolve<'p>(method: &str, path: &'p str) -> Result<Resolved<'p>, ApiError
     }
 }
 
+/// The canonical form of a request path, as Go's `http.ServeMux` computes it before routing
+/// (`cleanPath`: `path.Clean`, keeping a trailing slash): `.` and `..` elements and repeated
+/// slashes go. A request whose path is not canonical is redirected there.
+pub fn clean_path(path: &str) -> String {
+    if path.is_empty() {
+        return "/".to_owned();
+    }
+    let mut parts: Vec<&str> = Vec::new();
+    for part in path.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            p => parts.push(p),
+        }
+    }
+    let mut clean = String::with_capacity(path.len() + 1);
+    for part in &parts {
+        clean.push('/');
+        clean.push_str(part);
+    }
+    if clean.is_empty() || (path.ends_with('/') && !parts.is_empty()) {
+        clean.push('/');
+    }
+    clean
+}
+
 /// The allowed methods of a path that exists (carried into the 405's `Allow` header).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("method not allowed; allowed: {}", allowed.join(", "))]
@@ -161,6 +189,31 @@ mod tests {
             let got = resolve(route.method, &path).unwrap();
             assert_eq!(got.route, route.id, "{path}");
             assert_eq!(got.id.is_some(), route.path.contains("{id}"));
+        }
+    }
+
+    /// Go's `path.Clean` cases (`path/path_test.go`) through `cleanPath`'s trailing slash.
+    #[test]
+    fn clean_paths_as_go() {
+        for (path, clean) in [
+            ("", "/"),
+            ("/", "/"),
+            ("/api/tasks", "/api/tasks"),
+            ("/api//tasks", "/api/tasks"),
+            ("//api/tasks", "/api/tasks"),
+            ("/api/tasks/", "/api/tasks/"),
+            ("/api/tasks//", "/api/tasks/"),
+            ("/api/./tasks", "/api/tasks"),
+            ("/api/tasks/./t1", "/api/tasks/t1"),
+            ("/api/x/../tasks", "/api/tasks"),
+            ("/..", "/"),
+            ("/../api", "/api"),
+            ("/api/..", "/"),
+            ("/api/../", "/"),
+            ("/a/b/../../..", "/"),
+            ("api", "/api"),
+        ] {
+            assert_eq!(clean_path(path), clean, "{path:?}");
         }
     }
 

@@ -534,7 +534,7 @@ async fn invalid_ids_in_paths_are_unknown_tasks() {
     let s = start().await;
     for path in [
         "/api/tasks/-x",
-        "/api/tasks/..",
+        "/api/tasks/...",
         "/api/tasks/a%2Fb",
         "/api/tasks/a%20b",
     ] {
@@ -588,6 +588,34 @@ async fn not_found_and_method_not_allowed() {
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(r.header("content-type"), Some("application/json"));
     assert_eq!(r.body, "");
+    stop(s).await;
+}
+
+/// A path that is not canonical is redirected to the clean one, as Go's `http.ServeMux`
+/// (Go 1.22 and later) does before it routes: `307` with `Location`, Go's HTML body for `GET`
+/// (upstream: runner/internal/shim/api/server.go serves a plain ServeMux).
+#[tokio::test]
+async fn unclean_paths_are_redirected_as_go_does() {
+    let s = start().await;
+    let r = get(s.addr, "/api//tasks").await;
+    assert_eq!(r.status, 307, "{r:?}");
+    assert_eq!(r.header("location"), Some("/api/tasks"));
+    assert_eq!(r.header("content-type"), Some("text/html; charset=utf-8"));
+    assert_eq!(r.body, "<a href=\"/api/tasks\">Temporary Redirect</a>.\n\n");
+    let r = get(s.addr, "/api/tasks/./t1?x=1&y=2").await;
+    assert_eq!(r.header("location"), Some("/api/tasks/t1?x=1&y=2"));
+    assert_eq!(
+        r.body,
+        "<a href=\"/api/tasks/t1?x=1&amp;y=2\">Temporary Redirect</a>.\n\n"
+    );
+    let r = get(s.addr, "/api/tasks/..").await;
+    assert_eq!((r.status, r.header("location")), (307, Some("/api")));
+    // POST keeps its method through a 307: no type, no body.
+    let r = post(s.addr, "//api/shutdown", "{}").await;
+    assert_eq!((r.status, r.body.as_str()), (307, ""), "{r:?}");
+    assert_eq!(r.header("location"), Some("/api/shutdown"));
+    assert_eq!(r.header("content-type"), None);
+    assert!(!s.shutdown.is_cancelled(), "nothing was served");
     stop(s).await;
 }
 
