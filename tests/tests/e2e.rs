@@ -887,7 +887,7 @@ fn bad_input_is_refused_and_changes_nothing() {
     unchanged("unknown task");
     shim.get("/api/tasks/...").assert_error(404, "Not Found");
     shim.remove("a%2Fb")
-        .assert_error(404, "task a%2Fb: not found");
+        .assert_error(404, "task a/b: not found");
     shim.terminate("-x", "terminated_by_user", "", 0)
         .assert_error(404, "task -x: not found");
     unchanged("invalid ids in the path");

@@ -344,7 +344,7 @@ where
         }
         RouteId::TaskInfo => {
             let not_found = || ApiError::not_found("Not Found");
-            let id = task_id(resolved.id, not_found)?;
+            let id = task_id(resolved.id.as_deref(), not_found)?;
             let info = state
                 .api
                 .task_info(&id)
@@ -355,7 +355,9 @@ where
         RouteId::TaskTerminate => {
             // Upstream decodes the body before it looks for the task.
             let body: TerminateRequest = read_json(req).await?;
-            let id = task_id(resolved.id, || task_not_found(resolved.id))?;
+            let id = task_id(resolved.id.as_deref(), || {
+                task_not_found(resolved.id.as_deref())
+            })?;
             let reason = TerminationReason::parse(&body.termination_reason);
             let info = state
                 .api
@@ -365,7 +367,9 @@ where
             json(&info)
         }
         RouteId::TaskRemove => {
-            let id = task_id(resolved.id, || task_not_found(resolved.id))?;
+            let id = task_id(resolved.id.as_deref(), || {
+                task_not_found(resolved.id.as_deref())
+            })?;
             state
                 .api
                 .remove(&id)
@@ -374,7 +378,7 @@ where
             empty_ok()
         }
         RouteId::TaskMetrics => {
-            let id = task_id(resolved.id, || {
+            let id = task_id(resolved.id.as_deref(), || {
                 if state.api.has_task_metrics() {
                     ApiError::not_found("Task not found")
                 } else {

@@ -76,39 +76,69 @@ pub static ROUTES: &[Route] = &[
     r("GET", "/api/ready", RouteId::Ready),
 ];
 
-/// Matches `path` against `pattern`; returns the `{id}` segment (if the pattern has one).
-fn matches<'p>(pattern: &str, path: &'p str) -> Option<Option<&'p str>> {
+/// Matches the (unescaped) segments of a path against `pattern`; returns the `{id}` segment
+/// (if the pattern has one).
+fn matches(pattern: &str, segments: &[String]) -> Option<Option<String>> {
     let mut id = None;
     let mut pat = pattern.split('/');
-    let mut got = path.split('/');
+    let mut got = segments.iter();
     loop {
         match (pat.next(), got.next()) {
             (None, None) => return Some(id),
-            (Some("{id}"), Some(seg)) if !seg.is_empty() => id = Some(seg),
+            (Some("{id}"), Some(seg)) if !seg.is_empty() => id = Some(seg.clone()),
             (Some(p), Some(seg)) if p == seg => {}
             _ => return None,
         }
     }
 }
 
-/// A resolved request: the handler and the raw `{id}` segment, if any.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Resolved<'p> {
+/// One path segment with its `%XX` escapes decoded, as Go's ServeMux matches segments
+/// (`%2F` stays inside its segment); `None` for an escape that is not one.
+fn unescape(segment: &str) -> Option<String> {
+    if !segment.contains('%') {
+        return Some(segment.to_owned());
+    }
+    let bytes = segment.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = segment.get(i + 1..i + 3)?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    Some(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// A resolved request: the handler and the (unescaped, not yet validated) `{id}` segment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolved {
     /// The handler.
     pub route: RouteId,
-    /// The raw (not yet validated) task id segment.
-    pub id: Option<&'p str>,
+    /// The task id segment, unescaped, not yet validated.
+    pub id: Option<String>,
 }
 
 /// Finds the route for `method` and `path` as Go's `http.ServeMux` does for upstream's
-/// patterns: `HEAD` is served by the `GET` route; 404 `404 page not found` when no pattern
-/// matches the path, 405 `Method Not Allowed` (the allowed methods, sorted, `HEAD` with
-/// `GET`, go into the `Allow` header) when patterns match but none with this method.
-pub fn resolve<'p>(method: &str, path: &'p str) -> Result<Resolved<'p>, ApiError> {
+/// patterns: segments are matched unescaped (`/api/tasks/t%31` is task `t1`); `HEAD` is
+/// served by the `GET` route; 404 `404 page not found` when no pattern matches the path, 405
+/// `Method Not Allowed` (the allowed methods, sorted, `HEAD` with `GET`, go into the `Allow`
+/// header) when patterns match but none with this method; 400 for an escape that is not one
+/// (Go refuses such a request before it routes it).
+pub fn resolve(method: &str, path: &str) -> Result<Resolved, ApiError> {
+    let segments: Vec<String> = path
+        .split('/')
+        .map(unescape)
+        .collect::<Option<_>>()
+        .ok_or_else(|| ApiError::bad_request("400 Bad Request"))?;
     let wanted = if method == "HEAD" { "GET" } else { method };
     let mut allowed: Vec<&'static str> = Vec::new();
     for route in ROUTES {
-        if let Some(id) = matches(route.path, path) {
+        if let Some(id) = matches(route.path, &segments) {
             if route.method == wanted {
                 return Ok(Resolved {
                     route: route.id,
@@ -243,6 +273,17 @@ mod tests {
         assert_eq!(
             resolve("HEAD", "/api/tasks/a").unwrap().route,
             RouteId::TaskInfo
+        );
+        // Segments are matched unescaped; a bad escape is refused.
+        let r = resolve("GET", "/api/%74asks/t%31").unwrap();
+        assert_eq!((r.route, r.id.as_deref()), (RouteId::TaskInfo, Some("t1")));
+        assert_eq!(
+            resolve("GET", "/api/tasks/a%2Fb").unwrap().id.as_deref(),
+            Some("a/b")
+        );
+        assert_eq!(
+            resolve("GET", "/api/tasks/%zz").unwrap_err().kind,
+            ErrorKind::BadRequest
         );
         assert_eq!(
             resolve("GET", "/api/tasks/x/remove").unwrap_err().kind,

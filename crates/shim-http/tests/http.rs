@@ -556,6 +556,15 @@ async fn invalid_ids_in_paths_are_unknown_tasks() {
         .await
         .assert_error(404, "Task not found");
     assert!(s.engine.terminations.lock().unwrap().is_empty());
+    // Segments are matched unescaped, as Go's ServeMux matches them; messages name the id so.
+    raw(s.addr, "POST", "/api/tasks/a%20b/remove", &[], None)
+        .await
+        .assert_error(404, "task a b: not found");
+    post(s.addr, "/api/tasks", &submit_body("t1")).await;
+    assert_eq!(get(s.addr, "/api/tasks/t%31").await.json()["id"], "t1");
+    assert_eq!(get(s.addr, "/api/%74asks").await.status, 200);
+    let r = get(s.addr, "/api/tasks/%zz").await;
+    assert_eq!(r.status, 400, "{r:?}");
     stop(s).await;
 }
 
