@@ -238,10 +238,10 @@ const ENABLE_RETRY: Duration = Duration::from_secs(1);
 
 impl DcgmHealth {
     /// Upstream's start-up, with dcgmi: `None` (logged) when `dcgmi` is not found, so that
-    /// `/api/instance/health` answers `{}`. Otherwise picks the host engine: `--dcgm-address`
-    /// when given; else a private `nv-hostengine` (found as [`DcgmConfig::find_hostengine`])
-    /// on a Unix socket in a temporary directory, supervised like the exporter; else dcgmi's
-    /// default. Then enables the watches in the background (retrying for a while, since the
+    /// `/api/instance/health` answers `{"dcgm":null}`. Otherwise picks the host engine:
+    /// `--dcgm-address` when given; else a private `nv-hostengine` (found as
+    /// [`DcgmConfig::find_hostengine`]) on a Unix socket in a temporary directory, supervised
+    /// like the exporter; else dcgmi's default. Then enables the watches in the background (retrying for a while, since the
     /// host engine starts asynchronously). Call it on NVIDIA hosts only, as upstream does.
     pub async fn start(config: &DcgmConfig) -> Option<Self> {
         let Some(dcgmi) = config.find_dcgmi() else {
