@@ -732,7 +732,8 @@ impl Book {
         // doubtful ones), so anything but these answers is wrong.
         let json = r.json().ok();
         match (op, r.status) {
-            (Op::Submit(..), 200) if json.as_ref().is_some_and(|j| status_of(j) == "pending") => {
+            // Submit answers in the Go field names of upstream's runner TaskInfo.
+            (Op::Submit(..), 200) if json.as_ref().is_some_and(|j| j["Status"] == "pending") => {
                 t.submitted = true;
             }
             (Op::Terminate(..), 200) => {
