@@ -92,25 +92,27 @@ fn name_of(config: &Value) -> String {
     )
 }
 
-/// The exact TaskInfo of a task that was just submitted.
+/// The exact answer of a submit: the TaskInfo of the new task with the Go field names of
+/// upstream's runner TaskInfo, which has no JSON tags (upstream:
+/// runner/internal/shim/api/handlers.go, TaskSubmitHandler; runner/internal/shim/models.go).
 fn pending_info(config: &Value) -> Value {
     let id = config["id"].as_str().unwrap();
     let name = config["name"].as_str().unwrap();
     json!({
-        "id": id,
-        "status": "pending",
-        "termination_reason": "",
-        "termination_message": "",
-        "ports": null,
-        "image_pull_progress": null,
-        "container_name": container_name(name, id),
-        "container_id": "",
-        "gpu_ids": null,
+        "ID": id,
+        "Status": "pending",
+        "TerminationReason": "",
+        "TerminationMessage": "",
+        "Ports": null,
+        "ImagePullProgress": null,
+        "ContainerName": container_name(name, id),
+        "ContainerID": "",
+        "GpuIDs": null,
     })
 }
 
 fn gpu_ids(info: &Value) -> BTreeSet<String> {
-    let ids = info["gpu_ids"]
+    let ids = info["gpus_ids"]
         .as_array()
         .unwrap_or_else(|| panic!("{info}"));
     let set: BTreeSet<String> = ids.iter().map(|g| g.as_str().unwrap().to_owned()).collect();
@@ -296,14 +298,8 @@ fn full_lifecycle_over_http() {
     assert_eq!(gpu_ids(&info2), fake_gpu_ids(), "{info2}");
     shim.finish("life-2");
 
-    let removed = shim.remove("life-1");
-    assert_eq!(
-        (removed.status, removed.body.as_str()),
-        (200, "{}"),
-        "{removed:?}"
-    );
-    shim.get("/api/tasks/life-1")
-        .assert_error(404, "task life-1 not found");
+    shim.remove("life-1").assert_empty_ok();
+    shim.get("/api/tasks/life-1").assert_error(404, "Not Found");
     assert_eq!(
         container_running(None, &cid),
         None,
@@ -351,7 +347,7 @@ fn pull_from_registry_with_credentials_reports_progress() {
     );
     assert_eq!(progress["is_total_bytes_final"], true, "{info}");
     assert!(image_present(&pulled));
-    assert_eq!(info["gpu_ids"], json!([]), "{info}");
+    assert_eq!(info["gpus_ids"], json!([]), "{info}");
 
     // The raw pull log is kept in the task directory; no credentials anywhere on disk.
     let pull_log = fs_err::read_to_string(shim.task_dir("pull-1").join("pull.log")).unwrap();
@@ -529,7 +525,7 @@ fn sigkill_and_restart_keep_tasks_and_report_exits_that_happened_while_down() {
     assert_running(&keep_after, &keep, 2);
     assert_eq!(keep_after["container_id"], keep_cid.as_str());
     assert_eq!(keep_after["ports"], keep_before["ports"]);
-    assert_eq!(keep_after["gpu_ids"], keep_before["gpu_ids"]);
+    assert_eq!(keep_after["gpus_ids"], keep_before["gpus_ids"]);
     assert_eq!(
         shim.list(),
         BTreeMap::from([
@@ -578,9 +574,12 @@ fn shutdown_and_sigterm_leave_containers_running() {
 
     // A malformed shutdown request shuts nothing down.
     shim.post_raw("/api/shutdown", Some("application/json"), b"{\"force\":")
-        .assert_error_starts(400, "invalid request body: ");
+        .assert_error(400, "Request body contains badly-formed JSON");
     shim.post("/api/shutdown", &json!({"force": "yes"}))
-        .assert_error_starts(400, "invalid request body: ");
+        .assert_error(
+            400,
+            "Request body contains an invalid value for the \"force\" field (at position 14)",
+        );
     assert_eq!(shim.info("stays")["status"], "running");
 
     let check_restart = |shim: &mut TestShim, how: &str| {
@@ -589,12 +588,12 @@ fn shutdown_and_sigterm_leave_containers_running() {
         let info = shim.info("stays");
         assert_running(&info, &config, 1);
         assert_eq!(info["container_id"], cid.as_str(), "after {how}: {info}");
-        assert_eq!(info["gpu_ids"], before["gpu_ids"], "after {how}: {info}");
+        assert_eq!(info["gpus_ids"], before["gpus_ids"], "after {how}: {info}");
     };
 
     for force in [false, true] {
-        let answer = shim.post("/api/shutdown", &json!({ "force": force }));
-        assert_eq!(answer.ok(), json!({}));
+        shim.post("/api/shutdown", &json!({ "force": force }))
+            .assert_empty_ok();
         let status = shim.wait_exit();
         assert!(status.success(), "shutdown force={force}: {status}");
         check_restart(&mut shim, &format!("shutdown force={force}"));
@@ -672,7 +671,7 @@ fn bad_input_is_refused_and_changes_nothing() {
             "malformed JSON",
             shim.post_raw("/api/tasks", Some("application/json"), b"{\"id\": \"x\", "),
             400,
-            "invalid request body: EOF while parsing a value at line 1 column 12",
+            "Request body contains badly-formed JSON",
             true,
         ),
         (
@@ -683,21 +682,21 @@ fn bad_input_is_refused_and_changes_nothing() {
                 format!("{} {{}}", task("bad-1", 0)).as_bytes(),
             ),
             400,
-            "invalid request body: trailing characters",
-            false,
+            "Request body must only contain a single JSON object",
+            true,
         ),
         (
             "empty body",
             shim.post_raw("/api/tasks", Some("application/json"), b""),
             400,
-            "request body must not be empty",
+            "Request body must not be empty",
             true,
         ),
         (
             "a JSON array",
             shim.post_raw("/api/tasks", Some("application/json"), b"[1]"),
             400,
-            "request body must be a single JSON object",
+            "Request body contains an invalid value for the \"\" field (at position 1)",
             true,
         ),
         (
@@ -708,7 +707,7 @@ fn bad_input_is_refused_and_changes_nothing() {
                 task("bad-1", 0).to_string().as_bytes(),
             ),
             415,
-            "Content-Type must be application/json, got \"text/plain\"",
+            "Content-Type header is not application/json",
             true,
         ),
         (
@@ -719,14 +718,14 @@ fn bad_input_is_refused_and_changes_nothing() {
                 b"id=bad-1",
             ),
             415,
-            "Content-Type must be application/json, got \"application/x-www-form-urlencoded\"",
+            "Content-Type header is not application/json",
             true,
         ),
         (
             "body over 1 MiB (Content-Length)",
             shim.post_raw("/api/tasks", Some("application/json"), &big_config()),
             413,
-            "request body must not be larger than 1048576 bytes",
+            "Request body must not be larger than 1MB",
             true,
         ),
         (
@@ -735,35 +734,35 @@ fn bad_input_is_refused_and_changes_nothing() {
                 &Request::post("/api/tasks").chunked_body(Some("application/json"), big_config()),
             ),
             413,
-            "request body must not be larger than 1048576 bytes",
+            "Request body must not be larger than 1MB",
             true,
         ),
         (
             "missing id",
             shim.submit(&without("id")),
             400,
-            "invalid request body: missing field `id`",
-            false,
+            "empty id",
+            true,
         ),
         (
             "missing name",
             shim.submit(&without("name")),
             400,
-            "invalid request body: missing field `name`",
-            false,
+            "empty name",
+            true,
         ),
         (
             "missing image_name",
             shim.submit(&without("image_name")),
             400,
-            "invalid request body: missing field `image_name`",
-            false,
+            "empty image_name",
+            true,
         ),
         (
             "empty image_name",
             shim.submit(&submit_with("image_name", json!(""))),
             400,
-            "invalid task config: image_name: must not be empty",
+            "empty image_name",
             true,
         ),
         (
@@ -784,7 +783,7 @@ fn bad_input_is_refused_and_changes_nothing() {
             "network mode overlay",
             shim.submit(&submit_with("network_mode", json!("overlay"))),
             400,
-            "invalid request body: network_mode must be \"host\" or \"bridge\", not \"overlay\"",
+            "Request body contains an invalid value for the \"network_mode\" field",
             false,
         ),
         (
@@ -822,13 +821,20 @@ fn bad_input_is_refused_and_changes_nothing() {
     ] {
         for field in ["id", "name"] {
             let resp = shim.submit(&submit_with(field, json!(bad)));
-            assert_eq!(resp.status, 400, "{field} {bad:?}: {resp:?}");
-            assert!(
-                resp.body.starts_with(&format!(
-                    "invalid request body: {field} {bad:?} is invalid: "
-                )),
-                "{field} {bad:?}: {resp:?}"
-            );
+            if bad.is_empty() {
+                // Upstream's message for an empty id or name.
+                resp.assert_error(400, &format!("empty {field}"));
+            } else {
+                resp.assert_error_starts(
+                    400,
+                    &format!("Request body contains an invalid value for the {field:?} field"),
+                );
+                assert!(
+                    resp.body
+                        .contains(&format!(": {field} {bad:?} is invalid: ")),
+                    "{field} {bad:?}: {resp:?}"
+                );
+            }
             unchanged(&format!("{field} {bad:?}"));
         }
     }
@@ -859,27 +865,31 @@ fn bad_input_is_refused_and_changes_nothing() {
                 config[f] = json!(v);
             }
             let resp = shim.submit(&config);
-            assert_eq!(resp.status, 400, "{field} with {what}: {resp:?}");
+            resp.assert_error_starts(
+                400,
+                &format!("Request body contains an invalid value for the \"{field}.0\" field"),
+            );
             assert!(
-                resp.body
-                    .starts_with("invalid request body: invalid SSH public key "),
+                resp.body.contains(": invalid SSH public key "),
                 "{field} with {what}: {resp:?}"
             );
             unchanged(&format!("{field} with {what}"));
         }
     }
 
-    // Unknown tasks: 404 everywhere; an invalid id in the path is 400.
-    shim.get("/api/tasks/nope")
-        .assert_error(404, "task nope not found");
+    // Unknown tasks: 404 everywhere, with upstream's messages; an id in the path that is not
+    // a valid id names no task: 404 too (upstream: runner/internal/shim/api/handlers.go).
+    shim.get("/api/tasks/nope").assert_error(404, "Not Found");
     shim.terminate("nope", "terminated_by_user", "", 0)
-        .assert_error(404, "task nope not found");
-    shim.remove("nope").assert_error(404, "task nope not found");
+        .assert_error(404, "task nope: not found");
+    shim.remove("nope")
+        .assert_error(404, "task nope: not found");
     unchanged("unknown task");
-    let bad_path = shim.get("/api/tasks/..");
-    assert_eq!(bad_path.status, 400, "{bad_path:?}");
-    let bad_path = shim.remove("a%2Fb");
-    assert_eq!(bad_path.status, 400, "{bad_path:?}");
+    shim.get("/api/tasks/...").assert_error(404, "Not Found");
+    shim.remove("a%2Fb")
+        .assert_error(404, "task a/b: not found");
+    shim.terminate("-x", "terminated_by_user", "", 0)
+        .assert_error(404, "task -x: not found");
     unchanged("invalid ids in the path");
 
     // Remove of a running task: 409, and it still runs.
@@ -898,8 +908,10 @@ fn bad_input_is_refused_and_changes_nothing() {
     unchanged("duplicate id");
 
     // Unknown routes and methods.
-    shim.get("/api/nothing-here").assert_error_starts(404, "");
-    shim.get("/api/shutdown").assert_error_starts(405, "");
+    shim.get("/api/nothing-here")
+        .assert_error(404, "404 page not found");
+    shim.get("/api/shutdown")
+        .assert_error(405, "Method Not Allowed");
     unchanged("unknown routes");
 
     let messages: Vec<String> = [
@@ -1033,8 +1045,7 @@ fn fifty_concurrent_tasks_leave_nothing_behind() {
         run_all(
             "remove",
             Arc::new(move |i| {
-                let resp = shim.remove(&format!("many-{i:02}"));
-                assert_eq!((resp.status, resp.body.as_str()), (200, "{}"), "{resp:?}");
+                shim.remove(&format!("many-{i:02}")).assert_empty_ok();
             }),
         )
     };
@@ -1639,7 +1650,7 @@ fn first_release_home_is_migrated_with_its_task_running() {
     let info = shim.info(id);
     assert_eq!(info["status"], "running", "{info}");
     assert_eq!(info["container_id"], cid.as_str(), "{info}");
-    assert_eq!(info["gpu_ids"], json!([gpu]), "{info}");
+    assert_eq!(info["gpus_ids"], json!([gpu]), "{info}");
     assert_eq!(
         fs_err::read_to_string(shim.home().join("owner-id"))
             .unwrap()

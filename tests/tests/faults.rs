@@ -146,7 +146,7 @@ fn key_blob(line: &str) -> String {
 }
 
 fn gpu_ids(info: &Value) -> BTreeSet<String> {
-    let Some(ids) = info["gpu_ids"].as_array() else {
+    let Some(ids) = info["gpus_ids"].as_array() else {
         return BTreeSet::new();
     };
     let set: BTreeSet<String> = ids.iter().map(|g| g.as_str().unwrap().to_owned()).collect();
@@ -732,7 +732,8 @@ impl Book {
         // doubtful ones), so anything but these answers is wrong.
         let json = r.json().ok();
         match (op, r.status) {
-            (Op::Submit(..), 200) if json.as_ref().is_some_and(|j| status_of(j) == "pending") => {
+            // Submit answers in the Go field names of upstream's runner TaskInfo.
+            (Op::Submit(..), 200) if json.as_ref().is_some_and(|j| j["Status"] == "pending") => {
                 t.submitted = true;
             }
             (Op::Terminate(..), 200) => {
@@ -760,7 +761,7 @@ impl Book {
                     t.terminated = Some(got);
                 }
             }
-            (Op::Remove(..), 200) if r.body == "{}" => {
+            (Op::Remove(..), 200) if r.body == "\n" => {
                 self.tasks.remove(&id);
                 self.removed.insert(id);
             }
@@ -1671,7 +1672,7 @@ fn kills_mid_submit_and_mid_delete_leave_nothing_after_a_restart() {
     let after = shim.info("stays");
     assert_eq!(status_of(&after), "running", "{after}");
     assert_eq!(after["container_id"], stays_before["container_id"]);
-    assert_eq!(after["gpu_ids"], stays_before["gpu_ids"]);
+    assert_eq!(after["gpus_ids"], stays_before["gpus_ids"]);
     let expected: BTreeSet<String> = keep
         .iter()
         .map(|(d, _)| (*d).to_owned())
@@ -1743,7 +1744,7 @@ fn the_owner_identity_does_not_depend_on_how_the_home_is_spelled() {
         shim.start();
         let info = shim.info("same");
         assert_eq!(status_of(&info), "running", "home {spelled}: {info}");
-        for field in ["container_id", "gpu_ids", "ports"] {
+        for field in ["container_id", "gpus_ids", "ports"] {
             assert_eq!(info[field], before[field], "home {spelled}: {field}");
         }
         assert_eq!(shim.owner(), owner, "home {spelled}");

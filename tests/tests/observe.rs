@@ -40,7 +40,8 @@ fn start(extra: &[&str]) -> TestShim {
         .start()
 }
 
-/// Submits a bridge-mode task of the local image with no GPU; answers its TaskInfo.
+/// Submits a bridge-mode task of the local image with no GPU; answers the submit's answer
+/// (a TaskInfo with upstream's Go field names).
 fn submit(shim: &TestShim, id: &str) -> Value {
     let config = json!({
         "id": id, "name": format!("observe-{id}"), "image_name": image(),

@@ -123,15 +123,16 @@ pub fn demo(large: bool) -> Result<()> {
         "gpu": 1,
         "network_mode": "bridge",
     });
+    // Submit answers with the Go field names of upstream's runner TaskInfo (`Status`).
     let info = api.post("/api/tasks", &config)?;
     say(
         t0,
         &format!(
             "POST /api/tasks {id} ({image_ref}, gpu 1, bridge) -> {}",
-            status_of(&info)
+            info["Status"].as_str().unwrap_or("?")
         ),
     );
-    expect_eq(&info["status"], "pending", "status after submit")?;
+    expect_eq(&info["Status"], "pending", "status after submit")?;
 
     let mut watch = Watch::default();
     let info = watch.until(t0, &api, &id, "running", Duration::from_secs(120))?;
@@ -221,8 +222,8 @@ fn expect_eq(value: &Value, want: &str, what: &str) -> Result<()> {
 
 /// Checks what a running bridge-mode task with one GPU must show.
 fn check_running(info: &Value) -> Result<()> {
-    let gpus = info["gpu_ids"].as_array().map_or(0, Vec::len);
-    anyhow::ensure!(gpus == 1, "expected 1 GPU id, got {}", info["gpu_ids"]);
+    let gpus = info["gpus_ids"].as_array().map_or(0, Vec::len);
+    anyhow::ensure!(gpus == 1, "expected 1 GPU id, got {}", info["gpus_ids"]);
     anyhow::ensure!(
         !info["container_id"].as_str().unwrap_or_default().is_empty(),
         "no container id: {info}"
@@ -286,7 +287,7 @@ impl Watch {
     const FIELDS: [&'static str; 8] = [
         "status",
         "image_pull_progress",
-        "gpu_ids",
+        "gpus_ids",
         "container_name",
         "container_id",
         "ports",

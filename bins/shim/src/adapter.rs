@@ -165,12 +165,15 @@ impl ShimApi for EngineApi {
         }
     }
 
+    /// As upstream (`runner/internal/shim/api/handlers.go`, `InstanceHealthHandler`):
+    /// without DCGM, or when it fails, GPU health is unknown: `{"dcgm":null}`.
     async fn instance_health(&self) -> serde_json::Value {
-        // Without DCGM, GPU health is unknown, which the server reads from `{}`.
+        let unknown = || serde_json::json!({ "dcgm": null });
         match &self.dcgm.health {
-            Some(h) => serde_json::to_value(h.instance_health().await)
-                .unwrap_or_else(|_| serde_json::json!({})),
-            None => serde_json::json!({}),
+            Some(h) => {
+                serde_json::to_value(h.instance_health().await).unwrap_or_else(|_| unknown())
+            }
+            None => unknown(),
         }
     }
 
@@ -180,7 +183,10 @@ impl ShimApi for EngineApi {
         let Some(exporter) = &self.dcgm.exporter else {
             return Err(ApiError::not_found("DCGM Exporter is not available"));
         };
-        let info = self.engine.task_info(id).map_err(api_error)?;
+        let info = self.engine.task_info(id).map_err(|e| match e {
+            EngineError::NotFound(_) => ApiError::not_found("Task not found").with_source(e),
+            other => api_error(other),
+        })?;
         exporter
             .fetch_task_metrics(&info.gpu_ids.unwrap_or_default())
             .await
@@ -188,6 +194,10 @@ impl ShimApi for EngineApi {
                 shim_dcgm::DcgmErrorKind::Upstream => ApiError::bad_gateway(chain(&e)),
                 shim_dcgm::DcgmErrorKind::Internal => ApiError::internal(chain(&e)),
             })
+    }
+
+    fn has_task_metrics(&self) -> bool {
+        self.dcgm.exporter.is_some()
     }
 
     fn subscribe(&self) -> Result<Box<dyn ChangeFeed>, ApiError> {

@@ -8,8 +8,10 @@
 //! - integers take what `strconv.ParseInt(s, 0, 64)` takes (`0x`, `0o`, `0b` prefixes, a
 //!   leading `0` for octal, `_` separators); an empty value in the environment is ignored;
 //! - strings are taken as they are: an empty value in the environment overrides the default;
-//! - positional arguments are ignored (old servers start `dstack-shim docker …`), except
-//!   `help` / `h`.
+//! - the command line is read as urfave/cli reads it, Go's one-dash flags included
+//!   (`-shim-home X`, `-privileged=false`): [`crate::argv`] rewrites it for clap;
+//! - positional arguments are ignored (old servers start `dstack-shim docker …`), except a
+//!   first `help` / `h`.
 //!
 //! Upstream's names are read first; where this shim had its own name (`DSTACK_SHIM_PASS_ENV`)
 //! it stays an alias. Our additions: `--unix-socket`, `--volumes-root`, `--log-format`,
@@ -58,6 +60,7 @@ pub enum LogFormat {
 #[command(
     name = "dstack-shim",
     disable_version_flag = true,
+    disable_help_flag = true,
     about = "Starts dstack-runner or docker container.",
     after_help = ENV_HELP
 )]
@@ -65,6 +68,9 @@ pub struct Args {
     /// Print `dstack-shim version X` and exit.
     #[arg(long, short = 'v')]
     pub version: bool,
+    /// Print this help and exit (also `dstack-shim help`).
+    #[arg(long, short = 'h')]
+    pub help: bool,
     /// Set shim's home directory [default: ~/.dstack]
     #[arg(long, value_name = "DIR")]
     pub shim_home: Option<String>,
@@ -382,9 +388,12 @@ impl Lookup<'_> {
 }
 
 impl Config {
-    /// Parses the process's command line and environment.
+    /// Parses the process's command line (Go's flag syntax too, see [`crate::argv`]) and
+    /// environment.
     pub fn from_process() -> anyhow::Result<Self> {
-        let args = Args::parse();
+        use clap::CommandFactory as _;
+        let argv = crate::argv::normalise(std::env::args_os(), &Args::command())?;
+        let args = Args::parse_from(argv);
         Self::resolve(&args, &|name| std::env::var(name).ok())
     }
 
@@ -392,10 +401,9 @@ impl Config {
     /// if it is set, empty or not).
     pub fn resolve(args: &Args, env: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<Self> {
         let l = Lookup { env };
-        let help = args.positional.iter().any(|a| a == "help" || a == "h");
-        if args.version || help {
+        if args.version || args.help {
             // Like upstream, --version and help win over bad values elsewhere.
-            return Ok(Self::for_version(args.version, help));
+            return Ok(Self::for_version(args.version, args.help));
         }
         // Upstream checks the runner's level first, then the shim's.
         let runner_log_level = l.string("runner-log-level", &args.runner_log_level, "info");
@@ -540,8 +548,14 @@ mod tests {
     use super::*;
 
     fn resolve(args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Config> {
-        let args =
-            Args::try_parse_from(std::iter::once("dstack-shim").chain(args.iter().copied()))?;
+        use clap::CommandFactory as _;
+        let argv = crate::argv::normalise(
+            std::iter::once("dstack-shim")
+                .chain(args.iter().copied())
+                .map(std::ffi::OsString::from),
+            &Args::command(),
+        )?;
+        let args = Args::try_parse_from(argv)?;
         let env: BTreeMap<String, String> = env
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
@@ -715,9 +729,87 @@ mod tests {
         assert!(ok(&["docker", "--privileged"], &[]).privileged);
         assert!(ok(&["podman"], &[]).pass_env.len() == 6);
         assert!(ok(&["help"], &[("DSTACK_SERVICE_MODE", "bad")]).help);
+        assert!(ok(&["-h"], &[("DSTACK_SERVICE_MODE", "bad")]).help);
+        assert!(
+            !ok(&["docker", "help"], &[]).help,
+            "only a first positional is help"
+        );
         assert!(ok(&["-v"], &[("DSTACK_SERVICE_MODE", "bad")]).version);
         // An unknown flag is an error, as upstream.
         assert!(resolve(&["docker", "--ssh-key", "x"], &[]).is_err());
+    }
+
+    /// Go's flag syntax, for every flag (upstream `runner/cmd/shim/main.go` parses its
+    /// command line with urfave/cli v3, which takes one dash or two, `=` or a space).
+    #[test]
+    fn every_flag_takes_gos_syntax() {
+        let values: &[(&str, &str)] = &[
+            ("shim-home", "/h"),
+            ("shim-binary-path", "/b"),
+            ("shim-http-port", "1234"),
+            ("shim-log-level", "debug"),
+            ("runner-download-url", "http://x/r"),
+            ("runner-binary-path", "/r"),
+            ("runner-http-port", "2345"),
+            ("runner-ssh-port", "3456"),
+            ("runner-ssh-log-level", "debug"),
+            ("runner-log-level", "trace"),
+            ("dcgm-exporter-http-port", "4567"),
+            ("dcgm-exporter-interval", "1000"),
+            ("dcgm-address", "10.0.0.1"),
+            ("pass-env", "A,B"),
+            ("pjrt-device", "TPU"),
+            ("unix-socket", "/s"),
+            ("volumes-root", "/v"),
+            ("log-format", "json"),
+            ("reconcile-interval", "60"),
+            ("dcgm-exporter-path", "/e"),
+            ("dcgmi-path", "/d"),
+            ("nv-hostengine-path", "/n"),
+        ];
+        let show = |c: &Config| format!("{c:?}");
+        let reference = {
+            let args: Vec<String> = values
+                .iter()
+                .flat_map(|(f, v)| [format!("--{f}"), (*v).to_owned()])
+                .collect();
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            show(&ok(&args, &[]))
+        };
+        for (dashes, sep) in [("-", " "), ("-", "="), ("--", " "), ("--", "=")] {
+            let mut args = Vec::new();
+            for (f, v) in values {
+                if sep == "=" {
+                    args.push(format!("{dashes}{f}={v}"));
+                } else {
+                    args.push(format!("{dashes}{f}"));
+                    args.push((*v).to_owned());
+                }
+            }
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            assert_eq!(show(&ok(&args, &[])), reference, "{dashes}flag{sep}value");
+        }
+        for flag in ["privileged", "service"] {
+            let on = |args: &[&str], env: &[(&str, &str)]| {
+                let c = ok(args, env);
+                if flag == "privileged" {
+                    c.privileged
+                } else {
+                    c.service
+                }
+            };
+            let env = ENV.iter().find(|(f, _)| *f == flag).unwrap().1[0];
+            for dashes in ["-", "--"] {
+                assert!(on(&[&format!("{dashes}{flag}")], &[]), "{dashes}{flag}");
+                assert!(on(&[&format!("{dashes}{flag}=true")], &[]));
+                assert!(on(&[&format!("{dashes}{flag}=1")], &[]));
+                assert!(!on(&[&format!("{dashes}{flag}=false")], &[(env, "1")]));
+                assert!(!on(&[&format!("{dashes}{flag}=0")], &[(env, "1")]));
+            }
+        }
+        assert!(ok(&["-version"], &[]).version);
+        assert!(ok(&["--v"], &[]).version);
+        assert!(!ok(&["-version=false"], &[]).version);
     }
 
     /// upstream `runner/internal/common/log/log_test.go` (TestParseLevel, TestParseLevelError).

@@ -7,6 +7,7 @@
 //! SIGINT, `POST /api/shutdown`) never stops containers.
 
 mod adapter;
+mod argv;
 mod components;
 mod config;
 mod engine;

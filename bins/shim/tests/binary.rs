@@ -75,6 +75,110 @@ fn rejects_bad_flags() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("invalid log level: loud"));
 }
 
+/// Go's flag syntax, as upstream's urfave/cli takes it (upstream `runner/cmd/shim/main.go`):
+/// one dash or two, a value after `=` or as the next argument, Go booleans, the aliases `-v`
+/// and `-h`, and `help`; its refusals and their messages.
+#[test]
+fn takes_gos_flag_syntax() {
+    let run = |args: &[&str]| Command::new(BIN).args(args).output().unwrap();
+    let version = format!(
+        "dstack-shim version {}+rust.{}\n",
+        env!("DSTACK_SHIM_UPSTREAM_VERSION"),
+        env!("CARGO_PKG_VERSION")
+    );
+    for flag in ["-version", "--version", "-v", "--v", "-version=true"] {
+        let out = run(&[flag]);
+        assert!(out.status.success(), "{flag}");
+        assert_eq!(String::from_utf8(out.stdout).unwrap(), version, "{flag}");
+    }
+    for args in [
+        &["-help"][..],
+        &["-h"],
+        &["--help"],
+        &["help"],
+        &["h", "-nope"],
+    ] {
+        let out = run(args);
+        assert!(out.status.success(), "{args:?}");
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(text.contains("--shim-home"), "{args:?}: {text}");
+    }
+    let home = tempfile::tempdir().unwrap();
+    let home_arg = format!("-shim-home={}", home.path().display());
+    for (args, message) in [
+        (vec!["-nope"], "flag provided but not defined: -nope"),
+        (
+            vec!["docker", "-ssh-key", "k"],
+            "flag provided but not defined: -ssh-key",
+        ),
+        (vec!["-shim-home="], "flag needs an argument: -shim-home="),
+        (vec!["-shim-home"], "flag needs an argument: -shim-home"),
+        // Values given with one dash are read: the level is refused after parsing.
+        (
+            vec![home_arg.as_str(), "-shim-log-level", "loud"],
+            "invalid log level: loud",
+        ),
+        (
+            vec![home_arg.as_str(), "-runner-log-level=loud"],
+            "invalid log level: loud",
+        ),
+        (
+            vec![home_arg.as_str(), "-privileged=maybe"],
+            "could not parse \"maybe\" as bool value from the command line for flag privileged",
+        ),
+    ] {
+        let out = run(&args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+    }
+}
+
+/// A shim started with one-dash flags serves with them: the later `-shim-home` wins over the
+/// harness's `--shim-home` (the last of a flag wins, as in urfave/cli), the Unix socket is
+/// placed, and a positional argument (old servers start `dstack-shim docker`) is ignored.
+#[test]
+fn serves_with_one_dash_flags() {
+    if !shim_e2e::docker_tests_enabled("serves_with_one_dash_flags") {
+        return;
+    }
+    let first = tempfile::tempdir().unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let sock = home.path().join("shim.sock");
+    let args = [
+        "docker".to_owned(),
+        "-shim-home".to_owned(),
+        home.path().display().to_string(),
+        format!("-unix-socket={}", sock.display()),
+        "-runner-binary-path".to_owned(),
+        home.path().join("no-runner").display().to_string(),
+        "-privileged=false".to_owned(),
+        "-service".to_owned(),
+    ];
+    let port = free_port().unwrap();
+    let mut shim = ShimProcess::spawn(
+        Path::new(BIN),
+        first.path(),
+        port,
+        &args,
+        &first.path().join("stdio.log"),
+    )
+    .unwrap();
+    shim.wait_listening(BOUND).unwrap();
+    let deadline = Instant::now() + BOUND;
+    while !(sock.exists() && home.path().join("host_info.json").exists()) {
+        assert!(
+            Instant::now() < deadline,
+            "no socket or host_info.json in the home given with one dash"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(home.path().join("shim.log").exists());
+    assert!(!first.path().join("shim.log").exists());
+    let (status, _) = http(&shim, "GET", "/api/healthcheck", None);
+    assert_eq!(status, 200);
+}
+
 #[test]
 fn serves_logs_and_stops_on_sigterm() {
     if !shim_e2e::docker_tests_enabled("serves_logs_and_stops_on_sigterm") {
@@ -93,7 +197,7 @@ fn serves_logs_and_stops_on_sigterm() {
     );
     assert_eq!(
         body,
-        format!(r#"{{"service":"dstack-shim","version":"{version}"}}"#)
+        format!("{{\"service\":\"dstack-shim\",\"version\":\"{version}\"}}\n")
     );
 
     // The shim reports itself as an installed component, the runner as missing.
@@ -190,27 +294,58 @@ fn stops_on_api_shutdown_and_serves_a_unix_socket() {
         .unwrap();
     assert_eq!(over_unix.status, 200);
 
+    // Upstream answers a handler that returns nothing with Go's `http.Error(w, "", 200)`.
     let (status, body) = http(&shim, "POST", "/api/shutdown", Some(r#"{"force":false}"#));
-    assert_eq!((status, body.as_str()), (200, "{}"));
+    assert_eq!((status, body.as_str()), (200, "\n"));
     let status = shim.wait_exit(BOUND).unwrap();
     assert!(status.success(), "{status}");
     assert!(!sock.exists());
 }
 
+/// The binary's answers are upstream's, byte for byte, where the adapter decides them: an
+/// unknown task, an id that cannot be one, GPU health without DCGM, task metrics without an
+/// exporter (this host has no NVIDIA GPU).
+///
+/// upstream: runner/internal/shim/api/handlers.go (TaskInfoHandler, TaskRemoveHandler,
+/// InstanceHealthHandler, TaskMetricsHandler), schemas.go (InstanceHealthResponse).
 #[test]
-fn unknown_task_is_404_and_the_list_is_empty() {
-    if !shim_e2e::docker_tests_enabled("unknown_task_is_404_and_the_list_is_empty") {
+fn unknown_tasks_and_unknown_health_are_answered_as_upstream() {
+    if !shim_e2e::docker_tests_enabled("unknown_tasks_and_unknown_health_are_answered_as_upstream")
+    {
         return;
     }
     let home = tempfile::tempdir().unwrap();
     let shim = start(home.path(), &[]);
-    let (status, body) = http(&shim, "GET", "/api/tasks/abc", None);
-    assert_eq!(status, 404);
-    assert_eq!(body, "task abc not found");
+    for path in ["/api/tasks/abc", "/api/tasks/-x"] {
+        assert_eq!(
+            http(&shim, "GET", path, None),
+            (404, "Not Found\n".into()),
+            "{path}"
+        );
+    }
+    assert_eq!(
+        http(&shim, "POST", "/api/tasks/abc/remove", None),
+        (404, "task abc: not found\n".into())
+    );
+    assert_eq!(
+        http(&shim, "POST", "/api/tasks/abc/terminate", Some("{}")),
+        (404, "task abc: not found\n".into())
+    );
     assert_eq!(
         http(&shim, "GET", "/api/tasks", None),
-        (200, r#"{"tasks":[]}"#.into())
+        (200, "{\"tasks\":[]}\n".into())
     );
+    assert_eq!(
+        http(&shim, "GET", "/api/instance/health", None),
+        (200, "{\"dcgm\":null}\n".into())
+    );
+    for path in ["/metrics/tasks/abc", "/metrics/tasks/-x"] {
+        assert_eq!(
+            http(&shim, "GET", path, None),
+            (404, "DCGM Exporter is not available\n".into()),
+            "{path}"
+        );
+    }
 }
 
 #[test]

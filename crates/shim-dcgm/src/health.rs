@@ -61,12 +61,13 @@ pub struct Health {
     pub incidents: Vec<HealthIncident>,
 }
 
-/// The body of `GET /api/instance/health`: `{"dcgm": {...}}`, or `{}` when GPU health is
-/// unknown. (Upstream answers `{"dcgm":null}` then; the server reads both as "unknown".)
+/// The body of `GET /api/instance/health`: `{"dcgm": {...}}`, or `{"dcgm": null}` when GPU
+/// health is unknown, as upstream's `InstanceHealthResponse` (`runner/internal/shim/api/
+/// schemas.go`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InstanceHealth {
     /// The DCGM health, when known.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub dcgm: Option<Health>,
 }
 
@@ -237,10 +238,10 @@ const ENABLE_RETRY: Duration = Duration::from_secs(1);
 
 impl DcgmHealth {
     /// Upstream's start-up, with dcgmi: `None` (logged) when `dcgmi` is not found, so that
-    /// `/api/instance/health` answers `{}`. Otherwise picks the host engine: `--dcgm-address`
-    /// when given; else a private `nv-hostengine` (found as [`DcgmConfig::find_hostengine`])
-    /// on a Unix socket in a temporary directory, supervised like the exporter; else dcgmi's
-    /// default. Then enables the watches in the background (retrying for a while, since the
+    /// `/api/instance/health` answers `{"dcgm":null}`. Otherwise picks the host engine:
+    /// `--dcgm-address` when given; else a private `nv-hostengine` (found as
+    /// [`DcgmConfig::find_hostengine`]) on a Unix socket in a temporary directory, supervised
+    /// like the exporter; else dcgmi's default. Then enables the watches in the background (retrying for a while, since the
     /// host engine starts asynchronously). Call it on NVIDIA hosts only, as upstream does.
     pub async fn start(config: &DcgmConfig) -> Option<Self> {
         let Some(dcgmi) = config.find_dcgmi() else {
@@ -330,14 +331,15 @@ impl DcgmHealth {
     }
 
     /// The current health (`dcgmi health -c -j`). Enables the watches first when that has not
-    /// happened yet, and again (once) when dcgmi says they are off. Upstream answers `{}` for
-    /// the DCGM part when this fails and logs the error; see [`DcgmHealth::instance_health`].
+    /// happened yet, and again (once) when dcgmi says they are off. Upstream answers `null`
+    /// for the DCGM part when this fails and logs the error; see
+    /// [`DcgmHealth::instance_health`].
     pub async fn check(&self) -> Result<Health, DcgmError> {
         self.inner.check().await
     }
 
-    /// The body of `GET /api/instance/health`: `{"dcgm": ...}`, or `{}` (error logged) when
-    /// the check fails.
+    /// The body of `GET /api/instance/health`: `{"dcgm": ...}`, or `{"dcgm": null}` (error
+    /// logged) when the check fails.
     pub async fn instance_health(&self) -> InstanceHealth {
         match self.check().await {
             Ok(health) => InstanceHealth { dcgm: Some(health) },
@@ -604,11 +606,13 @@ mod tests {
         }
     }
 
+    /// upstream: runner/internal/shim/api/schemas.go (`InstanceHealthResponse`: `DCGM
+    /// *dcgm.Health \`json:"dcgm"\``, no `omitempty`).
     #[test]
-    fn instance_health_is_empty_when_unknown() {
+    fn instance_health_is_null_when_unknown() {
         assert_eq!(
             serde_json::to_string(&InstanceHealth::default()).unwrap(),
-            "{}"
+            r#"{"dcgm":null}"#
         );
     }
 

@@ -11,15 +11,15 @@
 //!   of upstream's embedded host engine.
 //! - [`Dcgm`] starts both the way upstream's `main.go` does: only on NVIDIA hosts, each only
 //!   when its programs are found. Absent parts stay `None`: metrics then answer 404 and health
-//!   `{}`.
+//!   `{"dcgm":null}`.
 //!
 //! What the API answers, by case (upstream `runner/internal/shim/api/handlers.go`):
 //!
 //! | case | `/metrics/tasks/{id}` | `/api/instance/health` |
 //! |---|---|---|
-//! | not NVIDIA, or program missing | 404 | `{}` |
+//! | not NVIDIA, or program missing | 404 | `{"dcgm":null}` |
 //! | no such task | 404 (checked after the exporter) | — |
-//! | exporter/dcgmi failed | 502 ([`DcgmErrorKind::Upstream`]) | `{}`, error logged |
+//! | exporter/dcgmi failed | 502 ([`DcgmErrorKind::Upstream`]) | `{"dcgm":null}`, error logged |
 //! | fine | 200, filtered Prometheus text (empty without GPUs) | `{"dcgm":{...}}` |
 //!
 //! Settings: [`DcgmConfig`] (the binary maps upstream's `--dcgm-exporter-http-port`,
@@ -53,7 +53,7 @@ pub use prom::{ParseError, Sample, UUID_LABELS, filter_metrics, parse_sample};
 pub struct Dcgm {
     /// The exporter behind `/metrics/tasks/{id}`; `None`: 404.
     pub exporter: Option<DcgmExporter>,
-    /// The health behind `/api/instance/health`; `None`: `{}`.
+    /// The health behind `/api/instance/health`; `None`: `{"dcgm":null}`.
     pub health: Option<DcgmHealth>,
 }
 

@@ -146,7 +146,7 @@ async fn a_failing_dcgmi_leaves_health_unknown() {
     assert!(text.contains("health --host 10.0.0.9 -s a"), "{text}");
     assert_eq!(
         serde_json::to_string(&h.instance_health().await).unwrap(),
-        "{}"
+        r#"{"dcgm":null}"#
     );
 
     // Garbage on stdout with exit 0 is an error too.

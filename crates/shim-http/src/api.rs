@@ -236,7 +236,8 @@ pub trait ShimApi: Send + Sync + 'static {
     /// Validated config in, `pending` TaskInfo out once the task is persisted.
     /// Errors: `Conflict` when the id is already known, `Internal` otherwise.
     async fn submit(&self, config: TaskConfig) -> Result<TaskInfo, ApiError>;
-    /// One task. `NotFound` when unknown.
+    /// One task. `NotFound` when unknown (answered with upstream's message, whatever this
+    /// error's).
     async fn task_info(&self, id: &TaskId) -> Result<TaskInfo, ApiError>;
     /// Every known task, terminated included.
     async fn list_tasks(&self) -> Vec<(TaskId, TaskStatus)>;
@@ -253,11 +254,19 @@ pub trait ShimApi: Send + Sync + 'static {
     async fn remove(&self, id: &TaskId) -> Result<(), ApiError>;
     /// GPU vendor and driver version, where known.
     async fn instance_info(&self) -> InstanceInfo;
-    /// `{}` or `{"dcgm": {...}}`.
+    /// `{"dcgm": {...}}`, or `{"dcgm": null}` where GPU health is unknown (upstream's
+    /// `InstanceHealthResponse`).
     async fn instance_health(&self) -> serde_json::Value;
-    /// Prometheus text of the task's GPU metrics. `NotFound` when there is no exporter or no
-    /// such task, `BadGateway` when the exporter failed.
+    /// Prometheus text of the task's GPU metrics. `NotFound` when there is no exporter
+    /// (upstream's message: `DCGM Exporter is not available`) or no such task (`Task not
+    /// found`), `BadGateway` when the exporter failed.
     async fn task_metrics(&self, id: &TaskId) -> Result<String, ApiError>;
+    /// Whether there is an exporter for [`ShimApi::task_metrics`], to answer a request for a
+    /// task id that cannot exist as upstream does (its first check is the exporter's). The
+    /// default: there is.
+    fn has_task_metrics(&self) -> bool {
+        true
+    }
 
     /// Subscribes to task changes (`GET /api/events`): every change from now on, in order.
     /// The handler subscribes *before* it takes the snapshot ([`ShimApi::list_tasks`]), so

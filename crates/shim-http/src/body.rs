@@ -11,7 +11,7 @@ use bytes::Bytes;
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::{Body, Frame, SizeHint};
-use serde::de::DeserializeOwned;
+use serde::de::{DeserializeOwned, IgnoredAny};
 use tokio::sync::mpsc;
 
 use crate::api::{ApiError, ErrorKind};
@@ -19,29 +19,37 @@ use crate::api::{ApiError, ErrorKind};
 /// The largest JSON request body accepted (1 MiB); larger ones are answered 413.
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;
 
-/// Reads a request body as one JSON object of type `T`.
+/// Reads a request body as one JSON object of type `T`, with the rules and the messages of
+/// upstream's decoder (`runner/internal/common/api/api.go`, `DecodeJSONBody`):
 ///
-/// - a `Content-Type` other than `application/json` (parameters allowed) is 415; a missing one
-///   is accepted, as dstack's Go shim does;
+/// - a `Content-Type` whose media type (gddo's `ParseValueAndParams`: the leading token,
+///   lowercased) is not `application/json` is 415; a missing or empty one is accepted;
 /// - a body larger than [`MAX_BODY_BYTES`] is 413, whether announced by `Content-Length` or
 ///   only discovered while streaming;
-/// - an empty body, anything but a single JSON object, malformed JSON, trailing data, or a
-///   value serde rejects is 400 with serde's message.
+/// - see [`parse_json`] for the rest (400s).
 pub async fn read_json<T, B>(req: http::Request<B>) -> Result<T, ApiError>
 where
     T: DeserializeOwned,
     B: Body<Data = Bytes>,
     B::Error: std::error::Error + Send + Sync + 'static,
 {
-    if let Some(ct) = req.headers().get(CONTENT_TYPE) {
-        let ct = ct.to_str().unwrap_or("<non-ascii>");
-        let media = ct.split(';').next().unwrap_or("").trim();
-        if !media.eq_ignore_ascii_case("application/json") {
-            return Err(ApiError::new(
-                ErrorKind::UnsupportedMediaType,
-                format!("Content-Type must be application/json, got {ct:?}"),
-            ));
-        }
+    parse_json(&read_body(req).await?)
+}
+
+/// Reads a JSON request body whole: [`read_json`]'s rules but the parsing (415, 413).
+pub async fn read_body<B>(req: http::Request<B>) -> Result<Bytes, ApiError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: std::error::Error + Send + Sync + 'static,
+{
+    if let Some(ct) = req.headers().get(CONTENT_TYPE)
+        && !ct.is_empty()
+        && !is_json_media_type(ct.as_bytes())
+    {
+        return Err(ApiError::new(
+            ErrorKind::UnsupportedMediaType,
+            "Content-Type header is not application/json",
+        ));
     }
     let declared = req
         .headers()
@@ -61,26 +69,155 @@ where
                 ApiError::bad_request(format!("failed to read the request body: {e}"))
             }
         })?;
-    parse_json(&collected.to_bytes())
+    Ok(collected.to_bytes())
+}
+
+/// Whether a `Content-Type` value names `application/json`, read as gddo's
+/// `header.ParseValueAndParams` reads it (upstream's decoder): the leading run of token
+/// characters and `/`, lowercased; whatever follows (parameters, a list) is not looked at.
+fn is_json_media_type(value: &[u8]) -> bool {
+    // RFC 2616 separators; a token is any other visible ASCII character.
+    const SEPARATORS: &[u8] = b" \t\"(),/:;<=>?@[]\\{}";
+    let media = value
+        .iter()
+        .take_while(|&&b| b == b'/' || (b > 31 && b < 127 && !SEPARATORS.contains(&b)))
+        .count();
+    value[..media].eq_ignore_ascii_case(b"application/json")
 }
 
 fn too_large() -> ApiError {
     ApiError::new(
         ErrorKind::PayloadTooLarge,
-        format!("request body must not be larger than {MAX_BODY_BYTES} bytes"),
+        "Request body must not be larger than 1MB",
     )
 }
 
-/// Parses `bytes` as exactly one JSON object of type `T` (see [`read_json`] for the rules).
+/// Parses `bytes` as one JSON value of type `T` as upstream's decoder does (Go's
+/// `json.Decoder`, messages of `DecodeJSONBody`):
+///
+/// - nothing but whitespace: `Request body must not be empty`;
+/// - a syntax error in the first value: `Request body contains badly-formed JSON (at position
+///   N)`, N the bytes read up to the offending one included, or without the position when the
+///   body ends inside the value;
+/// - `null` is an empty request (every field at its default);
+/// - a value `T` does not take: `Request body contains an invalid value for the "F" field (at
+///   position N)`, `F` the field's path (`volumes.0.init_fs`, `""` for the body itself), N the
+///   byte offset after the value from the body's first non-blank byte; where this shim refuses a value Go would take (a task id
+///   that cannot name a directory), its reason follows after `: `;
+/// - more than one value: `Request body must only contain a single JSON object`.
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
-        None => Err(ApiError::bad_request("request body must not be empty")),
-        Some(b'{') => serde_json::from_slice(bytes)
-            .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}"))),
-        Some(_) => Err(ApiError::bad_request(
-            "request body must be a single JSON object",
-        )),
+    let Some(start) = bytes.iter().position(|b| !b.is_ascii_whitespace()) else {
+        return Err(ApiError::bad_request("Request body must not be empty"));
+    };
+    // Go reads (and so checks the syntax of) the whole first value before it looks at types.
+    let mut values = serde_json::Deserializer::from_slice(bytes).into_iter::<IgnoredAny>();
+    if let Some(Err(e)) = values.next() {
+        return Err(syntax_error(bytes, &e));
     }
+    let end = values.byte_offset();
+    let first = &bytes[..end];
+    let parsed = match bytes[start] {
+        b'n' => from_json::<T>(b"{}"),
+        b'{' => from_json::<T>(first),
+        // Go names the body itself `""`; an array is refused on its first byte.
+        b'[' => return Err(invalid_value("", 1, None)),
+        _ => return Err(invalid_value("", end - start, None)),
+    };
+    let value = parsed.map_err(|e| match e {
+        Refused::Syntax(e) => syntax_error(first, &e),
+        Refused::Data { path, error } => {
+            let reason = error.to_string();
+            let reason = reason
+                .rsplit_once(" at line ")
+                .map_or(reason.as_str(), |(r, _)| r);
+            let go_would_refuse = ["invalid type: ", "invalid value: ", "invalid length "]
+                .iter()
+                .any(|p| reason.starts_with(p));
+            // Go counts from the value's first byte here (from the body's for syntax).
+            let offset = offset_of(first, error.line(), error.column()).saturating_sub(start);
+            invalid_value(&path, offset, (!go_would_refuse).then_some(reason))
+        }
+    })?;
+    if bytes[end..].iter().any(|b| !b.is_ascii_whitespace()) {
+        return Err(ApiError::bad_request(
+            "Request body must only contain a single JSON object",
+        ));
+    }
+    Ok(value)
+}
+
+enum Refused {
+    Syntax(serde_json::Error),
+    Data {
+        path: String,
+        error: serde_json::Error,
+    },
+}
+
+fn from_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, Refused> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = go_path(e.path());
+        let error = e.into_inner();
+        if error.is_data() {
+            Refused::Data { path, error }
+        } else {
+            Refused::Syntax(error)
+        }
+    })
+}
+
+/// A field's path as Go's `UnmarshalTypeError.Field` spells it: names and indexes joined
+/// with `.`.
+fn go_path(path: &serde_path_to_error::Path) -> String {
+    use serde_path_to_error::Segment;
+    let segments: Vec<String> = path
+        .iter()
+        .map(|s| match s {
+            Segment::Seq { index } => index.to_string(),
+            Segment::Map { key } => key.clone(),
+            Segment::Enum { variant } => variant.clone(),
+            Segment::Unknown => "?".to_owned(),
+        })
+        .collect();
+    segments.join(".")
+}
+
+fn syntax_error(bytes: &[u8], e: &serde_json::Error) -> ApiError {
+    if e.is_eof() {
+        ApiError::bad_request("Request body contains badly-formed JSON")
+    } else {
+        let mut offset = offset_of(bytes, e.line(), e.column());
+        // serde stops before a control character in a string, Go counts it.
+        if e.to_string().starts_with("control character") {
+            offset += 1;
+        }
+        ApiError::bad_request(format!(
+            "Request body contains badly-formed JSON (at position {offset})"
+        ))
+    }
+}
+
+fn invalid_value(field: &str, offset: usize, reason: Option<&str>) -> ApiError {
+    let mut message = format!(
+        "Request body contains an invalid value for the {field:?} field (at position {offset})"
+    );
+    if let Some(reason) = reason {
+        message.push_str(": ");
+        message.push_str(reason);
+    }
+    ApiError::bad_request(message)
+}
+
+/// The byte offset of serde's 1-based `line` and byte `column` (the last byte read) in
+/// `bytes`: the count of bytes read, as Go reports it.
+fn offset_of(bytes: &[u8], line: usize, column: usize) -> usize {
+    let line_start: usize = bytes
+        .split_inclusive(|b| *b == b'\n')
+        .take(line.saturating_sub(1))
+        .map(<[u8]>::len)
+        .sum();
+    line_start + column
 }
 
 type OnDone = Box<dyn FnOnce() + Send + Sync>;
@@ -280,31 +417,108 @@ mod tests {
     use super::*;
     use serde::Deserialize;
 
-    #[derive(Debug, Deserialize)]
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(default)]
     struct T {
         #[allow(dead_code)]
-        a: u32,
+        timeout: u64,
+        #[allow(dead_code)]
+        v: Vec<V>,
+    }
+
+    #[derive(Debug, Default, Deserialize)]
+    struct V {
+        #[allow(dead_code)]
+        #[serde(deserialize_with = "odd")]
+        n: u32,
+    }
+
+    fn odd<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
+        let n = u32::deserialize(d)?;
+        if n % 2 == 1 {
+            Ok(n)
+        } else {
+            Err(serde::de::Error::custom(format!("{n} is even")))
+        }
+    }
+
+    /// The messages and positions of upstream's decoder, as Go 1.27 answered these bodies
+    /// (upstream `runner/internal/common/api/api.go`, `DecodeJSONBody`, served over HTTP).
+    #[test]
+    fn parse_rules_are_upstreams() {
+        assert!(parse_json::<T>(br#" {"timeout":1} "#).is_ok());
+        assert!(parse_json::<T>(b"null").is_ok(), "null is an empty request");
+        let e = |b: &[u8]| parse_json::<T>(b).unwrap_err().message;
+        let bad = |n: u32| format!("Request body contains badly-formed JSON (at position {n})");
+        let invalid = |f: &str, n: u32| {
+            format!("Request body contains an invalid value for the {f:?} field (at position {n})")
+        };
+        assert_eq!(e(b""), "Request body must not be empty");
+        assert_eq!(e(b"  \n"), "Request body must not be empty");
+        assert_eq!(
+            e(br#"{"timeout": "#),
+            "Request body contains badly-formed JSON"
+        );
+        assert_eq!(e(br#"{"a":1,"#), "Request body contains badly-formed JSON");
+        assert_eq!(e(b"garbage"), bad(1));
+        assert_eq!(e(b"  garbage"), bad(3));
+        assert_eq!(e(br#"{"timeout":x}"#), bad(12));
+        assert_eq!(e(b"\n\n{\"timeout\":x}"), bad(14));
+        assert_eq!(e(br#"{"timeout":tru}"#), bad(15));
+        assert_eq!(e(br#"{"timeout"  x}"#), bad(13));
+        assert_eq!(e(b"{\"t\":\"a\x01\"}"), bad(8));
+        assert_eq!(e(br#"{"t":"\q"}"#), bad(8));
+        assert_eq!(e(b"\xff"), bad(1));
+        assert_eq!(e(b"[1]"), invalid("", 1));
+        assert_eq!(e(b"  [1]"), invalid("", 1));
+        assert_eq!(e(b"[]"), invalid("", 1));
+        assert_eq!(e(br#""x""#), invalid("", 3));
+        assert_eq!(e(b"5"), invalid("", 1));
+        assert_eq!(e(b"true"), invalid("", 4));
+        assert_eq!(e(br#"{"timeout": -1}"#), invalid("timeout", 14));
+        assert_eq!(e(b"{\n \"timeout\":\n -1\n}"), invalid("timeout", 17));
+        assert_eq!(e(b"\n\n{\"timeout\":\"x\"}"), invalid("timeout", 14));
+        assert_eq!(e(br#"{"timeout":1.5}"#), invalid("timeout", 14));
+        assert_eq!(e(br#"{"timeout":1e3}"#), invalid("timeout", 14));
+        assert_eq!(
+            e(br#"{"timeout":18446744073709551616}"#),
+            invalid("timeout", 31)
+        );
+        let single = "Request body must only contain a single JSON object";
+        assert_eq!(e(br#"{"timeout":1} x"#), single);
+        assert_eq!(e(br#"{"timeout":1}{"#), single);
+        assert_eq!(e(br#"{"timeout":1}}"#), single);
+        assert_eq!(e(b"{} {}"), single);
+        // A type error is reported before trailing data, as Go decodes the first value first.
+        assert_eq!(e(br#"{"timeout":"x"} x"#), invalid("timeout", 14));
+        // Paths name indexes as Go does; a value this shim refuses where Go would take it
+        // carries the reason.
+        assert_eq!(e(br#"{"v":[{"n":1},{"n":"x"}]}"#), invalid("v.1.n", 22));
+        // (serde's position: one byte further than Go's would be.)
+        assert_eq!(
+            e(br#"{"v":[{"n":1},{"n":2}]}"#),
+            format!("{}: 2 is even", invalid("v.1.n", 21))
+        );
     }
 
     #[test]
-    fn parse_rules() {
-        assert!(parse_json::<T>(br#" {"a":1} "#).is_ok());
-        let e = |b: &[u8]| parse_json::<T>(b).unwrap_err().message;
-        assert_eq!(e(b""), "request body must not be empty");
-        assert_eq!(e(b"  \n"), "request body must not be empty");
-        assert_eq!(e(b"[1]"), "request body must be a single JSON object");
-        assert_eq!(e(b"null"), "request body must be a single JSON object");
-        assert_eq!(
-            e(br#"{"a":1} {"a":2}"#),
-            "invalid request body: trailing characters at line 1 column 9"
-        );
-        assert_eq!(
-            e(br#"{"a":"x"}"#),
-            "invalid request body: invalid type: string \"x\", expected u32 at line 1 column 8"
-        );
-        assert_eq!(
-            e(br#"{"#),
-            "invalid request body: EOF while parsing an object at line 1 column 1"
-        );
+    fn media_types_as_gddo_reads_them() {
+        for ok in [
+            "application/json",
+            "Application/JSON",
+            "application/json; charset=utf-8",
+            "application/json, text/plain",
+            "application/json;",
+        ] {
+            assert!(is_json_media_type(ok.as_bytes()), "{ok}");
+        }
+        for bad in [
+            "text/plain",
+            "application/jsonx",
+            " application/json",
+            "json",
+        ] {
+            assert!(!is_json_media_type(bad.as_bytes()), "{bad}");
+        }
     }
 }

@@ -1,21 +1,27 @@
-//! Request handling: route, parse, call the engine, answer.
+//! Request handling: route, parse, call the engine, answer — with upstream's answers
+//! (`runner/internal/shim/api/handlers.go`, `runner/internal/common/api/api.go`): JSON as
+//! Go's encoder writes it (`gojson`), errors and empty answers as Go's `http.Error` writes
+//! them (`text/plain; charset=utf-8`, `X-Content-Type-Options: nosniff`, the message and a
+//! newline), upstream's messages for unknown tasks, routes and methods.
 
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::header::{ALLOW, CACHE_CONTROL, CONTENT_TYPE};
+use http::header::{ALLOW, CACHE_CONTROL, CONTENT_TYPE, X_CONTENT_TYPE_OPTIONS};
 use http::{Request, Response, StatusCode};
 use hyper::body::Body;
 use serde::Serialize;
-use shim_task::{TaskConfig, TaskId, TerminationReason};
+use shim_task::{PortMapping, PullProgress, TaskConfig, TaskId, TaskInfo, TerminationReason};
 use tokio_util::sync::CancellationToken;
 
+use crate::api::ErrorKind;
 use crate::api::{
     ApiError, ComponentInfo, ComponentName, ComponentsApi, InstallRequest, ShimApi,
     ShutdownRequest, TerminateRequest,
 };
-use crate::body::{ResponseBody, read_json};
+use crate::body::{ResponseBody, parse_json, read_body, read_json};
 use crate::events::{self, ConnectionClose, EventsHub};
+use crate::gojson;
 use crate::routes::{self, MethodNotAllowed, RouteId};
 
 /// The content type of `GET /metrics`: the OpenMetrics text format, which Prometheus
@@ -84,20 +90,33 @@ where
     }
 }
 
-/// The response for an error: its status, its message as `text/plain`, and `Allow` for 405.
+/// The response for an error, as Go's `http.Error` writes it (upstream's handlers answer
+/// every error so): its status, `text/plain; charset=utf-8`, `X-Content-Type-Options:
+/// nosniff`, the message and a newline; `Allow` for 405.
 pub(crate) fn error_response(err: &ApiError) -> Response<ResponseBody> {
-    let mut builder = Response::builder()
-        .status(err.status())
-        .header(CONTENT_TYPE, "text/plain; charset=utf-8");
+    let mut resp = go_error(err.status(), &err.message);
     if let Some(allowed) = err
         .source
         .as_deref()
         .and_then(|s| s.downcast_ref::<MethodNotAllowed>())
+        && let Ok(value) = http::HeaderValue::from_str(&allowed.allowed.join(", "))
     {
-        builder = builder.header(ALLOW, allowed.allowed.join(", "));
+        resp.headers_mut().insert(ALLOW, value);
     }
-    builder
-        .body(ResponseBody::new(err.message.clone()))
+    resp
+}
+
+/// Go's `http.Error(w, message, status)`: also what upstream answers with for a handler that
+/// returns no body (`JSONResponseHandler` with a nil body: 200 and a lone newline).
+fn go_error(status: StatusCode, message: &str) -> Response<ResponseBody> {
+    let mut body = String::with_capacity(message.len() + 1);
+    body.push_str(message);
+    body.push('\n');
+    Response::builder()
+        .status(status)
+        .header(CONTENT_TYPE, "text/plain; charset=utf-8")
+        .header(X_CONTENT_TYPE_OPTIONS, "nosniff")
+        .body(ResponseBody::new(body))
         .unwrap_or_else(|_| fallback())
 }
 
@@ -108,7 +127,7 @@ fn fallback() -> Response<ResponseBody> {
 }
 
 fn json<T: Serialize>(value: &T) -> Result<Response<ResponseBody>, ApiError> {
-    let body = serde_json::to_vec(value)
+    let body = gojson::to_vec(value)
         .map_err(|e| ApiError::internal(format!("failed to encode the response: {e}")))?;
     Response::builder()
         .status(StatusCode::OK)
@@ -136,12 +155,118 @@ async fn task_list(api: &dyn ShimApi) -> TaskList {
     TaskList { tasks }
 }
 
-fn empty_ok() -> Result<Response<ResponseBody>, ApiError> {
-    json(&serde_json::json!({}))
+/// Go's `http.ServeMux` answer to a path that is not canonical (`//api/tasks`,
+/// `/api/./tasks`): `307 Temporary Redirect` to the clean path, with Go's `http.Redirect`
+/// body for `GET` (an HTML link, and a newline after it) and type for `GET` and `HEAD`.
+fn redirect(method: &http::Method, clean: &str, query: Option<&str>) -> Response<ResponseBody> {
+    let mut location = clean.to_owned();
+    if let Some(q) = query.filter(|q| !q.is_empty()) {
+        location.push('?');
+        location.push_str(q);
+    }
+    let mut builder = Response::builder()
+        .status(StatusCode::TEMPORARY_REDIRECT)
+        .header(http::header::LOCATION, &location);
+    let mut body = String::new();
+    if method == http::Method::GET || method == http::Method::HEAD {
+        builder = builder.header(CONTENT_TYPE, "text/html; charset=utf-8");
+    }
+    if method == http::Method::GET {
+        let href = location
+            .replace('&', "&amp;")
+            .replace('<', "&lt;")
+            .replace('>', "&gt;")
+            .replace('"', "&#34;")
+            .replace('\'', "&#39;");
+        body = format!("<a href=\"{href}\">Temporary Redirect</a>.\n\n");
+    }
+    builder
+        .body(ResponseBody::new(body))
+        .unwrap_or_else(|_| fallback())
 }
 
-fn task_id(raw: Option<&str>) -> Result<TaskId, ApiError> {
-    TaskId::new(raw.unwrap_or_default()).map_err(|e| ApiError::bad_request(e.to_string()))
+/// Upstream's answer of a handler that returns no body (shutdown, remove, install).
+fn empty_ok() -> Result<Response<ResponseBody>, ApiError> {
+    Ok(go_error(StatusCode::OK, ""))
+}
+
+/// A task id from the path. One that is not a valid id names no task: upstream (which does
+/// not validate ids) answers such a request as for an unknown task, so this answers
+/// `not_found`'s error.
+fn task_id(raw: Option<&str>, not_found: impl FnOnce() -> ApiError) -> Result<TaskId, ApiError> {
+    TaskId::new(raw.unwrap_or_default()).map_err(|e| not_found().with_source(e))
+}
+
+/// Upstream's message for an unknown task, replacing the engine's (kept as the source).
+fn upstream_not_found(e: ApiError, message: impl Into<String>) -> ApiError {
+    if e.kind == ErrorKind::NotFound {
+        let message = message.into();
+        ApiError::not_found(message).with_source(e)
+    } else {
+        e
+    }
+}
+
+/// `task <id>: not found`, upstream's text when terminate or remove find no task (its
+/// `TaskRunner` error `task %s: not found`).
+fn task_not_found(raw: Option<&str>) -> ApiError {
+    ApiError::not_found(format!("task {}: not found", raw.unwrap_or_default()))
+}
+
+/// The submit answer: upstream's handler returns its runner's `shim.TaskInfo`, which has no
+/// JSON tags, so Go writes its field names (`{"ID":..,"Status":..,"GpuIDs":..}`), unlike
+/// every other TaskInfo answer. The dstack server does not read it.
+#[derive(Serialize)]
+#[serde(rename_all = "PascalCase")]
+struct SubmitAnswer<'a> {
+    #[serde(rename = "ID")]
+    id: &'a TaskId,
+    status: shim_task::TaskStatus,
+    termination_reason: &'a str,
+    termination_message: &'a str,
+    ports: Option<&'a [PortMapping]>,
+    image_pull_progress: Option<&'a PullProgress>,
+    container_name: &'a str,
+    #[serde(rename = "ContainerID")]
+    container_id: &'a str,
+    #[serde(rename = "GpuIDs")]
+    gpu_ids: Option<&'a [String]>,
+}
+
+impl<'a> From<&'a TaskInfo> for SubmitAnswer<'a> {
+    fn from(i: &'a TaskInfo) -> Self {
+        Self {
+            id: &i.id,
+            status: i.status,
+            termination_reason: &i.termination_reason,
+            termination_message: &i.termination_message,
+            ports: i.ports.as_deref(),
+            image_pull_progress: i.image_pull_progress.as_ref(),
+            container_name: &i.container_name,
+            container_id: &i.container_id,
+            gpu_ids: i.gpu_ids.as_deref(),
+        }
+    }
+}
+
+/// Upstream's refusals of a submit body without `id`, `name` or `image_name` (`empty id`,
+/// `empty name`, `empty image_name`, checked in that order once the body decoded), for a body
+/// this shim could not read as a task config: a missing or empty id or name is what it could
+/// not read then.
+fn missing_required(bytes: &[u8]) -> Option<ApiError> {
+    let value: serde_json::Value = serde_json::from_slice(bytes).ok()?;
+    let empty = |field: &str| match &value {
+        serde_json::Value::Null => true,
+        serde_json::Value::Object(o) => {
+            matches!(o.get(field), None | Some(serde_json::Value::Null))
+                || o.get(field).and_then(serde_json::Value::as_str) == Some("")
+        }
+        _ => false,
+    };
+    ["id", "name", "image_name"]
+        .into_iter()
+        .find(|f| empty(f))
+        .map(|f| ApiError::bad_request(format!("empty {f}")))
 }
 
 async fn dispatch<B>(state: &State, req: Request<B>) -> Result<Response<ResponseBody>, ApiError>
@@ -150,6 +275,12 @@ where
     B::Error: std::error::Error + Send + Sync + 'static,
 {
     let path = req.uri().path().to_owned();
+    if req.method() != http::Method::CONNECT {
+        let clean = routes::clean_path(&path);
+        if clean != path {
+            return Ok(redirect(req.method(), &clean, req.uri().query()));
+        }
+    }
     let resolved = routes::resolve(req.method().as_str(), &path)?;
     match resolved.route {
         RouteId::Healthcheck => json(&Healthcheck {
@@ -162,17 +293,14 @@ where
             let force = state.force.clone();
             tracing::info!(force = request.force, "shutdown requested over the API");
             // Start the shutdown only once this 200 has been handed to the connection.
-            let body = ResponseBody::new(&b"{}"[..]).on_done(move || {
+            let (parts, body) = go_error(StatusCode::OK, "").into_parts();
+            let body = body.on_done(move || {
                 if request.force {
                     force.cancel();
                 }
                 shutdown.cancel();
             });
-            Response::builder()
-                .status(StatusCode::OK)
-                .header(CONTENT_TYPE, "application/json")
-                .body(body)
-                .map_err(|e| ApiError::internal(format!("failed to build the response: {e}")))
+            Ok(Response::from_parts(parts, body))
         }
         RouteId::InstanceHealth => json(&state.api.instance_health().await),
         RouteId::InstanceInfo => json(&state.api.instance_info().await),
@@ -184,52 +312,87 @@ where
             if body.name.is_empty() {
                 return Err(ApiError::bad_request("empty name"));
             }
-            let name = ComponentName::parse(&body.name).ok_or_else(|| {
-                ApiError::bad_request(format!("unknown component: {}", body.name))
-            })?;
+            let name = ComponentName::parse(&body.name)
+                .ok_or_else(|| ApiError::bad_request("unknown component"))?;
             if body.url.is_empty() {
                 return Err(ApiError::bad_request("empty url"));
             }
-            state.components.install(name, body.url).await?;
+            // Upstream's handler answers its own message while a component installs.
+            state
+                .components
+                .install(name, body.url)
+                .await
+                .map_err(|e| match e.kind {
+                    ErrorKind::Conflict => ApiError::conflict("already installing").with_source(e),
+                    _ => e,
+                })?;
             empty_ok()
         }
         RouteId::TaskList => json(&task_list(state.api.as_ref()).await),
         RouteId::TaskSubmit => {
-            let config: TaskConfig = read_json(req).await?;
+            let bytes = read_body(req).await?;
+            let config: TaskConfig =
+                parse_json(&bytes).map_err(|e| missing_required(&bytes).unwrap_or(e))?;
+            if config.image_name.is_empty() {
+                return Err(ApiError::bad_request("empty image_name"));
+            }
             config
                 .validate()
                 .map_err(|e| ApiError::bad_request(e.to_string()))?;
-            json(&state.api.submit(config).await?)
+            let info = state.api.submit(config).await?;
+            json(&SubmitAnswer::from(&info))
         }
         RouteId::TaskInfo => {
-            let id = task_id(resolved.id)?;
-            json(&state.api.task_info(&id).await?)
+            let not_found = || ApiError::not_found("Not Found");
+            let id = task_id(resolved.id.as_deref(), not_found)?;
+            let info = state
+                .api
+                .task_info(&id)
+                .await
+                .map_err(|e| upstream_not_found(e, "Not Found"))?;
+            json(&info)
         }
         RouteId::TaskTerminate => {
-            let id = task_id(resolved.id)?;
+            // Upstream decodes the body before it looks for the task.
             let body: TerminateRequest = read_json(req).await?;
+            let id = task_id(resolved.id.as_deref(), || {
+                task_not_found(resolved.id.as_deref())
+            })?;
             let reason = TerminationReason::parse(&body.termination_reason);
-            json(
-                &state
-                    .api
-                    .terminate(&id, reason, body.termination_message, body.timeout)
-                    .await?,
-            )
+            let info = state
+                .api
+                .terminate(&id, reason, body.termination_message, body.timeout)
+                .await
+                .map_err(|e| upstream_not_found(e, format!("task {id}: not found")))?;
+            json(&info)
         }
         RouteId::TaskRemove => {
-            let id = task_id(resolved.id)?;
-            state.api.remove(&id).await?;
+            let id = task_id(resolved.id.as_deref(), || {
+                task_not_found(resolved.id.as_deref())
+            })?;
+            state
+                .api
+                .remove(&id)
+                .await
+                .map_err(|e| upstream_not_found(e, format!("task {id}: not found")))?;
             empty_ok()
         }
         RouteId::TaskMetrics => {
-            let id = task_id(resolved.id)?;
+            let id = task_id(resolved.id.as_deref(), || {
+                if state.api.has_task_metrics() {
+                    ApiError::not_found("Task not found")
+                } else {
+                    ApiError::not_found("DCGM Exporter is not available")
+                }
+            })?;
             let text = state.api.task_metrics(&id).await?;
-            build(
-                Response::builder()
-                    .status(StatusCode::OK)
-                    .header(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8"),
-                ResponseBody::new(text),
-            )
+            // Upstream writes the text without a Content-Type, so Go sniffs one: plain text,
+            // and none for an empty body.
+            let mut builder = Response::builder().status(StatusCode::OK);
+            if !text.is_empty() {
+                builder = builder.header(CONTENT_TYPE, "text/plain; charset=utf-8");
+            }
+            build(builder, ResponseBody::new(text))
         }
         RouteId::Metrics => {
             let text = state.api.metrics().await?;

@@ -30,6 +30,7 @@
 pub mod api;
 pub mod body;
 mod events;
+mod gojson;
 mod handlers;
 pub mod routes;
 mod server;

@@ -587,6 +587,8 @@ async fn connection<I>(
         activity: activity.clone(),
     };
     let conn = http1::Builder::new()
+        // Header names as Go writes them (`Content-Type`), not lowercase.
+        .title_case_headers(true)
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
         .max_header_size(limits.max_header_bytes)

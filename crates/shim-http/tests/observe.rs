@@ -606,7 +606,7 @@ async fn events_client_cap() {
     assert_eq!(refused.status, 503);
     assert_eq!(
         refused.body,
-        "too many event streams (at most 2); try again later"
+        "too many event streams (at most 2); try again later\n"
     );
     // Other routes are unaffected.
     assert_eq!(get(s.addr, "/api/healthcheck").await.status, 200);
@@ -631,7 +631,7 @@ async fn events_without_a_feed_is_404() {
     .await;
     let r = get(s.addr, "/api/events").await;
     assert_eq!(r.status, 404);
-    assert_eq!(r.body, "task change events are not available");
+    assert_eq!(r.body, "task change events are not available\n");
     stop(s).await;
 }
 
@@ -662,7 +662,7 @@ async fn metrics_route_and_content_type() {
     let r = get(s.addr, "/metrics").await;
     assert_eq!(
         (r.status, r.body.as_str()),
-        (404, "metrics are not available")
+        (404, "metrics are not available\n")
     );
     stop(s).await;
 }
@@ -675,7 +675,7 @@ async fn readiness_200_and_503() {
     let r = get(s.addr, "/api/ready").await;
     assert_eq!(r.status, 200);
     assert_eq!(r.header("content-type"), Some("application/json"));
-    assert_eq!(r.body, r#"{"ready":true,"reasons":[]}"#);
+    assert_eq!(r.body, "{\"ready\":true,\"reasons\":[]}\n");
 
     *s.fake.readiness.lock().unwrap() = Readiness {
         ready: false,

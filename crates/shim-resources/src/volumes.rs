@@ -7,7 +7,9 @@
 //! - "blank" (`blkid -p` exit code 2) must be confirmed by [`VolumeConfig::blank_confirmations`]
 //!   further probes before `mkfs.ext4` runs, and only when `init_fs` is set; a blank device
 //!   without `init_fs` is an error;
-//! - a signature that is not a file system (partition table, RAID member, LUKS) is an error;
+//! - a signature that is not a file system (partition table, RAID member, LUKS) is an error
+//!   (a partitioned disk is used by its first partition where the cloud names one: AWS by
+//!   `lsblk`, GCP by its `google-<name>-part1` link);
 //! - only the root of a file system we created is made world-writable (0777);
 //! - release unmounts only a path under the volumes root that `/proc/self/mountinfo` lists as a
 //!   mount point; anything else is a no-op, so release is idempotent.
@@ -240,12 +242,14 @@ pub fn parse_blkid(code: Option<i32>, stdout: &str) -> Option<Probe> {
             let mut ty = None;
             let mut usage = None;
             let mut pttype = None;
+            let mut part_scheme = None;
             for line in stdout.lines() {
                 if let Some((k, v)) = line.split_once('=') {
                     match k.trim() {
                         "TYPE" => ty = Some(v.trim().to_owned()),
                         "USAGE" => usage = Some(v.trim().to_owned()),
                         "PTTYPE" => pttype = Some(v.trim().to_owned()),
+                        "PART_ENTRY_SCHEME" => part_scheme = Some(v.trim().to_owned()),
                         _ => {}
                     }
                 }
@@ -253,9 +257,13 @@ pub fn parse_blkid(code: Option<i32>, stdout: &str) -> Option<Probe> {
             Some(match (ty.filter(|t| !t.is_empty()), usage.as_deref()) {
                 (Some(t), None | Some("filesystem")) => Probe::Filesystem(t),
                 (Some(t), Some(u)) => Probe::Other(format!("{t} ({u})")),
-                (None, _) => Probe::Other(
-                    pttype.map_or_else(|| "unknown".to_owned(), |p| format!("partition table {p}")),
-                ),
+                // A partition is reported by its entry in the table even when it holds
+                // nothing: never "blank" (upstream refuses it too).
+                (None, _) => Probe::Other(match (pttype, part_scheme) {
+                    (Some(p), _) => format!("partition table {p}"),
+                    (None, Some(s)) => format!("a partition ({s}) without a file system"),
+                    (None, None) => "unknown".to_owned(),
+                }),
             })
         }
         _ => None,
@@ -422,7 +430,8 @@ impl BlockVolumes {
                         detail: format!("invalid GCP device name {n:?}"),
                     });
                 }
-                self.config.gcp_by_id_dir.join(format!("google-{n}"))
+                let (by_id, n) = (self.config.gcp_by_id_dir.clone(), n.clone());
+                blocking("find the GCP device", move || Ok(gcp_device(&by_id, &n))).await?
             }
             VolumeBackend::Aws => self.resolve_aws(spec).await?,
             VolumeBackend::Other(_) => {
@@ -521,6 +530,19 @@ impl BlockVolumes {
     async fn is_mounted(&self, path: &Path) -> Result<bool> {
         let (mounter, path) = (self.mounter.clone(), path.to_owned());
         blocking("read the mount table", move || mounter.is_mounted(&path)).await
+    }
+}
+
+/// A GCP disk's device, as upstream resolves it (`runner/internal/shim/backends/gcp.go`,
+/// `GetRealDeviceName`, after <https://cloud.google.com/compute/docs/disks/disk-symlinks>):
+/// its first partition `google-<name>-part1` where that link exists (a partitioned disk is
+/// mounted by its first partition), else the disk `google-<name>`.
+fn gcp_device(by_id: &Path, name: &str) -> PathBuf {
+    let part1 = by_id.join(format!("google-{name}-part1"));
+    if fs_err::symlink_metadata(&part1).is_ok() {
+        part1
+    } else {
+        by_id.join(format!("google-{name}"))
     }
 }
 

@@ -41,6 +41,18 @@ struct Loop {
     dev: PathBuf,
 }
 
+/// Writes an MBR with one Linux partition from sector 2048 to the end of a 32 MiB image.
+fn write_mbr(img: &Path) {
+    let mut mbr = vec![0u8; 512];
+    mbr[446 + 4] = 0x83;
+    mbr[446 + 8..446 + 12].copy_from_slice(&2048u32.to_le_bytes());
+    mbr[446 + 12..446 + 16].copy_from_slice(&(65536u32 - 2048).to_le_bytes());
+    mbr[510] = 0x55;
+    mbr[511] = 0xaa;
+    let mut f = fs_err::OpenOptions::new().write(true).open(img).unwrap();
+    std::io::Write::write_all(&mut f, &mbr).unwrap();
+}
+
 impl Loop {
     fn new(size_mib: u64, prepare_file: impl FnOnce(&Path)) -> Self {
         let tmp = tempfile::tempdir().unwrap();
@@ -53,6 +65,33 @@ impl Loop {
         fs_err::create_dir(tmp.path().join("by-id")).unwrap();
         std::os::unix::fs::symlink(&dev, tmp.path().join("by-id/google-test-disk")).unwrap();
         Self { tmp, dev }
+    }
+
+    /// A 32 MiB disk with an MBR and one partition (`write_mbr`), attached with its partitions
+    /// scanned, and linked as GCP's udev rules link one: `google-test-disk` to the disk and
+    /// `google-test-disk-part1` to its first partition, whose device this returns too.
+    fn partitioned() -> (Self, PathBuf) {
+        let tmp = tempfile::tempdir().unwrap();
+        let img = tmp.path().join("disk.img");
+        let f = fs_err::File::create(&img).unwrap();
+        f.set_len(32 * 1024 * 1024).unwrap();
+        drop(f);
+        write_mbr(&img);
+        let dev = PathBuf::from(run(
+            "losetup",
+            &["-P", "-f", "--show", img.to_str().unwrap()],
+        ));
+        let part = PathBuf::from(format!("{}p1", dev.display()));
+        // The kernel's scan at attach time does not always add the partition: ask again.
+        if !part.exists() {
+            run("partx", &["-a", dev.to_str().unwrap()]);
+        }
+        assert!(part.exists(), "{} has no partition device", dev.display());
+        let by_id = tmp.path().join("by-id");
+        fs_err::create_dir(&by_id).unwrap();
+        std::os::unix::fs::symlink(&dev, by_id.join("google-test-disk")).unwrap();
+        std::os::unix::fs::symlink(&part, by_id.join("google-test-disk-part1")).unwrap();
+        (Self { tmp, dev }, part)
     }
 
     fn blank(size_mib: u64) -> Self {
@@ -207,17 +246,9 @@ async fn partitioned_device_is_never_formatted() {
     if !root_tests("partitioned_device_is_never_formatted") {
         return;
     }
-    // An MBR with one Linux partition, written before attaching.
-    let lp = Loop::new(32, |img| {
-        let mut mbr = vec![0u8; 512];
-        mbr[446 + 4] = 0x83;
-        mbr[446 + 8..446 + 12].copy_from_slice(&2048u32.to_le_bytes());
-        mbr[446 + 12..446 + 16].copy_from_slice(&(65536u32 - 2048).to_le_bytes());
-        mbr[510] = 0x55;
-        mbr[511] = 0xaa;
-        let mut f = fs_err::OpenOptions::new().write(true).open(img).unwrap();
-        std::io::Write::write_all(&mut f, &mbr).unwrap();
-    });
+    // An MBR with one Linux partition, written before attaching; only the disk is linked
+    // (no `-part1` link), so the disk itself is what the volume names.
+    let lp = Loop::new(32, write_mbr);
     let m = lp.manager();
     assert_eq!(
         m.probe(&lp.dev).await.unwrap(),
@@ -231,6 +262,62 @@ async fn partitioned_device_is_never_formatted() {
         out.contains("PTTYPE=dos") && !out.contains("TYPE=ext4"),
         "{out}"
     );
+}
+
+/// A partitioned GCP disk is used by its first partition (upstream prefers
+/// `google-<name>-part1`): mounted as it is when the partition has a file system, the
+/// partition table untouched; a partition without one is refused, `init_fs` or not, as
+/// upstream refuses it (`blkid -p` finds the partition entry but no file system: upstream's
+/// "non-filesystem signature", never formatted).
+///
+/// upstream: runner/internal/shim/backends/gcp.go (GetRealDeviceName),
+/// runner/internal/shim/volumes.go (probeFilesystem).
+#[tokio::test]
+async fn partitioned_gcp_disk_is_mounted_by_its_first_partition() {
+    if !root_tests("partitioned_gcp_disk_is_mounted_by_its_first_partition") {
+        return;
+    }
+    let (lp, part) = Loop::partitioned();
+    let m = lp.manager();
+    let part1 = lp.tmp.path().join("by-id/google-test-disk-part1");
+    assert_eq!(m.find_device(&lp.spec(true)).await.unwrap(), part1);
+    let part_blkid = || run("blkid", &["-p", "-o", "export", part.to_str().unwrap()]);
+    let mp = lp.root().join("data");
+
+    // A partition without a file system: refused, not formatted.
+    assert_eq!(
+        m.probe(&part1).await.unwrap(),
+        Probe::Other("a partition (dos) without a file system".to_owned())
+    );
+    let e = m.prepare(&lp.spec(true)).await.unwrap_err();
+    assert!(matches!(e, Error::NotAFilesystem { .. }), "{e}");
+    assert!(!part_blkid().contains("TYPE=ext4"), "not formatted");
+    assert!(!is_mounted(&mp));
+
+    // The partition formatted by its owner: mounted as it is, its mode kept.
+    run("mkfs.ext4", &["-q", part.to_str().unwrap()]);
+    let mounted = m.prepare(&lp.spec(true)).await.unwrap();
+    assert_eq!(Path::new(&mounted.device), part1);
+    assert!(is_mounted(&mp));
+    assert_eq!(
+        mode(&mp),
+        0o755,
+        "a file system we did not create keeps its mode"
+    );
+    fs_err::write(mp.join("kept"), "data").unwrap();
+    m.release(&mounted).await.unwrap();
+    assert!(!is_mounted(&mp));
+    let (code, disk_blkid) = lp.blkid();
+    assert_eq!(code, Some(0));
+    assert!(
+        disk_blkid.contains("PTTYPE=dos"),
+        "the table stays: {disk_blkid}"
+    );
+
+    let again = m.prepare(&lp.spec(false)).await.unwrap();
+    assert_eq!(fs_err::read_to_string(mp.join("kept")).unwrap(), "data");
+    m.release(&again).await.unwrap();
+    assert!(!is_mounted(&mp));
 }
 
 #[tokio::test]

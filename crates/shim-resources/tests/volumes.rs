@@ -142,6 +142,42 @@ async fn gcp_uses_the_by_id_path() {
     assert!(m.find_device(&bad).await.is_err());
 }
 
+/// A partitioned GCP disk is used by its first partition, as upstream resolves it: the
+/// `google-<name>-part1` link when it exists (also when it is the only one), else the disk.
+///
+/// upstream: runner/internal/shim/backends/gcp.go (GetRealDeviceName).
+#[tokio::test]
+async fn gcp_prefers_the_first_partition() {
+    let tmp = tempfile::tempdir().unwrap();
+    let by_id = tmp.path().join("disk/by-id");
+    fs_err::create_dir_all(&by_id).unwrap();
+    std::os::unix::fs::symlink("../../sdb", by_id.join("google-pd-data")).unwrap();
+    std::os::unix::fs::symlink("../../sdb1", by_id.join("google-pd-data-part1")).unwrap();
+    std::os::unix::fs::symlink("../../sdc", by_id.join("google-pd-whole")).unwrap();
+    let runner = Arc::new(ScriptedCommandRunner::new());
+    let m = manager(runner.clone(), tmp.path());
+    let gcp = |device_name: &str| VolumeSpec {
+        backend: VolumeBackend::Gcp,
+        device_name: device_name.to_owned(),
+        ..aws("", "")
+    };
+    assert_eq!(
+        m.find_device(&gcp("pd-data")).await.unwrap(),
+        by_id.join("google-pd-data-part1")
+    );
+    assert_eq!(
+        m.find_device(&gcp("pd-whole")).await.unwrap(),
+        by_id.join("google-pd-whole")
+    );
+    // A partition link alone (its target not there yet) is still the partition.
+    std::os::unix::fs::symlink("../../sdd1", by_id.join("google-pd-late-part1")).unwrap();
+    assert_eq!(
+        m.find_device(&gcp("pd-late")).await.unwrap(),
+        by_id.join("google-pd-late-part1")
+    );
+    assert!(runner.calls().is_empty());
+}
+
 #[tokio::test]
 async fn missing_or_non_block_device_is_an_error_after_a_bounded_wait() {
     let tmp = tempfile::tempdir().unwrap();
@@ -177,6 +213,17 @@ fn blkid_output() {
     assert_eq!(
         parse_blkid(Some(0), "DEVNAME=/dev/loop0\nPTTYPE=dos\n"),
         Some(Probe::Other("partition table dos".to_owned()))
+    );
+    // A partition that holds nothing (blkid 2.38 exits 0 with its table entry): never blank.
+    assert_eq!(
+        parse_blkid(
+            Some(0),
+            "DEVNAME=/dev/loop0p1\nPART_ENTRY_SCHEME=dos\nPART_ENTRY_TYPE=0x83\n\
+             PART_ENTRY_NUMBER=1\nPART_ENTRY_OFFSET=2048\nPART_ENTRY_SIZE=63488\n"
+        ),
+        Some(Probe::Other(
+            "a partition (dos) without a file system".to_owned()
+        ))
     );
     assert_eq!(
         parse_blkid(Some(0), "TYPE=crypto_LUKS\nUSAGE=crypto\n"),

@@ -47,7 +47,9 @@ pub struct TaskInfo {
     pub container_name: String,
     /// The container's id, once created.
     pub container_id: String,
-    /// GPU ids, once acquired.
+    /// GPU ids, once acquired. On the wire `gpus_ids`, upstream's spelling
+    /// (`runner/internal/shim/api/schemas.go`, `TaskInfoResponse`); `gpu_ids` is read too.
+    #[serde(rename = "gpus_ids", alias = "gpu_ids")]
     pub gpu_ids: Option<Vec<String>>,
 }
 

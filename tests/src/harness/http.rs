@@ -304,14 +304,21 @@ impl Response {
         self.json_body()
     }
 
-    /// Asserts the error `status` with a `text/plain` body equal to `message`.
+    /// Asserts the error `status` with a `text/plain` body of `message` and a newline (the
+    /// shim answers errors as upstream's Go shim does, with `http.Error`).
     pub fn assert_error(&self, status: u16, message: &str) {
         assert_eq!(
             (self.status, self.body.as_str()),
-            (status, message),
+            (status, format!("{message}\n").as_str()),
             "{self:?}"
         );
         self.assert_text_plain();
+    }
+
+    /// Asserts the answer of a request that returns nothing (shutdown, remove, install): 200
+    /// and a lone newline as `text/plain`, as upstream's Go shim answers it.
+    pub fn assert_empty_ok(&self) {
+        self.assert_error(200, "");
     }
 
     /// Asserts the error `status` with a `text/plain` body starting with `prefix`.

@@ -20,6 +20,8 @@ pub struct Resp {
     pub status: u16,
     pub headers: Vec<(String, String)>,
     pub body: String,
+    /// The whole answer as received.
+    pub raw: String,
 }
 
 impl Resp {
@@ -30,24 +32,44 @@ impl Resp {
             .map(|(_, v)| v.as_str())
     }
 
+    /// Asserts a JSON answer as Go's encoder writes it (one line) and parses it.
     pub fn json(&self) -> serde_json::Value {
         assert_eq!(
             self.header("content-type"),
             Some("application/json"),
             "{self:?}"
         );
+        assert!(
+            self.body.ends_with('\n') && self.body.matches('\n').count() == 1,
+            "one line: {self:?}"
+        );
         serde_json::from_str(&self.body).unwrap()
     }
 
-    /// Asserts an error answer: status, `text/plain`, exact message.
-    pub fn assert_error(&self, status: u16, body: &str) {
+    /// Asserts an error answer as Go's `http.Error` writes it (upstream's handlers answer
+    /// every error so): status, `text/plain; charset=utf-8`, `nosniff`, the exact message
+    /// and a newline.
+    ///
+    /// upstream: runner/internal/common/api/api.go (JSONResponseHandler).
+    pub fn assert_error(&self, status: u16, message: &str) {
         assert_eq!(self.status, status, "{self:?}");
         assert_eq!(
             self.header("content-type"),
             Some("text/plain; charset=utf-8"),
             "{self:?}"
         );
-        assert_eq!(self.body, body);
+        assert_eq!(
+            self.header("x-content-type-options"),
+            Some("nosniff"),
+            "{self:?}"
+        );
+        assert_eq!(self.body, format!("{message}\n"), "{self:?}");
+    }
+
+    /// Asserts upstream's answer of a handler that returns nothing (shutdown, remove,
+    /// install): 200 and a lone newline as `text/plain`.
+    pub fn assert_empty_ok(&self) {
+        self.assert_error(200, "");
     }
 }
 
@@ -69,6 +91,7 @@ pub fn parse_response(raw: &[u8]) -> Resp {
         status,
         headers,
         body: body.to_owned(),
+        raw: text.into_owned(),
     }
 }
 
