@@ -1140,8 +1140,8 @@ fn removed_task_stays_removed_after_terminate_during_start() {
 /// A state file byte for byte as the upstream shim writes it: Go's `json.Marshal` of its
 /// state (`version`, `id`, `config` with `TaskConfig`'s fields in declaration order,
 /// `termination_reason`, `termination_message`, `cleaned_up`); slices the server did not send
-/// are `null`; registry credentials blank.
-fn upstream_state_file(config: &Value) -> String {
+/// are `null`; registry credentials blank; `reason` as recorded (`""` until terminated).
+fn upstream_state_file(config: &Value, reason: &str) -> String {
     let s = |f: &str| Value::String(config[f].as_str().unwrap().to_owned()).to_string();
     let keys = |f: &str| config[f].to_string();
     format!(
@@ -1152,7 +1152,7 @@ fn upstream_state_file(config: &Value) -> String {
             r#""shm_size":0,"network_mode":{net},"volumes":[],"volume_mounts":[],"#,
             r#""instance_mounts":[],"gpu_devices":null,"host_ssh_user":{host_user},"#,
             r#""host_ssh_keys":{host_keys},"container_ssh_keys":{keys}}},"#,
-            r#""termination_reason":"","termination_message":"","cleaned_up":false}}"#
+            r#""termination_reason":{reason},"termination_message":"","cleaned_up":false}}"#
         ),
         id = s("id"),
         name = s("name"),
@@ -1162,6 +1162,7 @@ fn upstream_state_file(config: &Value) -> String {
         host_user = s("host_ssh_user"),
         host_keys = keys("host_ssh_keys"),
         keys = keys("container_ssh_keys"),
+        reason = Value::String(reason.to_owned()),
     )
 }
 
@@ -1254,7 +1255,7 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     with_file["host_ssh_keys"] = json!([task_key]);
     let dir_a = runners.join(name_of(&with_file));
     fs_err::create_dir_all(dir_a.join("runner")).unwrap();
-    let state = upstream_state_file(&with_file);
+    let state = upstream_state_file(&with_file, "");
     fs_err::write(dir_a.join("task.json"), &state).unwrap();
     let (cid_a, _a) = run_upstream_container(&with_file, &dir_a.join("runner"));
 
@@ -1269,7 +1270,7 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     let finished = task("upstream-c", 0);
     let dir_c = runners.join(name_of(&finished));
     fs_err::create_dir_all(dir_c.join("runner")).unwrap();
-    fs_err::write(dir_c.join("task.json"), upstream_state_file(&finished)).unwrap();
+    fs_err::write(dir_c.join("task.json"), upstream_state_file(&finished, "")).unwrap();
     let (cid_c, _c) = run_upstream_container(&finished, &dir_c.join("runner"));
     let exit_c = dir_c.join("runner").join(shim_e2e::RUNNER_EXIT_FILE);
     wait_until("the stub runner of upstream-c starts", STATUS_BOUND, || {
@@ -1357,6 +1358,61 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     assert_eq!(container_running(None, &cid_c), None);
     assert_eq!(shim.list(), BTreeMap::new());
     assert_eq!(user.lines(), [own_key]);
+}
+
+/// Issue 22, SPEC §5: a termination reason the upstream shim recorded wins at adoption. Its
+/// state file (no fields of this shim) says `terminated_by_user`; its container exited with
+/// code 3 before this shim started. The task reads `terminated_by_user` (not
+/// `container_exited_with_error` from the exit code), before and after a reconcile cycle and
+/// a restart, and the state file keeps the reason.
+///
+/// upstream: runner/internal/shim/docker.go (restoreStateFromContainers: an exited container
+/// restores as terminated), runner/internal/shim/task.go (a terminated task keeps its first
+/// reason).
+#[test]
+fn an_upstream_recorded_reason_wins_over_its_containers_exit() {
+    if !docker_tests_enabled("an_upstream_recorded_reason_wins_over_its_containers_exit") {
+        return;
+    }
+    let mut shim = TestShim::builder("e2e").build();
+    let config = task("upstream-r", 0);
+    let dir = shim.home().join("runners").join(name_of(&config));
+    fs_err::create_dir_all(dir.join("runner")).unwrap();
+    fs_err::write(
+        dir.join("task.json"),
+        upstream_state_file(&config, "terminated_by_user"),
+    )
+    .unwrap();
+    let (cid, _guard) = run_upstream_container(&config, &dir.join("runner"));
+    wait_until("the stub runner starts", STATUS_BOUND, || {
+        dir.join("runner/stub-runner.pid").exists()
+    });
+    fs_err::write(dir.join("runner").join(shim_e2e::RUNNER_EXIT_FILE), "3\n").unwrap();
+    wait_container_stopped(&cid);
+
+    shim.start();
+    let check = |shim: &TestShim, when: &str| {
+        let info = shim.info("upstream-r");
+        assert_eq!(info["status"], "terminated", "{when}: {info}");
+        assert_eq!(
+            info["termination_reason"], "terminated_by_user",
+            "{when}: {info}"
+        );
+        assert_eq!(info["container_id"], cid.as_str(), "{when}: {info}");
+    };
+    check(&shim, "at start-up");
+    // The reconciler's retry pass runs every second: let a few pass.
+    std::thread::sleep(Duration::from_millis(2500));
+    check(&shim, "after reconcile cycles");
+    shim.kill();
+    shim.start();
+    check(&shim, "after a restart");
+    let file: Value =
+        serde_json::from_slice(&fs_err::read(dir.join("task.json")).unwrap()).unwrap();
+    assert_eq!(file["termination_reason"], "terminated_by_user", "{file}");
+    shim.remove_retrying("upstream-r");
+    assert!(!dir.exists());
+    assert_eq!(container_running(None, &cid), None);
 }
 
 /// Issue 11, the switch the other way: what this shim leaves on the host is what the upstream

@@ -1139,6 +1139,65 @@ fn restore_recorded_reason_wins_and_a_running_container_is_stopped() {
     assert_idempotent(&r, Some(c));
 }
 
+/// A record as the store reads a state file the upstream shim wrote (no fields of this
+/// shim): terminated with its reason, no container id, nothing but `cleaned_up` about the
+/// resources, no times.
+fn upstream_record(reason: TerminationReason) -> TaskRecord {
+    let c = config();
+    TaskRecord {
+        status: TaskStatus::Terminated,
+        termination_reason: Some(reason),
+        termination_message: "stopped from the UI".into(),
+        created_at_ms: 0,
+        updated_at_ms: 0,
+        ..TaskRecord::new(&c, container_name(&c.name, &c.id), 0)
+    }
+}
+
+// Issue 22: a reason the upstream shim recorded wins over its exited container's code, which
+// the start-up list does not carry (`-1`) and an inspect would (`3`). upstream:
+// runner/internal/shim/docker.go (restoreStateFromContainers: an exited container restores as
+// terminated).
+#[test]
+fn restore_an_upstream_recorded_reason_wins_over_an_exited_container() {
+    for code in [-1, 3, 0] {
+        let record = upstream_record(TerminationReason::TerminatedByUser);
+        let c = observed(ContainerState::Exited { code });
+        let (mut r, a) = restored(Some(record), Some(c.clone()), 5_000).unwrap();
+        assert_ended(
+            &r,
+            TerminationReason::TerminatedByUser,
+            "stopped from the UI",
+        );
+        assert_eq!(r.info().container_id, "cid");
+        assert!(
+            a.contains(&Action::Persist),
+            "the container id is recorded: {a:?}"
+        );
+        assert!(
+            !a.contains(&Action::StopContainer { timeout_s: 0 }),
+            "{a:?}"
+        );
+        assert_idempotent(&r, Some(c));
+        // What the reconciler then sees of the container changes nothing.
+        for obs in [
+            Observation::Exited {
+                code,
+                last_lines: vec!["boom".into()],
+                oom_killed: false,
+            },
+            Observation::Missing,
+        ] {
+            go(&mut r, Event::Observed(obs));
+            assert_ended(
+                &r,
+                TerminationReason::TerminatedByUser,
+                "stopped from the UI",
+            );
+        }
+    }
+}
+
 #[test]
 fn restore_recorded_reason_with_a_created_container_stops_it_before_releasing() {
     // Terminated during start, and the shim was killed while Docker started the container:
