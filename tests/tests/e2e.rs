@@ -217,6 +217,53 @@ fn healthcheck_version_is_a_compatible_release() {
     );
 }
 
+/// Issue 22, SPEC §6: on a host whose runner download failed (`--runner-binary-path` names a
+/// file that does not exist), a task ends `terminated` with `creating_container_error` naming
+/// the missing path, and nothing appears at that path: Docker's `Binds` made a directory
+/// there, so every later install of the runner failed until someone removed it by hand. The
+/// next task fails the same way, each releases its GPU and is removed, and no container is
+/// left.
+///
+/// upstream: runner/internal/shim/docker.go (`DockerMounts`: `mount.Mount{Type:
+/// mount.TypeBind}` for the runner directory and binary).
+#[test]
+fn a_missing_runner_binary_fails_the_task_and_creates_nothing_at_its_path() {
+    if !docker_tests_enabled(
+        "a_missing_runner_binary_fails_the_task_and_creates_nothing_at_its_path",
+    ) {
+        return;
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("shim-e2e-norunner-")
+        .tempdir()
+        .unwrap();
+    let missing = std::path::absolute(dir.path().join("bin").join("dstack-runner")).unwrap();
+    let shim = TestShim::builder("e2e").runner_binary(&missing).start();
+    for id in ["norunner-1", "norunner-2"] {
+        let config = task(id, FAKE_GPUS as i64);
+        assert_eq!(shim.submit(&config).status, 200);
+        let info = shim.wait_status(id, "terminated");
+        assert_eq!(
+            info["termination_reason"], "creating_container_error",
+            "{info}"
+        );
+        let message = info["termination_message"].as_str().unwrap();
+        assert!(
+            message.contains(&missing.display().to_string()),
+            "the message names the missing path: {message}"
+        );
+        assert!(!missing.exists(), "something was made at {missing:?}");
+        assert!(
+            !missing.parent().unwrap().exists(),
+            "{:?}",
+            entries(dir.path())
+        );
+        // Every GPU was released: the next task gets them all, and fails the same way.
+        shim.remove_retrying(id);
+    }
+    assert_eq!(shim.containers(), BTreeMap::new());
+}
+
 /// SPEC §2–§4, the whole life of a task over HTTP: submit answers the exact pending TaskInfo;
 /// the task runs with published ports (the runner answers through them) and its GPUs; the list
 /// shows it; the runner exits 0 → `done_by_runner`; a later terminate keeps that reason;

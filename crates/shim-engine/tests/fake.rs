@@ -1449,3 +1449,32 @@ async fn an_upstream_recorded_reason_survives_adoption_of_an_exited_container() 
     assert_eq!(file["termination_reason"], "terminated_by_user", "{file}");
     engine.remove(&tid("r1")).await.unwrap();
 }
+
+// Issue 22, SPEC §6: a runner binary that does not exist fails the create (Docker `Mounts` of
+// type `bind`, as the fake checks when told to), and the task ends `creating_container_error`
+// naming the path, its GPU released. upstream: runner/internal/shim/docker.go (DockerMounts).
+#[tokio::test]
+async fn a_missing_runner_binary_fails_the_task_with_the_path() {
+    let w = World::new(1);
+    w.runtime.check_bind_sources(true);
+    let missing = w.home.path().join("no-runner").join("dstack-runner");
+    let mut cfg = w.config();
+    cfg.runner_binary_path = missing.clone();
+    let engine = Engine::open(cfg, w.deps()).await.unwrap();
+    let mut c = config("t1");
+    c.gpu = 1;
+    engine.submit(c).await.unwrap();
+    let info = wait_status(&engine, "t1", TaskStatus::Terminated).await;
+    assert_eq!(
+        info.termination_reason, "creating_container_error",
+        "{info:?}"
+    );
+    assert!(
+        info.termination_message
+            .contains(&missing.display().to_string()),
+        "{info:?}"
+    );
+    assert!(w.runtime.container_ids().is_empty());
+    wait_released(&engine, &w, "t1").await;
+    engine.remove(&tid("t1")).await.unwrap();
+}
