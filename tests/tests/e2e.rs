@@ -521,6 +521,78 @@ fn start_with_image_check(shim: &mut TestShim, image: &str) {
     shim.start();
 }
 
+/// Issue 22, SPEC §5: what makes a container this shim's is its runner mount, not its owner
+/// label. Between two runs of the binary with a task running, `<home>/owner-id` is deleted
+/// (first round) or replaced by another identity (second round): the task is still `running`
+/// in the same container, which was neither stopped nor restarted (it keeps the old owner
+/// label), its GPUs stay held, and its runner's later exit is processed (0 → `done_by_runner`,
+/// 3 → `container_exited_with_error`). A second shim on another home on the same daemon,
+/// running throughout and restarted, never lists or touches it.
+#[test]
+fn a_lost_or_replaced_owner_id_orphans_no_running_task() {
+    if !docker_tests_enabled("a_lost_or_replaced_owner_id_orphans_no_running_task") {
+        return;
+    }
+    let mut shim = TestShim::builder("e2e").start();
+    let mut other = TestShim::builder("e2e").start();
+    let owner_file = shim.home().join("owner-id");
+    for (round, (id, code)) in [("owner-lost", 0), ("owner-replaced", 3)]
+        .into_iter()
+        .enumerate()
+    {
+        let config = task(id, 2);
+        // The sweeper finds containers by the home's current identity: this one keeps the
+        // old one, so it is removed by name however the test ends.
+        let _guard = NamedContainer(name_of(&config));
+        assert_eq!(shim.submit(&config).status, 200);
+        let before = shim.wait_status(id, "running");
+        let cid = before["container_id"].as_str().unwrap().to_owned();
+        let started = |c: &str| docker_ok(&["inspect", "-f", "{{.State.StartedAt}}", c]);
+        let started_at = started(&cid);
+        let old_owner = shim.owner();
+
+        shim.kill();
+        if round == 0 {
+            fs_err::remove_file(&owner_file).unwrap();
+        } else {
+            fs_err::write(&owner_file, "0123456789abcdef\n").unwrap();
+        }
+        shim.start();
+        let after = shim.info(id);
+        assert_ne!(shim.owner(), old_owner);
+        assert_eq!(after["status"], "running", "{after}");
+        for field in ["container_id", "gpu_ids", "ports"] {
+            assert_eq!(after[field], before[field], "{field}: {after}");
+        }
+        assert_container_running(&cid);
+        assert_eq!(started(&cid), started_at, "the container was restarted");
+        // Its two GPUs are held: a task asking for three cannot have them.
+        let greedy = task(&format!("{id}-greedy"), 3);
+        assert_eq!(shim.submit(&greedy).status, 200);
+        let refused = shim.wait_status(&format!("{id}-greedy"), "terminated");
+        assert_eq!(refused["termination_reason"], "executor_error", "{refused}");
+        shim.remove_retrying(&format!("{id}-greedy"));
+
+        // The other home's shim, running and restarted, neither lists nor touches it.
+        other.kill();
+        other.start();
+        assert_eq!(other.list(), BTreeMap::new());
+        assert_container_running(&cid);
+
+        shim.exit_runner(&after, code);
+        let done = shim.wait_status(id, "terminated");
+        let reason = if code == 0 {
+            "done_by_runner"
+        } else {
+            "container_exited_with_error"
+        };
+        assert_eq!(done["termination_reason"], reason, "{done}");
+        shim.remove_retrying(id);
+        assert_eq!(container_running(None, &cid), None);
+    }
+    assert_eq!(other.list(), BTreeMap::new());
+}
+
 /// SPEC §1, §4, §5: SIGKILL with tasks running, then a restart on the same home.
 /// - a task that kept running is the same task (same container, ports, GPUs), still running;
 /// - a task whose runner exited with 3 while the shim was down is `terminated` /

@@ -20,6 +20,7 @@ use prometheus_client::registry::Registry;
 use crate::changes::{ChangeKind, Changes, Subscription};
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
+use crate::labels::TaskRoots;
 use crate::metrics::{Metered, Metrics, WriteTimer};
 
 /// The external systems the engine works with. Real implementations for the binary, fakes for
@@ -207,6 +208,9 @@ pub(crate) struct Inner {
     pub(crate) background: Mutex<Vec<JoinHandle<()>>>,
     pub(crate) store: Arc<Store>,
     pub(crate) owner: String,
+    /// Where this home's task directories are: a container whose runner mount lies there is
+    /// this shim's ([`crate::labels`]).
+    pub(crate) roots: TaskRoots,
     pub(crate) tasks: Mutex<BTreeMap<TaskId, Arc<Slot>>>,
     /// Asks the reconciler for a full list now (the event stream reconnected).
     pub(crate) relist: Notify,
@@ -511,6 +515,10 @@ impl Engine {
         let home = cfg.home.clone();
         let store = Arc::new(tokio::task::spawn_blocking(move || Store::open(home)).await??);
         let owner = crate::restore::determine_owner(&store, deps.runtime.as_ref()).await?;
+        let roots = {
+            let home = store.home().to_path_buf();
+            tokio::task::spawn_blocking(move || TaskRoots::of_home(&home)).await?
+        };
         // Events are read from before the start-up list on: nothing falls between them.
         let since = i64::try_from(
             SystemTime::now()
@@ -536,6 +544,7 @@ impl Engine {
             deps,
             store,
             owner,
+            roots,
             tasks: Mutex::new(BTreeMap::new()),
             relist: Notify::new(),
             events_since: AtomicI64::new(since),

@@ -1478,3 +1478,94 @@ async fn a_missing_runner_binary_fails_the_task_with_the_path() {
     wait_released(&engine, &w, "t1").await;
     engine.remove(&tid("t1")).await.unwrap();
 }
+
+// Issue 22, SPEC §5: ownership is the runner mount. With its `owner-id` deleted, or replaced
+// by another identity, between two runs of the engine, a running task stays running in its
+// untouched container (its labels still carry the old identity) and its later exit is
+// processed; a container whose owner label is this shim's but whose runner directory lies in
+// another home is not adopted; another home's engine on the same daemon never touches ours.
+#[tokio::test]
+async fn a_lost_or_replaced_owner_id_orphans_no_task() {
+    let mut w = World::new(2);
+    let mut other = World::new(0);
+    other.runtime = w.runtime.clone();
+    let theirs = other.engine().await;
+    let mut engine = w.engine().await;
+    let first_owner = engine.owner().to_owned();
+    // A stray container claiming our owner label, mounting another home's runner directory.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let stray = w.runtime.add_container(
+        &shim_runtime::ContainerSpec {
+            name: "stray-0-01234567".to_owned(),
+            image: IMAGE.to_owned(),
+            labels: [
+                ("ai.dstack.shim.is-task".to_owned(), "true".to_owned()),
+                ("ai.dstack.shim.task-id".to_owned(), "stray".to_owned()),
+                ("ai.dstack.shim.owner".to_owned(), first_owner.clone()),
+            ]
+            .into(),
+            mounts: vec![shim_runtime::BindMount {
+                source: elsewhere.path().join("runners/stray-0-01234567/runner"),
+                target: "/tmp/runner".to_owned(),
+                read_only: false,
+            }],
+            ..Default::default()
+        },
+        ContainerState::Running,
+        None,
+    );
+    let owner_file = w.home.path().join("owner-id");
+    for (round, (id, code)) in [("t-deleted", 0), ("t-replaced", 3)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut c = config(id);
+        c.gpu = 1;
+        engine.submit(c).await.unwrap();
+        let before = wait_status(&engine, id, TaskStatus::Running).await;
+        let calls_before = w.runtime.calls().len();
+        if round == 0 {
+            fs_err::remove_file(&owner_file).unwrap();
+        } else {
+            fs_err::write(&owner_file, "0123456789abcdef\n").unwrap();
+        }
+        engine = w.restart(engine).await;
+        assert_ne!(engine.owner(), first_owner);
+        let after = engine.task_info(&tid(id)).unwrap();
+        assert_eq!(after.status, TaskStatus::Running, "{after:?}");
+        assert_eq!(after.container_id, before.container_id);
+        assert_eq!(after.gpu_ids, before.gpu_ids);
+        assert_eq!(engine.gpu_lock().locked(), before.gpu_ids.clone().unwrap());
+        assert_eq!(
+            w.runtime.state(&before.container_id),
+            Some(ContainerState::Running)
+        );
+        // Nothing but looking: no stop, remove or create since the restart began.
+        let since: Vec<_> = w.runtime.calls()[calls_before..]
+            .iter()
+            .filter(|c| matches!(c, Call::Stop(..) | Call::Remove(_) | Call::Create(_)))
+            .cloned()
+            .collect();
+        assert!(since.is_empty(), "{since:?}");
+        assert!(engine.task_info(&tid("stray")).is_err(), "another home's");
+        // The other home's engine, running and restarted, sees and touches none of it.
+        theirs.reconcile_now().await;
+        assert!(theirs.list().is_empty());
+        // The exit is still processed, and the task released and removed.
+        w.runtime.set_logs(&before.container_id, &["bye"]);
+        assert!(w.runtime.exit(&before.container_id, code));
+        let done = wait_status(&engine, id, TaskStatus::Terminated).await;
+        let reason = if code == 0 {
+            "done_by_runner"
+        } else {
+            "container_exited_with_error"
+        };
+        assert_eq!(done.termination_reason, reason, "{done:?}");
+        wait_released(&engine, &w, id).await;
+        engine.remove(&tid(id)).await.unwrap();
+        assert_eq!(w.runtime.state(&before.container_id), None);
+    }
+    let theirs = other.restart(theirs).await;
+    assert!(theirs.list().is_empty());
+    assert_eq!(w.runtime.state(&stray), Some(ContainerState::Running));
+}
