@@ -137,8 +137,8 @@ impl Inner {
             return;
         }
         if dirty && let Err(e) = self.drive(slot, Event::PersistRequested).await {
+            // What ends the task does not wait for the disk: its stop and release go on.
             tracing::warn!(task = %slot.id, error = %chain(&e), "state write still failing");
-            return;
         }
         let (needs_release, stop_failed, container_id) = {
             let t = slot.lock();
