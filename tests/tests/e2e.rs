@@ -219,6 +219,53 @@ fn healthcheck_version_is_a_compatible_release() {
     );
 }
 
+/// Issue 22, SPEC §6: on a host whose runner download failed (`--runner-binary-path` names a
+/// file that does not exist), a task ends `terminated` with `creating_container_error` naming
+/// the missing path, and nothing appears at that path: Docker's `Binds` made a directory
+/// there, so every later install of the runner failed until someone removed it by hand. The
+/// next task fails the same way, each releases its GPU and is removed, and no container is
+/// left.
+///
+/// upstream: runner/internal/shim/docker.go (`DockerMounts`: `mount.Mount{Type:
+/// mount.TypeBind}` for the runner directory and binary).
+#[test]
+fn a_missing_runner_binary_fails_the_task_and_creates_nothing_at_its_path() {
+    if !docker_tests_enabled(
+        "a_missing_runner_binary_fails_the_task_and_creates_nothing_at_its_path",
+    ) {
+        return;
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("shim-e2e-norunner-")
+        .tempdir()
+        .unwrap();
+    let missing = std::path::absolute(dir.path().join("bin").join("dstack-runner")).unwrap();
+    let shim = TestShim::builder("e2e").runner_binary(&missing).start();
+    for id in ["norunner-1", "norunner-2"] {
+        let config = task(id, FAKE_GPUS as i64);
+        assert_eq!(shim.submit(&config).status, 200);
+        let info = shim.wait_status(id, "terminated");
+        assert_eq!(
+            info["termination_reason"], "creating_container_error",
+            "{info}"
+        );
+        let message = info["termination_message"].as_str().unwrap();
+        assert!(
+            message.contains(&missing.display().to_string()),
+            "the message names the missing path: {message}"
+        );
+        assert!(!missing.exists(), "something was made at {missing:?}");
+        assert!(
+            !missing.parent().unwrap().exists(),
+            "{:?}",
+            entries(dir.path())
+        );
+        // Every GPU was released: the next task gets them all, and fails the same way.
+        shim.remove_retrying(id);
+    }
+    assert_eq!(shim.containers(), BTreeMap::new());
+}
+
 /// SPEC §2–§4, the whole life of a task over HTTP: submit answers the exact pending TaskInfo;
 /// the task runs with published ports (the runner answers through them) and its GPUs; the list
 /// shows it; the runner exits 0 → `done_by_runner`; a later terminate keeps that reason;
@@ -468,6 +515,78 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
 fn start_with_image_check(shim: &mut TestShim, image: &str) {
     assert!(!image_present(image), "{image} is still on the host");
     shim.start();
+}
+
+/// Issue 22, SPEC §5: what makes a container this shim's is its runner mount, not its owner
+/// label. Between two runs of the binary with a task running, `<home>/owner-id` is deleted
+/// (first round) or replaced by another identity (second round): the task is still `running`
+/// in the same container, which was neither stopped nor restarted (it keeps the old owner
+/// label), its GPUs stay held, and its runner's later exit is processed (0 → `done_by_runner`,
+/// 3 → `container_exited_with_error`). A second shim on another home on the same daemon,
+/// running throughout and restarted, never lists or touches it.
+#[test]
+fn a_lost_or_replaced_owner_id_orphans_no_running_task() {
+    if !docker_tests_enabled("a_lost_or_replaced_owner_id_orphans_no_running_task") {
+        return;
+    }
+    let mut shim = TestShim::builder("e2e").start();
+    let mut other = TestShim::builder("e2e").start();
+    let owner_file = shim.home().join("owner-id");
+    for (round, (id, code)) in [("owner-lost", 0), ("owner-replaced", 3)]
+        .into_iter()
+        .enumerate()
+    {
+        let config = task(id, 2);
+        // The sweeper finds containers by the home's current identity: this one keeps the
+        // old one, so it is removed by name however the test ends.
+        let _guard = NamedContainer(name_of(&config));
+        assert_eq!(shim.submit(&config).status, 200);
+        let before = shim.wait_status(id, "running");
+        let cid = before["container_id"].as_str().unwrap().to_owned();
+        let started = |c: &str| docker_ok(&["inspect", "-f", "{{.State.StartedAt}}", c]);
+        let started_at = started(&cid);
+        let old_owner = shim.owner();
+
+        shim.kill();
+        if round == 0 {
+            fs_err::remove_file(&owner_file).unwrap();
+        } else {
+            fs_err::write(&owner_file, "0123456789abcdef\n").unwrap();
+        }
+        shim.start();
+        let after = shim.info(id);
+        assert_ne!(shim.owner(), old_owner);
+        assert_eq!(after["status"], "running", "{after}");
+        for field in ["container_id", "gpu_ids", "ports"] {
+            assert_eq!(after[field], before[field], "{field}: {after}");
+        }
+        assert_container_running(&cid);
+        assert_eq!(started(&cid), started_at, "the container was restarted");
+        // Its two GPUs are held: a task asking for three cannot have them.
+        let greedy = task(&format!("{id}-greedy"), 3);
+        assert_eq!(shim.submit(&greedy).status, 200);
+        let refused = shim.wait_status(&format!("{id}-greedy"), "terminated");
+        assert_eq!(refused["termination_reason"], "executor_error", "{refused}");
+        shim.remove_retrying(&format!("{id}-greedy"));
+
+        // The other home's shim, running and restarted, neither lists nor touches it.
+        other.kill();
+        other.start();
+        assert_eq!(other.list(), BTreeMap::new());
+        assert_container_running(&cid);
+
+        shim.exit_runner(&after, code);
+        let done = shim.wait_status(id, "terminated");
+        let reason = if code == 0 {
+            "done_by_runner"
+        } else {
+            "container_exited_with_error"
+        };
+        assert_eq!(done["termination_reason"], reason, "{done}");
+        shim.remove_retrying(id);
+        assert_eq!(container_running(None, &cid), None);
+    }
+    assert_eq!(other.list(), BTreeMap::new());
 }
 
 /// SPEC §1, §4, §5: SIGKILL with tasks running, then a restart on the same home.
@@ -1151,8 +1270,8 @@ fn removed_task_stays_removed_after_terminate_during_start() {
 /// A state file byte for byte as the upstream shim writes it: Go's `json.Marshal` of its
 /// state (`version`, `id`, `config` with `TaskConfig`'s fields in declaration order,
 /// `termination_reason`, `termination_message`, `cleaned_up`); slices the server did not send
-/// are `null`; registry credentials blank.
-fn upstream_state_file(config: &Value) -> String {
+/// are `null`; registry credentials blank; `reason` as recorded (`""` until terminated).
+fn upstream_state_file(config: &Value, reason: &str) -> String {
     let s = |f: &str| Value::String(config[f].as_str().unwrap().to_owned()).to_string();
     let keys = |f: &str| config[f].to_string();
     format!(
@@ -1163,7 +1282,7 @@ fn upstream_state_file(config: &Value) -> String {
             r#""shm_size":0,"network_mode":{net},"volumes":[],"volume_mounts":[],"#,
             r#""instance_mounts":[],"gpu_devices":null,"host_ssh_user":{host_user},"#,
             r#""host_ssh_keys":{host_keys},"container_ssh_keys":{keys}}},"#,
-            r#""termination_reason":"","termination_message":"","cleaned_up":false}}"#
+            r#""termination_reason":{reason},"termination_message":"","cleaned_up":false}}"#
         ),
         id = s("id"),
         name = s("name"),
@@ -1173,6 +1292,7 @@ fn upstream_state_file(config: &Value) -> String {
         host_user = s("host_ssh_user"),
         host_keys = keys("host_ssh_keys"),
         keys = keys("container_ssh_keys"),
+        reason = Value::String(reason.to_owned()),
     )
 }
 
@@ -1265,7 +1385,7 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     with_file["host_ssh_keys"] = json!([task_key]);
     let dir_a = runners.join(name_of(&with_file));
     fs_err::create_dir_all(dir_a.join("runner")).unwrap();
-    let state = upstream_state_file(&with_file);
+    let state = upstream_state_file(&with_file, "");
     fs_err::write(dir_a.join("task.json"), &state).unwrap();
     let (cid_a, _a) = run_upstream_container(&with_file, &dir_a.join("runner"));
 
@@ -1280,7 +1400,7 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     let finished = task("upstream-c", 0);
     let dir_c = runners.join(name_of(&finished));
     fs_err::create_dir_all(dir_c.join("runner")).unwrap();
-    fs_err::write(dir_c.join("task.json"), upstream_state_file(&finished)).unwrap();
+    fs_err::write(dir_c.join("task.json"), upstream_state_file(&finished, "")).unwrap();
     let (cid_c, _c) = run_upstream_container(&finished, &dir_c.join("runner"));
     let exit_c = dir_c.join("runner").join(shim_e2e::RUNNER_EXIT_FILE);
     wait_until("the stub runner of upstream-c starts", STATUS_BOUND, || {
@@ -1368,6 +1488,61 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     assert_eq!(container_running(None, &cid_c), None);
     assert_eq!(shim.list(), BTreeMap::new());
     assert_eq!(user.lines(), [own_key]);
+}
+
+/// Issue 22, SPEC §5: a termination reason the upstream shim recorded wins at adoption. Its
+/// state file (no fields of this shim) says `terminated_by_user`; its container exited with
+/// code 3 before this shim started. The task reads `terminated_by_user` (not
+/// `container_exited_with_error` from the exit code), before and after a reconcile cycle and
+/// a restart, and the state file keeps the reason.
+///
+/// upstream: runner/internal/shim/docker.go (restoreStateFromContainers: an exited container
+/// restores as terminated), runner/internal/shim/task.go (a terminated task keeps its first
+/// reason).
+#[test]
+fn an_upstream_recorded_reason_wins_over_its_containers_exit() {
+    if !docker_tests_enabled("an_upstream_recorded_reason_wins_over_its_containers_exit") {
+        return;
+    }
+    let mut shim = TestShim::builder("e2e").build();
+    let config = task("upstream-r", 0);
+    let dir = shim.home().join("runners").join(name_of(&config));
+    fs_err::create_dir_all(dir.join("runner")).unwrap();
+    fs_err::write(
+        dir.join("task.json"),
+        upstream_state_file(&config, "terminated_by_user"),
+    )
+    .unwrap();
+    let (cid, _guard) = run_upstream_container(&config, &dir.join("runner"));
+    wait_until("the stub runner starts", STATUS_BOUND, || {
+        dir.join("runner/stub-runner.pid").exists()
+    });
+    fs_err::write(dir.join("runner").join(shim_e2e::RUNNER_EXIT_FILE), "3\n").unwrap();
+    wait_container_stopped(&cid);
+
+    shim.start();
+    let check = |shim: &TestShim, when: &str| {
+        let info = shim.info("upstream-r");
+        assert_eq!(info["status"], "terminated", "{when}: {info}");
+        assert_eq!(
+            info["termination_reason"], "terminated_by_user",
+            "{when}: {info}"
+        );
+        assert_eq!(info["container_id"], cid.as_str(), "{when}: {info}");
+    };
+    check(&shim, "at start-up");
+    // The reconciler's retry pass runs every second: let a few pass.
+    std::thread::sleep(Duration::from_millis(2500));
+    check(&shim, "after reconcile cycles");
+    shim.kill();
+    shim.start();
+    check(&shim, "after a restart");
+    let file: Value =
+        serde_json::from_slice(&fs_err::read(dir.join("task.json")).unwrap()).unwrap();
+    assert_eq!(file["termination_reason"], "terminated_by_user", "{file}");
+    shim.remove_retrying("upstream-r");
+    assert!(!dir.exists());
+    assert_eq!(container_running(None, &cid), None);
 }
 
 /// Issue 11, the switch the other way: what this shim leaves on the host is what the upstream

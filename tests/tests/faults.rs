@@ -1242,15 +1242,18 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
 /// - a start whose next write is `running` (after the pull, the create and the start, which are
 ///   start progress and need no write of their own) is not given up: its container runs, and
 ///   the task shows its last durable status (`pulling`) until `running` can be written;
-/// - a terminate answers 500 with the cause; the task keeps showing `running` and its
-///   container runs;
-/// - a runner that exits is not reported, and its task keeps its keys, until the state can be
-///   written.
+/// - a terminate answers 200 within its budget (`timeout` + 5 s) and stops the container and
+///   releases the task's key all the same (issue 22: a failed state write never blocks a stop
+///   or a release); the task shows what is durable (`running`) until the termination lands;
+/// - a runner that exits is not reported until the state can be written, but its key is
+///   released at once;
+/// - the server's terminate then remove of a task is accepted: container, key and directory
+///   go.
 ///
-/// Once space returns, without a restart: the exit and the start are reported within a second
-/// or two, the failed terminate's reason is written and its container stopped, a second
-/// terminate answers 200, removes are accepted; after a restart every terminate answered 200
-/// keeps its reason and the started task runs on in its container.
+/// Once space returns, without a restart: the failed terminate's reason lands in the state
+/// file and shows, the exit and the start are reported within a second or two, a second
+/// terminate answers 200 with the first reason, removes are accepted; after a restart every
+/// terminate answered keeps its reason and the started task runs on in its container.
 #[test]
 fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     if !enabled(
@@ -1270,15 +1273,19 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
         .build();
     shim.start();
 
-    // t1: terminated while full; t2: its runner exits while full.
+    // t1: terminated while full; t2: its runner exits while full; t5: terminated and removed
+    // while full.
     let k1 = ssh_key("t1@faults");
     let k2 = ssh_key("t2@faults");
-    for (id, key) in [("t1", &k1), ("t2", &k2)] {
+    let k5 = ssh_key("t5@faults");
+    for (id, key) in [("t1", &k1), ("t2", &k2), ("t5", &k5)] {
         let config = with_host_keys(task(id, 1), user.name(), &[key]);
         assert_eq!(shim.submit(&config).status, 200);
     }
     let t1 = shim.wait_status("t1", "running");
     let t2 = shim.wait_status("t2", "running");
+    let t5 = shim.wait_status("t5", "running");
+    let t5_cid = t5["container_id"].as_str().unwrap().to_owned();
     let t1_cid = t1["container_id"].as_str().unwrap().to_owned();
     let t2_cid = t2["container_id"].as_str().unwrap().to_owned();
     // t2's exit file, ready to be renamed into place (a rename needs no free block).
@@ -1308,7 +1315,10 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
             Err(format!("{t4}, {} connections", proxy.accepted()))
         }
     });
-    assert_eq!(marked_keys(&user), [&k1, &k2].map(|k| key_blob(k)).into());
+    assert_eq!(
+        marked_keys(&user),
+        [&k1, &k2, &k5].map(|k| key_blob(k)).into()
+    );
 
     let filler = fs.fill();
 
@@ -1324,14 +1334,36 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
         entries(&shim.tasks_dir())
     );
 
-    // Terminate: 500 with the cause; the task shows what is durable, its container runs.
+    // Terminate: answered within its budget though the termination cannot be written; the
+    // container is stopped and the key released all the same, and the task shows what is
+    // durable until the record lands.
+    let asked = Instant::now();
     let r = shim.terminate("t1", "terminated_by_user", "first", 0);
-    assert_eq!(r.status, 500, "{r:?}");
-    assert!(r.body.contains(ENOSPC), "the cause: {r:?}");
+    let answered = asked.elapsed();
+    eprintln!("MEASURED terminate (timeout 0) on a full home answered in {answered:?}");
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(
+        answered < Duration::from_secs(5),
+        "SPEC §4: within timeout + 5 s: {answered:?}"
+    );
+    let body = r.json().unwrap();
+    assert_eq!(
+        status_of(&body),
+        "running",
+        "the answer shows what is durable: {body}"
+    );
     assert_eq!(shim.info("t1"), t1, "t1 shows what is durable");
-    assert_eq!(shim.running(&t1_cid), Some(true), "t1's container runs on");
+    assert_eq!(
+        shim.running(&t1_cid),
+        Some(false),
+        "t1's container is stopped"
+    );
+    assert!(
+        !marked_keys(&user).contains(&key_blob(&k1)),
+        "t1's key is released"
+    );
 
-    // An exit while full: not reported, nothing released.
+    // An exit while full: not reported, but its key is released.
     fs_err::rename(
         t2_runner.join(".exit.tmp"),
         t2_runner.join(RUNNER_EXIT_FILE),
@@ -1373,10 +1405,13 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
         "running",
         "t1's terminate is not durable yet"
     );
-    assert!(
-        marked_keys(&user).contains(&key_blob(&k2)),
-        "t2's key is released before its end is durable"
-    );
+    wait_for("t2's key released before its end is durable", WAIT, || {
+        if marked_keys(&user).contains(&key_blob(&k2)) {
+            Err(format!("{:?}", marked_keys(&user)))
+        } else {
+            Ok(())
+        }
+    });
     // The pull's end, `creating` and the new container's id are start progress, which needs
     // no write of its own, and neither a create nor a start needs a record (the container
     // carries the task's labels, so a restart finds it): the container runs. The start is not
@@ -1389,9 +1424,44 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     });
     assert_eq!(status_of(&shim.info("t4")), "pulling");
 
-    // Space returns: everything converges without a restart.
+    // The server's terminate then remove (what it sends when it stops a job): both accepted
+    // while full; container, key and directory go (which frees a little space: last).
+    let r = shim.terminate("t5", "terminated_by_server", "", 0);
+    assert_eq!(r.status, 200, "{r:?}");
+    let r = shim.remove("t5");
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(shim.info_opt("t5").is_none());
+    assert_eq!(shim.running(&t5_cid), None, "t5's container is removed");
+    assert!(
+        !shim
+            .tasks_dir()
+            .join(t5["container_name"].as_str().unwrap())
+            .exists()
+    );
+    assert!(!marked_keys(&user).contains(&key_blob(&k5)));
+
+    // Space returns: everything converges without a restart. The retry pass writes t1's
+    // termination (within a second or two).
     fs.free(&filler);
     let freed = Instant::now();
+    let t1_file = shim
+        .tasks_dir()
+        .join(t1["container_name"].as_str().unwrap())
+        .join("task.json");
+    wait_for("t1's termination lands in its state file", WAIT, || {
+        let file: Value = serde_json::from_slice(&fs_err::read(&t1_file).unwrap()).unwrap();
+        match (
+            file["termination_reason"].as_str(),
+            file["cleaned_up"].as_bool(),
+        ) {
+            (Some("terminated_by_user"), Some(true)) => Ok(()),
+            _ => Err(file.to_string()),
+        }
+    });
+    eprintln!(
+        "MEASURED space freed -> t1's termination written: {:?}",
+        freed.elapsed()
+    );
     let r = shim.terminate("t1", "terminated_by_server", "second", 0);
     assert_eq!(r.status, 200, "{r:?}");
     let t1_done = r.json().unwrap();

@@ -34,6 +34,11 @@ pub struct EngineConfig {
     pub reconcile_interval: Duration,
     /// Lines of log reported for a container that exited with an error.
     pub exit_log_lines: usize,
+    /// How much longer than its stop timeout a terminate may take before it answers with
+    /// what is done so far (SPEC §4: within `timeout` + 5 s; the dstack server sends
+    /// `timeout: 0` and gives up after 9 s). What is not done by then finishes in the
+    /// background.
+    pub terminate_slack: Duration,
 }
 
 impl EngineConfig {
@@ -53,6 +58,7 @@ impl EngineConfig {
             pull_timeout: Duration::from_secs(20 * 60),
             reconcile_interval: Duration::from_secs(1),
             exit_log_lines: 5,
+            terminate_slack: Duration::from_secs(4),
         }
     }
 }

@@ -20,6 +20,7 @@ use prometheus_client::registry::Registry;
 use crate::changes::{ChangeKind, Changes, Subscription};
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
+use crate::labels::TaskRoots;
 use crate::metrics::{Metered, Metrics, WriteTimer};
 
 /// The external systems the engine works with. Real implementations for the binary, fakes for
@@ -207,6 +208,9 @@ pub(crate) struct Inner {
     pub(crate) background: Mutex<Vec<JoinHandle<()>>>,
     pub(crate) store: Arc<Store>,
     pub(crate) owner: String,
+    /// Where this home's task directories are: a container whose runner mount lies there is
+    /// this shim's ([`crate::labels`]).
+    pub(crate) roots: TaskRoots,
     pub(crate) tasks: Mutex<BTreeMap<TaskId, Arc<Slot>>>,
     /// Asks the reconciler for a full list now (the event stream reconnected).
     pub(crate) relist: Notify,
@@ -341,13 +345,47 @@ impl Inner {
             Err(e) => {
                 let message = chain(&e);
                 tracing::warn!(task = %slot.id, error = %message, "cannot write the task's state; retried by the reconciler");
-                (Event::PersistFailed { message }, Some(e))
+                let failure = EngineError::StateWrite {
+                    id: slot.id.clone(),
+                    source: Box::new(e),
+                };
+                (Event::PersistFailed { message }, Some(failure))
             }
         };
         let more = self.apply(slot, outcome)?;
         // Relocks (the only actions a write may carry along) go first.
         actions.extend(more);
         Ok((actions, failure))
+    }
+
+    /// Whether `slot` is still the task table's entry for its task (not removed).
+    pub(crate) fn holds(&self, slot: &Arc<Slot>) -> bool {
+        self.table()
+            .get(&slot.id)
+            .is_some_and(|s| Arc::ptr_eq(s, slot))
+    }
+
+    /// What a terminate does, to its end: the step (its write, its stop or pull cancel),
+    /// then, once start let go (bounded), the release. A state write that fails does not stop
+    /// it: the stop and the release do not wait for the disk (SPEC §4).
+    async fn terminate_job(self: &Arc<Self>, slot: &Arc<Slot>, event: Event) -> Result<()> {
+        match self.drive(slot, event).await {
+            Ok(()) => {}
+            Err(e @ EngineError::StateWrite { .. }) => {
+                tracing::warn!(task = %slot.id, error = %chain(&e), "terminate: the termination cannot be written yet; the task is stopped and released all the same, and the reconciler writes it when the disk allows");
+            }
+            Err(e) => return Err(e),
+        }
+        // Start stops at its next step and releases what it acquired: wait for it, so the
+        // server's remove that follows a terminate finds the task settled.
+        slot.start_settled(START_SETTLE).await;
+        if slot.lock().needs_release() {
+            match self.drive(slot, Event::ReleaseRequested).await {
+                Ok(()) | Err(EngineError::StateWrite { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     /// Deletes the task's directory; no later write recreates it.
@@ -453,13 +491,10 @@ impl Drop for StartingGuard<'_> {
 
 /// How long terminate and remove wait for a start job to let go of a task (a cancelled pull
 /// returns at once; preparing a volume can take longer). Kept well under the dstack server's
-/// 9-second request timeout: past it, terminate answers `terminated` anyway and start releases
-/// when it returns; remove answers 409 and the server retries.
+/// 9-second request timeout: past it, start releases when it returns; remove answers 409 and
+/// the server retries. Terminate's answer is bounded by its own budget
+/// ([`EngineConfig::terminate_slack`]) whatever this wait does.
 const START_SETTLE: Duration = Duration::from_secs(4);
-
-/// How much longer than the stop's grace period terminate waits for the stop before it
-/// answers (the stop goes on in the background).
-const STOP_SLACK: Duration = Duration::from_secs(4);
 
 /// How long remove waits for a release in flight (the reconciler's) to end.
 const RELEASE_SETTLE: Duration = Duration::from_secs(4);
@@ -511,6 +546,10 @@ impl Engine {
         let home = cfg.home.clone();
         let store = Arc::new(tokio::task::spawn_blocking(move || Store::open(home)).await??);
         let owner = crate::restore::determine_owner(&store, deps.runtime.as_ref()).await?;
+        let roots = {
+            let home = store.home().to_path_buf();
+            tokio::task::spawn_blocking(move || TaskRoots::of_home(&home)).await?
+        };
         // Events are read from before the start-up list on: nothing falls between them.
         let since = i64::try_from(
             SystemTime::now()
@@ -536,6 +575,7 @@ impl Engine {
             deps,
             store,
             owner,
+            roots,
             tasks: Mutex::new(BTreeMap::new()),
             relist: Notify::new(),
             events_since: AtomicI64::new(since),
@@ -723,11 +763,17 @@ impl Engine {
     }
 
     /// Terminates a task: in any status but `terminated` it becomes `terminated` with the given
-    /// reason and message (persisted first); a running container is stopped with `timeout`
-    /// (0 kills at once), a pull in flight is cancelled at once, and start stops at its next
-    /// step. A terminated task is left as it is (its first reason is kept). Resources are
-    /// released before this returns, unless start still owns the task (start releases when it
-    /// returns).
+    /// reason and message; a running container is stopped with `timeout` (0 kills at once), a
+    /// pull in flight is cancelled at once, and start stops at its next step. A terminated task
+    /// is left as it is (its first reason is kept). Resources are released, by start when it
+    /// still owns the task.
+    ///
+    /// Answers within `timeout` + [`EngineConfig::terminate_slack`] whatever the host does
+    /// (SPEC §4): a start in flight, a slow stop, a slow unmount or a busy daemon finish in the
+    /// background, and the answer is the task's view then, which shows what is durable. A
+    /// state file that cannot be written (a full disk) does not fail the terminate: the stop
+    /// and the release go out all the same, the view keeps showing the last durable status
+    /// until the reconciler writes the termination, and a remove is accepted.
     pub async fn terminate(
         &self,
         id: &TaskId,
@@ -736,32 +782,29 @@ impl Engine {
         timeout: Duration,
     ) -> Result<TaskInfo> {
         let slot = self.inner.slot(id)?;
+        let budget = timeout.saturating_add(self.inner.cfg.terminate_slack);
+        let deadline = tokio::time::Instant::now().checked_add(budget);
         let event = Event::TerminateRequested {
             reason,
             message,
             timeout_s: timeout.as_secs(),
         };
-        // The stop and the release run in a job of their own: a daemon that does not answer
-        // (frozen, restarting) does not hold the answer past the grace period and a bound;
-        // they finish in the background, and the answer says what is durable by then. A
-        // failed write is answered (500, with its cause) as soon as it happens.
+        // Everything terminate calls for runs in a job of its own, to its end; the answer
+        // waits for it only until the deadline.
         let job = {
             let inner = self.inner.clone();
             let slot = slot.clone();
-            tokio::spawn(async move { inner.drive(&slot, event).await })
+            tokio::spawn(async move { inner.terminate_job(&slot, event).await })
         };
-        match tokio::time::timeout(timeout.saturating_add(STOP_SLACK), job).await {
-            Ok(done) => done??,
+        let done = match deadline {
+            Some(deadline) => tokio::time::timeout_at(deadline, job).await,
+            None => Ok(job.await),
+        };
+        match done {
+            Ok(finished) => finished??,
             Err(_) => {
-                tracing::warn!(task = %id, "terminate: the stop is still running; answering now, it finishes in the background");
-                return Ok(slot.lock().info());
+                tracing::warn!(task = %id, ?budget, "terminate: not done within its budget; answering with what is durable, the rest finishes in the background");
             }
-        }
-        // Start stops at its next step and releases what it acquired: wait for it, so the
-        // server's remove that follows a terminate finds the task settled.
-        slot.start_settled(START_SETTLE).await;
-        if slot.lock().needs_release() {
-            self.inner.drive(&slot, Event::ReleaseRequested).await?;
         }
         Ok(slot.lock().info())
     }
@@ -782,6 +825,9 @@ impl Engine {
                 {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
+                // Forgotten: removed, whatever a write on the way said (the record went with
+                // its directory).
+                Err(EngineError::StateWrite { .. }) if !self.inner.holds(&slot) => return Ok(()),
                 other => return other,
             }
         }

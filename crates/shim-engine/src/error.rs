@@ -30,6 +30,17 @@ pub enum EngineError {
     /// The task store failed.
     #[error("task store: {0}")]
     Store(#[from] shim_store::StoreError),
+    /// A task's state file could not be written (e.g. a full disk). The task keeps the change
+    /// in memory, shows its last durable state, and the reconciler retries the write; what
+    /// ends the task (a stop, a release) went out all the same.
+    #[error("cannot write the state file of task {id}")]
+    StateWrite {
+        /// The task.
+        id: TaskId,
+        /// Why.
+        #[source]
+        source: Box<EngineError>,
+    },
     /// The container runtime failed.
     #[error("container runtime: {0}")]
     Runtime(#[from] shim_runtime::RuntimeError),

@@ -298,16 +298,16 @@ impl Inner {
         self.own_container_id(name, id).await.is_some()
     }
 
-    /// The id of the container named `name` if it carries this engine's owner label and task
-    /// `id`'s label.
+    /// The id of the container named `name` if it is this shim's (its runner mount lies in
+    /// this home: [`crate::labels`]) and carries task `id`'s label.
     async fn own_container_id(&self, name: &str, id: &shim_task::TaskId) -> Option<String> {
         let d = self.deps.runtime.inspect(name).await.ok()?;
-        let ours = d.labels.get(crate::labels::LABEL_OWNER) == Some(&self.owner)
-            && d.labels
-                .get(crate::labels::LABEL_TASK_ID)
-                .map(String::as_str)
-                == Some(id.as_str());
-        ours.then_some(d.id)
+        let task = d
+            .labels
+            .get(crate::labels::LABEL_TASK_ID)
+            .map(String::as_str)
+            == Some(id.as_str());
+        (task && self.owns(&d.mounts).await).then_some(d.id)
     }
 
     /// Starts the container and reads its published ports. On an NVIDIA host, a start that

@@ -27,7 +27,7 @@ use shim_task::TaskStatus;
 use shim_task::machine::{Event, Observation};
 
 use crate::engine::{Inner, Slot, chain, now_ms};
-use crate::labels::{LABEL_TASK_ID, any_shim_filter, is_ours};
+use crate::labels::{LABEL_TASK_ID, any_shim_filter};
 
 /// How often failed side effects and queued events are retried.
 const RETRY_EVERY: Duration = Duration::from_secs(1);
@@ -52,12 +52,7 @@ impl Inner {
     /// This shim's containers, in one list request.
     pub(crate) async fn list_ours(&self) -> shim_runtime::Result<Vec<ContainerSummary>> {
         let containers = self.deps.runtime.list(&any_shim_filter()).await?;
-        let dirs = self.runners_dirs();
-        let dirs: Vec<&std::path::Path> = dirs.iter().map(std::path::PathBuf::as_path).collect();
-        Ok(containers
-            .into_iter()
-            .filter(|c| is_ours(&c.labels, &c.mounts, &self.owner, &dirs))
-            .collect())
+        Ok(self.ours(containers).await)
     }
 
     /// One full cycle: one list request, then every task against it. Returns whether the
@@ -142,8 +137,8 @@ impl Inner {
             return;
         }
         if dirty && let Err(e) = self.drive(slot, Event::PersistRequested).await {
+            // What ends the task does not wait for the disk: its stop and release go on.
             tracing::warn!(task = %slot.id, error = %chain(&e), "state write still failing");
-            return;
         }
         let (needs_release, stop_failed, container_id) = {
             let t = slot.lock();

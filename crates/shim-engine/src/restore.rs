@@ -24,7 +24,7 @@ use crate::engine::{Inner, Slot, chain, now_ms};
 use crate::error::{EngineError, Result};
 use crate::labels::{
     LABEL_GPUS, LABEL_OWNER, LABEL_TASK_ID, LEGACY_LABEL_TASK, any_shim_filter, is_ours,
-    legacy_owner_identity, new_owner_identity, runner_mount,
+    is_ours_lexically, legacy_owner_identity, new_owner_identity, runner_mount,
 };
 
 /// How long start-up waits for the container runtime before giving up.
@@ -99,16 +99,45 @@ enum Found {
 }
 
 impl Inner {
-    /// The runners directory as spelled and as resolved (containers record either).
-    pub(crate) fn runners_dirs(&self) -> Vec<PathBuf> {
-        let dir = self.store.runners_dir().to_path_buf();
-        let mut dirs = vec![dir.clone()];
-        if let Ok(c) = fs_err::canonicalize(&dir)
-            && c != dir
-        {
-            dirs.push(c);
+    /// The containers of `containers` that are this shim's: their runner mount lies in this
+    /// home's task roots ([`crate::labels`]). Most are decided as spelled; the others, whose
+    /// sources need their links resolved, off the async workers.
+    pub(crate) async fn ours(&self, containers: Vec<ContainerSummary>) -> Vec<ContainerSummary> {
+        let mut ours = Vec::new();
+        let mut unsure = Vec::new();
+        for c in containers {
+            match is_ours_lexically(&c.mounts, &self.roots) {
+                Some(true) => ours.push(c),
+                Some(false) => {}
+                None => unsure.push(c),
+            }
         }
-        dirs
+        if !unsure.is_empty() {
+            let roots = self.roots.clone();
+            let resolved = tokio::task::spawn_blocking(move || {
+                unsure
+                    .into_iter()
+                    .filter(|c| is_ours(&c.mounts, &roots))
+                    .collect::<Vec<_>>()
+            })
+            .await;
+            match resolved {
+                Ok(more) => ours.extend(more),
+                Err(e) => tracing::error!(error = %e, "resolving container mounts failed"),
+            }
+        }
+        ours
+    }
+
+    /// Whether a container with these mounts is this shim's (see [`Inner::ours`]).
+    pub(crate) async fn owns(&self, mounts: &[shim_runtime::MountPoint]) -> bool {
+        if let Some(known) = is_ours_lexically(mounts, &self.roots) {
+            return known;
+        }
+        let (mounts, roots) = (mounts.to_vec(), self.roots.clone());
+        tokio::task::spawn_blocking(move || is_ours(&mounts, &roots))
+            .await
+            .unwrap_or(false)
     }
 
     /// Restores every task of this shim. Nothing is released before every live task's SSH
@@ -178,8 +207,20 @@ impl Inner {
             }
             // A container of the upstream version without state files mounts its whole
             // task directory: nothing the shim keeps may be written there.
-            let whole_dir = runner_mount(&c.mounts)
-                .is_some_and(|src| Path::new(src).parent() == Some(self.store.runners_dir()));
+            // (Its mount is the task directory itself, under a root, however spelled.)
+            let whole_dir = match runner_mount(&c.mounts).map(PathBuf::from) {
+                None => false,
+                Some(src) => {
+                    let located = match self.roots.locate_lexically(&src) {
+                        Some(rel) => Some(rel),
+                        None => {
+                            let roots = self.roots.clone();
+                            tokio::task::spawn_blocking(move || roots.locate(&src)).await?
+                        }
+                    };
+                    located.is_some_and(|rel| rel.components().count() == 1)
+                }
+            };
             observed.insert(o.name.clone(), (o, whole_dir));
         }
 
@@ -327,12 +368,7 @@ impl Inner {
     /// Lists this shim's containers; waits (bounded) for the runtime.
     async fn list_at_startup(&self) -> Result<Vec<ContainerSummary>> {
         let summaries = list_waiting(self.deps.runtime.as_ref(), &any_shim_filter()).await?;
-        let dirs = self.runners_dirs();
-        let dirs: Vec<&Path> = dirs.iter().map(PathBuf::as_path).collect();
-        Ok(summaries
-            .into_iter()
-            .filter(|s| is_ours(&s.labels, &s.mounts, &self.owner, &dirs))
-            .collect())
+        Ok(self.ours(summaries).await)
     }
 
     /// What restore needs of a container, or `None` if it has no valid task id label. The

@@ -495,6 +495,16 @@ fn crash_and_restore_on_real_docker() {
     .filter(|l| l.starts_with("ai.dstack.shim."))
     .map(str::to_owned)
     .collect();
+    // Its mounts too: what makes a container this shim's is its runner mount.
+    let mounts: Vec<String> = docker(&[
+        "inspect",
+        "-f",
+        "{{range .Mounts}}type=bind,source={{.Source}},target={{.Destination}} {{end}}",
+        &never_info.container_id,
+    ])
+    .split_whitespace()
+    .map(str::to_owned)
+    .collect();
     docker(&["rm", "-f", &never_info.container_id]);
     let mut args = vec![
         "create".to_owned(),
@@ -504,6 +514,10 @@ fn crash_and_restore_on_real_docker() {
     for l in &labels {
         args.push("--label".to_owned());
         args.push(l.clone());
+    }
+    for m in &mounts {
+        args.push("--mount".to_owned());
+        args.push(m.clone());
     }
     args.extend([shim_e2e::image(), "true".to_owned()]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();

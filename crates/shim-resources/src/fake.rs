@@ -42,7 +42,8 @@ pub enum FakeCall {
 }
 
 /// In-memory volumes: `prepare` "mounts" under a fake root, `release` "unmounts"; volumes named
-/// in [`FakeVolumes::fail_prepare`] / [`FakeVolumes::fail_release`] fail.
+/// in [`FakeVolumes::fail_prepare`] / [`FakeVolumes::fail_release`] fail, and releases wait
+/// while [`FakeVolumes::hold_releases`] holds them (a slow unmount).
 #[derive(Debug)]
 pub struct FakeVolumes {
     root: PathBuf,
@@ -50,6 +51,8 @@ pub struct FakeVolumes {
     fail_prepare: Mutex<BTreeSet<String>>,
     fail_release: Mutex<BTreeSet<String>>,
     calls: Mutex<Vec<FakeCall>>,
+    /// Releases wait while true.
+    held: tokio::sync::watch::Sender<bool>,
 }
 
 impl FakeVolumes {
@@ -61,7 +64,18 @@ impl FakeVolumes {
             fail_prepare: Mutex::default(),
             fail_release: Mutex::default(),
             calls: Mutex::default(),
+            held: tokio::sync::watch::Sender::new(false),
         }
+    }
+
+    /// Makes every release wait (after it is recorded) until [`FakeVolumes::let_releases_go`].
+    pub fn hold_releases(&self) {
+        self.held.send_replace(true);
+    }
+
+    /// Lets held releases, and the following ones, proceed.
+    pub fn let_releases_go(&self) {
+        self.held.send_replace(false);
     }
 
     /// Makes `prepare` of volume `name` fail (or succeed again with `false`).
@@ -120,6 +134,9 @@ impl VolumeManager for FakeVolumes {
 
     async fn release(&self, volume: &MountedVolume) -> Result<()> {
         lock(&self.calls).push(FakeCall::Release(volume.mount_point.clone()));
+        let mut held = self.held.subscribe();
+        // The sender lives as long as self: wait_for cannot fail here.
+        let _ = held.wait_for(|h| !h).await;
         if lock(&self.fail_release).contains(&volume.name) {
             return Err(fake_error(&format!("release {}", volume.name)));
         }

@@ -3,7 +3,8 @@
 //!
 //! It records every call ([`FakeRuntime::calls`]) and can be told to make a container exit
 //! ([`FakeRuntime::exit`], which also emits the exit event), vanish, fail or hang on start,
-//! fail, hang or time out on pull, report logs, answer lists and event subscriptions late,
+//! fail, hang or time out on pull, hold stops, report logs, answer lists and event
+//! subscriptions late, refuse a create whose bind source is missing (as Docker does),
 //! break event streams, or have the daemon unreachable.
 //!
 //! Container ids are 64 hex digits, counting up from 1; published host ports are assigned from
@@ -164,6 +165,11 @@ struct State {
     events_fail_late: bool,
     /// Event subscriptions answer only once released.
     hold_subscriptions: bool,
+    /// Stops answer only once released (the stop itself happens when released).
+    hold_stops: bool,
+    /// A create fails, as Docker's does, when a bind mount's source does not exist on this
+    /// host.
+    check_bind_sources: bool,
 }
 
 /// The in-memory fake runtime. Cheap to clone (clones share state).
@@ -178,6 +184,7 @@ pub struct FakeRuntime {
     /// Bumped to end every open event stream with an error.
     streams_broken: Arc<watch::Sender<u64>>,
     subscriptions_released: Arc<watch::Sender<u64>>,
+    stops_released: Arc<watch::Sender<u64>>,
 }
 
 impl Default for FakeRuntime {
@@ -241,6 +248,7 @@ impl FakeRuntime {
             lists_released: Arc::new(watch::channel(0).0),
             streams_broken: Arc::new(watch::channel(0).0),
             subscriptions_released: Arc::new(watch::channel(0).0),
+            stops_released: Arc::new(watch::channel(0).0),
         }
     }
 
@@ -409,6 +417,27 @@ impl FakeRuntime {
     pub fn release_subscriptions(&self) {
         self.lock().hold_subscriptions = false;
         self.subscriptions_released.send_modify(|n| *n += 1);
+    }
+
+    /// Makes every following stop wait, before it stops anything, until
+    /// [`FakeRuntime::release_stops`] (a busy daemon, or a process that takes its grace
+    /// period).
+    pub fn hold_stops(&self) {
+        self.lock().hold_stops = true;
+    }
+
+    /// Lets every held stop proceed, and the following ones stop at once.
+    pub fn release_stops(&self) {
+        self.lock().hold_stops = false;
+        self.stops_released.send_modify(|n| *n += 1);
+    }
+
+    /// Makes creates check, as Docker does for `Mounts` of type `bind`, that every bind
+    /// mount's source exists on this host: a create with a missing one fails ("bind source
+    /// path does not exist") and makes no container. Off by default (tests mount made-up
+    /// paths).
+    pub fn check_bind_sources(&self, on: bool) {
+        self.lock().check_bind_sources = on;
     }
 
     /// The exit code containers get when stopped (default: 137 when killed at once, 143
@@ -717,6 +746,23 @@ impl ContainerRuntime for FakeRuntime {
                 what: format!("image {}", spec.image),
             });
         }
+        if state.check_bind_sources
+            && let Some(missing) = spec
+                .mounts
+                .iter()
+                .find(|m| fs_err::metadata(&m.source).is_err())
+        {
+            // Docker's answer (API 1.41) for `Mounts` of type `bind` with a missing source.
+            return Err(RuntimeError::Daemon {
+                op: "create",
+                what: format!("container {}", spec.name),
+                status: 400,
+                message: format!(
+                    "invalid mount config for type \"bind\": bind source path does not exist: {}",
+                    missing.source.display()
+                ),
+            });
+        }
         if state.containers.values().any(|c| c.spec.name == spec.name) {
             return Err(RuntimeError::Conflict {
                 op: "create",
@@ -841,8 +887,18 @@ impl ContainerRuntime for FakeRuntime {
     }
 
     async fn stop(&self, id: &str, timeout: Duration) -> Result<()> {
+        // Subscribed before the call is recorded (see `pull`).
+        let mut released = self.stops_released.subscribe();
+        released.mark_unchanged();
+        let held = self
+            .record(Call::Stop(id.to_owned(), timeout), id)?
+            .hold_stops;
+        if held {
+            // The sender lives as long as self: changed() cannot fail here.
+            let _ = released.changed().await;
+        }
         let (full_id, code) = {
-            let mut state = self.record(Call::Stop(id.to_owned(), timeout), id)?;
+            let mut state = self.lock();
             let code = state
                 .stop_exit_code
                 .unwrap_or(if timeout.is_zero() { 137 } else { 143 });
@@ -1085,6 +1141,57 @@ mod tests {
             }
         );
         assert_eq!(fake.inspect(&id).await.unwrap().exit_code, Some(143));
+    }
+
+    #[tokio::test]
+    async fn held_stops_stop_once_released() {
+        let fake = FakeRuntime::new();
+        let id = fake.add_container(&spec("a", "me"), ContainerState::Running, None);
+        fake.hold_stops();
+        let stop = {
+            let (fake, id) = (fake.clone(), id.clone());
+            tokio::spawn(async move { fake.stop(&id, Duration::ZERO).await })
+        };
+        fake.wait_for_count("stop", 0).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!stop.is_finished());
+        assert_eq!(fake.state(&id), Some(ContainerState::Running));
+        fake.release_stops();
+        stop.await.unwrap().unwrap();
+        assert_eq!(fake.state(&id), Some(ContainerState::Exited));
+    }
+
+    #[tokio::test]
+    async fn a_missing_bind_source_fails_the_create_when_checked() {
+        let fake = FakeRuntime::new();
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = spec("a", "me");
+        fake.add_image(&s.image);
+        s.mounts = vec![
+            crate::spec::BindMount {
+                source: dir.path().to_path_buf(),
+                target: "/tmp/runner".into(),
+                read_only: false,
+            },
+            crate::spec::BindMount {
+                source: dir.path().join("missing"),
+                target: "/usr/local/bin/dstack-runner".into(),
+                read_only: true,
+            },
+        ];
+        // Off by default.
+        let id = fake.create(&s).await.unwrap();
+        fake.remove(&id).await.unwrap();
+        fake.check_bind_sources(true);
+        let e = fake.create(&s).await.unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("bind source path does not exist")
+                && text.contains(&dir.path().join("missing").display().to_string()),
+            "{text}"
+        );
+        assert!(fake.container_ids().is_empty());
+        assert!(!dir.path().join("missing").exists());
     }
 
     #[tokio::test]

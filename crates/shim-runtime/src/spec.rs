@@ -45,7 +45,8 @@ impl NetworkMode {
     }
 }
 
-/// A bind mount.
+/// A bind mount: Docker `Mounts` of type `bind`, as upstream makes them, so a missing source
+/// fails the create instead of becoming a directory Docker creates on the host.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct BindMount {
     /// The host path.
@@ -353,6 +354,9 @@ pub fn build_container_spec(inputs: &ContainerInputs) -> ContainerSpec {
         target: RUNNER_DIR_IN_CONTAINER.to_owned(),
         read_only: false,
     });
+    // Upstream binds it read-write (runner/internal/shim/docker.go, `DockerMounts`); here it
+    // is read-only: the shim itself runs `<runner binary> --version` on the host (the
+    // components list), so a container that could write it could run code on the host.
     spec.mounts.push(BindMount {
         source: inputs.runner.binary_host_path.clone(),
         target: RUNNER_BINARY_IN_CONTAINER.to_owned(),

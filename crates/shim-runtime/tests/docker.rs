@@ -216,6 +216,100 @@ async fn dev_shm_is_noexec_by_default_and_exec_with_shm_size() {
     assert!(logs.iter().any(|l| l == "shm-exec-ok"), "{logs:?}");
 }
 
+const MOUNTS_SCRIPT: &str = "cat /tmp/runner/hello; \
+(echo x >> /usr/local/bin/dstack-runner) 2>/dev/null && echo runner-rw || echo runner-ro; \
+touch /data/written && echo data-rw";
+
+/// Issue 22, SPEC §6: bind mounts are made as upstream makes them, Docker `Mounts` of type
+/// `bind` (upstream: runner/internal/shim/docker.go, `DockerMounts`, `getVolumeMounts`,
+/// `getInstanceMounts`), never `Binds`. A missing source (a runner binary whose download
+/// failed) fails the create with Docker's message naming the path, and nothing appears at that
+/// path (with `Binds`, Docker made a directory there). Present sources are mounted with their
+/// read-only flags, `/dev/shm` stays the exec tmpfs of `HostConfig.Tmpfs`, and the list and
+/// inspect report each mount's source (restore reads the runner directory's from the list).
+#[tokio::test]
+async fn binds_are_mounts_and_a_missing_source_fails_the_create_creating_nothing() {
+    if !docker_tests_enabled("binds_are_mounts") {
+        return;
+    }
+    let docker = runtime().await;
+    let run = unique("mounts");
+    let guard = Cleanup::new(&run);
+    let dir = tempfile::tempdir().unwrap();
+    let runner_dir = dir.path().join("runner");
+    let data = dir.path().join("data");
+    fs_err::create_dir_all(&runner_dir).unwrap();
+    fs_err::create_dir_all(&data).unwrap();
+    fs_err::write(runner_dir.join("hello"), "hello-from-host\n").unwrap();
+
+    // The runner binary is missing: no container, no directory at its path.
+    let missing = dir.path().join("no-runner").join("dstack-runner");
+    let mut inputs = runner_inputs(
+        &format!("{run}-missing"),
+        guard.labels(),
+        &runner_dir,
+        NetworkMode::Host,
+    );
+    inputs.runner.binary_host_path = missing.clone();
+    let e = docker
+        .create(&build_container_spec(&inputs))
+        .await
+        .unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.contains(&missing.display().to_string()) && text.contains("does not exist"),
+        "the error names the missing path: {text}"
+    );
+    assert!(!missing.exists(), "Docker made something at {missing:?}");
+    assert!(!missing.parent().unwrap().exists());
+    assert!(docker.list(&guard.labels).await.unwrap().is_empty());
+
+    // Every source present: mounted, the runner binary read-only, with an exec /dev/shm.
+    let mut inputs = runner_inputs(&run, guard.labels(), &runner_dir, NetworkMode::Host);
+    inputs.mounts = vec![BindMount {
+        source: data.clone(),
+        target: "/data".to_owned(),
+        read_only: false,
+    }];
+    inputs.shm_size = 64 << 20;
+    let mut spec = build_container_spec(&inputs);
+    spec.cmd = vec![format!("{MOUNTS_SCRIPT}; {SHM_SCRIPT}")];
+    let (details, logs) = run_to_exit(&docker, &spec).await;
+    assert_eq!(details.exit_code, Some(0), "{logs:?}");
+    for line in ["hello-from-host", "runner-ro", "data-rw", "shm-exec-ok"] {
+        assert!(logs.iter().any(|l| l == line), "{line} missing: {logs:?}");
+    }
+    assert!(data.join("written").exists());
+    let by_target = |mounts: &[shim_runtime::MountPoint]| -> BTreeMap<String, (String, bool)> {
+        mounts
+            .iter()
+            .map(|m| (m.destination.clone(), (m.source.clone(), m.read_write)))
+            .collect()
+    };
+    let expected = BTreeMap::from([
+        (
+            RUNNER_DIR_IN_CONTAINER.to_owned(),
+            (runner_dir.display().to_string(), true),
+        ),
+        // Docker reports a bind's source cleaned (`..` resolved, links kept).
+        (
+            "/usr/local/bin/dstack-runner".to_owned(),
+            (
+                fs_err::canonicalize(runner_binary())
+                    .unwrap()
+                    .display()
+                    .to_string(),
+                false,
+            ),
+        ),
+        ("/data".to_owned(), (data.display().to_string(), true)),
+    ]);
+    assert_eq!(by_target(&details.mounts), expected);
+    let listed = docker.list(&guard.labels).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(by_target(&listed[0].mounts), expected);
+}
+
 fn runner_inputs(
     run: &str,
     labels: BTreeMap<String, String>,

@@ -9,14 +9,22 @@
 //! The record ([`Task::record`]) is what the machine intends; [`Task::saved`] is what the state
 //! file last durably held, and it is what the API shows ([`Task::info`]): the in-memory state
 //! never claims what is not durable. A step that changes the record returns exactly
-//! `[Persist]` and nothing else (one exception below); every side effect that step calls for
+//! `[Persist]` and nothing else (two exceptions below); every side effect that step calls for
 //! waits in the task as an intent (the next start step, a stop, a pull cancel, a release)
 //! and is emitted by the step of [`Event::Persisted`]. So a side effect never runs before the
 //! state that called for it is on disk, and a failed write ([`Event::PersistFailed`]) loses
-//! no intent: the reconciler retries the write ([`Event::PersistRequested`]) and the intents
-//! go out once it succeeds. A request
-//! that finds the record not yet durable retries the write too (a second terminate after the
-//! disk filled up and emptied again answers from a durable record).
+//! no intent: the reconciler retries the write ([`Event::PersistRequested`]) until it
+//! succeeds. A request that finds the record not yet durable retries the write too (a second
+//! terminate after the disk filled up and emptied again answers from a durable record).
+//!
+//! What ends a task does not wait for a write that failed (SPEC §4: a failed state write
+//! never blocks a stop or a release; a task that fills the disk must still be stoppable).
+//! Once a write of a terminated record failed ([`Task::write_failed`]), its stop, its pull
+//! cancel and its release go out at once, and a remove is accepted. They are idempotent: the
+//! record is written when the disk allows, and a crash before that write restores the last
+//! durable record, which repeats them (releasing what is already free is a no-op; at worst
+//! the reason reads as the container's exit). The API keeps showing the durable record
+//! meanwhile. Nothing is acquired without a durable record: start steps still wait.
 //!
 //! The exception is start progress ([`Task::progress_only`]): a step that only advances the
 //! status through `preparing`, `pulling` and `creating`, or records the id of the container
@@ -182,9 +190,13 @@ pub struct Task {
     pub stop: StopState,
     /// An [`Action::Release`] is out and its outcome not yet stepped: no second one is emitted.
     pub release_in_flight: bool,
-    /// A release, a stop or a write just failed: the next one waits for the reconciler's next
-    /// cycle ([`Event::ReleaseRequested`]), never a tight loop.
+    /// A release or a stop just failed: the next one waits for the reconciler's next cycle
+    /// ([`Event::ReleaseRequested`]), never a tight loop.
     pub release_backoff: bool,
+    /// The last write of the record failed (a full disk) and none succeeded since: the stop,
+    /// pull cancel and release a termination calls for no longer wait for it (see the module
+    /// docs); the reconciler retries the write.
+    pub write_failed: bool,
 }
 
 /// What the reconciler saw of a task's container.
@@ -298,7 +310,8 @@ pub enum Event {
         /// What failed.
         message: String,
     },
-    /// A remove request (only for tasks durably terminated whose start has returned).
+    /// A remove request (only for terminated tasks whose start has returned: durably
+    /// terminated, or terminated with a failed write, since remove deletes the record).
     RemoveRequested,
     /// The reconciler's view of the task's container (ignored while start is in flight).
     Observed(Observation),
@@ -526,6 +539,7 @@ impl Task {
             stop: StopState::Idle,
             release_in_flight: false,
             release_backoff: false,
+            write_failed: false,
         }
     }
 
@@ -594,7 +608,7 @@ impl Task {
     /// resources).
     pub fn needs_release(&self) -> bool {
         self.record.status == TaskStatus::Terminated
-            && !self.dirty
+            && self.releases_may_go()
             && self.record.resources.holds_any()
             && !self.start_in_flight
             && matches!(self.stop, StopState::Idle | StopState::Failed)
@@ -614,9 +628,18 @@ impl Task {
     /// A durably terminated task whose last stop failed, with nothing else in flight.
     pub fn stop_failed(&self) -> bool {
         self.record.status == TaskStatus::Terminated
-            && !self.dirty
+            && self.releases_may_go()
             && !self.start_in_flight
             && self.stop == StopState::Failed
+    }
+
+    /// Whether what ends a task (a stop, a pull cancel, a release) may go out now: once the
+    /// record that called for it is durable, or when its write failed. Those are idempotent,
+    /// so they never wait for a disk that cannot take the record (SPEC §4: a failed state
+    /// write never blocks a stop or a release); a crash before the record is written repeats
+    /// them.
+    fn releases_may_go(&self) -> bool {
+        !self.dirty || self.write_failed
     }
 
     fn config(&self) -> Option<&TaskConfig> {
@@ -1029,7 +1052,11 @@ fn apply(t: &mut Task, event: Event, actions: &mut Vec<Action>) -> Result<Shape,
             t.last_error = Some(message);
         }
         Event::RemoveRequested => {
-            if t.saved.status != TaskStatus::Terminated {
+            // Terminated durably, or terminated and its write failed: remove deletes the
+            // record anyway, so the disk that could not take it does not keep the task.
+            let terminated = t.record.status == TaskStatus::Terminated
+                && (t.saved.status == TaskStatus::Terminated || t.write_failed);
+            if !terminated {
                 return Err(TransitionError::NotTerminated {
                     id: t.record.id.clone(),
                     status: t.saved.status,
@@ -1046,6 +1073,12 @@ fn apply(t: &mut Task, event: Event, actions: &mut Vec<Action>) -> Result<Shape,
                 });
             }
             t.release_backoff = true;
+            // The container is force-removed: a stop still wanted (its record's write failed)
+            // is moot. Should the removal fail, the reconciler sees a running container and
+            // stops it.
+            if matches!(t.stop, StopState::Wanted { .. } | StopState::Failed) {
+                t.stop = StopState::Idle;
+            }
             actions.push(Action::RemoveContainer);
             if t.record.resources.holds_any() {
                 t.release_in_flight = true;
@@ -1144,13 +1177,16 @@ fn apply(t: &mut Task, event: Event, actions: &mut Vec<Action>) -> Result<Shape,
         }
         Event::Persisted => {
             t.dirty = false;
+            t.write_failed = false;
             t.progress_only = false;
             t.saved = Saved::of(&t.record);
             t.last_error = None;
         }
         Event::PersistFailed { message } => {
             shape.no_write = true;
-            t.release_backoff = true;
+            // What ends the task goes out without the write (`due`); the write is retried by
+            // the reconciler's next cycle.
+            t.write_failed = true;
             if t.start_in_flight
                 && !t.start_step_out
                 && t.start_step.is_some_and(|s| s != StartStep::Finish)
@@ -1195,13 +1231,15 @@ fn apply(t: &mut Task, event: Event, actions: &mut Vec<Action>) -> Result<Shape,
 
 /// The side effects due now, marking each as out. Only [`Action::FinishStart`] goes out while
 /// the record is not durable, unless all that is not durable is start progress
-/// ([`Task::progress_only`]); everything else waits for the write.
+/// ([`Task::progress_only`]), or its write failed ([`Task::write_failed`]: then what ends the
+/// task, a stop, a pull cancel, a release, goes out too); everything else waits for the
+/// write.
 fn due(t: &mut Task, actions: &mut Vec<Action>) {
-    if !t.dirty && t.cancel_pull {
+    if t.releases_may_go() && t.cancel_pull {
         t.cancel_pull = false;
         actions.push(Action::CancelPull);
     }
-    if !t.dirty
+    if t.releases_may_go()
         && let StopState::Wanted { timeout_s } = t.stop
     {
         t.stop = StopState::InFlight;

@@ -130,6 +130,15 @@ fn trace(args: std::fmt::Arguments<'_>) {
     }
 }
 
+/// What ends a task: it may go out before the termination is durable once its write failed
+/// (SPEC §4: a failed state write never blocks a stop or a release).
+fn ends_task(a: &Action) -> bool {
+    matches!(
+        a,
+        Action::StopContainer { .. } | Action::CancelPull | Action::Release(_)
+    )
+}
+
 fn same_record(a: &TaskRecord, b: &TaskRecord) -> bool {
     let mut b = b.clone();
     b.updated_at_ms = a.updated_at_ms;
@@ -266,9 +275,10 @@ impl Sim {
         } else {
             assert!(after.record.termination_reason.is_none());
         }
-        // Remove only from (durably) terminated.
+        // Remove only from terminated: durably, or with its write failed (remove deletes the
+        // record).
         if is_remove {
-            assert_eq!(before.saved.status, TaskStatus::Terminated);
+            assert!(before.saved.status == TaskStatus::Terminated || before.write_failed);
             assert_eq!(before.record.status, TaskStatus::Terminated);
             assert!(!before.start_in_flight);
         }
@@ -328,9 +338,11 @@ impl Sim {
             let next = step(&tr.task, outcome, self.now).unwrap();
             assert!(!next.actions.contains(&Action::Persist));
             if failed {
-                assert!(next.task.dirty);
+                assert!(next.task.dirty && next.task.write_failed);
+                // Only what ends a terminated task goes out without its write.
                 assert!(
-                    next.actions.iter().all(|a| !a.needs_durable_record()),
+                    next.actions.iter().all(|a| !a.needs_durable_record()
+                        || (ends_task(a) && next.task.record.status == TaskStatus::Terminated)),
                     "{:?}",
                     next.actions
                 );
@@ -343,20 +355,26 @@ impl Sim {
         }
         actions.extend(tr.actions.iter().cloned().map(Op::Do));
         // A side effect goes out only once the record that called for it is durable (a remove
-        // runs on a durably terminated task and deletes its record).
+        // deletes the record), with two exceptions: the next start step while only start
+        // progress is unwritten, and what ends a terminated task once its write failed.
         if !is_remove {
             for op in &actions {
                 if let Op::Do(a) = op
                     && a.needs_durable_record()
                 {
-                    let p = self.world.persisted.as_ref().unwrap();
+                    let p = || self.world.persisted.as_ref().unwrap();
                     if tr.task.progress_only {
                         // Only start progress is unwritten: the next start step may go.
                         assert!(a.is_start_step(), "{a:?} with a record not yet durable");
-                        assert!(only_progress(p, &tr.task.record), "{a:?} unpersisted");
+                        assert!(only_progress(p(), &tr.task.record), "{a:?} unpersisted");
+                    } else if tr.task.dirty && ends_task(a) {
+                        // The termination's write failed: its stop, pull cancel and release
+                        // do not wait for the disk (SPEC §4).
+                        assert!(tr.task.write_failed, "{a:?} before its write was tried");
+                        assert_eq!(tr.task.record.status, TaskStatus::Terminated, "{a:?}");
                     } else {
                         assert!(!tr.task.dirty, "{a:?} with a record not yet durable");
-                        assert!(same_record(&tr.task.record, p), "{a:?} unpersisted");
+                        assert!(same_record(&tr.task.record, p()), "{a:?} unpersisted");
                     }
                 }
             }
@@ -948,9 +966,10 @@ impl Sim {
                 if let Some(t) = self.task.clone() {
                     match self.feed(Event::RemoveRequested, None) {
                         Ok(()) => {}
-                        Err(TransitionError::NotTerminated { .. }) => {
-                            assert_ne!(t.saved.status, TaskStatus::Terminated)
-                        }
+                        Err(TransitionError::NotTerminated { .. }) => assert!(
+                            t.record.status != TaskStatus::Terminated
+                                || (t.saved.status != TaskStatus::Terminated && !t.write_failed)
+                        ),
                         Err(TransitionError::StartInFlight { .. }) => assert!(t.start_in_flight),
                         Err(TransitionError::ReleaseInFlight { .. }) => {
                             assert!(t.release_in_flight)
@@ -976,6 +995,48 @@ impl Sim {
     /// that nothing leaked, and removes the task.
     fn drain_and_check(&mut self) {
         self.failures = false;
+        // SPEC §4: whatever the disk does (it may still be full), a terminate and the
+        // reconciler's next cycle stop the container and release everything; a task that
+        // fills the disk must still be stoppable.
+        self.run_all();
+        if let Some(t) = self.task.clone() {
+            assert!(!t.start_in_flight, "start did not return");
+            self.feed(
+                Event::TerminateRequested {
+                    reason: TerminationReason::TerminatedByServer,
+                    message: "stop".into(),
+                    timeout_s: 0,
+                },
+                None,
+            )
+            .unwrap();
+            self.run_all();
+            self.reconcile(false);
+            self.run_all();
+            if let Some(t) = &self.task {
+                assert_eq!(t.record.status, TaskStatus::Terminated);
+                assert!(
+                    !t.record.resources.holds_any(),
+                    "not released (disk full: {}): {t:?}",
+                    self.disk_full
+                );
+                assert!(
+                    self.world
+                        .container
+                        .as_ref()
+                        .is_none_or(|c| c.state != Ctr::Running),
+                    "container still runs (disk full: {})",
+                    self.disk_full
+                );
+            }
+            assert!(self.world.gpus_locked.is_empty(), "{:?}", self.world);
+            if !self.forgotten {
+                assert!(self.world.volumes_mounted.is_empty(), "{:?}", self.world);
+            }
+            if !self.corrupted {
+                assert!(!self.world.keys_present, "{:?}", self.world);
+            }
+        }
         self.disk_full = false;
         self.run_all();
         if let Some(t) = self.task.clone() {
@@ -1336,7 +1397,16 @@ proptest! {
                 prop_assert!(tr.actions.iter().skip(1).all(|x| !x.needs_durable_record()));
             }
             if tr.actions.iter().any(Action::needs_durable_record) && !is_remove {
-                prop_assert!(!tr.task.dirty || tr.task.progress_only, "{:?}", tr.actions);
+                // Durable, or only start progress unwritten, or what ends a terminated task
+                // after its write failed.
+                let ending = tr.task.write_failed
+                    && a.status == TaskStatus::Terminated
+                    && tr.actions.iter().filter(|x| x.needs_durable_record()).all(ends_task);
+                prop_assert!(
+                    !tr.task.dirty || tr.task.progress_only || ending,
+                    "{:?}",
+                    tr.actions
+                );
             }
             // The shown state changes only with a write's success.
             if tr.task.saved != task.saved {
@@ -1347,7 +1417,8 @@ proptest! {
                 prop_assert!(!a.resources.holds_any());
             }
             if is_remove {
-                prop_assert_eq!(task.saved.status, TaskStatus::Terminated);
+                prop_assert_eq!(b.status, TaskStatus::Terminated);
+                prop_assert!(task.saved.status == TaskStatus::Terminated || task.write_failed);
                 prop_assert!(!task.start_in_flight);
                 prop_assert!(tr.actions.last() == Some(&Action::Forget));
                 break;
@@ -1386,75 +1457,92 @@ fn an_adopted_task_never_written_is_forgotten_when_its_container_goes() {
     sim.drain_and_check();
 }
 
-/// Found by the property test: a volume recorded ahead in memory while the disk is full, then
-/// released again by a remove, leaves the record as it is on disk but marked dirty (one
-/// redundant write); a crash then restores from the disk and nothing is lost.
+/// SPEC §4 (issue 22): a task on a full disk is still stoppable. A terminate whose write fails
+/// stops the container and releases everything at once, the API keeps showing the durable
+/// `running`, and a remove is accepted (it deletes the record the disk could not take). With
+/// a crash before the write instead, the restart restores the durable record (running, its
+/// container exited), the reconciler ends it with the container's exit, and the second
+/// release frees only the GPUs locked again at restore: nothing leaks, nothing is freed twice.
+/// (Replaces two regression tests of sequences that waited for the write.)
 #[test]
-fn a_change_undone_before_its_write_stays_dirty_and_loses_nothing() {
-    let mut sim = Sim::new(config_from(1, false, 1, 0, false));
-    for c in [
-        (0, 0, 0),
-        (29, 0, 1),
-        (29, 0, 0),
-        (48, 0, 0),
-        (28, 114, 0),
-        (29, 0, 1),
-        (29, 0, 0),
-        (157, 0, 0),
-        (125, 0, 0),
-        (61, 0, 0),
-        (0, 0, 0),
-        (153, 0, 0),
-        (61, 0, 29),
-        (29, 0, 179),
-        (29, 0, 0),
-    ] {
-        sim.apply(c);
+fn a_terminate_on_a_full_disk_stops_and_releases_without_its_write() {
+    for crash_before_the_write in [false, true] {
+        let mut sim = Sim::new(config_from(2, true, 2, 0, true));
+        sim.failures = false;
+        sim.run_all();
+        assert_eq!(sim.task.as_ref().unwrap().saved.status, TaskStatus::Running);
+        sim.disk_full = true;
+        sim.feed(
+            Event::TerminateRequested {
+                reason: TerminationReason::TerminatedByUser,
+                message: "full".into(),
+                timeout_s: 0,
+            },
+            None,
+        )
+        .unwrap();
+        sim.run_all();
+        let t = sim.task.clone().unwrap();
+        assert_eq!(
+            t.saved.status,
+            TaskStatus::Running,
+            "the API shows what is durable"
+        );
+        assert!(t.dirty && t.write_failed);
+        assert!(!t.record.resources.holds_any(), "{t:?}");
+        assert_eq!(
+            sim.world.container.as_ref().unwrap().state,
+            Ctr::Exited(137)
+        );
+        assert!(sim.world.gpus_locked.is_empty());
+        assert!(sim.world.volumes_mounted.is_empty());
+        assert!(!sim.world.keys_present);
+        if crash_before_the_write {
+            sim.crash(false, 0);
+            let t = sim.task.clone().unwrap();
+            assert_eq!(t.record.status, TaskStatus::Running, "the durable record");
+            assert_eq!(sim.world.gpus_locked.len(), 2, "locked again at restore");
+            sim.reconcile(false);
+            sim.run_all();
+            let t = sim.task.clone().unwrap();
+            assert_eq!(
+                t.record.termination_reason,
+                Some(TerminationReason::ContainerExitedWithError),
+                "at worst the reason reads as the container's exit"
+            );
+            assert!(!t.record.resources.holds_any());
+            assert!(sim.world.gpus_locked.is_empty());
+        } else {
+            sim.feed(Event::RemoveRequested, None).unwrap();
+            sim.run_all();
+            assert!(sim.task.is_none());
+            assert!(sim.world.container.is_none());
+            assert!(sim.world.persisted.is_none());
+        }
+        sim.drain_and_check();
     }
-    let t = sim.task.clone().unwrap();
-    assert!(t.dirty);
-    assert!(same_record(
-        &t.record,
-        sim.world.persisted.as_ref().unwrap()
-    ));
-    sim.apply((123, 0, 0)); // a crash that loses the state file
-    sim.drain_and_check();
 }
 
-/// Found by the property test (a simulator bug, kept as a regression test): a remove whose
-/// release frees only part of what the task holds, on a task restored with a stop wanted and a
-/// full disk. The write after the partial release lets the wanted stop go out; the engine
-/// carries it out before the remove stops at its `DeleteTaskDir`, so the next reconcile cycle
-/// releases the rest. (The simulator used to drop every action after the partial release,
-/// which left the stop in flight for ever.)
+/// A volume recorded ahead in memory while the disk is full is never mounted (its write-ahead
+/// failed); the start is given up, and what it holds is released when it returns without
+/// waiting for the disk (the unmount of what was never mounted is a no-op). A crash then
+/// restores from the disk, which never named the volume: nothing is lost or leaked.
 #[test]
-fn a_partial_release_during_remove_keeps_what_its_outcome_calls_for() {
-    let mut sim = Sim::new(config_from(0, false, 2, 0, false));
-    for c in [
-        (93, 0, 0),
-        (0, 0, 1),
-        (0, 0, 0),
-        (0, 0, 5),
-        (61, 0, 0),
-        (0, 0, 0),
-        (61, 0, 0),
-        (29, 0, 1),
-        (0, 0, 0),
-        (29, 0, 0),
-        (61, 0, 0),
-        (61, 0, 71),
-        (61, 0, 0),
-        (80, 0, 0),
-        (0, 0, 9),
-        (28, 141, 0),
-        (91, 1, 0),
-        (57, 0, 0),
-        (61, 0, 21),
-        (221, 0, 20),
-    ] {
-        sim.apply(c);
+fn a_volume_recorded_ahead_on_a_full_disk_is_given_up_and_released_at_once() {
+    let mut sim = Sim::new(config_from(1, false, 1, 0, false));
+    sim.failures = false;
+    while !matches!(sim.jobs[0].front(), Some(Op::Do(Action::MountVolume(_)))) {
+        sim.run_one(0, 1);
     }
-    assert_eq!(sim.task.as_ref().unwrap().record.resources.volumes.len(), 2);
+    sim.disk_full = true;
+    sim.run_all();
+    let t = sim.task.clone().unwrap();
+    assert!(t.write_failed && !t.start_in_flight);
+    assert_eq!(t.record.status, TaskStatus::Terminated);
+    assert!(!t.record.resources.holds_any(), "{t:?}");
+    assert!(sim.world.volumes_mounted.is_empty());
+    assert!(sim.world.gpus_locked.is_empty());
+    sim.crash(true, 0);
     sim.drain_and_check();
 }
 

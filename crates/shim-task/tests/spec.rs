@@ -1139,6 +1139,65 @@ fn restore_recorded_reason_wins_and_a_running_container_is_stopped() {
     assert_idempotent(&r, Some(c));
 }
 
+/// A record as the store reads a state file the upstream shim wrote (no fields of this
+/// shim): terminated with its reason, no container id, nothing but `cleaned_up` about the
+/// resources, no times.
+fn upstream_record(reason: TerminationReason) -> TaskRecord {
+    let c = config();
+    TaskRecord {
+        status: TaskStatus::Terminated,
+        termination_reason: Some(reason),
+        termination_message: "stopped from the UI".into(),
+        created_at_ms: 0,
+        updated_at_ms: 0,
+        ..TaskRecord::new(&c, container_name(&c.name, &c.id), 0)
+    }
+}
+
+// Issue 22: a reason the upstream shim recorded wins over its exited container's code, which
+// the start-up list does not carry (`-1`) and an inspect would (`3`). upstream:
+// runner/internal/shim/docker.go (restoreStateFromContainers: an exited container restores as
+// terminated).
+#[test]
+fn restore_an_upstream_recorded_reason_wins_over_an_exited_container() {
+    for code in [-1, 3, 0] {
+        let record = upstream_record(TerminationReason::TerminatedByUser);
+        let c = observed(ContainerState::Exited { code });
+        let (mut r, a) = restored(Some(record), Some(c.clone()), 5_000).unwrap();
+        assert_ended(
+            &r,
+            TerminationReason::TerminatedByUser,
+            "stopped from the UI",
+        );
+        assert_eq!(r.info().container_id, "cid");
+        assert!(
+            a.contains(&Action::Persist),
+            "the container id is recorded: {a:?}"
+        );
+        assert!(
+            !a.contains(&Action::StopContainer { timeout_s: 0 }),
+            "{a:?}"
+        );
+        assert_idempotent(&r, Some(c));
+        // What the reconciler then sees of the container changes nothing.
+        for obs in [
+            Observation::Exited {
+                code,
+                last_lines: vec!["boom".into()],
+                oom_killed: false,
+            },
+            Observation::Missing,
+        ] {
+            go(&mut r, Event::Observed(obs));
+            assert_ended(
+                &r,
+                TerminationReason::TerminatedByUser,
+                "stopped from the UI",
+            );
+        }
+    }
+}
+
 #[test]
 fn restore_recorded_reason_with_a_created_container_stops_it_before_releasing() {
     // Terminated during start, and the shim was killed while Docker started the container:
@@ -1385,39 +1444,96 @@ fn go_disk_full(t: &mut Task, event: Event) -> Vec<Action> {
     actions
 }
 
+// SPEC §4 (issue 22): a failed state write never blocks a stop or a release; a task that
+// fills the disk must still be stoppable. The termination is written when the disk allows;
+// the API shows the durable record meanwhile.
 #[test]
-fn a_terminate_whose_write_fails_changes_nothing_visible_and_is_retried() {
+fn a_terminate_whose_write_fails_still_stops_and_releases() {
     let mut t = running();
-    let terminate = || Event::TerminateRequested {
-        reason: TerminationReason::TerminatedByUser,
-        message: "bye".into(),
+    let terminate = |reason, message: &str| Event::TerminateRequested {
+        reason,
+        message: message.into(),
         timeout_s: 10,
     };
-    let a = go_disk_full(&mut t, terminate());
-    // No stop before the reason is durable, and the API still says running.
-    assert_eq!(a, vec![Action::Persist]);
-    assert_eq!(t.info().status, TaskStatus::Running);
-    assert_eq!(t.info().termination_reason, "");
-    assert!(!t.needs_release());
-    // The reconciler's retry fails too while the disk is full: still nothing.
-    assert_eq!(
-        go_disk_full(&mut t, Event::PersistRequested),
-        vec![Action::Persist]
+    let a = go_disk_full(
+        &mut t,
+        terminate(TerminationReason::TerminatedByUser, "bye"),
     );
-    // A second terminate once space is back: written, then the stop with the first timeout.
-    let a = go(&mut t, terminate());
+    // The stop goes out without waiting for the disk; the API still says running.
     assert_eq!(
         a,
         vec![Action::Persist, Action::StopContainer { timeout_s: 10 }]
     );
+    assert!(t.dirty && t.write_failed);
+    assert_eq!(t.info().status, TaskStatus::Running);
+    assert_eq!(t.info().termination_reason, "");
+    // Then the release, and its record's write fails too: nothing is released twice.
+    let a = go_disk_full(&mut t, Event::ContainerStopped);
+    assert_eq!(a, vec![release_of(&t)]);
+    let a = go_disk_full(
+        &mut t,
+        Event::Released {
+            gpus: vec!["GPU-a".into()],
+            host_keys: true,
+            volumes: vec!["data".into()],
+            unknown_keys: false,
+        },
+    );
+    assert_eq!(a, vec![Action::Persist]);
+    assert!(!t.record.resources.holds_any() && t.record.resources.released);
+    assert!(!t.needs_release() && !t.needs_retry());
+    // A remove is accepted: it deletes the record the disk could not take.
+    let mut removed = t.clone();
+    let a = go_disk_full(&mut removed, Event::RemoveRequested);
+    assert_eq!(
+        a,
+        vec![
+            Action::RemoveContainer,
+            Action::DeleteTaskDir,
+            Action::Forget
+        ]
+    );
+    // The reconciler's retry fails while the disk is full; a second terminate once space is
+    // back writes the first reason, released, and changes nothing else.
+    assert_eq!(
+        go_disk_full(&mut t, Event::PersistRequested),
+        vec![Action::Persist]
+    );
+    let a = go(
+        &mut t,
+        terminate(TerminationReason::TerminatedByServer, "second"),
+    );
+    assert_eq!(a, vec![Action::Persist]);
     assert_ended(&t, TerminationReason::TerminatedByUser, "bye");
-    // Then released as usual.
-    let a = go(&mut t, Event::ContainerStopped);
+    assert!(!t.write_failed && t.saved.released);
+}
+
+#[test]
+fn a_terminate_during_a_pull_whose_write_fails_cancels_the_pull() {
+    let mut t = started_until(StartStep::Pull);
+    let a = go_disk_full(
+        &mut t,
+        Event::TerminateRequested {
+            reason: TerminationReason::TerminatedByUser,
+            message: String::new(),
+            timeout_s: 0,
+        },
+    );
+    assert_eq!(a, vec![Action::Persist, Action::CancelPull]);
+    // Start stops at its next step and releases when it returns, the disk still full.
+    let a = go_disk_full(
+        &mut t,
+        Event::PullFailed {
+            message: "cancelled".into(),
+        },
+    );
+    assert_eq!(a, vec![Action::FinishStart]);
+    let a = go_disk_full(&mut t, Event::StartFinished);
     assert_eq!(a, vec![release_of(&t)]);
 }
 
 #[test]
-fn an_exit_whose_write_fails_keeps_the_resources_until_the_reason_is_durable() {
+fn an_exit_whose_write_fails_releases_without_waiting_for_the_disk() {
     let mut t = running();
     let a = go_disk_full(
         &mut t,
@@ -1427,13 +1543,17 @@ fn an_exit_whose_write_fails_keeps_the_resources_until_the_reason_is_durable() {
             oom_killed: false,
         }),
     );
-    assert_eq!(a, vec![Action::Persist]);
+    assert_eq!(a, vec![Action::Persist, release_of(&t)]);
     assert_eq!(t.status(), TaskStatus::Running, "not durable, not shown");
-    assert!(
-        !t.needs_release(),
-        "released only once the reason is durable"
+    // The release fails (busy); the reconciler's next cycle writes the exit once the disk
+    // allows, and retries the release in the same cycle.
+    go_disk_full(
+        &mut t,
+        Event::ReleaseFailed {
+            message: "busy".into(),
+        },
     );
-    // The reconciler's next cycle writes it and releases in the same cycle.
+    assert!(t.release_backoff);
     let a = go(&mut t, Event::PersistRequested);
     assert_eq!(a, vec![Action::Persist, release_of(&t)]);
     assert_ended(&t, TerminationReason::DoneByRunner, "");
@@ -1455,13 +1575,13 @@ fn a_start_whose_write_fails_is_given_up_with_the_cause() {
         "{}",
         t2.record.termination_message
     );
-    go(&mut t2, Event::StartFinished);
-    // Nothing is released before the termination is durable ...
-    assert!(!t2.needs_release());
-    // ... and all of it right after.
-    let a = go(&mut t2, Event::PersistRequested);
-    assert_eq!(a[0], Action::Persist);
-    assert!(matches!(&a[1], Action::Release(r) if r.gpus == ["GPU-a"] && r.host_keys.is_some()));
+    // What it acquired is released when it returns, without waiting for the disk (the keys
+    // recorded ahead were never added: removing them is a no-op).
+    let a = go_disk_full(&mut t2, Event::StartFinished);
+    assert!(
+        matches!(&a[..], [Action::Release(r)] if r.gpus == ["GPU-a"] && r.host_keys.is_some()),
+        "{a:?}"
+    );
     // A step in flight is not given up by a write failure of another event.
     let a = go_disk_full(
         &mut t,
@@ -1473,6 +1593,8 @@ fn a_start_whose_write_fails_is_given_up_with_the_cause() {
     );
     assert_eq!(a, vec![Action::Persist]);
     assert_eq!(t.start_step, Some(StartStep::AddHostKeys));
+    // Start owns the task: nothing is released before it returns.
+    assert!(!t.needs_release());
 }
 
 /// The first write of a start that acquires nothing is `running`, after the container

@@ -47,6 +47,7 @@ pub struct TestShimBuilder {
     env: Vec<(String, OsString)>,
     docker_host: Option<String>,
     wait_answering: bool,
+    runner: Option<PathBuf>,
 }
 
 impl TestShimBuilder {
@@ -86,6 +87,14 @@ impl TestShimBuilder {
     pub fn docker_host(mut self, host: &str) -> Self {
         self.docker_host = Some(host.to_owned());
         self.env("DOCKER_HOST", host)
+    }
+
+    /// Passes `runner` as `--runner-binary-path` instead of the stub runner (e.g. a path
+    /// that does not exist).
+    #[must_use]
+    pub fn runner_binary(mut self, runner: &Path) -> Self {
+        self.runner = Some(runner.to_owned());
+        self
     }
 
     /// Makes [`TestShim::start`] wait until the healthcheck answers, not only until the port
@@ -135,6 +144,7 @@ impl TestShimBuilder {
             env: self.env,
             docker_host: self.docker_host,
             wait_answering: self.wait_answering,
+            runner: self.runner.unwrap_or_else(crate::runner_path),
             port: 0,
             starts: 0,
             run,
@@ -156,7 +166,7 @@ impl TestShimBuilder {
 /// deleted; when the test is failing, the end of the logs is printed first.
 ///
 /// Every start passes `--shim-home`, `--shim-http-port` (a fresh free port),
-/// `--runner-binary-path` (the stub runner), `--runner-http-port` [`RUNNER_HTTP_PORT`],
+/// `--runner-binary-path` (the stub runner, or the builder's), `--runner-http-port` [`RUNNER_HTTP_PORT`],
 /// `--runner-ssh-port` [`RUNNER_SSH_PORT`], `--fake-gpus` [`FAKE_GPUS`], `--volumes-root`
 /// (`volumes/` beside the logs), `--shim-log-level 5`, then the builder's arguments.
 #[derive(Debug)]
@@ -173,6 +183,8 @@ pub struct TestShim {
     env: Vec<(String, OsString)>,
     docker_host: Option<String>,
     wait_answering: bool,
+    /// `--runner-binary-path`.
+    runner: PathBuf,
     port: u16,
     starts: u32,
     run: String,
@@ -197,6 +209,7 @@ impl TestShim {
             env: Vec::new(),
             docker_host: None,
             wait_answering: false,
+            runner: None,
         }
     }
 
@@ -215,7 +228,7 @@ impl TestShim {
         self.port = free_port().unwrap_or_else(|e| panic!("{e}"));
         let mut args: Vec<OsString> = vec![
             "--runner-binary-path".into(),
-            crate::runner_path().into(),
+            self.runner.clone().into(),
             "--runner-http-port".into(),
             RUNNER_HTTP_PORT.to_string().into(),
             "--runner-ssh-port".into(),

@@ -4,8 +4,8 @@ use std::collections::HashMap;
 
 use bollard::models::{
     ContainerCreateBody, ContainerInspectResponse, DeviceMapping as DockerDevice,
-    DeviceRequest as DockerDeviceRequest, EventMessage, HostConfig, PortBinding, PortMap,
-    ResourcesUlimits,
+    DeviceRequest as DockerDeviceRequest, EventMessage, HostConfig, Mount, MountType, PortBinding,
+    PortMap, ResourcesUlimits,
 };
 
 use crate::spec::{ContainerSpec, DeviceMapping, DeviceRequest, NetworkMode};
@@ -117,13 +117,24 @@ fn published_ports(ports: Option<&PortMap>) -> Vec<PublishedPort> {
 }
 
 /// Builds Docker's create body from a spec.
+///
+/// Bind mounts go in `HostConfig.Mounts` with type `bind`, as upstream makes them
+/// (runner/internal/shim/docker.go: `mount.Mount{Type: mount.TypeBind, ..}`), never in
+/// `HostConfig.Binds`: for a `Binds` entry whose source is missing, Docker creates a directory
+/// there (a missing runner binary would become a directory at its path, and every later
+/// install of it would fail); for a `Mounts` entry it refuses the create ("bind source path
+/// does not exist"), which fails the task with its cause. `/dev/shm` stays in
+/// `HostConfig.Tmpfs`: tmpfs options in `Mounts` need API 1.46, and Docker 20.10 ignores them.
 pub(super) fn create_body(spec: &ContainerSpec) -> ContainerCreateBody {
-    let binds: Vec<String> = spec
+    let mounts: Vec<Mount> = spec
         .mounts
         .iter()
-        .map(|m| {
-            let mode = if m.read_only { ":ro" } else { "" };
-            format!("{}:{}{mode}", m.source.display(), m.target)
+        .map(|m| Mount {
+            typ: Some(MountType::BIND),
+            source: Some(m.source.to_string_lossy().into_owned()),
+            target: Some(m.target.clone()),
+            read_only: Some(m.read_only),
+            ..Mount::default()
         })
         .collect();
     let bridge = spec.network == NetworkMode::Bridge;
@@ -149,7 +160,7 @@ pub(super) fn create_body(spec: &ContainerSpec) -> ContainerCreateBody {
         .collect();
     let opt_vec = |v: Vec<String>| (!v.is_empty()).then_some(v);
     let host_config = HostConfig {
-        binds: opt_vec(binds),
+        mounts: (!mounts.is_empty()).then_some(mounts),
         network_mode: Some(spec.network.as_str().to_owned()),
         port_bindings: (!port_bindings.is_empty()).then_some(port_bindings),
         nano_cpus: (spec.nano_cpus > 0).then_some(spec.nano_cpus),
@@ -362,7 +373,16 @@ mod tests {
         };
         let body = create_body(&spec);
         let host = body.host_config.unwrap();
-        assert_eq!(host.binds.unwrap(), ["/a:/b:ro"]);
+        assert_eq!(
+            host.binds, None,
+            "never Binds: Docker would create a missing source"
+        );
+        let mounts = host.mounts.unwrap();
+        assert_eq!(mounts.len(), 1);
+        assert_eq!(mounts[0].typ, Some(MountType::BIND));
+        assert_eq!(mounts[0].source.as_deref(), Some("/a"));
+        assert_eq!(mounts[0].target.as_deref(), Some("/b"));
+        assert_eq!(mounts[0].read_only, Some(true));
         assert_eq!(host.shm_size, Some(1 << 20));
         assert_eq!(host.tmpfs.unwrap()["/dev/shm"], "exec,size=1048576");
         let bindings = host.port_bindings.unwrap();
