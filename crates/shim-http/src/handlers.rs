@@ -32,6 +32,8 @@ pub(crate) struct State {
     pub shutdown: CancellationToken,
     /// Forced shutdown: close at once.
     pub force: CancellationToken,
+    /// Decides what `POST /api/shutdown` does instead of cancelling the tokens.
+    pub on_shutdown: Option<crate::ShutdownHook>,
     /// The event streams (`GET /api/events`).
     pub events: EventsHub,
 }
@@ -160,9 +162,13 @@ where
             let request: ShutdownRequest = read_json(req).await?;
             let shutdown = state.shutdown.clone();
             let force = state.force.clone();
+            let hook = state.on_shutdown.clone();
             tracing::info!(force = request.force, "shutdown requested over the API");
             // Start the shutdown only once this 200 has been handed to the connection.
             let body = ResponseBody::new(&b"{}"[..]).on_done(move || {
+                if let Some(hook) = hook {
+                    return hook(request);
+                }
                 if request.force {
                     force.cancel();
                 }
