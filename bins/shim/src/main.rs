@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use shim_components::{ComponentName, Components, ComponentsConfig};
-use shim_http::{Listeners, ServerConfig, ShimApi, ShutdownHook, ShutdownRequest, serve};
+use shim_http::{Listeners, ServerConfig, ShimApi, serve};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, VERSION};
@@ -59,6 +59,9 @@ fn main() -> ExitCode {
     let watchdog = std::env::args_os()
         .nth(1)
         .is_some_and(|a| a == upgrade::WATCH_COMMAND);
+    if watchdog {
+        upgrade::block_stop_signals();
+    }
     let config = match Config::from_process() {
         Ok(c) => c,
         Err(e) => {
@@ -157,7 +160,9 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
 
     let shutdown = CancellationToken::new();
     let force = CancellationToken::new();
-    signals::spawn(shutdown.clone(), force.clone()).context("cannot listen for signals")?;
+    // A signal shuts down and rules out an upgrade in place (systemd stops the unit).
+    let signalled = CancellationToken::new();
+    signals::spawn(signalled.clone(), force.clone()).context("cannot listen for signals")?;
 
     let shim_binary = config.shim_binary()?;
     let components = Components::new(ComponentsConfig::new(
@@ -196,13 +201,23 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
             Listeners::bind(addr, config.unix_socket.as_deref()).await?
         }
     };
-    // A duplicate of the listening socket stays open until the process exits or is replaced:
-    // an upgrade hands it to the new binary, and connections wait in its backlog meanwhile.
-    let kept_socket = listeners
-        .tcp_fd()
-        .try_clone_to_owned()
-        .context("cannot duplicate the listening socket")?;
-    let port = listeners.tcp_addr().port();
+    // A duplicate of the listening socket, kept while an upgrade in place may come: it hands
+    // the socket to the new binary, and connections wait in its backlog meanwhile.
+    let handoff = upgrade::Handoff::new(
+        listeners
+            .tcp_fd()
+            .try_clone_to_owned()
+            .context("cannot duplicate the listening socket")?,
+        listeners.tcp_addr().port(),
+    );
+    {
+        let (handoff, shutdown) = (handoff.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            signalled.cancelled().await;
+            handoff.no_upgrade();
+            shutdown.cancel();
+        });
+    }
     let (engine, dcgm) = engine::open(&config, &home).await?;
     let api: Arc<dyn ShimApi> = Arc::new(adapter::EngineApi::new(engine.clone(), dcgm.clone()));
 
@@ -220,13 +235,12 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
                 .await;
         }
     };
-    let planned = Arc::new(std::sync::Mutex::new(None::<upgrade::Plan>));
     let server_config = ServerConfig::new(VERSION)
         .with_force_shutdown(force.clone())
         .with_drain(drain)
-        .with_shutdown_hook(shutdown_hook(
+        .with_shutdown_hook(upgrade::shutdown_hook(
             upgrader,
-            planned.clone(),
+            handoff.clone(),
             shutdown.clone(),
             force.clone(),
         ));
@@ -238,17 +252,10 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
         shutdown,
     )
     .await?;
-    let plan = planned
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .take();
-    // Without an upgrade the duplicate goes now (dropped with the closure), so connections
-    // that arrive from here on are refused rather than left waiting.
-    let handover = plan.map(move |plan| upgrade::Handover {
-        plan,
-        socket: kept_socket,
-        port,
-    });
+    let mut handover = handoff.take();
+    if let Some(handover) = &mut handover {
+        handover.start_watchdog();
+    }
     if force.is_cancelled() {
         components.cancel();
     }
@@ -261,46 +268,6 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
         }
         Some(handover) => Ok(Exit::Upgrade(handover)),
     }
-}
-
-/// `POST /api/shutdown`: decided by the [`upgrade::Upgrader`] before the server stops
-/// accepting: exit (nothing new installed), upgrade in place (the plan is left in `planned`
-/// for `run`), or keep serving (the new binary was refused and rolled back). One decision at
-/// a time; a request while shutting down only adds `force`.
-fn shutdown_hook(
-    upgrader: upgrade::Upgrader,
-    planned: Arc<std::sync::Mutex<Option<upgrade::Plan>>>,
-    shutdown: CancellationToken,
-    force: CancellationToken,
-) -> ShutdownHook {
-    let deciding = Arc::new(tokio::sync::Mutex::new(()));
-    Arc::new(move |request: ShutdownRequest| {
-        let (upgrader, planned, shutdown, force, deciding) = (
-            upgrader.clone(),
-            planned.clone(),
-            shutdown.clone(),
-            force.clone(),
-            deciding.clone(),
-        );
-        tokio::spawn(async move {
-            let _one = deciding.lock().await;
-            if !shutdown.is_cancelled() {
-                match upgrader.decide().await {
-                    upgrade::Decision::Exit => {}
-                    upgrade::Decision::Upgrade(plan) => {
-                        *planned
-                            .lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(plan);
-                    }
-                    upgrade::Decision::RolledBack => return,
-                }
-            }
-            if request.force {
-                force.cancel();
-            }
-            shutdown.cancel();
-        });
-    })
 }
 
 /// Takes an exclusive lock on `<home>/dstack-shim.lock`, or fails at once if another shim

@@ -34,7 +34,7 @@ use std::os::fd::{AsRawFd as _, OwnedFd};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -43,6 +43,8 @@ use shim_components::upgrade::{
     RUNNING_EXE, RollbackRecord, differs_from_running, digest, restore_running, unix_now,
 };
 use shim_components::{ComponentName, Components, binary_version};
+use shim_http::{ShutdownHook, ShutdownRequest};
+use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, VERSION};
 use crate::listen_fds;
@@ -287,15 +289,176 @@ fn roll_back(path: &Path, home: &Path, mut record: RollbackRecord) {
 }
 
 /// What [`exec`] needs: the plan, the listening socket (a duplicate kept open across the
-/// server's end), its port, and the home.
+/// server's end) and its port.
 #[derive(Debug)]
 pub struct Handover {
-    /// The binary to start.
-    pub plan: Plan,
-    /// The API's listening socket.
-    pub socket: OwnedFd,
-    /// Its port (the watchdog's healthcheck).
-    pub port: u16,
+    plan: Plan,
+    socket: OwnedFd,
+    port: u16,
+    watchdog: Option<anyhow::Result<Watchdog>>,
+}
+
+/// The watchdog, started, and its readiness (one byte on its stdout once it blocks the
+/// signals that would end it).
+#[derive(Debug)]
+struct Watchdog {
+    pid: u32,
+    ready: std::sync::mpsc::Receiver<bool>,
+}
+
+/// How long the watchdog may take to come up.
+const WATCHDOG_READY: Duration = Duration::from_secs(10);
+
+impl Handover {
+    /// Starts the watchdog now, so that it comes up while the engine stops; [`exec`] waits
+    /// until it is ready.
+    pub fn start_watchdog(&mut self) {
+        self.watchdog = Some(spawn_watchdog(&self.plan, self.port));
+    }
+}
+
+/// The shim's argv0 and arguments.
+fn own_args() -> (OsString, Vec<OsString>) {
+    let mut args = std::env::args_os();
+    let argv0 = args.next().unwrap_or_else(|| OsString::from("dstack-shim"));
+    (argv0, args.collect())
+}
+
+fn spawn_watchdog(plan: &Plan, port: u16) -> anyhow::Result<Watchdog> {
+    let timeout = std::env::var(ENV_TIMEOUT)
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .map_or(DEFAULT_TIMEOUT, Duration::from_secs);
+    let spec = WatchSpec {
+        parent: std::process::id(),
+        port,
+        binary: plan.path.clone(),
+        version: plan.version.clone(),
+        sha256: plan.sha256.clone(),
+        timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+    };
+    let (argv0, args) = own_args();
+    let mut child = Command::new(RUNNING_EXE)
+        .arg0(&argv0)
+        .arg(WATCH_COMMAND)
+        .args(&args)
+        .env(ENV_WATCH_SPEC, serde_json::to_string(&spec)?)
+        .env_remove(listen_fds::LISTEN_PID)
+        .env_remove(listen_fds::LISTEN_FDS)
+        .env_remove(listen_fds::LISTEN_FDNAMES)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("cannot start the upgrade watchdog")?;
+    let pid = child.id();
+    let mut stdout = child.stdout.take().context("the watchdog has no stdout")?;
+    let (tx, ready) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("upgrade-watchdog-ready".into())
+        .spawn(move || {
+            let mut byte = [0u8; 1];
+            let _ = tx.send(matches!(stdout.read(&mut byte), Ok(1)));
+        })
+        .context("cannot wait for the upgrade watchdog")?;
+    // The child is not waited for here: after the exec the new image reaps it.
+    drop(child);
+    Ok(Watchdog { pid, ready })
+}
+
+/// What an upgrade in place hands over, filled in while the server runs: a duplicate of the
+/// listening socket, kept only while an upgrade may still come (an exit drops it at once, so
+/// connections are refused from the server's end on, as before), and the plan.
+#[derive(Debug)]
+pub struct Handoff {
+    state: Mutex<HandoffState>,
+    port: u16,
+}
+
+#[derive(Debug)]
+struct HandoffState {
+    socket: Option<OwnedFd>,
+    plan: Option<Plan>,
+}
+
+impl Handoff {
+    /// Keeps `socket` (the API's, on `port`) for an upgrade.
+    pub fn new(socket: OwnedFd, port: u16) -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new(HandoffState {
+                socket: Some(socket),
+                plan: None,
+            }),
+            port,
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, HandoffState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The shutdown is an upgrade to `plan` (unless [`Handoff::no_upgrade`] came first).
+    fn upgrade(&self, plan: Plan) {
+        let mut state = self.state();
+        if state.socket.is_some() {
+            state.plan = Some(plan);
+        }
+    }
+
+    /// The shutdown is an exit (nothing new installed, or a signal): the socket and any plan
+    /// go now.
+    pub fn no_upgrade(&self) {
+        let mut state = self.state();
+        state.socket = None;
+        state.plan = None;
+    }
+
+    /// After the server's end: the handover, if the shutdown is an upgrade.
+    pub fn take(&self) -> Option<Handover> {
+        let mut state = self.state();
+        let (plan, socket) = (state.plan.take(), state.socket.take());
+        Some(Handover {
+            plan: plan?,
+            socket: socket?,
+            port: self.port,
+            watchdog: None,
+        })
+    }
+}
+
+/// The `POST /api/shutdown` hook: decided by the [`Upgrader`] before the server stops
+/// accepting: exit (nothing new installed), upgrade in place (the plan goes to `handoff`), or
+/// keep serving (the new binary was refused and rolled back). One decision at a time; a
+/// request while shutting down only adds `force`.
+pub fn shutdown_hook(
+    upgrader: Upgrader,
+    handoff: Arc<Handoff>,
+    shutdown: CancellationToken,
+    force: CancellationToken,
+) -> ShutdownHook {
+    let deciding = Arc::new(tokio::sync::Mutex::new(()));
+    Arc::new(move |request: ShutdownRequest| {
+        let (upgrader, handoff, shutdown, force, deciding) = (
+            upgrader.clone(),
+            handoff.clone(),
+            shutdown.clone(),
+            force.clone(),
+            deciding.clone(),
+        );
+        tokio::spawn(async move {
+            let _one = deciding.lock().await;
+            if !shutdown.is_cancelled() {
+                match upgrader.decide().await {
+                    Decision::Exit => handoff.no_upgrade(),
+                    Decision::Upgrade(plan) => handoff.upgrade(plan),
+                    Decision::RolledBack => return,
+                }
+            }
+            if request.force {
+                force.cancel();
+            }
+            shutdown.cancel();
+        });
+    })
 }
 
 /// Replaces this process with the planned binary (same PID, same argv and environment, the
@@ -310,7 +473,12 @@ pub fn exec(handover: Handover) -> anyhow::Error {
 }
 
 fn exec_inner(handover: Handover) -> anyhow::Result<std::convert::Infallible> {
-    let Handover { plan, socket, port } = handover;
+    let Handover {
+        plan,
+        socket,
+        port,
+        watchdog,
+    } = handover;
     // The file must still be the one checked (nothing installs while the server drains, but
     // a person may).
     let now = file_id(&plan.path)?;
@@ -319,39 +487,27 @@ fn exec_inner(handover: Handover) -> anyhow::Result<std::convert::Infallible> {
         "{} changed after the upgrade was decided; not starting it",
         plan.path.display()
     );
-    let timeout = std::env::var(ENV_TIMEOUT)
-        .ok()
-        .and_then(|s| s.trim().parse::<u64>().ok())
-        .map_or(DEFAULT_TIMEOUT, Duration::from_secs);
-    let spec = WatchSpec {
-        parent: std::process::id(),
-        port,
-        binary: plan.path.clone(),
-        version: plan.version.clone(),
-        sha256: plan.sha256.clone(),
-        timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
-    };
-    let mut args = std::env::args_os();
-    let argv0 = args.next().unwrap_or_else(|| OsString::from("dstack-shim"));
-    let args: Vec<OsString> = args.collect();
-    let watchdog = Command::new(RUNNING_EXE)
-        .arg0(&argv0)
-        .arg(WATCH_COMMAND)
-        .args(&args)
-        .env(ENV_WATCH_SPEC, serde_json::to_string(&spec)?)
-        .env_remove(listen_fds::LISTEN_PID)
-        .env_remove(listen_fds::LISTEN_FDS)
-        .env_remove(listen_fds::LISTEN_FDNAMES)
-        .stdin(Stdio::null())
-        .spawn()
-        .context("cannot start the upgrade watchdog; exiting instead")?;
+    // Without a watchdog ready (it would be killed with the unit's other processes if the
+    // new binary died at once), the new binary is not started unprotected: exit instead, as
+    // upstream does.
+    let watchdog = watchdog
+        .unwrap_or_else(|| spawn_watchdog(&plan, port))
+        .context("exiting instead of upgrading")?;
+    let ready = watchdog.ready.recv_timeout(WATCHDOG_READY).unwrap_or(false);
+    anyhow::ensure!(
+        ready,
+        "the upgrade watchdog (pid {}) did not come up within {WATCHDOG_READY:?}; exiting \
+         instead of upgrading",
+        watchdog.pid
+    );
     tracing::info!(
         path = %plan.path.display(),
         version = %plan.version,
-        watchdog = watchdog.id(),
+        watchdog = watchdog.pid,
         takes_socket = plan.takes_socket,
         "replacing this process with the new binary"
     );
+    let (argv0, args) = own_args();
 
     let mut command = Command::new(&plan.path);
     command
@@ -361,7 +517,7 @@ fn exec_inner(handover: Handover) -> anyhow::Result<std::convert::Infallible> {
         .env_remove(listen_fds::LISTEN_FDS)
         .env_remove(listen_fds::LISTEN_FDNAMES)
         .env_remove(ENV_WATCH_SPEC)
-        .env(ENV_WATCHDOG_PID, watchdog.id().to_string());
+        .env(ENV_WATCHDOG_PID, watchdog.pid.to_string());
     if plan.takes_socket {
         command
             .env(listen_fds::LISTEN_PID, std::process::id().to_string())
@@ -428,15 +584,23 @@ struct WatchSpec {
     timeout_ms: u64,
 }
 
-/// `dstack-shim __upgrade-watch <the shim's arguments>`: see the module's documentation.
-pub fn watch_main(config: &Config) -> ExitCode {
+/// First thing in the watchdog's `main`, before any thread exists (the mask is then the
+/// process's): SIGTERM, SIGINT and SIGHUP stay pending. systemd sends SIGTERM to the unit's
+/// remaining processes as soon as the main PID exits, which a broken new binary does at once.
+/// The watchdog tells its parent it is ready (one byte on stdout) only after this.
+pub fn block_stop_signals() {
     use nix::sys::signal::{SigSet, Signal};
     let mut blocked = SigSet::empty();
     for signal in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
         blocked.add(signal);
     }
-    // Before any thread exists: the mask is the process's.
     let _ = blocked.thread_block();
+}
+
+/// `dstack-shim __upgrade-watch <the shim's arguments>`: see the module's documentation.
+/// [`block_stop_signals`] has run.
+pub fn watch_main(config: &Config) -> ExitCode {
+    use nix::sys::signal::Signal;
     let spec: WatchSpec = match std::env::var(ENV_WATCH_SPEC)
         .context(ENV_WATCH_SPEC)
         .and_then(|s| serde_json::from_str(&s).context("cannot parse it"))
@@ -450,6 +614,9 @@ pub fn watch_main(config: &Config) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // Ready: the parent may exec now.
+    let mut stdout = std::io::stdout();
+    let _ = stdout.write_all(b"r").and_then(|()| stdout.flush());
     let home = config.home().ok();
     if let Some(home) = &home
         && let Err(e) = crate::logging::init(config.shim_log_level, config.log_format, home)
