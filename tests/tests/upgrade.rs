@@ -37,7 +37,10 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use shim_e2e::harness::supervisor::group_members;
 use shim_e2e::harness::{Request, TestShim, bridge_task, docker_ok, run_tag, wait_for};
-use shim_e2e::{DSTACK_VERSION, OLDER_DSTACK_VERSION, dist_artifact, docker_tests_enabled};
+use shim_e2e::{
+    DSTACK_VERSION, OLDER_DSTACK_VERSION, dist_artifact, docker_tests_enabled, dstack_python,
+    go_arch, repo_root,
+};
 
 /// The restart delay of the unit the dstack server writes.
 const RESTART_SEC: Duration = Duration::from_secs(3);
@@ -709,6 +712,109 @@ fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
             assert!(failed.is_empty(), "{name}: {failed:#?}");
         }
     }
+    for id in tasks.keys() {
+        shim.finish(id);
+    }
+}
+
+/// The dstack server's own instance check (`_maybe_install_components` of dstack 0.22.5, run
+/// unchanged by `tests/dstack-server/upgrade_shim.py` every 0.5 s as a release server of
+/// 0.22.5 whose `DSTACK_SHIM_DOWNLOAD_URL` points at the artifacts) upgrades a shim of the
+/// older release: it installs the new binary, then asks for the restart; under 100
+/// requests/s with two tasks running no request fails, the PID stays, the tasks keep their
+/// containers, and the server, seeing its own version running, asks nothing more.
+///
+/// upstream: src/dstack/_internal/server/background/pipeline_tasks/instances/check.py
+/// (_maybe_install_components, _maybe_install_shim), src/dstack/_internal/core/backends/base/
+/// compute.py (get_dstack_shim_download_url).
+#[test]
+fn the_dstack_servers_own_instance_check_upgrades_it_in_place() {
+    if !docker_tests_enabled("the_dstack_servers_own_instance_check_upgrades_it_in_place") {
+        return;
+    }
+    let python = dstack_python();
+    assert!(
+        python.exists(),
+        "{} is missing: run `cargo xtask dev-env` (it installs dstack[server]=={DSTACK_VERSION} \
+         in a venv) or set {}",
+        python.display(),
+        shim_e2e::ENV_DSTACK_PYTHON
+    );
+    let (old, new) = (artifact(OLDER_DSTACK_VERSION), artifact(DSTACK_VERSION));
+    let new_version = version_of(&new);
+    // The stub runner reports the server's release, as an installed runner would: the server
+    // then installs only the shim.
+    let (shim, path, _bin) = supervised_shim(
+        "server-upgrade",
+        &old,
+        &[("STUB_RUNNER_VERSION", DSTACK_VERSION)],
+    );
+    let tasks = running_tasks(&shim, 2);
+    let started: BTreeMap<String, (String, String)> = tasks
+        .values()
+        .map(|cid| (cid.clone(), container_state(cid)))
+        .collect();
+    let pid = shim.supervisor().pid().unwrap();
+    let files = FileServer::start();
+    files.serve(
+        &format!("{DSTACK_VERSION}/dstack-shim-linux-{}", go_arch()),
+        fs_err::read(&new).unwrap(),
+    );
+    let ids: Vec<String> = tasks.keys().cloned().collect();
+    let load = Load::start(shim.addr(), &ids);
+    let from = Instant::now();
+    let out = Command::new(&python)
+        .arg(repo_root().join("tests/dstack-server/upgrade_shim.py"))
+        .arg(format!("http://{}", shim.addr()))
+        .args(["--server-version", DSTACK_VERSION, "--download-url"])
+        .arg(format!(
+            "http://{}/{{version}}/dstack-shim-linux-{{arch}}",
+            files.addr
+        ))
+        .output()
+        .unwrap();
+    let took = from.elapsed();
+    std::thread::sleep(Duration::from_secs(1));
+    let samples = load.finish();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}\n{stdout}\n{stderr}", out.status);
+    let summary: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let sent: Vec<(String, Value)> = summary["sent"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["path"].as_str().unwrap().to_owned(), r["body"].clone()))
+        .collect();
+    assert_eq!(
+        sent,
+        [
+            (
+                "/api/components/install".to_owned(),
+                json!({"name": "dstack-shim", "url": format!(
+                    "http://{}/{DSTACK_VERSION}/dstack-shim-linux-{}", files.addr, go_arch()
+                )})
+            ),
+            ("/api/shutdown".to_owned(), json!({"force": false})),
+        ],
+        "{summary}"
+    );
+    assert_eq!(summary["version"], new_version.as_str(), "{summary}");
+    let (total, failed, longest) = figures(&samples, samples[0].sent, Instant::now());
+    eprintln!(
+        "the dstack server's instance check upgraded the shim in {:.1} s ({} checks): {total} \
+         requests, {} failed, longest {:.3} s",
+        took.as_secs_f64(),
+        summary["checks"],
+        failed.len(),
+        longest.as_secs_f64()
+    );
+    assert!(failed.is_empty(), "failed requests: {failed:#?}");
+    assert_eq!(shim.supervisor().starts().len(), 1);
+    assert_eq!(shim.supervisor().pid(), Some(pid));
+    assert!(same_bytes(&path, &new));
+    assert_tasks_untouched(&shim, &tasks, &started);
+    wait_alone(&shim);
     for id in tasks.keys() {
         shim.finish(id);
     }
