@@ -819,3 +819,64 @@ fn the_dstack_servers_own_instance_check_upgrades_it_in_place() {
         shim.finish(id);
     }
 }
+
+/// A new binary that is not this shim (its version lacks `+rust.`, as dstack's Go shim's)
+/// does not speak `LISTEN_FDS`: it is exec'd (same PID) without the socket and binds the port
+/// itself. Here a stand-in answers the healthcheck with its version on the port it is given
+/// (`--shim-http-port`, as upstream's shim reads it); the watchdog sees that version and
+/// exits without rolling back; the tasks' containers keep running. Requests between the exec
+/// and its bind are refused (counted, not asserted).
+#[test]
+fn a_binary_that_is_not_this_shim_binds_the_port_itself() {
+    if !docker_tests_enabled("a_binary_that_is_not_this_shim_binds_the_port_itself") {
+        return;
+    }
+    let current = artifact(DSTACK_VERSION);
+    let (shim, path, _bin) = supervised_shim("foreign", &current, &[]);
+    let tasks = running_tasks(&shim, 1);
+    let started: BTreeMap<String, (String, String)> = tasks
+        .values()
+        .map(|cid| (cid.clone(), container_state(cid)))
+        .collect();
+    let pid = shim.supervisor().pid().unwrap();
+    let foreign = script(
+        "0.22.6",
+        r#"port=10998
+while [ $# -gt 0 ]; do [ "$1" = --shim-http-port ] && port=$2; shift; done
+[ -z "$LISTEN_FDS" ] || { echo "LISTEN_FDS=$LISTEN_FDS passed to a foreign binary" >&2; exit 1; }
+exec python3 -c '
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"{\"service\":\"dstack-shim\",\"version\":\"0.22.6\"}"
+        self.send_response(200); self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+' "$port""#,
+    );
+    let files = FileServer::start();
+    let url = files.serve("foreign", foreign);
+    let load = Load::start(shim.addr(), &[]);
+    assert_eq!(install(&shim, &url), ("installed".into(), "0.22.6".into()));
+    let from = shutdown(&shim);
+    wait_version(&shim, "0.22.6");
+    let answered = from.elapsed();
+    wait_alone(&shim);
+    std::thread::sleep(Duration::from_millis(500));
+    let samples = load.finish();
+    let (after, failed, _) = figures(&samples, from, Instant::now());
+    eprintln!(
+        "exec of a binary that is not this shim: it answered {:.3} s after the shutdown's 200; \
+         {} of {after} requests after the shutdown failed",
+        answered.as_secs_f64(),
+        failed.len()
+    );
+    assert_eq!(shim.supervisor().starts().len(), 1);
+    assert_eq!(shim.supervisor().pid(), Some(pid), "the same process");
+    assert!(!shim.home().join("upgrade-rollback.json").exists());
+    assert!(!same_bytes(&path, &current), "not rolled back");
+    for (cid, state) in &started {
+        assert_eq!(&container_state(cid), state, "container {cid}");
+    }
+}

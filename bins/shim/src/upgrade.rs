@@ -718,11 +718,10 @@ fn healthcheck_version(addr: SocketAddr, deadline: Instant) -> Result<String, St
     let (head, body) = text
         .split_once("\r\n\r\n")
         .ok_or_else(|| "no complete answer".to_owned())?;
-    if !head.starts_with("HTTP/1.1 200") {
-        return Err(format!(
-            "it answers {:?}",
-            head.lines().next().unwrap_or_default()
-        ));
+    // `HTTP/1.x 200 …`: any server's (a foreign binary may answer HTTP/1.0).
+    let status_line = head.lines().next().unwrap_or_default();
+    if !status_line.starts_with("HTTP/1.") || status_line.split(' ').nth(1) != Some("200") {
+        return Err(format!("it answers {status_line:?}"));
     }
     let json: serde_json::Value =
         serde_json::from_str(body.trim()).map_err(|e| format!("bad healthcheck body: {e}"))?;
