@@ -213,7 +213,7 @@ impl Upgrader {
                  an hour",
                 record.reason
             );
-            return self.refuse(&record.failed_version, &sha256, why).await;
+            return self.refuse_with(record, why).await;
         }
         match binary_version(&path, ComponentName::Shim.as_str(), VERSION_TIMEOUT).await {
             Ok(version) => {
@@ -239,8 +239,6 @@ impl Upgrader {
 
     /// Puts the running image back over the path, records why, and reports `error`.
     async fn refuse(&self, version: &str, sha256: &str, why: String) -> Decision {
-        let path = self.inner.path.clone();
-        let home = self.inner.home.clone();
         let record = RollbackRecord {
             failed_version: version.to_owned(),
             failed_sha256: sha256.to_owned(),
@@ -248,7 +246,15 @@ impl Upgrader {
             restored_version: VERSION.to_owned(),
             at_unix: unix_now(),
         };
-        let done = tokio::task::spawn_blocking(move || roll_back(&path, &home, record)).await;
+        self.refuse_with(record, why).await
+    }
+
+    /// [`Upgrader::refuse`] writing `record` (for a binary refused because it failed before:
+    /// the record of that failure, unchanged, so the refusal ends an hour after the failure).
+    async fn refuse_with(&self, record: RollbackRecord, why: String) -> Decision {
+        let path = self.inner.path.clone();
+        let home = self.inner.home.clone();
+        let done = tokio::task::spawn_blocking(move || roll_back(&path, &home, &record)).await;
         if let Err(e) = done {
             tracing::error!(error = %e, "the rollback job failed");
         }
@@ -264,9 +270,9 @@ impl Upgrader {
     }
 }
 
-/// Puts the running image over `path` and writes `record` into `home` (keeping the first
-/// failure's time when the same binary failed before). Blocking; logs what fails.
-fn roll_back(path: &Path, home: &Path, mut record: RollbackRecord) {
+/// Puts the running image over `path` and writes `record` into `home`. Blocking; logs what
+/// fails.
+fn roll_back(path: &Path, home: &Path, record: &RollbackRecord) {
     match restore_running(path) {
         Ok(()) => {
             tracing::info!(path = %path.display(), version = VERSION, "put the running binary back")
@@ -276,12 +282,6 @@ fn roll_back(path: &Path, home: &Path, mut record: RollbackRecord) {
             error = %error_chain(&e),
             "cannot put the running binary back; the next start runs the refused one"
         ),
-    }
-    if let Ok(Some(old)) = RollbackRecord::read(home)
-        && old.failed_sha256 == record.failed_sha256
-        && !record.failed_sha256.is_empty()
-    {
-        record.at_unix = old.at_unix;
     }
     if let Err(e) = record.write(home) {
         tracing::error!(error = %error_chain(&e), "cannot record the rollback");
@@ -742,14 +742,14 @@ fn roll_back_watched(spec: &WatchSpec, home: &Path, why: &str) {
         at_unix: unix_now(),
     };
     match digest(&spec.binary) {
-        Ok(now) if now == spec.sha256 => roll_back(&spec.binary, home, record),
+        Ok(now) if now == spec.sha256 => roll_back(&spec.binary, home, &record),
         Ok(_) => tracing::warn!(
             path = %spec.binary.display(),
             "another binary was installed meanwhile: leaving it in place"
         ),
         Err(e) => {
             tracing::warn!(error = %error_chain(&e), "cannot read the installed binary; putting the previous one back");
-            roll_back(&spec.binary, home, record);
+            roll_back(&spec.binary, home, &record);
         }
     }
 }
