@@ -13,10 +13,11 @@
 //! 2. The server drains as for any graceful shutdown (in-flight requests answered, engine
 //!    jobs stopped, containers untouched) while the listening socket stays open (the binary
 //!    keeps a duplicate): new connections wait in the kernel's backlog.
-//! 3. [`exec`]: spawns the watchdog (this binary, `__upgrade-watch`), then `execve`s the new
-//!    binary with the same argv and PID, the socket at fd 3 with `LISTEN_FDS=1` and
-//!    `LISTEN_PID` (see `listen_fds`). The new shim restores its tasks and accepts the
-//!    waiting connections. A binary that is not this shim (no `+rust.` in its version:
+//! 3. [`Handover::start_watchdog`] when the server's run ends (this binary, `__upgrade-watch`,
+//!    a child of the PID being replaced), then [`exec`]: once the watchdog says it is ready,
+//!    `execve` of the new binary with the same argv and PID, the socket at fd 3 with
+//!    `LISTEN_FDS=1` and `LISTEN_PID` (see `listen_fds`). The new shim restores its tasks and
+//!    accepts the waiting connections. A binary that is not this shim (no `+rust.` in its version:
 //!    upstream's Go shim) does not speak `LISTEN_FDS`: it gets no socket and binds the port
 //!    itself (connections waiting then are refused).
 //! 4. The watchdog ([`watch_main`]) polls the healthcheck until the new version answers
@@ -184,20 +185,20 @@ impl Upgrader {
             }
         }
         let (file, sha256) = {
-            let path = path.clone();
+            let hashed_path = path.clone();
             let hashed = tokio::task::spawn_blocking(move || {
-                let before = file_id(&path);
-                let sha = digest(&path);
-                (before, sha, file_id(&path))
+                let before = file_id(&hashed_path);
+                let sha = digest(&hashed_path);
+                (before, sha, file_id(&hashed_path))
             })
             .await;
             match hashed {
                 Ok((Ok(before), Ok(sha), Ok(after))) if before == after => (before, sha),
                 Ok((_, Err(e), _)) => return self.refuse("", "", error_chain(&e)).await,
                 Ok(_) => {
-                    return self
-                        .refuse("", "", "it changed while it was read".into())
-                        .await;
+                    // An install in progress (a person's: the server waits for its own).
+                    tracing::warn!(path = %path.display(), "the binary changed while it was read; exiting");
+                    return Decision::Exit;
                 }
                 Err(e) => return self.refuse("", "", e.to_string()).await,
             }
@@ -209,8 +210,8 @@ impl Upgrader {
         {
             let ago = unix_now().saturating_sub(record.at_unix);
             let why = format!(
-                "the same binary failed to start {ago} s ago ({}); not starting it again for \
-                 an hour",
+                "the same binary failed to start {ago} s ago ({}); it is not started again \
+                 until an hour has passed since",
                 record.reason
             );
             return self.refuse_with(record, why).await;
@@ -462,8 +463,8 @@ pub fn shutdown_hook(
 }
 
 /// Replaces this process with the planned binary (same PID, same argv and environment, the
-/// socket at fd 3 when it takes `LISTEN_FDS`), after spawning the watchdog. Returns only if
-/// that fails. Call it with no other thread running (the async runtime shut down): from the
+/// socket at fd 3 when it takes `LISTEN_FDS`), once the watchdog is ready. Returns only if
+/// that fails (the process then exits, as upstream's does). Call it with no other thread running (the async runtime shut down): from the
 /// socket's move to fd 3 on, nothing may write to a descriptor.
 pub fn exec(handover: Handover) -> anyhow::Error {
     match exec_inner(handover) {
