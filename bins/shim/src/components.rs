@@ -37,7 +37,7 @@ fn info_to_wire(info: shim_components::ComponentInfo) -> ComponentInfo {
     }
 }
 
-/// 409 while that component installs, 400 for an unusable URL, 500 otherwise.
+/// 409 while that component installs, 400 for an empty URL, 500 otherwise.
 fn api_error(e: Error) -> ApiError {
     match e {
         Error::AlreadyInstalling { .. } => ApiError::conflict(e.to_string()),
@@ -105,15 +105,11 @@ mod tests {
             dir.path().join("dstack-runner"),
             dir.path().join("dstack-shim"),
         )));
-        let e = api
-            .install(ComponentName::Runner, "ftp://x/y".into())
+        // Another scheme is accepted and fails in the background, as upstream's download
+        // does (runner/internal/shim/api/handlers.go, ComponentInstallHandler).
+        api.install(ComponentName::Runner, "ftp://x/y".into())
             .await
-            .unwrap_err();
-        assert_eq!(e.kind, ErrorKind::BadRequest);
-        assert_eq!(
-            e.message,
-            "cannot install dstack-runner: only http and https are supported: ftp://x/y"
-        );
+            .unwrap();
         let e = api
             .install(ComponentName::Shim, String::new())
             .await

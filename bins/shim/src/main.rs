@@ -4,16 +4,20 @@
 //! Start-up order matters: the engine restores tasks from their containers and state files
 //! and completes one reconcile cycle *before* the API listens, so the first answer about any
 //! task already reflects containers that ended while the shim was down. Shutdown (SIGTERM,
-//! SIGINT, `POST /api/shutdown`) never stops containers.
+//! SIGINT, `POST /api/shutdown`) never stops containers. A `POST /api/shutdown` after a new
+//! binary was installed is an upgrade in place (`upgrade`): the process `exec`s the new
+//! binary, which takes over the listening socket (`listen_fds`).
 
 mod adapter;
 mod argv;
 mod components;
 mod config;
 mod engine;
+mod listen_fds;
 mod logging;
 mod rlimit;
 mod signals;
+mod upgrade;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::unix::fs::DirBuilderExt;
@@ -32,7 +36,33 @@ const MAX_WORKER_THREADS: usize = 4;
 /// The most threads for blocking work (durable writes, key files, mounts) at once.
 const MAX_BLOCKING_THREADS: usize = 32;
 
+/// How the server's run ended.
+enum Exit {
+    /// Stopped: exit.
+    Stopped,
+    /// Replace this process with the new binary.
+    Upgrade(upgrade::Handover),
+}
+
 fn main() -> ExitCode {
+    // First, before anything opens a file: a socket passed by systemd or by the image this
+    // process replaced claims fd 3.
+    let inherited = match listen_fds::take() {
+        Ok(socket) => socket,
+        Err(e) => {
+            #[allow(clippy::print_stderr)] // no logger yet
+            {
+                eprintln!("dstack-shim: {e:#}");
+            }
+            return ExitCode::FAILURE;
+        }
+    };
+    let watchdog = std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == upgrade::WATCH_COMMAND);
+    if watchdog {
+        upgrade::block_stop_signals();
+    }
     let config = match Config::from_process() {
         Ok(c) => c,
         Err(e) => {
@@ -60,6 +90,9 @@ fn main() -> ExitCode {
         }
         return ExitCode::SUCCESS;
     }
+    if watchdog {
+        return upgrade::watch_main(&config);
+    }
     // The shim waits on Docker, the disk and its clients; it computes little. A few workers
     // and a bounded blocking pool (state writes, authorized_keys, mounts) keep its threads,
     // and with them glibc's per-thread malloc arenas, few on hosts with many cores.
@@ -81,8 +114,19 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(config)) {
-        Ok(()) => ExitCode::SUCCESS,
+    match runtime.block_on(run(config, inherited)) {
+        Ok(Exit::Stopped) => ExitCode::SUCCESS,
+        Ok(Exit::Upgrade(handover)) => {
+            // No thread but this one from here on: the exec moves the socket to fd 3.
+            runtime.shutdown_timeout(std::time::Duration::from_secs(2));
+            let e = upgrade::exec(handover);
+            tracing::error!("{e:#}");
+            #[allow(clippy::print_stderr)] // fd 3 (perhaps the log file) may be the socket now
+            {
+                eprintln!("dstack-shim: {e:#}");
+            }
+            ExitCode::FAILURE
+        }
         Err(e) => {
             tracing::error!("{e:#}");
             #[allow(clippy::print_stderr)] // the logger may not be installed yet
@@ -94,7 +138,7 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(config: Config) -> anyhow::Result<()> {
+async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow::Result<Exit> {
     let home = config.home()?;
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -107,6 +151,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
     logging::init(config.shim_log_level, config.log_format, &home)?;
     tracing::info!(version = VERSION, dstack_api = config::DSTACK_VERSION, home = %home.display(), "starting dstack-shim");
     rlimit::raise_open_files_limit();
+    upgrade::reap_watchdog();
     // A download URL may carry credentials in its query (presigned URLs).
     let shown = Config {
         runner_download_url: shim_components::redact_url(&config.runner_download_url),
@@ -116,12 +161,17 @@ async fn run(config: Config) -> anyhow::Result<()> {
 
     let shutdown = CancellationToken::new();
     let force = CancellationToken::new();
-    signals::spawn(shutdown.clone(), force.clone()).context("cannot listen for signals")?;
+    // A signal shuts down and rules out an upgrade in place (systemd stops the unit).
+    let signalled = CancellationToken::new();
+    signals::spawn(signalled.clone(), force.clone()).context("cannot listen for signals")?;
 
+    let shim_binary = config.shim_binary()?;
     let components = Components::new(ComponentsConfig::new(
         &config.runner_binary_path,
-        config.shim_binary()?,
+        &shim_binary,
     ));
+    let upgrader = upgrade::Upgrader::new(shim_binary, home.clone(), components.clone());
+    upgrader.load_record().await;
     if !config.runner_download_url.is_empty() {
         let url = config.runner_download_url.as_str();
         if !config.runner_binary_path.exists() {
@@ -136,8 +186,39 @@ async fn run(config: Config) -> anyhow::Result<()> {
     // restores every task and completes its first reconcile cycle before the API answers:
     // the first answer about any task already reflects what happened while the shim was down
     // (connections wait in the backlog meanwhile).
-    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, config.shim_http_port));
-    let listeners = Listeners::bind(addr, config.unix_socket.as_deref()).await?;
+    let listeners = match inherited {
+        Some(socket) => {
+            let listeners = Listeners::from_tcp(socket, config.unix_socket.as_deref())?;
+            let addr = listeners.tcp_addr();
+            if addr.port() != config.shim_http_port {
+                tracing::warn!(%addr, configured = config.shim_http_port,
+                    "the socket passed by the parent is not on the configured port; serving it");
+            }
+            tracing::info!(%addr, "serving the listening socket passed by the parent (an upgrade in place or systemd socket activation)");
+            listeners
+        }
+        None => {
+            let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, config.shim_http_port));
+            Listeners::bind(addr, config.unix_socket.as_deref()).await?
+        }
+    };
+    // A duplicate of the listening socket, kept while an upgrade in place may come: it hands
+    // the socket to the new binary, and connections wait in its backlog meanwhile.
+    let handoff = upgrade::Handoff::new(
+        listeners
+            .tcp_fd()
+            .try_clone_to_owned()
+            .context("cannot duplicate the listening socket")?,
+        listeners.tcp_addr().port(),
+    );
+    {
+        let (handoff, shutdown) = (handoff.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            signalled.cancelled().await;
+            handoff.no_upgrade();
+            shutdown.cancel();
+        });
+    }
     let (engine, dcgm) = engine::open(&config, &home).await?;
     let api: Arc<dyn ShimApi> = Arc::new(adapter::EngineApi::new(engine.clone(), dcgm.clone()));
 
@@ -157,7 +238,13 @@ async fn run(config: Config) -> anyhow::Result<()> {
     };
     let server_config = ServerConfig::new(VERSION)
         .with_force_shutdown(force.clone())
-        .with_drain(drain);
+        .with_drain(drain)
+        .with_shutdown_hook(upgrade::shutdown_hook(
+            upgrader,
+            handoff.clone(),
+            shutdown.clone(),
+            force.clone(),
+        ));
     serve(
         listeners,
         api,
@@ -166,13 +253,22 @@ async fn run(config: Config) -> anyhow::Result<()> {
         shutdown,
     )
     .await?;
+    let mut handover = handoff.take();
+    if let Some(handover) = &mut handover {
+        handover.start_watchdog();
+    }
     if force.is_cancelled() {
         components.cancel();
     }
     engine.shutdown(shim_engine::Shutdown::Now).await;
     dcgm.shutdown().await;
-    tracing::info!("dstack-shim stopped; containers keep running");
-    Ok(())
+    match handover {
+        None => {
+            tracing::info!("dstack-shim stopped; containers keep running");
+            Ok(Exit::Stopped)
+        }
+        Some(handover) => Ok(Exit::Upgrade(handover)),
+    }
 }
 
 /// Takes an exclusive lock on `<home>/dstack-shim.lock`, or fails at once if another shim

@@ -25,14 +25,23 @@ pub fn redact_url(url: &str) -> String {
     shown
 }
 
-/// Refuses an empty URL and anything but http and https, before an install starts.
-pub(crate) fn check_url(name: ComponentName, url: &str) -> Result<(), Error> {
+/// Refuses an empty URL before an install starts (upstream answers `400 empty url`).
+pub(crate) fn check_url_present(name: ComponentName, url: &str) -> Result<(), Error> {
     if url.is_empty() {
         return Err(Error::BadUrl {
             name,
             why: "empty url".into(),
         });
     }
+    Ok(())
+}
+
+/// Refuses anything but http and https. Checked by the install in the background, as
+/// upstream's download fails there (`runner/internal/shim/components/utils.go`, downloadFile:
+/// the HTTP client refuses the scheme): the request is accepted and the failure shows in the
+/// component's status.
+pub(crate) fn check_url_scheme(name: ComponentName, url: &str) -> Result<(), Error> {
+    check_url_present(name, url)?;
     if !(url.starts_with("http://") || url.starts_with("https://")) {
         return Err(Error::BadUrl {
             name,
@@ -51,6 +60,7 @@ pub(crate) fn download(
     config: &ComponentsConfig,
     cancel: &CancellationToken,
 ) -> Result<(), Error> {
+    check_url_scheme(name, url)?;
     let shown = redact_url(url);
     let dir = match target.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),

@@ -83,6 +83,15 @@ pub enum Error {
         #[source]
         source: tokio::task::JoinError,
     },
+    /// The record of a rolled-back upgrade cannot be read.
+    #[error("cannot read {}", path.display())]
+    Record {
+        /// The record file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
     /// `<binary> --version` failed or printed no version.
     #[error("{} does not report a version: {why}", path.display())]
     Version {

@@ -19,12 +19,15 @@
 //! binary maps them onto the API's wire types and error kinds.
 //!
 //! Modules: `version` (reading versions), `download` (URL checks, the download into place),
-//! `manager` ([`Components`]: per-component state, background installs).
+//! `manager` ([`Components`]: per-component state, background installs), [`upgrade`] (the
+//! file side of replacing the running shim: does the installed binary differ from the running
+//! one, its digest, the rollback to the running image, the record of a rolled-back upgrade).
 
 mod component;
 mod download;
 mod error;
 mod manager;
+pub mod upgrade;
 mod version;
 
 pub use component::{ComponentInfo, ComponentName, ComponentStatus};

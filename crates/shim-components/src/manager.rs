@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::download::{check_url, download, redact_url};
+use crate::download::{check_url_present, download, redact_url};
 use crate::version::{FileKey, binary_version};
 use crate::{ComponentInfo, ComponentName, ComponentStatus, Error};
 
@@ -45,6 +45,10 @@ impl ComponentsConfig {
 struct SlotState {
     installing: bool,
     last_error: Option<String>,
+    /// Set when the binary at the path is not what the last install put there because that
+    /// one was rolled back (it did not start): the component reports `error` whatever the
+    /// file now holds, until the next install begins.
+    rolled_back: Option<String>,
     /// The last `--version` answer, valid while the file is the same: the server polls the
     /// component list.
     cached: Option<(FileKey, String)>,
@@ -132,14 +136,19 @@ impl Components {
         vec![runner, shim]
     }
 
-    /// A component's state: `installing` while a download runs; `not-installed` when there is
+    /// A component's state: `installing` while a download runs; `error` after an install
+    /// that was rolled back ([`Components::mark_rolled_back`]); `not-installed` when there is
     /// no binary (`error` if the last install failed); `installed` with its version when
     /// `--version` answers; `error` otherwise.
     pub async fn info(&self, name: ComponentName) -> ComponentInfo {
         let slot = self.inner.slot(name);
-        let (installing, last_error) = {
+        let (installing, last_error, rolled_back) = {
             let st = slot.state();
-            (st.installing, st.last_error.clone())
+            (
+                st.installing,
+                st.last_error.clone(),
+                st.rolled_back.is_some(),
+            )
         };
         let status = |status, version: String| ComponentInfo {
             name,
@@ -148,6 +157,9 @@ impl Components {
         };
         if installing {
             return status(ComponentStatus::Installing, String::new());
+        }
+        if rolled_back {
+            return status(ComponentStatus::Error, String::new());
         }
         let key = match tokio::fs::metadata(&slot.path).await {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -181,8 +193,10 @@ impl Components {
     }
 
     /// Starts installing `name` from `url` in the background; returns at once
-    /// (`POST /api/components/install`). [`Error::BadUrl`] for an unusable URL,
-    /// [`Error::AlreadyInstalling`] while an install of `name` runs.
+    /// (`POST /api/components/install`). [`Error::BadUrl`] for an empty URL,
+    /// [`Error::AlreadyInstalling`] while an install of `name` runs. A URL that is not http or
+    /// https is accepted and fails in the background, as upstream's download fails (the
+    /// component then reports what its check finds: `error` when no binary is left).
     pub fn start_install(&self, name: ComponentName, url: &str) -> Result<(), Error> {
         let guard = self.begin(name, url)?;
         let this = self.clone();
@@ -203,6 +217,20 @@ impl Components {
         self.run_install(name, url).await
     }
 
+    /// Records that the binary the last install of `name` put in place was rolled back
+    /// (`why`): the component reports `error` until the next install begins, whatever the
+    /// restored file answers (the dstack server then sees no installed version to restart
+    /// into, and installs again when it wants another one).
+    pub fn mark_rolled_back(&self, name: ComponentName, why: impl Into<String>) {
+        self.inner.slot(name).state().rolled_back = Some(why.into());
+    }
+
+    /// Why the last install of `name` was rolled back, while that is what the component
+    /// reports ([`Components::mark_rolled_back`]).
+    pub fn rolled_back(&self, name: ComponentName) -> Option<String> {
+        self.inner.slot(name).state().rolled_back.clone()
+    }
+
     /// Waits until no install is running.
     pub async fn wait_idle(&self) {
         let mut rx = self.inner.jobs.subscribe();
@@ -215,13 +243,14 @@ impl Components {
     }
 
     fn begin(&self, name: ComponentName, url: &str) -> Result<JobGuard, Error> {
-        check_url(name, url)?;
+        check_url_present(name, url)?;
         {
             let mut st = self.inner.slot(name).state();
             if st.installing {
                 return Err(Error::AlreadyInstalling { name });
             }
             st.installing = true;
+            st.rolled_back = None;
         }
         self.inner.jobs.send_modify(|n| *n += 1);
         Ok(JobGuard {

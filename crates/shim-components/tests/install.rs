@@ -248,24 +248,124 @@ async fn failed_downloads_leave_the_target_alone() {
     assert!(matches!(e, Error::Download { .. }), "{e}");
 }
 
+/// An empty URL is refused up front; any other URL is accepted and a scheme the downloader
+/// does not speak fails the install in the background: the component then reports what its
+/// check finds (`error` when no binary is left, the installed version otherwise), the target
+/// untouched.
+///
+/// upstream: runner/internal/shim/api/handlers.go (ComponentInstallHandler: 400 only for an
+/// empty name, an unknown component or an empty url, then the install runs in the
+/// background), runner/internal/shim/components/utils.go (downloadFile: the HTTP client
+/// refuses the scheme; checkDstackComponent then reads the file's status).
 #[tokio::test]
-async fn bad_urls_are_refused_up_front() {
+async fn a_url_that_is_not_http_fails_in_the_background() {
     let dir = tempfile::tempdir().unwrap();
+    let server = file_server();
     let c = components(dir.path());
-    let e = c
-        .start_install(ComponentName::Runner, "ftp://u:pw@x/y?token=s")
-        .unwrap_err();
-    assert!(matches!(e, Error::BadUrl { .. }), "{e}");
-    assert_eq!(
-        e.to_string(),
-        "cannot install dstack-runner: only http and https are supported: ftp://x/y"
-    );
     let e = c.start_install(ComponentName::Runner, "").unwrap_err();
     assert!(matches!(e, Error::BadUrl { .. }), "{e}");
     assert_eq!(e.to_string(), "cannot install dstack-runner: empty url");
     assert_eq!(
         c.info(ComponentName::Runner).await.status,
         ComponentStatus::NotInstalled
+    );
+
+    c.start_install(ComponentName::Runner, "ftp://u:pw@x/y?token=s")
+        .unwrap();
+    wait_idle(&c).await;
+    let info = c.info(ComponentName::Runner).await;
+    assert_eq!(
+        (info.status, info.version.as_str()),
+        (ComponentStatus::Error, "")
+    );
+    let e = c
+        .install(ComponentName::Runner, "file:///bin/sh")
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::BadUrl { .. }), "{e}");
+    assert_eq!(
+        e.to_string(),
+        "cannot install dstack-runner: only http and https are supported: file:///bin/sh"
+    );
+    let e = c
+        .install(ComponentName::Runner, "ftp://u:pw@x/y?token=s")
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "cannot install dstack-runner: only http and https are supported: ftp://x/y",
+        "no credentials in the message"
+    );
+    assert!(!dir.path().join("bin/dstack-runner").exists());
+
+    // With a working binary in place, it stays installed.
+    c.install(
+        ComponentName::Runner,
+        &format!("http://{}/runner", server.addr),
+    )
+    .await
+    .unwrap();
+    c.start_install(ComponentName::Runner, "ftp://x/y").unwrap();
+    wait_idle(&c).await;
+    let info = c.info(ComponentName::Runner).await;
+    assert_eq!(
+        (info.status, info.version.as_str()),
+        (ComponentStatus::Installed, "1.2.3")
+    );
+}
+
+/// A rolled-back install reports `error` whatever the restored binary answers, until the
+/// next install begins.
+#[tokio::test]
+async fn a_rolled_back_install_reports_error_until_the_next_install() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = file_server();
+    let c = components(dir.path());
+    c.install(ComponentName::Shim, &format!("http://{}/shim", server.addr))
+        .await
+        .unwrap();
+    assert_eq!(
+        c.info(ComponentName::Shim).await.status,
+        ComponentStatus::Installed
+    );
+    c.mark_rolled_back(ComponentName::Shim, "it did not start");
+    let info = c.info(ComponentName::Shim).await;
+    assert_eq!(
+        (info.status, info.version.as_str()),
+        (ComponentStatus::Error, "")
+    );
+    assert_eq!(
+        c.rolled_back(ComponentName::Shim).as_deref(),
+        Some("it did not start")
+    );
+    assert_eq!(
+        c.info(ComponentName::Runner).await.status,
+        ComponentStatus::NotInstalled,
+        "the other component is independent"
+    );
+    c.start_install(
+        ComponentName::Shim,
+        &format!("http://{}/gated", server.addr),
+    )
+    .unwrap();
+    assert_eq!(
+        c.info(ComponentName::Shim).await.status,
+        ComponentStatus::Installing
+    );
+    assert_eq!(c.rolled_back(ComponentName::Shim), None);
+    server.gate.send(()).unwrap();
+    wait_idle(&c).await;
+    // The gated download is a runner script: not a shim, so `error` from the check.
+    assert_eq!(
+        c.info(ComponentName::Shim).await.status,
+        ComponentStatus::Error
+    );
+    c.install(ComponentName::Shim, &format!("http://{}/shim", server.addr))
+        .await
+        .unwrap();
+    assert_eq!(
+        c.info(ComponentName::Shim).await.status,
+        ComponentStatus::Installed
     );
 }
 

@@ -38,6 +38,8 @@ pub(crate) struct State {
     pub shutdown: CancellationToken,
     /// Forced shutdown: close at once.
     pub force: CancellationToken,
+    /// Decides what `POST /api/shutdown` does instead of cancelling the tokens.
+    pub on_shutdown: Option<crate::ShutdownHook>,
     /// The event streams (`GET /api/events`).
     pub events: EventsHub,
 }
@@ -291,10 +293,14 @@ where
             let request: ShutdownRequest = read_json(req).await?;
             let shutdown = state.shutdown.clone();
             let force = state.force.clone();
+            let hook = state.on_shutdown.clone();
             tracing::info!(force = request.force, "shutdown requested over the API");
             // Start the shutdown only once this 200 has been handed to the connection.
             let (parts, body) = go_error(StatusCode::OK, "").into_parts();
             let body = body.on_done(move || {
+                if let Some(hook) = hook {
+                    return hook(request);
+                }
                 if request.force {
                     force.cancel();
                 }

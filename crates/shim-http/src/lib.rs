@@ -45,7 +45,7 @@ pub use api::{
 };
 pub use body::MAX_BODY_BYTES;
 pub use events::EventsConfig;
-pub use server::{ConnectionLimits, DrainFuture, Listeners, ServerConfig, serve};
+pub use server::{ConnectionLimits, DrainFuture, Listeners, ServerConfig, ShutdownHook, serve};
 
 /// The oldest healthcheck version with which the dstack server treats running tasks as
 /// restart-safe; the version the server is configured with must be a release at least this.
@@ -68,6 +68,16 @@ pub enum Error {
         /// Why.
         #[source]
         source: std::io::Error,
+    },
+    /// A listening socket handed over by the parent process (systemd socket activation, an
+    /// upgrade in place) cannot be served.
+    #[error("cannot serve the inherited socket: {why}")]
+    Inherited {
+        /// What is wrong with it.
+        why: String,
+        /// Why, when a system call failed.
+        #[source]
+        source: Option<std::io::Error>,
     },
     /// Another process accepts on the Unix socket path.
     #[error("unix socket {} is in use by another process", path.display())]

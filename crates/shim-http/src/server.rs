@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -21,7 +22,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::Error;
-use crate::api::{ComponentsApi, ShimApi};
+use crate::api::{ComponentsApi, ShimApi, ShutdownRequest};
 use crate::events::{ConnectionClose, EventsConfig, EventsHub};
 use crate::handlers::{State, handle};
 
@@ -62,6 +63,47 @@ impl Listeners {
             tcp_addr,
             unix,
         })
+    }
+
+    /// Serves `tcp`, a listening socket this process did not bind itself (handed over by
+    /// systemd socket activation or by the process it replaced in an upgrade in place) and,
+    /// if given, binds a Unix socket at `unix` as [`Listeners::bind`] does.
+    ///
+    /// The socket must be bound to a loopback address ([`Error::NotLoopback`] otherwise): the
+    /// API is loopback-only whoever made the socket. It is set non-blocking.
+    pub fn from_tcp(tcp: std::net::TcpListener, unix: Option<&Path>) -> Result<Self, Error> {
+        let inherited = |why: &str| {
+            let why = why.to_owned();
+            move |source: io::Error| Error::Inherited {
+                why,
+                source: Some(source),
+            }
+        };
+        let tcp_addr = tcp
+            .local_addr()
+            .map_err(inherited("it has no TCP address"))?;
+        if !tcp_addr.ip().is_loopback() {
+            return Err(Error::NotLoopback { addr: tcp_addr });
+        }
+        tcp.set_nonblocking(true)
+            .map_err(inherited("cannot make it non-blocking"))?;
+        let tcp = TcpListener::from_std(tcp).map_err(inherited("cannot register it"))?;
+        let unix = match unix {
+            Some(path) => Some((bind_unix(path)?, path.to_path_buf())),
+            None => None,
+        };
+        Ok(Self {
+            tcp,
+            tcp_addr,
+            unix,
+        })
+    }
+
+    /// The listening TCP socket, e.g. to keep a duplicate of it open across [`serve`]'s end:
+    /// while any descriptor of it stays open the kernel keeps accepting connections into its
+    /// backlog, for whoever serves it next (an upgrade in place hands it to the new binary).
+    pub fn tcp_fd(&self) -> BorrowedFd<'_> {
+        self.tcp.as_fd()
     }
 
     /// The bound TCP address (with the real port when 0 was asked for).
@@ -126,6 +168,12 @@ fn bind_unix(path: &Path) -> Result<UnixListener, Error> {
 /// finished: the binary's background jobs (engine start tasks, component installs).
 pub type DrainFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 
+/// Called with `POST /api/shutdown`'s request once its `200` has been handed to the
+/// connection, instead of cancelling the server's shutdown tokens: the owner decides what a
+/// shutdown means (e.g. an upgrade in place, or nothing at all when a new binary is refused)
+/// and cancels the tokens it passed to [`serve`] itself.
+pub type ShutdownHook = Arc<dyn Fn(ShutdownRequest) + Send + Sync>;
+
 /// Limits that keep the API reachable whatever clients do (stalled connections, idle
 /// keep-alive connections, oversized headers). See [`ConnectionLimits::default`] for the
 /// defaults.
@@ -175,6 +223,9 @@ pub struct ServerConfig {
     pub limits: ConnectionLimits,
     /// Limits of `GET /api/events`.
     pub events: EventsConfig,
+    /// What `POST /api/shutdown` does; `None`: cancel the shutdown token (and the forced one
+    /// for `{"force":true}`).
+    pub on_shutdown: Option<ShutdownHook>,
 }
 
 impl ServerConfig {
@@ -186,7 +237,15 @@ impl ServerConfig {
             drain: None,
             limits: ConnectionLimits::default(),
             events: EventsConfig::default(),
+            on_shutdown: None,
         }
+    }
+
+    /// Hands `POST /api/shutdown` to `hook` (see [`ShutdownHook`]).
+    #[must_use]
+    pub fn with_shutdown_hook(mut self, hook: ShutdownHook) -> Self {
+        self.on_shutdown = Some(hook);
+        self
     }
 
     /// Sets the limits of `GET /api/events`.
@@ -226,6 +285,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("drain", &self.drain.is_some())
             .field("limits", &self.limits)
             .field("events", &self.events)
+            .field("on_shutdown", &self.on_shutdown.is_some())
             .finish()
     }
 }
@@ -255,6 +315,7 @@ pub async fn serve(
         drain,
         limits,
         events,
+        on_shutdown,
     } = config;
     let state = Arc::new(State {
         api,
@@ -262,6 +323,7 @@ pub async fn serve(
         version,
         shutdown: shutdown.clone(),
         force: force.clone(),
+        on_shutdown,
         events: EventsHub::new(events),
     });
     let Listeners {

@@ -1385,3 +1385,93 @@ async fn at_the_cap_with_every_connection_busy_a_new_one_is_closed() {
     assert_eq!(served, 200);
     stop(s).await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Handing the listening socket over (an upgrade in place, socket activation).
+
+/// A shutdown hook decides instead of the server (here: shut down); a duplicate of the
+/// listening socket kept across `serve`'s end keeps accepting connections into the backlog,
+/// and a second server on that socket (`Listeners::from_tcp`) answers the request that waited
+/// there: nothing is refused in between.
+#[tokio::test]
+async fn the_listening_socket_is_handed_to_the_next_server() {
+    let listeners = Listeners::bind("127.0.0.1:0".parse().unwrap(), None)
+        .await
+        .unwrap();
+    let addr = listeners.tcp_addr();
+    let kept = listeners.tcp_fd().try_clone_to_owned().unwrap();
+    let (shutdown, force) = (CancellationToken::new(), CancellationToken::new());
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let hook = {
+        let (asked, shutdown) = (asked.clone(), shutdown.clone());
+        Arc::new(move |request: shim_http::ShutdownRequest| {
+            asked.lock().unwrap().push(request.force);
+            shutdown.cancel();
+        })
+    };
+    let config = ServerConfig::new("0.22.0")
+        .with_force_shutdown(force.clone())
+        .with_shutdown_hook(hook);
+    let first = tokio::spawn(serve(
+        listeners,
+        Arc::new(FakeEngine::default()),
+        Arc::new(FakeComponents::default()),
+        config,
+        shutdown.clone(),
+    ));
+    let r = post(addr, "/api/shutdown", r#"{"force":false}"#).await;
+    assert_eq!((r.status, r.body.as_str()), (200, "\n"));
+    tokio::time::timeout(BOUND, first)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(*asked.lock().unwrap(), [false]);
+    assert!(!force.is_cancelled(), "the hook did not force");
+
+    // Nobody serves the port now, yet a client connects and sends its request.
+    let mut waiting = TcpStream::connect(addr).await.unwrap();
+    waiting
+        .write_all(&request_bytes("GET", "/api/healthcheck", &[], None))
+        .await
+        .unwrap();
+
+    let socket = std::net::TcpListener::from(kept);
+    let listeners = Listeners::from_tcp(socket, None).unwrap();
+    assert_eq!(listeners.tcp_addr(), addr);
+    let shutdown = CancellationToken::new();
+    let second = tokio::spawn(serve(
+        listeners,
+        Arc::new(FakeEngine::default()),
+        Arc::new(FakeComponents::default()),
+        ServerConfig::new("0.22.1"),
+        shutdown.clone(),
+    ));
+    let mut answer = Vec::new();
+    tokio::time::timeout(BOUND, waiting.read_to_end(&mut answer))
+        .await
+        .unwrap()
+        .unwrap();
+    let answer = parse_response(&answer);
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.json()["version"], "0.22.1");
+    shutdown.cancel();
+    tokio::time::timeout(BOUND, second)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}
+
+/// A socket that is not on a loopback address is refused, whoever made it.
+#[tokio::test]
+async fn an_inherited_socket_must_be_loopback() {
+    let socket = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = socket.local_addr().unwrap().port();
+    let e = Listeners::from_tcp(socket, None).unwrap_err();
+    assert!(matches!(e, Error::NotLoopback { .. }), "{e}");
+    assert_eq!(
+        e.to_string(),
+        format!("refusing to listen on 0.0.0.0:{port}: the shim API is loopback-only")
+    );
+}

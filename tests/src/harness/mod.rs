@@ -17,6 +17,8 @@
 //!   restarts, its logs, its API with the checks the tests make, its containers) and its
 //!   clean-up;
 //! - [`sse`]: [`SseParser`], the one parser of the shim's Server-Sent Events (tests and bench);
+//! - [`supervisor`](mod@supervisor): [`Supervisor`], which runs a command as systemd runs the
+//!   shim's unit (restarted after a delay when it exits, its process group stopped first);
 //! - [`task`]: task configs as the server sends them, container names, fake GPU ids, SSH
 //!   keys;
 //! - [`user`]: [`HostUser`], a host user of one test with an `authorized_keys`;
@@ -33,6 +35,7 @@ pub mod process;
 pub mod proxy;
 pub mod shim;
 pub mod sse;
+pub mod supervisor;
 pub mod task;
 pub mod user;
 pub mod wait;
@@ -45,14 +48,15 @@ pub use docker::{
 pub use http::{Api, Body, Request, Response, Streamed, status_of};
 pub use layout::{entries, runner_dir, task_dir, tasks_dir, write_runner_exit};
 pub use process::{
-    ShimProcess, build_shim, cargo, free_port, open_log, scrub_cargo_env, shim_binary, tail,
-    target_dir,
+    ShimProcess, build_shim, cargo, free_port, open_log, scrub_cargo_env, shim_binary,
+    shim_command, tail, target_dir,
 };
 pub use proxy::{LosingProxy, docker_socket};
 pub use shim::{
     FAKE_GPUS, RUNNER_HTTP_PORT, RUNNER_SSH_PORT, TestShim, TestShimBuilder, WAIT_BOUND,
 };
 pub use sse::{SseEvent, SseParser, parse_block};
+pub use supervisor::Supervisor;
 pub use task::{bridge_task, container_name, fake_gpu_ids, run_tag, ssh_key};
 pub use user::HostUser;
 pub use wait::{wait_for, wait_until};

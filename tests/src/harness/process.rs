@@ -157,6 +157,30 @@ pub fn shim_binary() -> &'static Path {
     })
 }
 
+/// The command that starts `binary --shim-home home --shim-http-port port args..` with `env`
+/// set, `RUST_LOG` removed and `NO_COLOR=1` (what [`ShimProcess::spawn_with_env`] runs).
+pub fn shim_command<A: AsRef<OsStr>>(
+    binary: &Path,
+    home: &Path,
+    port: u16,
+    args: &[A],
+    env: &[(&str, &OsStr)],
+) -> Command {
+    let mut command = Command::new(binary);
+    command
+        .arg("--shim-home")
+        .arg(home)
+        .arg("--shim-http-port")
+        .arg(port.to_string())
+        .args(args)
+        .env_remove("RUST_LOG")
+        .env("NO_COLOR", "1");
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    command
+}
+
 /// A running `dstack-shim` started on a home and a loopback port, stdout and stderr appended
 /// to a log file. SIGKILLed (and reaped) when dropped unless it already exited. Containers
 /// are not touched: pair it with a [`super::ContainerSweeper`] for the home.
@@ -191,18 +215,7 @@ impl ShimProcess {
         env: &[(&str, &OsStr)],
         log: &Path,
     ) -> io::Result<Self> {
-        let mut command = Command::new(binary);
-        command
-            .arg("--shim-home")
-            .arg(home)
-            .arg("--shim-http-port")
-            .arg(port.to_string())
-            .args(args)
-            .env_remove("RUST_LOG")
-            .env("NO_COLOR", "1");
-        for (name, value) in env {
-            command.env(name, value);
-        }
+        let mut command = shim_command(binary, home, port, args, env);
         let child = command
             .stdin(Stdio::null())
             .stdout(open_log(log)?)

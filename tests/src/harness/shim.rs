@@ -20,7 +20,8 @@ use sha2::{Digest as _, Sha256};
 use super::docker::{ContainerSweeper, LABEL_OWNER, container_running, docker_at_ok};
 use super::http::{Request, Response, status_of};
 use super::layout::{task_dir, tasks_dir, write_runner_exit};
-use super::process::{ShimProcess, free_port, shim_binary};
+use super::process::{ShimProcess, free_port, shim_binary, shim_command};
+use super::supervisor::Supervisor;
 use super::wait::wait_for;
 
 /// How many fake GPUs a [`TestShim`] has (`--fake-gpus`).
@@ -48,9 +49,27 @@ pub struct TestShimBuilder {
     docker_host: Option<String>,
     wait_answering: bool,
     runner: Option<PathBuf>,
+    binary: Option<PathBuf>,
+    restart_delay: Option<Duration>,
 }
 
 impl TestShimBuilder {
+    /// Runs `binary` instead of the workspace's debug build.
+    #[must_use]
+    pub fn binary(mut self, binary: &Path) -> Self {
+        self.binary = Some(binary.to_owned());
+        self
+    }
+
+    /// Runs the shim under a [`Supervisor`] that starts it again `restart_delay` after it
+    /// exits, as systemd does with the dstack server's unit (`Restart=always`,
+    /// `RestartSec=3`). [`TestShim::supervisor`] then replaces [`TestShim::process`].
+    #[must_use]
+    pub fn supervised(mut self, restart_delay: Duration) -> Self {
+        self.restart_delay = Some(restart_delay);
+        self
+    }
+
     /// Uses `home` (created if missing; the test removes it) and writes the logs and the
     /// volumes' root into `logs` (created if missing; outside the home, which may be full),
     /// instead of a temporary directory holding all three.
@@ -135,6 +154,9 @@ impl TestShimBuilder {
         };
         TestShim {
             process: None,
+            supervisor: None,
+            binary: self.binary,
+            restart_delay: self.restart_delay,
             sweeper,
             label: self.label,
             spelled: home.clone(),
@@ -172,6 +194,10 @@ impl TestShimBuilder {
 #[derive(Debug)]
 pub struct TestShim {
     process: Option<ShimProcess>,
+    /// The supervisor instead of `process` ([`TestShimBuilder::supervised`]).
+    supervisor: Option<Supervisor>,
+    binary: Option<PathBuf>,
+    restart_delay: Option<Duration>,
     sweeper: Option<ContainerSweeper>,
     label: String,
     /// The home where the test reads files (absolute, as created).
@@ -210,6 +236,8 @@ impl TestShim {
             docker_host: None,
             wait_answering: false,
             runner: None,
+            binary: None,
+            restart_delay: None,
         }
     }
 
@@ -223,7 +251,10 @@ impl TestShim {
     /// the first one the new process answers (restore and the first reconcile cycle are done
     /// by then).
     pub fn start(&mut self) {
-        assert!(self.process.is_none(), "the shim is already running");
+        assert!(
+            self.process.is_none() && self.supervisor.is_none(),
+            "the shim is already running"
+        );
         self.starts += 1;
         self.port = free_port().unwrap_or_else(|e| panic!("{e}"));
         let mut args: Vec<OsString> = vec![
@@ -247,8 +278,27 @@ impl TestShim {
             .map(|(k, v)| (k.as_str(), v.as_os_str()))
             .collect();
         let log = self.log_path(self.starts);
+        let binary = self.binary.as_deref().unwrap_or_else(|| shim_binary());
+        if let Some(delay) = self.restart_delay {
+            let command = {
+                let (binary, home, port) = (binary.to_owned(), self.spelled.clone(), self.port);
+                let env: Vec<(String, OsString)> = self.env.clone();
+                move || {
+                    let env: Vec<(&str, &OsStr)> = env
+                        .iter()
+                        .map(|(k, v)| (k.as_str(), v.as_os_str()))
+                        .collect();
+                    shim_command(&binary, &home, port, &args, &env)
+                }
+            };
+            let supervisor =
+                Supervisor::start(command, delay, &log).unwrap_or_else(|e| panic!("{e}"));
+            self.supervisor = Some(supervisor);
+            self.wait_answering_supervised();
+            return;
+        }
         let mut process =
-            ShimProcess::spawn_with_env(shim_binary(), &self.spelled, self.port, &args, &env, &log)
+            ShimProcess::spawn_with_env(binary, &self.spelled, self.port, &args, &env, &log)
                 .unwrap_or_else(|e| panic!("{e}"));
         let waited = if self.wait_answering {
             process.wait_answering(WAIT_BOUND, Duration::from_millis(10))
@@ -261,7 +311,27 @@ impl TestShim {
 
     /// The running process.
     pub fn process(&self) -> &ShimProcess {
-        self.process.as_ref().expect("the shim runs")
+        self.process
+            .as_ref()
+            .expect("the shim runs (not supervised: see TestShim::supervisor)")
+    }
+
+    /// The supervisor of a [`TestShimBuilder::supervised`] shim.
+    pub fn supervisor(&self) -> &Supervisor {
+        self.supervisor.as_ref().expect("the shim is supervised")
+    }
+
+    /// Waits (bounded) until the healthcheck of the supervised shim answers, whichever start
+    /// answers it.
+    pub fn wait_answering_supervised(&self) {
+        let api = super::http::Api { addr: self.addr() };
+        wait_for("the supervised shim answers", WAIT_BOUND, || {
+            if api.answers() {
+                Ok(())
+            } else {
+                Err(format!("starts: {:?}", self.supervisor().starts()))
+            }
+        });
     }
 
     /// SIGKILL, as a crash or an OOM kill would (reaped).
@@ -577,6 +647,7 @@ impl Drop for TestShim {
         // temporary home (the last field) is deleted: the sweeper reads the owner identity
         // from it.
         drop(self.process.take());
+        drop(self.supervisor.take());
         if let Some(sweeper) = &self.sweeper {
             sweeper.sweep();
         }

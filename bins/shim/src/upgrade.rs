@@ -1,0 +1,768 @@
+//! Upgrades in place (SPEC §9). The dstack server upgrades a host with `POST
+//! /api/components/install` (the new binary renamed over `--shim-binary-path`) then `POST
+//! /api/shutdown`, and systemd starts the process again (`Restart=always`, `RestartSec=3`).
+//! Exiting there would leave the API unanswered for the restart delay; this module makes
+//! that shutdown an upgrade that no request notices:
+//!
+//! 1. [`Upgrader::decide`], before the server stops accepting: nothing new at the path (the
+//!    same bytes as the running image) → [`Decision::Exit`], as upstream. Otherwise the
+//!    pre-flight: `<new> --version` must answer `dstack-shim version X` (5 s), and the binary
+//!    must not be one whose start failed in the last hour ([`RollbackRecord`]). A binary that
+//!    fails it is never started: the running image is put back over the path, `dstack-shim`
+//!    reports `error`, and the shim keeps serving ([`Decision::RolledBack`]).
+//! 2. The server drains as for any graceful shutdown (in-flight requests answered, engine
+//!    jobs stopped, containers untouched) while the listening socket stays open (the binary
+//!    keeps a duplicate): new connections wait in the kernel's backlog.
+//! 3. [`Handover::start_watchdog`] when the server's run ends (this binary, `__upgrade-watch`,
+//!    a child of the PID being replaced), then [`exec`]: once the watchdog says it is ready,
+//!    `execve` of the new binary with the same argv and PID, the socket at fd 3 with
+//!    `LISTEN_FDS=1` and `LISTEN_PID` (see `listen_fds`). The new shim restores its tasks and
+//!    accepts the waiting connections. A binary that is not this shim (no `+rust.` in its version:
+//!    upstream's Go shim) does not speak `LISTEN_FDS`: it gets no socket and binds the port
+//!    itself (connections waiting then are refused).
+//! 4. The watchdog ([`watch_main`]) polls the healthcheck until the new version answers
+//!    (then exits). If its parent (the same PID) dies first, or nothing answers within the
+//!    bound (60 s, `DSTACK_SHIM_UPGRADE_TIMEOUT`; the hung process is then killed), it puts
+//!    its own image (the old, running binary) back over the path and writes the
+//!    [`RollbackRecord`]; systemd starts the restored binary, which reports `error`. It
+//!    blocks SIGTERM/SIGINT/SIGHUP: systemd signals the unit's remaining processes when the
+//!    main PID exits, and the rollback must complete.
+
+use std::ffi::OsString;
+use std::io::{Read as _, Write as _};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd as _, OwnedFd};
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use serde::{Deserialize, Serialize};
+use shim_components::upgrade::{
+    RUNNING_EXE, RollbackRecord, differs_from_running, digest, restore_running, unix_now,
+};
+use shim_components::{ComponentName, Components, binary_version};
+use shim_http::{ShutdownHook, ShutdownRequest};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Config, VERSION};
+use crate::listen_fds;
+
+/// The hidden first argument that runs the watchdog.
+pub const WATCH_COMMAND: &str = "__upgrade-watch";
+/// The watchdog's instructions (JSON), from the process it watches.
+const ENV_WATCH_SPEC: &str = "DSTACK_SHIM_UPGRADE_WATCH";
+/// The watchdog's PID, for the new image to reap it (it is that process's child).
+const ENV_WATCHDOG_PID: &str = "DSTACK_SHIM_UPGRADE_WATCHDOG";
+/// Ours: how many seconds the new binary has to answer before it is rolled back.
+pub const ENV_TIMEOUT: &str = "DSTACK_SHIM_UPGRADE_TIMEOUT";
+/// How long the new binary has to answer by default: restore waits up to a minute for Docker.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long `<new> --version` may take.
+const VERSION_TIMEOUT: Duration = Duration::from_secs(5);
+/// What marks this shim's version strings (`<dstack release>+rust.<crate version>`): such a
+/// binary takes the socket through `LISTEN_FDS`.
+const RUST_MARK: &str = "+rust.";
+
+/// The binary an upgrade starts.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    path: PathBuf,
+    /// The checked file (device, inode, size, modification time): the one started.
+    file: FileId,
+    version: String,
+    sha256: String,
+    takes_socket: bool,
+}
+
+/// One version of a file on disk.
+type FileId = (u64, u64, u64, i64, i64);
+
+fn file_id(path: &Path) -> std::io::Result<FileId> {
+    use std::os::unix::fs::MetadataExt as _;
+    let m = fs_err::metadata(path)?;
+    Ok((m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec()))
+}
+
+/// What `POST /api/shutdown` does.
+#[derive(Debug)]
+pub enum Decision {
+    /// Nothing new is installed: exit, as upstream does.
+    Exit,
+    /// Replace this process with the installed binary.
+    Upgrade(Plan),
+    /// The installed binary was refused and the running one put back: keep serving.
+    RolledBack,
+}
+
+/// Decides what a shutdown is ([`Upgrader::decide`]); cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Upgrader {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    path: PathBuf,
+    home: PathBuf,
+    components: Components,
+}
+
+impl Upgrader {
+    /// For the shim binary at `path` (`--shim-binary-path`), the home `home`.
+    pub fn new(path: PathBuf, home: PathBuf, components: Components) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                path,
+                home,
+                components,
+            }),
+        }
+    }
+
+    /// At start-up: a rollback recorded by the watchdog (or by an earlier pre-flight) about
+    /// this binary makes `dstack-shim` report `error`; a record about another binary (a later
+    /// upgrade succeeded) is removed.
+    pub async fn load_record(&self) {
+        let home = self.inner.home.clone();
+        let read = tokio::task::spawn_blocking(move || RollbackRecord::read(&home)).await;
+        let record = match read {
+            Ok(Ok(record)) => record,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %error_chain(&e), "ignoring an unreadable upgrade record");
+                self.remove_record().await;
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the upgrade record");
+                return;
+            }
+        };
+        match record {
+            Some(r) if r.restored_version == VERSION => {
+                tracing::warn!(
+                    failed_version = %r.failed_version,
+                    reason = %r.reason,
+                    "an upgrade of this shim was rolled back; dstack-shim reports `error` until the next install"
+                );
+                self.inner
+                    .components
+                    .mark_rolled_back(ComponentName::Shim, r.reason);
+            }
+            Some(_) => self.remove_record().await,
+            None => {}
+        }
+    }
+
+    async fn remove_record(&self) {
+        let home = self.inner.home.clone();
+        if let Ok(Err(e)) = tokio::task::spawn_blocking(move || RollbackRecord::remove(&home)).await
+        {
+            tracing::warn!(error = %error_chain(&e), "cannot remove the upgrade record");
+        }
+    }
+
+    /// What a shutdown requested over the API does: exit, upgrade, or (a refused binary,
+    /// rolled back) nothing.
+    pub async fn decide(&self) -> Decision {
+        let path = self.inner.path.clone();
+        let differs = {
+            let path = path.clone();
+            tokio::task::spawn_blocking(move || differs_from_running(&path)).await
+        };
+        match differs {
+            Ok(Ok(true)) => {}
+            Ok(Ok(false)) => return Decision::Exit,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %error_chain(&e), "cannot tell whether a new binary is installed; exiting");
+                return Decision::Exit;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot tell whether a new binary is installed; exiting");
+                return Decision::Exit;
+            }
+        }
+        let (file, sha256) = {
+            let hashed_path = path.clone();
+            let hashed = tokio::task::spawn_blocking(move || {
+                let before = file_id(&hashed_path);
+                let sha = digest(&hashed_path);
+                (before, sha, file_id(&hashed_path))
+            })
+            .await;
+            match hashed {
+                Ok((Ok(before), Ok(sha), Ok(after))) if before == after => (before, sha),
+                Ok((_, Err(e), _)) => return self.refuse("", "", error_chain(&e)).await,
+                Ok(_) => {
+                    // An install in progress (a person's: the server waits for its own).
+                    tracing::warn!(path = %path.display(), "the binary changed while it was read; exiting");
+                    return Decision::Exit;
+                }
+                Err(e) => return self.refuse("", "", e.to_string()).await,
+            }
+        };
+        let home = self.inner.home.clone();
+        if let Ok(Ok(Some(record))) =
+            tokio::task::spawn_blocking(move || RollbackRecord::read(&home)).await
+            && record.refuses(&sha256, unix_now())
+        {
+            let ago = unix_now().saturating_sub(record.at_unix);
+            let why = format!(
+                "the same binary failed to start {ago} s ago ({}); it is not started again \
+                 until an hour has passed since",
+                record.reason
+            );
+            return self.refuse_with(record, why).await;
+        }
+        match binary_version(&path, ComponentName::Shim.as_str(), VERSION_TIMEOUT).await {
+            Ok(version) => {
+                let takes_socket = version.contains(RUST_MARK);
+                tracing::info!(
+                    from = VERSION,
+                    to = %version,
+                    path = %path.display(),
+                    takes_socket,
+                    "a new dstack-shim is installed: upgrading in place"
+                );
+                Decision::Upgrade(Plan {
+                    path,
+                    file,
+                    version,
+                    sha256,
+                    takes_socket,
+                })
+            }
+            Err(e) => self.refuse("", &sha256, error_chain(&e)).await,
+        }
+    }
+
+    /// Puts the running image back over the path, records why, and reports `error`.
+    async fn refuse(&self, version: &str, sha256: &str, why: String) -> Decision {
+        let record = RollbackRecord {
+            failed_version: version.to_owned(),
+            failed_sha256: sha256.to_owned(),
+            reason: why.clone(),
+            restored_version: VERSION.to_owned(),
+            at_unix: unix_now(),
+        };
+        self.refuse_with(record, why).await
+    }
+
+    /// [`Upgrader::refuse`] writing `record` (for a binary refused because it failed before:
+    /// the record of that failure, unchanged, so the refusal ends an hour after the failure).
+    async fn refuse_with(&self, record: RollbackRecord, why: String) -> Decision {
+        let path = self.inner.path.clone();
+        let home = self.inner.home.clone();
+        let done = tokio::task::spawn_blocking(move || roll_back(&path, &home, &record)).await;
+        if let Err(e) = done {
+            tracing::error!(error = %e, "the rollback job failed");
+        }
+        tracing::warn!(
+            path = %self.inner.path.display(),
+            reason = %why,
+            "refused the installed dstack-shim: the running binary is back in place and keeps serving"
+        );
+        self.inner
+            .components
+            .mark_rolled_back(ComponentName::Shim, why);
+        Decision::RolledBack
+    }
+}
+
+/// Puts the running image over `path` and writes `record` into `home`. Blocking; logs what
+/// fails.
+fn roll_back(path: &Path, home: &Path, record: &RollbackRecord) {
+    match restore_running(path) {
+        Ok(()) => {
+            tracing::info!(path = %path.display(), version = VERSION, "put the running binary back")
+        }
+        Err(e) => tracing::error!(
+            path = %path.display(),
+            error = %error_chain(&e),
+            "cannot put the running binary back; the next start runs the refused one"
+        ),
+    }
+    if let Err(e) = record.write(home) {
+        tracing::error!(error = %error_chain(&e), "cannot record the rollback");
+    }
+}
+
+/// What [`exec`] needs: the plan, the listening socket (a duplicate kept open across the
+/// server's end) and its port.
+#[derive(Debug)]
+pub struct Handover {
+    plan: Plan,
+    socket: OwnedFd,
+    port: u16,
+    watchdog: Option<anyhow::Result<Watchdog>>,
+}
+
+/// The watchdog, started, and its readiness (one byte on its stdout once it blocks the
+/// signals that would end it).
+#[derive(Debug)]
+struct Watchdog {
+    pid: u32,
+    ready: std::sync::mpsc::Receiver<bool>,
+}
+
+/// How long the watchdog may take to come up.
+const WATCHDOG_READY: Duration = Duration::from_secs(10);
+
+impl Handover {
+    /// Starts the watchdog now, so that it comes up while the engine stops; [`exec`] waits
+    /// until it is ready.
+    pub fn start_watchdog(&mut self) {
+        self.watchdog = Some(spawn_watchdog(&self.plan, self.port));
+    }
+}
+
+/// The shim's argv0 and arguments.
+fn own_args() -> (OsString, Vec<OsString>) {
+    let mut args = std::env::args_os();
+    let argv0 = args.next().unwrap_or_else(|| OsString::from("dstack-shim"));
+    (argv0, args.collect())
+}
+
+fn spawn_watchdog(plan: &Plan, port: u16) -> anyhow::Result<Watchdog> {
+    let timeout = std::env::var(ENV_TIMEOUT)
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .map_or(DEFAULT_TIMEOUT, Duration::from_secs);
+    let spec = WatchSpec {
+        parent: std::process::id(),
+        port,
+        binary: plan.path.clone(),
+        version: plan.version.clone(),
+        sha256: plan.sha256.clone(),
+        timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+    };
+    let (argv0, args) = own_args();
+    let mut child = Command::new(RUNNING_EXE)
+        .arg0(&argv0)
+        .arg(WATCH_COMMAND)
+        .args(&args)
+        .env(ENV_WATCH_SPEC, serde_json::to_string(&spec)?)
+        .env_remove(listen_fds::LISTEN_PID)
+        .env_remove(listen_fds::LISTEN_FDS)
+        .env_remove(listen_fds::LISTEN_FDNAMES)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("cannot start the upgrade watchdog")?;
+    let pid = child.id();
+    let mut stdout = child.stdout.take().context("the watchdog has no stdout")?;
+    let (tx, ready) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("upgrade-watchdog-ready".into())
+        .spawn(move || {
+            let mut byte = [0u8; 1];
+            let _ = tx.send(matches!(stdout.read(&mut byte), Ok(1)));
+        })
+        .context("cannot wait for the upgrade watchdog")?;
+    // The child is not waited for here: after the exec the new image reaps it.
+    drop(child);
+    Ok(Watchdog { pid, ready })
+}
+
+/// What an upgrade in place hands over, filled in while the server runs: a duplicate of the
+/// listening socket, kept only while an upgrade may still come (an exit drops it at once, so
+/// connections are refused from the server's end on, as before), and the plan.
+#[derive(Debug)]
+pub struct Handoff {
+    state: Mutex<HandoffState>,
+    port: u16,
+}
+
+#[derive(Debug)]
+struct HandoffState {
+    socket: Option<OwnedFd>,
+    plan: Option<Plan>,
+}
+
+impl Handoff {
+    /// Keeps `socket` (the API's, on `port`) for an upgrade.
+    pub fn new(socket: OwnedFd, port: u16) -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new(HandoffState {
+                socket: Some(socket),
+                plan: None,
+            }),
+            port,
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, HandoffState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The shutdown is an upgrade to `plan` (unless [`Handoff::no_upgrade`] came first).
+    fn upgrade(&self, plan: Plan) {
+        let mut state = self.state();
+        if state.socket.is_some() {
+            state.plan = Some(plan);
+        }
+    }
+
+    /// The shutdown is an exit (nothing new installed, or a signal): the socket and any plan
+    /// go now.
+    pub fn no_upgrade(&self) {
+        let mut state = self.state();
+        state.socket = None;
+        state.plan = None;
+    }
+
+    /// After the server's end: the handover, if the shutdown is an upgrade.
+    pub fn take(&self) -> Option<Handover> {
+        let mut state = self.state();
+        let (plan, socket) = (state.plan.take(), state.socket.take());
+        Some(Handover {
+            plan: plan?,
+            socket: socket?,
+            port: self.port,
+            watchdog: None,
+        })
+    }
+}
+
+/// The `POST /api/shutdown` hook: decided by the [`Upgrader`] before the server stops
+/// accepting: exit (nothing new installed), upgrade in place (the plan goes to `handoff`), or
+/// keep serving (the new binary was refused and rolled back). One decision at a time; a
+/// request while shutting down only adds `force`.
+pub fn shutdown_hook(
+    upgrader: Upgrader,
+    handoff: Arc<Handoff>,
+    shutdown: CancellationToken,
+    force: CancellationToken,
+) -> ShutdownHook {
+    let deciding = Arc::new(tokio::sync::Mutex::new(()));
+    Arc::new(move |request: ShutdownRequest| {
+        let (upgrader, handoff, shutdown, force, deciding) = (
+            upgrader.clone(),
+            handoff.clone(),
+            shutdown.clone(),
+            force.clone(),
+            deciding.clone(),
+        );
+        tokio::spawn(async move {
+            let _one = deciding.lock().await;
+            if !shutdown.is_cancelled() {
+                match upgrader.decide().await {
+                    Decision::Exit => handoff.no_upgrade(),
+                    Decision::Upgrade(plan) => handoff.upgrade(plan),
+                    Decision::RolledBack => return,
+                }
+            }
+            if request.force {
+                force.cancel();
+            }
+            shutdown.cancel();
+        });
+    })
+}
+
+/// Replaces this process with the planned binary (same PID, same argv and environment, the
+/// socket at fd 3 when it takes `LISTEN_FDS`), once the watchdog is ready. Returns only if
+/// that fails (the process then exits, as upstream's does). Call it with no other thread running (the async runtime shut down): from the
+/// socket's move to fd 3 on, nothing may write to a descriptor.
+pub fn exec(handover: Handover) -> anyhow::Error {
+    match exec_inner(handover) {
+        Ok(never) => match never {},
+        Err(e) => e,
+    }
+}
+
+fn exec_inner(handover: Handover) -> anyhow::Result<std::convert::Infallible> {
+    let Handover {
+        plan,
+        socket,
+        port,
+        watchdog,
+    } = handover;
+    // The file must still be the one checked (nothing installs while the server drains, but
+    // a person may).
+    let now = file_id(&plan.path)?;
+    anyhow::ensure!(
+        now == plan.file,
+        "{} changed after the upgrade was decided; not starting it",
+        plan.path.display()
+    );
+    // Without a watchdog ready (it would be killed with the unit's other processes if the
+    // new binary died at once), the new binary is not started unprotected: exit instead, as
+    // upstream does.
+    let watchdog = watchdog
+        .unwrap_or_else(|| spawn_watchdog(&plan, port))
+        .context("exiting instead of upgrading")?;
+    let ready = watchdog.ready.recv_timeout(WATCHDOG_READY).unwrap_or(false);
+    anyhow::ensure!(
+        ready,
+        "the upgrade watchdog (pid {}) did not come up within {WATCHDOG_READY:?}; exiting \
+         instead of upgrading",
+        watchdog.pid
+    );
+    tracing::info!(
+        path = %plan.path.display(),
+        version = %plan.version,
+        watchdog = watchdog.pid,
+        takes_socket = plan.takes_socket,
+        "replacing this process with the new binary"
+    );
+    let (argv0, args) = own_args();
+
+    let mut command = Command::new(&plan.path);
+    command
+        .arg0(&argv0)
+        .args(&args)
+        .env_remove(listen_fds::LISTEN_PID)
+        .env_remove(listen_fds::LISTEN_FDS)
+        .env_remove(listen_fds::LISTEN_FDNAMES)
+        .env_remove(ENV_WATCH_SPEC)
+        .env(ENV_WATCHDOG_PID, watchdog.pid.to_string());
+    if plan.takes_socket {
+        command
+            .env(listen_fds::LISTEN_PID, std::process::id().to_string())
+            .env(listen_fds::LISTEN_FDS, "1")
+            .env(listen_fds::LISTEN_FDNAMES, listen_fds::FD_NAME);
+        // From here on nothing logs: fd 3 may have been the log file.
+        place_at_first_fd(&socket)?;
+    } else {
+        drop(socket);
+    }
+    Err(anyhow::Error::new(command.exec()).context(format!("cannot exec {}", plan.path.display())))
+}
+
+/// Makes the socket fd 3 without close-on-exec (whatever fd 3 was is closed: every
+/// descriptor of this process is close-on-exec anyway).
+fn place_at_first_fd(socket: &OwnedFd) -> anyhow::Result<()> {
+    use nix::fcntl::{FcntlArg, FdFlag, fcntl};
+    let raw = socket.as_raw_fd();
+    if raw == listen_fds::FIRST_FD {
+        fcntl(raw, FcntlArg::F_SETFD(FdFlag::empty())).context("cannot hand the socket over")?;
+    } else {
+        nix::unistd::dup2(raw, listen_fds::FIRST_FD).context("cannot hand the socket over")?;
+    }
+    Ok(())
+}
+
+/// Reaps the watchdog the image before this one spawned (it is this process's child: the PID
+/// is the same), logging how it ended. Runs on a thread of its own; nothing if there is none.
+pub fn reap_watchdog() {
+    let Some(pid) = std::env::var(ENV_WATCHDOG_PID)
+        .ok()
+        .and_then(|p| p.parse::<i32>().ok())
+    else {
+        return;
+    };
+    let spawned = std::thread::Builder::new()
+        .name("upgrade-watchdog-reaper".into())
+        .spawn(move || {
+            match nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None) {
+                Ok(status) => tracing::debug!(pid, ?status, "the upgrade watchdog ended"),
+                // Not our child (the variable came from elsewhere): nothing to reap.
+                Err(e) => tracing::debug!(pid, error = %e, "no upgrade watchdog to reap"),
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::debug!(error = %e, "cannot wait for the upgrade watchdog");
+    }
+}
+
+/// The watchdog's instructions.
+#[derive(Debug, Serialize, Deserialize)]
+struct WatchSpec {
+    /// The PID being replaced (the watchdog's parent).
+    parent: u32,
+    /// The API port on 127.0.0.1.
+    port: u16,
+    /// The new binary's path.
+    binary: PathBuf,
+    /// The version it must answer.
+    version: String,
+    /// Its digest: only that file is rolled back.
+    sha256: String,
+    /// How long it has to answer.
+    timeout_ms: u64,
+}
+
+/// First thing in the watchdog's `main`, before any thread exists (the mask is then the
+/// process's): SIGTERM, SIGINT and SIGHUP stay pending. systemd sends SIGTERM to the unit's
+/// remaining processes as soon as the main PID exits, which a broken new binary does at once.
+/// The watchdog tells its parent it is ready (one byte on stdout) only after this.
+pub fn block_stop_signals() {
+    use nix::sys::signal::{SigSet, Signal};
+    let mut blocked = SigSet::empty();
+    for signal in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
+        blocked.add(signal);
+    }
+    let _ = blocked.thread_block();
+}
+
+/// `dstack-shim __upgrade-watch <the shim's arguments>`: see the module's documentation.
+/// [`block_stop_signals`] has run.
+pub fn watch_main(config: &Config) -> ExitCode {
+    use nix::sys::signal::Signal;
+    let spec: WatchSpec = match std::env::var(ENV_WATCH_SPEC)
+        .context(ENV_WATCH_SPEC)
+        .and_then(|s| serde_json::from_str(&s).context("cannot parse it"))
+    {
+        Ok(spec) => spec,
+        Err(e) => {
+            #[allow(clippy::print_stderr)] // no logger yet
+            {
+                eprintln!("dstack-shim {WATCH_COMMAND}: {e:#}");
+            }
+            return ExitCode::FAILURE;
+        }
+    };
+    // Ready: the parent may exec now.
+    let mut stdout = std::io::stdout();
+    let _ = stdout.write_all(b"r").and_then(|()| stdout.flush());
+    let home = config.home().ok();
+    if let Some(home) = &home
+        && let Err(e) = crate::logging::init(config.shim_log_level, config.log_format, home)
+    {
+        #[allow(clippy::print_stderr)] // the logger is not installed
+        {
+            eprintln!("dstack-shim {WATCH_COMMAND}: {e:#}");
+        }
+    }
+    let started = Instant::now();
+    match watch(&spec) {
+        Ok(()) => {
+            tracing::info!(
+                version = %spec.version,
+                after_ms = started.elapsed().as_millis(),
+                "the new dstack-shim answers: upgrade done"
+            );
+            ExitCode::SUCCESS
+        }
+        Err(failure) => {
+            tracing::error!(
+                version = %spec.version,
+                reason = %failure.why,
+                "the new dstack-shim did not start: rolling back"
+            );
+            let Some(home) = home else {
+                return ExitCode::FAILURE;
+            };
+            roll_back_watched(&spec, &home, &failure.why);
+            if failure.hung && std::os::unix::process::parent_id() == spec.parent {
+                let pid = nix::unistd::Pid::from_raw(i32::try_from(spec.parent).unwrap_or(0));
+                match nix::sys::signal::kill(pid, Signal::SIGKILL) {
+                    Ok(()) => tracing::warn!(pid = spec.parent, "killed the new dstack-shim"),
+                    Err(e) => tracing::error!(error = %e, "cannot kill the new dstack-shim"),
+                }
+            }
+            ExitCode::SUCCESS
+        }
+    }
+}
+
+struct Failure {
+    why: String,
+    /// The process still runs (it did not answer in time).
+    hung: bool,
+}
+
+/// Polls the healthcheck until `spec.version` answers (`Ok`), the parent dies or the time
+/// is up.
+fn watch(spec: &WatchSpec) -> Result<(), Failure> {
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, spec.port));
+    let timeout = Duration::from_millis(spec.timeout_ms);
+    let deadline = Instant::now() + timeout;
+    loop {
+        let last = match healthcheck_version(addr, deadline) {
+            Ok(v) if v == spec.version => return Ok(()),
+            Ok(v) => format!("it answers version {v}"),
+            Err(e) => e,
+        };
+        if std::os::unix::process::parent_id() != spec.parent {
+            return Err(Failure {
+                why: format!("it exited before it answered its healthcheck (last: {last})"),
+                hung: false,
+            });
+        }
+        if Instant::now() >= deadline {
+            return Err(Failure {
+                why: format!("it did not answer within {timeout:?} (last: {last})"),
+                hung: true,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// One `GET /api/healthcheck` on a new connection (bounded by 2 s and `deadline`): the
+/// version it answers.
+fn healthcheck_version(addr: SocketAddr, deadline: Instant) -> Result<String, String> {
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .clamp(Duration::from_millis(100), Duration::from_secs(2));
+    let mut stream = TcpStream::connect_timeout(&addr, left).map_err(|e| e.to_string())?;
+    stream
+        .set_read_timeout(Some(left))
+        .and_then(|()| stream.set_write_timeout(Some(left)))
+        .map_err(|e| e.to_string())?;
+    stream
+        .write_all(
+            format!("GET /api/healthcheck HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .map_err(|e| e.to_string())?;
+    let mut answer = Vec::new();
+    stream
+        .take(64 * 1024)
+        .read_to_end(&mut answer)
+        .map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&answer);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| "no complete answer".to_owned())?;
+    // `HTTP/1.x 200 …`: any server's (a foreign binary may answer HTTP/1.0).
+    let status_line = head.lines().next().unwrap_or_default();
+    if !status_line.starts_with("HTTP/1.") || status_line.split(' ').nth(1) != Some("200") {
+        return Err(format!("it answers {status_line:?}"));
+    }
+    let json: serde_json::Value =
+        serde_json::from_str(body.trim()).map_err(|e| format!("bad healthcheck body: {e}"))?;
+    json["version"]
+        .as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| format!("no version in {body}"))
+}
+
+/// The watchdog's rollback: the path still holds the binary that failed → its own image
+/// (the binary that ran before) goes back over it; the record is written either way.
+fn roll_back_watched(spec: &WatchSpec, home: &Path, why: &str) {
+    let record = RollbackRecord {
+        failed_version: spec.version.clone(),
+        failed_sha256: spec.sha256.clone(),
+        reason: why.to_owned(),
+        restored_version: VERSION.to_owned(),
+        at_unix: unix_now(),
+    };
+    match digest(&spec.binary) {
+        Ok(now) if now == spec.sha256 => roll_back(&spec.binary, home, &record),
+        Ok(_) => tracing::warn!(
+            path = %spec.binary.display(),
+            "another binary was installed meanwhile: leaving it in place"
+        ),
+        Err(e) => {
+            tracing::warn!(error = %error_chain(&e), "cannot read the installed binary; putting the previous one back");
+            roll_back(&spec.binary, home, &record);
+        }
+    }
+}
+
+/// `error: cause: cause` on one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}

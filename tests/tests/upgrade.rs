@@ -1,0 +1,884 @@
+//! Issue 21: the dstack server upgrades a host with `POST /api/components/install` then `POST
+//! /api/shutdown`, and systemd restarts the process (`Restart=always`, `RestartSec=3`). Here
+//! that shutdown is an upgrade in place: under a steady load of API requests and with tasks
+//! running, no request fails, the PID stays the same, every task keeps its container; a new
+//! binary that does not start is rolled back and the host keeps a shim.
+//!
+//! The shim runs under the harness's `Supervisor`, which restarts it 3 s after it exits as
+//! systemd does with the unit the server writes (there is no systemd here). The binaries are
+//! the release artifacts of two dstack releases (`cargo xtask dist --upstream-version X`,
+//! found through `shim_e2e::dist_artifact`), served over HTTP to the install as the server's
+//! `DSTACK_SHIM_DOWNLOAD_URL` serves them.
+//!
+//! upstream: runner/internal/shim/api/handlers.go (ComponentInstallHandler, ShutdownHandler),
+//! runner/internal/shim/components/shim.go, src/dstack/_internal/server/background/
+//! pipeline_tasks/instances/check.py (_maybe_install_components: install, then shutdown at
+//! a later check once the installed version differs from the running one),
+//! src/dstack/_internal/server/services/ssh_fleets/provisioning.py (the unit: RestartSec=3).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::print_stderr,
+    reason = "test code: a failed unwrap is a failed test; figures go to stderr"
+)]
+
+use std::collections::BTreeMap;
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::net::{SocketAddr, TcpListener};
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use shim_e2e::harness::supervisor::group_members;
+use shim_e2e::harness::{Request, TestShim, bridge_task, docker_ok, run_tag, wait_for};
+use shim_e2e::{
+    DSTACK_VERSION, OLDER_DSTACK_VERSION, dist_artifact, docker_tests_enabled, dstack_python,
+    go_arch, repo_root,
+};
+
+/// The restart delay of the unit the dstack server writes.
+const RESTART_SEC: Duration = Duration::from_secs(3);
+/// The dstack server's timeout for a shim request (`REQUEST_TIMEOUT` in
+/// services/runner/client.py).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(9);
+/// Bounds of the waits (never timed assertions).
+const BOUND: Duration = Duration::from_secs(120);
+/// The load: this many clients, each sending a request every `LOAD_EVERY` on a new
+/// connection (the server's SSH tunnel opens one per request): 100 requests/s.
+const LOAD_CLIENTS: usize = 4;
+const LOAD_EVERY: Duration = Duration::from_millis(40);
+
+// ---------------------------------------------------------------------------------------------
+// Fixtures
+// ---------------------------------------------------------------------------------------------
+
+/// The release artifact for `release`; fails the test loudly when it was not built.
+fn artifact(release: &str) -> PathBuf {
+    let path = dist_artifact(release);
+    assert!(
+        path.is_file(),
+        "{} is missing: build it with `cargo xtask dist --upstream-version {release}` (or set \
+         SHIM_TEST_DIST_DIR to a directory of release artifacts)",
+        path.display()
+    );
+    path
+}
+
+/// `<binary> --version`'s version.
+fn version_of(binary: &Path) -> String {
+    let out = Command::new(binary).arg("--version").output().unwrap();
+    assert!(
+        out.status.success(),
+        "{} --version: {out:?}",
+        binary.display()
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    text.split_whitespace().nth(2).unwrap().to_owned()
+}
+
+/// Copies `from` to `<dir>/bin/dstack-shim` (0755), where the shim runs from and where
+/// installs put the new binary (`--shim-binary-path` defaults to the running executable).
+fn install_binary(from: &Path, dir: &Path) -> PathBuf {
+    let bin = dir.join("bin");
+    fs_err::create_dir_all(&bin).unwrap();
+    let path = bin.join("dstack-shim");
+    fs_err::copy(from, &path).unwrap();
+    fs_err::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}
+
+fn same_bytes(a: &Path, b: &Path) -> bool {
+    fs_err::read(a).unwrap() == fs_err::read(b).unwrap()
+}
+
+/// A shell script that answers `--version` with `version` and does `then` when started as a
+/// shim: the hard case of a broken binary (a good version, no shim).
+fn script(version: &str, then: &str) -> Vec<u8> {
+    format!(
+        "#!/bin/sh\nif [ \"$1\" = --version ]; then echo \"dstack-shim version {version}\"; \
+         exit 0; fi\n{then}\n"
+    )
+    .into_bytes()
+}
+
+/// A tiny HTTP server for the installs: `GET /<name>` answers the bytes set for `name`
+/// (404 otherwise), as the server's download URL does.
+struct FileServer {
+    addr: SocketAddr,
+    files: Arc<Mutex<BTreeMap<String, Vec<u8>>>>,
+}
+
+impl FileServer {
+    fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let files: Arc<Mutex<BTreeMap<String, Vec<u8>>>> = Arc::default();
+        let served = files.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                let files = served.clone();
+                std::thread::spawn(move || {
+                    let mut reader = BufReader::new(stream.try_clone().unwrap());
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).is_err() {
+                        return;
+                    }
+                    loop {
+                        let mut header = String::new();
+                        match reader.read_line(&mut header) {
+                            Ok(0) | Err(_) => break,
+                            Ok(_) if header == "\r\n" => break,
+                            Ok(_) => {}
+                        }
+                    }
+                    let name = line
+                        .split(' ')
+                        .nth(1)
+                        .unwrap_or("/")
+                        .trim_start_matches('/');
+                    let body = files.lock().unwrap().get(name).cloned();
+                    let _ = match body {
+                        Some(body) => stream
+                            .write_all(
+                                format!(
+                                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: \
+                                     close\r\n\r\n",
+                                    body.len()
+                                )
+                                .as_bytes(),
+                            )
+                            .and_then(|()| stream.write_all(&body)),
+                        None => stream.write_all(
+                            b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                        ),
+                    };
+                });
+            }
+        });
+        Self { addr, files }
+    }
+
+    /// Serves `bytes` as `name`; its URL.
+    fn serve(&self, name: &str, bytes: Vec<u8>) -> String {
+        self.files.lock().unwrap().insert(name.to_owned(), bytes);
+        format!("http://{}/{name}", self.addr)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The load
+// ---------------------------------------------------------------------------------------------
+
+/// One request of the load.
+#[derive(Debug, Clone)]
+struct Sample {
+    sent: Instant,
+    latency: Duration,
+    #[allow(dead_code, reason = "shown when a request failed")]
+    path: String,
+    /// The status, or why no answer came.
+    outcome: Result<u16, String>,
+    /// The healthcheck's version.
+    version: Option<String>,
+}
+
+impl Sample {
+    fn failed(&self) -> bool {
+        self.outcome != Ok(200)
+    }
+
+    fn answered(&self) -> Instant {
+        self.sent + self.latency
+    }
+}
+
+/// Clients sending healthchecks, task lists and task infos at a steady rate, each on a new
+/// connection with the server's timeout, recording every request.
+struct Load {
+    stop: Arc<AtomicBool>,
+    clients: Vec<JoinHandle<Vec<Sample>>>,
+}
+
+impl Load {
+    fn start(addr: SocketAddr, task_ids: &[String]) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut paths = vec!["/api/healthcheck".to_owned(), "/api/tasks".to_owned()];
+        paths.extend(task_ids.iter().map(|id| format!("/api/tasks/{id}")));
+        let clients = (0..LOAD_CLIENTS)
+            .map(|n| {
+                let (stop, paths) = (stop.clone(), paths.clone());
+                std::thread::spawn(move || {
+                    let mut samples = Vec::new();
+                    // Spread the clients over the period.
+                    std::thread::sleep(LOAD_EVERY / LOAD_CLIENTS as u32 * n as u32);
+                    let mut next = Instant::now();
+                    let mut i = n;
+                    while !stop.load(Ordering::SeqCst) {
+                        let path = &paths[i % paths.len()];
+                        i += 1;
+                        let sent = Instant::now();
+                        let answer = Request::get(path).timeout(REQUEST_TIMEOUT).send(addr);
+                        let latency = sent.elapsed();
+                        let (outcome, version) = match answer {
+                            Ok(r) => {
+                                let version = (path == "/api/healthcheck" && r.status == 200)
+                                    .then(|| r.json().ok())
+                                    .flatten()
+                                    .and_then(|v| v["version"].as_str().map(str::to_owned));
+                                (Ok(r.status), version)
+                            }
+                            Err(e) => (Err(e.to_string()), None),
+                        };
+                        samples.push(Sample {
+                            sent,
+                            latency,
+                            path: path.clone(),
+                            outcome,
+                            version,
+                        });
+                        next += LOAD_EVERY;
+                        let now = Instant::now();
+                        if next > now {
+                            std::thread::sleep(next - now);
+                        } else {
+                            next = now;
+                        }
+                    }
+                    samples
+                })
+            })
+            .collect();
+        Self { stop, clients }
+    }
+
+    /// Stops the clients; every request they made, by time sent.
+    fn finish(self) -> Vec<Sample> {
+        self.stop.store(true, Ordering::SeqCst);
+        let mut all: Vec<Sample> = self
+            .clients
+            .into_iter()
+            .flat_map(|c| c.join().unwrap())
+            .collect();
+        all.sort_by_key(|s| s.sent);
+        all
+    }
+}
+
+/// The figures of the samples sent in `[from, to)`.
+fn figures(samples: &[Sample], from: Instant, to: Instant) -> (usize, Vec<Sample>, Duration) {
+    let window: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.sent >= from && s.sent < to)
+        .collect();
+    let failed: Vec<Sample> = window
+        .iter()
+        .filter(|s| s.failed())
+        .map(|s| (*s).clone())
+        .collect();
+    let longest = window.iter().map(|s| s.latency).max().unwrap_or_default();
+    (window.len(), failed, longest)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The shim and its tasks
+// ---------------------------------------------------------------------------------------------
+
+/// A supervised shim running a copy of `binary` (in a directory of its own, returned too:
+/// keep it while the shim runs), with `env`; started.
+fn supervised_shim(
+    label: &str,
+    binary: &Path,
+    env: &[(&str, &str)],
+) -> (TestShim, PathBuf, tempfile::TempDir) {
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("shim-{label}-bin-"))
+        .tempdir()
+        .unwrap();
+    let path = install_binary(binary, dir.path());
+    let builder = TestShim::builder(label)
+        .supervised(RESTART_SEC)
+        .binary(&path);
+    let mut shim = env.iter().fold(builder, |b, (k, v)| b.env(k, v)).build();
+    shim.start();
+    (shim, path, dir)
+}
+
+/// Submits `n` tasks and waits until they run; their ids and container ids.
+fn running_tasks(shim: &TestShim, n: usize) -> BTreeMap<String, String> {
+    let ids: Vec<String> = (0..n).map(|i| shim.unique_id(&format!("up{i}"))).collect();
+    for id in &ids {
+        let config = bridge_task(id, &format!("up-{id}-{}", run_tag()), 1);
+        shim.submit(&config).ok();
+    }
+    ids.iter()
+        .map(|id| {
+            let info = shim.wait_status(id, "running");
+            (
+                id.clone(),
+                info["container_id"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+/// `docker inspect` of a container: (running, started at).
+fn container_state(id: &str) -> (String, String) {
+    let out = docker_ok(&[
+        "inspect",
+        "-f",
+        "{{.State.Running}} {{.State.StartedAt}}",
+        id,
+    ]);
+    let (running, started) = out.trim().split_once(' ').unwrap();
+    (running.to_owned(), started.to_owned())
+}
+
+/// Every task is `running` with the same container, which runs since the same moment.
+fn assert_tasks_untouched(
+    shim: &TestShim,
+    tasks: &BTreeMap<String, String>,
+    started: &BTreeMap<String, (String, String)>,
+) {
+    for (id, cid) in tasks {
+        let info = shim.info(id);
+        assert_eq!(info["status"], "running", "{info}");
+        assert_eq!(info["container_id"], cid.as_str(), "{info}");
+        assert_eq!(
+            &container_state(cid),
+            &started[cid],
+            "container {cid} of {id}"
+        );
+    }
+}
+
+fn components(shim: &TestShim) -> BTreeMap<String, (String, String)> {
+    let list = shim.get("/api/components").ok();
+    list["components"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let field = |f: &str| c[f].as_str().unwrap().to_owned();
+            (field("name"), (field("status"), field("version")))
+        })
+        .collect()
+}
+
+/// Installs `url` as `dstack-shim` and waits until the install is over (the server's next
+/// instance check reads the list the same way); the component's (status, version).
+fn install(shim: &TestShim, url: &str) -> (String, String) {
+    let answer = shim.post(
+        "/api/components/install",
+        &json!({"name": "dstack-shim", "url": url}),
+    );
+    answer.assert_empty_ok();
+    wait_for("the install ends", BOUND, || {
+        let shim_component = components(shim)["dstack-shim"].clone();
+        if shim_component.0 == "installing" {
+            Err(format!("{shim_component:?}"))
+        } else {
+            Ok(shim_component)
+        }
+    })
+}
+
+fn shutdown(shim: &TestShim) -> Instant {
+    let answer = shim.post("/api/shutdown", &json!({"force": false}));
+    let at = Instant::now();
+    answer.assert_empty_ok();
+    at
+}
+
+/// Waits until the healthcheck answers `version`.
+fn wait_version(shim: &TestShim, version: &str) {
+    wait_for(&format!("version {version} answers"), BOUND, || {
+        let answer = Request::get("/api/healthcheck")
+            .timeout(REQUEST_TIMEOUT)
+            .send(shim.addr());
+        match answer {
+            Ok(r) if r.status == 200 && r.json_body()["version"] == version => Ok(()),
+            Ok(r) => Err(format!("{r:?}")),
+            Err(e) => Err(e.to_string()),
+        }
+    });
+}
+
+/// The watchdog is gone: only the shim is left in its process group.
+fn wait_alone(shim: &TestShim) {
+    let pid = shim.supervisor().pid().unwrap();
+    wait_for("the upgrade watchdog exits", BOUND, || {
+        let members = group_members(pid);
+        if members == [pid] {
+            Ok(())
+        } else {
+            Err(format!("process group {pid}: {members:?}"))
+        }
+    });
+}
+
+fn record(shim: &TestShim) -> Value {
+    let path = shim.home().join("upgrade-rollback.json");
+    serde_json::from_slice(&fs_err::read(&path).unwrap()).unwrap()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tests
+// ---------------------------------------------------------------------------------------------
+
+/// Install + shutdown as the server does, from the older release to the current one, under
+/// 100 requests/s and with three tasks running: no request fails, the PID (the process
+/// systemd watches) stays the same, the new version answers, every task keeps its container
+/// (same container, still running since the same moment), the watchdog goes away.
+#[test]
+fn an_upgrade_in_place_fails_no_request_and_keeps_every_task() {
+    if !docker_tests_enabled("an_upgrade_in_place_fails_no_request_and_keeps_every_task") {
+        return;
+    }
+    let (old, new) = (artifact(OLDER_DSTACK_VERSION), artifact(DSTACK_VERSION));
+    let (old_version, new_version) = (version_of(&old), version_of(&new));
+    assert_ne!(old_version, new_version);
+    let (shim, path, _bin) = supervised_shim("upgrade", &old, &[]);
+    wait_version(&shim, &old_version);
+    let tasks = running_tasks(&shim, 3);
+    let started: BTreeMap<String, (String, String)> = tasks
+        .values()
+        .map(|cid| (cid.clone(), container_state(cid)))
+        .collect();
+    let pid = shim.supervisor().pid().unwrap();
+    let files = FileServer::start();
+    let url = files.serve(
+        &format!("{DSTACK_VERSION}/dstack-shim-linux-amd64"),
+        fs_err::read(&new).unwrap(),
+    );
+
+    let ids: Vec<String> = tasks.keys().cloned().collect();
+    let load = Load::start(shim.addr(), &ids);
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        install(&shim, &url),
+        ("installed".into(), new_version.clone())
+    );
+    let shutdown_at = shutdown(&shim);
+    wait_version(&shim, &new_version);
+    let new_answers = shutdown_at.elapsed();
+    std::thread::sleep(Duration::from_secs(2));
+    let samples = load.finish();
+
+    let (total, failed, longest) = figures(&samples, samples[0].sent, Instant::now());
+    let first_new = samples
+        .iter()
+        .filter(|s| s.version.as_deref() == Some(new_version.as_str()))
+        .map(Sample::answered)
+        .min()
+        .unwrap();
+    let last_old = samples
+        .iter()
+        .filter(|s| s.version.as_deref() == Some(old_version.as_str()))
+        .map(Sample::answered)
+        .max()
+        .unwrap();
+    let (after, _, longest_after) = figures(&samples, shutdown_at, Instant::now());
+    eprintln!(
+        "upgrade in place {old_version} -> {new_version}: {total} requests ({after} after the \
+         shutdown), {} failed; the new version answered {:.3} s after the shutdown's 200 \
+         (load: first new answer {:.3} s after it, last old answer {:.3} s); longest request \
+         {:.3} s ({:.3} s after the shutdown)",
+        failed.len(),
+        new_answers.as_secs_f64(),
+        first_new.duration_since(shutdown_at).as_secs_f64(),
+        last_old
+            .checked_duration_since(shutdown_at)
+            .unwrap_or_default()
+            .as_secs_f64(),
+        longest.as_secs_f64(),
+        longest_after.as_secs_f64(),
+    );
+    assert!(failed.is_empty(), "failed requests: {failed:#?}");
+    assert!(
+        after > 50,
+        "the load ran through the upgrade: {after} requests"
+    );
+
+    // The same process (systemd's main PID), now the new binary; nothing restarted.
+    let starts = shim.supervisor().starts();
+    assert_eq!(starts.len(), 1, "{starts:?}");
+    assert_eq!(shim.supervisor().pid(), Some(pid));
+    let exe = fs_err::read_link(format!("/proc/{pid}/exe")).unwrap();
+    assert_eq!(exe, path, "the new binary runs from the path");
+    assert!(same_bytes(&path, &new));
+    assert_eq!(
+        components(&shim)["dstack-shim"],
+        ("installed".into(), new_version.clone())
+    );
+    assert_tasks_untouched(&shim, &tasks, &started);
+    wait_alone(&shim);
+    assert!(!shim.home().join("upgrade-rollback.json").exists());
+    let log = shim.all_logs();
+    assert!(
+        log.contains("serving the listening socket passed by the parent"),
+        "{log}"
+    );
+    assert!(
+        log.contains("the new dstack-shim answers: upgrade done"),
+        "{log}"
+    );
+
+    // A second shutdown with nothing new installed exits, as upstream's does; systemd (the
+    // supervisor) starts it again, and the tasks are still there.
+    shutdown(&shim);
+    wait_for("the shim exits and is started again", BOUND, || {
+        let starts = shim.supervisor().starts();
+        if starts.len() == 2 && shim.supervisor().pid().is_some() {
+            Ok(())
+        } else {
+            Err(format!("{starts:?}"))
+        }
+    });
+    assert!(shim.supervisor().starts()[0].exit.unwrap().success());
+    shim.wait_answering_supervised();
+    assert_tasks_untouched(&shim, &tasks, &started);
+    for id in tasks.keys() {
+        shim.finish(id);
+    }
+}
+
+/// Broken new binaries, under load with two tasks running; each time the host keeps a shim,
+/// the path gets the running binary back, `dstack-shim` reports `error`, and the tasks keep
+/// their containers:
+/// - not an executable at all: refused by the pre-flight (`--version`), never started; the
+///   shim keeps serving (same PID, no failed request);
+/// - a good `--version` but exits when started as a shim (the hard case): it is exec'd, dies;
+///   the watchdog puts the old binary back and systemd starts it after `RestartSec`;
+/// - the same binary installed again: refused without being started (it failed before);
+/// - a good `--version` that hangs: killed by the watchdog after its bound, rolled back.
+#[test]
+fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
+    if !docker_tests_enabled("a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim") {
+        return;
+    }
+    let current = artifact(DSTACK_VERSION);
+    let version = version_of(&current);
+    let (shim, path, _bin) = supervised_shim(
+        "rollback",
+        &current,
+        &[("DSTACK_SHIM_UPGRADE_TIMEOUT", "5")],
+    );
+    let tasks = running_tasks(&shim, 2);
+    let started: BTreeMap<String, (String, String)> = tasks
+        .values()
+        .map(|cid| (cid.clone(), container_state(cid)))
+        .collect();
+    let files = FileServer::start();
+    let ids: Vec<String> = tasks.keys().cloned().collect();
+    let load = Load::start(shim.addr(), &ids);
+    let mut phases: Vec<(&str, Instant, Instant)> = Vec::new();
+    let after_rollback = |shim: &TestShim, starts: usize| {
+        assert_eq!(shim.supervisor().starts().len(), starts);
+        wait_version(shim, &version);
+        assert!(same_bytes(&path, &current), "the running binary is back");
+        assert_eq!(
+            components(shim)["dstack-shim"],
+            ("error".into(), String::new())
+        );
+        assert_tasks_untouched(shim, &tasks, &started);
+        wait_alone(shim);
+    };
+
+    // Not an executable: refused before anything stops.
+    let from = Instant::now();
+    let pid = shim.supervisor().pid().unwrap();
+    let garbage = files.serve("garbage", vec![0x5a; 4096]);
+    assert_eq!(install(&shim, &garbage), ("error".into(), String::new()));
+    shutdown(&shim);
+    wait_for("the running binary is put back", BOUND, || {
+        if same_bytes(&path, &current) {
+            Ok(())
+        } else {
+            Err("not yet".into())
+        }
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(shim.supervisor().pid(), Some(pid), "still the same process");
+    after_rollback(&shim, 1);
+    let reason = record(&shim)["reason"].as_str().unwrap().to_owned();
+    assert!(reason.contains("does not report a version"), "{reason}");
+    phases.push(("not an executable", from, Instant::now()));
+
+    // A good version that does not start (the hard case).
+    let from = Instant::now();
+    let exits = script(
+        "0.22.99+rust.0.1.0",
+        "echo 'broken dstack-shim: exiting' >&2\nexit 1",
+    );
+    let exits_url = files.serve("exits", exits.clone());
+    assert_eq!(
+        install(&shim, &exits_url),
+        ("installed".into(), "0.22.99+rust.0.1.0".into())
+    );
+    shutdown(&shim);
+    wait_for("the supervisor starts the shim again", BOUND, || {
+        if shim.supervisor().starts().len() == 2 && shim.supervisor().pid().is_some() {
+            Ok(())
+        } else {
+            Err(format!("{:?}", shim.supervisor().starts()))
+        }
+    });
+    let first = &shim.supervisor().starts()[0];
+    assert_eq!(
+        first.exit.unwrap().code(),
+        Some(1),
+        "the broken binary exited"
+    );
+    after_rollback(&shim, 2);
+    let rec = record(&shim);
+    assert_eq!(rec["failed_version"], "0.22.99+rust.0.1.0", "{rec}");
+    assert_eq!(rec["restored_version"], version.as_str(), "{rec}");
+    assert!(
+        rec["reason"]
+            .as_str()
+            .unwrap()
+            .contains("it exited before it answered its healthcheck"),
+        "{rec}"
+    );
+    phases.push(("exits at start", from, Instant::now()));
+
+    // The same binary again: refused without being started.
+    let from = Instant::now();
+    let pid = shim.supervisor().pid().unwrap();
+    assert_eq!(
+        install(&shim, &exits_url),
+        ("installed".into(), "0.22.99+rust.0.1.0".into())
+    );
+    shutdown(&shim);
+    wait_for("the running binary is put back", BOUND, || {
+        if same_bytes(&path, &current) {
+            Ok(())
+        } else {
+            Err("not yet".into())
+        }
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(shim.supervisor().pid(), Some(pid), "still the same process");
+    after_rollback(&shim, 2);
+    assert_eq!(
+        record(&shim),
+        rec,
+        "the record of the failure is kept as it was"
+    );
+    let log = shim.all_logs();
+    assert!(log.contains("the same binary failed to start"), "{log}");
+    phases.push(("the same binary again", from, Instant::now()));
+
+    // A good version that never answers: killed after the bound (5 s here), rolled back.
+    let from = Instant::now();
+    let hangs = files.serve("hangs", script("0.22.98+rust.0.1.0", "exec sleep 600"));
+    assert_eq!(
+        install(&shim, &hangs),
+        ("installed".into(), "0.22.98+rust.0.1.0".into())
+    );
+    shutdown(&shim);
+    wait_for("the supervisor starts the shim again", BOUND, || {
+        if shim.supervisor().starts().len() == 3 && shim.supervisor().pid().is_some() {
+            Ok(())
+        } else {
+            Err(format!("{:?}", shim.supervisor().starts()))
+        }
+    });
+    let killed = &shim.supervisor().starts()[1];
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&killed.exit.unwrap()),
+        Some(9),
+        "the hung binary was killed"
+    );
+    after_rollback(&shim, 3);
+    let reason = record(&shim)["reason"].as_str().unwrap().to_owned();
+    assert!(reason.contains("it did not answer within 5s"), "{reason}");
+    phases.push(("hangs", from, Instant::now()));
+
+    let samples = load.finish();
+    for (name, from, to) in &phases {
+        let (total, failed, longest) = figures(&samples, *from, *to);
+        eprintln!(
+            "rollback, {name}: {total} requests, {} failed, longest {:.3} s",
+            failed.len(),
+            longest.as_secs_f64()
+        );
+        if matches!(*name, "not an executable" | "the same binary again") {
+            assert!(failed.is_empty(), "{name}: {failed:#?}");
+        }
+    }
+    for id in tasks.keys() {
+        shim.finish(id);
+    }
+}
+
+/// The dstack server's own instance check (`_maybe_install_components` of dstack 0.22.5, run
+/// unchanged by `tests/dstack-server/upgrade_shim.py` every 0.5 s as a release server of
+/// 0.22.5 whose `DSTACK_SHIM_DOWNLOAD_URL` points at the artifacts) upgrades a shim of the
+/// older release: it installs the new binary, then asks for the restart; under 100
+/// requests/s with two tasks running no request fails, the PID stays, the tasks keep their
+/// containers, and the server, seeing its own version running, asks nothing more.
+///
+/// upstream: src/dstack/_internal/server/background/pipeline_tasks/instances/check.py
+/// (_maybe_install_components, _maybe_install_shim), src/dstack/_internal/core/backends/base/
+/// compute.py (get_dstack_shim_download_url).
+#[test]
+fn the_dstack_servers_own_instance_check_upgrades_it_in_place() {
+    if !docker_tests_enabled("the_dstack_servers_own_instance_check_upgrades_it_in_place") {
+        return;
+    }
+    let python = dstack_python();
+    assert!(
+        python.exists(),
+        "{} is missing: run `cargo xtask dev-env` (it installs dstack[server]=={DSTACK_VERSION} \
+         in a venv) or set {}",
+        python.display(),
+        shim_e2e::ENV_DSTACK_PYTHON
+    );
+    let (old, new) = (artifact(OLDER_DSTACK_VERSION), artifact(DSTACK_VERSION));
+    let new_version = version_of(&new);
+    // The stub runner reports the server's release, as an installed runner would: the server
+    // then installs only the shim.
+    let (shim, path, _bin) = supervised_shim(
+        "server-upgrade",
+        &old,
+        &[("STUB_RUNNER_VERSION", DSTACK_VERSION)],
+    );
+    let tasks = running_tasks(&shim, 2);
+    let started: BTreeMap<String, (String, String)> = tasks
+        .values()
+        .map(|cid| (cid.clone(), container_state(cid)))
+        .collect();
+    let pid = shim.supervisor().pid().unwrap();
+    let files = FileServer::start();
+    files.serve(
+        &format!("{DSTACK_VERSION}/dstack-shim-linux-{}", go_arch()),
+        fs_err::read(&new).unwrap(),
+    );
+    let ids: Vec<String> = tasks.keys().cloned().collect();
+    let load = Load::start(shim.addr(), &ids);
+    let from = Instant::now();
+    let out = Command::new(&python)
+        .arg(repo_root().join("tests/dstack-server/upgrade_shim.py"))
+        .arg(format!("http://{}", shim.addr()))
+        .args(["--server-version", DSTACK_VERSION, "--download-url"])
+        .arg(format!(
+            "http://{}/{{version}}/dstack-shim-linux-{{arch}}",
+            files.addr
+        ))
+        .output()
+        .unwrap();
+    let took = from.elapsed();
+    std::thread::sleep(Duration::from_secs(1));
+    let samples = load.finish();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}\n{stdout}\n{stderr}", out.status);
+    let summary: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let sent: Vec<(String, Value)> = summary["sent"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["path"].as_str().unwrap().to_owned(), r["body"].clone()))
+        .collect();
+    assert_eq!(
+        sent,
+        [
+            (
+                "/api/components/install".to_owned(),
+                json!({"name": "dstack-shim", "url": format!(
+                    "http://{}/{DSTACK_VERSION}/dstack-shim-linux-{}", files.addr, go_arch()
+                )})
+            ),
+            ("/api/shutdown".to_owned(), json!({"force": false})),
+        ],
+        "{summary}"
+    );
+    assert_eq!(summary["version"], new_version.as_str(), "{summary}");
+    let (total, failed, longest) = figures(&samples, samples[0].sent, Instant::now());
+    eprintln!(
+        "the dstack server's instance check upgraded the shim in {:.1} s ({} checks): {total} \
+         requests, {} failed, longest {:.3} s",
+        took.as_secs_f64(),
+        summary["checks"],
+        failed.len(),
+        longest.as_secs_f64()
+    );
+    assert!(failed.is_empty(), "failed requests: {failed:#?}");
+    assert_eq!(shim.supervisor().starts().len(), 1);
+    assert_eq!(shim.supervisor().pid(), Some(pid));
+    assert!(same_bytes(&path, &new));
+    assert_tasks_untouched(&shim, &tasks, &started);
+    wait_alone(&shim);
+    for id in tasks.keys() {
+        shim.finish(id);
+    }
+}
+
+/// A new binary that is not this shim (its version lacks `+rust.`, as dstack's Go shim's)
+/// does not speak `LISTEN_FDS`: it is exec'd (same PID) without the socket and binds the port
+/// itself. Here a stand-in answers the healthcheck with its version on the port it is given
+/// (`--shim-http-port`, as upstream's shim reads it); the watchdog sees that version and
+/// exits without rolling back; the tasks' containers keep running. Requests between the exec
+/// and its bind are refused (counted, not asserted).
+#[test]
+fn a_binary_that_is_not_this_shim_binds_the_port_itself() {
+    if !docker_tests_enabled("a_binary_that_is_not_this_shim_binds_the_port_itself") {
+        return;
+    }
+    let current = artifact(DSTACK_VERSION);
+    let (shim, path, _bin) = supervised_shim("foreign", &current, &[]);
+    let tasks = running_tasks(&shim, 1);
+    let started: BTreeMap<String, (String, String)> = tasks
+        .values()
+        .map(|cid| (cid.clone(), container_state(cid)))
+        .collect();
+    let pid = shim.supervisor().pid().unwrap();
+    let foreign = script(
+        "0.22.6",
+        r#"port=10998
+while [ $# -gt 0 ]; do [ "$1" = --shim-http-port ] && port=$2; shift; done
+[ -z "$LISTEN_FDS" ] || { echo "LISTEN_FDS=$LISTEN_FDS passed to a foreign binary" >&2; exit 1; }
+exec python3 -c '
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"{\"service\":\"dstack-shim\",\"version\":\"0.22.6\"}"
+        self.send_response(200); self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+' "$port""#,
+    );
+    let files = FileServer::start();
+    let url = files.serve("foreign", foreign);
+    let load = Load::start(shim.addr(), &[]);
+    assert_eq!(install(&shim, &url), ("installed".into(), "0.22.6".into()));
+    let from = shutdown(&shim);
+    wait_version(&shim, "0.22.6");
+    let answered = from.elapsed();
+    wait_alone(&shim);
+    std::thread::sleep(Duration::from_millis(500));
+    let samples = load.finish();
+    let (after, failed, _) = figures(&samples, from, Instant::now());
+    eprintln!(
+        "exec of a binary that is not this shim: it answered {:.3} s after the shutdown's 200; \
+         {} of {after} requests after the shutdown failed",
+        answered.as_secs_f64(),
+        failed.len()
+    );
+    assert_eq!(shim.supervisor().starts().len(), 1);
+    assert_eq!(shim.supervisor().pid(), Some(pid), "the same process");
+    assert!(!shim.home().join("upgrade-rollback.json").exists());
+    assert!(!same_bytes(&path, &current), "not rolled back");
+    for (cid, state) in &started {
+        assert_eq!(&container_state(cid), state, "container {cid}");
+    }
+}
