@@ -1212,6 +1212,13 @@ fn apply(t: &mut Task, event: Event, actions: &mut Vec<Action>) -> Result<Shape,
             for a in &abandoned {
                 match a {
                     Action::StopContainer { .. } => t.stop = StopState::Failed,
+                    // Remove dropped the stop it made moot; a removal that failed leaves a
+                    // container that may still run: it must stop before anything is
+                    // released (found by the property test: a later terminate released
+                    // while the container ran).
+                    Action::RemoveContainer if t.stop == StopState::Idle => {
+                        t.stop = StopState::Failed;
+                    }
                     Action::Release(_) => t.release_in_flight = false,
                     Action::CancelPull => t.cancel_pull = true,
                     a if a.is_start_step() && t.start_in_flight && t.start_step_out => {

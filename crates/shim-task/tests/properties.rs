@@ -1572,3 +1572,39 @@ fn a_remove_after_a_failed_stop_sends_no_stop() {
     }
     sim.drain_and_check();
 }
+
+/// Found by the property test: a remove whose container removal failed (after a stop that
+/// failed, which remove had made moot) left the task believing nothing ran, and the next
+/// terminate released the task's GPU while its container still ran.
+#[test]
+fn a_failed_removal_makes_the_container_stop_before_any_release() {
+    let mut sim = Sim::new(config_from(1, false, 0, 1, false));
+    for c in [
+        (29, 0, 0),
+        (29, 0, 1),
+        (61, 0, 0),
+        (0, 0, 5),
+        (0, 0, 0),
+        (0, 0, 66),
+        (18, 0, 0),
+        (0, 0, 0),
+        (18, 0, 0),
+        (29, 0, 1),
+        (61, 0, 0),
+        (125, 0, 1),
+        (59, 0, 0),
+        (0, 0, 0),
+        (0, 0, 0),
+        (240, 0, 0),
+        (0, 0, 212),
+        (125, 0, 0),
+        (25, 0, 0),
+        (88, 0, 0),
+        (61, 0, 104),
+        (0, 0, 0),
+        (0, 0, 0),
+    ] {
+        sim.apply(c);
+    }
+    sim.drain_and_check();
+}
