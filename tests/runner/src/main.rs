@@ -8,9 +8,9 @@
 //! speaks for, so the server's instance check finds the runner it expects), serves the runner's
 //! HTTP API as the server uses it (see [`runner`]), and runs the job's command line as given
 //! (the server sends `[shell, "-i", "-c", commands]`: the image's busybox `sh`) with its output
-//! as job logs and its exit as the job's state. It does not start sshd, set up repos, users,
-//! files or cluster SSH, or report metrics. It exits once the job ended and the server pulled
-//! its last logs, so the container ends as upstream's does.
+//! as job logs and its exit as the job's state. It does not start sshd, serve `/logs_ws`, set
+//! up repos, users, files or cluster SSH, or report metrics. After the job it lives on as
+//! upstream's does (see [`runner`] for when it exits).
 //!
 //! std only, so that a static build (`-C target-feature=+crt-static`) runs in the busybox test
 //! image; the harness builds it (`shim_e2e::harness::build_test_runner`).
@@ -185,7 +185,7 @@ fn main() -> ExitCode {
     std::thread::spawn(move || serve(listener, &server));
     match runner.wait_end(WAIT, WAIT) {
         End::Done => {
-            log("job finished and its logs were pulled: exiting");
+            log("job finished and its logs were given: exiting");
             // Let the answer to the last pull leave before the process (and the container) ends.
             std::thread::sleep(Duration::from_millis(200));
             ExitCode::SUCCESS

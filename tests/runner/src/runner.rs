@@ -8,8 +8,13 @@
 //! (`RunnerClient`) and dstack/_internal/server/schemas/runner.py (`PullResponse`, ...).
 //!
 //! The phases are upstream's: `wait_submit` → (submit) `wait_run` → (run) `serve_logs` →
-//! (the job ended or was stopped) `wait_logs_finished`; the first pull answered in the last
-//! phase (`has_more: false`) lets the process exit, so the container ends with code 0.
+//! (the job ended or was stopped) `wait_logs_finished`. Then upstream's runner waits for two
+//! readers, `/api/pull` (the server) and `/logs_ws` (an attached CLI), at most 5 minutes in
+//! all, and exits: without an attached CLI (`dstack apply -d`) it outlives the job until the
+//! server's terminate stops the container. This runner does the same, or, when the job's env
+//! sets [`EXIT_AFTER_PULL_ENV`]`=1` (as if an attached CLI had read `/logs_ws`), exits once a
+//! pull was answered in the last phase (`has_more: false`), so the container ends by itself
+//! with code 0.
 
 use std::io::Read;
 use std::os::unix::process::{CommandExt as _, ExitStatusExt as _};
@@ -20,6 +25,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::http::{Request, Response};
 use crate::json::{self, Value};
+
+/// A job env variable: `1` makes the runner exit as soon as the server pulled the last logs.
+pub const EXIT_AFTER_PULL_ENV: &str = "SHIM_TEST_RUNNER_EXIT_AFTER_PULL";
 
 /// How long the job's process group has after SIGINT before SIGKILL (upstream's `killDelay`).
 pub(crate) const KILL_DELAY: Duration = Duration::from_secs(10);
@@ -55,6 +63,8 @@ pub struct Job {
     pub max_duration: u64,
     /// Variables upstream sets for every job (`DSTACK_RUN_NAME`, ...).
     pub dstack_env: Vec<(String, String)>,
+    /// [`EXIT_AFTER_PULL_ENV`] is `1` in `env`.
+    pub exit_after_pull: bool,
 }
 
 impl Job {
@@ -72,13 +82,16 @@ impl Job {
         if commands.is_empty() {
             return Err("job_spec.commands is empty".into());
         }
-        let env = spec
+        let env: Vec<(String, String)> = spec
             .get("env")
             .and_then(Value::as_object)
             .unwrap_or_default()
             .iter()
             .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned())))
             .collect();
+        let exit_after_pull = env
+            .iter()
+            .any(|(k, v)| k == EXIT_AFTER_PULL_ENV && v == "1");
         let text = |path: &[&str]| {
             body.at(path)
                 .and_then(Value::as_str)
@@ -129,6 +142,7 @@ impl Job {
                 .and_then(|d| u64::try_from(d).ok())
                 .unwrap_or(0),
             dstack_env,
+            exit_after_pull,
         })
     }
 }
@@ -232,7 +246,7 @@ pub struct Runner {
 /// How the process should end, as [`Runner::wait_end`] sees it.
 #[derive(Debug, PartialEq, Eq)]
 pub enum End {
-    /// The job ended and its last logs were pulled (or nobody pulled them in time).
+    /// The job ended and its logs were given (or nobody asked for them in time).
     Done,
     /// No job was submitted and run in time.
     NoJob,
@@ -267,14 +281,15 @@ impl Runner {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Blocks until the process should end: a job ran and its last logs were pulled (or
-    /// `logs_wait` passed after it ended without a final pull), or no job started within
+    /// Blocks until the process should end: `logs_wait` after the job ended (or once its last
+    /// logs were pulled, with [`EXIT_AFTER_PULL_ENV`]), or when no job started within
     /// `start_wait` (upstream: 5 minutes each).
     pub fn wait_end(&self, start_wait: Duration, logs_wait: Duration) -> End {
         let started = Instant::now();
         let mut state = self.lock();
         loop {
-            if state.final_pull_served {
+            let exit_after_pull = state.job.as_ref().is_some_and(|j| j.exit_after_pull);
+            if state.final_pull_served && exit_after_pull {
                 return End::Done;
             }
             let wait = match (state.phase, state.finished_at) {

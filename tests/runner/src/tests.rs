@@ -216,7 +216,7 @@ fn a_job_that_fails_reports_its_exit_status_and_output() {
             "-c",
             "echo out $GREETING $DSTACK_RUN_NAME; echo err >&2; exit 3",
         ],
-        r#"{"GREETING":"hello"}"#,
+        r#"{"GREETING":"hello","SHIM_TEST_RUNNER_EXIT_AFTER_PULL":"1"}"#,
     );
     assert_eq!(info.get("username").unwrap().as_str(), Some("root"));
     assert!(
@@ -254,6 +254,15 @@ fn a_job_that_succeeds_is_done_and_a_stopped_one_terminated() {
     assert_eq!(state_names(&states), ["running", "done"], "{states:?}");
     assert_eq!(states[1].get("exit_status").unwrap().as_i64(), Some(0));
     assert_eq!(logs, "fine\n");
+    // Upstream without an attached CLI: it lives on after the last pull (until the server
+    // stops the container, or the logs wait passes).
+    let (ended, end) = std::sync::mpsc::channel();
+    let runner = Arc::clone(&s.runner);
+    std::thread::spawn(move || ended.send(runner.wait_end(WAIT, Duration::from_secs(1))));
+    assert!(end.recv_timeout(Duration::from_millis(300)).is_err());
+    assert_eq!(end.recv_timeout(WAIT).unwrap(), End::Done);
+    let answer = call(s.addr, "GET", "/api/pull?timestamp=0", "", b"").1;
+    assert!(answer.contains(r#""has_more":false"#), "{answer}");
 
     let s = served();
     start_job(
@@ -280,6 +289,15 @@ fn a_job_that_succeeds_is_done_and_a_stopped_one_terminated() {
     assert!(
         started.elapsed() < crate::runner::KILL_DELAY,
         "SIGINT to the process group ends sh and its sleep"
+    );
+}
+
+#[test]
+fn without_a_job_it_gives_up() {
+    let s = served();
+    assert_eq!(
+        s.runner.wait_end(Duration::from_millis(100), WAIT),
+        End::NoJob
     );
 }
 
