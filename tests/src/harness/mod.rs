@@ -4,7 +4,7 @@
 //! - [`http`]: a blocking HTTP/1.1 client (TCP or Unix socket, `Content-Length` and chunked
 //!   bodies both ways, answers read whole or streamed, bounded connects and reads) and
 //!   [`Api`], the shim's JSON API with status checks;
-//! - [`process`]: building `dstack-shim`, [`free_port`], [`open_log`], and [`ShimProcess`],
+//! - [`process`]: building `dstack-shim` and the static test runner, [`free_port`], [`open_log`], and [`ShimProcess`],
 //!   a guard that starts the binary on a home and port, waits until it listens or answers,
 //!   sends SIGTERM or SIGKILL, reads its RSS and kills it when dropped;
 //! - [`docker`](mod@docker): the `docker` CLI, the owner identity of a home, and [`ContainerSweeper`],
@@ -43,8 +43,8 @@ pub use docker::{
 pub use http::{Api, Body, Request, Response, Streamed, status_of};
 pub use layout::{entries, runner_dir, task_dir, tasks_dir, write_runner_exit};
 pub use process::{
-    ShimProcess, build_shim, cargo, free_port, open_log, scrub_cargo_env, shim_binary, tail,
-    target_dir,
+    ShimProcess, build_shim, build_test_runner, cargo, free_port, open_log, scrub_cargo_env,
+    shim_binary, tail, target_dir,
 };
 pub use proxy::{LosingProxy, docker_socket};
 pub use shim::{
