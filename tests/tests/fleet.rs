@@ -1071,6 +1071,46 @@ fn wait_task_removed(id: &str) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The run's logs
+// ---------------------------------------------------------------------------------------------
+
+/// The logs of a run (the server's, the shim's output, the stand-in's and sshd's): when
+/// dropped, copied to `<target>/fleet-test/` (replacing an earlier run's) and, if the test
+/// fails, their ends printed. Also prints the phases of the test as they pass.
+struct Logs {
+    started: Instant,
+    files: Vec<(&'static str, PathBuf, usize)>,
+}
+
+impl Logs {
+    fn phase(&self, what: &str) {
+        eprintln!(
+            "fleet: [{:6.1} s] {what}",
+            self.started.elapsed().as_secs_f64()
+        );
+    }
+}
+
+impl Drop for Logs {
+    fn drop(&mut self) {
+        let keep = shim_e2e::harness::target_dir().join("fleet-test");
+        let _ = fs_err::remove_dir_all(&keep);
+        let _ = fs_err::create_dir_all(&keep);
+        for (name, path, lines) in &self.files {
+            let _ = fs_err::copy(path, keep.join(name));
+            if std::thread::panicking() {
+                eprintln!(
+                    "----- end of {name} ({}):\n{}",
+                    path.display(),
+                    tail(path, *lines)
+                );
+            }
+        }
+        eprintln!("fleet: logs kept in {}", keep.display());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The test
 // ---------------------------------------------------------------------------------------------
 
@@ -1107,6 +1147,23 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
         .tempdir()
         .unwrap();
     let dir = dir.path();
+    let logs = Logs {
+        started: test_started,
+        files: vec![
+            ("server.log", dir.join("server.log"), 80),
+            (
+                "dstack-shim.journal",
+                claim.systemd_dir().join(format!("{UNIT}.journal")),
+                60,
+            ),
+            (
+                "systemctl.log",
+                claim.systemd_dir().join("systemctl.log"),
+                20,
+            ),
+            ("sshd.log", dir.join("sshd.log"), 20),
+        ],
+    };
 
     // The runner download: the test runner, laid out as the server's URL template wants it,
     // served over HTTP on loopback.
@@ -1151,6 +1208,7 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
         ],
     );
 
+    logs.phase("the runner built and served, the offline catalog made");
     let host = SshHost::start(dir, &claim);
     let mut server = DstackServer::start(
         dir,
@@ -1179,6 +1237,8 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
         host.port,
         dir.display()
     );
+
+    logs.phase("sshd and the dstack server started");
 
     // ---- The fleet: provisioned over SSH, the shim installed from the artifact, idle.
     let fleet_yaml = format!(
@@ -1274,6 +1334,8 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
         "started once, by `systemctl restart`"
     );
 
+    logs.phase("the fleet is idle");
+
     // ---- A job that ends `done`; its runner exits after the last pull (as with an attached
     // CLI), so its container ends by itself.
     server.apply(
@@ -1293,15 +1355,17 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     assert_eq!(job["termination_reason"], "done_by_runner", "{job}");
     assert_eq!(job["exit_status"], 0, "{job}");
     assert_eq!(run["status"], "done", "{run}");
-    let logs = server.logs("fleet-done", false);
-    assert!(logs.contains("hello from the fleet"), "{logs}");
-    assert!(logs.contains("run fleet-done"), "{logs}");
+    let job_logs = server.logs("fleet-done", false);
+    assert!(job_logs.contains("hello from the fleet"), "{job_logs}");
+    assert!(job_logs.contains("run fleet-done"), "{job_logs}");
     let runner_logs = server.logs("fleet-done", true);
     assert!(
         runner_logs.contains("Job state changed new=done"),
         "{runner_logs}"
     );
     wait_task_removed(job["id"].as_str().unwrap());
+
+    logs.phase("fleet-done ended");
 
     // ---- A job that fails with exit code 7; the server stops its container.
     server.apply(
@@ -1319,6 +1383,8 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     assert_eq!(run["status"], "failed", "{run}");
     assert!(server.logs("fleet-failed", false).contains("about to fail"));
     wait_task_removed(job["id"].as_str().unwrap());
+
+    logs.phase("fleet-failed ended");
 
     // ---- A job stopped with `dstack stop` while it runs.
     server.apply(
@@ -1339,6 +1405,8 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     assert_eq!(run["status"], "terminated", "{run}");
     assert!(server.logs("fleet-stopped", false).contains("started"));
     wait_task_removed(&id);
+
+    logs.phase("fleet-stopped ended");
 
     // ---- A job during which the shim is SIGKILLed: the stand-in restarts it after
     // RestartSec, the job ends `done` in the same container, never restarted.
@@ -1377,10 +1445,10 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     assert_eq!(job["status"], "done", "{job}");
     assert_eq!(job["termination_reason"], "done_by_runner", "{job}");
     assert_eq!(job["exit_status"], 0, "{job}");
-    let logs = server.logs("fleet-killed", false);
+    let job_logs = server.logs("fleet-killed", false);
     assert!(
-        logs.contains("before the kill") && logs.contains("after the restart"),
-        "{logs}"
+        job_logs.contains("before the kill") && job_logs.contains("after the restart"),
+        "{job_logs}"
     );
     wait_task_removed(&id);
     assert_eq!(
@@ -1388,6 +1456,8 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
         2,
         "once by the server, once after the SIGKILL"
     );
+
+    logs.phase("fleet-killed ended");
 
     // ---- The fleet deleted; the shim stopped as its service would be.
     server.cli(&["fleet", "delete", FLEET, "-y"]);
@@ -1457,9 +1527,11 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
         "fleet: the shim answered {:.1} s after its SIGKILL",
         restart.as_secs_f64()
     );
+    logs.phase("the fleet deleted, the shim stopped, nothing left");
     drop(server);
     drop(host);
     drop(files);
+    drop(logs);
     drop(claim);
     eprintln!(
         "fleet: the whole test: {:.0} s",

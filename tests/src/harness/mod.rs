@@ -4,9 +4,10 @@
 //! - [`http`]: a blocking HTTP/1.1 client (TCP or Unix socket, `Content-Length` and chunked
 //!   bodies both ways, answers read whole or streamed, bounded connects and reads) and
 //!   [`Api`], the shim's JSON API with status checks;
-//! - [`process`]: building `dstack-shim` and the static test runner, [`free_port`], [`open_log`], and [`ShimProcess`],
-//!   a guard that starts the binary on a home and port, waits until it listens or answers,
-//!   sends SIGTERM or SIGKILL, reads its RSS and kills it when dropped;
+//! - [`process`]: building `dstack-shim` and the static test runner ([`build_test_runner`]),
+//!   [`free_port`], [`open_log`], and [`ShimProcess`], a guard that starts the binary on a
+//!   home and port, waits until it listens or answers, sends SIGTERM or SIGKILL, reads its RSS
+//!   and kills it when dropped;
 //! - [`docker`](mod@docker): the `docker` CLI, the owner identity of a home, and [`ContainerSweeper`],
 //!   which force-removes a home's (or a label's) containers however a run ends;
 //! - [`layout`]: where a task's files are on the host ([`runner_dir`], [`task_dir`]), and
