@@ -707,6 +707,8 @@ impl DstackServer {
             .env_clear()
             .envs(base_env(&home))
             .env("DSTACK_SERVER_LOG_FORMAT", "standard")
+            // Its log's times are compared with the test's clock.
+            .env("TZ", "UTC")
             .env("DSTACK_SERVER_LOG_LEVEL", "DEBUG")
             .envs(env.iter().map(|(k, v)| (k, v)));
         let log = dir.join("server.log");
@@ -1147,6 +1149,8 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
         .tempdir()
         .unwrap();
     let dir = dir.path();
+    // A killed run leaves it behind: the next one removes it.
+    claim.will_create(dir.to_str().unwrap());
     let logs = Logs {
         started: test_started,
         files: vec![
@@ -1428,12 +1432,14 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     let old = host.shim_pid().unwrap();
     kill("KILL", &old.to_string());
     let killed = Instant::now();
+    let down_since = SystemTime::now();
     wait_until(
         "the stand-in restarts the shim",
         Duration::from_secs(60),
         || host.shim_pid().is_some_and(|pid| pid != old) && shim_api().answers(),
     );
     let restart = killed.elapsed();
+    let down = (down_since, SystemTime::now());
     assert_eq!(assert_task_running(&id), cid, "the same container");
     assert_eq!(
         inspect(&cid, "{{.State.StartedAt}}"),
@@ -1489,7 +1495,26 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     );
 
     // The server's log: no warning, no error (about the shim or anything else).
-    let problems = server.problems();
+    // The one kind allowed: the instance check that found the shim down while it was (a
+    // periodic check may fall into those seconds; the server tunnels to the shim's port, and
+    // with nothing listening there the connection is reset).
+    let (expected, problems): (Vec<String>, Vec<String>) =
+        server.problems().into_iter().partition(|problem| {
+            let at = problem
+                .split(' ')
+                .nth(1)
+                .filter(|t| t.contains('T'))
+                .map(parse_rfc3339);
+            problem.starts_with("WARNING ")
+                && problem.contains("instances.check Instance ")
+                && problem.contains("reachable=False")
+                && at.is_some_and(|at| {
+                    at + Duration::from_secs(1) >= down.0 && at <= down.1 + Duration::from_secs(15)
+                })
+        });
+    for line in &expected {
+        eprintln!("fleet: expected, while the shim was down: {line}");
+    }
     assert!(
         problems.is_empty(),
         "the server logged {} warnings or errors:\n{}",
