@@ -58,7 +58,7 @@
 use std::collections::BTreeSet;
 use std::io::{self, Read as _};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::os::unix::fs::PermissionsExt as _;
+use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -313,7 +313,8 @@ impl Claim {
         let started = Instant::now();
         let mut said = false;
         loop {
-            match std::fs::DirBuilder::new().mode_0700().create(&dir) {
+            // 0700: it holds copies of authorized_keys. Made atomically: the claim is a lock.
+            match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
                 Ok(()) => break,
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
                     if let Some(pid) = Self::live_owner(&dir) {
@@ -470,18 +471,6 @@ impl Claim {
 impl Drop for Claim {
     fn drop(&mut self) {
         Self::undo(&self.dir);
-    }
-}
-
-/// `DirBuilder` with mode 0700 (the claim holds copies of `authorized_keys`).
-trait Mode0700 {
-    fn mode_0700(&mut self) -> &mut Self;
-}
-
-impl Mode0700 for std::fs::DirBuilder {
-    fn mode_0700(&mut self) -> &mut Self {
-        use std::os::unix::fs::DirBuilderExt as _;
-        self.mode(0o700)
     }
 }
 
