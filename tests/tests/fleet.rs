@@ -317,6 +317,15 @@ impl Claim {
             match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
                 Ok(()) => break,
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                    // Just made by another test that has not written its owner yet.
+                    let fresh = !dir.join("owner").exists()
+                        && fs_err::metadata(&dir)
+                            .and_then(|m| m.modified())
+                            .is_ok_and(|t| t.elapsed().is_ok_and(|e| e < Duration::from_secs(30)));
+                    if fresh {
+                        std::thread::sleep(Duration::from_secs(1));
+                        continue;
+                    }
                     if let Some(pid) = Self::live_owner(&dir) {
                         if !said {
                             eprintln!("fleet: waiting for the fleet test of pid {pid} to end");
