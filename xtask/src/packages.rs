@@ -8,13 +8,19 @@ use crate::cmd;
 pub const DOCKER: &[&str] = &["docker.io"];
 
 /// Everything `dev-env` needs: Docker, the static busybox of the test image, the registry and
-/// `htpasswd` for its auth file, and Python's venv for the dstack server package.
+/// `htpasswd` for its auth file, Python's venv for the dstack server package, and what the
+/// fleet test's host needs for the server's SSH provisioning: sshd (`openssh-server`; the test
+/// starts its own on a loopback port, the package's service is not started here), `sudo` and
+/// `curl` (the provisioning runs `sudo curl ...`).
 pub const ALL: &[&str] = &[
     "docker.io",
     "busybox-static",
     "docker-registry",
     "apache2-utils",
     "python3-venv",
+    "openssh-server",
+    "sudo",
+    "curl",
 ];
 
 /// Wait for the dpkg lock (a fresh VM may be running unattended upgrades) instead of failing.

@@ -4,9 +4,10 @@
 //! - [`http`]: a blocking HTTP/1.1 client (TCP or Unix socket, `Content-Length` and chunked
 //!   bodies both ways, answers read whole or streamed, bounded connects and reads) and
 //!   [`Api`], the shim's JSON API with status checks;
-//! - [`process`]: building `dstack-shim`, [`free_port`], [`open_log`], and [`ShimProcess`],
-//!   a guard that starts the binary on a home and port, waits until it listens or answers,
-//!   sends SIGTERM or SIGKILL, reads its RSS and kills it when dropped;
+//! - [`process`]: building `dstack-shim` and the static test runner ([`build_test_runner`]),
+//!   [`free_port`], [`open_log`], and [`ShimProcess`], a guard that starts the binary on a
+//!   home and port, waits until it listens or answers, sends SIGTERM or SIGKILL, reads its RSS
+//!   and kills it when dropped;
 //! - [`docker`](mod@docker): the `docker` CLI, the owner identity of a home, and [`ContainerSweeper`],
 //!   which force-removes a home's (or a label's) containers however a run ends;
 //! - [`layout`]: where a task's files are on the host ([`runner_dir`], [`task_dir`]), and
@@ -48,8 +49,8 @@ pub use docker::{
 pub use http::{Api, Body, Request, Response, Streamed, status_of};
 pub use layout::{entries, runner_dir, task_dir, tasks_dir, write_runner_exit};
 pub use process::{
-    ShimProcess, build_shim, cargo, free_port, open_log, scrub_cargo_env, shim_binary,
-    shim_command, tail, target_dir,
+    ShimProcess, build_shim, build_test_runner, cargo, free_port, open_log, scrub_cargo_env,
+    shim_binary, shim_command, tail, target_dir,
 };
 pub use proxy::{LosingProxy, docker_socket};
 pub use shim::{

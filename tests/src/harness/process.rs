@@ -107,6 +107,17 @@ pub fn build_shim(release: bool, limit: Duration) -> io::Result<PathBuf> {
     if release {
         build.arg("--release");
     }
+    run_build(build, limit, "dstack-shim")?;
+    built(
+        target_dir()
+            .join(if release { "release" } else { "debug" })
+            .join("dstack-shim"),
+    )
+}
+
+/// Runs a prepared `cargo build` of `package` with its output shown; fails if it fails or
+/// takes longer than `limit`.
+fn run_build(mut build: Command, limit: Duration, package: &str) -> io::Result<()> {
     let mut child = build.spawn()?;
     let started = Instant::now();
     let status = loop {
@@ -117,7 +128,7 @@ pub fn build_shim(release: bool, limit: Duration) -> io::Result<PathBuf> {
             let _ = child.kill();
             let _ = child.wait();
             return Err(io::Error::other(format!(
-                "`cargo build -p dstack-shim` did not finish in {limit:?} (plain `cargo test` \
+                "`cargo build -p {package}` did not finish in {limit:?} (plain `cargo test` \
                  holds the build lock while tests run: use `cargo nextest run`, or set \
                  SHIM_E2E_BINARY)"
             )));
@@ -126,12 +137,13 @@ pub fn build_shim(release: bool, limit: Duration) -> io::Result<PathBuf> {
     };
     if !status.success() {
         return Err(io::Error::other(format!(
-            "cargo build -p dstack-shim failed: {status}"
+            "cargo build -p {package} failed: {status}"
         )));
     }
-    let binary = target_dir()
-        .join(if release { "release" } else { "debug" })
-        .join("dstack-shim");
+    Ok(())
+}
+
+fn built(binary: PathBuf) -> io::Result<PathBuf> {
     if !binary.is_file() {
         return Err(io::Error::other(format!(
             "{} missing after the build",
@@ -139,6 +151,31 @@ pub fn build_shim(release: bool, limit: Duration) -> io::Result<PathBuf> {
         )));
     }
     Ok(binary)
+}
+
+/// Builds `shim-test-runner` (`tests/runner`, the stand-in for dstack's runner that the fleet
+/// test serves as the server's runner download) static, with glibc's crt-static, so that it
+/// runs in the busybox test image: a release build for this machine's `*-unknown-linux-gnu`
+/// target in its own target directory (`<target>/test-runner`, so that the flags never
+/// rebuild the workspace's other artifacts), bounded by `limit`. A no-op when it is up to
+/// date (about a second); the first build takes about 10 s. Returns the binary's path.
+pub fn build_test_runner(limit: Duration) -> io::Result<PathBuf> {
+    let triple = format!("{}-unknown-linux-gnu", std::env::consts::ARCH);
+    let dir = target_dir().join("test-runner");
+    let mut build = Command::new(cargo());
+    scrub_cargo_env(&mut build)
+        .args(["build", "--release", "-p", "shim-test-runner", "--target"])
+        .arg(&triple)
+        .arg("--target-dir")
+        .arg(&dir)
+        // With --target, RUSTFLAGS applies to the target's artifacts only; the encoded form
+        // (set by an outer cargo) would take precedence over it.
+        .env("RUSTFLAGS", "-C target-feature=+crt-static")
+        .env_remove("CARGO_ENCODED_RUSTFLAGS")
+        .current_dir(crate::repo_root())
+        .stdin(Stdio::null());
+    run_build(build, limit, "shim-test-runner")?;
+    built(dir.join(triple).join("release").join("shim-test-runner"))
 }
 
 /// For tests: the debug `dstack-shim`, built once per test process (a no-op build takes well

@@ -1,0 +1,1563 @@
+//! The dstack server's whole fleet path, as an operator runs it (issue 22): a real dstack
+//! server (PyPI `dstack[server]`, the venv `cargo xtask dev-env` makes) provisions an SSH fleet
+//! on this machine and runs jobs through the release artifact of the shim.
+//!
+//! - The fleet's host is `root@127.0.0.1` served by Debian's `openssh-server` on a free loopback
+//!   port, started by the test with a host key and a client key of its own (the client key is
+//!   authorized through the test sshd's `AuthorizedKeysFile`, never written to `/root/.ssh`).
+//! - The server provisions it as on any host: `uname -m`, its keys into
+//!   `~/.ssh/authorized_keys`, `curl` of the shim from `DSTACK_SHIM_DOWNLOAD_URL` (a `file://`
+//!   URL of the release layout, [`shim_e2e::dist_artifact`]) to `/usr/local/bin/dstack-shim`,
+//!   `shim.env` and the systemd unit, `systemctl restart`, `host_info.json`, the healthcheck.
+//! - No systemd as PID 1 (CI, containers): `tests/fleet/systemctl.py` stands in for
+//!   `systemctl` and honours the unit the server writes (`EnvironmentFile`, `ExecStart`,
+//!   `Restart=always`, `RestartSec=3`). sudo's `secure_path` puts `/usr/local/sbin` first, so
+//!   the test sshd runs in a mount namespace of its own where a directory of the test is
+//!   mounted over `/usr/local/sbin` (holding the stand-in) and another over
+//!   `/etc/systemd/system` (receiving the unit): nothing of the host's changes; the shim itself
+//!   runs in the test's mount namespace, as a service would.
+//! - The runner is `shim-test-runner` (`tests/runner`, built static by the harness), served as
+//!   `DSTACK_RUNNER_DOWNLOAD_URL` over HTTP on loopback (the shim downloads it as upstream's
+//!   does, by HTTP). It speaks the runner API the server uses and runs the job's commands with
+//!   the image's busybox `sh`.
+//! - Jobs (`dstack apply -d` of tasks, `user:` and `resources.cpu.arch` set so the server does
+//!   not read the image's config from a registry): one ends `done` (its runner exits after the
+//!   last pull, so the container ends by itself), one `failed` with its exit code, one is
+//!   stopped with `dstack stop`, and during one the shim is SIGKILLed and restarted by the
+//!   stand-in (the job still ends `done` in the same container, never restarted). Then
+//!   `dstack fleet delete`, and the shim is stopped.
+//! - Asserted from the server's side (its REST API with the admin token: job statuses,
+//!   termination reasons, exit codes, logs, events; its log holds no warning or error) and the
+//!   host's (Docker, files): afterwards no task container, no task directory in
+//!   `/root/.dstack/runners`, no shim line in `authorized_keys`.
+//!
+//! The shim's home is `/root/.dstack` and the binaries go to `/usr/local/bin`, as the server's
+//! unit has them, and the shim and runner ports are the fixed ones (10998, 10999, 10022): the
+//! test refuses to run where any of these is taken by something else, serialises itself on one
+//! machine, and undoes everything it made (also what a killed earlier run left:
+//! `/var/lib/dstack-shim-dev/fleet-test` records it). It prints its run time, the time from
+//! applying the fleet to the instance being `idle`, and submit → `running` of each job, from
+//! the server's events.
+//!
+//! Run: `SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1 cargo nextest run -p shim-e2e --test fleet` after
+//! `cargo xtask dev-env` and `cargo xtask dist` (the artifact it tests).
+//!
+//! upstream: src/dstack/_internal/server/services/ssh_fleets/provisioning.py (every
+//! provisioning step, the unit, shim.env), .../background/pipeline_tasks/instances/ssh_deploy.py
+//! (their order), .../core/backends/base/compute.py (the download URLs, the pre-start
+//! commands), .../background/pipeline_tasks/jobs_running.py and jobs_terminating.py (submit,
+//! runner, pull, stop, terminate, remove), .../services/runner/client.py (the 9 s timeouts).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::print_stderr,
+    reason = "test code: a failed unwrap is a failed test; figures and logs go to stderr"
+)]
+
+use std::collections::BTreeSet;
+use std::io::{self, Read as _};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime};
+
+use base64::Engine as _;
+use serde_json::{Value, json};
+use shim_e2e::harness::{
+    Api, ContainerSweeper, Request, build_test_runner, free_port, open_log, owner_identity, tail,
+    wait_for, wait_until,
+};
+use shim_e2e::{
+    DSTACK_VERSION, dist_artifact, docker_ok, docker_tests_enabled, dstack_python, go_arch, image,
+    repo_root, root_tests_enabled,
+};
+
+/// The shim's home, binary and the runner's binary, as the server's unit and `shim.env` have
+/// them (upstream: core/backends/base/compute.py, get_dstack_working_dir & co).
+const SHIM_HOME: &str = "/root/.dstack";
+const SHIM_INSTALLED: &str = "/usr/local/bin/dstack-shim";
+const RUNNER_INSTALLED: &str = "/usr/local/bin/dstack-runner";
+/// Where the server's and the shim's keys go for the fleet's user, root.
+const SSH_DIR: &str = "/root/.ssh";
+const AUTHORIZED_KEYS: &str = "/root/.ssh/authorized_keys";
+/// What ends the lines the shim writes into `authorized_keys` (shim_resources::keys::MARKER).
+const SHIM_KEY_MARKER: &str = "# added by dstack-shim";
+/// The fixed ports of the shim and the runner (upstream: core/consts.py).
+const FIXED_PORTS: [u16; 3] = [10998, 10999, 10022];
+const SHIM_PORT: u16 = 10998;
+/// Where sshd wants its privilege separation directory (made by its service unit elsewhere).
+const SSHD_RUN_DIR: &str = "/run/sshd";
+/// What the test made on the host, so that a killed run is undone by the next one; its
+/// existence also serialises fleet tests on one machine.
+const CLAIM_DIR: &str = "/var/lib/dstack-shim-dev/fleet-test";
+/// The unit the server writes.
+const UNIT: &str = "dstack-shim.service";
+/// The server's admin token and project.
+const TOKEN: &str = "shim-fleet-test-admin-token";
+const PROJECT: &str = "main";
+/// The fleet's name.
+const FLEET: &str = "shim-fleet-test";
+/// The job env variable that makes the test runner exit after the last pull.
+const EXIT_AFTER_PULL: &str = "SHIM_TEST_RUNNER_EXIT_AFTER_PULL";
+
+/// Bounds of the waits (never timed assertions: generous, only there so a hang fails).
+const SERVER_START_BOUND: Duration = Duration::from_secs(180);
+const FLEET_BOUND: Duration = Duration::from_secs(300);
+const JOB_BOUND: Duration = Duration::from_secs(300);
+const CLI_BOUND: Duration = Duration::from_secs(300);
+const DAEMON_STOP_GRACE: Duration = Duration::from_secs(20);
+
+// ---------------------------------------------------------------------------------------------
+// Processes
+// ---------------------------------------------------------------------------------------------
+
+/// The start time of process `pid` (`/proc/<pid>/stat` field 22), which tells a process from a
+/// later one that reuses its id; `None` if there is no such process.
+fn proc_start(pid: u32) -> Option<u64> {
+    let stat = fs_err::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after_name = stat.rsplit_once(')')?.1;
+    // Fields after the name start with field 3 (state); the start time is field 22.
+    after_name.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Whether `pid` runs (a zombie does not).
+fn alive(pid: u32) -> bool {
+    fs_err::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next().map(|s| s != "Z"))
+        })
+        .unwrap_or(false)
+}
+
+/// Sends `signal` to `target` (a pid, or `-pgid` for a process group) with `kill(1)`.
+fn kill(signal: &str, target: &str) {
+    let _ = Command::new("kill")
+        .args(["-s", signal, "--", target])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// A background process of the test in a process group of its own (its log in a file),
+/// recorded in the claim so that a killed run's next run ends it; dropped, the group gets
+/// SIGTERM, then SIGKILL after a grace period.
+struct Daemon {
+    name: &'static str,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Daemon {
+    fn spawn(name: &'static str, mut command: Command, log: &Path, claim: &Claim) -> Self {
+        command
+            .stdin(Stdio::null())
+            .stdout(open_log(log).unwrap())
+            .stderr(open_log(log).unwrap())
+            .process_group(0);
+        let child = command
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name} ({command:?}): {e}"));
+        claim.record_pid(child.id(), name);
+        Self {
+            name,
+            child,
+            log: log.to_owned(),
+        }
+    }
+
+    /// Fails the test (with the end of its log) if it has exited.
+    fn assert_running(&mut self) {
+        if let Some(status) = self.child.try_wait().unwrap() {
+            panic!(
+                "{} exited ({status}); end of {}:\n{}",
+                self.name,
+                self.log.display(),
+                tail(&self.log, 40)
+            );
+        }
+    }
+
+    fn stop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_some() {
+            return;
+        }
+        let group = format!("-{}", self.child.id());
+        kill("TERM", &group);
+        let started = Instant::now();
+        while started.elapsed() < DAEMON_STOP_GRACE {
+            if self.child.try_wait().ok().flatten().is_some() {
+                // Whatever else of its group is left.
+                kill("KILL", &group);
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        eprintln!("fleet: {} did not stop on SIGTERM: SIGKILL", self.name);
+        kill("KILL", &group);
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Runs `command` (no stdin), killed after `bound`; its status, stdout and stderr.
+fn run_bounded(
+    mut command: Command,
+    bound: Duration,
+) -> (std::process::ExitStatus, String, String) {
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {command:?}: {e}"));
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > bound {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{command:?} did not finish within {bound:?}; stdout:\n{}\nstderr:\n{}",
+                out.join().unwrap(),
+                err.join().unwrap()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    (status, out.join().unwrap(), err.join().unwrap())
+}
+
+/// Runs `program args` and returns its stdout; fails the test unless it exits 0.
+fn run_ok(program: &str, args: &[&str]) -> String {
+    let mut command = Command::new(program);
+    command.args(args);
+    let (status, out, err) = run_bounded(command, Duration::from_secs(120));
+    assert!(
+        status.success(),
+        "{program} {args:?}: {status}\n{out}\n{err}"
+    );
+    out
+}
+
+fn have_program(name: &str) -> bool {
+    [
+        "/usr/local/sbin",
+        "/usr/local/bin",
+        "/usr/sbin",
+        "/usr/bin",
+        "/sbin",
+        "/bin",
+    ]
+    .iter()
+    .any(|dir| Path::new(dir).join(name).is_file())
+}
+
+fn port_free(port: u16) -> bool {
+    TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).is_ok()
+        && TcpStream::connect_timeout(
+            &SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
+            Duration::from_millis(300),
+        )
+        .is_err()
+}
+
+fn write_file(path: &Path, content: &str, mode: u32) {
+    fs_err::write(path, content).unwrap();
+    fs_err::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The claim on the host: what the test makes outside its temporary directory, undone however
+// the test ends (and by the next run if this one was killed)
+// ---------------------------------------------------------------------------------------------
+
+/// The claim: [`CLAIM_DIR`] holds `owner` (this process: pid and start time), `undo` (one
+/// action per line, appended before the change it undoes: `remove <path>` or `restore <path>`
+/// from `saved/<n>`), `pids` (the test's daemons), and `systemd/` (the stand-in systemctl's
+/// state: its supervisor's and the shim's pids).
+struct Claim {
+    dir: PathBuf,
+}
+
+impl Claim {
+    /// Takes the claim, waiting while another fleet test holds it, and undoing what a killed
+    /// earlier one left.
+    fn take() -> Self {
+        let dir = PathBuf::from(CLAIM_DIR);
+        fs_err::create_dir_all(dir.parent().unwrap()).unwrap();
+        let started = Instant::now();
+        let mut said = false;
+        loop {
+            // 0700: it holds copies of authorized_keys. Made atomically: the claim is a lock.
+            match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+                Ok(()) => break,
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                    // Just made by another test that has not written its owner yet.
+                    let fresh = !dir.join("owner").exists()
+                        && fs_err::metadata(&dir)
+                            .and_then(|m| m.modified())
+                            .is_ok_and(|t| t.elapsed().is_ok_and(|e| e < Duration::from_secs(30)));
+                    if fresh {
+                        std::thread::sleep(Duration::from_secs(1));
+                        continue;
+                    }
+                    if let Some(pid) = Self::live_owner(&dir) {
+                        if !said {
+                            eprintln!("fleet: waiting for the fleet test of pid {pid} to end");
+                            said = true;
+                        }
+                        assert!(
+                            started.elapsed() < Duration::from_secs(3600),
+                            "the fleet test of pid {pid} holds {CLAIM_DIR} for an hour"
+                        );
+                        std::thread::sleep(Duration::from_secs(1));
+                        continue;
+                    }
+                    eprintln!("fleet: undoing what an earlier, killed fleet test left");
+                    Self::undo(&dir);
+                }
+                Err(e) => panic!("cannot create {CLAIM_DIR}: {e}"),
+            }
+        }
+        let me = std::process::id();
+        write_file(
+            &dir.join("owner"),
+            &format!("{me} {}\n", proc_start(me).unwrap_or(0)),
+            0o600,
+        );
+        fs_err::create_dir_all(dir.join("saved")).unwrap();
+        fs_err::create_dir_all(dir.join("systemd")).unwrap();
+        Self { dir }
+    }
+
+    /// The pid of the live process that holds the claim in `dir`, if any.
+    fn live_owner(dir: &Path) -> Option<u32> {
+        let owner = fs_err::read_to_string(dir.join("owner")).ok()?;
+        let mut words = owner.split_whitespace();
+        let pid: u32 = words.next()?.parse().ok()?;
+        let start: u64 = words.next()?.parse().ok()?;
+        (alive(pid) && proc_start(pid) == Some(start)).then_some(pid)
+    }
+
+    fn append(&self, file: &str, line: &str) {
+        use std::io::Write as _;
+        let mut f = fs_err::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(file))
+            .unwrap();
+        writeln!(f, "{line}").unwrap();
+        f.sync_all().unwrap();
+    }
+
+    fn record_pid(&self, pid: u32, what: &str) {
+        self.append(
+            "pids",
+            &format!("{pid} {} {what}", proc_start(pid).unwrap_or(0)),
+        );
+    }
+
+    /// Records that `path`, which does not exist yet, is the test's: removed when undone.
+    fn will_create(&self, path: &str) {
+        self.append("undo", &format!("remove {path}"));
+    }
+
+    /// Records `path` as it is now (its content and mode, or its absence), to be put back.
+    fn save(&self, path: &str) {
+        let p = Path::new(path);
+        match fs_err::metadata(p) {
+            Ok(meta) if meta.is_file() => {
+                let n = fs_err::read_to_string(self.dir.join("undo"))
+                    .map(|u| u.lines().count())
+                    .unwrap_or(0);
+                let saved = self.dir.join("saved").join(n.to_string());
+                fs_err::copy(p, &saved).unwrap();
+                fs_err::set_permissions(
+                    &saved,
+                    std::fs::Permissions::from_mode(meta.permissions().mode()),
+                )
+                .unwrap();
+                self.append("undo", &format!("restore {path} {n}"));
+            }
+            Ok(_) => panic!("{path} is not a file"),
+            Err(_) => self.will_create(path),
+        }
+    }
+
+    /// The stand-in systemctl's state directory.
+    fn systemd_dir(&self) -> PathBuf {
+        self.dir.join("systemd")
+    }
+
+    /// Undoes a claim: ends its processes, removes the shim's containers, puts back what was
+    /// saved and removes what was made (in reverse order), then the claim itself.
+    fn undo(dir: &Path) {
+        // The stand-in's supervisor and the shim it runs, then the test's daemons.
+        let mut pids: Vec<(u32, Option<u64>)> = Vec::new();
+        for file in [format!("{UNIT}.supervisor"), format!("{UNIT}.pid")] {
+            if let Ok(text) = fs_err::read_to_string(dir.join("systemd").join(file))
+                && let Ok(pid) = text.trim().parse()
+            {
+                pids.push((pid, None));
+            }
+        }
+        if let Ok(text) = fs_err::read_to_string(dir.join("pids")) {
+            for line in text.lines() {
+                let mut words = line.split_whitespace();
+                if let (Some(Ok(pid)), Some(Ok(start))) = (
+                    words.next().map(str::parse::<u32>),
+                    words.next().map(str::parse::<u64>),
+                ) {
+                    pids.push((pid, Some(start)));
+                }
+            }
+        }
+        for (pid, start) in pids {
+            // A recorded start time guards against a reused pid; the stand-in's files are
+            // removed by it when its processes end, so a pid found there is still theirs.
+            if alive(pid) && start.is_none_or(|s| proc_start(pid) == Some(s)) {
+                kill("KILL", &format!("-{pid}"));
+                kill("KILL", &pid.to_string());
+            }
+        }
+        if Path::new(SHIM_HOME).join("owner-id").exists() {
+            ContainerSweeper::for_home(Path::new(SHIM_HOME)).sweep();
+        }
+        let undo = fs_err::read_to_string(dir.join("undo")).unwrap_or_default();
+        for line in undo.lines().rev() {
+            let mut words = line.splitn(3, ' ');
+            match (words.next(), words.next(), words.next()) {
+                (Some("remove"), Some(path), None) => {
+                    let p = Path::new(path);
+                    let _ = if p.is_dir() && !p.is_symlink() {
+                        fs_err::remove_dir_all(p)
+                    } else {
+                        fs_err::remove_file(p)
+                    };
+                }
+                (Some("restore"), Some(path), Some(n)) => {
+                    let saved = dir.join("saved").join(n);
+                    if let Some(parent) = Path::new(path).parent() {
+                        let _ = fs_err::create_dir_all(parent);
+                    }
+                    let _ = fs_err::copy(&saved, path);
+                    if let Ok(meta) = fs_err::metadata(&saved) {
+                        let _ = fs_err::set_permissions(path, meta.permissions());
+                    }
+                }
+                _ => eprintln!("fleet: unknown undo record {line:?}"),
+            }
+        }
+        let _ = fs_err::remove_dir_all(dir);
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        Self::undo(&self.dir);
+    }
+}
+
+/// Checks that the host has what the test needs and nothing it would clobber, and records
+/// what it will make. Panics with what to do otherwise.
+fn prepare_host(claim: &Claim) {
+    for program in [
+        "sshd",
+        "ssh-keygen",
+        "ssh",
+        "sudo",
+        "curl",
+        "unshare",
+        "nsenter",
+    ] {
+        assert!(
+            have_program(program),
+            "{program} is missing: run `cargo xtask dev-env` (it installs openssh-server, sudo \
+             and curl)"
+        );
+    }
+    for path in [SHIM_HOME, SHIM_INSTALLED, RUNNER_INSTALLED] {
+        assert!(
+            !Path::new(path).exists(),
+            "{path} exists and was not made by the fleet test (a shim may be installed on this \
+             host): the test installs the shim as the dstack server does, there; move it away \
+             to run the test"
+        );
+    }
+    for port in FIXED_PORTS {
+        assert!(
+            port_free(port),
+            "port {port} is taken (a shim or runner may run on this host): the fleet test \
+             needs the fixed ports {FIXED_PORTS:?}"
+        );
+    }
+    claim.will_create(SHIM_HOME);
+    claim.will_create(SHIM_INSTALLED);
+    claim.will_create(RUNNER_INSTALLED);
+    if Path::new(SSH_DIR).exists() {
+        claim.save(AUTHORIZED_KEYS);
+        claim.save(&format!("{AUTHORIZED_KEYS}.bak"));
+    } else {
+        claim.will_create(SSH_DIR);
+    }
+    if !Path::new(SSHD_RUN_DIR).exists() {
+        claim.will_create(SSHD_RUN_DIR);
+        fs_err::create_dir_all(SSHD_RUN_DIR).unwrap();
+        fs_err::set_permissions(SSHD_RUN_DIR, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fleet's host: sshd in a mount namespace of its own, the stand-in systemctl
+// ---------------------------------------------------------------------------------------------
+
+struct SshHost {
+    port: u16,
+    /// The client key the fleet configuration names.
+    identity: PathBuf,
+    /// The stand-in systemctl (its real path) and its state directory.
+    systemctl: PathBuf,
+    systemd: PathBuf,
+    /// Where the units the server writes to /etc/systemd/system land.
+    units: PathBuf,
+    _sshd: Daemon,
+}
+
+impl SshHost {
+    fn start(dir: &Path, claim: &Claim) -> Self {
+        let (sbin, units) = (dir.join("sbin"), dir.join("units"));
+        for d in [&sbin, &units] {
+            fs_err::create_dir_all(d).unwrap();
+            fs_err::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let host_key = dir.join("ssh_host_ed25519_key");
+        let identity = dir.join("id_ed25519");
+        for (key, comment) in [
+            (&host_key, "fleet-test-host"),
+            (&identity, "fleet-test-client"),
+        ] {
+            run_ok(
+                "ssh-keygen",
+                &[
+                    "-q",
+                    "-t",
+                    "ed25519",
+                    "-N",
+                    "",
+                    "-C",
+                    comment,
+                    "-f",
+                    key.to_str().unwrap(),
+                ],
+            );
+        }
+        let authorized = dir.join("authorized_keys");
+        write_file(
+            &authorized,
+            &fs_err::read_to_string(identity.with_extension("pub")).unwrap(),
+            0o600,
+        );
+
+        // The stand-in systemctl, run by the venv's Python, with its configuration beside it.
+        let systemctl = sbin.join("systemctl");
+        let script = fs_err::read_to_string(repo_root().join("tests/fleet/systemctl.py")).unwrap();
+        let body = script.split_once('\n').unwrap().1;
+        write_file(
+            &systemctl,
+            &format!("#!{}\n{body}", dstack_python().display()),
+            0o755,
+        );
+        let systemd = claim.systemd_dir();
+        write_file(
+            &sbin.join("systemctl.json"),
+            &json!({
+                "script": systemctl,
+                "unit_dir": units,
+                "state_dir": systemd,
+                "mount_ns": format!("/proc/{}/ns/mnt", std::process::id()),
+            })
+            .to_string(),
+            0o644,
+        );
+
+        let port = free_port().unwrap();
+        let config = dir.join("sshd_config");
+        write_file(
+            &config,
+            &format!(
+                "ListenAddress 127.0.0.1\nPort {port}\nHostKey {}\nPidFile {}\n\
+                 AuthorizedKeysFile .ssh/authorized_keys {}\n\
+                 # The test's files live under /tmp (world-writable).\nStrictModes no\n\
+                 PermitRootLogin prohibit-password\nPasswordAuthentication no\n\
+                 KbdInteractiveAuthentication no\nUsePAM no\nPrintMotd no\n\
+                 Subsystem sftp internal-sftp\n",
+                host_key.display(),
+                dir.join("sshd.pid").display(),
+                authorized.display()
+            ),
+            0o644,
+        );
+        // sshd checks its configuration before it daemonises: a bad one fails here, readably.
+        run_ok("/usr/sbin/sshd", &["-t", "-f", config.to_str().unwrap()]);
+        let mut command = Command::new("unshare");
+        command
+            .args(["--mount", "--propagation", "slave", "--", "sh", "-c"])
+            .arg(
+                "mount --bind \"$1\" /usr/local/sbin && mount --bind \"$2\" /etc/systemd/system \
+             && exec /usr/sbin/sshd -D -e -f \"$3\"",
+            );
+        command.arg("sh").arg(&sbin).arg(&units).arg(&config);
+        let log = dir.join("sshd.log");
+        let mut sshd = Daemon::spawn("sshd", command, &log, claim);
+        wait_until("the test sshd listens", Duration::from_secs(30), || {
+            sshd.assert_running();
+            TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_ok()
+        });
+        Self {
+            port,
+            identity,
+            systemctl,
+            systemd,
+            units,
+            _sshd: sshd,
+        }
+    }
+
+    /// Runs the stand-in systemctl here (outside the sshd's namespace: it keeps its state by
+    /// real paths).
+    fn systemctl(&self, args: &[&str]) -> String {
+        run_ok(self.systemctl.to_str().unwrap(), args)
+    }
+
+    /// The shim's pid as the stand-in's supervisor started it last.
+    fn shim_pid(&self) -> Option<u32> {
+        fs_err::read_to_string(self.systemd.join(format!("{UNIT}.pid")))
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+    }
+
+    /// The pids of every start of the shim so far.
+    fn shim_starts(&self) -> Vec<u32> {
+        fs_err::read_to_string(self.systemd.join(format!("{UNIT}.starts")))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+            .collect()
+    }
+
+    /// The shim's output (what a journal would hold).
+    fn shim_journal(&self) -> PathBuf {
+        self.systemd.join(format!("{UNIT}.journal"))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The dstack server
+// ---------------------------------------------------------------------------------------------
+
+struct DstackServer {
+    port: u16,
+    /// Its HOME (its state in `.dstack/server`, the CLI's `.dstack/config.yml`).
+    home: PathBuf,
+    /// The directory the CLI runs in (the configurations).
+    project: PathBuf,
+    log: PathBuf,
+    daemon: Daemon,
+}
+
+impl DstackServer {
+    fn start(dir: &Path, claim: &Claim, env: &[(&str, String)]) -> Self {
+        let home = dir.join("server-home");
+        let project = dir.join("project");
+        fs_err::create_dir_all(&home).unwrap();
+        fs_err::create_dir_all(&project).unwrap();
+        let port = free_port().unwrap();
+        let mut command = Command::new(dstack_cli());
+        command
+            .args(["server", "--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--token", TOKEN, "--log-level", "DEBUG"])
+            .current_dir(&home)
+            .env_clear()
+            .envs(base_env(&home))
+            .env("DSTACK_SERVER_LOG_FORMAT", "standard")
+            // Its log's times are compared with the test's clock.
+            .env("TZ", "UTC")
+            .env("DSTACK_SERVER_LOG_LEVEL", "DEBUG")
+            .envs(env.iter().map(|(k, v)| (k, v)));
+        let log = dir.join("server.log");
+        let mut daemon = Daemon::spawn("the dstack server", command, &log, claim);
+        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+        wait_until("the dstack server answers", SERVER_START_BOUND, || {
+            daemon.assert_running();
+            Request::get("/healthcheck")
+                .timeout(Duration::from_secs(5))
+                .send(addr)
+                .is_ok_and(|r| r.status == 200)
+                && home.join(".dstack/config.yml").exists()
+        });
+        Self {
+            port,
+            home,
+            project,
+            log,
+            daemon,
+        }
+    }
+
+    /// `POST path` with the admin token; the JSON answer (the test fails on another status).
+    fn api(&self, path: &str, body: &Value) -> Value {
+        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, self.port));
+        let answer = Request::post(path)
+            .header("Authorization", format!("Bearer {TOKEN}"))
+            .json(body)
+            .timeout(Duration::from_secs(60))
+            .send(addr)
+            .unwrap_or_else(|e| panic!("POST {path}: {e}"));
+        assert_eq!(answer.status, 200, "POST {path} {body}: {}", answer.body);
+        answer.json_body()
+    }
+
+    /// Runs the `dstack` CLI against this server in the project directory; its stdout.
+    fn cli(&self, args: &[&str]) -> String {
+        let mut command = Command::new(dstack_cli());
+        command
+            .args(args)
+            .current_dir(&self.project)
+            .env_clear()
+            .envs(base_env(&self.home))
+            .env("DSTACK_CLI_LOG_LEVEL", "INFO");
+        let (status, out, err) = run_bounded(command, CLI_BOUND);
+        assert!(
+            status.success(),
+            "dstack {args:?}: {status}\n{out}\n{err}\nend of the server's log:\n{}",
+            tail(&self.log, 60)
+        );
+        out
+    }
+
+    /// `dstack apply -f <name>.dstack.yml -y -d` of `yaml`.
+    fn apply(&self, name: &str, yaml: &str) -> String {
+        let file = format!("{name}.dstack.yml");
+        fs_err::write(self.project.join(&file), yaml).unwrap();
+        self.cli(&["apply", "-f", &file, "-y", "-d"])
+    }
+
+    /// The run `name` as the server has it.
+    fn run(&self, name: &str) -> Value {
+        self.api(
+            &format!("/api/project/{PROJECT}/runs/get"),
+            &json!({"run_name": name}),
+        )
+    }
+
+    /// Waits until the latest submission of run `name`'s job is one of `statuses`; the run.
+    fn wait_job(&mut self, name: &str, statuses: &[&str], bound: Duration) -> Value {
+        self.wait_run(name, bound, |run| {
+            statuses.contains(&submission(run)["status"].as_str().unwrap_or(""))
+        })
+    }
+
+    /// Waits until run `name` has ended (its status and its job's are final); the run.
+    fn wait_ended(&mut self, name: &str) -> Value {
+        const FINAL: [&str; 4] = ["done", "failed", "terminated", "aborted"];
+        self.wait_run(name, JOB_BOUND, |run| {
+            FINAL.contains(&run["status"].as_str().unwrap_or(""))
+                && FINAL.contains(&submission(run)["status"].as_str().unwrap_or(""))
+        })
+    }
+
+    fn wait_run(&mut self, name: &str, bound: Duration, done: impl Fn(&Value) -> bool) -> Value {
+        wait_for(&format!("run {name}"), bound, || {
+            self.daemon.assert_running();
+            let run = self.run(name);
+            if done(&run) {
+                Ok(run)
+            } else {
+                Err(format!("run {}, job {}", run["status"], submission(&run)))
+            }
+        })
+    }
+
+    /// The job logs of run `name`'s latest submission (`diagnose`: the runner's own logs).
+    fn logs(&self, name: &str, diagnose: bool) -> String {
+        let run = self.run(name);
+        let id = submission(&run)["id"].as_str().unwrap().to_owned();
+        let mut text = String::new();
+        let mut next_token = Value::Null;
+        loop {
+            let page = self.api(
+                &format!("/api/project/{PROJECT}/logs/poll"),
+                &json!({"run_name": name, "job_submission_id": id, "limit": 1000,
+                        "diagnose": diagnose, "next_token": next_token}),
+            );
+            for event in page["logs"].as_array().unwrap() {
+                let bytes = base64::engine::general_purpose::STANDARD
+                    .decode(event["message"].as_str().unwrap())
+                    .unwrap();
+                text.push_str(&String::from_utf8_lossy(&bytes));
+            }
+            next_token = page["next_token"].clone();
+            if next_token.is_null() {
+                return text;
+            }
+        }
+    }
+
+    /// Every event the server recorded, oldest first: `(recorded_at, message, targets)`.
+    fn events(&self) -> Vec<Value> {
+        let mut all: Vec<Value> = Vec::new();
+        loop {
+            let mut request = json!({"ascending": true, "limit": 100});
+            if let Some(last) = all.last() {
+                request["prev_recorded_at"] = last["recorded_at"].clone();
+                request["prev_id"] = last["id"].clone();
+            }
+            let page = self.api("/api/events/list", &request);
+            let page = page.as_array().unwrap();
+            if page.is_empty() {
+                return all;
+            }
+            all.extend(page.iter().cloned());
+        }
+    }
+
+    /// The log's warnings and errors (with the lines that follow them up to the next record).
+    fn problems(&self) -> Vec<String> {
+        let log = fs_err::read_to_string(&self.log).unwrap();
+        let mut problems: Vec<String> = Vec::new();
+        let mut current: Option<String> = None;
+        for line in log.lines() {
+            let level = line.split(' ').next().unwrap_or("");
+            let is_record = matches!(level, "DEBUG" | "INFO" | "WARNING" | "ERROR" | "CRITICAL");
+            if is_record {
+                problems.extend(current.take());
+                if matches!(level, "WARNING" | "ERROR" | "CRITICAL") {
+                    current = Some(line.to_owned());
+                }
+            } else if let Some(problem) = current.as_mut() {
+                problem.push('\n');
+                problem.push_str(line);
+            }
+        }
+        problems.extend(current);
+        problems
+    }
+}
+
+fn dstack_cli() -> PathBuf {
+    dstack_python().with_file_name("dstack")
+}
+
+/// The environment of the server and the CLI: nothing of the caller's (a developer's
+/// `DSTACK_*` must not leak in) but `PATH` (`ssh`), its own HOME, a locale.
+fn base_env(home: &Path) -> Vec<(String, String)> {
+    vec![
+        (
+            "PATH".to_owned(),
+            std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".to_owned()),
+        ),
+        ("HOME".to_owned(), home.display().to_string()),
+        ("LANG".to_owned(), "C.UTF-8".to_owned()),
+        ("PYTHONUNBUFFERED".to_owned(), "1".to_owned()),
+        ("NO_COLOR".to_owned(), "1".to_owned()),
+        ("COLUMNS".to_owned(), "200".to_owned()),
+    ]
+}
+
+/// The latest submission of a run's (only) job.
+fn submission(run: &Value) -> &Value {
+    run["jobs"][0]["job_submissions"]
+        .as_array()
+        .and_then(|s| s.last())
+        .unwrap_or(&Value::Null)
+}
+
+/// When an event was recorded, from its `recorded_at` (RFC 3339, UTC).
+fn recorded_at(event: &Value) -> SystemTime {
+    parse_rfc3339(event["recorded_at"].as_str().unwrap())
+}
+
+/// `YYYY-MM-DDTHH:MM:SS[.ffffff](Z|+00:00)` as a time.
+fn parse_rfc3339(text: &str) -> SystemTime {
+    let (date, time) = text.split_once('T').unwrap();
+    let time = time.trim_end_matches('Z').trim_end_matches("+00:00");
+    let d: Vec<i64> = date.split('-').map(|p| p.parse().unwrap()).collect();
+    let (hms, frac) = time.split_once('.').unwrap_or((time, "0"));
+    let t: Vec<i64> = hms.split(':').map(|p| p.parse().unwrap()).collect();
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let (y, m) = if d[1] <= 2 {
+        (d[0] - 1, d[1] + 9)
+    } else {
+        (d[0], d[1] - 3)
+    };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * m + 2) / 5 + d[2] - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs = days * 86_400 + t[0] * 3600 + t[1] * 60 + t[2];
+    let nanos: u32 = format!("{frac:0<9}")[..9].parse().unwrap();
+    SystemTime::UNIX_EPOCH
+        + Duration::from_secs(u64::try_from(secs).unwrap())
+        + Duration::from_nanos(u64::from(nanos))
+}
+
+/// Seconds from the first event matching `from` to the first later one matching `to`.
+fn between(events: &[Value], from: impl Fn(&Value) -> bool, to: impl Fn(&Value) -> bool) -> f64 {
+    let start = events
+        .iter()
+        .position(&from)
+        .unwrap_or_else(|| panic!("no such event in {events:#?}"));
+    let end = events[start..]
+        .iter()
+        .find(|e| to(e))
+        .unwrap_or_else(|| panic!("no later event in {events:#?}"));
+    recorded_at(end)
+        .duration_since(recorded_at(&events[start]))
+        .unwrap()
+        .as_secs_f64()
+}
+
+fn targets(event: &Value, kind: &str, name: &str) -> bool {
+    event["targets"]
+        .as_array()
+        .is_some_and(|t| t.iter().any(|t| t["type"] == kind && t["name"] == name))
+}
+
+/// Seconds from `dstack apply` of run `name` (its "Run submitted" event) to its job `running`,
+/// as the server recorded them.
+fn submit_to_running(events: &[Value], name: &str) -> f64 {
+    let job = format!("{name}-0-0");
+    between(
+        events,
+        |e| targets(e, "run", name) && e["message"].as_str().unwrap().starts_with("Run submitted"),
+        |e| targets(e, "job", &job) && e["message"].as_str().unwrap().ends_with("-> RUNNING"),
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tasks and what the host shows of them
+// ---------------------------------------------------------------------------------------------
+
+/// A task configuration for the fleet's host: the local test image, `user:` and the CPU
+/// architecture set (otherwise the server reads the image's config from its registry), small
+/// resources (the defaults ask for a 100 GB disk).
+fn task_yaml(name: &str, env: &[&str], commands: &[&str]) -> String {
+    let arch = if go_arch() == "arm64" { "arm" } else { "x86" };
+    let list = |items: &[&str]| -> String {
+        items
+            .iter()
+            .map(|i| format!("  - {}\n", serde_json::to_string(i).unwrap()))
+            .collect()
+    };
+    let env = if env.is_empty() {
+        String::new()
+    } else {
+        format!("env:\n{}", list(env))
+    };
+    format!(
+        "type: task\nname: {name}\nimage: {}\nuser: root\n{env}commands:\n{}\
+         resources:\n  cpu:\n    arch: {arch}\n    count: 1..\n  memory: 0.5GB..\n  disk: 1GB..\n",
+        image(),
+        list(commands)
+    )
+}
+
+/// The shim's API on its fixed port.
+fn shim_api() -> Api {
+    Api {
+        addr: SocketAddr::from((Ipv4Addr::LOCALHOST, SHIM_PORT)),
+    }
+}
+
+/// The container the shim runs for task `id` (the server's job submission id), by upstream's
+/// task label: `(id, name)`, or `None`.
+fn task_container(id: &str) -> Option<(String, String)> {
+    let out = docker_ok(&[
+        "ps",
+        "-a",
+        "--no-trunc",
+        "--filter",
+        &format!("label=ai.dstack.shim.task-id={id}"),
+        "--format",
+        "{{.ID}} {{.Names}}",
+    ]);
+    let line = out.lines().next()?;
+    let (cid, name) = line.split_once(' ')?;
+    Some((cid.to_owned(), name.to_owned()))
+}
+
+fn inspect(cid: &str, format: &str) -> String {
+    docker_ok(&["inspect", "-f", format, cid]).trim().to_owned()
+}
+
+fn shim_key_lines() -> usize {
+    fs_err::read_to_string(AUTHORIZED_KEYS)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.trim_end().ends_with(SHIM_KEY_MARKER))
+        .count()
+}
+
+fn runner_dirs() -> BTreeSet<String> {
+    shim_e2e::harness::entries(&Path::new(SHIM_HOME).join("runners"))
+}
+
+/// What the host shows of a running job's task: the shim reports it running with the
+/// container Docker runs (never restarted), its directory exists, and its host key is in
+/// `authorized_keys`. Returns the container id.
+fn assert_task_running(id: &str) -> String {
+    let info = shim_api().task(id).unwrap();
+    assert_eq!(info["status"], "running", "{info}");
+    let (cid, name) = task_container(id).unwrap_or_else(|| panic!("no container for task {id}"));
+    assert_eq!(info["container_id"], cid.as_str(), "{info}");
+    assert_eq!(inspect(&cid, "{{.State.Running}}"), "true");
+    assert_eq!(inspect(&cid, "{{.RestartCount}}"), "0");
+    assert_eq!(inspect(&cid, "{{.HostConfig.NetworkMode}}"), "host");
+    assert!(runner_dirs().contains(&name), "{:?}", runner_dirs());
+    assert_eq!(shim_key_lines(), 1, "the task's host key");
+    cid
+}
+
+/// What the host shows once the server removed a job's task: nothing.
+fn assert_task_gone(id: &str) {
+    let answer = shim_api()
+        .request("GET", &format!("/api/tasks/{id}"), None)
+        .unwrap();
+    assert_eq!(answer.status, 404, "{answer:?}");
+    assert_eq!(task_container(id), None);
+    assert!(runner_dirs().is_empty(), "{:?}", runner_dirs());
+    assert_eq!(
+        shim_key_lines(),
+        0,
+        "{}",
+        fs_err::read_to_string(AUTHORIZED_KEYS).unwrap()
+    );
+}
+
+/// Waits until the server removed the task of job submission `id` from the shim.
+fn wait_task_removed(id: &str) {
+    wait_until(&format!("the server removes task {id}"), JOB_BOUND, || {
+        shim_api()
+            .request("GET", &format!("/api/tasks/{id}"), None)
+            .is_ok_and(|r| r.status == 404)
+    });
+    assert_task_gone(id);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The run's logs
+// ---------------------------------------------------------------------------------------------
+
+/// The logs of a run (the server's, the shim's output, the stand-in's and sshd's): when
+/// dropped, copied to `<target>/fleet-test/` (replacing an earlier run's) and, if the test
+/// fails, their ends printed. Also prints the phases of the test as they pass.
+struct Logs {
+    started: Instant,
+    files: Vec<(&'static str, PathBuf, usize)>,
+}
+
+impl Logs {
+    fn phase(&self, what: &str) {
+        eprintln!(
+            "fleet: [{:6.1} s] {what}",
+            self.started.elapsed().as_secs_f64()
+        );
+    }
+}
+
+impl Drop for Logs {
+    fn drop(&mut self) {
+        let keep = shim_e2e::harness::target_dir().join("fleet-test");
+        let _ = fs_err::remove_dir_all(&keep);
+        let _ = fs_err::create_dir_all(&keep);
+        for (name, path, lines) in &self.files {
+            let _ = fs_err::copy(path, keep.join(name));
+            if std::thread::panicking() {
+                eprintln!(
+                    "----- end of {name} ({}):\n{}",
+                    path.display(),
+                    tail(path, *lines)
+                );
+            }
+        }
+        eprintln!("fleet: logs kept in {}", keep.display());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The test
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
+    let name = "a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim";
+    if !docker_tests_enabled(name) || !root_tests_enabled(name) {
+        return;
+    }
+    let test_started = Instant::now();
+    let python = dstack_python();
+    assert!(
+        python.exists() && dstack_cli().exists(),
+        "{} is missing: run `cargo xtask dev-env` (it installs dstack[server]=={DSTACK_VERSION} \
+         in a venv) or set {}",
+        python.display(),
+        shim_e2e::ENV_DSTACK_PYTHON
+    );
+    let artifact = std::path::absolute(dist_artifact(DSTACK_VERSION)).unwrap();
+    assert!(
+        artifact.is_file(),
+        "the release artifact {} is missing: build it with `cargo xtask dist \
+         --upstream-version {DSTACK_VERSION}` (or point {} at a directory laid out as \
+         <release>/dstack-shim-linux-<arch>)",
+        artifact.display(),
+        shim_e2e::ENV_DIST_DIR
+    );
+    let dist = artifact.parent().unwrap().parent().unwrap().to_owned();
+
+    let claim = Claim::take();
+    prepare_host(&claim);
+    let dir = tempfile::Builder::new()
+        .prefix("shim-fleet-")
+        .tempdir()
+        .unwrap();
+    let dir = dir.path();
+    // A killed run leaves it behind: the next one removes it.
+    claim.will_create(dir.to_str().unwrap());
+    let logs = Logs {
+        started: test_started,
+        files: vec![
+            ("server.log", dir.join("server.log"), 80),
+            (
+                "dstack-shim.journal",
+                claim.systemd_dir().join(format!("{UNIT}.journal")),
+                60,
+            ),
+            (
+                "systemctl.log",
+                claim.systemd_dir().join("systemctl.log"),
+                20,
+            ),
+            ("sshd.log", dir.join("sshd.log"), 20),
+        ],
+    };
+
+    // The runner download: the test runner, laid out as the server's URL template wants it,
+    // served over HTTP on loopback.
+    let runner = build_test_runner(Duration::from_secs(600)).unwrap_or_else(|e| panic!("{e}"));
+    let downloads = dir.join("downloads");
+    let runner_file = downloads
+        .join(DSTACK_VERSION)
+        .join(format!("dstack-runner-linux-{}", go_arch()));
+    fs_err::create_dir_all(runner_file.parent().unwrap()).unwrap();
+    fs_err::copy(&runner, &runner_file).unwrap();
+    let files_port = free_port().unwrap();
+    let mut files_command = Command::new(&python);
+    files_command
+        .args(["-m", "http.server", "--bind", "127.0.0.1", "--directory"])
+        .arg(&downloads)
+        .arg(files_port.to_string());
+    let mut files = Daemon::spawn(
+        "the runner download server",
+        files_command,
+        &dir.join("files.log"),
+        &claim,
+    );
+    wait_until(
+        "the download server listens",
+        Duration::from_secs(30),
+        || {
+            files.assert_running();
+            TcpStream::connect((Ipv4Addr::LOCALHOST, files_port)).is_ok()
+        },
+    );
+
+    // An empty offers catalog: the server's scheduled catalog download needs the internet.
+    let catalog = dir.join("catalog");
+    run_ok(
+        python.to_str().unwrap(),
+        &[
+            repo_root()
+                .join("tests/fleet/offline_catalog.py")
+                .to_str()
+                .unwrap(),
+            catalog.to_str().unwrap(),
+        ],
+    );
+
+    logs.phase("the runner built and served, the offline catalog made");
+    let host = SshHost::start(dir, &claim);
+    let mut server = DstackServer::start(
+        dir,
+        &claim,
+        &[
+            (
+                "DSTACK_SHIM_DOWNLOAD_URL",
+                format!(
+                    "file://{}/{{version}}/dstack-shim-linux-{{arch}}",
+                    dist.display()
+                ),
+            ),
+            (
+                "DSTACK_RUNNER_DOWNLOAD_URL",
+                format!("http://127.0.0.1:{files_port}/{{version}}/dstack-runner-linux-{{arch}}"),
+            ),
+            (
+                "GPUHUNT_CATALOG_URL",
+                format!("file://{}", catalog.display()),
+            ),
+        ],
+    );
+    eprintln!(
+        "fleet: server on 127.0.0.1:{}, sshd on 127.0.0.1:{}, files in {}",
+        server.port,
+        host.port,
+        dir.display()
+    );
+
+    logs.phase("sshd and the dstack server started");
+
+    // ---- The fleet: provisioned over SSH, the shim installed from the artifact, idle.
+    let fleet_yaml = format!(
+        "type: fleet\nname: {FLEET}\nssh_config:\n  user: root\n  port: {}\n  identity_file: {}\n  hosts:\n    - 127.0.0.1\n",
+        host.port,
+        host.identity.display()
+    );
+    fs_err::write(server.project.join("fleet.dstack.yml"), &fleet_yaml).unwrap();
+    server.cli(&["apply", "-f", "fleet.dstack.yml", "-y"]);
+    let instance = wait_for("the fleet's instance is idle", FLEET_BOUND, || {
+        server.daemon.assert_running();
+        let fleet = server.api(
+            &format!("/api/project/{PROJECT}/fleets/get"),
+            &json!({"name": FLEET}),
+        );
+        let instance = fleet["instances"][0].clone();
+        match instance["status"].as_str() {
+            Some("idle") => Ok(instance),
+            Some("terminated" | "terminating") => panic!(
+                "the fleet's instance failed: {instance}\nend of the server's log:\n{}",
+                tail(&server.log, 80)
+            ),
+            _ => Err(format!("{instance}")),
+        }
+    });
+    eprintln!("fleet: instance idle: {}", instance["instance_type"]);
+
+    // The host as the server left it: the artifact installed, the unit, shim.env, host info,
+    // the shim answering with the server's release, the runner downloaded from its URL.
+    assert_eq!(
+        fs_err::read(SHIM_INSTALLED).unwrap(),
+        fs_err::read(&artifact).unwrap(),
+        "{SHIM_INSTALLED} is the artifact, by bytes"
+    );
+    let unit = fs_err::read_to_string(host.units.join(UNIT)).unwrap();
+    for line in [
+        "Restart=always",
+        "RestartSec=3",
+        "User=root",
+        "WorkingDirectory=/root/.dstack",
+        "EnvironmentFile=/root/.dstack/shim.env",
+        "ExecStart=/usr/local/bin/dstack-shim",
+    ] {
+        assert!(unit.lines().any(|l| l == line), "{line} in\n{unit}");
+    }
+    let env = fs_err::read_to_string(Path::new(SHIM_HOME).join("shim.env")).unwrap();
+    for line in [
+        "DSTACK_SHIM_HOME=\"/root/.dstack\"".to_owned(),
+        "DSTACK_SHIM_HTTP_PORT=\"10998\"".to_owned(),
+        "DSTACK_SERVICE_MODE=\"1\"".to_owned(),
+        format!(
+            "DSTACK_RUNNER_DOWNLOAD_URL=\"http://127.0.0.1:{files_port}/{DSTACK_VERSION}/dstack-runner-linux-{}\"",
+            go_arch()
+        ),
+    ] {
+        assert!(env.lines().any(|l| l == line), "{line} in\n{env}");
+    }
+    let host_info: Value =
+        serde_json::from_slice(&fs_err::read(Path::new(SHIM_HOME).join("host_info.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        instance["instance_type"]["resources"]["cpus"], host_info["cpus"],
+        "the server read host_info.json: {host_info}"
+    );
+    let health = shim_api().get("/api/healthcheck").unwrap();
+    assert!(
+        health["version"]
+            .as_str()
+            .unwrap()
+            .starts_with(DSTACK_VERSION),
+        "{health}"
+    );
+    let components = shim_api().get("/api/components").unwrap();
+    let component = |name: &str| {
+        components["components"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("{components}"))
+    };
+    assert_eq!(component("dstack-shim")["version"], health["version"]);
+    assert_eq!(component("dstack-runner")["version"], DSTACK_VERSION);
+    assert_eq!(
+        fs_err::read(RUNNER_INSTALLED).unwrap(),
+        fs_err::read(&runner).unwrap(),
+        "the shim downloaded the runner from DSTACK_RUNNER_DOWNLOAD_URL"
+    );
+    assert_eq!(
+        host.shim_starts().len(),
+        1,
+        "started once, by `systemctl restart`"
+    );
+
+    logs.phase("the fleet is idle");
+
+    // ---- A job that ends `done`; its runner exits after the last pull (as with an attached
+    // CLI), so its container ends by itself.
+    server.apply(
+        "fleet-done",
+        &task_yaml(
+            "fleet-done",
+            &[
+                &format!("{EXIT_AFTER_PULL}=1"),
+                "GREETING=hello from the fleet",
+            ],
+            &["echo \"$GREETING\"", "echo \"run $DSTACK_RUN_NAME\""],
+        ),
+    );
+    let run = server.wait_ended("fleet-done");
+    let job = submission(&run);
+    assert_eq!(job["status"], "done", "{job}");
+    assert_eq!(job["termination_reason"], "done_by_runner", "{job}");
+    assert_eq!(job["exit_status"], 0, "{job}");
+    assert_eq!(run["status"], "done", "{run}");
+    let job_logs = server.logs("fleet-done", false);
+    assert!(job_logs.contains("hello from the fleet"), "{job_logs}");
+    assert!(job_logs.contains("run fleet-done"), "{job_logs}");
+    let runner_logs = server.logs("fleet-done", true);
+    assert!(
+        runner_logs.contains("Job state changed new=done"),
+        "{runner_logs}"
+    );
+    wait_task_removed(job["id"].as_str().unwrap());
+
+    logs.phase("fleet-done ended");
+
+    // ---- A job that fails with exit code 7; the server stops its container.
+    server.apply(
+        "fleet-failed",
+        &task_yaml("fleet-failed", &[], &["echo about to fail", "exit 7"]),
+    );
+    let run = server.wait_ended("fleet-failed");
+    let job = submission(&run);
+    assert_eq!(job["status"], "failed", "{job}");
+    assert_eq!(
+        job["termination_reason"], "container_exited_with_error",
+        "{job}"
+    );
+    assert_eq!(job["exit_status"], 7, "{job}");
+    assert_eq!(run["status"], "failed", "{run}");
+    assert!(server.logs("fleet-failed", false).contains("about to fail"));
+    wait_task_removed(job["id"].as_str().unwrap());
+
+    logs.phase("fleet-failed ended");
+
+    // ---- A job stopped with `dstack stop` while it runs.
+    server.apply(
+        "fleet-stopped",
+        &task_yaml("fleet-stopped", &[], &["echo started", "sleep 600"]),
+    );
+    let run = server.wait_job("fleet-stopped", &["running"], JOB_BOUND);
+    let id = submission(&run)["id"].as_str().unwrap().to_owned();
+    wait_until("the stopped job's task runs", JOB_BOUND, || {
+        shim_api().task(&id).is_ok_and(|t| t["status"] == "running")
+    });
+    assert_task_running(&id);
+    server.cli(&["stop", "fleet-stopped", "-y"]);
+    let run = server.wait_ended("fleet-stopped");
+    let job = submission(&run);
+    assert_eq!(job["status"], "terminated", "{job}");
+    assert_eq!(job["termination_reason"], "terminated_by_user", "{job}");
+    assert_eq!(run["status"], "terminated", "{run}");
+    assert!(server.logs("fleet-stopped", false).contains("started"));
+    wait_task_removed(&id);
+
+    logs.phase("fleet-stopped ended");
+
+    // ---- A job during which the shim is SIGKILLed: the stand-in restarts it after
+    // RestartSec, the job ends `done` in the same container, never restarted.
+    server.apply(
+        "fleet-killed",
+        &task_yaml(
+            "fleet-killed",
+            &[],
+            &["echo before the kill", "sleep 25", "echo after the restart"],
+        ),
+    );
+    let run = server.wait_job("fleet-killed", &["running"], JOB_BOUND);
+    let id = submission(&run)["id"].as_str().unwrap().to_owned();
+    wait_until("the killed job's task runs", JOB_BOUND, || {
+        shim_api().task(&id).is_ok_and(|t| t["status"] == "running")
+    });
+    let cid = assert_task_running(&id);
+    let started_at = inspect(&cid, "{{.State.StartedAt}}");
+    let old = host.shim_pid().unwrap();
+    kill("KILL", &old.to_string());
+    let killed = Instant::now();
+    let down_since = SystemTime::now();
+    wait_until(
+        "the stand-in restarts the shim",
+        Duration::from_secs(60),
+        || host.shim_pid().is_some_and(|pid| pid != old) && shim_api().answers(),
+    );
+    let restart = killed.elapsed();
+    let down = (down_since, SystemTime::now());
+    assert_eq!(assert_task_running(&id), cid, "the same container");
+    assert_eq!(
+        inspect(&cid, "{{.State.StartedAt}}"),
+        started_at,
+        "never restarted"
+    );
+    let run = server.wait_ended("fleet-killed");
+    let job = submission(&run);
+    assert_eq!(job["status"], "done", "{job}");
+    assert_eq!(job["termination_reason"], "done_by_runner", "{job}");
+    assert_eq!(job["exit_status"], 0, "{job}");
+    let job_logs = server.logs("fleet-killed", false);
+    assert!(
+        job_logs.contains("before the kill") && job_logs.contains("after the restart"),
+        "{job_logs}"
+    );
+    wait_task_removed(&id);
+    assert_eq!(
+        host.shim_starts().len(),
+        2,
+        "once by the server, once after the SIGKILL"
+    );
+
+    logs.phase("fleet-killed ended");
+
+    // ---- The fleet deleted; the shim stopped as its service would be.
+    server.cli(&["fleet", "delete", FLEET, "-y"]);
+    wait_until("the fleet is deleted", FLEET_BOUND, || {
+        let fleets = server.api(&format!("/api/project/{PROJECT}/fleets/list"), &json!({}));
+        fleets
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|f| f["name"] != FLEET)
+    });
+    let events = server.events();
+    host.systemctl(&["stop", UNIT]);
+    assert!(host.shim_pid().is_none());
+
+    // Nothing left: no task container, no task directory, no shim line in authorized_keys.
+    let leftovers = ContainerSweeper::for_label(
+        shim_e2e::harness::LABEL_OWNER,
+        &owner_identity(Path::new(SHIM_HOME)),
+    )
+    .containers();
+    assert!(leftovers.is_empty(), "task containers left: {leftovers:?}");
+    assert!(runner_dirs().is_empty(), "{:?}", runner_dirs());
+    assert_eq!(shim_key_lines(), 0);
+    let journal = fs_err::read_to_string(host.shim_journal()).unwrap();
+    assert!(
+        !journal.contains("/api/components/install") && !journal.contains("/api/shutdown"),
+        "the server neither reinstalled nor restarted the shim"
+    );
+
+    // The server's log: no warning, no error (about the shim or anything else).
+    // The one kind allowed: the instance check that found the shim down while it was (a
+    // periodic check may fall into those seconds; the server tunnels to the shim's port, and
+    // with nothing listening there the connection is reset).
+    let (expected, problems): (Vec<String>, Vec<String>) =
+        server.problems().into_iter().partition(|problem| {
+            let at = problem
+                .split(' ')
+                .nth(1)
+                .filter(|t| t.contains('T'))
+                .map(parse_rfc3339);
+            problem.starts_with("WARNING ")
+                && problem.contains("instances.check Instance ")
+                && problem.contains("reachable=False")
+                && at.is_some_and(|at| {
+                    at + Duration::from_secs(1) >= down.0 && at <= down.1 + Duration::from_secs(15)
+                })
+        });
+    for line in &expected {
+        eprintln!("fleet: expected, while the shim was down: {line}");
+    }
+    assert!(
+        problems.is_empty(),
+        "the server logged {} warnings or errors:\n{}",
+        problems.len(),
+        problems.join("\n")
+    );
+
+    // Figures, from the server's events.
+    let idle = between(
+        &events,
+        |e| {
+            targets(e, "fleet", FLEET)
+                && e["message"].as_str().unwrap().starts_with("Fleet created")
+        },
+        |e| {
+            e["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("Instance status changed PENDING -> IDLE")
+        },
+    );
+    eprintln!("fleet: apply of the fleet -> instance idle: {idle:.1} s");
+    for run in [
+        "fleet-done",
+        "fleet-failed",
+        "fleet-stopped",
+        "fleet-killed",
+    ] {
+        eprintln!(
+            "fleet: {run}: submit -> running: {:.1} s",
+            submit_to_running(&events, run)
+        );
+    }
+    eprintln!(
+        "fleet: the shim answered {:.1} s after its SIGKILL",
+        restart.as_secs_f64()
+    );
+    logs.phase("the fleet deleted, the shim stopped, nothing left");
+    drop(server);
+    drop(host);
+    drop(files);
+    drop(logs);
+    drop(claim);
+    eprintln!(
+        "fleet: the whole test: {:.0} s",
+        test_started.elapsed().as_secs_f64()
+    );
+}
