@@ -8,13 +8,15 @@ use crate::cmd;
 pub const DOCKER: &[&str] = &["docker.io"];
 
 /// Everything `dev-env` needs: Docker, the static busybox of the test image, the registry and
-/// `htpasswd` for its auth file, and Python's venv for the dstack server package.
+/// `htpasswd` for its auth file, Python's venv for the dstack server package (and the zig
+/// toolchain of `dist`), and debootstrap for the older distribution the artifact is run in.
 pub const ALL: &[&str] = &[
     "docker.io",
     "busybox-static",
     "docker-registry",
     "apache2-utils",
     "python3-venv",
+    "debootstrap",
 ];
 
 /// Wait for the dpkg lock (a fresh VM may be running unattended upgrades) instead of failing.
