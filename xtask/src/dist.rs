@@ -14,6 +14,7 @@
 //! `/var/lib/dstack-shim-dev/venv-zig` (made once, under the dev-env lock). Why not a static
 //! glibc build, and the figures: `docs/OPERATIONS.md` ("Release artifacts").
 
+use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -233,6 +234,8 @@ fn lay_out(built: &Path, artifact: &Path, arch: Arch) -> Result<()> {
             .arg(built)
             .arg(partial(&debug)),
     )?;
+    // Data, not a program (objcopy keeps the input's mode).
+    fs_err::set_permissions(partial(&debug), std::fs::Permissions::from_mode(0o644))?;
     fs_err::rename(partial(&debug), &debug)?;
     // --add-gnu-debuglink takes the debug file's name (and its CRC) as found; gdb looks for it
     // beside the binary or under /usr/lib/debug.
