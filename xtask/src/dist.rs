@@ -26,7 +26,8 @@ use crate::paths::state_dir;
 
 /// cargo-zigbuild from PyPI (a wheel with the prebuilt binary).
 const ZIGBUILD_VERSION: &str = "0.24.1";
-/// zig from PyPI (`ziglang`, the toolchain in a wheel); cargo-zigbuild's newest tested line.
+/// zig from PyPI (`ziglang`, the toolchain in a wheel): the version this was tried with (zig
+/// changes its command line between minor versions; 0.16 and 0.17 were not tried).
 const ZIG_VERSION: &str = "0.15.2";
 /// The oldest glibc the artifact may need (`<triple>.2.17`: CentOS 7, manylinux2014).
 const GLIBC_FLOOR: &str = "2.17";
