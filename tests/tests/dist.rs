@@ -4,8 +4,9 @@
 //!
 //! - its ELF facts, checksum and version line, for the release the tests use and the older one
 //!   CI also builds;
-//! - it serves the API and runs a task from inside a Debian 11 root file system (glibc 2.31,
-//!   as Ubuntu 20.04), entered with `chroot`, on this machine's Docker;
+//! - it serves the API and runs a task (with a host SSH key for a user the old glibc looks up)
+//!   from inside a Debian 11 root file system (glibc 2.31, as Ubuntu 20.04), entered with
+//!   `chroot`, on this machine's Docker;
 //! - the dstack server's own instance check (PyPI `dstack[server]`) keeps the artifact built
 //!   for its release and replaces one built for an older release, and replaces the current one
 //!   when the server is a release newer.
@@ -33,7 +34,7 @@ use serde_json::{Value, json};
 use shim_e2e::harness::artifact::{self, Arch};
 use shim_e2e::harness::{
     ContainerSweeper, Request, ShimProcess, bridge_task, container_running, docker_socket,
-    free_port, run_tag, runner_dir, shim_binary, tail, wait_until, write_runner_exit,
+    free_port, run_tag, runner_dir, shim_binary, ssh_key, tail, wait_until, write_runner_exit,
 };
 use shim_e2e::{
     DSTACK_VERSION, OLD_ROOTFS_SUITE, OLDER_DSTACK_VERSION, dist_artifact, dist_dir,
@@ -143,14 +144,17 @@ fn artifacts_need_glibc_2_17_at_most_are_stripped_and_say_their_release() {
 /// Runs `program args..` inside `rootfs` with `chroot`, in a mount namespace of its own (so
 /// every mount below goes away with the process, however the test ends): a private `/tmp` with
 /// `work` bound at its own path (Docker resolves bind-mount sources on the host, so the shim's
-/// home and the runner must have the same paths inside and out), a private `/run` holding
-/// Docker's socket (`/var/run` is a link to `/run` there), `/proc` and `/dev`.
+/// home and the runner must have the same paths inside and out), `work/root-home` as root's
+/// home there (`/root`, so host SSH keys written there are the test's to read and the kept
+/// tree is not written), a private `/run` holding Docker's socket (`/var/run` is a link to
+/// `/run` there), `/proc` and `/dev`.
 fn in_rootfs(rootfs: &Path, work: &Path, program: &Path) -> Command {
     const SCRIPT: &str = r#"set -e
 root=$1; work=$2; socket=$3; shift 3
 mount -t tmpfs -o mode=1777 dstack-shim-test "$root/tmp"
 mkdir -p "$root$work"
 mount --bind "$work" "$root$work"
+mount --bind "$work/root-home" "$root/root"
 mount -t tmpfs -o mode=0755 dstack-shim-test "$root/run"
 touch "$root/run/docker.sock"
 mount --bind "$socket" "$root/run/docker.sock"
@@ -241,6 +245,8 @@ fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
     let work_path = work.path().to_owned();
     let home = work_path.join("home");
     fs_err::create_dir_all(&home).unwrap();
+    let root_home = work_path.join("root-home");
+    fs_err::create_dir_all(&root_home).unwrap();
     let _sweeper = ContainerSweeper::for_home(&home);
     let shim = work_path.join("dstack-shim");
     fs_err::copy(&artifact, &shim).unwrap();
@@ -308,8 +314,18 @@ fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
         shim.display()
     );
 
+    // A host key for root: the shim looks the user up with getpwnam_r, which the rootfs's
+    // glibc 2.31 answers through its NSS module (libnss_files, loaded at run time), and
+    // writes the key into that user's home.
     let id = "in-bullseye";
-    let config = bridge_task(id, &format!("e2e-dist-{}", run_tag()), 0);
+    let host_key = ssh_key("dist-in-bullseye");
+    let mut config = bridge_task(id, &format!("e2e-dist-{}", run_tag()), 0);
+    config["host_ssh_user"] = json!("root");
+    config["host_ssh_keys"] = json!([host_key]);
+    let key_body = host_key.split(' ').nth(1).unwrap().to_owned();
+    let authorized_keys = root_home.join(".ssh/authorized_keys");
+    let has_key =
+        || fs_err::read_to_string(&authorized_keys).is_ok_and(|keys| keys.contains(&key_body));
     let submitted = Request::post("/api/tasks")
         .json(&config)
         .send(addr)
@@ -340,6 +356,11 @@ fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
     wait_until("the runner writes its arguments", STATUS_BOUND, || {
         args_file.exists()
     });
+    assert!(
+        has_key(),
+        "root's authorized_keys in the rootfs lacks the task's host key: {}",
+        dump(&fs_err::read_to_string(&authorized_keys).unwrap_or_default())
+    );
 
     write_runner_exit(&home, &running, 0).unwrap();
     let started = Instant::now();
@@ -380,6 +401,7 @@ fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
         !runner_dir(&home, &running).exists(),
         "the task directory is removed"
     );
+    assert!(!has_key(), "the host key is released with the task");
 
     process.sigterm().unwrap();
     let status = process.wait_exit(START_BOUND).unwrap();
