@@ -160,6 +160,7 @@ _VERSION_SETTINGS = {
     "DSTACK_RUNNER_VERSION_URL": None,
     "DSTACK_SHIM_VERSION": None,
     "DSTACK_SHIM_VERSION_URL": None,
+    "DSTACK_SHIM_DOWNLOAD_URL": None,
     "DSTACK_USE_LATEST_FROM_BRANCH": False,  # would query GitHub
     "DSTACK_RUNNER_ALLOW_DOWNGRADE": False,
     "DSTACK_SHIM_ALLOW_DOWNGRADE": False,
@@ -168,15 +169,19 @@ _VERSION_SETTINGS = {
 
 @contextlib.contextmanager
 def server_settings(
-    server_version: Optional[str], allow_downgrade: bool = False
+    server_version: Optional[str],
+    allow_downgrade: bool = False,
+    shim_download_url: Optional[str] = None,
 ) -> Iterator[None]:
     """
     Simulates a server started with `DSTACK_VERSION=<server_version>` (a release build), or
     a dev build (`server_version=None`: `version.__version__ == "0.0.0"` makes
-    `settings.DSTACK_VERSION` None), with no DSTACK_{SHIM,RUNNER}_VERSION[_URL] overrides.
+    `settings.DSTACK_VERSION` None), with no DSTACK_{SHIM,RUNNER}_VERSION[_URL] overrides and
+    `DSTACK_SHIM_DOWNLOAD_URL=<shim_download_url>` when given.
     """
     values = dict(_VERSION_SETTINGS)
     values["DSTACK_VERSION"] = server_version
+    values["DSTACK_SHIM_DOWNLOAD_URL"] = shim_download_url
     values["DSTACK_RUNNER_ALLOW_DOWNGRADE"] = allow_downgrade
     values["DSTACK_SHIM_ALLOW_DOWNGRADE"] = allow_downgrade
     saved = {}
@@ -418,6 +423,20 @@ def explain(info: dict[str, Any], server_version: Optional[str]) -> None:
         )
 
 
+@dataclass
+class Expectation:
+    """
+    What the release server's instance check should decide: `keep` (no install, no restart),
+    `install-shim` (one `POST /api/components/install` of dstack-shim from `url`, no restart:
+    the server restarts the shim at a later check, once the new binary is installed), or
+    `restart` (no install, one graceful `POST /api/shutdown`: the binary on disk is not the
+    running one). A dev server always runs the `keep` scenario.
+    """
+
+    kind: str = "keep"
+    url: Optional[str] = None
+
+
 def run_decision(
     addr: ShimAddress,
     server_version: Optional[str],
@@ -425,12 +444,17 @@ def run_decision(
     info: dict[str, Any],
     verbose: bool,
     allow_downgrade: bool,
+    expect: Expectation = Expectation(),
+    shim_download_url: Optional[str] = None,
 ) -> None:
     label = f"release server {server_version}" if server_version else "dev server (no version)"
     if allow_downgrade:
         label += ", DSTACK_*_ALLOW_DOWNGRADE set"
+    if shim_download_url:
+        label += f", DSTACK_SHIM_DOWNLOAD_URL={shim_download_url}"
+    label += f", expecting: {expect.kind}" + (f" from {expect.url}" if expect.url else "")
     print(f"\n== (ii) instance check component decision: {label}")
-    with server_settings(server_version, allow_downgrade):
+    with server_settings(server_version, allow_downgrade, shim_download_url):
         from dstack._internal.core.backends.base.compute import (
             get_dstack_runner_version,
             get_dstack_shim_version,
@@ -456,7 +480,7 @@ def run_decision(
             "_maybe_install_components() ran without an exception",
             f"{error.__class__.__name__}: {error}" if error else "",
         )
-        _assert_no_component_decision(report, recorded, "_maybe_install_components()")
+        _assert_decision(report, recorded, "_maybe_install_components()", expect)
 
         # 2. The whole per-instance check as the server runs it, minus the SSH tunnel.
         with (
@@ -485,7 +509,7 @@ def run_decision(
             "_check_instance_inner(): no 'error installing components' warning",
             "; ".join(warnings),
         )
-        _assert_no_component_decision(report, recorded, "_check_instance_inner()")
+        _assert_decision(report, recorded, "_check_instance_inner()", expect)
 
 
 def _print_logs(lines: list[str], verbose: bool) -> None:
@@ -496,12 +520,22 @@ def _print_logs(lines: list[str], verbose: bool) -> None:
             print(f"    server log {line}")
 
 
-def _assert_no_component_decision(report: Report, recorded: list[Recorded], where: str) -> None:
+def _assert_decision(
+    report: Report, recorded: list[Recorded], where: str, expect: Expectation
+) -> None:
     shutdowns = [r for r in recorded if r.kind == "shutdown"]
     for component in ("dstack-shim", "dstack-runner"):
         installs = [
             r for r in recorded if r.kind == "install" and (r.body or {}).get("name") == component
         ]
+        if component == "dstack-shim" and expect.kind == "install-shim":
+            urls = [(r.body or {}).get("url") for r in installs]
+            report.check(
+                urls == [expect.url],
+                f"{where}: one POST /api/components/install of {component} from {expect.url}",
+                "server requested " + ("; ".join(str(r) for r in installs) or "nothing"),
+            )
+            continue
         report.check(
             not installs,
             f"{where}: no POST /api/components/install of {component}",
@@ -517,11 +551,18 @@ def _assert_no_component_decision(report: Report, recorded: list[Recorded], wher
         f"{where}: no other POST /api/components/install",
         "server requested " + "; ".join(str(r) for r in others),
     )
-    report.check(
-        not shutdowns,
-        f"{where}: no POST /api/shutdown (restart)",
-        "server requested " + "; ".join(str(r) for r in shutdowns),
-    )
+    if expect.kind == "restart":
+        report.check(
+            [r.body for r in shutdowns] == [{"force": False}],
+            f"{where}: one graceful POST /api/shutdown (restart)",
+            "server requested " + ("; ".join(str(r) for r in shutdowns) or "nothing"),
+        )
+    else:
+        report.check(
+            not shutdowns,
+            f"{where}: no POST /api/shutdown (restart)",
+            "server requested " + "; ".join(str(r) for r in shutdowns),
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -632,6 +673,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="also simulate DSTACK_SHIM_ALLOW_DOWNGRADE/DSTACK_RUNNER_ALLOW_DOWNGRADE "
         "(informational: reported, not counted as failures)",
     )
+    parser.add_argument(
+        "--shim-download-url",
+        help="the server's DSTACK_SHIM_DOWNLOAD_URL template ({version}, {arch}) in the release "
+        "server scenario",
+    )
+    parser.add_argument(
+        "--expect",
+        choices=["keep", "install-shim", "restart"],
+        default="keep",
+        help="what the release server scenario must decide (default keep: no install, no "
+        "restart; install-shim needs --expect-url and --no-dev)",
+    )
+    parser.add_argument(
+        "--expect-url", help="with --expect install-shim: the URL the server must install from"
+    )
     parser.add_argument("--host-info", type=Path, help="also check this host_info.json")
     parser.add_argument(
         "--print-shim-env",
@@ -647,6 +703,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         packaging.version.Version(args.server_version)
     except packaging.version.InvalidVersion:
         parser.error(f"--server-version {args.server_version!r} is not a PyPA version")
+
+    if args.expect != "keep" and not args.no_dev:
+        parser.error(f"--expect {args.expect} is about the release server: add --no-dev")
+    if (args.expect == "install-shim") != (args.expect_url is not None):
+        parser.error("--expect-url goes with --expect install-shim, and only with it")
+    expect = Expectation(kind=args.expect, url=args.expect_url)
 
     if args.print_shim_env:
         print_shim_env(args.server_version)
@@ -667,7 +729,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not args.no_dev:
             scenarios.append(None)
         for version in scenarios:
-            run_decision(addr, version, report, info, args.verbose, allow_downgrade=False)
+            run_decision(
+                addr,
+                version,
+                report,
+                info,
+                args.verbose,
+                allow_downgrade=False,
+                expect=expect if version is not None else Expectation(),
+                shim_download_url=args.shim_download_url if version is not None else None,
+            )
         if args.allow_downgrade:
             info_report = Report()
             for version in scenarios:
@@ -689,11 +760,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"  - {f}")
         print(f"{report.passes} passed, {len(report.failures)} failed")
         return 1
+    decision = {
+        "keep": "requests no install and no restart",
+        "install-shim": f"requests the install of dstack-shim from {args.expect_url} only",
+        "restart": "requests a restart of the shim and no install",
+    }[args.expect]
     print(
         f"OK: the dstack {dstack.version.__version__} server negotiates the newest shim API and, "
         f"as release {args.server_version}"
         + ("" if args.no_dev else " and as a dev build")
-        + ", requests no install and no restart"
+        + f", {decision}"
     )
     print(f"{report.passes} passed, 0 failed")
     return 0

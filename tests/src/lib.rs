@@ -14,6 +14,7 @@
 //! | large image (one layer >= [`LARGE_LAYER_BYTES`]) | `<registry>/`[`REGISTRY_LARGE_REPO`]`:`[`REGISTRY_TAG`] | — |
 //! | stub runner script | [`RUNNER_PATH_IN_REPO`] | [`ENV_RUNNER`] |
 //! | release artifacts (`cargo xtask dist`) | `<repo>/target/dist` | [`ENV_DIST_DIR`] |
+//! | Debian 11 root file system (`debootstrap`) | [`OLD_ROOTFS`] | [`ENV_OLD_ROOTFS`] |
 //!
 //! The registry images are *not* kept in the local Docker daemon after `dev-env` pushed them, so
 //! a pull of the large image really downloads it. `dev-env` pushes with a throwaway Docker
@@ -142,6 +143,21 @@ pub const ENV_DIST_DIR: &str = "SHIM_TEST_DIST_DIR";
 /// An older dstack release than [`DSTACK_VERSION`] that CI also builds an artifact for (the
 /// server replaces it; an upgrade goes from it to the current one).
 pub const OLDER_DSTACK_VERSION: &str = "0.22.4";
+
+/// Environment variable naming the root file system of an older distribution the release
+/// artifact must run in ([`OLD_ROOTFS`] by default).
+pub const ENV_OLD_ROOTFS: &str = "SHIM_TEST_OLD_ROOTFS";
+/// The Debian suite of [`OLD_ROOTFS`]: bullseye (Debian 11, glibc 2.31, as Ubuntu 20.04), the
+/// oldest suite the Debian mirror still serves (buster moved to the archive).
+pub const OLD_ROOTFS_SUITE: &str = "bullseye";
+/// The older distribution's root file system `cargo xtask dev-env` makes (`debootstrap
+/// --variant=minbase`, once, a few minutes).
+pub const OLD_ROOTFS: &str = "/var/lib/dstack-shim-dev/rootfs-bullseye";
+
+/// The older distribution's root file system ([`ENV_OLD_ROOTFS`] or [`OLD_ROOTFS`]).
+pub fn old_rootfs() -> PathBuf {
+    PathBuf::from(env_or(ENV_OLD_ROOTFS, OLD_ROOTFS))
+}
 
 /// The release artifacts' directory ([`ENV_DIST_DIR`] or `<repo>/target/dist`).
 pub fn dist_dir() -> PathBuf {

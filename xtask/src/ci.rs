@@ -11,8 +11,8 @@ use crate::cmd;
 use crate::devenv::{self, Timings};
 use shim_e2e::harness::cargo;
 
-/// Runs dev-env (unless `skip_dev_env`), fmt, clippy, cargo-deny, nextest, doctests, a quick
-/// bench and rustdoc.
+/// Runs dev-env (unless `skip_dev_env`), fmt, clippy, cargo-deny, the release artifacts
+/// (`dist`), nextest, doctests, a quick bench and rustdoc.
 pub fn ci(skip_dev_env: bool) -> Result<()> {
     let root = shim_e2e::repo_root();
     let mut timings = Timings::default();
@@ -69,6 +69,17 @@ pub fn ci(skip_dev_env: bool) -> Result<()> {
     // a reused machine from piling them up).
     let result = timings.time("stale test containers", remove_stale_test_containers);
     note("stale test containers", result);
+
+    // The release artifacts (`target/dist/<release>/`) the tests check and run: the release
+    // the tests use and the older one the server-driven tests replace and upgrade from. The
+    // second build recompiles only the binary crate (its build script reads the release).
+    for release in [shim_e2e::DSTACK_VERSION, shim_e2e::OLDER_DSTACK_VERSION] {
+        let name = format!("dist {release}");
+        let result = timings.time(&name, || {
+            crate::dist::dist(&crate::dist::Options::for_release(release))
+        });
+        note(&name, result);
+    }
 
     let result = timings.time("tests", || {
         cmd::run(

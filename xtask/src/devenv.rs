@@ -122,6 +122,7 @@ pub fn dev_env_timed(timings: &mut Timings) -> Result<()> {
     timings.time("registry small image", || push_small(rebuilt))?;
     timings.time("registry large image", push_large)?;
     timings.time("dstack server venv", ensure_dstack_venv)?;
+    timings.time("old distribution rootfs", crate::rootfs::ensure)?;
     println!(
         "\ndev-env ready: image {IMAGE}, registry {REGISTRY} ({} / {}), images {} and {}",
         shim_e2e::REGISTRY_USER,
@@ -291,6 +292,14 @@ pub fn check() -> Result<()> {
             );
         }
     }
+    line(
+        crate::rootfs::ready(),
+        format!(
+            "Debian {} root file system at {}",
+            shim_e2e::OLD_ROOTFS_SUITE,
+            shim_e2e::old_rootfs().display()
+        ),
+    );
     if missing.is_empty() {
         println!("dev-env: ready");
         Ok(())

@@ -3,12 +3,14 @@
 //! - `dev-env [--check]`: make this machine ready for the tests (Debian 12, as root): install
 //!   Docker and the fixture tools, start `dockerd` if needed, build the local test image, run
 //!   the local registry and push the registry images. Idempotent; `--check` only reports.
-//! - `ci`: `dev-env`, then fmt, clippy, cargo-deny, all tests, `bench --quick`, docs; a timing
-//!   summary at the end.
+//! - `ci`: `dev-env`, then fmt, clippy, cargo-deny, the release artifacts (`dist` for two
+//!   releases), all tests, `bench --quick`, docs; a timing summary at the end.
 //! - `run [ARGS..]`: start Docker if needed and run the shim against it, with its home under
 //!   `target/shim-home`; `ARGS` are passed to `dstack-shim`.
 //! - `demo [--large]`: one task's life on the real shim and Docker (pull with credentials, GPUs,
 //!   ports, runner exit, remove, shutdown), narrated.
+//! - `dist [--upstream-version V] [--arch amd64|arm64|all] [--out DIR]`: the release
+//!   artifact (stripped, glibc 2.17, debug file, checksum) under `target/dist/<V>/`.
 //! - `bench [--quick] [--no-docker] [FIGURE..]`: the shim side by side with raw Docker, a
 //!   table and `target/bench.json` (see `docs/BENCHMARKS.md`).
 //!
@@ -25,12 +27,14 @@ mod ci;
 mod cmd;
 mod demo;
 mod devenv;
+mod dist;
 mod docker;
 mod image;
 mod packages;
 mod paths;
 mod proc;
 mod registry;
+mod rootfs;
 mod run;
 
 use std::process::ExitCode;
@@ -43,14 +47,18 @@ usage: cargo xtask <command>
 commands:
   dev-env [--check]   install and start Docker, build the test image, run the test registry
                       (idempotent); --check only reports what is missing
-  ci [--skip-dev-env] dev-env, fmt, clippy, cargo-deny, tests (nextest), bench --quick, docs;
-                      timing summary
+  ci [--skip-dev-env] dev-env, fmt, clippy, cargo-deny, dist (two releases), tests (nextest),
+                      bench --quick, docs; timing summary
   run [ARGS..]        start Docker if needed, then run dstack-shim with
                       --shim-home <repo>/target/shim-home and ARGS
   demo [--large]      start dstack-shim on a temp home with the stub runner and 2 fake GPUs,
                       run one task (registry pull with credentials, bridge ports, 1 GPU)
                       to done_by_runner, remove it, shut down; prints every step;
                       --large pulls the 220 MiB registry image (pull progress moves)
+  dist [--upstream-version V] [--arch amd64|arm64|all] [--out DIR]
+                      the release artifact for dstack release V (default: the one the tests
+                      use): stripped, needs glibc <= 2.17, debug info beside it, .sha256;
+                      in DIR/V/dstack-shim-linux-<arch> (default DIR: target/dist)
   bench [--quick] [--no-docker] [FIGURE..]
                       the release shim side by side with raw Docker in one run, plus store
                       writes and the engine on the fake runtime: a table and
@@ -93,6 +101,7 @@ fn dispatch(args: &[String]) -> Result<()> {
             let large = !flags(rest, &["--large"])?.is_empty();
             demo::demo(large)
         }
+        "dist" => dist::dist(&dist::Options::parse(rest)?),
         "bench" => bench::bench(&bench::Options::parse(rest)?),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");

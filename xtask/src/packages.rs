@@ -8,10 +8,11 @@ use crate::cmd;
 pub const DOCKER: &[&str] = &["docker.io"];
 
 /// Everything `dev-env` needs: Docker, the static busybox of the test image, the registry and
-/// `htpasswd` for its auth file, Python's venv for the dstack server package, and what the
-/// fleet test's host needs for the server's SSH provisioning: sshd (`openssh-server`; the test
-/// starts its own on a loopback port, the package's service is not started here), `sudo` and
-/// `curl` (the provisioning runs `sudo curl ...`).
+/// `htpasswd` for its auth file, Python's venv for the dstack server package (and the zig
+/// toolchain of `dist`), debootstrap for the older distribution the artifact is run in, and
+/// what the fleet test's host needs for the server's SSH provisioning: sshd
+/// (`openssh-server`; the test starts its own on a loopback port, the package's service is not
+/// started here), `sudo` and `curl` (the provisioning runs `sudo curl ...`).
 pub const ALL: &[&str] = &[
     "docker.io",
     "busybox-static",
@@ -21,6 +22,7 @@ pub const ALL: &[&str] = &[
     "openssh-server",
     "sudo",
     "curl",
+    "debootstrap",
 ];
 
 /// Wait for the dpkg lock (a fresh VM may be running unattended upgrades) instead of failing.

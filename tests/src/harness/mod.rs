@@ -8,6 +8,8 @@
 //!   [`free_port`], [`open_log`], and [`ShimProcess`], a guard that starts the binary on a
 //!   home and port, waits until it listens or answers, sends SIGTERM or SIGKILL, reads its RSS
 //!   and kills it when dropped;
+//! - [`artifact`]: the release artifact `cargo xtask dist` lays out and the checks CI makes
+//!   of it (glibc symbol versions, stripped, checksum, version line);
 //! - [`docker`](mod@docker): the `docker` CLI, the owner identity of a home, and [`ContainerSweeper`],
 //!   which force-removes a home's (or a label's) containers however a run ends;
 //! - [`layout`]: where a task's files are on the host ([`runner_dir`], [`task_dir`]), and
@@ -29,6 +31,7 @@
 //! helpers made only for tests ([`TestShim`], [`HostUser`], [`wait_for`], [`docker_ok`], the
 //! checks of a [`Response`]) panic instead, failing the test with what was wrong.
 
+pub mod artifact;
 pub mod docker;
 pub mod http;
 pub mod layout;

@@ -1,0 +1,558 @@
+//! The release artifact (SPEC §9, issue 21), as `cargo xtask dist` lays it out under
+//! [`shim_e2e::dist_dir`] and as the dstack server installs it: one stripped file per
+//! architecture that needs glibc 2.17 at most, with its checksum and debug file beside it.
+//!
+//! - its ELF facts, checksum and version line, for the release the tests use and the older one
+//!   CI also builds;
+//! - it serves the API and runs a task (with a host SSH key for a user the old glibc looks up)
+//!   from inside a Debian 11 root file system (glibc 2.31, as Ubuntu 20.04), entered with
+//!   `chroot`, on this machine's Docker;
+//! - the dstack server's own instance check (PyPI `dstack[server]`) keeps the artifact built
+//!   for its release and replaces one built for an older release, and replaces the current one
+//!   when the server is a release newer.
+//!
+//! The artifacts are built by `cargo xtask ci` before its test step (`cargo xtask dist` and
+//! `cargo xtask dist --upstream-version 0.22.4`); a test whose artifact is missing fails and
+//! says which command makes it. Like the dev-env fixtures, they are expected when
+//! `SHIM_TEST_DOCKER=1` (CI), so the tests run under that gate.
+//!
+//! Run: `cargo xtask dist && cargo xtask dist --upstream-version 0.22.4 &&
+//! SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1 cargo nextest run -p shim-e2e --test dist`.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::print_stderr,
+    reason = "test code: a failed unwrap is a failed test; logs go to stderr"
+)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use shim_e2e::harness::artifact::{self, Arch};
+use shim_e2e::harness::{
+    ContainerSweeper, Request, ShimProcess, bridge_task, container_running, docker_socket,
+    free_port, run_tag, runner_dir, shim_binary, ssh_key, tail, wait_until, write_runner_exit,
+};
+use shim_e2e::{
+    DSTACK_VERSION, OLD_ROOTFS_SUITE, OLDER_DSTACK_VERSION, dist_artifact, dist_dir,
+    docker_tests_enabled, dstack_python, old_rootfs, repo_root, root_tests_enabled, runner_path,
+};
+
+/// Bounds of the waits (never timed assertions: generous, only there so a hang fails).
+const START_BOUND: Duration = Duration::from_secs(60);
+const STATUS_BOUND: Duration = Duration::from_secs(90);
+/// The glibc the artifact may need at most (SPEC §9).
+const GLIBC_FLOOR: &str = "2.17";
+
+/// The artifact of `release` for this machine, which must exist.
+fn artifact_for(release: &str) -> PathBuf {
+    let path = dist_artifact(release);
+    assert!(
+        path.is_file(),
+        "{} is missing: run `cargo xtask dist --upstream-version {release}` (or set {})",
+        path.display(),
+        shim_e2e::ENV_DIST_DIR
+    );
+    path
+}
+
+/// The checks CI makes of one artifact; `run` also runs its `--version` (this architecture).
+fn check_artifact(path: &Path, release: &str, run: bool) {
+    let shown = path.display();
+    let highest = artifact::highest_glibc(path).unwrap();
+    eprintln!(
+        "{shown}: highest GLIBC_ version needed: {}",
+        highest.as_deref().unwrap_or("none")
+    );
+    if let Some(highest) = &highest {
+        assert!(
+            artifact::compare_versions(highest, GLIBC_FLOOR).is_le(),
+            "{shown} needs GLIBC_{highest}, above {GLIBC_FLOOR}"
+        );
+    }
+    let unstripped = artifact::unstripped_sections(path).unwrap();
+    assert!(
+        unstripped.is_empty(),
+        "{shown} is not stripped: {unstripped:?}"
+    );
+
+    // The checksum file, as the file module checks it and as an operator does.
+    artifact::verify_sha256(path).unwrap();
+    let dir = path.parent().unwrap();
+    let sha = artifact::sha256_file(path);
+    let checked = Command::new("sha256sum")
+        .arg("--check")
+        .arg(sha.file_name().unwrap())
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(checked.status.success(), "sha256sum --check: {checked:?}");
+
+    // The debug info is beside it, and the binary names it.
+    let debug = artifact::debug_file(path);
+    assert_eq!(
+        artifact::debuglink(path).unwrap().as_deref(),
+        debug.file_name().and_then(|n| n.to_str()),
+        "{shown}: .gnu_debuglink"
+    );
+    let debug_sections = artifact::sections(&debug).unwrap();
+    assert!(
+        debug_sections.iter().any(|s| s == ".debug_line"),
+        "{}: {debug_sections:?}",
+        debug.display()
+    );
+
+    if run {
+        let out = Command::new(path).arg("--version").output().unwrap();
+        assert!(out.status.success(), "{shown} --version: {out:?}");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim_end(),
+            artifact::version_line(release),
+            "{shown} --version"
+        );
+    }
+}
+
+/// Issue 21 (Prove): each artifact CI builds needs GLIBC_2.17 at most, is stripped, matches
+/// its checksum (also by `sha256sum --check`), names its debug file, and prints the version
+/// string of the release it was built for. An artifact of the other architecture, if one was
+/// built, gets the same checks except running it.
+#[test]
+fn artifacts_need_glibc_2_17_at_most_are_stripped_and_say_their_release() {
+    if !docker_tests_enabled("artifacts_need_glibc_2_17_at_most_are_stripped_and_say_their_release")
+    {
+        return;
+    }
+    for release in [DSTACK_VERSION, OLDER_DSTACK_VERSION] {
+        check_artifact(&artifact_for(release), release, true);
+    }
+    for arch in [Arch::Amd64, Arch::Arm64] {
+        let path = artifact::artifact_path(&dist_dir(), DSTACK_VERSION, arch);
+        if arch != Arch::host() && path.is_file() {
+            check_artifact(&path, DSTACK_VERSION, false);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// An older distribution
+// ---------------------------------------------------------------------------------------------
+
+/// Runs `program args..` inside `rootfs` with `chroot`, in a mount namespace of its own (so
+/// every mount below goes away with the process, however the test ends): a private `/tmp` with
+/// `work` bound at its own path (Docker resolves bind-mount sources on the host, so the shim's
+/// home and the runner must have the same paths inside and out), `work/root-home` as root's
+/// home there (`/root`, so host SSH keys written there are the test's to read and the kept
+/// tree is not written), a private `/run` holding Docker's socket (`/var/run` is a link to
+/// `/run` there), `/proc` and `/dev`.
+fn in_rootfs(rootfs: &Path, work: &Path, program: &Path) -> Command {
+    const SCRIPT: &str = r#"set -e
+root=$1; work=$2; socket=$3; shift 3
+mount -t tmpfs -o mode=1777 dstack-shim-test "$root/tmp"
+mkdir -p "$root$work"
+mount --bind "$work" "$root$work"
+mount --bind "$work/root-home" "$root/root"
+mount -t tmpfs -o mode=0755 dstack-shim-test "$root/run"
+touch "$root/run/docker.sock"
+mount --bind "$socket" "$root/run/docker.sock"
+mount -t proc proc "$root/proc"
+mount --rbind /dev "$root/dev"
+exec chroot "$root" "$@"
+"#;
+    let mut command = Command::new("unshare");
+    command
+        .args([
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            SCRIPT,
+            "sh",
+        ])
+        .arg(rootfs)
+        .arg(work)
+        .arg(docker_socket())
+        .arg(program)
+        .env_remove("DOCKER_HOST")
+        .env_remove("RUST_LOG")
+        .env("NO_COLOR", "1");
+    command
+}
+
+/// The glibc release of `rootfs`, from `ldd --version` run there (`ldd (Debian GLIBC
+/// 2.31-13+deb11u11) 2.31`).
+fn rootfs_glibc(rootfs: &Path) -> String {
+    let out = Command::new("chroot")
+        .arg(rootfs)
+        .args(["ldd", "--version"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "ldd --version in the rootfs: {out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let first = stdout.lines().next().unwrap_or_default();
+    first
+        .split_whitespace()
+        .last()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Issue 21 (Prove): the artifact serves the API and runs a task on this machine's Docker from
+/// inside a Debian 11 root file system (`debootstrap --variant=minbase bullseye`, made by
+/// `cargo xtask dev-env`), whose glibc 2.31 is the one of Ubuntu 20.04 and older than the 2.34
+/// an ordinary build on this machine needs: that build does not even start there (checked
+/// first, so the test shows that the root file system makes a difference).
+#[test]
+fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
+    if !docker_tests_enabled("the_artifact_serves_and_runs_a_task_inside_a_debian_11_root")
+        || !root_tests_enabled("the_artifact_serves_and_runs_a_task_inside_a_debian_11_root")
+    {
+        return;
+    }
+    let artifact = artifact_for(DSTACK_VERSION);
+    let rootfs = old_rootfs();
+    assert!(
+        rootfs.join("bin/sh").exists(),
+        "{} is not a root file system: run `cargo xtask dev-env` (it makes the Debian \
+         {OLD_ROOTFS_SUITE} one) or set {}",
+        rootfs.display(),
+        shim_e2e::ENV_OLD_ROOTFS
+    );
+    let glibc = rootfs_glibc(&rootfs);
+    eprintln!("glibc in {}: {glibc}", rootfs.display());
+    assert!(
+        artifact::compare_versions(&glibc, "2.34").is_lt(),
+        "the rootfs has glibc {glibc}: it proves nothing about older hosts"
+    );
+
+    // Under /tmp (the namespace's private /tmp holds its mount point).
+    let work = tempfile::Builder::new()
+        .prefix("shim-e2e-dist-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let work_path = work.path().to_owned();
+    let home = work_path.join("home");
+    fs_err::create_dir_all(&home).unwrap();
+    let root_home = work_path.join("root-home");
+    fs_err::create_dir_all(&root_home).unwrap();
+    let _sweeper = ContainerSweeper::for_home(&home);
+    let shim = work_path.join("dstack-shim");
+    fs_err::copy(&artifact, &shim).unwrap();
+    let runner = work_path.join("dstack-runner");
+    fs_err::copy(runner_path(), &runner).unwrap();
+
+    // The ordinary build of this machine does not start there.
+    let host_build = work_path.join("dstack-shim-host-build");
+    fs_err::copy(shim_binary(), &host_build).unwrap();
+    let mut version = in_rootfs(&rootfs, &work_path, &host_build);
+    let out = version.arg("--version").output().unwrap();
+    assert!(
+        !out.status.success() && text(&out).contains("GLIBC_2.3"),
+        "the host build should need a newer glibc than the rootfs has: {}",
+        text(&out)
+    );
+    fs_err::remove_file(&host_build).unwrap();
+
+    // The artifact prints its version there.
+    let out = in_rootfs(&rootfs, &work_path, &shim)
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim_end(),
+        artifact::version_line(DSTACK_VERSION)
+    );
+
+    // It serves the API there and runs a task on the host's Docker.
+    let port = free_port().unwrap();
+    let log = work_path.join("shim.log");
+    let mut command = in_rootfs(&rootfs, &work_path, &shim);
+    command
+        .arg("--shim-home")
+        .arg(&home)
+        .args(["--shim-http-port", &port.to_string()])
+        .arg("--runner-binary-path")
+        .arg(&runner)
+        .arg("--volumes-root")
+        .arg(work_path.join("volumes"))
+        .args(["--shim-log-level", "5"]);
+    let mut process = ShimProcess::from_command(command, port, &log).unwrap();
+    let dump = |what: &str| format!("{what}\n{}", tail(&log, 80));
+    process
+        .wait_answering(START_BOUND, Duration::from_millis(20))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let addr = process.addr();
+    let get = |path: &str| Request::get(path).send(addr).unwrap().ok();
+    let version = artifact::version_line(DSTACK_VERSION);
+    let version = version.rsplit(' ').next().unwrap();
+    assert_eq!(get("/api/healthcheck")["version"], version);
+    let components = get("/api/components");
+    let shim_component = components["components"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "dstack-shim")
+        .cloned()
+        .unwrap_or(Value::Null);
+    assert_eq!(
+        shim_component,
+        json!({"name": "dstack-shim", "version": version, "status": "installed"}),
+        "read from `{} --version` inside the rootfs: {components}",
+        shim.display()
+    );
+
+    // A host key for root: the shim looks the user up with getpwnam_r, which the rootfs's
+    // glibc 2.31 answers through its NSS module (libnss_files, loaded at run time), and
+    // writes the key into that user's home.
+    let id = "in-bullseye";
+    let host_key = ssh_key("dist-in-bullseye");
+    let mut config = bridge_task(id, &format!("e2e-dist-{}", run_tag()), 0);
+    config["host_ssh_user"] = json!("root");
+    config["host_ssh_keys"] = json!([host_key]);
+    let key_body = host_key.split(' ').nth(1).unwrap().to_owned();
+    let authorized_keys = root_home.join(".ssh/authorized_keys");
+    let has_key =
+        || fs_err::read_to_string(&authorized_keys).is_ok_and(|keys| keys.contains(&key_body));
+    let submitted = Request::post("/api/tasks")
+        .json(&config)
+        .send(addr)
+        .unwrap();
+    assert_eq!(submitted.status, 200, "{}", dump(&format!("{submitted:?}")));
+    let started = Instant::now();
+    let running = loop {
+        let info = get(&format!("/api/tasks/{id}"));
+        if info["status"] == "running" {
+            break info;
+        }
+        assert!(
+            info["status"] != "terminated",
+            "{}",
+            dump(&info.to_string())
+        );
+        assert!(
+            started.elapsed() < STATUS_BOUND,
+            "{}",
+            dump(&info.to_string())
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let cid = running["container_id"].as_str().unwrap().to_owned();
+    assert_eq!(container_running(None, &cid), Some(true), "{running}");
+    // The runner's directory the container sees is the home's, on the host.
+    let args_file = runner_dir(&home, &running).join("stub-runner.args");
+    wait_until("the runner writes its arguments", STATUS_BOUND, || {
+        args_file.exists()
+    });
+    assert!(
+        has_key(),
+        "root's authorized_keys in the rootfs lacks the task's host key: {}",
+        dump(&fs_err::read_to_string(&authorized_keys).unwrap_or_default())
+    );
+
+    write_runner_exit(&home, &running, 0).unwrap();
+    let started = Instant::now();
+    let done = loop {
+        let info = get(&format!("/api/tasks/{id}"));
+        if info["status"] == "terminated" {
+            break info;
+        }
+        assert!(
+            started.elapsed() < STATUS_BOUND,
+            "{}",
+            dump(&info.to_string())
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(done["termination_reason"], "done_by_runner", "{done}");
+    let started = Instant::now();
+    loop {
+        let removed = Request::post(&format!("/api/tasks/{id}/remove"))
+            .send(addr)
+            .unwrap();
+        if removed.status == 200 {
+            break;
+        }
+        assert!(
+            started.elapsed() < STATUS_BOUND,
+            "{}",
+            dump(&format!("{removed:?}"))
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        container_running(None, &cid),
+        None,
+        "the container is removed"
+    );
+    assert!(
+        !runner_dir(&home, &running).exists(),
+        "the task directory is removed"
+    );
+    assert!(!has_key(), "the host key is released with the task");
+
+    process.sigterm().unwrap();
+    let status = process.wait_exit(START_BOUND).unwrap();
+    assert!(status.success(), "{}", dump(&format!("{status:?}")));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The dstack server's instance check
+// ---------------------------------------------------------------------------------------------
+
+/// The server's `DSTACK_SHIM_DOWNLOAD_URL` in these runs (nothing is fetched: the check
+/// records install requests instead of sending them).
+const DOWNLOAD_TEMPLATE: &str = "http://127.0.0.1:9/dstack-shim/{version}/dstack-shim-linux-{arch}";
+
+/// What [`DOWNLOAD_TEMPLATE`] makes for `release`. The check's instance has no provisioning
+/// data, so the server's `normalize_arch(None)` picks `amd64` whatever this machine is.
+fn download_url(release: &str) -> String {
+    DOWNLOAD_TEMPLATE
+        .replace("{version}", release)
+        .replace("{arch}", "amd64")
+}
+
+/// The release after `release` (`0.22.5` -> `0.22.6`).
+fn next_release(release: &str) -> String {
+    let (head, patch) = release.rsplit_once('.').unwrap();
+    format!("{head}.{}", patch.parse::<u32>().unwrap() + 1)
+}
+
+/// Starts `binary` as the shim, its components list reporting `installed` as the dstack-shim
+/// binary on disk; the stub runner reports `runner_version`.
+fn start_shim(binary: &Path, installed: &Path, runner_version: &str, root: &Path) -> ShimProcess {
+    let home = root.join(format!("home-{}", free_port().unwrap()));
+    let port = free_port().unwrap();
+    let args: Vec<std::ffi::OsString> = vec![
+        "--runner-binary-path".into(),
+        runner_path().into(),
+        "--shim-binary-path".into(),
+        installed.into(),
+        "--volumes-root".into(),
+        root.join("volumes").into(),
+    ];
+    let env = [("STUB_RUNNER_VERSION", std::ffi::OsStr::new(runner_version))];
+    let log = home.with_extension("log");
+    let mut process = ShimProcess::spawn_with_env(binary, &home, port, &args, &env, &log).unwrap();
+    process
+        .wait_answering(START_BOUND, Duration::from_millis(20))
+        .unwrap_or_else(|e| panic!("{e}"));
+    process
+}
+
+/// Runs `tests/dstack-server/check_shim.py` against `shim` as a release server at
+/// `server_version` (the `DOWNLOAD_TEMPLATE` set), with `expect` (its `--expect` and
+/// `--expect-url` arguments), and fails the test unless every check passes.
+fn server_check(shim: &ShimProcess, server_version: &str, expect: &[&str]) {
+    let mut command = Command::new(dstack_python());
+    command
+        .arg(repo_root().join("tests/dstack-server/check_shim.py"))
+        .arg(format!("http://{}", shim.addr()))
+        .args(["--server-version", server_version])
+        .args(["--shim-download-url", DOWNLOAD_TEMPLATE])
+        .args(expect);
+    if expect.first() != Some(&"--expect") || expect.get(1) != Some(&"keep") {
+        command.arg("--no-dev");
+    }
+    let out = command.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("check_shim.py --server-version {server_version} {expect:?}:\n{stdout}");
+    assert!(
+        out.status.success(),
+        "the dstack server {server_version} does not decide {expect:?} ({}):\n{stdout}\n{}\n\
+         shim log:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr),
+        tail(shim.log(), 40)
+    );
+    let last = stdout.lines().last().unwrap_or_default();
+    assert!(last.ends_with(" passed, 0 failed"), "{last}");
+}
+
+/// Issue 21 (Prove), SPEC §3 (the version paragraph): the dstack server's own instance check
+/// (`_maybe_install_components` and `_check_instance_inner`, PyPI `dstack[server]`), run as
+/// two different releases:
+///
+/// - the artifact built for the server's release: kept (no install, no restart), also by a
+///   dev server;
+/// - the same artifact, server one release newer: the server installs its own shim from its
+///   `DSTACK_SHIM_DOWNLOAD_URL` for its release (what happens to a host when the server is
+///   upgraded first);
+/// - the artifact built for the older release: replaced by the server's release, from the URL
+///   the template makes for it;
+/// - the older artifact running while the current one is the binary on disk (as right after
+///   that install): restarted, gracefully, and nothing installed.
+///
+/// The stub runner reports the newest of these releases, so no runner install is asked for
+/// and every request the check records is about the shim.
+///
+/// upstream: src/dstack/_internal/server/background/pipeline_tasks/instances/check.py
+/// (`_maybe_install_components`, `_maybe_install_shim`, `_should_install_component`),
+/// src/dstack/_internal/core/backends/base/compute.py (`get_dstack_shim_download_url`).
+#[test]
+fn the_dstack_server_keeps_the_artifact_of_its_release_and_replaces_older_ones() {
+    if !docker_tests_enabled(
+        "the_dstack_server_keeps_the_artifact_of_its_release_and_replaces_older_ones",
+    ) {
+        return;
+    }
+    let python = dstack_python();
+    assert!(
+        python.exists(),
+        "{} is missing: run `cargo xtask dev-env` or set {}",
+        python.display(),
+        shim_e2e::ENV_DSTACK_PYTHON
+    );
+    let current = artifact_for(DSTACK_VERSION);
+    let older = artifact_for(OLDER_DSTACK_VERSION);
+    let newer = next_release(DSTACK_VERSION);
+    let root = tempfile::Builder::new()
+        .prefix("shim-e2e-dist-server-")
+        .tempdir()
+        .unwrap();
+
+    let shim = start_shim(&current, &current, &newer, root.path());
+    server_check(&shim, DSTACK_VERSION, &["--expect", "keep"]);
+    let url = download_url(&newer);
+    server_check(
+        &shim,
+        &newer,
+        &["--expect", "install-shim", "--expect-url", &url],
+    );
+    drop(shim);
+
+    let shim = start_shim(&older, &older, &newer, root.path());
+    let url = download_url(DSTACK_VERSION);
+    server_check(
+        &shim,
+        DSTACK_VERSION,
+        &["--expect", "install-shim", "--expect-url", &url],
+    );
+    drop(shim);
+
+    let shim = start_shim(&older, &current, &newer, root.path());
+    server_check(&shim, DSTACK_VERSION, &["--expect", "restart"]);
+    drop(shim);
+}
+
+#[test]
+fn the_next_release_and_its_url() {
+    assert_eq!(next_release("0.22.5"), "0.22.6");
+    assert_eq!(next_release("0.9.19"), "0.9.20");
+    assert_eq!(
+        download_url("0.22.5"),
+        "http://127.0.0.1:9/dstack-shim/0.22.5/dstack-shim-linux-amd64"
+    );
+}
