@@ -32,7 +32,6 @@ import check_shim  # noqa: E402  (the shared helpers and the dstack imports)
 from check_shim import ShimAddress, ShimClient, check, make_instance, server_settings  # noqa: E402
 
 import requests  # noqa: E402
-from dstack._internal import settings  # noqa: E402
 
 MUTATING = ("POST",)
 
@@ -66,13 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         return original(self, method, path, body, raise_for_status=raise_for_status)
 
     ShimClient._request = _request
-    saved_url = settings.DSTACK_SHIM_DOWNLOAD_URL
-    settings.DSTACK_SHIM_DOWNLOAD_URL = args.download_url
     checks = 0
     answered = None
     deadline = time.monotonic() + args.timeout
     try:
-        with server_settings(args.server_version):
+        with server_settings(args.server_version, shim_download_url=args.download_url):
             while time.monotonic() < deadline:
                 checks += 1
                 try:
@@ -91,7 +88,6 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(args.interval)
     finally:
         ShimClient._request = original
-        settings.DSTACK_SHIM_DOWNLOAD_URL = saved_url
 
     installed = any(
         r["path"] == "/api/components/install" and (r["body"] or {}).get("name") == "dstack-shim"
