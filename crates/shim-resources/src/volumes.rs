@@ -32,7 +32,9 @@ use async_trait::async_trait;
 use serde::Deserialize;
 use shim_task::{MountedVolume, VolumeBackend, VolumeSpec};
 
-use crate::cmd::CommandRunner;
+use shim_util::{Command, CommandRunner, error_chain};
+
+use crate::blocking::blocking;
 use crate::error::{Error, Result, io_err};
 
 /// Where volumes are mounted by default.
@@ -189,16 +191,6 @@ impl KeyedLocks {
         };
         lock.lock_owned().await
     }
-}
-
-/// Runs blocking volume work on tokio's blocking pool.
-async fn blocking<T: Send + 'static>(
-    what: &'static str,
-    f: impl FnOnce() -> Result<T> + Send + 'static,
-) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|source| Error::Join { what, source })?
 }
 
 /// The real [`VolumeManager`]: block devices, `blkid`, `mkfs.ext4`, and a [`Mounter`]
@@ -447,13 +439,9 @@ impl BlockVolumes {
     async fn resolve_aws(&self, spec: &VolumeSpec) -> Result<PathBuf> {
         let start = Instant::now();
         let fallbacks = aws_fallback_names(&spec.device_name);
-        let args = ["-J", "-o", "NAME,SERIAL,TYPE"];
+        let lsblk = Command::new("lsblk").args(["-J", "-o", "NAME,SERIAL,TYPE"]);
         loop {
-            let out = self
-                .runner
-                .run("lsblk", &args)
-                .await?
-                .check("lsblk", &args)?;
+            let out = self.runner.run(&lsblk).await?.check(&lsblk)?;
             if let Some(name) = find_aws_device(&out.stdout, &spec.volume_id, &fallbacks)? {
                 return Ok(self.config.dev_dir.join(name));
             }
@@ -502,10 +490,11 @@ impl BlockVolumes {
 
     /// One `blkid -p` probe.
     pub async fn probe(&self, device: &Path) -> Result<Probe> {
-        let dev = device.to_string_lossy();
-        let args = ["-p", "-o", "export", dev.as_ref()];
-        let out = self.runner.run("blkid", &args).await?;
-        parse_blkid(out.code, &out.stdout).ok_or_else(|| out.failure("blkid", &args))
+        let blkid = Command::new("blkid")
+            .args(["-p", "-o", "export"])
+            .arg(device.to_string_lossy());
+        let out = self.runner.run(&blkid).await?;
+        parse_blkid(out.code(), &out.stdout).ok_or_else(|| out.failure(&blkid).into())
     }
 
     /// Probes, and re-probes a "blank" verdict `blank_confirmations` times: blank only if every
@@ -591,7 +580,7 @@ fn mount_at(
         && let Err(e) = fs_err::set_permissions(mount_point, std::fs::Permissions::from_mode(0o777))
     {
         if let Err(u) = mounter.unmount(mount_point) {
-            tracing::warn!(mount_point = %mount_point.display(), error = %u,
+            tracing::warn!(mount_point = %mount_point.display(), error = %error_chain(&u),
                     "cannot unmount after a failed chmod");
         }
         return Err(Error::io("chmod", mount_point, e));
@@ -643,12 +632,10 @@ impl VolumeManager for BlockVolumes {
             }
             Probe::Blank => {
                 tracing::info!(volume = name, device = %device.display(), "formatting ext4");
-                let dev = device.to_string_lossy();
-                let args = ["-F", dev.as_ref()];
-                self.runner
-                    .run("mkfs.ext4", &args)
-                    .await?
-                    .check("mkfs.ext4", &args)?;
+                let mkfs = Command::new("mkfs.ext4")
+                    .arg("-F")
+                    .arg(device.to_string_lossy());
+                self.runner.run(&mkfs).await?.check(&mkfs)?;
                 ("ext4".to_owned(), true)
             }
         };
@@ -704,7 +691,7 @@ mod tests {
     use shim_task::TaskName;
 
     use super::*;
-    use crate::cmd::ScriptedCommandRunner;
+    use crate::fake::ScriptedCommandRunner;
     use crate::fake::{FakeCall, FakeMounter};
 
     fn manager(root: &Path, mounter: Arc<FakeMounter>) -> BlockVolumes {
