@@ -107,7 +107,9 @@ impl VolumeConfig {
         }
     }
 
-    /// Short waits, for tests.
+    /// Short waits, for tests (`cfg(test)` or feature `test-support`).
+    #[cfg(any(test, feature = "test-support"))]
+    #[must_use]
     pub fn fast(mut self) -> Self {
         self.device_wait = Duration::from_millis(500);
         self.resolve_wait = Duration::from_millis(500);
