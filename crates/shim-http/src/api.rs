@@ -233,8 +233,10 @@ pub struct ComponentInfo {
     pub status: ComponentStatus,
 }
 
-/// What the HTTP layer needs from the engine. Implemented by the engine (and by fakes in
-/// tests); every method is called from a request handler, so none may block.
+/// What the HTTP layer needs from the engine. `shim-engine` knows nothing of HTTP: the
+/// `dstack-shim` binary implements this over its `Engine` (its `adapter.rs`), mapping engine
+/// errors to [`ErrorKind`]s; tests implement it with fakes. Every method is called from a
+/// request handler, so none may block.
 #[async_trait]
 pub trait ShimApi: Send + Sync + 'static {
     /// Validated config in, `pending` TaskInfo out once the task is persisted.
@@ -356,7 +358,9 @@ impl Readiness {
     }
 }
 
-/// What the HTTP layer needs from the component installer (implemented by `shim-components`).
+/// What the HTTP layer needs from the component installer. `shim-components` knows nothing
+/// of HTTP: the `dstack-shim` binary implements this over its `Components` (its
+/// `components.rs`), mapping its errors to [`ErrorKind`]s; tests implement it with fakes.
 #[async_trait]
 pub trait ComponentsApi: Send + Sync + 'static {
     /// The state of every component, runner first.
