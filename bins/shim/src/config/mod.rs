@@ -17,7 +17,7 @@
 //! it stays an alias. Our additions: `--unix-socket`, `--volumes-root`, `--log-format`,
 //! `--reconcile-interval`, the DCGM binary paths, and the hidden, testing-only `--fake-gpus`.
 //!
-//! One job per module: [`args`] (the flags as clap defines them, and the help), [`env`]
+//! One job per module: [`args`] (the flags as clap defines them, and the help), [`env`](mod@env)
 //! (each flag's environment variables, and the help's paragraph generated from them),
 //! [`goparse`] (Go's value parsers), and this module (the resolved [`Config`]: each value from
 //! the command line, the environment or the default, and the version string).
