@@ -2,7 +2,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -144,12 +144,7 @@ impl DcgmExporter {
     /// collectors file. Fetches fail afterwards; later calls do nothing.
     pub async fn shutdown(&self) {
         self.supervisor.shutdown().await;
-        let counters = self
-            .counters
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(Err(e)) = counters.map(tempfile::TempPath::close) {
+        if let Some(Err(e)) = crate::take(&self.counters).map(tempfile::TempPath::close) {
             tracing::warn!(error = %e, "failed to remove the dcgm-exporter collectors file");
         }
     }

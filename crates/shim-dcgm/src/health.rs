@@ -11,7 +11,7 @@
 //! upstream's embedded one.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -353,12 +353,7 @@ impl DcgmHealth {
     }
 
     fn stop_enabling(&self) {
-        let enabler = self
-            .enabler
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(enabler) = enabler {
+        if let Some(enabler) = crate::take(&self.enabler) {
             enabler.abort();
         }
     }
@@ -370,12 +365,7 @@ impl DcgmHealth {
         if let Some(hostengine) = &self.hostengine {
             hostengine.shutdown().await;
         }
-        let dir = self
-            .socket_dir
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(Err(e)) = dir.map(tempfile::TempDir::close) {
+        if let Some(Err(e)) = crate::take(&self.socket_dir).map(tempfile::TempDir::close) {
             tracing::warn!(error = %e, "failed to remove nv-hostengine's directory");
         }
     }

@@ -84,6 +84,14 @@ impl Dcgm {
     }
 }
 
+/// Takes what `slot` holds (a child's task, a temporary file to remove at shutdown), leaving
+/// `None`; a poisoned lock still gives it up.
+pub(crate) fn take<T>(slot: &std::sync::Mutex<Option<T>>) -> Option<T> {
+    slot.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take()
+}
+
 /// The code in this crate's README, compiled as a doctest so it stays true.
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
