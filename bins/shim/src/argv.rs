@@ -171,7 +171,7 @@ pub fn normalise(
         match flag.kind {
             Kind::Switch => {
                 let value = value.unwrap_or("true");
-                match crate::config::go_bool(value) {
+                match crate::config::goparse::go_bool(value) {
                     Some(true) => set(&flag.long, Some(format!("--{}", flag.long))),
                     Some(false) => set(&flag.long, None),
                     None => {

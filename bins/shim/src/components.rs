@@ -5,6 +5,7 @@
 use async_trait::async_trait;
 use shim_components::{Components, Error};
 use shim_http::{ApiError, ComponentInfo, ComponentName, ComponentStatus, ComponentsApi};
+use shim_util::error_chain;
 
 /// The component installer behind the API.
 pub struct ComponentsHttp(pub Components);
@@ -37,12 +38,14 @@ fn info_to_wire(info: shim_components::ComponentInfo) -> ComponentInfo {
     }
 }
 
-/// 409 while that component installs, 400 for an empty URL, 500 otherwise.
+/// 409 while that component installs, 400 for an empty URL, 500 otherwise; the message is
+/// the error with its causes.
 fn api_error(e: Error) -> ApiError {
+    let message = error_chain(&e);
     match e {
-        Error::AlreadyInstalling { .. } => ApiError::conflict(e.to_string()),
-        Error::BadUrl { .. } => ApiError::bad_request(e.to_string()),
-        other => ApiError::internal(other.to_string()).with_source(other),
+        Error::AlreadyInstalling { .. } => ApiError::conflict(message),
+        Error::BadUrl { .. } => ApiError::bad_request(message),
+        other => ApiError::internal(message).with_source(other),
     }
 }
 
@@ -124,6 +127,6 @@ mod tests {
         );
         let e = api_error(Error::Cancelled { name });
         assert_eq!(e.kind, ErrorKind::Internal);
-        assert!(e.source.is_some(), "the cause is kept for the log");
+        assert!(e.cause.is_some(), "the cause is kept for the log");
     }
 }

@@ -12,6 +12,7 @@ use shim_resources::{
     VolumeConfig,
 };
 use shim_runtime::{DockerRuntime, HostDevices};
+use shim_util::error_chain;
 
 use crate::config::Config;
 
@@ -29,7 +30,7 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
     let docker_root = match runtime.docker_root_dir().await {
         Ok(dir) => dir,
         Err(e) => {
-            tracing::warn!(error = %e, "cannot read Docker's info; the disk size is reported as 0");
+            tracing::warn!(error = %error_chain(&e), "cannot read Docker's info; the disk size is reported as 0");
             None
         }
     };
@@ -104,7 +105,7 @@ fn spawn_host_info(home: &Path, docker_root: Option<PathBuf>, gpus: HostGpus) {
         match written {
             Ok(Ok((path, true))) => tracing::info!(path = %path.display(), "host info written"),
             Ok(Ok(_)) => {}
-            Ok(Err(e)) => tracing::warn!(error = %e, "cannot write host info"),
+            Ok(Err(e)) => tracing::warn!(error = %error_chain(&e), "cannot write host info"),
             Err(e) => tracing::warn!(error = %e, "host info job failed"),
         }
     });

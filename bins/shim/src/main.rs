@@ -74,10 +74,9 @@ fn main() -> ExitCode {
         }
     };
     if config.help {
-        use clap::CommandFactory as _;
         #[allow(clippy::print_stdout)] // the one thing help does
         {
-            println!("{}", config::Args::command().render_help());
+            println!("{}", config::command().render_help());
         }
         return ExitCode::SUCCESS;
     }

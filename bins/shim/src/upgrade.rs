@@ -45,6 +45,7 @@ use shim_components::upgrade::{
 };
 use shim_components::{ComponentName, Components, binary_version};
 use shim_http::{ShutdownHook, ShutdownRequest};
+use shim_util::{SystemCommandRunner, error_chain};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, VERSION};
@@ -216,7 +217,9 @@ impl Upgrader {
             );
             return self.refuse_with(record, why).await;
         }
-        match binary_version(&path, ComponentName::Shim.as_str(), VERSION_TIMEOUT).await {
+        let runner = SystemCommandRunner::default();
+        let shim = ComponentName::Shim.as_str();
+        match binary_version(&runner, &path, shim, VERSION_TIMEOUT).await {
             Ok(version) => {
                 let takes_socket = version.contains(RUST_MARK);
                 tracing::info!(
@@ -753,16 +756,4 @@ fn roll_back_watched(spec: &WatchSpec, home: &Path, why: &str) {
             roll_back(&spec.binary, home, &record);
         }
     }
-}
-
-/// `error: cause: cause` on one line.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
 }

@@ -1,4 +1,5 @@
-//! The crate's one error type.
+//! The crate's one error type. Its `Display` describes its own level only; the cause is its
+//! `source()` (print the whole with [`shim_util::error_chain`]).
 
 use std::io;
 use std::path::PathBuf;
@@ -92,12 +93,72 @@ pub enum Error {
         #[source]
         source: serde_json::Error,
     },
-    /// `<binary> --version` failed or printed no version.
-    #[error("{} does not report a version: {why}", path.display())]
-    Version {
+    /// `<binary> --version` could not run, did not finish in time, or failed.
+    #[error("{} does not report a version", path.display())]
+    VersionRun {
         /// The binary.
         path: PathBuf,
-        /// What happened.
-        why: String,
+        /// Why.
+        #[source]
+        source: shim_util::CommandError,
     },
+    /// `<binary> --version` printed something else than `<component name> version X`.
+    #[error("{} does not report a version: unexpected output {output:?}", path.display())]
+    VersionOutput {
+        /// The binary.
+        path: PathBuf,
+        /// What it printed (trimmed).
+        output: String,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use shim_util::testing::assert_each_cause_once;
+
+    use super::*;
+
+    /// Every variant with a cause, as a standard reporter prints it: each cause once.
+    #[tokio::test]
+    async fn a_reporter_prints_each_cause_once() {
+        let name = ComponentName::Runner;
+        let url = || "https://example.com/dstack-runner".to_owned();
+        let io = || io::Error::from_raw_os_error(28);
+        let job = tokio::spawn(std::future::pending::<()>());
+        job.abort();
+        let join = job.await.unwrap_err();
+        let fs = shim_fs::read_file("/nonexistent/dir/dstack-runner", 10).unwrap_err();
+        for e in [
+            Error::Download {
+                name,
+                url: url(),
+                source: Box::new(ureq::Error::StatusCode(404)),
+            },
+            Error::Body {
+                name,
+                url: url(),
+                source: io(),
+            },
+            Error::Fs(fs),
+            Error::Io {
+                op: "chmod",
+                path: "/x".into(),
+                source: io(),
+            },
+            Error::Join { name, source: join },
+            Error::Record {
+                path: "/x/upgrade-rollback.json".into(),
+                source: serde_json::from_str::<u8>("x").unwrap_err(),
+            },
+            Error::VersionRun {
+                path: "/x/dstack-runner".into(),
+                source: shim_util::CommandError::Spawn {
+                    program: "/x/dstack-runner".into(),
+                    source: io(),
+                },
+            },
+        ] {
+            assert_each_cause_once(&e);
+        }
+    }
 }

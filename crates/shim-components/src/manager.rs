@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use shim_util::{SystemCommandRunner, error_chain};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -170,7 +171,7 @@ impl Components {
                 };
             }
             Err(e) => {
-                tracing::warn!(component = %name, error = %e, "cannot inspect the binary");
+                tracing::warn!(component = %name, error = %error_chain(&e), "cannot inspect the binary");
                 return status(ComponentStatus::Error, String::new());
             }
             Ok(meta) => FileKey::of(&meta),
@@ -180,13 +181,15 @@ impl Components {
         {
             return status(ComponentStatus::Installed, version.clone());
         }
-        match binary_version(&slot.path, name.as_str(), self.inner.config.version_timeout).await {
+        let runner = SystemCommandRunner::default();
+        let timeout = self.inner.config.version_timeout;
+        match binary_version(&runner, &slot.path, name.as_str(), timeout).await {
             Ok(v) => {
                 slot.state().cached = Some((key, v.clone()));
                 status(ComponentStatus::Installed, v)
             }
             Err(e) => {
-                tracing::warn!(component = %name, error = %e, "cannot read the version");
+                tracing::warn!(component = %name, error = %error_chain(&e), "cannot read the version");
                 status(ComponentStatus::Error, String::new())
             }
         }
@@ -281,16 +284,4 @@ impl Components {
         }
         result
     }
-}
-
-/// `error: cause: cause` on one line.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
 }

@@ -5,6 +5,8 @@
 use std::path::Path;
 use std::time::Duration;
 
+use shim_util::{Command, CommandRunner};
+
 use crate::Error;
 
 /// Extracts `X` from `--version`'s output `<name> version X`: exactly three words, the first
@@ -18,31 +20,29 @@ pub fn parse_version(output: &str, name: &str) -> Option<String> {
     }
 }
 
-/// Runs `<path> --version` (killed after `timeout`) and parses its standard output as the
-/// version of component `name` (see [`parse_version`]).
-pub async fn binary_version(path: &Path, name: &str, timeout: Duration) -> Result<String, Error> {
-    let verr = |why: String| Error::Version {
-        path: path.to_path_buf(),
-        why,
-    };
-    let child = tokio::process::Command::new(path)
-        .arg("--version")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .output();
-    let out = tokio::time::timeout(timeout, child)
+/// Runs `<path> --version` (killed after `timeout`) through `runner` and parses its standard
+/// output as the version of component `name` (see [`parse_version`]). A binary that cannot
+/// run, does not finish or fails is [`Error::VersionRun`]; one that prints anything else than
+/// its version is [`Error::VersionOutput`].
+pub async fn binary_version(
+    runner: &dyn CommandRunner,
+    path: &Path,
+    name: &str,
+    timeout: Duration,
+) -> Result<String, Error> {
+    let version = Command::new(path).arg("--version").timeout(timeout);
+    let out = runner
+        .run(&version)
         .await
-        .map_err(|_| verr(format!("no answer within {timeout:?}")))?
-        .map_err(|e| verr(format!("cannot run it: {e}")))?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        return Err(verr(format!("{}: {}", out.status, stderr.trim())));
-    }
-    parse_version(&stdout, name)
-        .ok_or_else(|| verr(format!("unexpected output {:?}", stdout.trim())))
+        .and_then(|out| out.check(&version))
+        .map_err(|source| Error::VersionRun {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    parse_version(&out.stdout, name).ok_or_else(|| Error::VersionOutput {
+        path: path.to_path_buf(),
+        output: out.stdout.trim().to_owned(),
+    })
 }
 
 /// Identifies one version of a file on disk (device, inode, size, mtime): a binary does not

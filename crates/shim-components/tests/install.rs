@@ -5,7 +5,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -13,6 +13,7 @@ use shim_components::{
     ComponentInfo, ComponentName, ComponentStatus, Components, ComponentsConfig, Error,
     binary_version,
 };
+use shim_util::{SystemCommandRunner, error_chain};
 
 const BOUND: Duration = Duration::from_secs(30);
 
@@ -379,14 +380,17 @@ async fn versions_of_real_executables() {
         p
     };
     let t = Duration::from_secs(2);
+    let version = |path: PathBuf, name: &'static str, t: Duration| async move {
+        binary_version(&SystemCommandRunner::default(), &path, name, t).await
+    };
     let ok = write("ok", &script("dstack-runner version 1.2.3"));
     assert_eq!(
-        binary_version(&ok, "dstack-runner", t).await.unwrap(),
+        version(ok.clone(), "dstack-runner", t).await.unwrap(),
         "1.2.3"
     );
 
     let silent = write("silent", "#!/bin/sh\necho hello\n");
-    let e = binary_version(&silent, "dstack-runner", t)
+    let e = version(silent.clone(), "dstack-runner", t)
         .await
         .unwrap_err();
     assert!(
@@ -396,24 +400,24 @@ async fn versions_of_real_executables() {
     );
 
     let failing = write("failing", "#!/bin/sh\necho boom >&2\nexit 3\n");
-    let e = binary_version(&failing, "dstack-runner", t)
-        .await
-        .unwrap_err();
-    assert!(e.to_string().contains("exit status: 3: boom"), "{e}");
+    let e = version(failing, "dstack-runner", t).await.unwrap_err();
+    let e = error_chain(&e);
+    assert!(e.contains("exit status: 3: boom"), "{e}");
 
     let hanging = write("hanging", "#!/bin/sh\nexec sleep 600\n");
-    let e = binary_version(&hanging, "dstack-runner", Duration::from_millis(300))
+    let e = version(hanging, "dstack-runner", Duration::from_millis(300))
         .await
         .unwrap_err();
-    assert!(e.to_string().contains("no answer within"), "{e}");
+    let e = error_chain(&e);
+    assert!(e.contains("did not finish within 300ms"), "{e}");
 
     let not_exec = dir.path().join("plain");
     fs_err::write(&not_exec, script("x version 1")).unwrap();
-    assert!(binary_version(&not_exec, "dstack-runner", t).await.is_err());
+    assert!(version(not_exec, "dstack-runner", t).await.is_err());
 
     // Upstream's rule (runner/internal/shim/components/utils.go, checkDstackComponent): the
     // output is exactly `<component name> version X`; a runner binary is not a shim.
-    assert!(binary_version(&ok, "dstack-shim", t).await.is_err());
+    assert!(version(ok.clone(), "dstack-shim", t).await.is_err());
 
     // A binary that does not answer its version shows as `error`, and so does a runner
     // binary in the shim's place.

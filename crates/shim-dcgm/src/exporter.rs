@@ -2,7 +2,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,12 +12,12 @@ use tokio::sync::Mutex;
 use tokio::time::Instant;
 
 use crate::DcgmError;
-use crate::command::{CommandRunner, TokioCommandRunner, command_line, output_excerpt};
 use crate::config::DcgmConfig;
 use crate::counters::{COUNTERS, counters_csv};
 use crate::error::BoxError;
 use crate::prom::filter_metrics;
 use crate::supervisor::{ChildSpec, Supervisor};
+use shim_util::{Command, CommandRunner, SystemCommandRunner, error_chain};
 
 /// The most the exporter's answer may weigh (8 GPUs × 49 fields is about 150 KiB).
 const MAX_BODY_BYTES: usize = 32 << 20;
@@ -52,8 +52,9 @@ impl DcgmExporter {
             tracing::info!("not using DCGM Exporter: dcgm-exporter not found");
             return None;
         };
-        if let Err(e) = check_version(&TokioCommandRunner, &path, config.command_timeout).await {
-            tracing::warn!(error = %e, "not using DCGM Exporter");
+        let runner = SystemCommandRunner::default();
+        if let Err(e) = check_version(&runner, &path, config.command_timeout).await {
+            tracing::warn!(error = %error_chain(&e), "not using DCGM Exporter");
             return None;
         }
         match Self::spawn(&path, config) {
@@ -62,7 +63,7 @@ impl DcgmExporter {
                 Some(exporter)
             }
             Err(e) => {
-                tracing::warn!(error = %e, "not using DCGM Exporter");
+                tracing::warn!(error = %error_chain(&e), "not using DCGM Exporter");
                 None
             }
         }
@@ -143,12 +144,7 @@ impl DcgmExporter {
     /// collectors file. Fetches fail afterwards; later calls do nothing.
     pub async fn shutdown(&self) {
         self.supervisor.shutdown().await;
-        let counters = self
-            .counters
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(Err(e)) = counters.map(tempfile::TempPath::close) {
+        if let Some(Err(e)) = crate::take(&self.counters).map(tempfile::TempPath::close) {
             tracing::warn!(error = %e, "failed to remove the dcgm-exporter collectors file");
         }
     }
@@ -174,15 +170,8 @@ pub(crate) async fn check_version(
     program: &Path,
     timeout: Duration,
 ) -> Result<(), DcgmError> {
-    let args = ["-v".to_owned()];
-    let out = runner.run(program, &args, timeout).await?;
-    if !out.success {
-        return Err(DcgmError::CommandFailed {
-            command: command_line(program, &args),
-            status: out.status.clone(),
-            output: output_excerpt(&out),
-        });
-    }
+    let version = Command::new(program).arg("-v").timeout(timeout);
+    let out = runner.run(&version).await?.check(&version)?;
     tracing::debug!(path = %program.display(), version = out.stdout.trim(), "detected");
     Ok(())
 }

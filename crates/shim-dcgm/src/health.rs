@@ -11,7 +11,7 @@
 //! upstream's embedded one.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -20,9 +20,9 @@ use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 
 use crate::DcgmError;
-use crate::command::{CommandRunner, TokioCommandRunner, command_line, output_excerpt};
 use crate::config::DcgmConfig;
 use crate::supervisor::{ChildSpec, Supervisor};
+use shim_util::{Command, CommandRunner, SystemCommandRunner, error_chain};
 
 /// `DCGM_HEALTH_RESULT_PASS`.
 pub const HEALTH_PASS: i32 = 0;
@@ -260,7 +260,7 @@ impl DcgmHealth {
                         Some(format!("unix://{}", socket.display()))
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, "not starting nv-hostengine; dcgmi will ask localhost");
+                        tracing::warn!(error = %error_chain(&e), "not starting nv-hostengine; dcgmi will ask localhost");
                         None
                     }
                 },
@@ -269,7 +269,7 @@ impl DcgmHealth {
         };
         tracing::info!(dcgmi = %dcgmi.display(), host = host.as_deref().unwrap_or("localhost"), "using DCGM health checks");
         let mut health = Self::with_runner(
-            Arc::new(TokioCommandRunner),
+            Arc::new(SystemCommandRunner::default()),
             dcgmi,
             host,
             config.command_timeout,
@@ -282,9 +282,11 @@ impl DcgmHealth {
                 match inner.enable().await {
                     Ok(()) => return,
                     Err(e) if attempt == ENABLE_ATTEMPTS => {
-                        tracing::error!(error = %e, "failed to enable DCGM health checks");
+                        tracing::error!(error = %error_chain(&e), "failed to enable DCGM health checks");
                     }
-                    Err(e) => tracing::debug!(error = %e, attempt, "enabling DCGM health checks"),
+                    Err(e) => {
+                        tracing::debug!(error = %error_chain(&e), attempt, "enabling DCGM health checks")
+                    }
                 }
                 tokio::time::sleep(ENABLE_RETRY).await;
             }
@@ -344,19 +346,14 @@ impl DcgmHealth {
         match self.check().await {
             Ok(health) => InstanceHealth { dcgm: Some(health) },
             Err(e) => {
-                tracing::error!(error = %e, "failed to get health from DCGM");
+                tracing::error!(error = %error_chain(&e), "failed to get health from DCGM");
                 InstanceHealth::default()
             }
         }
     }
 
     fn stop_enabling(&self) {
-        let enabler = self
-            .enabler
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(enabler) = enabler {
+        if let Some(enabler) = crate::take(&self.enabler) {
             enabler.abort();
         }
     }
@@ -368,12 +365,7 @@ impl DcgmHealth {
         if let Some(hostengine) = &self.hostengine {
             hostengine.shutdown().await;
         }
-        let dir = self
-            .socket_dir
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(Err(e)) = dir.map(tempfile::TempDir::close) {
+        if let Some(Err(e)) = crate::take(&self.socket_dir).map(tempfile::TempDir::close) {
             tracing::warn!(error = %e, "failed to remove nv-hostengine's directory");
         }
     }
@@ -386,28 +378,19 @@ impl Drop for DcgmHealth {
 }
 
 impl Inner {
-    fn args(&self, op: &[&str]) -> Vec<String> {
-        let mut args = vec!["health".to_owned()];
+    /// `dcgmi health [--host H] <op>`, killed after the configured time.
+    fn command(&self, op: &[&str]) -> Command {
+        let mut dcgmi = Command::new(&self.dcgmi).arg("health");
         if let Some(host) = &self.host {
-            args.push("--host".to_owned());
-            args.push(host.clone());
+            dcgmi = dcgmi.arg("--host").arg(host.as_str());
         }
-        args.extend(op.iter().map(|s| (*s).to_owned()));
-        args
+        dcgmi.args(op.iter().copied()).timeout(self.timeout)
     }
 
-    /// Runs dcgmi; a non-zero exit is an error carrying its output.
+    /// Runs dcgmi; a non-zero exit is an error carrying the end of its output.
     async fn dcgmi(&self, op: &[&str]) -> Result<String, DcgmError> {
-        let args = self.args(op);
-        let out = self.runner.run(&self.dcgmi, &args, self.timeout).await?;
-        if !out.success {
-            return Err(DcgmError::CommandFailed {
-                command: command_line(&self.dcgmi, &args),
-                status: out.status.clone(),
-                output: output_excerpt(&out),
-            });
-        }
-        Ok(out.stdout)
+        let dcgmi = self.command(op);
+        Ok(self.runner.run(&dcgmi).await?.check(&dcgmi)?.stdout)
     }
 
     async fn enable(&self) -> Result<(), DcgmError> {
@@ -431,17 +414,19 @@ impl Inner {
         if !*enabled {
             self.enable_locked(&mut enabled).await?;
         }
-        let stdout = match self.dcgmi(&["-c", "-j"]).await {
-            Err(DcgmError::CommandFailed { output, .. }) if output.contains(NOT_ENABLED) => {
-                tracing::info!("DCGM health watches are off (host engine restarted?); enabling");
-                *enabled = false;
-                self.enable_locked(&mut enabled).await?;
-                self.dcgmi(&["-c", "-j"]).await?
-            }
-            other => other?,
+        let check = self.command(&["-c", "-j"]);
+        let out = self.runner.run(&check).await?;
+        let off = |text: &str| text.contains(NOT_ENABLED);
+        let stdout = if !out.success() && (off(&out.stdout) || off(&out.stderr)) {
+            tracing::info!("DCGM health watches are off (host engine restarted?); enabling");
+            *enabled = false;
+            self.enable_locked(&mut enabled).await?;
+            self.dcgmi(&["-c", "-j"]).await?
+        } else {
+            out.check(&check)?.stdout
         };
         parse_dcgmi_health(&stdout).map_err(|reason| DcgmError::DcgmiOutput {
-            command: command_line(&self.dcgmi, &self.args(&["-c", "-j"])),
+            command: check.to_string(),
             reason,
         })
     }
@@ -477,28 +462,11 @@ fn start_hostengine(
     Ok((supervisor, dir, socket))
 }
 
-/// A [`CommandRunner`] answering from a closure, for unit tests of the dcgmi protocol.
-#[cfg(test)]
-struct FnRunner<F>(F);
-
-#[cfg(test)]
-#[async_trait::async_trait]
-impl<F> CommandRunner for FnRunner<F>
-where
-    F: Fn(&[String]) -> crate::CommandOutput + Send + Sync + 'static,
-{
-    async fn run(
-        &self,
-        _program: &Path,
-        args: &[String],
-        _timeout: Duration,
-    ) -> Result<crate::CommandOutput, DcgmError> {
-        Ok((self.0)(args))
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use shim_util::CommandOutput;
+    use shim_util::fake::ScriptedCommandRunner;
+
     use super::*;
 
     fn testdata(name: &str) -> String {
@@ -616,33 +584,23 @@ mod tests {
         );
     }
 
-    fn ok(stdout: &str) -> crate::CommandOutput {
-        crate::CommandOutput {
-            success: true,
-            status: "exit status: 0".into(),
-            stdout: stdout.into(),
-            stderr: String::new(),
-        }
-    }
-
     #[tokio::test]
     async fn the_host_is_passed_before_the_operation() {
-        let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let seen = calls.clone();
-        let healthy = testdata("dcgmi-health-healthy.json");
-        let runner = FnRunner(move |args: &[String]| {
-            seen.lock().unwrap().push(args.join(" "));
-            ok(&healthy)
-        });
+        let runner = Arc::new(ScriptedCommandRunner::new());
+        runner.always(
+            "dcgmi",
+            CommandOutput::ok(testdata("dcgmi-health-healthy.json")),
+        );
         let health = DcgmHealth::with_runner(
-            Arc::new(runner),
+            runner.clone(),
             PathBuf::from("dcgmi"),
             Some("10.0.0.5".into()),
             Duration::from_secs(1),
         );
         health.check().await.unwrap();
+        let calls: Vec<String> = runner.calls().iter().map(|c| c[1..].join(" ")).collect();
         assert_eq!(
-            *calls.lock().unwrap(),
+            calls,
             [
                 "health --host 10.0.0.5 -s a",
                 "health --host 10.0.0.5 -c -j",

@@ -25,7 +25,6 @@
 //! Settings: [`DcgmConfig`] (the binary maps upstream's `--dcgm-exporter-http-port`,
 //! `--dcgm-exporter-interval`, `--dcgm-address` and their `DSTACK_*` variables onto it).
 
-mod command;
 mod config;
 mod counters;
 mod error;
@@ -34,7 +33,6 @@ mod health;
 mod prom;
 mod supervisor;
 
-pub use command::{CommandOutput, CommandRunner, TokioCommandRunner};
 pub use config::{
     Backoff, DCGMI_PROGRAM, DEFAULT_EXPORTER_HTTP_PORT, DEFAULT_EXPORTER_INTERVAL_MS, DcgmConfig,
     EXPORTER_PROGRAM, HOSTENGINE_PROGRAM, find_program,
@@ -47,6 +45,7 @@ pub use health::{
     parse_dcgmi_health,
 };
 pub use prom::{ParseError, Sample, UUID_LABELS, filter_metrics, parse_sample};
+pub use shim_util::{Command, CommandError, CommandOutput, CommandRunner, SystemCommandRunner};
 
 /// The DCGM parts the shim runs, each present only when usable.
 #[derive(Debug, Default)]
@@ -83,6 +82,14 @@ impl Dcgm {
             health.shutdown().await;
         }
     }
+}
+
+/// Takes what `slot` holds (a child's task, a temporary file to remove at shutdown), leaving
+/// `None`; a poisoned lock still gives it up.
+pub(crate) fn take<T>(slot: &std::sync::Mutex<Option<T>>) -> Option<T> {
+    slot.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take()
 }
 
 /// The code in this crate's README, compiled as a doctest so it stays true.

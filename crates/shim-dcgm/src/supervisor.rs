@@ -14,7 +14,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nix::sys::signal::{Signal, kill};
@@ -108,10 +108,7 @@ impl Supervisor {
     }
 
     fn take_task(&self) -> Option<JoinHandle<()>> {
-        self.task
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
+        crate::take(&self.task)
     }
 
     /// Stops restarting and stops the child: SIGTERM, SIGKILL after the grace period. Later

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::{alive, lines, script, testdata, wait_until};
 use shim_dcgm::{
-    Dcgm, DcgmConfig, DcgmErrorKind, DcgmHealth, HEALTH_FAIL, HEALTH_PASS, TokioCommandRunner,
+    Dcgm, DcgmConfig, DcgmErrorKind, DcgmHealth, HEALTH_FAIL, HEALTH_PASS, SystemCommandRunner,
 };
 
 /// A fake `dcgmi health`: logs each call's arguments to `calls`; `-s a` creates `enabled`;
@@ -43,7 +43,7 @@ esac"#
 
 fn health(dcgmi: PathBuf, host: Option<&str>) -> DcgmHealth {
     DcgmHealth::with_runner(
-        Arc::new(TokioCommandRunner),
+        Arc::new(SystemCommandRunner::default()),
         dcgmi,
         host.map(str::to_owned),
         Duration::from_secs(10),

@@ -38,7 +38,11 @@ impl Inner {
                 match self.deps.keys.add(&id, &grant.user, &grant.keys).await {
                     Ok(()) => Event::HostKeysAdded(grant),
                     Err(e) => Event::PrepareFailed {
-                        message: format!("cannot add SSH keys for host user {:?}: {e}", grant.user),
+                        message: format!(
+                            "cannot add SSH keys for host user {:?}: {}",
+                            grant.user,
+                            crate::engine::chain(&e)
+                        ),
                     },
                 },
             ),
@@ -77,7 +81,10 @@ impl Inner {
                     Ok(true) => Event::DirCreated(path),
                     Ok(false) => Event::DirExisted(path),
                     Err(e) => Event::PrepareFailed {
-                        message: format!("cannot create instance mount directory {path:?}: {e}"),
+                        message: format!(
+                            "cannot create instance mount directory {path:?}: {}",
+                            crate::engine::chain(&e)
+                        ),
                     },
                 })
             }
@@ -156,7 +163,11 @@ impl Inner {
         match self.deps.volumes.prepare(spec).await {
             Ok(v) => Event::VolumeMounted(v),
             Err(e) => Event::PrepareFailed {
-                message: format!("cannot prepare volume {:?}: {e}", spec.name.as_str()),
+                message: format!(
+                    "cannot prepare volume {:?}: {}",
+                    spec.name.as_str(),
+                    crate::engine::chain(&e)
+                ),
             },
         }
     }
@@ -446,7 +457,10 @@ impl Inner {
             let user = hold.user.as_deref().unwrap_or("");
             match self.deps.keys.remove(id, user, &[]).await {
                 Ok(()) => unknown_keys = true,
-                Err(e) => errors.push(format!("unknown-origin SSH keys of {user:?}: {e}")),
+                Err(e) => errors.push(format!(
+                    "unknown-origin SSH keys of {user:?}: {}",
+                    crate::engine::chain(&e)
+                )),
             }
         }
         let mut volumes = Vec::new();

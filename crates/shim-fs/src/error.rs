@@ -1,4 +1,5 @@
-//! The crate's error type: every error names the path and the step that failed.
+//! The crate's error type: every error names the path and the step that failed. Its `Display`
+//! describes its own level only; the system's error is its `source()`.
 
 use std::path::{Path, PathBuf};
 
@@ -80,7 +81,7 @@ impl std::fmt::Display for Step {
 #[non_exhaustive]
 pub enum Error {
     /// A system call failed.
-    #[error("cannot {step} {}: {source}", path.display())]
+    #[error("cannot {step} {}", path.display())]
     Io {
         /// The step that failed.
         step: Step,
@@ -164,5 +165,20 @@ impl Error {
     /// Whether the path (or a directory on the way) does not exist.
     pub fn is_not_found(&self) -> bool {
         self.io_kind() == Some(std::io::ErrorKind::NotFound)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use shim_util::testing::assert_each_cause_once;
+
+    /// A standard reporter prints the system's error once.
+    #[test]
+    fn a_reporter_prints_the_cause_once() {
+        let e = crate::read_file("/nonexistent/dir/file", 10).unwrap_err();
+        assert_eq!(
+            assert_each_cause_once(&e),
+            "cannot open directory /nonexistent/dir: No such file or directory (os error 2)"
+        );
     }
 }

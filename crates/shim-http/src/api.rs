@@ -51,7 +51,12 @@ impl ErrorKind {
 }
 
 /// An error answered to an API client: a kind (the status code) and a readable message (the
-/// `text/plain` body). The optional source is logged, never sent.
+/// `text/plain` body). The optional cause is logged, never sent.
+///
+/// It is an answer, not a link in an error chain: the message is what the client may know
+/// (upstream's text replacing the engine's, or, for a 500, the cause's own text with its
+/// causes), so the cause is not its `source()`: a reporter walking sources would print the
+/// cause's text twice. The server logs the cause beside the message.
 #[derive(Debug, thiserror::Error)]
 #[error("{message}")]
 pub struct ApiError {
@@ -59,9 +64,8 @@ pub struct ApiError {
     pub kind: ErrorKind,
     /// The response body.
     pub message: String,
-    /// The underlying error, for the log.
-    #[source]
-    pub source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    /// The underlying error, for the log ([`ApiError::with_source`]).
+    pub cause: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
 }
 
 impl ApiError {
@@ -70,14 +74,14 @@ impl ApiError {
         Self {
             kind,
             message: message.into(),
-            source: None,
+            cause: None,
         }
     }
 
-    /// Attaches the underlying error (logged, not sent).
+    /// Attaches the underlying error as the cause (logged, not sent).
     #[must_use]
     pub fn with_source(mut self, source: impl std::error::Error + Send + Sync + 'static) -> Self {
-        self.source = Some(Box::new(source));
+        self.cause = Some(Box::new(source));
         self
     }
 
@@ -229,8 +233,10 @@ pub struct ComponentInfo {
     pub status: ComponentStatus,
 }
 
-/// What the HTTP layer needs from the engine. Implemented by the engine (and by fakes in
-/// tests); every method is called from a request handler, so none may block.
+/// What the HTTP layer needs from the engine. `shim-engine` knows nothing of HTTP: the
+/// `dstack-shim` binary implements this over its `Engine` (its `adapter.rs`), mapping engine
+/// errors to [`ErrorKind`]s; tests implement it with fakes. Every method is called from a
+/// request handler, so none may block.
 #[async_trait]
 pub trait ShimApi: Send + Sync + 'static {
     /// Validated config in, `pending` TaskInfo out once the task is persisted.
@@ -352,7 +358,9 @@ impl Readiness {
     }
 }
 
-/// What the HTTP layer needs from the component installer (implemented by `shim-components`).
+/// What the HTTP layer needs from the component installer. `shim-components` knows nothing
+/// of HTTP: the `dstack-shim` binary implements this over its `Components` (its
+/// `components.rs`), mapping its errors to [`ErrorKind`]s; tests implement it with fakes.
 #[async_trait]
 pub trait ComponentsApi: Send + Sync + 'static {
     /// The state of every component, runner first.

@@ -12,6 +12,7 @@ use http::{Request, Response, StatusCode};
 use hyper::body::Body;
 use serde::Serialize;
 use shim_task::{PortMapping, PullProgress, TaskConfig, TaskId, TaskInfo, TerminationReason};
+use shim_util::error_chain;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::ErrorKind;
@@ -82,8 +83,9 @@ where
         Err(err) => {
             let status = err.status();
             if status.is_server_error() {
+                let cause = err.cause.as_deref().map(|c| error_chain(c));
                 tracing::error!(%method, %path, status = status.as_u16(), error = %err,
-                    source = ?err.source, "request failed");
+                    cause = cause.as_deref().unwrap_or_default(), "request failed");
             } else {
                 tracing::debug!(%method, %path, status = status.as_u16(), error = %err, "request refused");
             }
@@ -98,7 +100,7 @@ where
 pub(crate) fn error_response(err: &ApiError) -> Response<ResponseBody> {
     let mut resp = go_error(err.status(), &err.message);
     if let Some(allowed) = err
-        .source
+        .cause
         .as_deref()
         .and_then(|s| s.downcast_ref::<MethodNotAllowed>())
         && let Ok(value) = http::HeaderValue::from_str(&allowed.allowed.join(", "))
@@ -199,7 +201,7 @@ fn task_id(raw: Option<&str>, not_found: impl FnOnce() -> ApiError) -> Result<Ta
     TaskId::new(raw.unwrap_or_default()).map_err(|e| not_found().with_source(e))
 }
 
-/// Upstream's message for an unknown task, replacing the engine's (kept as the source).
+/// Upstream's message for an unknown task, replacing the engine's (kept as the cause).
 fn upstream_not_found(e: ApiError, message: impl Into<String>) -> ApiError {
     if e.kind == ErrorKind::NotFound {
         let message = message.into();

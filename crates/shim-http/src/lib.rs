@@ -142,6 +142,32 @@ mod tests {
             MIN_COMPATIBLE_VERSION
         ));
     }
+
+    /// Every error with a cause, as a standard reporter prints it: each cause once. An
+    /// [`ApiError`] reports none: its message is the answer, its cause is logged beside it.
+    #[test]
+    fn a_reporter_prints_each_cause_once() {
+        use shim_util::testing::assert_each_cause_once;
+        let io = || std::io::Error::from_raw_os_error(98);
+        let addr = SocketAddr::from(([127, 0, 0, 1], 10998));
+        for e in [
+            Error::BindTcp { addr, source: io() },
+            Error::Inherited {
+                why: "it has no TCP address".into(),
+                source: Some(io()),
+            },
+            Error::UnixSocket {
+                path: "/run/shim.sock".into(),
+                op: "bind",
+                source: io(),
+            },
+        ] {
+            assert_each_cause_once(&e);
+        }
+        let e = ApiError::internal("cannot write x: disk full").with_source(io());
+        assert!(std::error::Error::source(&e).is_none());
+        assert_eq!(shim_util::error_chain(&e), "cannot write x: disk full");
+    }
 }
 
 /// The code in this crate's README, compiled as a doctest so it stays true.

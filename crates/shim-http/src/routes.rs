@@ -265,7 +265,7 @@ mod tests {
         assert_eq!(e.kind, ErrorKind::MethodNotAllowed);
         assert_eq!(e.message, "Method Not Allowed");
         let allowed = e
-            .source
+            .cause
             .as_deref()
             .unwrap()
             .downcast_ref::<MethodNotAllowed>();

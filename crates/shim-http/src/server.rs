@@ -690,6 +690,6 @@ async fn connection<I>(
 
 fn log_conn_end(res: Result<(), hyper::Error>) {
     if let Err(e) = res {
-        tracing::debug!(error = %e, "connection ended with an error");
+        tracing::debug!(error = %shim_util::error_chain(&e), "connection ended with an error");
     }
 }

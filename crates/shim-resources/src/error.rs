@@ -1,4 +1,6 @@
 //! The crate's error type: every variant says which path, device, user or command it concerns.
+//! Its `Display` describes its own level only; the cause is its `source()` (print the whole
+//! with [`shim_util::error_chain`]).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -11,7 +13,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[non_exhaustive]
 pub enum Error {
     /// A file system operation failed.
-    #[error("{action} {}: {source}", path.display())]
+    #[error("{action} {}", path.display())]
     Io {
         /// What was being done (`read`, `rename`, …).
         action: &'static str,
@@ -41,7 +43,7 @@ pub enum Error {
         user: String,
     },
     /// The passwd lookup itself failed.
-    #[error("cannot look up user {user:?}: {source}")]
+    #[error("cannot look up user {user:?}")]
     UserLookup {
         /// The user looked up.
         user: String,
@@ -53,33 +55,9 @@ pub enum Error {
     /// directory or a regular file is required: nothing was read or written through it).
     #[error(transparent)]
     Fs(#[from] shim_fs::Error),
-    /// A command could not be started.
-    #[error("cannot run {program}: {source}")]
-    Spawn {
-        /// The program.
-        program: String,
-        /// The underlying error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A command ran past its time limit and was killed.
-    #[error("{program} did not finish within {timeout:?}")]
-    CommandTimedOut {
-        /// The program.
-        program: String,
-        /// The limit.
-        timeout: Duration,
-    },
-    /// A command exited with an unexpected status.
-    #[error("{command} failed (exit code {code:?}): {stderr}")]
-    CommandFailed {
-        /// The command line, for the message.
-        command: String,
-        /// The exit code (`None` when killed by a signal).
-        code: Option<i32>,
-        /// The end of its stderr (or stdout when stderr is empty).
-        stderr: String,
-    },
+    /// A host tool could not be started, ran past its time limit, or failed.
+    #[error(transparent)]
+    Command(#[from] shim_util::CommandError),
     /// A tool's output could not be understood.
     #[error("cannot parse the output of {tool}: {why}")]
     Parse {
@@ -150,7 +128,7 @@ pub enum Error {
         signature: String,
     },
     /// Mounting failed.
-    #[error("cannot mount {} on {}: {source}", device.display(), target.display())]
+    #[error("cannot mount {} on {}", device.display(), target.display())]
     Mount {
         /// The device.
         device: PathBuf,
@@ -161,7 +139,7 @@ pub enum Error {
         source: nix::errno::Errno,
     },
     /// Unmounting failed.
-    #[error("cannot unmount {}: {source}", target.display())]
+    #[error("cannot unmount {}", target.display())]
     Unmount {
         /// The mount point.
         target: PathBuf,
@@ -170,7 +148,7 @@ pub enum Error {
         source: nix::errno::Errno,
     },
     /// A system call other than mount failed.
-    #[error("{action} {}: {source}", path.display())]
+    #[error("{action} {}", path.display())]
     Sys {
         /// What was being done.
         action: &'static str,
@@ -181,7 +159,7 @@ pub enum Error {
         source: nix::errno::Errno,
     },
     /// JSON could not be produced.
-    #[error("cannot encode {what}: {source}")]
+    #[error("cannot encode {what}")]
     Json {
         /// What was being encoded.
         what: &'static str,
@@ -190,7 +168,7 @@ pub enum Error {
         source: serde_json::Error,
     },
     /// A blocking job panicked or was cancelled.
-    #[error("background job {what} failed: {source}")]
+    #[error("background job {what} failed")]
     Join {
         /// The job.
         what: &'static str,
@@ -220,4 +198,72 @@ pub(crate) fn io_err<'a>(
     path: &'a std::path::Path,
 ) -> impl FnOnce(std::io::Error) -> Error + 'a {
     move |source| Error::io(action, path, source)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use shim_util::testing::assert_each_cause_once;
+
+    use super::*;
+    use crate::volumes::{Mounter as _, SystemMounter};
+
+    /// Every variant with a cause, as a standard reporter prints it: each cause once.
+    #[tokio::test]
+    async fn a_reporter_prints_each_cause_once() {
+        let io = || std::io::Error::from_raw_os_error(5);
+        let errno = nix::errno::Errno::EBUSY;
+        let job = tokio::spawn(std::future::pending::<()>());
+        job.abort();
+        let join = job.await.unwrap_err();
+        let json = serde_json::from_str::<u8>("x").unwrap_err();
+        let fs = shim_fs::read_file("/nonexistent/dir/file", 10).unwrap_err();
+        let cases: Vec<Error> = vec![
+            Error::io("read", "/x", io()),
+            Error::UserLookup {
+                user: "u".into(),
+                source: errno,
+            },
+            Error::Fs(fs),
+            Error::Command(shim_util::CommandError::Spawn {
+                program: "mkfs.ext4".into(),
+                source: io(),
+            }),
+            Error::Mount {
+                device: "/dev/x".into(),
+                target: "/m".into(),
+                source: errno,
+            },
+            Error::Unmount {
+                target: "/m".into(),
+                source: errno,
+            },
+            Error::Sys {
+                action: "stat",
+                path: "/x".into(),
+                source: errno,
+            },
+            Error::Json {
+                what: "host info",
+                source: json,
+            },
+            Error::Join {
+                what: "mount",
+                source: join,
+            },
+        ];
+        for e in &cases {
+            assert_each_cause_once(e);
+        }
+        // And one from a real failure, as the API and a task's message show it.
+        let e = SystemMounter::new("/nonexistent/mountinfo")
+            .is_mounted(Path::new("/m"))
+            .unwrap_err();
+        assert_eq!(
+            assert_each_cause_once(&e),
+            "read /nonexistent/mountinfo: failed to open file `/nonexistent/mountinfo`: No \
+             such file or directory (os error 2)"
+        );
+    }
 }

@@ -1,10 +1,11 @@
-//! Fakes for the engine's tests (`cfg(test)` or feature `test-support`): volumes, the mount system calls and
-//! authorized_keys that record calls and fail on demand. GPUs need no fake: use
+//! Fakes for the tests of this crate and the engine's (`cfg(test)` or feature
+//! `test-support`): volumes, the mount system calls and authorized_keys that record calls and
+//! fail on demand, and a fixed user table ([`StaticUserDb`]). GPUs need no fake: use
 //! [`crate::gpu::HostGpus::fake_nvidia`] with a real [`crate::gpu::GpuLock`], or a
-//! [`crate::gpu::GpuDetector`] over a temporary device root with a
-//! [`crate::cmd::ScriptedCommandRunner`].
+//! [`crate::gpu::GpuDetector`] over a temporary device root with a [`ScriptedCommandRunner`]
+//! (the command runner's fake, from [`shim_util`], re-exported here).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -12,8 +13,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use shim_task::{MountedVolume, PublicKey, TaskId, VolumeSpec};
 
+pub use shim_util::fake::ScriptedCommandRunner;
+
 use crate::error::{Error, Result};
-use crate::keys::AuthorizedKeys;
+use crate::keys::{AuthorizedKeys, UserDb, UserEntry};
 use crate::volumes::{Mounter, VolumeManager};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -109,11 +112,9 @@ fn set(m: &Mutex<BTreeSet<String>>, name: &str, on: bool) {
 }
 
 fn fake_error(what: &str) -> Error {
-    Error::CommandFailed {
-        command: format!("fake {what}"),
-        code: Some(1),
-        stderr: "injected failure".to_owned(),
-    }
+    shim_util::CommandOutput::exit(1, "injected failure")
+        .failure(&shim_util::Command::new("fake").arg(what))
+        .into()
 }
 
 #[async_trait]
@@ -314,6 +315,50 @@ impl AuthorizedKeys for FakeAuthorizedKeys {
             return Err(fake_error("authorized_keys remove"));
         }
         Ok(())
+    }
+}
+
+/// A fixed user table, the fake of the passwd database: each user maps to a home directory,
+/// owned by the current uid/gid unless given otherwise.
+#[derive(Debug, Clone, Default)]
+pub struct StaticUserDb {
+    users: HashMap<String, UserEntry>,
+}
+
+impl StaticUserDb {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds `user` with home `home`, owned by the current process's uid and gid.
+    pub fn with_user(mut self, user: &str, home: impl Into<PathBuf>) -> Self {
+        self.users.insert(
+            user.to_owned(),
+            UserEntry {
+                home: home.into(),
+                uid: nix::unistd::getuid().as_raw(),
+                gid: nix::unistd::getgid().as_raw(),
+            },
+        );
+        self
+    }
+
+    /// Adds `user` with an explicit entry.
+    pub fn with_entry(mut self, user: &str, entry: UserEntry) -> Self {
+        self.users.insert(user.to_owned(), entry);
+        self
+    }
+}
+
+impl UserDb for StaticUserDb {
+    fn lookup(&self, user: &str) -> Result<UserEntry> {
+        self.users
+            .get(user)
+            .cloned()
+            .ok_or_else(|| Error::UnknownUser {
+                user: user.to_owned(),
+            })
     }
 }
 

@@ -212,16 +212,16 @@ pub fn collect(docker_root_dir: &Path, gpus: &HostGpus) -> HostInfo {
         gpu_memory: first.map_or(0, |g| g.memory_mib),
         gpu_count: gpus.gpus.len(),
         addresses: network_addresses().unwrap_or_else(|e| {
-            tracing::error!(error = %e, "cannot list the network addresses");
+            tracing::error!(error = %shim_util::error_chain(&e), "cannot list the network addresses");
             Vec::new()
         }),
         disk_size: disk_size(docker_root_dir).unwrap_or_else(|e| {
-            tracing::error!(error = %e, "cannot get the disk size");
+            tracing::error!(error = %shim_util::error_chain(&e), "cannot get the disk size");
             0
         }),
         cpus: cpu_count(),
         memory: total_memory().unwrap_or_else(|e| {
-            tracing::error!(error = %e, "cannot get the total memory");
+            tracing::error!(error = %shim_util::error_chain(&e), "cannot get the total memory");
             0
         }),
     }

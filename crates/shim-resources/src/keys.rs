@@ -37,14 +37,16 @@
 //! are created, owned by the user, when missing. Updates are serialized within a manager,
 //! which is meant to be a single instance per process.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use async_trait::async_trait;
 use shim_fs::{Dir, Owner, WriteOptions};
 use shim_task::{PublicKey, TaskId};
+use shim_util::error_chain;
 
+use crate::blocking::blocking;
 use crate::error::{Error, Result};
 
 /// The suffix of every line the shim writes.
@@ -97,50 +99,6 @@ impl UserDb for SystemUserDb {
                 source,
             }),
         }
-    }
-}
-
-/// A fixed user table, for tests: each user maps to a home directory, owned by the current
-/// uid/gid unless given otherwise.
-#[derive(Debug, Clone, Default)]
-pub struct StaticUserDb {
-    users: HashMap<String, UserEntry>,
-}
-
-impl StaticUserDb {
-    /// An empty table.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Adds `user` with home `home`, owned by the current process's uid and gid.
-    pub fn with_user(mut self, user: &str, home: impl Into<PathBuf>) -> Self {
-        self.users.insert(
-            user.to_owned(),
-            UserEntry {
-                home: home.into(),
-                uid: nix::unistd::getuid().as_raw(),
-                gid: nix::unistd::getgid().as_raw(),
-            },
-        );
-        self
-    }
-
-    /// Adds `user` with an explicit entry.
-    pub fn with_entry(mut self, user: &str, entry: UserEntry) -> Self {
-        self.users.insert(user.to_owned(), entry);
-        self
-    }
-}
-
-impl UserDb for StaticUserDb {
-    fn lookup(&self, user: &str) -> Result<UserEntry> {
-        self.users
-            .get(user)
-            .cloned()
-            .ok_or_else(|| Error::UnknownUser {
-                user: user.to_owned(),
-            })
     }
 }
 
@@ -374,7 +332,7 @@ impl AuthorizedKeysManager {
                     tracing::debug!(task = %task, user = %u, "no such user; no keys to remove");
                 }
                 Err(e) => {
-                    tracing::warn!(task = %task, user = %u, error = %e, "cannot remove host SSH keys");
+                    tracing::warn!(task = %task, user = %u, error = %error_chain(&e), "cannot remove host SSH keys");
                     first_err.get_or_insert(e);
                 }
             }
@@ -412,17 +370,28 @@ impl AuthorizedKeysManager {
     }
 }
 
+impl AuthorizedKeysManager {
+    /// Runs `op` (one of the `*_blocking` methods) for the task's keys on the blocking pool:
+    /// it reads and replaces files.
+    async fn off_worker(
+        &self,
+        what: &'static str,
+        task: &TaskId,
+        user: &str,
+        keys: &[PublicKey],
+        op: fn(&Self, &TaskId, &str, &[PublicKey]) -> Result<()>,
+    ) -> Result<()> {
+        let this = self.clone();
+        let (task, user, keys) = (task.clone(), user.to_owned(), keys.to_vec());
+        blocking(what, move || op(&this, &task, &user, &keys)).await
+    }
+}
+
 #[async_trait]
 impl AuthorizedKeys for AuthorizedKeysManager {
     async fn add(&self, task: &TaskId, user: &str, keys: &[PublicKey]) -> Result<()> {
-        let this = self.clone();
-        let (task, user, keys) = (task.clone(), user.to_owned(), keys.to_vec());
-        tokio::task::spawn_blocking(move || this.add_blocking(&task, &user, &keys))
+        self.off_worker("authorized_keys add", task, user, keys, Self::add_blocking)
             .await
-            .map_err(|source| Error::Join {
-                what: "authorized_keys add",
-                source,
-            })?
     }
 
     fn restore(&self, task: &TaskId, user: &str, keys: &[PublicKey]) {
@@ -447,25 +416,25 @@ impl AuthorizedKeys for AuthorizedKeysManager {
     }
 
     async fn remove_upstream(&self, task: &TaskId, user: &str, keys: &[PublicKey]) -> Result<()> {
-        let this = self.clone();
-        let (task, user, keys) = (task.clone(), user.to_owned(), keys.to_vec());
-        tokio::task::spawn_blocking(move || this.remove_upstream_blocking(&task, &user, &keys))
-            .await
-            .map_err(|source| Error::Join {
-                what: "authorized_keys remove",
-                source,
-            })?
+        self.off_worker(
+            "authorized_keys remove",
+            task,
+            user,
+            keys,
+            Self::remove_upstream_blocking,
+        )
+        .await
     }
 
     async fn remove(&self, task: &TaskId, user: &str, keys: &[PublicKey]) -> Result<()> {
-        let this = self.clone();
-        let (task, user, keys) = (task.clone(), user.to_owned(), keys.to_vec());
-        tokio::task::spawn_blocking(move || this.remove_blocking(&task, &user, &keys))
-            .await
-            .map_err(|source| Error::Join {
-                what: "authorized_keys remove",
-                source,
-            })?
+        self.off_worker(
+            "authorized_keys remove",
+            task,
+            user,
+            keys,
+            Self::remove_blocking,
+        )
+        .await
     }
 }
 

@@ -29,14 +29,14 @@
 //! - [`host`] — [`HostInfo`], [`host::collect`] (facts as upstream computes them; 0 when
 //!   unreadable), [`write_host_info`] and [`write_host_info_once`]: upstream's
 //!   `host_info.json`.
-//! - [`cmd`] — [`CommandRunner`], the injectable way every host tool is run
-//!   ([`SystemCommandRunner`]; [`ScriptedCommandRunner`] answers from a script in tests).
+//! - Host tools run through the injected [`CommandRunner`] of [`shim_util`] (re-exported:
+//!   [`SystemCommandRunner`]; `fake::ScriptedCommandRunner` answers from a script in tests).
 //!
 //! Durable writes (authorized_keys, host_info.json) go through [`shim_fs`].
 //!
 //! Errors: one [`Error`] enum; every variant names the path, device, user or command.
 
-pub mod cmd;
+mod blocking;
 pub mod dirs;
 pub mod error;
 #[cfg(any(test, feature = "test-support"))]
@@ -46,14 +46,14 @@ pub mod host;
 pub mod keys;
 pub mod volumes;
 
-pub use cmd::{CommandOutput, CommandRunner, ScriptedCommandRunner, SystemCommandRunner};
 pub use dirs::ensure_instance_dir;
 pub use error::{Error, Result};
+#[cfg(any(test, feature = "test-support"))]
+pub use fake::StaticUserDb;
 pub use gpu::{GpuDetector, GpuInfo, GpuLock, GpuVendor, HostGpus};
 pub use host::{HOST_INFO_FILE, HostInfo, write_host_info, write_host_info_once};
-pub use keys::{
-    AuthorizedKeys, AuthorizedKeysManager, StaticUserDb, SystemUserDb, UserDb, UserEntry,
-};
+pub use keys::{AuthorizedKeys, AuthorizedKeysManager, SystemUserDb, UserDb, UserEntry};
+pub use shim_util::{Command, CommandError, CommandOutput, CommandRunner, SystemCommandRunner};
 pub use volumes::{
     BlockVolumes, DEFAULT_VOLUMES_ROOT, Mounter, SystemMounter, VolumeConfig, VolumeManager,
 };

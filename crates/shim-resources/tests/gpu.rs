@@ -5,13 +5,12 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use shim_resources::fake::ScriptedCommandRunner;
 use shim_resources::gpu::{
     AMD_SMI_IMAGE, GpuInfo, TT_SMI_IMAGE, parse_amd_smi, parse_hl_smi, parse_nvidia_smi,
     parse_tt_smi,
 };
-use shim_resources::{
-    CommandOutput, Error, GpuDetector, GpuLock, GpuVendor, HostGpus, ScriptedCommandRunner,
-};
+use shim_resources::{CommandOutput, Error, GpuDetector, GpuLock, GpuVendor, HostGpus};
 
 fn fixture(name: &str) -> String {
     let p = Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -398,13 +398,12 @@ struct CountingRunner {
 impl shim_resources::CommandRunner for CountingRunner {
     async fn run(
         &self,
-        program: &str,
-        args: &[&str],
-    ) -> shim_resources::Result<shim_resources::CommandOutput> {
-        if program == "mkfs.ext4" {
+        command: &shim_resources::Command,
+    ) -> Result<shim_resources::CommandOutput, shim_resources::CommandError> {
+        if command.get_program() == Path::new("mkfs.ext4") {
             self.mkfs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }
-        self.inner.run(program, args).await
+        self.inner.run(command).await
     }
 }
 

@@ -5,12 +5,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use shim_resources::fake::ScriptedCommandRunner;
 use shim_resources::volumes::{
     Probe, aws_fallback_names, find_aws_device, is_mount_point_in, parse_blkid,
 };
-use shim_resources::{
-    BlockVolumes, CommandOutput, Error, ScriptedCommandRunner, VolumeConfig, VolumeManager,
-};
+use shim_resources::{BlockVolumes, CommandOutput, Error, VolumeConfig, VolumeManager};
 use shim_task::{MountedVolume, TaskName, VolumeBackend, VolumeSpec};
 
 fn fixture(name: &str) -> String {

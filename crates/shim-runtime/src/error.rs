@@ -1,4 +1,6 @@
-//! The crate's error type: every foreign error is translated into it once, at the edge.
+//! The crate's error type: every foreign error is translated into it once, at the edge. Its
+//! `Display` describes its own level only; the foreign error is its `source()` (print the
+//! whole with [`shim_util::error_chain`]).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -123,16 +125,39 @@ impl RuntimeError {
             Self::Daemon { message, .. }
             | Self::Conflict { message, .. }
             | Self::PullFailed { message, .. } => message.clone(),
-            other => {
-                let mut text = other.to_string();
-                let mut source = std::error::Error::source(other);
-                while let Some(err) = source {
-                    text.push_str(": ");
-                    text.push_str(&err.to_string());
-                    source = err.source();
-                }
-                text
-            }
+            other => shim_util::error_chain(other),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use shim_util::testing::assert_each_cause_once;
+
+    use super::*;
+
+    /// Every variant with a cause, as a standard reporter prints it: each cause once.
+    #[test]
+    fn a_reporter_prints_each_cause_once() {
+        let io = || std::io::Error::from_raw_os_error(111);
+        for e in [
+            RuntimeError::DaemonUnavailable {
+                op: "create",
+                what: "container c1".into(),
+                source: Box::new(io()),
+            },
+            RuntimeError::PullLog {
+                path: "/x/pull.log".into(),
+                source: io(),
+            },
+            RuntimeError::Other {
+                op: "inspect",
+                what: "container c1".into(),
+                source: Box::new(io()),
+            },
+        ] {
+            let chain = assert_each_cause_once(&e);
+            assert_eq!(e.message(), chain);
         }
     }
 }

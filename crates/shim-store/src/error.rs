@@ -1,4 +1,5 @@
-//! The store's errors.
+//! The store's errors. Their `Display` describes their own level only; the cause is their
+//! `source()` (print the whole with [`shim_util::error_chain`]).
 
 use std::io;
 use std::path::PathBuf;
@@ -73,7 +74,7 @@ pub enum RecordError {
     #[error("the file is empty")]
     Empty,
     /// The file is not JSON, is truncated, or does not hold a task record.
-    #[error("not a valid task record: {0}")]
+    #[error("not a valid task record")]
     Malformed(#[source] serde_json::Error),
     /// The envelope's schema version is newer than this shim understands.
     #[error("written by a newer shim (schema {0})")]
@@ -102,3 +103,35 @@ pub enum RecordError {
 
 /// The store's result type.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use shim_util::testing::assert_each_cause_once;
+
+    use super::*;
+
+    /// Every variant with a cause, as a standard reporter prints it: each cause once.
+    #[test]
+    fn a_reporter_prints_each_cause_once() {
+        let io = || io::Error::from_raw_os_error(28);
+        let json = || serde_json::from_str::<u8>("x").unwrap_err();
+        let id = TaskId::new("t1").unwrap();
+        for e in [
+            StoreError::Io {
+                context: "writing the state of task t1".into(),
+                source: io(),
+            },
+            StoreError::Unreadable {
+                path: "/x/task.json".into(),
+                source: RecordError::Malformed(json()),
+            },
+            StoreError::Unreadable {
+                path: "/x/task.json".into(),
+                source: RecordError::Io(io()),
+            },
+            StoreError::Serialize { id, source: json() },
+        ] {
+            assert_each_cause_once(&e);
+        }
+    }
+}

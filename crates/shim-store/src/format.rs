@@ -31,6 +31,7 @@ use shim_task::{
     GpuDevice, InstanceMountPoint, KeyLine, NetworkMode, Resources, TaskConfig, TaskId, TaskName,
     TaskRecord, TaskStatus, TerminationReason, VolumeMountPoint, VolumeSpec,
 };
+use shim_util::error_chain;
 
 use crate::error::RecordError;
 
@@ -268,7 +269,7 @@ pub(crate) fn decode(
             // break, which this shim refuses at submit): the task is still adopted, without
             // its config, rather than its state file being moved aside.
             Err(e) if file.rust_shim.is_none() => {
-                tracing::warn!(task = %file.id, error = %e, "config written by the upstream shim not understood; adopting the task without it");
+                tracing::warn!(task = %file.id, error = %error_chain(&e), "config written by the upstream shim not understood; adopting the task without it");
                 None
             }
             Err(e) => return Err(RecordError::Malformed(e)),

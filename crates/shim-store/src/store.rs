@@ -8,6 +8,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use fs_err as fs;
 use shim_fs::{Dir, FileKind, WriteOptions};
 use shim_task::TaskRecord;
+use shim_util::error_chain;
 
 use crate::error::{RecordError, Result, StoreError};
 use crate::format::{self, Expect, MAX_RECORD_BYTES, Origin};
@@ -229,7 +230,7 @@ impl Store {
         let (runners, _) = ensure_dir(&home_handle, RUNNERS_DIR, RUNNERS_DIR_MODE)?;
         // A crash while writing the owner identity leaves a temp file there.
         if let Err(e) = home_handle.remove_stale_temps(OWNER_FILE) {
-            tracing::warn!(error = %e, "cannot remove stale temp files from the shim home");
+            tracing::warn!(error = %error_chain(&e), "cannot remove stale temp files from the shim home");
         }
         Ok(Self {
             home: home.to_owned(),
@@ -305,7 +306,7 @@ impl Store {
             .and_then(|()| self.runners.sync().map_err(fs_err_ctx(writing(record))));
         if let Err(e) = written {
             if let Err(rm) = dir.remove_file(STATE_FILE) {
-                tracing::warn!(error = %rm, path = %paths.state_file.display(), "cannot remove the state file of a failed submit");
+                tracing::warn!(error = %error_chain(&rm), path = %paths.state_file.display(), "cannot remove the state file of a failed submit");
             }
             return Err(e);
         }
@@ -350,7 +351,7 @@ impl Store {
         }
         fs::remove_dir(&paths.dir).map_err(io_err(ctx()))?;
         if let Err(e) = self.runners.sync() {
-            tracing::warn!(error = %e, "cannot sync the runners directory");
+            tracing::warn!(error = %error_chain(&e), "cannot sync the runners directory");
         }
         Ok(true)
     }
@@ -443,7 +444,7 @@ impl Store {
         };
         // Temp files left by a write that a crash interrupted (never this process's own).
         if let Err(e) = handle.remove_stale_temps(STATE_FILE) {
-            tracing::warn!(error = %e, "cannot remove stale temp files");
+            tracing::warn!(error = %error_chain(&e), "cannot remove stale temp files");
         }
         let state_file = dir.join(STATE_FILE);
         let error = match read_record(&handle, Expect::Container(&name)) {
@@ -470,19 +471,19 @@ impl Store {
         let moved_to = match fs::rename(&state_file, &target) {
             Ok(()) => {
                 if let Err(e) = handle.sync() {
-                    tracing::warn!(error = %e, "cannot sync a task directory");
+                    tracing::warn!(error = %error_chain(&e), "cannot sync a task directory");
                 }
                 Some(target)
             }
             Err(e) => {
-                tracing::warn!(dir = %dir.display(), error = %e, "cannot move an unusable state file aside");
+                tracing::warn!(dir = %dir.display(), error = %error_chain(&e), "cannot move an unusable state file aside");
                 None
             }
         };
         tracing::warn!(
             file = %state_file.display(),
             moved_to = ?moved_to,
-            error = %error,
+            error = %error_chain(&error),
             "unusable task state file; the task will be restored from its container if any",
         );
         ScanEntry::Corrupt {
@@ -511,10 +512,10 @@ impl Store {
         fs::rename(&paths.dir, &trash)
             .map_err(io_err(format!("deleting {}", paths.dir.display())))?;
         if let Err(e) = self.runners.sync() {
-            tracing::warn!(error = %e, "cannot sync the runners directory after a delete");
+            tracing::warn!(error = %error_chain(&e), "cannot sync the runners directory after a delete");
         }
         if let Err(e) = remove_any(&trash) {
-            tracing::warn!(trash = %trash.display(), error = %e, "cannot remove a deleted task's directory now; it is swept later");
+            tracing::warn!(trash = %trash.display(), error = %error_chain(&e), "cannot remove a deleted task's directory now; it is swept later");
         }
         Ok(())
     }
@@ -525,7 +526,7 @@ impl Store {
         let names = match self.runners.names() {
             Ok(names) => names,
             Err(e) => {
-                tracing::warn!(error = %e, "cannot list the runners directory to sweep the trash");
+                tracing::warn!(error = %error_chain(&e), "cannot list the runners directory to sweep the trash");
                 return 0;
             }
         };
@@ -536,7 +537,9 @@ impl Store {
             }
             match remove_any(&self.runners.join(&name)) {
                 Ok(()) => removed += 1,
-                Err(e) => tracing::warn!(error = %e, "cannot remove a trash directory"),
+                Err(e) => {
+                    tracing::warn!(error = %error_chain(&e), "cannot remove a trash directory")
+                }
             }
         }
         removed
@@ -633,7 +636,7 @@ impl Store {
             let handle = legacy.open_dir(&name).ok().flatten();
             let record = handle.as_ref().and_then(|h| {
                 if let Err(e) = h.remove_stale_temps(STATE_FILE) {
-                    tracing::warn!(error = %e, "cannot remove stale temp files");
+                    tracing::warn!(error = %error_chain(&e), "cannot remove stale temp files");
                 }
                 read_record(h, Expect::TaskId(&name)).ok().flatten()
             });
@@ -680,10 +683,12 @@ impl Store {
             match fs::remove_dir(self.home.join(LEGACY_TASKS_DIR)) {
                 Ok(()) => {
                     if let Err(e) = self.home_handle.sync() {
-                        tracing::warn!(error = %e, "cannot sync the shim home");
+                        tracing::warn!(error = %error_chain(&e), "cannot sync the shim home");
                     }
                 }
-                Err(e) => tracing::warn!(error = %e, "cannot remove the legacy tasks directory"),
+                Err(e) => {
+                    tracing::warn!(error = %error_chain(&e), "cannot remove the legacy tasks directory")
+                }
             }
         }
         Ok(report)
@@ -707,7 +712,9 @@ fn list_dirs(dir: &Dir) -> Result<Vec<String>> {
         match dir.stat(&name) {
             Ok(Some(info)) if info.kind == FileKind::Directory => dirs.push(name),
             Ok(_) => tracing::debug!(path = %dir.join(&name).display(), "not a directory; ignored"),
-            Err(e) => tracing::warn!(error = %e, "cannot stat an entry of a task directory root"),
+            Err(e) => {
+                tracing::warn!(error = %error_chain(&e), "cannot stat an entry of a task directory root")
+            }
         }
     }
     dirs.sort();

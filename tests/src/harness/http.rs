@@ -3,11 +3,12 @@
 //! `Content-Length`, chunked or read-to-close bodies, read whole ([`Request::send`]) or as
 //! they arrive ([`Request::open`]: event streams), and bounded connects and reads.
 
+use std::collections::BTreeMap;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::Value;
 
@@ -596,6 +597,123 @@ impl Api {
             .timeout(Duration::from_secs(10))
             .send(self.addr)
             .is_ok_and(|r| r.status == 200)
+    }
+
+    /// `GET /api/tasks` as a map id → status (every id once).
+    pub fn list(&self) -> io::Result<BTreeMap<String, String>> {
+        let list = self.get("/api/tasks")?;
+        let bad = |what: String| io::Error::other(format!("GET /api/tasks: {what} in {list}"));
+        let tasks = list["tasks"]
+            .as_array()
+            .ok_or_else(|| bad("tasks is not an array".into()))?;
+        let mut map = BTreeMap::new();
+        for t in tasks {
+            let field = |f: &str| {
+                t[f].as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| bad(format!("no {f}")))
+            };
+            if map.insert(field("id")?, field("status")?).is_some() {
+                return Err(bad(format!("a duplicate id {}", t["id"])));
+            }
+        }
+        Ok(map)
+    }
+
+    /// Polls task `id` every `every` until its status is `status`; its TaskInfo and when that
+    /// was first seen. Fails when the task ends (`terminated`) while another status is
+    /// awaited, when an answer is not a TaskInfo, and once `bound` has passed.
+    pub fn wait_status(
+        &self,
+        id: &str,
+        status: &str,
+        every: Duration,
+        bound: Duration,
+    ) -> io::Result<(Value, SystemTime)> {
+        let started = Instant::now();
+        loop {
+            let info = self.task(id)?;
+            let now = status_of(&info);
+            if now == status {
+                return Ok((info, SystemTime::now()));
+            }
+            if now == "terminated" {
+                return Err(io::Error::other(format!(
+                    "task {id} ended while waiting for {status}: {info}"
+                )));
+            }
+            if started.elapsed() > bound {
+                return Err(io::Error::other(format!(
+                    "task {id} not {status} within {bound:?}: {info}"
+                )));
+            }
+            std::thread::sleep(every);
+        }
+    }
+
+    /// Terminates `id` (`POST /api/tasks/<id>/terminate`), which must answer 200 with the
+    /// TaskInfo of a `terminated` task; that TaskInfo.
+    pub fn terminate(
+        &self,
+        id: &str,
+        reason: &str,
+        message: &str,
+        timeout: u64,
+    ) -> io::Result<Value> {
+        let info = self.post(
+            &format!("/api/tasks/{id}/terminate"),
+            &serde_json::json!({
+                "termination_reason": reason,
+                "termination_message": message,
+                "timeout": timeout,
+            }),
+        )?;
+        if status_of(&info) != "terminated" {
+            return Err(io::Error::other(format!(
+                "terminate {id}: the answer is not a terminated task: {info}"
+            )));
+        }
+        Ok(info)
+    }
+
+    /// Removes a terminated task, retrying (every 2 ms at first, backing off to 50 ms) while
+    /// the shim answers 409 because the task's start job has not given it up yet or a release
+    /// is in flight: the dstack server retries too. Fails on any other answer than 200 with
+    /// upstream's empty answer (a lone newline), and once `bound` has passed.
+    pub fn remove_retrying(&self, id: &str, bound: Duration) -> io::Result<()> {
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(2);
+        loop {
+            let removed = self.request("POST", &format!("/api/tasks/{id}/remove"), None)?;
+            let message = removed.body.trim_end();
+            let busy = removed.status == 409
+                && (message.ends_with("is still being started")
+                    || message.ends_with("is releasing its resources"));
+            if busy && started.elapsed() < bound {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(50));
+                continue;
+            }
+            if (removed.status, removed.body.as_str()) != (200, "\n") {
+                return Err(io::Error::other(format!("remove {id}: {removed:?}")));
+            }
+            return Ok(());
+        }
+    }
+
+    /// Terminates (at once: timeout 0) and removes a task, retrying the remove within
+    /// `bound` ([`Api::remove_retrying`]); then the shim must not know it (404 `Not Found`,
+    /// upstream's answer for an unknown task).
+    pub fn finish(&self, id: &str, reason: &str, message: &str, bound: Duration) -> io::Result<()> {
+        self.terminate(id, reason, message, 0)?;
+        self.remove_retrying(id, bound)?;
+        let gone = self.request("GET", &format!("/api/tasks/{id}"), None)?;
+        if (gone.status, gone.body.as_str()) != (404, "Not Found\n") {
+            return Err(io::Error::other(format!(
+                "task {id} is still known after its remove: {gone:?}"
+            )));
+        }
+        Ok(())
     }
 }
 

@@ -12,17 +12,17 @@ use std::ffi::{OsStr, OsString};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
 
 use super::docker::{ContainerSweeper, LABEL_OWNER, container_running, docker_at_ok};
-use super::http::{Request, Response, status_of};
+use super::http::{Api, Request, Response};
 use super::layout::{task_dir, tasks_dir, write_runner_exit};
 use super::process::{ShimProcess, free_port, shim_binary, shim_command};
 use super::supervisor::Supervisor;
-use super::wait::wait_for;
+use super::wait::{POLL, wait_for};
 
 /// How many fake GPUs a [`TestShim`] has (`--fake-gpus`).
 pub const FAKE_GPUS: usize = 4;
@@ -440,6 +440,12 @@ impl TestShim {
         SocketAddr::from(([127, 0, 0, 1], self.port))
     }
 
+    /// The API of the current (or last) start, whose methods return errors instead of
+    /// failing the test.
+    pub fn api(&self) -> Api {
+        Api { addr: self.addr() }
+    }
+
     /// Sends `request`; the answer, or the error if none came.
     pub fn try_send(&self, request: &Request) -> std::io::Result<Response> {
         request.send(self.addr())
@@ -510,80 +516,36 @@ impl TestShim {
         self.send(&Request::post(&format!("/api/tasks/{id}/remove")))
     }
 
-    /// Removes a terminated task, retrying (bounded; every 2 ms at first, backing off to
-    /// 50 ms) while the shim answers 409 because the task's start job has not given it up
-    /// yet or a release is in flight: the dstack server retries too. Any other answer than
-    /// 200 (a lone newline, upstream's empty answer) fails.
+    /// Removes a terminated task, retrying while its start or release is in flight
+    /// ([`Api::remove_retrying`], bounded by [`WAIT_BOUND`]).
     pub fn remove_retrying(&self, id: &str) {
-        let started = Instant::now();
-        let mut pause = Duration::from_millis(2);
-        loop {
-            let removed = self.remove(id);
-            let message = removed.body.trim_end();
-            if removed.status == 409
-                && (message.ends_with("is still being started")
-                    || message.ends_with("is releasing its resources"))
-            {
-                assert!(started.elapsed() < WAIT_BOUND, "remove {id}: {removed:?}");
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(50));
-                continue;
-            }
-            assert_eq!(
-                (removed.status, removed.body.as_str()),
-                (200, "\n"),
-                "remove {id}: {removed:?}"
-            );
-            return;
-        }
+        self.api()
+            .remove_retrying(id, WAIT_BOUND)
+            .unwrap_or_else(|e| panic!("{e}"));
     }
 
-    /// `GET /api/tasks` as a map id → status (every id once).
+    /// `GET /api/tasks` as a map id → status (every id once; [`Api::list`]).
     pub fn list(&self) -> BTreeMap<String, String> {
-        let list = self.get("/api/tasks").ok();
-        let tasks = list["tasks"]
-            .as_array()
-            .unwrap_or_else(|| panic!("tasks is not an array: {list}"));
-        let map: BTreeMap<String, String> = tasks
-            .iter()
-            .map(|t| {
-                let field = |f: &str| {
-                    t[f].as_str()
-                        .unwrap_or_else(|| panic!("no {f} in {t}"))
-                        .to_owned()
-                };
-                (field("id"), field("status"))
-            })
-            .collect();
-        assert_eq!(map.len(), tasks.len(), "duplicate ids in {list}");
-        map
+        self.api().list().unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// Polls the task (bounded) until its status is `status`; a task that ends while another
-    /// status is awaited fails the test at once.
+    /// Polls the task (every [`POLL`], bounded by [`WAIT_BOUND`]) until its status is
+    /// `status`; a task that ends while another status is awaited fails the test at once
+    /// ([`Api::wait_status`]).
     pub fn wait_status(&self, id: &str, status: &str) -> Value {
-        wait_for(&format!("task {id} {status}"), WAIT_BOUND, || {
-            let info = self.info(id);
-            if status_of(&info) == status {
-                return Ok(info);
-            }
-            assert!(
-                status_of(&info) != "terminated",
-                "task {id} ended while waiting for {status}: {info}"
-            );
-            Err(info.to_string())
-        })
+        self.api()
+            .wait_status(id, status, POLL, WAIT_BOUND)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .0
     }
 
     /// Terminates (if needed) and removes a task over the API, checking both answers and
-    /// that the task is gone (404 `Not Found`, upstream's answer for an unknown task).
+    /// that the task is gone ([`Api::finish`]).
     pub fn finish(&self, id: &str) {
         let message = format!("{} clean-up", self.label);
-        let info = self.terminate(id, "terminated_by_server", &message, 0).ok();
-        assert_eq!(status_of(&info), "terminated", "{info}");
-        self.remove_retrying(id);
-        self.get(&format!("/api/tasks/{id}"))
-            .assert_error(404, "Not Found");
+        self.api()
+            .finish(id, "terminated_by_server", &message, WAIT_BOUND)
+            .unwrap_or_else(|e| panic!("{e}"));
     }
 
     // -----------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context as _, Result, bail};
 use serde_json::{Value, json};
-use shim_e2e::harness::{self, Api, ContainerSweeper, Request, ShimProcess, status_of};
+use shim_e2e::harness::{self, Api, ContainerSweeper, Request, ShimProcess};
 
 use super::dockerapi::{Docker, EVENTS_IDLE, Events, Framing};
 use crate::proc;
@@ -294,30 +294,15 @@ impl BenchShim {
         self.wait_status(id, "running", every).map(|(info, _)| info)
     }
 
-    /// Polls the task every `every` until its status is `status` (bounded); its TaskInfo and
-    /// when that was first seen.
+    /// Polls the task every `every` until its status is `status` (bounded by [`BOUND`]); its
+    /// TaskInfo and when that was first seen.
     pub fn wait_status(
         &self,
         id: &str,
         status: &str,
         every: Duration,
     ) -> Result<(Value, SystemTime)> {
-        let api = self.api();
-        let started = Instant::now();
-        loop {
-            let info = api.task(id)?;
-            let now = status_of(&info);
-            if now == status {
-                return Ok((info, SystemTime::now()));
-            }
-            if now == "terminated" {
-                bail!("task {id} ended while waiting for {status}: {info}");
-            }
-            if started.elapsed() > BOUND {
-                bail!("task {id} not {status} after {BOUND:?}: {info}");
-            }
-            std::thread::sleep(every);
-        }
+        Ok(self.api().wait_status(id, status, every, BOUND)?)
     }
 
     /// The task's runner directory on the host.
@@ -325,30 +310,17 @@ impl BenchShim {
         harness::runner_dir(&self.home, info)
     }
 
-    /// Terminates (timeout 0) and removes the task.
+    /// Terminates (timeout 0) and removes the task, retrying the remove while its start or
+    /// release is in flight (bounded by [`BOUND`]).
     pub fn finish(&self, id: &str) -> Result<()> {
-        let api = self.api();
-        api.post(
-            &format!("/api/tasks/{id}/terminate"),
-            &json!({"termination_reason": "terminated_by_user", "termination_message": "", "timeout": 0}),
-        )?;
-        let started = Instant::now();
-        loop {
-            let removed = api.request("POST", &format!("/api/tasks/{id}/remove"), None)?;
-            match removed.status {
-                200 => return Ok(()),
-                409 if started.elapsed() < BOUND => std::thread::sleep(Duration::from_millis(5)),
-                _ => bail!("remove {id}: {} {}", removed.status, removed.body),
-            }
-        }
+        Ok(self.api().finish(id, "terminated_by_user", "", BOUND)?)
     }
 
     /// How many tasks the list shows, and how many of them are running.
     pub fn counts(&self) -> Result<(usize, usize)> {
-        let list = self.api().get("/api/tasks")?;
-        let tasks = list["tasks"].as_array().cloned().unwrap_or_default();
-        let running = tasks.iter().filter(|t| t["status"] == "running").count();
-        Ok((tasks.len(), running))
+        let list = self.api().list()?;
+        let running = list.values().filter(|s| *s == "running").count();
+        Ok((list.len(), running))
     }
 }
 

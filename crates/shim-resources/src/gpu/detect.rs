@@ -10,8 +10,8 @@ use super::parse::{
     normalize_version, parse_amd_smi, parse_hl_smi, parse_nvidia_smi, parse_tt_smi,
 };
 use super::{GpuInfo, GpuVendor, HostGpus};
-use crate::cmd::{CommandOutput, CommandRunner};
 use crate::error::{Error, Result};
+use shim_util::{Command, CommandError, CommandOutput, CommandRunner, error_chain};
 
 /// The image upstream runs `amd-smi` from.
 pub const AMD_SMI_IMAGE: &str = "dstackai/amd-smi:latest";
@@ -130,7 +130,7 @@ impl GpuDetector {
                 }
             }
             Err(e) => {
-                tracing::error!(%vendor, error = %e, "cannot list GPUs");
+                tracing::error!(%vendor, error = %error_chain(&e), "cannot list GPUs");
                 HostGpus {
                     vendor: Some(vendor),
                     driver_version: None,
@@ -140,15 +140,18 @@ impl GpuDetector {
         }
     }
 
-    async fn run(&self, program: &str, args: &[&str]) -> Result<CommandOutput> {
-        self.runner.run(program, args).await?.check(program, args)
+    /// Runs `command`; a non-zero exit is an error.
+    async fn run(&self, command: &Command) -> Result<CommandOutput> {
+        Ok(self.runner.run(command).await?.check(command)?)
     }
 
     /// Lists `vendor`'s GPUs with its tool; returns them and the driver version.
     pub async fn list(&self, vendor: GpuVendor) -> Result<(Vec<GpuInfo>, Option<String>)> {
         match vendor {
             GpuVendor::Nvidia => {
-                let out = self.run("nvidia-smi", &NVIDIA_SMI_ARGS).await?;
+                let out = self
+                    .run(&Command::new("nvidia-smi").args(NVIDIA_SMI_ARGS))
+                    .await?;
                 parse_nvidia_smi(&out.stdout)
             }
             GpuVendor::Amd => self.list_amd().await,
@@ -161,7 +164,7 @@ impl GpuDetector {
                     TT_SMI_IMAGE,
                     "-s",
                 ];
-                let out = self.run("docker", &args).await?;
+                let out = self.run(&Command::new("docker").args(args)).await?;
                 let gpus = parse_tt_smi(&out.stdout)?;
                 let version_file = self.sys_root.join("module/tenstorrent/version");
                 let driver = match fs_err::read_to_string(&version_file) {
@@ -174,7 +177,7 @@ impl GpuDetector {
                 Ok((gpus, driver))
             }
             GpuVendor::Intel => {
-                let out = self.run("hl-smi", &HL_SMI_ARGS).await?;
+                let out = self.run(&Command::new("hl-smi").args(HL_SMI_ARGS)).await?;
                 Ok((parse_hl_smi(&out.stdout)?, None))
             }
         }
@@ -184,8 +187,8 @@ impl GpuDetector {
         let out = match self.amd_smi(true).await {
             // Only an amd-smi that ran and failed may lack --driver; retrying after a
             // timeout or a failure to start would only double the wait.
-            Err(e @ Error::CommandFailed { .. }) => {
-                tracing::error!(error = %e, "amd-smi with --driver failed; retrying without");
+            Err(e @ Error::Command(CommandError::Failed { .. })) => {
+                tracing::error!(error = %error_chain(&e), "amd-smi with --driver failed; retrying without");
                 self.amd_smi(false).await?
             }
             other => other?,
@@ -202,7 +205,7 @@ impl GpuDetector {
                     index: u32::try_from(gpus.len()).unwrap_or(u32::MAX),
                 }),
                 Err(e) => {
-                    tracing::error!(bdf = %g.bdf, error = %e, "no render node for AMD GPU");
+                    tracing::error!(bdf = %g.bdf, error = %error_chain(&e), "no render node for AMD GPU");
                 }
             }
         }
@@ -229,12 +232,9 @@ impl GpuDetector {
         if with_driver {
             args.push("--driver");
         }
-        let out = tokio::time::timeout(AMD_SMI_TIMEOUT, self.run("docker", &args))
-            .await
-            .map_err(|_| Error::CommandTimedOut {
-                program: "docker run amd-smi".to_owned(),
-                timeout: AMD_SMI_TIMEOUT,
-            })??;
+        let out = self
+            .run(&Command::new("docker").args(args).timeout(AMD_SMI_TIMEOUT))
+            .await?;
         Ok(out.stdout)
     }
 

@@ -1,25 +1,7 @@
-//! Block volumes: find the cloud's device, format it only when it is confirmed blank and the
-//! volume asks for it, mount it under the volumes root, and unmount it on release.
-//!
-//! Safety rules, in order:
-//! - the device must be a block device of non-zero size (waited for, bounded);
-//! - a device with any file system is never formatted, `init_fs` or not;
-//! - "blank" (`blkid -p` exit code 2) must be confirmed by [`VolumeConfig::blank_confirmations`]
-//!   further probes before `mkfs.ext4` runs, and only when `init_fs` is set; a blank device
-//!   without `init_fs` is an error;
-//! - a signature that is not a file system (partition table, RAID member, LUKS) is an error
-//!   (a partitioned disk is used by its first partition where the cloud names one: AWS by
-//!   `lsblk`, GCP by its `google-<name>-part1` link);
-//! - only the root of a file system we created is made world-writable (0777);
-//! - release unmounts only a path under the volumes root that `/proc/self/mountinfo` lists as a
-//!   mount point; anything else is a no-op, so release is idempotent.
-//!
-//! Concurrency: mount(2), umount(2) (which can block for seconds while ext4 flushes), the
-//! mount table and the directory work go through a [`Mounter`] (the real one is
-//! [`SystemMounter`]; a recording fake is `fake::FakeMounter`) and run on tokio's blocking
-//! pool, never on an async worker. Operations are serialized per mount point and, for
-//! `prepare`, per device (always in that order), so two tasks sharing a blank volume can never
-//! both decide to format it, while releases of different volumes run in parallel.
+//! [`BlockVolumes`], the real [`VolumeManager`]: find the device, probe it, format it only
+//! when it is confirmed blank and the volume asks for it, mount it; unmount on release. The
+//! blocking work runs on tokio's blocking pool; operations are locked per mount point and per
+//! device.
 
 use std::collections::HashMap;
 use std::io::{Seek as _, SeekFrom};
@@ -29,148 +11,14 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use serde::Deserialize;
 use shim_task::{MountedVolume, VolumeBackend, VolumeSpec};
+use shim_util::{Command, CommandRunner, error_chain};
 
-use crate::cmd::CommandRunner;
+use super::mounter::{Mounter, SystemMounter};
+use super::parse::{Probe, aws_fallback_names, find_aws_device, parse_blkid};
+use super::{VolumeConfig, VolumeManager};
+use crate::blocking::blocking;
 use crate::error::{Error, Result, io_err};
-
-/// Where volumes are mounted by default.
-pub const DEFAULT_VOLUMES_ROOT: &str = "/mnt/disks/dstack-volumes";
-
-/// Prepares and releases a task's volumes.
-#[async_trait]
-pub trait VolumeManager: Send + Sync {
-    /// Finds the volume's device, formats it if needed and allowed, and mounts it at
-    /// `<volumes root>/<name>`. Already mounted there: returns it as is.
-    async fn prepare(&self, spec: &VolumeSpec) -> Result<MountedVolume>;
-
-    /// Unmounts the volume if its mount point is mounted; a no-op otherwise (idempotent).
-    async fn release(&self, volume: &MountedVolume) -> Result<()>;
-
-    /// The host path a volume of this name is mounted at.
-    fn mount_point(&self, name: &str) -> PathBuf;
-}
-
-/// Paths and time limits of [`BlockVolumes`].
-#[derive(Debug, Clone)]
-pub struct VolumeConfig {
-    /// Mount points are `<root>/<volume name>`.
-    pub root: PathBuf,
-    /// How long to wait for the resolved device to be a non-empty block device.
-    pub device_wait: Duration,
-    /// How long to poll for an AWS device to appear in `lsblk`.
-    pub resolve_wait: Duration,
-    /// Pause between polls.
-    pub poll_interval: Duration,
-    /// How many further probes must confirm "blank" before formatting.
-    pub blank_confirmations: u32,
-    /// Pause between those probes.
-    pub confirm_interval: Duration,
-    /// Where GCP's `google-<device name>` links live.
-    pub gcp_by_id_dir: PathBuf,
-    /// Where `lsblk` names and `/dev/…` device names are looked up.
-    pub dev_dir: PathBuf,
-    /// The mount table to read.
-    pub mountinfo: PathBuf,
-}
-
-impl Default for VolumeConfig {
-    fn default() -> Self {
-        Self {
-            root: PathBuf::from(DEFAULT_VOLUMES_ROOT),
-            device_wait: Duration::from_secs(10),
-            resolve_wait: Duration::from_secs(30),
-            poll_interval: Duration::from_millis(500),
-            blank_confirmations: 3,
-            confirm_interval: Duration::from_secs(1),
-            gcp_by_id_dir: PathBuf::from("/dev/disk/by-id"),
-            dev_dir: PathBuf::from("/dev"),
-            mountinfo: PathBuf::from("/proc/self/mountinfo"),
-        }
-    }
-}
-
-impl VolumeConfig {
-    /// Defaults with another volumes root.
-    pub fn with_root(root: impl Into<PathBuf>) -> Self {
-        Self {
-            root: root.into(),
-            ..Self::default()
-        }
-    }
-
-    /// Short waits, for tests.
-    pub fn fast(mut self) -> Self {
-        self.device_wait = Duration::from_millis(500);
-        self.resolve_wait = Duration::from_millis(500);
-        self.poll_interval = Duration::from_millis(50);
-        self.confirm_interval = Duration::from_millis(10);
-        self
-    }
-}
-
-/// The mount system calls and the mount table, behind a trait so that the volume logic can be
-/// tested with a recording fake (youki's `Syscall` pattern). Blocking: [`BlockVolumes`] calls
-/// every method from `tokio::task::spawn_blocking`.
-pub trait Mounter: Send + Sync {
-    /// Mounts the file system `fstype` on `device` at `target` (which exists).
-    fn mount(&self, device: &Path, target: &Path, fstype: &str) -> Result<()>;
-
-    /// Unmounts `target`; a target that is not (or no longer) mounted, or gone, is `Ok`.
-    fn unmount(&self, target: &Path) -> Result<()>;
-
-    /// Whether `target` is a mount point.
-    fn is_mounted(&self, target: &Path) -> Result<bool>;
-}
-
-/// The real [`Mounter`]: mount(2), umount(2) and a mountinfo table.
-#[derive(Debug, Clone)]
-pub struct SystemMounter {
-    mountinfo: PathBuf,
-}
-
-impl SystemMounter {
-    /// Mount points are read from `mountinfo` (normally `/proc/self/mountinfo`).
-    pub fn new(mountinfo: impl Into<PathBuf>) -> Self {
-        Self {
-            mountinfo: mountinfo.into(),
-        }
-    }
-}
-
-impl Mounter for SystemMounter {
-    fn mount(&self, device: &Path, target: &Path, fstype: &str) -> Result<()> {
-        nix::mount::mount(
-            Some(device),
-            target,
-            Some(fstype),
-            nix::mount::MsFlags::empty(),
-            None::<&str>,
-        )
-        .map_err(|source| Error::Mount {
-            device: device.to_owned(),
-            target: target.to_owned(),
-            source,
-        })
-    }
-
-    fn unmount(&self, target: &Path) -> Result<()> {
-        match nix::mount::umount(target) {
-            Ok(()) | Err(nix::errno::Errno::EINVAL | nix::errno::Errno::ENOENT) => Ok(()),
-            Err(source) => Err(Error::Unmount {
-                target: target.to_owned(),
-                source,
-            }),
-        }
-    }
-
-    fn is_mounted(&self, target: &Path) -> Result<bool> {
-        let table =
-            fs_err::read_to_string(&self.mountinfo).map_err(io_err("read", &self.mountinfo))?;
-        Ok(is_mount_point_in(&table, target))
-    }
-}
 
 /// One async lock per key (a mount point, a device), created on demand and dropped when no
 /// one holds or waits for it.
@@ -189,16 +37,6 @@ impl KeyedLocks {
         };
         lock.lock_owned().await
     }
-}
-
-/// Runs blocking volume work on tokio's blocking pool.
-async fn blocking<T: Send + 'static>(
-    what: &'static str,
-    f: impl FnOnce() -> Result<T> + Send + 'static,
-) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|source| Error::Join { what, source })?
 }
 
 /// The real [`VolumeManager`]: block devices, `blkid`, `mkfs.ext4`, and a [`Mounter`]
@@ -221,162 +59,6 @@ impl std::fmt::Debug for BlockVolumes {
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
-}
-
-/// What `blkid -p` found on a device.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Probe {
-    /// No signature at all (exit code 2).
-    Blank,
-    /// A file system of this type.
-    Filesystem(String),
-    /// A signature that is not a file system (partition table, RAID member, crypto).
-    Other(String),
-}
-
-/// Parses `blkid -p -o export <dev>` output with its exit code.
-pub fn parse_blkid(code: Option<i32>, stdout: &str) -> Option<Probe> {
-    match code {
-        Some(2) => Some(Probe::Blank),
-        Some(0) => {
-            let mut ty = None;
-            let mut usage = None;
-            let mut pttype = None;
-            let mut part_scheme = None;
-            for line in stdout.lines() {
-                if let Some((k, v)) = line.split_once('=') {
-                    match k.trim() {
-                        "TYPE" => ty = Some(v.trim().to_owned()),
-                        "USAGE" => usage = Some(v.trim().to_owned()),
-                        "PTTYPE" => pttype = Some(v.trim().to_owned()),
-                        "PART_ENTRY_SCHEME" => part_scheme = Some(v.trim().to_owned()),
-                        _ => {}
-                    }
-                }
-            }
-            Some(match (ty.filter(|t| !t.is_empty()), usage.as_deref()) {
-                (Some(t), None | Some("filesystem")) => Probe::Filesystem(t),
-                (Some(t), Some(u)) => Probe::Other(format!("{t} ({u})")),
-                // A partition is reported by its entry in the table even when it holds
-                // nothing: never "blank" (upstream refuses it too).
-                (None, _) => Probe::Other(match (pttype, part_scheme) {
-                    (Some(p), _) => format!("partition table {p}"),
-                    (None, Some(s)) => format!("a partition ({s}) without a file system"),
-                    (None, None) => "unknown".to_owned(),
-                }),
-            })
-        }
-        _ => None,
-    }
-}
-
-#[derive(Debug, Deserialize)]
-struct Lsblk {
-    blockdevices: Vec<LsblkDev>,
-}
-
-#[derive(Debug, Deserialize)]
-struct LsblkDev {
-    name: String,
-    #[serde(default)]
-    serial: Option<String>,
-    #[serde(default, rename = "type")]
-    kind: Option<String>,
-    #[serde(default)]
-    children: Vec<LsblkDev>,
-}
-
-impl LsblkDev {
-    /// The first partition's name, or the device's own name when it has none.
-    fn first_partition_or_self(&self) -> &str {
-        self.children
-            .iter()
-            .find(|c| c.kind.as_deref() == Some("part"))
-            .map_or(self.name.as_str(), |c| c.name.as_str())
-    }
-}
-
-fn normalize_vol(id: &str) -> String {
-    id.trim().replace('-', "").to_ascii_lowercase()
-}
-
-/// From `lsblk -J -o NAME,SERIAL,TYPE` output: the kernel name of the device (its first
-/// partition if partitioned) whose serial is the AWS volume id without its dash (`vol0abc` for
-/// `vol-0abc`), or whose name is `fallback_name` (e.g. `xvdf`) when no serial matches.
-pub fn find_aws_device(
-    lsblk_json: &str,
-    volume_id: &str,
-    fallbacks: &[String],
-) -> Result<Option<String>> {
-    let parsed: Lsblk = serde_json::from_str(lsblk_json).map_err(|e| Error::Parse {
-        tool: "lsblk",
-        why: e.to_string(),
-    })?;
-    let want = normalize_vol(volume_id);
-    if !want.is_empty()
-        && let Some(d) = parsed.blockdevices.iter().find(|d| {
-            d.serial
-                .as_deref()
-                .is_some_and(|s| s.trim().starts_with("vol") && normalize_vol(s) == want)
-        })
-    {
-        return Ok(Some(d.first_partition_or_self().to_owned()));
-    }
-    for name in fallbacks {
-        if let Some(d) = parsed.blockdevices.iter().find(|d| &d.name == name) {
-            return Ok(Some(d.first_partition_or_self().to_owned()));
-        }
-    }
-    Ok(None)
-}
-
-/// The kernel names an AWS `device_name` may appear as: `/dev/sdf` → `sdf`, `xvdf`.
-pub fn aws_fallback_names(device_name: &str) -> Vec<String> {
-    let Some(rest) = device_name.strip_prefix("/dev/") else {
-        return Vec::new();
-    };
-    if rest.is_empty() || rest.contains('/') || rest.contains("..") {
-        return Vec::new();
-    }
-    let mut names = vec![rest.to_owned()];
-    if let Some(letter) = rest.strip_prefix("sd") {
-        names.push(format!("xvd{letter}"));
-    }
-    names
-}
-
-/// Whether `path` is a mount point according to a mountinfo table's content.
-pub fn is_mount_point_in(mountinfo: &str, path: &Path) -> bool {
-    mountinfo.lines().any(|line| {
-        line.split(' ')
-            .nth(4)
-            .is_some_and(|mp| Path::new(&unescape_mountinfo(mp)) == path)
-    })
-}
-
-/// Undoes mountinfo's octal escapes (`\040` for a space, …).
-fn unescape_mountinfo(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && let Some(oct) = b.get(i + 1..i + 4)
-            && oct.iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            let v = oct
-                .iter()
-                .fold(0u32, |acc, c| acc * 8 + u32::from(c - b'0'));
-            if let Ok(v) = u8::try_from(v) {
-                out.push(v);
-                i += 4;
-                continue;
-            }
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 impl BlockVolumes {
@@ -447,13 +129,9 @@ impl BlockVolumes {
     async fn resolve_aws(&self, spec: &VolumeSpec) -> Result<PathBuf> {
         let start = Instant::now();
         let fallbacks = aws_fallback_names(&spec.device_name);
-        let args = ["-J", "-o", "NAME,SERIAL,TYPE"];
+        let lsblk = Command::new("lsblk").args(["-J", "-o", "NAME,SERIAL,TYPE"]);
         loop {
-            let out = self
-                .runner
-                .run("lsblk", &args)
-                .await?
-                .check("lsblk", &args)?;
+            let out = self.runner.run(&lsblk).await?.check(&lsblk)?;
             if let Some(name) = find_aws_device(&out.stdout, &spec.volume_id, &fallbacks)? {
                 return Ok(self.config.dev_dir.join(name));
             }
@@ -502,10 +180,11 @@ impl BlockVolumes {
 
     /// One `blkid -p` probe.
     pub async fn probe(&self, device: &Path) -> Result<Probe> {
-        let dev = device.to_string_lossy();
-        let args = ["-p", "-o", "export", dev.as_ref()];
-        let out = self.runner.run("blkid", &args).await?;
-        parse_blkid(out.code, &out.stdout).ok_or_else(|| out.failure("blkid", &args))
+        let blkid = Command::new("blkid")
+            .args(["-p", "-o", "export"])
+            .arg(device.to_string_lossy());
+        let out = self.runner.run(&blkid).await?;
+        parse_blkid(out.code(), &out.stdout).ok_or_else(|| out.failure(&blkid).into())
     }
 
     /// Probes, and re-probes a "blank" verdict `blank_confirmations` times: blank only if every
@@ -591,7 +270,7 @@ fn mount_at(
         && let Err(e) = fs_err::set_permissions(mount_point, std::fs::Permissions::from_mode(0o777))
     {
         if let Err(u) = mounter.unmount(mount_point) {
-            tracing::warn!(mount_point = %mount_point.display(), error = %u,
+            tracing::warn!(mount_point = %mount_point.display(), error = %error_chain(&u),
                     "cannot unmount after a failed chmod");
         }
         return Err(Error::io("chmod", mount_point, e));
@@ -643,12 +322,10 @@ impl VolumeManager for BlockVolumes {
             }
             Probe::Blank => {
                 tracing::info!(volume = name, device = %device.display(), "formatting ext4");
-                let dev = device.to_string_lossy();
-                let args = ["-F", dev.as_ref()];
-                self.runner
-                    .run("mkfs.ext4", &args)
-                    .await?
-                    .check("mkfs.ext4", &args)?;
+                let mkfs = Command::new("mkfs.ext4")
+                    .arg("-F")
+                    .arg(device.to_string_lossy());
+                self.runner.run(&mkfs).await?.check(&mkfs)?;
                 ("ext4".to_owned(), true)
             }
         };
@@ -704,7 +381,7 @@ mod tests {
     use shim_task::TaskName;
 
     use super::*;
-    use crate::cmd::ScriptedCommandRunner;
+    use crate::fake::ScriptedCommandRunner;
     use crate::fake::{FakeCall, FakeMounter};
 
     fn manager(root: &Path, mounter: Arc<FakeMounter>) -> BlockVolumes {

@@ -16,13 +16,25 @@
 //! Upstream's names are read first; where this shim had its own name (`DSTACK_SHIM_PASS_ENV`)
 //! it stays an alias. Our additions: `--unix-socket`, `--volumes-root`, `--log-format`,
 //! `--reconcile-interval`, the DCGM binary paths, and the hidden, testing-only `--fake-gpus`.
+//!
+//! One job per module: [`args`] (the flags as clap defines them, and the help), [`env`](mod@env)
+//! (each flag's environment variables, and the help's paragraph generated from them),
+//! [`goparse`] (Go's value parsers), and this module (the resolved [`Config`]: each value from
+//! the command line, the environment or the default, and the version string).
+
+mod args;
+pub mod env;
+pub mod goparse;
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use clap::Parser;
+use clap::Parser as _;
 use tracing_subscriber::filter::LevelFilter;
+
+pub use args::{Args, command};
+use goparse::{go_bool, go_int, parse_level};
 
 /// The dstack release this build speaks for: chosen when it is built
 /// (`DSTACK_SHIM_UPSTREAM_VERSION`, set by `cargo xtask dist --upstream-version V`; default
@@ -54,147 +66,6 @@ pub enum LogFormat {
     /// One JSON object per line, with task ids as fields.
     Json,
 }
-
-/// The command line as given (values raw; see [`Config::resolve`]).
-#[derive(Debug, Clone, Default, Parser)]
-#[command(
-    name = "dstack-shim",
-    disable_version_flag = true,
-    disable_help_flag = true,
-    about = "Starts dstack-runner or docker container.",
-    after_help = ENV_HELP
-)]
-pub struct Args {
-    /// Print `dstack-shim version X` and exit.
-    #[arg(long, short = 'v')]
-    pub version: bool,
-    /// Print this help and exit (also `dstack-shim help`).
-    #[arg(long, short = 'h')]
-    pub help: bool,
-    /// Set shim's home directory [default: ~/.dstack]
-    #[arg(long, value_name = "DIR")]
-    pub shim_home: Option<String>,
-    /// Path to shim's binary [default: the running executable]
-    #[arg(long, value_name = "PATH")]
-    pub shim_binary_path: Option<String>,
-    /// Set shim's http port (on 127.0.0.1) [default: 10998]
-    #[arg(long, value_name = "PORT")]
-    pub shim_http_port: Option<String>,
-    /// Set shim's log level: 1-6 or fatal, error, warn, info, debug, trace [default: info]
-    #[arg(long, value_name = "LEVEL")]
-    pub shim_log_level: Option<String>,
-    /// Set runner's download URL
-    #[arg(long, value_name = "URL")]
-    pub runner_download_url: Option<String>,
-    /// Path to runner's binary [default: /usr/local/bin/dstack-runner]
-    #[arg(long, value_name = "PATH")]
-    pub runner_binary_path: Option<String>,
-    /// Set runner's http port [default: 10999]
-    #[arg(long, value_name = "PORT")]
-    pub runner_http_port: Option<String>,
-    /// Set runner's ssh port [default: 10022]
-    #[arg(long, value_name = "PORT")]
-    pub runner_ssh_port: Option<String>,
-    /// Set runner's ssh log level
-    #[arg(long, value_name = "LEVEL")]
-    pub runner_ssh_log_level: Option<String>,
-    /// Set runner's log level [default: info]
-    #[arg(long, value_name = "LEVEL")]
-    pub runner_log_level: Option<String>,
-    /// DCGM Exporter http port [default: 10997]
-    #[arg(long, value_name = "PORT")]
-    pub dcgm_exporter_http_port: Option<String>,
-    /// DCGM Exporter collect interval, milliseconds [default: 5000]
-    #[arg(long, value_name = "MS")]
-    pub dcgm_exporter_interval: Option<String>,
-    /// nv-hostengine hostname, e.g., localhost [default: a private nv-hostengine]
-    #[arg(long, value_name = "HOSTNAME")]
-    pub dcgm_address: Option<String>,
-    /// Environment variables to pass on to the container, a comma-separated list of names
-    #[arg(long, value_name = "NAMES")]
-    pub pass_env: Option<String>,
-    /// Give extended privileges to the container
-    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
-    pub privileged: Option<String>,
-    /// Set the PJRT_DEVICE environment variable (e.g., TPU, GPU)
-    #[arg(long, value_name = "DEVICE")]
-    pub pjrt_device: Option<String>,
-    /// Start as a service (write host_info.json to the home at start)
-    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
-    pub service: Option<String>,
-    /// Also serve the API on this Unix socket (mode 0600)
-    #[arg(long, value_name = "PATH")]
-    pub unix_socket: Option<String>,
-    /// Where volumes are mounted on the host [default: /mnt/disks/dstack-volumes]
-    #[arg(long, value_name = "DIR")]
-    pub volumes_root: Option<String>,
-    /// Log format: text or json [default: text]
-    #[arg(long, value_name = "FORMAT")]
-    pub log_format: Option<String>,
-    /// Seconds between full container lists (a backstop: Docker's events drive the
-    /// reconciler) [default: 300]
-    #[arg(long, value_name = "SECONDS")]
-    pub reconcile_interval: Option<String>,
-    /// The dcgm-exporter binary [default: dcgm-exporter in PATH]
-    #[arg(long, value_name = "PATH")]
-    pub dcgm_exporter_path: Option<String>,
-    /// The dcgmi binary [default: dcgmi in PATH]
-    #[arg(long, value_name = "PATH")]
-    pub dcgmi_path: Option<String>,
-    /// The nv-hostengine binary [default: nv-hostengine in PATH]
-    #[arg(long, value_name = "PATH")]
-    pub nv_hostengine_path: Option<String>,
-    /// Testing only: pretend the host has N GPUs.
-    #[arg(long, hide = true, value_name = "N")]
-    pub fake_gpus: Option<String>,
-    /// Ignored (old servers start `dstack-shim docker ...`); `help` shows this help.
-    #[arg(hide = true)]
-    pub positional: Vec<String>,
-}
-
-/// The environment variables of each flag, in the order they are read (upstream's first).
-pub const ENV: &[(&str, &[&str])] = &[
-    ("shim-home", &["DSTACK_SHIM_HOME"]),
-    ("shim-binary-path", &["DSTACK_SHIM_BINARY_PATH"]),
-    ("shim-http-port", &["DSTACK_SHIM_HTTP_PORT"]),
-    ("shim-log-level", &["DSTACK_SHIM_LOG_LEVEL"]),
-    ("runner-download-url", &["DSTACK_RUNNER_DOWNLOAD_URL"]),
-    ("runner-binary-path", &["DSTACK_RUNNER_BINARY_PATH"]),
-    ("runner-http-port", &["DSTACK_RUNNER_HTTP_PORT"]),
-    ("runner-ssh-port", &["DSTACK_RUNNER_SSH_PORT"]),
-    ("runner-ssh-log-level", &["DSTACK_RUNNER_SSH_LOG_LEVEL"]),
-    ("runner-log-level", &["DSTACK_RUNNER_LOG_LEVEL"]),
-    (
-        "dcgm-exporter-http-port",
-        &["DSTACK_DCGM_EXPORTER_HTTP_PORT"],
-    ),
-    ("dcgm-exporter-interval", &["DSTACK_DCGM_EXPORTER_INTERVAL"]),
-    ("dcgm-address", &["DSTACK_DCGM_ADDRESS"]),
-    (
-        "pass-env",
-        &["DSTACK_DOCKER_PASS_ENV", "DSTACK_SHIM_PASS_ENV"],
-    ),
-    ("privileged", &["DSTACK_DOCKER_PRIVILEGED"]),
-    ("pjrt-device", &["PJRT_DEVICE"]),
-    ("service", &["DSTACK_SERVICE_MODE"]),
-    ("unix-socket", &["DSTACK_SHIM_UNIX_SOCKET"]),
-    ("volumes-root", &["DSTACK_SHIM_VOLUMES_ROOT"]),
-    ("log-format", &["DSTACK_SHIM_LOG_FORMAT"]),
-    ("reconcile-interval", &["DSTACK_SHIM_RECONCILE_INTERVAL"]),
-    ("dcgm-exporter-path", &["DSTACK_DCGM_EXPORTER_PATH"]),
-    ("dcgmi-path", &["DSTACK_DCGMI_PATH"]),
-    ("nv-hostengine-path", &["DSTACK_NV_HOSTENGINE_PATH"]),
-];
-
-const ENV_HELP: &str = "Environment variables (read when the flag is not given): \
-DSTACK_SHIM_HOME, DSTACK_SHIM_BINARY_PATH, DSTACK_SHIM_HTTP_PORT, DSTACK_SHIM_LOG_LEVEL, \
-DSTACK_RUNNER_DOWNLOAD_URL, DSTACK_RUNNER_BINARY_PATH, DSTACK_RUNNER_HTTP_PORT, \
-DSTACK_RUNNER_SSH_PORT, DSTACK_RUNNER_SSH_LOG_LEVEL, DSTACK_RUNNER_LOG_LEVEL, \
-DSTACK_DCGM_EXPORTER_HTTP_PORT, DSTACK_DCGM_EXPORTER_INTERVAL, DSTACK_DCGM_ADDRESS, \
-DSTACK_DOCKER_PASS_ENV (or DSTACK_SHIM_PASS_ENV), DSTACK_DOCKER_PRIVILEGED, PJRT_DEVICE, \
-DSTACK_SERVICE_MODE, DSTACK_SHIM_UNIX_SOCKET, DSTACK_SHIM_VOLUMES_ROOT, DSTACK_SHIM_LOG_FORMAT, \
-DSTACK_SHIM_RECONCILE_INTERVAL, DSTACK_DCGM_EXPORTER_PATH, DSTACK_DCGMI_PATH, \
-DSTACK_NV_HOSTENGINE_PATH. Booleans: 1 t T TRUE true True 0 f F FALSE false False.";
 
 /// The resolved configuration.
 #[derive(Debug, Clone)]
@@ -245,78 +116,6 @@ pub struct Config {
     pub fake_gpus: Option<u32>,
 }
 
-/// Go's `strconv.ParseBool`.
-pub fn go_bool(s: &str) -> Option<bool> {
-    match s {
-        "1" | "t" | "T" | "TRUE" | "true" | "True" => Some(true),
-        "0" | "f" | "F" | "FALSE" | "false" | "False" => Some(false),
-        _ => None,
-    }
-}
-
-/// Go's `strconv.ParseInt(s, 0, 64)`: an optional sign, then `0x`/`0X` hex, `0o`/`0O` or a
-/// leading `0` octal, `0b`/`0B` binary, or decimal; `_` only between digits after a prefix.
-pub fn go_int(s: &str) -> Option<i64> {
-    let (neg, body) = match s.as_bytes().first()? {
-        b'+' => (false, &s[1..]),
-        b'-' => (true, &s[1..]),
-        _ => (false, s),
-    };
-    let lower = body.to_ascii_lowercase();
-    let (radix, digits, prefixed) = if let Some(d) = lower.strip_prefix("0x") {
-        (16, d.to_owned(), true)
-    } else if let Some(d) = lower.strip_prefix("0o") {
-        (8, d.to_owned(), true)
-    } else if let Some(d) = lower.strip_prefix("0b") {
-        (2, d.to_owned(), true)
-    } else if lower.len() > 1 && lower.starts_with('0') {
-        (8, lower[1..].to_owned(), true)
-    } else {
-        (10, lower.clone(), false)
-    };
-    if digits.contains('_') {
-        // Underscores only with base 0 and a prefix, each between digits.
-        if !prefixed || digits.ends_with('_') || digits.contains("__") {
-            return None;
-        }
-    }
-    let digits: String = digits.chars().filter(|c| *c != '_').collect();
-    if digits.is_empty() {
-        return None;
-    }
-    let magnitude = i128::from_str_radix(&digits, radix).ok()?;
-    let value = if neg { -magnitude } else { magnitude };
-    i64::try_from(value).ok()
-}
-
-/// dstack's log levels (upstream `runner/internal/common/log/log.go`, `ParseLevel`): one
-/// digit 1 (fatal) to 6 (trace), or a logrus level name in any case; `panic` (0), `0`, `7`,
-/// `""` and others are refused.
-pub fn parse_level(s: &str) -> anyhow::Result<LevelFilter> {
-    let level = if s.len() == 1 && s.as_bytes()[0].is_ascii_digit() {
-        u32::from(s.as_bytes()[0] - b'0')
-    } else {
-        match s.to_ascii_lowercase().as_str() {
-            "panic" => 0,
-            "fatal" => 1,
-            "error" => 2,
-            "warn" | "warning" => 3,
-            "info" => 4,
-            "debug" => 5,
-            "trace" => 6,
-            _ => bail!("invalid log level: {s}"),
-        }
-    };
-    Ok(match level {
-        1 | 2 => LevelFilter::ERROR,
-        3 => LevelFilter::WARN,
-        4 => LevelFilter::INFO,
-        5 => LevelFilter::DEBUG,
-        6 => LevelFilter::TRACE,
-        _ => bail!("invalid log level: {s}"),
-    })
-}
-
 /// Where a raw value came from, for messages.
 enum Source {
     Flag,
@@ -342,11 +141,7 @@ impl Lookup<'_> {
         if let Some(v) = cli {
             return Some((v.clone(), Source::Flag));
         }
-        let names = ENV
-            .iter()
-            .find(|(f, _)| *f == flag)
-            .map_or(&[][..], |e| e.1);
-        names
+        env::names(flag)
             .iter()
             .find_map(|name| (self.env)(name).map(|v| (v, Source::Env(name))))
     }
@@ -391,8 +186,7 @@ impl Config {
     /// Parses the process's command line (Go's flag syntax too, see [`crate::argv`]) and
     /// environment.
     pub fn from_process() -> anyhow::Result<Self> {
-        use clap::CommandFactory as _;
-        let argv = crate::argv::normalise(std::env::args_os(), &Args::command())?;
+        let argv = crate::argv::normalise(std::env::args_os(), &command())?;
         let args = Args::parse_from(argv);
         Self::resolve(&args, &|name| std::env::var(name).ok())
     }
@@ -545,15 +339,16 @@ impl Config {
 mod tests {
     use std::collections::BTreeMap;
 
+    use clap::Parser as _;
+
     use super::*;
 
     fn resolve(args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Config> {
-        use clap::CommandFactory as _;
         let argv = crate::argv::normalise(
             std::iter::once("dstack-shim")
                 .chain(args.iter().copied())
                 .map(std::ffi::OsString::from),
-            &Args::command(),
+            &command(),
         )?;
         let args = Args::try_parse_from(argv)?;
         let env: BTreeMap<String, String> = env
@@ -628,7 +423,7 @@ mod tests {
         for (flag, env, default) in table {
             assert_eq!(show(&defaults, flag), *default, "default of --{flag}");
             // Each flag reads its upstream environment variable.
-            let names = ENV.iter().find(|(f, _)| f == flag).unwrap().1;
+            let names = env::names(flag);
             assert_eq!(names[0], *env, "--{flag} reads {env} first");
         }
         // Values through the environment, as an SSH fleet's shim.env sets them (upstream
@@ -798,7 +593,7 @@ mod tests {
                     c.service
                 }
             };
-            let env = ENV.iter().find(|(f, _)| *f == flag).unwrap().1[0];
+            let env = env::names(flag)[0];
             for dashes in ["-", "--"] {
                 assert!(on(&[&format!("{dashes}{flag}")], &[]), "{dashes}{flag}");
                 assert!(on(&[&format!("{dashes}{flag}=true")], &[]));
@@ -810,19 +605,6 @@ mod tests {
         assert!(ok(&["-version"], &[]).version);
         assert!(ok(&["--v"], &[]).version);
         assert!(!ok(&["-version=false"], &[]).version);
-    }
-
-    /// upstream `runner/internal/common/log/log_test.go` (TestParseLevel, TestParseLevelError).
-    #[test]
-    fn levels() {
-        assert_eq!(parse_level("1").unwrap(), LevelFilter::ERROR);
-        assert_eq!(parse_level("2").unwrap(), LevelFilter::ERROR);
-        assert_eq!(parse_level("3").unwrap(), LevelFilter::WARN);
-        assert_eq!(parse_level("Debug").unwrap(), LevelFilter::DEBUG);
-        assert_eq!(parse_level("WARNING").unwrap(), LevelFilter::WARN);
-        for bad in ["", "verbose", "panic", "0", "7", "9", "10", "-1", "4 "] {
-            assert!(parse_level(bad).is_err(), "{bad:?}");
-        }
     }
 
     #[test]
@@ -839,11 +621,5 @@ mod tests {
             VERSION,
             shim_http::MIN_COMPATIBLE_VERSION
         ));
-    }
-
-    #[test]
-    fn help_renders() {
-        use clap::CommandFactory;
-        Args::command().debug_assert();
     }
 }

@@ -1,0 +1,60 @@
+//! The check of the workspace's error convention, for tests (`cfg(test)` or the
+//! `test-support` feature).
+
+use std::error::Error;
+
+/// Fails (panics) unless `e` has at least one cause (a test on an error without one could not
+/// fail) and no level's `Display` contains its source's text, so that [`crate::error_chain`]
+/// prints each cause once. Returns the chain.
+#[allow(
+    clippy::panic,
+    reason = "test support: a violated convention fails the test"
+)]
+pub fn assert_each_cause_once(e: &dyn Error) -> String {
+    let mut levels = vec![e.to_string()];
+    let mut source = e.source();
+    while let Some(cause) = source {
+        levels.push(cause.to_string());
+        source = cause.source();
+    }
+    assert!(
+        levels.len() >= 2,
+        "{:?} has no cause: nothing to check",
+        levels[0]
+    );
+    for pair in levels.windows(2) {
+        assert!(
+            !pair[0].contains(pair[1].as_str()),
+            "{:?} repeats the text of its source {:?}",
+            pair[0],
+            pair[1]
+        );
+    }
+    let chain = crate::error_chain(e);
+    assert_eq!(chain, levels.join(": "));
+    chain
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("cannot read x: {0}")]
+    struct Repeats(#[source] std::io::Error);
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("cannot read x")]
+    struct Describes(#[source] std::io::Error);
+
+    #[test]
+    fn a_level_that_repeats_its_source_fails() {
+        let cause = || std::io::Error::other("gone");
+        assert_eq!(
+            assert_each_cause_once(&Describes(cause())),
+            "cannot read x: gone"
+        );
+        assert!(std::panic::catch_unwind(|| assert_each_cause_once(&Repeats(cause()))).is_err());
+        assert!(std::panic::catch_unwind(|| assert_each_cause_once(&cause())).is_err());
+    }
+}
