@@ -104,14 +104,26 @@ pub fn ci(skip_dev_env: bool) -> Result<()> {
     });
     note("bench --quick", result);
 
+    // Every public item of the library crates documented (missing docs are errors), and no
+    // rustdoc warning anywhere.
     let result = timings.time("doc", || {
         cmd::run(
             cargo_in(&root)
                 .args(["doc", "--workspace", "--no-deps"])
+                .args(UNPUBLISHED.iter().flat_map(|p| ["--exclude", p]))
+                .env("RUSTDOCFLAGS", "-D warnings -D missing_docs"),
+        )?;
+        cmd::run(
+            cargo_in(&root)
+                .args(["doc", "--no-deps"])
+                .args(UNPUBLISHED.iter().flat_map(|p| ["-p", p]))
                 .env("RUSTDOCFLAGS", "-D warnings"),
         )
     });
     note("doc", result);
+
+    let result = timings.time("package", || package(&root));
+    note("package", result);
 
     timings.print("ci timings:");
     if failures.is_empty() {
@@ -124,6 +136,86 @@ pub fn ci(skip_dev_env: bool) -> Result<()> {
         }
         bail!("ci failed")
     }
+}
+
+/// The workspace's packages that are never published: the test package, the test runner and
+/// xtask. (`dstack-shim` is not published either, but `cargo package` takes it: its
+/// dependencies are the library crates.)
+const UNPUBLISHED: [&str; 3] = ["xtask", "shim-e2e", "shim-test-runner"];
+
+/// `cargo package --workspace` for everything but [`UNPUBLISHED`]: each crate is packaged as
+/// crates.io would take it and built from its package alone, against the other crates'
+/// packages (cargo resolves them locally), in `target/package-check`.
+///
+/// Cargo treats a registry crate of a given version as immutable: the unpacked sources of the
+/// previous run's packages (under `$CARGO_HOME/registry/src/<local registry>/`) and their
+/// compiled libraries would be reused as they are. Both are removed first, so each run checks
+/// the crates as they are now; third-party dependencies stay compiled.
+pub fn package(root: &Path) -> Result<()> {
+    let metadata =
+        cmd::output(cargo_in(root).args(["metadata", "--format-version", "1", "--no-deps"]))?;
+    let metadata: serde_json::Value = serde_json::from_str(&metadata)?;
+    let ours: Vec<String> = metadata["packages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| {
+            format!(
+                "{}-{}",
+                p["name"].as_str().unwrap_or(""),
+                p["version"].as_str().unwrap_or("")
+            )
+        })
+        .collect();
+    let cargo_home = std::env::var_os("CARGO_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cargo")));
+    if let Some(home) = cargo_home {
+        for kind in ["src", "cache"] {
+            let dir = home.join("registry").join(kind);
+            let Ok(registries) = fs_err::read_dir(&dir) else {
+                continue;
+            };
+            for registry in registries.flatten() {
+                if registry
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with("index.crates.io-")
+                {
+                    continue;
+                }
+                for name in &ours {
+                    for entry in [
+                        registry.path().join(name),
+                        registry.path().join(format!("{name}.crate")),
+                    ] {
+                        if entry.is_dir() {
+                            fs_err::remove_dir_all(&entry)?;
+                        } else if entry.exists() {
+                            fs_err::remove_file(&entry)?;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let target = root.join("target").join("package-check");
+    let mut clean = cargo_in(root);
+    clean.args(["clean", "--target-dir"]).arg(&target);
+    for name in &ours {
+        if let Some((package, _)) = name.rsplit_once('-') {
+            clean.args(["-p", package]);
+        }
+    }
+    if target.exists() {
+        cmd::run(&mut clean)?;
+    }
+    cmd::run(
+        cargo_in(root)
+            .args(["package", "--workspace", "--target-dir"])
+            .arg(&target)
+            .args(UNPUBLISHED.iter().flat_map(|p| ["--exclude", p])),
+    )
 }
 
 fn cargo_in(root: &Path) -> Command {

@@ -4,7 +4,8 @@
 //!   Docker and the fixture tools, start `dockerd` if needed, build the local test image, run
 //!   the local registry and push the registry images. Idempotent; `--check` only reports.
 //! - `ci`: `dev-env`, then fmt, clippy, cargo-deny, the release artifacts (`dist` for two
-//!   releases), all tests, `bench --quick`, docs; a timing summary at the end.
+//!   releases), all tests, `bench --quick`, docs, `package`; a timing summary at the end.
+//! - `package`: `cargo package` of the publishable crates and the binary, each verified.
 //! - `run [ARGS..]`: start Docker if needed and run the shim against it, with its home under
 //!   `target/shim-home`; `ARGS` are passed to `dstack-shim`.
 //! - `demo [--large]`: one task's life on the real shim and Docker (pull with credentials, GPUs,
@@ -48,7 +49,9 @@ commands:
   dev-env [--check]   install and start Docker, build the test image, run the test registry
                       (idempotent); --check only reports what is missing
   ci [--skip-dev-env] dev-env, fmt, clippy, cargo-deny, dist (two releases), tests (nextest),
-                      bench --quick, docs; timing summary
+                      bench --quick, docs (missing docs denied), package; timing summary
+  package             cargo package of every crate but the test ones, each built from its
+                      package alone (as crates.io would take it)
   run [ARGS..]        start Docker if needed, then run dstack-shim with
                       --shim-home <repo>/target/shim-home and ARGS
   demo [--large]      start dstack-shim on a temp home with the stub runner and 2 fake GPUs,
@@ -95,6 +98,10 @@ fn dispatch(args: &[String]) -> Result<()> {
         "ci" => {
             let skip_dev_env = !flags(rest, &["--skip-dev-env"])?.is_empty();
             ci::ci(skip_dev_env)
+        }
+        "package" => {
+            flags(rest, &[])?;
+            ci::package(&shim_e2e::repo_root())
         }
         "run" => run::run(rest),
         "demo" => {
