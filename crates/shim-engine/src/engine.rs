@@ -79,8 +79,8 @@ pub(crate) struct Slot {
 impl Slot {
     pub(crate) fn new(task: Task, auth: Option<RegistryAuth>) -> Self {
         Self {
-            id: task.record.id.clone(),
-            container_name: task.record.container_name.clone(),
+            id: task.record().id.clone(),
+            container_name: task.record().container_name.clone(),
             task: Mutex::new(task),
             step_lock: tokio::sync::Mutex::new(false),
             starting: tokio::sync::watch::Sender::new(false),
@@ -268,7 +268,7 @@ impl Inner {
             // Removed: nothing of it may come back on disk.
             return Ok(());
         }
-        let record: TaskRecord = slot.lock().record.clone();
+        let record: TaskRecord = slot.lock().record().clone();
         self.blocking(move |store| match store.write(&record) {
             Err(shim_store::StoreError::NoTaskDir { .. }) if record.config.is_none() => {
                 // A task adopted from a container without a state file has no directory yet.
@@ -286,8 +286,8 @@ impl Inner {
     pub(crate) fn apply(&self, slot: &Slot, event: Event) -> Result<Vec<Action>> {
         let mut task = slot.lock();
         let tr = step(&task, event, now_ms())?;
-        let changes = Changes::between(&task.saved, &tr.task.saved);
-        let created_at_ms = tr.task.record.created_at_ms;
+        let changes = Changes::between(task.saved(), tr.task.saved());
+        let created_at_ms = tr.task.record().created_at_ms;
         *task = tr.task;
         for change in changes {
             let now = now_ms();
@@ -458,7 +458,7 @@ impl Inner {
             tracing::error!(task = %slot.id, error = %chain(e), "start failed");
         }
         // Start must always give up ownership, also when the driver stopped on an error.
-        if slot.lock().start_in_flight {
+        if slot.lock().start_in_flight() {
             if let Err(e) = outcome {
                 let ev = Event::StartAborted {
                     message: format!("start failed: {}", chain(&e)),
@@ -467,7 +467,7 @@ impl Inner {
                     tracing::error!(task = %slot.id, error = %chain(&e), "aborting start failed");
                 }
             }
-            if slot.lock().start_in_flight {
+            if slot.lock().start_in_flight() {
                 slot.mark_start_returned();
                 if let Err(e) = self.drive(&slot, Event::StartFinished).await {
                     tracing::error!(task = %slot.id, error = %chain(&e), "finishing start failed");
@@ -750,7 +750,7 @@ impl Engine {
 
     /// Whether the task's start job still owns it (the reconciler leaves such tasks alone).
     pub fn is_starting(&self, id: &TaskId) -> Result<bool> {
-        Ok(self.inner.slot(id)?.lock().start_in_flight)
+        Ok(self.inner.slot(id)?.lock().start_in_flight())
     }
 
     /// Every known task (terminated included) with its status.

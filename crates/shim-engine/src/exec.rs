@@ -121,7 +121,7 @@ impl Inner {
             }
             Action::DeleteTaskDir => {
                 // Renamed to a trash name first, then removed (SPEC §4).
-                let held = slot.lock().record.resources.clone();
+                let held = slot.lock().record().resources.clone();
                 if held.holds_any() {
                     return Err(EngineError::ReleaseIncomplete {
                         id,
@@ -317,7 +317,7 @@ impl Inner {
         slot: &Arc<Slot>,
     ) -> Result<Vec<PortMapping>, String> {
         let runtime = &self.deps.runtime;
-        let mut cid = slot.lock().record.container_id.clone();
+        let mut cid = slot.lock().record().container_id.clone();
         let mut started = runtime.start(&cid).await;
         if let Err(e @ RuntimeError::DaemonUnavailable { .. }) = &started
             && self.started_anyway(&cid).await
@@ -363,7 +363,7 @@ impl Inner {
         }
         let host_network = slot
             .lock()
-            .record
+            .record()
             .config
             .as_ref()
             .is_none_or(|c| c.network_mode == shim_task::NetworkMode::Host);
@@ -537,10 +537,10 @@ impl Inner {
 /// The container id if known, else its name (the name is fixed at submit).
 pub(crate) fn container_ref(slot: &Slot) -> String {
     let t = slot.lock();
-    if t.record.container_id.is_empty() {
-        t.record.container_name.clone()
+    if t.record().container_id.is_empty() {
+        t.record().container_name.clone()
     } else {
-        t.record.container_id.clone()
+        t.record().container_id.clone()
     }
 }
 

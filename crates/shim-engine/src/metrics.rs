@@ -261,15 +261,15 @@ impl Collector for State {
             if let Some(i) = statuses.iter().position(|s| *s == t.status()) {
                 by_status[i] += 1;
             }
-            let r = &t.record.resources;
+            let r = &t.record().resources;
             if r.host_keys.is_some() {
                 keys += 1;
             }
             volumes += r.volumes.len() as u64;
-            if t.record.status == TaskStatus::Terminated && r.holds_any() {
+            if t.record().status == TaskStatus::Terminated && r.holds_any() {
                 pending += 1;
             }
-            if t.dirty && !t.progress_only {
+            if t.is_dirty() && !t.is_progress_only() {
                 unwritten += 1;
             }
         }

@@ -85,14 +85,14 @@ impl Inner {
             // Only tasks whose start had returned before the list was requested: a start that
             // returned since made a container the list may not show; judging it by this list
             // would call its new container vanished.
-            if slot.lock().start_in_flight
+            if slot.lock().start_in_flight()
                 || slot.start_returned.load(Ordering::SeqCst) >= listed_at
             {
                 continue;
             }
             let (status, container_id) = {
                 let t = slot.lock();
-                (t.record.status, t.record.container_id.clone())
+                (t.record().status, t.record().container_id.clone())
             };
             let summary = by_name
                 .get(slot.container_name.as_str())
@@ -131,7 +131,7 @@ impl Inner {
     pub(crate) async fn retry_task(self: &Arc<Self>, slot: &Arc<Slot>) {
         let (in_flight, dirty) = {
             let t = slot.lock();
-            (t.start_in_flight, t.dirty)
+            (t.start_in_flight(), t.is_dirty())
         };
         if in_flight {
             return;
@@ -145,7 +145,7 @@ impl Inner {
             (
                 t.needs_release(),
                 t.stop_failed(),
-                t.record.container_id.clone(),
+                t.record().container_id.clone(),
             )
         };
         if needs_release {
@@ -168,7 +168,7 @@ impl Inner {
         for slot in self.slots() {
             let wants = {
                 let t = slot.lock();
-                !t.start_in_flight && (t.dirty || t.needs_retry())
+                !t.start_in_flight() && (t.is_dirty() || t.needs_retry())
             };
             if wants {
                 self.retry_task(&slot).await;
@@ -195,7 +195,7 @@ impl Inner {
     /// Makes sure a task's queued events are being handled, unless start owns it (start's
     /// end kicks them).
     pub(crate) fn kick_events(self: &Arc<Self>, slot: &Arc<Slot>) {
-        if slot.lock().start_in_flight || !slot.claim_event_worker() {
+        if slot.lock().start_in_flight() || !slot.claim_event_worker() {
             return;
         }
         let this = self.clone();
@@ -212,7 +212,8 @@ impl Inner {
             let t = slot.lock();
             // An event of another container of the same name (one this task replaced, or an
             // earlier task's) is not about this task.
-            if !t.record.container_id.is_empty() && t.record.container_id != event.container_id {
+            if !t.record().container_id.is_empty() && t.record().container_id != event.container_id
+            {
                 return;
             }
         }

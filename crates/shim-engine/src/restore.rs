@@ -232,14 +232,16 @@ impl Inner {
                 None => (None, false),
             };
             let running = container.as_ref().is_some_and(|c| c.state.is_running());
-            let (record, unknown) = match found.remove(&name) {
+            let record = match found.remove(&name) {
                 Some(Found::Record(mut r, origin)) => {
                     if origin == Origin::Upstream {
                         self.complete_upstream_record(&mut r);
                     }
-                    (Some(*r), None)
+                    Some(*r)
                 }
-                Some(Found::Corrupt) => (None, Some(UnknownKeys { user: None })),
+                // Restored from its container, if it has one, as a container without a state
+                // file: its keys cannot be named, so `restore` holds the unknown-origin lines.
+                Some(Found::Corrupt) => None,
                 Some(Found::Bare { skeleton }) => {
                     if container.is_none() {
                         let dir = self.store.runners_dir().join(&name);
@@ -262,21 +264,16 @@ impl Inner {
                         }
                         continue;
                     }
-                    (None, None)
+                    None
                 }
-                None => (None, None),
+                None => None,
             };
-            let Some((mut task, actions)) = restore(record, container, now_ms()) else {
+            let Some((task, actions)) = restore(record, container, now_ms()) else {
                 continue;
             };
-            if let Some(hold) = unknown
-                && !task.record.resources.released
-            {
-                task.record.resources.unknown_keys = Some(hold);
-            }
-            tracing::info!(task = %task.record.id, status = %task.status(), reason = ?task.record.termination_reason, "task restored");
+            tracing::info!(task = %task.record().id, status = %task.status(), reason = ?task.record().termination_reason, "task restored");
             if whole_dir {
-                tracing::warn!(task = %task.record.id, "container mounts its whole task directory (an upstream shim without state files made it): its state stays in memory");
+                tracing::warn!(task = %task.record().id, "container mounts its whole task directory (an upstream shim without state files made it): its state stays in memory");
             }
             restored.push((Arc::new(Slot::restored(task, whole_dir)), actions, running));
         }
@@ -288,7 +285,7 @@ impl Inner {
         // Phase 1: register what live tasks hold, before anything is released.
         for (slot, _, _) in &restored {
             let t = slot.lock();
-            let r = &t.record.resources;
+            let r = &t.record().resources;
             if r.released {
                 continue;
             }

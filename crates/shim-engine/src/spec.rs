@@ -18,14 +18,14 @@ use crate::labels::{LABEL_GPUS, LABEL_IS_TASK, LABEL_OWNER, LABEL_TASK_ID};
 /// The container spec of a task that has a config (start only runs for those).
 pub(crate) fn container_spec(inner: &Inner, task: &Task) -> Result<ContainerSpec> {
     let config = task
-        .record
+        .record()
         .config
         .as_ref()
         .ok_or_else(|| EngineError::WrongStatus {
-            id: task.record.id.clone(),
-            status: task.record.status,
+            id: task.record().id.clone(),
+            status: task.record().status,
         })?;
-    let paths = inner.store.paths(&task.record.container_name)?;
+    let paths = inner.store.paths(&task.record().container_name)?;
     Ok(build_container_spec(&inputs(
         inner,
         task,
@@ -36,10 +36,10 @@ pub(crate) fn container_spec(inner: &Inner, task: &Task) -> Result<ContainerSpec
 
 fn inputs(inner: &Inner, task: &Task, config: &TaskConfig, runner_dir: PathBuf) -> ContainerInputs {
     let cfg = &inner.cfg;
-    let gpus = &task.record.resources.gpus;
+    let gpus = &task.record().resources.gpus;
     let mut labels = BTreeMap::new();
     labels.insert(LABEL_IS_TASK.to_owned(), "true".to_owned());
-    labels.insert(LABEL_TASK_ID.to_owned(), task.record.id.to_string());
+    labels.insert(LABEL_TASK_ID.to_owned(), task.record().id.to_string());
     labels.insert(LABEL_OWNER.to_owned(), inner.owner.clone());
     if !gpus.is_empty() {
         labels.insert(LABEL_GPUS.to_owned(), gpus.join(","));
@@ -51,7 +51,7 @@ fn inputs(inner: &Inner, task: &Task, config: &TaskConfig, runner_dir: PathBuf) 
     let mut mounts = Vec::new();
     for m in &config.volume_mounts {
         let source = task
-            .record
+            .record()
             .resources
             .volumes
             .iter()
@@ -106,7 +106,7 @@ fn inputs(inner: &Inner, task: &Task, config: &TaskConfig, runner_dir: PathBuf) 
         }
     };
     ContainerInputs {
-        name: task.record.container_name.clone(),
+        name: task.record().container_name.clone(),
         image: shim_runtime::spec::with_default_tag(&config.image_name),
         labels,
         runner: RunnerParams {
