@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use shim_runtime::{ContainerState, PullRequest, RuntimeError, docker_time_ns};
 use shim_task::machine::{Action, Event, Observation};
-use shim_task::{MountedVolume, PortMapping, PullProgress, Resources};
+use shim_task::{MountedVolume, PortMapping, Resources};
 
 use crate::engine::{Inner, Slot};
 use crate::error::{EngineError, Result};
@@ -220,7 +220,7 @@ impl Inner {
                 if !image.ends_with(":latest") {
                     self.image_seen(&image);
                 }
-                Event::PullDone(convert_progress(p))
+                Event::PullDone(p)
             }
             Err(e) => Event::PullFailed {
                 message: e.to_string(),
@@ -250,7 +250,7 @@ impl Inner {
         let progress_slot = slot.clone();
         let progress = move |p: shim_runtime::PullProgress| {
             // Progress never changes the record: stepping it only updates the view.
-            let _ = progress_slot.step_volatile(Event::PullProgressed(convert_progress(p)));
+            let _ = progress_slot.step_volatile(Event::PullProgressed(p));
         };
         tracing::info!(task = %slot.id, %image, "pulling image");
         runtime
@@ -541,15 +541,6 @@ pub(crate) fn container_ref(slot: &Slot) -> String {
         t.record().container_name.clone()
     } else {
         t.record().container_id.clone()
-    }
-}
-
-fn convert_progress(p: shim_runtime::PullProgress) -> PullProgress {
-    PullProgress {
-        downloaded_bytes: p.downloaded_bytes,
-        extracted_bytes: p.extracted_bytes,
-        total_bytes: p.total_bytes,
-        is_total_bytes_final: p.is_total_bytes_final,
     }
 }
 

@@ -1233,26 +1233,22 @@ fn upstream_container(
     gpus: &[String],
     state: ContainerState,
 ) -> String {
-    let spec = shim_runtime::ContainerSpec {
-        name: name.to_owned(),
-        image: IMAGE.to_owned(),
-        labels: [
-            ("ai.dstack.shim.is-task".to_owned(), "true".to_owned()),
-            ("ai.dstack.shim.task-id".to_owned(), id.to_owned()),
-        ]
-        .into(),
-        mounts: vec![shim_runtime::BindMount {
-            source: runner_dir.to_path_buf(),
-            target: "/tmp/runner".to_owned(),
-            read_only: false,
-        }],
-        device_requests: vec![shim_runtime::DeviceRequest {
-            driver: "nvidia".to_owned(),
-            device_ids: gpus.to_vec(),
-            capabilities: vec!["gpu".to_owned()],
-        }],
-        ..Default::default()
-    };
+    let mut spec = shim_runtime::ContainerSpec::new(name, IMAGE);
+    spec.labels = [
+        ("ai.dstack.shim.is-task".to_owned(), "true".to_owned()),
+        ("ai.dstack.shim.task-id".to_owned(), id.to_owned()),
+    ]
+    .into();
+    spec.mounts = vec![shim_runtime::BindMount {
+        source: runner_dir.to_path_buf(),
+        target: "/tmp/runner".to_owned(),
+        read_only: false,
+    }];
+    spec.device_requests = vec![shim_runtime::DeviceRequest {
+        driver: "nvidia".to_owned(),
+        device_ids: gpus.to_vec(),
+        capabilities: vec!["gpu".to_owned()],
+    }];
     let code = matches!(state, ContainerState::Exited).then_some(0);
     w.runtime.add_container(&spec, state, code)
 }
@@ -1494,26 +1490,21 @@ async fn a_lost_or_replaced_owner_id_orphans_no_task() {
     let first_owner = engine.owner().to_owned();
     // A stray container claiming our owner label, mounting another home's runner directory.
     let elsewhere = tempfile::tempdir().unwrap();
-    let stray = w.runtime.add_container(
-        &shim_runtime::ContainerSpec {
-            name: "stray-0-01234567".to_owned(),
-            image: IMAGE.to_owned(),
-            labels: [
-                ("ai.dstack.shim.is-task".to_owned(), "true".to_owned()),
-                ("ai.dstack.shim.task-id".to_owned(), "stray".to_owned()),
-                ("ai.dstack.shim.owner".to_owned(), first_owner.clone()),
-            ]
-            .into(),
-            mounts: vec![shim_runtime::BindMount {
-                source: elsewhere.path().join("runners/stray-0-01234567/runner"),
-                target: "/tmp/runner".to_owned(),
-                read_only: false,
-            }],
-            ..Default::default()
-        },
-        ContainerState::Running,
-        None,
-    );
+    let mut stray_spec = shim_runtime::ContainerSpec::new("stray-0-01234567", IMAGE);
+    stray_spec.labels = [
+        ("ai.dstack.shim.is-task".to_owned(), "true".to_owned()),
+        ("ai.dstack.shim.task-id".to_owned(), "stray".to_owned()),
+        ("ai.dstack.shim.owner".to_owned(), first_owner.clone()),
+    ]
+    .into();
+    stray_spec.mounts = vec![shim_runtime::BindMount {
+        source: elsewhere.path().join("runners/stray-0-01234567/runner"),
+        target: "/tmp/runner".to_owned(),
+        read_only: false,
+    }];
+    let stray = w
+        .runtime
+        .add_container(&stray_spec, ContainerState::Running, None);
     let owner_file = w.home.path().join("owner-id");
     for (round, (id, code)) in [("t-deleted", 0), ("t-replaced", 3)]
         .into_iter()
