@@ -41,14 +41,13 @@ impl World {
     }
 
     fn deps(&self) -> Deps {
-        Deps {
-            runtime: Arc::new(self.runtime.clone()),
-            host_gpus: self.host_gpus.clone(),
-            fake_gpus: false,
-            keys: self.keys.clone(),
-            volumes: self.volumes.clone(),
-            host_devices: Default::default(),
-        }
+        let mut deps = Deps::new(
+            Arc::new(self.runtime.clone()),
+            self.keys.clone(),
+            self.volumes.clone(),
+        );
+        deps.host_gpus = self.host_gpus.clone();
+        deps
     }
 
     fn config(&self) -> EngineConfig {
