@@ -273,6 +273,97 @@ async fn an_event_stream_that_breaks_at_once_backs_off() {
     assert!(w.runtime.count("list") > lists, "the reconnection relists");
 }
 
+/// SPEC §4: Docker's events are followed; a full list runs at start-up, on every
+/// (re)connection of the event stream and as a backstop of minutes, never every second. An
+/// engine opened with `EngineConfig::new`'s defaults (nothing set but the home) lists once at
+/// start-up and once per reconnection in its first five minutes, then the backstop lists.
+/// Paused time: five minutes run in milliseconds.
+#[tokio::test(start_paused = true)]
+async fn the_default_config_lists_only_at_start_up_and_on_reconnection() {
+    let w = World::new(0);
+    let cfg = EngineConfig::new(w.home.path());
+    assert_eq!(
+        cfg.reconcile_interval,
+        EngineConfig::DEFAULT_RECONCILE_INTERVAL
+    );
+    let opened = tokio::time::Instant::now();
+    let engine = Engine::open(cfg, w.deps()).await.unwrap();
+    assert_eq!(w.runtime.count("list"), 1, "the start-up list");
+    assert_eq!(w.runtime.count("events"), 1, "the first subscription");
+    // Tasks to look at: a cycle would have work (and requests to make).
+    for i in 0..3 {
+        engine.submit(config(&format!("t{i}"))).await.unwrap();
+        wait_status(&engine, &format!("t{i}"), TaskStatus::Running).await;
+    }
+    let until = |s: u64| tokio::time::sleep_until(opened + Duration::from_secs(s));
+    until(120).await;
+    assert_eq!(w.runtime.count("list"), 1, "lists in the first two minutes");
+    // Docker restarts: the stream reconnects (`since` the last event) and lists once.
+    w.runtime.break_event_streams();
+    until(150).await;
+    assert_eq!(w.runtime.count("events"), 2, "one resubscription");
+    assert!(engine.health().events_connected, "{:?}", engine.health());
+    assert_eq!(w.runtime.count("list"), 2, "one list for the reconnection");
+    until(299).await;
+    assert_eq!(
+        w.runtime.count("list"),
+        2,
+        "lists in the first five minutes: the start-up list and one per reconnection"
+    );
+    // The backstop comes at five minutes.
+    until(301).await;
+    assert_eq!(w.runtime.count("list"), 3, "the backstop list");
+    assert!(
+        engine.health().is_ready(),
+        "{:?}",
+        engine.health().reasons()
+    );
+}
+
+/// Dropping the last handle of an engine stops its background jobs (the event listener, the
+/// reconciler, the retry pass): they hold the parts they use, never the handle. Once they
+/// ended, nothing holds the engine's change feed, so a subscription ends with `Closed`, and no
+/// Docker request is made any more.
+#[tokio::test]
+async fn dropping_the_last_engine_handle_stops_its_background_jobs() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    let mut changes = engine.subscribe();
+    engine.submit(config("t1")).await.unwrap();
+    wait_status(&engine, "t1", TaskStatus::Running).await;
+    let clone = engine.clone();
+    drop(engine);
+    // A clone keeps it running.
+    assert!(clone.reconcile_now().await);
+    assert!(clone.health().events_connected);
+    drop(clone);
+    let closed = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match changes.recv().await {
+                Ok(_) => {}
+                Err(e) => return e,
+            }
+        }
+    })
+    .await;
+    assert_eq!(
+        closed,
+        Ok(shim_engine::SubscriptionError::Closed),
+        "the engine's jobs still run after its last handle was dropped"
+    );
+    // Nothing asks Docker any more (the retry pass and the listener are gone), and the
+    // container keeps running.
+    w.runtime.clear_calls();
+    w.runtime.break_event_streams();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        w.runtime.calls(),
+        [],
+        "requests after the engine was dropped"
+    );
+    assert_eq!(w.runtime.container_ids().len(), 1);
+}
+
 /// Shutdown does not wait for an event subscription in progress: subscribing asks the daemon,
 /// and a frozen one would hold it up to the request timeout (30 s; the engine gives its
 /// background jobs 10 s before it leaves them).
