@@ -1,7 +1,8 @@
 //! Which side effects go out now: what the task calls for and may do given what is durable.
 
+use super::event::{Action, StartStep};
 use super::start::start_action;
-use super::{Action, StartStep, StopState, Task};
+use super::task::{StopState, Task};
 
 /// The side effects due now, marking each as out. Only [`Action::FinishStart`] goes out while
 /// the record is not durable, unless all that is not durable is start progress

@@ -2,7 +2,8 @@
 //! next write carries, or nothing; and the side effects that may then go out.
 
 use super::due::{due, settle_released};
-use super::{Action, Task};
+use super::event::Action;
+use super::task::Task;
 use crate::record::TaskRecord;
 use crate::status::TaskStatus;
 

@@ -1,7 +1,8 @@
 //! The chain of start steps: which steps a config has, the action of each, and moving from
 //! one to the next as outcomes arrive.
 
-use super::{Action, Event, StartStep, StopState, Task, TransitionError};
+use super::event::{Action, Event, StartStep, TransitionError};
+use super::task::{StopState, Task};
 use crate::config::TaskConfig;
 use crate::info::HostKeysGrant;
 use crate::status::{TaskStatus, TerminationReason};

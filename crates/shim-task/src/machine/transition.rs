@@ -3,12 +3,23 @@
 //! writes), and `durability::finish` decides what goes out.
 
 use super::durability::{PLAIN, Shape, finish};
-use super::start::{begin, on_start_event};
-use super::{
-    Action, EXIT_MESSAGE_LINES, Event, NEVER_STARTED_MESSAGE, OOM_NOTE, Observation, Saved,
-    StartStep, StopState, Task, Transition, TransitionError, VANISHED_MESSAGE, WRITE_FAILED_PREFIX,
+use super::event::{
+    Action, EXIT_MESSAGE_LINES, Event, NEVER_STARTED_MESSAGE, OOM_NOTE, Observation, StartStep,
+    TransitionError, VANISHED_MESSAGE, WRITE_FAILED_PREFIX,
 };
+use super::start::{begin, on_start_event};
+use super::task::{Saved, StopState, Task};
 use crate::status::{TaskStatus, TerminationReason};
+
+/// The result of a step: the task to keep and what to do.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Transition {
+    /// The task after the event.
+    pub task: Task,
+    /// The actions, in order.
+    pub actions: Vec<Action>,
+}
 
 /// Steps a task through one event at time `now_ms` (Unix milliseconds).
 ///
