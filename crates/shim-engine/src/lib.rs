@@ -12,9 +12,16 @@
 //!   whose containers ended and releases what terminated tasks hold; a full container list
 //!   runs at start-up, on every reconnection of the event stream and as a slow backstop
 //!   (minutes), and a one-second pass in memory retries failed writes, stops and releases.
-//! - [`Engine::open`] restores every task of this shim from its state files and its labelled
-//!   containers and runs the first reconcile cycle before it returns, so an HTTP server started
-//!   afterwards never serves a stale view.
+//! - [`Engine::open`] restores every task of this shim from its state files and its
+//!   containers (those whose runner directory lies in its home: [`labels`]) and runs the first
+//!   reconcile cycle before it returns, so an HTTP server started afterwards never serves a
+//!   stale view.
+//!
+//! What an agent built on it needs besides the operations: [`Engine::subscribe`] (every task
+//! change, in order), [`Engine::health`] (readiness with its reasons), [`EngineError::kind`]
+//! (how an API answers each error), [`Engine::register_metrics`] (the engine's metrics in the
+//! agent's Prometheus registry), and [`Engine::shutdown`]. Dropping the last [`Engine`] handle
+//! stops the background jobs without waiting for them; containers keep running either way.
 //!
 //! # Embedding
 //!

@@ -2,19 +2,26 @@
 //! Docker's events.
 //!
 //! - **Events first.** One subscription to the `die`, `oom` and `destroy` events of every
-//!   dstack shim container; each event goes to its task (by container name, and by id once the
-//!   task knows its container), in order per task, tasks in parallel. A `die` carries the exit
+//!   dstack shim container (filtered on "has upstream's task-id label", so other shims'
+//!   containers on the daemon come too); an event goes to the task whose container has its
+//!   name (none: not this engine's), is dropped there when the task knows another container
+//!   id, and is handled in order per task, tasks in parallel. A `die` carries the exit
 //!   code, so an exit needs no blocking inspect (in bridge mode Docker holds the container's
 //!   lock for ~140 ms while it tears the network down); only a non-zero exit reads the last log
 //!   lines. A `destroy` marks a vanished container. Events for a task whose start is in flight
 //!   wait until start returns.
-//! - **Lists as a backstop.** One list request for all containers runs at start-up, on every
+//! - **Lists as a backstop.** One list request (the same filter; the runner-mount rule keeps
+//!   this engine's containers: [`crate::labels`]) runs at start-up, on every
 //!   reconnection of the event stream (which resubscribes `since` the last event seen, so
 //!   Docker replays what it still has), and every `reconcile_interval` (minutes), never every
 //!   second. A failed list changes no task.
 //! - **Retries cost nothing while idle.** Every second, tasks with a failed write, a failed
 //!   stop, a release to retry or queued events are driven again; in-memory checks only, no
 //!   Docker request when nothing is to do.
+//!
+//! The reconciler owns its state (the event cursor, the connection, the relist request, the
+//! last successful cycle); health and the metrics read the part they show
+//! ([`ReconcileState`]). It changes tasks only by asking the driver to step them.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};

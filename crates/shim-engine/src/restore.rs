@@ -132,7 +132,7 @@ pub(crate) struct Restored {
 }
 
 /// Restores every task of this shim: state files and containers paired by container name,
-/// [`shim_task::restore`] decides each, and the SSH keys of every live task are registered
+/// [`shim_task::restore()`] decides each, and the SSH keys of every live task are registered
 /// again before anything is released (its GPUs are relocked by the first of its actions,
 /// which the caller carries out for every task before the rest). Nothing is released here.
 pub(crate) async fn restore(ctx: RestoreContext<'_>) -> Result<Restored> {
