@@ -58,11 +58,11 @@ pub enum Shutdown {
 /// stops the background jobs (see the module docs); [`Engine::shutdown`] also waits for them.
 #[derive(Clone)]
 pub struct Engine {
-    inner: Arc<Inner>,
+    inner: Arc<Shared>,
 }
 
 /// What the handles share. Dropped with the last handle, which cancels the background jobs.
-struct Inner {
+struct Shared {
     terminate_slack: Duration,
     owner: String,
     host_gpus: HostGpus,
@@ -81,7 +81,7 @@ struct Inner {
     jobs: Mutex<Vec<JoinHandle<()>>>,
 }
 
-impl Drop for Inner {
+impl Drop for Shared {
     fn drop(&mut self) {
         self.shutdown.cancel();
     }
@@ -186,7 +186,7 @@ impl Engine {
         let mut registry = Registry::default();
         crate::metrics::register(&mut registry, &sources);
         Ok(Engine {
-            inner: Arc::new(Inner {
+            inner: Arc::new(Shared {
                 terminate_slack: cfg.terminate_slack,
                 owner,
                 host_gpus,

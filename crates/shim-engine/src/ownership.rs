@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use shim_runtime::{ContainerSummary, MountPoint};
 
-use crate::error::Result;
+use crate::error::{Result, chain};
 use crate::labels::{TaskRoots, is_ours, is_ours_lexically, runner_mount};
 
 /// This home's task roots, and the decisions made with them.
@@ -45,7 +45,7 @@ impl Ownership {
             .await;
             match resolved {
                 Ok(more) => ours.extend(more),
-                Err(e) => tracing::error!(error = %e, "resolving container mounts failed"),
+                Err(e) => tracing::error!(error = %chain(&e), "resolving container mounts failed"),
             }
         }
         ours
