@@ -1,13 +1,19 @@
-//! The HTTP layer's view of the engine: [`ShimApi`] implemented over [`Engine`], with engine
-//! errors mapped to API error kinds (the status codes themselves are chosen in `shim-http`);
-//! the engine's task changes as the API's change feed (`GET /api/events`), its metrics with
-//! the binary's build info (`GET /metrics`) and its health as readiness (`GET /api/ready`).
+//! The HTTP layer's view of the engine: [`ShimApi`] implemented over [`Engine`], with the
+//! engine's error kinds as API error kinds (the status codes themselves are chosen in
+//! `shim-http`); the engine's task changes as the API's change feed (`GET /api/events`), its
+//! metrics with the binary's build info in one registry (`GET /metrics`) and its health as
+//! readiness (`GET /api/ready`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use shim_engine::{Engine, EngineError, Subscription, SubscriptionError, error_chain as chain};
+use shim_engine::prometheus_client::encoding::text::encode;
+use shim_engine::prometheus_client::metrics::info::Info;
+use shim_engine::prometheus_client::registry::Registry;
+use shim_engine::{
+    Engine, EngineError, ErrorKind, Subscription, SubscriptionError, error_chain as chain,
+};
 use shim_http::{ApiError, ChangeEvent, ChangeFeed, FeedError, InstanceInfo, Readiness, ShimApi};
 use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
 
@@ -17,12 +23,32 @@ use crate::config::VERSION;
 pub struct EngineApi {
     engine: Engine,
     dcgm: Arc<shim_dcgm::Dcgm>,
+    /// The engine's metrics and the binary's build info.
+    registry: Registry,
 }
 
 impl EngineApi {
     pub fn new(engine: Engine, dcgm: Arc<shim_dcgm::Dcgm>) -> Self {
-        Self { engine, dcgm }
+        let registry = metrics_registry(&engine, VERSION);
+        Self {
+            engine,
+            dcgm,
+            registry,
+        }
     }
+}
+
+/// The engine's metrics with the binary's build info (`dstack_shim_build_info{version}`, an
+/// OpenMetrics `info`, which Prometheus reads as a gauge of 1).
+fn metrics_registry(engine: &Engine, version: &str) -> Registry {
+    let mut registry = Registry::default();
+    engine.register_metrics(&mut registry);
+    registry.register(
+        "dstack_shim_build",
+        "The dstack-shim binary's version",
+        Info::new(vec![("version".to_owned(), version.to_owned())]),
+    );
+    registry
 }
 
 /// The engine's task changes as the HTTP layer's change feed.
@@ -56,73 +82,25 @@ impl ChangeFeed for EngineFeed {
     }
 }
 
-/// `# HELP`, `# TYPE` and the sample of the binary's build info, in OpenMetrics' `info`
-/// type (Prometheus reads it as a gauge of 1).
-fn build_info(version: &str) -> String {
-    let escaped = version
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n");
-    format!(
-        "# HELP dstack_shim_build The dstack-shim binary's version.\n\
-         # TYPE dstack_shim_build info\n\
-         dstack_shim_build_info{{version=\"{escaped}\"}} 1\n"
-    )
-}
-
-/// The engine's metrics with the binary's build info, one OpenMetrics exposition ending in
-/// `# EOF`.
-fn metrics_text(engine: &Engine) -> Result<String, std::fmt::Error> {
-    let mut text = String::new();
-    engine.encode_metrics(&mut text)?;
-    let body_len = text.strip_suffix("# EOF\n").map_or(text.len(), str::len);
-    text.truncate(body_len);
-    text.push_str(&build_info(VERSION));
-    text.push_str("# EOF\n");
-    Ok(text)
-}
-
-/// The engine's health as the API's readiness, with the reasons spelled out.
+/// The engine's health as the API's readiness: the engine's verdict and reasons.
 fn readiness(health: &shim_engine::EngineHealth) -> Readiness {
-    let max_age = health.backstop.saturating_mul(2);
-    let mut reasons = Vec::new();
-    if !health.events_connected {
-        reasons.push("Docker's event stream is disconnected".to_owned());
-    }
-    match health.last_cycle_age {
-        None => reasons.push("no full container list has succeeded yet".to_owned()),
-        Some(age) if age > max_age => reasons.push(format!(
-            "the last successful full container list was {:.1}s ago (more than {:.1}s)",
-            age.as_secs_f64(),
-            max_age.as_secs_f64()
-        )),
-        Some(_) => {}
-    }
-    let ready = health.is_ready();
-    if !ready && reasons.is_empty() {
-        reasons.push("the engine is not keeping up with Docker".to_owned());
-    }
-    if ready {
-        reasons.clear();
-    }
     Readiness {
-        ready,
-        reasons,
+        ready: health.is_ready(),
+        reasons: health.reasons(),
         events_connected: Some(health.events_connected),
         last_reconcile_age_seconds: health.last_cycle_age.map(|a| a.as_secs_f64()),
-        reconcile_max_age_seconds: Some(max_age.as_secs_f64()),
+        reconcile_max_age_seconds: Some(health.max_cycle_age().as_secs_f64()),
     }
 }
 
+/// An engine error as the API answers it: the engine's kind, the whole chain as the body.
 fn api_error(e: EngineError) -> ApiError {
     let message = chain(&e);
-    match e {
-        EngineError::NotFound(_) => ApiError::not_found(message),
-        EngineError::AlreadyExists(_)
-        | EngineError::Conflict(_)
-        | EngineError::WrongStatus { .. } => ApiError::conflict(message),
-        EngineError::InvalidConfig(_) => ApiError::bad_request(message),
-        other => ApiError::internal(message).with_source(other),
+    match e.kind() {
+        ErrorKind::NotFound => ApiError::not_found(message),
+        ErrorKind::Conflict => ApiError::conflict(message),
+        ErrorKind::InvalidInput => ApiError::bad_request(message),
+        _ => ApiError::internal(message).with_source(e),
     }
 }
 
@@ -183,9 +161,9 @@ impl ShimApi for EngineApi {
         let Some(exporter) = &self.dcgm.exporter else {
             return Err(ApiError::not_found("DCGM Exporter is not available"));
         };
-        let info = self.engine.task_info(id).map_err(|e| match e {
-            EngineError::NotFound(_) => ApiError::not_found("Task not found").with_source(e),
-            other => api_error(other),
+        let info = self.engine.task_info(id).map_err(|e| match e.kind() {
+            ErrorKind::NotFound => ApiError::not_found("Task not found").with_source(e),
+            _ => api_error(e),
         })?;
         exporter
             .fetch_task_metrics(&info.gpu_ids.unwrap_or_default())
@@ -205,8 +183,10 @@ impl ShimApi for EngineApi {
     }
 
     async fn metrics(&self) -> Result<String, ApiError> {
-        metrics_text(&self.engine)
-            .map_err(|e| ApiError::internal(format!("cannot encode the metrics: {e}")))
+        let mut text = String::new();
+        encode(&mut text, &self.registry)
+            .map_err(|e| ApiError::internal(format!("cannot encode the metrics: {e}")))?;
+        Ok(text)
     }
 
     async fn readiness(&self) -> Readiness {
@@ -217,53 +197,26 @@ impl ShimApi for EngineApi {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use shim_engine::EngineHealth;
-
-    fn health(events: bool, age_s: Option<u64>) -> EngineHealth {
-        EngineHealth {
-            events_connected: events,
-            last_cycle_age: age_s.map(Duration::from_secs),
-            backstop: Duration::from_secs(300),
-        }
-    }
+    use std::time::Duration;
 
     #[test]
-    fn readiness_spells_out_the_reasons() {
-        let ok = readiness(&health(true, Some(1)));
+    fn readiness_is_the_engines_verdict_and_reasons() {
+        let ok = readiness(&shim_engine::EngineHealth::new(
+            true,
+            Some(Duration::from_secs(1)),
+            Duration::from_secs(300),
+        ));
         assert!(ok.ready);
         assert!(ok.reasons.is_empty());
         assert_eq!(ok.events_connected, Some(true));
         assert_eq!(ok.last_reconcile_age_seconds, Some(1.0));
         assert_eq!(ok.reconcile_max_age_seconds, Some(600.0));
 
-        let r = readiness(&health(false, None));
+        let health = shim_engine::EngineHealth::new(false, None, Duration::from_secs(300));
+        let r = readiness(&health);
         assert!(!r.ready);
-        assert_eq!(
-            r.reasons,
-            [
-                "Docker's event stream is disconnected",
-                "no full container list has succeeded yet"
-            ]
-        );
+        assert_eq!(r.reasons, health.reasons());
+        assert_eq!(r.reasons.len(), 2);
         assert_eq!(r.last_reconcile_age_seconds, None);
-
-        let r = readiness(&health(true, Some(601)));
-        assert!(!r.ready);
-        assert_eq!(
-            r.reasons,
-            ["the last successful full container list was 601.0s ago (more than 600.0s)"]
-        );
-        // At the limit it is still ready, as the engine says.
-        assert!(readiness(&health(true, Some(600))).ready);
-    }
-
-    #[test]
-    fn build_info_is_one_escaped_info_sample() {
-        assert_eq!(
-            build_info("1.2\"x\\"),
-            "# HELP dstack_shim_build The dstack-shim binary's version.\n\
-             # TYPE dstack_shim_build info\n\
-             dstack_shim_build_info{version=\"1.2\\\"x\\\\\"} 1\n"
-        );
     }
 }

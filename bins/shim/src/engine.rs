@@ -56,19 +56,19 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
     if config.service {
         spawn_host_info(home, docker_root, host_gpus.clone());
     }
-    let deps = Deps {
-        runtime: Arc::new(runtime),
-        host_gpus,
-        fake_gpus,
-        keys: Arc::new(AuthorizedKeysManager::system()),
-        volumes: Arc::new(BlockVolumes::new(
+    let mut deps = Deps::new(
+        Arc::new(runtime),
+        Arc::new(AuthorizedKeysManager::system()),
+        Arc::new(BlockVolumes::new(
             VolumeConfig::with_root(&config.volumes_root),
             commands,
         )),
-        host_devices: HostDevices {
-            infiniband: Path::new("/dev/infiniband").exists(),
-            hugepages_1g: Path::new(shim_runtime::spec::HUGEPAGES_1G_PATH).exists(),
-        },
+    );
+    deps.host_gpus = host_gpus;
+    deps.fake_gpus = fake_gpus;
+    deps.host_devices = HostDevices {
+        infiniband: Path::new(shim_runtime::spec::INFINIBAND_PATH).exists(),
+        hugepages_1g: Path::new(shim_runtime::spec::HUGEPAGES_1G_PATH).exists(),
     };
     let mut cfg = EngineConfig::new(home);
     cfg.runner_binary_path = config.runner_binary_path.clone();

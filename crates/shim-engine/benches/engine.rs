@@ -130,14 +130,12 @@ impl World {
     }
 
     async fn engine(&self) -> Engine {
-        let deps = Deps {
-            runtime: Arc::new(self.runtime.clone()),
-            host_gpus: self.host_gpus.clone(),
-            fake_gpus: false,
-            keys: Arc::new(FakeAuthorizedKeys::new()),
-            volumes: Arc::new(FakeVolumes::new("/fake/volumes")),
-            host_devices: Default::default(),
-        };
+        let mut deps = Deps::new(
+            Arc::new(self.runtime.clone()),
+            Arc::new(FakeAuthorizedKeys::new()),
+            Arc::new(FakeVolumes::new("/fake/volumes")),
+        );
+        deps.host_gpus = self.host_gpus.clone();
         let mut cfg = EngineConfig::new(self.home.path());
         cfg.volumes_root = "/fake/volumes".into();
         // Only exit events and reconcile_now drive cycles, so the timed cycles run alone.

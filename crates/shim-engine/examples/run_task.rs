@@ -16,9 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use shim_engine::{ChangeKind, Deps, Engine, EngineConfig, SubscriptionError};
-use shim_resources::{
-    AuthorizedKeysManager, BlockVolumes, HostGpus, SystemCommandRunner, VolumeConfig,
-};
+use shim_resources::{AuthorizedKeysManager, BlockVolumes, SystemCommandRunner, VolumeConfig};
 use shim_runtime::DockerRuntime;
 use shim_task::{NetworkMode, TaskConfig, TaskId, TaskName, TaskStatus, TerminationReason};
 
@@ -31,16 +29,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .unwrap_or_else(|| "testdata/runner/dstack-runner".to_owned());
     let home = tempfile::tempdir()?;
 
-    let host_gpus = HostGpus::none();
     let commands = Arc::new(SystemCommandRunner::default());
-    let deps = Deps {
-        runtime: Arc::new(DockerRuntime::connect().await?),
-        host_gpus,
-        fake_gpus: false,
-        keys: Arc::new(AuthorizedKeysManager::system()),
-        volumes: Arc::new(BlockVolumes::new(VolumeConfig::default(), commands)),
-        host_devices: Default::default(),
-    };
+    // A host without GPUs (`deps.host_gpus` takes what `GpuDetector` finds).
+    let deps = Deps::new(
+        Arc::new(DockerRuntime::connect().await?),
+        Arc::new(AuthorizedKeysManager::system()),
+        Arc::new(BlockVolumes::new(VolumeConfig::default(), commands)),
+    );
     let mut cfg = EngineConfig::new(home.path());
     cfg.runner_binary_path = std::path::absolute(&runner)?;
     let engine = Engine::open(cfg, deps).await?;

@@ -1,13 +1,24 @@
-//! The engine's configuration: paths, runner parameters, container defaults, timings.
+//! The engine's configuration: paths, runner parameters, container defaults, timings, with
+//! SPEC's defaults in one place ([`EngineConfig::new`] and the `DEFAULT_*` constants, which the
+//! `dstack-shim` binary takes its flags' defaults from).
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// How the engine runs tasks. Built by the binary from its flags; embedders fill it in.
+/// How the engine runs tasks.
+///
+/// [`EngineConfig::new`] gives SPEC's defaults (those of upstream's shim,
+/// `runner/cmd/shim/main.go`); set the fields that differ. `#[non_exhaustive]`: a field added
+/// in a later version breaks no embedder.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct EngineConfig {
-    /// The shim home: task directories live under `<home>/tasks`, and the owner identity that
-    /// scopes which containers are ours is derived from this path.
+    /// The shim home. Task directories live under `<home>/runners/<container name>/`
+    /// (upstream's layout; a home of this shim's first release, `<home>/tasks/<id>/`, is
+    /// migrated at start-up), and the owner identity is created once and stored in
+    /// `<home>/owner-id`. Which containers are this engine's is decided by where their runner
+    /// directory mount lies, not by a label (see [`crate::labels`]). One engine per home: the
+    /// embedder locks it.
     pub home: PathBuf,
     /// The runner binary on the host, bind-mounted into every container.
     pub runner_binary_path: PathBuf,
@@ -30,7 +41,9 @@ pub struct EngineConfig {
     pub volumes_root: PathBuf,
     /// The longest an image pull may take.
     pub pull_timeout: Duration,
-    /// The period of the full container list, the backstop for lost events.
+    /// The period of the full container list, the backstop for lost events. Docker's event
+    /// stream is what the engine follows; a list also runs at start-up and on every
+    /// (re)connection of the stream.
     pub reconcile_interval: Duration,
     /// Lines of log reported for a container that exited with an error.
     pub exit_log_lines: usize,
@@ -42,31 +55,60 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
-    /// A config with SPEC's defaults for everything but the home.
+    /// The runner binary on the host (upstream `consts.RunnerBinaryPath`).
+    pub const DEFAULT_RUNNER_BINARY_PATH: &'static str = "/usr/local/bin/dstack-runner";
+    /// The runner's HTTP port (upstream `consts.RunnerHTTPPort`).
+    pub const DEFAULT_RUNNER_HTTP_PORT: u16 = 10999;
+    /// The runner's SSH port (upstream `consts.RunnerSSHPort`).
+    pub const DEFAULT_RUNNER_SSH_PORT: u16 = 10022;
+    /// The runner's log level (upstream: logrus' `InfoLevel`, as `--runner-log-level`'s
+    /// default).
+    pub const DEFAULT_RUNNER_LOG_LEVEL: &'static str = "info";
+    /// The environment variables passed into containers: the proxies, both cases.
+    pub const DEFAULT_PASS_ENV: [&'static str; 6] = [
+        "http_proxy",
+        "https_proxy",
+        "no_proxy",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "NO_PROXY",
+    ];
+    /// Where volumes are mounted on the host (SPEC §7).
+    pub const DEFAULT_VOLUMES_ROOT: &'static str = "/mnt/disks/dstack-volumes";
+    /// The longest an image pull may take (SPEC §2: 20 minutes).
+    pub const DEFAULT_PULL_TIMEOUT: Duration = Duration::from_secs(20 * 60);
+    /// The period of the backstop list (SPEC §4: minutes, never every second).
+    pub const DEFAULT_RECONCILE_INTERVAL: Duration = Duration::from_secs(5 * 60);
+    /// Log lines in the message of a container that exited with an error (SPEC §2).
+    pub const DEFAULT_EXIT_LOG_LINES: usize = 5;
+    /// A terminate answers within its timeout plus this (SPEC §4: plus 5 s at most).
+    pub const DEFAULT_TERMINATE_SLACK: Duration = Duration::from_secs(4);
+
+    /// A config with SPEC's defaults (the `DEFAULT_*` constants) for everything but the home.
     pub fn new(home: impl Into<PathBuf>) -> Self {
         Self {
             home: home.into(),
-            runner_binary_path: PathBuf::from("/usr/local/bin/dstack-runner"),
-            runner_http_port: 10999,
-            runner_ssh_port: 10022,
-            runner_log_level: "4".to_owned(),
+            runner_binary_path: PathBuf::from(Self::DEFAULT_RUNNER_BINARY_PATH),
+            runner_http_port: Self::DEFAULT_RUNNER_HTTP_PORT,
+            runner_ssh_port: Self::DEFAULT_RUNNER_SSH_PORT,
+            runner_log_level: Self::DEFAULT_RUNNER_LOG_LEVEL.to_owned(),
             runner_ssh_log_level: None,
             pass_env: default_pass_env(),
             privileged: false,
             pjrt_device: None,
-            volumes_root: PathBuf::from("/mnt/disks/dstack-volumes"),
-            pull_timeout: Duration::from_secs(20 * 60),
-            reconcile_interval: Duration::from_secs(1),
-            exit_log_lines: 5,
-            terminate_slack: Duration::from_secs(4),
+            volumes_root: PathBuf::from(Self::DEFAULT_VOLUMES_ROOT),
+            pull_timeout: Self::DEFAULT_PULL_TIMEOUT,
+            reconcile_interval: Self::DEFAULT_RECONCILE_INTERVAL,
+            exit_log_lines: Self::DEFAULT_EXIT_LOG_LINES,
+            terminate_slack: Self::DEFAULT_TERMINATE_SLACK,
         }
     }
 }
 
-/// The proxy variables, both cases.
+/// [`EngineConfig::DEFAULT_PASS_ENV`] as owned names.
 pub fn default_pass_env() -> Vec<String> {
-    ["http_proxy", "https_proxy", "no_proxy"]
+    EngineConfig::DEFAULT_PASS_ENV
         .iter()
-        .flat_map(|v| [v.to_string(), v.to_uppercase()])
+        .map(|v| (*v).to_owned())
         .collect()
 }

@@ -12,30 +12,35 @@
 //!   whose containers ended and releases what terminated tasks hold; a full container list
 //!   runs at start-up, on every reconnection of the event stream and as a slow backstop
 //!   (minutes), and a one-second pass in memory retries failed writes, stops and releases.
-//! - [`Engine::open`] restores every task of this shim from its state files and its labelled
-//!   containers and runs the first reconcile cycle before it returns, so an HTTP server started
-//!   afterwards never serves a stale view.
+//! - [`Engine::open`] restores every task of this shim from its state files and its
+//!   containers (those whose runner directory lies in its home: [`labels`]) and runs the first
+//!   reconcile cycle before it returns, so an HTTP server started afterwards never serves a
+//!   stale view.
+//!
+//! What an agent built on it needs besides the operations: [`Engine::subscribe`] (every task
+//! change, in order), [`Engine::health`] (readiness with its reasons), [`EngineError::kind`]
+//! (how an API answers each error), [`Engine::register_metrics`] (the engine's metrics in the
+//! agent's Prometheus registry), and [`Engine::shutdown`]. Dropping the last [`Engine`] handle
+//! stops the background jobs without waiting for them; containers keep running either way.
 //!
 //! # Embedding
 //!
 //! ```no_run
 //! use std::sync::Arc;
 //! use shim_engine::{Deps, Engine, EngineConfig};
-//! use shim_resources::{AuthorizedKeysManager, BlockVolumes, HostGpus, SystemCommandRunner, VolumeConfig};
+//! use shim_resources::{AuthorizedKeysManager, BlockVolumes, GpuDetector, SystemCommandRunner, VolumeConfig};
 //! use shim_runtime::DockerRuntime;
 //! use shim_task::{TaskConfig, TaskId, TaskName};
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! let runtime = Arc::new(DockerRuntime::connect().await?);
-//! let host_gpus = HostGpus::none();
-//! let deps = Deps {
-//!     runtime,
-//!     host_gpus,
-//!     fake_gpus: false,
-//!     keys: Arc::new(AuthorizedKeysManager::system()),
-//!     volumes: Arc::new(BlockVolumes::new(VolumeConfig::default(), Arc::new(SystemCommandRunner::default()))),
-//!     host_devices: Default::default(),
-//! };
+//! let commands = Arc::new(SystemCommandRunner::default());
+//! let mut deps = Deps::new(
+//!     Arc::new(DockerRuntime::connect().await?),
+//!     Arc::new(AuthorizedKeysManager::system()),
+//!     Arc::new(BlockVolumes::new(VolumeConfig::default(), commands.clone())),
+//! );
+//! deps.host_gpus = GpuDetector::new(commands).detect().await;
+//! // SPEC's defaults (a five-minute backstop list; Docker's events do the rest).
 //! let engine = Engine::open(EngineConfig::new("/var/lib/my-agent"), deps).await?;
 //! let config = TaskConfig::new(TaskId::new("t1")?, TaskName::new("job")?, "busybox:1");
 //! let info = engine.submit(config).await?;
@@ -44,20 +49,35 @@
 //! ```
 
 pub mod changes;
+mod clock;
 mod config;
+mod counters;
+mod deps;
+mod driver;
+mod effects;
 mod engine;
 mod error;
-mod exec;
+mod health;
+mod home;
 pub mod labels;
+mod metered;
 pub mod metrics;
+mod ownership;
+mod queue;
 mod reconcile;
 mod restore;
 mod spec;
+mod table;
 
 pub use changes::{ChangeKind, Subscription, SubscriptionError, TaskChange};
 pub use config::{EngineConfig, default_pass_env};
-pub use engine::{Deps, Engine, EngineHealth, Shutdown, chain as error_chain};
-pub use error::{EngineError, Result};
+pub use deps::Deps;
+pub use engine::{Engine, Shutdown};
+pub use error::{EngineError, ErrorKind, Result, chain as error_chain};
+pub use health::EngineHealth;
+/// The Prometheus client the engine's metrics are built on, for an embedder's registry
+/// ([`Engine::register_metrics`]).
+pub use prometheus_client;
 
 /// The code in this crate's README, compiled as a doctest so it stays true.
 #[doc = include_str!("../README.md")]

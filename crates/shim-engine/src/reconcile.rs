@@ -2,32 +2,51 @@
 //! Docker's events.
 //!
 //! - **Events first.** One subscription to the `die`, `oom` and `destroy` events of every
-//!   dstack shim container; each event goes to its task (by container name, and by id once the
-//!   task knows its container), in order per task, tasks in parallel. A `die` carries the exit
+//!   dstack shim container (filtered on "has upstream's task-id label", so other shims'
+//!   containers on the daemon come too); an event goes to the task whose container has its
+//!   name (none: not this engine's), is dropped there when the task knows another container
+//!   id, and is handled in order per task, tasks in parallel. A `die` carries the exit
 //!   code, so an exit needs no blocking inspect (in bridge mode Docker holds the container's
 //!   lock for ~140 ms while it tears the network down); only a non-zero exit reads the last log
 //!   lines. A `destroy` marks a vanished container. Events for a task whose start is in flight
 //!   wait until start returns.
-//! - **Lists as a backstop.** One list request for all containers runs at start-up, on every
+//! - **Lists as a backstop.** One list request (the same filter; the runner-mount rule keeps
+//!   this engine's containers: [`crate::labels`]) runs at start-up, on every
 //!   reconnection of the event stream (which resubscribes `since` the last event seen, so
 //!   Docker replays what it still has), and every `reconcile_interval` (minutes), never every
 //!   second. A failed list changes no task.
 //! - **Retries cost nothing while idle.** Every second, tasks with a failed write, a failed
 //!   stop, a release to retry or queued events are driven again; in-memory checks only, no
 //!   Docker request when nothing is to do.
+//!
+//! The reconciler owns its state (the event cursor, the connection, the relist request, the
+//! last successful cycle); health and the metrics read the part they show
+//! ([`ReconcileState`]). It changes tasks only by asking the driver to step them.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::StreamExt as _;
-use shim_runtime::{ContainerEvent, ContainerSummary, EventKind, EventStream};
+use shim_runtime::{
+    ContainerDetails, ContainerEvent, ContainerRuntime, ContainerState, ContainerSummary,
+    EventKind, EventStream, RuntimeError, docker_time_ns,
+};
 use shim_task::TaskStatus;
 use shim_task::machine::{Event, Observation};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
-use crate::engine::{Inner, Slot, chain, now_ms};
+use crate::clock::{mono_ns, now_ms};
+use crate::counters::Metrics;
+use crate::driver::{Driver, Slot};
+use crate::error::chain;
+use crate::health::EngineHealth;
+use crate::home::Home;
 use crate::labels::{LABEL_TASK_ID, any_shim_filter};
+use crate::ownership::Ownership;
+use crate::table::TaskTable;
 
 /// How often failed side effects and queued events are retried.
 const RETRY_EVERY: Duration = Duration::from_secs(1);
@@ -36,7 +55,114 @@ const RETRY_EVERY: Duration = Duration::from_secs(1);
 const RECONNECT_MIN: Duration = Duration::from_millis(200);
 const RECONNECT_MAX: Duration = Duration::from_secs(5);
 
-impl Inner {
+/// What the reconciler knows of how it keeps up, as others read it (health, metrics).
+#[derive(Debug, Default)]
+pub(crate) struct ReconcileState {
+    /// The event stream is connected.
+    events_connected: AtomicBool,
+    /// Unix ms of the last successful full cycle.
+    last_cycle_ms: Mutex<Option<u64>>,
+}
+
+impl ReconcileState {
+    /// Whether Docker's event stream is connected.
+    pub(crate) fn events_connected(&self) -> bool {
+        self.events_connected.load(Ordering::SeqCst)
+    }
+
+    /// Unix ms of the last successful full cycle.
+    pub(crate) fn last_cycle_ms(&self) -> Option<u64> {
+        *self.last_cycle_ms.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn set_connected(&self, connected: bool) {
+        self.events_connected.store(connected, Ordering::SeqCst);
+    }
+
+    fn cycle_done(&self) {
+        *self.last_cycle_ms.lock().unwrap_or_else(|p| p.into_inner()) = Some(now_ms());
+    }
+}
+
+/// What the reconciler is built from.
+pub(crate) struct ReconcilerParts {
+    /// Every task.
+    pub(crate) table: Arc<TaskTable>,
+    /// Where tasks are stepped.
+    pub(crate) driver: Arc<Driver>,
+    /// The runtime (metered).
+    pub(crate) runtime: Arc<dyn ContainerRuntime>,
+    /// Which containers are this engine's.
+    pub(crate) ownership: Ownership,
+    /// The home (its trash is swept with the backstop).
+    pub(crate) home: Home,
+    /// The engine's counters.
+    pub(crate) metrics: Arc<Metrics>,
+    /// The backstop period.
+    pub(crate) interval: Duration,
+    /// Log lines of an error exit.
+    pub(crate) exit_log_lines: usize,
+    /// Cancelled when the engine stops (or its last handle drops).
+    pub(crate) shutdown: CancellationToken,
+    /// Unix ns from which container events are read (before the start-up list).
+    pub(crate) events_since: i64,
+}
+
+/// The reconciler: the event listener, the backstop list, the retry pass (see the module
+/// docs), with its own state.
+pub(crate) struct Reconciler {
+    table: Arc<TaskTable>,
+    driver: Arc<Driver>,
+    runtime: Arc<dyn ContainerRuntime>,
+    ownership: Ownership,
+    home: Home,
+    metrics: Arc<Metrics>,
+    interval: Duration,
+    exit_log_lines: usize,
+    shutdown: CancellationToken,
+    state: Arc<ReconcileState>,
+    /// Asks for a full list now (the event stream reconnected).
+    relist: Notify,
+    /// Unix ns of the newest container event seen (the resubscription's `since`).
+    events_since: AtomicI64,
+    /// How many times the event stream connected.
+    events_reconnects: AtomicU64,
+}
+
+impl Reconciler {
+    /// A reconciler of `parts`' tasks.
+    pub(crate) fn new(parts: ReconcilerParts) -> Self {
+        Self {
+            table: parts.table,
+            driver: parts.driver,
+            runtime: parts.runtime,
+            ownership: parts.ownership,
+            home: parts.home,
+            metrics: parts.metrics,
+            interval: parts.interval,
+            exit_log_lines: parts.exit_log_lines,
+            shutdown: parts.shutdown,
+            state: Arc::default(),
+            relist: Notify::new(),
+            events_since: AtomicI64::new(parts.events_since),
+            events_reconnects: AtomicU64::new(0),
+        }
+    }
+
+    /// How it keeps up, shared with the metrics.
+    pub(crate) fn state(&self) -> &Arc<ReconcileState> {
+        &self.state
+    }
+
+    /// The engine's readiness.
+    pub(crate) fn health(&self) -> EngineHealth {
+        let age = self
+            .state
+            .last_cycle_ms()
+            .map(|l| Duration::from_millis(now_ms().saturating_sub(l)));
+        EngineHealth::new(self.state.events_connected(), age, self.interval)
+    }
+
     /// The first cycle, on the list restore made at start-up (`listed_at`: when it was
     /// requested), so the engine reports ready only after containers that exited while the
     /// shim was down are processed. Restore waits for Docker (bounded) and fails the start-up
@@ -51,14 +177,14 @@ impl Inner {
 
     /// This shim's containers, in one list request.
     pub(crate) async fn list_ours(&self) -> shim_runtime::Result<Vec<ContainerSummary>> {
-        let containers = self.deps.runtime.list(&any_shim_filter()).await?;
-        Ok(self.ours(containers).await)
+        let containers = self.runtime.list(&any_shim_filter()).await?;
+        Ok(self.ownership.ours(containers).await)
     }
 
     /// One full cycle: one list request, then every task against it. Returns whether the
     /// list request succeeded.
     pub(crate) async fn cycle(self: &Arc<Self>) -> bool {
-        let listed_at = crate::engine::mono_ns();
+        let listed_at = mono_ns();
         match self.list_ours().await {
             Ok(containers) => {
                 self.cycle_with_since(containers, listed_at).await;
@@ -72,7 +198,7 @@ impl Inner {
     }
 
     /// Every task against `containers`, a list requested at `listed_at`
-    /// ([`mono_ns`](crate::engine::mono_ns)).
+    /// ([`mono_ns`]).
     async fn cycle_with_since(self: &Arc<Self>, containers: Vec<ContainerSummary>, listed_at: u64) {
         let started = std::time::Instant::now();
         let by_task: HashMap<&str, &ContainerSummary> = containers
@@ -81,19 +207,15 @@ impl Inner {
             .collect();
         let by_name: HashMap<&str, &ContainerSummary> =
             containers.iter().map(|c| (c.name.as_str(), c)).collect();
-        for slot in self.slots() {
+        for slot in self.table.slots() {
             // Only tasks whose start had returned before the list was requested: a start that
             // returned since made a container the list may not show; judging it by this list
             // would call its new container vanished.
-            if slot.lock().start_in_flight
-                || slot.start_returned.load(Ordering::SeqCst) >= listed_at
-            {
+            if slot.start_in_flight() || slot.start_returned() >= listed_at {
                 continue;
             }
-            let (status, container_id) = {
-                let t = slot.lock();
-                (t.record.status, t.record.container_id.clone())
-            };
+            let (status, container_id) =
+                slot.read(|t| (t.record().status, t.record().container_id.clone()));
             let summary = by_name
                 .get(slot.container_name.as_str())
                 .or_else(|| by_task.get(slot.id.as_str()))
@@ -116,47 +238,43 @@ impl Inner {
             };
             if let Some(obs) = observation {
                 tracing::info!(task = %slot.id, observation = ?obs, "container observed");
-                if let Err(e) = self.drive(&slot, Event::Observed(obs)).await {
+                if let Err(e) = self.driver.drive(&slot, Event::Observed(obs)).await {
                     tracing::error!(task = %slot.id, error = %chain(&e), "reconcile step failed");
                 }
             }
             self.retry_task(&slot).await;
         }
-        *self.last_cycle_ms.lock().unwrap_or_else(|p| p.into_inner()) = Some(now_ms());
+        self.state.cycle_done();
         self.metrics.cycle.observe(started.elapsed().as_secs_f64());
     }
 
     /// Retries what a task still wants after a failure: a write, a stop, a release; and its
     /// queued events. Nothing is asked of Docker unless something is to do.
     pub(crate) async fn retry_task(self: &Arc<Self>, slot: &Arc<Slot>) {
-        let (in_flight, dirty) = {
-            let t = slot.lock();
-            (t.start_in_flight, t.dirty)
-        };
+        let (in_flight, dirty) = slot.read(|t| (t.start_in_flight(), t.is_dirty()));
         if in_flight {
             return;
         }
-        if dirty && let Err(e) = self.drive(slot, Event::PersistRequested).await {
+        if dirty && let Err(e) = self.driver.drive(slot, Event::PersistRequested).await {
             // What ends the task does not wait for the disk: its stop and release go on.
             tracing::warn!(task = %slot.id, error = %chain(&e), "state write still failing");
         }
-        let (needs_release, stop_failed, container_id) = {
-            let t = slot.lock();
+        let (needs_release, stop_failed, container_id) = slot.read(|t| {
             (
                 t.needs_release(),
                 t.stop_failed(),
-                t.record.container_id.clone(),
+                t.record().container_id.clone(),
             )
-        };
+        });
         if needs_release {
-            if let Err(e) = self.drive(slot, Event::ReleaseRequested).await {
+            if let Err(e) = self.driver.drive(slot, Event::ReleaseRequested).await {
                 tracing::warn!(task = %slot.id, error = %chain(&e), "release still failing");
             }
         } else if stop_failed && !container_id.is_empty() {
             // Its stop failed and it holds nothing: what does the container do now? A
             // container still running is stopped again; one that is gone or ended is settled.
             let observation = self.observe_stopped_slot(slot, &container_id).await;
-            if let Err(e) = self.drive(slot, Event::Observed(observation)).await {
+            if let Err(e) = self.driver.drive(slot, Event::Observed(observation)).await {
                 tracing::warn!(task = %slot.id, error = %chain(&e), "stop still failing");
             }
         }
@@ -165,11 +283,8 @@ impl Inner {
 
     /// The retry pass: every task, in memory only.
     async fn retry_all(self: &Arc<Self>) {
-        for slot in self.slots() {
-            let wants = {
-                let t = slot.lock();
-                !t.start_in_flight && (t.dirty || t.needs_retry())
-            };
+        for slot in self.table.slots() {
+            let wants = slot.read(|t| !t.start_in_flight() && (t.is_dirty() || t.needs_retry()));
             if wants {
                 self.retry_task(&slot).await;
             } else {
@@ -180,41 +295,37 @@ impl Inner {
 
     /// Routes one event to its task (if it is one of ours).
     fn route(self: &Arc<Self>, event: ContainerEvent) {
-        let slot = self
-            .slots()
-            .into_iter()
-            .find(|s| s.container_name == event.name);
-        let Some(slot) = slot else {
+        let Some(slot) = self.table.by_container_name(&event.name) else {
             return;
         };
         tracing::debug!(task = %slot.id, container = %event.container_id, kind = ?event.kind, "container event");
-        slot.queue_event(event);
+        slot.events.push(event);
         self.kick_events(&slot);
     }
 
     /// Makes sure a task's queued events are being handled, unless start owns it (start's
     /// end kicks them).
     pub(crate) fn kick_events(self: &Arc<Self>, slot: &Arc<Slot>) {
-        if slot.lock().start_in_flight || !slot.claim_event_worker() {
+        if slot.start_in_flight() || !slot.events.claim_worker() {
             return;
         }
         let this = self.clone();
         let slot = slot.clone();
         tokio::spawn(async move {
-            while let Some(event) = slot.next_event() {
+            while let Some(event) = slot.events.next() {
                 this.handle_event(&slot, event).await;
             }
         });
     }
 
     async fn handle_event(self: &Arc<Self>, slot: &Arc<Slot>, event: ContainerEvent) {
-        {
-            let t = slot.lock();
-            // An event of another container of the same name (one this task replaced, or an
-            // earlier task's) is not about this task.
-            if !t.record.container_id.is_empty() && t.record.container_id != event.container_id {
-                return;
-            }
+        // An event of another container of the same name (one this task replaced, or an
+        // earlier task's) is not about this task.
+        let other = slot.read(|t| {
+            !t.record().container_id.is_empty() && t.record().container_id != event.container_id
+        });
+        if other {
+            return;
         }
         self.metrics.event(match event.kind {
             EventKind::Die { .. } => "die",
@@ -238,9 +349,8 @@ impl Inner {
                 let last_lines = if code == 0 {
                     Vec::new()
                 } else {
-                    self.deps
-                        .runtime
-                        .logs_tail(&event.container_id, self.cfg.exit_log_lines)
+                    self.runtime
+                        .logs_tail(&event.container_id, self.exit_log_lines)
                         .await
                         .unwrap_or_default()
                 };
@@ -251,60 +361,18 @@ impl Inner {
                 }
             }
         };
-        if let Err(e) = self.drive(slot, Event::Observed(observation)).await {
+        if let Err(e) = self.driver.drive(slot, Event::Observed(observation)).await {
             tracing::error!(task = %slot.id, error = %chain(&e), "event step failed");
         }
     }
-}
 
-/// Starts the background jobs: the event listener (on `first`, the subscription made at
-/// start-up, if it succeeded), the retry pass and the backstop list.
-pub(crate) fn spawn_background(
-    inner: &Arc<Inner>,
-    first: Option<EventStream>,
-) -> Vec<tokio::task::JoinHandle<()>> {
-    let events = {
-        let this = inner.clone();
-        tokio::spawn(async move { this.run_events(first).await })
-    };
-    let reconciler = {
-        let this = inner.clone();
-        tokio::spawn(async move {
-            let mut backstop = tokio::time::interval(this.cfg.reconcile_interval);
-            backstop.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            backstop.tick().await; // the first cycle ran at start-up
-            let mut retry = tokio::time::interval(RETRY_EVERY);
-            retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = this.shutdown.cancelled() => break,
-                    _ = backstop.tick() => {
-                        let swept = this.blocking(|s| Ok(s.sweep_trash())).await.unwrap_or(0);
-                        if swept > 0 {
-                            tracing::info!(swept, "removed trash directories");
-                        }
-                        this.cycle().await;
-                    }
-                    _ = this.relist.notified() => {
-                        this.cycle().await;
-                    }
-                    _ = retry.tick() => this.retry_all().await,
-                }
-            }
-            tracing::debug!("reconciler stopped");
-        })
-    };
-    vec![events, reconciler]
-}
-
-impl Inner {
     /// The first subscription to the container events, made at start-up before the engine is
     /// handed out, so that a shim that serves is subscribed from its first request (bounded
     /// by [`RECONNECT_MAX`]; `None` when it failed, and the listener tries again).
     pub(crate) async fn first_subscription(&self) -> Option<EventStream> {
         match tokio::time::timeout(RECONNECT_MAX, self.subscribe()).await {
             Ok(Ok(stream)) => {
-                self.events_connected.store(true, Ordering::SeqCst);
+                self.state.set_connected(true);
                 Some(stream)
             }
             Ok(Err(e)) => {
@@ -323,10 +391,7 @@ impl Inner {
     /// Subscribes to this shim's container events since the last one seen.
     async fn subscribe(&self) -> shim_runtime::Result<EventStream> {
         let since = self.events_since.load(Ordering::SeqCst);
-        self.deps
-            .runtime
-            .events(&any_shim_filter(), Some(since))
-            .await
+        self.runtime.events(&any_shim_filter(), Some(since)).await
     }
 
     /// Listens to the container events for as long as the engine runs (on `first`, then on
@@ -348,7 +413,7 @@ impl Inner {
             };
             match subscribed {
                 Ok(mut stream) => {
-                    self.events_connected.store(true, Ordering::SeqCst);
+                    self.state.set_connected(true);
                     self.metrics.events_reconnects.inc();
                     if self.events_reconnects.fetch_add(1, Ordering::SeqCst) > 0 {
                         tracing::info!("container event stream reconnected; relisting");
@@ -384,7 +449,7 @@ impl Inner {
                             }
                         }
                     }
-                    self.events_connected.store(false, Ordering::SeqCst);
+                    self.state.set_connected(false);
                     // Only a connection that carried events or lasted starts the backoff
                     // over. One that broke at once is a daemon still down behind a
                     // subscription that fails only when read (a runtime that does not ask the
@@ -403,6 +468,94 @@ impl Inner {
                 _ = tokio::time::sleep(delay) => {}
             }
             delay = (delay * 2).min(RECONNECT_MAX);
+        }
+    }
+
+    /// Starts the background jobs: the event listener (on `first`, the subscription made at
+    /// start-up, if it succeeded), the retry pass and the backstop list.
+    pub(crate) fn spawn(
+        self: &Arc<Self>,
+        first: Option<EventStream>,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        let events = {
+            let this = self.clone();
+            tokio::spawn(async move { this.run_events(first).await })
+        };
+        let reconciler = {
+            let this = self.clone();
+            tokio::spawn(async move {
+                let mut backstop = tokio::time::interval(this.interval);
+                backstop.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                backstop.tick().await; // the first cycle ran at start-up
+                let mut retry = tokio::time::interval(RETRY_EVERY);
+                retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        _ = this.shutdown.cancelled() => break,
+                        _ = backstop.tick() => {
+                            let swept = this.home.sweep_trash().await.unwrap_or(0);
+                            if swept > 0 {
+                                tracing::info!(swept, "removed trash directories");
+                            }
+                            this.cycle().await;
+                        }
+                        _ = this.relist.notified() => {
+                            this.cycle().await;
+                        }
+                        _ = retry.tick() => this.retry_all().await,
+                    }
+                }
+                tracing::debug!("reconciler stopped");
+            })
+        };
+        vec![events, reconciler]
+    }
+
+    /// [`Reconciler::observe_stopped`], also noting when the container exited (the start of the
+    /// exit → terminated latency).
+    async fn observe_stopped_slot(&self, slot: &Slot, container_id: &str) -> Observation {
+        let (observation, finished_ns) = self.observe_stopped_at(container_id).await;
+        if let Some(ns) = finished_ns {
+            slot.exit_ns.store(ns, Ordering::SeqCst);
+        }
+        observation
+    }
+
+    /// What the reconciler saw of a running task's container, given its summary state.
+    async fn observe_stopped(&self, container_id: &str) -> Observation {
+        self.observe_stopped_at(container_id).await.0
+    }
+
+    async fn observe_stopped_at(&self, container_id: &str) -> (Observation, Option<i64>) {
+        let d = match self.runtime.inspect(container_id).await {
+            Err(RuntimeError::NotFound { .. }) => return (Observation::Missing, None),
+            Err(e) => {
+                tracing::warn!(container = %container_id, error = %chain(&e), "inspect failed");
+                return (Observation::Running, None);
+            }
+            Ok(d) => d,
+        };
+        let finished = d.finished_at.as_deref().and_then(docker_time_ns);
+        (self.observation_of(container_id, d).await, finished)
+    }
+
+    async fn observation_of(&self, container_id: &str, d: ContainerDetails) -> Observation {
+        match d.state {
+            ContainerState::Created => Observation::NeverStarted,
+            ref s if s.is_running() => Observation::Running,
+            _ => {
+                let code = d.exit_code.unwrap_or(-1);
+                let last_lines = self
+                    .runtime
+                    .logs_tail(container_id, self.exit_log_lines)
+                    .await
+                    .unwrap_or_default();
+                Observation::Exited {
+                    code,
+                    last_lines,
+                    oom_killed: d.oom_killed,
+                }
+            }
         }
     }
 }

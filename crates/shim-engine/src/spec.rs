@@ -3,44 +3,68 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use shim_resources::GpuVendor;
+use shim_resources::{GpuVendor, VolumeManager};
 use shim_runtime::{
-    BindMount, ContainerInputs, ContainerSpec, DeviceMapping, GpuConfig, NetworkMode, RunnerParams,
-    build_container_spec,
+    BindMount, ContainerInputs, ContainerSpec, DeviceMapping, GpuConfig, HostDevices, NetworkMode,
+    RunnerParams, build_container_spec,
 };
 use shim_task::machine::Task;
 use shim_task::{NetworkMode as TaskNetwork, TaskConfig};
 
-use crate::engine::Inner;
+use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
+use crate::home::Home;
 use crate::labels::{LABEL_GPUS, LABEL_IS_TASK, LABEL_OWNER, LABEL_TASK_ID};
 
+/// What a task's container spec depends on besides the task.
+pub(crate) struct SpecContext<'a> {
+    /// The engine's configuration (runner, environment, privileges).
+    pub(crate) cfg: &'a EngineConfig,
+    /// The owner identity (a label).
+    pub(crate) owner: &'a str,
+    /// Where the task's directory is.
+    pub(crate) home: &'a Home,
+    /// Where volumes are mounted.
+    pub(crate) volumes: &'a dyn VolumeManager,
+    /// The host's GPU vendor.
+    pub(crate) gpu_vendor: Option<GpuVendor>,
+    /// GPUs are accounted for but not passed to containers (a fake GPU host).
+    pub(crate) fake_gpus: bool,
+    /// Host device facts.
+    pub(crate) host_devices: HostDevices,
+}
+
 /// The container spec of a task that has a config (start only runs for those).
-pub(crate) fn container_spec(inner: &Inner, task: &Task) -> Result<ContainerSpec> {
+pub(crate) fn container_spec(ctx: &SpecContext<'_>, task: &Task) -> Result<ContainerSpec> {
     let config = task
-        .record
+        .record()
         .config
         .as_ref()
         .ok_or_else(|| EngineError::WrongStatus {
-            id: task.record.id.clone(),
-            status: task.record.status,
+            id: task.record().id.clone(),
+            status: task.record().status,
         })?;
-    let paths = inner.store.paths(&task.record.container_name)?;
+    let paths = ctx.home.paths(&task.record().container_name)?;
     Ok(build_container_spec(&inputs(
-        inner,
+        ctx,
         task,
         config,
         paths.runner_dir,
     )))
 }
 
-fn inputs(inner: &Inner, task: &Task, config: &TaskConfig, runner_dir: PathBuf) -> ContainerInputs {
-    let cfg = &inner.cfg;
-    let gpus = &task.record.resources.gpus;
+fn inputs(
+    ctx: &SpecContext<'_>,
+    task: &Task,
+    config: &TaskConfig,
+    runner_dir: PathBuf,
+) -> ContainerInputs {
+    let cfg = ctx.cfg;
+    let gpus = &task.record().resources.gpus;
     let mut labels = BTreeMap::new();
     labels.insert(LABEL_IS_TASK.to_owned(), "true".to_owned());
-    labels.insert(LABEL_TASK_ID.to_owned(), task.record.id.to_string());
-    labels.insert(LABEL_OWNER.to_owned(), inner.owner.clone());
+    labels.insert(LABEL_TASK_ID.to_owned(), task.record().id.to_string());
+    labels.insert(LABEL_OWNER.to_owned(), ctx.owner.to_owned());
     if !gpus.is_empty() {
         labels.insert(LABEL_GPUS.to_owned(), gpus.join(","));
     }
@@ -51,13 +75,13 @@ fn inputs(inner: &Inner, task: &Task, config: &TaskConfig, runner_dir: PathBuf) 
     let mut mounts = Vec::new();
     for m in &config.volume_mounts {
         let source = task
-            .record
+            .record()
             .resources
             .volumes
             .iter()
             .find(|v| v.name == m.name.as_str())
             .map(|v| PathBuf::from(&v.mount_point))
-            .unwrap_or_else(|| inner.deps.volumes.mount_point(m.name.as_str()));
+            .unwrap_or_else(|| ctx.volumes.mount_point(m.name.as_str()));
         mounts.push(BindMount {
             source,
             target: m.path.clone(),
@@ -90,10 +114,10 @@ fn inputs(inner: &Inner, task: &Task, config: &TaskConfig, runner_dir: PathBuf) 
                 })
                 .collect(),
         )
-    } else if gpus.is_empty() || inner.deps.fake_gpus {
+    } else if gpus.is_empty() || ctx.fake_gpus {
         GpuConfig::None
     } else {
-        match inner.deps.host_gpus.vendor {
+        match ctx.gpu_vendor {
             Some(GpuVendor::Nvidia) => GpuConfig::Nvidia {
                 uuids: gpus.clone(),
             },
@@ -106,7 +130,7 @@ fn inputs(inner: &Inner, task: &Task, config: &TaskConfig, runner_dir: PathBuf) 
         }
     };
     ContainerInputs {
-        name: task.record.container_name.clone(),
+        name: task.record().container_name.clone(),
         image: shim_runtime::spec::with_default_tag(&config.image_name),
         labels,
         runner: RunnerParams {
@@ -133,6 +157,6 @@ fn inputs(inner: &Inner, task: &Task, config: &TaskConfig, runner_dir: PathBuf) 
         env,
         pjrt_device: cfg.pjrt_device.clone(),
         gpu,
-        host: inner.deps.host_devices,
+        host: ctx.host_devices,
     }
 }

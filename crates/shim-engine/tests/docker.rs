@@ -62,17 +62,16 @@ impl Host {
         let users = StaticUserDb::new().with_user("tester", self.path("user"));
         let mut vcfg = VolumeConfig::with_root(self.path("volumes")).fast();
         vcfg.gcp_by_id_dir = self.path("by-id");
-        let deps = Deps {
-            runtime: Arc::new(runtime),
-            host_gpus: self.gpus.clone(),
-            fake_gpus: true,
-            keys: Arc::new(AuthorizedKeysManager::new(Arc::new(users))),
-            volumes: Arc::new(BlockVolumes::new(
+        let mut deps = Deps::new(
+            Arc::new(runtime),
+            Arc::new(AuthorizedKeysManager::new(Arc::new(users))),
+            Arc::new(BlockVolumes::new(
                 vcfg,
                 Arc::new(SystemCommandRunner::default()),
             )),
-            host_devices: Default::default(),
-        };
+        );
+        deps.host_gpus = self.gpus.clone();
+        deps.fake_gpus = true;
         let mut cfg = EngineConfig::new(self.path("home"));
         cfg.runner_binary_path = shim_e2e::runner_path();
         cfg.volumes_root = self.path("volumes");

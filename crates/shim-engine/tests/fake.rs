@@ -41,14 +41,13 @@ impl World {
     }
 
     fn deps(&self) -> Deps {
-        Deps {
-            runtime: Arc::new(self.runtime.clone()),
-            host_gpus: self.host_gpus.clone(),
-            fake_gpus: false,
-            keys: self.keys.clone(),
-            volumes: self.volumes.clone(),
-            host_devices: Default::default(),
-        }
+        let mut deps = Deps::new(
+            Arc::new(self.runtime.clone()),
+            self.keys.clone(),
+            self.volumes.clone(),
+        );
+        deps.host_gpus = self.host_gpus.clone();
+        deps
     }
 
     fn config(&self) -> EngineConfig {
@@ -272,6 +271,97 @@ async fn an_event_stream_that_breaks_at_once_backs_off() {
     }
     assert!(engine.health().events_connected, "{:?}", engine.health());
     assert!(w.runtime.count("list") > lists, "the reconnection relists");
+}
+
+/// SPEC §4: Docker's events are followed; a full list runs at start-up, on every
+/// (re)connection of the event stream and as a backstop of minutes, never every second. An
+/// engine opened with `EngineConfig::new`'s defaults (nothing set but the home) lists once at
+/// start-up and once per reconnection in its first five minutes, then the backstop lists.
+/// Paused time: five minutes run in milliseconds.
+#[tokio::test(start_paused = true)]
+async fn the_default_config_lists_only_at_start_up_and_on_reconnection() {
+    let w = World::new(0);
+    let cfg = EngineConfig::new(w.home.path());
+    assert_eq!(
+        cfg.reconcile_interval,
+        EngineConfig::DEFAULT_RECONCILE_INTERVAL
+    );
+    let opened = tokio::time::Instant::now();
+    let engine = Engine::open(cfg, w.deps()).await.unwrap();
+    assert_eq!(w.runtime.count("list"), 1, "the start-up list");
+    assert_eq!(w.runtime.count("events"), 1, "the first subscription");
+    // Tasks to look at: a cycle would have work (and requests to make).
+    for i in 0..3 {
+        engine.submit(config(&format!("t{i}"))).await.unwrap();
+        wait_status(&engine, &format!("t{i}"), TaskStatus::Running).await;
+    }
+    let until = |s: u64| tokio::time::sleep_until(opened + Duration::from_secs(s));
+    until(120).await;
+    assert_eq!(w.runtime.count("list"), 1, "lists in the first two minutes");
+    // Docker restarts: the stream reconnects (`since` the last event) and lists once.
+    w.runtime.break_event_streams();
+    until(150).await;
+    assert_eq!(w.runtime.count("events"), 2, "one resubscription");
+    assert!(engine.health().events_connected, "{:?}", engine.health());
+    assert_eq!(w.runtime.count("list"), 2, "one list for the reconnection");
+    until(299).await;
+    assert_eq!(
+        w.runtime.count("list"),
+        2,
+        "lists in the first five minutes: the start-up list and one per reconnection"
+    );
+    // The backstop comes at five minutes.
+    until(301).await;
+    assert_eq!(w.runtime.count("list"), 3, "the backstop list");
+    assert!(
+        engine.health().is_ready(),
+        "{:?}",
+        engine.health().reasons()
+    );
+}
+
+/// Dropping the last handle of an engine stops its background jobs (the event listener, the
+/// reconciler, the retry pass): they hold the parts they use, never the handle. Once they
+/// ended, nothing holds the engine's change feed, so a subscription ends with `Closed`, and no
+/// Docker request is made any more.
+#[tokio::test]
+async fn dropping_the_last_engine_handle_stops_its_background_jobs() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    let mut changes = engine.subscribe();
+    engine.submit(config("t1")).await.unwrap();
+    wait_status(&engine, "t1", TaskStatus::Running).await;
+    let clone = engine.clone();
+    drop(engine);
+    // A clone keeps it running.
+    assert!(clone.reconcile_now().await);
+    assert!(clone.health().events_connected);
+    drop(clone);
+    let closed = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match changes.recv().await {
+                Ok(_) => {}
+                Err(e) => return e,
+            }
+        }
+    })
+    .await;
+    assert_eq!(
+        closed,
+        Ok(shim_engine::SubscriptionError::Closed),
+        "the engine's jobs still run after its last handle was dropped"
+    );
+    // Nothing asks Docker any more (the retry pass and the listener are gone), and the
+    // container keeps running.
+    w.runtime.clear_calls();
+    w.runtime.break_event_streams();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        w.runtime.calls(),
+        [],
+        "requests after the engine was dropped"
+    );
+    assert_eq!(w.runtime.container_ids().len(), 1);
 }
 
 /// Shutdown does not wait for an event subscription in progress: subscribing asks the daemon,
@@ -1233,26 +1323,22 @@ fn upstream_container(
     gpus: &[String],
     state: ContainerState,
 ) -> String {
-    let spec = shim_runtime::ContainerSpec {
-        name: name.to_owned(),
-        image: IMAGE.to_owned(),
-        labels: [
-            ("ai.dstack.shim.is-task".to_owned(), "true".to_owned()),
-            ("ai.dstack.shim.task-id".to_owned(), id.to_owned()),
-        ]
-        .into(),
-        mounts: vec![shim_runtime::BindMount {
-            source: runner_dir.to_path_buf(),
-            target: "/tmp/runner".to_owned(),
-            read_only: false,
-        }],
-        device_requests: vec![shim_runtime::DeviceRequest {
-            driver: "nvidia".to_owned(),
-            device_ids: gpus.to_vec(),
-            capabilities: vec!["gpu".to_owned()],
-        }],
-        ..Default::default()
-    };
+    let mut spec = shim_runtime::ContainerSpec::new(name, IMAGE);
+    spec.labels = [
+        ("ai.dstack.shim.is-task".to_owned(), "true".to_owned()),
+        ("ai.dstack.shim.task-id".to_owned(), id.to_owned()),
+    ]
+    .into();
+    spec.mounts = vec![shim_runtime::BindMount {
+        source: runner_dir.to_path_buf(),
+        target: "/tmp/runner".to_owned(),
+        read_only: false,
+    }];
+    spec.device_requests = vec![shim_runtime::DeviceRequest {
+        driver: "nvidia".to_owned(),
+        device_ids: gpus.to_vec(),
+        capabilities: vec!["gpu".to_owned()],
+    }];
     let code = matches!(state, ContainerState::Exited).then_some(0);
     w.runtime.add_container(&spec, state, code)
 }
@@ -1494,26 +1580,21 @@ async fn a_lost_or_replaced_owner_id_orphans_no_task() {
     let first_owner = engine.owner().to_owned();
     // A stray container claiming our owner label, mounting another home's runner directory.
     let elsewhere = tempfile::tempdir().unwrap();
-    let stray = w.runtime.add_container(
-        &shim_runtime::ContainerSpec {
-            name: "stray-0-01234567".to_owned(),
-            image: IMAGE.to_owned(),
-            labels: [
-                ("ai.dstack.shim.is-task".to_owned(), "true".to_owned()),
-                ("ai.dstack.shim.task-id".to_owned(), "stray".to_owned()),
-                ("ai.dstack.shim.owner".to_owned(), first_owner.clone()),
-            ]
-            .into(),
-            mounts: vec![shim_runtime::BindMount {
-                source: elsewhere.path().join("runners/stray-0-01234567/runner"),
-                target: "/tmp/runner".to_owned(),
-                read_only: false,
-            }],
-            ..Default::default()
-        },
-        ContainerState::Running,
-        None,
-    );
+    let mut stray_spec = shim_runtime::ContainerSpec::new("stray-0-01234567", IMAGE);
+    stray_spec.labels = [
+        ("ai.dstack.shim.is-task".to_owned(), "true".to_owned()),
+        ("ai.dstack.shim.task-id".to_owned(), "stray".to_owned()),
+        ("ai.dstack.shim.owner".to_owned(), first_owner.clone()),
+    ]
+    .into();
+    stray_spec.mounts = vec![shim_runtime::BindMount {
+        source: elsewhere.path().join("runners/stray-0-01234567/runner"),
+        target: "/tmp/runner".to_owned(),
+        read_only: false,
+    }];
+    let stray = w
+        .runtime
+        .add_container(&stray_spec, ContainerState::Running, None);
     let owner_file = w.home.path().join("owner-id");
     for (round, (id, code)) in [("t-deleted", 0), ("t-replaced", 3)]
         .into_iter()

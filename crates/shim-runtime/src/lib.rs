@@ -3,7 +3,9 @@
 //! implementation ([`DockerRuntime`], on bollard) and, behind the `test-support` feature, an
 //! in-memory fake (`fake::FakeRuntime`) for fast tests of the layers above.
 //!
-//! This crate knows nothing of tasks or HTTP: the engine maps its tasks to these types.
+//! This crate knows nothing of tasks or HTTP: the engine maps its tasks to these types. Its
+//! one type from `shim-task` (the pure leaf) is [`PullProgress`], which a pull reports and
+//! the task view shows, so it is defined once.
 //! Foreign errors (bollard, io) are translated once, here, into [`RuntimeError`].
 
 mod docker;

@@ -102,7 +102,12 @@ pub struct Ulimit {
 }
 
 /// Everything needed to create a container, independent of the runtime.
+///
+/// Built by [`build_container_spec`] for a task, or with [`ContainerSpec::new`] and then the
+/// fields that differ from their defaults (`#[non_exhaustive]`: a field added in a later
+/// version breaks no embedder).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct ContainerSpec {
     /// The container name.
     pub name: String,
@@ -148,6 +153,18 @@ pub struct ContainerSpec {
     pub runtime: Option<String>,
     /// Resource limits.
     pub ulimits: Vec<Ulimit>,
+}
+
+impl ContainerSpec {
+    /// A container named `name` of `image`, everything else the runtime's default (the
+    /// image's entrypoint and command, no mounts, no limits, host network).
+    pub fn new(name: impl Into<String>, image: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            image: image.into(),
+            ..Self::default()
+        }
+    }
 }
 
 /// The accelerators given to a container.

@@ -41,18 +41,9 @@ pub struct PullRequest {
     pub timeout: Duration,
 }
 
-/// Pull progress summed over the image's layers.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct PullProgress {
-    /// Bytes downloaded so far.
-    pub downloaded_bytes: u64,
-    /// Bytes extracted so far.
-    pub extracted_bytes: u64,
-    /// Total bytes of the layers whose size is known so far.
-    pub total_bytes: u64,
-    /// Whether every layer's size is known (the total will not grow any more).
-    pub is_total_bytes_final: bool,
-}
+/// Pull progress summed over the image's layers: shim-task's type, the one the task view
+/// shows (one definition; shim-task is the pure leaf every shim crate may depend on).
+pub use shim_task::PullProgress;
 
 /// A container's state as the runtime reports it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -120,14 +120,11 @@ impl Drop for Cleanup {
 
 /// A container running `script` with `/bin/sh -c` in the test image.
 fn shell_spec(name: &str, labels: &BTreeMap<String, String>, script: &str) -> ContainerSpec {
-    ContainerSpec {
-        name: name.to_owned(),
-        image: image(),
-        entrypoint: vec!["/bin/sh".to_owned(), "-c".to_owned()],
-        cmd: vec![script.to_owned()],
-        labels: labels.clone(),
-        ..ContainerSpec::default()
-    }
+    let mut spec = ContainerSpec::new(name, image());
+    spec.entrypoint = vec!["/bin/sh".to_owned(), "-c".to_owned()];
+    spec.cmd = vec![script.to_owned()];
+    spec.labels = labels.clone();
+    spec
 }
 
 async fn wait_exited(docker: &DockerRuntime, id: &str) -> ContainerDetails {
@@ -722,11 +719,9 @@ async fn limits_privileged_labels_and_devices_in_config() {
             .is_not_found()
     );
     assert!(docker.logs_tail(&id, 5).await.unwrap_err().is_not_found());
-    let missing = ContainerSpec {
-        image: "shim-runtime-test-missing:1".to_owned(),
-        name: format!("{run}-missing"),
-        ..spec
-    };
+    let mut missing = spec.clone();
+    missing.image = "shim-runtime-test-missing:1".to_owned();
+    missing.name = format!("{run}-missing");
     match docker.create(&missing).await {
         Err(RuntimeError::NotFound { what }) => {
             assert!(what.contains("shim-runtime-test-missing"), "{what}")

@@ -25,6 +25,32 @@ fn store_is_send_and_sync() {
     check::<StoreError>();
 }
 
+/// Every field of the config reaches upstream's `config` object: a field added to
+/// `TaskConfig` (which is `#[non_exhaustive]`, so the format's destructuring cannot list them
+/// all) fails here until the format writes it. The registry password is never serialized.
+#[test]
+fn every_config_field_is_written_in_upstreams_config() {
+    let home = tempfile::tempdir().unwrap();
+    let store = Store::open(home.path().join("home")).unwrap();
+    let r = record("t1");
+    let config = r.config.clone().unwrap();
+    let p = store.create(&r).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_slice(&fs_err::read(&p.state_file).unwrap()).unwrap();
+    let written = json["config"].as_object().unwrap();
+    let fields = serde_json::to_value(&config).unwrap();
+    let fields = fields.as_object().unwrap();
+    // The listing is real: the config's fields are there.
+    assert!(fields.len() >= 18, "{fields:?}");
+    for field in fields.keys() {
+        assert!(
+            written.contains_key(field),
+            "{field} is not written: {written:?}"
+        );
+    }
+    assert_eq!(written["registry_password"], "");
+}
+
 #[test]
 fn layout_and_modes() {
     let home = tempfile::tempdir().unwrap();
@@ -509,30 +535,29 @@ fn config(task: TaskId) -> impl Strategy<Value = TaskConfig> {
                 (cpu, memory, shm_size, bridge),
                 (volumes, volume_mounts, instance_mounts, gpu_devices),
                 (host_ssh_user, host_ssh_keys, container_ssh_keys),
-            )| TaskConfig {
-                id: task.clone(),
-                name,
-                image_name: image,
-                registry_username: user,
-                registry_password: Secret::new(password),
-                container_user,
-                privileged,
-                gpu,
-                cpu,
-                memory,
-                shm_size,
-                network_mode: if bridge {
+            )| {
+                let mut c = TaskConfig::new(task.clone(), name, image);
+                c.registry_username = user;
+                c.registry_password = Secret::new(password);
+                c.container_user = container_user;
+                c.privileged = privileged;
+                c.gpu = gpu;
+                c.cpu = cpu;
+                c.memory = memory;
+                c.shm_size = shm_size;
+                c.network_mode = if bridge {
                     NetworkMode::Bridge
                 } else {
                     NetworkMode::Host
-                },
-                volumes,
-                volume_mounts,
-                instance_mounts,
-                gpu_devices,
-                host_ssh_user,
-                host_ssh_keys: host_ssh_keys.into_iter().map(Into::into).collect(),
-                container_ssh_keys: container_ssh_keys.into_iter().map(Into::into).collect(),
+                };
+                c.volumes = volumes;
+                c.volume_mounts = volume_mounts;
+                c.instance_mounts = instance_mounts;
+                c.gpu_devices = gpu_devices;
+                c.host_ssh_user = host_ssh_user;
+                c.host_ssh_keys = host_ssh_keys.into_iter().map(Into::into).collect();
+                c.container_ssh_keys = container_ssh_keys.into_iter().map(Into::into).collect();
+                c
             },
         )
 }

@@ -198,7 +198,12 @@ pub struct GpuDevice {
 }
 
 /// The submit body. See SPEC §2 for the meaning and defaults of each field.
+///
+/// Built by deserializing a submit body, or with [`TaskConfig::new`] and then the fields
+/// that differ from their defaults (`#[non_exhaustive]`: a field added in a later version
+/// breaks no embedder).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct TaskConfig {
     /// The task id.
     pub id: TaskId,

@@ -15,16 +15,17 @@ pub struct PortMapping {
     pub container: u16,
 }
 
-/// Image pull progress, summed over layers.
+/// Image pull progress, summed over the image's layers: what a pull reports
+/// (`shim-runtime` uses this type) and what the task view shows.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct PullProgress {
     /// Bytes downloaded so far.
     pub downloaded_bytes: u64,
     /// Bytes extracted so far.
     pub extracted_bytes: u64,
-    /// Total bytes of the layers known so far.
+    /// Total bytes of the layers whose size is known so far.
     pub total_bytes: u64,
-    /// Whether every layer's size is known (total will not grow).
+    /// Whether every layer's size is known (the total will not grow any more).
     pub is_total_bytes_final: bool,
 }
 

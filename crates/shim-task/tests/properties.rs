@@ -247,51 +247,51 @@ impl Sim {
         // Statuses never move backwards; terminated absorbs every event and keeps the first
         // reason and message.
         assert!(
-            after.record.status >= before.record.status,
+            after.record().status >= before.record().status,
             "{:?} -> {:?} on {event:?}",
-            before.record.status,
-            after.record.status
+            before.record().status,
+            after.record().status
         );
         let empty_reason = before
-            .record
+            .record()
             .termination_reason
             .as_ref()
             .is_some_and(|r| r.as_str().is_empty());
-        if before.record.status == TaskStatus::Terminated {
-            assert_eq!(after.record.status, TaskStatus::Terminated);
+        if before.record().status == TaskStatus::Terminated {
+            assert_eq!(after.record().status, TaskStatus::Terminated);
             if !empty_reason {
                 assert_eq!(
-                    after.record.termination_reason,
-                    before.record.termination_reason
+                    after.record().termination_reason,
+                    before.record().termination_reason
                 );
                 assert_eq!(
-                    after.record.termination_message,
-                    before.record.termination_message
+                    after.record().termination_message,
+                    before.record().termination_message
                 );
             }
         }
-        if after.record.status == TaskStatus::Terminated {
-            assert!(after.record.termination_reason.is_some());
+        if after.record().status == TaskStatus::Terminated {
+            assert!(after.record().termination_reason.is_some());
         } else {
-            assert!(after.record.termination_reason.is_none());
+            assert!(after.record().termination_reason.is_none());
         }
         // Remove only from terminated: durably, or with its write failed (remove deletes the
         // record).
         if is_remove {
-            assert!(before.saved.status == TaskStatus::Terminated || before.write_failed);
-            assert_eq!(before.record.status, TaskStatus::Terminated);
-            assert!(!before.start_in_flight);
+            assert!(before.saved().status == TaskStatus::Terminated || before.write_failed());
+            assert_eq!(before.record().status, TaskStatus::Terminated);
+            assert!(!before.start_in_flight());
         }
         // A changed record is persisted first, and Persist is only ever first; nothing that
         // needs a durable record follows it.
         // The one exception: start progress, while everything not yet written is progress.
-        let changed = !same_record(&before.record, &after.record);
-        let lazy = after.progress_only;
+        let changed = !same_record(before.record(), after.record());
+        let lazy = after.is_progress_only();
         if lazy && tr.actions.first() != Some(&Action::Persist) {
-            assert!(after.dirty && after.start_in_flight);
+            assert!(after.is_dirty() && after.start_in_flight());
             let durable = self.world.persisted.as_ref().unwrap();
             assert!(
-                only_progress(durable, &after.record),
+                only_progress(durable, after.record()),
                 "{event:?}: more than progress unwritten"
             );
         }
@@ -299,7 +299,7 @@ impl Sim {
             assert_eq!(tr.actions.first(), Some(&Action::Persist), "{event:?}");
         }
         if tr.actions.first() == Some(&Action::Persist) {
-            assert!(after.dirty);
+            assert!(after.is_dirty());
             assert!(
                 tr.actions.iter().skip(1).all(|a| !a.needs_durable_record()),
                 "{event:?}: {:?}",
@@ -307,15 +307,15 @@ impl Sim {
             );
         }
         assert!(!tr.actions.iter().skip(1).any(|a| *a == Action::Persist));
-        assert!(after.record.updated_at_ms >= before.record.updated_at_ms);
+        assert!(after.record().updated_at_ms >= before.record().updated_at_ms);
         // `released` only once nothing is held.
-        if after.record.resources.released {
-            assert!(!after.record.resources.holds_any());
+        if after.record().resources.released {
+            assert!(!after.record().resources.holds_any());
         }
         // The API never shows what is not durable.
         if let Some(p) = &self.world.persisted {
             assert_eq!(
-                after.saved,
+                *after.saved(),
                 Saved::of(p),
                 "shown state is not the durable one"
             );
@@ -330,7 +330,7 @@ impl Sim {
                     message: "No space left on device (os error 28)".into(),
                 }
             } else {
-                self.world.persisted = Some(tr.task.record.clone());
+                self.world.persisted = Some(tr.task.record().clone());
                 Event::Persisted
             };
             let failed = matches!(outcome, Event::PersistFailed { .. });
@@ -338,17 +338,17 @@ impl Sim {
             let next = step(&tr.task, outcome, self.now).unwrap();
             assert!(!next.actions.contains(&Action::Persist));
             if failed {
-                assert!(next.task.dirty && next.task.write_failed);
+                assert!(next.task.is_dirty() && next.task.write_failed());
                 // Only what ends a terminated task goes out without its write.
                 assert!(
                     next.actions.iter().all(|a| !a.needs_durable_record()
-                        || (ends_task(a) && next.task.record.status == TaskStatus::Terminated)),
+                        || (ends_task(a) && next.task.record().status == TaskStatus::Terminated)),
                     "{:?}",
                     next.actions
                 );
             } else {
-                assert!(!next.task.dirty);
-                assert_eq!(next.task.saved, Saved::of(&next.task.record));
+                assert!(!next.task.is_dirty());
+                assert_eq!(*next.task.saved(), Saved::of(next.task.record()));
             }
             actions.extend(next.actions.iter().cloned().map(Op::Do));
             tr.task = next.task;
@@ -363,18 +363,18 @@ impl Sim {
                     && a.needs_durable_record()
                 {
                     let p = || self.world.persisted.as_ref().unwrap();
-                    if tr.task.progress_only {
+                    if tr.task.is_progress_only() {
                         // Only start progress is unwritten: the next start step may go.
                         assert!(a.is_start_step(), "{a:?} with a record not yet durable");
-                        assert!(only_progress(p(), &tr.task.record), "{a:?} unpersisted");
-                    } else if tr.task.dirty && ends_task(a) {
+                        assert!(only_progress(p(), tr.task.record()), "{a:?} unpersisted");
+                    } else if tr.task.is_dirty() && ends_task(a) {
                         // The termination's write failed: its stop, pull cancel and release
                         // do not wait for the disk (SPEC §4).
-                        assert!(tr.task.write_failed, "{a:?} before its write was tried");
-                        assert_eq!(tr.task.record.status, TaskStatus::Terminated, "{a:?}");
+                        assert!(tr.task.write_failed(), "{a:?} before its write was tried");
+                        assert_eq!(tr.task.record().status, TaskStatus::Terminated, "{a:?}");
                     } else {
-                        assert!(!tr.task.dirty, "{a:?} with a record not yet durable");
-                        assert!(same_record(&tr.task.record, p()), "{a:?} unpersisted");
+                        assert!(!tr.task.is_dirty(), "{a:?} with a record not yet durable");
+                        assert!(same_record(tr.task.record(), p()), "{a:?} unpersisted");
                     }
                 }
             }
@@ -434,11 +434,11 @@ impl Sim {
         let before = self.task.clone().unwrap();
         if let Some(p) = &self.world.persisted {
             // What the API showed is exactly what is on disk.
-            assert_eq!(before.saved, Saved::of(p));
+            assert_eq!(*before.saved(), Saved::of(p));
             // Not dirty: the disk holds the record. Dirty may be conservative: a change undone
             // before its write (a volume recorded ahead while the disk was full, then released
             // again) leaves the record as on disk, and costs one redundant write.
-            assert!(before.dirty || same_record(&before.record, p));
+            assert!(before.is_dirty() || same_record(before.record(), p));
         }
         self.crashed = true;
         self.jobs.clear();
@@ -466,39 +466,39 @@ impl Sim {
             self.task = None;
             return;
         };
-        assert!(!task.start_in_flight);
+        assert!(!task.start_in_flight());
         assert_eq!(
             actions.first() == Some(&Action::Persist),
             record
                 .as_ref()
-                .is_none_or(|r| !same_record(r, &task.record))
+                .is_none_or(|r| !same_record(r, task.record()))
         );
         if !self.corrupted {
             // Nothing the API showed is lost: a status never goes back, and a termination it
             // showed (a terminate answered 200, an exit reported) keeps its reason and message.
-            assert!(task.record.status >= before.saved.status);
-            if before.saved.status == TaskStatus::Terminated {
+            assert!(task.record().status >= before.saved().status);
+            if before.saved().status == TaskStatus::Terminated {
                 assert_eq!(
-                    task.record.termination_reason,
-                    before.saved.termination_reason
+                    task.record().termination_reason,
+                    before.saved().termination_reason
                 );
                 assert_eq!(
-                    task.record.termination_message,
-                    before.saved.termination_message
+                    task.record().termination_message,
+                    before.saved().termination_message
                 );
             }
         }
-        if task.record.status == TaskStatus::Terminated {
-            assert!(task.record.termination_reason.is_some());
+        if task.record().status == TaskStatus::Terminated {
+            assert!(task.record().termination_reason.is_some());
         }
         // Restore is idempotent: restoring what it wrote changes nothing.
         let (again, again_actions) =
-            restore(Some(task.record.clone()), container, self.now + 5).unwrap();
+            restore(Some(task.record().clone()), container, self.now + 5).unwrap();
         assert!(
-            same_record(&again.record, &task.record),
+            same_record(again.record(), task.record()),
             "restore is not idempotent"
         );
-        assert_eq!(again.saved, Saved::of(&task.record));
+        assert_eq!(*again.saved(), Saved::of(task.record()));
         assert!(!again_actions.contains(&Action::Persist));
 
         // GPU relocks first (the engine's phase 1), then the write and what follows it.
@@ -513,7 +513,7 @@ impl Sim {
                     message: "No space left on device".into(),
                 }
             } else {
-                self.world.persisted = Some(task.record.clone());
+                self.world.persisted = Some(task.record().clone());
                 Event::Persisted
             };
             let next = step(&task, outcome, self.now).unwrap();
@@ -533,7 +533,7 @@ impl Sim {
         }
         // GPUs the task still holds are locked again.
         if let Some(t) = &self.task {
-            for g in &t.record.resources.gpus {
+            for g in &t.record().resources.gpus {
                 assert!(self.world.gpus_locked.contains(g), "{g} not locked again");
             }
         }
@@ -660,7 +660,7 @@ impl Sim {
                     })
                 } else {
                     assert!(!self.world.keys_present);
-                    assert_eq!(task.record.resources.host_keys.as_ref(), Some(&grant));
+                    assert_eq!(task.record().resources.host_keys.as_ref(), Some(&grant));
                     self.world.keys_present = true;
                     self.world.acquire("keys".into());
                     Some(Event::HostKeysAdded(grant))
@@ -718,9 +718,9 @@ impl Sim {
                     self.world.container = Some(Container {
                         id: id.clone(),
                         state: Ctr::Created,
-                        gpu_ids: task.record.resources.gpus.clone(),
+                        gpu_ids: task.record().resources.gpus.clone(),
                         ports: Vec::new(),
-                        volumes: task.record.resources.volumes.clone(),
+                        volumes: task.record().resources.volumes.clone(),
                     });
                     Some(Event::ContainerCreated { container_id: id })
                 }
@@ -758,7 +758,7 @@ impl Sim {
             }
             Action::Release(res) => {
                 // Nothing is released while start is in flight, or for a task not terminated.
-                assert!(!task.start_in_flight, "release while start is in flight");
+                assert!(!task.start_in_flight(), "release while start is in flight");
                 // Nor while the container may still use the resources.
                 assert!(
                     self.world
@@ -767,8 +767,8 @@ impl Sim {
                         .is_none_or(|c| c.state != Ctr::Running),
                     "release while the container runs"
                 );
-                assert_eq!(task.record.status, TaskStatus::Terminated);
-                assert!(!res.holds_any() || task.release_in_flight);
+                assert_eq!(task.record().status, TaskStatus::Terminated);
+                assert!(!res.holds_any() || task.release_in_flight());
                 let mut freed_gpus = Vec::new();
                 let mut freed_volumes = Vec::new();
                 let mut freed_keys = false;
@@ -837,7 +837,7 @@ impl Sim {
                 }
             }
             Action::DeleteTaskDir => {
-                if task.record.resources.holds_any() {
+                if task.record().resources.holds_any() {
                     // The release before it left something held: the engine refuses to
                     // delete, drops the rest of the list and says so (the task stays).
                     let mut abandoned = vec![Action::DeleteTaskDir];
@@ -855,7 +855,7 @@ impl Sim {
                 }
             }
             Action::LockGpus(ids) => {
-                assert!(!task.record.resources.released);
+                assert!(!task.record().resources.released);
                 for g in &ids {
                     if self.world.gpus_locked.insert(g.clone()) {
                         self.world.acquire(format!("gpu:{g}"));
@@ -895,15 +895,15 @@ impl Sim {
     /// as the engine does: a terminated task's container only when it runs.
     fn reconcile(&mut self, all: bool) {
         let Some(t) = &self.task else { return };
-        if t.start_in_flight {
+        if t.start_in_flight() {
             return; // the engine skips tasks whose start is in flight
         }
-        if t.dirty {
+        if t.is_dirty() {
             self.feed(Event::PersistRequested, None).unwrap();
         }
         let Some(t) = &self.task else { return };
         let obs = self.observation();
-        if all || t.record.status != TaskStatus::Terminated || obs == Observation::Running {
+        if all || t.record().status != TaskStatus::Terminated || obs == Observation::Running {
             self.feed(Event::Observed(obs), None).unwrap();
         }
         if self.task.as_ref().is_some_and(Task::needs_release) {
@@ -967,12 +967,13 @@ impl Sim {
                     match self.feed(Event::RemoveRequested, None) {
                         Ok(()) => {}
                         Err(TransitionError::NotTerminated { .. }) => assert!(
-                            t.record.status != TaskStatus::Terminated
-                                || (t.saved.status != TaskStatus::Terminated && !t.write_failed)
+                            t.record().status != TaskStatus::Terminated
+                                || (t.saved().status != TaskStatus::Terminated
+                                    && !t.write_failed())
                         ),
-                        Err(TransitionError::StartInFlight { .. }) => assert!(t.start_in_flight),
+                        Err(TransitionError::StartInFlight { .. }) => assert!(t.start_in_flight()),
                         Err(TransitionError::ReleaseInFlight { .. }) => {
-                            assert!(t.release_in_flight)
+                            assert!(t.release_in_flight())
                         }
                         Err(e) => panic!("remove: {e}"),
                     }
@@ -1000,7 +1001,7 @@ impl Sim {
         // fills the disk must still be stoppable.
         self.run_all();
         if let Some(t) = self.task.clone() {
-            assert!(!t.start_in_flight, "start did not return");
+            assert!(!t.start_in_flight(), "start did not return");
             self.feed(
                 Event::TerminateRequested {
                     reason: TerminationReason::TerminatedByServer,
@@ -1014,9 +1015,9 @@ impl Sim {
             self.reconcile(false);
             self.run_all();
             if let Some(t) = &self.task {
-                assert_eq!(t.record.status, TaskStatus::Terminated);
+                assert_eq!(t.record().status, TaskStatus::Terminated);
                 assert!(
-                    !t.record.resources.holds_any(),
+                    !t.record().resources.holds_any(),
                     "not released (disk full: {}): {t:?}",
                     self.disk_full
                 );
@@ -1040,8 +1041,8 @@ impl Sim {
         self.disk_full = false;
         self.run_all();
         if let Some(t) = self.task.clone() {
-            assert!(!t.start_in_flight, "start did not return");
-            if t.saved.status != TaskStatus::Terminated {
+            assert!(!t.start_in_flight(), "start did not return");
+            if t.saved().status != TaskStatus::Terminated {
                 self.feed(
                     Event::TerminateRequested {
                         reason: TerminationReason::TerminatedByServer,
@@ -1054,7 +1055,7 @@ impl Sim {
                 self.run_all();
                 let t = self.task.as_ref().unwrap();
                 assert_eq!(
-                    t.saved.status,
+                    t.saved().status,
                     TaskStatus::Terminated,
                     "terminate not durable"
                 );
@@ -1063,16 +1064,16 @@ impl Sim {
         self.reconcile(false);
         self.run_all();
         if let Some(t) = &self.task {
-            assert_eq!(t.record.status, TaskStatus::Terminated);
-            assert_eq!(t.saved.status, TaskStatus::Terminated);
-            assert!(!t.dirty, "not written within one cycle");
-            assert!(!t.start_in_flight);
+            assert_eq!(t.record().status, TaskStatus::Terminated);
+            assert_eq!(t.saved().status, TaskStatus::Terminated);
+            assert!(!t.is_dirty(), "not written within one cycle");
+            assert!(!t.start_in_flight());
             assert!(
-                !t.record.resources.holds_any(),
+                !t.record().resources.holds_any(),
                 "not released within one cycle: {:?}",
                 t
             );
-            assert!(t.record.resources.released);
+            assert!(t.record().resources.released);
             assert!(!t.needs_release());
             assert!(
                 self.world
@@ -1085,7 +1086,7 @@ impl Sim {
             let info = t.info();
             assert_eq!(
                 info.termination_reason,
-                t.record.termination_reason.as_ref().unwrap().as_str()
+                t.record().termination_reason.as_ref().unwrap().as_str()
             );
         }
         // Every resource acquired was released exactly once per acquisition; nothing is held.
@@ -1183,11 +1184,11 @@ fn simulator_happy_path_runs_and_releases() {
     sim.failures = false;
     sim.run_all();
     let t = sim.task.clone().unwrap();
-    assert_eq!(t.record.status, TaskStatus::Running);
-    assert!(!t.start_in_flight);
-    assert_eq!(t.record.resources.gpus.len(), 2);
-    assert!(t.record.resources.host_keys.is_some());
-    assert_eq!(t.record.resources.volumes.len(), 2);
+    assert_eq!(t.record().status, TaskStatus::Running);
+    assert!(!t.start_in_flight());
+    assert_eq!(t.record().resources.gpus.len(), 2);
+    assert!(t.record().resources.host_keys.is_some());
+    assert_eq!(t.record().resources.volumes.len(), 2);
     assert_eq!(t.info().ports.unwrap().len(), 1);
     assert_eq!(sim.world.acquired.len(), 5);
     sim.world.container.as_mut().unwrap().state = Ctr::Exited(0);
@@ -1195,10 +1196,10 @@ fn simulator_happy_path_runs_and_releases() {
     sim.run_all();
     let t = sim.task.clone().unwrap();
     assert_eq!(
-        t.record.termination_reason,
+        t.record().termination_reason,
         Some(TerminationReason::DoneByRunner)
     );
-    assert!(t.record.resources.released);
+    assert!(t.record().resources.released);
     assert_eq!(sim.world.released, sim.world.acquired);
     sim.drain_and_check();
 }
@@ -1374,7 +1375,7 @@ proptest! {
             // another write at once.
             let is_write_failure = matches!(event, Event::PersistFailed { .. });
             let Ok(tr) = step(&task, event, now) else { continue };
-            let (b, a) = (&task.record, &tr.task.record);
+            let (b, a) = (task.record(), tr.task.record());
             prop_assert!(a.status >= b.status);
             let empty_reason = b.termination_reason.as_ref().is_some_and(|r| r.as_str().is_empty());
             if b.status == TaskStatus::Terminated && !empty_reason {
@@ -1382,10 +1383,10 @@ proptest! {
                 prop_assert_eq!(&a.termination_message, &b.termination_message);
             }
             prop_assert_eq!(a.status == TaskStatus::Terminated, a.termination_reason.is_some());
-            if tr.task.progress_only {
-                prop_assert!(tr.task.dirty && tr.task.start_in_flight);
+            if tr.task.is_progress_only() {
+                prop_assert!(tr.task.is_dirty() && tr.task.start_in_flight());
             }
-            if !same_record(b, a) && tr.task.progress_only {
+            if !same_record(b, a) && tr.task.is_progress_only() {
                 // Start progress needs no write of its own.
                 prop_assert!(only_progress(b, a), "{:?} -> {:?}", b, a);
                 prop_assert!(!tr.actions.contains(&Action::Persist));
@@ -1393,39 +1394,39 @@ proptest! {
                 prop_assert!(tr.actions.first() == Some(&Action::Persist));
             }
             if tr.actions.first() == Some(&Action::Persist) {
-                prop_assert!(tr.task.dirty);
+                prop_assert!(tr.task.is_dirty());
                 prop_assert!(tr.actions.iter().skip(1).all(|x| !x.needs_durable_record()));
             }
             if tr.actions.iter().any(Action::needs_durable_record) && !is_remove {
                 // Durable, or only start progress unwritten, or what ends a terminated task
                 // after its write failed.
-                let ending = tr.task.write_failed
+                let ending = tr.task.write_failed()
                     && a.status == TaskStatus::Terminated
                     && tr.actions.iter().filter(|x| x.needs_durable_record()).all(ends_task);
                 prop_assert!(
-                    !tr.task.dirty || tr.task.progress_only || ending,
+                    !tr.task.is_dirty() || tr.task.is_progress_only() || ending,
                     "{:?}",
                     tr.actions
                 );
             }
             // The shown state changes only with a write's success.
-            if tr.task.saved != task.saved {
-                prop_assert!(!tr.task.dirty);
-                prop_assert_eq!(&tr.task.saved, &Saved::of(a));
+            if tr.task.saved() != task.saved() {
+                prop_assert!(!tr.task.is_dirty());
+                prop_assert_eq!(tr.task.saved(), &Saved::of(a));
             }
             if a.resources.released {
                 prop_assert!(!a.resources.holds_any());
             }
             if is_remove {
                 prop_assert_eq!(b.status, TaskStatus::Terminated);
-                prop_assert!(task.saved.status == TaskStatus::Terminated || task.write_failed);
-                prop_assert!(!task.start_in_flight);
+                prop_assert!(task.saved().status == TaskStatus::Terminated || task.write_failed());
+                prop_assert!(!task.start_in_flight());
                 prop_assert!(tr.actions.last() == Some(&Action::Forget));
                 break;
             }
             for action in &tr.actions {
                 if matches!(action, Action::Release(_)) {
-                    prop_assert!(!tr.task.start_in_flight);
+                    prop_assert!(!tr.task.start_in_flight());
                     prop_assert_eq!(a.status, TaskStatus::Terminated);
                 }
             }
@@ -1470,7 +1471,10 @@ fn a_terminate_on_a_full_disk_stops_and_releases_without_its_write() {
         let mut sim = Sim::new(config_from(2, true, 2, 0, true));
         sim.failures = false;
         sim.run_all();
-        assert_eq!(sim.task.as_ref().unwrap().saved.status, TaskStatus::Running);
+        assert_eq!(
+            sim.task.as_ref().unwrap().saved().status,
+            TaskStatus::Running
+        );
         sim.disk_full = true;
         sim.feed(
             Event::TerminateRequested {
@@ -1484,12 +1488,12 @@ fn a_terminate_on_a_full_disk_stops_and_releases_without_its_write() {
         sim.run_all();
         let t = sim.task.clone().unwrap();
         assert_eq!(
-            t.saved.status,
+            t.saved().status,
             TaskStatus::Running,
             "the API shows what is durable"
         );
-        assert!(t.dirty && t.write_failed);
-        assert!(!t.record.resources.holds_any(), "{t:?}");
+        assert!(t.is_dirty() && t.write_failed());
+        assert!(!t.record().resources.holds_any(), "{t:?}");
         assert_eq!(
             sim.world.container.as_ref().unwrap().state,
             Ctr::Exited(137)
@@ -1500,17 +1504,17 @@ fn a_terminate_on_a_full_disk_stops_and_releases_without_its_write() {
         if crash_before_the_write {
             sim.crash(false, 0);
             let t = sim.task.clone().unwrap();
-            assert_eq!(t.record.status, TaskStatus::Running, "the durable record");
+            assert_eq!(t.record().status, TaskStatus::Running, "the durable record");
             assert_eq!(sim.world.gpus_locked.len(), 2, "locked again at restore");
             sim.reconcile(false);
             sim.run_all();
             let t = sim.task.clone().unwrap();
             assert_eq!(
-                t.record.termination_reason,
+                t.record().termination_reason,
                 Some(TerminationReason::ContainerExitedWithError),
                 "at worst the reason reads as the container's exit"
             );
-            assert!(!t.record.resources.holds_any());
+            assert!(!t.record().resources.holds_any());
             assert!(sim.world.gpus_locked.is_empty());
         } else {
             sim.feed(Event::RemoveRequested, None).unwrap();
@@ -1537,9 +1541,9 @@ fn a_volume_recorded_ahead_on_a_full_disk_is_given_up_and_released_at_once() {
     sim.disk_full = true;
     sim.run_all();
     let t = sim.task.clone().unwrap();
-    assert!(t.write_failed && !t.start_in_flight);
-    assert_eq!(t.record.status, TaskStatus::Terminated);
-    assert!(!t.record.resources.holds_any(), "{t:?}");
+    assert!(t.write_failed() && !t.start_in_flight());
+    assert_eq!(t.record().status, TaskStatus::Terminated);
+    assert!(!t.record().resources.holds_any(), "{t:?}");
     assert!(sim.world.volumes_mounted.is_empty());
     assert!(sim.world.gpus_locked.is_empty());
     sim.crash(true, 0);

@@ -67,9 +67,9 @@ fn go(t: &mut Task, event: Event) -> Vec<Action> {
     if actions.first() == Some(&Action::Persist) {
         let tr = step(t, Event::Persisted, 200).unwrap();
         *t = tr.task;
-        assert!(!t.dirty);
+        assert!(!t.is_dirty());
         // Durable now: the API shows the record.
-        assert_eq!(t.info().status, t.record.status);
+        assert_eq!(t.info().status, t.record().status);
         actions.extend(tr.actions);
     }
     actions
@@ -103,13 +103,13 @@ fn started_until(until: StartStep) -> Task {
         ),
     ];
     for (s, event) in outcomes {
-        if t.start_step == Some(until) {
+        if t.start_step() == Some(until) {
             break;
         }
-        assert_eq!(t.start_step, Some(s));
+        assert_eq!(t.start_step(), Some(s));
         go(&mut t, event);
     }
-    assert_eq!(t.start_step, Some(until));
+    assert_eq!(t.start_step(), Some(until));
     t
 }
 
@@ -122,8 +122,8 @@ fn running() -> Task {
 
 fn assert_ended(t: &Task, reason: TerminationReason, message: &str) {
     assert_eq!(t.status(), TaskStatus::Terminated);
-    assert_eq!(t.record.termination_reason, Some(reason.clone()));
-    assert_eq!(t.record.termination_message, message);
+    assert_eq!(t.record().termination_reason, Some(reason.clone()));
+    assert_eq!(t.record().termination_message, message);
     let info = t.info();
     assert_eq!(info.termination_reason, reason.as_str());
     assert_eq!(info.termination_message, message);
@@ -137,21 +137,21 @@ fn release_of(t: &Task) -> Action {
 fn start_emits_each_step_with_persist_before_what_needs_it() {
     let c = config();
     let mut t = new_task(&c);
-    assert!(t.start_in_flight);
+    assert!(t.start_in_flight());
     // `preparing` alone is start progress: no write of its own, the API still shows the
     // durable `pending`, and the first step goes out at once.
     let a = go(&mut t, Event::StartBegan);
     assert_eq!(a, vec![Action::AcquireGpus { count: 1 }]);
-    assert_eq!(t.record.status, TaskStatus::Preparing);
+    assert_eq!(t.record().status, TaskStatus::Preparing);
     assert_eq!(t.status(), TaskStatus::Pending);
-    assert!(t.dirty && t.progress_only);
+    assert!(t.is_dirty() && t.is_progress_only());
     // GPU ids are recorded: written (with the progress) before the next step.
     let a = go(&mut t, Event::GpusAcquired(vec!["GPU-a".into()]));
     assert_eq!(a, vec![Action::Persist, Action::AddHostKeys(grant())]);
     assert_eq!(t.status(), TaskStatus::Preparing);
-    assert_eq!(t.record.resources.gpus, ["GPU-a"]);
+    assert_eq!(t.record().resources.gpus, ["GPU-a"]);
     // The keys are recorded (and persisted) ahead of the add.
-    assert_eq!(t.record.resources.host_keys, Some(grant()));
+    assert_eq!(t.record().resources.host_keys, Some(grant()));
     let a = go(&mut t, Event::HostKeysAdded(grant()));
     assert_eq!(a, vec![Action::MountVolume(c.volumes[0].clone())]);
     let a = go(&mut t, Event::VolumeMounted(volume()));
@@ -159,7 +159,7 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
         a,
         vec![Action::Persist, Action::CreateDir("/mnt/cache".into())]
     );
-    assert_eq!(t.record.resources.volumes, [volume()]);
+    assert_eq!(t.record().resources.volumes, [volume()]);
     let a = go(&mut t, Event::DirCreated("/mnt/cache".into()));
     assert_eq!(
         a,
@@ -171,7 +171,7 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
         ]
     );
     assert_eq!(t.status(), TaskStatus::Pulling);
-    assert_eq!(t.record.resources.created_dirs, ["/mnt/cache"]);
+    assert_eq!(t.record().resources.created_dirs, ["/mnt/cache"]);
     let p = PullProgress {
         downloaded_bytes: 5,
         extracted_bytes: 0,
@@ -183,7 +183,7 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
     // `creating` is progress again: create goes out at once.
     let a = go(&mut t, Event::PullDone(p));
     assert_eq!(a, vec![Action::CreateContainer]);
-    assert_eq!(t.record.status, TaskStatus::Creating);
+    assert_eq!(t.record().status, TaskStatus::Creating);
     assert_eq!(t.status(), TaskStatus::Pulling);
     // The first container id is progress too (a restore finds the container by its labels):
     // the start goes out at once, and `running` carries the id and `creating` to disk.
@@ -195,7 +195,7 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
     );
     assert_eq!(a, vec![Action::StartContainer]);
     assert_eq!(t.status(), TaskStatus::Pulling);
-    assert!(t.dirty && t.progress_only);
+    assert!(t.is_dirty() && t.is_progress_only());
     assert_eq!(t.info().container_id, "cid");
     let ports = vec![PortMapping {
         host: 40000,
@@ -210,9 +210,9 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
     assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
     assert_eq!(t.status(), TaskStatus::Running);
     assert_eq!(t.info().ports, Some(ports));
-    assert!(t.start_in_flight);
+    assert!(t.start_in_flight());
     assert_eq!(go(&mut t, Event::StartFinished), vec![]);
-    assert!(!t.start_in_flight);
+    assert!(!t.start_in_flight());
     assert!(!t.needs_release());
 }
 
@@ -245,7 +245,7 @@ fn minimal_created(cid: &str) -> Task {
     assert_eq!(a, vec![Action::CreateContainer]);
     assert_eq!(t.info().image_pull_progress, None);
     // Three statuses on, the state file still holds `pending`, and the API shows it.
-    assert_eq!(t.record.status, TaskStatus::Creating);
+    assert_eq!(t.record().status, TaskStatus::Creating);
     assert_eq!(t.status(), TaskStatus::Pending);
     // The container id is progress as well: the start goes out without a write.
     let a = go(
@@ -256,7 +256,7 @@ fn minimal_created(cid: &str) -> Task {
     );
     assert_eq!(a, vec![Action::StartContainer]);
     assert_eq!(t.status(), TaskStatus::Pending);
-    assert!(t.dirty && t.progress_only);
+    assert!(t.is_dirty() && t.is_progress_only());
     t
 }
 
@@ -267,8 +267,8 @@ fn minimal_config_skips_keys_volumes_dirs_and_a_present_image() {
     let a = go(&mut t, Event::ContainerStarted { ports: vec![] });
     assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
     assert_eq!(t.status(), TaskStatus::Running);
-    assert!(!t.dirty && !t.progress_only);
-    assert_eq!(t.record.container_id, "cid");
+    assert!(!t.is_dirty() && !t.is_progress_only());
+    assert_eq!(t.record().container_id, "cid");
 }
 
 /// A replacement container (the NVIDIA display retry) is not the first id: it is written
@@ -283,9 +283,9 @@ fn a_replaced_container_id_is_written_at_once() {
         },
     );
     assert_eq!(a, vec![Action::Persist]);
-    assert!(!t.dirty && !t.progress_only);
+    assert!(!t.is_dirty() && !t.is_progress_only());
     assert_eq!(t.status(), TaskStatus::Creating);
-    assert_eq!(t.record.container_id, "c2");
+    assert_eq!(t.record().container_id, "c2");
 }
 
 /// A step that records something while progress is unwritten writes both; a write asked for
@@ -303,7 +303,7 @@ fn progress_is_written_with_the_next_record_or_when_asked() {
     go(&mut t, Event::StartBegan);
     go(&mut t, Event::GpusAcquired(vec![]));
     assert_eq!(t.status(), TaskStatus::Pending);
-    assert!(t.progress_only);
+    assert!(t.is_progress_only());
     // Asked: `pulling` is written and shown; the pull is out already, nothing goes again.
     let tr = step(&t, Event::PersistRequested, 300).unwrap();
     assert_eq!(tr.actions, vec![Action::Persist]);
@@ -312,7 +312,7 @@ fn progress_is_written_with_the_next_record_or_when_asked() {
     assert_eq!(tr.actions, vec![]);
     t = tr.task;
     assert_eq!(t.status(), TaskStatus::Pulling);
-    assert!(!t.dirty && !t.progress_only);
+    assert!(!t.is_dirty() && !t.is_progress_only());
     // A terminate while progress is unwritten: one write with both, then the cancel.
     let mut t = new_task(&c);
     go(&mut t, Event::StartBegan);
@@ -327,7 +327,7 @@ fn progress_is_written_with_the_next_record_or_when_asked() {
     );
     assert_eq!(a, vec![Action::Persist, Action::CancelPull]);
     assert_eq!(t.status(), TaskStatus::Terminated);
-    assert!(!t.progress_only);
+    assert!(!t.is_progress_only());
 }
 
 // ---- SPEC §2: how a task ends ----
@@ -350,7 +350,7 @@ fn gpus_unavailable_is_executor_error() {
     // Nothing held: start returning settles the task as released.
     let a = go(&mut t, Event::StartFinished);
     assert_eq!(a, vec![Action::Persist]);
-    assert!(t.record.resources.released);
+    assert!(t.record().resources.released);
 }
 
 #[test]
@@ -591,8 +591,8 @@ fn second_terminate_keeps_the_first_reason_and_changes_nothing() {
         999,
     )
     .unwrap();
-    assert_eq!(tr.task.record, before.record);
-    assert_eq!(tr.task.saved, before.saved);
+    assert_eq!(tr.task.record(), before.record());
+    assert_eq!(tr.task.saved(), before.saved());
     assert_eq!(tr.actions, vec![]);
     assert_ended(&tr.task, TerminationReason::DoneByRunner, "");
 }
@@ -642,11 +642,11 @@ fn terminate_while_pending_finishes_start_at_once() {
     );
     assert_eq!(a, vec![Action::Persist]);
     assert_ended(&t, TerminationReason::TerminatedByServer, "gone");
-    assert!(t.start_in_flight);
+    assert!(t.start_in_flight());
     assert_eq!(go(&mut t, Event::StartBegan), vec![Action::FinishStart]);
     go(&mut t, Event::StartFinished);
-    assert!(!t.start_in_flight);
-    assert!(t.record.resources.released);
+    assert!(!t.start_in_flight());
+    assert!(t.record().resources.released);
 }
 
 #[test]
@@ -664,7 +664,7 @@ fn terminate_while_preparing_stops_start_at_its_next_step() {
     // The keys step in progress completes (recorded ahead), then start finishes.
     let a = go(&mut t, Event::HostKeysAdded(grant()));
     assert_eq!(a, vec![Action::FinishStart]);
-    assert_eq!(t.record.resources.host_keys, Some(grant()));
+    assert_eq!(t.record().resources.host_keys, Some(grant()));
     let a = go(&mut t, Event::StartFinished);
     assert_eq!(a, vec![release_of(&t)]);
     assert_eq!(t.held().gpus, ["GPU-a"]);
@@ -711,7 +711,7 @@ fn terminate_while_creating_does_not_start_the_created_container() {
         },
     );
     assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
-    assert_eq!(t.record.container_id, "cid");
+    assert_eq!(t.record().container_id, "cid");
 }
 
 #[test]
@@ -761,7 +761,7 @@ fn start_returning_early_is_executor_error() {
     assert_eq!(a[0], Action::Persist);
     assert_eq!(a[1], release_of(&t));
     assert_eq!(
-        t.record.termination_reason,
+        t.record().termination_reason,
         Some(TerminationReason::ExecutorError)
     );
     let mut t = started_until(StartStep::CreateContainer);
@@ -803,7 +803,7 @@ fn partial_release_keeps_the_rest_for_the_next_cycle() {
     let mut t = running();
     let a = go(&mut t, Event::Observed(Observation::Missing));
     assert_eq!(a[1], release_of(&t));
-    assert!(t.release_in_flight);
+    assert!(t.release_in_flight());
     assert!(!t.needs_release());
     // Only the GPU and the keys were released.
     let a = go(
@@ -818,7 +818,7 @@ fn partial_release_keeps_the_rest_for_the_next_cycle() {
     assert_eq!(a, vec![Action::Persist]);
     assert_eq!(t.held().volumes, [volume()]);
     assert!(t.held().gpus.is_empty() && t.held().host_keys.is_none());
-    assert!(!t.record.resources.released);
+    assert!(!t.record().resources.released);
     // The next cycle retries what is left.
     assert!(t.needs_release());
     let a = go(&mut t, Event::ReleaseRequested);
@@ -842,12 +842,12 @@ fn partial_release_keeps_the_rest_for_the_next_cycle() {
         },
     );
     assert_eq!(a, vec![Action::Persist]);
-    assert!(t.record.resources.released);
+    assert!(t.record().resources.released);
     assert!(!t.needs_release());
     // The GPU ids stay visible after release.
     assert_eq!(t.info().gpu_ids, Some(vec!["GPU-a".into()]));
     // The created dir is never part of a release.
-    assert_eq!(t.record.resources.created_dirs, ["/mnt/cache"]);
+    assert_eq!(t.record().resources.created_dirs, ["/mnt/cache"]);
 }
 
 #[test]
@@ -866,7 +866,7 @@ fn failed_stop_defers_release_until_a_stop_succeeds_or_the_container_is_seen_sto
     };
     // No retry at once: the reconciler's next cycle retries.
     assert_eq!(go(&mut t, failed()), vec![]);
-    assert_eq!(t.stop, StopState::Failed);
+    assert_eq!(t.stop(), StopState::Failed);
     // The reconciler's release request retries the stop first, never releases before.
     assert!(t.needs_release());
     let a = go(&mut t, Event::ReleaseRequested);
@@ -878,7 +878,7 @@ fn failed_stop_defers_release_until_a_stop_succeeds_or_the_container_is_seen_sto
     assert_eq!(a, vec![Action::StopContainer { timeout_s: 0 }]);
     let a = go(&mut t, Event::ContainerStopped);
     assert_eq!(a, vec![release_of(&t)]);
-    assert!(t.release_in_flight);
+    assert!(t.release_in_flight());
     // Seen not running after a failed stop: released without another stop.
     let mut t = running();
     go(
@@ -927,7 +927,7 @@ fn a_failed_stop_is_retried_when_the_task_holds_nothing() {
         },
     );
     assert_eq!(a.last(), Some(&Action::StopContainer { timeout_s: 10 }));
-    assert!(!t.record.resources.holds_any());
+    assert!(!t.record().resources.holds_any());
     let a = go(
         &mut t,
         Event::StopFailed {
@@ -945,10 +945,18 @@ fn a_failed_stop_is_retried_when_the_task_holds_nothing() {
     assert!(!t.needs_retry());
     go(&mut t, Event::ContainerStopped);
     assert!(!t.needs_retry());
-    assert_eq!(t.stop, StopState::Idle);
+    assert_eq!(t.stop(), StopState::Idle);
     // A container found gone settles it without another stop.
     let mut gone = t.clone();
-    gone.stop = StopState::Failed;
+    let a = go(&mut gone, Event::Observed(Observation::Running));
+    assert_eq!(a, vec![Action::StopContainer { timeout_s: 0 }]);
+    go(
+        &mut gone,
+        Event::StopFailed {
+            message: "timeout".into(),
+        },
+    );
+    assert_eq!(gone.stop(), StopState::Failed);
     assert_eq!(go(&mut gone, Event::Observed(Observation::Missing)), vec![]);
     assert!(!gone.needs_retry());
 }
@@ -1099,7 +1107,7 @@ fn restored(
 }
 
 fn assert_idempotent(task: &Task, container: Option<ObservedContainer>) {
-    let (again, actions) = restore(Some(task.record.clone()), container, 10_000).unwrap();
+    let (again, actions) = restore(Some(task.record().clone()), container, 10_000).unwrap();
     assert_eq!(&again, task);
     assert!(!actions.contains(&Action::Persist));
 }
@@ -1117,7 +1125,7 @@ fn restore_recorded_reason_wins_and_a_running_container_is_stopped() {
     );
     // The shim died before the stop: the container still runs.
     let c = observed(ContainerState::Running);
-    let (r, a) = restored(Some(t.record.clone()), Some(c.clone()), 5_000).unwrap();
+    let (r, a) = restored(Some(t.record().clone()), Some(c.clone()), 5_000).unwrap();
     assert_ended(&r, TerminationReason::TerminatedByUser, "by user");
     assert_eq!(
         a,
@@ -1126,11 +1134,11 @@ fn restore_recorded_reason_wins_and_a_running_container_is_stopped() {
             Action::StopContainer { timeout_s: 0 }
         ]
     );
-    assert!(!r.start_in_flight);
+    assert!(!r.start_in_flight());
     assert_idempotent(&r, Some(c));
     // Exited container: released at once, the exit code does not replace the reason.
     let c = observed(ContainerState::Exited { code: 1 });
-    let (r, a) = restored(Some(t.record.clone()), Some(c.clone()), 5_000).unwrap();
+    let (r, a) = restored(Some(t.record().clone()), Some(c.clone()), 5_000).unwrap();
     assert_ended(&r, TerminationReason::TerminatedByUser, "by user");
     assert_eq!(
         a,
@@ -1212,7 +1220,7 @@ fn restore_recorded_reason_with_a_created_container_stops_it_before_releasing() 
         },
     );
     let c = observed(ContainerState::Created);
-    let (r, a) = restored(Some(t.record.clone()), Some(c.clone()), 5_000).unwrap();
+    let (r, a) = restored(Some(t.record().clone()), Some(c.clone()), 5_000).unwrap();
     assert_ended(&r, TerminationReason::TerminatedByUser, "by user");
     assert_eq!(
         a,
@@ -1229,7 +1237,7 @@ fn restore_without_reason_with_container_is_running_with_the_containers_facts() 
     let t = started_until(StartStep::StartContainer);
     // The shim died between create and start.
     let c = observed(ContainerState::Created);
-    let (r, a) = restored(Some(t.record.clone()), Some(c.clone()), 5_000).unwrap();
+    let (r, a) = restored(Some(t.record().clone()), Some(c.clone()), 5_000).unwrap();
     assert_eq!(r.status(), TaskStatus::Running);
     assert_eq!(
         a,
@@ -1248,7 +1256,7 @@ fn restore_without_reason_with_container_is_running_with_the_containers_facts() 
 #[test]
 fn restore_record_without_container_is_executor_error_saying_what_happened() {
     let t = started_until(StartStep::Pull);
-    let (r, a) = restored(Some(t.record.clone()), None, 5_000).unwrap();
+    let (r, a) = restored(Some(t.record().clone()), None, 5_000).unwrap();
     assert_ended(
         &r,
         TerminationReason::ExecutorError,
@@ -1267,13 +1275,13 @@ fn restore_record_without_container_is_executor_error_saying_what_happened() {
     assert_idempotent(&r, None);
 
     let t = running();
-    let (r, _) = restored(Some(t.record.clone()), None, 5_000).unwrap();
+    let (r, _) = restored(Some(t.record().clone()), None, 5_000).unwrap();
     assert_eq!(
-        r.record.termination_reason,
+        r.record().termination_reason,
         Some(TerminationReason::ExecutorError)
     );
     assert!(
-        r.record
+        r.record()
             .termination_message
             .starts_with("container vanished")
     );
@@ -1291,7 +1299,7 @@ fn restore_record_without_container_keeps_a_recorded_reason() {
             timeout_s: 0,
         },
     );
-    let (r, a) = restored(Some(t.record.clone()), None, 5_000).unwrap();
+    let (r, a) = restored(Some(t.record().clone()), None, 5_000).unwrap();
     assert_ended(&r, TerminationReason::MaxDurationExceeded, "too long");
     assert_eq!(
         a,
@@ -1313,9 +1321,9 @@ fn restore_of_a_released_task_locks_nothing() {
         },
     );
     let c = observed(ContainerState::Exited { code: 0 });
-    let (r, a) = restored(Some(t.record.clone()), Some(c), 5_000).unwrap();
+    let (r, a) = restored(Some(t.record().clone()), Some(c), 5_000).unwrap();
     assert_eq!(a, vec![]);
-    assert!(r.record.resources.released);
+    assert!(r.record().resources.released);
 }
 
 #[test]
@@ -1323,12 +1331,12 @@ fn restore_container_without_record_adopts_it() {
     let c = observed(ContainerState::Running);
     let (r, a) = restored(None, Some(c.clone()), 5_000).unwrap();
     assert_eq!(r.status(), TaskStatus::Running);
-    assert!(r.record.config.is_none());
-    assert_eq!(r.record.name.as_str(), "job");
+    assert!(r.record().config.is_none());
+    assert_eq!(r.record().name.as_str(), "job");
     assert_eq!(r.id().as_str(), "t1");
-    assert_eq!(r.record.resources.volumes, c.recovered_volumes);
-    assert_eq!(r.record.resources.host_keys, None);
-    assert_eq!(r.record.resources.gpus, ["GPU-a"]);
+    assert_eq!(r.record().resources.volumes, c.recovered_volumes);
+    assert_eq!(r.record().resources.host_keys, None);
+    assert_eq!(r.record().resources.gpus, ["GPU-a"]);
     assert_eq!(
         a,
         vec![Action::Persist, Action::LockGpus(vec!["GPU-a".into()])]
@@ -1356,7 +1364,7 @@ fn restore_with_neither_is_nothing_and_a_foreign_container_is_ignored() {
     let t = running();
     let mut c = observed(ContainerState::Running);
     c.task_id = TaskId::new("other").unwrap();
-    let (r, _) = restored(Some(t.record.clone()), Some(c), 5_000).unwrap();
+    let (r, _) = restored(Some(t.record().clone()), Some(c), 5_000).unwrap();
     assert_eq!(r.status(), TaskStatus::Terminated);
 }
 
@@ -1366,7 +1374,7 @@ fn relock_keeps_only_the_gpus_newly_locked() {
     assert!(actions.contains(&Action::LockGpus(vec!["GPU-a".into()])));
     // Another restored task locked GPU-a first: this one must never free it.
     let actions = go(&mut t, Event::GpusRelocked(vec![]));
-    assert!(t.record.resources.gpus.is_empty());
+    assert!(t.record().resources.gpus.is_empty());
     assert_eq!(actions.first(), Some(&Action::Persist));
     let actions = go(
         &mut t,
@@ -1390,13 +1398,13 @@ fn a_volume_is_recorded_and_persisted_before_it_is_mounted() {
     let a = go(&mut t, Event::VolumeMounting(volume()));
     assert_eq!(a, vec![Action::Persist], "persisted before the mount");
     assert_eq!(
-        t.start_step,
+        t.start_step(),
         Some(StartStep::MountVolume(0)),
         "still awaited"
     );
-    assert!(t.record.resources.volumes.contains(&volume()));
+    assert!(t.record().resources.volumes.contains(&volume()));
     // The shim dies during the mount: restored without a container, the volume is released.
-    let (r, actions) = restored(Some(t.record.clone()), None, 9_000).unwrap();
+    let (r, actions) = restored(Some(t.record().clone()), None, 9_000).unwrap();
     assert_eq!(r.status(), TaskStatus::Terminated);
     assert!(
         actions
@@ -1438,7 +1446,7 @@ fn go_disk_full(t: &mut Task, event: Event) -> Vec<Action> {
         )
         .unwrap();
         *t = tr.task;
-        assert!(t.dirty);
+        assert!(t.is_dirty());
         actions.extend(tr.actions);
     }
     actions
@@ -1464,7 +1472,7 @@ fn a_terminate_whose_write_fails_still_stops_and_releases() {
         a,
         vec![Action::Persist, Action::StopContainer { timeout_s: 10 }]
     );
-    assert!(t.dirty && t.write_failed);
+    assert!(t.is_dirty() && t.write_failed());
     assert_eq!(t.info().status, TaskStatus::Running);
     assert_eq!(t.info().termination_reason, "");
     // Then the release, and its record's write fails too: nothing is released twice.
@@ -1480,7 +1488,7 @@ fn a_terminate_whose_write_fails_still_stops_and_releases() {
         },
     );
     assert_eq!(a, vec![Action::Persist]);
-    assert!(!t.record.resources.holds_any() && t.record.resources.released);
+    assert!(!t.record().resources.holds_any() && t.record().resources.released);
     assert!(!t.needs_release() && !t.needs_retry());
     // A remove is accepted: it deletes the record the disk could not take.
     let mut removed = t.clone();
@@ -1505,7 +1513,7 @@ fn a_terminate_whose_write_fails_still_stops_and_releases() {
     );
     assert_eq!(a, vec![Action::Persist]);
     assert_ended(&t, TerminationReason::TerminatedByUser, "bye");
-    assert!(!t.write_failed && t.saved.released);
+    assert!(!t.write_failed() && t.saved().released);
 }
 
 #[test]
@@ -1553,7 +1561,14 @@ fn an_exit_whose_write_fails_releases_without_waiting_for_the_disk() {
             message: "busy".into(),
         },
     );
-    assert!(t.release_backoff);
+    // Backed off: nothing but the reconciler's next request retries the release.
+    assert!(t.needs_release());
+    let idle = step(&t, Event::ContainerStopped, 200).unwrap();
+    assert_eq!(
+        idle.actions,
+        vec![],
+        "a failed release is not retried at once"
+    );
     let a = go(&mut t, Event::PersistRequested);
     assert_eq!(a, vec![Action::Persist, release_of(&t)]);
     assert_ended(&t, TerminationReason::DoneByRunner, "");
@@ -1567,13 +1582,13 @@ fn a_start_whose_write_fails_is_given_up_with_the_cause() {
     go(&mut t2, Event::StartBegan);
     let a = go_disk_full(&mut t2, Event::GpusAcquired(vec!["GPU-a".into()]));
     assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
-    assert_eq!(t2.record.status, TaskStatus::Terminated);
+    assert_eq!(t2.record().status, TaskStatus::Terminated);
     assert!(
-        t2.record
+        t2.record()
             .termination_message
             .starts_with("cannot write the task's state file: No space left"),
         "{}",
-        t2.record.termination_message
+        t2.record().termination_message
     );
     // What it acquired is released when it returns, without waiting for the disk (the keys
     // recorded ahead were never added: removing them is a no-op).
@@ -1592,7 +1607,7 @@ fn a_start_whose_write_fails_is_given_up_with_the_cause() {
         },
     );
     assert_eq!(a, vec![Action::Persist]);
-    assert_eq!(t.start_step, Some(StartStep::AddHostKeys));
+    assert_eq!(t.start_step(), Some(StartStep::AddHostKeys));
     // Start owns the task: nothing is released before it returns.
     assert!(!t.needs_release());
 }
@@ -1606,13 +1621,13 @@ fn a_start_whose_running_write_fails_is_not_given_up() {
     let mut t = minimal_created("cid");
     let a = go_disk_full(&mut t, Event::ContainerStarted { ports: vec![] });
     assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
-    assert_eq!(t.record.status, TaskStatus::Running);
+    assert_eq!(t.record().status, TaskStatus::Running);
     assert_eq!(t.status(), TaskStatus::Pending, "not durable, not shown");
-    assert!(t.record.termination_reason.is_none());
+    assert!(t.record().termination_reason.is_none());
     go(&mut t, Event::StartFinished);
     assert_eq!(go(&mut t, Event::PersistRequested), vec![Action::Persist]);
     assert_eq!(t.status(), TaskStatus::Running);
-    assert!(!t.dirty);
+    assert!(!t.is_dirty());
     assert_eq!(t.info().container_id, "cid");
 }
 
@@ -1636,7 +1651,7 @@ fn an_abandoned_remove_leaves_nothing_in_flight() {
     );
     let a = go(&mut t, Event::RemoveRequested);
     assert_eq!(a[0], Action::RemoveContainer);
-    assert!(t.release_in_flight);
+    assert!(t.release_in_flight());
     // Docker refuses the container removal: the engine drops the rest and says so.
     let a = go(
         &mut t,
@@ -1646,7 +1661,7 @@ fn an_abandoned_remove_leaves_nothing_in_flight() {
         },
     );
     assert_eq!(a, vec![]);
-    assert!(!t.release_in_flight);
+    assert!(!t.release_in_flight());
     // The next cycle releases; a later remove is accepted.
     assert!(t.needs_release());
     go(&mut t, Event::RemoveRequested);
@@ -1700,9 +1715,9 @@ fn the_display_retry_records_the_new_container_through_an_event() {
         },
     );
     assert_eq!(a, vec![Action::Persist], "the new id is durable first");
-    assert_eq!(t.record.container_id, "cid2");
+    assert_eq!(t.record().container_id, "cid2");
     assert_eq!(
-        t.start_step,
+        t.start_step(),
         Some(StartStep::StartContainer),
         "still awaited"
     );

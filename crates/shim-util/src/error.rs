@@ -11,12 +11,18 @@ use std::error::Error;
 /// `e` and its causes on one line, outermost first, separated by `: ` (`cannot write
 /// /x/task.json: No space left on device (os error 28)`): what the API answers, a task's
 /// termination message and the log show. Each level is printed as its `Display` says, once.
+///
+/// Errors of other crates (std's, bollard's, hyper's) do not all follow the convention: a
+/// cause whose text the line already holds is not appended again.
 pub fn error_chain(e: &dyn Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(cause) = source {
-        out.push_str(": ");
-        out.push_str(&cause.to_string());
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
         source = cause.source();
     }
     out
@@ -52,5 +58,17 @@ mod tests {
             "task t1: cannot write /x/task.json: No space left on device (os error 28)"
         );
         assert_eq!(error_chain(&std::io::Error::other("alone")), "alone");
+    }
+
+    /// A foreign error that repeats its cause in its own text (not this workspace's
+    /// convention) is not printed with the cause twice.
+    #[derive(Debug, thiserror::Error)]
+    #[error("request failed: {0}")]
+    struct Repeats(#[source] std::io::Error);
+
+    #[test]
+    fn a_cause_already_in_the_text_is_not_repeated() {
+        let e = Repeats(std::io::Error::other("connection reset"));
+        assert_eq!(error_chain(&e), "request failed: connection reset");
     }
 }

@@ -31,6 +31,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser as _;
+use shim_engine::EngineConfig;
 use tracing_subscriber::filter::LevelFilter;
 
 pub use args::{Args, command};
@@ -54,9 +55,11 @@ pub const VERSION: &str = concat!(
     env!("CARGO_PKG_VERSION")
 );
 
-/// The environment variables passed into containers by default (proxies, both cases).
-pub const DEFAULT_PASS_ENV: &str =
-    "http_proxy,https_proxy,no_proxy,HTTP_PROXY,HTTPS_PROXY,NO_PROXY";
+/// The environment variables passed into containers by default (the engine's: the proxies,
+/// both cases), as `--pass-env` takes them.
+pub fn default_pass_env() -> String {
+    EngineConfig::DEFAULT_PASS_ENV.join(",")
+}
 
 /// How logs are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -200,12 +203,16 @@ impl Config {
             return Ok(Self::for_version(args.version, args.help));
         }
         // Upstream checks the runner's level first, then the shim's.
-        let runner_log_level = l.string("runner-log-level", &args.runner_log_level, "info");
+        let runner_log_level = l.string(
+            "runner-log-level",
+            &args.runner_log_level,
+            EngineConfig::DEFAULT_RUNNER_LOG_LEVEL,
+        );
         parse_level(&runner_log_level)?;
         let shim_log_level =
             parse_level(&l.string("shim-log-level", &args.shim_log_level, "info"))?;
         let pass_env = l
-            .string("pass-env", &args.pass_env, DEFAULT_PASS_ENV)
+            .string("pass-env", &args.pass_env, &default_pass_env())
             .split(',')
             .map(str::trim)
             .filter(|s| !s.is_empty())
@@ -216,7 +223,13 @@ impl Config {
             "json" => LogFormat::Json,
             other => bail!("invalid log format {other:?}: use text or json"),
         };
-        let interval = l.int("reconcile-interval", &args.reconcile_interval, 300)?;
+        let default_interval =
+            i64::try_from(EngineConfig::DEFAULT_RECONCILE_INTERVAL.as_secs()).unwrap_or(i64::MAX);
+        let interval = l.int(
+            "reconcile-interval",
+            &args.reconcile_interval,
+            default_interval,
+        )?;
         if interval <= 0 {
             bail!("reconcile-interval must be a positive number of seconds, not {interval}");
         }
@@ -259,10 +272,18 @@ impl Config {
             runner_binary_path: PathBuf::from(l.string(
                 "runner-binary-path",
                 &args.runner_binary_path,
-                "/usr/local/bin/dstack-runner",
+                EngineConfig::DEFAULT_RUNNER_BINARY_PATH,
             )),
-            runner_http_port: l.port("runner-http-port", &args.runner_http_port, 10999)?,
-            runner_ssh_port: l.port("runner-ssh-port", &args.runner_ssh_port, 10022)?,
+            runner_http_port: l.port(
+                "runner-http-port",
+                &args.runner_http_port,
+                EngineConfig::DEFAULT_RUNNER_HTTP_PORT,
+            )?,
+            runner_ssh_port: l.port(
+                "runner-ssh-port",
+                &args.runner_ssh_port,
+                EngineConfig::DEFAULT_RUNNER_SSH_PORT,
+            )?,
             runner_ssh_log_level: l.string("runner-ssh-log-level", &args.runner_ssh_log_level, ""),
             runner_log_level,
             dcgm,
@@ -274,7 +295,7 @@ impl Config {
             volumes_root: PathBuf::from(l.string(
                 "volumes-root",
                 &args.volumes_root,
-                "/mnt/disks/dstack-volumes",
+                EngineConfig::DEFAULT_VOLUMES_ROOT,
             )),
             log_format,
             reconcile_interval: Duration::from_secs(interval.unsigned_abs()),
@@ -295,10 +316,10 @@ impl Config {
             shim_log_level: LevelFilter::INFO,
             runner_download_url: String::new(),
             runner_binary_path: PathBuf::new(),
-            runner_http_port: 10999,
-            runner_ssh_port: 10022,
+            runner_http_port: EngineConfig::DEFAULT_RUNNER_HTTP_PORT,
+            runner_ssh_port: EngineConfig::DEFAULT_RUNNER_SSH_PORT,
             runner_ssh_log_level: String::new(),
-            runner_log_level: "info".to_owned(),
+            runner_log_level: EngineConfig::DEFAULT_RUNNER_LOG_LEVEL.to_owned(),
             dcgm: shim_dcgm::DcgmConfig::default(),
             pass_env: Vec::new(),
             privileged: false,
@@ -307,7 +328,7 @@ impl Config {
             unix_socket: None,
             volumes_root: PathBuf::new(),
             log_format: LogFormat::Text,
-            reconcile_interval: Duration::from_secs(300),
+            reconcile_interval: EngineConfig::DEFAULT_RECONCILE_INTERVAL,
             fake_gpus: None,
         }
     }
@@ -393,7 +414,11 @@ mod tests {
                 "5000",
             ),
             ("dcgm-address", "DSTACK_DCGM_ADDRESS", ""),
-            ("pass-env", "DSTACK_DOCKER_PASS_ENV", DEFAULT_PASS_ENV),
+            (
+                "pass-env",
+                "DSTACK_DOCKER_PASS_ENV",
+                "http_proxy,https_proxy,no_proxy,HTTP_PROXY,HTTPS_PROXY,NO_PROXY",
+            ),
             ("privileged", "DSTACK_DOCKER_PRIVILEGED", "false"),
             ("pjrt-device", "PJRT_DEVICE", ""),
             ("service", "DSTACK_SERVICE_MODE", "false"),

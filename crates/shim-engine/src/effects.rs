@@ -1,75 +1,163 @@
-//! Carrying out one action of the state machine, and reporting its outcome as an event.
+//! The effects: carrying out one action of the state machine against the container runtime,
+//! the host's resources (GPU lock, authorized_keys, volumes, instance directories) and the
+//! task's directory, and reporting its outcome as an event.
+//!
+//! The effects own the runtime (metered), the GPU lock and the images seen present. They write
+//! no record: what must be recorded in the middle of an action goes through the driver's
+//! [`Recorder`], and the task's directory is deleted by it.
+//!
+//! The NVIDIA display retry and the removal of a leftover container of the same task live
+//! here, and so does the check of a create or start whose answer was lost in transit (a 30 s
+//! request timeout on a loaded daemon): the container made under the task's name and labels,
+//! or one that started, is taken, not failed.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use shim_runtime::{ContainerState, PullRequest, RuntimeError, docker_time_ns};
-use shim_task::machine::{Action, Event, Observation};
-use shim_task::{MountedVolume, PortMapping, PullProgress, Resources};
+use async_trait::async_trait;
+use shim_resources::{AuthorizedKeys, GpuLock, GpuVendor, VolumeManager};
+use shim_runtime::{ContainerRuntime, ContainerState, HostDevices, PullRequest, RuntimeError};
+use shim_task::machine::{Action, Event};
+use shim_task::{MountedVolume, PortMapping, PullProgress, Resources, TaskId};
 
-use crate::engine::{Inner, Slot};
-use crate::error::{EngineError, Result};
+use crate::config::EngineConfig;
+use crate::deps::Deps;
+use crate::driver::{Execute, Recorder, Slot, Written};
+use crate::error::{EngineError, Result, chain};
+use crate::home::Home;
+use crate::labels::LABEL_TASK_ID;
+use crate::ownership::Ownership;
+use crate::spec::{SpecContext, container_spec};
+use crate::table::TaskTable;
 
-/// The most images [`Inner::pull`] remembers as present.
+/// The most images [`Effects`] remembers as present.
 const MAX_KNOWN_IMAGES: usize = 256;
 
-impl Inner {
+/// What carries out the state machine's actions (see the module docs).
+pub(crate) struct Effects {
+    cfg: EngineConfig,
+    owner: String,
+    runtime: Arc<dyn ContainerRuntime>,
+    /// The GPU lock over the host's GPUs (memory only: a new process starts with none).
+    gpus: Arc<GpuLock>,
+    gpu_vendor: Option<GpuVendor>,
+    fake_gpus: bool,
+    host_devices: HostDevices,
+    keys: Arc<dyn AuthorizedKeys>,
+    volumes: Arc<dyn VolumeManager>,
+    /// Images (with their tag) this engine saw present: a start of one skips the image
+    /// check; a create that finds it gone pulls it and creates again.
+    known_images: Mutex<BTreeSet<String>>,
+    /// Where a removed task is forgotten.
+    table: Arc<TaskTable>,
+    home: Home,
+    ownership: Ownership,
+}
+
+impl Effects {
+    /// The effects of an engine configured by `cfg`, on `deps` (whose runtime is the one every
+    /// request goes through), locking GPUs in `gpus`.
+    pub(crate) fn new(
+        cfg: EngineConfig,
+        owner: String,
+        deps: Deps,
+        gpus: Arc<GpuLock>,
+        table: Arc<TaskTable>,
+        home: Home,
+        ownership: Ownership,
+    ) -> Self {
+        Self {
+            cfg,
+            owner,
+            runtime: deps.runtime,
+            gpus,
+            gpu_vendor: deps.host_gpus.vendor,
+            fake_gpus: deps.fake_gpus,
+            host_devices: deps.host_devices,
+            keys: deps.keys,
+            volumes: deps.volumes,
+            known_images: Mutex::new(BTreeSet::new()),
+            table,
+            home,
+            ownership,
+        }
+    }
+
+    /// The GPU lock (which GPUs tasks hold now).
+    pub(crate) fn gpus(&self) -> &GpuLock {
+        &self.gpus
+    }
+
+    fn spec_context(&self) -> SpecContext<'_> {
+        SpecContext {
+            cfg: &self.cfg,
+            owner: &self.owner,
+            home: &self.home,
+            volumes: self.volumes.as_ref(),
+            gpu_vendor: self.gpu_vendor,
+            fake_gpus: self.fake_gpus,
+            host_devices: self.host_devices,
+        }
+    }
+}
+
+#[async_trait]
+impl Execute for Effects {
     /// Executes `action` for the task in `slot`. Returns the outcome event, if the action has
     /// one. An error stops the driver (the caller decides what that means for the task).
-    pub(crate) async fn execute(
-        self: &Arc<Self>,
+    async fn execute(
+        &self,
         slot: &Arc<Slot>,
         action: Action,
+        recorder: Recorder<'_>,
     ) -> Result<Option<Event>> {
         let id = slot.id.clone();
         tracing::debug!(task = %id, ?action, "action");
         Ok(match action {
-            // Writes are carried out by `Inner::step`, under the step lock; a stray one asks
-            // for it there.
+            // The driver's own (never passed here): a write is carried out by the step of its
+            // request, under the step lock.
             Action::Persist => Some(Event::PersistRequested),
             Action::AcquireGpus { count } => Some(match self.gpus.acquire(count) {
                 Ok(ids) => Event::GpusAcquired(ids),
                 Err(e) => Event::PrepareFailed {
-                    message: format!("cannot acquire GPUs: {e}"),
+                    message: format!("cannot acquire GPUs: {}", chain(&e)),
                 },
             }),
-            Action::AddHostKeys(grant) => Some(
-                match self.deps.keys.add(&id, &grant.user, &grant.keys).await {
+            Action::AddHostKeys(grant) => {
+                Some(match self.keys.add(&id, &grant.user, &grant.keys).await {
                     Ok(()) => Event::HostKeysAdded(grant),
                     Err(e) => Event::PrepareFailed {
                         message: format!(
                             "cannot add SSH keys for host user {:?}: {}",
                             grant.user,
-                            crate::engine::chain(&e)
+                            chain(&e)
                         ),
                     },
-                },
-            ),
+                })
+            }
             Action::MountVolume(spec) => {
                 // Write-ahead: the volume is recorded (and persisted) before it is mounted.
                 let ahead = MountedVolume {
                     name: spec.name.to_string(),
                     mount_point: self
-                        .deps
                         .volumes
                         .mount_point(spec.name.as_str())
                         .to_string_lossy()
                         .into_owned(),
                     device: String::new(),
                 };
-                let (actions, failure) = self.step(slot, Event::VolumeMounting(ahead)).await?;
-                if let Some(e) = failure {
+                if let Written::Failed(e) = recorder.volume_mounting(ahead).await? {
                     // Not recorded ahead: never mounted.
                     return Ok(Some(Event::PrepareFailed {
                         message: format!(
                             "cannot record volume {:?} before mounting it: {}",
                             spec.name.as_str(),
-                            crate::engine::chain(&e)
+                            chain(&e)
                         ),
                     }));
                 }
-                Box::pin(self.run_actions(slot, actions)).await?;
                 Some(self.mount(&spec).await)
             }
             Action::CreateDir(path) => {
@@ -83,12 +171,12 @@ impl Inner {
                     Err(e) => Event::PrepareFailed {
                         message: format!(
                             "cannot create instance mount directory {path:?}: {}",
-                            crate::engine::chain(&e)
+                            chain(&e)
                         ),
                     },
                 })
             }
-            Action::Pull { image } => Some(self.pull(slot, image).await),
+            Action::Pull { image } => Some(self.pull(slot, image, &recorder).await),
             Action::CancelPull => {
                 slot.pull_cancel.cancel();
                 None
@@ -96,87 +184,78 @@ impl Inner {
             Action::CreateContainer => Some(match self.create(slot).await {
                 Ok(container_id) => Event::ContainerCreated { container_id },
                 Err(e) => Event::CreateFailed {
-                    message: format!("cannot create container: {e}"),
+                    message: format!("cannot create container: {}", chain(&e)),
                 },
             }),
-            Action::StartContainer => Some(match self.start_container(slot).await {
+            Action::StartContainer => Some(match self.start_container(slot, &recorder).await {
                 Ok(ports) => Event::ContainerStarted { ports },
                 Err(message) => Event::StartFailed { message },
             }),
             Action::StopContainer { timeout_s } => {
                 let cid = container_ref(slot);
                 match self
-                    .deps
                     .runtime
                     .stop(&cid, Duration::from_secs(timeout_s))
                     .await
                 {
                     Ok(()) | Err(RuntimeError::NotFound { .. }) => Some(Event::ContainerStopped),
                     Err(e) => {
-                        tracing::warn!(task = %id, container = %cid, error = %e, "stop failed");
-                        Some(Event::StopFailed {
-                            message: e.to_string(),
-                        })
+                        let message = chain(&e);
+                        tracing::warn!(task = %id, container = %cid, error = %message, "stop failed");
+                        Some(Event::StopFailed { message })
                     }
                 }
             }
             Action::Release(resources) => Some(self.release(slot, resources).await),
             Action::RemoveContainer => {
                 let cid = container_ref(slot);
-                self.deps.runtime.remove(&cid).await?;
+                self.runtime.remove(&cid).await?;
                 None
             }
             Action::DeleteTaskDir => {
                 // Renamed to a trash name first, then removed (SPEC §4).
-                let held = slot.lock().record.resources.clone();
+                let held = slot.read(|t| t.record().resources.clone());
                 if held.holds_any() {
                     return Err(EngineError::ReleaseIncomplete {
                         id,
                         message: describe(&held),
                     });
                 }
-                self.delete_dir(slot).await?;
+                recorder.delete_dir().await?;
                 None
             }
             Action::Forget => {
-                self.table().remove(&id);
-                {
-                    let _order = slot.lock();
-                    self.changes.send(
-                        &id,
-                        crate::changes::ChangeKind::Removed,
-                        crate::engine::now_ms(),
-                    );
-                }
+                self.table.remove(&id);
+                recorder.removed();
                 tracing::info!(task = %id, "task removed");
                 None
             }
-            Action::FinishStart => {
-                slot.mark_start_returned();
-                Some(Event::StartFinished)
-            }
+            // The driver stamps the start's end when it steps this.
+            Action::FinishStart => Some(Event::StartFinished),
             Action::LockGpus(ids) => Some(Event::GpusRelocked(self.gpus.lock(&ids))),
         })
     }
+}
 
+impl Effects {
     async fn mount(&self, spec: &shim_task::VolumeSpec) -> Event {
-        match self.deps.volumes.prepare(spec).await {
+        match self.volumes.prepare(spec).await {
             Ok(v) => Event::VolumeMounted(v),
             Err(e) => Event::PrepareFailed {
                 message: format!(
                     "cannot prepare volume {:?}: {}",
                     spec.name.as_str(),
-                    crate::engine::chain(&e)
+                    chain(&e)
                 ),
             },
         }
     }
 
     /// The images this engine saw present.
-    fn known_images(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeSet<String>> {
+    fn known_images(&self) -> MutexGuard<'_, BTreeSet<String>> {
         self.known_images
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Remembers that `image` is present (a bounded set: past the bound it starts over).
@@ -191,9 +270,9 @@ impl Inner {
     /// The pull step: a `:latest` image is always pulled (as upstream does); another is
     /// pulled only when it is not present. An image this engine saw present already is not
     /// checked again (one Docker request less per start); if it was removed since, the
-    /// create finds out and pulls it ([`Inner::create`]).
-    async fn pull(self: &Arc<Self>, slot: &Arc<Slot>, image: String) -> Event {
-        let runtime = &self.deps.runtime;
+    /// create finds out and pulls it ([`Effects::create`]).
+    async fn pull(&self, slot: &Arc<Slot>, image: String, recorder: &Recorder<'_>) -> Event {
+        let runtime = &self.runtime;
         let image = shim_runtime::spec::with_default_tag(&image);
         if !image.ends_with(":latest") {
             if self.known_images().contains(&image) {
@@ -207,48 +286,35 @@ impl Inner {
                 Ok(false) => {}
                 Err(e) => {
                     return Event::PullFailed {
-                        message: format!("cannot check image {image}: {e}"),
+                        message: format!("cannot check image {image}: {}", chain(&e)),
                     };
                 }
             }
         }
-        // A real pull may take minutes: `pulling` (start progress, not written yet) is made
-        // durable, and so shown, before it begins. A failed write does not stop the pull: the
-        // task stays dirty and its next write (or the reconciler) carries it.
-        match self.step(slot, Event::PersistRequested).await {
-            Ok((actions, _)) if !actions.is_empty() => {
-                if let Err(e) = Box::pin(self.run_actions(slot, actions)).await {
-                    tracing::warn!(task = %slot.id, error = %crate::engine::chain(&e), "an action due before the pull failed");
-                }
-            }
-            Ok(_) => {}
-            Err(e) => {
-                tracing::warn!(task = %slot.id, error = %crate::engine::chain(&e), "cannot record that the pull begins");
-            }
-        }
+        // A real pull may take minutes: `pulling` is made durable, and so shown, before it
+        // begins.
+        recorder.pulling().await;
         match self.pull_image(slot, &image).await {
             Ok(p) => {
                 if !image.ends_with(":latest") {
                     self.image_seen(&image);
                 }
-                Event::PullDone(convert_progress(p))
+                Event::PullDone(p)
             }
-            Err(e) => Event::PullFailed {
-                message: e.to_string(),
-            },
+            Err(e) => Event::PullFailed { message: chain(&e) },
         }
     }
 
     /// Pulls `image` for the task: its credentials, its pull log, its cancellation, progress
     /// into its view.
     async fn pull_image(
-        self: &Arc<Self>,
+        &self,
         slot: &Arc<Slot>,
         image: &str,
-    ) -> shim_runtime::Result<shim_runtime::PullProgress> {
-        let runtime = &self.deps.runtime;
+    ) -> shim_runtime::Result<PullProgress> {
+        let runtime = &self.runtime;
         let log_path = self
-            .store
+            .home
             .paths(&slot.container_name)
             .ok()
             .map(|p| p.pull_log);
@@ -259,28 +325,25 @@ impl Inner {
             timeout: self.cfg.pull_timeout,
         };
         let progress_slot = slot.clone();
-        let progress = move |p: shim_runtime::PullProgress| {
-            // Progress never changes the record: stepping it only updates the view.
-            let _ = progress_slot.step_volatile(Event::PullProgressed(convert_progress(p)));
-        };
+        let progress = move |p: PullProgress| progress_slot.pull_progressed(p);
         tracing::info!(task = %slot.id, %image, "pulling image");
         runtime
             .pull(&request, &progress, slot.pull_cancel.clone())
             .await
     }
 
-    async fn create(self: &Arc<Self>, slot: &Arc<Slot>) -> Result<String> {
+    async fn create(&self, slot: &Arc<Slot>) -> Result<String> {
         let task = slot.snapshot();
-        let spec = crate::spec::container_spec(self, &task)?;
+        let spec = container_spec(&self.spec_context(), &task)?;
         // A container left with our name by an earlier attempt of this very task (the shim
         // stopped between create and recording it) would make create fail: remove it if it
         // carries this task's labels.
-        match self.deps.runtime.create(&spec).await {
+        match self.runtime.create(&spec).await {
             Err(RuntimeError::Conflict { .. })
                 if self.is_own_leftover(&spec.name, &slot.id).await =>
             {
-                self.deps.runtime.remove(&spec.name).await?;
-                Ok(self.deps.runtime.create(&spec).await?)
+                self.runtime.remove(&spec.name).await?;
+                Ok(self.runtime.create(&spec).await?)
             }
             // The image was present when this engine last looked and is gone now (pruned
             // behind its back): pull it, then create again.
@@ -288,14 +351,14 @@ impl Inner {
                 tracing::warn!(task = %slot.id, image = %spec.image, "image gone since it was last seen; pulling it again");
                 self.pull_image(slot, &spec.image).await?;
                 self.image_seen(&spec.image);
-                Ok(self.deps.runtime.create(&spec).await?)
+                Ok(self.runtime.create(&spec).await?)
             }
             // The answer was lost in transit (a timeout on a loaded daemon): the container may
             // exist all the same, under this task's name and labels.
             Err(e @ RuntimeError::DaemonUnavailable { .. }) => {
                 match self.own_container_id(&spec.name, &slot.id).await {
                     Some(cid) => {
-                        tracing::warn!(task = %slot.id, error = %e, "the create's answer was lost, but the container exists: going on");
+                        tracing::warn!(task = %slot.id, error = %chain(&e), "the create's answer was lost, but the container exists: going on");
                         Ok(cid)
                     }
                     None => Err(e.into()),
@@ -305,41 +368,38 @@ impl Inner {
         }
     }
 
-    async fn is_own_leftover(&self, name: &str, id: &shim_task::TaskId) -> bool {
+    async fn is_own_leftover(&self, name: &str, id: &TaskId) -> bool {
         self.own_container_id(name, id).await.is_some()
     }
 
     /// The id of the container named `name` if it is this shim's (its runner mount lies in
     /// this home: [`crate::labels`]) and carries task `id`'s label.
-    async fn own_container_id(&self, name: &str, id: &shim_task::TaskId) -> Option<String> {
-        let d = self.deps.runtime.inspect(name).await.ok()?;
-        let task = d
-            .labels
-            .get(crate::labels::LABEL_TASK_ID)
-            .map(String::as_str)
-            == Some(id.as_str());
-        (task && self.owns(&d.mounts).await).then_some(d.id)
+    async fn own_container_id(&self, name: &str, id: &TaskId) -> Option<String> {
+        let d = self.runtime.inspect(name).await.ok()?;
+        let task = d.labels.get(LABEL_TASK_ID).map(String::as_str) == Some(id.as_str());
+        (task && self.ownership.owns(&d.mounts).await).then_some(d.id)
     }
 
     /// Starts the container and reads its published ports. On an NVIDIA host, a start that
     /// fails on `/dev/nvidia-modeset` is retried once without the `display` capability.
     async fn start_container(
-        self: &Arc<Self>,
+        &self,
         slot: &Arc<Slot>,
+        recorder: &Recorder<'_>,
     ) -> Result<Vec<PortMapping>, String> {
-        let runtime = &self.deps.runtime;
-        let mut cid = slot.lock().record.container_id.clone();
+        let runtime = &self.runtime;
+        let mut cid = slot.read(|t| t.record().container_id.clone());
         let mut started = runtime.start(&cid).await;
         if let Err(e @ RuntimeError::DaemonUnavailable { .. }) = &started
             && self.started_anyway(&cid).await
         {
-            tracing::warn!(task = %slot.id, error = %e, "the start's answer was lost, but the container started: going on");
+            tracing::warn!(task = %slot.id, error = %chain(e), "the start's answer was lost, but the container started: going on");
             started = Ok(());
         }
         if let Err(e) = started {
-            let message = e.to_string();
+            let message = chain(&e);
             let task = slot.snapshot();
-            let retry = crate::spec::container_spec(self, &task)
+            let retry = container_spec(&self.spec_context(), &task)
                 .ok()
                 .and_then(|spec| shim_runtime::without_nvidia_display(&spec, &message));
             let Some(spec) = retry else {
@@ -349,35 +409,32 @@ impl Inner {
             runtime
                 .remove(&cid)
                 .await
-                .map_err(|e| format!("remove container before retry: {e}"))?;
+                .map_err(|e| format!("remove container before retry: {}", chain(&e)))?;
             cid = runtime
                 .create(&spec)
                 .await
-                .map_err(|e| format!("cannot recreate container without display: {e}"))?;
+                .map_err(|e| format!("cannot recreate container without display: {}", chain(&e)))?;
             // The record's one writer is the state machine: the new id goes through it, and
             // is durable before the container starts.
-            let recreated = Event::ContainerRecreated {
-                container_id: cid.clone(),
-            };
-            match self.step(slot, recreated).await {
-                Ok((_, None)) => {}
-                Ok((_, Some(e))) | Err(e) => {
+            match recorder.container_recreated(cid.clone()).await {
+                Ok(Written::Durable) => {}
+                Ok(Written::Failed(e)) | Err(e) => {
                     return Err(format!(
                         "cannot record the recreated container: {}",
-                        crate::engine::chain(&e)
+                        chain(&e)
                     ));
                 }
             }
             if let Err(e) = runtime.start(&cid).await {
-                return Err(self.start_failure(&cid, &e.to_string()).await);
+                return Err(self.start_failure(&cid, &chain(&e)).await);
             }
         }
-        let host_network = slot
-            .lock()
-            .record
-            .config
-            .as_ref()
-            .is_none_or(|c| c.network_mode == shim_task::NetworkMode::Host);
+        let host_network = slot.read(|t| {
+            t.record()
+                .config
+                .as_ref()
+                .is_none_or(|c| c.network_mode == shim_task::NetworkMode::Host)
+        });
         if host_network {
             // Nothing is published in the host's network: no inspect needed.
             return Ok(Vec::new());
@@ -386,7 +443,7 @@ impl Inner {
         let details = runtime
             .inspect(&cid)
             .await
-            .map_err(|e| format!("container started but cannot be inspected: {e}"))?;
+            .map_err(|e| format!("container started but cannot be inspected: {}", chain(&e)))?;
         Ok(details
             .ports
             .iter()
@@ -402,7 +459,7 @@ impl Inner {
     /// in progress (the daemon holds the container's lock), then tells. Upstream's start has
     /// no timeout at all; this one has, so it must not turn a slow start into a failure.
     async fn started_anyway(&self, cid: &str) -> bool {
-        match self.deps.runtime.inspect(cid).await {
+        match self.runtime.inspect(cid).await {
             Ok(d) => matches!(
                 d.state,
                 ContainerState::Running
@@ -415,39 +472,29 @@ impl Inner {
     }
 
     async fn start_failure(&self, cid: &str, error: &str) -> String {
-        match self
-            .deps
-            .runtime
-            .logs_tail(cid, self.cfg.exit_log_lines)
-            .await
-        {
+        match self.runtime.logs_tail(cid, self.cfg.exit_log_lines).await {
             Ok(lines) if !lines.is_empty() => format!("{error}\n{}", lines.join("\n")),
             _ => error.to_owned(),
         }
     }
 
     /// Releases exactly `resources`; reports what was released (partial success allowed).
-    async fn release(self: &Arc<Self>, slot: &Arc<Slot>, resources: Resources) -> Event {
+    async fn release(&self, slot: &Arc<Slot>, resources: Resources) -> Event {
         let id = &slot.id;
         let mut errors = Vec::new();
         self.gpus.release(&resources.gpus);
         let mut host_keys = false;
         if let Some(grant) = &resources.host_keys {
             let removed = if grant.upstream {
-                self.deps
-                    .keys
+                self.keys
                     .remove_upstream(id, &grant.user, &grant.keys)
                     .await
             } else {
-                self.deps.keys.remove(id, &grant.user, &grant.keys).await
+                self.keys.remove(id, &grant.user, &grant.keys).await
             };
             match removed {
                 Ok(()) => host_keys = true,
-                Err(e) => errors.push(format!(
-                    "SSH keys of {:?}: {}",
-                    grant.user,
-                    crate::engine::chain(&e)
-                )),
+                Err(e) => errors.push(format!("SSH keys of {:?}: {}", grant.user, chain(&e))),
             }
         }
         // Dropping the hold on unknown-origin key lines lets that user's file be pruned of
@@ -455,19 +502,19 @@ impl Inner {
         let mut unknown_keys = false;
         if let Some(hold) = &resources.unknown_keys {
             let user = hold.user.as_deref().unwrap_or("");
-            match self.deps.keys.remove(id, user, &[]).await {
+            match self.keys.remove(id, user, &[]).await {
                 Ok(()) => unknown_keys = true,
                 Err(e) => errors.push(format!(
                     "unknown-origin SSH keys of {user:?}: {}",
-                    crate::engine::chain(&e)
+                    chain(&e)
                 )),
             }
         }
         let mut volumes = Vec::new();
         for v in &resources.volumes {
-            match self.deps.volumes.release(v).await {
+            match self.volumes.release(v).await {
                 Ok(()) => volumes.push(v.name.clone()),
-                Err(e) => errors.push(format!("volume {:?}: {}", v.name, crate::engine::chain(&e))),
+                Err(e) => errors.push(format!("volume {:?}: {}", v.name, chain(&e))),
             }
         }
         if errors.is_empty() {
@@ -489,82 +536,17 @@ impl Inner {
             }
         }
     }
-
-    /// [`Inner::observe_stopped`], also noting when the container exited (the start of the
-    /// exit → terminated latency).
-    pub(crate) async fn observe_stopped_slot(
-        &self,
-        slot: &Slot,
-        container_id: &str,
-    ) -> Observation {
-        let (observation, finished_ns) = self.observe_stopped_at(container_id).await;
-        if let Some(ns) = finished_ns {
-            slot.exit_ns.store(ns, std::sync::atomic::Ordering::SeqCst);
-        }
-        observation
-    }
-
-    /// What the reconciler saw of a running task's container, given its summary state.
-    pub(crate) async fn observe_stopped(&self, container_id: &str) -> Observation {
-        self.observe_stopped_at(container_id).await.0
-    }
-
-    async fn observe_stopped_at(&self, container_id: &str) -> (Observation, Option<i64>) {
-        let d = match self.deps.runtime.inspect(container_id).await {
-            Err(RuntimeError::NotFound { .. }) => return (Observation::Missing, None),
-            Err(e) => {
-                tracing::warn!(container = %container_id, error = %e, "inspect failed");
-                return (Observation::Running, None);
-            }
-            Ok(d) => d,
-        };
-        let finished = d.finished_at.as_deref().and_then(docker_time_ns);
-        (self.observation_of(container_id, d).await, finished)
-    }
-
-    async fn observation_of(
-        &self,
-        container_id: &str,
-        d: shim_runtime::ContainerDetails,
-    ) -> Observation {
-        match d.state {
-            shim_runtime::ContainerState::Created => Observation::NeverStarted,
-            ref s if s.is_running() => Observation::Running,
-            _ => {
-                let code = d.exit_code.unwrap_or(-1);
-                let last_lines = self
-                    .deps
-                    .runtime
-                    .logs_tail(container_id, self.cfg.exit_log_lines)
-                    .await
-                    .unwrap_or_default();
-                Observation::Exited {
-                    code,
-                    last_lines,
-                    oom_killed: d.oom_killed,
-                }
-            }
-        }
-    }
 }
 
 /// The container id if known, else its name (the name is fixed at submit).
 pub(crate) fn container_ref(slot: &Slot) -> String {
-    let t = slot.lock();
-    if t.record.container_id.is_empty() {
-        t.record.container_name.clone()
-    } else {
-        t.record.container_id.clone()
-    }
-}
-
-fn convert_progress(p: shim_runtime::PullProgress) -> PullProgress {
-    PullProgress {
-        downloaded_bytes: p.downloaded_bytes,
-        extracted_bytes: p.extracted_bytes,
-        total_bytes: p.total_bytes,
-        is_total_bytes_final: p.is_total_bytes_final,
-    }
+    slot.read(|t| {
+        if t.record().container_id.is_empty() {
+            t.record().container_name.clone()
+        } else {
+            t.record().container_id.clone()
+        }
+    })
 }
 
 fn describe(r: &Resources) -> String {

@@ -1,0 +1,49 @@
+//! The external systems the engine works with ([`Deps`]).
+
+use std::sync::Arc;
+
+use shim_resources::{AuthorizedKeys, HostGpus, VolumeManager};
+use shim_runtime::{ContainerRuntime, HostDevices};
+
+/// The external systems the engine works with: real implementations for an agent, fakes for
+/// tests.
+///
+/// [`Deps::new`] takes the three it cannot do without; the host's GPUs and device facts
+/// default to none. `#[non_exhaustive]`: set the other fields after `new`; a field added in a
+/// later version breaks no embedder.
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct Deps {
+    /// The container runtime (Docker).
+    pub runtime: Arc<dyn ContainerRuntime>,
+    /// The host's GPUs (detected, or a fake host); the engine keeps its lock over exactly
+    /// these. Default: none.
+    pub host_gpus: HostGpus,
+    /// When true the GPUs are accounted for but not passed to containers (a fake GPU host).
+    /// Default: false.
+    pub fake_gpus: bool,
+    /// The host users' authorized_keys.
+    pub keys: Arc<dyn AuthorizedKeys>,
+    /// Block volumes.
+    pub volumes: Arc<dyn VolumeManager>,
+    /// Host device facts for the container spec. Default: no InfiniBand, no 1 GiB hugepages.
+    pub host_devices: HostDevices,
+}
+
+impl Deps {
+    /// The engine's dependencies on a host without GPUs or special devices.
+    pub fn new(
+        runtime: Arc<dyn ContainerRuntime>,
+        keys: Arc<dyn AuthorizedKeys>,
+        volumes: Arc<dyn VolumeManager>,
+    ) -> Self {
+        Self {
+            runtime,
+            host_gpus: HostGpus::none(),
+            fake_gpus: false,
+            keys,
+            volumes,
+            host_devices: HostDevices::default(),
+        }
+    }
+}

@@ -1,0 +1,127 @@
+//! What a change means for the state file: a write first (alone), start progress that the
+//! next write carries, or nothing; and the side effects that may then go out.
+
+use super::due::{due, settle_released};
+use super::event::Action;
+use super::task::Task;
+use crate::record::TaskRecord;
+use crate::status::TaskStatus;
+
+/// How a step's event shapes the actions beyond its own.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Shape {
+    /// A write that the record needs goes out now even if this event did not change it (a
+    /// request or the reconciler finding a dirty record).
+    pub(super) retry_write: bool,
+    /// No write may be emitted (the event is a write's failure: the retry waits).
+    pub(super) no_write: bool,
+}
+
+pub(super) const PLAIN: Shape = Shape {
+    retry_write: false,
+    no_write: false,
+};
+
+/// Whether two records differ in more than their update time. Exhaustive by construction: a
+/// new field of [`TaskRecord`] is a compile error here until it is compared.
+pub(crate) fn record_changed(old: &TaskRecord, new: &TaskRecord) -> bool {
+    let TaskRecord {
+        id,
+        name,
+        container_name,
+        config,
+        status,
+        termination_reason,
+        termination_message,
+        container_id,
+        resources,
+        created_at_ms,
+        updated_at_ms: _,
+    } = old;
+    *id != new.id
+        || *name != new.name
+        || *container_name != new.container_name
+        || *config != new.config
+        || *status != new.status
+        || *termination_reason != new.termination_reason
+        || *termination_message != new.termination_message
+        || *container_id != new.container_id
+        || *resources != new.resources
+        || *created_at_ms != new.created_at_ms
+}
+
+/// Whether `new` differs from `old` only by start progress: the status advanced to a start
+/// status (`preparing`, `pulling`, `creating`), or the first container id arrived during one.
+fn is_progress(old: &TaskRecord, new: &TaskRecord) -> bool {
+    let start_status = |s: TaskStatus| {
+        matches!(
+            s,
+            TaskStatus::Preparing | TaskStatus::Pulling | TaskStatus::Creating
+        )
+    };
+    let advanced = new.status > old.status;
+    let first_container = old.container_id.is_empty() && !new.container_id.is_empty();
+    (advanced || first_container)
+        && new.status >= old.status
+        && start_status(new.status)
+        && !record_changed(
+            old,
+            &TaskRecord {
+                status: old.status,
+                container_id: old.container_id.clone(),
+                ..new.clone()
+            },
+        )
+}
+
+/// Finishes a transition: a changed (or, when asked, a dirty) record is written first and
+/// alone, unless the change is start progress only ([`Task::is_progress_only`]); otherwise the
+/// side effects due go out.
+pub(super) fn finish(
+    before: &TaskRecord,
+    t: &mut Task,
+    actions: &mut Vec<Action>,
+    shape: Shape,
+    now_ms: u64,
+) {
+    settle_released(t);
+    let changed = record_changed(before, &t.record);
+    if changed {
+        t.record.updated_at_ms = now_ms.max(before.updated_at_ms);
+        // Start progress stays progress only while nothing else waits to be written.
+        t.progress_only =
+            t.start_in_flight && (!t.dirty || t.progress_only) && is_progress(before, &t.record);
+        t.dirty = true;
+    }
+    let write = t.dirty && !shape.no_write && ((changed && !t.progress_only) || shape.retry_write);
+    if write {
+        // Only actions that need no durable record may follow the write (GPU relocks at
+        // restore); the side effects wait for `Persisted`.
+        debug_assert!(actions.iter().all(|a| !a.needs_durable_record()));
+        actions.insert(0, Action::Persist);
+    } else {
+        due(t, actions);
+    }
+}
+
+/// Finishes the transition of a restored task: `before` is the record read from disk, or
+/// `None` when there was none (the task is written either way).
+pub(crate) fn finish_restore(
+    before: Option<&TaskRecord>,
+    t: &mut Task,
+    actions: &mut Vec<Action>,
+    now_ms: u64,
+) {
+    let shape = match before {
+        Some(_) => PLAIN,
+        None => {
+            t.dirty = true;
+            Shape {
+                retry_write: true,
+                no_write: false,
+            }
+        }
+    };
+    let before = before.cloned().unwrap_or_else(|| t.record.clone());
+    finish(&before, t, actions, shape, now_ms);
+}
