@@ -125,6 +125,9 @@ pub fn ci(skip_dev_env: bool) -> Result<()> {
     let result = timings.time("package", || package(&root));
     note("package", result);
 
+    let result = timings.time("embed example", || embed_example(&root));
+    note("embed example", result);
+
     timings.print("ci timings:");
     if failures.is_empty() {
         println!("\nci: all steps passed");
@@ -215,6 +218,35 @@ pub fn package(root: &Path) -> Result<()> {
             .args(["package", "--workspace", "--target-dir"])
             .arg(&target)
             .args(UNPUBLISHED.iter().flat_map(|p| ["--exclude", p])),
+    )
+}
+
+/// The embedder's example (`examples/embed-agent`, a project of its own that takes the library
+/// crates by name and version): formatted, clippy-clean, and run once on the fake runtime and
+/// once on Docker (it fails unless its task runs and ends as it asked).
+fn embed_example(root: &Path) -> Result<()> {
+    let manifest = root.join("examples/embed-agent/Cargo.toml");
+    let target = root.join("target");
+    let example = |args: &[&str]| {
+        let mut command = cargo_in(root);
+        command.args(args).arg("--manifest-path").arg(&manifest);
+        command
+    };
+    cmd::run(example(&["fmt"]).args(["--", "--check"]))?;
+    cmd::run(
+        example(&["clippy", "--locked", "--all-targets", "--target-dir"])
+            .arg(&target)
+            .args(["--", "-D", "warnings"]),
+    )?;
+    cmd::run(
+        example(&["run", "--locked", "--target-dir"])
+            .arg(&target)
+            .env_remove(ENV_TEST_DOCKER),
+    )?;
+    cmd::run(
+        example(&["run", "--locked", "--target-dir"])
+            .arg(&target)
+            .env(ENV_TEST_DOCKER, "1"),
     )
 }
 
