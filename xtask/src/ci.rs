@@ -227,24 +227,30 @@ pub fn package(root: &Path) -> Result<()> {
 fn embed_example(root: &Path) -> Result<()> {
     let manifest = root.join("examples/embed-agent/Cargo.toml");
     let target = root.join("target");
-    let example = |args: &[&str]| {
+    let example = |subcommand: &str| {
         let mut command = cargo_in(root);
-        command.args(args).arg("--manifest-path").arg(&manifest);
+        command
+            .arg(subcommand)
+            .arg("--manifest-path")
+            .arg(&manifest);
         command
     };
-    cmd::run(example(&["fmt"]).args(["--", "--check"]))?;
+    cmd::run(example("fmt").args(["--", "--check"]))?;
     cmd::run(
-        example(&["clippy", "--locked", "--all-targets", "--target-dir"])
+        example("clippy")
+            .args(["--locked", "--all-targets", "--target-dir"])
             .arg(&target)
             .args(["--", "-D", "warnings"]),
     )?;
     cmd::run(
-        example(&["run", "--locked", "--target-dir"])
+        example("run")
+            .args(["--locked", "--target-dir"])
             .arg(&target)
             .env_remove(ENV_TEST_DOCKER),
     )?;
     cmd::run(
-        example(&["run", "--locked", "--target-dir"])
+        example("run")
+            .args(["--locked", "--target-dir"])
             .arg(&target)
             .env(ENV_TEST_DOCKER, "1"),
     )
