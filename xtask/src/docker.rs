@@ -10,8 +10,14 @@ use shim_e2e::harness::tail;
 
 use crate::{cmd, paths, proc};
 
-/// How long to wait for the daemon to answer after starting it (or finding it starting).
-const START_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long to wait for the daemon to answer after starting it (or finding it starting). A
+/// daemon answers in about a second on a clean machine, but one that finds a thousand
+/// containers of a killed run cleans up their network sandboxes first (measured: 100 s for
+/// 929 on this project's 2-core CI machine).
+const START_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// How often a wait for the daemon says it is still waiting.
+const PROGRESS_EVERY: Duration = Duration::from_secs(30);
 
 /// The log of a `dockerd` started by xtask.
 pub fn log_path() -> PathBuf {
@@ -43,19 +49,146 @@ pub fn ensure_daemon() -> Result<()> {
     }
     let running = proc::find("dockerd", None);
     let log = log_path();
-    if running.is_empty() {
-        println!("docker: no daemon running; starting dockerd");
-        proc::spawn_daemon(&cmd::find_program("dockerd"), &[], &log)?;
-    } else {
+    if !running.is_empty() {
         println!(
             "docker: dockerd is running (pid {running:?}) but does not answer yet; waiting for it"
         );
+        return wait_for_daemon(&log, true);
     }
-    wait_for_daemon(&log, !running.is_empty())
+    clear_state_of_a_dead_runtime();
+    let mut attempt = 1;
+    loop {
+        println!("docker: no daemon running; starting dockerd");
+        proc::spawn_daemon(&cmd::find_program("dockerd"), &[], &log)?;
+        match wait_for_daemon(&log, false) {
+            // containerd cleans up the shims of a previous boot before it answers, and dockerd
+            // gives up on it after a while (killing it); each try gets further.
+            Err(err) if attempt < START_ATTEMPTS && tail(&log, 1).contains(CONTAINERD_TIMEOUT) => {
+                println!(
+                    "docker: {err:#}\ndocker: trying again ({attempt} of {START_ATTEMPTS} failed)"
+                );
+                attempt += 1;
+            }
+            result => return result,
+        }
+    }
+}
+
+/// How many times [`ensure_daemon`] starts `dockerd` when it gives up waiting for containerd.
+const START_ATTEMPTS: u32 = 5;
+
+/// What `dockerd` prints when its containerd does not answer in time.
+const CONTAINERD_TIMEOUT: &str = "timeout waiting for containerd to start";
+
+/// The daemon's execution root (`--exec-root`'s default): a tmpfs on a real host, so a reboot
+/// empties it.
+const EXEC_ROOT: &str = "/var/run/docker";
+
+/// The daemon's data root (`--data-root`'s default), whose `overlay2/*/merged` directories are
+/// the mounted root file systems of running containers.
+const DATA_ROOT: &str = "/var/lib/docker";
+
+/// Clears what a Docker daemon whose processes are all gone left behind, as a reboot would:
+/// the container bundles and mounts under [`EXEC_ROOT`] and the mounted container root file
+/// systems under [`DATA_ROOT`]. Does nothing while any `dockerd`, `containerd` or containerd
+/// shim process runs (a stopped daemon with live restore keeps its containers running).
+///
+/// A machine whose processes were all killed but whose `/run` is not a tmpfs (a VM or
+/// container snapshot, this project's CI) keeps them; `containerd` then spends seconds per
+/// hundred dead shims cleaning them up before it answers, and `dockerd` gives up on it after
+/// 15 s: with a thousand containers left by a killed run, the daemon never starts.
+fn clear_state_of_a_dead_runtime() {
+    let alive: Vec<u32> = ["dockerd", "containerd", "containerd-shim"]
+        .iter()
+        .flat_map(|name| proc::find(name, None))
+        .collect();
+    if !alive.is_empty() {
+        return;
+    }
+    let exec_root = Path::new(EXEC_ROOT);
+    let bundles = count_bundles(exec_root);
+    let mountinfo = fs_err::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let exec_root_real = fs_err::canonicalize(exec_root).unwrap_or_else(|_| exec_root.into());
+    let overlay = Path::new(DATA_ROOT).join("overlay2");
+    let mut points: Vec<PathBuf> = mountinfo
+        .lines()
+        .filter_map(|line| line.split_whitespace().nth(4))
+        .map(unescape_mount_point)
+        .filter(|point| {
+            point.starts_with(&exec_root_real)
+                || point.starts_with(exec_root)
+                || (point.starts_with(&overlay) && point.ends_with("merged"))
+        })
+        .collect();
+    if bundles == 0 && points.is_empty() {
+        return;
+    }
+    println!(
+        "docker: no dockerd, containerd or shim runs, yet {bundles} container bundle(s) and {} \
+         mount(s) of an earlier run remain; clearing them as a reboot would",
+        points.len()
+    );
+    // Deepest first; lazily, so that a busy one does not stop the rest.
+    points.sort_by_key(|point| std::cmp::Reverse(point.as_os_str().len()));
+    for chunk in points.chunks(200) {
+        let mut umount = cmd::cmd("umount");
+        umount.arg("--lazy").args(chunk);
+        if let Err(err) = cmd::output(&mut umount) {
+            println!("docker: warning: {err:#}");
+        }
+    }
+    // What cannot be removed is left to the daemon (it then cleans up what it can itself).
+    if exec_root.exists()
+        && let Err(err) = fs_err::remove_dir_all(exec_root)
+    {
+        println!("docker: warning: clearing the stale {EXEC_ROOT}: {err}");
+    }
+}
+
+/// The container bundles containerd keeps under `exec_root` (one directory per task and
+/// namespace).
+fn count_bundles(exec_root: &Path) -> usize {
+    let tasks = exec_root.join("containerd/daemon/io.containerd.runtime.v2.task");
+    fs_err::read_dir(&tasks)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|namespace| {
+            fs_err::read_dir(namespace.path())
+                .map(|entries| entries.count())
+                .unwrap_or(0)
+        })
+        .sum()
+}
+
+/// A mount point as `/proc/self/mountinfo` writes it (space, tab, newline and backslash as
+/// octal escapes) turned back into a path.
+fn unescape_mount_point(field: &str) -> PathBuf {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let octal = bytes
+            .get(i + 1..i + 4)
+            .filter(|digits| bytes[i] == b'\\' && digits.iter().all(|d| (b'0'..=b'7').contains(d)))
+            .map(|d| (d[0] - b'0') * 64 + (d[1] - b'0') * 8 + (d[2] - b'0'));
+        match octal {
+            Some(byte) => {
+                out.push(byte);
+                i += 4;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    PathBuf::from(<std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(out))
 }
 
 fn wait_for_daemon(log: &Path, foreign: bool) -> Result<()> {
     let started = Instant::now();
+    let mut next_progress = PROGRESS_EVERY;
     loop {
         if let Some(version) = server_version() {
             println!(
@@ -63,6 +196,15 @@ fn wait_for_daemon(log: &Path, foreign: bool) -> Result<()> {
                 started.elapsed().as_secs_f64()
             );
             return Ok(());
+        }
+        if started.elapsed() >= next_progress {
+            println!(
+                "docker: still waiting for the daemon after {}s; last line of {}: {}",
+                started.elapsed().as_secs(),
+                log.display(),
+                tail(log, 1).trim()
+            );
+            next_progress += PROGRESS_EVERY;
         }
         if started.elapsed() > START_TIMEOUT {
             let whose = if foreign {
@@ -89,5 +231,33 @@ fn wait_for_daemon(log: &Path, foreign: bool) -> Result<()> {
             );
         }
         sleep(Duration::from_millis(500));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mount_points_are_unescaped_as_the_kernel_escapes_them() {
+        assert_eq!(
+            unescape_mount_point(r"/var/lib/docker/a\040b\134c/merged"),
+            PathBuf::from("/var/lib/docker/a b\\c/merged")
+        );
+        assert_eq!(unescape_mount_point(r"/x\09"), PathBuf::from(r"/x\09"));
+        assert_eq!(unescape_mount_point(r"/x\"), PathBuf::from(r"/x\"));
+    }
+
+    #[test]
+    fn bundles_are_counted_per_namespace() {
+        let dir = tempfile::tempdir().unwrap();
+        let tasks = dir
+            .path()
+            .join("containerd/daemon/io.containerd.runtime.v2.task");
+        for (ns, id) in [("moby", "a"), ("moby", "b"), ("other", "c")] {
+            fs_err::create_dir_all(tasks.join(ns).join(id)).unwrap();
+        }
+        assert_eq!(count_bundles(dir.path()), 3);
+        assert_eq!(count_bundles(&dir.path().join("none")), 0);
     }
 }
