@@ -88,6 +88,21 @@ fn start_job(addr: SocketAddr, commands: &[&str], env: &str) -> Value {
 
 /// Everything pulled until the runner says it has no more: (job states, job log text, runner
 /// log text, the pulls made).
+/// The job's output so far, from one `GET /api/pull?timestamp=0` (no waiting).
+fn job_logs_so_far(addr: SocketAddr) -> String {
+    let (status, body) = call(addr, "GET", "/api/pull?timestamp=0", "", b"");
+    assert_eq!(status, 200, "{body}");
+    let answer = json::parse(&body).unwrap();
+    answer
+        .get("job_logs")
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|event| decode_base64(event.get("message").unwrap().as_str().unwrap()))
+        .collect()
+}
+
 fn pull_all(addr: SocketAddr) -> (Vec<Value>, String, String, usize) {
     let started = Instant::now();
     let (mut states, mut logs, mut runner_logs, mut timestamp, mut pulls) =
@@ -270,12 +285,14 @@ fn a_job_that_succeeds_is_done_and_a_stopped_one_terminated() {
         &["/bin/sh", "-c", "echo begun; sleep 60; echo never"],
         "{}",
     );
+    // Stopped once it has printed its first line: "running" alone is no proof that the shell
+    // has run its `echo` yet (on a loaded machine the stop came first and nothing was logged).
     let started = Instant::now();
-    while !call(s.addr, "GET", "/api/pull", "", b"")
-        .1
-        .contains("\"running\"")
-    {
-        assert!(started.elapsed() < Duration::from_secs(10));
+    while !job_logs_so_far(s.addr).contains("begun") {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the job never printed"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let stopped = Instant::now();
