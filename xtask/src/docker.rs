@@ -8,7 +8,7 @@ use anyhow::{Result, bail};
 
 use shim_e2e::harness::tail;
 
-use crate::{cmd, paths, proc};
+use crate::{cmd, mounts, paths, proc};
 
 /// How long to wait for the daemon to answer after starting it (or finding it starting). A
 /// daemon answers in about a second on a clean machine, but one that finds a thousand
@@ -107,13 +107,11 @@ fn clear_state_of_a_dead_runtime() {
     }
     let exec_root = Path::new(EXEC_ROOT);
     let bundles = count_bundles(exec_root);
-    let mountinfo = fs_err::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     let exec_root_real = fs_err::canonicalize(exec_root).unwrap_or_else(|_| exec_root.into());
     let overlay = Path::new(DATA_ROOT).join("overlay2");
-    let mut points: Vec<PathBuf> = mountinfo
-        .lines()
-        .filter_map(|line| line.split_whitespace().nth(4))
-        .map(unescape_mount_point)
+    let mut points: Vec<PathBuf> = mounts::mount_points()
+        .unwrap_or_default()
+        .into_iter()
         .filter(|point| {
             point.starts_with(&exec_root_real)
                 || point.starts_with(exec_root)
@@ -159,31 +157,6 @@ fn count_bundles(exec_root: &Path) -> usize {
                 .unwrap_or(0)
         })
         .sum()
-}
-
-/// A mount point as `/proc/self/mountinfo` writes it (space, tab, newline and backslash as
-/// octal escapes) turned back into a path.
-fn unescape_mount_point(field: &str) -> PathBuf {
-    let bytes = field.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let octal = bytes
-            .get(i + 1..i + 4)
-            .filter(|digits| bytes[i] == b'\\' && digits.iter().all(|d| (b'0'..=b'7').contains(d)))
-            .map(|d| (d[0] - b'0') * 64 + (d[1] - b'0') * 8 + (d[2] - b'0'));
-        match octal {
-            Some(byte) => {
-                out.push(byte);
-                i += 4;
-            }
-            None => {
-                out.push(bytes[i]);
-                i += 1;
-            }
-        }
-    }
-    PathBuf::from(<std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(out))
 }
 
 fn wait_for_daemon(log: &Path, foreign: bool) -> Result<()> {
@@ -237,16 +210,6 @@ fn wait_for_daemon(log: &Path, foreign: bool) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn mount_points_are_unescaped_as_the_kernel_escapes_them() {
-        assert_eq!(
-            unescape_mount_point(r"/var/lib/docker/a\040b\134c/merged"),
-            PathBuf::from("/var/lib/docker/a b\\c/merged")
-        );
-        assert_eq!(unescape_mount_point(r"/x\09"), PathBuf::from(r"/x\09"));
-        assert_eq!(unescape_mount_point(r"/x\"), PathBuf::from(r"/x\"));
-    }
 
     #[test]
     fn bundles_are_counted_per_namespace() {

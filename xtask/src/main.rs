@@ -31,6 +31,7 @@ mod devenv;
 mod dist;
 mod docker;
 mod image;
+mod mounts;
 mod packages;
 mod paths;
 mod proc;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Result, bail};
 use shim_e2e::{OLD_ROOTFS_SUITE, old_rootfs};
 
-use crate::cmd;
+use crate::{cmd, mounts};
 
 /// The Debian mirror debootstrap fetches from.
 const MIRROR: &str = "http://deb.debian.org/debian";
@@ -75,11 +75,8 @@ fn remove_tree(tree: &Path) -> Result<()> {
 
 /// Unmounts (lazily, deepest first) every mount point at or below `tree`.
 fn unmount_under(tree: &Path) -> Result<()> {
-    let mountinfo = fs_err::read_to_string("/proc/self/mountinfo")?;
-    let mut points: Vec<PathBuf> = mountinfo
-        .lines()
-        .filter_map(|line| line.split(' ').nth(4))
-        .map(|point| PathBuf::from(unescape_mountinfo(point)))
+    let mut points: Vec<PathBuf> = mounts::mount_points()?
+        .into_iter()
         .filter(|point| point.starts_with(tree))
         .collect();
     points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
@@ -87,49 +84,11 @@ fn unmount_under(tree: &Path) -> Result<()> {
         println!("rootfs: unmounting {}", point.display());
         cmd::run(cmd::cmd("umount").arg("--lazy").arg(&point))?;
     }
-    if fs_err::read_to_string("/proc/self/mountinfo")?
-        .lines()
-        .filter_map(|line| line.split(' ').nth(4))
-        .any(|point| Path::new(&unescape_mountinfo(point)).starts_with(tree))
+    if mounts::mount_points()?
+        .iter()
+        .any(|point| point.starts_with(tree))
     {
         bail!("something is still mounted under {}", tree.display());
     }
     Ok(())
-}
-
-/// Mount points in `/proc/self/mountinfo` escape space, tab, newline and backslash as `\ooo`.
-fn unescape_mountinfo(field: &str) -> String {
-    let bytes = field.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let octal = bytes
-            .get(i + 1..i + 4)
-            .filter(|digits| digits.iter().all(|d| (b'0'..=b'7').contains(d)));
-        if bytes[i] == b'\\'
-            && let Some(digits) = octal
-        {
-            let code = digits
-                .iter()
-                .fold(0u32, |acc, d| acc * 8 + u32::from(d - b'0'));
-            out.push(u8::try_from(code).unwrap_or(b'?'));
-            i += 4;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn mountinfo_escapes_are_undone() {
-        assert_eq!(unescape_mountinfo(r"/tmp/a\040b"), "/tmp/a b");
-        assert_eq!(unescape_mountinfo("/proc"), "/proc");
-        assert_eq!(unescape_mountinfo(r"/x\134y"), r"/x\y");
-    }
 }
