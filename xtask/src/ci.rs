@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use anyhow::{Result, bail};
+use anyhow::{Context as _, Result, bail};
 use shim_e2e::{ENV_TEST_DOCKER, ENV_TEST_ROOT};
 
 use crate::cmd;
@@ -81,14 +81,7 @@ pub fn ci(skip_dev_env: bool) -> Result<()> {
         note(&name, result);
     }
 
-    let result = timings.time("tests", || {
-        cmd::run(
-            cargo_in(&root)
-                .args(["nextest", "run", "--workspace", "--no-fail-fast"])
-                .env(ENV_TEST_DOCKER, "1")
-                .env(ENV_TEST_ROOT, "1"),
-        )
-    });
+    let result = timings.time("tests", || tests(&root));
     note("tests", result);
 
     // nextest does not run doctests: the embedding examples in the crate docs compile here.
@@ -254,6 +247,43 @@ fn embed_example(root: &Path) -> Result<()> {
             .arg(&target)
             .env(ENV_TEST_DOCKER, "1"),
     )
+}
+
+/// Every test (Docker and root ones included), watched for the daemon deadlock of Debian 12's
+/// Docker ([`deadlock`](crate::deadlock)): on it, the run is ended, the daemon replaced and the
+/// whole run started once more. Any other failure fails the step at once.
+fn tests(root: &Path) -> Result<()> {
+    for attempt in 1..=2 {
+        let mut command = cargo_in(root);
+        command
+            .args(["nextest", "run", "--workspace", "--no-fail-fast"])
+            .env(ENV_TEST_DOCKER, "1")
+            .env(ENV_TEST_ROOT, "1");
+        let line = cmd::display(&command);
+        println!("$ {line}");
+        let mut child = command
+            .spawn()
+            .with_context(|| format!("could not start `{line}`"))?;
+        let watch = crate::deadlock::Watch::start(&child);
+        let status = child.wait();
+        let deadlocked = watch.finish();
+        let status = status.with_context(|| format!("could not wait for `{line}`"))?;
+        match deadlocked {
+            None if status.success() => return Ok(()),
+            None => bail!("`{line}` failed: {status}"),
+            Some(minutes) if attempt == 1 => {
+                println!(
+                    "ci: the test run was ended because dockerd deadlocked ({minutes} min); \
+                     replacing the daemon and running every test once more"
+                );
+                crate::deadlock::restart_daemon()?;
+            }
+            Some(minutes) => {
+                bail!("dockerd deadlocked again in the second run ({minutes} min): moby/moby#46661")
+            }
+        }
+    }
+    unreachable!("the second attempt returns")
 }
 
 fn cargo_in(root: &Path) -> Command {

@@ -47,7 +47,7 @@ pub fn ensure_daemon() -> Result<()> {
         println!("docker: daemon answers (server {version})");
         return Ok(());
     }
-    let running = proc::find("dockerd", None);
+    let running = default_daemons();
     let log = log_path();
     if !running.is_empty() {
         println!(
@@ -72,6 +72,31 @@ pub fn ensure_daemon() -> Result<()> {
             result => return result,
         }
     }
+}
+
+/// The running `dockerd` processes that serve the default socket: not the private daemons
+/// that tests and benches start beside it (those name their own socket and pid file).
+pub fn default_daemons() -> Vec<u32> {
+    proc::find("dockerd", None)
+        .into_iter()
+        .filter(|pid| {
+            serves_the_default_socket(
+                &fs_err::read(format!("/proc/{pid}/cmdline")).unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
+/// Whether a `dockerd` with this command line (`/proc/<pid>/cmdline`: NUL-separated) serves
+/// the default socket: it names no socket (`-H`, `--host`) and no pid file of its own.
+fn serves_the_default_socket(cmdline: &[u8]) -> bool {
+    !cmdline.split(|b| *b == 0).any(|arg| {
+        matches!(arg, b"-H" | b"--host" | b"--pidfile")
+            || arg.starts_with(b"-H=")
+            || arg.starts_with(b"-Hunix")
+            || arg.starts_with(b"--host=")
+            || arg.starts_with(b"--pidfile=")
+    })
 }
 
 /// How many times [`ensure_daemon`] starts `dockerd` when it gives up waiting for containerd.
@@ -193,10 +218,7 @@ fn wait_for_daemon(log: &Path, foreign: bool) -> Result<()> {
             );
         }
         // (After a grace period: right after `setsid --fork` the child may not have exec'd yet.)
-        if !foreign
-            && started.elapsed() > Duration::from_secs(3)
-            && proc::find("dockerd", None).is_empty()
-        {
+        if !foreign && started.elapsed() > Duration::from_secs(3) && default_daemons().is_empty() {
             bail!(
                 "dockerd exited during start-up; last lines of {}:\n{}",
                 log.display(),
@@ -210,6 +232,22 @@ fn wait_for_daemon(log: &Path, foreign: bool) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn private_daemons_are_not_the_default_one() {
+        assert!(serves_the_default_socket(b"/usr/sbin/dockerd\0"));
+        assert!(serves_the_default_socket(
+            b"dockerd\0--data-root\0/var/lib/other\0"
+        ));
+        for private in [
+            &b"dockerd\0--pidfile\0/r/docker.pid\0-H\0unix:///r/docker.sock\0"[..],
+            b"dockerd\0--host=unix:///r.sock\0",
+            b"dockerd\0-Hunix:///r.sock\0",
+            b"dockerd\0--pidfile=/r.pid\0",
+        ] {
+            assert!(!serves_the_default_socket(private), "{private:?}");
+        }
+    }
 
     #[test]
     fn bundles_are_counted_per_namespace() {

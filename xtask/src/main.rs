@@ -14,6 +14,9 @@
 //!   artifact (stripped, glibc 2.17, debug file, checksum) under `target/dist/<V>/`.
 //! - `bench [--quick] [--no-docker] [FIGURE..]`: the shim side by side with raw Docker, a
 //!   table and `target/bench.json` (see `docs/BENCHMARKS.md`).
+//! - `docker-deadlock [--fix]`: look for the libnetwork deadlock of Debian 12's Docker in the
+//!   local daemon's goroutines (`ci` watches for it during the tests); `--fix` replaces a
+//!   deadlocked daemon.
 //!
 //! The fixture names live in the `shim-e2e` library (`tests/src/lib.rs`).
 
@@ -26,6 +29,7 @@
 mod bench;
 mod ci;
 mod cmd;
+mod deadlock;
 mod demo;
 mod devenv;
 mod dist;
@@ -69,6 +73,10 @@ commands:
                       target/bench.json. FIGURE: store, engine, exit-latency, idle-cpu,
                       throughput, submit-latency, restart, rss (default: all; --quick: few
                       samples, small task counts, the debug build, Docker figures only)
+  docker-deadlock [--fix]
+                      look for the libnetwork deadlock of Debian 12's Docker 20.10.24
+                      (moby/moby#46661) in the local daemon; --fix replaces the daemon if
+                      it is deadlocked (ci watches for it while the tests run)
   help                this text
 ";
 
@@ -111,6 +119,10 @@ fn dispatch(args: &[String]) -> Result<()> {
         }
         "dist" => dist::dist(&dist::Options::parse(rest)?),
         "bench" => bench::bench(&bench::Options::parse(rest)?),
+        "docker-deadlock" => {
+            let fix = !flags(rest, &["--fix"])?.is_empty();
+            deadlock::check(fix)
+        }
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(())
