@@ -244,6 +244,17 @@ impl Sim {
             }
         };
         let after = &tr.task;
+        // Pull progress only changes the view: the engine applies it outside the step lock
+        // and carries out nothing it returns, so it must return nothing and leave the record
+        // as it was.
+        if matches!(event, Event::PullProgressed(_)) {
+            assert_eq!(tr.actions, vec![], "pull progress took actions");
+            assert_eq!(
+                after.record(),
+                before.record(),
+                "pull progress changed the record"
+            );
+        }
         // Statuses never move backwards; terminated absorbs every event and keeps the first
         // reason and message.
         assert!(
