@@ -557,7 +557,7 @@ fn a_lost_or_replaced_owner_id_orphans_no_running_task() {
         let after = shim.info(id);
         assert_ne!(shim.owner(), old_owner);
         assert_eq!(after["status"], "running", "{after}");
-        for field in ["container_id", "gpu_ids", "ports"] {
+        for field in ["container_id", "gpus_ids", "ports"] {
             assert_eq!(after[field], before[field], "{field}: {after}");
         }
         assert_container_running(&cid);

@@ -64,7 +64,8 @@ impl ChangeFeed for EngineFeed {
                 Err(SubscriptionError::Lagged { missed }) => {
                     return Err(FeedError::Lagged { missed });
                 }
-                Err(SubscriptionError::Closed) => return Err(FeedError::Closed),
+                // Closed (or what a later version adds): the stream ends.
+                Err(_) => return Err(FeedError::Closed),
             };
             match serde_json::to_string(&change) {
                 Ok(json) => {

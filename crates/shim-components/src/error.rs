@@ -8,6 +8,7 @@ use crate::ComponentName;
 
 /// Why reading a version or installing a component failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// An install of this component is already running.
     #[error("{name} is already installing")]

@@ -23,6 +23,7 @@ pub enum DcgmErrorKind {
 /// program, command line) and keeps the underlying error as its source; its `Display`
 /// describes its own level only (print the whole with [`shim_util::error_chain`]).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DcgmError {
     /// The exporter's collectors file could not be written.
     #[error("write the dcgm-exporter collectors file")]

@@ -59,7 +59,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 println!("resync: {:?}", engine.task_info(&id)?.status);
                 continue;
             }
-            Err(SubscriptionError::Closed) => break,
+            // Closed (or what a later version adds): the engine is gone.
+            Err(_) => break,
         };
         println!("#{} {:?}", change.seq, change.kind);
         match change.kind {

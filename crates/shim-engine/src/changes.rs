@@ -21,6 +21,7 @@ pub const CHANGES_BUFFER: usize = 4096;
 /// What changed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "change", rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum ChangeKind {
     /// Submitted (the state file is written; the task is `pending`).
     Submitted,
@@ -44,6 +45,7 @@ pub enum ChangeKind {
 
 /// One change of one task.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct TaskChange {
     /// Sequence number, global across tasks and strictly increasing (a gap means changes were
     /// missed: see [`SubscriptionError::Lagged`]).
@@ -59,6 +61,7 @@ pub struct TaskChange {
 
 /// Why a subscription gave no change.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SubscriptionError {
     /// The subscriber fell behind and `missed` changes were dropped for it: resync with the
     /// task list, then go on receiving.

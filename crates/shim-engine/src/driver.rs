@@ -242,14 +242,15 @@ pub(crate) struct Recorder<'a> {
 
 impl Recorder<'_> {
     /// Steps `event` (written at once when it changes the record), then carries out what it
-    /// calls for.
+    /// calls for, also when the write failed: the step has marked those actions as out (a
+    /// stop or a release the failure lets go), so dropping them would leave them out forever.
     async fn record(&self, event: Event) -> Result<Written> {
         let (actions, failure) = self.driver.step(self.slot, event).await?;
-        if let Some(e) = failure {
-            return Ok(Written::Failed(e));
-        }
         Box::pin(self.driver.run_actions(self.slot, actions)).await?;
-        Ok(Written::Durable)
+        Ok(match failure {
+            Some(e) => Written::Failed(e),
+            None => Written::Durable,
+        })
     }
 
     /// The write-ahead of a volume: recorded, and durable, before it is mounted.

@@ -565,5 +565,11 @@ fn describe(r: &Resources) -> String {
             .collect();
         parts.push(format!("volumes {names:?}"));
     }
+    if let Some(u) = &r.unknown_keys {
+        parts.push(match &u.user {
+            Some(user) => format!("SSH keys of unknown origin of {user:?}"),
+            None => "SSH keys of unknown origin".to_owned(),
+        });
+    }
     parts.join(", ")
 }

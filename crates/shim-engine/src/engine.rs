@@ -47,6 +47,7 @@ const RELEASE_SETTLE: Duration = Duration::from_secs(4);
 
 /// How [`Engine::shutdown`] treats start jobs in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Shutdown {
     /// Wait for them to finish, at most this long.
     Graceful(Duration),

@@ -134,13 +134,7 @@ mod tests {
             &EngineError::Runtime(not_found()),
             &EngineError::RuntimeUnavailable(not_found()),
         ] {
-            let own = level.to_string();
-            if let Some(source) = level.source() {
-                assert!(
-                    !own.contains(&source.to_string()),
-                    "{own:?} repeats {source}"
-                );
-            }
+            shim_util::testing::assert_each_cause_once(level);
         }
         assert_eq!(
             chain(&e),

@@ -53,6 +53,7 @@ pub const MIN_COMPATIBLE_VERSION: &str = "0.21.3";
 
 /// Errors of setting up or running the server (request errors are [`ApiError`]s).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// The API must only be reachable from the host itself.
     #[error("refusing to listen on {addr}: the shim API is loopback-only")]

@@ -1191,7 +1191,6 @@ mod tests {
             "{text}"
         );
         assert!(fake.container_ids().is_empty());
-        assert!(!dir.path().join("missing").exists());
     }
 
     #[tokio::test]

@@ -8,6 +8,7 @@ use shim_task::TaskId;
 
 /// What went wrong in a store operation.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StoreError {
     /// A filesystem operation failed. `context` says what the store was doing; the source
     /// (an `fs-err` error, or a `shim_fs::Error` inside an `io::Error` of the same kind)
@@ -69,6 +70,7 @@ pub enum StoreError {
 /// Why a state file is not a usable record. Such a file is never overwritten blindly: `scan`
 /// moves it aside as `task.json.corrupt-<unix ms>`.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RecordError {
     /// The file is empty (e.g. a crash on a filesystem without ordered writes).
     #[error("the file is empty")]

@@ -1057,7 +1057,7 @@ fn task_info_rules() {
     assert_eq!(info.container_id, "");
     assert_eq!(info.container_name, container_name(&c.name, &c.id));
     let json = serde_json::to_value(&info).unwrap();
-    assert!(json["ports"].is_null() && json["gpu_ids"].is_null());
+    assert!(json["ports"].is_null() && json["gpus_ids"].is_null() && json.get("gpu_ids").is_none());
     let r = running();
     assert_eq!(r.info().ports, Some(vec![]));
     assert_eq!(

@@ -355,12 +355,14 @@ mod tests {
         // kill_on_drop sends SIGKILL; the zombie is reaped by tokio's orphan reaper, so wait
         // (bounded) until the process is gone or a zombie.
         let gone = (0..100).any(|_| {
-            let state = std::process::Command::new("ps")
-                .args(["-o", "stat=", "-p", pid.trim()])
-                .output()
-                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-                .unwrap_or_default();
-            if state.is_empty() || state.starts_with('Z') {
+            // Field 3 of /proc/<pid>/stat is the state; no file: the process is gone.
+            let state = fs_err::read_to_string(format!("/proc/{}/stat", pid.trim()))
+                .ok()
+                .and_then(|stat| {
+                    let rest = stat.rsplit_once(')')?.1.to_owned();
+                    rest.split_whitespace().next().map(str::to_owned)
+                });
+            if state.as_deref().is_none_or(|s| s == "Z" || s == "X") {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(20));

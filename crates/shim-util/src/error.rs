@@ -13,13 +13,13 @@ use std::error::Error;
 /// termination message and the log show. Each level is printed as its `Display` says, once.
 ///
 /// Errors of other crates (std's, bollard's, hyper's) do not all follow the convention: a
-/// cause whose text the line already holds is not appended again.
+/// cause whose text the line already ends with is not appended again.
 pub fn error_chain(e: &dyn Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(cause) = source {
         let text = cause.to_string();
-        if !out.contains(&text) {
+        if !out.ends_with(&text) {
             out.push_str(": ");
             out.push_str(&text);
         }

@@ -24,11 +24,9 @@ pub(super) fn due(t: &mut Task, actions: &mut Vec<Action>) {
         && !t.start_step_out
         && let Some(s) = t.start_step
         && (s == StartStep::Finish || !t.dirty || t.progress_only)
-        && let Some(action) = start_action(t.config(), s).or(Some(Action::FinishStart))
     {
-        if !matches!(action, Action::FinishStart) {
-            t.start_step = Some(s);
-        } else {
+        let action = start_action(t.config(), s).unwrap_or(Action::FinishStart);
+        if matches!(action, Action::FinishStart) {
             t.start_step = Some(StartStep::Finish);
         }
         t.start_step_out = true;

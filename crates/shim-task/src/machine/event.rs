@@ -305,6 +305,7 @@ impl Action {
 
 /// A forbidden transition. The task is unchanged.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum TransitionError {
     /// Remove of a task that is not (durably) terminated (the API answers 409).
     #[error("task {id} is {status}, not terminated: terminate it first")]
