@@ -338,7 +338,22 @@ impl Reconciler {
                 return;
             }
             EventKind::Destroy => Observation::Missing,
-            EventKind::Die { exit_code: None } => self.observe_stopped(&event.container_id).await,
+            EventKind::Die { exit_code: None } => {
+                match self.observe_stopped_at(&event.container_id).await {
+                    (Some(observation), finished_ns) => {
+                        if let Some(ns) = finished_ns {
+                            slot.exit_ns.store(ns, Ordering::SeqCst);
+                        }
+                        observation
+                    }
+                    // The event is used up and the inspect told nothing: a list (which
+                    // inspects what it finds stopped) looks again at once, not at the backstop.
+                    (None, _) => {
+                        self.relist.notify_one();
+                        return;
+                    }
+                }
+            }
             EventKind::Die {
                 exit_code: Some(code),
             } => {
@@ -511,32 +526,29 @@ impl Reconciler {
         vec![events, reconciler]
     }
 
-    /// [`Reconciler::observe_stopped`], also noting when the container exited (the start of the
-    /// exit → terminated latency).
+    /// What the reconciler saw of a task's stopped container (still running when the inspect
+    /// failed: the next cycle looks again), also noting when it exited (the start of the exit
+    /// → terminated latency).
     async fn observe_stopped_slot(&self, slot: &Slot, container_id: &str) -> Observation {
         let (observation, finished_ns) = self.observe_stopped_at(container_id).await;
         if let Some(ns) = finished_ns {
             slot.exit_ns.store(ns, Ordering::SeqCst);
         }
-        observation
+        observation.unwrap_or(Observation::Running)
     }
 
-    /// What the reconciler saw of a running task's container, given its summary state.
-    async fn observe_stopped(&self, container_id: &str) -> Observation {
-        self.observe_stopped_at(container_id).await.0
-    }
-
-    async fn observe_stopped_at(&self, container_id: &str) -> (Observation, Option<i64>) {
+    /// The observation (`None` when the inspect failed) and when the container finished.
+    async fn observe_stopped_at(&self, container_id: &str) -> (Option<Observation>, Option<i64>) {
         let d = match self.runtime.inspect(container_id).await {
-            Err(RuntimeError::NotFound { .. }) => return (Observation::Missing, None),
+            Err(RuntimeError::NotFound { .. }) => return (Some(Observation::Missing), None),
             Err(e) => {
                 tracing::warn!(container = %container_id, error = %chain(&e), "inspect failed");
-                return (Observation::Running, None);
+                return (None, None);
             }
             Ok(d) => d,
         };
         let finished = d.finished_at.as_deref().and_then(docker_time_ns);
-        (self.observation_of(container_id, d).await, finished)
+        (Some(self.observation_of(container_id, d).await), finished)
     }
 
     async fn observation_of(&self, container_id: &str, d: ContainerDetails) -> Observation {
