@@ -730,6 +730,12 @@ fn shutdown_and_sigterm_leave_containers_running() {
 /// SPEC §2, §3: bad input is refused with the right status and a readable message, and
 /// changes nothing: the task list, the home and the tasks directory, and the shim's
 /// containers are the same afterwards; the running task is untouched.
+///
+/// The messages are upstream's: the body decoding ones from
+/// `runner/internal/common/api/api.go` (`DecodeJSONBody`), the missing fields from
+/// `runner/internal/shim/api/handlers.go` (`"empty id"`, `"empty name"`, `"empty image_name"`),
+/// the unknown route and method from Go's `net/http` `ServeMux` (`404 page not found`,
+/// `Method Not Allowed`).
 #[test]
 fn bad_input_is_refused_and_changes_nothing() {
     if !docker_tests_enabled("bad_input_is_refused_and_changes_nothing") {

@@ -190,10 +190,19 @@ fn end(pid: u32) {
 }
 
 /// Replaces the default daemon: SIGKILL to `dockerd` and the `containerd` it runs (a wedged
-/// daemon does not finish a graceful stop), then [`docker::ensure_daemon`]. The containerd
+/// daemon does not finish a graceful stop), then [`docker::ensure_daemon`] (through systemd
+/// when `docker.service` runs it). The containerd
 /// shims live on, so the new containerd finds the containers and the new daemon, without
 /// live restore, stops them and cleans up their networks.
 pub fn restart_daemon() -> Result<()> {
+    // A daemon systemd runs (`docker.service`, Restart=always) is systemd's to restart: a
+    // second one started here would race it for the pid file.
+    if cmd::succeeds(cmd::cmd("systemctl").args(["is-active", "--quiet", "docker"])) {
+        println!("docker: restarting docker.service");
+        cmd::run(cmd::cmd("systemctl").args(["kill", "--signal=KILL", "docker"]))?;
+        cmd::run(cmd::cmd("systemctl").args(["restart", "docker"]))?;
+        return docker::ensure_daemon().context("waiting for the restarted docker.service");
+    }
     let Some(pid) = daemon_pid() else {
         bail!("no dockerd runs with the pid in {PID_FILE}");
     };

@@ -147,13 +147,12 @@ impl ShimApi for EngineApi {
     /// As upstream (`runner/internal/shim/api/handlers.go`, `InstanceHealthHandler`):
     /// without DCGM, or when it fails, GPU health is unknown: `{"dcgm":null}`.
     async fn instance_health(&self) -> serde_json::Value {
-        let unknown = || serde_json::json!({ "dcgm": null });
-        match &self.dcgm.health {
-            Some(h) => {
-                serde_json::to_value(h.instance_health().await).unwrap_or_else(|_| unknown())
-            }
-            None => unknown(),
-        }
+        let health = match &self.dcgm.health {
+            Some(h) => h.instance_health().await,
+            None => shim_dcgm::InstanceHealth::default(),
+        };
+        // Plain data: encoding cannot fail; were it to, the answer is still "unknown".
+        serde_json::to_value(health).unwrap_or_else(|_| serde_json::json!({ "dcgm": null }))
     }
 
     /// As upstream (`runner/internal/shim/api/handlers.go`, `TaskMetricsHandler`): no

@@ -317,7 +317,9 @@ impl Response {
     }
 
     /// Asserts the answer of a request that returns nothing (shutdown, remove, install): 200
-    /// and a lone newline as `text/plain`, as upstream's Go shim answers it.
+    /// and a lone newline as `text/plain`, as upstream's Go shim answers it
+    /// (`runner/internal/common/api/api.go`, `JSONResponseHandler`: a nil body goes to
+    /// `http.Error(w, "", 200)`).
     pub fn assert_empty_ok(&self) {
         self.assert_error(200, "");
     }
