@@ -85,13 +85,11 @@ impl ChangeFeed for EngineFeed {
 
 /// The engine's health as the API's readiness: the engine's verdict and reasons.
 fn readiness(health: &shim_engine::EngineHealth) -> Readiness {
-    Readiness {
-        ready: health.is_ready(),
-        reasons: health.reasons(),
-        events_connected: Some(health.events_connected),
-        last_reconcile_age_seconds: health.last_cycle_age.map(|a| a.as_secs_f64()),
-        reconcile_max_age_seconds: Some(health.max_cycle_age().as_secs_f64()),
-    }
+    Readiness::new(health.is_ready(), health.reasons()).with_runtime(
+        health.events_connected,
+        health.last_cycle_age.map(|a| a.as_secs_f64()),
+        health.max_cycle_age().as_secs_f64(),
+    )
 }
 
 /// An engine error as the API answers it: the engine's kind, the whole chain as the body.

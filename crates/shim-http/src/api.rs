@@ -59,6 +59,7 @@ impl ErrorKind {
 /// cause's text twice. The server logs the cause beside the message.
 #[derive(Debug, thiserror::Error)]
 #[error("{message}")]
+#[non_exhaustive]
 pub struct ApiError {
     /// Decides the status code.
     pub kind: ErrorKind,
@@ -329,6 +330,7 @@ pub trait ChangeFeed: Send + 'static {
 /// `GET /api/ready`: whether the shim keeps up with the container runtime. Answered 200 when
 /// `ready`, else 503, with this body either way.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct Readiness {
     /// Ready: exits are seen as they happen and the last full view is recent.
     pub ready: bool,
@@ -348,13 +350,33 @@ pub struct Readiness {
 impl Readiness {
     /// Ready, with no details.
     pub fn ready() -> Self {
+        Self::new(true, Vec::new())
+    }
+
+    /// Ready or not, with the reasons why not; no runtime details.
+    pub fn new(ready: bool, reasons: Vec<String>) -> Self {
         Self {
-            ready: true,
-            reasons: Vec::new(),
+            ready,
+            reasons,
             events_connected: None,
             last_reconcile_age_seconds: None,
             reconcile_max_age_seconds: None,
         }
+    }
+
+    /// With the container runtime's details: whether its event stream is connected, the age
+    /// of the last full list (if any) and the largest age at which the shim is still ready.
+    #[must_use]
+    pub fn with_runtime(
+        mut self,
+        events_connected: bool,
+        last_reconcile_age_seconds: Option<f64>,
+        reconcile_max_age_seconds: f64,
+    ) -> Self {
+        self.events_connected = Some(events_connected);
+        self.last_reconcile_age_seconds = last_reconcile_age_seconds;
+        self.reconcile_max_age_seconds = Some(reconcile_max_age_seconds);
+        self
     }
 }
 

@@ -116,6 +116,7 @@ fn unescape(segment: &str) -> Option<String> {
 
 /// A resolved request: the handler and the (unescaped, not yet validated) `{id}` segment.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Resolved {
     /// The handler.
     pub route: RouteId,

@@ -677,13 +677,11 @@ async fn readiness_200_and_503() {
     assert_eq!(r.header("content-type"), Some("application/json"));
     assert_eq!(r.body, "{\"ready\":true,\"reasons\":[]}\n");
 
-    *s.fake.readiness.lock().unwrap() = Readiness {
-        ready: false,
-        reasons: vec!["Docker's event stream is disconnected".into()],
-        events_connected: Some(false),
-        last_reconcile_age_seconds: Some(1.5),
-        reconcile_max_age_seconds: Some(600.0),
-    };
+    *s.fake.readiness.lock().unwrap() = Readiness::new(
+        false,
+        vec!["Docker's event stream is disconnected".into()],
+    )
+    .with_runtime(false, Some(1.5), 600.0);
     let r = get(s.addr, "/api/ready").await;
     assert_eq!(r.status, 503);
     assert_eq!(r.header("content-type"), Some("application/json"));

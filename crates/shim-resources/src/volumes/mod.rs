@@ -61,6 +61,7 @@ pub trait VolumeManager: Send + Sync {
 
 /// Paths and time limits of [`BlockVolumes`].
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct VolumeConfig {
     /// Mount points are `<root>/<volume name>`.
     pub root: PathBuf,
