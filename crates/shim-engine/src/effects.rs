@@ -447,10 +447,7 @@ impl Effects {
         Ok(details
             .ports
             .iter()
-            .map(|p| PortMapping {
-                host: p.host,
-                container: p.container,
-            })
+            .map(|&p| PortMapping::from(p))
             .collect())
     }
 
@@ -460,13 +457,7 @@ impl Effects {
     /// no timeout at all; this one has, so it must not turn a slow start into a failure.
     async fn started_anyway(&self, cid: &str) -> bool {
         match self.runtime.inspect(cid).await {
-            Ok(d) => matches!(
-                d.state,
-                ContainerState::Running
-                    | ContainerState::Paused
-                    | ContainerState::Restarting
-                    | ContainerState::Exited
-            ),
+            Ok(d) => d.state.is_running() || d.state == ContainerState::Exited,
             Err(_) => false,
         }
     }

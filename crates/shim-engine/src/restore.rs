@@ -344,7 +344,7 @@ async fn observe(
     };
     let state = match c.state {
         RtState::Created => ContainerState::Created,
-        RtState::Running | RtState::Paused | RtState::Restarting => ContainerState::Running,
+        ref s if s.is_running() => ContainerState::Running,
         // The exit code is the reconciler's to read (it inspects stopped containers).
         RtState::Exited => ContainerState::Exited { code: -1 },
         RtState::Dead => ContainerState::Dead,
@@ -357,14 +357,7 @@ async fn observe(
         task_id,
         state,
         gpu_ids,
-        ports: c
-            .ports
-            .iter()
-            .map(|p| PortMapping {
-                host: p.host,
-                container: p.container,
-            })
-            .collect(),
+        ports: c.ports.iter().map(|&p| PortMapping::from(p)).collect(),
         recovered_volumes: c
             .mounts
             .iter()
@@ -408,7 +401,7 @@ fn gpu_ids(d: &ContainerDetails) -> Vec<String> {
     }
     d.devices
         .iter()
-        .filter(|m| m.path_on_host.starts_with("/dev/dri/renderD"))
+        .filter(|m| shim_resources::gpu::is_render_node(Path::new(&m.path_on_host)))
         .map(|m| m.path_on_host.clone())
         .collect()
 }

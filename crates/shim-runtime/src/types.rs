@@ -112,6 +112,15 @@ pub struct PublishedPort {
     pub host: u16,
 }
 
+impl From<PublishedPort> for shim_task::PortMapping {
+    fn from(p: PublishedPort) -> Self {
+        Self {
+            host: p.host,
+            container: p.container,
+        }
+    }
+}
+
 /// A mount of a container.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct MountPoint {
