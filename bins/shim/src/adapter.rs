@@ -153,16 +153,13 @@ impl ShimApi for EngineApi {
         serde_json::to_value(health).unwrap_or_else(|_| serde_json::json!({ "dcgm": null }))
     }
 
-    /// As upstream (`runner/internal/shim/api/handlers.go`, `TaskMetricsHandler`): no
-    /// exporter is 404 before the task is looked up; an exporter failure is 502.
+    /// As upstream (`runner/internal/shim/api/handlers.go`, `TaskMetricsHandler`): an
+    /// exporter failure is 502 (no exporter and an unknown task are the handler's answers).
     async fn task_metrics(&self, id: &TaskId) -> Result<String, ApiError> {
         let Some(exporter) = &self.dcgm.exporter else {
-            return Err(ApiError::not_found("DCGM Exporter is not available"));
+            return Err(ApiError::internal("no DCGM exporter"));
         };
-        let info = self.engine.task_info(id).map_err(|e| match e.kind() {
-            ErrorKind::NotFound => ApiError::not_found("Task not found").with_source(e),
-            _ => api_error(e),
-        })?;
+        let info = self.engine.task_info(id).map_err(api_error)?;
         exporter
             .fetch_task_metrics(&info.gpu_ids.unwrap_or_default())
             .await

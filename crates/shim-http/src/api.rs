@@ -264,13 +264,12 @@ pub trait ShimApi: Send + Sync + 'static {
     /// `{"dcgm": {...}}`, or `{"dcgm": null}` where GPU health is unknown (upstream's
     /// `InstanceHealthResponse`).
     async fn instance_health(&self) -> serde_json::Value;
-    /// Prometheus text of the task's GPU metrics. `NotFound` when there is no exporter
-    /// (upstream's message: `DCGM Exporter is not available`) or no such task (`Task not
-    /// found`), `BadGateway` when the exporter failed.
+    /// Prometheus text of the task's GPU metrics. `NotFound` when there is no such task (the
+    /// handler answers upstream's `Task not found`), `BadGateway` when the exporter failed.
     async fn task_metrics(&self, id: &TaskId) -> Result<String, ApiError>;
-    /// Whether there is an exporter for [`ShimApi::task_metrics`], to answer a request for a
-    /// task id that cannot exist as upstream does (its first check is the exporter's). The
-    /// default: there is.
+    /// Whether there is an exporter for [`ShimApi::task_metrics`]: without one the handler
+    /// answers upstream's 404 before it looks at the task (so a `NotFound` from
+    /// `task_metrics` always means the task). The default: there is.
     fn has_task_metrics(&self) -> bool {
         true
     }

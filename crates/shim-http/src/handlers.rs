@@ -386,14 +386,19 @@ where
             empty_ok()
         }
         RouteId::TaskMetrics => {
+            // Upstream (`runner/internal/shim/api/handlers.go`, `TaskMetricsHandler`): the
+            // exporter is checked before the task is looked up.
+            if !state.api.has_task_metrics() {
+                return Err(ApiError::not_found("DCGM Exporter is not available"));
+            }
             let id = task_id(resolved.id.as_deref(), || {
-                if state.api.has_task_metrics() {
-                    ApiError::not_found("Task not found")
-                } else {
-                    ApiError::not_found("DCGM Exporter is not available")
-                }
+                ApiError::not_found("Task not found")
             })?;
-            let text = state.api.task_metrics(&id).await?;
+            let text = state
+                .api
+                .task_metrics(&id)
+                .await
+                .map_err(|e| upstream_not_found(e, "Task not found"))?;
             // Upstream writes the text without a Content-Type, so Go sniffs one: plain text,
             // and none for an empty body.
             let mut builder = Response::builder().status(StatusCode::OK);

@@ -36,6 +36,8 @@ struct FakeEngine {
     /// `GET /api/tasks/slow` signals `entered` and waits for `release`.
     entered: Notify,
     release: Notify,
+    /// No DCGM exporter: `has_task_metrics` says so.
+    no_exporter: std::sync::atomic::AtomicBool,
 }
 
 fn info(id: &TaskId, status: TaskStatus) -> TaskInfo {
@@ -151,8 +153,12 @@ impl ShimApi for FakeEngine {
             "metrics-ok" => Ok("DCGM_FI_DEV_GPU_UTIL{gpu=\"0\"} 42\n".into()),
             "metrics-empty" => Ok(String::new()),
             "metrics-bad" => Err(ApiError::bad_gateway("exporter: connection refused")),
-            _ => Err(ApiError::not_found("DCGM Exporter is not available")),
+            _ => Err(ApiError::not_found(format!("task {id} not found"))),
         }
+    }
+
+    fn has_task_metrics(&self) -> bool {
+        !self.no_exporter.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
@@ -863,9 +869,20 @@ async fn metrics_route() {
     get(s.addr, "/metrics/tasks/metrics-bad")
         .await
         .assert_error(502, "exporter: connection refused");
+    // Upstream (`runner/internal/shim/api/handlers.go`, `TaskMetricsHandler`): an unknown
+    // task is "Task not found"; without an exporter every request is "DCGM Exporter is not
+    // available", checked before the task.
     get(s.addr, "/metrics/tasks/t")
         .await
-        .assert_error(404, "DCGM Exporter is not available");
+        .assert_error(404, "Task not found");
+    s.engine
+        .no_exporter
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    for path in ["/metrics/tasks/metrics-ok", "/metrics/tasks/-x"] {
+        get(s.addr, path)
+            .await
+            .assert_error(404, "DCGM Exporter is not available");
+    }
     stop(s).await;
 }
 

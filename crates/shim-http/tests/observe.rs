@@ -106,7 +106,7 @@ impl ShimApi for Fake {
         serde_json::json!({})
     }
     async fn task_metrics(&self, _id: &TaskId) -> Result<String, ApiError> {
-        Err(ApiError::not_found("DCGM Exporter is not available"))
+        Err(ApiError::not_found("no such task"))
     }
 
     fn subscribe(&self) -> Result<Box<dyn ChangeFeed>, ApiError> {
