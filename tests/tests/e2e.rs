@@ -32,8 +32,8 @@ use serde_json::{Value, json};
 use shim_e2e::harness::{
     ContainerSweeper, FAKE_GPUS, HostUser, NamedContainer, RUNNER_HTTP_PORT, RUNNER_SSH_PORT,
     RemoveImage, Request, Response, ShimProcess, TestShim, bridge_task, container_name,
-    container_running, entries, fake_gpu_ids, free_port, owner_identity, run_tag, runner_dir,
-    shim_binary, ssh_key, wait_until,
+    container_name_of, container_running, entries, fake_gpu_ids, free_port, owner_identity,
+    run_tag, runner_dir, shim_binary, ssh_key, wait_until,
 };
 use shim_e2e::{
     docker, docker_ok, docker_tests_enabled, dstack_python, image, registry, registry_password,
@@ -82,14 +82,6 @@ fn task(id: &str, gpu: i64) -> Value {
     // Newer servers send fields this shim does not know: ignored.
     config["some_future_field"] = json!({"x": 1});
     config
-}
-
-/// The container name of `config`'s task.
-fn name_of(config: &Value) -> String {
-    container_name(
-        config["name"].as_str().unwrap(),
-        config["id"].as_str().unwrap(),
-    )
 }
 
 /// The exact answer of a submit: the TaskInfo of the new task with the Go field names of
@@ -539,7 +531,7 @@ fn a_lost_or_replaced_owner_id_orphans_no_running_task() {
         let config = task(id, 2);
         // The sweeper finds containers by the home's current identity: this one keeps the
         // old one, so it is removed by name however the test ends.
-        let _guard = NamedContainer(name_of(&config));
+        let _guard = NamedContainer(container_name_of(&config));
         assert_eq!(shim.submit(&config).status, 200);
         let before = shim.wait_status(id, "running");
         let cid = before["container_id"].as_str().unwrap().to_owned();
@@ -1347,7 +1339,7 @@ fn run_foreign_container(
 /// `runner/internal/shim/docker.go`, `createContainer`): its two labels only, the runner
 /// directory `runner_dir`, runner ports published (bridge mode).
 fn run_upstream_container(config: &Value, runner_dir: &Path) -> (String, NamedContainer) {
-    let name = name_of(config);
+    let name = container_name_of(config);
     let guard = NamedContainer(name.clone());
     let labels = [
         "ai.dstack.shim.is-task=true".to_owned(),
@@ -1389,7 +1381,7 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     let mut with_file = task("upstream-a", 0);
     with_file["host_ssh_user"] = json!(user.name());
     with_file["host_ssh_keys"] = json!([task_key]);
-    let dir_a = runners.join(name_of(&with_file));
+    let dir_a = runners.join(container_name_of(&with_file));
     fs_err::create_dir_all(dir_a.join("runner")).unwrap();
     let state = upstream_state_file(&with_file, "");
     fs_err::write(dir_a.join("task.json"), &state).unwrap();
@@ -1397,14 +1389,14 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
 
     // Without a state file (upstream before PR #4220): the whole directory is mounted.
     let without = task("upstream-b", 0);
-    let dir_b = runners.join(name_of(&without));
+    let dir_b = runners.join(container_name_of(&without));
     fs_err::create_dir_all(&dir_b).unwrap();
     let (cid_b, _b) = run_upstream_container(&without, &dir_b);
 
     // One whose runner finished before the switch: upstream shows it terminated with no
     // reason; this shim reads the exit code.
     let finished = task("upstream-c", 0);
-    let dir_c = runners.join(name_of(&finished));
+    let dir_c = runners.join(container_name_of(&finished));
     fs_err::create_dir_all(dir_c.join("runner")).unwrap();
     fs_err::write(dir_c.join("task.json"), upstream_state_file(&finished, "")).unwrap();
     let (cid_c, _c) = run_upstream_container(&finished, &dir_c.join("runner"));
@@ -1424,7 +1416,7 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     assert_eq!(shim.list(), expected);
     let a = shim.info("upstream-a");
     assert_eq!(a["container_id"], cid_a.as_str(), "{a}");
-    assert_eq!(a["container_name"], name_of(&with_file));
+    assert_eq!(a["container_name"], container_name_of(&with_file));
     assert_eq!(
         ports(&a).keys().copied().collect::<Vec<_>>(),
         [RUNNER_SSH_PORT, RUNNER_HTTP_PORT],
@@ -1512,7 +1504,7 @@ fn an_upstream_recorded_reason_wins_over_its_containers_exit() {
     }
     let mut shim = TestShim::builder("e2e").build();
     let config = task("upstream-r", 0);
-    let dir = shim.home().join("runners").join(name_of(&config));
+    let dir = shim.home().join("runners").join(container_name_of(&config));
     fs_err::create_dir_all(dir.join("runner")).unwrap();
     fs_err::write(
         dir.join("task.json"),
@@ -1808,7 +1800,7 @@ fn first_release_home_is_migrated_with_its_task_running() {
     let id = "first-1";
     let config = task(id, 1);
     let name = config["name"].as_str().unwrap().to_owned();
-    let cname = name_of(&config);
+    let cname = container_name_of(&config);
     let old_dir = shim.home().join("tasks").join(id);
     fs_err::create_dir_all(old_dir.join("runner")).unwrap();
     let gpu = "GPU-00000000-0000-4000-8000-000000000002";

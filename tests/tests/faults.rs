@@ -40,9 +40,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use shim_e2e::harness::{
-    ContainerSweeper, FAKE_GPUS, HostUser, LosingProxy, RemoveImage, Request, Response, TestShim,
-    bridge_task, container_name, docker_at, docker_at_ok, docker_socket, entries, fake_gpu_ids,
-    run_tag, runner_dir, ssh_key, status_of, try_docker_within, wait_for, write_runner_exit,
+    ContainerSweeper, FAKE_GPUS, HostUser, KEY_MARKER, LosingProxy, RemoveImage, Request, Response,
+    TestShim, bridge_task, container_name_of, docker_at, docker_at_ok, docker_socket, entries,
+    fake_gpu_ids, run_tag, runner_dir, ssh_key, status_of, try_docker_within, wait_for,
+    write_runner_exit,
 };
 use shim_e2e::{
     RUNNER_EXIT_FILE, docker_tests_enabled, image, registry, registry_password, registry_user,
@@ -52,8 +53,6 @@ use shim_e2e::{
 /// Bound of the waits for a status or for convergence (never a timed assertion: generous,
 /// only there so that a hang fails).
 const WAIT: Duration = Duration::from_secs(60);
-/// The suffix of every `authorized_keys` line the shim writes (shim-resources' `MARKER`).
-const MARKER: &str = "# added by dstack-shim";
 /// What the kernel's ENOSPC reads as in an error chain.
 const ENOSPC: &str = "No space left on device";
 
@@ -129,14 +128,6 @@ fn with_host_keys(mut config: Value, user: &str, keys: &[&str]) -> Value {
     config
 }
 
-/// The container name of the task of `config` (SPEC §6).
-fn container_name_of(config: &Value) -> String {
-    container_name(
-        config["name"].as_str().unwrap(),
-        config["id"].as_str().unwrap(),
-    )
-}
-
 /// The base64 field of a key line (what identifies the key).
 fn key_blob(line: &str) -> String {
     line.split_whitespace()
@@ -173,7 +164,7 @@ fn ending(info: &Value) -> [&str; 4] {
 fn marked_keys(user: &HostUser) -> BTreeSet<String> {
     user.lines()
         .iter()
-        .filter(|l| l.trim_end().ends_with(MARKER))
+        .filter(|l| l.trim_end().ends_with(KEY_MARKER))
         .map(|l| key_blob(l))
         .collect()
 }

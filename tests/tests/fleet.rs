@@ -83,8 +83,6 @@ const RUNNER_INSTALLED: &str = "/usr/local/bin/dstack-runner";
 /// Where the server's and the shim's keys go for the fleet's user, root.
 const SSH_DIR: &str = "/root/.ssh";
 const AUTHORIZED_KEYS: &str = "/root/.ssh/authorized_keys";
-/// What ends the lines the shim writes into `authorized_keys` (shim_resources::keys::MARKER).
-const SHIM_KEY_MARKER: &str = "# added by dstack-shim";
 /// The fixed ports of the shim and the runner (upstream: core/consts.py).
 const FIXED_PORTS: [u16; 3] = [10998, 10999, 10022];
 const SHIM_PORT: u16 = 10998;
@@ -1020,7 +1018,7 @@ fn shim_key_lines() -> usize {
     fs_err::read_to_string(AUTHORIZED_KEYS)
         .unwrap_or_default()
         .lines()
-        .filter(|l| l.trim_end().ends_with(SHIM_KEY_MARKER))
+        .filter(|l| l.trim_end().ends_with(shim_e2e::harness::KEY_MARKER))
         .count()
 }
 

@@ -151,17 +151,15 @@ pub fn package(root: &Path) -> Result<()> {
     let metadata =
         cmd::output(cargo_in(root).args(["metadata", "--format-version", "1", "--no-deps"]))?;
     let metadata: serde_json::Value = serde_json::from_str(&metadata)?;
-    let ours: Vec<String> = metadata["packages"]
+    let packages: Vec<(&str, &str)> = metadata["packages"]
         .as_array()
         .into_iter()
         .flatten()
-        .map(|p| {
-            format!(
-                "{}-{}",
-                p["name"].as_str().unwrap_or(""),
-                p["version"].as_str().unwrap_or("")
-            )
-        })
+        .filter_map(|p| Some((p["name"].as_str()?, p["version"].as_str()?)))
+        .collect();
+    let ours: Vec<String> = packages
+        .iter()
+        .map(|(name, version)| format!("{name}-{version}"))
         .collect();
     let cargo_home = std::env::var_os("CARGO_HOME")
         .map(std::path::PathBuf::from)
@@ -198,10 +196,8 @@ pub fn package(root: &Path) -> Result<()> {
     let target = root.join("target").join("package-check");
     let mut clean = cargo_in(root);
     clean.args(["clean", "--target-dir"]).arg(&target);
-    for name in &ours {
-        if let Some((package, _)) = name.rsplit_once('-') {
-            clean.args(["-p", package]);
-        }
+    for (package, _) in &packages {
+        clean.args(["-p", package]);
     }
     if target.exists() {
         cmd::run(&mut clean)?;

@@ -196,6 +196,10 @@ impl Upgrader {
             match hashed {
                 Ok((Ok(before), Ok(sha), Ok(after))) if before == after => (before, sha),
                 Ok((_, Err(e), _)) => return self.refuse("", "", error_chain(&e)).await,
+                Ok((Err(e), _, _) | (_, _, Err(e))) => {
+                    tracing::warn!(path = %path.display(), error = %e, "cannot stat the installed binary; exiting");
+                    return Decision::Exit;
+                }
                 Ok(_) => {
                     // An install in progress (a person's: the server waits for its own).
                     tracing::warn!(path = %path.display(), "the binary changed while it was read; exiting");

@@ -61,6 +61,8 @@ pub use shim::{
 };
 pub use sse::{SseEvent, SseParser, parse_block};
 pub use supervisor::Supervisor;
-pub use task::{bridge_task, container_name, fake_gpu_ids, run_tag, ssh_key};
+pub use task::{
+    KEY_MARKER, bridge_task, container_name, container_name_of, fake_gpu_ids, run_tag, ssh_key,
+};
 pub use user::HostUser;
 pub use wait::{wait_for, wait_until};

@@ -57,6 +57,17 @@ pub fn container_name(name: &str, id: &str) -> String {
     format!("{name}-{hex}")
 }
 
+/// The container name of the task of `config` (a task config as JSON).
+pub fn container_name_of(config: &serde_json::Value) -> String {
+    container_name(
+        config["name"].as_str().unwrap_or_default(),
+        config["id"].as_str().unwrap_or_default(),
+    )
+}
+
+/// What ends every line the shim writes into `authorized_keys` (shim-resources' `MARKER`).
+pub const KEY_MARKER: &str = "# added by dstack-shim";
+
 /// The ids of the [`FAKE_GPUS`] fake GPUs of a [`super::TestShim`] (`--fake-gpus`).
 pub fn fake_gpu_ids() -> BTreeSet<String> {
     (0..FAKE_GPUS)
