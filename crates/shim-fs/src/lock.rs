@@ -54,12 +54,15 @@ impl FileLock {
 }
 
 fn open(path: &Path) -> Result<File> {
-    // Errors name the path through `Error::io` (so no fs-err here).
+    // Errors name the path through `Error::io` (so no fs-err here). Never through a symbolic
+    // link (the crate's rule): a link planted at the lock path is an error, not a file
+    // created or locked elsewhere.
     std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
         .mode(0o600)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
         .open(path)
         .map_err(|e| Error::io(Step::Open, path, e))
 }
@@ -67,6 +70,16 @@ fn open(path: &Path) -> Result<File> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_symbolic_link_at_the_lock_path_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let elsewhere = dir.path().join("elsewhere");
+        let path = dir.path().join("x.lock");
+        std::os::unix::fs::symlink(&elsewhere, &path).unwrap();
+        assert!(FileLock::try_exclusive(&path).is_err());
+        assert!(!elsewhere.exists(), "the lock created the link's target");
+    }
 
     #[test]
     fn one_holder_at_a_time() {
