@@ -125,7 +125,7 @@ impl Collector for State {
                 if t.record().status == TaskStatus::Terminated && r.holds_any() {
                     pending += 1;
                 }
-                if t.is_dirty() && !t.is_progress_only() {
+                if t.write_failed() {
                     unwritten += 1;
                 }
             });

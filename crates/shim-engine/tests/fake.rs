@@ -1857,6 +1857,20 @@ async fn a_terminate_whose_write_fails_still_stops_and_releases() {
         TaskStatus::Running,
         "not durable yet"
     );
+    let mut registry = prometheus_client::registry::Registry::default();
+    engine.register_metrics(&mut registry);
+    let unwritten = |registry: &prometheus_client::registry::Registry| {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix("dstack_shim_unwritten_tasks "))
+            .map(str::to_owned)
+    };
+    assert_eq!(
+        unwritten(&registry).as_deref(),
+        Some("1.0"),
+        "one task's write failed"
+    );
     break_state_file(&w, &kept.container_name, false);
     let mut info = engine.task_info(&tid("t-kept")).unwrap();
     for _ in 0..500 {
@@ -1868,6 +1882,11 @@ async fn a_terminate_whose_write_fails_still_stops_and_releases() {
     }
     assert_eq!(info.status, TaskStatus::Terminated, "{info:?}");
     assert_eq!(info.termination_reason, "terminated_by_user");
+    assert_eq!(
+        unwritten(&registry).as_deref(),
+        Some("0.0"),
+        "written since"
+    );
     assert_eq!(info.termination_message, "stop");
     let file = state_file_of(&w, &kept.container_name);
     assert_eq!(file["termination_reason"], "terminated_by_user", "{file}");
