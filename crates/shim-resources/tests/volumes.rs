@@ -2,6 +2,7 @@
 //! The real-device tests are in `loop_volumes.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // a test file: panics are failures
 
+use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -276,6 +277,18 @@ fn mount_points_from_mountinfo() {
         Path::new("/mnt/disks/dstack-volumes")
     ));
     assert!(!is_mount_point_in(table, Path::new("/mnt/with\\040space")));
+    // Byte for byte: a name that is not UTF-8 is found as it is; a backslash not followed by
+    // three octal digits is kept.
+    let odd = "45 22 7:2 / /mnt/\\377x rw - ext4 /dev/loop2 rw\n\
+               46 22 7:3 / /mnt/a\\09 rw - ext4 /dev/loop3 rw\n";
+    let points: Vec<std::path::PathBuf> = shim_resources::volumes::mount_points(odd).collect();
+    assert_eq!(
+        points,
+        [
+            std::path::PathBuf::from(std::ffi::OsStr::from_bytes(b"/mnt/\xffx")),
+            std::path::PathBuf::from("/mnt/a\\09"),
+        ]
+    );
 }
 
 #[tokio::test]

@@ -40,7 +40,9 @@ use crate::error::Result;
 
 pub use block::BlockVolumes;
 pub use mounter::{Mounter, SystemMounter};
-pub use parse::{Probe, aws_fallback_names, find_aws_device, is_mount_point_in, parse_blkid};
+pub use parse::{
+    Probe, aws_fallback_names, find_aws_device, is_mount_point_in, mount_points, parse_blkid,
+};
 
 /// Where volumes are mounted by default.
 pub const DEFAULT_VOLUMES_ROOT: &str = "/mnt/disks/dstack-volumes";

@@ -1,7 +1,8 @@
 //! Pure parsers of the tools' outputs: `blkid -p -o export`, `lsblk -J`, and the mount table
 //! (`/proc/self/mountinfo`).
 
-use std::path::Path;
+use std::os::unix::ffi::OsStringExt as _;
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
@@ -131,15 +132,20 @@ pub fn aws_fallback_names(device_name: &str) -> Vec<String> {
 
 /// Whether `path` is a mount point according to a mountinfo table's content.
 pub fn is_mount_point_in(mountinfo: &str, path: &Path) -> bool {
-    mountinfo.lines().any(|line| {
-        line.split(' ')
-            .nth(4)
-            .is_some_and(|mp| Path::new(&unescape_mountinfo(mp)) == path)
-    })
+    mount_points(mountinfo).any(|mp| mp == path)
+}
+
+/// The mount points of a mountinfo table's content (`/proc/<pid>/mountinfo`), in its order,
+/// byte for byte: its octal escapes (`\040` for a space, …) undone, no UTF-8 required.
+pub fn mount_points(mountinfo: &str) -> impl Iterator<Item = PathBuf> + '_ {
+    mountinfo
+        .lines()
+        .filter_map(|line| line.split(' ').nth(4))
+        .map(unescape_mountinfo)
 }
 
 /// Undoes mountinfo's octal escapes (`\040` for a space, …).
-fn unescape_mountinfo(s: &str) -> String {
+fn unescape_mountinfo(s: &str) -> PathBuf {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -160,5 +166,5 @@ fn unescape_mountinfo(s: &str) -> String {
         out.push(b[i]);
         i += 1;
     }
-    String::from_utf8_lossy(&out).into_owned()
+    PathBuf::from(std::ffi::OsString::from_vec(out))
 }
