@@ -237,7 +237,8 @@ impl Engine {
     ///                 println!("{id} is {status}");
     ///             }
     ///         }
-    ///         Err(shim_engine::SubscriptionError::Closed) => break,
+    ///         // Closed, or what a later version adds (the type is non-exhaustive).
+    ///         Err(_) => break,
     ///     }
     /// }
     /// # }

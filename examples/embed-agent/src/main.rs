@@ -98,7 +98,8 @@ async fn run() -> Result<(), AnyError> {
             Ok(Ok(change)) if change.task == id => change,
             Ok(Ok(_)) => continue,
             Ok(Err(SubscriptionError::Lagged { .. })) => continue,
-            Ok(Err(SubscriptionError::Closed)) => return Err("the engine closed".into()),
+            // Closed, or what a later version adds (the type is non-exhaustive).
+            Ok(Err(e)) => return Err(format!("the subscription ended: {e}").into()),
         };
         println!("change #{}: {:?}", change.seq, change.kind);
         match change.kind {
