@@ -54,6 +54,20 @@ pub enum RuntimeError {
         /// The daemon's message.
         message: String,
     },
+    /// A bind mount's source is missing on the host, so the container was not created. The
+    /// shim checks this itself before asking the engine, because engines differ: Docker
+    /// refuses such a create, Podman makes an empty directory at the path (a missing runner
+    /// binary would become a directory there).
+    #[error("create {what}: bind source path does not exist: {}", path.display())]
+    BindSourceMissing {
+        /// The container concerned, e.g. `container abc`.
+        what: String,
+        /// The missing source.
+        path: PathBuf,
+        /// What the lookup said.
+        #[source]
+        source: std::io::Error,
+    },
     /// An image pull failed.
     #[error("pulling image {image} failed after {downloaded_bytes} bytes: {message}")]
     PullFailed {
@@ -149,6 +163,11 @@ mod tests {
             RuntimeError::PullLog {
                 path: "/x/pull.log".into(),
                 source: io(),
+            },
+            RuntimeError::BindSourceMissing {
+                what: "container c1".into(),
+                path: "/x/dstack-runner".into(),
+                source: std::io::Error::from_raw_os_error(2),
             },
             RuntimeError::Other {
                 op: "inspect",

@@ -4,8 +4,8 @@
 //! It records every call ([`FakeRuntime::calls`]) and can be told to make a container exit
 //! ([`FakeRuntime::exit`], which also emits the exit event), vanish, fail or hang on start,
 //! fail, hang or time out on pull, hold stops, report logs, answer lists and event
-//! subscriptions late, refuse a create whose bind source is missing (as Docker does),
-//! break event streams, or have the daemon unreachable.
+//! subscriptions late, refuse a create whose bind source is missing (as the Docker runtime
+//! does), break event streams, or have the daemon unreachable.
 //!
 //! Container ids are 64 hex digits, counting up from 1; published host ports are assigned from
 //! 32768 upwards at start, in bridge mode.
@@ -23,7 +23,7 @@ use crate::error::BoxError;
 use crate::spec::{ContainerSpec, NetworkMode};
 use crate::types::{
     ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, EventKind, MountPoint,
-    PublishedPort, PullProgress, PullRequest,
+    PublishedPort, PullProgress, PullRequest, has_labels,
 };
 use crate::{ContainerRuntime, EventStream, ProgressFn, Result, RuntimeError};
 
@@ -221,14 +221,6 @@ fn mount_points(spec: &ContainerSpec) -> Vec<MountPoint> {
             read_write: !m.read_only,
         })
         .collect()
-}
-
-/// Docker's label filter: every `(key, value)` matches, an empty value only asks for the key.
-fn has_labels(have: &BTreeMap<String, String>, want: &[(String, String)]) -> bool {
-    want.iter().all(|(k, v)| match have.get(k) {
-        Some(h) => v.is_empty() || h == v,
-        None => false,
-    })
 }
 
 impl FakeRuntime {
@@ -432,10 +424,10 @@ impl FakeRuntime {
         self.stops_released.send_modify(|n| *n += 1);
     }
 
-    /// Makes creates check, as Docker does for `Mounts` of type `bind`, that every bind
-    /// mount's source exists on this host: a create with a missing one fails ("bind source
-    /// path does not exist") and makes no container. Off by default (tests mount made-up
-    /// paths).
+    /// Makes creates check, as the Docker runtime does before it asks the engine, that every
+    /// bind mount's source exists on this host: a create with a missing one fails
+    /// ([`RuntimeError::BindSourceMissing`]) and makes no container. Off by default (tests
+    /// mount made-up paths).
     pub fn check_bind_sources(&self, on: bool) {
         self.lock().check_bind_sources = on;
     }
@@ -741,26 +733,21 @@ impl ContainerRuntime for FakeRuntime {
 
     async fn create(&self, spec: &ContainerSpec) -> Result<String> {
         let mut state = self.record(Call::Create(Box::new(spec.clone())), &spec.name)?;
+        if state.check_bind_sources {
+            // The Docker runtime's own check, made before it asks the engine.
+            for m in &spec.mounts {
+                if let Err(e) = fs_err::metadata(&m.source) {
+                    return Err(RuntimeError::BindSourceMissing {
+                        what: format!("container {}", spec.name),
+                        path: m.source.clone(),
+                        source: std::io::Error::from(e.kind()),
+                    });
+                }
+            }
+        }
         if !state.images.contains(&spec.image) {
             return Err(RuntimeError::NotFound {
                 what: format!("image {}", spec.image),
-            });
-        }
-        if state.check_bind_sources
-            && let Some(missing) = spec
-                .mounts
-                .iter()
-                .find(|m| fs_err::metadata(&m.source).is_err())
-        {
-            // Docker's answer (API 1.41) for `Mounts` of type `bind` with a missing source.
-            return Err(RuntimeError::Daemon {
-                op: "create",
-                what: format!("container {}", spec.name),
-                status: 400,
-                message: format!(
-                    "invalid mount config for type \"bind\": bind source path does not exist: {}",
-                    missing.source.display()
-                ),
             });
         }
         if state.containers.values().any(|c| c.spec.name == spec.name) {
@@ -1185,6 +1172,10 @@ mod tests {
         fake.check_bind_sources(true);
         let e = fake.create(&s).await.unwrap_err();
         let text = e.to_string();
+        assert!(
+            matches!(&e, RuntimeError::BindSourceMissing { path, .. } if *path == dir.path().join("missing")),
+            "{e:?}"
+        );
         assert!(
             text.contains("bind source path does not exist")
                 && text.contains(&dir.path().join("missing").display().to_string()),

@@ -76,7 +76,8 @@ pub trait ContainerRuntime: Send + Sync {
     async fn inspect(&self, id_or_name: &str) -> Result<ContainerDetails>;
 
     /// Lists the containers (in every state) carrying all of `labels`, in one request. A label
-    /// with an empty value matches any value (the label is present).
+    /// with an empty value matches any value (the label is present). The labels are checked
+    /// by the shim on the engine's answer (engines differ in how they combine label filters).
     async fn list(&self, labels: &[(String, String)]) -> Result<Vec<ContainerSummary>>;
 
     /// Stops a container: SIGTERM, then SIGKILL after `timeout` (zero kills at once). A
@@ -90,8 +91,9 @@ pub trait ContainerRuntime: Send + Sync {
     /// returns them, without trailing newlines.
     async fn logs_tail(&self, id: &str, n: usize) -> Result<Vec<String>>;
 
-    /// Subscribes to the `die`, `oom` and `destroy` events of containers carrying all of
-    /// `labels` (an empty value: the label is present), from `since_ns` (Unix nanoseconds;
+    /// Subscribes to the `die`, `oom` and `destroy` events (Podman's `died` and `remove`
+    /// alike) of containers carrying all of `labels` (an empty value: the label is present;
+    /// checked by the shim, not left to the engine), from `since_ns` (Unix nanoseconds;
     /// the runtime replays what it still remembers of the events since then) or from now on.
     /// The stream ends or errs when the connection is lost; events the runtime dropped are
     /// not in it, so a subscriber relists after every (re)connection.

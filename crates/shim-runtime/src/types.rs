@@ -62,7 +62,8 @@ pub enum ContainerState {
     Exited,
     /// Dead (the daemon failed to stop or remove it).
     Dead,
-    /// A state this crate does not know.
+    /// A state this crate does not know (Podman's `stopped`, `stopping`, `unknown`): one to
+    /// wait on, which [`Self::is_running`] counts as alive.
     Other(String),
 }
 
@@ -81,10 +82,20 @@ impl ContainerState {
         }
     }
 
-    /// Whether the container's process is (or may still be) alive: running, paused or
-    /// restarting.
+    /// Whether the container's process is (or may still be) alive: running, paused,
+    /// restarting, or a state this crate does not know ([`Self::Other`]).
+    ///
+    /// An unknown state is one to wait on, never an exit: Podman reports `stopping` while a
+    /// stop's grace period runs, and `stopped` for a moment after an exit, before it has read
+    /// the exit code (Podman 4.3: libpod/oci_conmon_common.go takes `stopped` from the OCI
+    /// runtime; the exit file is read later; later Podmans map it to `exited` in their compat
+    /// API, pkg/api/handlers/compat/containers.go). Reading either as exited would end a task
+    /// whose process runs, or with a wrong exit code; the next look tells.
     pub fn is_running(&self) -> bool {
-        matches!(self, Self::Running | Self::Paused | Self::Restarting)
+        matches!(
+            self,
+            Self::Running | Self::Paused | Self::Restarting | Self::Other(_)
+        )
     }
 }
 
@@ -101,6 +112,16 @@ impl fmt::Display for ContainerState {
             Self::Other(s) => s,
         })
     }
+}
+
+/// Whether `have` carries all of `want` (a wanted label with an empty value: the label is
+/// present, whatever its value). The one meaning of a label filter in this crate: the Docker
+/// runtime checks it in the shim on what the engine returns, the fake on what it holds.
+pub(crate) fn has_labels(have: &BTreeMap<String, String>, want: &[(String, String)]) -> bool {
+    want.iter().all(|(k, v)| match have.get(k) {
+        Some(h) => v.is_empty() || h == v,
+        None => false,
+    })
 }
 
 /// A container port published on a host port (IPv4).

@@ -1,17 +1,18 @@
 //! Conversions between bollard's models and this crate's types.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use bollard::models::{
     ContainerCreateBody, ContainerInspectResponse, DeviceMapping as DockerDevice,
-    DeviceRequest as DockerDeviceRequest, EventMessage, HostConfig, Mount, MountType, PortBinding,
-    PortMap, ResourcesUlimits,
+    DeviceRequest as DockerDeviceRequest, EventMessage, EventMessageTypeEnum, HostConfig, Mount,
+    MountType, PortBinding, PortMap, ResourcesUlimits,
 };
+use serde_json::Value;
 
 use crate::spec::{ContainerSpec, DeviceMapping, DeviceRequest, NetworkMode};
 use crate::types::{
     ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, EventKind, MountPoint,
-    PublishedPort,
+    PublishedPort, has_labels,
 };
 
 /// A container list entry.
@@ -45,20 +46,24 @@ fn mounts(mounts: Option<Vec<bollard::models::MountPoint>>) -> Vec<MountPoint> {
         .collect()
 }
 
-/// Docker's label filters: `key=value`, or `key` alone (the label is present) for an empty
-/// value.
-pub(super) fn label_filters(labels: &[(String, String)]) -> HashMap<String, Vec<String>> {
-    let values = labels
+/// The one server-side label filter a list asks for: a pre-filter that can only narrow
+/// correctly, whatever the engine; [`has_labels`] then checks every label in the shim.
+///
+/// One filter, because Podman ORs several `label=` filters where Docker ANDs them (DESIGN,
+/// "Engines beyond this machine's Docker"): with one, both mean the same. A `key=value` label
+/// if there is one (exact match is what every engine implements); else `key` alone, which
+/// Docker and Podman's list both read as "the label is present" (Podman 4.3:
+/// vendor/github.com/containers/common/pkg/filters/filters.go, `MatchLabelFilters`). An
+/// engine that ignored it would only answer more, which the shim's own check removes. No
+/// labels: no filter.
+pub(super) fn list_prefilter(labels: &[(String, String)]) -> HashMap<String, Vec<String>> {
+    let pick = labels
         .iter()
-        .map(|(k, v)| {
-            if v.is_empty() {
-                k.clone()
-            } else {
-                format!("{k}={v}")
-            }
-        })
-        .collect();
-    HashMap::from([("label".to_owned(), values)])
+        .find(|(_, v)| !v.is_empty())
+        .map(|(k, v)| format!("{k}={v}"))
+        .or_else(|| labels.first().map(|(k, _)| k.clone()));
+    pick.map(|f| HashMap::from([("label".to_owned(), vec![f])]))
+        .unwrap_or_default()
 }
 
 /// The IPv4 host bindings of a container list entry, sorted.
@@ -289,20 +294,111 @@ pub(super) fn details(resp: ContainerInspectResponse) -> ContainerDetails {
     }
 }
 
-pub(super) fn container_event(msg: EventMessage) -> Option<ContainerEvent> {
+/// Takes the state string at `pointer` out of `value`, leaving `null` (which bollard reads as
+/// "absent") in its place.
+fn take_state(value: &mut Value, pointer: &str) -> Option<String> {
+    let slot = value.pointer_mut(pointer)?;
+    match slot.take() {
+        Value::String(s) => Some(s),
+        other => {
+            *slot = other;
+            None
+        }
+    }
+}
+
+/// An inspect answer that bollard could not read, read again without its state: bollard's
+/// state enum fails on a state it does not know (Podman 4.3's `stopped` and `unknown`), which
+/// would make the whole inspect an error. The state string is kept as this crate reads it
+/// ([`ContainerState::parse`]: an unknown one is [`ContainerState::Other`], a state to wait
+/// on). Errors only where more than the state is unreadable.
+pub(super) fn details_from_json(json: &str) -> serde_json::Result<ContainerDetails> {
+    let mut value: Value = serde_json::from_str(json)?;
+    let state = take_state(&mut value, "/State/Status");
+    let mut d = details(serde_json::from_value(value)?);
+    if let Some(state) = state {
+        d.state = ContainerState::parse(&state);
+    }
+    Ok(d)
+}
+
+/// A list answer that bollard could not read, read again without the entries' states (see
+/// [`details_from_json`]): one container in a state bollard does not know, anyone's, would
+/// otherwise make the whole list an error.
+pub(super) fn summaries_from_json(json: &str) -> serde_json::Result<Vec<ContainerSummary>> {
+    let mut value: Value = serde_json::from_str(json)?;
+    let states: Vec<Option<String>> = match value.as_array_mut() {
+        Some(entries) => entries
+            .iter_mut()
+            .map(|e| take_state(e, "/State"))
+            .collect(),
+        None => Vec::new(),
+    };
+    let entries: Vec<bollard::models::ContainerSummary> = serde_json::from_value(value)?;
+    Ok(entries
+        .into_iter()
+        .zip(states.into_iter().chain(std::iter::repeat(None)))
+        .map(|(c, state)| {
+            let mut s = summary(c);
+            if let Some(state) = state {
+                s.state = ContainerState::parse(&state);
+            }
+            s
+        })
+        .collect())
+}
+
+/// The events a subscription asks the engine for: `type=container` only, the one event filter
+/// every engine honours. The label and event-name filters are the shim's
+/// ([`container_event`]): Podman's event filter on a label key alone matches nothing (Podman
+/// 4.3: libpod/events/filters.go, a `label` filter without `=` is false), and its event names
+/// are not Docker's.
+pub(super) fn event_filters() -> HashMap<String, Vec<String>> {
+    HashMap::from([("type".to_owned(), vec!["container".to_owned()])])
+}
+
+/// The exit code of a `die` event: Docker's `exitCode` attribute, or Podman's
+/// `containerExitCode` (Podman's compat API copies it into `exitCode` when it renames `died`
+/// to `die`, pkg/api/handlers/compat/events.go; an event that kept its libpod name has only
+/// `containerExitCode`).
+fn exit_code(attributes: &HashMap<String, String>) -> Option<i64> {
+    ["exitCode", "containerExitCode"]
+        .iter()
+        .find_map(|key| attributes.get(*key)?.parse::<i64>().ok())
+}
+
+/// One engine event as the shim sees it: a container event among this subscription's
+/// (`labels` checked as [`crate::ContainerRuntime::events`] says, on the labels the engine
+/// puts among the actor's attributes) whose action is an exit, an OOM kill or a removal, in
+/// Docker's names or Podman's (`died`, and `remove` for Docker's `destroy`: libpod's
+/// events/config.go statuses `Exited` and `Remove`). Anything else: `None`.
+pub(super) fn container_event(
+    msg: EventMessage,
+    labels: &[(String, String)],
+) -> Option<ContainerEvent> {
+    if msg
+        .typ
+        .is_some_and(|t| t != EventMessageTypeEnum::CONTAINER)
+    {
+        return None;
+    }
     let mut actor = msg.actor?;
     let container_id = actor.id?;
     let attributes = actor.attributes.take().unwrap_or_default();
     let kind = match msg.action.as_deref()? {
-        "die" => EventKind::Die {
-            exit_code: attributes
-                .get("exitCode")
-                .and_then(|c| c.parse::<i64>().ok()),
+        "die" | "died" => EventKind::Die {
+            exit_code: exit_code(&attributes),
         },
         "oom" => EventKind::Oom,
-        "destroy" => EventKind::Destroy,
+        "destroy" | "remove" => EventKind::Destroy,
         _ => return None,
     };
+    // Docker and Podman put the labels among the attributes, with name, image and the exit
+    // code.
+    let attributes: BTreeMap<String, String> = attributes.into_iter().collect();
+    if !has_labels(&attributes, labels) {
+        return None;
+    }
     let name = attributes
         .get("name")
         .map(|n| strip_slash(n))
@@ -315,8 +411,7 @@ pub(super) fn container_event(msg: EventMessage) -> Option<ContainerEvent> {
         container_id,
         name,
         kind,
-        // Docker puts the labels among the attributes, with name, image and exitCode.
-        labels: attributes.into_iter().collect(),
+        labels: attributes,
         time_ns,
     })
 }
@@ -397,5 +492,187 @@ mod tests {
         });
         assert!(host_mode.exposed_ports.is_none());
         assert!(host_mode.host_config.unwrap().port_bindings.is_none());
+    }
+
+    fn events_of(fixture: &str, labels: &[(String, String)]) -> Vec<ContainerEvent> {
+        fixture
+            .lines()
+            .map(|line| serde_json::from_str::<EventMessage>(line).unwrap())
+            .filter_map(|msg| container_event(msg, labels))
+            .collect()
+    }
+
+    fn any_task() -> Vec<(String, String)> {
+        vec![("ai.dstack.shim.task-id".to_owned(), String::new())]
+    }
+
+    /// The engine is asked for container events only; no label and no event name reach it.
+    #[test]
+    fn events_ask_the_engine_for_container_events_only() {
+        assert_eq!(
+            event_filters(),
+            HashMap::from([("type".to_owned(), vec!["container".to_owned()])])
+        );
+    }
+
+    /// Docker 20.10's events, as the daemon streams them: the shim keeps the exits, OOM kills
+    /// and removals of containers carrying the label (a label key alone: present), and drops
+    /// the rest (a start, another container's exit, a network event).
+    #[test]
+    fn docker_events_are_filtered_in_the_shim() {
+        let events = events_of(
+            include_str!("fixtures/events-docker-20.10.jsonl"),
+            &any_task(),
+        );
+        let kinds: Vec<_> = events
+            .iter()
+            .map(|e| (e.name.as_str(), e.kind.clone(), e.time_ns))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                ("t1-0-aaaa", EventKind::Oom, 1_700_000_001_200_000_000),
+                (
+                    "t1-0-aaaa",
+                    EventKind::Die {
+                        exit_code: Some(137)
+                    },
+                    1_700_000_001_300_000_000
+                ),
+                ("t1-0-aaaa", EventKind::Destroy, 1_700_000_003_000_000_000),
+            ]
+        );
+        assert_eq!(events[1].labels["ai.dstack.shim.task-id"], "t1");
+        // A label with a value must match it.
+        let other = [("ai.dstack.shim.task-id".to_owned(), "t9".to_owned())];
+        assert!(events_of(include_str!("fixtures/events-docker-20.10.jsonl"), &other).is_empty());
+        let none = events_of(include_str!("fixtures/events-docker-20.10.jsonl"), &[]);
+        assert_eq!(none.len(), 4, "no labels: every container's: {none:?}");
+    }
+
+    /// Podman 4.3's events: the exit comes as `died` with `containerExitCode` only, or
+    /// renamed `die` by the compat API with `exitCode` too; a removal is `remove`. Labels are
+    /// among the attributes, as with Docker.
+    #[test]
+    fn podman_events_died_and_remove_are_understood() {
+        let events = events_of(
+            include_str!("fixtures/events-podman-4.3.jsonl"),
+            &any_task(),
+        );
+        let kinds: Vec<_> = events
+            .iter()
+            .map(|e| (e.name.as_str(), e.kind.clone()))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                ("t2-0-bbbb", EventKind::Die { exit_code: Some(3) }),
+                ("t3-0-cccc", EventKind::Die { exit_code: Some(1) }),
+                ("t2-0-bbbb", EventKind::Destroy),
+            ]
+        );
+        assert!(events[0].container_id.starts_with("e5e5e5e5"), "{events:?}");
+    }
+
+    /// An event of another type never becomes a container event, whatever its action.
+    #[test]
+    fn only_container_events_count() {
+        let line = r#"{"Type":"volume","Action":"destroy","Actor":{"ID":"v1","Attributes":{"ai.dstack.shim.task-id":"t1","driver":"local"}},"scope":"local","time":1,"timeNano":1000000000}"#;
+        let msg: EventMessage = serde_json::from_str(line).unwrap();
+        assert_eq!(container_event(msg, &any_task()), None);
+    }
+
+    /// The one label filter a list sends narrows correctly whether the engine ANDs or ORs
+    /// several: a `key=value` label if there is one, else a key; the shim checks the rest.
+    #[test]
+    fn a_list_sends_one_label_filter() {
+        let labels = vec![
+            ("ai.dstack.shim.task-id".to_owned(), String::new()),
+            ("ai.dstack.shim.owner".to_owned(), "me".to_owned()),
+        ];
+        assert_eq!(
+            list_prefilter(&labels),
+            HashMap::from([(
+                "label".to_owned(),
+                vec!["ai.dstack.shim.owner=me".to_owned()]
+            )])
+        );
+        assert_eq!(
+            list_prefilter(&any_task()),
+            HashMap::from([(
+                "label".to_owned(),
+                vec!["ai.dstack.shim.task-id".to_owned()]
+            )])
+        );
+        assert!(list_prefilter(&[]).is_empty());
+    }
+
+    /// Podman 4.3's inspect answer for a container that has just exited: `stopped`, which
+    /// bollard's enum rejects. Read without it, the state is one to wait on (not exited: the
+    /// exit code, 0 here, is not read yet), and everything else is read as usual.
+    #[test]
+    fn podman_stopped_inspect_is_a_state_to_wait_on() {
+        let json = include_str!("fixtures/inspect-podman-4.3-stopped.json");
+        let typed = serde_json::from_str::<ContainerInspectResponse>(json);
+        assert!(
+            typed
+                .as_ref()
+                .is_err_and(|e| e.to_string().contains("stopped")),
+            "bollard reads it now: the fallback may be unneeded: {typed:?}"
+        );
+        let d = details_from_json(json).unwrap();
+        assert_eq!(d.state, ContainerState::Other("stopped".to_owned()));
+        assert!(d.state.is_running(), "an unknown state is waited on");
+        assert_eq!(d.name, "t2-0-bbbb");
+        assert_eq!(d.image, "localhost/shim-test:1");
+        assert_eq!(d.labels["ai.dstack.shim.task-id"], "t2");
+        assert_eq!(d.mounts[0].source, "/root/.dstack/runners/t2-0-bbbb");
+        assert_eq!(d.finished_at, None);
+        assert_eq!(d.shm_size, 65_536_000);
+        for (state, expected) in [
+            ("stopping", ContainerState::Other("stopping".to_owned())),
+            ("unknown", ContainerState::Other("unknown".to_owned())),
+            ("exited", ContainerState::Exited),
+        ] {
+            let json = json.replace("\"stopped\"", &format!("\"{state}\""));
+            assert_eq!(details_from_json(&json).unwrap().state, expected);
+        }
+    }
+
+    /// Podman 4.3's list: one entry `stopped` and one `stopping` (bollard rejects both) must
+    /// not make the whole list an error.
+    #[test]
+    fn podman_list_with_unknown_states_is_read() {
+        let json = include_str!("fixtures/list-podman-4.3.json");
+        assert!(serde_json::from_str::<Vec<bollard::models::ContainerSummary>>(json).is_err());
+        let list = summaries_from_json(json).unwrap();
+        let states: Vec<_> = list
+            .iter()
+            .map(|c| (c.name.as_str(), c.state.clone(), c.state.is_running()))
+            .collect();
+        assert_eq!(
+            states,
+            [
+                (
+                    "t2-0-bbbb",
+                    ContainerState::Other("stopped".to_owned()),
+                    true
+                ),
+                (
+                    "t4-0-dddd",
+                    ContainerState::Other("stopping".to_owned()),
+                    true
+                ),
+                ("someone-elses", ContainerState::Running, true),
+            ]
+        );
+        assert_eq!(
+            list[1].ports,
+            [PublishedPort {
+                container: 10999,
+                host: 40123
+            }]
+        );
+        assert_eq!(list[0].mounts[0].destination, "/tmp/runner");
     }
 }

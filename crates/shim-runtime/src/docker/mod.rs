@@ -22,10 +22,13 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::spec::ContainerSpec;
-use crate::types::{ContainerDetails, ContainerSummary, PullProgress, PullRequest};
+use crate::types::{ContainerDetails, ContainerSummary, PullProgress, PullRequest, has_labels};
 use crate::{ContainerRuntime, EventStream, ProgressFn, Result, RuntimeError};
 
-use convert::{container_event, create_body, details, label_filters, summary};
+use convert::{
+    container_event, create_body, details, details_from_json, event_filters, list_prefilter,
+    summaries_from_json, summary,
+};
 use progress::{ProgressFolder, PullLog};
 
 /// How long any request may wait for the daemon's answer to begin (streams then run on).
@@ -60,6 +63,12 @@ fn translate(op: &'static str, what: String, err: BollardError) -> RuntimeError 
             status: status_code,
             message,
         },
+        // The answer could not be read. Its text (bollard's `json_data_content`, kept for the
+        // readings of `details_from_json` and `summaries_from_json`) is dropped here: an
+        // inspect answer carries the container's environment, which no log may show.
+        BollardError::JsonDataError {
+            message, column, ..
+        } => malformed(op, what, &message, column),
         err @ (BollardError::SocketNotFoundError(_)
         | BollardError::HyperLegacyError { .. }
         | BollardError::HyperResponseError { .. }
@@ -77,8 +86,47 @@ fn translate(op: &'static str, what: String, err: BollardError) -> RuntimeError 
     }
 }
 
+/// An answer that could not be read (its text is not kept: see [`translate`]).
+fn malformed(op: &'static str, what: String, message: &str, column: usize) -> RuntimeError {
+    RuntimeError::Other {
+        op,
+        what,
+        source: format!("malformed answer at column {column}: {message}").into(),
+    }
+}
+
 fn container(id: &str) -> String {
     format!("container {id}")
+}
+
+/// Checks that every bind source of `spec` exists (following links, as the engine does),
+/// before the engine is asked: a missing one is [`RuntimeError::BindSourceMissing`] and
+/// nothing is created. SPEC §6's rule (a missing runner binary touches nothing) must not
+/// depend on the engine refusing: Docker does (for `Mounts` of type `bind`), Podman creates
+/// an empty directory at the path. A lookup that fails otherwise (a permission the shim
+/// lacks) is left for the engine to judge.
+async fn check_bind_sources(spec: &ContainerSpec) -> Result<()> {
+    for mount in &spec.mounts {
+        match tokio::fs::metadata(&mount.source).await {
+            Ok(_) => {}
+            Err(source)
+                if matches!(
+                    source.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+                ) =>
+            {
+                return Err(RuntimeError::BindSourceMissing {
+                    what: container(&spec.name),
+                    path: mount.source.clone(),
+                    source,
+                });
+            }
+            Err(err) => {
+                debug!(container = %spec.name, source = %mount.source.display(), %err, "cannot look at a bind source; the engine decides");
+            }
+        }
+    }
+    Ok(())
 }
 
 impl DockerRuntime {
@@ -244,6 +292,7 @@ impl ContainerRuntime for DockerRuntime {
     }
 
     async fn create(&self, spec: &ContainerSpec) -> Result<String> {
+        check_bind_sources(spec).await?;
         let options = CreateContainerOptionsBuilder::new()
             .name(&spec.name)
             .build();
@@ -272,28 +321,47 @@ impl ContainerRuntime for DockerRuntime {
     }
 
     async fn inspect(&self, id_or_name: &str) -> Result<ContainerDetails> {
-        let resp = self
+        let answer = self
             .docker
             .inspect_container(
                 id_or_name,
                 None::<bollard::query_parameters::InspectContainerOptions>,
             )
-            .await
-            .map_err(|e| translate("inspect", container(id_or_name), e))?;
-        Ok(details(resp))
+            .await;
+        match answer {
+            Ok(resp) => Ok(details(resp)),
+            // A state bollard does not know (Podman's `stopped`): read without bollard's enum.
+            Err(BollardError::JsonDataError {
+                message,
+                column,
+                contents,
+            }) => details_from_json(&contents)
+                .map_err(|_| malformed("inspect", container(id_or_name), &message, column)),
+            Err(err) => Err(translate("inspect", container(id_or_name), err)),
+        }
     }
 
     async fn list(&self, labels: &[(String, String)]) -> Result<Vec<ContainerSummary>> {
+        // The engine's filter narrows only (see `list_prefilter`); the labels are checked here.
         let options = ListContainersOptionsBuilder::new()
             .all(true)
-            .filters(&label_filters(labels))
+            .filters(&list_prefilter(labels))
             .build();
-        let containers = self
-            .docker
-            .list_containers(Some(options))
-            .await
-            .map_err(|e| translate("list", "containers".to_owned(), e))?;
-        Ok(containers.into_iter().map(summary).collect())
+        let containers = match self.docker.list_containers(Some(options)).await {
+            Ok(containers) => containers.into_iter().map(summary).collect(),
+            // A state bollard does not know, of any container: read without bollard's enum.
+            Err(BollardError::JsonDataError {
+                message,
+                column,
+                contents,
+            }) => summaries_from_json(&contents)
+                .map_err(|_| malformed("list", "containers".to_owned(), &message, column))?,
+            Err(err) => return Err(translate("list", "containers".to_owned(), err)),
+        };
+        Ok(containers
+            .into_iter()
+            .filter(|c: &ContainerSummary| has_labels(&c.labels, labels))
+            .collect())
     }
 
     async fn stop(&self, id: &str, timeout: Duration) -> Result<()> {
@@ -383,16 +451,13 @@ impl ContainerRuntime for DockerRuntime {
             since_ns.div_euclid(1_000_000_000),
             since_ns.rem_euclid(1_000_000_000)
         );
-        let mut filters = label_filters(labels);
-        filters.insert("type".to_owned(), vec!["container".to_owned()]);
-        filters.insert(
-            "event".to_owned(),
-            vec!["die".to_owned(), "oom".to_owned(), "destroy".to_owned()],
-        );
+        // Only `type=container` is asked of the engine; labels and event names are checked
+        // here (see `event_filters`).
         let options = EventsOptionsBuilder::new()
             .since(&since)
-            .filters(&filters)
+            .filters(&event_filters())
             .build();
+        let labels = labels.to_vec();
         // bollard's stream connects only when first read: a daemon that is down would show
         // as a subscription that breaks at once. One ping first makes it fail here, as the
         // trait says, so a subscriber backs off instead of counting a connection.
@@ -401,11 +466,12 @@ impl ContainerRuntime for DockerRuntime {
             .await
             .map_err(|e| translate("events", "containers".to_owned(), e))?;
         let stream = self.docker.events(Some(options)).filter_map(
-            |item: std::result::Result<EventMessage, BollardError>| async move {
-                match item {
-                    Ok(msg) => container_event(msg).map(Ok),
+            move |item: std::result::Result<EventMessage, BollardError>| {
+                let event = match item {
+                    Ok(msg) => container_event(msg, &labels).map(Ok),
                     Err(err) => Some(Err(translate("events", "containers".to_owned(), err))),
-                }
+                };
+                std::future::ready(event)
             },
         );
         Ok(stream.boxed())
