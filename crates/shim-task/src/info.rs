@@ -21,7 +21,9 @@ pub struct PortMapping {
 pub struct PullProgress {
     /// Bytes downloaded so far.
     pub downloaded_bytes: u64,
-    /// Bytes extracted so far.
+    /// Bytes known to be extracted so far: engines differ in what they report of extraction
+    /// (the rule per engine is on shim-runtime's re-export of this type); all of them once
+    /// the pull has finished.
     pub extracted_bytes: u64,
     /// Total bytes of the layers whose size is known so far.
     pub total_bytes: u64,

@@ -20,7 +20,17 @@ struct Layer {
     done: bool,
 }
 
-/// Folds the daemon's per-layer pull messages into [`PullProgress`].
+/// Folds the daemon's per-layer pull messages into [`PullProgress`], by the rules written on
+/// [`PullProgress`] (crate::types).
+///
+/// Bytes come only from byte counts. Moby's progress detail has a `units` field (empty means
+/// bytes: api/types/jsonstream/progress.go), which bollard's `ProgressDetail` drops; what is
+/// left tells the same apart: the one non-byte count any engine sends is the containerd image
+/// store's `Extracting` in seconds, `{"current":N,"units":"s"}` and never a total (moby v28
+/// daemon/containerd/progress.go), where a byte `Extracting` (classic store,
+/// distribution/pull_v2.go) always carries its layer's size as total. So an `Extracting`
+/// without a total is not bytes, and is not counted (upstream dstack ignores it likewise:
+/// runner/internal/shim/docker.go, `isUnitBytes`, dstackai/dstack#3921).
 #[derive(Debug, Default)]
 pub(crate) struct ProgressFolder {
     layers: BTreeMap<String, Layer>,
@@ -71,21 +81,29 @@ impl ProgressFolder {
                     layer.downloaded = t;
                 }
             }
-            "Extracting" => {
-                if let Some(t) = total {
+            "Extracting" => match total {
+                // Bytes, with the layer's size as total.
+                Some(t) => {
                     layer.total = Some(layer.total.map_or(t, |old| old.max(t)));
                     layer.downloaded = layer.downloaded.max(t);
+                    if let Some(c) = current {
+                        layer.extracted = c;
+                    }
                 }
-                if let Some(c) = current {
-                    layer.extracted = c;
+                // Not bytes (seconds, on the containerd store): the count is ignored, but
+                // the layer's download is over.
+                None => {
+                    if let Some(t) = layer.total {
+                        layer.downloaded = layer.downloaded.max(t);
+                    }
                 }
-            }
+            },
             "Pull complete" => {
                 layer.done = true;
                 if let Some(t) = layer.total {
                     layer.downloaded = t;
-                    layer.extracted = t;
                 }
+                layer.extracted = layer.downloaded;
             }
             "Already exists" => {
                 layer.done = true;
@@ -96,13 +114,21 @@ impl ProgressFolder {
         is_new || before != (layer.total, layer.downloaded, layer.extracted, layer.done)
     }
 
-    /// The folded progress.
+    /// The folded progress; `finished`: of a pull that succeeded, where every layer is
+    /// downloaded and extracted (the engine answers a pull once the image is unpacked), also
+    /// on engines that never report extraction.
     pub(crate) fn progress(&self, finished: bool) -> PullProgress {
         let mut p = PullProgress::default();
         let mut all_known = !self.layers.is_empty();
         for layer in self.layers.values() {
-            p.downloaded_bytes += layer.downloaded;
-            p.extracted_bytes += layer.extracted;
+            let (downloaded, extracted) = if finished {
+                let all = layer.downloaded.max(layer.total.unwrap_or(0));
+                (all, all)
+            } else {
+                (layer.downloaded, layer.extracted)
+            };
+            p.downloaded_bytes += downloaded;
+            p.extracted_bytes += extracted;
             match layer.total {
                 Some(t) => p.total_bytes += t,
                 None => all_known &= layer.done,
@@ -205,5 +231,92 @@ mod tests {
                 is_total_bytes_final: true
             }
         );
+    }
+
+    /// Feeds an engine's pull answer (JSON lines, read by bollard's model as the real stream
+    /// is) and returns the progress after every change, then the final progress of the
+    /// finished pull. Every step has no more extracted than downloaded.
+    fn fold(fixture: &str) -> (Vec<PullProgress>, PullProgress) {
+        let mut f = ProgressFolder::default();
+        let mut steps = Vec::new();
+        for line in fixture.lines() {
+            let info: CreateImageInfo = serde_json::from_str(line).unwrap();
+            if f.feed(&info) {
+                let p = f.progress(false);
+                assert!(p.extracted_bytes <= p.downloaded_bytes, "{line}: {p:?}");
+                steps.push(p);
+            }
+        }
+        (steps, f.progress(true))
+    }
+
+    fn bytes(p: &PullProgress) -> (u64, u64, u64) {
+        (p.extracted_bytes, p.downloaded_bytes, p.total_bytes)
+    }
+
+    const ALL: PullProgress = PullProgress {
+        downloaded_bytes: 3000,
+        extracted_bytes: 3000,
+        total_bytes: 3000,
+        is_total_bytes_final: true,
+    };
+
+    /// Docker's classic image store: `Extracting` in bytes, with the layer's size as total.
+    #[test]
+    fn classic_store_extracts_in_bytes() {
+        let (steps, done) = fold(include_str!("fixtures/pull-docker-20.10-classic.jsonl"));
+        assert!(
+            steps.iter().any(|p| bytes(p) == (400, 1000, 1000)),
+            "{steps:?}"
+        );
+        assert_eq!(steps.last().map(bytes), Some((3000, 3000, 3000)));
+        assert_eq!(done, ALL);
+    }
+
+    /// Docker 28's containerd image store counts `Extracting` in seconds
+    /// (`{"current":3,"units":"s"}`, no total): never bytes. A layer counts as extracted,
+    /// whole, at its `Pull complete`. Upstream does the same: dstackai/dstack#3921,
+    /// runner/internal/shim/docker_test.go, `TestPullTracker_NonBytesExtractingUnit`.
+    #[test]
+    fn containerd_store_seconds_are_not_bytes() {
+        let (steps, done) = fold(include_str!("fixtures/pull-docker-28-containerd.jsonl"));
+        let seen: Vec<_> = steps.iter().map(bytes).collect();
+        // The seconds (1, 3, then 1, 9) change nothing: extracted moves by whole layers only,
+        // layer a's 1000 bytes at its `Pull complete`, then b's 2000 at its own.
+        assert_eq!(
+            seen,
+            [
+                (0, 0, 0),
+                (0, 0, 0),
+                (0, 500, 1000),
+                (0, 2000, 3000),
+                (0, 2500, 3000),
+                (0, 3000, 3000),
+                (1000, 3000, 3000),
+                (3000, 3000, 3000),
+            ]
+        );
+        assert_eq!(done, ALL);
+    }
+
+    /// Docker 26's containerd image store reports no extraction at all (no `Extracting`, no
+    /// `Pull complete`), nor does Podman's compat API: extracted stays 0 while the pull runs,
+    /// and the finished pull says everything it downloaded is extracted (not "0 of N").
+    #[test]
+    fn engines_without_extraction_reports_end_extracted() {
+        for fixture in [
+            include_str!("fixtures/pull-docker-26-containerd.jsonl"),
+            include_str!("fixtures/pull-podman-4.3.jsonl"),
+        ] {
+            let (steps, done) = fold(fixture);
+            assert!(steps.iter().all(|p| p.extracted_bytes == 0), "{steps:?}");
+            let last = steps.last().unwrap();
+            assert_eq!(
+                (last.downloaded_bytes, last.total_bytes),
+                (3000, 3000),
+                "{steps:?}"
+            );
+            assert_eq!(done, ALL);
+        }
     }
 }
