@@ -307,6 +307,45 @@ async fn binds_are_mounts_and_a_missing_source_fails_the_create_creating_nothing
     assert_eq!(by_target(&listed[0].mounts), expected);
 }
 
+/// Issue 27: a missing bind source is the shim's own error, whatever the engine would do
+/// (Docker refuses the create; Podman makes an empty directory at the path). The create fails
+/// with `BindSourceMissing` naming the path before the engine is asked: no container carries
+/// the run's label, and nothing appears at the path.
+#[tokio::test]
+async fn a_missing_bind_source_is_the_shims_error_and_creates_nothing() {
+    if !docker_tests_enabled("a_missing_bind_source_is_the_shims_error") {
+        return;
+    }
+    let docker = runtime().await;
+    let run = unique("missing-bind");
+    let guard = Cleanup::new(&run);
+    let dir = tempfile::tempdir().unwrap();
+    let runner_dir = dir.path().join("runner");
+    fs_err::create_dir_all(&runner_dir).unwrap();
+    let missing = dir.path().join("no-volume").join("data");
+    let mut inputs = runner_inputs(&run, guard.labels(), &runner_dir, NetworkMode::Host);
+    inputs.mounts = vec![BindMount {
+        source: missing.clone(),
+        target: "/data".to_owned(),
+        read_only: false,
+    }];
+    let e = docker
+        .create(&build_container_spec(&inputs))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, RuntimeError::BindSourceMissing { path, .. } if *path == missing),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string().contains(&missing.display().to_string()),
+        "the error names the path: {e}"
+    );
+    assert!(docker.list(&guard.labels).await.unwrap().is_empty());
+    assert!(docker.inspect(&run).await.unwrap_err().is_not_found());
+    assert!(!missing.parent().unwrap().exists(), "made: {missing:?}");
+}
+
 fn runner_inputs(
     run: &str,
     labels: BTreeMap<String, String>,

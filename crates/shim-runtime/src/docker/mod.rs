@@ -4,6 +4,8 @@
 
 mod convert;
 mod progress;
+#[cfg(test)]
+mod tests;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

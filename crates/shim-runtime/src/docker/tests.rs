@@ -1,0 +1,388 @@
+//! [`DockerRuntime`] against a scripted engine: a Unix socket answering HTTP/1.1 with the
+//! fixtures of what Docker and Podman send, so that their answers go through bollard and this
+//! runtime as a real engine's would, and the requests the runtime makes can be checked.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bollard::Docker;
+use futures_util::StreamExt;
+use tokio_util::sync::CancellationToken;
+
+use super::DockerRuntime;
+use crate::spec::{BindMount, ContainerSpec};
+use crate::types::{ContainerState, EventKind, PullProgress, PullRequest};
+use crate::{ContainerRuntime, RuntimeError};
+
+/// A status and a body.
+type Answer = (u16, String);
+
+/// What the engine answers to a method and a request target (the API version prefix taken
+/// off, percent-decoded); `None`: 404.
+type Script = dyn Fn(&str, &str) -> Option<Answer> + Send + Sync;
+
+const VERSION: &str =
+    r#"{"Version":"4.3.1","ApiVersion":"1.41","MinAPIVersion":"1.24","Os":"linux","Arch":"amd64"}"#;
+
+struct Engine {
+    socket: PathBuf,
+    requests: Arc<Mutex<Vec<String>>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Engine {
+    fn start(script: impl Fn(&str, &str) -> Option<Answer> + Send + Sync + 'static) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("engine.sock");
+        let listener = UnixListener::bind(&socket).unwrap();
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let script: Arc<Script> = Arc::new(script);
+        let seen = requests.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { return };
+                let (script, seen) = (script.clone(), seen.clone());
+                std::thread::spawn(move || {
+                    // An error ends this connection only.
+                    let _ = serve(conn, &*script, &seen);
+                });
+            }
+        });
+        Self {
+            socket,
+            requests,
+            _dir: dir,
+        }
+    }
+
+    async fn runtime(&self) -> DockerRuntime {
+        let docker = Docker::connect_with_unix(
+            self.socket.to_str().unwrap(),
+            5,
+            bollard::API_DEFAULT_VERSION,
+        )
+        .unwrap();
+        DockerRuntime::from_client(docker).await.unwrap()
+    }
+
+    /// Every request so far, as `METHOD target`.
+    fn requests(&self) -> Vec<String> {
+        self.requests.lock().unwrap().clone()
+    }
+
+    /// The `filters` query parameter of the one request whose path starts with `path`.
+    fn filters(&self, path: &str) -> HashMap<String, Vec<String>> {
+        let requests = self.requests();
+        let matching: Vec<_> = requests
+            .iter()
+            .filter(|r| r.split(' ').nth(1).is_some_and(|t| t.starts_with(path)))
+            .collect();
+        assert_eq!(matching.len(), 1, "{requests:?}");
+        let query = matching[0].split_once('?').map_or("", |(_, q)| q);
+        let filters = query
+            .split('&')
+            .find_map(|p| p.strip_prefix("filters="))
+            .unwrap_or("{}");
+        serde_json::from_str(filters).unwrap()
+    }
+}
+
+fn serve(conn: UnixStream, script: &Script, seen: &Mutex<Vec<String>>) -> std::io::Result<()> {
+    let mut reader = BufReader::new(conn.try_clone()?);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    let mut parts = line.split_whitespace();
+    let method = parts.next().unwrap_or_default().to_owned();
+    let target = decode(parts.next().unwrap_or_default());
+    let mut length = 0;
+    loop {
+        let mut header = String::new();
+        reader.read_line(&mut header)?;
+        let header = header.trim_end();
+        if header.is_empty() {
+            break;
+        }
+        if let Some((name, value)) = header.split_once(':')
+            && name.eq_ignore_ascii_case("content-length")
+        {
+            length = value.trim().parse().unwrap_or(0);
+        }
+    }
+    let mut body = vec![0; length];
+    reader.read_exact(&mut body)?;
+    // `/v1.41/containers/json` → `/containers/json`.
+    let target = match target.strip_prefix("/v") {
+        Some(rest) => rest
+            .find('/')
+            .map_or(target.clone(), |i| rest[i..].to_owned()),
+        None => target,
+    };
+    seen.lock().unwrap().push(format!("{method} {target}"));
+    let path = target.split('?').next().unwrap_or_default();
+    let (status, body) = match path {
+        "/version" => (200, VERSION.to_owned()),
+        "/_ping" => (200, "OK".to_owned()),
+        _ => script(&method, &target)
+            .unwrap_or_else(|| (404, r#"{"message":"no such route"}"#.to_owned())),
+    };
+    // No length: the body ends with the connection, as a stream's does.
+    let mut out = conn;
+    write!(
+        out,
+        "HTTP/1.1 {status} Scripted\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n{body}"
+    )?;
+    out.flush()
+}
+
+/// Percent-decoding of a request target (`+` stays: the targets here have no spaces).
+fn decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).unwrap()
+}
+
+fn task_label() -> Vec<(String, String)> {
+    vec![("ai.dstack.shim.task-id".to_owned(), String::new())]
+}
+
+/// Podman 4.3's events through the runtime: the engine is asked for container events only,
+/// and the shim keeps the exits (`died` and `die`) and the removal of labelled containers.
+#[tokio::test]
+async fn podman_events_are_asked_by_type_and_filtered_by_the_shim() {
+    let engine = Engine::start(|_, target| {
+        target.starts_with("/events").then(|| {
+            (
+                200,
+                include_str!("fixtures/events-podman-4.3.jsonl").to_owned(),
+            )
+        })
+    });
+    let runtime = engine.runtime().await;
+    let events: Vec<_> = runtime
+        .events(&task_label(), Some(1_700_000_000_000_000_000))
+        .await
+        .unwrap()
+        .collect()
+        .await;
+    let seen: Vec<_> = events
+        .into_iter()
+        .map(|e| {
+            let e = e.unwrap();
+            (e.name, e.kind)
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            (
+                "t2-0-bbbb".to_owned(),
+                EventKind::Die { exit_code: Some(3) }
+            ),
+            (
+                "t3-0-cccc".to_owned(),
+                EventKind::Die { exit_code: Some(1) }
+            ),
+            ("t2-0-bbbb".to_owned(), EventKind::Destroy),
+        ]
+    );
+    assert_eq!(
+        engine.filters("/events"),
+        HashMap::from([("type".to_owned(), vec!["container".to_owned()])]),
+        "no label and no event name is left to the engine"
+    );
+}
+
+/// An engine that ORs label filters (Podman) answers containers carrying only one of two
+/// labels: the runtime keeps those carrying both, and reads a `stopped` one (a state bollard
+/// rejects) as a state to wait on. One label filter is sent.
+#[tokio::test]
+async fn a_list_keeps_only_containers_with_every_label() {
+    let engine = Engine::start(|_, target| {
+        target.starts_with("/containers/json").then(|| {
+            (
+                200,
+                include_str!("fixtures/list-podman-4.3.json").to_owned(),
+            )
+        })
+    });
+    let runtime = engine.runtime().await;
+    let labels = vec![
+        ("ai.dstack.shim.task-id".to_owned(), String::new()),
+        ("ai.dstack.shim.owner".to_owned(), "me".to_owned()),
+    ];
+    let list = runtime.list(&labels).await.unwrap();
+    let seen: Vec<_> = list.iter().map(|c| (c.name.as_str(), &c.state)).collect();
+    assert_eq!(
+        seen,
+        [("t2-0-bbbb", &ContainerState::Other("stopped".to_owned()))]
+    );
+    assert_eq!(
+        engine.filters("/containers/json"),
+        HashMap::from([(
+            "label".to_owned(),
+            vec!["ai.dstack.shim.owner=me".to_owned()]
+        )])
+    );
+    let all = runtime.list(&[]).await.unwrap();
+    assert_eq!(all.len(), 3);
+}
+
+/// Podman's `stopped` right after an exit: the inspect succeeds, with a state to wait on.
+#[tokio::test]
+async fn an_inspect_in_a_state_bollard_rejects_succeeds() {
+    let engine = Engine::start(|_, target| {
+        (target == "/containers/t2-0-bbbb/json").then(|| {
+            (
+                200,
+                include_str!("fixtures/inspect-podman-4.3-stopped.json").to_owned(),
+            )
+        })
+    });
+    let runtime = engine.runtime().await;
+    let d = runtime.inspect("t2-0-bbbb").await.unwrap();
+    assert_eq!(d.state, ContainerState::Other("stopped".to_owned()));
+    assert!(d.state.is_running());
+    assert_eq!(d.labels["ai.dstack.shim.task-id"], "t2");
+    assert!(runtime.inspect("nope").await.unwrap_err().is_not_found());
+}
+
+/// An answer unreadable beyond its state is an error, which never carries the answer's text
+/// (an inspect holds the container's environment).
+#[tokio::test]
+async fn an_unreadable_answer_is_an_error_without_its_text() {
+    let broken = include_str!("fixtures/inspect-podman-4.3-stopped.json")
+        .replace("\"container=podman\"", "\"TOKEN=hunter2\"")
+        .replace("\"RestartCount\": 0", "\"RestartCount\": \"zero\"");
+    let engine = Engine::start(move |_, _| Some((200, broken.clone())));
+    let runtime = engine.runtime().await;
+    let e = runtime.inspect("t2-0-bbbb").await.unwrap_err();
+    assert!(matches!(e, RuntimeError::Other { .. }), "{e:?}");
+    let shown = format!("{} {e:?}", shim_util::error_chain(&e));
+    assert!(shown.contains("malformed answer"), "{shown}");
+    assert!(!shown.contains("hunter2"), "{shown}");
+}
+
+/// A bind source missing on the host fails the create before the engine is asked (Podman
+/// would make a directory there): nothing is created.
+#[tokio::test]
+async fn a_missing_bind_source_creates_nothing() {
+    let engine = Engine::start(|method, target| {
+        (method == "POST" && target.starts_with("/containers/create"))
+            .then(|| (201, r#"{"Id":"c0ffee","Warnings":[]}"#.to_owned()))
+    });
+    let runtime = engine.runtime().await;
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-runner").join("dstack-runner");
+    let mut spec = ContainerSpec::new("t5-0-eeee", "shim-test:1");
+    spec.mounts = vec![
+        BindMount {
+            source: dir.path().to_path_buf(),
+            target: "/tmp/runner".to_owned(),
+            read_only: false,
+        },
+        BindMount {
+            source: missing.clone(),
+            target: "/usr/local/bin/dstack-runner".to_owned(),
+            read_only: true,
+        },
+    ];
+    let e = runtime.create(&spec).await.unwrap_err();
+    assert!(
+        matches!(&e, RuntimeError::BindSourceMissing { path, .. } if *path == missing),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string().contains(&missing.display().to_string()),
+        "{e}"
+    );
+    assert!(!missing.parent().unwrap().exists());
+    assert!(
+        !engine
+            .requests()
+            .iter()
+            .any(|r| r.contains("/containers/create")),
+        "{:?}",
+        engine.requests()
+    );
+    // Every source present: the engine is asked.
+    spec.mounts.pop();
+    assert_eq!(runtime.create(&spec).await.unwrap(), "c0ffee");
+}
+
+/// Pulls through the runtime, as the engines answer them: the seconds of Docker 28's
+/// containerd store never count as bytes, and on every engine the finished pull reports
+/// everything downloaded and extracted.
+#[tokio::test]
+async fn pull_progress_per_engine_through_the_runtime() {
+    for (engine_name, fixture) in [
+        (
+            "docker 20.10 classic",
+            include_str!("fixtures/pull-docker-20.10-classic.jsonl"),
+        ),
+        (
+            "docker 28 containerd",
+            include_str!("fixtures/pull-docker-28-containerd.jsonl"),
+        ),
+        (
+            "docker 26 containerd",
+            include_str!("fixtures/pull-docker-26-containerd.jsonl"),
+        ),
+        ("podman 4.3", include_str!("fixtures/pull-podman-4.3.jsonl")),
+    ] {
+        let engine = Engine::start(move |method, target| {
+            (method == "POST" && target.starts_with("/images/create"))
+                .then(|| (200, fixture.to_owned()))
+        });
+        let runtime = engine.runtime().await;
+        let seen = Mutex::new(Vec::<PullProgress>::new());
+        let record = |p: PullProgress| seen.lock().unwrap().push(p);
+        let request = PullRequest {
+            image: "127.0.0.1:5799/x:1".to_owned(),
+            auth: None,
+            log_path: None,
+            timeout: Duration::from_secs(30),
+        };
+        let done = runtime
+            .pull(&request, &record, CancellationToken::new())
+            .await
+            .unwrap();
+        assert_eq!(
+            done,
+            PullProgress {
+                downloaded_bytes: 3000,
+                extracted_bytes: 3000,
+                total_bytes: 3000,
+                is_total_bytes_final: true,
+            },
+            "{engine_name}"
+        );
+        let seen = seen.into_inner().unwrap();
+        assert_eq!(seen.last(), Some(&done), "{engine_name}");
+        assert!(
+            seen.iter()
+                .all(|p| [0, 400, 1000, 3000].contains(&p.extracted_bytes)),
+            "{engine_name}: {seen:?}"
+        );
+    }
+}
