@@ -248,7 +248,8 @@ pub struct ContainerInputs {
     pub nano_cpus: i64,
     /// Memory limit in bytes (0 = none).
     pub memory: i64,
-    /// `/dev/shm` size in bytes (0 = the runtime's default: noexec, 64 MiB).
+    /// `/dev/shm` size in bytes (0 = the engine's default, noexec: 64 MiB on Docker,
+    /// 64000 KiB on Podman).
     pub shm_size: i64,
     /// Extra bind mounts (volumes, instance mounts).
     pub mounts: Vec<BindMount>,
