@@ -12,7 +12,10 @@ pub const DOCKER: &[&str] = &["docker.io"];
 /// toolchain of `dist`), debootstrap for the older distribution the artifact is run in, and
 /// what the fleet test's host needs for the server's SSH provisioning: sshd
 /// (`openssh-server`; the test starts its own on a loopback port, the package's service is not
-/// started here), `sudo` and `curl` (the provisioning runs `sudo curl ...`).
+/// started here), `sudo` and `curl` (the provisioning runs `sudo curl ...`); and what runs the
+/// arm64 release artifact on an amd64 machine (`tests/tests/dist.rs`): qemu-user as one static
+/// binary and the arm64 glibc of Debian's cross toolchain as its sysroot (`qemu.rs` registers
+/// it with `binfmt_misc`).
 pub const ALL: &[&str] = &[
     "docker.io",
     "busybox-static",
@@ -23,6 +26,8 @@ pub const ALL: &[&str] = &[
     "sudo",
     "curl",
     "debootstrap",
+    "qemu-user-static",
+    "libc6-arm64-cross",
 ];
 
 /// Wait for the dpkg lock (a fresh VM may be running unattended upgrades) instead of failing.
