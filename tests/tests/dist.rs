@@ -9,14 +9,20 @@
 //!   `chroot`, on this machine's Docker;
 //! - the dstack server's own instance check (PyPI `dstack[server]`) keeps the artifact built
 //!   for its release and replaces one built for an older release, and replaces the current one
-//!   when the server is a release newer.
+//!   when the server is a release newer;
+//! - the dstack server's own client and pipeline code drive each architecture's artifact
+//!   through a task's lifecycle on this machine's Docker (`tests/dstack-server/lifecycle.py`):
+//!   this machine's natively, the other one's (arm64 on an amd64 machine) under qemu-user,
+//!   whose binfmt_misc entry also runs the shim's own `--version` (only the shim is emulated:
+//!   the containers are this machine's).
 //!
-//! The artifacts are built by `cargo xtask ci` before its test step (`cargo xtask dist` and
-//! `cargo xtask dist --upstream-version 0.22.4`); a test whose artifact is missing fails and
-//! says which command makes it. Like the dev-env fixtures, they are expected when
+//! The artifacts are built by `cargo xtask ci` before its test step (`cargo xtask dist --arch
+//! all` and `cargo xtask dist --upstream-version 0.22.4`); a test whose artifact is missing
+//! fails and says which command makes it. Like the dev-env fixtures (qemu-user-static, the
+//! cross glibc and the binfmt_misc entry among them), they are expected when
 //! `SHIM_TEST_DOCKER=1` (CI), so the tests run under that gate.
 //!
-//! Run: `cargo xtask dist && cargo xtask dist --upstream-version 0.22.4 &&
+//! Run: `cargo xtask dist --arch all && cargo xtask dist --upstream-version 0.22.4 &&
 //! SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1 cargo nextest run -p shim-e2e --test dist`.
 
 #![allow(
@@ -27,7 +33,7 @@
 )]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -38,7 +44,8 @@ use shim_e2e::harness::{
 };
 use shim_e2e::{
     DSTACK_VERSION, OLD_ROOTFS_SUITE, OLDER_DSTACK_VERSION, dist_artifact, dist_dir,
-    docker_tests_enabled, dstack_python, old_rootfs, repo_root, root_tests_enabled, runner_path,
+    docker_tests_enabled, dstack_python, old_rootfs, registry_password, registry_small_image,
+    registry_user, repo_root, root_tests_enabled, runner_path,
 };
 
 /// Bounds of the waits (never timed assertions: generous, only there so a hang fails).
@@ -117,8 +124,9 @@ fn check_artifact(path: &Path, release: &str, run: bool) {
 
 /// Issue 21 (Prove): each artifact CI builds needs GLIBC_2.17 at most, is stripped, matches
 /// its checksum (also by `sha256sum --check`), names its debug file, and prints the version
-/// string of the release it was built for. An artifact of the other architecture, if one was
-/// built, gets the same checks except running it.
+/// string of the release it was built for. The artifact of the other architecture, which CI
+/// builds too (`cargo xtask dist --arch all`), gets the same checks; it is run under qemu by
+/// [`the_other_architectures_artifact_runs_under_qemu_through_a_task_lifecycle`].
 #[test]
 fn artifacts_need_glibc_2_17_at_most_are_stripped_and_say_their_release() {
     if !docker_tests_enabled("artifacts_need_glibc_2_17_at_most_are_stripped_and_say_their_release")
@@ -128,12 +136,27 @@ fn artifacts_need_glibc_2_17_at_most_are_stripped_and_say_their_release() {
     for release in [DSTACK_VERSION, OLDER_DSTACK_VERSION] {
         check_artifact(&artifact_for(release), release, true);
     }
-    for arch in [Arch::Amd64, Arch::Arm64] {
-        let path = artifact::artifact_path(&dist_dir(), DSTACK_VERSION, arch);
-        if arch != Arch::host() && path.is_file() {
-            check_artifact(&path, DSTACK_VERSION, false);
-        }
+    check_artifact(&other_artifact(), DSTACK_VERSION, false);
+}
+
+/// The architecture of the artifact this machine runs under emulation: the other one.
+fn other_arch() -> Arch {
+    match Arch::host() {
+        Arch::Amd64 => Arch::Arm64,
+        Arch::Arm64 => Arch::Amd64,
     }
+}
+
+/// The artifact of [`other_arch`] for [`DSTACK_VERSION`], which must exist.
+fn other_artifact() -> PathBuf {
+    let path = artifact::artifact_path(&dist_dir(), DSTACK_VERSION, other_arch());
+    assert!(
+        path.is_file(),
+        "{} is missing: run `cargo xtask dist --arch all` (or set {})",
+        path.display(),
+        shim_e2e::ENV_DIST_DIR
+    );
+    path
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -553,5 +576,190 @@ fn the_next_release_and_its_url() {
     assert_eq!(
         download_url("0.22.5"),
         "http://127.0.0.1:9/dstack-shim/0.22.5/dstack-shim-linux-amd64"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// A task's lifecycle, driven by the dstack server's client, natively and under qemu
+// ---------------------------------------------------------------------------------------------
+
+/// The checks `tests/dstack-server/lifecycle.py` makes (its last line counts them).
+const LIFECYCLE_CHECKS: usize = 11;
+/// Bound of one run of it (its own waits are bounded; this only stops a hang). Under qemu a
+/// run takes about ten times as long as natively.
+const LIFECYCLE_BOUND: Duration = Duration::from_secs(900);
+
+/// Runs `tests/dstack-server/lifecycle.py` on `shim` (under `prefix`, with `env` added) against
+/// this machine's Docker and the dev-env registry, and fails the test unless every check
+/// passed. Its home is swept of containers whatever happens. Returns how long it took.
+fn lifecycle(shim: &Path, prefix: Option<&Path>, env: &[(&str, &Path)]) -> Duration {
+    let python = dstack_python();
+    assert!(
+        python.exists(),
+        "{} is missing: run `cargo xtask dev-env` or set {}",
+        python.display(),
+        shim_e2e::ENV_DSTACK_PYTHON
+    );
+    let work = tempfile::Builder::new()
+        .prefix("shim-e2e-lifecycle-")
+        .tempdir()
+        .unwrap();
+    // The script removes what it made; this is for a run that was killed.
+    let _sweeper = ContainerSweeper::for_home(&work.path().join("home"));
+    let output = work.path().join("lifecycle.out");
+    let mut command = Command::new(python);
+    command
+        .arg(repo_root().join("tests/dstack-server/lifecycle.py"))
+        .arg("--shim")
+        .arg(shim)
+        .arg("--work")
+        .arg(work.path())
+        .arg("--runner")
+        .arg(runner_path())
+        .arg(format!(
+            "--docker-host=unix://{}",
+            docker_socket().display()
+        ))
+        .arg(format!("--image={}", registry_small_image()))
+        .arg(format!("--registry-username={}", registry_user()))
+        .arg(format!("--registry-password={}", registry_password()))
+        .stdin(Stdio::null())
+        .stdout(shim_e2e::harness::open_log(&output).unwrap())
+        .stderr(shim_e2e::harness::open_log(&output).unwrap());
+    if let Some(prefix) = prefix {
+        command.arg(format!("--prefix={}", prefix.display()));
+    }
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    let started = Instant::now();
+    let mut child = command.spawn().unwrap();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if started.elapsed() > LIFECYCLE_BOUND {
+            // SIGTERM: the script still removes what it made.
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            let stopping = Instant::now();
+            while child.try_wait().unwrap().is_none() && stopping.elapsed() < START_BOUND {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let took = started.elapsed();
+    let text = fs_err::read_to_string(&output).unwrap_or_default();
+    eprintln!("lifecycle.py on {} ({took:.1?}):\n{text}", shim.display());
+    let status = status
+        .unwrap_or_else(|| panic!("lifecycle.py did not end within {LIFECYCLE_BOUND:?}:\n{text}"));
+    assert!(status.success(), "lifecycle.py: {status}:\n{text}");
+    let last = text.lines().last().unwrap_or_default();
+    assert_eq!(
+        last,
+        format!("lifecycle: {LIFECYCLE_CHECKS} passed, 0 failed"),
+        "{text}"
+    );
+    took
+}
+
+/// The dstack server's client (`ShimClient`) and pipeline code (`_sync_shim_pulling_state`,
+/// `remove_dangling_tasks_from_instance`) drive this machine's artifact through a task's
+/// lifecycle: a pull with credentials, `done_by_runner`, a failure with its log, terminate with
+/// a timeout, remove, a restart and a shutdown with tasks running, a container that exits while
+/// the shim is down; no container is left (`tests/dstack-server/lifecycle.py`).
+#[test]
+fn the_dstack_servers_client_drives_the_artifact_through_a_task_lifecycle() {
+    if !docker_tests_enabled(
+        "the_dstack_servers_client_drives_the_artifact_through_a_task_lifecycle",
+    ) {
+        return;
+    }
+    let took = lifecycle(&artifact_for(DSTACK_VERSION), None, &[]);
+    eprintln!(
+        "MEASURED the lifecycle of the {} artifact: {took:.1?}",
+        Arch::host().go_name()
+    );
+}
+
+/// qemu's name of `arch`'s CPU (`qemu-aarch64-static`, `/usr/aarch64-linux-gnu`).
+fn qemu_cpu(arch: Arch) -> &'static str {
+    match arch {
+        Arch::Amd64 => "x86_64",
+        Arch::Arm64 => "aarch64",
+    }
+}
+
+/// The other architecture's artifact (arm64 on an amd64 machine) runs, not only builds: under
+/// `qemu-<cpu>-static` with Debian's cross glibc as its sysroot it prints its version line, it
+/// also runs when executed as it is (the binfmt_misc entry `cargo xtask dev-env` registers: the
+/// shim runs its own binary's `--version` for the components list the server reads), and the
+/// dstack server's client drives it through the whole lifecycle
+/// ([`the_dstack_servers_client_drives_the_artifact_through_a_task_lifecycle`]) on this
+/// machine's Docker: only the shim is emulated, the containers are native.
+#[test]
+fn the_other_architectures_artifact_runs_under_qemu_through_a_task_lifecycle() {
+    if !docker_tests_enabled(
+        "the_other_architectures_artifact_runs_under_qemu_through_a_task_lifecycle",
+    ) {
+        return;
+    }
+    let arch = other_arch();
+    let artifact = other_artifact();
+    let cpu = qemu_cpu(arch);
+    let dev_env = "run `cargo xtask dev-env` (it installs qemu-user-static and the cross glibc \
+                   and registers the binfmt_misc entry)";
+    let qemu = ["/usr/bin", "/usr/local/bin"]
+        .iter()
+        .map(|dir| Path::new(dir).join(format!("qemu-{cpu}-static")))
+        .find(|path| path.is_file())
+        .unwrap_or_else(|| panic!("qemu-{cpu}-static is missing: {dev_env}"));
+    let sysroot = PathBuf::from(format!("/usr/{cpu}-linux-gnu"));
+    assert!(
+        sysroot.join("lib").is_dir(),
+        "{} (the cross glibc) is missing: {dev_env}",
+        sysroot.display()
+    );
+    let entry = Path::new("/proc/sys/fs/binfmt_misc").join(format!("qemu-{cpu}"));
+    let registered = fs_err::read_to_string(&entry).unwrap_or_default();
+    assert!(
+        registered.lines().next() == Some("enabled"),
+        "{} is not an enabled binfmt_misc entry ({registered:?}): {dev_env}",
+        entry.display()
+    );
+    let version = artifact::version_line(DSTACK_VERSION);
+    let runs = |command: &mut Command, how: &str| {
+        let out = command.arg("--version").output().unwrap();
+        assert!(out.status.success(), "{how}: {}", text(&out));
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim_end(),
+            version,
+            "{how}"
+        );
+    };
+    runs(
+        Command::new(&qemu).arg("-L").arg(&sysroot).arg(&artifact),
+        &format!(
+            "{} -L {} {}",
+            qemu.display(),
+            sysroot.display(),
+            artifact.display()
+        ),
+    );
+    runs(
+        Command::new(&artifact).env("QEMU_LD_PREFIX", &sysroot),
+        &format!("{} through binfmt_misc", artifact.display()),
+    );
+
+    let took = lifecycle(&artifact, Some(&qemu), &[("QEMU_LD_PREFIX", &sysroot)]);
+    eprintln!(
+        "MEASURED the lifecycle of the {} artifact under {}: {took:.1?}",
+        arch.go_name(),
+        qemu.display()
     );
 }
