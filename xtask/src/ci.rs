@@ -4,11 +4,13 @@
 use std::path::Path;
 use std::process::Command;
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Result, bail};
 use shim_e2e::{ENV_TEST_DOCKER, ENV_TEST_ROOT};
 
 use crate::cmd;
 use crate::devenv::{self, Timings};
+use crate::engines::{self, Row};
+use shim_e2e::harness::artifact::Arch;
 use shim_e2e::harness::cargo;
 
 /// Runs dev-env (unless `skip_dev_env`), fmt, clippy, cargo-deny, the release artifacts
@@ -76,13 +78,58 @@ pub fn ci(skip_dev_env: bool) -> Result<()> {
     for release in [shim_e2e::DSTACK_VERSION, shim_e2e::OLDER_DSTACK_VERSION] {
         let name = format!("dist {release}");
         let result = timings.time(&name, || {
-            crate::dist::dist(&crate::dist::Options::for_release(release))
+            let mut options = crate::dist::Options::for_release(release);
+            // The release the tests use is built for both architectures: the other one runs
+            // under qemu-user in the dist tests.
+            if release == shim_e2e::DSTACK_VERSION {
+                options.arches = vec![Arch::Amd64, Arch::Arm64];
+            }
+            crate::dist::dist(&options)
         });
         note(&name, result);
     }
 
-    let result = timings.time("tests", || tests(&root));
+    let main = engines::MAIN;
+    let mut main_row = Row {
+        engine: main.name.to_owned(),
+        version: main.version().unwrap_or_else(|| "-".to_owned()),
+        store: main.driver().map_or_else(
+            || main.store().to_owned(),
+            |d| format!("{} ({d})", main.store()),
+        ),
+        parts: Vec::new(),
+        seconds: 0.0,
+        note: String::new(),
+    };
+    let started = std::time::Instant::now();
+    let result = timings.time("tests", || tests(&root, &mut main_row));
     note("tests", result);
+    let result = timings.time("lifecycle (main engine)", || {
+        let shim = shim_e2e::dist_artifact(shim_e2e::DSTACK_VERSION);
+        let (passed, failed) = crate::conformance::lifecycle(&main, &shim)?;
+        main_row
+            .parts
+            .push(("lifecycle".to_owned(), passed, failed));
+        anyhow::ensure!(failed == 0, "{failed} lifecycle check(s) failed");
+        Ok(())
+    });
+    note("lifecycle (main engine)", result);
+    main_row.seconds = started.elapsed().as_secs_f64();
+
+    // The conformance part: the runtime tests and the lifecycle on every other engine.
+    let mut rows = vec![main_row];
+    let result = timings.time("conformance", || {
+        let conformance = crate::conformance::conformance(&[])?;
+        let failed: Vec<String> = conformance
+            .iter()
+            .filter(|row| !row.passed())
+            .map(|row| row.engine.clone())
+            .collect();
+        rows.extend(conformance);
+        anyhow::ensure!(failed.is_empty(), "failed on {}", failed.join(", "));
+        Ok(())
+    });
+    note("conformance", result);
 
     // nextest does not run doctests: the embedding examples in the crate docs compile here.
     let result = timings.time("doctests", || {
@@ -122,6 +169,7 @@ pub fn ci(skip_dev_env: bool) -> Result<()> {
     note("embed example", result);
 
     timings.print("ci timings:");
+    println!("\n{}", engines::table(&rows));
     if failures.is_empty() {
         println!("\nci: all steps passed");
         Ok(())
@@ -245,41 +293,21 @@ fn embed_example(root: &Path) -> Result<()> {
     )
 }
 
-/// Every test (Docker and root ones included), watched for the daemon deadlock of Debian 12's
-/// Docker ([`deadlock`](crate::deadlock)): on it, the run is ended, the daemon replaced and the
-/// whole run started once more. Any other failure fails the step at once.
-fn tests(root: &Path) -> Result<()> {
-    for attempt in 1..=2 {
-        let mut command = cargo_in(root);
-        command
-            .args(["nextest", "run", "--workspace", "--no-fail-fast"])
-            .env(ENV_TEST_DOCKER, "1")
-            .env(ENV_TEST_ROOT, "1");
-        let line = cmd::display(&command);
-        println!("$ {line}");
-        let mut child = command
-            .spawn()
-            .with_context(|| format!("could not start `{line}`"))?;
-        let watch = crate::deadlock::Watch::start(&child);
-        let status = child.wait();
-        let deadlocked = watch.finish();
-        let status = status.with_context(|| format!("could not wait for `{line}`"))?;
-        match deadlocked {
-            None if status.success() => return Ok(()),
-            None => bail!("`{line}` failed: {status}"),
-            Some(minutes) if attempt == 1 => {
-                println!(
-                    "ci: the test run was ended because dockerd deadlocked ({minutes} min); \
-                     replacing the daemon and running every test once more"
-                );
-                crate::deadlock::restart_daemon()?;
-            }
-            Some(minutes) => {
-                bail!("dockerd deadlocked again in the second run ({minutes} min): moby/moby#46661")
-            }
-        }
+/// Every test (Docker and root ones included) on the main engine; the row of the engine
+/// table for it (the suite's counts and the release binary's lifecycle).
+fn tests(root: &Path, row: &mut Row) -> Result<()> {
+    let mut command = cargo_in(root);
+    command
+        .args(["nextest", "run", "--workspace", "--no-fail-fast"])
+        .env(ENV_TEST_DOCKER, "1")
+        .env(ENV_TEST_ROOT, "1");
+    let (ok, output) = crate::conformance::run_teed(&mut command)?;
+    let (passed, failed) = engines::counts(&output).unwrap_or((0, 1));
+    row.parts.push(("suite".to_owned(), passed, failed));
+    if !ok {
+        bail!("`{}` failed", cmd::display(&command));
     }
-    unreachable!("the second attempt returns")
+    Ok(())
 }
 
 fn cargo_in(root: &Path) -> Command {
@@ -297,6 +325,14 @@ fn ensure_tools() -> Result<()> {
         } else {
             cmd::run(cmd::cmd("rustup").args(["component", "add", component]))?;
         }
+    }
+    // The other architecture's standard library, for `dist --arch all`.
+    let target = "aarch64-unknown-linux-gnu";
+    let installed = cmd::output(cmd::cmd("rustup").args(["target", "list", "--installed"]))?;
+    if installed.lines().any(|line| line.trim() == target) {
+        println!("tools: rust target {target} present");
+    } else {
+        cmd::run(cmd::cmd("rustup").args(["target", "add", target]))?;
     }
     for (probe, krate) in [("nextest", "cargo-nextest"), ("deny", "cargo-deny")] {
         if cmd::succeeds(cmd::cmd(cargo()).args([probe, "--version"])) {

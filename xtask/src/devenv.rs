@@ -116,6 +116,8 @@ pub fn dev_env_timed(timings: &mut Timings) -> Result<()> {
     let _lock = lock()?;
     clean_tmp()?;
     timings.time("packages", || packages::ensure(packages::ALL))?;
+    timings.time("qemu-user (arm64 artifacts)", crate::qemu::ensure)?;
+    timings.time("engine roots", crate::engines::ensure_roots)?;
     timings.time("docker daemon", docker::ensure_daemon)?;
     let rebuilt = timings.time("local image", ensure_local_image)?;
     timings.time("registry", registry::ensure_running)?;
@@ -291,6 +293,18 @@ pub fn check() -> Result<()> {
                 format!("registry has {REGISTRY}/{repo}:{REGISTRY_TAG}"),
             );
         }
+    }
+    let (ok, what) = crate::qemu::status();
+    line(ok, what);
+    for suite in [
+        crate::engines::Suite::Bookworm,
+        crate::engines::Suite::Trixie,
+        crate::engines::Suite::Sid,
+    ] {
+        line(
+            crate::engines::root_ready(suite),
+            format!("engine root {suite:?}"),
+        );
     }
     line(
         crate::rootfs::ready(),

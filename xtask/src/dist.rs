@@ -290,24 +290,11 @@ fn gnu_triple(arch: Arch) -> &'static str {
     }
 }
 
-/// How to run a binary of `arch` here: itself on this architecture; under `qemu-<cpu>` with
-/// the cross libc's sysroot for the other one, if both are installed (Debian: `qemu-user`,
-/// `libc6-arm64-cross`), else `None`.
+/// How to run a binary of `arch` here: itself on this architecture, under qemu-user with the
+/// cross libc as its sysroot for the other one ([`crate::qemu::command`]; `None` if that is not
+/// installed).
 fn runner(arch: Arch, binary: &Path) -> Option<std::process::Command> {
-    if arch == Arch::host() {
-        return Some(cmd::cmd(binary));
-    }
-    let qemu = format!(
-        "qemu-{}",
-        arch.triple().split('-').next().unwrap_or_default()
-    );
-    let sysroot = Path::new("/usr").join(gnu_triple(arch));
-    if !cmd::have_program(&qemu) || !sysroot.join("lib").is_dir() {
-        return None;
-    }
-    let mut command = cmd::cmd(cmd::find_program(&qemu));
-    command.arg("-L").arg(sysroot).arg(binary);
-    Some(command)
+    crate::qemu::command(arch, binary)
 }
 
 /// Whether rustup has the standard library of `arch`'s target.

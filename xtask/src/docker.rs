@@ -8,7 +8,7 @@ use anyhow::{Result, bail};
 
 use shim_e2e::harness::tail;
 
-use crate::{cmd, mounts, paths, proc};
+use crate::{cmd, engines, mounts, paths, proc};
 
 /// How long to wait for the daemon to answer after starting it (or finding it starting). A
 /// daemon answers in about a second on a clean machine, but one that finds a thousand
@@ -39,27 +39,51 @@ pub fn server_version() -> Option<String> {
     .filter(|version| !version.is_empty())
 }
 
-/// Makes sure a Docker daemon answers: if the socket does not answer and no `dockerd` is
-/// running, starts one in the background (its own session, log in [`log_path`]); then waits
-/// for it, at most [`START_TIMEOUT`]. Never starts a second daemon.
+/// Makes sure the main engine ([`engines::MAIN`]: Debian sid's Docker with the containerd
+/// image store) answers on the default socket: a daemon that answers there as another engine
+/// (Debian 12's own, which earlier versions of xtask started) is stopped first; if none runs,
+/// one is started in the background (log in [`log_path`]); then waits for it, at most
+/// [`START_TIMEOUT`]. Never starts a second daemon.
 pub fn ensure_daemon() -> Result<()> {
-    if let Some(version) = server_version() {
-        println!("docker: daemon answers (server {version})");
+    let main = engines::MAIN;
+    if main.answers_as_itself() {
+        println!(
+            "docker: the main engine answers (server {})",
+            server_version().unwrap_or_default()
+        );
         return Ok(());
     }
     let running = default_daemons();
     let log = log_path();
     if !running.is_empty() {
+        if server_version().is_none() && !running.iter().any(|pid| is_main_engine(*pid)) {
+            println!(
+                "docker: dockerd is running (pid {running:?}) but does not answer yet; waiting"
+            );
+            wait_for_daemon(&log, true)?;
+        } else if running.iter().all(|pid| is_main_engine(*pid)) {
+            println!("docker: the main engine is running (pid {running:?}); waiting for it");
+            return wait_for_daemon(&log, true);
+        }
+        if main.answers_as_itself() {
+            return Ok(());
+        }
         println!(
-            "docker: dockerd is running (pid {running:?}) but does not answer yet; waiting for it"
+            "docker: the daemon on the default socket (pid {running:?}, server {}) is not the \
+             main engine ({}); stopping it",
+            server_version().unwrap_or_else(|| "?".to_owned()),
+            main.name
         );
-        return wait_for_daemon(&log, true);
+        stop_default_daemons(&running)?;
     }
     clear_state_of_a_dead_runtime();
     let mut attempt = 1;
     loop {
-        println!("docker: no daemon running; starting dockerd");
-        proc::spawn_daemon(&cmd::find_program("dockerd"), &[], &log)?;
+        println!(
+            "docker: no daemon running; starting the main engine ({})",
+            main.name
+        );
+        main.spawn()?;
         match wait_for_daemon(&log, false) {
             // containerd cleans up the shims of a previous boot before it answers, and dockerd
             // gives up on it after a while (killing it); each try gets further.
@@ -72,6 +96,41 @@ pub fn ensure_daemon() -> Result<()> {
             result => return result,
         }
     }
+}
+
+/// Whether `pid` runs in the main engine's mount namespace: there the main engine's root's
+/// `/usr` is bound over `/usr` (mountinfo: root of the mount `<root>/usr`, mount point `/usr`).
+fn is_main_engine(pid: u32) -> bool {
+    let Some(root) = engines::MAIN.suite.root() else {
+        return false;
+    };
+    let usr = root.join("usr");
+    let usr = usr.to_string_lossy();
+    fs_err::read_to_string(format!("/proc/{pid}/mountinfo")).is_ok_and(|mounts| {
+        mounts.lines().any(|line| {
+            let mut fields = line.split(' ').skip(3);
+            fields.next() == Some(&*usr) && fields.next() == Some("/usr")
+        })
+    })
+}
+
+/// Stops the daemons serving the default socket (SIGTERM; they stop their containers), and
+/// waits up to 2 minutes for them to exit.
+fn stop_default_daemons(pids: &[u32]) -> Result<()> {
+    for pid in pids {
+        let _ = cmd::output(cmd::cmd("kill").args(["-TERM", &pid.to_string()]));
+    }
+    let started = Instant::now();
+    while pids
+        .iter()
+        .any(|pid| Path::new(&format!("/proc/{pid}")).exists())
+    {
+        if started.elapsed() > Duration::from_secs(120) {
+            bail!("dockerd (pid {pids:?}) did not exit within 2 minutes of SIGTERM");
+        }
+        sleep(Duration::from_millis(200));
+    }
+    Ok(())
 }
 
 /// The running `dockerd` processes that serve the default socket: not the private daemons

@@ -14,9 +14,9 @@
 //!   artifact (stripped, glibc 2.17, debug file, checksum) under `target/dist/<V>/`.
 //! - `bench [--quick] [--no-docker] [FIGURE..]`: the shim side by side with raw Docker, a
 //!   table and `target/bench.json` (see `docs/BENCHMARKS.md`).
-//! - `docker-deadlock [--fix]`: look for the libnetwork deadlock of Debian 12's Docker in the
-//!   local daemon's goroutines (`ci` watches for it during the tests); `--fix` replaces a
-//!   deadlocked daemon.
+//! - `conformance [ENGINE..]`: the runtime crate's engine tests and the release binary's API
+//!   lifecycle on each conformance engine (Docker 20.10, 26 and 28 with either image store,
+//!   Podman 4.3 and 5), then the engine table.
 //!
 //! The fixture names live in the `shim-e2e` library (`tests/src/lib.rs`).
 
@@ -29,23 +29,26 @@
 mod bench;
 mod ci;
 mod cmd;
+mod conformance;
 mod deadlock;
 mod demo;
 mod devenv;
 mod dist;
 mod docker;
+mod engines;
 mod image;
 mod mounts;
 mod packages;
 mod paths;
 mod proc;
+mod qemu;
 mod registry;
 mod rootfs;
 mod run;
 
 use std::process::ExitCode;
 
-use anyhow::{Result, bail};
+use anyhow::{Context as _, Result, bail};
 
 const USAGE: &str = "\
 usage: cargo xtask <command>
@@ -73,10 +76,15 @@ commands:
                       target/bench.json. FIGURE: store, engine, exit-latency, idle-cpu,
                       throughput, submit-latency, restart, rss (default: all; --quick: few
                       samples, small task counts, the debug build, Docker figures only)
-  docker-deadlock [--fix]
-                      look for the libnetwork deadlock of Debian 12's Docker 20.10.24
-                      (moby/moby#46661) in the local daemon; --fix replaces the daemon if
-                      it is deadlocked (ci watches for it while the tests run)
+  engine start|stop ENGINE
+                      start a conformance engine (in its own network namespace, with the
+                      test image and a registry copy) and leave it running, or stop it
+  conformance [ENGINE..]
+                      the runtime crate's engine tests and the release binary's API
+                      lifecycle (dstack's client) on each conformance engine, or those
+                      named: docker-bookworm (20.10), docker-trixie[-containerd] (26),
+                      docker-sid (28, classic store), podman-bookworm (4.3), podman-trixie
+                      (5); needs `cargo xtask dist`; prints the engine table
   help                this text
 ";
 
@@ -119,9 +127,43 @@ fn dispatch(args: &[String]) -> Result<()> {
         }
         "dist" => dist::dist(&dist::Options::parse(rest)?),
         "bench" => bench::bench(&bench::Options::parse(rest)?),
-        "docker-deadlock" => {
-            let fix = !flags(rest, &["--fix"])?.is_empty();
-            deadlock::check(fix)
+        "engine" => match rest {
+            [verb, name] if verb == "start" || verb == "stop" => {
+                let engine = engines::CONFORMANCE
+                    .iter()
+                    .find(|e| e.name == name)
+                    .with_context(|| format!("no conformance engine {name}"))?;
+                if verb == "stop" {
+                    return engine.stop();
+                }
+                engine.start()?;
+                engine.load_test_image()?;
+                println!(
+                    "engine {name} runs: DOCKER_HOST={} in network namespace {}\n\
+                     run tests with: nsenter --net=/run/netns/{} env DOCKER_HOST={} \
+                     SHIM_TEST_DOCKER=1 cargo nextest run ...",
+                    engine.docker_host(),
+                    engine.netns().unwrap_or_default(),
+                    engine.netns().unwrap_or_default(),
+                    engine.docker_host()
+                );
+                Ok(())
+            }
+            _ => bail!("usage: cargo xtask engine start|stop ENGINE"),
+        },
+        "conformance" => {
+            let rows = conformance::conformance(rest)?;
+            println!("\n{}", engines::table(&rows));
+            let failed: Vec<&str> = rows
+                .iter()
+                .filter(|row| !row.passed())
+                .map(|row| row.engine.as_str())
+                .collect();
+            if failed.is_empty() {
+                Ok(())
+            } else {
+                bail!("conformance failed on {}", failed.join(", "))
+            }
         }
         "help" | "--help" | "-h" => {
             print!("{USAGE}");

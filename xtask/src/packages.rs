@@ -4,8 +4,9 @@ use anyhow::{Context as _, Result, bail};
 
 use crate::cmd;
 
-/// Docker itself (daemon `dockerd` and client `docker`).
-pub const DOCKER: &[&str] = &["docker.io"];
+/// Docker itself (Debian 12's daemon `dockerd` and client `docker`), and debootstrap, which makes
+/// the root the main engine runs from.
+pub const DOCKER: &[&str] = &["docker.io", "debootstrap"];
 
 /// Everything `dev-env` needs: Docker, the static busybox of the test image, the registry and
 /// `htpasswd` for its auth file, Python's venv for the dstack server package (and the zig

@@ -49,14 +49,16 @@ pub fn differs_from_running(path: &Path) -> Result<bool, Error> {
 /// different sizes).
 pub fn same_content(a: &Path, b: &Path) -> io::Result<bool> {
     use std::os::unix::fs::MetadataExt as _;
-    let (ma, mb) = (fs_err::metadata(a)?, fs_err::metadata(b)?);
+    // The open files' metadata, not the paths': under qemu-user, a stat of `/proc/self/exe`
+    // describes the emulator, while an open of it is the program itself.
+    let (mut fa, mut fb) = (fs_err::File::open(a)?, fs_err::File::open(b)?);
+    let (ma, mb) = (fa.metadata()?, fb.metadata()?);
     if (ma.dev(), ma.ino()) == (mb.dev(), mb.ino()) {
         return Ok(true);
     }
     if ma.len() != mb.len() {
         return Ok(false);
     }
-    let (mut fa, mut fb) = (fs_err::File::open(a)?, fs_err::File::open(b)?);
     let (mut ba, mut bb) = (vec![0u8; CHUNK], vec![0u8; CHUNK]);
     loop {
         let na = read_full(&mut fa, &mut ba)?;
