@@ -56,7 +56,11 @@ pub fn help() -> String {
         })
         .collect();
     format!(
-        "Environment variables (read when the flag is not given): {}. Booleans: {}.",
+        "Environment variables (read when the flag is not given): {}. Booleans: {}.\n\n\
+         The container engine is the Docker API at DOCKER_HOST (default \
+         unix:///var/run/docker.sock): Docker 20.10 or newer with either image store, or \
+         Podman 4.3 or newer through its Docker-compatible socket \
+         (DOCKER_HOST=unix:///run/podman/podman.sock).",
         names.join(", "),
         super::goparse::GO_BOOLS.join(" ")
     )
@@ -80,7 +84,10 @@ mod tests {
              PJRT_DEVICE, DSTACK_SERVICE_MODE, DSTACK_SHIM_UNIX_SOCKET, DSTACK_SHIM_VOLUMES_ROOT, \
              DSTACK_SHIM_LOG_FORMAT, DSTACK_SHIM_RECONCILE_INTERVAL, DSTACK_DCGM_EXPORTER_PATH, \
              DSTACK_DCGMI_PATH, DSTACK_NV_HOSTENGINE_PATH. Booleans: 1 t T TRUE true True 0 f F \
-             FALSE false False."
+             FALSE false False.\n\nThe container engine is the Docker API at DOCKER_HOST \
+             (default unix:///var/run/docker.sock): Docker 20.10 or newer with either image \
+             store, or Podman 4.3 or newer through its Docker-compatible socket \
+             (DOCKER_HOST=unix:///run/podman/podman.sock)."
         );
         assert_eq!(
             names("pass-env"),
