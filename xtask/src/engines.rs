@@ -4,7 +4,7 @@
 //! distribution's root file system, made once with `debootstrap` under
 //! [`roots_dir`] and kept: the engine's processes run in a mount namespace of their own in which
 //! the root's `/usr` and `/etc` are bound over the host's, so they run the distribution's
-//! programs and configuration while every other path (`/tmp`, `/root`, `/var`, `/run`, the
+//! programs and configuration while every other path (`/usr/local`, `/tmp`, `/root`, `/var`, `/run`, the
 //! repository) is the host's. That is what the shim needs: it hands the engine host paths (its
 //! home, the runner binary, volume mount points) that must mean the same inside. The host's `/`
 //! is made a shared mount and the engine's namespace its slave, so what the tests mount later
@@ -339,7 +339,8 @@ pub fn share_host_mounts() -> Result<()> {
 /// The script every engine process is started through (`sh -c`): in a fresh mount namespace
 /// (a slave of the host's), with `$3 = 1` a sysfs of the engine's network namespace (keeping
 /// the host's cgroup mounts), and with a root `$2` that root's `/usr` and `/etc` over the
-/// host's; then `exec "$@"`. `$1` is the engine's run directory.
+/// host's, but for the host's `/usr/local` (where hosts keep `dstack-runner`, which the shim
+/// binds into containers); then `exec "$@"`. `$1` is the engine's run directory.
 const ENTER: &str = r#"set -e
 run="$1"; root="$2"; netns="$3"; shift 3
 if [ "$netns" = 1 ]; then
@@ -350,7 +351,11 @@ if [ "$netns" = 1 ]; then
   umount -l "$run/cgroup"
 fi
 if [ -n "$root" ]; then
+  mkdir -p "$run/usr-local"
+  mount --rbind /usr/local "$run/usr-local"
   mount --bind "$root/usr" /usr
+  mount --rbind "$run/usr-local" /usr/local
+  umount -l "$run/usr-local"
   mount --bind "$root/etc" /etc
 fi
 exec "$@"
