@@ -21,23 +21,23 @@
 )]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{Read as _, Write as _};
+use std::io::Read as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use shim_e2e::harness::{
-    ContainerSweeper, FAKE_GPUS, HostUser, NamedContainer, RUNNER_HTTP_PORT, RUNNER_SSH_PORT,
-    RemoveImage, Request, Response, ShimProcess, TestShim, bridge_task, container_name,
-    container_name_of, container_running, entries, fake_gpu_ids, free_port, owner_identity,
-    run_tag, runner_dir, shim_binary, ssh_key, wait_until,
+    ContainerSweeper, FAKE_GPUS, HostUser, Layer, NamedContainer, RUNNER_HTTP_PORT,
+    RUNNER_SSH_PORT, Registry, RemoveImage, Request, Response, ShimProcess, SlowProxy, TestShim,
+    bridge_task, container_name, container_name_of, container_running, entries, fake_gpu_ids,
+    free_port, owner_identity, run_tag, runner_dir, shim_binary, ssh_key, wait_until,
 };
 use shim_e2e::{
-    docker, docker_ok, docker_tests_enabled, dstack_python, image, registry, registry_password,
-    registry_user, repo_root, root_tests_enabled, runner_path,
+    REGISTRY_SMALL_REPO, REGISTRY_TAG, docker, docker_ok, docker_tests_enabled, dstack_python,
+    image, registry_password, registry_user, repo_root, root_tests_enabled, runner_path,
 };
 
 /// Bounds of the waits (never timed assertions: generous, only there so a hang fails).
@@ -359,10 +359,11 @@ fn pull_from_registry_with_credentials_reports_progress() {
         return;
     }
     let mut shim = TestShim::builder("e2e").build();
-    // An image whose top layer this daemon does not have: the base layers are those of the
-    // test image (already present), the top one is fresh random bytes (so the pull really
-    // downloads something; the registry's small image shares every layer with `shim-test:1`).
-    let pulled = push_fresh_image(shim.root());
+    // An image whose top layer this daemon never had: the base layers are those of the test
+    // image (already present), the top one is fresh random bytes (so the pull really
+    // downloads something; the registry's small image shares every layer with `shim-test:1`),
+    // pulled through a slow proxy (so the containerd image store reports its bytes too).
+    let (pulled, _proxy) = push_fresh_image(shim.root());
     let _image_guard = RemoveImage(pulled.clone());
     start_with_image_check(&mut shim, &pulled);
 
@@ -407,84 +408,47 @@ fn pull_from_registry_with_credentials_reports_progress() {
     assert_eq!(shim.container_ids(), BTreeSet::new());
 }
 
-/// Bytes of random payload in the fresh image's top layer.
-const PAYLOAD_BYTES: u64 = 128 * 1024;
+/// Bytes of random payload in the fresh image's top layer: over 1 MiB, the block in which the
+/// containerd image store copies a layer (it reports no bytes of a smaller one).
+const PAYLOAD_BYTES: u64 = 2 * 1024 * 1024;
 
-/// Builds `<registry>/shim-e2e-pull:1` from the test image plus a layer of fresh random bytes,
-/// pushes it (with a throwaway client config that is deleted at once) and removes it from the
-/// local daemon.
-fn push_fresh_image(scratch: &Path) -> String {
-    let pulled = format!("{}/shim-e2e-pull:1", registry());
-    let context = scratch.join("build");
-    fs_err::create_dir(&context).unwrap();
+/// Puts `shim-e2e-pull:1` into the registry: the registry's copy of the test image plus a layer
+/// holding fresh random bytes at `/e2e-payload`, made through the registry's API (the base
+/// layers mounted from `shim-test`), so that no Docker daemon ever holds the new layer. (Built,
+/// pushed and removed through a daemon on the containerd image store, the image would keep its
+/// content until containerd's garbage collection, and the pull would download nothing.)
+/// Returns the image as pulled through a [`SlowProxy`] in front of the registry (about 2 MiB/s:
+/// the layer downloads over several of the containerd store's 100 ms progress polls), and the
+/// proxy; makes sure the local daemon does not have the image (a run that died before its
+/// clean-up may have left it).
+fn push_fresh_image(scratch: &Path) -> (String, SlowProxy) {
+    let repo = "shim-e2e-pull";
+    let files = scratch.join("layer");
+    fs_err::create_dir(&files).unwrap();
     let mut payload = vec![0u8; usize::try_from(PAYLOAD_BYTES).unwrap()];
     fs_err::File::open("/dev/urandom")
         .unwrap()
         .read_exact(&mut payload)
         .unwrap();
-    fs_err::write(context.join("payload"), &payload).unwrap();
-    fs_err::write(
-        context.join("Dockerfile"),
-        format!("FROM {}\nCOPY payload /e2e-payload\n", image()),
-    )
-    .unwrap();
-    let built = Command::new("docker")
-        .env("DOCKER_BUILDKIT", "0")
-        .args(["build", "-q", "-t", &pulled])
-        .arg(&context)
-        .stdin(Stdio::null())
-        .output()
+    fs_err::write(files.join("e2e-payload"), &payload).unwrap();
+    let layer = Layer::from_dir(&files, scratch).unwrap();
+    fs_err::remove_dir_all(&files).unwrap();
+    let registry = Registry::fixture().unwrap();
+    registry
+        .push_with_layer(
+            (REGISTRY_SMALL_REPO, REGISTRY_TAG),
+            (repo, REGISTRY_TAG),
+            &layer,
+            "COPY payload /e2e-payload",
+        )
         .unwrap();
-    assert!(
-        built.status.success(),
-        "docker build: {}",
-        String::from_utf8_lossy(&built.stderr)
-    );
-    let client_config = scratch.join("docker-config");
-    fs_err::create_dir(&client_config).unwrap();
-    let mut login = Command::new("docker")
-        .arg("--config")
-        .arg(&client_config)
-        .args([
-            "login",
-            "-u",
-            &registry_user(),
-            "--password-stdin",
-            &registry(),
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    login
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(registry_password().as_bytes())
-        .unwrap();
-    let login = login.wait_with_output().unwrap();
-    assert!(
-        login.status.success(),
-        "docker login: {}",
-        String::from_utf8_lossy(&login.stderr)
-    );
-    let pushed = Command::new("docker")
-        .arg("--config")
-        .arg(&client_config)
-        .args(["push", &pulled])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    fs_err::remove_dir_all(&client_config).unwrap();
-    assert!(
-        pushed.status.success(),
-        "docker push: {}",
-        String::from_utf8_lossy(&pushed.stderr)
-    );
-    docker_ok(&["rmi", &pulled]);
+    let proxy = SlowProxy::start(registry.addr(), 64 * 1024, Duration::from_millis(32)).unwrap();
+    let pulled = format!("{}/{repo}:{REGISTRY_TAG}", proxy.host());
+    if image_present(&pulled) {
+        docker_ok(&["rmi", "-f", &pulled]);
+    }
     assert!(!image_present(&pulled));
-    pulled
+    (pulled, proxy)
 }
 
 /// Every regular file under `dir`.

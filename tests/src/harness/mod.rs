@@ -16,6 +16,10 @@
 //!   [`entries`] of a directory;
 //! - [`proxy`]: [`LosingProxy`], a proxy on a Unix socket in front of Docker's that loses the
 //!   answers to chosen requests (the daemon did the work; the answer never came);
+//! - [`registry`](mod@registry): [`Registry`], the test registry's HTTP API spoken directly
+//!   (manifests, blobs, cross-repository mounts), and [`Layer`], so a test puts an image there
+//!   that no Docker daemon ever held ([`Registry::push_with_layer`]); [`SlowProxy`], a
+//!   registry's answers at a bounded rate (so the containerd store reports a pull's bytes);
 //! - [`shim`]: [`TestShim`], one test's shim under test (a home, the process across
 //!   restarts, its logs, its API with the checks the tests make, its containers) and its
 //!   clean-up;
@@ -37,6 +41,7 @@ pub mod http;
 pub mod layout;
 pub mod process;
 pub mod proxy;
+pub mod registry;
 pub mod shim;
 pub mod sse;
 pub mod supervisor;
@@ -56,6 +61,7 @@ pub use process::{
     shim_binary, shim_command, tail, target_dir,
 };
 pub use proxy::{LosingProxy, docker_socket};
+pub use registry::{Layer, Registry, SlowProxy};
 pub use shim::{
     FAKE_GPUS, RUNNER_HTTP_PORT, RUNNER_SSH_PORT, TestShim, TestShimBuilder, WAIT_BOUND,
 };
