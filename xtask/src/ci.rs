@@ -298,7 +298,14 @@ fn embed_example(root: &Path) -> Result<()> {
 fn tests(root: &Path, row: &mut Row) -> Result<()> {
     let mut command = cargo_in(root);
     command
-        .args(["nextest", "run", "--workspace", "--no-fail-fast"])
+        .args([
+            "nextest",
+            "run",
+            "--workspace",
+            "--no-fail-fast",
+            "--run-ignored",
+            "all",
+        ])
         .env(ENV_TEST_DOCKER, "1")
         .env(ENV_TEST_ROOT, "1");
     let (ok, output) = crate::conformance::run_teed(&mut command)?;
@@ -307,7 +314,12 @@ fn tests(root: &Path, row: &mut Row) -> Result<()> {
     if !ok {
         bail!("`{}` failed", cmd::display(&command));
     }
-    Ok(())
+    // The gates are open: a test that still skipped did not run what it is there for.
+    match engines::skipped(&output) {
+        Some(0) => Ok(()),
+        Some(n) => bail!("{n} test(s) skipped although every gate is open"),
+        None => bail!("nextest printed no closing line to count skipped tests from"),
+    }
 }
 
 fn cargo_in(root: &Path) -> Command {

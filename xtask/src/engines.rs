@@ -915,9 +915,33 @@ pub fn counts(output: &str) -> Option<(u32, u32)> {
     })
 }
 
+/// The number of skipped tests nextest's closing line reports (`..., N skipped`).
+pub fn skipped(output: &str) -> Option<u32> {
+    output.lines().rev().find_map(|line| {
+        let rest = line.split_once(" run: ")?.1;
+        rest.split(", ").find_map(|item| {
+            let (n, what) = item.trim().split_once(' ')?;
+            what.starts_with("skipped").then(|| n.parse().ok()).flatten()
+        })
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn skipped_tests_are_counted() {
+        assert_eq!(
+            skipped("Summary [  12.3s] 45 tests run: 43 passed, 2 failed, 3 skipped"),
+            Some(3)
+        );
+        assert_eq!(
+            skipped("Summary [ 1.0s] 1 test run: 1 passed (1 slow), 0 skipped"),
+            Some(0)
+        );
+        assert_eq!(skipped("lifecycle: 11 passed, 0 failed"), None);
+    }
 
     #[test]
     fn closing_lines_are_counted() {
