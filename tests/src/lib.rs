@@ -21,9 +21,18 @@
 //! client config, so `~/.docker/config.json` never holds the registry credentials: a pull
 //! without credentials fails with `unauthorized: authentication required`.
 //!
-//! Test gating: tests that need Docker run only when [`ENV_TEST_DOCKER`]` = 1`, tests that need
-//! root (loop devices, mounts) only when [`ENV_TEST_ROOT`]` = 1`; see [`docker_tests_enabled`]
-//! and [`root_tests_enabled`].
+//! Test gating: a test that needs Docker or root (loop devices, mounts) is `#[ignore]`d with the
+//! reason, so that nextest and `cargo test` show it as skipped, and starts with
+//! [`require_docker`] / [`require_root`], which fail it unless [`ENV_TEST_DOCKER`]` = 1` /
+//! [`ENV_TEST_ROOT`]` = 1`. Run them with `cargo xtask dev-env`, then
+//! `SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1 cargo nextest run --workspace --run-ignored all`. The
+//! reasons are these exact texts, the same in every crate:
+//!
+//! ```text
+//! #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+//! #[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
+//! #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
+//! ```
 //!
 //! The [`harness`] module is the one test harness of the workspace (HTTP client, shim process
 //! guard, the shim under test, host users, Docker helpers, task paths, bounded waits), used by
@@ -198,33 +207,70 @@ pub fn runner_path() -> PathBuf {
     }
 }
 
+/// Fails the calling test unless `var` is `1`: an ignored test run without its environment
+/// fails with `message` instead of passing without having done anything.
+#[track_caller]
+fn require(var: &str, message: &str) {
+    assert!(
+        std::env::var(var).is_ok_and(|v| v == "1"),
+        "{message} ({var} is not 1)"
+    );
+}
+
+/// The first statement of a test that needs Docker and the dev-env fixtures (the test also
+/// carries the Docker `#[ignore]` reason of this crate's docs): panics unless
+/// [`ENV_TEST_DOCKER`]` = 1`. With it set, the test must fail, not skip, if Docker or a fixture
+/// is missing.
+#[track_caller]
+pub fn require_docker() {
+    require(
+        ENV_TEST_DOCKER,
+        "this test needs Docker and the dev-env fixtures: run `cargo xtask dev-env` and set \
+         SHIM_TEST_DOCKER=1",
+    );
+}
+
+/// The first statement of a test that needs root (loop devices, mounts; the test also carries
+/// the root `#[ignore]` reason of this crate's docs): panics unless [`ENV_TEST_ROOT`]` = 1`.
+#[track_caller]
+pub fn require_root() {
+    require(
+        ENV_TEST_ROOT,
+        "this test needs root (loop devices, mounts): run it as root and set SHIM_TEST_ROOT=1",
+    );
+}
+
+/// Transitional, for the tests not converted yet (`tests/tests/e2e.rs`): the old gate, which
+/// skips a test by making it pass. Convert its callers to the `#[ignore]` reason and
+/// [`require_docker`], then remove it.
+#[deprecated(note = "mark the test with the Docker #[ignore] reason and call require_docker()")]
+#[doc(hidden)]
 #[allow(
     clippy::print_stderr,
     reason = "tells the person running the tests why one did nothing"
 )]
-fn gate(var: &str, test: &str, needs: &str) -> bool {
-    if std::env::var(var).is_ok_and(|v| v == "1") {
-        return true;
-    }
-    eprintln!("skipped {test}: needs {needs}; set {var}=1 to run it");
-    false
-}
-
-/// Whether a test that needs Docker should run: true when [`ENV_TEST_DOCKER`]` = 1`; otherwise
-/// prints (stderr) that `test` was skipped and why, and returns false. When it returns true the
-/// test must fail, not skip, if Docker is unreachable.
 pub fn docker_tests_enabled(test: &str) -> bool {
-    gate(
-        ENV_TEST_DOCKER,
-        test,
-        "a Docker daemon and the dev-env fixtures",
-    )
+    let enabled = std::env::var(ENV_TEST_DOCKER).is_ok_and(|v| v == "1");
+    if !enabled {
+        eprintln!("skipped {test}: needs Docker; set {ENV_TEST_DOCKER}=1 to run it");
+    }
+    enabled
 }
 
-/// Whether a test that needs root (loop devices, mounts) should run: true when
-/// [`ENV_TEST_ROOT`]` = 1`; otherwise prints why `test` was skipped and returns false.
+/// Transitional, like [`docker_tests_enabled`]: convert its callers to the `#[ignore]` reason
+/// and [`require_root`], then remove it.
+#[deprecated(note = "mark the test with the #[ignore] reason naming root and call require_root()")]
+#[doc(hidden)]
+#[allow(
+    clippy::print_stderr,
+    reason = "tells the person running the tests why one did nothing"
+)]
 pub fn root_tests_enabled(test: &str) -> bool {
-    gate(ENV_TEST_ROOT, test, "root (loop devices, mounts)")
+    let enabled = std::env::var(ENV_TEST_ROOT).is_ok_and(|v| v == "1");
+    if !enabled {
+        eprintln!("skipped {test}: needs root; set {ENV_TEST_ROOT}=1 to run it");
+    }
+    enabled
 }
 
 #[cfg(test)]
