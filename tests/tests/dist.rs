@@ -20,10 +20,12 @@
 //! all` and `cargo xtask dist --upstream-version 0.22.4`); a test whose artifact is missing
 //! fails and says which command makes it. Like the dev-env fixtures (qemu-user-static, the
 //! cross glibc and the binfmt_misc entry among them), they are expected when
-//! `SHIM_TEST_DOCKER=1` (CI), so the tests run under that gate.
+//! `SHIM_TEST_DOCKER=1` (CI), so the tests are ignored (and need that variable) like the other
+//! Docker tests.
 //!
 //! Run: `cargo xtask dist --arch all && cargo xtask dist --upstream-version 0.22.4 &&
-//! SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1 cargo nextest run -p shim-e2e --test dist`.
+//! SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1 cargo nextest run -p shim-e2e --test dist
+//! --run-ignored all`.
 
 #![allow(
     clippy::unwrap_used,
@@ -43,9 +45,9 @@ use shim_e2e::harness::{
     free_port, run_tag, runner_dir, shim_binary, ssh_key, tail, wait_until, write_runner_exit,
 };
 use shim_e2e::{
-    DSTACK_VERSION, OLD_ROOTFS_SUITE, OLDER_DSTACK_VERSION, dist_artifact, dist_dir,
-    docker_tests_enabled, dstack_python, old_rootfs, registry_password, registry_small_image,
-    registry_user, repo_root, root_tests_enabled, runner_path,
+    DSTACK_VERSION, OLD_ROOTFS_SUITE, OLDER_DSTACK_VERSION, dist_artifact, dist_dir, dstack_python,
+    old_rootfs, registry_password, registry_small_image, registry_user, repo_root, require_docker,
+    require_root, runner_path,
 };
 
 /// Bounds of the waits (never timed assertions: generous, only there so a hang fails).
@@ -128,11 +130,9 @@ fn check_artifact(path: &Path, release: &str, run: bool) {
 /// builds too (`cargo xtask dist --arch all`), gets the same checks; it is run under qemu by
 /// [`the_other_architectures_artifact_runs_under_qemu_through_a_task_lifecycle`].
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn artifacts_need_glibc_2_17_at_most_are_stripped_and_say_their_release() {
-    if !docker_tests_enabled("artifacts_need_glibc_2_17_at_most_are_stripped_and_say_their_release")
-    {
-        return;
-    }
+    require_docker();
     for release in [DSTACK_VERSION, OLDER_DSTACK_VERSION] {
         check_artifact(&artifact_for(release), release, true);
     }
@@ -237,12 +237,10 @@ fn text(out: &Output) -> String {
 /// an ordinary build on this machine needs: that build does not even start there (checked
 /// first, so the test shows that the root file system makes a difference).
 #[test]
+#[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
-    if !docker_tests_enabled("the_artifact_serves_and_runs_a_task_inside_a_debian_11_root")
-        || !root_tests_enabled("the_artifact_serves_and_runs_a_task_inside_a_debian_11_root")
-    {
-        return;
-    }
+    require_docker();
+    require_root();
     let artifact = artifact_for(DSTACK_VERSION);
     let rootfs = old_rootfs();
     assert!(
@@ -524,12 +522,9 @@ fn server_check(shim: &ShimProcess, server_version: &str, expect: &[&str]) {
 /// (`_maybe_install_components`, `_maybe_install_shim`, `_should_install_component`),
 /// src/dstack/_internal/core/backends/base/compute.py (`get_dstack_shim_download_url`).
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn the_dstack_server_keeps_the_artifact_of_its_release_and_replaces_older_ones() {
-    if !docker_tests_enabled(
-        "the_dstack_server_keeps_the_artifact_of_its_release_and_replaces_older_ones",
-    ) {
-        return;
-    }
+    require_docker();
     let python = dstack_python();
     assert!(
         python.exists(),
@@ -674,12 +669,9 @@ fn lifecycle(shim: &Path, prefix: Option<&Path>, env: &[(&str, &Path)]) -> Durat
 /// a timeout, remove, a restart and a shutdown with tasks running, a container that exits while
 /// the shim is down; no container is left (`tests/dstack-server/lifecycle.py`).
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn the_dstack_servers_client_drives_the_artifact_through_a_task_lifecycle() {
-    if !docker_tests_enabled(
-        "the_dstack_servers_client_drives_the_artifact_through_a_task_lifecycle",
-    ) {
-        return;
-    }
+    require_docker();
     let took = lifecycle(&artifact_for(DSTACK_VERSION), None, &[]);
     eprintln!(
         "MEASURED the lifecycle of the {} artifact: {took:.1?}",
@@ -703,12 +695,9 @@ fn qemu_cpu(arch: Arch) -> &'static str {
 /// ([`the_dstack_servers_client_drives_the_artifact_through_a_task_lifecycle`]) on this
 /// machine's Docker: only the shim is emulated, the containers are native.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn the_other_architectures_artifact_runs_under_qemu_through_a_task_lifecycle() {
-    if !docker_tests_enabled(
-        "the_other_architectures_artifact_runs_under_qemu_through_a_task_lifecycle",
-    ) {
-        return;
-    }
+    require_docker();
     let arch = other_arch();
     let artifact = other_artifact();
     let cpu = qemu_cpu(arch);

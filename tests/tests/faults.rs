@@ -14,11 +14,13 @@
 //! daemon and its bridge, images it pulled. Waits are bounded; the few timed assertions (a frozen daemon must not hold the
 //! API) have generous bounds.
 //!
-//! Gating: every test needs Docker (`SHIM_TEST_DOCKER=1`); those that need a host user's
-//! `authorized_keys`, a loop device or a Docker daemon of their own also need root
-//! (`SHIM_TEST_ROOT=1`). With the variables set, a missing piece fails the test.
+//! Gating: every test is ignored unless run with `--run-ignored all`, and needs Docker
+//! (`SHIM_TEST_DOCKER=1`); those that need a host user's `authorized_keys`, a loop device or a
+//! Docker daemon of their own also need root (`SHIM_TEST_ROOT=1`). A missing variable or piece
+//! fails the test.
 //!
-//! Run: `SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1 cargo nextest run -p shim-e2e --test faults`.
+//! Run: `SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1 cargo nextest run -p shim-e2e --test faults
+//! --run-ignored all`.
 //! The random test prints its seed; `SHIM_FAULTS_SEED=<seed>` replays its choices (thread
 //! timing still varies).
 
@@ -46,8 +48,8 @@ use shim_e2e::harness::{
     write_runner_exit,
 };
 use shim_e2e::{
-    RUNNER_EXIT_FILE, docker_tests_enabled, image, registry, registry_password, registry_user,
-    root_tests_enabled,
+    RUNNER_EXIT_FILE, image, registry, registry_password, registry_user, require_docker,
+    require_root,
 };
 
 /// Bound of the waits for a status or for convergence (never a timed assertion: generous,
@@ -60,13 +62,14 @@ const ENOSPC: &str = "No space left on device";
 // Gating
 // ---------------------------------------------------------------------------------------------
 
-/// Whether `test` runs: it needs Docker, and root too when `root`. When it runs, the pieces
-/// must be there: Docker answers, and we are root.
-fn enabled(test: &str, root: bool) -> bool {
-    let docker = docker_tests_enabled(test);
-    let root_ok = !root || root_tests_enabled(test);
-    if !(docker && root_ok) {
-        return false;
+/// The first statement of each test: it needs Docker, and root too when `root`
+/// ([`require_docker`], [`require_root`]), and the pieces must be there: Docker answers, and
+/// we are root.
+#[track_caller]
+fn require(test: &str, root: bool) {
+    require_docker();
+    if root {
+        require_root();
     }
     let info = try_docker_within(&["info", "--format", "{{.ID}}"], Duration::from_secs(60));
     assert!(
@@ -78,7 +81,6 @@ fn enabled(test: &str, root: bool) -> bool {
         let uid = run_ok("id", &["-u"]);
         assert_eq!(uid.trim(), "0", "{test}: SHIM_TEST_ROOT=1 but not root");
     }
-    true
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -944,13 +946,12 @@ fn check_gpus(
 /// a real user, GPU locks of four fake GPUs). At the end everything is terminated and
 /// removed, leaving no container, no task directory, no trash and no marked key line.
 #[test]
+#[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn sigkill_at_random_points_of_concurrent_requests_loses_nothing() {
-    if !enabled(
+    require(
         "sigkill_at_random_points_of_concurrent_requests_loses_nothing",
         true,
-    ) {
-        return;
-    }
+    );
     let seed = seed();
     eprintln!("seed {seed} (SHIM_FAULTS_SEED={seed} replays the choices)");
     let started = Instant::now();
@@ -1078,13 +1079,12 @@ fn last_line(info: &Value) -> String {
 ///   reconnects, the shim relists, and an exit that happened while the daemon was down is
 ///   reported with its exit code; a task that kept running is untouched.
 #[test]
+#[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn docker_frozen_stopped_and_restarted_under_running_tasks() {
-    if !enabled(
+    require(
         "docker_frozen_stopped_and_restarted_under_running_tasks",
         true,
-    ) {
-        return;
-    }
+    );
     let dir = tempfile::Builder::new()
         .prefix("shim-faults-")
         .tempdir()
@@ -1246,13 +1246,12 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
 /// terminate answers 200 with the first reason, removes are accepted; after a restart every
 /// terminate answered keeps its reason and the started task runs on in its container.
 #[test]
+#[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
-    if !enabled(
+    require(
         "a_full_home_fails_writes_with_their_cause_and_converges_when_freed",
         true,
-    ) {
-        return;
-    }
+    );
     let dir = tempfile::Builder::new()
         .prefix("shim-faults-")
         .tempdir()
@@ -1524,13 +1523,12 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
 /// task of the same user is released — and go once the last of them is released; the user's
 /// own line is never touched.
 #[test]
+#[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
-    if !enabled(
+    require(
         "unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys",
         true,
-    ) {
-        return;
-    }
+    );
     let dir = tempfile::Builder::new()
         .prefix("shim-faults-")
         .tempdir()
@@ -1662,13 +1660,12 @@ fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
 /// in it) are gone after a restart; a directory with anything else in it is left alone, and a
 /// running task is untouched.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn kills_mid_submit_and_mid_delete_leave_nothing_after_a_restart() {
-    if !enabled(
+    require(
         "kills_mid_submit_and_mid_delete_leave_nothing_after_a_restart",
         false,
-    ) {
-        return;
-    }
+    );
     let dir = tempfile::Builder::new()
         .prefix("shim-faults-")
         .tempdir()
@@ -1770,13 +1767,12 @@ fn kills_mid_submit_and_mid_delete_leave_nothing_after_a_restart() {
 /// `<dir>/./home`, through a symbolic link, and as `<dir>/home/../home`: the task is still
 /// running in the same container (never restarted), with the same GPUs held.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn the_owner_identity_does_not_depend_on_how_the_home_is_spelled() {
-    if !enabled(
+    require(
         "the_owner_identity_does_not_depend_on_how_the_home_is_spelled",
         false,
-    ) {
-        return;
-    }
+    );
     let dir = tempfile::Builder::new()
         .prefix("shim-faults-")
         .tempdir()
@@ -1852,13 +1848,12 @@ fn the_owner_identity_does_not_depend_on_how_the_home_is_spelled() {
 /// lost fails with the cause and keeps the task; the next remove (the server retries) finds
 /// the container gone and completes, leaving nothing behind.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn lost_docker_answers_neither_fail_the_task_nor_leak_it() {
-    if !enabled(
+    require(
         "lost_docker_answers_neither_fail_the_task_nor_leak_it",
         false,
-    ) {
-        return;
-    }
+    );
     let proxy = LosingProxy::start(
         &docker_socket(),
         &["/containers/create", "/start ", "DELETE /"],

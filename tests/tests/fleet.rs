@@ -39,8 +39,9 @@
 //! applying the fleet to the instance being `idle`, and submit → `running` of each job, from
 //! the server's events.
 //!
-//! Run: `SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1 cargo nextest run -p shim-e2e --test fleet` after
-//! `cargo xtask dev-env` and `cargo xtask dist` (the artifact it tests).
+//! Run: `SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1 cargo nextest run -p shim-e2e --test fleet
+//! --run-ignored all` after `cargo xtask dev-env` and `cargo xtask dist` (the artifact it
+//! tests); without `--run-ignored all` it is ignored.
 //!
 //! upstream: src/dstack/_internal/server/services/ssh_fleets/provisioning.py (every
 //! provisioning step, the unit, shim.env), .../background/pipeline_tasks/instances/ssh_deploy.py
@@ -71,8 +72,8 @@ use shim_e2e::harness::{
     wait_for, wait_until,
 };
 use shim_e2e::{
-    DSTACK_VERSION, dist_artifact, docker_ok, docker_tests_enabled, dstack_python, go_arch, image,
-    repo_root, root_tests_enabled,
+    DSTACK_VERSION, dist_artifact, docker_ok, dstack_python, go_arch, image, repo_root,
+    require_docker, require_root,
 };
 
 /// The shim's home, binary and the runner's binary, as the server's unit and `shim.env` have
@@ -1113,11 +1114,10 @@ impl Drop for Logs {
 // ---------------------------------------------------------------------------------------------
 
 #[test]
+#[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
-    let name = "a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim";
-    if !docker_tests_enabled(name) || !root_tests_enabled(name) {
-        return;
-    }
+    require_docker();
+    require_root();
     let test_started = Instant::now();
     let python = dstack_python();
     assert!(

@@ -6,7 +6,8 @@
 //! run in bridge mode. The harness's `TestShim` kills the shim and force-removes the home's
 //! containers however the test ends; the shim's output is printed when a test fails.
 //!
-//! Run: `SHIM_TEST_DOCKER=1 cargo nextest run -p shim-e2e --test observe`.
+//! Run: `SHIM_TEST_DOCKER=1 cargo nextest run -p shim-e2e --test observe --run-ignored all`
+//! (the tests are ignored without `--run-ignored`).
 
 #![allow(
     clippy::unwrap_used,
@@ -22,7 +23,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use shim_e2e::harness::{Body, Request, SseEvent, SseParser, TestShim};
-use shim_e2e::{docker_tests_enabled, image};
+use shim_e2e::{image, require_docker};
 
 /// How long the event stream may stay silent before the test gives up (keep-alives come
 /// every 15 s).
@@ -388,10 +389,9 @@ fn the_parser_is_strict() {
 /// (`--log-format json`): every line of `shim.log` is a JSON object, and lines about the task
 /// carry its id in the `task` field.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn events_follow_a_task_from_submit_to_removal_and_json_logs() {
-    if !docker_tests_enabled("events_follow_a_task_from_submit_to_removal_and_json_logs") {
-        return;
-    }
+    require_docker();
     let shim = start(&["--log-format", "json"]);
     let mut sse = Sse::connect(shim.addr());
     let snapshot = sse.next_event();
@@ -482,10 +482,9 @@ fn events_follow_a_task_from_submit_to_removal_and_json_logs() {
 /// status, Docker creates, the exit → terminated histogram, terminations by reason; the build
 /// info names the version the healthcheck answers. `GET /api/ready` answers ready.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn metrics_parse_and_move_as_a_task_runs() {
-    if !docker_tests_enabled("metrics_parse_and_move_as_a_task_runs") {
-        return;
-    }
+    require_docker();
     let shim = start(&[]);
     let ready = shim.send(&Request::get("/api/ready"));
     assert_eq!(ready.status, 200, "{ready:?}");
@@ -579,10 +578,9 @@ fn metrics_parse_and_move_as_a_task_runs() {
 
 /// The metrics' documentation names every family the shim serves (docs/OPERATIONS.md).
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn operations_md_lists_every_metric() {
-    if !docker_tests_enabled("operations_md_lists_every_metric") {
-        return;
-    }
+    require_docker();
     let shim = start(&[]);
     let metrics = metrics(&shim);
     let doc = fs_err::read_to_string(shim_e2e::repo_root().join("docs/OPERATIONS.md")).unwrap();

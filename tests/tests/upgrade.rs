@@ -38,8 +38,8 @@ use serde_json::{Value, json};
 use shim_e2e::harness::supervisor::group_members;
 use shim_e2e::harness::{Request, TestShim, bridge_task, docker_ok, run_tag, wait_for};
 use shim_e2e::{
-    DSTACK_VERSION, OLDER_DSTACK_VERSION, dist_artifact, docker_tests_enabled, dstack_python,
-    go_arch, repo_root,
+    DSTACK_VERSION, OLDER_DSTACK_VERSION, dist_artifact, dstack_python, go_arch, repo_root,
+    require_docker,
 };
 
 /// The restart delay of the unit the dstack server writes.
@@ -437,10 +437,9 @@ fn record(shim: &TestShim) -> Value {
 /// systemd watches) stays the same, the new version answers, every task keeps its container
 /// (same container, still running since the same moment), the watchdog goes away.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn an_upgrade_in_place_fails_no_request_and_keeps_every_task() {
-    if !docker_tests_enabled("an_upgrade_in_place_fails_no_request_and_keeps_every_task") {
-        return;
-    }
+    require_docker();
     let (old, new) = (artifact(OLDER_DSTACK_VERSION), artifact(DSTACK_VERSION));
     let (old_version, new_version) = (version_of(&old), version_of(&new));
     assert_ne!(old_version, new_version);
@@ -559,10 +558,9 @@ fn an_upgrade_in_place_fails_no_request_and_keeps_every_task() {
 /// - the same binary installed again: refused without being started (it failed before);
 /// - a good `--version` that hangs: killed by the watchdog after its bound, rolled back.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
-    if !docker_tests_enabled("a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim") {
-        return;
-    }
+    require_docker();
     let current = artifact(DSTACK_VERSION);
     let version = version_of(&current);
     let (shim, path, _bin) = supervised_shim(
@@ -730,10 +728,9 @@ fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
 /// (_maybe_install_components, _maybe_install_shim), src/dstack/_internal/core/backends/base/
 /// compute.py (get_dstack_shim_download_url).
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn the_dstack_servers_own_instance_check_upgrades_it_in_place() {
-    if !docker_tests_enabled("the_dstack_servers_own_instance_check_upgrades_it_in_place") {
-        return;
-    }
+    require_docker();
     let python = dstack_python();
     assert!(
         python.exists(),
@@ -829,10 +826,9 @@ fn the_dstack_servers_own_instance_check_upgrades_it_in_place() {
 /// exits without rolling back; the tasks' containers keep running. Requests between the exec
 /// and its bind are refused (counted, not asserted).
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn a_binary_that_is_not_this_shim_binds_the_port_itself() {
-    if !docker_tests_enabled("a_binary_that_is_not_this_shim_binds_the_port_itself") {
-        return;
-    }
+    require_docker();
     let current = artifact(DSTACK_VERSION);
     let (shim, path, _bin) = supervised_shim("foreign", &current, &[]);
     let tasks = running_tasks(&shim, 1);
