@@ -138,10 +138,9 @@ fn takes_gos_flag_syntax() {
 /// harness's `--shim-home` (the last of a flag wins, as in urfave/cli), the Unix socket is
 /// placed, and a positional argument (old servers start `dstack-shim docker`) is ignored.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn serves_with_one_dash_flags() {
-    if !shim_e2e::docker_tests_enabled("serves_with_one_dash_flags") {
-        return;
-    }
+    shim_e2e::require_docker();
     let first = tempfile::tempdir().unwrap();
     let home = tempfile::tempdir().unwrap();
     let sock = home.path().join("shim.sock");
@@ -180,10 +179,9 @@ fn serves_with_one_dash_flags() {
 }
 
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn serves_logs_and_stops_on_sigterm() {
-    if !shim_e2e::docker_tests_enabled("serves_logs_and_stops_on_sigterm") {
-        return;
-    }
+    shim_e2e::require_docker();
     let home = tempfile::tempdir().unwrap();
     let shim = start(home.path(), &[]);
 
@@ -237,10 +235,9 @@ fn serves_logs_and_stops_on_sigterm() {
 /// what the first one uses), and so does one on a taken port, before it restores anything
 /// (the port is bound first). The first shim keeps serving.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn a_second_shim_on_the_same_home_or_port_refuses_to_start() {
-    if !shim_e2e::docker_tests_enabled("a_second_shim_on_the_same_home_or_port_refuses_to_start") {
-        return;
-    }
+    shim_e2e::require_docker();
     let home = tempfile::tempdir().unwrap();
     let first = start(home.path(), &[]);
     let run = |home: &Path, port: u16| {
@@ -271,10 +268,9 @@ fn a_second_shim_on_the_same_home_or_port_refuses_to_start() {
 }
 
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn stops_on_api_shutdown_and_serves_a_unix_socket() {
-    if !shim_e2e::docker_tests_enabled("stops_on_api_shutdown_and_serves_a_unix_socket") {
-        return;
-    }
+    shim_e2e::require_docker();
     let home = tempfile::tempdir().unwrap();
     let sock = home.path().join("shim.sock");
     let shim = start(home.path(), &["--unix-socket", sock.to_str().unwrap()]);
@@ -309,11 +305,9 @@ fn stops_on_api_shutdown_and_serves_a_unix_socket() {
 /// upstream: runner/internal/shim/api/handlers.go (TaskInfoHandler, TaskRemoveHandler,
 /// InstanceHealthHandler, TaskMetricsHandler), schemas.go (InstanceHealthResponse).
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn unknown_tasks_and_unknown_health_are_answered_as_upstream() {
-    if !shim_e2e::docker_tests_enabled("unknown_tasks_and_unknown_health_are_answered_as_upstream")
-    {
-        return;
-    }
+    shim_e2e::require_docker();
     let home = tempfile::tempdir().unwrap();
     let shim = start(home.path(), &[]);
     for path in ["/api/tasks/abc", "/api/tasks/-x"] {
@@ -349,10 +343,9 @@ fn unknown_tasks_and_unknown_health_are_answered_as_upstream() {
 }
 
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn service_mode_writes_host_info_once() {
-    if !shim_e2e::docker_tests_enabled("service_mode_writes_host_info_once") {
-        return;
-    }
+    shim_e2e::require_docker();
     let home = tempfile::tempdir().unwrap();
     let path = home.path().join("host_info.json");
     {
@@ -380,13 +373,12 @@ fn service_mode_writes_host_info_once() {
 /// keep a normal client from being answered, even when it was started with a soft limit of
 /// 256, which they would exhaust.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn stalled_connections_do_not_make_the_api_unreachable() {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
     use std::io::Write as _;
 
-    if !shim_e2e::docker_tests_enabled("stalled_connections_do_not_make_the_api_unreachable") {
-        return;
-    }
+    shim_e2e::require_docker();
     let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
     assert!(
         hard > 1024,

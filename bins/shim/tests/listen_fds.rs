@@ -51,10 +51,9 @@ fn activated(addr: &str, port: u16, home: &Path, extra: &[&str]) -> Command {
 /// not bind again (it is taken by the very socket it serves), yet the healthcheck answers; the
 /// listening socket is the one passed (fd 3 of the process).
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn serves_a_socket_passed_as_systemd_passes_it() {
-    if !shim_e2e::docker_tests_enabled("serves_a_socket_passed_as_systemd_passes_it") {
-        return;
-    }
+    shim_e2e::require_docker();
     let home = tempfile::tempdir().unwrap();
     let port = free_port().unwrap();
     let command = activated(

@@ -1,6 +1,7 @@
 //! The engine on the real Docker daemon, real authorized_keys files and a real loop-device
-//! volume. Runs with `SHIM_TEST_DOCKER=1` (the restart test also needs `SHIM_TEST_ROOT=1`);
-//! fails, never skips, when those say it runs.
+//! volume. The tests are ignored unless run with `--run-ignored all`, and then need
+//! `SHIM_TEST_DOCKER=1` (the restart test also `SHIM_TEST_ROOT=1`): they fail, never skip, when
+//! Docker, a fixture or a variable is missing.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers outside #[test] fns
 
 use std::path::{Path, PathBuf};
@@ -178,10 +179,9 @@ fn docker(args: &[&str]) -> String {
 }
 
 #[tokio::test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn done_by_runner_and_exit_with_error() {
-    if !shim_e2e::docker_tests_enabled("done_by_runner_and_exit_with_error") {
-        return;
-    }
+    shim_e2e::require_docker();
     let host = Host::new();
     let engine = host.engine().await;
     let (ok, bad) = (unique("ok"), unique("bad"));
@@ -220,10 +220,9 @@ async fn done_by_runner_and_exit_with_error() {
 }
 
 #[tokio::test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn terminate_running_now_and_with_grace() {
-    if !shim_e2e::docker_tests_enabled("terminate_running_now_and_with_grace") {
-        return;
-    }
+    shim_e2e::require_docker();
     let host = Host::new();
     let engine = host.engine().await;
     let (now, grace) = (unique("kill"), unique("grace"));
@@ -297,10 +296,9 @@ async fn terminate_running_now_and_with_grace() {
 }
 
 #[tokio::test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn terminate_during_large_pull_cancels_it() {
-    if !shim_e2e::docker_tests_enabled("terminate_during_large_pull_cancels_it") {
-        return;
-    }
+    shim_e2e::require_docker();
     let host = Host::new();
     let engine = host.engine().await;
     let image = shim_e2e::registry_large_image();
@@ -397,12 +395,10 @@ fn is_mounted(path: &Path) -> bool {
 /// Every restore case of SPEC §5 after a crash: the shim process is simulated by a tokio
 /// runtime that is dropped (killing its tasks, like SIGKILL), then a new one on the same home.
 #[test]
+#[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn crash_and_restore_on_real_docker() {
-    if !shim_e2e::docker_tests_enabled("crash_and_restore_on_real_docker")
-        || !shim_e2e::root_tests_enabled("crash_and_restore_on_real_docker")
-    {
-        return;
-    }
+    shim_e2e::require_docker();
+    shim_e2e::require_root();
     let host = Host::new();
     let vol = LoopDevice::new(&host, &unique("vol").replace('-', ""));
     let vol_name = vol.mount.file_name().unwrap().to_str().unwrap().to_owned();
@@ -572,10 +568,9 @@ fn crash_and_restore_on_real_docker() {
 }
 
 #[tokio::test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn two_homes_on_one_daemon() {
-    if !shim_e2e::docker_tests_enabled("two_homes_on_one_daemon") {
-        return;
-    }
+    shim_e2e::require_docker();
     let (h1, h2) = (Host::new(), Host::new());
     let e1 = h1.engine().await;
     let e2 = h2.engine().await;
@@ -641,10 +636,9 @@ impl FlakyDocker {
 }
 
 #[tokio::test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn daemon_unreachable_for_a_while_changes_nothing() {
-    if !shim_e2e::docker_tests_enabled("daemon_unreachable_for_a_while_changes_nothing") {
-        return;
-    }
+    shim_e2e::require_docker();
     let mut host = Host::new();
     let proxy = FlakyDocker::start(host.dir.path()).await;
     host.docker_host = Some(format!("unix://{}", proxy.path.display()));
