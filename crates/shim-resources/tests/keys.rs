@@ -9,6 +9,19 @@ use shim_resources::keys::{MARKER, Rewrite, marked_line, parse_marked_line, rend
 use shim_resources::{AuthorizedKeys, AuthorizedKeysManager, Error, StaticUserDb, UserDb as _};
 use shim_task::{PublicKey, TaskId};
 
+/// The first statement of a test that needs root (loop devices, mounts), which also carries the
+/// workspace's root `#[ignore]` reason: panics unless `SHIM_TEST_ROOT=1`, so that the test, run
+/// on purpose without its environment, fails instead of passing (the local copy of
+/// `shim_e2e::require_root`: this crate's tests do not depend on `shim-e2e`).
+#[track_caller]
+fn require_root() {
+    assert!(
+        std::env::var("SHIM_TEST_ROOT").is_ok_and(|v| v == "1"),
+        "this test needs root (loop devices, mounts): run it as root and set SHIM_TEST_ROOT=1 \
+         (SHIM_TEST_ROOT is not 1)"
+    );
+}
+
 // Generated with ssh-keygen; fingerprints as `ssh-keygen -l` printed them.
 const K1: &str =
     "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAILJGWz0/8QjYK+L+mj9V7g/pcOzi/5qYPRvJ0QrLvroM user1@host";
@@ -727,11 +740,9 @@ async fn planted_temp_file_symlink_is_not_written_through() {
 }
 
 #[tokio::test]
+#[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn files_are_owned_by_the_user_when_run_as_root() {
-    if std::env::var("SHIM_TEST_ROOT").as_deref() != Ok("1") {
-        eprintln!("skipped files_are_owned_by_the_user_when_run_as_root: set SHIM_TEST_ROOT=1");
-        return;
-    }
+    require_root();
     assert_eq!(
         nix::unistd::geteuid().as_raw(),
         0,

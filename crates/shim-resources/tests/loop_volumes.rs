@@ -1,6 +1,6 @@
 //! Block volumes on real loop devices: format, mount, unmount. Needs root, `losetup`,
-//! `mkfs.ext4`, `blkid` and mount(2); runs only with `SHIM_TEST_ROOT=1` and then fails loudly
-//! if any of it is missing.
+//! `mkfs.ext4`, `blkid` and mount(2); the tests are ignored unless run with `--run-ignored all`,
+//! and then need `SHIM_TEST_ROOT=1` and fail loudly if any of it is missing.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // a test file: panics are failures
 
 use std::os::unix::fs::PermissionsExt as _;
@@ -12,13 +12,17 @@ use shim_resources::volumes::Probe;
 use shim_resources::{BlockVolumes, Error, SystemCommandRunner, VolumeConfig, VolumeManager};
 use shim_task::{MountedVolume, TaskName, VolumeBackend, VolumeSpec};
 
-fn root_tests(test: &str) -> bool {
-    if std::env::var("SHIM_TEST_ROOT").as_deref() == Ok("1") {
-        true
-    } else {
-        eprintln!("skipped {test}: needs root and loop devices; set SHIM_TEST_ROOT=1 to run it");
-        false
-    }
+/// The first statement of a test that needs root (loop devices, mounts), which also carries the
+/// workspace's root `#[ignore]` reason: panics unless `SHIM_TEST_ROOT=1`, so that the test, run
+/// on purpose without its environment, fails instead of passing (the local copy of
+/// `shim_e2e::require_root`: this crate's tests do not depend on `shim-e2e`).
+#[track_caller]
+fn require_root() {
+    assert!(
+        std::env::var("SHIM_TEST_ROOT").is_ok_and(|v| v == "1"),
+        "this test needs root (loop devices, mounts): run it as root and set SHIM_TEST_ROOT=1 \
+         (SHIM_TEST_ROOT is not 1)"
+    );
 }
 
 fn run(program: &str, args: &[&str]) -> String {
@@ -155,10 +159,9 @@ fn mode(p: &Path) -> u32 {
 }
 
 #[tokio::test]
+#[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn blank_device_with_init_fs_is_formatted_mounted_and_released() {
-    if !root_tests("blank_device_with_init_fs_is_formatted_mounted_and_released") {
-        return;
-    }
+    require_root();
     let lp = Loop::blank(64);
     let m = lp.manager();
     let vol = m.prepare(&lp.spec(true)).await.unwrap();
@@ -197,10 +200,9 @@ async fn blank_device_with_init_fs_is_formatted_mounted_and_released() {
 }
 
 #[tokio::test]
+#[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn existing_filesystem_is_never_formatted_nor_chmodded() {
-    if !root_tests("existing_filesystem_is_never_formatted_nor_chmodded") {
-        return;
-    }
+    require_root();
     let lp = Loop::blank(64);
     run("mkfs.ext4", &["-q", "-F", lp.dev_str()]);
     // Put a file on it and make its root 0755, as a user-formatted volume would be.
@@ -228,10 +230,9 @@ async fn existing_filesystem_is_never_formatted_nor_chmodded() {
 }
 
 #[tokio::test]
+#[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn blank_device_without_init_fs_is_an_error_and_stays_blank() {
-    if !root_tests("blank_device_without_init_fs_is_an_error_and_stays_blank") {
-        return;
-    }
+    require_root();
     let lp = Loop::blank(32);
     let m = lp.manager();
     let e = m.prepare(&lp.spec(false)).await.unwrap_err();
@@ -242,10 +243,9 @@ async fn blank_device_without_init_fs_is_an_error_and_stays_blank() {
 }
 
 #[tokio::test]
+#[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn partitioned_device_is_never_formatted() {
-    if !root_tests("partitioned_device_is_never_formatted") {
-        return;
-    }
+    require_root();
     // An MBR with one Linux partition, written before attaching; only the disk is linked
     // (no `-part1` link), so the disk itself is what the volume names.
     let lp = Loop::new(32, write_mbr);
@@ -273,10 +273,9 @@ async fn partitioned_device_is_never_formatted() {
 /// upstream: runner/internal/shim/backends/gcp.go (GetRealDeviceName),
 /// runner/internal/shim/volumes.go (probeFilesystem).
 #[tokio::test]
+#[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn partitioned_gcp_disk_is_mounted_by_its_first_partition() {
-    if !root_tests("partitioned_gcp_disk_is_mounted_by_its_first_partition") {
-        return;
-    }
+    require_root();
     let (lp, part) = Loop::partitioned();
     let m = lp.manager();
     let part1 = lp.tmp.path().join("by-id/google-test-disk-part1");
@@ -321,10 +320,9 @@ async fn partitioned_gcp_disk_is_mounted_by_its_first_partition() {
 }
 
 #[tokio::test]
+#[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn busy_mount_fails_release_until_freed() {
-    if !root_tests("busy_mount_fails_release_until_freed") {
-        return;
-    }
+    require_root();
     let lp = Loop::blank(32);
     let m = lp.manager();
     let vol = m.prepare(&lp.spec(true)).await.unwrap();
@@ -339,10 +337,9 @@ async fn busy_mount_fails_release_until_freed() {
 }
 
 #[tokio::test]
+#[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn aws_fallback_resolves_a_real_device_with_real_lsblk() {
-    if !root_tests("aws_fallback_resolves_a_real_device_with_real_lsblk") {
-        return;
-    }
+    require_root();
     let lp = Loop::blank(32);
     let m = lp.manager();
     let spec = VolumeSpec {
@@ -358,10 +355,9 @@ async fn aws_fallback_resolves_a_real_device_with_real_lsblk() {
 }
 
 #[tokio::test]
+#[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn zero_size_device_is_refused() {
-    if !root_tests("zero_size_device_is_refused") {
-        return;
-    }
+    require_root();
     let lp = Loop::new(0, |_| {});
     let m = lp.manager();
     let e = m.resolve_device(&lp.spec(true)).await.unwrap_err();
@@ -371,10 +367,9 @@ async fn zero_size_device_is_refused() {
 }
 
 #[tokio::test]
+#[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn release_of_recovered_volume_without_device() {
-    if !root_tests("release_of_recovered_volume_without_device") {
-        return;
-    }
+    require_root();
     let lp = Loop::blank(32);
     let m = lp.manager();
     let vol = m.prepare(&lp.spec(true)).await.unwrap();
@@ -408,10 +403,9 @@ impl shim_resources::CommandRunner for CountingRunner {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn concurrent_prepares_of_one_blank_volume_format_it_once() {
-    if !root_tests("concurrent_prepares_of_one_blank_volume_format_it_once") {
-        return;
-    }
+    require_root();
     let lp = Loop::blank(64);
     let runner = Arc::new(CountingRunner::default());
     let mut config = VolumeConfig::with_root(lp.root()).fast();
@@ -443,10 +437,9 @@ async fn concurrent_prepares_of_one_blank_volume_format_it_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn two_volumes_prepare_and_release_in_parallel() {
-    if !root_tests("two_volumes_prepare_and_release_in_parallel") {
-        return;
-    }
+    require_root();
     // Locks are per mount point and per device: two blank volumes are formatted, mounted and
     // unmounted side by side by one manager, each exactly once.
     let a = Loop::blank(32);

@@ -1,11 +1,12 @@
-//! Tests on real mounts (`SHIM_TEST_ROOT=1`): a full filesystem, an undeletable directory.
+//! Tests on real mounts (ignored; `SHIM_TEST_ROOT=1` and `--run-ignored all` run them): a full
+//! filesystem, an undeletable directory.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers
 
 mod common;
 
 use std::io::Write as _;
 
-use common::{Tmpfs, names, record, root_tests, umount};
+use common::{Tmpfs, names, record, require_root, umount};
 use shim_store::{ScanEntry, Store, StoreError};
 use shim_task::TaskStatus;
 
@@ -39,10 +40,9 @@ fn is_enospc(err: &StoreError) -> bool {
 }
 
 #[test]
+#[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn a_full_filesystem_fails_the_write_and_keeps_the_old_record() {
-    if !root_tests("a_full_filesystem_fails_the_write_and_keeps_the_old_record") {
-        return;
-    }
+    require_root();
     let tmp = tempfile::tempdir().unwrap();
     let mnt = Tmpfs::mount(&tmp.path().join("fs"), "1m");
     let store = Store::open(mnt.dir.join("home")).unwrap();
@@ -93,10 +93,9 @@ fn a_full_filesystem_fails_the_write_and_keeps_the_old_record() {
 }
 
 #[test]
+#[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn an_undeletable_task_dir_goes_to_the_trash() {
-    if !root_tests("an_undeletable_task_dir_goes_to_the_trash") {
-        return;
-    }
+    require_root();
     let home = tempfile::tempdir().unwrap();
     let store = Store::open(home.path()).unwrap();
     let r = record("t1");

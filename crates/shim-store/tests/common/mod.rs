@@ -11,14 +11,17 @@ use std::process::Command;
 
 use shim_task::{TaskConfig, TaskId, TaskName, TaskRecord};
 
-/// Whether root-only tests (mount) run: `SHIM_TEST_ROOT=1`. Otherwise prints why it skips.
-pub fn root_tests(test: &str) -> bool {
-    if std::env::var("SHIM_TEST_ROOT").as_deref() == Ok("1") {
-        true
-    } else {
-        eprintln!("skipped {test}: needs root and mount; set SHIM_TEST_ROOT=1 to run it");
-        false
-    }
+/// The first statement of a test that needs root (loop devices, mounts), which also carries the
+/// workspace's root `#[ignore]` reason: panics unless `SHIM_TEST_ROOT=1`, so that the test, run
+/// on purpose without its environment, fails instead of passing (the local copy of
+/// `shim_e2e::require_root`: this crate's tests do not depend on `shim-e2e`).
+#[track_caller]
+pub fn require_root() {
+    assert!(
+        std::env::var("SHIM_TEST_ROOT").is_ok_and(|v| v == "1"),
+        "this test needs root (loop devices, mounts): run it as root and set SHIM_TEST_ROOT=1 \
+         (SHIM_TEST_ROOT is not 1)"
+    );
 }
 
 /// A tmpfs of `size` mounted at `dir`, unmounted on drop.
