@@ -141,7 +141,7 @@ fn dispatch(args: &[String]) -> Result<()> {
                 println!(
                     "engine {name} runs: DOCKER_HOST={} in network namespace {}\n\
                      run tests with: nsenter --net=/run/netns/{} env DOCKER_HOST={} \
-                     SHIM_TEST_DOCKER=1 cargo nextest run ...",
+                     SHIM_TEST_DOCKER=1 cargo nextest run --run-ignored all ...",
                     engine.docker_host(),
                     engine.netns().unwrap_or_default(),
                     engine.netns().unwrap_or_default(),
