@@ -921,7 +921,9 @@ pub fn skipped(output: &str) -> Option<u32> {
         let rest = line.split_once(" run: ")?.1;
         rest.split(", ").find_map(|item| {
             let (n, what) = item.trim().split_once(' ')?;
-            what.starts_with("skipped").then(|| n.parse().ok()).flatten()
+            what.starts_with("skipped")
+                .then(|| n.parse().ok())
+                .flatten()
         })
     })
 }
