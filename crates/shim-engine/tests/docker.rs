@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use shim_e2e::harness::FreshImage;
 use shim_engine::{Deps, Engine, EngineConfig};
 use shim_resources::{
     AuthorizedKeysManager, BlockVolumes, HostGpus, StaticUserDb, SystemCommandRunner, VolumeConfig,
@@ -173,6 +174,16 @@ async fn cleanup(engine: &Engine, ids: &[&str]) {
     }
 }
 
+/// Bytes of the random layer of the tests' fresh images: at about 2 MiB/s through the proxy, a
+/// pull lasts several seconds (the containerd store reports bytes per whole MiB, polled every
+/// 100 ms).
+const FRESH_PAYLOAD_BYTES: usize = 16 * 1024 * 1024;
+
+/// A fresh image in `repo` of the test registry (see [`FreshImage`]).
+fn fresh_image(repo: &str) -> FreshImage {
+    FreshImage::push(repo, FRESH_PAYLOAD_BYTES).unwrap()
+}
+
 fn docker(args: &[&str]) -> String {
     let out = Command::new("docker").args(args).output().unwrap();
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
@@ -300,21 +311,28 @@ async fn terminate_running_now_and_with_grace() {
 async fn terminate_during_large_pull_cancels_it() {
     shim_e2e::require_docker();
     let host = Host::new();
+    // An image no engine can hold (fresh random content), pulled slowly: the pull must
+    // really download, and still be downloading when the task is terminated.
+    let image = fresh_image("shim-engine-terminate-pull");
     let engine = host.engine().await;
-    let image = shim_e2e::registry_large_image();
-    // Another test may have left it; a pull must really download.
-    docker(&["rmi", "-f", &image]);
     let id = unique("pull");
     let mut c = config(&id);
-    c.image_name = image.clone();
+    c.image_name = image.reference().to_owned();
     c.registry_username = shim_e2e::registry_user();
     c.registry_password = shim_task::Secret::new(shim_e2e::registry_password());
+    let submitted = Instant::now();
     engine.submit(c).await.unwrap();
-    wait_for(&engine, &id, "downloading", |i| {
+    let downloading = wait_for(&engine, &id, "downloading", |i| {
         i.image_pull_progress
             .is_some_and(|p| p.downloaded_bytes > 0)
     })
     .await;
+    eprintln!(
+        "MEASURED pull of {} layer bytes: {:?} after {:?}",
+        image.layer_bytes(),
+        downloading.image_pull_progress,
+        submitted.elapsed()
+    );
     let t0 = Instant::now();
     let info = engine
         .terminate(
@@ -400,6 +418,7 @@ fn crash_and_restore_on_real_docker() {
     shim_e2e::require_docker();
     shim_e2e::require_root();
     let host = Host::new();
+    let image = fresh_image("shim-engine-restore-pull");
     let vol = LoopDevice::new(&host, &unique("vol").replace('-', ""));
     let vol_name = vol.mount.file_name().unwrap().to_str().unwrap().to_owned();
     let [run, exits, user, never, cut] = ["run", "exits", "user", "never", "cut"].map(unique);
@@ -439,11 +458,10 @@ fn crash_and_restore_on_real_docker() {
             )
             .await
             .unwrap();
-        // Cut short while pulling: a state file, no container, an SSH key.
-        let image = shim_e2e::registry_large_image();
-        docker(&["rmi", "-f", &image]);
+        // Cut short while pulling (a slow pull of fresh content, which no content store can
+        // finish at once): a state file, no container, an SSH key.
         let mut c = config(&cut);
-        c.image_name = image;
+        c.image_name = image.reference().to_owned();
         c.registry_username = shim_e2e::registry_user();
         c.registry_password = shim_task::Secret::new(shim_e2e::registry_password());
         c.host_ssh_user = "tester".into();

@@ -20,6 +20,8 @@
 //!   (manifests, blobs, cross-repository mounts), and [`Layer`], so a test puts an image there
 //!   that no Docker daemon ever held ([`Registry::push_with_layer`]); [`SlowProxy`], a
 //!   registry's answers at a bounded rate (so the containerd store reports a pull's bytes);
+//!   and [`FreshImage`], both at once: an image of fresh random content that every engine
+//!   really downloads, slowly, removed from the registry and the daemon when dropped;
 //! - [`shim`]: [`TestShim`], one test's shim under test (a home, the process across
 //!   restarts, its logs, its API with the checks the tests make, its containers) and its
 //!   clean-up;
@@ -61,7 +63,7 @@ pub use process::{
     shim_binary, shim_command, tail, target_dir,
 };
 pub use proxy::{LosingProxy, docker_socket};
-pub use registry::{Layer, Registry, SlowProxy};
+pub use registry::{FreshImage, Layer, Registry, SlowProxy};
 pub use shim::{
     FAKE_GPUS, RUNNER_HTTP_PORT, RUNNER_SSH_PORT, TestShim, TestShimBuilder, WAIT_BOUND,
 };

@@ -15,6 +15,9 @@
 //! one fetched between two polls (anything, from a registry on loopback), shows no byte count
 //! at all, only `Download complete`. [`SlowProxy`] in front of the registry makes a layer of a
 //! few MiB take long enough to be seen.
+//!
+//! [`FreshImage`] does both for a test: a fresh random layer pushed to the test's repository,
+//! pulled through its own slow proxy, removed from the registry and the daemon when dropped.
 
 use std::io::{self, Read as _, Write as _};
 use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs as _};
@@ -274,6 +277,19 @@ impl Registry {
         Ok(digest)
     }
 
+    /// Deletes the manifest `digest` of `repo` (and so every tag naming it): `DELETE
+    /// /v2/<repo>/manifests/<digest>`, which needs the registry's `storage.delete.enabled`
+    /// (the test registry has it). The blobs stay until the registry's garbage collection.
+    pub fn delete_manifest(&self, repo: &str, digest: &str) -> io::Result<()> {
+        let path = format!("/v2/{repo}/manifests/{digest}");
+        self.send(
+            Request::new("DELETE", &path),
+            &format!("DELETE {path}"),
+            &[202],
+        )?;
+        Ok(())
+    }
+
     /// Makes `repo:tag` the image `base_repo:base_tag` of this registry with `layer` on top:
     /// the base layers are mounted from `base_repo` (uploaded from it where the registry does
     /// not mount), `layer` is uploaded, the config is the base config with the layer's
@@ -335,6 +351,96 @@ impl Registry {
         }));
         manifest["layers"] = Value::Array(layers);
         self.put_manifest(repo, tag, &media_type, &manifest)
+    }
+}
+
+/// The rate of a [`FreshImage`]'s proxy: [`FRESH_CHUNK`] bytes, then [`FRESH_PAUSE`] (at most
+/// 2 MiB/s: a layer of a few MiB spans many of the containerd store's 100 ms progress polls).
+pub const FRESH_CHUNK: usize = 64 * 1024;
+/// See [`FRESH_CHUNK`].
+pub const FRESH_PAUSE: Duration = Duration::from_millis(32);
+
+/// An image in the test registry that no engine can hold, pulled slowly: the registry's small
+/// image ([`crate::REGISTRY_SMALL_REPO`], whose layers the local test image shares) with one
+/// more layer of fresh random bytes (`/payload`), pushed through the registry's API
+/// ([`Registry::push_with_layer`]) as `<repo>:<tag unique to this process>`, and referred to
+/// through its own [`SlowProxy`] ([`FRESH_CHUNK`] / [`FRESH_PAUSE`]). Its pull downloads the
+/// new layer on every engine and store, whatever an earlier run left in a content store (the
+/// containerd store keeps a removed image's content, and a cancelled pull's partial content,
+/// so an image pulled before comes back at once), and reports its bytes as it goes.
+///
+/// When dropped: the local image is removed (`docker rmi -f`), the manifest is deleted from
+/// the registry, and the proxy stops. Drop it after the containers that use the image.
+#[derive(Debug)]
+pub struct FreshImage {
+    reference: String,
+    registry: Registry,
+    repo: String,
+    digest: String,
+    layer_bytes: u64,
+    /// Kept for the pulls; stops when the image is dropped.
+    proxy: SlowProxy,
+}
+
+impl FreshImage {
+    /// Pushes a fresh image with `payload_bytes` random bytes to `repo` of the test registry
+    /// (a repository of the calling test's own) and starts its proxy.
+    pub fn push(repo: &str, payload_bytes: usize) -> io::Result<Self> {
+        static COUNT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let tag = format!(
+            "{}-{}",
+            super::task::run_tag(),
+            COUNT.fetch_add(1, Ordering::SeqCst)
+        );
+        let scratch = tempfile::tempdir()?;
+        let files = scratch.path().join("layer");
+        fs_err::create_dir(&files)?;
+        let mut payload = vec![0u8; payload_bytes];
+        fs_err::File::open("/dev/urandom")?.read_exact(&mut payload)?;
+        fs_err::write(files.join("payload"), &payload)?;
+        drop(payload);
+        let layer = Layer::from_dir(&files, scratch.path())?;
+        let registry = Registry::fixture()?;
+        let digest = registry.push_with_layer(
+            (crate::REGISTRY_SMALL_REPO, crate::REGISTRY_TAG),
+            (repo, &tag),
+            &layer,
+            "COPY payload /payload",
+        )?;
+        let proxy = SlowProxy::start(registry.addr(), FRESH_CHUNK, FRESH_PAUSE)?;
+        Ok(Self {
+            reference: format!("{}/{repo}:{tag}", proxy.host()),
+            registry,
+            repo: repo.to_owned(),
+            digest,
+            layer_bytes: u64::try_from(layer.gzip.len()).unwrap_or(u64::MAX),
+            proxy,
+        })
+    }
+
+    /// The image as pulled, through the proxy: `127.0.0.1:<port>/<repo>:<tag>`.
+    pub fn reference(&self) -> &str {
+        &self.reference
+    }
+
+    /// The size of the fresh layer as pulled (gzip), in bytes.
+    pub fn layer_bytes(&self) -> u64 {
+        self.layer_bytes
+    }
+
+    /// The proxy the image is pulled through.
+    pub fn proxy(&self) -> &SlowProxy {
+        &self.proxy
+    }
+}
+
+impl Drop for FreshImage {
+    fn drop(&mut self) {
+        let _ = super::docker::try_docker_within(
+            &["rmi", "-f", &self.reference],
+            super::docker::DOCKER_BOUND,
+        );
+        let _ = self.registry.delete_manifest(&self.repo, &self.digest);
     }
 }
 
