@@ -21,7 +21,6 @@
 )]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Read as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -30,14 +29,14 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use shim_e2e::harness::{
-    ContainerSweeper, FAKE_GPUS, HostUser, Layer, NamedContainer, RUNNER_HTTP_PORT,
-    RUNNER_SSH_PORT, Registry, RemoveImage, Request, Response, ShimProcess, SlowProxy, TestShim,
-    bridge_task, container_name, container_name_of, container_running, entries, fake_gpu_ids,
-    free_port, owner_identity, run_tag, runner_dir, shim_binary, ssh_key, wait_until,
+    ContainerSweeper, FAKE_GPUS, FreshImage, HostUser, NamedContainer, RUNNER_HTTP_PORT,
+    RUNNER_SSH_PORT, Request, Response, ShimProcess, TestShim, bridge_task, container_name,
+    container_name_of, container_running, entries, fake_gpu_ids, free_port, owner_identity,
+    run_tag, runner_dir, shim_binary, ssh_key, wait_until,
 };
 use shim_e2e::{
-    REGISTRY_SMALL_REPO, REGISTRY_TAG, docker, docker_ok, docker_tests_enabled, dstack_python,
-    image, registry_password, registry_user, repo_root, root_tests_enabled, runner_path,
+    docker, docker_ok, docker_tests_enabled, dstack_python, image, registry_password,
+    registry_user, repo_root, root_tests_enabled, runner_path,
 };
 
 /// Bounds of the waits (never timed assertions: generous, only there so a hang fails).
@@ -358,13 +357,13 @@ fn pull_from_registry_with_credentials_reports_progress() {
     if !docker_tests_enabled("pull_from_registry_with_credentials_reports_progress") {
         return;
     }
-    let mut shim = TestShim::builder("e2e").build();
     // An image whose top layer this daemon never had: the base layers are those of the test
     // image (already present), the top one is fresh random bytes (so the pull really
     // downloads something; the registry's small image shares every layer with `shim-test:1`),
     // pulled through a slow proxy (so the containerd image store reports its bytes too).
-    let (pulled, _proxy) = push_fresh_image(shim.root());
-    let _image_guard = RemoveImage(pulled.clone());
+    let fresh = FreshImage::push("shim-e2e-pull", usize::try_from(PAYLOAD_BYTES).unwrap()).unwrap();
+    let pulled = fresh.reference().to_owned();
+    let mut shim = TestShim::builder("e2e").build();
     start_with_image_check(&mut shim, &pulled);
 
     let mut config = task("pull-1", 0);
@@ -409,47 +408,10 @@ fn pull_from_registry_with_credentials_reports_progress() {
 }
 
 /// Bytes of random payload in the fresh image's top layer: over 1 MiB, the block in which the
-/// containerd image store copies a layer (it reports no bytes of a smaller one).
+/// containerd image store copies a layer (it reports no bytes of a smaller one); through the
+/// [`FreshImage`]'s proxy (about 2 MiB/s) it downloads over several of the store's 100 ms
+/// progress polls.
 const PAYLOAD_BYTES: u64 = 2 * 1024 * 1024;
-
-/// Puts `shim-e2e-pull:1` into the registry: the registry's copy of the test image plus a layer
-/// holding fresh random bytes at `/e2e-payload`, made through the registry's API (the base
-/// layers mounted from `shim-test`), so that no Docker daemon ever holds the new layer. (Built,
-/// pushed and removed through a daemon on the containerd image store, the image would keep its
-/// content until containerd's garbage collection, and the pull would download nothing.)
-/// Returns the image as pulled through a [`SlowProxy`] in front of the registry (about 2 MiB/s:
-/// the layer downloads over several of the containerd store's 100 ms progress polls), and the
-/// proxy; makes sure the local daemon does not have the image (a run that died before its
-/// clean-up may have left it).
-fn push_fresh_image(scratch: &Path) -> (String, SlowProxy) {
-    let repo = "shim-e2e-pull";
-    let files = scratch.join("layer");
-    fs_err::create_dir(&files).unwrap();
-    let mut payload = vec![0u8; usize::try_from(PAYLOAD_BYTES).unwrap()];
-    fs_err::File::open("/dev/urandom")
-        .unwrap()
-        .read_exact(&mut payload)
-        .unwrap();
-    fs_err::write(files.join("e2e-payload"), &payload).unwrap();
-    let layer = Layer::from_dir(&files, scratch).unwrap();
-    fs_err::remove_dir_all(&files).unwrap();
-    let registry = Registry::fixture().unwrap();
-    registry
-        .push_with_layer(
-            (REGISTRY_SMALL_REPO, REGISTRY_TAG),
-            (repo, REGISTRY_TAG),
-            &layer,
-            "COPY payload /e2e-payload",
-        )
-        .unwrap();
-    let proxy = SlowProxy::start(registry.addr(), 64 * 1024, Duration::from_millis(32)).unwrap();
-    let pulled = format!("{}/{repo}:{REGISTRY_TAG}", proxy.host());
-    if image_present(&pulled) {
-        docker_ok(&["rmi", "-f", &pulled]);
-    }
-    assert!(!image_present(&pulled));
-    (pulled, proxy)
-}
 
 /// Every regular file under `dir`.
 fn walk(dir: &Path) -> Vec<PathBuf> {
