@@ -240,39 +240,6 @@ pub fn require_root() {
     );
 }
 
-/// Transitional, for the tests not converted yet (`tests/tests/e2e.rs`): the old gate, which
-/// skips a test by making it pass. Convert its callers to the `#[ignore]` reason and
-/// [`require_docker`], then remove it.
-#[deprecated(note = "mark the test with the Docker #[ignore] reason and call require_docker()")]
-#[doc(hidden)]
-#[allow(
-    clippy::print_stderr,
-    reason = "tells the person running the tests why one did nothing"
-)]
-pub fn docker_tests_enabled(test: &str) -> bool {
-    let enabled = std::env::var(ENV_TEST_DOCKER).is_ok_and(|v| v == "1");
-    if !enabled {
-        eprintln!("skipped {test}: needs Docker; set {ENV_TEST_DOCKER}=1 to run it");
-    }
-    enabled
-}
-
-/// Transitional, like [`docker_tests_enabled`]: convert its callers to the `#[ignore]` reason
-/// and [`require_root`], then remove it.
-#[deprecated(note = "mark the test with the #[ignore] reason naming root and call require_root()")]
-#[doc(hidden)]
-#[allow(
-    clippy::print_stderr,
-    reason = "tells the person running the tests why one did nothing"
-)]
-pub fn root_tests_enabled(test: &str) -> bool {
-    let enabled = std::env::var(ENV_TEST_ROOT).is_ok_and(|v| v == "1");
-    if !enabled {
-        eprintln!("skipped {test}: needs root; set {ENV_TEST_ROOT}=1 to run it");
-    }
-    enabled
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

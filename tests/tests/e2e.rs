@@ -10,8 +10,10 @@
 //! alone, `ShimProcess` and `ContainerSweeper`) kills the shim and force-removes every
 //! container labelled with the home's owner identity, however the test ends.
 //!
-//! Run: `SHIM_TEST_DOCKER=1 cargo nextest run -p shim-e2e` (the tests build the binary with
-//! `cargo build -p dstack-shim` first; set `SHIM_E2E_BINARY` to use another one).
+//! Run: `SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1 cargo nextest run -p shim-e2e --test e2e
+//! --run-ignored all` after `cargo xtask dev-env` (the tests build the binary with `cargo build
+//! -p dstack-shim` first; set `SHIM_E2E_BINARY` to use another one); without `--run-ignored
+//! all` they are ignored. Two of them also need root (`HostUser` runs `useradd`).
 
 #![allow(
     clippy::unwrap_used,
@@ -35,8 +37,8 @@ use shim_e2e::harness::{
     run_tag, runner_dir, shim_binary, ssh_key, wait_until,
 };
 use shim_e2e::{
-    docker, docker_ok, docker_tests_enabled, dstack_python, image, registry_password,
-    registry_user, repo_root, root_tests_enabled, runner_path,
+    docker, docker_ok, dstack_python, image, registry_password, registry_user, repo_root,
+    require_docker, require_root, runner_path,
 };
 
 /// Bounds of the waits (never timed assertions: generous, only there so a hang fails).
@@ -169,10 +171,9 @@ fn assert_running(info: &Value, config: &Value, gpus: usize) {
 /// gates), src/dstack/_internal/server/background/pipeline_tasks/instances/check.py
 /// (_maybe_install_components: compares the installed and running versions).
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn healthcheck_version_is_a_compatible_release() {
-    if !docker_tests_enabled("healthcheck_version_is_a_compatible_release") {
-        return;
-    }
+    require_docker();
     let shim = TestShim::builder("e2e").start();
     let health = shim.get("/api/healthcheck").ok();
     assert_eq!(health["service"], "dstack-shim", "{health}");
@@ -220,12 +221,9 @@ fn healthcheck_version_is_a_compatible_release() {
 /// upstream: runner/internal/shim/docker.go (`DockerMounts`: `mount.Mount{Type:
 /// mount.TypeBind}` for the runner directory and binary).
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn a_missing_runner_binary_fails_the_task_and_creates_nothing_at_its_path() {
-    if !docker_tests_enabled(
-        "a_missing_runner_binary_fails_the_task_and_creates_nothing_at_its_path",
-    ) {
-        return;
-    }
+    require_docker();
     let dir = tempfile::Builder::new()
         .prefix("shim-e2e-norunner-")
         .tempdir()
@@ -262,10 +260,9 @@ fn a_missing_runner_binary_fails_the_task_and_creates_nothing_at_its_path() {
 /// shows it; the runner exits 0 → `done_by_runner`; a later terminate keeps that reason;
 /// remove deletes the container and the task directory; the task is then unknown.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn full_lifecycle_over_http() {
-    if !docker_tests_enabled("full_lifecycle_over_http") {
-        return;
-    }
+    require_docker();
     let shim = TestShim::builder("e2e").start();
     assert_eq!(shim.list(), BTreeMap::new());
 
@@ -353,10 +350,9 @@ fn full_lifecycle_over_http() {
 /// credentials; `image_pull_progress` ends with downloaded bytes > 0 and a final total; the
 /// password reaches no file of the home and no log.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn pull_from_registry_with_credentials_reports_progress() {
-    if !docker_tests_enabled("pull_from_registry_with_credentials_reports_progress") {
-        return;
-    }
+    require_docker();
     // An image whose top layer this daemon never had: the base layers are those of the test
     // image (already present), the top one is fresh random bytes (so the pull really
     // downloads something; the registry's small image shares every layer with `shim-test:1`),
@@ -443,10 +439,9 @@ fn start_with_image_check(shim: &mut TestShim, image: &str) {
 /// 3 → `container_exited_with_error`). A second shim on another home on the same daemon,
 /// running throughout and restarted, never lists or touches it.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn a_lost_or_replaced_owner_id_orphans_no_running_task() {
-    if !docker_tests_enabled("a_lost_or_replaced_owner_id_orphans_no_running_task") {
-        return;
-    }
+    require_docker();
     let mut shim = TestShim::builder("e2e").start();
     let mut other = TestShim::builder("e2e").start();
     let owner_file = shim.home().join("owner-id");
@@ -515,12 +510,9 @@ fn a_lost_or_replaced_owner_id_orphans_no_running_task() {
 /// - the restored task's GPUs are locked again (not handed out twice), those of the ended task
 ///   are free again.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn sigkill_and_restart_keep_tasks_and_report_exits_that_happened_while_down() {
-    if !docker_tests_enabled(
-        "sigkill_and_restart_keep_tasks_and_report_exits_that_happened_while_down",
-    ) {
-        return;
-    }
+    require_docker();
     let mut shim = TestShim::builder("e2e").start();
     let keep = task("keep", 2);
     let exits = task("exits", 2);
@@ -599,10 +591,9 @@ fn sigkill_and_restart_keep_tasks_and_report_exits_that_happened_while_down() {
 /// shim and leave the containers running; each restarted shim finds the task running in the
 /// same container.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn shutdown_and_sigterm_leave_containers_running() {
-    if !docker_tests_enabled("shutdown_and_sigterm_leave_containers_running") {
-        return;
-    }
+    require_docker();
     let mut shim = TestShim::builder("e2e").start();
     let config = task("stays", 1);
     shim.submit(&config).ok();
@@ -655,10 +646,9 @@ fn shutdown_and_sigterm_leave_containers_running() {
 /// the unknown route and method from Go's `net/http` `ServeMux` (`404 page not found`,
 /// `Method Not Allowed`).
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn bad_input_is_refused_and_changes_nothing() {
-    if !docker_tests_enabled("bad_input_is_refused_and_changes_nothing") {
-        return;
-    }
+    require_docker();
     let shim = TestShim::builder("e2e").start();
     let good_key = ssh_key("e2e@bad-input");
     let mut running = task("ok-1", 1);
@@ -987,10 +977,9 @@ fn big_config() -> Vec<u8> {
 /// leaked: no container of this shim, an empty tasks directory, and every GPU free again
 /// (a task wanting all four gets them).
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn fifty_concurrent_tasks_leave_nothing_behind() {
-    if !docker_tests_enabled("fifty_concurrent_tasks_leave_nothing_behind") {
-        return;
-    }
+    require_docker();
     const N: usize = 50;
     let shim = Arc::new(TestShim::builder("e2e").start());
     // Four of them take one GPU each: all fake GPUs are in use at once.
@@ -1120,10 +1109,9 @@ fn fifty_concurrent_tasks_leave_nothing_behind() {
 /// dstack server: src/dstack/_internal/server/services/instances.py
 /// (remove_dangling_tasks_from_instance: terminate_task, then remove_task at once).
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn remove_right_after_terminate_during_start_is_accepted() {
-    if !docker_tests_enabled("remove_right_after_terminate_during_start_is_accepted") {
-        return;
-    }
+    require_docker();
     let shim = TestShim::builder("e2e").start();
     let mut refused = Vec::new();
     for i in 0..40u64 {
@@ -1151,10 +1139,9 @@ fn remove_right_after_terminate_during_start_is_accepted() {
 /// behind, nothing re-created by a late state write), so a restarted shim does not bring it
 /// back. Tasks are terminated in every phase of start and removed at once.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn removed_task_stays_removed_after_terminate_during_start() {
-    if !docker_tests_enabled("removed_task_stays_removed_after_terminate_during_start") {
-        return;
-    }
+    require_docker();
     let mut shim = TestShim::builder("e2e").start();
     // Ten clients at once (the state writes' fsyncs get slower, the windows wider).
     std::thread::scope(|s| {
@@ -1288,13 +1275,11 @@ fn run_upstream_container(config: &Value, runner_dir: &Path) -> (String, NamedCo
 /// terminated; Remove deletes the runner directory), runner/internal/shim/authorized_keys.go
 /// (keys appended verbatim, removed by fingerprint).
 #[test]
+#[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn upstream_tasks_are_adopted_terminated_removed_and_released() {
+    require_docker();
     // HostUser runs useradd: root.
-    if !docker_tests_enabled("upstream_tasks_are_adopted_terminated_removed_and_released")
-        || !root_tests_enabled("upstream_tasks_are_adopted_terminated_removed_and_released")
-    {
-        return;
-    }
+    require_root();
     let mut shim = TestShim::builder("e2e").build();
     let own_key = ssh_key("the-user's-own-key");
     let task_key = ssh_key("upstream-task-key");
@@ -1424,10 +1409,9 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
 /// restores as terminated), runner/internal/shim/task.go (a terminated task keeps its first
 /// reason).
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn an_upstream_recorded_reason_wins_over_its_containers_exit() {
-    if !docker_tests_enabled("an_upstream_recorded_reason_wins_over_its_containers_exit") {
-        return;
-    }
+    require_docker();
     let mut shim = TestShim::builder("e2e").build();
     let config = task("upstream-r", 0);
     let dir = shim.home().join("runners").join(container_name_of(&config));
@@ -1478,10 +1462,9 @@ fn an_upstream_recorded_reason_wins_over_its_containers_exit() {
 /// upstream: runner/internal/shim/docker.go (restoreStateFromContainers, DockerMounts),
 /// runner/internal/shim/models.go (TaskConfig).
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn this_shims_containers_and_state_files_follow_upstreams_rules() {
-    if !docker_tests_enabled("this_shims_containers_and_state_files_follow_upstreams_rules") {
-        return;
-    }
+    require_docker();
     let shim = TestShim::builder("e2e").start();
     let mut config = task("ours-1", 1);
     config["registry_username"] = json!("someone");
@@ -1599,13 +1582,11 @@ fn this_shims_containers_and_state_files_follow_upstreams_rules() {
 /// upstream: runner/internal/shim/docker.go (Run: host keys appended without checks;
 /// prepareVolumes: GetBackend fails the task), runner/internal/shim/backends/backends.go.
 #[test]
+#[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn what_upstream_accepts_is_accepted_and_ends_as_upstream_ends_it() {
+    require_docker();
     // HostUser runs useradd: root.
-    if !docker_tests_enabled("what_upstream_accepts_is_accepted_and_ends_as_upstream_ends_it")
-        || !root_tests_enabled("what_upstream_accepts_is_accepted_and_ends_as_upstream_ends_it")
-    {
-        return;
-    }
+    require_root();
     let shim = TestShim::builder("e2e").start();
     let own = ssh_key("own@host");
     let user = HostUser::create(shim.root());
@@ -1715,10 +1696,9 @@ fn first_release_state_file(id: &str, name: &str, cname: &str, cid: &str, gpu: &
 /// in upstream's format, and the runner, whose bind-mounted directory moved with it, still
 /// ends the task through it. A second start finds everything migrated already.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn first_release_home_is_migrated_with_its_task_running() {
-    if !docker_tests_enabled("first_release_home_is_migrated_with_its_task_running") {
-        return;
-    }
+    require_docker();
     let mut shim = TestShim::builder("e2e").build();
     // The first release derived its owner from the home's path: what the harness computes
     // for a home without an owner-id file.
@@ -1808,10 +1788,9 @@ fn first_release_home_is_migrated_with_its_task_running() {
 /// src/dstack/_internal/server/services/ssh_fleets/provisioning.py (shim.env,
 /// DSTACK_SERVICE_MODE), runner/internal/shim/host_info.go.
 #[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn started_as_ssh_fleets_start_it_the_dstack_server_keeps_it() {
-    if !docker_tests_enabled("started_as_ssh_fleets_start_it_the_dstack_server_keeps_it") {
-        return;
-    }
+    require_docker();
     let python = dstack_python();
     assert!(
         python.exists(),
