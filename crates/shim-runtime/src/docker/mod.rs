@@ -174,6 +174,38 @@ impl DockerRuntime {
         &self.docker
     }
 
+    /// A failed create's error, of the same kind on every engine: a 404 is the image missing
+    /// ([`RuntimeError::NotFound`] naming it); a name in use is [`RuntimeError::Conflict`].
+    /// Docker answers a name in use with 409; Podman with 500 (its compat API maps every
+    /// create failure but a missing image to 500: pkg/api/handlers/compat/containers_create.go,
+    /// 4.3 and 5.x), so a create the engine refuses otherwise while a container of that name
+    /// exists is a conflict too, told by an inspect of the name rather than by the message.
+    async fn create_error(&self, spec: &ContainerSpec, err: BollardError) -> RuntimeError {
+        match translate("create", container(&spec.name), err) {
+            RuntimeError::NotFound { .. } => RuntimeError::NotFound {
+                what: format!("image {}", spec.image),
+            },
+            RuntimeError::Daemon {
+                op,
+                what,
+                status,
+                message,
+            } => match self.inspect(&spec.name).await {
+                Ok(existing) => {
+                    debug!(container = %spec.name, existing = %existing.id, status, "create refused while the name is in use: a conflict");
+                    RuntimeError::Conflict { op, what, message }
+                }
+                Err(_) => RuntimeError::Daemon {
+                    op,
+                    what,
+                    status,
+                    message,
+                },
+            },
+            other => other,
+        }
+    }
+
     async fn pull_stream(
         &self,
         request: &PullRequest,
@@ -298,17 +330,14 @@ impl ContainerRuntime for DockerRuntime {
         let options = CreateContainerOptionsBuilder::new()
             .name(&spec.name)
             .build();
-        let resp = self
+        let resp = match self
             .docker
             .create_container(Some(options), create_body(spec))
             .await
-            .map_err(|e| match translate("create", container(&spec.name), e) {
-                // 404 on create means the image is missing.
-                RuntimeError::NotFound { .. } => RuntimeError::NotFound {
-                    what: format!("image {}", spec.image),
-                },
-                other => other,
-            })?;
+        {
+            Ok(resp) => resp,
+            Err(err) => return Err(self.create_error(spec, err).await),
+        };
         for warning in &resp.warnings {
             warn!(container = %spec.name, %warning, "docker warning on create");
         }

@@ -386,3 +386,52 @@ async fn pull_progress_per_engine_through_the_runtime() {
         );
     }
 }
+
+/// A create whose name is in use is a conflict on every engine: Docker answers 409, Podman
+/// 500 ("that name is already in use"), which the runtime tells by the container of that name
+/// existing. Another refused create (500, no such container) stays the engine's error.
+#[tokio::test]
+async fn a_name_in_use_is_a_conflict_on_every_engine() {
+    const PODMAN: &str = r#"{"cause":"that name is already in use","message":"container create: creating container storage: the container name \"taken\" is already in use by 3c3c. You have to remove that container to be able to reuse that name: that name is already in use","response":500}"#;
+    for (engine_name, status, message) in [
+        (
+            "docker",
+            409,
+            r#"{"message":"Conflict. The container name \"/taken\" is already in use by container \"3c3c\"."}"#,
+        ),
+        ("podman", 500, PODMAN),
+    ] {
+        let engine = Engine::start(move |method, target| {
+            let create = method == "POST" && target.starts_with("/containers/create?");
+            if create && target.contains("name=taken") {
+                Some((status, message.to_owned()))
+            } else if create && target.contains("name=free") {
+                Some((500, r#"{"message":"fill out specgen: no"}"#.to_owned()))
+            } else if method == "GET" && target.starts_with("/containers/taken/json") {
+                Some((
+                    200,
+                    include_str!("fixtures/inspect-podman-4.3-stopped.json").to_owned(),
+                ))
+            } else {
+                None
+            }
+        });
+        let runtime = engine.runtime().await;
+        let e = runtime
+            .create(&ContainerSpec::new("taken", "shim-test:1"))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, RuntimeError::Conflict { .. }),
+            "{engine_name}: {e:?}"
+        );
+        let e = runtime
+            .create(&ContainerSpec::new("free", "shim-test:1"))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, RuntimeError::Daemon { status: 500, .. }),
+            "{engine_name}: {e:?}"
+        );
+    }
+}
