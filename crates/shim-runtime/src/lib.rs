@@ -93,8 +93,9 @@ pub trait ContainerRuntime: Send + Sync {
 
     /// Subscribes to the `die`, `oom` and `destroy` events (Podman's `died` and `remove`
     /// alike) of containers carrying all of `labels` (an empty value: the label is present;
-    /// checked by the shim, not left to the engine), from `since_ns` (Unix nanoseconds;
-    /// the runtime replays what it still remembers of the events since then) or from now on.
+    /// checked by the shim, not left to the engine), from `since_ns` (Unix nanoseconds, that
+    /// instant included on every engine; the runtime replays what it still remembers of the
+    /// events since then) or from now on.
     /// The stream ends or errs when the connection is lost; events the runtime dropped are
     /// not in it, so a subscriber relists after every (re)connection.
     async fn events(

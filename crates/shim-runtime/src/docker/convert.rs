@@ -357,6 +357,27 @@ pub(super) fn event_filters() -> HashMap<String, Vec<String>> {
     HashMap::from([("type".to_owned(), vec!["container".to_owned()])])
 }
 
+/// How much earlier than asked the engine is asked for events (see [`since_param`]).
+const SINCE_MARGIN_NS: i64 = 1_000_000;
+
+/// The `since` an event subscription sends for events from `since_ns` on (Unix nanoseconds,
+/// the instant itself included): a millisecond earlier, as `seconds.nanoseconds`.
+///
+/// Engines differ at the edge: Docker keeps events at or after `since` (nanoseconds exact);
+/// Podman reads `since` as a float (about 240 ns apart at today's times) and keeps only events
+/// strictly after it (Podman 4.3 and 5.x: pkg/util/utils.go `ParseInputTime`,
+/// libpod/events/filters.go `generateEventSinceOption`), so the event at `since_ns` itself, or
+/// one a few hundred nanoseconds later, may be left out. The margin makes every engine send
+/// them; [`container_event`] drops what is earlier than `since_ns`.
+pub(super) fn since_param(since_ns: i64) -> String {
+    let asked = since_ns.saturating_sub(SINCE_MARGIN_NS).max(0);
+    format!(
+        "{}.{:09}",
+        asked.div_euclid(1_000_000_000),
+        asked.rem_euclid(1_000_000_000)
+    )
+}
+
 /// The exit code of a `die` event: Docker's `exitCode` attribute, or Podman's
 /// `containerExitCode` (Podman's compat API copies it into `exitCode` when it renames `died`
 /// to `die`, pkg/api/handlers/compat/events.go; an event that kept its libpod name has only
@@ -369,12 +390,15 @@ fn exit_code(attributes: &HashMap<String, String>) -> Option<i64> {
 
 /// One engine event as the shim sees it: a container event among this subscription's
 /// (`labels` checked as [`crate::ContainerRuntime::events`] says, on the labels the engine
-/// puts among the actor's attributes) whose action is an exit, an OOM kill or a removal, in
+/// puts among the actor's attributes; not earlier than `since_ns`, which the engine was asked
+/// for with a margin: [`since_param`]) whose action is an exit, an OOM kill or a removal, in
 /// Docker's names or Podman's (`died`, and `remove` for Docker's `destroy`: libpod's
-/// events/config.go statuses `Exited` and `Remove`). Anything else: `None`.
+/// events/config.go statuses `Exited` and `Remove`). Anything else: `None`. An event without
+/// a time is kept.
 pub(super) fn container_event(
     msg: EventMessage,
     labels: &[(String, String)],
+    since_ns: i64,
 ) -> Option<ContainerEvent> {
     if msg
         .typ
@@ -403,6 +427,15 @@ pub(super) fn container_event(
         .get("name")
         .map(|n| strip_slash(n))
         .unwrap_or_default();
+    let early = match (msg.time_nano, msg.time) {
+        (Some(ns), _) => ns < since_ns,
+        // Seconds only: earlier only if in an earlier second.
+        (None, Some(secs)) => secs < since_ns.div_euclid(1_000_000_000),
+        (None, None) => false,
+    };
+    if early {
+        return None;
+    }
     let time_ns = msg
         .time_nano
         .or_else(|| msg.time.map(|t| t.saturating_mul(1_000_000_000)))
@@ -498,7 +531,7 @@ mod tests {
         fixture
             .lines()
             .map(|line| serde_json::from_str::<EventMessage>(line).unwrap())
-            .filter_map(|msg| container_event(msg, labels))
+            .filter_map(|msg| container_event(msg, labels, 0))
             .collect()
     }
 
@@ -574,12 +607,66 @@ mod tests {
         assert!(events[0].container_id.starts_with("e5e5e5e5"), "{events:?}");
     }
 
+    /// A subscription since an instant asks the engine for a millisecond more (Podman keeps
+    /// only events strictly after a `since` it reads as a float) and keeps the events at or
+    /// after the instant: a replay since an exit's own time starts with that exit, on every
+    /// engine.
+    #[test]
+    fn events_since_an_instant_include_it() {
+        assert_eq!(
+            since_param(1_700_000_001_300_000_000),
+            "1700000001.299000000"
+        );
+        assert_eq!(
+            since_param(1_700_000_001_000_500_000),
+            "1700000000.999500000"
+        );
+        assert_eq!(since_param(500), "0.000000000");
+        let fixture = include_str!("fixtures/events-docker-20.10.jsonl");
+        let since = |since_ns: i64| -> Vec<EventKind> {
+            fixture
+                .lines()
+                .map(|line| serde_json::from_str::<EventMessage>(line).unwrap())
+                .filter_map(|msg| container_event(msg, &any_task(), since_ns))
+                .map(|e| e.kind)
+                .collect()
+        };
+        // The die at .3 s: the OOM kill before it is left out, the die itself is in.
+        assert_eq!(
+            since(1_700_000_001_300_000_000),
+            [
+                EventKind::Die {
+                    exit_code: Some(137)
+                },
+                EventKind::Destroy
+            ]
+        );
+        assert_eq!(since(1_700_000_001_300_000_001), [EventKind::Destroy]);
+        assert_eq!(since(0).len(), 3);
+        // An event with seconds only is earlier only in an earlier second.
+        let line = |time: i64| {
+            format!(
+                r#"{{"Type":"container","Action":"die","Actor":{{"ID":"c1","Attributes":{{"ai.dstack.shim.task-id":"t1","exitCode":"1"}}}},"time":{time}}}"#
+            )
+        };
+        let at = |time: i64, since_ns: i64| {
+            container_event(
+                serde_json::from_str(&line(time)).unwrap(),
+                &any_task(),
+                since_ns,
+            )
+            .is_some()
+        };
+        assert!(at(1_700_000_001, 1_700_000_001_300_000_000));
+        assert!(!at(1_700_000_000, 1_700_000_001_300_000_000));
+    }
+
     /// An event of another type never becomes a container event, whatever its action.
     #[test]
     fn only_container_events_count() {
         let line = r#"{"Type":"volume","Action":"destroy","Actor":{"ID":"v1","Attributes":{"ai.dstack.shim.task-id":"t1","driver":"local"}},"scope":"local","time":1,"timeNano":1000000000}"#;
         let msg: EventMessage = serde_json::from_str(line).unwrap();
-        assert_eq!(container_event(msg, &any_task()), None);
+        assert_eq!(container_event(msg, &any_task(), 0), None);
     }
 
     /// The one label filter a list sends narrows correctly whether the engine ANDs or ORs

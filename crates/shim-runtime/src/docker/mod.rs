@@ -29,7 +29,7 @@ use crate::{ContainerRuntime, EventStream, ProgressFn, Result, RuntimeError};
 
 use convert::{
     container_event, create_body, details, details_from_json, event_filters, list_prefilter,
-    summaries_from_json, summary,
+    since_param, summaries_from_json, summary,
 };
 use progress::{ProgressFolder, PullLog};
 
@@ -477,15 +477,11 @@ impl ContainerRuntime for DockerRuntime {
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
         });
-        let since = format!(
-            "{}.{:09}",
-            since_ns.div_euclid(1_000_000_000),
-            since_ns.rem_euclid(1_000_000_000)
-        );
-        // Only `type=container` is asked of the engine; labels and event names are checked
-        // here (see `event_filters`).
+        // Only `type=container` is asked of the engine, from a little before `since_ns`;
+        // labels, event names and the instant are checked here (see `event_filters` and
+        // `since_param`).
         let options = EventsOptionsBuilder::new()
-            .since(&since)
+            .since(&since_param(since_ns))
             .filters(&event_filters())
             .build();
         let labels = labels.to_vec();
@@ -499,7 +495,7 @@ impl ContainerRuntime for DockerRuntime {
         let stream = self.docker.events(Some(options)).filter_map(
             move |item: std::result::Result<EventMessage, BollardError>| {
                 let event = match item {
-                    Ok(msg) => container_event(msg, &labels).map(Ok),
+                    Ok(msg) => container_event(msg, &labels, since_ns).map(Ok),
                     Err(err) => Some(Err(translate("events", "containers".to_owned(), err))),
                 };
                 std::future::ready(event)
