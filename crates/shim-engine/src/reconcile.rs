@@ -51,6 +51,9 @@ use crate::table::TaskTable;
 /// How often failed side effects and queued events are retried.
 const RETRY_EVERY: Duration = Duration::from_secs(1);
 
+/// The exit code of a process killed by SIGKILL (128 + 9), as the OOM killer ends one.
+const SIGKILL_EXIT: i64 = 137;
+
 /// The event stream's reconnection delays.
 const RECONNECT_MIN: Duration = Duration::from_millis(200);
 const RECONNECT_MAX: Duration = Duration::from_secs(5);
@@ -358,7 +361,16 @@ impl Reconciler {
                 exit_code: Some(code),
             } => {
                 slot.exit_ns.store(event.time_ns, Ordering::SeqCst);
-                let oom_killed = slot.oom.swap(false, Ordering::SeqCst);
+                let mut oom_killed = slot.oom.swap(false, Ordering::SeqCst);
+                // Podman sends no `oom` event: a SIGKILL (137) not known as an OOM kill asks
+                // the container's state, where Docker and Podman both set `OOMKilled`. One
+                // inspect, only for such exits (a failed one leaves the flag as it is).
+                if !oom_killed
+                    && code == SIGKILL_EXIT
+                    && let Ok(d) = self.runtime.inspect(&event.container_id).await
+                {
+                    oom_killed = d.oom_killed;
+                }
                 // A clean exit (code 0, OOM-killed helpers or not) needs no log lines; an
                 // error reads them (Docker serves logs without the container's lock).
                 let last_lines = if code == 0 {

@@ -1002,6 +1002,38 @@ async fn a_start_makes_the_minimum_docker_requests() {
     assert_eq!(ops, ["create", "pull", "create", "start"]);
 }
 
+/// Podman sends no `oom` event: a `die` with 137 and no `oom` before it asks the container's
+/// state, whose OOM flag says so (one inspect); a 137 that was no OOM kill stays one.
+#[tokio::test]
+async fn an_oom_kill_without_an_oom_event_is_read_from_the_state() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    engine.submit(config("oom")).await.unwrap();
+    engine.submit(config("killed")).await.unwrap();
+    let oom = wait_status(&engine, "oom", TaskStatus::Running).await;
+    let killed = wait_status(&engine, "killed", TaskStatus::Running).await;
+    w.runtime.set_logs(&oom.container_id, &["killed"]);
+    w.runtime.set_logs(&killed.container_id, &["killed"]);
+    w.runtime.clear_calls();
+    assert!(w.runtime.exit_oom_without_oom_event(&oom.container_id, 137));
+    assert!(w.runtime.exit(&killed.container_id, 137));
+    let oom = wait_status(&engine, "oom", TaskStatus::Terminated).await;
+    assert_eq!(
+        oom.termination_message,
+        format!("killed\n{}", shim_task::machine::OOM_NOTE)
+    );
+    let killed = wait_status(&engine, "killed", TaskStatus::Terminated).await;
+    assert_eq!(killed.termination_reason, "container_exited_with_error");
+    assert_eq!(killed.termination_message, "killed");
+    let ops: Vec<&str> = w.runtime.calls().iter().map(|c| c.op()).collect();
+    assert_eq!(
+        ops.iter().filter(|o| **o == "inspect").count(),
+        2,
+        "{ops:?}"
+    );
+    assert!(!ops.contains(&"list"), "{ops:?}");
+}
+
 /// A `die` event terminates the task with the code it carries: no inspect, no list; an error
 /// reads the last log lines; an `oom` before the `die` says so.
 #[tokio::test]

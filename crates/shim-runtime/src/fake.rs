@@ -126,6 +126,19 @@ pub enum StartBehavior {
     StartsAnswerLost,
 }
 
+/// How a container's exit is reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Exit {
+    /// The `die` event.
+    Announced,
+    /// The OOM flag, the `oom` event, then the `die` event (Docker).
+    OomKilled,
+    /// The OOM flag and the `die` event only (Podman).
+    OomKilledSilently,
+    /// No event (lost).
+    Unannounced,
+}
+
 #[derive(Debug, Clone)]
 struct FakeContainer {
     id: String,
@@ -441,19 +454,25 @@ impl FakeRuntime {
     /// Makes a running (or created) container exit with `code` and emits its `die` event.
     /// Returns false if there is no such container.
     pub fn exit(&self, id: &str, code: i64) -> bool {
-        self.exit_inner(id, code, false, true)
+        self.exit_inner(id, code, Exit::Announced)
     }
 
     /// Like [`FakeRuntime::exit`], with the `oom` event first and the OOM flag set, as when
     /// the kernel's OOM killer ends the process.
     pub fn exit_oom(&self, id: &str, code: i64) -> bool {
-        self.exit_inner(id, code, true, true)
+        self.exit_inner(id, code, Exit::OomKilled)
+    }
+
+    /// Like [`FakeRuntime::exit_oom`], as Podman reports an OOM kill: the OOM flag set, the
+    /// `die` event only (Podman sends no `oom` event).
+    pub fn exit_oom_without_oom_event(&self, id: &str, code: i64) -> bool {
+        self.exit_inner(id, code, Exit::OomKilledSilently)
     }
 
     /// Like [`FakeRuntime::exit`], but the event is lost (a subscriber that was not connected,
     /// or a daemon whose buffer dropped it).
     pub fn exit_without_event(&self, id: &str, code: i64) -> bool {
-        self.exit_inner(id, code, false, false)
+        self.exit_inner(id, code, Exit::Unannounced)
     }
 
     /// Records and broadcasts an event (the state lock is held by the caller).
@@ -474,7 +493,7 @@ impl FakeRuntime {
         let _ = self.events.send(event);
     }
 
-    fn exit_inner(&self, id: &str, code: i64, oom: bool, announce: bool) -> bool {
+    fn exit_inner(&self, id: &str, code: i64, how: Exit) -> bool {
         let mut state = self.lock();
         let now = Self::timestamp(&mut state);
         let Some(c) = state.containers.get_mut(id) else {
@@ -482,11 +501,11 @@ impl FakeRuntime {
         };
         c.state = ContainerState::Exited;
         c.exit_code = Some(code);
-        c.oom_killed = oom;
+        c.oom_killed = matches!(how, Exit::OomKilled | Exit::OomKilledSilently);
         c.finished_at = Some(now);
         let c = c.clone();
-        if announce {
-            if oom {
+        if how != Exit::Unannounced {
+            if how == Exit::OomKilled {
                 self.emit(&mut state, &c, EventKind::Oom);
             }
             self.emit(
