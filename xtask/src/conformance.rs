@@ -102,11 +102,6 @@ pub fn lifecycle(engine: &Engine, shim: &Path) -> Result<(u32, u32)> {
         .args(["--docker-host", &engine.docker_host()])
         .arg("--work")
         .arg(work.path());
-    // Podman pulls without TLS only from the registries its configuration names (the test
-    // registry's address), not from the script's relay on a port of its own.
-    if engine.kind == engines::Kind::Podman {
-        command.arg("--no-relay");
-    }
     let (ok, output) = run_teed(&mut command)?;
     Ok(counted(ok, &output))
 }

@@ -378,9 +378,10 @@ impl Engine {
         roots_dir().join("state").join(self.name)
     }
 
-    /// Its sockets, pid file and exec root.
+    /// Its sockets, pid file and exec root. Short: Podman 4.3 refuses a run root (below this)
+    /// of more than 50 characters.
     fn run_dir(&self) -> PathBuf {
-        PathBuf::from("/run/dstack-shim-dev/engines").join(self.name)
+        PathBuf::from("/run/shim-engines").join(self.name)
     }
 
     /// Docker's exec root (where it writes goroutine dumps).
@@ -490,12 +491,38 @@ impl Engine {
         let data = self.data_dir();
         let run = self.run_dir();
         fs_err::create_dir_all(&data)?;
-        // Podman 4.3 raises RLIMIT_NOFILE to the hard limit of its own default, which needs
-        // CAP_SYS_RESOURCE this machine's root lacks: name what it already has.
+        // Podman 4.3 raises the open-files and process limits of containers to its own defaults,
+        // above this machine's hard limits, which its root (no CAP_SYS_RESOURCE) cannot raise:
+        // name the hard limits it has.
         let ulimits = match self.suite {
-            Suite::Bookworm => "default_ulimits = [\"nofile=1048576:1048576\"]\n",
-            _ => "",
+            Suite::Bookworm => format!(
+                "default_ulimits = [\"nofile={n}:{n}\", \"nproc={p}:{p}\"]\n",
+                n = hard_limit("Max open files").unwrap_or(1024),
+                p = hard_limit("Max processes").unwrap_or(4096),
+            ),
+            _ => String::new(),
         };
+        let storage = format!(
+            "[storage]\ndriver = \"overlay\"\ngraphroot = \"{}\"\nrunroot = \"{}\"\n",
+            data.join("storage").display(),
+            run.join("storage").display()
+        );
+        // Podman keeps the paths it was first started with in its database and refuses others:
+        // storage made with another configuration starts afresh.
+        let storage_conf = data.join("storage.conf");
+        if fs_err::read_to_string(&storage_conf).is_ok_and(|old| old != storage) {
+            for dir in ["storage", "networks", "volumes"] {
+                let dir = data.join(dir);
+                if dir.exists() {
+                    println!(
+                        "engines: {}: storage settings changed; removing {}",
+                        self.name,
+                        dir.display()
+                    );
+                    fs_err::remove_dir_all(&dir)?;
+                }
+            }
+        }
         fs_err::write(
             data.join("containers.conf"),
             format!(
@@ -508,20 +535,13 @@ impl Engine {
                 data = data.display(),
             ),
         )?;
-        fs_err::write(
-            data.join("storage.conf"),
-            format!(
-                "[storage]\ndriver = \"overlay\"\ngraphroot = \"{}\"\nrunroot = \"{}\"\n",
-                data.join("storage").display(),
-                run.join("storage").display()
-            ),
-        )?;
+        fs_err::write(&storage_conf, storage)?;
+        // Every loopback registry without TLS, whatever its port: the test registry and the
+        // slow proxies tests put in front of it (Docker treats 127.0.0.0/8 so by default).
         fs_err::write(
             data.join("registries.conf"),
-            format!(
-                "unqualified-search-registries = []\n[[registry]]\nlocation = \"{REGISTRY}\"\n\
-                 insecure = true\n"
-            ),
+            "unqualified-search-registries = []\n[[registry]]\nlocation = \"127.0.0.1\"\n\
+             insecure = true\n",
         )?;
         Ok(())
     }
@@ -790,6 +810,18 @@ impl Engine {
     }
 }
 
+/// This process's hard limit named `name` in `/proc/self/limits` (`None`: unlimited or not
+/// found).
+fn hard_limit(name: &str) -> Option<u64> {
+    let limits = fs_err::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|line| line.starts_with(name))?;
+    line.get(name.len()..)?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
 fn ensure_netns(netns: &str) -> Result<()> {
     if !Path::new("/run/netns").join(netns).exists() {
         cmd::run(cmd::cmd("ip").args(["netns", "add", netns]))?;
@@ -931,6 +963,21 @@ pub fn skipped(output: &str) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hard_limits_are_read() {
+        let files = hard_limit("Max open files").unwrap();
+        assert!(files >= 1024, "{files}");
+        assert_eq!(hard_limit("No such limit"), None);
+    }
+
+    #[test]
+    fn run_roots_are_short_enough_for_podman_4_3() {
+        for engine in CONFORMANCE {
+            let runroot = engine.run_dir().join("storage");
+            assert!(runroot.as_os_str().len() <= 50, "{}", runroot.display());
+        }
+    }
 
     #[test]
     fn skipped_tests_are_counted() {
