@@ -498,7 +498,9 @@ impl Engine {
             Suite::Bookworm => format!(
                 "default_ulimits = [\"nofile={n}:{n}\", \"nproc={p}:{p}\"]\n",
                 n = hard_limit("Max open files").unwrap_or(1024),
-                p = hard_limit("Max processes").unwrap_or(4096),
+                // The service lowers its own process limit to 32768 (measured); a container
+                // cannot be given more than its parent has.
+                p = hard_limit("Max processes").unwrap_or(32768).min(32768),
             ),
             _ => String::new(),
         };

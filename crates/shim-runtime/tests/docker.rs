@@ -869,7 +869,11 @@ async fn remove_image(docker: &DockerRuntime, image: &str) {
 async fn pull_from_registry_with_and_without_credentials() {
     require_docker();
     let docker = runtime().await;
-    let small = format!("{}/shim-test:1", registry());
+    // An image of this test's own (a fresh small layer on the test image's): removing the
+    // registry's name of the test image itself is refused by Podman while containers of
+    // other tests run from that image (the names share one image there).
+    let fresh = FreshImage::push("shim-runtime-pull", 64 << 10).unwrap();
+    let small = fresh.reference().to_owned();
     let dir = tempfile::tempdir().unwrap();
     let log_path = dir.path().join("pull.log");
     let request = |image: &str, auth: Option<RegistryAuth>| PullRequest {
