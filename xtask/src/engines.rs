@@ -17,8 +17,8 @@
 //!   network tasks, bridges and firewall rules stay in it), their own socket, data and exec
 //!   roots, and a copy of the test registry listening on `127.0.0.1` inside that namespace
 //!   (same storage). The runtime crate's engine tests and the API lifecycle of the release
-//!   binary run in that namespace against them, one engine at a time; [`conformance`] prints the
-//!   table.
+//!   binary run in that namespace against them, one engine at a time;
+//!   [`crate::conformance`] prints the table.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -890,7 +890,7 @@ pub fn table(rows: &[Row]) -> String {
     let mut out = String::from("engine table:\n");
     let _ = writeln!(
         out,
-        "  {:<26} {:<14} {:<11} {:<34} {:>7}  result",
+        "  {:<25} {:<15} {:<23} {:<30} {:>6}  result",
         "engine", "version", "store", "passed/failed", "time"
     );
     for row in rows {
@@ -905,7 +905,7 @@ pub fn table(rows: &[Row]) -> String {
         };
         let _ = writeln!(
             out,
-            "  {:<26} {:<14} {:<11} {:<34} {:>6.0}s  {}{}",
+            "  {:<25} {:<15} {:<23} {:<30} {:>5.0}s  {}{}",
             row.engine,
             row.version,
             row.store,
