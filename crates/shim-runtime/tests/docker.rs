@@ -555,9 +555,7 @@ const FLOOD_LINES: u64 = 50_000;
 #[tokio::test]
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn a_flooding_containers_log_is_bounded_and_its_last_lines_readable() {
-    if !docker_tests_enabled("log_bounded") {
-        return;
-    }
+    require_docker();
     const MAX_SIZE: u64 = 1 << 20;
     const MAX_FILES: u32 = 2;
     // A file may exceed the size by the one line written when it reached it (about 150
