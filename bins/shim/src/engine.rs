@@ -81,6 +81,17 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
     cfg.pjrt_device = Some(config.pjrt_device.clone()).filter(|d| !d.is_empty());
     cfg.volumes_root = config.volumes_root.clone();
     cfg.reconcile_interval = config.reconcile_interval;
+    cfg.container_log = config.container_log;
+    match &config.container_log {
+        Some(limits) => tracing::info!(
+            log_config = %limits,
+            bytes_per_container = limits.total_bytes(),
+            "container logs are bounded"
+        ),
+        None => tracing::info!(
+            "container logs: the daemon's own log configuration (--container-log-max-size daemon)"
+        ),
+    }
     let engine = Engine::open(cfg, deps)
         .await
         .context("cannot restore tasks")?;

@@ -2,8 +2,11 @@
 //! SPEC's defaults in one place ([`EngineConfig::new`] and the `DEFAULT_*` constants, which the
 //! `dstack-shim` binary takes its flags' defaults from).
 
+use std::num::{NonZeroU32, NonZeroU64};
 use std::path::PathBuf;
 use std::time::Duration;
+
+use shim_runtime::LogLimits;
 
 /// How the engine runs tasks.
 ///
@@ -52,6 +55,10 @@ pub struct EngineConfig {
     /// `timeout: 0` and gives up after 9 s). What is not done by then finishes in the
     /// background.
     pub terminate_slack: Duration,
+    /// The bounds of every task container's log (Docker's `json-file` driver with rotation,
+    /// see [`LogLimits`]); `None` leaves the daemon's own log configuration (its `log-driver`
+    /// and `log-opts`) to apply.
+    pub container_log: Option<LogLimits>,
 }
 
 impl EngineConfig {
@@ -83,6 +90,20 @@ impl EngineConfig {
     pub const DEFAULT_EXIT_LOG_LINES: usize = 5;
     /// A terminate answers within its timeout plus this (SPEC §4: plus 5 s at most).
     pub const DEFAULT_TERMINATE_SLACK: Duration = Duration::from_secs(4);
+    /// The size at which a container's log file is rotated: 100 MiB. With
+    /// [`Self::DEFAULT_CONTAINER_LOG_MAX_FILES`], a container's log holds at most 300 MiB on
+    /// Docker: a week-long job that writes 500 bytes a second keeps all of it, and one that
+    /// floods its output cannot fill the disk (the daemon's own default, `json-file` without
+    /// options, is unbounded).
+    pub const DEFAULT_CONTAINER_LOG_MAX_SIZE: NonZeroU64 = match NonZeroU64::new(100 << 20) {
+        Some(n) => n,
+        None => NonZeroU64::MIN,
+    };
+    /// How many log files a container keeps, the current one included: 3.
+    pub const DEFAULT_CONTAINER_LOG_MAX_FILES: NonZeroU32 = match NonZeroU32::new(3) {
+        Some(n) => n,
+        None => NonZeroU32::MIN,
+    };
 
     /// A config with SPEC's defaults (the `DEFAULT_*` constants) for everything but the home.
     pub fn new(home: impl Into<PathBuf>) -> Self {
@@ -101,6 +122,10 @@ impl EngineConfig {
             reconcile_interval: Self::DEFAULT_RECONCILE_INTERVAL,
             exit_log_lines: Self::DEFAULT_EXIT_LOG_LINES,
             terminate_slack: Self::DEFAULT_TERMINATE_SLACK,
+            container_log: Some(LogLimits::new(
+                Self::DEFAULT_CONTAINER_LOG_MAX_SIZE,
+                Self::DEFAULT_CONTAINER_LOG_MAX_FILES,
+            )),
         }
     }
 }

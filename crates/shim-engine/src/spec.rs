@@ -158,5 +158,6 @@ fn inputs(
         pjrt_device: cfg.pjrt_device.clone(),
         gpu,
         host: ctx.host_devices,
+        log: cfg.container_log,
     }
 }

@@ -184,6 +184,54 @@ async fn submit_runs_and_exit_event_completes() {
     assert_eq!(state_file(&w, "t1")["resources"]["released"], true);
 }
 
+/// Issue 28: every task container's log is bounded. The engine's default config gives the
+/// container `json-file` limits of 100 MiB × 3; a configured size and count reach the spec as
+/// they are; `None` (the binary's `--container-log-max-size daemon`) leaves the spec without
+/// limits, so the daemon's own log configuration applies.
+#[tokio::test]
+async fn the_configured_log_limits_reach_the_containers_spec() {
+    use shim_runtime::LogLimits;
+    use std::num::{NonZeroU32, NonZeroU64};
+
+    let w = World::new(0);
+    let default = LogLimits::new(
+        EngineConfig::DEFAULT_CONTAINER_LOG_MAX_SIZE,
+        EngineConfig::DEFAULT_CONTAINER_LOG_MAX_FILES,
+    );
+    assert_eq!(default.total_bytes(), 300 << 20);
+    let custom = LogLimits::new(
+        NonZeroU64::new(1 << 20).unwrap(),
+        NonZeroU32::new(2).unwrap(),
+    );
+    for (i, (limits, expected)) in [
+        (None, Some(default)),
+        (Some(Some(custom)), Some(custom)),
+        (Some(None), None),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut cfg = w.config();
+        assert_eq!(
+            cfg.container_log,
+            Some(default),
+            "EngineConfig::new's default"
+        );
+        if let Some(limits) = limits {
+            cfg.container_log = limits;
+        }
+        let engine = Engine::open(cfg, w.deps()).await.unwrap();
+        let id = format!("log{i}");
+        engine.submit(config(&id)).await.unwrap();
+        let info = wait_status(&engine, &id, TaskStatus::Running).await;
+        let spec = w.runtime.spec(&info.container_id).unwrap();
+        assert_eq!(spec.log, expected, "case {i}");
+        engine
+            .shutdown(shim_engine::Shutdown::Graceful(Duration::from_secs(5)))
+            .await;
+    }
+}
+
 #[tokio::test]
 async fn exit_without_event_is_found_by_relist_with_last_lines() {
     let w = World::new(0);

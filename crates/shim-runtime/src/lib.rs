@@ -26,7 +26,8 @@ pub use docker::DockerRuntime;
 pub use error::{BoxError, RuntimeError};
 pub use spec::{
     BindMount, ContainerInputs, ContainerSpec, DeviceMapping, DeviceRequest, GpuConfig,
-    HostDevices, NetworkMode, RunnerParams, Ulimit, build_container_spec, without_nvidia_display,
+    HostDevices, LogLimits, NetworkMode, RunnerParams, Ulimit, build_container_spec,
+    without_nvidia_display,
 };
 pub use time::docker_time_ns;
 pub use types::{

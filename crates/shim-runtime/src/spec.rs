@@ -2,6 +2,7 @@
 //! SPEC §6 from neutral inputs (no IO here: whatever depends on the host is an input).
 
 use std::collections::BTreeMap;
+use std::num::{NonZeroU32, NonZeroU64};
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
@@ -101,6 +102,70 @@ pub struct Ulimit {
     pub hard: i64,
 }
 
+/// Bounds on a container's log: Docker's `json-file` driver (the daemon's default driver,
+/// whose files `docker logs`, log shippers and [`crate::ContainerRuntime::logs_tail`] read),
+/// rotated when the current file reaches `max_size` bytes, `max_files` files kept (the current
+/// one included).
+///
+/// On Docker the log then takes at most `max_size × max_files` bytes, plus one log line per
+/// file (a file is rotated before the first write after it reached the size). Podman reads
+/// `json-file` as its `k8s-file` driver (the container's `LogPath`) and applies `max_size` to
+/// that one file (conmon truncates it when full); it keeps no rotated files and ignores
+/// `max_files`. The size goes to the engine in bytes: Docker reads units in powers of 1024,
+/// Podman in powers of 1000, so a plain byte count means the same on both.
+///
+/// Built with [`LogLimits::new`] (`#[non_exhaustive]`: a field added in a later version breaks
+/// no embedder).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct LogLimits {
+    /// The size at which the current log file is rotated, in bytes (`max-size`).
+    pub max_size: NonZeroU64,
+    /// How many log files are kept, the current one included (`max-file`).
+    pub max_files: NonZeroU32,
+}
+
+impl LogLimits {
+    /// The log driver the limits are given to.
+    pub const DRIVER: &'static str = "json-file";
+
+    /// Logs rotated at `max_size` bytes, `max_files` files kept.
+    pub const fn new(max_size: NonZeroU64, max_files: NonZeroU32) -> Self {
+        Self {
+            max_size,
+            max_files,
+        }
+    }
+
+    /// The most the log's files hold together on Docker, in bytes (`max_size × max_files`,
+    /// saturating), not counting the one line a file may exceed its size by.
+    pub fn total_bytes(&self) -> u64 {
+        self.max_size
+            .get()
+            .saturating_mul(u64::from(self.max_files.get()))
+    }
+
+    /// The driver's options: `max-size` (bytes) and `max-file`, as Docker's API takes them.
+    pub fn options(&self) -> [(&'static str, String); 2] {
+        [
+            ("max-size", self.max_size.to_string()),
+            ("max-file", self.max_files.to_string()),
+        ]
+    }
+}
+
+impl std::fmt::Display for LogLimits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} max-size={} max-file={}",
+            Self::DRIVER,
+            self.max_size,
+            self.max_files
+        )
+    }
+}
+
 /// Everything needed to create a container, independent of the runtime.
 ///
 /// Built by [`build_container_spec`] for a task, or with [`ContainerSpec::new`] and then the
@@ -153,6 +218,9 @@ pub struct ContainerSpec {
     pub runtime: Option<String>,
     /// Resource limits.
     pub ulimits: Vec<Ulimit>,
+    /// The log's bounds (`json-file` with rotation); `None` = the daemon's own log
+    /// configuration (its `log-driver` and `log-opts`).
+    pub log: Option<LogLimits>,
 }
 
 impl ContainerSpec {
@@ -261,6 +329,8 @@ pub struct ContainerInputs {
     pub gpu: GpuConfig,
     /// Host facts.
     pub host: HostDevices,
+    /// The log's bounds; `None` = the daemon's own log configuration.
+    pub log: Option<LogLimits>,
 }
 
 /// The image reference to pull and run: a reference without a tag or digest gets `:latest`.
@@ -362,6 +432,7 @@ pub fn build_container_spec(inputs: &ContainerInputs) -> ContainerSpec {
         memory: inputs.memory.max(0),
         privileged: inputs.privileged,
         user: inputs.user.clone(),
+        log: inputs.log,
         ..ContainerSpec::default()
     };
     if let Some(device) = &inputs.pjrt_device {
@@ -642,6 +713,36 @@ mod tests {
         assert!(spec.devices.is_empty() && spec.device_requests.is_empty());
         assert!(spec.ulimits.is_empty());
         assert_eq!(spec.labels, i.labels);
+        assert_eq!(
+            spec.log, None,
+            "no limits asked: the daemon's log configuration"
+        );
+    }
+
+    #[test]
+    fn log_limits_reach_the_spec() {
+        let limits = LogLimits::new(
+            NonZeroU64::new(100 << 20).unwrap(),
+            NonZeroU32::new(3).unwrap(),
+        );
+        let mut i = inputs();
+        i.log = Some(limits);
+        let spec = build_container_spec(&i);
+        assert_eq!(spec.log, Some(limits));
+        assert_eq!(limits.total_bytes(), 300 << 20);
+        assert_eq!(
+            limits.options(),
+            [
+                ("max-size", "104857600".to_owned()),
+                ("max-file", "3".to_owned())
+            ]
+        );
+        assert_eq!(
+            limits.to_string(),
+            "json-file max-size=104857600 max-file=3"
+        );
+        let huge = LogLimits::new(NonZeroU64::MAX, NonZeroU32::MAX);
+        assert_eq!(huge.total_bytes(), u64::MAX);
     }
 
     #[test]

@@ -86,6 +86,14 @@ pub struct Args {
     /// reconciler) [default: 300]
     #[arg(long, value_name = "SECONDS")]
     pub reconcile_interval: Option<String>,
+    /// Rotate each container's log (Docker's json-file driver) at this size: a number with
+    /// an optional unit k, m or g (powers of 1024), or `daemon` to leave the daemon's own log
+    /// configuration [default: 100m]
+    #[arg(long, value_name = "SIZE")]
+    pub container_log_max_size: Option<String>,
+    /// Log files kept per container, the current one included (1 or more) [default: 3]
+    #[arg(long, value_name = "N")]
+    pub container_log_max_files: Option<String>,
     /// The dcgm-exporter binary [default: dcgm-exporter in PATH]
     #[arg(long, value_name = "PATH")]
     pub dcgm_exporter_path: Option<String>,

@@ -1,5 +1,5 @@
 //! Values as the upstream shim's Go parses them (urfave/cli v3 over Go's `strconv`): booleans,
-//! integers in any base, dstack's log levels.
+//! integers in any base, dstack's log levels; and sizes as Docker's Go parses its log options.
 
 use anyhow::bail;
 use tracing_subscriber::filter::LevelFilter;
@@ -49,6 +49,49 @@ pub fn go_int(s: &str) -> Option<i64> {
     i64::try_from(value).ok()
 }
 
+/// A size as Docker parses its `json-file` driver's `max-size` (go-units' `RAMInBytes`): a
+/// decimal number, a fraction allowed, then optionally one space and a unit `k`, `m` or `g` in
+/// either case (powers of 1024), which may be followed by `b` or `ib` (`100m`, `1.5g`,
+/// `512KiB`, `100MB`, `1048576`; a bare `b` is bytes). A fraction of a byte is dropped. `None`
+/// for anything else (Go's float syntax beyond that, `1.`, `.5`, `1e6`, and the units `t`
+/// and `p` are refused here), and for a size beyond `i64::MAX` (Docker's limit).
+pub fn docker_size(s: &str) -> Option<u64> {
+    let end = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (number, rest) = s.split_at(end);
+    let (whole, fraction) = match number.split_once('.') {
+        Some((whole, fraction)) => (whole, Some(fraction)),
+        None => (number, None),
+    };
+    let digits = |d: &str| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit());
+    if !digits(whole) || fraction.is_some_and(|f| !digits(f)) {
+        return None;
+    }
+    let unit = rest.strip_prefix(' ').unwrap_or(rest).to_ascii_lowercase();
+    let (shift, suffix) = match unit.as_bytes().first() {
+        Some(b'k') => (10, &unit[1..]),
+        Some(b'm') => (20, &unit[1..]),
+        Some(b'g') => (30, &unit[1..]),
+        _ => (0, unit.as_str()),
+    };
+    match suffix {
+        "" | "b" => {}
+        "i" | "ib" if shift > 0 => {}
+        _ => return None,
+    }
+    let multiplier = 1u64 << shift;
+    let mut bytes = whole.parse::<u64>().ok()?.checked_mul(multiplier)?;
+    if let Some(fraction) = fraction {
+        // Exactly: floor(0.<fraction> × multiplier), from its first 18 digits.
+        let fraction = &fraction[..fraction.len().min(18)];
+        let numerator = fraction.parse::<u128>().ok()? * u128::from(multiplier);
+        let denominator = 10u128.pow(u32::try_from(fraction.len()).ok()?);
+        bytes = bytes.checked_add(u64::try_from(numerator / denominator).ok()?)?;
+    }
+    (i64::try_from(bytes).is_ok()).then_some(bytes)
+}
+
 /// dstack's log levels (upstream `runner/internal/common/log/log.go`, `ParseLevel`): one
 /// digit 1 (fatal) to 6 (trace), or a logrus level name in any case; `panic` (0), `0`, `7`,
 /// `""` and others are refused.
@@ -91,6 +134,58 @@ mod tests {
         }
         for v in ["", "yes", "tRUE", " 1"] {
             assert_eq!(go_bool(v), None, "{v:?}");
+        }
+    }
+
+    /// go-units' `RAMInBytes` (`size_test.go`, `TestRAMInBytes`), for k, m and g.
+    #[test]
+    fn docker_sizes() {
+        for (s, bytes) in [
+            ("32", 32),
+            ("32b", 32),
+            ("32B", 32),
+            ("32k", 32 << 10),
+            ("32K", 32 << 10),
+            ("32kb", 32 << 10),
+            ("32Kb", 32 << 10),
+            ("32Kib", 32 << 10),
+            ("32KIB", 32 << 10),
+            ("32Mb", 32 << 20),
+            ("32Gb", 32 << 30),
+            ("32 mb", 32 << 20),
+            ("32 ", 32),
+            ("100m", 100 << 20),
+            ("0.3Mb", 314_572),
+            ("1.5g", 3 << 29),
+            ("1.0", 1),
+            ("1.9", 1),
+            ("0", 0),
+        ] {
+            assert_eq!(docker_size(s), Some(bytes), "{s:?}");
+        }
+        for bad in [
+            "",
+            "m",
+            "-1",
+            "+1",
+            "1.",
+            ".5",
+            "1..2",
+            "32.3.2",
+            "32i",
+            "32ib",
+            "32  m",
+            " 32",
+            "32bm",
+            "32t",
+            "32kk",
+            "100 m extra",
+            "abc",
+            "daemon",
+            "8589934592g",
+            "99999999999999999999",
+        ] {
+            assert_eq!(docker_size(bad), None, "{bad:?}");
         }
     }
 

@@ -15,27 +15,30 @@
 //!
 //! Upstream's names are read first; where this shim had its own name (`DSTACK_SHIM_PASS_ENV`)
 //! it stays an alias. Our additions: `--unix-socket`, `--volumes-root`, `--log-format`,
-//! `--reconcile-interval`, the DCGM binary paths, and the hidden, testing-only `--fake-gpus`.
+//! `--reconcile-interval`, `--container-log-max-size` and `--container-log-max-files`, the DCGM
+//! binary paths, and the hidden, testing-only `--fake-gpus`.
 //!
 //! One job per module: [`args`] (the flags as clap defines them, and the help), [`env`](mod@env)
 //! (each flag's environment variables, and the help's paragraph generated from them),
-//! [`goparse`] (Go's value parsers), and this module (the resolved [`Config`]: each value from
+//! [`goparse`] (Go's value parsers, and Docker's sizes), and this module (the resolved [`Config`]: each value from
 //! the command line, the environment or the default, and the version string).
 
 mod args;
 pub mod env;
 pub mod goparse;
 
+use std::num::{NonZeroU32, NonZeroU64};
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser as _;
 use shim_engine::EngineConfig;
+use shim_runtime::LogLimits;
 use tracing_subscriber::filter::LevelFilter;
 
 pub use args::{Args, command};
-use goparse::{go_bool, go_int, parse_level};
+use goparse::{docker_size, go_bool, go_int, parse_level};
 
 /// The dstack release this build speaks for: chosen when it is built
 /// (`DSTACK_SHIM_UPSTREAM_VERSION`, set by `cargo xtask dist --upstream-version V`; default
@@ -115,6 +118,9 @@ pub struct Config {
     pub log_format: LogFormat,
     /// The full-list backstop period.
     pub reconcile_interval: Duration,
+    /// The bounds of every container's log; `None` (`--container-log-max-size daemon`): the
+    /// daemon's own log configuration.
+    pub container_log: Option<LogLimits>,
     /// Testing only: a fake GPU host of N GPUs.
     pub fake_gpus: Option<u32>,
 }
@@ -169,6 +175,45 @@ impl Lookup<'_> {
     fn port(&self, flag: &str, cli: &Option<String>, default: u16) -> anyhow::Result<u16> {
         let n = self.int(flag, cli, i64::from(default))?;
         u16::try_from(n).with_context(|| format!("{flag}: {n} is not a port number"))
+    }
+
+    /// The container log bounds: `--container-log-max-size` (a Docker size, or `daemon` for
+    /// none; an empty environment value is ignored) and `--container-log-max-files` (an
+    /// integer, at least 1; checked with `daemon` too).
+    fn container_log(
+        &self,
+        max_size: &Option<String>,
+        max_files: &Option<String>,
+    ) -> anyhow::Result<Option<LogLimits>> {
+        const SIZE: &str = "container-log-max-size";
+        const FILES: &str = "container-log-max-files";
+        let default_files = i64::from(EngineConfig::DEFAULT_CONTAINER_LOG_MAX_FILES.get());
+        let files = self.int(FILES, max_files, default_files)?;
+        let files = u32::try_from(files)
+            .ok()
+            .and_then(NonZeroU32::new)
+            .with_context(|| {
+                format!(
+                    "{FILES} must be a number of files from 1 to {}, not {files}",
+                    u32::MAX
+                )
+            })?;
+        let size = match self.raw(SIZE, max_size) {
+            Some((v, Source::Env(_))) if v.is_empty() => None,
+            other => other,
+        };
+        let size = match size {
+            None => EngineConfig::DEFAULT_CONTAINER_LOG_MAX_SIZE,
+            Some((v, _)) if v == "daemon" => return Ok(None),
+            Some((v, source)) => docker_size(&v).and_then(NonZeroU64::new).with_context(|| {
+                format!(
+                    "invalid {SIZE} {v:?} from {source}: give a size of 1 byte or more, a \
+                         number with an optional unit k, m or g (powers of 1024, as Docker's \
+                         max-size: 100m), or \"daemon\" to leave the daemon's log configuration"
+                )
+            })?,
+        };
+        Ok(Some(LogLimits::new(size, files)))
     }
 
     /// A boolean flag: an empty environment value is false.
@@ -233,6 +278,8 @@ impl Config {
         if interval <= 0 {
             bail!("reconcile-interval must be a positive number of seconds, not {interval}");
         }
+        let container_log =
+            l.container_log(&args.container_log_max_size, &args.container_log_max_files)?;
         let path = |flag: &str, cli: &Option<String>| {
             Some(l.string(flag, cli, ""))
                 .filter(|p| !p.is_empty())
@@ -299,6 +346,7 @@ impl Config {
             )),
             log_format,
             reconcile_interval: Duration::from_secs(interval.unsigned_abs()),
+            container_log,
             fake_gpus: match &args.fake_gpus {
                 Some(n) => Some(n.parse().context("--fake-gpus takes a count")?),
                 None => None,
@@ -329,6 +377,7 @@ impl Config {
             volumes_root: PathBuf::new(),
             log_format: LogFormat::Text,
             reconcile_interval: EngineConfig::DEFAULT_RECONCILE_INTERVAL,
+            container_log: None,
             fake_gpus: None,
         }
     }
@@ -544,6 +593,120 @@ mod tests {
         );
     }
 
+    /// Issue 28: every container's log is bounded. `--container-log-max-size` takes Docker's
+    /// sizes (units k, m, g: powers of 1024) or `daemon` (no bounds: the daemon's own log
+    /// configuration); `--container-log-max-files` an integer from 1. Defaults 100m × 3. A bad
+    /// value stops the start, naming the flag or variable and what it takes.
+    #[test]
+    fn container_log_limits() {
+        let limits = |args: &[&str], env: &[(&str, &str)]| {
+            ok(args, env)
+                .container_log
+                .map(|l| (l.max_size.get(), l.max_files.get()))
+        };
+        assert_eq!(limits(&[], &[]), Some((100 << 20, 3)), "the defaults");
+        assert_eq!(
+            limits(
+                &[
+                    "--container-log-max-size",
+                    "1m",
+                    "--container-log-max-files=2"
+                ],
+                &[]
+            ),
+            Some((1 << 20, 2))
+        );
+        assert_eq!(
+            limits(
+                &[],
+                &[
+                    ("DSTACK_SHIM_CONTAINER_LOG_MAX_SIZE", "1.5g"),
+                    ("DSTACK_SHIM_CONTAINER_LOG_MAX_FILES", "0x10"),
+                ]
+            ),
+            Some((3 << 29, 16))
+        );
+        for (size, bytes) in [
+            ("1048576", 1 << 20),
+            ("512k", 512 << 10),
+            ("512KiB", 512 << 10),
+            ("100MB", 100 << 20),
+            ("2 g", 2 << 30),
+            ("1", 1),
+        ] {
+            assert_eq!(
+                limits(&["--container-log-max-size", size], &[]),
+                Some((bytes, 3)),
+                "{size}"
+            );
+        }
+        // An empty environment value is ignored, as an integer's; the command line wins.
+        assert_eq!(
+            limits(&[], &[("DSTACK_SHIM_CONTAINER_LOG_MAX_SIZE", "")]),
+            Some((100 << 20, 3))
+        );
+        assert_eq!(
+            limits(
+                &["--container-log-max-size", "20m"],
+                &[("DSTACK_SHIM_CONTAINER_LOG_MAX_SIZE", "daemon")]
+            ),
+            Some((20 << 20, 3))
+        );
+        // `daemon`: no bounds, from the command line or the environment.
+        assert_eq!(limits(&["--container-log-max-size", "daemon"], &[]), None);
+        assert_eq!(
+            limits(&[], &[("DSTACK_SHIM_CONTAINER_LOG_MAX_SIZE", "daemon")]),
+            None
+        );
+        for bad in [
+            "0", "0k", "-1m", "100x", "100 mb!", "1t", "Daemon", "m", "1e6",
+        ] {
+            let err = resolve(&[&format!("--container-log-max-size={bad}")], &[])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(&format!("invalid container-log-max-size {bad:?}"))
+                    && err.contains("the command line")
+                    && err.contains("\"daemon\""),
+                "{bad:?}: {err}"
+            );
+        }
+        let err = resolve(&[], &[("DSTACK_SHIM_CONTAINER_LOG_MAX_SIZE", "lots")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("DSTACK_SHIM_CONTAINER_LOG_MAX_SIZE"), "{err}");
+        for bad in ["0", "-1", "4294967296"] {
+            let err = resolve(&[&format!("--container-log-max-files={bad}")], &[])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("container-log-max-files must be a number of files from 1"),
+                "{bad}: {err}"
+            );
+        }
+        let err = resolve(&[], &[("DSTACK_SHIM_CONTAINER_LOG_MAX_FILES", "three")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("DSTACK_SHIM_CONTAINER_LOG_MAX_FILES")
+                && err.contains("container-log-max-files"),
+            "{err}"
+        );
+        // The count is checked with `daemon` too: a typo does not hide behind it.
+        assert!(
+            resolve(
+                &[
+                    "--container-log-max-size",
+                    "daemon",
+                    "--container-log-max-files",
+                    "0"
+                ],
+                &[]
+            )
+            .is_err()
+        );
+    }
+
     #[test]
     fn positional_arguments_are_ignored_but_help() {
         assert!(ok(&["docker", "--privileged"], &[]).privileged);
@@ -583,6 +746,8 @@ mod tests {
             ("volumes-root", "/v"),
             ("log-format", "json"),
             ("reconcile-interval", "60"),
+            ("container-log-max-size", "10m"),
+            ("container-log-max-files", "5"),
             ("dcgm-exporter-path", "/e"),
             ("dcgmi-path", "/d"),
             ("nv-hostengine-path", "/n"),

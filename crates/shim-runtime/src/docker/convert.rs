@@ -4,12 +4,12 @@ use std::collections::{BTreeMap, HashMap};
 
 use bollard::models::{
     ContainerCreateBody, ContainerInspectResponse, DeviceMapping as DockerDevice,
-    DeviceRequest as DockerDeviceRequest, EventMessage, EventMessageTypeEnum, HostConfig, Mount,
-    MountType, PortBinding, PortMap, ResourcesUlimits,
+    DeviceRequest as DockerDeviceRequest, EventMessage, EventMessageTypeEnum, HostConfig,
+    HostConfigLogConfig, Mount, MountType, PortBinding, PortMap, ResourcesUlimits,
 };
 use serde_json::Value;
 
-use crate::spec::{ContainerSpec, DeviceMapping, DeviceRequest, NetworkMode};
+use crate::spec::{ContainerSpec, DeviceMapping, DeviceRequest, LogLimits, NetworkMode};
 use crate::types::{
     ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, EventKind, MountPoint,
     PublishedPort, has_labels,
@@ -130,6 +130,9 @@ fn published_ports(ports: Option<&PortMap>) -> Vec<PublishedPort> {
 /// install of it would fail); for a `Mounts` entry it refuses the create ("bind source path
 /// does not exist"), which fails the task with its cause. `/dev/shm` stays in
 /// `HostConfig.Tmpfs`: tmpfs options in `Mounts` need API 1.46, and Docker 20.10 ignores them.
+///
+/// The log's bounds become `HostConfig.LogConfig` ([`log_config`]); without them the
+/// container has none and the daemon's own log configuration applies.
 pub(super) fn create_body(spec: &ContainerSpec) -> ContainerCreateBody {
     let mounts: Vec<Mount> = spec
         .mounts
@@ -213,6 +216,7 @@ pub(super) fn create_body(spec: &ContainerSpec) -> ContainerCreateBody {
                 })
                 .collect()
         }),
+        log_config: spec.log.as_ref().map(log_config),
         ..HostConfig::default()
     };
     ContainerCreateBody {
@@ -230,6 +234,22 @@ pub(super) fn create_body(spec: &ContainerSpec) -> ContainerCreateBody {
         exposed_ports: opt_vec(exposed),
         host_config: Some(host_config),
         ..ContainerCreateBody::default()
+    }
+}
+
+/// Docker's log configuration for bounded logs: the `json-file` driver with `max-size` (in
+/// bytes, which Docker and Podman read alike) and `max-file`. Podman takes `json-file` as its
+/// `k8s-file` and honours `max-size` there; `max-file` is an option it ignores.
+fn log_config(limits: &LogLimits) -> HostConfigLogConfig {
+    HostConfigLogConfig {
+        typ: Some(LogLimits::DRIVER.to_owned()),
+        config: Some(
+            limits
+                .options()
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v))
+                .collect(),
+        ),
     }
 }
 
@@ -525,6 +545,37 @@ mod tests {
         });
         assert!(host_mode.exposed_ports.is_none());
         assert!(host_mode.host_config.unwrap().port_bindings.is_none());
+    }
+
+    /// Bounded logs are `json-file` with `max-size` in bytes and `max-file`; no bounds, no
+    /// `LogConfig` at all (the daemon's own driver and options apply).
+    #[test]
+    fn body_log_config() {
+        use std::num::{NonZeroU32, NonZeroU64};
+        let mut spec = ContainerSpec::new("n", "i:1");
+        assert_eq!(create_body(&spec).host_config.unwrap().log_config, None);
+        spec.log = Some(LogLimits::new(
+            NonZeroU64::new(100 << 20).unwrap(),
+            NonZeroU32::new(3).unwrap(),
+        ));
+        let log = create_body(&spec).host_config.unwrap().log_config.unwrap();
+        assert_eq!(log.typ.as_deref(), Some("json-file"));
+        assert_eq!(
+            log.config.unwrap(),
+            HashMap::from([
+                ("max-size".to_owned(), "104857600".to_owned()),
+                ("max-file".to_owned(), "3".to_owned()),
+            ])
+        );
+        // As the engine receives it.
+        let json = serde_json::to_value(create_body(&spec)).unwrap();
+        assert_eq!(
+            json["HostConfig"]["LogConfig"],
+            serde_json::json!({
+                "Type": "json-file",
+                "Config": {"max-size": "104857600", "max-file": "3"}
+            })
+        );
     }
 
     fn events_of(fixture: &str, labels: &[(String, String)]) -> Vec<ContainerEvent> {
