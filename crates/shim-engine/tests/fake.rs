@@ -1645,6 +1645,35 @@ async fn a_missing_runner_binary_fails_the_task_with_the_path() {
     engine.remove(&tid("t1")).await.unwrap();
 }
 
+// On Podman a task given NVIDIA GPUs must not run without them (its Docker API ignores the
+// device request): the create is refused, and the task ends `creating_container_error` naming
+// the engine and why, as any failed create, its GPU released.
+#[tokio::test]
+async fn a_gpu_task_on_podman_fails_at_create() {
+    let w = World::new(1);
+    w.runtime.as_podman(Some("5.4.2"));
+    let engine = w.engine().await;
+    let mut c = config("t1");
+    c.gpu = 1;
+    engine.submit(c).await.unwrap();
+    let info = wait_status(&engine, "t1", TaskStatus::Terminated).await;
+    assert_eq!(
+        info.termination_reason, "creating_container_error",
+        "{info:?}"
+    );
+    assert!(
+        info.termination_message
+            .contains("Podman 5.4.2 ignores \"nvidia\" device requests"),
+        "{info:?}"
+    );
+    assert!(w.runtime.container_ids().is_empty());
+    wait_released(&engine, &w, "t1").await;
+    engine.remove(&tid("t1")).await.unwrap();
+    // A task without GPUs runs there as usual.
+    engine.submit(config("t2")).await.unwrap();
+    wait_status(&engine, "t2", TaskStatus::Running).await;
+}
+
 // Issue 22, SPEC §5: ownership is the runner mount. With its `owner-id` deleted, or replaced
 // by another identity, between two runs of the engine, a running task stays running in its
 // untouched container (its labels still carry the old identity) and its later exit is

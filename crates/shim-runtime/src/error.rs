@@ -68,6 +68,20 @@ pub enum RuntimeError {
         #[source]
         source: std::io::Error,
     },
+    /// The engine would silently ignore the container's device requests (Podman's Docker API
+    /// ignores NVIDIA ones), so the container was not created: a task must not run without
+    /// the GPUs it was given. The shim checks this itself, before asking the engine.
+    #[error(
+        "create {what}: {engine} ignores {driver:?} device requests through its Docker API: GPU tasks need Docker (CDI on Podman is not supported yet)"
+    )]
+    DeviceRequestsIgnored {
+        /// The container concerned, e.g. `container abc`.
+        what: String,
+        /// The engine and its version, e.g. `Podman 5.4.2`.
+        engine: String,
+        /// The driver of the request it would ignore (`nvidia`).
+        driver: String,
+    },
     /// An image pull failed.
     #[error("pulling image {image} failed after {downloaded_bytes} bytes: {message}")]
     PullFailed {

@@ -183,6 +183,9 @@ struct State {
     /// A create fails, as Docker's does, when a bind mount's source does not exist on this
     /// host.
     check_bind_sources: bool,
+    /// Podman's version when creates refuse device requests as the Docker runtime does on
+    /// Podman.
+    podman: Option<String>,
 }
 
 /// The in-memory fake runtime. Cheap to clone (clones share state).
@@ -443,6 +446,14 @@ impl FakeRuntime {
     /// mount made-up paths).
     pub fn check_bind_sources(&self, on: bool) {
         self.lock().check_bind_sources = on;
+    }
+
+    /// Makes creates refuse device requests as the Docker runtime does on Podman `version`
+    /// (its Docker API ignores NVIDIA ones): a create with one fails
+    /// ([`RuntimeError::DeviceRequestsIgnored`]) and makes no container. `None` (the default):
+    /// Docker, which honours them.
+    pub fn as_podman(&self, version: Option<&str>) {
+        self.lock().podman = version.map(str::to_owned);
     }
 
     /// The exit code containers get when stopped (default: 137 when killed at once, 143
@@ -752,6 +763,15 @@ impl ContainerRuntime for FakeRuntime {
 
     async fn create(&self, spec: &ContainerSpec) -> Result<String> {
         let mut state = self.record(Call::Create(Box::new(spec.clone())), &spec.name)?;
+        // The Docker runtime's check on Podman, made before it asks the engine (the fake does
+        // not tell CDI requests apart: the engine makes none).
+        if let (Some(version), Some(request)) = (&state.podman, spec.device_requests.first()) {
+            return Err(RuntimeError::DeviceRequestsIgnored {
+                what: format!("container {}", spec.name),
+                engine: format!("Podman {version}"),
+                driver: request.driver.clone(),
+            });
+        }
         if state.check_bind_sources {
             // The Docker runtime's own check, made before it asks the engine.
             for m in &spec.mounts {

@@ -13,7 +13,7 @@ use async_trait::async_trait;
 use bollard::Docker;
 use bollard::auth::DockerCredentials;
 use bollard::errors::Error as BollardError;
-use bollard::models::{CreateImageInfo, EventMessage};
+use bollard::models::{CreateImageInfo, EventMessage, SystemVersion};
 use bollard::query_parameters::{
     CreateContainerOptionsBuilder, CreateImageOptionsBuilder, EventsOptionsBuilder,
     ListContainersOptionsBuilder, LogsOptionsBuilder, RemoveContainerOptionsBuilder,
@@ -40,6 +40,60 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug, Clone)]
 pub struct DockerRuntime {
     docker: Docker,
+    /// The engine behind the socket, read once at connect.
+    flavour: Flavour,
+}
+
+/// The engine behind the Docker API, as its version answer (`GET /version`) names it: Podman
+/// lists a component "Podman Engine" (pkg/api/handlers/compat/version.go); Docker does not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Flavour {
+    Docker,
+    /// Podman, with its own version (`5.4.2`), not the API version it speaks.
+    Podman {
+        version: String,
+    },
+}
+
+impl Flavour {
+    fn of(answer: &SystemVersion) -> Self {
+        answer
+            .components
+            .iter()
+            .flatten()
+            .find(|c| c.name.starts_with("Podman"))
+            .map_or(Self::Docker, |c| Self::Podman {
+                version: c.version.clone(),
+            })
+    }
+
+    /// Checks that this engine honours every device request of `spec`: Podman's Docker API
+    /// ignores them (5.x all but the `cdi` driver's, 4.3 all of them: a Podman before 5 is
+    /// taken to honour none), and a container created anyway would run without its GPUs. So a spec with such a request is
+    /// [`RuntimeError::DeviceRequestsIgnored`] and nothing is created. Plain device mappings
+    /// (AMD, Tenstorrent, InfiniBand) are honoured on every engine and not looked at.
+    fn check_device_requests(&self, spec: &ContainerSpec) -> Result<()> {
+        let Self::Podman { version } = self else {
+            return Ok(());
+        };
+        let honours_cdi = version
+            .split('.')
+            .next()
+            .and_then(|major| major.parse::<u32>().ok())
+            .is_some_and(|major| major >= 5);
+        match spec
+            .device_requests
+            .iter()
+            .find(|r| !(honours_cdi && r.driver == "cdi"))
+        {
+            Some(request) => Err(RuntimeError::DeviceRequestsIgnored {
+                what: container(&spec.name),
+                engine: format!("Podman {version}"),
+                driver: request.driver.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Translates a bollard error into a [`RuntimeError`], once.
@@ -147,16 +201,25 @@ impl DockerRuntime {
         Self::from_client(docker).await
     }
 
-    /// Wraps a bollard client, negotiating the API version. Every request gets at most
-    /// `REQUEST_TIMEOUT` (30 s) for its response to begin (a frozen daemon does not hang the
-    /// shim); a stop gets its grace period on top.
+    /// Wraps a bollard client, negotiating the API version and reading which engine answers
+    /// (Docker or Podman: see `Flavour`). Every request gets at most `REQUEST_TIMEOUT` (30 s)
+    /// for its response to begin (a frozen daemon does not hang the shim); a stop gets its
+    /// grace period on top.
     pub async fn from_client(docker: Docker) -> Result<Self> {
         let docker = docker
             .with_timeout(REQUEST_TIMEOUT)
             .negotiate_version()
             .await
             .map_err(|e| translate("negotiate version", "docker daemon".to_owned(), e))?;
-        Ok(Self { docker })
+        // bollard's negotiation keeps only the API version of its `/version` answer: the
+        // engine is read from a second one, once per connection.
+        let answer = docker
+            .version()
+            .await
+            .map_err(|e| translate("version", "docker daemon".to_owned(), e))?;
+        let flavour = Flavour::of(&answer);
+        debug!(?flavour, api = ?answer.api_version, "connected to the engine");
+        Ok(Self { docker, flavour })
     }
 
     /// Docker's data directory (`DockerRootDir` of `GET /info`), if the daemon names one.
@@ -326,6 +389,7 @@ impl ContainerRuntime for DockerRuntime {
     }
 
     async fn create(&self, spec: &ContainerSpec) -> Result<String> {
+        self.flavour.check_device_requests(spec)?;
         check_bind_sources(spec).await?;
         let options = CreateContainerOptionsBuilder::new()
             .name(&spec.name)

@@ -13,8 +13,8 @@ use bollard::Docker;
 use futures_util::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use super::DockerRuntime;
-use crate::spec::{BindMount, ContainerSpec};
+use super::{DockerRuntime, Flavour};
+use crate::spec::{BindMount, ContainerSpec, DeviceMapping, DeviceRequest};
 use crate::types::{ContainerState, EventKind, PullProgress, PullRequest};
 use crate::{ContainerRuntime, RuntimeError};
 
@@ -25,17 +25,35 @@ type Answer = (u16, String);
 /// off, percent-decoded); `None`: 404.
 type Script = dyn Fn(&str, &str) -> Option<Answer> + Send + Sync;
 
+/// A version answer without components: Docker's shape (the engine is told by the
+/// components; Docker's name one "Engine").
 const VERSION: &str =
     r#"{"Version":"4.3.1","ApiVersion":"1.41","MinAPIVersion":"1.24","Os":"linux","Arch":"amd64"}"#;
 
+/// Podman 5.4.2's version answer, in the shape of its compat handler
+/// (pkg/api/handlers/compat/version.go), details trimmed.
+const VERSION_PODMAN_5_4: &str = r#"{"Platform":{"Name":"linux/amd64/debian-13"},"Components":[{"Name":"Podman Engine","Version":"5.4.2","Details":{"APIVersion":"5.4.2","Arch":"amd64","MinAPIVersion":"4.0.0","Os":"linux"}},{"Name":"Conmon","Version":"conmon version 2.1.12, commit: unknown","Details":{"Package":"conmon_2.1.12-4_amd64"}},{"Name":"OCI Runtime (crun)","Version":"crun version 1.21","Details":{"Package":"crun_1.21-1_amd64"}}],"Version":"5.4.2","ApiVersion":"1.41","MinAPIVersion":"1.24","Os":"linux","Arch":"amd64"}"#;
+
+/// A request the engine received: `METHOD target` and its body.
+type Request = (String, String);
+
 struct Engine {
     socket: PathBuf,
-    requests: Arc<Mutex<Vec<String>>>,
+    requests: Arc<Mutex<Vec<Request>>>,
     _dir: tempfile::TempDir,
 }
 
 impl Engine {
+    /// An engine answering `/version` as Docker does, and the rest as `script` says.
     fn start(script: impl Fn(&str, &str) -> Option<Answer> + Send + Sync + 'static) -> Self {
+        Self::start_as(VERSION, script)
+    }
+
+    /// An engine answering `/version` with `version`, and the rest as `script` says.
+    fn start_as(
+        version: &'static str,
+        script: impl Fn(&str, &str) -> Option<Answer> + Send + Sync + 'static,
+    ) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("engine.sock");
         let listener = UnixListener::bind(&socket).unwrap();
@@ -48,7 +66,7 @@ impl Engine {
                 let (script, seen) = (script.clone(), seen.clone());
                 std::thread::spawn(move || {
                     // An error ends this connection only.
-                    let _ = serve(conn, &*script, &seen);
+                    let _ = serve(conn, version, &*script, &seen);
                 });
             }
         });
@@ -71,7 +89,19 @@ impl Engine {
 
     /// Every request so far, as `METHOD target`.
     fn requests(&self) -> Vec<String> {
-        self.requests.lock().unwrap().clone()
+        let requests = self.requests.lock().unwrap();
+        requests.iter().map(|(line, _)| line.clone()).collect()
+    }
+
+    /// The body of the one request whose path starts with `path`, as JSON.
+    fn body(&self, path: &str) -> serde_json::Value {
+        let requests = self.requests.lock().unwrap();
+        let matching: Vec<_> = requests
+            .iter()
+            .filter(|(line, _)| line.split(' ').nth(1).is_some_and(|t| t.starts_with(path)))
+            .collect();
+        assert_eq!(matching.len(), 1, "{requests:?}");
+        serde_json::from_str(&matching[0].1).unwrap()
     }
 
     /// The `filters` query parameter of the one request whose path starts with `path`.
@@ -91,7 +121,12 @@ impl Engine {
     }
 }
 
-fn serve(conn: UnixStream, script: &Script, seen: &Mutex<Vec<String>>) -> std::io::Result<()> {
+fn serve(
+    conn: UnixStream,
+    version: &str,
+    script: &Script,
+    seen: &Mutex<Vec<Request>>,
+) -> std::io::Result<()> {
     let mut reader = BufReader::new(conn.try_clone()?);
     let mut line = String::new();
     reader.read_line(&mut line)?;
@@ -121,10 +156,13 @@ fn serve(conn: UnixStream, script: &Script, seen: &Mutex<Vec<String>>) -> std::i
             .map_or(target.clone(), |i| rest[i..].to_owned()),
         None => target,
     };
-    seen.lock().unwrap().push(format!("{method} {target}"));
+    seen.lock().unwrap().push((
+        format!("{method} {target}"),
+        String::from_utf8_lossy(&body).into_owned(),
+    ));
     let path = target.split('?').next().unwrap_or_default();
     let (status, body) = match path {
-        "/version" => (200, VERSION.to_owned()),
+        "/version" => (200, version.to_owned()),
         "/_ping" => (200, "OK".to_owned()),
         _ => script(&method, &target)
             .unwrap_or_else(|| (404, r#"{"message":"no such route"}"#.to_owned())),
@@ -328,6 +366,124 @@ async fn a_missing_bind_source_creates_nothing() {
     // Every source present: the engine is asked.
     spec.mounts.pop();
     assert_eq!(runtime.create(&spec).await.unwrap(), "c0ffee");
+}
+
+/// A spec asking for two NVIDIA GPUs, as the engine makes it (`spec::apply_gpu`).
+fn nvidia_spec(name: &str) -> ContainerSpec {
+    let mut spec = ContainerSpec::new(name, "shim-test:1");
+    spec.device_requests = vec![DeviceRequest {
+        driver: "nvidia".to_owned(),
+        device_ids: vec!["GPU-aaaa".to_owned(), "GPU-bbbb".to_owned()],
+        capabilities: vec!["gpu".to_owned(), "utility".to_owned()],
+    }];
+    spec
+}
+
+/// An engine that creates every container it is asked to, as `c0ffee`.
+fn creating(method: &str, target: &str) -> Option<Answer> {
+    (method == "POST" && target.starts_with("/containers/create"))
+        .then(|| (201, r#"{"Id":"c0ffee","Warnings":[]}"#.to_owned()))
+}
+
+/// Podman's Docker API ignores NVIDIA device requests: a create that has some is refused
+/// before the engine is asked, naming the engine and why, so that no task runs without its
+/// GPUs. Plain device mappings (AMD's `/dev/kfd`, render nodes) are created as usual.
+#[tokio::test]
+async fn gpu_device_requests_are_refused_on_podman() {
+    let engine = Engine::start_as(VERSION_PODMAN_5_4, creating);
+    let runtime = engine.runtime().await;
+    let e = runtime.create(&nvidia_spec("t6-0-ffff")).await.unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            RuntimeError::DeviceRequestsIgnored { engine, driver, .. }
+                if engine == "Podman 5.4.2" && driver == "nvidia"
+        ),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.to_string(),
+        "create container t6-0-ffff: Podman 5.4.2 ignores \"nvidia\" device requests through \
+         its Docker API: GPU tasks need Docker (CDI on Podman is not supported yet)"
+    );
+    assert!(
+        !engine
+            .requests()
+            .iter()
+            .any(|r| r.contains("/containers/create")),
+        "{:?}",
+        engine.requests()
+    );
+    let mut amd = ContainerSpec::new("t7-0-aaaa", "shim-test:1");
+    amd.devices = vec![
+        DeviceMapping::same_path("/dev/kfd"),
+        DeviceMapping::same_path("/dev/dri/renderD128"),
+    ];
+    assert_eq!(runtime.create(&amd).await.unwrap(), "c0ffee");
+    let body = engine.body("/containers/create");
+    assert_eq!(body["HostConfig"]["Devices"][0]["PathOnHost"], "/dev/kfd");
+    assert!(body["HostConfig"]["DeviceRequests"].is_null(), "{body}");
+}
+
+/// On Docker the same create goes to the engine, with its device request.
+#[tokio::test]
+async fn gpu_device_requests_are_sent_to_docker() {
+    let engine = Engine::start(creating);
+    let runtime = engine.runtime().await;
+    assert_eq!(
+        runtime.create(&nvidia_spec("t6-0-ffff")).await.unwrap(),
+        "c0ffee"
+    );
+    let body = engine.body("/containers/create");
+    assert_eq!(
+        body["HostConfig"]["DeviceRequests"],
+        serde_json::json!([{
+            "Driver": "nvidia",
+            "DeviceIDs": ["GPU-aaaa", "GPU-bbbb"],
+            "Capabilities": [["gpu", "utility"]],
+        }]),
+        "{body}"
+    );
+}
+
+/// Which device requests each engine honours: Docker all; Podman 5 only CDI ones; Podman 4
+/// none. The engine is told by the version answer's components.
+#[test]
+fn which_device_requests_each_engine_honours() {
+    let docker = serde_json::from_str(VERSION).unwrap();
+    let podman = serde_json::from_str(VERSION_PODMAN_5_4).unwrap();
+    assert_eq!(Flavour::of(&docker), Flavour::Docker);
+    assert_eq!(
+        Flavour::of(&podman),
+        Flavour::Podman {
+            version: "5.4.2".to_owned()
+        }
+    );
+    let nvidia = nvidia_spec("t8-0-bbbb");
+    let mut cdi = ContainerSpec::new("t8-0-bbbb", "shim-test:1");
+    cdi.device_requests = vec![DeviceRequest {
+        driver: "cdi".to_owned(),
+        device_ids: vec!["nvidia.com/gpu=0".to_owned()],
+        capabilities: Vec::new(),
+    }];
+    let podman = |version: &str| Flavour::Podman {
+        version: version.to_owned(),
+    };
+    for (flavour, spec, honoured) in [
+        (Flavour::Docker, &nvidia, true),
+        (podman("5.4.2"), &nvidia, false),
+        (podman("5.4.2"), &cdi, true),
+        (podman("4.3.1"), &nvidia, false),
+        (podman("4.3.1"), &cdi, false),
+        (podman("4.3.1"), &ContainerSpec::new("t8", "x:1"), true),
+    ] {
+        assert_eq!(
+            flavour.check_device_requests(spec).is_ok(),
+            honoured,
+            "{flavour:?} {:?}",
+            spec.device_requests
+        );
+    }
 }
 
 /// Pulls through the runtime, as the engines answer them: the seconds of Docker 28's
