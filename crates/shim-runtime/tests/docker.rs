@@ -839,6 +839,28 @@ async fn limits_privileged_labels_and_devices_in_config() {
         soft: -1,
         hard: -1,
     });
+    let podman = is_podman(&docker).await;
+    if podman {
+        // Podman's compat API ignores NVIDIA device requests (5.x reads only `cdi` ones, 4.3
+        // none): the shim refuses them there, before the engine creates anything, rather than
+        // run a GPU task without its GPUs.
+        match docker.create(&spec).await {
+            Err(RuntimeError::DeviceRequestsIgnored { driver, .. }) => {
+                assert_eq!(driver, "nvidia");
+            }
+            other => panic!("expected the NVIDIA request refused on Podman, got {other:?}"),
+        }
+        assert!(
+            matches!(
+                docker.inspect(&spec.name).await,
+                Err(RuntimeError::NotFound { .. })
+            ),
+            "a refused create created {}",
+            spec.name
+        );
+        eprintln!("ENGINE Podman: NVIDIA device requests are refused; the rest without them");
+        spec.device_requests.clear();
+    }
     // Created, never started: privileged containers cannot run on this VM.
     let id = docker.create(&spec).await.unwrap();
     let d = docker.inspect(&id).await.unwrap();
@@ -862,14 +884,10 @@ async fn limits_privileged_labels_and_devices_in_config() {
         d.image,
         image()
     );
-    if is_podman(&docker).await {
-        // Podman reports no devices of a privileged container (it gets all of the host's)
-        // and no device requests at all: its compat API reads only `cdi` ones (5.x; 4.3 none),
-        // so an NVIDIA request is dropped. These fail once Podman reports them: then check what
-        // it does with them.
-        eprintln!(
-            "ENGINE Podman: a privileged container's devices and device requests are not reported"
-        );
+    if podman {
+        // Podman reports no devices of a privileged container (it gets all of the host's).
+        // This fails once Podman reports them: then check what it does with them.
+        eprintln!("ENGINE Podman: a privileged container's devices are not reported");
         assert!(d.devices.is_empty(), "{:?}", d.devices);
         assert!(d.device_requests.is_empty(), "{:?}", d.device_requests);
     } else {
