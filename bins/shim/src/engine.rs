@@ -82,6 +82,13 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
     cfg.volumes_root = config.volumes_root.clone();
     cfg.reconcile_interval = config.reconcile_interval;
     cfg.container_log = config.container_log;
+    cfg.pull_stall_timeout = config.pull_stall_timeout;
+    cfg.pull_timeout = config.pull_timeout;
+    tracing::info!(
+        stall_timeout = ?config.pull_stall_timeout,
+        timeout = ?config.pull_timeout,
+        "image pulls fail after the stall timeout without progress, or the timeout in all (None: no limit)"
+    );
     match &config.container_log {
         Some(limits) => tracing::info!(
             log_config = %limits,

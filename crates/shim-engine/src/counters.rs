@@ -59,6 +59,7 @@ pub(crate) struct Metrics {
     pub(crate) events_reconnects: Counter,
     docker_requests: Family<OpLabels, Counter>,
     docker_errors: Family<OpKindLabels, Counter>,
+    pull_stalls: Counter,
     pub(crate) write: Histogram,
     pub(crate) write_errors: Counter,
 }
@@ -75,6 +76,7 @@ impl Metrics {
             events_reconnects: Counter::default(),
             docker_requests: Family::default(),
             docker_errors: Family::default(),
+            pull_stalls: Counter::default(),
             write: histogram(),
             write_errors: Counter::default(),
         }
@@ -107,6 +109,9 @@ impl Metrics {
                     kind: error_kind(e).to_owned(),
                 })
                 .inc();
+            if matches!(e, RuntimeError::PullStalled { .. }) {
+                self.pull_stalls.inc();
+            }
         }
     }
 
@@ -160,6 +165,11 @@ impl Metrics {
             self.docker_errors.clone(),
         );
         r.register(
+            "pull_stalls",
+            "Image pulls failed because the engine sent no progress for the stall timeout (--pull-stall-timeout)",
+            self.pull_stalls.clone(),
+        );
+        r.register(
             "state_write_seconds",
             "Durable task.json writes (temp file, fsync, rename, fsync directory)",
             self.write.clone(),
@@ -182,6 +192,7 @@ fn error_kind(e: &RuntimeError) -> &'static str {
         match e {
             RuntimeError::Conflict { .. } => "conflict",
             RuntimeError::PullTimeout { .. } => "timeout",
+            RuntimeError::PullStalled { .. } => "stalled",
             RuntimeError::Cancelled { .. } => "cancelled",
             RuntimeError::PullFailed { .. } => "pull_failed",
             RuntimeError::Daemon { .. } => "daemon",

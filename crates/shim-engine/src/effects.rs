@@ -323,6 +323,7 @@ impl Effects {
             auth: slot.auth.clone(),
             log_path,
             timeout: self.cfg.pull_timeout,
+            stall_timeout: self.cfg.pull_stall_timeout,
         };
         let progress_slot = slot.clone();
         let progress = move |p: PullProgress| progress_slot.pull_progressed(p);

@@ -27,6 +27,7 @@
 //! | `dstack_shim_events_received{kind}` | counter | container events handled |
 //! | `dstack_shim_docker_requests{op}` | counter | Docker API requests |
 //! | `dstack_shim_docker_errors{op,kind}` | counter | failed Docker requests, by error kind |
+//! | `dstack_shim_pull_stalls` | counter | image pulls failed as stalled (no progress for `--pull-stall-timeout`) |
 //! | `dstack_shim_state_write_seconds` | histogram | durable task.json writes (with submit's) |
 //! | `dstack_shim_state_write_errors` | counter | failed task.json writes |
 //! | `dstack_shim_gpus_locked` / `dstack_shim_gpus_total` | gauge | GPUs held by tasks / on the host |

@@ -481,6 +481,44 @@ async fn terminate_running_stops_with_timeout_and_releases() {
     );
 }
 
+/// A pull that stops moving for the stall timeout ends the task `creating_container_error`
+/// (as any failed pull) with a message in numbers, and is counted.
+#[tokio::test]
+async fn a_stalled_pull_fails_the_task_and_is_counted() {
+    let w = World::new(0);
+    let mut cfg = w.config();
+    cfg.pull_stall_timeout = Some(Duration::from_millis(50));
+    let engine = Engine::open(cfg, w.deps()).await.unwrap();
+    w.runtime.set_pull_behavior(PullBehavior::Hang {
+        steps: vec![PullProgress {
+            downloaded_bytes: 3 << 20,
+            extracted_bytes: 0,
+            total_bytes: 8 << 20,
+            is_total_bytes_final: true,
+        }],
+    });
+    let mut c = config("t1");
+    c.image_name = "img:latest".into();
+    engine.submit(c).await.unwrap();
+    let info = wait_status(&engine, "t1", TaskStatus::Terminated).await;
+    assert_eq!(info.termination_reason, "creating_container_error");
+    let message = &info.termination_message;
+    assert!(
+        message.contains("stalled: nothing moved for ")
+            && message.contains("3.0 MiB of 8.0 MiB (3145728 of 8388608 bytes)"),
+        "{message}"
+    );
+    let metrics = scrape(&engine);
+    assert!(
+        metrics.contains("dstack_shim_pull_stalls_total 1\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"dstack_shim_docker_errors_total{op="pull",kind="stalled"} 1"#),
+        "{metrics}"
+    );
+}
+
 #[tokio::test]
 async fn terminate_during_pull_cancels_it() {
     let w = World::new(1);

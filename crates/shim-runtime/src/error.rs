@@ -104,6 +104,34 @@ pub enum RuntimeError {
         /// Bytes downloaded before the timeout.
         downloaded_bytes: u64,
     },
+    /// An image pull stopped moving: the engine sent nothing about it (no byte counted, no
+    /// layer's status, no extraction step) for `stalled_for`, the pull's stall timeout.
+    #[error(
+        "pulling image {image} stalled: nothing moved for {}; {} of {}{} ({done_bytes} of \
+         {total_bytes} bytes) downloaded in {}, average {}/s",
+        fmt_duration(*stalled_for),
+        fmt_bytes(*done_bytes),
+        if *total_known { "" } else { "at least " },
+        fmt_bytes(*total_bytes),
+        fmt_duration(*elapsed),
+        fmt_bytes(*rate),
+    )]
+    PullStalled {
+        /// The image reference.
+        image: String,
+        /// How long nothing moved (the stall timeout that expired).
+        stalled_for: Duration,
+        /// Bytes downloaded before the stall.
+        done_bytes: u64,
+        /// The image's size, summed over the layers the engine had announced.
+        total_bytes: u64,
+        /// Whether every layer's size was known (else `total_bytes` may grow).
+        total_known: bool,
+        /// How long the pull ran, the stall included.
+        elapsed: Duration,
+        /// The average rate over `elapsed`, bytes per second.
+        rate: u64,
+    },
     /// The operation was cancelled by the caller.
     #[error("{op} {what}: cancelled")]
     Cancelled {
@@ -158,6 +186,40 @@ impl RuntimeError {
     }
 }
 
+/// A byte count for people: `512 B`, `9.0 MiB`, `11.3 GiB` (powers of 1024).
+pub(crate) fn fmt_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    // Precision loss is irrelevant for a rounded figure.
+    #[allow(clippy::cast_precision_loss)]
+    let mut value = n as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+/// A duration as Go prints it, to whole seconds below an hour's precision: `5m0s`, `1h2m3s`,
+/// `1.5s` under ten seconds.
+pub(crate) fn fmt_duration(d: Duration) -> String {
+    let secs = d.as_secs();
+    if secs < 10 {
+        return format!("{:.1}s", d.as_secs_f64());
+    }
+    let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
+    if h > 0 {
+        format!("{h}h{m}m{s}s")
+    } else if m > 0 {
+        format!("{m}m{s}s")
+    } else {
+        format!("{s}s")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use shim_util::testing::assert_each_cause_once;
@@ -192,5 +254,40 @@ mod tests {
             let chain = assert_each_cause_once(&e);
             assert_eq!(e.message(), chain);
         }
+    }
+
+    /// A stall says what happened in numbers: how long nothing moved, how much of how much
+    /// came, in how long, at what average rate.
+    #[test]
+    fn a_stall_says_what_happened_in_numbers() {
+        let e = RuntimeError::PullStalled {
+            image: "repo/big:1".into(),
+            stalled_for: Duration::from_secs(300),
+            done_bytes: 11_000 << 20,
+            total_bytes: 11_571 << 20,
+            total_known: true,
+            elapsed: Duration::from_secs(1522),
+            rate: 9 << 20,
+        };
+        assert_eq!(
+            e.to_string(),
+            "pulling image repo/big:1 stalled: nothing moved for 5m0s; 10.7 GiB of 11.3 GiB \
+             (11534336000 of 12133072896 bytes) downloaded in 25m22s, average 9.0 MiB/s"
+        );
+        assert_eq!(e.message(), e.to_string());
+        let e = RuntimeError::PullStalled {
+            image: "x:1".into(),
+            stalled_for: Duration::from_millis(2500),
+            done_bytes: 100,
+            total_bytes: 4096,
+            total_known: false,
+            elapsed: Duration::from_secs(3700),
+            rate: 0,
+        };
+        assert_eq!(
+            e.to_string(),
+            "pulling image x:1 stalled: nothing moved for 2.5s; 100 B of at least 4.0 KiB (100 \
+             of 4096 bytes) downloaded in 1h1m40s, average 0 B/s"
+        );
     }
 }

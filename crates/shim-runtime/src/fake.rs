@@ -91,7 +91,8 @@ pub enum PullBehavior {
         message: String,
     },
     /// Reports `steps`, then waits until cancelled (→ `Cancelled`), the request's timeout
-    /// expires (→ `PullTimeout`), or [`FakeRuntime::release_pulls`] is called (→ success).
+    /// expires (→ `PullTimeout`), its stall timeout expires (→ `PullStalled`, the steps' time
+    /// not counted), or [`FakeRuntime::release_pulls`] is called (→ success).
     Hang {
         /// The progress reported before hanging.
         steps: Vec<PullProgress>,
@@ -750,11 +751,23 @@ impl ContainerRuntime for FakeRuntime {
                         op: "pull",
                         what: format!("image {image}"),
                     }),
-                    () = tokio::time::sleep(request.timeout) => Err(RuntimeError::PullTimeout {
+                    () = crate::watchdog::expiry(request.timeout) => Err(RuntimeError::PullTimeout {
                         image,
-                        timeout: request.timeout,
+                        timeout: request.timeout.unwrap_or_default(),
                         downloaded_bytes: last.downloaded_bytes,
                     }),
+                    () = crate::watchdog::expiry(request.stall_timeout) => {
+                        let stalled_for = request.stall_timeout.unwrap_or_default();
+                        Err(RuntimeError::PullStalled {
+                            image,
+                            stalled_for,
+                            done_bytes: last.downloaded_bytes,
+                            total_bytes: last.total_bytes,
+                            total_known: last.is_total_bytes_final,
+                            elapsed: stalled_for,
+                            rate: crate::watchdog::rate(last.downloaded_bytes, stalled_for),
+                        })
+                    }
                     _ = released.changed() => finish(last),
                 }
             }
@@ -1059,7 +1072,8 @@ mod tests {
             image: "img:1".to_owned(),
             auth: None,
             log_path: None,
-            timeout: Duration::from_secs(600),
+            timeout: Some(Duration::from_secs(600)),
+            stall_timeout: None,
         }
     }
 
@@ -1369,7 +1383,7 @@ mod tests {
         assert!(matches!(r, Err(RuntimeError::Cancelled { .. })));
 
         let mut short = request();
-        short.timeout = Duration::from_millis(10);
+        short.timeout = Some(Duration::from_millis(10));
         assert!(matches!(
             fake.pull(&short, &no_progress, CancellationToken::new())
                 .await,
@@ -1379,6 +1393,18 @@ mod tests {
             })
         ));
         assert!(!fake.image_present("img:1").await.unwrap());
+
+        let mut stalls = request();
+        stalls.stall_timeout = Some(Duration::from_millis(10));
+        assert!(matches!(
+            fake.pull(&stalls, &no_progress, CancellationToken::new())
+                .await,
+            Err(RuntimeError::PullStalled {
+                done_bytes: 5,
+                stalled_for,
+                ..
+            }) if stalled_for == Duration::from_millis(10)
+        ));
 
         let (r, ()) = tokio::join!(
             fake.pull(&req, &no_progress, CancellationToken::new()),

@@ -15,6 +15,7 @@ pub mod fake;
 pub mod spec;
 mod time;
 mod types;
+mod watchdog;
 
 use std::time::Duration;
 
@@ -55,7 +56,8 @@ pub trait ContainerRuntime: Send + Sync {
 
     /// Pulls an image, calling `progress` with the folded per-layer progress as it changes,
     /// writing the daemon's progress messages as JSON lines to `request.log_path` (if any),
-    /// giving up after `request.timeout` ([`RuntimeError::PullTimeout`]) and returning promptly
+    /// giving up after `request.timeout` ([`RuntimeError::PullTimeout`]) or once the engine
+    /// sends nothing for `request.stall_timeout` ([`RuntimeError::PullStalled`]), and returning promptly
     /// with [`RuntimeError::Cancelled`] once `cancel` fires. Returns the final progress (with
     /// `is_total_bytes_final` set).
     async fn pull(

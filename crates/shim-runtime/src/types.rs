@@ -37,8 +37,12 @@ pub struct PullRequest {
     pub auth: Option<RegistryAuth>,
     /// Where to write the daemon's progress messages (JSON lines), if anywhere.
     pub log_path: Option<PathBuf>,
-    /// How long the whole pull may take.
-    pub timeout: Duration,
+    /// How long the whole pull may take; `None`: no limit (the stall timeout still applies).
+    pub timeout: Option<Duration>,
+    /// How long the pull may go without any progress message from the engine (a byte count,
+    /// a layer's status, an extraction step) before it fails with
+    /// [`crate::RuntimeError::PullStalled`]; `None`: no limit.
+    pub stall_timeout: Option<Duration>,
 }
 
 /// Pull progress summed over the image's layers: shim-task's type, the one the task view

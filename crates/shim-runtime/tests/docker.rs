@@ -1003,7 +1003,8 @@ async fn pull_from_registry_with_and_without_credentials() {
         image: image.to_owned(),
         auth,
         log_path: Some(log_path.clone()),
-        timeout: Duration::from_secs(300),
+        timeout: Some(Duration::from_secs(300)),
+        stall_timeout: Some(Duration::from_secs(60)),
     };
     let ignore = |_: PullProgress| {};
 
@@ -1112,7 +1113,8 @@ async fn pull_progress_cancel_and_timeout_of_a_fresh_image() {
         image: image.reference().to_owned(),
         auth: Some(registry_auth()),
         log_path: None,
-        timeout,
+        timeout: Some(timeout),
+        stall_timeout: Some(Duration::from_secs(60)),
     };
 
     // Cancel from another task as soon as the fresh layer is moving.
@@ -1216,6 +1218,126 @@ async fn pull_progress_cancel_and_timeout_of_a_fresh_image() {
         "downloaded bytes went backwards: {seen:?}"
     );
     assert!(docker.image_present(whole_image.reference()).await.unwrap());
+}
+
+/// A pull that nothing moves fails as stalled, within its stall timeout of the last message,
+/// with what came before counted; a pull kept slow but moving runs well past the stall
+/// timeout and succeeds. The registry's answers go through the image's [`SlowProxy`], which
+/// stops sending mid-layer (`stall`) as soon as the pull reports bytes, its connection held
+/// open, as a dead link or a hung CDN does.
+///
+/// [`SlowProxy`]: shim_e2e::harness::SlowProxy
+#[tokio::test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+async fn a_stalled_pull_fails_and_a_slow_moving_one_does_not() {
+    require_docker();
+    const STALL: Duration = Duration::from_secs(3);
+    let docker = runtime().await;
+    let stalled = FreshImage::push("shim-runtime-pull-stall", 8 << 20).unwrap();
+    let slow = FreshImage::push("shim-runtime-pull-slow", 12 << 20).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let request = |image: &FreshImage, log: &str| PullRequest {
+        image: image.reference().to_owned(),
+        auth: Some(registry_auth()),
+        log_path: Some(dir.path().join(log)),
+        timeout: Some(Duration::from_secs(120)),
+        stall_timeout: Some(STALL),
+    };
+
+    // The registry stops sending once the layer's bytes are moving.
+    let (tx, mut rx) = tokio::sync::watch::channel(PullProgress::default());
+    let on_progress = |p: PullProgress| {
+        tx.send_replace(p);
+    };
+    let staller = async {
+        let moving = tokio::time::timeout(
+            Duration::from_secs(60),
+            rx.wait_for(|p| p.downloaded_bytes > 0),
+        )
+        .await
+        .is_ok();
+        stalled.proxy().stall();
+        (moving, Instant::now())
+    };
+    let started = Instant::now();
+    let (result, (moved, stalled_at)) = tokio::join!(
+        async {
+            let r = docker
+                .pull(
+                    &request(&stalled, "stalled.log"),
+                    &on_progress,
+                    CancellationToken::new(),
+                )
+                .await;
+            (r, Instant::now())
+        },
+        staller
+    );
+    let (result, returned) = result;
+    let after = returned.saturating_duration_since(stalled_at);
+    let log = fs_err::read_to_string(dir.path().join("stalled.log")).unwrap_or_default();
+    eprintln!(
+        "MEASURED stalled pull failed {after:?} after the registry stopped ({:?} in all): \
+         {result:?}; {} messages, the last: {}",
+        returned - started,
+        log.lines().count(),
+        log.lines().last().unwrap_or_default()
+    );
+    assert!(moved, "the pull never reported bytes: {result:?}");
+    match &result {
+        Err(
+            e @ RuntimeError::PullStalled {
+                stalled_for,
+                done_bytes,
+                total_bytes,
+                ..
+            },
+        ) => {
+            assert!(
+                *stalled_for >= STALL && *stalled_for < STALL + Duration::from_secs(1),
+                "{e}"
+            );
+            assert!(*done_bytes > 0, "{e}");
+            assert!(*total_bytes >= stalled.layer_bytes(), "{e}");
+            let message = e.to_string();
+            assert!(message.contains("stalled"), "{message}");
+            assert!(message.contains(&done_bytes.to_string()), "{message}");
+        }
+        other => panic!("not a stall: {other:?}"),
+    }
+    // The stall timeout after the last message, which the engine may send a moment after
+    // the registry stopped (what it had received by then).
+    assert!(after >= STALL, "failed {after:?} after the stall");
+    assert!(after < STALL * 2, "failed {after:?} after the stall");
+    stalled.proxy().resume();
+
+    // Slow but moving: well past the stall timeout, and done.
+    let seen = Mutex::new(Vec::<(Duration, PullProgress)>::new());
+    let started = Instant::now();
+    let record = |p: PullProgress| seen.lock().unwrap().push((started.elapsed(), p));
+    let done = docker
+        .pull(
+            &request(&slow, "slow.log"),
+            &record,
+            CancellationToken::new(),
+        )
+        .await;
+    let took = started.elapsed();
+    let seen = seen.into_inner().unwrap();
+    let gap = seen
+        .windows(2)
+        .map(|w| w[1].0 - w[0].0)
+        .max()
+        .unwrap_or_default();
+    eprintln!(
+        "MEASURED slow pull of {} layer bytes: {done:?} in {took:?}, {} progress reports, \
+         longest gap between them {gap:?}",
+        slow.layer_bytes(),
+        seen.len()
+    );
+    let done = done.unwrap();
+    assert!(done.is_total_bytes_final);
+    assert!(took > STALL, "not slow enough to prove anything: {took:?}");
 }
 
 #[test]

@@ -23,7 +23,7 @@ use std::io::{self, Read as _, Write as _};
 use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs as _};
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -454,6 +454,9 @@ pub struct SlowProxy {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
     connections: Arc<Mutex<Vec<TcpStream>>>,
+    /// Bytes of answers still to forward, over all connections ([`u64::MAX`]: no limit); at
+    /// 0 the proxy stalls (see [`SlowProxy::stall_after`]).
+    budget: Arc<AtomicU64>,
 }
 
 impl SlowProxy {
@@ -463,7 +466,8 @@ impl SlowProxy {
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
         let connections = Arc::new(Mutex::new(Vec::new()));
-        let (stopped, open) = (stop.clone(), connections.clone());
+        let budget = Arc::new(AtomicU64::new(u64::MAX));
+        let (stopped, open, left) = (stop.clone(), connections.clone(), budget.clone());
         std::thread::spawn(move || {
             for client in listener.incoming() {
                 if stopped.load(Ordering::SeqCst) {
@@ -475,9 +479,16 @@ impl SlowProxy {
                         .unwrap_or_else(PoisonError::into_inner)
                         .push(clone);
                 }
+                let (stopped, left) = (stopped.clone(), left.clone());
                 std::thread::spawn(move || {
+                    let rate = Rate {
+                        chunk: chunk.max(1),
+                        pause,
+                        budget: &left,
+                        stop: &stopped,
+                    };
                     // An error ends this connection only (the client sees it closed).
-                    let _ = relay(client, upstream, chunk.max(1), pause);
+                    let _ = relay(client, upstream, &rate);
                 });
             }
         });
@@ -485,7 +496,26 @@ impl SlowProxy {
             addr,
             stop,
             connections,
+            budget,
         })
+    }
+
+    /// Forwards `bytes` more bytes of answers (over all connections), then stalls: the
+    /// connections stay open and nothing more comes through them until [`SlowProxy::resume`]
+    /// (or the proxy is dropped, which closes them). A registry that stops sending
+    /// mid-body, as a dead link or a hung CDN does.
+    pub fn stall_after(&self, bytes: u64) {
+        self.budget.store(bytes, Ordering::SeqCst);
+    }
+
+    /// Stalls now: [`SlowProxy::stall_after`] with no more bytes.
+    pub fn stall(&self) {
+        self.stall_after(0);
+    }
+
+    /// Forwards again without a limit, after a stall.
+    pub fn resume(&self) {
+        self.budget.store(u64::MAX, Ordering::SeqCst);
     }
 
     /// `127.0.0.1:<port>`, the registry host of image references pulled through the proxy.
@@ -510,9 +540,42 @@ impl Drop for SlowProxy {
     }
 }
 
+/// How a [`SlowProxy`] forwards answers: at most `chunk` bytes, then a `pause`, and nothing
+/// while the shared `budget` is spent.
+struct Rate<'a> {
+    chunk: usize,
+    pause: Duration,
+    budget: &'a AtomicU64,
+    stop: &'a AtomicBool,
+}
+
+impl Rate<'_> {
+    /// Takes up to `want` bytes from the budget, waiting while it is spent; `None` once the
+    /// proxy stops.
+    fn take(&self, want: usize) -> Option<usize> {
+        let want = u64::try_from(want).unwrap_or(u64::MAX);
+        loop {
+            if self.stop.load(Ordering::SeqCst) {
+                return None;
+            }
+            let granted = self
+                .budget
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| match left {
+                    0 => None,
+                    u64::MAX => Some(u64::MAX),
+                    left => Some(left - left.min(want)),
+                });
+            match granted {
+                Ok(left) => return usize::try_from(left.min(want)).ok(),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+}
+
 /// Relays one client connection to `upstream`: the client's bytes as they come, the
-/// upstream's `chunk` bytes at a time with a `pause` after each.
-fn relay(client: TcpStream, upstream: SocketAddr, chunk: usize, pause: Duration) -> io::Result<()> {
+/// upstream's at `rate`.
+fn relay(client: TcpStream, upstream: SocketAddr, rate: &Rate<'_>) -> io::Result<()> {
     let server = TcpStream::connect_timeout(&upstream, Duration::from_secs(5))?;
     let (mut from_client, mut to_server) = (client.try_clone()?, server.try_clone()?);
     std::thread::spawn(move || {
@@ -520,14 +583,21 @@ fn relay(client: TcpStream, upstream: SocketAddr, chunk: usize, pause: Duration)
         let _ = to_server.shutdown(Shutdown::Write);
     });
     let (mut from_server, mut to_client) = (server, client);
-    let mut buffer = vec![0u8; chunk];
+    let mut buffer = vec![0u8; rate.chunk];
     loop {
         let n = from_server.read(&mut buffer)?;
         if n == 0 {
             break;
         }
-        to_client.write_all(&buffer[..n])?;
-        std::thread::sleep(pause);
+        let mut sent = 0;
+        while sent < n {
+            let Some(take) = rate.take(n - sent) else {
+                return Ok(());
+            };
+            to_client.write_all(&buffer[sent..sent + take])?;
+            sent += take;
+        }
+        std::thread::sleep(rate.pause);
     }
     to_client.shutdown(Shutdown::Write)
 }

@@ -94,6 +94,14 @@ pub struct Args {
     /// Log files kept per container, the current one included (1 or more) [default: 3]
     #[arg(long, value_name = "N")]
     pub container_log_max_files: Option<String>,
+    /// Fail an image pull when the engine reports no progress for this long: a Go duration
+    /// (`10m`, `90s`, `1h`), or 0 for never [default: 10m]
+    #[arg(long, value_name = "DURATION")]
+    pub pull_stall_timeout: Option<String>,
+    /// The longest an image pull may take, moving or not: a Go duration (`2h`, `90m`), or 0
+    /// for no limit [default: 2h]
+    #[arg(long, value_name = "DURATION")]
+    pub pull_timeout: Option<String>,
     /// The dcgm-exporter binary [default: dcgm-exporter in PATH]
     #[arg(long, value_name = "PATH")]
     pub dcgm_exporter_path: Option<String>,

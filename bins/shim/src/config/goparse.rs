@@ -1,5 +1,6 @@
 //! Values as the upstream shim's Go parses them (urfave/cli v3 over Go's `strconv`): booleans,
-//! integers in any base, dstack's log levels; and sizes as Docker's Go parses its log options.
+//! integers in any base, durations (`time.ParseDuration`), dstack's log levels; and sizes as
+//! Docker's Go parses its log options.
 
 use anyhow::bail;
 use tracing_subscriber::filter::LevelFilter;
@@ -47,6 +48,71 @@ pub fn go_int(s: &str) -> Option<i64> {
     let magnitude = i128::from_str_radix(&digits, radix).ok()?;
     let value = if neg { -magnitude } else { magnitude };
     i64::try_from(value).ok()
+}
+
+/// Go's `time.ParseDuration`, non-negative: a sequence of decimal numbers, each with an
+/// optional fraction and a unit `ns`, `us` (or `µs`), `ms`, `s`, `m`, `h` (`5m`, `1h30m`,
+/// `1.5h`, `300ms`), or a bare `0`; a leading `+` is allowed. `None` for anything else: a
+/// number without a unit (`300`), a negative duration, or one beyond Go's limit (about 292
+/// years).
+pub fn go_duration(s: &str) -> Option<std::time::Duration> {
+    const UNITS: [(&str, u128); 9] = [
+        ("ns", 1),
+        ("us", 1_000),
+        ("\u{b5}s", 1_000),
+        ("\u{3bc}s", 1_000),
+        ("ms", 1_000_000),
+        ("s", 1_000_000_000),
+        ("m", 60_000_000_000),
+        ("h", 3_600_000_000_000),
+        ("", 0),
+    ];
+    let mut rest = s.strip_prefix('+').unwrap_or(s);
+    if rest == "0" {
+        return Some(std::time::Duration::ZERO);
+    }
+    if rest.is_empty() {
+        return None;
+    }
+    let mut total: u128 = 0;
+    while !rest.is_empty() {
+        let int_len = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let (int, after) = rest.split_at(int_len);
+        let (frac, after) = match after.strip_prefix('.') {
+            Some(f) => {
+                let n = f.find(|c: char| !c.is_ascii_digit()).unwrap_or(f.len());
+                f.split_at(n)
+            }
+            None => ("", after),
+        };
+        if int.is_empty() && frac.is_empty() {
+            return None;
+        }
+        let unit_len = after
+            .find(|c: char| c == '.' || c.is_ascii_digit())
+            .unwrap_or(after.len());
+        let (unit, after) = after.split_at(unit_len);
+        let scale = UNITS
+            .iter()
+            .find(|(name, _)| *name == unit && !name.is_empty())
+            .map(|(_, scale)| *scale)?;
+        let int: u128 = if int.is_empty() { 0 } else { int.parse().ok()? };
+        let mut value = int.checked_mul(scale)?;
+        // The fraction's first digits (beyond 19 none counts at a nanosecond's precision).
+        let frac = &frac[..frac.len().min(19)];
+        if !frac.is_empty() {
+            let digits: u128 = frac.parse().ok()?;
+            value += digits * scale / 10u128.pow(u32::try_from(frac.len()).ok()?);
+        }
+        total = total.checked_add(value)?;
+        rest = after;
+    }
+    if total > u128::from(i64::MAX.unsigned_abs()) {
+        return None;
+    }
+    Some(std::time::Duration::from_nanos(u64::try_from(total).ok()?))
 }
 
 /// A size as Docker parses its `json-file` driver's `max-size` (go-units' `RAMInBytes`): a
@@ -123,6 +189,38 @@ pub fn parse_level(s: &str) -> anyhow::Result<LevelFilter> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What Go's `time.ParseDuration` takes (without negatives), and what it refuses.
+    #[test]
+    fn durations() {
+        use std::time::Duration;
+        for (s, want) in [
+            ("0", Duration::ZERO),
+            ("+0", Duration::ZERO),
+            ("0s", Duration::ZERO),
+            ("5m", Duration::from_secs(300)),
+            ("2h", Duration::from_secs(7200)),
+            ("1h30m", Duration::from_secs(5400)),
+            ("1.5h", Duration::from_secs(5400)),
+            (".5s", Duration::from_millis(500)),
+            ("1.s", Duration::from_secs(1)),
+            ("300ms", Duration::from_millis(300)),
+            ("10us", Duration::from_micros(10)),
+            ("10\u{b5}s", Duration::from_micros(10)),
+            ("10\u{3bc}s", Duration::from_micros(10)),
+            ("7ns", Duration::from_nanos(7)),
+            ("1m0.25s", Duration::from_millis(60_250)),
+            ("2562047h", Duration::from_secs(2_562_047 * 3600)),
+        ] {
+            assert_eq!(go_duration(s), Some(want), "{s}");
+        }
+        for s in [
+            "", "300", "5", "-5m", "5 m", "5M", "m", "5d", ".s", "1h-5m", "5m ", "3000000h", "+",
+            "1..5s",
+        ] {
+            assert_eq!(go_duration(s), None, "{s:?}");
+        }
+    }
 
     #[test]
     fn booleans() {

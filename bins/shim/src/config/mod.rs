@@ -15,7 +15,8 @@
 //!
 //! Upstream's names are read first; where this shim had its own name (`DSTACK_SHIM_PASS_ENV`)
 //! it stays an alias. Our additions: `--unix-socket`, `--volumes-root`, `--log-format`,
-//! `--reconcile-interval`, `--container-log-max-size` and `--container-log-max-files`, the DCGM
+//! `--reconcile-interval`, `--container-log-max-size` and `--container-log-max-files`,
+//! `--pull-stall-timeout` and `--pull-timeout` (Go durations, `0` for none), the DCGM
 //! binary paths, and the hidden, testing-only `--fake-gpus`.
 //!
 //! One job per module: [`args`] (the flags as clap defines them, and the help), [`env`](mod@env)
@@ -38,7 +39,7 @@ use shim_runtime::LogLimits;
 use tracing_subscriber::filter::LevelFilter;
 
 pub use args::{Args, command};
-use goparse::{docker_size, go_bool, go_int, parse_level};
+use goparse::{docker_size, go_bool, go_duration, go_int, parse_level};
 
 /// The dstack release this build speaks for: chosen when it is built
 /// (`DSTACK_SHIM_UPSTREAM_VERSION`, set by `cargo xtask dist --upstream-version V`; default
@@ -121,6 +122,10 @@ pub struct Config {
     /// The bounds of every container's log; `None` (`--container-log-max-size daemon`): the
     /// daemon's own log configuration.
     pub container_log: Option<LogLimits>,
+    /// How long a pull may go without progress (`None`: `0`, no limit).
+    pub pull_stall_timeout: Option<Duration>,
+    /// How long a pull may take (`None`: `0`, no limit).
+    pub pull_timeout: Option<Duration>,
     /// Testing only: a fake GPU host of N GPUs.
     pub fake_gpus: Option<u32>,
 }
@@ -216,6 +221,27 @@ impl Lookup<'_> {
         Ok(Some(LogLimits::new(size, files)))
     }
 
+    /// A duration flag, as Go's `time.ParseDuration` reads it; `0` (any zero): `None`, no
+    /// limit. An empty environment value is ignored.
+    fn duration(
+        &self,
+        flag: &str,
+        cli: &Option<String>,
+        default: Duration,
+    ) -> anyhow::Result<Option<Duration>> {
+        let value = match self.raw(flag, cli) {
+            Some((v, Source::Env(_))) if v.is_empty() => default,
+            Some((v, source)) => go_duration(&v).with_context(|| {
+                format!(
+                    "invalid {flag} {v:?} from {source}: give a Go duration such as 90s, 10m or \
+                     1h30m (a number needs a unit: ns, us, ms, s, m, h), or 0 for no limit"
+                )
+            })?,
+            None => default,
+        };
+        Ok(Some(value).filter(|d| !d.is_zero()))
+    }
+
     /// A boolean flag: an empty environment value is false.
     fn bool(&self, flag: &str, cli: &Option<String>) -> anyhow::Result<bool> {
         match self.raw(flag, cli) {
@@ -280,6 +306,16 @@ impl Config {
         }
         let container_log =
             l.container_log(&args.container_log_max_size, &args.container_log_max_files)?;
+        let pull_stall_timeout = l.duration(
+            "pull-stall-timeout",
+            &args.pull_stall_timeout,
+            EngineConfig::DEFAULT_PULL_STALL_TIMEOUT,
+        )?;
+        let pull_timeout = l.duration(
+            "pull-timeout",
+            &args.pull_timeout,
+            EngineConfig::DEFAULT_PULL_TIMEOUT,
+        )?;
         let path = |flag: &str, cli: &Option<String>| {
             Some(l.string(flag, cli, ""))
                 .filter(|p| !p.is_empty())
@@ -347,6 +383,8 @@ impl Config {
             log_format,
             reconcile_interval: Duration::from_secs(interval.unsigned_abs()),
             container_log,
+            pull_stall_timeout,
+            pull_timeout,
             fake_gpus: match &args.fake_gpus {
                 Some(n) => Some(n.parse().context("--fake-gpus takes a count")?),
                 None => None,
@@ -378,6 +416,8 @@ impl Config {
             log_format: LogFormat::Text,
             reconcile_interval: EngineConfig::DEFAULT_RECONCILE_INTERVAL,
             container_log: None,
+            pull_stall_timeout: Some(EngineConfig::DEFAULT_PULL_STALL_TIMEOUT),
+            pull_timeout: Some(EngineConfig::DEFAULT_PULL_TIMEOUT),
             fake_gpus: None,
         }
     }
@@ -597,6 +637,66 @@ mod tests {
     /// sizes (units k, m, g: powers of 1024) or `daemon` (no bounds: the daemon's own log
     /// configuration); `--container-log-max-files` an integer from 1. Defaults 100m × 3. A bad
     /// value stops the start, naming the flag or variable and what it takes.
+    #[test]
+    fn pull_timeouts() {
+        let timeouts = |args: &[&str], env: &[(&str, &str)]| {
+            let c = ok(args, env);
+            (c.pull_stall_timeout, c.pull_timeout)
+        };
+        let mins = |m: u64| Some(Duration::from_secs(m * 60));
+        assert_eq!(timeouts(&[], &[]), (mins(10), mins(120)), "the defaults");
+        assert_eq!(
+            timeouts(&["--pull-stall-timeout", "5m", "--pull-timeout=1h30m"], &[]),
+            (mins(5), mins(90))
+        );
+        assert_eq!(
+            timeouts(
+                &[],
+                &[
+                    ("DSTACK_SHIM_PULL_STALL_TIMEOUT", "90s"),
+                    ("DSTACK_SHIM_PULL_TIMEOUT", "0"),
+                ]
+            ),
+            (Some(Duration::from_secs(90)), None),
+            "0 turns the wall clock off"
+        );
+        assert_eq!(
+            timeouts(&["-pull-stall-timeout=0s", "-pull-timeout", "4h"], &[]),
+            (None, mins(240)),
+            "Go's one-dash flags; any zero turns the stall watchdog off"
+        );
+        // An empty environment value is ignored; the command line wins.
+        assert_eq!(
+            timeouts(
+                &["--pull-timeout", "3h"],
+                &[
+                    ("DSTACK_SHIM_PULL_STALL_TIMEOUT", ""),
+                    ("DSTACK_SHIM_PULL_TIMEOUT", "1h")
+                ]
+            ),
+            (mins(10), mins(180))
+        );
+        for bad in ["300", "5 m", "-5m", "5d", "soon"] {
+            let err = resolve(&[&format!("--pull-stall-timeout={bad}")], &[])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(&format!(
+                    "invalid pull-stall-timeout {bad:?} from the command line"
+                )) && err.contains("Go duration"),
+                "{bad:?}: {err}"
+            );
+        }
+        let err = resolve(&[], &[("DSTACK_SHIM_PULL_TIMEOUT", "2 hours")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("invalid pull-timeout \"2 hours\"")
+                && err.contains("DSTACK_SHIM_PULL_TIMEOUT"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn container_log_limits() {
         let limits = |args: &[&str], env: &[(&str, &str)]| {

@@ -25,13 +25,14 @@ use tracing::{debug, warn};
 
 use crate::spec::ContainerSpec;
 use crate::types::{ContainerDetails, ContainerSummary, PullProgress, PullRequest, has_labels};
+use crate::watchdog::Watchdog;
 use crate::{ContainerRuntime, EventStream, ProgressFn, Result, RuntimeError};
 
 use convert::{
     container_event, create_body, details, details_from_json, event_filters, list_prefilter,
     since_param, summaries_from_json, summary,
 };
-use progress::{ProgressFolder, PullLog};
+use progress::{Activity, ProgressFolder, PullLog};
 
 /// How long any request may wait for the daemon's answer to begin (streams then run on).
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -277,6 +278,8 @@ impl DockerRuntime {
         progress: ProgressFn<'_>,
         log: &mut Option<PullLog>,
     ) -> Result<()> {
+        let mut watchdog = Watchdog::new(request.stall_timeout);
+        let mut activity = Activity::default();
         let options = CreateImageOptionsBuilder::new().from_image(image).build();
         let credentials = request.auth.as_ref().map(|a| DockerCredentials {
             username: Some(a.username.clone()),
@@ -284,9 +287,32 @@ impl DockerRuntime {
             ..DockerCredentials::default()
         });
         let mut stream = self.docker.create_image(Some(options), None, credentials);
-        while let Some(item) = stream.next().await {
+        loop {
+            // The watchdog fails the pull when no message says anything new for the stall
+            // timeout (repeats are not progress: see `Activity`).
+            let item = match watchdog.next(&mut stream).await {
+                Ok(Some(item)) => item,
+                Ok(None) => break,
+                Err(stalled_for) => {
+                    let p = folder.progress(false);
+                    let elapsed = watchdog.elapsed();
+                    warn!(%image, ?stalled_for, done_bytes = p.downloaded_bytes, total_bytes = p.total_bytes, "pull stalled: the engine sent nothing");
+                    return Err(RuntimeError::PullStalled {
+                        image: image.to_owned(),
+                        stalled_for,
+                        done_bytes: p.downloaded_bytes,
+                        total_bytes: p.total_bytes,
+                        total_known: p.is_total_bytes_final,
+                        elapsed,
+                        rate: crate::watchdog::rate(p.downloaded_bytes, elapsed),
+                    });
+                }
+            };
             match item {
                 Ok(info) => {
+                    if activity.is_new(&info) {
+                        watchdog.moved();
+                    }
                     if let Some(log) = log.as_mut() {
                         log.write(&info).await?;
                     }
@@ -361,9 +387,9 @@ impl ContainerRuntime for DockerRuntime {
                 op: "pull",
                 what: format!("image {image}"),
             }),
-            () = tokio::time::sleep(request.timeout) => Err(RuntimeError::PullTimeout {
+            () = crate::watchdog::expiry(request.timeout) => Err(RuntimeError::PullTimeout {
                 image: image.clone(),
-                timeout: request.timeout,
+                timeout: request.timeout.unwrap_or_default(),
                 downloaded_bytes: 0,
             }),
             r = self.pull_stream(request, &image, &mut folder, progress, &mut log) => r,

@@ -139,6 +139,37 @@ impl ProgressFolder {
     }
 }
 
+/// Tells the engine's pull messages that say something new (activity, for the stall
+/// watchdog) from repeats. Docker 28 on the containerd image store repeats each layer's last
+/// line every 100 ms while nothing arrives (`Downloading` with the same count, a stalled
+/// download included), so a message counts only if it differs from the last one about the
+/// same layer (status, count or total): a count that grew, a layer's new status (`Verifying
+/// Checksum`, `Extracting`, `Pull complete`…), the containerd store's extraction seconds.
+/// Messages about no layer (`Pulling from …`, `Digest: …`) count if they differ from the last
+/// such message.
+#[derive(Debug, Default)]
+pub(crate) struct Activity {
+    /// By layer id (`None`: about no layer), what the last message said.
+    last: BTreeMap<Option<String>, Said>,
+}
+
+/// What one message says: its status, count and total.
+type Said = (Option<String>, Option<i64>, Option<i64>);
+
+impl Activity {
+    /// Whether `info` says something new.
+    pub(crate) fn is_new(&mut self, info: &CreateImageInfo) -> bool {
+        let detail = info.progress_detail.as_ref();
+        let said = (
+            info.status.clone(),
+            detail.and_then(|d| d.current),
+            detail.and_then(|d| d.total),
+        );
+        let previous = self.last.insert(info.id.clone(), said.clone());
+        previous.as_ref() != Some(&said)
+    }
+}
+
 /// Writes the pull's progress messages as JSON lines.
 pub(super) struct PullLog {
     path: std::path::PathBuf,
@@ -193,6 +224,33 @@ mod tests {
             progress_detail: Some(ProgressDetail { current, total }),
             ..CreateImageInfo::default()
         }
+    }
+
+    /// Docker 28's repeats during a stall are not activity; a grown count, a new status, the
+    /// next extraction second, and a new layer are.
+    #[test]
+    fn only_new_messages_are_activity() {
+        let mut a = Activity::default();
+        let down = |n| msg("l1", "Downloading", Some(n), Some(8 << 20));
+        assert!(a.is_new(&down(1 << 20)));
+        for _ in 0..50 {
+            assert!(!a.is_new(&down(1 << 20)), "a repeat");
+        }
+        assert!(a.is_new(&down(2 << 20)));
+        assert!(a.is_new(&msg("l2", "Downloading", Some(1 << 20), Some(4 << 20))));
+        assert!(!a.is_new(&down(2 << 20)), "l1's last line, after l2's");
+        assert!(a.is_new(&msg("l1", "Download complete", None, None)));
+        assert!(a.is_new(&msg("l1", "Extracting", Some(1), None)));
+        assert!(!a.is_new(&msg("l1", "Extracting", Some(1), None)));
+        assert!(a.is_new(&msg("l1", "Extracting", Some(2), None)));
+        assert!(a.is_new(&msg("l1", "Pull complete", None, None)));
+        let about_none = |status: &str| CreateImageInfo {
+            status: Some(status.to_owned()),
+            ..CreateImageInfo::default()
+        };
+        assert!(a.is_new(&about_none("Pulling from x")));
+        assert!(!a.is_new(&about_none("Pulling from x")));
+        assert!(a.is_new(&about_none("Digest: sha256:0")));
     }
 
     #[test]

@@ -517,7 +517,8 @@ async fn pull_progress_per_engine_through_the_runtime() {
             image: "127.0.0.1:5799/x:1".to_owned(),
             auth: None,
             log_path: None,
-            timeout: Duration::from_secs(30),
+            timeout: Some(Duration::from_secs(30)),
+            stall_timeout: Some(Duration::from_secs(30)),
         };
         let done = runtime
             .pull(&request, &record, CancellationToken::new())

@@ -1,0 +1,183 @@
+//! A pull's two clocks: the wall-clock cap ([`PullRequest::timeout`]) and the stall watchdog
+//! ([`PullRequest::stall_timeout`]), which fails a pull that nothing moves and lets a slow but
+//! moving one go on (dstackai/dstack#3040: an 11.3 GB image at 9 MB/s failed at 100 % on a
+//! 20-minute cap).
+//!
+//! What moves a pull is decided by the caller ([`Watchdog::moved`]): the Docker runtime calls
+//! it on every message that says something new (`docker::progress::Activity`), not on every
+//! message, because Docker 28 on the containerd image store repeats a layer's last
+//! `Downloading` line every 100 ms while nothing arrives.
+//!
+//! [`PullRequest::timeout`]: crate::PullRequest::timeout
+//! [`PullRequest::stall_timeout`]: crate::PullRequest::stall_timeout
+
+use std::time::Duration;
+
+use futures_util::{Stream, StreamExt};
+use tokio::time::Instant;
+
+/// Sleeps for `limit`, or forever where there is none.
+pub(crate) async fn expiry(limit: Option<Duration>) {
+    match limit {
+        Some(limit) => tokio::time::sleep(limit).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Fails a stream that does not move for `limit`.
+#[derive(Debug)]
+pub(crate) struct Watchdog {
+    limit: Option<Duration>,
+    started: Instant,
+    moved: Instant,
+}
+
+impl Watchdog {
+    /// A watchdog whose clock starts now; `None`: never fires.
+    pub(crate) fn new(limit: Option<Duration>) -> Self {
+        let now = Instant::now();
+        Self {
+            limit,
+            started: now,
+            moved: now,
+        }
+    }
+
+    /// Something moved: the stall clock starts again.
+    pub(crate) fn moved(&mut self) {
+        self.moved = Instant::now();
+    }
+
+    /// Since the watchdog started.
+    pub(crate) fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// The stream's next item, or `Err(how long nothing moved)` where none came before
+    /// `limit` after the last move (an item that did not move anything does not put that
+    /// off: call [`Watchdog::moved`] for one that did).
+    pub(crate) async fn next<S>(&self, stream: &mut S) -> Result<Option<S::Item>, Duration>
+    where
+        S: Stream + Unpin,
+    {
+        match self.limit {
+            Some(limit) => tokio::time::timeout_at(self.moved + limit, stream.next())
+                .await
+                .map_err(|_| self.moved.elapsed()),
+            None => Ok(stream.next().await),
+        }
+    }
+}
+
+/// The average rate, bytes per second, of `bytes` over `elapsed` (0 over no time).
+pub(crate) fn rate(bytes: u64, elapsed: Duration) -> u64 {
+    let millis = elapsed.as_millis();
+    if millis == 0 {
+        return 0;
+    }
+    u64::try_from(u128::from(bytes) * 1000 / millis).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::stream;
+
+    /// Items `gaps` apart (each the wait before it), then silence; an item is `(index,
+    /// moved)`.
+    fn ticking(gaps: Vec<(Duration, bool)>) -> impl Stream<Item = (usize, bool)> + Unpin {
+        let items =
+            stream::iter(gaps.into_iter().enumerate()).then(|(i, (gap, moved))| async move {
+                tokio::time::sleep(gap).await;
+                (i, moved)
+            });
+        Box::pin(items.chain(stream::pending()))
+    }
+
+    /// Drives `s` through `dog` to its first stall; the items seen, and the stall.
+    async fn drive(
+        dog: &mut Watchdog,
+        s: &mut (impl Stream<Item = (usize, bool)> + Unpin),
+    ) -> (usize, Duration) {
+        let mut seen = 0;
+        loop {
+            match dog.next(s).await {
+                Ok(Some((_, moved))) => {
+                    seen += 1;
+                    if moved {
+                        dog.moved();
+                    }
+                }
+                Ok(None) => panic!("the stream ended"),
+                Err(stalled) => return (seen, stalled),
+            }
+        }
+    }
+
+    /// A slow stream whose every gap is under the limit runs far past it and is not stalled;
+    /// the silence after it is, exactly `limit` after the last item.
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_stream_runs_on_and_a_silent_one_stalls() {
+        let limit = Duration::from_secs(300);
+        let mut dog = Watchdog::new(Some(limit));
+        let mut s = ticking(vec![(Duration::from_secs(299), true); 20]);
+        let (seen, stalled) = drive(&mut dog, &mut s).await;
+        assert_eq!((seen, stalled), (20, limit));
+        assert_eq!(dog.elapsed(), Duration::from_secs(299 * 20 + 300));
+    }
+
+    /// Items that move nothing (Docker 28 repeating a layer's last line every 100 ms) do not
+    /// put the stall off: it comes `limit` after the last item that moved.
+    #[tokio::test(start_paused = true)]
+    async fn repeated_lines_do_not_hide_a_stall() {
+        let limit = Duration::from_secs(5);
+        let mut dog = Watchdog::new(Some(limit));
+        let mut gaps = vec![(Duration::from_secs(1), true); 3];
+        gaps.extend(vec![(Duration::from_millis(300), false); 200]);
+        let mut s = ticking(gaps);
+        let (seen, stalled) = drive(&mut dog, &mut s).await;
+        assert_eq!(stalled, limit);
+        assert_eq!(seen, 3 + 16, "the repeats within the limit, 3.3 s to 7.8 s");
+        assert_eq!(dog.elapsed(), Duration::from_secs(3 + 5));
+    }
+
+    /// A gap longer than the limit is a stall even after many items.
+    #[tokio::test(start_paused = true)]
+    async fn one_long_gap_stalls() {
+        let limit = Duration::from_secs(5);
+        let mut dog = Watchdog::new(Some(limit));
+        let mut s = ticking(vec![
+            (Duration::from_secs(1), true),
+            (Duration::from_secs(4), true),
+            (Duration::from_secs(6), true),
+        ]);
+        assert_eq!(drive(&mut dog, &mut s).await, (2, limit));
+        assert_eq!(dog.elapsed(), Duration::from_secs(10));
+    }
+
+    /// Without a limit, nothing stalls: an hour's silence is waited out.
+    #[tokio::test(start_paused = true)]
+    async fn no_limit_no_stall() {
+        let dog = Watchdog::new(None);
+        let mut s = ticking(vec![(Duration::from_secs(3600), false)]);
+        assert_eq!(dog.next(&mut s).await, Ok(Some((0, false))));
+        let mut empty = stream::empty::<()>();
+        assert_eq!(dog.next(&mut empty).await, Ok(None));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expiry_waits_its_limit_or_forever() {
+        let start = Instant::now();
+        expiry(Some(Duration::from_secs(7200))).await;
+        assert_eq!(start.elapsed(), Duration::from_secs(7200));
+        let never = tokio::time::timeout(Duration::from_secs(86_400 * 365), expiry(None)).await;
+        assert!(never.is_err());
+    }
+
+    #[test]
+    fn rates() {
+        assert_eq!(rate(9 << 20, Duration::from_secs(1)), 9 << 20);
+        assert_eq!(rate(1000, Duration::from_millis(500)), 2000);
+        assert_eq!(rate(1000, Duration::ZERO), 0);
+    }
+}
