@@ -318,13 +318,11 @@ impl Effects {
             .paths(&slot.container_name)
             .ok()
             .map(|p| p.pull_log);
-        let request = PullRequest {
-            image: image.to_owned(),
-            auth: slot.auth.clone(),
-            log_path,
-            timeout: self.cfg.pull_timeout,
-            stall_timeout: self.cfg.pull_stall_timeout,
-        };
+        let request = PullRequest::new(image)
+            .with_auth(slot.auth.clone())
+            .with_log_path(log_path)
+            .with_timeout(self.cfg.pull_timeout)
+            .with_stall_timeout(self.cfg.pull_stall_timeout);
         let progress_slot = slot.clone();
         let progress = move |p: PullProgress| progress_slot.pull_progressed(p);
         tracing::info!(task = %slot.id, %image, "pulling image");

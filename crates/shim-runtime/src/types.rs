@@ -28,8 +28,9 @@ impl fmt::Debug for RegistryAuth {
     }
 }
 
-/// What to pull, and how.
+/// What to pull, and how: [`PullRequest::new`] and the `with_*` methods (fields may be added).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PullRequest {
     /// The full image reference, with a tag or digest (`repo/name:tag`).
     pub image: String,
@@ -43,6 +44,47 @@ pub struct PullRequest {
     /// a layer's status, an extraction step) before it fails with
     /// [`crate::RuntimeError::PullStalled`]; `None`: no limit.
     pub stall_timeout: Option<Duration>,
+}
+
+impl PullRequest {
+    /// A pull of `image` without credentials, log, or any time limit.
+    pub fn new(image: impl Into<String>) -> Self {
+        Self {
+            image: image.into(),
+            auth: None,
+            log_path: None,
+            timeout: None,
+            stall_timeout: None,
+        }
+    }
+
+    /// With registry credentials (`None`: anonymous).
+    #[must_use]
+    pub fn with_auth(mut self, auth: Option<RegistryAuth>) -> Self {
+        self.auth = auth;
+        self
+    }
+
+    /// Writing the engine's progress messages to `path` (`None`: nowhere).
+    #[must_use]
+    pub fn with_log_path(mut self, path: Option<PathBuf>) -> Self {
+        self.log_path = path;
+        self
+    }
+
+    /// With a limit on the whole pull (`None`: none).
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// With a limit on the time without progress (`None`: none).
+    #[must_use]
+    pub fn with_stall_timeout(mut self, stall_timeout: Option<Duration>) -> Self {
+        self.stall_timeout = stall_timeout;
+        self
+    }
 }
 
 /// Pull progress summed over the image's layers: shim-task's type, the one the task view

@@ -999,12 +999,12 @@ async fn pull_from_registry_with_and_without_credentials() {
     let small = fresh.reference().to_owned();
     let dir = tempfile::tempdir().unwrap();
     let log_path = dir.path().join("pull.log");
-    let request = |image: &str, auth: Option<RegistryAuth>| PullRequest {
-        image: image.to_owned(),
-        auth,
-        log_path: Some(log_path.clone()),
-        timeout: Some(Duration::from_secs(300)),
-        stall_timeout: Some(Duration::from_secs(60)),
+    let request = |image: &str, auth: Option<RegistryAuth>| {
+        PullRequest::new(image)
+            .with_auth(auth)
+            .with_log_path(Some(log_path.clone()))
+            .with_timeout(Some(Duration::from_secs(300)))
+            .with_stall_timeout(Some(Duration::from_secs(60)))
     };
     let ignore = |_: PullProgress| {};
 
@@ -1109,12 +1109,11 @@ async fn pull_progress_cancel_and_timeout_of_a_fresh_image() {
     let cancelled_image =
         FreshImage::push("shim-runtime-pull-cancel", FRESH_PAYLOAD_BYTES).unwrap();
     let whole_image = FreshImage::push("shim-runtime-pull-whole", FRESH_PAYLOAD_BYTES).unwrap();
-    let request = |image: &FreshImage, timeout: Duration| PullRequest {
-        image: image.reference().to_owned(),
-        auth: Some(registry_auth()),
-        log_path: None,
-        timeout: Some(timeout),
-        stall_timeout: Some(Duration::from_secs(60)),
+    let request = |image: &FreshImage, timeout: Duration| {
+        PullRequest::new(image.reference())
+            .with_auth(Some(registry_auth()))
+            .with_timeout(Some(timeout))
+            .with_stall_timeout(Some(Duration::from_secs(60)))
     };
 
     // Cancel from another task as soon as the fresh layer is moving.
@@ -1236,12 +1235,12 @@ async fn a_stalled_pull_fails_and_a_slow_moving_one_does_not() {
     let stalled = FreshImage::push("shim-runtime-pull-stall", 8 << 20).unwrap();
     let slow = FreshImage::push("shim-runtime-pull-slow", 12 << 20).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let request = |image: &FreshImage, log: &str| PullRequest {
-        image: image.reference().to_owned(),
-        auth: Some(registry_auth()),
-        log_path: Some(dir.path().join(log)),
-        timeout: Some(Duration::from_secs(120)),
-        stall_timeout: Some(STALL),
+    let request = |image: &FreshImage, log: &str| {
+        PullRequest::new(image.reference())
+            .with_auth(Some(registry_auth()))
+            .with_log_path(Some(dir.path().join(log)))
+            .with_timeout(Some(Duration::from_secs(120)))
+            .with_stall_timeout(Some(STALL))
     };
 
     // The registry stops sending once the layer's bytes are moving.
