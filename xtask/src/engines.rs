@@ -225,7 +225,7 @@ fn ensure_root(suite: Suite) -> Result<()> {
     }
     let partial = PathBuf::from(format!("{}.partial", root.display()));
     for tree in [&partial, &root] {
-        remove_tree(tree)?;
+        mounts::remove_tree(tree)?;
     }
     fs_err::create_dir_all(roots_dir())?;
     let log = paths::log_dir().join(format!("engine-root-{}.log", suite.name()));
@@ -287,7 +287,7 @@ fn ensure_root(suite: Suite) -> Result<()> {
                 .args(["sh", "-c", &script]),
         )
     });
-    unmount_under(&partial)?;
+    mounts::unmount_under(&partial)?;
     result?;
     fs_err::write(partial.join(DONE_MARKER), marker_text(suite))?;
     fs_err::rename(&partial, &root)?;
@@ -302,30 +302,6 @@ fn ensure_root(suite: Suite) -> Result<()> {
 fn set_mode(path: &Path, mode: u32) -> Result<()> {
     use std::os::unix::fs::PermissionsExt as _;
     fs_err::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
-    Ok(())
-}
-
-/// Removes `tree` if it exists, after unmounting whatever is mounted inside it.
-fn remove_tree(tree: &Path) -> Result<()> {
-    if !tree.exists() {
-        return Ok(());
-    }
-    unmount_under(tree)?;
-    println!("engines: removing {}", tree.display());
-    fs_err::remove_dir_all(tree)?;
-    Ok(())
-}
-
-/// Unmounts (lazily, deepest first) every mount point at or below `tree`.
-fn unmount_under(tree: &Path) -> Result<()> {
-    let mut points: Vec<PathBuf> = mounts::mount_points()?
-        .into_iter()
-        .filter(|point| point.starts_with(tree))
-        .collect();
-    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-    for point in points {
-        cmd::run(cmd::cmd("umount").arg("--lazy").arg(&point))?;
-    }
     Ok(())
 }
 

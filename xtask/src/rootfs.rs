@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use shim_e2e::{OLD_ROOTFS_SUITE, old_rootfs};
 
 use crate::{cmd, mounts};
@@ -30,8 +30,8 @@ pub fn ensure() -> Result<()> {
         return Ok(());
     }
     let partial = with_suffix(&rootfs, ".partial");
-    remove_tree(&partial)?;
-    remove_tree(&rootfs)?;
+    mounts::remove_tree(&partial)?;
+    mounts::remove_tree(&rootfs)?;
     println!(
         "rootfs: making {} (debootstrap --variant=minbase {OLD_ROOTFS_SUITE}, a few minutes)",
         rootfs.display()
@@ -44,7 +44,7 @@ pub fn ensure() -> Result<()> {
     );
     // debootstrap mounts /proc and /sys in the target while it installs; a failed run may
     // leave them mounted.
-    unmount_under(&partial)?;
+    mounts::unmount_under(&partial)?;
     result?;
     fs_err::write(partial.join(DONE_MARKER), format!("{OLD_ROOTFS_SUITE}\n"))?;
     fs_err::rename(&partial, &rootfs)?;
@@ -59,36 +59,4 @@ fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
     let mut name = path.as_os_str().to_owned();
     name.push(suffix);
     PathBuf::from(name)
-}
-
-/// Removes `tree` if it exists, after unmounting whatever is mounted inside it (never deletes
-/// through a mount point into the host's `/proc`, `/sys` or `/dev`).
-fn remove_tree(tree: &Path) -> Result<()> {
-    if !tree.exists() {
-        return Ok(());
-    }
-    unmount_under(tree)?;
-    println!("rootfs: removing {}", tree.display());
-    fs_err::remove_dir_all(tree)?;
-    Ok(())
-}
-
-/// Unmounts (lazily, deepest first) every mount point at or below `tree`.
-fn unmount_under(tree: &Path) -> Result<()> {
-    let mut points: Vec<PathBuf> = mounts::mount_points()?
-        .into_iter()
-        .filter(|point| point.starts_with(tree))
-        .collect();
-    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-    for point in points {
-        println!("rootfs: unmounting {}", point.display());
-        cmd::run(cmd::cmd("umount").arg("--lazy").arg(&point))?;
-    }
-    if mounts::mount_points()?
-        .iter()
-        .any(|point| point.starts_with(tree))
-    {
-        bail!("something is still mounted under {}", tree.display());
-    }
-    Ok(())
 }
