@@ -1235,14 +1235,16 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
 ///   the task shows its last durable status (`pulling`) until `running` can be written;
 /// - a terminate answers 200 within its budget (`timeout` + 5 s) and stops the container and
 ///   releases the task's key all the same (issue 22: a failed state write never blocks a stop
-///   or a release); the task shows what is durable (`running`) until the termination lands;
-/// - a runner that exits is not reported until the state can be written, but its key is
-///   released at once;
+///   or a release); it answers `terminated` with its reason, and the task reads so from then
+///   on, though the record waits for the disk (issue 28: a container that no longer runs is
+///   terminated at once; a crash would read the same from the container);
+/// - a runner that exits is reported `terminated` at once (`done_by_runner`) and its key is
+///   released at once, the record waiting for the disk;
 /// - the server's terminate then remove of a task is accepted: container, key and directory
 ///   go.
 ///
 /// Once space returns, without a restart: the failed terminate's reason lands in the state
-/// file and shows, the exit and the start are reported within a second or two, a second
+/// file, the exit and the start are written and reported within a second or two, a second
 /// terminate answers 200 with the first reason, removes are accepted; after a restart every
 /// terminate answered keeps its reason and the started task runs on in its container.
 #[test]
@@ -1325,8 +1327,8 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     );
 
     // Terminate: answered within its budget though the termination cannot be written; the
-    // container is stopped and the key released all the same, and the task shows what is
-    // durable until the record lands.
+    // container is stopped and the key released all the same, and the task reads terminated
+    // with the request's reason (the container no longer runs) while its record waits.
     let asked = Instant::now();
     let r = shim.terminate("t1", "terminated_by_user", "first", 0);
     let answered = asked.elapsed();
@@ -1338,11 +1340,25 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     );
     let body = r.json().unwrap();
     assert_eq!(
-        status_of(&body),
-        "running",
-        "the answer shows what is durable: {body}"
+        ending(&body)[..3],
+        ["terminated", "terminated_by_user", "first"],
+        "the answer says what was done: {body}"
     );
-    assert_eq!(shim.info("t1"), t1, "t1 shows what is durable");
+    assert_eq!(
+        ending(&shim.info("t1")),
+        ending(&body),
+        "t1 reads terminated"
+    );
+    let t1_state = fs_err::read_to_string(
+        shim.tasks_dir()
+            .join(t1["container_name"].as_str().unwrap())
+            .join("task.json"),
+    )
+    .unwrap();
+    assert!(
+        !t1_state.contains("terminated_by_user"),
+        "t1's termination is not durable yet: {t1_state}"
+    );
     assert_eq!(
         shim.running(&t1_cid),
         Some(false),
@@ -1353,7 +1369,7 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
         "t1's key is released"
     );
 
-    // An exit while full: not reported, but its key is released.
+    // An exit while full: reported at once, its key released, its record waiting.
     fs_err::rename(
         t2_runner.join(".exit.tmp"),
         t2_runner.join(RUNNER_EXIT_FILE),
@@ -1365,6 +1381,19 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
             other => Err(format!("{other:?}")),
         }
     });
+    let exited = Instant::now();
+    wait_for("t2 reads terminated while the disk is full", WAIT, || {
+        let t2 = shim.info("t2");
+        if ending(&t2)[..2] == ["terminated", "done_by_runner"] {
+            Ok(())
+        } else {
+            Err(t2.to_string())
+        }
+    });
+    eprintln!(
+        "MEASURED exit on a full home -> terminated shown: {:?}",
+        exited.elapsed()
+    );
 
     // The pull completes; the start goes on to `running`, whose write fails.
     proxy.open();
@@ -1378,23 +1407,15 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
             Err("not yet".to_owned())
         }
     });
-    // Let the shim try (the retry pass runs every second): nothing changes while full.
+    // Let the shim try (the retry pass runs every second): what is shown stays while full.
     std::thread::sleep(Duration::from_millis(2500));
-    assert_eq!(
-        status_of(&shim.info("t2")),
-        "running",
-        "t2's exit is not durable yet"
-    );
+    assert_eq!(ending(&shim.info("t2"))[..2], ["terminated", "done_by_runner"]);
     assert_eq!(
         status_of(&shim.info("t4")),
         "pulling",
         "t4's `running` is not durable yet"
     );
-    assert_eq!(
-        status_of(&shim.info("t1")),
-        "running",
-        "t1's terminate is not durable yet"
-    );
+    assert_eq!(ending(&shim.info("t1")), ending(&body));
     wait_for("t2's key released before its end is durable", WAIT, || {
         if marked_keys(&user).contains(&key_blob(&k2)) {
             Err(format!("{:?}", marked_keys(&user)))

@@ -368,7 +368,7 @@ impl Driver {
         }
         let mut task = slot.lock();
         let tr = step(&task, event, now_ms())?;
-        let changes = Changes::between(task.saved(), tr.task.saved());
+        let changes = Changes::between(&task.shown(), &tr.task.shown());
         let created_at_ms = tr.task.record().created_at_ms;
         *task = tr.task;
         for change in changes {

@@ -1939,10 +1939,11 @@ fn break_state_file(w: &World, container_name: &str, broken: bool) {
 }
 
 // Issue 22, SPEC §4: a failed state write never blocks a stop or a release. With the task's
-// state file unwritable, terminate answers (the view shows what is durable: running), the
-// container is stopped and everything released at once; a remove is accepted (the server's
-// next request) and leaves nothing. Once the file can be written again, the reconciler's
-// retry pass writes the termination with its reason, without a restart.
+// state file unwritable, terminate answers `terminated` with its reason (issue 28: the
+// container no longer runs, so a crash could not undo it), the container is stopped and
+// everything released at once; a remove is accepted (the server's next request) and leaves
+// nothing. Once the file can be written again, the reconciler's retry pass writes the
+// termination with its reason, without a restart.
 #[tokio::test]
 async fn a_terminate_whose_write_fails_still_stops_and_releases() {
     let w = World::new(2);
@@ -1964,9 +1965,13 @@ async fn a_terminate_whose_write_fails_still_stops_and_releases() {
         break_state_file(&w, &info.container_name, true);
         let answer = terminate_now(&engine, id, "an unwritable state file").await;
         assert_eq!(
-            answer.status,
-            TaskStatus::Running,
-            "the view is what is durable"
+            (
+                answer.status,
+                answer.termination_reason.as_str(),
+                answer.termination_message.as_str()
+            ),
+            (TaskStatus::Terminated, "terminated_by_user", "stop"),
+            "stopped: terminated at once, the record waiting for the disk"
         );
         assert_eq!(
             w.runtime.state(&info.container_id),
@@ -1998,10 +2003,9 @@ async fn a_terminate_whose_write_fails_still_stops_and_releases() {
 
     // The other converges once its file can be written: the retry pass runs every second.
     let kept = &running[0];
-    tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(
-        engine.task_info(&tid("t-kept")).unwrap().status,
-        TaskStatus::Running,
+        state_file_of_opt(&w, &kept.container_name),
+        None,
         "not durable yet"
     );
     let mut registry = prometheus_client::registry::Registry::default();
@@ -2019,14 +2023,13 @@ async fn a_terminate_whose_write_fails_still_stops_and_releases() {
         "one task's write failed"
     );
     break_state_file(&w, &kept.container_name, false);
-    let mut info = engine.task_info(&tid("t-kept")).unwrap();
     for _ in 0..500 {
-        if info.status == TaskStatus::Terminated {
+        if state_file_of_opt(&w, &kept.container_name).is_some() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
-        info = engine.task_info(&tid("t-kept")).unwrap();
     }
+    let info = engine.task_info(&tid("t-kept")).unwrap();
     assert_eq!(info.status, TaskStatus::Terminated, "{info:?}");
     assert_eq!(info.termination_reason, "terminated_by_user");
     assert_eq!(
@@ -2040,6 +2043,18 @@ async fn a_terminate_whose_write_fails_still_stops_and_releases() {
     assert_eq!(file["cleaned_up"], true, "{file}");
     engine.remove(&tid("t-kept")).await.unwrap();
     assert!(w.runtime.container_ids().is_empty());
+}
+
+/// The task's state file, if it can be read as JSON (`None` while it is missing or, as
+/// [`break_state_file`] leaves it, a directory).
+fn state_file_of_opt(w: &World, container_name: &str) -> Option<serde_json::Value> {
+    let p = w
+        .home
+        .path()
+        .join("runners")
+        .join(container_name)
+        .join("task.json");
+    serde_json::from_slice(&fs_err::read(p).ok()?).ok()
 }
 
 fn state_file_of(w: &World, container_name: &str) -> serde_json::Value {

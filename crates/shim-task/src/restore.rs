@@ -136,6 +136,13 @@ pub fn restore(
     let saved = Saved::of(original.as_ref().unwrap_or(&record));
     let mut t = Task::restored(record, saved);
     let mut actions = Vec::new();
+    // Nothing of the task runs without a container, or with one that does not run now.
+    t.ended = container.as_ref().is_none_or(|c| {
+        matches!(
+            c.state,
+            ContainerState::Created | ContainerState::Exited { .. } | ContainerState::Dead
+        )
+    });
 
     if t.record.termination_reason.is_some() {
         t.record.status = TaskStatus::Terminated;

@@ -1420,17 +1420,35 @@ proptest! {
                     tr.actions
                 );
             }
-            // The shown state changes only with a write's success.
+            // The durable view changes only with a write's success.
             if tr.task.saved() != task.saved() {
                 prop_assert!(!tr.task.is_dirty());
                 prop_assert_eq!(tr.task.saved(), &Saved::of(a));
+            }
+            // What is shown changes with a write's success, or is the end of a task whose
+            // container no longer runs (SPEC §4); a shown end is never taken back, nor its
+            // reason changed.
+            let (shown_before, shown_after) = (task.shown(), tr.task.shown());
+            if shown_after != shown_before {
+                prop_assert_eq!(&shown_after, &Saved::of(a));
+                prop_assert!(
+                    !tr.task.is_dirty()
+                        || (a.status == TaskStatus::Terminated && tr.task.container_ended())
+                );
+            }
+            if shown_before.status == TaskStatus::Terminated {
+                prop_assert_eq!(shown_after.status, TaskStatus::Terminated);
+                prop_assert_eq!(
+                    &shown_after.termination_reason,
+                    &shown_before.termination_reason
+                );
             }
             if a.resources.released {
                 prop_assert!(!a.resources.holds_any());
             }
             if is_remove {
                 prop_assert_eq!(b.status, TaskStatus::Terminated);
-                prop_assert!(task.saved().status == TaskStatus::Terminated || task.write_failed());
+                prop_assert!(task.status() == TaskStatus::Terminated || task.write_failed());
                 prop_assert!(!task.start_in_flight());
                 prop_assert!(tr.actions.last() == Some(&Action::Forget));
                 break;

@@ -1467,7 +1467,8 @@ fn a_terminate_whose_write_fails_still_stops_and_releases() {
         &mut t,
         terminate(TerminationReason::TerminatedByUser, "bye"),
     );
-    // The stop goes out without waiting for the disk; the API still says running.
+    // The stop goes out without waiting for the disk; until it is done the container may
+    // still run, so the API still says running.
     assert_eq!(
         a,
         vec![Action::Persist, Action::StopContainer { timeout_s: 10 }]
@@ -1475,9 +1476,21 @@ fn a_terminate_whose_write_fails_still_stops_and_releases() {
     assert!(t.is_dirty() && t.write_failed());
     assert_eq!(t.info().status, TaskStatus::Running);
     assert_eq!(t.info().termination_reason, "");
-    // Then the release, and its record's write fails too: nothing is released twice.
+    // Then the release, and its record's write fails too: nothing is released twice. Once
+    // the container is stopped the task reads terminated with the request's reason, though
+    // the record still waits for the disk (SPEC §4).
     let a = go_disk_full(&mut t, Event::ContainerStopped);
     assert_eq!(a, vec![release_of(&t)]);
+    assert_eq!(t.saved().status, TaskStatus::Running, "not durable");
+    let info = t.info();
+    assert_eq!(
+        (
+            info.status,
+            info.termination_reason.as_str(),
+            info.termination_message.as_str()
+        ),
+        (TaskStatus::Terminated, "terminated_by_user", "bye")
+    );
     let a = go_disk_full(
         &mut t,
         Event::Released {
@@ -1536,8 +1549,15 @@ fn a_terminate_during_a_pull_whose_write_fails_cancels_the_pull() {
         },
     );
     assert_eq!(a, vec![Action::FinishStart]);
+    assert_eq!(t.status(), TaskStatus::Pulling, "start still in flight");
     let a = go_disk_full(&mut t, Event::StartFinished);
     assert_eq!(a, vec![release_of(&t)]);
+    // No container was made: the task reads terminated though its record waits.
+    assert_eq!(
+        (t.saved().status, t.status()),
+        (TaskStatus::Pulling, TaskStatus::Terminated)
+    );
+    assert_eq!(t.info().termination_reason, "terminated_by_user");
 }
 
 #[test]
@@ -1552,7 +1572,12 @@ fn an_exit_whose_write_fails_releases_without_waiting_for_the_disk() {
         }),
     );
     assert_eq!(a, vec![Action::Persist, release_of(&t)]);
-    assert_eq!(t.status(), TaskStatus::Running, "not durable, not shown");
+    // SPEC §4: the container no longer runs, so the task reads terminated at once, its
+    // record waiting for the disk.
+    assert!(t.is_dirty() && t.write_failed());
+    assert_eq!(t.saved().status, TaskStatus::Running, "not durable");
+    assert_eq!(t.status(), TaskStatus::Terminated, "shown at once");
+    assert_eq!(t.info().termination_reason, "done_by_runner");
     // The release fails (busy); the reconciler's next cycle writes the exit once the disk
     // allows, and retries the release in the same cycle.
     go_disk_full(

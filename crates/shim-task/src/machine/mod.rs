@@ -7,8 +7,12 @@
 //! # Durability first
 //!
 //! The record ([`Task::record`]) is what the machine intends; [`Task::saved`] is what the state
-//! file last durably held, and it is what the API shows ([`Task::info`]): the in-memory state
-//! never claims what is not durable. A step that changes the record returns exactly
+//! file last durably held, and it is what the API shows ([`Task::info`], [`Task::shown`]): the
+//! in-memory state never claims what a crash would undo. The one exception follows from that
+//! rule (SPEC §4): a task whose container no longer runs (it exited or vanished, a stop
+//! succeeded, or there never was one: [`Task::container_ended`]) shows its termination at
+//! once, durable or not, since a restart would read the end from the container itself; a crash
+//! before the write loses at most the requested reason. A step that changes the record returns exactly
 //! `[Persist]` and nothing else (two exceptions below); every side effect that step calls for
 //! waits in the task as an intent (the next start step, a stop, a pull cancel, a release)
 //! and is emitted by the step of [`Event::Persisted`]. So a side effect never runs before the
@@ -23,8 +27,8 @@
 //! cancel and its release go out at once, and a remove is accepted. They are idempotent: the
 //! record is written when the disk allows, and a crash before that write restores the last
 //! durable record, which repeats them (releasing what is already free is a no-op; at worst
-//! the reason reads as the container's exit). The API keeps showing the durable record
-//! meanwhile. Nothing is acquired without a durable record: start steps still wait.
+//! the reason reads as the container's exit). Once the container is stopped the API shows the
+//! termination (above). Nothing is acquired without a durable record: start steps still wait.
 //!
 //! The exception is start progress ([`Task::is_progress_only`]): a step that only advances the
 //! status through `preparing`, `pulling` and `creating`, or records the id of the container

@@ -233,6 +233,7 @@ pub(super) fn on_start_event(
         Event::ContainerRecreated { container_id } => {
             expect(t, name, |s| s == StartStep::StartContainer)?;
             t.record.container_id = container_id;
+            t.ended = false;
         }
         Event::ContainerStarted { ports } => {
             expect(t, name, |s| s == StartStep::StartContainer)?;
@@ -268,6 +269,10 @@ pub(super) fn on_start_event(
                     TerminationReason::ExecutorError,
                     format!("start ended while the task was {status}"),
                 );
+            }
+            // Without a container, or with one never started, nothing of the task runs.
+            if t.record.container_id.is_empty() || t.ports.is_none() {
+                t.ended = true;
             }
             t.start_in_flight = false;
             t.start_step = None;

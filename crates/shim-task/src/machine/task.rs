@@ -28,7 +28,8 @@ pub enum StopState {
     Failed,
 }
 
-/// What the API shows of a task: the status, reason and message of its last durable record.
+/// A view of a task's status, reason and message: of its last durable record
+/// ([`Task::saved`]), or what the API shows ([`Task::shown`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Saved {
@@ -100,6 +101,10 @@ pub struct Task {
     /// pull cancel and release a termination calls for no longer wait for it (see the module
     /// docs); the reconciler retries the write.
     pub(crate) write_failed: bool,
+    /// The task's container is known not to run: it exited (or vanished), a stop of it
+    /// succeeded, or the task never had one. A terminated record then shows at once, durable
+    /// or not ([`Task::shown`]): a restart would read the same from the container itself.
+    pub(crate) ended: bool,
 }
 
 impl Task {
@@ -123,6 +128,7 @@ impl Task {
             release_in_flight: false,
             release_backoff: false,
             write_failed: false,
+            ended: false,
         }
     }
 
@@ -141,9 +147,13 @@ impl Task {
         &self.record.id
     }
 
-    /// The task status as the API shows it (durable).
+    /// The task status as the API shows it ([`Task::shown`]).
     pub fn status(&self) -> TaskStatus {
-        self.saved.status
+        if self.shows_record() {
+            self.record.status
+        } else {
+            self.saved.status
+        }
     }
 
     /// The record: what the machine intends and persists (status, reason, resources, the
@@ -152,9 +162,33 @@ impl Task {
         &self.record
     }
 
-    /// The status, reason and message of the last durable record: what the API shows.
+    /// The status, reason and message of the last durable record.
     pub fn saved(&self) -> &Saved {
         &self.saved
+    }
+
+    /// What the API shows (SPEC §4): the last durable record, except that a task whose
+    /// container no longer runs shows its termination at once, while its record waits for
+    /// the disk. Nothing shown is undone by a crash but the requested reason: a restart reads
+    /// the end from the container itself.
+    pub fn shown(&self) -> Saved {
+        if self.shows_record() {
+            Saved::of(&self.record)
+        } else {
+            self.saved.clone()
+        }
+    }
+
+    /// The record is terminated but not durably so, and the container no longer runs.
+    fn shows_record(&self) -> bool {
+        self.ended
+            && self.record.status == TaskStatus::Terminated
+            && self.saved.status != TaskStatus::Terminated
+    }
+
+    /// The task's container is known not to run (exited, vanished, stopped, or none).
+    pub fn container_ended(&self) -> bool {
+        self.ended
     }
 
     /// The record changed since its last successful write: the reconciler steps
@@ -199,18 +233,19 @@ impl Task {
         self.release_in_flight
     }
 
-    /// The API view (SPEC §3): status, reason and message from the durable record.
+    /// The API view (SPEC §3): status, reason and message as [`Task::shown`].
     pub fn info(&self) -> TaskInfo {
-        let terminated = self.saved.status == TaskStatus::Terminated;
+        let shown = self.shown();
+        let terminated = shown.status == TaskStatus::Terminated;
         TaskInfo {
             id: self.record.id.clone(),
-            status: self.saved.status,
-            termination_reason: match (&self.saved.termination_reason, terminated) {
+            status: shown.status,
+            termination_reason: match (&shown.termination_reason, terminated) {
                 (Some(reason), true) => reason.as_str().to_owned(),
                 _ => String::new(),
             },
             termination_message: if terminated {
-                self.saved.termination_message.clone()
+                shown.termination_message
             } else {
                 String::new()
             },

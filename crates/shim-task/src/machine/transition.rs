@@ -64,6 +64,7 @@ fn apply(t: &mut Task, event: Event, actions: &mut Vec<Action>) -> Result<Shape,
         Event::RemoveRequested => remove_requested(t, actions),
         Event::ContainerStopped => {
             t.stop = StopState::Idle;
+            t.ended = true;
             Ok(PLAIN)
         }
         Event::StopFailed { .. } => {
@@ -182,14 +183,14 @@ fn terminate_requested(
 /// A remove request: only for a terminated task that start and release have let go of; the
 /// steps of a remove go out at once (they need no durable record: it is deleted).
 fn remove_requested(t: &mut Task, actions: &mut Vec<Action>) -> Result<Shape, TransitionError> {
-    // Terminated durably, or terminated and its write failed: remove deletes the record
-    // anyway, so the disk that could not take it does not keep the task.
+    // Terminated durably, shown terminated, or terminated and its write failed: remove
+    // deletes the record anyway, so the disk that could not take it does not keep the task.
     let terminated = t.record.status == TaskStatus::Terminated
-        && (t.saved.status == TaskStatus::Terminated || t.write_failed);
+        && (t.status() == TaskStatus::Terminated || t.write_failed);
     if !terminated {
         return Err(TransitionError::NotTerminated {
             id: t.record.id.clone(),
-            status: t.saved.status,
+            status: t.status(),
         });
     }
     if t.start_in_flight {
@@ -226,6 +227,9 @@ fn observed(t: &mut Task, observation: Observation) {
     }
     // An observation is the reconciler's (or Docker's) news, not a retry loop.
     t.release_backoff = false;
+    if observation != Observation::Running {
+        t.ended = true;
+    }
     if t.terminated() {
         match observation {
             Observation::Running => {
