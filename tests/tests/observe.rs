@@ -141,6 +141,11 @@ struct Metrics {
 impl Metrics {
     /// The value of `name{labels}`; 0 when absent (a labelled counter appears on first use).
     fn get(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.try_get(name, labels).unwrap_or(0.0)
+    }
+
+    /// The value of `name{labels}`, if the exposition has it.
+    fn try_get(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
         let mut key: Labels = labels
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
@@ -150,7 +155,6 @@ impl Metrics {
             .get(name)
             .and_then(|by_labels| by_labels.get(&key))
             .copied()
-            .unwrap_or(0.0)
     }
 }
 
@@ -574,6 +578,64 @@ fn metrics_parse_and_move_as_a_task_runs() {
         second.get("dstack_shim_events_connected", &[]) == 1.0,
         "the event stream is connected"
     );
+}
+
+/// Issue 28, part 4: each running task's usage in `/metrics`, read from its container's
+/// control group: CPU seconds that rise while the container works, memory in use, OOM kills;
+/// gone once the task ends.
+#[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+fn a_busy_task_shows_its_cpu_seconds_rise() {
+    require_docker();
+    let shim = start(&[]);
+    let id = shim.unique_id("usage");
+    let id = id.as_str();
+    submit(&shim, id);
+    let info = shim.wait_status(id, "running");
+    let cid = info["container_id"].as_str().unwrap().to_owned();
+    let task = [("task_id", id)];
+    // The first scrape has the shim locate the container's group (in the background).
+    let mut m = metrics(&shim);
+    for _ in 0..200 {
+        if m.try_get("dstack_shim_task_cpu_seconds_total", &task).is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+        m = metrics(&shim);
+    }
+    let cpu_before = m.get("dstack_shim_task_cpu_seconds_total", &task);
+    assert!(m.get("dstack_shim_task_memory_bytes", &task) > 0.0);
+    assert_eq!(m.get("dstack_shim_task_oom_kills_total", &task), 0.0);
+    assert_eq!(m.types["dstack_shim_task_cpu_seconds"], "counter");
+    assert_eq!(m.types["dstack_shim_task_memory_bytes"], "gauge");
+    // Work in the container (a process of its group): about a second of CPU.
+    let out = shim_e2e::harness::docker(&[
+        "exec",
+        &cid,
+        "sh",
+        "-c",
+        "i=0; while [ $i -lt 400000 ]; do i=$((i+1)); done",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let scraped = std::time::Instant::now();
+    let m = metrics(&shim);
+    let scrape = scraped.elapsed();
+    let cpu_after = m.get("dstack_shim_task_cpu_seconds_total", &task);
+    eprintln!(
+        "MEASURED task CPU seconds {cpu_before:.3} -> {cpu_after:.3} after a busy loop; scrape {scrape:?}"
+    );
+    assert!(
+        cpu_after >= cpu_before + 0.2,
+        "the busy loop's CPU shows: {cpu_before} -> {cpu_after}"
+    );
+    shim.exit_runner(&info, 0);
+    shim.wait_status(id, "terminated");
+    assert_eq!(
+        metrics(&shim).try_get("dstack_shim_task_cpu_seconds_total", &task),
+        None,
+        "an ended task leaves the usage metrics"
+    );
+    shim.remove_retrying(id);
 }
 
 /// The metrics' documentation names every family the shim serves (docs/OPERATIONS.md).

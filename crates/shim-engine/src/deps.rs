@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use shim_resources::cgroup::Cgroups;
 use shim_resources::{AuthorizedKeys, HostGpus, VolumeManager};
 use shim_runtime::{ContainerRuntime, HostDevices};
 
@@ -28,6 +29,9 @@ pub struct Deps {
     pub volumes: Arc<dyn VolumeManager>,
     /// Host device facts for the container spec. Default: no InfiniBand, no 1 GiB hugepages.
     pub host_devices: HostDevices,
+    /// Where containers' control groups are read for the per-task usage metrics. Default:
+    /// the host's (`/sys/fs/cgroup`, `/proc`).
+    pub cgroups: Cgroups,
 }
 
 impl Deps {
@@ -44,6 +48,7 @@ impl Deps {
             keys,
             volumes,
             host_devices: HostDevices::default(),
+            cgroups: Cgroups::system(),
         }
     }
 }

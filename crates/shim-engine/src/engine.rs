@@ -34,6 +34,7 @@ use crate::ownership::Ownership;
 use crate::reconcile::{Reconciler, ReconcilerParts};
 use crate::restore::{RestoreContext, Restored, determine_owner, restore};
 use crate::table::TaskTable;
+use crate::usage::Usage;
 
 /// How long terminate and remove wait for a start job to let go of a task (a cancelled pull
 /// returns at once; preparing a volume can take longer). Kept well under the dstack server's
@@ -109,6 +110,7 @@ impl Engine {
             Arc::new(Metered::new(deps.runtime.clone(), metrics.clone()));
         let host_gpus = deps.host_gpus.clone();
         let (keys, volumes) = (deps.keys.clone(), deps.volumes.clone());
+        let cgroups = deps.cgroups.clone();
         let table = Arc::new(TaskTable::default());
         let gpus = Arc::new(GpuLock::for_host(&host_gpus));
         let effects = Arc::new(Effects::new(
@@ -176,13 +178,21 @@ impl Engine {
         }
         reconciler.first_cycle(listed, listed_at).await;
         let first = reconciler.first_subscription().await;
-        let background = reconciler.spawn(first);
+        let mut background = reconciler.spawn(first);
+        let (usage, locator) = Usage::spawn(
+            table.clone(),
+            runtime.clone(),
+            cgroups,
+            shutdown.clone(),
+        );
+        background.push(locator);
 
         let sources = Sources {
             metrics,
             table: table.clone(),
             gpus,
             reconcile: reconciler.state().clone(),
+            usage,
         };
         let mut registry = Registry::default();
         crate::metrics::register(&mut registry, &sources);

@@ -68,6 +68,7 @@ mod reconcile;
 mod restore;
 mod spec;
 mod table;
+mod usage;
 
 pub use changes::{ChangeKind, Subscription, SubscriptionError, TaskChange};
 pub use config::{EngineConfig, default_pass_env};

@@ -35,6 +35,14 @@
 //! | `dstack_shim_volumes_mounted` | gauge | volumes held by tasks |
 //! | `dstack_shim_pending_releases` | gauge | terminated tasks still holding something |
 //! | `dstack_shim_unwritten_tasks` | gauge | tasks whose last state write failed (retried) |
+//! | `dstack_shim_task_cpu_seconds_total{task_id}` | counter | CPU time of each running task's container (its cgroup) |
+//! | `dstack_shim_task_memory_bytes{task_id}` | gauge | memory charged to each running task's container now |
+//! | `dstack_shim_task_memory_peak_bytes{task_id}` | gauge | the most memory it had charged at once (cgroup v1, or v2 on Linux 5.19+) |
+//! | `dstack_shim_task_oom_kills_total{task_id}` | counter | its processes the kernel's OOM killer ended (Linux 4.13+) |
+//!
+//! The per-task usage is read at scrape time from each running task's control group (see
+//! `usage.rs`): a task shows once its group was located (one inspect per container, in the
+//! background; the first scrape after a task starts may miss it).
 
 use std::sync::Arc;
 
@@ -50,6 +58,7 @@ use crate::clock::now_ms;
 use crate::counters::Metrics;
 use crate::reconcile::ReconcileState;
 use crate::table::TaskTable;
+use crate::usage::Usage;
 
 /// What the engine's metrics read: its counters, and at scrape time the task table, the GPU
 /// lock and the reconciler's state.
@@ -63,6 +72,8 @@ pub(crate) struct Sources {
     pub(crate) gpus: Arc<GpuLock>,
     /// The reconciler's state.
     pub(crate) reconcile: Arc<ReconcileState>,
+    /// Where running tasks' control groups are (the per-task usage).
+    pub(crate) usage: Arc<Usage>,
 }
 
 /// Registers every metric of the engine in `registry`.
@@ -72,6 +83,7 @@ pub(crate) fn register(registry: &mut Registry, sources: &Sources) {
         table: sources.table.clone(),
         gpus: sources.gpus.clone(),
         reconcile: sources.reconcile.clone(),
+        usage: sources.usage.clone(),
     }));
 }
 
@@ -80,6 +92,7 @@ struct State {
     table: Arc<TaskTable>,
     gpus: Arc<GpuLock>,
     reconcile: Arc<ReconcileState>,
+    usage: Arc<Usage>,
 }
 
 impl std::fmt::Debug for State {
@@ -209,7 +222,7 @@ impl Collector for State {
                 now_ms().saturating_sub(last) as f64 / 1000.0,
             )?;
         }
-        Ok(())
+        self.usage.encode(&mut encoder)
     }
 }
 

@@ -2066,3 +2066,95 @@ fn state_file_of(w: &World, container_name: &str) -> serde_json::Value {
         .join("task.json");
     serde_json::from_slice(&fs_err::read(p).unwrap()).unwrap()
 }
+
+// Issue 28, part 4: each running task's usage in `/metrics`, read from its container's
+// control group (a cgroup v2 tree of the test's own here; the real engine's on a real
+// container in the runtime-level e2e test). The group is located once per container (one
+// inspect), then only its files are read; a task that stops running leaves the metrics.
+#[tokio::test]
+async fn running_tasks_show_their_cgroup_usage_in_the_metrics() {
+    let w = World::new(0);
+    let tree = tempfile::tempdir().unwrap();
+    let (root, proc) = (tree.path().join("cgroup"), tree.path().join("proc"));
+    let group = root.join("system.slice/docker-t.scope");
+    fs_err::create_dir_all(&group).unwrap();
+    fs_err::create_dir_all(proc.join("4242")).unwrap();
+    fs_err::write(root.join("cgroup.controllers"), "cpu memory\n").unwrap();
+    fs_err::write(
+        proc.join("4242/cgroup"),
+        "0::/system.slice/docker-t.scope\n",
+    )
+    .unwrap();
+    let set = |usec: u64, current: u64, peak: u64, ooms: u64| {
+        fs_err::write(group.join("cpu.stat"), format!("usage_usec {usec}\n")).unwrap();
+        fs_err::write(group.join("memory.current"), format!("{current}\n")).unwrap();
+        fs_err::write(group.join("memory.peak"), format!("{peak}\n")).unwrap();
+        fs_err::write(
+            group.join("memory.events"),
+            format!("oom 0\noom_kill {ooms}\n"),
+        )
+        .unwrap();
+    };
+    set(2_500_000, 1 << 20, 4 << 20, 0);
+    let mut deps = w.deps();
+    deps.cgroups = shim_resources::cgroup::Cgroups::at(&root, &proc);
+    let engine = Engine::open(w.config(), deps).await.unwrap();
+    engine.submit(config("t-usage")).await.unwrap();
+    let info = wait_status(&engine, "t-usage", TaskStatus::Running).await;
+    w.runtime.set_pid(&info.container_id, Some(4242));
+    let sample = |text: &str, name: &str| -> Option<String> {
+        let prefix = format!("{name}{{task_id=\"t-usage\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .map(str::to_owned)
+    };
+    // The first scrape asks for the group; a later one shows the task.
+    let mut text = scrape(&engine);
+    for _ in 0..500 {
+        if sample(&text, "dstack_shim_task_cpu_seconds_total").is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        text = scrape(&engine);
+    }
+    assert_eq!(
+        [
+            "dstack_shim_task_cpu_seconds_total",
+            "dstack_shim_task_memory_bytes",
+            "dstack_shim_task_memory_peak_bytes",
+            "dstack_shim_task_oom_kills_total"
+        ]
+        .map(|n| sample(&text, n)),
+        [
+            Some("2.5".to_owned()),
+            Some("1048576".to_owned()),
+            Some("4194304".to_owned()),
+            Some("0".to_owned())
+        ],
+        "{text}"
+    );
+    let inspects = || {
+        w.runtime
+            .calls()
+            .iter()
+            .filter(|c| matches!(c, Call::Inspect(_)))
+            .count()
+    };
+    let located_with = inspects();
+    // The container works: its CPU seconds rise, an OOM kill is counted; no new inspect.
+    set(4_000_000, 2 << 20, 4 << 20, 1);
+    let text = scrape(&engine);
+    assert_eq!(
+        sample(&text, "dstack_shim_task_cpu_seconds_total").as_deref(),
+        Some("4.0")
+    );
+    assert_eq!(
+        sample(&text, "dstack_shim_task_oom_kills_total").as_deref(),
+        Some("1")
+    );
+    assert_eq!(inspects(), located_with, "the group is located once");
+    // Once terminated, the task leaves the usage metrics.
+    terminate_now(&engine, "t-usage", "usage").await;
+    let text = scrape(&engine);
+    assert_eq!(sample(&text, "dstack_shim_task_cpu_seconds_total"), None, "{text}");
+}

@@ -26,6 +26,9 @@
 //!   the blocking pool, locked per mount point and device.
 //! - [`dirs`] — [`ensure_instance_dir`]: a missing instance-mount directory is created 0777
 //!   (its missing parents 0755), an existing one is left exactly as it is.
+//! - [`cgroup`] — [`cgroup::Cgroups`] finds a container's control group from its main
+//!   process, [`cgroup::Cgroup::usage`] reads its CPU seconds, memory, peak and OOM kills
+//!   (cgroup v2 or v1).
 //! - [`host`] — [`HostInfo`], [`host::collect`] (facts as upstream computes them; 0 when
 //!   unreadable), [`write_host_info`] and [`write_host_info_once`]: upstream's
 //!   `host_info.json`.
@@ -37,6 +40,7 @@
 //! Errors: one [`Error`] enum; every variant names the path, device, user or command.
 
 mod blocking;
+pub mod cgroup;
 pub mod dirs;
 pub mod error;
 #[cfg(any(test, feature = "test-support"))]

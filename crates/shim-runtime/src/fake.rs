@@ -152,6 +152,8 @@ struct FakeContainer {
     started_at: Option<String>,
     finished_at: Option<String>,
     oom_killed: bool,
+    /// The main process's id, as inspect reports it while it runs.
+    pid: Option<u32>,
 }
 
 #[derive(Debug, Default)]
@@ -536,6 +538,13 @@ impl FakeRuntime {
         self.lock().containers.remove(id).is_some()
     }
 
+    /// Sets the process id inspect reports for a container while it runs (none by default).
+    pub fn set_pid(&self, id: &str, pid: Option<u32>) {
+        if let Some(c) = self.lock().containers.get_mut(id) {
+            c.pid = pid;
+        }
+    }
+
     /// Sets a container's log lines.
     pub fn set_logs(&self, id: &str, lines: &[&str]) {
         if let Some(c) = self.lock().containers.get_mut(id) {
@@ -610,6 +619,7 @@ impl FakeRuntime {
                 started_at: None,
                 finished_at: None,
                 oom_killed: false,
+                pid: None,
             },
         );
         id
@@ -892,6 +902,7 @@ impl ContainerRuntime for FakeRuntime {
             exit_code: c.exit_code,
             error: c.error.clone(),
             oom_killed: c.oom_killed,
+            pid: c.pid.filter(|_| c.state.is_running()),
             started_at: c.started_at.clone(),
             finished_at: c.finished_at.clone(),
             labels: spec.labels.clone(),

@@ -233,6 +233,9 @@ pub struct ContainerDetails {
     pub error: String,
     /// Whether the kernel OOM killer ended it.
     pub oom_killed: bool,
+    /// The process id of its main process on the host while it runs (`None` otherwise):
+    /// where its control group is found.
+    pub pid: Option<u32>,
     /// When it started (RFC 3339), `None` if never started.
     pub started_at: Option<String>,
     /// When it finished (RFC 3339), `None` if it has not finished.

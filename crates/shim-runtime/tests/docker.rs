@@ -540,6 +540,46 @@ async fn failing_container_exit_code_and_last_lines() {
     assert_eq!(lines, ["out 4", "out 5", "out 6", "err 7", "out 8"]);
 }
 
+/// Issue 28, part 4: a running container's inspect gives its main process, whose control
+/// group holds the container's usage (what the shim's per-task metrics read): the CPU seconds
+/// of a busy container rise, its memory is charged; once it exits, no process is reported.
+#[tokio::test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+async fn a_running_containers_process_leads_to_its_cgroup_usage() {
+    require_docker();
+    let docker = runtime().await;
+    let run = unique("cgroup");
+    let guard = Cleanup::new(&run);
+    // Busy for a while, then waits to be told to end.
+    let script = "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done; touch /tmp/busy-done; sleep 60";
+    let id = docker
+        .create(&shell_spec(&run, &guard.labels(), script))
+        .await
+        .unwrap();
+    docker.start(&id).await.unwrap();
+    let details = docker.inspect(&id).await.unwrap();
+    let pid = details.pid.expect("a running container reports its process");
+    let cgroup = shim_resources::cgroup::Cgroups::system()
+        .locate(pid)
+        .unwrap_or_else(|e| panic!("the cgroup of pid {pid}: {}", shim_util::error_chain(&e)));
+    let first = cgroup.usage().unwrap();
+    assert!(first.memory_bytes > 0, "{first:?} in {cgroup:?}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = first;
+    while last.cpu_seconds < first.cpu_seconds + 0.1 {
+        assert!(
+            Instant::now() < deadline,
+            "the busy loop's CPU never showed: {first:?} -> {last:?} in {cgroup:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        last = cgroup.usage().unwrap();
+    }
+    eprintln!("MEASURED cgroup {cgroup:?}: {first:?} -> {last:?}");
+    docker.stop(&id, Duration::ZERO).await.unwrap();
+    let ended = wait_exited(&docker, &id).await;
+    assert_eq!(ended.pid, None, "an exited container has no process");
+}
+
 /// Lines the log-flooding container writes, each `<i> ` and 90 zeros.
 const FLOOD_LINES: u64 = 50_000;
 

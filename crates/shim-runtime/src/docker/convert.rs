@@ -269,6 +269,10 @@ pub(super) fn details(resp: ContainerInspectResponse) -> ContainerDetails {
         exit_code: state.exit_code,
         error: state.error.unwrap_or_default(),
         oom_killed: state.oom_killed.unwrap_or(false),
+        pid: state
+            .pid
+            .and_then(|p| u32::try_from(p).ok())
+            .filter(|&p| p > 0),
         started_at: docker_time(state.started_at),
         finished_at: docker_time(state.finished_at),
         labels: config.labels.unwrap_or_default().into_iter().collect(),
