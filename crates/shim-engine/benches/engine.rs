@@ -7,7 +7,10 @@
 //! - one reconcile cycle (`Engine::reconcile_now`) with 0, 50 and 500 running tasks;
 //! - submit → `running` (validation, task dir, durable state writes, start on the fake);
 //! - exit → `terminated` (the fake's exit event wakes the reconciler);
-//! - terminate (timeout 0) of a running task, and remove of a terminated one.
+//! - terminate (timeout 0) of a running task, and remove of a terminated one;
+//! - one `/metrics` scrape (`Engine::encode_metrics`) with 300 running tasks whose usage is
+//!   read from their control groups (a cgroup v2 tree of the same files under `/dev/shm`,
+//!   in memory like the kernel's).
 //!
 //! Prints a table; with `--json PATH` also writes the figures as JSON (used by
 //! `cargo xtask bench`). No figure is asserted. Run without `--bench` (as `cargo test
@@ -129,13 +132,21 @@ impl World {
         }
     }
 
-    async fn engine(&self) -> Engine {
+    fn deps(&self) -> Deps {
         let mut deps = Deps::new(
             Arc::new(self.runtime.clone()),
             Arc::new(FakeAuthorizedKeys::new()),
             Arc::new(FakeVolumes::new("/fake/volumes")),
         );
         deps.host_gpus = self.host_gpus.clone();
+        deps
+    }
+
+    async fn engine(&self) -> Engine {
+        self.engine_with(self.deps()).await
+    }
+
+    async fn engine_with(&self, deps: Deps) -> Engine {
         let mut cfg = EngineConfig::new(self.home.path());
         cfg.volumes_root = "/fake/volumes".into();
         // Only exit events and reconcile_now drive cycles, so the timed cycles run alone.
@@ -233,6 +244,92 @@ async fn reconcile_cycle(n: usize, quick: bool) -> Stats {
     Stats::new(format!("reconcile cycle, {n} running tasks"), samples)
 }
 
+/// One metrics scrape with `n` running tasks, each with a control group to read.
+async fn metrics_scrape(n: usize, quick: bool) -> Stats {
+    let w = World::new();
+    let shm = std::path::Path::new("/dev/shm");
+    let tree = if shm.is_dir() {
+        tempfile::Builder::new().prefix("engine-bench-cgroup-").tempdir_in(shm)
+    } else {
+        tempfile::tempdir()
+    }
+    .unwrap();
+    let (root, proc) = (tree.path().join("cgroup"), tree.path().join("proc"));
+    fs_err::create_dir_all(&root).unwrap();
+    fs_err::write(root.join("cgroup.controllers"), "cpu memory pids\n").unwrap();
+    let mut deps = w.deps();
+    deps.cgroups = shim_resources::cgroup::Cgroups::at(&root, &proc);
+    let engine = w.engine_with(deps).await;
+    for i in 0..n {
+        engine.submit(config(&format!("m{i}"))).await.unwrap();
+    }
+    for i in 0..n {
+        let id = tid(&format!("m{i}"));
+        until(&engine, &id, TaskStatus::Running).await;
+        let info = engine.task_info(&id).unwrap();
+        let pid = 100_000 + u32::try_from(i).unwrap();
+        let group = root.join(format!("system.slice/docker-{}.scope", info.container_id));
+        fs_err::create_dir_all(&group).unwrap();
+        fs_err::create_dir_all(proc.join(pid.to_string())).unwrap();
+        fs_err::write(
+            proc.join(format!("{pid}/cgroup")),
+            format!("0::/system.slice/docker-{}.scope\n", info.container_id),
+        )
+        .unwrap();
+        fs_err::write(
+            group.join("cpu.stat"),
+            "usage_usec 123456789\nuser_usec 100000000\nsystem_usec 23456789\nnr_periods 0\nnr_throttled 0\nthrottled_usec 0\n",
+        )
+        .unwrap();
+        fs_err::write(group.join("memory.current"), "1073741824\n").unwrap();
+        fs_err::write(group.join("memory.peak"), "2147483648\n").unwrap();
+        fs_err::write(
+            group.join("memory.events"),
+            "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\noom_group_kill 0\n",
+        )
+        .unwrap();
+        w.runtime.set_pid(&info.container_id, Some(pid));
+    }
+    // The first scrapes have the groups located; then every task shows.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut text = String::new();
+        engine.encode_metrics(&mut text).unwrap();
+        let shown = text
+            .lines()
+            .filter(|l| l.starts_with("dstack_shim_task_cpu_seconds_total{"))
+            .count();
+        if shown == n {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{shown} of {n} tasks located");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (max, budget) = if quick {
+        (20, Duration::from_secs(1))
+    } else {
+        (200, Duration::from_secs(5))
+    };
+    let samples = measure(max, budget, |_| {
+        let engine = engine.clone();
+        async move {
+            let t = Instant::now();
+            let mut text = String::with_capacity(64 << 10);
+            engine.encode_metrics(&mut text).unwrap();
+            std::hint::black_box(&text);
+            t.elapsed()
+        }
+    })
+    .await;
+    engine
+        .shutdown(shim_engine::Shutdown::Graceful(Duration::from_secs(5)))
+        .await;
+    Stats::new(
+        format!("metrics scrape, {n} running tasks with usage"),
+        samples,
+    )
+}
+
 /// Submit → running, exit → terminated, terminate and remove, one task at a time.
 async fn lifecycle(quick: bool) -> Vec<Stats> {
     let w = World::new();
@@ -316,6 +413,9 @@ fn main() {
             stats.print();
             all.push(stats);
         }
+        let stats = metrics_scrape(300, opts.quick).await;
+        stats.print();
+        all.push(stats);
         for stats in lifecycle(opts.quick).await {
             stats.print();
             all.push(stats);
