@@ -1409,7 +1409,10 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     });
     // Let the shim try (the retry pass runs every second): what is shown stays while full.
     std::thread::sleep(Duration::from_millis(2500));
-    assert_eq!(ending(&shim.info("t2"))[..2], ["terminated", "done_by_runner"]);
+    assert_eq!(
+        ending(&shim.info("t2"))[..2],
+        ["terminated", "done_by_runner"]
+    );
     assert_eq!(
         status_of(&shim.info("t4")),
         "pulling",

@@ -597,7 +597,9 @@ fn a_busy_task_shows_its_cpu_seconds_rise() {
     // The first scrape has the shim locate the container's group (in the background).
     let mut m = metrics(&shim);
     for _ in 0..200 {
-        if m.try_get("dstack_shim_task_cpu_seconds_total", &task).is_some() {
+        if m.try_get("dstack_shim_task_cpu_seconds_total", &task)
+            .is_some()
+        {
             break;
         }
         std::thread::sleep(Duration::from_millis(25));

@@ -11,7 +11,7 @@ use shim_resources::{
     AuthorizedKeysManager, BlockVolumes, GpuDetector, GpuVendor, HostGpus, SystemCommandRunner,
     VolumeConfig,
 };
-use shim_runtime::{DockerRuntime, HostDevices};
+use shim_runtime::{ContainerRuntime as _, DockerRuntime, HostDevices};
 use shim_util::error_chain;
 
 use crate::config::Config;
@@ -27,7 +27,7 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
         .context("cannot connect to the Docker daemon")?;
     // Docker's own data directory: host_info.json reports its filesystem's size, as upstream
     // (`runner/internal/shim/host/host.go`, `GetDiskSize` of `DockerRootDir`).
-    let docker_root = match runtime.docker_root_dir().await {
+    let docker_root = match runtime.data_root().await {
         Ok(dir) => dir,
         Err(e) => {
             tracing::warn!(error = %error_chain(&e), "cannot read Docker's info; the disk size is reported as 0");
@@ -84,6 +84,12 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
     cfg.container_log = config.container_log;
     cfg.pull_stall_timeout = config.pull_stall_timeout;
     cfg.pull_timeout = config.pull_timeout;
+    (cfg.image_gc_high_percent, cfg.image_gc_low_percent) = config.image_gc_percent;
+    tracing::info!(
+        high_percent = cfg.image_gc_high_percent,
+        low_percent = cfg.image_gc_low_percent,
+        "unused images this shim pulled are collected above the high mark, down to the low one (high 100: never)"
+    );
     tracing::info!(
         stall_timeout = ?config.pull_stall_timeout,
         timeout = ?config.pull_timeout,

@@ -249,7 +249,9 @@ async fn metrics_scrape(n: usize, quick: bool) -> Stats {
     let w = World::new();
     let shm = std::path::Path::new("/dev/shm");
     let tree = if shm.is_dir() {
-        tempfile::Builder::new().prefix("engine-bench-cgroup-").tempdir_in(shm)
+        tempfile::Builder::new()
+            .prefix("engine-bench-cgroup-")
+            .tempdir_in(shm)
     } else {
         tempfile::tempdir()
     }

@@ -62,6 +62,12 @@ pub struct EngineConfig {
     /// see [`LogLimits`]); `None` leaves the daemon's own log configuration (its `log-driver`
     /// and `log-opts`) to apply.
     pub container_log: Option<LogLimits>,
+    /// Image collection starts when the file system of the engine's data root is used above
+    /// this percentage (kubelet's `imageGCHighThresholdPercent`); 100 turns it off.
+    pub image_gc_high_percent: u8,
+    /// Image collection removes unused images this shim pulled, least recently used first,
+    /// until usage is below this percentage (kept under the high one).
+    pub image_gc_low_percent: u8,
 }
 
 impl EngineConfig {
@@ -118,6 +124,11 @@ impl EngineConfig {
         None => NonZeroU32::MIN,
     };
 
+    /// Collect images above 85 % use of the data root's file system (kubelet's default).
+    pub const DEFAULT_IMAGE_GC_HIGH_PERCENT: u8 = 85;
+    /// Collect down to 80 % (kubelet's default).
+    pub const DEFAULT_IMAGE_GC_LOW_PERCENT: u8 = 80;
+
     /// A config with SPEC's defaults (the `DEFAULT_*` constants) for everything but the home.
     pub fn new(home: impl Into<PathBuf>) -> Self {
         Self {
@@ -140,6 +151,8 @@ impl EngineConfig {
                 Self::DEFAULT_CONTAINER_LOG_MAX_SIZE,
                 Self::DEFAULT_CONTAINER_LOG_MAX_FILES,
             )),
+            image_gc_high_percent: Self::DEFAULT_IMAGE_GC_HIGH_PERCENT,
+            image_gc_low_percent: Self::DEFAULT_IMAGE_GC_LOW_PERCENT,
         }
     }
 }

@@ -13,6 +13,7 @@
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -27,6 +28,7 @@ use crate::deps::Deps;
 use crate::driver::{Execute, Recorder, Slot, Written};
 use crate::error::{EngineError, Result, chain};
 use crate::home::Home;
+use crate::images::ImageGc;
 use crate::labels::LABEL_TASK_ID;
 use crate::ownership::Ownership;
 use crate::spec::{SpecContext, container_spec};
@@ -54,25 +56,27 @@ pub(crate) struct Effects {
     table: Arc<TaskTable>,
     home: Home,
     ownership: Ownership,
+    /// What was pulled, and the room made for pulls.
+    images: Arc<ImageGc>,
 }
 
 impl Effects {
     /// The effects of an engine configured by `cfg`, on `deps` (whose runtime is the one every
-    /// request goes through), locking GPUs in `gpus`.
+    /// request goes through), locking the GPUs of `deps.host_gpus`.
     pub(crate) fn new(
         cfg: EngineConfig,
         owner: String,
         deps: Deps,
-        gpus: Arc<GpuLock>,
         table: Arc<TaskTable>,
         home: Home,
         ownership: Ownership,
+        images: Arc<ImageGc>,
     ) -> Self {
         Self {
             cfg,
             owner,
+            gpus: Arc::new(GpuLock::for_host(&deps.host_gpus)),
             runtime: deps.runtime,
-            gpus,
             gpu_vendor: deps.host_gpus.vendor,
             fake_gpus: deps.fake_gpus,
             host_devices: deps.host_devices,
@@ -82,11 +86,12 @@ impl Effects {
             table,
             home,
             ownership,
+            images,
         }
     }
 
     /// The GPU lock (which GPUs tasks hold now).
-    pub(crate) fn gpus(&self) -> &GpuLock {
+    pub(crate) fn gpus(&self) -> &Arc<GpuLock> {
         &self.gpus
     }
 
@@ -294,23 +299,98 @@ impl Effects {
         // A real pull may take minutes: `pulling` is made durable, and so shown, before it
         // begins.
         recorder.pulling().await;
+        // The disk above its high mark is collected before the pull adds to it.
+        self.images.collect(0).await;
         match self.pull_image(slot, &image).await {
             Ok(p) => {
                 if !image.ends_with(":latest") {
                     self.image_seen(&image);
                 }
+                self.images.pulled(&image).await;
+                // What the pull added may have taken the disk over its high mark.
+                let images = self.images.clone();
+                tokio::spawn(async move {
+                    images.collect(0).await;
+                });
                 Event::PullDone(p)
             }
-            Err(e) => Event::PullFailed { message: chain(&e) },
+            Err(e) => Event::PullFailed { message: e },
         }
     }
 
     /// Pulls `image` for the task: its credentials, its pull log, its cancellation, progress
-    /// into its view.
-    async fn pull_image(
+    /// into its view, and room on the disk for what its layers announce (the pull fails at
+    /// once, with the numbers, when there is none: see [`ImageGc::make_room`]). The error is
+    /// the message for the task.
+    async fn pull_image(&self, slot: &Arc<Slot>, image: &str) -> Result<PullProgress, String> {
+        let cancel = slot.pull_cancel.child_token();
+        let need = Arc::new(AtomicU64::new(0));
+        let announced = Arc::new(tokio::sync::Notify::new());
+        let no_room: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
+        let watch = {
+            let (need, announced, no_room, cancel) = (
+                need.clone(),
+                announced.clone(),
+                no_room.clone(),
+                cancel.clone(),
+            );
+            let images = self.images.clone();
+            async move {
+                let mut checked = 0u64;
+                loop {
+                    announced.notified().await;
+                    let bytes = need.load(Ordering::Relaxed);
+                    // Only a need larger than the one last found room for is looked at again.
+                    if bytes <= checked {
+                        continue;
+                    }
+                    checked = bytes;
+                    if let Err(e) = images.make_room(bytes).await {
+                        *no_room.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                        cancel.cancel();
+                        return;
+                    }
+                }
+            }
+        };
+        let pulled = {
+            let need = need.clone();
+            let progress_slot = slot.clone();
+            let progress = move |p: PullProgress| {
+                progress_slot.pull_progressed(p);
+                let remaining = p.total_bytes.saturating_sub(p.downloaded_bytes);
+                if remaining > need.load(Ordering::Relaxed) {
+                    need.store(remaining, Ordering::Relaxed);
+                    announced.notify_one();
+                }
+            };
+            let pull = self.pull_request(slot, image, &progress, cancel);
+            tokio::pin!(pull);
+            tokio::select! {
+                r = &mut pull => r,
+                // No room: the watcher cancelled the pull, which ends promptly.
+                () = watch => pull.await,
+            }
+        };
+        match pulled {
+            Ok(p) => Ok(p),
+            Err(e) => {
+                let no_room = no_room.lock().unwrap_or_else(|p| p.into_inner()).take();
+                Err(match no_room {
+                    Some(why) => format!("cannot pull image {image}: {why}"),
+                    None => chain(&e),
+                })
+            }
+        }
+    }
+
+    /// The pull request itself (see [`Effects::pull_image`]).
+    async fn pull_request(
         &self,
         slot: &Arc<Slot>,
         image: &str,
+        progress: shim_runtime::ProgressFn<'_>,
+        cancel: tokio_util::sync::CancellationToken,
     ) -> shim_runtime::Result<PullProgress> {
         let runtime = &self.runtime;
         let log_path = self
@@ -323,17 +403,14 @@ impl Effects {
             .with_log_path(log_path)
             .with_timeout(self.cfg.pull_timeout)
             .with_stall_timeout(self.cfg.pull_stall_timeout);
-        let progress_slot = slot.clone();
-        let progress = move |p: PullProgress| progress_slot.pull_progressed(p);
         tracing::info!(task = %slot.id, %image, "pulling image");
-        runtime
-            .pull(&request, &progress, slot.pull_cancel.clone())
-            .await
+        runtime.pull(&request, progress, cancel).await
     }
 
     async fn create(&self, slot: &Arc<Slot>) -> Result<String> {
         let task = slot.snapshot();
         let spec = container_spec(&self.spec_context(), &task)?;
+        self.images.used(&spec.image);
         // A container left with our name by an earlier attempt of this very task (the shim
         // stopped between create and recording it) would make create fail: remove it if it
         // carries this task's labels.
@@ -348,7 +425,11 @@ impl Effects {
             // behind its back): pull it, then create again.
             Err(RuntimeError::NotFound { .. }) if self.known_images().remove(&spec.image) => {
                 tracing::warn!(task = %slot.id, image = %spec.image, "image gone since it was last seen; pulling it again");
-                self.pull_image(slot, &spec.image).await?;
+                let progress_slot = slot.clone();
+                let progress = move |p: PullProgress| progress_slot.pull_progressed(p);
+                self.pull_request(slot, &spec.image, &progress, slot.pull_cancel.clone())
+                    .await?;
+                self.images.pulled(&spec.image).await;
                 self.image_seen(&spec.image);
                 Ok(self.runtime.create(&spec).await?)
             }

@@ -28,6 +28,7 @@ use crate::driver::{Driver, Slot, open_store};
 use crate::effects::Effects;
 use crate::error::{EngineError, Result, chain};
 use crate::health::EngineHealth;
+use crate::images::ImageGc;
 use crate::metered::Metered;
 use crate::metrics::Sources;
 use crate::ownership::Ownership;
@@ -112,7 +113,13 @@ impl Engine {
         let (keys, volumes) = (deps.keys.clone(), deps.volumes.clone());
         let cgroups = deps.cgroups.clone();
         let table = Arc::new(TaskTable::default());
-        let gpus = Arc::new(GpuLock::for_host(&host_gpus));
+        let images = Arc::new(ImageGc::open(
+            runtime.clone(),
+            table.clone(),
+            home.path(),
+            cfg.image_gc_high_percent,
+            cfg.image_gc_low_percent,
+        ));
         let effects = Arc::new(Effects::new(
             cfg.clone(),
             owner.clone(),
@@ -120,10 +127,10 @@ impl Engine {
                 runtime: runtime.clone(),
                 ..deps
             },
-            gpus.clone(),
             table.clone(),
             home.clone(),
             ownership.clone(),
+            images.clone(),
         ));
         let driver = Arc::new(Driver::new(records, metrics.clone(), effects.clone()));
         let shutdown = CancellationToken::new();
@@ -179,20 +186,18 @@ impl Engine {
         reconciler.first_cycle(listed, listed_at).await;
         let first = reconciler.first_subscription().await;
         let mut background = reconciler.spawn(first);
-        let (usage, locator) = Usage::spawn(
-            table.clone(),
-            runtime.clone(),
-            cgroups,
-            shutdown.clone(),
-        );
+        let (usage, locator) =
+            Usage::spawn(table.clone(), runtime.clone(), cgroups, shutdown.clone());
         background.push(locator);
+        background.push(images.spawn(shutdown.clone()));
 
         let sources = Sources {
             metrics,
             table: table.clone(),
-            gpus,
+            gpus: effects.gpus().clone(),
             reconcile: reconciler.state().clone(),
             usage,
+            images,
         };
         let mut registry = Registry::default();
         crate::metrics::register(&mut registry, &sources);

@@ -59,6 +59,7 @@ mod engine;
 mod error;
 mod health;
 mod home;
+mod images;
 pub mod labels;
 mod metered;
 pub mod metrics;

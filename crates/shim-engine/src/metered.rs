@@ -70,6 +70,18 @@ impl ContainerRuntime for Metered {
         self.count("remove", self.runtime.remove(id).await)
     }
 
+    async fn image_size(&self, image: &str) -> RtResult<Option<u64>> {
+        self.count("image_inspect", self.runtime.image_size(image).await)
+    }
+
+    async fn delete_image(&self, image: &str) -> RtResult<()> {
+        self.count("image_remove", self.runtime.delete_image(image).await)
+    }
+
+    async fn data_root(&self) -> RtResult<Option<std::path::PathBuf>> {
+        self.count("info", self.runtime.data_root().await)
+    }
+
     async fn logs_tail(&self, id: &str, n: usize) -> RtResult<Vec<String>> {
         self.count("logs", self.runtime.logs_tail(id, n).await)
     }

@@ -35,6 +35,10 @@
 //! | `dstack_shim_volumes_mounted` | gauge | volumes held by tasks |
 //! | `dstack_shim_pending_releases` | gauge | terminated tasks still holding something |
 //! | `dstack_shim_unwritten_tasks` | gauge | tasks whose last state write failed (retried) |
+//! | `dstack_shim_image_gc_freed_bytes_total` | counter | bytes freed by image collection (the engine's sizes of the images removed) |
+//! | `dstack_shim_image_gc_removed_images_total` | counter | images removed by image collection |
+//! | `dstack_shim_image_pulls_without_room_total` | counter | pulls failed because the image could not fit |
+//! | `dstack_shim_image_fs_used_ratio` / `dstack_shim_image_fs_available_bytes` | gauge | the engine's data root's file system, when last measured |
 //! | `dstack_shim_task_cpu_seconds_total{task_id}` | counter | CPU time of each running task's container (its cgroup) |
 //! | `dstack_shim_task_memory_bytes{task_id}` | gauge | memory charged to each running task's container now |
 //! | `dstack_shim_task_memory_peak_bytes{task_id}` | gauge | the most memory it had charged at once (cgroup v1, or v2 on Linux 5.19+) |
@@ -56,6 +60,7 @@ use shim_task::TaskStatus;
 
 use crate::clock::now_ms;
 use crate::counters::Metrics;
+use crate::images::ImageGc;
 use crate::reconcile::ReconcileState;
 use crate::table::TaskTable;
 use crate::usage::Usage;
@@ -74,6 +79,8 @@ pub(crate) struct Sources {
     pub(crate) reconcile: Arc<ReconcileState>,
     /// Where running tasks' control groups are (the per-task usage).
     pub(crate) usage: Arc<Usage>,
+    /// Image collection.
+    pub(crate) images: Arc<ImageGc>,
 }
 
 /// Registers every metric of the engine in `registry`.
@@ -84,6 +91,7 @@ pub(crate) fn register(registry: &mut Registry, sources: &Sources) {
         gpus: sources.gpus.clone(),
         reconcile: sources.reconcile.clone(),
         usage: sources.usage.clone(),
+        images: sources.images.clone(),
     }));
 }
 
@@ -93,6 +101,7 @@ struct State {
     gpus: Arc<GpuLock>,
     reconcile: Arc<ReconcileState>,
     usage: Arc<Usage>,
+    images: Arc<ImageGc>,
 }
 
 impl std::fmt::Debug for State {
@@ -112,6 +121,17 @@ fn gauge(
     let g = ConstGauge::new(value);
     let m = encoder.encode_descriptor(name, help, None, g.metric_type())?;
     g.encode(m)
+}
+
+fn counter(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    value: u64,
+) -> Result<(), std::fmt::Error> {
+    let c = prometheus_client::metrics::counter::ConstCounter::new(value);
+    let m = encoder.encode_descriptor(name, help, None, c.metric_type())?;
+    c.encode(m)
 }
 
 impl Collector for State {
@@ -220,6 +240,38 @@ impl Collector for State {
                 "dstack_shim_reconcile_last_success_age_seconds",
                 "Seconds since the last successful full reconcile cycle",
                 now_ms().saturating_sub(last) as f64 / 1000.0,
+            )?;
+        }
+        counter(
+            &mut encoder,
+            "dstack_shim_image_gc_freed_bytes",
+            "Bytes freed by image collection (the engine's sizes of the images removed)",
+            self.images.freed_bytes(),
+        )?;
+        counter(
+            &mut encoder,
+            "dstack_shim_image_gc_removed_images",
+            "Unused images this shim pulled that image collection removed",
+            self.images.removed_images(),
+        )?;
+        counter(
+            &mut encoder,
+            "dstack_shim_image_pulls_without_room",
+            "Pulls failed because the image could not fit on the engine's disk after collection",
+            self.images.no_room_failures(),
+        )?;
+        if let Some(u) = self.images.last_usage() {
+            gauge(
+                &mut encoder,
+                "dstack_shim_image_fs_used_ratio",
+                "How full the file system of the engine's data root was when last measured (0-1)",
+                u.used_percent() / 100.0,
+            )?;
+            gauge(
+                &mut encoder,
+                "dstack_shim_image_fs_available_bytes",
+                "Bytes available on the file system of the engine's data root when last measured",
+                u.available as f64,
             )?;
         }
         self.usage.encode(&mut encoder)

@@ -2156,5 +2156,9 @@ async fn running_tasks_show_their_cgroup_usage_in_the_metrics() {
     // Once terminated, the task leaves the usage metrics.
     terminate_now(&engine, "t-usage", "usage").await;
     let text = scrape(&engine);
-    assert_eq!(sample(&text, "dstack_shim_task_cpu_seconds_total"), None, "{text}");
+    assert_eq!(
+        sample(&text, "dstack_shim_task_cpu_seconds_total"),
+        None,
+        "{text}"
+    );
 }

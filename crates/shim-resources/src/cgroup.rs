@@ -283,7 +283,10 @@ mod tests {
             }
         );
         // An older kernel without the OOM kill count.
-        write(&mem.join("memory.oom_control"), "oom_kill_disable 0\nunder_oom 0\n");
+        write(
+            &mem.join("memory.oom_control"),
+            "oom_kill_disable 0\nunder_oom 0\n",
+        );
         assert_eq!(cg.usage().unwrap().oom_kills, None);
     }
 

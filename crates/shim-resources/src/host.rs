@@ -96,6 +96,63 @@ pub fn disk_size(path: &Path) -> Result<u64> {
     Ok(avail.saturating_mul(bsize))
 }
 
+/// How full a file system is, from `statfs`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct FsUsage {
+    /// Its size in bytes.
+    pub capacity: u64,
+    /// Bytes an unprivileged writer can still use.
+    pub available: u64,
+}
+
+impl FsUsage {
+    /// A file system of `capacity` bytes with `available` still usable.
+    pub fn new(capacity: u64, available: u64) -> Self {
+        Self {
+            capacity,
+            available,
+        }
+    }
+
+    /// Bytes in use, as kubelet counts them: capacity less what is available (blocks
+    /// reserved for root count as used).
+    pub fn used(&self) -> u64 {
+        self.capacity.saturating_sub(self.available)
+    }
+
+    /// [`FsUsage::used`] as a percentage of the capacity (0 for an empty capacity).
+    pub fn used_percent(&self) -> f64 {
+        if self.capacity == 0 {
+            0.0
+        } else {
+            self.used() as f64 * 100.0 / self.capacity as f64
+        }
+    }
+}
+
+/// How full the file system holding `path` is.
+pub fn fs_usage(path: &Path) -> Result<FsUsage> {
+    let st = nix::sys::statfs::statfs(path).map_err(|source| Error::Sys {
+        action: "statfs",
+        path: path.to_owned(),
+        source,
+    })?;
+    #[allow(
+        clippy::unnecessary_cast,
+        reason = "the field types differ between platforms"
+    )]
+    let (blocks, avail, bsize) = (
+        st.blocks() as u64,
+        st.blocks_available() as u64,
+        st.block_size() as u64,
+    );
+    Ok(FsUsage {
+        capacity: blocks.saturating_mul(bsize),
+        available: avail.saturating_mul(bsize),
+    })
+}
+
 /// One address of an interface, as `getifaddrs` reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InterfaceAddr {

@@ -55,6 +55,10 @@ pub enum Call {
     LogsTail(String, usize),
     /// `events(labels, since_ns)`.
     Events(Vec<(String, String)>, Option<i64>),
+    /// `image_size(image)`.
+    ImageSize(String),
+    /// `delete_image(image)`.
+    DeleteImage(String),
 }
 
 impl Call {
@@ -62,6 +66,8 @@ impl Call {
     pub fn op(&self) -> &'static str {
         match self {
             Self::ImagePresent(_) => "image_present",
+            Self::ImageSize(_) => "image_size",
+            Self::DeleteImage(_) => "delete_image",
             Self::Pull { .. } => "pull",
             Self::Create(_) => "create",
             Self::Start(_) => "start",
@@ -161,6 +167,8 @@ struct State {
     calls: Vec<Call>,
     unreachable: bool,
     images: BTreeSet<String>,
+    image_sizes: BTreeMap<String, u64>,
+    data_root: Option<std::path::PathBuf>,
     containers: BTreeMap<String, FakeContainer>,
     next_id: u64,
     next_port: u16,
@@ -353,6 +361,16 @@ impl FakeRuntime {
     /// Makes an image present.
     pub fn add_image(&self, image: &str) {
         self.lock().images.insert(image.to_owned());
+    }
+
+    /// Sets the size `image_size` reports for an image (0 by default).
+    pub fn set_image_size(&self, image: &str, bytes: u64) {
+        self.lock().image_sizes.insert(image.to_owned(), bytes);
+    }
+
+    /// Sets the directory `data_root` reports (none by default).
+    pub fn set_data_root(&self, dir: Option<std::path::PathBuf>) {
+        self.lock().data_root = dir;
     }
 
     /// Removes an image.
@@ -697,6 +715,32 @@ impl ContainerRuntime for FakeRuntime {
     async fn image_present(&self, image: &str) -> Result<bool> {
         let state = self.record(Call::ImagePresent(image.to_owned()), image)?;
         Ok(state.images.contains(image))
+    }
+
+    async fn image_size(&self, image: &str) -> Result<Option<u64>> {
+        let state = self.record(Call::ImageSize(image.to_owned()), image)?;
+        Ok(state
+            .images
+            .contains(image)
+            .then(|| state.image_sizes.get(image).copied().unwrap_or(0)))
+    }
+
+    async fn delete_image(&self, image: &str) -> Result<()> {
+        let mut state = self.record(Call::DeleteImage(image.to_owned()), image)?;
+        let used = state.containers.values().any(|c| c.spec.image == image);
+        if used {
+            return Err(RuntimeError::Conflict {
+                op: "remove image",
+                what: format!("image {image}"),
+                message: "image is being used by a container".to_owned(),
+            });
+        }
+        state.images.remove(image);
+        Ok(())
+    }
+
+    async fn data_root(&self) -> Result<Option<std::path::PathBuf>> {
+        Ok(self.lock().data_root.clone())
     }
 
     async fn pull(

@@ -97,6 +97,19 @@ pub trait ContainerRuntime: Send + Sync {
     /// returns them, without trailing newlines.
     async fn logs_tail(&self, id: &str, n: usize) -> Result<Vec<String>>;
 
+    /// The size in bytes of a local image as the engine reports it (its layers, shared ones
+    /// included), or `None` when it is not present.
+    async fn image_size(&self, image: &str) -> Result<Option<u64>>;
+
+    /// Removes a local image (the reference; its layers when no other reference holds
+    /// them), never by force: an image a container uses is [`RuntimeError::Conflict`], a
+    /// missing one is success.
+    async fn delete_image(&self, image: &str) -> Result<()>;
+
+    /// The directory the engine keeps its data in (Docker's `DockerRootDir`, Podman's graph
+    /// root), if it names one: the file system images fill.
+    async fn data_root(&self) -> Result<Option<std::path::PathBuf>>;
+
     /// Subscribes to the `die`, `oom` and `destroy` events (Podman's `died` and `remove`
     /// alike) of containers carrying all of `labels` (an empty value: the label is present;
     /// checked by the shim, not left to the engine), from `since_ns` (Unix nanoseconds, that

@@ -551,14 +551,17 @@ async fn a_running_containers_process_leads_to_its_cgroup_usage() {
     let run = unique("cgroup");
     let guard = Cleanup::new(&run);
     // Busy for a while, then waits to be told to end.
-    let script = "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done; touch /tmp/busy-done; sleep 60";
+    let script =
+        "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done; touch /tmp/busy-done; sleep 60";
     let id = docker
         .create(&shell_spec(&run, &guard.labels(), script))
         .await
         .unwrap();
     docker.start(&id).await.unwrap();
     let details = docker.inspect(&id).await.unwrap();
-    let pid = details.pid.expect("a running container reports its process");
+    let pid = details
+        .pid
+        .expect("a running container reports its process");
     let cgroup = shim_resources::cgroup::Cgroups::system()
         .locate(pid)
         .unwrap_or_else(|e| panic!("the cgroup of pid {pid}: {}", shim_util::error_chain(&e)));

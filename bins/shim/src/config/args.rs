@@ -102,6 +102,13 @@ pub struct Args {
     /// for no limit [default: 2h]
     #[arg(long, value_name = "DURATION")]
     pub pull_timeout: Option<String>,
+    /// Collect unused images this shim pulled when the engine's image file system is used
+    /// above this percentage (0 to 100; 100 turns collection off) [default: 85]
+    #[arg(long, value_name = "PERCENT")]
+    pub image_gc_high_percent: Option<String>,
+    /// Collect down to this percentage (below the high one) [default: 80]
+    #[arg(long, value_name = "PERCENT")]
+    pub image_gc_low_percent: Option<String>,
     /// The dcgm-exporter binary [default: dcgm-exporter in PATH]
     #[arg(long, value_name = "PATH")]
     pub dcgm_exporter_path: Option<String>,

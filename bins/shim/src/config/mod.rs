@@ -126,6 +126,9 @@ pub struct Config {
     pub pull_stall_timeout: Option<Duration>,
     /// How long a pull may take (`None`: `0`, no limit).
     pub pull_timeout: Option<Duration>,
+    /// Image collection's thresholds, percent of the image file system: (high, low); high
+    /// 100 turns collection off.
+    pub image_gc_percent: (u8, u8),
     /// Testing only: a fake GPU host of N GPUs.
     pub fake_gpus: Option<u32>,
 }
@@ -242,6 +245,35 @@ impl Lookup<'_> {
         Ok(Some(value).filter(|d| !d.is_zero()))
     }
 
+    /// Image collection's thresholds `(high, low)`: integers 0 to 100, low under high (as
+    /// kubelet checks its `--image-gc-*-threshold`), high 100 for off.
+    fn image_gc(&self, high: &Option<String>, low: &Option<String>) -> anyhow::Result<(u8, u8)> {
+        let percent = |flag: &str, cli: &Option<String>, default: u8| -> anyhow::Result<u8> {
+            let n = self.int(flag, cli, i64::from(default))?;
+            u8::try_from(n)
+                .ok()
+                .filter(|p| *p <= 100)
+                .with_context(|| format!("{flag} must be a percentage from 0 to 100, not {n}"))
+        };
+        let high = percent(
+            "image-gc-high-percent",
+            high,
+            EngineConfig::DEFAULT_IMAGE_GC_HIGH_PERCENT,
+        )?;
+        let low = percent(
+            "image-gc-low-percent",
+            low,
+            EngineConfig::DEFAULT_IMAGE_GC_LOW_PERCENT,
+        )?;
+        if low >= high {
+            bail!(
+                "image-gc-low-percent ({low}) must be less than image-gc-high-percent ({high}): \
+                 collection frees down to the low mark once usage passes the high one"
+            );
+        }
+        Ok((high, low))
+    }
+
     /// A boolean flag: an empty environment value is false.
     fn bool(&self, flag: &str, cli: &Option<String>) -> anyhow::Result<bool> {
         match self.raw(flag, cli) {
@@ -316,6 +348,8 @@ impl Config {
             &args.pull_timeout,
             EngineConfig::DEFAULT_PULL_TIMEOUT,
         )?;
+        let image_gc_percent =
+            l.image_gc(&args.image_gc_high_percent, &args.image_gc_low_percent)?;
         let path = |flag: &str, cli: &Option<String>| {
             Some(l.string(flag, cli, ""))
                 .filter(|p| !p.is_empty())
@@ -385,6 +419,7 @@ impl Config {
             container_log,
             pull_stall_timeout,
             pull_timeout,
+            image_gc_percent,
             fake_gpus: match &args.fake_gpus {
                 Some(n) => Some(n.parse().context("--fake-gpus takes a count")?),
                 None => None,
@@ -418,6 +453,10 @@ impl Config {
             container_log: None,
             pull_stall_timeout: Some(EngineConfig::DEFAULT_PULL_STALL_TIMEOUT),
             pull_timeout: Some(EngineConfig::DEFAULT_PULL_TIMEOUT),
+            image_gc_percent: (
+                EngineConfig::DEFAULT_IMAGE_GC_HIGH_PERCENT,
+                EngineConfig::DEFAULT_IMAGE_GC_LOW_PERCENT,
+            ),
             fake_gpus: None,
         }
     }
@@ -633,10 +672,75 @@ mod tests {
         );
     }
 
-    /// Issue 28: every container's log is bounded. `--container-log-max-size` takes Docker's
-    /// sizes (units k, m, g: powers of 1024) or `daemon` (no bounds: the daemon's own log
-    /// configuration); `--container-log-max-files` an integer from 1. Defaults 100m × 3. A bad
-    /// value stops the start, naming the flag or variable and what it takes.
+    /// Issue 28 part 3: image collection's thresholds, kubelet's defaults (85 / 80) and its
+    /// check (low under high); 100 turns collection off.
+    #[test]
+    fn image_gc_thresholds() {
+        let gc = |args: &[&str], env: &[(&str, &str)]| ok(args, env).image_gc_percent;
+        assert_eq!(gc(&[], &[]), (85, 80), "kubelet's defaults");
+        assert_eq!(
+            gc(
+                &["--image-gc-high-percent", "90", "-image-gc-low-percent=50"],
+                &[]
+            ),
+            (90, 50)
+        );
+        assert_eq!(
+            gc(
+                &[],
+                &[
+                    ("DSTACK_SHIM_IMAGE_GC_HIGH_PERCENT", "100"),
+                    ("DSTACK_SHIM_IMAGE_GC_LOW_PERCENT", "")
+                ]
+            ),
+            (100, 80),
+            "100 is off; an empty variable keeps the default"
+        );
+        for (high, low, says) in [
+            (
+                "101",
+                "80",
+                "image-gc-high-percent must be a percentage from 0 to 100, not 101",
+            ),
+            (
+                "85",
+                "-1",
+                "image-gc-low-percent must be a percentage from 0 to 100, not -1",
+            ),
+            (
+                "80",
+                "80",
+                "image-gc-low-percent (80) must be less than image-gc-high-percent (80)",
+            ),
+            (
+                "50",
+                "60",
+                "image-gc-low-percent (60) must be less than image-gc-high-percent (50)",
+            ),
+        ] {
+            let err = resolve(
+                &[
+                    &format!("--image-gc-high-percent={high}"),
+                    &format!("--image-gc-low-percent={low}"),
+                ],
+                &[],
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains(says), "{high}/{low}: {err}");
+        }
+        let err = resolve(&[], &[("DSTACK_SHIM_IMAGE_GC_HIGH_PERCENT", "most")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("DSTACK_SHIM_IMAGE_GC_HIGH_PERCENT")
+                && err.contains("image-gc-high-percent"),
+            "{err}"
+        );
+    }
+
+    /// Issue 28 part 1: pulls end on a stall (default 10m), the wall clock is a backstop
+    /// (default 2h); both Go durations, 0 for none.
     #[test]
     fn pull_timeouts() {
         let timeouts = |args: &[&str], env: &[(&str, &str)]| {
@@ -697,6 +801,10 @@ mod tests {
         );
     }
 
+    /// Issue 28: every container's log is bounded. `--container-log-max-size` takes Docker's
+    /// sizes (units k, m, g: powers of 1024) or `daemon` (no bounds: the daemon's own log
+    /// configuration); `--container-log-max-files` an integer from 1. Defaults 100m × 3. A bad
+    /// value stops the start, naming the flag or variable and what it takes.
     #[test]
     fn container_log_limits() {
         let limits = |args: &[&str], env: &[(&str, &str)]| {
@@ -848,6 +956,8 @@ mod tests {
             ("reconcile-interval", "60"),
             ("container-log-max-size", "10m"),
             ("container-log-max-files", "5"),
+            ("image-gc-high-percent", "90"),
+            ("image-gc-low-percent", "70"),
             ("dcgm-exporter-path", "/e"),
             ("dcgmi-path", "/d"),
             ("nv-hostengine-path", "/n"),

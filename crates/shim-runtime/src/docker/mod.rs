@@ -223,16 +223,6 @@ impl DockerRuntime {
         Ok(Self { docker, flavour })
     }
 
-    /// Docker's data directory (`DockerRootDir` of `GET /info`), if the daemon names one.
-    pub async fn docker_root_dir(&self) -> Result<Option<std::path::PathBuf>> {
-        let info = self
-            .docker
-            .info()
-            .await
-            .map_err(|e| translate("info", "the daemon".to_owned(), e))?;
-        Ok(info.docker_root_dir.map(std::path::PathBuf::from))
-    }
-
     /// The underlying bollard client (for tests that prepare the daemon).
     pub fn client(&self) -> &Docker {
         &self.docker
@@ -364,6 +354,47 @@ impl ContainerRuntime for DockerRuntime {
                 other => Err(other),
             },
         }
+    }
+
+    async fn image_size(&self, image: &str) -> Result<Option<u64>> {
+        match self.docker.inspect_image(image).await {
+            Ok(details) => Ok(Some(
+                details
+                    .size
+                    .and_then(|s| u64::try_from(s).ok())
+                    .unwrap_or(0),
+            )),
+            Err(err) => match translate("inspect image", format!("image {image}"), err) {
+                RuntimeError::NotFound { .. } => Ok(None),
+                other => Err(other),
+            },
+        }
+    }
+
+    async fn delete_image(&self, image: &str) -> Result<()> {
+        let options = bollard::query_parameters::RemoveImageOptionsBuilder::default()
+            .force(false)
+            .noprune(false)
+            .build();
+        match self.docker.remove_image(image, Some(options), None).await {
+            Ok(_) => Ok(()),
+            Err(err) => match translate("remove image", format!("image {image}"), err) {
+                RuntimeError::NotFound { .. } => Ok(()),
+                other => Err(other),
+            },
+        }
+    }
+
+    async fn data_root(&self) -> Result<Option<std::path::PathBuf>> {
+        let info = self
+            .docker
+            .info()
+            .await
+            .map_err(|e| translate("info", "the daemon".to_owned(), e))?;
+        Ok(info
+            .docker_root_dir
+            .filter(|d| !d.is_empty())
+            .map(std::path::PathBuf::from))
     }
 
     async fn pull(
