@@ -28,7 +28,7 @@ use crate::deps::Deps;
 use crate::driver::{Execute, Recorder, Slot, Written};
 use crate::error::{EngineError, Result, chain};
 use crate::home::Home;
-use crate::images::ImageGc;
+use crate::images::{ImageGc, Pass};
 use crate::labels::LABEL_TASK_ID;
 use crate::ownership::Ownership;
 use crate::spec::{SpecContext, container_spec};
@@ -300,8 +300,8 @@ impl Effects {
         // begins.
         recorder.pulling().await;
         // The disk above its high mark is collected before the pull adds to it.
-        self.images.collect(0).await;
-        match self.pull_image(slot, &image).await {
+        let before = self.images.collect(0).await;
+        match self.pull_image(slot, &image, &before).await {
             Ok(p) => {
                 if !image.ends_with(":latest") {
                     self.image_seen(&image);
@@ -322,7 +322,14 @@ impl Effects {
     /// into its view, and room on the disk for what its layers announce (the pull fails at
     /// once, with the numbers, when there is none: see [`ImageGc::make_room`]). The error is
     /// the message for the task.
-    async fn pull_image(&self, slot: &Arc<Slot>, image: &str) -> Result<PullProgress, String> {
+    /// `before`: the pass made before the pull (what it removed counts in the message).
+    async fn pull_image(
+        &self,
+        slot: &Arc<Slot>,
+        image: &str,
+        before: &Pass,
+    ) -> Result<PullProgress, String> {
+        let (removed_before, freed_before) = (before.removed.len(), before.freed);
         let cancel = slot.pull_cancel.child_token();
         let need = Arc::new(AtomicU64::new(0));
         let announced = Arc::new(tokio::sync::Notify::new());
@@ -345,7 +352,9 @@ impl Effects {
                         continue;
                     }
                     checked = bytes;
-                    if let Err(e) = images.make_room(bytes).await {
+                    if let Err(mut e) = images.make_room(bytes).await {
+                        e.removed += removed_before;
+                        e.freed += freed_before;
                         *no_room.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
                         cancel.cancel();
                         return;

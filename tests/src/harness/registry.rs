@@ -423,6 +423,17 @@ impl FreshImage {
         &self.reference
     }
 
+    /// The image straight from the registry, at full speed (no proxy):
+    /// `<registry>/<repo>:<tag>`. A second name of the same image: pulled by either, it is
+    /// removed under the name it was pulled by.
+    pub fn direct_reference(&self) -> String {
+        let (_, tag) = self
+            .reference
+            .rsplit_once(':')
+            .unwrap_or((&self.reference, ""));
+        format!("{}/{}:{tag}", self.registry.addr(), self.repo)
+    }
+
     /// The size of the fresh layer as pulled (gzip), in bytes.
     pub fn layer_bytes(&self) -> u64 {
         self.layer_bytes
