@@ -660,3 +660,82 @@ fn operations_md_lists_every_metric() {
         );
     }
 }
+
+/// Issue 28 part 1: a pull whose registry stops sending mid-layer (a [`SlowProxy`] that
+/// stalls after 4 MiB of answers, half the layer) is given up after `--pull-stall-timeout`; the event stream
+/// says so (`pull_stalled`, with the bytes done of the total and how long nothing moved)
+/// before the `terminated` change, the task ends `creating_container_error` with the numbers,
+/// and `dstack_shim_pull_stalls_total` counts it.
+///
+/// [`SlowProxy`]: shim_e2e::harness::SlowProxy
+#[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+fn a_stalled_pull_is_an_event_a_termination_and_a_count() {
+    require_docker();
+    let fresh = shim_e2e::harness::FreshImage::push("shim-observe-stall", 8 << 20).unwrap();
+    // The manifests and configs pass; the layer's first half too (whole MiB blocks: what the
+    // containerd store reports), then nothing.
+    fresh.proxy().stall_after(4 << 20);
+    let shim = start(&["--pull-stall-timeout", "3s"]);
+    let mut sse = Sse::connect(shim.addr());
+    assert_eq!(sse.next_event().event, "snapshot");
+    let id = shim.unique_id("stall");
+    let id = id.as_str();
+    let config = json!({
+        "id": id, "name": format!("observe-{id}"), "image_name": fresh.reference(),
+        "gpu": 0, "network_mode": "bridge", "container_user": "root",
+        "registry_username": shim_e2e::registry_user(),
+        "registry_password": shim_e2e::registry_password(),
+    });
+    shim.submit(&config).ok();
+    let info = shim.wait_status(id, "terminated");
+    assert_eq!(
+        info["termination_reason"], "creating_container_error",
+        "{info}"
+    );
+    let message = info["termination_message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!(
+            "pulling image {} stalled: nothing moved for 3",
+            fresh.reference()
+        )) && message.contains("downloaded in"),
+        "{message}"
+    );
+    let mut changes = Vec::new();
+    while !changes.iter().any(|c: &Value| c["change"] == "terminated") {
+        let event = sse.next_event();
+        changes.push(serde_json::from_str::<Value>(&event.data).unwrap());
+    }
+    let kinds: Vec<&str> = changes
+        .iter()
+        .map(|c| c["change"].as_str().unwrap())
+        .collect();
+    eprintln!("MEASURED a stalled pull's changes: {changes:?}; message: {message}");
+    let stalled = changes
+        .iter()
+        .find(|c| c["change"] == "pull_stalled")
+        .unwrap_or_else(|| panic!("no pull_stalled before terminated: {kinds:?}"));
+    assert_eq!(stalled["task"], id);
+    assert_eq!(stalled["image"], fresh.reference());
+    let (done, total) = (
+        stalled["downloaded_bytes"].as_u64().unwrap(),
+        stalled["total_bytes"].as_u64().unwrap(),
+    );
+    assert!(
+        done > 0 && done < total && total >= fresh.layer_bytes(),
+        "{stalled}"
+    );
+    let stalled_ms = stalled["stalled_ms"].as_u64().unwrap();
+    assert!((3000..4000).contains(&stalled_ms), "{stalled}");
+    assert!(stalled["elapsed_ms"].as_u64().unwrap() >= stalled_ms);
+    assert_eq!(
+        kinds.iter().rev().take(2).collect::<Vec<_>>(),
+        [&"terminated", &"pull_stalled"],
+        "{kinds:?}"
+    );
+    assert_eq!(
+        metrics(&shim).get("dstack_shim_pull_stalls_total", &[]),
+        1.0
+    );
+    shim.remove_retrying(id);
+}

@@ -37,6 +37,20 @@ pub enum ChangeKind {
         /// The message.
         termination_message: String,
     },
+    /// The task's image pull made no progress for the stall timeout and was given up (the
+    /// `terminated` change with `creating_container_error` follows).
+    PullStalled {
+        /// The image.
+        image: String,
+        /// Bytes downloaded before the stall.
+        downloaded_bytes: u64,
+        /// The image's size as far as the engine had announced it.
+        total_bytes: u64,
+        /// How long nothing moved, milliseconds.
+        stalled_ms: u64,
+        /// How long the pull ran, milliseconds.
+        elapsed_ms: u64,
+    },
     /// Everything the task held is released (recorded durably).
     Released,
     /// Removed: forgotten, its directory deleted.

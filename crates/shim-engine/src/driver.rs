@@ -281,6 +281,35 @@ impl Recorder<'_> {
         }
     }
 
+    /// The pull was given up as stalled (`error`): subscribers are told, before the
+    /// termination that follows.
+    pub(crate) fn pull_stalled(&self, error: &shim_runtime::RuntimeError) {
+        let shim_runtime::RuntimeError::PullStalled {
+            image,
+            stalled_for,
+            done_bytes,
+            total_bytes,
+            elapsed,
+            ..
+        } = error
+        else {
+            return;
+        };
+        let ms = |d: &std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        let _order = self.slot.lock();
+        self.driver.changes.send(
+            &self.slot.id,
+            ChangeKind::PullStalled {
+                image: image.clone(),
+                downloaded_bytes: *done_bytes,
+                total_bytes: *total_bytes,
+                stalled_ms: ms(stalled_for),
+                elapsed_ms: ms(elapsed),
+            },
+            now_ms(),
+        );
+    }
+
     /// Deletes the task's directory; no later write recreates it.
     pub(crate) async fn delete_dir(&self) -> Result<()> {
         let mut deleted = self.slot.step_lock.lock().await;

@@ -301,7 +301,7 @@ impl Effects {
         recorder.pulling().await;
         // The disk above its high mark is collected before the pull adds to it.
         let before = self.images.collect(0).await;
-        match self.pull_image(slot, &image, &before).await {
+        match self.pull_image(slot, &image, &before, recorder).await {
             Ok(p) => {
                 if !image.ends_with(":latest") {
                     self.image_seen(&image);
@@ -322,12 +322,14 @@ impl Effects {
     /// into its view, and room on the disk for what its layers announce (the pull fails at
     /// once, with the numbers, when there is none: see [`ImageGc::make_room`]). The error is
     /// the message for the task.
-    /// `before`: the pass made before the pull (what it removed counts in the message).
+    /// `before`: the pass made before the pull (what it removed counts in the message). A
+    /// stall is told to subscribers through `recorder`.
     async fn pull_image(
         &self,
         slot: &Arc<Slot>,
         image: &str,
         before: &Pass,
+        recorder: &Recorder<'_>,
     ) -> Result<PullProgress, String> {
         let (removed_before, freed_before) = (before.removed.len(), before.freed);
         let cancel = slot.pull_cancel.child_token();
@@ -385,6 +387,7 @@ impl Effects {
             Ok(p) => Ok(p),
             Err(e) => {
                 let no_room = no_room.lock().unwrap_or_else(|p| p.into_inner()).take();
+                recorder.pull_stalled(&e);
                 Err(match no_room {
                     Some(why) => format!("cannot pull image {image}: {why}"),
                     None => chain(&e),

@@ -482,13 +482,15 @@ async fn terminate_running_stops_with_timeout_and_releases() {
 }
 
 /// A pull that stops moving for the stall timeout ends the task `creating_container_error`
-/// (as any failed pull) with a message in numbers, and is counted.
+/// (as any failed pull) with a message in numbers, is counted, and subscribers see a
+/// `pull_stalled` change before the termination.
 #[tokio::test]
 async fn a_stalled_pull_fails_the_task_and_is_counted() {
     let w = World::new(0);
     let mut cfg = w.config();
     cfg.pull_stall_timeout = Some(Duration::from_millis(50));
     let engine = Engine::open(cfg, w.deps()).await.unwrap();
+    let mut changes = engine.subscribe();
     w.runtime.set_pull_behavior(PullBehavior::Hang {
         steps: vec![PullProgress {
             downloaded_bytes: 3 << 20,
@@ -516,6 +518,36 @@ async fn a_stalled_pull_fails_the_task_and_is_counted() {
     assert!(
         metrics.contains(r#"dstack_shim_docker_errors_total{op="pull",kind="stalled"} 1"#),
         "{metrics}"
+    );
+    let mut seen = Vec::new();
+    while let Some(Ok(change)) = changes.try_recv() {
+        seen.push(serde_json::to_value(&change.kind).unwrap());
+    }
+    let stalled = seen
+        .iter()
+        .position(|c| c["change"] == "pull_stalled")
+        .unwrap_or_else(|| panic!("no pull_stalled change: {seen:?}"));
+    let c = &seen[stalled];
+    assert_eq!(
+        (
+            &c["image"],
+            &c["downloaded_bytes"],
+            &c["total_bytes"],
+            &c["stalled_ms"]
+        ),
+        (
+            &serde_json::json!("img:latest"),
+            &serde_json::json!(3 << 20),
+            &serde_json::json!(8 << 20),
+            &serde_json::json!(50)
+        ),
+        "{c}"
+    );
+    assert!(
+        seen[stalled + 1..]
+            .iter()
+            .any(|c| c["change"] == "terminated"),
+        "the termination follows: {seen:?}"
     );
 }
 
