@@ -1,12 +1,14 @@
 //! The figures that need no Docker daemon: durable `task.json` writes
 //! (`crates/shim-store/examples/write_latency.rs`) and the engine on the fake runtime
-//! (`crates/shim-engine/benches/engine.rs`), both release builds.
+//! (`crates/shim-engine/benches/engine.rs`), both release builds; and a pull through the
+//! runtime against the raw API (`crates/shim-runtime/benches/pull.rs`, which needs Docker
+//! and the registry).
 
 use anyhow::{Context as _, Result};
 use serde_json::Value;
 use shim_e2e::harness::{cargo, target_dir};
 
-use super::report::Row;
+use super::report::{Comparison, Goal, Row};
 use crate::cmd;
 
 /// Durable writes with the `write_latency` example.
@@ -59,4 +61,35 @@ pub fn engine(quick: bool) -> Result<Vec<Row>> {
         .iter()
         .map(|b| Row::from_json("engine", b))
         .collect()
+}
+
+/// The pull bench: medians of the runtime's pull and of bollard's bare one, same images.
+pub fn pull(quick: bool) -> Result<Comparison> {
+    let path = target_dir().join("bench-pull.json");
+    let mut command = cmd::cmd(cargo());
+    command
+        .current_dir(shim_e2e::repo_root())
+        .args(["bench", "-p", "shim-runtime", "--bench", "pull", "--"])
+        .arg("--json")
+        .arg(&path);
+    if quick {
+        command.arg("--quick");
+    }
+    cmd::run(&mut command)?;
+    let value: Value = serde_json::from_slice(&fs_err::read(&path)?)?;
+    let ms = |key: &str| {
+        value[key]
+            .as_f64()
+            .with_context(|| format!("no {key} in {}", path.display()))
+    };
+    let mib = value["payload_bytes"].as_f64().unwrap_or(0.0) / 1048576.0;
+    Ok(Comparison::new(
+        "pull_ms",
+        format!("(8) pull of a {mib:.0} MiB layer on loopback, median"),
+        "ms",
+        ms("runtime_median_ms")?,
+        Some(ms("raw_median_ms")?),
+        Goal::AtMostRawTimes(1.02),
+    )
+    .with_detail(value))
 }

@@ -8,6 +8,8 @@
 //! - [`load`]: (3) tasks/s at concurrency 4 and 16 and (4) dockerd CPU per started task;
 //! - [`scale`]: (2) idle dockerd CPU with 100 and 300 running tasks with and without the shim,
 //!   (7) the shim's RSS at 300, (6) SIGKILL → all of 300 and 1,000 tasks `running` again;
+//! - [`micro::pull`]: (8) a pull through the runtime against the raw API (issue 28, goal
+//!   ≤ 1.02×), `crates/shim-runtime/benches/pull.rs`;
 //! - [`fleet`]: the shim and the raw containers being compared (same image, same runner, a
 //!   runner that waits on a FIFO at no cost), dockerd's CPU time;
 //! - [`dockerapi`]: the bench's own Engine API client over the Unix socket;
@@ -54,10 +56,12 @@ pub enum Fig {
     Restart,
     /// (7) RSS.
     Rss,
+    /// (8) a pull through the runtime against the raw API.
+    Pull,
 }
 
 impl Fig {
-    const ALL: [(Fig, &'static str); 8] = [
+    const ALL: [(Fig, &'static str); 9] = [
         (Fig::Store, "store"),
         (Fig::Engine, "engine"),
         (Fig::ExitLatency, "exit-latency"),
@@ -66,6 +70,7 @@ impl Fig {
         (Fig::SubmitLatency, "submit-latency"),
         (Fig::Restart, "restart"),
         (Fig::Rss, "rss"),
+        (Fig::Pull, "pull"),
     ];
 
     fn needs_docker(self) -> bool {
@@ -241,6 +246,10 @@ fn docker_figures(
         if ctx.wants(Fig::IdleCpu) || ctx.wants(Fig::Restart) || ctx.wants(Fig::Rss) {
             scale::scale(&ctx, comparisons)?;
         }
+        if ctx.wants(Fig::Pull) {
+            println!("\n=== (8) a pull through the runtime against the raw API");
+            comparisons.push(micro::pull(ctx.quick)?);
+        }
         let left = ctx.scratch.raw_remove_all()?;
         anyhow::ensure!(left == 0, "{left} raw containers were left behind");
         context["other_containers_at_end"] = json!(foreign_containers(&ctx.scratch)?);
@@ -299,7 +308,7 @@ mod tests {
     fn figures_are_picked_by_name_and_mode() {
         let args = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
         let all = Options::parse(&[]).unwrap().selected();
-        assert_eq!(all.len(), 8);
+        assert_eq!(all.len(), 9);
         let quick = Options::parse(&args(&["--quick"])).unwrap().selected();
         assert!(!quick.contains(&Fig::Store) && quick.contains(&Fig::Restart));
         let picked = Options::parse(&args(&["exit-latency", "rss"])).unwrap();
