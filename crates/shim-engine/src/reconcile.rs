@@ -30,8 +30,8 @@ use std::time::Duration;
 
 use futures_util::StreamExt as _;
 use shim_runtime::{
-    ContainerDetails, ContainerEvent, ContainerRuntime, ContainerState, ContainerSummary,
-    EventKind, EventStream, RuntimeError, docker_time_ns,
+    ContainerEvent, ContainerRuntime, ContainerState, ContainerSummary, EventKind, EventStream,
+    RuntimeError, docker_time_ns,
 };
 use shim_task::TaskStatus;
 use shim_task::machine::{Event, Observation};
@@ -342,7 +342,7 @@ impl Reconciler {
             }
             EventKind::Destroy => Observation::Missing,
             EventKind::Die { exit_code: None } => {
-                match self.observe_stopped_at(&event.container_id).await {
+                match self.observe_stopped_at(slot, &event.container_id).await {
                     (Some(observation), finished_ns) => {
                         if let Some(ns) = finished_ns {
                             slot.exit_ns.store(ns, Ordering::SeqCst);
@@ -361,31 +361,7 @@ impl Reconciler {
                 exit_code: Some(code),
             } => {
                 slot.exit_ns.store(event.time_ns, Ordering::SeqCst);
-                let mut oom_killed = slot.oom.swap(false, Ordering::SeqCst);
-                // Podman sends no `oom` event: a SIGKILL (137) not known as an OOM kill asks
-                // the container's state, where Docker and Podman both set `OOMKilled`. One
-                // inspect, only for such exits (a failed one leaves the flag as it is).
-                if !oom_killed
-                    && code == SIGKILL_EXIT
-                    && let Ok(d) = self.runtime.inspect(&event.container_id).await
-                {
-                    oom_killed = d.oom_killed;
-                }
-                // A clean exit (code 0, OOM-killed helpers or not) needs no log lines; an
-                // error reads them (Docker serves logs without the container's lock).
-                let last_lines = if code == 0 {
-                    Vec::new()
-                } else {
-                    self.runtime
-                        .logs_tail(&event.container_id, self.exit_log_lines)
-                        .await
-                        .unwrap_or_default()
-                };
-                Observation::Exited {
-                    code,
-                    last_lines,
-                    oom_killed,
-                }
+                self.exited(slot, &event.container_id, code, None).await
             }
         };
         if let Err(e) = self.driver.drive(slot, Event::Observed(observation)).await {
@@ -542,15 +518,20 @@ impl Reconciler {
     /// failed: the next cycle looks again), also noting when it exited (the start of the exit
     /// → terminated latency).
     async fn observe_stopped_slot(&self, slot: &Slot, container_id: &str) -> Observation {
-        let (observation, finished_ns) = self.observe_stopped_at(container_id).await;
+        let (observation, finished_ns) = self.observe_stopped_at(slot, container_id).await;
         if let Some(ns) = finished_ns {
             slot.exit_ns.store(ns, Ordering::SeqCst);
         }
         observation.unwrap_or(Observation::Running)
     }
 
-    /// The observation (`None` when the inspect failed) and when the container finished.
-    async fn observe_stopped_at(&self, container_id: &str) -> (Option<Observation>, Option<i64>) {
+    /// The observation of an inspect (`None` when the inspect failed) and when the container
+    /// finished.
+    async fn observe_stopped_at(
+        &self,
+        slot: &Slot,
+        container_id: &str,
+    ) -> (Option<Observation>, Option<i64>) {
         let d = match self.runtime.inspect(container_id).await {
             Err(RuntimeError::NotFound { .. }) => return (Some(Observation::Missing), None),
             Err(e) => {
@@ -560,26 +541,55 @@ impl Reconciler {
             Ok(d) => d,
         };
         let finished = d.finished_at.as_deref().and_then(docker_time_ns);
-        (Some(self.observation_of(container_id, d).await), finished)
-    }
-
-    async fn observation_of(&self, container_id: &str, d: ContainerDetails) -> Observation {
-        match d.state {
+        let observation = match d.state {
             ContainerState::Created => Observation::NeverStarted,
             ref s if s.is_running() => Observation::Running,
             _ => {
                 let code = d.exit_code.unwrap_or(-1);
-                let last_lines = self
-                    .runtime
-                    .logs_tail(container_id, self.exit_log_lines)
+                self.exited(slot, container_id, code, Some(d.oom_killed))
                     .await
-                    .unwrap_or_default();
-                Observation::Exited {
-                    code,
-                    last_lines,
-                    oom_killed: d.oom_killed,
-                }
             }
+        };
+        (Some(observation), finished)
+    }
+
+    /// The one builder of what a container's end looks like, however the end was found (its
+    /// `die` event, or an inspect after an event without a code or a list): the exit code;
+    /// whether the OOM killer ended it (an `oom` event seen before, or the engine's
+    /// `OOMKilled`: `oom_killed` when an inspect gave it, else asked for a SIGKILL (137) only,
+    /// as Podman sends no `oom` event); and, for a non-zero exit, the last lines of its log
+    /// (an exit 0 is `done_by_runner` with no message, so none are read).
+    async fn exited(
+        &self,
+        slot: &Slot,
+        container_id: &str,
+        code: i64,
+        oom_killed: Option<bool>,
+    ) -> Observation {
+        let seen_oom = slot.oom.swap(false, Ordering::SeqCst);
+        let oom_killed = match oom_killed {
+            _ if seen_oom => true,
+            Some(known) => known,
+            None if code == SIGKILL_EXIT => self
+                .runtime
+                .inspect(container_id)
+                .await
+                .is_ok_and(|d| d.oom_killed),
+            None => false,
+        };
+        // Docker serves logs without the container's lock.
+        let last_lines = if code == 0 {
+            Vec::new()
+        } else {
+            self.runtime
+                .logs_tail(container_id, self.exit_log_lines)
+                .await
+                .unwrap_or_default()
+        };
+        Observation::Exited {
+            code,
+            last_lines,
+            oom_killed,
         }
     }
 }

@@ -252,6 +252,38 @@ async fn exit_without_event_is_found_by_relist_with_last_lines() {
     );
 }
 
+/// Issue 29 part 2: one builder of a container's end. Found by a list as by its event, an
+/// exit 0 reads no log line (it is `done_by_runner` with no message) and an exit with an error
+/// reads them once.
+#[tokio::test]
+async fn an_exit_found_by_a_list_is_judged_as_its_event_would_be() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    for (id, code) in [("t0", 0), ("t3", 3)] {
+        engine.submit(config(id)).await.unwrap();
+        let info = wait_status(&engine, id, TaskStatus::Running).await;
+        w.runtime.set_logs(&info.container_id, &["last words"]);
+        w.runtime.clear_calls();
+        assert!(w.runtime.exit_without_event(&info.container_id, code));
+        assert!(engine.reconcile_now().await);
+        let info = engine.task_info(&tid(id)).unwrap();
+        let expected = if code == 0 {
+            ("done_by_runner", "", 0)
+        } else {
+            ("container_exited_with_error", "last words", 1)
+        };
+        assert_eq!(
+            (
+                info.termination_reason.as_str(),
+                info.termination_message.as_str(),
+                w.runtime.count("logs_tail")
+            ),
+            expected,
+            "{id}"
+        );
+    }
+}
+
 /// A cycle never judges a task by a list requested before the task's start ended: that list
 /// cannot show the container the start made. Here the list answers late, after the start,
 /// with what it saw when requested (no container). Until 2026-11-30 the check compared

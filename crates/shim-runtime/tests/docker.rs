@@ -1030,6 +1030,55 @@ async fn remove_image(docker: &DockerRuntime, image: &str) {
     }
 }
 
+/// Issue 28 part 3, what image collection asks of the engine: the data root is a directory
+/// of this host (the file system measured); a pulled image has a size of at least its fresh
+/// layer; removing it while a container (even an exited one) uses it is a conflict, never
+/// forced; once the container is gone it is removed, its size is `None`, and removing it again
+/// is no error.
+#[tokio::test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+async fn an_image_is_sized_kept_while_used_and_removed_when_not() {
+    require_docker();
+    let docker = runtime().await;
+    let root = docker
+        .data_root()
+        .await
+        .unwrap()
+        .expect("the engine names its data root");
+    assert!(root.is_dir(), "{}", root.display());
+    let fresh = FreshImage::push("shim-runtime-gc", 1 << 20).unwrap();
+    let image = fresh.direct_reference();
+    assert_eq!(docker.image_size(&image).await.unwrap(), None);
+    let request = PullRequest::new(&image)
+        .with_auth(Some(registry_auth()))
+        .with_timeout(Some(Duration::from_secs(300)));
+    docker
+        .pull(&request, &|_| {}, CancellationToken::new())
+        .await
+        .unwrap();
+    let size = docker.image_size(&image).await.unwrap().unwrap();
+    assert!(size >= 1 << 20, "{size} bytes for {image}");
+
+    let run = unique("gc");
+    let guard = Cleanup::new(&run);
+    let mut spec = shell_spec(&run, &guard.labels(), "exit 0");
+    spec.image = image.clone();
+    let (details, _) = run_to_exit(&docker, &spec).await;
+    match docker.delete_image(&image).await {
+        Err(RuntimeError::Conflict { .. }) => {}
+        other => panic!("removing an image an exited container uses: {other:?}"),
+    }
+    assert_eq!(docker.image_size(&image).await.unwrap(), Some(size));
+    docker.remove(&details.id).await.unwrap();
+    docker.delete_image(&image).await.unwrap();
+    assert_eq!(docker.image_size(&image).await.unwrap(), None);
+    docker.delete_image(&image).await.unwrap();
+    eprintln!(
+        "MEASURED data root {}; {image}: {size} bytes",
+        root.display()
+    );
+}
+
 #[tokio::test]
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn pull_from_registry_with_and_without_credentials() {
