@@ -113,7 +113,7 @@ pub(crate) struct ImageGc {
     /// One pass at a time.
     pass: tokio::sync::Mutex<()>,
     /// The engine's data root, once known.
-    data_root: Mutex<Option<PathBuf>>,
+    data_root: Mutex<Option<Option<PathBuf>>>,
     freed_bytes: AtomicU64,
     removed_images: AtomicU64,
     no_room: AtomicU64,
@@ -269,22 +269,25 @@ impl ImageGc {
         }
     }
 
-    /// The engine's data root (asked once it answers).
+    /// The engine's data root, asked until the engine answers, then remembered (an engine
+    /// that names none is not asked again: no request while idle).
     async fn data_root(&self) -> Option<PathBuf> {
-        if let Some(dir) = self
+        if let Some(known) = self
             .data_root
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
         {
-            return Some(dir);
+            return known;
         }
         match self.runtime.data_root().await {
-            Ok(Some(dir)) => {
-                *self.data_root.lock().unwrap_or_else(|p| p.into_inner()) = Some(dir.clone());
-                Some(dir)
+            Ok(answer) => {
+                if answer.is_none() {
+                    tracing::info!("the engine names no data root: images are not collected");
+                }
+                *self.data_root.lock().unwrap_or_else(|p| p.into_inner()) = Some(answer.clone());
+                answer
             }
-            Ok(None) => None,
             Err(e) => {
                 tracing::debug!(error = %chain(&e), "cannot ask the engine for its data root");
                 None

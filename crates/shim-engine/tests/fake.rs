@@ -1238,8 +1238,10 @@ async fn exits_come_from_events_without_an_inspect() {
 }
 
 /// Idle, the engine asks Docker for nothing: no list every second (the full list is a
-/// backstop of minutes), no retries when nothing failed.
-#[tokio::test]
+/// backstop of minutes, an hour in this world), no retries when nothing failed, no request by
+/// the image collection's checks (one a minute). Paused time: half an hour runs in
+/// milliseconds.
+#[tokio::test(start_paused = true)]
 async fn idle_costs_no_docker_request() {
     let w = World::new(0);
     let engine = w.engine().await;
@@ -1251,7 +1253,7 @@ async fn idle_costs_no_docker_request() {
         wait_status(&engine, &format!("t{i}"), TaskStatus::Running).await;
     }
     w.runtime.clear_calls();
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    tokio::time::sleep(Duration::from_secs(1800)).await;
     assert_eq!(w.runtime.calls(), [], "requests while idle");
 }
 
