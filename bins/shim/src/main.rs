@@ -8,9 +8,7 @@
 //! binary was installed is an upgrade in place (`upgrade`): the process `exec`s the new
 //! binary, which takes over the listening socket (`listen_fds`).
 
-mod adapter;
 mod argv;
-mod components;
 mod config;
 mod engine;
 mod listen_fds;
@@ -26,7 +24,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use shim_components::{ComponentName, Components, ComponentsConfig};
-use shim_http::{Listeners, ServerConfig, ShimApi, serve};
+use shim_http::{ComponentsHttp, EngineApi, Listeners, ServerConfig, ShimApi, serve};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, VERSION};
@@ -219,7 +217,8 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
         });
     }
     let (engine, dcgm) = engine::open(&config, &home).await?;
-    let api: Arc<dyn ShimApi> = Arc::new(adapter::EngineApi::new(engine.clone(), dcgm.clone()));
+    let api: Arc<dyn ShimApi> =
+        Arc::new(EngineApi::new(engine.clone(), VERSION).with_dcgm(dcgm.clone()));
 
     let drain = {
         let components = components.clone();
@@ -247,7 +246,7 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
     serve(
         listeners,
         api,
-        Arc::new(components::ComponentsHttp(components.clone())),
+        Arc::new(ComponentsHttp(components.clone())),
         server_config,
         shutdown,
     )

@@ -234,9 +234,9 @@ pub struct ComponentInfo {
     pub status: ComponentStatus,
 }
 
-/// What the HTTP layer needs from the engine. `shim-engine` knows nothing of HTTP: the
-/// `dstack-shim` binary implements this over its `Engine` (its `adapter.rs`), mapping engine
-/// errors to [`ErrorKind`]s; tests implement it with fakes. Every method is called from a
+/// What the HTTP layer needs from the engine. `shim-engine` knows nothing of HTTP:
+/// `EngineApi` (feature `engine`) implements this over its `Engine`, mapping engine errors to
+/// [`ErrorKind`]s; tests implement it with fakes. Every method is called from a
 /// request handler, so none may block.
 #[async_trait]
 pub trait ShimApi: Send + Sync + 'static {
@@ -380,8 +380,9 @@ impl Readiness {
 }
 
 /// What the HTTP layer needs from the component installer. `shim-components` knows nothing
-/// of HTTP: the `dstack-shim` binary implements this over its `Components` (its
-/// `components.rs`), mapping its errors to [`ErrorKind`]s; tests implement it with fakes.
+/// of HTTP: `ComponentsHttp` (feature `components`) implements this over its `Components`,
+/// mapping its errors to [`ErrorKind`]s; [`NoComponents`] is none; tests implement it with
+/// fakes.
 #[async_trait]
 pub trait ComponentsApi: Send + Sync + 'static {
     /// The state of every component, runner first.
@@ -389,4 +390,22 @@ pub trait ComponentsApi: Send + Sync + 'static {
     /// Starts installing `name` from `url` in the background and returns at once.
     /// `Conflict` when that component is already installing.
     async fn install(&self, name: ComponentName, url: String) -> Result<(), ApiError>;
+}
+
+/// No component installer: `GET /api/components` lists none, an install is a 400. For an
+/// agent that installs nothing through the API.
+pub struct NoComponents;
+
+#[async_trait]
+impl ComponentsApi for NoComponents {
+    async fn list(&self) -> Vec<ComponentInfo> {
+        Vec::new()
+    }
+
+    async fn install(&self, name: ComponentName, _url: String) -> Result<(), ApiError> {
+        Err(ApiError::bad_request(format!(
+            "{} cannot be installed through this agent",
+            name.as_str()
+        )))
+    }
 }

@@ -29,6 +29,10 @@
 
 pub mod api;
 pub mod body;
+#[cfg(feature = "components")]
+mod components_api;
+#[cfg(feature = "engine")]
+mod engine_api;
 mod events;
 mod gojson;
 mod handlers;
@@ -40,10 +44,14 @@ use std::path::PathBuf;
 
 pub use api::{
     ApiError, ChangeEvent, ChangeFeed, ComponentInfo, ComponentName, ComponentStatus,
-    ComponentsApi, ErrorKind, FeedError, InstallRequest, InstanceInfo, Readiness, ShimApi,
-    ShutdownRequest, TerminateRequest,
+    ComponentsApi, ErrorKind, FeedError, InstallRequest, InstanceInfo, NoComponents, Readiness,
+    ShimApi, ShutdownRequest, TerminateRequest,
 };
 pub use body::MAX_BODY_BYTES;
+#[cfg(feature = "components")]
+pub use components_api::ComponentsHttp;
+#[cfg(feature = "engine")]
+pub use engine_api::EngineApi;
 pub use events::EventsConfig;
 pub use server::{ConnectionLimits, DrainFuture, Listeners, ServerConfig, ShutdownHook, serve};
 

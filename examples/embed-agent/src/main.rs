@@ -1,7 +1,7 @@
 //! An example host agent built on `shim-engine`, as an outside project embeds it: it opens an
-//! engine on a temporary home, subscribes to task changes, runs one task until it runs,
-//! terminates and removes it, and shows the engine's readiness and metrics in its own
-//! Prometheus registry.
+//! engine on a temporary home, serves dstack's HTTP API over it on a loopback port
+//! (`shim-http`'s `EngineApi`), subscribes to task changes, runs one task until it runs, reads
+//! it back through the API, terminates and removes it, and reads the metrics through the API.
 //!
 //! - With `SHIM_TEST_DOCKER=1`: on the local Docker daemon, the image `SHIM_TEST_IMAGE`
 //!   (default `shim-test:1`, made by the shim's `cargo xtask dev-env`) and the runner
@@ -17,8 +17,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use shim_engine::prometheus_client::registry::Registry;
 use shim_engine::{ChangeKind, Deps, Engine, EngineConfig, Shutdown, SubscriptionError};
+use shim_http::{EngineApi, Listeners, NoComponents, ServerConfig, serve};
 use shim_resources::fake::{FakeAuthorizedKeys, FakeVolumes};
 use shim_resources::{AuthorizedKeysManager, BlockVolumes, SystemCommandRunner, VolumeConfig};
 use shim_runtime::DockerRuntime;
@@ -81,8 +81,19 @@ async fn run() -> Result<(), AnyError> {
     if !health.is_ready() {
         return Err(format!("engine not ready: {:?}", health.reasons()).into());
     }
-    let mut registry = Registry::default();
-    engine.register_metrics(&mut registry);
+    // dstack's API over the engine, on a free port of loopback.
+    let listeners = Listeners::bind("127.0.0.1:0".parse()?, None).await?;
+    let addr = listeners.tcp_addr();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let version = "0.22.5+embed-agent.0.1.0";
+    let api = Arc::new(EngineApi::new(engine.clone(), version));
+    let server = tokio::spawn(serve(
+        listeners,
+        api,
+        Arc::new(NoComponents),
+        ServerConfig::new(version),
+        stop.clone(),
+    ));
 
     // Subscribe before submitting: every change of the task arrives, in order.
     let mut changes = engine.subscribe();
@@ -106,6 +117,11 @@ async fn run() -> Result<(), AnyError> {
             ChangeKind::Status { status } => {
                 seen.push(status);
                 if status == TaskStatus::Running {
+                    let answer = get(addr, &format!("/api/tasks/{id}")).await?;
+                    if !answer.contains("\"status\":\"running\"") {
+                        return Err(format!("the API does not show it running: {answer}").into());
+                    }
+                    println!("GET /api/tasks/{id}: running");
                     engine
                         .terminate(
                             &id,
@@ -130,16 +146,28 @@ async fn run() -> Result<(), AnyError> {
     engine.remove(&id).await?;
     println!("removed {id}");
 
-    let mut text = String::new();
-    shim_engine::prometheus_client::encoding::text::encode(&mut text, &registry)?;
-    let submitted = text
+    let metrics = get(addr, "/metrics").await?;
+    let submitted = metrics
         .lines()
         .find(|l| l.starts_with("dstack_shim_tasks_submitted"))
-        .ok_or("no dstack_shim_tasks_submitted in the registry")?;
-    println!("metrics: {submitted}");
+        .ok_or("no dstack_shim_tasks_submitted in GET /metrics")?;
+    println!("GET /metrics: {submitted}");
 
+    stop.cancel();
+    server.await??;
     engine
         .shutdown(Shutdown::Graceful(Duration::from_secs(5)))
         .await;
     Ok(())
+}
+
+/// One `GET` of the API (HTTP/1.1, the connection closed after it): the whole answer.
+async fn get(addr: std::net::SocketAddr, path: &str) -> Result<String, AnyError> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await?;
+    Ok(answer)
 }

@@ -1,10 +1,11 @@
-//! The HTTP layer's view of the component installer: [`ComponentsApi`] implemented over
-//! [`Components`], its types mapped to the API's wire types and its errors to API error kinds
-//! (the status codes themselves are chosen in `shim-http`).
+//! The component installer behind the API (feature `components`): [`ComponentsApi`]
+//! implemented over `shim_components::Components`, its types mapped to the API's wire types
+//! and its errors to API error kinds (the status codes themselves are chosen in
+//! [`ErrorKind::status`](crate::ErrorKind::status)).
 
+use crate::{ApiError, ComponentInfo, ComponentName, ComponentStatus, ComponentsApi};
 use async_trait::async_trait;
 use shim_components::{Components, Error};
-use shim_http::{ApiError, ComponentInfo, ComponentName, ComponentStatus, ComponentsApi};
 use shim_util::error_chain;
 
 /// The component installer behind the API.
@@ -68,8 +69,8 @@ mod tests {
 
     use std::os::unix::fs::PermissionsExt;
 
+    use crate::ErrorKind;
     use shim_components::ComponentsConfig;
-    use shim_http::ErrorKind;
 
     use super::*;
 

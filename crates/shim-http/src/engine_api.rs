@@ -1,8 +1,21 @@
-//! The HTTP layer's view of the engine: [`ShimApi`] implemented over [`Engine`], with the
-//! engine's error kinds as API error kinds (the status codes themselves are chosen in
-//! `shim-http`); the engine's task changes as the API's change feed (`GET /api/events`), its
-//! metrics with the binary's build info in one registry (`GET /metrics`) and its health as
-//! readiness (`GET /api/ready`).
+//! The engine behind the API (feature `engine`): [`ShimApi`] implemented over
+//! `shim_engine::Engine`, so an agent that embeds the engine serves dstack's API in a few
+//! lines. The engine's error kinds become API error kinds (the status codes themselves are
+//! chosen in [`ErrorKind::status`](crate::ErrorKind::status)); its task changes are the change
+//! feed (`GET /api/events`), its metrics with the build info in one registry (`GET /metrics`),
+//! its health the readiness (`GET /api/ready`); DCGM, where it runs, answers the instance's
+//! GPU health and a task's GPU metrics.
+//!
+//! ```no_run
+//! # async fn f(engine: shim_engine::Engine) -> Result<(), shim_http::Error> {
+//! use std::sync::Arc;
+//! use shim_http::{EngineApi, Listeners, NoComponents, ServerConfig, serve};
+//! let listeners = Listeners::bind("127.0.0.1:10998".parse().unwrap(), None).await?;
+//! let api = Arc::new(EngineApi::new(engine, "0.22.5+my-agent.1"));
+//! let shutdown = tokio_util::sync::CancellationToken::new();
+//! serve(listeners, api, Arc::new(NoComponents), ServerConfig::new("0.22.5+my-agent.1"), shutdown).await
+//! # }
+//! ```
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,31 +27,45 @@ use shim_engine::prometheus_client::registry::Registry;
 use shim_engine::{
     Engine, EngineError, ErrorKind, Subscription, SubscriptionError, error_chain as chain,
 };
-use shim_http::{ApiError, ChangeEvent, ChangeFeed, FeedError, InstanceInfo, Readiness, ShimApi};
 use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
 
-use crate::config::VERSION;
+use crate::{ApiError, ChangeEvent, ChangeFeed, FeedError, InstanceInfo, Readiness, ShimApi};
 
-/// The engine behind the API, and DCGM on NVIDIA hosts.
+/// The engine behind the API, and DCGM where it runs.
 pub struct EngineApi {
     engine: Engine,
-    dcgm: Arc<shim_dcgm::Dcgm>,
-    /// The engine's metrics and the binary's build info.
+    dcgm: Option<Arc<shim_dcgm::Dcgm>>,
+    /// The engine's metrics and the build info.
     registry: Registry,
 }
 
 impl EngineApi {
-    pub fn new(engine: Engine, dcgm: Arc<shim_dcgm::Dcgm>) -> Self {
-        let registry = metrics_registry(&engine, VERSION);
+    /// The API over `engine`; `version` is the build's, served as
+    /// `dstack_shim_build_info{version}` in `GET /metrics`. Without DCGM
+    /// ([`EngineApi::with_dcgm`]) GPU health is unknown and a task's GPU metrics are 404.
+    pub fn new(engine: Engine, version: &str) -> Self {
+        let registry = metrics_registry(&engine, version);
         Self {
             engine,
-            dcgm,
+            dcgm: None,
             registry,
         }
     }
+
+    /// DCGM answers `GET /api/instance/health` and `GET /metrics/tasks/{id}`.
+    #[must_use]
+    pub fn with_dcgm(mut self, dcgm: Arc<shim_dcgm::Dcgm>) -> Self {
+        self.dcgm = Some(dcgm);
+        self
+    }
+
+    /// The engine served.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
 }
 
-/// The engine's metrics with the binary's build info (`dstack_shim_build_info{version}`, an
+/// The engine's metrics with the build info (`dstack_shim_build_info{version}`, an
 /// OpenMetrics `info`, which Prometheus reads as a gauge of 1).
 fn metrics_registry(engine: &Engine, version: &str) -> Registry {
     let mut registry = Registry::default();
@@ -145,7 +172,7 @@ impl ShimApi for EngineApi {
     /// As upstream (`runner/internal/shim/api/handlers.go`, `InstanceHealthHandler`):
     /// without DCGM, or when it fails, GPU health is unknown: `{"dcgm":null}`.
     async fn instance_health(&self) -> serde_json::Value {
-        let health = match &self.dcgm.health {
+        let health = match self.dcgm.as_ref().and_then(|d| d.health.as_ref()) {
             Some(h) => h.instance_health().await,
             None => shim_dcgm::InstanceHealth::default(),
         };
@@ -156,7 +183,7 @@ impl ShimApi for EngineApi {
     /// As upstream (`runner/internal/shim/api/handlers.go`, `TaskMetricsHandler`): an
     /// exporter failure is 502 (no exporter and an unknown task are the handler's answers).
     async fn task_metrics(&self, id: &TaskId) -> Result<String, ApiError> {
-        let Some(exporter) = &self.dcgm.exporter else {
+        let Some(exporter) = self.dcgm.as_ref().and_then(|d| d.exporter.as_ref()) else {
             return Err(ApiError::internal("no DCGM exporter"));
         };
         let info = self.engine.task_info(id).map_err(api_error)?;
@@ -170,7 +197,7 @@ impl ShimApi for EngineApi {
     }
 
     fn has_task_metrics(&self) -> bool {
-        self.dcgm.exporter.is_some()
+        self.dcgm.as_ref().is_some_and(|d| d.exporter.is_some())
     }
 
     fn subscribe(&self) -> Result<Box<dyn ChangeFeed>, ApiError> {
