@@ -40,10 +40,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use serde::{Deserialize, Serialize};
+use shim_components::upgrade::policy::{self, AtStart, Step, Watch};
 use shim_components::upgrade::{
     RUNNING_EXE, RollbackRecord, differs_from_running, digest, restore_running, unix_now,
 };
-use shim_components::{ComponentName, Components, binary_version};
+use shim_components::{ComponentName, Components, FileKey, binary_version};
 use shim_http::{ShutdownHook, ShutdownRequest};
 use shim_util::{SystemCommandRunner, error_chain};
 use tokio_util::sync::CancellationToken;
@@ -63,28 +64,16 @@ pub const ENV_TIMEOUT: &str = "DSTACK_SHIM_UPGRADE_TIMEOUT";
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long `<new> --version` may take.
 const VERSION_TIMEOUT: Duration = Duration::from_secs(5);
-/// What marks this shim's version strings (`<dstack release>+rust.<crate version>`): such a
-/// binary takes the socket through `LISTEN_FDS`.
-const RUST_MARK: &str = "+rust.";
 
 /// The binary an upgrade starts.
 #[derive(Debug, Clone)]
 pub struct Plan {
     path: PathBuf,
     /// The checked file (device, inode, size, modification time): the one started.
-    file: FileId,
+    file: FileKey,
     version: String,
     sha256: String,
     takes_socket: bool,
-}
-
-/// One version of a file on disk.
-type FileId = (u64, u64, u64, i64, i64);
-
-fn file_id(path: &Path) -> std::io::Result<FileId> {
-    use std::os::unix::fs::MetadataExt as _;
-    let m = fs_err::metadata(path)?;
-    Ok((m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec()))
 }
 
 /// What `POST /api/shutdown` does.
@@ -130,30 +119,27 @@ impl Upgrader {
         let home = self.inner.home.clone();
         let read = tokio::task::spawn_blocking(move || RollbackRecord::read(&home)).await;
         let record = match read {
-            Ok(Ok(record)) => record,
-            Ok(Err(e)) => {
-                tracing::warn!(error = %error_chain(&e), "ignoring an unreadable upgrade record");
-                self.remove_record().await;
-                return;
-            }
+            Ok(record) => record.map_err(|e| error_chain(&e)),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot read the upgrade record");
                 return;
             }
         };
-        match record {
-            Some(r) if r.restored_version == VERSION => {
+        if let Err(e) = &record {
+            tracing::warn!(error = %e, "ignoring an unreadable upgrade record");
+        }
+        match policy::at_start(record, VERSION) {
+            AtStart::Report(reason) => {
                 tracing::warn!(
-                    failed_version = %r.failed_version,
-                    reason = %r.reason,
+                    %reason,
                     "an upgrade of this shim was rolled back; dstack-shim reports `error` until the next install"
                 );
                 self.inner
                     .components
-                    .mark_rolled_back(ComponentName::Shim, r.reason);
+                    .mark_rolled_back(ComponentName::Shim, reason);
             }
-            Some(_) => self.remove_record().await,
-            None => {}
+            AtStart::Remove => self.remove_record().await,
+            AtStart::Nothing => {}
         }
     }
 
@@ -166,100 +152,86 @@ impl Upgrader {
     }
 
     /// What a shutdown requested over the API does: exit, upgrade, or (a refused binary,
-    /// rolled back) nothing.
+    /// rolled back) nothing. The checks and their order are [`policy`]'s; this runs them.
     pub async fn decide(&self) -> Decision {
+        match self.preflight().await {
+            Ok(plan) => {
+                tracing::info!(
+                    from = VERSION,
+                    to = %plan.version,
+                    path = %plan.path.display(),
+                    takes_socket = plan.takes_socket,
+                    "a new dstack-shim is installed: upgrading in place"
+                );
+                Decision::Upgrade(plan)
+            }
+            Err(Step::Exit(why)) => {
+                tracing::info!(reason = %why, "exiting on the shutdown request");
+                Decision::Exit
+            }
+            Err(Step::Refuse { record, why }) => self.refuse(*record, why).await,
+            Err(Step::Next) => Decision::Exit,
+        }
+    }
+
+    /// The pre-flight's steps, each on what it found; `Err` is the step that ended it.
+    async fn preflight(&self) -> Result<Plan, Step> {
         let path = self.inner.path.clone();
+        let blocking = |f: Box<dyn FnOnce() -> Step + Send>| async move {
+            tokio::task::spawn_blocking(f)
+                .await
+                .unwrap_or_else(|e| Step::Exit(format!("a pre-flight job failed: {e}")))
+        };
         let differs = {
             let path = path.clone();
-            tokio::task::spawn_blocking(move || differs_from_running(&path)).await
+            blocking(Box::new(move || {
+                policy::installed(differs_from_running(&path).map_err(|e| error_chain(&e)))
+            }))
+            .await
         };
-        match differs {
-            Ok(Ok(true)) => {}
-            Ok(Ok(false)) => return Decision::Exit,
-            Ok(Err(e)) => {
-                tracing::warn!(error = %error_chain(&e), "cannot tell whether a new binary is installed; exiting");
-                return Decision::Exit;
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot tell whether a new binary is installed; exiting");
-                return Decision::Exit;
-            }
+        if differs != Step::Next {
+            return Err(differs);
         }
-        let (file, sha256) = {
-            let hashed_path = path.clone();
-            let hashed = tokio::task::spawn_blocking(move || {
-                let before = file_id(&hashed_path);
-                let sha = digest(&hashed_path);
-                (before, sha, file_id(&hashed_path))
+        let read = {
+            let path = path.clone();
+            tokio::task::spawn_blocking(move || {
+                let stat = || FileKey::at(&path).map_err(|e| e.to_string());
+                let before = stat();
+                let sha = digest(&path).map_err(|e| error_chain(&e));
+                policy::read(before, sha, stat(), VERSION)
             })
-            .await;
-            match hashed {
-                Ok((Ok(before), Ok(sha), Ok(after))) if before == after => (before, sha),
-                Ok((_, Err(e), _)) => return self.refuse("", "", error_chain(&e)).await,
-                Ok((Err(e), _, _) | (_, _, Err(e))) => {
-                    tracing::warn!(path = %path.display(), error = %e, "cannot stat the installed binary; exiting");
-                    return Decision::Exit;
-                }
-                Ok(_) => {
-                    // An install in progress (a person's: the server waits for its own).
-                    tracing::warn!(path = %path.display(), "the binary changed while it was read; exiting");
-                    return Decision::Exit;
-                }
-                Err(e) => return self.refuse("", "", e.to_string()).await,
-            }
+            .await
+            .unwrap_or_else(|e| Err(Step::Exit(format!("a pre-flight job failed: {e}"))))
         };
+        let (file, sha256) = read?;
         let home = self.inner.home.clone();
-        if let Ok(Ok(Some(record))) =
-            tokio::task::spawn_blocking(move || RollbackRecord::read(&home)).await
-            && record.refuses(&sha256, unix_now())
-        {
-            let ago = unix_now().saturating_sub(record.at_unix);
-            let why = format!(
-                "the same binary failed to start {ago} s ago ({}); it is not started again \
-                 until an hour has passed since",
-                record.reason
-            );
-            return self.refuse_with(record, why).await;
+        let record = tokio::task::spawn_blocking(move || RollbackRecord::read(&home))
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .flatten();
+        match policy::recorded(record.as_ref(), &sha256, unix_now()) {
+            Step::Next => {}
+            other => return Err(other),
         }
         let runner = SystemCommandRunner::default();
         let shim = ComponentName::Shim.as_str();
-        match binary_version(&runner, &path, shim, VERSION_TIMEOUT).await {
-            Ok(version) => {
-                let takes_socket = version.contains(RUST_MARK);
-                tracing::info!(
-                    from = VERSION,
-                    to = %version,
-                    path = %path.display(),
-                    takes_socket,
-                    "a new dstack-shim is installed: upgrading in place"
-                );
-                Decision::Upgrade(Plan {
-                    path,
-                    file,
-                    version,
-                    sha256,
-                    takes_socket,
-                })
-            }
-            Err(e) => self.refuse("", &sha256, error_chain(&e)).await,
-        }
+        let answer = binary_version(&runner, &path, shim, VERSION_TIMEOUT)
+            .await
+            .map_err(|e| error_chain(&e));
+        let start = policy::version(answer, &sha256, VERSION)?;
+        Ok(Plan {
+            path,
+            file,
+            version: start.version,
+            sha256,
+            takes_socket: start.takes_socket,
+        })
     }
 
-    /// Puts the running image back over the path, records why, and reports `error`.
-    async fn refuse(&self, version: &str, sha256: &str, why: String) -> Decision {
-        let record = RollbackRecord {
-            failed_version: version.to_owned(),
-            failed_sha256: sha256.to_owned(),
-            reason: why.clone(),
-            restored_version: VERSION.to_owned(),
-            at_unix: unix_now(),
-        };
-        self.refuse_with(record, why).await
-    }
-
-    /// [`Upgrader::refuse`] writing `record` (for a binary refused because it failed before:
-    /// the record of that failure, unchanged, so the refusal ends an hour after the failure).
-    async fn refuse_with(&self, record: RollbackRecord, why: String) -> Decision {
+    /// Puts the running image back over the path, writes `record` and reports `error` with
+    /// `why`.
+    async fn refuse(&self, record: RollbackRecord, why: String) -> Decision {
         let path = self.inner.path.clone();
         let home = self.inner.home.clone();
         let done = tokio::task::spawn_blocking(move || roll_back(&path, &home, &record)).await;
@@ -489,7 +461,7 @@ fn exec_inner(handover: Handover) -> anyhow::Result<std::convert::Infallible> {
     } = handover;
     // The file must still be the one checked (nothing installs while the server drains, but
     // a person may).
-    let now = file_id(&plan.path)?;
+    let now = FileKey::at(&plan.path)?;
     anyhow::ensure!(
         now == plan.file,
         "{} changed after the upgrade was decided; not starting it",
@@ -673,30 +645,20 @@ struct Failure {
 }
 
 /// Polls the healthcheck until `spec.version` answers (`Ok`), the parent dies or the time
-/// is up.
+/// is up ([`policy::watch`] judges each poll).
 fn watch(spec: &WatchSpec) -> Result<(), Failure> {
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, spec.port));
     let timeout = Duration::from_millis(spec.timeout_ms);
     let deadline = Instant::now() + timeout;
     loop {
-        let last = match healthcheck_version(addr, deadline) {
-            Ok(v) if v == spec.version => return Ok(()),
-            Ok(v) => format!("it answers version {v}"),
-            Err(e) => e,
-        };
-        if std::os::unix::process::parent_id() != spec.parent {
-            return Err(Failure {
-                why: format!("it exited before it answered its healthcheck (last: {last})"),
-                hung: false,
-            });
+        let answer = healthcheck_version(addr, deadline);
+        let parent_alive = std::os::unix::process::parent_id() == spec.parent;
+        let timed_out = Instant::now() >= deadline;
+        match policy::watch(answer, &spec.version, parent_alive, timed_out, timeout) {
+            Watch::Done => return Ok(()),
+            Watch::Wait => std::thread::sleep(Duration::from_millis(50)),
+            Watch::Failed { why, hung } => return Err(Failure { why, hung }),
         }
-        if Instant::now() >= deadline {
-            return Err(Failure {
-                why: format!("it did not answer within {timeout:?} (last: {last})"),
-                hung: true,
-            });
-        }
-        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -739,25 +701,24 @@ fn healthcheck_version(addr: SocketAddr, deadline: Instant) -> Result<String, St
         .ok_or_else(|| format!("no version in {body}"))
 }
 
-/// The watchdog's rollback: the path still holds the binary that failed → its own image
-/// (the binary that ran before) goes back over it; the record is written either way.
+/// The watchdog's rollback ([`policy::roll_back`]): the path still holds the binary that
+/// failed → its own image (the binary that ran before) goes back over it; the record is
+/// written either way.
 fn roll_back_watched(spec: &WatchSpec, home: &Path, why: &str) {
-    let record = RollbackRecord {
-        failed_version: spec.version.clone(),
-        failed_sha256: spec.sha256.clone(),
-        reason: why.to_owned(),
-        restored_version: VERSION.to_owned(),
-        at_unix: unix_now(),
-    };
-    match digest(&spec.binary) {
-        Ok(now) if now == spec.sha256 => roll_back(&spec.binary, home, &record),
-        Ok(_) => tracing::warn!(
+    let record = RollbackRecord::now(&spec.version, &spec.sha256, why, VERSION);
+    let current = digest(&spec.binary).map_err(|e| error_chain(&e));
+    if let Err(e) = &current {
+        tracing::warn!(error = %e, "cannot read the installed binary; putting the previous one back");
+    }
+    if policy::roll_back(current, &spec.sha256) {
+        roll_back(&spec.binary, home, &record);
+    } else {
+        tracing::warn!(
             path = %spec.binary.display(),
             "another binary was installed meanwhile: leaving it in place"
-        ),
-        Err(e) => {
-            tracing::warn!(error = %error_chain(&e), "cannot read the installed binary; putting the previous one back");
-            roll_back(&spec.binary, home, &record);
+        );
+        if let Err(e) = record.write(home) {
+            tracing::error!(error = %error_chain(&e), "cannot record the rollback");
         }
     }
 }

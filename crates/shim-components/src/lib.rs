@@ -34,7 +34,7 @@ pub use component::{ComponentInfo, ComponentName, ComponentStatus};
 pub use download::redact_url;
 pub use error::Error;
 pub use manager::{Components, ComponentsConfig};
-pub use version::{binary_version, parse_version};
+pub use version::{FileKey, binary_version, parse_version};
 
 /// The code in this crate's README, compiled as a doctest so it stays true.
 #[doc = include_str!("../README.md")]

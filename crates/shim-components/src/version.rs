@@ -46,9 +46,10 @@ pub async fn binary_version(
 }
 
 /// Identifies one version of a file on disk (device, inode, size, mtime): a binary does not
-/// change its version without changing its file, so a `--version` answer is cached under it.
+/// change its version without changing its file, so a `--version` answer is cached under it,
+/// and an upgrade starts the very file it checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct FileKey {
+pub struct FileKey {
     dev: u64,
     ino: u64,
     len: u64,
@@ -57,7 +58,8 @@ pub(crate) struct FileKey {
 }
 
 impl FileKey {
-    pub(crate) fn of(meta: &std::fs::Metadata) -> Self {
+    /// The key of the file `meta` describes.
+    pub fn of(meta: &std::fs::Metadata) -> Self {
         use std::os::unix::fs::MetadataExt;
         Self {
             dev: meta.dev(),
@@ -66,6 +68,11 @@ impl FileKey {
             mtime: meta.mtime(),
             mtime_nsec: meta.mtime_nsec(),
         }
+    }
+
+    /// The key of the file at `path` (following a symbolic link). Blocking.
+    pub fn at(path: &std::path::Path) -> std::io::Result<Self> {
+        fs_err::metadata(path).map(|m| Self::of(&m))
     }
 }
 

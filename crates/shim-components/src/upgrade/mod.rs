@@ -9,6 +9,8 @@
 //! could be a binary that never ran (two installs in a row), while the running image is
 //! proven to start.
 
+pub mod policy;
+
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -165,6 +167,23 @@ pub struct RollbackRecord {
 }
 
 impl RollbackRecord {
+    /// The record of a binary (`failed_version`, `failed_sha256`) refused or rolled back now
+    /// for `reason`, `restored_version` running again in its place.
+    pub fn now(
+        failed_version: &str,
+        failed_sha256: &str,
+        reason: &str,
+        restored_version: &str,
+    ) -> Self {
+        Self {
+            failed_version: failed_version.to_owned(),
+            failed_sha256: failed_sha256.to_owned(),
+            reason: reason.to_owned(),
+            restored_version: restored_version.to_owned(),
+            at_unix: unix_now(),
+        }
+    }
+
     /// The record's path in `home`.
     pub fn path(home: &Path) -> PathBuf {
         home.join(ROLLBACK_RECORD)
