@@ -127,6 +127,9 @@ pub(crate) struct Slot {
     /// Unix ns when the task's container exited, as Docker reports it (0: unknown): the
     /// start of the exit → terminated latency.
     pub(crate) exit_ns: AtomicI64,
+    /// Told after every step that replaced the task (what a caller waiting for the task to
+    /// move on, such as a remove behind a release, waits on instead of polling).
+    stepped: tokio::sync::Notify,
 }
 
 impl Slot {
@@ -144,6 +147,7 @@ impl Slot {
             events: EventQueue::default(),
             oom: AtomicBool::new(false),
             exit_ns: AtomicI64::new(0),
+            stepped: tokio::sync::Notify::new(),
         }
     }
 
@@ -199,6 +203,12 @@ impl Slot {
     pub(crate) async fn start_settled(&self, bound: Duration) {
         let mut rx = self.starting.subscribe();
         let _ = tokio::time::timeout(bound, rx.wait_for(|running| !running)).await;
+    }
+
+    /// A wait for the task's next step: create it (and `enable` it) before the attempt whose
+    /// outcome calls for waiting, so a step in between is not missed.
+    pub(crate) fn next_step(&self) -> tokio::sync::futures::Notified<'_> {
+        self.stepped.notified()
     }
 
     /// Pull progress: a step that never changes the record (only the view), so it needs no
@@ -400,6 +410,7 @@ impl Driver {
         let changes = Changes::between(&task.shown(), &tr.task.shown());
         let created_at_ms = tr.task.record().created_at_ms;
         *task = tr.task;
+        slot.stepped.notify_waiters();
         for change in changes {
             let now = now_ms();
             match &change {

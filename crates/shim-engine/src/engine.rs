@@ -428,11 +428,15 @@ impl Engine {
         slot.start_settled(START_SETTLE).await;
         let deadline = tokio::time::Instant::now() + RELEASE_SETTLE;
         loop {
+            let stepped = slot.next_step();
+            tokio::pin!(stepped);
+            stepped.as_mut().enable();
             match self.inner.driver.drive(&slot, Event::RemoveRequested).await {
                 Err(EngineError::Conflict(TransitionError::ReleaseInFlight { .. }))
                     if tokio::time::Instant::now() < deadline =>
                 {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    // The release ends with a step of the task: try again then (bounded).
+                    let _ = tokio::time::timeout_at(deadline, stepped).await;
                 }
                 // Forgotten: removed, whatever a write on the way said (the record went with
                 // its directory).

@@ -1986,6 +1986,37 @@ async fn terminate_answers_within_its_budget_whatever_holds_it_up() {
     assert!(w.runtime.container_ids().is_empty());
 }
 
+/// A remove behind a release in flight waits for it (bounded), woken by the step that ends
+/// the release rather than by polling, and then removes the task.
+#[tokio::test]
+async fn a_remove_behind_a_release_waits_for_it_then_removes() {
+    let w = World::new(1);
+    let mut cfg = w.config();
+    cfg.terminate_slack = SLACK;
+    let engine = Engine::open(cfg, w.deps()).await.unwrap();
+    let mut c = config("t1");
+    data_volume(&mut c);
+    engine.submit(c).await.unwrap();
+    wait_status(&engine, "t1", TaskStatus::Running).await;
+    w.volumes.hold_releases();
+    terminate_now(&engine, "t1", "a held unmount").await;
+    let remove = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.remove(&tid("t1")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!remove.is_finished(), "the remove waits for the release");
+    assert_eq!(w.volumes.mounted(), ["data"]);
+    w.volumes.let_releases_go();
+    tokio::time::timeout(Duration::from_secs(3), remove)
+        .await
+        .expect("the remove goes on once the release ends")
+        .unwrap()
+        .unwrap();
+    assert!(engine.task_info(&tid("t1")).is_err());
+    assert!(w.volumes.mounted().is_empty());
+}
+
 /// Makes every write of the task's state file fail, as a full disk does, without making the
 /// directory unusable: `task.json` becomes a non-empty directory, which the atomic rename of a
 /// new state file cannot replace (`false` puts a file back, as a freed disk would let it).
