@@ -2120,8 +2120,11 @@ async fn a_terminate_whose_write_fails_still_stops_and_releases() {
         "one task's write failed"
     );
     break_state_file(&w, &kept.container_name, false);
+    // The file is renamed into place before the write's outcome is noted: wait for both.
     for _ in 0..500 {
-        if state_file_of_opt(&w, &kept.container_name).is_some() {
+        if state_file_of_opt(&w, &kept.container_name).is_some()
+            && unwritten(&registry).as_deref() == Some("0.0")
+        {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
