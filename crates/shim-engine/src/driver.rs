@@ -25,7 +25,7 @@
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -35,14 +35,14 @@ use shim_store::Store;
 use shim_task::machine::{Action, Event, Task, step};
 use shim_task::{MountedVolume, PullProgress, TaskId, TaskInfo, TaskStatus};
 use tokio::sync::watch;
-use tokio_util::sync::CancellationToken;
 
 use crate::changes::{ChangeKind, Changes, Subscription};
 use crate::clock::{mono_ns, now_ms};
 use crate::counters::{Metrics, WriteTimer};
 use crate::error::{EngineError, Result, chain};
 use crate::home::{Home, blocking};
-use crate::queue::EventQueue;
+use crate::pulling::Pulling;
+use crate::queue::Observed;
 
 /// Opens the task store under `home`: its record writes for the driver, the rest ([`Home`]) for
 /// everyone.
@@ -116,17 +116,10 @@ pub(crate) struct Slot {
     /// cannot judge the task. Stamped before the task leaves the start's ownership, so a
     /// cycle never sees a finished start without it.
     start_returned: AtomicU64,
-    /// Cancels the pull in flight.
-    pub(crate) pull_cancel: CancellationToken,
-    /// Registry credentials from submit: memory only.
-    pub(crate) auth: Option<RegistryAuth>,
-    /// Container events waiting to be handled (the reconciler's).
-    pub(crate) events: EventQueue,
-    /// An `oom` event came for the container: its `die` reports it.
-    pub(crate) oom: AtomicBool,
-    /// Unix ns when the task's container exited, as Docker reports it (0: unknown): the
-    /// start of the exit → terminated latency.
-    pub(crate) exit_ns: AtomicI64,
+    /// The effects' part: the pull's credentials and cancellation.
+    pub(crate) pulling: Pulling,
+    /// The reconciler's part: the container's events and what they said.
+    pub(crate) observed: Observed,
     /// Told after every step that replaced the task (what a caller waiting for the task to
     /// move on, such as a remove behind a release, waits on instead of polling).
     stepped: tokio::sync::Notify,
@@ -142,11 +135,8 @@ impl Slot {
             stateless,
             starting: watch::Sender::new(false),
             start_returned: AtomicU64::new(0),
-            pull_cancel: CancellationToken::new(),
-            auth,
-            events: EventQueue::default(),
-            oom: AtomicBool::new(false),
-            exit_ns: AtomicI64::new(0),
+            pulling: Pulling::new(auth),
+            observed: Observed::default(),
             stepped: tokio::sync::Notify::new(),
         }
     }
@@ -424,8 +414,7 @@ impl Driver {
                     termination_reason, ..
                 } => {
                     self.metrics.terminated(termination_reason);
-                    let exit_ns = slot.exit_ns.swap(0, Ordering::SeqCst);
-                    if exit_ns > 0 {
+                    if let Some(exit_ns) = slot.observed.take_exit_ns() {
                         let now_ns = i64::try_from(u128::from(now) * 1_000_000).unwrap_or(0);
                         self.metrics
                             .exit_to_terminated

@@ -183,7 +183,7 @@ impl Execute for Effects {
             }
             Action::Pull { image } => Some(self.pull(slot, image, &recorder).await),
             Action::CancelPull => {
-                slot.pull_cancel.cancel();
+                slot.pulling.cancel();
                 None
             }
             Action::CreateContainer => Some(match self.create(slot).await {
@@ -332,7 +332,7 @@ impl Effects {
         recorder: &Recorder<'_>,
     ) -> Result<PullProgress, String> {
         let (removed_before, freed_before) = (before.removed.len(), before.freed);
-        let cancel = slot.pull_cancel.child_token();
+        let cancel = slot.pulling.token();
         let need = Arc::new(AtomicU64::new(0));
         let announced = Arc::new(tokio::sync::Notify::new());
         let no_room: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
@@ -411,7 +411,7 @@ impl Effects {
             .ok()
             .map(|p| p.pull_log);
         let request = PullRequest::new(image)
-            .with_auth(slot.auth.clone())
+            .with_auth(slot.pulling.auth())
             .with_log_path(log_path)
             .with_timeout(self.cfg.pull_timeout)
             .with_stall_timeout(self.cfg.pull_stall_timeout);
@@ -439,7 +439,7 @@ impl Effects {
                 tracing::warn!(task = %slot.id, image = %spec.image, "image gone since it was last seen; pulling it again");
                 let progress_slot = slot.clone();
                 let progress = move |p: PullProgress| progress_slot.pull_progressed(p);
-                self.pull_request(slot, &spec.image, &progress, slot.pull_cancel.clone())
+                self.pull_request(slot, &spec.image, &progress, slot.pulling.token())
                     .await?;
                 self.images.pulled(&spec.image).await;
                 self.image_seen(&spec.image);

@@ -64,6 +64,7 @@ pub mod labels;
 mod metered;
 pub mod metrics;
 mod ownership;
+mod pulling;
 mod queue;
 mod reconcile;
 mod restore;

@@ -302,20 +302,20 @@ impl Reconciler {
             return;
         };
         tracing::debug!(task = %slot.id, container = %event.container_id, kind = ?event.kind, "container event");
-        slot.events.push(event);
+        slot.observed.events.push(event);
         self.kick_events(&slot);
     }
 
     /// Makes sure a task's queued events are being handled, unless start owns it (start's
     /// end kicks them).
     pub(crate) fn kick_events(self: &Arc<Self>, slot: &Arc<Slot>) {
-        if slot.start_in_flight() || !slot.events.claim_worker() {
+        if slot.start_in_flight() || !slot.observed.events.claim_worker() {
             return;
         }
         let this = self.clone();
         let slot = slot.clone();
         tokio::spawn(async move {
-            while let Some(event) = slot.events.next() {
+            while let Some(event) = slot.observed.events.next() {
                 this.handle_event(&slot, event).await;
             }
         });
@@ -337,7 +337,7 @@ impl Reconciler {
         });
         let observation = match event.kind {
             EventKind::Oom => {
-                slot.oom.store(true, Ordering::SeqCst);
+                slot.observed.oom_seen();
                 return;
             }
             EventKind::Destroy => Observation::Missing,
@@ -345,7 +345,7 @@ impl Reconciler {
                 match self.observe_stopped_at(slot, &event.container_id).await {
                     (Some(observation), finished_ns) => {
                         if let Some(ns) = finished_ns {
-                            slot.exit_ns.store(ns, Ordering::SeqCst);
+                            slot.observed.exited_at(ns);
                         }
                         observation
                     }
@@ -360,7 +360,7 @@ impl Reconciler {
             EventKind::Die {
                 exit_code: Some(code),
             } => {
-                slot.exit_ns.store(event.time_ns, Ordering::SeqCst);
+                slot.observed.exited_at(event.time_ns);
                 self.exited(slot, &event.container_id, code, None).await
             }
         };
@@ -520,7 +520,7 @@ impl Reconciler {
     async fn observe_stopped_slot(&self, slot: &Slot, container_id: &str) -> Observation {
         let (observation, finished_ns) = self.observe_stopped_at(slot, container_id).await;
         if let Some(ns) = finished_ns {
-            slot.exit_ns.store(ns, Ordering::SeqCst);
+            slot.observed.exited_at(ns);
         }
         observation.unwrap_or(Observation::Running)
     }
@@ -566,7 +566,7 @@ impl Reconciler {
         code: i64,
         oom_killed: Option<bool>,
     ) -> Observation {
-        let seen_oom = slot.oom.swap(false, Ordering::SeqCst);
+        let seen_oom = slot.observed.take_oom();
         let oom_killed = match oom_killed {
             _ if seen_oom => true,
             Some(known) => known,
