@@ -86,28 +86,16 @@ pub(crate) struct Sources {
 /// Registers every metric of the engine in `registry`.
 pub(crate) fn register(registry: &mut Registry, sources: &Sources) {
     sources.metrics.register(registry);
-    registry.register_collector(Box::new(State {
-        table: sources.table.clone(),
-        gpus: sources.gpus.clone(),
-        reconcile: sources.reconcile.clone(),
-        usage: sources.usage.clone(),
-        images: sources.images.clone(),
-    }));
+    registry.register_collector(Box::new(State(sources.clone())));
 }
 
-/// Gauges read at scrape time.
-struct State {
-    table: Arc<TaskTable>,
-    gpus: Arc<GpuLock>,
-    reconcile: Arc<ReconcileState>,
-    usage: Arc<Usage>,
-    images: Arc<ImageGc>,
-}
+/// Gauges read at scrape time, from the sources themselves.
+struct State(Sources);
 
 impl std::fmt::Debug for State {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("State")
-            .field("tasks", &self.table.len())
+            .field("tasks", &self.0.table.len())
             .finish_non_exhaustive()
     }
 }
@@ -146,7 +134,7 @@ impl Collector for State {
         ];
         let mut by_status = [0u64; 6];
         let (mut keys, mut volumes, mut pending, mut unwritten) = (0u64, 0u64, 0u64, 0u64);
-        for slot in self.table.slots() {
+        for slot in self.0.table.slots() {
             slot.read(|t| {
                 if let Some(i) = statuses.iter().position(|s| *s == t.status()) {
                     by_status[i] += 1;
@@ -186,13 +174,13 @@ impl Collector for State {
             &mut encoder,
             "dstack_shim_gpus_locked",
             "GPUs held by tasks",
-            self.gpus.locked().len() as f64,
+            self.0.gpus.locked().len() as f64,
         )?;
         gauge(
             &mut encoder,
             "dstack_shim_gpus_total",
             "GPUs on the host",
-            self.gpus.total() as f64,
+            self.0.gpus.total() as f64,
         )?;
         gauge(
             &mut encoder,
@@ -222,13 +210,13 @@ impl Collector for State {
             &mut encoder,
             "dstack_shim_events_connected",
             "1 while Docker's event stream is connected",
-            if self.reconcile.events_connected() {
+            if self.0.reconcile.events_connected() {
                 1.0
             } else {
                 0.0
             },
         )?;
-        if let Some(last) = self.reconcile.last_cycle_ms() {
+        if let Some(last) = self.0.reconcile.last_cycle_ms() {
             gauge(
                 &mut encoder,
                 "dstack_shim_reconcile_last_success_timestamp_seconds",
@@ -246,21 +234,21 @@ impl Collector for State {
             &mut encoder,
             "dstack_shim_image_gc_freed_bytes",
             "Bytes freed by image collection (the engine's sizes of the images removed)",
-            self.images.freed_bytes(),
+            self.0.images.freed_bytes(),
         )?;
         counter(
             &mut encoder,
             "dstack_shim_image_gc_removed_images",
             "Unused images this shim pulled that image collection removed",
-            self.images.removed_images(),
+            self.0.images.removed_images(),
         )?;
         counter(
             &mut encoder,
             "dstack_shim_image_pulls_without_room",
             "Pulls failed because the image could not fit on the engine's disk after collection",
-            self.images.no_room_failures(),
+            self.0.images.no_room_failures(),
         )?;
-        if let Some(u) = self.images.last_usage() {
+        if let Some(u) = self.0.images.last_usage() {
             gauge(
                 &mut encoder,
                 "dstack_shim_image_fs_used_ratio",
@@ -274,7 +262,7 @@ impl Collector for State {
                 u.available as f64,
             )?;
         }
-        self.usage.encode(&mut encoder)
+        self.0.usage.encode(&mut encoder)
     }
 }
 

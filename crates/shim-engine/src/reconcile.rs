@@ -114,15 +114,8 @@ pub(crate) struct ReconcilerParts {
 /// The reconciler: the event listener, the backstop list, the retry pass (see the module
 /// docs), with its own state.
 pub(crate) struct Reconciler {
-    table: Arc<TaskTable>,
-    driver: Arc<Driver>,
-    runtime: Arc<dyn ContainerRuntime>,
-    ownership: Ownership,
-    home: Home,
-    metrics: Arc<Metrics>,
-    interval: Duration,
-    exit_log_lines: usize,
-    shutdown: CancellationToken,
+    /// What it was made of (kept as given).
+    parts: ReconcilerParts,
     state: Arc<ReconcileState>,
     /// Asks for a full list now (the event stream reconnected).
     relist: Notify,
@@ -135,19 +128,12 @@ pub(crate) struct Reconciler {
 impl Reconciler {
     /// A reconciler of `parts`' tasks.
     pub(crate) fn new(parts: ReconcilerParts) -> Self {
+        let events_since = AtomicI64::new(parts.events_since);
         Self {
-            table: parts.table,
-            driver: parts.driver,
-            runtime: parts.runtime,
-            ownership: parts.ownership,
-            home: parts.home,
-            metrics: parts.metrics,
-            interval: parts.interval,
-            exit_log_lines: parts.exit_log_lines,
-            shutdown: parts.shutdown,
+            parts,
             state: Arc::default(),
             relist: Notify::new(),
-            events_since: AtomicI64::new(parts.events_since),
+            events_since,
             events_reconnects: AtomicU64::new(0),
         }
     }
@@ -163,7 +149,7 @@ impl Reconciler {
             .state
             .last_cycle_ms()
             .map(|l| Duration::from_millis(now_ms().saturating_sub(l)));
-        EngineHealth::new(self.state.events_connected(), age, self.interval)
+        EngineHealth::new(self.state.events_connected(), age, self.parts.interval)
     }
 
     /// The first cycle, on the list restore made at start-up (`listed_at`: when it was
@@ -180,8 +166,8 @@ impl Reconciler {
 
     /// This shim's containers, in one list request.
     pub(crate) async fn list_ours(&self) -> shim_runtime::Result<Vec<ContainerSummary>> {
-        let containers = self.runtime.list(&any_shim_filter()).await?;
-        Ok(self.ownership.ours(containers).await)
+        let containers = self.parts.runtime.list(&any_shim_filter()).await?;
+        Ok(self.parts.ownership.ours(containers).await)
     }
 
     /// One full cycle: one list request, then every task against it. Returns whether the
@@ -210,7 +196,7 @@ impl Reconciler {
             .collect();
         let by_name: HashMap<&str, &ContainerSummary> =
             containers.iter().map(|c| (c.name.as_str(), c)).collect();
-        for slot in self.table.slots() {
+        for slot in self.parts.table.slots() {
             // Only tasks whose start had returned before the list was requested: a start that
             // returned since made a container the list may not show; judging it by this list
             // would call its new container vanished.
@@ -241,14 +227,17 @@ impl Reconciler {
             };
             if let Some(obs) = observation {
                 tracing::info!(task = %slot.id, observation = ?obs, "container observed");
-                if let Err(e) = self.driver.drive(&slot, Event::Observed(obs)).await {
+                if let Err(e) = self.parts.driver.drive(&slot, Event::Observed(obs)).await {
                     tracing::error!(task = %slot.id, error = %chain(&e), "reconcile step failed");
                 }
             }
             self.retry_task(&slot).await;
         }
         self.state.cycle_done();
-        self.metrics.cycle.observe(started.elapsed().as_secs_f64());
+        self.parts
+            .metrics
+            .cycle
+            .observe(started.elapsed().as_secs_f64());
     }
 
     /// Retries what a task still wants after a failure: a write, a stop, a release; and its
@@ -258,7 +247,7 @@ impl Reconciler {
         if in_flight {
             return;
         }
-        if dirty && let Err(e) = self.driver.drive(slot, Event::PersistRequested).await {
+        if dirty && let Err(e) = self.parts.driver.drive(slot, Event::PersistRequested).await {
             // What ends the task does not wait for the disk: its stop and release go on.
             tracing::warn!(task = %slot.id, error = %chain(&e), "state write still failing");
         }
@@ -270,14 +259,19 @@ impl Reconciler {
             )
         });
         if needs_release {
-            if let Err(e) = self.driver.drive(slot, Event::ReleaseRequested).await {
+            if let Err(e) = self.parts.driver.drive(slot, Event::ReleaseRequested).await {
                 tracing::warn!(task = %slot.id, error = %chain(&e), "release still failing");
             }
         } else if stop_failed && !container_id.is_empty() {
             // Its stop failed and it holds nothing: what does the container do now? A
             // container still running is stopped again; one that is gone or ended is settled.
             let observation = self.observe_stopped_slot(slot, &container_id).await;
-            if let Err(e) = self.driver.drive(slot, Event::Observed(observation)).await {
+            if let Err(e) = self
+                .parts
+                .driver
+                .drive(slot, Event::Observed(observation))
+                .await
+            {
                 tracing::warn!(task = %slot.id, error = %chain(&e), "stop still failing");
             }
         }
@@ -286,7 +280,7 @@ impl Reconciler {
 
     /// The retry pass: every task, in memory only.
     async fn retry_all(self: &Arc<Self>) {
-        for slot in self.table.slots() {
+        for slot in self.parts.table.slots() {
             let wants = slot.read(|t| !t.start_in_flight() && (t.is_dirty() || t.needs_retry()));
             if wants {
                 self.retry_task(&slot).await;
@@ -298,7 +292,7 @@ impl Reconciler {
 
     /// Routes one event to its task (if it is one of ours).
     fn route(self: &Arc<Self>, event: ContainerEvent) {
-        let Some(slot) = self.table.by_container_name(&event.name) else {
+        let Some(slot) = self.parts.table.by_container_name(&event.name) else {
             return;
         };
         tracing::debug!(task = %slot.id, container = %event.container_id, kind = ?event.kind, "container event");
@@ -330,7 +324,7 @@ impl Reconciler {
         if other {
             return;
         }
-        self.metrics.event(match event.kind {
+        self.parts.metrics.event(match event.kind {
             EventKind::Die { .. } => "die",
             EventKind::Oom => "oom",
             EventKind::Destroy => "destroy",
@@ -364,7 +358,12 @@ impl Reconciler {
                 self.exited(slot, &event.container_id, code, None).await
             }
         };
-        if let Err(e) = self.driver.drive(slot, Event::Observed(observation)).await {
+        if let Err(e) = self
+            .parts
+            .driver
+            .drive(slot, Event::Observed(observation))
+            .await
+        {
             tracing::error!(task = %slot.id, error = %chain(&e), "event step failed");
         }
     }
@@ -394,7 +393,10 @@ impl Reconciler {
     /// Subscribes to this shim's container events since the last one seen.
     async fn subscribe(&self) -> shim_runtime::Result<EventStream> {
         let since = self.events_since.load(Ordering::SeqCst);
-        self.runtime.events(&any_shim_filter(), Some(since)).await
+        self.parts
+            .runtime
+            .events(&any_shim_filter(), Some(since))
+            .await
     }
 
     /// Listens to the container events for as long as the engine runs (on `first`, then on
@@ -404,20 +406,20 @@ impl Reconciler {
     async fn run_events(self: Arc<Self>, mut first: Option<EventStream>) {
         let mut delay = RECONNECT_MIN;
         let mut seen: HashSet<(String, i64)> = HashSet::new();
-        while !self.shutdown.is_cancelled() {
+        while !self.parts.shutdown.is_cancelled() {
             let subscribed = match first.take() {
                 Some(stream) => Ok(stream),
                 // Subscribing asks the daemon (bounded by the request timeout): a frozen
                 // daemon must not hold up a shutdown.
                 None => tokio::select! {
-                    _ = self.shutdown.cancelled() => return,
+                    _ = self.parts.shutdown.cancelled() => return,
                     subscribed = self.subscribe() => subscribed,
                 },
             };
             match subscribed {
                 Ok(mut stream) => {
                     self.state.set_connected(true);
-                    self.metrics.events_reconnects.inc();
+                    self.parts.metrics.events_reconnects.inc();
                     if self.events_reconnects.fetch_add(1, Ordering::SeqCst) > 0 {
                         tracing::info!("container event stream reconnected; relisting");
                         self.relist.notify_one();
@@ -426,7 +428,7 @@ impl Reconciler {
                     let mut carried = false;
                     loop {
                         let item = tokio::select! {
-                            _ = self.shutdown.cancelled() => return,
+                            _ = self.parts.shutdown.cancelled() => return,
                             item = stream.next() => item,
                         };
                         match item {
@@ -467,7 +469,7 @@ impl Reconciler {
                 }
             }
             tokio::select! {
-                _ = self.shutdown.cancelled() => return,
+                _ = self.parts.shutdown.cancelled() => return,
                 _ = tokio::time::sleep(delay) => {}
             }
             delay = (delay * 2).min(RECONNECT_MAX);
@@ -487,16 +489,16 @@ impl Reconciler {
         let reconciler = {
             let this = self.clone();
             tokio::spawn(async move {
-                let mut backstop = tokio::time::interval(this.interval);
+                let mut backstop = tokio::time::interval(this.parts.interval);
                 backstop.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 backstop.tick().await; // the first cycle ran at start-up
                 let mut retry = tokio::time::interval(RETRY_EVERY);
                 retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
                     tokio::select! {
-                        _ = this.shutdown.cancelled() => break,
+                        _ = this.parts.shutdown.cancelled() => break,
                         _ = backstop.tick() => {
-                            let swept = this.home.sweep_trash().await.unwrap_or(0);
+                            let swept = this.parts.home.sweep_trash().await.unwrap_or(0);
                             if swept > 0 {
                                 tracing::info!(swept, "removed trash directories");
                             }
@@ -532,7 +534,7 @@ impl Reconciler {
         slot: &Slot,
         container_id: &str,
     ) -> (Option<Observation>, Option<i64>) {
-        let d = match self.runtime.inspect(container_id).await {
+        let d = match self.parts.runtime.inspect(container_id).await {
             Err(RuntimeError::NotFound { .. }) => return (Some(Observation::Missing), None),
             Err(e) => {
                 tracing::warn!(container = %container_id, error = %chain(&e), "inspect failed");
@@ -571,6 +573,7 @@ impl Reconciler {
             _ if seen_oom => true,
             Some(known) => known,
             None if code == SIGKILL_EXIT => self
+                .parts
                 .runtime
                 .inspect(container_id)
                 .await
@@ -581,8 +584,9 @@ impl Reconciler {
         let last_lines = if code == 0 {
             Vec::new()
         } else {
-            self.runtime
-                .logs_tail(container_id, self.exit_log_lines)
+            self.parts
+                .runtime
+                .logs_tail(container_id, self.parts.exit_log_lines)
                 .await
                 .unwrap_or_default()
         };
