@@ -71,7 +71,8 @@ struct Shared {
     host_gpus: HostGpus,
     table: Arc<TaskTable>,
     driver: Arc<Driver>,
-    effects: Arc<Effects>,
+    /// The GPU lock (the effects' own, read for [`Engine::gpu_lock`]).
+    gpus: Arc<GpuLock>,
     reconciler: Arc<Reconciler>,
     metrics: Sources,
     /// The engine's own registry ([`Engine::encode_metrics`]).
@@ -132,7 +133,8 @@ impl Engine {
             ownership.clone(),
             images.clone(),
         ));
-        let driver = Arc::new(Driver::new(records, metrics.clone(), effects.clone()));
+        let gpus = effects.gpus().clone();
+        let driver = Arc::new(Driver::new(records, metrics.clone(), effects));
         let shutdown = CancellationToken::new();
         let reconciler = Arc::new(Reconciler::new(ReconcilerParts {
             table: table.clone(),
@@ -194,7 +196,7 @@ impl Engine {
         let sources = Sources {
             metrics,
             table: table.clone(),
-            gpus: effects.gpus().clone(),
+            gpus: gpus.clone(),
             reconcile: reconciler.state().clone(),
             usage,
             images,
@@ -208,7 +210,7 @@ impl Engine {
                 host_gpus,
                 table,
                 driver,
-                effects,
+                gpus,
                 reconciler,
                 metrics: sources,
                 registry,
@@ -301,7 +303,7 @@ impl Engine {
 
     /// The GPU lock (which GPUs tasks hold now).
     pub fn gpu_lock(&self) -> &GpuLock {
-        self.inner.effects.gpus()
+        &self.inner.gpus
     }
 
     /// Submits a task: validates the config, creates the task directory and writes the state
