@@ -32,8 +32,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use shim_runtime::RegistryAuth;
 use shim_store::Store;
-use shim_task::machine::{Action, Event, Task, step};
-use shim_task::{MountedVolume, PullProgress, TaskId, TaskInfo, TaskStatus};
+use shim_task::machine::{Action, Event, Task, TransitionError, step};
+use shim_task::{
+    MountedVolume, PullProgress, TaskConfig, TaskId, TaskInfo, TaskRecord, TaskStatus,
+};
 use tokio::sync::watch;
 
 use crate::changes::{ChangeKind, Changes, Subscription};
@@ -141,9 +143,23 @@ impl Slot {
         }
     }
 
-    /// A task being submitted (its first write is [`Driver::submit`]'s).
-    pub(crate) fn submitted(task: Task, auth: Option<RegistryAuth>) -> Self {
-        Self::with(task, auth, false)
+    /// A task being submitted with `config` (its first write is [`Driver::submit`]'s): its
+    /// record, and its registry credentials (memory only). Host keys that are not one plain
+    /// OpenSSH public key are never written, and said so.
+    pub(crate) fn submitted(config: &TaskConfig) -> Self {
+        let id = &config.id;
+        let container_name = shim_task::naming::container_name(&config.name, id);
+        let record = TaskRecord::new(config, container_name, now_ms());
+        let auth = (!config.registry_username.is_empty() || !config.registry_password.is_empty())
+            .then(|| RegistryAuth {
+                username: config.registry_username.clone(),
+                password: config.registry_password.expose().to_owned(),
+            });
+        let (_, skipped) = config.host_keys();
+        for key in &skipped {
+            tracing::warn!(task = %id, error = %key, "host SSH key skipped: not one plain OpenSSH public key (never written)");
+        }
+        Self::with(Task::new(record), auth, false)
     }
 
     /// A task restored at start-up (`stateless`: its state is never written, see the field).
@@ -347,6 +363,16 @@ pub(crate) struct Driver {
     effects: Arc<dyn Execute>,
 }
 
+/// How long terminate and remove wait for a start job to let go of a task (a cancelled pull
+/// returns at once; preparing a volume can take longer). Kept well under the dstack server's
+/// 9-second request timeout: past it, start releases when it returns; remove answers 409 and
+/// the server retries. Terminate's answer is bounded by its own budget
+/// (`EngineConfig::terminate_slack`) whatever this wait does.
+const START_SETTLE: Duration = Duration::from_secs(4);
+
+/// How long remove waits for a release in flight (the reconciler's) to end.
+const RELEASE_SETTLE: Duration = Duration::from_secs(4);
+
 impl Driver {
     /// A driver writing through `records` and carrying out actions through `effects`.
     pub(crate) fn new(records: Records, metrics: Arc<Metrics>, effects: Arc<dyn Execute>) -> Self {
@@ -375,7 +401,12 @@ impl Driver {
             let timer = WriteTimer::start();
             let created = self.records.create(record).await;
             timer.done(&self.metrics, created.is_ok());
-            created?;
+            created.map_err(|e| match e {
+                EngineError::Store(shim_store::StoreError::TaskExists { .. }) => {
+                    EngineError::AlreadyExists(slot.id.clone())
+                }
+                other => other,
+            })?;
         }
         let info = {
             let t = slot.lock();
@@ -468,6 +499,52 @@ impl Driver {
         // Relocks (the only actions a write may carry along) go first.
         actions.extend(more);
         Ok((actions, failure))
+    }
+
+    /// Everything a terminate (`event`) calls for, to its end: the termination, then, once a
+    /// start in flight has let go (bounded), the release of what the task still holds. A
+    /// termination that cannot be written yet (a full disk) stops nothing: the task is
+    /// stopped and released all the same, and the reconciler writes it when the disk allows
+    /// (SPEC §4).
+    pub(crate) async fn terminate(&self, slot: &Arc<Slot>, event: Event) -> Result<()> {
+        match self.drive(slot, event).await {
+            Ok(()) => {}
+            Err(e @ EngineError::StateWrite { .. }) => {
+                tracing::warn!(task = %slot.id, error = %chain(&e), "terminate: the termination cannot be written yet; the task is stopped and released all the same, and the reconciler writes it when the disk allows");
+            }
+            Err(e) => return Err(e),
+        }
+        // Start stops at its next step and releases what it acquired: wait for it, so the
+        // server's remove that follows a terminate finds the task settled.
+        slot.start_settled(START_SETTLE).await;
+        if slot.read(Task::needs_release) {
+            match self.drive(slot, Event::ReleaseRequested).await {
+                Ok(()) | Err(EngineError::StateWrite { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes a terminated task, waiting (bounded) for a start job or a release in flight to
+    /// let go of it rather than refusing; woken by the task's next step, not by polling.
+    pub(crate) async fn remove(&self, slot: &Arc<Slot>) -> Result<()> {
+        slot.start_settled(START_SETTLE).await;
+        let deadline = tokio::time::Instant::now() + RELEASE_SETTLE;
+        loop {
+            let stepped = slot.next_step();
+            tokio::pin!(stepped);
+            stepped.as_mut().enable();
+            match self.drive(slot, Event::RemoveRequested).await {
+                Err(EngineError::Conflict(TransitionError::ReleaseInFlight { .. }))
+                    if tokio::time::Instant::now() < deadline =>
+                {
+                    // The release ends with a step of the task: try again then (bounded).
+                    let _ = tokio::time::timeout_at(deadline, stepped).await;
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Feeds `event` to the task and carries out the resulting actions in order. The outcome

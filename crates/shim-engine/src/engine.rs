@@ -13,14 +13,14 @@ use std::time::Duration;
 
 use prometheus_client::registry::Registry;
 use shim_resources::{GpuLock, HostGpus};
-use shim_runtime::{ContainerRuntime, RegistryAuth};
-use shim_task::machine::{Action, Event, Task, TransitionError};
-use shim_task::{TaskConfig, TaskId, TaskInfo, TaskRecord, TaskStatus, TerminationReason};
+use shim_runtime::ContainerRuntime;
+use shim_task::machine::{Action, Event};
+use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::changes::Subscription;
-use crate::clock::{now_ms, now_unix_ns};
+use crate::clock::now_unix_ns;
 use crate::config::EngineConfig;
 use crate::counters::Metrics;
 use crate::deps::Deps;
@@ -36,16 +36,6 @@ use crate::reconcile::{Reconciler, ReconcilerParts};
 use crate::restore::{RestoreContext, Restored, determine_owner, restore};
 use crate::table::TaskTable;
 use crate::usage::Usage;
-
-/// How long terminate and remove wait for a start job to let go of a task (a cancelled pull
-/// returns at once; preparing a volume can take longer). Kept well under the dstack server's
-/// 9-second request timeout: past it, start releases when it returns; remove answers 409 and
-/// the server retries. Terminate's answer is bounded by its own budget
-/// ([`EngineConfig::terminate_slack`]) whatever this wait does.
-const START_SETTLE: Duration = Duration::from_secs(4);
-
-/// How long remove waits for a release in flight (the reconciler's) to end.
-const RELEASE_SETTLE: Duration = Duration::from_secs(4);
 
 /// How [`Engine::shutdown`] treats start jobs in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -312,29 +302,13 @@ impl Engine {
         config.validate()?;
         let inner = &self.inner;
         let id = config.id.clone();
-        let container_name = shim_task::naming::container_name(&config.name, &id);
-        let record = TaskRecord::new(&config, container_name, now_ms());
-        let auth = (!config.registry_username.is_empty() || !config.registry_password.is_empty())
-            .then(|| RegistryAuth {
-                username: config.registry_username.clone(),
-                password: config.registry_password.expose().to_owned(),
-            });
-        let (_, skipped) = config.host_keys();
-        for key in &skipped {
-            tracing::warn!(task = %id, error = %key, "host SSH key skipped: not one plain OpenSSH public key (never written)");
-        }
-        let slot = Arc::new(Slot::submitted(Task::new(record), auth));
+        let slot = Arc::new(Slot::submitted(&config));
         inner.table.insert_new(slot.clone())?;
         let info = match inner.driver.submit(&slot).await {
             Ok(info) => info,
             Err(e) => {
                 inner.table.remove(&id);
-                return Err(match e {
-                    EngineError::Store(shim_store::StoreError::TaskExists { .. }) => {
-                        EngineError::AlreadyExists(id)
-                    }
-                    other => other,
-                });
+                return Err(e);
             }
         };
         tracing::info!(task = %id, image = %config.image_name, "task submitted");
@@ -381,10 +355,10 @@ impl Engine {
     ///
     /// Answers within `timeout` + [`EngineConfig::terminate_slack`] whatever the host does
     /// (SPEC §4): a start in flight, a slow stop, a slow unmount or a busy daemon finish in the
-    /// background, and the answer is the task's view then, which shows what is durable. A
-    /// state file that cannot be written (a full disk) does not fail the terminate: the stop
-    /// and the release go out all the same, the view keeps showing the last durable status
-    /// until the reconciler writes the termination, and a remove is accepted.
+    /// background, and the answer is the task's view then. A state file that cannot be
+    /// written (a full disk) does not fail the terminate: the stop and the release go out all
+    /// the same, the view shows the task `terminated` once its container no longer runs (the
+    /// record is written by the reconciler when the disk allows), and a remove is accepted.
     pub async fn terminate(
         &self,
         id: &TaskId,
@@ -405,7 +379,7 @@ impl Engine {
         let job = {
             let driver = self.inner.driver.clone();
             let slot = slot.clone();
-            tokio::spawn(async move { terminate_job(&driver, &slot, event).await })
+            tokio::spawn(async move { driver.terminate(&slot, event).await })
         };
         let done = match deadline {
             Some(deadline) => tokio::time::timeout_at(deadline, job).await,
@@ -427,26 +401,11 @@ impl Engine {
     /// rather than refused.
     pub async fn remove(&self, id: &TaskId) -> Result<()> {
         let slot = self.inner.table.get(id)?;
-        slot.start_settled(START_SETTLE).await;
-        let deadline = tokio::time::Instant::now() + RELEASE_SETTLE;
-        loop {
-            let stepped = slot.next_step();
-            tokio::pin!(stepped);
-            stepped.as_mut().enable();
-            match self.inner.driver.drive(&slot, Event::RemoveRequested).await {
-                Err(EngineError::Conflict(TransitionError::ReleaseInFlight { .. }))
-                    if tokio::time::Instant::now() < deadline =>
-                {
-                    // The release ends with a step of the task: try again then (bounded).
-                    let _ = tokio::time::timeout_at(deadline, stepped).await;
-                }
-                // Forgotten: removed, whatever a write on the way said (the record went with
-                // its directory).
-                Err(EngineError::StateWrite { .. }) if !self.inner.table.holds(&slot) => {
-                    return Ok(());
-                }
-                other => return other,
-            }
+        match self.inner.driver.remove(&slot).await {
+            // Forgotten: removed, whatever a write on the way said (the record went with its
+            // directory).
+            Err(EngineError::StateWrite { .. }) if !self.inner.table.holds(&slot) => Ok(()),
+            other => other,
         }
     }
 
@@ -476,27 +435,4 @@ impl Engine {
     pub async fn reconcile_now(&self) -> bool {
         self.inner.reconciler.cycle().await
     }
-}
-
-/// What a terminate does, to its end: the step (its write, its stop or pull cancel), then,
-/// once start let go (bounded), the release. A state write that fails does not stop it: the
-/// stop and the release do not wait for the disk (SPEC §4).
-async fn terminate_job(driver: &Driver, slot: &Arc<Slot>, event: Event) -> Result<()> {
-    match driver.drive(slot, event).await {
-        Ok(()) => {}
-        Err(e @ EngineError::StateWrite { .. }) => {
-            tracing::warn!(task = %slot.id, error = %chain(&e), "terminate: the termination cannot be written yet; the task is stopped and released all the same, and the reconciler writes it when the disk allows");
-        }
-        Err(e) => return Err(e),
-    }
-    // Start stops at its next step and releases what it acquired: wait for it, so the
-    // server's remove that follows a terminate finds the task settled.
-    slot.start_settled(START_SETTLE).await;
-    if slot.read(Task::needs_release) {
-        match driver.drive(slot, Event::ReleaseRequested).await {
-            Ok(()) | Err(EngineError::StateWrite { .. }) => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }
