@@ -35,8 +35,10 @@ use crate::{ApiError, ChangeEvent, ChangeFeed, FeedError, InstanceInfo, Readines
 pub struct EngineApi {
     engine: Engine,
     dcgm: Option<Arc<shim_dcgm::Dcgm>>,
-    /// The engine's metrics and the build info.
+    /// The engine's metrics, the build info and the tasks' GPUs.
     registry: Registry,
+    /// The tasks' GPU figures of the last scrape (read by the registry's collector).
+    task_gpus: Arc<TaskGpus>,
 }
 
 impl EngineApi {
@@ -44,12 +46,43 @@ impl EngineApi {
     /// `dstack_shim_build_info{version}` in `GET /metrics`. Without DCGM
     /// ([`EngineApi::with_dcgm`]) GPU health is unknown and a task's GPU metrics are 404.
     pub fn new(engine: Engine, version: &str) -> Self {
-        let registry = metrics_registry(&engine, version);
+        let task_gpus = Arc::new(TaskGpus::default());
+        let mut registry = metrics_registry(&engine, version);
+        registry.register_collector(Box::new(TaskGpusCollector(task_gpus.clone())));
         Self {
             engine,
             dcgm: None,
             registry,
+            task_gpus,
         }
+    }
+
+    /// Joins DCGM's figures with the GPUs each running task holds, for this scrape (nothing
+    /// without an exporter, or when it fails: the families are then absent).
+    async fn refresh_task_gpus(&self) {
+        let Some(exporter) = self.dcgm.as_ref().and_then(|d| d.exporter.as_ref()) else {
+            return;
+        };
+        let readings = match exporter.fetch().await {
+            Ok(text) => {
+                let tasks: Vec<(String, Vec<String>)> = self
+                    .engine
+                    .list()
+                    .into_iter()
+                    .filter(|(_, status)| *status == TaskStatus::Running)
+                    .filter_map(|(id, _)| {
+                        let gpus = self.engine.task_info(&id).ok()?.gpu_ids?;
+                        (!gpus.is_empty()).then(|| (id.to_string(), gpus))
+                    })
+                    .collect();
+                join_task_gpus(&text, &tasks)
+            }
+            Err(e) => {
+                tracing::debug!(error = %chain(&e), "no GPU figures for this scrape: the exporter failed");
+                Vec::new()
+            }
+        };
+        *self.task_gpus.lock() = readings;
     }
 
     /// DCGM answers `GET /api/instance/health` and `GET /metrics/tasks/{id}`.
@@ -205,6 +238,7 @@ impl ShimApi for EngineApi {
     }
 
     async fn metrics(&self) -> Result<String, ApiError> {
+        self.refresh_task_gpus().await;
         let mut text = String::new();
         encode(&mut text, &self.registry)
             .map_err(|e| ApiError::internal(format!("cannot encode the metrics: {e}")))?;
@@ -216,10 +250,194 @@ impl ShimApi for EngineApi {
     }
 }
 
+/// One GPU of one running task, as DCGM measured it.
+#[derive(Debug, Clone, PartialEq)]
+struct TaskGpu {
+    task_id: String,
+    /// The GPU's id as the task holds it (NVIDIA: its UUID).
+    gpu: String,
+    /// `DCGM_FI_DEV_GPU_UTIL`, percent (the mean over a MIG GPU's instances).
+    utilization_percent: Option<f64>,
+    /// `DCGM_FI_DEV_FB_USED` in bytes (summed over a MIG GPU's instances).
+    memory_used_bytes: Option<f64>,
+}
+
+/// The tasks' GPU figures of the last scrape.
+#[derive(Debug, Default)]
+struct TaskGpus(std::sync::Mutex<Vec<TaskGpu>>);
+
+impl TaskGpus {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<TaskGpu>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// The join of dcgm-exporter's text (`text`) with the GPU ids each task holds: one
+/// [`TaskGpu`] per GPU the exporter reports (by its `UUID` label), none for a GPU it does not.
+/// The shim knows which GPUs a task has; DCGM is the one source of what they do.
+fn join_task_gpus(text: &str, tasks: &[(String, Vec<String>)]) -> Vec<TaskGpu> {
+    const UTIL: &str = "DCGM_FI_DEV_GPU_UTIL";
+    const FB_USED: &str = "DCGM_FI_DEV_FB_USED";
+    // uuid → (utilization sum, samples, memory MiB sum, samples)
+    let mut seen: std::collections::BTreeMap<String, (f64, u32, f64, u32)> = Default::default();
+    for line in text.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let Ok(sample) = shim_dcgm::parse_sample(line) else {
+            continue;
+        };
+        if sample.name != UTIL && sample.name != FB_USED {
+            continue;
+        }
+        let Some(uuid) = shim_dcgm::UUID_LABELS.iter().find_map(|l| sample.label(l)) else {
+            continue;
+        };
+        let entry = seen.entry(uuid.to_owned()).or_default();
+        if sample.name == UTIL {
+            entry.0 += sample.value;
+            entry.1 += 1;
+        } else {
+            entry.2 += sample.value;
+            entry.3 += 1;
+        }
+    }
+    let mut out = Vec::new();
+    for (task_id, gpus) in tasks {
+        for gpu in gpus {
+            let Some(&(util, util_n, mem, mem_n)) = seen.get(gpu) else {
+                continue;
+            };
+            out.push(TaskGpu {
+                task_id: task_id.clone(),
+                gpu: gpu.clone(),
+                utilization_percent: (util_n > 0).then(|| util / f64::from(util_n)),
+                memory_used_bytes: (mem_n > 0).then_some(mem * 1_048_576.0),
+            });
+        }
+    }
+    out
+}
+
+/// One figure of a [`TaskGpu`].
+type GpuFigure = fn(&TaskGpu) -> Option<f64>;
+
+/// The registry's view of [`TaskGpus`]: `dstack_shim_task_gpu_utilization_percent` and
+/// `dstack_shim_task_gpu_memory_used_bytes`, labelled `task_id` and `gpu`.
+#[derive(Debug)]
+struct TaskGpusCollector(Arc<TaskGpus>);
+
+impl shim_engine::prometheus_client::collector::Collector for TaskGpusCollector {
+    fn encode(
+        &self,
+        mut encoder: shim_engine::prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> Result<(), std::fmt::Error> {
+        use shim_engine::prometheus_client::encoding::EncodeMetric as _;
+        use shim_engine::prometheus_client::metrics::MetricType;
+        use shim_engine::prometheus_client::metrics::gauge::ConstGauge;
+        let readings = self.0.lock().clone();
+        let families: [(&str, &str, GpuFigure); 2] = [
+            (
+                "dstack_shim_task_gpu_utilization_percent",
+                "Utilization of a GPU the task holds (DCGM_FI_DEV_GPU_UTIL; the mean over a MIG GPU's instances)",
+                |g| g.utilization_percent,
+            ),
+            (
+                "dstack_shim_task_gpu_memory_used_bytes",
+                "Frame buffer memory used on a GPU the task holds (DCGM_FI_DEV_FB_USED)",
+                |g| g.memory_used_bytes,
+            ),
+        ];
+        for (name, help, value) in families {
+            let samples: Vec<(&TaskGpu, f64)> = readings
+                .iter()
+                .filter_map(|g| value(g).map(|v| (g, v)))
+                .collect();
+            if samples.is_empty() {
+                continue;
+            }
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (g, v) in samples {
+                let labels = [("task_id", g.task_id.as_str()), ("gpu", g.gpu.as_str())];
+                ConstGauge::new(v).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// Issue 28 part 4: a task's GPUs as DCGM measures them, joined by the GPU ids the shim
+    /// gave the task (the recorded 8×A800 payload has utilisation for its whole GPUs; memory
+    /// and MIG instances are added here as the exporter writes them).
+    #[test]
+    fn task_gpus_join_dcgm_by_the_gpus_each_task_holds() {
+        let recorded = fs_err::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../shim-dcgm/testdata/dcgm-exporter-8xA800-mig.prom"
+        ))
+        .unwrap();
+        let whole = "GPU-9e5b8fec-61bf-5124-a0a9-079af1b65cc6";
+        let mig = "GPU-mig-0";
+        let text = format!(
+            "{recorded}\n\
+             # TYPE DCGM_FI_DEV_FB_USED gauge\n\
+             DCGM_FI_DEV_FB_USED{{gpu=\"1\",UUID=\"{whole}\"}} 1024\n\
+             DCGM_FI_DEV_GPU_UTIL{{gpu=\"9\",UUID=\"{mig}\",GPU_I_ID=\"1\"}} 30\n\
+             DCGM_FI_DEV_GPU_UTIL{{gpu=\"9\",UUID=\"{mig}\",GPU_I_ID=\"2\"}} 50\n\
+             DCGM_FI_DEV_FB_USED{{gpu=\"9\",UUID=\"{mig}\",GPU_I_ID=\"1\"}} 1\n\
+             DCGM_FI_DEV_FB_USED{{gpu=\"9\",UUID=\"{mig}\",GPU_I_ID=\"2\"}} 2\n"
+        );
+        let tasks = vec![
+            (
+                "a".to_owned(),
+                vec![whole.to_owned(), "GPU-unknown".to_owned()],
+            ),
+            ("b".to_owned(), vec![mig.to_owned()]),
+        ];
+        let joined = join_task_gpus(&text, &tasks);
+        assert_eq!(
+            joined,
+            [
+                TaskGpu {
+                    task_id: "a".into(),
+                    gpu: whole.into(),
+                    utilization_percent: Some(0.0),
+                    memory_used_bytes: Some(1024.0 * 1_048_576.0),
+                },
+                TaskGpu {
+                    task_id: "b".into(),
+                    gpu: mig.into(),
+                    utilization_percent: Some(40.0),
+                    memory_used_bytes: Some(3.0 * 1_048_576.0),
+                },
+            ]
+        );
+
+        let gpus = Arc::new(TaskGpus::default());
+        *gpus.lock() = joined;
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(TaskGpusCollector(gpus)));
+        let mut text = String::new();
+        encode(&mut text, &registry).unwrap();
+        for line in [
+            format!(r#"dstack_shim_task_gpu_utilization_percent{{task_id="a",gpu="{whole}"}} 0.0"#),
+            format!(r#"dstack_shim_task_gpu_utilization_percent{{task_id="b",gpu="{mig}"}} 40.0"#),
+            format!(
+                r#"dstack_shim_task_gpu_memory_used_bytes{{task_id="a",gpu="{whole}"}} 1073741824.0"#
+            ),
+            "# TYPE dstack_shim_task_gpu_memory_used_bytes gauge".to_owned(),
+        ] {
+            assert!(text.contains(&line), "{line} in:\n{text}");
+        }
+        assert!(join_task_gpus(&text, &[]).is_empty());
+    }
 
     #[test]
     fn readiness_is_the_engines_verdict_and_reasons() {
