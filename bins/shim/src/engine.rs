@@ -8,10 +8,10 @@ use std::time::Duration;
 use anyhow::Context;
 use shim_engine::{Deps, Engine, EngineConfig};
 use shim_resources::{
-    AuthorizedKeysManager, BlockVolumes, GpuDetector, GpuVendor, HostGpus, SystemCommandRunner,
-    VolumeConfig,
+    AuthorizedKeysManager, BlockVolumes, GpuDetector, GpuVendor, HostGpus, VolumeConfig,
 };
 use shim_runtime::{ContainerRuntime as _, DockerRuntime, HostDevices};
+use shim_util::SystemCommandRunner;
 use shim_util::error_chain;
 
 use crate::config::Config;

@@ -5,8 +5,7 @@ use std::time::Duration;
 
 use shim_util::CommandError;
 
-/// The boxed source of a failed HTTP exchange (connection, protocol or body error).
-pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+use shim_util::BoxError;
 
 /// Who is to blame for a [`DcgmError`]; decides the status code the API answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

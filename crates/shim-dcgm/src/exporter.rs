@@ -14,9 +14,9 @@ use tokio::time::Instant;
 use crate::DcgmError;
 use crate::config::DcgmConfig;
 use crate::counters::{COUNTERS, counters_csv};
-use crate::error::BoxError;
 use crate::prom::filter_metrics;
 use crate::supervisor::{ChildSpec, Supervisor};
+use shim_util::BoxError;
 use shim_util::{Command, CommandRunner, SystemCommandRunner, error_chain};
 
 /// The most the exporter's answer may weigh (8 GPUs × 49 fields is about 150 KiB).

@@ -38,14 +38,13 @@ pub use config::{
     EXPORTER_PROGRAM, HOSTENGINE_PROGRAM, find_program,
 };
 pub use counters::{COUNTERS, Counter, counters_csv};
-pub use error::{BoxError, DcgmError, DcgmErrorKind};
+pub use error::{DcgmError, DcgmErrorKind};
 pub use exporter::DcgmExporter;
 pub use health::{
     DcgmHealth, HEALTH_FAIL, HEALTH_PASS, HEALTH_WARN, Health, HealthIncident, InstanceHealth,
     parse_dcgmi_health,
 };
 pub use prom::{ParseError, Sample, UUID_LABELS, filter_metrics, parse_sample};
-pub use shim_util::{Command, CommandError, CommandOutput, CommandRunner, SystemCommandRunner};
 
 /// The DCGM parts the shim runs, each present only when usable.
 #[derive(Debug, Default)]

@@ -10,9 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{alive, lines, script, testdata, wait_until};
-use shim_dcgm::{
-    Dcgm, DcgmConfig, DcgmErrorKind, DcgmHealth, HEALTH_FAIL, HEALTH_PASS, SystemCommandRunner,
-};
+use shim_dcgm::{Dcgm, DcgmConfig, DcgmErrorKind, DcgmHealth, HEALTH_FAIL, HEALTH_PASS};
+use shim_util::SystemCommandRunner;
 
 /// A fake `dcgmi health`: logs each call's arguments to `calls`; `-s a` creates `enabled`;
 /// `-c -j` prints `report.json` if `enabled` exists (else dcgmi's "not enabled" error), or

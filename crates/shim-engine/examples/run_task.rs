@@ -16,9 +16,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use shim_engine::{ChangeKind, Deps, Engine, EngineConfig, SubscriptionError};
-use shim_resources::{AuthorizedKeysManager, BlockVolumes, SystemCommandRunner, VolumeConfig};
+use shim_resources::{AuthorizedKeysManager, BlockVolumes, VolumeConfig};
 use shim_runtime::DockerRuntime;
 use shim_task::{NetworkMode, TaskConfig, TaskId, TaskName, TaskStatus, TerminationReason};
+use shim_util::SystemCommandRunner;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -28,7 +28,8 @@
 //! ```no_run
 //! use std::sync::Arc;
 //! use shim_engine::{Deps, Engine, EngineConfig};
-//! use shim_resources::{AuthorizedKeysManager, BlockVolumes, GpuDetector, SystemCommandRunner, VolumeConfig};
+//! use shim_resources::{AuthorizedKeysManager, BlockVolumes, GpuDetector, VolumeConfig};
+//! use shim_util::SystemCommandRunner;
 //! use shim_runtime::DockerRuntime;
 //! use shim_task::{TaskConfig, TaskId, TaskName};
 //!

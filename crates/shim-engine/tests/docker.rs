@@ -12,14 +12,13 @@ use std::time::{Duration, Instant};
 
 use shim_e2e::harness::FreshImage;
 use shim_engine::{Deps, Engine, EngineConfig};
-use shim_resources::{
-    AuthorizedKeysManager, BlockVolumes, HostGpus, StaticUserDb, SystemCommandRunner, VolumeConfig,
-};
+use shim_resources::{AuthorizedKeysManager, BlockVolumes, HostGpus, StaticUserDb, VolumeConfig};
 use shim_runtime::DockerRuntime;
 use shim_task::{
     NetworkMode, PublicKey, TaskConfig, TaskId, TaskInfo, TaskName, TaskStatus, TerminationReason,
     VolumeBackend, VolumeMountPoint, VolumeSpec,
 };
+use shim_util::SystemCommandRunner;
 
 const KEY: &str =
     "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAID1C4oAsnzrPpqMilIIwxvatSq1HhXjaqM9ge9X3BgAe user@host";
@@ -82,7 +81,7 @@ impl Host {
     }
 
     fn runner_dir(&self, id: &str) -> PathBuf {
-        let name = shim_task::container_name(
+        let name = shim_task::naming::container_name(
             &TaskName::new("enginetest").unwrap(),
             &TaskId::new(id).unwrap(),
         );

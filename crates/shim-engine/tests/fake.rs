@@ -139,7 +139,7 @@ async fn wait_released(engine: &Engine, _w: &World, id: &str) {
 /// This shim's part of the task's state file (`runners/<container name>/task.json`).
 fn state_file(w: &World, id: &str) -> serde_json::Value {
     let c = config(id);
-    let name = shim_task::container_name(&c.name, &c.id);
+    let name = shim_task::naming::container_name(&c.name, &c.id);
     let p = w.home.path().join("runners").join(name).join("task.json");
     let file: serde_json::Value = serde_json::from_slice(&fs_err::read(p).unwrap()).unwrap();
     let mut ours = file["rust_shim"].clone();
@@ -1540,8 +1540,10 @@ async fn upstream_tasks_are_adopted_and_release_exactly_theirs() {
     let runners = w.home.path().join("runners");
 
     // With a state file (the upstream version with per-task state): two GPUs, a volume, a key.
-    let name_a =
-        shim_task::container_name(&TaskName::new("up-a").unwrap(), &TaskId::new("a1").unwrap());
+    let name_a = shim_task::naming::container_name(
+        &TaskName::new("up-a").unwrap(),
+        &TaskId::new("a1").unwrap(),
+    );
     let dir_a = runners.join(&name_a);
     fs_err::create_dir_all(dir_a.join("runner")).unwrap();
     fs_err::write(
@@ -1688,8 +1690,10 @@ async fn upstream_tasks_are_adopted_and_release_exactly_theirs() {
 async fn an_upstream_recorded_reason_survives_adoption_of_an_exited_container() {
     let w = World::new(2);
     let all = w.host_gpus.ids();
-    let name =
-        shim_task::container_name(&TaskName::new("up-r").unwrap(), &TaskId::new("r1").unwrap());
+    let name = shim_task::naming::container_name(
+        &TaskName::new("up-r").unwrap(),
+        &TaskId::new("r1").unwrap(),
+    );
     let dir = w.home.path().join("runners").join(&name);
     fs_err::create_dir_all(dir.join("runner")).unwrap();
     fs_err::write(

@@ -4,7 +4,7 @@
 //! This crate knows nothing of HTTP, of tasks' containers or of the Docker API. Its one use of
 //! Docker: AMD and Tenstorrent GPUs are listed, as dstack's Go shim does, by running the
 //! vendor's tool image with the `docker` CLI (`docker run --rm --device … dstackai/amd-smi`,
-//! `dstackai/tt-smi`), through the [`CommandRunner`] like every other host tool.
+//! `dstackai/tt-smi`), through the [`CommandRunner`](shim_util::CommandRunner) like every other host tool.
 //!
 //! Each resource the engine drives sits behind a small `Send + Sync` trait usable as
 //! `Arc<dyn Trait>`, with a real implementation tested against the real thing (temporary
@@ -32,8 +32,8 @@
 //! - [`host`] — [`HostInfo`], [`host::collect`] (facts as upstream computes them; 0 when
 //!   unreadable), [`write_host_info`] and [`write_host_info_once`]: upstream's
 //!   `host_info.json`.
-//! - Host tools run through the injected [`CommandRunner`] of [`shim_util`] (re-exported:
-//!   [`SystemCommandRunner`]; `fake::ScriptedCommandRunner` answers from a script in tests).
+//! - Host tools run through the injected [`CommandRunner`](shim_util::CommandRunner) of [`shim_util`] (re-exported:
+//!   [`SystemCommandRunner`](shim_util::SystemCommandRunner); `fake::ScriptedCommandRunner` answers from a script in tests).
 //!
 //! Durable writes (authorized_keys, host_info.json) go through [`shim_fs`].
 //!
@@ -57,7 +57,6 @@ pub use fake::StaticUserDb;
 pub use gpu::{GpuDetector, GpuInfo, GpuLock, GpuVendor, HostGpus};
 pub use host::{HOST_INFO_FILE, HostInfo, write_host_info, write_host_info_once};
 pub use keys::{AuthorizedKeys, AuthorizedKeysManager, SystemUserDb, UserDb, UserEntry};
-pub use shim_util::{Command, CommandError, CommandOutput, CommandRunner, SystemCommandRunner};
 pub use volumes::{
     BlockVolumes, DEFAULT_VOLUMES_ROOT, Mounter, SystemMounter, VolumeConfig, VolumeManager,
 };

@@ -10,7 +10,8 @@ use shim_resources::gpu::{
     AMD_SMI_IMAGE, GpuInfo, TT_SMI_IMAGE, parse_amd_smi, parse_hl_smi, parse_nvidia_smi,
     parse_tt_smi,
 };
-use shim_resources::{CommandOutput, Error, GpuDetector, GpuLock, GpuVendor, HostGpus};
+use shim_resources::{Error, GpuDetector, GpuLock, GpuVendor, HostGpus};
+use shim_util::CommandOutput;
 
 fn fixture(name: &str) -> String {
     let p = Path::new(env!("CARGO_MANIFEST_DIR"))

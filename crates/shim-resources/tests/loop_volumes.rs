@@ -9,8 +9,9 @@ use std::process::Command;
 use std::sync::Arc;
 
 use shim_resources::volumes::Probe;
-use shim_resources::{BlockVolumes, Error, SystemCommandRunner, VolumeConfig, VolumeManager};
+use shim_resources::{BlockVolumes, Error, VolumeConfig, VolumeManager};
 use shim_task::{MountedVolume, TaskName, VolumeBackend, VolumeSpec};
+use shim_util::SystemCommandRunner;
 
 /// The first statement of a test that needs root (loop devices, mounts), which also carries the
 /// workspace's root `#[ignore]` reason: panics unless `SHIM_TEST_ROOT=1`, so that the test, run
@@ -390,11 +391,11 @@ struct CountingRunner {
 }
 
 #[async_trait::async_trait]
-impl shim_resources::CommandRunner for CountingRunner {
+impl shim_util::CommandRunner for CountingRunner {
     async fn run(
         &self,
-        command: &shim_resources::Command,
-    ) -> Result<shim_resources::CommandOutput, shim_resources::CommandError> {
+        command: &shim_util::Command,
+    ) -> Result<shim_util::CommandOutput, shim_util::CommandError> {
         if command.get_program() == Path::new("mkfs.ext4") {
             self.mkfs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }

@@ -10,8 +10,9 @@ use shim_resources::fake::ScriptedCommandRunner;
 use shim_resources::volumes::{
     Probe, aws_fallback_names, find_aws_device, is_mount_point_in, parse_blkid,
 };
-use shim_resources::{BlockVolumes, CommandOutput, Error, VolumeConfig, VolumeManager};
+use shim_resources::{BlockVolumes, Error, VolumeConfig, VolumeManager};
 use shim_task::{MountedVolume, TaskName, VolumeBackend, VolumeSpec};
+use shim_util::CommandOutput;
 
 fn fixture(name: &str) -> String {
     let p = Path::new(env!("CARGO_MANIFEST_DIR"))

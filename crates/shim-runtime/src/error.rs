@@ -5,8 +5,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// A boxed foreign error kept as the source of a [`RuntimeError`].
-pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+use shim_util::BoxError;
 
 /// What went wrong talking to the container runtime.
 ///

@@ -19,13 +19,13 @@ use futures_util::StreamExt;
 use tokio::sync::{broadcast, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::error::BoxError;
 use crate::spec::{ContainerSpec, NetworkMode};
 use crate::types::{
     ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, EventKind, MountPoint,
     PublishedPort, PullProgress, PullRequest, has_labels,
 };
 use crate::{ContainerRuntime, EventStream, ProgressFn, Result, RuntimeError};
+use shim_util::BoxError;
 
 /// One recorded call.
 #[derive(Debug, Clone, PartialEq, Eq)]

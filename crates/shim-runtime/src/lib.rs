@@ -24,7 +24,7 @@ use futures_util::stream::BoxStream;
 use tokio_util::sync::CancellationToken;
 
 pub use docker::DockerRuntime;
-pub use error::{BoxError, RuntimeError};
+pub use error::RuntimeError;
 pub use spec::{
     BindMount, ContainerInputs, ContainerSpec, DeviceMapping, DeviceRequest, GpuConfig,
     HostDevices, LogLimits, NetworkMode, RunnerParams, Ulimit, build_container_spec,

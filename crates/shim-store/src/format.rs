@@ -336,7 +336,7 @@ pub(crate) fn decode(
                     }
                 })?,
             };
-            if shim_task::container_name(&name, &file.id) != dir_name {
+            if shim_task::naming::container_name(&name, &file.id) != dir_name {
                 return Err(RecordError::WrongTask {
                     expected: dir_name.to_owned(),
                     found: file.id,

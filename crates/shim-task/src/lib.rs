@@ -5,15 +5,19 @@
 //! decision testable by property tests over random event sequences (`tests/`), including a
 //! crash of the shim at any point followed by [`restore()`].
 //!
-//! - [`ids`]: validated task ids and names (they become directory and container names).
-//! - [`status`]: statuses and termination reasons as they appear on the wire.
-//! - [`config`]: the submit body with defaults and validation.
-//! - [`ssh`]: OpenSSH public key validation and SHA256 fingerprints.
-//! - [`info`]: the API's task view and the record of acquired resources.
-//! - [`record`]: the persisted part of a task.
+//! - Ids ([`TaskId`], [`TaskName`]): validated task ids and names (they become directory and
+//!   container names).
+//! - [`TaskStatus`], [`TerminationReason`]: statuses and termination reasons as on the wire.
+//! - [`TaskConfig`]: the submit body with defaults and validation.
+//! - [`PublicKey`]: OpenSSH public key validation and SHA256 fingerprints.
+//! - [`TaskInfo`], [`Resources`]: the API's task view and the record of acquired resources.
+//! - [`TaskRecord`]: the persisted part of a task.
 //! - [`naming`]: the container name of a task.
-//! - [`machine`]: the task state machine ([`step`]: [`Event`] in, [`Transition`] out).
-//! - [`restore`](mod@restore): what a task is after a restart ([`restore()`]).
+//! - [`machine`]: the task state machine ([`machine::step`]: [`machine::Event`] in,
+//!   [`machine::Transition`] out).
+//! - [`restore()`]: what a task is after a restart.
+//!
+//! Every item has one path: the crate root, or the public module [`machine`] or [`naming`].
 //!
 //! # The state machine
 //!
@@ -37,15 +41,15 @@
 //!
 //! - `terminated` absorbs every event: the first reason and message are kept.
 //! - Resources are recorded in `record.resources` as they are acquired (host keys just before
-//!   the add, volumes just before the mount: [`Event::VolumeMounting`]), and [`Action::Release`] is emitted only when the task is terminated, holds
+//!   the add, volumes just before the mount: [`Event::VolumeMounting`](machine::Event::VolumeMounting)), and [`Action::Release`](machine::Action::Release) is emitted only when the task is terminated, holds
 //!   something, start is not in flight, no stop is in flight, the last stop (if any)
 //!   succeeded, and no release is out. A failed stop is retried (`StopContainer{0}`) on the
-//!   reconciler's next [`Event::ReleaseRequested`], or cleared when it sees the container not
-//!   running. [`Event::Released`] removes what was freed; `released = true` once nothing is
-//!   held; what is left is retried on the reconciler's next cycle ([`Task::needs_release`]).
-//! - [`Event::RemoveRequested`] (terminated, start returned, no release out) →
+//!   reconciler's next [`Event::ReleaseRequested`](machine::Event::ReleaseRequested), or cleared when it sees the container not
+//!   running. [`Event::Released`](machine::Event::Released) removes what was freed; `released = true` once nothing is
+//!   held; what is left is retried on the reconciler's next cycle ([`Task::needs_release`](machine::Task::needs_release)).
+//! - [`Event::RemoveRequested`](machine::Event::RemoveRequested) (terminated, start returned, no release out) →
 //!   `RemoveContainer, Release (if held), DeleteTaskDir, Forget`; anything else is a
-//!   [`TransitionError`].
+//!   [`TransitionError`](machine::TransitionError).
 //!
 //! Start is a chain of actions: each action the machine emits is carried out by the engine,
 //! whose outcome comes back as the next event, and the machine emits the next step:
@@ -53,7 +57,7 @@
 //! → StartContainer → FinishStart`; the start job then steps `StartFinished`. A terminate during
 //! start terminates at once (pull: `CancelPull` at once) and start stops at its next step; a
 //! container started by the step in progress is stopped (`StopContainer{0}`). Every step that
-//! changes the record returns [`Action::Persist`] first. See [`machine`] for what the engine
+//! changes the record returns [`Action::Persist`](machine::Action::Persist) first. See [`machine`] for what the engine
 //! must do.
 //!
 //! # Restore
@@ -71,15 +75,15 @@
 //! GPUs are locked again (`LockGpus`) for every restored task whose resources are not
 //! released; the engine carries restore's actions out before the reconciler's first cycle.
 
-pub mod config;
-pub mod ids;
-pub mod info;
+mod config;
+mod ids;
+mod info;
 pub mod machine;
 pub mod naming;
-pub mod record;
-pub mod restore;
-pub mod ssh;
-pub mod status;
+mod record;
+mod restore;
+mod ssh;
+mod status;
 
 pub use config::{
     ConfigError, GpuDevice, InstanceMountPoint, KeyLine, NetworkMode, Secret, TaskConfig,
@@ -89,10 +93,6 @@ pub use ids::{InvalidId, TaskId, TaskName};
 pub use info::{
     HostKeysGrant, MountedVolume, PortMapping, PullProgress, Resources, TaskInfo, UnknownKeys,
 };
-pub use machine::{
-    Action, Event, Observation, StartStep, StopState, Task, Transition, TransitionError, step,
-};
-pub use naming::container_name;
 pub use record::TaskRecord;
 pub use restore::{ContainerState, ObservedContainer, restore};
 pub use ssh::{InvalidKey, PublicKey};

@@ -29,11 +29,12 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use proptest::prelude::*;
 use shim_task::machine::Saved;
+use shim_task::machine::{Action, Event, Observation, Task, TransitionError, step};
+use shim_task::naming::container_name;
 use shim_task::{
-    Action, ContainerState, Event, InstanceMountPoint, MountedVolume, NetworkMode, Observation,
-    ObservedContainer, PortMapping, PublicKey, PullProgress, Task, TaskConfig, TaskId, TaskName,
-    TaskRecord, TaskStatus, TerminationReason, TransitionError, VolumeBackend, VolumeSpec,
-    container_name, restore, step,
+    ContainerState, InstanceMountPoint, MountedVolume, NetworkMode, ObservedContainer, PortMapping,
+    PublicKey, PullProgress, TaskConfig, TaskId, TaskName, TaskRecord, TaskStatus,
+    TerminationReason, VolumeBackend, VolumeSpec, restore,
 };
 
 const KEY: &str =

@@ -3,12 +3,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test file: panics are failures
 
+use shim_task::machine::{
+    Action, Event, Observation, StartStep, StopState, Task, TransitionError, step,
+};
 use shim_task::machine::{EXIT_MESSAGE_LINES, NEVER_STARTED_MESSAGE, VANISHED_MESSAGE};
+use shim_task::naming::container_name;
 use shim_task::{
-    Action, ContainerState, Event, HostKeysGrant, InstanceMountPoint, MountedVolume, NetworkMode,
-    Observation, ObservedContainer, PortMapping, PublicKey, PullProgress, StartStep, StopState,
-    Task, TaskConfig, TaskId, TaskName, TaskRecord, TaskStatus, TerminationReason, TransitionError,
-    VolumeBackend, VolumeSpec, container_name, restore, step,
+    ContainerState, HostKeysGrant, InstanceMountPoint, MountedVolume, NetworkMode,
+    ObservedContainer, PortMapping, PublicKey, PullProgress, TaskConfig, TaskId, TaskName,
+    TaskRecord, TaskStatus, TerminationReason, VolumeBackend, VolumeSpec, restore,
 };
 
 const KEY: &str =

@@ -8,6 +8,9 @@
 
 use std::error::Error;
 
+/// A boxed foreign error, kept as the `source()` of an error of this workspace's crates.
+pub type BoxError = Box<dyn Error + Send + Sync + 'static>;
+
 /// `e` and its causes on one line, outermost first, separated by `: ` (`cannot write
 /// /x/task.json: No space left on device (os error 28)`): what the API answers, a task's
 /// termination message and the log show. Each level is printed as its `Display` says, once.

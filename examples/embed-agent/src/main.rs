@@ -20,10 +20,11 @@ use std::time::Duration;
 use shim_engine::{ChangeKind, Deps, Engine, EngineConfig, Shutdown, SubscriptionError};
 use shim_http::{EngineApi, Listeners, NoComponents, ServerConfig, serve};
 use shim_resources::fake::{FakeAuthorizedKeys, FakeVolumes};
-use shim_resources::{AuthorizedKeysManager, BlockVolumes, SystemCommandRunner, VolumeConfig};
+use shim_resources::{AuthorizedKeysManager, BlockVolumes, VolumeConfig};
 use shim_runtime::DockerRuntime;
 use shim_runtime::fake::FakeRuntime;
 use shim_task::{TaskConfig, TaskId, TaskName, TaskStatus, TerminationReason};
+use shim_util::SystemCommandRunner;
 
 type AnyError = Box<dyn std::error::Error>;
 

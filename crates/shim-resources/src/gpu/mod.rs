@@ -2,7 +2,7 @@
 //! hands GPUs to tasks without ever over-allocating. Three parts:
 //!
 //! - [`detect`] (IO): which device paths exist, running the vendor tool through the injected
-//!   [`crate::CommandRunner`], resolving AMD render nodes, reading the Tenstorrent driver
+//!   [`CommandRunner`](shim_util::CommandRunner), resolving AMD render nodes, reading the Tenstorrent driver
 //!   version. The same order and tool arguments as dstack's Go shim
 //!   (runner/internal/common/gpu/gpu.go, runner/internal/shim/host/gpu.go):
 //!   `<dev>/nvidiactl`, or WSL's `<dev>/dxg` with `/usr/lib/wsl/lib/nvidia-smi` → NVIDIA;
