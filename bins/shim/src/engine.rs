@@ -67,8 +67,8 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
     deps.host_gpus = host_gpus;
     deps.fake_gpus = fake_gpus;
     deps.host_devices = HostDevices {
-        infiniband: Path::new(shim_runtime::spec::INFINIBAND_PATH).exists(),
-        hugepages_1g: Path::new(shim_runtime::spec::HUGEPAGES_1G_PATH).exists(),
+        infiniband: Path::new(shim_runtime::INFINIBAND_PATH).exists(),
+        hugepages_1g: Path::new(shim_runtime::HUGEPAGES_1G_PATH).exists(),
     };
     let mut cfg = EngineConfig::new(home);
     cfg.runner_binary_path = config.runner_binary_path.clone();

@@ -278,7 +278,7 @@ impl Effects {
     /// create finds out and pulls it ([`Effects::create`]).
     async fn pull(&self, slot: &Arc<Slot>, image: String, recorder: &Recorder<'_>) -> Event {
         let runtime = &self.runtime;
-        let image = shim_runtime::spec::with_default_tag(&image);
+        let image = shim_runtime::with_default_tag(&image);
         if !image.ends_with(":latest") {
             if self.known_images().contains(&image) {
                 return Event::PullSkipped;

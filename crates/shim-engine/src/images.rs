@@ -323,7 +323,7 @@ impl ImageGc {
                     t.record()
                         .config
                         .as_ref()
-                        .map(|c| shim_runtime::spec::with_default_tag(&c.image_name))
+                        .map(|c| shim_runtime::with_default_tag(&c.image_name))
                 })
             })
             .collect()

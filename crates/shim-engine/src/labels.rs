@@ -162,7 +162,7 @@ pub fn is_ours_lexically(mounts: &[MountPoint], roots: &TaskRoots) -> Option<boo
 pub fn runner_mount(mounts: &[MountPoint]) -> Option<&str> {
     mounts
         .iter()
-        .find(|m| m.destination == shim_runtime::spec::RUNNER_DIR_IN_CONTAINER)
+        .find(|m| m.destination == shim_runtime::RUNNER_DIR_IN_CONTAINER)
         .map(|m| m.source.as_str())
 }
 
@@ -173,7 +173,7 @@ mod tests {
     fn mount(source: &str) -> MountPoint {
         MountPoint {
             source: source.into(),
-            destination: shim_runtime::spec::RUNNER_DIR_IN_CONTAINER.into(),
+            destination: shim_runtime::RUNNER_DIR_IN_CONTAINER.into(),
             read_write: true,
         }
     }

@@ -7,8 +7,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use shim_runtime::{
     ContainerDetails, ContainerRuntime, ContainerSpec, ContainerSummary, EventStream, ProgressFn,
-    PullProgress, PullRequest, Result as RtResult,
+    PullRequest, Result as RtResult,
 };
+use shim_task::PullProgress;
 use tokio_util::sync::CancellationToken;
 
 use crate::counters::Metrics;

@@ -5,11 +5,11 @@ use std::path::PathBuf;
 
 use shim_resources::{GpuVendor, VolumeManager};
 use shim_runtime::{
-    BindMount, ContainerInputs, ContainerSpec, DeviceMapping, GpuConfig, HostDevices, NetworkMode,
-    RunnerParams, build_container_spec,
+    BindMount, ContainerInputs, ContainerSpec, DeviceMapping, GpuConfig, HostDevices, RunnerParams,
+    build_container_spec,
 };
 use shim_task::machine::Task;
-use shim_task::{NetworkMode as TaskNetwork, TaskConfig};
+use shim_task::{NetworkMode, TaskConfig};
 
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
@@ -68,10 +68,7 @@ fn inputs(
     if !gpus.is_empty() {
         labels.insert(LABEL_GPUS.to_owned(), gpus.join(","));
     }
-    let network = match config.network_mode {
-        TaskNetwork::Host => NetworkMode::Host,
-        TaskNetwork::Bridge => NetworkMode::Bridge,
-    };
+    let network = config.network_mode;
     let mut mounts = Vec::new();
     for m in &config.volume_mounts {
         let source = task
@@ -131,7 +128,7 @@ fn inputs(
     };
     ContainerInputs {
         name: task.record().container_name.clone(),
-        image: shim_runtime::spec::with_default_tag(&config.image_name),
+        image: shim_runtime::with_default_tag(&config.image_name),
         labels,
         runner: RunnerParams {
             binary_host_path: cfg.runner_binary_path.clone(),
@@ -150,7 +147,7 @@ fn inputs(
         network,
         user: config.effective_user().to_owned(),
         privileged: config.privileged || cfg.privileged,
-        nano_cpus: shim_runtime::spec::nano_cpus(config.cpu),
+        nano_cpus: shim_runtime::nano_cpus(config.cpu),
         memory: config.memory,
         shm_size: config.shm_size,
         mounts,

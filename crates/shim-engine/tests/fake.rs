@@ -7,8 +7,9 @@ use std::time::Duration;
 use shim_engine::{Deps, Engine, EngineConfig, EngineError};
 use shim_resources::HostGpus;
 use shim_resources::fake::{FakeAuthorizedKeys, FakeVolumes};
+use shim_runtime::ContainerState;
 use shim_runtime::fake::{Call, FakeRuntime, PullBehavior, StartBehavior};
-use shim_runtime::{ContainerState, PullProgress};
+use shim_task::PullProgress;
 use shim_task::{
     PublicKey, TaskConfig, TaskId, TaskName, TaskStatus, TerminationReason, VolumeBackend,
     VolumeMountPoint, VolumeSpec,

@@ -31,7 +31,8 @@ use bollard::query_parameters::{CreateImageOptionsBuilder, RemoveImageOptionsBui
 use futures_util::StreamExt as _;
 use serde_json::json;
 use shim_e2e::harness::FreshImage;
-use shim_runtime::{ContainerRuntime as _, DockerRuntime, PullProgress, PullRequest, RegistryAuth};
+use shim_runtime::{ContainerRuntime as _, DockerRuntime, PullRequest, RegistryAuth};
+use shim_task::PullProgress;
 use tokio_util::sync::CancellationToken;
 
 /// Random bytes in each image's fresh layer.

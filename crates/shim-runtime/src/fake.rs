@@ -19,12 +19,14 @@ use futures_util::StreamExt;
 use tokio::sync::{broadcast, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::spec::{ContainerSpec, NetworkMode};
+use crate::spec::ContainerSpec;
 use crate::types::{
     ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, EventKind, MountPoint,
-    PublishedPort, PullProgress, PullRequest, has_labels,
+    PublishedPort, PullRequest, has_labels,
 };
 use crate::{ContainerRuntime, EventStream, ProgressFn, Result, RuntimeError};
+use shim_task::NetworkMode;
+use shim_task::PullProgress;
 use shim_util::BoxError;
 
 /// One recorded call.

@@ -1,18 +1,19 @@
 //! The container runtime seen by the shim: the [`ContainerRuntime`] trait, its runtime-neutral
-//! types, the container spec of SPEC §6 (built by pure functions in [`spec`]), the Docker
+//! types, the container spec of SPEC §6 (built by pure functions: [`build_container_spec`]), the Docker
 //! implementation ([`DockerRuntime`], on bollard) and, behind the `test-support` feature, an
 //! in-memory fake (`fake::FakeRuntime`) for fast tests of the layers above.
 //!
 //! This crate knows nothing of tasks or HTTP: the engine maps its tasks to these types. Its
-//! one type from `shim-task` (the pure leaf) is [`PullProgress`], which a pull reports and
-//! the task view shows, so it is defined once.
+//! types from `shim-task` (the pure leaf) are `PullProgress`, which a pull reports and the
+//! task view shows, and `NetworkMode`, which a task asks for and a container gets: each is
+//! defined once, there (and named by its one path, `shim_task::…`).
 //! Foreign errors (bollard, io) are translated once, here, into [`RuntimeError`].
 
 mod docker;
 mod error;
 #[cfg(any(test, feature = "test-support"))]
 pub mod fake;
-pub mod spec;
+mod spec;
 mod time;
 mod types;
 mod watchdog;
@@ -21,19 +22,22 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures_util::stream::BoxStream;
+use shim_task::PullProgress;
 use tokio_util::sync::CancellationToken;
 
 pub use docker::DockerRuntime;
 pub use error::RuntimeError;
 pub use spec::{
-    BindMount, ContainerInputs, ContainerSpec, DeviceMapping, DeviceRequest, GpuConfig,
-    HostDevices, LogLimits, NetworkMode, RunnerParams, Ulimit, build_container_spec,
-    without_nvidia_display,
+    BindMount, ContainerInputs, ContainerSpec, DeviceMapping, DeviceRequest,
+    EXIT_NO_PACKAGE_MANAGER, EXIT_SSHD_INSTALL_FAILED, GpuConfig, HUGEPAGES_1G_PATH, HostDevices,
+    INFINIBAND_PATH, LogLimits, NVIDIA_CAPABILITIES, RUNNER_BINARY_IN_CONTAINER,
+    RUNNER_DIR_IN_CONTAINER, RunnerParams, Ulimit, build_container_spec, nano_cpus, runner_script,
+    shell_quote, with_default_tag, without_nvidia_display,
 };
 pub use time::docker_time_ns;
 pub use types::{
     ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, EventKind, MountPoint,
-    PublishedPort, PullProgress, PullRequest, RegistryAuth,
+    PublishedPort, PullRequest, RegistryAuth,
 };
 
 /// The result type of this crate.

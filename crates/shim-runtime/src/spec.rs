@@ -6,6 +6,7 @@ use std::num::{NonZeroU32, NonZeroU64};
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
+use shim_task::NetworkMode;
 
 /// Where the runner directory is mounted inside the container.
 pub const RUNNER_DIR_IN_CONTAINER: &str = "/tmp/runner";
@@ -24,27 +25,6 @@ pub const NVIDIA_CAPABILITIES: [&str; 7] = [
 pub const INFINIBAND_PATH: &str = "/dev/infiniband";
 /// The 1 GiB hugepages mount (bound for Tenstorrent when present on the host).
 pub const HUGEPAGES_1G_PATH: &str = "/dev/hugepages-1G";
-
-/// The container's network mode.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum NetworkMode {
-    /// The host's network namespace (no ports published).
-    #[default]
-    Host,
-    /// Docker's bridge; exposed ports are published on `127.0.0.1`.
-    Bridge,
-}
-
-impl NetworkMode {
-    /// Docker's name for the mode.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Host => "host",
-            Self::Bridge => "bridge",
-        }
-    }
-}
 
 /// A bind mount: Docker `Mounts` of type `bind`, as upstream makes them, so a missing source
 /// fails the create instead of becoming a directory Docker creates on the host.

@@ -87,27 +87,6 @@ impl PullRequest {
     }
 }
 
-/// Pull progress summed over the image's layers: shim-task's type, the one the task view
-/// shows (one definition; shim-task is the pure leaf every shim crate may depend on). Its four
-/// fields are upstream's `image_pull_progress`, and nothing else is said on the wire.
-///
-/// What the Docker runtime puts in it: layers already on the host before the pull count 0;
-/// bytes come only from byte counts (an engine's count in other units is ignored);
-/// `downloaded_bytes` and `total_bytes` from `Downloading` (every engine counts it in bytes);
-/// `extracted_bytes` from what the engine reports of extraction, which differs:
-///
-/// - Docker, classic image store: `Extracting` counts bytes, layer by layer.
-/// - Docker 28+, containerd image store: `Extracting` counts seconds (`"units":"s"`), which
-///   are ignored; a layer counts as extracted, whole, at its `Pull complete` (upstream does the
-///   same, dstackai/dstack#3921).
-/// - Docker 26–27 with the containerd image store, and Podman: no extraction is reported, so
-///   `extracted_bytes` stays 0 while the pull runs.
-///
-/// The final progress of a pull that succeeded has `extracted_bytes` = `downloaded_bytes` =
-/// `total_bytes` and `is_total_bytes_final` set, on every engine: the engine answers a pull
-/// once the image is unpacked, so a finished pull never reads "0 of N extracted".
-pub use shim_task::PullProgress;
-
 /// A container's state as the runtime reports it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ContainerState {

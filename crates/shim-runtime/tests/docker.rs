@@ -16,13 +16,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use futures_util::StreamExt;
 use shim_e2e::harness::{FreshImage, LosingProxy, docker_socket};
 use shim_e2e::require_docker;
-use shim_runtime::spec::{RUNNER_DIR_IN_CONTAINER, runner_script};
 use shim_runtime::{
     BindMount, ContainerDetails, ContainerInputs, ContainerRuntime, ContainerSpec, ContainerState,
-    DeviceMapping, DeviceRequest, DockerRuntime, EventKind, GpuConfig, LogLimits, NetworkMode,
-    PullProgress, PullRequest, RegistryAuth, RunnerParams, RuntimeError, Ulimit,
-    build_container_spec,
+    DeviceMapping, DeviceRequest, DockerRuntime, EventKind, GpuConfig, LogLimits, PullRequest,
+    RegistryAuth, RunnerParams, RuntimeError, Ulimit, build_container_spec,
 };
+use shim_runtime::{RUNNER_DIR_IN_CONTAINER, runner_script};
+use shim_task::NetworkMode;
+use shim_task::PullProgress;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
@@ -861,7 +862,7 @@ async fn limits_privileged_labels_and_devices_in_config() {
     let mut labels = guard.labels();
     labels.insert("ai.dstack.shim.task-id".to_owned(), "t-1".to_owned());
     let mut inputs = runner_inputs(&run, labels.clone(), Path::new("/tmp"), NetworkMode::Host);
-    inputs.nano_cpus = shim_runtime::spec::nano_cpus(0.5);
+    inputs.nano_cpus = shim_runtime::nano_cpus(0.5);
     inputs.memory = 256 << 20;
     inputs.privileged = true;
     inputs.user = "root".to_owned();

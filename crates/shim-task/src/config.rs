@@ -87,6 +87,16 @@ pub enum NetworkMode {
     Bridge,
 }
 
+impl NetworkMode {
+    /// Docker's name for the mode.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Host => "host",
+            Self::Bridge => "bridge",
+        }
+    }
+}
+
 impl<'de> Deserialize<'de> for NetworkMode {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         match Option::<String>::deserialize(d)?.as_deref() {

@@ -9,7 +9,9 @@ use bollard::models::{
 };
 use serde_json::Value;
 
-use crate::spec::{ContainerSpec, DeviceMapping, DeviceRequest, LogLimits, NetworkMode};
+use shim_task::NetworkMode;
+
+use crate::spec::{ContainerSpec, DeviceMapping, DeviceRequest, LogLimits};
 use crate::types::{
     ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, EventKind, MountPoint,
     PublishedPort, has_labels,

@@ -24,9 +24,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::spec::ContainerSpec;
-use crate::types::{ContainerDetails, ContainerSummary, PullProgress, PullRequest, has_labels};
+use crate::types::{ContainerDetails, ContainerSummary, PullRequest, has_labels};
 use crate::watchdog::Watchdog;
 use crate::{ContainerRuntime, EventStream, ProgressFn, Result, RuntimeError};
+use shim_task::PullProgress;
 
 use convert::{
     container_event, create_body, details, details_from_json, event_filters, list_prefilter,

@@ -1,5 +1,25 @@
 //! Pull progress: the daemon's per-layer messages folded into [`PullProgress`], and the
 //! pull log.
+//!
+//! `PullProgress` is summed over the image's layers: shim-task's type, the one the task view
+//! shows (one definition; shim-task is the pure leaf every shim crate may depend on). Its four
+//! fields are upstream's `image_pull_progress`, and nothing else is said on the wire.
+//!
+//! What the Docker runtime puts in it: layers already on the host before the pull count 0;
+//! bytes come only from byte counts (an engine's count in other units is ignored);
+//! `downloaded_bytes` and `total_bytes` from `Downloading` (every engine counts it in bytes);
+//! `extracted_bytes` from what the engine reports of extraction, which differs:
+//!
+//! - Docker, classic image store: `Extracting` counts bytes, layer by layer.
+//! - Docker 28+, containerd image store: `Extracting` counts seconds (`"units":"s"`), which
+//!   are ignored; a layer counts as extracted, whole, at its `Pull complete` (upstream does the
+//!   same, dstackai/dstack#3921).
+//! - Docker 26–27 with the containerd image store, and Podman: no extraction is reported, so
+//!   `extracted_bytes` stays 0 while the pull runs.
+//!
+//! The final progress of a pull that succeeded has `extracted_bytes` = `downloaded_bytes` =
+//! `total_bytes` and `is_total_bytes_final` set, on every engine: the engine answers a pull
+//! once the image is unpacked, so a finished pull never reads "0 of N extracted".
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -8,8 +28,8 @@ use bollard::models::CreateImageInfo;
 use tokio::io::AsyncWriteExt;
 use tracing::warn;
 
-use crate::types::PullProgress;
 use crate::{Result, RuntimeError};
+use shim_task::PullProgress;
 
 /// One layer's progress.
 #[derive(Debug, Default, Clone, Copy)]

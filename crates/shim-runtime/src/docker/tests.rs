@@ -15,8 +15,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::{DockerRuntime, Flavour};
 use crate::spec::{BindMount, ContainerSpec, DeviceMapping, DeviceRequest};
-use crate::types::{ContainerState, EventKind, PullProgress, PullRequest};
+use crate::types::{ContainerState, EventKind, PullRequest};
 use crate::{ContainerRuntime, RuntimeError};
+use shim_task::PullProgress;
 
 /// A status and a body.
 type Answer = (u16, String);
