@@ -30,7 +30,7 @@
 
 use std::ffi::OsString;
 use std::io::{Read as _, Write as _};
-use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::{AsRawFd as _, OwnedFd};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
@@ -662,37 +662,31 @@ fn watch(spec: &WatchSpec) -> Result<(), Failure> {
     }
 }
 
-/// One `GET /api/healthcheck` on a new connection (bounded by 2 s and `deadline`): the
+/// One `GET /api/healthcheck` (bounded by 2 s and `deadline`, no proxy: it is loopback): the
 /// version it answers.
 fn healthcheck_version(addr: SocketAddr, deadline: Instant) -> Result<String, String> {
     let left = deadline
         .saturating_duration_since(Instant::now())
         .clamp(Duration::from_millis(100), Duration::from_secs(2));
-    let mut stream = TcpStream::connect_timeout(&addr, left).map_err(|e| e.to_string())?;
-    stream
-        .set_read_timeout(Some(left))
-        .and_then(|()| stream.set_write_timeout(Some(left)))
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .proxy(None)
+        .timeout_global(Some(left))
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let mut answer = agent
+        .get(format!("http://{addr}/api/healthcheck"))
+        .call()
         .map_err(|e| e.to_string())?;
-    stream
-        .write_all(
-            format!("GET /api/healthcheck HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")
-                .as_bytes(),
-        )
-        .map_err(|e| e.to_string())?;
-    let mut answer = Vec::new();
-    stream
-        .take(64 * 1024)
-        .read_to_end(&mut answer)
-        .map_err(|e| e.to_string())?;
-    let text = String::from_utf8_lossy(&answer);
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| "no complete answer".to_owned())?;
-    // `HTTP/1.x 200 …`: any server's (a foreign binary may answer HTTP/1.0).
-    let status_line = head.lines().next().unwrap_or_default();
-    if !status_line.starts_with("HTTP/1.") || status_line.split(' ').nth(1) != Some("200") {
-        return Err(format!("it answers {status_line:?}"));
+    if answer.status() != 200 {
+        return Err(format!("it answers {}", answer.status()));
     }
+    let body = answer
+        .body_mut()
+        .with_config()
+        .limit(64 * 1024)
+        .read_to_string()
+        .map_err(|e| e.to_string())?;
     let json: serde_json::Value =
         serde_json::from_str(body.trim()).map_err(|e| format!("bad healthcheck body: {e}"))?;
     json["version"]
