@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use shim_engine::{Deps, Engine, EngineConfig};
+use shim_engine::{Deps, Engine};
 use shim_resources::{
     AuthorizedKeysManager, BlockVolumes, GpuDetector, GpuVendor, HostGpus, VolumeConfig,
 };
@@ -60,7 +60,7 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
         Arc::new(runtime),
         Arc::new(AuthorizedKeysManager::system()),
         Arc::new(BlockVolumes::new(
-            VolumeConfig::with_root(&config.volumes_root),
+            VolumeConfig::with_root(&config.engine.volumes_root),
             commands,
         )),
     );
@@ -70,32 +70,19 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
         infiniband: Path::new(shim_runtime::INFINIBAND_PATH).exists(),
         hugepages_1g: Path::new(shim_runtime::HUGEPAGES_1G_PATH).exists(),
     };
-    let mut cfg = EngineConfig::new(home);
-    cfg.runner_binary_path = config.runner_binary_path.clone();
-    cfg.runner_http_port = config.runner_http_port;
-    cfg.runner_ssh_port = config.runner_ssh_port;
-    cfg.runner_log_level = config.runner_log_level.clone();
-    cfg.runner_ssh_log_level = Some(config.runner_ssh_log_level.clone()).filter(|l| !l.is_empty());
-    cfg.pass_env = config.pass_env.clone();
-    cfg.privileged = config.privileged;
-    cfg.pjrt_device = Some(config.pjrt_device.clone()).filter(|d| !d.is_empty());
-    cfg.volumes_root = config.volumes_root.clone();
-    cfg.reconcile_interval = config.reconcile_interval;
-    cfg.container_log = config.container_log;
-    cfg.pull_stall_timeout = config.pull_stall_timeout;
-    cfg.pull_timeout = config.pull_timeout;
-    (cfg.image_gc_high_percent, cfg.image_gc_low_percent) = config.image_gc_percent;
+    let mut cfg = config.engine.clone();
+    cfg.home = home.to_path_buf();
     tracing::info!(
         high_percent = cfg.image_gc_high_percent,
         low_percent = cfg.image_gc_low_percent,
         "unused images this shim pulled are collected above the high mark, down to the low one (high 100: never)"
     );
     tracing::info!(
-        stall_timeout = ?config.pull_stall_timeout,
-        timeout = ?config.pull_timeout,
+        stall_timeout = ?cfg.pull_stall_timeout,
+        timeout = ?cfg.pull_timeout,
         "image pulls fail after the stall timeout without progress, or the timeout in all (None: no limit)"
     );
-    match &config.container_log {
+    match &cfg.container_log {
         Some(limits) => tracing::info!(
             log_config = %limits,
             bytes_per_container = limits.total_bytes(),

@@ -164,14 +164,14 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
 
     let shim_binary = config.shim_binary()?;
     let components = Components::new(ComponentsConfig::new(
-        &config.runner_binary_path,
+        &config.engine.runner_binary_path,
         &shim_binary,
     ));
     let upgrader = upgrade::Upgrader::new(shim_binary, home.clone(), components.clone());
     upgrader.load_record().await;
     if !config.runner_download_url.is_empty() {
         let url = config.runner_download_url.as_str();
-        if !config.runner_binary_path.exists() {
+        if !config.engine.runner_binary_path.exists() {
             components
                 .install(ComponentName::Runner, url)
                 .await

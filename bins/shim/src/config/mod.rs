@@ -91,44 +91,19 @@ pub struct Config {
     pub shim_log_level: LevelFilter,
     /// Runner download URL (empty: none).
     pub runner_download_url: String,
-    /// The runner binary on the host.
-    pub runner_binary_path: PathBuf,
-    /// The runner's HTTP port.
-    pub runner_http_port: u16,
-    /// The runner's SSH port.
-    pub runner_ssh_port: u16,
-    /// The runner's `--ssh-log-level` (empty: not passed).
-    pub runner_ssh_log_level: String,
-    /// The runner's `--log-level`, passed as given (validated like upstream).
-    pub runner_log_level: String,
     /// DCGM settings.
     pub dcgm: shim_dcgm::DcgmConfig,
-    /// Names of the variables passed into containers.
-    pub pass_env: Vec<String>,
-    /// Every container privileged.
-    pub privileged: bool,
-    /// `PJRT_DEVICE` for containers (empty: none).
-    pub pjrt_device: String,
     /// Service mode: write host_info.json.
     pub service: bool,
     /// An extra Unix socket for the API.
     pub unix_socket: Option<PathBuf>,
-    /// Where volumes are mounted.
-    pub volumes_root: PathBuf,
     /// Log format.
     pub log_format: LogFormat,
-    /// The full-list backstop period.
-    pub reconcile_interval: Duration,
-    /// The bounds of every container's log; `None` (`--container-log-max-size daemon`): the
-    /// daemon's own log configuration.
-    pub container_log: Option<LogLimits>,
-    /// How long a pull may go without progress (`None`: `0`, no limit).
-    pub pull_stall_timeout: Option<Duration>,
-    /// How long a pull may take (`None`: `0`, no limit).
-    pub pull_timeout: Option<Duration>,
-    /// Image collection's thresholds, percent of the image file system: (high, low); high
-    /// 100 turns collection off.
-    pub image_gc_percent: (u8, u8),
+    /// What the engine is given: the runner's binary, ports and levels, what containers get
+    /// (`--pass-env`, `--privileged`, `--pjrt-device`, the log bounds), where volumes are
+    /// mounted, the backstop period, the pull timeouts and image collection. Its `home` is set
+    /// when the engine opens (the resolved `--shim-home`, [`Config::home`]).
+    pub engine: EngineConfig,
     /// Testing only: a fake GPU host of N GPUs.
     pub fake_gpus: Option<u32>,
 }
@@ -376,50 +351,62 @@ impl Config {
             hostengine_path: path("nv-hostengine-path", &args.nv_hostengine_path),
             ..shim_dcgm::DcgmConfig::default()
         };
+        // Read in the flags' order (which error a start with several bad values reports).
+        let shim_home = l.string("shim-home", &args.shim_home, "");
+        let shim_binary_path = l
+            .raw("shim-binary-path", &args.shim_binary_path)
+            .map(|(v, _)| v);
+        let shim_http_port = l.port("shim-http-port", &args.shim_http_port, 10998)?;
+        let runner_download_url = l.string("runner-download-url", &args.runner_download_url, "");
+        let mut engine = EngineConfig::new(PathBuf::new());
+        engine.runner_binary_path = PathBuf::from(l.string(
+            "runner-binary-path",
+            &args.runner_binary_path,
+            EngineConfig::DEFAULT_RUNNER_BINARY_PATH,
+        ));
+        engine.runner_http_port = l.port(
+            "runner-http-port",
+            &args.runner_http_port,
+            EngineConfig::DEFAULT_RUNNER_HTTP_PORT,
+        )?;
+        engine.runner_ssh_port = l.port(
+            "runner-ssh-port",
+            &args.runner_ssh_port,
+            EngineConfig::DEFAULT_RUNNER_SSH_PORT,
+        )?;
+        engine.runner_ssh_log_level =
+            Some(l.string("runner-ssh-log-level", &args.runner_ssh_log_level, ""))
+                .filter(|v| !v.is_empty());
+        engine.runner_log_level = runner_log_level;
+        engine.pass_env = pass_env;
+        engine.privileged = l.bool("privileged", &args.privileged)?;
+        engine.pjrt_device =
+            Some(l.string("pjrt-device", &args.pjrt_device, "")).filter(|v| !v.is_empty());
+        let service = l.bool("service", &args.service)?;
+        let unix_socket = path("unix-socket", &args.unix_socket);
+        engine.volumes_root = PathBuf::from(l.string(
+            "volumes-root",
+            &args.volumes_root,
+            EngineConfig::DEFAULT_VOLUMES_ROOT,
+        ));
+        engine.reconcile_interval = Duration::from_secs(interval.unsigned_abs());
+        engine.container_log = container_log;
+        engine.pull_stall_timeout = pull_stall_timeout;
+        engine.pull_timeout = pull_timeout;
+        (engine.image_gc_high_percent, engine.image_gc_low_percent) = image_gc_percent;
         Ok(Self {
             version: false,
             help: false,
-            shim_home: l.string("shim-home", &args.shim_home, ""),
-            shim_binary_path: l
-                .raw("shim-binary-path", &args.shim_binary_path)
-                .map(|(v, _)| v),
-            shim_http_port: l.port("shim-http-port", &args.shim_http_port, 10998)?,
+            shim_home,
+            shim_binary_path,
+            shim_http_port,
             shim_log_level,
-            runner_download_url: l.string("runner-download-url", &args.runner_download_url, ""),
-            runner_binary_path: PathBuf::from(l.string(
-                "runner-binary-path",
-                &args.runner_binary_path,
-                EngineConfig::DEFAULT_RUNNER_BINARY_PATH,
-            )),
-            runner_http_port: l.port(
-                "runner-http-port",
-                &args.runner_http_port,
-                EngineConfig::DEFAULT_RUNNER_HTTP_PORT,
-            )?,
-            runner_ssh_port: l.port(
-                "runner-ssh-port",
-                &args.runner_ssh_port,
-                EngineConfig::DEFAULT_RUNNER_SSH_PORT,
-            )?,
-            runner_ssh_log_level: l.string("runner-ssh-log-level", &args.runner_ssh_log_level, ""),
-            runner_log_level,
+            runner_download_url,
             dcgm,
-            pass_env,
-            privileged: l.bool("privileged", &args.privileged)?,
-            pjrt_device: l.string("pjrt-device", &args.pjrt_device, ""),
-            service: l.bool("service", &args.service)?,
-            unix_socket: path("unix-socket", &args.unix_socket),
-            volumes_root: PathBuf::from(l.string(
-                "volumes-root",
-                &args.volumes_root,
-                EngineConfig::DEFAULT_VOLUMES_ROOT,
-            )),
+            service,
+            unix_socket,
             log_format,
-            reconcile_interval: Duration::from_secs(interval.unsigned_abs()),
-            container_log,
-            pull_stall_timeout,
-            pull_timeout,
-            image_gc_percent,
+            engine,
             fake_gpus: match &args.fake_gpus {
                 Some(n) => Some(n.parse().context("--fake-gpus takes a count")?),
                 None => None,
@@ -436,27 +423,11 @@ impl Config {
             shim_http_port: 10998,
             shim_log_level: LevelFilter::INFO,
             runner_download_url: String::new(),
-            runner_binary_path: PathBuf::new(),
-            runner_http_port: EngineConfig::DEFAULT_RUNNER_HTTP_PORT,
-            runner_ssh_port: EngineConfig::DEFAULT_RUNNER_SSH_PORT,
-            runner_ssh_log_level: String::new(),
-            runner_log_level: EngineConfig::DEFAULT_RUNNER_LOG_LEVEL.to_owned(),
             dcgm: shim_dcgm::DcgmConfig::default(),
-            pass_env: Vec::new(),
-            privileged: false,
-            pjrt_device: String::new(),
             service: false,
             unix_socket: None,
-            volumes_root: PathBuf::new(),
             log_format: LogFormat::Text,
-            reconcile_interval: EngineConfig::DEFAULT_RECONCILE_INTERVAL,
-            container_log: None,
-            pull_stall_timeout: Some(EngineConfig::DEFAULT_PULL_STALL_TIMEOUT),
-            pull_timeout: Some(EngineConfig::DEFAULT_PULL_TIMEOUT),
-            image_gc_percent: (
-                EngineConfig::DEFAULT_IMAGE_GC_HIGH_PERCENT,
-                EngineConfig::DEFAULT_IMAGE_GC_LOW_PERCENT,
-            ),
+            engine: EngineConfig::new(PathBuf::new()),
             fake_gpus: None,
         }
     }
@@ -557,17 +528,17 @@ mod tests {
                 "shim-http-port" => c.shim_http_port.to_string(),
                 "shim-log-level" => c.shim_log_level.to_string().to_lowercase(),
                 "runner-download-url" => c.runner_download_url.clone(),
-                "runner-binary-path" => c.runner_binary_path.display().to_string(),
-                "runner-http-port" => c.runner_http_port.to_string(),
-                "runner-ssh-port" => c.runner_ssh_port.to_string(),
-                "runner-ssh-log-level" => c.runner_ssh_log_level.clone(),
-                "runner-log-level" => c.runner_log_level.clone(),
+                "runner-binary-path" => c.engine.runner_binary_path.display().to_string(),
+                "runner-http-port" => c.engine.runner_http_port.to_string(),
+                "runner-ssh-port" => c.engine.runner_ssh_port.to_string(),
+                "runner-ssh-log-level" => c.engine.runner_ssh_log_level.clone().unwrap_or_default(),
+                "runner-log-level" => c.engine.runner_log_level.clone(),
                 "dcgm-exporter-http-port" => c.dcgm.exporter_http_port.to_string(),
                 "dcgm-exporter-interval" => c.dcgm.exporter_interval.as_millis().to_string(),
                 "dcgm-address" => c.dcgm.address.clone().unwrap_or_default(),
-                "pass-env" => c.pass_env.join(","),
-                "privileged" => c.privileged.to_string(),
-                "pjrt-device" => c.pjrt_device.clone(),
+                "pass-env" => c.engine.pass_env.join(","),
+                "privileged" => c.engine.privileged.to_string(),
+                "pjrt-device" => c.engine.pjrt_device.clone().unwrap_or_default(),
                 "service" => c.service.to_string(),
                 other => panic!("{other}"),
             }
@@ -599,15 +570,21 @@ mod tests {
                 ("PJRT_DEVICE", "TPU"),
             ],
         );
-        assert!(c.service && c.privileged);
+        assert!(c.service && c.engine.privileged);
         assert_eq!(c.shim_log_level, LevelFilter::DEBUG);
-        assert_eq!(c.runner_log_level, "5", "passed to the runner as given");
-        assert_eq!(c.pass_env, ["A", "B"]);
+        assert_eq!(
+            c.engine.runner_log_level, "5",
+            "passed to the runner as given"
+        );
+        assert_eq!(c.engine.pass_env, ["A", "B"]);
         assert_eq!(c.dcgm.exporter_http_port, 0x2af5);
-        assert_eq!(c.pjrt_device, "TPU");
+        assert_eq!(c.engine.pjrt_device.as_deref(), Some("TPU"));
         assert_eq!(c.home().unwrap(), PathBuf::from("/root/.dstack"));
         // Our old name stays an alias.
-        assert_eq!(ok(&[], &[("DSTACK_SHIM_PASS_ENV", "C")]).pass_env, ["C"]);
+        assert_eq!(
+            ok(&[], &[("DSTACK_SHIM_PASS_ENV", "C")]).engine.pass_env,
+            ["C"]
+        );
     }
 
     /// urfave/cli v3's value rules (`flag_bool.go`, `flag_int.go`, `flag_impl.go` PostParse).
@@ -622,12 +599,13 @@ mod tests {
         let err = resolve(&[], &[("DSTACK_SERVICE_MODE", "yes")]).unwrap_err();
         assert!(err.to_string().contains("DSTACK_SERVICE_MODE"), "{err}");
         // The flag on the command line, with or without a value.
-        assert!(ok(&["--privileged"], &[]).privileged);
+        assert!(ok(&["--privileged"], &[]).engine.privileged);
         assert!(
             !ok(
                 &["--privileged=false"],
                 &[("DSTACK_DOCKER_PRIVILEGED", "1")]
             )
+            .engine
             .privileged
         );
         // Integers: base 0, sign, an empty environment value ignored.
@@ -642,20 +620,23 @@ mod tests {
             if v == "1_0" {
                 assert!(r.is_err(), "underscores need a prefix");
             } else {
-                assert_eq!(r.unwrap().runner_http_port, port, "{v}");
+                assert_eq!(r.unwrap().engine.runner_http_port, port, "{v}");
             }
         }
         assert_eq!(go_int("-12"), Some(-12));
         assert_eq!(go_int("0x_1f"), Some(31));
         assert_eq!(go_int(" 1"), None);
         assert_eq!(
-            ok(&[], &[("DSTACK_RUNNER_HTTP_PORT", "")]).runner_http_port,
+            ok(&[], &[("DSTACK_RUNNER_HTTP_PORT", "")])
+                .engine
+                .runner_http_port,
             10999
         );
         assert!(resolve(&[], &[("DSTACK_SHIM_HTTP_PORT", "abc")]).is_err());
         // Strings: an empty value overrides the default.
         assert!(
             ok(&[], &[("DSTACK_DOCKER_PASS_ENV", "")])
+                .engine
                 .pass_env
                 .is_empty()
         );
@@ -676,7 +657,10 @@ mod tests {
     /// check (low under high); 100 turns collection off.
     #[test]
     fn image_gc_thresholds() {
-        let gc = |args: &[&str], env: &[(&str, &str)]| ok(args, env).image_gc_percent;
+        let gc = |args: &[&str], env: &[(&str, &str)]| {
+            let c = ok(args, env).engine;
+            (c.image_gc_high_percent, c.image_gc_low_percent)
+        };
         assert_eq!(gc(&[], &[]), (85, 80), "kubelet's defaults");
         assert_eq!(
             gc(
@@ -745,7 +729,7 @@ mod tests {
     fn pull_timeouts() {
         let timeouts = |args: &[&str], env: &[(&str, &str)]| {
             let c = ok(args, env);
-            (c.pull_stall_timeout, c.pull_timeout)
+            (c.engine.pull_stall_timeout, c.engine.pull_timeout)
         };
         let mins = |m: u64| Some(Duration::from_secs(m * 60));
         assert_eq!(timeouts(&[], &[]), (mins(10), mins(120)), "the defaults");
@@ -809,6 +793,7 @@ mod tests {
     fn container_log_limits() {
         let limits = |args: &[&str], env: &[(&str, &str)]| {
             ok(args, env)
+                .engine
                 .container_log
                 .map(|l| (l.max_size.get(), l.max_files.get()))
         };
@@ -917,8 +902,8 @@ mod tests {
 
     #[test]
     fn positional_arguments_are_ignored_but_help() {
-        assert!(ok(&["docker", "--privileged"], &[]).privileged);
-        assert!(ok(&["podman"], &[]).pass_env.len() == 6);
+        assert!(ok(&["docker", "--privileged"], &[]).engine.privileged);
+        assert!(ok(&["podman"], &[]).engine.pass_env.len() == 6);
         assert!(ok(&["help"], &[("DSTACK_SERVICE_MODE", "bad")]).help);
         assert!(ok(&["-h"], &[("DSTACK_SERVICE_MODE", "bad")]).help);
         assert!(
@@ -988,7 +973,7 @@ mod tests {
             let on = |args: &[&str], env: &[(&str, &str)]| {
                 let c = ok(args, env);
                 if flag == "privileged" {
-                    c.privileged
+                    c.engine.privileged
                 } else {
                     c.service
                 }
