@@ -1,4 +1,10 @@
 //! Engine tests on the fake runtime and fake host resources: every ordering that matters.
+//!
+//! Every test runs on tokio's paused time (`start_paused`): a wait, a retry pass, a backoff
+//! or a budget takes no wall time, and time moves only when every task waits (not while a
+//! blocking file write runs), so a bound is a statement about the engine's clocks, not about
+//! how loaded the machine is. The engine's own timers are tokio's; what it stamps on records
+//! (`SystemTime`) does not drive any of them.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // test helpers outside #[test] fns; figures go to stderr
 
 use std::sync::Arc;
@@ -148,7 +154,7 @@ fn state_file(w: &World, id: &str) -> serde_json::Value {
     ours
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn submit_runs_and_exit_event_completes() {
     let w = World::new(2);
     let engine = w.engine().await;
@@ -189,7 +195,7 @@ async fn submit_runs_and_exit_event_completes() {
 /// container `json-file` limits of 100 MiB × 3; a configured size and count reach the spec as
 /// they are; `None` (the binary's `--container-log-max-size daemon`) leaves the spec without
 /// limits, so the daemon's own log configuration applies.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn the_configured_log_limits_reach_the_containers_spec() {
     use shim_runtime::LogLimits;
     use std::num::{NonZeroU32, NonZeroU64};
@@ -233,7 +239,7 @@ async fn the_configured_log_limits_reach_the_containers_spec() {
     }
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn exit_without_event_is_found_by_relist_with_last_lines() {
     let w = World::new(0);
     let engine = w.engine().await;
@@ -256,7 +262,7 @@ async fn exit_without_event_is_found_by_relist_with_last_lines() {
 /// Issue 29 part 2: one builder of a container's end. Found by a list as by its event, an
 /// exit 0 reads no log line (it is `done_by_runner` with no message) and an exit with an error
 /// reads them once.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_exit_found_by_a_list_is_judged_as_its_event_would_be() {
     let w = World::new(0);
     let engine = w.engine().await;
@@ -291,7 +297,7 @@ async fn an_exit_found_by_a_list_is_judged_as_its_event_would_be() {
 /// millisecond stamps and stamped the start's end only after the task had left the start's
 /// ownership, so a start ending in the list's millisecond, or a cycle reaching the task in
 /// between, judged it by the older list and could call its new container vanished.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_list_requested_before_a_start_ended_does_not_judge_the_task() {
     let w = World::new(0);
     let engine = w.engine().await;
@@ -325,7 +331,7 @@ async fn a_list_requested_before_a_start_ended_does_not_judge_the_task() {
 /// the daemon is down) does not keep the engine resubscribing, and relisting, at the shortest
 /// delay: a connection that broke before it carried anything lets the backoff grow. Once the
 /// daemon is back the engine subscribes again and lists.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_event_stream_that_breaks_at_once_backs_off() {
     let w = World::new(0);
     let engine = w.engine().await;
@@ -405,7 +411,7 @@ async fn the_default_config_lists_only_at_start_up_and_on_reconnection() {
 /// reconciler, the retry pass): they hold the parts they use, never the handle. Once they
 /// ended, nothing holds the engine's change feed, so a subscription ends with `Closed`, and no
 /// Docker request is made any more.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn dropping_the_last_engine_handle_stops_its_background_jobs() {
     let w = World::new(0);
     let engine = w.engine().await;
@@ -448,7 +454,7 @@ async fn dropping_the_last_engine_handle_stops_its_background_jobs() {
 /// Shutdown does not wait for an event subscription in progress: subscribing asks the daemon,
 /// and a frozen one would hold it up to the request timeout (30 s; the engine gives its
 /// background jobs 10 s before it leaves them).
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn shutdown_does_not_wait_for_a_subscription_in_progress() {
     let w = World::new(0);
     let engine = w.engine().await;
@@ -468,7 +474,7 @@ async fn shutdown_does_not_wait_for_a_subscription_in_progress() {
     w.runtime.release_subscriptions();
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn terminate_running_stops_with_timeout_and_releases() {
     let w = World::new(1);
     let engine = w.engine().await;
@@ -517,7 +523,7 @@ async fn terminate_running_stops_with_timeout_and_releases() {
 /// A pull that stops moving for the stall timeout ends the task `creating_container_error`
 /// (as any failed pull) with a message in numbers, is counted, and subscribers see a
 /// `pull_stalled` change before the termination.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_stalled_pull_fails_the_task_and_is_counted() {
     let w = World::new(0);
     let mut cfg = w.config();
@@ -584,7 +590,7 @@ async fn a_stalled_pull_fails_the_task_and_is_counted() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn terminate_during_pull_cancels_it() {
     let w = World::new(1);
     let engine = w.engine().await;
@@ -621,7 +627,7 @@ async fn terminate_during_pull_cancels_it() {
     assert_eq!(info.termination_reason, "terminated_by_server");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn terminate_during_container_start_stops_the_container() {
     let w = World::new(0);
     let engine = w.engine().await;
@@ -660,7 +666,7 @@ async fn terminate_during_container_start_stops_the_container() {
     assert!(w.runtime.state(&cid).is_none());
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn start_step_failures_map_to_reasons() {
     let w = World::new(1);
     let engine = w.engine().await;
@@ -735,7 +741,7 @@ async fn start_step_failures_map_to_reasons() {
 ///
 /// upstream: runner/internal/shim/docker.go (executeTask:
 /// shouldRetryWithoutNvidiaDisplayCapability, "remove container before retry").
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn nvidia_display_retry() {
     let w = World::new(1);
     let engine = w.engine().await;
@@ -758,7 +764,7 @@ async fn nvidia_display_retry() {
 ///
 /// upstream: runner/internal/shim/docker.go (pullImage: `:latest` is always pulled, other
 /// images only when missing).
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn latest_is_pulled_at_every_start() {
     let w = World::new(0);
     let engine = w.engine().await;
@@ -777,7 +783,7 @@ async fn latest_is_pulled_at_every_start() {
 /// Found in review: a task that holds nothing and whose stop failed (the daemon did not
 /// answer) is stopped by the one-second retry pass once the daemon answers again, not only by
 /// the backstop list (an hour here) or by Docker's news.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_failed_stop_is_retried_by_the_retry_pass() {
     let w = World::new(0);
     let engine = w.engine().await;
@@ -811,7 +817,7 @@ async fn a_failed_stop_is_retried_by_the_retry_pass() {
     assert_eq!(t.termination_reason, "terminated_by_user");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn remove_only_terminated_and_deletes_everything() {
     let w = World::new(0);
     let engine = w.engine().await;
@@ -849,7 +855,7 @@ async fn remove_only_terminated_and_deletes_everything() {
     ));
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn restart_restores_every_case() {
     let mut w = World::new(4);
     let engine = w.engine().await;
@@ -952,7 +958,7 @@ async fn restart_restores_every_case() {
     assert!(!dir.exists());
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn restart_keeps_shared_key_of_live_task() {
     let mut w = World::new(0);
     let engine = w.engine().await;
@@ -979,7 +985,7 @@ async fn restart_keeps_shared_key_of_live_task() {
     assert_eq!(w.keys.keys_of("ubuntu").len(), 1, "b still needs the key");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn daemon_down_changes_nothing_then_carries_on() {
     let w = World::new(0);
     let engine = w.engine().await;
@@ -1001,7 +1007,7 @@ async fn daemon_down_changes_nothing_then_carries_on() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn two_homes_never_touch_each_other() {
     let w1 = World::new(0);
     let mut w2 = World::new(0);
@@ -1023,7 +1029,7 @@ async fn two_homes_never_touch_each_other() {
     assert!(e2.list().is_empty());
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn fifty_concurrent_tasks() {
     let w = World::new(8);
     let engine = w.engine().await;
@@ -1082,7 +1088,7 @@ async fn fifty_concurrent_tasks() {
     assert_eq!(running, 0);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_duplicate_gpu_claim_after_restart_never_frees_a_gpu_in_use() {
     let mut w = World::new(1);
     let engine = w.engine().await;
@@ -1116,7 +1122,7 @@ async fn a_duplicate_gpu_claim_after_restart_never_frees_a_gpu_in_use() {
 /// one inspect to read the published ports, plus an image check the first time an image is
 /// used. Nothing else: no list, and no request from the reconciler because a start returned.
 /// An image removed behind the engine's back is pulled when the create finds it missing.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_start_makes_the_minimum_docker_requests() {
     let w = World::new(0);
     let engine = w.engine().await;
@@ -1155,7 +1161,7 @@ async fn a_start_makes_the_minimum_docker_requests() {
 
 /// Podman sends no `oom` event: a `die` with 137 and no `oom` before it asks the container's
 /// state, whose OOM flag says so (one inspect); a 137 that was no OOM kill stays one.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_oom_kill_without_an_oom_event_is_read_from_the_state() {
     let w = World::new(0);
     let engine = w.engine().await;
@@ -1187,7 +1193,7 @@ async fn an_oom_kill_without_an_oom_event_is_read_from_the_state() {
 
 /// A `die` event terminates the task with the code it carries: no inspect, no list; an error
 /// reads the last log lines; an `oom` before the `die` says so.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn exits_come_from_events_without_an_inspect() {
     let w = World::new(0);
     let engine = w.engine().await;
@@ -1262,7 +1268,7 @@ async fn idle_costs_no_docker_request() {
 /// `pending` at submit and `running`. The statuses passed on the way (`preparing`, `pulling`,
 /// `creating`) and the new container's id are start progress, written with `running`, so a
 /// subscriber sees `running` only.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_start_writes_the_state_file_twice() {
     use shim_engine::ChangeKind;
     let w = World::new(0);
@@ -1304,7 +1310,7 @@ async fn a_start_writes_the_state_file_twice() {
 /// the task with `context.Background()`, and runner/internal/shim/docker.go passes that
 /// context to `ContainerCreate` and `ContainerStart`; this shim bounds every request (30 s),
 /// so a slow answer must not turn into a failed task.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_start_whose_answer_was_lost_looks_at_the_container() {
     let w = World::new(0);
     let engine = w.engine().await;
@@ -1338,7 +1344,7 @@ async fn a_start_whose_answer_was_lost_looks_at_the_container() {
 
 /// A real pull shows `pulling` while it lasts, also for a task that acquires nothing: the
 /// engine writes the progress before it pulls.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_real_pull_is_shown_as_pulling() {
     let w = World::new(0);
     let engine = w.engine().await;
@@ -1356,7 +1362,7 @@ async fn a_real_pull_is_shown_as_pulling() {
 /// A subscriber sees every change of 50 concurrent tasks exactly once, in order per task,
 /// with increasing sequence numbers: submitted, each durable status, terminated, released,
 /// removed.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn subscribers_see_every_change_of_fifty_concurrent_tasks_in_order() {
     use shim_engine::ChangeKind;
     let w = World::new(0);
@@ -1410,7 +1416,7 @@ async fn subscribers_see_every_change_of_fifty_concurrent_tasks_in_order() {
 }
 
 /// The metrics are Prometheus text and move as tasks run.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn metrics_move_as_tasks_run() {
     let w = World::new(2);
     let engine = w.engine().await;
@@ -1534,7 +1540,7 @@ fn upstream_container(
 // the runner directory), runner/internal/shim/models.go (TaskConfig). The state file follows
 // dstack PR #4220's format version 1 as the issue describes it (the PR's source is not in the
 // mirror).
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn upstream_tasks_are_adopted_and_release_exactly_theirs() {
     let w = World::new(4);
     let all = w.host_gpus.ids();
@@ -1687,7 +1693,7 @@ async fn upstream_tasks_are_adopted_and_release_exactly_theirs() {
 // also in a state file the upstream shim wrote (no `rust_shim` fields), whatever its exited
 // container's code says. upstream: runner/internal/shim/docker.go (restoreStateFromContainers:
 // an exited container restores as terminated; the recorded reason is the state file's).
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_upstream_recorded_reason_survives_adoption_of_an_exited_container() {
     let w = World::new(2);
     let all = w.host_gpus.ids();
@@ -1728,7 +1734,7 @@ async fn an_upstream_recorded_reason_survives_adoption_of_an_exited_container() 
 // Issue 22, SPEC §6: a runner binary that does not exist fails the create (Docker `Mounts` of
 // type `bind`, as the fake checks when told to), and the task ends `creating_container_error`
 // naming the path, its GPU released. upstream: runner/internal/shim/docker.go (DockerMounts).
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_missing_runner_binary_fails_the_task_with_the_path() {
     let w = World::new(1);
     w.runtime.check_bind_sources(true);
@@ -1757,7 +1763,7 @@ async fn a_missing_runner_binary_fails_the_task_with_the_path() {
 // On Podman a task given NVIDIA GPUs must not run without them (its Docker API ignores the
 // device request): the create is refused, and the task ends `creating_container_error` naming
 // the engine and why, as any failed create, its GPU released.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_gpu_task_on_podman_fails_at_create() {
     let w = World::new(1);
     w.runtime.as_podman(Some("5.4.2"));
@@ -1788,7 +1794,7 @@ async fn a_gpu_task_on_podman_fails_at_create() {
 // untouched container (its labels still carry the old identity) and its later exit is
 // processed; a container whose owner label is this shim's but whose runner directory lies in
 // another home is not adopted; another home's engine on the same daemon never touches ours.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_lost_or_replaced_owner_id_orphans_no_task() {
     let mut w = World::new(2);
     let mut other = World::new(0);
@@ -1918,7 +1924,7 @@ fn data_volume(c: &mut TaskConfig) {
 // holds it up: a stop the daemon does not finish, a start in flight, a slow unmount. Each hold
 // is released only after the answer came; what was not done then finishes in the background
 // and the task converges (container stopped, everything released, remove accepted).
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn terminate_answers_within_its_budget_whatever_holds_it_up() {
     let w = World::new(3);
     let mut cfg = w.config();
@@ -1993,7 +1999,7 @@ async fn terminate_answers_within_its_budget_whatever_holds_it_up() {
 
 /// A remove behind a release in flight waits for it (bounded), woken by the step that ends
 /// the release rather than by polling, and then removes the task.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_remove_behind_a_release_waits_for_it_then_removes() {
     let w = World::new(1);
     let mut cfg = w.config();
@@ -2046,7 +2052,7 @@ fn break_state_file(w: &World, container_name: &str, broken: bool) {
 // everything released at once; a remove is accepted (the server's next request) and leaves
 // nothing. Once the file can be written again, the reconciler's retry pass writes the
 // termination with its reason, without a restart.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_terminate_whose_write_fails_still_stops_and_releases() {
     let w = World::new(2);
     let mut cfg = w.config();
@@ -2176,7 +2182,7 @@ fn state_file_of(w: &World, container_name: &str) -> serde_json::Value {
 // control group (a cgroup v2 tree of the test's own here; the real engine's on a real
 // container in the runtime-level e2e test). The group is located once per container (one
 // inspect), then only its files are read; a task that stops running leaves the metrics.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn running_tasks_show_their_cgroup_usage_in_the_metrics() {
     let w = World::new(0);
     let tree = tempfile::tempdir().unwrap();
