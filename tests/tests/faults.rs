@@ -1407,8 +1407,16 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
             Err("not yet".to_owned())
         }
     });
-    // Let the shim try (the retry pass runs every second): what is shown stays while full.
-    std::thread::sleep(Duration::from_millis(2500));
+    // Let the shim try (the retry pass runs every second): two more failed writes, counted,
+    // and what is shown stays while full.
+    let failed = || sample(&shim, "dstack_shim_state_write_errors_total").unwrap_or(0.0);
+    let before = failed();
+    wait_for("two more failed state writes (retries)", WAIT, || {
+        let now = failed();
+        (now >= before + 2.0)
+            .then_some(())
+            .ok_or(format!("{before} -> {now}"))
+    });
     assert_eq!(
         ending(&shim.info("t2"))[..2],
         ["terminated", "done_by_runner"]
