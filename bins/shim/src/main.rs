@@ -220,9 +220,12 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
     let api: Arc<dyn ShimApi> =
         Arc::new(EngineApi::new(engine.clone(), VERSION).with_dcgm(dcgm.clone()));
 
+    // Whether the drain shut the engine down (a forced shutdown may cut it short).
+    let drained = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let drain = {
         let components = components.clone();
         let engine = engine.clone();
+        let drained = drained.clone();
         async move {
             // Downloads are cancelled on every shutdown, graceful or not (upstream:
             // runner/internal/shim/api/server.go, Shutdown: bgJobsCancel).
@@ -232,6 +235,7 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
             engine
                 .shutdown(shim_engine::Shutdown::Graceful(engine::SHUTDOWN_GRACE))
                 .await;
+            drained.store(true, std::sync::atomic::Ordering::SeqCst);
         }
     };
     let server_config = ServerConfig::new(VERSION)
@@ -258,7 +262,10 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
     if force.is_cancelled() {
         components.cancel();
     }
-    engine.shutdown(shim_engine::Shutdown::Now).await;
+    // Once: by the drain, or here when a forced shutdown cut the drain short.
+    if !drained.load(std::sync::atomic::Ordering::SeqCst) {
+        engine.shutdown(shim_engine::Shutdown::Now).await;
+    }
     dcgm.shutdown().await;
     match handover {
         None => {
