@@ -83,17 +83,7 @@ pub fn parse_meminfo_total(text: &str) -> Option<u64> {
 /// Bytes available to unprivileged users on the file system holding `path`: `f_bavail *
 /// f_bsize` of `statfs(2)`, exactly upstream's `GetDiskSize`.
 pub fn disk_size(path: &Path) -> Result<u64> {
-    let st = nix::sys::statfs::statfs(path).map_err(|source| Error::Sys {
-        action: "statfs",
-        path: path.to_owned(),
-        source,
-    })?;
-    #[allow(
-        clippy::unnecessary_cast,
-        reason = "the field types differ between platforms"
-    )]
-    let (avail, bsize) = (st.blocks_available() as u64, st.block_size() as u64);
-    Ok(avail.saturating_mul(bsize))
+    fs_usage(path).map(|u| u.available)
 }
 
 /// How full a file system is, from `statfs`.
