@@ -195,8 +195,11 @@ pub struct MountPoint {
     pub read_write: bool,
 }
 
-/// What [`crate::ContainerRuntime::inspect`] tells about a container.
+/// What [`crate::ContainerRuntime::inspect`] tells about a container. Non-exhaustive (it grows
+/// as the engine learns more about a container, as `pid` did): another runtime makes one with
+/// [`ContainerDetails::new`] and sets the fields it knows.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct ContainerDetails {
     /// The full container id.
     pub id: String,
@@ -245,6 +248,52 @@ pub struct ContainerDetails {
     pub tmpfs: BTreeMap<String, String>,
     /// The user it runs as (empty = image default).
     pub user: String,
+}
+
+impl ContainerDetails {
+    /// A container `id` named `name`, made from `image`, in `state`; every other field empty
+    /// (no exit code, no process, no mounts, no limits). As another runtime answers an
+    /// inspect:
+    ///
+    /// ```
+    /// use shim_runtime::{ContainerDetails, ContainerState};
+    ///
+    /// let mut exited = ContainerDetails::new("c1", "job-t1", "busybox:1", ContainerState::Exited);
+    /// exited.exit_code = Some(3);
+    /// assert_eq!((exited.exit_code, exited.pid), (Some(3), None));
+    /// ```
+    pub fn new(
+        id: impl Into<String>,
+        name: impl Into<String>,
+        image: impl Into<String>,
+        state: ContainerState,
+    ) -> Self {
+        Self {
+            id: id.into(),
+            name: name.into(),
+            image: image.into(),
+            state,
+            exit_code: None,
+            error: String::new(),
+            oom_killed: false,
+            pid: None,
+            started_at: None,
+            finished_at: None,
+            labels: BTreeMap::new(),
+            ports: Vec::new(),
+            mounts: Vec::new(),
+            env: Vec::new(),
+            device_requests: Vec::new(),
+            devices: Vec::new(),
+            network_mode: String::new(),
+            nano_cpus: 0,
+            memory: 0,
+            privileged: false,
+            shm_size: 0,
+            tmpfs: BTreeMap::new(),
+            user: String::new(),
+        }
+    }
 }
 
 /// One entry of [`crate::ContainerRuntime::list`].

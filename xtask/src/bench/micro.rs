@@ -4,6 +4,8 @@
 //! runtime against the raw API (`crates/shim-runtime/benches/pull.rs`, which needs Docker
 //! and the registry).
 
+use std::path::PathBuf;
+
 use anyhow::{Context as _, Result};
 use serde_json::Value;
 use shim_e2e::harness::{cargo, target_dir};
@@ -41,20 +43,27 @@ pub fn store(quick: bool) -> Result<Row> {
     Row::from_json("store", &value)
 }
 
-/// The engine bench on the fake runtime.
-pub fn engine(quick: bool) -> Result<Vec<Row>> {
-    let path = target_dir().join("bench-engine.json");
+/// Runs `cargo bench -p <package> --bench <bench> -- --json <file> [--quick]` (a
+/// criterion-style harness of this workspace) and reads the JSON it wrote.
+fn bench_json(package: &str, bench: &str, quick: bool) -> Result<(Value, PathBuf)> {
+    let path = target_dir().join(format!("bench-{bench}.json"));
     let mut command = cmd::cmd(cargo());
     command
         .current_dir(shim_e2e::repo_root())
-        .args(["bench", "-p", "shim-engine", "--bench", "engine", "--"])
+        .args(["bench", "-p", package, "--bench", bench, "--"])
         .arg("--json")
         .arg(&path);
     if quick {
         command.arg("--quick");
     }
     cmd::run(&mut command)?;
-    let value: Value = serde_json::from_slice(&fs_err::read(&path)?)?;
+    let value = serde_json::from_slice(&fs_err::read(&path)?)?;
+    Ok((value, path))
+}
+
+/// The engine bench on the fake runtime.
+pub fn engine(quick: bool) -> Result<Vec<Row>> {
+    let (value, path) = bench_json("shim-engine", "engine", quick)?;
     value["benchmarks"]
         .as_array()
         .with_context(|| format!("no benchmarks in {}", path.display()))?
@@ -65,18 +74,7 @@ pub fn engine(quick: bool) -> Result<Vec<Row>> {
 
 /// The pull bench: medians of the runtime's pull and of bollard's bare one, same images.
 pub fn pull(quick: bool) -> Result<Comparison> {
-    let path = target_dir().join("bench-pull.json");
-    let mut command = cmd::cmd(cargo());
-    command
-        .current_dir(shim_e2e::repo_root())
-        .args(["bench", "-p", "shim-runtime", "--bench", "pull", "--"])
-        .arg("--json")
-        .arg(&path);
-    if quick {
-        command.arg("--quick");
-    }
-    cmd::run(&mut command)?;
-    let value: Value = serde_json::from_slice(&fs_err::read(&path)?)?;
+    let (value, path) = bench_json("shim-runtime", "pull", quick)?;
     let ms = |key: &str| {
         value[key]
             .as_f64()

@@ -44,6 +44,7 @@ pub enum Step {
 
 /// What the new process is started as.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Start {
     /// The version it answered.
     pub version: String,
