@@ -1,13 +1,18 @@
-//! What the crate reports: the components, their install states and one entry of the list.
+//! What the crate reports: the components, their install states and one entry of the list,
+//! each serialised as dstack's shim API spells it (`GET /api/components`).
 
 use std::fmt;
 
+use serde::{Deserialize, Serialize};
+
 /// An installable component.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum ComponentName {
     /// The in-container agent (`dstack-runner`).
+    #[serde(rename = "dstack-runner")]
     Runner,
     /// This binary (`dstack-shim`).
+    #[serde(rename = "dstack-shim")]
     Shim,
 }
 
@@ -22,6 +27,11 @@ impl ComponentName {
             Self::Shim => "dstack-shim",
         }
     }
+
+    /// The component of a wire name (`dstack-runner`, `dstack-shim`).
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|c| c.as_str() == s)
+    }
 }
 
 impl fmt::Display for ComponentName {
@@ -30,8 +40,9 @@ impl fmt::Display for ComponentName {
     }
 }
 
-/// A component's install state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// A component's install state (`not-installed`, `installed`, `installing`, `error`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum ComponentStatus {
     /// No binary at the configured path.
     NotInstalled,
@@ -43,8 +54,8 @@ pub enum ComponentStatus {
     Error,
 }
 
-/// One component's state.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One component's state: one entry of `GET /api/components`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ComponentInfo {
     /// The component.
     pub name: ComponentName,
@@ -52,4 +63,34 @@ pub struct ComponentInfo {
     pub version: String,
     /// The install state.
     pub status: ComponentStatus,
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a test: panics are failures
+
+    use super::*;
+
+    /// The entry as upstream's shim writes it (`ComponentInfo`, `ComponentStatus` in
+    /// `runner/docs/shim.openapi.yaml`: `name`, `version`, `status`).
+    #[test]
+    fn entries_have_the_wire_shape() {
+        for name in ComponentName::ALL {
+            assert_eq!(ComponentName::parse(name.as_str()), Some(name));
+            assert_eq!(
+                serde_json::to_value(name).unwrap(),
+                serde_json::json!(name.as_str())
+            );
+        }
+        assert_eq!(ComponentName::parse("dstack-server"), None);
+        let info = ComponentInfo {
+            name: ComponentName::Shim,
+            version: String::new(),
+            status: ComponentStatus::NotInstalled,
+        };
+        let wire =
+            serde_json::json!({"name": "dstack-shim", "version": "", "status": "not-installed"});
+        assert_eq!(serde_json::to_value(&info).unwrap(), wire);
+        assert_eq!(serde_json::from_value::<ComponentInfo>(wire).unwrap(), info);
+    }
 }

@@ -25,6 +25,7 @@ pub enum Error {
         why: String,
     },
     /// The HTTP request failed (connection, TLS, status code, timeout).
+    #[cfg(feature = "install")]
     #[error("cannot download {name} from {url}")]
     Download {
         /// The component.
@@ -130,6 +131,7 @@ mod tests {
         let join = job.await.unwrap_err();
         let fs = shim_fs::read_file("/nonexistent/dir/dstack-runner", 10).unwrap_err();
         for e in [
+            #[cfg(feature = "install")]
             Error::Download {
                 name,
                 url: url(),

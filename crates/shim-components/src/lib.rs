@@ -15,8 +15,10 @@
 //! A binary's version is read from `<binary> --version` (output `... version X`), with a
 //! timeout, and cached per file version.
 //!
-//! The crate knows nothing of HTTP: it answers its own [`ComponentInfo`] and [`Error`]; the
-//! binary maps them onto the API's wire types and error kinds.
+//! The crate knows nothing of HTTP: its [`ComponentInfo`] serialises as one entry of
+//! `GET /api/components` (`shim-http` uses these types as they are), and `shim-http` maps its
+//! [`Error`] onto the API's error kinds. Feature `install` (default) brings [`Components`] and
+//! its downloads (ureq); without it the crate is its types, version reading and [`upgrade`].
 //!
 //! Modules: `version` (reading versions), `download` (URL checks, the download into place),
 //! `manager` ([`Components`]: per-component state, background installs), [`upgrade`] (the
@@ -24,19 +26,23 @@
 //! one, its digest, the rollback to the running image, the record of a rolled-back upgrade).
 
 mod component;
+#[cfg(feature = "install")]
 mod download;
 mod error;
+#[cfg(feature = "install")]
 mod manager;
 pub mod upgrade;
 mod version;
 
 pub use component::{ComponentInfo, ComponentName, ComponentStatus};
+#[cfg(feature = "install")]
 pub use download::redact_url;
 pub use error::Error;
+#[cfg(feature = "install")]
 pub use manager::{Components, ComponentsConfig};
 pub use version::{FileKey, binary_version, parse_version};
 
 /// The code in this crate's README, compiled as a doctest so it stays true.
 #[doc = include_str!("../README.md")]
-#[cfg(doctest)]
+#[cfg(all(doctest, feature = "install"))]
 pub struct ReadmeDoctests;

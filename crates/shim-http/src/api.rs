@@ -1,12 +1,10 @@
 //! The seams of the HTTP layer: the traits the engine and the component installer implement,
-//! the wire types they exchange, and [`ApiError`], whose [`ErrorKind`] alone picks the status
-//! code (see [`ErrorKind::status`]).
-
-use std::fmt;
-
+//! the wire types they exchange (the component types are `shim_components`' own), and
+//! [`ApiError`], whose [`ErrorKind`] alone picks the status code (see [`ErrorKind::status`]).
 use async_trait::async_trait;
 use http::StatusCode;
 use serde::{Deserialize, Serialize};
+use shim_components::{ComponentInfo, ComponentName};
 use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
 
 /// What went wrong with a request; decides the HTTP status code.
@@ -172,66 +170,6 @@ fn null_default<'de, D: serde::Deserializer<'de>, T: Default + Deserialize<'de>>
     d: D,
 ) -> Result<T, D::Error> {
     Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
-}
-
-/// An installable component.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub enum ComponentName {
-    /// The in-container agent (`dstack-runner`).
-    #[serde(rename = "dstack-runner")]
-    Runner,
-    /// This binary (`dstack-shim`).
-    #[serde(rename = "dstack-shim")]
-    Shim,
-}
-
-impl ComponentName {
-    /// Both components, in the order the list reports them.
-    pub const ALL: [Self; 2] = [Self::Runner, Self::Shim];
-
-    /// The wire name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Runner => "dstack-runner",
-            Self::Shim => "dstack-shim",
-        }
-    }
-
-    /// Parses a wire name.
-    pub fn parse(s: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|c| c.as_str() == s)
-    }
-}
-
-impl fmt::Display for ComponentName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// A component's install state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum ComponentStatus {
-    /// No binary at the configured path.
-    NotInstalled,
-    /// A binary that reports its version.
-    Installed,
-    /// A download is in progress.
-    Installing,
-    /// The last install failed, or the binary does not report a version.
-    Error,
-}
-
-/// One entry of `GET /api/components`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ComponentInfo {
-    /// The component.
-    pub name: ComponentName,
-    /// Empty unless [`ComponentStatus::Installed`].
-    pub version: String,
-    /// The install state.
-    pub status: ComponentStatus,
 }
 
 /// What the HTTP layer needs from the engine. `shim-engine` knows nothing of HTTP:

@@ -1,43 +1,15 @@
 //! The component installer behind the API (feature `components`): [`ComponentsApi`]
-//! implemented over `shim_components::Components`, its types mapped to the API's wire types
-//! and its errors to API error kinds (the status codes themselves are chosen in
+//! implemented over `shim_components::Components` (whose types are the wire types), its errors
+//! mapped to API error kinds (the status codes themselves are chosen in
 //! [`ErrorKind::status`](crate::ErrorKind::status)).
 
-use crate::{ApiError, ComponentInfo, ComponentName, ComponentStatus, ComponentsApi};
+use crate::{ApiError, ComponentsApi};
 use async_trait::async_trait;
-use shim_components::{Components, Error};
+use shim_components::{ComponentInfo, ComponentName, Components, Error};
 use shim_util::error_chain;
 
 /// The component installer behind the API.
 pub struct ComponentsHttp(pub Components);
-
-fn name_to_wire(name: shim_components::ComponentName) -> ComponentName {
-    match name {
-        shim_components::ComponentName::Runner => ComponentName::Runner,
-        shim_components::ComponentName::Shim => ComponentName::Shim,
-    }
-}
-
-fn name_from_wire(name: ComponentName) -> shim_components::ComponentName {
-    match name {
-        ComponentName::Runner => shim_components::ComponentName::Runner,
-        ComponentName::Shim => shim_components::ComponentName::Shim,
-    }
-}
-
-fn info_to_wire(info: shim_components::ComponentInfo) -> ComponentInfo {
-    use shim_components::ComponentStatus as S;
-    ComponentInfo {
-        name: name_to_wire(info.name),
-        version: info.version,
-        status: match info.status {
-            S::NotInstalled => ComponentStatus::NotInstalled,
-            S::Installed => ComponentStatus::Installed,
-            S::Installing => ComponentStatus::Installing,
-            S::Error => ComponentStatus::Error,
-        },
-    }
-}
 
 /// 409 while that component installs, 400 for an empty URL, 500 otherwise; the message is
 /// the error with its causes.
@@ -53,13 +25,11 @@ fn api_error(e: Error) -> ApiError {
 #[async_trait]
 impl ComponentsApi for ComponentsHttp {
     async fn list(&self) -> Vec<ComponentInfo> {
-        self.0.list().await.into_iter().map(info_to_wire).collect()
+        self.0.list().await
     }
 
     async fn install(&self, name: ComponentName, url: String) -> Result<(), ApiError> {
-        self.0
-            .start_install(name_from_wire(name), &url)
-            .map_err(api_error)
+        self.0.start_install(name, &url).map_err(api_error)
     }
 }
 
@@ -73,14 +43,6 @@ mod tests {
     use shim_components::ComponentsConfig;
 
     use super::*;
-
-    #[test]
-    fn names_round_trip() {
-        for name in ComponentName::ALL {
-            assert_eq!(name_to_wire(name_from_wire(name)), name);
-            assert_eq!(name_from_wire(name).as_str(), name.as_str());
-        }
-    }
 
     /// The wire list as the server reads it, from real files.
     #[tokio::test]
@@ -120,7 +82,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.kind, ErrorKind::BadRequest);
 
-        let name = shim_components::ComponentName::Runner;
+        let name = ComponentName::Runner;
         let e = api_error(Error::AlreadyInstalling { name });
         assert_eq!(
             (e.kind, e.message.as_str()),

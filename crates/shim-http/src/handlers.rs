@@ -11,14 +11,14 @@ use http::header::{ALLOW, CACHE_CONTROL, CONTENT_TYPE, X_CONTENT_TYPE_OPTIONS};
 use http::{Request, Response, StatusCode};
 use hyper::body::Body;
 use serde::Serialize;
+use shim_components::{ComponentInfo, ComponentName};
 use shim_task::{PortMapping, PullProgress, TaskConfig, TaskId, TaskInfo, TerminationReason};
 use shim_util::error_chain;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::ErrorKind;
 use crate::api::{
-    ApiError, ComponentInfo, ComponentName, ComponentsApi, InstallRequest, ShimApi,
-    ShutdownRequest, TerminateRequest,
+    ApiError, ComponentsApi, InstallRequest, ShimApi, ShutdownRequest, TerminateRequest,
 };
 use crate::body::{ResponseBody, parse_json, read_body, read_json};
 use crate::events::{self, ConnectionClose, EventsHub};

@@ -43,9 +43,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 pub use api::{
-    ApiError, ChangeEvent, ChangeFeed, ComponentInfo, ComponentName, ComponentStatus,
-    ComponentsApi, ErrorKind, FeedError, InstallRequest, InstanceInfo, NoComponents, Readiness,
-    ShimApi, ShutdownRequest, TerminateRequest,
+    ApiError, ChangeEvent, ChangeFeed, ComponentsApi, ErrorKind, FeedError, InstallRequest,
+    InstanceInfo, NoComponents, Readiness, ShimApi, ShutdownRequest, TerminateRequest,
 };
 pub use body::MAX_BODY_BYTES;
 #[cfg(feature = "components")]

@@ -13,9 +13,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use common::{exchange, get, parse_response, post, raw, request_bytes};
+use shim_components::{ComponentInfo, ComponentName, ComponentStatus};
 use shim_http::{
-    ApiError, ComponentInfo, ComponentName, ComponentStatus, ComponentsApi, ConnectionLimits,
-    Error, InstanceInfo, Listeners, ServerConfig, ShimApi, serve,
+    ApiError, ComponentsApi, ConnectionLimits, Error, InstanceInfo, Listeners, ServerConfig,
+    ShimApi, serve,
 };
 use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

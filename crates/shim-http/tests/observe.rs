@@ -12,11 +12,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use common::get;
+use shim_components::{ComponentInfo, ComponentName};
 use shim_e2e::harness::{SseEvent, SseParser};
 use shim_http::{
-    ApiError, ChangeEvent, ChangeFeed, ComponentInfo, ComponentName, ComponentsApi,
-    ConnectionLimits, EventsConfig, FeedError, InstanceInfo, Listeners, Readiness, ServerConfig,
-    ShimApi, serve,
+    ApiError, ChangeEvent, ChangeFeed, ComponentsApi, ConnectionLimits, EventsConfig, FeedError,
+    InstanceInfo, Listeners, Readiness, ServerConfig, ShimApi, serve,
 };
 use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
