@@ -1412,7 +1412,11 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn an_upstream_recorded_reason_wins_over_its_containers_exit() {
     require_docker();
-    let mut shim = TestShim::builder("e2e").build();
+    // Full reconcile cycles (one list of the containers each, the exit code in sight) every
+    // second, so that the check below follows two.
+    let mut shim = TestShim::builder("e2e")
+        .args(["--reconcile-interval", "1"])
+        .build();
     let config = task("upstream-r", 0);
     let dir = shim.home().join("runners").join(container_name_of(&config));
     fs_err::create_dir_all(dir.join("runner")).unwrap();
@@ -1439,8 +1443,14 @@ fn an_upstream_recorded_reason_wins_over_its_containers_exit() {
         assert_eq!(info["container_id"], cid.as_str(), "{when}: {info}");
     };
     check(&shim, "at start-up");
-    // The reconciler's retry pass runs every second: let a few pass.
-    std::thread::sleep(Duration::from_millis(2500));
+    let cycles = || {
+        shim.metrics()
+            .get("dstack_shim_reconcile_cycle_seconds_count", &[])
+    };
+    let after_start = cycles();
+    wait_until("two more full reconcile cycles", STATUS_BOUND, || {
+        cycles() >= after_start + 2.0
+    });
     check(&shim, "after reconcile cycles");
     shim.kill();
     shim.start();

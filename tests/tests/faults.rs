@@ -1409,7 +1409,10 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     });
     // Let the shim try (the retry pass runs every second): two more failed writes, counted,
     // and what is shown stays while full.
-    let failed = || sample(&shim, "dstack_shim_state_write_errors_total").unwrap_or(0.0);
+    let failed = || {
+        shim.metrics()
+            .get("dstack_shim_state_write_errors_total", &[])
+    };
     let before = failed();
     wait_for("two more failed state writes (retries)", WAIT, || {
         let now = failed();
@@ -1958,20 +1961,6 @@ fn images_at(host: &str) -> BTreeSet<String> {
     .collect()
 }
 
-/// One sample of `GET /metrics` (the first line of `name`, labels or not), if served.
-fn sample(shim: &TestShim, name: &str) -> Option<f64> {
-    let r = shim.get("/metrics");
-    assert_eq!(r.status, 200, "{r:?}");
-    r.body
-        .lines()
-        .find(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
-        })
-        .and_then(|l| l.rsplit(' ').next())
-        .map(|v| v.parse().unwrap())
-}
-
 /// Issue 28 part 3 (kubelet's image GC is the reference: `pkg/kubelet/images/image_gc_manager.go`,
 /// usage above the high mark frees down to the low one, least recently used first): on a
 /// daemon whose data root is a 192 MiB file system of its own,
@@ -2079,12 +2068,19 @@ fn pulled_images_are_collected_when_the_disk_fills_and_a_pull_that_cannot_fit_fa
         "usage {after:.1} % is not under {low} %"
     );
     assert_eq!(
-        sample(&shim, "dstack_shim_image_gc_removed_images_total"),
+        shim.metrics()
+            .try_get("dstack_shim_image_gc_removed_images_total", &[]),
         Some(1.0)
     );
-    let freed = sample(&shim, "dstack_shim_image_gc_freed_bytes_total").unwrap();
+    let freed = shim
+        .metrics()
+        .try_get("dstack_shim_image_gc_freed_bytes_total", &[])
+        .unwrap();
     assert!(freed >= (16 * MIB) as f64, "{freed}");
-    let ratio = sample(&shim, "dstack_shim_image_fs_used_ratio").unwrap();
+    let ratio = shim
+        .metrics()
+        .try_get("dstack_shim_image_fs_used_ratio", &[])
+        .unwrap();
     assert!(ratio > 0.0 && ratio < 1.0, "{ratio}");
     let ledger = shim.home().join("images.json");
     let listed: Value = serde_json::from_slice(&fs_err::read(&ledger).unwrap()).unwrap();
@@ -2147,11 +2143,13 @@ fn pulled_images_are_collected_when_the_disk_fills_and_a_pull_that_cannot_fit_fa
         assert!(present.contains(image.as_str()), "{image}: {present:?}");
     }
     assert_eq!(
-        sample(&shim, "dstack_shim_image_pulls_without_room_total"),
+        shim.metrics()
+            .try_get("dstack_shim_image_pulls_without_room_total", &[]),
         Some(1.0)
     );
     assert_eq!(
-        sample(&shim, "dstack_shim_image_gc_removed_images_total"),
+        shim.metrics()
+            .try_get("dstack_shim_image_gc_removed_images_total", &[]),
         Some(2.0)
     );
     shim.remove_retrying("d");

@@ -14,6 +14,8 @@
 //!   which force-removes a home's (or a label's) containers however a run ends;
 //! - [`layout`]: where a task's files are on the host ([`runner_dir`], [`task_dir`]), and
 //!   [`entries`] of a directory;
+//! - [`metrics`](mod@metrics): [`Metrics`], `GET /metrics` read by a strict OpenMetrics parser
+//!   ([`TestShim::metrics`]);
 //! - [`proxy`]: [`LosingProxy`], a proxy on a Unix socket in front of Docker's that loses the
 //!   answers to chosen requests (the daemon did the work; the answer never came);
 //! - [`registry`](mod@registry): [`Registry`], the test registry's HTTP API spoken directly
@@ -41,6 +43,7 @@ pub mod artifact;
 pub mod docker;
 pub mod http;
 pub mod layout;
+pub mod metrics;
 pub mod process;
 pub mod proxy;
 pub mod registry;
@@ -58,6 +61,7 @@ pub use docker::{
 };
 pub use http::{Api, Body, Request, Response, Streamed, status_of};
 pub use layout::{entries, runner_dir, task_dir, tasks_dir, write_runner_exit};
+pub use metrics::{Metrics, parse_openmetrics};
 pub use process::{
     ShimProcess, build_shim, build_test_runner, cargo, free_port, open_log, scrub_cargo_env,
     shim_binary, shim_command, tail, target_dir,

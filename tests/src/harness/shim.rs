@@ -20,6 +20,7 @@ use sha2::{Digest as _, Sha256};
 use super::docker::{ContainerSweeper, LABEL_OWNER, container_running, docker_at_ok};
 use super::http::{Api, Request, Response};
 use super::layout::{task_dir, tasks_dir, write_runner_exit};
+use super::metrics::{Metrics, parse_openmetrics};
 use super::process::{ShimProcess, free_port, shim_binary, shim_command};
 use super::supervisor::Supervisor;
 use super::wait::{POLL, wait_for};
@@ -464,6 +465,17 @@ impl TestShim {
     /// `GET path`.
     pub fn get(&self, path: &str) -> Response {
         self.send(&Request::get(path))
+    }
+
+    /// `GET /metrics`, checked (200, OpenMetrics content type) and parsed strictly.
+    pub fn metrics(&self) -> Metrics {
+        let r = self.get("/metrics");
+        assert_eq!(r.status, 200, "{r:?}");
+        assert_eq!(
+            r.header("content-type"),
+            Some("application/openmetrics-text; version=1.0.0; charset=utf-8")
+        );
+        parse_openmetrics(&r.body).unwrap_or_else(|e| panic!("{e}\n{}", r.body))
     }
 
     /// `POST path` with a JSON body.
