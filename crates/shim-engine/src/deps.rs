@@ -6,6 +6,8 @@ use shim_resources::cgroup::Cgroups;
 use shim_resources::{AuthorizedKeys, HostGpus, VolumeManager};
 use shim_runtime::{ContainerRuntime, HostDevices};
 
+use crate::Clock;
+
 /// The external systems the engine works with: real implementations for an agent, fakes for
 /// tests.
 ///
@@ -32,6 +34,9 @@ pub struct Deps {
     /// Where containers' control groups are read for the per-task usage metrics. Default:
     /// the host's (`/sys/fs/cgroup`, `/proc`).
     pub cgroups: Cgroups,
+    /// The clock records, metrics and the image ledger are stamped with. Default: the
+    /// host's ([`Clock::system`]); tests on tokio's paused time use [`Clock::tokio_from`].
+    pub clock: Clock,
 }
 
 impl Deps {
@@ -49,6 +54,7 @@ impl Deps {
             volumes,
             host_devices: HostDevices::default(),
             cgroups: Cgroups::system(),
+            clock: Clock::system(),
         }
     }
 }

@@ -39,7 +39,7 @@ use shim_task::{
 use tokio::sync::watch;
 
 use crate::changes::{ChangeKind, Changes, Subscription};
-use crate::clock::{mono_ns, now_ms};
+use crate::clock::Clock;
 use crate::counters::{Metrics, WriteTimer};
 use crate::error::{EngineError, Result, chain};
 use crate::home::{Home, blocking};
@@ -146,10 +146,10 @@ impl Slot {
     /// A task being submitted with `config` (its first write is [`Driver::submit`]'s): its
     /// record, and its registry credentials (memory only). Host keys that are not one plain
     /// OpenSSH public key are never written, and said so.
-    pub(crate) fn submitted(config: &TaskConfig) -> Self {
+    pub(crate) fn submitted(config: &TaskConfig, now_ms: u64) -> Self {
         let id = &config.id;
         let container_name = shim_task::naming::container_name(&config.name, id);
-        let record = TaskRecord::new(config, container_name, now_ms());
+        let record = TaskRecord::new(config, container_name, now_ms);
         let auth = (!config.registry_username.is_empty() || !config.registry_password.is_empty())
             .then(|| RegistryAuth {
                 username: config.registry_username.clone(),
@@ -201,8 +201,8 @@ impl Slot {
         self.start_returned.load(Ordering::SeqCst)
     }
 
-    fn mark_start_returned(&self) {
-        self.start_returned.store(mono_ns(), Ordering::SeqCst);
+    fn mark_start_returned(&self, mono_ns: u64) {
+        self.start_returned.store(mono_ns, Ordering::SeqCst);
     }
 
     /// Waits (at most `bound`) until no start job runs for this task.
@@ -219,9 +219,9 @@ impl Slot {
 
     /// Pull progress: a step that never changes the record (only the view), so it needs no
     /// step lock and no write.
-    pub(crate) fn pull_progressed(&self, progress: PullProgress) {
+    pub(crate) fn pull_progressed(&self, progress: PullProgress, now_ms: u64) {
         let mut task = self.lock();
-        if let Ok(tr) = step(&task, Event::PullProgressed(progress), now_ms()) {
+        if let Ok(tr) = step(&task, Event::PullProgressed(progress), now_ms) {
             *task = tr.task;
         }
     }
@@ -322,7 +322,7 @@ impl Recorder<'_> {
                 stalled_ms: ms(stalled_for),
                 elapsed_ms: ms(elapsed),
             },
-            now_ms(),
+            self.driver.clock.now_ms(),
         );
     }
 
@@ -340,9 +340,11 @@ impl Recorder<'_> {
     /// The task is forgotten: subscribers are told, after every other change of the task.
     pub(crate) fn removed(&self) {
         let _order = self.slot.lock();
-        self.driver
-            .changes
-            .send(&self.slot.id, ChangeKind::Removed, now_ms());
+        self.driver.changes.send(
+            &self.slot.id,
+            ChangeKind::Removed,
+            self.driver.clock.now_ms(),
+        );
     }
 }
 
@@ -361,6 +363,7 @@ pub(crate) struct Driver {
     changes: Changes,
     metrics: Arc<Metrics>,
     effects: Arc<dyn Execute>,
+    clock: Clock,
 }
 
 /// How long terminate and remove wait for a start job to let go of a task (a cancelled pull
@@ -375,13 +378,24 @@ const RELEASE_SETTLE: Duration = Duration::from_secs(4);
 
 impl Driver {
     /// A driver writing through `records` and carrying out actions through `effects`.
-    pub(crate) fn new(records: Records, metrics: Arc<Metrics>, effects: Arc<dyn Execute>) -> Self {
+    pub(crate) fn new(
+        records: Records,
+        metrics: Arc<Metrics>,
+        effects: Arc<dyn Execute>,
+        clock: Clock,
+    ) -> Self {
         Self {
             records,
             changes: Changes::new(),
             metrics,
             effects,
+            clock,
         }
+    }
+
+    /// The clock records and changes are stamped with.
+    pub(crate) fn clock(&self) -> Clock {
+        self.clock
     }
 
     /// Every task change from now on.
@@ -410,7 +424,8 @@ impl Driver {
         }
         let info = {
             let t = slot.lock();
-            self.changes.send(&slot.id, ChangeKind::Submitted, now_ms());
+            self.changes
+                .send(&slot.id, ChangeKind::Submitted, self.clock.now_ms());
             t.info()
         };
         self.metrics.submitted.inc();
@@ -424,16 +439,16 @@ impl Driver {
     fn apply(&self, slot: &Slot, event: Event) -> Result<Vec<Action>> {
         if matches!(event, Event::StartFinished) {
             // Before the task leaves the start's ownership.
-            slot.mark_start_returned();
+            slot.mark_start_returned(self.clock.mono_ns());
         }
         let mut task = slot.lock();
-        let tr = step(&task, event, now_ms())?;
+        let tr = step(&task, event, self.clock.now_ms())?;
         let changes = Changes::between(&task.shown(), &tr.task.shown());
         let created_at_ms = tr.task.record().created_at_ms;
         *task = tr.task;
         slot.stepped.notify_waiters();
         for change in changes {
-            let now = now_ms();
+            let now = self.clock.now_ms();
             match &change {
                 ChangeKind::Status {
                     status: TaskStatus::Running,
@@ -630,6 +645,6 @@ impl Driver {
             }
         }
         // Again now that the job is over (it may have released what start acquired).
-        slot.mark_start_returned();
+        slot.mark_start_returned(self.clock.mono_ns());
     }
 }

@@ -23,6 +23,7 @@ use shim_runtime::{ContainerRuntime, ContainerState, HostDevices, PullRequest, R
 use shim_task::machine::{Action, Event};
 use shim_task::{MountedVolume, PortMapping, PullProgress, Resources, TaskId};
 
+use crate::clock::Clock;
 use crate::config::EngineConfig;
 use crate::deps::Deps;
 use crate::driver::{Execute, Recorder, Slot, Written};
@@ -58,6 +59,8 @@ pub(crate) struct Effects {
     ownership: Ownership,
     /// What was pulled, and the room made for pulls.
     images: Arc<ImageGc>,
+    /// What pull progress is stamped with.
+    clock: Clock,
 }
 
 impl Effects {
@@ -87,6 +90,7 @@ impl Effects {
             home,
             ownership,
             images,
+            clock: deps.clock,
         }
     }
 
@@ -366,9 +370,9 @@ impl Effects {
         };
         let pulled = {
             let need = need.clone();
-            let progress_slot = slot.clone();
+            let (progress_slot, clock) = (slot.clone(), self.clock);
             let progress = move |p: PullProgress| {
-                progress_slot.pull_progressed(p);
+                progress_slot.pull_progressed(p, clock.now_ms());
                 let remaining = p.total_bytes.saturating_sub(p.downloaded_bytes);
                 if remaining > need.load(Ordering::Relaxed) {
                     need.store(remaining, Ordering::Relaxed);
@@ -437,8 +441,9 @@ impl Effects {
             // behind its back): pull it, then create again.
             Err(RuntimeError::NotFound { .. }) if self.known_images().remove(&spec.image) => {
                 tracing::warn!(task = %slot.id, image = %spec.image, "image gone since it was last seen; pulling it again");
-                let progress_slot = slot.clone();
-                let progress = move |p: PullProgress| progress_slot.pull_progressed(p);
+                let (progress_slot, clock) = (slot.clone(), self.clock);
+                let progress =
+                    move |p: PullProgress| progress_slot.pull_progressed(p, clock.now_ms());
                 self.pull_request(slot, &spec.image, &progress, slot.pulling.token())
                     .await?;
                 self.images.pulled(&spec.image).await;

@@ -20,7 +20,6 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::changes::Subscription;
-use crate::clock::now_unix_ns;
 use crate::config::EngineConfig;
 use crate::counters::Metrics;
 use crate::deps::Deps;
@@ -96,7 +95,8 @@ impl Engine {
         let owner = determine_owner(&home, deps.runtime.as_ref()).await?;
         let ownership = Ownership::of_home(home.path()).await?;
         // Events are read from before the start-up list on: nothing falls between them.
-        let since = now_unix_ns();
+        let clock = deps.clock;
+        let since = clock.now_unix_ns();
         let metrics = Arc::new(Metrics::new());
         let runtime: Arc<dyn ContainerRuntime> =
             Arc::new(Metered::new(deps.runtime.clone(), metrics.clone()));
@@ -110,6 +110,7 @@ impl Engine {
             home.path(),
             cfg.image_gc_high_percent,
             cfg.image_gc_low_percent,
+            clock,
         ));
         let effects = Arc::new(Effects::new(
             cfg.clone(),
@@ -124,7 +125,7 @@ impl Engine {
             images.clone(),
         ));
         let gpus = effects.gpus().clone();
-        let driver = Arc::new(Driver::new(records, metrics.clone(), effects));
+        let driver = Arc::new(Driver::new(records, metrics.clone(), effects, clock));
         let shutdown = CancellationToken::new();
         let reconciler = Arc::new(Reconciler::new(ReconcilerParts {
             table: table.clone(),
@@ -140,6 +141,7 @@ impl Engine {
         }));
 
         let restored = restore(RestoreContext {
+            clock,
             home: &home,
             runtime: runtime.as_ref(),
             ownership: &ownership,
@@ -178,8 +180,13 @@ impl Engine {
         reconciler.first_cycle(listed, listed_at).await;
         let first = reconciler.first_subscription().await;
         let mut background = reconciler.spawn(first);
-        let (usage, locator) =
-            Usage::spawn(table.clone(), runtime.clone(), cgroups, shutdown.clone());
+        let (usage, locator) = Usage::spawn(
+            table.clone(),
+            runtime.clone(),
+            cgroups,
+            clock,
+            shutdown.clone(),
+        );
         background.push(locator);
         background.push(images.spawn(shutdown.clone()));
 
@@ -302,7 +309,7 @@ impl Engine {
         config.validate()?;
         let inner = &self.inner;
         let id = config.id.clone();
-        let slot = Arc::new(Slot::submitted(&config));
+        let slot = Arc::new(Slot::submitted(&config, self.inner.driver.clock().now_ms()));
         inner.table.insert_new(slot.clone())?;
         let info = match inner.driver.submit(&slot).await {
             Ok(info) => info,

@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 use shim_resources::host::{FsUsage, fs_usage};
 use shim_runtime::{ContainerRuntime, RuntimeError};
 
-use crate::clock::now_ms;
+use crate::clock::Clock;
 use crate::error::chain;
 use crate::table::TaskTable;
 
@@ -119,6 +119,8 @@ pub(crate) struct ImageGc {
     no_room: AtomicU64,
     /// The last usage seen: capacity and available bytes (0, 0: none yet).
     seen: Mutex<Option<FsUsage>>,
+    /// What pulls and uses are stamped with in the ledger.
+    clock: Clock,
 }
 
 impl std::fmt::Debug for ImageGc {
@@ -173,6 +175,7 @@ impl ImageGc {
         home: &std::path::Path,
         high: u8,
         low: u8,
+        clock: Clock,
     ) -> Self {
         let ledger_path = home.join(LEDGER_FILE);
         let images = match fs_err::read(&ledger_path) {
@@ -205,6 +208,7 @@ impl ImageGc {
             removed_images: AtomicU64::new(0),
             no_room: AtomicU64::new(0),
             seen: Mutex::new(None),
+            clock,
         }
     }
 
@@ -214,7 +218,7 @@ impl ImageGc {
 
     /// `image` was pulled by this shim: a candidate from now on (once no task refers to it).
     pub(crate) async fn pulled(&self, image: &str) {
-        let now = now_ms();
+        let now = self.clock.now_ms();
         {
             let mut ledger = self.ledger();
             let seen = ledger.images.entry(image.to_owned()).or_insert(Seen {
@@ -233,7 +237,7 @@ impl ImageGc {
     pub(crate) fn used(&self, image: &str) {
         let mut ledger = self.ledger();
         if let Some(seen) = ledger.images.get_mut(image) {
-            seen.last_used_ms = now_ms();
+            seen.last_used_ms = self.clock.now_ms();
             ledger.dirty = true;
         }
     }

@@ -74,6 +74,7 @@ mod table;
 mod usage;
 
 pub use changes::{ChangeKind, Subscription, SubscriptionError, TaskChange};
+pub use clock::Clock;
 pub use config::{EngineConfig, default_pass_env};
 pub use deps::Deps;
 pub use engine::{Engine, Shutdown};

@@ -58,7 +58,6 @@ use prometheus_client::registry::Registry;
 use shim_resources::GpuLock;
 use shim_task::TaskStatus;
 
-use crate::clock::now_ms;
 use crate::counters::Metrics;
 use crate::images::ImageGc;
 use crate::reconcile::ReconcileState;
@@ -227,7 +226,11 @@ impl Collector for State {
                 &mut encoder,
                 "dstack_shim_reconcile_last_success_age_seconds",
                 "Seconds since the last successful full reconcile cycle",
-                now_ms().saturating_sub(last) as f64 / 1000.0,
+                self.0
+                    .reconcile
+                    .last_cycle_age()
+                    .unwrap_or_default()
+                    .as_secs_f64(),
             )?;
         }
         counter(

@@ -38,7 +38,7 @@ use shim_task::machine::{Event, Observation};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::clock::{mono_ns, now_ms};
+use crate::clock::Clock;
 use crate::counters::Metrics;
 use crate::driver::{Driver, Slot};
 use crate::error::chain;
@@ -59,15 +59,31 @@ const RECONNECT_MIN: Duration = Duration::from_millis(200);
 const RECONNECT_MAX: Duration = Duration::from_secs(5);
 
 /// What the reconciler knows of how it keeps up, as others read it (health, metrics).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct ReconcileState {
     /// The event stream is connected.
     events_connected: AtomicBool,
     /// Unix ms of the last successful full cycle.
     last_cycle_ms: Mutex<Option<u64>>,
+    /// What the cycles are stamped with.
+    clock: Clock,
 }
 
 impl ReconcileState {
+    fn new(clock: Clock) -> Self {
+        Self {
+            events_connected: AtomicBool::new(false),
+            last_cycle_ms: Mutex::new(None),
+            clock,
+        }
+    }
+
+    /// Time since the last successful full cycle, if there was one.
+    pub(crate) fn last_cycle_age(&self) -> Option<Duration> {
+        self.last_cycle_ms()
+            .map(|last| Duration::from_millis(self.clock.now_ms().saturating_sub(last)))
+    }
+
     /// Whether Docker's event stream is connected.
     pub(crate) fn events_connected(&self) -> bool {
         self.events_connected.load(Ordering::SeqCst)
@@ -83,7 +99,7 @@ impl ReconcileState {
     }
 
     fn cycle_done(&self) {
-        *self.last_cycle_ms.lock().unwrap_or_else(|p| p.into_inner()) = Some(now_ms());
+        *self.last_cycle_ms.lock().unwrap_or_else(|p| p.into_inner()) = Some(self.clock.now_ms());
     }
 }
 
@@ -129,9 +145,10 @@ impl Reconciler {
     /// A reconciler of `parts`' tasks.
     pub(crate) fn new(parts: ReconcilerParts) -> Self {
         let events_since = AtomicI64::new(parts.events_since);
+        let state = Arc::new(ReconcileState::new(parts.driver.clock()));
         Self {
             parts,
-            state: Arc::default(),
+            state,
             relist: Notify::new(),
             events_since,
             events_reconnects: AtomicU64::new(0),
@@ -145,11 +162,11 @@ impl Reconciler {
 
     /// The engine's readiness.
     pub(crate) fn health(&self) -> EngineHealth {
-        let age = self
-            .state
-            .last_cycle_ms()
-            .map(|l| Duration::from_millis(now_ms().saturating_sub(l)));
-        EngineHealth::new(self.state.events_connected(), age, self.parts.interval)
+        EngineHealth::new(
+            self.state.events_connected(),
+            self.state.last_cycle_age(),
+            self.parts.interval,
+        )
     }
 
     /// The first cycle, on the list restore made at start-up (`listed_at`: when it was
@@ -173,7 +190,7 @@ impl Reconciler {
     /// One full cycle: one list request, then every task against it. Returns whether the
     /// list request succeeded.
     pub(crate) async fn cycle(self: &Arc<Self>) -> bool {
-        let listed_at = mono_ns();
+        let listed_at = self.parts.driver.clock().mono_ns();
         match self.list_ours().await {
             Ok(containers) => {
                 self.cycle_with_since(containers, listed_at).await;
@@ -187,7 +204,7 @@ impl Reconciler {
     }
 
     /// Every task against `containers`, a list requested at `listed_at`
-    /// ([`mono_ns`]).
+    /// ([`Clock::mono_ns`]).
     async fn cycle_with_since(self: &Arc<Self>, containers: Vec<ContainerSummary>, listed_at: u64) {
         let started = std::time::Instant::now();
         let by_task: HashMap<&str, &ContainerSummary> = containers

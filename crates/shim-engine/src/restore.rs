@@ -21,7 +21,7 @@ use shim_task::{
     TaskRecord, UnknownKeys, restore as restore_task,
 };
 
-use crate::clock::{mono_ns, now_ms};
+use crate::clock::Clock;
 use crate::driver::Slot;
 use crate::error::{EngineError, Result, chain};
 use crate::home::Home;
@@ -97,6 +97,8 @@ enum Found {
 
 /// What restore needs.
 pub(crate) struct RestoreContext<'a> {
+    /// What the restored records and the list are stamped with.
+    pub(crate) clock: Clock,
     /// The home's task directories.
     pub(crate) home: &'a Home,
     /// The runtime (metered).
@@ -176,7 +178,7 @@ pub(crate) async fn restore(ctx: RestoreContext<'_>) -> Result<Restored> {
         }
     }
 
-    let listed_at = mono_ns();
+    let listed_at = ctx.clock.mono_ns();
     let listed = list_waiting(ctx.runtime, &any_shim_filter()).await?;
     let listed = ctx.ownership.ours(listed).await;
     let referenced: BTreeSet<String> = listed
@@ -241,7 +243,7 @@ pub(crate) async fn restore(ctx: RestoreContext<'_>) -> Result<Restored> {
             }
             None => None,
         };
-        let Some((task, actions)) = restore_task(record, container, now_ms()) else {
+        let Some((task, actions)) = restore_task(record, container, ctx.clock.now_ms()) else {
             continue;
         };
         tracing::info!(task = %task.record().id, status = %task.status(), reason = ?task.record().termination_reason, "task restored");

@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::clock::now_ms;
+use crate::clock::Clock;
 use crate::error::chain;
 use crate::table::TaskTable;
 
@@ -55,6 +55,7 @@ pub(crate) struct Usage {
     table: Arc<TaskTable>,
     groups: Mutex<HashMap<TaskId, Entry>>,
     ask: mpsc::UnboundedSender<(TaskId, String)>,
+    clock: Clock,
 }
 
 impl std::fmt::Debug for Usage {
@@ -77,6 +78,7 @@ impl Usage {
         table: Arc<TaskTable>,
         runtime: Arc<dyn ContainerRuntime>,
         cgroups: Cgroups,
+        clock: Clock,
         shutdown: CancellationToken,
     ) -> (Arc<Usage>, JoinHandle<()>) {
         let (ask, mut asked) = mpsc::unbounded_channel::<(TaskId, String)>();
@@ -84,6 +86,7 @@ impl Usage {
             table,
             groups: Mutex::new(HashMap::new()),
             ask,
+            clock,
         });
         let room = Arc::downgrade(&usage);
         let job = tokio::spawn(async move {
@@ -95,7 +98,7 @@ impl Usage {
                         None => return,
                     },
                 };
-                let located = locate(runtime.as_ref(), &cgroups, &container_id).await;
+                let located = locate(runtime.as_ref(), &cgroups, &container_id, clock).await;
                 if !record(&room, task, container_id, located) {
                     return;
                 }
@@ -123,7 +126,7 @@ impl Usage {
                 })
             })
             .collect();
-        let now = now_ms();
+        let now = self.clock.now_ms();
         let mut found = Vec::new();
         {
             let mut groups = self.lock();
@@ -230,8 +233,15 @@ fn record(room: &Weak<Usage>, task: TaskId, container_id: String, located: Locat
 }
 
 /// Finds a container's group: its main process from an inspect, then the process's groups.
-async fn locate(runtime: &dyn ContainerRuntime, cgroups: &Cgroups, container_id: &str) -> Located {
-    let failed = Located::Failed { at_ms: now_ms() };
+async fn locate(
+    runtime: &dyn ContainerRuntime,
+    cgroups: &Cgroups,
+    container_id: &str,
+    clock: Clock,
+) -> Located {
+    let failed = Located::Failed {
+        at_ms: clock.now_ms(),
+    };
     let pid = match runtime.inspect(container_id).await {
         Ok(d) => d.pid,
         Err(e) => {

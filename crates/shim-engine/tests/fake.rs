@@ -3,14 +3,14 @@
 //! Every test runs on tokio's paused time (`start_paused`): a wait, a retry pass, a backoff
 //! or a budget takes no wall time, and time moves only when every task waits (not while a
 //! blocking file write runs), so a bound is a statement about the engine's clocks, not about
-//! how loaded the machine is. The engine's own timers are tokio's; what it stamps on records
-//! (`SystemTime`) does not drive any of them.
+//! how loaded the machine is. The engine's own timers are tokio's, and its clock (`Deps::clock`)
+//! is [`Clock::tokio_from`]: records, changes and readiness are stamped with the virtual time.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // test helpers outside #[test] fns; figures go to stderr
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use shim_engine::{Deps, Engine, EngineConfig, EngineError};
+use shim_engine::{Clock, Deps, Engine, EngineConfig, EngineError};
 use shim_resources::HostGpus;
 use shim_resources::fake::{FakeAuthorizedKeys, FakeVolumes};
 use shim_runtime::ContainerState;
@@ -25,12 +25,17 @@ const KEY: &str =
     "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAID1C4oAsnzrPpqMilIIwxvatSq1HhXjaqM9ge9X3BgAe user@host";
 const IMAGE: &str = "img:1";
 
+/// The wall time each test starts at (Unix ms: 2026-12-01T00:00:00Z).
+const START_MS: u64 = 1_796_083_200_000;
+
 struct World {
     home: tempfile::TempDir,
     runtime: FakeRuntime,
     host_gpus: HostGpus,
     keys: Arc<FakeAuthorizedKeys>,
     volumes: Arc<FakeVolumes>,
+    /// The engines' clock: moves only with tokio's (paused) time.
+    clock: Clock,
 }
 
 impl World {
@@ -44,6 +49,7 @@ impl World {
             host_gpus,
             keys: Arc::new(FakeAuthorizedKeys::new()),
             volumes: Arc::new(FakeVolumes::new("/fake/volumes")),
+            clock: Clock::tokio_from(START_MS),
         }
     }
 
@@ -54,6 +60,7 @@ impl World {
             self.volumes.clone(),
         );
         deps.host_gpus = self.host_gpus.clone();
+        deps.clock = self.clock;
         deps
     }
 
@@ -152,6 +159,52 @@ fn state_file(w: &World, id: &str) -> serde_json::Value {
     let mut ours = file["rust_shim"].clone();
     ours["resources"]["released"] = file["cleaned_up"].clone();
     ours
+}
+
+/// The injected clock is the engine's only wall clock: a record is stamped with the virtual
+/// time of its submit and of its termination, and the readiness signal (the age of the last
+/// full cycle) grows by exactly what the test advances: ten virtual minutes without a cycle
+/// read as ten minutes, and a cycle brings the age back to zero.
+#[tokio::test(start_paused = true)]
+async fn records_and_readiness_follow_the_injected_clock() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    assert_eq!(engine.health().last_cycle_age, Some(Duration::ZERO));
+    let submitted_at = w.clock.now_ms();
+    assert!(submitted_at >= START_MS);
+    engine.submit(config("t1")).await.unwrap();
+    wait_status(&engine, "t1", TaskStatus::Running).await;
+    let file = state_file(&w, "t1");
+    assert_eq!(file["created_at_ms"], submitted_at, "{file}");
+
+    let cycle_at = w.clock.now_ms();
+    engine.reconcile_now().await;
+    tokio::time::advance(Duration::from_secs(600)).await;
+    let age = engine.health().last_cycle_age.unwrap();
+    let expected = Duration::from_millis(w.clock.now_ms() - cycle_at);
+    assert!(
+        age >= Duration::from_secs(600) && age <= expected,
+        "{age:?}"
+    );
+    assert!(
+        engine.health().is_ready(),
+        "10 min is within the backstop's bound"
+    );
+    let terminated_at = w.clock.now_ms();
+    engine
+        .terminate(
+            &tid("t1"),
+            TerminationReason::TerminatedByUser,
+            "bye".into(),
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    let file = state_file(&w, "t1");
+    assert_eq!(file["updated_at_ms"], terminated_at, "{file}");
+    assert_eq!(file["created_at_ms"], submitted_at, "{file}");
+    engine.reconcile_now().await;
+    assert_eq!(engine.health().last_cycle_age, Some(Duration::ZERO));
 }
 
 #[tokio::test(start_paused = true)]
