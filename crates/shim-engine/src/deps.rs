@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use shim_resources::cgroup::Cgroups;
+use shim_resources::host::{FsProbe, HostFs};
 use shim_resources::{AuthorizedKeys, HostGpus, VolumeManager};
 use shim_runtime::{ContainerRuntime, HostDevices};
 
@@ -37,6 +38,9 @@ pub struct Deps {
     /// The clock records, metrics and the image ledger are stamped with. Default: the
     /// host's ([`Clock::system`]); tests on tokio's paused time use [`Clock::tokio_from`].
     pub clock: Clock,
+    /// How full the container engine's data root is (image collection). Default: the host's
+    /// ([`HostFs`]).
+    pub fs: Arc<dyn FsProbe>,
 }
 
 impl Deps {
@@ -55,6 +59,7 @@ impl Deps {
             host_devices: HostDevices::default(),
             cgroups: Cgroups::system(),
             clock: Clock::system(),
+            fs: Arc::new(HostFs),
         }
     }
 }

@@ -111,6 +111,7 @@ impl Engine {
             cfg.image_gc_high_percent,
             cfg.image_gc_low_percent,
             clock,
+            deps.fs.clone(),
         ));
         let effects = Arc::new(Effects::new(
             cfg.clone(),

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use shim_resources::host::{FsUsage, fs_usage};
+use shim_resources::host::{FsProbe, FsUsage};
 use shim_runtime::{ContainerRuntime, RuntimeError};
 
 use crate::clock::Clock;
@@ -121,6 +121,8 @@ pub(crate) struct ImageGc {
     seen: Mutex<Option<FsUsage>>,
     /// What pulls and uses are stamped with in the ledger.
     clock: Clock,
+    /// How the data root is measured.
+    fs: Arc<dyn FsProbe>,
 }
 
 impl std::fmt::Debug for ImageGc {
@@ -176,6 +178,7 @@ impl ImageGc {
         high: u8,
         low: u8,
         clock: Clock,
+        fs: Arc<dyn FsProbe>,
     ) -> Self {
         let ledger_path = home.join(LEDGER_FILE);
         let images = match fs_err::read(&ledger_path) {
@@ -209,6 +212,7 @@ impl ImageGc {
             no_room: AtomicU64::new(0),
             seen: Mutex::new(None),
             clock,
+            fs,
         }
     }
 
@@ -302,8 +306,8 @@ impl ImageGc {
     /// How full the data root's file system is now (also remembered for the metrics).
     async fn usage(&self) -> Option<(PathBuf, FsUsage)> {
         let dir = self.data_root().await?;
-        let probe = dir.clone();
-        let usage = tokio::task::spawn_blocking(move || fs_usage(&probe)).await;
+        let (probe, fs) = (dir.clone(), self.fs.clone());
+        let usage = tokio::task::spawn_blocking(move || fs.usage(&probe)).await;
         match usage {
             Ok(Ok(u)) => {
                 *self.seen.lock().unwrap_or_else(|p| p.into_inner()) = Some(u);

@@ -121,6 +121,24 @@ impl FsUsage {
     }
 }
 
+/// How full the file system holding a path is, as something that can be injected: [`HostFs`]
+/// asks the kernel; a test answers with the figures it wants (the engine's image collection
+/// measures the container engine's data root through one).
+pub trait FsProbe: Send + Sync + 'static {
+    /// How full the file system holding `path` is. Blocking (a `statfs`).
+    fn usage(&self, path: &Path) -> Result<FsUsage>;
+}
+
+/// The host's file systems: [`fs_usage`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HostFs;
+
+impl FsProbe for HostFs {
+    fn usage(&self, path: &Path) -> Result<FsUsage> {
+        fs_usage(path)
+    }
+}
+
 /// How full the file system holding `path` is.
 pub fn fs_usage(path: &Path) -> Result<FsUsage> {
     let st = nix::sys::statfs::statfs(path).map_err(|source| Error::Sys {
