@@ -6,10 +6,12 @@
 //!   asking the driver to step an event ([`Driver::drive`]). So every record change is a step
 //!   of the state machine, taken under the task's step lock, and followed by its write before
 //!   any other step of the task.
-//! - **Persist is carried out here, and only here.** A step that returns [`Action::Persist`]
+//! - **Persist and the directory's deletion are carried out here, and only here.** A step that
+//!   returns [`Action::Persist`]
 //!   has the record written at once, under the same lock, and the write's outcome stepped
 //!   ([`Driver::step`]); a `Persist` found later in a list is a request for that
-//!   ([`Event::PersistRequested`]). The store's record writes ([`Records`]) are opened here and
+//!   ([`Event::PersistRequested`]); [`Action::DeleteTaskDir`] removes the record's directory
+//!   once the record holds nothing. The store's record writes ([`Records`]) are opened here and
 //!   held by the driver alone: everyone else sees the store as [`Home`], which writes no
 //!   record.
 //! - **Task changes are sent here**, under the task's mutex, so a task's changes reach
@@ -18,10 +20,11 @@
 //!   slot first (a list requested before that cannot judge the task), and the start job stamps
 //!   it again when it is over.
 //!
-//! The driver carries out actions through [`Execute`] (the effects, `crate::effects`). The few
-//! effects that must record something in the middle of their action (a volume's write-ahead,
-//! the container recreated by the NVIDIA display retry, `pulling` before a real pull, the
-//! deletion of the task's directory) ask through the narrow [`Recorder`] they are given.
+//! The driver carries out the other actions through [`Execute`] (the effects, `crate::effects`:
+//! a trait, because the effects record through the driver, so the driver may not name them).
+//! The few effects that must record something in the middle of their action (a volume's
+//! write-ahead, the container recreated by the NVIDIA display retry, `pulling` before a real
+//! pull, a stall, the task forgotten) ask through the narrow [`Recorder`] they are given.
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -34,7 +37,7 @@ use shim_runtime::RegistryAuth;
 use shim_store::Store;
 use shim_task::machine::{Action, Event, Task, TransitionError, step};
 use shim_task::{
-    MountedVolume, PullProgress, TaskConfig, TaskId, TaskInfo, TaskRecord, TaskStatus,
+    MountedVolume, PullProgress, Resources, TaskConfig, TaskId, TaskInfo, TaskRecord, TaskStatus,
 };
 use tokio::sync::watch;
 
@@ -326,17 +329,6 @@ impl Recorder<'_> {
         );
     }
 
-    /// Deletes the task's directory; no later write recreates it.
-    pub(crate) async fn delete_dir(&self) -> Result<()> {
-        let mut deleted = self.slot.step_lock.lock().await;
-        self.driver
-            .records
-            .delete(self.slot.container_name.clone())
-            .await?;
-        *deleted = true;
-        Ok(())
-    }
-
     /// The task is forgotten: subscribers are told, after every other change of the task.
     pub(crate) fn removed(&self) {
         let _order = self.slot.lock();
@@ -575,6 +567,22 @@ impl Driver {
         }
     }
 
+    /// Deletes the task's directory (renamed to a trash name first, then removed: SPEC §4)
+    /// once it holds nothing; no later write recreates it.
+    async fn delete_dir(&self, slot: &Slot) -> Result<()> {
+        let held = slot.read(|t| t.record().resources.clone());
+        if held.holds_any() {
+            return Err(EngineError::ReleaseIncomplete {
+                id: slot.id.clone(),
+                message: describe(&held),
+            });
+        }
+        let mut deleted = slot.step_lock.lock().await;
+        self.records.delete(slot.container_name.clone()).await?;
+        *deleted = true;
+        Ok(())
+    }
+
     /// Carries out `actions` in order (see [`Driver::drive`]).
     pub(crate) async fn run_actions(&self, slot: &Arc<Slot>, actions: Vec<Action>) -> Result<()> {
         let mut queue: VecDeque<Action> = actions.into();
@@ -584,6 +592,7 @@ impl Driver {
                 // A write asked for in a list: the step of the request carries it out, under
                 // the step lock.
                 Action::Persist => Ok(Some(Event::PersistRequested)),
+                Action::DeleteTaskDir => self.delete_dir(slot).await.map(|()| None),
                 other => {
                     let recorder = Recorder { driver: self, slot };
                     self.effects.execute(slot, other.clone(), recorder).await
@@ -647,4 +656,30 @@ impl Driver {
         // Again now that the job is over (it may have released what start acquired).
         slot.mark_start_returned(self.clock.mono_ns());
     }
+}
+
+/// What a record still holds, for the error of a directory that cannot go yet.
+fn describe(r: &Resources) -> String {
+    let mut parts = Vec::new();
+    if !r.gpus.is_empty() {
+        parts.push(format!("GPUs {:?}", r.gpus));
+    }
+    if let Some(k) = &r.host_keys {
+        parts.push(format!("SSH keys of {:?}", k.user));
+    }
+    if !r.volumes.is_empty() {
+        let names: Vec<&str> = r
+            .volumes
+            .iter()
+            .map(|v: &MountedVolume| v.name.as_str())
+            .collect();
+        parts.push(format!("volumes {names:?}"));
+    }
+    if let Some(u) = &r.unknown_keys {
+        parts.push(match &u.user {
+            Some(user) => format!("SSH keys of unknown origin of {user:?}"),
+            None => "SSH keys of unknown origin".to_owned(),
+        });
+    }
+    parts.join(", ")
 }

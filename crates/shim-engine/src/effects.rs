@@ -27,7 +27,7 @@ use crate::clock::Clock;
 use crate::config::EngineConfig;
 use crate::deps::Deps;
 use crate::driver::{Execute, Recorder, Slot, Written};
-use crate::error::{EngineError, Result, chain};
+use crate::error::{Result, chain};
 use crate::home::Home;
 use crate::images::{ImageGc, Pass};
 use crate::labels::LABEL_TASK_ID;
@@ -221,18 +221,8 @@ impl Execute for Effects {
                 self.runtime.remove(&cid).await?;
                 None
             }
-            Action::DeleteTaskDir => {
-                // Renamed to a trash name first, then removed (SPEC §4).
-                let held = slot.read(|t| t.record().resources.clone());
-                if held.holds_any() {
-                    return Err(EngineError::ReleaseIncomplete {
-                        id,
-                        message: describe(&held),
-                    });
-                }
-                recorder.delete_dir().await?;
-                None
-            }
+            // The driver's own (never passed here): the records are its room.
+            Action::DeleteTaskDir => None,
             Action::Forget => {
                 self.table.remove(&id);
                 recorder.removed();
@@ -635,29 +625,4 @@ pub(crate) fn container_ref(slot: &Slot) -> String {
             t.record().container_id.clone()
         }
     })
-}
-
-fn describe(r: &Resources) -> String {
-    let mut parts = Vec::new();
-    if !r.gpus.is_empty() {
-        parts.push(format!("GPUs {:?}", r.gpus));
-    }
-    if let Some(k) = &r.host_keys {
-        parts.push(format!("SSH keys of {:?}", k.user));
-    }
-    if !r.volumes.is_empty() {
-        let names: Vec<&str> = r
-            .volumes
-            .iter()
-            .map(|v: &MountedVolume| v.name.as_str())
-            .collect();
-        parts.push(format!("volumes {names:?}"));
-    }
-    if let Some(u) = &r.unknown_keys {
-        parts.push(match &u.user {
-            Some(user) => format!("SSH keys of unknown origin of {user:?}"),
-            None => "SSH keys of unknown origin".to_owned(),
-        });
-    }
-    parts.join(", ")
 }
