@@ -6,9 +6,9 @@
 //!   asking the driver to step an event ([`Driver::drive`]). So every record change is a step
 //!   of the state machine, taken under the task's step lock, and followed by its write before
 //!   any other step of the task.
-//! - **Persist and the directory's deletion are carried out here, and only here.** A step that
-//!   returns [`Action::Persist`]
-//!   has the record written at once, under the same lock, and the write's outcome stepped
+//! - **Persist and the directory's deletion are carried out here, and only here.** A step
+//!   that returns [`Action::Persist`] has the record written at once, under the same lock, and
+//!   the write's outcome stepped
 //!   ([`Driver::step`]); a `Persist` found later in a list is a request for that
 //!   ([`Event::PersistRequested`]); [`Action::DeleteTaskDir`] removes the record's directory
 //!   once the record holds nothing. The store's record writes ([`Records`]) are opened here and
