@@ -12,10 +12,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context as _, Result, bail};
+use bollard::models::{ContainerCreateBody, HostConfig, PortBinding};
 use serde_json::{Value, json};
 use shim_e2e::harness::{self, Api, ContainerSweeper, Request, ShimProcess};
 
-use super::dockerapi::{Docker, EVENTS_IDLE, Events, Framing};
+use super::raw::{self, Docker};
+use super::stream::Events;
 use crate::proc;
 
 /// The bench runner, bind-mounted as the runner into shim tasks and raw containers alike: it
@@ -44,6 +46,8 @@ const RUNNER_IN_CONTAINER: &str = shim_e2e::RUNNER_PATH_IN_CONTAINER;
 pub const RAW_LABEL: &str = "dev.dstack-shim.bench";
 /// How long any single wait of the bench may take (a bound, never a goal).
 pub const BOUND: Duration = Duration::from_secs(120);
+/// How long the shim's event stream may stay silent (no bound worth the name: a day).
+const EVENTS_IDLE: Duration = Duration::from_secs(24 * 3600);
 
 /// The scratch space of one bench run: the runner script, shim homes, raw containers'
 /// runner directories. Its raw containers are removed when it is dropped.
@@ -76,7 +80,7 @@ impl Scratch {
             dir,
             run,
             runner,
-            docker: Docker::default(),
+            docker: Docker::connect()?,
         })
     }
 
@@ -91,36 +95,10 @@ impl Scratch {
     pub fn raw_create(&self, name: &str, mode: &str) -> Result<RawContainer> {
         let dir = self.path("raw").join(name);
         fs_err::create_dir_all(&dir)?;
-        let mut host_config = json!({
-            "NetworkMode": mode,
-            "Binds": [
-                format!("{}:{RUNNER_IN_CONTAINER}:ro", self.runner.display()),
-                format!("{}:/tmp/runner", dir.display()),
-            ],
-        });
-        let mut body = json!({
-            "Image": shim_e2e::image(),
-            "Entrypoint": ["/bin/sh", "-c"],
-            "Cmd": [format!("{RUNNER_IN_CONTAINER} --log-level 4 start --temp-dir /tmp/runner")],
-            "Labels": {RAW_LABEL: self.run},
-        });
-        if mode == "bridge" {
-            let ports = ["10022/tcp", "10999/tcp"];
-            body["ExposedPorts"] = ports.iter().map(|p| ((*p).to_owned(), json!({}))).collect();
-            host_config["PortBindings"] = ports
-                .iter()
-                .map(|p| {
-                    (
-                        (*p).to_owned(),
-                        json!([{"HostIp": "127.0.0.1", "HostPort": ""}]),
-                    )
-                })
-                .collect();
-        }
-        body["HostConfig"] = host_config;
+        let body = create_body(&self.runner, &dir, &self.run, mode);
         let id = self
             .docker
-            .create(&format!("{}-raw-{name}", self.run), &body)?;
+            .create(&format!("{}-raw-{name}", self.run), body)?;
         Ok(RawContainer { id, dir })
     }
 
@@ -137,6 +115,45 @@ pub struct RawContainer {
     pub id: String,
     /// Its runner directory on the host.
     pub dir: PathBuf,
+}
+
+/// The create body of a raw container of run `run` in network `mode`: what the shim gives a
+/// task (the test image, `/bin/sh -c` running the runner bind-mounted from `runner`, the
+/// runner directory `dir` at `/tmp/runner`, in bridge mode the runner's ports published on
+/// 127.0.0.1), labelled as the run's.
+fn create_body(runner: &Path, dir: &Path, run: &str, mode: &str) -> ContainerCreateBody {
+    // In bridge mode the runner's ports, published on 127.0.0.1 (a free port each).
+    let ports = (mode == "bridge").then_some(["10022/tcp", "10999/tcp"]);
+    ContainerCreateBody {
+        image: Some(shim_e2e::image()),
+        entrypoint: Some(vec!["/bin/sh".to_owned(), "-c".to_owned()]),
+        cmd: Some(vec![format!(
+            "{RUNNER_IN_CONTAINER} --log-level 4 start --temp-dir /tmp/runner"
+        )]),
+        labels: Some([(RAW_LABEL.to_owned(), run.to_owned())].into()),
+        exposed_ports: ports.map(|ports| ports.map(str::to_owned).to_vec()),
+        host_config: Some(HostConfig {
+            network_mode: Some(mode.to_owned()),
+            binds: Some(vec![
+                format!("{}:{RUNNER_IN_CONTAINER}:ro", runner.display()),
+                format!("{}:/tmp/runner", dir.display()),
+            ]),
+            port_bindings: ports.map(|ports| {
+                ports
+                    .iter()
+                    .map(|p| {
+                        let binding = PortBinding {
+                            host_ip: Some("127.0.0.1".to_owned()),
+                            host_port: Some(String::new()),
+                        };
+                        ((*p).to_owned(), Some(vec![binding]))
+                    })
+                    .collect()
+            }),
+            ..HostConfig::default()
+        }),
+        ..ContainerCreateBody::default()
+    }
 }
 
 /// Writes `code` into the runner's FIFO in `dir` once the runner waits on it (bounded).
@@ -247,7 +264,7 @@ impl BenchShim {
         let streamed = Request::get(path)
             .timeout(EVENTS_IDLE)
             .open(self.api().addr)?;
-        Events::read(streamed, path, Framing::Sse)
+        Events::sse(streamed, path)
     }
 
     /// Its pid.
@@ -509,8 +526,8 @@ fn clock_ticks() -> f64 {
 /// socket of `DOCKER_HOST`, or, for the default socket, the one started without a socket or
 /// pid file of its own ([`crate::docker::default_daemons`]).
 pub fn dockerd_pid() -> Result<u32> {
-    let socket = super::dockerapi::socket_path();
-    let pids: Vec<u32> = if super::dockerapi::private_daemon() {
+    let socket = raw::socket_path();
+    let pids: Vec<u32> = if raw::private_daemon() {
         proc::find("dockerd", Some(&socket.to_string_lossy()))
     } else {
         // Not every dockerd naming the default socket: the conformance engines and the tests'
@@ -543,6 +560,31 @@ mod tests {
         assert!(x > 0);
         // 100 ms of spinning is ten 10 ms ticks: the counter moved.
         assert!(cpu_seconds(me).unwrap() > before);
+    }
+
+    #[test]
+    fn raw_containers_get_the_settings_of_a_shim_task() {
+        let body = |mode| {
+            let body = create_body(Path::new("/s/runner"), Path::new("/s/raw/a"), "xb1", mode);
+            serde_json::to_value(body).unwrap()
+        };
+        let host = json!({
+            "Image": shim_e2e::image(),
+            "Entrypoint": ["/bin/sh", "-c"],
+            "Cmd": [format!("{RUNNER_IN_CONTAINER} --log-level 4 start --temp-dir /tmp/runner")],
+            "Labels": {RAW_LABEL: "xb1"},
+            "HostConfig": {
+                "NetworkMode": "host",
+                "Binds": [format!("/s/runner:{RUNNER_IN_CONTAINER}:ro"), "/s/raw/a:/tmp/runner"],
+            },
+        });
+        assert_eq!(body("host"), host);
+        let mut bridge = host;
+        let binding = json!([{"HostIp": "127.0.0.1", "HostPort": ""}]);
+        bridge["ExposedPorts"] = json!({"10022/tcp": {}, "10999/tcp": {}});
+        bridge["HostConfig"]["NetworkMode"] = json!("bridge");
+        bridge["HostConfig"]["PortBindings"] = json!({"10022/tcp": binding, "10999/tcp": binding});
+        assert_eq!(body("bridge"), bridge);
     }
 
     #[test]

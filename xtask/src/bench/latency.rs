@@ -10,9 +10,9 @@ use serde_json::{Value, json};
 
 use super::Ctx;
 use super::clock::ms_between;
-use super::dockerapi::Events;
 use super::fleet::{BenchShim, RAW_LABEL, RawContainer, TmpfsShim, trigger_exit};
 use super::report::{Comparison, Goal, median, percentile};
+use super::stream::Events;
 
 /// Figure (1), host and bridge network.
 pub fn exit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {

@@ -10,8 +10,8 @@ use anyhow::Result;
 use serde_json::json;
 
 use super::Ctx;
-use super::dockerapi::parallel;
 use super::fleet::{BenchShim, TmpfsShim, Watcher, cpu_seconds, dockerd_pid};
+use super::parallel;
 use super::report::{Comparison, Goal};
 
 /// One measured batch: tasks, seconds, dockerd CPU seconds.

@@ -12,20 +12,24 @@
 //!   ≤ 1.02×), `crates/shim-runtime/benches/pull.rs`;
 //! - [`fleet`]: the shim and the raw containers being compared (same image, same runner, a
 //!   runner that waits on a FIFO at no cost), dockerd's CPU time;
-//! - [`dockerapi`]: the bench's own Engine API client over the Unix socket;
+//! - [`raw`]: the raw fleet's Docker client, bollard behind a blocking facade (create, start,
+//!   inspect, list, remove, the `/events` stream);
+//! - [`stream`]: event streams stamped as they arrive (Docker's `/events`, the shim's
+//!   `GET /api/events`);
 //! - [`report`], [`clock`]: figures, goals, tables, timestamps.
 //!
 //! Shim and raw samples alternate (shim, raw, raw, shim, …) so that a drift of the machine
 //! touches both alike.
 
 mod clock;
-mod dockerapi;
 mod fleet;
 mod latency;
 mod load;
 mod micro;
+mod raw;
 mod report;
 mod scale;
+mod stream;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -201,7 +205,7 @@ fn docker_figures(
 ) -> Result<()> {
     if figures.iter().any(|f| f.needs_docker()) {
         println!("\n=== docker: the shim against raw Docker");
-        let private = dockerapi::private_daemon();
+        let private = raw::private_daemon();
         if !private {
             demo::ensure_fixtures()?;
         }
@@ -224,7 +228,7 @@ fn docker_figures(
         *context = json!({
             "profile": if opts.quick { "debug" } else { "release" },
             "binary": binary,
-            "socket": dockerapi::socket_path(),
+            "socket": raw::socket_path(),
             "dockerd_pid": fleet::dockerd_pid()?,
             "other_containers_at_start": others_before,
         });
@@ -265,6 +269,35 @@ fn foreign_containers(scratch: &fleet::Scratch) -> Result<usize> {
         .lines()
         .count()
         .saturating_sub(mine))
+}
+
+/// Runs `f` on every item, `threads` at a time, and returns the results in order.
+pub fn parallel<T: Sync, R: Send>(
+    items: &[T],
+    threads: usize,
+    f: impl Fn(&T) -> R + Sync,
+) -> Vec<R> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<std::sync::Mutex<Option<R>>> =
+        items.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    std::thread::scope(|s| {
+        for _ in 0..threads.max(1).min(items.len().max(1)) {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(item) = items.get(i) else { return };
+                    let result = f(item);
+                    if let Ok(mut slot) = results[i].lock() {
+                        *slot = Some(result);
+                    }
+                }
+            });
+        }
+    });
+    results
+        .into_iter()
+        .filter_map(|slot| slot.into_inner().ok().flatten())
+        .collect()
 }
 
 /// What the figures were measured on.
@@ -316,5 +349,12 @@ mod tests {
         let no_docker = Options::parse(&args(&["--no-docker"])).unwrap().selected();
         assert_eq!(no_docker, [Fig::Store, Fig::Engine]);
         assert!(Options::parse(&args(&["--fast"])).is_err());
+    }
+
+    #[test]
+    fn parallel_keeps_the_order() {
+        let items: Vec<u32> = (0..50).collect();
+        let out = parallel(&items, 7, |i| i * 2);
+        assert_eq!(out, items.iter().map(|i| i * 2).collect::<Vec<_>>());
     }
 }

@@ -7,11 +7,11 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
-use serde_json::{Value, json};
+use serde_json::json;
 use shim_e2e::harness::{LABEL_OWNER, owner_identity};
 
-use super::dockerapi::parallel;
 use super::fleet::{BOUND, BenchShim, Watcher, cpu_seconds, dockerd_pid, tick_seconds};
+use super::parallel;
 use super::report::{Comparison, Goal, median};
 use super::{Ctx, Fig};
 
@@ -227,18 +227,14 @@ fn restart(ctx: &Ctx, shim: &mut BenchShim, tasks: usize, rounds: usize) -> Resu
         };
         let raw_sample = || -> Result<f64> {
             let t = Instant::now();
-            let ids: Vec<String> = docker
-                .list(LABEL_OWNER, &owner)?
-                .iter()
-                .filter_map(|c| c["Id"].as_str().map(str::to_owned))
-                .collect();
-            let inspected: Vec<Value> = parallel(&ids, 8, |id| docker.inspect(id))
+            let ids = docker.list(LABEL_OWNER, &owner)?;
+            let inspected: Vec<_> = parallel(&ids, 8, |id| docker.inspect(id))
                 .into_iter()
                 .collect::<Result<_>>()?;
             let elapsed = t.elapsed().as_secs_f64();
             let running = inspected
                 .iter()
-                .filter(|i| i["State"]["Running"] == true)
+                .filter(|i| i.state.as_ref().and_then(|s| s.running) == Some(true))
                 .count();
             anyhow::ensure!(running == tasks, "raw: {running} of {tasks} running");
             Ok(elapsed)
