@@ -13,8 +13,8 @@ use anyhow::{Context as _, Result, bail};
 use shim_e2e::harness::cargo;
 use shim_e2e::{ENV_TEST_DOCKER, dist_artifact, dstack_python, repo_root};
 
-use crate::engines::{self, Engine, Row, Suite};
-use crate::{cmd, deadlock};
+use crate::engines::{self, Engine, Row};
+use crate::cmd;
 
 /// Runs `command`, its output passed through as it comes and kept; the exit status and the
 /// output.
@@ -114,9 +114,7 @@ fn counted(ok: bool, output: &str) -> (u32, u32) {
     }
 }
 
-/// One conformance engine: started, its image loaded, both parts run, stopped. Docker 20.10
-/// (this machine's own) gets a second try when its goroutines show the libnetwork deadlock it
-/// is known for ([`deadlock`]); the row says so.
+/// One conformance engine: started, its image loaded, both parts run, stopped.
 pub fn run_engine(engine: &Engine, shim: &Path) -> Row {
     let started = Instant::now();
     let mut row = Row {
@@ -128,44 +126,26 @@ pub fn run_engine(engine: &Engine, shim: &Path) -> Row {
         note: String::new(),
     };
     println!("\n=== conformance: {}", engine.name);
-    for attempt in 1..=2 {
-        row.parts.clear();
-        let ready = engine.start().and_then(|()| engine.load_test_image());
-        if let Err(err) = ready {
+    match engine.start().and_then(|()| engine.load_test_image()) {
+        Err(err) => {
             println!("conformance: {} did not start: {err:#}", engine.name);
             row.note = format!("did not start: {}", first_line(&format!("{err:#}")));
-            break;
         }
-        row.version = engine.version().unwrap_or_else(|| "-".to_owned());
-        if let Some(driver) = engine.driver() {
-            row.store = format!("{} ({driver})", engine.store());
-        }
-        for (part, result) in [
-            ("runtime", runtime_tests(engine)),
-            ("lifecycle", lifecycle(engine, shim)),
-        ] {
-            let (passed, failed) = result.unwrap_or_else(|err| {
-                println!("conformance: {part} on {}: {err:#}", engine.name);
-                (0, 1)
-            });
-            row.parts.push((part.to_owned(), passed, failed));
-        }
-        let deadlocked = (!row.passed() && engine.suite == Suite::Host)
-            .then(|| deadlock::find(engine))
-            .flatten();
-        if let Err(err) = engine.stop() {
-            println!("conformance: stopping {}: {err:#}", engine.name);
-        }
-        match deadlocked {
-            Some(minutes) if attempt == 1 => {
-                println!(
-                    "conformance: dockerd of {} is in libnetwork's deadlock ({minutes} min, \
-                     moby/moby#46661); running that engine once more",
-                    engine.name
-                );
-                row.note = "retried: dockerd deadlocked (moby#46661)".to_owned();
+        Ok(()) => {
+            row.version = engine.version().unwrap_or_else(|| "-".to_owned());
+            if let Some(driver) = engine.driver() {
+                row.store = format!("{} ({driver})", engine.store());
             }
-            _ => break,
+            for (part, result) in [
+                ("runtime", runtime_tests(engine)),
+                ("lifecycle", lifecycle(engine, shim)),
+            ] {
+                let (passed, failed) = result.unwrap_or_else(|err| {
+                    println!("conformance: {part} on {}: {err:#}", engine.name);
+                    (0, 1)
+                });
+                row.parts.push((part.to_owned(), passed, failed));
+            }
         }
     }
     if let Err(err) = engine.stop() {

@@ -8,7 +8,7 @@ use anyhow::{Result, bail};
 
 use shim_e2e::harness::tail;
 
-use crate::{cmd, engines, mounts, paths, proc};
+use crate::{cmd, engines, paths, proc};
 
 /// How long to wait for the daemon to answer after starting it (or finding it starting). A
 /// daemon answers in about a second on a clean machine, but one that finds a thousand
@@ -76,26 +76,12 @@ pub fn ensure_daemon() -> Result<()> {
         );
         stop_default_daemons(&running)?;
     }
-    clear_state_of_a_dead_runtime();
-    let mut attempt = 1;
-    loop {
-        println!(
-            "docker: no daemon running; starting the main engine ({})",
-            main.name
-        );
-        main.spawn()?;
-        match wait_for_daemon(&log, false) {
-            // containerd cleans up the shims of a previous boot before it answers, and dockerd
-            // gives up on it after a while (killing it); each try gets further.
-            Err(err) if attempt < START_ATTEMPTS && tail(&log, 1).contains(CONTAINERD_TIMEOUT) => {
-                println!(
-                    "docker: {err:#}\ndocker: trying again ({attempt} of {START_ATTEMPTS} failed)"
-                );
-                attempt += 1;
-            }
-            result => return result,
-        }
-    }
+    println!(
+        "docker: no daemon running; starting the main engine ({})",
+        main.name
+    );
+    main.spawn()?;
+    wait_for_daemon(&log, false)
 }
 
 /// Whether `pid` runs in the main engine's mount namespace: there the main engine's root's
@@ -156,91 +142,6 @@ fn serves_the_default_socket(cmdline: &[u8]) -> bool {
             || arg.starts_with(b"--host=")
             || arg.starts_with(b"--pidfile=")
     })
-}
-
-/// How many times [`ensure_daemon`] starts `dockerd` when it gives up waiting for containerd.
-const START_ATTEMPTS: u32 = 5;
-
-/// What `dockerd` prints when its containerd does not answer in time.
-const CONTAINERD_TIMEOUT: &str = "timeout waiting for containerd to start";
-
-/// The daemon's execution root (`--exec-root`'s default): a tmpfs on a real host, so a reboot
-/// empties it.
-const EXEC_ROOT: &str = "/var/run/docker";
-
-/// The daemon's data root (`--data-root`'s default), whose `overlay2/*/merged` directories are
-/// the mounted root file systems of running containers.
-const DATA_ROOT: &str = "/var/lib/docker";
-
-/// Clears what a Docker daemon whose processes are all gone left behind, as a reboot would:
-/// the container bundles and mounts under [`EXEC_ROOT`] and the mounted container root file
-/// systems under [`DATA_ROOT`]. Does nothing while any `dockerd`, `containerd` or containerd
-/// shim process runs (a stopped daemon with live restore keeps its containers running).
-///
-/// A machine whose processes were all killed but whose `/run` is not a tmpfs (a VM or
-/// container snapshot, this project's CI) keeps them; `containerd` then spends seconds per
-/// hundred dead shims cleaning them up before it answers, and `dockerd` gives up on it after
-/// 15 s: with a thousand containers left by a killed run, the daemon never starts.
-fn clear_state_of_a_dead_runtime() {
-    let alive: Vec<u32> = ["dockerd", "containerd", "containerd-shim"]
-        .iter()
-        .flat_map(|name| proc::find(name, None))
-        .collect();
-    if !alive.is_empty() {
-        return;
-    }
-    let exec_root = Path::new(EXEC_ROOT);
-    let bundles = count_bundles(exec_root);
-    let exec_root_real = fs_err::canonicalize(exec_root).unwrap_or_else(|_| exec_root.into());
-    let overlay = Path::new(DATA_ROOT).join("overlay2");
-    let mut points: Vec<PathBuf> = mounts::mount_points()
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|point| {
-            point.starts_with(&exec_root_real)
-                || point.starts_with(exec_root)
-                || (point.starts_with(&overlay) && point.ends_with("merged"))
-        })
-        .collect();
-    if bundles == 0 && points.is_empty() {
-        return;
-    }
-    println!(
-        "docker: no dockerd, containerd or shim runs, yet {bundles} container bundle(s) and {} \
-         mount(s) of an earlier run remain; clearing them as a reboot would",
-        points.len()
-    );
-    // Deepest first; lazily, so that a busy one does not stop the rest.
-    points.sort_by_key(|point| std::cmp::Reverse(point.as_os_str().len()));
-    for chunk in points.chunks(200) {
-        let mut umount = cmd::cmd("umount");
-        umount.arg("--lazy").args(chunk);
-        if let Err(err) = cmd::output(&mut umount) {
-            println!("docker: warning: {err:#}");
-        }
-    }
-    // What cannot be removed is left to the daemon (it then cleans up what it can itself).
-    if exec_root.exists()
-        && let Err(err) = fs_err::remove_dir_all(exec_root)
-    {
-        println!("docker: warning: clearing the stale {EXEC_ROOT}: {err}");
-    }
-}
-
-/// The container bundles containerd keeps under `exec_root` (one directory per task and
-/// namespace).
-fn count_bundles(exec_root: &Path) -> usize {
-    let tasks = exec_root.join("containerd/daemon/io.containerd.runtime.v2.task");
-    fs_err::read_dir(&tasks)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|namespace| {
-            fs_err::read_dir(namespace.path())
-                .map(|entries| entries.count())
-                .unwrap_or(0)
-        })
-        .sum()
 }
 
 fn wait_for_daemon(log: &Path, foreign: bool) -> Result<()> {
@@ -306,18 +207,5 @@ mod tests {
         ] {
             assert!(!serves_the_default_socket(private), "{private:?}");
         }
-    }
-
-    #[test]
-    fn bundles_are_counted_per_namespace() {
-        let dir = tempfile::tempdir().unwrap();
-        let tasks = dir
-            .path()
-            .join("containerd/daemon/io.containerd.runtime.v2.task");
-        for (ns, id) in [("moby", "a"), ("moby", "b"), ("other", "c")] {
-            fs_err::create_dir_all(tasks.join(ns).join(id)).unwrap();
-        }
-        assert_eq!(count_bundles(dir.path()), 3);
-        assert_eq!(count_bundles(&dir.path().join("none")), 0);
     }
 }

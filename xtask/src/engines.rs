@@ -316,9 +316,14 @@ pub fn share_host_mounts() -> Result<()> {
 /// (a slave of the host's), with `$3 = 1` a sysfs of the engine's network namespace (keeping
 /// the host's cgroup mounts), and with a root `$2` that root's `/usr` and `/etc` over the
 /// host's, but for the host's `/usr/local` (where hosts keep `dstack-runner`, which the shim
-/// binds into containers); then `exec "$@"`. `$1` is the engine's run directory.
+/// binds into containers), with an exec root `$4` a tmpfs there (Docker's:
+/// [`Engine::exec_root`]); then `exec "$@"`. `$1` is the engine's run directory.
 const ENTER: &str = r#"set -e
-run="$1"; root="$2"; netns="$3"; shift 3
+run="$1"; root="$2"; netns="$3"; exec_root="$4"; shift 4
+if [ -n "$exec_root" ]; then
+  mkdir -p "$exec_root"
+  mount -t tmpfs -o mode=0711 tmpfs "$exec_root"
+fi
 if [ "$netns" = 1 ]; then
   mkdir -p "$run/cgroup"
   mount --rbind /sys/fs/cgroup "$run/cgroup"
@@ -360,7 +365,11 @@ impl Engine {
         PathBuf::from("/run/shim-engines").join(self.name)
     }
 
-    /// Docker's exec root (where it writes goroutine dumps).
+    /// Docker's exec root (its containerd's state, the container bundles and runtime mounts):
+    /// a tmpfs of the engine's mount namespace, as `/run` is on a real host, so that it goes
+    /// with the engine's processes: a daemon killed with everything it ran (a killed CI run, a
+    /// restored machine snapshot) leaves no bundles for the next one to clean up before it
+    /// answers.
     pub fn exec_root(&self) -> PathBuf {
         if self.is_main() {
             PathBuf::from("/var/run/docker")
@@ -633,6 +642,10 @@ impl Engine {
         args.push(run.to_string_lossy().into_owned());
         args.push(root);
         args.push(if self.netns().is_some() { "1" } else { "0" }.to_owned());
+        args.push(match self.kind {
+            Kind::Docker(_) => self.exec_root().to_string_lossy().into_owned(),
+            Kind::Podman => String::new(),
+        });
         args.extend(self.daemon_command()?);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let program = if self.netns().is_some() {
@@ -850,7 +863,7 @@ pub struct Row {
     pub parts: Vec<(String, u32, u32)>,
     /// How long the whole row took.
     pub seconds: f64,
-    /// Anything to say (a retry, why nothing ran).
+    /// Anything to say (why nothing ran).
     pub note: String,
 }
 

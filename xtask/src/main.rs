@@ -30,7 +30,6 @@ mod bench;
 mod ci;
 mod cmd;
 mod conformance;
-mod deadlock;
 mod demo;
 mod devenv;
 mod dist;
