@@ -17,7 +17,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use shim_resources::{AuthorizedKeys, GpuLock, GpuVendor, VolumeManager};
 use shim_runtime::{ContainerRuntime, ContainerState, HostDevices, PullRequest, RuntimeError};
 use shim_task::machine::{Action, Event};
@@ -26,13 +25,13 @@ use shim_task::{MountedVolume, PortMapping, PullProgress, Resources, TaskId};
 use crate::clock::Clock;
 use crate::config::EngineConfig;
 use crate::deps::Deps;
-use crate::driver::{Execute, Recorder, Slot, Written};
 use crate::error::{Result, chain};
 use crate::home::Home;
 use crate::images::{ImageGc, Pass};
 use crate::labels::LABEL_TASK_ID;
 use crate::ownership::Ownership;
 use crate::spec::{SpecContext, container_spec};
+use crate::steps::{Recorder, Slot, Written};
 use crate::table::TaskTable;
 
 /// The most images [`Effects`] remembers as present.
@@ -112,15 +111,15 @@ impl Effects {
     }
 }
 
-#[async_trait]
-impl Execute for Effects {
+impl Effects {
     /// Executes `action` for the task in `slot`. Returns the outcome event, if the action has
-    /// one. An error stops the driver (the caller decides what that means for the task).
-    async fn execute(
+    /// one. An error stops the driver (the caller decides what that means for the task). What
+    /// must be recorded in the middle of the action goes through `recorder`.
+    pub(crate) async fn execute(
         &self,
         slot: &Arc<Slot>,
         action: Action,
-        recorder: Recorder<'_>,
+        recorder: &Recorder<'_>,
     ) -> Result<Option<Event>> {
         let id = slot.id.clone();
         tracing::debug!(task = %id, ?action, "action");
@@ -185,7 +184,7 @@ impl Execute for Effects {
                     },
                 })
             }
-            Action::Pull { image } => Some(self.pull(slot, image, &recorder).await),
+            Action::Pull { image } => Some(self.pull(slot, image, recorder).await),
             Action::CancelPull => {
                 slot.pulling.cancel();
                 None
@@ -196,7 +195,7 @@ impl Execute for Effects {
                     message: format!("cannot create container: {}", chain(&e)),
                 },
             }),
-            Action::StartContainer => Some(match self.start_container(slot, &recorder).await {
+            Action::StartContainer => Some(match self.start_container(slot, recorder).await {
                 Ok(ports) => Event::ContainerStarted { ports },
                 Err(message) => Event::StartFailed { message },
             }),

@@ -23,7 +23,7 @@ use crate::changes::Subscription;
 use crate::config::EngineConfig;
 use crate::counters::Metrics;
 use crate::deps::Deps;
-use crate::driver::{Driver, Slot, open_store};
+use crate::driver::Driver;
 use crate::effects::Effects;
 use crate::error::{EngineError, Result, chain};
 use crate::health::EngineHealth;
@@ -33,6 +33,7 @@ use crate::metrics::Sources;
 use crate::ownership::Ownership;
 use crate::reconcile::{Reconciler, ReconcilerParts};
 use crate::restore::{RestoreContext, Restored, determine_owner, restore};
+use crate::steps::{Slot, Steps, open_store};
 use crate::table::TaskTable;
 use crate::usage::Usage;
 
@@ -126,7 +127,10 @@ impl Engine {
             images.clone(),
         ));
         let gpus = effects.gpus().clone();
-        let driver = Arc::new(Driver::new(records, metrics.clone(), effects, clock));
+        let driver = Arc::new(Driver::new(
+            Steps::new(records, metrics.clone(), clock),
+            effects,
+        ));
         let shutdown = CancellationToken::new();
         let reconciler = Arc::new(Reconciler::new(ReconcilerParts {
             table: table.clone(),

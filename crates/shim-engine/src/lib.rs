@@ -70,6 +70,7 @@ mod queue;
 mod reconcile;
 mod restore;
 mod spec;
+mod steps;
 mod table;
 mod usage;
 

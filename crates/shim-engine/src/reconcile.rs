@@ -40,12 +40,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::clock::Clock;
 use crate::counters::Metrics;
-use crate::driver::{Driver, Slot};
+use crate::driver::Driver;
 use crate::error::chain;
 use crate::health::EngineHealth;
 use crate::home::Home;
 use crate::labels::{LABEL_TASK_ID, any_shim_filter};
 use crate::ownership::Ownership;
+use crate::steps::Slot;
 use crate::table::TaskTable;
 
 /// How often failed side effects and queued events are retried.

@@ -22,7 +22,6 @@ use shim_task::{
 };
 
 use crate::clock::Clock;
-use crate::driver::Slot;
 use crate::error::{EngineError, Result, chain};
 use crate::home::Home;
 use crate::labels::{
@@ -30,6 +29,7 @@ use crate::labels::{
     legacy_owner_identity, new_owner_identity,
 };
 use crate::ownership::Ownership;
+use crate::steps::Slot;
 
 /// How long start-up waits for the container runtime before giving up.
 const RUNTIME_WAIT: Duration = Duration::from_secs(60);
@@ -129,7 +129,7 @@ pub(crate) struct Restored {
     pub(crate) tasks: Vec<RestoredTask>,
     /// The start-up list of this engine's containers, for the first cycle.
     pub(crate) listed: Vec<ContainerSummary>,
-    /// When the list was requested ([`mono_ns`]).
+    /// When the list was requested ([`Clock::mono_ns`](crate::Clock::mono_ns)).
     pub(crate) listed_at: u64,
 }
 

@@ -1,14 +1,14 @@
 //! The task table: every task this engine knows, by id. A slot enters at submit or restore
 //! and leaves when its remove forgets it; what a slot holds is the driver's
-//! ([`crate::driver::Slot`]).
+//! ([`crate::steps::Slot`]).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use shim_task::TaskId;
 
-use crate::driver::Slot;
 use crate::error::{EngineError, Result};
+use crate::steps::Slot;
 
 /// Every task, by id.
 #[derive(Default)]

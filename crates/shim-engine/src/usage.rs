@@ -38,7 +38,7 @@ enum Located {
     Found(Cgroup),
     /// Not found (the container has no process, the file is unreadable) at this time.
     Failed {
-        /// When ([`now_ms`]).
+        /// When ([`Clock::now_ms`]).
         at_ms: u64,
     },
 }
