@@ -13,8 +13,8 @@ use anyhow::{Context as _, Result, bail};
 use shim_e2e::harness::cargo;
 use shim_e2e::{ENV_TEST_DOCKER, dist_artifact, dstack_python, repo_root};
 
-use crate::engines::{self, Engine, Row};
 use crate::cmd;
+use crate::engines::{self, Engine, Row};
 
 /// Runs `command`, its output passed through as it comes and kept; the exit status and the
 /// output.
