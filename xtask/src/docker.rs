@@ -1,6 +1,6 @@
 //! The local Docker daemon: detect it, start it once, wait for it.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
@@ -8,7 +8,7 @@ use anyhow::{Result, bail};
 
 use shim_e2e::harness::tail;
 
-use crate::{cmd, engines, paths, proc};
+use crate::{cmd, engines};
 
 /// How long to wait for the daemon to answer after starting it (or finding it starting). A
 /// daemon answers in about a second on a clean machine, but one that finds a thousand
@@ -18,11 +18,6 @@ const START_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// How often a wait for the daemon says it is still waiting.
 const PROGRESS_EVERY: Duration = Duration::from_secs(30);
-
-/// The log of a `dockerd` started by xtask.
-pub fn log_path() -> PathBuf {
-    paths::log_dir().join("dockerd.log")
-}
 
 /// The daemon's version if the Docker socket answers within a few seconds.
 pub fn server_version() -> Option<String> {
@@ -42,7 +37,7 @@ pub fn server_version() -> Option<String> {
 /// Makes sure the main engine ([`engines::MAIN`]: Debian sid's Docker with the containerd
 /// image store) answers on the default socket: a daemon that answers there as another engine
 /// (Debian 12's own, which earlier versions of xtask started) is stopped first; if none runs,
-/// one is started in the background (log in [`log_path`]); then waits for it, at most
+/// one is started in the background (log in [`engines::main_log`]); then waits for it, at most
 /// [`START_TIMEOUT`]. Never starts a second daemon.
 pub fn ensure_daemon() -> Result<()> {
     let main = engines::MAIN;
@@ -53,8 +48,8 @@ pub fn ensure_daemon() -> Result<()> {
         );
         return Ok(());
     }
-    let running = default_daemons();
-    let log = log_path();
+    let running = engines::default_daemons();
+    let log = engines::main_log();
     if !running.is_empty() {
         if server_version().is_none() && !running.iter().any(|pid| is_main_engine(*pid)) {
             println!(
@@ -119,31 +114,6 @@ fn stop_default_daemons(pids: &[u32]) -> Result<()> {
     Ok(())
 }
 
-/// The running `dockerd` processes that serve the default socket: not the private daemons
-/// that tests and benches start beside it (those name their own socket and pid file).
-pub fn default_daemons() -> Vec<u32> {
-    proc::find("dockerd", None)
-        .into_iter()
-        .filter(|pid| {
-            serves_the_default_socket(
-                &fs_err::read(format!("/proc/{pid}/cmdline")).unwrap_or_default(),
-            )
-        })
-        .collect()
-}
-
-/// Whether a `dockerd` with this command line (`/proc/<pid>/cmdline`: NUL-separated) serves
-/// the default socket: it names no socket (`-H`, `--host`) and no pid file of its own.
-fn serves_the_default_socket(cmdline: &[u8]) -> bool {
-    !cmdline.split(|b| *b == 0).any(|arg| {
-        matches!(arg, b"-H" | b"--host" | b"--pidfile")
-            || arg.starts_with(b"-H=")
-            || arg.starts_with(b"-Hunix")
-            || arg.starts_with(b"--host=")
-            || arg.starts_with(b"--pidfile=")
-    })
-}
-
 fn wait_for_daemon(log: &Path, foreign: bool) -> Result<()> {
     let started = Instant::now();
     let mut next_progress = PROGRESS_EVERY;
@@ -178,7 +148,10 @@ fn wait_for_daemon(log: &Path, foreign: bool) -> Result<()> {
             );
         }
         // (After a grace period: right after `setsid --fork` the child may not have exec'd yet.)
-        if !foreign && started.elapsed() > Duration::from_secs(3) && default_daemons().is_empty() {
+        if !foreign
+            && started.elapsed() > Duration::from_secs(3)
+            && engines::default_daemons().is_empty()
+        {
             bail!(
                 "dockerd exited during start-up; last lines of {}:\n{}",
                 log.display(),
@@ -186,26 +159,5 @@ fn wait_for_daemon(log: &Path, foreign: bool) -> Result<()> {
             );
         }
         sleep(Duration::from_millis(500));
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn private_daemons_are_not_the_default_one() {
-        assert!(serves_the_default_socket(b"/usr/sbin/dockerd\0"));
-        assert!(serves_the_default_socket(
-            b"dockerd\0--data-root\0/var/lib/other\0"
-        ));
-        for private in [
-            &b"dockerd\0--pidfile\0/r/docker.pid\0-H\0unix:///r/docker.sock\0"[..],
-            b"dockerd\0--host=unix:///r.sock\0",
-            b"dockerd\0-Hunix:///r.sock\0",
-            b"dockerd\0--pidfile=/r.pid\0",
-        ] {
-            assert!(!serves_the_default_socket(private), "{private:?}");
-        }
     }
 }

@@ -394,7 +394,7 @@ impl Engine {
 
     fn log(&self) -> PathBuf {
         if self.is_main() {
-            crate::docker::log_path()
+            main_log()
         } else {
             paths::log_dir().join(format!("engine-{}.log", self.name))
         }
@@ -412,7 +412,7 @@ impl Engine {
     /// line (the main engine: the default daemons).
     pub fn pids(&self) -> Vec<u32> {
         if self.is_main() {
-            crate::docker::default_daemons()
+            default_daemons()
         } else {
             proc::find(self.program(), Some(&self.socket().to_string_lossy()))
         }
@@ -951,9 +951,55 @@ pub fn skipped(output: &str) -> Option<u32> {
     })
 }
 
+/// The log of a `dockerd` started by xtask.
+pub fn main_log() -> PathBuf {
+    paths::log_dir().join("dockerd.log")
+}
+
+/// The running `dockerd` processes that serve the default socket: not the private daemons
+/// that tests and benches start beside it (those name their own socket and pid file).
+pub fn default_daemons() -> Vec<u32> {
+    proc::find("dockerd", None)
+        .into_iter()
+        .filter(|pid| {
+            serves_the_default_socket(
+                &fs_err::read(format!("/proc/{pid}/cmdline")).unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
+/// Whether a `dockerd` with this command line (`/proc/<pid>/cmdline`: NUL-separated) serves
+/// the default socket: it names no socket (`-H`, `--host`) and no pid file of its own.
+fn serves_the_default_socket(cmdline: &[u8]) -> bool {
+    !cmdline.split(|b| *b == 0).any(|arg| {
+        matches!(arg, b"-H" | b"--host" | b"--pidfile")
+            || arg.starts_with(b"-H=")
+            || arg.starts_with(b"-Hunix")
+            || arg.starts_with(b"--host=")
+            || arg.starts_with(b"--pidfile=")
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn private_daemons_are_not_the_default_one() {
+        assert!(serves_the_default_socket(b"/usr/sbin/dockerd\0"));
+        assert!(serves_the_default_socket(
+            b"dockerd\0--data-root\0/var/lib/other\0"
+        ));
+        for private in [
+            &b"dockerd\0--pidfile\0/r/docker.pid\0-H\0unix:///r/docker.sock\0"[..],
+            b"dockerd\0--host=unix:///r.sock\0",
+            b"dockerd\0-Hunix:///r.sock\0",
+            b"dockerd\0--pidfile=/r.pid\0",
+        ] {
+            assert!(!serves_the_default_socket(private), "{private:?}");
+        }
+    }
 
     #[test]
     fn hard_limits_are_read() {

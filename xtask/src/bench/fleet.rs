@@ -524,7 +524,7 @@ fn clock_ticks() -> f64 {
 
 /// The pid of the Docker daemon the bench uses: the `dockerd` whose command line names the
 /// socket of `DOCKER_HOST`, or, for the default socket, the one started without a socket or
-/// pid file of its own ([`crate::docker::default_daemons`]).
+/// pid file of its own ([`crate::engines::default_daemons`]).
 pub fn dockerd_pid() -> Result<u32> {
     let socket = raw::socket_path();
     let pids: Vec<u32> = if raw::private_daemon() {
@@ -532,7 +532,7 @@ pub fn dockerd_pid() -> Result<u32> {
     } else {
         // Not every dockerd naming the default socket: the conformance engines and the tests'
         // private daemons name sockets and pid files of their own.
-        crate::docker::default_daemons()
+        crate::engines::default_daemons()
     };
     match pids.as_slice() {
         [pid] => Ok(*pid),
