@@ -11,13 +11,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use shim_resources::{AuthorizedKeys, VolumeManager};
-use shim_runtime::{
-    ContainerDetails, ContainerRuntime, ContainerState as RtState, ContainerSummary,
-};
+use shim_runtime::{ContainerDetails, ContainerRuntime, ContainerState, ContainerSummary};
 use shim_store::{Origin, ScanEntry};
 use shim_task::machine::Action;
 use shim_task::{
-    ContainerState, HostKeysGrant, MountedVolume, ObservedContainer, PortMapping, TaskId,
+    HostKeysGrant, MountedVolume, ObservedContainer, ObservedState, PortMapping, TaskId,
     TaskRecord, UnknownKeys, restore as restore_task,
 };
 
@@ -345,12 +343,12 @@ async fn observe(
         },
     };
     let state = match c.state {
-        RtState::Created => ContainerState::Created,
-        ref s if s.is_running() => ContainerState::Running,
+        ContainerState::Created => ObservedState::Created,
+        ref s if s.is_running() => ObservedState::Running,
         // The exit code is the reconciler's to read (it inspects stopped containers).
-        RtState::Exited => ContainerState::Exited { code: -1 },
-        RtState::Dead => ContainerState::Dead,
-        ref other => ContainerState::Other(other.to_string()),
+        ContainerState::Exited => ObservedState::Exited { code: -1 },
+        ContainerState::Dead => ObservedState::Dead,
+        ref other => ObservedState::Other(other.to_string()),
     };
     let volumes_root = ctx.volumes_root;
     Ok(Some(ObservedContainer {

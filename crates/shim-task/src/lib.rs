@@ -94,7 +94,7 @@ pub use info::{
     HostKeysGrant, MountedVolume, PortMapping, PullProgress, Resources, TaskInfo, UnknownKeys,
 };
 pub use record::TaskRecord;
-pub use restore::{ContainerState, ObservedContainer, restore};
+pub use restore::{ObservedContainer, ObservedState, restore};
 pub use ssh::{InvalidKey, PublicKey};
 pub use status::{TaskStatus, TerminationReason};
 

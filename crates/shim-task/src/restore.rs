@@ -8,9 +8,10 @@ use crate::naming::task_name_of_container;
 use crate::record::TaskRecord;
 use crate::status::{TaskStatus, TerminationReason};
 
-/// A container's state as Docker reports it.
+/// A container's state as the restore decision needs it (the engine maps the runtime's
+/// `ContainerState` onto it: paused and restarting count as running; an exit with its code).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum ContainerState {
+pub enum ObservedState {
     /// Created, never started.
     Created,
     /// Running (or paused, or restarting: the process exists).
@@ -26,7 +27,7 @@ pub enum ContainerState {
     Other(String),
 }
 
-impl ContainerState {
+impl ObservedState {
     /// Whether the container's process may be running.
     pub fn is_running(&self) -> bool {
         matches!(self, Self::Running)
@@ -43,7 +44,7 @@ pub struct ObservedContainer {
     /// The task id from the container's label.
     pub task_id: TaskId,
     /// Its state.
-    pub state: ContainerState,
+    pub state: ObservedState,
     /// GPU ids from its device requests / devices.
     pub gpu_ids: Vec<String>,
     /// Its published ports (`[]` in host network mode).
@@ -140,7 +141,7 @@ pub fn restore(
     t.ended = container.as_ref().is_none_or(|c| {
         matches!(
             c.state,
-            ContainerState::Created | ContainerState::Exited { .. } | ContainerState::Dead
+            ObservedState::Created | ObservedState::Exited { .. } | ObservedState::Dead
         )
     });
 
@@ -188,7 +189,7 @@ pub fn restore(
     if t.record.status == TaskStatus::Terminated
         && container
             .as_ref()
-            .is_some_and(|c| c.state.is_running() || c.state == ContainerState::Created)
+            .is_some_and(|c| c.state.is_running() || c.state == ObservedState::Created)
     {
         t.stop = StopState::Wanted { timeout_s: 0 };
     }

@@ -32,7 +32,7 @@ use shim_task::machine::Saved;
 use shim_task::machine::{Action, Event, Observation, Task, TransitionError, step};
 use shim_task::naming::container_name;
 use shim_task::{
-    ContainerState, InstanceMountPoint, MountedVolume, NetworkMode, ObservedContainer, PortMapping,
+    InstanceMountPoint, MountedVolume, NetworkMode, ObservedContainer, ObservedState, PortMapping,
     PublicKey, PullProgress, TaskConfig, TaskId, TaskName, TaskRecord, TaskStatus,
     TerminationReason, VolumeBackend, VolumeSpec, restore,
 };
@@ -427,9 +427,9 @@ impl Sim {
             name: format!("/{}", container_name(&self.config.name, &self.config.id)),
             task_id: self.config.id.clone(),
             state: match c.state {
-                Ctr::Created => ContainerState::Created,
-                Ctr::Running => ContainerState::Running,
-                Ctr::Exited(code) => ContainerState::Exited { code },
+                Ctr::Created => ObservedState::Created,
+                Ctr::Running => ObservedState::Running,
+                Ctr::Exited(code) => ObservedState::Exited { code },
             },
             gpu_ids: c.gpu_ids.clone(),
             ports: c.ports.clone(),

@@ -9,9 +9,9 @@ use shim_task::machine::{
 use shim_task::machine::{EXIT_MESSAGE_LINES, NEVER_STARTED_MESSAGE, VANISHED_MESSAGE};
 use shim_task::naming::container_name;
 use shim_task::{
-    ContainerState, HostKeysGrant, InstanceMountPoint, MountedVolume, NetworkMode,
-    ObservedContainer, PortMapping, PublicKey, PullProgress, TaskConfig, TaskId, TaskName,
-    TaskRecord, TaskStatus, TerminationReason, VolumeBackend, VolumeSpec, restore,
+    HostKeysGrant, InstanceMountPoint, MountedVolume, NetworkMode, ObservedContainer,
+    ObservedState, PortMapping, PublicKey, PullProgress, TaskConfig, TaskId, TaskName, TaskRecord,
+    TaskStatus, TerminationReason, VolumeBackend, VolumeSpec, restore,
 };
 
 const KEY: &str =
@@ -1071,7 +1071,7 @@ fn task_info_rules() {
 
 // ---- SPEC §5: restore ----
 
-fn observed(state: ContainerState) -> ObservedContainer {
+fn observed(state: ObservedState) -> ObservedContainer {
     ObservedContainer {
         id: "cid".into(),
         name: format!(
@@ -1127,7 +1127,7 @@ fn restore_recorded_reason_wins_and_a_running_container_is_stopped() {
         },
     );
     // The shim died before the stop: the container still runs.
-    let c = observed(ContainerState::Running);
+    let c = observed(ObservedState::Running);
     let (r, a) = restored(Some(t.record().clone()), Some(c.clone()), 5_000).unwrap();
     assert_ended(&r, TerminationReason::TerminatedByUser, "by user");
     assert_eq!(
@@ -1140,7 +1140,7 @@ fn restore_recorded_reason_wins_and_a_running_container_is_stopped() {
     assert!(!r.start_in_flight());
     assert_idempotent(&r, Some(c));
     // Exited container: released at once, the exit code does not replace the reason.
-    let c = observed(ContainerState::Exited { code: 1 });
+    let c = observed(ObservedState::Exited { code: 1 });
     let (r, a) = restored(Some(t.record().clone()), Some(c.clone()), 5_000).unwrap();
     assert_ended(&r, TerminationReason::TerminatedByUser, "by user");
     assert_eq!(
@@ -1173,7 +1173,7 @@ fn upstream_record(reason: TerminationReason) -> TaskRecord {
 fn restore_an_upstream_recorded_reason_wins_over_an_exited_container() {
     for code in [-1, 3, 0] {
         let record = upstream_record(TerminationReason::TerminatedByUser);
-        let c = observed(ContainerState::Exited { code });
+        let c = observed(ObservedState::Exited { code });
         let (mut r, a) = restored(Some(record), Some(c.clone()), 5_000).unwrap();
         assert_ended(
             &r,
@@ -1222,7 +1222,7 @@ fn restore_recorded_reason_with_a_created_container_stops_it_before_releasing() 
             timeout_s: 10,
         },
     );
-    let c = observed(ContainerState::Created);
+    let c = observed(ObservedState::Created);
     let (r, a) = restored(Some(t.record().clone()), Some(c.clone()), 5_000).unwrap();
     assert_ended(&r, TerminationReason::TerminatedByUser, "by user");
     assert_eq!(
@@ -1239,7 +1239,7 @@ fn restore_recorded_reason_with_a_created_container_stops_it_before_releasing() 
 fn restore_without_reason_with_container_is_running_with_the_containers_facts() {
     let t = started_until(StartStep::StartContainer);
     // The shim died between create and start.
-    let c = observed(ContainerState::Created);
+    let c = observed(ObservedState::Created);
     let (r, a) = restored(Some(t.record().clone()), Some(c.clone()), 5_000).unwrap();
     assert_eq!(r.status(), TaskStatus::Running);
     assert_eq!(
@@ -1323,7 +1323,7 @@ fn restore_of_a_released_task_locks_nothing() {
             volumes: vec!["data".into()],
         },
     );
-    let c = observed(ContainerState::Exited { code: 0 });
+    let c = observed(ObservedState::Exited { code: 0 });
     let (r, a) = restored(Some(t.record().clone()), Some(c), 5_000).unwrap();
     assert_eq!(a, vec![]);
     assert!(r.record().resources.released);
@@ -1331,7 +1331,7 @@ fn restore_of_a_released_task_locks_nothing() {
 
 #[test]
 fn restore_container_without_record_adopts_it() {
-    let c = observed(ContainerState::Running);
+    let c = observed(ObservedState::Running);
     let (r, a) = restored(None, Some(c.clone()), 5_000).unwrap();
     assert_eq!(r.status(), TaskStatus::Running);
     assert!(r.record().config.is_none());
@@ -1365,7 +1365,7 @@ fn restore_container_without_record_adopts_it() {
 fn restore_with_neither_is_nothing_and_a_foreign_container_is_ignored() {
     assert!(restore(None, None, 1).is_none());
     let t = running();
-    let mut c = observed(ContainerState::Running);
+    let mut c = observed(ObservedState::Running);
     c.task_id = TaskId::new("other").unwrap();
     let (r, _) = restored(Some(t.record().clone()), Some(c), 5_000).unwrap();
     assert_eq!(r.status(), TaskStatus::Terminated);
@@ -1373,7 +1373,7 @@ fn restore_with_neither_is_nothing_and_a_foreign_container_is_ignored() {
 
 #[test]
 fn relock_keeps_only_the_gpus_newly_locked() {
-    let (mut t, actions) = restored(None, Some(observed(ContainerState::Running)), 1_000).unwrap();
+    let (mut t, actions) = restored(None, Some(observed(ObservedState::Running)), 1_000).unwrap();
     assert!(actions.contains(&Action::LockGpus(vec!["GPU-a".into()])));
     // Another restored task locked GPU-a first: this one must never free it.
     let actions = go(&mut t, Event::GpusRelocked(vec![]));
