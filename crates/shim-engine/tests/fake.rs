@@ -151,7 +151,7 @@ async fn wait_status(engine: &Engine, id: &str, status: TaskStatus) -> shim_task
 }
 
 /// Terminates task `id` as its user would, with no grace period.
-async fn terminate_now(engine: &Engine, id: &str) {
+async fn terminate_by_user(engine: &Engine, id: &str) {
     engine
         .terminate(
             &tid(id),
@@ -284,7 +284,7 @@ async fn an_unused_pulled_image_is_collected_when_the_data_root_fills() {
     assert!(m.contains("dstack_shim_image_fs_used_ratio 0.9"), "{m}");
     assert_eq!(deletes(), [], "the image of a known task stays");
 
-    terminate_now(&engine, "t1").await;
+    terminate_by_user(&engine, "t1").await;
     engine.remove(&tid("t1")).await.unwrap();
     for _ in 0..10 {
         if !deletes().is_empty() {
@@ -978,7 +978,7 @@ async fn remove_only_terminated_and_deletes_everything() {
     let info = wait_status(&engine, "t1", TaskStatus::Running).await;
     let err = engine.remove(&tid("t1")).await.unwrap_err();
     assert!(matches!(err, EngineError::Conflict(_)), "{err}");
-    terminate_now(&engine, "t1").await;
+    terminate_by_user(&engine, "t1").await;
     let dir = w.home.path().join("runners").join(&info.container_name);
     assert!(dir.join("task.json").exists());
     engine.remove(&tid("t1")).await.unwrap();
