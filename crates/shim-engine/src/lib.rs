@@ -79,7 +79,7 @@ pub use clock::Clock;
 pub use config::{EngineConfig, default_pass_env};
 pub use deps::Deps;
 pub use engine::{Engine, Shutdown};
-pub use error::{EngineError, ErrorKind, Result, chain as error_chain};
+pub use error::{EngineError, ErrorKind, Result};
 pub use health::EngineHealth;
 /// The Prometheus client the engine's metrics are built on, for an embedder's registry
 /// ([`Engine::register_metrics`]).

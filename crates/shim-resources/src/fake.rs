@@ -2,7 +2,7 @@
 //! `test-support`): volumes, the mount system calls and authorized_keys that record calls and
 //! fail on demand, and a fixed user table ([`StaticUserDb`]). GPUs need no fake: use
 //! [`crate::gpu::HostGpus::fake_nvidia`] with a real [`crate::gpu::GpuLock`], or a
-//! [`crate::gpu::GpuDetector`] over a temporary device root with a [`ScriptedCommandRunner`]
+//! [`crate::gpu::GpuDetector`] over a temporary device root with a [`ScriptedCommandRunner`](shim_util::fake::ScriptedCommandRunner)
 //! (the command runner's fake, from [`shim_util`], re-exported here).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -12,8 +12,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use shim_task::{MountedVolume, PublicKey, TaskId, VolumeSpec};
-
-pub use shim_util::fake::ScriptedCommandRunner;
 
 use crate::error::{Error, Result};
 use crate::keys::{AuthorizedKeys, UserDb, UserEntry};

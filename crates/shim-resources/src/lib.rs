@@ -33,7 +33,7 @@
 //!   unreadable), [`write_host_info`] and [`write_host_info_once`]: upstream's
 //!   `host_info.json`.
 //! - Host tools run through the injected [`CommandRunner`](shim_util::CommandRunner) of [`shim_util`] (re-exported:
-//!   [`SystemCommandRunner`](shim_util::SystemCommandRunner); `fake::ScriptedCommandRunner` answers from a script in tests).
+//!   [`SystemCommandRunner`](shim_util::SystemCommandRunner); `shim_util::fake::ScriptedCommandRunner` answers from a script in tests).
 //!
 //! Durable writes (authorized_keys, host_info.json) go through [`shim_fs`].
 //!

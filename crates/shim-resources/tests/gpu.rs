@@ -5,13 +5,13 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use shim_resources::fake::ScriptedCommandRunner;
 use shim_resources::gpu::{
     AMD_SMI_IMAGE, GpuInfo, TT_SMI_IMAGE, parse_amd_smi, parse_hl_smi, parse_nvidia_smi,
     parse_tt_smi,
 };
 use shim_resources::{Error, GpuDetector, GpuLock, GpuVendor, HostGpus};
 use shim_util::CommandOutput;
+use shim_util::fake::ScriptedCommandRunner;
 
 fn fixture(name: &str) -> String {
     let p = Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -6,13 +6,13 @@ use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use shim_resources::fake::ScriptedCommandRunner;
 use shim_resources::volumes::{
     Probe, aws_fallback_names, find_aws_device, is_mount_point_in, parse_blkid,
 };
 use shim_resources::{BlockVolumes, Error, VolumeConfig, VolumeManager};
 use shim_task::{MountedVolume, TaskName, VolumeBackend, VolumeSpec};
 use shim_util::CommandOutput;
+use shim_util::fake::ScriptedCommandRunner;
 
 fn fixture(name: &str) -> String {
     let p = Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -381,8 +381,8 @@ mod tests {
     use shim_task::TaskName;
 
     use super::*;
-    use crate::fake::ScriptedCommandRunner;
     use crate::fake::{FakeCall, FakeMounter};
+    use shim_util::fake::ScriptedCommandRunner;
 
     fn manager(root: &Path, mounter: Arc<FakeMounter>) -> BlockVolumes {
         BlockVolumes::new(
