@@ -106,7 +106,7 @@ pub type Result<T, E = EngineError> = std::result::Result<T, E>;
 
 /// An error with its whole cause chain, as the API answers and the log show it (the workspace's
 /// one reporter, [`shim_util::error_chain`]).
-pub use shim_util::error_chain as chain;
+pub(crate) use shim_util::error_chain as chain;
 
 #[cfg(test)]
 mod tests {
