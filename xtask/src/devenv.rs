@@ -125,6 +125,7 @@ pub fn dev_env_timed(timings: &mut Timings) -> Result<()> {
     timings.time("registry large image", push_large)?;
     timings.time("dstack server venv", ensure_dstack_venv)?;
     timings.time("old distribution rootfs", crate::rootfs::ensure)?;
+    timings.time("git hooks", use_repo_hooks)?;
     println!(
         "\ndev-env ready: image {IMAGE}, registry {REGISTRY} ({} / {}), images {} and {}",
         shim_e2e::REGISTRY_USER,
@@ -132,6 +133,35 @@ pub fn dev_env_timed(timings: &mut Timings) -> Result<()> {
         small_ref(),
         large_ref()
     );
+    Ok(())
+}
+
+/// Points this checkout's git hooks at the versioned `.githooks/` (a pre-commit `cargo fmt
+/// --check`), unless they point elsewhere already; nothing outside a git checkout.
+fn use_repo_hooks() -> Result<()> {
+    let root = shim_e2e::repo_root();
+    if !root.join(".git").exists() || !root.join(".githooks/pre-commit").exists() {
+        return Ok(());
+    }
+    let current =
+        cmd::output(
+            cmd::cmd("git")
+                .current_dir(&root)
+                .args(["config", "--get", "core.hooksPath"]),
+        )
+        .unwrap_or_default();
+    match current.trim() {
+        ".githooks" => {}
+        "" => {
+            cmd::run(cmd::cmd("git").current_dir(&root).args([
+                "config",
+                "core.hooksPath",
+                ".githooks",
+            ]))?;
+            println!("git hooks: core.hooksPath = .githooks (pre-commit: cargo fmt --check)");
+        }
+        other => println!("git hooks: core.hooksPath is {other:?}; left as it is"),
+    }
     Ok(())
 }
 
