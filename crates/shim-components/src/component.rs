@@ -17,7 +17,7 @@ pub enum ComponentName {
 }
 
 impl ComponentName {
-    /// Both components, in the order [`crate::Components::list`] reports them.
+    /// Both components, in the order `Components::list` reports them.
     pub const ALL: [Self; 2] = [Self::Runner, Self::Shim];
 
     /// The binary's name, as the API and the error messages spell it.

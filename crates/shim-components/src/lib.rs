@@ -1,7 +1,7 @@
 //! The shim's components: the `dstack-runner` binary (bind-mounted into every task container)
 //! and the `dstack-shim` binary itself.
 //!
-//! [`Components`] reports each one's state (`GET /api/components`) and installs a new binary
+//! `Components` (feature `install`) reports each one's state (`GET /api/components`) and installs a new binary
 //! from a URL (`POST /api/components/install`): the download is streamed into a temporary file
 //! (0755) beside the target, fsynced and renamed over the target, and the directory fsynced
 //! (`shim_fs::write_atomic_with`), so a reader of the path sees the old binary or the new one,
@@ -17,11 +17,11 @@
 //!
 //! The crate knows nothing of HTTP: its [`ComponentInfo`] serialises as one entry of
 //! `GET /api/components` (`shim-http` uses these types as they are), and `shim-http` maps its
-//! [`Error`] onto the API's error kinds. Feature `install` (default) brings [`Components`] and
+//! [`Error`] onto the API's error kinds. Feature `install` (default) brings `Components` and
 //! its downloads (ureq); without it the crate is its types, version reading and [`upgrade`].
 //!
 //! Modules: `version` (reading versions), `download` (URL checks, the download into place),
-//! `manager` ([`Components`]: per-component state, background installs), [`upgrade`] (the
+//! `manager` (`Components`: per-component state, background installs), [`upgrade`] (the
 //! file side of replacing the running shim: does the installed binary differ from the running
 //! one, its digest, the rollback to the running image, the record of a rolled-back upgrade).
 

@@ -124,9 +124,9 @@ impl Effects {
         let id = slot.id.clone();
         tracing::debug!(task = %id, ?action, "action");
         Ok(match action {
-            // The driver's own (never passed here): a write is carried out by the step of its
-            // request, under the step lock.
-            Action::Persist => Some(Event::PersistRequested),
+            // The record room's own, carried out by the driver (never passed here): a write
+            // under the step lock, the directory's deletion.
+            Action::Persist | Action::DeleteTaskDir => None,
             Action::AcquireGpus { count } => Some(match self.gpus.acquire(count) {
                 Ok(ids) => Event::GpusAcquired(ids),
                 Err(e) => Event::PrepareFailed {
@@ -220,8 +220,6 @@ impl Effects {
                 self.runtime.remove(&cid).await?;
                 None
             }
-            // The driver's own (never passed here): the records are its room.
-            Action::DeleteTaskDir => None,
             Action::Forget => {
                 self.table.remove(&id);
                 recorder.removed();

@@ -1,6 +1,7 @@
 //! The seams of the HTTP layer: the traits the engine and the component installer implement,
 //! the wire types they exchange (the component types are `shim_components`' own), and
 //! [`ApiError`], whose [`ErrorKind`] alone picks the status code (see [`ErrorKind::status`]).
+
 use async_trait::async_trait;
 use http::StatusCode;
 use serde::{Deserialize, Serialize};

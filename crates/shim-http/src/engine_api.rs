@@ -26,7 +26,6 @@ use shim_engine::prometheus_client::metrics::info::Info;
 use shim_engine::prometheus_client::registry::Registry;
 use shim_engine::{Engine, EngineError, ErrorKind, Subscription, SubscriptionError};
 use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
-
 use shim_util::error_chain as chain;
 
 use crate::{ApiError, ChangeEvent, ChangeFeed, FeedError, InstanceInfo, Readiness, ShimApi};
