@@ -2,7 +2,7 @@
 //! the host's resources (GPU lock, authorized_keys, volumes, instance directories) and the
 //! task's directory, and reporting its outcome as an event.
 //!
-//! The effects own the runtime (metered), the GPU lock and the images seen present. They write
+//! The effects own the runtime (metered) and the GPU lock. They write
 //! no record: what must be recorded in the middle of an action goes through the driver's
 //! [`Recorder`], and the task's directory is deleted by it.
 //!
@@ -11,10 +11,9 @@
 //! request timeout on a loaded daemon): the container made under the task's name and labels,
 //! or one that started, is taken, not failed.
 
-use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use shim_resources::{AuthorizedKeys, GpuLock, GpuVendor, VolumeManager};
@@ -25,7 +24,7 @@ use shim_task::{MountedVolume, PortMapping, PullProgress, Resources, TaskId};
 use crate::clock::Clock;
 use crate::config::EngineConfig;
 use crate::deps::Deps;
-use crate::error::{Result, chain};
+use crate::error::{EngineError, Result, chain};
 use crate::home::Home;
 use crate::images::{ImageGc, Pass};
 use crate::labels::LABEL_TASK_ID;
@@ -33,9 +32,6 @@ use crate::ownership::Ownership;
 use crate::spec::{SpecContext, container_spec};
 use crate::steps::{Recorder, Slot, Written};
 use crate::table::TaskTable;
-
-/// The most images [`Effects`] remembers as present.
-const MAX_KNOWN_IMAGES: usize = 256;
 
 /// What carries out the state machine's actions (see the module docs).
 pub(crate) struct Effects {
@@ -49,9 +45,6 @@ pub(crate) struct Effects {
     host_devices: HostDevices,
     keys: Arc<dyn AuthorizedKeys>,
     volumes: Arc<dyn VolumeManager>,
-    /// Images (with their tag) this engine saw present: a start of one skips the image
-    /// check; a create that finds it gone pulls it and creates again.
-    known_images: Mutex<BTreeSet<String>>,
     /// Where a removed task is forgotten.
     table: Arc<TaskTable>,
     home: Home,
@@ -84,7 +77,6 @@ impl Effects {
             host_devices: deps.host_devices,
             keys: deps.keys,
             volumes: deps.volumes,
-            known_images: Mutex::new(BTreeSet::new()),
             table,
             home,
             ownership,
@@ -247,36 +239,23 @@ impl Effects {
         }
     }
 
-    /// The images this engine saw present.
-    fn known_images(&self) -> MutexGuard<'_, BTreeSet<String>> {
-        self.known_images
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Remembers that `image` is present (a bounded set: past the bound it starts over).
-    fn image_seen(&self, image: &str) {
-        let mut known = self.known_images();
-        if known.len() >= MAX_KNOWN_IMAGES {
-            known.clear();
-        }
-        known.insert(image.to_owned());
-    }
-
-    /// The pull step: a `:latest` image is always pulled (as upstream does); another is
-    /// pulled only when it is not present. An image this engine saw present already is not
-    /// checked again (one Docker request less per start); if it was removed since, the
-    /// create finds out and pulls it ([`Effects::create`]).
+    /// The pull step, the one place an image is pulled (SPEC §4): a `:latest` image is always
+    /// pulled (as upstream does); another is pulled only when the engine does not have it
+    /// (asked, unless the images room saw it present since the engine last reported an image
+    /// removal: [`ImageGc::known_present`]), so an image removed since it was last used (an
+    /// operator's prune, image collection) is pulled here again, in the open: the task reads
+    /// `pulling` with progress, the stall watch and the fit check apply, and terminate cancels
+    /// it.
     async fn pull(&self, slot: &Arc<Slot>, image: String, recorder: &Recorder<'_>) -> Event {
         let runtime = &self.runtime;
         let image = shim_runtime::with_default_tag(&image);
         if !image.ends_with(":latest") {
-            if self.known_images().contains(&image) {
+            if self.images.known_present(&image) {
                 return Event::PullSkipped;
             }
             match runtime.image_present(&image).await {
                 Ok(true) => {
-                    self.image_seen(&image);
+                    self.images.seen_present(&image);
                     return Event::PullSkipped;
                 }
                 Ok(false) => {}
@@ -294,10 +273,8 @@ impl Effects {
         let before = self.images.collect(0).await;
         match self.pull_image(slot, &image, &before, recorder).await {
             Ok(p) => {
-                if !image.ends_with(":latest") {
-                    self.image_seen(&image);
-                }
                 self.images.pulled(&image).await;
+                self.images.seen_present(&image);
                 // What the pull added may have taken the disk over its high mark.
                 let images = self.images.clone();
                 tokio::spawn(async move {
@@ -405,7 +382,8 @@ impl Effects {
             .with_auth(slot.pulling.auth())
             .with_log_path(log_path)
             .with_timeout(self.cfg.pull_timeout)
-            .with_stall_timeout(self.cfg.pull_stall_timeout);
+            .with_stall_timeout(self.cfg.pull_stall_timeout)
+            .with_disk_probe(self.images.disk_probe().await);
         tracing::info!(task = %slot.id, %image, "pulling image");
         runtime.pull(&request, progress, cancel).await
     }
@@ -424,18 +402,15 @@ impl Effects {
                 self.runtime.remove(&spec.name).await?;
                 Ok(self.runtime.create(&spec).await?)
             }
-            // The image was present when this engine last looked and is gone now (pruned
-            // behind its back): pull it, then create again.
-            Err(RuntimeError::NotFound { .. }) if self.known_images().remove(&spec.image) => {
-                tracing::warn!(task = %slot.id, image = %spec.image, "image gone since it was last seen; pulling it again");
-                let (progress_slot, clock) = (slot.clone(), self.clock);
-                let progress =
-                    move |p: PullProgress| progress_slot.pull_progressed(p, clock.now_ms());
-                self.pull_request(slot, &spec.image, &progress, slot.pulling.token())
-                    .await?;
-                self.images.pulled(&spec.image).await;
-                self.image_seen(&spec.image);
-                Ok(self.runtime.create(&spec).await?)
+            // The pull step found the image and it is gone now: removed in the moment between
+            // (an operator's prune, whose event had not arrived yet). Pulling it here would
+            // pull outside the pull step (no `pulling`, no progress, no cancel); the task ends
+            // with the reason instead, and the next start asks the engine again.
+            Err(RuntimeError::NotFound { .. }) => {
+                self.images.image_removed(&spec.image);
+                Err(EngineError::ImageVanished {
+                    image: spec.image.clone(),
+                })
             }
             // The answer was lost in transit (a timeout on a loaded daemon): the container may
             // exist all the same, under this task's name and labels.

@@ -143,6 +143,7 @@ impl Engine {
             exit_log_lines: cfg.exit_log_lines,
             shutdown: shutdown.clone(),
             events_since: since,
+            images: images.clone(),
         }));
 
         let restored = restore(RestoreContext {

@@ -64,6 +64,16 @@ pub enum EngineError {
         /// Its status.
         status: TaskStatus,
     },
+    /// The image the pull step found present was gone when the container was created: removed
+    /// in between (an image prune). The task ends; it is never pulled outside the pull step.
+    #[error(
+        "image {image} was removed after the pull step found it (an image prune?) and before \
+         the container was created"
+    )]
+    ImageVanished {
+        /// The image.
+        image: String,
+    },
 }
 
 /// How an API answers an [`EngineError`] ([`EngineError::kind`]): the one mapping every
@@ -96,6 +106,7 @@ impl EngineError {
             | Self::StateWrite { .. }
             | Self::Runtime(_)
             | Self::RuntimeUnavailable(_)
+            | Self::ImageVanished { .. }
             | Self::Join(_) => ErrorKind::Internal,
         }
     }

@@ -2,11 +2,36 @@
 //!
 //! Kubelet's thresholds and semantics: when the file system of the engine's data root is used
 //! above `high` percent, images are removed, least recently used first, until it is used
-//! below `low` percent. Only images this shim pulled are candidates (its ledger,
-//! `<home>/images.json`, kept across restarts), and never one a task it knows refers to —
-//! running, starting, pulling, or terminated and not yet removed (a task the server may still
-//! restart or inspect); the engine itself refuses to remove an image any container uses (the
-//! removal is never forced), which covers containers that are not this shim's.
+//! below `low` percent. Only images this shim pulled are candidates, and never one a task it
+//! knows refers to — running, starting, pulling, or terminated and not yet removed (a task the
+//! server may still restart or inspect); the engine itself refuses to remove an image any
+//! container uses (the removal is never forced), which covers containers that are not this
+//! shim's.
+//!
+//! **The ledger** (`<home>/images.json`, kept across restarts) records *image ids*: for each
+//! image a pull of this shim produced, the names it was pulled as (in their normalised form,
+//! [`shim_runtime::normalize_reference`], so `ubuntu:22.04` and
+//! `docker.io/library/ubuntu:22.04` are one name) and when it was pulled and last used. An
+//! id is collected only while a recorded name still points to it (its recorded names are
+//! removed, never a name someone else gave it), or when no name points to it any more (a
+//! tag moved by a later pull: the old image is dangling, and it was this shim's). An image
+//! built or tagged by someone else under a name the shim once pulled has another id: it is
+//! never this shim's to remove.
+//!
+//! **Freed bytes are measured**, not taken from the engine's `Size`: images share layers (one
+//! CUDA base under many images), a name removed while another names the same image frees
+//! nothing, and a removal the engine answers "not found" freed nothing either. After each
+//! removal the file system is measured again; a pass stops as soon as it is under its target,
+//! and what it freed is what the file system got back.
+//!
+//! **One writer, in order**: the ledger is written by one write at a time, each taking its
+//! snapshot once it holds the writer, so an older snapshot never lands over a newer one. A
+//! ledger that cannot be read (garbage, a newer format) is moved aside
+//! (`images.json.corrupt-<ms>`), logged, and counted in
+//! `dstack_shim_image_ledger_corrupt_total`, as the task records are; the temp files a
+//! crashed write left are removed at start-up. A ledger of the first format (version 1,
+//! keyed by name) is read: its names are resolved to the ids they point to at the first
+//! pass.
 //!
 //! A pass runs before each pull, after each pull, and every [`CHECK_EVERY`]; a pull whose
 //! remaining bytes (the layers' sizes as the progress stream announces them, compressed, so
@@ -14,17 +39,25 @@
 //! frees that much, and fails at once when even that cannot make room
 //! ([`ImageGc::make_room`]). `high` = 100 turns collection off; the fit check stays.
 //!
+//! **Images seen present.** The pull step asks the engine whether a task's image is present
+//! (on Docker's containerd store an image inspect costs ~14 ms, a tenth of a task's start), so
+//! the room remembers the names it saw present ([`ImageGc::known_present`]) for as long as
+//! the engine's event stream is connected: any image removal the engine reports (an
+//! operator's `docker image prune`, `docker rmi`, this room's own collection) forgets them
+//! all, and so does a lost connection. A task whose image was removed is pulled again in its
+//! pull step, in the open.
+//!
 //! The room owns the ledger and the policy; the effects tell it what was pulled and used.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use shim_resources::host::{FsProbe, FsUsage};
-use shim_runtime::{ContainerRuntime, RuntimeError};
+use shim_runtime::{ContainerRuntime, RuntimeError, normalize_reference};
 
 use crate::clock::Clock;
 use crate::error::chain;
@@ -36,24 +69,55 @@ pub(crate) const CHECK_EVERY: Duration = Duration::from_secs(60);
 /// The ledger's file in the home.
 const LEDGER_FILE: &str = "images.json";
 
-/// When an image was pulled by this shim and last used by a task (Unix ms).
+/// The ledger's format: by image id.
+const LEDGER_VERSION: u32 = 2;
+
+/// When an image was pulled by this shim and last used by a task (Unix ms): the first
+/// format's record, by name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 struct Seen {
     pulled_ms: u64,
     last_used_ms: u64,
 }
 
-/// The ledger's file format.
+/// An image a pull of this shim produced.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Pulled {
+    /// The names it was pulled as, normalised.
+    names: BTreeSet<String>,
+    pulled_ms: u64,
+    last_used_ms: u64,
+}
+
+/// The ledger's file format (version 2): image id → what was pulled.
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct LedgerFile {
     version: u32,
+    images: BTreeMap<String, Pulled>,
+    /// Names of a first-format ledger not resolved to an id yet.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    unresolved: BTreeMap<String, Seen>,
+}
+
+/// The first format (version 1): name → when.
+#[derive(Debug, Deserialize)]
+struct LedgerFileV1 {
     images: BTreeMap<String, Seen>,
+}
+
+/// Just the version, read first.
+#[derive(Debug, Deserialize)]
+struct Versioned {
+    version: u32,
 }
 
 /// The images this shim pulled.
 #[derive(Debug, Default)]
 struct Ledger {
-    images: BTreeMap<String, Seen>,
+    /// By image id.
+    images: BTreeMap<String, Pulled>,
+    /// Names from a first-format ledger, not yet resolved to an id.
+    unresolved: BTreeMap<String, Seen>,
     /// Changed since the last write.
     dirty: bool,
 }
@@ -61,7 +125,12 @@ struct Ledger {
 /// An image that may be removed: pulled by this shim, referred to by no task.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Candidate {
-    pub(crate) image: String,
+    /// The image id.
+    pub(crate) id: String,
+    /// What to remove: its recorded names that still point to it, or its id when no name
+    /// does.
+    pub(crate) remove: Vec<String>,
+    /// The engine's size (an upper bound of what removing it frees: the order only).
     pub(crate) size: u64,
     pub(crate) last_used_ms: u64,
 }
@@ -80,23 +149,55 @@ pub(crate) fn bytes_to_free(usage: FsUsage, high: u8, low: u8, need: u64) -> u64
 }
 
 /// The order in which candidates go: least recently used first (then the larger, then by
-/// name, so the order is total).
+/// id, so the order is total).
 pub(crate) fn removal_order(mut candidates: Vec<Candidate>) -> Vec<Candidate> {
     candidates.sort_by(|a, b| {
         a.last_used_ms
             .cmp(&b.last_used_ms)
             .then(b.size.cmp(&a.size))
-            .then(a.image.cmp(&b.image))
+            .then(a.id.cmp(&b.id))
     });
     candidates
+}
+
+/// What a recorded image is now, given the engine's names for it (`tags`, as the engine
+/// spells them) and the names it was pulled as (`recorded`, normalised).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Standing {
+    /// Recorded names still point to it: removing them is this shim's to do (another name
+    /// someone gave it stays, and with it the image).
+    Named(Vec<String>),
+    /// No name points to it any more (a later pull moved its tag): removed by id.
+    Dangling,
+    /// Only names this shim did not pull it as point to it: not this shim's any more.
+    Foreign,
+}
+
+/// Judges a recorded image by the engine's names for it (see [`Standing`]).
+pub(crate) fn standing(recorded: &BTreeSet<String>, tags: &[String]) -> Standing {
+    if tags.is_empty() {
+        return Standing::Dangling;
+    }
+    let ours: Vec<String> = tags
+        .iter()
+        .map(|t| normalize_reference(t))
+        .filter(|t| recorded.contains(t))
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    if ours.is_empty() {
+        Standing::Foreign
+    } else {
+        Standing::Named(ours)
+    }
 }
 
 /// What a pass did.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Pass {
-    /// The images removed.
+    /// The images removed (ids).
     pub(crate) removed: Vec<String>,
-    /// Their sizes together, as the engine reported them.
+    /// What the file system got back, measured after each removal.
     pub(crate) freed: u64,
     /// The file system after the pass (`None`: unknown, no data root).
     pub(crate) usage: Option<FsUsage>,
@@ -108,6 +209,8 @@ pub(crate) struct ImageGc {
     table: Arc<TaskTable>,
     ledger_path: PathBuf,
     ledger: Mutex<Ledger>,
+    /// The one writer of the ledger's file.
+    writer: tokio::sync::Mutex<()>,
     high: u8,
     low: u8,
     /// One pass at a time.
@@ -117,13 +220,29 @@ pub(crate) struct ImageGc {
     freed_bytes: AtomicU64,
     removed_images: AtomicU64,
     no_room: AtomicU64,
+    corrupt_ledgers: AtomicU64,
     /// The last usage seen: capacity and available bytes (0, 0: none yet).
     seen: Mutex<Option<FsUsage>>,
     /// What pulls and uses are stamped with in the ledger.
     clock: Clock,
     /// How the data root is measured.
     fs: Arc<dyn FsProbe>,
+    /// Names seen present since the last image removal the engine reported, while its events
+    /// are connected (see the module docs).
+    present: Mutex<Present>,
 }
+
+/// Names seen present, trusted only while image removals would be heard of.
+#[derive(Debug, Default)]
+struct Present {
+    /// The engine's event stream is connected: a removal would be reported.
+    heard: bool,
+    /// Normalised names.
+    names: BTreeSet<String>,
+}
+
+/// The most names remembered as present (past it, the set starts over).
+const MAX_PRESENT: usize = 256;
 
 impl std::fmt::Debug for ImageGc {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -149,7 +268,7 @@ impl std::fmt::Display for NoRoom {
         write!(
             f,
             "the image does not fit: its layers need at least {} more, {} is available on the \
-             file system of {} after removing {} unused image(s) of {}",
+             file system of {} after removing {} unused image(s), which freed {}",
             human(self.need),
             human(self.available),
             self.data_root.display(),
@@ -168,41 +287,85 @@ fn human(bytes: u64) -> String {
     }
 }
 
+/// The ledger read from `path`: `Ok(None)` when there is none, `Err(why)` when it cannot be
+/// used (moved aside by the caller).
+fn read_ledger(path: &Path) -> Result<Option<Ledger>, String> {
+    let bytes = match fs_err::read(path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e.to_string()),
+    };
+    let version = serde_json::from_slice::<Versioned>(&bytes)
+        .map_err(|e| format!("not a ledger: {e}"))?
+        .version;
+    let mut ledger = Ledger::default();
+    match version {
+        1 => {
+            ledger.unresolved = serde_json::from_slice::<LedgerFileV1>(&bytes)
+                .map_err(|e| format!("version 1: {e}"))?
+                .images
+                .into_iter()
+                .map(|(name, seen)| (normalize_reference(&name), seen))
+                .collect();
+            ledger.dirty = true;
+        }
+        LEDGER_VERSION => {
+            let file = serde_json::from_slice::<LedgerFile>(&bytes)
+                .map_err(|e| format!("version {LEDGER_VERSION}: {e}"))?;
+            ledger.images = file.images;
+            ledger.unresolved = file.unresolved;
+        }
+        other => {
+            return Err(format!(
+                "version {other}, this shim reads 1 and {LEDGER_VERSION}"
+            ));
+        }
+    }
+    Ok(Some(ledger))
+}
+
 impl ImageGc {
     /// The room on the ledger in `home`. Percentages: `high` 100 turns collection off; `low`
     /// is kept under `high`.
     pub(crate) fn open(
         runtime: Arc<dyn ContainerRuntime>,
         table: Arc<TaskTable>,
-        home: &std::path::Path,
+        home: &Path,
         high: u8,
         low: u8,
         clock: Clock,
         fs: Arc<dyn FsProbe>,
     ) -> Self {
         let ledger_path = home.join(LEDGER_FILE);
-        let images = match fs_err::read(&ledger_path) {
-            Ok(bytes) => match serde_json::from_slice::<LedgerFile>(&bytes) {
-                Ok(file) => file.images,
-                Err(e) => {
-                    tracing::warn!(path = %ledger_path.display(), error = %e, "the image ledger cannot be read; no image pulled before is collected");
-                    BTreeMap::new()
-                }
-            },
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
+        match shim_fs::Dir::open(home).and_then(|d| d.remove_stale_temps(LEDGER_FILE)) {
+            Ok(_) => {}
             Err(e) => {
-                tracing::warn!(error = %e, "the image ledger cannot be read; no image pulled before is collected");
-                BTreeMap::new()
+                tracing::warn!(error = %shim_util::error_chain(&e), "cannot remove the temp files of interrupted ledger writes");
+            }
+        }
+        let mut corrupt = 0;
+        let ledger = match read_ledger(&ledger_path) {
+            Ok(ledger) => ledger.unwrap_or_default(),
+            Err(why) => {
+                corrupt = 1;
+                let aside = home.join(format!("{LEDGER_FILE}.corrupt-{}", clock.now_ms()));
+                match fs_err::rename(&ledger_path, &aside) {
+                    Ok(()) => {
+                        tracing::warn!(path = %ledger_path.display(), moved_to = %aside.display(), %why, "the image ledger cannot be read: kept aside; the images it lists are not collected (remove them by hand if they are unused)");
+                    }
+                    Err(e) => {
+                        tracing::warn!(path = %ledger_path.display(), %why, error = %e, "the image ledger cannot be read nor moved aside; it is replaced at the next pull");
+                    }
+                }
+                Ledger::default()
             }
         };
         Self {
             runtime,
             table,
             ledger_path,
-            ledger: Mutex::new(Ledger {
-                images,
-                dirty: false,
-            }),
+            ledger: Mutex::new(ledger),
+            writer: tokio::sync::Mutex::new(()),
             high: high.min(100),
             low: low.min(high.min(100)),
             pass: tokio::sync::Mutex::new(()),
@@ -210,27 +373,94 @@ impl ImageGc {
             freed_bytes: AtomicU64::new(0),
             removed_images: AtomicU64::new(0),
             no_room: AtomicU64::new(0),
+            corrupt_ledgers: AtomicU64::new(corrupt),
             seen: Mutex::new(None),
             clock,
             fs,
+            present: Mutex::new(Present::default()),
         }
+    }
+
+    fn present(&self) -> MutexGuard<'_, Present> {
+        self.present.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether `image` was seen present since the engine last reported an image removal
+    /// (and its events are connected): the pull step need not ask.
+    pub(crate) fn known_present(&self, image: &str) -> bool {
+        let present = self.present();
+        present.heard && present.names.contains(&normalize_reference(image))
+    }
+
+    /// `image` is present (the engine said so, or a pull made it): remembered while image
+    /// removals are heard of.
+    pub(crate) fn seen_present(&self, image: &str) {
+        let mut present = self.present();
+        if !present.heard {
+            return;
+        }
+        if present.names.len() >= MAX_PRESENT {
+            present.names.clear();
+        }
+        present.names.insert(normalize_reference(image));
+    }
+
+    /// The engine reported an image's removal (`name`: the name or id it names): any name
+    /// seen present may be gone.
+    pub(crate) fn image_removed(&self, name: &str) {
+        tracing::debug!(image = %name, "the engine removed an image; images seen present are asked again");
+        self.present().names.clear();
+    }
+
+    /// The engine's event stream connected (`true`) or was lost: what was seen present is
+    /// forgotten either way (a removal may have gone unheard), and remembered again only
+    /// while connected.
+    pub(crate) fn events_connected(&self, connected: bool) {
+        let mut present = self.present();
+        present.heard = connected;
+        present.names.clear();
     }
 
     fn ledger(&self) -> MutexGuard<'_, Ledger> {
         self.ledger.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// `image` was pulled by this shim: a candidate from now on (once no task refers to it).
+    /// A pull of `image` by this shim succeeded: the image its name now points to is
+    /// recorded with that name (a candidate from now on, once no task refers to it); an image
+    /// the name pointed to before keeps its record, without the name.
     pub(crate) async fn pulled(&self, image: &str) {
+        let details = match self.runtime.inspect_image(image).await {
+            Ok(Some(details)) => details,
+            Ok(None) => {
+                tracing::warn!(%image, "a pulled image is not there: not recorded");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(%image, error = %chain(&e), "cannot tell which image a pull produced: not recorded, never collected");
+                return;
+            }
+        };
+        let name = normalize_reference(image);
         let now = self.clock.now_ms();
         {
             let mut ledger = self.ledger();
-            let seen = ledger.images.entry(image.to_owned()).or_insert(Seen {
-                pulled_ms: now,
-                last_used_ms: now,
-            });
-            seen.pulled_ms = now;
-            seen.last_used_ms = now;
+            ledger.unresolved.remove(&name);
+            for (id, pulled) in &mut ledger.images {
+                if *id != details.id {
+                    pulled.names.remove(&name);
+                }
+            }
+            let pulled = ledger
+                .images
+                .entry(details.id.clone())
+                .or_insert_with(|| Pulled {
+                    names: BTreeSet::new(),
+                    pulled_ms: now,
+                    last_used_ms: now,
+                });
+            pulled.names.insert(name);
+            pulled.pulled_ms = now;
+            pulled.last_used_ms = now;
             ledger.dirty = true;
         }
         self.save().await;
@@ -239,16 +469,28 @@ impl ImageGc {
     /// A task is created from `image`: its last use (kept in memory, written with the
     /// ledger's next write).
     pub(crate) fn used(&self, image: &str) {
+        let name = normalize_reference(image);
+        let now = self.clock.now_ms();
         let mut ledger = self.ledger();
-        if let Some(seen) = ledger.images.get_mut(image) {
-            seen.last_used_ms = self.clock.now_ms();
-            ledger.dirty = true;
+        let mut changed = false;
+        for pulled in ledger.images.values_mut() {
+            if pulled.names.contains(&name) {
+                pulled.last_used_ms = now;
+                changed = true;
+            }
         }
+        if let Some(seen) = ledger.unresolved.get_mut(&name) {
+            seen.last_used_ms = now;
+            changed = true;
+        }
+        ledger.dirty |= changed;
     }
 
-    /// Writes the ledger if it changed. A failure (a full disk) is logged; the ledger stays
-    /// in memory and is written by a later pass.
+    /// Writes the ledger if it changed: one write at a time, each with the ledger as it is
+    /// once it may write (never an older snapshot over a newer one). A failure (a full disk)
+    /// is logged; the ledger stays in memory and is written by a later pass.
     async fn save(&self) {
+        let _writer = self.writer.lock().await;
         let bytes = {
             let mut ledger = self.ledger();
             if !ledger.dirty {
@@ -256,8 +498,9 @@ impl ImageGc {
             }
             ledger.dirty = false;
             serde_json::to_vec_pretty(&LedgerFile {
-                version: 1,
+                version: LEDGER_VERSION,
                 images: ledger.images.clone(),
+                unresolved: ledger.unresolved.clone(),
             })
         };
         let Ok(bytes) = bytes else { return };
@@ -279,7 +522,7 @@ impl ImageGc {
 
     /// The engine's data root, asked until the engine answers, then remembered (an engine
     /// that names none is not asked again: no request while idle).
-    async fn data_root(&self) -> Option<PathBuf> {
+    pub(crate) async fn data_root(&self) -> Option<PathBuf> {
         if let Some(known) = self
             .data_root
             .lock()
@@ -303,6 +546,16 @@ impl ImageGc {
         }
     }
 
+    /// A probe of the engine's data on disk (the used bytes of its data root's file system),
+    /// which a pull watches while the engine unpacks in silence.
+    pub(crate) async fn disk_probe(&self) -> Option<shim_runtime::DiskProbe> {
+        let dir = self.data_root().await?;
+        let fs = self.fs.clone();
+        Some(shim_runtime::DiskProbe::new(move || {
+            fs.usage(&dir).ok().map(|u| u.used())
+        }))
+    }
+
     /// How full the data root's file system is now (also remembered for the metrics).
     async fn usage(&self) -> Option<(PathBuf, FsUsage)> {
         let dir = self.data_root().await?;
@@ -321,7 +574,8 @@ impl ImageGc {
         }
     }
 
-    /// The images of every task this engine knows (any status, until it is removed).
+    /// The images of every task this engine knows (any status, until it is removed), as
+    /// normalised names.
     fn referenced(&self) -> BTreeSet<String> {
         self.table
             .slots()
@@ -331,16 +585,126 @@ impl ImageGc {
                     t.record()
                         .config
                         .as_ref()
-                        .map(|c| shim_runtime::with_default_tag(&c.image_name))
+                        .map(|c| normalize_reference(&c.image_name))
                 })
             })
             .collect()
     }
 
-    /// A pass: frees what [`bytes_to_free`] asks (`need`: bytes a pull still needs).
+    /// Resolves the first format's names to the ids they point to now.
+    async fn resolve_unresolved(&self) {
+        let names: Vec<(String, Seen)> = self
+            .ledger()
+            .unresolved
+            .iter()
+            .map(|(n, s)| (n.clone(), *s))
+            .collect();
+        for (name, seen) in names {
+            let id = match self.runtime.inspect_image(&name).await {
+                Ok(Some(details)) => Some(details.id),
+                Ok(None) => None,
+                Err(e) => {
+                    tracing::debug!(image = %name, error = %chain(&e), "cannot resolve a name of the first ledger format yet");
+                    continue;
+                }
+            };
+            let mut ledger = self.ledger();
+            ledger.unresolved.remove(&name);
+            if let Some(id) = id {
+                let pulled = ledger.images.entry(id).or_insert(Pulled {
+                    names: BTreeSet::new(),
+                    pulled_ms: seen.pulled_ms,
+                    last_used_ms: seen.last_used_ms,
+                });
+                pulled.names.insert(name);
+                pulled.last_used_ms = pulled.last_used_ms.max(seen.last_used_ms);
+            }
+            ledger.dirty = true;
+        }
+    }
+
+    /// The recorded images no task refers to, as the engine knows them now; records of
+    /// images gone or no longer this shim's are forgotten.
+    async fn candidates(&self) -> Vec<Candidate> {
+        let referenced = self.referenced();
+        let listed: Vec<(String, Pulled)> = self
+            .ledger()
+            .images
+            .iter()
+            .map(|(id, p)| (id.clone(), p.clone()))
+            .collect();
+        let mut candidates = Vec::new();
+        for (id, pulled) in listed {
+            let details = match self.runtime.inspect_image(&id).await {
+                Ok(Some(details)) => details,
+                Ok(None) => {
+                    // Gone (removed by hand, or pruned): nothing to collect, nothing to
+                    // remember.
+                    self.forget(&id);
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(image = %id, error = %chain(&e), "cannot inspect an image; it is not collected in this pass");
+                    continue;
+                }
+            };
+            let in_use = details
+                .tags
+                .iter()
+                .any(|t| referenced.contains(&normalize_reference(t)));
+            let remove = match standing(&pulled.names, &details.tags) {
+                Standing::Foreign => {
+                    tracing::info!(image = %id, tags = ?details.tags, "an image this shim pulled is named only by names it did not pull it as: no longer collected");
+                    self.forget(&id);
+                    continue;
+                }
+                Standing::Dangling => vec![id.clone()],
+                Standing::Named(names) => names,
+            };
+            if in_use {
+                continue;
+            }
+            candidates.push(Candidate {
+                id,
+                remove,
+                size: details.size,
+                last_used_ms: pulled.last_used_ms,
+            });
+        }
+        candidates
+    }
+
+    fn forget(&self, id: &str) {
+        let mut ledger = self.ledger();
+        if ledger.images.remove(id).is_some() {
+            ledger.dirty = true;
+        }
+    }
+
+    /// Removes what `c` says; whether all of it went (a name or image in use by a container
+    /// that is not a task's, or an engine error, keeps it).
+    async fn remove(&self, c: &Candidate) -> bool {
+        for target in &c.remove {
+            match self.runtime.delete_image(target).await {
+                Ok(()) => {}
+                Err(RuntimeError::Conflict { message, .. }) => {
+                    tracing::info!(image = %c.id, name = %target, %message, "an unused image is in use by a container that is not a task's, or named by another name; kept");
+                    return false;
+                }
+                Err(e) => {
+                    tracing::warn!(image = %c.id, name = %target, error = %chain(&e), "cannot remove an unused image");
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// A pass: frees what [`bytes_to_free`] asks (`need`: bytes a pull still needs), judged
+    /// by the file system measured again after each removal.
     pub(crate) async fn collect(&self, need: u64) -> Pass {
         let _one = self.pass.lock().await;
-        let Some((dir, usage)) = self.usage().await else {
+        let Some((dir, mut usage)) = self.usage().await else {
             return Pass::default();
         };
         let mut pass = Pass {
@@ -352,80 +716,51 @@ impl ImageGc {
             self.save().await;
             return pass;
         }
-        let referenced = self.referenced();
-        let listed: Vec<(String, Seen)> = self
-            .ledger()
-            .images
-            .iter()
-            .filter(|(image, _)| !referenced.contains(*image))
-            .map(|(i, s)| (i.clone(), *s))
-            .collect();
-        let mut candidates = Vec::new();
-        for (image, seen) in listed {
-            match self.runtime.image_size(&image).await {
-                Ok(Some(size)) => candidates.push(Candidate {
-                    image,
-                    size,
-                    last_used_ms: seen.last_used_ms,
-                }),
-                Ok(None) => {
-                    // Gone (removed by hand): nothing to collect, nothing to remember.
-                    let mut ledger = self.ledger();
-                    ledger.images.remove(&image);
-                    ledger.dirty = true;
-                }
-                Err(e) => {
-                    tracing::warn!(%image, error = %chain(&e), "cannot size an image; it is not collected in this pass");
-                }
-            }
-        }
-        for c in removal_order(candidates) {
-            if pass.freed >= to_free {
+        self.resolve_unresolved().await;
+        let candidates = removal_order(self.candidates().await);
+        for c in candidates {
+            if bytes_to_free(usage, self.high, self.low, need) == 0 {
                 break;
             }
             // Referred to since the list was made (a submit in between): kept.
-            if self.referenced().contains(&c.image) {
+            let referenced = self.referenced();
+            if c.remove.iter().any(|name| referenced.contains(name)) {
                 continue;
             }
-            match self.runtime.delete_image(&c.image).await {
-                Ok(()) => {
-                    tracing::info!(image = %c.image, size = c.size, "removed an unused image");
-                    pass.freed += c.size;
-                    pass.removed.push(c.image.clone());
-                    let mut ledger = self.ledger();
-                    ledger.images.remove(&c.image);
-                    ledger.dirty = true;
-                }
-                Err(RuntimeError::Conflict { message, .. }) => {
-                    tracing::info!(image = %c.image, %message, "an unused image is in use by a container that is not a task's; kept");
-                }
-                Err(e) => {
-                    tracing::warn!(image = %c.image, error = %chain(&e), "cannot remove an unused image");
-                }
+            if !self.remove(&c).await {
+                continue;
             }
+            self.forget(&c.id);
+            let Some((_, after)) = self.usage().await else {
+                break;
+            };
+            let freed = after.available.saturating_sub(usage.available);
+            tracing::info!(image = %c.id, names = ?c.remove, engine_size = c.size, freed, "removed an unused image");
+            pass.freed += freed;
+            pass.removed.push(c.id.clone());
+            usage = after;
         }
         self.freed_bytes.fetch_add(pass.freed, Ordering::Relaxed);
         self.removed_images
             .fetch_add(pass.removed.len() as u64, Ordering::Relaxed);
-        let after = self.usage().await.map(|(_, u)| u);
-        if pass.freed < to_free {
+        if bytes_to_free(usage, self.high, self.low, need) > 0 {
             tracing::warn!(
                 dir = %dir.display(),
-                used_percent = after.map(|u| u.used_percent()),
+                used_percent = usage.used_percent(),
                 to_free,
                 freed = pass.freed,
                 "image collection could not free enough: every other image is in use or not the shim's"
             );
         } else if !pass.removed.is_empty() {
-            tracing::info!(dir = %dir.display(), removed = pass.removed.len(), freed = pass.freed, used_percent = after.map(|u| u.used_percent()), "image collection done");
+            tracing::info!(dir = %dir.display(), removed = pass.removed.len(), freed = pass.freed, used_percent = usage.used_percent(), "image collection done");
         }
-        pass.usage = after.or(pass.usage);
+        pass.usage = Some(usage);
         self.save().await;
         pass
     }
 
     /// A pull still needs `need` bytes: room is made for them if it is not there (a pass);
-    /// `Err` when even that leaves too little.
+    /// `Err` when even that leaves too little, as measured.
     pub(crate) async fn make_room(&self, need: u64) -> Result<(), NoRoom> {
         let Some((dir, usage)) = self.usage().await else {
             return Ok(());
@@ -435,8 +770,7 @@ impl ImageGc {
         }
         let pass = self.collect(need).await;
         let available = pass.usage.map_or(usage.available, |u| u.available);
-        // The engine reports what it freed; the file system may take a moment to show it.
-        if need <= available.max(usage.available.saturating_add(pass.freed)) {
+        if need <= available {
             return Ok(());
         }
         self.no_room.fetch_add(1, Ordering::Relaxed);
@@ -449,7 +783,7 @@ impl ImageGc {
         })
     }
 
-    /// Bytes freed by collection so far (the engine's sizes of the images removed).
+    /// Bytes freed by collection so far (measured on the file system).
     pub(crate) fn freed_bytes(&self) -> u64 {
         self.freed_bytes.load(Ordering::Relaxed)
     }
@@ -462,6 +796,11 @@ impl ImageGc {
     /// Pulls failed because the image could not fit.
     pub(crate) fn no_room_failures(&self) -> u64 {
         self.no_room.load(Ordering::Relaxed)
+    }
+
+    /// Ledgers found unreadable and moved aside (at start-up).
+    pub(crate) fn corrupt_ledgers(&self) -> u64 {
+        self.corrupt_ledgers.load(Ordering::Relaxed)
     }
 
     /// The data root's file system as last measured.
@@ -527,8 +866,9 @@ mod tests {
 
     #[test]
     fn least_recently_used_go_first() {
-        let c = |image: &str, size, last_used_ms| Candidate {
-            image: image.into(),
+        let c = |id: &str, size, last_used_ms| Candidate {
+            id: id.into(),
+            remove: vec![id.into()],
             size,
             last_used_ms,
         };
@@ -539,8 +879,30 @@ mod tests {
             c("small:1", 1, 200),
             c("z:1", 5, 100),
         ]);
-        let names: Vec<&str> = order.iter().map(|c| c.image.as_str()).collect();
+        let names: Vec<&str> = order.iter().map(|c| c.id.as_str()).collect();
         assert_eq!(names, ["a:1", "z:1", "big:1", "small:1", "b:1"]);
+    }
+
+    /// Issue 39: an id is this shim's to remove only through the names it pulled it as
+    /// (compared normalised), or by id once no name points to it; names someone else gave it
+    /// are never removed, and an image named only by them is not this shim's any more.
+    #[test]
+    fn an_image_is_collected_only_through_the_names_it_was_pulled_as() {
+        let recorded = BTreeSet::from([normalize_reference("ubuntu:22.04")]);
+        assert_eq!(
+            standing(&recorded, &["docker.io/library/ubuntu:22.04".to_owned()]),
+            Standing::Named(vec!["docker.io/library/ubuntu:22.04".to_owned()])
+        );
+        assert_eq!(
+            standing(&recorded, &["ubuntu:22.04".to_owned(), "mine:1".to_owned()]),
+            Standing::Named(vec!["docker.io/library/ubuntu:22.04".to_owned()]),
+            "the operator's own name stays, and with it the image"
+        );
+        assert_eq!(standing(&recorded, &[]), Standing::Dangling);
+        assert_eq!(
+            standing(&recorded, &["mine:1".to_owned()]),
+            Standing::Foreign
+        );
     }
 
     #[test]
@@ -555,8 +917,8 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "the image does not fit: its layers need at least 64.0 MiB more, 10.0 MiB is \
-             available on the file system of /var/lib/docker after removing 1 unused image(s) \
-             of 12.0 MiB"
+             available on the file system of /var/lib/docker after removing 1 unused image(s), \
+             which freed 12.0 MiB"
         );
     }
 }

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use shim_runtime::{
-    ContainerDetails, ContainerRuntime, ContainerSpec, ContainerSummary, EventStream, ProgressFn,
-    PullRequest, Result as RtResult,
+    ContainerDetails, ContainerRuntime, ContainerSpec, ContainerSummary, EventStream, ImageDetails,
+    ProgressFn, PullRequest, Result as RtResult,
 };
 use shim_task::PullProgress;
 use tokio_util::sync::CancellationToken;
@@ -71,8 +71,8 @@ impl ContainerRuntime for Metered {
         self.count("remove", self.runtime.remove(id).await)
     }
 
-    async fn image_size(&self, image: &str) -> RtResult<Option<u64>> {
-        self.count("image_inspect", self.runtime.image_size(image).await)
+    async fn inspect_image(&self, image: &str) -> RtResult<Option<ImageDetails>> {
+        self.count("image_inspect", self.runtime.inspect_image(image).await)
     }
 
     async fn delete_image(&self, image: &str) -> RtResult<()> {

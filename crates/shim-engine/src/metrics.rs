@@ -35,9 +35,10 @@
 //! | `dstack_shim_volumes_mounted` | gauge | volumes held by tasks |
 //! | `dstack_shim_pending_releases` | gauge | terminated tasks still holding something |
 //! | `dstack_shim_unwritten_tasks` | gauge | tasks whose last state write failed (retried) |
-//! | `dstack_shim_image_gc_freed_bytes_total` | counter | bytes freed by image collection (the engine's sizes of the images removed) |
+//! | `dstack_shim_image_gc_freed_bytes_total` | counter | bytes image collection freed, measured on the file system after each removal (shared layers and names count what the disk got back) |
 //! | `dstack_shim_image_gc_removed_images_total` | counter | images removed by image collection |
 //! | `dstack_shim_image_pulls_without_room_total` | counter | pulls failed because the image could not fit |
+//! | `dstack_shim_image_ledger_corrupt_total` | counter | image ledgers found unreadable at start-up and moved aside |
 //! | `dstack_shim_image_fs_used_ratio` / `dstack_shim_image_fs_available_bytes` | gauge | the engine's data root's file system, when last measured |
 //! | `dstack_shim_task_cpu_seconds_total{task_id}` | counter | CPU time of each running task's container (its cgroup) |
 //! | `dstack_shim_task_memory_bytes{task_id}` | gauge | memory charged to each running task's container now |
@@ -236,7 +237,7 @@ impl Collector for State {
         counter(
             &mut encoder,
             "dstack_shim_image_gc_freed_bytes",
-            "Bytes freed by image collection (the engine's sizes of the images removed)",
+            "Bytes image collection freed, measured on the file system after each removal",
             self.0.images.freed_bytes(),
         )?;
         counter(
@@ -250,6 +251,12 @@ impl Collector for State {
             "dstack_shim_image_pulls_without_room",
             "Pulls failed because the image could not fit on the engine's disk after collection",
             self.0.images.no_room_failures(),
+        )?;
+        counter(
+            &mut encoder,
+            "dstack_shim_image_ledger_corrupt",
+            "Image ledgers found unreadable at start-up and moved aside (images.json.corrupt-<ms>)",
+            self.0.images.corrupt_ledgers(),
         )?;
         if let Some(u) = self.0.images.last_usage() {
             gauge(

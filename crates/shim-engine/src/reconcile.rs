@@ -44,6 +44,7 @@ use crate::driver::Driver;
 use crate::error::chain;
 use crate::health::EngineHealth;
 use crate::home::Home;
+use crate::images::ImageGc;
 use crate::labels::{LABEL_TASK_ID, any_shim_filter};
 use crate::ownership::Ownership;
 use crate::steps::Slot;
@@ -126,6 +127,8 @@ pub(crate) struct ReconcilerParts {
     pub(crate) shutdown: CancellationToken,
     /// Unix ns from which container events are read (before the start-up list).
     pub(crate) events_since: i64,
+    /// The images room (told of image removals and of the stream's connection).
+    pub(crate) images: Arc<ImageGc>,
 }
 
 /// The reconciler: the event listener, the backstop list, the retry pass (see the module
@@ -308,8 +311,14 @@ impl Reconciler {
         }
     }
 
-    /// Routes one event to its task (if it is one of ours).
+    /// Routes one event to its task (if it is one of ours), or an image's removal to the
+    /// images room.
     fn route(self: &Arc<Self>, event: ContainerEvent) {
+        if event.kind == EventKind::ImageRemoved {
+            self.parts.metrics.event("image_removed");
+            self.parts.images.image_removed(&event.name);
+            return;
+        }
         let Some(slot) = self.parts.table.by_container_name(&event.name) else {
             return;
         };
@@ -346,6 +355,7 @@ impl Reconciler {
             EventKind::Die { .. } => "die",
             EventKind::Oom => "oom",
             EventKind::Destroy => "destroy",
+            EventKind::ImageRemoved => return,
         });
         let observation = match event.kind {
             EventKind::Oom => {
@@ -353,6 +363,7 @@ impl Reconciler {
                 return;
             }
             EventKind::Destroy => Observation::Missing,
+            EventKind::ImageRemoved => return,
             EventKind::Die { exit_code: None } => {
                 match self.observe_stopped_at(slot, &event.container_id).await {
                     (Some(observation), finished_ns) => {
@@ -392,7 +403,7 @@ impl Reconciler {
     pub(crate) async fn first_subscription(&self) -> Option<EventStream> {
         match tokio::time::timeout(RECONNECT_MAX, self.subscribe()).await {
             Ok(Ok(stream)) => {
-                self.state.set_connected(true);
+                self.connected(true);
                 Some(stream)
             }
             Ok(Err(e)) => {
@@ -406,6 +417,13 @@ impl Reconciler {
                 None
             }
         }
+    }
+
+    /// The event stream connected or was lost: the state says so, and the images room trusts
+    /// what it saw present only while connected.
+    fn connected(&self, connected: bool) {
+        self.state.set_connected(connected);
+        self.parts.images.events_connected(connected);
     }
 
     /// Subscribes to this shim's container events since the last one seen.
@@ -436,7 +454,7 @@ impl Reconciler {
             };
             match subscribed {
                 Ok(mut stream) => {
-                    self.state.set_connected(true);
+                    self.connected(true);
                     self.parts.metrics.events_reconnects.inc();
                     if self.events_reconnects.fetch_add(1, Ordering::SeqCst) > 0 {
                         tracing::info!("container event stream reconnected; relisting");
@@ -472,7 +490,7 @@ impl Reconciler {
                             }
                         }
                     }
-                    self.state.set_connected(false);
+                    self.connected(false);
                     // Only a connection that carried events or lasted starts the backoff
                     // over. One that broke at once is a daemon still down behind a
                     // subscription that fails only when read (a runtime that does not ask the

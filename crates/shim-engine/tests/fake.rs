@@ -42,13 +42,16 @@ struct World {
     disk: Arc<FakeDisk>,
 }
 
-/// A data root whose fullness the test sets.
+/// A data root whose fullness the test sets, less what the fake engine's images take (a
+/// removed image gives its bytes back).
 struct FakeDisk {
     capacity: u64,
     available: AtomicU64,
+    runtime: FakeRuntime,
 }
 
 impl FakeDisk {
+    /// What is available when no image is there.
     fn set_available(&self, bytes: u64) {
         self.available.store(bytes, Ordering::SeqCst);
     }
@@ -58,7 +61,9 @@ impl FsProbe for FakeDisk {
     fn usage(&self, _path: &std::path::Path) -> shim_resources::error::Result<FsUsage> {
         Ok(FsUsage::new(
             self.capacity,
-            self.available.load(Ordering::SeqCst),
+            self.available
+                .load(Ordering::SeqCst)
+                .saturating_sub(self.runtime.image_bytes()),
         ))
     }
 }
@@ -70,15 +75,16 @@ impl World {
         runtime.add_image(IMAGE);
         World {
             home: tempfile::tempdir().unwrap(),
+            disk: Arc::new(FakeDisk {
+                capacity: 100 << 30,
+                available: AtomicU64::new(50 << 30),
+                runtime: runtime.clone(),
+            }),
             runtime,
             host_gpus,
             keys: Arc::new(FakeAuthorizedKeys::new()),
             volumes: Arc::new(FakeVolumes::new("/fake/volumes")),
             clock: Clock::tokio_from(START_MS),
-            disk: Arc::new(FakeDisk {
-                capacity: 100 << 30,
-                available: AtomicU64::new(50 << 30),
-            }),
         }
     }
 
@@ -254,17 +260,18 @@ async fn records_and_readiness_follow_the_injected_clock() {
 /// part 3; the same on a real loop file system: `tests/tests/faults.rs`): at 50 % used nothing
 /// is removed; a task's image this shim pulled stays while the task is known; once it is
 /// removed and the disk is 90 % used, the next background check (every minute) removes that
-/// image — and only it: the image the shim never pulled stays.
+/// image — and only it: the image the shim never pulled stays. What was freed is what the
+/// file system got back (issue 39).
 #[tokio::test(start_paused = true)]
 async fn an_unused_pulled_image_is_collected_when_the_data_root_fills() {
     let w = World::new(0);
     w.runtime.set_data_root(Some("/fake/docker".into()));
-    w.runtime.set_image_size("old:1", 10 << 30);
     let engine = w.engine().await;
     let mut c = config("t1");
     c.image_name = "old:1".into();
     engine.submit(c).await.unwrap();
     wait_status(&engine, "t1", TaskStatus::Running).await;
+    w.runtime.set_image_size("old:1", 10 << 30);
     let deletes = || {
         w.runtime
             .calls()
@@ -272,7 +279,8 @@ async fn an_unused_pulled_image_is_collected_when_the_data_root_fills() {
             .filter(|c| matches!(c, Call::DeleteImage(_)))
             .collect::<Vec<_>>()
     };
-    w.disk.set_available(10 << 30);
+    // 20 GiB available but for the 10 GiB image: 90 % used.
+    w.disk.set_available(20 << 30);
     // The next minute's check measures 90 % (its statfs runs on a blocking thread: wait for it).
     for _ in 0..100 {
         if scrape(&engine).contains("dstack_shim_image_fs_used_ratio 0.9") {
@@ -292,7 +300,13 @@ async fn an_unused_pulled_image_is_collected_when_the_data_root_fills() {
         }
         tokio::time::sleep(Duration::from_secs(30)).await;
     }
-    assert_eq!(deletes(), [Call::DeleteImage("old:1".into())]);
+    assert_eq!(
+        deletes(),
+        [Call::DeleteImage("docker.io/library/old:1".into())],
+        "removed by the name it was pulled as"
+    );
+    assert!(w.runtime.image_id("old:1").is_none());
+    assert!(w.runtime.image_id(IMAGE).is_some(), "not pulled: kept");
     let m = scrape(&engine);
     assert!(
         m.contains("dstack_shim_image_gc_removed_images_total 1"),
@@ -1294,14 +1308,42 @@ async fn a_start_makes_the_minimum_docker_requests() {
         assert_eq!(ops, expected, "{id}");
     }
 
-    // The image is pruned behind the engine's back: the create finds it missing, the image
-    // is pulled and the container created again.
+    // The image is pruned behind the engine's back (issue 39): the engine's event says an
+    // image went, the next start asks for its image again and pulls it in its pull step
+    // (progress shown), then the image is known present again.
     w.runtime.remove_image(IMAGE);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        scrape(&engine).contains("dstack_shim_events_received_total{kind=\"image_removed\"} 1"),
+        "{}",
+        scrape(&engine)
+    );
     w.runtime.clear_calls();
     engine.submit(config("pruned")).await.unwrap();
-    wait_status(&engine, "pruned", TaskStatus::Running).await;
-    let ops: Vec<&str> = w.runtime.calls().iter().map(|c| c.op()).collect();
-    assert_eq!(ops, ["create", "pull", "create", "start"]);
+    let info = wait_status(&engine, "pruned", TaskStatus::Running).await;
+    // (Running tasks' containers are inspected once, in the background, for their cgroups.)
+    let start_ops = || -> Vec<&'static str> {
+        w.runtime
+            .calls()
+            .iter()
+            .map(|c| c.op())
+            .filter(|op| *op != "inspect")
+            .collect()
+    };
+    let ops = start_ops();
+    assert_eq!(
+        ops,
+        ["image_present", "pull", "inspect_image", "create", "start"]
+    );
+    assert!(
+        info.image_pull_progress
+            .is_some_and(|p| p.is_total_bytes_final),
+        "{info:?}"
+    );
+    w.runtime.clear_calls();
+    engine.submit(config("again")).await.unwrap();
+    wait_status(&engine, "again", TaskStatus::Running).await;
+    assert_eq!(start_ops(), ["create", "start"], "known present again");
 }
 
 /// Podman sends no `oom` event: a `die` with 137 and no `oom` before it asks the container's

@@ -10,7 +10,7 @@
 //! Container ids are 64 hex digits, counting up from 1; published host ports are assigned from
 //! 32768 upwards at start, in bridge mode.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -21,8 +21,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::spec::ContainerSpec;
 use crate::types::{
-    ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, EventKind, MountPoint,
-    PublishedPort, PullRequest, has_labels,
+    ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, EventKind, ImageDetails,
+    MountPoint, PublishedPort, PullRequest, has_labels,
 };
 use crate::{ContainerRuntime, EventStream, ProgressFn, Result, RuntimeError};
 use shim_task::NetworkMode;
@@ -57,8 +57,8 @@ pub enum Call {
     LogsTail(String, usize),
     /// `events(labels, since_ns)`.
     Events(Vec<(String, String)>, Option<i64>),
-    /// `image_size(image)`.
-    ImageSize(String),
+    /// `inspect_image(image)`.
+    InspectImage(String),
     /// `delete_image(image)`.
     DeleteImage(String),
 }
@@ -68,7 +68,7 @@ impl Call {
     pub fn op(&self) -> &'static str {
         match self {
             Self::ImagePresent(_) => "image_present",
-            Self::ImageSize(_) => "image_size",
+            Self::InspectImage(_) => "inspect_image",
             Self::DeleteImage(_) => "delete_image",
             Self::Pull { .. } => "pull",
             Self::Create(_) => "create",
@@ -152,6 +152,8 @@ enum Exit {
 struct FakeContainer {
     id: String,
     spec: ContainerSpec,
+    /// The id of the image it was created from.
+    image_id: String,
     state: ContainerState,
     exit_code: Option<i64>,
     error: String,
@@ -168,8 +170,12 @@ struct FakeContainer {
 struct State {
     calls: Vec<Call>,
     unreachable: bool,
-    images: BTreeSet<String>,
-    image_sizes: BTreeMap<String, u64>,
+    /// The local images: each name (normalised) → the id it points to.
+    images: BTreeMap<String, String>,
+    /// Every local image by id (dangling ones too) → its size.
+    image_ids: BTreeMap<String, u64>,
+    /// The id the next pull of a name (normalised) gives (default: [`FakeRuntime::default_image_id`]).
+    pull_ids: BTreeMap<String, String>,
     data_root: Option<std::path::PathBuf>,
     containers: BTreeMap<String, FakeContainer>,
     next_id: u64,
@@ -360,14 +366,81 @@ impl FakeRuntime {
         self.lock().unreachable = unreachable;
     }
 
-    /// Makes an image present.
-    pub fn add_image(&self, image: &str) {
-        self.lock().images.insert(image.to_owned());
+    /// The id the fake gives an image named `image` unless told otherwise
+    /// ([`Self::add_image_with_id`], [`Self::set_pull_id`]): the same for every spelling of the
+    /// name.
+    pub fn default_image_id(image: &str) -> String {
+        format!("sha256:fake-{}", crate::normalize_reference(image))
     }
 
-    /// Sets the size `image_size` reports for an image (0 by default).
+    /// Makes an image present under `image` (its id: [`Self::default_image_id`]).
+    pub fn add_image(&self, image: &str) {
+        self.add_image_with_id(image, &Self::default_image_id(image));
+    }
+
+    /// Points the name `image` at the image `id` (made present; an image the name pointed to
+    /// before stays, dangling when no other name points to it: a tag moved, a local build
+    /// over a pulled name).
+    pub fn add_image_with_id(&self, image: &str, id: &str) {
+        let mut state = self.lock();
+        state.image_ids.entry(id.to_owned()).or_insert(0);
+        state
+            .images
+            .insert(crate::normalize_reference(image), id.to_owned());
+    }
+
+    /// The id the next pulls of `image` give (a tag moved in the registry).
+    pub fn set_pull_id(&self, image: &str, id: &str) {
+        self.lock()
+            .pull_ids
+            .insert(crate::normalize_reference(image), id.to_owned());
+    }
+
+    /// The id the name `image` points to, if present.
+    pub fn image_id(&self, image: &str) -> Option<String> {
+        Self::resolve_image(&self.lock(), image)
+    }
+
+    /// The bytes every local image takes together (their sizes, each id once): what a fake
+    /// data root's file system holds of images.
+    pub fn image_bytes(&self) -> u64 {
+        self.lock().image_ids.values().sum()
+    }
+
+    /// Whether the image `id` is present (dangling or not).
+    pub fn has_image_id(&self, id: &str) -> bool {
+        self.lock().image_ids.contains_key(id)
+    }
+
+    /// Sets the size `inspect_image` reports for an image, by name or id (0 by default).
     pub fn set_image_size(&self, image: &str, bytes: u64) {
-        self.lock().image_sizes.insert(image.to_owned(), bytes);
+        let mut state = self.lock();
+        if let Some(id) = Self::resolve_image(&state, image) {
+            state.image_ids.insert(id, bytes);
+        }
+    }
+
+    /// The id `image` (a name or an id) means, if present.
+    fn resolve_image(state: &State, image: &str) -> Option<String> {
+        if state.image_ids.contains_key(image) {
+            return Some(image.to_owned());
+        }
+        state
+            .images
+            .get(&crate::normalize_reference(image))
+            .cloned()
+    }
+
+    /// Removes the name `image`, and the image when no other name points to it, telling
+    /// subscribers as the engine does ([`EventKind::ImageRemoved`]).
+    fn untag(&self, state: &mut State, image: &str) {
+        let name = crate::normalize_reference(image);
+        if let Some(id) = state.images.remove(&name) {
+            self.emit_image_removed(state, &id, &name);
+            if !state.images.values().any(|i| *i == id) {
+                state.image_ids.remove(&id);
+            }
+        }
     }
 
     /// Sets the directory `data_root` reports (none by default).
@@ -375,9 +448,9 @@ impl FakeRuntime {
         self.lock().data_root = dir;
     }
 
-    /// Removes an image.
+    /// Removes an image by name (as `docker rmi NAME`: the image goes with its last name).
     pub fn remove_image(&self, image: &str) {
-        self.lock().images.remove(image);
+        self.untag(&mut self.lock(), image);
     }
 
     /// Sets what every following pull does.
@@ -511,17 +584,39 @@ impl FakeRuntime {
 
     /// Records and broadcasts an event (the state lock is held by the caller).
     fn emit(&self, state: &mut State, c: &FakeContainer, kind: EventKind) {
+        self.send_event(
+            state,
+            ContainerEvent {
+                container_id: c.id.clone(),
+                name: c.spec.name.clone(),
+                kind,
+                labels: c.spec.labels.clone(),
+                time_ns: 0,
+            },
+        );
+    }
+
+    /// An image's removal ([`EventKind::ImageRemoved`]): `name` lost its image `id`.
+    fn emit_image_removed(&self, state: &mut State, id: &str, name: &str) {
+        self.send_event(
+            state,
+            ContainerEvent {
+                container_id: id.to_owned(),
+                name: name.to_owned(),
+                kind: EventKind::ImageRemoved,
+                labels: BTreeMap::new(),
+                time_ns: 0,
+            },
+        );
+    }
+
+    /// Stamps `event` with the events clock, logs it for replays and sends it.
+    fn send_event(&self, state: &mut State, mut event: ContainerEvent) {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX));
         state.event_clock = state.event_clock.max(now).saturating_add(1);
-        let event = ContainerEvent {
-            container_id: c.id.clone(),
-            name: c.spec.name.clone(),
-            kind,
-            labels: c.spec.labels.clone(),
-            time_ns: state.event_clock,
-        };
+        event.time_ns = state.event_clock;
         state.event_log.push(event.clone());
         // No subscriber is fine.
         let _ = self.events.send(event);
@@ -630,6 +725,7 @@ impl FakeRuntime {
             id.clone(),
             FakeContainer {
                 id: id.clone(),
+                image_id: Self::resolve_image(state, &spec.image).unwrap_or_default(),
                 spec: spec.clone(),
                 state: ContainerState::Created,
                 exit_code: Some(0),
@@ -716,28 +812,48 @@ impl FakeRuntime {
 impl ContainerRuntime for FakeRuntime {
     async fn image_present(&self, image: &str) -> Result<bool> {
         let state = self.record(Call::ImagePresent(image.to_owned()), image)?;
-        Ok(state.images.contains(image))
+        Ok(Self::resolve_image(&state, image).is_some())
     }
 
-    async fn image_size(&self, image: &str) -> Result<Option<u64>> {
-        let state = self.record(Call::ImageSize(image.to_owned()), image)?;
-        Ok(state
-            .images
-            .contains(image)
-            .then(|| state.image_sizes.get(image).copied().unwrap_or(0)))
+    async fn inspect_image(&self, image: &str) -> Result<Option<ImageDetails>> {
+        let state = self.record(Call::InspectImage(image.to_owned()), image)?;
+        Ok(Self::resolve_image(&state, image).map(|id| {
+            let tags = state
+                .images
+                .iter()
+                .filter(|(_, i)| **i == id)
+                .map(|(name, _)| name.clone())
+                .collect();
+            let size = state.image_ids.get(&id).copied().unwrap_or(0);
+            ImageDetails::new(id, tags, size)
+        }))
     }
 
     async fn delete_image(&self, image: &str) -> Result<()> {
         let mut state = self.record(Call::DeleteImage(image.to_owned()), image)?;
-        let used = state.containers.values().any(|c| c.spec.image == image);
-        if used {
-            return Err(RuntimeError::Conflict {
-                op: "remove image",
-                what: format!("image {image}"),
-                message: "image is being used by a container".to_owned(),
-            });
+        let Some(id) = Self::resolve_image(&state, image) else {
+            return Ok(());
+        };
+        let conflict = |message: &str| RuntimeError::Conflict {
+            op: "remove image",
+            what: format!("image {image}"),
+            message: message.to_owned(),
+        };
+        let by_id = state.image_ids.contains_key(image);
+        let names = state.images.values().filter(|i| **i == id).count();
+        if by_id && names > 0 {
+            return Err(conflict("image is referenced in one or more repositories"));
         }
-        state.images.remove(image);
+        // The image goes with its last name: a container made from it holds it.
+        if (by_id || names <= 1) && state.containers.values().any(|c| c.image_id == id) {
+            return Err(conflict("image is being used by a container"));
+        }
+        if by_id {
+            state.image_ids.remove(&id);
+            self.emit_image_removed(&mut state, &id, &id);
+        } else {
+            self.untag(&mut state, image);
+        }
         Ok(())
     }
 
@@ -779,7 +895,13 @@ impl ContainerRuntime for FakeRuntime {
             });
         }
         let finish = |last: PullProgress| {
-            self.add_image(&image);
+            let id = self
+                .lock()
+                .pull_ids
+                .get(&crate::normalize_reference(&image))
+                .cloned()
+                .unwrap_or_else(|| Self::default_image_id(&image));
+            self.add_image_with_id(&image, &id);
             let done = PullProgress {
                 is_total_bytes_final: true,
                 ..last
@@ -853,7 +975,7 @@ impl ContainerRuntime for FakeRuntime {
                 }
             }
         }
-        if !state.images.contains(&spec.image) {
+        if Self::resolve_image(&state, &spec.image).is_none() {
             return Err(RuntimeError::NotFound {
                 what: format!("image {}", spec.image),
             });
@@ -1094,7 +1216,9 @@ impl ContainerRuntime for FakeRuntime {
             .chain(live)
             .filter_map(move |item: Result<ContainerEvent>| {
                 let keep = match &item {
-                    Ok(event) => has_labels(&event.labels, &want),
+                    Ok(event) => {
+                        event.kind == EventKind::ImageRemoved || has_labels(&event.labels, &want)
+                    }
                     Err(_) => true,
                 };
                 async move { keep.then_some(item) }
@@ -1131,6 +1255,7 @@ mod tests {
             log_path: None,
             timeout: Some(Duration::from_secs(600)),
             stall_timeout: None,
+            disk: None,
         }
     }
 

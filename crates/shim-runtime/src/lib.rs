@@ -31,14 +31,15 @@ pub use spec::{
     BindMount, ContainerInputs, ContainerSpec, DeviceMapping, DeviceRequest,
     EXIT_NO_PACKAGE_MANAGER, EXIT_SSHD_INSTALL_FAILED, GpuConfig, HUGEPAGES_1G_PATH, HostDevices,
     INFINIBAND_PATH, LogLimits, NVIDIA_CAPABILITIES, RUNNER_BINARY_IN_CONTAINER,
-    RUNNER_DIR_IN_CONTAINER, RunnerParams, Ulimit, build_container_spec, nano_cpus, runner_script,
-    shell_quote, with_default_tag, without_nvidia_display,
+    RUNNER_DIR_IN_CONTAINER, RunnerParams, Ulimit, build_container_spec, nano_cpus,
+    normalize_reference, runner_script, shell_quote, with_default_tag, without_nvidia_display,
 };
 pub use time::docker_time_ns;
 pub use types::{
-    ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, EventKind, MountPoint,
-    PublishedPort, PullRequest, RegistryAuth,
+    ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, DiskProbe, EventKind,
+    ImageDetails, MountPoint, PublishedPort, PullRequest, RegistryAuth,
 };
+pub use watchdog::{EXTRACTION_POLL, EXTRACTION_STALL_TIMEOUT};
 
 /// The result type of this crate.
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
@@ -61,7 +62,9 @@ pub trait ContainerRuntime: Send + Sync {
     /// Pulls an image, calling `progress` with the folded per-layer progress as it changes,
     /// writing the daemon's progress messages as JSON lines to `request.log_path` (if any),
     /// giving up after `request.timeout` ([`RuntimeError::PullTimeout`]) or once the engine
-    /// sends nothing for `request.stall_timeout` ([`RuntimeError::PullStalled`]), and returning promptly
+    /// sends nothing for `request.stall_timeout` ([`RuntimeError::PullStalled`]; once every
+    /// layer is downloaded, a silence while `request.disk` moves is unpacking, not a stall,
+    /// and without a probe the silence may last [`EXTRACTION_STALL_TIMEOUT`]), and returning promptly
     /// with [`RuntimeError::Cancelled`] once `cancel` fires. Returns the final progress (with
     /// `is_total_bytes_final` set).
     async fn pull(
@@ -101,13 +104,14 @@ pub trait ContainerRuntime: Send + Sync {
     /// returns them, without trailing newlines.
     async fn logs_tail(&self, id: &str, n: usize) -> Result<Vec<String>>;
 
-    /// The size in bytes of a local image as the engine reports it (its layers, shared ones
-    /// included), or `None` when it is not present.
-    async fn image_size(&self, image: &str) -> Result<Option<u64>>;
+    /// A local image by name or id: its id, the names pointing to it and its size as the
+    /// engine reports them, or `None` when it is not present.
+    async fn inspect_image(&self, image: &str) -> Result<Option<ImageDetails>>;
 
-    /// Removes a local image (the reference; its layers when no other reference holds
-    /// them), never by force: an image a container uses is [`RuntimeError::Conflict`], a
-    /// missing one is success.
+    /// Removes a local image by name (that name; the image's layers when no other name holds
+    /// them) or by id (an image no name points to), never by force: an image a container
+    /// uses is [`RuntimeError::Conflict`], a missing one is success. What the disk got back
+    /// is not said: measure it.
     async fn delete_image(&self, image: &str) -> Result<()>;
 
     /// The directory the engine keeps its data in (Docker's `DockerRootDir`, Podman's graph

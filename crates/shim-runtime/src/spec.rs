@@ -325,6 +325,56 @@ pub fn with_default_tag(image: &str) -> String {
     }
 }
 
+/// An image reference in the one form two spellings of the same name share: registry,
+/// repository path, then tag (`:latest` when none) and digest, as Docker's reference library
+/// normalises it (`ParseNormalizedNamed`): `ubuntu:22.04` and
+/// `docker.io/library/ubuntu:22.04` (and `index.docker.io/library/ubuntu:22.04`) are one
+/// name; a first component with a `.` or a `:`, or `localhost`, is a registry. Names are
+/// compared in this form wherever the shim asks "is this the same image name" (the image
+/// ledger, the in-use check, an engine's `RepoTags`, which Docker spells familiar and Podman
+/// in full).
+pub fn normalize_reference(image: &str) -> String {
+    let image = image.trim();
+    let (named, digest) = match image.split_once('@') {
+        Some((named, digest)) => (named, Some(digest)),
+        None => (image, None),
+    };
+    let last = named.rfind('/').map_or(0, |i| i + 1);
+    let (name, tag) = match named[last..].rfind(':') {
+        Some(i) => (&named[..last + i], Some(&named[last + i + 1..])),
+        None => (named, None),
+    };
+    let (domain, path) = match name.split_once('/') {
+        Some((first, rest)) if first.contains(['.', ':']) || first == "localhost" => (first, rest),
+        _ => ("docker.io", name),
+    };
+    let domain = if domain == "index.docker.io" {
+        "docker.io"
+    } else {
+        domain
+    };
+    let mut out = String::with_capacity(image.len() + 24);
+    out.push_str(domain);
+    out.push('/');
+    if domain == "docker.io" && !path.contains('/') {
+        out.push_str("library/");
+    }
+    out.push_str(path);
+    match (tag, digest) {
+        (Some(tag), _) => {
+            out.push(':');
+            out.push_str(tag);
+        }
+        (None, None) => out.push_str(":latest"),
+        (None, Some(_)) => {}
+    }
+    if let Some(digest) = digest {
+        out.push('@');
+        out.push_str(digest);
+    }
+    out
+}
+
 /// Converts a CPU count (`0` = unlimited) to nano-CPUs.
 pub fn nano_cpus(cpu: f64) -> i64 {
     if cpu.is_finite() && cpu > 0.0 {
@@ -537,6 +587,48 @@ mod tests {
         assert_eq!(with_default_tag("127.0.0.1:5799/x:1"), "127.0.0.1:5799/x:1");
         assert_eq!(with_default_tag("x@sha256:abc"), "x@sha256:abc");
         assert_eq!(with_default_tag("a/b@sha256:00"), "a/b@sha256:00");
+    }
+
+    // Docker's reference library (distribution/reference `ParseNormalizedNamed`,
+    // normalize.go): a first component with `.`/`:` or `localhost` is a registry; Docker Hub
+    // names get `docker.io/` and one-component ones `library/`; `index.docker.io` is
+    // `docker.io`.
+    #[test]
+    fn normalized_references() {
+        for (a, b) in [
+            ("ubuntu", "docker.io/library/ubuntu:latest"),
+            ("ubuntu:22.04", "docker.io/library/ubuntu:22.04"),
+            (
+                "docker.io/library/ubuntu:22.04",
+                "docker.io/library/ubuntu:22.04",
+            ),
+            (
+                "index.docker.io/library/ubuntu:22.04",
+                "docker.io/library/ubuntu:22.04",
+            ),
+            ("docker.io/ubuntu:22.04", "docker.io/library/ubuntu:22.04"),
+            ("dstackai/base:py3.12", "docker.io/dstackai/base:py3.12"),
+            ("127.0.0.1:5799/x", "127.0.0.1:5799/x:latest"),
+            ("127.0.0.1:5799/a/b:1", "127.0.0.1:5799/a/b:1"),
+            ("localhost/x:1", "localhost/x:1"),
+            (
+                "nvcr.io/nvidia/pytorch:24.01-py3",
+                "nvcr.io/nvidia/pytorch:24.01-py3",
+            ),
+            ("x@sha256:ab", "docker.io/library/x@sha256:ab"),
+            ("r.io/x:1@sha256:ab", "r.io/x:1@sha256:ab"),
+        ] {
+            assert_eq!(normalize_reference(a), b, "{a}");
+            assert_eq!(normalize_reference(b), b, "{b} is its own form");
+        }
+        assert_eq!(
+            normalize_reference("ubuntu:22.04"),
+            normalize_reference("docker.io/library/ubuntu:22.04")
+        );
+        assert_ne!(
+            normalize_reference("ubuntu:22.04"),
+            normalize_reference("ubuntu:24.04")
+        );
     }
 
     fn inputs() -> ContainerInputs {

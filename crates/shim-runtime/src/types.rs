@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -44,7 +45,46 @@ pub struct PullRequest {
     /// a layer's status, an extraction step) before it fails with
     /// [`crate::RuntimeError::PullStalled`]; `None`: no limit.
     pub stall_timeout: Option<Duration>,
+    /// What moves while the engine unpacks in silence ([`DiskProbe`]); `None`: the silent
+    /// phase after the last download is judged by [`crate::EXTRACTION_STALL_TIMEOUT`].
+    pub disk: Option<DiskProbe>,
 }
+
+/// A measure of the engine's data on disk (the used bytes of its data root's file system),
+/// read while a pull is silent after its last download: Docker 26–27 on the containerd image
+/// store and Podman report nothing while they unpack the layers, and a huge last layer may
+/// take longer to unpack than the stall timeout; while this measure changes, the pull is
+/// moving. Only read after every layer announced is downloaded (while downloading, the
+/// engine's messages tell; the disk would also move for the containers' own writes).
+/// Blocking (a `statfs`): the runtime reads it on tokio's blocking pool.
+#[derive(Clone)]
+pub struct DiskProbe(Arc<dyn Fn() -> Option<u64> + Send + Sync>);
+
+impl DiskProbe {
+    /// A probe reading `measure` (`None`: unknown now).
+    pub fn new(measure: impl Fn() -> Option<u64> + Send + Sync + 'static) -> Self {
+        Self(Arc::new(measure))
+    }
+
+    /// The measure now.
+    pub fn read(&self) -> Option<u64> {
+        (self.0)()
+    }
+}
+
+impl fmt::Debug for DiskProbe {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("DiskProbe")
+    }
+}
+
+impl PartialEq for DiskProbe {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for DiskProbe {}
 
 impl PullRequest {
     /// A pull of `image` without credentials, log, or any time limit.
@@ -55,6 +95,7 @@ impl PullRequest {
             log_path: None,
             timeout: None,
             stall_timeout: None,
+            disk: None,
         }
     }
 
@@ -84,6 +125,41 @@ impl PullRequest {
     pub fn with_stall_timeout(mut self, stall_timeout: Option<Duration>) -> Self {
         self.stall_timeout = stall_timeout;
         self
+    }
+
+    /// With a measure of the engine's data on disk, read while the engine unpacks in silence
+    /// (`None`: none; see [`DiskProbe`]).
+    #[must_use]
+    pub fn with_disk_probe(mut self, disk: Option<DiskProbe>) -> Self {
+        self.disk = disk;
+        self
+    }
+}
+
+/// A local image as the engine describes it ([`crate::ContainerRuntime::inspect_image`]).
+/// Built with [`ImageDetails::new`] (`#[non_exhaustive]`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct ImageDetails {
+    /// The image id (`sha256:…`): what a tag points to.
+    pub id: String,
+    /// The names pointing to it (`RepoTags`), as the engine spells them (Docker: familiar
+    /// `ubuntu:22.04`; Podman: `docker.io/library/ubuntu:22.04`); empty for an image no name
+    /// points to any more (dangling). Compare them with [`crate::normalize_reference`].
+    pub tags: Vec<String>,
+    /// Its size as the engine reports it (its layers, shared ones included): not what its
+    /// removal frees.
+    pub size: u64,
+}
+
+impl ImageDetails {
+    /// The image `id`, named by `tags`, of `size` bytes.
+    pub fn new(id: impl Into<String>, tags: Vec<String>, size: u64) -> Self {
+        Self {
+            id: id.into(),
+            tags,
+            size,
+        }
     }
 }
 
@@ -325,9 +401,15 @@ pub enum EventKind {
     Oom,
     /// It was removed.
     Destroy,
+    /// An image lost a name, or went (Docker's image `untag`, `delete` and `prune`; Podman's
+    /// `untag` and `remove`): not a container's event. `container_id` is then the image's id
+    /// (as the engine names it), `name` the name removed (or the id), and the labels are
+    /// empty: it is sent whatever labels were asked for. A name seen present before may be
+    /// gone.
+    ImageRemoved,
 }
 
-/// One container event.
+/// One container event (or an image's removal: [`EventKind::ImageRemoved`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ContainerEvent {
     /// The container id.

@@ -8,13 +8,28 @@
 //! message, because Docker 28 on the containerd image store repeats a layer's last
 //! `Downloading` line every 100 ms while nothing arrives.
 //!
+//! Once every layer is downloaded, an engine may unpack in silence (Docker 26–27 on the
+//! containerd image store and Podman send nothing between the last `Download complete` and
+//! the end): then the engine's data on disk ([`crate::DiskProbe`], read every
+//! [`EXTRACTION_POLL`]) moving counts as progress ([`DiskWatch`]), and where there is no
+//! such measure the silence may last [`EXTRACTION_STALL_TIMEOUT`] (or the stall timeout, if
+//! longer) before it is a stall.
+//!
 //! [`PullRequest::timeout`]: crate::PullRequest::timeout
 //! [`PullRequest::stall_timeout`]: crate::PullRequest::stall_timeout
 
 use std::time::Duration;
 
+#[cfg(test)]
 use futures_util::{Stream, StreamExt};
 use tokio::time::Instant;
+
+/// How often the engine's data on disk is read while it unpacks in silence.
+pub const EXTRACTION_POLL: Duration = Duration::from_secs(1);
+
+/// How long a pull may be silent after its last download when nothing on disk can be watched:
+/// unpacking a large last layer at a slow disk's 50 MB/s takes minutes (20 GB: 7 minutes).
+pub const EXTRACTION_STALL_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
 /// Sleeps for `limit`, or forever where there is none.
 pub(crate) async fn expiry(limit: Option<Duration>) {
@@ -53,19 +68,84 @@ impl Watchdog {
         self.started.elapsed()
     }
 
+    /// The stall limit, or `limit` where it is longer (`None` stays `None`: no watchdog).
+    pub(crate) fn limit_at_least(&self, limit: Duration) -> Option<Duration> {
+        self.limit.map(|l| l.max(limit))
+    }
+
+    /// Resolves when nothing moved for `limit` (the limit in force now: [`Self::limit`] or
+    /// a longer one), with how long nothing moved; never where there is no limit.
+    pub(crate) async fn stalled(&self, limit: Option<Duration>) -> Duration {
+        match limit {
+            Some(limit) => {
+                tokio::time::sleep_until(self.moved + limit).await;
+                self.moved.elapsed()
+            }
+            None => std::future::pending().await,
+        }
+    }
+
+    /// The stall limit.
+    pub(crate) fn limit(&self) -> Option<Duration> {
+        self.limit
+    }
+
     /// The stream's next item, or `Err(how long nothing moved)` where none came before
     /// `limit` after the last move (an item that did not move anything does not put that
     /// off: call [`Watchdog::moved`] for one that did).
+    #[cfg(test)]
     pub(crate) async fn next<S>(&self, stream: &mut S) -> Result<Option<S::Item>, Duration>
     where
         S: Stream + Unpin,
     {
-        match self.limit {
-            Some(limit) => tokio::time::timeout_at(self.moved + limit, stream.next())
-                .await
-                .map_err(|_| self.moved.elapsed()),
-            None => Ok(stream.next().await),
+        tokio::select! {
+            item = stream.next() => Ok(item),
+            stalled = self.stalled(self.limit) => Err(stalled),
         }
+    }
+}
+
+/// Watches the engine's data on disk while it unpacks in silence: [`DiskWatch::moved`] reads
+/// the probe every [`EXTRACTION_POLL`] and tells whether the measure changed since it was
+/// last read.
+pub(crate) struct DiskWatch {
+    probe: crate::DiskProbe,
+    every: tokio::time::Interval,
+    last: Option<u64>,
+}
+
+impl DiskWatch {
+    /// A watch over `probe`, if there is one, read every [`EXTRACTION_POLL`] or a quarter of
+    /// the stall limit `limit`, whichever is shorter (so a moving disk is seen well before the
+    /// limit).
+    pub(crate) fn new(probe: Option<crate::DiskProbe>, limit: Option<Duration>) -> Option<Self> {
+        let probe = probe?;
+        let period = limit.map_or(EXTRACTION_POLL, |l| {
+            (l / 4).clamp(Duration::from_millis(10), EXTRACTION_POLL)
+        });
+        let mut every = tokio::time::interval(period);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        Some(Self {
+            probe,
+            every,
+            last: None,
+        })
+    }
+
+    /// Waits for the next reading; whether the measure changed since the last one (the first
+    /// reading only sets it).
+    pub(crate) async fn moved(&mut self) -> bool {
+        self.every.tick().await;
+        let probe = self.probe.clone();
+        let now = tokio::task::spawn_blocking(move || probe.read())
+            .await
+            .ok()
+            .flatten();
+        let moved = matches!((self.last, now), (Some(a), Some(b)) if a != b);
+        if now.is_some() {
+            self.last = now;
+        }
+        moved
     }
 }
 
@@ -172,6 +252,47 @@ mod tests {
         assert_eq!(start.elapsed(), Duration::from_secs(7200));
         let never = tokio::time::timeout(Duration::from_secs(86_400 * 365), expiry(None)).await;
         assert!(never.is_err());
+    }
+
+    /// A disk that moves is unpacking: the watch says so at each change, not when it stands
+    /// still, and the first reading only sets the mark.
+    #[tokio::test(start_paused = true)]
+    async fn a_moving_disk_moves_and_a_still_one_does_not() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let used = Arc::new(AtomicU64::new(100));
+        let read = used.clone();
+        let mut watch = DiskWatch::new(
+            Some(crate::DiskProbe::new(move || {
+                Some(read.load(Ordering::SeqCst))
+            })),
+            None,
+        )
+        .unwrap();
+        assert!(!watch.moved().await, "the first reading sets the mark");
+        assert!(!watch.moved().await);
+        used.store(200, Ordering::SeqCst);
+        assert!(watch.moved().await);
+        assert!(!watch.moved().await);
+        assert!(DiskWatch::new(None, None).is_none());
+    }
+
+    /// The stall limit in force can be made longer, never shorter, and none stays none.
+    #[test]
+    fn a_longer_limit_for_the_silent_phase() {
+        let dog = Watchdog::new(Some(Duration::from_secs(600)));
+        assert_eq!(
+            dog.limit_at_least(EXTRACTION_STALL_TIMEOUT),
+            Some(EXTRACTION_STALL_TIMEOUT)
+        );
+        assert_eq!(
+            dog.limit_at_least(Duration::from_secs(1)),
+            Some(Duration::from_secs(600))
+        );
+        assert_eq!(
+            Watchdog::new(None).limit_at_least(EXTRACTION_STALL_TIMEOUT),
+            None
+        );
     }
 
     #[test]

@@ -19,7 +19,7 @@ use shim_e2e::require_docker;
 use shim_runtime::{
     BindMount, ContainerDetails, ContainerInputs, ContainerRuntime, ContainerSpec, ContainerState,
     DeviceMapping, DeviceRequest, DockerRuntime, EventKind, GpuConfig, LogLimits, PullRequest,
-    RegistryAuth, RunnerParams, RuntimeError, Ulimit, build_container_spec,
+    RegistryAuth, RunnerParams, RuntimeError, Ulimit, build_container_spec, normalize_reference,
 };
 use shim_runtime::{RUNNER_DIR_IN_CONTAINER, runner_script};
 use shim_task::NetworkMode;
@@ -837,6 +837,9 @@ async fn exit_event_carries_the_code_and_respects_labels() {
             .expect("no destroy event within 30 s")
             .expect("event stream ended")
             .unwrap();
+        if event.kind == EventKind::ImageRemoved {
+            continue;
+        }
         assert_eq!(event.container_id, id);
         assert!(event.time_ns >= die_ns);
         kinds.push(event.kind);
@@ -1031,14 +1034,18 @@ async fn remove_image(docker: &DockerRuntime, image: &str) {
     }
 }
 
-/// Issue 28 part 3, what image collection asks of the engine: the data root is a directory
-/// of this host (the file system measured); a pulled image has a size of at least its fresh
-/// layer; removing it while a container (even an exited one) uses it is a conflict, never
-/// forced; once the container is gone it is removed, its size is `None`, and removing it again
-/// is no error.
+/// Issue 28 part 3, issue 39: what image collection asks of the engine. The data root is a
+/// directory of this host (the file system measured); a pulled image is described by its id
+/// (the same answer by name and by id), the names pointing to it (the name it was pulled as,
+/// in the engine's spelling: compared normalised) and a size of at least its fresh layer;
+/// removing it while a container (even an exited one) uses it is a conflict, never forced;
+/// once the container is gone it is removed, it is no longer described, and removing it
+/// again is no error. The removal reaches an event subscriber as an image event
+/// (`ImageRemoved`, whatever labels were asked for): what tells the engine an image it saw
+/// present may be gone.
 #[tokio::test]
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
-async fn an_image_is_sized_kept_while_used_and_removed_when_not() {
+async fn an_image_is_described_kept_while_used_and_its_removal_is_an_event() {
     require_docker();
     let docker = runtime().await;
     let root = docker
@@ -1049,7 +1056,7 @@ async fn an_image_is_sized_kept_while_used_and_removed_when_not() {
     assert!(root.is_dir(), "{}", root.display());
     let fresh = FreshImage::push("shim-runtime-gc", 1 << 20).unwrap();
     let image = fresh.direct_reference();
-    assert_eq!(docker.image_size(&image).await.unwrap(), None);
+    assert_eq!(docker.inspect_image(&image).await.unwrap(), None);
     let request = PullRequest::new(&image)
         .with_auth(Some(registry_auth()))
         .with_timeout(Some(Duration::from_secs(300)));
@@ -1057,26 +1064,64 @@ async fn an_image_is_sized_kept_while_used_and_removed_when_not() {
         .pull(&request, &|_| {}, CancellationToken::new())
         .await
         .unwrap();
-    let size = docker.image_size(&image).await.unwrap().unwrap();
-    assert!(size >= 1 << 20, "{size} bytes for {image}");
+    let details = docker.inspect_image(&image).await.unwrap().unwrap();
+    assert!(!details.id.is_empty(), "{details:?}");
+    assert!(
+        details
+            .tags
+            .iter()
+            .any(|t| normalize_reference(t) == normalize_reference(&image)),
+        "{details:?}"
+    );
+    assert!(details.size >= 1 << 20, "{details:?} for {image}");
+    assert_eq!(
+        docker.inspect_image(&details.id).await.unwrap().as_ref(),
+        Some(&details),
+        "by id as by name"
+    );
 
     let run = unique("gc");
     let guard = Cleanup::new(&run);
     let mut spec = shell_spec(&run, &guard.labels(), "exit 0");
     spec.image = image.clone();
-    let (details, _) = run_to_exit(&docker, &spec).await;
+    let (container, _) = run_to_exit(&docker, &spec).await;
     match docker.delete_image(&image).await {
         Err(RuntimeError::Conflict { .. }) => {}
         other => panic!("removing an image an exited container uses: {other:?}"),
     }
-    assert_eq!(docker.image_size(&image).await.unwrap(), Some(size));
-    docker.remove(&details.id).await.unwrap();
+    assert_eq!(
+        docker.inspect_image(&image).await.unwrap().as_ref(),
+        Some(&details)
+    );
+    docker.remove(&container.id).await.unwrap();
+    // Subscribed with this run's labels, which no image carries.
+    let since = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_nanos()).unwrap())
+        .unwrap();
+    let mut events = docker.events(&guard.labels, Some(since)).await.unwrap();
     docker.delete_image(&image).await.unwrap();
-    assert_eq!(docker.image_size(&image).await.unwrap(), None);
+    assert_eq!(docker.inspect_image(&image).await.unwrap(), None);
+    assert_eq!(docker.inspect_image(&details.id).await.unwrap(), None);
     docker.delete_image(&image).await.unwrap();
+    let removed = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let event = events.next().await.expect("event stream ended").unwrap();
+            if event.kind == EventKind::ImageRemoved
+                && (event.container_id == details.id
+                    || normalize_reference(&event.name) == normalize_reference(&image))
+            {
+                return event;
+            }
+        }
+    })
+    .await
+    .expect("no image event within 30 s of the removal");
     eprintln!(
-        "MEASURED data root {}; {image}: {size} bytes",
-        root.display()
+        "MEASURED data root {}; {image}: id {}, {} bytes; removal event {removed:?}",
+        root.display(),
+        details.id,
+        details.size
     );
 }
 
@@ -1459,13 +1504,19 @@ fn runner_script_is_valid_sh() {
 /// before the answer reached the shim) is `DaemonUnavailable`, the error on which the engine
 /// looks at the container instead of failing the task (shim-engine's fake tests cover that
 /// part: `a_start_whose_answer_was_lost_looks_at_the_container`).
-/// The next event of `events`, within 30 s.
+/// The next container event of `events`, within 30 s (image removals, which any test may
+/// cause, are passed over).
 async fn next_event(events: &mut shim_runtime::EventStream) -> shim_runtime::ContainerEvent {
-    tokio::time::timeout(Duration::from_secs(30), events.next())
-        .await
-        .expect("no exit event within 30 s")
-        .expect("event stream ended")
-        .unwrap()
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let event = events.next().await.expect("event stream ended").unwrap();
+            if event.kind != EventKind::ImageRemoved {
+                return event;
+            }
+        }
+    })
+    .await
+    .expect("no exit event within 30 s")
 }
 
 /// A runtime on the daemon, one through a [`LosingProxy`] losing the first answer to a request

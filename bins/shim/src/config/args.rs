@@ -99,7 +99,7 @@ pub struct Args {
     #[arg(long, value_name = "DURATION")]
     pub pull_stall_timeout: Option<String>,
     /// The longest an image pull may take, moving or not: a Go duration (`2h`, `90m`), or 0
-    /// for no limit [default: 2h]
+    /// for no limit [default: 0, none: a pull ends on a stall, not on a clock]
     #[arg(long, value_name = "DURATION")]
     pub pull_timeout: Option<String>,
     /// Collect unused images this shim pulled when the engine's image file system is used

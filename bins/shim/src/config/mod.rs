@@ -205,17 +205,17 @@ impl Lookup<'_> {
         &self,
         flag: &str,
         cli: &Option<String>,
-        default: Duration,
+        default: Option<Duration>,
     ) -> anyhow::Result<Option<Duration>> {
         let value = match self.raw(flag, cli) {
-            Some((v, Source::Env(_))) if v.is_empty() => default,
+            Some((v, Source::Env(_))) if v.is_empty() => default.unwrap_or_default(),
             Some((v, source)) => go_duration(&v).with_context(|| {
                 format!(
                     "invalid {flag} {v:?} from {source}: give a Go duration such as 90s, 10m or \
                      1h30m (a number needs a unit: ns, us, ms, s, m, h), or 0 for no limit"
                 )
             })?,
-            None => default,
+            None => default.unwrap_or_default(),
         };
         Ok(Some(value).filter(|d| !d.is_zero()))
     }
@@ -316,7 +316,7 @@ impl Config {
         let pull_stall_timeout = l.duration(
             "pull-stall-timeout",
             &args.pull_stall_timeout,
-            EngineConfig::DEFAULT_PULL_STALL_TIMEOUT,
+            Some(EngineConfig::DEFAULT_PULL_STALL_TIMEOUT),
         )?;
         let pull_timeout = l.duration(
             "pull-timeout",
@@ -723,8 +723,9 @@ mod tests {
         );
     }
 
-    /// Issue 28 part 1: pulls end on a stall (default 10m), the wall clock is a backstop
-    /// (default 2h); both Go durations, 0 for none.
+    /// Issue 28 part 1 and issue 39 part 5: pulls end on a stall (default 10m), not on a
+    /// clock (no wall-clock limit unless the operator sets one); both Go durations, 0 for
+    /// none.
     #[test]
     fn pull_timeouts() {
         let timeouts = |args: &[&str], env: &[(&str, &str)]| {
@@ -732,7 +733,7 @@ mod tests {
             (c.engine.pull_stall_timeout, c.engine.pull_timeout)
         };
         let mins = |m: u64| Some(Duration::from_secs(m * 60));
-        assert_eq!(timeouts(&[], &[]), (mins(10), mins(120)), "the defaults");
+        assert_eq!(timeouts(&[], &[]), (mins(10), None), "the defaults");
         assert_eq!(
             timeouts(&["--pull-stall-timeout", "5m", "--pull-timeout=1h30m"], &[]),
             (mins(5), mins(90))
@@ -746,7 +747,7 @@ mod tests {
                 ]
             ),
             (Some(Duration::from_secs(90)), None),
-            "0 turns the wall clock off"
+            "0: no wall clock, as by default"
         );
         assert_eq!(
             timeouts(&["-pull-stall-timeout=0s", "-pull-timeout", "4h"], &[]),

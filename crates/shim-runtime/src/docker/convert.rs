@@ -374,13 +374,17 @@ pub(super) fn summaries_from_json(json: &str) -> serde_json::Result<Vec<Containe
         .collect())
 }
 
-/// The events a subscription asks the engine for: `type=container` only, the one event filter
-/// every engine honours. The label and event-name filters are the shim's
+/// The events a subscription asks the engine for: `type=container` and `type=image` (an image's
+/// removal tells the engine's cache of images seen present that one may be gone), the one
+/// event filter every engine honours. The label and event-name filters are the shim's
 /// ([`container_event`]): Podman's event filter on a label key alone matches nothing (Podman
 /// 4.3: libpod/events/filters.go, a `label` filter without `=` is false), and its event names
 /// are not Docker's.
 pub(super) fn event_filters() -> HashMap<String, Vec<String>> {
-    HashMap::from([("type".to_owned(), vec!["container".to_owned()])])
+    HashMap::from([(
+        "type".to_owned(),
+        vec!["container".to_owned(), "image".to_owned()],
+    )])
 }
 
 /// How much earlier than asked the engine is asked for events (see [`since_param`]).
@@ -404,6 +408,25 @@ pub(super) fn since_param(since_ns: i64) -> String {
     )
 }
 
+/// An event's time in Unix nanoseconds, or `None` when it is earlier than `since_ns` (a
+/// replay's margin: see [`since_param`]). An event with seconds only is earlier only if in an
+/// earlier second.
+fn event_time_ns(time_nano: Option<i64>, time: Option<i64>, since_ns: i64) -> Option<i64> {
+    let early = match (time_nano, time) {
+        (Some(ns), _) => ns < since_ns,
+        (None, Some(secs)) => secs < since_ns.div_euclid(1_000_000_000),
+        (None, None) => false,
+    };
+    if early {
+        return None;
+    }
+    Some(
+        time_nano
+            .or_else(|| time.map(|t| t.saturating_mul(1_000_000_000)))
+            .unwrap_or(0),
+    )
+}
+
 /// The exit code of a `die` event: Docker's `exitCode` attribute, or Podman's
 /// `containerExitCode` (Podman's compat API copies it into `exitCode` when it renames `died`
 /// to `die`, pkg/api/handlers/compat/events.go; an event that kept its libpod name has only
@@ -419,22 +442,43 @@ fn exit_code(attributes: &HashMap<String, String>) -> Option<i64> {
 /// puts among the actor's attributes; not earlier than `since_ns`, which the engine was asked
 /// for with a margin: [`since_param`]) whose action is an exit, an OOM kill or a removal, in
 /// Docker's names or Podman's (`died`, and `remove` for Docker's `destroy`: libpod's
-/// events/config.go statuses `Exited` and `Remove`). Anything else: `None`. An event without
+/// events/config.go statuses `Exited` and `Remove`); or an image's removal
+/// ([`EventKind::ImageRemoved`], whatever the labels). Anything else: `None`. An event without
 /// a time is kept.
 pub(super) fn container_event(
     msg: EventMessage,
     labels: &[(String, String)],
     since_ns: i64,
 ) -> Option<ContainerEvent> {
-    if msg
-        .typ
-        .is_some_and(|t| t != EventMessageTypeEnum::CONTAINER)
-    {
-        return None;
-    }
+    let image = match msg.typ {
+        Some(EventMessageTypeEnum::CONTAINER) | None => false,
+        Some(EventMessageTypeEnum::IMAGE) => true,
+        Some(_) => return None,
+    };
     let mut actor = msg.actor?;
     let container_id = actor.id?;
     let attributes = actor.attributes.take().unwrap_or_default();
+    if image {
+        // An image's removal, whatever labels were asked for (an image carries none of a
+        // task's): Docker `untag`, `delete`, `prune`; Podman `untag`, `remove`.
+        if !matches!(
+            msg.action.as_deref()?,
+            "untag" | "delete" | "prune" | "remove"
+        ) {
+            return None;
+        }
+        let name = attributes
+            .get("name")
+            .cloned()
+            .unwrap_or_else(|| container_id.clone());
+        return Some(ContainerEvent {
+            container_id,
+            name,
+            kind: EventKind::ImageRemoved,
+            labels: BTreeMap::new(),
+            time_ns: event_time_ns(msg.time_nano, msg.time, since_ns)?,
+        });
+    }
     let kind = match msg.action.as_deref()? {
         "die" | "died" => EventKind::Die {
             exit_code: exit_code(&attributes),
@@ -453,25 +497,12 @@ pub(super) fn container_event(
         .get("name")
         .map(|n| strip_slash(n))
         .unwrap_or_default();
-    let early = match (msg.time_nano, msg.time) {
-        (Some(ns), _) => ns < since_ns,
-        // Seconds only: earlier only if in an earlier second.
-        (None, Some(secs)) => secs < since_ns.div_euclid(1_000_000_000),
-        (None, None) => false,
-    };
-    if early {
-        return None;
-    }
-    let time_ns = msg
-        .time_nano
-        .or_else(|| msg.time.map(|t| t.saturating_mul(1_000_000_000)))
-        .unwrap_or(0);
     Some(ContainerEvent {
         container_id,
         name,
         kind,
         labels: attributes,
-        time_ns,
+        time_ns: event_time_ns(msg.time_nano, msg.time, since_ns)?,
     })
 }
 
@@ -596,13 +627,45 @@ mod tests {
         vec![("ai.dstack.shim.task-id".to_owned(), String::new())]
     }
 
-    /// The engine is asked for container events only; no label and no event name reach it.
+    /// The engine is asked for container and image events only; no label and no event name
+    /// reach it.
     #[test]
-    fn events_ask_the_engine_for_container_events_only() {
+    fn events_ask_the_engine_for_container_and_image_events_only() {
         assert_eq!(
             event_filters(),
-            HashMap::from([("type".to_owned(), vec!["container".to_owned()])])
+            HashMap::from([(
+                "type".to_owned(),
+                vec!["container".to_owned(), "image".to_owned()]
+            )])
         );
+    }
+
+    /// Issue 39: Docker 28.5's image events (containerd store), recorded on this project's
+    /// main engine while `docker tag`, `docker rmi` and `docker image import` ran: an
+    /// untag and a delete are image removals whatever labels were asked for (an image
+    /// carries none of a task's); a tag and an import are not.
+    #[test]
+    fn image_removals_are_events_whatever_the_labels() {
+        let events = events_of(
+            include_str!("fixtures/events-docker-28-images.jsonl"),
+            &any_task(),
+        );
+        let seen: Vec<(&str, &EventKind)> =
+            events.iter().map(|e| (e.name.as_str(), &e.kind)).collect();
+        assert_eq!(
+            seen,
+            [
+                ("evtest:1", &EventKind::ImageRemoved),
+                ("evtest:2", &EventKind::ImageRemoved),
+                ("evtest2:1", &EventKind::ImageRemoved),
+                (
+                    "sha256:f0a2d84bb46ed3b1aa61b18b1377072b47355a6fdd4d9a70a1b42fc751e26ab1",
+                    &EventKind::ImageRemoved
+                ),
+            ]
+        );
+        assert!(events.iter().all(|e| e.container_id.starts_with("sha256:")));
+        assert!(events.iter().all(|e| e.labels.is_empty()));
     }
 
     /// Docker 20.10's events, as the daemon streams them: the shim keeps the exits, OOM kills

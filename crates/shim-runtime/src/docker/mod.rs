@@ -24,8 +24,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::spec::ContainerSpec;
-use crate::types::{ContainerDetails, ContainerSummary, PullRequest, has_labels};
-use crate::watchdog::Watchdog;
+use crate::types::{ContainerDetails, ContainerSummary, ImageDetails, PullRequest, has_labels};
+use crate::watchdog::{DiskWatch, Watchdog};
 use crate::{ContainerRuntime, EventStream, ProgressFn, Result, RuntimeError};
 use shim_task::PullProgress;
 
@@ -270,6 +270,13 @@ impl DockerRuntime {
         log: &mut Option<PullLog>,
     ) -> Result<()> {
         let mut watchdog = Watchdog::new(request.stall_timeout);
+        let mut disk = DiskWatch::new(request.disk.clone(), request.stall_timeout);
+        // Without a disk to watch, the silence after the last download may be unpacking for
+        // up to this long.
+        let silent_limit = match &disk {
+            Some(_) => watchdog.limit(),
+            None => watchdog.limit_at_least(crate::EXTRACTION_STALL_TIMEOUT),
+        };
         let mut activity = Activity::default();
         let options = CreateImageOptionsBuilder::new().from_image(image).build();
         let credentials = request.auth.as_ref().map(|a| DockerCredentials {
@@ -281,7 +288,29 @@ impl DockerRuntime {
         loop {
             // The watchdog fails the pull when no message says anything new for the stall
             // timeout (repeats are not progress: see `Activity`).
-            let item = match watchdog.next(&mut stream).await {
+            let unpacking = folder.downloads_complete();
+            let limit = if unpacking {
+                silent_limit
+            } else {
+                watchdog.limit()
+            };
+            let next = tokio::select! {
+                item = stream.next() => Ok(item),
+                moved = async {
+                    match disk.as_mut() {
+                        Some(disk) => disk.moved().await,
+                        None => std::future::pending().await,
+                    }
+                }, if unpacking => {
+                    if moved {
+                        debug!(%image, "the engine's data on disk moved while it unpacks");
+                        watchdog.moved();
+                    }
+                    continue;
+                }
+                stalled = watchdog.stalled(limit) => Err(stalled),
+            };
+            let item = match next {
                 Ok(Some(item)) => item,
                 Ok(None) => break,
                 Err(stalled_for) => {
@@ -357,14 +386,22 @@ impl ContainerRuntime for DockerRuntime {
         }
     }
 
-    async fn image_size(&self, image: &str) -> Result<Option<u64>> {
+    async fn inspect_image(&self, image: &str) -> Result<Option<ImageDetails>> {
         match self.docker.inspect_image(image).await {
-            Ok(details) => Ok(Some(
+            Ok(details) => Ok(Some(ImageDetails::new(
+                details.id.unwrap_or_default(),
+                details
+                    .repo_tags
+                    .unwrap_or_default()
+                    .into_iter()
+                    // Docker 20.10's classic store names a dangling image `<none>:<none>`.
+                    .filter(|t| !t.starts_with("<none>"))
+                    .collect(),
                 details
                     .size
                     .and_then(|s| u64::try_from(s).ok())
                     .unwrap_or(0),
-            )),
+            ))),
             Err(err) => match translate("inspect image", format!("image {image}"), err) {
                 RuntimeError::NotFound { .. } => Ok(None),
                 other => Err(other),
@@ -599,7 +636,8 @@ impl ContainerRuntime for DockerRuntime {
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
         });
-        // Only `type=container` is asked of the engine, from a little before `since_ns`;
+        // Only `type=container` and `type=image` are asked of the engine, from a little before
+        // `since_ns`;
         // labels, event names and the instant are checked here (see `event_filters` and
         // `since_param`).
         let options = EventsOptionsBuilder::new()

@@ -38,6 +38,8 @@ struct Layer {
     downloaded: u64,
     extracted: u64,
     done: bool,
+    /// Its download is over (a status after `Downloading`).
+    fetched: bool,
 }
 
 /// Folds the daemon's per-layer pull messages into [`PullProgress`], by the rules written on
@@ -87,6 +89,14 @@ impl ProgressFolder {
         let is_new = !self.layers.contains_key(id);
         let layer = self.layers.entry(id.to_owned()).or_default();
         let before = (layer.total, layer.downloaded, layer.extracted, layer.done);
+        layer.fetched |= matches!(
+            status,
+            "Verifying Checksum"
+                | "Download complete"
+                | "Extracting"
+                | "Pull complete"
+                | "Already exists"
+        );
         match status {
             "Downloading" => {
                 if let Some(t) = total {
@@ -132,6 +142,12 @@ impl ProgressFolder {
             _ => {}
         }
         is_new || before != (layer.total, layer.downloaded, layer.extracted, layer.done)
+    }
+
+    /// Whether every layer announced so far is downloaded (at least one was): what is left
+    /// is unpacking, which some engines do in silence.
+    pub(crate) fn downloads_complete(&self) -> bool {
+        !self.layers.is_empty() && self.layers.values().all(|l| l.fetched)
     }
 
     /// The folded progress; `finished`: of a pull that succeeded, where every layer is
@@ -271,6 +287,25 @@ mod tests {
         assert!(a.is_new(&about_none("Pulling from x")));
         assert!(!a.is_new(&about_none("Pulling from x")));
         assert!(a.is_new(&about_none("Digest: sha256:0")));
+    }
+
+    /// The silent phase begins when every layer announced is downloaded, whatever the engine
+    /// says next (Podman and Docker 26's containerd store: nothing; classic: extraction).
+    #[test]
+    fn downloads_complete_once_every_layer_is_downloaded() {
+        let mut f = ProgressFolder::default();
+        assert!(!f.downloads_complete(), "no layer yet");
+        f.feed(&msg("a", "Pulling fs layer", None, None));
+        f.feed(&msg("b", "Already exists", None, None));
+        assert!(!f.downloads_complete());
+        f.feed(&msg("a", "Downloading", Some(10), Some(20)));
+        assert!(!f.downloads_complete());
+        f.feed(&msg("a", "Download complete", None, None));
+        assert!(f.downloads_complete());
+        f.feed(&msg("c", "Waiting", None, None));
+        assert!(!f.downloads_complete(), "a layer announced later");
+        f.feed(&msg("c", "Extracting", Some(1), None));
+        assert!(f.downloads_complete());
     }
 
     #[test]

@@ -168,12 +168,22 @@ fn serve(
         _ => script(&method, &target)
             .unwrap_or_else(|| (404, r#"{"message":"no such route"}"#.to_owned())),
     };
-    // No length: the body ends with the connection, as a stream's does.
+    // No length: the body ends with the connection, as a stream's does. A line `#sleep MS`
+    // of the body is a pause of the engine's (a stream that goes silent), not sent.
     let mut out = conn;
     write!(
         out,
-        "HTTP/1.1 {status} Scripted\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n{body}"
+        "HTTP/1.1 {status} Scripted\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
     )?;
+    for line in body.split_inclusive('\n') {
+        match line.trim_end().strip_prefix("#sleep ") {
+            Some(ms) => {
+                out.flush()?;
+                std::thread::sleep(Duration::from_millis(ms.parse().unwrap_or(0)));
+            }
+            None => out.write_all(line.as_bytes())?,
+        }
+    }
     out.flush()
 }
 
@@ -205,7 +215,7 @@ fn task_label() -> Vec<(String, String)> {
     vec![("ai.dstack.shim.task-id".to_owned(), String::new())]
 }
 
-/// Podman 4.3's events through the runtime: the engine is asked for container events only,
+/// Podman 4.3's events through the runtime: the engine is asked for container and image events only,
 /// and the shim keeps the exits (`died` and `die`) and the removal of labelled containers.
 #[tokio::test]
 async fn podman_events_are_asked_by_type_and_filtered_by_the_shim() {
@@ -247,7 +257,10 @@ async fn podman_events_are_asked_by_type_and_filtered_by_the_shim() {
     );
     assert_eq!(
         engine.filters("/events"),
-        HashMap::from([("type".to_owned(), vec!["container".to_owned()])]),
+        HashMap::from([(
+            "type".to_owned(),
+            vec!["container".to_owned(), "image".to_owned()]
+        )]),
         "no label and no event name is left to the engine"
     );
 }
@@ -520,6 +533,7 @@ async fn pull_progress_per_engine_through_the_runtime() {
             log_path: None,
             timeout: Some(Duration::from_secs(30)),
             stall_timeout: Some(Duration::from_secs(30)),
+            disk: None,
         };
         let done = runtime
             .pull(&request, &record, CancellationToken::new())
@@ -543,6 +557,72 @@ async fn pull_progress_per_engine_through_the_runtime() {
             "{engine_name}: {seen:?}"
         );
     }
+}
+
+/// Issue 39 part 5: an engine that unpacks in silence after the last download (Docker 26–27
+/// on the containerd store, Podman: nothing between the last `Download complete` and the
+/// end) is not stalled while its data on disk moves: a pull silent for 2.5 s with a stall
+/// timeout of 1 s succeeds while the disk grows, fails as stalled when it stands still, and
+/// succeeds without a disk to watch (the silent phase then has
+/// [`crate::EXTRACTION_STALL_TIMEOUT`]). A silence *before* the downloads end is a stall
+/// whatever the disk does.
+#[tokio::test]
+async fn a_silent_unpack_is_judged_by_the_disk() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let downloads = "{\"status\":\"Pulling from library/x\",\"id\":\"1\"}\n\
+{\"status\":\"Downloading\",\"progressDetail\":{\"current\":500,\"total\":1000},\"id\":\"aaaaaaaaaaaa\"}\n";
+    let done = "{\"status\":\"Download complete\",\"progressDetail\":{\"hidecounts\":true},\"id\":\"aaaaaaaaaaaa\"}\n";
+    let end = "{\"status\":\"Digest: sha256:0123\"}\n{\"status\":\"Status: Downloaded newer image for 127.0.0.1:5799/x:1\"}\n";
+    let silent_unpack = format!("{downloads}{done}#sleep 2500\n{end}");
+    let silent_download = format!("{downloads}#sleep 2500\n{done}{end}");
+    // A disk that grows while `growing` is set.
+    let used = Arc::new(AtomicU64::new(0));
+    let growing = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let (used, growing, stop) = (used.clone(), growing.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                if growing.load(Ordering::SeqCst) {
+                    used.fetch_add(4096, Ordering::SeqCst);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+    }
+    let probe = {
+        let used = used.clone();
+        crate::DiskProbe::new(move || Some(used.load(Ordering::SeqCst)))
+    };
+    let pull = |body: String, disk: Option<crate::DiskProbe>| async move {
+        let engine = Engine::start(move |method, target| {
+            (method == "POST" && target.starts_with("/images/create")).then(|| (200, body.clone()))
+        });
+        let runtime = engine.runtime().await;
+        let request = PullRequest::new("127.0.0.1:5799/x:1")
+            .with_stall_timeout(Some(Duration::from_secs(1)))
+            .with_disk_probe(disk);
+        runtime
+            .pull(&request, &|_| {}, CancellationToken::new())
+            .await
+    };
+    growing.store(true, Ordering::SeqCst);
+    let moving = pull(silent_unpack.clone(), Some(probe.clone())).await;
+    assert!(moving.is_ok(), "a moving disk: {moving:?}");
+    let before_downloads = pull(silent_download, Some(probe.clone())).await;
+    assert!(
+        matches!(before_downloads, Err(RuntimeError::PullStalled { .. })),
+        "silent while downloading: {before_downloads:?}"
+    );
+    growing.store(false, Ordering::SeqCst);
+    let still = pull(silent_unpack.clone(), Some(probe)).await;
+    assert!(
+        matches!(still, Err(RuntimeError::PullStalled { .. })),
+        "a still disk: {still:?}"
+    );
+    let unwatched = pull(silent_unpack, None).await;
+    assert!(unwatched.is_ok(), "no disk to watch: {unwatched:?}");
+    stop.store(true, Ordering::SeqCst);
 }
 
 /// A create whose name is in use is a conflict on every engine: Docker answers 409, Podman
