@@ -66,6 +66,16 @@ pub enum Error {
         /// What is wrong with it.
         why: String,
     },
+    /// The matrix printed by `nvidia-smi topo -m` could not be understood (no header of GPU
+    /// columns, a row too short, a link of unknown kind, GPU rows and columns that do not
+    /// match).
+    #[error("cannot parse the nvidia-smi topo -m matrix{}: {why}", at_line(.line))]
+    TopoMatrix {
+        /// The line at fault (1-based), when one is.
+        line: Option<usize>,
+        /// What is wrong with it.
+        why: String,
+    },
     /// Fewer GPUs are free than requested; nothing was locked.
     #[error("{requested} GPU(s) requested, {free} of {total} free")]
     NotEnoughGpus {
@@ -190,6 +200,11 @@ impl Error {
             source,
         }
     }
+}
+
+/// ` at line N` for [`Error::TopoMatrix`]'s message, nothing without a line.
+fn at_line(line: &Option<usize>) -> String {
+    line.map(|l| format!(" at line {l}")).unwrap_or_default()
 }
 
 /// `map_err` helper: `.map_err(io_err("read", &path))`.

@@ -14,9 +14,10 @@
 //!
 //! - [`gpu`] — detection ([`GpuDetector`]: vendor from device paths, GPUs from the vendor
 //!   tool; its seams are the injected command runner and device roots, not a trait), parsing
-//!   per vendor, and the in-memory [`GpuLock`]. The engine takes the detected [`HostGpus`] as
-//!   data ([`HostGpus::fake_nvidia`] in tests and for `--fake-gpus`) and a real lock,
-//!   which needs no fake.
+//!   per vendor, the in-memory [`GpuLock`], and placement by interconnect
+//!   ([`gpu::Topology`] from `nvidia-smi topo -m`, [`gpu::choose`]). The engine takes the
+//!   detected [`HostGpus`] as data ([`HostGpus::fake_nvidia`] in tests and for
+//!   `--fake-gpus`) and a real lock, which needs no fake.
 //! - [`keys`] — [`AuthorizedKeys`] / [`AuthorizedKeysManager`]: the shim-owned lines of a user's
 //!   file are exactly the keys of that user's live tasks; lines of unknown origin stay while a
 //!   live task's keys are unknown ([`AuthorizedKeys::hold_unknown`]); every read and write is

@@ -9,6 +9,7 @@ use std::time::Duration;
 use super::parse::{
     normalize_version, parse_amd_smi, parse_hl_smi, parse_nvidia_smi, parse_tt_smi,
 };
+use super::topo::{Topology, parse_nvidia_topo};
 use super::{GpuInfo, GpuVendor, HostGpus};
 use crate::error::{Error, Result};
 use shim_util::{Command, CommandError, CommandOutput, CommandRunner, error_chain};
@@ -27,6 +28,8 @@ pub const NVIDIA_SMI_ARGS: [&str; 2] = [
     "--query-gpu=name,memory.total,uuid,driver_version",
     "--format=csv,noheader,nounits",
 ];
+/// The `nvidia-smi` arguments of the interconnect matrix.
+pub const NVIDIA_SMI_TOPO_ARGS: [&str; 2] = ["topo", "-m"];
 /// The `hl-smi` arguments.
 pub const HL_SMI_ARGS: [&str; 2] = [
     "--query-aip=name,memory.total,index",
@@ -181,6 +184,17 @@ impl GpuDetector {
                 Ok((parse_hl_smi(&out.stdout)?, None))
             }
         }
+    }
+
+    /// Runs `nvidia-smi topo -m` and parses its matrix: the link between every two NVIDIA
+    /// GPUs and the NUMA node each is near, for [`choose`](super::topo::choose). A tool that
+    /// fails, or a matrix that cannot be read, is an error (the caller then places GPUs
+    /// first-free).
+    pub async fn topology(&self) -> Result<Topology> {
+        let out = self
+            .run(&Command::new("nvidia-smi").args(NVIDIA_SMI_TOPO_ARGS))
+            .await?;
+        parse_nvidia_topo(&out.stdout)
     }
 
     async fn list_amd(&self) -> Result<(Vec<GpuInfo>, Option<String>)> {

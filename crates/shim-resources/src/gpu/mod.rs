@@ -14,6 +14,10 @@
 //! - [`parse`] (pure, per vendor): `nvidia-smi` CSV, `amd-smi` JSON, `tt-smi` JSON, `hl-smi`
 //!   CSV.
 //! - [`lock`] (pure, in memory): [`GpuLock`].
+//! - [`topo`] (pure): the interconnect matrix of `nvidia-smi topo -m` as a [`Topology`]
+//!   ([`GpuDetector::topology`] runs the tool), and [`choose`], which picks the free GPUs of
+//!   a request on one NUMA node where it can and over the best links (see its module docs
+//!   for the rule).
 //!
 //! A GPU's id is what the container configuration needs and what the lock hands out: the
 //! NVIDIA UUID, the AMD render node path (`/dev/dri/renderD<N>`), the index otherwise
@@ -31,10 +35,12 @@ use serde::{Deserialize, Serialize};
 pub mod detect;
 pub mod lock;
 pub mod parse;
+pub mod topo;
 
 pub use detect::{AMD_SMI_IMAGE, GpuDetector, TT_SMI_IMAGE, WSL_NVIDIA_SMI};
 pub use lock::GpuLock;
 pub use parse::{AmdGpu, parse_amd_smi, parse_hl_smi, parse_nvidia_smi, parse_tt_smi};
+pub use topo::{Link, SetScore, Topology, choose, parse_nvidia_topo};
 
 /// A GPU vendor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

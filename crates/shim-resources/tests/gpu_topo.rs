@@ -1,0 +1,454 @@
+//! GPU placement by interconnect: `nvidia-smi topo -m` matrices recorded on real machines
+//! (`testdata/gpu/topo/`, each test names the thread it was copied from), the placement rule
+//! on them, properties of `choose` on random matrices, and the detector running the tool.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // a test file: panics are failures
+
+use std::path::Path;
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use shim_resources::gpu::{Link, SetScore, Topology, choose, parse_nvidia_topo};
+use shim_resources::{Error, GpuDetector};
+use shim_util::CommandOutput;
+use shim_util::fake::ScriptedCommandRunner;
+
+fn fixture(name: &str) -> String {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("testdata/gpu/topo")
+        .join(name);
+    fs_err::read_to_string(p).unwrap()
+}
+
+fn topo(name: &str) -> Topology {
+    parse_nvidia_topo(&fixture(name)).unwrap()
+}
+
+/// `choose` with every GPU of `topo` free but those `taken`, in index order.
+fn pick(topo: &Topology, taken: &[u32], k: usize) -> Vec<u32> {
+    let free: Vec<u32> = topo
+        .gpus()
+        .iter()
+        .copied()
+        .filter(|g| !taken.contains(g))
+        .collect();
+    choose(Some(topo), &free, k).unwrap()
+}
+
+// ------------------------------------------------------------------------------ the fixtures
+
+/// 8× H100 SXM on NVSwitch, two NUMA nodes, copied from
+/// https://github.com/HazyResearch/ThunderKittens/issues/167
+#[test]
+fn h100_nvswitch_parses() {
+    let t = topo("h100-nvswitch-8gpu.txt");
+    assert_eq!(t.gpus(), [0, 1, 2, 3, 4, 5, 6, 7]);
+    for a in 0..8 {
+        for b in 0..8 {
+            let want = (a != b).then_some(Link::NvLink(18));
+            assert_eq!(t.link(a, b), want, "GPU{a}-GPU{b}");
+        }
+        assert_eq!(t.numa_nodes(a), Some(&[a / 4][..]));
+    }
+}
+
+/// 4× A30 with NVLink bridges in pairs (and one NIC), copied from the `collect_env.py`
+/// output in https://github.com/vllm-project/vllm/issues/29070
+#[test]
+fn a30_bridged_pairs_parse() {
+    let t = topo("a30-nvlink-pairs-4gpu.txt");
+    assert_eq!(t.gpus(), [0, 1, 2, 3]);
+    assert_eq!(t.link(0, 1), Some(Link::NvLink(4)));
+    assert_eq!(t.link(3, 2), Some(Link::NvLink(4)));
+    for (a, b) in [(0, 2), (0, 3), (1, 2), (1, 3)] {
+        assert_eq!(t.link(a, b), Some(Link::Sys), "GPU{a}-GPU{b}");
+    }
+    assert_eq!(t.link(0, 0), None);
+    assert_eq!(t.link(0, 4), None, "NIC0 is not a GPU");
+    let numa: Vec<_> = (0..4).map(|g| t.numa_nodes(g)).collect();
+    assert_eq!(numa, [Some(&[0][..]), Some(&[0]), Some(&[1]), Some(&[1])]);
+}
+
+/// 8 PCIe GPUs behind switches on two sockets, an `mlx5_0` NIC, no "NUMA Affinity" column,
+/// tab-separated; copied from the comment of 2018-01-09 in
+/// https://github.com/lattice/quda/issues/669
+#[test]
+fn pcie_two_sockets_parse() {
+    let t = topo("pcie-2socket-8gpu.txt");
+    assert_eq!(t.gpus(), [0, 1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(t.link(0, 1), Some(Link::Pix));
+    assert_eq!(t.link(0, 2), Some(Link::Pxb));
+    assert_eq!(t.link(3, 4), Some(Link::Sys));
+    assert_eq!(t.link(6, 7), Some(Link::Pix));
+    assert_eq!(t.link(5, 7), Some(Link::Pxb));
+    assert!((0..8).all(|g| t.numa_nodes(g).is_none()));
+}
+
+/// 8× RTX 4090, every pair `SYS`, NUMA 0 and 1, two NICs, tab-separated; copied from
+/// https://github.com/NVIDIA/go-gpuallocator/issues/17
+#[test]
+fn rtx4090_all_sys_parses() {
+    let t = topo("rtx4090-2numa-8gpu.txt");
+    assert_eq!(t.gpus().len(), 8);
+    assert!((1..8).all(|b| t.link(0, b) == Some(Link::Sys)));
+    assert_eq!(t.numa_nodes(3), Some(&[0][..]));
+    assert_eq!(t.numa_nodes(4), Some(&[1][..]));
+}
+
+/// 5 PCIe GPUs: one alone on NUMA node 1, four on node 0 (`PHB` pairs joined by `NODE`);
+/// copied from https://github.com/noonghunna/club-3090/issues/46
+#[test]
+fn mixed_five_parses() {
+    let t = topo("mixed-2numa-5gpu.txt");
+    assert_eq!(t.gpus(), [0, 1, 2, 3, 4]);
+    assert_eq!(t.link(1, 2), Some(Link::Phb));
+    assert_eq!(t.link(2, 3), Some(Link::Node));
+    assert_eq!(t.link(4, 3), Some(Link::Phb));
+    assert_eq!(t.link(0, 4), Some(Link::Sys));
+    assert_eq!(t.numa_nodes(0), Some(&[1][..]));
+    assert_eq!(t.numa_nodes(1), Some(&[0][..]));
+}
+
+/// A DGX A100 whose "NUMA Affinity" is a range (`6-7`), `mlx5_<n>` columns, tabs: the
+/// header and GPU rows as published in https://github.com/rapidsai/ucx-py/issues/749 (the
+/// NIC rows left out).
+#[test]
+fn numa_affinity_ranges_parse() {
+    let out = "\tGPU0\tGPU1\tGPU2\tGPU3\tGPU4\tGPU5\tGPU6\tGPU7\tmlx5_0\tmlx5_1\tmlx5_2\tmlx5_3\tmlx5_4\tmlx5_5\tmlx5_6\tmlx5_7\tmlx5_8\tmlx5_9\tmlx5_10\tmlx5_11\tCPU Affinity\tNUMA Affinity\n\
+GPU0\t X \tPXB\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tPXB\tPXB\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\t112-127,240-255\t6-7\n\
+GPU1\tPXB\t X \tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tPXB\tPXB\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\t112-127,240-255\t6-7\n\
+GPU2\tSYS\tSYS\t X \tPXB\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tPXB\tPXB\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\t112-127,240-255\t6-7\n\
+GPU3\tSYS\tSYS\tPXB\t X \tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tPXB\tPXB\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\t112-127,240-255\t6-7\n\
+GPU4\tSYS\tSYS\tSYS\tSYS\t X \tPXB\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tPXB\tPXB\tSYS\tSYS\tSYS\tSYS\t112-127,240-255\t6-7\n\
+GPU5\tSYS\tSYS\tSYS\tSYS\tPXB\t X \tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tPXB\tPXB\tSYS\tSYS\tSYS\tSYS\t112-127,240-255\t6-7\n\
+GPU6\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\t X \tPXB\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tPXB\tPXB\tSYS\tSYS\t112-127,240-255\t6-7\n\
+GPU7\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tPXB\t X \tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tPXB\tPXB\tSYS\tSYS\t112-127,240-255\t6-7\n";
+    let t = parse_nvidia_topo(out).unwrap();
+    assert_eq!(t.gpus().len(), 8);
+    assert_eq!(t.numa_nodes(5), Some(&[6, 7][..]));
+    assert_eq!(t.link(6, 7), Some(Link::Pxb));
+    assert_eq!(t.link(1, 2), Some(Link::Sys));
+    // One affinity for all: the PXB pairs decide.
+    assert_eq!(pick(&t, &[0], 2), [2, 3]);
+}
+
+// ---------------------------------------------------------------------------- the placement
+
+#[test]
+fn bridged_pairs_go_together() {
+    let t = topo("a30-nvlink-pairs-4gpu.txt");
+    let two = pick(&t, &[], 2);
+    assert_eq!(two, [0, 1]);
+    assert_eq!(t.link(two[0], two[1]), Some(Link::NvLink(4)));
+    // GPU0 taken: the intact pair, not first-free's [1, 2] across sockets.
+    assert_eq!(pick(&t, &[0], 2), [2, 3]);
+    // One GPU with GPU0 taken: GPU1, which leaves the pair GPU2-GPU3 whole.
+    assert_eq!(pick(&t, &[0], 1), [1]);
+    assert_eq!(pick(&t, &[], 4), [0, 1, 2, 3]);
+}
+
+#[test]
+fn pcie_two_sockets_keeps_to_one_socket() {
+    let t = topo("pcie-2socket-8gpu.txt");
+    assert_eq!(pick(&t, &[], 4), [0, 1, 2, 3]);
+    // GPU0 taken: the other socket's four, not [1, 2, 3, 4] across the sockets.
+    assert_eq!(pick(&t, &[0], 4), [4, 5, 6, 7]);
+    // Two: a PIX pair; with GPU0 taken the PIX pair GPU2-GPU3, not the PXB pair [1, 2].
+    let two = pick(&t, &[], 2);
+    assert_eq!(t.link(two[0], two[1]), Some(Link::Pix));
+    let two = pick(&t, &[0], 2);
+    assert_eq!(two, [2, 3]);
+    assert_eq!(t.link(2, 3), Some(Link::Pix));
+    // The order of the free list breaks ties: the first socket in that order.
+    let reversed: Vec<u32> = (0..8).rev().collect();
+    assert_eq!(choose(Some(&t), &reversed, 4).unwrap(), [7, 6, 5, 4]);
+}
+
+#[test]
+fn nvswitch_all_equal_is_first_free() {
+    let t = topo("h100-nvswitch-8gpu.txt");
+    let free: Vec<u32> = (0..8).collect();
+    for k in 0..=8 {
+        assert_eq!(choose(Some(&t), &free, k).unwrap(), free[..k], "k={k}");
+    }
+    // The NUMA preference still holds: GPU1 taken, four come from node 1.
+    assert_eq!(pick(&t, &[1], 4), [4, 5, 6, 7]);
+    assert_eq!(pick(&t, &[1], 3), [0, 2, 3]);
+}
+
+#[test]
+fn all_sys_box_follows_numa() {
+    let t = topo("rtx4090-2numa-8gpu.txt");
+    assert_eq!(pick(&t, &[], 4), [0, 1, 2, 3]);
+    assert_eq!(pick(&t, &[0], 4), [4, 5, 6, 7]);
+    assert_eq!(pick(&t, &[0], 3), [1, 2, 3]);
+    assert_eq!(pick(&t, &[], 5), [0, 1, 2, 3, 4]);
+}
+
+#[test]
+fn mixed_box_prefers_node_and_spares_islands() {
+    let t = topo("mixed-2numa-5gpu.txt");
+    assert_eq!(pick(&t, &[], 2), [1, 2]);
+    assert_eq!(pick(&t, &[1], 2), [3, 4]);
+    assert_eq!(pick(&t, &[], 4), [1, 2, 3, 4]);
+    // One GPU: the loner on node 1, which leaves node 0's four together.
+    assert_eq!(pick(&t, &[], 1), [0]);
+}
+
+#[test]
+fn first_free_without_topology_or_with_unknown_gpus() {
+    let t = topo("a30-nvlink-pairs-4gpu.txt");
+    assert_eq!(choose(None, &[3, 1, 2], 2).unwrap(), [3, 1]);
+    // GPU 9 is not in the matrix: first-free.
+    assert_eq!(choose(Some(&t), &[1, 2, 9, 3], 2).unwrap(), [1, 2]);
+    assert_eq!(choose(Some(&t), &[1, 2], 3), None);
+    assert_eq!(choose(None, &[1, 2], 3), None);
+    assert_eq!(choose(Some(&t), &[], 0).unwrap(), Vec::<u32>::new());
+    // A repeated index counts once.
+    assert_eq!(choose(Some(&t), &[0, 0, 1], 3), None);
+    assert_eq!(choose(Some(&t), &[0, 2, 0, 3], 2).unwrap(), [2, 3]);
+}
+
+#[test]
+fn set_scores_order() {
+    let t = topo("a30-nvlink-pairs-4gpu.txt");
+    let pair = t.score(&[2, 3]).unwrap();
+    let across = t.score(&[1, 2]).unwrap();
+    assert_eq!(
+        pair,
+        SetScore {
+            numa_nodes: 1,
+            links: 400
+        }
+    );
+    assert_eq!(
+        across,
+        SetScore {
+            numa_nodes: 2,
+            links: 10
+        }
+    );
+    assert!(pair > across);
+    assert_eq!(t.score(&[2, 2]), None);
+    assert_eq!(t.score(&[2, 7]), None);
+}
+
+// --------------------------------------------------------------------------- parse failures
+
+#[test]
+fn unreadable_matrices_are_errors() {
+    let cases: [(&str, Option<usize>, &str); 7] = [
+        ("", None, "no header"),
+        ("NVIDIA-SMI has failed\n", None, "no header"),
+        (
+            "\tGPU0\tGPU1\nGPU0\t X \tNV4\nGPU1\tNV4\n",
+            Some(3),
+            "1 cells",
+        ),
+        (
+            "\tGPU0\tGPU1\nGPU0\t X \tABC\nGPU1\tABC\t X \n",
+            Some(2),
+            "unknown link \"ABC\" between GPU0 and GPU1",
+        ),
+        (
+            "\tGPU0\tGPU1\nGPU0\tPIX\tPIX\nGPU1\tPIX\t X \n",
+            Some(2),
+            "own cell",
+        ),
+        ("\tGPU0\tGPU1\nGPU0\t X \tPIX\n", Some(1), "do not match"),
+        (
+            "\tGPU0\tGPU1\nGPU0\t X \tPIX\nGPU0\t X \tPIX\nGPU1\tPIX\t X \n",
+            Some(3),
+            "two rows",
+        ),
+    ];
+    for (out, line, why) in cases {
+        match parse_nvidia_topo(out) {
+            Err(Error::TopoMatrix { line: l, why: w }) => {
+                assert_eq!(l, line, "{out:?}");
+                assert!(w.contains(why), "{out:?}: {w}");
+            }
+            other => panic!("{out:?}: {other:?}"),
+        }
+    }
+    let e = parse_nvidia_topo("\tGPU0\tGPU1\nGPU0\t X \tABC\nGPU1\tABC\t X \n").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "cannot parse the nvidia-smi topo -m matrix at line 2: unknown link \"ABC\" between \
+         GPU0 and GPU1"
+    );
+}
+
+#[test]
+fn older_drivers_soc_and_one_gpu() {
+    // Older drivers print SOC for SYS and no affinity columns at all.
+    let t = parse_nvidia_topo("\tGPU0\tGPU1\nGPU0\t X \tSOC\nGPU1\tSOC\t X \n").unwrap();
+    assert_eq!(t.link(0, 1), Some(Link::Sys));
+    assert_eq!(t.numa_nodes(0), None);
+    let one = parse_nvidia_topo(
+        "\tGPU0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\nGPU0\t X \t0-7\t\tN/A\t\tN/A\n",
+    )
+    .unwrap();
+    assert_eq!(one.gpus(), [0]);
+    assert_eq!(one.numa_nodes(0), None);
+}
+
+// ---------------------------------------------------------------------------- the detector
+
+#[tokio::test]
+async fn detector_runs_nvidia_smi_topo() {
+    let runner = Arc::new(ScriptedCommandRunner::new());
+    runner.push(
+        "nvidia-smi",
+        CommandOutput::ok(fixture("a30-nvlink-pairs-4gpu.txt")),
+    );
+    let detector = GpuDetector::new(runner.clone());
+    let t = detector.topology().await.unwrap();
+    assert_eq!(t.link(0, 1), Some(Link::NvLink(4)));
+    assert_eq!(runner.calls(), [["nvidia-smi", "topo", "-m"]]);
+
+    runner.push(
+        "nvidia-smi",
+        CommandOutput::exit(9, "NVIDIA-SMI has failed"),
+    );
+    assert!(matches!(
+        detector.topology().await,
+        Err(Error::Command(shim_util::CommandError::Failed { .. }))
+    ));
+    runner.push("nvidia-smi", CommandOutput::ok("No devices were found\n"));
+    assert!(matches!(
+        detector.topology().await,
+        Err(Error::TopoMatrix { line: None, .. })
+    ));
+}
+
+// ------------------------------------------------------------------------------ properties
+
+fn any_link() -> impl Strategy<Value = Link> {
+    prop_oneof![
+        Just(Link::Sys),
+        Just(Link::Node),
+        Just(Link::Phb),
+        Just(Link::Pxb),
+        Just(Link::Pix),
+        (1u32..=18).prop_map(Link::NvLink),
+    ]
+}
+
+/// A random topology of `0..n` (links and NUMA nodes, some unknown), a free list in random
+/// order and a `k` up to two more than it.
+fn any_request(max_gpus: usize) -> impl Strategy<Value = (Topology, Vec<u32>, usize)> {
+    request(1..=max_gpus, |n| (0..=n, 0..=n + 2))
+}
+
+/// Like [`any_request`], every GPU free and `k` in the middle: more than
+/// `EXHAUSTIVE_LIMIT` candidate sets, so the greedy search runs.
+fn large_request() -> impl Strategy<Value = (Topology, Vec<u32>, usize)> {
+    request(17..=24, |n| (n..=n, 6..=n - 6))
+}
+
+fn request(
+    gpus: std::ops::RangeInclusive<usize>,
+    free_and_k: fn(
+        usize,
+    ) -> (
+        std::ops::RangeInclusive<usize>,
+        std::ops::RangeInclusive<usize>,
+    ),
+) -> impl Strategy<Value = (Topology, Vec<u32>, usize)> {
+    gpus.prop_flat_map(move |n| {
+        let gpus: Vec<u32> = (0..u32::try_from(n).unwrap()).collect();
+        let (free_count, k) = free_and_k(n);
+        (
+            prop::collection::vec(any_link(), n * (n - 1) / 2),
+            prop::collection::vec(prop::option::of(0u32..3), n),
+            Just(gpus).prop_shuffle(),
+            free_count,
+            k,
+        )
+    })
+    .prop_map(|(links, numa, order, free_count, k)| {
+        let n = numa.len();
+        let topo = Topology::from_fn(
+            0..u32::try_from(n).unwrap(),
+            |a, b| {
+                let (a, b) = (a as usize, b as usize);
+                links[a * n - a * (a + 1) / 2 + (b - a - 1)]
+            },
+            |g| numa[g as usize],
+        );
+        (topo, order[..free_count].to_vec(), k)
+    })
+}
+
+/// Every way of taking `k` of `items`.
+fn combinations(items: &[u32], k: usize) -> Vec<Vec<u32>> {
+    if k == 0 {
+        return vec![Vec::new()];
+    }
+    let mut all = Vec::new();
+    for (i, &first) in items.iter().enumerate() {
+        for mut rest in combinations(&items[i + 1..], k - 1) {
+            rest.insert(0, first);
+            all.push(rest);
+        }
+    }
+    all
+}
+
+proptest! {
+    /// Never refuses what first-free would meet, returns k distinct free GPUs, and is never
+    /// worse than first-free (up to 20 GPUs: the greedy search above 16 included).
+    #[test]
+    fn never_refuses_never_worse_than_first_free((topo, free, k) in any_request(20)) {
+        let got = choose(Some(&topo), &free, k);
+        prop_assert_eq!(got.is_some(), k <= free.len());
+        let Some(got) = got else { return Ok(()) };
+        prop_assert_eq!(got.len(), k);
+        let mut sorted = got.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        prop_assert_eq!(sorted.len(), k, "duplicates in {:?}", got);
+        prop_assert!(got.iter().all(|g| free.contains(g)), "{:?} not within {:?}", got, free);
+        // In the order of the free list.
+        let positions: Vec<usize> = got.iter().map(|g| free.iter().position(|f| f == g).unwrap()).collect();
+        prop_assert!(positions.windows(2).all(|w| w[0] < w[1]), "{:?}", got);
+        let first_free = &free[..k];
+        prop_assert!(
+            topo.score(&got).unwrap() >= topo.score(first_free).unwrap(),
+            "{:?} scores {:?} < first-free {:?} {:?}",
+            got, topo.score(&got), first_free, topo.score(first_free)
+        );
+        // Without the topology, or with a GPU it does not know: first-free.
+        prop_assert_eq!(choose(None, &free, k).unwrap(), first_free);
+        let mut with_unknown = free.clone();
+        with_unknown.push(1000);
+        prop_assert_eq!(choose(Some(&topo), &with_unknown, k).unwrap(), first_free);
+    }
+
+    /// The same where the greedy search runs (17 to 24 GPUs, every one free, k in the
+    /// middle).
+    #[test]
+    fn greedy_never_worse_than_first_free((topo, free, k) in large_request()) {
+        prop_assert!(shim_resources::gpu::topo::EXHAUSTIVE_LIMIT < 24_310); // C(17, 8)
+        let got = choose(Some(&topo), &free, k).unwrap();
+        let mut sorted = got.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        prop_assert_eq!(sorted.len(), k);
+        prop_assert!(got.iter().all(|g| free.contains(g)));
+        prop_assert!(topo.score(&got).unwrap() >= topo.score(&free[..k]).unwrap());
+    }
+
+    /// On up to 9 GPUs the result scores as well as the best of every set.
+    #[test]
+    fn best_of_all_sets_on_small_hosts((topo, free, k) in any_request(9)) {
+        prop_assume!(k <= free.len());
+        let got = choose(Some(&topo), &free, k).unwrap();
+        let best = combinations(&free, k)
+            .iter()
+            .map(|s| topo.score(s).unwrap())
+            .max()
+            .unwrap();
+        prop_assert_eq!(topo.score(&got).unwrap(), best);
+    }
+}
