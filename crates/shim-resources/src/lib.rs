@@ -16,7 +16,8 @@
 //!   tool; its seams are the injected command runner and device roots, not a trait), parsing
 //!   per vendor, and the in-memory [`GpuLock`]. The engine takes the detected [`HostGpus`] as
 //!   data ([`HostGpus::fake_nvidia`] in tests and for `--fake-gpus`) and a real lock,
-//!   which needs no fake.
+//!   which needs no fake. [`gpu::health`]: which NVIDIA GPUs must not take new tasks, and why
+//!   (`nvidia-smi -q` memory-error state, the driver's XIDs in the kernel log).
 //! - [`keys`] — [`AuthorizedKeys`] / [`AuthorizedKeysManager`]: the shim-owned lines of a user's
 //!   file are exactly the keys of that user's live tasks; lines of unknown origin stay while a
 //!   live task's keys are unknown ([`AuthorizedKeys::hold_unknown`]); every read and write is

@@ -14,6 +14,9 @@
 //! - [`parse`] (pure, per vendor): `nvidia-smi` CSV, `amd-smi` JSON, `tt-smi` JSON, `hl-smi`
 //!   CSV.
 //! - [`lock`] (pure, in memory): [`GpuLock`].
+//! - [`health`] (NVIDIA): which GPUs must not take new tasks and why, from `nvidia-smi -q`
+//!   (pending page retirement, pending or failed row remapping) and the driver's XIDs in the
+//!   kernel log ([`probe_nvidia_health`], [`GpuHealthReport`], [`UnhealthyReason`]).
 //!
 //! A GPU's id is what the container configuration needs and what the lock hands out: the
 //! NVIDIA UUID, the AMD render node path (`/dev/dri/renderD<N>`), the index otherwise
@@ -29,10 +32,15 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 pub mod detect;
+pub mod health;
 pub mod lock;
 pub mod parse;
 
 pub use detect::{AMD_SMI_IMAGE, GpuDetector, TT_SMI_IMAGE, WSL_NVIDIA_SMI};
+pub use health::{
+    GpuHealth, GpuHealthReport, GpuRef, KernelLog, Kmsg, UnhealthyReason, XidMonitor, XidPolicy,
+    probe_nvidia_health,
+};
 pub use lock::GpuLock;
 pub use parse::{AmdGpu, parse_amd_smi, parse_hl_smi, parse_nvidia_smi, parse_tt_smi};
 
