@@ -1,6 +1,8 @@
-//! NVIDIA GPU health: `nvidia-smi -q` parsing, XIDs from the kernel log, the probe. Fixtures
-//! under `testdata/gpu/health/` are written by hand in the layout of public recordings; their
-//! README names each recording (URL at a commit) and every fault written in.
+//! NVIDIA GPU health: `nvidia-smi -q` parsing, XIDs from the kernel log, the probe.
+//!
+//! The fixtures under `testdata/gpu/health/` are NOT captures from a host: they are written by
+//! hand in the layout of the public recordings cited at each test (and in their README), with
+//! invented UUIDs and serials; every fault in them was written in, as said at each test.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // a test file: panics are failures
 
 use std::path::Path;
@@ -47,8 +49,10 @@ fn xid(code: u32, message: &str) -> UnhealthyReason {
 
 #[test]
 fn healthy_output_has_no_reasons() {
-    // Layout: leptonai/gpud nvidia-smi-query.535.154.05.out.0.valid (README). The MIG Mode,
-    // Driver Model, GPU Operation Mode and ECC Mode sections' `Pending` fields are not read.
+    // nvidia-smi-q-a100x2.txt: hand-written in the layout of the 535.154.05 recording
+    // https://github.com/leptonai/gpud/blob/a7cdf53da3fb277bfa0fe21518211a7d9f2befa4/components/accelerator/nvidia/query/testdata/nvidia-smi-query.535.154.05.out.0.valid
+    // with A100 values. The MIG Mode, Driver Model, GPU Operation Mode and ECC Mode sections'
+    // `Pending` fields are not read.
     let gpus = a100s();
     assert_eq!(
         gpus,
@@ -72,8 +76,10 @@ fn healthy_output_has_no_reasons() {
 
 #[test]
 fn row_remap_failure_and_pending_are_reasons_of_their_gpu() {
-    // The healthy fixture with GPU 0's `Remapping Failure Occurred` flipped to Yes and GPU 1's
-    // `Pending` flipped to Yes (histogram as in the stas00/ml-engineering A100 excerpt).
+    // nvidia-smi-q-a100x2.txt EDITED: GPU 0's `Remapping Failure Occurred` flipped to Yes; GPU
+    // 1's `Pending` flipped to Yes, `Uncorrectable Error` 1, histogram Max 639 / High 1 as in
+    // the recorded A100 excerpt with a pending remap in
+    // https://github.com/stas00/ml-engineering/blob/15de338c6411c943fc083f7365017c1547acf9af/compute/accelerator/nvidia/debug.md
     let gpus = parse_nvidia_smi_query(&fixture("nvidia-smi-q-a100x2-row-remap.txt")).unwrap();
     assert_eq!(gpus.len(), 2);
     assert_eq!(gpus[0].uuid, GPU0);
@@ -89,8 +95,10 @@ fn row_remap_failure_and_pending_are_reasons_of_their_gpu() {
 
 #[test]
 fn retired_pages_pending_is_a_reason_and_remapped_rows_na_is_none() {
-    // Layout: leptonai/gpud nvidia-smi-query.560.35.03.out.0.valid (TITAN V: `Remapped Rows :
-    // N/A`); `Pending Page Blacklist` flipped to Yes.
+    // nvidia-smi-q-v100-retired-pending.txt: hand-written in the layout of the TITAN V
+    // recording (`Remapped Rows : N/A` on one line)
+    // https://github.com/leptonai/gpud/blob/5e217ececb9daf2adff67d96a0218d756e1e1021/components/accelerator/nvidia/query/testdata/nvidia-smi-query.560.35.03.out.0.valid
+    // EDITED: `Double Bit ECC` 1 and `Pending Page Blacklist` flipped from N/A to Yes.
     let gpus = parse_nvidia_smi_query(&fixture("nvidia-smi-q-v100-retired-pending.txt")).unwrap();
     assert_eq!(gpus.len(), 1);
     assert_eq!(gpus[0].uuid, "GPU-9c8b7a65-4321-4fed-8cba-0987654321fe");
@@ -147,6 +155,13 @@ fn bus_ids_csv() {
 
 #[test]
 fn xid_line_shapes() {
+    // kmsg-xids.txt: hand-written /dev/kmsg records in the format of the recording
+    // https://github.com/leptonai/gpud/blob/505c54243f639c21cc865208c9e145f9757ab6af/pkg/kmsg/testdata/kmsg.1.log
+    // and of NVIDIA DCGM's XID pattern (dcgmlib/src/DcgmKmsgReader.cpp at 72fa3feaa67d); XID
+    // texts after https://docs.nvidia.com/deploy/xid-errors/. dmesg-xids.txt: the MIG shape of
+    // https://docs.nvidia.com/deploy/a100-gpu-mem-error-mgmt/user-visible-statistics.html, the
+    // `pid='<unknown>', name=<unknown>` of
+    // https://github.com/leptonai/gpud/blob/4a8de33a3f02e207f39e9023d67125592d599731/components/accelerator/nvidia/sxid/README.md
     let pci = |s| PciAddress::parse(s).unwrap();
     let kmsg = fixture("kmsg-xids.txt");
     let line = kmsg.lines().find(|l| l.contains("): 79,")).unwrap();
