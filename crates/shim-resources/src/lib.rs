@@ -17,7 +17,9 @@
 //!   per vendor, the in-memory [`GpuLock`], and placement by interconnect
 //!   ([`gpu::Topology`] from `nvidia-smi topo -m`, [`gpu::choose`]). The engine takes the
 //!   detected [`HostGpus`] as data ([`HostGpus::fake_nvidia`] in tests and for
-//!   `--fake-gpus`) and a real lock, which needs no fake.
+//!   `--fake-gpus`) and a real lock, which needs no fake. [`gpu::health`]: which NVIDIA GPUs
+//!   must not take new tasks, and why (`nvidia-smi -q` memory-error state, the driver's XIDs
+//!   in the kernel log).
 //! - [`keys`] — [`AuthorizedKeys`] / [`AuthorizedKeysManager`]: the shim-owned lines of a user's
 //!   file are exactly the keys of that user's live tasks; lines of unknown origin stay while a
 //!   live task's keys are unknown ([`AuthorizedKeys::hold_unknown`]); every read and write is

@@ -18,6 +18,9 @@
 //!   ([`GpuDetector::topology`] runs the tool), and [`choose`], which picks the free GPUs of
 //!   a request on one NUMA node where it can and over the best links (see its module docs
 //!   for the rule).
+//! - [`health`] (NVIDIA): which GPUs must not take new tasks and why, from `nvidia-smi -q`
+//!   (pending page retirement, pending or failed row remapping) and the driver's XIDs in the
+//!   kernel log ([`probe_nvidia_health`], [`GpuHealthReport`], [`UnhealthyReason`]).
 //!
 //! A GPU's id is what the container configuration needs and what the lock hands out: the
 //! NVIDIA UUID, the AMD render node path (`/dev/dri/renderD<N>`), the index otherwise
@@ -33,11 +36,16 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 pub mod detect;
+pub mod health;
 pub mod lock;
 pub mod parse;
 pub mod topo;
 
 pub use detect::{AMD_SMI_IMAGE, GpuDetector, TT_SMI_IMAGE, WSL_NVIDIA_SMI};
+pub use health::{
+    GpuHealth, GpuHealthReport, GpuRef, KernelLog, Kmsg, UnhealthyReason, XidMonitor, XidPolicy,
+    probe_nvidia_health,
+};
 pub use lock::GpuLock;
 pub use parse::{AmdGpu, parse_amd_smi, parse_hl_smi, parse_nvidia_smi, parse_tt_smi};
 pub use topo::{Link, SetScore, Topology, choose, parse_nvidia_topo};
