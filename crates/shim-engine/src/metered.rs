@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use shim_runtime::{
-    ContainerDetails, ContainerRuntime, ContainerSpec, ContainerSummary, EventStream, ImageDetails,
-    ProgressFn, PullRequest, Result as RtResult,
+    ContainerDetails, ContainerRuntime, ContainerSpec, ContainerSummary, EventStream, GpuSupport,
+    ImageDetails, ProgressFn, PullRequest, Result as RtResult,
 };
 use shim_task::PullProgress;
 use tokio_util::sync::CancellationToken;
@@ -69,6 +69,10 @@ impl ContainerRuntime for Metered {
 
     async fn remove(&self, id: &str) -> RtResult<()> {
         self.count("remove", self.runtime.remove(id).await)
+    }
+
+    async fn gpu_support(&self) -> RtResult<GpuSupport> {
+        self.count("info", self.runtime.gpu_support().await)
     }
 
     async fn inspect_image(&self, image: &str) -> RtResult<Option<ImageDetails>> {

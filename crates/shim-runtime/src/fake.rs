@@ -21,8 +21,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::spec::ContainerSpec;
 use crate::types::{
-    ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, EventKind, ImageDetails,
-    MountPoint, PublishedPort, PullRequest, has_labels,
+    ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, EventKind, GpuSupport,
+    ImageDetails, MountPoint, PublishedPort, PullRequest, has_labels,
 };
 use crate::{ContainerRuntime, EventStream, ProgressFn, Result, RuntimeError};
 use shim_task::NetworkMode;
@@ -205,6 +205,8 @@ struct State {
     /// Podman's version when creates refuse device requests as the Docker runtime does on
     /// Podman.
     podman: Option<String>,
+    /// What `gpu_support` answers.
+    gpu_support: Option<GpuSupport>,
 }
 
 /// The in-memory fake runtime. Cheap to clone (clones share state).
@@ -441,6 +443,12 @@ impl FakeRuntime {
                 state.image_ids.remove(&id);
             }
         }
+    }
+
+    /// Sets what `gpu_support` answers (by default: a Docker-like engine applying NVIDIA
+    /// requests and no CDI, or Podman's answer after [`Self::set_podman`]).
+    pub fn set_gpu_support(&self, support: GpuSupport) {
+        self.lock().gpu_support = Some(support);
     }
 
     /// Sets the directory `data_root` reports (none by default).
@@ -857,6 +865,29 @@ impl ContainerRuntime for FakeRuntime {
         Ok(())
     }
 
+    async fn gpu_support(&self) -> Result<GpuSupport> {
+        let state = self.lock();
+        if state.unreachable {
+            return Err(unavailable("info", "the daemon"));
+        }
+        Ok(state
+            .gpu_support
+            .clone()
+            .unwrap_or_else(|| match &state.podman {
+                Some(version) => GpuSupport::new(
+                    format!("Podman {version}"),
+                    crate::docker::podman_applies_cdi(version).then(|| {
+                        crate::DEFAULT_CDI_SPEC_DIRS
+                            .iter()
+                            .map(std::path::PathBuf::from)
+                            .collect()
+                    }),
+                    false,
+                ),
+                None => GpuSupport::new("Fake engine", None, true),
+            }))
+    }
+
     async fn data_root(&self) -> Result<Option<std::path::PathBuf>> {
         Ok(self.lock().data_root.clone())
     }
@@ -954,9 +985,10 @@ impl ContainerRuntime for FakeRuntime {
 
     async fn create(&self, spec: &ContainerSpec) -> Result<String> {
         let mut state = self.record(Call::Create(Box::new(spec.clone())), &spec.name)?;
-        // The Docker runtime's check on Podman, made before it asks the engine (the fake does
-        // not tell CDI requests apart: the engine makes none).
-        if let (Some(version), Some(request)) = (&state.podman, spec.device_requests.first()) {
+        // The Docker runtime's check on Podman, made before it asks the engine.
+        if let Some(version) = &state.podman
+            && let Some(request) = crate::docker::podman_ignored_request(version, spec)
+        {
             return Err(RuntimeError::DeviceRequestsIgnored {
                 what: format!("container {}", spec.name),
                 engine: format!("Podman {version}"),

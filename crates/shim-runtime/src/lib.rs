@@ -28,16 +28,16 @@ use tokio_util::sync::CancellationToken;
 pub use docker::DockerRuntime;
 pub use error::RuntimeError;
 pub use spec::{
-    BindMount, ContainerInputs, ContainerSpec, DeviceMapping, DeviceRequest,
-    EXIT_NO_PACKAGE_MANAGER, EXIT_SSHD_INSTALL_FAILED, GpuConfig, HUGEPAGES_1G_PATH, HostDevices,
-    INFINIBAND_PATH, LogLimits, NVIDIA_CAPABILITIES, RUNNER_BINARY_IN_CONTAINER,
+    BindMount, CDI_DRIVER, ContainerInputs, ContainerSpec, DEFAULT_CDI_SPEC_DIRS, DeviceMapping,
+    DeviceRequest, EXIT_NO_PACKAGE_MANAGER, EXIT_SSHD_INSTALL_FAILED, GpuConfig, HUGEPAGES_1G_PATH,
+    HostDevices, INFINIBAND_PATH, LogLimits, NVIDIA_CAPABILITIES, RUNNER_BINARY_IN_CONTAINER,
     RUNNER_DIR_IN_CONTAINER, RunnerParams, Ulimit, build_container_spec, nano_cpus,
     normalize_reference, runner_script, shell_quote, with_default_tag, without_nvidia_display,
 };
 pub use time::docker_time_ns;
 pub use types::{
     ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, DiskProbe, EventKind,
-    ImageDetails, MountPoint, PublishedPort, PullRequest, RegistryAuth,
+    GpuSupport, ImageDetails, MountPoint, PublishedPort, PullRequest, RegistryAuth,
 };
 pub use watchdog::{EXTRACTION_POLL, EXTRACTION_STALL_TIMEOUT};
 
@@ -113,6 +113,10 @@ pub trait ContainerRuntime: Send + Sync {
     /// uses is [`RuntimeError::Conflict`], a missing one is success. What the disk got back
     /// is not said: measure it.
     async fn delete_image(&self, image: &str) -> Result<()>;
+
+    /// What the engine can do with GPUs, as it says itself: its name and version, whether and
+    /// from where it applies CDI specs, whether it applies NVIDIA device requests.
+    async fn gpu_support(&self) -> Result<GpuSupport>;
 
     /// The directory the engine keeps its data in (Docker's `DockerRootDir`, Podman's graph
     /// root), if it names one: the file system images fill.

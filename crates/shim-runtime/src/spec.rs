@@ -60,16 +60,24 @@ impl DeviceMapping {
     }
 }
 
-/// A device request (NVIDIA GPUs).
+/// A device request: upstream's NVIDIA one (driver `nvidia`, GPU UUIDs, capabilities) or a
+/// CDI one (driver [`CDI_DRIVER`], fully qualified CDI device names, no capabilities).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct DeviceRequest {
-    /// The driver (`nvidia`).
+    /// The driver (`nvidia`, `cdi`).
     pub driver: String,
-    /// Device ids (GPU UUIDs).
+    /// Device ids (GPU UUIDs; CDI names `vendor.com/class=name`).
     pub device_ids: Vec<String>,
-    /// Capabilities, all required together.
+    /// Capabilities, all required together (none for CDI).
     pub capabilities: Vec<String>,
 }
+
+/// The device request driver of CDI devices (Docker 25+ with CDI on, Podman 5+).
+pub const CDI_DRIVER: &str = "cdi";
+
+/// Where engines read CDI specs unless told otherwise (the CDI spec's defaults): `/etc/cdi`
+/// (static specs), then `/var/run/cdi` (generated ones, which take precedence).
+pub const DEFAULT_CDI_SPEC_DIRS: [&str; 2] = ["/etc/cdi", "/var/run/cdi"];
 
 /// A resource limit (`ulimit`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -221,10 +229,18 @@ pub enum GpuConfig {
     /// No accelerators.
     #[default]
     None,
-    /// NVIDIA GPUs by UUID (a device request).
+    /// NVIDIA GPUs by UUID (upstream's device request, driver `nvidia`: needs NVIDIA's
+    /// runtime hook on the host; Podman ignores it).
     Nvidia {
         /// GPU UUIDs.
         uuids: Vec<String>,
+    },
+    /// Devices by their CDI names (`nvidia.com/gpu=GPU-…`, `amd.com/gpu=0`): a device request
+    /// of driver [`CDI_DRIVER`]; the engine applies the host's CDI spec (device nodes, env,
+    /// mounts, hooks).
+    Cdi {
+        /// Fully qualified CDI device names.
+        devices: Vec<String>,
     },
     /// AMD GPUs by render node (`/dev/dri/renderD128`).
     Amd {
@@ -517,6 +533,15 @@ fn apply_gpu(spec: &mut ContainerSpec, gpu: &GpuConfig, host: HostDevices) {
                         .iter()
                         .map(|c| (*c).to_owned())
                         .collect(),
+                });
+            }
+        }
+        GpuConfig::Cdi { devices } => {
+            if !devices.is_empty() {
+                spec.device_requests.push(DeviceRequest {
+                    driver: CDI_DRIVER.to_owned(),
+                    device_ids: devices.clone(),
+                    capabilities: Vec::new(),
                 });
             }
         }
@@ -872,6 +897,35 @@ mod tests {
             without_nvidia_display(&build_container_spec(&inputs()), "/dev/nvidia-modeset")
                 .is_none()
         );
+    }
+
+    /// CDI: one request of driver `cdi` naming the devices, no capabilities, nothing else
+    /// (the spec's edits are the engine's to apply); no display retry applies.
+    #[test]
+    fn cdi_devices_are_one_request() {
+        let mut i = inputs();
+        i.gpu = GpuConfig::Cdi {
+            devices: vec![
+                "nvidia.com/gpu=GPU-a".to_owned(),
+                "nvidia.com/gpu=1".to_owned(),
+            ],
+        };
+        let spec = build_container_spec(&i);
+        assert_eq!(
+            spec.device_requests,
+            [DeviceRequest {
+                driver: "cdi".to_owned(),
+                device_ids: vec![
+                    "nvidia.com/gpu=GPU-a".to_owned(),
+                    "nvidia.com/gpu=1".to_owned()
+                ],
+                capabilities: vec![],
+            }]
+        );
+        assert!(spec.devices.is_empty() && spec.cap_add.is_empty() && spec.ipc_mode.is_none());
+        assert!(without_nvidia_display(&spec, "/dev/nvidia-modeset").is_none());
+        i.gpu = GpuConfig::Cdi { devices: vec![] };
+        assert!(build_container_spec(&i).device_requests.is_empty());
     }
 
     #[test]

@@ -136,6 +136,41 @@ impl PullRequest {
     }
 }
 
+/// What a container engine can do with GPUs ([`crate::ContainerRuntime::gpu_support`]).
+/// Built with [`GpuSupport::new`] (`#[non_exhaustive]`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct GpuSupport {
+    /// The engine as its version answer names it: `Docker 28.5.2`, `Podman 5.4.2`.
+    pub engine: String,
+    /// The directories it reads CDI specs from, when it applies CDI device requests
+    /// (`DeviceRequests` driver `cdi`): Docker's `CDISpecDirs` (Docker 25+ with CDI on, the
+    /// default from 28.2), Podman 5+'s defaults (`/etc/cdi`, `/var/run/cdi`: its
+    /// Docker-compatible `/info` names none). `None`: it applies none (Docker before 25 or
+    /// with CDI off, Podman 4).
+    pub cdi_spec_dirs: Option<Vec<PathBuf>>,
+    /// Whether it applies upstream's NVIDIA device requests (driver `nvidia`, through NVIDIA's
+    /// runtime hook, which the engine cannot say is there): Docker; Podman's Docker API
+    /// ignores them.
+    pub nvidia_requests: bool,
+}
+
+impl GpuSupport {
+    /// An engine named `engine`, reading CDI specs from `cdi_spec_dirs` (`None`: no CDI),
+    /// applying NVIDIA device requests or not.
+    pub fn new(
+        engine: impl Into<String>,
+        cdi_spec_dirs: Option<Vec<PathBuf>>,
+        nvidia_requests: bool,
+    ) -> Self {
+        Self {
+            engine: engine.into(),
+            cdi_spec_dirs,
+            nvidia_requests,
+        }
+    }
+}
+
 /// A local image as the engine describes it ([`crate::ContainerRuntime::inspect_image`]).
 /// Built with [`ImageDetails::new`] (`#[non_exhaustive]`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -14,6 +14,7 @@
 //! - [`parse`] (pure, per vendor): `nvidia-smi` CSV, `amd-smi` JSON, `tt-smi` JSON, `hl-smi`
 //!   CSV.
 //! - [`lock`] (pure, in memory): [`GpuLock`].
+//! - [`cdi`] (file IO): the host's CDI specs ([`CdiRegistry`]) and the CDI name of each GPU.
 //! - [`topo`] (pure): the interconnect matrix of `nvidia-smi topo -m` as a [`Topology`]
 //!   ([`GpuDetector::topology`] runs the tool), and [`choose`], which picks the free GPUs of
 //!   a request on one NUMA node where it can and over the best links (see its module docs
@@ -35,12 +36,14 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+pub mod cdi;
 pub mod detect;
 pub mod health;
 pub mod lock;
 pub mod parse;
 pub mod topo;
 
+pub use cdi::{AMD_KIND, CdiDevice, CdiRegistry, NVIDIA_KIND};
 pub use detect::{AMD_SMI_IMAGE, GpuDetector, TT_SMI_IMAGE, WSL_NVIDIA_SMI};
 pub use health::{
     GpuHealth, GpuHealthReport, GpuRef, KernelLog, Kmsg, UnhealthyReason, XidMonitor, XidPolicy,

@@ -199,7 +199,9 @@ pub(super) fn create_body(spec: &ContainerSpec) -> ContainerCreateBody {
                 .map(|r| DockerDeviceRequest {
                     driver: Some(r.driver.clone()),
                     device_ids: Some(r.device_ids.clone()),
-                    capabilities: Some(vec![r.capabilities.clone()]),
+                    // A CDI request names devices only (`[[]]` would ask for a capability set).
+                    capabilities: (!r.capabilities.is_empty())
+                        .then(|| vec![r.capabilities.clone()]),
                     ..DockerDeviceRequest::default()
                 })
                 .collect()

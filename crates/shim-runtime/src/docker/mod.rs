@@ -7,6 +7,7 @@ mod progress;
 #[cfg(test)]
 mod tests;
 
+use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
@@ -24,7 +25,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::spec::ContainerSpec;
-use crate::types::{ContainerDetails, ContainerSummary, ImageDetails, PullRequest, has_labels};
+use crate::types::{
+    ContainerDetails, ContainerSummary, GpuSupport, ImageDetails, PullRequest, has_labels,
+};
 use crate::watchdog::{DiskWatch, Watchdog};
 use crate::{ContainerRuntime, EventStream, ProgressFn, Result, RuntimeError};
 use shim_task::PullProgress;
@@ -78,16 +81,7 @@ impl Flavour {
         let Self::Podman { version } = self else {
             return Ok(());
         };
-        let honours_cdi = version
-            .split('.')
-            .next()
-            .and_then(|major| major.parse::<u32>().ok())
-            .is_some_and(|major| major >= 5);
-        match spec
-            .device_requests
-            .iter()
-            .find(|r| !(honours_cdi && r.driver == "cdi"))
-        {
+        match podman_ignored_request(version, spec) {
             Some(request) => Err(RuntimeError::DeviceRequestsIgnored {
                 what: container(&spec.name),
                 engine: format!("Podman {version}"),
@@ -96,6 +90,57 @@ impl Flavour {
             None => Ok(()),
         }
     }
+
+    /// What the engine can do with GPUs (see [`GpuSupport`]): Docker says where it reads CDI
+    /// specs in `/info` (nothing before 25, an empty list while CDI is off); Podman 5+ applies
+    /// CDI requests from its default spec dirs, Podman 4 none.
+    async fn gpu_support(&self, docker: &Docker) -> Result<GpuSupport> {
+        match self {
+            Self::Podman { version } => {
+                let cdi = podman_applies_cdi(version).then(|| {
+                    crate::DEFAULT_CDI_SPEC_DIRS
+                        .iter()
+                        .map(PathBuf::from)
+                        .collect()
+                });
+                Ok(GpuSupport::new(format!("Podman {version}"), cdi, false))
+            }
+            Self::Docker => {
+                let info = docker
+                    .info()
+                    .await
+                    .map_err(|e| translate("info", "the daemon".to_owned(), e))?;
+                let cdi = info
+                    .cdi_spec_dirs
+                    .filter(|dirs| !dirs.is_empty())
+                    .map(|dirs| dirs.into_iter().map(PathBuf::from).collect());
+                let version = info.server_version.unwrap_or_default();
+                Ok(GpuSupport::new(format!("Docker {version}"), cdi, true))
+            }
+        }
+    }
+}
+
+/// Whether Podman `version` applies CDI device requests through its Docker API (5.x does;
+/// 4.3 ignores every device request).
+pub(crate) fn podman_applies_cdi(version: &str) -> bool {
+    version
+        .split('.')
+        .next()
+        .and_then(|major| major.parse::<u32>().ok())
+        .is_some_and(|major| major >= 5)
+}
+
+/// The first device request of `spec` that Podman `version`'s Docker API would ignore: all
+/// but the `cdi` driver's on 5.x, every one on 4.
+pub(crate) fn podman_ignored_request<'a>(
+    version: &str,
+    spec: &'a ContainerSpec,
+) -> Option<&'a crate::DeviceRequest> {
+    let cdi = podman_applies_cdi(version);
+    spec.device_requests
+        .iter()
+        .find(|r| !(cdi && r.driver == crate::CDI_DRIVER))
 }
 
 /// Translates a bollard error into a [`RuntimeError`], once.
@@ -421,6 +466,10 @@ impl ContainerRuntime for DockerRuntime {
                 other => Err(other),
             },
         }
+    }
+
+    async fn gpu_support(&self) -> Result<GpuSupport> {
+        self.flavour.gpu_support(&self.docker).await
     }
 
     async fn data_root(&self) -> Result<Option<std::path::PathBuf>> {
