@@ -21,8 +21,8 @@ pub struct Limits {
 }
 
 impl Default for Limits {
-    /// 64 combinations exhaustively (six pending entry operations, or four with a write),
-    /// 64 sampled beyond.
+    /// 64 combinations exhaustively (six pending entry operations, or four and a write), 64
+    /// sampled beyond.
     fn default() -> Self {
         Self {
             exhaustive: 64,
