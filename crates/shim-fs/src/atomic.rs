@@ -3,7 +3,7 @@
 
 use std::ffi::{OsStr, OsString};
 use std::io::Write as _;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd as _, OwnedFd};
 use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -14,6 +14,7 @@ use rustix::io::Errno;
 
 use crate::dir::{Dir, FileKind, Owner, check_name, set_owner};
 use crate::error::{Error, Result, Step};
+use crate::tap::Tap;
 
 /// Mode, owner (and, in tests, faults) of an atomic write.
 #[derive(Debug, Clone)]
@@ -150,13 +151,18 @@ pub struct TempFile {
     file: std::fs::File,
     path: PathBuf,
     written: u64,
+    tap: Tap,
 }
 
 impl TempFile {
     /// Appends `buf`; an error names the temp file and [`Step::Write`].
     pub fn write_all(&mut self, buf: &[u8]) -> Result<()> {
-        self.file
-            .write_all(buf)
+        let (file, offset) = (&self.file, self.written);
+        self.tap
+            .around(
+                || (&*file).write_all(buf),
+                |s, ()| s.write(file.as_fd(), offset, buf),
+            )
             .map_err(|e| Error::io(Step::Write, &self.path, e))?;
         self.written += buf.len() as u64;
         Ok(())
@@ -294,6 +300,7 @@ impl Dir {
             _ => (opts.mode, opts.owner),
         };
 
+        let tap = &self.tap;
         hooks.inject(Step::CreateTemp, &target)?;
         let (tmp_name, fd) = self.create_temp(name, mode)?;
         let tmp_path = self.join(&tmp_name);
@@ -306,32 +313,45 @@ impl Dir {
             set_owner(&fd, o, &tmp_path)?;
         }
         // After the chown (which may clear set-id bits), and whatever the umask.
-        rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode as _))
-            .map_err(|e| Error::sys(Step::SetMode, &tmp_path, e))?;
+        tap.around(
+            || rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode as _)),
+            |s, ()| s.set_mode(fd.as_fd(), mode),
+        )
+        .map_err(|e| Error::sys(Step::SetMode, &tmp_path, e))?;
         let mut file = TempFile {
             file: std::fs::File::from(fd),
             path: tmp_path.clone(),
             written: 0,
+            tap: tap.clone(),
         };
         hooks.inject_write(&mut file.file, partial, &tmp_path)?;
         write(&mut file)?;
         hooks.inject(Step::SyncFile, &tmp_path)?;
-        file.file
-            .sync_all()
-            .map_err(|e| Error::io(Step::SyncFile, &tmp_path, e))?;
+        if !tap.skips_file_fsync() {
+            let f = &file.file;
+            tap.around(|| f.sync_all(), |s, ()| s.fsync(f.as_fd()))
+                .map_err(|e| Error::io(Step::SyncFile, &tmp_path, e))?;
+        }
         drop(file);
         let tmp_name = guard.name.as_deref().unwrap_or_default();
         let created = match how {
             Publish::Replace => {
                 hooks.inject(Step::Rename, &target)?;
-                rustix::fs::renameat(self, tmp_name, self, name)
-                    .map_err(|e| Error::sys(Step::Rename, &target, e))?;
+                tap.around(
+                    || rustix::fs::renameat(self, tmp_name, self, name),
+                    |s, ()| s.rename(self.as_fd(), tmp_name, self.as_fd(), name),
+                )
+                .map_err(|e| Error::sys(Step::Rename, &target, e))?;
                 guard.name = None;
                 true
             }
             Publish::NoReplace => {
                 hooks.inject(Step::Link, &target)?;
-                match rustix::fs::linkat(self, tmp_name, self, name, AtFlags::empty()) {
+                let linked = tap.around(
+                    || rustix::fs::linkat(self, tmp_name, self, name, AtFlags::empty()),
+                    |s, ()| s.link(self.as_fd(), tmp_name, self.as_fd(), name),
+                );
+                match linked {
                     Ok(()) => true,
                     Err(Errno::EXIST) => false,
                     Err(e) => return Err(Error::sys(Step::Link, &target, e).into()),
@@ -340,7 +360,7 @@ impl Dir {
             }
         };
         drop(guard);
-        if created {
+        if created && !tap.skips_publish_dir_fsync() {
             hooks.inject(Step::SyncDir, self.path())?;
             self.sync()?;
         }
@@ -360,7 +380,11 @@ impl Dir {
                 process_token(),
                 TEMP_COUNTER.fetch_add(1, Ordering::Relaxed)
             ));
-            match rustix::fs::openat(self, &tmp, flags, Mode::from_raw_mode(mode as _)) {
+            let opened = self.tap.around(
+                || rustix::fs::openat(self, &tmp, flags, Mode::from_raw_mode(mode as _)),
+                |s, fd| s.create(self.as_fd(), &tmp, fd.as_fd(), flags, mode),
+            );
+            match opened {
                 Ok(fd) => return Ok((tmp, fd)),
                 Err(Errno::EXIST) => last = Errno::EXIST,
                 Err(e) => {
@@ -388,7 +412,7 @@ impl Drop for TempGuard<'_> {
         if self.hooks.crashed() {
             return;
         }
-        if let Err(e) = rustix::fs::unlinkat(self.dir, &name, AtFlags::empty())
+        if let Err(e) = self.dir.unlink(&name)
             && e != Errno::NOENT
         {
             tracing::warn!(file = %self.dir.join(&name).display(), error = %e,

@@ -12,6 +12,7 @@ use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use rustix::io::Errno;
 
 use crate::error::{Error, Result, Step};
+use crate::tap::Tap;
 
 /// What kind of file a path is (never following a symbolic link).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -128,6 +129,8 @@ impl Owner {
 pub struct Dir {
     fd: OwnedFd,
     path: PathBuf,
+    /// The crash recorder this handle (and every handle opened from it) reports to, in tests.
+    pub(crate) tap: Tap,
 }
 
 impl AsFd for Dir {
@@ -162,6 +165,7 @@ impl Dir {
         Ok(Self {
             fd,
             path: path.to_owned(),
+            tap: Tap::default(),
         })
     }
 
@@ -178,9 +182,18 @@ impl Dir {
             Ok(fd) => Ok(Self {
                 fd,
                 path: path.to_owned(),
+                tap: Tap::default(),
             }),
             Err(e) => Err(classify_dir_error(rustix::fs::CWD, path, path, e)),
         }
+    }
+
+    /// This handle, recording its durable operations (and those of every handle opened from
+    /// it) into `recorder` (tests: see [`crate::crash`]).
+    #[cfg(any(test, feature = "test-support"))]
+    pub fn with_recorder(mut self, recorder: std::sync::Arc<crate::crash::Recorder>) -> Self {
+        self.tap = Tap::new(recorder);
+        self
     }
 
     /// The path it was opened at (for messages).
@@ -204,9 +217,30 @@ impl Dir {
             dir_flags() | OFlags::NOFOLLOW,
             Mode::empty(),
         ) {
-            Ok(fd) => Ok(Some(Self { fd, path })),
+            Ok(fd) => Ok(Some(Self {
+                fd,
+                path,
+                tap: self.tap.clone(),
+            })),
             Err(Errno::NOENT) => Ok(None),
             Err(e) => Err(classify_dir_error(&self.fd, name, &path, e)),
+        }
+    }
+
+    /// Opens the subdirectory `name`, following it if it is a symbolic link (for a trusted
+    /// directory, like [`Dir::open`], but relative to this handle): `None` when it does not
+    /// exist.
+    pub fn open_dir_following(&self, name: impl AsRef<OsStr>) -> Result<Option<Dir>> {
+        let name = check_name(&self.path, name.as_ref())?;
+        let path = self.join(name);
+        match rustix::fs::openat(&self.fd, name, dir_flags(), Mode::empty()) {
+            Ok(fd) => Ok(Some(Self {
+                fd,
+                path,
+                tap: self.tap.clone(),
+            })),
+            Err(Errno::NOENT) => Ok(None),
+            Err(e) => Err(Error::sys(Step::OpenDir, path, e)),
         }
     }
 
@@ -250,7 +284,11 @@ impl Dir {
             if let Some(d) = self.open_dir(name)? {
                 return Ok((d, false));
             }
-            match rustix::fs::mkdirat(&self.fd, name, Mode::from_raw_mode(mode as _)) {
+            let made = self.tap.around(
+                || rustix::fs::mkdirat(&self.fd, name, Mode::from_raw_mode(mode as _)),
+                |s, ()| s.mkdir(self.fd.as_fd(), name, mode),
+            );
+            match made {
                 Ok(()) => {}
                 Err(Errno::EXIST) => continue,
                 Err(e) => return Err(Error::sys(Step::CreateDir, &path, e)),
@@ -261,7 +299,7 @@ impl Dir {
             if let Some(o) = owner {
                 set_owner(&d.fd, o, &path)?;
             }
-            rustix::fs::fchmod(&d.fd, Mode::from_raw_mode(mode as _))
+            d.chmod(mode)
                 .map_err(|e| Error::sys(Step::SetMode, &path, e))?;
             if sync {
                 self.sync()?;
@@ -296,8 +334,15 @@ impl Dir {
     /// Sets the directory's own mode to exactly `mode` (`fchmod` on the handle, so a link
     /// swapped in at its path changes nothing).
     pub fn set_mode(&self, mode: u32) -> Result<()> {
-        rustix::fs::fchmod(&self.fd, Mode::from_raw_mode((mode & 0o7777) as _))
+        self.chmod(mode & 0o7777)
             .map_err(|e| Error::sys(Step::SetMode, &self.path, e))
+    }
+
+    fn chmod(&self, mode: u32) -> rustix::io::Result<()> {
+        self.tap.around(
+            || rustix::fs::fchmod(&self.fd, Mode::from_raw_mode(mode as _)),
+            |s, ()| s.set_mode(self.fd.as_fd(), mode),
+        )
     }
 
     /// Reads the regular file `name` whole, at most `max` bytes: `None` when it does not
@@ -357,11 +402,82 @@ impl Dir {
     /// Removes the file (or symbolic link) `name`; `false` when it did not exist.
     pub fn remove_file(&self, name: impl AsRef<OsStr>) -> Result<bool> {
         let name = check_name(&self.path, name.as_ref())?;
-        match rustix::fs::unlinkat(&self.fd, name, AtFlags::empty()) {
+        match self.unlink(name) {
             Ok(()) => Ok(true),
             Err(Errno::NOENT) => Ok(false),
             Err(e) => Err(Error::sys(Step::Remove, self.join(name), e)),
         }
+    }
+
+    /// `unlinkat(name)`, recorded.
+    pub(crate) fn unlink(&self, name: &OsStr) -> rustix::io::Result<()> {
+        self.tap.around(
+            || rustix::fs::unlinkat(&self.fd, name, AtFlags::empty()),
+            |s, ()| s.unlink(self.fd.as_fd(), name),
+        )
+    }
+
+    /// Removes the empty directory `name` (never through a link); `false` when it did not
+    /// exist. Durable with this directory's next fsync.
+    pub fn remove_dir(&self, name: impl AsRef<OsStr>) -> Result<bool> {
+        let name = check_name(&self.path, name.as_ref())?;
+        match self.rmdir(name) {
+            Ok(()) => Ok(true),
+            Err(Errno::NOENT) => Ok(false),
+            Err(e) => Err(Error::sys(Step::Remove, self.join(name), e)),
+        }
+    }
+
+    fn rmdir(&self, name: &OsStr) -> rustix::io::Result<()> {
+        self.tap.around(
+            || rustix::fs::unlinkat(&self.fd, name, AtFlags::REMOVEDIR),
+            |s, ()| s.rmdir(self.fd.as_fd(), name),
+        )
+    }
+
+    /// Removes `name` whatever it is: a directory with everything in it (each subdirectory
+    /// opened relative to its parent, never through a link), or a file or link. `false` when
+    /// it did not exist. Nothing is fsynced: the removal is durable with this directory's
+    /// next fsync.
+    pub fn remove_tree(&self, name: impl AsRef<OsStr>) -> Result<bool> {
+        let name = check_name(&self.path, name.as_ref())?;
+        let Some(info) = self.stat(name)? else {
+            return Ok(false);
+        };
+        if info.kind != FileKind::Directory {
+            return self.remove_file(name);
+        }
+        if let Some(sub) = self.open_dir(name)? {
+            sub.empty_out()?;
+        }
+        self.remove_dir(name)
+    }
+
+    /// Removes everything in this directory.
+    fn empty_out(&self) -> Result<()> {
+        for name in self.names()? {
+            self.remove_tree(&name)?;
+        }
+        Ok(())
+    }
+
+    /// Renames `from` (in this directory) to `to` in `to_dir` (`renameat`; this directory or
+    /// another handle), replacing what `to` named as `rename(2)` does. Neither name is
+    /// followed if it is a link. Durable once both directories have been fsynced.
+    pub fn rename(
+        &self,
+        from: impl AsRef<OsStr>,
+        to_dir: &Dir,
+        to: impl AsRef<OsStr>,
+    ) -> Result<()> {
+        let from = check_name(&self.path, from.as_ref())?;
+        let to = check_name(&to_dir.path, to.as_ref())?;
+        self.tap
+            .around(
+                || rustix::fs::renameat(&self.fd, from, &to_dir.fd, to),
+                |s, ()| s.rename(self.fd.as_fd(), from, to_dir.fd.as_fd(), to),
+            )
+            .map_err(|e| Error::sys(Step::Rename, to_dir.join(to), e))
     }
 
     /// The names in the directory (without `.` and `..`).
@@ -381,7 +497,15 @@ impl Dir {
 
     /// fsyncs the directory: makes creations, renames and removals in it durable.
     pub fn sync(&self) -> Result<()> {
-        rustix::fs::fsync(&self.fd).map_err(|e| Error::sys(Step::SyncDir, &self.path, e))
+        if self.tap.skips_dir_fsync() {
+            return Ok(());
+        }
+        self.tap
+            .around(
+                || rustix::fs::fsync(&self.fd),
+                |s, ()| s.fsync_dir(self.fd.as_fd()),
+            )
+            .map_err(|e| Error::sys(Step::SyncDir, &self.path, e))
     }
 }
 

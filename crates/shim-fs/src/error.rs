@@ -22,6 +22,8 @@ pub enum Step {
     Read,
     /// Creating a directory.
     CreateDir,
+    /// Creating a file (other than an atomic write's temp file).
+    Create,
     /// Creating the temp file beside the target (`O_CREAT|O_EXCL|O_NOFOLLOW`).
     CreateTemp,
     /// Setting a mode (`fchmod`).
@@ -55,6 +57,7 @@ impl Step {
             Self::Stat => "stat",
             Self::Read => "read",
             Self::CreateDir => "create directory",
+            Self::Create => "create",
             Self::CreateTemp => "create a temp file for",
             Self::SetMode => "set the mode of",
             Self::SetOwner => "set the owner of",

@@ -20,19 +20,27 @@
 //! - Path forms of the same: [`write_atomic`], [`write_atomic_with`], [`create_new_atomic`],
 //!   [`read_file`] (the directory part of the path is trusted and opened following links).
 //!
+//! - On a handle, for moves and removals: [`Dir::rename`] (`renameat`, to this or another
+//!   handle), [`Dir::remove_dir`] and [`Dir::remove_tree`] (never following a link).
+//!
 //! Errors: one [`Error`] enum naming the path and the [`Step`] that failed. With `cfg(test)` or
-//! the `test-support` feature, the `fault` module injects a failure or a crash at any step.
+//! the `test-support` feature, the `fault` module injects a failure or a crash at any step,
+//! and the `crash` module records the durable operations made through a handle and builds every
+//! state a crash could leave after each of them (ALICE's and CrashMonkey's method).
 //!
 //! Crash safety is tested here once (fault injection at every step, a writer killed with
 //! SIGKILL at random moments, modes under every umask); the other crates use this crate
 //! instead of their own copies.
 
 mod atomic;
+#[cfg(any(test, feature = "test-support"))]
+pub mod crash;
 mod dir;
 mod error;
 #[cfg(any(test, feature = "test-support"))]
 pub mod fault;
 mod lock;
+mod tap;
 
 pub use atomic::{
     TempFile, WriteOptions, create_new_atomic, is_temp_of, read_file, write_atomic,

@@ -193,12 +193,12 @@ fn ensure_dir_with(parent: &Dir, name: &str, mode: u32, sync: bool) -> Result<(D
 }
 
 /// A name `<prefix><ms>` (or a later ms) that does not exist in `dir`.
-fn free_name(dir: &Path, prefix: &str) -> PathBuf {
+fn free_name(dir: &Dir, prefix: &str) -> String {
     let mut ms = now_ms();
     loop {
-        let p = dir.join(format!("{prefix}{ms}"));
-        if fs::symlink_metadata(&p).is_err() {
-            return p;
+        let name = format!("{prefix}{ms}");
+        if !matches!(dir.stat(&name), Ok(Some(_))) {
+            return name;
         }
         ms += 1;
     }
@@ -219,13 +219,29 @@ impl Store {
     /// Opens the store under `home` (created if missing, 0700), creating `<home>/runners`
     /// (0755, as upstream creates it).
     pub fn open(home: impl AsRef<Path>) -> Result<Self> {
-        let home = home.as_ref();
+        Self::open_with(home.as_ref(), |dir| dir)
+    }
+
+    /// [`Store::open`], every durable operation of the store (from opening on) recorded into
+    /// `recorder`, whose root is `home` or a directory above it (crash-state tests:
+    /// `shim_fs::crash`).
+    #[cfg(any(test, feature = "test-support"))]
+    pub fn open_recorded(
+        home: impl AsRef<Path>,
+        recorder: std::sync::Arc<shim_fs::crash::Recorder>,
+    ) -> Result<Self> {
+        Self::open_with(home.as_ref(), |dir| dir.with_recorder(recorder))
+    }
+
+    /// Opens the store, `attach` given the home's handle (from which every other handle of
+    /// the store is opened).
+    fn open_with(home: &Path, attach: impl FnOnce(Dir) -> Dir) -> Result<Self> {
         if !home.exists() {
             fs::create_dir_all(home).map_err(io_err("creating the shim home"))?;
             fs::set_permissions(home, std::fs::Permissions::from_mode(DIR_MODE))
                 .map_err(io_err("setting the shim home's mode"))?;
         }
-        let home_handle = Dir::open(home).map_err(fs_err_ctx("opening the shim home"))?;
+        let home_handle = attach(Dir::open(home).map_err(fs_err_ctx("opening the shim home"))?);
         // Created durably (the home is fsynced) when missing.
         let (runners, _) = ensure_dir(&home_handle, RUNNERS_DIR, RUNNERS_DIR_MODE)?;
         // A crash while writing the owner identity leaves a temp file there.
@@ -344,16 +360,15 @@ impl Store {
             return Ok(false);
         }
         let ctx = || format!("removing the empty task directory {}", paths.dir.display());
-        match fs::remove_dir(&paths.runner_dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io_err(ctx())(e)),
-        }
-        fs::remove_dir(&paths.dir).map_err(io_err(ctx()))?;
+        dir.remove_dir(RUNNER_DIR).map_err(fs_err_ctx(ctx()))?;
+        let removed = self
+            .runners
+            .remove_dir(container_name)
+            .map_err(fs_err_ctx(ctx()))?;
         if let Err(e) = self.runners.sync() {
             tracing::warn!(error = %error_chain(&e), "cannot sync the runners directory");
         }
-        Ok(true)
+        Ok(removed)
     }
 
     /// Durably replaces the record (`shim_fs::Dir::write_atomic` in the task directory,
@@ -467,13 +482,13 @@ impl Store {
             }
             Err(e) => e,
         };
-        let target = free_name(&dir, CORRUPT_PREFIX);
-        let moved_to = match fs::rename(&state_file, &target) {
+        let target = free_name(&handle, CORRUPT_PREFIX);
+        let moved_to = match handle.rename(STATE_FILE, &handle, &target) {
             Ok(()) => {
                 if let Err(e) = handle.sync() {
                     tracing::warn!(error = %error_chain(&e), "cannot sync a task directory");
                 }
-                Some(target)
+                Some(dir.join(&target))
             }
             Err(e) => {
                 tracing::warn!(dir = %dir.display(), error = %error_chain(&e), "cannot move an unusable state file aside");
@@ -500,22 +515,24 @@ impl Store {
     /// stays for [`Store::sweep_trash`]. An unknown task is `Ok`.
     pub fn delete(&self, container_name: &str) -> Result<()> {
         let paths = self.paths(container_name)?;
-        match fs::symlink_metadata(&paths.dir) {
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(io_err(format!("deleting {}", paths.dir.display()))(e)),
+        let ctx = || format!("deleting {}", paths.dir.display());
+        if self
+            .runners
+            .stat(container_name)
+            .map_err(fs_err_ctx(ctx()))?
+            .is_none()
+        {
+            return Ok(());
         }
-        let trash = free_name(
-            &self.runners_dir,
-            &format!("{TRASH_PREFIX}{container_name}-"),
-        );
-        fs::rename(&paths.dir, &trash)
-            .map_err(io_err(format!("deleting {}", paths.dir.display())))?;
+        let trash = free_name(&self.runners, &format!("{TRASH_PREFIX}{container_name}-"));
+        self.runners
+            .rename(container_name, &self.runners, &trash)
+            .map_err(fs_err_ctx(ctx()))?;
         if let Err(e) = self.runners.sync() {
             tracing::warn!(error = %error_chain(&e), "cannot sync the runners directory after a delete");
         }
-        if let Err(e) = remove_any(&trash) {
-            tracing::warn!(trash = %trash.display(), error = %error_chain(&e), "cannot remove a deleted task's directory now; it is swept later");
+        if let Err(e) = self.runners.remove_tree(&trash) {
+            tracing::warn!(trash = %self.runners.join(&trash).display(), error = %error_chain(&e), "cannot remove a deleted task's directory now; it is swept later");
         }
         Ok(())
     }
@@ -535,8 +552,8 @@ impl Store {
             if !name.to_str().is_some_and(|n| n.starts_with(TRASH_PREFIX)) {
                 continue;
             }
-            match remove_any(&self.runners.join(&name)) {
-                Ok(()) => removed += 1,
+            match self.runners.remove_tree(&name) {
+                Ok(_) => removed += 1,
                 Err(e) => {
                     tracing::warn!(error = %error_chain(&e), "cannot remove a trash directory")
                 }
@@ -594,11 +611,9 @@ impl Store {
     /// The first release's `tasks/` directory (opened following a link, as that release
     /// did), or `None` when there is none.
     fn legacy_dir(&self) -> Result<Option<Dir>> {
-        match Dir::open(self.home.join(LEGACY_TASKS_DIR)) {
-            Ok(dir) => Ok(Some(dir)),
-            Err(e) if e.is_not_found() => Ok(None),
-            Err(e) => Err(fs_err_ctx("listing the task directories")(e)),
-        }
+        self.home_handle
+            .open_dir_following(LEGACY_TASKS_DIR)
+            .map_err(fs_err_ctx("listing the task directories"))
     }
 
     /// The records of the first release's `tasks/<id>/` directories, read in place (nothing
@@ -642,7 +657,9 @@ impl Store {
             });
             let (Some(handle), Some((record, _))) = (&handle, record) else {
                 if handle.as_ref().is_some_and(is_skeleton) {
-                    remove_any(&dir).map_err(io_err("removing an empty legacy task directory"))?;
+                    legacy
+                        .remove_tree(&name)
+                        .map_err(fs_err_ctx("removing an empty legacy task directory"))?;
                 } else {
                     tracing::warn!(dir = %dir.display(), "legacy task directory without a readable state file left where it is");
                     report.left += 1;
@@ -650,7 +667,7 @@ impl Store {
                 continue;
             };
             let target = self.paths(&record.container_name)?;
-            if fs::symlink_metadata(&target.dir).is_ok() {
+            if matches!(self.runners.stat(&record.container_name), Ok(Some(_))) {
                 tracing::warn!(from = %dir.display(), to = %target.dir.display(), "cannot migrate a legacy task directory: the target exists; left where it is");
                 report.left += 1;
                 continue;
@@ -665,11 +682,13 @@ impl Store {
                     "rewriting {}",
                     dir.join(STATE_FILE).display()
                 )))?;
-            fs::rename(&dir, &target.dir).map_err(io_err(format!(
-                "moving {} to {}",
-                dir.display(),
-                target.dir.display()
-            )))?;
+            legacy
+                .rename(&name, &self.runners, &record.container_name)
+                .map_err(fs_err_ctx(format!(
+                    "moving {} to {}",
+                    dir.display(),
+                    target.dir.display()
+                )))?;
             self.runners
                 .sync()
                 .map_err(fs_err_ctx("syncing the runners directory"))?;
@@ -680,8 +699,8 @@ impl Store {
             report.moved += 1;
         }
         if report.left == 0 {
-            match fs::remove_dir(self.home.join(LEGACY_TASKS_DIR)) {
-                Ok(()) => {
+            match self.home_handle.remove_dir(LEGACY_TASKS_DIR) {
+                Ok(_) => {
                     if let Err(e) = self.home_handle.sync() {
                         tracing::warn!(error = %error_chain(&e), "cannot sync the shim home");
                     }
@@ -731,16 +750,6 @@ fn is_skeleton(dir: &Dir) -> bool {
             && matches!(dir.open_dir(RUNNER_DIR), Ok(Some(runner))
                 if runner.names().is_ok_and(|inner| inner.is_empty()))
     })
-}
-
-/// Removes a directory tree or a file.
-fn remove_any(path: &Path) -> io::Result<()> {
-    match fs::symlink_metadata(path) {
-        Ok(m) if m.is_dir() => fs::remove_dir_all(path),
-        Ok(_) => fs::remove_file(path),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(e),
-    }
 }
 
 /// Reads and decodes the state file in a task directory (a bounded read of a regular file,

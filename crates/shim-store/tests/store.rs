@@ -5,7 +5,7 @@ mod common;
 
 use std::os::unix::fs::PermissionsExt as _;
 
-use common::{all_files, id, names, record};
+use common::{all_files, id, names, record, stored_form};
 use proptest::prelude::*;
 use shim_store::{RecordError, ScanEntry, Store, StoreError};
 use shim_task::{
@@ -643,21 +643,6 @@ fn task_record() -> impl Strategy<Value = TaskRecord> {
                     },
                 )
         })
-}
-
-/// What reading back must give: the record without registry credentials, and a reason only
-/// for a terminated task (upstream's format reads a reason as "terminated"; the state machine
-/// never keeps one otherwise).
-fn stored_form(r: &TaskRecord) -> TaskRecord {
-    TaskRecord {
-        config: r.config.as_ref().map(TaskConfig::without_credentials),
-        termination_reason: (r.status == TaskStatus::Terminated).then(|| {
-            r.termination_reason
-                .clone()
-                .unwrap_or_else(|| TerminationReason::parse(""))
-        }),
-        ..r.clone()
-    }
 }
 
 proptest! {

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use shim_task::{TaskConfig, TaskId, TaskName, TaskRecord};
+use shim_task::{TaskConfig, TaskId, TaskName, TaskRecord, TaskStatus, TerminationReason};
 
 /// The first statement of a test that needs root (loop devices, mounts), which also carries the
 /// workspace's root `#[ignore]` reason: panics unless `SHIM_TEST_ROOT=1`, so that the test, run
@@ -112,4 +112,19 @@ pub fn all_files(dir: &Path) -> Vec<PathBuf> {
         }
     }
     out
+}
+
+/// What reading back must give: the record without registry credentials, and a reason only
+/// for a terminated task (upstream's format reads a reason as "terminated"; the state machine
+/// never keeps one otherwise).
+pub fn stored_form(r: &TaskRecord) -> TaskRecord {
+    TaskRecord {
+        config: r.config.as_ref().map(TaskConfig::without_credentials),
+        termination_reason: (r.status == TaskStatus::Terminated).then(|| {
+            r.termination_reason
+                .clone()
+                .unwrap_or_else(|| TerminationReason::parse(""))
+        }),
+        ..r.clone()
+    }
 }

@@ -1,0 +1,327 @@
+//! The recorder and the crash-state builder on this crate's own writes: the model's rules on
+//! small logs, an atomic write that leaves the old or the new content in every state, and the
+//! left-out steps that the states catch.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::ops::ControlFlow;
+use std::path::Path;
+use std::sync::Arc;
+
+use super::{Bug, Fate, Limits, Log, Node, Op, Recorder, Tree, explore};
+use crate::{Dir, WriteOptions};
+
+fn recording(root: &Path) -> (Arc<Recorder>, Dir) {
+    let recorder = Recorder::start(root).unwrap();
+    let dir = Dir::open(root).unwrap().with_recorder(recorder.clone());
+    (recorder, dir)
+}
+
+/// A state built: its crash point, tree and the fates of the operations pending there.
+type Built = (usize, Tree, Vec<(usize, Fate)>);
+
+/// Every state of `log`.
+fn states(log: &Log) -> Vec<Built> {
+    let mut out = Vec::new();
+    explore(log, &Limits::default(), |s| {
+        out.push((s.point, s.tree.clone(), s.fates.clone()));
+        ControlFlow::Continue(())
+    });
+    out
+}
+
+fn file<'t>(tree: &'t Tree, path: &str) -> Option<&'t [u8]> {
+    match tree.lookup(path) {
+        Some(Node::File { data, .. }) => Some(data),
+        _ => None,
+    }
+}
+
+/// The recorded tree equals the disk: nothing bypassed the recorder.
+fn assert_live_is_disk(log: &Log, root: &Path) {
+    assert!(log.problems.is_empty(), "{:?}", log.problems);
+    assert_eq!(log.live().listing(), Tree::read(root).unwrap().listing());
+}
+
+#[test]
+fn an_atomic_write_leaves_the_old_or_the_new_content_in_every_crash_state() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = Dir::open(tmp.path()).unwrap();
+    let (old, new) = (vec![b'o'; 3000], vec![b'n'; 5000]);
+    dir.write_atomic("state", &old, &WriteOptions::new(0o600))
+        .unwrap();
+    let (recorder, dir) = recording(tmp.path());
+    dir.write_atomic("state", &new, &WriteOptions::new(0o600))
+        .unwrap();
+    let log = recorder.log();
+    // create, chmod, write, fsync, rename, fsync of the directory.
+    let kinds: Vec<&str> = log
+        .ops
+        .iter()
+        .map(|op| match op {
+            Op::Create { .. } => "create",
+            Op::SetMode { .. } => "chmod",
+            Op::Write { .. } => "write",
+            Op::Fsync { .. } => "fsync",
+            Op::Rename { .. } => "rename",
+            Op::FsyncDir { .. } => "fsync-dir",
+            _ => "other",
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        ["create", "chmod", "write", "fsync", "rename", "fsync-dir"]
+    );
+    assert_live_is_disk(&log, tmp.path());
+
+    let all = states(&log);
+    let mut saw_new = false;
+    for (point, tree, fates) in &all {
+        let got = file(tree, "state").unwrap();
+        assert!(got == old || got == new, "point {point}: {fates:?}");
+        saw_new |= got == new;
+        if *point == log.ops.len() {
+            // Acknowledged: durable.
+            assert_eq!(got, new);
+        }
+    }
+    assert!(saw_new);
+    // Before the rename, the temp file may hold nothing, half or all of the bytes.
+    let temp_lengths: std::collections::BTreeSet<usize> = all
+        .iter()
+        .filter(|(p, _, _)| *p == 3)
+        .filter_map(|(_, tree, _)| {
+            let Some(Node::Dir { entries, .. }) = tree.nodes.get(&tree.root) else {
+                return None;
+            };
+            let temp = entries.keys().find(|n| *n != "state")?;
+            file(tree, temp.to_str()?).map(<[u8]>::len)
+        })
+        .collect();
+    assert_eq!(temp_lengths, [0, 2500, 5000].into());
+}
+
+#[test]
+fn the_model_keeps_an_entry_until_its_directory_is_fsynced_and_data_until_its_file_is() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (recorder, dir) = recording(tmp.path());
+    dir.create_dir_unsynced("a", 0o700, None).unwrap();
+    let log = recorder.log();
+    // mkdir, chmod: at the end, "a" may or may not be there.
+    let end: Vec<bool> = states(&log)
+        .iter()
+        .filter(|(p, _, _)| *p == log.ops.len())
+        .map(|(_, t, _)| t.lookup("a").is_some())
+        .collect();
+    assert_eq!(end, [true, false]);
+    dir.sync().unwrap();
+    let log = recorder.log();
+    let end: Vec<bool> = states(&log)
+        .iter()
+        .filter(|(p, _, _)| *p == log.ops.len())
+        .map(|(_, t, _)| t.lookup("a").is_some())
+        .collect();
+    assert_eq!(end, [true]);
+    assert_live_is_disk(&log, tmp.path());
+}
+
+#[test]
+fn a_write_left_unsynced_is_kept_dropped_or_torn_and_a_missing_fsync_is_caught() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = Dir::open(tmp.path()).unwrap();
+    dir.write_atomic("state", b"old!", &WriteOptions::new(0o600))
+        .unwrap();
+    let (recorder, dir) = recording(tmp.path());
+    recorder.inject(Bug::SkipFileFsync);
+    dir.write_atomic("state", b"new-content", &WriteOptions::new(0o600))
+        .unwrap();
+    let log = recorder.log();
+    assert!(!log.ops.iter().any(|op| matches!(op, Op::Fsync { .. })));
+    let at_end: std::collections::BTreeSet<Vec<u8>> = states(&log)
+        .into_iter()
+        .filter(|(p, _, _)| *p == log.ops.len())
+        .map(|(_, t, _)| file(&t, "state").unwrap().to_vec())
+        .collect();
+    // The rename is durable, the data is not: empty, half, whole.
+    assert_eq!(
+        at_end,
+        [b"".to_vec(), b"new-c".to_vec(), b"new-content".to_vec()].into()
+    );
+}
+
+#[test]
+fn a_missing_directory_fsync_loses_an_acknowledged_write() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = Dir::open(tmp.path()).unwrap();
+    dir.write_atomic("state", b"old", &WriteOptions::new(0o600))
+        .unwrap();
+    for bug in [Bug::SkipPublishDirFsync, Bug::SkipDirFsync] {
+        let (recorder, dir) = recording(tmp.path());
+        recorder.inject(bug);
+        dir.write_atomic("state", b"new", &WriteOptions::new(0o600))
+            .unwrap();
+        let log = recorder.log();
+        let lost = states(&log)
+            .into_iter()
+            .any(|(p, t, _)| p == log.ops.len() && file(&t, "state") == Some(b"old"));
+        assert!(lost, "{bug:?}");
+        dir.write_atomic("state", b"old", &WriteOptions::new(0o600))
+            .unwrap();
+    }
+}
+
+#[test]
+fn create_new_links_then_unlinks_the_temp() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (recorder, dir) = recording(tmp.path());
+    assert!(
+        dir.create_new_atomic("id", b"first", &WriteOptions::new(0o644))
+            .unwrap()
+    );
+    assert!(
+        !dir.create_new_atomic("id", b"second", &WriteOptions::new(0o644))
+            .unwrap()
+    );
+    let log = recorder.log();
+    assert_eq!(
+        log.ops
+            .iter()
+            .filter(|op| matches!(op, Op::Link { .. }))
+            .count(),
+        1,
+        "the refused link is not recorded"
+    );
+    assert_eq!(
+        log.ops
+            .iter()
+            .filter(|op| matches!(op, Op::Unlink { .. }))
+            .count(),
+        2,
+        "both temp files are removed"
+    );
+    assert_live_is_disk(&log, tmp.path());
+    for (point, tree, fates) in states(&log) {
+        let got = file(&tree, "id");
+        assert!(got.is_none() || got == Some(b"first"), "{point}: {fates:?}");
+    }
+}
+
+#[test]
+fn moves_and_removals_on_handles_are_recorded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = Dir::open(tmp.path()).unwrap();
+    let (pre, _) = root.create_dir("pre", 0o755, None).unwrap();
+    pre.write_atomic("f", b"x", &WriteOptions::new(0o600))
+        .unwrap();
+    // A hard link in the snapshot, and a symbolic link.
+    rustix::fs::linkat(&pre, "f", &pre, "g", rustix::fs::AtFlags::empty()).unwrap();
+    rustix::fs::symlinkat("f", &pre, "l").unwrap();
+    let (recorder, root) = recording(tmp.path());
+    let (a, _) = root.create_dir("a", 0o700, None).unwrap();
+    let (b, _) = a.create_dir_unsynced("b", 0o755, None).unwrap();
+    b.write_atomic("x", b"1", &WriteOptions::new(0o600))
+        .unwrap();
+    b.write_atomic("y", b"2", &WriteOptions::new(0o640))
+        .unwrap();
+    b.rename("x", &root, "moved").unwrap();
+    a.set_mode(0o750).unwrap();
+    assert!(root.remove_tree("pre").unwrap());
+    assert!(!root.remove_tree("pre").unwrap());
+    a.rename("b", &a, "c").unwrap();
+    assert!(root.remove_file("moved").unwrap());
+    let (d, _) = root.create_dir("d", 0o700, None).unwrap();
+    drop(d);
+    assert!(root.remove_dir("d").unwrap());
+    assert!(!root.remove_dir("d").unwrap());
+    let log = recorder.log();
+    assert_live_is_disk(&log, tmp.path());
+    assert!(
+        log.ops
+            .iter()
+            .any(|op| matches!(op, Op::Rmdir { name, .. } if name == "pre")),
+        "{:?}",
+        log.ops
+    );
+}
+
+#[test]
+fn a_tree_materialises_as_it_was_read() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = Dir::open(tmp.path()).unwrap();
+    let (a, _) = root.create_dir("a", 0o750, None).unwrap();
+    a.write_atomic("f", b"data", &WriteOptions::new(0o640))
+        .unwrap();
+    rustix::fs::linkat(&a, "f", &root, "hard", rustix::fs::AtFlags::empty()).unwrap();
+    rustix::fs::symlinkat("a/f", &root, "soft").unwrap();
+    let tree = Tree::read(tmp.path()).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    tree.materialise(out.path()).unwrap();
+    let back = Tree::read(out.path()).unwrap();
+    assert_eq!(back.listing(), tree.listing());
+    assert_eq!(back.digest(), tree.digest());
+    let st = rustix::fs::stat(out.path().join("hard")).unwrap();
+    assert_eq!(st.st_nlink, 2, "a hard link stays one");
+}
+
+#[test]
+fn concurrent_writers_are_recorded_in_the_order_their_calls_took_effect() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (recorder, root) = recording(tmp.path());
+    let root = Arc::new(root);
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let root = root.clone();
+            std::thread::spawn(move || {
+                let (d, _) = root.create_dir(format!("t{t}"), 0o700, None).unwrap();
+                for i in 0..5 {
+                    d.write_atomic(
+                        "state",
+                        format!("{t}-{i}").as_bytes(),
+                        &WriteOptions::new(0o600),
+                    )
+                    .unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let log = recorder.log();
+    assert_live_is_disk(&log, tmp.path());
+    // 4 × (mkdir, chmod, fsync of the root, 5 × 6 operations).
+    assert_eq!(log.ops.len(), 4 * (3 + 5 * 6));
+}
+
+#[test]
+fn a_large_log_is_sampled_within_the_limits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (recorder, root) = recording(tmp.path());
+    // Twelve unsynced directories: 4096 combinations at the end.
+    for i in 0..12 {
+        root.create_dir_unsynced(format!("d{i}"), 0o700, None)
+            .unwrap();
+    }
+    let log = recorder.log();
+    let limits = Limits {
+        exhaustive: 64,
+        sampled: 40,
+        seed: 1,
+    };
+    let mut at_end = 0;
+    let stats = explore(&log, &limits, |s| {
+        if s.point == log.ops.len() {
+            at_end += 1;
+        }
+        ControlFlow::Continue(())
+    });
+    assert_eq!(stats.points, log.ops.len() + 1);
+    assert_eq!(stats.max_pending, 12);
+    assert!(
+        stats.sampled_points > 0 && stats.exhaustive_points > 0,
+        "{stats}"
+    );
+    assert_eq!(at_end, 40);
+    // The same seed builds the same states.
+    let again = explore(&log, &limits, |_| ControlFlow::Continue(()));
+    assert_eq!(again, stats);
+}

@@ -1,0 +1,608 @@
+//! Crash states, enumerated (the method of ALICE, OSDI '14, and CrashMonkey, OSDI '18, in
+//! process): workloads of submits, adoptions (a task without a config, as restore adopts a
+//! container: `create_task_dir` then `write`), status writes, terminates, removes and the
+//! owner identity's creation run on a store whose
+//! every durable operation is recorded (`Store::open_recorded`); `shim_fs::crash::explore`
+//! builds every state a crash could leave after each recorded operation (each operation not
+//! yet made durable by an fsync applied or undone, each unsynced write kept, dropped or torn);
+//! each state is written out, the store's start-up runs on it (open, legacy migration, trash
+//! sweep, scan), and what it finds is checked against what the store had acknowledged (the
+//! call returned `Ok`) before the crash point:
+//!
+//! - start-up never fails;
+//! - a task whose submit was acknowledged is there, unless its remove had begun;
+//! - a task's record is the last acknowledged one or a later one in flight, never an older
+//!   one, and never unusable (torn);
+//! - a task whose remove was acknowledged does not come back;
+//! - the owner identity, once acknowledged, is there, and it is never unreadable.
+//!
+//! With a step of the durable writes left out on purpose (`shim_fs::crash::Bug`), the same
+//! checks find violating states: the enumeration catches a missing file fsync and a missing
+//! directory fsync.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // test helpers
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::ControlFlow;
+use std::path::Path;
+use std::sync::Mutex;
+
+use proptest::prelude::*;
+use shim_fs::crash::{Bug, CrashState, Limits, Log, Recorder, Stats, Tree, explore};
+use shim_store::{ScanEntry, Store};
+use shim_task::{TaskRecord, TaskStatus, TerminationReason};
+
+/// Tasks a workload works on.
+const TASKS: usize = 3;
+/// The "task" number of the owner identity's calls (its own thread in concurrent runs).
+const OWNER: usize = TASKS;
+
+/// One step of a workload, before it is resolved against the tasks' states.
+#[derive(Debug, Clone)]
+enum Step {
+    /// `Store::create` of a new task (its first record).
+    Submit(usize),
+    /// A task adopted without a config: `Store::create_task_dir`, then `Store::write`.
+    Adopt(usize),
+    /// A status write (`Store::write`).
+    Status(usize, TaskStatus),
+    /// A write of `terminated` with a reason.
+    Terminate(usize, TerminationReason),
+    /// `Store::delete`.
+    Remove(usize),
+    /// `Store::create_owner_id` (once; a later one is dropped).
+    Owner,
+}
+
+/// A store call a workload makes.
+#[derive(Debug, Clone)]
+enum Action {
+    Create(TaskRecord),
+    Adopt(TaskRecord),
+    Write(TaskRecord),
+    Delete,
+    Owner(String),
+}
+
+/// A call as it ran: the recorder's positions before it and after it returned.
+#[derive(Debug, Clone)]
+struct Call {
+    task: usize,
+    action: Action,
+    start: usize,
+    end: usize,
+    ok: bool,
+}
+
+fn container(task: usize) -> String {
+    format!("job-t{task}")
+}
+
+/// The store calls of `steps`, per task, in order: a submit of a task not yet submitted, a
+/// write or a remove of a live one (a write to a task not yet submitted submits it first; a
+/// step on a removed task, or a second submit, is dropped); every record carries a version of
+/// its own (`updated_at_ms`).
+fn resolve(steps: &[Step]) -> Vec<(usize, Action)> {
+    #[derive(Clone)]
+    enum Life {
+        Unborn,
+        Live(Box<TaskRecord>),
+        Gone,
+    }
+    let mut life = vec![Life::Unborn; TASKS];
+    let mut out = Vec::new();
+    let mut owner = false;
+    for step in steps {
+        let task = match step {
+            Step::Owner => {
+                if !owner {
+                    owner = true;
+                    out.push((OWNER, Action::Owner("0123abcd".to_owned())));
+                }
+                continue;
+            }
+            Step::Submit(t)
+            | Step::Adopt(t)
+            | Step::Status(t, _)
+            | Step::Terminate(t, _)
+            | Step::Remove(t) => *t,
+        };
+        if matches!(
+            (step, &life[task]),
+            (Step::Status(..) | Step::Terminate(..), Life::Unborn)
+        ) {
+            let r = common::record(&format!("t{task}"));
+            out.push((task, Action::Create(r.clone())));
+            life[task] = Life::Live(Box::new(r));
+        }
+        match (step, &life[task]) {
+            (Step::Submit(_), Life::Unborn) => {
+                let r = common::record(&format!("t{task}"));
+                out.push((task, Action::Create(r.clone())));
+                life[task] = Life::Live(Box::new(r));
+            }
+            (Step::Adopt(_), Life::Unborn) => {
+                let mut r = common::record(&format!("t{task}"));
+                r.config = None;
+                r.status = TaskStatus::Running;
+                out.push((task, Action::Adopt(r.clone())));
+                life[task] = Life::Live(Box::new(r));
+            }
+            (Step::Status(_, status), Life::Live(last)) => {
+                let mut r = (**last).clone();
+                r.status = *status;
+                r.termination_reason = None;
+                r.termination_message.clear();
+                r.updated_at_ms += 1;
+                out.push((task, Action::Write(r.clone())));
+                life[task] = Life::Live(Box::new(r));
+            }
+            (Step::Terminate(_, reason), Life::Live(last)) => {
+                let mut r = (**last).clone();
+                r.status = TaskStatus::Terminated;
+                r.termination_reason = Some(reason.clone());
+                r.termination_message = format!("stopped at version {}", r.updated_at_ms + 1);
+                r.updated_at_ms += 1;
+                out.push((task, Action::Write(r.clone())));
+                life[task] = Life::Live(Box::new(r));
+            }
+            (Step::Remove(_), Life::Live(_)) => {
+                out.push((task, Action::Delete));
+                life[task] = Life::Gone;
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+fn perform(store: &Store, recorder: &Recorder, task: usize, action: Action) -> Call {
+    let start = recorder.position();
+    let result = match &action {
+        Action::Create(r) => store.create(r).map(drop),
+        Action::Adopt(r) => store
+            .create_task_dir(&r.container_name)
+            .and_then(|_| store.write(r)),
+        Action::Write(r) => store.write(r),
+        Action::Delete => store.delete(&container(task)),
+        Action::Owner(id) => store.create_owner_id(id).map(|got| assert_eq!(&got, id)),
+    };
+    let end = recorder.position();
+    if let Err(e) = &result {
+        eprintln!("task {task}: {action:?} failed: {e}");
+    }
+    Call {
+        task,
+        action,
+        start,
+        end,
+        ok: result.is_ok(),
+    }
+}
+
+/// A scratch directory: on tmpfs where there is one (`/dev/shm`), where the workload's real
+/// fsyncs cost nothing (the crash states come from the model, not from the disk), else in the
+/// temp directory.
+fn scratch() -> tempfile::TempDir {
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir()
+        && let Ok(dir) = tempfile::tempdir_in(shm)
+    {
+        return dir;
+    }
+    tempfile::tempdir().unwrap()
+}
+
+/// A workload run under a recorder.
+struct Run {
+    _tmp: tempfile::TempDir,
+    log: Log,
+    calls: Vec<Call>,
+}
+
+/// Runs `actions` on a store opened (recorded) on an empty home: in their order on this
+/// thread, or with `concurrent`, each task's calls in order on a thread of its own.
+fn run(actions: &[(usize, Action)], concurrent: bool, bug: Option<Bug>) -> Run {
+    let tmp = scratch();
+    let home = tmp.path().join("home");
+    fs_err::create_dir(&home).unwrap();
+    let recorder = Recorder::start(&home).unwrap();
+    if let Some(bug) = bug {
+        recorder.inject(bug);
+    }
+    let store = Store::open_recorded(&home, recorder.clone()).unwrap();
+    let calls = if concurrent {
+        let calls = Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            for task in 0..=OWNER {
+                let mine: Vec<Action> = actions
+                    .iter()
+                    .filter(|(t, _)| *t == task)
+                    .map(|(_, a)| a.clone())
+                    .collect();
+                let (store, recorder, calls) = (&store, &recorder, &calls);
+                s.spawn(move || {
+                    for action in mine {
+                        let call = perform(store, recorder, task, action);
+                        calls.lock().unwrap().push(call);
+                    }
+                });
+            }
+        });
+        calls.into_inner().unwrap()
+    } else {
+        actions
+            .iter()
+            .map(|(task, action)| perform(&store, &recorder, *task, action.clone()))
+            .collect()
+    };
+    let log = recorder.log();
+    // Every operation went through the recorder: the recorded tree is the disk's.
+    assert!(log.problems.is_empty(), "{:?}", log.problems);
+    assert_eq!(
+        log.live().listing(),
+        Tree::read(&home).unwrap().listing(),
+        "an operation bypassed the recorder"
+    );
+    Run {
+        _tmp: tmp,
+        log,
+        calls,
+    }
+}
+
+/// What a crash state got wrong.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Wrong {
+    /// The store's start-up failed.
+    StartUp,
+    /// A directory no task made.
+    Stranger,
+    /// A task whose remove was acknowledged is back.
+    CameBack,
+    /// A state file is unusable (a torn or empty record).
+    Unusable,
+    /// A record other than the last acknowledged one or a later one in flight (an older one).
+    Contradicts,
+    /// A task whose submit was acknowledged has a directory but no record.
+    NoRecord,
+    /// A task whose submit was acknowledged is gone.
+    Gone,
+    /// The owner identity is unreadable, or missing once acknowledged.
+    Owner,
+}
+
+/// One violating crash state: what is wrong, and the details.
+struct Violation {
+    wrong: Wrong,
+    text: String,
+}
+
+/// What start-up found for one task directory.
+#[derive(Debug, Clone)]
+enum Found {
+    Record(Box<TaskRecord>),
+    NoRecord,
+    Corrupt(String),
+}
+
+/// What start-up found in a state: every task directory by name, and the owner identity (or
+/// why it could not be read).
+struct Seen {
+    tasks: BTreeMap<String, Found>,
+    owner: Result<Option<String>, String>,
+}
+
+/// What start-up found, or why it failed.
+type Startup = Result<Seen, String>;
+
+/// The store's start-up (as the engine runs it) on a home.
+fn start_up(home: &Path) -> Startup {
+    let store = Store::open(home).map_err(|e| format!("open: {e}"))?;
+    let owner = store.owner_id().map_err(|e| e.to_string());
+    store
+        .migrate_legacy()
+        .map_err(|e| format!("migration: {e}"))?;
+    store.sweep_trash();
+    let entries = store.scan().map_err(|e| format!("scan: {e}"))?;
+    let tasks = entries
+        .into_iter()
+        .map(|e| match e {
+            ScanEntry::Record { record, .. } => (
+                record.container_name.clone(),
+                Found::Record(Box::new(record)),
+            ),
+            ScanEntry::NoRecord { name, .. } => (name, Found::NoRecord),
+            ScanEntry::Corrupt { name, error, .. } => (name, Found::Corrupt(error.to_string())),
+        })
+        .collect();
+    Ok(Seen { tasks, owner })
+}
+
+/// Checks crash states of one run: start-up on each distinct tree once, its findings against
+/// what was acknowledged at each crash point.
+struct Checker<'a> {
+    run: &'a Run,
+    startups: HashMap<u64, Startup>,
+    violations: Vec<Violation>,
+}
+
+impl<'a> Checker<'a> {
+    fn new(run: &'a Run) -> Self {
+        Self {
+            run,
+            startups: HashMap::new(),
+            violations: Vec::new(),
+        }
+    }
+
+    fn check(&mut self, state: &CrashState) {
+        let startup = self.startups.entry(state.digest).or_insert_with(|| {
+            let dir = scratch();
+            state.tree.materialise(dir.path()).unwrap();
+            start_up(dir.path())
+        });
+        let problems = match startup {
+            Err(e) => vec![(Wrong::StartUp, format!("start-up failed: {e}"))],
+            Ok(found) => judge(&self.run.calls, state.point, found),
+        };
+        for (wrong, p) in problems {
+            self.violations.push(Violation {
+                wrong,
+                text: format!("{p}\n  in {}", state.describe(&self.run.log)),
+            });
+        }
+    }
+}
+
+/// What is wrong with `found` after a crash at `point`, given the calls and when they ran.
+fn judge(calls: &[Call], point: usize, seen: &Seen) -> Vec<(Wrong, String)> {
+    let mut wrong = Vec::new();
+    let owner = calls.iter().find(|c| c.task == OWNER);
+    match (&seen.owner, owner) {
+        (Err(e), _) => wrong.push((Wrong::Owner, format!("owner identity unreadable: {e}"))),
+        (Ok(None), Some(c)) if c.ok && c.end <= point => wrong.push((
+            Wrong::Owner,
+            "the owner identity was acknowledged, yet it is gone".to_owned(),
+        )),
+        (Ok(Some(id)), c) => {
+            let expected = c.and_then(|c| match &c.action {
+                Action::Owner(id) if c.start < point => Some(id),
+                _ => None,
+            });
+            if expected != Some(id) {
+                wrong.push((Wrong::Owner, format!("owner identity {id:?} never written")));
+            }
+        }
+        (Ok(None), _) => {}
+    }
+    let found = &seen.tasks;
+    for name in found.keys() {
+        if !(0..TASKS).any(|t| container(t) == *name) {
+            wrong.push((Wrong::Stranger, format!("{name}: a directory no task made")));
+        }
+    }
+    for task in 0..TASKS {
+        let name = container(task);
+        let mine: Vec<&Call> = calls.iter().filter(|c| c.task == task).collect();
+        let acked = |c: &Call| c.ok && c.end <= point;
+        let started = |c: &Call| c.start < point;
+        let created = mine
+            .iter()
+            .any(|c| matches!(c.action, Action::Create(_) | Action::Adopt(_)) && acked(c));
+        let removing = mine
+            .iter()
+            .any(|c| matches!(c.action, Action::Delete) && started(c));
+        let removed = mine
+            .iter()
+            .any(|c| matches!(c.action, Action::Delete) && acked(c));
+        // The records it may hold: the last acknowledged, or a later one in flight.
+        let writes: Vec<(&TaskRecord, &Call)> = mine
+            .iter()
+            .filter_map(|c| match &c.action {
+                Action::Create(r) | Action::Adopt(r) | Action::Write(r) => Some((r, *c)),
+                Action::Delete | Action::Owner(_) => None,
+            })
+            .collect();
+        let last_acked = writes.iter().rposition(|(_, c)| acked(c));
+        let allowed: Vec<&TaskRecord> = writes
+            .iter()
+            .enumerate()
+            .filter(|(i, (_, c))| Some(*i) == last_acked || (Some(*i) > last_acked && started(c)))
+            .map(|(_, (r, _))| *r)
+            .collect();
+        let versions = || {
+            allowed
+                .iter()
+                .map(|r| r.updated_at_ms.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        match found.get(&name) {
+            Some(_) if removed => wrong.push((
+                Wrong::CameBack,
+                format!("{name}: its remove was acknowledged, yet it came back"),
+            )),
+            Some(Found::Corrupt(e)) => {
+                wrong.push((Wrong::Unusable, format!("{name}: an unusable record ({e})")));
+            }
+            Some(Found::Record(r)) => {
+                if !allowed.iter().any(|a| common::stored_form(a) == **r) {
+                    wrong.push((
+                        Wrong::Contradicts,
+                        format!(
+                            "{name}: record version {} ({:?}), allowed: [{}]",
+                            r.updated_at_ms,
+                            r.status,
+                            versions()
+                        ),
+                    ));
+                }
+            }
+            Some(Found::NoRecord) if created && !removing => wrong.push((
+                Wrong::NoRecord,
+                format!("{name}: its submit was acknowledged, yet its directory has no record"),
+            )),
+            None if created && !removing => wrong.push((
+                Wrong::Gone,
+                format!("{name}: its submit was acknowledged, yet it is gone"),
+            )),
+            Some(Found::NoRecord) | None => {}
+        }
+    }
+    wrong
+}
+
+/// Explores every crash state of `run`; the violations found, and how many states.
+fn explore_run(run: &Run) -> (Vec<Violation>, Stats, usize) {
+    let mut checker = Checker::new(run);
+    let stats = explore(&run.log, &Limits::default(), |state| {
+        checker.check(state);
+        ControlFlow::Continue(())
+    });
+    let started = checker.startups.len();
+    (checker.violations, stats, started)
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    let task = 0..TASKS;
+    prop_oneof![
+        3 => task.clone().prop_map(Step::Submit),
+        3 => (task.clone(), prop_oneof![
+            Just(TaskStatus::Preparing),
+            Just(TaskStatus::Pulling),
+            Just(TaskStatus::Creating),
+            Just(TaskStatus::Running),
+        ]).prop_map(|(t, s)| Step::Status(t, s)),
+        2 => (task.clone(), prop_oneof![
+            Just(TerminationReason::DoneByRunner),
+            Just(TerminationReason::TerminatedByUser),
+            Just(TerminationReason::ContainerExitedWithError),
+            Just(TerminationReason::Other("gone fishing".to_owned())),
+        ]).prop_map(|(t, r)| Step::Terminate(t, r)),
+        1 => task.clone().prop_map(Step::Remove),
+        1 => task.prop_map(Step::Adopt),
+        1 => Just(Step::Owner),
+    ]
+}
+
+proptest! {
+    // Each case runs a workload of up to 15 calls and checks up to a few thousand crash
+    // states: 64 cases take about 3 s with /dev/shm, 10 to 30 s on a disk (2 cores, debug).
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn no_crash_state_loses_or_contradicts_an_acknowledged_call(
+        steps in proptest::collection::vec(step(), 1..16),
+        concurrent in any::<bool>(),
+    ) {
+        let actions = resolve(&steps);
+        let run = run(&actions, concurrent, None);
+        prop_assert!(run.calls.iter().all(|c| c.ok), "{:?}", run.calls);
+        let (violations, stats, started) = explore_run(&run);
+        eprintln!(
+            "{} calls{}, {} operations: {stats}; start-up run on {started}",
+            run.calls.len(),
+            if concurrent { " (threads)" } else { "" },
+            run.log.ops.len()
+        );
+        prop_assert!(
+            violations.is_empty(),
+            "{} violating crash states; the first:\n{}",
+            violations.len(),
+            violations[0].text
+        );
+    }
+}
+
+/// A fixed workload: two submits, a status write each, a terminate, a remove, an adoption
+/// and the owner identity.
+fn fixed() -> Vec<(usize, Action)> {
+    resolve(&[
+        Step::Owner,
+        Step::Submit(0),
+        Step::Submit(1),
+        Step::Status(0, TaskStatus::Running),
+        Step::Status(1, TaskStatus::Pulling),
+        Step::Terminate(0, TerminationReason::TerminatedByUser),
+        Step::Remove(1),
+        Step::Status(0, TaskStatus::Terminated),
+        Step::Adopt(2),
+    ])
+}
+
+/// The real code on the fixed workload: no violating state (the baseline of the bug tests).
+#[test]
+fn the_fixed_workload_has_no_violating_crash_state() {
+    let run = run(&fixed(), false, None);
+    let (violations, stats, started) = explore_run(&run);
+    eprintln!(
+        "fixed workload, {} operations: {stats}; start-up run on {started}",
+        run.log.ops.len()
+    );
+    assert!(violations.is_empty(), "{}", violations[0].text);
+}
+
+/// Runs the fixed workload with `bug` injected: how many violating states of each kind, and
+/// the first of each kind.
+fn with_bug(bug: Bug) -> BTreeMap<Wrong, (usize, String)> {
+    let run = run(&fixed(), false, Some(bug));
+    let (violations, stats, _) = explore_run(&run);
+    let mut kinds: BTreeMap<Wrong, (usize, String)> = BTreeMap::new();
+    for v in violations {
+        kinds.entry(v.wrong).or_insert((0, v.text)).0 += 1;
+    }
+    eprintln!("{bug:?}: {stats}");
+    for (wrong, (n, first)) in &kinds {
+        eprintln!("  {n} states {wrong:?}; the first: {first}");
+    }
+    kinds
+}
+
+/// The temp file is renamed over `task.json` before its data is durable: an acknowledged
+/// submit or write can leave an empty or torn record, which start-up moves aside.
+#[test]
+fn a_missing_file_fsync_is_caught() {
+    let found = with_bug(Bug::SkipFileFsync);
+    assert!(found.contains_key(&Wrong::Unusable), "{:?}", found.keys());
+}
+
+/// The rename over `task.json` is not durable when the write returns: an acknowledged status
+/// write can give way to the record before it, an acknowledged submit to no record at all.
+#[test]
+fn a_missing_directory_fsync_after_the_rename_is_caught() {
+    let found = with_bug(Bug::SkipPublishDirFsync);
+    assert!(
+        found.contains_key(&Wrong::Contradicts),
+        "{:?}",
+        found.keys()
+    );
+    assert!(found.contains_key(&Wrong::NoRecord), "{:?}", found.keys());
+}
+
+/// No directory fsync at all (the store's own in create and delete included): acknowledged
+/// submits vanish, acknowledged removes are undone.
+#[test]
+fn missing_directory_fsyncs_are_caught() {
+    let found = with_bug(Bug::SkipDirFsync);
+    assert!(found.contains_key(&Wrong::Gone), "{:?}", found.keys());
+    assert!(found.contains_key(&Wrong::CameBack), "{:?}", found.keys());
+}
+
+#[test]
+fn the_recorder_sees_every_operation_of_concurrent_writers() {
+    let actions = resolve(&[
+        Step::Submit(0),
+        Step::Submit(1),
+        Step::Adopt(2),
+        Step::Owner,
+        Step::Status(0, TaskStatus::Running),
+        Step::Status(1, TaskStatus::Running),
+        Step::Remove(2),
+        Step::Terminate(1, TerminationReason::DoneByRunner),
+    ]);
+    // `run` checks the recorded tree against the disk.
+    let run = run(&actions, true, None);
+    assert!(run.calls.iter().all(|c| c.ok));
+}
