@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use shim_runtime::LogLimits;
 
+use crate::gpus::GpuDeviceMode;
+
 /// How the engine runs tasks.
 ///
 /// [`EngineConfig::new`] gives SPEC's defaults (those of upstream's shim,
@@ -68,6 +70,9 @@ pub struct EngineConfig {
     /// Image collection removes unused images this shim pulled, least recently used first,
     /// until usage is below this percentage (kept under the high one).
     pub image_gc_low_percent: u8,
+    /// How a task's GPUs reach its container: CDI where it can work, else upstream's way
+    /// ([`GpuDeviceMode::Auto`], the default), or forced either way.
+    pub gpu_device_mode: GpuDeviceMode,
 }
 
 impl EngineConfig {
@@ -154,6 +159,7 @@ impl EngineConfig {
             )),
             image_gc_high_percent: Self::DEFAULT_IMAGE_GC_HIGH_PERCENT,
             image_gc_low_percent: Self::DEFAULT_IMAGE_GC_LOW_PERCENT,
+            gpu_device_mode: GpuDeviceMode::Auto,
         }
     }
 }

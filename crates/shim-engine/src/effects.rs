@@ -25,6 +25,7 @@ use crate::clock::Clock;
 use crate::config::EngineConfig;
 use crate::deps::Deps;
 use crate::error::{EngineError, Result, chain};
+use crate::gpus::{GpuPassing, Passing};
 use crate::home::Home;
 use crate::images::{ImageGc, Pass};
 use crate::labels::LABEL_TASK_ID;
@@ -53,6 +54,8 @@ pub(crate) struct Effects {
     images: Arc<ImageGc>,
     /// What pull progress is stamped with.
     clock: Clock,
+    /// How GPUs reach containers.
+    gpu_passing: Arc<GpuPassing>,
 }
 
 impl Effects {
@@ -67,9 +70,15 @@ impl Effects {
         ownership: Ownership,
         images: Arc<ImageGc>,
     ) -> Self {
+        let gpu_passing = Arc::new(GpuPassing::new(
+            cfg.gpu_device_mode,
+            deps.host_gpus.clone(),
+            deps.runtime.clone(),
+        ));
         Self {
             cfg,
             owner,
+            gpu_passing,
             gpus: Arc::new(GpuLock::for_host(&deps.host_gpus)),
             runtime: deps.runtime,
             gpu_vendor: deps.host_gpus.vendor,
@@ -90,7 +99,21 @@ impl Effects {
         &self.gpus
     }
 
-    fn spec_context(&self) -> SpecContext<'_> {
+    /// How GPUs reach containers (the room).
+    pub(crate) fn gpu_passing(&self) -> &Arc<GpuPassing> {
+        &self.gpu_passing
+    }
+
+    /// How the GPUs of `task` go to its container now (decided only for a task that has GPUs
+    /// to pass).
+    async fn passing_for(&self, task: &shim_task::machine::Task) -> Passing {
+        if task.record().resources.gpus.is_empty() || self.fake_gpus {
+            return Passing::Legacy;
+        }
+        self.gpu_passing.current().await
+    }
+
+    fn spec_context<'a>(&'a self, passing: &'a Passing) -> SpecContext<'a> {
         SpecContext {
             cfg: &self.cfg,
             owner: &self.owner,
@@ -99,6 +122,7 @@ impl Effects {
             gpu_vendor: self.gpu_vendor,
             fake_gpus: self.fake_gpus,
             host_devices: self.host_devices,
+            passing,
         }
     }
 }
@@ -189,7 +213,8 @@ impl Effects {
             }),
             Action::StartContainer => Some(match self.start_container(slot, recorder).await {
                 Ok(ports) => Event::ContainerStarted { ports },
-                Err(message) => Event::StartFailed { message },
+                Err(StartError::Failed(message)) => Event::StartFailed { message },
+                Err(StartError::Refused(message)) => Event::StartRefused { message },
             }),
             Action::StopContainer { timeout_s } => {
                 let cid = container_ref(slot);
@@ -390,7 +415,8 @@ impl Effects {
 
     async fn create(&self, slot: &Arc<Slot>) -> Result<String> {
         let task = slot.snapshot();
-        let spec = container_spec(&self.spec_context(), &task)?;
+        let passing = self.passing_for(&task).await;
+        let spec = container_spec(&self.spec_context(&passing), &task)?;
         self.images.used(&spec.image);
         // A container left with our name by an earlier attempt of this very task (the shim
         // stopped between create and recording it) would make create fail: remove it if it
@@ -445,7 +471,7 @@ impl Effects {
         &self,
         slot: &Arc<Slot>,
         recorder: &Recorder<'_>,
-    ) -> Result<Vec<PortMapping>, String> {
+    ) -> Result<Vec<PortMapping>, StartError> {
         let runtime = &self.runtime;
         let mut cid = slot.read(|t| t.record().container_id.clone());
         let mut started = runtime.start(&cid).await;
@@ -458,34 +484,46 @@ impl Effects {
         if let Err(e) = started {
             let message = chain(&e);
             let task = slot.snapshot();
-            let retry = container_spec(&self.spec_context(), &task)
-                .ok()
-                .and_then(|spec| shim_runtime::without_nvidia_display(&spec, &message));
+            let passing = self.passing_for(&task).await;
+            let spec = container_spec(&self.spec_context(&passing), &task).ok();
+            let retry = spec
+                .as_ref()
+                .and_then(|spec| shim_runtime::without_nvidia_display(spec, &message));
             let Some(spec) = retry else {
-                return Err(self.start_failure(&cid, &message).await);
+                if spec.is_some_and(|s| !s.device_requests.is_empty())
+                    && is_device_refusal(&message)
+                {
+                    return Err(StartError::Refused(message));
+                }
+                return Err(StartError::Failed(self.start_failure(&cid, &message).await));
             };
             tracing::warn!(task = %slot.id, "start failed on nvidia-modeset; retrying without the display capability");
-            runtime
-                .remove(&cid)
-                .await
-                .map_err(|e| format!("remove container before retry: {}", chain(&e)))?;
-            cid = runtime
-                .create(&spec)
-                .await
-                .map_err(|e| format!("cannot recreate container without display: {}", chain(&e)))?;
+            runtime.remove(&cid).await.map_err(|e| {
+                StartError::Failed(format!("remove container before retry: {}", chain(&e)))
+            })?;
+            cid = runtime.create(&spec).await.map_err(|e| {
+                StartError::Failed(format!(
+                    "cannot recreate container without display: {}",
+                    chain(&e)
+                ))
+            })?;
             // The record's one writer is the state machine: the new id goes through it, and
             // is durable before the container starts.
             match recorder.container_recreated(cid.clone()).await {
                 Ok(Written::Durable) => {}
                 Ok(Written::Failed(e)) | Err(e) => {
-                    return Err(format!(
+                    return Err(StartError::Failed(format!(
                         "cannot record the recreated container: {}",
                         chain(&e)
-                    ));
+                    )));
                 }
             }
             if let Err(e) = runtime.start(&cid).await {
-                return Err(self.start_failure(&cid, &chain(&e)).await);
+                let message = chain(&e);
+                if is_device_refusal(&message) {
+                    return Err(StartError::Refused(message));
+                }
+                return Err(StartError::Failed(self.start_failure(&cid, &message).await));
             }
         }
         let host_network = slot.read(|t| {
@@ -499,10 +537,12 @@ impl Effects {
             return Ok(Vec::new());
         }
         // Docker picks the ephemeral host ports at start: read them back.
-        let details = runtime
-            .inspect(&cid)
-            .await
-            .map_err(|e| format!("container started but cannot be inspected: {}", chain(&e)))?;
+        let details = runtime.inspect(&cid).await.map_err(|e| {
+            StartError::Failed(format!(
+                "container started but cannot be inspected: {}",
+                chain(&e)
+            ))
+        })?;
         Ok(details
             .ports
             .iter()
@@ -586,6 +626,30 @@ impl Effects {
             }
         }
     }
+}
+
+/// Why a start failed: the container's own failure (its last log lines or the error), or the
+/// engine's refusal of what it was created with, its devices.
+enum StartError {
+    Failed(String),
+    Refused(String),
+}
+
+/// Whether a start error is the engine refusing the container's devices, not anything the
+/// container did: Docker 28's "CDI device injection failed: unresolvable CDI devices …" (the
+/// spec names no such device), Docker's "could not select device driver \"nvidia\"" (no
+/// NVIDIA runtime hook on the host), Podman's CDI errors. Engines answer all of these with a
+/// bare 500, so the words are all there is to tell them by (recorded on Docker 28.5 here).
+fn is_device_refusal(message: &str) -> bool {
+    [
+        "CDI device injection failed",
+        "unresolvable CDI devices",
+        "could not select device driver",
+        "failed to inject CDI devices",
+        "error injecting CDI devices",
+    ]
+    .iter()
+    .any(|words| message.contains(words))
 }
 
 /// The container id if known, else its name (the name is fixed at submit).

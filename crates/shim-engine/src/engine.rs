@@ -102,6 +102,7 @@ impl Engine {
         let runtime: Arc<dyn ContainerRuntime> =
             Arc::new(Metered::new(deps.runtime.clone(), metrics.clone()));
         let host_gpus = deps.host_gpus.clone();
+        let (fake_gpus, gpus_total_is_zero) = (deps.fake_gpus, deps.host_gpus.gpus.is_empty());
         let (keys, volumes) = (deps.keys.clone(), deps.volumes.clone());
         let cgroups = deps.cgroups.clone();
         let table = Arc::new(TaskTable::default());
@@ -127,6 +128,12 @@ impl Engine {
             images.clone(),
         ));
         let gpus = effects.gpus().clone();
+        let gpu_passing = effects.gpu_passing().clone();
+        // Which way GPUs go to containers is decided (and logged) now on a GPU host, and again
+        // at each GPU task's create.
+        if !fake_gpus && !gpus_total_is_zero {
+            gpu_passing.current().await;
+        }
         let driver = Arc::new(Driver::new(
             Steps::new(records, metrics.clone(), clock),
             effects,
@@ -200,6 +207,7 @@ impl Engine {
             metrics,
             table: table.clone(),
             gpus: gpus.clone(),
+            gpu_passing,
             reconcile: reconciler.state().clone(),
             usage,
             images,

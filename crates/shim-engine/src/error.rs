@@ -74,6 +74,13 @@ pub enum EngineError {
         /// The image.
         image: String,
     },
+    /// A task's GPUs cannot be passed to its container here (see `GpuDeviceMode`): why, and
+    /// what to do.
+    #[error("{message}")]
+    GpusUnavailable {
+        /// Why, and what to do.
+        message: String,
+    },
 }
 
 /// How an API answers an [`EngineError`] ([`EngineError::kind`]): the one mapping every
@@ -107,6 +114,7 @@ impl EngineError {
             | Self::Runtime(_)
             | Self::RuntimeUnavailable(_)
             | Self::ImageVanished { .. }
+            | Self::GpusUnavailable { .. }
             | Self::Join(_) => ErrorKind::Internal,
         }
     }

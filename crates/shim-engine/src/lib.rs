@@ -58,6 +58,7 @@ mod driver;
 mod effects;
 mod engine;
 mod error;
+mod gpus;
 mod health;
 mod home;
 mod images;
@@ -80,6 +81,7 @@ pub use config::{EngineConfig, default_pass_env};
 pub use deps::Deps;
 pub use engine::{Engine, Shutdown};
 pub use error::{EngineError, ErrorKind, Result};
+pub use gpus::GpuDeviceMode;
 pub use health::EngineHealth;
 /// The Prometheus client the engine's metrics are built on, for an embedder's registry
 /// ([`Engine::register_metrics`]).

@@ -31,6 +31,7 @@
 //! | `dstack_shim_state_write_seconds` | histogram | durable task.json writes (with submit's) |
 //! | `dstack_shim_state_write_errors` | counter | failed task.json writes |
 //! | `dstack_shim_gpus_locked` / `dstack_shim_gpus_total` | gauge | GPUs held by tasks / on the host |
+//! | `dstack_shim_gpu_device_mode{mode}` | gauge | 1 for how GPUs reach containers now: `cdi`, `legacy`, `refused` (once decided: a GPU host at start-up) |
 //! | `dstack_shim_host_key_tasks` | gauge | tasks holding host SSH key lines |
 //! | `dstack_shim_volumes_mounted` | gauge | volumes held by tasks |
 //! | `dstack_shim_pending_releases` | gauge | terminated tasks still holding something |
@@ -60,6 +61,7 @@ use shim_resources::GpuLock;
 use shim_task::TaskStatus;
 
 use crate::counters::Metrics;
+use crate::gpus::GpuPassing;
 use crate::images::ImageGc;
 use crate::reconcile::ReconcileState;
 use crate::table::TaskTable;
@@ -75,6 +77,8 @@ pub(crate) struct Sources {
     pub(crate) table: Arc<TaskTable>,
     /// The GPU lock.
     pub(crate) gpus: Arc<GpuLock>,
+    /// How GPUs reach containers.
+    pub(crate) gpu_passing: Arc<GpuPassing>,
     /// The reconciler's state.
     pub(crate) reconcile: Arc<ReconcileState>,
     /// Where running tasks' control groups are (the per-task usage).
@@ -182,6 +186,23 @@ impl Collector for State {
             "GPUs on the host",
             self.0.gpus.total() as f64,
         )?;
+        if let Some(mode) = self.0.gpu_passing.last_name() {
+            let family: Family<ModeLabels, prometheus_client::metrics::gauge::Gauge> =
+                Family::default();
+            family
+                .get_or_create(&ModeLabels {
+                    mode: mode.to_owned(),
+                })
+                .set(1);
+            let m = encoder.encode_descriptor(
+                "dstack_shim_gpu_device_mode",
+                "How GPUs reach containers now: cdi, legacy (upstream's device request and \
+                 mappings) or refused (GPU tasks cannot get their GPUs; the log says why)",
+                None,
+                family.metric_type(),
+            )?;
+            family.encode(m)?;
+        }
         gauge(
             &mut encoder,
             "dstack_shim_host_key_tasks",
@@ -279,4 +300,9 @@ impl Collector for State {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StatusLabels {
     status: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModeLabels {
+    mode: String,
 }

@@ -13,6 +13,7 @@ use shim_task::{NetworkMode, TaskConfig};
 
 use crate::config::EngineConfig;
 use crate::error::{EngineError, Result};
+use crate::gpus::Passing;
 use crate::home::Home;
 use crate::labels::{LABEL_GPUS, LABEL_IS_TASK, LABEL_OWNER, LABEL_TASK_ID};
 
@@ -32,6 +33,8 @@ pub(crate) struct SpecContext<'a> {
     pub(crate) fake_gpus: bool,
     /// Host device facts.
     pub(crate) host_devices: HostDevices,
+    /// How GPUs go to containers now.
+    pub(crate) passing: &'a Passing,
 }
 
 /// The container spec of a task that has a config (start only runs for those).
@@ -50,7 +53,7 @@ pub(crate) fn container_spec(ctx: &SpecContext<'_>, task: &Task) -> Result<Conta
         task,
         config,
         paths.runner_dir,
-    )))
+    )?))
 }
 
 fn inputs(
@@ -58,7 +61,7 @@ fn inputs(
     task: &Task,
     config: &TaskConfig,
     runner_dir: PathBuf,
-) -> ContainerInputs {
+) -> Result<ContainerInputs> {
     let cfg = ctx.cfg;
     let gpus = &task.record().resources.gpus;
     let mut labels = BTreeMap::new();
@@ -114,19 +117,38 @@ fn inputs(
     } else if gpus.is_empty() || ctx.fake_gpus {
         GpuConfig::None
     } else {
-        match ctx.gpu_vendor {
-            Some(GpuVendor::Nvidia) => GpuConfig::Nvidia {
+        match (ctx.gpu_vendor, ctx.passing) {
+            (Some(GpuVendor::Nvidia | GpuVendor::Amd), Passing::Refused(message)) => {
+                return Err(EngineError::GpusUnavailable {
+                    message: message.clone(),
+                });
+            }
+            (Some(GpuVendor::Nvidia | GpuVendor::Amd), Passing::Cdi(names)) => {
+                let devices = gpus
+                    .iter()
+                    .map(|id| {
+                        names
+                            .get(id)
+                            .cloned()
+                            .ok_or_else(|| EngineError::GpusUnavailable {
+                                message: format!("GPU {id} has no CDI name"),
+                            })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                GpuConfig::Cdi { devices }
+            }
+            (Some(GpuVendor::Nvidia), _) => GpuConfig::Nvidia {
                 uuids: gpus.clone(),
             },
-            Some(GpuVendor::Amd) => GpuConfig::Amd {
+            (Some(GpuVendor::Amd), _) => GpuConfig::Amd {
                 render_nodes: gpus.clone(),
             },
-            Some(GpuVendor::Tenstorrent) => GpuConfig::Tenstorrent { ids: gpus.clone() },
-            Some(GpuVendor::Intel) => GpuConfig::Intel { ids: gpus.clone() },
-            None => GpuConfig::None,
+            (Some(GpuVendor::Tenstorrent), _) => GpuConfig::Tenstorrent { ids: gpus.clone() },
+            (Some(GpuVendor::Intel), _) => GpuConfig::Intel { ids: gpus.clone() },
+            (None, _) => GpuConfig::None,
         }
     };
-    ContainerInputs {
+    Ok(ContainerInputs {
         name: task.record().container_name.clone(),
         image: shim_runtime::with_default_tag(&config.image_name),
         labels,
@@ -156,5 +178,5 @@ fn inputs(
         gpu,
         host: ctx.host_devices,
         log: cfg.container_log,
-    }
+    })
 }

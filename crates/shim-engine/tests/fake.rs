@@ -1948,10 +1948,11 @@ async fn a_missing_runner_binary_fails_the_task_with_the_path() {
 }
 
 // On Podman a task given NVIDIA GPUs must not run without them (its Docker API ignores the
-// device request): the create is refused, and the task ends `creating_container_error` naming
-// the engine and why, as any failed create, its GPU released.
+// device request): without a CDI spec the create is refused before the engine is asked, and
+// the task ends `creating_container_error` saying why and which command makes a spec, as any
+// failed create, its GPU released (issue 36).
 #[tokio::test(start_paused = true)]
-async fn a_gpu_task_on_podman_fails_at_create() {
+async fn a_gpu_task_on_podman_without_a_cdi_spec_fails_at_create() {
     let w = World::new(1);
     w.runtime.as_podman(Some("5.4.2"));
     let engine = w.engine().await;
@@ -1965,15 +1966,138 @@ async fn a_gpu_task_on_podman_fails_at_create() {
     );
     assert!(
         info.termination_message
-            .contains("Podman 5.4.2 ignores \"nvidia\" device requests"),
+            .contains("Podman 5.4.2 ignores NVIDIA device requests through its Docker API")
+            && info
+                .termination_message
+                .contains("nvidia-ctk cdi generate --output=/var/run/cdi/nvidia.yaml"),
         "{info:?}"
     );
     assert!(w.runtime.container_ids().is_empty());
+    assert!(
+        scrape(&engine).contains("dstack_shim_gpu_device_mode{mode=\"refused\"} 1"),
+        "{}",
+        scrape(&engine)
+    );
     wait_released(&engine, &w, "t1").await;
     engine.remove(&tid("t1")).await.unwrap();
     // A task without GPUs runs there as usual.
     engine.submit(config("t2")).await.unwrap();
     wait_status(&engine, "t2", TaskStatus::Running).await;
+}
+
+/// A CDI spec of two fake GPUs, one named by UUID and one by index (as NVIDIA Container
+/// Toolkit 1.18's `nvidia-ctk cdi generate` names them both ways), in a directory of its own.
+fn cdi_spec_dir(host: &HostGpus) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = format!(
+        "cdiVersion: 0.5.0\nkind: nvidia.com/gpu\ndevices:\n\
+         - name: {uuid0}\n  containerEdits:\n    deviceNodes:\n    - path: /dev/nvidia0\n\
+         - name: \"1\"\n  containerEdits:\n    deviceNodes:\n    - path: /dev/nvidia1\n",
+        uuid0 = host.gpus[0].id
+    );
+    fs_err::write(dir.path().join("nvidia.yaml"), spec).unwrap();
+    dir
+}
+
+/// The device requests of the container created for `id`.
+fn device_requests_of(w: &World, id: &str) -> Vec<shim_runtime::DeviceRequest> {
+    let name = shim_task::naming::container_name(&config(id).name, &config(id).id);
+    w.runtime
+        .calls()
+        .into_iter()
+        .find_map(|c| match c {
+            Call::Create(spec) if spec.name == name => Some(spec.device_requests.clone()),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no create of {id}"))
+}
+
+// Issue 36: where the engine applies CDI and a spec names the host's GPUs, a task's GPUs go as
+// exactly their CDI names (the UUID where the spec has it, else the index), one device request
+// of driver `cdi`; the same host without a spec gets upstream's `nvidia` request by UUID; a
+// forced `legacy` never uses CDI.
+#[tokio::test(start_paused = true)]
+async fn gpus_go_as_cdi_devices_where_the_engine_and_a_spec_allow() {
+    let w = World::new(2);
+    let specs = cdi_spec_dir(&w.host_gpus);
+    w.runtime.set_gpu_support(shim_runtime::GpuSupport::new(
+        "Docker 28.5.2",
+        Some(vec![specs.path().to_owned()]),
+        true,
+    ));
+    let engine = w.engine().await;
+    assert!(
+        scrape(&engine).contains("dstack_shim_gpu_device_mode{mode=\"cdi\"} 1"),
+        "decided at start-up: {}",
+        scrape(&engine)
+    );
+    let mut c = config("both");
+    c.gpu = 2;
+    engine.submit(c).await.unwrap();
+    let info = wait_status(&engine, "both", TaskStatus::Running).await;
+    let ids = info.gpu_ids.clone().unwrap();
+    let names: Vec<String> = ids
+        .iter()
+        .map(|id| {
+            if *id == w.host_gpus.gpus[0].id {
+                format!("nvidia.com/gpu={id}")
+            } else {
+                "nvidia.com/gpu=1".to_owned()
+            }
+        })
+        .collect();
+    assert_eq!(
+        device_requests_of(&w, "both"),
+        [shim_runtime::DeviceRequest {
+            driver: "cdi".into(),
+            device_ids: names,
+            capabilities: vec![],
+        }]
+    );
+    terminate_by_user(&engine, "both").await;
+    wait_released(&engine, &w, "both").await;
+
+    // The spec is gone (a host rebuilt): the next GPU task gets upstream's request.
+    drop(specs);
+    let mut c = config("legacy");
+    c.gpu = 1;
+    engine.submit(c).await.unwrap();
+    let info = wait_status(&engine, "legacy", TaskStatus::Running).await;
+    let requests = device_requests_of(&w, "legacy");
+    assert_eq!(requests.len(), 1);
+    assert_eq!(requests[0].driver, "nvidia");
+    assert_eq!(Some(requests[0].device_ids.clone()), info.gpu_ids);
+    assert!(
+        scrape(&engine).contains("dstack_shim_gpu_device_mode{mode=\"legacy\"} 1"),
+        "{}",
+        scrape(&engine)
+    );
+}
+
+// Issue 36: a start the engine refuses for the container's devices (here Docker's words for a
+// CDI device no spec names) ends the task `creating_container_error` with the engine's
+// words, not `container_exited_with_error`; its GPUs are released.
+#[tokio::test(start_paused = true)]
+async fn a_start_refused_for_devices_is_a_creating_container_error() {
+    let w = World::new(1);
+    let words = "CDI device injection failed: unresolvable CDI devices nvidia.com/gpu=0";
+    w.runtime
+        .set_start_behavior(StartBehavior::Fail(words.to_owned()));
+    let engine = w.engine().await;
+    let mut c = config("t1");
+    c.gpu = 1;
+    engine.submit(c).await.unwrap();
+    let info = wait_status(&engine, "t1", TaskStatus::Terminated).await;
+    assert_eq!(
+        info.termination_reason, "creating_container_error",
+        "{info:?}"
+    );
+    assert!(info.termination_message.contains(words), "{info:?}");
+    wait_released(&engine, &w, "t1").await;
+    // A start that fails for another reason stays the container's failure.
+    engine.submit(config("t2")).await.unwrap();
+    let info = wait_status(&engine, "t2", TaskStatus::Terminated).await;
+    assert_eq!(info.termination_reason, "container_exited_with_error");
 }
 
 // Issue 22, SPEC §5: ownership is the runner mount. With its `owner-id` deleted, or replaced

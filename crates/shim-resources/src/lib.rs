@@ -57,7 +57,7 @@ pub use dirs::ensure_instance_dir;
 pub use error::{Error, Result};
 #[cfg(any(test, feature = "test-support"))]
 pub use fake::StaticUserDb;
-pub use gpu::{GpuDetector, GpuInfo, GpuLock, GpuVendor, HostGpus};
+pub use gpu::{CdiRegistry, GpuDetector, GpuInfo, GpuLock, GpuVendor, HostGpus};
 pub use host::{HOST_INFO_FILE, HostInfo, write_host_info, write_host_info_once};
 pub use keys::{AuthorizedKeys, AuthorizedKeysManager, SystemUserDb, UserDb, UserEntry};
 pub use volumes::{

@@ -71,7 +71,7 @@ pub enum RuntimeError {
     /// ignores NVIDIA ones), so the container was not created: a task must not run without
     /// the GPUs it was given. The shim checks this itself, before asking the engine.
     #[error(
-        "create {what}: {engine} ignores {driver:?} device requests through its Docker API: GPU tasks need Docker (CDI on Podman is not supported yet)"
+        "create {what}: {engine} ignores {driver:?} device requests through its Docker API: GPU tasks need a CDI spec there (Podman 5+; `nvidia-ctk cdi generate --output=/var/run/cdi/nvidia.yaml`) or Docker"
     )]
     DeviceRequestsIgnored {
         /// The container concerned, e.g. `container abc`.

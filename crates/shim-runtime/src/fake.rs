@@ -446,7 +446,7 @@ impl FakeRuntime {
     }
 
     /// Sets what `gpu_support` answers (by default: a Docker-like engine applying NVIDIA
-    /// requests and no CDI, or Podman's answer after [`Self::set_podman`]).
+    /// requests and no CDI, or Podman's answer after [`Self::as_podman`]).
     pub fn set_gpu_support(&self, support: GpuSupport) {
         self.lock().gpu_support = Some(support);
     }
@@ -874,14 +874,10 @@ impl ContainerRuntime for FakeRuntime {
             .gpu_support
             .clone()
             .unwrap_or_else(|| match &state.podman {
+                // Podman 5 applies CDI; the fake reads no spec of the host's own.
                 Some(version) => GpuSupport::new(
                     format!("Podman {version}"),
-                    crate::docker::podman_applies_cdi(version).then(|| {
-                        crate::DEFAULT_CDI_SPEC_DIRS
-                            .iter()
-                            .map(std::path::PathBuf::from)
-                            .collect()
-                    }),
+                    crate::docker::podman_applies_cdi(version).then(Vec::new),
                     false,
                 ),
                 None => GpuSupport::new("Fake engine", None, true),

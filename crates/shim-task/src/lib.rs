@@ -34,9 +34,10 @@
 //!     v
 //!  terminated  (final; also reached from every status by a start failure or a terminate)
 //!
-//!  start failures: PrepareFailed → executor_error; PullFailed, CreateFailed →
-//!  creating_container_error; StartFailed → container_exited_with_error; StartAborted, or
-//!  StartFinished before running → executor_error.
+//!  start failures: PrepareFailed → executor_error; PullFailed, CreateFailed, StartRefused
+//!  (the engine refused the container's devices) → creating_container_error; StartFailed →
+//!  container_exited_with_error; StartAborted, or StartFinished before running →
+//!  executor_error.
 //! ```
 //!
 //! - `terminated` absorbs every event: the first reason and message are kept.

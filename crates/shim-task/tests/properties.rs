@@ -1273,7 +1273,7 @@ fn any_event((kind, a, b): (u8, u8, u8)) -> Event {
         is_total_bytes_final: a % 2 == 0,
     };
     let message = format!("m{b}");
-    match kind % 33 {
+    match kind % 34 {
         0 => Event::StartBegan,
         1 => Event::GpusAcquired(gpus),
         2 => Event::HostKeysAdded(shim_task::HostKeysGrant {
@@ -1357,6 +1357,7 @@ fn any_event((kind, a, b): (u8, u8, u8)) -> Event {
             },
             message,
         },
+        32 => Event::StartRefused { message },
         _ => Event::Observed(Observation::Running),
     }
 }

@@ -447,6 +447,22 @@ fn create_failure_is_creating_container_error() {
     );
 }
 
+/// Issue 36: a start the engine refuses for the container's devices (Docker's "CDI device
+/// injection failed", "could not select device driver") ran nothing: the task ends as a
+/// create the engine refused does, `creating_container_error`, with the engine's words.
+#[test]
+fn a_start_refused_for_devices_is_creating_container_error() {
+    let mut t = started_until(StartStep::StartContainer);
+    let words = "CDI device injection failed: unresolvable CDI devices nvidia.com/gpu=9";
+    go(
+        &mut t,
+        Event::StartRefused {
+            message: words.into(),
+        },
+    );
+    assert_ended(&t, TerminationReason::CreatingContainerError, words);
+}
+
 #[test]
 fn start_failure_is_container_exited_with_error() {
     let mut t = started_until(StartStep::StartContainer);

@@ -109,6 +109,12 @@ pub struct Args {
     /// Collect down to this percentage (below the high one) [default: 80]
     #[arg(long, value_name = "PERCENT")]
     pub image_gc_low_percent: Option<String>,
+    /// How a task's GPUs reach its container: `auto` (CDI devices where the engine applies
+    /// CDI and a spec names the GPUs, else upstream's NVIDIA device request and device
+    /// mappings), `cdi` (CDI only: GPU tasks fail where it cannot work), `legacy` (never CDI)
+    /// [default: auto]
+    #[arg(long, value_name = "MODE")]
+    pub gpu_device_mode: Option<String>,
     /// The dcgm-exporter binary [default: dcgm-exporter in PATH]
     #[arg(long, value_name = "PATH")]
     pub dcgm_exporter_path: Option<String>,

@@ -34,7 +34,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser as _;
-use shim_engine::EngineConfig;
+use shim_engine::{EngineConfig, GpuDeviceMode};
 use shim_runtime::LogLimits;
 use tracing_subscriber::filter::LevelFilter;
 
@@ -325,6 +325,10 @@ impl Config {
         )?;
         let image_gc_percent =
             l.image_gc(&args.image_gc_high_percent, &args.image_gc_low_percent)?;
+        let gpu_device_mode: GpuDeviceMode = l
+            .string("gpu-device-mode", &args.gpu_device_mode, "auto")
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("{e}"))?;
         let path = |flag: &str, cli: &Option<String>| {
             Some(l.string(flag, cli, ""))
                 .filter(|p| !p.is_empty())
@@ -394,6 +398,7 @@ impl Config {
         engine.pull_stall_timeout = pull_stall_timeout;
         engine.pull_timeout = pull_timeout;
         (engine.image_gc_high_percent, engine.image_gc_low_percent) = image_gc_percent;
+        engine.gpu_device_mode = gpu_device_mode;
         Ok(Self {
             version: false,
             help: false,
@@ -782,6 +787,34 @@ mod tests {
         assert!(
             err.contains("invalid pull-timeout \"2 hours\"")
                 && err.contains("DSTACK_SHIM_PULL_TIMEOUT"),
+            "{err}"
+        );
+    }
+
+    /// Issue 36: how GPUs reach containers, `auto` by default, forced by flag or environment;
+    /// anything else stops the shim at start-up, naming the choices.
+    #[test]
+    fn gpu_device_modes() {
+        let mode = |args: &[&str], env: &[(&str, &str)]| ok(args, env).engine.gpu_device_mode;
+        assert_eq!(mode(&[], &[]), GpuDeviceMode::Auto);
+        assert_eq!(mode(&["--gpu-device-mode", "cdi"], &[]), GpuDeviceMode::Cdi);
+        assert_eq!(
+            mode(&[], &[("DSTACK_SHIM_GPU_DEVICE_MODE", "legacy")]),
+            GpuDeviceMode::Legacy
+        );
+        assert_eq!(
+            mode(
+                &["-gpu-device-mode=auto"],
+                &[("DSTACK_SHIM_GPU_DEVICE_MODE", "cdi")]
+            ),
+            GpuDeviceMode::Auto,
+            "the command line wins"
+        );
+        let err = resolve(&["--gpu-device-mode", "nvidia"], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("invalid GPU device mode \"nvidia\": use auto, cdi or legacy"),
             "{err}"
         );
     }

@@ -189,10 +189,10 @@ impl CdiRegistry {
         if let Some(name) = by(&gpu.id) {
             return Some(name);
         }
-        if gpu.vendor == GpuVendor::Amd {
-            if let Some(device) = devices.values().find(|d| d.has_node(&gpu.id)) {
-                return Some(format!("{kind}={}", device.name));
-            }
+        if gpu.vendor == GpuVendor::Amd
+            && let Some(device) = devices.values().find(|d| d.has_node(&gpu.id))
+        {
+            return Some(format!("{kind}={}", device.name));
         }
         by(&gpu.index.to_string()).or_else(|| by(&format!("gpu{}", gpu.index)))
     }

@@ -418,7 +418,8 @@ async fn gpu_device_requests_are_refused_on_podman() {
     assert_eq!(
         e.to_string(),
         "create container t6-0-ffff: Podman 5.4.2 ignores \"nvidia\" device requests through \
-         its Docker API: GPU tasks need Docker (CDI on Podman is not supported yet)"
+         its Docker API: GPU tasks need a CDI spec there (Podman 5+; `nvidia-ctk cdi generate \
+         --output=/var/run/cdi/nvidia.yaml`) or Docker"
     );
     assert!(
         !engine

@@ -130,6 +130,14 @@ pub enum Event {
         /// Last log lines or the error.
         message: String,
     },
+    /// Outcome of [`Action::StartContainer`]: the engine refused to start the container for
+    /// what it was created with, its devices (an unresolvable CDI device, no NVIDIA runtime
+    /// for a device request): nothing ran, so the task ends `creating_container_error`, as a
+    /// create the engine refused does, with the engine's words.
+    StartRefused {
+        /// The engine's error.
+        message: String,
+    },
     /// The start job hit an error of its own and is returning early: `executor_error`, then
     /// [`Action::FinishStart`].
     StartAborted {
@@ -242,7 +250,7 @@ pub enum Action {
     CreateContainer,
     /// Start the container (the NVIDIA display retry is the engine's, reported with
     /// [`Event::ContainerRecreated`]). Outcome: [`Event::ContainerStarted`] or
-    /// [`Event::StartFailed`].
+    /// [`Event::StartFailed`] or [`Event::StartRefused`].
     StartContainer,
     /// Stop the container with this timeout. Outcome: [`Event::ContainerStopped`] or
     /// [`Event::StopFailed`].

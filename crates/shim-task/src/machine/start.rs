@@ -251,6 +251,11 @@ pub(super) fn on_start_event(
             t.terminate(TerminationReason::ContainerExitedWithError, message);
             advance(t);
         }
+        Event::StartRefused { message } => {
+            expect(t, name, |s| s == StartStep::StartContainer)?;
+            t.terminate(TerminationReason::CreatingContainerError, message);
+            advance(t);
+        }
         Event::StartAborted { message } => {
             if !t.start_in_flight {
                 return Err(t.unexpected(name));

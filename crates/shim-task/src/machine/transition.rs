@@ -54,6 +54,7 @@ fn apply(t: &mut Task, event: Event, actions: &mut Vec<Action>) -> Result<Shape,
         | Event::ContainerRecreated { .. }
         | Event::ContainerStarted { .. }
         | Event::StartFailed { .. }
+        | Event::StartRefused { .. }
         | Event::StartAborted { .. }
         | Event::StartFinished) => on_start_event(t, start, name).map(|()| PLAIN),
         Event::TerminateRequested {
@@ -343,6 +344,7 @@ fn event_name(e: &Event) -> &'static str {
         Event::ContainerRecreated { .. } => "ContainerRecreated",
         Event::ContainerStarted { .. } => "ContainerStarted",
         Event::StartFailed { .. } => "StartFailed",
+        Event::StartRefused { .. } => "StartRefused",
         Event::StartAborted { .. } => "StartAborted",
         Event::StartFinished => "StartFinished",
         Event::TerminateRequested { .. } => "TerminateRequested",

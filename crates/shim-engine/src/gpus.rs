@@ -1,0 +1,398 @@
+//! How a task's GPUs reach its container (SPEC §6): as CDI devices, the field's way now, or
+//! as upstream's device request and device mappings.
+//!
+//! The order, for [`GpuDeviceMode::Auto`] (the default):
+//! 1. **CDI** when the engine applies CDI device requests ([`GpuSupport::cdi_spec_dirs`]:
+//!    Docker 25+ with CDI on, the default from 28.2; Podman 5+), a spec in its spec dirs names
+//!    the vendor's kind (`nvidia.com/gpu`, `amd.com/gpu`) and every GPU of the host has a
+//!    name there ([`CdiRegistry::name_for`]: UUID first, else the index `nvidia-smi` gives the
+//!    GPU): the task's GPUs go as exactly their CDI names, and the engine applies the spec
+//!    (device nodes, env, libraries, hooks).
+//! 2. Otherwise **upstream's way**: NVIDIA's device request (driver `nvidia`, GPU UUIDs, which
+//!    needs NVIDIA's runtime hook), AMD's `/dev/kfd` and render nodes, Tenstorrent's and
+//!    Intel's as they are.
+//! 3. Where neither can work — NVIDIA on Podman without a spec (its Docker API ignores the
+//!    `nvidia` request: the container would run without its GPUs) — the create is refused
+//!    with the command that makes a spec.
+//!
+//! An operator forces either way ([`GpuDeviceMode::Cdi`], [`GpuDeviceMode::Legacy`]); a
+//! forced CDI that cannot work refuses GPU tasks, saying why. Tenstorrent, Intel Gaudi and a
+//! task's own `gpu_devices` keep upstream's device mappings whatever the mode.
+//!
+//! The decision is a pure function ([`decide`]) of the mode, the host's GPUs, what the engine
+//! says it can do and the specs on disk; the room re-reads the specs at each GPU task's create
+//! (a spec written after the shim started, as `nvidia-cdi-refresh` does at boot, is taken
+//! then) and logs each change of decision.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use shim_resources::gpu::cdi::kind_of;
+use shim_resources::{CdiRegistry, GpuVendor, HostGpus};
+use shim_runtime::{ContainerRuntime, GpuSupport};
+
+use crate::error::chain;
+
+/// How the operator wants GPUs passed to containers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum GpuDeviceMode {
+    /// CDI where it can work, else upstream's way (see the module docs).
+    #[default]
+    Auto,
+    /// CDI only: GPU tasks are refused where it cannot work.
+    Cdi,
+    /// Upstream's device request and device mappings only (never CDI).
+    Legacy,
+}
+
+impl GpuDeviceMode {
+    /// The mode's name on the command line: `auto`, `cdi`, `legacy`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Cdi => "cdi",
+            Self::Legacy => "legacy",
+        }
+    }
+}
+
+impl std::str::FromStr for GpuDeviceMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" | "" => Ok(Self::Auto),
+            "cdi" => Ok(Self::Cdi),
+            "legacy" => Ok(Self::Legacy),
+            other => Err(format!(
+                "invalid GPU device mode {other:?}: use auto, cdi or legacy"
+            )),
+        }
+    }
+}
+
+/// How GPUs go to containers now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Passing {
+    /// As CDI devices: each GPU id's fully qualified CDI name.
+    Cdi(BTreeMap<String, String>),
+    /// Upstream's device request and device mappings.
+    Legacy,
+    /// GPU tasks cannot get their GPUs: why, and what to do.
+    Refused(String),
+}
+
+impl Passing {
+    /// The name of the way, for logs and metrics: `cdi`, `legacy`, `refused`.
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Self::Cdi(_) => "cdi",
+            Self::Legacy => "legacy",
+            Self::Refused(_) => "refused",
+        }
+    }
+}
+
+/// The command that makes a vendor's CDI spec.
+fn spec_command(vendor: GpuVendor) -> &'static str {
+    match vendor {
+        GpuVendor::Amd => "amd-ctk cdi generate --output=/etc/cdi/amd.json",
+        _ => "nvidia-ctk cdi generate --output=/var/run/cdi/nvidia.yaml",
+    }
+}
+
+/// Decides how GPUs go to containers (see the module docs); the decision and why.
+pub(crate) fn decide(
+    mode: GpuDeviceMode,
+    host: &HostGpus,
+    support: &GpuSupport,
+    specs: &CdiRegistry,
+) -> (Passing, String) {
+    let Some(vendor) = host.vendor else {
+        return (Passing::Legacy, "the host has no GPUs".to_owned());
+    };
+    let Some(kind) = kind_of(vendor) else {
+        return (
+            Passing::Legacy,
+            format!("{vendor} devices are mapped as upstream maps them (no CDI kind)"),
+        );
+    };
+    let engine = &support.engine;
+    let legacy_works = vendor != GpuVendor::Nvidia || support.nvidia_requests;
+    let cannot_legacy = || {
+        format!(
+            "{engine} ignores NVIDIA device requests through its Docker API, so a container \
+             would run without its GPUs; make a CDI spec (`{}`) and restart the shim",
+            spec_command(vendor)
+        )
+    };
+    if mode == GpuDeviceMode::Legacy {
+        return if legacy_works {
+            (Passing::Legacy, "upstream's way, as configured".to_owned())
+        } else {
+            (
+                Passing::Refused(cannot_legacy()),
+                "as configured".to_owned(),
+            )
+        };
+    }
+    let cdi = match (&support.cdi_spec_dirs, specs.kind(kind)) {
+        (None, _) => Err(format!(
+            "{engine} applies no CDI device requests (Docker 25 to 28.1 need \"features\": \
+             {{\"cdi\": true}} in daemon.json; Podman needs version 5)"
+        )),
+        (Some(dirs), None) => Err(format!(
+            "no CDI spec names {kind} in {} (make one: `{}`)",
+            dirs_text(dirs),
+            spec_command(vendor)
+        )),
+        (Some(_), Some(_)) => {
+            let mut names = BTreeMap::new();
+            let mut missing = Vec::new();
+            for gpu in &host.gpus {
+                match specs.name_for(kind, gpu) {
+                    Some(name) => {
+                        names.insert(gpu.id.clone(), name);
+                    }
+                    None => missing.push(gpu.id.clone()),
+                }
+            }
+            if missing.is_empty() {
+                Ok(names)
+            } else {
+                Err(format!(
+                    "the CDI spec of {kind} names no device for GPU(s) {} (a stale spec: \
+                     `{}`)",
+                    missing.join(", "),
+                    spec_command(vendor)
+                ))
+            }
+        }
+    };
+    match (cdi, mode) {
+        (Ok(names), _) => {
+            let files: Vec<String> = specs
+                .kind(kind)
+                .into_iter()
+                .flat_map(|d| d.values().map(|d| d.spec.display().to_string()))
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            (
+                Passing::Cdi(names),
+                format!("{engine} applies CDI; {kind} from {}", files.join(", ")),
+            )
+        }
+        (Err(why), GpuDeviceMode::Cdi) => (Passing::Refused(why), "CDI, as configured".into()),
+        (Err(why), _) if legacy_works => (Passing::Legacy, why),
+        (Err(why), _) => (Passing::Refused(format!("{}: {why}", cannot_legacy())), why),
+    }
+}
+
+fn dirs_text(dirs: &[PathBuf]) -> String {
+    let dirs: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+    dirs.join(", ")
+}
+
+/// The room that decides how GPUs reach containers: the mode, the host's GPUs, what the
+/// engine said it can do (asked once it answers), and the last decision.
+pub(crate) struct GpuPassing {
+    mode: GpuDeviceMode,
+    host: HostGpus,
+    runtime: Arc<dyn ContainerRuntime>,
+    support: tokio::sync::Mutex<Option<GpuSupport>>,
+    last: Mutex<Option<Passing>>,
+}
+
+impl GpuPassing {
+    /// The room for `host`'s GPUs on `runtime`, in `mode`.
+    pub(crate) fn new(
+        mode: GpuDeviceMode,
+        host: HostGpus,
+        runtime: Arc<dyn ContainerRuntime>,
+    ) -> Self {
+        Self {
+            mode,
+            host,
+            runtime,
+            support: tokio::sync::Mutex::new(None),
+            last: Mutex::new(None),
+        }
+    }
+
+    /// How GPUs go to containers now (the specs read again; a change is logged).
+    pub(crate) async fn current(&self) -> Passing {
+        if self.host.gpus.is_empty() {
+            return Passing::Legacy;
+        }
+        let support = {
+            let mut known = self.support.lock().await;
+            match known.as_ref() {
+                Some(s) => s.clone(),
+                None => match self.runtime.gpu_support().await {
+                    Ok(s) => {
+                        *known = Some(s.clone());
+                        s
+                    }
+                    Err(e) => {
+                        // Not known yet: upstream's way this time, asked again next time.
+                        tracing::warn!(error = %chain(&e), "cannot ask the engine what it can do with GPUs");
+                        return Passing::Legacy;
+                    }
+                },
+            }
+        };
+        let dirs = support.cdi_spec_dirs.clone().unwrap_or_default();
+        let specs = tokio::task::spawn_blocking(move || CdiRegistry::load(&dirs))
+            .await
+            .unwrap_or_default();
+        for error in specs.errors() {
+            tracing::warn!(%error, "a CDI spec cannot be read");
+        }
+        let (passing, why) = decide(self.mode, &self.host, &support, &specs);
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        if last.as_ref() != Some(&passing) {
+            match &passing {
+                Passing::Refused(what) => {
+                    tracing::error!(mode = self.mode.as_str(), %what, "GPU tasks cannot get their GPUs")
+                }
+                Passing::Cdi(names) => {
+                    tracing::info!(mode = self.mode.as_str(), devices = ?names, %why, "GPUs go to containers as CDI devices")
+                }
+                Passing::Legacy => {
+                    tracing::info!(mode = self.mode.as_str(), %why, "GPUs go to containers as upstream passes them (device request, device mappings)")
+                }
+            }
+            *last = Some(passing.clone());
+        }
+        passing
+    }
+
+    /// The last decision's name (`None` before the first).
+    pub(crate) fn last_name(&self) -> Option<&'static str> {
+        self.last
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(Passing::name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nvidia(n: u32) -> HostGpus {
+        HostGpus::fake_nvidia(n)
+    }
+
+    fn specs(text: &str) -> (tempfile::TempDir, CdiRegistry) {
+        let dir = tempfile::tempdir().unwrap();
+        fs_err::write(dir.path().join("nvidia.yaml"), text).unwrap();
+        let r = CdiRegistry::load(&[dir.path().to_owned()]);
+        (dir, r)
+    }
+
+    const TWO: &str = "cdiVersion: 0.5.0\nkind: nvidia.com/gpu\ndevices:\n- name: \"0\"\n  containerEdits:\n    deviceNodes:\n    - path: /dev/nvidia0\n- name: \"1\"\n  containerEdits:\n    deviceNodes:\n    - path: /dev/nvidia1\n";
+
+    fn docker(cdi: bool) -> GpuSupport {
+        GpuSupport::new(
+            "Docker 28.5.2",
+            cdi.then(|| vec!["/etc/cdi".into(), "/var/run/cdi".into()]),
+            true,
+        )
+    }
+
+    fn podman(cdi: bool) -> GpuSupport {
+        GpuSupport::new(
+            if cdi { "Podman 5.4.2" } else { "Podman 4.3.1" },
+            cdi.then(|| vec!["/etc/cdi".into(), "/var/run/cdi".into()]),
+            false,
+        )
+    }
+
+    #[test]
+    fn cdi_first_where_it_works_by_index_names() {
+        let (_d, s) = specs(TWO);
+        let (passing, why) = decide(GpuDeviceMode::Auto, &nvidia(2), &docker(true), &s);
+        let Passing::Cdi(names) = passing else {
+            panic!("{passing:?}: {why}")
+        };
+        let host = nvidia(2);
+        assert_eq!(names[&host.gpus[0].id], "nvidia.com/gpu=0");
+        assert_eq!(names[&host.gpus[1].id], "nvidia.com/gpu=1");
+        assert!(why.contains("nvidia.yaml"), "{why}");
+        let (passing, _) = decide(GpuDeviceMode::Auto, &nvidia(2), &podman(true), &s);
+        assert!(matches!(passing, Passing::Cdi(_)), "Podman 5 applies CDI");
+    }
+
+    #[test]
+    fn upstream_s_way_where_cdi_cannot_work_and_a_refusal_where_neither_can() {
+        let (_d, s) = specs(TWO);
+        let none = CdiRegistry::default();
+        // Docker without CDI, or without a spec, or with a stale one: the device request.
+        for (support, specs, said) in [
+            (docker(false), &s, "applies no CDI"),
+            (docker(true), &none, "no CDI spec names nvidia.com/gpu"),
+        ] {
+            let (passing, why) = decide(GpuDeviceMode::Auto, &nvidia(2), &support, specs);
+            assert_eq!(passing, Passing::Legacy);
+            assert!(why.contains(said), "{why}");
+        }
+        let (passing, why) = decide(GpuDeviceMode::Auto, &nvidia(3), &docker(true), &s);
+        assert_eq!(passing, Passing::Legacy);
+        assert!(why.contains("names no device for GPU(s)"), "{why}");
+        // Podman without a spec: refused, with the command.
+        for support in [podman(true), podman(false)] {
+            let (passing, _) = decide(GpuDeviceMode::Auto, &nvidia(2), &support, &none);
+            let Passing::Refused(what) = passing else {
+                panic!("{passing:?}")
+            };
+            assert!(
+                what.contains("ignores NVIDIA device requests")
+                    && what.contains("nvidia-ctk cdi generate --output=/var/run/cdi/nvidia.yaml"),
+                "{what}"
+            );
+        }
+        // Podman 4.3 with a spec still cannot: its Docker API applies no CDI.
+        let (passing, _) = decide(GpuDeviceMode::Auto, &nvidia(2), &podman(false), &s);
+        assert!(matches!(passing, Passing::Refused(ref w) if w.contains("Podman needs version 5")));
+    }
+
+    #[test]
+    fn forced_modes() {
+        let (_d, s) = specs(TWO);
+        let (passing, _) = decide(GpuDeviceMode::Legacy, &nvidia(2), &docker(true), &s);
+        assert_eq!(passing, Passing::Legacy, "legacy never uses CDI");
+        let (passing, _) = decide(GpuDeviceMode::Legacy, &nvidia(2), &podman(true), &s);
+        assert!(matches!(passing, Passing::Refused(_)), "{passing:?}");
+        let (passing, _) = decide(
+            GpuDeviceMode::Cdi,
+            &nvidia(2),
+            &docker(true),
+            &CdiRegistry::default(),
+        );
+        assert!(
+            matches!(passing, Passing::Refused(ref w) if w.contains("no CDI spec")),
+            "a forced CDI without a spec refuses rather than falling back: {passing:?}"
+        );
+        let (passing, _) = decide(GpuDeviceMode::Cdi, &nvidia(2), &docker(true), &s);
+        assert!(matches!(passing, Passing::Cdi(_)));
+        assert_eq!("cdi".parse::<GpuDeviceMode>(), Ok(GpuDeviceMode::Cdi));
+        assert_eq!("".parse::<GpuDeviceMode>(), Ok(GpuDeviceMode::Auto));
+        assert!("nvidia".parse::<GpuDeviceMode>().is_err());
+    }
+
+    #[test]
+    fn vendors_without_a_cdi_kind_and_hosts_without_gpus_keep_upstream_s_way() {
+        let (_d, s) = specs(TWO);
+        let (passing, _) = decide(GpuDeviceMode::Cdi, &HostGpus::none(), &docker(true), &s);
+        assert_eq!(passing, Passing::Legacy);
+        let mut tt = nvidia(1);
+        tt.vendor = Some(GpuVendor::Tenstorrent);
+        let (passing, _) = decide(GpuDeviceMode::Cdi, &tt, &docker(true), &s);
+        assert_eq!(passing, Passing::Legacy);
+    }
+}
