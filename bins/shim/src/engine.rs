@@ -7,6 +7,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use shim_engine::{Deps, Engine};
+use shim_resources::gpu::{
+    GpuHealthReport, GpuHealthSource, GpuRef, Kmsg, NvidiaHealth, UnhealthyReason, XidMonitor,
+};
 use shim_resources::{
     AuthorizedKeysManager, BlockVolumes, GpuDetector, GpuVendor, HostGpus, VolumeConfig,
 };
@@ -53,6 +56,7 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
         ..config.dcgm.clone()
     };
     let dcgm = Arc::new(shim_dcgm::Dcgm::start(&dcgm_config, nvidia).await);
+    let watch_health = nvidia && !host_gpus.gpus.is_empty();
     if config.service {
         spawn_host_info(home, docker_root, host_gpus.clone());
     }
@@ -61,17 +65,27 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
         Arc::new(AuthorizedKeysManager::system()),
         Arc::new(BlockVolumes::new(
             VolumeConfig::with_root(&config.engine.volumes_root),
-            commands,
+            commands.clone(),
         )),
     );
     deps.host_gpus = host_gpus;
     deps.fake_gpus = fake_gpus;
+    if watch_health && config.gpu_health_interval.is_some() {
+        let xids = XidMonitor::new(Arc::new(Kmsg::default()), config.xid_policy.clone());
+        deps.gpu_health = Some(Arc::new(HostGpuHealth {
+            nvidia: NvidiaHealth::new(commands.clone(), xids),
+            dcgm: dcgm.clone(),
+        }));
+    }
     deps.host_devices = HostDevices {
         infiniband: Path::new(shim_runtime::INFINIBAND_PATH).exists(),
         hugepages_1g: Path::new(shim_runtime::HUGEPAGES_1G_PATH).exists(),
     };
     let mut cfg = config.engine.clone();
     cfg.home = home.to_path_buf();
+    if let Some(every) = config.gpu_health_interval {
+        cfg.gpu_health_interval = every;
+    }
     tracing::info!(
         high_percent = cfg.image_gc_high_percent,
         low_percent = cfg.image_gc_low_percent,
@@ -100,7 +114,77 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
         owner = engine.owner(),
         "engine ready"
     );
+    if watch_health {
+        spawn_topology(engine.clone(), GpuDetector::new(commands));
+    }
     Ok((engine, dcgm))
+}
+
+/// Reads the GPUs' interconnect (`nvidia-smi topo -m`) once, in the background, and gives it
+/// to the GPU lock, which places tasks by it from then on (first-free until then, or for good
+/// when it cannot be read).
+fn spawn_topology(engine: shim_engine::Engine, detector: GpuDetector) {
+    tokio::spawn(async move {
+        match detector.topology().await {
+            Ok(topology) => {
+                tracing::info!(
+                    gpus = topology.gpus().len(),
+                    "GPU interconnect read: tasks get their GPUs by it (one NUMA node where one can hold them, then the best links)"
+                );
+                engine.gpu_lock().set_topology(Some(topology));
+            }
+            Err(e) => {
+                tracing::warn!(error = %error_chain(&e), "cannot read the GPU interconnect: GPUs are handed out first-free");
+            }
+        }
+    });
+}
+
+/// The host's GPU health: `nvidia-smi -q` and XIDs ([`NvidiaHealth`]), and DCGM's failed
+/// health watches where DCGM runs (an incident of health `FAIL` on a GPU entity makes that
+/// GPU unhealthy).
+struct HostGpuHealth {
+    nvidia: NvidiaHealth,
+    dcgm: Arc<shim_dcgm::Dcgm>,
+}
+
+/// DCGM's health watch system, by its bit (`dcgmHealthSystems_t`).
+fn dcgm_system(bit: u32) -> String {
+    match bit {
+        0x1 => "PCIe".to_owned(),
+        0x2 => "NVLink".to_owned(),
+        0x4 => "PMU".to_owned(),
+        0x8 => "MCU".to_owned(),
+        0x10 => "memory".to_owned(),
+        0x20 => "SM".to_owned(),
+        0x40 => "InfoROM".to_owned(),
+        0x80 => "thermal".to_owned(),
+        0x100 => "power".to_owned(),
+        0x200 => "driver".to_owned(),
+        0x1000 => "ConnectX".to_owned(),
+        other => format!("system {other:#x}"),
+    }
+}
+
+#[async_trait::async_trait]
+impl GpuHealthSource for HostGpuHealth {
+    async fn probe(&self) -> GpuHealthReport {
+        let mut report = self.nvidia.probe().await;
+        if let Some(health) = &self.dcgm.health
+            && let Some(dcgm) = health.instance_health().await.dcgm
+        {
+            for incident in dcgm.incidents {
+                // Entity group 1: a GPU, by its DCGM id (nvidia-smi's index).
+                if incident.entity_group_id == 1 && incident.health == shim_dcgm::HEALTH_FAIL {
+                    report.add_reason(
+                        GpuRef::Index(incident.entity_id),
+                        UnhealthyReason::dcgm(dcgm_system(incident.system), incident.error_message),
+                    );
+                }
+            }
+        }
+        report
+    }
 }
 
 /// Writes `host_info.json` once, in the background. `docker_root` is Docker's data

@@ -73,6 +73,8 @@ pub struct EngineConfig {
     /// How a task's GPUs reach its container: CDI where it can work, else upstream's way
     /// ([`GpuDeviceMode::Auto`], the default), or forced either way.
     pub gpu_device_mode: GpuDeviceMode,
+    /// How often the GPUs' health source is probed (`Deps::gpu_health`).
+    pub gpu_health_interval: Duration,
 }
 
 impl EngineConfig {
@@ -130,6 +132,10 @@ impl EngineConfig {
         None => NonZeroU32::MIN,
     };
 
+    /// How often GPU health is probed: 30 s (`nvidia-smi -q` takes well under a second;
+    /// NVIDIA's device plugin waits on events, DCGM checks every 30 s by default).
+    pub const DEFAULT_GPU_HEALTH_INTERVAL: Duration = Duration::from_secs(30);
+
     /// Collect images above 85 % use of the data root's file system (kubelet's default).
     pub const DEFAULT_IMAGE_GC_HIGH_PERCENT: u8 = 85;
     /// Collect down to 80 % (kubelet's default).
@@ -160,6 +166,7 @@ impl EngineConfig {
             image_gc_high_percent: Self::DEFAULT_IMAGE_GC_HIGH_PERCENT,
             image_gc_low_percent: Self::DEFAULT_IMAGE_GC_LOW_PERCENT,
             gpu_device_mode: GpuDeviceMode::Auto,
+            gpu_health_interval: Self::DEFAULT_GPU_HEALTH_INTERVAL,
         }
     }
 }

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use shim_resources::cgroup::Cgroups;
+use shim_resources::gpu::GpuHealthSource;
 use shim_resources::host::{FsProbe, HostFs};
 use shim_resources::{AuthorizedKeys, HostGpus, VolumeManager};
 use shim_runtime::{ContainerRuntime, HostDevices};
@@ -41,6 +42,10 @@ pub struct Deps {
     /// How full the container engine's data root is (image collection). Default: the host's
     /// ([`HostFs`]).
     pub fs: Arc<dyn FsProbe>,
+    /// Where the GPUs' health comes from (an NVIDIA host: `nvidia-smi -q` and XIDs,
+    /// [`shim_resources::gpu::NvidiaHealth`]); an unhealthy GPU is kept from new tasks.
+    /// Default: none (every GPU healthy).
+    pub gpu_health: Option<Arc<dyn GpuHealthSource>>,
 }
 
 impl Deps {
@@ -60,6 +65,7 @@ impl Deps {
             cgroups: Cgroups::system(),
             clock: Clock::system(),
             fs: Arc::new(HostFs),
+            gpu_health: None,
         }
     }
 }

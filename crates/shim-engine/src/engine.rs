@@ -26,6 +26,7 @@ use crate::deps::Deps;
 use crate::driver::Driver;
 use crate::effects::Effects;
 use crate::error::{EngineError, Result, chain};
+use crate::gpus::GpuHealthWatch;
 use crate::health::EngineHealth;
 use crate::images::ImageGc;
 use crate::metered::Metered;
@@ -63,6 +64,8 @@ struct Shared {
     driver: Arc<Driver>,
     /// The GPU lock (the effects' own, read for [`Engine::gpu_lock`]).
     gpus: Arc<GpuLock>,
+    /// The GPUs' health, as last probed.
+    gpu_health: Arc<GpuHealthWatch>,
     reconciler: Arc<Reconciler>,
     metrics: Sources,
     /// The engine's own registry ([`Engine::encode_metrics`]).
@@ -103,6 +106,7 @@ impl Engine {
             Arc::new(Metered::new(deps.runtime.clone(), metrics.clone()));
         let host_gpus = deps.host_gpus.clone();
         let (fake_gpus, gpus_total_is_zero) = (deps.fake_gpus, deps.host_gpus.gpus.is_empty());
+        let health_source = deps.gpu_health.clone().filter(|_| !gpus_total_is_zero);
         let (keys, volumes) = (deps.keys.clone(), deps.volumes.clone());
         let cgroups = deps.cgroups.clone();
         let table = Arc::new(TaskTable::default());
@@ -202,12 +206,22 @@ impl Engine {
         );
         background.push(locator);
         background.push(images.spawn(shutdown.clone()));
+        let gpu_health = Arc::new(GpuHealthWatch::new());
+        if let Some(source) = health_source {
+            background.push(gpu_health.spawn(
+                source,
+                gpus.clone(),
+                cfg.gpu_health_interval,
+                shutdown.clone(),
+            ));
+        }
 
         let sources = Sources {
             metrics,
             table: table.clone(),
             gpus: gpus.clone(),
             gpu_passing,
+            gpu_health: gpu_health.clone(),
             reconcile: reconciler.state().clone(),
             usage,
             images,
@@ -222,6 +236,7 @@ impl Engine {
                 table,
                 driver,
                 gpus,
+                gpu_health,
                 reconciler,
                 metrics: sources,
                 registry,
@@ -312,9 +327,15 @@ impl Engine {
         self.inner.reconciler.health()
     }
 
-    /// The GPU lock (which GPUs tasks hold now).
+    /// The GPU lock (which GPUs tasks hold now; which are kept out as unhealthy; where the
+    /// host's interconnect is set, [`GpuLock::set_topology`]).
     pub fn gpu_lock(&self) -> &GpuLock {
         &self.inner.gpus
+    }
+
+    /// The GPUs' health as last probed (`None`: no health source, or not probed yet).
+    pub fn gpu_health(&self) -> Option<shim_resources::gpu::GpuHealthReport> {
+        self.inner.gpu_health.last()
     }
 
     /// Submits a task: validates the config, creates the task directory and writes the state

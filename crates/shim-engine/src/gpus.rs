@@ -29,7 +29,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use shim_resources::gpu::cdi::kind_of;
-use shim_resources::{CdiRegistry, GpuVendor, HostGpus};
+use shim_resources::gpu::{GpuHealthReport, GpuHealthSource};
+use shim_resources::{CdiRegistry, GpuLock, GpuVendor, HostGpus};
 use shim_runtime::{ContainerRuntime, GpuSupport};
 
 use crate::error::chain;
@@ -277,6 +278,79 @@ impl GpuPassing {
             .unwrap_or_else(|p| p.into_inner())
             .as_ref()
             .map(Passing::name)
+    }
+}
+
+/// The GPUs' health, watched: every interval the source is probed, the unhealthy GPUs are kept
+/// from new tasks by the lock (running tasks keep theirs), each change is logged, and the last
+/// report is kept for `/metrics` and the instance health answer. A GPU healthy again is
+/// handed out again.
+pub(crate) struct GpuHealthWatch {
+    last: Mutex<Option<GpuHealthReport>>,
+}
+
+impl GpuHealthWatch {
+    /// A watch with nothing known yet.
+    pub(crate) fn new() -> Self {
+        Self {
+            last: Mutex::new(None),
+        }
+    }
+
+    /// The last report (`None`: no source, or not probed yet).
+    pub(crate) fn last(&self) -> Option<GpuHealthReport> {
+        self.last.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// One probe: the lock keeps the unhealthy GPUs from new tasks; changes are logged.
+    pub(crate) async fn probe(&self, source: &dyn GpuHealthSource, lock: &GpuLock) {
+        let report = source.probe().await;
+        let unhealthy: BTreeMap<String, Vec<String>> = report
+            .unhealthy()
+            .map(|g| {
+                (
+                    g.uuid.clone(),
+                    g.reasons.iter().map(ToString::to_string).collect(),
+                )
+            })
+            .collect();
+        let before = lock.unhealthy();
+        for (gpu, reasons) in &unhealthy {
+            if before.get(gpu) != Some(reasons) {
+                tracing::warn!(%gpu, ?reasons, "a GPU is unhealthy: it is not given to new tasks (tasks holding it keep it)");
+            }
+        }
+        for gpu in before.keys().filter(|g| !unhealthy.contains_key(*g)) {
+            tracing::info!(%gpu, "a GPU is healthy again: it is given to new tasks");
+        }
+        lock.set_unhealthy(unhealthy);
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(report);
+    }
+
+    /// Probes `source` now and then every `every` until `shutdown`.
+    pub(crate) fn spawn(
+        self: &Arc<Self>,
+        source: Arc<dyn GpuHealthSource>,
+        lock: Arc<GpuLock>,
+        every: std::time::Duration,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) -> tokio::task::JoinHandle<()> {
+        let watch = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    _ = ticks.tick() => {}
+                }
+                let Some(watch) = watch.upgrade() else { return };
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = watch.probe(source.as_ref(), &lock) => {}
+                }
+            }
+        })
     }
 }
 

@@ -31,6 +31,7 @@
 //! | `dstack_shim_state_write_seconds` | histogram | durable task.json writes (with submit's) |
 //! | `dstack_shim_state_write_errors` | counter | failed task.json writes |
 //! | `dstack_shim_gpus_locked` / `dstack_shim_gpus_total` | gauge | GPUs held by tasks / on the host |
+//! | `dstack_shim_gpu_unhealthy{gpu,reason}` | gauge | 1 for each reason a GPU is kept from new tasks (DCGM health, `nvidia-smi -q` retired pages or row remapping, XIDs) |
 //! | `dstack_shim_gpu_device_mode{mode}` | gauge | 1 for how GPUs reach containers now: `cdi`, `legacy`, `refused` (once decided: a GPU host at start-up) |
 //! | `dstack_shim_host_key_tasks` | gauge | tasks holding host SSH key lines |
 //! | `dstack_shim_volumes_mounted` | gauge | volumes held by tasks |
@@ -61,7 +62,7 @@ use shim_resources::GpuLock;
 use shim_task::TaskStatus;
 
 use crate::counters::Metrics;
-use crate::gpus::GpuPassing;
+use crate::gpus::{GpuHealthWatch, GpuPassing};
 use crate::images::ImageGc;
 use crate::reconcile::ReconcileState;
 use crate::table::TaskTable;
@@ -79,6 +80,8 @@ pub(crate) struct Sources {
     pub(crate) gpus: Arc<GpuLock>,
     /// How GPUs reach containers.
     pub(crate) gpu_passing: Arc<GpuPassing>,
+    /// The GPUs' health as last probed.
+    pub(crate) gpu_health: Arc<GpuHealthWatch>,
     /// The reconciler's state.
     pub(crate) reconcile: Arc<ReconcileState>,
     /// Where running tasks' control groups are (the per-task usage).
@@ -203,6 +206,27 @@ impl Collector for State {
             )?;
             family.encode(m)?;
         }
+        if let Some(report) = self.0.gpu_health.last() {
+            let family: Family<GpuReasonLabels, prometheus_client::metrics::gauge::Gauge> =
+                Family::default();
+            for gpu in report.unhealthy() {
+                for reason in &gpu.reasons {
+                    family
+                        .get_or_create(&GpuReasonLabels {
+                            gpu: gpu.uuid.clone(),
+                            reason: reason.to_string(),
+                        })
+                        .set(1);
+                }
+            }
+            let m = encoder.encode_descriptor(
+                "dstack_shim_gpu_unhealthy",
+                "1 for each reason a GPU is kept from new tasks (its health source marks it bad)",
+                None,
+                family.metric_type(),
+            )?;
+            family.encode(m)?;
+        }
         gauge(
             &mut encoder,
             "dstack_shim_host_key_tasks",
@@ -305,4 +329,10 @@ struct StatusLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ModeLabels {
     mode: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuReasonLabels {
+    gpu: String,
+    reason: String,
 }

@@ -202,14 +202,34 @@ impl ShimApi for EngineApi {
     }
 
     /// As upstream (`runner/internal/shim/api/handlers.go`, `InstanceHealthHandler`):
-    /// without DCGM, or when it fails, GPU health is unknown: `{"dcgm":null}`.
+    /// without DCGM, or when it fails, GPU health is unknown: `{"dcgm":null}`. Where the
+    /// engine watches the GPUs' health (an NVIDIA host), also `"gpus"`: each GPU's id, index
+    /// and the reasons it is kept from new tasks (`[]`: healthy), a field the dstack server
+    /// ignores (its client reads answers with extra fields ignored).
     async fn instance_health(&self) -> serde_json::Value {
         let health = match self.dcgm.as_ref().and_then(|d| d.health.as_ref()) {
             Some(h) => h.instance_health().await,
             None => shim_dcgm::InstanceHealth::default(),
         };
         // Plain data: encoding cannot fail; were it to, the answer is still "unknown".
-        serde_json::to_value(health).unwrap_or_else(|_| serde_json::json!({ "dcgm": null }))
+        let mut answer =
+            serde_json::to_value(health).unwrap_or_else(|_| serde_json::json!({ "dcgm": null }));
+        if let (Some(report), Some(fields)) = (self.engine.gpu_health(), answer.as_object_mut()) {
+            let gpus: Vec<serde_json::Value> = report
+                .gpus
+                .iter()
+                .map(|g| {
+                    serde_json::json!({
+                        "id": g.uuid,
+                        "index": g.index,
+                        "healthy": g.is_healthy(),
+                        "reasons": g.reasons.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                    })
+                })
+                .collect();
+            fields.insert("gpus".to_owned(), serde_json::Value::Array(gpus));
+        }
+        answer
     }
 
     /// As upstream (`runner/internal/shim/api/handlers.go`, `TaskMetricsHandler`): an

@@ -8,6 +8,19 @@ use std::time::Duration;
 /// Result with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// How [`Error::NotEnoughGpus`] names the free GPUs kept out as unhealthy.
+fn unhealthy_suffix(unhealthy: &[String]) -> String {
+    if unhealthy.is_empty() {
+        String::new()
+    } else {
+        format!(
+            " ({} kept out as unhealthy: {})",
+            unhealthy.len(),
+            unhealthy.join(", ")
+        )
+    }
+}
+
 /// What went wrong with a host resource.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -76,15 +89,22 @@ pub enum Error {
         /// What is wrong with it.
         why: String,
     },
-    /// Fewer GPUs are free than requested; nothing was locked.
-    #[error("{requested} GPU(s) requested, {free} of {total} free")]
+    /// Fewer GPUs are free and healthy than requested; nothing was locked. Upstream's words
+    /// (`runner/internal/shim/resources.go`, `ErrNoCapacity`), then the free GPUs kept out
+    /// as unhealthy and why.
+    #[error(
+        "no capacity: {requested} GPUs requested, {free} available{}",
+        unhealthy_suffix(unhealthy)
+    )]
     NotEnoughGpus {
         /// How many were requested.
         requested: i64,
-        /// How many are free.
+        /// How many are free and healthy.
         free: usize,
         /// How many the host has.
         total: usize,
+        /// The free GPUs kept out as unhealthy, each as `id (why)`.
+        unhealthy: Vec<String>,
     },
     /// The GPU count requested is invalid (below -1).
     #[error("invalid GPU count {requested}")]

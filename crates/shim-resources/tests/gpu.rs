@@ -538,15 +538,18 @@ fn lock_acquire_counts() {
     let e = lock.acquire(2).unwrap_err();
     assert!(
         matches!(
-            e,
+            &e,
             Error::NotEnoughGpus {
                 requested: 2,
                 free: 1,
-                total: 4
-            }
+                total: 4,
+                unhealthy,
+            } if unhealthy.is_empty()
         ),
         "{e}"
     );
+    // Upstream's words (runner/internal/shim/resources.go, `ErrNoCapacity`).
+    assert_eq!(e.to_string(), "no capacity: 2 GPUs requested, 1 available");
     assert_eq!(lock.free_count(), 1);
     // -1: all free ones.
     let b = lock.acquire(-1).unwrap();
@@ -560,6 +563,78 @@ fn lock_acquire_counts() {
     lock.release(&a); // idempotent
     assert_eq!(lock.free_count(), 3);
     assert_eq!(lock.acquire(3).unwrap(), a);
+}
+
+/// Issue 36: a lock placed by the interconnect of a recorded 4-GPU box with NVLink bridges in
+/// pairs (`testdata/gpu/topo/a30-nvlink-pairs-4gpu.txt`, from vllm-project/vllm#29070): two
+/// GPUs are a bridged pair; with GPU0 taken, the next two are the other pair, not GPU1 and
+/// GPU2 as first-free would give; one more GPU is then GPU1, the last free (never refused).
+#[test]
+fn the_lock_places_by_interconnect() {
+    let host = HostGpus::fake_nvidia(4);
+    let ids = host.ids();
+    let lock = GpuLock::for_host(&host);
+    let matrix = fs_err::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("testdata/gpu/topo/a30-nvlink-pairs-4gpu.txt"),
+    )
+    .unwrap();
+    lock.set_topology(Some(
+        shim_resources::gpu::parse_nvidia_topo(&matrix).unwrap(),
+    ));
+    assert_eq!(lock.lock(&ids[..1]), ids[..1]);
+    let pair = lock.acquire(2).unwrap();
+    assert_eq!(
+        pair,
+        ids[2..4],
+        "the bridged pair, not first-free's GPU1+GPU2"
+    );
+    assert_eq!(lock.acquire(1).unwrap(), ids[1..2]);
+    lock.release(&ids);
+    let first = lock.acquire(2).unwrap();
+    assert_eq!(first, ids[..2], "a bridged pair, the first of the two");
+}
+
+/// Issue 36: a GPU marked unhealthy is not handed to a new task: the healthy ones are, and a
+/// request only the unhealthy one could meet gets upstream's error naming it and why; the
+/// task holding it keeps it; once healthy again it is handed out.
+#[test]
+fn unhealthy_gpus_are_kept_out_of_new_tasks() {
+    let host = HostGpus::fake_nvidia(3);
+    let ids = host.ids();
+    let lock = GpuLock::for_host(&host);
+    let held = lock.acquire(1).unwrap();
+    assert_eq!(held, ids[..1]);
+    lock.set_unhealthy(
+        [
+            (
+                ids[0].clone(),
+                vec!["XID 79 (GPU has fallen off the bus)".to_owned()],
+            ),
+            (ids[1].clone(), vec!["retired pages pending".to_owned()]),
+            ("GPU-not-here".to_owned(), vec!["x".to_owned()]),
+        ]
+        .into(),
+    );
+    assert_eq!(lock.unhealthy().len(), 2, "an unknown id is ignored");
+    assert_eq!(lock.locked(), held, "the task holding a bad GPU keeps it");
+    let e = lock.acquire(2).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "no capacity: 2 GPUs requested, 1 available (1 kept out as unhealthy: {} \
+             (retired pages pending))",
+            ids[1]
+        )
+    );
+    assert_eq!(
+        lock.acquire(-1).unwrap(),
+        ids[2..],
+        "all the healthy free ones"
+    );
+    lock.release(&ids[2..]);
+    lock.set_unhealthy(Default::default());
+    assert_eq!(lock.acquire(2).unwrap(), ids[1..]);
 }
 
 #[test]

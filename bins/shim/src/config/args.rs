@@ -115,6 +115,16 @@ pub struct Args {
     /// [default: auto]
     #[arg(long, value_name = "MODE")]
     pub gpu_device_mode: Option<String>,
+    /// How often the GPUs' health is probed on an NVIDIA host (`nvidia-smi -q` retired pages
+    /// and row remapping, XIDs in the kernel log, DCGM where it runs; an unhealthy GPU is not
+    /// given to new tasks): a Go duration, or 0 for never [default: 30s]
+    #[arg(long, value_name = "DURATION")]
+    pub gpu_health_interval: Option<String>,
+    /// XIDs that do not make a GPU unhealthy, beyond the application errors NVIDIA's device
+    /// plugin skips (13, 31, 43, 45, 68, 109): comma-separated, or `all`/`xids` to ignore
+    /// XIDs (the device plugin's DP_DISABLE_HEALTHCHECKS) [default: none]
+    #[arg(long, value_name = "XIDS")]
+    pub disable_gpu_healthchecks: Option<String>,
     /// The dcgm-exporter binary [default: dcgm-exporter in PATH]
     #[arg(long, value_name = "PATH")]
     pub dcgm_exporter_path: Option<String>,

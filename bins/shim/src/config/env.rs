@@ -50,6 +50,11 @@ pub const ENV: &[(&str, &[&str])] = &[
         &["DSTACK_SHIM_IMAGE_GC_LOW_PERCENT"],
     ),
     ("gpu-device-mode", &["DSTACK_SHIM_GPU_DEVICE_MODE"]),
+    ("gpu-health-interval", &["DSTACK_SHIM_GPU_HEALTH_INTERVAL"]),
+    (
+        "disable-gpu-healthchecks",
+        &["DSTACK_SHIM_DISABLE_GPU_HEALTHCHECKS"],
+    ),
     ("dcgm-exporter-path", &["DSTACK_DCGM_EXPORTER_PATH"]),
     ("dcgmi-path", &["DSTACK_DCGMI_PATH"]),
     ("nv-hostengine-path", &["DSTACK_NV_HOSTENGINE_PATH"]),
@@ -105,7 +110,8 @@ mod tests {
              DSTACK_SHIM_CONTAINER_LOG_MAX_SIZE, DSTACK_SHIM_CONTAINER_LOG_MAX_FILES, \
              DSTACK_SHIM_PULL_STALL_TIMEOUT, DSTACK_SHIM_PULL_TIMEOUT, \
              DSTACK_SHIM_IMAGE_GC_HIGH_PERCENT, DSTACK_SHIM_IMAGE_GC_LOW_PERCENT, \
-             DSTACK_SHIM_GPU_DEVICE_MODE, DSTACK_DCGM_EXPORTER_PATH, DSTACK_DCGMI_PATH, DSTACK_NV_HOSTENGINE_PATH. Booleans: 1 t T TRUE true True 0 f F \
+             DSTACK_SHIM_GPU_DEVICE_MODE, DSTACK_SHIM_GPU_HEALTH_INTERVAL, \
+             DSTACK_SHIM_DISABLE_GPU_HEALTHCHECKS, DSTACK_DCGM_EXPORTER_PATH, DSTACK_DCGMI_PATH, DSTACK_NV_HOSTENGINE_PATH. Booleans: 1 t T TRUE true True 0 f F \
              FALSE false False.\n\nThe container engine is the Docker API at DOCKER_HOST \
              (default unix:///var/run/docker.sock): Docker 20.10 or newer with either image \
              store, or Podman 4.3 or newer through its Docker-compatible socket \

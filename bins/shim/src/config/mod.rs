@@ -106,6 +106,12 @@ pub struct Config {
     pub engine: EngineConfig,
     /// Testing only: a fake GPU host of N GPUs.
     pub fake_gpus: Option<u32>,
+    /// How often the GPUs' health is probed on an NVIDIA host (`None`: never; every GPU is
+    /// taken as healthy).
+    pub gpu_health_interval: Option<Duration>,
+    /// Which XIDs make a GPU unhealthy (NVIDIA's device plugin's rule, plus the operator's
+    /// `--disable-gpu-healthchecks`).
+    pub xid_policy: shim_resources::gpu::XidPolicy,
 }
 
 /// Where a raw value came from, for messages.
@@ -325,6 +331,16 @@ impl Config {
         )?;
         let image_gc_percent =
             l.image_gc(&args.image_gc_high_percent, &args.image_gc_low_percent)?;
+        let gpu_health_interval = l.duration(
+            "gpu-health-interval",
+            &args.gpu_health_interval,
+            Some(EngineConfig::DEFAULT_GPU_HEALTH_INTERVAL),
+        )?;
+        let xid_policy = shim_resources::gpu::XidPolicy::parse_skip_list(&l.string(
+            "disable-gpu-healthchecks",
+            &args.disable_gpu_healthchecks,
+            "",
+        ));
         let gpu_device_mode: GpuDeviceMode = l
             .string("gpu-device-mode", &args.gpu_device_mode, "auto")
             .parse()
@@ -416,6 +432,8 @@ impl Config {
                 Some(n) => Some(n.parse().context("--fake-gpus takes a count")?),
                 None => None,
             },
+            gpu_health_interval,
+            xid_policy,
         })
     }
 
@@ -434,6 +452,8 @@ impl Config {
             log_format: LogFormat::Text,
             engine: EngineConfig::new(PathBuf::new()),
             fake_gpus: None,
+            gpu_health_interval: None,
+            xid_policy: shim_resources::gpu::XidPolicy::default(),
         }
     }
 

@@ -1058,6 +1058,49 @@ pub async fn probe_nvidia_health(runner: &dyn CommandRunner, xids: &XidMonitor) 
     report
 }
 
+/// A source of the host's GPU health, which the engine polls to keep unhealthy GPUs from new
+/// tasks: [`NvidiaHealth`] on an NVIDIA host (and an embedder's own, e.g. joined with DCGM).
+#[async_trait::async_trait]
+pub trait GpuHealthSource: Send + Sync {
+    /// The health now: every GPU with its reasons (none when healthy), and what could not be
+    /// read.
+    async fn probe(&self) -> GpuHealthReport;
+}
+
+/// The NVIDIA sources: `nvidia-smi -q` and the XIDs of the kernel log
+/// ([`probe_nvidia_health`]).
+pub struct NvidiaHealth {
+    runner: Arc<dyn CommandRunner>,
+    xids: XidMonitor,
+}
+
+impl std::fmt::Debug for NvidiaHealth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NvidiaHealth")
+            .field("xids", &self.xids)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NvidiaHealth {
+    /// Runs `nvidia-smi` with `runner` and reads XIDs through `xids`.
+    pub fn new(runner: Arc<dyn CommandRunner>, xids: XidMonitor) -> Self {
+        Self { runner, xids }
+    }
+
+    /// The XID monitor (an operator's clear goes through it).
+    pub fn xids(&self) -> &XidMonitor {
+        &self.xids
+    }
+}
+
+#[async_trait::async_trait]
+impl GpuHealthSource for NvidiaHealth {
+    async fn probe(&self) -> GpuHealthReport {
+        probe_nvidia_health(self.runner.as_ref(), &self.xids).await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
