@@ -1,6 +1,8 @@
 //! The one test harness of the workspace, used by the end-to-end tests, the binary's tests and
 //! `xtask` (demo, bench, dev-env):
 //!
+//! - [`host`]: what a test makes of the host as root: [`LoopFs`] (a small file system on a
+//!   loop device) and [`PrivateDocker`] (a Docker daemon of its own);
 //! - [`http`]: a blocking HTTP/1.1 client (TCP or Unix socket, `Content-Length` and chunked
 //!   bodies both ways, answers read whole or streamed, bounded connects and reads) and
 //!   [`Api`], the shim's JSON API with status checks;
@@ -41,6 +43,7 @@
 
 pub mod artifact;
 pub mod docker;
+pub mod host;
 pub mod http;
 pub mod layout;
 pub mod metrics;
@@ -59,6 +62,7 @@ pub use docker::{
     container_running, containers_labelled, docker, docker_at, docker_at_ok, docker_ok,
     owner_identity, try_docker, try_docker_within,
 };
+pub use host::{LoopFs, PrivateDocker, fs_usage, images_at, take};
 pub use http::{Api, Body, Request, Response, Streamed, status_of};
 pub use layout::{entries, runner_dir, task_dir, tasks_dir, write_runner_exit};
 pub use metrics::{Metrics, parse_openmetrics};

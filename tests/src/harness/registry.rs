@@ -392,6 +392,72 @@ impl FreshImage {
             super::task::run_tag(),
             COUNT.fetch_add(1, Ordering::SeqCst)
         );
+        Self::push_as(
+            repo,
+            &tag,
+            (crate::REGISTRY_SMALL_REPO, crate::REGISTRY_TAG),
+            payload_bytes,
+        )
+    }
+
+    /// Pushes a fresh image to `<repo>-<run tag>-<n>:latest` (a repository of this process's
+    /// own, so its `latest` is too): an image the shim pulls again at every start, whose tag
+    /// [`FreshImage::repush`] moves.
+    pub fn push_latest(repo: &str, payload_bytes: usize) -> io::Result<Self> {
+        static COUNT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let repo = format!(
+            "{repo}-{}-{}",
+            super::task::run_tag(),
+            COUNT.fetch_add(1, Ordering::SeqCst)
+        );
+        Self::push_as(
+            &repo,
+            "latest",
+            (crate::REGISTRY_SMALL_REPO, crate::REGISTRY_TAG),
+            payload_bytes,
+        )
+    }
+
+    /// Pushes a fresh image on top of `base` (all of `base`'s layers, then a fresh one of
+    /// `payload_bytes`) to `repo`: two images sharing layers, as many share a CUDA base.
+    pub fn push_on(base: &FreshImage, repo: &str, payload_bytes: usize) -> io::Result<Self> {
+        static COUNT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let tag = format!(
+            "{}-on-{}",
+            super::task::run_tag(),
+            COUNT.fetch_add(1, Ordering::SeqCst)
+        );
+        let base_tag = base.tag().to_owned();
+        Self::push_as(repo, &tag, (&base.repo, &base_tag), payload_bytes)
+    }
+
+    fn push_as(
+        repo: &str,
+        tag: &str,
+        base: (&str, &str),
+        payload_bytes: usize,
+    ) -> io::Result<Self> {
+        let registry = Registry::fixture()?;
+        let (digest, layer_bytes) = Self::push_layer(&registry, base, (repo, tag), payload_bytes)?;
+        let proxy = SlowProxy::start(registry.addr(), FRESH_CHUNK, FRESH_PAUSE)?;
+        Ok(Self {
+            reference: format!("{}/{repo}:{tag}", proxy.host()),
+            registry,
+            repo: repo.to_owned(),
+            digest,
+            layer_bytes,
+            proxy,
+        })
+    }
+
+    /// Pushes `base` plus a layer of `payload_bytes` random bytes as `target`; the manifest's
+    /// digest and the layer's size.
+    fn push_layer(
+        registry: &Registry,
+        base: (&str, &str),
+        target: (&str, &str),
+        payload_bytes: usize,
+    ) -> io::Result<(String, u64)> {
         let scratch = tempfile::tempdir()?;
         let files = scratch.path().join("layer");
         fs_err::create_dir(&files)?;
@@ -400,22 +466,30 @@ impl FreshImage {
         fs_err::write(files.join("payload"), &payload)?;
         drop(payload);
         let layer = Layer::from_dir(&files, scratch.path())?;
-        let registry = Registry::fixture()?;
-        let digest = registry.push_with_layer(
+        let digest = registry.push_with_layer(base, target, &layer, "COPY payload /payload")?;
+        Ok((digest, u64::try_from(layer.gzip.len()).unwrap_or(u64::MAX)))
+    }
+
+    /// Pushes other fresh content (`payload_bytes` random bytes on the registry's small image)
+    /// under the same name: the tag moves in the registry, as a `latest` does when its image
+    /// is rebuilt. The old manifest is deleted from the registry.
+    pub fn repush(&mut self, payload_bytes: usize) -> io::Result<()> {
+        let tag = self.tag().to_owned();
+        let (digest, layer_bytes) = Self::push_layer(
+            &self.registry,
             (crate::REGISTRY_SMALL_REPO, crate::REGISTRY_TAG),
-            (repo, &tag),
-            &layer,
-            "COPY payload /payload",
+            (&self.repo, &tag),
+            payload_bytes,
         )?;
-        let proxy = SlowProxy::start(registry.addr(), FRESH_CHUNK, FRESH_PAUSE)?;
-        Ok(Self {
-            reference: format!("{}/{repo}:{tag}", proxy.host()),
-            registry,
-            repo: repo.to_owned(),
-            digest,
-            layer_bytes: u64::try_from(layer.gzip.len()).unwrap_or(u64::MAX),
-            proxy,
-        })
+        let old = std::mem::replace(&mut self.digest, digest);
+        self.layer_bytes = layer_bytes;
+        let _ = self.registry.delete_manifest(&self.repo, &old);
+        Ok(())
+    }
+
+    /// The image's tag.
+    pub fn tag(&self) -> &str {
+        self.reference.rsplit_once(':').map_or("", |(_, tag)| tag)
     }
 
     /// The image as pulled, through the proxy: `127.0.0.1:<port>/<repo>:<tag>`.
