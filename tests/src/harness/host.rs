@@ -1,7 +1,14 @@
 //! Pieces of a host a test makes for itself, as root: [`LoopFs`], a small ext4 file system
 //! on a loop device (to fill a disk for real), and [`PrivateDocker`], a Docker daemon of the
 //! test's own (to freeze, stop and restart, or to give a data root on a small disk), with the
-//! measures tests take of them ([`fs_usage`], [`take`], [`images_at`]).
+//! measures tests take of them ([`fs_usage`], [`take`], [`images_at`]). Made only for tests:
+//! whatever goes wrong fails the test (a panic with what went wrong).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::print_stderr,
+    reason = "test helpers: a failure fails the test; clean-up problems go to stderr"
+)]
 
 use std::collections::BTreeSet;
 use std::io::Write as _;
