@@ -1,9 +1,15 @@
 //! Task change subscriptions: every change of every task, in order per task, for embedding
 //! agents ([`crate::Engine::subscribe`]) and the HTTP API's live events.
 //!
-//! A change is what the API would show differently: a task submitted, a status step (only
-//! once it is durable: the API never shows what is not), a termination with its reason and
-//! message, the release of everything the task held, its removal. The buffer is bounded: a
+//! A change is what the API would show differently, sent when the API starts showing it: a
+//! task submitted (its state file written), a status step (once its record is durable), a
+//! termination with its reason and message, the release of everything the task held (once
+//! recorded), its removal. The API never shows what a restart would undo, and so never sends
+//! it — with one reading to keep in mind: a `terminated` the container's own end proves (its
+//! exit, a stop on request) is shown, and sent, *at once*, before its record is written (a
+//! full disk must not hide that a task ended); a crash before that write loses at most the
+//! requested reason (a restart reads the end from the container: the reason then reads as
+//! the exit's), never the status. The buffer is bounded: a
 //! subscriber that falls behind by more than [`CHANGES_BUFFER`] changes gets
 //! [`SubscriptionError::Lagged`] once, and should resync with [`crate::Engine::list`] (and
 //! [`crate::Engine::task_info`]); the engine never waits for a subscriber.
@@ -30,7 +36,9 @@ pub enum ChangeKind {
         /// The status.
         status: TaskStatus,
     },
-    /// Terminated (durable), or its empty reason replaced by a later terminate's.
+    /// Terminated, or its empty reason replaced by a later terminate's: sent as the API shows
+    /// it, which for an end the container proves (an exit, a stop on request) is before the
+    /// record is durable (see the module docs).
     Terminated {
         /// The reason.
         termination_reason: String,

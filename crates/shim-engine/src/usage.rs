@@ -48,6 +48,9 @@ enum Located {
 struct Entry {
     container_id: String,
     located: Located,
+    /// A failure to find its group was logged as a warning already (once per task: later
+    /// ones go to the debug log).
+    warned: bool,
 }
 
 /// The usage room: where each running task's control group is.
@@ -98,8 +101,8 @@ impl Usage {
                         None => return,
                     },
                 };
-                let located = locate(runtime.as_ref(), &cgroups, &container_id, clock).await;
-                if !record(&room, task, container_id, located) {
+                let (located, why) = locate(runtime.as_ref(), &cgroups, &container_id, clock).await;
+                if !record(&room, task, container_id, located, why) {
                     return;
                 }
             }
@@ -152,11 +155,13 @@ impl Usage {
                     Some(_) => false,
                 };
                 if ask {
+                    let warned = groups.get(&id).is_some_and(|e| e.warned);
                     groups.insert(
                         id.clone(),
                         Entry {
                             container_id: container_id.clone(),
                             located: Located::Asked,
+                            warned,
                         },
                     );
                     // The locator is gone only with the engine's shutdown.
@@ -216,8 +221,16 @@ impl Usage {
     }
 }
 
-/// Stores what the locator found; false once the room is gone.
-fn record(room: &Weak<Usage>, task: TaskId, container_id: String, located: Located) -> bool {
+/// Stores what the locator found, and logs why a group was not found (a warning once per
+/// task, then the debug log: the locator asks again every minute while the task runs); false
+/// once the room is gone.
+fn record(
+    room: &Weak<Usage>,
+    task: TaskId,
+    container_id: String,
+    located: Located,
+    why: Option<String>,
+) -> bool {
     let Some(room) = room.upgrade() else {
         return false;
     };
@@ -228,17 +241,26 @@ fn record(room: &Weak<Usage>, task: TaskId, container_id: String, located: Locat
         && matches!(entry.located, Located::Asked)
     {
         entry.located = located;
+        if let Some(error) = why {
+            if entry.warned {
+                tracing::debug!(%task, container = %container_id, %error, "still cannot find the container's cgroup");
+            } else {
+                tracing::warn!(%task, container = %container_id, %error, "cannot find the container's cgroup: its usage is not reported (asked again every minute; said once)");
+                entry.warned = true;
+            }
+        }
     }
     true
 }
 
-/// Finds a container's group: its main process from an inspect, then the process's groups.
+/// Finds a container's group: its main process from an inspect, then the process's groups;
+/// when the group of a running process cannot be found, also why (for the log).
 async fn locate(
     runtime: &dyn ContainerRuntime,
     cgroups: &Cgroups,
     container_id: &str,
     clock: Clock,
-) -> Located {
+) -> (Located, Option<String>) {
     let failed = Located::Failed {
         at_ms: clock.now_ms(),
     };
@@ -246,18 +268,15 @@ async fn locate(
         Ok(d) => d.pid,
         Err(e) => {
             tracing::debug!(container = %container_id, error = %chain(&e), "cannot inspect the container for its cgroup");
-            return failed;
+            return (failed, None);
         }
     };
     let Some(pid) = pid else {
-        return failed;
+        return (failed, None);
     };
     match cgroups.locate(pid) {
-        Ok(cgroup) => Located::Found(cgroup),
-        Err(e) => {
-            tracing::warn!(container = %container_id, pid, error = %chain(&e), "cannot find the container's cgroup: its usage is not reported");
-            failed
-        }
+        Ok(cgroup) => (Located::Found(cgroup), None),
+        Err(e) => (failed, Some(format!("pid {pid}: {}", chain(&e)))),
     }
 }
 
