@@ -395,9 +395,9 @@ impl FakeGpuHost {
             .and_then(|p| u32::try_from(p).ok())
     }
 
-    /// The argv prefix that runs a command inside the fake host: `python3 <script> exec --dir
-    /// <dir> --`. The command keeps the prefix's process id (each step `exec`s the next), so
-    /// signals reach it.
+    /// The argv prefix that runs a command inside the fake host:
+    /// `python3 <script> exec --dir <dir> --`. The command keeps the prefix's process id (each
+    /// step `exec`s the next), so signals reach it.
     pub fn exec_prefix(&self) -> Vec<String> {
         vec![
             PYTHON.to_owned(),
