@@ -15,6 +15,7 @@
 //! | stub runner script | [`RUNNER_PATH_IN_REPO`] | [`ENV_RUNNER`] |
 //! | release artifacts (`cargo xtask dist`) | `<repo>/target/dist` | [`ENV_DIST_DIR`] |
 //! | Debian 11 root file system (`debootstrap`) | [`OLD_ROOTFS`] | [`ENV_OLD_ROOTFS`] |
+//! | a fake GPU host, made per test (`tests/gpu-host/fake_gpu_host.py`) | [`harness::FakeGpuHost`] | — |
 //!
 //! The registry images are *not* kept in the local Docker daemon after `dev-env` pushed them, so
 //! a pull of the large image really downloads it. `dev-env` pushes with a throwaway Docker

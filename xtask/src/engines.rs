@@ -427,6 +427,20 @@ impl Engine {
         }
     }
 
+    /// Docker's `daemon.json`: the image store, and CDI (the Container Device Interface: a
+    /// container asking for `nvidia.com/gpu=0` gets what a spec in `/etc/cdi` or
+    /// `/var/run/cdi` says) on from Docker 25, where it needs `"cdi": true` until 28.2 turned it
+    /// on by default (Debian 12's Docker 20.10 has no CDI and is left as it is).
+    fn docker_config(&self, store: Store) -> String {
+        let snapshotter = store == Store::Containerd;
+        let cdi = if self.suite == Suite::Host {
+            ""
+        } else {
+            ", \"cdi\": true"
+        };
+        format!("{{\"features\": {{\"containerd-snapshotter\": {snapshotter}{cdi}}}}}\n")
+    }
+
     /// The command that runs the engine in the foreground (wrapped by [`ENTER`]).
     fn daemon_command(&self) -> Result<Vec<String>> {
         let data = self.data_dir();
@@ -436,11 +450,7 @@ impl Engine {
             Kind::Docker(store) => {
                 let config = data.join("daemon.json");
                 fs_err::create_dir_all(&data)?;
-                let snapshotter = store == Store::Containerd;
-                fs_err::write(
-                    &config,
-                    format!("{{\"features\": {{\"containerd-snapshotter\": {snapshotter}}}}}\n"),
-                )?;
+                fs_err::write(&config, self.docker_config(store))?;
                 let mut args = vec!["dockerd".to_owned(), "--config-file".to_owned(), s(&config)];
                 if !self.is_main() {
                     args.extend([
@@ -998,6 +1008,35 @@ mod tests {
             b"dockerd\0--pidfile=/r.pid\0",
         ] {
             assert!(!serves_the_default_socket(private), "{private:?}");
+        }
+    }
+
+    #[test]
+    fn docker_from_25_has_cdi_on() {
+        let config = |engine: &Engine| {
+            let Kind::Docker(store) = engine.kind else {
+                return None;
+            };
+            Some(serde_json::from_str::<serde_json::Value>(&engine.docker_config(store)).unwrap())
+        };
+        for engine in std::iter::once(MAIN).chain(CONFORMANCE) {
+            let Some(config) = config(&engine) else {
+                continue;
+            };
+            let features = &config["features"];
+            assert_eq!(
+                features["containerd-snapshotter"],
+                engine.kind == Kind::Docker(Store::Containerd),
+                "{}",
+                engine.name
+            );
+            let cdi = engine.suite != Suite::Host;
+            assert_eq!(
+                features["cdi"].as_bool().unwrap_or(false),
+                cdi,
+                "{}",
+                engine.name
+            );
         }
     }
 

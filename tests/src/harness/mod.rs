@@ -7,11 +7,16 @@
 //!   bodies both ways, answers read whole or streamed, bounded connects and reads) and
 //!   [`Api`], the shim's JSON API with status checks;
 //! - [`process`]: building `dstack-shim` and the static test runner ([`build_test_runner`]),
-//!   [`free_port`], [`open_log`], and [`ShimProcess`], a guard that starts the binary on a
+//!   [`free_port`], [`open_log`], [`prefixed`] (a command run under a wrapper), and
+//!   [`ShimProcess`], a guard that starts the binary on a
 //!   home and port, waits until it listens or answers, sends SIGTERM or SIGKILL, reads its RSS
 //!   and kills it when dropped;
 //! - [`artifact`]: the release artifact `cargo xtask dist` lays out and the checks CI makes
 //!   of it (glibc symbol versions, stripped, checksum, version line);
+//! - [`gpu_host`]: [`FakeGpuHost`], a fake GPU host (`tests/gpu-host/fake_gpu_host.py`:
+//!   fake device nodes, the vendor's tool in its real formats, a CDI spec) and the prefix under
+//!   which the shim sees it as a real one; [`run_with_cdi_devices`], a container given CDI
+//!   devices as the shim asks for them;
 //! - [`docker`](mod@docker): the `docker` CLI, the owner identity of a home, and [`ContainerSweeper`],
 //!   which force-removes a home's (or a label's) containers however a run ends;
 //! - [`layout`]: where a task's files are on the host ([`runner_dir`], [`task_dir`]), and
@@ -43,6 +48,7 @@
 
 pub mod artifact;
 pub mod docker;
+pub mod gpu_host;
 pub mod host;
 pub mod http;
 pub mod layout;
@@ -62,13 +68,17 @@ pub use docker::{
     container_running, containers_labelled, docker, docker_at, docker_at_ok, docker_ok,
     owner_identity, try_docker, try_docker_within,
 };
+pub use gpu_host::{
+    CdiName, ContainerRun, FakeGpuHost, FakeGpuHostOptions, FakeHealth, FakeVendor,
+    run_with_cdi_devices,
+};
 pub use host::{LoopFs, PrivateDocker, fs_usage, images_at, take};
 pub use http::{Api, Body, Request, Response, Streamed, status_of};
 pub use layout::{entries, runner_dir, task_dir, tasks_dir, write_runner_exit};
 pub use metrics::{Metrics, parse_openmetrics};
 pub use process::{
-    ShimProcess, build_shim, build_test_runner, cargo, free_port, open_log, scrub_cargo_env,
-    shim_binary, shim_command, tail, target_dir,
+    ShimProcess, build_shim, build_test_runner, cargo, free_port, open_log, prefixed,
+    scrub_cargo_env, shim_binary, shim_command, tail, target_dir,
 };
 pub use proxy::{LosingProxy, docker_socket};
 pub use registry::{FreshImage, Layer, Registry, SlowProxy};

@@ -218,6 +218,30 @@ pub fn shim_command<A: AsRef<OsStr>>(
     command
 }
 
+/// `command` run under `prefix` (`PREFIX.. <program> <args>`: a wrapper such as
+/// `qemu-aarch64-static`, or a fake GPU host's `exec`), with the same environment changes and
+/// working directory; `command` itself if `prefix` is empty.
+pub fn prefixed<S: AsRef<OsStr>>(command: Command, prefix: &[S]) -> Command {
+    let Some((program, rest)) = prefix.split_first() else {
+        return command;
+    };
+    let mut wrapped = Command::new(program);
+    wrapped
+        .args(rest)
+        .arg(command.get_program())
+        .args(command.get_args());
+    for (name, value) in command.get_envs() {
+        match value {
+            Some(value) => wrapped.env(name, value),
+            None => wrapped.env_remove(name),
+        };
+    }
+    if let Some(dir) = command.get_current_dir() {
+        wrapped.current_dir(dir);
+    }
+    wrapped
+}
+
 /// A running `dstack-shim` started on a home and a loopback port, stdout and stderr appended
 /// to a log file. SIGKILLed (and reaped) when dropped unless it already exited. Containers
 /// are not touched: pair it with a [`super::ContainerSweeper`] for the home.
@@ -452,6 +476,26 @@ mod tests {
         for v in ["CARGO_HOME", "CARGO_TARGET_DIR", "CARGO", "PATH"] {
             assert!(!is_cargo_package_var(v), "{v}");
         }
+    }
+
+    #[test]
+    fn a_prefixed_command_keeps_arguments_environment_and_directory() {
+        let mut command = Command::new("/bin/shim");
+        command
+            .args(["--a", "b"])
+            .env("SET", "1")
+            .env_remove("GONE")
+            .current_dir("/tmp");
+        let wrapped = prefixed(command, &["wrap", "--x", "--"]);
+        assert_eq!(wrapped.get_program(), "wrap");
+        let args: Vec<&OsStr> = wrapped.get_args().collect();
+        assert_eq!(args, ["--x", "--", "/bin/shim", "--a", "b"]);
+        let envs: Vec<(&OsStr, Option<&OsStr>)> = wrapped.get_envs().collect();
+        assert!(envs.contains(&(OsStr::new("SET"), Some(OsStr::new("1")))));
+        assert!(envs.contains(&(OsStr::new("GONE"), None)));
+        assert_eq!(wrapped.get_current_dir(), Some(Path::new("/tmp")));
+        let unchanged = prefixed(Command::new("/bin/shim"), &[] as &[&str]);
+        assert_eq!(unchanged.get_program(), "/bin/shim");
     }
 
     #[test]

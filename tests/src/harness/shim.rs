@@ -21,7 +21,7 @@ use super::docker::{ContainerSweeper, LABEL_OWNER, container_running, docker_at_
 use super::http::{Api, Request, Response};
 use super::layout::{task_dir, tasks_dir, write_runner_exit};
 use super::metrics::{Metrics, parse_openmetrics};
-use super::process::{ShimProcess, free_port, shim_binary, shim_command};
+use super::process::{ShimProcess, free_port, prefixed, shim_binary, shim_command};
 use super::supervisor::Supervisor;
 use super::wait::{POLL, wait_for};
 
@@ -52,6 +52,8 @@ pub struct TestShimBuilder {
     runner: Option<PathBuf>,
     binary: Option<PathBuf>,
     restart_delay: Option<Duration>,
+    prefix: Vec<OsString>,
+    detect_gpus: bool,
 }
 
 impl TestShimBuilder {
@@ -117,6 +119,36 @@ impl TestShimBuilder {
         self
     }
 
+    /// Runs the shim under `prefix` at every start: `PREFIX.. <binary> <arguments>` (a
+    /// wrapper, as `lifecycle.py --prefix` runs one). The harness signals the prefix's process:
+    /// the prefix must `exec` the shim (keeping its process id), as
+    /// [`FakeGpuHost::exec_prefix`](super::FakeGpuHost::exec_prefix) does.
+    #[must_use]
+    pub fn prefix<I, S>(mut self, prefix: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        self.prefix = prefix.into_iter().map(|a| a.as_ref().to_owned()).collect();
+        self
+    }
+
+    /// Leaves out `--fake-gpus`: the shim detects the host's GPUs (none here, unless it runs
+    /// in a fake GPU host: [`TestShimBuilder::gpu_host`]).
+    #[must_use]
+    pub fn detect_gpus(mut self) -> Self {
+        self.detect_gpus = true;
+        self
+    }
+
+    /// Runs the shim inside `host` ([`TestShimBuilder::prefix`] with its
+    /// [`exec_prefix`](super::FakeGpuHost::exec_prefix)), detecting its GPUs
+    /// ([`TestShimBuilder::detect_gpus`]) as on a real GPU host.
+    #[must_use]
+    pub fn gpu_host(self, host: &super::FakeGpuHost) -> Self {
+        self.prefix(host.exec_prefix()).detect_gpus()
+    }
+
     /// Makes [`TestShim::start`] wait until the healthcheck answers, not only until the port
     /// accepts connections.
     #[must_use]
@@ -158,6 +190,8 @@ impl TestShimBuilder {
             supervisor: None,
             binary: self.binary,
             restart_delay: self.restart_delay,
+            prefix: self.prefix,
+            detect_gpus: self.detect_gpus,
             sweeper,
             label: self.label,
             spelled: home.clone(),
@@ -190,8 +224,10 @@ impl TestShimBuilder {
 ///
 /// Every start passes `--shim-home`, `--shim-http-port` (a fresh free port),
 /// `--runner-binary-path` (the stub runner, or the builder's), `--runner-http-port` [`RUNNER_HTTP_PORT`],
-/// `--runner-ssh-port` [`RUNNER_SSH_PORT`], `--fake-gpus` [`FAKE_GPUS`], `--volumes-root`
-/// (`volumes/` beside the logs), `--shim-log-level 5`, then the builder's arguments.
+/// `--runner-ssh-port` [`RUNNER_SSH_PORT`], `--fake-gpus` [`FAKE_GPUS`] (unless
+/// [`TestShimBuilder::detect_gpus`]), `--volumes-root` (`volumes/` beside the logs),
+/// `--shim-log-level 5`, then the builder's arguments; under the builder's
+/// [`prefix`](TestShimBuilder::prefix) if any.
 #[derive(Debug)]
 pub struct TestShim {
     process: Option<ShimProcess>,
@@ -199,6 +235,10 @@ pub struct TestShim {
     supervisor: Option<Supervisor>,
     binary: Option<PathBuf>,
     restart_delay: Option<Duration>,
+    /// The wrapper the shim runs under ([`TestShimBuilder::prefix`]).
+    prefix: Vec<OsString>,
+    /// Whether `--fake-gpus` is left out ([`TestShimBuilder::detect_gpus`]).
+    detect_gpus: bool,
     sweeper: Option<ContainerSweeper>,
     label: String,
     /// The home where the test reads files (absolute, as created).
@@ -239,6 +279,8 @@ impl TestShim {
             runner: None,
             binary: None,
             restart_delay: None,
+            prefix: Vec::new(),
+            detect_gpus: false,
         }
     }
 
@@ -265,13 +307,16 @@ impl TestShim {
             RUNNER_HTTP_PORT.to_string().into(),
             "--runner-ssh-port".into(),
             RUNNER_SSH_PORT.to_string().into(),
-            "--fake-gpus".into(),
-            FAKE_GPUS.to_string().into(),
+        ];
+        if !self.detect_gpus {
+            args.extend(["--fake-gpus".into(), FAKE_GPUS.to_string().into()]);
+        }
+        args.extend([
             "--volumes-root".into(),
             self.logs.join("volumes").into(),
             "--shim-log-level".into(),
             "5".into(),
-        ];
+        ]);
         args.extend(self.args.iter().cloned());
         let env: Vec<(&str, &OsStr)> = self
             .env
@@ -284,12 +329,13 @@ impl TestShim {
             let command = {
                 let (binary, home, port) = (binary.to_owned(), self.spelled.clone(), self.port);
                 let env: Vec<(String, OsString)> = self.env.clone();
+                let prefix = self.prefix.clone();
                 move || {
                     let env: Vec<(&str, &OsStr)> = env
                         .iter()
                         .map(|(k, v)| (k.as_str(), v.as_os_str()))
                         .collect();
-                    shim_command(&binary, &home, port, &args, &env)
+                    prefixed(shim_command(&binary, &home, port, &args, &env), &prefix)
                 }
             };
             let supervisor =
@@ -298,9 +344,13 @@ impl TestShim {
             self.wait_answering_supervised();
             return;
         }
-        let mut process =
+        let spawned = if self.prefix.is_empty() {
             ShimProcess::spawn_with_env(binary, &self.spelled, self.port, &args, &env, &log)
-                .unwrap_or_else(|e| panic!("{e}"));
+        } else {
+            let command = shim_command(binary, &self.spelled, self.port, &args, &env);
+            ShimProcess::from_command(prefixed(command, &self.prefix), self.port, &log)
+        };
+        let mut process = spawned.unwrap_or_else(|e| panic!("{e}"));
         let waited = if self.wait_answering {
             process.wait_answering(WAIT_BOUND, Duration::from_millis(10))
         } else {
