@@ -320,6 +320,50 @@ def make_node(path: Path) -> None:
     os.chmod(path, NODE_MODE)
 
 
+def make_host_nodes(record: dict) -> None:
+    """`--host-nodes`: the vendor's nodes also at their real paths on the host (`/dev/kfd`,
+    `/dev/dri/renderD128`, `/dev/tenstorrent/0`, ...), where the engine looks up a plain device
+    mapping (upstream's AMD and Tenstorrent mappings, which CDI's hostPath cannot redirect).
+    Only paths that do not exist are made, each recorded (with the directories made for them)
+    so the teardown removes exactly those. Every shim that detects GPUs while they exist sees
+    this vendor: callers run alone (.config/nextest.toml)."""
+    made: list[str] = []
+    dirs: list[str] = []
+    record["host_nodes"] = {"nodes": made, "dirs": dirs}
+    paths = [c["path"] for c in record["control_nodes"]]
+    paths += [node for g in record["gpus"] for node in g["nodes"]]
+    for path in map(Path, paths):
+        missing = []
+        parent = path.parent
+        while not parent.exists():
+            missing.append(parent)
+            parent = parent.parent
+        for directory in reversed(missing):
+            directory.mkdir(mode=0o755)
+            dirs.append(str(directory))
+        if not path.exists():
+            make_node(path)
+            made.append(str(path))
+
+
+def remove_host_nodes(record: dict) -> list[str]:
+    problems: list[str] = []
+    made = record.get("host_nodes") or {}
+    for node in made.get("nodes", []):
+        try:
+            Path(node).unlink(missing_ok=True)
+        except OSError as e:
+            problems.append(f"cannot remove {node}: {e}")
+    for directory in reversed(made.get("dirs", [])):
+        try:
+            Path(directory).rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            problems.append(f"cannot remove {directory}: {e}")
+    return problems
+
+
 def make_nodes(d: Path, record: dict) -> None:
     for c in record["control_nodes"]:
         make_node(Path(c["host_path"]))
@@ -1055,7 +1099,7 @@ def reap_stale(state_dir: Path) -> None:
 def remove_host(record: dict, state_dir: Path) -> list[str]:
     """Removes the spec, the images (still the ones imported), D and the record; idempotent.
     Returns what could not be removed."""
-    problems: list[str] = []
+    problems: list[str] = remove_host_nodes(record)
     spec = record.get("cdi", {}).get("spec")
     if spec:
         try:
@@ -1186,6 +1230,11 @@ def cmd_setup(args: argparse.Namespace) -> int:
         d.mkdir(parents=True, exist_ok=True)
         register(state_dir, record)  # from now on a killed setup is cleaned up by the next
         build(d, record, topo, spec_path)
+        if args.host_nodes:
+            if vendor == "nvidia":
+                raise Failure("--host-nodes: NVIDIA goes through CDI or a device request")
+            make_host_nodes(record)
+            register(state_dir, record)
         key = record["key"]
         if vendor == "amd":
             files = {"usr/bin/amd-smi": (AMD_SMI_SCRIPT.encode(), 0o755)}
@@ -1464,6 +1513,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    "--gpus), `plain` (default: every pair NODE on one NUMA node), or `none` (the "
                    "command fails)")
     p.add_argument("--spec-name", help="the spec's file name (default dstack-shim-fake-<key>)")
+    p.add_argument("--host-nodes", action="store_true",
+                   help="AMD, Tenstorrent: also make the nodes at their real paths on the host "
+                   "(what a plain device mapping needs; any GPU-detecting shim then sees them: "
+                   "run alone), removed at the teardown")
     p.add_argument("--docker-host", help="the engine the AMD and Tenstorrent tool images go to "
                    "(default $DOCKER_HOST, else unix:///var/run/docker.sock)")
     p.add_argument("--owner-pid", type=int, help="tear the host down when this process exits "

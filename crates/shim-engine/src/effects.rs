@@ -490,7 +490,7 @@ impl Effects {
                 .as_ref()
                 .and_then(|spec| shim_runtime::without_nvidia_display(spec, &message));
             let Some(spec) = retry else {
-                if spec.is_some_and(|s| !s.device_requests.is_empty())
+                if spec.is_some_and(|s| !s.device_requests.is_empty() || !s.devices.is_empty())
                     && is_device_refusal(&message)
                 {
                     return Err(StartError::Refused(message));
@@ -638,11 +638,13 @@ enum StartError {
 /// Whether a start error is the engine refusing the container's devices, not anything the
 /// container did: Docker 28's "CDI device injection failed: unresolvable CDI devices …" (the
 /// spec names no such device), Docker's "could not select device driver \"nvidia\"" (no
-/// NVIDIA runtime hook on the host), Podman's CDI errors. Engines answer all of these with a
+/// NVIDIA runtime hook on the host), runc's "error gathering device information while adding
+/// custom device" (a mapped device missing on the host), Podman's CDI errors. Engines answer all of these with a
 /// bare 500, so the words are all there is to tell them by (recorded on Docker 28.5 here).
 fn is_device_refusal(message: &str) -> bool {
     [
         "CDI device injection failed",
+        "error gathering device information",
         "unresolvable CDI devices",
         "could not select device driver",
         "failed to inject CDI devices",

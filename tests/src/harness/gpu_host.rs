@@ -125,6 +125,10 @@ pub struct FakeGpuHostOptions {
     /// `--state-dir`: where the lock and the records of live hosts are (default
     /// `/var/lib/dstack-shim-dev`).
     pub state_dir: Option<PathBuf>,
+    /// `--host-nodes` (AMD, Tenstorrent): the nodes also at their real paths on the host, for
+    /// upstream's plain device mappings; a test using it must run alone (any shim detecting
+    /// GPUs meanwhile sees the vendor): `.config/nextest.toml`.
+    pub host_nodes: bool,
 }
 
 /// One fake GPU host; torn down when dropped (see the module docs).
@@ -260,6 +264,9 @@ impl FakeGpuHost {
             .arg(lock.as_secs_f64().to_string());
         if let Some(state_dir) = &options.state_dir {
             command.arg("--state-dir").arg(state_dir);
+        }
+        if options.host_nodes {
+            command.arg("--host-nodes");
         }
         let out = output_within(&mut command, lock + COMMAND_BOUND)?;
         if !out.status.success() {
