@@ -100,6 +100,7 @@ pub fn ci(skip_dev_env: bool) -> Result<()> {
         parts: Vec::new(),
         seconds: 0.0,
         note: String::new(),
+        gpu: String::new(),
     };
     let started = std::time::Instant::now();
     let result = timings.time("tests", || tests(&root, &mut main_row));
@@ -114,6 +115,14 @@ pub fn ci(skip_dev_env: bool) -> Result<()> {
         Ok(())
     });
     note("lifecycle (main engine)", result);
+    let result = timings.time("gpu lifecycle (main engine)", || {
+        let shim = shim_e2e::dist_artifact(shim_e2e::DSTACK_VERSION);
+        let (passed, failed) = crate::conformance::gpu_lifecycle(&main, &shim, &mut main_row.gpu)?;
+        main_row.parts.push(("gpu".to_owned(), passed, failed));
+        anyhow::ensure!(failed == 0, "{failed} GPU check(s) failed");
+        Ok(())
+    });
+    note("gpu lifecycle (main engine)", result);
     main_row.seconds = started.elapsed().as_secs_f64();
 
     // The conformance part: the runtime tests and the lifecycle on every other engine.

@@ -106,6 +106,27 @@ pub fn lifecycle(engine: &Engine, shim: &Path) -> Result<(u32, u32)> {
     Ok(counted(ok, &output))
 }
 
+/// GPU tasks of the release binary against `engine` on a fake NVIDIA host
+/// (`tests/dstack-server/gpu_lifecycle.py`, dstack's client): the counts, and in `gpu` the
+/// shim's way (`cdi`, `legacy`, `refused`) with why.
+pub fn gpu_lifecycle(engine: &Engine, shim: &Path, gpu: &mut String) -> Result<(u32, u32)> {
+    let mut command = engine.command_in(dstack_python());
+    command
+        .current_dir(repo_root())
+        .arg(repo_root().join("tests/dstack-server/gpu_lifecycle.py"))
+        .arg("--shim")
+        .arg(shim)
+        .args(["--docker-host", &engine.docker_host()]);
+    let (ok, output) = run_teed(&mut command)?;
+    if let Some(mode) = output
+        .lines()
+        .find_map(|line| line.strip_prefix("gpu-mode: "))
+    {
+        *gpu = mode.to_owned();
+    }
+    Ok(counted(ok, &output))
+}
+
 fn counted(ok: bool, output: &str) -> (u32, u32) {
     match engines::counts(output) {
         Some((passed, failed)) if ok || failed > 0 => (passed, failed),
@@ -124,6 +145,7 @@ pub fn run_engine(engine: &Engine, shim: &Path) -> Row {
         parts: Vec::new(),
         seconds: 0.0,
         note: String::new(),
+        gpu: String::new(),
     };
     println!("\n=== conformance: {}", engine.name);
     match engine.start().and_then(|()| engine.load_test_image()) {
@@ -139,6 +161,7 @@ pub fn run_engine(engine: &Engine, shim: &Path) -> Row {
             for (part, result) in [
                 ("runtime", runtime_tests(engine)),
                 ("lifecycle", lifecycle(engine, shim)),
+                ("gpu", gpu_lifecycle(engine, shim, &mut row.gpu)),
             ] {
                 let (passed, failed) = result.unwrap_or_else(|err| {
                     println!("conformance: {part} on {}: {err:#}", engine.name);

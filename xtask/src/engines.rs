@@ -875,6 +875,10 @@ pub struct Row {
     pub seconds: f64,
     /// Anything to say (why nothing ran).
     pub note: String,
+    /// How GPU tasks get their GPUs there, as the shim decided on a fake NVIDIA host
+    /// (`tests/dstack-server/gpu_lifecycle.py`): `cdi`, `legacy` or `refused`, with why;
+    /// empty where it did not run.
+    pub gpu: String,
 }
 
 impl Row {
@@ -884,13 +888,13 @@ impl Row {
     }
 }
 
-/// The engine table.
+/// The engine table, then each engine's GPU way and why.
 pub fn table(rows: &[Row]) -> String {
     let mut out = String::from("engine table:\n");
     let _ = writeln!(
         out,
-        "  {:<25} {:<15} {:<23} {:<30} {:>6}  result",
-        "engine", "version", "store", "passed/failed", "time"
+        "  {:<25} {:<15} {:<23} {:<8} {:<42} {:>6}  result",
+        "engine", "version", "store", "gpu", "passed/failed", "time"
     );
     for row in rows {
         let parts = if row.parts.is_empty() {
@@ -902,12 +906,14 @@ pub fn table(rows: &[Row]) -> String {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
+        let gpu = row.gpu.split_whitespace().next().unwrap_or("-");
         let _ = writeln!(
             out,
-            "  {:<25} {:<15} {:<23} {:<30} {:>5.0}s  {}{}",
+            "  {:<25} {:<15} {:<23} {:<8} {:<42} {:>5.0}s  {}{}",
             row.engine,
             row.version,
             row.store,
+            gpu,
             parts,
             row.seconds,
             if row.passed() { "ok" } else { "FAILED" },
@@ -918,17 +924,29 @@ pub fn table(rows: &[Row]) -> String {
             }
         );
     }
+    let gpus: Vec<&Row> = rows.iter().filter(|r| !r.gpu.is_empty()).collect();
+    if !gpus.is_empty() {
+        let _ = writeln!(
+            out,
+            "GPU tasks (a fake NVIDIA host with a CDI spec), per engine:"
+        );
+        for row in gpus {
+            let _ = writeln!(out, "  {:<25} {}", row.engine, row.gpu);
+        }
+    }
     out
 }
 
-/// The counts of a test run's closing line: nextest's `N tests run: P passed, F failed, ...`
-/// or lifecycle.py's `lifecycle: P passed, F failed`.
+/// The counts of a test run's closing line: nextest's `N tests run: P passed, F failed, ...`,
+/// lifecycle.py's `lifecycle: P passed, F failed`, or gpu_lifecycle.py's `gpus: P passed, F
+/// failed`.
 pub fn counts(output: &str) -> Option<(u32, u32)> {
     output.lines().rev().find_map(|line| {
         let rest = line
             .split_once("tests run: ")
             .or_else(|| line.split_once("test run: "))
-            .or_else(|| line.split_once("lifecycle: "))?
+            .or_else(|| line.split_once("lifecycle: "))
+            .or_else(|| line.split_once("gpus: "))?
             .1;
         let mut passed = None;
         let mut failed = 0;
@@ -1083,6 +1101,10 @@ mod tests {
             Some((1, 2))
         );
         assert_eq!(
+            counts("gpu-mode: cdi (x)\nok mode\ngpus: 5 passed, 0 failed\n"),
+            Some((5, 0))
+        );
+        assert_eq!(
             counts("ok a\nlifecycle: 11 passed, 0 failed\n"),
             Some((11, 0))
         );
@@ -1112,7 +1134,9 @@ mod tests {
             parts: vec![("runtime".into(), 45, 0)],
             seconds: 1.0,
             note: String::new(),
+            gpu: "cdi (Docker 28.5.2 applies CDI)".into(),
         };
+        assert!(table(std::slice::from_ref(&row)).contains("Docker 28.5.2 applies CDI"));
         assert!(row.passed());
         row.parts.push(("lifecycle".into(), 10, 1));
         assert!(!row.passed());

@@ -257,10 +257,11 @@ impl GpuPassing {
         if last.as_ref() != Some(&passing) {
             match &passing {
                 Passing::Refused(what) => {
-                    tracing::error!(mode = self.mode.as_str(), %what, "GPU tasks cannot get their GPUs")
+                    tracing::error!(mode = self.mode.as_str(), why = %what, "GPU tasks cannot get their GPUs")
                 }
                 Passing::Cdi(names) => {
-                    tracing::info!(mode = self.mode.as_str(), devices = ?names, %why, "GPUs go to containers as CDI devices")
+                    tracing::debug!(devices = ?names, "the GPUs' CDI names");
+                    tracing::info!(mode = self.mode.as_str(), gpus = names.len(), %why, "GPUs go to containers as CDI devices")
                 }
                 Passing::Legacy => {
                     tracing::info!(mode = self.mode.as_str(), %why, "GPUs go to containers as upstream passes them (device request, device mappings)")
