@@ -122,12 +122,18 @@ pub(crate) fn decide(
     };
     let engine = &support.engine;
     let legacy_works = vendor != GpuVendor::Nvidia || support.nvidia_requests;
-    let cannot_legacy = || {
-        format!(
+    let cannot_legacy = || match &support.cdi_spec_dirs {
+        Some(_) => format!(
             "{engine} ignores NVIDIA device requests through its Docker API, so a container \
-             would run without its GPUs; make a CDI spec (`{}`) and restart the shim",
+             would run without its GPUs; make a CDI spec (`{}`): the next GPU task reads it",
             spec_command(vendor)
-        )
+        ),
+        None => format!(
+            "{engine} applies neither NVIDIA device requests nor CDI ones through its Docker \
+             API, so a container would run without its GPUs: GPU tasks need Podman 5 with a \
+             CDI spec (`{}`), or Docker",
+            spec_command(vendor)
+        ),
     };
     if mode == GpuDeviceMode::Legacy {
         return if legacy_works {
@@ -140,9 +146,13 @@ pub(crate) fn decide(
         };
     }
     let cdi = match (&support.cdi_spec_dirs, specs.kind(kind)) {
+        (None, _) if engine.starts_with("Podman") => Err(format!(
+            "{engine} applies no CDI device requests through its Docker API (Podman does from \
+             version 5)"
+        )),
         (None, _) => Err(format!(
-            "{engine} applies no CDI device requests (Docker 25 to 28.1 need \"features\": \
-             {{\"cdi\": true}} in daemon.json; Podman needs version 5)"
+            "{engine} applies no CDI device requests (Docker does from 25, on by default from \
+             28.2; 25 to 28.1 need \"features\": {{\"cdi\": true}} in daemon.json)"
         )),
         (Some(dirs), None) => Err(format!(
             "no CDI spec names {kind} in {} (make one: `{}`)",
@@ -188,6 +198,9 @@ pub(crate) fn decide(
         }
         (Err(why), GpuDeviceMode::Cdi) => (Passing::Refused(why), "CDI, as configured".into()),
         (Err(why), _) if legacy_works => (Passing::Legacy, why),
+        (Err(why), _) if support.cdi_spec_dirs.is_none() => {
+            (Passing::Refused(cannot_legacy()), why)
+        }
         (Err(why), _) => (Passing::Refused(format!("{}: {why}", cannot_legacy())), why),
     }
 }
@@ -426,14 +439,17 @@ mod tests {
                 panic!("{passing:?}")
             };
             assert!(
-                what.contains("ignores NVIDIA device requests")
+                what.contains("NVIDIA device requests")
                     && what.contains("nvidia-ctk cdi generate --output=/var/run/cdi/nvidia.yaml"),
                 "{what}"
             );
         }
         // Podman 4.3 with a spec still cannot: its Docker API applies no CDI.
         let (passing, _) = decide(GpuDeviceMode::Auto, &nvidia(2), &podman(false), &s);
-        assert!(matches!(passing, Passing::Refused(ref w) if w.contains("Podman needs version 5")));
+        assert!(
+            matches!(passing, Passing::Refused(ref w) if w.contains("applies neither NVIDIA device requests nor CDI ones") && w.contains("Podman 5")),
+            "{passing:?}"
+        );
     }
 
     #[test]
