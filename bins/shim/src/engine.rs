@@ -1,20 +1,17 @@
-//! Building the engine from the command line: the Docker runtime, the host's GPUs (or a fake
-//! GPU host for tests), authorized_keys, block volumes, and `host_info.json`.
+//! Building the engine from the command line: the Docker runtime, the host as the engine
+//! library probes it (`Deps::for_host`: GPUs or a fake GPU host for tests, authorized_keys,
+//! block volumes, devices, GPU health and interconnect), DCGM's health joined to the GPUs'
+//! own, and `host_info.json`.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use shim_engine::{Deps, Engine};
-use shim_resources::gpu::{
-    GpuHealthReport, GpuHealthSource, GpuRef, Kmsg, NvidiaHealth, UnhealthyReason, XidMonitor,
-};
-use shim_resources::{
-    AuthorizedKeysManager, BlockVolumes, GpuDetector, GpuVendor, HostGpus, VolumeConfig,
-};
-use shim_runtime::{ContainerRuntime as _, DockerRuntime, HostDevices};
-use shim_util::SystemCommandRunner;
+use shim_engine::{Deps, Engine, HostOptions};
+use shim_resources::gpu::{GpuHealthReport, GpuHealthSource, GpuRef, UnhealthyReason};
+use shim_resources::{GpuVendor, HostGpus};
+use shim_runtime::{ContainerRuntime as _, DockerRuntime};
 use shim_util::error_chain;
 
 use crate::config::Config;
@@ -37,50 +34,28 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
             None
         }
     };
-    let commands = Arc::new(SystemCommandRunner::default());
-    let (host_gpus, fake_gpus) = match config.fake_gpus {
-        Some(n) => (HostGpus::fake_nvidia(n), true),
-        None => (GpuDetector::new(commands.clone()).detect().await, false),
-    };
-    tracing::info!(
-        vendor = ?host_gpus.vendor,
-        driver = ?host_gpus.driver_version,
-        count = host_gpus.gpus.len(),
-        fake = fake_gpus,
-        "GPUs"
-    );
-    let nvidia = config.fake_gpus.is_none() && host_gpus.vendor == Some(GpuVendor::Nvidia);
+    let mut options = HostOptions::new(&config.engine.volumes_root);
+    options.fake_gpus = config.fake_gpus;
+    options.gpu_health = config.gpu_health_interval.is_some();
+    options.xid_policy = config.xid_policy.clone();
+    let mut deps = Deps::for_host(Arc::new(runtime), &options).await;
+    let nvidia = !deps.fake_gpus && deps.host_gpus.vendor == Some(GpuVendor::Nvidia);
     let dcgm_config = shim_dcgm::DcgmConfig {
         log_dir: Some(home.to_path_buf()),
         state_dir: Some(home.to_path_buf()),
         ..config.dcgm.clone()
     };
     let dcgm = Arc::new(shim_dcgm::Dcgm::start(&dcgm_config, nvidia).await);
-    let watch_health = nvidia && !host_gpus.gpus.is_empty();
     if config.service {
-        spawn_host_info(home, docker_root, host_gpus.clone());
+        spawn_host_info(home, docker_root, deps.host_gpus.clone());
     }
-    let mut deps = Deps::new(
-        Arc::new(runtime),
-        Arc::new(AuthorizedKeysManager::system()),
-        Arc::new(BlockVolumes::new(
-            VolumeConfig::with_root(&config.engine.volumes_root),
-            commands.clone(),
-        )),
-    );
-    deps.host_gpus = host_gpus;
-    deps.fake_gpus = fake_gpus;
-    if watch_health && config.gpu_health_interval.is_some() {
-        let xids = XidMonitor::new(Arc::new(Kmsg::default()), config.xid_policy.clone());
+    // DCGM's failed health watches join the host's own health sources.
+    if let Some(host) = deps.gpu_health.take() {
         deps.gpu_health = Some(Arc::new(HostGpuHealth {
-            nvidia: NvidiaHealth::new(commands.clone(), xids),
+            host,
             dcgm: dcgm.clone(),
         }));
     }
-    deps.host_devices = HostDevices {
-        infiniband: Path::new(shim_runtime::INFINIBAND_PATH).exists(),
-        hugepages_1g: Path::new(shim_runtime::HUGEPAGES_1G_PATH).exists(),
-    };
     let mut cfg = config.engine.clone();
     cfg.home = home.to_path_buf();
     if let Some(every) = config.gpu_health_interval {
@@ -114,37 +89,14 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
         owner = engine.owner(),
         "engine ready"
     );
-    if watch_health {
-        spawn_topology(engine.clone(), GpuDetector::new(commands));
-    }
     Ok((engine, dcgm))
 }
 
-/// Reads the GPUs' interconnect (`nvidia-smi topo -m`) once, in the background, and gives it
-/// to the GPU lock, which places tasks by it from then on (first-free until then, or for good
-/// when it cannot be read).
-fn spawn_topology(engine: shim_engine::Engine, detector: GpuDetector) {
-    tokio::spawn(async move {
-        match detector.topology().await {
-            Ok(topology) => {
-                tracing::info!(
-                    gpus = topology.gpus().len(),
-                    "GPU interconnect read: tasks get their GPUs by it (one NUMA node where one can hold them, then the best links)"
-                );
-                engine.gpu_lock().set_topology(Some(topology));
-            }
-            Err(e) => {
-                tracing::warn!(error = %error_chain(&e), "cannot read the GPU interconnect: GPUs are handed out first-free");
-            }
-        }
-    });
-}
-
-/// The host's GPU health: `nvidia-smi -q` and XIDs ([`NvidiaHealth`]), and DCGM's failed
-/// health watches where DCGM runs (an incident of health `FAIL` on a GPU entity makes that
-/// GPU unhealthy).
+/// The host's GPU health: its own sources (`nvidia-smi -q` and XIDs: `Deps::for_host`), and
+/// DCGM's failed health watches where DCGM runs (an incident of health `FAIL` on a GPU entity
+/// makes that GPU unhealthy).
 struct HostGpuHealth {
-    nvidia: NvidiaHealth,
+    host: Arc<dyn GpuHealthSource>,
     dcgm: Arc<shim_dcgm::Dcgm>,
 }
 
@@ -169,7 +121,7 @@ fn dcgm_system(bit: u32) -> String {
 #[async_trait::async_trait]
 impl GpuHealthSource for HostGpuHealth {
     async fn probe(&self) -> GpuHealthReport {
-        let mut report = self.nvidia.probe().await;
+        let mut report = self.host.probe().await;
         if let Some(health) = &self.dcgm.health
             && let Some(dcgm) = health.instance_health().await.dcgm
         {

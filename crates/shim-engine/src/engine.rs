@@ -84,6 +84,34 @@ impl Drop for Shared {
     }
 }
 
+/// Reads the GPUs' interconnect (`nvidia-smi topo -m`) once, in the background, and gives it
+/// to the GPU lock, which places tasks by it from then on (first-free until then, or for good
+/// when it cannot be read).
+fn spawn_topology(
+    detector: Arc<shim_resources::GpuDetector>,
+    lock: Arc<GpuLock>,
+    shutdown: CancellationToken,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let read = tokio::select! {
+            () = shutdown.cancelled() => return,
+            read = detector.topology() => read,
+        };
+        match read {
+            Ok(topology) => {
+                tracing::info!(
+                    gpus = topology.gpus().len(),
+                    "GPU interconnect read: tasks get their GPUs by it (one NUMA node where one can hold them, then the best links)"
+                );
+                lock.set_topology(Some(topology));
+            }
+            Err(e) => {
+                tracing::warn!(error = %chain(&e), "cannot read the GPU interconnect: GPUs are handed out first-free");
+            }
+        }
+    })
+}
+
 fn take<T>(jobs: &Mutex<Vec<T>>) -> Vec<T> {
     std::mem::take(&mut *jobs.lock().unwrap_or_else(|p| p.into_inner()))
 }
@@ -107,6 +135,7 @@ impl Engine {
         let host_gpus = deps.host_gpus.clone();
         let (fake_gpus, gpus_total_is_zero) = (deps.fake_gpus, deps.host_gpus.gpus.is_empty());
         let health_source = deps.gpu_health.clone().filter(|_| !gpus_total_is_zero);
+        let topology_source = deps.gpu_topology.clone().filter(|_| !gpus_total_is_zero);
         let (keys, volumes) = (deps.keys.clone(), deps.volumes.clone());
         let cgroups = deps.cgroups.clone();
         let table = Arc::new(TaskTable::default());
@@ -206,6 +235,9 @@ impl Engine {
         );
         background.push(locator);
         background.push(images.spawn(shutdown.clone()));
+        if let Some(detector) = topology_source {
+            background.push(spawn_topology(detector, gpus.clone(), shutdown.clone()));
+        }
         let gpu_health = Arc::new(GpuHealthWatch::new());
         if let Some(source) = health_source {
             background.push(gpu_health.spawn(

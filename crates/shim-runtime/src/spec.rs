@@ -261,13 +261,24 @@ pub enum GpuConfig {
     Devices(Vec<DeviceMapping>),
 }
 
-/// Host facts the spec depends on (checked by the caller; the builder does no IO).
+/// Host facts the spec depends on (checked by the caller, [`HostDevices::probe`]; the builder
+/// does no IO).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct HostDevices {
     /// `/dev/infiniband` exists on the host.
     pub infiniband: bool,
     /// `/dev/hugepages-1G` exists on the host.
     pub hugepages_1g: bool,
+}
+
+impl HostDevices {
+    /// This host's facts: whether [`INFINIBAND_PATH`] and [`HUGEPAGES_1G_PATH`] exist.
+    pub fn probe() -> Self {
+        Self {
+            infiniband: std::path::Path::new(INFINIBAND_PATH).exists(),
+            hugepages_1g: std::path::Path::new(HUGEPAGES_1G_PATH).exists(),
+        }
+    }
 }
 
 /// How the runner is started inside the container.

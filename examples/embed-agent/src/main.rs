@@ -17,14 +17,14 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use shim_engine::{ChangeKind, Deps, Engine, EngineConfig, Shutdown, SubscriptionError};
+use shim_engine::{
+    ChangeKind, Deps, Engine, EngineConfig, HostOptions, Shutdown, SubscriptionError,
+};
 use shim_http::{EngineApi, Listeners, NoComponents, ServerConfig, serve};
 use shim_resources::fake::{FakeAuthorizedKeys, FakeVolumes};
-use shim_resources::{AuthorizedKeysManager, BlockVolumes, VolumeConfig};
 use shim_runtime::DockerRuntime;
 use shim_runtime::fake::FakeRuntime;
 use shim_task::{TaskConfig, TaskId, TaskName, TaskStatus, TerminationReason};
-use shim_util::SystemCommandRunner;
 
 type AnyError = Box<dyn std::error::Error>;
 
@@ -45,12 +45,9 @@ async fn run() -> Result<(), AnyError> {
     let image = std::env::var("SHIM_TEST_IMAGE").unwrap_or_else(|_| "shim-test:1".to_owned());
 
     let (deps, runner) = if docker {
-        let commands = Arc::new(SystemCommandRunner::default());
-        let deps = Deps::new(
-            Arc::new(DockerRuntime::connect().await?),
-            Arc::new(AuthorizedKeysManager::system()),
-            Arc::new(BlockVolumes::new(VolumeConfig::default(), commands)),
-        );
+        // The host as `dstack-shim` probes it: its GPUs, users' keys, block volumes, devices.
+        let options = HostOptions::new(home.path().join("volumes"));
+        let deps = Deps::for_host(Arc::new(DockerRuntime::connect().await?), &options).await;
         let runner = std::env::var_os("SHIM_TEST_RUNNER").map_or_else(
             || {
                 PathBuf::from(env!("CARGO_MANIFEST_DIR"))
