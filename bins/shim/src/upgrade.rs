@@ -281,7 +281,7 @@ pub struct Handover {
 /// The watchdog, started, and its readiness (one byte on its stdout once it blocks the
 /// signals that would end it).
 #[derive(Debug)]
-struct Watchdog {
+pub(crate) struct Watchdog {
     pid: u32,
     ready: std::sync::mpsc::Receiver<bool>,
 }
@@ -441,18 +441,60 @@ pub fn shutdown_hook(
     })
 }
 
+/// What the hand-off asks of the operating system, behind a trait so that its decisions (which
+/// binary, which arguments and environment, where the socket goes, when it refuses) are tested
+/// with a recording fake (the unit tests' `Recording`); [`System`] is the real one.
+pub(crate) trait HandoffOs {
+    /// The identity of the file at `path` now.
+    fn file_key(&self, path: &Path) -> anyhow::Result<FileKey>;
+    /// Starts the watchdog of an upgrade to `plan` (the API on `port`).
+    fn spawn_watchdog(&self, plan: &Plan, port: u16) -> anyhow::Result<Watchdog>;
+    /// Makes `socket` fd 3, inherited across `execve`.
+    fn place_at_first_fd(&self, socket: &OwnedFd) -> anyhow::Result<()>;
+    /// Replaces this process (`execve`); returns only when that fails.
+    fn exec(&self, command: &mut Command) -> std::io::Error;
+    /// This process's argv0 and arguments, and its PID.
+    fn own_args(&self) -> (OsString, Vec<OsString>, u32);
+}
+
+/// The real operating system.
+pub(crate) struct System;
+
+impl HandoffOs for System {
+    fn file_key(&self, path: &Path) -> anyhow::Result<FileKey> {
+        Ok(FileKey::at(path)?)
+    }
+
+    fn spawn_watchdog(&self, plan: &Plan, port: u16) -> anyhow::Result<Watchdog> {
+        spawn_watchdog(plan, port)
+    }
+
+    fn place_at_first_fd(&self, socket: &OwnedFd) -> anyhow::Result<()> {
+        place_at_first_fd(socket)
+    }
+
+    fn exec(&self, command: &mut Command) -> std::io::Error {
+        command.exec()
+    }
+
+    fn own_args(&self) -> (OsString, Vec<OsString>, u32) {
+        let (argv0, args) = own_args();
+        (argv0, args, std::process::id())
+    }
+}
+
 /// Replaces this process with the planned binary (same PID, same argv and environment, the
 /// socket at fd 3 when it takes `LISTEN_FDS`), once the watchdog is ready. Returns only if
 /// that fails (the process then exits, as upstream's does). Call it with no other thread running (the async runtime shut down): from the
 /// socket's move to fd 3 on, nothing may write to a descriptor.
 pub fn exec(handover: Handover) -> anyhow::Error {
-    match exec_inner(handover) {
+    match exec_with(&System, handover) {
         Ok(never) => match never {},
         Err(e) => e,
     }
 }
 
-fn exec_inner(handover: Handover) -> anyhow::Result<std::convert::Infallible> {
+fn exec_with(os: &dyn HandoffOs, handover: Handover) -> anyhow::Result<std::convert::Infallible> {
     let Handover {
         plan,
         socket,
@@ -461,7 +503,7 @@ fn exec_inner(handover: Handover) -> anyhow::Result<std::convert::Infallible> {
     } = handover;
     // The file must still be the one checked (nothing installs while the server drains, but
     // a person may).
-    let now = FileKey::at(&plan.path)?;
+    let now = os.file_key(&plan.path)?;
     anyhow::ensure!(
         now == plan.file,
         "{} changed after the upgrade was decided; not starting it",
@@ -471,7 +513,7 @@ fn exec_inner(handover: Handover) -> anyhow::Result<std::convert::Infallible> {
     // new binary died at once), the new binary is not started unprotected: exit instead, as
     // upstream does.
     let watchdog = watchdog
-        .unwrap_or_else(|| spawn_watchdog(&plan, port))
+        .unwrap_or_else(|| os.spawn_watchdog(&plan, port))
         .context("exiting instead of upgrading")?;
     let ready = watchdog.ready.recv_timeout(WATCHDOG_READY).unwrap_or(false);
     anyhow::ensure!(
@@ -487,7 +529,7 @@ fn exec_inner(handover: Handover) -> anyhow::Result<std::convert::Infallible> {
         takes_socket = plan.takes_socket,
         "replacing this process with the new binary"
     );
-    let (argv0, args) = own_args();
+    let (argv0, args, pid) = os.own_args();
 
     let mut command = Command::new(&plan.path);
     command
@@ -500,15 +542,16 @@ fn exec_inner(handover: Handover) -> anyhow::Result<std::convert::Infallible> {
         .env(ENV_WATCHDOG_PID, watchdog.pid.to_string());
     if plan.takes_socket {
         command
-            .env(listen_fds::LISTEN_PID, std::process::id().to_string())
+            .env(listen_fds::LISTEN_PID, pid.to_string())
             .env(listen_fds::LISTEN_FDS, "1")
             .env(listen_fds::LISTEN_FDNAMES, listen_fds::FD_NAME);
         // From here on nothing logs: fd 3 may have been the log file.
-        place_at_first_fd(&socket)?;
+        os.place_at_first_fd(&socket)?;
     } else {
         drop(socket);
     }
-    Err(anyhow::Error::new(command.exec()).context(format!("cannot exec {}", plan.path.display())))
+    Err(anyhow::Error::new(os.exec(&mut command))
+        .context(format!("cannot exec {}", plan.path.display())))
 }
 
 /// Makes the socket fd 3 without close-on-exec (whatever fd 3 was is closed: every
@@ -713,6 +756,211 @@ fn roll_back_watched(spec: &WatchSpec, home: &Path, why: &str) {
         );
         if let Err(e) = record.write(home) {
             tracing::error!(error = %error_chain(&e), "cannot record the rollback");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "test code")]
+
+    use super::*;
+
+    /// A recording operating system: what the hand-off asked of it, in order, and the
+    /// command it would have executed.
+    pub(crate) struct Recording {
+        key: FileKey,
+        watchdog: Option<bool>,
+        calls: Mutex<Vec<&'static str>>,
+        exec: Mutex<Option<Executed>>,
+    }
+
+    /// A command as `exec` would have run it.
+    #[derive(Debug, Default)]
+    struct Executed {
+        program: PathBuf,
+        args: Vec<OsString>,
+        env: std::collections::BTreeMap<OsString, Option<OsString>>,
+    }
+
+    impl Recording {
+        /// The file's key is `key`; the watchdog comes up (`Some(true)`), does not
+        /// (`Some(false)`) or cannot be started (`None`).
+        fn new(key: FileKey, watchdog: Option<bool>) -> Self {
+            Self {
+                key,
+                watchdog,
+                calls: Mutex::new(Vec::new()),
+                exec: Mutex::new(None),
+            }
+        }
+
+        fn calls(&self) -> Vec<&'static str> {
+            self.calls.lock().unwrap().clone()
+        }
+
+        fn call(&self, what: &'static str) {
+            self.calls.lock().unwrap().push(what);
+        }
+    }
+
+    impl HandoffOs for Recording {
+        fn file_key(&self, _path: &Path) -> anyhow::Result<FileKey> {
+            self.call("file_key");
+            Ok(self.key)
+        }
+
+        fn spawn_watchdog(&self, _plan: &Plan, _port: u16) -> anyhow::Result<Watchdog> {
+            self.call("spawn_watchdog");
+            let ready = self
+                .watchdog
+                .ok_or_else(|| anyhow::anyhow!("cannot start the upgrade watchdog"))?;
+            let (tx, rx) = std::sync::mpsc::channel();
+            tx.send(ready).unwrap();
+            Ok(Watchdog {
+                pid: 4242,
+                ready: rx,
+            })
+        }
+
+        fn place_at_first_fd(&self, _socket: &OwnedFd) -> anyhow::Result<()> {
+            self.call("place_at_first_fd");
+            Ok(())
+        }
+
+        fn exec(&self, command: &mut Command) -> std::io::Error {
+            self.call("exec");
+            *self.exec.lock().unwrap() = Some(Executed {
+                program: PathBuf::from(command.get_program()),
+                args: command.get_args().map(ToOwned::to_owned).collect(),
+                env: command
+                    .get_envs()
+                    .map(|(k, v)| (k.to_owned(), v.map(ToOwned::to_owned)))
+                    .collect(),
+            });
+            std::io::Error::other("recorded, not executed")
+        }
+
+        fn own_args(&self) -> (OsString, Vec<OsString>, u32) {
+            (
+                "dstack-shim".into(),
+                vec!["--shim-home".into(), "/root/.dstack".into()],
+                777,
+            )
+        }
+    }
+
+    /// A plan to start the file `binary` (its key taken now), and a socket to hand over.
+    fn handover(binary: &Path, takes_socket: bool) -> Handover {
+        let file = FileKey::at(binary).unwrap();
+        let socket = OwnedFd::from(fs_err::File::open("/dev/null").unwrap().into_parts().0);
+        Handover {
+            plan: Plan {
+                path: binary.to_owned(),
+                file,
+                version: "0.22.5".into(),
+                sha256: "00".into(),
+                takes_socket,
+            },
+            socket,
+            port: 10998,
+            watchdog: None,
+        }
+    }
+
+    fn binary() -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dstack-shim");
+        fs_err::write(&path, b"#!/bin/sh\n").unwrap();
+        (dir, path)
+    }
+
+    fn os(binary: &Path, watchdog: Option<bool>) -> Recording {
+        Recording::new(FileKey::at(binary).unwrap(), watchdog)
+    }
+
+    /// The new binary replaces this process with the same argv0 and arguments, the watchdog's
+    /// PID in its environment, and the socket at fd 3 announced as systemd announces it
+    /// (`LISTEN_PID` this process, `LISTEN_FDS=1`, its name), once the watchdog is ready.
+    #[test]
+    fn an_upgrade_execs_the_checked_binary_with_the_socket_at_fd_3() {
+        let (_dir, path) = binary();
+        let os = os(&path, Some(true));
+        let e = exec_with(&os, handover(&path, true)).unwrap_err();
+        assert!(format!("{e:#}").contains("cannot exec"), "{e:#}");
+        assert_eq!(
+            os.calls(),
+            ["file_key", "spawn_watchdog", "place_at_first_fd", "exec"]
+        );
+        let executed = os.exec.lock().unwrap().take().unwrap();
+        assert_eq!(executed.program, path);
+        assert_eq!(
+            executed.args,
+            [OsString::from("--shim-home"), "/root/.dstack".into()]
+        );
+        let env = |k: &str| executed.env.get(&OsString::from(k)).cloned();
+        assert_eq!(env(listen_fds::LISTEN_PID), Some(Some("777".into())));
+        assert_eq!(env(listen_fds::LISTEN_FDS), Some(Some("1".into())));
+        assert_eq!(
+            env(listen_fds::LISTEN_FDNAMES),
+            Some(Some(listen_fds::FD_NAME.into()))
+        );
+        assert_eq!(env(ENV_WATCHDOG_PID), Some(Some("4242".into())));
+        assert_eq!(env(ENV_WATCH_SPEC), Some(None), "removed");
+    }
+
+    /// A binary that does not take the socket (an older release): no socket at fd 3, and no
+    /// `LISTEN_*` variables (removed, whatever this process was given).
+    #[test]
+    fn a_binary_that_does_not_take_the_socket_gets_none() {
+        let (_dir, path) = binary();
+        let os = os(&path, Some(true));
+        exec_with(&os, handover(&path, false)).unwrap_err();
+        assert_eq!(os.calls(), ["file_key", "spawn_watchdog", "exec"]);
+        let executed = os.exec.lock().unwrap().take().unwrap();
+        for name in [
+            listen_fds::LISTEN_PID,
+            listen_fds::LISTEN_FDS,
+            listen_fds::LISTEN_FDNAMES,
+        ] {
+            assert_eq!(
+                executed.env.get(&OsString::from(name)),
+                Some(&None),
+                "{name}"
+            );
+        }
+    }
+
+    /// The file changed after the upgrade was decided (a person replaced it): nothing starts,
+    /// not even the watchdog.
+    #[test]
+    fn a_file_changed_since_the_decision_is_not_started() {
+        let (_dir, path) = binary();
+        let handover = handover(&path, true);
+        fs_err::write(&path, b"#!/bin/sh\nexit 1\n").unwrap();
+        let os = os(&path, Some(true));
+        let e = exec_with(&os, handover).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("changed after the upgrade was decided"),
+            "{e:#}"
+        );
+        assert_eq!(os.calls(), ["file_key"]);
+    }
+
+    /// Without a watchdog ready, or one at all, the new binary is not started unprotected:
+    /// the process exits instead (as upstream's does).
+    #[test]
+    fn no_watchdog_no_upgrade() {
+        let (_dir, path) = binary();
+        for (watchdog, says) in [
+            (Some(false), "did not come up"),
+            (None, "exiting instead of upgrading"),
+        ] {
+            let os = os(&path, watchdog);
+            let e = exec_with(&os, handover(&path, true)).unwrap_err();
+            assert!(format!("{e:#}").contains(says), "{e:#}");
+            assert!(!os.calls().contains(&"exec"), "{:?}", os.calls());
+            assert!(!os.calls().contains(&"place_at_first_fd"));
         }
     }
 }
