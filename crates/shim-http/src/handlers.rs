@@ -195,26 +195,39 @@ fn empty_ok() -> Result<Response<ResponseBody>, ApiError> {
 }
 
 /// A task id from the path. One that is not a valid id names no task: upstream (which does
-/// not validate ids) answers such a request as for an unknown task, so this answers
-/// `not_found`'s error.
-fn task_id(raw: Option<&str>, not_found: impl FnOnce() -> ApiError) -> Result<TaskId, ApiError> {
-    TaskId::new(raw.unwrap_or_default()).map_err(|e| not_found().with_source(e))
+/// not validate ids) answers such a request as for an unknown task ([`upstream_reply`] gives
+/// it the route's words).
+fn task_id(raw: Option<&str>) -> Result<TaskId, ApiError> {
+    TaskId::new(raw.unwrap_or_default())
+        .map_err(|e| ApiError::not_found("not a task id").with_source(e))
 }
 
-/// Upstream's message for an unknown task, replacing the engine's (kept as the cause).
-fn upstream_not_found(e: ApiError, message: impl Into<String>) -> ApiError {
-    if e.kind == ErrorKind::NotFound {
-        let message = message.into();
-        ApiError::not_found(message).with_source(e)
-    } else {
-        e
-    }
-}
+/// What upstream answers when DCGM's exporter is not there (`TaskMetricsHandler`).
+const NO_EXPORTER: &str = "DCGM Exporter is not available";
 
-/// `task <id>: not found`, upstream's text when terminate or remove find no task (its
-/// `TaskRunner` error `task %s: not found`).
-fn task_not_found(raw: Option<&str>) -> ApiError {
-    ApiError::not_found(format!("task {}: not found", raw.unwrap_or_default()))
+/// The one place an error's answer is built: upstream's words for an error of `route`
+/// (`runner/internal/shim/api/handlers.go` and its runner's errors), the error kept as the
+/// cause; any other error as it is.
+///
+/// | route | kind | upstream's words |
+/// |---|---|---|
+/// | `GET /api/tasks/{id}` | not found | `Not Found` |
+/// | `POST /api/tasks/{id}/terminate`, `…/remove` | not found | `task <id>: not found` (its `TaskRunner` error) |
+/// | `GET /metrics/tasks/{id}` | not found (the task) | `Task not found` |
+/// | `POST /api/components/install` | conflict | `already installing` |
+fn upstream_reply(route: RouteId, id: Option<&str>, e: ApiError) -> ApiError {
+    let words = match (route, e.kind) {
+        (RouteId::TaskInfo, ErrorKind::NotFound) => "Not Found".to_owned(),
+        (RouteId::TaskTerminate | RouteId::TaskRemove, ErrorKind::NotFound) => {
+            format!("task {}: not found", id.unwrap_or_default())
+        }
+        (RouteId::TaskMetrics, ErrorKind::NotFound) if e.message != NO_EXPORTER => {
+            "Task not found".to_owned()
+        }
+        (RouteId::ComponentInstall, ErrorKind::Conflict) => "already installing".to_owned(),
+        _ => return e,
+    };
+    ApiError::new(e.kind, words).with_source(e)
 }
 
 /// The submit answer: upstream's handler returns its runner's `shim.TaskInfo`, which has no
@@ -286,6 +299,22 @@ where
         }
     }
     let resolved = routes::resolve(req.method().as_str(), &path)?;
+    let (route, id) = (resolved.route, resolved.id.clone());
+    answer(state, resolved, req)
+        .await
+        .map_err(|e| upstream_reply(route, id.as_deref(), e))
+}
+
+/// The answer of a resolved route (its errors get upstream's words in [`dispatch`]).
+async fn answer<B>(
+    state: &State,
+    resolved: routes::Resolved,
+    req: Request<B>,
+) -> Result<Response<ResponseBody>, ApiError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: std::error::Error + Send + Sync + 'static,
+{
     match resolved.route {
         RouteId::Healthcheck => json(&Healthcheck {
             service: "dstack-shim",
@@ -325,15 +354,7 @@ where
             if body.url.is_empty() {
                 return Err(ApiError::bad_request("empty url"));
             }
-            // Upstream's handler answers its own message while a component installs.
-            state
-                .components
-                .install(name, body.url)
-                .await
-                .map_err(|e| match e.kind {
-                    ErrorKind::Conflict => ApiError::conflict("already installing").with_source(e),
-                    _ => e,
-                })?;
+            state.components.install(name, body.url).await?;
             empty_ok()
         }
         RouteId::TaskList => json(&task_list(state.api.as_ref()).await),
@@ -351,54 +372,33 @@ where
             json(&SubmitAnswer::from(&info))
         }
         RouteId::TaskInfo => {
-            let not_found = || ApiError::not_found("Not Found");
-            let id = task_id(resolved.id.as_deref(), not_found)?;
-            let info = state
-                .api
-                .task_info(&id)
-                .await
-                .map_err(|e| upstream_not_found(e, "Not Found"))?;
-            json(&info)
+            let id = task_id(resolved.id.as_deref())?;
+            json(&state.api.task_info(&id).await?)
         }
         RouteId::TaskTerminate => {
             // Upstream decodes the body before it looks for the task.
             let body: TerminateRequest = read_json(req).await?;
-            let id = task_id(resolved.id.as_deref(), || {
-                task_not_found(resolved.id.as_deref())
-            })?;
+            let id = task_id(resolved.id.as_deref())?;
             let reason = TerminationReason::parse(&body.termination_reason);
             let info = state
                 .api
                 .terminate(&id, reason, body.termination_message, body.timeout)
-                .await
-                .map_err(|e| upstream_not_found(e, format!("task {id}: not found")))?;
+                .await?;
             json(&info)
         }
         RouteId::TaskRemove => {
-            let id = task_id(resolved.id.as_deref(), || {
-                task_not_found(resolved.id.as_deref())
-            })?;
-            state
-                .api
-                .remove(&id)
-                .await
-                .map_err(|e| upstream_not_found(e, format!("task {id}: not found")))?;
+            let id = task_id(resolved.id.as_deref())?;
+            state.api.remove(&id).await?;
             empty_ok()
         }
         RouteId::TaskMetrics => {
             // Upstream (`runner/internal/shim/api/handlers.go`, `TaskMetricsHandler`): the
             // exporter is checked before the task is looked up.
             if !state.api.has_task_metrics() {
-                return Err(ApiError::not_found("DCGM Exporter is not available"));
+                return Err(ApiError::not_found(NO_EXPORTER));
             }
-            let id = task_id(resolved.id.as_deref(), || {
-                ApiError::not_found("Task not found")
-            })?;
-            let text = state
-                .api
-                .task_metrics(&id)
-                .await
-                .map_err(|e| upstream_not_found(e, "Task not found"))?;
+            let id = task_id(resolved.id.as_deref())?;
+            let text = state.api.task_metrics(&id).await?;
             // Upstream writes the text without a Content-Type, so Go sniffs one: plain text,
             // and none for an empty body.
             let mut builder = Response::builder().status(StatusCode::OK);
