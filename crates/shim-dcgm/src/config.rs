@@ -1,7 +1,6 @@
 //! [`DcgmConfig`]: the upstream `--dcgm-*` settings plus a few of ours, with upstream's
 //! defaults (the binary maps upstream's `--dcgm-*` flags and environment variables onto it).
 
-use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -130,13 +129,18 @@ fn find(configured: Option<&Path>, name: &str) -> Option<PathBuf> {
 }
 
 /// Looks `name` up in the `PATH`-style list `path` like a shell does (Go's `exec.LookPath`):
-/// the first directory holding an executable regular file of that name wins.
+/// the first directory holding a regular file of that name that this process may execute
+/// wins (the `which` crate: access(2) with `X_OK`). Empty entries are skipped, not taken as
+/// the current directory.
 pub fn find_program(name: &str, path: Option<&std::ffi::OsStr>) -> Option<PathBuf> {
-    let path: OsString = path?.to_owned();
-    std::env::split_paths(&path)
+    let dirs: Vec<PathBuf> = std::env::split_paths(path?)
         .filter(|dir| !dir.as_os_str().is_empty())
-        .map(|dir| dir.join(name))
-        .find(|candidate| is_executable(candidate))
+        .collect();
+    if dirs.is_empty() {
+        return None;
+    }
+    let path = std::env::join_paths(dirs).ok()?;
+    which::which_in_global(name, Some(path)).ok()?.next()
 }
 
 fn is_executable(path: &Path) -> bool {
@@ -169,6 +173,13 @@ mod tests {
         );
         assert_eq!(find_program("dcgm-exporter", Some(&path)), None);
         assert_eq!(find_program("dcgmi", None), None);
+        // Empty entries are skipped (not the current directory).
+        let path = std::env::join_paths([Path::new(""), c.path(), Path::new("")]).unwrap();
+        assert_eq!(
+            find_program("dcgmi", Some(&path)),
+            Some(c.path().join("dcgmi"))
+        );
+        assert_eq!(find_program("dcgmi", Some("::".as_ref())), None);
     }
 
     #[test]

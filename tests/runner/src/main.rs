@@ -12,12 +12,13 @@
 //! up repos, users, files or cluster SSH, or report metrics. After the job it lives on as
 //! upstream's does (see [`runner`] for when it exits).
 //!
-//! std only, so that a static build (`-C target-feature=+crt-static`) runs in the busybox test
-//! image; the harness builds it (`shim_e2e::harness::build_test_runner`).
+//! Pure Rust (serde_json for the JSON, tiny_http for the HTTP), so that a static build (`-C
+//! target-feature=+crt-static`) runs in the busybox test image; the harness builds it
+//! (`shim_e2e::harness::build_test_runner`).
 
 mod http;
-mod json;
 mod runner;
+mod schemas;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
 use std::process::ExitCode;
@@ -123,26 +124,22 @@ fn listen_addr(address: &str, port: u16) -> Result<SocketAddr, String> {
     Ok(SocketAddr::new(ip, port))
 }
 
-fn serve(listener: TcpListener, runner: &Arc<Runner>) {
-    for stream in listener.incoming() {
-        let Ok(stream) = stream else { continue };
-        let runner = Arc::clone(runner);
-        std::thread::spawn(move || match http::read_request(&stream) {
-            Ok(request) => {
-                let response = runner.handle(&request);
-                if response.status >= 400 {
-                    log(&format!(
-                        "{} {}: {}",
-                        request.method, request.path, response.status
-                    ));
-                }
-                let _ = http::write_response(&stream, &response);
+/// Serves the runner's API on `server` (blocks); an answer of 400 or more is logged.
+fn serve(server: &tiny_http::Server, runner: &Arc<Runner>) {
+    let runner = Arc::clone(runner);
+    http::serve(
+        server,
+        Arc::new(move |request: &http::Request| {
+            let response = runner.handle(request);
+            if response.status >= 400 {
+                log(&format!(
+                    "{} {}: {}",
+                    request.method, request.path, response.status
+                ));
             }
-            Err(e) => {
-                let _ = http::write_response(&stream, &http::Response::text(400, &e.to_string()));
-            }
-        });
-    }
+            response
+        }),
+    );
 }
 
 fn main() -> ExitCode {
@@ -168,8 +165,12 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let listener = match TcpListener::bind(addr) {
-        Ok(listener) => listener,
+    let server = match TcpListener::bind(addr)
+        .map_err(|e| e.to_string())
+        .and_then(|listener| {
+            tiny_http::Server::from_listener(listener, None).map_err(|e| e.to_string())
+        }) {
+        Ok(server) => server,
         Err(e) => {
             log(&format!("cannot listen on {addr}: {e}"));
             return ExitCode::FAILURE;
@@ -181,8 +182,8 @@ fn main() -> ExitCode {
         start.temp_dir, start.ssh_port, start.ssh_keys
     ));
     let runner = Runner::new(VERSION);
-    let server = Arc::clone(&runner);
-    std::thread::spawn(move || serve(listener, &server));
+    let served = Arc::clone(&runner);
+    std::thread::spawn(move || serve(&server, &served));
     match runner.wait_end(WAIT, WAIT) {
         End::Done => {
             log("job finished and its logs were given: exiting");

@@ -4,8 +4,9 @@
 //! upstream: runner/internal/runner/api/{server.go,http.go} (routes, states, answers),
 //! runner/internal/runner/executor/{executor.go,query.go,states.go,timestamp.go} (the job's
 //! states and logs, `pull` as events after a timestamp), runner/internal/runner/schemas
-//! (the JSON). The server's side: dstack/_internal/server/services/runner/client.py
-//! (`RunnerClient`) and dstack/_internal/server/schemas/runner.py (`PullResponse`, ...).
+//! (the JSON: [`crate::schemas`]). The server's side:
+//! dstack/_internal/server/services/runner/client.py (`RunnerClient`) and
+//! dstack/_internal/server/schemas/runner.py (`PullResponse`, ...).
 //!
 //! The phases are upstream's: `wait_submit` → (submit) `wait_run` → (run) `serve_logs` →
 //! (the job ended or was stopped) `wait_logs_finished`. Then upstream's runner waits for two
@@ -24,7 +25,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::http::{Request, Response};
-use crate::json::{self, Value};
+use crate::schemas::{Healthcheck, JobInfo, JobStateEvent, LogEvent, PullResponse, SubmitBody};
 
 /// A job env variable: `1` makes the runner exit as soon as the server pulled the last logs.
 pub const EXIT_AFTER_PULL_ENV: &str = "SHIM_TEST_RUNNER_EXIT_AFTER_PULL";
@@ -68,77 +69,44 @@ pub struct Job {
 }
 
 impl Job {
-    /// Reads the submit body (upstream's `SubmitBody`; unknown fields ignored).
-    pub fn from_submit(body: &Value) -> Result<Self, String> {
-        let spec = body.get("job_spec").ok_or("no job_spec")?;
-        let commands: Vec<String> = spec
-            .get("commands")
-            .and_then(Value::as_array)
-            .ok_or("job_spec.commands is not an array")?
-            .iter()
-            .map(|c| c.as_str().map(str::to_owned))
-            .collect::<Option<_>>()
-            .ok_or("job_spec.commands holds a non-string")?;
-        if commands.is_empty() {
+    /// Takes what this runner uses from the submit body (upstream's `SubmitBody`).
+    pub fn from_submit(body: SubmitBody) -> Result<Self, String> {
+        let SubmitBody {
+            run,
+            job_spec: spec,
+            job_submission,
+        } = body;
+        if spec.commands.is_empty() {
             return Err("job_spec.commands is empty".into());
         }
         let env: Vec<(String, String)> = spec
-            .get("env")
-            .and_then(Value::as_object)
-            .unwrap_or_default()
-            .iter()
-            .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned())))
+            .env
+            .into_iter()
+            .filter_map(|(k, v)| Some((k, v.as_str()?.to_owned())))
             .collect();
         let exit_after_pull = env
             .iter()
             .any(|(k, v)| k == EXIT_AFTER_PULL_ENV && v == "1");
-        let text = |path: &[&str]| {
-            body.at(path)
-                .and_then(Value::as_str)
-                .unwrap_or("")
-                .to_owned()
-        };
-        let dstack_env = vec![
-            ("DSTACK_RUN_ID".to_owned(), text(&["run", "id"])),
-            ("DSTACK_JOB_ID".to_owned(), text(&["job_submission", "id"])),
+        let dstack_env = [
+            ("DSTACK_RUN_ID", run.id),
+            ("DSTACK_JOB_ID", job_submission.id),
+            ("DSTACK_RUN_NAME", run.run_spec.run_name),
+            ("DSTACK_REPO_ID", run.run_spec.repo_id),
+            ("DSTACK_NODE_RANK", spec.job_num.unwrap_or(0).to_string()),
             (
-                "DSTACK_RUN_NAME".to_owned(),
-                text(&["run", "run_spec", "run_name"]),
+                "DSTACK_NODES_NUM",
+                spec.jobs_per_replica.unwrap_or(1).to_string(),
             ),
-            (
-                "DSTACK_REPO_ID".to_owned(),
-                text(&["run", "run_spec", "repo_id"]),
-            ),
-            (
-                "DSTACK_NODE_RANK".to_owned(),
-                spec.get("job_num")
-                    .and_then(Value::as_i64)
-                    .unwrap_or(0)
-                    .to_string(),
-            ),
-            (
-                "DSTACK_NODES_NUM".to_owned(),
-                spec.get("jobs_per_replica")
-                    .and_then(Value::as_i64)
-                    .unwrap_or(1)
-                    .to_string(),
-            ),
-        ];
+        ]
+        .map(|(k, v)| (k.to_owned(), v))
+        .into();
         Ok(Self {
-            commands,
+            commands: spec.commands,
             env,
-            working_dir: spec
-                .get("working_dir")
-                .and_then(Value::as_str)
-                .map(str::to_owned),
-            username: spec
-                .at(&["user", "username"])
-                .and_then(Value::as_str)
-                .unwrap_or("root")
-                .to_owned(),
+            working_dir: spec.working_dir,
+            username: spec.user.username.unwrap_or_else(|| "root".to_owned()),
             max_duration: spec
-                .get("max_duration")
-                .and_then(Value::as_i64)
+                .max_duration
                 .and_then(|d| u64::try_from(d).ok())
                 .unwrap_or(0),
             dstack_env,
@@ -147,28 +115,13 @@ impl Job {
     }
 }
 
-#[derive(Debug, Clone)]
-struct StateEvent {
-    state: &'static str,
-    timestamp: i64,
-    termination_reason: &'static str,
-    termination_message: String,
-    exit_status: Option<i32>,
-}
-
-#[derive(Debug, Clone)]
-struct LogEvent {
-    timestamp: i64,
-    message: Vec<u8>,
-}
-
 #[derive(Debug)]
 struct State {
     phase: Phase,
     job: Option<Job>,
     /// The last timestamp handed out (milliseconds, strictly increasing).
     clock: i64,
-    job_states: Vec<StateEvent>,
+    job_states: Vec<JobStateEvent>,
     job_logs: Vec<LogEvent>,
     runner_logs: Vec<LogEvent>,
     /// The job's process group while it runs.
@@ -197,7 +150,8 @@ impl State {
     fn runner_log(&mut self, level: &str, message: &str) {
         crate::log(message);
         let timestamp = self.tick();
-        let line = format!("level={level} msg={}\n", json::quote(message));
+        let quoted = serde_json::to_string(message).unwrap_or_default();
+        let line = format!("level={level} msg={quoted}\n");
         self.runner_logs.push(LogEvent {
             timestamp,
             message: line.into_bytes(),
@@ -219,7 +173,7 @@ impl State {
                  termination_reason={termination_reason:?} {termination_message}"
             ),
         );
-        self.job_states.push(StateEvent {
+        self.job_states.push(JobStateEvent {
             state,
             timestamp,
             termination_reason,
@@ -317,10 +271,10 @@ impl Runner {
     pub fn handle(self: &Arc<Self>, request: &Request) -> Response {
         let route = (request.method.as_str(), request.path.as_str());
         match route {
-            ("GET", "/api/healthcheck") => Response::json(format!(
-                r#"{{"service":"dstack-runner","version":{}}}"#,
-                json::quote(&self.version)
-            )),
+            ("GET", "/api/healthcheck") => Response::json(&Healthcheck {
+                service: "dstack-runner",
+                version: &self.version,
+            }),
             ("GET", "/api/metrics") => Response::text(404, "Metrics collector is not available"),
             ("POST", "/api/submit") => self.submit(request),
             ("POST", "/api/upload_archive") => self.upload_archive(request),
@@ -353,11 +307,14 @@ impl Runner {
         if !matches!(state.phase, Phase::WaitSubmit | Phase::WaitRun) {
             return Response::text(409, "Conflict");
         }
-        let body = match std::str::from_utf8(&request.body)
-            .map_err(|e| e.to_string())
-            .and_then(json::parse)
-        {
+        let body: SubmitBody = match serde_json::from_slice(&request.body) {
             Ok(body) => body,
+            Err(e) if e.is_data() => {
+                return Response::text(
+                    400,
+                    &format!("Request body contains an invalid value: {e}"),
+                );
+            }
             Err(e) => {
                 return Response::text(
                     400,
@@ -365,7 +322,7 @@ impl Runner {
                 );
             }
         };
-        match Job::from_submit(&body) {
+        match Job::from_submit(body) {
             Ok(job) => {
                 let line = format!(
                     "Job submitted: commands {:?}, {} env vars",
@@ -434,14 +391,13 @@ impl Runner {
                 .map(|d| d.display().to_string())
                 .unwrap_or_else(|_| "/".to_owned())
         });
-        let answer = format!(
-            r#"{{"working_dir":{},"username":{}}}"#,
-            json::quote(&working_dir),
-            json::quote(&job.username)
-        );
+        let answer = Response::json(&JobInfo {
+            working_dir: &working_dir,
+            username: &job.username,
+        });
         let runner = Arc::clone(self);
         std::thread::spawn(move || runner.execute(&job, &working_dir));
-        Response::json(answer)
+        answer
     }
 
     fn pull(&self, request: &Request) -> Response {
@@ -453,46 +409,20 @@ impl Runner {
             },
         };
         let mut state = self.lock();
-        let states: Vec<String> = after(&state.job_states, timestamp, |e| e.timestamp)
-            .iter()
-            .map(|e| {
-                format!(
-                    r#"{{"state":{},"timestamp":{},"termination_reason":{},"termination_message":{},"exit_status":{}}}"#,
-                    json::quote(e.state),
-                    e.timestamp,
-                    json::quote(e.termination_reason),
-                    json::quote(&e.termination_message),
-                    e.exit_status.map_or_else(|| "null".to_owned(), |s| s.to_string())
-                )
-            })
-            .collect();
-        let logs = |events: &[LogEvent]| -> String {
-            after(events, timestamp, |e| e.timestamp)
-                .iter()
-                .map(|e| {
-                    format!(
-                        r#"{{"message":"{}","timestamp":{}}}"#,
-                        json::base64(&e.message),
-                        e.timestamp
-                    )
-                })
-                .collect::<Vec<_>>()
-                .join(",")
-        };
-        let last_updated = state.clock;
         let finished = state.phase == Phase::WaitLogsFinished;
-        let body = format!(
-            r#"{{"job_states":[{}],"job_logs":[{}],"runner_logs":[{}],"last_updated":{last_updated},"no_connections_secs":0,"has_more":{}}}"#,
-            states.join(","),
-            logs(&state.job_logs),
-            logs(&state.runner_logs),
-            !finished
-        );
+        let answer = Response::json(&PullResponse {
+            job_states: after(&state.job_states, timestamp, |e| e.timestamp),
+            job_logs: after(&state.job_logs, timestamp, |e| e.timestamp),
+            runner_logs: after(&state.runner_logs, timestamp, |e| e.timestamp),
+            last_updated: state.clock,
+            no_connections_secs: 0,
+            has_more: !finished,
+        });
         if finished {
             state.final_pull_served = true;
             self.changed.notify_all();
         }
-        Response::json(body)
+        answer
     }
 
     fn stop(self: &Arc<Self>) -> Response {

@@ -5,8 +5,10 @@ use std::io::{Read as _, Write as _};
 use std::net::TcpStream;
 use std::time::Instant;
 
+use base64::Engine as _;
+use serde_json::{Value, json};
+
 use super::*;
-use crate::json::Value;
 
 struct Served {
     addr: SocketAddr,
@@ -16,46 +18,69 @@ struct Served {
 fn served() -> Served {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
+    let server = tiny_http::Server::from_listener(listener, None).unwrap();
     let runner = Runner::new("9.9.9");
-    let server = Arc::clone(&runner);
-    std::thread::spawn(move || serve(listener, &server));
+    let served = Arc::clone(&runner);
+    std::thread::spawn(move || serve(&server, &served));
     Served { addr, runner }
 }
 
-/// One request; the status and the body.
-fn call(addr: SocketAddr, method: &str, target: &str, ctype: &str, body: &[u8]) -> (u16, String) {
+/// Sends `raw` on a connection of its own and reads until the server closes it.
+fn exchange(addr: SocketAddr, raw: &[u8]) -> String {
     let mut s = TcpStream::connect(addr).unwrap();
-    let mut head = format!(
-        "{method} {target} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {}\r\n",
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s.write_all(raw).unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    answer
+}
+
+/// The status, the headers (names lowercased) and the body of one answer.
+fn parse_answer(answer: &str) -> (u16, Vec<(String, String)>, String) {
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+    let mut lines = head.split("\r\n");
+    let status = lines.next().unwrap()[9..12].parse().unwrap();
+    let headers = lines
+        .map(|l| l.split_once(':').unwrap())
+        .map(|(k, v)| (k.to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    (status, headers, body.to_owned())
+}
+
+/// One request (`Connection: close`, the body by `Content-Length`); the status and the body.
+fn call(addr: SocketAddr, method: &str, target: &str, ctype: &str, body: &[u8]) -> (u16, String) {
+    let mut raw = format!(
+        "{method} {target} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+         Content-Length: {}\r\n",
         body.len()
     );
     if !ctype.is_empty() {
-        head.push_str(&format!("Content-Type: {ctype}\r\n"));
+        raw.push_str(&format!("Content-Type: {ctype}\r\n"));
     }
-    head.push_str("\r\n");
-    s.write_all(head.as_bytes()).unwrap();
-    s.write_all(body).unwrap();
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).unwrap();
-    let status = answer[9..12].parse().unwrap();
-    let body = answer.split_once("\r\n\r\n").unwrap().1.to_owned();
+    raw.push_str("\r\n");
+    let mut raw = raw.into_bytes();
+    raw.extend_from_slice(body);
+    let (status, _, body) = parse_answer(&exchange(addr, &raw));
     (status, body)
 }
 
-fn submit_body(commands: &[&str], env: &str) -> String {
-    let commands: Vec<String> = commands.iter().map(|c| json::quote(c)).collect();
-    format!(
-        r#"{{"run":{{"id":"r1","run_spec":{{"run_name":"my-run","repo_id":"x","configuration":{{"type":"task"}}}}}},
-            "job_spec":{{"commands":[{}],"env":{env},"working_dir":null,"user":{{"uid":0,"username":"root"}},
-                         "max_duration":null,"job_num":0,"jobs_per_replica":1,"unknown":[1,{{"a":null}}]}},
-            "job_submission":{{"id":"sub-1"}},"cluster_info":{{"job_ips":[]}},"secrets":{{}},
-            "repo_credentials":null,"run_spec":{{"run_name":"my-run"}}}}"#,
-        commands.join(",")
-    )
+/// A submit body as the server writes it (pydantic: unset members as `null`, members this
+/// runner does not read).
+fn submit_body(commands: &[&str], env: &Value) -> String {
+    json!({
+        "run": {"id": "r1", "run_spec": {"run_name": "my-run", "repo_id": "x",
+                                         "configuration": {"type": "task"}}},
+        "job_spec": {"commands": commands, "env": env, "working_dir": null,
+                     "user": {"uid": 0, "username": "root"}, "max_duration": null,
+                     "job_num": 0, "jobs_per_replica": 1, "unknown": [1, {"a": null}]},
+        "job_submission": {"id": "sub-1"}, "cluster_info": {"job_ips": []}, "secrets": {},
+        "repo_credentials": null, "run_spec": {"run_name": "my-run"}
+    })
+    .to_string()
 }
 
 /// Submits and runs `commands`; the JSON of `run`'s answer.
-fn start_job(addr: SocketAddr, commands: &[&str], env: &str) -> Value {
+fn start_job(addr: SocketAddr, commands: &[&str], env: &Value) -> Value {
     let (status, body) = call(addr, "POST", "/api/run", "", b"");
     assert_eq!(
         (status, body.as_str()),
@@ -83,26 +108,24 @@ fn start_job(addr: SocketAddr, commands: &[&str], env: &str) -> Value {
     assert_eq!(status, 200);
     let (status, body) = call(addr, "POST", "/api/run", "", b"");
     assert_eq!(status, 200, "{body}");
-    json::parse(&body).unwrap()
+    serde_json::from_str(&body).unwrap()
 }
 
-/// Everything pulled until the runner says it has no more: (job states, job log text, runner
-/// log text, the pulls made).
 /// The job's output so far, from one `GET /api/pull?timestamp=0` (no waiting).
 fn job_logs_so_far(addr: SocketAddr) -> String {
     let (status, body) = call(addr, "GET", "/api/pull?timestamp=0", "", b"");
     assert_eq!(status, 200, "{body}");
-    let answer = json::parse(&body).unwrap();
-    answer
-        .get("job_logs")
-        .unwrap()
+    let answer: Value = serde_json::from_str(&body).unwrap();
+    answer["job_logs"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|event| decode_base64(event.get("message").unwrap().as_str().unwrap()))
+        .map(|event| decode_base64(event["message"].as_str().unwrap()))
         .collect()
 }
 
+/// Everything pulled until the runner says it has no more: (job states, job log text, runner
+/// log text, the pulls made).
 fn pull_all(addr: SocketAddr) -> (Vec<Value>, String, String, usize) {
     let started = Instant::now();
     let (mut states, mut logs, mut runner_logs, mut timestamp, mut pulls) =
@@ -117,26 +140,16 @@ fn pull_all(addr: SocketAddr) -> (Vec<Value>, String, String, usize) {
         );
         assert_eq!(status, 200, "{body}");
         pulls += 1;
-        let answer = json::parse(&body).unwrap();
-        states.extend(
-            answer
-                .get("job_states")
-                .unwrap()
-                .as_array()
-                .unwrap()
-                .iter()
-                .cloned(),
-        );
+        let answer: Value = serde_json::from_str(&body).unwrap();
+        states.extend(answer["job_states"].as_array().unwrap().iter().cloned());
         for (key, text) in [("job_logs", &mut logs), ("runner_logs", &mut runner_logs)] {
-            for event in answer.get(key).unwrap().as_array().unwrap() {
-                assert!(event.get("timestamp").unwrap().as_i64().unwrap() > timestamp);
-                text.push_str(&decode_base64(
-                    event.get("message").unwrap().as_str().unwrap(),
-                ));
+            for event in answer[key].as_array().unwrap() {
+                assert!(event["timestamp"].as_i64().unwrap() > timestamp);
+                text.push_str(&decode_base64(event["message"].as_str().unwrap()));
             }
         }
-        timestamp = answer.get("last_updated").unwrap().as_i64().unwrap();
-        if answer.get("has_more") == Some(&Value::Bool(false)) {
+        timestamp = answer["last_updated"].as_i64().unwrap();
+        if answer["has_more"] == Value::Bool(false) {
             return (states, logs, runner_logs, pulls);
         }
         assert!(
@@ -148,26 +161,16 @@ fn pull_all(addr: SocketAddr) -> (Vec<Value>, String, String, usize) {
 }
 
 fn decode_base64(text: &str) -> String {
-    const ALPHABET: &str = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut bits = 0u32;
-    let mut n = 0;
-    let mut out = Vec::new();
-    for c in text.chars().filter(|c| *c != '=') {
-        bits = (bits << 6) | ALPHABET.find(c).unwrap() as u32;
-        n += 6;
-        if n >= 8 {
-            n -= 8;
-            out.push((bits >> n) as u8);
-            bits &= (1 << n) - 1;
-        }
-    }
-    String::from_utf8(out).unwrap()
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(text)
+        .unwrap();
+    String::from_utf8(bytes).unwrap()
 }
 
 fn state_names(states: &[Value]) -> Vec<&str> {
     states
         .iter()
-        .map(|s| s.get("state").unwrap().as_str().unwrap())
+        .map(|s| s["state"].as_str().unwrap())
         .collect()
 }
 
@@ -210,8 +213,8 @@ fn a_job_that_fails_reports_its_exit_status_and_output() {
     let (status, body) = call(s.addr, "GET", "/api/healthcheck", "", b"");
     assert_eq!(status, 200);
     assert_eq!(
-        json::parse(&body).unwrap(),
-        json::parse(r#"{"service":"dstack-runner","version":"9.9.9"}"#).unwrap()
+        serde_json::from_str::<Value>(&body).unwrap(),
+        json!({"service": "dstack-runner", "version": "9.9.9"})
     );
     assert_eq!(call(s.addr, "GET", "/api/metrics", "", b"").0, 404);
     assert_eq!(call(s.addr, "GET", "/nope", "", b"").0, 404);
@@ -231,27 +234,18 @@ fn a_job_that_fails_reports_its_exit_status_and_output() {
             "-c",
             "echo out $GREETING $DSTACK_RUN_NAME; echo err >&2; exit 3",
         ],
-        r#"{"GREETING":"hello","SHIM_TEST_RUNNER_EXIT_AFTER_PULL":"1"}"#,
+        &json!({"GREETING": "hello", "SHIM_TEST_RUNNER_EXIT_AFTER_PULL": "1"}),
     );
-    assert_eq!(info.get("username").unwrap().as_str(), Some("root"));
-    assert!(
-        info.get("working_dir")
-            .unwrap()
-            .as_str()
-            .unwrap()
-            .starts_with('/')
-    );
+    assert_eq!(info["username"].as_str(), Some("root"));
+    assert!(info["working_dir"].as_str().unwrap().starts_with('/'));
     assert_eq!(
         call(s.addr, "POST", "/api/submit", "application/json", b"{}").0,
         409
     );
     let (states, logs, runner_logs, _) = pull_all(s.addr);
     assert_eq!(state_names(&states), ["running", "failed"], "{states:?}");
-    assert_eq!(states[1].get("exit_status").unwrap().as_i64(), Some(3));
-    assert_eq!(
-        states[1].get("termination_reason").unwrap().as_str(),
-        Some("")
-    );
+    assert_eq!(states[1]["exit_status"].as_i64(), Some(3));
+    assert_eq!(states[1]["termination_reason"].as_str(), Some(""));
     assert!(logs.contains("out hello my-run\n"), "{logs:?}");
     assert!(logs.contains("err\n"), "{logs:?}");
     assert!(
@@ -264,10 +258,10 @@ fn a_job_that_fails_reports_its_exit_status_and_output() {
 #[test]
 fn a_job_that_succeeds_is_done_and_a_stopped_one_terminated() {
     let s = served();
-    start_job(s.addr, &["/bin/sh", "-c", "echo fine"], "{}");
+    start_job(s.addr, &["/bin/sh", "-c", "echo fine"], &json!({}));
     let (states, logs, _, _) = pull_all(s.addr);
     assert_eq!(state_names(&states), ["running", "done"], "{states:?}");
-    assert_eq!(states[1].get("exit_status").unwrap().as_i64(), Some(0));
+    assert_eq!(states[1]["exit_status"].as_i64(), Some(0));
     assert_eq!(logs, "fine\n");
     // Upstream without an attached CLI: it lives on after the last pull (until the server
     // stops the container, or the logs wait passes).
@@ -283,7 +277,7 @@ fn a_job_that_succeeds_is_done_and_a_stopped_one_terminated() {
     start_job(
         s.addr,
         &["/bin/sh", "-c", "echo begun; sleep 60; echo never"],
-        "{}",
+        &json!({}),
     );
     // Stopped once it has printed its first line: "running" alone is no proof that the shell
     // has run its `echo` yet (on a loaded machine the stop came first and nothing was logged).
@@ -342,17 +336,147 @@ fn without_a_job_it_gives_up() {
 #[test]
 fn a_command_that_cannot_start_fails_the_job() {
     let s = served();
-    start_job(s.addr, &["/nonexistent/shell"], "{}");
+    start_job(s.addr, &["/nonexistent/shell"], &json!({}));
     let (states, _, runner_logs, _) = pull_all(s.addr);
     assert_eq!(state_names(&states), ["running", "failed"], "{states:?}");
-    let message = states[1]
-        .get("termination_message")
-        .unwrap()
-        .as_str()
-        .unwrap();
+    let message = states[1]["termination_message"].as_str().unwrap();
     assert!(message.contains("/nonexistent/shell"), "{message}");
     assert!(
         runner_logs.contains("Job state changed new=failed"),
         "{runner_logs}"
     );
+}
+
+#[test]
+fn http_as_clients_send_it() {
+    let s = served();
+    // Answers as Go's net/http writes them: a length, the type, a trailing newline.
+    let (status, headers, body) = parse_answer(&exchange(
+        s.addr,
+        b"GET /api/healthcheck HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    ));
+    assert_eq!(status, 200);
+    let header = |name: &str| {
+        headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(header("content-type").as_deref(), Some("application/json"));
+    assert_eq!(header("content-length"), Some(body.len().to_string()));
+    assert!(body.ends_with("}\n"), "{body:?}");
+    let (status, headers, body) = parse_answer(&exchange(
+        s.addr,
+        b"GET /nope HTTP/1.1\r\nConnection: close\r\n\r\n",
+    ));
+    assert_eq!((status, body.as_str()), (404, "404 page not found\n"));
+    assert!(
+        headers.contains(&("content-type".into(), "text/plain; charset=utf-8".into())),
+        "{headers:?}"
+    );
+    // Keep-alive: two requests on one connection (the server's HTTP client keeps them open).
+    let answers = exchange(
+        s.addr,
+        b"GET /api/healthcheck HTTP/1.1\r\n\r\nGET /api/pull?timestamp=0 HTTP/1.1\r\nConnection: close\r\n\r\n",
+    );
+    assert_eq!(
+        answers.matches("HTTP/1.1 200 OK\r\n").count(),
+        2,
+        "{answers}"
+    );
+    assert!(answers.contains(r#""has_more":true"#), "{answers}");
+    // The query: other parameters and flags beside `timestamp`; a bad timestamp is refused.
+    assert_eq!(
+        call(s.addr, "GET", "/api/pull?x&timestamp=17&y=1", "", b"").0,
+        200
+    );
+    assert_eq!(
+        call(s.addr, "GET", "/api/pull?timestamp=soon", "", b"").0,
+        400
+    );
+    // A chunked body.
+    let body = submit_body(&["/bin/sh", "-c", "true"], &json!({}));
+    let mut raw = b"POST /api/submit HTTP/1.1\r\nConnection: close\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+    for chunk in body.as_bytes().chunks(100) {
+        raw.extend_from_slice(format!("{:x}\r\n", chunk.len()).as_bytes());
+        raw.extend_from_slice(chunk);
+        raw.extend_from_slice(b"\r\n");
+    }
+    raw.extend_from_slice(b"0\r\n\r\n");
+    let (status, _, body) = parse_answer(&exchange(s.addr, &raw));
+    assert_eq!((status, body.as_str()), (200, "\n"));
+    assert_eq!(call(s.addr, "POST", "/api/run", "", b"").0, 200);
+    // Not HTTP.
+    assert!(
+        exchange(s.addr, b"garbage\r\n\r\n").starts_with("HTTP/1.1 400 "),
+        "a request line that is not one"
+    );
+}
+
+#[test]
+fn submit_bodies_the_runner_takes_and_refuses() {
+    let s = served();
+    let submit = |body: &str| {
+        call(
+            s.addr,
+            "POST",
+            "/api/submit",
+            "application/json; charset=utf-8",
+            body.as_bytes(),
+        )
+    };
+    for (body, refusal) in [
+        ("", "badly-formed JSON"),
+        (r#"{"job_spec": {"commands": ["sh"]}"#, "badly-formed JSON"),
+        (
+            r#"{"job_spec": {"commands": ["sh"]}} x"#,
+            "badly-formed JSON",
+        ),
+        (r#"{"run": {}}"#, "missing field `job_spec`"),
+        (r#"{"job_spec": {"commands": "sh"}}"#, "invalid value"),
+        (r#"{"job_spec": {"commands": ["sh", 1]}}"#, "invalid value"),
+        (
+            r#"{"job_spec": {"commands": ["sh"], "max_duration": "1h"}}"#,
+            "invalid value",
+        ),
+        (
+            r#"{"job_spec": {"commands": []}}"#,
+            "job_spec.commands is empty",
+        ),
+    ] {
+        let (status, answer) = submit(body);
+        assert_eq!(status, 400, "{body}: {answer}");
+        assert!(answer.contains(refusal), "{body}: {answer}");
+    }
+    // What pydantic writes for unset members: `null`; a variable that is not a string is
+    // ignored; a repeated member: the last one.
+    let script = "v=\"$DSTACK_RUN_ID|$DSTACK_RUN_NAME|$DSTACK_NODE_RANK|$DSTACK_NODES_NUM|$A|${B-unset}\"; \
+                  [ \"$v\" = '||0|1|a|unset' ] || { echo \"$v\"; exit 9; }; printf 'foobar\\n'";
+    let (status, answer) = submit(&format!(
+        r#"{{"run": null, "job_submission": null, "job_spec": {{"commands": ["/bin/sh", "-c", {}],
+            "env": {{"A": "1", "B": 2, "A": "a"}}, "user": null, "working_dir": null,
+            "max_duration": null, "job_num": null, "jobs_per_replica": null}}}}"#,
+        serde_json::to_string(script).unwrap()
+    ));
+    assert_eq!((status, answer.as_str()), (200, "\n"));
+    let (status, info) = call(s.addr, "POST", "/api/run", "", b"");
+    assert_eq!(status, 200, "{info}");
+    let info: Value = serde_json::from_str(&info).unwrap();
+    assert_eq!(info["username"], "root");
+    let (states, logs, runner_logs, _) = pull_all(s.addr);
+    // The variables as expected (else the job prints them and fails), then one write.
+    assert_eq!(
+        state_names(&states),
+        ["running", "done"],
+        "{states:?} {logs:?}"
+    );
+    assert_eq!(logs, "foobar\n");
+    // The runner's log line quotes its message (logrus's text format).
+    assert!(
+        runner_logs.contains(r#"level=info msg="Job submitted: commands [\"/bin/sh\", "#),
+        "{runner_logs}"
+    );
+    // Output bytes as Go encodes a []byte: standard base64 with padding.
+    let (_, raw) = call(s.addr, "GET", "/api/pull?timestamp=0", "", b"");
+    assert!(raw.contains(r#""message":"Zm9vYmFyCg==""#), "{raw}");
 }
