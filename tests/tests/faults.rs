@@ -44,7 +44,7 @@ use shim_e2e::harness::{
     ContainerSweeper, FAKE_GPUS, HostUser, KEY_MARKER, LoopFs, LosingProxy, PrivateDocker,
     RemoveImage, Request, Response, TestShim, bridge_task, container_name_of, docker_at,
     docker_at_ok, docker_socket, entries, fake_gpu_ids, run_tag, runner_dir, ssh_key, status_of,
-    try_docker_within, wait_for, write_runner_exit,
+    task_entries, try_docker_within, wait_for, write_runner_exit,
 };
 use shim_e2e::{
     RUNNER_EXIT_FILE, registry, registry_password, registry_user, require_docker, require_root,
@@ -603,7 +603,7 @@ fn settled(shim: &TestShim, user: &HostUser) -> Result<BTreeMap<String, Value>, 
             want_keys.difference(&marked).collect::<Vec<_>>()
         ));
     }
-    let dirs = entries(&shim.tasks_dir());
+    let dirs = task_entries(&shim.tasks_dir());
     if dirs != names {
         problems.push(format!(
             "task directories of no task {:?}, tasks without a directory {:?}",
@@ -725,7 +725,7 @@ fn sigkill_at_random_points_of_concurrent_requests_loses_nothing() {
     shim.finish("all-gpus");
     assert_eq!(shim.containers(), BTreeMap::new(), "containers left");
     assert_eq!(
-        entries(&shim.tasks_dir()),
+        task_entries(&shim.tasks_dir()),
         BTreeSet::new(),
         "task directories left"
     );
@@ -929,7 +929,7 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
         shim.finish(id);
     }
     assert_eq!(shim.containers(), BTreeMap::new());
-    assert_eq!(entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1032,7 +1032,7 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     assert!(
         !shim.tasks_dir().join(container_name_of(&t3)).exists(),
         "a failed submit left its directory: {:?}",
-        entries(&shim.tasks_dir())
+        task_entries(&shim.tasks_dir())
     );
 
     // Terminate: answered within its budget though the termination cannot be written; the
@@ -1251,7 +1251,7 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     }
     assert_eq!(shim.list(), BTreeMap::new());
     assert_eq!(shim.containers(), BTreeMap::new());
-    assert_eq!(entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
     assert_eq!(marked_keys(&user), BTreeSet::new());
 }
 
@@ -1391,7 +1391,7 @@ fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
     );
     assert_eq!(user.lines(), vec![own]);
     assert_eq!(shim.containers(), BTreeMap::new());
-    assert_eq!(entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1630,5 +1630,5 @@ fn lost_docker_answers_neither_fail_the_task_nor_leak_it() {
     shim.remove_retrying("lost");
     assert!(shim.info_opt("lost").is_none());
     assert_eq!(shim.containers(), BTreeMap::new());
-    assert_eq!(entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
 }

@@ -195,6 +195,8 @@ impl Engine {
             }
         }
         reconciler.first_cycle(listed, listed_at).await;
+        // Spare task directories for the first submits (in the background).
+        driver.prepare_spares();
         let first = reconciler.first_subscription().await;
         let mut background = reconciler.spawn(first);
         let (usage, locator) = Usage::spawn(
