@@ -13,8 +13,9 @@ use shim_e2e::harness::{cargo, target_dir};
 use super::report::{Comparison, Goal, Row};
 use crate::cmd;
 
-/// Durable writes with the `write_latency` example.
-pub fn store(quick: bool) -> Result<Row> {
+/// Durable writes with the `write_latency` example: a status write, and a submit's first
+/// write alone (a spare directory ready or not) and 8 at a time.
+pub fn store(quick: bool) -> Result<Vec<Row>> {
     let count = if quick { "50" } else { "500" };
     let mut command = cmd::cmd(cargo());
     command
@@ -32,15 +33,15 @@ pub fn store(quick: bool) -> Result<Row> {
         .arg(count);
     println!("$ {}", cmd::display(&command));
     let out = cmd::output(&mut command)?;
-    let mut json_line = None;
+    let mut rows = Vec::new();
     for line in out.lines() {
         match line.strip_prefix("json ") {
-            Some(json) => json_line = Some(json),
+            Some(json) => rows.push(Row::from_json("store", &serde_json::from_str(json)?)?),
             None => println!("{line}"),
         }
     }
-    let value: Value = serde_json::from_str(json_line.context("write_latency printed no json")?)?;
-    Row::from_json("store", &value)
+    anyhow::ensure!(!rows.is_empty(), "write_latency printed no json");
+    Ok(rows)
 }
 
 /// Runs `cargo bench -p <package> --bench <bench> -- --json <file> [--quick]` (a

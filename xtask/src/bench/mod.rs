@@ -163,7 +163,7 @@ pub fn bench(opts: &Options) -> Result<()> {
     let mut comparisons: Vec<Comparison> = Vec::new();
     if figures.contains(&Fig::Store) {
         println!("=== store: durable task.json writes");
-        rows.push(micro::store(opts.quick)?);
+        rows.extend(micro::store(opts.quick)?);
     }
     if figures.contains(&Fig::Engine) {
         println!("\n=== engine on the fake runtime");
