@@ -277,6 +277,17 @@ impl BenchShim {
         Ok(self.process()?.rss_kib()?)
     }
 
+    /// Its peak RSS in KiB (`VmHWM`: the most it held since it started).
+    pub fn rss_peak_kib(&self) -> Result<u64> {
+        let path = format!("/proc/{}/status", self.pid()?);
+        fs_err::read_to_string(&path)?
+            .lines()
+            .find_map(|line| line.strip_prefix("VmHWM:"))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|kib| kib.parse().ok())
+            .with_context(|| format!("no VmHWM in {path}"))
+    }
+
     /// SIGKILL.
     pub fn kill(&mut self) -> Result<()> {
         self.process

@@ -1,8 +1,9 @@
 //! The figures that need no Docker daemon: durable `task.json` writes
 //! (`crates/shim-store/examples/write_latency.rs`) and the engine on the fake runtime
-//! (`crates/shim-engine/benches/engine.rs`), both release builds; and a pull through the
-//! runtime against the raw API (`crates/shim-runtime/benches/pull.rs`, which needs Docker
-//! and the registry).
+//! (`crates/shim-engine/benches/engine.rs`), both release builds; and two of the runtime's
+//! against the raw API, which need Docker: a pull (`crates/shim-runtime/benches/pull.rs`,
+//! also the registry) and small requests through the keep-alive pool against a new
+//! connection each (`crates/shim-runtime/benches/requests.rs`).
 
 use std::path::PathBuf;
 
@@ -89,6 +90,26 @@ pub fn pull(quick: bool) -> Result<Comparison> {
         ms("runtime_median_ms")?,
         Some(ms("raw_median_ms")?),
         Goal::AtMostRawTimes(1.02),
+    )
+    .with_detail(value))
+}
+
+/// The requests bench: a Docker request through the runtime's keep-alive pool against the
+/// same request on a new connection each (bollard's own Unix client), medians.
+pub fn requests(quick: bool) -> Result<Comparison> {
+    let (value, path) = bench_json("shim-runtime", "requests", quick)?;
+    let us = |key: &str| {
+        value[key]
+            .as_f64()
+            .with_context(|| format!("no {key} in {}", path.display()))
+    };
+    Ok(Comparison::new(
+        "docker_request_us",
+        "(9) a Docker request (inspect; every fifth a list), pooled connection (raw: a new connection each), median",
+        "µs",
+        us("pooled_median_us")?,
+        Some(us("fresh_median_us")?),
+        Goal::AtMostRawTimes(1.0),
     )
     .with_detail(value))
 }
