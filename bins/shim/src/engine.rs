@@ -1,7 +1,7 @@
 //! Building the engine from the command line: the Docker runtime, the host's GPUs (or a fake
 //! GPU host for tests), authorized_keys, block volumes, and `host_info.json`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,18 +25,11 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 /// Connects to Docker, detects the host, starts DCGM on NVIDIA hosts, restores tasks and
 /// runs the first reconcile cycle.
 pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<shim_dcgm::Dcgm>)> {
-    let runtime = DockerRuntime::connect()
-        .await
-        .context("cannot connect to the Docker daemon")?;
-    // Docker's own data directory: host_info.json reports its filesystem's size, as upstream
-    // (`runner/internal/shim/host/host.go`, `GetDiskSize` of `DockerRootDir`).
-    let docker_root = match runtime.data_root().await {
-        Ok(dir) => dir,
-        Err(e) => {
-            tracing::warn!(error = %error_chain(&e), "cannot read Docker's info; the disk size is reported as 0");
-            None
-        }
-    };
+    let runtime = Arc::new(
+        DockerRuntime::connect()
+            .await
+            .context("cannot connect to the Docker daemon")?,
+    );
     let commands = Arc::new(SystemCommandRunner::default());
     let (host_gpus, fake_gpus) = match config.fake_gpus {
         Some(n) => (HostGpus::fake_nvidia(n), true),
@@ -58,10 +51,10 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
     let dcgm = Arc::new(shim_dcgm::Dcgm::start(&dcgm_config, nvidia).await);
     let watch_health = nvidia && !host_gpus.gpus.is_empty();
     if config.service {
-        spawn_host_info(home, docker_root, host_gpus.clone());
+        spawn_host_info(home, runtime.clone(), host_gpus.clone());
     }
     let mut deps = Deps::new(
-        Arc::new(runtime),
+        runtime,
         Arc::new(AuthorizedKeysManager::system()),
         Arc::new(BlockVolumes::new(
             VolumeConfig::with_root(&config.engine.volumes_root),
@@ -189,9 +182,20 @@ impl GpuHealthSource for HostGpuHealth {
 
 /// Writes `host_info.json` once, in the background. `docker_root` is Docker's data
 /// directory (its disk size is reported; 0 when unknown, the file is still written).
-fn spawn_host_info(home: &Path, docker_root: Option<PathBuf>, gpus: HostGpus) {
+/// Writes `host_info.json` in the background (once: an existing one is kept), with the size
+/// of Docker's data directory's filesystem, as upstream (`runner/internal/shim/host/host.go`,
+/// `GetDiskSize` of `DockerRootDir`). Docker's `/info` is asked here, off the start-up path: it
+/// is one of the daemon's slower answers.
+fn spawn_host_info(home: &Path, runtime: Arc<DockerRuntime>, gpus: HostGpus) {
     let home = home.to_path_buf();
     tokio::spawn(async move {
+        let docker_root = match runtime.data_root().await {
+            Ok(dir) => dir,
+            Err(e) => {
+                tracing::warn!(error = %error_chain(&e), "cannot read Docker's info; the disk size is reported as 0");
+                None
+            }
+        };
         let written = tokio::task::spawn_blocking(move || {
             let root = docker_root.unwrap_or_default();
             shim_resources::write_host_info(&home, &root, &gpus)
