@@ -1,7 +1,8 @@
 //! Figures (3) tasks per second for a batch of tasks started at concurrency 1, 4 and 16, (4)
 //! dockerd's CPU time per started task, through the shim and as raw create + start, and the
 //! shim's own CPU time per started task (`/proc/<pid>/stat` over its batches); and, as a
-//! diagnostic, (3) through a second shim whose home is on tmpfs. The fleets' batches take turns.
+//! diagnostic, (3) through a second shim whose home is on tmpfs (or, with
+//! `SHIM_BENCH_BASELINE`, another build: [`SecondShim`]). The fleets' batches take turns.
 //! Shim clients learn that their task runs from one watcher on the shim's event stream
 //! (`GET /api/events`, opened before the batch), so neither side polls.
 
@@ -11,7 +12,7 @@ use anyhow::Result;
 use serde_json::json;
 
 use super::Ctx;
-use super::fleet::{BenchShim, TmpfsShim, Watcher, cpu_seconds, dockerd_pid, tick_seconds};
+use super::fleet::{BenchShim, SecondShim, Watcher, cpu_seconds, dockerd_pid, tick_seconds};
 use super::parallel;
 use super::report::{Comparison, Goal};
 
@@ -89,10 +90,11 @@ pub fn throughput(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
     let rounds = ctx.pick(1, 10);
     let docker = &ctx.scratch.docker;
     let shim = BenchShim::start(&ctx.binary, &ctx.scratch, "load")?;
-    let shim_tmpfs = TmpfsShim::start(&ctx.binary, &ctx.scratch, "load-tmpfs")?;
+    let shim_tmpfs = SecondShim::start(&ctx.binary, &ctx.scratch, "load-second")?;
+    let (label, key) = shim_tmpfs.as_ref().map_or(("", ""), |t| (t.label, t.key));
     let mut fleets = vec![Fleet::Shim(&shim, "shim", "load")];
     if let Some(t) = &shim_tmpfs {
-        fleets.push(Fleet::Shim(&t.shim, "shim (tmpfs home)", "tmpfs"));
+        fleets.push(Fleet::Shim(&t.shim, t.short, t.prefix));
     }
     fleets.push(Fleet::Raw);
     for concurrency in [1, 4, 16] {
@@ -179,9 +181,9 @@ pub fn throughput(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
             let t = totals[1];
             out.push(
                 Comparison::new(
-                    format!("tasks_per_second_c{concurrency}_tmpfs_home"),
+                    format!("tasks_per_second_c{concurrency}_{key}"),
                     format!(
-                        "tasks/s, {n} tasks at concurrency {concurrency}, shim home on tmpfs (diagnostic)"
+                        "tasks/s, {n} tasks at concurrency {concurrency}, {label} (diagnostic)"
                     ),
                     "tasks/s",
                     t.per_second(),
@@ -221,13 +223,21 @@ pub fn throughput(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
         );
         if shim_tmpfs.is_some() {
             out.push(Comparison::new(
-                format!("dockerd_cpu_per_task_c{concurrency}_tmpfs_home"),
+                format!("dockerd_cpu_per_task_c{concurrency}_{key}"),
                 format!(
-                    "dockerd CPU per started task, concurrency {concurrency}, shim home on tmpfs (diagnostic)"
+                    "dockerd CPU per started task, concurrency {concurrency}, {label} (diagnostic)"
                 ),
                 "ms",
                 totals[1].cpu_ms_per_task(),
                 Some(raw_total.cpu_ms_per_task()),
+                Goal::None,
+            ));
+            out.push(Comparison::new(
+                format!("shim_cpu_per_task_c{concurrency}_{key}"),
+                format!("the shim's own CPU per started task, concurrency {concurrency}, {label} (diagnostic)"),
+                "ms",
+                totals[1].own_cpu_ms_per_task(),
+                None,
                 Goal::None,
             ));
         }
