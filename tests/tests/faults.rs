@@ -941,7 +941,8 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
 /// - a submit answers 500 with the cause and leaves nothing behind;
 /// - a start whose next write is `running` (after the pull, the create and the start, which are
 ///   start progress and need no write of their own) is not given up: its container runs, and
-///   the task shows its last durable status (`pulling`) until `running` can be written;
+///   the task shows `running` at once (the container proves it), its record staying `pulling`
+///   until `running` can be written;
 /// - a terminate answers 200 within its budget (`timeout` + 5 s) and stops the container and
 ///   releases the task's key all the same (issue 22: a failed state write never blocks a stop
 ///   or a release); it answers `terminated` with its reason, and the task reads so from then
@@ -1034,6 +1035,9 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
         "a failed submit left its directory: {:?}",
         task_entries(&shim.tasks_dir())
     );
+    // The spare directory it failed to fill (made before the disk filled) went with it,
+    // freeing its blocks: the disk is filled again.
+    fs.fill();
 
     // Terminate: answered within its budget though the termination cannot be written; the
     // container is stopped and the key released all the same, and the task reads terminated
@@ -1133,11 +1137,6 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
         ending(&shim.info("t2"))[..2],
         ["terminated", "done_by_runner"]
     );
-    assert_eq!(
-        status_of(&shim.info("t4")),
-        "pulling",
-        "t4's `running` is not durable yet"
-    );
     assert_eq!(ending(&shim.info("t1")), ending(&body));
     wait_for("t2's key released before its end is durable", WAIT, || {
         if marked_keys(&user).contains(&key_blob(&k2)) {
@@ -1156,7 +1155,24 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
             other => Err(format!("{other:?}")),
         }
     });
-    assert_eq!(status_of(&shim.info("t4")), "pulling");
+    // The API shows `running` as soon as the container runs (SPEC §5: the container proves
+    // it, and a restart reads Docker first), while the record stays `pulling`: its `running`
+    // write waits for the disk.
+    wait_for("t4 shows running", WAIT, || {
+        let t4 = shim.info("t4");
+        (status_of(&t4) == "running")
+            .then_some(())
+            .ok_or(t4.to_string())
+    });
+    let t4_file = shim
+        .tasks_dir()
+        .join(container_name_of(&t4_config))
+        .join("task.json");
+    let t4_record: Value = serde_json::from_slice(&fs_err::read(&t4_file).unwrap()).unwrap();
+    assert_eq!(
+        t4_record["rust_shim"]["status"], "pulling",
+        "t4's `running` is not durable yet: {t4_record}"
+    );
 
     // The server's terminate then remove (what it sends when it stops a job): both accepted
     // while full; container, key and directory go (which frees a little space: last).
@@ -1480,7 +1496,7 @@ fn kills_mid_submit_and_mid_delete_leave_nothing_after_a_restart() {
         .map(|(d, _)| (*d).to_owned())
         .chain([container_name_of(&stays)])
         .collect();
-    assert_eq!(entries(&runners), expected);
+    assert_eq!(task_entries(&runners), expected);
     for (d, f) in keep {
         assert_eq!(
             fs_err::read_to_string(runners.join(d).join(f)).unwrap(),
@@ -1499,7 +1515,7 @@ fn kills_mid_submit_and_mid_delete_leave_nothing_after_a_restart() {
     shim.finish("stays");
     assert_eq!(shim.containers(), BTreeMap::new());
     let left: BTreeSet<String> = keep.iter().map(|(d, _)| (*d).to_owned()).collect();
-    assert_eq!(entries(&runners), left);
+    assert_eq!(task_entries(&runners), left);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -83,10 +83,13 @@ impl Records {
     }
 
     /// Creates the task directory and writes the record's first state file; a failure leaves
-    /// nothing behind (or a skeleton the next start-up sweeps). Spares are made again after.
+    /// nothing behind (or a skeleton the next start-up sweeps). Spares are made again once
+    /// half of them are used (several in one background job).
     async fn create(&self, record: shim_task::TaskRecord) -> Result<()> {
         let created = self.create_now(record).await;
-        self.prepare_spares();
+        if self.store.spares_ready() <= shim_store::SPARES / 2 {
+            self.prepare_spares();
+        }
         created
     }
 
