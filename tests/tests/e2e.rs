@@ -34,7 +34,7 @@ use shim_e2e::harness::{
     ContainerSweeper, FAKE_GPUS, FreshImage, HostUser, NamedContainer, RUNNER_HTTP_PORT,
     RUNNER_SSH_PORT, Request, Response, ShimProcess, TestShim, bridge_task, container_name,
     container_name_of, container_running, entries, fake_gpu_ids, free_port, owner_identity,
-    run_tag, runner_dir, shim_binary, ssh_key, wait_until,
+    run_tag, runner_dir, shim_binary, ssh_key, task_entries, wait_until,
 };
 use shim_e2e::{
     docker, docker_ok, dstack_python, image, registry_password, registry_user, repo_root,
@@ -341,7 +341,7 @@ fn full_lifecycle_over_http() {
         "the container was removed"
     );
     assert!(!shim.task_dir("life-1").exists());
-    assert_eq!(entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
     assert_eq!(shim.list(), BTreeMap::new());
     assert_eq!(shim.container_ids(), BTreeSet::new());
 }
@@ -582,7 +582,7 @@ fn sigkill_and_restart_keep_tasks_and_report_exits_that_happened_while_down() {
     }
     assert_eq!(shim.container_ids(), BTreeSet::new());
     assert_eq!(
-        entries(&shim.tasks_dir()),
+        task_entries(&shim.tasks_dir()),
         BTreeSet::from([refused["container_name"].as_str().unwrap().to_owned()])
     );
 }
@@ -658,7 +658,7 @@ fn bad_input_is_refused_and_changes_nothing() {
     let cid = before["container_id"].as_str().unwrap().to_owned();
 
     let list = shim.list();
-    let tasks = entries(&shim.tasks_dir());
+    let tasks = task_entries(&shim.tasks_dir());
     let containers = shim.container_ids();
     let home_entries = || {
         let mut e = entries(shim.home());
@@ -670,7 +670,7 @@ fn bad_input_is_refused_and_changes_nothing() {
     let unchanged = |what: &str| {
         assert_eq!(shim.list(), list, "{what}: the list changed");
         assert_eq!(
-            entries(&shim.tasks_dir()),
+            task_entries(&shim.tasks_dir()),
             tasks,
             "{what}: a task directory appeared"
         );
@@ -1089,7 +1089,7 @@ fn fifty_concurrent_tasks_leave_nothing_behind() {
 
     assert_eq!(shim.list(), BTreeMap::new());
     assert_eq!(shim.container_ids(), BTreeSet::new());
-    assert_eq!(entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
 
     // Every GPU was released.
     let all = task("all-gpus", FAKE_GPUS as i64);
@@ -1098,7 +1098,7 @@ fn fifty_concurrent_tasks_leave_nothing_behind() {
     assert_eq!(gpu_ids(&info), fake_gpu_ids(), "{info}");
     shim.finish("all-gpus");
     assert_eq!(shim.container_ids(), BTreeSet::new());
-    assert_eq!(entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
 }
 
 /// SPEC §3/§4: terminate during start answers `terminated`; a remove right after it must then
@@ -1162,7 +1162,7 @@ fn removed_task_stays_removed_after_terminate_during_start() {
     // Late writes, if any, land within milliseconds: give them a moment (not a timed
     // assertion: waiting longer only makes a leftover more likely to be seen).
     std::thread::sleep(Duration::from_millis(500));
-    let left_behind = entries(&shim.tasks_dir());
+    let left_behind = task_entries(&shim.tasks_dir());
     let containers = shim.container_ids();
     shim.kill();
     shim.start();

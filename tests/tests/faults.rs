@@ -44,7 +44,7 @@ use shim_e2e::harness::{
     ContainerSweeper, FAKE_GPUS, HostUser, KEY_MARKER, LoopFs, LosingProxy, PrivateDocker,
     RemoveImage, Request, Response, TestShim, bridge_task, container_name_of, docker_at,
     docker_at_ok, docker_socket, entries, fake_gpu_ids, run_tag, runner_dir, ssh_key, status_of,
-    try_docker_within, wait_for, write_runner_exit,
+    task_entries, try_docker_within, wait_for, write_runner_exit,
 };
 use shim_e2e::{
     RUNNER_EXIT_FILE, registry, registry_password, registry_user, require_docker, require_root,
@@ -603,7 +603,7 @@ fn settled(shim: &TestShim, user: &HostUser) -> Result<BTreeMap<String, Value>, 
             want_keys.difference(&marked).collect::<Vec<_>>()
         ));
     }
-    let dirs = entries(&shim.tasks_dir());
+    let dirs = task_entries(&shim.tasks_dir());
     if dirs != names {
         problems.push(format!(
             "task directories of no task {:?}, tasks without a directory {:?}",
@@ -725,7 +725,7 @@ fn sigkill_at_random_points_of_concurrent_requests_loses_nothing() {
     shim.finish("all-gpus");
     assert_eq!(shim.containers(), BTreeMap::new(), "containers left");
     assert_eq!(
-        entries(&shim.tasks_dir()),
+        task_entries(&shim.tasks_dir()),
         BTreeSet::new(),
         "task directories left"
     );
@@ -929,7 +929,7 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
         shim.finish(id);
     }
     assert_eq!(shim.containers(), BTreeMap::new());
-    assert_eq!(entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -941,7 +941,8 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
 /// - a submit answers 500 with the cause and leaves nothing behind;
 /// - a start whose next write is `running` (after the pull, the create and the start, which are
 ///   start progress and need no write of their own) is not given up: its container runs, and
-///   the task shows its last durable status (`pulling`) until `running` can be written;
+///   the task shows `running` at once (the container proves it), its record staying `pulling`
+///   until `running` can be written;
 /// - a terminate answers 200 within its budget (`timeout` + 5 s) and stops the container and
 ///   releases the task's key all the same (issue 22: a failed state write never blocks a stop
 ///   or a release); it answers `terminated` with its reason, and the task reads so from then
@@ -1032,8 +1033,11 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     assert!(
         !shim.tasks_dir().join(container_name_of(&t3)).exists(),
         "a failed submit left its directory: {:?}",
-        entries(&shim.tasks_dir())
+        task_entries(&shim.tasks_dir())
     );
+    // The spare directory it failed to fill (made before the disk filled) went with it,
+    // freeing its blocks: the disk is filled again.
+    fs.fill();
 
     // Terminate: answered within its budget though the termination cannot be written; the
     // container is stopped and the key released all the same, and the task reads terminated
@@ -1133,11 +1137,6 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
         ending(&shim.info("t2"))[..2],
         ["terminated", "done_by_runner"]
     );
-    assert_eq!(
-        status_of(&shim.info("t4")),
-        "pulling",
-        "t4's `running` is not durable yet"
-    );
     assert_eq!(ending(&shim.info("t1")), ending(&body));
     wait_for("t2's key released before its end is durable", WAIT, || {
         if marked_keys(&user).contains(&key_blob(&k2)) {
@@ -1156,7 +1155,24 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
             other => Err(format!("{other:?}")),
         }
     });
-    assert_eq!(status_of(&shim.info("t4")), "pulling");
+    // The API shows `running` as soon as the container runs (SPEC §5: the container proves
+    // it, and a restart reads Docker first), while the record stays `pulling`: its `running`
+    // write waits for the disk.
+    wait_for("t4 shows running", WAIT, || {
+        let t4 = shim.info("t4");
+        (status_of(&t4) == "running")
+            .then_some(())
+            .ok_or(t4.to_string())
+    });
+    let t4_file = shim
+        .tasks_dir()
+        .join(container_name_of(&t4_config))
+        .join("task.json");
+    let t4_record: Value = serde_json::from_slice(&fs_err::read(&t4_file).unwrap()).unwrap();
+    assert_eq!(
+        t4_record["rust_shim"]["status"], "pulling",
+        "t4's `running` is not durable yet: {t4_record}"
+    );
 
     // The server's terminate then remove (what it sends when it stops a job): both accepted
     // while full; container, key and directory go (which frees a little space: last).
@@ -1251,7 +1267,7 @@ fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed() {
     }
     assert_eq!(shim.list(), BTreeMap::new());
     assert_eq!(shim.containers(), BTreeMap::new());
-    assert_eq!(entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
     assert_eq!(marked_keys(&user), BTreeSet::new());
 }
 
@@ -1391,7 +1407,7 @@ fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
     );
     assert_eq!(user.lines(), vec![own]);
     assert_eq!(shim.containers(), BTreeMap::new());
-    assert_eq!(entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1480,7 +1496,7 @@ fn kills_mid_submit_and_mid_delete_leave_nothing_after_a_restart() {
         .map(|(d, _)| (*d).to_owned())
         .chain([container_name_of(&stays)])
         .collect();
-    assert_eq!(entries(&runners), expected);
+    assert_eq!(task_entries(&runners), expected);
     for (d, f) in keep {
         assert_eq!(
             fs_err::read_to_string(runners.join(d).join(f)).unwrap(),
@@ -1499,7 +1515,7 @@ fn kills_mid_submit_and_mid_delete_leave_nothing_after_a_restart() {
     shim.finish("stays");
     assert_eq!(shim.containers(), BTreeMap::new());
     let left: BTreeSet<String> = keep.iter().map(|(d, _)| (*d).to_owned()).collect();
-    assert_eq!(entries(&runners), left);
+    assert_eq!(task_entries(&runners), left);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1630,5 +1646,5 @@ fn lost_docker_answers_neither_fail_the_task_nor_leak_it() {
     shim.remove_retrying("lost");
     assert!(shim.info_opt("lost").is_none());
     assert_eq!(shim.containers(), BTreeMap::new());
-    assert_eq!(entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
 }

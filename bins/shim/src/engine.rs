@@ -3,7 +3,7 @@
 //! block volumes, devices, GPU health and interconnect), DCGM's health joined to the GPUs'
 //! own, and `host_info.json`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,23 +22,16 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 /// Connects to Docker, detects the host, starts DCGM on NVIDIA hosts, restores tasks and
 /// runs the first reconcile cycle.
 pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<shim_dcgm::Dcgm>)> {
-    let runtime = DockerRuntime::connect()
-        .await
-        .context("cannot connect to the Docker daemon")?;
-    // Docker's own data directory: host_info.json reports its filesystem's size, as upstream
-    // (`runner/internal/shim/host/host.go`, `GetDiskSize` of `DockerRootDir`).
-    let docker_root = match runtime.data_root().await {
-        Ok(dir) => dir,
-        Err(e) => {
-            tracing::warn!(error = %error_chain(&e), "cannot read Docker's info; the disk size is reported as 0");
-            None
-        }
-    };
+    let runtime = Arc::new(
+        DockerRuntime::connect()
+            .await
+            .context("cannot connect to the Docker daemon")?,
+    );
     let mut options = HostOptions::new(&config.engine.volumes_root);
     options.fake_gpus = config.fake_gpus;
     options.gpu_health = config.gpu_health_interval.is_some();
     options.xid_policy = config.xid_policy.clone();
-    let mut deps = Deps::for_host(Arc::new(runtime), &options).await;
+    let mut deps = Deps::for_host(runtime.clone(), &options).await;
     let nvidia = !deps.fake_gpus && deps.host_gpus.vendor == Some(GpuVendor::Nvidia);
     let dcgm_config = shim_dcgm::DcgmConfig {
         log_dir: Some(home.to_path_buf()),
@@ -47,7 +40,7 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
     };
     let dcgm = Arc::new(shim_dcgm::Dcgm::start(&dcgm_config, nvidia).await);
     if config.service {
-        spawn_host_info(home, docker_root, deps.host_gpus.clone());
+        spawn_host_info(home, runtime, deps.host_gpus.clone());
     }
     // DCGM's failed health watches join the host's own health sources.
     if let Some(host) = deps.gpu_health.take() {
@@ -139,11 +132,20 @@ impl GpuHealthSource for HostGpuHealth {
     }
 }
 
-/// Writes `host_info.json` once, in the background. `docker_root` is Docker's data
-/// directory (its disk size is reported; 0 when unknown, the file is still written).
-fn spawn_host_info(home: &Path, docker_root: Option<PathBuf>, gpus: HostGpus) {
+/// Writes `host_info.json` in the background (once: an existing one is kept), with the size
+/// of Docker's data directory's filesystem, as upstream (`runner/internal/shim/host/host.go`,
+/// `GetDiskSize` of `DockerRootDir`). Docker's `/info` is asked here, off the start-up path: it
+/// is one of the daemon's slower answers.
+fn spawn_host_info(home: &Path, runtime: Arc<DockerRuntime>, gpus: HostGpus) {
     let home = home.to_path_buf();
     tokio::spawn(async move {
+        let docker_root = match runtime.data_root().await {
+            Ok(dir) => dir,
+            Err(e) => {
+                tracing::warn!(error = %error_chain(&e), "cannot read Docker's info; the disk size is reported as 0");
+                None
+            }
+        };
         let written = tokio::task::spawn_blocking(move || {
             let root = docker_root.unwrap_or_default();
             shim_resources::write_host_info(&home, &root, &gpus)

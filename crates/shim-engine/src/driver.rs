@@ -49,6 +49,11 @@ impl Driver {
         self.steps.clock()
     }
 
+    /// Makes spare task directories in the background, for the next submits.
+    pub(crate) fn prepare_spares(&self) {
+        self.steps.prepare_spares();
+    }
+
     /// Every task change from now on.
     pub(crate) fn subscribe(&self) -> Subscription {
         self.steps.subscribe()

@@ -29,11 +29,12 @@ use crate::error::{EngineError, Result, chain};
 use crate::gpus::GpuHealthWatch;
 use crate::health::EngineHealth;
 use crate::images::ImageGc;
+use crate::labels::any_shim_filter;
 use crate::metered::Metered;
 use crate::metrics::Sources;
 use crate::ownership::Ownership;
 use crate::reconcile::{Reconciler, ReconcilerParts};
-use crate::restore::{RestoreContext, Restored, determine_owner, restore};
+use crate::restore::{RestoreContext, Restored, determine_owner, list_waiting, restore};
 use crate::steps::{Slot, Steps, open_store};
 use crate::table::TaskTable;
 use crate::usage::Usage;
@@ -123,15 +124,22 @@ impl Engine {
     /// reconciler. When this returns the engine is ready to serve: containers that exited
     /// while the shim was down have been processed.
     pub async fn open(cfg: EngineConfig, deps: Deps) -> Result<Engine> {
-        let (records, home) = open_store(cfg.home.clone()).await?;
-        let owner = determine_owner(&home, deps.runtime.as_ref()).await?;
-        let ownership = Ownership::of_home(home.path()).await?;
-        // Events are read from before the start-up list on: nothing falls between them.
+        // The start-up list goes out first, and everything local (the home, the state
+        // files) is read while the daemon answers it: a restart takes about one list.
         let clock = deps.clock;
-        let since = clock.now_unix_ns();
         let metrics = Arc::new(Metrics::new());
         let runtime: Arc<dyn ContainerRuntime> =
             Arc::new(Metered::new(deps.runtime.clone(), metrics.clone()));
+        // Events are read from before the start-up list on: nothing falls between them.
+        let since = clock.now_unix_ns();
+        let listed_at = clock.mono_ns();
+        let listing = {
+            let runtime = runtime.clone();
+            tokio::spawn(async move { list_waiting(runtime.as_ref(), &any_shim_filter()).await })
+        };
+        let (records, home) = open_store(cfg.home.clone()).await?;
+        let owner = determine_owner(&home, deps.runtime.as_ref()).await?;
+        let ownership = Ownership::of_home(home.path()).await?;
         let host_gpus = deps.host_gpus.clone();
         let (fake_gpus, gpus_total_is_zero) = (deps.fake_gpus, deps.host_gpus.gpus.is_empty());
         let health_source = deps.gpu_health.clone().filter(|_| !gpus_total_is_zero);
@@ -186,15 +194,25 @@ impl Engine {
             images: images.clone(),
         }));
 
-        let restored = restore(RestoreContext {
-            clock,
-            home: &home,
-            runtime: runtime.as_ref(),
-            ownership: &ownership,
-            keys: keys.as_ref(),
-            volumes: volumes.as_ref(),
-            volumes_root: &cfg.volumes_root,
-        })
+        // The event subscription is asked for now too (events since before the list are
+        // kept for the reconciler), not after the first cycle.
+        let subscribing = {
+            let reconciler = reconciler.clone();
+            tokio::spawn(async move { reconciler.first_subscription().await })
+        };
+        let restored = restore(
+            RestoreContext {
+                clock,
+                home: &home,
+                runtime: runtime.as_ref(),
+                ownership: &ownership,
+                keys: keys.as_ref(),
+                volumes: volumes.as_ref(),
+                volumes_root: &cfg.volumes_root,
+            },
+            listing,
+            listed_at,
+        )
         .await?;
         let Restored {
             tasks,
@@ -224,7 +242,12 @@ impl Engine {
             }
         }
         reconciler.first_cycle(listed, listed_at).await;
-        let first = reconciler.first_subscription().await;
+        // Spare task directories for the first submits (in the background).
+        driver.prepare_spares();
+        let first = subscribing.await.unwrap_or_else(|e| {
+            tracing::warn!(error = %chain(&e), "subscribing to container events failed; retrying");
+            None
+        });
         let mut background = reconciler.spawn(first);
         let (usage, locator) = Usage::spawn(
             table.clone(),

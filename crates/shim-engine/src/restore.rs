@@ -23,8 +23,8 @@ use crate::clock::Clock;
 use crate::error::{EngineError, Result, chain};
 use crate::home::Home;
 use crate::labels::{
-    LABEL_GPUS, LABEL_OWNER, LABEL_TASK_ID, LEGACY_LABEL_TASK, any_shim_filter,
-    legacy_owner_identity, new_owner_identity,
+    LABEL_GPUS, LABEL_OWNER, LABEL_TASK_ID, LEGACY_LABEL_TASK, legacy_owner_identity,
+    new_owner_identity,
 };
 use crate::ownership::Ownership;
 use crate::steps::Slot;
@@ -33,7 +33,7 @@ use crate::steps::Slot;
 const RUNTIME_WAIT: Duration = Duration::from_secs(60);
 
 /// Lists containers with `labels`, waiting (bounded) for the runtime to answer.
-async fn list_waiting(
+pub(crate) async fn list_waiting(
     runtime: &dyn ContainerRuntime,
     labels: &[(String, String)],
 ) -> Result<Vec<shim_runtime::ContainerSummary>> {
@@ -135,7 +135,15 @@ pub(crate) struct Restored {
 /// [`shim_task::restore()`] decides each, and the SSH keys of every live task are registered
 /// again before anything is released (its GPUs are relocked by the first of its actions,
 /// which the caller carries out for every task before the rest). Nothing is released here.
-pub(crate) async fn restore(ctx: RestoreContext<'_>) -> Result<Restored> {
+///
+/// `listing` is the start-up list of the shim's containers, requested at `listed_at`
+/// ([`Clock::mono_ns`](crate::Clock::mono_ns)) by the caller before anything else, so that
+/// the state files are read while the daemon answers it.
+pub(crate) async fn restore(
+    ctx: RestoreContext<'_>,
+    listing: tokio::task::JoinHandle<Result<Vec<ContainerSummary>>>,
+    listed_at: u64,
+) -> Result<Restored> {
     let (migration, swept, entries) = ctx.home.scan().await?;
     if migration.moved > 0 || migration.left > 0 {
         tracing::info!(
@@ -176,8 +184,7 @@ pub(crate) async fn restore(ctx: RestoreContext<'_>) -> Result<Restored> {
         }
     }
 
-    let listed_at = ctx.clock.mono_ns();
-    let listed = list_waiting(ctx.runtime, &any_shim_filter()).await?;
+    let listed = listing.await??;
     let listed = ctx.ownership.ours(listed).await;
     let referenced: BTreeSet<String> = listed
         .iter()

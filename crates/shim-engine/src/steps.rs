@@ -24,7 +24,7 @@
 //! retry, `pulling` before a real pull, a stall, the task forgotten).
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -48,18 +48,53 @@ use crate::queue::Observed;
 /// everyone.
 pub(crate) async fn open_store(home: PathBuf) -> Result<(Records, Home)> {
     let store = Arc::new(tokio::task::spawn_blocking(move || Store::open(home)).await??);
-    Ok((Records(store.clone()), Home::new(store)))
+    Ok((
+        Records {
+            store: store.clone(),
+            preparing: Arc::new(AtomicBool::new(false)),
+        },
+        Home::new(store),
+    ))
 }
 
 /// The task store's record writes (create, write, delete a task's directory): only this
 /// module can use them.
-pub(crate) struct Records(Arc<Store>);
+pub(crate) struct Records {
+    store: Arc<Store>,
+    /// Spare task directories are being made in the background.
+    preparing: Arc<AtomicBool>,
+}
 
 impl Records {
+    /// Makes spare task directories in the background (one job at a time), so that a
+    /// submit's first write finds one ready: one fsync of its record and one of the runners
+    /// directory, shared with concurrent submits (`Store::create`).
+    fn prepare_spares(&self) {
+        if self.preparing.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let (store, preparing) = (self.store.clone(), self.preparing.clone());
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = store.prepare_spares() {
+                tracing::warn!(error = %chain(&e), "cannot prepare spare task directories; submits make their own");
+            }
+            preparing.store(false, Ordering::SeqCst);
+        });
+    }
+
     /// Creates the task directory and writes the record's first state file; a failure leaves
-    /// nothing behind (or a skeleton the next start-up sweeps).
+    /// nothing behind (or a skeleton the next start-up sweeps). Spares are made again once
+    /// half of them are used (several in one background job).
     async fn create(&self, record: shim_task::TaskRecord) -> Result<()> {
-        blocking(&self.0, move |store| match store.create(&record) {
+        let created = self.create_now(record).await;
+        if self.store.spares_ready() <= shim_store::SPARES / 2 {
+            self.prepare_spares();
+        }
+        created
+    }
+
+    async fn create_now(&self, record: shim_task::TaskRecord) -> Result<()> {
+        blocking(&self.store, move |store| match store.create(&record) {
             Ok(_) => Ok(()),
             Err(e) => {
                 // Nothing was acquired: leave nothing behind. Another task's directory
@@ -75,7 +110,7 @@ impl Records {
 
     /// Writes the record (atomically, durably).
     async fn write(&self, record: shim_task::TaskRecord) -> Result<()> {
-        blocking(&self.0, move |store| match store.write(&record) {
+        blocking(&self.store, move |store| match store.write(&record) {
             Err(shim_store::StoreError::NoTaskDir { .. }) if record.config.is_none() => {
                 // A task adopted from a container without a state file has no directory yet.
                 store.create_task_dir(&record.container_name)?;
@@ -88,7 +123,7 @@ impl Records {
 
     /// Deletes the task's directory (renamed to a trash name first).
     async fn delete(&self, container_name: String) -> Result<()> {
-        blocking(&self.0, move |store| store.delete(&container_name)).await
+        blocking(&self.store, move |store| store.delete(&container_name)).await
     }
 }
 
@@ -372,6 +407,11 @@ impl Steps {
             metrics,
             clock,
         }
+    }
+
+    /// Makes spare task directories in the background, for the next submits.
+    pub(crate) fn prepare_spares(&self) {
+        self.records.prepare_spares();
     }
 
     /// The clock records and changes are stamped with.

@@ -65,7 +65,7 @@ impl WriteOptions {
         self
     }
 
-    fn hooks(&self) -> Hooks<'_> {
+    pub(crate) fn hooks(&self) -> Hooks<'_> {
         Hooks {
             #[cfg(any(test, feature = "test-support"))]
             faults: self.faults.as_deref(),
@@ -76,7 +76,7 @@ impl WriteOptions {
 
 /// Fault injection points; a no-op unless built for tests.
 #[derive(Clone, Copy)]
-struct Hooks<'a> {
+pub(crate) struct Hooks<'a> {
     #[cfg(any(test, feature = "test-support"))]
     faults: Option<&'a crate::fault::Faults>,
     _life: std::marker::PhantomData<&'a ()>,
@@ -89,7 +89,7 @@ impl Hooks<'_> {
     }
 
     #[cfg(any(test, feature = "test-support"))]
-    fn inject(&self, step: Step, path: &Path) -> Result<()> {
+    pub(crate) fn inject(&self, step: Step, path: &Path) -> Result<()> {
         match self.take(step) {
             None => Ok(()),
             Some(kind) => Err(injected(step, kind, path)),
@@ -98,7 +98,12 @@ impl Hooks<'_> {
 
     /// The write step's fault: a crash writes half of `partial` first.
     #[cfg(any(test, feature = "test-support"))]
-    fn inject_write(&self, file: &mut std::fs::File, partial: &[u8], path: &Path) -> Result<()> {
+    pub(crate) fn inject_write(
+        &self,
+        file: &mut std::fs::File,
+        partial: &[u8],
+        path: &Path,
+    ) -> Result<()> {
         match self.take(Step::Write) {
             None => Ok(()),
             Some(kind) => {
@@ -112,25 +117,30 @@ impl Hooks<'_> {
     }
 
     #[cfg(any(test, feature = "test-support"))]
-    fn crashed(&self) -> bool {
+    pub(crate) fn crashed(&self) -> bool {
         self.faults.is_some_and(crate::fault::Faults::crashed)
     }
 
     #[cfg(not(any(test, feature = "test-support")))]
     #[inline(always)]
-    fn inject(&self, _step: Step, _path: &Path) -> Result<()> {
+    pub(crate) fn inject(&self, _step: Step, _path: &Path) -> Result<()> {
         Ok(())
     }
 
     #[cfg(not(any(test, feature = "test-support")))]
     #[inline(always)]
-    fn inject_write(&self, _file: &mut std::fs::File, _partial: &[u8], _path: &Path) -> Result<()> {
+    pub(crate) fn inject_write(
+        &self,
+        _file: &mut std::fs::File,
+        _partial: &[u8],
+        _path: &Path,
+    ) -> Result<()> {
         Ok(())
     }
 
     #[cfg(not(any(test, feature = "test-support")))]
     #[inline(always)]
-    fn crashed(&self) -> bool {
+    pub(crate) fn crashed(&self) -> bool {
         false
     }
 }

@@ -196,6 +196,11 @@ impl Dir {
         self
     }
 
+    /// The same handle, known by `path` from now on (after the directory was renamed).
+    pub(crate) fn renamed(self, path: PathBuf) -> Self {
+        Self { path, ..self }
+    }
+
     /// The path it was opened at (for messages).
     pub fn path(&self) -> &Path {
         &self.path

@@ -59,6 +59,19 @@ impl Faults {
         matches!(self.state().fired, Some((_, FaultKind::Crash)))
     }
 
+    /// Fires the fault armed at `step`, if any, for a caller that injects at a step of its
+    /// own (a store's fsync of a directory it shares): the injected error, naming `path`.
+    pub fn fire(&self, step: Step, path: &std::path::Path) -> crate::Result<()> {
+        match self.take(step) {
+            None => Ok(()),
+            Some(kind) => Err(crate::Error::Io {
+                step,
+                path: path.to_owned(),
+                source: std::io::Error::other(Injected { step, kind }),
+            }),
+        }
+    }
+
     /// The armed fault's kind if it is armed at `step` (it fires once).
     pub(crate) fn take(&self, step: Step) -> Option<FaultKind> {
         let mut s = self.state();

@@ -16,6 +16,11 @@
 //! - On a handle, also: [`Dir::stat`] (never following a link), [`Dir::names`],
 //!   [`Dir::remove_file`], [`Dir::set_mode`] (`fchmod` of the directory itself) and
 //!   [`Dir::sync`].
+//! - A new directory with one file, durable at one file fsync and one fsync of the parent:
+//!   [`Dir::prepare_dir`] makes it ahead under a hidden name (subdirectories, an empty file,
+//!   the directory fsynced), [`PreparedDir::publish`] writes and fsyncs the file and renames
+//!   the directory to its name (never over an existing one); [`GroupSync`] shares one fsync
+//!   of a directory among concurrent callers (a group commit).
 //! - [`FileLock`]: an exclusive `flock` on a file, held until dropped (one shim per home).
 //! - Path forms of the same: [`write_atomic`], [`write_atomic_with`], [`create_new_atomic`],
 //!   [`read_file`] (the directory part of the path is trusted and opened following links).
@@ -39,7 +44,9 @@ mod dir;
 mod error;
 #[cfg(any(test, feature = "test-support"))]
 pub mod fault;
+mod group;
 mod lock;
+mod prepared;
 mod tap;
 
 pub use atomic::{
@@ -48,7 +55,9 @@ pub use atomic::{
 };
 pub use dir::{Dir, FileInfo, FileKind, Owner};
 pub use error::{Error, Result, Step};
+pub use group::{GroupStats, GroupSync};
 pub use lock::FileLock;
+pub use prepared::PreparedDir;
 
 #[cfg(test)]
 mod tests;

@@ -25,7 +25,9 @@ use futures_util::stream::BoxStream;
 use shim_task::PullProgress;
 use tokio_util::sync::CancellationToken;
 
-pub use docker::DockerRuntime;
+pub use docker::{
+    DEFAULT_DOCKER_HOST, DockerRuntime, POOL_IDLE_TIMEOUT, POOL_MAX_IDLE, REQUEST_TIMEOUT,
+};
 pub use error::RuntimeError;
 pub use spec::{
     BindMount, CDI_DRIVER, ContainerInputs, ContainerSpec, DEFAULT_CDI_SPEC_DIRS, DeviceMapping,

@@ -11,11 +11,15 @@
 //!     pull.log                         the daemon's raw pull progress
 //!     runner/                    0755  the only part bind-mounted into the container
 //! <home>/runners/.trash-<name>-<ms>    a task directory being deleted
+//! <home>/runners/.spare-<n>            a task directory made ahead of a submit (removed at open)
 //! ```
 //!
 //! Every write is durable and atomic through `shim-fs` (temp file in the task directory,
 //! fsync, rename over `task.json`, fsync the directory), so after a crash at any point the
-//! state file holds the old or the new record, never a mix. The home and `runners/` are opened
+//! state file holds the old or the new record, never a mix. A new task costs one fsync of its
+//! record and one of `runners/`, which concurrent submits share ([`Store::create`]: a spare
+//! directory made ahead by [`Store::prepare_spares`] gets the record and is renamed into
+//! place; `shim_fs::GroupSync` is the group commit). The home and `runners/` are opened
 //! once as directory handles; a task directory is opened relative to `runners/` and never
 //! through a symbolic link (one in its place is [`StoreError::UnsafePath`]), and its state file
 //! is read (bounded, a regular file only) and replaced relative to that handle. Registry
@@ -42,8 +46,8 @@ pub use error::{RecordError, Result, StoreError};
 pub use format::{EXTENSION_FIELD, EXTENSION_SCHEMA, FORMAT_VERSION, MAX_RECORD_BYTES, Origin};
 pub use store::{
     DIR_MODE, FILE_MODE, LEGACY_TASKS_DIR, Migration, OWNER_FILE, PULL_LOG, RUNNER_DIR,
-    RUNNER_DIR_MODE, RUNNERS_DIR, RUNNERS_DIR_MODE, STATE_FILE, ScanEntry, Store, TRASH_PREFIX,
-    TaskPaths, valid_dir_name,
+    RUNNER_DIR_MODE, RUNNERS_DIR, RUNNERS_DIR_MODE, SPARE_PREFIX, SPARES, STATE_FILE, ScanEntry,
+    Store, TRASH_PREFIX, TaskPaths, valid_dir_name,
 };
 
 /// The code in this crate's README, compiled as a doctest so it stays true.

@@ -3,10 +3,12 @@
 use std::io;
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use fs_err as fs;
-use shim_fs::{Dir, FileKind, WriteOptions};
+use shim_fs::{Dir, FileKind, GroupStats, GroupSync, PreparedDir, WriteOptions};
 use shim_task::TaskRecord;
 use shim_util::error_chain;
 
@@ -40,6 +42,12 @@ pub const FILE_MODE: u32 = 0o600;
 const CORRUPT_PREFIX: &str = "task.json.corrupt-";
 /// Prefix of a task directory being deleted (renamed first, then removed; swept at start-up).
 pub const TRASH_PREFIX: &str = ".trash-";
+/// Prefix of a spare task directory: made ahead of a submit (its `runner/` and an empty
+/// `task.json`, fsynced), so that the submit's record costs one fsync of the file and one
+/// fsync of `runners/` (shared with concurrent submits). Leftovers are removed at open.
+pub const SPARE_PREFIX: &str = ".spare-";
+/// How many spare task directories [`Store::prepare_spares`] keeps ready.
+pub const SPARES: usize = 8;
 
 /// The paths of one task.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -123,6 +131,13 @@ pub struct Store {
     home_handle: Dir,
     /// `<home>/runners`, never through a link.
     runners: Dir,
+    /// The fsyncs of `runners` (which make task directories appear and go durably), shared
+    /// by concurrent callers: one group commit for concurrent submits.
+    runners_sync: GroupSync,
+    /// Spare task directories, ready for submits ([`SPARE_PREFIX`]).
+    spares: Mutex<Vec<PreparedDir>>,
+    /// The number in the next spare's name.
+    next_spare: AtomicU64,
     /// Faults injected into this store's atomic writes (unit tests).
     #[cfg(test)]
     pub(crate) faults: std::sync::Arc<shim_fs::fault::Faults>,
@@ -248,14 +263,106 @@ impl Store {
         if let Err(e) = home_handle.remove_stale_temps(OWNER_FILE) {
             tracing::warn!(error = %error_chain(&e), "cannot remove stale temp files from the shim home");
         }
+        remove_spares(&runners);
         Ok(Self {
             home: home.to_owned(),
             runners_dir: home.join(RUNNERS_DIR),
             home_handle,
             runners,
+            runners_sync: GroupSync::new(),
+            spares: Mutex::new(Vec::new()),
+            next_spare: AtomicU64::new(0),
             #[cfg(test)]
             faults: std::sync::Arc::default(),
         })
+    }
+
+    /// Makes spare task directories until [`SPARES`] are ready (each: `mkdir`, its
+    /// `runner/` and an empty `task.json`, one fsync of it); how many it made. Blocking;
+    /// meant to run in the background after submits and at start-up, so that a submit finds
+    /// one ([`Store::create`] makes one itself when none is ready, at one more fsync).
+    pub fn prepare_spares(&self) -> Result<usize> {
+        self.prepare_spares_up_to(SPARES)
+    }
+
+    /// [`Store::prepare_spares`] up to `count` ready ones.
+    pub fn prepare_spares_up_to(&self, count: usize) -> Result<usize> {
+        let want = count.saturating_sub(self.spares_ready());
+        for made in 0..want {
+            let spare = self.make_spare()?;
+            let mut spares = self.spares.lock().unwrap_or_else(|p| p.into_inner());
+            if spares.len() >= count {
+                drop(spares);
+                if let Err(e) = spare.discard(&self.runners) {
+                    tracing::warn!(error = %error_chain(&e), "cannot remove a spare task directory");
+                }
+                return Ok(made);
+            }
+            spares.push(spare);
+        }
+        Ok(want)
+    }
+
+    /// How many spare task directories are ready.
+    pub fn spares_ready(&self) -> usize {
+        self.spares.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// One new spare task directory.
+    fn make_spare(&self) -> Result<PreparedDir> {
+        let ctx = || {
+            format!(
+                "preparing a task directory in {}",
+                self.runners_dir.display()
+            )
+        };
+        let mut tries = 0;
+        loop {
+            let n = self.next_spare.fetch_add(1, Ordering::Relaxed);
+            let made = self.runners.prepare_dir(
+                format!("{SPARE_PREFIX}{n}"),
+                DIR_MODE,
+                &[(RUNNER_DIR, RUNNER_DIR_MODE)],
+                STATE_FILE,
+                FILE_MODE,
+            );
+            match made {
+                Err(e) if e.io_kind() == Some(io::ErrorKind::AlreadyExists) && tries < 16 => {
+                    tries += 1;
+                }
+                other => return other.map_err(fs_err_ctx(ctx())),
+            }
+        }
+    }
+
+    /// A ready spare, or a new one.
+    fn take_spare(&self) -> Result<PreparedDir> {
+        let ready = self.spares.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        match ready {
+            Some(spare) => Ok(spare),
+            None => self.make_spare(),
+        }
+    }
+
+    /// How many callers the fsyncs of the runners directory had, and how many fsyncs ran
+    /// (a submit, a delete and a new task directory are one caller each).
+    pub fn runners_commits(&self) -> GroupStats {
+        self.runners_sync.stats()
+    }
+
+    /// Tests: the next fsync of the runners directory waits (at most `bound`) until
+    /// `callers` calls share it ([`GroupSync::gather_next`]).
+    #[cfg(any(test, feature = "test-support"))]
+    pub fn gather_next_commit(&self, callers: usize, bound: std::time::Duration) {
+        self.runners_sync.gather_next(callers, bound);
+    }
+
+    /// fsyncs the runners directory, sharing the fsync with concurrent callers.
+    fn commit_runners(&self) -> std::result::Result<(), shim_fs::Error> {
+        #[cfg(test)]
+        self.faults
+            .fire(shim_fs::Step::SyncDir, &self.runners_dir)?;
+        self.runners_sync.sync(&self.runners)
     }
 
     /// The shim home.
@@ -301,37 +408,74 @@ impl Store {
     /// fsyncs the task directory). A crash before that write leaves at most a skeleton, which
     /// the scan at start-up recognises. [`Store::create`] does both with one fsync less.
     pub fn create_task_dir(&self, container_name: &str) -> Result<TaskPaths> {
-        let (paths, _) = self.make_task_dir(container_name, true)?;
+        let (paths, _) = self.make_task_dir(container_name)?;
+        self.commit_runners()
+            .map_err(fs_err_ctx(format!("creating {}", paths.dir.display())))?;
         Ok(paths)
     }
 
-    /// A new task: [`Store::create_task_dir`] and its first [`Store::write`], durable on
-    /// return. The directories are created without their own fsyncs: the state file's write
-    /// fsyncs the task directory (making `runner/` durable), and the runners directory is
-    /// fsynced last (making the task directory durable), by which time the journal has
-    /// usually committed it already. A crash before the return leaves nothing, a skeleton
-    /// (swept at start-up) or the complete task, never a state file without its directory.
+    /// A new task: its directory (with `runner/`) and its first record, durable on return,
+    /// at one fsync of the file and one of the runners directory, which concurrent creates
+    /// share (a group commit). A spare directory ([`Store::prepare_spares`]; made now, at one
+    /// fsync more, when none is ready) gets the record written into its `task.json` and
+    /// fsynced, is renamed to the task's name, and the runners directory is fsynced. A crash
+    /// before the return leaves the complete task or nothing under its name (a spare, which
+    /// the next open removes); never a directory without its record.
     ///
-    /// On error no state file is left (one written before a failed fsync is removed again, so
-    /// a failed submit does not come back as a task at the next start-up), but the directory
-    /// may be, as a skeleton ([`Store::remove_skeleton`]).
+    /// Where the name exists already (a skeleton a cut-short submit left, reused; or a task:
+    /// [`StoreError::TaskExists`]) the record is written into that directory instead.
+    ///
+    /// On error no state file is left (one published before a failed fsync is removed again,
+    /// so a failed submit does not come back as a task at the next start-up), but the
+    /// directory may be, as a skeleton ([`Store::remove_skeleton`]).
     pub fn create(&self, record: &TaskRecord) -> Result<TaskPaths> {
-        let (paths, dir) = self.make_task_dir(&record.container_name, false)?;
-        let written = self
-            .write_into(&dir, record)
-            .and_then(|()| self.runners.sync().map_err(fs_err_ctx(writing(record))));
-        if let Err(e) = written {
-            if let Err(rm) = dir.remove_file(STATE_FILE) {
-                tracing::warn!(error = %error_chain(&rm), path = %paths.state_file.display(), "cannot remove the state file of a failed submit");
+        let name = &record.container_name;
+        let paths = self.paths(name)?;
+        let bytes = format::encode(record).map_err(|source| StoreError::Serialize {
+            id: record.id.clone(),
+            source,
+        })?;
+        let taken = self
+            .runners
+            .stat(name)
+            .map_err(fs_err_ctx(writing(record)))?
+            .is_some();
+        let dir = if taken {
+            None
+        } else {
+            let spare = self.take_spare()?;
+            match spare.publish(&self.runners, name, &bytes, &self.write_options()) {
+                Ok(dir) => Some(dir),
+                // Made meanwhile: decided below.
+                Err(e) if e.io_kind() == Some(io::ErrorKind::AlreadyExists) => None,
+                Err(e) => return Err(fs_err_ctx(writing(record))(e)),
             }
-            return Err(e);
+        };
+        let dir = match dir {
+            Some(dir) => dir,
+            None => {
+                let (_, dir) = self.make_task_dir(name)?;
+                let written = dir.write_atomic(STATE_FILE, &bytes, &self.write_options());
+                if let Err(e) = written {
+                    // Renamed into place before the directory's fsync failed: removed again.
+                    remove_failed_state_file(&dir, &paths);
+                    return Err(fs_err_ctx(writing(record))(e));
+                }
+                dir
+            }
+        };
+        if let Err(e) = self.commit_runners() {
+            remove_failed_state_file(&dir, &paths);
+            return Err(fs_err_ctx(writing(record))(e));
         }
         Ok(paths)
     }
 
-    fn make_task_dir(&self, container_name: &str, sync: bool) -> Result<(TaskPaths, Dir)> {
+    /// The task directory and its `runner/`, made if missing (not yet durable: the caller
+    /// commits the runners directory); [`StoreError::TaskExists`] when it holds a state file.
+    fn make_task_dir(&self, container_name: &str) -> Result<(TaskPaths, Dir)> {
         let paths = self.paths(container_name)?;
-        let (dir, created) = ensure_dir_with(&self.runners, container_name, DIR_MODE, sync)?;
+        let (dir, created) = ensure_dir_with(&self.runners, container_name, DIR_MODE, false)?;
         if !created {
             let state = dir.stat(STATE_FILE).map_err(fs_err_ctx(format!(
                 "creating the directory {}",
@@ -365,7 +509,7 @@ impl Store {
             .runners
             .remove_dir(container_name)
             .map_err(fs_err_ctx(ctx()))?;
-        if let Err(e) = self.runners.sync() {
+        if let Err(e) = self.commit_runners() {
             tracing::warn!(error = %error_chain(&e), "cannot sync the runners directory");
         }
         Ok(removed)
@@ -528,7 +672,7 @@ impl Store {
         self.runners
             .rename(container_name, &self.runners, &trash)
             .map_err(fs_err_ctx(ctx()))?;
-        if let Err(e) = self.runners.sync() {
+        if let Err(e) = self.commit_runners() {
             tracing::warn!(error = %error_chain(&e), "cannot sync the runners directory after a delete");
         }
         if let Err(e) = self.runners.remove_tree(&trash) {
@@ -711,6 +855,32 @@ impl Store {
             }
         }
         Ok(report)
+    }
+}
+
+/// Removes the state file of a submit that failed (logged when it cannot).
+fn remove_failed_state_file(dir: &Dir, paths: &TaskPaths) {
+    if let Err(rm) = dir.remove_file(STATE_FILE) {
+        tracing::warn!(error = %error_chain(&rm), path = %paths.state_file.display(), "cannot remove the state file of a failed submit");
+    }
+}
+
+/// Removes the spare task directories an earlier process left in `runners` (none of them
+/// was published: a published one has a task's name). Errors are logged.
+fn remove_spares(runners: &Dir) {
+    let names = match runners.names() {
+        Ok(names) => names,
+        Err(e) => {
+            tracing::warn!(error = %error_chain(&e), "cannot list the runners directory to remove spare directories");
+            return;
+        }
+    };
+    for name in names {
+        if name.to_str().is_some_and(|n| n.starts_with(SPARE_PREFIX))
+            && let Err(e) = runners.remove_tree(&name)
+        {
+            tracing::warn!(error = %error_chain(&e), "cannot remove a spare task directory");
+        }
     }
 }
 

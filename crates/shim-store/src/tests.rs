@@ -146,20 +146,28 @@ fn scan_removes_only_other_processes_temp_files() {
 
 /// `Store::create` (a submit's first write) that fails at any step of the state file's write
 /// leaves no state file, even after the rename (a failed submit must not come back as a task
-/// at the next start-up); the skeleton goes with `remove_skeleton` and the next create works.
+/// at the next start-up): a spare that fails before it is renamed into place leaves nothing
+/// under the task's name, one whose commit (the runners directory's fsync) fails leaves a
+/// skeleton; that goes with `remove_skeleton`, and the next create works.
 #[test]
 fn a_failed_create_leaves_no_state_file() {
-    for step in STEPS {
+    for step in [Step::Write, Step::SyncFile, Step::Rename, Step::SyncDir] {
         let home = tempfile::tempdir().unwrap();
         let store = Store::open(home.path()).unwrap();
+        assert_eq!(store.prepare_spares().unwrap(), crate::SPARES);
         let r = record("t1", TaskStatus::Pending);
         store.faults.arm(step, FaultKind::Fail);
         let err = store.create(&r).unwrap_err();
         assert!(format!("{err:?}").contains("Injected"), "{step:?}: {err:?}");
         assert_eq!(store.faults.fired(), Some((step, FaultKind::Fail)));
         let dir = home.path().join("runners").join(&r.container_name);
-        assert_eq!(files_in(&dir), ["runner"], "{step:?}");
-        assert!(store.remove_skeleton(&r.container_name).unwrap());
+        if step == Step::SyncDir {
+            assert_eq!(files_in(&dir), ["runner"], "{step:?}");
+            assert!(store.remove_skeleton(&r.container_name).unwrap());
+        } else {
+            assert!(!dir.exists(), "{step:?}");
+            assert!(!store.remove_skeleton(&r.container_name).unwrap());
+        }
         assert!(!dir.exists());
         let paths = store.create(&r).unwrap();
         assert_eq!(store.read(&r.container_name).unwrap(), Some(r.clone()));
@@ -169,4 +177,67 @@ fn a_failed_create_leaves_no_state_file() {
             Err(crate::StoreError::TaskExists { .. })
         ));
     }
+}
+
+/// A create over a skeleton (a submit cut short before its first write) writes into it; one
+/// that fails at any step of that write leaves the skeleton and no state file.
+#[test]
+fn a_create_over_a_skeleton_reuses_it_and_a_failed_one_leaves_no_state_file() {
+    for step in STEPS {
+        let home = tempfile::tempdir().unwrap();
+        let store = Store::open(home.path()).unwrap();
+        let r = record("t1", TaskStatus::Pending);
+        store.create_task_dir(&r.container_name).unwrap();
+        store.faults.arm(step, FaultKind::Fail);
+        let err = store.create(&r).unwrap_err();
+        assert!(format!("{err:?}").contains("Injected"), "{step:?}: {err:?}");
+        let dir = home.path().join("runners").join(&r.container_name);
+        assert_eq!(files_in(&dir), ["runner"], "{step:?}");
+        let paths = store.create(&r).unwrap();
+        assert_eq!(store.read(&r.container_name).unwrap(), Some(r.clone()));
+        assert_eq!(files_in(&paths.dir), ["runner", "task.json"]);
+    }
+}
+
+/// Spares are made ahead and used by creates (one is made on the spot when none is ready);
+/// those an earlier process left are removed at open, and none is ever scanned as a task.
+#[test]
+fn spares_are_used_by_creates_and_removed_at_open() {
+    let home = tempfile::tempdir().unwrap();
+    let runners = home.path().join("runners");
+    let spares = |dir: &Path| {
+        files_in(dir)
+            .into_iter()
+            .filter(|n| n.starts_with(crate::SPARE_PREFIX))
+            .count()
+    };
+    {
+        let store = Store::open(home.path()).unwrap();
+        let r = record("t1", TaskStatus::Pending);
+        store.create(&r).unwrap();
+        assert_eq!(spares(&runners), 0);
+        assert_eq!(store.prepare_spares().unwrap(), crate::SPARES);
+        assert_eq!(store.prepare_spares().unwrap(), 0);
+        let mut r2 = record("t2", TaskStatus::Pending);
+        r2.container_name = "job-89abcdef".into();
+        store.create(&r2).unwrap();
+        assert_eq!(store.spares_ready(), crate::SPARES - 1);
+        assert_eq!(spares(&runners), crate::SPARES - 1);
+        let names: Vec<_> = store
+            .scan()
+            .unwrap()
+            .into_iter()
+            .map(|e| match e {
+                ScanEntry::Record { record, .. } => record.container_name,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(names, ["job-0123abcd", "job-89abcdef"]);
+        // Each create: one runners commit; each fsync alone here.
+        let commits = store.runners_commits();
+        assert_eq!((commits.callers, commits.fsyncs), (2, 2));
+    }
+    let store = Store::open(home.path()).unwrap();
+    assert_eq!(spares(&runners), 0);
+    assert_eq!(store.scan().unwrap().len(), 2);
 }

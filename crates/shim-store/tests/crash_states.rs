@@ -1,5 +1,7 @@
 //! Crash states, enumerated (the method of ALICE, OSDI '14, and CrashMonkey, OSDI '18, in
-//! process): workloads of submits, adoptions (a task without a config, as restore adopts a
+//! process): workloads of submits (into a spare directory made ahead, or one made on the
+//! spot; concurrent submits sharing one group commit of the runners directory), spares made
+//! ahead, adoptions (a task without a config, as restore adopts a
 //! container: `create_task_dir` then `write`), status writes, terminates, removes and the
 //! owner identity's creation run on a store whose
 //! every durable operation is recorded (`Store::open_recorded`); `shim_fs::crash::explore`
@@ -14,7 +16,9 @@
 //! - a task's record is the last acknowledged one or a later one in flight, never an older
 //!   one, and never unusable (torn);
 //! - a task whose remove was acknowledged does not come back;
-//! - the owner identity, once acknowledged, is there, and it is never unreadable.
+//! - the owner identity, once acknowledged, is there, and it is never unreadable;
+//! - (of the run itself) a submit that found a spare ready made one file fsync and one
+//!   directory fsync, one that did not one directory fsync more.
 //!
 //! With a step of the durable writes left out on purpose (`shim_fs::crash::Bug`), the same
 //! checks find violating states: the enumeration catches a missing file fsync and a missing
@@ -29,14 +33,17 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use proptest::prelude::*;
-use shim_fs::crash::{Bug, CrashState, Limits, Log, Recorder, Stats, Tree, explore};
+use shim_fs::crash::{Bug, CrashState, Limits, Log, NodeId, Op, Recorder, Stats, Tree, explore};
 use shim_store::{ScanEntry, Store};
 use shim_task::{TaskRecord, TaskStatus, TerminationReason};
 
 /// Tasks a workload works on.
 const TASKS: usize = 3;
-/// The "task" number of the owner identity's calls (its own thread in concurrent runs).
+/// The "task" number of the owner identity's calls and of the spares made ahead (their own
+/// thread in concurrent runs).
 const OWNER: usize = TASKS;
+/// Spares a workload's `Prepare` keeps ready (few: each is seven operations).
+const SPARES: usize = TASKS;
 
 /// One step of a workload, before it is resolved against the tasks' states.
 #[derive(Debug, Clone)]
@@ -53,6 +60,8 @@ enum Step {
     Remove(usize),
     /// `Store::create_owner_id` (once; a later one is dropped).
     Owner,
+    /// `Store::prepare_spares_up_to` (spares made ahead of submits).
+    Prepare,
 }
 
 /// A store call a workload makes.
@@ -63,6 +72,7 @@ enum Action {
     Write(TaskRecord),
     Delete,
     Owner(String),
+    Prepare,
 }
 
 /// A call as it ran: the recorder's positions before it and after it returned.
@@ -73,6 +83,8 @@ struct Call {
     start: usize,
     end: usize,
     ok: bool,
+    /// A spare was ready when the call began (meaningful for a `Create` run alone).
+    spare_ready: bool,
 }
 
 fn container(task: usize) -> String {
@@ -100,6 +112,10 @@ fn resolve(steps: &[Step]) -> Vec<(usize, Action)> {
                     owner = true;
                     out.push((OWNER, Action::Owner("0123abcd".to_owned())));
                 }
+                continue;
+            }
+            Step::Prepare => {
+                out.push((OWNER, Action::Prepare));
                 continue;
             }
             Step::Submit(t)
@@ -158,6 +174,7 @@ fn resolve(steps: &[Step]) -> Vec<(usize, Action)> {
 }
 
 fn perform(store: &Store, recorder: &Recorder, task: usize, action: Action) -> Call {
+    let spare_ready = store.spares_ready() > 0;
     let start = recorder.position();
     let result = match &action {
         Action::Create(r) => store.create(r).map(drop),
@@ -167,6 +184,7 @@ fn perform(store: &Store, recorder: &Recorder, task: usize, action: Action) -> C
         Action::Write(r) => store.write(r),
         Action::Delete => store.delete(&container(task)),
         Action::Owner(id) => store.create_owner_id(id).map(|got| assert_eq!(&got, id)),
+        Action::Prepare => store.prepare_spares_up_to(SPARES).map(drop),
     };
     let end = recorder.position();
     if let Err(e) = &result {
@@ -178,6 +196,7 @@ fn perform(store: &Store, recorder: &Recorder, task: usize, action: Action) -> C
         start,
         end,
         ok: result.is_ok(),
+        spare_ready,
     }
 }
 
@@ -212,7 +231,30 @@ fn run(actions: &[(usize, Action)], concurrent: bool, bug: Option<Bug>) -> Run {
         recorder.inject(bug);
     }
     let store = Store::open_recorded(&home, recorder.clone()).unwrap();
-    let calls = if concurrent {
+    // Spares made ahead at the head of the workload are ready before any thread starts.
+    let lead = actions
+        .iter()
+        .take_while(|(_, a)| matches!(a, Action::Prepare))
+        .count();
+    let mut calls: Vec<Call> = actions[..lead]
+        .iter()
+        .map(|(task, action)| perform(&store, &recorder, *task, action.clone()))
+        .collect();
+    let actions = &actions[lead..];
+    calls.extend(if concurrent {
+        // The tasks whose first call is a submit share the first commit of the runners
+        // directory (bounded: a thread that comes late commits on its own).
+        let first_submits = (0..TASKS)
+            .filter(|t| {
+                actions
+                    .iter()
+                    .find(|(task, _)| task == t)
+                    .is_some_and(|(_, a)| matches!(a, Action::Create(_)))
+            })
+            .count();
+        if first_submits > 1 {
+            store.gather_next_commit(first_submits, std::time::Duration::from_millis(500));
+        }
         let calls = Mutex::new(Vec::new());
         std::thread::scope(|s| {
             for task in 0..=OWNER {
@@ -236,8 +278,17 @@ fn run(actions: &[(usize, Action)], concurrent: bool, bug: Option<Bug>) -> Run {
             .iter()
             .map(|(task, action)| perform(&store, &recorder, *task, action.clone()))
             .collect()
-    };
+    });
     let log = recorder.log();
+    if !concurrent && bug.is_none() {
+        for call in &calls {
+            if matches!(call.action, Action::Create(_)) {
+                let (file, dir) = fsyncs(&log, call.start, call.end);
+                let expected = if call.spare_ready { (1, 1) } else { (1, 2) };
+                assert_eq!((file, dir), expected, "fsyncs of a submit: {call:?}");
+            }
+        }
+    }
     // Every operation went through the recorder: the recorded tree is the disk's.
     assert!(log.problems.is_empty(), "{:?}", log.problems);
     assert_eq!(
@@ -250,6 +301,20 @@ fn run(actions: &[(usize, Action)], concurrent: bool, bug: Option<Bug>) -> Run {
         log,
         calls,
     }
+}
+
+/// The file fsyncs and directory fsyncs among the operations `from..to` of `log`.
+fn fsyncs(log: &Log, from: usize, to: usize) -> (usize, usize) {
+    let ops = &log.ops[from..to];
+    let file = ops
+        .iter()
+        .filter(|op| matches!(op, Op::Fsync { .. }))
+        .count();
+    let dir = ops
+        .iter()
+        .filter(|op| matches!(op, Op::FsyncDir { .. }))
+        .count();
+    (file, dir)
 }
 
 /// What a crash state got wrong.
@@ -359,7 +424,7 @@ impl<'a> Checker<'a> {
 /// What is wrong with `found` after a crash at `point`, given the calls and when they ran.
 fn judge(calls: &[Call], point: usize, seen: &Seen) -> Vec<(Wrong, String)> {
     let mut wrong = Vec::new();
-    let owner = calls.iter().find(|c| c.task == OWNER);
+    let owner = calls.iter().find(|c| matches!(c.action, Action::Owner(_)));
     match (&seen.owner, owner) {
         (Err(e), _) => wrong.push((Wrong::Owner, format!("owner identity unreadable: {e}"))),
         (Ok(None), Some(c)) if c.ok && c.end <= point => wrong.push((
@@ -402,7 +467,7 @@ fn judge(calls: &[Call], point: usize, seen: &Seen) -> Vec<(Wrong, String)> {
             .iter()
             .filter_map(|c| match &c.action {
                 Action::Create(r) | Action::Adopt(r) | Action::Write(r) => Some((r, *c)),
-                Action::Delete | Action::Owner(_) => None,
+                Action::Delete | Action::Owner(_) | Action::Prepare => None,
             })
             .collect();
         let last_acked = writes.iter().rposition(|(_, c)| acked(c));
@@ -484,6 +549,7 @@ fn step() -> impl Strategy<Value = Step> {
         1 => task.clone().prop_map(Step::Remove),
         1 => task.prop_map(Step::Adopt),
         1 => Just(Step::Owner),
+        2 => Just(Step::Prepare),
     ]
 }
 
@@ -516,11 +582,13 @@ proptest! {
     }
 }
 
-/// A fixed workload: two submits, a status write each, a terminate, a remove, an adoption
-/// and the owner identity.
+/// A fixed workload: spares made ahead, two submits (the first into a spare, the second into
+/// one made on the spot... or the second spare), a status write each, a terminate, a remove,
+/// an adoption and the owner identity.
 fn fixed() -> Vec<(usize, Action)> {
     resolve(&[
         Step::Owner,
+        Step::Prepare,
         Step::Submit(0),
         Step::Submit(1),
         Step::Status(0, TaskStatus::Running),
@@ -605,4 +673,59 @@ fn the_recorder_sees_every_operation_of_concurrent_writers() {
     // `run` checks the recorded tree against the disk.
     let run = run(&actions, true, None);
     assert!(run.calls.iter().all(|c| c.ok));
+}
+
+/// Three concurrent submits into spares made ahead share one commit of the runners directory
+/// (its one fsync after their three renames), and no crash state loses an acknowledged one
+/// or shows one without its whole record.
+#[test]
+fn concurrent_submits_sharing_one_group_commit_have_no_violating_crash_state() {
+    let mut steps = vec![Step::Prepare];
+    steps.extend((0..TASKS).map(Step::Submit));
+    steps.extend((0..TASKS).map(|t| Step::Status(t, TaskStatus::Running)));
+    let actions = resolve(&steps);
+    let run = run(&actions, true, None);
+    assert!(run.calls.iter().all(|c| c.ok), "{:?}", run.calls);
+    let renames: Vec<(usize, NodeId)> = run
+        .log
+        .ops
+        .iter()
+        .enumerate()
+        .filter_map(|(i, op)| match op {
+            Op::Rename { to, to_dir, .. } if to.to_string_lossy().starts_with("job-") => {
+                Some((i, *to_dir))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        renames.len(),
+        TASKS,
+        "every submit renamed a spare into place"
+    );
+    let runners = renames[0].1;
+    // One fsync of the runners directory after the last rename, before any submit returned.
+    let last = renames.last().unwrap().0;
+    let first_end = run
+        .calls
+        .iter()
+        .filter(|c| matches!(c.action, Action::Create(_)))
+        .map(|c| c.end)
+        .min()
+        .unwrap();
+    let commits = run.log.ops[renames[0].0..first_end]
+        .iter()
+        .filter(|op| matches!(op, Op::FsyncDir { dir } if *dir == runners))
+        .count();
+    assert!(
+        last < first_end,
+        "a submit returned before the others renamed"
+    );
+    assert_eq!(commits, 1, "one shared fsync of the runners directory");
+    let (violations, stats, started) = explore_run(&run);
+    eprintln!(
+        "three concurrent submits, {} operations: {stats}; start-up run on {started}",
+        run.log.ops.len()
+    );
+    assert!(violations.is_empty(), "{}", violations[0].text);
 }

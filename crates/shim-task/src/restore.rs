@@ -144,6 +144,8 @@ pub fn restore(
             ObservedState::Created | ObservedState::Exited { .. } | ObservedState::Dead
         )
     });
+    // A running container proves `running` before the restored record is written.
+    t.runs = container.as_ref().is_some_and(|c| c.state.is_running());
 
     if t.record.termination_reason.is_some() {
         t.record.status = TaskStatus::Terminated;

@@ -114,6 +114,9 @@ struct Sim {
     /// been mounted: releasing it is a no-op).
     write_failed: bool,
     crashed: bool,
+    /// The shim crashes at the next write, after the step that called for it (whose change
+    /// the API already shows, where the container proves it) and before the write.
+    crash_at_next_write: bool,
     /// A crash lost the state file: the task was adopted from its container (SSH keys cannot
     /// be recovered; the status may go back to running).
     corrupted: bool,
@@ -218,6 +221,7 @@ impl Sim {
             disk_full: false,
             write_failed: false,
             crashed: false,
+            crash_at_next_write: false,
             corrupted: false,
             forgotten: false,
             config,
@@ -324,15 +328,40 @@ impl Sim {
         if after.record().resources.released {
             assert!(!after.record().resources.holds_any());
         }
-        // The API never shows what is not durable.
+        // The durable view is what the disk holds; the API shows it, or what the container
+        // itself proves (SPEC §5): `running` while it runs, `terminated` once it does not.
         if let Some(p) = &self.world.persisted {
             assert_eq!(
                 *after.saved(),
                 Saved::of(p),
-                "shown state is not the durable one"
+                "the durable view is not the disk's"
             );
+            let shown = after.shown();
+            if shown != Saved::of(p) {
+                let container = self.world.container.as_ref().map(|c| &c.state);
+                match shown.status {
+                    // Started (it may have exited or vanished since, unseen: a restart then
+                    // reads that from Docker, and the task moves on to its end).
+                    TaskStatus::Running => assert!(
+                        container != Some(&Ctr::Created) && after.container_runs(),
+                        "running shown ahead of its record without a started container"
+                    ),
+                    TaskStatus::Terminated => assert!(
+                        container != Some(&Ctr::Running) && after.container_ended(),
+                        "terminated shown ahead of its record while the container runs"
+                    ),
+                    other => panic!("{other} shown ahead of its record"),
+                }
+            }
         }
         let mut tr = tr;
+        if tr.actions.first() == Some(&Action::Persist) && self.crash_at_next_write {
+            // The step is taken (and its change shown); the shim dies before the write.
+            self.crash_at_next_write = false;
+            self.task = Some(tr.task);
+            self.crash(false, 0);
+            return Ok(());
+        }
         let mut actions: VecDeque<Op> = VecDeque::new();
         if tr.actions.first() == Some(&Action::Persist) {
             tr.actions.remove(0);
@@ -489,6 +518,24 @@ impl Sim {
             // Nothing the API showed is lost: a status never goes back, and a termination it
             // showed (a terminate answered 200, an exit reported) keeps its reason and message.
             assert!(task.record().status >= before.saved().status);
+            // What it showed ahead of the record, the container proves: `running` comes back
+            // (restore reads Docker first); a termination shown while its record waited
+            // comes back from the container's end, which the first cycle reads before the
+            // API answers (its requested reason may be lost).
+            let shown = before.shown();
+            if shown.status == TaskStatus::Terminated {
+                assert!(
+                    task.record().status == TaskStatus::Terminated || task.container_ended(),
+                    "a shown termination is lost: {task:?}"
+                );
+            } else {
+                assert!(
+                    task.record().status >= shown.status,
+                    "shown {} came back as {}",
+                    shown.status,
+                    task.record().status
+                );
+            }
             if before.saved().status == TaskStatus::Terminated {
                 assert_eq!(
                     task.record().termination_reason,
@@ -992,6 +1039,7 @@ impl Sim {
                 }
             }
             27 => self.crash(a % 8 == 0, b),
+            29 if a % 2 == 0 => self.crash_at_next_write = true,
             28 => {
                 // The disk fills up, or frees up again.
                 if a % 3 == 0 {
@@ -1008,6 +1056,7 @@ impl Sim {
     /// that nothing leaked, and removes the task.
     fn drain_and_check(&mut self) {
         self.failures = false;
+        self.crash_at_next_write = false;
         // SPEC §4: whatever the disk does (it may still be full), a terminate and the
         // reconciler's next cycle stop the container and release everything; a task that
         // fills the disk must still be stoppable.
@@ -1428,14 +1477,16 @@ proptest! {
                 prop_assert_eq!(tr.task.saved(), &Saved::of(a));
             }
             // What is shown changes with a write's success, or is the end of a task whose
-            // container no longer runs (SPEC §4); a shown end is never taken back, nor its
-            // reason changed.
+            // container no longer runs (SPEC §4), or `running` of a task whose container was
+            // started and runs (SPEC §5); a shown end is never taken back, nor its reason
+            // changed.
             let (shown_before, shown_after) = (task.shown(), tr.task.shown());
             if shown_after != shown_before {
                 prop_assert_eq!(&shown_after, &Saved::of(a));
                 prop_assert!(
                     !tr.task.is_dirty()
                         || (a.status == TaskStatus::Terminated && tr.task.container_ended())
+                        || (a.status == TaskStatus::Running && tr.task.container_runs())
                 );
             }
             if shown_before.status == TaskStatus::Terminated {
@@ -1642,4 +1693,40 @@ fn a_failed_removal_makes_the_container_stop_before_any_release() {
         sim.apply(c);
     }
     sim.drain_and_check();
+}
+
+/// SPEC §5 (issue 37): `running` is shown as soon as the container runs, before its record is
+/// durable. A crash in that window (the record on disk still says what the start wrote last)
+/// restores the task as `running` from its running container, and it drains cleanly; so does
+/// a crash there after the container exited unseen.
+#[test]
+fn a_crash_between_running_shown_and_its_write_restores_running() {
+    for exited_unseen in [false, true] {
+        let mut sim = Sim::new(config_from(1, false, 0, 0, true));
+        sim.failures = false;
+        while !matches!(
+            sim.jobs[0].front(),
+            Some(Op::Deliver(Event::ContainerStarted { .. }))
+        ) {
+            sim.run_one(0, 1);
+        }
+        let durable = sim.world.persisted.clone().unwrap();
+        assert!(durable.status < TaskStatus::Running, "{durable:?}");
+        sim.crash_at_next_write = !exited_unseen;
+        if exited_unseen {
+            // The step shows running; the container exits before the write, unseen.
+            sim.run_one(0, 1);
+            assert_eq!(sim.task.as_ref().unwrap().status(), TaskStatus::Running);
+            sim.world.container.as_mut().unwrap().state = Ctr::Exited(0);
+            sim.crash(false, 0);
+        } else {
+            sim.run_one(0, 1);
+        }
+        assert!(sim.crashed);
+        let t = sim.task.clone().unwrap();
+        assert_eq!(t.record().status, TaskStatus::Running, "{t:?}");
+        assert_eq!(t.status(), TaskStatus::Running);
+        assert_eq!(t.container_ended(), exited_unseen);
+        sim.drain_and_check();
+    }
 }

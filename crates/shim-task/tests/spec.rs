@@ -1658,15 +1658,17 @@ fn a_start_whose_write_fails_is_given_up_with_the_cause() {
 
 /// The first write of a start that acquires nothing is `running`, after the container
 /// started: its failure does not give the start up (the container runs, and a restart would
-/// find it by its labels). The API shows the last durable status until the reconciler's retry
-/// writes `running` with the container id.
+/// find it by its labels). The API shows `running` at once, as the container proves it (SPEC
+/// §5), while the record waits for the reconciler's retry, which writes `running` with the
+/// container id.
 #[test]
 fn a_start_whose_running_write_fails_is_not_given_up() {
     let mut t = minimal_created("cid");
     let a = go_disk_full(&mut t, Event::ContainerStarted { ports: vec![] });
     assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
     assert_eq!(t.record().status, TaskStatus::Running);
-    assert_eq!(t.status(), TaskStatus::Pending, "not durable, not shown");
+    assert_eq!(t.status(), TaskStatus::Running, "the container proves it");
+    assert_eq!(t.saved().status, TaskStatus::Pending, "not durable");
     assert!(t.record().termination_reason.is_none());
     go(&mut t, Event::StartFinished);
     assert_eq!(go(&mut t, Event::PersistRequested), vec![Action::Persist]);

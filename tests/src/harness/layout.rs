@@ -36,6 +36,18 @@ pub fn task_dir(home: &Path, id: &str) -> PathBuf {
     tasks_dir(home).join(format!("no-task-{id}"))
 }
 
+/// The prefix of a spare task directory the shim keeps ready in [`tasks_dir`] for its next
+/// submits (hidden; not a task's).
+pub const SPARE_PREFIX: &str = ".spare-";
+
+/// The names in the tasks directory `dir` ([`entries`]) but the spare task directories the
+/// shim keeps ready there: the task directories and what is left of them (trash).
+pub fn task_entries(dir: &Path) -> BTreeSet<String> {
+    let mut names = entries(dir);
+    names.retain(|n| !n.starts_with(SPARE_PREFIX));
+    names
+}
+
 /// The task's runner directory on the host (mounted at `/tmp/runner` in the container; the
 /// stub runner's `--temp-dir`), from the shim home and the task's TaskInfo JSON (which has
 /// `id` and `container_name`): `<home>/runners/<container name>/runner`.

@@ -74,7 +74,9 @@ pub use gpu_host::{
 };
 pub use host::{LoopFs, PrivateDocker, fs_usage, images_at, take};
 pub use http::{Api, Body, Request, Response, Streamed, status_of};
-pub use layout::{entries, runner_dir, task_dir, tasks_dir, write_runner_exit};
+pub use layout::{
+    SPARE_PREFIX, entries, runner_dir, task_dir, task_entries, tasks_dir, write_runner_exit,
+};
 pub use metrics::{Metrics, parse_openmetrics};
 pub use process::{
     ShimProcess, build_shim, build_test_runner, cargo, free_port, open_log, prefixed,

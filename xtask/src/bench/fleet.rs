@@ -277,6 +277,17 @@ impl BenchShim {
         Ok(self.process()?.rss_kib()?)
     }
 
+    /// Its peak RSS in KiB (`VmHWM`: the most it held since it started).
+    pub fn rss_peak_kib(&self) -> Result<u64> {
+        let path = format!("/proc/{}/status", self.pid()?);
+        fs_err::read_to_string(&path)?
+            .lines()
+            .find_map(|line| line.strip_prefix("VmHWM:"))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|kib| kib.parse().ok())
+            .with_context(|| format!("no VmHWM in {path}"))
+    }
+
     /// SIGKILL.
     pub fn kill(&mut self) -> Result<()> {
         self.process
@@ -378,6 +389,56 @@ impl TmpfsShim {
         // them in.
         fs_err::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
         Ok(dir)
+    }
+}
+
+/// The second shim of the diagnostic rows: by default a [`TmpfsShim`] (durable writes that
+/// cost no disk flush); with `SHIM_BENCH_BASELINE=PATH`, another build of the shim (an
+/// earlier commit's) on a disk home, so that a before/after runs interleaved with this build
+/// and raw Docker on the same daemon in the same minutes.
+pub struct SecondShim {
+    /// The shim.
+    pub shim: BenchShim,
+    _home: Option<tempfile::TempDir>,
+    /// What its rows say it is (`shim home on tmpfs`, `baseline build`).
+    pub label: &'static str,
+    /// Its rows' key suffix (`tmpfs_home`, `baseline`).
+    pub key: &'static str,
+    /// Its name in progress lines.
+    pub short: &'static str,
+    /// The prefix of its task ids.
+    pub prefix: &'static str,
+}
+
+impl SecondShim {
+    /// Starts the second shim (logging to `<scratch>/<name>.log`); `None` with a note where
+    /// neither can run.
+    pub fn start(binary: &Path, scratch: &Scratch, name: &str) -> Result<Option<Self>> {
+        if let Some(baseline) = std::env::var_os("SHIM_BENCH_BASELINE") {
+            let baseline = PathBuf::from(baseline);
+            anyhow::ensure!(
+                baseline.is_file(),
+                "SHIM_BENCH_BASELINE: no file {}",
+                baseline.display()
+            );
+            let shim = BenchShim::start(&baseline, scratch, name)?;
+            return Ok(Some(Self {
+                shim,
+                _home: None,
+                label: "baseline build",
+                key: "baseline",
+                short: "baseline shim",
+                prefix: "base",
+            }));
+        }
+        Ok(TmpfsShim::start(binary, scratch, name)?.map(|t| Self {
+            shim: t.shim,
+            _home: Some(t._home),
+            label: "shim home on tmpfs",
+            key: "tmpfs_home",
+            short: "shim (tmpfs home)",
+            prefix: "tmpfs",
+        }))
     }
 }
 

@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 use super::Ctx;
 use super::clock::ms_between;
-use super::fleet::{BenchShim, RAW_LABEL, RawContainer, TmpfsShim, trigger_exit};
+use super::fleet::{BenchShim, RAW_LABEL, RawContainer, SecondShim, trigger_exit};
 use super::report::{Comparison, Goal, median, percentile};
 use super::stream::Events;
 
@@ -112,7 +112,10 @@ pub fn submit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
     let n = ctx.pick(3, 120);
     let docker = &ctx.scratch.docker;
     let shim = BenchShim::start(&ctx.binary, &ctx.scratch, "submit")?;
-    let tmpfs = TmpfsShim::start(&ctx.binary, &ctx.scratch, "submit-tmpfs")?;
+    let tmpfs = SecondShim::start(&ctx.binary, &ctx.scratch, "submit-second")?;
+    let (label, key, short, prefix) = tmpfs
+        .as_ref()
+        .map_or(("", "", "", ""), |t| (t.label, t.key, t.short, t.prefix));
     let shim_tmpfs = tmpfs.as_ref().map(|t| &t.shim);
     println!("\n--- submit -> running one at a time: {n} shim tasks, {n} raw create+start");
     let before = histogram(&shim, "dstack_shim_submit_to_running_seconds")?;
@@ -147,8 +150,8 @@ pub fn submit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
                         continue;
                     };
                     // Its own ids: the container names come from them.
-                    tmpfs_ms.push(shim_sample(s, c, &format!("tmpfs-{id}"))?);
-                    line += &format!(" shim (tmpfs home) {:.1} ms", tmpfs_ms[i]);
+                    tmpfs_ms.push(shim_sample(s, c, &format!("{prefix}-{id}"))?);
+                    line += &format!(" {short} {:.1} ms", tmpfs_ms[i]);
                 }
                 _ => {
                     let t = Instant::now();
@@ -178,16 +181,13 @@ pub fn submit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
     let paired_median = paired(&shim_ms);
     println!("  median of the {n} paired differences (shim − raw): {paired_median:+.1} ms");
     if !tmpfs_ms.is_empty() {
-        println!(
-            "  the same with the shim's home on tmpfs: {:+.1} ms",
-            paired(&tmpfs_ms)
-        );
+        println!("  the same, {label}: {:+.1} ms", paired(&tmpfs_ms));
     }
     for i in 0..n {
         let id = format!("submit-{i}");
         shim.finish(&id)?;
         if let Some(s) = shim_tmpfs {
-            s.finish(&format!("tmpfs-{id}"))?;
+            s.finish(&format!("{prefix}-{id}"))?;
         }
     }
     for raw in &raws {
@@ -210,8 +210,8 @@ pub fn submit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
     if !tmpfs_ms.is_empty() {
         out.push(
             Comparison::new(
-                "submit_to_running_p50_tmpfs_home",
-                "submit → `running` p50, one at a time, shim home on tmpfs (diagnostic)",
+                format!("submit_to_running_p50_{key}"),
+                format!("submit → `running` p50, one at a time, {label} (diagnostic)"),
                 "ms",
                 median(&tmpfs_ms),
                 Some(median(&raw_ms)),

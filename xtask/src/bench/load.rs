@@ -1,6 +1,8 @@
-//! Figures (3) tasks per second for a batch of tasks started at a given concurrency and (4)
-//! dockerd's CPU time per started task, through the shim and as raw create + start; and, as a
-//! diagnostic, (3) through a second shim whose home is on tmpfs. The fleets' batches take turns.
+//! Figures (3) tasks per second for a batch of tasks started at concurrency 1, 4 and 16, (4)
+//! dockerd's CPU time per started task, through the shim and as raw create + start, and the
+//! shim's own CPU time per started task (`/proc/<pid>/stat` over its batches); and, as a
+//! diagnostic, (3) through a second shim whose home is on tmpfs (or, with
+//! `SHIM_BENCH_BASELINE`, another build: [`SecondShim`]). The fleets' batches take turns.
 //! Shim clients learn that their task runs from one watcher on the shim's event stream
 //! (`GET /api/events`, opened before the batch), so neither side polls.
 
@@ -10,16 +12,18 @@ use anyhow::Result;
 use serde_json::json;
 
 use super::Ctx;
-use super::fleet::{BenchShim, TmpfsShim, Watcher, cpu_seconds, dockerd_pid};
+use super::fleet::{BenchShim, SecondShim, Watcher, cpu_seconds, dockerd_pid, tick_seconds};
 use super::parallel;
 use super::report::{Comparison, Goal};
 
-/// One measured batch: tasks, seconds, dockerd CPU seconds.
+/// One measured batch: tasks, seconds, dockerd CPU seconds, and the starting process's own
+/// CPU seconds (the shim's; 0 for the raw fleet, whose client is the bench).
 #[derive(Debug, Default, Clone, Copy)]
 struct Batch {
     tasks: usize,
     seconds: f64,
     dockerd_cpu: f64,
+    own_cpu: f64,
 }
 
 impl Batch {
@@ -27,6 +31,7 @@ impl Batch {
         self.tasks += other.tasks;
         self.seconds += other.seconds;
         self.dockerd_cpu += other.dockerd_cpu;
+        self.own_cpu += other.own_cpu;
     }
 
     fn per_second(&self) -> f64 {
@@ -36,25 +41,37 @@ impl Batch {
     fn cpu_ms_per_task(&self) -> f64 {
         self.dockerd_cpu * 1e3 / self.tasks as f64
     }
+
+    fn own_cpu_ms_per_task(&self) -> f64 {
+        self.own_cpu * 1e3 / self.tasks as f64
+    }
 }
 
-/// Measures `start` over `tasks` items, `concurrency` at a time.
+/// Measures `start` over `tasks` items, `concurrency` at a time; `own` is the process whose
+/// CPU time is counted as the starter's (the shim), if any.
 fn measure(
     tasks: &[String],
     concurrency: usize,
+    own: Option<u32>,
     start: impl Fn(&String) -> Result<()> + Sync,
 ) -> Result<Batch> {
     let dockerd = dockerd_pid()?;
     let cpu = cpu_seconds(dockerd)?;
+    let own_cpu = own.map(cpu_seconds).transpose()?;
     let t = Instant::now();
     let results = parallel(tasks, concurrency, start);
     let seconds = t.elapsed().as_secs_f64();
     let dockerd_cpu = cpu_seconds(dockerd)? - cpu;
+    let own_cpu = match (own, own_cpu) {
+        (Some(pid), Some(before)) => cpu_seconds(pid)? - before,
+        _ => 0.0,
+    };
     results.into_iter().collect::<Result<Vec<()>>>()?;
     Ok(Batch {
         tasks: tasks.len(),
         seconds,
         dockerd_cpu,
+        own_cpu,
     })
 }
 
@@ -73,13 +90,14 @@ pub fn throughput(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
     let rounds = ctx.pick(1, 10);
     let docker = &ctx.scratch.docker;
     let shim = BenchShim::start(&ctx.binary, &ctx.scratch, "load")?;
-    let shim_tmpfs = TmpfsShim::start(&ctx.binary, &ctx.scratch, "load-tmpfs")?;
+    let shim_tmpfs = SecondShim::start(&ctx.binary, &ctx.scratch, "load-second")?;
+    let (label, key) = shim_tmpfs.as_ref().map_or(("", ""), |t| (t.label, t.key));
     let mut fleets = vec![Fleet::Shim(&shim, "shim", "load")];
     if let Some(t) = &shim_tmpfs {
-        fleets.push(Fleet::Shim(&t.shim, "shim (tmpfs home)", "tmpfs"));
+        fleets.push(Fleet::Shim(&t.shim, t.short, t.prefix));
     }
     fleets.push(Fleet::Raw);
-    for concurrency in [4, 16] {
+    for concurrency in [1, 4, 16] {
         println!(
             "\n--- {n} tasks at concurrency {concurrency}, {rounds} round(s) of each of {} fleets",
             fleets.len()
@@ -93,7 +111,7 @@ pub fn throughput(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
                             .map(|i| format!("{prefix}-{concurrency}-{round}-{i}"))
                             .collect();
                         let watcher = Watcher::new(shim)?;
-                        let batch = measure(&ids, concurrency, |id| {
+                        let batch = measure(&ids, concurrency, Some(shim.pid()?), |id| {
                             shim.submit(id, "host")?;
                             watcher.wait_running(id)
                         })?;
@@ -110,7 +128,7 @@ pub fn throughput(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
                         let ids: Vec<String> = (0..n)
                             .map(|i| format!("load-{concurrency}-{round}-{i}"))
                             .collect();
-                        let batch = measure(&ids, concurrency, |id| {
+                        let batch = measure(&ids, concurrency, None, |id| {
                             let raw = ctx.scratch.raw_create(id, "host")?;
                             docker.start(&raw.id)
                         })?;
@@ -130,9 +148,13 @@ pub fn throughput(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
                     Fleet::Raw => "raw",
                 };
                 line += &format!(
-                    " {name} {:.1} tasks/s ({:.0} ms dockerd CPU/task);",
+                    " {name} {:.1} tasks/s ({:.0} ms dockerd CPU/task{});",
                     b.per_second(),
-                    b.cpu_ms_per_task()
+                    b.cpu_ms_per_task(),
+                    match fleets[f] {
+                        Fleet::Shim(..) => format!(", {:.2} ms own", b.own_cpu_ms_per_task()),
+                        Fleet::Raw => String::new(),
+                    }
                 );
             }
             println!("{}", line.trim_end_matches(';'));
@@ -142,6 +164,7 @@ pub fn throughput(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
             "tasks": shim_total.tasks, "rounds": rounds,
             "shim_seconds": shim_total.seconds, "raw_seconds": raw_total.seconds,
             "shim_dockerd_cpu_s": shim_total.dockerd_cpu, "raw_dockerd_cpu_s": raw_total.dockerd_cpu,
+            "shim_own_cpu_s": shim_total.own_cpu,
         });
         out.push(
             Comparison::new(
@@ -158,9 +181,9 @@ pub fn throughput(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
             let t = totals[1];
             out.push(
                 Comparison::new(
-                    format!("tasks_per_second_c{concurrency}_tmpfs_home"),
+                    format!("tasks_per_second_c{concurrency}_{key}"),
                     format!(
-                        "tasks/s, {n} tasks at concurrency {concurrency}, shim home on tmpfs (diagnostic)"
+                        "tasks/s, {n} tasks at concurrency {concurrency}, {label} (diagnostic)"
                     ),
                     "tasks/s",
                     t.per_second(),
@@ -184,15 +207,37 @@ pub fn throughput(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
             )
             .with_detail(detail),
         );
+        out.push(
+            Comparison::new(
+                format!("shim_cpu_per_task_c{concurrency}"),
+                format!("the shim's own CPU per started task, concurrency {concurrency}"),
+                "ms",
+                shim_total.own_cpu_ms_per_task(),
+                None,
+                Goal::AtMost(0.5),
+            )
+            .with_detail(json!({
+                "shim_own_cpu_s": shim_total.own_cpu, "tasks": shim_total.tasks,
+                "resolution_ms_per_task": tick_seconds() * 1e3 / shim_total.tasks as f64,
+            })),
+        );
         if shim_tmpfs.is_some() {
             out.push(Comparison::new(
-                format!("dockerd_cpu_per_task_c{concurrency}_tmpfs_home"),
+                format!("dockerd_cpu_per_task_c{concurrency}_{key}"),
                 format!(
-                    "dockerd CPU per started task, concurrency {concurrency}, shim home on tmpfs (diagnostic)"
+                    "dockerd CPU per started task, concurrency {concurrency}, {label} (diagnostic)"
                 ),
                 "ms",
                 totals[1].cpu_ms_per_task(),
                 Some(raw_total.cpu_ms_per_task()),
+                Goal::None,
+            ));
+            out.push(Comparison::new(
+                format!("shim_cpu_per_task_c{concurrency}_{key}"),
+                format!("the shim's own CPU per started task, concurrency {concurrency}, {label} (diagnostic)"),
+                "ms",
+                totals[1].own_cpu_ms_per_task(),
+                None,
                 Goal::None,
             ));
         }

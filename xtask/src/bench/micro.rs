@@ -1,8 +1,9 @@
 //! The figures that need no Docker daemon: durable `task.json` writes
 //! (`crates/shim-store/examples/write_latency.rs`) and the engine on the fake runtime
-//! (`crates/shim-engine/benches/engine.rs`), both release builds; and a pull through the
-//! runtime against the raw API (`crates/shim-runtime/benches/pull.rs`, which needs Docker
-//! and the registry).
+//! (`crates/shim-engine/benches/engine.rs`), both release builds; and two of the runtime's
+//! against the raw API, which need Docker: a pull (`crates/shim-runtime/benches/pull.rs`,
+//! also the registry) and small requests through the keep-alive pool against a new
+//! connection each (`crates/shim-runtime/benches/requests.rs`).
 
 use std::path::PathBuf;
 
@@ -13,8 +14,9 @@ use shim_e2e::harness::{cargo, target_dir};
 use super::report::{Comparison, Goal, Row};
 use crate::cmd;
 
-/// Durable writes with the `write_latency` example.
-pub fn store(quick: bool) -> Result<Row> {
+/// Durable writes with the `write_latency` example: a status write, and a submit's first
+/// write alone (a spare directory ready or not) and 8 at a time.
+pub fn store(quick: bool) -> Result<Vec<Row>> {
     let count = if quick { "50" } else { "500" };
     let mut command = cmd::cmd(cargo());
     command
@@ -32,15 +34,15 @@ pub fn store(quick: bool) -> Result<Row> {
         .arg(count);
     println!("$ {}", cmd::display(&command));
     let out = cmd::output(&mut command)?;
-    let mut json_line = None;
+    let mut rows = Vec::new();
     for line in out.lines() {
         match line.strip_prefix("json ") {
-            Some(json) => json_line = Some(json),
+            Some(json) => rows.push(Row::from_json("store", &serde_json::from_str(json)?)?),
             None => println!("{line}"),
         }
     }
-    let value: Value = serde_json::from_str(json_line.context("write_latency printed no json")?)?;
-    Row::from_json("store", &value)
+    anyhow::ensure!(!rows.is_empty(), "write_latency printed no json");
+    Ok(rows)
 }
 
 /// Runs `cargo bench -p <package> --bench <bench> -- --json <file> [--quick]` (a
@@ -88,6 +90,26 @@ pub fn pull(quick: bool) -> Result<Comparison> {
         ms("runtime_median_ms")?,
         Some(ms("raw_median_ms")?),
         Goal::AtMostRawTimes(1.02),
+    )
+    .with_detail(value))
+}
+
+/// The requests bench: a Docker request through the runtime's keep-alive pool against the
+/// same request on a new connection each (bollard's own Unix client), medians.
+pub fn requests(quick: bool) -> Result<Comparison> {
+    let (value, path) = bench_json("shim-runtime", "requests", quick)?;
+    let us = |key: &str| {
+        value[key]
+            .as_f64()
+            .with_context(|| format!("no {key} in {}", path.display()))
+    };
+    Ok(Comparison::new(
+        "docker_request_us",
+        "(9) a Docker request (inspect; every fifth a list), pooled connection (raw: a new connection each), median",
+        "µs",
+        us("pooled_median_us")?,
+        Some(us("fresh_median_us")?),
+        Goal::AtMostRawTimes(1.0),
     )
     .with_detail(value))
 }

@@ -10,6 +10,8 @@
 //!   (7) the shim's RSS at 300, (6) SIGKILL → all of 300 and 1,000 tasks `running` again;
 //! - [`micro::pull`]: (8) a pull through the runtime against the raw API (issue 28, goal
 //!   ≤ 1.02×), `crates/shim-runtime/benches/pull.rs`;
+//! - [`micro::requests`]: (9) a Docker request on the runtime's pooled connections against
+//!   a new connection each (issue 37), `crates/shim-runtime/benches/requests.rs`;
 //! - [`fleet`]: the shim and the raw containers being compared (same image, same runner, a
 //!   runner that waits on a FIFO at no cost), dockerd's CPU time;
 //! - [`raw`]: the raw fleet's Docker client, bollard behind a blocking facade (create, start,
@@ -62,10 +64,12 @@ pub enum Fig {
     Rss,
     /// (8) a pull through the runtime against the raw API.
     Pull,
+    /// (9) a Docker request on a pooled connection against a new connection each.
+    Requests,
 }
 
 impl Fig {
-    const ALL: [(Fig, &'static str); 9] = [
+    const ALL: [(Fig, &'static str); 10] = [
         (Fig::Store, "store"),
         (Fig::Engine, "engine"),
         (Fig::ExitLatency, "exit-latency"),
@@ -75,6 +79,7 @@ impl Fig {
         (Fig::Restart, "restart"),
         (Fig::Rss, "rss"),
         (Fig::Pull, "pull"),
+        (Fig::Requests, "requests"),
     ];
 
     fn needs_docker(self) -> bool {
@@ -163,7 +168,7 @@ pub fn bench(opts: &Options) -> Result<()> {
     let mut comparisons: Vec<Comparison> = Vec::new();
     if figures.contains(&Fig::Store) {
         println!("=== store: durable task.json writes");
-        rows.push(micro::store(opts.quick)?);
+        rows.extend(micro::store(opts.quick)?);
     }
     if figures.contains(&Fig::Engine) {
         println!("\n=== engine on the fake runtime");
@@ -209,7 +214,21 @@ fn docker_figures(
         if !private {
             demo::ensure_fixtures()?;
         }
-        let binary = run::build_shim(!opts.quick)?;
+        // Another build of the shim (an earlier commit's, to compare on the same daemon in the
+        // same hour) instead of this tree's.
+        let binary = match std::env::var_os("SHIM_BENCH_BINARY") {
+            Some(path) => {
+                let path = PathBuf::from(path);
+                anyhow::ensure!(
+                    path.is_file(),
+                    "SHIM_BENCH_BINARY: no file {}",
+                    path.display()
+                );
+                println!("bench: the shim is {} (SHIM_BENCH_BINARY)", path.display());
+                path
+            }
+            None => run::build_shim(!opts.quick)?,
+        };
         let scratch = fleet::Scratch::new()?;
         scratch.docker.ping()?;
         if private && !scratch.docker.has_image(&shim_e2e::image())? {
@@ -253,6 +272,10 @@ fn docker_figures(
         if ctx.wants(Fig::Pull) {
             println!("\n=== (8) a pull through the runtime against the raw API");
             comparisons.push(micro::pull(ctx.quick)?);
+        }
+        if ctx.wants(Fig::Requests) {
+            println!("\n=== (9) Docker requests: the runtime's pool against a new connection each");
+            comparisons.push(micro::requests(ctx.quick)?);
         }
         let left = ctx.scratch.raw_remove_all()?;
         anyhow::ensure!(left == 0, "{left} raw containers were left behind");
@@ -341,7 +364,7 @@ mod tests {
     fn figures_are_picked_by_name_and_mode() {
         let args = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
         let all = Options::parse(&[]).unwrap().selected();
-        assert_eq!(all.len(), 9);
+        assert_eq!(all.len(), 10);
         let quick = Options::parse(&args(&["--quick"])).unwrap().selected();
         assert!(!quick.contains(&Fig::Store) && quick.contains(&Fig::Restart));
         let picked = Options::parse(&args(&["exit-latency", "rss"])).unwrap();

@@ -140,6 +140,24 @@ impl Docker {
         Ok(list.into_iter().filter_map(|c| c.id).collect())
     }
 
+    /// The ids of the running containers labelled `key=value` (one list request).
+    pub fn running(&self, key: &str, value: &str) -> Result<Vec<String>> {
+        let filters = filters(&[("label", &format!("{key}={value}"))]);
+        let options = ListContainersOptionsBuilder::new()
+            .all(true)
+            .filters(&filters)
+            .build();
+        let list = self
+            .runtime
+            .block_on(self.client.list_containers(Some(options)))
+            .with_context(|| format!("list containers labelled {key}={value}"))?;
+        Ok(list
+            .into_iter()
+            .filter(|c| c.state == Some(bollard::models::ContainerSummaryStateEnum::RUNNING))
+            .filter_map(|c| c.id)
+            .collect())
+    }
+
     /// Force-removes a container (and its anonymous volumes); a missing one is fine.
     pub fn remove(&self, id: &str) -> Result<()> {
         self.runtime.block_on(self.remove_async(id))

@@ -325,3 +325,110 @@ fn a_large_log_is_sampled_within_the_limits() {
     let again = explore(&log, &limits, |_| ControlFlow::Continue(()));
     assert_eq!(again, stats);
 }
+
+/// A prepared directory published, then its parent fsynced: in every crash state the
+/// directory under its name holds its subdirectory and the whole file, or it is not there;
+/// published on a parent that already has the name, it is refused and leaves nothing.
+#[test]
+fn a_published_prepared_directory_is_whole_or_absent_in_every_crash_state() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (recorder, dir) = recording(tmp.path());
+    let data = vec![b'r'; 900];
+    let prepared = dir
+        .prepare_dir(".spare-1", 0o700, &[("runner", 0o755)], "task.json", 0o600)
+        .unwrap();
+    let published = prepared
+        .publish(&dir, "job-1", &data, &WriteOptions::new(0o600))
+        .unwrap();
+    assert_eq!(published.path(), tmp.path().join("job-1"));
+    let group = crate::GroupSync::new();
+    group.sync(&dir).unwrap();
+    let log = recorder.log();
+    assert_live_is_disk(&log, tmp.path());
+    // One file fsync and one fsync of the parent after the preparation's own.
+    let syncs = |from: usize| {
+        log.ops[from..]
+            .iter()
+            .filter(|op| matches!(op, Op::Fsync { .. } | Op::FsyncDir { .. }))
+            .count()
+    };
+    let published_at = log
+        .ops
+        .iter()
+        .position(|op| matches!(op, Op::Write { .. }))
+        .unwrap();
+    assert_eq!(syncs(published_at), 2, "{:?}", log.ops);
+    let mut whole = 0;
+    for (point, tree, fates) in states(&log) {
+        match tree.lookup("job-1") {
+            None => {}
+            Some(Node::Dir { .. }) => {
+                assert_eq!(
+                    file(&tree, "job-1/task.json"),
+                    Some(&data[..]),
+                    "point {point}: {fates:?}"
+                );
+                assert!(
+                    matches!(tree.lookup("job-1/runner"), Some(Node::Dir { .. })),
+                    "point {point}: {fates:?}"
+                );
+                whole += 1;
+            }
+            Some(other) => panic!("point {point}: {other:?}"),
+        }
+        if point == log.ops.len() {
+            assert!(
+                tree.lookup("job-1").is_some(),
+                "durable at the end: {fates:?}"
+            );
+        }
+    }
+    assert!(whole > 0);
+
+    let taken = dir
+        .prepare_dir(".spare-2", 0o700, &[], "task.json", 0o600)
+        .unwrap();
+    let err = taken
+        .publish(&dir, "job-1", b"other", &WriteOptions::new(0o600))
+        .unwrap_err();
+    assert_eq!(
+        err.io_kind(),
+        Some(std::io::ErrorKind::AlreadyExists),
+        "{err}"
+    );
+    assert!(dir.stat(".spare-2").unwrap().is_none());
+    assert_eq!(
+        fs_err::read(tmp.path().join("job-1/task.json")).unwrap(),
+        data
+    );
+}
+
+/// Concurrent callers share one fsync of the directory; alone, each call runs its own.
+#[test]
+fn a_group_commit_shares_one_fsync_among_concurrent_callers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (recorder, dir) = recording(tmp.path());
+    let group = crate::GroupSync::new();
+    group.sync(&dir).unwrap();
+    group.sync(&dir).unwrap();
+    assert_eq!(group.stats().fsyncs, 2);
+    group.gather_next(4, std::time::Duration::from_secs(30));
+    std::thread::scope(|s| {
+        for i in 0..4 {
+            let (dir, group) = (&dir, &group);
+            s.spawn(move || {
+                fs_err::write(dir.join(format!("f{i}")), b"x").unwrap();
+                group.sync(dir).unwrap();
+            });
+        }
+    });
+    let stats = group.stats();
+    assert_eq!((stats.callers, stats.fsyncs), (6, 3), "{stats:?}");
+    let dir_syncs = recorder
+        .log()
+        .ops
+        .iter()
+        .filter(|op| matches!(op, Op::FsyncDir { .. }))
+        .count();
+    assert_eq!(dir_syncs, 3);
+}

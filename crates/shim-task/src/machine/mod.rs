@@ -8,11 +8,16 @@
 //!
 //! The record ([`Task::record`]) is what the machine intends; [`Task::saved`] is what the state
 //! file last durably held, and it is what the API shows ([`Task::info`], [`Task::shown`]): the
-//! in-memory state never claims what a crash would undo. The one exception follows from that
-//! rule (SPEC §4): a task whose container no longer runs (it exited or vanished, a stop
-//! succeeded, or there never was one: [`Task::container_ended`]) shows its termination at
-//! once, durable or not, since a restart would read the end from the container itself; a crash
-//! before the write loses at most the requested reason. A step that changes the record returns exactly
+//! in-memory state never claims what a crash would undo. The two exceptions follow from that
+//! rule (SPEC §4, §5), where the container itself proves what is shown: a task whose container
+//! no longer runs (it exited or vanished, a stop succeeded, or there never was one:
+//! [`Task::container_ended`]) shows its termination at once, durable or not, since a restart
+//! would read the end from the container itself (a crash before the write loses at most the
+//! requested reason); and a task whose container was started and runs
+//! ([`Task::container_runs`]) shows `running` at once, durable or not, since a restart reads
+//! Docker first and restores a task whose container runs as `running` whatever its record
+//! says (`pending` to `creating` included). So a start is shown `running` as soon as Docker
+//! says the container runs, while its `running` record is written. A step that changes the record returns exactly
 //! `[Persist]` and nothing else (two exceptions below); every side effect that step calls for
 //! waits in the task as an intent (the next start step, a stop, a pull cancel, a release)
 //! and is emitted by the step of [`Event::Persisted`]. So a side effect never runs before the

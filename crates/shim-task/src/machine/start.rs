@@ -234,10 +234,12 @@ pub(super) fn on_start_event(
             expect(t, name, |s| s == StartStep::StartContainer)?;
             t.record.container_id = container_id;
             t.ended = false;
+            t.runs = false;
         }
         Event::ContainerStarted { ports } => {
             expect(t, name, |s| s == StartStep::StartContainer)?;
             t.ports = Some(ports);
+            t.runs = true;
             if t.terminated() {
                 // Terminated while starting: nothing may keep running.
                 t.stop = StopState::Wanted { timeout_s: 0 };

@@ -105,6 +105,11 @@ pub struct Task {
     /// succeeded, or the task never had one. A terminated record then shows at once, durable
     /// or not ([`Task::shown`]): a restart would read the same from the container itself.
     pub(crate) ended: bool,
+    /// The task's container was started (by its start, or found running at restore) and,
+    /// unless `ended`, runs. A `running` record then shows at once, durable or not
+    /// ([`Task::shown`]): the container carries the task's labels, and a restart that finds
+    /// it running restores the task as `running` whatever its record says.
+    pub(crate) runs: bool,
 }
 
 impl Task {
@@ -129,6 +134,7 @@ impl Task {
             release_backoff: false,
             write_failed: false,
             ended: false,
+            runs: false,
         }
     }
 
@@ -167,10 +173,11 @@ impl Task {
         &self.saved
     }
 
-    /// What the API shows (SPEC §4): the last durable record, except that a task whose
-    /// container no longer runs shows its termination at once, while its record waits for
-    /// the disk. Nothing shown is undone by a crash but the requested reason: a restart reads
-    /// the end from the container itself.
+    /// What the API shows (SPEC §4, §5): the last durable record, except where the container
+    /// itself proves more: a task whose container no longer runs shows its termination at
+    /// once, and a task whose container was started and runs shows `running` at once, while
+    /// the record waits for the disk. Nothing shown is undone by a crash but a requested
+    /// reason: a restart reads the end, or the running container, from Docker first.
     pub fn shown(&self) -> Saved {
         if self.shows_record() {
             Saved::of(&self.record)
@@ -179,16 +186,27 @@ impl Task {
         }
     }
 
-    /// The record is terminated but not durably so, and the container no longer runs.
+    /// The record is ahead of the disk where the container proves it: terminated, and the
+    /// container no longer runs; or running, and the container was started and runs.
     fn shows_record(&self) -> bool {
-        self.ended
-            && self.record.status == TaskStatus::Terminated
-            && self.saved.status != TaskStatus::Terminated
+        match self.record.status {
+            TaskStatus::Terminated => self.ended && self.saved.status != TaskStatus::Terminated,
+            TaskStatus::Running => {
+                self.runs && !self.ended && self.saved.status < TaskStatus::Running
+            }
+            _ => false,
+        }
     }
 
     /// The task's container is known not to run (exited, vanished, stopped, or none).
     pub fn container_ended(&self) -> bool {
         self.ended
+    }
+
+    /// The task's container was started (or found running at restore) and is not known to
+    /// have ended since.
+    pub fn container_runs(&self) -> bool {
+        self.runs && !self.ended
     }
 
     /// The record changed since its last successful write: the reconciler steps
