@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::{ComponentName, ComponentsConfig, Error};
+use crate::{ComponentName, ComponentsConfig, ComponentsError};
 
 /// The URL without query string, fragment and `user:password@`, for logs and messages.
 pub fn redact_url(url: &str) -> String {
@@ -26,9 +26,9 @@ pub fn redact_url(url: &str) -> String {
 }
 
 /// Refuses an empty URL before an install starts (upstream answers `400 empty url`).
-pub(crate) fn check_url_present(name: ComponentName, url: &str) -> Result<(), Error> {
+pub(crate) fn check_url_present(name: ComponentName, url: &str) -> Result<(), ComponentsError> {
     if url.is_empty() {
-        return Err(Error::BadUrl {
+        return Err(ComponentsError::BadUrl {
             name,
             why: "empty url".into(),
         });
@@ -40,10 +40,10 @@ pub(crate) fn check_url_present(name: ComponentName, url: &str) -> Result<(), Er
 /// upstream's download fails there (`runner/internal/shim/components/utils.go`, downloadFile:
 /// the HTTP client refuses the scheme): the request is accepted and the failure shows in the
 /// component's status.
-pub(crate) fn check_url_scheme(name: ComponentName, url: &str) -> Result<(), Error> {
+pub(crate) fn check_url_scheme(name: ComponentName, url: &str) -> Result<(), ComponentsError> {
     check_url_present(name, url)?;
     if !(url.starts_with("http://") || url.starts_with("https://")) {
-        return Err(Error::BadUrl {
+        return Err(ComponentsError::BadUrl {
             name,
             why: format!("only http and https are supported: {}", redact_url(url)),
         });
@@ -59,14 +59,14 @@ pub(crate) fn download(
     target: &Path,
     config: &ComponentsConfig,
     cancel: &CancellationToken,
-) -> Result<(), Error> {
+) -> Result<(), ComponentsError> {
     check_url_scheme(name, url)?;
     let shown = redact_url(url);
     let dir = match target.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    fs_err::create_dir_all(&dir).map_err(|source| Error::Io {
+    fs_err::create_dir_all(&dir).map_err(|source| ComponentsError::Io {
         op: "create directory",
         path: dir.clone(),
         source,
@@ -77,11 +77,14 @@ pub(crate) fn download(
         .timeout_connect(Some(Duration::from_secs(30)))
         .build()
         .into();
-    let response = agent.get(url).call().map_err(|e| Error::Download {
-        name,
-        url: shown.clone(),
-        source: Box::new(e),
-    })?;
+    let response = agent
+        .get(url)
+        .call()
+        .map_err(|e| ComponentsError::Download {
+            name,
+            url: shown.clone(),
+            source: Box::new(e),
+        })?;
     let mut reader = response.into_body().into_reader();
 
     // Temp file beside the target (0755 from the start), streamed, fsynced, renamed over the
@@ -90,14 +93,14 @@ pub(crate) fn download(
         let mut buf = vec![0u8; 64 * 1024];
         loop {
             if cancel.is_cancelled() {
-                return Err(Error::Cancelled { name });
+                return Err(ComponentsError::Cancelled { name });
             }
             let n = match reader.read(&mut buf) {
                 Ok(0) => break,
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(source) => {
-                    return Err(Error::Body {
+                    return Err(ComponentsError::Body {
                         name,
                         url: shown.clone(),
                         source,
@@ -105,7 +108,7 @@ pub(crate) fn download(
                 }
             };
             if file.written() + n as u64 > config.max_download_bytes {
-                return Err(Error::Size {
+                return Err(ComponentsError::Size {
                     name,
                     url: shown.clone(),
                     why: format!("larger than {} bytes", config.max_download_bytes),
@@ -114,7 +117,7 @@ pub(crate) fn download(
             file.write_all(&buf[..n])?;
         }
         if file.written() == 0 {
-            return Err(Error::Size {
+            return Err(ComponentsError::Size {
                 name,
                 url: shown.clone(),
                 why: "empty".into(),

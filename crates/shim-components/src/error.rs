@@ -9,7 +9,7 @@ use crate::ComponentName;
 /// Why reading a version or installing a component failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum Error {
+pub enum ComponentsError {
     /// An install of this component is already running.
     #[error("{name} is already installing")]
     AlreadyInstalling {
@@ -59,7 +59,7 @@ pub enum Error {
     },
     /// Writing the binary into place failed (the target is left as it was).
     #[error(transparent)]
-    Fs(#[from] shim_fs::Error),
+    Fs(#[from] shim_fs::FsError),
     /// A file operation failed.
     #[error("cannot {op} {}", path.display())]
     Io {
@@ -132,28 +132,28 @@ mod tests {
         let fs = shim_fs::read_file("/nonexistent/dir/dstack-runner", 10).unwrap_err();
         for e in [
             #[cfg(feature = "install")]
-            Error::Download {
+            ComponentsError::Download {
                 name,
                 url: url(),
                 source: Box::new(ureq::Error::StatusCode(404)),
             },
-            Error::Body {
+            ComponentsError::Body {
                 name,
                 url: url(),
                 source: io(),
             },
-            Error::Fs(fs),
-            Error::Io {
+            ComponentsError::Fs(fs),
+            ComponentsError::Io {
                 op: "chmod",
                 path: "/x".into(),
                 source: io(),
             },
-            Error::Join { name, source: join },
-            Error::Record {
+            ComponentsError::Join { name, source: join },
+            ComponentsError::Record {
                 path: "/x/upgrade-rollback.json".into(),
                 source: serde_json::from_str::<u8>("x").unwrap_err(),
             },
-            Error::VersionRun {
+            ComponentsError::VersionRun {
                 path: "/x/dstack-runner".into(),
                 source: shim_util::CommandError::Spawn {
                     program: "/x/dstack-runner".into(),

@@ -17,7 +17,7 @@
 //!
 //! The crate knows nothing of HTTP: its [`ComponentInfo`] serialises as one entry of
 //! `GET /api/components` (`shim-http` uses these types as they are), and `shim-http` maps its
-//! [`Error`] onto the API's error kinds. Feature `install` (default) brings `Components` and
+//! [`ComponentsError`] onto the API's error kinds. Feature `install` (default) brings `Components` and
 //! its downloads (ureq); without it the crate is its types, version reading and [`upgrade`].
 //!
 //! Modules: `version` (reading versions), `download` (URL checks, the download into place),
@@ -37,7 +37,7 @@ mod version;
 pub use component::{ComponentInfo, ComponentName, ComponentStatus};
 #[cfg(feature = "install")]
 pub use download::redact_url;
-pub use error::Error;
+pub use error::ComponentsError;
 #[cfg(feature = "install")]
 pub use manager::{Components, ComponentsConfig};
 pub use version::{FileKey, binary_version, parse_version};

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::download::{check_url_present, download, redact_url};
 use crate::version::{FileKey, binary_version};
-use crate::{ComponentInfo, ComponentName, ComponentStatus, Error};
+use crate::{ComponentInfo, ComponentName, ComponentStatus, ComponentsError};
 
 /// Where the components live and how long things may take.
 #[derive(Debug, Clone)]
@@ -196,11 +196,11 @@ impl Components {
     }
 
     /// Starts installing `name` from `url` in the background; returns at once
-    /// (`POST /api/components/install`). [`Error::BadUrl`] for an empty URL,
-    /// [`Error::AlreadyInstalling`] while an install of `name` runs. A URL that is not http or
+    /// (`POST /api/components/install`). [`ComponentsError::BadUrl`] for an empty URL,
+    /// [`ComponentsError::AlreadyInstalling`] while an install of `name` runs. A URL that is not http or
     /// https is accepted and fails in the background, as upstream's download fails (the
     /// component then reports what its check finds: `error` when no binary is left).
-    pub fn start_install(&self, name: ComponentName, url: &str) -> Result<(), Error> {
+    pub fn start_install(&self, name: ComponentName, url: &str) -> Result<(), ComponentsError> {
         let guard = self.begin(name, url)?;
         let this = self.clone();
         let url = url.to_owned();
@@ -215,7 +215,7 @@ impl Components {
 
     /// Installs `name` from `url` and waits for it (e.g. the runner at startup when it is
     /// missing and a download URL is configured).
-    pub async fn install(&self, name: ComponentName, url: &str) -> Result<(), Error> {
+    pub async fn install(&self, name: ComponentName, url: &str) -> Result<(), ComponentsError> {
         let _guard = self.begin(name, url)?;
         self.run_install(name, url).await
     }
@@ -245,12 +245,12 @@ impl Components {
         self.inner.cancel.cancel();
     }
 
-    fn begin(&self, name: ComponentName, url: &str) -> Result<JobGuard, Error> {
+    fn begin(&self, name: ComponentName, url: &str) -> Result<JobGuard, ComponentsError> {
         check_url_present(name, url)?;
         {
             let mut st = self.inner.slot(name).state();
             if st.installing {
-                return Err(Error::AlreadyInstalling { name });
+                return Err(ComponentsError::AlreadyInstalling { name });
             }
             st.installing = true;
             st.rolled_back = None;
@@ -262,7 +262,7 @@ impl Components {
         })
     }
 
-    async fn run_install(&self, name: ComponentName, url: &str) -> Result<(), Error> {
+    async fn run_install(&self, name: ComponentName, url: &str) -> Result<(), ComponentsError> {
         let slot = self.inner.slot(name);
         tracing::info!(component = %name, url = %redact_url(url), path = %slot.path.display(),
             "installing component");
@@ -274,7 +274,7 @@ impl Components {
             download(name, &owned_url, &target, &config, &cancel)
         })
         .await
-        .unwrap_or_else(|source| Err(Error::Join { name, source }));
+        .unwrap_or_else(|source| Err(ComponentsError::Join { name, source }));
         match &result {
             Ok(()) => {
                 slot.state().last_error = None;

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use shim_util::{Command, CommandRunner};
 
-use crate::Error;
+use crate::ComponentsError;
 
 /// Extracts `X` from `--version`'s output `<name> version X`: exactly three words, the first
 /// the component's name (upstream's checkDstackComponent; a runner binary in the shim's place
@@ -22,24 +22,24 @@ pub fn parse_version(output: &str, name: &str) -> Option<String> {
 
 /// Runs `<path> --version` (killed after `timeout`) through `runner` and parses its standard
 /// output as the version of component `name` (see [`parse_version`]). A binary that cannot
-/// run, does not finish or fails is [`Error::VersionRun`]; one that prints anything else than
-/// its version is [`Error::VersionOutput`].
+/// run, does not finish or fails is [`ComponentsError::VersionRun`]; one that prints anything else than
+/// its version is [`ComponentsError::VersionOutput`].
 pub async fn binary_version(
     runner: &dyn CommandRunner,
     path: &Path,
     name: &str,
     timeout: Duration,
-) -> Result<String, Error> {
+) -> Result<String, ComponentsError> {
     let version = Command::new(path).arg("--version").timeout(timeout);
     let out = runner
         .run(&version)
         .await
         .and_then(|out| out.check(&version))
-        .map_err(|source| Error::VersionRun {
+        .map_err(|source| ComponentsError::VersionRun {
             path: path.to_path_buf(),
             source,
         })?;
-    parse_version(&out.stdout, name).ok_or_else(|| Error::VersionOutput {
+    parse_version(&out.stdout, name).ok_or_else(|| ComponentsError::VersionOutput {
         path: path.to_path_buf(),
         output: out.stdout.trim().to_owned(),
     })

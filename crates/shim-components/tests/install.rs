@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use shim_components::{
-    ComponentInfo, ComponentName, ComponentStatus, Components, ComponentsConfig, Error,
+    ComponentInfo, ComponentName, ComponentStatus, Components, ComponentsConfig, ComponentsError,
     binary_version,
 };
 use shim_util::{SystemCommandRunner, error_chain};
@@ -163,7 +163,10 @@ async fn second_install_while_installing_is_a_conflict() {
     );
 
     let e = c.start_install(ComponentName::Runner, &url).unwrap_err();
-    assert!(matches!(e, Error::AlreadyInstalling { .. }), "{e}");
+    assert!(
+        matches!(e, ComponentsError::AlreadyInstalling { .. }),
+        "{e}"
+    );
     assert_eq!(e.to_string(), "dstack-runner is already installing");
     // The other component is independent.
     assert_eq!(
@@ -194,7 +197,7 @@ async fn failed_downloads_leave_the_target_alone() {
         )
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::Download { .. }), "{e}");
+    assert!(matches!(e, ComponentsError::Download { .. }), "{e}");
     assert!(!format!("{e:?}").contains("s3cr3t"), "{e:?}");
     assert_eq!(
         e.to_string(),
@@ -215,7 +218,7 @@ async fn failed_downloads_leave_the_target_alone() {
         )
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::Size { .. }), "{e}");
+    assert!(matches!(e, ComponentsError::Size { .. }), "{e}");
 
     // With a working binary in place, a failed upgrade keeps it.
     c.install(
@@ -246,7 +249,7 @@ async fn failed_downloads_leave_the_target_alone() {
         .install(ComponentName::Runner, &format!("http://{closed}/runner"))
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::Download { .. }), "{e}");
+    assert!(matches!(e, ComponentsError::Download { .. }), "{e}");
 }
 
 /// An empty URL is refused up front; any other URL is accepted and a scheme the downloader
@@ -264,7 +267,7 @@ async fn a_url_that_is_not_http_fails_in_the_background() {
     let server = file_server();
     let c = components(dir.path());
     let e = c.start_install(ComponentName::Runner, "").unwrap_err();
-    assert!(matches!(e, Error::BadUrl { .. }), "{e}");
+    assert!(matches!(e, ComponentsError::BadUrl { .. }), "{e}");
     assert_eq!(e.to_string(), "cannot install dstack-runner: empty url");
     assert_eq!(
         c.info(ComponentName::Runner).await.status,
@@ -283,7 +286,7 @@ async fn a_url_that_is_not_http_fails_in_the_background() {
         .install(ComponentName::Runner, "file:///bin/sh")
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::BadUrl { .. }), "{e}");
+    assert!(matches!(e, ComponentsError::BadUrl { .. }), "{e}");
     assert_eq!(
         e.to_string(),
         "cannot install dstack-runner: only http and https are supported: file:///bin/sh"

@@ -13,7 +13,7 @@ use rustix::fs::{AtFlags, Mode, OFlags};
 use rustix::io::Errno;
 
 use crate::dir::{Dir, FileKind, Owner, check_name, set_owner};
-use crate::error::{Error, Result, Step};
+use crate::error::{FsError, Result, Step};
 use crate::tap::Tap;
 
 /// Mode, owner (and, in tests, faults) of an atomic write.
@@ -109,7 +109,7 @@ impl Hooks<'_> {
             Some(kind) => {
                 if kind == crate::fault::FaultKind::Crash {
                     file.write_all(&partial[..partial.len() / 2])
-                        .map_err(|e| Error::io(Step::Write, path, e))?;
+                        .map_err(|e| FsError::io(Step::Write, path, e))?;
                 }
                 Err(injected(Step::Write, kind, path))
             }
@@ -146,8 +146,8 @@ impl Hooks<'_> {
 }
 
 #[cfg(any(test, feature = "test-support"))]
-fn injected(step: Step, kind: crate::fault::FaultKind, path: &Path) -> Error {
-    Error::io(
+fn injected(step: Step, kind: crate::fault::FaultKind, path: &Path) -> FsError {
+    FsError::io(
         step,
         path,
         std::io::Error::other(crate::fault::Injected { step, kind }),
@@ -173,7 +173,7 @@ impl TempFile {
                 || (&*file).write_all(buf),
                 |s, ()| s.write(file.as_fd(), offset, buf),
             )
-            .map_err(|e| Error::io(Step::Write, &self.path, e))?;
+            .map_err(|e| FsError::io(Step::Write, &self.path, e))?;
         self.written += buf.len() as u64;
         Ok(())
     }
@@ -250,7 +250,7 @@ impl Dir {
     /// Like [`Dir::write_atomic`], the content coming from `write`, which streams it into the
     /// temp file (e.g. a download). If `write` fails, the temp file is removed, the target
     /// left untouched, and its error returned.
-    pub fn write_atomic_with<E: From<Error>>(
+    pub fn write_atomic_with<E: From<FsError>>(
         &self,
         name: impl AsRef<OsStr>,
         opts: &WriteOptions,
@@ -294,7 +294,7 @@ impl Dir {
         Ok(removed)
     }
 
-    fn publish<E: From<Error>>(
+    fn publish<E: From<FsError>>(
         &self,
         name: &OsStr,
         opts: &WriteOptions,
@@ -327,7 +327,7 @@ impl Dir {
             || rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode as _)),
             |s, ()| s.set_mode(fd.as_fd(), mode),
         )
-        .map_err(|e| Error::sys(Step::SetMode, &tmp_path, e))?;
+        .map_err(|e| FsError::sys(Step::SetMode, &tmp_path, e))?;
         let mut file = TempFile {
             file: std::fs::File::from(fd),
             path: tmp_path.clone(),
@@ -340,7 +340,7 @@ impl Dir {
         if !tap.skips_file_fsync() {
             let f = &file.file;
             tap.around(|| f.sync_all(), |s, ()| s.fsync(f.as_fd()))
-                .map_err(|e| Error::io(Step::SyncFile, &tmp_path, e))?;
+                .map_err(|e| FsError::io(Step::SyncFile, &tmp_path, e))?;
         }
         drop(file);
         let tmp_name = guard.name.as_deref().unwrap_or_default();
@@ -351,7 +351,7 @@ impl Dir {
                     || rustix::fs::renameat(self, tmp_name, self, name),
                     |s, ()| s.rename(self.as_fd(), tmp_name, self.as_fd(), name),
                 )
-                .map_err(|e| Error::sys(Step::Rename, &target, e))?;
+                .map_err(|e| FsError::sys(Step::Rename, &target, e))?;
                 guard.name = None;
                 true
             }
@@ -364,7 +364,7 @@ impl Dir {
                 match linked {
                     Ok(()) => true,
                     Err(Errno::EXIST) => false,
-                    Err(e) => return Err(Error::sys(Step::Link, &target, e).into()),
+                    Err(e) => return Err(FsError::sys(Step::Link, &target, e).into()),
                 }
                 // The guard removes the temp name either way.
             }
@@ -403,7 +403,7 @@ impl Dir {
                 }
             }
         }
-        Err(Error::sys(Step::CreateTemp, self.join(name), last))
+        Err(FsError::sys(Step::CreateTemp, self.join(name), last))
     }
 }
 
@@ -433,7 +433,7 @@ impl Drop for TempGuard<'_> {
 
 /// Splits `path` into its directory (opened following links: a trusted path) and file name.
 fn split(path: &Path) -> Result<(Dir, &OsStr)> {
-    let name = path.file_name().ok_or_else(|| Error::InvalidName {
+    let name = path.file_name().ok_or_else(|| FsError::InvalidName {
         dir: path.to_owned(),
         name: path.to_string_lossy().into_owned(),
     })?;
@@ -451,7 +451,7 @@ pub fn write_atomic(path: impl AsRef<Path>, data: &[u8], opts: &WriteOptions) ->
 }
 
 /// [`Dir::write_atomic_with`] on `path`'s directory.
-pub fn write_atomic_with<E: From<Error>>(
+pub fn write_atomic_with<E: From<FsError>>(
     path: impl AsRef<Path>,
     opts: &WriteOptions,
     write: impl FnOnce(&mut TempFile) -> Result<(), E>,

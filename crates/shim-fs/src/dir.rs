@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use rustix::io::Errno;
 
-use crate::error::{Error, Result, Step};
+use crate::error::{FsError, Result, Step};
 use crate::tap::Tap;
 
 /// What kind of file a path is (never following a symbolic link).
@@ -147,7 +147,7 @@ fn dir_flags() -> OFlags {
 pub(crate) fn check_name<'a>(dir: &Path, name: &'a OsStr) -> Result<&'a OsStr> {
     let b = name.as_bytes();
     if b.is_empty() || b == b"." || b == b".." || b.contains(&b'/') || b.contains(&0) {
-        return Err(Error::InvalidName {
+        return Err(FsError::InvalidName {
             dir: dir.to_owned(),
             name: name.to_string_lossy().into_owned(),
         });
@@ -161,7 +161,7 @@ impl Dir {
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let fd = rustix::fs::openat(rustix::fs::CWD, path, dir_flags(), Mode::empty())
-            .map_err(|e| Error::sys(Step::OpenDir, path, e))?;
+            .map_err(|e| FsError::sys(Step::OpenDir, path, e))?;
         Ok(Self {
             fd,
             path: path.to_owned(),
@@ -169,7 +169,7 @@ impl Dir {
         })
     }
 
-    /// Opens the directory at `path`, refusing ([`Error::WrongType`]) when its last component
+    /// Opens the directory at `path`, refusing ([`FsError::WrongType`]) when its last component
     /// is a symbolic link or not a directory.
     pub fn open_nofollow(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
@@ -212,7 +212,7 @@ impl Dir {
     }
 
     /// Opens the subdirectory `name` without following a symbolic link: `None` when it does
-    /// not exist, [`Error::WrongType`] when it is a link or not a directory.
+    /// not exist, [`FsError::WrongType`] when it is a link or not a directory.
     pub fn open_dir(&self, name: impl AsRef<OsStr>) -> Result<Option<Dir>> {
         let name = check_name(&self.path, name.as_ref())?;
         let path = self.join(name);
@@ -245,7 +245,7 @@ impl Dir {
                 tap: self.tap.clone(),
             })),
             Err(Errno::NOENT) => Ok(None),
-            Err(e) => Err(Error::sys(Step::OpenDir, path, e)),
+            Err(e) => Err(FsError::sys(Step::OpenDir, path, e)),
         }
     }
 
@@ -296,7 +296,7 @@ impl Dir {
             match made {
                 Ok(()) => {}
                 Err(Errno::EXIST) => continue,
-                Err(e) => return Err(Error::sys(Step::CreateDir, &path, e)),
+                Err(e) => return Err(FsError::sys(Step::CreateDir, &path, e)),
             }
             let Some(d) = self.open_dir(name)? else {
                 continue;
@@ -305,13 +305,13 @@ impl Dir {
                 set_owner(&d.fd, o, &path)?;
             }
             d.chmod(mode)
-                .map_err(|e| Error::sys(Step::SetMode, &path, e))?;
+                .map_err(|e| FsError::sys(Step::SetMode, &path, e))?;
             if sync {
                 self.sync()?;
             }
             return Ok((d, true));
         }
-        Err(Error::io(
+        Err(FsError::io(
             Step::CreateDir,
             path,
             std::io::Error::other("the directory kept disappearing"),
@@ -325,7 +325,7 @@ impl Dir {
         match rustix::fs::statat(&self.fd, name, AtFlags::SYMLINK_NOFOLLOW) {
             Ok(st) => Ok(Some(FileInfo::from_stat(&st))),
             Err(Errno::NOENT) => Ok(None),
-            Err(e) => Err(Error::sys(Step::Stat, self.join(name), e)),
+            Err(e) => Err(FsError::sys(Step::Stat, self.join(name), e)),
         }
     }
 
@@ -333,14 +333,14 @@ impl Dir {
     pub fn info(&self) -> Result<FileInfo> {
         rustix::fs::fstat(&self.fd)
             .map(|st| FileInfo::from_stat(&st))
-            .map_err(|e| Error::sys(Step::Stat, &self.path, e))
+            .map_err(|e| FsError::sys(Step::Stat, &self.path, e))
     }
 
     /// Sets the directory's own mode to exactly `mode` (`fchmod` on the handle, so a link
     /// swapped in at its path changes nothing).
     pub fn set_mode(&self, mode: u32) -> Result<()> {
         self.chmod(mode & 0o7777)
-            .map_err(|e| Error::sys(Step::SetMode, &self.path, e))
+            .map_err(|e| FsError::sys(Step::SetMode, &self.path, e))
     }
 
     fn chmod(&self, mode: u32) -> rustix::io::Result<()> {
@@ -351,8 +351,8 @@ impl Dir {
     }
 
     /// Reads the regular file `name` whole, at most `max` bytes: `None` when it does not
-    /// exist; [`Error::WrongType`] for a symbolic link (never followed), a FIFO, a device or a
-    /// directory; [`Error::TooLarge`] beyond `max`. The info is that of the file read.
+    /// exist; [`FsError::WrongType`] for a symbolic link (never followed), a FIFO, a device or a
+    /// directory; [`FsError::TooLarge`] beyond `max`. The info is that of the file read.
     pub fn read_file(
         &self,
         name: impl AsRef<OsStr>,
@@ -368,22 +368,22 @@ impl Dir {
             Err(Errno::NOENT) => return Ok(None),
             Err(e @ Errno::LOOP) => {
                 return Err(match self.stat(name) {
-                    Ok(Some(info)) if info.kind != FileKind::Regular => Error::WrongType {
+                    Ok(Some(info)) if info.kind != FileKind::Regular => FsError::WrongType {
                         step: Step::Open,
                         path,
                         found: info.kind.describe(),
                         expected: "a regular file",
                     },
-                    _ => Error::sys(Step::Open, path, e),
+                    _ => FsError::sys(Step::Open, path, e),
                 });
             }
-            Err(e) => return Err(Error::sys(Step::Open, path, e)),
+            Err(e) => return Err(FsError::sys(Step::Open, path, e)),
         };
         let info = rustix::fs::fstat(&fd)
             .map(|st| FileInfo::from_stat(&st))
-            .map_err(|e| Error::sys(Step::Stat, &path, e))?;
+            .map_err(|e| FsError::sys(Step::Stat, &path, e))?;
         if info.kind != FileKind::Regular {
-            return Err(Error::WrongType {
+            return Err(FsError::WrongType {
                 step: Step::Open,
                 path,
                 found: info.kind.describe(),
@@ -391,15 +391,15 @@ impl Dir {
             });
         }
         if info.len > max {
-            return Err(Error::TooLarge { path, max });
+            return Err(FsError::TooLarge { path, max });
         }
         let mut data = Vec::with_capacity(usize::try_from(info.len).unwrap_or(0));
         std::fs::File::from(fd)
             .take(max.saturating_add(1))
             .read_to_end(&mut data)
-            .map_err(|e| Error::io(Step::Read, &path, e))?;
+            .map_err(|e| FsError::io(Step::Read, &path, e))?;
         if data.len() as u64 > max {
-            return Err(Error::TooLarge { path, max });
+            return Err(FsError::TooLarge { path, max });
         }
         Ok(Some((data, info)))
     }
@@ -410,7 +410,7 @@ impl Dir {
         match self.unlink(name) {
             Ok(()) => Ok(true),
             Err(Errno::NOENT) => Ok(false),
-            Err(e) => Err(Error::sys(Step::Remove, self.join(name), e)),
+            Err(e) => Err(FsError::sys(Step::Remove, self.join(name), e)),
         }
     }
 
@@ -429,7 +429,7 @@ impl Dir {
         match self.rmdir(name) {
             Ok(()) => Ok(true),
             Err(Errno::NOENT) => Ok(false),
-            Err(e) => Err(Error::sys(Step::Remove, self.join(name), e)),
+            Err(e) => Err(FsError::sys(Step::Remove, self.join(name), e)),
         }
     }
 
@@ -482,16 +482,16 @@ impl Dir {
                 || rustix::fs::renameat(&self.fd, from, &to_dir.fd, to),
                 |s, ()| s.rename(self.fd.as_fd(), from, to_dir.fd.as_fd(), to),
             )
-            .map_err(|e| Error::sys(Step::Rename, to_dir.join(to), e))
+            .map_err(|e| FsError::sys(Step::Rename, to_dir.join(to), e))
     }
 
     /// The names in the directory (without `.` and `..`).
     pub fn names(&self) -> Result<Vec<OsString>> {
         let listing = rustix::fs::Dir::read_from(&self.fd)
-            .map_err(|e| Error::sys(Step::List, &self.path, e))?;
+            .map_err(|e| FsError::sys(Step::List, &self.path, e))?;
         let mut names = Vec::new();
         for entry in listing {
-            let entry = entry.map_err(|e| Error::sys(Step::List, &self.path, e))?;
+            let entry = entry.map_err(|e| FsError::sys(Step::List, &self.path, e))?;
             let n = entry.file_name().to_bytes();
             if n != b"." && n != b".." {
                 names.push(OsStr::from_bytes(n).to_owned());
@@ -510,13 +510,13 @@ impl Dir {
                 || rustix::fs::fsync(&self.fd),
                 |s, ()| s.fsync_dir(self.fd.as_fd()),
             )
-            .map_err(|e| Error::sys(Step::SyncDir, &self.path, e))
+            .map_err(|e| FsError::sys(Step::SyncDir, &self.path, e))
     }
 }
 
 /// Sets `owner` on an open file unless it already has it.
 pub(crate) fn set_owner(fd: &OwnedFd, owner: Owner, path: &Path) -> Result<()> {
-    let st = rustix::fs::fstat(fd).map_err(|e| Error::sys(Step::Stat, path, e))?;
+    let st = rustix::fs::fstat(fd).map_err(|e| FsError::sys(Step::Stat, path, e))?;
     if (st.st_uid, st.st_gid) == (owner.uid, owner.gid) {
         return Ok(());
     }
@@ -525,22 +525,22 @@ pub(crate) fn set_owner(fd: &OwnedFd, owner: Owner, path: &Path) -> Result<()> {
         Some(rustix::fs::Uid::from_raw_unchecked(owner.uid)),
         Some(rustix::fs::Gid::from_raw_unchecked(owner.gid)),
     )
-    .map_err(|e| Error::sys(Step::SetOwner, path, e))
+    .map_err(|e| FsError::sys(Step::SetOwner, path, e))
 }
 
-/// A failed `open(O_DIRECTORY|O_NOFOLLOW)`: a link or a non-directory is [`Error::WrongType`].
+/// A failed `open(O_DIRECTORY|O_NOFOLLOW)`: a link or a non-directory is [`FsError::WrongType`].
 fn classify_dir_error<Fd: AsFd, P: rustix::path::Arg>(
     at: Fd,
     name: P,
     path: &Path,
     e: Errno,
-) -> Error {
+) -> FsError {
     if matches!(e, Errno::LOOP | Errno::NOTDIR)
         && let Ok(st) = rustix::fs::statat(at, name, AtFlags::SYMLINK_NOFOLLOW)
     {
         let kind = FileInfo::from_stat(&st).kind;
         if kind != FileKind::Directory {
-            return Error::WrongType {
+            return FsError::WrongType {
                 step: Step::OpenDir,
                 path: path.to_owned(),
                 found: kind.describe(),
@@ -548,5 +548,5 @@ fn classify_dir_error<Fd: AsFd, P: rustix::path::Arg>(
             };
         }
     }
-    Error::sys(Step::OpenDir, path, e)
+    FsError::sys(Step::OpenDir, path, e)
 }

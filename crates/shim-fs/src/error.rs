@@ -3,10 +3,10 @@
 
 use std::path::{Path, PathBuf};
 
-/// Result with this crate's [`Error`].
-pub type Result<T, E = Error> = std::result::Result<T, E>;
+/// Result with this crate's [`FsError`].
+pub type Result<T, E = FsError> = std::result::Result<T, E>;
 
-/// The operation an [`Error`] happened in. The five steps of an atomic replace
+/// The operation an [`FsError`] happened in. The five steps of an atomic replace
 /// ([`Step::CreateTemp`], [`Step::Write`], [`Step::SyncFile`], [`Step::Rename`] (or
 /// [`Step::Link`]), [`Step::SyncDir`]) are also the points where tests inject faults.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -82,7 +82,7 @@ impl std::fmt::Display for Step {
 /// What went wrong, with the path concerned and the step.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum Error {
+pub enum FsError {
     /// A system call failed.
     #[error("cannot {step} {}", path.display())]
     Io {
@@ -126,7 +126,7 @@ pub enum Error {
     },
 }
 
-impl Error {
+impl FsError {
     pub(crate) fn io(step: Step, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io {
             step,
@@ -139,7 +139,7 @@ impl Error {
         Self::io(step, path, errno.into())
     }
 
-    /// The step that failed (`None` for [`Error::InvalidName`] and [`Error::TooLarge`]).
+    /// The step that failed (`None` for [`FsError::InvalidName`] and [`FsError::TooLarge`]).
     pub fn step(&self) -> Option<Step> {
         match self {
             Self::Io { step, .. } | Self::WrongType { step, .. } => Some(*step),

@@ -64,7 +64,7 @@ impl Faults {
     pub fn fire(&self, step: Step, path: &std::path::Path) -> crate::Result<()> {
         match self.take(step) {
             None => Ok(()),
-            Some(kind) => Err(crate::Error::Io {
+            Some(kind) => Err(crate::FsError::Io {
                 step,
                 path: path.to_owned(),
                 source: std::io::Error::other(Injected { step, kind }),
@@ -86,7 +86,7 @@ impl Faults {
     }
 }
 
-/// The source error of an injected fault (inside [`crate::Error::Io`]).
+/// The source error of an injected fault (inside [`crate::FsError::Io`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Injected {
     /// Where it fired.
@@ -104,9 +104,9 @@ impl std::fmt::Display for Injected {
 impl std::error::Error for Injected {}
 
 /// The injected fault behind `err`, if it is one.
-pub fn injected(err: &crate::Error) -> Option<Injected> {
+pub fn injected(err: &crate::FsError) -> Option<Injected> {
     match err {
-        crate::Error::Io { source, .. } => source
+        crate::FsError::Io { source, .. } => source
             .get_ref()
             .and_then(|e| e.downcast_ref::<Injected>())
             .copied(),

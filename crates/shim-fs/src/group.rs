@@ -5,7 +5,7 @@
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 use crate::dir::Dir;
-use crate::error::{Error, Result, Step};
+use crate::error::{FsError, Result, Step};
 
 /// fsyncs of one directory shared by concurrent callers.
 ///
@@ -88,7 +88,7 @@ impl GroupSync {
                     .failure
                     .clone()
                     .unwrap_or((std::io::ErrorKind::Other, "unknown".to_owned()));
-                return Err(Error::io(
+                return Err(FsError::io(
                     Step::SyncDir,
                     dir.path(),
                     std::io::Error::new(kind, format!("the shared fsync failed: {message}")),

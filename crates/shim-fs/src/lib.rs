@@ -28,7 +28,7 @@
 //! - On a handle, for moves and removals: [`Dir::rename`] (`renameat`, to this or another
 //!   handle), [`Dir::remove_dir`] and [`Dir::remove_tree`] (never following a link).
 //!
-//! Errors: one [`Error`] enum naming the path and the [`Step`] that failed. With `cfg(test)` or
+//! Errors: one [`FsError`] enum naming the path and the [`Step`] that failed. With `cfg(test)` or
 //! the `test-support` feature, the `fault` module injects a failure or a crash at any step,
 //! and the `crash` module records the durable operations made through a handle and builds every
 //! state a crash could leave after each of them (ALICE's and CrashMonkey's method).
@@ -54,7 +54,7 @@ pub use atomic::{
     write_atomic_with,
 };
 pub use dir::{Dir, FileInfo, FileKind, Owner};
-pub use error::{Error, Result, Step};
+pub use error::{FsError, Result, Step};
 pub use group::{GroupStats, GroupSync};
 pub use lock::FileLock;
 pub use prepared::PreparedDir;

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use rustix::fs::FlockOperation;
 
-use crate::error::{Error, Result, Step};
+use crate::error::{FsError, Result, Step};
 
 /// An exclusive `flock` on a file, held until this value is dropped or the process ends. The
 /// descriptor is close-on-exec, so a program the holder executes does not inherit the lock.
@@ -27,7 +27,7 @@ impl FileLock {
         match rustix::fs::flock(&file, FlockOperation::NonBlockingLockExclusive) {
             Ok(()) => Ok(Some(Self::held(file, path))),
             Err(rustix::io::Errno::WOULDBLOCK) => Ok(None),
-            Err(e) => Err(Error::io(Step::Lock, path, e.into())),
+            Err(e) => Err(FsError::io(Step::Lock, path, e.into())),
         }
     }
 
@@ -36,7 +36,7 @@ impl FileLock {
         let path = path.as_ref();
         let file = open(path)?;
         rustix::fs::flock(&file, FlockOperation::LockExclusive)
-            .map_err(|e| Error::io(Step::Lock, path, e.into()))?;
+            .map_err(|e| FsError::io(Step::Lock, path, e.into()))?;
         Ok(Self::held(file, path))
     }
 
@@ -54,7 +54,7 @@ impl FileLock {
 }
 
 fn open(path: &Path) -> Result<File> {
-    // Errors name the path through `Error::io` (so no fs-err here). Never through a symbolic
+    // Errors name the path through `FsError::io` (so no fs-err here). Never through a symbolic
     // link (the crate's rule): a link planted at the lock path is an error, not a file
     // created or locked elsewhere.
     std::fs::OpenOptions::new()
@@ -64,7 +64,7 @@ fn open(path: &Path) -> Result<File> {
         .mode(0o600)
         .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
         .open(path)
-        .map_err(|e| Error::io(Step::Open, path, e))
+        .map_err(|e| FsError::io(Step::Open, path, e))
 }
 
 #[cfg(test)]

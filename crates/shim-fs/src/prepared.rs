@@ -19,7 +19,7 @@ use rustix::io::Errno;
 
 use crate::atomic::WriteOptions;
 use crate::dir::{Dir, check_name};
-use crate::error::{Error, Result, Step};
+use crate::error::{FsError, Result, Step};
 
 /// A directory made ahead of its use under a hidden name in its parent: its subdirectories
 /// and one empty file, all durable (the directory was fsynced after they were made; its own
@@ -36,7 +36,7 @@ pub struct PreparedDir {
 }
 
 impl Dir {
-    /// Makes the directory `name` here (exactly `mode`; [`Error`] with an `AlreadyExists`
+    /// Makes the directory `name` here (exactly `mode`; [`FsError`] with an `AlreadyExists`
     /// kind when the name is taken), in it the subdirectories `subdirs` (name, mode) and the
     /// empty regular file `file` (exactly `file_mode`), then fsyncs it. This directory is not
     /// fsynced: a prepared directory matters only once published. On error what was made is
@@ -53,7 +53,7 @@ impl Dir {
         let file_name = check_name(self.path(), file.as_ref())?;
         let (dir, created) = self.create_dir_unsynced(name, mode, None)?;
         if !created {
-            return Err(Error::io(
+            return Err(FsError::io(
                 Step::CreateDir,
                 self.join(name),
                 std::io::ErrorKind::AlreadyExists.into(),
@@ -95,14 +95,14 @@ impl Dir {
                 || rustix::fs::openat(self, name, flags, Mode::from_raw_mode(mode as _)),
                 |s, fd| s.create(self.as_fd(), name, fd.as_fd(), flags, mode),
             )
-            .map_err(|e| Error::sys(Step::Create, &path, e))?;
+            .map_err(|e| FsError::sys(Step::Create, &path, e))?;
         // Whatever the umask.
         self.tap
             .around(
                 || rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode as _)),
                 |s, ()| s.set_mode(fd.as_fd(), mode),
             )
-            .map_err(|e| Error::sys(Step::SetMode, &path, e))?;
+            .map_err(|e| FsError::sys(Step::SetMode, &path, e))?;
         Ok(fd)
     }
 }
@@ -115,7 +115,7 @@ impl PreparedDir {
 
     /// Writes `data` into the prepared file, fsyncs it, and renames the directory to `to` in
     /// `parent` (the directory it was prepared in), never replacing what `to` names (then
-    /// [`Error`] with an `AlreadyExists` kind). The new name is durable once `parent` is
+    /// [`FsError`] with an `AlreadyExists` kind). The new name is durable once `parent` is
     /// fsynced ([`Dir::sync`], [`crate::GroupSync::sync`]); the content already is. Returns
     /// the directory's handle. On error the prepared directory is removed and `to` is left
     /// as it was. `opts` brings the faults of tests (its mode and owner are the
@@ -145,13 +145,13 @@ impl PreparedDir {
                     || (&*f).write_all(data),
                     |s, ()| s.write(f.as_fd(), 0, data),
                 )
-                .map_err(|e| Error::io(Step::Write, &path, e))?;
+                .map_err(|e| FsError::io(Step::Write, &path, e))?;
             }
             hooks.inject(Step::SyncFile, &path)?;
             if !tap.skips_file_fsync() {
                 let f = &file;
                 tap.around(|| f.sync_all(), |s, ()| s.fsync(f.as_fd()))
-                    .map_err(|e| Error::io(Step::SyncFile, &path, e))?;
+                    .map_err(|e| FsError::io(Step::SyncFile, &path, e))?;
             }
             hooks.inject(Step::Rename, &parent.join(to))?;
             rename_noreplace(parent, &name, to)
@@ -191,7 +191,7 @@ fn rename_noreplace(dir: &Dir, from: &OsStr, to: &OsStr) -> Result<()> {
         Ok(()) => Ok(()),
         Err(Errno::INVAL | Errno::NOSYS) => {
             if dir.stat(to)?.is_some() {
-                return Err(Error::io(
+                return Err(FsError::io(
                     Step::Rename,
                     target,
                     std::io::ErrorKind::AlreadyExists.into(),
@@ -202,13 +202,13 @@ fn rename_noreplace(dir: &Dir, from: &OsStr, to: &OsStr) -> Result<()> {
                     || rustix::fs::renameat(dir, from, dir, to),
                     |s, ()| s.rename(dir.as_fd(), from, dir.as_fd(), to),
                 )
-                .map_err(|e| Error::sys(Step::Rename, target, e))
+                .map_err(|e| FsError::sys(Step::Rename, target, e))
         }
-        Err(e @ (Errno::EXIST | Errno::NOTEMPTY)) => Err(Error::io(
+        Err(e @ (Errno::EXIST | Errno::NOTEMPTY)) => Err(FsError::io(
             Step::Rename,
             target,
             std::io::Error::new(std::io::ErrorKind::AlreadyExists, e),
         )),
-        Err(e) => Err(Error::sys(Step::Rename, target, e)),
+        Err(e) => Err(FsError::sys(Step::Rename, target, e)),
     }
 }

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use crate::fault::{FaultKind, Faults, injected};
-use crate::{Dir, Error, Step, WriteOptions, is_temp_of};
+use crate::{Dir, FsError, Step, WriteOptions, is_temp_of};
 
 const STEPS: [Step; 5] = [
     Step::CreateTemp,
@@ -110,11 +110,11 @@ fn crash_at_each_step_leaves_old_or_new_and_a_recognisable_temp() {
 fn writer_callback_failure_removes_the_temp_and_returns_its_error() {
     #[derive(Debug)]
     enum MyError {
-        Fs(Error),
+        Fs(FsError),
         Mine(&'static str),
     }
-    impl From<Error> for MyError {
-        fn from(e: Error) -> Self {
+    impl From<FsError> for MyError {
+        fn from(e: FsError) -> Self {
             Self::Fs(e)
         }
     }
@@ -172,10 +172,10 @@ fn names_must_be_one_component() {
         let e = dir
             .write_atomic(bad, b"x", &WriteOptions::default())
             .unwrap_err();
-        assert!(matches!(e, Error::InvalidName { .. }), "{bad:?}: {e}");
+        assert!(matches!(e, FsError::InvalidName { .. }), "{bad:?}: {e}");
         assert!(matches!(
             dir.read_file(bad, 10),
-            Err(Error::InvalidName { .. })
+            Err(FsError::InvalidName { .. })
         ));
     }
     assert!(names(&dir).is_empty());

@@ -7,7 +7,7 @@ use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _, symlink};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use shim_fs::{Dir, Error, FileKind, Owner, Step, WriteOptions};
+use shim_fs::{Dir, FileKind, FsError, Owner, Step, WriteOptions};
 
 /// The first statement of a test that needs root (loop devices, mounts), which also carries the
 /// workspace's root `#[ignore]` reason: panics unless `SHIM_TEST_ROOT=1`, so that the test, run
@@ -43,7 +43,7 @@ fn a_link_where_a_directory_is_expected_is_refused() {
     assert!(
         matches!(
             e,
-            Error::WrongType {
+            FsError::WrongType {
                 found: "a symbolic link",
                 step: Step::OpenDir,
                 ..
@@ -55,7 +55,7 @@ fn a_link_where_a_directory_is_expected_is_refused() {
     assert!(
         matches!(
             e,
-            Error::WrongType {
+            FsError::WrongType {
                 found: "a regular file",
                 ..
             }
@@ -73,13 +73,16 @@ fn a_link_where_a_directory_is_expected_is_refused() {
     );
 
     let top = Dir::open_nofollow(tmp.path()).unwrap();
-    assert!(matches!(top.open_dir("link"), Err(Error::WrongType { .. })));
+    assert!(matches!(
+        top.open_dir("link"),
+        Err(FsError::WrongType { .. })
+    ));
     assert!(top.open_dir("missing").unwrap().is_none());
     // create_dir on a link neither follows it nor replaces it.
     let e = top.create_dir("link", 0o700, None).unwrap_err();
-    assert!(matches!(e, Error::WrongType { .. }), "{e}");
+    assert!(matches!(e, FsError::WrongType { .. }), "{e}");
     let e = top.create_dir_unsynced("link", 0o700, None).unwrap_err();
-    assert!(matches!(e, Error::WrongType { .. }), "{e}");
+    assert!(matches!(e, FsError::WrongType { .. }), "{e}");
     assert!(names(&real).is_empty());
     assert!(
         fs_err::symlink_metadata(tmp.path().join("link"))
@@ -136,7 +139,7 @@ fn a_link_at_the_target_is_replaced_not_followed() {
     assert!(
         matches!(
             e,
-            Error::WrongType {
+            FsError::WrongType {
                 found: "a symbolic link",
                 ..
             }
@@ -171,13 +174,13 @@ fn bounded_reads_refuse_what_is_not_a_small_regular_file() {
     assert_eq!((info.kind, info.len), (FileKind::Regular, 10));
     assert!(matches!(
         d.read_file("ten", 9),
-        Err(Error::TooLarge { max: 9, .. })
+        Err(FsError::TooLarge { max: 9, .. })
     ));
     assert!(d.read_file("missing", 10).unwrap().is_none());
     fs_err::create_dir(tmp.path().join("dir")).unwrap();
     assert!(matches!(
         d.read_file("dir", 10),
-        Err(Error::WrongType {
+        Err(FsError::WrongType {
             found: "a directory",
             ..
         })
@@ -187,7 +190,7 @@ fn bounded_reads_refuse_what_is_not_a_small_regular_file() {
     let start = Instant::now();
     assert!(matches!(
         d.read_file("fifo", 10),
-        Err(Error::WrongType {
+        Err(FsError::WrongType {
             found: "a named pipe",
             ..
         })

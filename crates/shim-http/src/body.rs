@@ -297,7 +297,7 @@ impl Drop for ResponseBody {
 
 impl Body for ResponseBody {
     type Data = Bytes;
-    type Error = Infallible;
+    type HttpError = Infallible;
 
     fn poll_frame(
         self: Pin<&mut Self>,

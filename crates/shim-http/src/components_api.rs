@@ -5,7 +5,7 @@
 
 use crate::{ApiError, ComponentsApi};
 use async_trait::async_trait;
-use shim_components::{ComponentInfo, ComponentName, Components, Error};
+use shim_components::{ComponentInfo, ComponentName, Components, ComponentsError};
 use shim_util::error_chain;
 
 /// The component installer behind the API.
@@ -13,11 +13,11 @@ pub struct ComponentsHttp(pub Components);
 
 /// 409 while that component installs, 400 for an empty URL, 500 otherwise; the message is
 /// the error with its causes.
-fn api_error(e: Error) -> ApiError {
+fn api_error(e: HttpError) -> ApiError {
     let message = error_chain(&e);
     match e {
-        Error::AlreadyInstalling { .. } => ApiError::conflict(message),
-        Error::BadUrl { .. } => ApiError::bad_request(message),
+        HttpError::AlreadyInstalling { .. } => ApiError::conflict(message),
+        HttpError::BadUrl { .. } => ApiError::bad_request(message),
         other => ApiError::internal(message).with_source(other),
     }
 }
@@ -83,12 +83,12 @@ mod tests {
         assert_eq!(e.kind, ErrorKind::BadRequest);
 
         let name = ComponentName::Runner;
-        let e = api_error(Error::AlreadyInstalling { name });
+        let e = api_error(HttpError::AlreadyInstalling { name });
         assert_eq!(
             (e.kind, e.message.as_str()),
             (ErrorKind::Conflict, "dstack-runner is already installing")
         );
-        let e = api_error(Error::Cancelled { name });
+        let e = api_error(HttpError::Cancelled { name });
         assert_eq!(e.kind, ErrorKind::Internal);
         assert!(e.cause.is_some(), "the cause is kept for the log");
     }

@@ -61,7 +61,7 @@ pub const MIN_COMPATIBLE_VERSION: &str = "0.21.3";
 /// Errors of setting up or running the server (request errors are [`ApiError`]s).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum Error {
+pub enum HttpError {
     /// The API must only be reachable from the host itself.
     #[error("refusing to listen on {addr}: the shim API is loopback-only")]
     NotLoopback {
@@ -159,12 +159,12 @@ mod tests {
         let io = || std::io::Error::from_raw_os_error(98);
         let addr = SocketAddr::from(([127, 0, 0, 1], 10998));
         for e in [
-            Error::BindTcp { addr, source: io() },
-            Error::Inherited {
+            HttpError::BindTcp { addr, source: io() },
+            HttpError::Inherited {
                 why: "it has no TCP address".into(),
                 source: Some(io()),
             },
-            Error::UnixSocket {
+            HttpError::UnixSocket {
                 path: "/run/shim.sock".into(),
                 op: "bind",
                 source: io(),

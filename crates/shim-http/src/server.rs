@@ -21,7 +21,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::Error;
+use crate::HttpError;
 use crate::api::{ComponentsApi, ShimApi, ShutdownRequest};
 use crate::events::{ConnectionClose, EventsConfig, EventsHub};
 use crate::handlers::{State, handle};
@@ -44,16 +44,16 @@ impl Listeners {
     /// A stale socket file at `unix` (nobody accepts on it) is replaced; a live one, or a file
     /// that is not a socket, is an error. The socket is bound under a temporary name, chmod-ed,
     /// then renamed into place, so it is never reachable with wider permissions.
-    pub async fn bind(tcp: SocketAddr, unix: Option<&Path>) -> Result<Self, Error> {
+    pub async fn bind(tcp: SocketAddr, unix: Option<&Path>) -> Result<Self, HttpError> {
         if !tcp.ip().is_loopback() {
-            return Err(Error::NotLoopback { addr: tcp });
+            return Err(HttpError::NotLoopback { addr: tcp });
         }
         let listener = TcpListener::bind(tcp)
             .await
-            .map_err(|source| Error::BindTcp { addr: tcp, source })?;
+            .map_err(|source| HttpError::BindTcp { addr: tcp, source })?;
         let tcp_addr = listener
             .local_addr()
-            .map_err(|source| Error::BindTcp { addr: tcp, source })?;
+            .map_err(|source| HttpError::BindTcp { addr: tcp, source })?;
         let unix = match unix {
             Some(path) => Some((bind_unix(path)?, path.to_path_buf())),
             None => None,
@@ -69,12 +69,12 @@ impl Listeners {
     /// systemd socket activation or by the process it replaced in an upgrade in place) and,
     /// if given, binds a Unix socket at `unix` as [`Listeners::bind`] does.
     ///
-    /// The socket must be bound to a loopback address ([`Error::NotLoopback`] otherwise): the
+    /// The socket must be bound to a loopback address ([`HttpError::NotLoopback`] otherwise): the
     /// API is loopback-only whoever made the socket. It is set non-blocking.
-    pub fn from_tcp(tcp: std::net::TcpListener, unix: Option<&Path>) -> Result<Self, Error> {
+    pub fn from_tcp(tcp: std::net::TcpListener, unix: Option<&Path>) -> Result<Self, HttpError> {
         let inherited = |why: &str| {
             let why = why.to_owned();
-            move |source: io::Error| Error::Inherited {
+            move |source: io::Error| HttpError::Inherited {
                 why,
                 source: Some(source),
             }
@@ -83,7 +83,7 @@ impl Listeners {
             .local_addr()
             .map_err(inherited("it has no TCP address"))?;
         if !tcp_addr.ip().is_loopback() {
-            return Err(Error::NotLoopback { addr: tcp_addr });
+            return Err(HttpError::NotLoopback { addr: tcp_addr });
         }
         tcp.set_nonblocking(true)
             .map_err(inherited("cannot make it non-blocking"))?;
@@ -117,9 +117,9 @@ impl Listeners {
     }
 }
 
-fn bind_unix(path: &Path) -> Result<UnixListener, Error> {
+fn bind_unix(path: &Path) -> Result<UnixListener, HttpError> {
     let unix_err = |op: &'static str| {
-        move |source: io::Error| Error::UnixSocket {
+        move |source: io::Error| HttpError::UnixSocket {
             path: path.to_path_buf(),
             op,
             source,
@@ -128,14 +128,14 @@ fn bind_unix(path: &Path) -> Result<UnixListener, Error> {
     match fs_err::symlink_metadata(path) {
         Ok(meta) if meta.file_type().is_socket() => {
             if std::os::unix::net::UnixStream::connect(path).is_ok() {
-                return Err(Error::SocketInUse {
+                return Err(HttpError::SocketInUse {
                     path: path.to_path_buf(),
                 });
             }
             tracing::info!(path = %path.display(), "replacing a stale unix socket");
         }
         Ok(_) => {
-            return Err(Error::NotASocket {
+            return Err(HttpError::NotASocket {
                 path: path.to_path_buf(),
             });
         }
@@ -308,7 +308,7 @@ pub async fn serve(
     components: Arc<dyn ComponentsApi>,
     config: ServerConfig,
     shutdown: CancellationToken,
-) -> Result<(), Error> {
+) -> Result<(), HttpError> {
     let ServerConfig {
         version,
         force_shutdown: force,

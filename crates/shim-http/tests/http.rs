@@ -15,7 +15,7 @@ use async_trait::async_trait;
 use common::{exchange, get, parse_response, post, raw, request_bytes};
 use shim_components::{ComponentInfo, ComponentName, ComponentStatus};
 use shim_http::{
-    ApiError, ComponentsApi, ConnectionLimits, Error, InstanceInfo, Listeners, ServerConfig,
+    ApiError, ComponentsApi, ConnectionLimits, HttpError, InstanceInfo, Listeners, ServerConfig,
     ShimApi, serve,
 };
 use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
@@ -203,7 +203,7 @@ struct Server {
     components: Arc<FakeComponents>,
     shutdown: CancellationToken,
     force: CancellationToken,
-    handle: JoinHandle<Result<(), Error>>,
+    handle: JoinHandle<Result<(), HttpError>>,
 }
 
 /// A drain hook the test controls: `started` fires when the server awaits it, `release` ends it.
@@ -988,7 +988,7 @@ async fn refuses_non_loopback() {
     let e = Listeners::bind("0.0.0.0:0".parse().unwrap(), None)
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::NotLoopback { .. }), "{e}");
+    assert!(matches!(e, HttpError::NotLoopback { .. }), "{e}");
     assert_eq!(
         e.to_string(),
         "refusing to listen on 0.0.0.0:0: the shim API is loopback-only"
@@ -996,7 +996,7 @@ async fn refuses_non_loopback() {
     let e = Listeners::bind("192.0.2.1:0".parse().unwrap(), None)
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::NotLoopback { .. }), "{e}");
+    assert!(matches!(e, HttpError::NotLoopback { .. }), "{e}");
 }
 
 #[tokio::test]
@@ -1032,7 +1032,7 @@ async fn unix_socket_mode_0600_and_serves() {
     let e = Listeners::bind("127.0.0.1:0".parse().unwrap(), Some(&path))
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::SocketInUse { .. }), "{e}");
+    assert!(matches!(e, HttpError::SocketInUse { .. }), "{e}");
 
     stop(s).await;
     assert!(!path.exists(), "the socket is removed on shutdown");
@@ -1042,7 +1042,7 @@ async fn unix_socket_mode_0600_and_serves() {
     let e = Listeners::bind("127.0.0.1:0".parse().unwrap(), Some(&path))
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::NotASocket { .. }), "{e}");
+    assert!(matches!(e, HttpError::NotASocket { .. }), "{e}");
     assert_eq!(fs_err::read_to_string(&path).unwrap(), "precious");
 }
 
@@ -1487,7 +1487,7 @@ async fn an_inherited_socket_must_be_loopback() {
     let socket = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
     let port = socket.local_addr().unwrap().port();
     let e = Listeners::from_tcp(socket, None).unwrap_err();
-    assert!(matches!(e, Error::NotLoopback { .. }), "{e}");
+    assert!(matches!(e, HttpError::NotLoopback { .. }), "{e}");
     assert_eq!(
         e.to_string(),
         format!("refusing to listen on 0.0.0.0:{port}: the shim API is loopback-only")

@@ -144,7 +144,7 @@ struct Server {
     addr: SocketAddr,
     fake: Arc<Fake>,
     shutdown: CancellationToken,
-    handle: JoinHandle<Result<(), shim_http::Error>>,
+    handle: JoinHandle<Result<(), shim_http::HttpError>>,
 }
 
 async fn start(fake: Fake, limits: ConnectionLimits, events: EventsConfig) -> Server {

@@ -21,7 +21,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, Result};
+use crate::error::{ResourcesError, Result};
 
 /// Where the control groups and the processes are (`/sys/fs/cgroup` and `/proc` on a host;
 /// a directory tree of the same shape in tests).
@@ -88,12 +88,12 @@ impl Cgroups {
     /// `memory` groups when the host mounts those controllers, else its unified group.
     pub fn locate(&self, pid: u32) -> Result<Cgroup> {
         let file = self.proc.join(pid.to_string()).join("cgroup");
-        let text = fs_err::read_to_string(&file).map_err(|source| Error::Io {
+        let text = fs_err::read_to_string(&file).map_err(|source| ResourcesError::Io {
             action: "read",
             path: file.clone(),
             source,
         })?;
-        self.parse(&text).ok_or_else(|| Error::Parse {
+        self.parse(&text).ok_or_else(|| ResourcesError::Parse {
             tool: "cgroup",
             why: format!(
                 "{}: no cgroup v1 cpuacct and memory groups, nor a v2 group under {}",
@@ -189,15 +189,15 @@ impl Cgroup {
 }
 
 fn read(path: &Path) -> Result<String> {
-    fs_err::read_to_string(path).map_err(|source| Error::Io {
+    fs_err::read_to_string(path).map_err(|source| ResourcesError::Io {
         action: "read",
         path: path.to_owned(),
         source,
     })
 }
 
-fn parse_error(path: &Path, why: impl Into<String>) -> Error {
-    Error::Parse {
+fn parse_error(path: &Path, why: impl Into<String>) -> ResourcesError {
+    ResourcesError::Parse {
         tool: "cgroup",
         why: format!("{}: {}", path.display(), why.into()),
     }
@@ -229,8 +229,10 @@ fn keyed(path: &Path, key: &str) -> Result<u64> {
 fn optional(read: Result<u64>) -> Result<Option<u64>> {
     match read {
         Ok(v) => Ok(Some(v)),
-        Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(Error::Parse { why, .. }) if why.ends_with("no oom_kill") => Ok(None),
+        Err(ResourcesError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            Ok(None)
+        }
+        Err(ResourcesError::Parse { why, .. }) if why.ends_with("no oom_kill") => Ok(None),
         Err(e) => Err(e),
     }
 }

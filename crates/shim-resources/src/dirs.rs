@@ -3,7 +3,7 @@
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
 
-use crate::error::{Error, Result, io_err};
+use crate::error::{ResourcesError, Result, io_err};
 
 /// Makes sure the host directory `path` exists. A missing one is created world-writable
 /// (0777, regardless of the umask) so any container user can write to it, its missing parents
@@ -11,7 +11,7 @@ use crate::error::{Error, Result, io_err};
 /// permissions). Returns whether it was created. `path` must be absolute.
 pub fn ensure_instance_dir(path: &Path) -> Result<bool> {
     if !path.is_absolute() {
-        return Err(Error::io(
+        return Err(ResourcesError::io(
             "create",
             path,
             std::io::Error::new(std::io::ErrorKind::InvalidInput, "path must be absolute"),
@@ -20,7 +20,7 @@ pub fn ensure_instance_dir(path: &Path) -> Result<bool> {
     match fs_err::symlink_metadata(path) {
         Ok(_) => return Ok(false),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(Error::io("stat", path, e)),
+        Err(e) => return Err(ResourcesError::io("stat", path, e)),
     }
     // Missing ancestors, outermost first.
     let mut missing = Vec::new();
@@ -32,7 +32,7 @@ pub fn ensure_instance_dir(path: &Path) -> Result<bool> {
                 missing.push(parent.to_owned());
                 p = parent;
             }
-            Err(e) => return Err(Error::io("stat", parent, e)),
+            Err(e) => return Err(ResourcesError::io("stat", parent, e)),
         }
     }
     for dir in missing.iter().rev() {
@@ -42,7 +42,7 @@ pub fn ensure_instance_dir(path: &Path) -> Result<bool> {
         Ok(()) => {}
         // Created concurrently by someone else: theirs, leave it alone.
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(false),
-        Err(e) => return Err(Error::io("create", path, e)),
+        Err(e) => return Err(ResourcesError::io("create", path, e)),
     }
     fs_err::set_permissions(path, std::fs::Permissions::from_mode(0o777))
         .map_err(io_err("chmod", path))?;
@@ -55,7 +55,7 @@ fn create_one(dir: &Path, mode: u32) -> Result<()> {
         Ok(()) => fs_err::set_permissions(dir, std::fs::Permissions::from_mode(mode))
             .map_err(io_err("chmod", dir)),
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
-        Err(e) => Err(Error::io("create", dir, e)),
+        Err(e) => Err(ResourcesError::io("create", dir, e)),
     }
 }
 

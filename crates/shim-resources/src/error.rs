@@ -5,10 +5,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// Result with this crate's [`Error`].
-pub type Result<T, E = Error> = std::result::Result<T, E>;
+/// Result with this crate's [`ResourcesError`].
+pub type Result<T, E = ResourcesError> = std::result::Result<T, E>;
 
-/// How [`Error::NotEnoughGpus`] names the free GPUs kept out as unhealthy.
+/// How [`ResourcesError::NotEnoughGpus`] names the free GPUs kept out as unhealthy.
 fn unhealthy_suffix(unhealthy: &[String]) -> String {
     if unhealthy.is_empty() {
         String::new()
@@ -24,7 +24,7 @@ fn unhealthy_suffix(unhealthy: &[String]) -> String {
 /// What went wrong with a host resource.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum Error {
+pub enum ResourcesError {
     /// A file system operation failed.
     #[error("{action} {}", path.display())]
     Io {
@@ -67,7 +67,7 @@ pub enum Error {
     /// A file operation failed, or a path is not what it must be (a symbolic link where a
     /// directory or a regular file is required: nothing was read or written through it).
     #[error(transparent)]
-    Fs(#[from] shim_fs::Error),
+    Fs(#[from] shim_fs::FsError),
     /// A host tool could not be started, ran past its time limit, or failed.
     #[error(transparent)]
     Command(#[from] shim_util::CommandError),
@@ -208,7 +208,7 @@ pub enum Error {
     },
 }
 
-impl Error {
+impl ResourcesError {
     pub(crate) fn io(
         action: &'static str,
         path: impl Into<PathBuf>,
@@ -222,7 +222,7 @@ impl Error {
     }
 }
 
-/// ` at line N` for [`Error::TopoMatrix`]'s message, nothing without a line.
+/// ` at line N` for [`ResourcesError::TopoMatrix`]'s message, nothing without a line.
 fn at_line(line: &Option<usize>) -> String {
     line.map(|l| format!(" at line {l}")).unwrap_or_default()
 }
@@ -231,8 +231,8 @@ fn at_line(line: &Option<usize>) -> String {
 pub(crate) fn io_err<'a>(
     action: &'static str,
     path: &'a std::path::Path,
-) -> impl FnOnce(std::io::Error) -> Error + 'a {
-    move |source| Error::io(action, path, source)
+) -> impl FnOnce(std::io::Error) -> ResourcesError + 'a {
+    move |source| ResourcesError::io(action, path, source)
 }
 
 #[cfg(test)]
@@ -254,36 +254,36 @@ mod tests {
         let join = job.await.unwrap_err();
         let json = serde_json::from_str::<u8>("x").unwrap_err();
         let fs = shim_fs::read_file("/nonexistent/dir/file", 10).unwrap_err();
-        let cases: Vec<Error> = vec![
-            Error::io("read", "/x", io()),
-            Error::UserLookup {
+        let cases: Vec<ResourcesError> = vec![
+            ResourcesError::io("read", "/x", io()),
+            ResourcesError::UserLookup {
                 user: "u".into(),
                 source: errno,
             },
-            Error::Fs(fs),
-            Error::Command(shim_util::CommandError::Spawn {
+            ResourcesError::Fs(fs),
+            ResourcesError::Command(shim_util::CommandError::Spawn {
                 program: "mkfs.ext4".into(),
                 source: io(),
             }),
-            Error::Mount {
+            ResourcesError::Mount {
                 device: "/dev/x".into(),
                 target: "/m".into(),
                 source: errno,
             },
-            Error::Unmount {
+            ResourcesError::Unmount {
                 target: "/m".into(),
                 source: errno,
             },
-            Error::Sys {
+            ResourcesError::Sys {
                 action: "stat",
                 path: "/x".into(),
                 source: errno,
             },
-            Error::Json {
+            ResourcesError::Json {
                 what: "host info",
                 source: json,
             },
-            Error::Join {
+            ResourcesError::Join {
                 what: "mount",
                 source: join,
             },

@@ -13,7 +13,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use shim_task::{MountedVolume, PublicKey, TaskId, VolumeSpec};
 
-use crate::error::{Error, Result};
+use crate::error::{ResourcesError, Result};
 use crate::keys::{AuthorizedKeys, UserDb, UserEntry};
 use crate::volumes::{Mounter, VolumeManager};
 
@@ -109,7 +109,7 @@ fn set(m: &Mutex<BTreeSet<String>>, name: &str, on: bool) {
     }
 }
 
-fn fake_error(what: &str) -> Error {
+fn fake_error(what: &str) -> ResourcesError {
     shim_util::CommandOutput::exit(1, "injected failure")
         .failure(&shim_util::Command::new("fake").arg(what))
         .into()
@@ -204,7 +204,7 @@ impl Mounter for FakeMounter {
             fstype.to_owned(),
         ));
         if lock(&self.fail).contains(target) {
-            return Err(Error::Mount {
+            return Err(ResourcesError::Mount {
                 device: device.to_owned(),
                 target: target.to_owned(),
                 source: nix::errno::Errno::EIO,
@@ -219,7 +219,7 @@ impl Mounter for FakeMounter {
         let delay = *lock(&self.unmount_delay);
         std::thread::sleep(delay);
         if lock(&self.fail).contains(target) {
-            return Err(Error::Unmount {
+            return Err(ResourcesError::Unmount {
                 target: target.to_owned(),
                 source: nix::errno::Errno::EBUSY,
             });
@@ -286,7 +286,7 @@ impl AuthorizedKeys for FakeAuthorizedKeys {
             return Err(fake_error("authorized_keys add"));
         }
         if user.is_empty() && !keys.is_empty() {
-            return Err(Error::MissingUser { keys: keys.len() });
+            return Err(ResourcesError::MissingUser { keys: keys.len() });
         }
         lock(&self.unknown).remove(task);
         lock(&self.live).insert(task.clone(), (user.to_owned(), keys.to_vec()));
@@ -354,7 +354,7 @@ impl UserDb for StaticUserDb {
         self.users
             .get(user)
             .cloned()
-            .ok_or_else(|| Error::UnknownUser {
+            .ok_or_else(|| ResourcesError::UnknownUser {
                 user: user.to_owned(),
             })
     }

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use shim_fs::{Dir, WriteOptions};
 
-use crate::error::{Error, Result};
+use crate::error::{ResourcesError, Result};
 use crate::gpu::HostGpus;
 
 /// The name of the host info file in the shim's home.
@@ -66,8 +66,9 @@ pub fn cpu_count() -> usize {
 /// Total memory in bytes, from `/proc/meminfo`.
 pub fn total_memory() -> Result<u64> {
     let path = Path::new("/proc/meminfo");
-    let text = fs_err::read_to_string(path).map_err(|source| Error::io("read", path, source))?;
-    parse_meminfo_total(&text).ok_or_else(|| Error::Parse {
+    let text =
+        fs_err::read_to_string(path).map_err(|source| ResourcesError::io("read", path, source))?;
+    parse_meminfo_total(&text).ok_or_else(|| ResourcesError::Parse {
         tool: "/proc/meminfo",
         why: "no MemTotal line".to_owned(),
     })
@@ -141,7 +142,7 @@ impl FsProbe for HostFs {
 
 /// How full the file system holding `path` is.
 pub fn fs_usage(path: &Path) -> Result<FsUsage> {
-    let st = nix::sys::statfs::statfs(path).map_err(|source| Error::Sys {
+    let st = nix::sys::statfs::statfs(path).map_err(|source| ResourcesError::Sys {
         action: "statfs",
         path: path.to_owned(),
         source,
@@ -229,7 +230,7 @@ fn prefix_len(mask: Option<IpAddr>) -> u8 {
 /// Every non-loopback address of every interface, IPv4 and IPv6, in CIDR notation (upstream's
 /// `GetNetworkAddresses`), read with `getifaddrs(3)`.
 pub fn network_addresses() -> Result<Vec<String>> {
-    let list = nix::ifaddrs::getifaddrs().map_err(|source| Error::Sys {
+    let list = nix::ifaddrs::getifaddrs().map_err(|source| ResourcesError::Sys {
         action: "getifaddrs",
         path: PathBuf::new(),
         source,
@@ -301,7 +302,7 @@ pub fn write_host_info_once(dir: &Path, info: &HostInfo) -> Result<(PathBuf, boo
     if d.stat(HOST_INFO_FILE)?.is_some() {
         return Ok((path, false));
     }
-    let data = serde_json::to_vec(info).map_err(|source| Error::Json {
+    let data = serde_json::to_vec(info).map_err(|source| ResourcesError::Json {
         what: "host info",
         source,
     })?;

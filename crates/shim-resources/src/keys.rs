@@ -47,7 +47,7 @@ use shim_task::{PublicKey, TaskId};
 use shim_util::error_chain;
 
 use crate::blocking::blocking;
-use crate::error::{Error, Result};
+use crate::error::{ResourcesError, Result};
 
 /// The suffix of every line the shim writes.
 pub const MARKER: &str = "# added by dstack-shim";
@@ -74,7 +74,7 @@ pub struct UserEntry {
 
 /// Looks users up (injectable so tests can use temporary homes).
 pub trait UserDb: Send + Sync {
-    /// The user's entry; [`Error::UnknownUser`] when there is none.
+    /// The user's entry; [`ResourcesError::UnknownUser`] when there is none.
     fn lookup(&self, user: &str) -> Result<UserEntry>;
 }
 
@@ -91,10 +91,10 @@ impl UserDb for SystemUserDb {
                 uid: u.uid.as_raw(),
                 gid: u.gid.as_raw(),
             }),
-            Ok(None) => Err(Error::UnknownUser {
+            Ok(None) => Err(ResourcesError::UnknownUser {
                 user: user.to_owned(),
             }),
-            Err(source) => Err(Error::UserLookup {
+            Err(source) => Err(ResourcesError::UserLookup {
                 user: user.to_owned(),
                 source,
             }),
@@ -108,7 +108,7 @@ impl UserDb for SystemUserDb {
 pub trait AuthorizedKeys: Send + Sync {
     /// Registers `keys` as task `task`'s keys for `user` (replacing what the task had, and any
     /// unknown hold of it) and makes sure each has a marked line in the user's file. Never
-    /// removes a line. An empty `user` with keys is [`Error::MissingUser`]. On error nothing
+    /// removes a line. An empty `user` with keys is [`ResourcesError::MissingUser`]. On error nothing
     /// is registered for the task and the file is unchanged.
     async fn add(&self, task: &TaskId, user: &str, keys: &[PublicKey]) -> Result<()>;
 
@@ -223,7 +223,7 @@ impl AuthorizedKeysManager {
             if keys.is_empty() {
                 return Ok(());
             }
-            return Err(Error::MissingUser { keys: keys.len() });
+            return Err(ResourcesError::MissingUser { keys: keys.len() });
         }
         check_user(user)?;
         let _io = self.inner.io();
@@ -328,7 +328,7 @@ impl AuthorizedKeysManager {
             };
             match sync_user(&*self.inner.users, u, &rewrite, false) {
                 Ok(()) => {}
-                Err(Error::UnknownUser { .. }) => {
+                Err(ResourcesError::UnknownUser { .. }) => {
                     tracing::debug!(task = %task, user = %u, "no such user; no keys to remove");
                 }
                 Err(e) => {
@@ -443,7 +443,7 @@ impl AuthorizedKeys for AuthorizedKeysManager {
 /// (like upstream's `user.Lookup`, runner/internal/shim/authorized_keys.go).
 pub fn check_user(user: &str) -> Result<()> {
     if user.is_empty() || user.contains(['/', '\0', '\n', '\r']) || user == "." || user == ".." {
-        return Err(Error::InvalidUser {
+        return Err(ResourcesError::InvalidUser {
             user: user.to_owned(),
         });
     }

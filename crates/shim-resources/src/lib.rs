@@ -40,7 +40,7 @@
 //!
 //! Durable writes (authorized_keys, host_info.json) go through [`shim_fs`].
 //!
-//! Errors: one [`Error`] enum; every variant names the path, device, user or command.
+//! Errors: one [`ResourcesError`] enum; every variant names the path, device, user or command.
 
 mod blocking;
 pub mod cgroup;
@@ -54,7 +54,7 @@ pub mod keys;
 pub mod volumes;
 
 pub use dirs::ensure_instance_dir;
-pub use error::{Error, Result};
+pub use error::{ResourcesError, Result};
 #[cfg(any(test, feature = "test-support"))]
 pub use fake::StaticUserDb;
 pub use gpu::{CdiRegistry, GpuDetector, GpuInfo, GpuLock, GpuVendor, HostGpus};

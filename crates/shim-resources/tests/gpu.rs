@@ -9,7 +9,7 @@ use shim_resources::gpu::{
     AMD_SMI_IMAGE, GpuInfo, TT_SMI_IMAGE, parse_amd_smi, parse_hl_smi, parse_nvidia_smi,
     parse_tt_smi,
 };
-use shim_resources::{Error, GpuDetector, GpuLock, GpuVendor, HostGpus};
+use shim_resources::{GpuDetector, GpuLock, GpuVendor, HostGpus, ResourcesError};
 use shim_util::CommandOutput;
 use shim_util::fake::ScriptedCommandRunner;
 
@@ -539,7 +539,7 @@ fn lock_acquire_counts() {
     assert!(
         matches!(
             &e,
-            Error::NotEnoughGpus {
+            ResourcesError::NotEnoughGpus {
                 requested: 2,
                 free: 1,
                 total: 4,
@@ -557,7 +557,7 @@ fn lock_acquire_counts() {
     assert_eq!(lock.acquire(-1).unwrap(), Vec::<String>::new());
     assert!(matches!(
         lock.acquire(-2),
-        Err(Error::InvalidGpuCount { .. })
+        Err(ResourcesError::InvalidGpuCount { .. })
     ));
     lock.release(&a);
     lock.release(&a); // idempotent

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use shim_resources::gpu::{Link, SetScore, Topology, choose, parse_nvidia_topo};
-use shim_resources::{Error, GpuDetector};
+use shim_resources::{GpuDetector, ResourcesError};
 use shim_util::CommandOutput;
 use shim_util::fake::ScriptedCommandRunner;
 
@@ -263,7 +263,7 @@ fn unreadable_matrices_are_errors() {
     ];
     for (out, line, why) in cases {
         match parse_nvidia_topo(out) {
-            Err(Error::TopoMatrix { line: l, why: w }) => {
+            Err(ResourcesError::TopoMatrix { line: l, why: w }) => {
                 assert_eq!(l, line, "{out:?}");
                 assert!(w.contains(why), "{out:?}: {w}");
             }
@@ -312,12 +312,14 @@ async fn detector_runs_nvidia_smi_topo() {
     );
     assert!(matches!(
         detector.topology().await,
-        Err(Error::Command(shim_util::CommandError::Failed { .. }))
+        Err(ResourcesError::Command(
+            shim_util::CommandError::Failed { .. }
+        ))
     ));
     runner.push("nvidia-smi", CommandOutput::ok("No devices were found\n"));
     assert!(matches!(
         detector.topology().await,
-        Err(Error::TopoMatrix { line: None, .. })
+        Err(ResourcesError::TopoMatrix { line: None, .. })
     ));
 }
 

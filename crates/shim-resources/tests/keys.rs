@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use shim_resources::keys::{MARKER, Rewrite, marked_line, parse_marked_line, render};
-use shim_resources::{AuthorizedKeys, AuthorizedKeysManager, Error, StaticUserDb, UserDb as _};
+use shim_resources::{
+    AuthorizedKeys, AuthorizedKeysManager, ResourcesError, StaticUserDb, UserDb as _,
+};
 use shim_task::{PublicKey, TaskId};
 
 /// The first statement of a test that needs root (loop devices, mounts), which also carries the
@@ -319,18 +321,21 @@ async fn unknown_or_invalid_user_is_an_error_and_registers_nothing() {
         .add(&task("a"), "mallory", &[key(K1)])
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::UnknownUser { .. }), "{e}");
+    assert!(matches!(e, ResourcesError::UnknownUser { .. }), "{e}");
     for bad in ["../etc", "a/b", ".", "..", "a\nb", "a\rb", "a\0b"] {
         let e = h
             .manager
             .add(&task("a"), bad, &[key(K1)])
             .await
             .unwrap_err();
-        assert!(matches!(e, Error::InvalidUser { .. }), "{bad:?}: {e}");
+        assert!(
+            matches!(e, ResourcesError::InvalidUser { .. }),
+            "{bad:?}: {e}"
+        );
     }
     // An empty user with keys fails with a clear error; without keys there is nothing to do.
     let e = h.manager.add(&task("a"), "", &[key(K1)]).await.unwrap_err();
-    assert!(matches!(e, Error::MissingUser { keys: 1 }), "{e}");
+    assert!(matches!(e, ResourcesError::MissingUser { keys: 1 }), "{e}");
     assert!(e.to_string().contains("no host user"), "{e}");
     h.manager.add(&task("a"), "", &[]).await.unwrap();
     assert!(h.manager.live_tasks().is_empty());
@@ -386,7 +391,7 @@ async fn any_name_the_passwd_database_knows_is_accepted() {
     assert_eq!(root.uid, 0);
     assert!(matches!(
         shim_resources::SystemUserDb.lookup("no.such.user-4b1d"),
-        Err(Error::UnknownUser { .. })
+        Err(ResourcesError::UnknownUser { .. })
     ));
 }
 
@@ -689,7 +694,7 @@ async fn symlinked_file_or_ssh_dir_is_refused_and_never_followed() {
     assert!(
         matches!(
             e,
-            Error::Fs(shim_fs::Error::WrongType {
+            ResourcesError::Fs(shim_fs::FsError::WrongType {
                 found: "a symbolic link",
                 ..
             })
@@ -713,7 +718,7 @@ async fn symlinked_file_or_ssh_dir_is_refused_and_never_followed() {
     assert!(
         matches!(
             e,
-            Error::Fs(shim_fs::Error::WrongType {
+            ResourcesError::Fs(shim_fs::FsError::WrongType {
                 found: "a symbolic link",
                 ..
             })
@@ -846,7 +851,7 @@ fn ssh_dir_swapped_for_a_link_mid_update_is_never_written_through() {
         ] {
             match r {
                 Ok(()) => ok += 1,
-                Err(Error::Fs(_)) => refused += 1,
+                Err(ResourcesError::Fs(_)) => refused += 1,
                 Err(e) => panic!("unexpected error: {e}"),
             }
         }

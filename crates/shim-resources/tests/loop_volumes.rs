@@ -9,7 +9,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 use shim_resources::volumes::Probe;
-use shim_resources::{BlockVolumes, Error, VolumeConfig, VolumeManager};
+use shim_resources::{BlockVolumes, ResourcesError, VolumeConfig, VolumeManager};
 use shim_task::{MountedVolume, TaskName, VolumeBackend, VolumeSpec};
 use shim_util::SystemCommandRunner;
 
@@ -237,7 +237,7 @@ async fn blank_device_without_init_fs_is_an_error_and_stays_blank() {
     let lp = Loop::blank(32);
     let m = lp.manager();
     let e = m.prepare(&lp.spec(false)).await.unwrap_err();
-    assert!(matches!(e, Error::NoFilesystem { .. }), "{e}");
+    assert!(matches!(e, ResourcesError::NoFilesystem { .. }), "{e}");
     assert!(e.to_string().contains("init_fs"), "{e}");
     assert_eq!(lp.blkid().0, Some(2), "still blank");
     assert!(!is_mounted(&lp.root().join("data")));
@@ -256,7 +256,7 @@ async fn partitioned_device_is_never_formatted() {
         Probe::Other("partition table dos".to_owned())
     );
     let e = m.prepare(&lp.spec(true)).await.unwrap_err();
-    assert!(matches!(e, Error::NotAFilesystem { .. }), "{e}");
+    assert!(matches!(e, ResourcesError::NotAFilesystem { .. }), "{e}");
     let (code, out) = lp.blkid();
     assert_eq!(code, Some(0));
     assert!(
@@ -290,7 +290,7 @@ async fn partitioned_gcp_disk_is_mounted_by_its_first_partition() {
         Probe::Other("a partition (dos) without a file system".to_owned())
     );
     let e = m.prepare(&lp.spec(true)).await.unwrap_err();
-    assert!(matches!(e, Error::NotAFilesystem { .. }), "{e}");
+    assert!(matches!(e, ResourcesError::NotAFilesystem { .. }), "{e}");
     assert!(!part_blkid().contains("TYPE=ext4"), "not formatted");
     assert!(!is_mounted(&mp));
 
@@ -330,7 +330,7 @@ async fn busy_mount_fails_release_until_freed() {
     let mp = lp.root().join("data");
     let open = fs_err::File::create(mp.join("open-file")).unwrap();
     let e = m.release(&vol).await.unwrap_err();
-    assert!(matches!(e, Error::Unmount { .. }), "{e}");
+    assert!(matches!(e, ResourcesError::Unmount { .. }), "{e}");
     assert!(is_mounted(&mp));
     drop(open);
     m.release(&vol).await.unwrap();
@@ -364,7 +364,7 @@ async fn zero_size_device_is_refused() {
     let e = m.resolve_device(&lp.spec(true)).await.unwrap_err();
     assert!(e.to_string().contains("size is zero"), "{e}");
     let e = m.prepare(&lp.spec(true)).await.unwrap_err();
-    assert!(matches!(e, Error::NotBlockDevice { .. }), "{e}");
+    assert!(matches!(e, ResourcesError::NotBlockDevice { .. }), "{e}");
 }
 
 #[tokio::test]

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use shim_resources::volumes::{
     Probe, aws_fallback_names, find_aws_device, is_mount_point_in, parse_blkid,
 };
-use shim_resources::{BlockVolumes, Error, VolumeConfig, VolumeManager};
+use shim_resources::{BlockVolumes, ResourcesError, VolumeConfig, VolumeManager};
 use shim_task::{MountedVolume, TaskName, VolumeBackend, VolumeSpec};
 use shim_util::CommandOutput;
 use shim_util::fake::ScriptedCommandRunner;
@@ -106,7 +106,7 @@ async fn aws_device_never_appearing_is_an_error_after_the_wait() {
         .find_device(&aws("vol-0123456789abcdef0", "/dev/sdf"))
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::DeviceNotFound { .. }), "{e}");
+    assert!(matches!(e, ResourcesError::DeviceNotFound { .. }), "{e}");
     assert!(runner.count("lsblk") >= 2, "polled");
 }
 
@@ -188,7 +188,7 @@ async fn missing_or_non_block_device_is_an_error_after_a_bounded_wait() {
         .wait_block_device(&tmp.path().join("missing"))
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::NotBlockDevice { .. }), "{e}");
+    assert!(matches!(e, ResourcesError::NotBlockDevice { .. }), "{e}");
     let file = tmp.path().join("regular");
     fs_err::write(&file, "data").unwrap();
     let e = m.wait_block_device(&file).await.unwrap_err();

@@ -11,7 +11,7 @@ use shim_task::TaskId;
 #[non_exhaustive]
 pub enum StoreError {
     /// A filesystem operation failed. `context` says what the store was doing; the source
-    /// (an `fs-err` error, or a `shim_fs::Error` inside an `io::Error` of the same kind)
+    /// (an `fs-err` error, or a `shim_fs::FsError` inside an `io::Error` of the same kind)
     /// names the path.
     #[error("{context}")]
     Io {

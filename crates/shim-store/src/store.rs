@@ -156,10 +156,10 @@ fn writing(record: &TaskRecord) -> String {
 /// A shim-fs error as a store error: a link or a file where a directory must be is
 /// [`StoreError::UnsafePath`]; anything else is [`StoreError::Io`] whose source keeps the
 /// error kind (not found, disk full) and the shim-fs error (its path and step) as the message.
-fn fs_err_ctx(context: impl Into<String>) -> impl FnOnce(shim_fs::Error) -> StoreError {
+fn fs_err_ctx(context: impl Into<String>) -> impl FnOnce(shim_fs::FsError) -> StoreError {
     let context = context.into();
     move |e| match e {
-        shim_fs::Error::WrongType {
+        shim_fs::FsError::WrongType {
             path,
             expected: "a directory",
             ..
@@ -175,7 +175,7 @@ fn fs_err_ctx(context: impl Into<String>) -> impl FnOnce(shim_fs::Error) -> Stor
 }
 
 /// A shim-fs error as an `io::Error` of the same kind.
-fn fs_io(e: shim_fs::Error) -> io::Error {
+fn fs_io(e: shim_fs::FsError) -> io::Error {
     io::Error::new(e.io_kind().unwrap_or(io::ErrorKind::Other), e)
 }
 
@@ -358,7 +358,7 @@ impl Store {
     }
 
     /// fsyncs the runners directory, sharing the fsync with concurrent callers.
-    fn commit_runners(&self) -> std::result::Result<(), shim_fs::Error> {
+    fn commit_runners(&self) -> std::result::Result<(), shim_fs::FsError> {
         #[cfg(test)]
         self.faults
             .fire(shim_fs::Step::SyncDir, &self.runners_dir)?;
@@ -928,8 +928,8 @@ fn read_record(dir: &Dir, expect: Expect<'_>) -> Result<Option<(TaskRecord, Orig
     match dir.read_file(STATE_FILE, MAX_RECORD_BYTES) {
         Ok(Some((bytes, _))) => format::decode(&bytes, expect).map(Some),
         Ok(None) => Ok(None),
-        Err(shim_fs::Error::WrongType { .. }) => Err(RecordError::NotAFile),
-        Err(shim_fs::Error::TooLarge { .. }) => {
+        Err(shim_fs::FsError::WrongType { .. }) => Err(RecordError::NotAFile),
+        Err(shim_fs::FsError::TooLarge { .. }) => {
             let len = dir
                 .stat(STATE_FILE)
                 .ok()

@@ -18,7 +18,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
-use crate::Error;
+use crate::ComponentsError;
 
 /// The running executable's image (Linux).
 pub const RUNNING_EXE: &str = "/proc/self/exe";
@@ -35,11 +35,11 @@ const CHUNK: usize = 1 << 20;
 /// Whether the file at `path` differs from the running executable, byte for byte (same
 /// inode, or same bytes: no upgrade). `Ok(false)` when there is no file at `path`.
 /// Blocking: run it on the blocking pool.
-pub fn differs_from_running(path: &Path) -> Result<bool, Error> {
+pub fn differs_from_running(path: &Path) -> Result<bool, ComponentsError> {
     match same_content(path, Path::new(RUNNING_EXE)) {
         Ok(same) => Ok(!same),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-        Err(source) => Err(Error::Io {
+        Err(source) => Err(ComponentsError::Io {
             op: "compare with the running binary",
             path: path.to_path_buf(),
             source,
@@ -89,8 +89,8 @@ fn read_full(file: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
 }
 
 /// The SHA-256 of the file at `path`, in lower-case hex. Blocking.
-pub fn digest(path: &Path) -> Result<String, Error> {
-    let io_err = |source| Error::Io {
+pub fn digest(path: &Path) -> Result<String, ComponentsError> {
+    let io_err = |source| ComponentsError::Io {
         op: "read",
         path: path.to_path_buf(),
         source,
@@ -115,13 +115,13 @@ pub fn digest(path: &Path) -> Result<String, Error> {
 /// Puts the running executable's bytes over `target` (mode 0755), atomically
 /// (`shim_fs::write_atomic_with`): the rollback of an upgrade whose binary did not start.
 /// Blocking.
-pub fn restore_running(target: &Path) -> Result<(), Error> {
+pub fn restore_running(target: &Path) -> Result<(), ComponentsError> {
     restore_from(Path::new(RUNNING_EXE), target)
 }
 
 /// Copies `source` over `target` (mode 0755), atomically. Blocking.
-pub fn restore_from(source: &Path, target: &Path) -> Result<(), Error> {
-    let mut from = fs_err::File::open(source).map_err(|e| Error::Io {
+pub fn restore_from(source: &Path, target: &Path) -> Result<(), ComponentsError> {
+    let mut from = fs_err::File::open(source).map_err(|e| ComponentsError::Io {
         op: "open",
         path: source.to_path_buf(),
         source: e,
@@ -129,7 +129,7 @@ pub fn restore_from(source: &Path, target: &Path) -> Result<(), Error> {
     shim_fs::write_atomic_with(target, &shim_fs::WriteOptions::new(0o755), |file| {
         let mut buf = vec![0u8; CHUNK];
         loop {
-            let n = read_full(&mut from, &mut buf).map_err(|e| Error::Io {
+            let n = read_full(&mut from, &mut buf).map_err(|e| ComponentsError::Io {
                 op: "read",
                 path: source.to_path_buf(),
                 source: e,
@@ -190,19 +190,19 @@ impl RollbackRecord {
     }
 
     /// The record in `home`, if any. Blocking.
-    pub fn read(home: &Path) -> Result<Option<Self>, Error> {
+    pub fn read(home: &Path) -> Result<Option<Self>, ComponentsError> {
         let path = Self::path(home);
         let Some((bytes, _)) = shim_fs::read_file(&path, 64 * 1024)? else {
             return Ok(None);
         };
         serde_json::from_slice(&bytes)
             .map(Some)
-            .map_err(|source| Error::Record { path, source })
+            .map_err(|source| ComponentsError::Record { path, source })
     }
 
     /// Writes the record into `home` (atomically, 0600). Blocking.
-    pub fn write(&self, home: &Path) -> Result<(), Error> {
-        let bytes = serde_json::to_vec_pretty(self).map_err(|source| Error::Record {
+    pub fn write(&self, home: &Path) -> Result<(), ComponentsError> {
+        let bytes = serde_json::to_vec_pretty(self).map_err(|source| ComponentsError::Record {
             path: Self::path(home),
             source,
         })?;
@@ -211,10 +211,10 @@ impl RollbackRecord {
     }
 
     /// Removes the record from `home` (nothing if there is none). Blocking.
-    pub fn remove(home: &Path) -> Result<(), Error> {
+    pub fn remove(home: &Path) -> Result<(), ComponentsError> {
         let path = Self::path(home);
         match fs_err::remove_file(&path) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(Error::Io {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(ComponentsError::Io {
                 op: "remove",
                 path,
                 source: e,
@@ -316,7 +316,7 @@ mod tests {
 
         fs_err::write(&path, b"{\"failed_version\":").unwrap();
         let e = RollbackRecord::read(home.path()).unwrap_err();
-        assert!(matches!(e, Error::Record { .. }), "{e}");
+        assert!(matches!(e, ComponentsError::Record { .. }), "{e}");
         RollbackRecord::remove(home.path()).unwrap();
         assert!(!path.exists());
     }

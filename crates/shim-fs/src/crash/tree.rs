@@ -12,7 +12,7 @@ use rustix::fs::{AtFlags, Mode, OFlags};
 
 use super::record::NodeId;
 use crate::dir::{Dir, FileInfo, FileKind};
-use crate::error::{Error, Result, Step};
+use crate::error::{FsError, Result, Step};
 
 /// One file or directory of a [`Tree`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -163,7 +163,7 @@ impl Tree {
                 None => {}
                 Some(Node::Dir { mode, .. }) => {
                     rustix::fs::mkdirat(dir, name.as_os_str(), Mode::from_raw_mode(0o700))
-                        .map_err(|e| Error::sys(Step::CreateDir, &path, e))?;
+                        .map_err(|e| FsError::sys(Step::CreateDir, &path, e))?;
                     let Some(sub) = dir.open_dir(name)? else {
                         continue;
                     };
@@ -179,7 +179,7 @@ impl Tree {
                             name.as_os_str(),
                             AtFlags::empty(),
                         )
-                        .map_err(|e| Error::sys(Step::Link, &path, e))?;
+                        .map_err(|e| FsError::sys(Step::Link, &path, e))?;
                         continue;
                     }
                     let flags = OFlags::WRONLY
@@ -193,17 +193,17 @@ impl Tree {
                         flags,
                         Mode::from_raw_mode(0o600),
                     )
-                    .map_err(|e| Error::sys(Step::Create, &path, e))?;
+                    .map_err(|e| FsError::sys(Step::Create, &path, e))?;
                     rustix::fs::fchmod(&fd, Mode::from_raw_mode(*mode as _))
-                        .map_err(|e| Error::sys(Step::SetMode, &path, e))?;
+                        .map_err(|e| FsError::sys(Step::SetMode, &path, e))?;
                     std::fs::File::from(fd)
                         .write_all(data)
-                        .map_err(|e| Error::io(Step::Write, &path, e))?;
+                        .map_err(|e| FsError::io(Step::Write, &path, e))?;
                     placed.insert(*child, path);
                 }
                 Some(Node::Symlink { target }) => {
                     rustix::fs::symlinkat(target.as_os_str(), dir, name.as_os_str())
-                        .map_err(|e| Error::sys(Step::Create, &path, e))?;
+                        .map_err(|e| FsError::sys(Step::Create, &path, e))?;
                 }
             }
         }
@@ -217,7 +217,7 @@ type Found = Vec<((u64, u64), NodeId, String)>;
 /// inode (device, number) and path relative to the root.
 pub(crate) fn capture(root: &Path, next: &mut u64) -> Result<(Tree, Found)> {
     let dir = Dir::open_nofollow(root)?;
-    let st = rustix::fs::fstat(&dir).map_err(|e| Error::sys(Step::Stat, root, e))?;
+    let st = rustix::fs::fstat(&dir).map_err(|e| FsError::sys(Step::Stat, root, e))?;
     let mut by_key = HashMap::new();
     let mut tree = Tree {
         root: NodeId(0),
@@ -266,7 +266,7 @@ fn capture_dir(
     for name in dir.names()? {
         let path = dir.join(&name);
         let st = rustix::fs::statat(dir, name.as_os_str(), AtFlags::SYMLINK_NOFOLLOW)
-            .map_err(|e| Error::sys(Step::Stat, &path, e))?;
+            .map_err(|e| FsError::sys(Step::Stat, &path, e))?;
         let key = stat_key(&st);
         let hint = format!("{prefix}{}", name.to_string_lossy());
         if let Some(id) = by_key.get(&key) {
@@ -308,13 +308,13 @@ fn capture_dir(
             }
             FileKind::Symlink => {
                 let target = rustix::fs::readlinkat(dir, name.as_os_str(), Vec::new())
-                    .map_err(|e| Error::sys(Step::Read, &path, e))?;
+                    .map_err(|e| FsError::sys(Step::Read, &path, e))?;
                 Node::Symlink {
                     target: OsStr::from_bytes(target.as_bytes()).to_owned(),
                 }
             }
             kind => {
-                return Err(Error::WrongType {
+                return Err(FsError::WrongType {
                     step: Step::Stat,
                     path,
                     found: kind.describe(),

@@ -11,7 +11,7 @@ use super::parse::{
 };
 use super::topo::{Topology, parse_nvidia_topo};
 use super::{GpuInfo, GpuVendor, HostGpus};
-use crate::error::{Error, Result};
+use crate::error::{ResourcesError, Result};
 use shim_util::{Command, CommandError, CommandOutput, CommandRunner, error_chain};
 
 /// The image upstream runs `amd-smi` from.
@@ -201,7 +201,7 @@ impl GpuDetector {
         let out = match self.amd_smi(true).await {
             // Only an amd-smi that ran and failed may lack --driver; retrying after a
             // timeout or a failure to start would only double the wait.
-            Err(e @ Error::Command(CommandError::Failed { .. })) => {
+            Err(e @ ResourcesError::Command(CommandError::Failed { .. })) => {
                 tracing::error!(error = %error_chain(&e), "amd-smi with --driver failed; retrying without");
                 self.amd_smi(false).await?
             }
@@ -255,13 +255,14 @@ impl GpuDetector {
     /// `<dev>/dri/by-path/pci-<bdf>-render` resolved to its target (`/dev/dri/renderD<N>`).
     fn render_node(&self, bdf: &str) -> Result<String> {
         if bdf.is_empty() || bdf.contains(['/', '\0']) {
-            return Err(Error::Parse {
+            return Err(ResourcesError::Parse {
                 tool: "amd-smi",
                 why: format!("invalid bus address {bdf:?}"),
             });
         }
         let link = self.dev_root.join(format!("dri/by-path/pci-{bdf}-render"));
-        let target = fs_err::canonicalize(&link).map_err(|e| Error::io("resolve", &link, e))?;
+        let target =
+            fs_err::canonicalize(&link).map_err(|e| ResourcesError::io("resolve", &link, e))?;
         Ok(target.to_string_lossy().into_owned())
     }
 }

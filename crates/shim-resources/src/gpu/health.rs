@@ -93,7 +93,7 @@ use serde::{Deserialize, Serialize};
 use shim_util::{Command, CommandRunner, error_chain};
 
 use crate::blocking::blocking;
-use crate::error::{Error, Result, io_err};
+use crate::error::{ResourcesError, Result, io_err};
 
 /// The XIDs skipped by default: the application errors NVIDIA's Kubernetes device plugin
 /// ignores (`internal/rm/health.go`, `ignoredXids`): 13 graphics engine exception, 31 GPU
@@ -445,7 +445,7 @@ pub fn parse_nvidia_smi_query(out: &str) -> Result<Vec<GpuHealth>> {
         section.finish(&mut gpus);
     }
     if sections == 0 && !attached_none {
-        return Err(Error::Parse {
+        return Err(ResourcesError::Parse {
             tool: "nvidia-smi",
             why: "no GPU section in the output of nvidia-smi -q".to_owned(),
         });
@@ -461,7 +461,7 @@ pub fn parse_nvidia_smi_bus_ids(out: &str) -> Result<Vec<GpuHealth>> {
     for (index, line) in out.lines().filter(|l| !l.trim().is_empty()).enumerate() {
         let fields: Vec<&str> = line.split(',').map(str::trim).collect();
         let [uuid, bus_id] = fields.as_slice() else {
-            return Err(Error::Parse {
+            return Err(ResourcesError::Parse {
                 tool: "nvidia-smi",
                 why: format!(
                     "expected 2 fields (uuid, pci.bus_id), got {}: {line:?}",
@@ -470,7 +470,7 @@ pub fn parse_nvidia_smi_bus_ids(out: &str) -> Result<Vec<GpuHealth>> {
             });
         };
         if uuid.is_empty() || PciAddress::parse(bus_id).is_none() {
-            return Err(Error::Parse {
+            return Err(ResourcesError::Parse {
                 tool: "nvidia-smi",
                 why: format!("no uuid or no PCI bus id: {line:?}"),
             });
@@ -914,7 +914,7 @@ fn read_nonblocking(path: &Path) -> Result<String> {
             Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
                 tracing::debug!(path = %path.display(), "kernel log records lost while reading");
             }
-            Err(e) => return Err(Error::io("read", path, e)),
+            Err(e) => return Err(ResourcesError::io("read", path, e)),
         }
     }
     Ok(String::from_utf8_lossy(&out).into_owned())
@@ -1032,12 +1032,12 @@ pub async fn probe_nvidia_health(runner: &dyn CommandRunner, xids: &XidMonitor) 
     let mut report = GpuHealthReport::default();
     let command = Command::new("nvidia-smi").args(NVIDIA_SMI_QUERY_ARGS);
     match runner.run(&command).await {
-        Err(e) => report.errors.push(error_chain(&Error::from(e))),
+        Err(e) => report.errors.push(error_chain(&ResourcesError::from(e))),
         Ok(out) => {
             if !out.success() {
                 report
                     .errors
-                    .push(error_chain(&Error::from(out.failure(&command))));
+                    .push(error_chain(&ResourcesError::from(out.failure(&command))));
             }
             match parse_nvidia_smi_query(&out.stdout) {
                 Ok(gpus) => report.gpus = gpus,

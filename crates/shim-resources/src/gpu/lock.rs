@@ -5,7 +5,7 @@ use std::sync::{Mutex, PoisonError};
 
 use super::HostGpus;
 use super::topo::{Topology, choose};
-use crate::error::{Error, Result};
+use crate::error::{ResourcesError, Result};
 
 /// Hands GPUs to tasks. Locking never over-allocates: a request that cannot be met in full
 /// locks nothing. Safe to share (`Arc<GpuLock>`).
@@ -82,12 +82,12 @@ impl GpuLock {
     }
 
     /// Locks `n` free GPUs: `-1` all free healthy ones (possibly none), `0` none. Returns the
-    /// locked ids (the best-linked set of the free healthy ones); [`Error::NotEnoughGpus`]
+    /// locked ids (the best-linked set of the free healthy ones); [`ResourcesError::NotEnoughGpus`]
     /// with nothing locked when fewer than `n` are free and healthy, naming the free ones
     /// kept out as unhealthy and why.
     pub fn acquire(&self, n: i64) -> Result<Vec<String>> {
         if n < -1 {
-            return Err(Error::InvalidGpuCount { requested: n });
+            return Err(ResourcesError::InvalidGpuCount { requested: n });
         }
         let mut state = self.state();
         let free: Vec<&String> = self
@@ -113,7 +113,7 @@ impl GpuLock {
                             Some(format!("{id} ({})", why.join("; ")))
                         })
                         .collect();
-                    return Err(Error::NotEnoughGpus {
+                    return Err(ResourcesError::NotEnoughGpus {
                         requested: n,
                         free: healthy.len(),
                         total: self.ids.len(),

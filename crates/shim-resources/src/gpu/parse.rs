@@ -4,7 +4,7 @@
 use serde::Deserialize;
 
 use super::{GpuInfo, GpuVendor};
-use crate::error::{Error, Result};
+use crate::error::{ResourcesError, Result};
 
 /// `N/A`, `[Not Supported]` and friends mean "unknown" (upstream's `normalizeDriverVersion`).
 pub(crate) fn normalize_version(v: &str) -> Option<String> {
@@ -24,7 +24,7 @@ pub(crate) fn normalize_version(v: &str) -> Option<String> {
 
 fn parse_u64_field(tool: &'static str, what: &str, v: &str) -> Result<u64> {
     let v = v.trim();
-    v.parse().map_err(|_| Error::Parse {
+    v.parse().map_err(|_| ResourcesError::Parse {
         tool,
         why: format!("{what} {v:?} is not a number"),
     })
@@ -46,13 +46,13 @@ pub fn parse_nvidia_smi(out: &str) -> Result<(Vec<GpuInfo>, Option<String>)> {
     for line in out.lines().filter(|l| !l.trim().is_empty()) {
         let f = csv_fields(line);
         let [name, mem, uuid, version] = f.as_slice() else {
-            return Err(Error::Parse {
+            return Err(ResourcesError::Parse {
                 tool: "nvidia-smi",
                 why: format!("expected 4 fields, got {}: {line:?}", f.len()),
             });
         };
         if uuid.is_empty() {
-            return Err(Error::Parse {
+            return Err(ResourcesError::Parse {
                 tool: "nvidia-smi",
                 why: format!("empty uuid: {line:?}"),
             });
@@ -83,12 +83,12 @@ pub fn parse_hl_smi(out: &str) -> Result<Vec<GpuInfo>> {
     for line in out.lines().filter(|l| !l.trim().is_empty()) {
         let f = csv_fields(line);
         let [name, mem, index] = f.as_slice() else {
-            return Err(Error::Parse {
+            return Err(ResourcesError::Parse {
                 tool: "hl-smi",
                 why: format!("expected 3 fields, got {}: {line:?}", f.len()),
             });
         };
-        let index_n: u32 = index.parse().map_err(|_| Error::Parse {
+        let index_n: u32 = index.parse().map_err(|_| ResourcesError::Parse {
             tool: "hl-smi",
             why: format!("index {index:?} is not a number"),
         })?;
@@ -135,7 +135,7 @@ fn amd_driver_version(section: Option<&serde_json::Value>) -> Option<String> {
 /// `{"gpu_data": [...]}` (ROCm 7.x), as upstream's `parseAmdSmiOutput`. Returns the GPUs and
 /// the driver version.
 pub fn parse_amd_smi(out: &str) -> Result<(Vec<AmdGpu>, Option<String>)> {
-    let v: serde_json::Value = serde_json::from_str(out).map_err(|e| Error::Parse {
+    let v: serde_json::Value = serde_json::from_str(out).map_err(|e| ResourcesError::Parse {
         tool: "amd-smi",
         why: e.to_string(),
     })?;
@@ -144,14 +144,14 @@ pub fn parse_amd_smi(out: &str) -> Result<(Vec<AmdGpu>, Option<String>)> {
         serde_json::Value::Object(o) => match o.get("gpu_data") {
             Some(serde_json::Value::Array(a)) => a,
             _ => {
-                return Err(Error::Parse {
+                return Err(ResourcesError::Parse {
                     tool: "amd-smi",
                     why: "neither a list nor an object with gpu_data".to_owned(),
                 });
             }
         },
         _ => {
-            return Err(Error::Parse {
+            return Err(ResourcesError::Parse {
                 tool: "amd-smi",
                 why: "neither a list nor an object with gpu_data".to_owned(),
             });
@@ -266,7 +266,7 @@ struct TtGpu {
 /// A missing `device_info` is no GPU; the driver version is not taken from here (upstream
 /// reads `/sys/module/tenstorrent/version`).
 pub fn parse_tt_smi(out: &str) -> Result<Vec<GpuInfo>> {
-    let snap: TtSnapshot = serde_json::from_str(out).map_err(|e| Error::Parse {
+    let snap: TtSnapshot = serde_json::from_str(out).map_err(|e| ResourcesError::Parse {
         tool: "tt-smi",
         why: e.to_string(),
     })?;

@@ -16,7 +16,7 @@
 //! A NUMA affinity of `N/A`, or no such column, is unknown; `3`, `6-7` or `0,2` are the
 //! nodes near the GPU. A table without a header of GPU columns, with a row shorter than the
 //! header, a GPU's own cell other than `X`, a link of unknown kind, or GPU rows that do not
-//! match the GPU columns is [`Error::TopoMatrix`]. Where the two cells of a pair differ (a
+//! match the GPU columns is [`ResourcesError::TopoMatrix`]. Where the two cells of a pair differ (a
 //! driver never prints that), the worse link is taken.
 //!
 //! # The placement rule
@@ -51,7 +51,7 @@ use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
-use crate::error::{Error, Result};
+use crate::error::{ResourcesError, Result};
 
 /// The most candidate sets (C(n, k)) [`choose`] scores one by one; above it, it searches
 /// greedily. C(16, 8) = 12870: every request on up to 16 free GPUs is searched in full.
@@ -290,8 +290,8 @@ fn column_names(words: &[&str]) -> Vec<String> {
 /// One GPU's row of the matrix: its links to the other GPUs, its NUMA affinity.
 type Row = (BTreeMap<u32, Link>, Option<Vec<u32>>);
 
-fn matrix_error(line: Option<usize>, why: impl Into<String>) -> Error {
-    Error::TopoMatrix {
+fn matrix_error(line: Option<usize>, why: impl Into<String>) -> ResourcesError {
+    ResourcesError::TopoMatrix {
         line,
         why: why.into(),
     }

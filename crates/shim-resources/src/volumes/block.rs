@@ -18,7 +18,7 @@ use super::mounter::{Mounter, SystemMounter};
 use super::parse::{Probe, aws_fallback_names, find_aws_device, parse_blkid};
 use super::{VolumeConfig, VolumeManager};
 use crate::blocking::blocking;
-use crate::error::{Error, Result, io_err};
+use crate::error::{ResourcesError, Result, io_err};
 
 /// One async lock per key (a mount point, a device), created on demand and dropped when no
 /// one holds or waits for it.
@@ -97,7 +97,7 @@ impl BlockVolumes {
     /// checked to be a block device.
     pub async fn find_device(&self, spec: &VolumeSpec) -> Result<PathBuf> {
         if let Some(why) = spec.problem() {
-            return Err(Error::UnsupportedVolume {
+            return Err(ResourcesError::UnsupportedVolume {
                 volume: spec.name.as_str().to_owned(),
                 why,
             });
@@ -106,7 +106,7 @@ impl BlockVolumes {
             VolumeBackend::Gcp => {
                 let n = &spec.device_name;
                 if n.is_empty() || n.contains(['/', '\0']) || n == ".." {
-                    return Err(Error::DeviceNotFound {
+                    return Err(ResourcesError::DeviceNotFound {
                         volume: spec.name.as_str().to_owned(),
                         waited: Duration::ZERO,
                         detail: format!("invalid GCP device name {n:?}"),
@@ -118,7 +118,7 @@ impl BlockVolumes {
             VolumeBackend::Aws => self.resolve_aws(spec).await?,
             VolumeBackend::Other(_) => {
                 // `problem()` refused it above; kept for exhaustiveness.
-                return Err(Error::UnsupportedVolume {
+                return Err(ResourcesError::UnsupportedVolume {
                     volume: spec.name.as_str().to_owned(),
                     why: format!("backend {:?} is not supported", spec.backend.as_str()),
                 });
@@ -143,7 +143,7 @@ impl BlockVolumes {
                 }
             }
             if start.elapsed() >= self.config.resolve_wait {
-                return Err(Error::DeviceNotFound {
+                return Err(ResourcesError::DeviceNotFound {
                     volume: spec.name.as_str().to_owned(),
                     waited: self.config.resolve_wait,
                     detail: format!(
@@ -168,7 +168,7 @@ impl BlockVolumes {
                 Err(e) => e,
             };
             if start.elapsed() >= self.config.device_wait {
-                return Err(Error::NotBlockDevice {
+                return Err(ResourcesError::NotBlockDevice {
                     device: device.to_owned(),
                     waited: self.config.device_wait,
                     detail: why,
@@ -250,7 +250,7 @@ fn create_dirs(path: &Path) -> Result<()> {
             Ok(()) => fs_err::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
                 .map_err(io_err("chmod", dir))?,
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(Error::io("create", dir, e)),
+            Err(e) => return Err(ResourcesError::io("create", dir, e)),
         }
     }
     Ok(())
@@ -273,7 +273,7 @@ fn mount_at(
             tracing::warn!(mount_point = %mount_point.display(), error = %error_chain(&u),
                     "cannot unmount after a failed chmod");
         }
-        return Err(Error::io("chmod", mount_point, e));
+        return Err(ResourcesError::io("chmod", mount_point, e));
     }
     Ok(())
 }
@@ -312,10 +312,10 @@ impl VolumeManager for BlockVolumes {
                 (t, false)
             }
             Probe::Other(signature) => {
-                return Err(Error::NotAFilesystem { device, signature });
+                return Err(ResourcesError::NotAFilesystem { device, signature });
             }
             Probe::Blank if !spec.init_fs => {
-                return Err(Error::NoFilesystem {
+                return Err(ResourcesError::NoFilesystem {
                     volume: name.to_owned(),
                     device,
                 });
@@ -415,7 +415,7 @@ mod tests {
         mounter.set_mounted(root.join("c"));
         mounter.fail_at(root.join("c"), true);
         let e = m.release(&volume(root, "c")).await.unwrap_err();
-        assert!(matches!(e, Error::Unmount { .. }), "{e}");
+        assert!(matches!(e, ResourcesError::Unmount { .. }), "{e}");
         assert!(e.to_string().contains("/fake/volumes/c"), "{e}");
         assert_eq!(mounter.mounted(), vec![root.join("c")]);
     }
@@ -500,7 +500,7 @@ mod tests {
                 device_name: device_name.into(),
             };
             let e = m.prepare(&spec).await.unwrap_err();
-            assert!(matches!(e, Error::UnsupportedVolume { .. }), "{e}");
+            assert!(matches!(e, ResourcesError::UnsupportedVolume { .. }), "{e}");
             assert!(e.to_string().contains("\"my-data\""), "{e}");
         }
         assert!(runner.calls().is_empty());

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use super::parse::is_mount_point_in;
-use crate::error::{Error, Result, io_err};
+use crate::error::{ResourcesError, Result, io_err};
 
 /// The mount system calls and the mount table, behind a trait so that the volume logic can be
 /// tested with a recording fake (youki's `Syscall` pattern). Blocking: [`super::BlockVolumes`] calls
@@ -44,7 +44,7 @@ impl Mounter for SystemMounter {
             nix::mount::MsFlags::empty(),
             None::<&str>,
         )
-        .map_err(|source| Error::Mount {
+        .map_err(|source| ResourcesError::Mount {
             device: device.to_owned(),
             target: target.to_owned(),
             source,
@@ -54,7 +54,7 @@ impl Mounter for SystemMounter {
     fn unmount(&self, target: &Path) -> Result<()> {
         match nix::mount::umount(target) {
             Ok(()) | Err(nix::errno::Errno::EINVAL | nix::errno::Errno::ENOENT) => Ok(()),
-            Err(source) => Err(Error::Unmount {
+            Err(source) => Err(ResourcesError::Unmount {
                 target: target.to_owned(),
                 source,
             }),

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::error::{Error, Result};
+use crate::error::{ResourcesError, Result};
 
 /// What `blkid -p` found on a device.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -93,7 +93,7 @@ pub fn find_aws_device(
     volume_id: &str,
     fallbacks: &[String],
 ) -> Result<Option<String>> {
-    let parsed: Lsblk = serde_json::from_str(lsblk_json).map_err(|e| Error::Parse {
+    let parsed: Lsblk = serde_json::from_str(lsblk_json).map_err(|e| ResourcesError::Parse {
         tool: "lsblk",
         why: e.to_string(),
     })?;
