@@ -51,7 +51,7 @@ pub enum ComponentStatus {
     /// A download is in progress.
     Installing,
     /// The last install failed, or the binary does not report a version.
-    ComponentsError,
+    Error,
 }
 
 /// One component's state: one entry of `GET /api/components`.

@@ -297,7 +297,7 @@ impl Drop for ResponseBody {
 
 impl Body for ResponseBody {
     type Data = Bytes;
-    type HttpError = Infallible;
+    type Error = Infallible;
 
     fn poll_frame(
         self: Pin<&mut Self>,

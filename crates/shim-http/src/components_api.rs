@@ -13,11 +13,11 @@ pub struct ComponentsHttp(pub Components);
 
 /// 409 while that component installs, 400 for an empty URL, 500 otherwise; the message is
 /// the error with its causes.
-fn api_error(e: HttpError) -> ApiError {
+fn api_error(e: ComponentsError) -> ApiError {
     let message = error_chain(&e);
     match e {
-        HttpError::AlreadyInstalling { .. } => ApiError::conflict(message),
-        HttpError::BadUrl { .. } => ApiError::bad_request(message),
+        ComponentsError::AlreadyInstalling { .. } => ApiError::conflict(message),
+        ComponentsError::BadUrl { .. } => ApiError::bad_request(message),
         other => ApiError::internal(message).with_source(other),
     }
 }
@@ -83,12 +83,12 @@ mod tests {
         assert_eq!(e.kind, ErrorKind::BadRequest);
 
         let name = ComponentName::Runner;
-        let e = api_error(HttpError::AlreadyInstalling { name });
+        let e = api_error(ComponentsError::AlreadyInstalling { name });
         assert_eq!(
             (e.kind, e.message.as_str()),
             (ErrorKind::Conflict, "dstack-runner is already installing")
         );
-        let e = api_error(HttpError::Cancelled { name });
+        let e = api_error(ComponentsError::Cancelled { name });
         assert_eq!(e.kind, ErrorKind::Internal);
         assert!(e.cause.is_some(), "the cause is kept for the log");
     }

@@ -200,7 +200,7 @@ pub fn submit_latency(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
             "ms",
             median(&shim_ms),
             Some(median(&raw_ms)),
-            Goal::AtMostRawTimes(1.03),
+            Goal::AtMostRawTimes(1.02),
         )
         .with_detail(
             json!({"n": n, "shim_ms": shim_ms, "raw_ms": raw_ms, "metric": metric.json(),

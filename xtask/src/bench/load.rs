@@ -173,7 +173,7 @@ pub fn throughput(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
                 "tasks/s",
                 shim_total.per_second(),
                 Some(raw_total.per_second()),
-                Goal::AtLeastRawTimes(0.97),
+                Goal::AtLeastRawTimes(1.0),
             )
             .with_detail(detail.clone()),
         );
