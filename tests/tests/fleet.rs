@@ -1024,7 +1024,7 @@ fn shim_key_lines() -> usize {
 }
 
 fn runner_dirs() -> BTreeSet<String> {
-    shim_e2e::harness::entries(&Path::new(SHIM_HOME).join("runners"))
+    shim_e2e::harness::task_entries(&Path::new(SHIM_HOME).join("runners"))
 }
 
 /// What the host shows of a running job's task: the shim reports it running with the
