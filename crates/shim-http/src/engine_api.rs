@@ -7,7 +7,7 @@
 //! GPU health and a task's GPU metrics.
 //!
 //! ```no_run
-//! # async fn f(engine: shim_engine::Engine) -> Result<(), shim_http::Error> {
+//! # async fn f(engine: shim_engine::Engine) -> Result<(), shim_http::HttpError> {
 //! use std::sync::Arc;
 //! use shim_http::{EngineApi, Listeners, NoComponents, ServerConfig, serve};
 //! let listeners = Listeners::bind("127.0.0.1:10998".parse().unwrap(), None).await?;

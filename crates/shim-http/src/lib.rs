@@ -19,7 +19,7 @@
 //!
 //! ```no_run
 //! # async fn f(api: std::sync::Arc<dyn shim_http::ShimApi>,
-//! #            comps: std::sync::Arc<dyn shim_http::ComponentsApi>) -> Result<(), shim_http::Error> {
+//! #            comps: std::sync::Arc<dyn shim_http::ComponentsApi>) -> Result<(), shim_http::HttpError> {
 //! use shim_http::{Listeners, ServerConfig, serve};
 //! let listeners = Listeners::bind("127.0.0.1:10998".parse().unwrap(), None).await?;
 //! let shutdown = tokio_util::sync::CancellationToken::new();
