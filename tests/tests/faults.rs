@@ -34,7 +34,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -76,34 +75,9 @@ fn require(test: &str, root: bool) {
          {info:?}"
     );
     if root {
-        let uid = run_ok("id", &["-u"]);
+        let uid = shim_e2e::harness::host::run_ok("id", &["-u"]);
         assert_eq!(uid.trim(), "0", "{test}: SHIM_TEST_ROOT=1 but not root");
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Commands
-// ---------------------------------------------------------------------------------------------
-
-/// Runs a command to its end (no stdin) and returns its output; panics if it cannot run.
-fn run(program: &str, args: &[&str]) -> Output {
-    Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {program}: {e}"))
-}
-
-/// Runs a command and returns its stdout; panics unless it exits 0.
-fn run_ok(program: &str, args: &[&str]) -> String {
-    let out = run(program, args);
-    assert!(
-        out.status.success(),
-        "{program} {args:?} failed ({}): {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ use super::{docker_at_ok, try_docker_within, wait_for};
 const WAIT: Duration = Duration::from_secs(60);
 
 /// Runs a command to its end (no stdin) and returns its output; panics if it cannot run.
-fn run(program: &str, args: &[&str]) -> Output {
+pub fn run(program: &str, args: &[&str]) -> Output {
     Command::new(program)
         .args(args)
         .stdin(Stdio::null())
@@ -31,7 +31,7 @@ fn run(program: &str, args: &[&str]) -> Output {
 }
 
 /// Runs a command and returns its stdout; panics unless it exits 0.
-fn run_ok(program: &str, args: &[&str]) -> String {
+pub fn run_ok(program: &str, args: &[&str]) -> String {
     let out = run(program, args);
     assert!(
         out.status.success(),
