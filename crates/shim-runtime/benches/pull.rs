@@ -22,6 +22,8 @@
     reason = "a benchmark program that reports to the person running it"
 )]
 
+mod common;
+
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -102,18 +104,11 @@ async fn remove(docker: &Docker, image: &str) {
 
 #[tokio::main]
 async fn main() {
-    let mut quick = false;
-    let mut benching = false;
-    let mut json_path = None;
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--quick" => quick = true,
-            "--bench" => benching = true,
-            "--json" => json_path = Some(PathBuf::from(args.next().expect("--json PATH"))),
-            _ => {}
-        }
-    }
+    let common::Args {
+        quick,
+        benching,
+        json: json_path,
+    } = common::Args::parse();
     if !benching {
         println!("pull bench: needs a Docker daemon and the registry; run it with cargo bench");
         return;

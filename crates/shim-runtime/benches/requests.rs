@@ -18,6 +18,8 @@
     reason = "a benchmark program that reports to the person running it"
 )]
 
+mod common;
+
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -66,18 +68,11 @@ async fn batch(runtime: &DockerRuntime, id: &str, value: &str, n: usize) -> (Vec
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    let mut quick = false;
-    let mut benching = false;
-    let mut json_path = None;
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--quick" => quick = true,
-            "--bench" => benching = true,
-            "--json" => json_path = Some(PathBuf::from(args.next().expect("--json PATH"))),
-            _ => {}
-        }
-    }
+    let common::Args {
+        quick,
+        benching,
+        json: json_path,
+    } = common::Args::parse();
     if !benching {
         println!("requests bench: needs a Docker daemon; run it with cargo bench");
         return;

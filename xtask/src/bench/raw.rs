@@ -128,34 +128,33 @@ impl Docker {
 
     /// The ids of the containers (running or not) labelled `key=value`.
     pub fn list(&self, key: &str, value: &str) -> Result<Vec<String>> {
-        let filters = filters(&[("label", &format!("{key}={value}"))]);
-        let options = ListContainersOptionsBuilder::new()
-            .all(true)
-            .filters(&filters)
-            .build();
-        let list = self
-            .runtime
-            .block_on(self.client.list_containers(Some(options)))
-            .with_context(|| format!("list containers labelled {key}={value}"))?;
-        Ok(list.into_iter().filter_map(|c| c.id).collect())
+        Ok(self
+            .labelled(key, value)?
+            .into_iter()
+            .filter_map(|c| c.id)
+            .collect())
     }
 
     /// The ids of the running containers labelled `key=value` (one list request).
     pub fn running(&self, key: &str, value: &str) -> Result<Vec<String>> {
+        Ok(self
+            .labelled(key, value)?
+            .into_iter()
+            .filter(|c| c.state == Some(bollard::models::ContainerSummaryStateEnum::RUNNING))
+            .filter_map(|c| c.id)
+            .collect())
+    }
+
+    /// One list of the containers (running or not) labelled `key=value`.
+    fn labelled(&self, key: &str, value: &str) -> Result<Vec<bollard::models::ContainerSummary>> {
         let filters = filters(&[("label", &format!("{key}={value}"))]);
         let options = ListContainersOptionsBuilder::new()
             .all(true)
             .filters(&filters)
             .build();
-        let list = self
-            .runtime
+        self.runtime
             .block_on(self.client.list_containers(Some(options)))
-            .with_context(|| format!("list containers labelled {key}={value}"))?;
-        Ok(list
-            .into_iter()
-            .filter(|c| c.state == Some(bollard::models::ContainerSummaryStateEnum::RUNNING))
-            .filter_map(|c| c.id)
-            .collect())
+            .with_context(|| format!("list containers labelled {key}={value}"))
     }
 
     /// Force-removes a container (and its anonymous volumes); a missing one is fine.
