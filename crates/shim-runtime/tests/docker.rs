@@ -478,8 +478,10 @@ async fn runner_container_bridge_ports_exit_code_and_event() {
     );
     assert!(!args.contains(&"--http-address"), "{args:?}");
 
-    // The runner exits with the code written to its exit file.
-    fs_err::write(dir.path().join("exit"), "42").unwrap();
+    // The runner exits with the code written to its exit file, written whole (a temp file
+    // renamed into place: the runner polls for the file and must never read it half-written).
+    fs_err::write(dir.path().join(".exit.tmp"), "42\n").unwrap();
+    fs_err::rename(dir.path().join(".exit.tmp"), dir.path().join("exit")).unwrap();
     let event = next_event(&mut events).await;
     assert_eq!(event.container_id, id);
     assert_eq!(event.name, run);
