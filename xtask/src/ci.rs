@@ -148,9 +148,7 @@ pub fn ci(skip_dev_env: bool) -> Result<()> {
 
     // A smoke run of the bench harness (few samples, no time asserted): fails only if the
     // harness itself breaks.
-    let result = timings.time("bench --quick", || {
-        crate::bench::bench(&crate::bench::Options::parse(&["--quick".to_owned()])?)
-    });
+    let result = timings.time("bench --quick", || crate::bench(&["--quick".to_owned()]));
     note("bench --quick", result);
 
     // Every public item of the library crates documented (missing docs are errors), and no
@@ -191,10 +189,10 @@ pub fn ci(skip_dev_env: bool) -> Result<()> {
     }
 }
 
-/// The workspace's packages that are never published: the test package, the test runner and
-/// xtask. (`dstack-shim` is not published either, but `cargo package` takes it: its
+/// The workspace's packages that are never published: the test package, the test runner, the
+/// bench and xtask. (`dstack-shim` is not published either, but `cargo package` takes it: its
 /// dependencies are the library crates.)
-const UNPUBLISHED: [&str; 3] = ["xtask", "shim-e2e", "shim-test-runner"];
+const UNPUBLISHED: [&str; 4] = ["xtask", "shim-e2e", "shim-test-runner", "shim-bench"];
 
 /// `cargo package --workspace` for everything but [`UNPUBLISHED`]: each crate is packaged as
 /// crates.io would take it and built from its package alone, against the other crates'

@@ -1,4 +1,4 @@
-//! Running external commands with useful error messages.
+//! Running external commands with useful error messages, and daemons in a session of their own.
 
 use std::ffi::OsStr;
 use std::io::Write as _;
@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use anyhow::{Context as _, Result, bail};
+use shim_e2e::harness::open_log;
 
 /// A new command for `program`, without the variables cargo set for xtask (see
 /// [`shim_e2e::harness::scrub_cargo_env`]).
@@ -16,32 +17,21 @@ pub fn cmd(program: impl AsRef<OsStr>) -> Command {
 }
 
 /// The command line of `command`, for messages.
-pub fn display(command: &Command) -> String {
-    let mut line = command.get_program().to_string_lossy().into_owned();
-    for arg in command.get_args() {
-        line.push(' ');
-        let arg = arg.to_string_lossy();
-        if arg.is_empty() || arg.contains([' ', '"', '\'', '$', '\\']) {
-            line.push('\'');
-            line.push_str(&arg.replace('\'', r"'\''"));
-            line.push('\'');
-        } else {
-            line.push_str(&arg);
-        }
-    }
-    line
-}
+pub use shim_e2e::harness::procs::command_line as display;
 
 /// Runs `command` with inherited stdio (echoing it first); fails on a non-zero exit.
 pub fn run(command: &mut Command) -> Result<()> {
+    run_shown(command, "")
+}
+
+/// [`run`], the echoed line followed by `after` (a redirection, say).
+fn run_shown(command: &mut Command, after: &str) -> Result<()> {
     let line = display(command);
-    println!("$ {line}");
+    println!("$ {line}{after}");
     let status = command
         .status()
         .with_context(|| format!("could not start `{line}`"))?;
-    if !status.success() {
-        bail!("`{line}` failed: {status}");
-    }
+    anyhow::ensure!(status.success(), "`{line}` failed: {status}");
     Ok(())
 }
 
@@ -70,19 +60,7 @@ pub fn run_with_stdin(command: &mut Command, input: &[u8]) -> Result<()> {
 
 /// Runs `command` quietly and returns its stdout; on failure the error carries its stderr.
 pub fn output(command: &mut Command) -> Result<String> {
-    let line = display(command);
-    let out = command
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("could not start `{line}`"))?;
-    if !out.status.success() {
-        bail!(
-            "`{line}` failed: {}: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    String::from_utf8(out.stdout).with_context(|| format!("`{line}` printed invalid UTF-8"))
+    Ok(shim_e2e::harness::procs::output(command)?)
 }
 
 /// Whether `command`, run quietly, exits with status 0 (false also when it cannot start).
@@ -95,52 +73,42 @@ pub fn succeeds(command: &mut Command) -> bool {
         .is_ok_and(|status| status.success())
 }
 
-/// The first of `candidates` that is a file, else the bare `name` (looked up in `PATH`).
-/// Daemons live in `/usr/sbin`, which a non-login root `PATH` may lack.
+/// `name` found in `PATH` or in the system directories (daemons live in `/usr/sbin`, which a
+/// non-login root `PATH` may lack), else the bare `name`.
 pub fn find_program(name: &str) -> PathBuf {
-    [
+    which_program(name).unwrap_or_else(|| PathBuf::from(name))
+}
+
+/// Whether `name` is a program found in `PATH` or in the system directories.
+pub fn have_program(name: &str) -> bool {
+    which_program(name).is_some()
+}
+
+fn which_program(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let system = [
+        "/usr/local/sbin",
+        "/usr/local/bin",
         "/usr/sbin",
         "/usr/bin",
         "/sbin",
         "/bin",
-        "/usr/local/bin",
-        "/usr/local/sbin",
-    ]
-    .iter()
-    .map(|dir| Path::new(dir).join(name))
-    .find(|path| path.is_file())
-    .unwrap_or_else(|| PathBuf::from(name))
+    ];
+    let dirs = std::env::split_paths(&path).chain(system.map(PathBuf::from));
+    which::which_in(name, std::env::join_paths(dirs).ok(), "/").ok()
 }
 
-/// Whether `name` is a program found in `PATH` or in the usual system directories.
-pub fn have_program(name: &str) -> bool {
-    if find_program(name).is_absolute() {
-        return true;
-    }
-    std::env::var_os("PATH")
-        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(name).is_file()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn display_quotes_what_a_shell_would_split() {
-        let mut command = cmd("docker");
-        command.args(["import", "--change", "CMD [\"/bin/sh\"]", "", "it's"]);
-        assert_eq!(
-            display(&command),
-            r#"docker import --change 'CMD ["/bin/sh"]' '' 'it'\''s'"#
-        );
-    }
-
-    #[test]
-    fn output_reports_the_failing_command_and_its_stderr() {
-        let err = output(cmd("sh").args(["-c", "echo boom >&2; exit 3"])).unwrap_err();
-        let message = format!("{err:#}");
-        assert!(message.contains("sh -c"), "{message}");
-        assert!(message.contains("boom"), "{message}");
-        assert_eq!(output(cmd("sh").args(["-c", "echo hi"])).unwrap(), "hi\n");
-    }
+/// Starts `program args..` as a daemon in a new session (`setsid --fork`), stdin from
+/// `/dev/null`, stdout and stderr appended to `log`. It outlives this process and is not killed
+/// by a terminal hang-up or Ctrl-C of the xtask.
+pub fn spawn_daemon(program: &Path, args: &[&str], log: &Path) -> Result<()> {
+    let mut command = cmd(find_program("setsid"));
+    command
+        .arg("--fork")
+        .arg(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(open_log(log)?)
+        .stderr(open_log(log)?);
+    run_shown(&mut command, &format!(" >>{} 2>&1", log.display()))
 }

@@ -292,7 +292,7 @@ pub fn check() -> Result<()> {
     for package in packages::ALL {
         line(packages::installed(package), format!("package {package}"));
     }
-    let version = docker::server_version();
+    let version = shim_e2e::harness::docker::server_version();
     let docker_ok = version.is_some();
     line(
         docker_ok,
@@ -361,4 +361,28 @@ pub fn check() -> Result<()> {
             missing.len()
         )
     }
+}
+
+/// Makes sure Docker runs and the fixtures the demo and the bench use are there (the local
+/// image, the registry with the small image); runs `dev-env` if one is missing. Leaves the
+/// large registry image alone (a pull test of someone else may be using it).
+pub fn ensure_fixtures() -> Result<()> {
+    ensure_docker()?;
+    let ready = image::exists_locally(shim_e2e::IMAGE)
+        && registry::answers()
+        && registry::has_tag(shim_e2e::REGISTRY_SMALL_REPO, shim_e2e::REGISTRY_TAG)
+            .unwrap_or(false)
+        && registry::has_tag(shim_e2e::REGISTRY_LARGE_REPO, shim_e2e::REGISTRY_TAG)
+            .unwrap_or(false);
+    if ready {
+        println!(
+            "fixtures: image {} and registry {} ready",
+            shim_e2e::IMAGE,
+            shim_e2e::REGISTRY
+        );
+    } else {
+        println!("fixtures: something is missing; running dev-env");
+        dev_env()?;
+    }
+    Ok(())
 }

@@ -19,21 +19,6 @@ const START_TIMEOUT: Duration = Duration::from_secs(600);
 /// How often a wait for the daemon says it is still waiting.
 const PROGRESS_EVERY: Duration = Duration::from_secs(30);
 
-/// The daemon's version if the Docker socket answers within a few seconds.
-pub fn server_version() -> Option<String> {
-    // `timeout`: a daemon that accepts the connection but hangs must not hang xtask.
-    cmd::output(cmd::cmd("timeout").args([
-        "10",
-        "docker",
-        "version",
-        "--format",
-        "{{.Server.Version}}",
-    ]))
-    .ok()
-    .map(|version| version.trim().to_owned())
-    .filter(|version| !version.is_empty())
-}
-
 /// Makes sure the main engine ([`engines::MAIN`]: Debian sid's Docker with the containerd
 /// image store) answers on the default socket: a daemon that answers there as another engine
 /// (Debian 12's own, which earlier versions of xtask started) is stopped first; if none runs,
@@ -44,14 +29,16 @@ pub fn ensure_daemon() -> Result<()> {
     if main.answers_as_itself() {
         println!(
             "docker: the main engine answers (server {})",
-            server_version().unwrap_or_default()
+            shim_e2e::harness::docker::server_version().unwrap_or_default()
         );
         return Ok(());
     }
-    let running = engines::default_daemons();
+    let running = shim_e2e::harness::procs::default_dockerds();
     let log = engines::main_log();
     if !running.is_empty() {
-        if server_version().is_none() && !running.iter().any(|pid| is_main_engine(*pid)) {
+        if shim_e2e::harness::docker::server_version().is_none()
+            && !running.iter().any(|pid| is_main_engine(*pid))
+        {
             println!(
                 "docker: dockerd is running (pid {running:?}) but does not answer yet; waiting"
             );
@@ -66,7 +53,7 @@ pub fn ensure_daemon() -> Result<()> {
         println!(
             "docker: the daemon on the default socket (pid {running:?}, server {}) is not the \
              main engine ({}); stopping it",
-            server_version().unwrap_or_else(|| "?".to_owned()),
+            shim_e2e::harness::docker::server_version().unwrap_or_else(|| "?".to_owned()),
             main.name
         );
         stop_default_daemons(&running)?;
@@ -118,7 +105,7 @@ fn wait_for_daemon(log: &Path, foreign: bool) -> Result<()> {
     let started = Instant::now();
     let mut next_progress = PROGRESS_EVERY;
     loop {
-        if let Some(version) = server_version() {
+        if let Some(version) = shim_e2e::harness::docker::server_version() {
             println!(
                 "docker: daemon answers (server {version}) after {:.1}s",
                 started.elapsed().as_secs_f64()
@@ -150,7 +137,7 @@ fn wait_for_daemon(log: &Path, foreign: bool) -> Result<()> {
         // (After a grace period: right after `setsid --fork` the child may not have exec'd yet.)
         if !foreign
             && started.elapsed() > Duration::from_secs(3)
-            && engines::default_daemons().is_empty()
+            && shim_e2e::harness::procs::default_dockerds().is_empty()
         {
             bail!(
                 "dockerd exited during start-up; last lines of {}:\n{}",

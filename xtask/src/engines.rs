@@ -32,7 +32,7 @@ use shim_e2e::{
     IMAGE, REGISTRY, REGISTRY_PASSWORD, REGISTRY_SMALL_REPO, REGISTRY_TAG, REGISTRY_USER,
 };
 
-use crate::{cmd, mounts, paths, proc};
+use crate::{cmd, mounts, paths};
 
 /// The Debian mirror the roots come from.
 const MIRROR: &str = "http://deb.debian.org/debian";
@@ -412,9 +412,9 @@ impl Engine {
     /// line (the main engine: the default daemons).
     pub fn pids(&self) -> Vec<u32> {
         if self.is_main() {
-            default_daemons()
+            shim_e2e::harness::procs::default_dockerds()
         } else {
-            proc::find(self.program(), Some(&self.socket().to_string_lossy()))
+            shim_e2e::harness::procs::find(self.program(), Some(&self.socket().to_string_lossy()))
         }
     }
 
@@ -675,7 +675,7 @@ impl Engine {
             self.socket().display(),
             log.display()
         );
-        proc::spawn_daemon(&program, args, &log)
+        cmd::spawn_daemon(&program, args, &log)
     }
 
     fn wait(&self, log: &Path) -> Result<()> {
@@ -718,7 +718,7 @@ impl Engine {
         };
         let config = crate::registry::dir().join("config.yml");
         let log = paths::log_dir().join(format!("registry-{}.log", self.name));
-        proc::spawn_daemon(
+        cmd::spawn_daemon(
             &cmd::find_program("nsenter"),
             &[
                 &format!("--net=/run/netns/{netns}"),
@@ -749,7 +749,7 @@ impl Engine {
         let mut doomed = self.pids();
         if let Some(netns) = self.netns() {
             doomed.extend(
-                proc::find("docker-registry", None)
+                shim_e2e::harness::procs::find("docker-registry", None)
                     .into_iter()
                     .filter(|pid| in_netns(*pid, &netns)),
             );
@@ -984,50 +984,9 @@ pub fn main_log() -> PathBuf {
     paths::log_dir().join("dockerd.log")
 }
 
-/// The running `dockerd` processes that serve the default socket: not the private daemons
-/// that tests and benches start beside it (those name their own socket and pid file).
-pub fn default_daemons() -> Vec<u32> {
-    proc::find("dockerd", None)
-        .into_iter()
-        .filter(|pid| {
-            serves_the_default_socket(
-                &fs_err::read(format!("/proc/{pid}/cmdline")).unwrap_or_default(),
-            )
-        })
-        .collect()
-}
-
-/// Whether a `dockerd` with this command line (`/proc/<pid>/cmdline`: NUL-separated) serves
-/// the default socket: it names no socket (`-H`, `--host`) and no pid file of its own.
-fn serves_the_default_socket(cmdline: &[u8]) -> bool {
-    !cmdline.split(|b| *b == 0).any(|arg| {
-        matches!(arg, b"-H" | b"--host" | b"--pidfile")
-            || arg.starts_with(b"-H=")
-            || arg.starts_with(b"-Hunix")
-            || arg.starts_with(b"--host=")
-            || arg.starts_with(b"--pidfile=")
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn private_daemons_are_not_the_default_one() {
-        assert!(serves_the_default_socket(b"/usr/sbin/dockerd\0"));
-        assert!(serves_the_default_socket(
-            b"dockerd\0--data-root\0/var/lib/other\0"
-        ));
-        for private in [
-            &b"dockerd\0--pidfile\0/r/docker.pid\0-H\0unix:///r/docker.sock\0"[..],
-            b"dockerd\0--host=unix:///r.sock\0",
-            b"dockerd\0-Hunix:///r.sock\0",
-            b"dockerd\0--pidfile=/r.pid\0",
-        ] {
-            assert!(!serves_the_default_socket(private), "{private:?}");
-        }
-    }
 
     #[test]
     fn docker_from_25_has_cdi_on() {

@@ -9,11 +9,13 @@
 //! - `run [ARGS..]`: start Docker if needed and run the shim against it, with its home under
 //!   `target/shim-home`; `ARGS` are passed to `dstack-shim`.
 //! - `demo [--large]`: one task's life on the real shim and Docker (pull with credentials, GPUs,
-//!   ports, runner exit, remove, shutdown), narrated.
+//!   ports, runner exit, remove, shutdown), narrated: the fixtures, then the example
+//!   `tests/examples/demo.rs`.
 //! - `dist [--upstream-version V] [--arch amd64|arm64|all] [--out DIR]`: the release
 //!   artifact (stripped, glibc 2.17, debug file, checksum) under `target/dist/<V>/`.
 //! - `bench [--quick] [--no-docker] [FIGURE..]`: the shim side by side with raw Docker, a
-//!   table and `target/bench.json` (see `docs/BENCHMARKS.md`).
+//!   table and `target/bench.json` (see `docs/BENCHMARKS.md`): the fixtures, then the
+//!   bench's own program (`tests/bench`, package `shim-bench`).
 //! - `conformance [ENGINE..]`: the runtime crate's engine tests and the release binary's API
 //!   lifecycle on each conformance engine (Docker 20.10, 26 and 28 with either image store,
 //!   Podman 4.3 and 5), then the engine table.
@@ -26,11 +28,9 @@
     reason = "xtask is a command-line tool that reports to the person running it"
 )]
 
-mod bench;
 mod ci;
 mod cmd;
 mod conformance;
-mod demo;
 mod devenv;
 mod dist;
 mod docker;
@@ -39,7 +39,6 @@ mod image;
 mod mounts;
 mod packages;
 mod paths;
-mod proc;
 mod qemu;
 mod registry;
 mod rootfs;
@@ -121,11 +120,17 @@ fn dispatch(args: &[String]) -> Result<()> {
         }
         "run" => run::run(rest),
         "demo" => {
-            let large = !flags(rest, &["--large"])?.is_empty();
-            demo::demo(large)
+            flags(rest, &["--large"])?;
+            devenv::ensure_fixtures()?;
+            cmd::run(
+                cmd::cmd(shim_e2e::harness::cargo())
+                    .current_dir(shim_e2e::repo_root())
+                    .args(["run", "-q", "-p", "shim-e2e", "--example", "demo", "--"])
+                    .args(rest),
+            )
         }
         "dist" => dist::dist(&dist::Options::parse(rest)?),
-        "bench" => bench::bench(&bench::Options::parse(rest)?),
+        "bench" => bench(rest),
         "engine" => match rest {
             [verb, name] if verb == "start" || verb == "stop" => {
                 let engine = engines::CONFORMANCE
@@ -173,6 +178,20 @@ fn dispatch(args: &[String]) -> Result<()> {
             bail!("unknown command `{other}`")
         }
     }
+}
+
+/// `cargo xtask bench ARGS`: the fixtures (unless `--no-docker`), then the bench's own
+/// program (`tests/bench`), which parses `ARGS`.
+fn bench(args: &[String]) -> Result<()> {
+    if !args.iter().any(|arg| arg == "--no-docker") {
+        devenv::ensure_fixtures()?;
+    }
+    cmd::run(
+        cmd::cmd(shim_e2e::harness::cargo())
+            .current_dir(shim_e2e::repo_root())
+            .args(["run", "-q", "-p", "shim-bench", "--"])
+            .args(args),
+    )
 }
 
 /// The given `args`, each of which must be one of `allowed`.

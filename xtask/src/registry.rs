@@ -11,7 +11,7 @@ use shim_e2e::{REGISTRY, REGISTRY_PASSWORD, REGISTRY_PORT, REGISTRY_USER};
 use base64::Engine as _;
 use shim_e2e::harness::{Request, tail};
 
-use crate::{cmd, paths, proc};
+use crate::{cmd, paths};
 
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -130,10 +130,10 @@ pub fn ensure_running() -> Result<()> {
     ensure_htpasswd()?;
 
     let config_arg = config_path.to_string_lossy().into_owned();
-    let running = proc::find("docker-registry", Some(&config_arg));
+    let running = shim_e2e::harness::procs::find("docker-registry", Some(&config_arg));
     if running.is_empty() {
         println!("registry: starting docker-registry on {REGISTRY}");
-        proc::spawn_daemon(
+        cmd::spawn_daemon(
             &cmd::find_program("docker-registry"),
             &["serve", &config_arg],
             &log_path(),

@@ -1,7 +1,5 @@
 //! `cargo xtask run`: the shim against the local Docker daemon (started if needed).
 
-use std::path::PathBuf;
-
 use anyhow::{Context as _, Result};
 
 use shim_e2e::harness::cargo;
@@ -24,13 +22,4 @@ pub fn run(args: &[String]) -> Result<()> {
             .args(args),
     )
     .context("the shim failed")
-}
-
-/// Builds `dstack-shim` (`release` or debug), saying so first, and returns the binary's path.
-pub fn build_shim(release: bool) -> Result<PathBuf> {
-    let profile = if release { " --release" } else { "" };
-    println!("$ cargo build -p dstack-shim --bin dstack-shim{profile}");
-    // Bounded only against a hang: a cold release build on a busy 2-core machine takes long.
-    shim_e2e::harness::build_shim(release, std::time::Duration::from_secs(3600))
-        .context("could not build dstack-shim")
 }

@@ -51,6 +51,16 @@ pub fn try_docker_within(args: &[&str], limit: std::time::Duration) -> std::io::
     child.wait_with_output()
 }
 
+/// The version of the daemon the `docker` CLI talks to (`DOCKER_HOST` or the default socket),
+/// or `None` if it does not answer within 10 s (a daemon that takes the connection and hangs
+/// must not hang the caller).
+pub fn server_version() -> Option<String> {
+    let args = ["version", "--format", "{{.Server.Version}}"];
+    let out = try_docker_within(&args, std::time::Duration::from_secs(10)).ok()?;
+    let version = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    (out.status.success() && !version.is_empty()).then_some(version)
+}
+
 /// Runs the `docker` CLI and returns its stdout; panics (failing the test) unless it exits 0.
 #[allow(
     clippy::panic,

@@ -11,6 +11,8 @@
 //!   [`ShimProcess`], a guard that starts the binary on a
 //!   home and port, waits until it listens or answers, sends SIGTERM or SIGKILL, reads its RSS
 //!   and kills it when dropped;
+//! - [`procs`]: the host's processes found by name ([`procs::find`], the `dockerd` of the
+//!   default socket) and a command's line and output, for `xtask` and the bench;
 //! - [`artifact`]: the release artifact `cargo xtask dist` lays out and the checks CI makes
 //!   of it (glibc symbol versions, stripped, checksum, version line);
 //! - [`gpu_host`]: [`FakeGpuHost`], a fake GPU host (`tests/gpu-host/fake_gpu_host.py`:
@@ -54,6 +56,7 @@ pub mod http;
 pub mod layout;
 pub mod metrics;
 pub mod process;
+pub mod procs;
 pub mod proxy;
 pub mod registry;
 pub mod shim;

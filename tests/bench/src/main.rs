@@ -1,6 +1,8 @@
-//! `cargo xtask bench`: the shim side by side with raw Docker, measured in one run, printed as
-//! a table and written to `target/bench.json` (see `docs/BENCHMARKS.md`). Nothing is
-//! asserted; every wait is bounded.
+//! The benchmark: the shim side by side with raw Docker, measured in one run, printed as a
+//! table and written to `target/bench.json` (see `docs/BENCHMARKS.md`). Nothing is asserted;
+//! every wait is bounded. `cargo xtask bench [--quick] [--no-docker] [FIGURE..]` makes the
+//! fixtures ready (Docker, the test image, the registry) and runs this program with those
+//! arguments; `cargo run -p shim-bench -- ARGS` runs it on a machine already set up.
 //!
 //! - [`micro`]: durable `task.json` writes and the engine on the fake runtime (no Docker);
 //! - [`latency`]: (1) container exit → `terminated` against the raw `die` event, host and
@@ -23,6 +25,12 @@
 //! Shim and raw samples alternate (shim, raw, raw, shim, …) so that a drift of the machine
 //! touches both alike.
 
+#![allow(
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "the bench is a command-line program that reports to the person running it"
+)]
+
 mod clock;
 mod fleet;
 mod latency;
@@ -36,12 +44,12 @@ mod stream;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Result, bail};
+use anyhow::{Context as _, Result, bail};
 use serde_json::{Value, json};
 use shim_e2e::harness;
 
-use crate::{cmd, demo, docker, run};
 use report::{Comparison, Row};
+use shim_e2e::harness::procs;
 
 /// What `cargo xtask bench` can measure, by the name given on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,7 +166,25 @@ impl Ctx {
     }
 }
 
-/// `cargo xtask bench [--quick] [--no-docker] [FIGURE..]`.
+fn main() -> std::process::ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "-h" || a == "--help") {
+        println!(
+            "usage: shim-bench [--quick] [--no-docker] [FIGURE..]\nFIGURE: {}",
+            Fig::names()
+        );
+        return std::process::ExitCode::SUCCESS;
+    }
+    match Options::parse(&args).and_then(|opts| bench(&opts)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("bench: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// `shim-bench [--quick] [--no-docker] [FIGURE..]`.
 pub fn bench(opts: &Options) -> Result<()> {
     let started = Instant::now();
     // Other work on the machine shows in every figure: the load average at start and end.
@@ -181,7 +207,7 @@ pub fn bench(opts: &Options) -> Result<()> {
     report::print_comparisons(&comparisons);
     let path = harness::target_dir().join("bench.json");
     let out = json!({
-        "date": cmd::output(cmd::cmd("date").args(["-u", "+%Y-%m-%dT%H:%M:%SZ"]))
+        "date": procs::output(std::process::Command::new("date").args(["-u", "+%Y-%m-%dT%H:%M:%SZ"]))
             .map(|d| d.trim().to_owned())
             .unwrap_or_default(),
         "host": host_at_start,
@@ -211,9 +237,6 @@ fn docker_figures(
     if figures.iter().any(|f| f.needs_docker()) {
         println!("\n=== docker: the shim against raw Docker");
         let private = raw::private_daemon();
-        if !private {
-            demo::ensure_fixtures()?;
-        }
         // Another build of the shim (an earlier commit's, to compare on the same daemon in the
         // same hour) instead of this tree's.
         let binary = match std::env::var_os("SHIM_BENCH_BINARY") {
@@ -227,7 +250,14 @@ fn docker_figures(
                 println!("bench: the shim is {} (SHIM_BENCH_BINARY)", path.display());
                 path
             }
-            None => run::build_shim(!opts.quick)?,
+            None => {
+                let profile = if opts.quick { "" } else { " --release" };
+                println!("$ cargo build -p dstack-shim --bin dstack-shim{profile}");
+                // Bounded only against a hang: a cold release build on a busy 2-core
+                // machine takes long.
+                harness::build_shim(!opts.quick, std::time::Duration::from_secs(3600))
+                    .context("could not build dstack-shim")?
+            }
         };
         let scratch = fleet::Scratch::new()?;
         scratch.docker.ping()?;
@@ -352,7 +382,7 @@ fn host() -> Value {
         "kernel": read("/proc/sys/kernel/osrelease"),
         "loadavg": read("/proc/loadavg"),
         "debian": read("/etc/debian_version"),
-        "docker": docker::server_version().unwrap_or_default(),
+        "docker": harness::docker::server_version().unwrap_or_default(),
     })
 }
 

@@ -1,10 +1,18 @@
-//! `cargo xtask demo`: one task's whole life on the real shim and Docker, narrated.
+//! One task's whole life on the real shim and Docker, narrated: `cargo xtask demo [--large]`
+//! (which makes the fixtures ready first: Docker, the test image, the registry), or
+//! `cargo run -p shim-e2e --example demo [-- --large]` on a machine already set up.
 //!
 //! Starts `dstack-shim` on a temporary home and a free port with the stub runner and two fake
 //! GPUs, submits a task that pulls the small registry image with credentials (bridge network,
 //! one GPU), prints every change it sees while polling, makes the runner exit with 0, checks
 //! that the task ends `done_by_runner`, removes it and shuts the shim down over the API. Any
 //! unexpected answer fails the demo.
+
+#![allow(
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "the demo narrates to the person running it"
+)]
 
 use std::time::{Duration, Instant};
 
@@ -13,29 +21,32 @@ use serde_json::{Value, json};
 
 use shim_e2e::harness::{self, Api, ContainerSweeper, Request, ShimProcess, status_of};
 
-use crate::{cmd, devenv, image, registry, run};
-
-/// Makes sure Docker runs and the fixtures `demo` and `bench` use are there (the local
-/// image, the registry with the small image); runs `dev-env` if one is missing. Leaves the
-/// large registry image alone (a pull test of someone else may be using it).
-pub fn ensure_fixtures() -> Result<()> {
-    devenv::ensure_docker()?;
-    let ready = image::exists_locally(shim_e2e::IMAGE)
-        && registry::answers()
-        && registry::has_tag(shim_e2e::REGISTRY_SMALL_REPO, shim_e2e::REGISTRY_TAG)
-            .unwrap_or(false)
-        && registry::has_tag(shim_e2e::REGISTRY_LARGE_REPO, shim_e2e::REGISTRY_TAG)
-            .unwrap_or(false);
-    if ready {
-        println!(
-            "fixtures: image {} and registry {} ready",
-            shim_e2e::IMAGE,
-            shim_e2e::REGISTRY
-        );
-    } else {
-        println!("fixtures: something is missing; running dev-env");
-        devenv::dev_env()?;
+fn main() -> std::process::ExitCode {
+    let large = match std::env::args().skip(1).collect::<Vec<_>>().as_slice() {
+        [] => false,
+        [flag] if flag == "--large" => true,
+        _ => {
+            eprintln!("usage: demo [--large]");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match demo(large) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("demo: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
     }
+}
+
+/// Removes `image` from the local daemon (an error when it is not there).
+fn rmi(image: &str) -> Result<()> {
+    let out = harness::try_docker(&["rmi", image])?;
+    anyhow::ensure!(
+        out.status.success(),
+        "docker rmi {image}: {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
     Ok(())
 }
 
@@ -44,20 +55,20 @@ fn say(t0: Instant, text: &str) {
     println!("[{:>7.3}s] {text}", t0.elapsed().as_secs_f64());
 }
 
-/// `cargo xtask demo [--large]`: with `large`, the task pulls the large registry image (one
+/// The demo; with `large`, the task pulls the large registry image (one
 /// layer of 220 MiB, so the pull progress moves), which is removed from the local daemon
 /// again at the end.
 pub fn demo(large: bool) -> Result<()> {
-    println!("=== fixtures");
-    ensure_fixtures()?;
-    println!("\n=== build");
-    let binary = run::build_shim(false)?;
+    println!("=== build");
+    println!("$ cargo build -p dstack-shim --bin dstack-shim");
+    let binary = harness::build_shim(false, Duration::from_secs(3600))
+        .context("could not build dstack-shim")?;
 
     let pid = std::process::id();
     let id = format!("demo-{pid}");
-    let name = format!("xtask-demo-{pid}");
+    let name = format!("shim-demo-{pid}");
     let tmp = tempfile::Builder::new()
-        .prefix("xtask-demo-")
+        .prefix("shim-demo-")
         .tempdir_in(harness::target_dir())?;
     let home = tmp.path().join("home");
     fs_err::create_dir_all(&home)?;
@@ -100,11 +111,14 @@ pub fn demo(large: bool) -> Result<()> {
     } else {
         shim_e2e::registry_small_image()
     };
-    if image::exists_locally(&image_ref) {
+    if harness::try_docker(&["image", "inspect", &image_ref])?
+        .status
+        .success()
+    {
         // For the small image this only untags: its layers are shared with the local test
         // image, but the shim must still fetch the manifest from the registry with the
         // credentials. The large image's layer is downloaded again.
-        match cmd::output(cmd::cmd("docker").args(["rmi", &image_ref])) {
+        match rmi(&image_ref) {
             Ok(_) => say(t0, &format!("removed {image_ref} from the local daemon")),
             Err(err) => say(
                 t0,
@@ -197,7 +211,7 @@ pub fn demo(large: bool) -> Result<()> {
     say(t0, "dstack-shim exited with 0");
     if large {
         // So that pull tests download it again (dev-env leaves it out of the daemon).
-        match cmd::output(cmd::cmd("docker").args(["rmi", &image_ref])) {
+        match rmi(&image_ref) {
             Ok(_) => say(
                 t0,
                 &format!("removed {image_ref} from the local daemon again"),

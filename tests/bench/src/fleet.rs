@@ -18,7 +18,7 @@ use shim_e2e::harness::{self, Api, ContainerSweeper, Request, ShimProcess};
 
 use super::raw::{self, Docker};
 use super::stream::Events;
-use crate::proc;
+use shim_e2e::harness::procs;
 
 /// The bench runner, bind-mounted as the runner into shim tasks and raw containers alike: it
 /// waits at no cost (a blocking read of a FIFO in its temp dir, the task's runner directory)
@@ -576,7 +576,7 @@ pub fn tick_seconds() -> f64 {
 fn clock_ticks() -> f64 {
     static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
     *TICKS.get_or_init(|| {
-        crate::cmd::output(crate::cmd::cmd("getconf").arg("CLK_TCK"))
+        procs::output(std::process::Command::new("getconf").arg("CLK_TCK"))
             .ok()
             .and_then(|t| t.trim().parse().ok())
             .unwrap_or(100.0)
@@ -585,15 +585,15 @@ fn clock_ticks() -> f64 {
 
 /// The pid of the Docker daemon the bench uses: the `dockerd` whose command line names the
 /// socket of `DOCKER_HOST`, or, for the default socket, the one started without a socket or
-/// pid file of its own ([`crate::engines::default_daemons`]).
+/// pid file of its own ([`procs::default_dockerds`]).
 pub fn dockerd_pid() -> Result<u32> {
     let socket = raw::socket_path();
     let pids: Vec<u32> = if raw::private_daemon() {
-        proc::find("dockerd", Some(&socket.to_string_lossy()))
+        procs::find("dockerd", Some(&socket.to_string_lossy()))
     } else {
         // Not every dockerd naming the default socket: the conformance engines and the tests'
         // private daemons name sockets and pid files of their own.
-        crate::engines::default_daemons()
+        procs::default_dockerds()
     };
     match pids.as_slice() {
         [pid] => Ok(*pid),

@@ -10,15 +10,17 @@ use std::path::PathBuf;
 use anyhow::{Context as _, Result};
 use serde_json::Value;
 use shim_e2e::harness::{cargo, target_dir};
+use std::process::Command;
 
 use super::report::{Comparison, Goal, Row};
-use crate::cmd;
+use shim_e2e::harness::{procs, scrub_cargo_env};
 
 /// Durable writes with the `write_latency` example: a status write, and a submit's first
 /// write alone (a spare directory ready or not) and 8 at a time.
 pub fn store(quick: bool) -> Result<Vec<Row>> {
     let count = if quick { "50" } else { "500" };
-    let mut command = cmd::cmd(cargo());
+    let mut command = Command::new(cargo());
+    scrub_cargo_env(&mut command);
     command
         .current_dir(shim_e2e::repo_root())
         .args([
@@ -32,8 +34,8 @@ pub fn store(quick: bool) -> Result<Vec<Row>> {
         ])
         .arg(target_dir())
         .arg(count);
-    println!("$ {}", cmd::display(&command));
-    let out = cmd::output(&mut command)?;
+    println!("$ {}", procs::command_line(&command));
+    let out = procs::output(&mut command)?;
     let mut rows = Vec::new();
     for line in out.lines() {
         match line.strip_prefix("json ") {
@@ -49,7 +51,8 @@ pub fn store(quick: bool) -> Result<Vec<Row>> {
 /// criterion-style harness of this workspace) and reads the JSON it wrote.
 fn bench_json(package: &str, bench: &str, quick: bool) -> Result<(Value, PathBuf)> {
     let path = target_dir().join(format!("bench-{bench}.json"));
-    let mut command = cmd::cmd(cargo());
+    let mut command = Command::new(cargo());
+    scrub_cargo_env(&mut command);
     command
         .current_dir(shim_e2e::repo_root())
         .args(["bench", "-p", package, "--bench", bench, "--"])
@@ -58,7 +61,12 @@ fn bench_json(package: &str, bench: &str, quick: bool) -> Result<(Value, PathBuf
     if quick {
         command.arg("--quick");
     }
-    cmd::run(&mut command)?;
+    let line = procs::command_line(&command);
+    println!("$ {line}");
+    let status = command
+        .status()
+        .with_context(|| format!("could not start `{line}`"))?;
+    anyhow::ensure!(status.success(), "`{line}` failed: {status}");
     let value = serde_json::from_slice(&fs_err::read(&path)?)?;
     Ok((value, path))
 }
