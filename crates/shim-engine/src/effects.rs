@@ -473,7 +473,9 @@ impl Effects {
         recorder: &Recorder<'_>,
     ) -> Result<Vec<PortMapping>, StartError> {
         let runtime = &self.runtime;
-        let mut cid = slot.read(|t| t.record().container_id.clone());
+        // The id the create recorded (the name would do too, and is what a record without an
+        // id has).
+        let mut cid = container_ref(slot);
         let mut started = runtime.start(&cid).await;
         if let Err(e @ RuntimeError::DaemonUnavailable { .. }) = &started
             && self.started_anyway(&cid).await
@@ -657,10 +659,10 @@ fn is_device_refusal(message: &str) -> bool {
 /// The container id if known, else its name (the name is fixed at submit).
 pub(crate) fn container_ref(slot: &Slot) -> String {
     slot.read(|t| {
-        if t.record().container_id.is_empty() {
-            t.record().container_name.clone()
-        } else {
-            t.record().container_id.clone()
-        }
+        let record = t.record();
+        record
+            .container_id
+            .clone()
+            .unwrap_or_else(|| record.container_name.clone())
     })
 }

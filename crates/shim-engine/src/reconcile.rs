@@ -231,7 +231,8 @@ impl Reconciler {
                 .or_else(|| by_task.get(slot.id.as_str()))
                 .copied()
                 .filter(|c| {
-                    container_id.is_empty() || c.id == container_id || c.name == slot.container_name
+                    container_id.as_ref().is_none_or(|id| c.id == *id)
+                        || c.name == slot.container_name
                 });
             let observation = if status == TaskStatus::Terminated {
                 // A terminated task's container that still runs (a stop that failed, or a
@@ -283,7 +284,7 @@ impl Reconciler {
             if let Err(e) = self.parts.driver.drive(slot, Event::ReleaseRequested).await {
                 tracing::warn!(task = %slot.id, error = %chain(&e), "release still failing");
             }
-        } else if stop_failed && !container_id.is_empty() {
+        } else if stop_failed && let Some(container_id) = container_id {
             // Its stop failed and it holds nothing: what does the container do now? A
             // container still running is stopped again; one that is gone or ended is settled.
             let observation = self.observe_stopped_slot(slot, &container_id).await;
@@ -346,7 +347,10 @@ impl Reconciler {
         // An event of another container of the same name (one this task replaced, or an
         // earlier task's) is not about this task.
         let other = slot.read(|t| {
-            !t.record().container_id.is_empty() && t.record().container_id != event.container_id
+            t.record()
+                .container_id
+                .as_ref()
+                .is_some_and(|id| *id != event.container_id)
         });
         if other {
             return;

@@ -123,9 +123,8 @@ impl Usage {
             .iter()
             .filter_map(|slot| {
                 slot.read(|t| {
-                    let cid = &t.record().container_id;
-                    (t.status() == TaskStatus::Running && !cid.is_empty())
-                        .then(|| (t.id().clone(), cid.clone()))
+                    let cid = t.record().container_id.as_ref()?;
+                    (t.status() == TaskStatus::Running).then(|| (t.id().clone(), cid.clone()))
                 })
             })
             .collect();

@@ -184,7 +184,7 @@ pub(crate) fn encode(record: &TaskRecord) -> serde_json::Result<Vec<u8>> {
             name: Cow::Borrowed(&record.name),
             container_name: Cow::Borrowed(&record.container_name),
             status: record.status,
-            container_id: Cow::Borrowed(&record.container_id),
+            container_id: Cow::Borrowed(record.container_id.as_deref().unwrap_or_default()),
             resources: Cow::Borrowed(&record.resources),
             created_at_ms: record.created_at_ms,
             updated_at_ms: record.updated_at_ms,
@@ -313,7 +313,7 @@ pub(crate) fn decode(
                     status: ext.status,
                     termination_reason: terminated.then(|| TerminationReason::parse(&reason)),
                     termination_message: message,
-                    container_id: ext.container_id.into_owned(),
+                    container_id: Some(ext.container_id.into_owned()).filter(|id| !id.is_empty()),
                     resources,
                     created_at_ms: ext.created_at_ms,
                     updated_at_ms: ext.updated_at_ms,
@@ -356,7 +356,7 @@ pub(crate) fn decode(
                     },
                     termination_reason: terminated.then(|| TerminationReason::parse(&reason)),
                     termination_message: message,
-                    container_id: String::new(),
+                    container_id: None,
                     resources: Resources {
                         released: file.cleaned_up,
                         ..Resources::default()

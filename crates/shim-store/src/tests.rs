@@ -85,7 +85,7 @@ fn crash_at_each_step_leaves_old_or_new() {
         let mut new = old.clone();
         new.status = TaskStatus::Terminated;
         new.termination_reason = Some(TerminationReason::DoneByRunner);
-        new.container_id = "c".repeat(64);
+        new.container_id = Some("c".repeat(64));
         let paths = {
             let store = Store::open(home.path()).unwrap();
             let paths = store.create_task_dir(&old.container_name).unwrap();

@@ -150,7 +150,9 @@ fn plant_legacy(home: &std::path::Path, r: &TaskRecord) -> std::path::PathBuf {
     let dir = home.join("tasks").join(r.id.as_str());
     fs_err::create_dir_all(dir.join("runner")).unwrap();
     fs_err::write(dir.join("runner/runner.log"), b"x").unwrap();
-    let json = serde_json::json!({"schema_version": 1, "task": r});
+    let mut json = serde_json::json!({"schema_version": 1, "task": r});
+    // It wrote "no container yet" as `""`.
+    json["task"]["container_id"] = r.container_id.clone().unwrap_or_default().into();
     fs_err::write(
         dir.join("task.json"),
         serde_json::to_vec_pretty(&json).unwrap(),

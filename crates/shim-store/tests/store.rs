@@ -611,7 +611,8 @@ fn task_record() -> impl Strategy<Value = TaskRecord> {
                 status(),
                 proptest::option::of(reason()),
                 ".*",
-                ".*",
+                // The file writes no container as `""`: an id is never empty.
+                proptest::option::of(".+"),
                 resources(),
                 any::<u64>(),
                 any::<u64>(),

@@ -1,7 +1,7 @@
 //! The persisted part of a task: what the shim must remember across restarts because the
 //! container cannot tell it. The store wraps it in a versioned envelope.
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::config::TaskConfig;
 use crate::ids::{TaskId, TaskName};
@@ -27,9 +27,13 @@ pub struct TaskRecord {
     /// Set with the reason.
     #[serde(default)]
     pub termination_message: String,
-    /// The container id, once created.
-    #[serde(default)]
-    pub container_id: String,
+    /// The container's id, once one was created (`None` before; the state file writes `""`).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "empty_is_none"
+    )]
+    pub container_id: Option<String>,
     /// What the task holds.
     #[serde(default)]
     pub resources: Resources,
@@ -50,10 +54,15 @@ impl TaskRecord {
             status: TaskStatus::Pending,
             termination_reason: None,
             termination_message: String::new(),
-            container_id: String::new(),
+            container_id: None,
             resources: Resources::default(),
             created_at_ms: now_ms,
             updated_at_ms: now_ms,
         }
     }
+}
+
+/// `""` (how earlier formats wrote "no container yet") read as `None`.
+fn empty_is_none<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    Ok(Option::<String>::deserialize(d)?.filter(|id| !id.is_empty()))
 }

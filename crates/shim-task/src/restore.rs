@@ -57,18 +57,16 @@ pub struct ObservedContainer {
 /// container it just created on its own (start progress, see the machine's docs), so a record
 /// without one may have had a container that was removed while the shim was down.
 fn lost_container_message(record: &TaskRecord) -> String {
-    if record.container_id.is_empty() {
-        format!(
+    match &record.container_id {
+        None => format!(
             "the shim stopped while the task was {}; no container of it was found when the \
              shim restarted (its start was cut short before the container was created, or the \
              container was removed while the shim was down)",
             record.status
-        )
-    } else {
-        format!(
-            "container vanished: container {} was not found when the shim restarted",
-            record.container_id
-        )
+        ),
+        Some(id) => {
+            format!("container vanished: container {id} was not found when the shim restarted")
+        }
     }
 }
 
@@ -87,7 +85,7 @@ fn adopted_record(c: &ObservedContainer, now_ms: u64) -> Option<TaskRecord> {
         status: TaskStatus::Running,
         termination_reason: None,
         termination_message: String::new(),
-        container_id: c.id.clone(),
+        container_id: Some(c.id.clone()).filter(|id| !id.is_empty()),
         resources: Resources {
             gpus: c.gpu_ids.clone(),
             host_keys: None,
@@ -165,7 +163,7 @@ pub fn restore(
 
     if let Some(c) = &container {
         if !c.id.is_empty() {
-            t.record.container_id = c.id.clone();
+            t.record.container_id = Some(c.id.clone());
         }
         t.ports = Some(c.ports.clone());
         t.gpu_ids = Some(c.gpu_ids.clone());

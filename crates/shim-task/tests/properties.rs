@@ -161,7 +161,7 @@ fn is_start_status(s: TaskStatus) -> bool {
 fn only_progress(old: &TaskRecord, new: &TaskRecord) -> bool {
     let mut o = old.clone();
     o.status = new.status;
-    if old.container_id.is_empty() {
+    if old.container_id.is_none() {
         o.container_id = new.container_id.clone();
     }
     same_record(&o, new)

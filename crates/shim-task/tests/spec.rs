@@ -271,7 +271,7 @@ fn minimal_config_skips_keys_volumes_dirs_and_a_present_image() {
     assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
     assert_eq!(t.status(), TaskStatus::Running);
     assert!(!t.is_dirty() && !t.is_progress_only());
-    assert_eq!(t.record().container_id, "cid");
+    assert_eq!(t.record().container_id.as_deref(), Some("cid"));
 }
 
 /// A replacement container (the NVIDIA display retry) is not the first id: it is written
@@ -288,7 +288,7 @@ fn a_replaced_container_id_is_written_at_once() {
     assert_eq!(a, vec![Action::Persist]);
     assert!(!t.is_dirty() && !t.is_progress_only());
     assert_eq!(t.status(), TaskStatus::Creating);
-    assert_eq!(t.record().container_id, "c2");
+    assert_eq!(t.record().container_id.as_deref(), Some("c2"));
 }
 
 /// A step that records something while progress is unwritten writes both; a write asked for
@@ -730,7 +730,7 @@ fn terminate_while_creating_does_not_start_the_created_container() {
         },
     );
     assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
-    assert_eq!(t.record().container_id, "cid");
+    assert_eq!(t.record().container_id.as_deref(), Some("cid"));
 }
 
 #[test]
@@ -1761,7 +1761,7 @@ fn the_display_retry_records_the_new_container_through_an_event() {
         },
     );
     assert_eq!(a, vec![Action::Persist], "the new id is durable first");
-    assert_eq!(t.record().container_id, "cid2");
+    assert_eq!(t.record().container_id.as_deref(), Some("cid2"));
     assert_eq!(
         t.start_step(),
         Some(StartStep::StartContainer),

@@ -60,7 +60,7 @@ fn is_progress(old: &TaskRecord, new: &TaskRecord) -> bool {
         )
     };
     let advanced = new.status > old.status;
-    let first_container = old.container_id.is_empty() && !new.container_id.is_empty();
+    let first_container = old.container_id.is_none() && new.container_id.is_some();
     (advanced || first_container)
         && new.status >= old.status
         && start_status(new.status)

@@ -222,7 +222,7 @@ pub(super) fn on_start_event(
         }
         Event::ContainerCreated { container_id } => {
             expect(t, name, |s| s == StartStep::CreateContainer)?;
-            t.record.container_id = container_id;
+            t.record.container_id = Some(container_id);
             advance(t);
         }
         Event::CreateFailed { message } => {
@@ -232,7 +232,7 @@ pub(super) fn on_start_event(
         }
         Event::ContainerRecreated { container_id } => {
             expect(t, name, |s| s == StartStep::StartContainer)?;
-            t.record.container_id = container_id;
+            t.record.container_id = Some(container_id);
             t.ended = false;
             t.runs = false;
         }
@@ -278,7 +278,7 @@ pub(super) fn on_start_event(
                 );
             }
             // Without a container, or with one never started, nothing of the task runs.
-            if t.record.container_id.is_empty() || t.ports.is_none() {
+            if t.record.container_id.is_none() || t.ports.is_none() {
                 t.ended = true;
             }
             t.start_in_flight = false;

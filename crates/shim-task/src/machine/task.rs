@@ -270,7 +270,7 @@ impl Task {
             ports: self.ports.clone(),
             image_pull_progress: self.pull_progress,
             container_name: self.record.container_name.clone(),
-            container_id: self.record.container_id.clone(),
+            container_id: self.record.container_id.clone().unwrap_or_default(),
             gpu_ids: self.gpu_ids.clone(),
         }
     }
