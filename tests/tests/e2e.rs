@@ -26,7 +26,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -211,50 +210,6 @@ fn healthcheck_version_is_a_compatible_release() {
     );
 }
 
-/// Issue 22, SPEC §6: on a host whose runner download failed (`--runner-binary-path` names a
-/// file that does not exist), a task ends `terminated` with `creating_container_error` naming
-/// the missing path, and nothing appears at that path: Docker's `Binds` made a directory
-/// there, so every later install of the runner failed until someone removed it by hand. The
-/// next task fails the same way, each releases its GPU and is removed, and no container is
-/// left.
-///
-/// upstream: runner/internal/shim/docker.go (`DockerMounts`: `mount.Mount{Type:
-/// mount.TypeBind}` for the runner directory and binary).
-#[test]
-#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
-fn a_missing_runner_binary_fails_the_task_and_creates_nothing_at_its_path() {
-    require_docker();
-    let dir = tempfile::Builder::new()
-        .prefix("shim-e2e-norunner-")
-        .tempdir()
-        .unwrap();
-    let missing = std::path::absolute(dir.path().join("bin").join("dstack-runner")).unwrap();
-    let shim = TestShim::builder("e2e").runner_binary(&missing).start();
-    for id in ["norunner-1", "norunner-2"] {
-        let config = task(id, FAKE_GPUS as i64);
-        assert_eq!(shim.submit(&config).status, 200);
-        let info = shim.wait_status(id, "terminated");
-        assert_eq!(
-            info["termination_reason"], "creating_container_error",
-            "{info}"
-        );
-        let message = info["termination_message"].as_str().unwrap();
-        assert!(
-            message.contains(&missing.display().to_string()),
-            "the message names the missing path: {message}"
-        );
-        assert!(!missing.exists(), "something was made at {missing:?}");
-        assert!(
-            !missing.parent().unwrap().exists(),
-            "{:?}",
-            entries(dir.path())
-        );
-        // Every GPU was released: the next task gets them all, and fails the same way.
-        shim.remove_retrying(id);
-    }
-    assert_eq!(shim.containers(), BTreeMap::new());
-}
-
 /// SPEC §2–§4, the whole life of a task over HTTP: submit answers the exact pending TaskInfo;
 /// the task runs with published ports (the runner answers through them) and its GPUs; the list
 /// shows it; the runner exits 0 → `done_by_runner`; a later terminate keeps that reason;
@@ -429,77 +384,6 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
 fn start_with_image_check(shim: &mut TestShim, image: &str) {
     assert!(!image_present(image), "{image} is still on the host");
     shim.start();
-}
-
-/// Issue 22, SPEC §5: what makes a container this shim's is its runner mount, not its owner
-/// label. Between two runs of the binary with a task running, `<home>/owner-id` is deleted
-/// (first round) or replaced by another identity (second round): the task is still `running`
-/// in the same container, which was neither stopped nor restarted (it keeps the old owner
-/// label), its GPUs stay held, and its runner's later exit is processed (0 → `done_by_runner`,
-/// 3 → `container_exited_with_error`). A second shim on another home on the same daemon,
-/// running throughout and restarted, never lists or touches it.
-#[test]
-#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
-fn a_lost_or_replaced_owner_id_orphans_no_running_task() {
-    require_docker();
-    let mut shim = TestShim::builder("e2e").start();
-    let mut other = TestShim::builder("e2e").start();
-    let owner_file = shim.home().join("owner-id");
-    for (round, (id, code)) in [("owner-lost", 0), ("owner-replaced", 3)]
-        .into_iter()
-        .enumerate()
-    {
-        let config = task(id, 2);
-        // The sweeper finds containers by the home's current identity: this one keeps the
-        // old one, so it is removed by name however the test ends.
-        let _guard = NamedContainer(container_name_of(&config));
-        assert_eq!(shim.submit(&config).status, 200);
-        let before = shim.wait_status(id, "running");
-        let cid = before["container_id"].as_str().unwrap().to_owned();
-        let started = |c: &str| docker_ok(&["inspect", "-f", "{{.State.StartedAt}}", c]);
-        let started_at = started(&cid);
-        let old_owner = shim.owner();
-
-        shim.kill();
-        if round == 0 {
-            fs_err::remove_file(&owner_file).unwrap();
-        } else {
-            fs_err::write(&owner_file, "0123456789abcdef\n").unwrap();
-        }
-        shim.start();
-        let after = shim.info(id);
-        assert_ne!(shim.owner(), old_owner);
-        assert_eq!(after["status"], "running", "{after}");
-        for field in ["container_id", "gpus_ids", "ports"] {
-            assert_eq!(after[field], before[field], "{field}: {after}");
-        }
-        assert_container_running(&cid);
-        assert_eq!(started(&cid), started_at, "the container was restarted");
-        // Its two GPUs are held: a task asking for three cannot have them.
-        let greedy = task(&format!("{id}-greedy"), 3);
-        assert_eq!(shim.submit(&greedy).status, 200);
-        let refused = shim.wait_status(&format!("{id}-greedy"), "terminated");
-        assert_eq!(refused["termination_reason"], "executor_error", "{refused}");
-        shim.remove_retrying(&format!("{id}-greedy"));
-
-        // The other home's shim, running and restarted, neither lists nor touches it.
-        other.kill();
-        other.start();
-        assert_eq!(other.list(), BTreeMap::new());
-        assert_container_running(&cid);
-
-        shim.exit_runner(&after, code);
-        let done = shim.wait_status(id, "terminated");
-        let reason = if code == 0 {
-            "done_by_runner"
-        } else {
-            "container_exited_with_error"
-        };
-        assert_eq!(done["termination_reason"], reason, "{done}");
-        shim.remove_retrying(id);
-        assert_eq!(container_running(None, &cid), None);
-    }
-    assert_eq!(other.list(), BTreeMap::new());
 }
 
 /// SPEC §1, §4, §5: SIGKILL with tasks running, then a restart on the same home.
@@ -970,135 +854,6 @@ fn big_config() -> Vec<u8> {
     let mut config = task("big-1", 0);
     config["padding"] = json!("x".repeat(1024 * 1024 + 1));
     serde_json::to_vec(&config).unwrap()
-}
-
-/// SPEC §4 under concurrency: 50 tasks submitted at once all run; 50 concurrent terminates
-/// all end `terminated` with the requested reason and message; after removing them nothing is
-/// leaked: no container of this shim, an empty tasks directory, and every GPU free again
-/// (a task wanting all four gets them).
-#[test]
-#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
-fn fifty_concurrent_tasks_leave_nothing_behind() {
-    require_docker();
-    const N: usize = 50;
-    let shim = Arc::new(TestShim::builder("e2e").start());
-    // Four of them take one GPU each: all fake GPUs are in use at once.
-    let configs: Vec<Value> = (0..N)
-        .map(|i| task(&format!("many-{i:02}"), i64::from(i < FAKE_GPUS)))
-        .collect();
-
-    let run_all = |what: &'static str, f: Arc<dyn Fn(usize) + Send + Sync>| -> Duration {
-        let barrier = Arc::new(Barrier::new(N + 1));
-        let threads: Vec<_> = (0..N)
-            .map(|i| {
-                let barrier = barrier.clone();
-                let f = f.clone();
-                std::thread::spawn(move || {
-                    barrier.wait();
-                    f(i);
-                })
-            })
-            .collect();
-        barrier.wait();
-        let started = Instant::now();
-        for t in threads {
-            t.join()
-                .unwrap_or_else(|_| panic!("a {what} thread failed"));
-        }
-        started.elapsed()
-    };
-
-    let submit_time = {
-        let shim = shim.clone();
-        let configs = configs.clone();
-        run_all(
-            "submit",
-            Arc::new(move |i| {
-                let answer = shim.submit(&configs[i]).ok();
-                assert_eq!(answer, pending_info(&configs[i]));
-            }),
-        )
-    };
-    let submitted_at = Instant::now();
-
-    // All of them run.
-    let started = Instant::now();
-    loop {
-        let list = shim.list();
-        assert_eq!(list.len(), N);
-        if let Some((id, _)) = list.iter().find(|(_, s)| *s == "terminated") {
-            panic!("a task ended: {} of {list:?}", shim.info(id));
-        }
-        if list.values().all(|s| s == "running") {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(300),
-            "not all running: {list:?}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    let all_running = submitted_at.elapsed();
-    let mut used_gpus = BTreeSet::new();
-    for (i, config) in configs.iter().enumerate() {
-        let info = shim.info(config["id"].as_str().unwrap());
-        assert_running(&info, config, usize::from(i < FAKE_GPUS));
-        used_gpus.extend(gpu_ids(&info));
-    }
-    assert_eq!(used_gpus, fake_gpu_ids());
-    assert_eq!(shim.container_ids().len(), N);
-
-    let terminate_time = {
-        let shim = shim.clone();
-        run_all(
-            "terminate",
-            Arc::new(move |i| {
-                let id = format!("many-{i:02}");
-                let message = format!("e2e stop {i}");
-                let info = shim.terminate(&id, "terminated_by_user", &message, 10).ok();
-                assert_eq!(info["status"], "terminated", "{info}");
-                assert_eq!(info["termination_reason"], "terminated_by_user", "{info}");
-                assert_eq!(info["termination_message"], message.as_str(), "{info}");
-            }),
-        )
-    };
-    for config in &configs {
-        let info = shim.info(config["id"].as_str().unwrap());
-        assert_eq!(info["termination_reason"], "terminated_by_user", "{info}");
-        assert_eq!(
-            container_running(None, info["container_id"].as_str().unwrap()),
-            Some(false),
-            "{info}"
-        );
-    }
-
-    let remove_time = {
-        let shim = shim.clone();
-        run_all(
-            "remove",
-            Arc::new(move |i| {
-                shim.remove(&format!("many-{i:02}")).assert_empty_ok();
-            }),
-        )
-    };
-    eprintln!(
-        "MEASURED {N} concurrent submits: {submit_time:?}; all running {all_running:?} after \
-         the last submit answered; {N} concurrent terminates (timeout 10 s, the stub runner \
-         exits on SIGTERM): {terminate_time:?}; {N} concurrent removes: {remove_time:?}"
-    );
-
-    assert_eq!(shim.list(), BTreeMap::new());
-    assert_eq!(shim.container_ids(), BTreeSet::new());
-    assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
-
-    // Every GPU was released.
-    let all = task("all-gpus", FAKE_GPUS as i64);
-    shim.submit(&all).ok();
-    let info = shim.wait_status("all-gpus", "running");
-    assert_eq!(gpu_ids(&info), fake_gpu_ids(), "{info}");
-    shim.finish("all-gpus");
-    assert_eq!(shim.container_ids(), BTreeSet::new());
-    assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
 }
 
 /// SPEC §3/§4: terminate during start answers `terminated`; a remove right after it must then

@@ -31,6 +31,8 @@
     reason = "test code: a failed unwrap is a failed test; figures and logs go to stderr"
 )]
 
+mod world;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
@@ -1622,3 +1624,45 @@ fn lost_docker_answers_neither_fail_the_task_nor_leak_it() {
     assert_eq!(shim.containers(), BTreeMap::new());
     assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
 }
+
+// SPEC §5: the engine away for a while (its socket refuses every connection, the event stream
+// cut) changes no task: a runner that exits meanwhile is not judged, a relist fails and
+// changes nothing; once the engine is back, the exit is found and judged as its event would
+// have been (`done_by_runner`).
+async fn an_engine_away_for_a_while_changes_nothing<W: world::World>() {
+    let w = W::new(world::Options {
+        flaky_engine: true,
+        ..world::Options::default()
+    })
+    .await;
+    w.submit(&w.task("flaky", 0)).await.unwrap();
+    let info = w.wait_status("flaky", "running").await;
+    let cid = info["container_id"].as_str().unwrap();
+
+    w.set_engine_reachable(false).await;
+    w.exit_runner(&info, 0).await;
+    for _ in 0..600 {
+        if w.container_running(cid).await == Some(false) {
+            break;
+        }
+        w.sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(w.container_running(cid).await, Some(false));
+    for _ in 0..3 {
+        if let Some(listed) = w.relist().await {
+            assert!(!listed, "the list must fail while the engine is away");
+        }
+        w.sleep(Duration::from_millis(300)).await;
+    }
+    let now = w.info("flaky").await.unwrap();
+    assert_eq!(
+        now["status"], "running",
+        "no task changes while the engine is away"
+    );
+
+    w.set_engine_reachable(true).await;
+    let done = w.wait_status("flaky", "terminated").await;
+    assert_eq!(done["termination_reason"], "done_by_runner", "{done}");
+    w.remove("flaky").await;
+}
+in_worlds!(an_engine_away_for_a_while_changes_nothing: fake, docker, binary);

@@ -1,0 +1,108 @@
+//! What tasks hold (GPUs, containers, task directories), one scenario in every world (see
+//! `world/mod.rs`): given, kept and given back exactly.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test code: a failed unwrap is a failed test"
+)]
+
+mod world;
+
+use std::collections::BTreeSet;
+
+use futures_util::future::join_all;
+use world::{GPUS, Options, World};
+
+// Issue 22, SPEC §6: a runner binary that does not exist fails the create (Docker refuses a
+// bind mount of a missing file), and the task ends `creating_container_error` naming the path;
+// nothing is made at the path, no container is left, and its GPUs are released (the second
+// task, which asks for all of them, fails the same way rather than for want of GPUs).
+// upstream: runner/internal/shim/docker.go (DockerMounts).
+async fn a_missing_runner_binary_fails_the_task_with_the_path<W: World>() {
+    let dir = tempfile::Builder::new()
+        .prefix("shim-world-norunner-")
+        .tempdir()
+        .unwrap();
+    let missing = std::path::absolute(dir.path().join("bin").join("dstack-runner")).unwrap();
+    let w = W::new(Options {
+        runner: Some(missing.clone()),
+        ..Options::default()
+    })
+    .await;
+    for id in ["norunner-1", "norunner-2"] {
+        w.submit(&w.task(id, GPUS as i64)).await.unwrap();
+        let info = w.wait_status(id, "terminated").await;
+        assert_eq!(
+            info["termination_reason"], "creating_container_error",
+            "{info}"
+        );
+        let message = info["termination_message"].as_str().unwrap();
+        assert!(
+            message.contains(&missing.display().to_string()),
+            "the message names the missing path: {message}"
+        );
+        assert!(!missing.parent().unwrap().exists(), "something was made");
+        w.remove(id).await;
+    }
+    assert_eq!(w.containers().await, 0);
+}
+in_worlds!(a_missing_runner_binary_fails_the_task_with_the_path: fake, docker, binary);
+
+// SPEC §4 under concurrency: 50 tasks submitted at once all run (four of them hold one GPU
+// each: every GPU in use at once); 50 concurrent terminates all end `terminated` with the
+// requested reason and message, every container stopped; after 50 concurrent removes nothing
+// is leaked: no task, no container, no task directory, and every GPU free again (a task
+// wanting all of them gets them).
+async fn fifty_concurrent_tasks_leave_nothing_behind<W: World>() {
+    const N: usize = 50;
+    let w = W::new(Options::default()).await;
+    let ids: Vec<String> = (0..N).map(|i| format!("many-{i:02}")).collect();
+    let tasks: Vec<_> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| w.task(id, i64::from(i < GPUS)))
+        .collect();
+    for submitted in join_all(tasks.iter().map(|t| w.submit(t))).await {
+        submitted.unwrap();
+    }
+    let mut used_gpus = BTreeSet::new();
+    for id in &ids {
+        let info = w.wait_status(id, "running").await;
+        // Bridge network: the runner's two ports published.
+        assert_eq!(info["ports"].as_array().map(Vec::len), Some(2), "{info}");
+        for gpu in info["gpus_ids"].as_array().unwrap() {
+            assert!(used_gpus.insert(gpu.to_string()), "{gpu} given twice");
+        }
+    }
+    assert_eq!(used_gpus.len(), GPUS);
+    assert_eq!(w.containers().await, N);
+
+    let w = &w;
+    let terminated = join_all(ids.iter().enumerate().map(|(i, id)| async move {
+        let message = format!("stop {i}");
+        let info = w.terminate(id, "terminated_by_user", &message, 10).await;
+        assert_eq!(info["status"], "terminated", "{info}");
+        assert_eq!(info["termination_message"], message.as_str(), "{info}");
+        info
+    }))
+    .await;
+    for info in terminated {
+        assert_eq!(info["termination_reason"], "terminated_by_user", "{info}");
+        let cid = info["container_id"].as_str().unwrap();
+        assert_eq!(w.container_running(cid).await, Some(false), "{info}");
+    }
+    join_all(ids.iter().map(|id| w.remove(id))).await;
+    assert!(w.list().await.is_empty());
+    assert_eq!(w.containers().await, 0);
+    let tasks_dir = shim_e2e::harness::tasks_dir(&w.home());
+    assert_eq!(shim_e2e::harness::task_entries(&tasks_dir), BTreeSet::new());
+
+    w.submit(&w.task("all-gpus", GPUS as i64)).await.unwrap();
+    let info = w.wait_status("all-gpus", "running").await;
+    assert_eq!(info["gpus_ids"].as_array().unwrap().len(), GPUS, "{info}");
+    w.terminate("all-gpus", "terminated_by_server", "", 0).await;
+    w.remove("all-gpus").await;
+    assert_eq!(w.containers().await, 0);
+}
+in_worlds!(fifty_concurrent_tasks_leave_nothing_behind: fake, docker, binary);

@@ -1,0 +1,156 @@
+//! The built `dstack-shim` over HTTP as a world ([`TestShim`]: the stub runner, fake GPUs, a
+//! temporary home, its containers swept however the test ends).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use serde_json::Value;
+use shim_e2e::harness::{NamedContainer, TestShim, container_name_of};
+
+use super::flaky::FlakyDocker;
+use super::{Options, World};
+
+/// `dstack-shim` over HTTP. Its calls block: each runs on tokio's blocking pool, so that a
+/// scenario's concurrent calls are concurrent requests.
+pub struct BinaryWorld {
+    shim: Arc<TestShim>,
+    proxy: Option<FlakyDocker>,
+    /// Every submitted task's container, removed by name however the test ends (one that
+    /// keeps an earlier owner identity escapes the shim's sweeper).
+    named: Mutex<Vec<NamedContainer>>,
+    /// Holds the proxy's socket.
+    _dir: tempfile::TempDir,
+}
+
+impl BinaryWorld {
+    /// The shim under test, for what only this world shows.
+    pub fn shim(&self) -> &TestShim {
+        &self.shim
+    }
+
+    async fn call<T: Send + 'static>(&self, f: impl FnOnce(&TestShim) -> T + Send + 'static) -> T {
+        let shim = self.shim.clone();
+        tokio::task::spawn_blocking(move || f(&shim)).await.unwrap()
+    }
+
+    fn shim_mut(&mut self) -> &mut TestShim {
+        Arc::get_mut(&mut self.shim).expect("no call in flight")
+    }
+}
+
+impl World for BinaryWorld {
+    async fn new(options: Options) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let proxy = options.flaky_engine.then(|| FlakyDocker::start(dir.path()));
+        let mut builder = TestShim::builder("world");
+        if let Some(runner) = &options.runner {
+            builder = builder.runner_binary(runner);
+        }
+        if let Some(proxy) = &proxy {
+            // Only the shim goes through the proxy: the clean-up talks to Docker directly.
+            builder = builder.env("DOCKER_HOST", proxy.docker_host());
+        }
+        let shim = tokio::task::spawn_blocking(move || {
+            let shim = builder.start();
+            assert_eq!(shim.get("/api/healthcheck").status, 200);
+            shim
+        });
+        BinaryWorld {
+            shim: Arc::new(shim.await.unwrap()),
+            proxy,
+            named: Mutex::new(Vec::new()),
+            _dir: dir,
+        }
+    }
+
+    async fn neighbour(&self) -> Self {
+        Self::new(Options::default()).await
+    }
+
+    async fn submit(&self, task: &Value) -> Result<(), String> {
+        self.named
+            .lock()
+            .unwrap()
+            .push(NamedContainer(container_name_of(task)));
+        let task = task.clone();
+        let answer = self.call(move |shim| shim.submit(&task)).await;
+        if answer.status == 200 {
+            Ok(())
+        } else {
+            Err(answer.body)
+        }
+    }
+
+    async fn info(&self, id: &str) -> Option<Value> {
+        let id = id.to_owned();
+        self.call(move |shim| shim.info_opt(&id)).await
+    }
+
+    async fn list(&self) -> BTreeMap<String, String> {
+        self.call(TestShim::list).await
+    }
+
+    async fn terminate(&self, id: &str, reason: &str, message: &str, timeout_s: u64) -> Value {
+        let (id, reason, message) = (id.to_owned(), reason.to_owned(), message.to_owned());
+        let answer = self
+            .call(move |shim| shim.terminate(&id, &reason, &message, timeout_s))
+            .await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        answer.json_body()
+    }
+
+    async fn remove(&self, id: &str) {
+        let id = id.to_owned();
+        self.call(move |shim| shim.remove_retrying(&id)).await;
+    }
+
+    async fn stop(&mut self) {
+        self.shim_mut().kill();
+    }
+
+    async fn start(&mut self) {
+        let shim = self.shim_mut();
+        shim.start();
+        // The port accepts connections before the restore is done; the first answer comes
+        // after it (and after the owner identity is stored).
+        assert_eq!(shim.get("/api/healthcheck").status, 200);
+    }
+
+    fn owner(&self) -> String {
+        self.shim.owner()
+    }
+
+    fn home(&self) -> PathBuf {
+        self.shim.home().to_path_buf()
+    }
+
+    async fn exit_runner(&self, info: &Value, code: i32) {
+        self.shim.exit_runner(info, code);
+    }
+
+    async fn container_running(&self, container_id: &str) -> Option<bool> {
+        let id = container_id.to_owned();
+        self.call(move |shim| shim.running(&id)).await
+    }
+
+    async fn containers(&self) -> usize {
+        self.call(|shim| shim.containers().len()).await
+    }
+
+    async fn container_started(&self, container_id: &str) -> String {
+        shim_e2e::docker_ok(&["inspect", "-f", "{{.State.StartedAt}}", container_id])
+    }
+
+    async fn set_engine_reachable(&self, reachable: bool) {
+        self.proxy
+            .as_ref()
+            .expect("a world made without Options::flaky_engine")
+            .set_down(!reachable);
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+
+    async fn relist(&self) -> Option<bool> {
+        None
+    }
+}

@@ -1,0 +1,336 @@
+//! The engine library as a world: on the fake runtime and fake host resources
+//! ([`FakeWorld`], paused time), or on the real Docker daemon with the real `authorized_keys`
+//! and volume code ([`DockerWorld`]).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+use shim_engine::{Clock, Deps, Engine, EngineConfig, Shutdown};
+use shim_resources::fake::{FakeAuthorizedKeys, FakeVolumes, StaticUserDb};
+use shim_resources::{AuthorizedKeysManager, BlockVolumes, HostGpus, VolumeConfig};
+use shim_runtime::fake::FakeRuntime;
+use shim_runtime::{ContainerState, DockerRuntime};
+use shim_task::{TaskConfig, TaskId, TerminationReason};
+use shim_util::SystemCommandRunner;
+
+use super::flaky::FlakyDocker;
+use super::{GPUS, Options, World};
+
+/// The engine on the fake runtime, on paused time.
+pub type FakeWorld = EngineWorld<false>;
+/// The engine on the real Docker daemon.
+pub type DockerWorld = EngineWorld<true>;
+
+/// The wall time the fake world starts at (Unix ms: 2026-12-01T00:00:00Z).
+const START_MS: u64 = 1_796_083_200_000;
+
+/// The engine library on a home of its own; `DOCKER` picks the real daemon.
+pub struct EngineWorld<const DOCKER: bool> {
+    dir: Arc<tempfile::TempDir>,
+    options: Options,
+    /// The fake world's daemon (shared with its neighbours).
+    fake: Option<FakeRuntime>,
+    proxy: Option<FlakyDocker>,
+    engine: Option<Engine>,
+    clock: Clock,
+    /// Every submitted task's container name, removed however the test ends (one that keeps
+    /// an earlier owner identity escapes a sweep by owner).
+    named: std::sync::Mutex<Vec<String>>,
+}
+
+impl<const DOCKER: bool> EngineWorld<DOCKER> {
+    fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    fn engine(&self) -> &Engine {
+        self.engine.as_ref().expect("the engine runs")
+    }
+
+    /// Whether the fake's container of `id` runs.
+    fn fake_state(&self, id: &str) -> Option<ContainerState> {
+        self.fake.as_ref().and_then(|f| f.state(id))
+    }
+
+    async fn open(&self) -> Engine {
+        let gpus = HostGpus::fake_nvidia(GPUS as u32);
+        let mut cfg = EngineConfig::new(self.path("home"));
+        cfg.volumes_root = self.path("volumes");
+        cfg.runner_binary_path = match (&self.options.runner, DOCKER) {
+            (Some(runner), _) => runner.clone(),
+            (None, true) => shim_e2e::runner_path(),
+            // The fake runs nothing: a file is enough.
+            (None, false) => self.path("dstack-runner"),
+        };
+        // Long: the worlds move by events and the engine's own relists only.
+        cfg.reconcile_interval = Duration::from_secs(3600);
+        let mut deps = match &self.fake {
+            Some(fake) => Deps::new(
+                Arc::new(fake.clone()),
+                // A restarted process has no key registered: fresh fakes each time.
+                Arc::new(FakeAuthorizedKeys::new()),
+                Arc::new(FakeVolumes::new(self.path("volumes"))),
+            ),
+            None => {
+                let runtime = match &self.proxy {
+                    Some(proxy) => DockerRuntime::connect_to(&proxy.docker_host()).await,
+                    None => DockerRuntime::connect().await,
+                }
+                .unwrap();
+                let users = StaticUserDb::new().with_user("tester", self.path("user"));
+                let mut volumes = VolumeConfig::with_root(self.path("volumes")).fast();
+                volumes.gcp_by_id_dir = self.path("by-id");
+                let mut deps = Deps::new(
+                    Arc::new(runtime),
+                    Arc::new(AuthorizedKeysManager::new(Arc::new(users))),
+                    Arc::new(BlockVolumes::new(
+                        volumes,
+                        Arc::new(SystemCommandRunner::default()),
+                    )),
+                );
+                deps.fake_gpus = true;
+                deps
+            }
+        };
+        deps.host_gpus = gpus;
+        deps.clock = self.clock;
+        Engine::open(cfg, deps).await.unwrap()
+    }
+
+    async fn make(options: Options, fake: Option<FakeRuntime>) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        for d in ["home", "user", "volumes", "by-id"] {
+            fs_err::create_dir_all(dir.path().join(d)).unwrap();
+        }
+        fs_err::write(dir.path().join("dstack-runner"), b"").unwrap();
+        let fake = match (DOCKER, fake) {
+            (true, _) => None,
+            (false, Some(fake)) => Some(fake),
+            (false, None) => {
+                let fake = FakeRuntime::new();
+                fake.add_image(&shim_e2e::image());
+                // Docker refuses a bind mount of a missing file: so does the fake.
+                fake.check_bind_sources(true);
+                Some(fake)
+            }
+        };
+        let proxy = (DOCKER && options.flaky_engine).then(|| FlakyDocker::start(dir.path()));
+        let mut world = EngineWorld {
+            dir: Arc::new(dir),
+            options,
+            fake,
+            proxy,
+            engine: None,
+            named: std::sync::Mutex::new(Vec::new()),
+            clock: if DOCKER {
+                Clock::system()
+            } else {
+                Clock::tokio_from(START_MS)
+            },
+        };
+        world.engine = Some(world.open().await);
+        world
+    }
+}
+
+fn tid(id: &str) -> TaskId {
+    TaskId::new(id).unwrap()
+}
+
+fn json(info: &shim_task::TaskInfo) -> Value {
+    serde_json::to_value(info).unwrap()
+}
+
+impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
+    async fn new(options: Options) -> Self {
+        Self::make(options, None).await
+    }
+
+    async fn neighbour(&self) -> Self {
+        Self::make(Options::default(), self.fake.clone()).await
+    }
+
+    async fn submit(&self, task: &Value) -> Result<(), String> {
+        let config: TaskConfig = serde_json::from_value(task.clone()).map_err(|e| e.to_string())?;
+        config.validate().map_err(|e| e.to_string())?;
+        self.named
+            .lock()
+            .unwrap()
+            .push(shim_task::naming::container_name(&config.name, &config.id));
+        match self.engine().submit(config).await {
+            Ok(_) => Ok(()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    async fn info(&self, id: &str) -> Option<Value> {
+        self.engine().task_info(&tid(id)).ok().map(|i| json(&i))
+    }
+
+    async fn settled(&self, id: &str) -> bool {
+        !self.engine().is_starting(&tid(id)).unwrap_or(false)
+    }
+
+    async fn list(&self) -> BTreeMap<String, String> {
+        self.engine()
+            .list()
+            .into_iter()
+            .map(|(id, status)| (id.as_str().to_owned(), status.as_str().to_owned()))
+            .collect()
+    }
+
+    async fn terminate(&self, id: &str, reason: &str, message: &str, timeout_s: u64) -> Value {
+        let info = self
+            .engine()
+            .terminate(
+                &tid(id),
+                TerminationReason::parse(reason),
+                message.to_owned(),
+                Duration::from_secs(timeout_s),
+            )
+            .await
+            .unwrap();
+        json(&info)
+    }
+
+    async fn remove(&self, id: &str) {
+        for _ in 0..1000 {
+            match self.engine().remove(&tid(id)).await {
+                Ok(()) => return,
+                Err(_) => self.sleep(Duration::from_millis(20)).await,
+            }
+        }
+        panic!("task {id} could not be removed: {:?}", self.info(id).await);
+    }
+
+    async fn stop(&mut self) {
+        if let Some(engine) = self.engine.take() {
+            engine
+                .shutdown(Shutdown::Graceful(Duration::from_secs(5)))
+                .await;
+        }
+    }
+
+    async fn start(&mut self) {
+        self.engine = Some(self.open().await);
+    }
+
+    fn owner(&self) -> String {
+        self.engine().owner().to_owned()
+    }
+
+    fn home(&self) -> PathBuf {
+        self.path("home")
+    }
+
+    async fn exit_runner(&self, info: &Value, code: i32) {
+        match &self.fake {
+            Some(fake) => {
+                let cid = info["container_id"].as_str().unwrap();
+                fake.set_logs(cid, &["bye"]);
+                assert!(fake.exit(cid, i64::from(code)), "no container {cid}");
+            }
+            None => shim_e2e::harness::write_runner_exit(&self.home(), info, code).unwrap(),
+        }
+    }
+
+    async fn container_running(&self, container_id: &str) -> Option<bool> {
+        if self.fake.is_some() {
+            return self.fake_state(container_id).map(|s| s.is_running());
+        }
+        let out = Command::new("docker")
+            .args(["inspect", "-f", "{{.State.Running}}", container_id])
+            .output()
+            .unwrap();
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim() == "true")
+    }
+
+    async fn containers(&self) -> usize {
+        match &self.fake {
+            Some(fake) => fake.container_ids().len(),
+            None => {
+                let filter = format!(
+                    "label={}={}",
+                    shim_engine::labels::LABEL_OWNER,
+                    self.owner()
+                );
+                shim_e2e::docker_ok(&["ps", "-aq", "--filter", &filter])
+                    .split_whitespace()
+                    .count()
+            }
+        }
+    }
+
+    async fn container_started(&self, container_id: &str) -> String {
+        match &self.fake {
+            Some(fake) => {
+                let calls = fake.calls();
+                let starts = calls.iter().filter(
+                    |c| matches!(c, shim_runtime::fake::Call::Start(id) if id == container_id),
+                );
+                format!("{} starts", starts.count())
+            }
+            None => shim_e2e::docker_ok(&["inspect", "-f", "{{.State.StartedAt}}", container_id]),
+        }
+    }
+
+    async fn set_engine_reachable(&self, reachable: bool) {
+        match (&self.fake, &self.proxy) {
+            (Some(fake), _) => {
+                fake.set_unreachable(!reachable);
+                if !reachable {
+                    // As a proxy that cuts its connections: the event stream breaks (and the
+                    // engine's stream sees it before anything else happens).
+                    fake.break_event_streams();
+                    self.sleep(Duration::from_millis(100)).await;
+                }
+            }
+            (None, Some(proxy)) => {
+                proxy.set_down(!reachable);
+                self.sleep(Duration::from_millis(100)).await;
+            }
+            (None, None) => panic!("a world made without Options::flaky_engine"),
+        }
+    }
+
+    async fn relist(&self) -> Option<bool> {
+        Some(self.engine().reconcile_now().await)
+    }
+
+    async fn sleep(&self, how_long: Duration) {
+        tokio::time::sleep(how_long).await;
+    }
+}
+
+impl<const DOCKER: bool> Drop for EngineWorld<DOCKER> {
+    /// Removes every container of this home's engine however the test ends.
+    fn drop(&mut self) {
+        if !DOCKER {
+            return;
+        }
+        let mut doomed: Vec<String> = self.named.lock().map(|n| n.clone()).unwrap_or_default();
+        if let Ok(owner) = fs_err::read_to_string(self.path("home").join("owner-id")) {
+            let filter = format!(
+                "label={}={}",
+                shim_engine::labels::LABEL_OWNER,
+                owner.trim()
+            );
+            if let Ok(out) = shim_e2e::harness::try_docker(&["ps", "-aq", "--filter", &filter]) {
+                doomed.extend(
+                    String::from_utf8_lossy(&out.stdout)
+                        .split_whitespace()
+                        .map(str::to_owned),
+                );
+            }
+        }
+        for container in doomed {
+            let _ = shim_e2e::harness::try_docker(&["rm", "-f", &container]);
+        }
+    }
+}

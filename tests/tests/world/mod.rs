@@ -1,0 +1,236 @@
+//! One scenario, every world (issue 38): a behaviour is written once, as an async function
+//! generic over [`World`], and runs in each world where it means something, the world in the
+//! test's name (`owner_id_lost_or_replaced::fake`, `::docker`, `::binary`):
+//!
+//! - `fake`: the engine library on the fake runtime and fake host resources, on tokio's
+//!   paused time (a wait takes no wall time);
+//! - `docker`: the engine library on the real Docker daemon, real `authorized_keys` and volume
+//!   code, the stub runner;
+//! - `binary`: the built `dstack-shim` over HTTP, as the dstack server drives it.
+//!
+//! Every world has [`GPUS`] fake GPUs and a home of its own; tasks are the server's JSON
+//! ([`World::task`]), answers are the API's `TaskInfo` JSON. What only one world can show (a
+//! fake's call log, an HTTP status) stays in that world's own test file. The worlds that need
+//! Docker are ignored unless run with `--run-ignored all`, and then fail, never skip, without
+//! `SHIM_TEST_DOCKER=1`.
+
+#![allow(
+    dead_code,
+    async_fn_in_trait,
+    reason = "each test file uses the part of the worlds its scenarios need; the trait is only used generically"
+)]
+
+pub mod binary;
+pub mod engine;
+pub mod flaky;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde_json::Value;
+
+pub use binary::BinaryWorld;
+pub use engine::{DockerWorld, FakeWorld};
+
+/// The fake GPUs of every world.
+pub const GPUS: usize = shim_e2e::harness::FAKE_GPUS;
+
+/// How a world is made.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// The runner binary the shim mounts (default: the stub runner).
+    pub runner: Option<PathBuf>,
+    /// The engine reached through a proxy that [`World::set_engine_reachable`] can cut.
+    pub flaky_engine: bool,
+}
+
+/// A host with a shim on it, as a scenario sees it.
+pub trait World: Sized {
+    /// A new host and a shim on a home of its own.
+    async fn new(options: Options) -> Self;
+
+    /// Another shim on a home of its own, on the same engine.
+    async fn neighbour(&self) -> Self;
+
+    /// A task as the dstack server sends it: `gpu` GPUs, bridge network, the test image, a
+    /// name unique to this run.
+    fn task(&self, id: &str, gpu: i64) -> Value {
+        let name = format!("w-{id}-{}", shim_e2e::harness::run_tag());
+        shim_e2e::harness::bridge_task(id, &name, gpu)
+    }
+
+    /// Submits; the error is the shim's message.
+    async fn submit(&self, task: &Value) -> Result<(), String>;
+
+    /// The task's `TaskInfo`, `None` when the shim does not know it.
+    async fn info(&self, id: &str) -> Option<Value>;
+
+    /// Every task the shim lists, with its status.
+    async fn list(&self) -> BTreeMap<String, String>;
+
+    /// Terminates as the dstack server does; answers the `TaskInfo`.
+    async fn terminate(&self, id: &str, reason: &str, message: &str, timeout_s: u64) -> Value;
+
+    /// Removes a terminated task (retrying while its release is under way).
+    async fn remove(&self, id: &str);
+
+    /// The shim stops: a kill where the world has a process (its containers go on).
+    async fn stop(&mut self);
+
+    /// The shim starts again on its home (after [`World::stop`]).
+    async fn start(&mut self);
+
+    /// [`World::stop`], then [`World::start`].
+    async fn restart(&mut self) {
+        self.stop().await;
+        self.start().await;
+    }
+
+    /// The shim's owner identity (`<home>/owner-id`).
+    fn owner(&self) -> String;
+
+    /// The shim's home.
+    fn home(&self) -> PathBuf;
+
+    /// Makes the task's runner exit with `code`.
+    async fn exit_runner(&self, info: &Value, code: i32);
+
+    /// Whether the container runs (`None`: no such container).
+    async fn container_running(&self, container_id: &str) -> Option<bool>;
+
+    /// The containers of this world's engine that belong to tasks of this shim's home.
+    async fn containers(&self) -> usize;
+
+    /// What tells one start of the container from another (Docker's `StartedAt`; the fake's
+    /// count of starts): unchanged when it was not restarted.
+    async fn container_started(&self, container_id: &str) -> String;
+
+    /// Cuts or restores the shim's way to the engine (needs [`Options::flaky_engine`]).
+    async fn set_engine_reachable(&self, reachable: bool);
+
+    /// Asks the shim to list the engine now, where the world can: `Some(whether it could)`.
+    async fn relist(&self) -> Option<bool>;
+
+    /// Lets time pass (virtual time in the fake world).
+    async fn sleep(&self, how_long: Duration) {
+        tokio::time::sleep(how_long).await;
+    }
+
+    /// Waits until the task has `status` (and its start returned); fails the test if it
+    /// ends otherwise or never gets there.
+    async fn wait_status(&self, id: &str, status: &str) -> Value {
+        let mut last = None;
+        for _ in 0..3000 {
+            let info = self.info(id).await;
+            if let Some(info) = &info
+                && info["status"] == status
+                && self.settled(id).await
+            {
+                return info.clone();
+            }
+            if let Some(info) = &info
+                && info["status"] == "terminated"
+                && status != "terminated"
+            {
+                panic!("task {id} ended while waiting for {status}: {info}");
+            }
+            last = info;
+            self.sleep(Duration::from_millis(30)).await;
+        }
+        panic!("task {id} never became {status}: {last:?}");
+    }
+
+    /// Whether the task's start job has returned (worlds that cannot tell: true).
+    async fn settled(&self, _id: &str) -> bool {
+        true
+    }
+
+    /// Waits until every task is released: a task asking for all [`GPUS`] GPUs gets them
+    /// (and is then terminated and removed).
+    async fn wait_all_gpus_free(&self) {
+        let id = format!("gpu-probe-{}", shim_e2e::harness::run_tag());
+        for attempt in 0..200 {
+            let probe = format!("{id}-{attempt}");
+            self.submit(&self.task(&probe, GPUS as i64)).await.unwrap();
+            let info = self.wait_started_or_ended(&probe).await;
+            let got = info["status"] != "terminated";
+            self.terminate(&probe, "terminated_by_server", "", 0).await;
+            self.remove(&probe).await;
+            if got {
+                return;
+            }
+            self.sleep(Duration::from_millis(50)).await;
+        }
+        panic!("the GPUs never came free");
+    }
+
+    /// Waits until the task runs or ends; answers its `TaskInfo`.
+    async fn wait_started_or_ended(&self, id: &str) -> Value {
+        for _ in 0..3000 {
+            if let Some(info) = self.info(id).await
+                && (info["status"] == "running" || info["status"] == "terminated")
+                && self.settled(id).await
+            {
+                return info;
+            }
+            self.sleep(Duration::from_millis(30)).await;
+        }
+        panic!("task {id} neither ran nor ended: {:?}", self.info(id).await);
+    }
+}
+
+/// Runs a scenario in the fake world: a current-thread runtime on paused time.
+pub fn on_paused_time(scenario: impl Future<Output = ()>) {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap()
+        .block_on(scenario);
+}
+
+/// Runs a scenario in a world that needs Docker (`docker` or `binary`), on a multi-threaded
+/// runtime (the binary world's calls block; the flaky proxy runs on the other threads).
+pub fn with_docker(scenario: impl Future<Output = ()>) {
+    shim_e2e::require_docker();
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(scenario);
+}
+
+/// `in_worlds!(scenario: fake, docker, binary)`: a module named after the scenario (an async
+/// function generic over [`World`] that makes its worlds with [`World::new`]) with one test
+/// per world named.
+#[macro_export]
+macro_rules! in_worlds {
+    ($scenario:ident: $($world:ident),+ $(,)?) => {
+        mod $scenario {
+            $( $crate::in_worlds!(@one $scenario $world); )+
+        }
+    };
+    (@one $scenario:ident fake) => {
+        #[test]
+        fn fake() {
+            $crate::world::on_paused_time(super::$scenario::<$crate::world::FakeWorld>());
+        }
+    };
+    (@one $scenario:ident docker) => {
+        #[test]
+        #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+        fn docker() {
+            $crate::world::with_docker(super::$scenario::<$crate::world::DockerWorld>());
+        }
+    };
+    (@one $scenario:ident binary) => {
+        #[test]
+        #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+        fn binary() {
+            $crate::world::with_docker(super::$scenario::<$crate::world::BinaryWorld>());
+        }
+    };
+}
