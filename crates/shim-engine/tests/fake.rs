@@ -321,8 +321,11 @@ async fn an_unused_pulled_image_is_collected_when_the_data_root_fills() {
     );
 }
 
+// A submit answers `pending` with the container's name fixed; in the host's network a running
+// task publishes no ports (`[]`, not `null`), and its GPU is locked. (The runner's exit by its
+// code, in every world: tests/tests/lifecycle.rs.)
 #[tokio::test(start_paused = true)]
-async fn submit_runs_and_exit_event_completes() {
+async fn submit_answers_pending_and_host_network_publishes_no_ports() {
     let w = World::new(2);
     let engine = w.engine().await;
     let mut c = config("t1");
@@ -331,31 +334,8 @@ async fn submit_runs_and_exit_event_completes() {
     assert_eq!(info.status, TaskStatus::Pending);
     assert!(info.container_name.starts_with("job-"));
     let info = wait_status(&engine, "t1", TaskStatus::Running).await;
-    assert!(!info.container_id.is_empty());
     assert_eq!(info.ports, Some(vec![]));
-    assert_eq!(info.gpu_ids.as_ref().map(Vec::len), Some(1));
-    assert_eq!(engine.gpu_lock().locked().len(), 1);
-    // Running is persisted right after it is set (the API may see it a moment earlier).
-    for _ in 0..100 {
-        if state_file(&w, "t1")["status"] == "running" {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(state_file(&w, "t1")["status"], "running");
-    // The container's spec carries our labels and the runner.
-    let spec = w.runtime.spec(&info.container_id).unwrap();
-    assert_eq!(spec.labels["ai.dstack.shim.task-id"], "t1");
-    assert_eq!(spec.labels["ai.dstack.shim.owner"], engine.owner());
-
-    // The exit event wakes the reconciler even though the relist period is an hour.
-    w.runtime.set_logs(&info.container_id, &["bye"]);
-    assert!(w.runtime.exit(&info.container_id, 0));
-    let info = wait_status(&engine, "t1", TaskStatus::Terminated).await;
-    assert_eq!(info.termination_reason, "done_by_runner");
-    assert_eq!(info.termination_message, "");
-    wait_released(&engine, &w, "t1").await;
-    assert_eq!(state_file(&w, "t1")["resources"]["released"], true);
+    assert_eq!(engine.gpu_lock().locked(), info.gpu_ids.unwrap());
 }
 
 /// Issue 28: every task container's log is bounded. The engine's default config gives the
@@ -668,23 +648,6 @@ async fn terminate_running_stops_with_timeout_and_releases() {
     ));
     assert!(engine.gpu_lock().locked().is_empty());
     assert!(w.keys.keys_of("ubuntu").is_empty());
-    // A second terminate keeps the first reason; the exit the stop caused changes nothing.
-    let info3 = engine
-        .terminate(
-            &tid("t1"),
-            TerminationReason::TerminatedByServer,
-            "again".into(),
-            Duration::ZERO,
-        )
-        .await
-        .unwrap();
-    assert_eq!(info3.termination_reason, "terminated_by_user");
-    assert_eq!(info3.termination_message, "bye");
-    engine.reconcile_now().await;
-    assert_eq!(
-        engine.task_info(&tid("t1")).unwrap().termination_reason,
-        "terminated_by_user"
-    );
 }
 
 /// A pull that stops moving for the stall timeout ends the task `creating_container_error`

@@ -142,6 +142,10 @@ impl World for BinaryWorld {
         shim_e2e::docker_ok(&["inspect", "-f", "{{.State.StartedAt}}", container_id])
     }
 
+    async fn container_exit_code(&self, container_id: &str) -> Option<i64> {
+        super::engine::docker_exit_code(container_id)
+    }
+
     async fn set_engine_reachable(&self, reachable: bool) {
         self.proxy
             .as_ref()

@@ -137,6 +137,24 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
     }
 }
 
+/// A stopped container's exit code as Docker reports it (`None`: none, or it runs).
+pub fn docker_exit_code(container_id: &str) -> Option<i64> {
+    let out = Command::new("docker")
+        .args([
+            "inspect",
+            "-f",
+            "{{.State.Running}} {{.State.ExitCode}}",
+            container_id,
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    match text.split_whitespace().collect::<Vec<_>>()[..] {
+        ["false", code] if out.status.success() => code.parse().ok(),
+        _ => None,
+    }
+}
+
 fn tid(id: &str) -> TaskId {
     TaskId::new(id).unwrap()
 }
@@ -231,7 +249,17 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
         match &self.fake {
             Some(fake) => {
                 let cid = info["container_id"].as_str().unwrap();
-                fake.set_logs(cid, &["bye"]);
+                // What the stub runner prints, ending as it does.
+                let last = format!("runner exiting with {code}");
+                let lines = [
+                    "stub runner: starting",
+                    "one",
+                    "two",
+                    "three",
+                    "four",
+                    &last,
+                ];
+                fake.set_logs(cid, &lines);
                 assert!(fake.exit(cid, i64::from(code)), "no container {cid}");
             }
             None => shim_e2e::harness::write_runner_exit(&self.home(), info, code).unwrap(),
@@ -278,6 +306,26 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
             }
             None => shim_e2e::docker_ok(&["inspect", "-f", "{{.State.StartedAt}}", container_id]),
         }
+    }
+
+    async fn container_exit_code(&self, container_id: &str) -> Option<i64> {
+        match &self.fake {
+            Some(fake) => match fake.state(container_id)? {
+                ContainerState::Running => None,
+                // The fake's inspect is not counted as an engine call a scenario made.
+                _ => {
+                    shim_runtime::ContainerRuntime::inspect(fake, container_id)
+                        .await
+                        .ok()?
+                        .exit_code
+                }
+            },
+            None => docker_exit_code(container_id),
+        }
+    }
+
+    fn fake(&self) -> Option<&FakeRuntime> {
+        self.fake.as_ref()
     }
 
     async fn set_engine_reachable(&self, reachable: bool) {

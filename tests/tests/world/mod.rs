@@ -107,6 +107,36 @@ pub trait World: Sized {
     /// count of starts): unchanged when it was not restarted.
     async fn container_started(&self, container_id: &str) -> String;
 
+    /// The container's exit code (`None`: no such container, or it runs).
+    async fn container_exit_code(&self, container_id: &str) -> Option<i64>;
+
+    /// The fake engine of the fake world, for what only it can show (its call log, a
+    /// container's spec); `None` elsewhere.
+    fn fake(&self) -> Option<&shim_runtime::fake::FakeRuntime> {
+        None
+    }
+
+    /// The task's state file (`<home>/runners/<container name>/task.json`) as JSON; `None`
+    /// while there is none.
+    fn state_file(&self, info: &Value) -> Option<Value> {
+        let name = info["container_name"].as_str().unwrap();
+        let path = self.home().join("runners").join(name).join("task.json");
+        let bytes = fs_err::read(path).ok()?;
+        Some(serde_json::from_slice(&bytes).unwrap())
+    }
+
+    /// Waits until the task's state file satisfies `ok` (what a record says is written a
+    /// moment after the API shows it).
+    async fn wait_state_file(&self, info: &Value, what: &str, ok: impl Fn(&Value) -> bool) {
+        for _ in 0..3000 {
+            if self.state_file(info).is_some_and(|file| ok(&file)) {
+                return;
+            }
+            self.sleep(Duration::from_millis(30)).await;
+        }
+        panic!("the state file never {what}: {:?}", self.state_file(info));
+    }
+
     /// Cuts or restores the shim's way to the engine (needs [`Options::flaky_engine`]).
     async fn set_engine_reachable(&self, reachable: bool);
 

@@ -1,0 +1,123 @@
+//! A task's life, one scenario in every world (see `world/mod.rs`): it runs, its runner's exit
+//! ends it, a terminate stops it.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test code: a failed unwrap is a failed test"
+)]
+
+mod world;
+
+use std::time::Duration;
+
+use world::{Options, World};
+
+// SPEC §2, §4: a task runs with the runner's two ports published (bridge network) and its
+// GPU; `running` is recorded in its state file; the runner's exit ends it by its code: 0 →
+// `done_by_runner` with no message, 3 → `container_exited_with_error` with the container's
+// last five log lines. The exit event is enough (the engine's relist period is an hour in the
+// engine worlds). Its resources are released, recorded as released, and its GPU is free again.
+async fn a_runners_exit_ends_the_task_by_its_code<W: World>() {
+    let w = W::new(Options::default()).await;
+    w.submit(&w.task("ok", 1)).await.unwrap();
+    w.submit(&w.task("bad", 0)).await.unwrap();
+    let ok = w.wait_status("ok", "running").await;
+    let ports = ok["ports"].as_array().unwrap();
+    assert_eq!(ports.len(), 2, "the runner's http and ssh ports: {ok}");
+    assert!(ports.iter().all(|p| p["host"].as_u64() > Some(0)), "{ok}");
+    assert_eq!(ok["gpus_ids"].as_array().unwrap().len(), 1, "{ok}");
+    w.wait_state_file(&ok, "said running", |f| {
+        f["rust_shim"]["status"] == "running"
+    })
+    .await;
+    if let Some(fake) = w.fake() {
+        // The container carries this shim's labels.
+        let spec = fake.spec(ok["container_id"].as_str().unwrap()).unwrap();
+        assert_eq!(spec.labels["ai.dstack.shim.task-id"], "ok");
+        assert_eq!(spec.labels["ai.dstack.shim.owner"], w.owner());
+    }
+    let bad = w.wait_status("bad", "running").await;
+
+    w.exit_runner(&ok, 0).await;
+    let done = w.wait_status("ok", "terminated").await;
+    assert_eq!(done["termination_reason"], "done_by_runner", "{done}");
+    assert_eq!(done["termination_message"], "", "{done}");
+
+    w.exit_runner(&bad, 3).await;
+    let failed = w.wait_status("bad", "terminated").await;
+    assert_eq!(
+        failed["termination_reason"], "container_exited_with_error",
+        "{failed}"
+    );
+    let message = failed["termination_message"].as_str().unwrap();
+    let lines: Vec<&str> = message.lines().collect();
+    assert_eq!(lines.len(), 5, "{lines:?}");
+    assert_eq!(lines[4], "runner exiting with 3");
+
+    w.wait_state_file(&done, "said released", |f| f["cleaned_up"] == true)
+        .await;
+    w.wait_all_gpus_free().await;
+    w.remove("ok").await;
+    w.remove("bad").await;
+    assert_eq!(w.containers().await, 0);
+}
+in_worlds!(a_runners_exit_ends_the_task_by_its_code: fake, docker, binary);
+
+// SPEC §4: terminate stops a running task and answers once it is stopped. Timeout 0 is
+// `docker stop -t 0` (upstream: runner/internal/shim/docker.go, Terminate: ContainerStop with
+// the request's timeout): SIGTERM then SIGKILL at once, so the stub runner (which traps
+// SIGTERM) ends 143 or 137; with a grace period it exits on its own (143), well before it
+// ends. A second terminate keeps the first reason and message, and so does the exit the
+// stop caused (a relist judges nothing again). Its GPU is released; remove deletes the
+// container.
+async fn terminate_stops_a_running_task_and_keeps_the_first_reason<W: World>() {
+    let w = W::new(Options::default()).await;
+    w.submit(&w.task("now", 1)).await.unwrap();
+    w.submit(&w.task("grace", 0)).await.unwrap();
+    let now = w.wait_status("now", "running").await;
+    let grace = w.wait_status("grace", "running").await;
+    let (now_cid, grace_cid) = (
+        now["container_id"].as_str().unwrap(),
+        grace["container_id"].as_str().unwrap(),
+    );
+
+    let info = w
+        .terminate("now", "terminated_by_user", "stop now", 0)
+        .await;
+    assert_eq!(info["status"], "terminated", "{info}");
+    assert_eq!(info["termination_reason"], "terminated_by_user", "{info}");
+    let code = w.container_exit_code(now_cid).await;
+    assert!(matches!(code, Some(137 | 143)), "exit code {code:?}");
+
+    let info = w
+        .terminate("grace", "terminated_by_server", "stop nicely", 10)
+        .await;
+    assert_eq!(info["termination_reason"], "terminated_by_server", "{info}");
+    assert_eq!(w.container_exit_code(grace_cid).await, Some(143));
+    if let Some(fake) = w.fake() {
+        use shim_runtime::fake::Call;
+        let ten = Duration::from_secs(10);
+        assert!(
+            fake.calls()
+                .iter()
+                .any(|c| matches!(c, Call::Stop(id, t) if id == grace_cid && *t == ten)),
+            "the stop carries the request's timeout"
+        );
+    }
+
+    let again = w.terminate("now", "terminated_by_server", "again", 0).await;
+    assert_eq!(again["termination_reason"], "terminated_by_user", "{again}");
+    assert_eq!(again["termination_message"], "stop now", "{again}");
+    if let Some(listed) = w.relist().await {
+        assert!(listed);
+    }
+    let grace = w.info("grace").await.unwrap();
+    assert_eq!(grace["termination_message"], "stop nicely", "{grace}");
+
+    w.wait_all_gpus_free().await;
+    w.remove("now").await;
+    w.remove("grace").await;
+    assert_eq!(w.container_running(now_cid).await, None);
+}
+in_worlds!(terminate_stops_a_running_task_and_keeps_the_first_reason: fake, docker, binary);
