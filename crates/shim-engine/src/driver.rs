@@ -1,13 +1,13 @@
 //! The driver: carries out what a task's steps call for, in order, through the effects, and
 //! drives the task's long operations (the start job, terminate, remove) to their end.
 //!
-//! [`Driver::drive`] steps an event ([`Steps::step`]) and runs the resulting actions: the
+//! [`Driver::drive`] steps an event ([`RecordKeeper::step`]) and runs the resulting actions: the
 //! steps' own ([`Action::Persist`] as a request, [`Action::DeleteTaskDir`]) here, every other
 //! one through the effects, whose outcome event is stepped at once and whose further actions
 //! run before the rest of the list (depth first). What an effect recorded in the middle of its
 //! action calls for runs when the action returns, before its outcome is stepped. The room
-//! below ([`crate::steps`]) knows nothing of effects, and the effects know nothing of this
-//! room: the layers run one way (driver → effects → steps).
+//! below ([`crate::records`]) knows nothing of effects, and the effects know nothing of this
+//! room: the layers run one way (driver → effects → records).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -20,11 +20,11 @@ use crate::changes::Subscription;
 use crate::clock::Clock;
 use crate::effects::Effects;
 use crate::error::{EngineError, Result, chain};
-use crate::steps::{Recorder, Slot, StartingGuard, Steps};
+use crate::records::{RecordKeeper, Recorder, Slot, StartingGuard};
 
 /// Carries out what steps call for (see the module docs).
 pub(crate) struct Driver {
-    steps: Steps,
+    records: RecordKeeper,
     effects: Arc<Effects>,
 }
 
@@ -39,30 +39,30 @@ const START_SETTLE: Duration = Duration::from_secs(4);
 const RELEASE_SETTLE: Duration = Duration::from_secs(4);
 
 impl Driver {
-    /// A driver stepping through `steps` and carrying out actions through `effects`.
-    pub(crate) fn new(steps: Steps, effects: Arc<Effects>) -> Self {
-        Self { steps, effects }
+    /// A driver stepping through `records` and carrying out actions through `effects`.
+    pub(crate) fn new(records: RecordKeeper, effects: Arc<Effects>) -> Self {
+        Self { records, effects }
     }
 
     /// The clock records and changes are stamped with.
     pub(crate) fn clock(&self) -> Clock {
-        self.steps.clock()
+        self.records.clock()
     }
 
     /// Makes spare task directories in the background, for the next submits.
     pub(crate) fn prepare_spares(&self) {
-        self.steps.prepare_spares();
+        self.records.prepare_spares();
     }
 
     /// Every task change from now on.
     pub(crate) fn subscribe(&self) -> Subscription {
-        self.steps.subscribe()
+        self.records.subscribe()
     }
 
-    /// Submit's first write ([`Steps::submit`]); the caller launches the start
+    /// Submit's first write ([`RecordKeeper::submit`]); the caller launches the start
     /// ([`Driver::run_start`]).
     pub(crate) async fn submit(&self, slot: &Slot) -> Result<TaskInfo> {
-        self.steps.submit(slot).await
+        self.records.submit(slot).await
     }
 
     /// Everything a terminate (`event`) calls for, to its end: the termination, then, once a
@@ -116,7 +116,7 @@ impl Driver {
     /// list (depth first). Returns the first failure (a state write, an action without an
     /// outcome), after everything that could still be done was done.
     pub(crate) async fn drive(&self, slot: &Arc<Slot>, event: Event) -> Result<()> {
-        let (actions, failure) = self.steps.step(slot, event).await?;
+        let (actions, failure) = self.records.step(slot, event).await?;
         let result = self.run_actions(slot, actions).await;
         match failure {
             Some(e) => Err(e),
@@ -133,9 +133,9 @@ impl Driver {
                 // A write asked for in a list: the step of the request carries it out, under
                 // the step lock.
                 Action::Persist => Ok(Some(Event::PersistRequested)),
-                Action::DeleteTaskDir => self.steps.delete_dir(slot).await.map(|()| None),
+                Action::DeleteTaskDir => self.records.delete_dir(slot).await.map(|()| None),
                 other => {
-                    let recorder = Recorder::new(&self.steps, slot);
+                    let recorder = Recorder::new(&self.records, slot);
                     let outcome = self.effects.execute(slot, other.clone(), &recorder).await;
                     let pending = recorder.into_pending();
                     if !pending.is_empty()
@@ -163,7 +163,7 @@ impl Driver {
                     }
                 }
             };
-            let (more, failure) = self.steps.step(slot, event).await?;
+            let (more, failure) = self.records.step(slot, event).await?;
             if let Some(e) = failure {
                 first_failure.get_or_insert(e);
             }

@@ -30,8 +30,8 @@ use crate::home::Home;
 use crate::images::{ImageGc, Pass};
 use crate::labels::LABEL_TASK_ID;
 use crate::ownership::Ownership;
+use crate::records::{Recorder, Slot, Written};
 use crate::spec::{SpecContext, container_spec};
-use crate::steps::{Recorder, Slot, Written};
 use crate::table::TaskTable;
 
 /// What carries out the state machine's actions (see the module docs).

@@ -34,8 +34,8 @@ use crate::metered::Metered;
 use crate::metrics::Sources;
 use crate::ownership::Ownership;
 use crate::reconcile::{Reconciler, ReconcilerParts};
+use crate::records::{RecordKeeper, Slot, open_store};
 use crate::restore::{RestoreContext, Restored, determine_owner, list_waiting, restore};
-use crate::steps::{Slot, Steps, open_store};
 use crate::table::TaskTable;
 use crate::usage::Usage;
 
@@ -176,7 +176,7 @@ impl Engine {
             gpu_passing.current().await;
         }
         let driver = Arc::new(Driver::new(
-            Steps::new(records, metrics.clone(), clock),
+            RecordKeeper::new(records, metrics.clone(), clock),
             effects,
         ));
         let shutdown = CancellationToken::new();

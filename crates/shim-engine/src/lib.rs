@@ -69,9 +69,9 @@ mod ownership;
 mod pulling;
 mod queue;
 mod reconcile;
+mod records;
 mod restore;
 mod spec;
-mod steps;
 mod table;
 mod usage;
 

@@ -47,7 +47,7 @@ use crate::home::Home;
 use crate::images::ImageGc;
 use crate::labels::{LABEL_TASK_ID, any_shim_filter};
 use crate::ownership::Ownership;
-use crate::steps::Slot;
+use crate::records::Slot;
 use crate::table::TaskTable;
 
 /// How often failed side effects and queued events are retried.

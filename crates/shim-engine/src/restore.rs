@@ -27,7 +27,7 @@ use crate::labels::{
     new_owner_identity,
 };
 use crate::ownership::Ownership;
-use crate::steps::Slot;
+use crate::records::Slot;
 
 /// How long start-up waits for the container runtime before giving up.
 const RUNTIME_WAIT: Duration = Duration::from_secs(60);

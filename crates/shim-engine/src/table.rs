@@ -1,6 +1,6 @@
 //! The task table: every task this engine knows, by id. A slot enters at submit or restore
 //! and leaves when its remove forgets it; what a slot holds is the driver's
-//! ([`crate::steps::Slot`]).
+//! ([`crate::records::Slot`]).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use shim_task::TaskId;
 
 use crate::error::{EngineError, Result};
-use crate::steps::Slot;
+use crate::records::Slot;
 
 /// Every task, by id.
 #[derive(Default)]

@@ -144,9 +144,9 @@ fn the_engines_modules_import_each_other_in_no_circle() {
         &[
             ("engine", "driver"),
             ("driver", "effects"),
-            ("driver", "steps"),
-            ("effects", "steps"),
-            ("table", "steps"),
+            ("driver", "records"),
+            ("effects", "records"),
+            ("table", "records"),
             ("metrics", "table"),
             ("reconcile", "driver"),
         ],

@@ -1,14 +1,14 @@
-//! The one place where a task's record changes and is written: [`Steps`].
+//! The records: the one place where a task's record changes and is written ([`RecordKeeper`]).
 //!
 //! - **The task and its step lock are private here.** A [`Slot`]'s task (the state machine's
 //!   [`Task`], under a mutex) and its step lock are fields of this module only: everyone else
 //!   reads the task through [`Slot::read`] and its few accessors, and changes it only by
-//!   asking for a step ([`Steps::step`], through the driver's `drive` or an effect's
+//!   asking for a step ([`RecordKeeper::step`], through the driver's `drive` or an effect's
 //!   [`Recorder`]). So every record change is a step of the state machine, taken under the
 //!   task's step lock, and followed by its write before any other step of the task.
 //! - **Persist and the directory's deletion are carried out here, and only here.** A step
 //!   that returns [`Action::Persist`] has the record written at once, under the same lock, and
-//!   the write's outcome stepped ([`Steps::step`]); [`Steps::delete_dir`] removes the record's
+//!   the write's outcome stepped ([`RecordKeeper::step`]); [`RecordKeeper::delete_dir`] removes the record's
 //!   directory once the record holds nothing. The store's record writes ([`Records`]) are
 //!   opened here and held here alone: everyone else sees the store as [`Home`], which writes
 //!   no record.
@@ -176,7 +176,7 @@ impl Slot {
         }
     }
 
-    /// A task being submitted with `config` (its first write is [`Steps::submit`]'s): its
+    /// A task being submitted with `config` (its first write is [`RecordKeeper::submit`]'s): its
     /// record, and its registry credentials (memory only). Host keys that are not one plain
     /// OpenSSH public key are never written, and said so.
     pub(crate) fn submitted(config: &TaskConfig, now_ms: u64) -> Self {
@@ -272,16 +272,16 @@ pub(crate) enum Written {
 /// record calls for (a stop or a release that a failed write lets go) is kept for the driver,
 /// which carries it out when the action returns ([`Recorder::into_pending`]).
 pub(crate) struct Recorder<'a> {
-    steps: &'a Steps,
+    records: &'a RecordKeeper,
     slot: &'a Arc<Slot>,
     pending: Mutex<Vec<Action>>,
 }
 
 impl<'a> Recorder<'a> {
     /// The recorder of one action of the task in `slot`.
-    pub(crate) fn new(steps: &'a Steps, slot: &'a Arc<Slot>) -> Self {
+    pub(crate) fn new(records: &'a RecordKeeper, slot: &'a Arc<Slot>) -> Self {
         Self {
-            steps,
+            records,
             slot,
             pending: Mutex::new(Vec::new()),
         }
@@ -299,12 +299,12 @@ impl<'a> Recorder<'a> {
             .extend(actions);
     }
 
-    /// Steps `event` (written at once when it changes the record); what it calls for is
+    /// RecordKeeper `event` (written at once when it changes the record); what it calls for is
     /// carried out after the action, also when the write failed: the step has marked those
     /// actions as out (a stop or a release the failure lets go), so dropping them would leave
     /// them out forever.
     async fn record(&self, event: Event) -> Result<Written> {
-        let (actions, failure) = self.steps.step(self.slot, event).await?;
+        let (actions, failure) = self.records.step(self.slot, event).await?;
         self.defer(actions);
         Ok(match failure {
             Some(e) => Written::Failed(e),
@@ -327,7 +327,7 @@ impl<'a> Recorder<'a> {
     /// so shown, before it. A failed write does not stop the pull: the task stays dirty and
     /// its next write (or the reconciler) carries it.
     pub(crate) async fn pulling(&self) {
-        match self.steps.step(self.slot, Event::PersistRequested).await {
+        match self.records.step(self.slot, Event::PersistRequested).await {
             Ok((actions, _)) => self.defer(actions),
             Err(e) => {
                 tracing::warn!(task = %self.slot.id, error = %chain(&e), "cannot record that the pull begins");
@@ -350,7 +350,7 @@ impl<'a> Recorder<'a> {
         };
         let ms = |d: &std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         let _order = self.slot.lock();
-        self.steps.changes.send(
+        self.records.changes.send(
             &self.slot.id,
             ChangeKind::PullStalled {
                 image: image.clone(),
@@ -359,17 +359,17 @@ impl<'a> Recorder<'a> {
                 stalled_ms: ms(stalled_for),
                 elapsed_ms: ms(elapsed),
             },
-            self.steps.clock.now_ms(),
+            self.records.clock.now_ms(),
         );
     }
 
     /// The task is forgotten: subscribers are told, after every other change of the task.
     pub(crate) fn removed(&self) {
         let _order = self.slot.lock();
-        self.steps.changes.send(
+        self.records.changes.send(
             &self.slot.id,
             ChangeKind::Removed,
-            self.steps.clock.now_ms(),
+            self.records.clock.now_ms(),
         );
     }
 }
@@ -390,16 +390,16 @@ impl Drop for StartingGuard<'_> {
     }
 }
 
-/// Steps tasks and writes their records (see the module docs).
-pub(crate) struct Steps {
+/// RecordKeeper tasks and writes their records (see the module docs).
+pub(crate) struct RecordKeeper {
     records: Records,
     changes: Changes,
     metrics: Arc<Metrics>,
     clock: Clock,
 }
 
-impl Steps {
-    /// Steps writing through `records`, counting in `metrics`, stamping with `clock`.
+impl RecordKeeper {
+    /// RecordKeeper writing through `records`, counting in `metrics`, stamping with `clock`.
     pub(crate) fn new(records: Records, metrics: Arc<Metrics>, clock: Clock) -> Self {
         Self {
             records,
@@ -454,9 +454,9 @@ impl Steps {
         Ok(info)
     }
 
-    /// Steps the state machine and tells subscribers and the metrics what the API now shows
+    /// RecordKeeper the state machine and tells subscribers and the metrics what the API now shows
     /// differently, in order: the changes are sent under the task's lock. Callers that may
-    /// change the record hold the step lock ([`Steps::step`]).
+    /// change the record hold the step lock ([`RecordKeeper::step`]).
     fn apply(&self, slot: &Slot, event: Event) -> Result<Vec<Action>> {
         if matches!(event, Event::StartFinished) {
             // Before the task leaves the start's ownership.
@@ -505,7 +505,7 @@ impl Steps {
         self.records.write(record).await
     }
 
-    /// Steps `event` under the task's step lock. A leading [`Action::Persist`] is carried out
+    /// RecordKeeper `event` under the task's step lock. A leading [`Action::Persist`] is carried out
     /// at once, under the same lock, and its outcome stepped; the actions returned are what
     /// remains to do. A failed write is reported as the second value (the task has recorded
     /// it; what it still wants goes out once a later write succeeds).
