@@ -100,3 +100,77 @@ async fn two_homes_never_touch_each_other<W: World>() {
     w.remove("mine").await;
 }
 in_worlds!(two_homes_never_touch_each_other: fake, docker, binary);
+
+// SPEC §1, §4, §5: the shim stops with tasks running and starts again on the same home.
+// - a task that kept running is the same task (same container, ports, GPUs), still running;
+// - a task whose runner exited with 3 while the shim was down is `terminated` /
+//   `container_exited_with_error` with its last log lines in the very first answer after the
+//   start (the restore ran before the API answered);
+// - the kept task's GPUs are locked again (never handed out twice), the ended task's are free.
+async fn a_restart_keeps_running_tasks_and_judges_exits_made_while_down<W: World>() {
+    let mut w = W::new(Options::default()).await;
+    w.submit(&w.task("keep", 2)).await.unwrap();
+    w.submit(&w.task("exits", 2)).await.unwrap();
+    let keep = w.wait_status("keep", "running").await;
+    let exits = w.wait_status("exits", "running").await;
+    let keep_cid = keep["container_id"].as_str().unwrap();
+    let exits_cid = exits["container_id"].as_str().unwrap();
+
+    w.stop().await;
+    assert_eq!(w.container_running(keep_cid).await, Some(true));
+    w.exit_runner(&exits, 3).await;
+    for _ in 0..600 {
+        if w.container_running(exits_cid).await == Some(false) {
+            break;
+        }
+        w.sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(w.container_running(exits_cid).await, Some(false));
+    w.start().await;
+
+    let first = w.info("exits").await.unwrap();
+    assert_eq!(first["status"], "terminated", "{first}");
+    assert_eq!(
+        first["termination_reason"], "container_exited_with_error",
+        "{first}"
+    );
+    let message = first["termination_message"].as_str().unwrap();
+    let lines: Vec<&str> = message.lines().collect();
+    assert!((1..=5).contains(&lines.len()), "{message:?}");
+    assert_eq!(lines.last(), Some(&"runner exiting with 3"), "{message:?}");
+    assert_eq!(first["container_id"], exits_cid, "{first}");
+    let kept = w.info("keep").await.unwrap();
+    assert_eq!(kept["status"], "running", "{kept}");
+    for field in ["container_id", "ports", "gpus_ids"] {
+        assert_eq!(kept[field], keep[field], "{field}: {kept}");
+    }
+    let list = w.list().await;
+    assert_eq!(list.len(), 2, "{list:?}");
+    assert_eq!(list["keep"], "running");
+    assert_eq!(list["exits"], "terminated");
+
+    // The ended task's two GPUs are free, the kept task's two are not.
+    w.submit(&w.task("more", 2)).await.unwrap();
+    let more = w.wait_status("more", "running").await;
+    let mut theirs: Vec<_> = exits["gpus_ids"].as_array().unwrap().clone();
+    let mut got: Vec<_> = more["gpus_ids"].as_array().unwrap().clone();
+    theirs.sort_by_key(ToString::to_string);
+    got.sort_by_key(ToString::to_string);
+    assert_eq!(got, theirs, "{more}");
+    w.submit(&w.task("none-left", 1)).await.unwrap();
+    let refused = w.wait_status("none-left", "terminated").await;
+    assert_eq!(refused["termination_reason"], "executor_error", "{refused}");
+    assert_eq!(refused["container_id"], "", "{refused}");
+
+    // `none-left` stays: its start job may still be writing its last state when its
+    // termination shows, and a remove then races that write (see e2e.rs,
+    // `removed_task_stays_removed_after_terminate_during_start`).
+    for id in ["keep", "more"] {
+        w.terminate(id, "terminated_by_server", "", 0).await;
+    }
+    for id in ["keep", "exits", "more"] {
+        w.remove(id).await;
+    }
+    assert_eq!(w.containers().await, 0);
+}
+in_worlds!(a_restart_keeps_running_tasks_and_judges_exits_made_while_down: fake, docker, binary);
