@@ -22,6 +22,8 @@
     reason = "test code: a failed unwrap is a failed test; figures and logs go to stderr"
 )]
 
+mod world;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -848,87 +850,12 @@ fn removed_task_stays_removed_after_terminate_during_start() {
 // Upstream's on-host contract (a host switched to and from the upstream Go shim)
 // ---------------------------------------------------------------------------------------------
 
-/// A state file byte for byte as the upstream shim writes it: Go's `json.Marshal` of its
-/// state (`version`, `id`, `config` with `TaskConfig`'s fields in declaration order,
-/// `termination_reason`, `termination_message`, `cleaned_up`); slices the server did not send
-/// are `null`; registry credentials blank; `reason` as recorded (`""` until terminated).
-fn upstream_state_file(config: &Value, reason: &str) -> String {
-    let s = |f: &str| Value::String(config[f].as_str().unwrap().to_owned()).to_string();
-    let keys = |f: &str| config[f].to_string();
-    format!(
-        concat!(
-            r#"{{"version":1,"id":{id},"config":{{"id":{id},"name":{name},"#,
-            r#""registry_username":"","registry_password":"","image_name":{image},"#,
-            r#""container_user":{user},"privileged":false,"gpu":0,"cpu":0,"memory":0,"#,
-            r#""shm_size":0,"network_mode":{net},"volumes":[],"volume_mounts":[],"#,
-            r#""instance_mounts":[],"gpu_devices":null,"host_ssh_user":{host_user},"#,
-            r#""host_ssh_keys":{host_keys},"container_ssh_keys":{keys}}},"#,
-            r#""termination_reason":{reason},"termination_message":"","cleaned_up":false}}"#
-        ),
-        id = s("id"),
-        name = s("name"),
-        image = s("image_name"),
-        user = s("container_user"),
-        net = s("network_mode"),
-        host_user = s("host_ssh_user"),
-        host_keys = keys("host_ssh_keys"),
-        keys = keys("container_ssh_keys"),
-        reason = Value::String(reason.to_owned()),
-    )
-}
-
-/// Runs a container as another shim made it (not this binary): named `name`, with `labels`,
-/// `/tmp/runner` bound from `runner_dir`, the stub runner bound at
-/// `/usr/local/bin/dstack-runner` (read-only if `runner_ro`), `/bin/sh -c` with the runner's
-/// start command, both runner ports published on 127.0.0.1. Returns its id.
-fn run_foreign_container(
-    name: &str,
-    labels: &[String],
-    runner_dir: &Path,
-    runner_ro: bool,
-) -> String {
-    let runner_mount = format!("{}:/tmp/runner", runner_dir.display());
-    let ro = if runner_ro { ":ro" } else { "" };
-    let runner_bin = format!(
-        "{}:/usr/local/bin/dstack-runner{ro}",
-        runner_path().display()
-    );
-    let http = format!("127.0.0.1::{RUNNER_HTTP_PORT}");
-    let ssh = format!("127.0.0.1::{RUNNER_SSH_PORT}");
-    let command = format!(
-        "/usr/local/bin/dstack-runner --log-level 6 start --temp-dir /tmp/runner \
-         --http-port {RUNNER_HTTP_PORT} --ssh-port {RUNNER_SSH_PORT}"
-    );
-    let mut args = vec!["run", "-d", "--name", name];
-    for label in labels {
-        args.extend(["--label", label.as_str()]);
-    }
-    args.extend([
-        "-v",
-        &runner_mount,
-        "-v",
-        &runner_bin,
-        "-p",
-        &http,
-        "-p",
-        &ssh,
-    ]);
-    let image = image();
-    args.extend(["--entrypoint", "/bin/sh", &image, "-c", &command]);
-    docker_ok(&args).trim().to_owned()
-}
-
 /// Runs a container the way the upstream shim does for `config` (upstream
 /// `runner/internal/shim/docker.go`, `createContainer`): its two labels only, the runner
 /// directory `runner_dir`, runner ports published (bridge mode).
 fn run_upstream_container(config: &Value, runner_dir: &Path) -> (String, NamedContainer) {
-    let name = container_name_of(config);
-    let guard = NamedContainer(name.clone());
-    let labels = [
-        "ai.dstack.shim.is-task=true".to_owned(),
-        format!("ai.dstack.shim.task-id={}", config["id"].as_str().unwrap()),
-    ];
-    let cid = run_foreign_container(&name, &labels, runner_dir, false);
+    let guard = NamedContainer(container_name_of(config));
+    let cid = world::run_upstream_container_on_docker(config, runner_dir, None);
     (cid, guard)
 }
 
@@ -964,7 +891,7 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     with_file["host_ssh_keys"] = json!([task_key]);
     let dir_a = runners.join(container_name_of(&with_file));
     fs_err::create_dir_all(dir_a.join("runner")).unwrap();
-    let state = upstream_state_file(&with_file, "");
+    let state = world::upstream_state_file(&with_file, "");
     fs_err::write(dir_a.join("task.json"), &state).unwrap();
     let (cid_a, _a) = run_upstream_container(&with_file, &dir_a.join("runner"));
 
@@ -979,7 +906,11 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     let finished = task("upstream-c", 0);
     let dir_c = runners.join(container_name_of(&finished));
     fs_err::create_dir_all(dir_c.join("runner")).unwrap();
-    fs_err::write(dir_c.join("task.json"), upstream_state_file(&finished, "")).unwrap();
+    fs_err::write(
+        dir_c.join("task.json"),
+        world::upstream_state_file(&finished, ""),
+    )
+    .unwrap();
     let (cid_c, _c) = run_upstream_container(&finished, &dir_c.join("runner"));
     let exit_c = dir_c.join("runner").join(shim_e2e::RUNNER_EXIT_FILE);
     wait_until("the stub runner of upstream-c starts", STATUS_BOUND, || {
@@ -1067,70 +998,6 @@ fn upstream_tasks_are_adopted_terminated_removed_and_released() {
     assert_eq!(container_running(None, &cid_c), None);
     assert_eq!(shim.list(), BTreeMap::new());
     assert_eq!(user.lines(), [own_key]);
-}
-
-/// Issue 22, SPEC §5: a termination reason the upstream shim recorded wins at adoption. Its
-/// state file (no fields of this shim) says `terminated_by_user`; its container exited with
-/// code 3 before this shim started. The task reads `terminated_by_user` (not
-/// `container_exited_with_error` from the exit code), before and after a reconcile cycle and
-/// a restart, and the state file keeps the reason.
-///
-/// upstream: runner/internal/shim/docker.go (restoreStateFromContainers: an exited container
-/// restores as terminated), runner/internal/shim/task.go (a terminated task keeps its first
-/// reason).
-#[test]
-#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
-fn an_upstream_recorded_reason_wins_over_its_containers_exit() {
-    require_docker();
-    // Full reconcile cycles (one list of the containers each, the exit code in sight) every
-    // second, so that the check below follows two.
-    let mut shim = TestShim::builder("e2e")
-        .args(["--reconcile-interval", "1"])
-        .build();
-    let config = task("upstream-r", 0);
-    let dir = shim.home().join("runners").join(container_name_of(&config));
-    fs_err::create_dir_all(dir.join("runner")).unwrap();
-    fs_err::write(
-        dir.join("task.json"),
-        upstream_state_file(&config, "terminated_by_user"),
-    )
-    .unwrap();
-    let (cid, _guard) = run_upstream_container(&config, &dir.join("runner"));
-    wait_until("the stub runner starts", STATUS_BOUND, || {
-        dir.join("runner/stub-runner.pid").exists()
-    });
-    fs_err::write(dir.join("runner").join(shim_e2e::RUNNER_EXIT_FILE), "3\n").unwrap();
-    wait_container_stopped(&cid);
-
-    shim.start();
-    let check = |shim: &TestShim, when: &str| {
-        let info = shim.info("upstream-r");
-        assert_eq!(info["status"], "terminated", "{when}: {info}");
-        assert_eq!(
-            info["termination_reason"], "terminated_by_user",
-            "{when}: {info}"
-        );
-        assert_eq!(info["container_id"], cid.as_str(), "{when}: {info}");
-    };
-    check(&shim, "at start-up");
-    let cycles = || {
-        shim.metrics()
-            .get("dstack_shim_reconcile_cycle_seconds_count", &[])
-    };
-    let after_start = cycles();
-    wait_until("two more full reconcile cycles", STATUS_BOUND, || {
-        cycles() >= after_start + 2.0
-    });
-    check(&shim, "after reconcile cycles");
-    shim.kill();
-    shim.start();
-    check(&shim, "after a restart");
-    let file: Value =
-        serde_json::from_slice(&fs_err::read(dir.join("task.json")).unwrap()).unwrap();
-    assert_eq!(file["termination_reason"], "terminated_by_user", "{file}");
-    shim.remove_retrying("upstream-r");
-    assert!(!dir.exists());
-    assert_eq!(container_running(None, &cid), None);
 }
 
 /// Issue 11, the switch the other way: what this shim leaves on the host is what the upstream
@@ -1398,7 +1265,7 @@ fn first_release_home_is_migrated_with_its_task_running() {
         format!("ai.dstack.shim.owner={legacy_owner}"),
         format!("ai.dstack.shim.gpus={gpu}"),
     ];
-    let cid = run_foreign_container(&cname, &labels, &old_dir.join("runner"), true);
+    let cid = world::run_foreign_container(&cname, &labels, &old_dir.join("runner"), true);
     fs_err::write(
         old_dir.join("task.json"),
         first_release_state_file(id, &name, &cname, &cid, gpu),

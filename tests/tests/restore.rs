@@ -174,3 +174,50 @@ async fn a_restart_keeps_running_tasks_and_judges_exits_made_while_down<W: World
     assert_eq!(w.containers().await, 0);
 }
 in_worlds!(a_restart_keeps_running_tasks_and_judges_exits_made_while_down: fake, docker, binary);
+
+// Issue 22, SPEC §5: a termination reason the upstream shim recorded wins at adoption. Its
+// state file (no fields of this shim) says `terminated_by_user`; its container exited with
+// code 3 before this shim started. The task reads `terminated_by_user` (not
+// `container_exited_with_error` from the exit code), at start-up, after full relists (the
+// exit code in sight) and after a restart, and the state file keeps the reason.
+// upstream: runner/internal/shim/docker.go (restoreStateFromContainers: an exited container
+// restores as terminated), runner/internal/shim/task.go (a terminated task keeps its first
+// reason).
+async fn an_upstream_recorded_reason_wins_over_its_containers_exit<W: World>() {
+    let mut w = W::new(Options {
+        relist_every_s: Some(1),
+        ..Options::default()
+    })
+    .await;
+    w.stop().await;
+    let task = w.task("upstream-r", 0);
+    let (dir, cid) = w
+        .plant_upstream_task(&task, Some("terminated_by_user"), Some(3))
+        .await;
+    w.start().await;
+    let check = |info: Option<serde_json::Value>, when: &str| {
+        let info = info.unwrap();
+        assert_eq!(info["status"], "terminated", "{when}: {info}");
+        assert_eq!(
+            info["termination_reason"], "terminated_by_user",
+            "{when}: {info}"
+        );
+        assert_eq!(info["container_id"], cid.as_str(), "{when}: {info}");
+    };
+    check(w.info("upstream-r").await, "at start-up");
+    for _ in 0..2 {
+        if let Some(listed) = w.relist().await {
+            assert!(listed);
+        }
+    }
+    check(w.info("upstream-r").await, "after full relists");
+    w.restart().await;
+    check(w.info("upstream-r").await, "after a restart");
+    let file: serde_json::Value =
+        serde_json::from_slice(&fs_err::read(dir.join("task.json")).unwrap()).unwrap();
+    assert_eq!(file["termination_reason"], "terminated_by_user", "{file}");
+    w.remove("upstream-r").await;
+    assert!(!dir.exists());
+    assert_eq!(w.container_running(&cid).await, None);
+}
+in_worlds!(an_upstream_recorded_reason_wins_over_its_containers_exit: fake, docker, binary);

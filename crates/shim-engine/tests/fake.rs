@@ -1774,48 +1774,6 @@ async fn upstream_tasks_are_adopted_and_release_exactly_theirs() {
     );
 }
 
-// SPEC §5: a recorded termination reason restores the task as terminated with that reason,
-// also in a state file the upstream shim wrote (no `rust_shim` fields), whatever its exited
-// container's code says. upstream: runner/internal/shim/docker.go (restoreStateFromContainers:
-// an exited container restores as terminated; the recorded reason is the state file's).
-#[tokio::test(start_paused = true)]
-async fn an_upstream_recorded_reason_survives_adoption_of_an_exited_container() {
-    let w = World::new(2);
-    let all = w.host_gpus.ids();
-    let name = shim_task::naming::container_name(
-        &TaskName::new("up-r").unwrap(),
-        &TaskId::new("r1").unwrap(),
-    );
-    let dir = w.home.path().join("runners").join(&name);
-    fs_err::create_dir_all(dir.join("runner")).unwrap();
-    fs_err::write(
-        dir.join("task.json"),
-        upstream_task_json("r1", "up-r", 1, "terminated_by_user", false),
-    )
-    .unwrap();
-    let cid = upstream_container(
-        &w,
-        "r1",
-        &name,
-        &dir.join("runner"),
-        &all[..1],
-        ContainerState::Exited,
-    );
-    w.runtime.set_logs(&cid, &["boom"]);
-    let engine = w.engine().await;
-    for _ in 0..3 {
-        let info = engine.task_info(&tid("r1")).unwrap();
-        assert_eq!(info.status, TaskStatus::Terminated, "{info:?}");
-        assert_eq!(info.termination_reason, "terminated_by_user", "{info:?}");
-        engine.reconcile_now().await;
-    }
-    wait_released(&engine, &w, "r1").await;
-    let file: serde_json::Value =
-        serde_json::from_slice(&fs_err::read(dir.join("task.json")).unwrap()).unwrap();
-    assert_eq!(file["termination_reason"], "terminated_by_user", "{file}");
-    engine.remove(&tid("r1")).await.unwrap();
-}
-
 // On Podman a task given NVIDIA GPUs must not run without them (its Docker API ignores the
 // device request): without a CDI spec the create is refused before the engine is asked, and
 // the task ends `creating_container_error` saying why and which command makes a spec, as any

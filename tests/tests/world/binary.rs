@@ -15,6 +15,8 @@ use super::{Options, World};
 /// scenario's concurrent calls are concurrent requests.
 pub struct BinaryWorld {
     shim: Arc<TestShim>,
+    /// Whether the shim relists often enough for [`World::relist`] to wait for one.
+    relists: bool,
     proxy: Option<FlakyDocker>,
     /// Every submitted task's container, removed by name however the test ends (one that
     /// keeps an earlier owner identity escapes the shim's sweeper).
@@ -47,6 +49,9 @@ impl World for BinaryWorld {
         if let Some(runner) = &options.runner {
             builder = builder.runner_binary(runner);
         }
+        if let Some(every) = options.relist_every_s {
+            builder = builder.args(["--reconcile-interval".to_owned(), every.to_string()]);
+        }
         if let Some(proxy) = &proxy {
             // Only the shim goes through the proxy: the clean-up talks to Docker directly.
             builder = builder.env("DOCKER_HOST", proxy.docker_host());
@@ -57,6 +62,7 @@ impl World for BinaryWorld {
             shim
         });
         BinaryWorld {
+            relists: options.relist_every_s.is_some(),
             shim: Arc::new(shim.await.unwrap()),
             proxy,
             named: Mutex::new(Vec::new()),
@@ -154,7 +160,36 @@ impl World for BinaryWorld {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
 
+    /// Waits for the shim's next full relist (a cycle counted in its metrics) where it
+    /// relists often ([`Options::relist_every_s`]).
     async fn relist(&self) -> Option<bool> {
-        None
+        if !self.relists {
+            return None;
+        }
+        let cycles = |shim: &TestShim| {
+            shim.metrics()
+                .get("dstack_shim_reconcile_cycle_seconds_count", &[])
+        };
+        let before = self.call(move |shim| cycles(shim)).await;
+        for _ in 0..600 {
+            if self.call(move |shim| cycles(shim)).await > before {
+                return Some(true);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        panic!("no relist in a minute");
+    }
+
+    async fn run_upstream_container(
+        &self,
+        task: &Value,
+        runner_dir: &std::path::Path,
+        exit_code: Option<i32>,
+    ) -> String {
+        self.named
+            .lock()
+            .unwrap()
+            .push(NamedContainer(container_name_of(task)));
+        super::run_upstream_container_on_docker(task, runner_dir, exit_code)
     }
 }

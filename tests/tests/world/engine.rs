@@ -66,8 +66,8 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
             // The fake runs nothing: a file is enough.
             (None, false) => self.path("dstack-runner"),
         };
-        // Long: the worlds move by events and the engine's own relists only.
-        cfg.reconcile_interval = Duration::from_secs(3600);
+        // Long unless asked: the worlds move by events and the engine's own relists only.
+        cfg.reconcile_interval = Duration::from_secs(self.options.relist_every_s.unwrap_or(3600));
         let mut deps = match &self.fake {
             Some(fake) => Deps::new(
                 Arc::new(fake.clone()),
@@ -322,6 +322,42 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
             },
             None => docker_exit_code(container_id),
         }
+    }
+
+    async fn run_upstream_container(
+        &self,
+        task: &Value,
+        runner_dir: &std::path::Path,
+        exit_code: Option<i32>,
+    ) -> String {
+        let name = shim_e2e::harness::container_name_of(task);
+        self.named.lock().unwrap().push(name.clone());
+        let Some(fake) = &self.fake else {
+            return super::run_upstream_container_on_docker(task, runner_dir, exit_code);
+        };
+        let mut spec = shim_runtime::ContainerSpec::new(&name, shim_e2e::image());
+        spec.labels = [
+            ("ai.dstack.shim.is-task".to_owned(), "true".to_owned()),
+            (
+                "ai.dstack.shim.task-id".to_owned(),
+                task["id"].as_str().unwrap().to_owned(),
+            ),
+        ]
+        .into();
+        spec.mounts = vec![shim_runtime::BindMount {
+            source: runner_dir.to_path_buf(),
+            target: "/tmp/runner".to_owned(),
+            read_only: false,
+        }];
+        let (state, code) = match exit_code {
+            Some(code) => (ContainerState::Exited, Some(i64::from(code))),
+            None => (ContainerState::Running, None),
+        };
+        let cid = fake.add_container(&spec, state, code);
+        if let Some(code) = exit_code {
+            fake.set_logs(&cid, &[&format!("runner exiting with {code}")]);
+        }
+        cid
     }
 
     fn fake(&self) -> Option<&FakeRuntime> {

@@ -16,6 +16,7 @@
 
 #![allow(
     dead_code,
+    unused_imports,
     async_fn_in_trait,
     reason = "each test file uses the part of the worlds its scenarios need; the trait is only used generically"
 )]
@@ -26,7 +27,7 @@ pub mod flaky;
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -44,6 +45,10 @@ pub struct Options {
     pub runner: Option<PathBuf>,
     /// The engine reached through a proxy that [`World::set_engine_reachable`] can cut.
     pub flaky_engine: bool,
+    /// Full relists this often (seconds), so that the binary world can [`World::relist`]
+    /// (by waiting for the next one); the default is the shim's own (an hour in the engine
+    /// worlds).
+    pub relist_every_s: Option<u64>,
 }
 
 /// A host with a shim on it, as a scenario sees it.
@@ -137,6 +142,46 @@ pub trait World: Sized {
         panic!("the state file never {what}: {:?}", self.state_file(info));
     }
 
+    /// Runs a container as the upstream Go shim creates one for `task` (its two labels only,
+    /// `/tmp/runner` bound from `runner_dir`, the stub runner's command): running, or, with
+    /// `exit_code`, exited by its runner with that code. Made while the shim is stopped.
+    /// upstream: runner/internal/shim/docker.go (createContainer).
+    async fn run_upstream_container(
+        &self,
+        task: &Value,
+        runner_dir: &Path,
+        exit_code: Option<i32>,
+    ) -> String;
+
+    /// Plants what the upstream shim leaves for `task` in this home: its directory, and in
+    /// it, unless `state_file` is `None`, `runner/` and a `task.json` recording `reason`
+    /// (`Some("")`: not terminated); then its container ([`World::run_upstream_container`]).
+    /// Answers the directory and the container's id.
+    async fn plant_upstream_task(
+        &self,
+        task: &Value,
+        state_file: Option<&str>,
+        exit_code: Option<i32>,
+    ) -> (PathBuf, String) {
+        let name = shim_e2e::harness::container_name_of(task);
+        let dir = self.home().join("runners").join(name);
+        let runner_dir = match state_file {
+            Some(reason) => {
+                fs_err::create_dir_all(dir.join("runner")).unwrap();
+                fs_err::write(dir.join("task.json"), upstream_state_file(task, reason)).unwrap();
+                dir.join("runner")
+            }
+            None => {
+                fs_err::create_dir_all(&dir).unwrap();
+                dir.clone()
+            }
+        };
+        let cid = self
+            .run_upstream_container(task, &runner_dir, exit_code)
+            .await;
+        (dir, cid)
+    }
+
     /// Cuts or restores the shim's way to the engine (needs [`Options::flaky_engine`]).
     async fn set_engine_reachable(&self, reachable: bool);
 
@@ -209,6 +254,108 @@ pub trait World: Sized {
         }
         panic!("task {id} neither ran nor ended: {:?}", self.info(id).await);
     }
+}
+
+/// A state file as the upstream shim writes it for `task` (Go's `json.Marshal` of its task
+/// state: `version`, `id`, `config` with `TaskConfig`'s fields in declaration order,
+/// `termination_reason`, `termination_message`, `cleaned_up`; slices the server did not send
+/// are `null`; registry credentials blank; `reason` as recorded, `""` until terminated). It
+/// follows dstack PR #4220's format version 1 as the issue describes it (the PR's source is
+/// not in the mirror).
+pub fn upstream_state_file(task: &Value, reason: &str) -> String {
+    let s = |f: &str| Value::String(task[f].as_str().unwrap().to_owned()).to_string();
+    let keys = |f: &str| task[f].to_string();
+    format!(
+        concat!(
+            r#"{{"version":1,"id":{id},"config":{{"id":{id},"name":{name},"#,
+            r#""registry_username":"","registry_password":"","image_name":{image},"#,
+            r#""container_user":{user},"privileged":false,"gpu":{gpu},"cpu":0,"memory":0,"#,
+            r#""shm_size":0,"network_mode":{net},"volumes":[],"volume_mounts":[],"#,
+            r#""instance_mounts":[],"gpu_devices":null,"host_ssh_user":{host_user},"#,
+            r#""host_ssh_keys":{host_keys},"container_ssh_keys":{keys}}},"#,
+            r#""termination_reason":{reason},"termination_message":"","cleaned_up":false}}"#
+        ),
+        id = s("id"),
+        name = s("name"),
+        image = s("image_name"),
+        user = s("container_user"),
+        gpu = task["gpu"],
+        net = s("network_mode"),
+        host_user = s("host_ssh_user"),
+        host_keys = keys("host_ssh_keys"),
+        keys = keys("container_ssh_keys"),
+        reason = Value::String(reason.to_owned()),
+    )
+}
+
+/// Runs a container on the real daemon as another shim made it (not this one): named
+/// `name`, with `labels`, `/tmp/runner` bound from `runner_dir`, the stub runner bound at
+/// `/usr/local/bin/dstack-runner` (read-only if `runner_ro`), `/bin/sh -c` with the runner's
+/// start command, both runner ports published on 127.0.0.1. Answers its id.
+pub fn run_foreign_container(
+    name: &str,
+    labels: &[String],
+    runner_dir: &Path,
+    runner_ro: bool,
+) -> String {
+    use shim_e2e::harness::{RUNNER_HTTP_PORT, RUNNER_SSH_PORT};
+    let runner_mount = format!("{}:/tmp/runner", runner_dir.display());
+    let ro = if runner_ro { ":ro" } else { "" };
+    let runner_bin = format!(
+        "{}:/usr/local/bin/dstack-runner{ro}",
+        shim_e2e::runner_path().display()
+    );
+    let http = format!("127.0.0.1::{RUNNER_HTTP_PORT}");
+    let ssh = format!("127.0.0.1::{RUNNER_SSH_PORT}");
+    let command = format!(
+        "/usr/local/bin/dstack-runner --log-level 6 start --temp-dir /tmp/runner \
+         --http-port {RUNNER_HTTP_PORT} --ssh-port {RUNNER_SSH_PORT}"
+    );
+    let mut args = vec!["run", "-d", "--name", name];
+    for label in labels {
+        args.extend(["--label", label.as_str()]);
+    }
+    let image = shim_e2e::image();
+    args.extend([
+        "-v",
+        &runner_mount,
+        "-v",
+        &runner_bin,
+        "-p",
+        &http,
+        "-p",
+        &ssh,
+    ]);
+    args.extend(["--entrypoint", "/bin/sh", &image, "-c", &command]);
+    shim_e2e::docker_ok(&args).trim().to_owned()
+}
+
+/// Runs a container on the real daemon as the upstream shim does for `task` (its two labels
+/// only; see [`run_foreign_container`]); with `exit_code`, waits until its runner started,
+/// makes it exit with that code and waits until the container stopped. Answers its id.
+/// upstream: runner/internal/shim/docker.go (createContainer).
+pub fn run_upstream_container_on_docker(
+    task: &Value,
+    runner_dir: &Path,
+    exit_code: Option<i32>,
+) -> String {
+    let labels = [
+        "ai.dstack.shim.is-task=true".to_owned(),
+        format!("ai.dstack.shim.task-id={}", task["id"].as_str().unwrap()),
+    ];
+    let name = shim_e2e::harness::container_name_of(task);
+    let cid = run_foreign_container(&name, &labels, runner_dir, false);
+    if let Some(code) = exit_code {
+        shim_e2e::harness::wait_until("the stub runner starts", Duration::from_secs(90), || {
+            runner_dir.join("stub-runner.pid").exists()
+        });
+        let exit = runner_dir.join(shim_e2e::RUNNER_EXIT_FILE);
+        fs_err::write(exit, format!("{code}\n")).unwrap();
+        shim_e2e::harness::wait_until("the container stops", Duration::from_secs(90), || {
+            shim_e2e::harness::container_running(None, &cid) == Some(false)
+        });
+    }
+    cid
 }
 
 /// Runs a scenario in the fake world: a current-thread runtime on paused time.
