@@ -221,3 +221,118 @@ async fn an_upstream_recorded_reason_wins_over_its_containers_exit<W: World>() {
     assert_eq!(w.container_running(&cid).await, None);
 }
 in_worlds!(an_upstream_recorded_reason_wins_over_its_containers_exit: fake, docker, binary);
+
+// Issue 11, the switch from the upstream shim with tasks running: upstream's containers
+// (labels, mounts, command) and directories, with and without its state file (dstack PR
+// #4220's format version 1) and one whose runner finished before the switch. Each task is
+// listed with its status, survives a restart of this shim, is terminated and removed, and
+// releases exactly what it holds: its container and its directory; nothing of this shim is
+// written into a directory the container sees whole; another home's upstream container is
+// never listed or touched. (GPUs, keys and volumes an upstream task holds: the fake world's
+// and the binary's own tests.)
+// upstream: runner/internal/shim/docker.go (restoreStateFromContainers: the is-task label,
+// the task id label, the runner directory from the `/tmp/runner` mount, `exited` →
+// terminated; Remove deletes the runner directory).
+async fn upstream_tasks_are_adopted_terminated_removed_and_released<W: World>() {
+    let mut w = W::new(Options::default()).await;
+    w.stop().await;
+    let with_file = w.task("upstream-a", 0);
+    let (dir_a, cid_a) = w.plant_upstream_task(&with_file, Some(""), None).await;
+    // Without a state file (upstream before PR #4220): the whole directory is mounted.
+    let (dir_b, cid_b) = w
+        .plant_upstream_task(&w.task("upstream-b", 0), None, None)
+        .await;
+    // Its runner finished before the switch: upstream shows it terminated with no reason;
+    // this shim reads the exit code.
+    let (dir_c, cid_c) = w
+        .plant_upstream_task(&w.task("upstream-c", 0), Some(""), Some(0))
+        .await;
+    let elsewhere = tempfile::tempdir().unwrap();
+    let foreign = w
+        .run_upstream_container(&w.task("upstream-f", 0), elsewhere.path(), None)
+        .await;
+    w.start().await;
+
+    let expected = std::collections::BTreeMap::from([
+        ("upstream-a".to_owned(), "running".to_owned()),
+        ("upstream-b".to_owned(), "running".to_owned()),
+        ("upstream-c".to_owned(), "terminated".to_owned()),
+    ]);
+    assert_eq!(w.list().await, expected);
+    let a = w.info("upstream-a").await.unwrap();
+    assert_eq!(a["container_id"], cid_a.as_str(), "{a}");
+    assert_eq!(
+        a["container_name"],
+        shim_e2e::harness::container_name_of(&with_file)
+    );
+    assert_eq!(
+        w.info("upstream-b").await.unwrap()["container_id"],
+        cid_b.as_str()
+    );
+    let c = w.info("upstream-c").await.unwrap();
+    assert_eq!(c["termination_reason"], "done_by_runner", "{c}");
+    assert_eq!(c["container_id"], cid_c.as_str(), "{c}");
+    let written_by_others = ["stub-runner.args", "stub-runner.pid"];
+    let left = shim_e2e::harness::entries(&dir_b);
+    assert!(
+        left.iter().all(|e| written_by_others.contains(&e.as_str())),
+        "{left:?}"
+    );
+    assert_eq!(w.container_running(&cid_a).await, Some(true));
+    assert_eq!(w.container_running(&cid_b).await, Some(true));
+
+    // This shim's own restart keeps them as they are.
+    w.restart().await;
+    assert_eq!(w.list().await, expected);
+    assert_eq!(
+        w.info("upstream-a").await.unwrap()["container_id"],
+        cid_a.as_str()
+    );
+    let c = w.info("upstream-c").await.unwrap();
+    assert_eq!(c["termination_reason"], "done_by_runner", "{c}");
+
+    // Terminate and remove: each releases exactly its own.
+    let t = w
+        .terminate("upstream-a", "terminated_by_server", "switched", 2)
+        .await;
+    assert_eq!(t["status"], "terminated", "{t}");
+    assert_eq!(w.container_running(&cid_a).await, Some(false));
+    let state = dir_a.join("task.json");
+    let file =
+        || -> serde_json::Value { serde_json::from_slice(&fs_err::read(&state).unwrap()).unwrap() };
+    for _ in 0..300 {
+        if file()["cleaned_up"] == true {
+            break;
+        }
+        w.sleep(std::time::Duration::from_millis(30)).await;
+    }
+    let file = file();
+    assert_eq!(file["version"], 1, "{file}");
+    assert_eq!(file["termination_reason"], "terminated_by_server", "{file}");
+    assert_eq!(file["termination_message"], "switched", "{file}");
+    assert_eq!(file["cleaned_up"], true, "{file}");
+    assert_eq!(w.container_running(&cid_b).await, Some(true));
+    w.remove("upstream-a").await;
+    assert!(!dir_a.exists());
+    assert_eq!(w.container_running(&cid_a).await, None);
+
+    w.terminate("upstream-b", "terminated_by_server", "switched", 2)
+        .await;
+    assert!(!dir_b.join("task.json").exists(), "never written");
+    w.remove("upstream-b").await;
+    assert!(
+        !dir_b.exists(),
+        "upstream's Remove deletes the runner directory"
+    );
+    assert_eq!(w.container_running(&cid_b).await, None);
+    w.remove("upstream-c").await;
+    assert!(!dir_c.exists());
+    assert_eq!(w.container_running(&cid_c).await, None);
+    assert!(w.list().await.is_empty());
+    assert_eq!(
+        w.container_running(&foreign).await,
+        Some(true),
+        "another home's container is never touched"
+    );
+}
+in_worlds!(upstream_tasks_are_adopted_terminated_removed_and_released: fake, docker, binary);
