@@ -121,3 +121,68 @@ async fn terminate_stops_a_running_task_and_keeps_the_first_reason<W: World>() {
     assert_eq!(w.container_running(now_cid).await, None);
 }
 in_worlds!(terminate_stops_a_running_task_and_keeps_the_first_reason: fake, docker, binary);
+
+// SPEC §3/§4: terminate during start answers `terminated`; a remove right after it must then
+// be accepted (remove refuses only tasks that are not terminated), as the dstack server sends
+// remove right after terminate. The terminates land in every phase of start (the delay after
+// submit varies).
+// dstack server: src/dstack/_internal/server/services/instances.py
+// (remove_dangling_tasks_from_instance: terminate_task, then remove_task at once).
+async fn a_remove_right_after_a_terminate_during_start_is_accepted<W: World>() {
+    let w = W::new(Options::default()).await;
+    let mut refused = Vec::new();
+    for i in 0..40u64 {
+        let id = format!("early-{i}");
+        w.submit(&w.task(&id, 1)).await.unwrap();
+        w.sleep(Duration::from_millis(i % 8 * 5)).await;
+        let info = w.terminate(&id, "terminated_by_user", "early", 0).await;
+        assert_eq!(info["status"], "terminated", "{info}");
+        assert_eq!(info["termination_reason"], "terminated_by_user", "{info}");
+        if let Err(e) = w.try_remove(&id).await {
+            refused.push(format!("{id}: {e}"));
+            w.remove(&id).await;
+        }
+    }
+    assert_eq!(
+        refused,
+        Vec::<String>::new(),
+        "removes refused after terminate"
+    );
+    assert_eq!(w.containers().await, 0);
+}
+in_worlds!(a_remove_right_after_a_terminate_during_start_is_accepted: fake, docker, binary);
+
+// A task removed after a terminate during its start stays removed: ten clients at once each
+// submit, terminate (during start, at varied delays) and remove ten tasks; no directory, no
+// container is left behind (the start's late writes included), and none comes back after a
+// restart.
+async fn a_task_removed_during_its_start_stays_removed<W: World>() {
+    let mut w = W::new(Options::default()).await;
+    let w_ref = &w;
+    futures_util::future::join_all((0..10u64).map(|t| async move {
+        for i in 0..10u64 {
+            let id = format!("gone-{t}-{i}");
+            w_ref.submit(&w_ref.task(&id, 0)).await.unwrap();
+            w_ref.sleep(Duration::from_millis((t + i) % 10 * 2)).await;
+            w_ref.terminate(&id, "terminated_by_user", "gone", 0).await;
+            w_ref.remove(&id).await;
+        }
+    }))
+    .await;
+    assert!(w.list().await.is_empty());
+    // Late writes, if any, land within milliseconds: give them a moment (not a timed
+    // assertion: waiting longer only makes a leftover more likely to be seen).
+    w.sleep(Duration::from_millis(500)).await;
+    let tasks_dir = shim_e2e::harness::tasks_dir(&w.home());
+    let left_behind = shim_e2e::harness::task_entries(&tasks_dir);
+    let containers = w.containers().await;
+    w.restart().await;
+    let after_restart = w.list().await;
+    assert_eq!(
+        (left_behind.len(), containers, after_restart.len()),
+        (0, 0, 0),
+        "removed tasks left behind ({left_behind:?}, {containers} containers) or came back \
+         after a restart ({after_restart:?})"
+    );
+}
+in_worlds!(a_task_removed_during_its_start_stays_removed: fake, docker, binary);

@@ -163,8 +163,8 @@ async fn a_restart_keeps_running_tasks_and_judges_exits_made_while_down<W: World
     assert_eq!(refused["container_id"], "", "{refused}");
 
     // `none-left` stays: its start job may still be writing its last state when its
-    // termination shows, and a remove then races that write (see e2e.rs,
-    // `removed_task_stays_removed_after_terminate_during_start`).
+    // termination shows, and a remove then races that write (see lifecycle.rs,
+    // `a_task_removed_during_its_start_stays_removed`).
     for id in ["keep", "more"] {
         w.terminate(id, "terminated_by_server", "", 0).await;
     }

@@ -106,6 +106,16 @@ impl World for BinaryWorld {
         answer.json_body()
     }
 
+    async fn try_remove(&self, id: &str) -> Result<(), String> {
+        let id = id.to_owned();
+        let answer = self.call(move |shim| shim.remove(&id)).await;
+        if answer.status == 200 {
+            Ok(())
+        } else {
+            Err(format!("{} {}", answer.status, answer.body))
+        }
+    }
+
     async fn remove(&self, id: &str) {
         let id = id.to_owned();
         self.call(move |shim| shim.remove_retrying(&id)).await;

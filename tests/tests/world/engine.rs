@@ -215,14 +215,11 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
         json(&info)
     }
 
-    async fn remove(&self, id: &str) {
-        for _ in 0..1000 {
-            match self.engine().remove(&tid(id)).await {
-                Ok(()) => return,
-                Err(_) => self.sleep(Duration::from_millis(20)).await,
-            }
-        }
-        panic!("task {id} could not be removed: {:?}", self.info(id).await);
+    async fn try_remove(&self, id: &str) -> Result<(), String> {
+        self.engine()
+            .remove(&tid(id))
+            .await
+            .map_err(|e| e.to_string())
     }
 
     async fn stop(&mut self) {

@@ -78,8 +78,21 @@ pub trait World: Sized {
     /// Terminates as the dstack server does; answers the `TaskInfo`.
     async fn terminate(&self, id: &str, reason: &str, message: &str, timeout_s: u64) -> Value;
 
-    /// Removes a terminated task (retrying while its release is under way).
-    async fn remove(&self, id: &str);
+    /// Removes a task once; the error is the shim's answer.
+    async fn try_remove(&self, id: &str) -> Result<(), String>;
+
+    /// Removes a terminated task, retrying while its start or release is under way.
+    async fn remove(&self, id: &str) {
+        let mut last = String::new();
+        for _ in 0..3000 {
+            match self.try_remove(id).await {
+                Ok(()) => return,
+                Err(e) => last = e,
+            }
+            self.sleep(Duration::from_millis(30)).await;
+        }
+        panic!("task {id} could not be removed: {last}");
+    }
 
     /// The shim stops: a kill where the world has a process (its containers go on).
     async fn stop(&mut self);
