@@ -186,3 +186,42 @@ async fn a_task_removed_during_its_start_stays_removed<W: World>() {
     );
 }
 in_worlds!(a_task_removed_during_its_start_stays_removed: fake, docker, binary);
+
+// SPEC §4: a terminate while the image is being downloaded stops the pull: the task ends at
+// once with the requested reason, its start returns at its next step, creates nothing and
+// releases its GPU; the pull's log (where there is one) holds the daemon's progress and never
+// the registry password.
+async fn terminate_during_a_pull_cancels_it<W: World>() {
+    let w = W::new(Options::default()).await;
+    let image = w.slow_image("world-terminate-pull").await;
+    let mut task = w.task("pull", 1);
+    image.for_task(&mut task);
+    w.submit(&task).await.unwrap();
+    let mut info = serde_json::Value::Null;
+    for _ in 0..3000 {
+        info = w.info("pull").await.unwrap();
+        if info["image_pull_progress"]["downloaded_bytes"].as_u64() > Some(0) {
+            break;
+        }
+        w.sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(info["status"], "pulling", "{info}");
+    let done = w.terminate("pull", "terminated_by_user", "", 0).await;
+    assert_eq!(done["status"], "terminated", "{done}");
+    assert_eq!(done["termination_reason"], "terminated_by_user", "{done}");
+    w.wait_all_gpus_free().await;
+    w.sleep(Duration::from_secs(1)).await;
+    let after = w.info("pull").await.unwrap();
+    assert_eq!(after["container_id"], "", "nothing created: {after}");
+    let name = after["container_name"].as_str().unwrap();
+    let log = w.home().join("runners").join(name).join("pull.log");
+    if let Ok(log) = fs_err::read_to_string(&log) {
+        assert!(w.fake().is_some() || log.contains("Downloading"), "{log}");
+        assert!(image.password.is_empty() || !log.contains(&image.password));
+    } else {
+        assert!(w.fake().is_some(), "a real pull writes its log");
+    }
+    w.remove("pull").await;
+    assert_eq!(w.containers().await, 0);
+}
+in_worlds!(terminate_during_a_pull_cancels_it: fake, docker, binary);

@@ -721,43 +721,6 @@ async fn a_stalled_pull_fails_the_task_and_is_counted() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn terminate_during_pull_cancels_it() {
-    let w = World::new(1);
-    let engine = w.engine().await;
-    w.runtime.set_pull_behavior(PullBehavior::Hang {
-        steps: vec![PullProgress {
-            downloaded_bytes: 10,
-            extracted_bytes: 0,
-            total_bytes: 100,
-            is_total_bytes_final: false,
-        }],
-    });
-    let mut c = config("t1");
-    c.image_name = "img:latest".into();
-    c.gpu = 1;
-    engine.submit(c).await.unwrap();
-    let info = wait_pulling(&engine, "t1").await;
-    assert_eq!(engine.gpu_lock().locked().len(), 1);
-    let _ = info;
-    let info = engine
-        .terminate(
-            &tid("t1"),
-            TerminationReason::TerminatedByServer,
-            "stop".into(),
-            Duration::ZERO,
-        )
-        .await
-        .unwrap();
-    assert_eq!(info.status, TaskStatus::Terminated);
-    assert_eq!(info.termination_reason, "terminated_by_server");
-    // Start returns at its next step and releases what it acquired.
-    wait_released(&engine, &w, "t1").await;
-    assert_eq!(w.runtime.count("create"), 0);
-    let info = engine.task_info(&tid("t1")).unwrap();
-    assert_eq!(info.termination_reason, "terminated_by_server");
-}
-
-#[tokio::test(start_paused = true)]
 async fn terminate_during_container_start_stops_the_container() {
     let w = World::new(0);
     let engine = w.engine().await;

@@ -38,6 +38,28 @@ pub use engine::{DockerWorld, FakeWorld};
 /// The fake GPUs of every world.
 pub const GPUS: usize = shim_e2e::harness::FAKE_GPUS;
 
+/// An image whose pull lasts long enough to be caught in the middle ([`World::slow_image`]),
+/// with the credentials its registry wants; kept while this lives.
+pub struct SlowImage {
+    /// What a task names as its image.
+    pub reference: String,
+    /// The registry's user (empty: none).
+    pub username: String,
+    /// The registry's password (empty: none).
+    pub password: String,
+    /// The real one (removed from the registry and the daemon when dropped).
+    _fresh: Option<shim_e2e::harness::FreshImage>,
+}
+
+impl SlowImage {
+    /// `task` pulling this image, with the credentials.
+    pub fn for_task(&self, task: &mut Value) {
+        task["image_name"] = self.reference.clone().into();
+        task["registry_username"] = self.username.clone().into();
+        task["registry_password"] = self.password.clone().into();
+    }
+}
+
 /// How a world is made.
 #[derive(Debug, Clone, Default)]
 pub struct Options {
@@ -193,6 +215,44 @@ pub trait World: Sized {
             .run_upstream_container(task, &runner_dir, exit_code)
             .await;
         (dir, cid)
+    }
+
+    /// An image that pulls slowly: on a real daemon, fresh random content (16 MiB) in `repo` of
+    /// the test registry behind a slow proxy; in the fake world, a pull that reports some
+    /// progress and then hangs until cancelled (every later pull of the fake world too).
+    async fn slow_image(&self, repo: &str) -> SlowImage {
+        match self.fake() {
+            Some(fake) => {
+                fake.set_pull_behavior(shim_runtime::fake::PullBehavior::Hang {
+                    steps: vec![shim_task::PullProgress {
+                        downloaded_bytes: 10 << 20,
+                        extracted_bytes: 0,
+                        total_bytes: 16 << 20,
+                        is_total_bytes_final: true,
+                    }],
+                });
+                SlowImage {
+                    reference: format!("{repo}:latest"),
+                    username: String::new(),
+                    password: String::new(),
+                    _fresh: None,
+                }
+            }
+            None => {
+                let repo = repo.to_owned();
+                let fresh = tokio::task::spawn_blocking(move || {
+                    shim_e2e::harness::FreshImage::push(&repo, 16 << 20).unwrap()
+                })
+                .await
+                .unwrap();
+                SlowImage {
+                    reference: fresh.reference().to_owned(),
+                    username: shim_e2e::registry_user(),
+                    password: shim_e2e::registry_password(),
+                    _fresh: Some(fresh),
+                }
+            }
+        }
     }
 
     /// Cuts or restores the shim's way to the engine (needs [`Options::flaky_engine`]).
