@@ -9,7 +9,7 @@
 
 mod world;
 
-use world::{Options, World};
+use world::{GPUS, Options, World};
 
 // Issue 22, SPEC §5: ownership is the runner mount. With its `owner-id` deleted (first round)
 // or replaced by another identity (second round) while the shim is down, a running task is
@@ -336,3 +336,107 @@ async fn upstream_tasks_are_adopted_terminated_removed_and_released<W: World>() 
     );
 }
 in_worlds!(upstream_tasks_are_adopted_terminated_removed_and_released: fake, docker, binary);
+
+// SPEC §5, every restore case after the shim stopped with tasks in every state, and the
+// engine changed meanwhile: a task still running is the same task in the same container; one
+// whose runner exited meanwhile is `container_exited_with_error` with its last lines; a
+// recorded reason is kept; a container created but never started ends the task
+// `executor_error` ("never started"); a task cut short while pulling (a state file, no
+// container) ends `executor_error` and its directory is removable. Only the running task's
+// GPU is locked again. A second restart changes nothing. (What a real authorized_keys and a
+// real volume show of it: shim-engine's tests/docker.rs.)
+async fn a_restart_restores_every_case<W: World>() {
+    let mut w = W::new(Options::default()).await;
+    for (id, gpu) in [("run", 1), ("exits", 1), ("user", 0), ("never", 0)] {
+        w.submit(&w.task(id, gpu)).await.unwrap();
+    }
+    let run = w.wait_status("run", "running").await;
+    let exits = w.wait_status("exits", "running").await;
+    w.wait_status("user", "running").await;
+    let never = w.wait_status("never", "running").await;
+    w.terminate("user", "terminated_by_user", "user said so", 0)
+        .await;
+    let image = w.slow_image("world-restore-pull").await;
+    let mut cut = w.task("cut", 0);
+    image.for_task(&mut cut);
+    w.submit(&cut).await.unwrap();
+    for _ in 0..3000 {
+        if w.info("cut").await.unwrap()["status"] == "pulling" {
+            break;
+        }
+        w.sleep(std::time::Duration::from_millis(20)).await;
+    }
+    w.stop().await;
+
+    w.exit_runner(&exits, 4).await;
+    let exits_cid = exits["container_id"].as_str().unwrap();
+    for _ in 0..600 {
+        if w.container_running(exits_cid).await == Some(false) {
+            break;
+        }
+        w.sleep(std::time::Duration::from_millis(50)).await;
+    }
+    w.replace_with_created(&never).await;
+    w.start().await;
+
+    let r = w.info("run").await.unwrap();
+    assert_eq!(r["status"], "running", "{r}");
+    assert_eq!(r["container_id"], run["container_id"], "{r}");
+    let e = w.info("exits").await.unwrap();
+    assert_eq!(
+        e["termination_reason"], "container_exited_with_error",
+        "{e}"
+    );
+    let message = e["termination_message"].as_str().unwrap().to_owned();
+    assert!(message.ends_with("runner exiting with 4"), "{e}");
+    let u = w.info("user").await.unwrap();
+    assert_eq!(u["termination_reason"], "terminated_by_user", "{u}");
+    assert_eq!(u["termination_message"], "user said so", "{u}");
+    let n = w.info("never").await.unwrap();
+    assert_eq!(n["termination_reason"], "executor_error", "{n}");
+    assert!(
+        n["termination_message"]
+            .as_str()
+            .unwrap()
+            .contains("never started"),
+        "{n}"
+    );
+    let c = w.info("cut").await.unwrap();
+    assert_eq!(c["status"], "terminated", "{c}");
+    assert_eq!(c["termination_reason"], "executor_error", "{c}");
+    assert!(
+        c["termination_message"]
+            .as_str()
+            .unwrap()
+            .contains("pulling"),
+        "{c}"
+    );
+    // Only the running task's GPU is held: all the others are free, and no more.
+    w.submit(&w.task("rest", (GPUS - 1) as i64)).await.unwrap();
+    w.wait_status("rest", "running").await;
+    w.terminate("rest", "terminated_by_server", "", 0).await;
+    w.remove("rest").await;
+    w.submit(&w.task("all", GPUS as i64)).await.unwrap();
+    let all = w.wait_status("all", "terminated").await;
+    assert_eq!(all["termination_reason"], "executor_error", "{all}");
+
+    // Restoring again changes nothing.
+    w.restart().await;
+    assert_eq!(
+        w.info("exits").await.unwrap()["termination_message"],
+        message.as_str()
+    );
+    assert_eq!(w.info("run").await.unwrap()["status"], "running");
+    let dir = w
+        .home()
+        .join("runners")
+        .join(c["container_name"].as_str().unwrap());
+    assert!(dir.join("task.json").exists());
+    w.remove("cut").await;
+    assert!(!dir.exists());
+    w.terminate("run", "terminated_by_server", "", 0).await;
+    for id in ["run", "exits", "user", "never"] {
+        w.remove(id).await;
+    }
+}
+in_worlds!(a_restart_restores_every_case: fake, docker, binary);

@@ -255,6 +255,45 @@ pub trait World: Sized {
         }
     }
 
+    /// Replaces the task's container with one created from the same image, labels and mounts
+    /// but never started: what the engine shows when the shim died between create and start.
+    /// Made while the shim is stopped.
+    async fn replace_with_created(&self, info: &Value) {
+        let cid = info["container_id"].as_str().unwrap();
+        match self.fake() {
+            Some(fake) => {
+                let spec = fake.spec(cid).unwrap();
+                assert!(fake.vanish(cid));
+                fake.add_container(&spec, shim_runtime::ContainerState::Created, None);
+            }
+            None => {
+                let inspect = |format: &str| {
+                    shim_e2e::docker_ok(&["inspect", "-f", format, cid])
+                        .split_whitespace()
+                        .map(str::to_owned)
+                        .collect::<Vec<_>>()
+                };
+                let labels = inspect("{{range $k, $v := .Config.Labels}}{{$k}}={{$v}} {{end}}");
+                // Its runner mount too: what makes a container this shim's.
+                let mounts = inspect(
+                    "{{range .Mounts}}type=bind,source={{.Source}},target={{.Destination}} {{end}}",
+                );
+                shim_e2e::docker_ok(&["rm", "-f", cid]);
+                let name = info["container_name"].as_str().unwrap();
+                let mut args = vec!["create", "--name", name];
+                for label in labels.iter().filter(|l| l.starts_with("ai.dstack.shim.")) {
+                    args.extend(["--label", label]);
+                }
+                for mount in &mounts {
+                    args.extend(["--mount", mount]);
+                }
+                let image = shim_e2e::image();
+                args.extend([image.as_str(), "true"]);
+                shim_e2e::docker_ok(&args);
+            }
+        }
+    }
+
     /// Cuts or restores the shim's way to the engine (needs [`Options::flaky_engine`]).
     async fn set_engine_reachable(&self, reachable: bool);
 
