@@ -98,6 +98,12 @@ impl World {
         }
         held
     }
+
+    fn container_runs(&self) -> bool {
+        self.container
+            .as_ref()
+            .is_some_and(|c| c.state == Ctr::Running)
+    }
 }
 
 struct Sim {
@@ -131,6 +137,14 @@ struct Sim {
 fn trace(args: std::fmt::Arguments<'_>) {
     if std::env::var_os("SHIM_TASK_TRACE").is_some() {
         eprintln!("{args}");
+    }
+}
+
+fn terminate(reason: TerminationReason, message: &str, timeout_s: u64) -> Event {
+    Event::TerminateRequested {
+        reason,
+        message: message.into(),
+        timeout_s,
     }
 }
 
@@ -225,6 +239,42 @@ impl Sim {
             corrupted: false,
             forgotten: false,
             config,
+        }
+    }
+
+    /// A simulation in which no action fails.
+    fn faultless(config: TaskConfig) -> Self {
+        Sim {
+            failures: false,
+            ..Sim::new(config)
+        }
+    }
+
+    /// Replays `choices` (regression sequences the property test found), then drains.
+    fn replay(config: TaskConfig, choices: &[(u8, u8, u8)]) {
+        let mut sim = Sim::new(config);
+        for &c in choices {
+            sim.apply(c);
+        }
+        sim.drain_and_check();
+    }
+
+    /// Runs the start job until `next` is its next op.
+    fn run_start_until(&mut self, next: impl Fn(&Op) -> bool) {
+        while !self.jobs[0].front().is_some_and(&next) {
+            self.run_one(0, 1);
+        }
+    }
+
+    /// The outcome of writing `record` to the state file: it fails while the disk is full.
+    fn write_state_file(&mut self, record: &TaskRecord) -> Event {
+        if self.disk_full {
+            Event::PersistFailed {
+                message: "No space left on device (os error 28)".into(),
+            }
+        } else {
+            self.world.persisted = Some(record.clone());
+            Event::Persisted
         }
     }
 
@@ -366,14 +416,7 @@ impl Sim {
         if tr.actions.first() == Some(&Action::Persist) {
             tr.actions.remove(0);
             // The write and its outcome, under the task's step lock (one scheduling point).
-            let outcome = if self.disk_full {
-                Event::PersistFailed {
-                    message: "No space left on device (os error 28)".into(),
-                }
-            } else {
-                self.world.persisted = Some(tr.task.record().clone());
-                Event::Persisted
-            };
+            let outcome = self.write_state_file(tr.task.record());
             let failed = matches!(outcome, Event::PersistFailed { .. });
             self.write_failed |= failed;
             let next = step(&tr.task, outcome, self.now).unwrap();
@@ -567,14 +610,7 @@ impl Sim {
         let mut queue: VecDeque<Op> = locks.into_iter().map(Op::Do).collect();
         let mut task = task;
         if rest.first() == Some(&Action::Persist) {
-            let outcome = if self.disk_full {
-                Event::PersistFailed {
-                    message: "No space left on device".into(),
-                }
-            } else {
-                self.world.persisted = Some(task.record().clone());
-                Event::Persisted
-            };
+            let outcome = self.write_state_file(task.record());
             let next = step(&task, outcome, self.now).unwrap();
             task = next.task;
             queue.extend(next.actions.into_iter().map(Op::Do));
@@ -820,10 +856,7 @@ impl Sim {
                 assert!(!task.start_in_flight(), "release while start is in flight");
                 // Nor while the container may still use the resources.
                 assert!(
-                    self.world
-                        .container
-                        .as_ref()
-                        .is_none_or(|c| c.state != Ctr::Running),
+                    !self.world.container_runs(),
                     "release while the container runs"
                 );
                 assert_eq!(task.record().status, TaskStatus::Terminated);
@@ -881,15 +914,8 @@ impl Sim {
             Action::RemoveContainer => {
                 if fail {
                     // Docker refused: the engine stops the remove and says what it dropped.
-                    let mut abandoned = vec![Action::RemoveContainer];
-                    abandoned.extend(self.jobs[j].drain(..).filter_map(|op| match op {
-                        Op::Do(a) => Some(a),
-                        _ => None,
-                    }));
-                    Some(Event::ActionsAbandoned {
-                        actions: abandoned,
-                        message: "cannot remove the container: daemon busy".into(),
-                    })
+                    let message = "cannot remove the container: daemon busy";
+                    Some(self.abandon(j, Action::RemoveContainer, message))
                 } else {
                     self.world.container = None;
                     None
@@ -899,15 +925,8 @@ impl Sim {
                 if task.record().resources.holds_any() {
                     // The release before it left something held: the engine refuses to
                     // delete, drops the rest of the list and says so (the task stays).
-                    let mut abandoned = vec![Action::DeleteTaskDir];
-                    abandoned.extend(self.jobs[j].drain(..).filter_map(|op| match op {
-                        Op::Do(a) => Some(a),
-                        _ => None,
-                    }));
-                    Some(Event::ActionsAbandoned {
-                        actions: abandoned,
-                        message: "task still holds resources after release".into(),
-                    })
+                    let message = "task still holds resources after release";
+                    Some(self.abandon(j, Action::DeleteTaskDir, message))
                 } else {
                     self.world.persisted = None;
                     None
@@ -928,6 +947,18 @@ impl Sim {
         {
             self.jobs[j].push_front(Op::Deliver(event));
         }
+    }
+
+    /// The engine stops carrying out job `j` at `failed`: the outcome that says so, naming the
+    /// actions dropped.
+    fn abandon(&mut self, j: usize, failed: Action, message: &str) -> Event {
+        let mut actions = vec![failed];
+        actions.extend(self.jobs[j].drain(..).filter_map(|op| match op {
+            Op::Do(a) => Some(a),
+            _ => None,
+        }));
+        let message = message.into();
+        Event::ActionsAbandoned { actions, message }
     }
 
     /// Nothing is released that was never acquired, except after a crash: something released
@@ -1050,6 +1081,27 @@ impl Sim {
         }
     }
 
+    /// No GPU is locked, no volume mounted, no key present; but for what a lost state file
+    /// leaves: the keys of an adopted task, the volumes of a forgotten one.
+    fn assert_nothing_held(&self) {
+        assert!(self.world.gpus_locked.is_empty(), "{:?}", self.world);
+        if !self.forgotten {
+            assert!(self.world.volumes_mounted.is_empty(), "{:?}", self.world);
+        }
+        if !self.corrupted {
+            assert!(!self.world.keys_present, "{:?}", self.world);
+        }
+    }
+
+    /// A remove, accepted: it takes the task, its container and its state file.
+    fn remove_and_check_gone(&mut self) {
+        self.feed(Event::RemoveRequested, None).unwrap();
+        self.run_all();
+        assert!(self.task.is_none());
+        assert!(self.world.container.is_none());
+        assert!(self.world.persisted.is_none());
+    }
+
     /// The faults stop. Then work in flight finishes, the server's terminate is answered
     /// from a durable terminated state at once, and ONE reconcile cycle brings the task to its
     /// end: reason recorded, container stopped, everything released, remove accepted. Checks
@@ -1063,15 +1115,8 @@ impl Sim {
         self.run_all();
         if let Some(t) = self.task.clone() {
             assert!(!t.start_in_flight(), "start did not return");
-            self.feed(
-                Event::TerminateRequested {
-                    reason: TerminationReason::TerminatedByServer,
-                    message: "stop".into(),
-                    timeout_s: 0,
-                },
-                None,
-            )
-            .unwrap();
+            let stop = terminate(TerminationReason::TerminatedByServer, "stop", 0);
+            self.feed(stop, None).unwrap();
             self.run_all();
             self.reconcile(false);
             self.run_all();
@@ -1083,36 +1128,20 @@ impl Sim {
                     self.disk_full
                 );
                 assert!(
-                    self.world
-                        .container
-                        .as_ref()
-                        .is_none_or(|c| c.state != Ctr::Running),
+                    !self.world.container_runs(),
                     "container still runs (disk full: {})",
                     self.disk_full
                 );
             }
-            assert!(self.world.gpus_locked.is_empty(), "{:?}", self.world);
-            if !self.forgotten {
-                assert!(self.world.volumes_mounted.is_empty(), "{:?}", self.world);
-            }
-            if !self.corrupted {
-                assert!(!self.world.keys_present, "{:?}", self.world);
-            }
+            self.assert_nothing_held();
         }
         self.disk_full = false;
         self.run_all();
         if let Some(t) = self.task.clone() {
             assert!(!t.start_in_flight(), "start did not return");
             if t.saved().status != TaskStatus::Terminated {
-                self.feed(
-                    Event::TerminateRequested {
-                        reason: TerminationReason::TerminatedByServer,
-                        message: "drain".into(),
-                        timeout_s: 0,
-                    },
-                    None,
-                )
-                .unwrap();
+                let drain = terminate(TerminationReason::TerminatedByServer, "drain", 0);
+                self.feed(drain, None).unwrap();
                 self.run_all();
                 let t = self.task.as_ref().unwrap();
                 assert_eq!(
@@ -1136,13 +1165,7 @@ impl Sim {
             );
             assert!(t.record().resources.released);
             assert!(!t.needs_release());
-            assert!(
-                self.world
-                    .container
-                    .as_ref()
-                    .is_none_or(|c| c.state != Ctr::Running),
-                "container still runs"
-            );
+            assert!(!self.world.container_runs(), "container still runs");
             // What the API shows of a terminated task.
             let info = t.info();
             assert_eq!(
@@ -1151,13 +1174,7 @@ impl Sim {
             );
         }
         // Every resource acquired was released exactly once per acquisition; nothing is held.
-        assert!(self.world.gpus_locked.is_empty(), "{:?}", self.world);
-        if !self.forgotten {
-            assert!(self.world.volumes_mounted.is_empty(), "{:?}", self.world);
-        }
-        if !self.corrupted {
-            assert!(!self.world.keys_present, "{:?}", self.world);
-        }
+        self.assert_nothing_held();
         for (key, n) in &self.world.acquired {
             if self.corrupted && key == "keys" {
                 continue; // SPEC §5: an adopted container's keys cannot be recovered
@@ -1176,11 +1193,7 @@ impl Sim {
         }
         // Remove is possible now and removes everything.
         if self.task.is_some() {
-            self.feed(Event::RemoveRequested, None).unwrap();
-            self.run_all();
-            assert!(self.task.is_none());
-            assert!(self.world.container.is_none());
-            assert!(self.world.persisted.is_none());
+            self.remove_and_check_gone();
         }
     }
 }
@@ -1220,29 +1233,27 @@ proptest! {
 /// nothing, then the relock leaked every GPU. The engine carries out restore's actions first.
 #[test]
 fn restore_relocks_before_the_reconciler_releases() {
-    let mut sim = Sim::new(config_from(-1, false, 0, 0, false));
-    for c in [
-        (92, 0, 0),
-        (60, 0, 17),
-        (0, 0, 0),
-        (92, 0, 6),
-        (60, 0, 0),
-        (28, 0, 29),
-        (219, 0, 0),
-        (52, 0, 0),
-        (60, 29, 0),
-    ] {
-        sim.apply(c);
-    }
-    sim.drain_and_check();
+    Sim::replay(
+        config_from(-1, false, 0, 0, false),
+        &[
+            (92, 0, 0),
+            (60, 0, 17),
+            (0, 0, 0),
+            (92, 0, 6),
+            (60, 0, 0),
+            (28, 0, 29),
+            (219, 0, 0),
+            (52, 0, 0),
+            (60, 29, 0),
+        ],
+    );
 }
 
 /// Keeps the simulator honest: without failures it reaches `running`, and every kind of
 /// resource is acquired and released.
 #[test]
 fn simulator_happy_path_runs_and_releases() {
-    let mut sim = Sim::new(config_from(2, true, 2, 1, true));
-    sim.failures = false;
+    let mut sim = Sim::faultless(config_from(2, true, 2, 1, true));
     sim.run_all();
     let t = sim.task.clone().unwrap();
     assert_eq!(t.record().status, TaskStatus::Running);
@@ -1269,8 +1280,7 @@ fn simulator_happy_path_runs_and_releases() {
 #[test]
 fn crash_at_every_point_of_a_clean_start() {
     for crash_after in 0..40 {
-        let mut sim = Sim::new(config_from(1, true, 1, 1, false));
-        sim.failures = false;
+        let mut sim = Sim::faultless(config_from(1, true, 1, 1, false));
         for _ in 0..crash_after {
             sim.run_one(0, 1);
         }
@@ -1284,8 +1294,7 @@ fn crash_at_every_point_of_a_clean_start() {
 #[test]
 fn crash_around_a_mount_leaks_nothing() {
     for extra in 0..3 {
-        let mut sim = Sim::new(config_from(0, false, 1, 0, false));
-        sim.failures = false;
+        let mut sim = Sim::faultless(config_from(0, false, 1, 0, false));
         let mut crashed = false;
         for _ in 0..40 {
             if sim
@@ -1524,8 +1533,7 @@ proptest! {
 /// one leak the simulator accepts, and only after this triple fault.
 #[test]
 fn an_adopted_task_never_written_is_forgotten_when_its_container_goes() {
-    let mut sim = Sim::new(config_from(1, false, 1, 0, false));
-    sim.failures = false;
+    let mut sim = Sim::faultless(config_from(1, false, 1, 0, false));
     sim.run_all();
     sim.disk_full = true;
     sim.crash(true, 0);
@@ -1550,23 +1558,15 @@ fn an_adopted_task_never_written_is_forgotten_when_its_container_goes() {
 #[test]
 fn a_terminate_on_a_full_disk_stops_and_releases_without_its_write() {
     for crash_before_the_write in [false, true] {
-        let mut sim = Sim::new(config_from(2, true, 2, 0, true));
-        sim.failures = false;
+        let mut sim = Sim::faultless(config_from(2, true, 2, 0, true));
         sim.run_all();
         assert_eq!(
             sim.task.as_ref().unwrap().saved().status,
             TaskStatus::Running
         );
         sim.disk_full = true;
-        sim.feed(
-            Event::TerminateRequested {
-                reason: TerminationReason::TerminatedByUser,
-                message: "full".into(),
-                timeout_s: 0,
-            },
-            None,
-        )
-        .unwrap();
+        let full = terminate(TerminationReason::TerminatedByUser, "full", 0);
+        sim.feed(full, None).unwrap();
         sim.run_all();
         let t = sim.task.clone().unwrap();
         assert_eq!(
@@ -1599,11 +1599,7 @@ fn a_terminate_on_a_full_disk_stops_and_releases_without_its_write() {
             assert!(!t.record().resources.holds_any());
             assert!(sim.world.gpus_locked.is_empty());
         } else {
-            sim.feed(Event::RemoveRequested, None).unwrap();
-            sim.run_all();
-            assert!(sim.task.is_none());
-            assert!(sim.world.container.is_none());
-            assert!(sim.world.persisted.is_none());
+            sim.remove_and_check_gone();
         }
         sim.drain_and_check();
     }
@@ -1615,11 +1611,8 @@ fn a_terminate_on_a_full_disk_stops_and_releases_without_its_write() {
 /// restores from the disk, which never named the volume: nothing is lost or leaked.
 #[test]
 fn a_volume_recorded_ahead_on_a_full_disk_is_given_up_and_released_at_once() {
-    let mut sim = Sim::new(config_from(1, false, 1, 0, false));
-    sim.failures = false;
-    while !matches!(sim.jobs[0].front(), Some(Op::Do(Action::MountVolume(_)))) {
-        sim.run_one(0, 1);
-    }
+    let mut sim = Sim::faultless(config_from(1, false, 1, 0, false));
+    sim.run_start_until(|op| matches!(op, Op::Do(Action::MountVolume(_))));
     sim.disk_full = true;
     sim.run_all();
     let t = sim.task.clone().unwrap();
@@ -1637,26 +1630,25 @@ fn a_volume_recorded_ahead_on_a_full_disk_is_given_up_and_released_at_once() {
 /// deleted (the force-removal makes the stop moot).
 #[test]
 fn a_remove_after_a_failed_stop_sends_no_stop() {
-    let mut sim = Sim::new(config_from(0, false, 0, 0, false));
-    for c in [
-        (0, 0, 0),
-        (0, 0, 1),
-        (29, 0, 0),
-        (29, 0, 16),
-        (29, 0, 0),
-        (29, 0, 5),
-        (27, 1, 0),
-        (16, 0, 0),
-        (0, 0, 88),
-        (219, 1, 3),
-        (121, 0, 0),
-        (0, 0, 1),
-        (29, 0, 0),
-        (148, 31, 0),
-    ] {
-        sim.apply(c);
-    }
-    sim.drain_and_check();
+    Sim::replay(
+        config_from(0, false, 0, 0, false),
+        &[
+            (0, 0, 0),
+            (0, 0, 1),
+            (29, 0, 0),
+            (29, 0, 16),
+            (29, 0, 0),
+            (29, 0, 5),
+            (27, 1, 0),
+            (16, 0, 0),
+            (0, 0, 88),
+            (219, 1, 3),
+            (121, 0, 0),
+            (0, 0, 1),
+            (29, 0, 0),
+            (148, 31, 0),
+        ],
+    );
 }
 
 /// Found by the property test: a remove whose container removal failed (after a stop that
@@ -1664,35 +1656,34 @@ fn a_remove_after_a_failed_stop_sends_no_stop() {
 /// terminate released the task's GPU while its container still ran.
 #[test]
 fn a_failed_removal_makes_the_container_stop_before_any_release() {
-    let mut sim = Sim::new(config_from(1, false, 0, 1, false));
-    for c in [
-        (29, 0, 0),
-        (29, 0, 1),
-        (61, 0, 0),
-        (0, 0, 5),
-        (0, 0, 0),
-        (0, 0, 66),
-        (18, 0, 0),
-        (0, 0, 0),
-        (18, 0, 0),
-        (29, 0, 1),
-        (61, 0, 0),
-        (125, 0, 1),
-        (59, 0, 0),
-        (0, 0, 0),
-        (0, 0, 0),
-        (240, 0, 0),
-        (0, 0, 212),
-        (125, 0, 0),
-        (25, 0, 0),
-        (88, 0, 0),
-        (61, 0, 104),
-        (0, 0, 0),
-        (0, 0, 0),
-    ] {
-        sim.apply(c);
-    }
-    sim.drain_and_check();
+    Sim::replay(
+        config_from(1, false, 0, 1, false),
+        &[
+            (29, 0, 0),
+            (29, 0, 1),
+            (61, 0, 0),
+            (0, 0, 5),
+            (0, 0, 0),
+            (0, 0, 66),
+            (18, 0, 0),
+            (0, 0, 0),
+            (18, 0, 0),
+            (29, 0, 1),
+            (61, 0, 0),
+            (125, 0, 1),
+            (59, 0, 0),
+            (0, 0, 0),
+            (0, 0, 0),
+            (240, 0, 0),
+            (0, 0, 212),
+            (125, 0, 0),
+            (25, 0, 0),
+            (88, 0, 0),
+            (61, 0, 104),
+            (0, 0, 0),
+            (0, 0, 0),
+        ],
+    );
 }
 
 /// SPEC §5 (issue 37): `running` is shown as soon as the container runs, before its record is
@@ -1702,14 +1693,8 @@ fn a_failed_removal_makes_the_container_stop_before_any_release() {
 #[test]
 fn a_crash_between_running_shown_and_its_write_restores_running() {
     for exited_unseen in [false, true] {
-        let mut sim = Sim::new(config_from(1, false, 0, 0, true));
-        sim.failures = false;
-        while !matches!(
-            sim.jobs[0].front(),
-            Some(Op::Deliver(Event::ContainerStarted { .. }))
-        ) {
-            sim.run_one(0, 1);
-        }
+        let mut sim = Sim::faultless(config_from(1, false, 0, 0, true));
+        sim.run_start_until(|op| matches!(op, Op::Deliver(Event::ContainerStarted { .. })));
         let durable = sim.world.persisted.clone().unwrap();
         assert!(durable.status < TaskStatus::Running, "{durable:?}");
         sim.crash_at_next_write = !exited_unseen;

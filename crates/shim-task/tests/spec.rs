@@ -3,6 +3,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test file: panics are failures
 
+use shim_task::TerminationReason::{
+    ContainerExitedWithError, CreatingContainerError, DoneByRunner, ExecutorError,
+    MaxDurationExceeded, TerminatedByServer, TerminatedByUser,
+};
 use shim_task::machine::{
     Action, Event, Observation, StartStep, StopState, Task, TransitionError, step,
 };
@@ -17,12 +21,15 @@ use shim_task::{
 const KEY: &str =
     "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAID1C4oAsnzrPpqMilIIwxvatSq1HhXjaqM9ge9X3BgAe k";
 
+/// A config that acquires nothing (no GPU, key, volume or directory).
+fn bare_config(image: &str) -> TaskConfig {
+    let (id, name) = (TaskId::new("t1").unwrap(), TaskName::new("job").unwrap());
+    TaskConfig::new(id, name, image)
+}
+
+/// One GPU, host keys, a volume and an instance mount.
 fn config() -> TaskConfig {
-    let mut c = TaskConfig::new(
-        TaskId::new("t1").unwrap(),
-        TaskName::new("job").unwrap(),
-        "img:1",
-    );
+    let mut c = bare_config("img:1");
     c.gpu = 1;
     c.host_ssh_user = "ubuntu".into();
     c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap().into()];
@@ -60,22 +67,102 @@ fn volume() -> MountedVolume {
     }
 }
 
+fn strings(items: &[&str]) -> Vec<String> {
+    items.iter().map(|s| s.to_string()).collect()
+}
+
+// ---- Events and observations, one line each ----
+
+fn terminate(reason: TerminationReason, message: &str, timeout_s: u64) -> Event {
+    Event::TerminateRequested {
+        reason,
+        message: message.into(),
+        timeout_s,
+    }
+}
+
+/// The container exited with `code`, its log ending in `lines` (not OOM-killed).
+fn exited(code: i64, lines: &[&str]) -> Observation {
+    Observation::Exited {
+        code,
+        last_lines: strings(lines),
+        oom_killed: false,
+    }
+}
+
+fn created(id: &str) -> Event {
+    let container_id = id.into();
+    Event::ContainerCreated { container_id }
+}
+
+fn recreated(id: &str) -> Event {
+    let container_id = id.into();
+    Event::ContainerRecreated { container_id }
+}
+
+/// What a release freed.
+fn released(gpus: &[&str], host_keys: bool, volumes: &[&str]) -> Event {
+    Event::Released {
+        gpus: strings(gpus),
+        host_keys,
+        volumes: strings(volumes),
+        unknown_keys: false,
+    }
+}
+
+fn prepare_failed(m: &str) -> Event {
+    Event::PrepareFailed { message: m.into() }
+}
+
+fn pull_failed(m: &str) -> Event {
+    Event::PullFailed { message: m.into() }
+}
+
+fn stop_failed(m: &str) -> Event {
+    Event::StopFailed { message: m.into() }
+}
+
+fn release_failed(m: &str) -> Event {
+    Event::ReleaseFailed { message: m.into() }
+}
+
+/// The outcome of a write on a full disk.
+fn disk_full() -> Event {
+    let message = "No space left on device (os error 28)".into();
+    Event::PersistFailed { message }
+}
+
+// ---- Driving a task ----
+
 /// Steps `event` and returns the actions. A leading `Persist` is carried out as the engine
-/// does (under the same lock): its `Persisted` outcome is stepped at once, and what that step
-/// returns follows the `Persist` in the returned list.
-fn go(t: &mut Task, event: Event) -> Vec<Action> {
+/// does (under the same lock): its outcome `write` (`Persisted`, or `PersistFailed`) is
+/// stepped at once, and what that step returns follows the `Persist` in the returned list.
+fn go_writing(t: &mut Task, event: Event, write: Event) -> Vec<Action> {
     let tr = step(t, event, 200).unwrap();
     *t = tr.task;
     let mut actions = tr.actions;
     if actions.first() == Some(&Action::Persist) {
-        let tr = step(t, Event::Persisted, 200).unwrap();
+        let written = write == Event::Persisted;
+        let tr = step(t, write, 200).unwrap();
         *t = tr.task;
-        assert!(!t.is_dirty());
-        // Durable now: the API shows the record.
-        assert_eq!(t.info().status, t.record().status);
+        assert_eq!(t.is_dirty(), !written);
+        if written {
+            // Durable now: the API shows the record.
+            assert_eq!(t.info().status, t.record().status);
+        }
         actions.extend(tr.actions);
     }
     actions
+}
+
+/// Steps `event`, its write (if any) succeeding.
+fn go(t: &mut Task, event: Event) -> Vec<Action> {
+    go_writing(t, event, Event::Persisted)
+}
+
+/// Steps `event` with the write failing (a full disk).
+fn go_disk_full(t: &mut Task, event: Event) -> Vec<Action> {
+    go_writing(t, event, disk_full())
 }
 
 /// A task whose start has reached the awaited step `until` (all outcomes successful).
@@ -85,7 +172,7 @@ fn started_until(until: StartStep) -> Task {
     let outcomes = [
         (
             StartStep::AcquireGpus,
-            Event::GpusAcquired(vec!["GPU-a".into()]),
+            Event::GpusAcquired(strings(&["GPU-a"])),
         ),
         (StartStep::AddHostKeys, Event::HostKeysAdded(grant())),
         (StartStep::MountVolume(0), Event::VolumeMounted(volume())),
@@ -94,12 +181,7 @@ fn started_until(until: StartStep) -> Task {
             Event::DirCreated("/mnt/cache".into()),
         ),
         (StartStep::Pull, Event::PullDone(PullProgress::default())),
-        (
-            StartStep::CreateContainer,
-            Event::ContainerCreated {
-                container_id: "cid".into(),
-            },
-        ),
+        (StartStep::CreateContainer, created("cid")),
         (
             StartStep::StartContainer,
             Event::ContainerStarted { ports: vec![] },
@@ -149,7 +231,7 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
     assert_eq!(t.status(), TaskStatus::Pending);
     assert!(t.is_dirty() && t.is_progress_only());
     // GPU ids are recorded: written (with the progress) before the next step.
-    let a = go(&mut t, Event::GpusAcquired(vec!["GPU-a".into()]));
+    let a = go(&mut t, Event::GpusAcquired(strings(&["GPU-a"])));
     assert_eq!(a, vec![Action::Persist, Action::AddHostKeys(grant())]);
     assert_eq!(t.status(), TaskStatus::Preparing);
     assert_eq!(t.record().resources.gpus, ["GPU-a"]);
@@ -158,21 +240,12 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
     let a = go(&mut t, Event::HostKeysAdded(grant()));
     assert_eq!(a, vec![Action::MountVolume(c.volumes[0].clone())]);
     let a = go(&mut t, Event::VolumeMounted(volume()));
-    assert_eq!(
-        a,
-        vec![Action::Persist, Action::CreateDir("/mnt/cache".into())]
-    );
+    let create_dir = Action::CreateDir("/mnt/cache".into());
+    assert_eq!(a, vec![Action::Persist, create_dir]);
     assert_eq!(t.record().resources.volumes, [volume()]);
     let a = go(&mut t, Event::DirCreated("/mnt/cache".into()));
-    assert_eq!(
-        a,
-        vec![
-            Action::Persist,
-            Action::Pull {
-                image: "img:1".into()
-            }
-        ]
-    );
+    let image = "img:1".into();
+    assert_eq!(a, vec![Action::Persist, Action::Pull { image }]);
     assert_eq!(t.status(), TaskStatus::Pulling);
     assert_eq!(t.record().resources.created_dirs, ["/mnt/cache"]);
     let p = PullProgress {
@@ -190,12 +263,7 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
     assert_eq!(t.status(), TaskStatus::Pulling);
     // The first container id is progress too (a restore finds the container by its labels):
     // the start goes out at once, and `running` carries the id and `creating` to disk.
-    let a = go(
-        &mut t,
-        Event::ContainerCreated {
-            container_id: "cid".into(),
-        },
-    );
+    let a = go(&mut t, created("cid"));
     assert_eq!(a, vec![Action::StartContainer]);
     assert_eq!(t.status(), TaskStatus::Pulling);
     assert!(t.is_dirty() && t.is_progress_only());
@@ -223,26 +291,14 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
 /// container `cid` just created: every step is start progress, so nothing has been written
 /// since `pending`, and each next start step went out at once.
 fn minimal_created(cid: &str) -> Task {
-    let mut c = TaskConfig::new(
-        TaskId::new("t2").unwrap(),
-        TaskName::new("job").unwrap(),
-        "ubuntu",
-    );
-    c.gpu = 0;
-    let mut t = new_task(&c);
-    assert_eq!(
-        go(&mut t, Event::StartBegan),
-        vec![Action::AcquireGpus { count: 0 }]
-    );
+    let mut t = new_task(&bare_config("ubuntu"));
+    let a = go(&mut t, Event::StartBegan);
+    assert_eq!(a, vec![Action::AcquireGpus { count: 0 }]);
     // Nothing recorded changed (no GPUs), only the status moved to pulling: start progress,
     // which needs no write of its own.
     let a = go(&mut t, Event::GpusAcquired(vec![]));
-    assert_eq!(
-        a,
-        vec![Action::Pull {
-            image: "ubuntu".into()
-        }]
-    );
+    let image = "ubuntu".into();
+    assert_eq!(a, vec![Action::Pull { image }]);
     assert_eq!(t.info().gpu_ids, Some(vec![]));
     let a = go(&mut t, Event::PullSkipped);
     assert_eq!(a, vec![Action::CreateContainer]);
@@ -251,12 +307,7 @@ fn minimal_created(cid: &str) -> Task {
     assert_eq!(t.record().status, TaskStatus::Creating);
     assert_eq!(t.status(), TaskStatus::Pending);
     // The container id is progress as well: the start goes out without a write.
-    let a = go(
-        &mut t,
-        Event::ContainerCreated {
-            container_id: cid.into(),
-        },
-    );
+    let a = go(&mut t, created(cid));
     assert_eq!(a, vec![Action::StartContainer]);
     assert_eq!(t.status(), TaskStatus::Pending);
     assert!(t.is_dirty() && t.is_progress_only());
@@ -279,12 +330,7 @@ fn minimal_config_skips_keys_volumes_dirs_and_a_present_image() {
 #[test]
 fn a_replaced_container_id_is_written_at_once() {
     let mut t = minimal_created("c1");
-    let a = go(
-        &mut t,
-        Event::ContainerRecreated {
-            container_id: "c2".into(),
-        },
-    );
+    let a = go(&mut t, recreated("c2"));
     assert_eq!(a, vec![Action::Persist]);
     assert!(!t.is_dirty() && !t.is_progress_only());
     assert_eq!(t.status(), TaskStatus::Creating);
@@ -296,15 +342,13 @@ fn a_replaced_container_id_is_written_at_once() {
 /// again.
 #[test]
 fn progress_is_written_with_the_next_record_or_when_asked() {
-    let mut c = TaskConfig::new(
-        TaskId::new("t3").unwrap(),
-        TaskName::new("job").unwrap(),
-        "ubuntu:22.04",
-    );
-    c.gpu = 0;
-    let mut t = new_task(&c);
-    go(&mut t, Event::StartBegan);
-    go(&mut t, Event::GpusAcquired(vec![]));
+    let pulling = || {
+        let mut t = new_task(&bare_config("ubuntu:22.04"));
+        go(&mut t, Event::StartBegan);
+        go(&mut t, Event::GpusAcquired(vec![]));
+        t
+    };
+    let mut t = pulling();
     assert_eq!(t.status(), TaskStatus::Pending);
     assert!(t.is_progress_only());
     // Asked: `pulling` is written and shown; the pull is out already, nothing goes again.
@@ -317,17 +361,8 @@ fn progress_is_written_with_the_next_record_or_when_asked() {
     assert_eq!(t.status(), TaskStatus::Pulling);
     assert!(!t.is_dirty() && !t.is_progress_only());
     // A terminate while progress is unwritten: one write with both, then the cancel.
-    let mut t = new_task(&c);
-    go(&mut t, Event::StartBegan);
-    go(&mut t, Event::GpusAcquired(vec![]));
-    let a = go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByUser,
-            message: "bye".into(),
-            timeout_s: 0,
-        },
-    );
+    let mut t = pulling();
+    let a = go(&mut t, terminate(TerminatedByUser, "bye", 0));
     assert_eq!(a, vec![Action::Persist, Action::CancelPull]);
     assert_eq!(t.status(), TaskStatus::Terminated);
     assert!(!t.is_progress_only());
@@ -335,19 +370,27 @@ fn progress_is_written_with_the_next_record_or_when_asked() {
 
 // ---- SPEC §2: how a task ends ----
 
+/// Starts a task up to the awaited step `at` and fails that step with `failure(message)`: the
+/// task ends with `reason` and `message`, written before start is told to finish.
+fn start_fails_at(
+    at: StartStep,
+    failure: fn(&str) -> Event,
+    reason: TerminationReason,
+    message: &str,
+) -> Task {
+    let mut t = started_until(at);
+    let a = go(&mut t, failure(message));
+    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
+    assert_ended(&t, reason, message);
+    t
+}
+
 #[test]
 fn gpus_unavailable_is_executor_error() {
-    let mut t = started_until(StartStep::AcquireGpus);
-    let a = go(
-        &mut t,
-        Event::PrepareFailed {
-            message: "2 GPUs requested, 1 available".into(),
-        },
-    );
-    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
-    assert_ended(
-        &t,
-        TerminationReason::ExecutorError,
+    let mut t = start_fails_at(
+        StartStep::AcquireGpus,
+        prepare_failed,
+        ExecutorError,
         "2 GPUs requested, 1 available",
     );
     // Nothing held: start returning settles the task as released.
@@ -358,17 +401,10 @@ fn gpus_unavailable_is_executor_error() {
 
 #[test]
 fn ssh_keys_failure_is_executor_error_and_releases_gpus_after_start_returns() {
-    let mut t = started_until(StartStep::AddHostKeys);
-    let a = go(
-        &mut t,
-        Event::PrepareFailed {
-            message: "cannot write authorized_keys".into(),
-        },
-    );
-    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
-    assert_ended(
-        &t,
-        TerminationReason::ExecutorError,
+    let mut t = start_fails_at(
+        StartStep::AddHostKeys,
+        prepare_failed,
+        ExecutorError,
         "cannot write authorized_keys",
     );
     // Still owned by start: no release yet.
@@ -381,16 +417,10 @@ fn ssh_keys_failure_is_executor_error_and_releases_gpus_after_start_returns() {
 
 #[test]
 fn volume_failure_is_executor_error() {
-    let mut t = started_until(StartStep::MountVolume(0));
-    go(
-        &mut t,
-        Event::PrepareFailed {
-            message: "volume vol-1 not found".into(),
-        },
-    );
-    assert_ended(
-        &t,
-        TerminationReason::ExecutorError,
+    let mut t = start_fails_at(
+        StartStep::MountVolume(0),
+        prepare_failed,
+        ExecutorError,
         "volume vol-1 not found",
     );
     let a = go(&mut t, Event::StartFinished);
@@ -400,49 +430,30 @@ fn volume_failure_is_executor_error() {
 
 #[test]
 fn instance_mount_failure_is_executor_error() {
-    let mut t = started_until(StartStep::CreateDir(0));
-    go(
-        &mut t,
-        Event::PrepareFailed {
-            message: "mkdir /mnt/cache: read-only".into(),
-        },
-    );
-    assert_ended(
-        &t,
-        TerminationReason::ExecutorError,
+    start_fails_at(
+        StartStep::CreateDir(0),
+        prepare_failed,
+        ExecutorError,
         "mkdir /mnt/cache: read-only",
     );
 }
 
 #[test]
 fn pull_failure_is_creating_container_error() {
-    let mut t = started_until(StartStep::Pull);
-    let a = go(
-        &mut t,
-        Event::PullFailed {
-            message: "pull timed out after 20m (1024 bytes downloaded)".into(),
-        },
-    );
-    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
-    assert_ended(
-        &t,
-        TerminationReason::CreatingContainerError,
+    start_fails_at(
+        StartStep::Pull,
+        pull_failed,
+        CreatingContainerError,
         "pull timed out after 20m (1024 bytes downloaded)",
     );
 }
 
 #[test]
 fn create_failure_is_creating_container_error() {
-    let mut t = started_until(StartStep::CreateContainer);
-    go(
-        &mut t,
-        Event::CreateFailed {
-            message: "no such image".into(),
-        },
-    );
-    assert_ended(
-        &t,
-        TerminationReason::CreatingContainerError,
+    start_fails_at(
+        StartStep::CreateContainer,
+        |m| Event::CreateFailed { message: m.into() },
+        CreatingContainerError,
         "no such image",
     );
 }
@@ -452,29 +463,20 @@ fn create_failure_is_creating_container_error() {
 /// create the engine refused does, `creating_container_error`, with the engine's words.
 #[test]
 fn a_start_refused_for_devices_is_creating_container_error() {
-    let mut t = started_until(StartStep::StartContainer);
-    let words = "CDI device injection failed: unresolvable CDI devices nvidia.com/gpu=9";
-    go(
-        &mut t,
-        Event::StartRefused {
-            message: words.into(),
-        },
+    start_fails_at(
+        StartStep::StartContainer,
+        |m| Event::StartRefused { message: m.into() },
+        CreatingContainerError,
+        "CDI device injection failed: unresolvable CDI devices nvidia.com/gpu=9",
     );
-    assert_ended(&t, TerminationReason::CreatingContainerError, words);
 }
 
 #[test]
 fn start_failure_is_container_exited_with_error() {
-    let mut t = started_until(StartStep::StartContainer);
-    go(
-        &mut t,
-        Event::StartFailed {
-            message: "exec: /bin/sh: not found".into(),
-        },
-    );
-    assert_ended(
-        &t,
-        TerminationReason::ContainerExitedWithError,
+    start_fails_at(
+        StartStep::StartContainer,
+        |m| Event::StartFailed { message: m.into() },
+        ContainerExitedWithError,
         "exec: /bin/sh: not found",
     );
 }
@@ -494,51 +496,33 @@ fn exit_zero_is_done_by_runner_with_empty_message() {
                 last_lines: vec!["bye".into()],
             }),
         );
-        assert_ended(&t, TerminationReason::DoneByRunner, "");
+        assert_ended(&t, DoneByRunner, "");
         assert_eq!(a, vec![Action::Persist, release_of(&t)]);
     }
 }
 
 #[test]
 fn exit_nonzero_is_container_exited_with_error_with_last_five_lines() {
-    let mut t = running();
-    let lines: Vec<String> = (1..=8).map(|i| format!("line {i}")).collect();
-    go(
-        &mut t,
-        Event::Observed(Observation::Exited {
-            oom_killed: false,
-            code: 3,
-            last_lines: lines,
-        }),
-    );
     assert_eq!(EXIT_MESSAGE_LINES, 5);
-    assert_ended(
-        &t,
-        TerminationReason::ContainerExitedWithError,
-        "line 4\nline 5\nline 6\nline 7\nline 8",
-    );
-    // No log lines: the code is the message.
-    let mut t = running();
-    go(
-        &mut t,
-        Event::Observed(Observation::Exited {
-            oom_killed: false,
-            code: 137,
-            last_lines: vec![],
-        }),
-    );
-    assert_ended(
-        &t,
-        TerminationReason::ContainerExitedWithError,
-        "container exited with code 137",
-    );
+    let lines = [
+        "line 1", "line 2", "line 3", "line 4", "line 5", "line 6", "line 7", "line 8",
+    ];
+    for (code, lines, message) in [
+        (3, &lines[..], "line 4\nline 5\nline 6\nline 7\nline 8"),
+        // No log lines: the code is the message.
+        (137, &[], "container exited with code 137"),
+    ] {
+        let mut t = running();
+        go(&mut t, Event::Observed(exited(code, lines)));
+        assert_ended(&t, ContainerExitedWithError, message);
+    }
 }
 
 #[test]
 fn never_started_is_executor_error_saying_so() {
     let mut t = running();
     go(&mut t, Event::Observed(Observation::NeverStarted));
-    assert_ended(&t, TerminationReason::ExecutorError, NEVER_STARTED_MESSAGE);
+    assert_ended(&t, ExecutorError, NEVER_STARTED_MESSAGE);
     assert!(NEVER_STARTED_MESSAGE.contains("never started"));
 }
 
@@ -546,30 +530,21 @@ fn never_started_is_executor_error_saying_so() {
 fn vanished_is_executor_error_saying_so() {
     let mut t = running();
     go(&mut t, Event::Observed(Observation::Missing));
-    assert_ended(&t, TerminationReason::ExecutorError, VANISHED_MESSAGE);
+    assert_ended(&t, ExecutorError, VANISHED_MESSAGE);
     assert_eq!(VANISHED_MESSAGE, "container vanished");
 }
 
 #[test]
 fn terminate_request_stores_reason_and_message_as_given() {
     let mut t = running();
-    let a = go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::parse("brand_new_reason"),
-            message: "why not".into(),
-            timeout_s: 15,
-        },
-    );
+    let reason = TerminationReason::parse("brand_new_reason");
+    let a = go(&mut t, terminate(reason, "why not", 15));
     assert_eq!(
         a,
         vec![Action::Persist, Action::StopContainer { timeout_s: 15 }]
     );
-    assert_ended(
-        &t,
-        TerminationReason::Other("brand_new_reason".into()),
-        "why not",
-    );
+    let reason = TerminationReason::Other("brand_new_reason".into());
+    assert_ended(&t, reason, "why not");
     assert_eq!(t.info().termination_reason, "brand_new_reason");
     // Release waits for the stop.
     assert!(!t.needs_release());
@@ -582,85 +557,39 @@ fn terminate_request_stores_reason_and_message_as_given() {
 #[test]
 fn second_terminate_keeps_the_first_reason_and_changes_nothing() {
     let mut t = running();
-    go(
-        &mut t,
-        Event::Observed(Observation::Exited {
-            oom_killed: false,
-            code: 0,
-            last_lines: vec![],
-        }),
-    );
-    go(
-        &mut t,
-        Event::Released {
-            unknown_keys: false,
-            gpus: vec!["GPU-a".into()],
-            host_keys: true,
-            volumes: vec!["data".into()],
-        },
-    );
+    go(&mut t, Event::Observed(exited(0, &[])));
+    go(&mut t, released(&["GPU-a"], true, &["data"]));
     let before = t.clone();
-    let tr = step(
-        &t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByUser,
-            message: "stop".into(),
-            timeout_s: 10,
-        },
-        999,
-    )
-    .unwrap();
+    let second = terminate(TerminatedByUser, "stop", 10);
+    let tr = step(&t, second, 999).unwrap();
     assert_eq!(tr.task.record(), before.record());
     assert_eq!(tr.task.saved(), before.saved());
     assert_eq!(tr.actions, vec![]);
-    assert_ended(&tr.task, TerminationReason::DoneByRunner, "");
+    assert_ended(&tr.task, DoneByRunner, "");
 }
 
 #[test]
 fn terminated_absorbs_every_observation() {
     let mut t = running();
-    go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByUser,
-            message: "user".into(),
-            timeout_s: 0,
-        },
-    );
+    go(&mut t, terminate(TerminatedByUser, "user", 0));
     go(&mut t, Event::ContainerStopped);
     for obs in [
-        Observation::Exited {
-            oom_killed: false,
-            code: 1,
-            last_lines: vec!["x".into()],
-        },
-        Observation::Exited {
-            oom_killed: false,
-            code: 0,
-            last_lines: vec![],
-        },
+        exited(1, &["x"]),
+        exited(0, &[]),
         Observation::NeverStarted,
         Observation::Missing,
     ] {
         go(&mut t, Event::Observed(obs));
-        assert_ended(&t, TerminationReason::TerminatedByUser, "user");
+        assert_ended(&t, TerminatedByUser, "user");
     }
 }
 
 #[test]
 fn terminate_while_pending_finishes_start_at_once() {
-    let c = config();
-    let mut t = new_task(&c);
-    let a = go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByServer,
-            message: "gone".into(),
-            timeout_s: 0,
-        },
-    );
+    let mut t = new_task(&config());
+    let a = go(&mut t, terminate(TerminatedByServer, "gone", 0));
     assert_eq!(a, vec![Action::Persist]);
-    assert_ended(&t, TerminationReason::TerminatedByServer, "gone");
+    assert_ended(&t, TerminatedByServer, "gone");
     assert!(t.start_in_flight());
     assert_eq!(go(&mut t, Event::StartBegan), vec![Action::FinishStart]);
     go(&mut t, Event::StartFinished);
@@ -671,14 +600,7 @@ fn terminate_while_pending_finishes_start_at_once() {
 #[test]
 fn terminate_while_preparing_stops_start_at_its_next_step() {
     let mut t = started_until(StartStep::AddHostKeys);
-    let a = go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByUser,
-            message: String::new(),
-            timeout_s: 0,
-        },
-    );
+    let a = go(&mut t, terminate(TerminatedByUser, "", 0));
     assert_eq!(a, vec![Action::Persist]);
     // The keys step in progress completes (recorded ahead), then start finishes.
     let a = go(&mut t, Event::HostKeysAdded(grant()));
@@ -693,42 +615,18 @@ fn terminate_while_preparing_stops_start_at_its_next_step() {
 #[test]
 fn terminate_while_pulling_cancels_the_pull_at_once() {
     let mut t = started_until(StartStep::Pull);
-    let a = go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByUser,
-            message: "cancel".into(),
-            timeout_s: 0,
-        },
-    );
+    let a = go(&mut t, terminate(TerminatedByUser, "cancel", 0));
     assert_eq!(a, vec![Action::Persist, Action::CancelPull]);
-    let a = go(
-        &mut t,
-        Event::PullFailed {
-            message: "cancelled".into(),
-        },
-    );
+    let a = go(&mut t, pull_failed("cancelled"));
     assert_eq!(a, vec![Action::FinishStart]);
-    assert_ended(&t, TerminationReason::TerminatedByUser, "cancel");
+    assert_ended(&t, TerminatedByUser, "cancel");
 }
 
 #[test]
 fn terminate_while_creating_does_not_start_the_created_container() {
     let mut t = started_until(StartStep::CreateContainer);
-    go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByUser,
-            message: String::new(),
-            timeout_s: 30,
-        },
-    );
-    let a = go(
-        &mut t,
-        Event::ContainerCreated {
-            container_id: "cid".into(),
-        },
-    );
+    go(&mut t, terminate(TerminatedByUser, "", 30));
+    let a = go(&mut t, created("cid"));
     assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
     assert_eq!(t.record().container_id.as_deref(), Some("cid"));
 }
@@ -736,14 +634,7 @@ fn terminate_while_creating_does_not_start_the_created_container() {
 #[test]
 fn container_started_after_terminate_is_stopped_then_released() {
     let mut t = started_until(StartStep::StartContainer);
-    go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByUser,
-            message: String::new(),
-            timeout_s: 30,
-        },
-    );
+    go(&mut t, terminate(TerminatedByUser, "", 30));
     let a = go(&mut t, Event::ContainerStarted { ports: vec![] });
     assert_eq!(
         a,
@@ -761,11 +652,7 @@ fn observations_are_ignored_while_start_is_in_flight() {
     for obs in [
         Observation::Missing,
         Observation::NeverStarted,
-        Observation::Exited {
-            oom_killed: false,
-            code: 1,
-            last_lines: vec![],
-        },
+        exited(1, &[]),
     ] {
         let tr = step(&t, Event::Observed(obs), 300).unwrap();
         assert_eq!(tr.task, t);
@@ -779,21 +666,11 @@ fn start_returning_early_is_executor_error() {
     let a = go(&mut t, Event::StartFinished);
     assert_eq!(a[0], Action::Persist);
     assert_eq!(a[1], release_of(&t));
-    assert_eq!(
-        t.record().termination_reason,
-        Some(TerminationReason::ExecutorError)
-    );
-    let mut t = started_until(StartStep::CreateContainer);
-    let a = go(
-        &mut t,
-        Event::StartAborted {
-            message: "state file: disk full".into(),
-        },
-    );
-    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
-    assert_ended(
-        &t,
-        TerminationReason::ExecutorError,
+    assert_eq!(t.record().termination_reason, Some(ExecutorError));
+    start_fails_at(
+        StartStep::CreateContainer,
+        |m| Event::StartAborted { message: m.into() },
+        ExecutorError,
         "state file: disk full",
     );
 }
@@ -801,14 +678,7 @@ fn start_returning_early_is_executor_error() {
 #[test]
 fn an_outcome_of_a_step_not_awaited_is_an_error() {
     let t = started_until(StartStep::Pull);
-    let err = step(
-        &t,
-        Event::ContainerCreated {
-            container_id: "x".into(),
-        },
-        1,
-    )
-    .unwrap_err();
+    let err = step(&t, created("x"), 1).unwrap_err();
     assert!(matches!(err, TransitionError::Unexpected { .. }), "{err}");
     let r = running();
     assert!(step(&r, Event::StartBegan, 1).is_err());
@@ -825,15 +695,7 @@ fn partial_release_keeps_the_rest_for_the_next_cycle() {
     assert!(t.release_in_flight());
     assert!(!t.needs_release());
     // Only the GPU and the keys were released.
-    let a = go(
-        &mut t,
-        Event::Released {
-            unknown_keys: false,
-            gpus: vec!["GPU-a".into()],
-            host_keys: true,
-            volumes: vec![],
-        },
-    );
+    let a = go(&mut t, released(&["GPU-a"], true, &[]));
     assert_eq!(a, vec![Action::Persist]);
     assert_eq!(t.held().volumes, [volume()]);
     assert!(t.held().gpus.is_empty() && t.held().host_keys.is_none());
@@ -842,56 +704,37 @@ fn partial_release_keeps_the_rest_for_the_next_cycle() {
     assert!(t.needs_release());
     let a = go(&mut t, Event::ReleaseRequested);
     assert_eq!(a, vec![release_of(&t)]);
-    let a = go(
-        &mut t,
-        Event::ReleaseFailed {
-            message: "target is busy".into(),
-        },
-    );
+    let a = go(&mut t, release_failed("target is busy"));
     assert_eq!(a, vec![]);
     assert!(t.needs_release());
     go(&mut t, Event::ReleaseRequested);
-    let a = go(
-        &mut t,
-        Event::Released {
-            unknown_keys: false,
-            gpus: vec![],
-            host_keys: false,
-            volumes: vec!["data".into()],
-        },
-    );
+    let a = go(&mut t, released(&[], false, &["data"]));
     assert_eq!(a, vec![Action::Persist]);
     assert!(t.record().resources.released);
     assert!(!t.needs_release());
     // The GPU ids stay visible after release.
-    assert_eq!(t.info().gpu_ids, Some(vec!["GPU-a".into()]));
+    assert_eq!(t.info().gpu_ids, Some(strings(&["GPU-a"])));
     // The created dir is never part of a release.
     assert_eq!(t.record().resources.created_dirs, ["/mnt/cache"]);
 }
 
 #[test]
 fn failed_stop_defers_release_until_a_stop_succeeds_or_the_container_is_seen_stopped() {
-    let mut t = running();
-    go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByUser,
-            message: String::new(),
-            timeout_s: 10,
-        },
-    );
-    let failed = || Event::StopFailed {
-        message: "timeout".into(),
+    let stop_failed_once = || {
+        let mut t = running();
+        go(&mut t, terminate(TerminatedByUser, "", 10));
+        // No retry at once: the reconciler's next cycle retries.
+        assert_eq!(go(&mut t, stop_failed("timeout")), vec![]);
+        assert_eq!(t.stop(), StopState::Failed);
+        t
     };
-    // No retry at once: the reconciler's next cycle retries.
-    assert_eq!(go(&mut t, failed()), vec![]);
-    assert_eq!(t.stop(), StopState::Failed);
+    let mut t = stop_failed_once();
     // The reconciler's release request retries the stop first, never releases before.
     assert!(t.needs_release());
     let a = go(&mut t, Event::ReleaseRequested);
     assert_eq!(a, vec![Action::StopContainer { timeout_s: 0 }]);
     assert!(!t.needs_release());
-    assert_eq!(go(&mut t, failed()), vec![]);
+    assert_eq!(go(&mut t, stop_failed("timeout")), vec![]);
     // Seen running: stopped again, at once.
     let a = go(&mut t, Event::Observed(Observation::Running));
     assert_eq!(a, vec![Action::StopContainer { timeout_s: 0 }]);
@@ -899,16 +742,7 @@ fn failed_stop_defers_release_until_a_stop_succeeds_or_the_container_is_seen_sto
     assert_eq!(a, vec![release_of(&t)]);
     assert!(t.release_in_flight());
     // Seen not running after a failed stop: released without another stop.
-    let mut t = running();
-    go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByUser,
-            message: String::new(),
-            timeout_s: 10,
-        },
-    );
-    go(&mut t, failed());
+    let mut t = stop_failed_once();
     let a = go(&mut t, Event::Observed(Observation::Missing));
     assert_eq!(a, vec![release_of(&t)]);
 }
@@ -919,40 +753,14 @@ fn failed_stop_defers_release_until_a_stop_succeeds_or_the_container_is_seen_sto
 /// Docker's news or the backstop list.
 #[test]
 fn a_failed_stop_is_retried_when_the_task_holds_nothing() {
-    let c = TaskConfig::new(
-        TaskId::new("t2").unwrap(),
-        TaskName::new("bare").unwrap(),
-        "img:1",
-    );
-    let mut t = new_task(&c);
-    go(&mut t, Event::StartBegan);
-    go(&mut t, Event::GpusAcquired(vec![]));
-    go(&mut t, Event::PullDone(PullProgress::default()));
-    go(
-        &mut t,
-        Event::ContainerCreated {
-            container_id: "cid".into(),
-        },
-    );
+    let mut t = minimal_created("cid");
     go(&mut t, Event::ContainerStarted { ports: vec![] });
     go(&mut t, Event::StartFinished);
     assert_eq!(t.status(), TaskStatus::Running);
-    let a = go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByUser,
-            message: String::new(),
-            timeout_s: 10,
-        },
-    );
+    let a = go(&mut t, terminate(TerminatedByUser, "", 10));
     assert_eq!(a.last(), Some(&Action::StopContainer { timeout_s: 10 }));
     assert!(!t.record().resources.holds_any());
-    let a = go(
-        &mut t,
-        Event::StopFailed {
-            message: "timeout".into(),
-        },
-    );
+    let a = go(&mut t, stop_failed("timeout"));
     assert_eq!(a, vec![]);
     assert!(!t.needs_release(), "nothing to release");
     assert!(
@@ -969,12 +777,7 @@ fn a_failed_stop_is_retried_when_the_task_holds_nothing() {
     let mut gone = t.clone();
     let a = go(&mut gone, Event::Observed(Observation::Running));
     assert_eq!(a, vec![Action::StopContainer { timeout_s: 0 }]);
-    go(
-        &mut gone,
-        Event::StopFailed {
-            message: "timeout".into(),
-        },
-    );
+    go(&mut gone, stop_failed("timeout"));
     assert_eq!(gone.stop(), StopState::Failed);
     assert_eq!(go(&mut gone, Event::Observed(Observation::Missing)), vec![]);
     assert!(!gone.needs_retry());
@@ -984,74 +787,49 @@ fn a_failed_stop_is_retried_when_the_task_holds_nothing() {
 
 #[test]
 fn remove_only_from_terminated() {
+    let remove = |t: &Task| step(t, Event::RemoveRequested, 1);
     let t = running();
     assert!(matches!(
-        step(&t, Event::RemoveRequested, 1),
+        remove(&t),
         Err(TransitionError::NotTerminated {
             status: TaskStatus::Running,
             ..
         })
     ));
     let mut t = started_until(StartStep::Pull);
-    go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByUser,
-            message: String::new(),
-            timeout_s: 0,
-        },
-    );
+    go(&mut t, terminate(TerminatedByUser, "", 0));
     assert!(matches!(
-        step(&t, Event::RemoveRequested, 1),
+        remove(&t),
         Err(TransitionError::StartInFlight { .. })
     ));
-    go(
-        &mut t,
-        Event::PullFailed {
-            message: "cancelled".into(),
-        },
-    );
+    go(&mut t, pull_failed("cancelled"));
     let a = go(&mut t, Event::StartFinished);
     assert_eq!(a, vec![release_of(&t)]);
     assert!(matches!(
-        step(&t, Event::RemoveRequested, 1),
+        remove(&t),
         Err(TransitionError::ReleaseInFlight { .. })
     ));
-    go(
-        &mut t,
-        Event::ReleaseFailed {
-            message: "x".into(),
-        },
-    );
+    go(&mut t, release_failed("x"));
     let a = go(&mut t, Event::RemoveRequested);
-    assert_eq!(
-        a,
-        vec![
-            Action::RemoveContainer,
-            release_of(&t),
-            Action::DeleteTaskDir,
-            Action::Forget
-        ]
-    );
+    let removal = vec![
+        Action::RemoveContainer,
+        release_of(&t),
+        Action::DeleteTaskDir,
+        Action::Forget,
+    ];
+    assert_eq!(a, removal);
 }
 
 #[test]
 fn remove_of_a_released_task_has_no_release() {
     let mut t = new_task(&config());
-    go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByUser,
-            message: String::new(),
-            timeout_s: 0,
-        },
-    );
+    go(&mut t, terminate(TerminatedByUser, "", 0));
     go(&mut t, Event::StartBegan);
     go(&mut t, Event::StartFinished);
     let a = go(&mut t, Event::RemoveRequested);
     assert_eq!(
         a,
-        vec![
+        [
             Action::RemoveContainer,
             Action::DeleteTaskDir,
             Action::Forget
@@ -1079,32 +857,27 @@ fn task_info_rules() {
     assert!(json["ports"].is_null() && json["gpus_ids"].is_null() && json.get("gpu_ids").is_none());
     let r = running();
     assert_eq!(r.info().ports, Some(vec![]));
-    assert_eq!(
-        serde_json::to_value(r.info()).unwrap()["ports"],
-        serde_json::json!([])
-    );
+    let json = serde_json::to_value(r.info()).unwrap();
+    assert_eq!(json["ports"], serde_json::json!([]));
 }
 
 // ---- SPEC §5: restore ----
 
 fn observed(state: ObservedState) -> ObservedContainer {
+    let c = config();
     ObservedContainer {
         id: "cid".into(),
-        name: format!(
-            "/{}",
-            container_name(&TaskName::new("job").unwrap(), &TaskId::new("t1").unwrap())
-        ),
-        task_id: TaskId::new("t1").unwrap(),
+        name: format!("/{}", container_name(&c.name, &c.id)),
+        task_id: c.id,
         state,
-        gpu_ids: vec!["GPU-a".into()],
+        gpu_ids: strings(&["GPU-a"]),
         ports: vec![PortMapping {
             host: 41000,
             container: 10999,
         }],
         recovered_volumes: vec![MountedVolume {
-            name: "data".into(),
-            mount_point: "/mnt/disks/dstack-volumes/data".into(),
             device: String::new(),
+            ..volume()
         }],
     }
 }
@@ -1112,17 +885,16 @@ fn observed(state: ObservedState) -> ObservedContainer {
 /// `restore`, with a leading `Persist` carried out as the engine does (its `Persisted` is
 /// stepped at once and what that returns follows it).
 fn restored(
-    record: Option<TaskRecord>,
+    record: Option<&TaskRecord>,
     container: Option<ObservedContainer>,
-    now: u64,
-) -> Option<(Task, Vec<Action>)> {
-    let (mut t, mut actions) = restore(record, container, now)?;
+) -> (Task, Vec<Action>) {
+    let (mut t, mut actions) = restore(record.cloned(), container, 5_000).unwrap();
     if actions.first() == Some(&Action::Persist) {
-        let tr = step(&t, Event::Persisted, now).unwrap();
+        let tr = step(&t, Event::Persisted, 5_000).unwrap();
         t = tr.task;
         actions.extend(tr.actions);
     }
-    Some((t, actions))
+    (t, actions)
 }
 
 fn assert_idempotent(task: &Task, container: Option<ObservedContainer>) {
@@ -1131,38 +903,29 @@ fn assert_idempotent(task: &Task, container: Option<ObservedContainer>) {
     assert!(!actions.contains(&Action::Persist));
 }
 
+fn lock_gpu_a() -> Action {
+    Action::LockGpus(strings(&["GPU-a"]))
+}
+
 #[test]
 fn restore_recorded_reason_wins_and_a_running_container_is_stopped() {
     let mut t = running();
-    go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByUser,
-            message: "by user".into(),
-            timeout_s: 10,
-        },
-    );
+    go(&mut t, terminate(TerminatedByUser, "by user", 10));
     // The shim died before the stop: the container still runs.
     let c = observed(ObservedState::Running);
-    let (r, a) = restored(Some(t.record().clone()), Some(c.clone()), 5_000).unwrap();
-    assert_ended(&r, TerminationReason::TerminatedByUser, "by user");
+    let (r, a) = restored(Some(t.record()), Some(c.clone()));
+    assert_ended(&r, TerminatedByUser, "by user");
     assert_eq!(
         a,
-        vec![
-            Action::LockGpus(vec!["GPU-a".into()]),
-            Action::StopContainer { timeout_s: 0 }
-        ]
+        vec![lock_gpu_a(), Action::StopContainer { timeout_s: 0 }]
     );
     assert!(!r.start_in_flight());
     assert_idempotent(&r, Some(c));
     // Exited container: released at once, the exit code does not replace the reason.
     let c = observed(ObservedState::Exited { code: 1 });
-    let (r, a) = restored(Some(t.record().clone()), Some(c.clone()), 5_000).unwrap();
-    assert_ended(&r, TerminationReason::TerminatedByUser, "by user");
-    assert_eq!(
-        a,
-        vec![Action::LockGpus(vec!["GPU-a".into()]), release_of(&r)]
-    );
+    let (r, a) = restored(Some(t.record()), Some(c.clone()));
+    assert_ended(&r, TerminatedByUser, "by user");
+    assert_eq!(a, vec![lock_gpu_a(), release_of(&r)]);
     assert_idempotent(&r, Some(c));
 }
 
@@ -1188,39 +951,20 @@ fn upstream_record(reason: TerminationReason) -> TaskRecord {
 #[test]
 fn restore_an_upstream_recorded_reason_wins_over_an_exited_container() {
     for code in [-1, 3, 0] {
-        let record = upstream_record(TerminationReason::TerminatedByUser);
+        let record = upstream_record(TerminatedByUser);
         let c = observed(ObservedState::Exited { code });
-        let (mut r, a) = restored(Some(record), Some(c.clone()), 5_000).unwrap();
-        assert_ended(
-            &r,
-            TerminationReason::TerminatedByUser,
-            "stopped from the UI",
-        );
+        let (mut r, a) = restored(Some(&record), Some(c.clone()));
+        assert_ended(&r, TerminatedByUser, "stopped from the UI");
         assert_eq!(r.info().container_id, "cid");
-        assert!(
-            a.contains(&Action::Persist),
-            "the container id is recorded: {a:?}"
-        );
-        assert!(
-            !a.contains(&Action::StopContainer { timeout_s: 0 }),
-            "{a:?}"
-        );
+        let recorded = a.contains(&Action::Persist);
+        assert!(recorded, "the container id is recorded: {a:?}");
+        let stopped = a.contains(&Action::StopContainer { timeout_s: 0 });
+        assert!(!stopped, "{a:?}");
         assert_idempotent(&r, Some(c));
         // What the reconciler then sees of the container changes nothing.
-        for obs in [
-            Observation::Exited {
-                code,
-                last_lines: vec!["boom".into()],
-                oom_killed: false,
-            },
-            Observation::Missing,
-        ] {
+        for obs in [exited(code, &["boom"]), Observation::Missing] {
             go(&mut r, Event::Observed(obs));
-            assert_ended(
-                &r,
-                TerminationReason::TerminatedByUser,
-                "stopped from the UI",
-            );
+            assert_ended(&r, TerminatedByUser, "stopped from the UI");
         }
     }
 }
@@ -1230,23 +974,13 @@ fn restore_recorded_reason_with_a_created_container_stops_it_before_releasing() 
     // Terminated during start, and the shim was killed while Docker started the container:
     // the start-up list shows it created, and it runs a moment later.
     let mut t = started_until(StartStep::StartContainer);
-    go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByUser,
-            message: "by user".into(),
-            timeout_s: 10,
-        },
-    );
+    go(&mut t, terminate(TerminatedByUser, "by user", 10));
     let c = observed(ObservedState::Created);
-    let (r, a) = restored(Some(t.record().clone()), Some(c.clone()), 5_000).unwrap();
-    assert_ended(&r, TerminationReason::TerminatedByUser, "by user");
+    let (r, a) = restored(Some(t.record()), Some(c));
+    assert_ended(&r, TerminatedByUser, "by user");
     assert_eq!(
         a,
-        vec![
-            Action::LockGpus(vec!["GPU-a".into()]),
-            Action::StopContainer { timeout_s: 0 }
-        ]
+        vec![lock_gpu_a(), Action::StopContainer { timeout_s: 0 }]
     );
     assert!(!r.needs_release(), "released only after the stop");
 }
@@ -1256,91 +990,56 @@ fn restore_without_reason_with_container_is_running_with_the_containers_facts() 
     let t = started_until(StartStep::StartContainer);
     // The shim died between create and start.
     let c = observed(ObservedState::Created);
-    let (r, a) = restored(Some(t.record().clone()), Some(c.clone()), 5_000).unwrap();
+    let (mut r, a) = restored(Some(t.record()), Some(c.clone()));
     assert_eq!(r.status(), TaskStatus::Running);
-    assert_eq!(
-        a,
-        vec![Action::Persist, Action::LockGpus(vec!["GPU-a".into()])]
-    );
+    assert_eq!(a, vec![Action::Persist, lock_gpu_a()]);
     assert_eq!(r.info().container_id, "cid");
     assert_eq!(r.info().ports, Some(c.ports.clone()));
-    assert_eq!(r.info().gpu_ids, Some(vec!["GPU-a".into()]));
+    assert_eq!(r.info().gpu_ids, Some(strings(&["GPU-a"])));
     assert_idempotent(&r, Some(c));
     // The reconciler then finds it never started.
-    let mut r = r;
     go(&mut r, Event::Observed(Observation::NeverStarted));
-    assert_ended(&r, TerminationReason::ExecutorError, NEVER_STARTED_MESSAGE);
+    assert_ended(&r, ExecutorError, NEVER_STARTED_MESSAGE);
 }
 
 #[test]
 fn restore_record_without_container_is_executor_error_saying_what_happened() {
     let t = started_until(StartStep::Pull);
-    let (r, a) = restored(Some(t.record().clone()), None, 5_000).unwrap();
+    let (r, a) = restored(Some(t.record()), None);
     assert_ended(
         &r,
-        TerminationReason::ExecutorError,
+        ExecutorError,
         "the shim stopped while the task was pulling; no container of it was found when the \
          shim restarted (its start was cut short before the container was created, or the \
          container was removed while the shim was down)",
     );
-    assert_eq!(
-        a,
-        vec![
-            Action::Persist,
-            Action::LockGpus(vec!["GPU-a".into()]),
-            release_of(&r)
-        ]
-    );
+    assert_eq!(a, vec![Action::Persist, lock_gpu_a(), release_of(&r)]);
     assert_idempotent(&r, None);
 
     let t = running();
-    let (r, _) = restored(Some(t.record().clone()), None, 5_000).unwrap();
-    assert_eq!(
-        r.record().termination_reason,
-        Some(TerminationReason::ExecutorError)
-    );
-    assert!(
-        r.record()
-            .termination_message
-            .starts_with("container vanished")
-    );
+    let (r, _) = restored(Some(t.record()), None);
+    assert_eq!(r.record().termination_reason, Some(ExecutorError));
+    let message = &r.record().termination_message;
+    assert!(message.starts_with("container vanished"), "{message}");
     assert_idempotent(&r, None);
 }
 
 #[test]
 fn restore_record_without_container_keeps_a_recorded_reason() {
     let mut t = started_until(StartStep::Pull);
-    go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::MaxDurationExceeded,
-            message: "too long".into(),
-            timeout_s: 0,
-        },
-    );
-    let (r, a) = restored(Some(t.record().clone()), None, 5_000).unwrap();
-    assert_ended(&r, TerminationReason::MaxDurationExceeded, "too long");
-    assert_eq!(
-        a,
-        vec![Action::LockGpus(vec!["GPU-a".into()]), release_of(&r)]
-    );
+    go(&mut t, terminate(MaxDurationExceeded, "too long", 0));
+    let (r, a) = restored(Some(t.record()), None);
+    assert_ended(&r, MaxDurationExceeded, "too long");
+    assert_eq!(a, vec![lock_gpu_a(), release_of(&r)]);
 }
 
 #[test]
 fn restore_of_a_released_task_locks_nothing() {
     let mut t = running();
     go(&mut t, Event::Observed(Observation::Missing));
-    go(
-        &mut t,
-        Event::Released {
-            unknown_keys: false,
-            gpus: vec!["GPU-a".into()],
-            host_keys: true,
-            volumes: vec!["data".into()],
-        },
-    );
+    go(&mut t, released(&["GPU-a"], true, &["data"]));
     let c = observed(ObservedState::Exited { code: 0 });
-    let (r, a) = restored(Some(t.record().clone()), Some(c), 5_000).unwrap();
+    let (r, a) = restored(Some(t.record()), Some(c));
     assert_eq!(a, vec![]);
     assert!(r.record().resources.released);
 }
@@ -1348,7 +1047,7 @@ fn restore_of_a_released_task_locks_nothing() {
 #[test]
 fn restore_container_without_record_adopts_it() {
     let c = observed(ObservedState::Running);
-    let (r, a) = restored(None, Some(c.clone()), 5_000).unwrap();
+    let (mut r, a) = restored(None, Some(c.clone()));
     assert_eq!(r.status(), TaskStatus::Running);
     assert!(r.record().config.is_none());
     assert_eq!(r.record().name.as_str(), "job");
@@ -1356,21 +1055,10 @@ fn restore_container_without_record_adopts_it() {
     assert_eq!(r.record().resources.volumes, c.recovered_volumes);
     assert_eq!(r.record().resources.host_keys, None);
     assert_eq!(r.record().resources.gpus, ["GPU-a"]);
-    assert_eq!(
-        a,
-        vec![Action::Persist, Action::LockGpus(vec!["GPU-a".into()])]
-    );
+    assert_eq!(a, vec![Action::Persist, lock_gpu_a()]);
     assert_idempotent(&r, Some(c.clone()));
     // When it ends, its recovered volumes are released.
-    let mut r = r;
-    let a = go(
-        &mut r,
-        Event::Observed(Observation::Exited {
-            oom_killed: false,
-            code: 0,
-            last_lines: vec![],
-        }),
-    );
+    let a = go(&mut r, Event::Observed(exited(0, &[])));
     match &a[1] {
         Action::Release(res) => assert_eq!(res.volumes, c.recovered_volumes),
         other => panic!("{other:?}"),
@@ -1383,26 +1071,19 @@ fn restore_with_neither_is_nothing_and_a_foreign_container_is_ignored() {
     let t = running();
     let mut c = observed(ObservedState::Running);
     c.task_id = TaskId::new("other").unwrap();
-    let (r, _) = restored(Some(t.record().clone()), Some(c), 5_000).unwrap();
+    let (r, _) = restored(Some(t.record()), Some(c));
     assert_eq!(r.status(), TaskStatus::Terminated);
 }
 
 #[test]
 fn relock_keeps_only_the_gpus_newly_locked() {
-    let (mut t, actions) = restored(None, Some(observed(ObservedState::Running)), 1_000).unwrap();
-    assert!(actions.contains(&Action::LockGpus(vec!["GPU-a".into()])));
+    let (mut t, actions) = restored(None, Some(observed(ObservedState::Running)));
+    assert!(actions.contains(&lock_gpu_a()));
     // Another restored task locked GPU-a first: this one must never free it.
     let actions = go(&mut t, Event::GpusRelocked(vec![]));
     assert!(t.record().resources.gpus.is_empty());
     assert_eq!(actions.first(), Some(&Action::Persist));
-    let actions = go(
-        &mut t,
-        Event::Observed(Observation::Exited {
-            oom_killed: false,
-            code: 0,
-            last_lines: vec![],
-        }),
-    );
+    let actions = go(&mut t, Event::Observed(exited(0, &[])));
     assert!(
         !actions
             .iter()
@@ -1411,65 +1092,35 @@ fn relock_keeps_only_the_gpus_newly_locked() {
     );
 }
 
+/// Whether `actions` release the volume `data`.
+fn releases_the_volume(actions: &[Action]) -> bool {
+    let volume = volume();
+    actions
+        .iter()
+        .any(|a| matches!(a, Action::Release(res) if res.volumes.contains(&volume)))
+}
+
 #[test]
 fn a_volume_is_recorded_and_persisted_before_it_is_mounted() {
     let mut t = started_until(StartStep::MountVolume(0));
     let a = go(&mut t, Event::VolumeMounting(volume()));
     assert_eq!(a, vec![Action::Persist], "persisted before the mount");
-    assert_eq!(
-        t.start_step(),
-        Some(StartStep::MountVolume(0)),
-        "still awaited"
-    );
+    let awaited = Some(StartStep::MountVolume(0));
+    assert_eq!(t.start_step(), awaited, "still awaited");
     assert!(t.record().resources.volumes.contains(&volume()));
     // The shim dies during the mount: restored without a container, the volume is released.
-    let (r, actions) = restored(Some(t.record().clone()), None, 9_000).unwrap();
+    let (r, actions) = restored(Some(t.record()), None);
     assert_eq!(r.status(), TaskStatus::Terminated);
-    assert!(
-        actions
-            .iter()
-            .any(|a| matches!(a, Action::Release(res) if res.volumes.contains(&volume()))),
-        "{actions:?}"
-    );
+    assert!(releases_the_volume(&actions), "{actions:?}");
     // A failed mount keeps the record (releasing it is a no-op) and ends the task.
     let mut t = started_until(StartStep::MountVolume(0));
     go(&mut t, Event::VolumeMounting(volume()));
-    go(
-        &mut t,
-        Event::PrepareFailed {
-            message: "no device".into(),
-        },
-    );
+    go(&mut t, prepare_failed("no device"));
     let a = go(&mut t, Event::StartFinished);
-    assert!(
-        a.iter()
-            .any(|a| matches!(a, Action::Release(res) if res.volumes.contains(&volume()))),
-        "{a:?}"
-    );
+    assert!(releases_the_volume(&a), "{a:?}");
 }
 
 // ---- Faults: a failed write wedges nothing (issue: disk full) ----
-
-/// Steps `event` with the write failing (a full disk): the write's failure is stepped at once.
-fn go_disk_full(t: &mut Task, event: Event) -> Vec<Action> {
-    let tr = step(t, event, 300).unwrap();
-    *t = tr.task;
-    let mut actions = tr.actions;
-    if actions.first() == Some(&Action::Persist) {
-        let tr = step(
-            t,
-            Event::PersistFailed {
-                message: "No space left on device (os error 28)".into(),
-            },
-            300,
-        )
-        .unwrap();
-        *t = tr.task;
-        assert!(t.is_dirty());
-        actions.extend(tr.actions);
-    }
-    actions
-}
 
 // SPEC §4 (issue 22): a failed state write never blocks a stop or a release; a task that
 // fills the disk must still be stoppable. The termination is written when the disk allows;
@@ -1477,15 +1128,7 @@ fn go_disk_full(t: &mut Task, event: Event) -> Vec<Action> {
 #[test]
 fn a_terminate_whose_write_fails_still_stops_and_releases() {
     let mut t = running();
-    let terminate = |reason, message: &str| Event::TerminateRequested {
-        reason,
-        message: message.into(),
-        timeout_s: 10,
-    };
-    let a = go_disk_full(
-        &mut t,
-        terminate(TerminationReason::TerminatedByUser, "bye"),
-    );
+    let a = go_disk_full(&mut t, terminate(TerminatedByUser, "bye", 10));
     // The stop goes out without waiting for the disk; until it is done the container may
     // still run, so the API still says running.
     assert_eq!(
@@ -1510,15 +1153,7 @@ fn a_terminate_whose_write_fails_still_stops_and_releases() {
         ),
         (TaskStatus::Terminated, "terminated_by_user", "bye")
     );
-    let a = go_disk_full(
-        &mut t,
-        Event::Released {
-            gpus: vec!["GPU-a".into()],
-            host_keys: true,
-            volumes: vec!["data".into()],
-            unknown_keys: false,
-        },
-    );
+    let a = go_disk_full(&mut t, released(&["GPU-a"], true, &["data"]));
     assert_eq!(a, vec![Action::Persist]);
     assert!(!t.record().resources.holds_any() && t.record().resources.released);
     assert!(!t.needs_release() && !t.needs_retry());
@@ -1527,7 +1162,7 @@ fn a_terminate_whose_write_fails_still_stops_and_releases() {
     let a = go_disk_full(&mut removed, Event::RemoveRequested);
     assert_eq!(
         a,
-        vec![
+        [
             Action::RemoveContainer,
             Action::DeleteTaskDir,
             Action::Forget
@@ -1535,38 +1170,21 @@ fn a_terminate_whose_write_fails_still_stops_and_releases() {
     );
     // The reconciler's retry fails while the disk is full; a second terminate once space is
     // back writes the first reason, released, and changes nothing else.
-    assert_eq!(
-        go_disk_full(&mut t, Event::PersistRequested),
-        vec![Action::Persist]
-    );
-    let a = go(
-        &mut t,
-        terminate(TerminationReason::TerminatedByServer, "second"),
-    );
+    let a = go_disk_full(&mut t, Event::PersistRequested);
     assert_eq!(a, vec![Action::Persist]);
-    assert_ended(&t, TerminationReason::TerminatedByUser, "bye");
+    let a = go(&mut t, terminate(TerminatedByServer, "second", 10));
+    assert_eq!(a, vec![Action::Persist]);
+    assert_ended(&t, TerminatedByUser, "bye");
     assert!(!t.write_failed() && t.saved().released);
 }
 
 #[test]
 fn a_terminate_during_a_pull_whose_write_fails_cancels_the_pull() {
     let mut t = started_until(StartStep::Pull);
-    let a = go_disk_full(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByUser,
-            message: String::new(),
-            timeout_s: 0,
-        },
-    );
+    let a = go_disk_full(&mut t, terminate(TerminatedByUser, "", 0));
     assert_eq!(a, vec![Action::Persist, Action::CancelPull]);
     // Start stops at its next step and releases when it returns, the disk still full.
-    let a = go_disk_full(
-        &mut t,
-        Event::PullFailed {
-            message: "cancelled".into(),
-        },
-    );
+    let a = go_disk_full(&mut t, pull_failed("cancelled"));
     assert_eq!(a, vec![Action::FinishStart]);
     assert_eq!(t.status(), TaskStatus::Pulling, "start still in flight");
     let a = go_disk_full(&mut t, Event::StartFinished);
@@ -1582,14 +1200,7 @@ fn a_terminate_during_a_pull_whose_write_fails_cancels_the_pull() {
 #[test]
 fn an_exit_whose_write_fails_releases_without_waiting_for_the_disk() {
     let mut t = running();
-    let a = go_disk_full(
-        &mut t,
-        Event::Observed(Observation::Exited {
-            code: 0,
-            last_lines: vec![],
-            oom_killed: false,
-        }),
-    );
+    let a = go_disk_full(&mut t, Event::Observed(exited(0, &[])));
     assert_eq!(a, vec![Action::Persist, release_of(&t)]);
     // SPEC §4: the container no longer runs, so the task reads terminated at once, its
     // record waiting for the disk.
@@ -1599,23 +1210,14 @@ fn an_exit_whose_write_fails_releases_without_waiting_for_the_disk() {
     assert_eq!(t.info().termination_reason, "done_by_runner");
     // The release fails (busy); the reconciler's next cycle writes the exit once the disk
     // allows, and retries the release in the same cycle.
-    go_disk_full(
-        &mut t,
-        Event::ReleaseFailed {
-            message: "busy".into(),
-        },
-    );
+    go_disk_full(&mut t, release_failed("busy"));
     // Backed off: nothing but the reconciler's next request retries the release.
     assert!(t.needs_release());
-    let idle = step(&t, Event::ContainerStopped, 200).unwrap();
-    assert_eq!(
-        idle.actions,
-        vec![],
-        "a failed release is not retried at once"
-    );
+    let retried = step(&t, Event::ContainerStopped, 200).unwrap().actions;
+    assert_eq!(retried, vec![], "a failed release is not retried at once");
     let a = go(&mut t, Event::PersistRequested);
     assert_eq!(a, vec![Action::Persist, release_of(&t)]);
-    assert_ended(&t, TerminationReason::DoneByRunner, "");
+    assert_ended(&t, DoneByRunner, "");
 }
 
 #[test]
@@ -1624,15 +1226,13 @@ fn a_start_whose_write_fails_is_given_up_with_the_cause() {
     // The keys are recorded ahead, but the write fails: the add never goes out.
     let mut t2 = new_task(&config());
     go(&mut t2, Event::StartBegan);
-    let a = go_disk_full(&mut t2, Event::GpusAcquired(vec!["GPU-a".into()]));
+    let a = go_disk_full(&mut t2, Event::GpusAcquired(strings(&["GPU-a"])));
     assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
     assert_eq!(t2.record().status, TaskStatus::Terminated);
+    let message = &t2.record().termination_message;
     assert!(
-        t2.record()
-            .termination_message
-            .starts_with("cannot write the task's state file: No space left"),
-        "{}",
-        t2.record().termination_message
+        message.starts_with("cannot write the task's state file: No space left"),
+        "{message}"
     );
     // What it acquired is released when it returns, without waiting for the disk (the keys
     // recorded ahead were never added: removing them is a no-op).
@@ -1642,14 +1242,7 @@ fn a_start_whose_write_fails_is_given_up_with_the_cause() {
         "{a:?}"
     );
     // A step in flight is not given up by a write failure of another event.
-    let a = go_disk_full(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByServer,
-            message: String::new(),
-            timeout_s: 0,
-        },
-    );
+    let a = go_disk_full(&mut t, terminate(TerminatedByServer, "", 0));
     assert_eq!(a, vec![Action::Persist]);
     assert_eq!(t.start_step(), Some(StartStep::AddHostKeys));
     // Start owns the task: nothing is released before it returns.
@@ -1680,30 +1273,19 @@ fn a_start_whose_running_write_fails_is_not_given_up() {
 #[test]
 fn an_abandoned_remove_leaves_nothing_in_flight() {
     let mut t = running();
-    go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByUser,
-            message: String::new(),
-            timeout_s: 0,
-        },
-    );
+    go(&mut t, terminate(TerminatedByUser, "", 0));
     go(&mut t, Event::ContainerStopped);
-    go(
-        &mut t,
-        Event::ReleaseFailed {
-            message: "busy".into(),
-        },
-    );
+    go(&mut t, release_failed("busy"));
     let a = go(&mut t, Event::RemoveRequested);
     assert_eq!(a[0], Action::RemoveContainer);
     assert!(t.release_in_flight());
     // Docker refuses the container removal: the engine drops the rest and says so.
+    let message = "cannot remove the container".into();
     let a = go(
         &mut t,
         Event::ActionsAbandoned {
             actions: a,
-            message: "cannot remove the container".into(),
+            message,
         },
     );
     assert_eq!(a, vec![]);
@@ -1719,52 +1301,23 @@ fn a_reason_left_empty_takes_the_reason_of_a_later_terminate() {
     // task has an empty reason, a later terminated update replaces reason and message". The
     // server's terminate of a dangling task sends no reason.
     let mut t = running();
-    go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::parse(""),
-            message: String::new(),
-            timeout_s: 0,
-        },
-    );
+    go(&mut t, terminate(TerminationReason::parse(""), "", 0));
     assert_eq!(t.info().status, TaskStatus::Terminated);
     assert_eq!(t.info().termination_reason, "");
-    let a = go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByServer,
-            message: "later".into(),
-            timeout_s: 0,
-        },
-    );
+    let a = go(&mut t, terminate(TerminatedByServer, "later", 0));
     assert_eq!(a.first(), Some(&Action::Persist));
-    assert_ended(&t, TerminationReason::TerminatedByServer, "later");
+    assert_ended(&t, TerminatedByServer, "later");
     // A non-empty reason is then final.
-    go(
-        &mut t,
-        Event::TerminateRequested {
-            reason: TerminationReason::TerminatedByUser,
-            message: "again".into(),
-            timeout_s: 0,
-        },
-    );
-    assert_ended(&t, TerminationReason::TerminatedByServer, "later");
+    go(&mut t, terminate(TerminatedByUser, "again", 0));
+    assert_ended(&t, TerminatedByServer, "later");
 }
 
 #[test]
 fn the_display_retry_records_the_new_container_through_an_event() {
     let mut t = started_until(StartStep::StartContainer);
-    let a = go(
-        &mut t,
-        Event::ContainerRecreated {
-            container_id: "cid2".into(),
-        },
-    );
+    let a = go(&mut t, recreated("cid2"));
     assert_eq!(a, vec![Action::Persist], "the new id is durable first");
     assert_eq!(t.record().container_id.as_deref(), Some("cid2"));
-    assert_eq!(
-        t.start_step(),
-        Some(StartStep::StartContainer),
-        "still awaited"
-    );
+    let awaited = Some(StartStep::StartContainer);
+    assert_eq!(t.start_step(), awaited, "still awaited");
 }
