@@ -134,9 +134,9 @@ impl Driver {
                 // the step lock.
                 Action::Persist => Ok(Some(Event::PersistRequested)),
                 Action::DeleteTaskDir => self.records.delete_dir(slot).await.map(|()| None),
-                other => {
+                Action::Effect(effect) => {
                     let recorder = Recorder::new(&self.records, slot);
-                    let outcome = self.effects.execute(slot, other.clone(), &recorder).await;
+                    let outcome = self.effects.execute(slot, effect.clone(), &recorder).await;
                     let pending = recorder.into_pending();
                     if !pending.is_empty()
                         && let Err(e) = Box::pin(self.run_actions(slot, pending)).await

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use shim_resources::{AuthorizedKeys, GpuLock, GpuVendor, VolumeManager};
 use shim_runtime::{ContainerRuntime, ContainerState, HostDevices, PullRequest, RuntimeError};
-use shim_task::machine::{Action, Event};
+use shim_task::machine::{Effect, Event};
 use shim_task::{MountedVolume, PortMapping, PullProgress, Resources, TaskId};
 
 use crate::clock::Clock;
@@ -128,28 +128,25 @@ impl Effects {
 }
 
 impl Effects {
-    /// Executes `action` for the task in `slot`. Returns the outcome event, if the action has
-    /// one. An error stops the driver (the caller decides what that means for the task). What
-    /// must be recorded in the middle of the action goes through `recorder`.
+    /// Carries out `effect` for the task in `slot`. Returns the outcome event, if the effect
+    /// has one. An error stops the driver (the caller decides what that means for the task).
+    /// What must be recorded in the middle of the effect goes through `recorder`.
     pub(crate) async fn execute(
         &self,
         slot: &Arc<Slot>,
-        action: Action,
+        effect: Effect,
         recorder: &Recorder<'_>,
     ) -> Result<Option<Event>> {
         let id = slot.id.clone();
-        tracing::debug!(task = %id, ?action, "action");
-        Ok(match action {
-            // The record room's own, carried out by the driver (never passed here): a write
-            // under the step lock, the directory's deletion.
-            Action::Persist | Action::DeleteTaskDir => None,
-            Action::AcquireGpus { count } => Some(match self.gpus.acquire(count) {
+        tracing::debug!(task = %id, ?effect, "effect");
+        Ok(match effect {
+            Effect::AcquireGpus { count } => Some(match self.gpus.acquire(count) {
                 Ok(ids) => Event::GpusAcquired(ids),
                 Err(e) => Event::PrepareFailed {
                     message: format!("cannot acquire GPUs: {}", chain(&e)),
                 },
             }),
-            Action::AddHostKeys(grant) => {
+            Effect::AddHostKeys(grant) => {
                 Some(match self.keys.add(&id, &grant.user, &grant.keys).await {
                     Ok(()) => Event::HostKeysAdded(grant),
                     Err(e) => Event::PrepareFailed {
@@ -161,7 +158,7 @@ impl Effects {
                     },
                 })
             }
-            Action::MountVolume(spec) => {
+            Effect::MountVolume(spec) => {
                 // Write-ahead: the volume is recorded (and persisted) before it is mounted.
                 let ahead = MountedVolume {
                     name: spec.name.to_string(),
@@ -184,7 +181,7 @@ impl Effects {
                 }
                 Some(self.mount(&spec).await)
             }
-            Action::CreateDir(path) => {
+            Effect::CreateDir(path) => {
                 let p = PathBuf::from(&path);
                 let r =
                     tokio::task::spawn_blocking(move || shim_resources::ensure_instance_dir(&p))
@@ -200,23 +197,23 @@ impl Effects {
                     },
                 })
             }
-            Action::Pull { image } => Some(self.pull(slot, image, recorder).await),
-            Action::CancelPull => {
+            Effect::Pull { image } => Some(self.pull(slot, image, recorder).await),
+            Effect::CancelPull => {
                 slot.pulling.cancel();
                 None
             }
-            Action::CreateContainer => Some(match self.create(slot).await {
+            Effect::CreateContainer => Some(match self.create(slot).await {
                 Ok(container_id) => Event::ContainerCreated { container_id },
                 Err(e) => Event::CreateFailed {
                     message: format!("cannot create container: {}", chain(&e)),
                 },
             }),
-            Action::StartContainer => Some(match self.start_container(slot, recorder).await {
+            Effect::StartContainer => Some(match self.start_container(slot, recorder).await {
                 Ok(ports) => Event::ContainerStarted { ports },
                 Err(StartError::Failed(message)) => Event::StartFailed { message },
                 Err(StartError::Refused(message)) => Event::StartRefused { message },
             }),
-            Action::StopContainer { timeout_s } => {
+            Effect::StopContainer { timeout_s } => {
                 let cid = container_ref(slot);
                 match self
                     .runtime
@@ -231,21 +228,21 @@ impl Effects {
                     }
                 }
             }
-            Action::Release(resources) => Some(self.release(slot, resources).await),
-            Action::RemoveContainer => {
+            Effect::Release(resources) => Some(self.release(slot, resources).await),
+            Effect::RemoveContainer => {
                 let cid = container_ref(slot);
                 self.runtime.remove(&cid).await?;
                 None
             }
-            Action::Forget => {
+            Effect::Forget => {
                 self.table.remove(&id);
                 recorder.removed();
                 tracing::info!(task = %id, "task removed");
                 None
             }
             // The driver stamps the start's end when it steps this.
-            Action::FinishStart => Some(Event::StartFinished),
-            Action::LockGpus(ids) => Some(Event::GpusRelocked(self.gpus.lock(&ids))),
+            Effect::FinishStart => Some(Event::StartFinished),
+            Effect::LockGpus(ids) => Some(Event::GpusRelocked(self.gpus.lock(&ids))),
         })
     }
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 use prometheus_client::registry::Registry;
 use shim_resources::{GpuLock, HostGpus};
 use shim_runtime::ContainerRuntime;
-use shim_task::machine::{Action, Event};
+use shim_task::machine::{Action, Effect, Event};
 use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -229,7 +229,7 @@ impl Engine {
             let (locks, others): (Vec<Action>, Vec<Action>) = t
                 .actions
                 .into_iter()
-                .partition(|a| matches!(a, Action::LockGpus(_)));
+                .partition(|a| matches!(a, Action::Effect(Effect::LockGpus(_))));
             if let Err(e) = driver.run_actions(&slot, locks).await {
                 tracing::error!(task = %slot.id, error = %chain(&e), "relocking GPUs failed");
             }

@@ -42,7 +42,7 @@
 //!
 //! - `terminated` absorbs every event: the first reason and message are kept.
 //! - Resources are recorded in `record.resources` as they are acquired (host keys just before
-//!   the add, volumes just before the mount: [`Event::VolumeMounting`](machine::Event::VolumeMounting)), and [`Action::Release`](machine::Action::Release) is emitted only when the task is terminated, holds
+//!   the add, volumes just before the mount: [`Event::VolumeMounting`](machine::Event::VolumeMounting)), and [`Effect::Release`](machine::Effect::Release) is emitted only when the task is terminated, holds
 //!   something, start is not in flight, no stop is in flight, the last stop (if any)
 //!   succeeded, and no release is out. A failed stop is retried (`StopContainer{0}`) on the
 //!   reconciler's next [`Event::ReleaseRequested`](machine::Event::ReleaseRequested), or cleared when it sees the container not

@@ -3,7 +3,7 @@
 
 use crate::ids::{TaskId, TaskName};
 use crate::info::{MountedVolume, PortMapping, Resources};
-use crate::machine::{Action, Saved, StopState, Task, finish_restore};
+use crate::machine::{Action, Effect, Saved, StopState, Task, finish_restore};
 use crate::naming::task_name_of_container;
 use crate::record::TaskRecord;
 use crate::status::{TaskStatus, TerminationReason};
@@ -113,7 +113,7 @@ fn adopted_record(c: &ObservedContainer, now_ms: u64) -> Option<TaskRecord> {
 /// - a container without a record (an older shim): a task without config whose volumes were
 ///   recovered from the container's mounts, no SSH keys.
 ///
-/// GPUs are locked again ([`Action::LockGpus`], which needs no durable record and which the
+/// GPUs are locked again ([`Effect::LockGpus`], which needs no durable record and which the
 /// engine carries out for every task before anything else) for every restored task whose
 /// resources are not released. A changed record is written ([`Action::Persist`] first); the
 /// stop and the release it calls for go out once it is durable. Restoring the restored task's
@@ -180,7 +180,9 @@ pub fn restore(
     }
 
     if !t.record.resources.released && !t.record.resources.gpus.is_empty() {
-        actions.push(Action::LockGpus(t.record.resources.gpus.clone()));
+        actions.push(Action::Effect(Effect::LockGpus(
+            t.record.resources.gpus.clone(),
+        )));
     }
     // A container the list shows as created may be starting right now (the shim was killed
     // during its start: a list does not wait for a start in flight, a stop does), so it is

@@ -29,7 +29,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use proptest::prelude::*;
 use shim_task::machine::Saved;
-use shim_task::machine::{Action, Event, Observation, Task, TransitionError, step};
+use shim_task::machine::{Action, Effect, Event, Observation, Task, TransitionError, step};
 use shim_task::naming::container_name;
 use shim_task::{
     InstanceMountPoint, MountedVolume, NetworkMode, ObservedContainer, ObservedState, PortMapping,
@@ -47,7 +47,7 @@ enum Op {
     Do(Action),
     /// Step an event (the outcome of an action of this job).
     Deliver(Event),
-    /// A pull in progress (the effect of `Action::Pull`), reporting progress until it ends.
+    /// A pull in progress (the effect of `Effect::Pull`), reporting progress until it ends.
     PullRunning { reports: u32 },
     /// The mount itself, after the volume was recorded ahead (`Event::VolumeMounting`).
     Mount(MountedVolume),
@@ -153,7 +153,9 @@ fn terminate(reason: TerminationReason, message: &str, timeout_s: u64) -> Event 
 fn ends_task(a: &Action) -> bool {
     matches!(
         a,
-        Action::StopContainer { .. } | Action::CancelPull | Action::Release(_)
+        Action::Effect(Effect::StopContainer { .. })
+            | Action::Effect(Effect::CancelPull)
+            | Action::Effect(Effect::Release(_))
     )
 }
 
@@ -606,7 +608,7 @@ impl Sim {
         // GPU relocks first (the engine's phase 1), then the write and what follows it.
         let (locks, rest): (Vec<Action>, Vec<Action>) = actions
             .into_iter()
-            .partition(|a| matches!(a, Action::LockGpus(_)));
+            .partition(|a| matches!(a, Action::Effect(Effect::LockGpus(_))));
         let mut queue: VecDeque<Op> = locks.into_iter().map(Op::Do).collect();
         let mut task = task;
         if rest.first() == Some(&Action::Persist) {
@@ -715,16 +717,16 @@ impl Sim {
         let fail = self.fail(b);
         let outcome = match action {
             Action::Persist => panic!("Persist not at the head of a step's actions"),
-            Action::FinishStart => {
+            Action::Effect(Effect::FinishStart) => {
                 assert_eq!(j, 0, "FinishStart outside the start job");
                 Some(Event::StartFinished)
             }
-            Action::Forget => {
+            Action::Effect(Effect::Forget) => {
                 self.task = None;
                 self.jobs.clear();
                 None
             }
-            Action::AcquireGpus { count } => {
+            Action::Effect(Effect::AcquireGpus { count }) => {
                 let free: Vec<String> = GPUS
                     .iter()
                     .map(|g| g.to_string())
@@ -748,7 +750,7 @@ impl Sim {
                     Some(Event::GpusAcquired(ids))
                 }
             }
-            Action::AddHostKeys(grant) => {
+            Action::Effect(Effect::AddHostKeys(grant)) => {
                 if fail {
                     Some(Event::PrepareFailed {
                         message: "authorized_keys not writable".into(),
@@ -761,7 +763,7 @@ impl Sim {
                     Some(Event::HostKeysAdded(grant))
                 }
             }
-            Action::MountVolume(spec) => {
+            Action::Effect(Effect::MountVolume(spec)) => {
                 if fail {
                     Some(Event::PrepareFailed {
                         message: format!("volume {} not found", spec.name),
@@ -779,7 +781,7 @@ impl Sim {
                     Some(Event::VolumeMounting(volume))
                 }
             }
-            Action::CreateDir(path) => Some(if fail {
+            Action::Effect(Effect::CreateDir(path)) => Some(if fail {
                 Event::PrepareFailed {
                     message: format!("cannot create {path}"),
                 }
@@ -788,7 +790,7 @@ impl Sim {
             } else {
                 Event::DirExisted(path)
             }),
-            Action::Pull { image } => {
+            Action::Effect(Effect::Pull { image }) => {
                 assert_eq!(image, "shim-test:1");
                 if b % 5 == 1 {
                     Some(Event::PullSkipped)
@@ -797,11 +799,11 @@ impl Sim {
                     None
                 }
             }
-            Action::CancelPull => {
+            Action::Effect(Effect::CancelPull) => {
                 self.world.pull_cancelled = true;
                 None
             }
-            Action::CreateContainer => {
+            Action::Effect(Effect::CreateContainer) => {
                 assert!(self.world.container.is_none());
                 if fail {
                     Some(Event::CreateFailed {
@@ -820,7 +822,7 @@ impl Sim {
                     Some(Event::ContainerCreated { container_id: id })
                 }
             }
-            Action::StartContainer => match self.world.container.as_mut() {
+            Action::Effect(Effect::StartContainer) => match self.world.container.as_mut() {
                 Some(c) if !fail && c.state == Ctr::Created => {
                     c.state = Ctr::Running;
                     if self.config.network_mode == NetworkMode::Bridge {
@@ -837,7 +839,7 @@ impl Sim {
                     message: "start failed".into(),
                 }),
             },
-            Action::StopContainer { .. } => {
+            Action::Effect(Effect::StopContainer { .. }) => {
                 if fail {
                     Some(Event::StopFailed {
                         message: "daemon busy".into(),
@@ -851,7 +853,7 @@ impl Sim {
                     Some(Event::ContainerStopped)
                 }
             }
-            Action::Release(res) => {
+            Action::Effect(Effect::Release(res)) => {
                 // Nothing is released while start is in flight, or for a task not terminated.
                 assert!(!task.start_in_flight(), "release while start is in flight");
                 // Nor while the container may still use the resources.
@@ -911,11 +913,11 @@ impl Sim {
                     },
                 )
             }
-            Action::RemoveContainer => {
+            Action::Effect(Effect::RemoveContainer) => {
                 if fail {
                     // Docker refused: the engine stops the remove and says what it dropped.
                     let message = "cannot remove the container: daemon busy";
-                    Some(self.abandon(j, Action::RemoveContainer, message))
+                    Some(self.abandon(j, Action::Effect(Effect::RemoveContainer), message))
                 } else {
                     self.world.container = None;
                     None
@@ -932,7 +934,7 @@ impl Sim {
                     None
                 }
             }
-            Action::LockGpus(ids) => {
+            Action::Effect(Effect::LockGpus(ids)) => {
                 assert!(!task.record().resources.released);
                 for g in &ids {
                     if self.world.gpus_locked.insert(g.clone()) {
@@ -1404,13 +1406,15 @@ fn any_event((kind, a, b): (u8, u8, u8)) -> Event {
         },
         31 => Event::ActionsAbandoned {
             actions: match a % 4 {
-                0 => vec![Action::StopContainer { timeout_s: 0 }],
-                1 => vec![Action::Release(shim_task::Resources::default())],
-                2 => vec![Action::StartContainer],
+                0 => vec![Action::Effect(Effect::StopContainer { timeout_s: 0 })],
+                1 => vec![Action::Effect(Effect::Release(
+                    shim_task::Resources::default(),
+                ))],
+                2 => vec![Action::Effect(Effect::StartContainer)],
                 _ => vec![
-                    Action::RemoveContainer,
+                    Action::Effect(Effect::RemoveContainer),
                     Action::DeleteTaskDir,
-                    Action::Forget,
+                    Action::Effect(Effect::Forget),
                 ],
             },
             message,
@@ -1512,11 +1516,11 @@ proptest! {
                 prop_assert_eq!(b.status, TaskStatus::Terminated);
                 prop_assert!(task.status() == TaskStatus::Terminated || task.write_failed());
                 prop_assert!(!task.start_in_flight());
-                prop_assert!(tr.actions.last() == Some(&Action::Forget));
+                prop_assert!(tr.actions.last() == Some(&Action::Effect(Effect::Forget)));
                 break;
             }
             for action in &tr.actions {
-                if matches!(action, Action::Release(_)) {
+                if matches!(action, Action::Effect(Effect::Release(_))) {
                     prop_assert!(!tr.task.start_in_flight());
                     prop_assert_eq!(a.status, TaskStatus::Terminated);
                 }
@@ -1612,7 +1616,7 @@ fn a_terminate_on_a_full_disk_stops_and_releases_without_its_write() {
 #[test]
 fn a_volume_recorded_ahead_on_a_full_disk_is_given_up_and_released_at_once() {
     let mut sim = Sim::faultless(config_from(1, false, 1, 0, false));
-    sim.run_start_until(|op| matches!(op, Op::Do(Action::MountVolume(_))));
+    sim.run_start_until(|op| matches!(op, Op::Do(Action::Effect(Effect::MountVolume(_)))));
     sim.disk_full = true;
     sim.run_all();
     let t = sim.task.clone().unwrap();

@@ -8,7 +8,7 @@ use shim_task::TerminationReason::{
     MaxDurationExceeded, TerminatedByServer, TerminatedByUser,
 };
 use shim_task::machine::{
-    Action, Event, Observation, StartStep, StopState, Task, TransitionError, step,
+    Action, Effect, Event, Observation, StartStep, StopState, Task, TransitionError, step,
 };
 use shim_task::machine::{EXIT_MESSAGE_LINES, NEVER_STARTED_MESSAGE, VANISHED_MESSAGE};
 use shim_task::naming::container_name;
@@ -215,7 +215,7 @@ fn assert_ended(t: &Task, reason: TerminationReason, message: &str) {
 }
 
 fn release_of(t: &Task) -> Action {
-    Action::Release(t.held())
+    Action::Effect(Effect::Release(t.held()))
 }
 
 #[test]
@@ -226,26 +226,38 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
     // `preparing` alone is start progress: no write of its own, the API still shows the
     // durable `pending`, and the first step goes out at once.
     let a = go(&mut t, Event::StartBegan);
-    assert_eq!(a, vec![Action::AcquireGpus { count: 1 }]);
+    assert_eq!(a, vec![Action::Effect(Effect::AcquireGpus { count: 1 })]);
     assert_eq!(t.record().status, TaskStatus::Preparing);
     assert_eq!(t.status(), TaskStatus::Pending);
     assert!(t.is_dirty() && t.is_progress_only());
     // GPU ids are recorded: written (with the progress) before the next step.
     let a = go(&mut t, Event::GpusAcquired(strings(&["GPU-a"])));
-    assert_eq!(a, vec![Action::Persist, Action::AddHostKeys(grant())]);
+    assert_eq!(
+        a,
+        vec![
+            Action::Persist,
+            Action::Effect(Effect::AddHostKeys(grant()))
+        ]
+    );
     assert_eq!(t.status(), TaskStatus::Preparing);
     assert_eq!(t.record().resources.gpus, ["GPU-a"]);
     // The keys are recorded (and persisted) ahead of the add.
     assert_eq!(t.record().resources.host_keys, Some(grant()));
     let a = go(&mut t, Event::HostKeysAdded(grant()));
-    assert_eq!(a, vec![Action::MountVolume(c.volumes[0].clone())]);
+    assert_eq!(
+        a,
+        vec![Action::Effect(Effect::MountVolume(c.volumes[0].clone()))]
+    );
     let a = go(&mut t, Event::VolumeMounted(volume()));
-    let create_dir = Action::CreateDir("/mnt/cache".into());
+    let create_dir = Action::Effect(Effect::CreateDir("/mnt/cache".into()));
     assert_eq!(a, vec![Action::Persist, create_dir]);
     assert_eq!(t.record().resources.volumes, [volume()]);
     let a = go(&mut t, Event::DirCreated("/mnt/cache".into()));
     let image = "img:1".into();
-    assert_eq!(a, vec![Action::Persist, Action::Pull { image }]);
+    assert_eq!(
+        a,
+        vec![Action::Persist, Action::Effect(Effect::Pull { image })]
+    );
     assert_eq!(t.status(), TaskStatus::Pulling);
     assert_eq!(t.record().resources.created_dirs, ["/mnt/cache"]);
     let p = PullProgress {
@@ -258,13 +270,13 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
     assert_eq!(t.info().image_pull_progress, Some(p));
     // `creating` is progress again: create goes out at once.
     let a = go(&mut t, Event::PullDone(p));
-    assert_eq!(a, vec![Action::CreateContainer]);
+    assert_eq!(a, vec![Action::Effect(Effect::CreateContainer)]);
     assert_eq!(t.record().status, TaskStatus::Creating);
     assert_eq!(t.status(), TaskStatus::Pulling);
     // The first container id is progress too (a restore finds the container by its labels):
     // the start goes out at once, and `running` carries the id and `creating` to disk.
     let a = go(&mut t, created("cid"));
-    assert_eq!(a, vec![Action::StartContainer]);
+    assert_eq!(a, vec![Action::Effect(Effect::StartContainer)]);
     assert_eq!(t.status(), TaskStatus::Pulling);
     assert!(t.is_dirty() && t.is_progress_only());
     assert_eq!(t.info().container_id, "cid");
@@ -278,7 +290,10 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
             ports: ports.clone(),
         },
     );
-    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
+    assert_eq!(
+        a,
+        vec![Action::Persist, Action::Effect(Effect::FinishStart)]
+    );
     assert_eq!(t.status(), TaskStatus::Running);
     assert_eq!(t.info().ports, Some(ports));
     assert!(t.start_in_flight());
@@ -293,22 +308,22 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
 fn minimal_created(cid: &str) -> Task {
     let mut t = new_task(&bare_config("ubuntu"));
     let a = go(&mut t, Event::StartBegan);
-    assert_eq!(a, vec![Action::AcquireGpus { count: 0 }]);
+    assert_eq!(a, vec![Action::Effect(Effect::AcquireGpus { count: 0 })]);
     // Nothing recorded changed (no GPUs), only the status moved to pulling: start progress,
     // which needs no write of its own.
     let a = go(&mut t, Event::GpusAcquired(vec![]));
     let image = "ubuntu".into();
-    assert_eq!(a, vec![Action::Pull { image }]);
+    assert_eq!(a, vec![Action::Effect(Effect::Pull { image })]);
     assert_eq!(t.info().gpu_ids, Some(vec![]));
     let a = go(&mut t, Event::PullSkipped);
-    assert_eq!(a, vec![Action::CreateContainer]);
+    assert_eq!(a, vec![Action::Effect(Effect::CreateContainer)]);
     assert_eq!(t.info().image_pull_progress, None);
     // Three statuses on, the state file still holds `pending`, and the API shows it.
     assert_eq!(t.record().status, TaskStatus::Creating);
     assert_eq!(t.status(), TaskStatus::Pending);
     // The container id is progress as well: the start goes out without a write.
     let a = go(&mut t, created(cid));
-    assert_eq!(a, vec![Action::StartContainer]);
+    assert_eq!(a, vec![Action::Effect(Effect::StartContainer)]);
     assert_eq!(t.status(), TaskStatus::Pending);
     assert!(t.is_dirty() && t.is_progress_only());
     t
@@ -319,7 +334,10 @@ fn minimal_config_skips_keys_volumes_dirs_and_a_present_image() {
     let mut t = minimal_created("cid");
     // The first write after submit is `running`, with the container id.
     let a = go(&mut t, Event::ContainerStarted { ports: vec![] });
-    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
+    assert_eq!(
+        a,
+        vec![Action::Persist, Action::Effect(Effect::FinishStart)]
+    );
     assert_eq!(t.status(), TaskStatus::Running);
     assert!(!t.is_dirty() && !t.is_progress_only());
     assert_eq!(t.record().container_id.as_deref(), Some("cid"));
@@ -363,7 +381,7 @@ fn progress_is_written_with_the_next_record_or_when_asked() {
     // A terminate while progress is unwritten: one write with both, then the cancel.
     let mut t = pulling();
     let a = go(&mut t, terminate(TerminatedByUser, "bye", 0));
-    assert_eq!(a, vec![Action::Persist, Action::CancelPull]);
+    assert_eq!(a, vec![Action::Persist, Action::Effect(Effect::CancelPull)]);
     assert_eq!(t.status(), TaskStatus::Terminated);
     assert!(!t.is_progress_only());
 }
@@ -380,7 +398,10 @@ fn start_fails_at(
 ) -> Task {
     let mut t = started_until(at);
     let a = go(&mut t, failure(message));
-    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
+    assert_eq!(
+        a,
+        vec![Action::Persist, Action::Effect(Effect::FinishStart)]
+    );
     assert_ended(&t, reason, message);
     t
 }
@@ -541,7 +562,10 @@ fn terminate_request_stores_reason_and_message_as_given() {
     let a = go(&mut t, terminate(reason, "why not", 15));
     assert_eq!(
         a,
-        vec![Action::Persist, Action::StopContainer { timeout_s: 15 }]
+        vec![
+            Action::Persist,
+            Action::Effect(Effect::StopContainer { timeout_s: 15 })
+        ]
     );
     let reason = TerminationReason::Other("brand_new_reason".into());
     assert_ended(&t, reason, "why not");
@@ -591,7 +615,10 @@ fn terminate_while_pending_finishes_start_at_once() {
     assert_eq!(a, vec![Action::Persist]);
     assert_ended(&t, TerminatedByServer, "gone");
     assert!(t.start_in_flight());
-    assert_eq!(go(&mut t, Event::StartBegan), vec![Action::FinishStart]);
+    assert_eq!(
+        go(&mut t, Event::StartBegan),
+        vec![Action::Effect(Effect::FinishStart)]
+    );
     go(&mut t, Event::StartFinished);
     assert!(!t.start_in_flight());
     assert!(t.record().resources.released);
@@ -604,7 +631,7 @@ fn terminate_while_preparing_stops_start_at_its_next_step() {
     assert_eq!(a, vec![Action::Persist]);
     // The keys step in progress completes (recorded ahead), then start finishes.
     let a = go(&mut t, Event::HostKeysAdded(grant()));
-    assert_eq!(a, vec![Action::FinishStart]);
+    assert_eq!(a, vec![Action::Effect(Effect::FinishStart)]);
     assert_eq!(t.record().resources.host_keys, Some(grant()));
     let a = go(&mut t, Event::StartFinished);
     assert_eq!(a, vec![release_of(&t)]);
@@ -616,9 +643,9 @@ fn terminate_while_preparing_stops_start_at_its_next_step() {
 fn terminate_while_pulling_cancels_the_pull_at_once() {
     let mut t = started_until(StartStep::Pull);
     let a = go(&mut t, terminate(TerminatedByUser, "cancel", 0));
-    assert_eq!(a, vec![Action::Persist, Action::CancelPull]);
+    assert_eq!(a, vec![Action::Persist, Action::Effect(Effect::CancelPull)]);
     let a = go(&mut t, pull_failed("cancelled"));
-    assert_eq!(a, vec![Action::FinishStart]);
+    assert_eq!(a, vec![Action::Effect(Effect::FinishStart)]);
     assert_ended(&t, TerminatedByUser, "cancel");
 }
 
@@ -627,7 +654,10 @@ fn terminate_while_creating_does_not_start_the_created_container() {
     let mut t = started_until(StartStep::CreateContainer);
     go(&mut t, terminate(TerminatedByUser, "", 30));
     let a = go(&mut t, created("cid"));
-    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
+    assert_eq!(
+        a,
+        vec![Action::Persist, Action::Effect(Effect::FinishStart)]
+    );
     assert_eq!(t.record().container_id.as_deref(), Some("cid"));
 }
 
@@ -638,7 +668,10 @@ fn container_started_after_terminate_is_stopped_then_released() {
     let a = go(&mut t, Event::ContainerStarted { ports: vec![] });
     assert_eq!(
         a,
-        vec![Action::StopContainer { timeout_s: 0 }, Action::FinishStart]
+        vec![
+            Action::Effect(Effect::StopContainer { timeout_s: 0 }),
+            Action::Effect(Effect::FinishStart)
+        ]
     );
     assert_eq!(t.status(), TaskStatus::Terminated);
     assert_eq!(go(&mut t, Event::ContainerStopped), vec![]);
@@ -732,12 +765,18 @@ fn failed_stop_defers_release_until_a_stop_succeeds_or_the_container_is_seen_sto
     // The reconciler's release request retries the stop first, never releases before.
     assert!(t.needs_release());
     let a = go(&mut t, Event::ReleaseRequested);
-    assert_eq!(a, vec![Action::StopContainer { timeout_s: 0 }]);
+    assert_eq!(
+        a,
+        vec![Action::Effect(Effect::StopContainer { timeout_s: 0 })]
+    );
     assert!(!t.needs_release());
     assert_eq!(go(&mut t, stop_failed("timeout")), vec![]);
     // Seen running: stopped again, at once.
     let a = go(&mut t, Event::Observed(Observation::Running));
-    assert_eq!(a, vec![Action::StopContainer { timeout_s: 0 }]);
+    assert_eq!(
+        a,
+        vec![Action::Effect(Effect::StopContainer { timeout_s: 0 })]
+    );
     let a = go(&mut t, Event::ContainerStopped);
     assert_eq!(a, vec![release_of(&t)]);
     assert!(t.release_in_flight());
@@ -758,7 +797,10 @@ fn a_failed_stop_is_retried_when_the_task_holds_nothing() {
     go(&mut t, Event::StartFinished);
     assert_eq!(t.status(), TaskStatus::Running);
     let a = go(&mut t, terminate(TerminatedByUser, "", 10));
-    assert_eq!(a.last(), Some(&Action::StopContainer { timeout_s: 10 }));
+    assert_eq!(
+        a.last(),
+        Some(&Action::Effect(Effect::StopContainer { timeout_s: 10 }))
+    );
     assert!(!t.record().resources.holds_any());
     let a = go(&mut t, stop_failed("timeout"));
     assert_eq!(a, vec![]);
@@ -768,7 +810,10 @@ fn a_failed_stop_is_retried_when_the_task_holds_nothing() {
         "but the stop is to be retried"
     );
     let a = go(&mut t, Event::Observed(Observation::Running));
-    assert_eq!(a, vec![Action::StopContainer { timeout_s: 0 }]);
+    assert_eq!(
+        a,
+        vec![Action::Effect(Effect::StopContainer { timeout_s: 0 })]
+    );
     assert!(!t.needs_retry());
     go(&mut t, Event::ContainerStopped);
     assert!(!t.needs_retry());
@@ -776,7 +821,10 @@ fn a_failed_stop_is_retried_when_the_task_holds_nothing() {
     // A container found gone settles it without another stop.
     let mut gone = t.clone();
     let a = go(&mut gone, Event::Observed(Observation::Running));
-    assert_eq!(a, vec![Action::StopContainer { timeout_s: 0 }]);
+    assert_eq!(
+        a,
+        vec![Action::Effect(Effect::StopContainer { timeout_s: 0 })]
+    );
     go(&mut gone, stop_failed("timeout"));
     assert_eq!(gone.stop(), StopState::Failed);
     assert_eq!(go(&mut gone, Event::Observed(Observation::Missing)), vec![]);
@@ -812,10 +860,10 @@ fn remove_only_from_terminated() {
     go(&mut t, release_failed("x"));
     let a = go(&mut t, Event::RemoveRequested);
     let removal = vec![
-        Action::RemoveContainer,
+        Action::Effect(Effect::RemoveContainer),
         release_of(&t),
         Action::DeleteTaskDir,
-        Action::Forget,
+        Action::Effect(Effect::Forget),
     ];
     assert_eq!(a, removal);
 }
@@ -830,9 +878,9 @@ fn remove_of_a_released_task_has_no_release() {
     assert_eq!(
         a,
         [
-            Action::RemoveContainer,
+            Action::Effect(Effect::RemoveContainer),
             Action::DeleteTaskDir,
-            Action::Forget
+            Action::Effect(Effect::Forget)
         ]
     );
 }
@@ -904,7 +952,7 @@ fn assert_idempotent(task: &Task, container: Option<ObservedContainer>) {
 }
 
 fn lock_gpu_a() -> Action {
-    Action::LockGpus(strings(&["GPU-a"]))
+    Action::Effect(Effect::LockGpus(strings(&["GPU-a"])))
 }
 
 #[test]
@@ -917,7 +965,10 @@ fn restore_recorded_reason_wins_and_a_running_container_is_stopped() {
     assert_ended(&r, TerminatedByUser, "by user");
     assert_eq!(
         a,
-        vec![lock_gpu_a(), Action::StopContainer { timeout_s: 0 }]
+        vec![
+            lock_gpu_a(),
+            Action::Effect(Effect::StopContainer { timeout_s: 0 })
+        ]
     );
     assert!(!r.start_in_flight());
     assert_idempotent(&r, Some(c));
@@ -958,7 +1009,7 @@ fn restore_an_upstream_recorded_reason_wins_over_an_exited_container() {
         assert_eq!(r.info().container_id, "cid");
         let recorded = a.contains(&Action::Persist);
         assert!(recorded, "the container id is recorded: {a:?}");
-        let stopped = a.contains(&Action::StopContainer { timeout_s: 0 });
+        let stopped = a.contains(&Action::Effect(Effect::StopContainer { timeout_s: 0 }));
         assert!(!stopped, "{a:?}");
         assert_idempotent(&r, Some(c));
         // What the reconciler then sees of the container changes nothing.
@@ -980,7 +1031,10 @@ fn restore_recorded_reason_with_a_created_container_stops_it_before_releasing() 
     assert_ended(&r, TerminatedByUser, "by user");
     assert_eq!(
         a,
-        vec![lock_gpu_a(), Action::StopContainer { timeout_s: 0 }]
+        vec![
+            lock_gpu_a(),
+            Action::Effect(Effect::StopContainer { timeout_s: 0 })
+        ]
     );
     assert!(!r.needs_release(), "released only after the stop");
 }
@@ -1060,7 +1114,7 @@ fn restore_container_without_record_adopts_it() {
     // When it ends, its recovered volumes are released.
     let a = go(&mut r, Event::Observed(exited(0, &[])));
     match &a[1] {
-        Action::Release(res) => assert_eq!(res.volumes, c.recovered_volumes),
+        Action::Effect(Effect::Release(res)) => assert_eq!(res.volumes, c.recovered_volumes),
         other => panic!("{other:?}"),
     }
 }
@@ -1087,7 +1141,7 @@ fn relock_keeps_only_the_gpus_newly_locked() {
     assert!(
         !actions
             .iter()
-            .any(|a| matches!(a, Action::Release(r) if !r.gpus.is_empty())),
+            .any(|a| matches!(a, Action::Effect(Effect::Release(r)) if !r.gpus.is_empty())),
         "{actions:?}"
     );
 }
@@ -1097,7 +1151,7 @@ fn releases_the_volume(actions: &[Action]) -> bool {
     let volume = volume();
     actions
         .iter()
-        .any(|a| matches!(a, Action::Release(res) if res.volumes.contains(&volume)))
+        .any(|a| matches!(a, Action::Effect(Effect::Release(res)) if res.volumes.contains(&volume)))
 }
 
 #[test]
@@ -1133,7 +1187,10 @@ fn a_terminate_whose_write_fails_still_stops_and_releases() {
     // still run, so the API still says running.
     assert_eq!(
         a,
-        vec![Action::Persist, Action::StopContainer { timeout_s: 10 }]
+        vec![
+            Action::Persist,
+            Action::Effect(Effect::StopContainer { timeout_s: 10 })
+        ]
     );
     assert!(t.is_dirty() && t.write_failed());
     assert_eq!(t.info().status, TaskStatus::Running);
@@ -1163,9 +1220,9 @@ fn a_terminate_whose_write_fails_still_stops_and_releases() {
     assert_eq!(
         a,
         [
-            Action::RemoveContainer,
+            Action::Effect(Effect::RemoveContainer),
             Action::DeleteTaskDir,
-            Action::Forget
+            Action::Effect(Effect::Forget)
         ]
     );
     // The reconciler's retry fails while the disk is full; a second terminate once space is
@@ -1182,10 +1239,10 @@ fn a_terminate_whose_write_fails_still_stops_and_releases() {
 fn a_terminate_during_a_pull_whose_write_fails_cancels_the_pull() {
     let mut t = started_until(StartStep::Pull);
     let a = go_disk_full(&mut t, terminate(TerminatedByUser, "", 0));
-    assert_eq!(a, vec![Action::Persist, Action::CancelPull]);
+    assert_eq!(a, vec![Action::Persist, Action::Effect(Effect::CancelPull)]);
     // Start stops at its next step and releases when it returns, the disk still full.
     let a = go_disk_full(&mut t, pull_failed("cancelled"));
-    assert_eq!(a, vec![Action::FinishStart]);
+    assert_eq!(a, vec![Action::Effect(Effect::FinishStart)]);
     assert_eq!(t.status(), TaskStatus::Pulling, "start still in flight");
     let a = go_disk_full(&mut t, Event::StartFinished);
     assert_eq!(a, vec![release_of(&t)]);
@@ -1227,7 +1284,10 @@ fn a_start_whose_write_fails_is_given_up_with_the_cause() {
     let mut t2 = new_task(&config());
     go(&mut t2, Event::StartBegan);
     let a = go_disk_full(&mut t2, Event::GpusAcquired(strings(&["GPU-a"])));
-    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
+    assert_eq!(
+        a,
+        vec![Action::Persist, Action::Effect(Effect::FinishStart)]
+    );
     assert_eq!(t2.record().status, TaskStatus::Terminated);
     let message = &t2.record().termination_message;
     assert!(
@@ -1238,7 +1298,7 @@ fn a_start_whose_write_fails_is_given_up_with_the_cause() {
     // recorded ahead were never added: removing them is a no-op).
     let a = go_disk_full(&mut t2, Event::StartFinished);
     assert!(
-        matches!(&a[..], [Action::Release(r)] if r.gpus == ["GPU-a"] && r.host_keys.is_some()),
+        matches!(&a[..], [Action::Effect(Effect::Release(r))] if r.gpus == ["GPU-a"] && r.host_keys.is_some()),
         "{a:?}"
     );
     // A step in flight is not given up by a write failure of another event.
@@ -1258,7 +1318,10 @@ fn a_start_whose_write_fails_is_given_up_with_the_cause() {
 fn a_start_whose_running_write_fails_is_not_given_up() {
     let mut t = minimal_created("cid");
     let a = go_disk_full(&mut t, Event::ContainerStarted { ports: vec![] });
-    assert_eq!(a, vec![Action::Persist, Action::FinishStart]);
+    assert_eq!(
+        a,
+        vec![Action::Persist, Action::Effect(Effect::FinishStart)]
+    );
     assert_eq!(t.record().status, TaskStatus::Running);
     assert_eq!(t.status(), TaskStatus::Running, "the container proves it");
     assert_eq!(t.saved().status, TaskStatus::Pending, "not durable");
@@ -1277,7 +1340,7 @@ fn an_abandoned_remove_leaves_nothing_in_flight() {
     go(&mut t, Event::ContainerStopped);
     go(&mut t, release_failed("busy"));
     let a = go(&mut t, Event::RemoveRequested);
-    assert_eq!(a[0], Action::RemoveContainer);
+    assert_eq!(a[0], Action::Effect(Effect::RemoveContainer));
     assert!(t.release_in_flight());
     // Docker refuses the container removal: the engine drops the rest and says so.
     let message = "cannot remove the container".into();

@@ -27,21 +27,21 @@ pub const WRITE_FAILED_PREFIX: &str = "cannot write the task's state file";
 /// The steps of start, in order. The machine waits on one at a time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum StartStep {
-    /// [`Action::AcquireGpus`].
+    /// [`Effect::AcquireGpus`].
     AcquireGpus,
-    /// [`Action::AddHostKeys`].
+    /// [`Effect::AddHostKeys`].
     AddHostKeys,
-    /// [`Action::MountVolume`] for `config.volumes[i]`.
+    /// [`Effect::MountVolume`] for `config.volumes[i]`.
     MountVolume(usize),
-    /// [`Action::CreateDir`] for `config.instance_mounts[i]`.
+    /// [`Effect::CreateDir`] for `config.instance_mounts[i]`.
     CreateDir(usize),
-    /// [`Action::Pull`].
+    /// [`Effect::Pull`].
     Pull,
-    /// [`Action::CreateContainer`].
+    /// [`Effect::CreateContainer`].
     CreateContainer,
-    /// [`Action::StartContainer`].
+    /// [`Effect::StartContainer`].
     StartContainer,
-    /// [`Action::FinishStart`]: start is returning.
+    /// [`Effect::FinishStart`]: start is returning.
     Finish,
 }
 
@@ -72,65 +72,65 @@ pub enum Event {
     /// The start job began (the task must be pending, or already terminated: then start just
     /// finishes).
     StartBegan,
-    /// Outcome of [`Action::AcquireGpus`]: these GPUs are locked for the task.
+    /// Outcome of [`Effect::AcquireGpus`]: these GPUs are locked for the task.
     GpusAcquired(Vec<String>),
-    /// Outcome of [`Action::AddHostKeys`].
+    /// Outcome of [`Effect::AddHostKeys`].
     HostKeysAdded(HostKeysGrant),
-    /// Write-ahead for [`Action::MountVolume`]: the engine is about to mount this volume here.
+    /// Write-ahead for [`Effect::MountVolume`]: the engine is about to mount this volume here.
     /// Recorded (and persisted) before the mount, so a crash during the format or the mount
     /// cannot leak it: releasing a volume that was never mounted is a no-op. Not an outcome:
     /// the step is still awaited.
     VolumeMounting(MountedVolume),
-    /// Outcome of [`Action::MountVolume`].
+    /// Outcome of [`Effect::MountVolume`].
     VolumeMounted(MountedVolume),
-    /// Outcome of [`Action::CreateDir`] when the engine created the directory.
+    /// Outcome of [`Effect::CreateDir`] when the engine created the directory.
     DirCreated(String),
-    /// Outcome of [`Action::CreateDir`] when the directory already existed (left alone).
+    /// Outcome of [`Effect::CreateDir`] when the directory already existed (left alone).
     DirExisted(String),
     /// Any preparing step failed (GPUs, keys, volume, dir): `executor_error`.
     PrepareFailed {
         /// What failed, readable.
         message: String,
     },
-    /// Outcome of [`Action::Pull`] when the image is present and not `:latest`.
+    /// Outcome of [`Effect::Pull`] when the image is present and not `:latest`.
     PullSkipped,
-    /// Pull progress (any number of times while [`Action::Pull`] is out). Never changes the
+    /// Pull progress (any number of times while [`Effect::Pull`] is out). Never changes the
     /// record.
     PullProgressed(PullProgress),
-    /// Outcome of [`Action::Pull`]: the pull completed.
+    /// Outcome of [`Effect::Pull`]: the pull completed.
     PullDone(PullProgress),
-    /// Outcome of [`Action::Pull`]: the pull failed, timed out or was cancelled.
+    /// Outcome of [`Effect::Pull`]: the pull failed, timed out or was cancelled.
     PullFailed {
         /// What failed, incl. the bytes downloaded.
         message: String,
     },
-    /// Outcome of [`Action::CreateContainer`].
+    /// Outcome of [`Effect::CreateContainer`].
     ContainerCreated {
         /// The new container's id.
         container_id: String,
     },
-    /// Outcome of [`Action::CreateContainer`]: creation failed.
+    /// Outcome of [`Effect::CreateContainer`]: creation failed.
     CreateFailed {
         /// What failed.
         message: String,
     },
-    /// While [`Action::StartContainer`] is out: the engine replaced the container with a new
+    /// While [`Effect::StartContainer`] is out: the engine replaced the container with a new
     /// one (the NVIDIA display retry). Not an outcome: the step is still awaited.
     ContainerRecreated {
         /// The new container's id.
         container_id: String,
     },
-    /// Outcome of [`Action::StartContainer`]: the container runs.
+    /// Outcome of [`Effect::StartContainer`]: the container runs.
     ContainerStarted {
         /// The published ports (`[]` in host network mode).
         ports: Vec<PortMapping>,
     },
-    /// Outcome of [`Action::StartContainer`]: start failed.
+    /// Outcome of [`Effect::StartContainer`]: start failed.
     StartFailed {
         /// Last log lines or the error.
         message: String,
     },
-    /// Outcome of [`Action::StartContainer`]: the engine refused to start the container for
+    /// Outcome of [`Effect::StartContainer`]: the engine refused to start the container for
     /// what it was created with, its devices (an unresolvable CDI device, no NVIDIA runtime
     /// for a device request): nothing ran, so the task ends `creating_container_error`, as a
     /// create the engine refused does, with the engine's words.
@@ -139,12 +139,12 @@ pub enum Event {
         message: String,
     },
     /// The start job hit an error of its own and is returning early: `executor_error`, then
-    /// [`Action::FinishStart`].
+    /// [`Effect::FinishStart`].
     StartAborted {
         /// What went wrong.
         message: String,
     },
-    /// The start job returned (it steps this after [`Action::FinishStart`], and also when it
+    /// The start job returned (it steps this after [`Effect::FinishStart`], and also when it
     /// ends any other way): start no longer owns the task.
     StartFinished,
     /// A terminate request.
@@ -156,10 +156,10 @@ pub enum Event {
         /// Seconds Docker waits after SIGTERM before SIGKILL.
         timeout_s: u64,
     },
-    /// Outcome of [`Action::StopContainer`]: the container no longer runs (a missing container
+    /// Outcome of [`Effect::StopContainer`]: the container no longer runs (a missing container
     /// counts as stopped).
     ContainerStopped,
-    /// Outcome of [`Action::StopContainer`]: stopping failed.
+    /// Outcome of [`Effect::StopContainer`]: stopping failed.
     StopFailed {
         /// What failed.
         message: String,
@@ -170,9 +170,9 @@ pub enum Event {
     /// The reconciler's view of the task's container (ignored while start is in flight).
     Observed(Observation),
     /// The reconciler asks for a release of what a terminated task still holds (emits
-    /// [`Action::Release`] when [`Task::needs_release`](super::Task::needs_release)); it also ends a release backoff.
+    /// [`Effect::Release`] when [`Task::needs_release`](super::Task::needs_release)); it also ends a release backoff.
     ReleaseRequested,
-    /// Outcome of [`Action::Release`]: what WAS released (partial success is allowed; what is
+    /// Outcome of [`Effect::Release`]: what WAS released (partial success is allowed; what is
     /// not listed stays recorded and is retried on a later cycle).
     Released {
         /// Unlocked GPU ids.
@@ -184,12 +184,12 @@ pub enum Event {
         /// The hold on key lines of unknown origin was dropped.
         unknown_keys: bool,
     },
-    /// Outcome of [`Action::Release`]: nothing more could be released now.
+    /// Outcome of [`Effect::Release`]: nothing more could be released now.
     ReleaseFailed {
         /// What failed.
         message: String,
     },
-    /// Outcome of [`Action::LockGpus`] (restore): these GPUs are locked again.
+    /// Outcome of [`Effect::LockGpus`] (restore): these GPUs are locked again.
     GpusRelocked(Vec<String>),
     /// Outcome of [`Action::Persist`]: the record is on disk.
     Persisted,
@@ -212,12 +212,72 @@ pub enum Event {
     },
 }
 
-/// Something the engine must do, in the order given.
+/// Something the engine must do, in the order given: the record room's own (the record
+/// written, its directory deleted) or an [`Effect`] on the world outside the task's record.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
     /// Write the task's record to its state file now. Always alone in its list. Outcome:
     /// [`Event::Persisted`] or [`Event::PersistFailed`], stepped under the same lock.
     Persist,
+    /// Delete the task directory (renamed to a trash name first). No outcome.
+    DeleteTaskDir,
+    /// Carry out an effect.
+    Effect(Effect),
+}
+
+impl From<Effect> for Action {
+    fn from(effect: Effect) -> Self {
+        Self::Effect(effect)
+    }
+}
+
+impl Action {
+    /// Whether the action has an effect outside the task's memory and state file.
+    pub fn is_side_effect(&self) -> bool {
+        match self {
+            Self::Persist => false,
+            Self::DeleteTaskDir => true,
+            Self::Effect(effect) => effect.is_side_effect(),
+        }
+    }
+
+    /// Whether the action may only run once the record that called for it is durable: every
+    /// side effect but GPU relocks (memory only) and the steps of a remove (which runs on a
+    /// durably terminated task and deletes its record).
+    pub fn needs_durable_record(&self) -> bool {
+        match self {
+            Self::Persist | Self::DeleteTaskDir => false,
+            Self::Effect(effect) => {
+                effect.is_side_effect()
+                    && !matches!(effect, Effect::LockGpus(_) | Effect::RemoveContainer)
+            }
+        }
+    }
+
+    /// Whether this is a step of start ([`Task::start_step`](super::Task::start_step)'s action, or its end): the only
+    /// side effects that may go out while the unwritten part of the record is start progress
+    /// ([`Task::is_progress_only`](super::Task::is_progress_only)).
+    pub fn is_start_step(&self) -> bool {
+        matches!(
+            self,
+            Self::Effect(
+                Effect::AcquireGpus { .. }
+                    | Effect::AddHostKeys(_)
+                    | Effect::MountVolume(_)
+                    | Effect::CreateDir(_)
+                    | Effect::Pull { .. }
+                    | Effect::CreateContainer
+                    | Effect::StartContainer
+                    | Effect::FinishStart
+            )
+        )
+    }
+}
+
+/// What the engine carries out outside the task's record: on the host's resources, the
+/// container engine and the task's memory. Each says its outcome event, if any.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Effect {
     /// Lock GPUs (`-1` all available, `0` none, `N` exactly N). Outcome:
     /// [`Event::GpusAcquired`] or [`Event::PrepareFailed`].
     AcquireGpus {
@@ -264,8 +324,6 @@ pub enum Action {
     /// Force-remove the container. No outcome; on failure the engine stops carrying out the
     /// rest of the list (and steps [`Event::ActionsAbandoned`]).
     RemoveContainer,
-    /// Delete the task directory (renamed to a trash name first). No outcome.
-    DeleteTaskDir,
     /// Drop the task from memory. No outcome.
     Forget,
     /// Start is done: the start job returns, then steps [`Event::StartFinished`].
@@ -276,38 +334,10 @@ pub enum Action {
     LockGpus(Vec<String>),
 }
 
-impl Action {
-    /// Whether the action has an effect outside the task's memory and state file.
+impl Effect {
+    /// Whether the effect reaches outside the task's memory.
     pub fn is_side_effect(&self) -> bool {
-        !matches!(self, Self::Persist | Self::FinishStart | Self::Forget)
-    }
-
-    /// Whether the action may only run once the record that called for it is durable: every
-    /// side effect but GPU relocks (memory only) and the steps of a remove (which runs on a
-    /// durably terminated task and deletes its record).
-    pub fn needs_durable_record(&self) -> bool {
-        self.is_side_effect()
-            && !matches!(
-                self,
-                Self::LockGpus(_) | Self::RemoveContainer | Self::DeleteTaskDir
-            )
-    }
-
-    /// Whether this is a step of start ([`Task::start_step`](super::Task::start_step)'s action, or its end): the only
-    /// side effects that may go out while the unwritten part of the record is start progress
-    /// ([`Task::is_progress_only`](super::Task::is_progress_only)).
-    pub fn is_start_step(&self) -> bool {
-        matches!(
-            self,
-            Self::AcquireGpus { .. }
-                | Self::AddHostKeys(_)
-                | Self::MountVolume(_)
-                | Self::CreateDir(_)
-                | Self::Pull { .. }
-                | Self::CreateContainer
-                | Self::StartContainer
-                | Self::FinishStart
-        )
+        !matches!(self, Self::FinishStart | Self::Forget)
     }
 }
 

@@ -53,7 +53,7 @@
 //!   the step that returned it, and step [`Event::Persisted`] or [`Event::PersistFailed`]
 //!   before the lock is released: no other step of the task may come between.
 //! - Step the outcome of every action that has one (see each [`Action`]) — in particular one
-//!   of [`Event::Released`] / [`Event::ReleaseFailed`] for every [`Action::Release`], and
+//!   of [`Event::Released`] / [`Event::ReleaseFailed`] for every [`Effect::Release`], and
 //!   [`Event::StartFinished`] whenever the start job returns, however it returns.
 //! - When it stops carrying out a list because an action failed without an outcome event,
 //!   step [`Event::ActionsAbandoned`] with that action and the rest of the list, so nothing
@@ -92,8 +92,8 @@ mod transition;
 
 pub(crate) use durability::finish_restore;
 pub use event::{
-    Action, EXIT_MESSAGE_LINES, Event, NEVER_STARTED_MESSAGE, OOM_NOTE, Observation, StartStep,
-    TransitionError, VANISHED_MESSAGE, WRITE_FAILED_PREFIX,
+    Action, EXIT_MESSAGE_LINES, Effect, Event, NEVER_STARTED_MESSAGE, OOM_NOTE, Observation,
+    StartStep, TransitionError, VANISHED_MESSAGE, WRITE_FAILED_PREFIX,
 };
 pub use task::{Saved, StopState, Task};
 pub use transition::{Transition, exit_message, step};

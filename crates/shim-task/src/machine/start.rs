@@ -1,7 +1,7 @@
 //! The chain of start steps: which steps a config has, the action of each, and moving from
 //! one to the next as outcomes arrive.
 
-use super::event::{Action, Event, StartStep, TransitionError};
+use super::event::{Action, Effect, Event, StartStep, TransitionError};
 use super::task::{StopState, Task};
 use crate::config::TaskConfig;
 use crate::info::HostKeysGrant;
@@ -28,23 +28,27 @@ fn plan(config: &TaskConfig) -> Vec<StartStep> {
 pub(super) fn start_action(config: Option<&TaskConfig>, step: StartStep) -> Option<Action> {
     let c = config?;
     match step {
-        StartStep::Finish => Some(Action::FinishStart),
-        StartStep::AcquireGpus => Some(Action::AcquireGpus { count: c.gpu }),
-        StartStep::AddHostKeys => Some(Action::AddHostKeys(HostKeysGrant {
+        StartStep::Finish => Some(Action::Effect(Effect::FinishStart)),
+        StartStep::AcquireGpus => Some(Action::Effect(Effect::AcquireGpus { count: c.gpu })),
+        StartStep::AddHostKeys => Some(Action::Effect(Effect::AddHostKeys(HostKeysGrant {
             user: c.host_ssh_user.clone(),
             keys: c.host_keys().0,
             upstream: false,
-        })),
-        StartStep::MountVolume(i) => c.volumes.get(i).cloned().map(Action::MountVolume),
+        }))),
+        StartStep::MountVolume(i) => c
+            .volumes
+            .get(i)
+            .cloned()
+            .map(|v| Action::Effect(Effect::MountVolume(v))),
         StartStep::CreateDir(i) => c
             .instance_mounts
             .get(i)
-            .map(|m| Action::CreateDir(m.instance_path.clone())),
-        StartStep::Pull => Some(Action::Pull {
+            .map(|m| Action::Effect(Effect::CreateDir(m.instance_path.clone()))),
+        StartStep::Pull => Some(Action::Effect(Effect::Pull {
             image: c.image_name.clone(),
-        }),
-        StartStep::CreateContainer => Some(Action::CreateContainer),
-        StartStep::StartContainer => Some(Action::StartContainer),
+        })),
+        StartStep::CreateContainer => Some(Action::Effect(Effect::CreateContainer)),
+        StartStep::StartContainer => Some(Action::Effect(Effect::StartContainer)),
     }
 }
 
@@ -53,17 +57,17 @@ pub(super) fn start_action(config: Option<&TaskConfig>, step: StartStep) -> Opti
 /// without config) finishes start.
 pub(super) fn begin(t: &mut Task, step: StartStep) {
     let step = match start_action(t.config(), step) {
-        Some(Action::AddHostKeys(grant)) => {
+        Some(Action::Effect(Effect::AddHostKeys(grant))) => {
             // Recorded ahead (and persisted before the add): a crash during the add cannot
             // leak the keys, and removing a task's keys that were never added is a no-op.
             t.record.resources.host_keys = Some(grant);
             step
         }
-        Some(Action::Pull { .. }) => {
+        Some(Action::Effect(Effect::Pull { .. })) => {
             t.set_status(TaskStatus::Pulling);
             step
         }
-        Some(Action::CreateContainer) => {
+        Some(Action::Effect(Effect::CreateContainer)) => {
             t.set_status(TaskStatus::Creating);
             step
         }

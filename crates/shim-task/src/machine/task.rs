@@ -19,7 +19,7 @@ pub enum StopState {
         /// Seconds between SIGTERM and SIGKILL.
         timeout_s: u64,
     },
-    /// [`Action::StopContainer`](super::Action::StopContainer) is out: release waits for its outcome, since the container may
+    /// [`Effect::StopContainer`](super::Effect::StopContainer) is out: release waits for its outcome, since the container may
     /// still use the resources.
     InFlight,
     /// The last stop failed: the container may still run, so release waits until the
@@ -88,11 +88,11 @@ pub struct Task {
     /// The action of `start_step` is out (its outcome is awaited); false while it waits to be
     /// emitted.
     pub(crate) start_step_out: bool,
-    /// A [`Action::CancelPull`](super::Action::CancelPull) is called for.
+    /// A [`Effect::CancelPull`](super::Effect::CancelPull) is called for.
     pub(crate) cancel_pull: bool,
     /// Where stopping the container stands.
     pub(crate) stop: StopState,
-    /// An [`Action::Release`](super::Action::Release) is out and its outcome not yet stepped: no second one is emitted.
+    /// An [`Effect::Release`](super::Effect::Release) is out and its outcome not yet stepped: no second one is emitted.
     pub(crate) release_in_flight: bool,
     /// A release or a stop just failed: the next one waits for the reconciler's next cycle
     /// ([`Event::ReleaseRequested`](super::Event::ReleaseRequested)), never a tight loop.
@@ -246,7 +246,7 @@ impl Task {
         self.stop
     }
 
-    /// An [`Action::Release`](super::Action::Release) is out and its outcome not yet stepped.
+    /// An [`Effect::Release`](super::Effect::Release) is out and its outcome not yet stepped.
     pub fn release_in_flight(&self) -> bool {
         self.release_in_flight
     }
@@ -292,7 +292,7 @@ impl Task {
     /// Whether a release is due now: terminated (durably), holding something, start not in
     /// flight, no stop wanted or in flight and no release already out. The reconciler asks
     /// this every cycle and then steps [`Event::ReleaseRequested`](super::Event::ReleaseRequested), which emits
-    /// [`Action::Release`](super::Action::Release) — or, when the last stop failed, [`Action::StopContainer`](super::Action::StopContainer) again
+    /// [`Effect::Release`](super::Effect::Release) — or, when the last stop failed, [`Effect::StopContainer`](super::Effect::StopContainer) again
     /// first (release waits for a successful stop, since the container may still use the
     /// resources).
     pub fn needs_release(&self) -> bool {

@@ -4,8 +4,8 @@
 
 use super::durability::{PLAIN, Shape, finish};
 use super::event::{
-    Action, EXIT_MESSAGE_LINES, Event, NEVER_STARTED_MESSAGE, OOM_NOTE, Observation, StartStep,
-    TransitionError, VANISHED_MESSAGE, WRITE_FAILED_PREFIX,
+    Action, EXIT_MESSAGE_LINES, Effect, Event, NEVER_STARTED_MESSAGE, OOM_NOTE, Observation,
+    StartStep, TransitionError, VANISHED_MESSAGE, WRITE_FAILED_PREFIX,
 };
 use super::start::{begin, on_start_event};
 use super::task::{Saved, StopState, Task};
@@ -210,13 +210,13 @@ fn remove_requested(t: &mut Task, actions: &mut Vec<Action>) -> Result<Shape, Tr
     if matches!(t.stop, StopState::Wanted { .. } | StopState::Failed) {
         t.stop = StopState::Idle;
     }
-    actions.push(Action::RemoveContainer);
+    actions.push(Action::Effect(Effect::RemoveContainer));
     if t.record.resources.holds_any() {
         t.release_in_flight = true;
-        actions.push(Action::Release(t.held()));
+        actions.push(Action::Effect(Effect::Release(t.held())));
     }
     actions.push(Action::DeleteTaskDir);
-    actions.push(Action::Forget);
+    actions.push(Action::Effect(Effect::Forget));
     Ok(PLAIN)
 }
 
@@ -305,15 +305,15 @@ fn actions_abandoned(t: &mut Task, abandoned: &[Action], message: String) {
     t.release_backoff = true;
     for a in abandoned {
         match a {
-            Action::StopContainer { .. } => t.stop = StopState::Failed,
+            Action::Effect(Effect::StopContainer { .. }) => t.stop = StopState::Failed,
             // Remove dropped the stop it made moot; a removal that failed leaves a container
             // that may still run: it must stop before anything is released (found by the
             // property test: a later terminate released while the container ran).
-            Action::RemoveContainer if t.stop == StopState::Idle => {
+            Action::Effect(Effect::RemoveContainer) if t.stop == StopState::Idle => {
                 t.stop = StopState::Failed;
             }
-            Action::Release(_) => t.release_in_flight = false,
-            Action::CancelPull => t.cancel_pull = true,
+            Action::Effect(Effect::Release(_)) => t.release_in_flight = false,
+            Action::Effect(Effect::CancelPull) => t.cancel_pull = true,
             a if a.is_start_step() && t.start_in_flight && t.start_step_out => {
                 // The awaited outcome will never come: start is given up.
                 t.cancel_pull = false;
