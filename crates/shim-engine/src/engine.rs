@@ -23,8 +23,7 @@ use crate::changes::Subscription;
 use crate::config::EngineConfig;
 use crate::counters::Metrics;
 use crate::deps::Deps;
-use crate::driver::Driver;
-use crate::effects::Effects;
+use crate::driver::{Driver, EffectParts};
 use crate::error::{EngineError, Result, chain};
 use crate::gpus::GpuHealthWatch;
 use crate::health::EngineHealth;
@@ -156,29 +155,28 @@ impl Engine {
             clock,
             deps.fs.clone(),
         ));
-        let effects = Arc::new(Effects::new(
-            cfg.clone(),
-            owner.clone(),
-            Deps {
-                runtime: runtime.clone(),
-                ..deps
+        let driver = Arc::new(Driver::new(
+            RecordKeeper::new(records, metrics.clone(), clock),
+            EffectParts {
+                cfg: cfg.clone(),
+                owner: owner.clone(),
+                deps: Deps {
+                    runtime: runtime.clone(),
+                    ..deps
+                },
+                table: table.clone(),
+                home: home.clone(),
+                ownership: ownership.clone(),
+                images: images.clone(),
             },
-            table.clone(),
-            home.clone(),
-            ownership.clone(),
-            images.clone(),
         ));
-        let gpus = effects.gpus().clone();
-        let gpu_passing = effects.gpu_passing().clone();
+        let gpus = driver.gpus().clone();
+        let gpu_passing = driver.gpu_passing().clone();
         // Which way GPUs go to containers is decided (and logged) now on a GPU host, and again
         // at each GPU task's create.
         if !fake_gpus && !gpus_total_is_zero {
             gpu_passing.current().await;
         }
-        let driver = Arc::new(Driver::new(
-            RecordKeeper::new(records, metrics.clone(), clock),
-            effects,
-        ));
         let shutdown = CancellationToken::new();
         let reconciler = Arc::new(Reconciler::new(ReconcilerParts {
             table: table.clone(),

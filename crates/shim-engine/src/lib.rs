@@ -55,7 +55,6 @@ mod config;
 mod counters;
 mod deps;
 mod driver;
-mod effects;
 mod engine;
 mod error;
 mod gpus;

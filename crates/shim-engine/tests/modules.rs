@@ -143,9 +143,9 @@ fn the_engines_modules_import_each_other_in_no_circle() {
         Path::new(env!("CARGO_MANIFEST_DIR")),
         &[
             ("engine", "driver"),
-            ("driver", "effects"),
+            ("driver", "driver::effects"),
             ("driver", "records"),
-            ("effects", "records"),
+            ("driver::effects", "records"),
             ("table", "records"),
             ("metrics", "table"),
             ("reconcile", "driver"),

@@ -9,6 +9,10 @@
 //! below ([`crate::records`]) knows nothing of effects, and the effects know nothing of this
 //! room: the layers run one way (driver → effects → records).
 
+mod effects;
+
+pub(crate) use effects::EffectParts;
+use effects::Effects;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,7 +22,6 @@ use shim_task::machine::{Action, Event, Task, TransitionError};
 
 use crate::changes::Subscription;
 use crate::clock::Clock;
-use crate::effects::Effects;
 use crate::error::{EngineError, Result, chain};
 use crate::records::{RecordKeeper, Recorder, Slot, StartingGuard};
 
@@ -39,9 +42,21 @@ const START_SETTLE: Duration = Duration::from_secs(4);
 const RELEASE_SETTLE: Duration = Duration::from_secs(4);
 
 impl Driver {
-    /// A driver stepping through `records` and carrying out actions through `effects`.
-    pub(crate) fn new(records: RecordKeeper, effects: Arc<Effects>) -> Self {
+    /// A driver stepping through `records` and carrying out effects through the effects it
+    /// makes of `parts` (no other room can name them).
+    pub(crate) fn new(records: RecordKeeper, parts: EffectParts) -> Self {
+        let effects = Arc::new(Effects::new(parts));
         Self { records, effects }
+    }
+
+    /// The GPU lock (the effects' own).
+    pub(crate) fn gpus(&self) -> &Arc<shim_resources::GpuLock> {
+        self.effects.gpus()
+    }
+
+    /// How GPUs go to containers (the effects' own).
+    pub(crate) fn gpu_passing(&self) -> &Arc<crate::gpus::GpuPassing> {
+        self.effects.gpu_passing()
     }
 
     /// The clock records and changes are stamped with.

@@ -35,7 +35,25 @@ use crate::spec::{SpecContext, container_spec};
 use crate::table::TaskTable;
 
 /// What carries out the state machine's actions (see the module docs).
-pub(crate) struct Effects {
+/// What the effects are made of (the engine's parts they act on).
+pub(crate) struct EffectParts {
+    /// The engine's configuration.
+    pub(crate) cfg: EngineConfig,
+    /// This home's owner identity.
+    pub(crate) owner: String,
+    /// The host's resources and the container engine.
+    pub(crate) deps: Deps,
+    /// The tasks.
+    pub(crate) table: Arc<TaskTable>,
+    /// The store as everyone but the records sees it.
+    pub(crate) home: Home,
+    /// Which containers are this home's.
+    pub(crate) ownership: Ownership,
+    /// The image ledger and collection.
+    pub(crate) images: Arc<ImageGc>,
+}
+
+pub(super) struct Effects {
     cfg: EngineConfig,
     owner: String,
     runtime: Arc<dyn ContainerRuntime>,
@@ -61,15 +79,16 @@ pub(crate) struct Effects {
 impl Effects {
     /// The effects of an engine configured by `cfg`, on `deps` (whose runtime is the one every
     /// request goes through), locking the GPUs of `deps.host_gpus`.
-    pub(crate) fn new(
-        cfg: EngineConfig,
-        owner: String,
-        deps: Deps,
-        table: Arc<TaskTable>,
-        home: Home,
-        ownership: Ownership,
-        images: Arc<ImageGc>,
-    ) -> Self {
+    pub(super) fn new(parts: EffectParts) -> Self {
+        let EffectParts {
+            cfg,
+            owner,
+            deps,
+            table,
+            home,
+            ownership,
+            images,
+        } = parts;
         let gpu_passing = Arc::new(GpuPassing::new(
             cfg.gpu_device_mode,
             deps.host_gpus.clone(),
@@ -95,12 +114,12 @@ impl Effects {
     }
 
     /// The GPU lock (which GPUs tasks hold now).
-    pub(crate) fn gpus(&self) -> &Arc<GpuLock> {
+    pub(super) fn gpus(&self) -> &Arc<GpuLock> {
         &self.gpus
     }
 
     /// How GPUs reach containers (the room).
-    pub(crate) fn gpu_passing(&self) -> &Arc<GpuPassing> {
+    pub(super) fn gpu_passing(&self) -> &Arc<GpuPassing> {
         &self.gpu_passing
     }
 
@@ -131,7 +150,7 @@ impl Effects {
     /// Carries out `effect` for the task in `slot`. Returns the outcome event, if the effect
     /// has one. An error stops the driver (the caller decides what that means for the task).
     /// What must be recorded in the middle of the effect goes through `recorder`.
-    pub(crate) async fn execute(
+    pub(super) async fn execute(
         &self,
         slot: &Arc<Slot>,
         effect: Effect,
@@ -654,7 +673,7 @@ fn is_device_refusal(message: &str) -> bool {
 }
 
 /// The container id if known, else its name (the name is fixed at submit).
-pub(crate) fn container_ref(slot: &Slot) -> String {
+fn container_ref(slot: &Slot) -> String {
     slot.read(|t| {
         let record = t.record();
         record
