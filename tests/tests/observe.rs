@@ -16,6 +16,8 @@
     reason = "test code: a failed unwrap is a failed test; logs go to stderr"
 )]
 
+mod world;
+
 use std::collections::BTreeSet;
 use std::io::{BufReader, Read as _};
 use std::net::{SocketAddr, TcpStream};
@@ -49,15 +51,6 @@ fn submit(shim: &TestShim, id: &str) -> Value {
         "gpu": 0, "network_mode": "bridge", "container_user": "root",
     });
     shim.submit(&config).ok()
-}
-
-/// Runs task `id` to its end: submitted, running, the runner exits 0 (→ `done_by_runner`).
-fn run_to_exit(shim: &TestShim, id: &str) {
-    submit(shim, id);
-    let info = shim.wait_status(id, "running");
-    shim.exit_runner(&info, 0);
-    let info = shim.wait_status(id, "terminated");
-    assert_eq!(info["termination_reason"], "done_by_runner", "{info}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -211,104 +204,6 @@ fn events_follow_a_task_from_submit_to_removal_and_json_logs() {
             "no {message:?} line with task={id}: {task_messages:?}"
         );
     }
-}
-
-/// `GET /metrics` parses as OpenMetrics and its figures follow a task: submits, tasks by
-/// status, Docker creates, the exit → terminated histogram, terminations by reason; the build
-/// info names the version the healthcheck answers. `GET /api/ready` answers ready.
-#[test]
-#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
-fn metrics_parse_and_move_as_a_task_runs() {
-    require_docker();
-    let shim = start(&[]);
-    let ready = shim.send(&Request::get("/api/ready"));
-    assert_eq!(ready.status, 200, "{ready:?}");
-    let ready = ready.json().unwrap();
-    assert_eq!(ready["ready"], true, "{ready}");
-    assert_eq!(ready["events_connected"], true, "{ready}");
-
-    let version = shim.ok(&Request::get("/api/healthcheck"))["version"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let before = shim.metrics();
-    assert_eq!(before.types["dstack_shim_build"], "info");
-    assert_eq!(
-        before.get("dstack_shim_build_info", &[("version", &version)]),
-        1.0
-    );
-    assert_eq!(before.types["dstack_shim_tasks_submitted"], "counter");
-    assert_eq!(
-        before.types["dstack_shim_exit_to_terminated_seconds"],
-        "histogram"
-    );
-    assert_eq!(before.get("dstack_shim_tasks_submitted_total", &[]), 0.0);
-    assert_eq!(
-        before.get("dstack_shim_tasks", &[("status", "running")]),
-        0.0
-    );
-    let creates = |m: &Metrics| m.get("dstack_shim_docker_requests_total", &[("op", "create")]);
-    let exits = |m: &Metrics| m.get("dstack_shim_exit_to_terminated_seconds_count", &[]);
-    assert_eq!(creates(&before), 0.0);
-    assert_eq!(exits(&before), 0.0);
-
-    let id = shim.unique_id("metrics-1");
-    let id = id.as_str();
-    submit(&shim, id);
-    shim.wait_status(id, "running");
-    let running = shim.metrics();
-    assert_eq!(running.get("dstack_shim_tasks_submitted_total", &[]), 1.0);
-    assert_eq!(
-        running.get("dstack_shim_tasks", &[("status", "running")]),
-        1.0
-    );
-    assert_eq!(creates(&running), 1.0);
-    assert_eq!(
-        running.get("dstack_shim_submit_to_running_seconds_count", &[]),
-        1.0
-    );
-    assert_eq!(exits(&running), 0.0);
-
-    let info = shim.info(id);
-    shim.exit_runner(&info, 0);
-    shim.wait_status(id, "terminated");
-    let ended = shim.metrics();
-    assert_eq!(
-        ended.get("dstack_shim_tasks", &[("status", "running")]),
-        0.0
-    );
-    assert_eq!(
-        ended.get("dstack_shim_tasks", &[("status", "terminated")]),
-        1.0
-    );
-    assert_eq!(exits(&ended), 1.0);
-    assert_eq!(
-        ended.get(
-            "dstack_shim_tasks_terminated_total",
-            &[("reason", "done_by_runner")]
-        ),
-        1.0
-    );
-
-    shim.remove_retrying(id);
-    let removed = shim.metrics();
-    assert_eq!(
-        removed.get("dstack_shim_tasks", &[("status", "terminated")]),
-        0.0
-    );
-    assert_eq!(removed.get("dstack_shim_tasks_submitted_total", &[]), 1.0);
-    // A second task moves the counters again.
-    let second_id = shim.unique_id("metrics-2");
-    run_to_exit(&shim, &second_id);
-    shim.remove_retrying(&second_id);
-    let second = shim.metrics();
-    assert_eq!(second.get("dstack_shim_tasks_submitted_total", &[]), 2.0);
-    assert_eq!(creates(&second), 2.0);
-    assert_eq!(exits(&second), 2.0);
-    assert!(
-        second.get("dstack_shim_events_connected", &[]) == 1.0,
-        "the event stream is connected"
-    );
 }
 
 /// Issue 28, part 4: each running task's usage in `/metrics`, read from its container's
@@ -471,3 +366,90 @@ fn a_stalled_pull_is_an_event_a_termination_and_a_count() {
     );
     shim.remove_retrying(id);
 }
+
+// The metrics move as tasks run: submitted, running, the GPUs locked, a create, the time to
+// running; then the exit seen as a `die` event, the termination by reason and the time from
+// exit to terminated, the GPUs free again; a remove leaves the counters; a second task moves
+// them again. The families have their OpenMetrics types (the strict parser reads every scrape).
+// The binary also answers `/api/ready` and names its build.
+async fn metrics_move_as_tasks_run<W: world::World>() {
+    let w = W::new(world::Options::default()).await;
+    if let Some(shim) = w.binary() {
+        let ready = shim.send(&Request::get("/api/ready"));
+        assert_eq!(ready.status, 200, "{ready:?}");
+        let ready = ready.json().unwrap();
+        assert_eq!(ready["ready"], true, "{ready}");
+        assert_eq!(ready["events_connected"], true, "{ready}");
+        let version = shim.ok(&Request::get("/api/healthcheck"))["version"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let build = shim.metrics();
+        assert_eq!(build.types["dstack_shim_build"], "info");
+        let info = build.get("dstack_shim_build_info", &[("version", &version)]);
+        assert_eq!(info, 1.0);
+    }
+    let creates = |m: &Metrics| m.get("dstack_shim_docker_requests_total", &[("op", "create")]);
+    let exits = |m: &Metrics| m.get("dstack_shim_exit_to_terminated_seconds_count", &[]);
+    let tasks = |m: &Metrics, status: &str| m.get("dstack_shim_tasks", &[("status", status)]);
+    let submitted = |m: &Metrics| m.get("dstack_shim_tasks_submitted_total", &[]);
+    let locked = |m: &Metrics| m.get("dstack_shim_gpus_locked", &[]);
+
+    let before = w.metrics().await;
+    assert_eq!(before.types["dstack_shim_tasks_submitted"], "counter");
+    let histogram = &before.types["dstack_shim_exit_to_terminated_seconds"];
+    assert_eq!(histogram, "histogram");
+    assert_eq!(
+        before.get("dstack_shim_gpus_total", &[]),
+        world::GPUS as f64
+    );
+    assert_eq!((submitted(&before), tasks(&before, "running")), (0.0, 0.0));
+    assert_eq!((creates(&before), exits(&before)), (0.0, 0.0));
+
+    w.submit(&w.task("m1", 1)).await.unwrap();
+    let info = w.wait_status("m1", "running").await;
+    let running = w.metrics().await;
+    assert_eq!(submitted(&running), 1.0);
+    assert_eq!(tasks(&running, "running"), 1.0);
+    assert_eq!(locked(&running), 1.0);
+    assert_eq!(creates(&running), 1.0);
+    let to_running = running.get("dstack_shim_submit_to_running_seconds_count", &[]);
+    assert_eq!(to_running, 1.0);
+    assert_eq!(exits(&running), 0.0);
+
+    w.exit_runner(&info, 0).await;
+    w.wait_status("m1", "terminated").await;
+    w.wait_all_gpus_free().await;
+    let ended = w.metrics().await;
+    assert_eq!(tasks(&ended, "running"), 0.0);
+    assert_eq!(exits(&ended), 1.0);
+    let reason = [("reason", "done_by_runner")];
+    assert_eq!(
+        ended.get("dstack_shim_tasks_terminated_total", &reason),
+        1.0
+    );
+    let dies = ended.get("dstack_shim_events_received_total", &[("kind", "die")]);
+    assert!(dies >= 1.0, "{dies}");
+    assert_eq!(locked(&ended), 0.0);
+    assert!(
+        ended
+            .try_get("dstack_shim_reconcile_last_success_age_seconds", &[])
+            .is_some()
+    );
+
+    w.remove("m1").await;
+    let removed = w.metrics().await;
+    assert_eq!(tasks(&removed, "terminated"), 0.0);
+    assert_eq!(submitted(&removed), 2.0, "m1 and the GPU probe");
+    w.submit(&w.task("m2", 0)).await.unwrap();
+    let info = w.wait_status("m2", "running").await;
+    w.exit_runner(&info, 0).await;
+    w.wait_status("m2", "terminated").await;
+    w.remove("m2").await;
+    let second = w.metrics().await;
+    assert_eq!(submitted(&second), 3.0);
+    assert_eq!(creates(&second), 3.0);
+    assert_eq!(exits(&second), 2.0);
+    assert_eq!(second.get("dstack_shim_events_connected", &[]), 1.0);
+}
+in_worlds!(metrics_move_as_tasks_run: fake, docker, binary);

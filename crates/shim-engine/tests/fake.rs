@@ -1360,69 +1360,6 @@ async fn subscribers_see_every_change_of_fifty_concurrent_tasks_in_order() {
     }
 }
 
-/// The metrics are Prometheus text and move as tasks run.
-#[tokio::test(start_paused = true)]
-async fn metrics_move_as_tasks_run() {
-    let w = World::new(2);
-    let engine = w.engine().await;
-    let scrape = || scrape(&engine);
-    let before = scrape();
-    assert!(
-        before.contains("dstack_shim_tasks_submitted_total 0"),
-        "{before}"
-    );
-    assert!(before.contains("dstack_shim_gpus_total 2"), "{before}");
-    let mut c = config("m1");
-    c.gpu = 1;
-    engine.submit(c).await.unwrap();
-    let info = wait_status(&engine, "m1", TaskStatus::Running).await;
-    let running = scrape();
-    assert!(
-        running.contains("dstack_shim_tasks_submitted_total 1"),
-        "{running}"
-    );
-    assert!(
-        running.contains("dstack_shim_tasks{status=\"running\"} 1"),
-        "{running}"
-    );
-    assert!(running.contains("dstack_shim_gpus_locked 1"), "{running}");
-    assert!(
-        running.contains("dstack_shim_submit_to_running_seconds_count 1"),
-        "{running}"
-    );
-    assert!(
-        running.contains("dstack_shim_docker_requests_total{op=\"create\"} 1"),
-        "{running}"
-    );
-    assert!(w.runtime.exit(&info.container_id, 0));
-    wait_status(&engine, "m1", TaskStatus::Terminated).await;
-    wait_released(&engine, &w, "m1").await;
-    let done = scrape();
-    assert!(
-        done.contains("dstack_shim_tasks_terminated_total{reason=\"done_by_runner\"} 1"),
-        "{done}"
-    );
-    assert!(
-        done.contains("dstack_shim_exit_to_terminated_seconds_count 1"),
-        "{done}"
-    );
-    assert!(
-        done.contains("dstack_shim_events_received_total{kind=\"die\"} 1"),
-        "{done}"
-    );
-    assert!(done.contains("dstack_shim_gpus_locked 0"), "{done}");
-    assert!(
-        done.contains("dstack_shim_reconcile_last_success_age_seconds"),
-        "{done}"
-    );
-    assert!(
-        done.ends_with("# EOF\n"),
-        "OpenMetrics text ends with # EOF"
-    );
-    let health = engine.health();
-    assert!(health.events_connected && health.is_ready(), "{health:?}");
-}
-
 /// A state file as the upstream shim writes it (Go's `json.Marshal` of its state struct:
 /// `version`, `id`, `config` in `TaskConfig`'s field order, `termination_reason`,
 /// `termination_message`, `cleaned_up`; a slice the server did not send is `null`).

@@ -158,6 +158,14 @@ impl World for BinaryWorld {
         shim_e2e::docker_ok(&["inspect", "-f", "{{.State.StartedAt}}", container_id])
     }
 
+    async fn metrics(&self) -> shim_e2e::harness::Metrics {
+        self.call(TestShim::metrics).await
+    }
+
+    fn binary(&self) -> Option<&TestShim> {
+        Some(&self.shim)
+    }
+
     async fn container_exit_code(&self, container_id: &str) -> Option<i64> {
         super::engine::docker_exit_code(container_id)
     }

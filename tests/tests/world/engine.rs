@@ -357,6 +357,12 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
         cid
     }
 
+    async fn metrics(&self) -> shim_e2e::harness::Metrics {
+        let mut text = String::new();
+        self.engine().encode_metrics(&mut text).unwrap();
+        shim_e2e::harness::parse_openmetrics(&text).unwrap_or_else(|e| panic!("{e}\n{text}"))
+    }
+
     fn fake(&self) -> Option<&FakeRuntime> {
         self.fake.as_ref()
     }

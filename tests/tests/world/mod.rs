@@ -150,6 +150,16 @@ pub trait World: Sized {
     /// The container's exit code (`None`: no such container, or it runs).
     async fn container_exit_code(&self, container_id: &str) -> Option<i64>;
 
+    /// The shim's metrics (`GET /metrics`, or the engine's registry encoded as the binary
+    /// serves it), parsed by the strict OpenMetrics parser.
+    async fn metrics(&self) -> shim_e2e::harness::Metrics;
+
+    /// The shim under test of the binary world, for what only it shows (its other endpoints,
+    /// its process); `None` elsewhere.
+    fn binary(&self) -> Option<&shim_e2e::harness::TestShim> {
+        None
+    }
+
     /// The fake engine of the fake world, for what only it can show (its call log, a
     /// container's spec); `None` elsewhere.
     fn fake(&self) -> Option<&shim_runtime::fake::FakeRuntime> {
