@@ -8,11 +8,16 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use common::{exchange, get, parse_response, post, raw, request_bytes};
+use common::{
+    Resp, Serving, exchange, get, parse_response, post, raw, request_bytes, serve_returns,
+    spawn_serve, unknown_task,
+};
+use serde_json::json;
 use shim_components::{ComponentInfo, ComponentName, ComponentStatus};
 use shim_http::{
     ApiError, ComponentsApi, ConnectionLimits, HttpError, InstanceInfo, Listeners, ServerConfig,
@@ -38,7 +43,7 @@ struct FakeEngine {
     entered: Notify,
     release: Notify,
     /// No DCGM exporter: `has_task_metrics` says so.
-    no_exporter: std::sync::atomic::AtomicBool,
+    no_exporter: AtomicBool,
 }
 
 fn info(id: &TaskId, status: TaskStatus) -> TaskInfo {
@@ -84,7 +89,7 @@ impl ShimApi for FakeEngine {
             .unwrap()
             .get(id)
             .cloned()
-            .ok_or_else(|| ApiError::not_found(format!("task {id} not found")))
+            .ok_or_else(|| unknown_task(id))
     }
 
     async fn list_tasks(&self) -> Vec<(TaskId, TaskStatus)> {
@@ -113,9 +118,7 @@ impl ShimApi for FakeEngine {
             timeout_s,
         ));
         let mut tasks = self.tasks.lock().unwrap();
-        let t = tasks
-            .get_mut(id)
-            .ok_or_else(|| ApiError::not_found(format!("task {id} not found")))?;
+        let t = tasks.get_mut(id).ok_or_else(|| unknown_task(id))?;
         if t.status != TaskStatus::Terminated {
             t.status = TaskStatus::Terminated;
             t.termination_reason = reason.to_string();
@@ -127,7 +130,7 @@ impl ShimApi for FakeEngine {
     async fn remove(&self, id: &TaskId) -> Result<(), ApiError> {
         let mut tasks = self.tasks.lock().unwrap();
         match tasks.get(id) {
-            None => Err(ApiError::not_found(format!("task {id} not found"))),
+            None => Err(unknown_task(id)),
             Some(t) if t.status != TaskStatus::Terminated => {
                 Err(ApiError::conflict(format!("task {id} is not terminated")))
             }
@@ -146,7 +149,7 @@ impl ShimApi for FakeEngine {
     }
 
     async fn instance_health(&self) -> serde_json::Value {
-        serde_json::json!({ "dcgm": null })
+        json!({ "dcgm": null })
     }
 
     async fn task_metrics(&self, id: &TaskId) -> Result<String, ApiError> {
@@ -154,12 +157,12 @@ impl ShimApi for FakeEngine {
             "metrics-ok" => Ok("DCGM_FI_DEV_GPU_UTIL{gpu=\"0\"} 42\n".into()),
             "metrics-empty" => Ok(String::new()),
             "metrics-bad" => Err(ApiError::bad_gateway("exporter: connection refused")),
-            _ => Err(ApiError::not_found(format!("task {id} not found"))),
+            _ => Err(unknown_task(id)),
         }
     }
 
     fn has_task_metrics(&self) -> bool {
-        !self.no_exporter.load(std::sync::atomic::Ordering::SeqCst)
+        !self.no_exporter.load(Ordering::SeqCst)
     }
 }
 
@@ -195,7 +198,7 @@ impl ComponentsApi for FakeComponents {
 }
 
 // ---------------------------------------------------------------------------------------------
-// A server under test and a raw HTTP/1.1 client (exact bytes in, exact bytes out).
+// A server under test (the raw HTTP/1.1 client, exact bytes in and out, is `common`'s).
 
 struct Server {
     addr: SocketAddr,
@@ -206,66 +209,21 @@ struct Server {
     handle: JoinHandle<Result<(), HttpError>>,
 }
 
-/// A drain hook the test controls: `started` fires when the server awaits it, `release` ends it.
-struct Drain {
-    started: oneshot::Sender<()>,
-    release: oneshot::Receiver<()>,
-}
-
-/// The test's ends of a [`Drain`].
-struct DrainCtl {
-    started: oneshot::Receiver<()>,
-    release: oneshot::Sender<()>,
-}
-
-fn drain() -> (Drain, DrainCtl) {
-    let (started_tx, started_rx) = oneshot::channel();
-    let (release_tx, release_rx) = oneshot::channel();
-    (
-        Drain {
-            started: started_tx,
-            release: release_rx,
-        },
-        DrainCtl {
-            started: started_rx,
-            release: release_tx,
-        },
-    )
-}
-
-async fn start_with(unix: Option<&Path>, drain: Option<Drain>) -> Server {
-    start_limited(unix, drain, ConnectionLimits::default()).await
-}
-
-async fn start_limited(
+/// Starts a server on a loopback port (and on `unix`, if given) over fresh fakes, with the
+/// configuration `configure` makes of the default one.
+async fn start_server(
     unix: Option<&Path>,
-    drain: Option<Drain>,
-    limits: ConnectionLimits,
+    configure: impl FnOnce(ServerConfig) -> ServerConfig,
 ) -> Server {
     let engine = Arc::new(FakeEngine::default());
     let components = Arc::new(FakeComponents::default());
-    let listeners = Listeners::bind("127.0.0.1:0".parse().unwrap(), unix)
-        .await
-        .unwrap();
-    let addr = listeners.tcp_addr();
-    let shutdown = CancellationToken::new();
     let force = CancellationToken::new();
-    let mut config = ServerConfig::new("0.22.0")
-        .with_force_shutdown(force.clone())
-        .with_limits(limits);
-    if let Some(d) = drain {
-        config = config.with_drain(async move {
-            let _ = d.started.send(());
-            let _ = d.release.await;
-        });
-    }
-    let handle = tokio::spawn(serve(
-        listeners,
-        engine.clone(),
-        components.clone(),
-        config,
-        shutdown.clone(),
-    ));
+    let config = configure(ServerConfig::new("0.22.0").with_force_shutdown(force.clone()));
+    let Serving {
+        addr,
+        shutdown,
+        handle,
+    } = spawn_serve(unix, engine.clone(), components.clone(), config).await;
     Server {
         addr,
         engine,
@@ -277,16 +235,35 @@ async fn start_limited(
 }
 
 async fn start() -> Server {
-    start_with(None, None).await
+    start_server(None, |c| c).await
+}
+
+async fn start_limited(limits: ConnectionLimits) -> Server {
+    start_server(None, |c| c.with_limits(limits)).await
+}
+
+/// The test's ends of a drain hook: `started` fires when the server awaits the hook,
+/// `release` ends it (as does dropping it).
+struct DrainCtl {
+    started: oneshot::Receiver<()>,
+    release: oneshot::Sender<()>,
+}
+
+/// A server with a drain hook the test controls.
+async fn start_draining() -> (Server, DrainCtl) {
+    let (started_tx, started) = oneshot::channel();
+    let (release, release_rx) = oneshot::channel::<()>();
+    let hook = async move {
+        let _ = started_tx.send(());
+        let _ = release_rx.await;
+    };
+    let s = start_server(None, |c| c.with_drain(hook)).await;
+    (s, DrainCtl { started, release })
 }
 
 async fn stop(server: Server) {
     server.shutdown.cancel();
-    tokio::time::timeout(BOUND, server.handle)
-        .await
-        .expect("serve returns")
-        .unwrap()
-        .unwrap();
+    serve_returns(server.handle).await;
 }
 
 const KEY: &str =
@@ -294,7 +271,7 @@ const KEY: &str =
 
 fn submit_body(id: &str) -> String {
     // What dstack's Python ShimClient sends (every field present), plus a field from the future.
-    serde_json::json!({
+    json!({
         "id": id, "name": "job-1", "registry_username": "", "registry_password": "",
         "image_name": "shim-test:1", "container_user": "", "privileged": false,
         "gpu": -1, "cpu": 0, "memory": 0, "shm_size": 0, "network_mode": "host",
@@ -311,63 +288,54 @@ fn submit_body(id: &str) -> String {
 #[tokio::test]
 async fn healthcheck_and_instance_routes() {
     let s = start().await;
-    let r = get(s.addr, "/api/healthcheck").await;
-    assert_eq!(r.status, 200);
-    assert_eq!(
-        r.body,
-        "{\"service\":\"dstack-shim\",\"version\":\"0.22.0\"}\n"
-    );
-    assert_eq!(r.json()["service"], "dstack-shim");
-
-    let r = get(s.addr, "/api/instance/info").await;
-    assert_eq!(r.status, 200);
-    assert_eq!(r.body, "{\"gpu_vendor\":\"nvidia\"}\n");
-
-    let r = get(s.addr, "/api/instance/health").await;
-    assert_eq!((r.status, r.body.as_str()), (200, "{\"dcgm\":null}\n"));
+    for (path, body) in [
+        (
+            "/api/healthcheck",
+            "{\"service\":\"dstack-shim\",\"version\":\"0.22.0\"}\n",
+        ),
+        ("/api/instance/info", "{\"gpu_vendor\":\"nvidia\"}\n"),
+        ("/api/instance/health", "{\"dcgm\":null}\n"),
+    ] {
+        get(s.addr, path)
+            .await
+            .assert_answer(200, Some("application/json"), body);
+    }
     stop(s).await;
 }
 
 #[tokio::test]
 async fn task_lifecycle_routes() {
     let s = start().await;
-    assert_eq!(
-        get(s.addr, "/api/tasks").await.json(),
-        serde_json::json!({"tasks": []})
-    );
+    assert_eq!(get(s.addr, "/api/tasks").await.json(), json!({"tasks": []}));
 
     // Submit answers with the Go field names of upstream's runner TaskInfo, which has no JSON
     // tags (upstream: runner/internal/shim/api/handlers.go, TaskSubmitHandler, returns
     // `s.runner.TaskInfo(..)`; runner/internal/shim/models.go, TaskInfo).
-    let r = post(s.addr, "/api/tasks", &submit_body("t1")).await;
-    assert_eq!(r.status, 200, "{r:?}");
-    assert_eq!(
-        r.body,
-        "{\"ID\":\"t1\",\"Status\":\"pending\",\"TerminationReason\":\"\",\
-         \"TerminationMessage\":\"\",\"Ports\":null,\"ImagePullProgress\":null,\
-         \"ContainerName\":\"t1-0123abcd\",\"ContainerID\":\"\",\"GpuIDs\":null}\n"
-    );
-    r.json();
+    post(s.addr, "/api/tasks", &submit_body("t1"))
+        .await
+        .assert_answer(
+            200,
+            Some("application/json"),
+            "{\"ID\":\"t1\",\"Status\":\"pending\",\"TerminationReason\":\"\",\
+             \"TerminationMessage\":\"\",\"Ports\":null,\"ImagePullProgress\":null,\
+             \"ContainerName\":\"t1-0123abcd\",\"ContainerID\":\"\",\"GpuIDs\":null}\n",
+        );
 
     post(s.addr, "/api/tasks", &submit_body("t1"))
         .await
         .assert_error(409, "task t1 already exists");
 
     let v = get(s.addr, "/api/tasks").await.json();
-    assert_eq!(
-        v,
-        serde_json::json!({"tasks": [{"id": "t1", "status": "pending"}]})
-    );
+    assert_eq!(v, json!({"tasks": [{"id": "t1", "status": "pending"}]}));
     // Every other TaskInfo answer has upstream's JSON names (`gpus_ids`, so spelled).
     // upstream: runner/internal/shim/api/schemas.go (TaskInfoResponse).
-    let r = get(s.addr, "/api/tasks/t1").await;
-    assert_eq!(
-        r.body,
+    get(s.addr, "/api/tasks/t1").await.assert_answer(
+        200,
+        Some("application/json"),
         "{\"id\":\"t1\",\"status\":\"pending\",\"termination_reason\":\"\",\
          \"termination_message\":\"\",\"ports\":null,\"image_pull_progress\":null,\
-         \"container_name\":\"t1-0123abcd\",\"container_id\":\"\",\"gpus_ids\":null}\n"
+         \"container_name\":\"t1-0123abcd\",\"container_id\":\"\",\"gpus_ids\":null}\n",
     );
-    r.json();
 
     post(s.addr, "/api/tasks/t1/remove", "{}")
         .await
@@ -387,20 +355,10 @@ async fn task_lifecycle_routes() {
     assert_eq!(v["termination_message"], "bye");
 
     // Every terminate field is optional.
-    assert_eq!(
-        post(s.addr, "/api/tasks/t1/terminate", "{}").await.status,
-        200
-    );
-    assert_eq!(
-        post(
-            s.addr,
-            "/api/tasks/t1/terminate",
-            r#"{"termination_reason":null,"timeout":null}"#
-        )
-        .await
-        .status,
-        200
-    );
+    for body in ["{}", r#"{"termination_reason":null,"timeout":null}"#] {
+        let r = post(s.addr, "/api/tasks/t1/terminate", body).await;
+        assert_eq!(r.status, 200, "{body}: {r:?}");
+    }
     assert_eq!(
         *s.engine.terminations.lock().unwrap(),
         vec![
@@ -437,42 +395,30 @@ async fn submit_validation() {
     let s = start().await;
     // upstream: runner/internal/shim/api/handlers.go (TaskSubmitHandler: `empty id`,
     // `empty name`, `empty image_name`, in that order).
-    let cases: Vec<(serde_json::Value, &str)> = vec![
+    let cases = [
+        (json!({"name": "n", "image_name": "i"}), "empty id"),
+        (json!({"id": "a", "image_name": "i"}), "empty name"),
+        (json!({"id": "a", "name": "n"}), "empty image_name"),
+        (json!({"id": "", "name": "", "image_name": ""}), "empty id"),
         (
-            serde_json::json!({"name": "n", "image_name": "i"}),
-            "empty id",
-        ),
-        (
-            serde_json::json!({"id": "a", "image_name": "i"}),
+            json!({"id": "a", "name": null, "image_name": "i"}),
             "empty name",
         ),
         (
-            serde_json::json!({"id": "a", "name": "n"}),
+            json!({"id": "a", "name": "n", "image_name": ""}),
             "empty image_name",
         ),
         (
-            serde_json::json!({"id": "", "name": "", "image_name": ""}),
-            "empty id",
-        ),
-        (
-            serde_json::json!({"id": "a", "name": null, "image_name": "i"}),
-            "empty name",
-        ),
-        (
-            serde_json::json!({"id": "a", "name": "n", "image_name": ""}),
-            "empty image_name",
-        ),
-        (
-            serde_json::json!({"id": "a", "name": "n", "image_name": "i", "gpu": -2}),
+            json!({"id": "a", "name": "n", "image_name": "i", "gpu": -2}),
             "invalid task config: gpu: must be -1 (all), 0 or a positive count",
         ),
         (
-            serde_json::json!({"id": "a", "name": "n", "image_name": "i", "network_mode": "none"}),
+            json!({"id": "a", "name": "n", "image_name": "i", "network_mode": "none"}),
             "Request body contains an invalid value for the \"network_mode\" field (at position 60): \
              network_mode must be \"host\" or \"bridge\", not \"none\"",
         ),
         (
-            serde_json::json!({"id": "-a", "name": "n", "image_name": "i"}),
+            json!({"id": "-a", "name": "n", "image_name": "i"}),
             "Request body contains an invalid value for the \"id\" field (at position 10): \
              id \"-a\" is invalid: must start with a letter or a digit",
         ),
@@ -484,7 +430,7 @@ async fn submit_validation() {
     }
     // Values Go's decoder refuses, named by their path as upstream names them (Go 1.27).
     // upstream: runner/internal/common/api/api.go (DecodeJSONBody).
-    let typed = [
+    let bodies = [
         (
             r#"{"id": "a", "name": "job-1", "image_name": "i", "gpu": "x"}"#,
             "Request body contains an invalid value for the \"gpu\" field (at position 58)",
@@ -493,18 +439,16 @@ async fn submit_validation() {
             r#"{"id":"a","name":"n","image_name":"i","volumes":[{"init_fs":1}]}"#,
             "Request body contains an invalid value for the \"volumes.0.init_fs\" field (at position 61)",
         ),
+        // `null` is an empty request to Go's decoder.
+        ("null", "empty id"),
     ];
-    for (body, message) in typed {
+    for (body, message) in bodies {
         post(s.addr, "/api/tasks", body)
             .await
             .assert_error(400, message);
     }
-    // `null` is an empty request to Go's decoder.
-    post(s.addr, "/api/tasks", "null")
-        .await
-        .assert_error(400, "empty id");
     // A key line that could inject a second line is refused before anything is stored.
-    let bad_key = serde_json::json!({
+    let bad_key = json!({
         "id": "a", "name": "n", "image_name": "i", "container_ssh_keys": [format!("{KEY}\n{KEY}")]
     });
     let r = post(s.addr, "/api/tasks", &bad_key.to_string()).await;
@@ -515,7 +459,7 @@ async fn submit_validation() {
     // A key with options is accepted as upstream accepts it (the runner gets it as given;
     // a host key like it is skipped at start): upstream runner/internal/shim/docker.go
     // (DockerShellCommands) passes container keys verbatim.
-    let optioned = serde_json::json!({
+    let optioned = json!({
         "id": "o", "name": "n", "image_name": "i", "container_ssh_keys": ["command=\"x\" ssh-ed25519 AAAA"],
         "host_ssh_keys": ["garbage"], "host_ssh_user": ""
     });
@@ -524,7 +468,7 @@ async fn submit_validation() {
     s.engine.tasks.lock().unwrap().clear();
 
     // A valid key and null optional fields are fine.
-    let ok = serde_json::json!({
+    let ok = json!({
         "id": "a", "name": "n", "image_name": "i", "container_ssh_keys": [KEY], "volumes": null
     });
     let r = post(s.addr, "/api/tasks", &ok.to_string()).await;
@@ -600,10 +544,9 @@ async fn not_found_and_method_not_allowed() {
         assert_eq!(r.header("allow"), Some(allow), "{method} {path}");
     }
 
-    let r = raw(s.addr, "HEAD", "/api/healthcheck", &[], None).await;
-    assert_eq!(r.status, 200, "{r:?}");
-    assert_eq!(r.header("content-type"), Some("application/json"));
-    assert_eq!(r.body, "");
+    raw(s.addr, "HEAD", "/api/healthcheck", &[], None)
+        .await
+        .assert_answer(200, Some("application/json"), "");
     stop(s).await;
 }
 
@@ -614,10 +557,12 @@ async fn not_found_and_method_not_allowed() {
 async fn unclean_paths_are_redirected_as_go_does() {
     let s = start().await;
     let r = get(s.addr, "/api//tasks").await;
-    assert_eq!(r.status, 307, "{r:?}");
+    r.assert_answer(
+        307,
+        Some("text/html; charset=utf-8"),
+        "<a href=\"/api/tasks\">Temporary Redirect</a>.\n\n",
+    );
     assert_eq!(r.header("location"), Some("/api/tasks"));
-    assert_eq!(r.header("content-type"), Some("text/html; charset=utf-8"));
-    assert_eq!(r.body, "<a href=\"/api/tasks\">Temporary Redirect</a>.\n\n");
     let r = get(s.addr, "/api/tasks/./t1?x=1&y=2").await;
     assert_eq!(r.header("location"), Some("/api/tasks/t1?x=1&y=2"));
     assert_eq!(
@@ -628,9 +573,8 @@ async fn unclean_paths_are_redirected_as_go_does() {
     assert_eq!((r.status, r.header("location")), (307, Some("/api")));
     // POST keeps its method through a 307: no type, no body.
     let r = post(s.addr, "//api/shutdown", "{}").await;
-    assert_eq!((r.status, r.body.as_str()), (307, ""), "{r:?}");
+    r.assert_answer(307, None, "");
     assert_eq!(r.header("location"), Some("/api/shutdown"));
-    assert_eq!(r.header("content-type"), None);
     assert!(!s.shutdown.is_cancelled(), "nothing was served");
     stop(s).await;
 }
@@ -643,68 +587,38 @@ async fn unclean_paths_are_redirected_as_go_does() {
 #[tokio::test]
 async fn answers_are_upstreams_byte_for_byte() {
     let s = start().await;
-    let without_date = |r: &common::Resp| -> String {
-        r.raw
-            .split("\r\n")
-            .filter(|l| !l.starts_with("Date: "))
-            .collect::<Vec<_>>()
-            .join("\r\n")
-    };
-    let heads = |r: &common::Resp| {
-        let mut lines: Vec<String> = without_date(r).split("\r\n").map(str::to_owned).collect();
-        let body = lines.pop().unwrap_or_default();
-        lines.sort();
-        (lines, body)
-    };
-    let expect = |head: &[&str], body: &str| {
-        let mut lines: Vec<String> = head.iter().map(|l| (*l).to_owned()).collect();
-        lines.sort();
-        (lines, body.to_owned())
-    };
-    let r = get(s.addr, "/api/healthcheck").await;
-    assert_eq!(
-        heads(&r),
-        expect(
-            &[
-                "HTTP/1.1 200 OK",
-                "Content-Type: application/json",
-                "Content-Length: 45",
-                "Connection: close",
-                "",
-            ],
-            "{\"service\":\"dstack-shim\",\"version\":\"0.22.0\"}\n"
-        )
+    assert_whole_answer(
+        &get(s.addr, "/api/healthcheck").await,
+        &[
+            "HTTP/1.1 200 OK",
+            "Content-Type: application/json",
+            "Content-Length: 45",
+            "Connection: close",
+        ],
+        "{\"service\":\"dstack-shim\",\"version\":\"0.22.0\"}\n",
     );
-    let r = raw(s.addr, "DELETE", "/api/tasks", &[], None).await;
-    assert_eq!(
-        heads(&r),
-        expect(
-            &[
-                "HTTP/1.1 405 Method Not Allowed",
-                "Allow: GET, HEAD, POST",
-                "Content-Type: text/plain; charset=utf-8",
-                "X-Content-Type-Options: nosniff",
-                "Content-Length: 19",
-                "Connection: close",
-                "",
-            ],
-            "Method Not Allowed\n"
-        )
+    assert_whole_answer(
+        &raw(s.addr, "DELETE", "/api/tasks", &[], None).await,
+        &[
+            "HTTP/1.1 405 Method Not Allowed",
+            "Allow: GET, HEAD, POST",
+            "Content-Type: text/plain; charset=utf-8",
+            "X-Content-Type-Options: nosniff",
+            "Content-Length: 19",
+            "Connection: close",
+        ],
+        "Method Not Allowed\n",
     );
-    let r = post(s.addr, "/api/shutdown", r#"{"force": "yes"}"#).await;
-    assert_eq!(
-        heads(&r),
-        expect(
-            &[
-                "HTTP/1.1 400 Bad Request",
-                "Content-Type: text/plain; charset=utf-8",
-                "X-Content-Type-Options: nosniff",
-                "Content-Length: 78",
-                "Connection: close",
-                "",
-            ],
-            "Request body contains an invalid value for the \"force\" field (at position 15)\n"
-        )
+    assert_whole_answer(
+        &post(s.addr, "/api/shutdown", r#"{"force": "yes"}"#).await,
+        &[
+            "HTTP/1.1 400 Bad Request",
+            "Content-Type: text/plain; charset=utf-8",
+            "X-Content-Type-Options: nosniff",
+            "Content-Length: 78",
+            "Connection: close",
+        ],
+        "Request body contains an invalid value for the \"force\" field (at position 15)\n",
     );
     // Go's encoder escapes <, >, & and U+2028/9 in strings.
     post(s.addr, "/api/tasks", &submit_body("esc")).await;
@@ -720,6 +634,21 @@ async fn answers_are_upstreams_byte_for_byte() {
         "{r:?}"
     );
     stop(s).await;
+}
+
+/// Asserts the answer byte for byte but for its Date header: the status line and the header
+/// lines (in any order), then the body.
+#[track_caller]
+fn assert_whole_answer(r: &Resp, head: &[&str], body: &str) {
+    let (got_head, got_body) = r.raw.split_once("\r\n\r\n").unwrap();
+    let mut got: Vec<&str> = got_head
+        .split("\r\n")
+        .filter(|l| !l.starts_with("Date: "))
+        .collect();
+    got.sort_unstable();
+    let mut want = head.to_vec();
+    want.sort_unstable();
+    assert_eq!((got, got_body), (want, body));
 }
 
 /// Request bodies as upstream's decoder takes them, with its messages.
@@ -773,34 +702,34 @@ async fn body_rules() {
 
     // 400
     let terminate = "/api/tasks/ct0/terminate";
-    raw(s.addr, "POST", terminate, &json, Some(b""))
-        .await
-        .assert_error(400, "Request body must not be empty");
-    raw(s.addr, "POST", terminate, &json, None)
-        .await
-        .assert_error(400, "Request body must not be empty");
-    post(s.addr, terminate, "[]").await.assert_error(
-        400,
-        "Request body contains an invalid value for the \"\" field (at position 1)",
-    );
-    post(s.addr, terminate, "{} {}")
-        .await
-        .assert_error(400, "Request body must only contain a single JSON object");
-    post(s.addr, terminate, "{\"timeout\": ")
-        .await
-        .assert_error(400, "Request body contains badly-formed JSON");
-    post(s.addr, terminate, "{\"timeout\": x}")
-        .await
-        .assert_error(
-            400,
+    for (body, message) in [
+        (Some(""), "Request body must not be empty"),
+        (None, "Request body must not be empty"),
+        (
+            Some("[]"),
+            "Request body contains an invalid value for the \"\" field (at position 1)",
+        ),
+        (
+            Some("{} {}"),
+            "Request body must only contain a single JSON object",
+        ),
+        (
+            Some("{\"timeout\": "),
+            "Request body contains badly-formed JSON",
+        ),
+        (
+            Some("{\"timeout\": x}"),
             "Request body contains badly-formed JSON (at position 13)",
-        );
-    post(s.addr, terminate, r#"{"timeout": -1}"#)
-        .await
-        .assert_error(
-            400,
+        ),
+        (
+            Some(r#"{"timeout": -1}"#),
             "Request body contains an invalid value for the \"timeout\" field (at position 14)",
-        );
+        ),
+    ] {
+        raw(s.addr, "POST", terminate, &json, body.map(str::as_bytes))
+            .await
+            .assert_error(400, message);
+    }
     // `null` is an empty request.
     assert_eq!(post(s.addr, terminate, "null").await.status, 200);
 
@@ -859,13 +788,15 @@ async fn metrics_route() {
     let s = start().await;
     // Upstream writes the text with no Content-Type: Go sniffs plain text, and sends none
     // for an empty body (upstream: runner/internal/shim/api/handlers.go, TaskMetricsHandler).
-    let r = get(s.addr, "/metrics/tasks/metrics-ok").await;
-    assert_eq!(r.status, 200);
-    assert_eq!(r.header("content-type"), Some("text/plain; charset=utf-8"));
-    assert_eq!(r.body, "DCGM_FI_DEV_GPU_UTIL{gpu=\"0\"} 42\n");
+    get(s.addr, "/metrics/tasks/metrics-ok")
+        .await
+        .assert_answer(
+            200,
+            Some("text/plain; charset=utf-8"),
+            "DCGM_FI_DEV_GPU_UTIL{gpu=\"0\"} 42\n",
+        );
     let r = get(s.addr, "/metrics/tasks/metrics-empty").await;
-    assert_eq!((r.status, r.body.as_str()), (200, ""));
-    assert_eq!(r.header("content-type"), None);
+    r.assert_answer(200, None, "");
     assert_eq!(r.header("content-length"), Some("0"));
     get(s.addr, "/metrics/tasks/metrics-bad")
         .await
@@ -876,9 +807,7 @@ async fn metrics_route() {
     get(s.addr, "/metrics/tasks/t")
         .await
         .assert_error(404, "Task not found");
-    s.engine
-        .no_exporter
-        .store(true, std::sync::atomic::Ordering::SeqCst);
+    s.engine.no_exporter.store(true, Ordering::SeqCst);
     for path in ["/metrics/tasks/metrics-ok", "/metrics/tasks/-x"] {
         get(s.addr, path)
             .await
@@ -897,42 +826,30 @@ async fn component_routes() {
     let v = get(s.addr, "/api/components").await.json();
     assert_eq!(
         v,
-        serde_json::json!({"components": [
+        json!({"components": [
             {"name": "dstack-runner", "version": "1.2.3", "status": "installed"},
             {"name": "dstack-shim", "version": "", "status": "installing"},
         ]})
     );
-    let install = "/api/components/install";
-    post(s.addr, install, r#"{"name":"","url":"http://x/y"}"#)
+    let install = async |body: &str| post(s.addr, "/api/components/install", body).await;
+    install(r#"{"name":"","url":"http://x/y"}"#)
         .await
         .assert_error(400, "empty name");
-    post(s.addr, install, r#"{"url":"http://x/y"}"#)
+    install(r#"{"url":"http://x/y"}"#)
         .await
         .assert_error(400, "empty name");
-    post(
-        s.addr,
-        install,
-        r#"{"name":"dstack-gateway","url":"http://x/y"}"#,
-    )
-    .await
-    .assert_error(400, "unknown component");
-    post(s.addr, install, r#"{"name":"dstack-runner","url":""}"#)
+    install(r#"{"name":"dstack-gateway","url":"http://x/y"}"#)
+        .await
+        .assert_error(400, "unknown component");
+    install(r#"{"name":"dstack-runner","url":""}"#)
         .await
         .assert_error(400, "empty url");
-    post(
-        s.addr,
-        install,
-        r#"{"name":"dstack-shim","url":"http://x/y"}"#,
-    )
-    .await
-    .assert_error(409, "already installing");
-    post(
-        s.addr,
-        install,
-        r#"{"name":"dstack-runner","url":"http://x/y"}"#,
-    )
-    .await
-    .assert_empty_ok();
+    install(r#"{"name":"dstack-shim","url":"http://x/y"}"#)
+        .await
+        .assert_error(409, "already installing");
+    install(r#"{"name":"dstack-runner","url":"http://x/y"}"#)
+        .await
+        .assert_empty_ok();
     assert_eq!(
         *s.components.installs.lock().unwrap(),
         vec![(ComponentName::Runner, "http://x/y".to_owned())]
@@ -962,19 +879,26 @@ async fn fifty_parallel_requests() {
     stop(s).await;
 }
 
+/// A healthcheck without `Connection: close`: the connection stays open after the answer.
+const KEEP_ALIVE_HEALTHCHECK: &[u8] = b"GET /api/healthcheck HTTP/1.1\r\nHost: x\r\n\r\n";
+
+/// Sends [`KEEP_ALIVE_HEALTHCHECK`] on `stream` and reads its answer (bounded; one read).
+async fn healthcheck_on(stream: &mut TcpStream) -> Resp {
+    stream.write_all(KEEP_ALIVE_HEALTHCHECK).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(BOUND, stream.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    parse_response(&buf[..n])
+}
+
 #[tokio::test]
 async fn keep_alive_connection_serves_several_requests() {
     let s = start().await;
     let mut stream = TcpStream::connect(s.addr).await.unwrap();
     for _ in 0..3 {
-        stream
-            .write_all(b"GET /api/healthcheck HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .unwrap();
-        let mut buf = vec![0u8; 4096];
-        let n = stream.read(&mut buf).await.unwrap();
-        let r = parse_response(&buf[..n]);
-        assert_eq!(r.status, 200);
+        assert_eq!(healthcheck_on(&mut stream).await.status, 200);
     }
     drop(stream);
     stop(s).await;
@@ -1012,7 +936,7 @@ async fn unix_socket_mode_0600_and_serves() {
             .is_socket()
     );
 
-    let s = start_with(Some(&path), None).await;
+    let s = start_server(Some(&path), |c| c).await;
     let meta = fs_err::symlink_metadata(&path).unwrap();
     assert!(meta.file_type().is_socket());
     assert_eq!(meta.permissions().mode() & 0o777, 0o600);
@@ -1068,6 +992,20 @@ async fn start_slow_request(s: &Server) -> JoinHandle<Vec<u8>> {
     join
 }
 
+/// What the slow request got before its connection closed (bounded).
+async fn slow_answer(slow: JoinHandle<Vec<u8>>) -> Vec<u8> {
+    tokio::time::timeout(BOUND, slow).await.unwrap().unwrap()
+}
+
+/// Asserts that the slow request's connection closed without an answer.
+async fn assert_slow_unanswered(slow: JoinHandle<Vec<u8>>) {
+    let raw = slow_answer(slow).await;
+    assert!(
+        raw.is_empty(),
+        "the in-flight request got no answer: {raw:?}"
+    );
+}
+
 /// Waits (bounded) until connecting to `addr` is refused.
 async fn until_refused(addr: SocketAddr) {
     tokio::time::timeout(BOUND, async {
@@ -1079,10 +1017,23 @@ async fn until_refused(addr: SocketAddr) {
     .expect("the listener closes");
 }
 
+impl DrainCtl {
+    /// Waits until the server awaits the drain hook, checks that the hook holds the server,
+    /// then ends the hook and waits for `serve` to return.
+    async fn release_once_it_holds(self, handle: JoinHandle<Result<(), HttpError>>) {
+        tokio::time::timeout(BOUND, self.started)
+            .await
+            .expect("the server awaits the drain hook")
+            .unwrap();
+        assert!(!handle.is_finished(), "the drain future holds the server");
+        self.release.send(()).unwrap();
+        serve_returns(handle).await;
+    }
+}
+
 #[tokio::test]
 async fn graceful_shutdown_finishes_in_flight_requests_then_drains() {
-    let (d, ctl) = drain();
-    let s = start_with(None, Some(d)).await;
+    let (s, ctl) = start_draining().await;
     let slow = start_slow_request(&s).await;
 
     s.shutdown.cancel();
@@ -1093,101 +1044,59 @@ async fn graceful_shutdown_finishes_in_flight_requests_then_drains() {
     );
 
     s.engine.release.notify_one();
-    let r = parse_response(&tokio::time::timeout(BOUND, slow).await.unwrap().unwrap());
+    let r = parse_response(&slow_answer(slow).await);
     assert_eq!(r.status, 200);
     assert_eq!(r.json()["status"], "running");
 
     // Requests drained; now the server waits for the background jobs.
-    tokio::time::timeout(BOUND, ctl.started)
-        .await
-        .expect("the server awaits the drain hook")
-        .unwrap();
-    assert!(!s.handle.is_finished(), "the drain future holds the server");
-    ctl.release.send(()).unwrap();
-    tokio::time::timeout(BOUND, s.handle)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    ctl.release_once_it_holds(s.handle).await;
 }
 
 #[tokio::test]
 async fn forced_shutdown_closes_at_once() {
-    let (d, _ctl) = drain();
-    let s = start_with(None, Some(d)).await;
+    let (s, _ctl) = start_draining().await;
     let slow = start_slow_request(&s).await;
 
     s.force.cancel();
     // serve returns although a request is in flight and the drain never completes.
-    tokio::time::timeout(BOUND, s.handle)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    let raw = tokio::time::timeout(BOUND, slow).await.unwrap().unwrap();
-    assert!(
-        raw.is_empty(),
-        "the in-flight request got no answer: {raw:?}"
-    );
+    serve_returns(s.handle).await;
+    assert_slow_unanswered(slow).await;
     assert!(TcpStream::connect(s.addr).await.is_err());
 }
 
 #[tokio::test]
 async fn forced_shutdown_interrupts_a_graceful_one() {
-    let (d, _ctl) = drain();
-    let s = start_with(None, Some(d)).await;
+    let (s, _ctl) = start_draining().await;
     let slow = start_slow_request(&s).await;
     s.shutdown.cancel();
     until_refused(s.addr).await;
     s.force.cancel();
-    tokio::time::timeout(BOUND, s.handle)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    let raw = tokio::time::timeout(BOUND, slow).await.unwrap().unwrap();
-    assert!(raw.is_empty(), "{raw:?}");
+    serve_returns(s.handle).await;
+    assert_slow_unanswered(slow).await;
 }
 
 #[tokio::test]
 async fn shutdown_endpoint_graceful() {
-    let (d, ctl) = drain();
-    let s = start_with(None, Some(d)).await;
+    let (s, ctl) = start_draining().await;
     post(s.addr, "/api/shutdown", r#"{"force":false}"#)
         .await
         .assert_empty_ok();
     until_refused(s.addr).await;
     assert!(s.shutdown.is_cancelled());
     assert!(!s.force.is_cancelled());
-    tokio::time::timeout(BOUND, ctl.started)
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(!s.handle.is_finished());
-    ctl.release.send(()).unwrap();
-    tokio::time::timeout(BOUND, s.handle)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    ctl.release_once_it_holds(s.handle).await;
 }
 
 #[tokio::test]
 async fn shutdown_endpoint_force() {
-    let (d, _ctl) = drain();
-    let s = start_with(None, Some(d)).await;
+    let (s, _ctl) = start_draining().await;
     let slow = start_slow_request(&s).await;
     post(s.addr, "/api/shutdown", r#"{"force":true}"#)
         .await
         .assert_empty_ok();
-    tokio::time::timeout(BOUND, s.handle)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    serve_returns(s.handle).await;
     assert!(s.force.is_cancelled());
-    let raw = tokio::time::timeout(BOUND, slow).await.unwrap().unwrap();
-    assert!(raw.is_empty(), "{raw:?}");
+    assert_slow_unanswered(slow).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1219,6 +1128,12 @@ async fn until_closed(stream: &mut TcpStream) -> Vec<u8> {
     raw
 }
 
+/// Asserts that the server closes the connection without sending anything.
+async fn assert_closed_unanswered(stream: &mut TcpStream) {
+    let raw = until_closed(stream).await;
+    assert!(raw.is_empty(), "{:?}", String::from_utf8_lossy(&raw));
+}
+
 /// Opens `n` connections that stall: every other one sends nothing, the rest half a request
 /// head (no blank line ends it).
 async fn stalled_connections(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
@@ -1245,7 +1160,7 @@ async fn stalled_connections_do_not_lock_out_a_normal_client() {
         max_connections: 100,
         ..short_limits()
     };
-    let s = start_limited(None, None, limits).await;
+    let s = start_limited(limits).await;
     let mut stalled = stalled_connections(s.addr, 300).await;
 
     let r = get(s.addr, "/api/healthcheck").await;
@@ -1254,8 +1169,7 @@ async fn stalled_connections_do_not_lock_out_a_normal_client() {
     assert_eq!(r.status, 200, "{r:?}");
 
     for stream in &mut stalled {
-        let raw = until_closed(stream).await;
-        assert!(raw.is_empty(), "{:?}", String::from_utf8_lossy(&raw));
+        assert_closed_unanswered(stream).await;
     }
     stop(s).await;
 }
@@ -1265,7 +1179,7 @@ async fn stalled_connections_do_not_lock_out_a_normal_client() {
 /// never idle (header read timeout). A client that keeps to the rules is answered meanwhile.
 #[tokio::test]
 async fn stalled_connections_are_closed_after_the_timeouts() {
-    let s = start_limited(None, None, short_limits()).await;
+    let s = start_limited(short_limits()).await;
     let mut stalled = stalled_connections(s.addr, 2).await;
 
     let mut trickler = TcpStream::connect(s.addr).await.unwrap();
@@ -1291,8 +1205,7 @@ async fn stalled_connections_are_closed_after_the_timeouts() {
 
     assert_eq!(get(s.addr, "/api/healthcheck").await.status, 200);
     for stream in &mut stalled {
-        let raw = until_closed(stream).await;
-        assert!(raw.is_empty(), "{:?}", String::from_utf8_lossy(&raw));
+        assert_closed_unanswered(stream).await;
     }
     stop(s).await;
 }
@@ -1305,23 +1218,14 @@ async fn idle_keep_alive_connections_are_closed() {
         idle_timeout: Duration::from_millis(300),
         ..ConnectionLimits::default()
     };
-    let s = start_limited(None, None, limits).await;
+    let s = start_limited(limits).await;
     let mut stream = TcpStream::connect(s.addr).await.unwrap();
     for _ in 0..2 {
-        stream
-            .write_all(b"GET /api/healthcheck HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .unwrap();
-        let mut buf = vec![0u8; 4096];
-        let n = tokio::time::timeout(BOUND, stream.read(&mut buf))
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(parse_response(&buf[..n]).status, 200);
+        assert_eq!(healthcheck_on(&mut stream).await.status, 200);
     }
     // Nothing more is sent: the server closes the connection (the header read timeout is a
     // minute, so the idle timeout is what closes it).
-    assert!(until_closed(&mut stream).await.is_empty());
+    assert_closed_unanswered(&mut stream).await;
     stop(s).await;
 }
 
@@ -1367,18 +1271,15 @@ async fn at_the_cap_with_every_connection_busy_a_new_one_is_closed() {
         max_connections: 1,
         ..ConnectionLimits::default()
     };
-    let s = start_limited(None, None, limits).await;
+    let s = start_limited(limits).await;
     let slow = start_slow_request(&s).await;
 
     let mut refused = TcpStream::connect(s.addr).await.unwrap();
-    let _ = refused
-        .write_all(b"GET /api/healthcheck HTTP/1.1\r\nHost: x\r\n\r\n")
-        .await;
-    assert!(until_closed(&mut refused).await.is_empty());
+    let _ = refused.write_all(KEEP_ALIVE_HEALTHCHECK).await;
+    assert_closed_unanswered(&mut refused).await;
 
     s.engine.release.notify_one();
-    let r = parse_response(&tokio::time::timeout(BOUND, slow).await.unwrap().unwrap());
-    assert_eq!(r.status, 200);
+    assert_eq!(parse_response(&slow_answer(slow).await).status, 200);
     // The slow connection's task ends soon after its answer (bounded retries, not a timing
     // assertion): then a new client is served.
     let served = tokio::time::timeout(BOUND, async {
@@ -1439,11 +1340,7 @@ async fn the_listening_socket_is_handed_to_the_next_server() {
     ));
     let r = post(addr, "/api/shutdown", r#"{"force":false}"#).await;
     assert_eq!((r.status, r.body.as_str()), (200, "\n"));
-    tokio::time::timeout(BOUND, first)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    serve_returns(first).await;
     assert_eq!(*asked.lock().unwrap(), [false]);
     assert!(!force.is_cancelled(), "the hook did not force");
 
@@ -1474,11 +1371,7 @@ async fn the_listening_socket_is_handed_to_the_next_server() {
     assert_eq!(answer.status, 200);
     assert_eq!(answer.json()["version"], "0.22.1");
     shutdown.cancel();
-    tokio::time::timeout(BOUND, second)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    serve_returns(second).await;
 }
 
 /// A socket that is not on a loopback address is refused, whoever made it.

@@ -7,16 +7,17 @@
 mod common;
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use common::get;
+use common::{Serving, get, serve_returns, spawn_serve, unknown_task};
 use shim_components::{ComponentInfo, ComponentName};
 use shim_e2e::harness::{SseEvent, SseParser};
 use shim_http::{
     ApiError, ChangeEvent, ChangeFeed, ComponentsApi, ConnectionLimits, EventsConfig, FeedError,
-    InstanceInfo, Listeners, Readiness, ServerConfig, ShimApi, serve,
+    HttpError, InstanceInfo, Readiness, ServerConfig, ShimApi,
 };
 use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -82,7 +83,7 @@ impl ShimApi for Fake {
         Err(ApiError::internal("not in this test"))
     }
     async fn task_info(&self, id: &TaskId) -> Result<TaskInfo, ApiError> {
-        Err(ApiError::not_found(format!("task {id} not found")))
+        Err(unknown_task(id))
     }
     async fn list_tasks(&self) -> Vec<(TaskId, TaskStatus)> {
         self.tasks.clone()
@@ -94,10 +95,10 @@ impl ShimApi for Fake {
         _message: String,
         _timeout_s: u64,
     ) -> Result<TaskInfo, ApiError> {
-        Err(ApiError::not_found(format!("task {id} not found")))
+        Err(unknown_task(id))
     }
     async fn remove(&self, id: &TaskId) -> Result<(), ApiError> {
-        Err(ApiError::not_found(format!("task {id} not found")))
+        Err(unknown_task(id))
     }
     async fn instance_info(&self) -> InstanceInfo {
         InstanceInfo::default()
@@ -144,26 +145,19 @@ struct Server {
     addr: SocketAddr,
     fake: Arc<Fake>,
     shutdown: CancellationToken,
-    handle: JoinHandle<Result<(), shim_http::HttpError>>,
+    handle: JoinHandle<Result<(), HttpError>>,
 }
 
 async fn start(fake: Fake, limits: ConnectionLimits, events: EventsConfig) -> Server {
     let fake = Arc::new(fake);
-    let listeners = Listeners::bind("127.0.0.1:0".parse().unwrap(), None)
-        .await
-        .unwrap();
-    let addr = listeners.tcp_addr();
-    let shutdown = CancellationToken::new();
     let config = ServerConfig::new("0.22.0")
         .with_limits(limits)
         .with_events(events);
-    let handle = tokio::spawn(serve(
-        listeners,
-        fake.clone(),
-        Arc::new(NoComponents),
-        config,
-        shutdown.clone(),
-    ));
+    let Serving {
+        addr,
+        shutdown,
+        handle,
+    } = spawn_serve(None, fake.clone(), Arc::new(NoComponents), config).await;
     Server {
         addr,
         fake,
@@ -173,21 +167,22 @@ async fn start(fake: Fake, limits: ConnectionLimits, events: EventsConfig) -> Se
 }
 
 async fn start_default() -> Server {
-    start(
-        Fake::new(false),
-        ConnectionLimits::default(),
-        EventsConfig::default(),
-    )
-    .await
+    start_events(EventsConfig::default()).await
+}
+
+async fn start_events(events: EventsConfig) -> Server {
+    start(Fake::new(false), ConnectionLimits::default(), events).await
+}
+
+/// A server over a `plain` fake: no change feed, no metrics.
+async fn start_plain() -> Server {
+    let plain = Fake::new(true);
+    start(plain, ConnectionLimits::default(), EventsConfig::default()).await
 }
 
 async fn stop(server: Server) {
     server.shutdown.cancel();
-    tokio::time::timeout(BOUND, server.handle)
-        .await
-        .expect("serve returns")
-        .unwrap()
-        .unwrap();
+    serve_returns(server.handle).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -399,24 +394,17 @@ async fn events_snapshot_first_then_changes_in_order() {
 
     s.shutdown.cancel();
     assert_eq!(sse.until_end().await, Ended::Cleanly);
-    tokio::time::timeout(BOUND, s.handle)
-        .await
-        .expect("serve returns with a stream open")
-        .unwrap()
-        .unwrap();
+    // serve returns although the client keeps its stream open.
+    serve_returns(s.handle).await;
 }
 
 /// A keep-alive comment is sent every keep-alive period.
 #[tokio::test]
 async fn events_keep_alive_comments() {
-    let s = start(
-        Fake::new(false),
-        ConnectionLimits::default(),
-        EventsConfig {
-            keep_alive: Duration::from_millis(50),
-            ..EventsConfig::default()
-        },
-    )
+    let s = start_events(EventsConfig {
+        keep_alive: Duration::from_millis(50),
+        ..EventsConfig::default()
+    })
     .await;
     let mut sse = subscribed(s.addr).await;
     for _ in 0..3 {
@@ -517,7 +505,7 @@ async fn a_stalled_client_is_disconnected_after_a_keep_alive_period() {
 
 async fn slow_client_is_disconnected(events: EventsConfig) {
     const PAD: usize = 4096;
-    let s = start(Fake::new(false), ConnectionLimits::default(), events).await;
+    let s = start_events(events).await;
     let mut stalled = Sse::connect_small_buffer(s.addr).await;
     assert_eq!(stalled.next_event().await.unwrap().event, "snapshot");
     let mut reader = subscribed(s.addr).await;
@@ -527,13 +515,13 @@ async fn slow_client_is_disconnected(events: EventsConfig) {
     // free: a probe stream is then accepted). The producer keeps at most a few changes ahead
     // of the reading client, so only the stalled one can fall behind, however the machine
     // schedules the test.
-    let received = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let last = Arc::new(std::sync::atomic::AtomicU64::new(u64::MAX));
+    let received = Arc::new(AtomicU64::new(0));
+    let last = Arc::new(AtomicU64::new(u64::MAX));
     let reading = {
         let (received, last) = (received.clone(), last.clone());
         tokio::spawn(async move {
             let mut seq = 0;
-            while seq < last.load(std::sync::atomic::Ordering::Acquire) {
+            while seq < last.load(Ordering::Acquire) {
                 let event = reader.next_event().await.unwrap();
                 seq += 1;
                 assert_eq!(
@@ -541,7 +529,7 @@ async fn slow_client_is_disconnected(events: EventsConfig) {
                     ("change", Some(seq)),
                     "the reading client gets every change in order"
                 );
-                received.store(seq, std::sync::atomic::Ordering::Release);
+                received.store(seq, Ordering::Release);
             }
             reader
         })
@@ -550,13 +538,13 @@ async fn slow_client_is_disconnected(events: EventsConfig) {
         let mut seq = 0;
         loop {
             seq += 1;
-            while seq > received.load(std::sync::atomic::Ordering::Acquire) + 4 {
+            while seq > received.load(Ordering::Acquire) + 4 {
                 tokio::task::yield_now().await;
             }
             let freed = seq % 64 == 0 && Sse::connect(s.addr).await.status == 200;
             if freed {
                 // The last change: the reader stops after it.
-                last.store(seq, std::sync::atomic::Ordering::Release);
+                last.store(seq, Ordering::Release);
             }
             s.fake.send(seq, change_json(seq, "a", PAD));
             tokio::task::yield_now().await;
@@ -591,14 +579,10 @@ async fn slow_client_is_disconnected(events: EventsConfig) {
 /// back.
 #[tokio::test]
 async fn events_client_cap() {
-    let s = start(
-        Fake::new(false),
-        ConnectionLimits::default(),
-        EventsConfig {
-            max_clients: 2,
-            ..EventsConfig::default()
-        },
-    )
+    let s = start_events(EventsConfig {
+        max_clients: 2,
+        ..EventsConfig::default()
+    })
     .await;
     let first = subscribed(s.addr).await;
     let _second = subscribed(s.addr).await;
@@ -623,12 +607,7 @@ async fn events_client_cap() {
 /// Without a change feed (the trait's default) the route answers 404.
 #[tokio::test]
 async fn events_without_a_feed_is_404() {
-    let s = start(
-        Fake::new(true),
-        ConnectionLimits::default(),
-        EventsConfig::default(),
-    )
-    .await;
+    let s = start_plain().await;
     let r = get(s.addr, "/api/events").await;
     assert_eq!(r.status, 404);
     assert_eq!(r.body, "task change events are not available\n");
@@ -642,23 +621,16 @@ async fn events_without_a_feed_is_404() {
 #[tokio::test]
 async fn metrics_route_and_content_type() {
     let s = start_default().await;
-    let r = get(s.addr, "/metrics").await;
-    assert_eq!(r.status, 200);
-    assert_eq!(
-        r.header("content-type"),
-        Some("application/openmetrics-text; version=1.0.0; charset=utf-8")
+    get(s.addr, "/metrics").await.assert_answer(
+        200,
+        Some("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+        "# TYPE x counter\nx_total 1\n# EOF\n",
     );
-    assert_eq!(r.body, "# TYPE x counter\nx_total 1\n# EOF\n");
     // The task metrics route is still there, and distinct.
     assert_eq!(get(s.addr, "/metrics/tasks/a").await.status, 404);
     stop(s).await;
 
-    let s = start(
-        Fake::new(true),
-        ConnectionLimits::default(),
-        EventsConfig::default(),
-    )
-    .await;
+    let s = start_plain().await;
     let r = get(s.addr, "/metrics").await;
     assert_eq!(
         (r.status, r.body.as_str()),
@@ -672,10 +644,11 @@ async fn metrics_route_and_content_type() {
 #[tokio::test]
 async fn readiness_200_and_503() {
     let s = start_default().await;
-    let r = get(s.addr, "/api/ready").await;
-    assert_eq!(r.status, 200);
-    assert_eq!(r.header("content-type"), Some("application/json"));
-    assert_eq!(r.body, "{\"ready\":true,\"reasons\":[]}\n");
+    get(s.addr, "/api/ready").await.assert_answer(
+        200,
+        Some("application/json"),
+        "{\"ready\":true,\"reasons\":[]}\n",
+    );
 
     *s.fake.readiness.lock().unwrap() = Readiness::new(
         false,
@@ -684,10 +657,8 @@ async fn readiness_200_and_503() {
     .with_runtime(false, Some(1.5), 600.0);
     let r = get(s.addr, "/api/ready").await;
     assert_eq!(r.status, 503);
-    assert_eq!(r.header("content-type"), Some("application/json"));
-    let body: serde_json::Value = serde_json::from_str(&r.body).unwrap();
     assert_eq!(
-        body,
+        r.json(),
         serde_json::json!({"ready": false, "reasons": ["Docker's event stream is disconnected"],
             "events_connected": false, "last_reconcile_age_seconds": 1.5,
             "reconcile_max_age_seconds": 600.0})

@@ -4,6 +4,7 @@
 use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use shim_resources::keys::{MARKER, Rewrite, marked_line, parse_marked_line, render};
 use shim_resources::{
@@ -38,10 +39,51 @@ fn key(s: &str) -> PublicKey {
     PublicKey::parse(s).unwrap()
 }
 
+fn keys(lines: &[&str]) -> Vec<PublicKey> {
+    lines.iter().copied().map(key).collect()
+}
+
 fn task(s: &str) -> TaskId {
     TaskId::new(s).unwrap()
 }
 
+/// The key's fingerprint, as [`Home::marked`] lists it.
+fn fp(line: &str) -> String {
+    key(line).fingerprint().to_owned()
+}
+
+/// The line the manager writes for the key (with its marker), without a newline.
+fn mark(line: &str) -> String {
+    marked_line(&key(line))
+}
+
+// The manager's calls as the tests make them: task ids and keys as strings; `add` and `remove`
+// must succeed.
+
+async fn add(m: &AuthorizedKeysManager, t: &str, user: &str, lines: &[&str]) {
+    m.add(&task(t), user, &keys(lines)).await.unwrap();
+}
+
+/// An `add` that must fail.
+async fn add_err(m: &AuthorizedKeysManager, t: &str, user: &str, lines: &[&str]) -> ResourcesError {
+    m.add(&task(t), user, &keys(lines)).await.unwrap_err()
+}
+
+async fn remove(m: &AuthorizedKeysManager, t: &str, user: &str, lines: &[&str]) {
+    m.remove(&task(t), user, &keys(lines)).await.unwrap();
+}
+
+fn restore(m: &AuthorizedKeysManager, t: &str, user: &str, lines: &[&str]) {
+    m.restore(&task(t), user, &keys(lines));
+}
+
+/// `render` of `old` as text.
+fn rendered(old: &str, rw: &Rewrite<'_>) -> String {
+    String::from_utf8(render(old.as_bytes(), rw)).unwrap()
+}
+
+/// Two users in a temporary directory: alice, whose home exists, and bob, whose home does not
+/// (a test makes it where it needs it).
 struct Home {
     _tmp: tempfile::TempDir,
     home: PathBuf,
@@ -53,27 +95,53 @@ impl Home {
         let tmp = tempfile::tempdir().unwrap();
         let home = tmp.path().join("alice");
         fs_err::create_dir(&home).unwrap();
-        let db = StaticUserDb::new()
-            .with_user("alice", &home)
-            .with_user("bob", tmp.path().join("bob"));
         Self {
-            manager: AuthorizedKeysManager::new(Arc::new(db)),
+            manager: Self::manager_for(&home),
             home,
             _tmp: tmp,
         }
     }
 
+    fn manager_for(home: &Path) -> AuthorizedKeysManager {
+        let db = StaticUserDb::new()
+            .with_user("alice", home)
+            .with_user("bob", home.parent().unwrap().join("bob"));
+        AuthorizedKeysManager::new(Arc::new(db))
+    }
+
+    /// A fresh manager over the same homes (a restart: nothing in memory).
+    fn restarted(&self) -> AuthorizedKeysManager {
+        Self::manager_for(&self.home)
+    }
+
+    /// A path beside alice's home (bob's home, a file to protect).
+    fn beside(&self, name: &str) -> PathBuf {
+        self.home.parent().unwrap().join(name)
+    }
+
+    fn file_of(&self, user: &str) -> PathBuf {
+        self.beside(user).join(".ssh/authorized_keys")
+    }
+
+    fn read_of(&self, user: &str) -> String {
+        fs_err::read_to_string(self.file_of(user)).unwrap()
+    }
+
+    fn write_of(&self, user: &str, content: &str) {
+        fs_err::create_dir_all(self.beside(user).join(".ssh")).unwrap();
+        fs_err::write(self.file_of(user), content).unwrap();
+    }
+
     fn file(&self) -> PathBuf {
-        self.home.join(".ssh/authorized_keys")
+        self.file_of("alice")
     }
 
     fn read(&self) -> String {
-        fs_err::read_to_string(self.file()).unwrap()
+        self.read_of("alice")
     }
 
     fn write(&self, content: &str) {
-        fs_err::create_dir_all(self.home.join(".ssh")).unwrap();
-        fs_err::write(self.file(), content).unwrap();
+        self.write_of("alice", content);
     }
 
     /// Fingerprints of the marked lines, in file order.
@@ -94,10 +162,7 @@ fn mode(p: &Path) -> u32 {
 async fn creates_ssh_dir_and_file_with_modes_and_owner() {
     let h = Home::new();
     let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
-    h.manager
-        .add(&task("t1"), "alice", &[key(K1), key(K4)])
-        .await
-        .unwrap();
+    add(&h.manager, "t1", "alice", &[K1, K4]).await;
     nix::sys::stat::umask(old);
     assert_eq!(mode(&h.home.join(".ssh")), 0o700);
     assert_eq!(mode(&h.file()), 0o600);
@@ -119,10 +184,7 @@ async fn creates_ssh_dir_and_file_with_modes_and_owner() {
 #[tokio::test]
 async fn written_file_is_read_by_ssh_keygen() {
     let h = Home::new();
-    h.manager
-        .add(&task("t1"), "alice", &[key(K1), key(K4)])
-        .await
-        .unwrap();
+    add(&h.manager, "t1", "alice", &[K1, K4]).await;
     let out = std::process::Command::new("ssh-keygen")
         .arg("-l")
         .arg("-f")
@@ -152,17 +214,14 @@ async fn preserves_foreign_lines_mode_and_keeps_backup() {
     );
     h.write(&original);
     fs_err::set_permissions(h.file(), std::fs::Permissions::from_mode(0o640)).unwrap();
-    h.manager
-        .add(&task("t1"), "alice", &[key(K1)])
-        .await
-        .unwrap();
+    add(&h.manager, "t1", "alice", &[K1]).await;
     assert_eq!(h.read(), format!("{original}{} {MARKER}\n", key(K1).line()));
     assert_eq!(mode(&h.file()), 0o640, "mode kept");
     assert_eq!(
         fs_err::read_to_string(h.home.join(".ssh/authorized_keys.bak")).unwrap(),
         original
     );
-    h.manager.remove(&task("t1"), "alice", &[]).await.unwrap();
+    remove(&h.manager, "t1", "alice", &[]).await;
     assert_eq!(h.read(), original, "back to the original byte for byte");
     assert_eq!(mode(&h.file()), 0o640);
 }
@@ -174,13 +233,10 @@ async fn invalid_utf8_and_missing_final_newline_survive() {
     let mut original = b"\xff\xfe binary junk\n".to_vec();
     original.extend_from_slice(K2.as_bytes()); // no final newline
     fs_err::write(h.file(), &original).unwrap();
-    h.manager
-        .add(&task("t1"), "alice", &[key(K1)])
-        .await
-        .unwrap();
+    add(&h.manager, "t1", "alice", &[K1]).await;
     let now = fs_err::read(h.file()).unwrap();
     assert!(now.starts_with(&original));
-    h.manager.remove(&task("t1"), "alice", &[]).await.unwrap();
+    remove(&h.manager, "t1", "alice", &[]).await;
     let mut expected = original.clone();
     expected.push(b'\n');
     assert_eq!(fs_err::read(h.file()).unwrap(), expected);
@@ -189,26 +245,19 @@ async fn invalid_utf8_and_missing_final_newline_survive() {
 #[tokio::test]
 async fn shared_key_survives_release_of_first_task() {
     let h = Home::new();
-    h.manager
-        .add(&task("a"), "alice", &[key(K1), key(K2)])
-        .await
-        .unwrap();
-    h.manager
-        .add(&task("b"), "alice", &[key(K2), key(K3)])
-        .await
-        .unwrap();
-    let fp = |k: &str| key(k).fingerprint().to_owned();
+    add(&h.manager, "a", "alice", &[K1, K2]).await;
+    add(&h.manager, "b", "alice", &[K2, K3]).await;
     assert_eq!(
         h.marked(),
         vec![fp(K1), fp(K2), fp(K3)],
         "no duplicate line for K2"
     );
-    h.manager.remove(&task("a"), "alice", &[]).await.unwrap();
+    remove(&h.manager, "a", "alice", &[]).await;
     assert_eq!(h.marked(), vec![fp(K2), fp(K3)]);
-    h.manager.remove(&task("b"), "alice", &[]).await.unwrap();
+    remove(&h.manager, "b", "alice", &[]).await;
     assert!(h.marked().is_empty());
     // Idempotent.
-    h.manager.remove(&task("b"), "alice", &[]).await.unwrap();
+    remove(&h.manager, "b", "alice", &[]).await;
     assert!(h.marked().is_empty());
 }
 
@@ -218,12 +267,9 @@ async fn foreign_line_with_same_key_is_never_removed() {
     // The user's own line holds K1 in another formatting (other comment, extra spaces).
     let own = K1.replace(' ', "   ").replace("user1@host", "laptop");
     h.write(&format!("{own}\n"));
-    h.manager
-        .add(&task("a"), "alice", &[key(K1)])
-        .await
-        .unwrap();
+    add(&h.manager, "a", "alice", &[K1]).await;
     assert_eq!(h.marked(), vec![K1_FP.to_owned()]);
-    h.manager.remove(&task("a"), "alice", &[]).await.unwrap();
+    remove(&h.manager, "a", "alice", &[]).await;
     assert_eq!(h.read(), format!("{own}\n"));
 }
 
@@ -233,15 +279,12 @@ async fn marked_line_in_other_formatting_is_recognized() {
     // A marked line written with different spacing and comment: still ours, same key.
     let k1 = K1.replace("user1@host", "").replace(' ', "  ");
     h.write(&format!("{k1} {MARKER}\n"));
-    h.manager.restore(&task("a"), "alice", &[key(K1)]);
-    h.manager
-        .add(&task("b"), "alice", &[key(K1)])
-        .await
-        .unwrap();
+    restore(&h.manager, "a", "alice", &[K1]);
+    add(&h.manager, "b", "alice", &[K1]).await;
     assert_eq!(h.marked(), vec![K1_FP.to_owned()], "not duplicated");
-    h.manager.remove(&task("a"), "alice", &[]).await.unwrap();
+    remove(&h.manager, "a", "alice", &[]).await;
     assert_eq!(h.marked(), vec![K1_FP.to_owned()], "b still needs it");
-    h.manager.remove(&task("b"), "alice", &[]).await.unwrap();
+    remove(&h.manager, "b", "alice", &[]).await;
     assert!(h.marked().is_empty());
 }
 
@@ -249,31 +292,17 @@ async fn marked_line_in_other_formatting_is_recognized() {
 async fn restart_restore_then_remove_keeps_live_keys() {
     let h = Home::new();
     h.write(&format!("{K4}\n"));
-    h.manager
-        .add(&task("a"), "alice", &[key(K1), key(K2)])
-        .await
-        .unwrap();
-    h.manager
-        .add(&task("b"), "alice", &[key(K2)])
-        .await
-        .unwrap();
-    h.manager
-        .add(&task("c"), "alice", &[key(K3)])
-        .await
-        .unwrap();
+    add(&h.manager, "a", "alice", &[K1, K2]).await;
+    add(&h.manager, "b", "alice", &[K2]).await;
+    add(&h.manager, "c", "alice", &[K3]).await;
 
     // Restart: a fresh manager, empty memory. b and c are live; a finished while down.
-    let db = StaticUserDb::new().with_user("alice", &h.home);
-    let after = AuthorizedKeysManager::new(Arc::new(db));
-    after.restore(&task("b"), "alice", &[key(K2)]);
-    after.restore(&task("c"), "alice", &[key(K3)]);
+    let after = h.restarted();
+    restore(&after, "b", "alice", &[K2]);
+    restore(&after, "c", "alice", &[K3]);
     // Restore alone touches nothing.
-    let fp = |k: &str| key(k).fingerprint().to_owned();
     assert_eq!(h.marked(), vec![fp(K1), fp(K2), fp(K3)]);
-    after
-        .remove(&task("a"), "alice", &[key(K1), key(K2)])
-        .await
-        .unwrap();
+    remove(&after, "a", "alice", &[K1, K2]).await;
     assert_eq!(h.marked(), vec![fp(K2), fp(K3)]);
     assert!(
         h.read().starts_with(&format!("{K4}\n")),
@@ -287,78 +316,48 @@ async fn restart_restore_then_remove_keeps_live_keys() {
 async fn leftover_marked_line_without_a_task_is_pruned_on_next_removal() {
     let h = Home::new();
     // A crash after writing but before recording: a marked K3 line no task claims.
-    h.write(&format!("{}\n", marked_line(&key(K3))));
-    h.manager
-        .add(&task("a"), "alice", &[key(K1)])
-        .await
-        .unwrap();
+    h.write(&format!("{}\n", mark(K3)));
+    add(&h.manager, "a", "alice", &[K1]).await;
     assert_eq!(h.marked().len(), 2, "add never removes");
-    h.manager.remove(&task("a"), "alice", &[]).await.unwrap();
+    remove(&h.manager, "a", "alice", &[]).await;
     assert!(h.marked().is_empty());
 }
 
 #[tokio::test]
 async fn users_are_separate() {
     let h = Home::new();
-    let bob_home = h.home.parent().unwrap().join("bob");
-    fs_err::create_dir(&bob_home).unwrap();
-    h.manager
-        .add(&task("a"), "alice", &[key(K1)])
-        .await
-        .unwrap();
-    h.manager.add(&task("b"), "bob", &[key(K1)]).await.unwrap();
-    h.manager.remove(&task("a"), "alice", &[]).await.unwrap();
+    fs_err::create_dir(h.beside("bob")).unwrap();
+    add(&h.manager, "a", "alice", &[K1]).await;
+    add(&h.manager, "b", "bob", &[K1]).await;
+    remove(&h.manager, "a", "alice", &[]).await;
     assert!(h.marked().is_empty());
-    let bob = fs_err::read_to_string(bob_home.join(".ssh/authorized_keys")).unwrap();
-    assert_eq!(bob, format!("{}\n", marked_line(&key(K1))));
+    assert_eq!(h.read_of("bob"), format!("{}\n", mark(K1)));
 }
 
 #[tokio::test]
 async fn unknown_or_invalid_user_is_an_error_and_registers_nothing() {
     let h = Home::new();
-    let e = h
-        .manager
-        .add(&task("a"), "mallory", &[key(K1)])
-        .await
-        .unwrap_err();
+    let e = add_err(&h.manager, "a", "mallory", &[K1]).await;
     assert!(matches!(e, ResourcesError::UnknownUser { .. }), "{e}");
     for bad in ["../etc", "a/b", ".", "..", "a\nb", "a\rb", "a\0b"] {
-        let e = h
-            .manager
-            .add(&task("a"), bad, &[key(K1)])
-            .await
-            .unwrap_err();
+        let e = add_err(&h.manager, "a", bad, &[K1]).await;
         assert!(
             matches!(e, ResourcesError::InvalidUser { .. }),
             "{bad:?}: {e}"
         );
     }
     // An empty user with keys fails with a clear error; without keys there is nothing to do.
-    let e = h.manager.add(&task("a"), "", &[key(K1)]).await.unwrap_err();
+    let e = add_err(&h.manager, "a", "", &[K1]).await;
     assert!(matches!(e, ResourcesError::MissingUser { keys: 1 }), "{e}");
     assert!(e.to_string().contains("no host user"), "{e}");
-    h.manager.add(&task("a"), "", &[]).await.unwrap();
+    add(&h.manager, "a", "", &[]).await;
     assert!(h.manager.live_tasks().is_empty());
     // Removing keys of a user that does not exist (or could never have been written) is a
-    // no-op, so a release recorded ahead of a failed add goes through.
-    h.manager
-        .remove(&task("a"), "mallory", &[key(K1)])
-        .await
-        .unwrap();
-    h.manager
-        .remove(&task("a"), "../etc", &[key(K1)])
-        .await
-        .unwrap();
-    h.manager.remove(&task("a"), "", &[key(K1)]).await.unwrap();
-    // Nor is a user without a home or without ~/.ssh an error on removal.
-    h.manager
-        .remove(&task("a"), "bob", &[key(K1)])
-        .await
-        .unwrap();
-    h.manager
-        .remove(&task("a"), "alice", &[key(K1)])
-        .await
-        .unwrap();
+    // no-op, so a release recorded ahead of a failed add goes through. Nor is a user without a
+    // home (bob) or without ~/.ssh (alice) an error on removal.
+    for user in ["mallory", "../etc", "", "bob", "alice"] {
+        remove(&h.manager, "a", user, &[K1]).await;
+    }
     assert!(!h.home.join(".ssh").exists(), "removal creates nothing");
 }
 
@@ -383,7 +382,7 @@ async fn any_name_the_passwd_database_knows_is_accepted() {
     }
     let m = AuthorizedKeysManager::new(Arc::new(db));
     for (i, n) in names.iter().enumerate() {
-        m.add(&task(&format!("t{i}")), n, &[key(K1)]).await.unwrap();
+        add(&m, &format!("t{i}"), n, &[K1]).await;
     }
     assert_eq!(m.live_tasks().len(), names.len());
     // The system database: root exists everywhere, and an odd name is merely unknown.
@@ -398,39 +397,21 @@ async fn any_name_the_passwd_database_knows_is_accepted() {
 #[tokio::test]
 async fn unknown_hold_keeps_marked_lines_of_unknown_origin_for_its_user() {
     let h = Home::new();
-    let bob_home = h.home.parent().unwrap().join("bob");
-    fs_err::create_dir_all(bob_home.join(".ssh")).unwrap();
     // Marked lines nobody registered: K3 for alice (an upstream container's, say), K4 for bob.
-    h.write(&format!("{K4}\n{}\n", marked_line(&key(K3))));
-    fs_err::write(
-        bob_home.join(".ssh/authorized_keys"),
-        format!("{}\n", marked_line(&key(K4))),
-    )
-    .unwrap();
-    h.manager
-        .add(&task("a"), "alice", &[key(K1)])
-        .await
-        .unwrap();
-    h.manager.add(&task("b"), "bob", &[key(K2)]).await.unwrap();
+    h.write(&format!("{K4}\n{}\n", mark(K3)));
+    h.write_of("bob", &format!("{}\n", mark(K4)));
+    add(&h.manager, "a", "alice", &[K1]).await;
+    add(&h.manager, "b", "bob", &[K2]).await;
     h.manager.hold_unknown(&task("up"), Some("alice"));
     // Releasing a: its own key goes (known origin), K3 of unknown origin stays.
-    h.manager
-        .remove(&task("a"), "alice", &[key(K1)])
-        .await
-        .unwrap();
-    assert_eq!(h.marked(), vec![key(K3).fingerprint().to_owned()]);
+    remove(&h.manager, "a", "alice", &[K1]).await;
+    assert_eq!(h.marked(), vec![fp(K3)]);
     assert!(h.read().starts_with(&format!("{K4}\n")));
     // The hold covers alice only: bob's unknown-origin K4 goes with b's removal.
-    h.manager
-        .remove(&task("b"), "bob", &[key(K2)])
-        .await
-        .unwrap();
-    assert_eq!(
-        fs_err::read_to_string(bob_home.join(".ssh/authorized_keys")).unwrap(),
-        ""
-    );
+    remove(&h.manager, "b", "bob", &[K2]).await;
+    assert_eq!(h.read_of("bob"), "");
     // Releasing the held task clears the hold, and its rewrite prunes the unknown line.
-    h.manager.remove(&task("up"), "alice", &[]).await.unwrap();
+    remove(&h.manager, "up", "alice", &[]).await;
     assert!(h.manager.unknown_holds().is_empty());
     assert!(h.marked().is_empty());
     assert_eq!(h.read(), format!("{K4}\n"));
@@ -439,31 +420,22 @@ async fn unknown_hold_keeps_marked_lines_of_unknown_origin_for_its_user() {
 #[tokio::test]
 async fn hold_without_user_covers_every_user_until_removed() {
     let h = Home::new();
-    let bob_home = h.home.parent().unwrap().join("bob");
-    fs_err::create_dir_all(bob_home.join(".ssh")).unwrap();
-    let bob_file = bob_home.join(".ssh/authorized_keys");
-    fs_err::write(&bob_file, format!("{}\n", marked_line(&key(K4)))).unwrap();
+    h.write_of("bob", &format!("{}\n", mark(K4)));
     h.manager.hold_unknown(&task("lost"), None);
-    h.manager.add(&task("b"), "bob", &[key(K2)]).await.unwrap();
-    h.manager
-        .remove(&task("b"), "bob", &[key(K2)])
-        .await
-        .unwrap();
+    add(&h.manager, "b", "bob", &[K2]).await;
+    remove(&h.manager, "b", "bob", &[K2]).await;
     assert_eq!(
-        fs_err::read_to_string(&bob_file).unwrap(),
-        format!("{}\n", marked_line(&key(K4))),
+        h.read_of("bob"),
+        format!("{}\n", mark(K4)),
         "unknown origin kept while a task of unknown user and keys lives"
     );
     // The held task's keys become known (restore replaces the hold): K4 is no longer
     // protected, and the next rewrite for bob prunes it.
-    h.manager.restore(&task("lost"), "alice", &[key(K1)]);
+    restore(&h.manager, "lost", "alice", &[K1]);
     assert!(h.manager.unknown_holds().is_empty());
-    h.manager.add(&task("c"), "bob", &[key(K2)]).await.unwrap();
-    h.manager
-        .remove(&task("c"), "bob", &[key(K2)])
-        .await
-        .unwrap();
-    assert_eq!(fs_err::read_to_string(&bob_file).unwrap(), "");
+    add(&h.manager, "c", "bob", &[K2]).await;
+    remove(&h.manager, "c", "bob", &[K2]).await;
+    assert_eq!(h.read_of("bob"), "");
 }
 
 #[tokio::test]
@@ -471,21 +443,13 @@ async fn lines_kept_for_a_task_of_unknown_user_go_when_it_is_released() {
     // After a restart: a's keys are known; "lost" had its state file unreadable, so neither
     // its user nor its keys are known, and K3 is of unknown origin.
     let h = Home::new();
-    h.write(&format!(
-        "{K4}\n{}\n{}\n",
-        marked_line(&key(K1)),
-        marked_line(&key(K3))
-    ));
-    h.manager.restore(&task("a"), "alice", &[key(K1)]);
+    h.write(&format!("{K4}\n{}\n{}\n", mark(K1), mark(K3)));
+    restore(&h.manager, "a", "alice", &[K1]);
     h.manager.hold_unknown(&task("lost"), None);
-    h.manager
-        .remove(&task("a"), "alice", &[key(K1)])
-        .await
-        .unwrap();
-    let fp = |k: &str| key(k).fingerprint().to_owned();
+    remove(&h.manager, "a", "alice", &[K1]).await;
     assert_eq!(h.marked(), vec![fp(K3)], "kept while the held task lives");
     // Its release (the engine passes no user: none is known) rewrites alice's file too.
-    h.manager.remove(&task("lost"), "", &[]).await.unwrap();
+    remove(&h.manager, "lost", "", &[]).await;
     assert!(h.marked().is_empty(), "{}", h.read());
     assert_eq!(h.read(), format!("{K4}\n"));
 }
@@ -496,13 +460,10 @@ async fn lines_kept_for_a_task_of_unknown_user_go_when_it_is_released() {
 #[tokio::test]
 async fn a_failed_release_of_a_task_of_unknown_user_is_redone_by_the_retry() {
     let h = Home::new();
-    h.write(&format!("{K4}\n{}\n", marked_line(&key(K3))));
-    h.manager.restore(&task("a"), "alice", &[key(K1)]);
+    h.write(&format!("{K4}\n{}\n", mark(K3)));
+    restore(&h.manager, "a", "alice", &[K1]);
     h.manager.hold_unknown(&task("lost"), None);
-    h.manager
-        .remove(&task("a"), "alice", &[key(K1)])
-        .await
-        .unwrap();
+    remove(&h.manager, "a", "alice", &[K1]).await;
     // alice's ~/.ssh cannot be opened as a directory: the rewrite fails.
     let ssh = h.home.join(".ssh");
     let aside = h.home.join(".ssh-aside");
@@ -511,45 +472,30 @@ async fn a_failed_release_of_a_task_of_unknown_user_is_redone_by_the_retry() {
     assert!(h.manager.remove(&task("lost"), "", &[]).await.is_err());
     fs_err::remove_file(&ssh).unwrap();
     fs_err::rename(&aside, &ssh).unwrap();
-    let fp = |k: &str| key(k).fingerprint().to_owned();
     assert_eq!(h.marked(), vec![fp(K3)], "nothing rewritten yet");
     // The retry, as the engine sends it.
-    h.manager.remove(&task("lost"), "", &[]).await.unwrap();
+    remove(&h.manager, "lost", "", &[]).await;
     assert_eq!(h.read(), format!("{K4}\n"));
 }
 
 #[tokio::test]
 async fn restart_with_a_held_task_removes_only_known_keys() {
     let h = Home::new();
-    h.manager
-        .add(&task("a"), "alice", &[key(K1)])
-        .await
-        .unwrap();
-    h.manager
-        .add(&task("gone"), "alice", &[key(K2)])
-        .await
-        .unwrap();
-    h.manager
-        .add(&task("up"), "alice", &[key(K3)])
-        .await
-        .unwrap();
+    add(&h.manager, "a", "alice", &[K1]).await;
+    add(&h.manager, "gone", "alice", &[K2]).await;
+    add(&h.manager, "up", "alice", &[K3]).await;
     // Restart: a is live, "up"'s state file is unreadable (keys unknown), "gone" finished.
-    let after =
-        AuthorizedKeysManager::new(Arc::new(StaticUserDb::new().with_user("alice", &h.home)));
-    after.restore(&task("a"), "alice", &[key(K1)]);
+    let after = h.restarted();
+    restore(&after, "a", "alice", &[K1]);
     after.hold_unknown(&task("up"), Some("alice"));
-    after
-        .remove(&task("gone"), "alice", &[key(K2)])
-        .await
-        .unwrap();
-    let fp = |k: &str| key(k).fingerprint().to_owned();
+    remove(&after, "gone", "alice", &[K2]).await;
     assert_eq!(
         h.marked(),
         vec![fp(K1), fp(K3)],
         "K2 known and released; K3 held"
     );
     // Add never removes, hold or not.
-    after.add(&task("d"), "alice", &[key(K4)]).await.unwrap();
+    add(&after, "d", "alice", &[K4]).await;
     assert_eq!(h.marked(), vec![fp(K1), fp(K3), fp(K4)]);
 }
 
@@ -569,16 +515,15 @@ async fn failed_write_registers_nothing_and_changes_nothing() {
 async fn concurrent_updates_are_serialized() {
     let h = Home::new();
     h.write(&format!("{K4}\n"));
-    let keys = [key(K1), key(K2), key(K3)];
+    let lines = [K1, K2, K3];
     let mut handles = Vec::new();
     for i in 0..30 {
         let m = h.manager.clone();
-        let k = keys[i % 3].clone();
         handles.push(tokio::spawn(async move {
-            let t = task(&format!("t{i}"));
-            m.add(&t, "alice", &[k]).await.unwrap();
+            let t = format!("t{i}");
+            add(&m, &t, "alice", &[lines[i % 3]]).await;
             if i % 2 == 0 {
-                m.remove(&t, "alice", &[]).await.unwrap();
+                remove(&m, &t, "alice", &[]).await;
             }
         }));
     }
@@ -588,7 +533,7 @@ async fn concurrent_updates_are_serialized() {
     // Odd tasks stay: t1 (K2), t3 (K1), t5 (K3), … — every key is held by some odd task.
     let mut marked = h.marked();
     marked.sort();
-    let mut want: Vec<String> = keys.iter().map(|k| k.fingerprint().to_owned()).collect();
+    let mut want: Vec<String> = lines.map(fp).to_vec();
     want.sort();
     assert_eq!(marked, want);
     assert!(h.read().starts_with(&format!("{K4}\n")));
@@ -596,37 +541,25 @@ async fn concurrent_updates_are_serialized() {
 
 #[test]
 fn render_rules() {
-    let k1 = key(K1);
-    let k2 = key(K2);
-    let old = format!(
-        "x\n{}\n{}\n{}\n",
-        marked_line(&k1),
-        marked_line(&k1),
-        marked_line(&k2)
-    );
-    fn add(wanted: &[PublicKey]) -> Rewrite<'_> {
-        Rewrite {
-            wanted,
-            released: &[],
-            prune_unknown: false,
-            released_unmarked: &[],
-        }
-    }
+    let old = format!("x\n{}\n{}\n{}\n", mark(K1), mark(K1), mark(K2));
+    let wanted = keys(&[K1]);
     // Add: nothing dropped except the duplicate; wanted keys present.
-    let r = String::from_utf8(render(old.as_bytes(), &add(std::slice::from_ref(&k1)))).unwrap();
-    assert_eq!(
-        r,
-        format!("x\n{}\n{}\n", marked_line(&k1), marked_line(&k2))
-    );
-    // A removal without holds keeps exactly the wanted keys.
-    let rw = Rewrite {
-        wanted: std::slice::from_ref(&k1),
+    let adding = Rewrite {
+        wanted: &wanted,
         released: &[],
-        prune_unknown: true,
+        prune_unknown: false,
         released_unmarked: &[],
     };
-    let r = String::from_utf8(render(old.as_bytes(), &rw)).unwrap();
-    assert_eq!(r, format!("x\n{}\n", marked_line(&k1)));
+    assert_eq!(
+        rendered(&old, &adding),
+        format!("x\n{}\n{}\n", mark(K1), mark(K2))
+    );
+    // A removal without holds keeps exactly the wanted keys.
+    let removal = Rewrite {
+        prune_unknown: true,
+        ..adding
+    };
+    assert_eq!(rendered(&old, &removal), format!("x\n{}\n", mark(K1)));
     // The marker must be an exact trailing field.
     assert!(parse_marked_line(&format!("{K1}{MARKER}")).is_none());
     assert!(parse_marked_line(&format!("{K1} # added by dstack")).is_none());
@@ -639,27 +572,25 @@ fn rewrite_rule_known_and_unknown_origin() {
     // SPEC §7: key lines are removed only when they belong to a released task and no live
     // task needs them; while a live task's keys are unknown, marked lines of unknown origin
     // stay.
-    let (k1, k2, k3, k4) = (key(K1), key(K2), key(K3), key(K4));
     let foreign = format!("{K3}\n"); // the user's own line with K3: never ours to remove
     let old = format!(
         "{foreign}{}\n{}\n{}\n{}\n",
-        marked_line(&k1),
-        marked_line(&k2),
-        marked_line(&k3),
-        marked_line(&k4)
+        mark(K1),
+        mark(K2),
+        mark(K3),
+        mark(K4)
     );
     let keep = |rw: &Rewrite<'_>| -> Vec<String> {
-        let out = String::from_utf8(render(old.as_bytes(), rw)).unwrap();
+        let out = rendered(&old, rw);
         assert!(out.starts_with(&foreign), "foreign line kept: {out}");
         out.lines()
             .filter_map(parse_marked_line)
             .map(|k| k.fingerprint().to_owned())
             .collect()
     };
-    let fp = |k: &PublicKey| k.fingerprint().to_owned();
     // K1 wanted (a live task), K2 released (the task removed), K3 and K4 of unknown origin.
-    let wanted = [k1.clone()];
-    let released = [k2.clone(), k1.clone()];
+    let wanted = keys(&[K1]);
+    let released = keys(&[K2, K1]);
     // No unknown hold: only the wanted key stays.
     let rw = Rewrite {
         wanted: &wanted,
@@ -667,64 +598,49 @@ fn rewrite_rule_known_and_unknown_origin() {
         prune_unknown: true,
         released_unmarked: &[],
     };
-    assert_eq!(keep(&rw), vec![fp(&k1)]);
+    assert_eq!(keep(&rw), vec![fp(K1)]);
     // A hold covers the user: the released key goes, unknown-origin lines stay, the wanted
     // key stays even though the removed task also had it.
     let rw = Rewrite {
         prune_unknown: false,
         ..rw
     };
-    assert_eq!(keep(&rw), vec![fp(&k1), fp(&k3), fp(&k4)]);
-    assert!(rw.keeps(&fp(&k1)) && !rw.keeps(&fp(&k2)) && rw.keeps(&fp(&k3)));
+    assert_eq!(keep(&rw), vec![fp(K1), fp(K3), fp(K4)]);
+    assert!(rw.keeps(&fp(K1)) && !rw.keeps(&fp(K2)) && rw.keeps(&fp(K3)));
 }
 
 #[tokio::test]
 async fn symlinked_file_or_ssh_dir_is_refused_and_never_followed() {
+    #[track_caller]
+    fn assert_refused_as_a_link(e: &ResourcesError) {
+        assert!(
+            matches!(
+                e,
+                ResourcesError::Fs(shim_fs::FsError::WrongType {
+                    found: "a symbolic link",
+                    ..
+                })
+            ),
+            "{e}"
+        );
+    }
     let h = Home::new();
-    let secret = h.home.parent().unwrap().join("secret");
+    let secret = h.beside("secret");
     fs_err::write(&secret, "top secret\n").unwrap();
     // ~/.ssh/authorized_keys → secret.
     fs_err::create_dir(h.home.join(".ssh")).unwrap();
     std::os::unix::fs::symlink(&secret, h.file()).unwrap();
-    let e = h
-        .manager
-        .add(&task("a"), "alice", &[key(K1)])
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            e,
-            ResourcesError::Fs(shim_fs::FsError::WrongType {
-                found: "a symbolic link",
-                ..
-            })
-        ),
-        "{e}"
-    );
+    assert_refused_as_a_link(&add_err(&h.manager, "a", "alice", &[K1]).await);
     assert!(h.manager.live_tasks().is_empty());
     assert_eq!(fs_err::read_to_string(&secret).unwrap(), "top secret\n");
     assert!(!h.home.join(".ssh/authorized_keys.bak").exists());
     // ~/.ssh → another directory.
     fs_err::remove_file(h.file()).unwrap();
     fs_err::remove_dir(h.home.join(".ssh")).unwrap();
-    let elsewhere = h.home.parent().unwrap().join("elsewhere");
+    let elsewhere = h.beside("elsewhere");
     fs_err::create_dir(&elsewhere).unwrap();
     std::os::unix::fs::symlink(&elsewhere, h.home.join(".ssh")).unwrap();
-    let e = h
-        .manager
-        .add(&task("a"), "alice", &[key(K1)])
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            e,
-            ResourcesError::Fs(shim_fs::FsError::WrongType {
-                found: "a symbolic link",
-                ..
-            })
-        ),
-        "{e}"
-    );
+    assert_refused_as_a_link(&add_err(&h.manager, "a", "alice", &[K1]).await);
     assert_eq!(fs_err::read_dir(&elsewhere).unwrap().count(), 0);
 }
 
@@ -732,14 +648,11 @@ async fn symlinked_file_or_ssh_dir_is_refused_and_never_followed() {
 async fn planted_temp_file_symlink_is_not_written_through() {
     let h = Home::new();
     h.write(&format!("{K4}\n"));
-    let victim = h.home.parent().unwrap().join("victim");
+    let victim = h.beside("victim");
     fs_err::write(&victim, "keep me\n").unwrap();
     let tmp_name = format!(".authorized_keys.tmp-{}", std::process::id());
     std::os::unix::fs::symlink(&victim, h.home.join(".ssh").join(tmp_name)).unwrap();
-    h.manager
-        .add(&task("a"), "alice", &[key(K1)])
-        .await
-        .unwrap();
+    add(&h.manager, "a", "alice", &[K1]).await;
     assert_eq!(fs_err::read_to_string(&victim).unwrap(), "keep me\n");
     assert_eq!(h.marked(), vec![K1_FP.to_owned()]);
 }
@@ -762,23 +675,23 @@ async fn files_are_owned_by_the_user_when_run_as_root() {
         gid: 54322,
     };
     let m = AuthorizedKeysManager::new(Arc::new(StaticUserDb::new().with_entry("carol", entry)));
-    m.add(&task("a"), "carol", &[key(K1)]).await.unwrap();
-    for p in [home.join(".ssh"), home.join(".ssh/authorized_keys")] {
-        let meta = fs_err::metadata(&p).unwrap();
-        assert_eq!((meta.uid(), meta.gid()), (54321, 54322), "{}", p.display());
-    }
-    assert_eq!(mode(&home.join(".ssh")), 0o700);
-    assert_eq!(mode(&home.join(".ssh/authorized_keys")), 0o600);
-    // An existing file keeps its owner and mode through rewrites, and the backup gets them too.
-    m.add(&task("b"), "carol", &[key(K2)]).await.unwrap();
-    for p in [
+    let (ssh, file, backup) = (
+        home.join(".ssh"),
         home.join(".ssh/authorized_keys"),
         home.join(".ssh/authorized_keys.bak"),
-    ] {
-        let meta = fs_err::metadata(&p).unwrap();
+    );
+    let assert_owned_with_mode = |p: &Path, want: u32| {
+        let meta = fs_err::metadata(p).unwrap();
         assert_eq!((meta.uid(), meta.gid()), (54321, 54322), "{}", p.display());
-        assert_eq!(mode(&p), 0o600);
-    }
+        assert_eq!(mode(p), want, "{}", p.display());
+    };
+    add(&m, "a", "carol", &[K1]).await;
+    assert_owned_with_mode(&ssh, 0o700);
+    assert_owned_with_mode(&file, 0o600);
+    // An existing file keeps its owner and mode through rewrites, and the backup gets them too.
+    add(&m, "b", "carol", &[K2]).await;
+    assert_owned_with_mode(&file, 0o600);
+    assert_owned_with_mode(&backup, 0o600);
 }
 
 #[test]
@@ -789,18 +702,17 @@ fn ssh_dir_swapped_for_a_link_mid_update_is_never_written_through() {
     // the path followed by a write by path would, whenever the swap lands in between).
     let h = Home::new();
     h.write(&format!("{K4}\n"));
-    let parent = h.home.parent().unwrap().to_owned();
-    let elsewhere = parent.join("elsewhere");
+    let elsewhere = h.beside("elsewhere");
     fs_err::create_dir(&elsewhere).unwrap();
     let link = h.home.join(".ssh.swap");
     std::os::unix::fs::symlink(&elsewhere, &link).unwrap();
     let ssh = h.home.join(".ssh");
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let swaps = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let swaps = Arc::new(AtomicU64::new(0));
     let swapper = {
         let (stop, swaps, ssh, link) = (stop.clone(), swaps.clone(), ssh.clone(), link.clone());
         std::thread::spawn(move || {
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let swap = || {
                 nix::fcntl::renameat2(
                     None,
                     &ssh,
@@ -809,7 +721,10 @@ fn ssh_dir_swapped_for_a_link_mid_update_is_never_written_through() {
                     nix::fcntl::RenameFlags::RENAME_EXCHANGE,
                 )
                 .unwrap();
-                swaps.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            };
+            while !stop.load(Ordering::Relaxed) {
+                swap();
+                swaps.fetch_add(1, Ordering::Relaxed);
                 // A short sleep, not a spin: on a loaded machine a spinning swapper can be
                 // starved with the link in place, and then nothing but refusals is tested.
                 std::thread::sleep(std::time::Duration::from_micros(50));
@@ -820,26 +735,16 @@ fn ssh_dir_swapped_for_a_link_mid_update_is_never_written_through() {
                 .file_type()
                 .is_symlink()
             {
-                nix::fcntl::renameat2(
-                    None,
-                    &ssh,
-                    None,
-                    &link,
-                    nix::fcntl::RenameFlags::RENAME_EXCHANGE,
-                )
-                .unwrap();
+                swap();
             }
         })
     };
     let (mut ok, mut refused) = (0, 0);
-    let keys = [key(K1), key(K2), key(K3)];
+    let keys = keys(&[K1, K2, K3]);
     // At least 300 rounds, and on until both outcomes were seen under many swaps (bounded).
     let started = std::time::Instant::now();
     for i in 0.. {
-        let enough = i >= 300
-            && ok > 0
-            && refused > 0
-            && swaps.load(std::sync::atomic::Ordering::Relaxed) > 100;
+        let enough = i >= 300 && ok > 0 && refused > 0 && swaps.load(Ordering::Relaxed) > 100;
         if enough || started.elapsed() > std::time::Duration::from_secs(60) {
             break;
         }
@@ -856,9 +761,9 @@ fn ssh_dir_swapped_for_a_link_mid_update_is_never_written_through() {
             }
         }
     }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    stop.store(true, Ordering::Relaxed);
     swapper.join().unwrap();
-    let swaps = swaps.load(std::sync::atomic::Ordering::Relaxed);
+    let swaps = swaps.load(Ordering::Relaxed);
     eprintln!("{swaps} swaps; {ok} updates done, {refused} refused");
     assert!(swaps > 100 && ok > 0, "the race was not exercised");
     let leaked: Vec<_> = fs_err::read_dir(&elsewhere).unwrap().collect();
@@ -874,36 +779,31 @@ fn ssh_dir_swapped_for_a_link_mid_update_is_never_written_through() {
 /// from an upstream state file releases them the same way, except lines a live task wants.
 #[test]
 fn upstream_lines_go_as_upstream_removes_them() {
-    let (k1, k2) = (key(K1), key(K2));
     let old = format!(
         "# a comment\n{K1}\n{K2}\ncommand=\"x\" {K1}\n{}\n",
-        marked_line(&k2)
+        mark(K2)
     );
-    let released = [k1.clone(), k2.clone()];
-    let wanted = [k2.clone()];
+    let released = keys(&[K1, K2]);
+    let wanted = keys(&[K2]);
     let rw = Rewrite {
         wanted: &wanted,
         released: &released,
         prune_unknown: false,
         released_unmarked: &released,
     };
-    let out = String::from_utf8(render(old.as_bytes(), &rw)).unwrap();
     // K1's plain line goes; K2 stays (a live task wants it), as does its marked line; a line
     // with options is not a plain key line and is left alone. Upstream's RemovePublicKeys
     // (runner/internal/shim/authorized_keys.go, ssh.ParseAuthorizedKey) would remove it too;
     // this shim removes only lines that are exactly the key, on purpose.
     assert_eq!(
-        out,
-        format!(
-            "# a comment\n{K2}\ncommand=\"x\" {K1}\n{}\n",
-            marked_line(&k2)
-        )
+        rendered(&old, &rw),
+        format!("# a comment\n{K2}\ncommand=\"x\" {K1}\n{}\n", mark(K2))
     );
     // Without the upstream flag nothing unmarked is touched.
     let rw = Rewrite {
         released_unmarked: &[],
         ..rw
     };
-    let out = String::from_utf8(render(old.as_bytes(), &rw)).unwrap();
+    let out = rendered(&old, &rw);
     assert!(out.contains(&format!("\n{K1}\n")), "{out}");
 }

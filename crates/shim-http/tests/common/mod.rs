@@ -1,16 +1,23 @@
-//! What the HTTP tests share: a raw HTTP/1.1 client that sends exact bytes and reads the whole
-//! answer (`Connection: close`), with the checks every test makes of an answer.
+//! What the HTTP tests share: `serve` spawned on a loopback port and awaited, a raw HTTP/1.1
+//! client that sends exact bytes and reads the whole answer (`Connection: close`), with the
+//! checks every test makes of an answer.
 
 #![allow(
     dead_code,
-    reason = "each test file uses the part of the client it needs"
+    reason = "each test file uses the part of this module it needs"
 )]
 
 use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
+use shim_http::{ApiError, ComponentsApi, HttpError, Listeners, ServerConfig, ShimApi, serve};
+use shim_task::TaskId;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 /// How long an answer may take (a safety bound, never a timing assertion).
 pub const ANSWER_BOUND: Duration = Duration::from_secs(20);
@@ -30,6 +37,14 @@ impl Resp {
             .iter()
             .find(|(k, _)| k.eq_ignore_ascii_case(name))
             .map(|(_, v)| v.as_str())
+    }
+
+    /// Asserts the status, the content type (`None`: no such header) and the whole body.
+    #[track_caller]
+    pub fn assert_answer(&self, status: u16, content_type: Option<&str>, body: &str) {
+        assert_eq!(self.status, status, "{self:?}");
+        assert_eq!(self.header("content-type"), content_type, "{self:?}");
+        assert_eq!(self.body, body, "{self:?}");
     }
 
     /// Asserts a JSON answer as Go's encoder writes it (one line) and parses it.
@@ -71,6 +86,47 @@ impl Resp {
     pub fn assert_empty_ok(&self) {
         self.assert_error(200, "");
     }
+}
+
+/// `serve` running in a task of its own.
+pub struct Serving {
+    pub addr: SocketAddr,
+    pub shutdown: CancellationToken,
+    pub handle: JoinHandle<Result<(), HttpError>>,
+}
+
+/// Spawns `serve` on a fresh loopback port (and on `unix`, if given).
+pub async fn spawn_serve(
+    unix: Option<&Path>,
+    api: Arc<dyn ShimApi>,
+    components: Arc<dyn ComponentsApi>,
+    config: ServerConfig,
+) -> Serving {
+    let listeners = Listeners::bind("127.0.0.1:0".parse().unwrap(), unix)
+        .await
+        .unwrap();
+    let addr = listeners.tcp_addr();
+    let shutdown = CancellationToken::new();
+    let handle = tokio::spawn(serve(listeners, api, components, config, shutdown.clone()));
+    Serving {
+        addr,
+        shutdown,
+        handle,
+    }
+}
+
+/// What the fake engines answer for a task they do not have.
+pub fn unknown_task(id: &TaskId) -> ApiError {
+    ApiError::not_found(format!("task {id} not found"))
+}
+
+/// Waits (bounded) for `serve`'s task to end, and asserts that `serve` returned `Ok`.
+pub async fn serve_returns(handle: JoinHandle<Result<(), HttpError>>) {
+    tokio::time::timeout(ANSWER_BOUND, handle)
+        .await
+        .expect("serve returns")
+        .unwrap()
+        .unwrap();
 }
 
 pub fn parse_response(raw: &[u8]) -> Resp {
