@@ -24,7 +24,9 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use shim_components::{ComponentName, Components, ComponentsConfig};
-use shim_http::{ComponentsHttp, EngineApi, Listeners, ServerConfig, ShimApi, serve};
+use shim_http::{
+    ComponentsHttp, EngineApi, EngineShutdown, Listeners, ServerConfig, ShimApi, serve,
+};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, VERSION};
@@ -220,24 +222,16 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
     let api: Arc<dyn ShimApi> =
         Arc::new(EngineApi::new(engine.clone(), VERSION).with_dcgm(dcgm.clone()));
 
-    // Whether the drain shut the engine down (a forced shutdown may cut it short).
-    let drained = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let drain = {
+    let engine_down = EngineShutdown::new(engine.clone(), engine::SHUTDOWN_GRACE);
+    let drain = engine_down.drain({
         let components = components.clone();
-        let engine = engine.clone();
-        let drained = drained.clone();
         async move {
             // Downloads are cancelled on every shutdown, graceful or not (upstream:
             // runner/internal/shim/api/server.go, Shutdown: bgJobsCancel).
             components.cancel();
             components.wait_idle().await;
-            // Start jobs in flight finish (bounded) so no task is left half-started.
-            engine
-                .shutdown(shim_engine::Shutdown::Graceful(engine::SHUTDOWN_GRACE))
-                .await;
-            drained.store(true, std::sync::atomic::Ordering::SeqCst);
         }
-    };
+    });
     let server_config = ServerConfig::new(VERSION)
         .with_force_shutdown(force.clone())
         .with_drain(drain)
@@ -263,9 +257,7 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
         components.cancel();
     }
     // Once: by the drain, or here when a forced shutdown cut the drain short.
-    if !drained.load(std::sync::atomic::Ordering::SeqCst) {
-        engine.shutdown(shim_engine::Shutdown::Now).await;
-    }
+    engine_down.finish().await;
     dcgm.shutdown().await;
     match handover {
         None => {

@@ -30,6 +30,78 @@ use shim_util::error_chain as chain;
 
 use crate::{ApiError, ChangeEvent, ChangeFeed, FeedError, InstanceInfo, Readiness, ShimApi};
 
+/// The engine's part of a server's shutdown, the same for every agent that embeds it: the
+/// drain ([`EngineShutdown::drain`], given to [`ServerConfig::with_drain`](crate::ServerConfig::with_drain))
+/// runs what the agent must stop first, then shuts the engine down gracefully (start jobs in
+/// flight finish, bounded by `grace`, so no task is left half-started); once
+/// [`serve`](crate::serve) returned, [`EngineShutdown::finish`] shuts it down at once if a
+/// forced shutdown cut the drain short. Containers keep running either way.
+///
+/// ```no_run
+/// # async fn f(engine: shim_engine::Engine, listeners: shim_http::Listeners) -> Result<(), shim_http::HttpError> {
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use shim_http::{EngineApi, EngineShutdown, NoComponents, ServerConfig, serve};
+/// let down = EngineShutdown::new(engine.clone(), Duration::from_secs(30));
+/// let config = ServerConfig::new("0.22.5+my-agent.1").with_drain(down.drain(async {}));
+/// let api = Arc::new(EngineApi::new(engine, "0.22.5+my-agent.1"));
+/// let stop = tokio_util::sync::CancellationToken::new();
+/// serve(listeners, api, Arc::new(NoComponents), config, stop).await?;
+/// down.finish().await;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct EngineShutdown {
+    engine: Engine,
+    grace: Duration,
+    drained: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl EngineShutdown {
+    /// The shutdown of `engine`, waiting at most `grace` for its start jobs.
+    pub fn new(engine: Engine, grace: Duration) -> Self {
+        Self {
+            engine,
+            grace,
+            drained: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        }
+    }
+
+    /// The drain: `first` (what the agent stops before the engine: its downloads, say), then
+    /// the engine's graceful shutdown.
+    pub fn drain(
+        &self,
+        first: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let this = self.clone();
+        async move {
+            first.await;
+            this.engine
+                .shutdown(shim_engine::Shutdown::Graceful(this.grace))
+                .await;
+            this.drained
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// After [`serve`](crate::serve) returned: the engine shut down at once unless the drain
+    /// did it (a forced shutdown cuts the drain short).
+    pub async fn finish(self) {
+        if !self.drained.load(std::sync::atomic::Ordering::SeqCst) {
+            self.engine.shutdown(shim_engine::Shutdown::Now).await;
+        }
+    }
+}
+
+impl std::fmt::Debug for EngineShutdown {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineShutdown")
+            .field("grace", &self.grace)
+            .field("drained", &self.drained)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The engine behind the API, and DCGM where it runs.
 pub struct EngineApi {
     engine: Engine,

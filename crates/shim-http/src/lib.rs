@@ -50,7 +50,7 @@ pub use body::MAX_BODY_BYTES;
 #[cfg(feature = "components")]
 pub use components_api::ComponentsHttp;
 #[cfg(feature = "engine")]
-pub use engine_api::EngineApi;
+pub use engine_api::{EngineApi, EngineShutdown};
 pub use events::EventsConfig;
 pub use server::{ConnectionLimits, DrainFuture, Listeners, ServerConfig, ShutdownHook, serve};
 

@@ -17,10 +17,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use shim_engine::{
-    ChangeKind, Deps, Engine, EngineConfig, HostOptions, Shutdown, SubscriptionError,
-};
-use shim_http::{EngineApi, Listeners, NoComponents, ServerConfig, serve};
+use shim_engine::{ChangeKind, Deps, Engine, EngineConfig, HostOptions, SubscriptionError};
+use shim_http::{EngineApi, EngineShutdown, Listeners, NoComponents, ServerConfig, serve};
 use shim_resources::fake::{FakeAuthorizedKeys, FakeVolumes};
 use shim_runtime::DockerRuntime;
 use shim_runtime::fake::FakeRuntime;
@@ -85,11 +83,14 @@ async fn run() -> Result<(), AnyError> {
     let stop = tokio_util::sync::CancellationToken::new();
     let version = "0.22.5+embed-agent.0.1.0";
     let api = Arc::new(EngineApi::new(engine.clone(), version));
+    // The engine's part of the shutdown, as the binary's: a graceful stop in the drain, at
+    // once after the server if a forced stop cut the drain short.
+    let down = EngineShutdown::new(engine.clone(), Duration::from_secs(5));
     let server = tokio::spawn(serve(
         listeners,
         api,
         Arc::new(NoComponents),
-        ServerConfig::new(version),
+        ServerConfig::new(version).with_drain(down.drain(async {})),
         stop.clone(),
     ));
 
@@ -153,9 +154,7 @@ async fn run() -> Result<(), AnyError> {
 
     stop.cancel();
     server.await??;
-    engine
-        .shutdown(Shutdown::Graceful(Duration::from_secs(5)))
-        .await;
+    down.finish().await;
     Ok(())
 }
 
