@@ -7,20 +7,20 @@
 //! is [`Clock::tokio_from`]: records, changes and readiness are stamped with the virtual time.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // test helpers outside #[test] fns; figures go to stderr
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use shim_engine::{Clock, Deps, Engine, EngineConfig, EngineError};
+use shim_engine::{ChangeKind, Clock, Deps, Engine, EngineConfig, EngineError, Shutdown};
 use shim_resources::HostGpus;
-use shim_resources::fake::{FakeAuthorizedKeys, FakeVolumes};
+use shim_resources::fake::{FakeAuthorizedKeys, FakeCall, FakeVolumes};
 use shim_resources::host::{FsProbe, FsUsage};
-use shim_runtime::ContainerState;
 use shim_runtime::fake::{Call, FakeRuntime, PullBehavior, StartBehavior};
-use shim_task::PullProgress;
+use shim_runtime::{BindMount, ContainerSpec, ContainerState, DeviceRequest};
 use shim_task::{
-    PublicKey, TaskConfig, TaskId, TaskName, TaskStatus, TerminationReason, VolumeBackend,
-    VolumeMountPoint, VolumeSpec,
+    PublicKey, PullProgress, TaskConfig, TaskId, TaskInfo, TaskName, TaskStatus, TerminationReason,
+    VolumeBackend, VolumeMountPoint, VolumeSpec,
 };
 
 const KEY: &str =
@@ -29,6 +29,9 @@ const IMAGE: &str = "img:1";
 
 /// The wall time each test starts at (Unix ms: 2026-12-01T00:00:00Z).
 const START_MS: u64 = 1_796_083_200_000;
+
+/// How often the tests' waits look again.
+const TICK: Duration = Duration::from_millis(10);
 
 struct World {
     home: tempfile::TempDir,
@@ -58,7 +61,7 @@ impl FakeDisk {
 }
 
 impl FsProbe for FakeDisk {
-    fn usage(&self, _path: &std::path::Path) -> shim_resources::error::Result<FsUsage> {
+    fn usage(&self, _path: &Path) -> shim_resources::error::Result<FsUsage> {
         Ok(FsUsage::new(
             self.capacity,
             self.available
@@ -109,14 +112,19 @@ impl World {
     }
 
     async fn engine(&self) -> Engine {
-        Engine::open(self.config(), self.deps()).await.unwrap()
+        self.engine_with(|_| {}).await
+    }
+
+    /// An engine on [`World::config`] as `set` changes it.
+    async fn engine_with(&self, set: impl FnOnce(&mut EngineConfig)) -> Engine {
+        let mut cfg = self.config();
+        set(&mut cfg);
+        Engine::open(cfg, self.deps()).await.unwrap()
     }
 
     /// Stops `old` gracefully, then [`World::fresh_process`].
     async fn restart(&mut self, old: Engine) -> Engine {
-        old.shutdown(shim_engine::Shutdown::Graceful(Duration::from_secs(5)))
-            .await;
-        drop(old);
+        shut_down(old).await;
         self.fresh_process().await
     }
 
@@ -126,29 +134,92 @@ impl World {
         self.keys = Arc::new(FakeAuthorizedKeys::new());
         self.engine().await
     }
+
+    /// A task container's directory: `runners/<container name>`.
+    fn runner_dir(&self, container_name: &str) -> PathBuf {
+        self.home.path().join("runners").join(container_name)
+    }
+
+    /// The path of a task's state file: `runners/<container name>/task.json`.
+    fn task_json(&self, container_name: &str) -> PathBuf {
+        self.runner_dir(container_name).join("task.json")
+    }
+}
+
+/// Stops `engine` gracefully (its start jobs get up to 5 s) and drops it.
+async fn shut_down(engine: Engine) {
+    engine
+        .shutdown(Shutdown::Graceful(Duration::from_secs(5)))
+        .await;
 }
 
 fn config(id: &str) -> TaskConfig {
-    TaskConfig::new(
-        TaskId::new(id).unwrap(),
-        TaskName::new("job").unwrap(),
-        IMAGE,
-    )
+    TaskConfig::new(tid(id), TaskName::new("job").unwrap(), IMAGE)
+}
+
+/// What the tests change in a [`config`].
+trait Settings {
+    /// Asks for `n` GPUs (-1: all of them).
+    fn with_gpus(self, n: i64) -> Self;
+    fn with_image(self, image: &str) -> Self;
+    /// Has [`KEY`] added for the host user `ubuntu`.
+    fn with_host_key(self) -> Self;
+    /// The AWS volume `data` (`vol-1`), mounted at `/data`.
+    fn with_data_volume(self) -> Self;
+}
+
+impl Settings for TaskConfig {
+    fn with_gpus(mut self, n: i64) -> Self {
+        self.gpu = n;
+        self
+    }
+
+    fn with_image(mut self, image: &str) -> Self {
+        self.image_name = image.into();
+        self
+    }
+
+    fn with_host_key(mut self) -> Self {
+        self.host_ssh_user = "ubuntu".into();
+        self.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap().into()];
+        self
+    }
+
+    fn with_data_volume(mut self) -> Self {
+        self.volumes = vec![VolumeSpec {
+            backend: VolumeBackend::Aws,
+            name: TaskName::new("data").unwrap(),
+            volume_id: "vol-1".into(),
+            init_fs: true,
+            device_name: "/dev/sdf".into(),
+        }];
+        self.volume_mounts = vec![VolumeMountPoint {
+            name: TaskName::new("data").unwrap(),
+            path: "/data".into(),
+        }];
+        self
+    }
 }
 
 fn tid(id: &str) -> TaskId {
     TaskId::new(id).unwrap()
 }
 
+/// The name of the container made for [`config`]`(id)`.
+fn container_name(id: &str) -> String {
+    let c = config(id);
+    shim_task::naming::container_name(&c.name, &c.id)
+}
+
 /// Waits until the task has `status` and its start job has returned (until then the
 /// reconciler leaves it alone).
-async fn wait_status(engine: &Engine, id: &str, status: TaskStatus) -> shim_task::TaskInfo {
+async fn wait_status(engine: &Engine, id: &str, status: TaskStatus) -> TaskInfo {
     for _ in 0..500 {
         let info = engine.task_info(&tid(id)).unwrap();
         if info.status == status && !engine.is_starting(&tid(id)).unwrap() {
             return info;
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        tokio::time::sleep(TICK).await;
     }
     panic!(
         "task {id} never became {status}: {:?}",
@@ -156,17 +227,49 @@ async fn wait_status(engine: &Engine, id: &str, status: TaskStatus) -> shim_task
     );
 }
 
-/// Terminates task `id` as its user would, with no grace period.
-async fn terminate_by_user(engine: &Engine, id: &str) {
+/// Submits `c` and waits until its task runs.
+async fn run(engine: &Engine, c: TaskConfig) -> TaskInfo {
+    let id = c.id.as_str().to_owned();
+    engine.submit(c).await.unwrap();
+    wait_status(engine, &id, TaskStatus::Running).await
+}
+
+/// Submits `c`, whose start is to fail, and waits until its task is terminated.
+async fn failed_start(engine: &Engine, c: TaskConfig) -> TaskInfo {
+    let id = c.id.as_str().to_owned();
+    engine.submit(c).await.unwrap();
+    wait_status(engine, &id, TaskStatus::Terminated).await
+}
+
+/// Checks `done` up to `tries` times, `step` apart, until it holds; says whether it did.
+async fn poll_until(tries: u32, step: Duration, mut done: impl AsyncFnMut() -> bool) -> bool {
+    for _ in 0..tries {
+        if done().await {
+            return true;
+        }
+        tokio::time::sleep(step).await;
+    }
+    false
+}
+
+/// Terminates task `id` as its user would, saying `message`, giving it `timeout` to stop.
+async fn terminate(engine: &Engine, id: &str, message: &str, timeout: Duration) -> TaskInfo {
+    let reason = TerminationReason::TerminatedByUser;
     engine
-        .terminate(
-            &tid(id),
-            TerminationReason::TerminatedByUser,
-            String::new(),
-            Duration::ZERO,
-        )
+        .terminate(&tid(id), reason, message.into(), timeout)
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// Terminates task `id` as its user would, with no message and no grace period.
+async fn terminate_by_user(engine: &Engine, id: &str) -> TaskInfo {
+    terminate(engine, id, "", Duration::ZERO).await
+}
+
+/// Asserts that the task ended for `reason`.
+#[track_caller]
+fn assert_reason(info: &TaskInfo, reason: &str) {
+    assert_eq!(info.termination_reason, reason, "{info:?}");
 }
 
 /// The engine's metrics as Prometheus text.
@@ -176,35 +279,47 @@ fn scrape(engine: &Engine) -> String {
     out
 }
 
-async fn wait_pulling(engine: &Engine, id: &str) -> shim_task::TaskInfo {
-    for _ in 0..500 {
-        let info = engine.task_info(&tid(id)).unwrap();
-        if info.status == TaskStatus::Pulling {
-            return info;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("task {id} never pulled");
+/// Asserts that `text` (metrics, a message) contains `part`.
+#[track_caller]
+fn assert_contains(text: &str, part: &str) {
+    assert!(text.contains(part), "{part:?} is not in:\n{text}");
 }
 
-async fn wait_released(engine: &Engine, _w: &World, id: &str) {
-    for _ in 0..500 {
+/// Asserts that the engine's metrics contain `part` (a sample, or the start of one).
+#[track_caller]
+fn assert_scraped(engine: &Engine, part: &str) {
+    assert_contains(&scrape(engine), part);
+}
+
+/// The operations of the Docker requests recorded since the calls were last cleared.
+fn ops(w: &World) -> Vec<&'static str> {
+    w.runtime.calls().iter().map(Call::op).collect()
+}
+
+/// Runs cycles until task `id` is terminated and no GPU is locked any more.
+async fn wait_released(engine: &Engine, id: &str) {
+    let released = poll_until(500, TICK, async || {
         engine.reconcile_now().await;
-        let info = engine.task_info(&tid(id)).unwrap();
-        if info.status == TaskStatus::Terminated && engine.gpu_lock().locked().is_empty() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("task {id} never released: {:?}", engine.gpu_lock().locked());
+        engine.task_info(&tid(id)).unwrap().status == TaskStatus::Terminated
+            && engine.gpu_lock().locked().is_empty()
+    })
+    .await;
+    assert!(
+        released,
+        "task {id} never released: {:?}",
+        engine.gpu_lock().locked()
+    );
+}
+
+/// The task's state file, if it can be read as JSON (`None` while it is missing or, as
+/// [`break_state_file`] leaves it, a directory).
+fn read_state_file(w: &World, container_name: &str) -> Option<serde_json::Value> {
+    serde_json::from_slice(&fs_err::read(w.task_json(container_name)).ok()?).ok()
 }
 
 /// This shim's part of the task's state file (`runners/<container name>/task.json`).
 fn state_file(w: &World, id: &str) -> serde_json::Value {
-    let c = config(id);
-    let name = shim_task::naming::container_name(&c.name, &c.id);
-    let p = w.home.path().join("runners").join(name).join("task.json");
-    let file: serde_json::Value = serde_json::from_slice(&fs_err::read(p).unwrap()).unwrap();
+    let file = read_state_file(w, &container_name(id)).expect("a state file");
     let mut ours = file["rust_shim"].clone();
     ours["resources"]["released"] = file["cleaned_up"].clone();
     ours
@@ -221,8 +336,7 @@ async fn records_and_readiness_follow_the_injected_clock() {
     assert_eq!(engine.health().last_cycle_age, Some(Duration::ZERO));
     let submitted_at = w.clock.now_ms();
     assert!(submitted_at >= START_MS);
-    engine.submit(config("t1")).await.unwrap();
-    wait_status(&engine, "t1", TaskStatus::Running).await;
+    run(&engine, config("t1")).await;
     let file = state_file(&w, "t1");
     assert_eq!(file["created_at_ms"], submitted_at, "{file}");
 
@@ -240,15 +354,7 @@ async fn records_and_readiness_follow_the_injected_clock() {
         "10 min is within the backstop's bound"
     );
     let terminated_at = w.clock.now_ms();
-    engine
-        .terminate(
-            &tid("t1"),
-            TerminationReason::TerminatedByUser,
-            "bye".into(),
-            Duration::ZERO,
-        )
-        .await
-        .unwrap();
+    terminate(&engine, "t1", "bye", Duration::ZERO).await;
     let file = state_file(&w, "t1");
     assert_eq!(file["updated_at_ms"], terminated_at, "{file}");
     assert_eq!(file["created_at_ms"], submitted_at, "{file}");
@@ -267,10 +373,7 @@ async fn an_unused_pulled_image_is_collected_when_the_data_root_fills() {
     let w = World::new(0);
     w.runtime.set_data_root(Some("/fake/docker".into()));
     let engine = w.engine().await;
-    let mut c = config("t1");
-    c.image_name = "old:1".into();
-    engine.submit(c).await.unwrap();
-    wait_status(&engine, "t1", TaskStatus::Running).await;
+    run(&engine, config("t1").with_image("old:1")).await;
     w.runtime.set_image_size("old:1", 10 << 30);
     let deletes = || {
         w.runtime
@@ -282,24 +385,17 @@ async fn an_unused_pulled_image_is_collected_when_the_data_root_fills() {
     // 20 GiB available but for the 10 GiB image: 90 % used.
     w.disk.set_available(20 << 30);
     // The next minute's check measures 90 % (its statfs runs on a blocking thread: wait for it).
-    for _ in 0..100 {
-        if scrape(&engine).contains("dstack_shim_image_fs_used_ratio 0.9") {
-            break;
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
-    let m = scrape(&engine);
-    assert!(m.contains("dstack_shim_image_fs_used_ratio 0.9"), "{m}");
+    let full = "dstack_shim_image_fs_used_ratio 0.9";
+    poll_until(100, Duration::from_secs(1), async || {
+        scrape(&engine).contains(full)
+    })
+    .await;
+    assert_scraped(&engine, full);
     assert_eq!(deletes(), [], "the image of a known task stays");
 
     terminate_by_user(&engine, "t1").await;
     engine.remove(&tid("t1")).await.unwrap();
-    for _ in 0..10 {
-        if !deletes().is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_secs(30)).await;
-    }
+    poll_until(10, Duration::from_secs(30), async || !deletes().is_empty()).await;
     assert_eq!(
         deletes(),
         [Call::DeleteImage("docker.io/library/old:1".into())],
@@ -308,16 +404,10 @@ async fn an_unused_pulled_image_is_collected_when_the_data_root_fills() {
     assert!(w.runtime.image_id("old:1").is_none());
     assert!(w.runtime.image_id(IMAGE).is_some(), "not pulled: kept");
     let m = scrape(&engine);
-    assert!(
-        m.contains("dstack_shim_image_gc_removed_images_total 1"),
-        "{m}"
-    );
-    assert!(
-        m.contains(&format!(
-            "dstack_shim_image_gc_freed_bytes_total {}",
-            10u64 << 30
-        )),
-        "{m}"
+    assert_contains(&m, "dstack_shim_image_gc_removed_images_total 1");
+    assert_contains(
+        &m,
+        &format!("dstack_shim_image_gc_freed_bytes_total {}", 10u64 << 30),
     );
 }
 
@@ -328,9 +418,7 @@ async fn an_unused_pulled_image_is_collected_when_the_data_root_fills() {
 async fn submit_answers_pending_and_host_network_publishes_no_ports() {
     let w = World::new(2);
     let engine = w.engine().await;
-    let mut c = config("t1");
-    c.gpu = 1;
-    let info = engine.submit(c).await.unwrap();
+    let info = engine.submit(config("t1").with_gpus(1)).await.unwrap();
     assert_eq!(info.status, TaskStatus::Pending);
     assert!(info.container_name.starts_with("job-"));
     let info = wait_status(&engine, "t1", TaskStatus::Running).await;
@@ -353,6 +441,11 @@ async fn the_configured_log_limits_reach_the_containers_spec() {
         EngineConfig::DEFAULT_CONTAINER_LOG_MAX_FILES,
     );
     assert_eq!(default.total_bytes(), 300 << 20);
+    assert_eq!(
+        w.config().container_log,
+        Some(default),
+        "EngineConfig::new's default"
+    );
     let custom = LogLimits::new(
         NonZeroU64::new(1 << 20).unwrap(),
         NonZeroU32::new(2).unwrap(),
@@ -365,24 +458,17 @@ async fn the_configured_log_limits_reach_the_containers_spec() {
     .into_iter()
     .enumerate()
     {
-        let mut cfg = w.config();
-        assert_eq!(
-            cfg.container_log,
-            Some(default),
-            "EngineConfig::new's default"
-        );
-        if let Some(limits) = limits {
-            cfg.container_log = limits;
-        }
-        let engine = Engine::open(cfg, w.deps()).await.unwrap();
-        let id = format!("log{i}");
-        engine.submit(config(&id)).await.unwrap();
-        let info = wait_status(&engine, &id, TaskStatus::Running).await;
+        let engine = w
+            .engine_with(|cfg| {
+                if let Some(limits) = limits {
+                    cfg.container_log = limits;
+                }
+            })
+            .await;
+        let info = run(&engine, config(&format!("log{i}"))).await;
         let spec = w.runtime.spec(&info.container_id).unwrap();
         assert_eq!(spec.log, expected, "case {i}");
-        engine
-            .shutdown(shim_engine::Shutdown::Graceful(Duration::from_secs(5)))
-            .await;
+        shut_down(engine).await;
     }
 }
 
@@ -390,8 +476,7 @@ async fn the_configured_log_limits_reach_the_containers_spec() {
 async fn exit_without_event_is_found_by_relist_with_last_lines() {
     let w = World::new(0);
     let engine = w.engine().await;
-    engine.submit(config("t1")).await.unwrap();
-    let info = wait_status(&engine, "t1", TaskStatus::Running).await;
+    let info = run(&engine, config("t1")).await;
     let lines: Vec<String> = (1..=8).map(|i| format!("line {i}")).collect();
     let refs: Vec<&str> = lines.iter().map(String::as_str).collect();
     w.runtime.set_logs(&info.container_id, &refs);
@@ -399,7 +484,7 @@ async fn exit_without_event_is_found_by_relist_with_last_lines() {
     assert!(engine.reconcile_now().await);
     let info = engine.task_info(&tid("t1")).unwrap();
     assert_eq!(info.status, TaskStatus::Terminated);
-    assert_eq!(info.termination_reason, "container_exited_with_error");
+    assert_reason(&info, "container_exited_with_error");
     assert_eq!(
         info.termination_message,
         "line 4\nline 5\nline 6\nline 7\nline 8"
@@ -413,19 +498,16 @@ async fn exit_without_event_is_found_by_relist_with_last_lines() {
 async fn an_exit_found_by_a_list_is_judged_as_its_event_would_be() {
     let w = World::new(0);
     let engine = w.engine().await;
-    for (id, code) in [("t0", 0), ("t3", 3)] {
-        engine.submit(config(id)).await.unwrap();
-        let info = wait_status(&engine, id, TaskStatus::Running).await;
+    for (id, code, expected) in [
+        ("t0", 0, ("done_by_runner", "", 0)),
+        ("t3", 3, ("container_exited_with_error", "last words", 1)),
+    ] {
+        let info = run(&engine, config(id)).await;
         w.runtime.set_logs(&info.container_id, &["last words"]);
         w.runtime.clear_calls();
         assert!(w.runtime.exit_without_event(&info.container_id, code));
         assert!(engine.reconcile_now().await);
         let info = engine.task_info(&tid(id)).unwrap();
-        let expected = if code == 0 {
-            ("done_by_runner", "", 0)
-        } else {
-            ("container_exited_with_error", "last words", 1)
-        };
         assert_eq!(
             (
                 info.termination_reason.as_str(),
@@ -455,8 +537,7 @@ async fn a_list_requested_before_a_start_ended_does_not_judge_the_task() {
         async move { engine.reconcile_now().await }
     });
     w.runtime.wait_for_count("list", lists).await;
-    engine.submit(config("t1")).await.unwrap();
-    let info = wait_status(&engine, "t1", TaskStatus::Running).await;
+    let info = run(&engine, config("t1")).await;
     w.runtime.release_lists();
     assert!(cycle.await.unwrap(), "the held list answered");
     let after = engine.task_info(&tid("t1")).unwrap();
@@ -471,7 +552,7 @@ async fn a_list_requested_before_a_start_ended_does_not_judge_the_task() {
     assert!(engine.reconcile_now().await);
     let after = engine.task_info(&tid("t1")).unwrap();
     assert_eq!(after.status, TaskStatus::Terminated, "{after:?}");
-    assert_eq!(after.termination_reason, "container_exited_with_error");
+    assert_reason(&after, "container_exited_with_error");
 }
 
 /// A runtime whose event subscription fails only when its stream is read (bollard's, while
@@ -497,12 +578,10 @@ async fn an_event_stream_that_breaks_at_once_backs_off() {
     );
     let lists = w.runtime.count("list");
     w.runtime.set_unreachable(false);
-    for _ in 0..1000 {
-        if engine.health().events_connected && w.runtime.count("list") > lists {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    poll_until(1000, TICK, async || {
+        engine.health().events_connected && w.runtime.count("list") > lists
+    })
+    .await;
     assert!(engine.health().events_connected, "{:?}", engine.health());
     assert!(w.runtime.count("list") > lists, "the reconnection relists");
 }
@@ -526,8 +605,7 @@ async fn the_default_config_lists_only_at_start_up_and_on_reconnection() {
     assert_eq!(w.runtime.count("events"), 1, "the first subscription");
     // Tasks to look at: a cycle would have work (and requests to make).
     for i in 0..3 {
-        engine.submit(config(&format!("t{i}"))).await.unwrap();
-        wait_status(&engine, &format!("t{i}"), TaskStatus::Running).await;
+        run(&engine, config(&format!("t{i}"))).await;
     }
     let until = |s: u64| tokio::time::sleep_until(opened + Duration::from_secs(s));
     until(120).await;
@@ -563,8 +641,7 @@ async fn dropping_the_last_engine_handle_stops_its_background_jobs() {
     let w = World::new(0);
     let engine = w.engine().await;
     let mut changes = engine.subscribe();
-    engine.submit(config("t1")).await.unwrap();
-    wait_status(&engine, "t1", TaskStatus::Running).await;
+    run(&engine, config("t1")).await;
     let clone = engine.clone();
     drop(engine);
     // A clone keeps it running.
@@ -573,9 +650,8 @@ async fn dropping_the_last_engine_handle_stops_its_background_jobs() {
     drop(clone);
     let closed = tokio::time::timeout(Duration::from_secs(5), async {
         loop {
-            match changes.recv().await {
-                Ok(_) => {}
-                Err(e) => return e,
+            if let Err(e) = changes.recv().await {
+                return e;
             }
         }
     })
@@ -609,13 +685,9 @@ async fn shutdown_does_not_wait_for_a_subscription_in_progress() {
     w.runtime.hold_subscriptions();
     w.runtime.break_event_streams();
     w.runtime.wait_for_count("events", subscriptions).await;
-    let shutdown = tokio::time::timeout(
-        Duration::from_secs(5),
-        engine.shutdown(shim_engine::Shutdown::Now),
-    )
-    .await;
+    let shutdown = tokio::time::timeout(Duration::from_secs(5), engine.shutdown(Shutdown::Now));
     assert!(
-        shutdown.is_ok(),
+        shutdown.await.is_ok(),
         "shutdown waited for the held subscription"
     );
     w.runtime.release_subscriptions();
@@ -625,24 +697,11 @@ async fn shutdown_does_not_wait_for_a_subscription_in_progress() {
 async fn terminate_running_stops_with_timeout_and_releases() {
     let w = World::new(1);
     let engine = w.engine().await;
-    let mut c = config("t1");
-    c.gpu = -1;
-    c.host_ssh_user = "ubuntu".into();
-    c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap().into()];
-    engine.submit(c).await.unwrap();
-    let info = wait_status(&engine, "t1", TaskStatus::Running).await;
+    let info = run(&engine, config("t1").with_gpus(-1).with_host_key()).await;
     assert_eq!(w.keys.keys_of("ubuntu").len(), 1);
-    let info2 = engine
-        .terminate(
-            &tid("t1"),
-            TerminationReason::TerminatedByUser,
-            "bye".into(),
-            Duration::from_secs(7),
-        )
-        .await
-        .unwrap();
+    let info2 = terminate(&engine, "t1", "bye", Duration::from_secs(7)).await;
     assert_eq!(info2.status, TaskStatus::Terminated);
-    assert_eq!(info2.termination_reason, "terminated_by_user");
+    assert_reason(&info2, "terminated_by_user");
     assert!(w.runtime.calls().iter().any(
         |c| matches!(c, Call::Stop(id, t) if *id == info.container_id && *t == Duration::from_secs(7))
     ));
@@ -656,9 +715,9 @@ async fn terminate_running_stops_with_timeout_and_releases() {
 #[tokio::test(start_paused = true)]
 async fn a_stalled_pull_fails_the_task_and_is_counted() {
     let w = World::new(0);
-    let mut cfg = w.config();
-    cfg.pull_stall_timeout = Some(Duration::from_millis(50));
-    let engine = Engine::open(cfg, w.deps()).await.unwrap();
+    let engine = w
+        .engine_with(|cfg| cfg.pull_stall_timeout = Some(Duration::from_millis(50)))
+        .await;
     let mut changes = engine.subscribe();
     w.runtime.set_pull_behavior(PullBehavior::Hang {
         steps: vec![PullProgress {
@@ -668,25 +727,16 @@ async fn a_stalled_pull_fails_the_task_and_is_counted() {
             is_total_bytes_final: true,
         }],
     });
-    let mut c = config("t1");
-    c.image_name = "img:latest".into();
-    engine.submit(c).await.unwrap();
-    let info = wait_status(&engine, "t1", TaskStatus::Terminated).await;
-    assert_eq!(info.termination_reason, "creating_container_error");
+    let info = failed_start(&engine, config("t1").with_image("img:latest")).await;
+    assert_reason(&info, "creating_container_error");
     let message = &info.termination_message;
-    assert!(
-        message.contains("stalled: nothing moved for ")
-            && message.contains("3.0 MiB of 8.0 MiB (3145728 of 8388608 bytes)"),
-        "{message}"
-    );
+    assert_contains(message, "stalled: nothing moved for ");
+    assert_contains(message, "3.0 MiB of 8.0 MiB (3145728 of 8388608 bytes)");
     let metrics = scrape(&engine);
-    assert!(
-        metrics.contains("dstack_shim_pull_stalls_total 1\n"),
-        "{metrics}"
-    );
-    assert!(
-        metrics.contains(r#"dstack_shim_docker_errors_total{op="pull",kind="stalled"} 1"#),
-        "{metrics}"
+    assert_contains(&metrics, "dstack_shim_pull_stalls_total 1\n");
+    assert_contains(
+        &metrics,
+        r#"dstack_shim_docker_errors_total{op="pull",kind="stalled"} 1"#,
     );
     let mut seen = Vec::new();
     while let Some(Ok(change)) = changes.try_recv() {
@@ -698,18 +748,13 @@ async fn a_stalled_pull_fails_the_task_and_is_counted() {
         .unwrap_or_else(|| panic!("no pull_stalled change: {seen:?}"));
     let c = &seen[stalled];
     assert_eq!(
-        (
-            &c["image"],
-            &c["downloaded_bytes"],
-            &c["total_bytes"],
-            &c["stalled_ms"]
-        ),
-        (
-            &serde_json::json!("img:latest"),
-            &serde_json::json!(3 << 20),
-            &serde_json::json!(8 << 20),
-            &serde_json::json!(50)
-        ),
+        serde_json::json!([
+            c["image"],
+            c["downloaded_bytes"],
+            c["total_bytes"],
+            c["stalled_ms"]
+        ]),
+        serde_json::json!(["img:latest", 3 << 20, 8 << 20, 50]),
         "{c}"
     );
     assert!(
@@ -735,15 +780,7 @@ async fn terminate_during_container_start_stops_the_container() {
         tokio::time::sleep(Duration::from_millis(100)).await;
         runtime.release_starts();
     });
-    let info = engine
-        .terminate(
-            &tid("t1"),
-            TerminationReason::TerminatedByUser,
-            String::new(),
-            Duration::ZERO,
-        )
-        .await
-        .unwrap();
+    let info = terminate_by_user(&engine, "t1").await;
     release.await.unwrap();
     assert_eq!(info.status, TaskStatus::Terminated);
     assert!(
@@ -765,43 +802,22 @@ async fn start_step_failures_map_to_reasons() {
     let engine = w.engine().await;
 
     // Not enough GPUs → executor_error, nothing locked.
-    let mut c = config("gpu");
-    c.gpu = 2;
-    engine.submit(c).await.unwrap();
-    let info = wait_status(&engine, "gpu", TaskStatus::Terminated).await;
-    assert_eq!(info.termination_reason, "executor_error");
+    let info = failed_start(&engine, config("gpu").with_gpus(2)).await;
+    assert_reason(&info, "executor_error");
     assert!(info.termination_message.contains("GPU"), "{info:?}");
     assert!(engine.gpu_lock().locked().is_empty());
 
     // SSH keys cannot be added → executor_error, GPUs released.
     w.keys.set_fail(true);
-    let mut c = config("keys");
-    c.gpu = 1;
-    c.host_ssh_user = "ubuntu".into();
-    c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap().into()];
-    engine.submit(c).await.unwrap();
-    let info = wait_status(&engine, "keys", TaskStatus::Terminated).await;
-    assert_eq!(info.termination_reason, "executor_error");
-    wait_released(&engine, &w, "keys").await;
+    let info = failed_start(&engine, config("keys").with_gpus(1).with_host_key()).await;
+    assert_reason(&info, "executor_error");
+    wait_released(&engine, "keys").await;
     w.keys.set_fail(false);
 
     // A volume cannot be prepared → executor_error.
     w.volumes.fail_prepare("data", true);
-    let mut c = config("vol");
-    c.volumes = vec![VolumeSpec {
-        backend: VolumeBackend::Aws,
-        name: TaskName::new("data").unwrap(),
-        volume_id: "vol-1".into(),
-        init_fs: true,
-        device_name: "/dev/sdf".into(),
-    }];
-    c.volume_mounts = vec![VolumeMountPoint {
-        name: TaskName::new("data").unwrap(),
-        path: "/data".into(),
-    }];
-    engine.submit(c).await.unwrap();
-    let info = wait_status(&engine, "vol", TaskStatus::Terminated).await;
-    assert_eq!(info.termination_reason, "executor_error");
+    let info = failed_start(&engine, config("vol").with_data_volume()).await;
+    assert_reason(&info, "executor_error");
     assert!(info.termination_message.contains("data"), "{info:?}");
 
     // Pull fails → creating_container_error with the daemon's message.
@@ -809,23 +825,16 @@ async fn start_step_failures_map_to_reasons() {
         steps: vec![],
         message: "manifest unknown".into(),
     });
-    let mut c = config("pull");
-    c.image_name = "missing:2".into();
-    engine.submit(c).await.unwrap();
-    let info = wait_status(&engine, "pull", TaskStatus::Terminated).await;
-    assert_eq!(info.termination_reason, "creating_container_error");
-    assert!(
-        info.termination_message.contains("manifest unknown"),
-        "{info:?}"
-    );
+    let info = failed_start(&engine, config("pull").with_image("missing:2")).await;
+    assert_reason(&info, "creating_container_error");
+    assert_contains(&info.termination_message, "manifest unknown");
 
     // Start fails → container_exited_with_error.
     w.runtime
         .set_start_behavior(StartBehavior::Fail("exec format error".into()));
-    engine.submit(config("start")).await.unwrap();
-    let info = wait_status(&engine, "start", TaskStatus::Terminated).await;
-    assert_eq!(info.termination_reason, "container_exited_with_error");
-    assert!(info.termination_message.contains("exec format error"));
+    let info = failed_start(&engine, config("start")).await;
+    assert_reason(&info, "container_exited_with_error");
+    assert_contains(&info.termination_message, "exec format error");
 }
 
 /// On an NVIDIA host a start that fails on `/dev/nvidia-modeset` is retried once: the
@@ -841,10 +850,7 @@ async fn nvidia_display_retry() {
     w.runtime.queue_start_behavior(StartBehavior::Fail(
         "error gathering device information while adding custom device \"/dev/nvidia-modeset\": no such file or directory".into(),
     ));
-    let mut c = config("t1");
-    c.gpu = 1;
-    engine.submit(c).await.unwrap();
-    let info = wait_status(&engine, "t1", TaskStatus::Running).await;
+    let info = run(&engine, config("t1").with_gpus(1)).await;
     assert_eq!(w.runtime.count("create"), 2);
     let spec = w.runtime.spec(&info.container_id).unwrap();
     let caps = &spec.device_requests[0].capabilities;
@@ -864,10 +870,7 @@ async fn latest_is_pulled_at_every_start() {
     w.runtime.add_image("img:latest");
     for id in ["l1", "l2"] {
         w.runtime.clear_calls();
-        let mut c = config(id);
-        c.image_name = "img:latest".into();
-        engine.submit(c).await.unwrap();
-        wait_status(&engine, id, TaskStatus::Running).await;
+        run(&engine, config(id).with_image("img:latest")).await;
         assert_eq!(w.runtime.count("pull"), 1, "{id}");
         assert_eq!(w.runtime.count("image_present"), 0, "{id}");
     }
@@ -880,54 +883,40 @@ async fn latest_is_pulled_at_every_start() {
 async fn a_failed_stop_is_retried_by_the_retry_pass() {
     let w = World::new(0);
     let engine = w.engine().await;
-    engine.submit(config("t1")).await.unwrap();
-    let info = wait_status(&engine, "t1", TaskStatus::Running).await;
+    let info = run(&engine, config("t1")).await;
     w.runtime.set_unreachable(true);
-    let answered = engine
-        .terminate(
-            &tid("t1"),
-            TerminationReason::TerminatedByUser,
-            String::new(),
-            Duration::ZERO,
-        )
-        .await;
+    let answered = terminate_by_user(&engine, "t1").await;
     // Terminated (durably); the stop failed and is left to the reconciler.
-    assert_eq!(answered.unwrap().status, TaskStatus::Terminated);
-    assert_eq!(
-        w.runtime.state(&info.container_id),
-        Some(ContainerState::Running)
-    );
+    assert_eq!(answered.status, TaskStatus::Terminated);
+    let still_runs = || w.runtime.state(&info.container_id) == Some(ContainerState::Running);
+    assert!(still_runs());
     w.runtime.set_unreachable(false);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while w.runtime.state(&info.container_id) == Some(ContainerState::Running) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the container still runs: the failed stop was not retried"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    // Looked at every 50 ms for 20 s.
+    let stopped = poll_until(400, Duration::from_millis(50), async || !still_runs()).await;
+    assert!(
+        stopped,
+        "the container still runs: the failed stop was not retried"
+    );
     let t = engine.task_info(&tid("t1")).unwrap();
-    assert_eq!(t.termination_reason, "terminated_by_user");
+    assert_reason(&t, "terminated_by_user");
 }
 
 #[tokio::test(start_paused = true)]
 async fn remove_only_terminated_and_deletes_everything() {
     let w = World::new(0);
     let engine = w.engine().await;
-    engine.submit(config("t1")).await.unwrap();
-    let info = wait_status(&engine, "t1", TaskStatus::Running).await;
+    let info = run(&engine, config("t1")).await;
     let err = engine.remove(&tid("t1")).await.unwrap_err();
     assert!(matches!(err, EngineError::Conflict(_)), "{err}");
     terminate_by_user(&engine, "t1").await;
-    let dir = w.home.path().join("runners").join(&info.container_name);
-    assert!(dir.join("task.json").exists());
+    assert!(w.task_json(&info.container_name).exists());
     engine.remove(&tid("t1")).await.unwrap();
     assert!(matches!(
         engine.task_info(&tid("t1")),
         Err(EngineError::NotFound(_))
     ));
     assert!(w.runtime.state(&info.container_id).is_none());
-    assert!(!dir.exists());
+    assert!(!w.runner_dir(&info.container_name).exists());
     assert!(matches!(
         engine.remove(&tid("t1")).await,
         Err(EngineError::NotFound(_))
@@ -940,6 +929,23 @@ async fn remove_only_terminated_and_deletes_everything() {
     ));
 }
 
+/// A task container's spec as the upstream shim creates it: its two labels only (no owner,
+/// no GPU label), `/tmp/runner` bound from `runner_dir`.
+fn upstream_spec(id: &str, name: &str, runner_dir: &Path) -> ContainerSpec {
+    let mut spec = ContainerSpec::new(name, IMAGE);
+    spec.labels = [
+        ("ai.dstack.shim.is-task".to_owned(), "true".to_owned()),
+        ("ai.dstack.shim.task-id".to_owned(), id.to_owned()),
+    ]
+    .into();
+    spec.mounts = vec![BindMount {
+        source: runner_dir.to_path_buf(),
+        target: "/tmp/runner".to_owned(),
+        read_only: false,
+    }];
+    spec
+}
+
 // Issue 22, SPEC §5: ownership is the runner mount, not the label alone. A container whose
 // owner label is this shim's but whose runner directory lies in another home is neither
 // adopted nor touched, at start-up or at a restart. (The owner identity lost or replaced, two
@@ -949,18 +955,11 @@ async fn a_container_with_our_owner_label_but_another_homes_runner_dir_is_not_ou
     let mut w = World::new(0);
     let engine = w.engine().await;
     let elsewhere = tempfile::tempdir().unwrap();
-    let mut stray_spec = shim_runtime::ContainerSpec::new("stray-0-01234567", IMAGE);
-    stray_spec.labels = [
-        ("ai.dstack.shim.is-task".to_owned(), "true".to_owned()),
-        ("ai.dstack.shim.task-id".to_owned(), "stray".to_owned()),
-        ("ai.dstack.shim.owner".to_owned(), engine.owner().to_owned()),
-    ]
-    .into();
-    stray_spec.mounts = vec![shim_runtime::BindMount {
-        source: elsewhere.path().join("runners/stray-0-01234567/runner"),
-        target: "/tmp/runner".to_owned(),
-        read_only: false,
-    }];
+    let runner_dir = elsewhere.path().join("runners/stray-0-01234567/runner");
+    let mut stray_spec = upstream_spec("stray", "stray-0-01234567", &runner_dir);
+    stray_spec
+        .labels
+        .insert("ai.dstack.shim.owner".into(), engine.owner().to_owned());
     let stray = w
         .runtime
         .add_container(&stray_spec, ContainerState::Running, None);
@@ -982,18 +981,9 @@ async fn a_container_with_our_owner_label_but_another_homes_runner_dir_is_not_ou
 async fn restart_keeps_shared_key_of_live_task() {
     let mut w = World::new(0);
     let engine = w.engine().await;
-    for id in ["a", "b"] {
-        let mut c = config(id);
-        c.host_ssh_user = "ubuntu".into();
-        c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap().into()];
-        engine.submit(c).await.unwrap();
-        wait_status(&engine, id, TaskStatus::Running).await;
-    }
-    let a = engine.task_info(&tid("a")).unwrap();
-    engine
-        .shutdown(shim_engine::Shutdown::Graceful(Duration::from_secs(1)))
-        .await;
-    drop(engine);
+    let a = run(&engine, config("a").with_host_key()).await;
+    run(&engine, config("b").with_host_key()).await;
+    shut_down(engine).await;
     // The restarted process knows no task's keys: unless the engine registers b's before it
     // releases a's, releasing a's would leave the user without the key b still needs.
     w.runtime.exit_without_event(&a.container_id, 0);
@@ -1009,14 +999,8 @@ async fn restart_keeps_shared_key_of_live_task() {
 async fn a_duplicate_gpu_claim_after_restart_never_frees_a_gpu_in_use() {
     let mut w = World::new(1);
     let engine = w.engine().await;
-    let mut c = config("owner");
-    c.gpu = 1;
-    engine.submit(c).await.unwrap();
-    let owner = wait_status(&engine, "owner", TaskStatus::Running).await;
-    engine
-        .shutdown(shim_engine::Shutdown::Graceful(Duration::from_secs(1)))
-        .await;
-    drop(engine);
+    let owner = run(&engine, config("owner").with_gpus(1)).await;
+    shut_down(engine).await;
     // A second container claims the same GPU (e.g. left by an older shim without a state
     // file) and has exited.
     let mut spec = w.runtime.spec(&owner.container_id).unwrap();
@@ -1045,25 +1029,22 @@ async fn a_start_makes_the_minimum_docker_requests() {
     let engine = w.engine().await;
     // The engine's one subscription to Docker's events is not a start's.
     w.runtime
-        .wait_for_call(|c| matches!(c, shim_runtime::fake::Call::Events(..)))
+        .wait_for_call(|c| matches!(c, Call::Events(..)))
         .await;
-    let cases: [(&str, bool, &[&str]); 3] = [
-        ("first", false, &["image_present", "create", "start"]),
-        ("bridge", true, &["create", "start", "inspect"]),
-        ("host", false, &["create", "start"]),
+    use shim_task::NetworkMode::{Bridge, Host};
+    let cases: [(&str, _, &[&str]); 3] = [
+        ("first", Host, &["image_present", "create", "start"]),
+        ("bridge", Bridge, &["create", "start", "inspect"]),
+        ("host", Host, &["create", "start"]),
     ];
-    for (id, bridge, expected) in cases {
+    for (id, network_mode, expected) in cases {
         w.runtime.clear_calls();
         let mut c = config(id);
-        if bridge {
-            c.network_mode = shim_task::NetworkMode::Bridge;
-        }
-        engine.submit(c).await.unwrap();
-        wait_status(&engine, id, TaskStatus::Running).await;
+        c.network_mode = network_mode;
+        run(&engine, c).await;
         // Let anything a finished start might trigger happen.
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let ops: Vec<&str> = w.runtime.calls().iter().map(|c| c.op()).collect();
-        assert_eq!(ops, expected, "{id}");
+        assert_eq!(ops(&w), expected, "{id}");
     }
 
     // The image is pruned behind the engine's back (issue 39): the engine's event says an
@@ -1071,26 +1052,16 @@ async fn a_start_makes_the_minimum_docker_requests() {
     // (progress shown), then the image is known present again.
     w.runtime.remove_image(IMAGE);
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(
-        scrape(&engine).contains("dstack_shim_events_received_total{kind=\"image_removed\"} 1"),
-        "{}",
-        scrape(&engine)
+    assert_scraped(
+        &engine,
+        "dstack_shim_events_received_total{kind=\"image_removed\"} 1",
     );
     w.runtime.clear_calls();
-    engine.submit(config("pruned")).await.unwrap();
-    let info = wait_status(&engine, "pruned", TaskStatus::Running).await;
+    let info = run(&engine, config("pruned")).await;
     // (Running tasks' containers are inspected once, in the background, for their cgroups.)
-    let start_ops = || -> Vec<&'static str> {
-        w.runtime
-            .calls()
-            .iter()
-            .map(|c| c.op())
-            .filter(|op| *op != "inspect")
-            .collect()
-    };
-    let ops = start_ops();
+    let start_ops = || -> Vec<&str> { ops(&w).into_iter().filter(|op| *op != "inspect").collect() };
     assert_eq!(
-        ops,
+        start_ops(),
         ["image_present", "pull", "inspect_image", "create", "start"]
     );
     assert!(
@@ -1099,9 +1070,45 @@ async fn a_start_makes_the_minimum_docker_requests() {
         "{info:?}"
     );
     w.runtime.clear_calls();
-    engine.submit(config("again")).await.unwrap();
-    wait_status(&engine, "again", TaskStatus::Running).await;
+    run(&engine, config("again")).await;
     assert_eq!(start_ops(), ["create", "start"], "known present again");
+}
+
+/// How a test ends a task's container: one of the fake's `exit`s (container id, exit code).
+type Exit = fn(&FakeRuntime, &str, i64) -> bool;
+
+/// Runs a task for each `(id, last log lines, exit, code)`, then forgets the calls so far and
+/// ends their containers one after the other; returns each task once terminated, in order.
+async fn end_running_tasks(
+    w: &World,
+    engine: &Engine,
+    cases: &[(&str, &[&str], Exit, i64)],
+) -> Vec<TaskInfo> {
+    for (id, ..) in cases {
+        engine.submit(config(id)).await.unwrap();
+    }
+    let mut containers = Vec::new();
+    for (id, logs, ..) in cases {
+        let info = wait_status(engine, id, TaskStatus::Running).await;
+        if !logs.is_empty() {
+            w.runtime.set_logs(&info.container_id, logs);
+        }
+        containers.push(info.container_id);
+    }
+    w.runtime.clear_calls();
+    for ((_, _, exit, code), container) in cases.iter().zip(&containers) {
+        assert!(exit(&w.runtime, container, *code));
+    }
+    let mut ended = Vec::new();
+    for (id, ..) in cases {
+        ended.push(wait_status(engine, id, TaskStatus::Terminated).await);
+    }
+    ended
+}
+
+/// A terminated task's `(termination_reason, termination_message)`.
+fn termination(info: &TaskInfo) -> (&str, &str) {
+    (&info.termination_reason, &info.termination_message)
 }
 
 /// Podman sends no `oom` event: a `die` with 137 and no `oom` before it asks the container's
@@ -1110,29 +1117,30 @@ async fn a_start_makes_the_minimum_docker_requests() {
 async fn an_oom_kill_without_an_oom_event_is_read_from_the_state() {
     let w = World::new(0);
     let engine = w.engine().await;
-    engine.submit(config("oom")).await.unwrap();
-    engine.submit(config("killed")).await.unwrap();
-    let oom = wait_status(&engine, "oom", TaskStatus::Running).await;
-    let killed = wait_status(&engine, "killed", TaskStatus::Running).await;
-    w.runtime.set_logs(&oom.container_id, &["killed"]);
-    w.runtime.set_logs(&killed.container_id, &["killed"]);
-    w.runtime.clear_calls();
-    assert!(w.runtime.exit_oom_without_oom_event(&oom.container_id, 137));
-    assert!(w.runtime.exit(&killed.container_id, 137));
-    let oom = wait_status(&engine, "oom", TaskStatus::Terminated).await;
+    let ended = end_running_tasks(
+        &w,
+        &engine,
+        &[
+            (
+                "oom",
+                &["killed"],
+                FakeRuntime::exit_oom_without_oom_event,
+                137,
+            ),
+            ("killed", &["killed"], FakeRuntime::exit, 137),
+        ],
+    )
+    .await;
+    let oom_message = format!("killed\n{}", shim_task::machine::OOM_NOTE);
     assert_eq!(
-        oom.termination_message,
-        format!("killed\n{}", shim_task::machine::OOM_NOTE)
+        ended.iter().map(termination).collect::<Vec<_>>(),
+        [
+            ("container_exited_with_error", oom_message.as_str()),
+            ("container_exited_with_error", "killed"),
+        ]
     );
-    let killed = wait_status(&engine, "killed", TaskStatus::Terminated).await;
-    assert_eq!(killed.termination_reason, "container_exited_with_error");
-    assert_eq!(killed.termination_message, "killed");
-    let ops: Vec<&str> = w.runtime.calls().iter().map(|c| c.op()).collect();
-    assert_eq!(
-        ops.iter().filter(|o| **o == "inspect").count(),
-        2,
-        "{ops:?}"
-    );
+    let ops = ops(&w);
+    assert_eq!(w.runtime.count("inspect"), 2, "{ops:?}");
     assert!(!ops.contains(&"list"), "{ops:?}");
 }
 
@@ -1142,50 +1150,41 @@ async fn an_oom_kill_without_an_oom_event_is_read_from_the_state() {
 async fn exits_come_from_events_without_an_inspect() {
     let w = World::new(0);
     let engine = w.engine().await;
-    engine.submit(config("ok")).await.unwrap();
-    engine.submit(config("bad")).await.unwrap();
-    engine.submit(config("oom")).await.unwrap();
-    let ok = wait_status(&engine, "ok", TaskStatus::Running).await;
-    let bad = wait_status(&engine, "bad", TaskStatus::Running).await;
-    let oom = wait_status(&engine, "oom", TaskStatus::Running).await;
-    w.runtime.set_logs(&bad.container_id, &["x", "boom"]);
-    w.runtime.set_logs(&oom.container_id, &["killed"]);
-    w.runtime.clear_calls();
-    assert!(w.runtime.exit(&ok.container_id, 0));
-    assert!(w.runtime.exit(&bad.container_id, 2));
-    assert!(w.runtime.exit_oom(&oom.container_id, 137));
-    let ok = wait_status(&engine, "ok", TaskStatus::Terminated).await;
-    assert_eq!(ok.termination_reason, "done_by_runner");
-    let bad = wait_status(&engine, "bad", TaskStatus::Terminated).await;
-    assert_eq!(bad.termination_reason, "container_exited_with_error");
-    assert_eq!(bad.termination_message, "x\nboom");
-    let oom = wait_status(&engine, "oom", TaskStatus::Terminated).await;
+    let ended = end_running_tasks(
+        &w,
+        &engine,
+        &[
+            ("ok", &[], FakeRuntime::exit, 0),
+            ("bad", &["x", "boom"], FakeRuntime::exit, 2),
+            ("oom", &["killed"], FakeRuntime::exit_oom, 137),
+        ],
+    )
+    .await;
+    let oom_message = format!("killed\n{}", shim_task::machine::OOM_NOTE);
     assert_eq!(
-        oom.termination_message,
-        format!("killed\n{}", shim_task::machine::OOM_NOTE)
+        ended.iter().map(termination).collect::<Vec<_>>(),
+        [
+            ("done_by_runner", ""),
+            ("container_exited_with_error", "x\nboom"),
+            ("container_exited_with_error", oom_message.as_str()),
+        ]
     );
-    let ops: Vec<&str> = w.runtime.calls().iter().map(|c| c.op()).collect();
+    let ops = ops(&w);
     assert!(!ops.contains(&"inspect"), "{ops:?}");
     assert!(!ops.contains(&"list"), "{ops:?}");
-    assert_eq!(
-        ops.iter().filter(|o| **o == "logs_tail").count(),
-        2,
-        "{ops:?}"
-    );
+    assert_eq!(w.runtime.count("logs_tail"), 2, "{ops:?}");
 
     // A container whose exit went unannounced, then removed behind the shim's back: its
     // `destroy` event says it vanished.
-    engine.submit(config("gone")).await.unwrap();
-    let gone = wait_status(&engine, "gone", TaskStatus::Running).await;
+    let gone = run(&engine, config("gone")).await;
     assert!(w.runtime.exit_without_event(&gone.container_id, 0));
     shim_runtime::ContainerRuntime::remove(&w.runtime, &gone.container_id)
         .await
         .unwrap();
     let gone = wait_status(&engine, "gone", TaskStatus::Terminated).await;
-    assert_eq!(gone.termination_reason, "executor_error");
     assert_eq!(
-        gone.termination_message,
-        shim_task::machine::VANISHED_MESSAGE
+        termination(&gone),
+        ("executor_error", shim_task::machine::VANISHED_MESSAGE)
     );
 }
 
@@ -1198,11 +1197,10 @@ async fn idle_costs_no_docker_request() {
     let w = World::new(0);
     let engine = w.engine().await;
     w.runtime
-        .wait_for_call(|c| matches!(c, shim_runtime::fake::Call::Events(..)))
+        .wait_for_call(|c| matches!(c, Call::Events(..)))
         .await;
     for i in 0..5 {
-        engine.submit(config(&format!("t{i}"))).await.unwrap();
-        wait_status(&engine, &format!("t{i}"), TaskStatus::Running).await;
+        run(&engine, config(&format!("t{i}"))).await;
     }
     w.runtime.clear_calls();
     tokio::time::sleep(Duration::from_secs(1800)).await;
@@ -1215,7 +1213,6 @@ async fn idle_costs_no_docker_request() {
 /// subscriber sees `running` only.
 #[tokio::test(start_paused = true)]
 async fn a_start_writes_the_state_file_twice() {
-    use shim_engine::ChangeKind;
     let w = World::new(0);
     let engine = w.engine().await;
     let writes = || {
@@ -1227,12 +1224,10 @@ async fn a_start_writes_the_state_file_twice() {
             .unwrap()
     };
     // The first start checks the image (and may write around that); the second is measured.
-    engine.submit(config("warm")).await.unwrap();
-    wait_status(&engine, "warm", TaskStatus::Running).await;
+    run(&engine, config("warm")).await;
     let mut sub = engine.subscribe();
     let before = writes();
-    engine.submit(config("t1")).await.unwrap();
-    wait_status(&engine, "t1", TaskStatus::Running).await;
+    run(&engine, config("t1")).await;
     let mut kinds = Vec::new();
     while let Ok(Ok(change)) = tokio::time::timeout(Duration::from_millis(200), sub.recv()).await {
         kinds.push(change.kind);
@@ -1240,13 +1235,8 @@ async fn a_start_writes_the_state_file_twice() {
     let status = |status| ChangeKind::Status { status };
     assert_eq!(kinds, [ChangeKind::Submitted, status(TaskStatus::Running)]);
     assert_eq!(writes() - before, 2);
-    let record: serde_json::Value = fs_err::read_dir(w.home.path().join("runners"))
-        .unwrap()
-        .map(|e| e.unwrap().path().join("task.json"))
-        .filter_map(|p| serde_json::from_slice::<serde_json::Value>(&fs_err::read(p).ok()?).ok())
-        .find(|r| r["id"] == "t1")
-        .unwrap();
-    assert_eq!(record["rust_shim"]["status"], "running", "{record}");
+    let record = state_file(&w, "t1");
+    assert_eq!(record["status"], "running", "{record}");
 }
 
 /// A start (or create) whose answer is lost in transit (a request timeout on a loaded daemon)
@@ -1261,8 +1251,7 @@ async fn a_start_whose_answer_was_lost_looks_at_the_container() {
     let engine = w.engine().await;
     w.runtime
         .set_start_behavior(StartBehavior::StartsAnswerLost);
-    engine.submit(config("t1")).await.unwrap();
-    let info = wait_status(&engine, "t1", TaskStatus::Running).await;
+    let info = run(&engine, config("t1")).await;
     assert_eq!(
         w.runtime.state(&info.container_id),
         Some(ContainerState::Running)
@@ -1270,8 +1259,7 @@ async fn a_start_whose_answer_was_lost_looks_at_the_container() {
     // The same for a create: the container made under the task's name and labels is taken.
     w.runtime.set_start_behavior(StartBehavior::Succeed);
     w.runtime.lose_next_create_answer();
-    engine.submit(config("t3")).await.unwrap();
-    let info = wait_status(&engine, "t3", TaskStatus::Running).await;
+    let info = run(&engine, config("t3")).await;
     assert_eq!(
         w.runtime.id_by_name(&info.container_name),
         Some(info.container_id.clone())
@@ -1279,12 +1267,8 @@ async fn a_start_whose_answer_was_lost_looks_at_the_container() {
     // A start that failed for real still fails.
     w.runtime
         .set_start_behavior(StartBehavior::Fail("no such device".into()));
-    engine.submit(config("t2")).await.unwrap();
-    let info = wait_status(&engine, "t2", TaskStatus::Terminated).await;
-    assert_eq!(
-        info.termination_reason, "container_exited_with_error",
-        "{info:?}"
-    );
+    let info = failed_start(&engine, config("t2")).await;
+    assert_reason(&info, "container_exited_with_error");
 }
 
 /// A real pull shows `pulling` while it lasts, also for a task that acquires nothing: the
@@ -1295,10 +1279,11 @@ async fn a_real_pull_is_shown_as_pulling() {
     let engine = w.engine().await;
     w.runtime
         .set_pull_behavior(PullBehavior::Hang { steps: vec![] });
-    let mut c = config("t1");
-    c.image_name = "img:latest".into();
+    let c = config("t1").with_image("img:latest");
     engine.submit(c).await.unwrap();
-    wait_pulling(&engine, "t1").await;
+    let status = || engine.task_info(&tid("t1")).unwrap().status;
+    let pulling = poll_until(500, TICK, async || status() == TaskStatus::Pulling).await;
+    assert!(pulling, "task t1 never pulled");
     assert_eq!(w.runtime.count("create"), 0);
     w.runtime.release_pulls();
     wait_status(&engine, "t1", TaskStatus::Running).await;
@@ -1309,7 +1294,6 @@ async fn a_real_pull_is_shown_as_pulling() {
 /// removed.
 #[tokio::test(start_paused = true)]
 async fn subscribers_see_every_change_of_fifty_concurrent_tasks_in_order() {
-    use shim_engine::ChangeKind;
     let w = World::new(0);
     let engine = w.engine().await;
     let mut sub = engine.subscribe();
@@ -1324,7 +1308,7 @@ async fn subscribers_see_every_change_of_fifty_concurrent_tasks_in_order() {
     }
     for id in &ids {
         wait_status(&engine, id, TaskStatus::Terminated).await;
-        wait_released(&engine, &w, id).await;
+        wait_released(&engine, id).await;
         engine.remove(&tid(id)).await.unwrap();
     }
     let mut seen: std::collections::BTreeMap<String, Vec<ChangeKind>> = Default::default();
@@ -1386,34 +1370,17 @@ fn upstream_task_json(id: &str, name: &str, gpu: i64, reason: &str, cleaned_up: 
     )
 }
 
-/// A container as the upstream shim creates it: its two labels only (no owner, no GPU label),
-/// `/tmp/runner` bound from `runner_dir`, NVIDIA GPUs as one device request.
-fn upstream_container(
-    w: &World,
-    id: &str,
-    name: &str,
-    runner_dir: &std::path::Path,
-    gpus: &[String],
-    state: ContainerState,
-) -> String {
-    let mut spec = shim_runtime::ContainerSpec::new(name, IMAGE);
-    spec.labels = [
-        ("ai.dstack.shim.is-task".to_owned(), "true".to_owned()),
-        ("ai.dstack.shim.task-id".to_owned(), id.to_owned()),
-    ]
-    .into();
-    spec.mounts = vec![shim_runtime::BindMount {
-        source: runner_dir.to_path_buf(),
-        target: "/tmp/runner".to_owned(),
-        read_only: false,
-    }];
-    spec.device_requests = vec![shim_runtime::DeviceRequest {
+/// A running container as the upstream shim creates it ([`upstream_spec`]), its NVIDIA GPUs
+/// as one device request.
+fn upstream_container(w: &World, id: &str, name: &str, runner_dir: &Path, gpus: &[String]) {
+    let mut spec = upstream_spec(id, name, runner_dir);
+    spec.device_requests = vec![DeviceRequest {
         driver: "nvidia".to_owned(),
         device_ids: gpus.to_vec(),
         capabilities: vec!["gpu".to_owned()],
     }];
-    let code = matches!(state, ContainerState::Exited).then_some(0);
-    w.runtime.add_container(&spec, state, code)
+    w.runtime
+        .add_container(&spec, ContainerState::Running, None);
 }
 
 // upstream: runner/internal/shim/docker.go (restoreStateFromContainers: NVIDIA GPUs from the
@@ -1425,50 +1392,22 @@ fn upstream_container(
 async fn upstream_tasks_hold_and_release_exactly_their_gpus_keys_and_volumes() {
     let w = World::new(4);
     let all = w.host_gpus.ids();
-    let runners = w.home.path().join("runners");
 
     // With a state file: two GPUs, a volume, a key.
-    let name_a = shim_task::naming::container_name(
-        &TaskName::new("up-a").unwrap(),
-        &TaskId::new("a1").unwrap(),
-    );
-    let dir_a = runners.join(&name_a);
+    let name_a = shim_task::naming::container_name(&TaskName::new("up-a").unwrap(), &tid("a1"));
+    let dir_a = w.runner_dir(&name_a);
     fs_err::create_dir_all(dir_a.join("runner")).unwrap();
-    fs_err::write(
-        dir_a.join("task.json"),
-        upstream_task_json("a1", "up-a", 2, "", false),
-    )
-    .unwrap();
-    upstream_container(
-        &w,
-        "a1",
-        &name_a,
-        &dir_a.join("runner"),
-        &all[..2],
-        ContainerState::Running,
-    );
+    let json_a = upstream_task_json("a1", "up-a", 2, "", false);
+    fs_err::write(dir_a.join("task.json"), json_a).unwrap();
+    upstream_container(&w, "a1", &name_a, &dir_a.join("runner"), &all[..2]);
     // Without a state file: one GPU.
     let name_b = "up-b-0-0-12345678";
-    let dir_b = runners.join(name_b);
+    let dir_b = w.runner_dir(name_b);
     fs_err::create_dir_all(&dir_b).unwrap();
-    upstream_container(
-        &w,
-        "b1",
-        name_b,
-        &dir_b,
-        &all[2..3],
-        ContainerState::Running,
-    );
+    upstream_container(&w, "b1", name_b, &dir_b, &all[2..3]);
     // Another home's: its GPU is not ours to lock.
     let elsewhere = tempfile::tempdir().unwrap();
-    upstream_container(
-        &w,
-        "c1",
-        "up-c-0-0-87654321",
-        elsewhere.path(),
-        &all[3..],
-        ContainerState::Running,
-    );
+    upstream_container(&w, "c1", "up-c-0-0-87654321", elsewhere.path(), &all[3..]);
 
     let engine = w.engine().await;
     let a = engine.task_info(&tid("a1")).unwrap();
@@ -1478,39 +1417,30 @@ async fn upstream_tasks_hold_and_release_exactly_their_gpus_keys_and_volumes() {
     assert!(engine.task_info(&tid("c1")).is_err(), "another home's task");
     assert_eq!(engine.gpu_lock().locked(), all[..3].to_vec());
     // Only one GPU is free: a task asking for two fails to start.
-    let mut big = config("big");
-    big.gpu = 2;
-    engine.submit(big).await.unwrap();
-    let big = wait_status(&engine, "big", TaskStatus::Terminated).await;
-    assert_eq!(big.termination_reason, "executor_error", "{big:?}");
+    let big = failed_start(&engine, config("big").with_gpus(2)).await;
+    assert_reason(&big, "executor_error");
 
     // Terminating a1 releases exactly its GPUs, its volume and its key.
     terminate_by_user(&engine, "a1").await;
-    for _ in 0..500 {
+    poll_until(500, TICK, async || {
         engine.reconcile_now().await;
-        if engine.gpu_lock().locked() == all[2..3].to_vec() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+        engine.gpu_lock().locked() == all[2..3]
+    })
+    .await;
     assert_eq!(engine.gpu_lock().locked(), all[2..3].to_vec());
+    let volume_calls = w.volumes.calls();
     assert!(
-        w.volumes
-            .calls()
-            .contains(&shim_resources::fake::FakeCall::Release(
-                "/fake/volumes/vol1".into()
-            )),
-        "{:?}",
-        w.volumes.calls()
+        volume_calls.contains(&FakeCall::Release("/fake/volumes/vol1".into())),
+        "{volume_calls:?}"
     );
     assert!(
         w.keys.calls().iter().any(|c| matches!(c,
-            shim_resources::fake::FakeCall::RemoveKeys(t, u) if t.as_str() == "a1" && u == "ubuntu")),
+            FakeCall::RemoveKeys(t, u) if t.as_str() == "a1" && u == "ubuntu")),
         "{:?}",
         w.keys.calls()
     );
     terminate_by_user(&engine, "b1").await;
-    wait_released(&engine, &w, "b1").await;
+    wait_released(&engine, "b1").await;
 }
 
 // On Podman a task given NVIDIA GPUs must not run without them (its Docker API ignores the
@@ -1522,33 +1452,23 @@ async fn a_gpu_task_on_podman_without_a_cdi_spec_fails_at_create() {
     let w = World::new(1);
     w.runtime.as_podman(Some("5.4.2"));
     let engine = w.engine().await;
-    let mut c = config("t1");
-    c.gpu = 1;
-    engine.submit(c).await.unwrap();
-    let info = wait_status(&engine, "t1", TaskStatus::Terminated).await;
-    assert_eq!(
-        info.termination_reason, "creating_container_error",
-        "{info:?}"
+    let info = failed_start(&engine, config("t1").with_gpus(1)).await;
+    assert_reason(&info, "creating_container_error");
+    let message = &info.termination_message;
+    assert_contains(
+        message,
+        "Podman 5.4.2 ignores NVIDIA device requests through its Docker API",
     );
-    assert!(
-        info.termination_message
-            .contains("Podman 5.4.2 ignores NVIDIA device requests through its Docker API")
-            && info
-                .termination_message
-                .contains("nvidia-ctk cdi generate --output=/var/run/cdi/nvidia.yaml"),
-        "{info:?}"
+    assert_contains(
+        message,
+        "nvidia-ctk cdi generate --output=/var/run/cdi/nvidia.yaml",
     );
     assert!(w.runtime.container_ids().is_empty());
-    assert!(
-        scrape(&engine).contains("dstack_shim_gpu_device_mode{mode=\"refused\"} 1"),
-        "{}",
-        scrape(&engine)
-    );
-    wait_released(&engine, &w, "t1").await;
+    assert_scraped(&engine, "dstack_shim_gpu_device_mode{mode=\"refused\"} 1");
+    wait_released(&engine, "t1").await;
     engine.remove(&tid("t1")).await.unwrap();
     // A task without GPUs runs there as usual.
-    engine.submit(config("t2")).await.unwrap();
-    wait_status(&engine, "t2", TaskStatus::Running).await;
+    run(&engine, config("t2")).await;
 }
 
 /// A GPU health source whose report a test sets.
@@ -1597,10 +1517,7 @@ async fn unhealthy_gpus_are_kept_from_new_tasks_and_come_back_when_healthy() {
     let mut cfg = w.config();
     cfg.gpu_health_interval = Duration::from_secs(30);
     let engine = Engine::open(cfg, deps).await.unwrap();
-    let mut c = config("holder");
-    c.gpu = 1;
-    engine.submit(c).await.unwrap();
-    let holder = wait_status(&engine, "holder", TaskStatus::Running).await;
+    let holder = run(&engine, config("holder").with_gpus(1)).await;
     let held = holder.gpu_ids.clone().unwrap();
     assert_eq!(held, [w.host_gpus.gpus[0].id.clone()]);
     // Both GPUs go bad: the holder keeps its GPU and runs on; GPU 1 is kept from new tasks.
@@ -1613,26 +1530,19 @@ async fn unhealthy_gpus_are_kept_from_new_tasks_and_come_back_when_healthy() {
         &[(0, xid.clone()), (1, UnhealthyReason::RetiredPagesPending)],
     );
     tokio::time::sleep(Duration::from_secs(31)).await;
-    let m = scrape(&engine);
-    assert!(
-        m.contains(&format!(
-            "dstack_shim_gpu_unhealthy{{gpu=\"{}\",reason=\"retired pages pending\"}} 1",
-            w.host_gpus.gpus[1].id
-        )),
-        "{m}"
+    let gpu1 = &w.host_gpus.gpus[1].id;
+    assert_scraped(
+        &engine,
+        &format!("dstack_shim_gpu_unhealthy{{gpu=\"{gpu1}\",reason=\"retired pages pending\"}} 1"),
     );
-    let mut c = config("new");
-    c.gpu = 1;
-    engine.submit(c).await.unwrap();
-    let info = wait_status(&engine, "new", TaskStatus::Terminated).await;
-    assert_eq!(info.termination_reason, "executor_error", "{info:?}");
-    assert!(
-        info.termination_message.contains(&format!(
-            "no capacity: 1 GPUs requested, 0 available (1 kept out as unhealthy: {} (retired \
-             pages pending))",
-            w.host_gpus.gpus[1].id
-        )),
-        "{info:?}"
+    let info = failed_start(&engine, config("new").with_gpus(1)).await;
+    assert_reason(&info, "executor_error");
+    assert_contains(
+        &info.termination_message,
+        &format!(
+            "no capacity: 1 GPUs requested, 0 available (1 kept out as unhealthy: {gpu1} \
+             (retired pages pending))"
+        ),
     );
     assert_eq!(
         engine.task_info(&tid("holder")).unwrap().status,
@@ -1646,11 +1556,8 @@ async fn unhealthy_gpus_are_kept_from_new_tasks_and_come_back_when_healthy() {
     // GPU 1 recovers: the next probe puts it back.
     health.set(&w.host_gpus, &[(0, xid)]);
     tokio::time::sleep(Duration::from_secs(30)).await;
-    let mut c = config("later");
-    c.gpu = 1;
-    engine.submit(c).await.unwrap();
-    let info = wait_status(&engine, "later", TaskStatus::Running).await;
-    assert_eq!(info.gpu_ids, Some(vec![w.host_gpus.gpus[1].id.clone()]));
+    let info = run(&engine, config("later").with_gpus(1)).await;
+    assert_eq!(info.gpu_ids, Some(vec![gpu1.clone()]));
 }
 
 /// A CDI spec of two fake GPUs, one named by UUID and one by index (as NVIDIA Container
@@ -1668,8 +1575,8 @@ fn cdi_spec_dir(host: &HostGpus) -> tempfile::TempDir {
 }
 
 /// The device requests of the container created for `id`.
-fn device_requests_of(w: &World, id: &str) -> Vec<shim_runtime::DeviceRequest> {
-    let name = shim_task::naming::container_name(&config(id).name, &config(id).id);
+fn device_requests_of(w: &World, id: &str) -> Vec<DeviceRequest> {
+    let name = container_name(id);
     w.runtime
         .calls()
         .into_iter()
@@ -1694,15 +1601,9 @@ async fn gpus_go_as_cdi_devices_where_the_engine_and_a_spec_allow() {
         true,
     ));
     let engine = w.engine().await;
-    assert!(
-        scrape(&engine).contains("dstack_shim_gpu_device_mode{mode=\"cdi\"} 1"),
-        "decided at start-up: {}",
-        scrape(&engine)
-    );
-    let mut c = config("both");
-    c.gpu = 2;
-    engine.submit(c).await.unwrap();
-    let info = wait_status(&engine, "both", TaskStatus::Running).await;
+    // Decided at start-up.
+    assert_scraped(&engine, "dstack_shim_gpu_device_mode{mode=\"cdi\"} 1");
+    let info = run(&engine, config("both").with_gpus(2)).await;
     let ids = info.gpu_ids.clone().unwrap();
     let names: Vec<String> = ids
         .iter()
@@ -1716,30 +1617,23 @@ async fn gpus_go_as_cdi_devices_where_the_engine_and_a_spec_allow() {
         .collect();
     assert_eq!(
         device_requests_of(&w, "both"),
-        [shim_runtime::DeviceRequest {
+        [DeviceRequest {
             driver: "cdi".into(),
             device_ids: names,
             capabilities: vec![],
         }]
     );
     terminate_by_user(&engine, "both").await;
-    wait_released(&engine, &w, "both").await;
+    wait_released(&engine, "both").await;
 
     // The spec is gone (a host rebuilt): the next GPU task gets upstream's request.
     drop(specs);
-    let mut c = config("legacy");
-    c.gpu = 1;
-    engine.submit(c).await.unwrap();
-    let info = wait_status(&engine, "legacy", TaskStatus::Running).await;
+    let info = run(&engine, config("legacy").with_gpus(1)).await;
     let requests = device_requests_of(&w, "legacy");
     assert_eq!(requests.len(), 1);
     assert_eq!(requests[0].driver, "nvidia");
     assert_eq!(Some(requests[0].device_ids.clone()), info.gpu_ids);
-    assert!(
-        scrape(&engine).contains("dstack_shim_gpu_device_mode{mode=\"legacy\"} 1"),
-        "{}",
-        scrape(&engine)
-    );
+    assert_scraped(&engine, "dstack_shim_gpu_device_mode{mode=\"legacy\"} 1");
 }
 
 // Issue 36: a start the engine refuses for the container's devices (here Docker's words for a
@@ -1752,20 +1646,13 @@ async fn a_start_refused_for_devices_is_a_creating_container_error() {
     w.runtime
         .set_start_behavior(StartBehavior::Fail(words.to_owned()));
     let engine = w.engine().await;
-    let mut c = config("t1");
-    c.gpu = 1;
-    engine.submit(c).await.unwrap();
-    let info = wait_status(&engine, "t1", TaskStatus::Terminated).await;
-    assert_eq!(
-        info.termination_reason, "creating_container_error",
-        "{info:?}"
-    );
+    let info = failed_start(&engine, config("t1").with_gpus(1)).await;
+    assert_reason(&info, "creating_container_error");
     assert!(info.termination_message.contains(words), "{info:?}");
-    wait_released(&engine, &w, "t1").await;
+    wait_released(&engine, "t1").await;
     // A start that fails for another reason stays the container's failure.
-    engine.submit(config("t2")).await.unwrap();
-    let info = wait_status(&engine, "t2", TaskStatus::Terminated).await;
-    assert_eq!(info.termination_reason, "container_exited_with_error");
+    let info = failed_start(&engine, config("t2")).await;
+    assert_reason(&info, "container_exited_with_error");
 }
 
 /// A short terminate budget for the tests below (the default is 4 s).
@@ -1778,39 +1665,18 @@ const ANSWER_BOUND: Duration = Duration::from_secs(3);
 
 /// Terminates `id` with `timeout` 0 as the dstack server does, failing if the answer never
 /// comes; prints how long it took (a figure, not an assertion).
-async fn terminate_now(engine: &Engine, id: &str, what: &str) -> shim_task::TaskInfo {
+async fn terminate_now(engine: &Engine, id: &str, what: &str) -> TaskInfo {
     let started = std::time::Instant::now();
-    let info = tokio::time::timeout(
-        ANSWER_BOUND,
-        engine.terminate(
-            &tid(id),
-            TerminationReason::TerminatedByUser,
-            "stop".into(),
-            Duration::ZERO,
-        ),
-    )
-    .await
-    .unwrap_or_else(|_| panic!("terminate of {id} ({what}) not answered within {ANSWER_BOUND:?}"))
-    .unwrap();
+    let info = tokio::time::timeout(ANSWER_BOUND, terminate(engine, id, "stop", Duration::ZERO))
+        .await
+        .unwrap_or_else(|_| {
+            panic!("terminate of {id} ({what}) not answered within {ANSWER_BOUND:?}")
+        });
     eprintln!(
         "MEASURED terminate answer with {what}: {:?} (budget {SLACK:?})",
         started.elapsed()
     );
     info
-}
-
-fn data_volume(c: &mut TaskConfig) {
-    c.volumes = vec![VolumeSpec {
-        backend: VolumeBackend::Aws,
-        name: TaskName::new("data").unwrap(),
-        volume_id: "vol-1".into(),
-        init_fs: true,
-        device_name: "/dev/sdf".into(),
-    }];
-    c.volume_mounts = vec![VolumeMountPoint {
-        name: TaskName::new("data").unwrap(),
-        path: "/data".into(),
-    }];
 }
 
 // Issue 22, SPEC §4: terminate answers within `timeout` + its slack in every state, whatever
@@ -1820,15 +1686,10 @@ fn data_volume(c: &mut TaskConfig) {
 #[tokio::test(start_paused = true)]
 async fn terminate_answers_within_its_budget_whatever_holds_it_up() {
     let w = World::new(3);
-    let mut cfg = w.config();
-    cfg.terminate_slack = SLACK;
-    let engine = Engine::open(cfg, w.deps()).await.unwrap();
+    let engine = w.engine_with(|cfg| cfg.terminate_slack = SLACK).await;
 
     // A stop the daemon holds.
-    let mut c = config("t-stop");
-    c.gpu = 1;
-    engine.submit(c).await.unwrap();
-    let running = wait_status(&engine, "t-stop", TaskStatus::Running).await;
+    let running = run(&engine, config("t-stop").with_gpus(1)).await;
     w.runtime.hold_stops();
     let info = terminate_now(&engine, "t-stop", "a held stop").await;
     assert_eq!(
@@ -1836,7 +1697,7 @@ async fn terminate_answers_within_its_budget_whatever_holds_it_up() {
         TaskStatus::Terminated,
         "durable before the stop"
     );
-    assert_eq!(info.termination_reason, "terminated_by_user");
+    assert_reason(&info, "terminated_by_user");
     assert_eq!(
         w.runtime.state(&running.container_id),
         Some(ContainerState::Running),
@@ -1852,9 +1713,7 @@ async fn terminate_answers_within_its_budget_whatever_holds_it_up() {
     // A start in flight (the daemon holds the container's start).
     w.runtime.set_start_behavior(StartBehavior::Hang);
     let starts = w.runtime.count("start");
-    let mut c = config("t-start");
-    c.gpu = 1;
-    engine.submit(c).await.unwrap();
+    engine.submit(config("t-start").with_gpus(1)).await.unwrap();
     w.runtime.wait_for_count("start", starts).await;
     let info = terminate_now(&engine, "t-start", "a start in flight").await;
     assert_eq!(info.status, TaskStatus::Terminated);
@@ -1863,11 +1722,7 @@ async fn terminate_answers_within_its_budget_whatever_holds_it_up() {
     w.runtime.release_starts();
 
     // A slow unmount (the release of its volume is held).
-    let mut c = config("t-unmount");
-    c.gpu = 1;
-    data_volume(&mut c);
-    engine.submit(c).await.unwrap();
-    wait_status(&engine, "t-unmount", TaskStatus::Running).await;
+    run(&engine, config("t-unmount").with_gpus(1).with_data_volume()).await;
     w.volumes.hold_releases();
     let info = terminate_now(&engine, "t-unmount", "a slow unmount").await;
     assert_eq!(info.status, TaskStatus::Terminated);
@@ -1876,13 +1731,11 @@ async fn terminate_answers_within_its_budget_whatever_holds_it_up() {
 
     // Everything converges in the background.
     for id in ["t-stop", "t-start", "t-unmount"] {
-        for _ in 0..500 {
+        poll_until(500, TICK, async || {
             engine.reconcile_now().await;
-            if !engine.is_starting(&tid(id)).unwrap() && engine.remove(&tid(id)).await.is_ok() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+            !engine.is_starting(&tid(id)).unwrap() && engine.remove(&tid(id)).await.is_ok()
+        })
+        .await;
         assert!(engine.task_info(&tid(id)).is_err(), "{id} not removed");
     }
     assert!(engine.gpu_lock().locked().is_empty());
@@ -1895,13 +1748,8 @@ async fn terminate_answers_within_its_budget_whatever_holds_it_up() {
 #[tokio::test(start_paused = true)]
 async fn a_remove_behind_a_release_waits_for_it_then_removes() {
     let w = World::new(1);
-    let mut cfg = w.config();
-    cfg.terminate_slack = SLACK;
-    let engine = Engine::open(cfg, w.deps()).await.unwrap();
-    let mut c = config("t1");
-    data_volume(&mut c);
-    engine.submit(c).await.unwrap();
-    wait_status(&engine, "t1", TaskStatus::Running).await;
+    let engine = w.engine_with(|cfg| cfg.terminate_slack = SLACK).await;
+    run(&engine, config("t1").with_data_volume()).await;
     w.volumes.hold_releases();
     terminate_now(&engine, "t1", "a held unmount").await;
     let remove = tokio::spawn({
@@ -1925,12 +1773,7 @@ async fn a_remove_behind_a_release_waits_for_it_then_removes() {
 /// directory unusable: `task.json` becomes a non-empty directory, which the atomic rename of a
 /// new state file cannot replace (`false` puts a file back, as a freed disk would let it).
 fn break_state_file(w: &World, container_name: &str, broken: bool) {
-    let state = w
-        .home
-        .path()
-        .join("runners")
-        .join(container_name)
-        .join("task.json");
+    let state = w.task_json(container_name);
     if broken {
         fs_err::remove_file(&state).unwrap();
         fs_err::create_dir_all(state.join("blocker")).unwrap();
@@ -1948,30 +1791,19 @@ fn break_state_file(w: &World, container_name: &str, broken: bool) {
 #[tokio::test(start_paused = true)]
 async fn a_terminate_whose_write_fails_still_stops_and_releases() {
     let w = World::new(2);
-    let mut cfg = w.config();
-    cfg.terminate_slack = SLACK;
-    let engine = Engine::open(cfg, w.deps()).await.unwrap();
+    let engine = w.engine_with(|cfg| cfg.terminate_slack = SLACK).await;
     let mut running = Vec::new();
     for id in ["t-kept", "t-removed"] {
-        let mut c = config(id);
-        c.gpu = 1;
-        c.host_ssh_user = "ubuntu".into();
-        c.host_ssh_keys = vec![PublicKey::parse(KEY).unwrap().into()];
-        data_volume(&mut c);
-        engine.submit(c).await.unwrap();
-        running.push(wait_status(&engine, id, TaskStatus::Running).await);
+        let c = config(id).with_gpus(1).with_host_key().with_data_volume();
+        running.push(run(&engine, c).await);
     }
     assert_eq!(engine.gpu_lock().locked().len(), 2);
     for (info, id) in running.iter().zip(["t-kept", "t-removed"]) {
         break_state_file(&w, &info.container_name, true);
         let answer = terminate_now(&engine, id, "an unwritable state file").await;
         assert_eq!(
-            (
-                answer.status,
-                answer.termination_reason.as_str(),
-                answer.termination_message.as_str()
-            ),
-            (TaskStatus::Terminated, "terminated_by_user", "stop"),
+            (answer.status, termination(&answer)),
+            (TaskStatus::Terminated, ("terminated_by_user", "stop")),
             "stopped: terminated at once, the record waiting for the disk"
         );
         assert_eq!(
@@ -1981,7 +1813,7 @@ async fn a_terminate_whose_write_fails_still_stops_and_releases() {
         );
         assert!(
             w.volumes.calls().iter().any(|c| matches!(c,
-                shim_resources::fake::FakeCall::Release(p) if p.ends_with("/data"))),
+                FakeCall::Release(p) if p.ends_with("/data"))),
             "{id}: volume released"
         );
     }
@@ -1994,81 +1826,45 @@ async fn a_terminate_whose_write_fails_still_stops_and_releases() {
     engine.remove(&tid("t-removed")).await.unwrap();
     assert!(engine.task_info(&tid("t-removed")).is_err());
     assert_eq!(w.runtime.state(&removed.container_id), None);
-    assert!(
-        !w.home
-            .path()
-            .join("runners")
-            .join(&removed.container_name)
-            .exists()
-    );
+    assert!(!w.runner_dir(&removed.container_name).exists());
 
     // The other converges once its file can be written: the retry pass runs every second.
     let kept = &running[0];
     assert_eq!(
-        state_file_of_opt(&w, &kept.container_name),
+        read_state_file(&w, &kept.container_name),
         None,
         "not durable yet"
     );
     let mut registry = prometheus_client::registry::Registry::default();
     engine.register_metrics(&mut registry);
-    let unwritten = |registry: &prometheus_client::registry::Registry| {
+    let unwritten = || {
         let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
         text.lines()
             .find_map(|l| l.strip_prefix("dstack_shim_unwritten_tasks "))
             .map(str::to_owned)
     };
     assert_eq!(
-        unwritten(&registry).as_deref(),
+        unwritten().as_deref(),
         Some("1.0"),
         "one task's write failed"
     );
     break_state_file(&w, &kept.container_name, false);
     // The file is renamed into place before the write's outcome is noted: wait for both.
-    for _ in 0..500 {
-        if state_file_of_opt(&w, &kept.container_name).is_some()
-            && unwritten(&registry).as_deref() == Some("0.0")
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    poll_until(500, TICK, async || {
+        read_state_file(&w, &kept.container_name).is_some() && unwritten().as_deref() == Some("0.0")
+    })
+    .await;
     let info = engine.task_info(&tid("t-kept")).unwrap();
     assert_eq!(info.status, TaskStatus::Terminated, "{info:?}");
-    assert_eq!(info.termination_reason, "terminated_by_user");
-    assert_eq!(
-        unwritten(&registry).as_deref(),
-        Some("0.0"),
-        "written since"
-    );
+    assert_reason(&info, "terminated_by_user");
+    assert_eq!(unwritten().as_deref(), Some("0.0"), "written since");
     assert_eq!(info.termination_message, "stop");
-    let file = state_file_of(&w, &kept.container_name);
+    let file = read_state_file(&w, &kept.container_name).unwrap();
     assert_eq!(file["termination_reason"], "terminated_by_user", "{file}");
     assert_eq!(file["cleaned_up"], true, "{file}");
     engine.remove(&tid("t-kept")).await.unwrap();
     assert!(w.runtime.container_ids().is_empty());
-}
-
-/// The task's state file, if it can be read as JSON (`None` while it is missing or, as
-/// [`break_state_file`] leaves it, a directory).
-fn state_file_of_opt(w: &World, container_name: &str) -> Option<serde_json::Value> {
-    let p = w
-        .home
-        .path()
-        .join("runners")
-        .join(container_name)
-        .join("task.json");
-    serde_json::from_slice(&fs_err::read(p).ok()?).ok()
-}
-
-fn state_file_of(w: &World, container_name: &str) -> serde_json::Value {
-    let p = w
-        .home
-        .path()
-        .join("runners")
-        .join(container_name)
-        .join("task.json");
-    serde_json::from_slice(&fs_err::read(p).unwrap()).unwrap()
 }
 
 // Issue 28, part 4: each running task's usage in `/metrics`, read from its container's
@@ -2090,21 +1886,20 @@ async fn running_tasks_show_their_cgroup_usage_in_the_metrics() {
     )
     .unwrap();
     let set = |usec: u64, current: u64, peak: u64, ooms: u64| {
-        fs_err::write(group.join("cpu.stat"), format!("usage_usec {usec}\n")).unwrap();
-        fs_err::write(group.join("memory.current"), format!("{current}\n")).unwrap();
-        fs_err::write(group.join("memory.peak"), format!("{peak}\n")).unwrap();
-        fs_err::write(
-            group.join("memory.events"),
-            format!("oom 0\noom_kill {ooms}\n"),
-        )
-        .unwrap();
+        for (file, text) in [
+            ("cpu.stat", format!("usage_usec {usec}\n")),
+            ("memory.current", format!("{current}\n")),
+            ("memory.peak", format!("{peak}\n")),
+            ("memory.events", format!("oom 0\noom_kill {ooms}\n")),
+        ] {
+            fs_err::write(group.join(file), text).unwrap();
+        }
     };
     set(2_500_000, 1 << 20, 4 << 20, 0);
     let mut deps = w.deps();
     deps.cgroups = shim_resources::cgroup::Cgroups::at(&root, &proc);
     let engine = Engine::open(w.config(), deps).await.unwrap();
-    engine.submit(config("t-usage")).await.unwrap();
-    let info = wait_status(&engine, "t-usage", TaskStatus::Running).await;
+    let info = run(&engine, config("t-usage")).await;
     w.runtime.set_pid(&info.container_id, Some(4242));
     let sample = |text: &str, name: &str| -> Option<String> {
         let prefix = format!("{name}{{task_id=\"t-usage\"}} ");
@@ -2113,17 +1908,12 @@ async fn running_tasks_show_their_cgroup_usage_in_the_metrics() {
             .map(str::to_owned)
     };
     // The first scrape asks for the group; a later one shows the task.
-    let mut text = scrape(&engine);
-    for _ in 0..500 {
-        if sample(&text, "dstack_shim_task_cpu_seconds_total").is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        text = scrape(&engine);
-    }
+    let cpu = "dstack_shim_task_cpu_seconds_total";
+    poll_until(500, TICK, async || sample(&scrape(&engine), cpu).is_some()).await;
+    let text = scrape(&engine);
     assert_eq!(
         [
-            "dstack_shim_task_cpu_seconds_total",
+            cpu,
             "dstack_shim_task_memory_bytes",
             "dstack_shim_task_memory_peak_bytes",
             "dstack_shim_task_oom_kills_total"
@@ -2137,32 +1927,22 @@ async fn running_tasks_show_their_cgroup_usage_in_the_metrics() {
         ],
         "{text}"
     );
-    let inspects = || {
-        w.runtime
-            .calls()
-            .iter()
-            .filter(|c| matches!(c, Call::Inspect(_)))
-            .count()
-    };
-    let located_with = inspects();
+    let located_with = w.runtime.count("inspect");
     // The container works: its CPU seconds rise, an OOM kill is counted; no new inspect.
     set(4_000_000, 2 << 20, 4 << 20, 1);
     let text = scrape(&engine);
-    assert_eq!(
-        sample(&text, "dstack_shim_task_cpu_seconds_total").as_deref(),
-        Some("4.0")
-    );
+    assert_eq!(sample(&text, cpu).as_deref(), Some("4.0"));
     assert_eq!(
         sample(&text, "dstack_shim_task_oom_kills_total").as_deref(),
         Some("1")
     );
-    assert_eq!(inspects(), located_with, "the group is located once");
+    assert_eq!(
+        w.runtime.count("inspect"),
+        located_with,
+        "the group is located once"
+    );
     // Once terminated, the task leaves the usage metrics.
     terminate_now(&engine, "t-usage", "usage").await;
     let text = scrape(&engine);
-    assert_eq!(
-        sample(&text, "dstack_shim_task_cpu_seconds_total"),
-        None,
-        "{text}"
-    );
+    assert_eq!(sample(&text, cpu), None, "{text}");
 }
