@@ -5,13 +5,14 @@
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::mpsc;
 use std::time::Duration;
 
+use shim_components::ComponentName::{Runner, Shim};
 use shim_components::{
-    ComponentInfo, ComponentName, ComponentStatus, Components, ComponentsConfig, ComponentsError,
-    binary_version,
+    ComponentInfo, ComponentName, ComponentStatus as Status, Components, ComponentsConfig,
+    ComponentsError, binary_version,
 };
 use shim_util::{SystemCommandRunner, error_chain};
 
@@ -26,6 +27,13 @@ fn script(version_line: &str) -> String {
 struct FileServer {
     addr: SocketAddr,
     gate: mpsc::Sender<()>,
+}
+
+impl FileServer {
+    /// The URL of `path` on this server.
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
 }
 
 fn file_server() -> FileServer {
@@ -76,10 +84,28 @@ fn components(dir: &Path) -> Components {
     Components::new(config)
 }
 
+/// A temporary directory, a file server and the components installed into the directory.
+fn setup() -> (tempfile::TempDir, FileServer, Components) {
+    let dir = tempfile::tempdir().unwrap();
+    let c = components(dir.path());
+    (dir, file_server(), c)
+}
+
 async fn wait_idle(c: &Components) {
     tokio::time::timeout(BOUND, c.wait_idle())
         .await
         .expect("installs finish");
+}
+
+/// A component's status.
+async fn status(c: &Components, name: ComponentName) -> Status {
+    c.info(name).await.status
+}
+
+/// A component's status and version.
+async fn state(c: &Components, name: ComponentName) -> (Status, String) {
+    let info = c.info(name).await;
+    (info.status, info.version)
 }
 
 fn dir_entries(dir: &Path) -> Vec<String> {
@@ -99,28 +125,20 @@ async fn nothing_installed() {
     let none = |name| ComponentInfo {
         name,
         version: String::new(),
-        status: ComponentStatus::NotInstalled,
+        status: Status::NotInstalled,
     };
-    assert_eq!(
-        list,
-        vec![none(ComponentName::Runner), none(ComponentName::Shim)]
-    );
+    assert_eq!(list, vec![none(Runner), none(Shim)]);
 }
 
 #[tokio::test]
 async fn installs_in_the_background_atomically() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = file_server();
-    let c = components(dir.path());
+    let (dir, server, c) = setup();
 
-    c.start_install(
-        ComponentName::Runner,
-        &format!("http://{}/runner?sig=secret", server.addr),
-    )
-    .unwrap();
+    c.start_install(Runner, &server.url("/runner?sig=secret"))
+        .unwrap();
     wait_idle(&c).await;
-    let runner = c.info(ComponentName::Runner).await;
-    assert_eq!(runner.status, ComponentStatus::Installed);
+    let runner = c.info(Runner).await;
+    assert_eq!(runner.status, Status::Installed);
     assert_eq!(runner.version, "1.2.3");
     let path = dir.path().join("bin/dstack-runner");
     let mode = fs_err::metadata(&path).unwrap().permissions().mode();
@@ -128,73 +146,45 @@ async fn installs_in_the_background_atomically() {
     assert_eq!(dir_entries(&dir.path().join("bin")), vec!["dstack-runner"]);
 
     // Upgrade in place.
-    c.install(
-        ComponentName::Runner,
-        &format!("http://{}/runner2", server.addr),
-    )
-    .await
-    .unwrap();
-    assert_eq!(c.info(ComponentName::Runner).await.version, "2.0.0");
+    c.install(Runner, &server.url("/runner2")).await.unwrap();
+    assert_eq!(c.info(Runner).await.version, "2.0.0");
 
     // The shim, too.
-    c.install(ComponentName::Shim, &format!("http://{}/shim", server.addr))
-        .await
-        .unwrap();
+    c.install(Shim, &server.url("/shim")).await.unwrap();
     let list = c.list().await;
-    assert_eq!(list[0].name, ComponentName::Runner);
-    assert_eq!(
-        (list[1].name, list[1].version.as_str()),
-        (ComponentName::Shim, "0.22.1")
-    );
-    assert_eq!(list[1].status, ComponentStatus::Installed);
+    assert_eq!(list[0].name, Runner);
+    assert_eq!((list[1].name, list[1].version.as_str()), (Shim, "0.22.1"));
+    assert_eq!(list[1].status, Status::Installed);
 }
 
 #[tokio::test]
 async fn second_install_while_installing_is_a_conflict() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = file_server();
-    let c = components(dir.path());
-    let url = format!("http://{}/gated", server.addr);
-    c.start_install(ComponentName::Runner, &url).unwrap();
-    let info = c.info(ComponentName::Runner).await;
-    assert_eq!(
-        (info.status, info.version.as_str()),
-        (ComponentStatus::Installing, "")
-    );
+    let (_dir, server, c) = setup();
+    let url = server.url("/gated");
+    c.start_install(Runner, &url).unwrap();
+    assert_eq!(state(&c, Runner).await, (Status::Installing, "".into()));
 
-    let e = c.start_install(ComponentName::Runner, &url).unwrap_err();
+    let e = c.start_install(Runner, &url).unwrap_err();
     assert!(
         matches!(e, ComponentsError::AlreadyInstalling { .. }),
         "{e}"
     );
     assert_eq!(e.to_string(), "dstack-runner is already installing");
     // The other component is independent.
-    assert_eq!(
-        c.info(ComponentName::Shim).await.status,
-        ComponentStatus::NotInstalled
-    );
+    assert_eq!(status(&c, Shim).await, Status::NotInstalled);
 
     server.gate.send(()).unwrap();
     wait_idle(&c).await;
-    let info = c.info(ComponentName::Runner).await;
-    assert_eq!(
-        (info.status, info.version.as_str()),
-        (ComponentStatus::Installed, "3.0.0")
-    );
+    assert_eq!(state(&c, Runner).await, (Status::Installed, "3.0.0".into()));
 }
 
 #[tokio::test]
 async fn failed_downloads_leave_the_target_alone() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = file_server();
-    let c = components(dir.path());
+    let (dir, server, c) = setup();
 
     // Nothing installed yet: a failure shows as `error`.
     let e = c
-        .install(
-            ComponentName::Runner,
-            &format!("http://{}/missing?token=s3cr3t", server.addr),
-        )
+        .install(Runner, &server.url("/missing?token=s3cr3t"))
         .await
         .unwrap_err();
     assert!(matches!(e, ComponentsError::Download { .. }), "{e}");
@@ -202,42 +192,21 @@ async fn failed_downloads_leave_the_target_alone() {
     assert_eq!(
         e.to_string(),
         format!(
-            "cannot download dstack-runner from http://{}/missing",
-            server.addr
+            "cannot download dstack-runner from {}",
+            server.url("/missing")
         )
     );
-    assert_eq!(
-        c.info(ComponentName::Runner).await.status,
-        ComponentStatus::Error
-    );
+    assert_eq!(status(&c, Runner).await, Status::Error);
 
-    let e = c
-        .install(
-            ComponentName::Runner,
-            &format!("http://{}/empty", server.addr),
-        )
-        .await
-        .unwrap_err();
+    let e = c.install(Runner, &server.url("/empty")).await.unwrap_err();
     assert!(matches!(e, ComponentsError::Size { .. }), "{e}");
 
     // With a working binary in place, a failed upgrade keeps it.
-    c.install(
-        ComponentName::Runner,
-        &format!("http://{}/runner", server.addr),
-    )
-    .await
-    .unwrap();
-    c.install(
-        ComponentName::Runner,
-        &format!("http://{}/missing", server.addr),
-    )
-    .await
-    .unwrap_err();
-    let info = c.info(ComponentName::Runner).await;
-    assert_eq!(
-        (info.status, info.version.as_str()),
-        (ComponentStatus::Installed, "1.2.3")
-    );
+    c.install(Runner, &server.url("/runner")).await.unwrap();
+    c.install(Runner, &server.url("/missing"))
+        .await
+        .unwrap_err();
+    assert_eq!(state(&c, Runner).await, (Status::Installed, "1.2.3".into()));
     assert_eq!(dir_entries(&dir.path().join("bin")), vec!["dstack-runner"]);
 
     // Unreachable server.
@@ -246,7 +215,7 @@ async fn failed_downloads_leave_the_target_alone() {
         .local_addr()
         .unwrap();
     let e = c
-        .install(ComponentName::Runner, &format!("http://{closed}/runner"))
+        .install(Runner, &format!("http://{closed}/runner"))
         .await
         .unwrap_err();
     assert!(matches!(e, ComponentsError::Download { .. }), "{e}");
@@ -263,36 +232,23 @@ async fn failed_downloads_leave_the_target_alone() {
 /// refuses the scheme; checkDstackComponent then reads the file's status).
 #[tokio::test]
 async fn a_url_that_is_not_http_fails_in_the_background() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = file_server();
-    let c = components(dir.path());
-    let e = c.start_install(ComponentName::Runner, "").unwrap_err();
+    let (dir, server, c) = setup();
+    let e = c.start_install(Runner, "").unwrap_err();
     assert!(matches!(e, ComponentsError::BadUrl { .. }), "{e}");
     assert_eq!(e.to_string(), "cannot install dstack-runner: empty url");
-    assert_eq!(
-        c.info(ComponentName::Runner).await.status,
-        ComponentStatus::NotInstalled
-    );
+    assert_eq!(status(&c, Runner).await, Status::NotInstalled);
 
-    c.start_install(ComponentName::Runner, "ftp://u:pw@x/y?token=s")
-        .unwrap();
+    c.start_install(Runner, "ftp://u:pw@x/y?token=s").unwrap();
     wait_idle(&c).await;
-    let info = c.info(ComponentName::Runner).await;
-    assert_eq!(
-        (info.status, info.version.as_str()),
-        (ComponentStatus::Error, "")
-    );
-    let e = c
-        .install(ComponentName::Runner, "file:///bin/sh")
-        .await
-        .unwrap_err();
+    assert_eq!(state(&c, Runner).await, (Status::Error, "".into()));
+    let e = c.install(Runner, "file:///bin/sh").await.unwrap_err();
     assert!(matches!(e, ComponentsError::BadUrl { .. }), "{e}");
     assert_eq!(
         e.to_string(),
         "cannot install dstack-runner: only http and https are supported: file:///bin/sh"
     );
     let e = c
-        .install(ComponentName::Runner, "ftp://u:pw@x/y?token=s")
+        .install(Runner, "ftp://u:pw@x/y?token=s")
         .await
         .unwrap_err();
     assert_eq!(
@@ -303,74 +259,41 @@ async fn a_url_that_is_not_http_fails_in_the_background() {
     assert!(!dir.path().join("bin/dstack-runner").exists());
 
     // With a working binary in place, it stays installed.
-    c.install(
-        ComponentName::Runner,
-        &format!("http://{}/runner", server.addr),
-    )
-    .await
-    .unwrap();
-    c.start_install(ComponentName::Runner, "ftp://x/y").unwrap();
+    c.install(Runner, &server.url("/runner")).await.unwrap();
+    c.start_install(Runner, "ftp://x/y").unwrap();
     wait_idle(&c).await;
-    let info = c.info(ComponentName::Runner).await;
-    assert_eq!(
-        (info.status, info.version.as_str()),
-        (ComponentStatus::Installed, "1.2.3")
-    );
+    assert_eq!(state(&c, Runner).await, (Status::Installed, "1.2.3".into()));
 }
 
 /// A rolled-back install reports `error` whatever the restored binary answers, until the
 /// next install begins.
 #[tokio::test]
 async fn a_rolled_back_install_reports_error_until_the_next_install() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = file_server();
-    let c = components(dir.path());
-    c.install(ComponentName::Shim, &format!("http://{}/shim", server.addr))
-        .await
-        .unwrap();
+    let (_dir, server, c) = setup();
+    c.install(Shim, &server.url("/shim")).await.unwrap();
+    assert_eq!(status(&c, Shim).await, Status::Installed);
+    c.mark_rolled_back(Shim, "it did not start");
+    assert_eq!(state(&c, Shim).await, (Status::Error, "".into()));
+    assert_eq!(c.rolled_back(Shim).as_deref(), Some("it did not start"));
     assert_eq!(
-        c.info(ComponentName::Shim).await.status,
-        ComponentStatus::Installed
-    );
-    c.mark_rolled_back(ComponentName::Shim, "it did not start");
-    let info = c.info(ComponentName::Shim).await;
-    assert_eq!(
-        (info.status, info.version.as_str()),
-        (ComponentStatus::Error, "")
-    );
-    assert_eq!(
-        c.rolled_back(ComponentName::Shim).as_deref(),
-        Some("it did not start")
-    );
-    assert_eq!(
-        c.info(ComponentName::Runner).await.status,
-        ComponentStatus::NotInstalled,
+        status(&c, Runner).await,
+        Status::NotInstalled,
         "the other component is independent"
     );
-    c.start_install(
-        ComponentName::Shim,
-        &format!("http://{}/gated", server.addr),
-    )
-    .unwrap();
-    assert_eq!(
-        c.info(ComponentName::Shim).await.status,
-        ComponentStatus::Installing
-    );
-    assert_eq!(c.rolled_back(ComponentName::Shim), None);
+    c.start_install(Shim, &server.url("/gated")).unwrap();
+    assert_eq!(status(&c, Shim).await, Status::Installing);
+    assert_eq!(c.rolled_back(Shim), None);
     server.gate.send(()).unwrap();
     wait_idle(&c).await;
     // The gated download is a runner script: not a shim, so `error` from the check.
-    assert_eq!(
-        c.info(ComponentName::Shim).await.status,
-        ComponentStatus::Error
-    );
-    c.install(ComponentName::Shim, &format!("http://{}/shim", server.addr))
-        .await
-        .unwrap();
-    assert_eq!(
-        c.info(ComponentName::Shim).await.status,
-        ComponentStatus::Installed
-    );
+    assert_eq!(status(&c, Shim).await, Status::Error);
+    c.install(Shim, &server.url("/shim")).await.unwrap();
+    assert_eq!(status(&c, Shim).await, Status::Installed);
+}
+
+/// The version the executable at `path` reports as component `name`.
+async fn version(path: &Path, name: &str, timeout: Duration) -> Result<String, ComponentsError> {
+    binary_version(&SystemCommandRunner::default(), path, name, timeout).await
 }
 
 #[tokio::test]
@@ -383,19 +306,11 @@ async fn versions_of_real_executables() {
         p
     };
     let t = Duration::from_secs(2);
-    let version = |path: PathBuf, name: &'static str, t: Duration| async move {
-        binary_version(&SystemCommandRunner::default(), &path, name, t).await
-    };
     let ok = write("ok", &script("dstack-runner version 1.2.3"));
-    assert_eq!(
-        version(ok.clone(), "dstack-runner", t).await.unwrap(),
-        "1.2.3"
-    );
+    assert_eq!(version(&ok, "dstack-runner", t).await.unwrap(), "1.2.3");
 
     let silent = write("silent", "#!/bin/sh\necho hello\n");
-    let e = version(silent.clone(), "dstack-runner", t)
-        .await
-        .unwrap_err();
+    let e = version(&silent, "dstack-runner", t).await.unwrap_err();
     assert!(
         e.to_string()
             .ends_with("does not report a version: unexpected output \"hello\""),
@@ -403,46 +318,32 @@ async fn versions_of_real_executables() {
     );
 
     let failing = write("failing", "#!/bin/sh\necho boom >&2\nexit 3\n");
-    let e = version(failing, "dstack-runner", t).await.unwrap_err();
+    let e = version(&failing, "dstack-runner", t).await.unwrap_err();
     let e = error_chain(&e);
     assert!(e.contains("exit status: 3: boom"), "{e}");
 
     let hanging = write("hanging", "#!/bin/sh\nexec sleep 600\n");
-    let e = version(hanging, "dstack-runner", Duration::from_millis(300))
-        .await
-        .unwrap_err();
-    let e = error_chain(&e);
+    let e = version(&hanging, "dstack-runner", Duration::from_millis(300)).await;
+    let e = error_chain(&e.unwrap_err());
     assert!(e.contains("did not finish within 300ms"), "{e}");
 
     let not_exec = dir.path().join("plain");
     fs_err::write(&not_exec, script("x version 1")).unwrap();
-    assert!(version(not_exec, "dstack-runner", t).await.is_err());
+    assert!(version(&not_exec, "dstack-runner", t).await.is_err());
 
     // Upstream's rule (runner/internal/shim/components/utils.go, checkDstackComponent): the
     // output is exactly `<component name> version X`; a runner binary is not a shim.
-    assert!(version(ok.clone(), "dstack-shim", t).await.is_err());
+    assert!(version(&ok, "dstack-shim", t).await.is_err());
 
     // A binary that does not answer its version shows as `error`, and so does a runner
     // binary in the shim's place.
     let c = Components::new(ComponentsConfig::new(&silent, &ok));
-    assert_eq!(
-        c.info(ComponentName::Runner).await.status,
-        ComponentStatus::Error
-    );
-    assert_eq!(
-        c.info(ComponentName::Shim).await.status,
-        ComponentStatus::Error
-    );
+    assert_eq!(status(&c, Runner).await, Status::Error);
+    assert_eq!(status(&c, Shim).await, Status::Error);
     let shim = write("shim", &script("dstack-shim version 0.22.1"));
     let c = Components::new(ComponentsConfig::new(&ok, &shim));
-    assert_eq!(
-        c.info(ComponentName::Runner).await.status,
-        ComponentStatus::Installed
-    );
-    assert_eq!(
-        c.info(ComponentName::Shim).await.status,
-        ComponentStatus::Installed
-    );
+    assert_eq!(status(&c, Runner).await, Status::Installed);
+    assert_eq!(status(&c, Shim).await, Status::Installed);
 }
 
 #[tokio::test]
@@ -470,10 +371,10 @@ async fn versions_are_cached_per_file_version() {
     };
     write("1.0.0");
     let c = Components::new(ComponentsConfig::new(&runner, dir.path().join("none")));
-    assert_eq!(c.info(ComponentName::Runner).await.version, "1.0.0");
-    assert_eq!(c.info(ComponentName::Runner).await.version, "1.0.0");
+    assert_eq!(c.info(Runner).await.version, "1.0.0");
+    assert_eq!(c.info(Runner).await.version, "1.0.0");
     assert_eq!(runs(), 1, "the second answer comes from the cache");
     write("1.0.1");
-    assert_eq!(c.info(ComponentName::Runner).await.version, "1.0.1");
+    assert_eq!(c.info(Runner).await.version, "1.0.1");
     assert_eq!(runs(), 2);
 }

@@ -17,9 +17,10 @@ use futures_util::StreamExt;
 use shim_e2e::harness::{FreshImage, LosingProxy, docker_socket};
 use shim_e2e::require_docker;
 use shim_runtime::{
-    BindMount, ContainerDetails, ContainerInputs, ContainerRuntime, ContainerSpec, ContainerState,
-    DeviceMapping, DeviceRequest, DockerRuntime, EventKind, GpuConfig, LogLimits, PullRequest,
-    RegistryAuth, RunnerParams, RuntimeError, Ulimit, build_container_spec, normalize_reference,
+    BindMount, ContainerDetails, ContainerEvent, ContainerInputs, ContainerRuntime, ContainerSpec,
+    ContainerState, DeviceMapping, DeviceRequest, DockerRuntime, EventKind, EventStream, GpuConfig,
+    LogLimits, PullRequest, RegistryAuth, RunnerParams, RuntimeError, Ulimit, build_container_spec,
+    normalize_reference,
 };
 use shim_runtime::{RUNNER_DIR_IN_CONTAINER, runner_script};
 use shim_task::NetworkMode;
@@ -58,13 +59,15 @@ fn runner_binary() -> PathBuf {
     }
 }
 
+/// Now, in nanoseconds since the Unix epoch.
+fn now_ns() -> i64 {
+    let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+    i64::try_from(since_epoch.as_nanos()).unwrap()
+}
+
 /// A label value unique to this test in this run.
 fn unique(test: &str) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("{test}-{}-{nanos}", std::process::id())
+    format!("{test}-{}-{}", std::process::id(), now_ns())
 }
 
 /// Whether the engine under test is Podman (its version answer names a component "Podman
@@ -85,6 +88,13 @@ async fn runtime() -> DockerRuntime {
         .expect("SHIM_TEST_DOCKER=1 but the Docker daemon is unreachable")
 }
 
+/// The runtime, a run value unique to `test` and the guard removing the run's containers.
+async fn setup(test: &str) -> (DockerRuntime, String, Cleanup) {
+    let run = unique(test);
+    let guard = Cleanup::new(&run);
+    (runtime().await, run, guard)
+}
+
 /// Removes every container carrying this test's label when dropped.
 struct Cleanup {
     labels: Vec<(String, String)>,
@@ -99,6 +109,13 @@ impl Cleanup {
 
     fn labels(&self) -> BTreeMap<String, String> {
         self.labels.iter().cloned().collect()
+    }
+
+    /// The run's label and `key=value`.
+    fn labels_with(&self, key: &str, value: &str) -> BTreeMap<String, String> {
+        let mut labels = self.labels();
+        labels.insert(key.to_owned(), value.to_owned());
+        labels
     }
 }
 
@@ -134,6 +151,60 @@ fn shell_spec(name: &str, labels: &BTreeMap<String, String>, script: &str) -> Co
     spec
 }
 
+/// The inputs of a runner's task container, its runner directory `dir`, with two SSH keys
+/// that a shell would misread.
+fn runner_inputs(
+    run: &str,
+    labels: BTreeMap<String, String>,
+    dir: &Path,
+    network: NetworkMode,
+) -> ContainerInputs {
+    ContainerInputs {
+        name: run.to_owned(),
+        image: image(),
+        labels,
+        runner: RunnerParams {
+            binary_host_path: runner_binary(),
+            dir_host_path: dir.to_owned(),
+            http_port: 10999,
+            ssh_port: 10022,
+            log_level: "4".to_owned(),
+            ssh_log_level: None,
+            http_address_localhost: network == NetworkMode::Host,
+            authorized_keys: vec![
+                "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey1 it's me".to_owned(),
+                "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey2 $(touch /tmp/pwned)".to_owned(),
+            ],
+        },
+        network,
+        env: vec![("SHIM_RUNTIME_TEST".to_owned(), "1".to_owned())],
+        ..ContainerInputs::default()
+    }
+}
+
+/// A bind mount of `source` at `target`.
+fn bind(source: &Path, target: &str, read_only: bool) -> BindMount {
+    BindMount {
+        source: source.to_owned(),
+        target: target.to_owned(),
+        read_only,
+    }
+}
+
+/// The event of an exit with `code`.
+fn died(code: i64) -> EventKind {
+    EventKind::Die {
+        exit_code: Some(code),
+    }
+}
+
+/// Creates a container of `spec` and starts it: its id.
+async fn create_and_start(docker: &DockerRuntime, spec: &ContainerSpec) -> String {
+    let id = docker.create(spec).await.unwrap();
+    docker.start(&id).await.unwrap();
+    id
+}
+
 async fn wait_exited(docker: &DockerRuntime, id: &str) -> ContainerDetails {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -153,11 +224,107 @@ async fn run_to_exit(
     docker: &DockerRuntime,
     spec: &ContainerSpec,
 ) -> (ContainerDetails, Vec<String>) {
-    let id = docker.create(spec).await.unwrap();
-    docker.start(&id).await.unwrap();
+    let id = create_and_start(docker, spec).await;
     let details = wait_exited(docker, &id).await;
     let logs = docker.logs_tail(&id, 100).await.unwrap();
     (details, logs)
+}
+
+/// The next event of `events` that `wanted` takes, within 30 s.
+async fn next_event_where(
+    events: &mut EventStream,
+    wanted: impl Fn(&ContainerEvent) -> bool,
+) -> ContainerEvent {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let event = events.next().await.expect("event stream ended").unwrap();
+            if wanted(&event) {
+                return event;
+            }
+        }
+    })
+    .await
+    .expect("no such event within 30 s")
+}
+
+/// The next container event of `events`, within 30 s (image removals, which any test may
+/// cause, are passed over).
+async fn next_event(events: &mut EventStream) -> ContainerEvent {
+    next_event_where(events, |e| e.kind != EventKind::ImageRemoved).await
+}
+
+/// What a pull returns.
+type Pulled = Result<PullProgress, RuntimeError>;
+
+/// Pulls `request`, its progress unread.
+async fn pull(docker: &DockerRuntime, request: &PullRequest) -> Pulled {
+    docker
+        .pull(request, &|_| {}, CancellationToken::new())
+        .await
+}
+
+/// The message and image of a pull that must fail as `PullFailed`.
+async fn pull_failure(docker: &DockerRuntime, request: &PullRequest) -> (String, String) {
+    match pull(docker, request).await {
+        Err(RuntimeError::PullFailed { message, image, .. }) => (message, image),
+        other => panic!("expected a pull failure, got {other:?}"),
+    }
+}
+
+/// Pulls `request` recording its progress: the result, each report with the time since the
+/// pull began, and how long the pull took.
+async fn pull_recorded(
+    docker: &DockerRuntime,
+    request: &PullRequest,
+) -> (Pulled, Vec<(Duration, PullProgress)>, Duration) {
+    let seen = Mutex::new(Vec::new());
+    let started = Instant::now();
+    let record = |p: PullProgress| seen.lock().unwrap().push((started.elapsed(), p));
+    let result = docker
+        .pull(request, &record, CancellationToken::new())
+        .await;
+    (result, seen.into_inner().unwrap(), started.elapsed())
+}
+
+/// A pull interrupted once it moves.
+struct Interrupted {
+    /// What the pull returned.
+    result: Pulled,
+    /// Whether it reported bytes within 60 s (the interruption came then, or after that).
+    moved: bool,
+    /// How long after the interruption the pull returned.
+    after: Duration,
+}
+
+/// Pulls `request` and, beside it, does `interrupt` as soon as the pull reports bytes.
+async fn pull_interrupted(
+    docker: &DockerRuntime,
+    request: &PullRequest,
+    cancel: CancellationToken,
+    interrupt: impl FnOnce(),
+) -> Interrupted {
+    let (tx, mut rx) = tokio::sync::watch::channel(PullProgress::default());
+    let on_progress = |p: PullProgress| {
+        tx.send_replace(p);
+    };
+    let pulling = async {
+        let result = docker.pull(request, &on_progress, cancel).await;
+        (result, Instant::now())
+    };
+    let interrupting = async {
+        let moving = rx.wait_for(|p| p.downloaded_bytes > 0);
+        let moved = tokio::time::timeout(Duration::from_secs(60), moving)
+            .await
+            .is_ok();
+        interrupt();
+        (moved, Instant::now())
+    };
+    let ((result, returned), (moved, interrupted_at)) = tokio::join!(pulling, interrupting);
+    Interrupted {
+        result,
+        moved,
+        after: returned.saturating_duration_since(interrupted_at),
+    }
 }
 
 fn shm_line(logs: &[String]) -> &str {
@@ -174,9 +341,7 @@ echo done";
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn dev_shm_is_noexec_by_default_and_exec_with_shm_size() {
     require_docker();
-    let docker = runtime().await;
-    let run = unique("shm");
-    let guard = Cleanup::new(&run);
+    let (docker, run, guard) = setup("shm").await;
 
     let (details, logs) = run_to_exit(
         &docker,
@@ -203,20 +368,10 @@ async fn dev_shm_is_noexec_by_default_and_exec_with_shm_size() {
 
     // The spec built for a task with shm_size set.
     let runner_dir = tempfile::tempdir().unwrap();
-    let mut spec = build_container_spec(&ContainerInputs {
-        name: format!("{run}-sized"),
-        image: image(),
-        labels: guard.labels(),
-        runner: RunnerParams {
-            binary_host_path: runner_binary(),
-            dir_host_path: runner_dir.path().to_owned(),
-            http_port: 10999,
-            ssh_port: 10022,
-            ..RunnerParams::default()
-        },
-        shm_size: 128 << 20,
-        ..ContainerInputs::default()
-    });
+    let name = format!("{run}-sized");
+    let mut inputs = runner_inputs(&name, guard.labels(), runner_dir.path(), NetworkMode::Host);
+    inputs.shm_size = 128 << 20;
+    let mut spec = build_container_spec(&inputs);
     spec.cmd = vec![SHM_SCRIPT.to_owned()];
     let (details, logs) = run_to_exit(&docker, &spec).await;
     assert_eq!(details.exit_code, Some(0), "{logs:?}");
@@ -253,9 +408,7 @@ touch /data/written && echo data-rw";
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn binds_are_mounts_and_a_missing_source_fails_the_create_creating_nothing() {
     require_docker();
-    let docker = runtime().await;
-    let run = unique("mounts");
-    let guard = Cleanup::new(&run);
+    let (docker, run, guard) = setup("mounts").await;
     let dir = tempfile::tempdir().unwrap();
     let runner_dir = dir.path().join("runner");
     let data = dir.path().join("data");
@@ -265,12 +418,8 @@ async fn binds_are_mounts_and_a_missing_source_fails_the_create_creating_nothing
 
     // The runner binary is missing: no container, no directory at its path.
     let missing = dir.path().join("no-runner").join("dstack-runner");
-    let mut inputs = runner_inputs(
-        &format!("{run}-missing"),
-        guard.labels(),
-        &runner_dir,
-        NetworkMode::Host,
-    );
+    let name = format!("{run}-missing");
+    let mut inputs = runner_inputs(&name, guard.labels(), &runner_dir, NetworkMode::Host);
     inputs.runner.binary_host_path = missing.clone();
     let e = docker
         .create(&build_container_spec(&inputs))
@@ -287,11 +436,7 @@ async fn binds_are_mounts_and_a_missing_source_fails_the_create_creating_nothing
 
     // Every source present: mounted, the runner binary read-only, with an exec /dev/shm.
     let mut inputs = runner_inputs(&run, guard.labels(), &runner_dir, NetworkMode::Host);
-    inputs.mounts = vec![BindMount {
-        source: data.clone(),
-        target: "/data".to_owned(),
-        read_only: false,
-    }];
+    inputs.mounts = vec![bind(&data, "/data", false)];
     inputs.shm_size = 64 << 20;
     let mut spec = build_container_spec(&inputs);
     spec.cmd = vec![format!("{MOUNTS_SCRIPT}; {SHM_SCRIPT}")];
@@ -307,24 +452,16 @@ async fn binds_are_mounts_and_a_missing_source_fails_the_create_creating_nothing
             .map(|m| (m.destination.clone(), (m.source.clone(), m.read_write)))
             .collect()
     };
-    let expected = BTreeMap::from([
-        (
-            RUNNER_DIR_IN_CONTAINER.to_owned(),
-            (runner_dir.display().to_string(), true),
-        ),
-        // Docker reports a bind's source cleaned (`..` resolved, links kept).
-        (
-            "/usr/local/bin/dstack-runner".to_owned(),
-            (
-                fs_err::canonicalize(runner_binary())
-                    .unwrap()
-                    .display()
-                    .to_string(),
-                false,
-            ),
-        ),
-        ("/data".to_owned(), (data.display().to_string(), true)),
-    ]);
+    // Docker reports a bind's source cleaned (`..` resolved, links kept).
+    let binary = fs_err::canonicalize(runner_binary()).unwrap();
+    let expected: BTreeMap<String, (String, bool)> = [
+        (RUNNER_DIR_IN_CONTAINER, runner_dir.as_path(), true),
+        ("/usr/local/bin/dstack-runner", binary.as_path(), false),
+        ("/data", data.as_path(), true),
+    ]
+    .into_iter()
+    .map(|(target, source, rw)| (target.to_owned(), (source.display().to_string(), rw)))
+    .collect();
     assert_eq!(by_target(&details.mounts), expected);
     let listed = docker.list(&guard.labels).await.unwrap();
     assert_eq!(listed.len(), 1);
@@ -339,19 +476,13 @@ async fn binds_are_mounts_and_a_missing_source_fails_the_create_creating_nothing
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn a_missing_bind_source_is_the_shims_error_and_creates_nothing() {
     require_docker();
-    let docker = runtime().await;
-    let run = unique("missing-bind");
-    let guard = Cleanup::new(&run);
+    let (docker, run, guard) = setup("missing-bind").await;
     let dir = tempfile::tempdir().unwrap();
     let runner_dir = dir.path().join("runner");
     fs_err::create_dir_all(&runner_dir).unwrap();
     let missing = dir.path().join("no-volume").join("data");
     let mut inputs = runner_inputs(&run, guard.labels(), &runner_dir, NetworkMode::Host);
-    inputs.mounts = vec![BindMount {
-        source: missing.clone(),
-        target: "/data".to_owned(),
-        read_only: false,
-    }];
+    inputs.mounts = vec![bind(&missing, "/data", false)];
     let e = docker
         .create(&build_container_spec(&inputs))
         .await
@@ -369,35 +500,6 @@ async fn a_missing_bind_source_is_the_shims_error_and_creates_nothing() {
     assert!(!missing.parent().unwrap().exists(), "made: {missing:?}");
 }
 
-fn runner_inputs(
-    run: &str,
-    labels: BTreeMap<String, String>,
-    dir: &Path,
-    network: NetworkMode,
-) -> ContainerInputs {
-    ContainerInputs {
-        name: run.to_owned(),
-        image: image(),
-        labels,
-        runner: RunnerParams {
-            binary_host_path: runner_binary(),
-            dir_host_path: dir.to_owned(),
-            http_port: 10999,
-            ssh_port: 10022,
-            log_level: "4".to_owned(),
-            ssh_log_level: None,
-            http_address_localhost: network == NetworkMode::Host,
-            authorized_keys: vec![
-                "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey1 it's me".to_owned(),
-                "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey2 $(touch /tmp/pwned)".to_owned(),
-            ],
-        },
-        network,
-        env: vec![("SHIM_RUNTIME_TEST".to_owned(), "1".to_owned())],
-        ..ContainerInputs::default()
-    }
-}
-
 async fn http_get(port: u16, path: &str) -> std::io::Result<String> {
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
     stream
@@ -412,20 +514,12 @@ async fn http_get(port: u16, path: &str) -> std::io::Result<String> {
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn runner_container_bridge_ports_exit_code_and_event() {
     require_docker();
-    let docker = runtime().await;
-    let run = unique("bridge");
-    let guard = Cleanup::new(&run);
+    let (docker, run, guard) = setup("bridge").await;
     let dir = tempfile::tempdir().unwrap();
-    let spec = build_container_spec(&runner_inputs(
-        &run,
-        guard.labels(),
-        dir.path(),
-        NetworkMode::Bridge,
-    ));
+    let inputs = runner_inputs(&run, guard.labels(), dir.path(), NetworkMode::Bridge);
     let mut events = docker.events(&guard.labels, None).await.unwrap();
 
-    let id = docker.create(&spec).await.unwrap();
-    docker.start(&id).await.unwrap();
+    let id = create_and_start(&docker, &build_container_spec(&inputs)).await;
     let details = docker.inspect(&id).await.unwrap();
     assert_eq!(details.state, ContainerState::Running);
     assert_eq!(details.name, run);
@@ -468,14 +562,9 @@ async fn runner_container_bridge_ports_exit_code_and_event() {
     // Keys reached the runner verbatim, one argument each, nothing executed.
     let args = fs_err::read_to_string(dir.path().join("stub-runner.args")).unwrap();
     let args: Vec<&str> = args.lines().collect();
-    assert!(
-        args.contains(&"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey1 it's me"),
-        "{args:?}"
-    );
-    assert!(
-        args.contains(&"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey2 $(touch /tmp/pwned)"),
-        "{args:?}"
-    );
+    for key in &inputs.runner.authorized_keys {
+        assert!(args.contains(&key.as_str()), "{key} in {args:?}");
+    }
     assert!(!args.contains(&"--http-address"), "{args:?}");
 
     // The runner exits with the code written to its exit file, written whole (a temp file
@@ -485,12 +574,7 @@ async fn runner_container_bridge_ports_exit_code_and_event() {
     let event = next_event(&mut events).await;
     assert_eq!(event.container_id, id);
     assert_eq!(event.name, run);
-    assert_eq!(
-        event.kind,
-        EventKind::Die {
-            exit_code: Some(42)
-        }
-    );
+    assert_eq!(event.kind, died(42));
     let details = wait_exited(&docker, &id).await;
     assert_eq!(details.exit_code, Some(42));
     assert!(details.finished_at.is_some() && details.started_at.is_some());
@@ -506,17 +590,14 @@ async fn runner_container_bridge_ports_exit_code_and_event() {
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn host_network_has_no_ports() {
     require_docker();
-    let docker = runtime().await;
-    let run = unique("host");
-    let guard = Cleanup::new(&run);
+    let (docker, run, guard) = setup("host").await;
     let dir = tempfile::tempdir().unwrap();
     let mut inputs = runner_inputs(&run, guard.labels(), dir.path(), NetworkMode::Host);
     // Another port than a real runner on this host might use.
     inputs.runner.http_port = 0;
     let mut spec = build_container_spec(&inputs);
     spec.cmd = vec!["sleep 30".to_owned()];
-    let id = docker.create(&spec).await.unwrap();
-    docker.start(&id).await.unwrap();
+    let id = create_and_start(&docker, &spec).await;
     let details = docker.inspect(&id).await.unwrap();
     assert_eq!(details.network_mode, "host");
     assert_eq!(details.state, ContainerState::Running);
@@ -532,9 +613,7 @@ async fn host_network_has_no_ports() {
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn failing_container_exit_code_and_last_lines() {
     require_docker();
-    let docker = runtime().await;
-    let run = unique("fail");
-    let guard = Cleanup::new(&run);
+    let (docker, run, guard) = setup("fail").await;
     let script = "for i in 1 2 3 4 5 6; do echo out $i; done; sleep 0.1; echo err 7 >&2; sleep 0.1; echo out 8; exit 3";
     let (details, _) = run_to_exit(&docker, &shell_spec(&run, &guard.labels(), script)).await;
     assert_eq!(details.exit_code, Some(3));
@@ -550,17 +629,11 @@ async fn failing_container_exit_code_and_last_lines() {
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn a_running_containers_process_leads_to_its_cgroup_usage() {
     require_docker();
-    let docker = runtime().await;
-    let run = unique("cgroup");
-    let guard = Cleanup::new(&run);
+    let (docker, run, guard) = setup("cgroup").await;
     // Busy for a while, then waits to be told to end.
     let script =
         "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done; touch /tmp/busy-done; sleep 60";
-    let id = docker
-        .create(&shell_spec(&run, &guard.labels(), script))
-        .await
-        .unwrap();
-    docker.start(&id).await.unwrap();
+    let id = create_and_start(&docker, &shell_spec(&run, &guard.labels(), script)).await;
     let details = docker.inspect(&id).await.unwrap();
     let pid = details
         .pid
@@ -607,10 +680,8 @@ async fn a_flooding_containers_log_is_bounded_and_its_last_lines_readable() {
     // A file may exceed the size by the one line written when it reached it (about 150
     // bytes as a json-file entry); a little more for the engine's own framing.
     const MARGIN: u64 = 4 << 10;
-    let docker = runtime().await;
+    let (docker, run, guard) = setup("logcap").await;
     let podman = is_podman(&docker).await;
-    let run = unique("logcap");
-    let guard = Cleanup::new(&run);
     let script = format!(
         "zeros=$(printf '%090d' 0); i=0; while [ $i -lt {FLOOD_LINES} ]; do echo \"$i $zeros\"; \
          i=$((i+1)); done; sleep 0.1; echo last-out-1; sleep 0.1; echo last-err-2 >&2; \
@@ -625,8 +696,7 @@ async fn a_flooding_containers_log_is_bounded_and_its_last_lines_readable() {
         NonZeroU64::new(MAX_SIZE).unwrap(),
         NonZeroU32::new(MAX_FILES).unwrap(),
     ));
-    let id = docker.create(&spec).await.unwrap();
-    docker.start(&id).await.unwrap();
+    let id = create_and_start(&docker, &spec).await;
     let details = wait_exited(&docker, &id).await;
     assert_eq!(details.exit_code, Some(0), "{details:?}");
 
@@ -648,14 +718,15 @@ async fn a_flooding_containers_log_is_bounded_and_its_last_lines_readable() {
     let current = fs_err::metadata(&log_path).unwrap().len();
     // The current file and the rotated ones beside it (`<LogPath>.1`, …).
     let name = log_path.file_name().unwrap().to_string_lossy().into_owned();
-    let mut files = Vec::new();
-    for entry in fs_err::read_dir(log_path.parent().unwrap()).unwrap() {
-        let entry = entry.unwrap();
-        let file = entry.file_name().to_string_lossy().into_owned();
-        if file.starts_with(&name) {
-            files.push((file, entry.metadata().unwrap().len()));
-        }
-    }
+    let mut files: Vec<(String, u64)> = fs_err::read_dir(log_path.parent().unwrap())
+        .unwrap()
+        .map(Result::unwrap)
+        .filter(|entry| entry.file_name().to_string_lossy().starts_with(&name))
+        .map(|entry| {
+            let file = entry.file_name().to_string_lossy().into_owned();
+            (file, entry.metadata().unwrap().len())
+        })
+        .collect();
     files.sort();
     let kept: u64 = files.iter().map(|(_, len)| len).sum();
     eprintln!(
@@ -693,25 +764,15 @@ async fn a_flooding_containers_log_is_bounded_and_its_last_lines_readable() {
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn sshd_missing_and_no_package_manager_exits_11() {
     require_docker();
-    let docker = runtime().await;
-    let run = unique("nosshd");
-    let guard = Cleanup::new(&run);
+    let (docker, run, guard) = setup("nosshd").await;
     let dir = tempfile::tempdir().unwrap();
-    let mut spec = build_container_spec(&runner_inputs(
-        &run,
-        guard.labels(),
-        dir.path(),
-        NetworkMode::Bridge,
-    ));
+    let inputs = runner_inputs(&run, guard.labels(), dir.path(), NetworkMode::Bridge);
+    let mut spec = build_container_spec(&inputs);
     // Hide the image's stub sshd (busybox has no apt-get, yum or apk) under an empty
     // directory. A bind mount, not a tmpfs: Podman's tmpfs copies the image's content up
     // (its default `tmpcopyup`; Docker's starts empty), which would keep the stub there.
     let empty = tempfile::tempdir().unwrap();
-    spec.mounts.push(BindMount {
-        source: empty.path().to_owned(),
-        target: "/usr/sbin".to_owned(),
-        read_only: true,
-    });
+    spec.mounts.push(bind(empty.path(), "/usr/sbin", true));
     let (details, logs) = run_to_exit(&docker, &spec).await;
     assert_eq!(details.exit_code, Some(11), "{logs:?}");
     assert!(
@@ -725,47 +786,28 @@ async fn sshd_missing_and_no_package_manager_exits_11() {
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn list_finds_exactly_one_label_set_in_all_states() {
     require_docker();
-    let docker = runtime().await;
-    let run = unique("list");
-    let guard = Cleanup::new(&run);
-    let mut mine = guard.labels();
-    mine.insert("set".to_owned(), "a".to_owned());
-    let mut other = guard.labels();
-    other.insert("set".to_owned(), "b".to_owned());
+    let (docker, run, guard) = setup("list").await;
+    let mine = guard.labels_with("set", "a");
+    let other = guard.labels_with("set", "b");
+    let name = |state: &str| format!("{run}-{state}");
 
     let created = docker
-        .create(&shell_spec(&format!("{run}-created"), &mine, "exit 0"))
+        .create(&shell_spec(&name("created"), &mine, "exit 0"))
         .await
         .unwrap();
-    let mut exited_spec = shell_spec(&format!("{run}-exited"), &mine, "exit 5");
-    exited_spec.mounts.push(BindMount {
-        source: std::env::temp_dir(),
-        target: "/hosttmp".to_owned(),
-        read_only: true,
-    });
+    let mut exited_spec = shell_spec(&name("exited"), &mine, "exit 5");
+    let host_tmp = std::env::temp_dir();
+    exited_spec.mounts.push(bind(&host_tmp, "/hosttmp", true));
     let (exited, _) = run_to_exit(&docker, &exited_spec).await;
-    let running = docker
-        .create(&shell_spec(&format!("{run}-running"), &mine, "sleep 60"))
-        .await
-        .unwrap();
-    docker.start(&running).await.unwrap();
-    docker
-        .create(&shell_spec(&format!("{run}-other"), &other, "exit 0"))
-        .await
-        .unwrap();
+    let running = create_and_start(&docker, &shell_spec(&name("running"), &mine, "sleep 60")).await;
+    let other_spec = shell_spec(&name("other"), &other, "exit 0");
+    docker.create(&other_spec).await.unwrap();
 
     let wanted: Vec<(String, String)> = mine.clone().into_iter().collect();
     let mut listed = docker.list(&wanted).await.unwrap();
     listed.sort_by(|a, b| a.name.cmp(&b.name));
     let names: Vec<&str> = listed.iter().map(|c| c.name.as_str()).collect();
-    assert_eq!(
-        names,
-        [
-            format!("{run}-created"),
-            format!("{run}-exited"),
-            format!("{run}-running")
-        ]
-    );
+    assert_eq!(names, ["created", "exited", "running"].map(name));
     let by_id: BTreeMap<&str, &ContainerState> =
         listed.iter().map(|c| (c.id.as_str(), &c.state)).collect();
     assert_eq!(by_id[created.as_str()], &ContainerState::Created);
@@ -777,7 +819,7 @@ async fn list_finds_exactly_one_label_set_in_all_states() {
         .iter()
         .map(|m| m.source.as_str())
         .collect();
-    assert_eq!(sources, [std::env::temp_dir().to_str().unwrap()]);
+    assert_eq!(sources, [host_tmp.to_str().unwrap()]);
     assert!(
         mine.iter()
             .all(|(k, v)| exited_summary.labels.get(k) == Some(v)),
@@ -792,38 +834,23 @@ async fn list_finds_exactly_one_label_set_in_all_states() {
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn exit_event_carries_the_code_and_respects_labels() {
     require_docker();
-    let docker = runtime().await;
-    let run = unique("event");
-    let guard = Cleanup::new(&run);
-    let mut mine = guard.labels();
-    mine.insert("set".to_owned(), "mine".to_owned());
-    let mut other = guard.labels();
-    other.insert("set".to_owned(), "other".to_owned());
+    let (docker, run, guard) = setup("event").await;
+    let mine = guard.labels_with("set", "mine");
+    let other = guard.labels_with("set", "other");
     let wanted: Vec<(String, String)> = mine.clone().into_iter().collect();
     let mut events = docker.events(&wanted, None).await.unwrap();
 
-    let (other_exit, _) = run_to_exit(
-        &docker,
-        &shell_spec(&format!("{run}-other"), &other, "exit 1"),
-    )
-    .await;
-    let id = docker
-        .create(&shell_spec(&format!("{run}-mine"), &mine, "exit 42"))
-        .await
-        .unwrap();
-    docker.start(&id).await.unwrap();
+    let other_spec = shell_spec(&format!("{run}-other"), &other, "exit 1");
+    let (other_exit, _) = run_to_exit(&docker, &other_spec).await;
+    let mine_spec = shell_spec(&format!("{run}-mine"), &mine, "exit 42");
+    let id = create_and_start(&docker, &mine_spec).await;
     let event = next_event(&mut events).await;
     assert_ne!(
         event.container_id, other_exit.id,
         "event of a container without the labels"
     );
     assert_eq!(event.container_id, id);
-    assert_eq!(
-        event.kind,
-        EventKind::Die {
-            exit_code: Some(42)
-        }
-    );
+    assert_eq!(event.kind, died(42));
     assert_eq!(event.labels.get("set").map(String::as_str), Some("mine"));
     let die_ns = event.time_ns;
     assert!(die_ns > 0);
@@ -834,38 +861,20 @@ async fn exit_event_carries_the_code_and_respects_labels() {
     let mut replay = docker.events(&wanted, Some(die_ns)).await.unwrap();
     let mut kinds = Vec::new();
     while kinds.last() != Some(&EventKind::Destroy) {
-        let event = tokio::time::timeout(Duration::from_secs(30), replay.next())
-            .await
-            .expect("no destroy event within 30 s")
-            .expect("event stream ended")
-            .unwrap();
-        if event.kind == EventKind::ImageRemoved {
-            continue;
-        }
+        let event = next_event(&mut replay).await;
         assert_eq!(event.container_id, id);
         assert!(event.time_ns >= die_ns);
         kinds.push(event.kind);
     }
-    assert_eq!(
-        kinds,
-        [
-            EventKind::Die {
-                exit_code: Some(42)
-            },
-            EventKind::Destroy
-        ]
-    );
+    assert_eq!(kinds, [died(42), EventKind::Destroy]);
 }
 
 #[tokio::test]
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn limits_privileged_labels_and_devices_in_config() {
     require_docker();
-    let docker = runtime().await;
-    let run = unique("limits");
-    let guard = Cleanup::new(&run);
-    let mut labels = guard.labels();
-    labels.insert("ai.dstack.shim.task-id".to_owned(), "t-1".to_owned());
+    let (docker, run, guard) = setup("limits").await;
+    let labels = guard.labels_with("ai.dstack.shim.task-id", "t-1");
     let mut inputs = runner_inputs(&run, labels.clone(), Path::new("/tmp"), NetworkMode::Host);
     inputs.nano_cpus = shim_runtime::nano_cpus(0.5);
     inputs.memory = 256 << 20;
@@ -968,24 +977,14 @@ async fn limits_privileged_labels_and_devices_in_config() {
         docker.create(&spec).await,
         Err(RuntimeError::Conflict { .. })
     ));
-    assert!(
-        docker
-            .inspect(&format!("{run}-nope"))
-            .await
-            .unwrap_err()
-            .is_not_found()
-    );
-    docker.remove(&format!("{run}-nope")).await.unwrap();
+    let nope = format!("{run}-nope");
+    assert!(docker.inspect(&nope).await.unwrap_err().is_not_found());
+    docker.remove(&nope).await.unwrap();
     docker.remove(&id).await.unwrap();
     docker.remove(&id).await.unwrap();
     assert!(docker.inspect(&id).await.unwrap_err().is_not_found());
-    assert!(
-        docker
-            .stop(&id, Duration::ZERO)
-            .await
-            .unwrap_err()
-            .is_not_found()
-    );
+    let stop = docker.stop(&id, Duration::ZERO).await;
+    assert!(stop.unwrap_err().is_not_found());
     assert!(docker.logs_tail(&id, 5).await.unwrap_err().is_not_found());
     let mut missing = spec.clone();
     missing.image = "shim-runtime-test-missing:1".to_owned();
@@ -1005,17 +1004,15 @@ async fn unreachable_daemon_is_reported_as_such() {
     let dir = tempfile::tempdir().unwrap();
     // No socket at all.
     let missing = dir.path().join("missing.sock");
-    let err = DockerRuntime::connect_to(&format!("unix://{}", missing.display()))
-        .await
-        .unwrap_err();
-    assert!(err.is_unavailable(), "{err:?}");
     // A socket nobody listens on (connection refused).
     let stale = dir.path().join("stale.sock");
     drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
-    let err = DockerRuntime::connect_to(&format!("unix://{}", stale.display()))
-        .await
-        .unwrap_err();
-    assert!(err.is_unavailable(), "{err:?}");
+    for socket in [missing, stale] {
+        let err = DockerRuntime::connect_to(&format!("unix://{}", socket.display()))
+            .await
+            .unwrap_err();
+        assert!(err.is_unavailable(), "{}: {err:?}", socket.display());
+    }
 }
 
 async fn remove_image(docker: &DockerRuntime, image: &str) {
@@ -1049,7 +1046,7 @@ async fn remove_image(docker: &DockerRuntime, image: &str) {
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn an_image_is_described_kept_while_used_and_its_removal_is_an_event() {
     require_docker();
-    let docker = runtime().await;
+    let (docker, run, guard) = setup("gc").await;
     let root = docker
         .data_root()
         .await
@@ -1062,10 +1059,7 @@ async fn an_image_is_described_kept_while_used_and_its_removal_is_an_event() {
     let request = PullRequest::new(&image)
         .with_auth(Some(registry_auth()))
         .with_timeout(Some(Duration::from_secs(300)));
-    docker
-        .pull(&request, &|_| {}, CancellationToken::new())
-        .await
-        .unwrap();
+    pull(&docker, &request).await.unwrap();
     let details = docker.inspect_image(&image).await.unwrap().unwrap();
     assert!(!details.id.is_empty(), "{details:?}");
     assert!(
@@ -1082,8 +1076,6 @@ async fn an_image_is_described_kept_while_used_and_its_removal_is_an_event() {
         "by id as by name"
     );
 
-    let run = unique("gc");
-    let guard = Cleanup::new(&run);
     let mut spec = shell_spec(&run, &guard.labels(), "exit 0");
     spec.image = image.clone();
     let (container, _) = run_to_exit(&docker, &spec).await;
@@ -1097,28 +1089,17 @@ async fn an_image_is_described_kept_while_used_and_its_removal_is_an_event() {
     );
     docker.remove(&container.id).await.unwrap();
     // Subscribed with this run's labels, which no image carries.
-    let since = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_nanos()).unwrap())
-        .unwrap();
-    let mut events = docker.events(&guard.labels, Some(since)).await.unwrap();
+    let mut events = docker.events(&guard.labels, Some(now_ns())).await.unwrap();
     docker.delete_image(&image).await.unwrap();
     assert_eq!(docker.inspect_image(&image).await.unwrap(), None);
     assert_eq!(docker.inspect_image(&details.id).await.unwrap(), None);
     docker.delete_image(&image).await.unwrap();
-    let removed = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            let event = events.next().await.expect("event stream ended").unwrap();
-            if event.kind == EventKind::ImageRemoved
-                && (event.container_id == details.id
-                    || normalize_reference(&event.name) == normalize_reference(&image))
-            {
-                return event;
-            }
-        }
+    let removed = next_event_where(&mut events, |event| {
+        event.kind == EventKind::ImageRemoved
+            && (event.container_id == details.id
+                || normalize_reference(&event.name) == normalize_reference(&image))
     })
-    .await
-    .expect("no image event within 30 s of the removal");
+    .await;
     eprintln!(
         "MEASURED data root {}; {image}: id {}, {} bytes; removal event {removed:?}",
         root.display(),
@@ -1146,7 +1127,6 @@ async fn pull_from_registry_with_and_without_credentials() {
             .with_timeout(Some(Duration::from_secs(300)))
             .with_stall_timeout(Some(Duration::from_secs(60)))
     };
-    let ignore = |_: PullProgress| {};
 
     // Wrong password.
     let wrong = RegistryAuth {
@@ -1154,69 +1134,33 @@ async fn pull_from_registry_with_and_without_credentials() {
         ..registry_auth()
     };
     remove_image(&docker, &small).await;
-    match docker
-        .pull(
-            &request(&small, Some(wrong)),
-            &ignore,
-            CancellationToken::new(),
-        )
-        .await
-    {
-        Err(RuntimeError::PullFailed { message, image, .. }) => {
-            // Engines word it differently ("unauthorized: authentication required" on Docker's
-            // classic store, "401 Unauthorized" on its containerd store): match without case.
-            let lower = message.to_lowercase();
-            assert!(
-                lower.contains("unauthorized") || lower.contains("authentication"),
-                "{message}"
-            );
-            assert_eq!(image, small);
-        }
-        other => panic!("expected a pull failure, got {other:?}"),
-    }
+    let (message, image) = pull_failure(&docker, &request(&small, Some(wrong))).await;
+    // Engines word it differently ("unauthorized: authentication required" on Docker's
+    // classic store, "401 Unauthorized" on its containerd store): match without case.
+    let lower = message.to_lowercase();
+    assert!(
+        lower.contains("unauthorized") || lower.contains("authentication"),
+        "{message}"
+    );
+    assert_eq!(image, small);
     // No credentials.
-    match docker
-        .pull(&request(&small, None), &ignore, CancellationToken::new())
-        .await
-    {
-        Err(RuntimeError::PullFailed { message, .. }) => {
-            assert!(
-                message.contains("no basic auth credentials") || message.contains("unauthorized"),
-                "{message}"
-            );
-        }
-        other => panic!("expected a pull failure, got {other:?}"),
-    }
+    let (message, _) = pull_failure(&docker, &request(&small, None)).await;
+    assert!(
+        message.contains("no basic auth credentials") || message.contains("unauthorized"),
+        "{message}"
+    );
     // A missing image.
     let missing = format!("{}/shim-runtime-missing:1", registry());
-    match docker
-        .pull(
-            &request(&missing, Some(registry_auth())),
-            &ignore,
-            CancellationToken::new(),
-        )
-        .await
-    {
-        Err(RuntimeError::PullFailed { message, .. }) => {
-            assert!(
-                message.contains("not found") || message.contains("manifest unknown"),
-                "{message}"
-            );
-        }
-        other => panic!("expected a pull failure, got {other:?}"),
-    }
+    let (message, _) = pull_failure(&docker, &request(&missing, Some(registry_auth()))).await;
+    assert!(
+        message.contains("not found") || message.contains("manifest unknown"),
+        "{message}"
+    );
     assert!(!docker.image_present(&small).await.unwrap());
 
     // Right credentials.
-    let done = docker
-        .pull(
-            &request(&small, Some(registry_auth())),
-            &ignore,
-            CancellationToken::new(),
-        )
-        .await
-        .unwrap();
-    assert!(done.is_total_bytes_final);
+    let done = pull(&docker, &request(&small, Some(registry_auth()))).await;
+    assert!(done.unwrap().is_total_bytes_final);
     assert!(docker.image_present(&small).await.unwrap());
     let log = fs_err::read_to_string(&log_path).unwrap();
     assert!(!log.is_empty());
@@ -1258,36 +1202,11 @@ async fn pull_progress_cancel_and_timeout_of_a_fresh_image() {
 
     // Cancel from another task as soon as the fresh layer is moving.
     let cancel = CancellationToken::new();
-    let (tx, mut rx) = tokio::sync::watch::channel(PullProgress::default());
-    let on_progress = |p: PullProgress| {
-        tx.send_replace(p);
-    };
-    let canceller = async {
-        let moving = tokio::time::timeout(
-            Duration::from_secs(60),
-            rx.wait_for(|p| p.downloaded_bytes > 0),
-        )
-        .await;
-        let at = Instant::now();
-        cancel.cancel();
-        (moving.is_ok(), at)
-    };
-    let (result, (moved, cancelled_at)) = tokio::join!(
-        async {
-            let r = docker
-                .pull(
-                    &request(&cancelled_image, Duration::from_secs(300)),
-                    &on_progress,
-                    cancel.clone(),
-                )
-                .await;
-            (r, Instant::now())
-        },
-        canceller
-    );
-    let (result, returned) = result;
-    assert!(moved, "the pull never reported bytes: {result:?}");
-    let latency = returned.saturating_duration_since(cancelled_at);
+    let to_cancel = request(&cancelled_image, Duration::from_secs(300));
+    let cancel_now = || cancel.cancel();
+    let cancelled = pull_interrupted(&docker, &to_cancel, cancel.clone(), cancel_now).await;
+    let (result, latency) = (cancelled.result, cancelled.after);
+    assert!(cancelled.moved, "the pull never reported bytes: {result:?}");
     eprintln!("MEASURED pull cancellation returned {latency:?} after cancel");
     assert!(
         matches!(result, Err(RuntimeError::Cancelled { .. })),
@@ -1308,13 +1227,8 @@ async fn pull_progress_cancel_and_timeout_of_a_fresh_image() {
     );
 
     // A timeout.
-    let result = docker
-        .pull(
-            &request(&cancelled_image, Duration::from_millis(1)),
-            &|_| {},
-            CancellationToken::new(),
-        )
-        .await;
+    let timeout_request = request(&cancelled_image, Duration::from_millis(1));
+    let result = pull(&docker, &timeout_request).await;
     assert!(
         matches!(result, Err(RuntimeError::PullTimeout { .. })),
         "{result:?}"
@@ -1322,19 +1236,9 @@ async fn pull_progress_cancel_and_timeout_of_a_fresh_image() {
 
     // A whole pull: progress during, final after. The base layers are the local test image's
     // (already there: counted 0); the fresh layer is downloaded.
-    let seen = Mutex::new(Vec::<PullProgress>::new());
-    let record = |p: PullProgress| seen.lock().unwrap().push(p);
-    let started = Instant::now();
-    let done = docker
-        .pull(
-            &request(&whole_image, Duration::from_secs(300)),
-            &record,
-            CancellationToken::new(),
-        )
-        .await
-        .unwrap();
-    let took = started.elapsed();
-    let seen = seen.into_inner().unwrap();
+    let whole_request = request(&whole_image, Duration::from_secs(300));
+    let (done, seen, took) = pull_recorded(&docker, &whole_request).await;
+    let done = done.unwrap();
     eprintln!(
         "MEASURED pulled {} ({} layer bytes): {done:?} in {took:?}, {} progress reports",
         whole_image.reference(),
@@ -1345,6 +1249,7 @@ async fn pull_progress_cancel_and_timeout_of_a_fresh_image() {
     assert!(done.total_bytes >= whole_image.layer_bytes(), "{done:?}");
     assert_eq!(done.downloaded_bytes, done.total_bytes, "{done:?}");
     assert_eq!(done.extracted_bytes, done.total_bytes, "{done:?}");
+    let seen: Vec<PullProgress> = seen.into_iter().map(|(_, p)| p).collect();
     assert_eq!(seen.last(), Some(&done));
     let during = seen
         .iter()
@@ -1384,45 +1289,20 @@ async fn a_stalled_pull_fails_and_a_slow_moving_one_does_not() {
     };
 
     // The registry stops sending once the layer's bytes are moving.
-    let (tx, mut rx) = tokio::sync::watch::channel(PullProgress::default());
-    let on_progress = |p: PullProgress| {
-        tx.send_replace(p);
-    };
-    let staller = async {
-        let moving = tokio::time::timeout(
-            Duration::from_secs(60),
-            rx.wait_for(|p| p.downloaded_bytes > 0),
-        )
-        .await
-        .is_ok();
-        stalled.proxy().stall();
-        (moving, Instant::now())
-    };
     let started = Instant::now();
-    let (result, (moved, stalled_at)) = tokio::join!(
-        async {
-            let r = docker
-                .pull(
-                    &request(&stalled, "stalled.log"),
-                    &on_progress,
-                    CancellationToken::new(),
-                )
-                .await;
-            (r, Instant::now())
-        },
-        staller
-    );
-    let (result, returned) = result;
-    let after = returned.saturating_duration_since(stalled_at);
+    let stall = || stalled.proxy().stall();
+    let stalled_request = request(&stalled, "stalled.log");
+    let halted = pull_interrupted(&docker, &stalled_request, CancellationToken::new(), stall).await;
+    let (result, after) = (halted.result, halted.after);
     let log = fs_err::read_to_string(dir.path().join("stalled.log")).unwrap_or_default();
     eprintln!(
         "MEASURED stalled pull failed {after:?} after the registry stopped ({:?} in all): \
          {result:?}; {} messages, the last: {}",
-        returned - started,
+        started.elapsed(),
         log.lines().count(),
         log.lines().last().unwrap_or_default()
     );
-    assert!(moved, "the pull never reported bytes: {result:?}");
+    assert!(halted.moved, "the pull never reported bytes: {result:?}");
     match &result {
         Err(
             e @ RuntimeError::PullStalled {
@@ -1451,18 +1331,7 @@ async fn a_stalled_pull_fails_and_a_slow_moving_one_does_not() {
     stalled.proxy().resume();
 
     // Slow but moving: well past the stall timeout, and done.
-    let seen = Mutex::new(Vec::<(Duration, PullProgress)>::new());
-    let started = Instant::now();
-    let record = |p: PullProgress| seen.lock().unwrap().push((started.elapsed(), p));
-    let done = docker
-        .pull(
-            &request(&slow, "slow.log"),
-            &record,
-            CancellationToken::new(),
-        )
-        .await;
-    let took = started.elapsed();
-    let seen = seen.into_inner().unwrap();
+    let (done, seen, took) = pull_recorded(&docker, &request(&slow, "slow.log")).await;
     let gap = seen
         .windows(2)
         .map(|w| w[1].0 - w[0].0)
@@ -1502,37 +1371,12 @@ fn runner_script_is_valid_sh() {
 // A lost answer
 // ---------------------------------------------------------------------------------------------
 
-/// A create or start whose answer is lost (the daemon did the work; the connection closed
-/// before the answer reached the shim) is `DaemonUnavailable`, the error on which the engine
-/// looks at the container instead of failing the task (shim-engine's fake tests cover that
-/// part: `a_start_whose_answer_was_lost_looks_at_the_container`).
-/// The next container event of `events`, within 30 s (image removals, which any test may
-/// cause, are passed over).
-async fn next_event(events: &mut shim_runtime::EventStream) -> shim_runtime::ContainerEvent {
-    tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            let event = events.next().await.expect("event stream ended").unwrap();
-            if event.kind != EventKind::ImageRemoved {
-                return event;
-            }
-        }
-    })
-    .await
-    .expect("no exit event within 30 s")
-}
-
-/// A runtime on the daemon, one through a [`LosingProxy`] losing the first answer to a request
-/// matching `lose`, the proxy, a run name made from `name`, and its cleanup.
-async fn through_losing_proxy(
-    name: &str,
-    lose: &str,
-) -> (DockerRuntime, DockerRuntime, LosingProxy, String, Cleanup) {
-    let direct = runtime().await;
-    let run = unique(name);
-    let guard = Cleanup::new(&run);
+/// A [`LosingProxy`] to the daemon, losing the first answer to a request matching `lose`, and
+/// a runtime through it.
+async fn losing_proxy(lose: &str) -> (LosingProxy, DockerRuntime) {
     let proxy = LosingProxy::start(&docker_socket(), &[lose]).unwrap();
     let lossy = DockerRuntime::connect_to(&proxy.host()).await.unwrap();
-    (direct, lossy, proxy, run, guard)
+    (proxy, lossy)
 }
 
 /// A daemon that does not answer fails the event subscription itself, as the trait says, not
@@ -1544,8 +1388,8 @@ async fn through_losing_proxy(
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn an_event_subscription_fails_when_the_daemon_does_not_answer() {
     require_docker();
-    let (direct, lossy, proxy, run, guard) =
-        through_losing_proxy("events-unanswered", "/_ping").await;
+    let (direct, run, guard) = setup("events-unanswered").await;
+    let (proxy, lossy) = losing_proxy("/_ping").await;
     let err = match lossy.events(&guard.labels, None).await {
         Ok(_) => panic!("subscribed though the daemon's answer was lost"),
         Err(e) => e,
@@ -1553,44 +1397,35 @@ async fn an_event_subscription_fails_when_the_daemon_does_not_answer() {
     assert!(err.is_unavailable(), "{err:?}");
     assert_eq!(proxy.lost().len(), 1, "{:?}", proxy.lost());
     let mut events = lossy.events(&guard.labels, None).await.unwrap();
-    let id = direct
-        .create(&shell_spec(&format!("{run}-e"), &guard.labels(), "exit 3"))
-        .await
-        .unwrap();
-    direct.start(&id).await.unwrap();
+    let spec = shell_spec(&format!("{run}-e"), &guard.labels(), "exit 3");
+    let id = create_and_start(&direct, &spec).await;
     let event = next_event(&mut events).await;
     assert_eq!(event.container_id, id);
-    assert_eq!(event.kind, EventKind::Die { exit_code: Some(3) });
+    assert_eq!(event.kind, died(3));
 }
 
+/// A create or start whose answer is lost (the daemon did the work; the connection closed
+/// before the answer reached the shim) is `DaemonUnavailable`, the error on which the engine
+/// looks at the container instead of failing the task (shim-engine's fake tests cover that
+/// part: `a_start_whose_answer_was_lost_looks_at_the_container`).
 #[tokio::test]
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn a_lost_answer_is_daemon_unavailable_though_the_work_was_done() {
     require_docker();
-    let (direct, lossy, proxy, run, guard) = through_losing_proxy("lost-answer", "/start ").await;
-    let id = direct
-        .create(&shell_spec(
-            &format!("{run}-s"),
-            &guard.labels(),
-            "sleep 60",
-        ))
-        .await
-        .unwrap();
+    let (direct, run, guard) = setup("lost-answer").await;
+    let (proxy, lossy) = losing_proxy("/start ").await;
+    let spec = shell_spec(&format!("{run}-s"), &guard.labels(), "sleep 60");
+    let id = direct.create(&spec).await.unwrap();
     let err = lossy.start(&id).await.unwrap_err();
     assert!(err.is_unavailable(), "{err:?}");
     assert_eq!(proxy.lost().len(), 1, "{:?}", proxy.lost());
-    assert_eq!(
-        direct.inspect(&id).await.unwrap().state,
-        ContainerState::Running
-    );
-    // The proxy passes everything else: the same client goes on working.
-    assert_eq!(
-        lossy.inspect(&id).await.unwrap().state,
-        ContainerState::Running
-    );
+    // The work was done, and the proxy passes everything else: the same client goes on working.
+    for (docker, asked) in [(&direct, "directly"), (&lossy, "through the proxy")] {
+        let state = docker.inspect(&id).await.unwrap().state;
+        assert_eq!(state, ContainerState::Running, "asked {asked}");
+    }
 
-    let proxy = LosingProxy::start(&docker_socket(), &["/containers/create"]).unwrap();
-    let lossy = DockerRuntime::connect_to(&proxy.host()).await.unwrap();
+    let (proxy, lossy) = losing_proxy("/containers/create").await;
     let name = format!("{run}-c");
     let err = lossy
         .create(&shell_spec(&name, &guard.labels(), "sleep 60"))

@@ -4,18 +4,39 @@
 mod common;
 
 use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
 
 use common::{all_files, id, names, record, stored_form};
 use proptest::prelude::*;
-use shim_store::{RecordError, ScanEntry, Store, StoreError};
+use shim_store::{RecordError, ScanEntry, Store, StoreError, TaskPaths};
 use shim_task::{
     GpuDevice, HostKeysGrant, InstanceMountPoint, MountedVolume, NetworkMode, PublicKey, Resources,
     Secret, TaskConfig, TaskId, TaskName, TaskRecord, TaskStatus, TerminationReason, VolumeBackend,
     VolumeMountPoint, VolumeSpec,
 };
+use tempfile::TempDir;
 
-fn mode(p: &std::path::Path) -> u32 {
+fn mode(p: &Path) -> u32 {
     fs_err::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+/// A store in a fresh temporary directory (the store's home).
+fn temp_store() -> (TempDir, Store) {
+    let home = tempfile::tempdir().unwrap();
+    let store = Store::open(home.path()).unwrap();
+    (home, store)
+}
+
+/// Task `r`'s directory and first record, made as a submit makes them.
+fn create_with_record(store: &Store, r: &TaskRecord) -> TaskPaths {
+    let p = store.create_task_dir(&r.container_name).unwrap();
+    store.write(r).unwrap();
+    p
+}
+
+/// A state file, as JSON.
+fn json(state_file: &Path) -> serde_json::Value {
+    serde_json::from_slice(&fs_err::read(state_file).unwrap()).unwrap()
 }
 
 #[test]
@@ -34,9 +55,7 @@ fn every_config_field_is_written_in_upstreams_config() {
     let store = Store::open(home.path().join("home")).unwrap();
     let r = record("t1");
     let config = r.config.clone().unwrap();
-    let p = store.create(&r).unwrap();
-    let json: serde_json::Value =
-        serde_json::from_slice(&fs_err::read(&p.state_file).unwrap()).unwrap();
+    let json = json(&store.create(&r).unwrap().state_file);
     let written = json["config"].as_object().unwrap();
     let fields = serde_json::to_value(&config).unwrap();
     let fields = fields.as_object().unwrap();
@@ -73,8 +92,7 @@ fn layout_and_modes() {
 
     store.write(&r).unwrap();
     assert_eq!(mode(&p.state_file), 0o600);
-    let json: serde_json::Value =
-        serde_json::from_slice(&fs_err::read(&p.state_file).unwrap()).unwrap();
+    let json = json(&p.state_file);
     // Upstream's format version 1, this shim's records in their own field.
     assert_eq!(json["version"], 1);
     assert_eq!(json["id"], "t1");
@@ -88,8 +106,7 @@ fn layout_and_modes() {
 
 #[test]
 fn create_task_dir_refuses_a_taken_id_and_reuses_an_empty_dir() {
-    let home = tempfile::tempdir().unwrap();
-    let store = Store::open(home.path()).unwrap();
+    let (_home, store) = temp_store();
     let r = record("t1");
     store.create_task_dir(&r.container_name).unwrap();
     // No record yet (a submit cut short before its first write): the directory is reused.
@@ -106,8 +123,7 @@ fn create_task_dir_refuses_a_taken_id_and_reuses_an_empty_dir() {
 
 #[test]
 fn read_and_write_without_a_directory() {
-    let home = tempfile::tempdir().unwrap();
-    let store = Store::open(home.path()).unwrap();
+    let (_home, store) = temp_store();
     let r = record("t1");
     assert!(store.read(&r.container_name).unwrap().is_none());
     let err = store.write(&r).unwrap_err();
@@ -144,8 +160,7 @@ fn a_task_directory_that_is_a_link_is_never_used() {
 
 #[test]
 fn rewrite_replaces_the_record() {
-    let home = tempfile::tempdir().unwrap();
-    let store = Store::open(home.path()).unwrap();
+    let (home, store) = temp_store();
     let mut r = record("t1");
     let p = store.create_task_dir(&r.container_name).unwrap();
     for status in [
@@ -169,16 +184,13 @@ const PASSWORD: &str = "hunter2-never-on-disk";
 
 #[test]
 fn registry_password_never_reaches_the_disk() {
-    let home = tempfile::tempdir().unwrap();
-    let store = Store::open(home.path()).unwrap();
+    let (home, store) = temp_store();
     let mut config = TaskConfig::new(id("t1"), TaskName::new("job").unwrap(), "img:1");
     config.registry_username = "shimtest".into();
     config.registry_password = Secret::new(PASSWORD);
 
     // The normal path: TaskRecord::new strips credentials.
-    let normal = TaskRecord::new(&config, "job-1".into(), 1);
-    store.create_task_dir(&normal.container_name).unwrap();
-    store.write(&normal).unwrap();
+    create_with_record(&store, &TaskRecord::new(&config, "job-1".into(), 1));
 
     // A careless caller passing the full config: the store strips them itself.
     let mut config2 = config.clone();
@@ -189,8 +201,7 @@ fn registry_password_never_reaches_the_disk() {
         careless.config.as_ref().unwrap().registry_password.expose(),
         PASSWORD
     );
-    store.create_task_dir(&careless.container_name).unwrap();
-    store.write(&careless).unwrap();
+    create_with_record(&store, &careless);
     careless.status = TaskStatus::Running;
     store.write(&careless).unwrap();
 
@@ -217,7 +228,7 @@ fn registry_password_never_reaches_the_disk() {
 }
 
 /// Writes raw bytes as task `name`'s state file.
-fn plant(store: &Store, name: &str, bytes: &[u8]) -> std::path::PathBuf {
+fn plant(store: &Store, name: &str, bytes: &[u8]) -> PathBuf {
     let p = store.create_task_dir(name).unwrap();
     fs_err::write(&p.state_file, bytes).unwrap();
     p.state_file
@@ -225,55 +236,35 @@ fn plant(store: &Store, name: &str, bytes: &[u8]) -> std::path::PathBuf {
 
 #[test]
 fn unusable_state_files_are_moved_aside_and_the_scan_goes_on() {
-    let home = tempfile::tempdir().unwrap();
-    let store = Store::open(home.path()).unwrap();
+    let (_home, store) = temp_store();
 
     let good = record("good");
-    store.create_task_dir(&good.container_name).unwrap();
-    store.write(&good).unwrap();
-    let good_bytes = fs_err::read(store.paths(&good.container_name).unwrap().state_file).unwrap();
+    let good_file = create_with_record(&store, &good).state_file;
+    let good_bytes = fs_err::read(&good_file).unwrap();
     let text = String::from_utf8(good_bytes.clone()).unwrap();
+    let edited = |from: &str, to: &str| text.replace(from, to).into_bytes();
+    let half = &good_bytes[..good_bytes.len() / 2];
 
+    const INVALID: &str = "not a valid task record";
+    const UNKNOWN: &str = "unknown schema version 0";
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
         ("empty", vec![], "empty"),
         ("blank", b"  \n".to_vec(), "empty"),
-        (
-            "truncated",
-            good_bytes[..good_bytes.len() / 2].to_vec(),
-            "not a valid task record",
-        ),
-        (
-            "garbage",
-            vec![0xff, 0x00, 0x13, 0x37, b'{'],
-            "not a valid task record",
-        ),
-        (
-            "other-json",
-            br#"{"a": 1}"#.to_vec(),
-            "unknown schema version 0",
-        ),
-        (
-            "no-task",
-            br#"{"version": 1}"#.to_vec(),
-            "not a valid task record",
-        ),
+        ("truncated", half.to_vec(), INVALID),
+        ("garbage", vec![0xff, 0x00, 0x13, 0x37, b'{'], INVALID),
+        ("other-json", br#"{"a": 1}"#.to_vec(), UNKNOWN),
+        ("no-task", br#"{"version": 1}"#.to_vec(), INVALID),
         (
             "newer",
-            text.replace("\"version\": 1", "\"version\": 2")
-                .into_bytes(),
+            edited("\"version\": 1", "\"version\": 2"),
             "written by a newer shim (schema 2)",
         ),
         (
             "newer-extension",
-            text.replace("\"schema\": 1", "\"schema\": 7").into_bytes(),
+            edited("\"schema\": 1", "\"schema\": 7"),
             "written by a newer shim (schema 7)",
         ),
-        (
-            "zero",
-            text.replace("\"version\": 1", "\"version\": 0")
-                .into_bytes(),
-            "unknown schema version 0",
-        ),
+        ("zero", edited("\"version\": 1", "\"version\": 0"), UNKNOWN),
         (
             "wrong-task",
             good_bytes.clone(),
@@ -287,11 +278,7 @@ fn unusable_state_files_are_moved_aside_and_the_scan_goes_on() {
     let p = store.create_task_dir("a-dir").unwrap();
     fs_err::create_dir(&p.state_file).unwrap();
     let p = store.create_task_dir("a-link").unwrap();
-    std::os::unix::fs::symlink(
-        store.paths(&good.container_name).unwrap().state_file,
-        &p.state_file,
-    )
-    .unwrap();
+    std::os::unix::fs::symlink(&good_file, &p.state_file).unwrap();
 
     // read() reports, and leaves the file where it is.
     let err = store.read("newer").unwrap_err();
@@ -352,8 +339,7 @@ fn unusable_state_files_are_moved_aside_and_the_scan_goes_on() {
 
 #[test]
 fn foreign_directories_are_reported_and_never_touched() {
-    let home = tempfile::tempdir().unwrap();
-    let store = Store::open(home.path()).unwrap();
+    let (_home, store) = temp_store();
     let tasks = store.runners_dir().to_owned();
     for d in ["lost+found", ".hidden", "no-record"] {
         fs_err::create_dir(tasks.join(d)).unwrap();
@@ -391,11 +377,9 @@ fn foreign_directories_are_reported_and_never_touched() {
 
 #[test]
 fn delete_removes_the_task_and_unknown_is_ok() {
-    let home = tempfile::tempdir().unwrap();
-    let store = Store::open(home.path()).unwrap();
+    let (home, store) = temp_store();
     let r = record("t1");
-    let p = store.create_task_dir(&r.container_name).unwrap();
-    store.write(&r).unwrap();
+    let p = create_with_record(&store, &r);
     fs_err::write(&p.pull_log, b"{}").unwrap();
     fs_err::create_dir_all(p.runner_dir.join("a/b")).unwrap();
     fs_err::write(p.runner_dir.join("a/b/c"), b"x").unwrap();
@@ -651,10 +635,8 @@ proptest! {
 
     #[test]
     fn records_round_trip(r in task_record()) {
-        let home = tempfile::tempdir().unwrap();
-        let store = Store::open(home.path()).unwrap();
-        store.create_task_dir(&r.container_name).unwrap();
-        store.write(&r).unwrap();
+        let (home, store) = temp_store();
+        create_with_record(&store, &r);
         prop_assert_eq!(store.read(&r.container_name).unwrap().unwrap(), stored_form(&r));
         let entries = Store::open(home.path()).unwrap().scan().unwrap();
         prop_assert_eq!(entries.len(), 1);

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -94,32 +94,66 @@ impl Engine {
         requests.iter().map(|(line, _)| line.clone()).collect()
     }
 
-    /// The body of the one request whose path starts with `path`, as JSON.
-    fn body(&self, path: &str) -> serde_json::Value {
+    /// Fails the test if a request so far names `path`.
+    #[track_caller]
+    fn assert_never_asked(&self, path: &str) {
+        let requests = self.requests();
+        assert!(!requests.iter().any(|r| r.contains(path)), "{requests:?}");
+    }
+
+    /// The one request whose path starts with `path`.
+    fn one_request(&self, path: &str) -> Request {
         let requests = self.requests.lock().unwrap();
         let matching: Vec<_> = requests
             .iter()
-            .filter(|(line, _)| line.split(' ').nth(1).is_some_and(|t| t.starts_with(path)))
+            .filter(|(line, _)| target(line).starts_with(path))
             .collect();
         assert_eq!(matching.len(), 1, "{requests:?}");
-        serde_json::from_str(&matching[0].1).unwrap()
+        matching[0].clone()
+    }
+
+    /// The body of the one request whose path starts with `path`, as JSON.
+    fn body(&self, path: &str) -> serde_json::Value {
+        serde_json::from_str(&self.one_request(path).1).unwrap()
     }
 
     /// The `filters` query parameter of the one request whose path starts with `path`.
     fn filters(&self, path: &str) -> HashMap<String, Vec<String>> {
-        let requests = self.requests();
-        let matching: Vec<_> = requests
-            .iter()
-            .filter(|r| r.split(' ').nth(1).is_some_and(|t| t.starts_with(path)))
-            .collect();
-        assert_eq!(matching.len(), 1, "{requests:?}");
-        let query = matching[0].split_once('?').map_or("", |(_, q)| q);
+        let (line, _) = self.one_request(path);
+        let query = line.split_once('?').map_or("", |(_, q)| q);
         let filters = query
             .split('&')
             .find_map(|p| p.strip_prefix("filters="))
             .unwrap_or("{}");
         serde_json::from_str(filters).unwrap()
     }
+}
+
+/// The target of a request line `METHOD target`.
+fn target(line: &str) -> &str {
+    line.split(' ').nth(1).unwrap_or_default()
+}
+
+/// A script answering `status` and `body` to `method` requests whose target starts with
+/// `prefix` (404 to the rest).
+fn answering(
+    method: &'static str,
+    prefix: &'static str,
+    status: u16,
+    body: impl Into<String>,
+) -> impl Fn(&str, &str) -> Option<Answer> + Send + Sync + 'static {
+    let body = body.into();
+    move |m, target| (m == method && target.starts_with(prefix)).then(|| (status, body.clone()))
+}
+
+/// An engine that creates every container it is asked to, as `c0ffee`.
+fn creating() -> impl Fn(&str, &str) -> Option<Answer> + Send + Sync + 'static {
+    answering(
+        "POST",
+        "/containers/create",
+        201,
+        r#"{"Id":"c0ffee","Warnings":[]}"#,
+    )
 }
 
 fn serve(
@@ -215,52 +249,43 @@ fn task_label() -> Vec<(String, String)> {
     vec![("ai.dstack.shim.task-id".to_owned(), String::new())]
 }
 
+fn strings(s: &[&str]) -> Vec<String> {
+    s.iter().map(|s| (*s).to_owned()).collect()
+}
+
+/// A `filters` query parameter of one filter.
+fn one_filter(name: &str, values: &[&str]) -> HashMap<String, Vec<String>> {
+    HashMap::from([(name.to_owned(), strings(values))])
+}
+
 /// Podman 4.3's events through the runtime: the engine is asked for container and image events only,
 /// and the shim keeps the exits (`died` and `die`) and the removal of labelled containers.
 #[tokio::test]
 async fn podman_events_are_asked_by_type_and_filtered_by_the_shim() {
-    let engine = Engine::start(|_, target| {
-        target.starts_with("/events").then(|| {
-            (
-                200,
-                include_str!("fixtures/events-podman-4.3.jsonl").to_owned(),
-            )
-        })
-    });
+    let fixture = include_str!("fixtures/events-podman-4.3.jsonl");
+    let engine = Engine::start(answering("GET", "/events", 200, fixture));
     let runtime = engine.runtime().await;
-    let events: Vec<_> = runtime
+    let seen: Vec<_> = runtime
         .events(&task_label(), Some(1_700_000_000_000_000_000))
         .await
         .unwrap()
+        .map(|e| e.map(|e| (e.name, e.kind)).unwrap())
         .collect()
         .await;
-    let seen: Vec<_> = events
-        .into_iter()
-        .map(|e| {
-            let e = e.unwrap();
-            (e.name, e.kind)
-        })
-        .collect();
+    let died = |code| EventKind::Die {
+        exit_code: Some(code),
+    };
     assert_eq!(
         seen,
         [
-            (
-                "t2-0-bbbb".to_owned(),
-                EventKind::Die { exit_code: Some(3) }
-            ),
-            (
-                "t3-0-cccc".to_owned(),
-                EventKind::Die { exit_code: Some(1) }
-            ),
+            ("t2-0-bbbb".to_owned(), died(3)),
+            ("t3-0-cccc".to_owned(), died(1)),
             ("t2-0-bbbb".to_owned(), EventKind::Destroy),
         ]
     );
     assert_eq!(
         engine.filters("/events"),
-        HashMap::from([(
-            "type".to_owned(),
-            vec!["container".to_owned(), "image".to_owned()]
-        )]),
+        one_filter("type", &["container", "image"]),
         "no label and no event name is left to the engine"
     );
 }
@@ -270,14 +295,8 @@ async fn podman_events_are_asked_by_type_and_filtered_by_the_shim() {
 /// rejects) as a state to wait on. One label filter is sent.
 #[tokio::test]
 async fn a_list_keeps_only_containers_with_every_label() {
-    let engine = Engine::start(|_, target| {
-        target.starts_with("/containers/json").then(|| {
-            (
-                200,
-                include_str!("fixtures/list-podman-4.3.json").to_owned(),
-            )
-        })
-    });
+    let fixture = include_str!("fixtures/list-podman-4.3.json");
+    let engine = Engine::start(answering("GET", "/containers/json", 200, fixture));
     let runtime = engine.runtime().await;
     let labels = vec![
         ("ai.dstack.shim.task-id".to_owned(), String::new()),
@@ -291,10 +310,7 @@ async fn a_list_keeps_only_containers_with_every_label() {
     );
     assert_eq!(
         engine.filters("/containers/json"),
-        HashMap::from([(
-            "label".to_owned(),
-            vec!["ai.dstack.shim.owner=me".to_owned()]
-        )])
+        one_filter("label", &["ai.dstack.shim.owner=me"])
     );
     let all = runtime.list(&[]).await.unwrap();
     assert_eq!(all.len(), 3);
@@ -303,14 +319,8 @@ async fn a_list_keeps_only_containers_with_every_label() {
 /// Podman's `stopped` right after an exit: the inspect succeeds, with a state to wait on.
 #[tokio::test]
 async fn an_inspect_in_a_state_bollard_rejects_succeeds() {
-    let engine = Engine::start(|_, target| {
-        (target == "/containers/t2-0-bbbb/json").then(|| {
-            (
-                200,
-                include_str!("fixtures/inspect-podman-4.3-stopped.json").to_owned(),
-            )
-        })
-    });
+    let fixture = include_str!("fixtures/inspect-podman-4.3-stopped.json");
+    let engine = Engine::start(answering("GET", "/containers/t2-0-bbbb/json", 200, fixture));
     let runtime = engine.runtime().await;
     let d = runtime.inspect("t2-0-bbbb").await.unwrap();
     assert_eq!(d.state, ContainerState::Other("stopped".to_owned()));
@@ -339,25 +349,19 @@ async fn an_unreadable_answer_is_an_error_without_its_text() {
 /// would make a directory there): nothing is created.
 #[tokio::test]
 async fn a_missing_bind_source_creates_nothing() {
-    let engine = Engine::start(|method, target| {
-        (method == "POST" && target.starts_with("/containers/create"))
-            .then(|| (201, r#"{"Id":"c0ffee","Warnings":[]}"#.to_owned()))
-    });
+    let engine = Engine::start(creating());
     let runtime = engine.runtime().await;
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("no-runner").join("dstack-runner");
+    let bind = |source: &Path, target: &str, read_only| BindMount {
+        source: source.to_owned(),
+        target: target.to_owned(),
+        read_only,
+    };
     let mut spec = ContainerSpec::new("t5-0-eeee", "shim-test:1");
     spec.mounts = vec![
-        BindMount {
-            source: dir.path().to_path_buf(),
-            target: "/tmp/runner".to_owned(),
-            read_only: false,
-        },
-        BindMount {
-            source: missing.clone(),
-            target: "/usr/local/bin/dstack-runner".to_owned(),
-            read_only: true,
-        },
+        bind(dir.path(), "/tmp/runner", false),
+        bind(&missing, "/usr/local/bin/dstack-runner", true),
     ];
     let e = runtime.create(&spec).await.unwrap_err();
     assert!(
@@ -369,34 +373,31 @@ async fn a_missing_bind_source_creates_nothing() {
         "{e}"
     );
     assert!(!missing.parent().unwrap().exists());
-    assert!(
-        !engine
-            .requests()
-            .iter()
-            .any(|r| r.contains("/containers/create")),
-        "{:?}",
-        engine.requests()
-    );
+    engine.assert_never_asked("/containers/create");
     // Every source present: the engine is asked.
     spec.mounts.pop();
     assert_eq!(runtime.create(&spec).await.unwrap(), "c0ffee");
 }
 
-/// A spec asking for two NVIDIA GPUs, as the engine makes it (`spec::apply_gpu`).
-fn nvidia_spec(name: &str) -> ContainerSpec {
+/// A spec of container `name` with one device request.
+fn spec_requesting(name: &str, driver: &str, ids: &[&str], capabilities: &[&str]) -> ContainerSpec {
     let mut spec = ContainerSpec::new(name, "shim-test:1");
     spec.device_requests = vec![DeviceRequest {
-        driver: "nvidia".to_owned(),
-        device_ids: vec!["GPU-aaaa".to_owned(), "GPU-bbbb".to_owned()],
-        capabilities: vec!["gpu".to_owned(), "utility".to_owned()],
+        driver: driver.to_owned(),
+        device_ids: strings(ids),
+        capabilities: strings(capabilities),
     }];
     spec
 }
 
-/// An engine that creates every container it is asked to, as `c0ffee`.
-fn creating(method: &str, target: &str) -> Option<Answer> {
-    (method == "POST" && target.starts_with("/containers/create"))
-        .then(|| (201, r#"{"Id":"c0ffee","Warnings":[]}"#.to_owned()))
+/// A spec asking for two NVIDIA GPUs, as the engine makes it (`spec::apply_gpu`).
+fn nvidia_spec(name: &str) -> ContainerSpec {
+    spec_requesting(
+        name,
+        "nvidia",
+        &["GPU-aaaa", "GPU-bbbb"],
+        &["gpu", "utility"],
+    )
 }
 
 /// Podman's Docker API ignores NVIDIA device requests: a create that has some is refused
@@ -404,7 +405,7 @@ fn creating(method: &str, target: &str) -> Option<Answer> {
 /// GPUs. Plain device mappings (AMD's `/dev/kfd`, render nodes) are created as usual.
 #[tokio::test]
 async fn gpu_device_requests_are_refused_on_podman() {
-    let engine = Engine::start_as(VERSION_PODMAN_5_4, creating);
+    let engine = Engine::start_as(VERSION_PODMAN_5_4, creating());
     let runtime = engine.runtime().await;
     let e = runtime.create(&nvidia_spec("t6-0-ffff")).await.unwrap_err();
     assert!(
@@ -421,14 +422,7 @@ async fn gpu_device_requests_are_refused_on_podman() {
          its Docker API: GPU tasks need a CDI spec there (Podman 5+; `nvidia-ctk cdi generate \
          --output=/var/run/cdi/nvidia.yaml`) or Docker"
     );
-    assert!(
-        !engine
-            .requests()
-            .iter()
-            .any(|r| r.contains("/containers/create")),
-        "{:?}",
-        engine.requests()
-    );
+    engine.assert_never_asked("/containers/create");
     let mut amd = ContainerSpec::new("t7-0-aaaa", "shim-test:1");
     amd.devices = vec![
         DeviceMapping::same_path("/dev/kfd"),
@@ -443,7 +437,7 @@ async fn gpu_device_requests_are_refused_on_podman() {
 /// On Docker the same create goes to the engine, with its device request.
 #[tokio::test]
 async fn gpu_device_requests_are_sent_to_docker() {
-    let engine = Engine::start(creating);
+    let engine = Engine::start(creating());
     let runtime = engine.runtime().await;
     assert_eq!(
         runtime.create(&nvidia_spec("t6-0-ffff")).await.unwrap(),
@@ -475,12 +469,7 @@ fn which_device_requests_each_engine_honours() {
         }
     );
     let nvidia = nvidia_spec("t8-0-bbbb");
-    let mut cdi = ContainerSpec::new("t8-0-bbbb", "shim-test:1");
-    cdi.device_requests = vec![DeviceRequest {
-        driver: "cdi".to_owned(),
-        device_ids: vec!["nvidia.com/gpu=0".to_owned()],
-        capabilities: Vec::new(),
-    }];
+    let cdi = spec_requesting("t8-0-bbbb", "cdi", &["nvidia.com/gpu=0"], &[]);
     let podman = |version: &str| Flavour::Podman {
         version: version.to_owned(),
     };
@@ -506,6 +495,9 @@ fn which_device_requests_each_engine_honours() {
 /// everything downloaded and extracted.
 #[tokio::test]
 async fn pull_progress_per_engine_through_the_runtime() {
+    let request = PullRequest::new("127.0.0.1:5799/x:1")
+        .with_timeout(Some(Duration::from_secs(30)))
+        .with_stall_timeout(Some(Duration::from_secs(30)));
     for (engine_name, fixture) in [
         (
             "docker 20.10 classic",
@@ -521,21 +513,10 @@ async fn pull_progress_per_engine_through_the_runtime() {
         ),
         ("podman 4.3", include_str!("fixtures/pull-podman-4.3.jsonl")),
     ] {
-        let engine = Engine::start(move |method, target| {
-            (method == "POST" && target.starts_with("/images/create"))
-                .then(|| (200, fixture.to_owned()))
-        });
+        let engine = Engine::start(answering("POST", "/images/create", 200, fixture));
         let runtime = engine.runtime().await;
         let seen = Mutex::new(Vec::<PullProgress>::new());
         let record = |p: PullProgress| seen.lock().unwrap().push(p);
-        let request = PullRequest {
-            image: "127.0.0.1:5799/x:1".to_owned(),
-            auth: None,
-            log_path: None,
-            timeout: Some(Duration::from_secs(30)),
-            stall_timeout: Some(Duration::from_secs(30)),
-            disk: None,
-        };
         let done = runtime
             .pull(&request, &record, CancellationToken::new())
             .await
@@ -596,9 +577,7 @@ async fn a_silent_unpack_is_judged_by_the_disk() {
         crate::DiskProbe::new(move || Some(used.load(Ordering::SeqCst)))
     };
     let pull = |body: String, disk: Option<crate::DiskProbe>| async move {
-        let engine = Engine::start(move |method, target| {
-            (method == "POST" && target.starts_with("/images/create")).then(|| (200, body.clone()))
-        });
+        let engine = Engine::start(answering("POST", "/images/create", 200, body));
         let runtime = engine.runtime().await;
         let request = PullRequest::new("127.0.0.1:5799/x:1")
             .with_stall_timeout(Some(Duration::from_secs(1)))
