@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{FakeExporter, Reply, alive, closed_port, lines, script, testdata, wait_until};
@@ -18,9 +18,8 @@ const GPU0: &str = "GPU-1f027ee8-6e1e-2b8c-0108-3d370e5f0418"; // MIG: 3 samples
 const GPU1: &str = "GPU-9e5b8fec-61bf-5124-a0a9-079af1b65cc6";
 const GPU7: &str = "GPU-4e75c9ab-0ed7-8a57-75f5-23761b9f053f";
 
-fn ids(ids: &[&str]) -> Vec<String> {
-    ids.iter().map(|s| (*s).to_owned()).collect()
-}
+/// How long a test waits for a process to start or stop.
+const WAIT: Duration = Duration::from_secs(10);
 
 fn config(port: u16, exporter: &Path) -> DcgmConfig {
     DcgmConfig {
@@ -36,9 +35,26 @@ fn config(port: u16, exporter: &Path) -> DcgmConfig {
     }
 }
 
+/// `program` supervised, answering on `port`, with the test configuration.
+fn spawn(program: &Path, port: u16) -> DcgmExporter {
+    DcgmExporter::spawn(program, &config(port, program)).unwrap()
+}
+
+/// Waits for the exporter's process to start; its pid.
+async fn started(exporter: &DcgmExporter) -> u32 {
+    wait_until("the start", WAIT, || exporter.pid().is_some()).await;
+    exporter.pid().unwrap()
+}
+
+/// The metrics of the task holding `gpus`.
+async fn task_metrics(exporter: &DcgmExporter, gpus: &[&str]) -> Result<String, DcgmError> {
+    let ids: Vec<String> = gpus.iter().map(|s| (*s).to_owned()).collect();
+    exporter.fetch_task_metrics(&ids).await
+}
+
 /// A fake `dcgm-exporter`: answers `-v` like the real one; otherwise records its arguments and
 /// a copy of its collectors file (`-f`), then sleeps until killed.
-fn fake_exporter(dir: &Path) -> std::path::PathBuf {
+fn fake_exporter(dir: &Path) -> PathBuf {
     let d = dir.display();
     script(
         dir,
@@ -66,36 +82,21 @@ async fn serves_each_tasks_gpus_from_a_supervised_exporter() {
     let exporter = DcgmExporter::start(&config(server.port, &program))
         .await
         .expect("the exporter starts");
-    assert_eq!(
-        exporter.url(),
-        format!("http://localhost:{}/metrics", server.port)
-    );
+    let port = server.port;
+    assert_eq!(exporter.url(), format!("http://localhost:{port}/metrics"));
 
     let args_file = dir.path().join("args");
-    wait_until("the exporter's arguments", Duration::from_secs(10), || {
+    wait_until("the exporter's arguments", WAIT, || {
         lines(&args_file).len() == 6 && dir.path().join("counters.csv").exists()
     })
     .await;
     let counters = exporter.counters_path().to_path_buf();
-    assert_eq!(
-        lines(&args_file),
-        [
-            "-f",
-            counters.to_str().unwrap(),
-            "-a",
-            &format!("localhost:{}", server.port),
-            "-c",
-            "5000"
-        ]
-    );
-    assert!(
-        counters
-            .file_name()
-            .unwrap()
-            .to_str()
-            .unwrap()
-            .starts_with("counters-")
-    );
+    let listen = format!("localhost:{port}");
+    let counters_arg = counters.to_str().unwrap();
+    let args = ["-f", counters_arg, "-a", &listen, "-c", "5000"];
+    assert_eq!(lines(&args_file), args);
+    let name = counters.file_name().unwrap().to_str().unwrap();
+    assert!(name.starts_with("counters-"), "{name}");
     assert_eq!(
         fs_err::read_to_string(dir.path().join("counters.csv")).unwrap(),
         counters_csv(COUNTERS)
@@ -104,7 +105,7 @@ async fn serves_each_tasks_gpus_from_a_supervised_exporter() {
     assert!(alive(pid));
 
     // One GPU: the HELP, TYPE and sample of each of the nine families.
-    let got = exporter.fetch_task_metrics(&ids(&[GPU1])).await.unwrap();
+    let got = task_metrics(&exporter, &[GPU1]).await.unwrap();
     let want: String = payload
         .lines()
         .filter(|l| l.starts_with('#') || l.contains(GPU1))
@@ -116,30 +117,22 @@ async fn serves_each_tasks_gpus_from_a_supervised_exporter() {
 
     // The MIG GPU: three samples per family, and no GPU_UTIL/MEM_COPY_UTIL families at all
     // (it has no samples there).
-    let got = exporter.fetch_task_metrics(&ids(&[GPU0])).await.unwrap();
+    let got = task_metrics(&exporter, &[GPU0]).await.unwrap();
     assert_eq!(got.lines().count(), 7 * (2 + 3));
     assert!(!got.contains("DCGM_FI_DEV_GPU_UTIL"), "{got}");
     assert!(!got.contains("DCGM_FI_DEV_MEM_COPY_UTIL"), "{got}");
     assert_eq!(got.matches("GPU_I_ID=").count(), 7 * 3);
 
     // Two GPUs of eight.
-    let got = exporter
-        .fetch_task_metrics(&ids(&[GPU7, GPU1]))
-        .await
-        .unwrap();
+    let got = task_metrics(&exporter, &[GPU7, GPU1]).await.unwrap();
     assert_eq!(got.lines().count(), 9 * 4);
     assert_eq!(got.matches(GPU1).count(), 9);
     assert_eq!(got.matches(GPU7).count(), 9);
 
     // No GPUs, or GPUs the exporter does not know: an empty body.
-    assert_eq!(exporter.fetch_task_metrics(&[]).await.unwrap(), "");
-    assert_eq!(
-        exporter
-            .fetch_task_metrics(&ids(&["GPU-00000000-0000-0000-0000-000000000000"]))
-            .await
-            .unwrap(),
-        ""
-    );
+    assert_eq!(task_metrics(&exporter, &[]).await.unwrap(), "");
+    let unknown = "GPU-00000000-0000-0000-0000-000000000000";
+    assert_eq!(task_metrics(&exporter, &[unknown]).await.unwrap(), "");
     // All of that came from one request: answers are reused for the collect interval.
     assert_eq!(server.requests(), 1);
 
@@ -183,11 +176,8 @@ async fn exporter_failures_are_upstream_errors() {
     let program = fake_exporter(dir.path());
 
     let server = FakeExporter::start(Reply::Answer(500, "oops".into())).await;
-    let exporter = DcgmExporter::spawn(&program, &config(server.port, &program)).unwrap();
-    let err = exporter
-        .fetch_task_metrics(&ids(&[GPU1]))
-        .await
-        .unwrap_err();
+    let exporter = spawn(&program, server.port);
+    let err = task_metrics(&exporter, &[GPU1]).await.unwrap_err();
     assert!(
         matches!(err, DcgmError::Status { status: 500, .. }),
         "{err}"
@@ -195,36 +185,28 @@ async fn exporter_failures_are_upstream_errors() {
     assert_eq!(err.kind(), DcgmErrorKind::Upstream);
     assert!(err.to_string().contains("status is not OK: 500"), "{err}");
     // Failures are not cached: the next call asks again.
-    exporter
-        .fetch_task_metrics(&ids(&[GPU1]))
-        .await
-        .unwrap_err();
+    task_metrics(&exporter, &[GPU1]).await.unwrap_err();
     assert_eq!(server.requests(), 2);
     exporter.shutdown().await;
 
     let port = closed_port().await;
-    let exporter = DcgmExporter::spawn(&program, &config(port, &program)).unwrap();
-    let err = exporter
-        .fetch_task_metrics(&ids(&[GPU1]))
-        .await
-        .unwrap_err();
+    let exporter = spawn(&program, port);
+    let err = task_metrics(&exporter, &[GPU1]).await.unwrap_err();
     assert!(matches!(err, DcgmError::Fetch { .. }), "{err}");
     assert_eq!(err.kind(), DcgmErrorKind::Upstream);
-    assert!(
-        err.to_string().contains(&format!("localhost:{port}")),
-        "{err}"
-    );
+    let url = format!("localhost:{port}");
+    assert!(err.to_string().contains(&url), "{err}");
     exporter.shutdown().await;
 
     let server = FakeExporter::start(Reply::Hang).await;
     let mut cfg = config(server.port, &program);
     cfg.fetch_timeout = Duration::from_millis(200);
     let exporter = DcgmExporter::spawn(&program, &cfg).unwrap();
-    let started = Instant::now();
+    let fetching = Instant::now();
     let err = exporter.fetch().await.unwrap_err();
     assert!(matches!(err, DcgmError::FetchTimeout { .. }), "{err}");
     assert_eq!(err.kind(), DcgmErrorKind::Upstream);
-    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(fetching.elapsed() < Duration::from_secs(5));
     exporter.shutdown().await;
 }
 
@@ -237,12 +219,9 @@ async fn an_exporter_that_exits_is_restarted_with_backoff() {
         "dcgm-exporter",
         &format!("date +%s.%N >> {d}/starts\necho 'Failed to initialize NVML' >&2\nexit 1"),
     );
-    let exporter = DcgmExporter::spawn(&program, &config(closed_port().await, &program)).unwrap();
+    let exporter = spawn(&program, closed_port().await);
     let starts = dir.path().join("starts");
-    wait_until("four starts", Duration::from_secs(10), || {
-        lines(&starts).len() >= 4
-    })
-    .await;
+    wait_until("four starts", WAIT, || lines(&starts).len() >= 4).await;
     assert!(exporter.starts() >= 4, "{}", exporter.starts());
     // Delays 20, 40, 80 ms: the fourth start is at least 140 ms after the first.
     let times: Vec<f64> = lines(&starts).iter().map(|l| l.parse().unwrap()).collect();
@@ -268,15 +247,11 @@ async fn shutdown_sends_sigterm_then_sigkill() {
     let mut cfg = config(closed_port().await, &stubborn);
     cfg.stop_grace = Duration::from_millis(300);
     let exporter = DcgmExporter::spawn(&stubborn, &cfg).unwrap();
-    wait_until("the start", Duration::from_secs(10), || {
-        exporter.pid().is_some()
-    })
-    .await;
-    let pid = exporter.pid().unwrap();
+    let pid = started(&exporter).await;
     tokio::time::sleep(Duration::from_millis(100)).await; // let the trap be installed
-    let started = Instant::now();
+    let stopping = Instant::now();
     exporter.shutdown().await;
-    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert!(stopping.elapsed() >= Duration::from_millis(300));
     assert!(!alive(pid));
     assert_eq!(lines(&dir.path().join("signals")), ["TERM"]);
 
@@ -284,14 +259,10 @@ async fn shutdown_sends_sigterm_then_sigkill() {
     let polite = script(dir.path(), "polite", "exec sleep 600");
     cfg.stop_grace = Duration::from_secs(10);
     let exporter = DcgmExporter::spawn(&polite, &cfg).unwrap();
-    wait_until("the start", Duration::from_secs(10), || {
-        exporter.pid().is_some()
-    })
-    .await;
-    let pid = exporter.pid().unwrap();
-    let started = Instant::now();
+    let pid = started(&exporter).await;
+    let stopping = Instant::now();
     exporter.shutdown().await;
-    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(stopping.elapsed() < Duration::from_secs(5));
     assert!(!alive(pid));
 }
 
@@ -299,15 +270,11 @@ async fn shutdown_sends_sigterm_then_sigkill() {
 async fn dropping_the_exporter_kills_it() {
     let dir = tempfile::tempdir().unwrap();
     let program = script(dir.path(), "dcgm-exporter", "exec sleep 600");
-    let exporter = DcgmExporter::spawn(&program, &config(closed_port().await, &program)).unwrap();
-    wait_until("the start", Duration::from_secs(10), || {
-        exporter.pid().is_some()
-    })
-    .await;
-    let pid = exporter.pid().unwrap();
+    let exporter = spawn(&program, closed_port().await);
+    let pid = started(&exporter).await;
     let counters = exporter.counters_path().to_path_buf();
     drop(exporter);
-    wait_until("the kill", Duration::from_secs(10), || !alive(pid)).await;
+    wait_until("the kill", WAIT, || !alive(pid)).await;
     assert!(!counters.exists());
 }
 
@@ -324,19 +291,12 @@ async fn a_missing_or_broken_exporter_is_not_used() {
             "echo ran >> {d}/ran\necho 'libdcgm.so.4: cannot open shared object file' >&2\nexit 1"
         ),
     );
-    assert!(
-        DcgmExporter::start(&config(closed_port().await, &broken))
-            .await
-            .is_none()
-    );
-    assert_eq!(lines(&dir.path().join("ran")), ["ran"], "only `-v` ran");
-
     let missing = dir.path().join("nowhere/dcgm-exporter");
-    assert!(
-        DcgmExporter::start(&config(closed_port().await, &missing))
-            .await
-            .is_none()
-    );
+    for program in [&broken, &missing] {
+        let exporter = DcgmExporter::start(&config(closed_port().await, program)).await;
+        assert!(exporter.is_none(), "{}", program.display());
+    }
+    assert_eq!(lines(&dir.path().join("ran")), ["ran"], "only `-v` ran");
 }
 
 /// Field 22 of `/proc/<pid>/stat`: the start time in clock ticks since boot.
@@ -354,7 +314,7 @@ fn pid_line(pid: u32) -> String {
 
 /// A fake exporter in `dir`, its config with the state directory `dir/home`, and the pid file
 /// there.
-async fn with_home(dir: &Path) -> (std::path::PathBuf, DcgmConfig, std::path::PathBuf) {
+async fn with_home(dir: &Path) -> (PathBuf, DcgmConfig, PathBuf) {
     let home = dir.join("home");
     fs_err::create_dir(&home).unwrap();
     let program = fake_exporter(dir);
@@ -381,11 +341,7 @@ async fn an_exporter_left_by_a_killed_shim_is_stopped_by_the_next_one() {
                 .unwrap();
             let pid = rt.block_on(async {
                 let exporter = DcgmExporter::spawn(&program, &cfg).unwrap();
-                wait_until("the first start", Duration::from_secs(10), || {
-                    exporter.pid().is_some()
-                })
-                .await;
-                let pid = exporter.pid().unwrap();
+                let pid = started(&exporter).await;
                 std::mem::forget(exporter);
                 pid
             });
@@ -399,12 +355,8 @@ async fn an_exporter_left_by_a_killed_shim_is_stopped_by_the_next_one() {
     assert_eq!(lines(&pid_file), [pid_line(killed)]);
 
     let next = DcgmExporter::spawn(&program, &cfg).unwrap();
-    wait_until("the next start", Duration::from_secs(10), || {
-        next.pid().is_some()
-    })
-    .await;
+    let pid = started(&next).await;
     assert!(!alive(killed), "the killed shim's exporter still runs");
-    let pid = next.pid().unwrap();
     assert_ne!(pid, killed);
     assert_eq!(lines(&pid_file), [pid_line(pid)]);
     next.shutdown().await;
@@ -427,23 +379,15 @@ async fn a_leftover_that_ignores_sigterm_is_killed() {
     tokio::time::sleep(Duration::from_millis(100)).await; // let the trap be installed
     fs_err::write(&pid_file, pid_line(pid)).unwrap();
     let exporter = DcgmExporter::spawn(&program, &cfg).unwrap();
-    wait_until("the start", Duration::from_secs(10), || {
-        exporter.pid().is_some()
-    })
-    .await;
+    started(&exporter).await;
     // The exporter starts only after the leftover is gone: it was killed by then.
-    let status = stubborn.try_wait().unwrap();
-    if status.is_none() {
+    let Some(status) = stubborn.try_wait().unwrap() else {
         stubborn.kill().unwrap();
         stubborn.wait().unwrap();
         panic!("the leftover that ignores SIGTERM still runs");
-    }
-    let status = status.unwrap();
-    assert_eq!(
-        std::os::unix::process::ExitStatusExt::signal(&status),
-        Some(9),
-        "{status:?}"
-    );
+    };
+    let signal = std::os::unix::process::ExitStatusExt::signal(&status);
+    assert_eq!(signal, Some(9), "{status:?}");
     exporter.shutdown().await;
 }
 
@@ -472,10 +416,7 @@ async fn a_pid_file_naming_another_process_is_only_removed() {
         assert_ne!(recorded, line);
         fs_err::write(&pid_file, &recorded).unwrap();
         let exporter = DcgmExporter::spawn(&program, &cfg).unwrap();
-        wait_until("the start", Duration::from_secs(10), || {
-            exporter.pid().is_some()
-        })
-        .await;
+        started(&exporter).await;
         assert!(alive(other_pid), "signalled after {recorded:?}");
         exporter.shutdown().await;
         assert!(!pid_file.exists());

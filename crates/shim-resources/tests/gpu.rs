@@ -7,12 +7,13 @@ use std::sync::Arc;
 
 use shim_resources::gpu::{
     AMD_SMI_IMAGE, GpuInfo, TT_SMI_IMAGE, parse_amd_smi, parse_hl_smi, parse_nvidia_smi,
-    parse_tt_smi,
+    parse_nvidia_topo, parse_tt_smi,
 };
 use shim_resources::{GpuDetector, GpuLock, GpuVendor, HostGpus, ResourcesError};
 use shim_util::CommandOutput;
 use shim_util::fake::ScriptedCommandRunner;
 
+/// `testdata/gpu/<name>`.
 fn fixture(name: &str) -> String {
     let p = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("testdata/gpu")
@@ -35,6 +36,13 @@ impl FakeHost {
             tmp,
             runner: Arc::new(ScriptedCommandRunner::new()),
         }
+    }
+
+    /// A host whose `/dev` has the file `rel` (e.g. `nvidiactl`, `kfd`).
+    fn with_dev(rel: &str) -> Self {
+        let h = Self::new();
+        h.touch_dev(rel);
+        h
     }
 
     fn dev(&self) -> PathBuf {
@@ -62,6 +70,26 @@ impl FakeHost {
             .with_wsl_nvidia_smi(self.wsl_nvidia_smi())
     }
 
+    fn vendor(&self) -> Option<GpuVendor> {
+        self.detector().detect_vendor()
+    }
+
+    async fn detect(&self) -> HostGpus {
+        self.detector().detect().await
+    }
+
+    /// The next run of `program` succeeds, printing the fixture `name`.
+    fn answer(&self, program: &str, name: &str) {
+        self.runner.push(program, CommandOutput::ok(fixture(name)));
+    }
+
+    /// Asserts that the `n`th command run was `command_line` (split at its spaces).
+    #[track_caller]
+    fn assert_call(&self, n: usize, command_line: &str) {
+        let calls = self.runner.calls();
+        assert_eq!(calls[n], command_line.split(' ').collect::<Vec<_>>());
+    }
+
     fn tt_driver_version(&self, v: &str) {
         let d = self.tmp.path().join("sys/module/tenstorrent");
         fs_err::create_dir_all(&d).unwrap();
@@ -69,48 +97,41 @@ impl FakeHost {
     }
 }
 
-fn args(call: &[String]) -> Vec<&str> {
-    call.iter().map(String::as_str).collect()
-}
-
 #[test]
 fn vendor_detection_order() {
     // upstream: runner/internal/common/gpu/gpu.go (GetGpuVendor): /dev/nvidiactl, then
     // /dev/dxg with /usr/lib/wsl/lib/nvidia-smi, /dev/tenstorrent, /dev/kfd, /dev/accel.
     let h = FakeHost::new();
-    assert_eq!(h.detector().detect_vendor(), None);
+    assert_eq!(h.vendor(), None);
     h.touch_dev("accel");
-    assert_eq!(h.detector().detect_vendor(), Some(GpuVendor::Intel));
+    assert_eq!(h.vendor(), Some(GpuVendor::Intel));
     h.touch_dev("kfd");
-    assert_eq!(h.detector().detect_vendor(), Some(GpuVendor::Amd));
+    assert_eq!(h.vendor(), Some(GpuVendor::Amd));
     h.mkdir_dev("tenstorrent");
-    assert_eq!(h.detector().detect_vendor(), Some(GpuVendor::Tenstorrent));
+    assert_eq!(h.vendor(), Some(GpuVendor::Tenstorrent));
     // WSL: /dev/dxg alone is not NVIDIA; with WSL's nvidia-smi it is.
     h.touch_dev("dxg");
-    assert_eq!(h.detector().detect_vendor(), Some(GpuVendor::Tenstorrent));
+    assert_eq!(h.vendor(), Some(GpuVendor::Tenstorrent));
     fs_err::write(h.wsl_nvidia_smi(), "").unwrap();
-    assert_eq!(h.detector().detect_vendor(), Some(GpuVendor::Nvidia));
+    assert_eq!(h.vendor(), Some(GpuVendor::Nvidia));
     // An NVIDIA dGPU beside an AMD iGPU is NVIDIA (dstack issue 4085).
-    let h2 = FakeHost::new();
-    h2.touch_dev("kfd");
+    let h2 = FakeHost::with_dev("kfd");
     h2.touch_dev("nvidiactl");
-    assert_eq!(h2.detector().detect_vendor(), Some(GpuVendor::Nvidia));
+    assert_eq!(h2.vendor(), Some(GpuVendor::Nvidia));
     // checkPath stats (follows links): a dangling link is absent, a link to a node present.
     let h3 = FakeHost::new();
     std::os::unix::fs::symlink("/nonexistent/nvidiactl", h3.dev().join("nvidiactl")).unwrap();
-    assert_eq!(h3.detector().detect_vendor(), None);
+    assert_eq!(h3.vendor(), None);
     h3.touch_dev("real-kfd");
     std::os::unix::fs::symlink(h3.dev().join("real-kfd"), h3.dev().join("kfd")).unwrap();
-    assert_eq!(h3.detector().detect_vendor(), Some(GpuVendor::Amd));
+    assert_eq!(h3.vendor(), Some(GpuVendor::Amd));
 }
 
 #[tokio::test]
 async fn nvidia_from_nvidia_smi() {
-    let h = FakeHost::new();
-    h.touch_dev("nvidiactl");
-    h.runner
-        .push("nvidia-smi", CommandOutput::ok(fixture("nvidia-smi.csv")));
-    let gpus = h.detector().detect().await;
+    let h = FakeHost::with_dev("nvidiactl");
+    h.answer("nvidia-smi", "nvidia-smi.csv");
+    let gpus = h.detect().await;
     assert_eq!(gpus.vendor, Some(GpuVendor::Nvidia));
     assert_eq!(gpus.driver_version.as_deref(), Some("570.86.15"));
     assert_eq!(gpus.gpus.len(), 2);
@@ -119,25 +140,19 @@ async fn nvidia_from_nvidia_smi() {
     assert_eq!(gpus.gpus[1].id, "GPU-7a1c9e02-5b3d-4a51-9c0e-1f2d3e4a5b6c");
     assert_eq!(gpus.gpus[1].index, 1);
     // upstream: runner/internal/shim/host/gpu.go (getNvidiaGpuInfo).
-    assert_eq!(
-        args(&h.runner.calls()[0]),
-        [
-            "nvidia-smi",
-            "--query-gpu=name,memory.total,uuid,driver_version",
-            "--format=csv,noheader,nounits"
-        ]
+    h.assert_call(
+        0,
+        "nvidia-smi --query-gpu=name,memory.total,uuid,driver_version \
+         --format=csv,noheader,nounits",
     );
 }
 
 #[tokio::test]
 async fn failing_tool_yields_vendor_without_gpus() {
-    let h = FakeHost::new();
-    h.touch_dev("nvidiactl");
-    h.runner.push(
-        "nvidia-smi",
-        CommandOutput::exit(9, "NVIDIA-SMI has failed"),
-    );
-    let gpus = h.detector().detect().await;
+    let h = FakeHost::with_dev("nvidiactl");
+    let failure = CommandOutput::exit(9, "NVIDIA-SMI has failed");
+    h.runner.push("nvidia-smi", failure);
+    let gpus = h.detect().await;
     assert_eq!(gpus.vendor, Some(GpuVendor::Nvidia));
     assert!(gpus.gpus.is_empty());
     assert!(gpus.driver_version.is_none());
@@ -155,6 +170,7 @@ fn nvidia_parse_errors_and_placeholders() {
     assert!(parse_nvidia_smi("").unwrap().0.is_empty());
 }
 
+/// Render nodes `/dev/dri/renderD<n>`, each linked from `/dev/dri/by-path/pci-<bdf>-render`.
 fn render_nodes(h: &FakeHost, bdfs: &[(&str, u32)]) {
     h.mkdir_dev("dri/by-path");
     for (bdf, n) in bdfs {
@@ -168,63 +184,41 @@ fn render_nodes(h: &FakeHost, bdfs: &[(&str, u32)]) {
 }
 
 /// upstream: runner/internal/shim/host/gpu.go (execAmdSmiStatic).
-const AMD_ARGS: [&str; 13] = [
-    "docker",
-    "run",
-    "--rm",
-    "--device",
-    "/dev/kfd",
-    "--device",
-    "/dev/dri",
-    AMD_SMI_IMAGE,
-    "static",
-    "--json",
-    "--asic",
-    "--vram",
-    "--bus",
-];
+fn amd_smi_call() -> String {
+    format!(
+        "docker run --rm --device /dev/kfd --device /dev/dri {AMD_SMI_IMAGE} \
+         static --json --asic --vram --bus"
+    )
+}
 
 #[tokio::test]
 async fn amd_via_docker_with_fallback_without_driver_option() {
-    let h = FakeHost::new();
-    h.touch_dev("kfd");
+    let h = FakeHost::with_dev("kfd");
     render_nodes(&h, &[("0000:5f:00.0", 128), ("0000:75:00.0", 136)]);
     // An amd-smi that rejects --driver exits non-zero; then it answers without it.
-    h.runner.push(
-        "docker",
-        CommandOutput::exit(2, "unrecognized arguments: --driver"),
-    );
-    h.runner
-        .push("docker", CommandOutput::ok(fixture("amd-smi-rocm6.json")));
-    let gpus = h.detector().detect().await;
+    let rejected = CommandOutput::exit(2, "unrecognized arguments: --driver");
+    h.runner.push("docker", rejected);
+    h.answer("docker", "amd-smi-rocm6.json");
+    let gpus = h.detect().await;
     assert_eq!(gpus.vendor, Some(GpuVendor::Amd));
     assert_eq!(gpus.driver_version, None);
-    let ids: Vec<_> = gpus.gpus.iter().map(|g| g.id.clone()).collect();
+    let ids: Vec<_> = gpus.gpus.iter().map(|g| g.id.as_str()).collect();
     let dri = fs_err::canonicalize(h.dev().join("dri")).unwrap();
-    assert_eq!(
-        ids,
-        vec![
-            dri.join("renderD128").to_string_lossy().into_owned(),
-            dri.join("renderD136").to_string_lossy().into_owned()
-        ]
-    );
+    let node = |name| dri.join(name).to_string_lossy().into_owned();
+    assert_eq!(ids, [node("renderD128"), node("renderD136")]);
     assert_eq!(gpus.gpus[0].name, "AMD Instinct MI300X");
     assert_eq!(gpus.gpus[0].memory_mib, 196_592);
-    let calls = h.runner.calls();
-    assert_eq!(calls.len(), 2);
-    let mut with_driver = AMD_ARGS.to_vec();
-    with_driver.push("--driver");
-    assert_eq!(args(&calls[0]), with_driver);
-    assert_eq!(args(&calls[1]), AMD_ARGS);
+    assert_eq!(h.runner.calls().len(), 2);
+    h.assert_call(0, &format!("{} --driver", amd_smi_call()));
+    h.assert_call(1, &amd_smi_call());
 }
 
 #[tokio::test]
 async fn amd_does_not_retry_when_docker_cannot_run() {
     // upstream: only an amd-smi that exited with an error is retried without --driver.
-    let h = FakeHost::new();
-    h.touch_dev("kfd");
+    let h = FakeHost::with_dev("kfd");
     h.runner.push_spawn_error("docker", "docker: not found");
-    let gpus = h.detector().detect().await;
+    let gpus = h.detect().await;
     assert_eq!(gpus.vendor, Some(GpuVendor::Amd));
     assert!(gpus.gpus.is_empty());
     assert_eq!(h.runner.count("docker"), 1);
@@ -232,12 +226,10 @@ async fn amd_does_not_retry_when_docker_cannot_run() {
 
 #[tokio::test]
 async fn amd_rocm7_object() {
-    let h = FakeHost::new();
-    h.touch_dev("kfd");
+    let h = FakeHost::with_dev("kfd");
     render_nodes(&h, &[("0000:05:00.0", 128)]);
-    h.runner
-        .push("docker", CommandOutput::ok(fixture("amd-smi-rocm7.json")));
-    let gpus = h.detector().detect().await;
+    h.answer("docker", "amd-smi-rocm7.json");
+    let gpus = h.detect().await;
     assert_eq!(gpus.driver_version.as_deref(), Some("6.10.5"));
     assert_eq!(gpus.gpus.len(), 1);
     assert_eq!(gpus.gpus[0].name, "AMD Instinct MI325X");
@@ -258,33 +250,35 @@ fn amd_parse_shapes() {
 #[test]
 fn amd_driver_versions_as_upstream() {
     // upstream: runner/internal/shim/host/gpu_test.go (TestParseAmdSmiOutputWithDriver).
+    // One GPU whose `driver` field is `driver` (no such field when empty).
     let gpu = |driver: &str| {
+        let driver = match driver {
+            "" => String::new(),
+            d => format!(r#", "driver": {d}"#),
+        };
         format!(
             r#"[{{"gpu": 0, "asic": {{"market_name": "MI300X"}}, "vram": {{"size": {{"value": 196592}}}}, "bus": {{"bdf": "0000:05:00.0"}}{driver}}}]"#
         )
     };
     let cases = [
+        (r#"{"name": "amdgpu", "version": "6.10.5"}"#, Some("6.10.5")),
         (
-            r#", "driver": {"name": "amdgpu", "version": "6.10.5"}"#,
+            r#"{"version": "6.10.5", "driver_version": "6.8.5"}"#,
             Some("6.10.5"),
         ),
         (
-            r#", "driver": {"version": "6.10.5", "driver_version": "6.8.5"}"#,
-            Some("6.10.5"),
-        ),
-        (
-            r#", "driver": {"NAME": "amdgpu", "VERSION": "6.12.12"}"#,
+            r#"{"NAME": "amdgpu", "VERSION": "6.12.12"}"#,
             Some("6.12.12"),
         ),
         (
-            r#", "driver": {"driver_name": "amdgpu", "driver_version": "6.8.5"}"#,
+            r#"{"driver_name": "amdgpu", "driver_version": "6.8.5"}"#,
             Some("6.8.5"),
         ),
         ("", None),
-        (r#", "driver": "amdgpu 6.8.5""#, None),
-        (r#", "driver": {"name": "N/A", "version": "N/A"}"#, None),
+        (r#""amdgpu 6.8.5""#, None),
+        (r#"{"name": "N/A", "version": "N/A"}"#, None),
         (
-            r#", "driver": {"version": "N/A", "driver_version": "6.8.5"}"#,
+            r#"{"version": "N/A", "driver_version": "6.8.5"}"#,
             Some("6.8.5"),
         ),
     ];
@@ -295,20 +289,16 @@ fn amd_driver_versions_as_upstream() {
         assert_eq!(got.as_deref(), want, "{driver}");
     }
     let wrapped = format!(r#"{{"gpu_data": {}}}"#, gpu(cases[2].0));
-    assert_eq!(
-        parse_amd_smi(&wrapped).unwrap().1.as_deref(),
-        Some("6.12.12")
-    );
+    let (_, driver) = parse_amd_smi(&wrapped).unwrap();
+    assert_eq!(driver.as_deref(), Some("6.12.12"));
 }
 
 #[tokio::test]
 async fn amd_gpu_without_render_node_is_skipped() {
-    let h = FakeHost::new();
-    h.touch_dev("kfd");
+    let h = FakeHost::with_dev("kfd");
     render_nodes(&h, &[("0000:5f:00.0", 128)]);
-    h.runner
-        .push("docker", CommandOutput::ok(fixture("amd-smi-rocm6.json")));
-    let gpus = h.detector().detect().await;
+    h.answer("docker", "amd-smi-rocm6.json");
+    let gpus = h.detect().await;
     assert_eq!(gpus.gpus.len(), 1);
     assert_eq!(gpus.gpus[0].index, 0);
 }
@@ -317,22 +307,13 @@ async fn amd_gpu_without_render_node_is_skipped() {
 async fn tenstorrent_via_docker_with_the_driver_version_file() {
     let h = FakeHost::new();
     h.mkdir_dev("tenstorrent");
-    h.runner
-        .push("docker", CommandOutput::ok(fixture("tt-smi-n300x2.json")));
-    let gpus = h.detector().detect().await;
+    h.answer("docker", "tt-smi-n300x2.json");
+    let gpus = h.detect().await;
     assert_eq!(gpus.vendor, Some(GpuVendor::Tenstorrent));
     // upstream: runner/internal/shim/host/gpu.go (getTenstorrentGpuInfo).
-    assert_eq!(
-        args(&h.runner.calls()[0]),
-        [
-            "docker",
-            "run",
-            "--rm",
-            "--device",
-            "/dev/tenstorrent",
-            TT_SMI_IMAGE,
-            "-s"
-        ]
+    h.assert_call(
+        0,
+        &format!("docker run --rm --device /dev/tenstorrent {TT_SMI_IMAGE} -s"),
     );
     assert_eq!(gpus.gpus.len(), 2);
     for (i, g) in gpus.gpus.iter().enumerate() {
@@ -344,18 +325,15 @@ async fn tenstorrent_via_docker_with_the_driver_version_file() {
     // not tt-smi's host_info.Driver ("TT-KMD 1.34" in this fixture).
     assert_eq!(gpus.driver_version, None);
     h.tt_driver_version("2.0.0\n");
-    h.runner
-        .push("docker", CommandOutput::ok(fixture("tt-smi-n300x2.json")));
-    assert_eq!(
-        h.detector().detect().await.driver_version.as_deref(),
-        Some("2.0.0")
-    );
+    h.answer("docker", "tt-smi-n300x2.json");
+    assert_eq!(h.detect().await.driver_version.as_deref(), Some("2.0.0"));
 }
 
 fn tt(file: &str) -> Vec<GpuInfo> {
     parse_tt_smi(&fixture(&format!("tenstorrent/{file}"))).unwrap()
 }
 
+/// tt-smi's answer listing boards of (type, board id, bus id), parsed.
 fn tt_devices(devices: &[(&str, &str, &str)]) -> Vec<GpuInfo> {
     let list: Vec<serde_json::Value> = devices
         .iter()
@@ -366,6 +344,7 @@ fn tt_devices(devices: &[(&str, &str, &str)]) -> Vec<GpuInfo> {
     parse_tt_smi(&serde_json::json!({ "device_info": list }).to_string()).unwrap()
 }
 
+/// Each GPU as (name, memory in GiB, id).
 fn summary(gpus: &[GpuInfo]) -> Vec<(String, u64, String)> {
     gpus.iter()
         .map(|g| (g.name.clone(), g.memory_mib / 1024, g.id.clone()))
@@ -376,47 +355,34 @@ fn s(name: &str, gib: u64, id: usize) -> (String, u64, String) {
     (name.to_owned(), gib, id.to_string())
 }
 
+/// `n` GPUs named `name` with `gib` GiB each, ids 0 to n-1.
+fn alike(n: usize, name: &str, gib: u64) -> Vec<(String, u64, String)> {
+    (0..n).map(|i| s(name, gib, i)).collect()
+}
+
 #[test]
 fn tenstorrent_upstream_fixtures() {
     // upstream: runner/internal/shim/host/gpu_test.go (TestGetGpusFromTtSmiSnapshot*), on
     // the fixtures of runner/internal/shim/host/testdata/tenstorrent.
-    assert_eq!(summary(&tt("single_n150_gpu.json")), vec![s("n150", 12, 0)]);
-    assert_eq!(
-        summary(&tt("valid_multiple_devices.json")),
-        (0..4).map(|i| s("n300", 24, i)).collect::<Vec<_>>()
-    );
-    assert_eq!(
-        summary(&tt("galaxy.json")),
-        (0..32)
-            .map(|i| s("tt-galaxy-wh", 12, i))
-            .collect::<Vec<_>>()
-    );
-    assert_eq!(
-        summary(&tt("blackhole_galaxy.json")),
-        (0..32)
-            .map(|i| s("tt-galaxy-bh", 32, i))
-            .collect::<Vec<_>>()
-    );
-    assert_eq!(
-        summary(&tt("blackhole_boards.json")),
-        vec![
-            s("p100a", 28, 0),
-            s("p150", 32, 1),
-            s("p150", 32, 2),
-            s("p300", 32, 3),
-            s("p300", 32, 4),
-        ]
-    );
-    assert_eq!(
-        summary(&tt("blackhole_8xp150.json")),
-        (0..8).map(|i| s("p150", 32, i)).collect::<Vec<_>>()
-    );
-    for empty in [
-        "empty_device_info.json",
-        "missing_device_info.json",
-        "empty_json.json",
+    let blackhole_boards = vec![
+        s("p100a", 28, 0),
+        s("p150", 32, 1),
+        s("p150", 32, 2),
+        s("p300", 32, 3),
+        s("p300", 32, 4),
+    ];
+    for (file, want) in [
+        ("single_n150_gpu.json", alike(1, "n150", 12)),
+        ("valid_multiple_devices.json", alike(4, "n300", 24)),
+        ("galaxy.json", alike(32, "tt-galaxy-wh", 12)),
+        ("blackhole_galaxy.json", alike(32, "tt-galaxy-bh", 32)),
+        ("blackhole_boards.json", blackhole_boards),
+        ("blackhole_8xp150.json", alike(8, "p150", 32)),
+        ("empty_device_info.json", vec![]),
+        ("missing_device_info.json", vec![]),
+        ("empty_json.json", vec![]),
     ] {
-        assert!(tt(empty).is_empty(), "{empty}");
+        assert_eq!(summary(&tt(file)), want, "{file}");
     }
     assert!(parse_tt_smi(&fixture("tenstorrent/invalid_json.json")).is_err());
     assert!(parse_tt_smi(r#"{"device_info": "x"}"#).is_err());
@@ -438,7 +404,7 @@ fn tenstorrent_upstream_synthetic_cases() {
             s("tt-galaxy-wh-custom", 12, 2)
         ]
     );
-    // (…BlackholeRevisions).
+    // (…BlackholeRevisions): three boards each read as p100a, p150 and p300.
     let revisions = tt_devices(&[
         ("bh-scrappy", "0000360000000000", ""),
         ("p100", "0000430000000000", ""),
@@ -450,31 +416,19 @@ fn tenstorrent_upstream_synthetic_cases() {
         ("p300a", "0000450000000000", ""),
         ("p300c", "0000460000000000", ""),
     ]);
-    let names: Vec<(String, u64)> = revisions
+    let names: Vec<_> = revisions
         .iter()
-        .map(|g| (g.name.clone(), g.memory_mib / 1024))
+        .map(|g| (g.name.as_str(), g.memory_mib / 1024))
         .collect();
-    let want: Vec<(String, u64)> = [
-        ("p100a", 28),
-        ("p100a", 28),
-        ("p100a", 28),
-        ("p150", 32),
-        ("p150", 32),
-        ("p150", 32),
-        ("p300", 32),
-        ("p300", 32),
-        ("p300", 32),
-    ]
-    .map(|(n, g)| (n.to_owned(), g))
-    .to_vec();
-    assert_eq!(names, want);
+    let want = [[("p100a", 28); 3], [("p150", 32); 3], [("p300", 32); 3]];
+    assert_eq!(names, want.concat());
     // (…BlackholeP300SameBoardID): two local chips of one board are two GPUs.
     assert_eq!(
         summary(&tt_devices(&[
             ("p300a", "0000450000000000", "0000:01:00.0"),
             ("p300a", "0000450000000000", "0000:02:00.0"),
         ])),
-        vec![s("p300", 32, 0), s("p300", 32, 1)]
+        alike(2, "p300", 32)
     );
     // (…BlackholeP300RemoteChip): a remote chip adds its memory to the local one.
     assert_eq!(
@@ -504,20 +458,14 @@ fn tenstorrent_upstream_synthetic_cases() {
 
 #[tokio::test]
 async fn intel_from_hl_smi() {
-    let h = FakeHost::new();
-    h.touch_dev("accel");
-    h.runner
-        .push("hl-smi", CommandOutput::ok(fixture("hl-smi.csv")));
-    let gpus = h.detector().detect().await;
+    let h = FakeHost::with_dev("accel");
+    h.answer("hl-smi", "hl-smi.csv");
+    let gpus = h.detect().await;
     assert_eq!(gpus.vendor, Some(GpuVendor::Intel));
     // upstream: runner/internal/shim/host/gpu.go (getIntelGpuInfo): three fields, no driver.
-    assert_eq!(
-        args(&h.runner.calls()[0]),
-        [
-            "hl-smi",
-            "--query-aip=name,memory.total,index",
-            "--format=csv,noheader,nounits"
-        ]
+    h.assert_call(
+        0,
+        "hl-smi --query-aip=name,memory.total,index --format=csv,noheader,nounits",
     );
     assert_eq!(gpus.driver_version, None);
     let ids: Vec<_> = gpus.gpus.iter().map(|g| g.id.as_str()).collect();
@@ -527,11 +475,14 @@ async fn intel_from_hl_smi() {
     assert!(parse_hl_smi("HL-205, 32768, 0, 1.19\n").is_err());
 }
 
+/// No GPU ids.
+const NONE: &[String] = &[];
+
 #[test]
 fn lock_acquire_counts() {
     let host = HostGpus::fake_nvidia(4);
     let lock = GpuLock::for_host(&host);
-    assert_eq!(lock.acquire(0).unwrap(), Vec::<String>::new());
+    assert_eq!(lock.acquire(0).unwrap(), NONE);
     let a = lock.acquire(3).unwrap();
     assert_eq!(a, host.ids()[..3]);
     // Not enough: error, nothing locked.
@@ -554,7 +505,7 @@ fn lock_acquire_counts() {
     // -1: all free ones.
     let b = lock.acquire(-1).unwrap();
     assert_eq!(b, host.ids()[3..]);
-    assert_eq!(lock.acquire(-1).unwrap(), Vec::<String>::new());
+    assert_eq!(lock.acquire(-1).unwrap(), NONE);
     assert!(matches!(
         lock.acquire(-2),
         Err(ResourcesError::InvalidGpuCount { .. })
@@ -574,14 +525,8 @@ fn the_lock_places_by_interconnect() {
     let host = HostGpus::fake_nvidia(4);
     let ids = host.ids();
     let lock = GpuLock::for_host(&host);
-    let matrix = fs_err::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("testdata/gpu/topo/a30-nvlink-pairs-4gpu.txt"),
-    )
-    .unwrap();
-    lock.set_topology(Some(
-        shim_resources::gpu::parse_nvidia_topo(&matrix).unwrap(),
-    ));
+    let matrix = fixture("topo/a30-nvlink-pairs-4gpu.txt");
+    lock.set_topology(Some(parse_nvidia_topo(&matrix).unwrap()));
     assert_eq!(lock.lock(&ids[..1]), ids[..1]);
     let pair = lock.acquire(2).unwrap();
     assert_eq!(
@@ -605,14 +550,12 @@ fn unhealthy_gpus_are_kept_out_of_new_tasks() {
     let lock = GpuLock::for_host(&host);
     let held = lock.acquire(1).unwrap();
     assert_eq!(held, ids[..1]);
+    let bad = |id: &str, why: &str| (id.to_owned(), vec![why.to_owned()]);
     lock.set_unhealthy(
         [
-            (
-                ids[0].clone(),
-                vec!["XID 79 (GPU has fallen off the bus)".to_owned()],
-            ),
-            (ids[1].clone(), vec!["retired pages pending".to_owned()]),
-            ("GPU-not-here".to_owned(), vec!["x".to_owned()]),
+            bad(&ids[0], "XID 79 (GPU has fallen off the bus)"),
+            bad(&ids[1], "retired pages pending"),
+            bad("GPU-not-here", "x"),
         ]
         .into(),
     );
@@ -627,11 +570,8 @@ fn unhealthy_gpus_are_kept_out_of_new_tasks() {
             ids[1]
         )
     );
-    assert_eq!(
-        lock.acquire(-1).unwrap(),
-        ids[2..],
-        "all the healthy free ones"
-    );
+    let all_free = lock.acquire(-1).unwrap();
+    assert_eq!(all_free, ids[2..], "all the healthy free ones");
     lock.release(&ids[2..]);
     lock.set_unhealthy(Default::default());
     assert_eq!(lock.acquire(2).unwrap(), ids[1..]);
@@ -640,8 +580,8 @@ fn unhealthy_gpus_are_kept_out_of_new_tasks() {
 #[test]
 fn lock_on_host_without_gpus() {
     let lock = GpuLock::for_host(&HostGpus::none());
-    assert_eq!(lock.acquire(-1).unwrap(), Vec::<String>::new());
-    assert_eq!(lock.acquire(0).unwrap(), Vec::<String>::new());
+    assert_eq!(lock.acquire(-1).unwrap(), NONE);
+    assert_eq!(lock.acquire(0).unwrap(), NONE);
     assert!(lock.acquire(1).is_err());
     assert!(HostGpus::fake_nvidia(0).gpus.is_empty());
 }

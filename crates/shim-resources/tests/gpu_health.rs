@@ -5,9 +5,10 @@
 //! invented UUIDs and serials; every fault in them was written in, as said at each test.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // a test file: panics are failures
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use serde_json::json;
 use shim_resources::gpu::health::{
     DEFAULT_SKIPPED_XIDS, GpuHealth, GpuHealthReport, GpuRef, KernelLog, Kmsg, PciAddress,
     UnhealthyReason, XidEvent, XidLine, XidMonitor, XidPolicy, XidTracker,
@@ -20,6 +21,10 @@ use shim_util::fake::ScriptedCommandRunner;
 const GPU0: &str = "GPU-5f3e2b1a-7c4d-4e8f-9a0b-1c2d3e4f5a6b";
 const GPU1: &str = "GPU-0a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d";
 
+/// No errors, no GPU ids.
+const NONE: &[String] = &[];
+
+/// `testdata/gpu/health/<name>`.
 fn fixture(name: &str) -> String {
     let p = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("testdata/gpu/health")
@@ -27,12 +32,39 @@ fn fixture(name: &str) -> String {
     fs_err::read_to_string(p).unwrap()
 }
 
+/// The first line of `text` that contains `needle`.
+fn line_with<'a>(text: &'a str, needle: &str) -> &'a str {
+    let line = text.lines().find(|l| l.contains(needle));
+    line.unwrap_or_else(|| panic!("no line with {needle:?}"))
+}
+
 /// The two A100s of `nvidia-smi-q-a100x2.txt`.
 fn a100s() -> Vec<GpuHealth> {
     parse_nvidia_smi_query(&fixture("nvidia-smi-q-a100x2.txt")).unwrap()
 }
 
-fn tracker(policy: XidPolicy) -> XidTracker {
+fn healthy(uuid: &str, index: u32, bus_id: &str) -> GpuHealth {
+    GpuHealth {
+        uuid: uuid.to_owned(),
+        index,
+        bus_id: bus_id.to_owned(),
+        reasons: vec![],
+    }
+}
+
+fn report(gpus: Vec<GpuHealth>) -> GpuHealthReport {
+    GpuHealthReport {
+        gpus,
+        errors: vec![],
+    }
+}
+
+/// A tracker with the default policy that knows the A100s.
+fn tracker() -> XidTracker {
+    tracker_with(XidPolicy::default())
+}
+
+fn tracker_with(policy: XidPolicy) -> XidTracker {
     let mut t = XidTracker::new(policy);
     t.learn(&a100s());
     t
@@ -40,6 +72,14 @@ fn tracker(policy: XidPolicy) -> XidTracker {
 
 fn xid(code: u32, message: &str) -> UnhealthyReason {
     UnhealthyReason::Xid {
+        code,
+        message: message.to_owned(),
+    }
+}
+
+fn xid_line(pci: &str, code: u32, message: &str) -> XidLine {
+    XidLine {
+        pci: PciAddress::parse(pci).unwrap(),
         code,
         message: message.to_owned(),
     }
@@ -57,18 +97,8 @@ fn healthy_output_has_no_reasons() {
     assert_eq!(
         gpus,
         [
-            GpuHealth {
-                uuid: GPU0.to_owned(),
-                index: 0,
-                bus_id: "00000000:3B:00.0".to_owned(),
-                reasons: vec![],
-            },
-            GpuHealth {
-                uuid: GPU1.to_owned(),
-                index: 1,
-                bus_id: "00000000:5E:00.0".to_owned(),
-                reasons: vec![],
-            },
+            healthy(GPU0, 0, "00000000:3B:00.0"),
+            healthy(GPU1, 1, "00000000:5E:00.0"),
         ]
     );
     assert!(gpus.iter().all(GpuHealth::is_healthy));
@@ -162,27 +192,23 @@ fn xid_line_shapes() {
     // https://docs.nvidia.com/deploy/a100-gpu-mem-error-mgmt/user-visible-statistics.html, the
     // `pid='<unknown>', name=<unknown>` of
     // https://github.com/leptonai/gpud/blob/4a8de33a3f02e207f39e9023d67125592d599731/components/accelerator/nvidia/sxid/README.md
-    let pci = |s| PciAddress::parse(s).unwrap();
     let kmsg = fixture("kmsg-xids.txt");
-    let line = kmsg.lines().find(|l| l.contains("): 79,")).unwrap();
-    assert_eq!(
-        parse_xid_line(line),
-        Some(XidLine {
-            pci: pci("0000:5e:00"),
-            code: 79,
-            message: "GPU has fallen off the bus".to_owned(),
-        })
-    );
-    let line = kmsg.lines().find(|l| l.contains("): 109,")).unwrap();
-    assert_eq!(
-        parse_xid_line(line).unwrap().message,
-        "Ch 00000010, errorString CTX SWITCH TIMEOUT, Info 0x2c014"
-    );
-    let line = kmsg.lines().find(|l| l.contains("): 13,")).unwrap();
-    assert_eq!(
-        parse_xid_line(line).unwrap().message,
-        "Graphics SM Warp Exception on (GPC 0, TPC 0, SM 0): Out Of Range Address"
-    );
+    for (pci, code, message) in [
+        ("0000:5e:00", 79, "GPU has fallen off the bus"),
+        (
+            "0000:3b:00",
+            109,
+            "Ch 00000010, errorString CTX SWITCH TIMEOUT, Info 0x2c014",
+        ),
+        (
+            "0000:3b:00",
+            13,
+            "Graphics SM Warp Exception on (GPC 0, TPC 0, SM 0): Out Of Range Address",
+        ),
+    ] {
+        let line = line_with(&kmsg, &format!("): {code},"));
+        assert_eq!(parse_xid_line(line), Some(xid_line(pci, code, message)));
+    }
 
     let dmesg: Vec<XidLine> = fixture("dmesg-xids.txt")
         .lines()
@@ -191,26 +217,23 @@ fn xid_line_shapes() {
     assert_eq!(
         dmesg,
         [
-            XidLine {
-                pci: pci("0000:3b:00"),
-                code: 94,
-                message: "Contained: CE User Channel (0x9). RST: No, D-RST: No".to_owned(),
-            },
+            xid_line(
+                "0000:3b:00",
+                94,
+                "Contained: CE User Channel (0x9). RST: No, D-RST: No"
+            ),
             // MIG: the parent GPU's address.
-            XidLine {
-                pci: pci("0000:5e:00"),
-                code: 63,
-                message: "Row Remapper: New row marked for remapping, reset gpu to activate"
-                    .to_owned(),
-            },
+            xid_line(
+                "0000:5e:00",
+                63,
+                "Row Remapper: New row marked for remapping, reset gpu to activate"
+            ),
             // No `PCI:` tag.
-            XidLine {
-                pci: pci("0000:3b:00"),
-                code: 74,
-                message: "NVLink: fatal error detected on link 3(0x0, 0x0, 0x10000, 0x0, 0x0, \
-                          0x0, 0x0)"
-                    .to_owned(),
-            },
+            xid_line(
+                "0000:3b:00",
+                74,
+                "NVLink: fatal error detected on link 3(0x0, 0x0, 0x10000, 0x0, 0x0, 0x0, 0x0)"
+            ),
         ]
     );
 
@@ -229,7 +252,7 @@ fn xid_line_shapes() {
 
 #[test]
 fn xid_79_on_a_known_bus_marks_that_gpu() {
-    let mut t = tracker(XidPolicy::default());
+    let mut t = tracker();
     let events = t.scan(&fixture("kmsg-xids.txt"));
     // The application XIDs on GPU 0 are skipped; XID 48 on 0000:af:00 (no known GPU) is
     // logged and ignored.
@@ -249,10 +272,7 @@ fn xid_79_on_a_known_bus_marks_that_gpu() {
         "XID 79 (GPU has fallen off the bus)"
     );
 
-    let mut report = GpuHealthReport {
-        gpus: a100s(),
-        errors: vec![],
-    };
+    let mut report = report(a100s());
     t.apply(&mut report);
     assert!(report.get(GPU0).unwrap().is_healthy());
     assert_eq!(report.unhealthy_ids(), [GPU1]);
@@ -263,29 +283,21 @@ fn application_xids_are_skipped_by_default() {
     assert_eq!(DEFAULT_SKIPPED_XIDS, [13, 31, 43, 45, 68, 109]);
     let kmsg = fixture("kmsg-xids.txt");
     for code in DEFAULT_SKIPPED_XIDS {
-        let line = kmsg
-            .lines()
-            .find(|l| l.contains(&format!("): {code}, ")))
-            .unwrap();
-        let mut t = tracker(XidPolicy::default());
+        let line = line_with(&kmsg, &format!("): {code}, "));
+        let mut t = tracker();
         assert_eq!(t.scan(line), [], "XID {code}");
         assert!(t.reasons().is_empty(), "XID {code}");
         // Another code in the same record counts.
         let other = line.replace(&format!("): {code}, "), "): 48, ");
-        assert_eq!(
-            tracker(XidPolicy::default()).scan(&other).len(),
-            1,
-            "{other}"
-        );
+        assert_eq!(tracker().scan(&other).len(), 1, "{other}");
     }
 }
 
 #[test]
 fn an_xid_on_an_unknown_bus_is_ignored() {
     let kmsg = fixture("kmsg-xids.txt");
-    let line = kmsg.lines().find(|l| l.contains("PCI:0000:af:00")).unwrap();
-    let mut t = tracker(XidPolicy::default());
-    assert_eq!(t.scan(line), []);
+    let mut t = tracker();
+    assert_eq!(t.scan(line_with(&kmsg, "PCI:0000:af:00")), []);
     assert!(t.reasons().is_empty());
     // A tracker that knows no GPU ignores every XID.
     let mut blind = XidTracker::new(XidPolicy::default());
@@ -298,16 +310,11 @@ fn operator_skip_list() {
     assert!(!policy.counts(79) && !policy.counts(48) && !policy.counts(13));
     assert!(policy.counts(94));
     assert_eq!(policy.skipped(), [13, 31, 43, 45, 48, 68, 79, 109]);
-    let mut t = tracker(policy);
+    let mut t = tracker_with(policy);
     assert_eq!(t.scan(&fixture("kmsg-xids.txt")), []);
     let events = t.scan(&fixture("dmesg-xids.txt"));
-    assert_eq!(
-        events
-            .iter()
-            .map(|e| (e.uuid.as_str(), e.code))
-            .collect::<Vec<_>>(),
-        [(GPU0, 94), (GPU1, 63), (GPU0, 74)]
-    );
+    let events: Vec<_> = events.iter().map(|e| (e.uuid.as_str(), e.code)).collect();
+    assert_eq!(events, [(GPU0, 94), (GPU1, 63), (GPU0, 74)]);
 
     assert_eq!(XidPolicy::skipping([79]), XidPolicy::parse_skip_list("79"));
     for off in ["all", "XIDs", "48,all"] {
@@ -321,11 +328,11 @@ fn operator_skip_list() {
 #[test]
 fn a_record_read_twice_counts_once() {
     let kmsg = fixture("kmsg-xids.txt");
-    let mut t = tracker(XidPolicy::default());
+    let mut t = tracker();
     assert_eq!(t.scan(&kmsg).len(), 1);
     // The same records again (a new reader of /dev/kmsg starts at the oldest): nothing new.
     assert_eq!(t.scan(&kmsg), []);
-    let line = kmsg.lines().find(|l| l.contains("): 79,")).unwrap();
+    let line = line_with(&kmsg, "): 79,");
     assert_eq!(t.scan(line), []);
     // A later record with the same XID is new; the reason stays single.
     let later = line.replace("4,1388,120400015,", "4,1390,130000000,");
@@ -334,7 +341,7 @@ fn a_record_read_twice_counts_once() {
 
     // dmesg lines: the timestamp is the cursor; the same line twice counts once, another
     // line of the same microsecond counts.
-    let mut t = tracker(XidPolicy::default());
+    let mut t = tracker();
     let line = "[ 9123.456789] NVRM: Xid (PCI:0000:3b:00): 94, pid=7194, Contained: x";
     assert_eq!(t.scan(line).len(), 1);
     assert_eq!(t.scan(&format!("{line}\n{line}\n")), []);
@@ -347,7 +354,7 @@ fn a_record_read_twice_counts_once() {
 #[test]
 fn a_driver_load_clears_the_xids_and_an_operator_can() {
     let kmsg = fixture("kmsg-xids.txt");
-    let mut t = tracker(XidPolicy::default());
+    let mut t = tracker();
     t.scan(&kmsg);
     assert!(!t.reasons().is_empty());
     let reload = "6,2000,900000000,-;NVRM: loading NVIDIA UNIX Open Kernel Module for x86_64  \
@@ -358,7 +365,7 @@ fn a_driver_load_clears_the_xids_and_an_operator_can() {
     // Records before the load stay read.
     assert_eq!(t.scan(&kmsg), []);
 
-    let mut t = tracker(XidPolicy::default());
+    let mut t = tracker();
     t.scan(&kmsg);
     assert!(!t.clear(GPU0));
     assert!(t.clear(GPU1));
@@ -374,30 +381,22 @@ fn a_driver_load_clears_the_xids_and_an_operator_can() {
 fn a_gpu_learnt_once_keeps_its_xids_when_missing_from_the_report() {
     // A GPU that fell off the bus may be missing from the next nvidia-smi: its XIDs still
     // find it, and the report lists it.
-    let mut t = tracker(XidPolicy::default());
+    let mut t = tracker();
     t.scan(&fixture("kmsg-xids.txt"));
-    let mut report = GpuHealthReport {
-        gpus: a100s().into_iter().take(1).collect(),
-        errors: vec![],
-    };
+    let mut report = report(a100s().into_iter().take(1).collect());
     t.apply(&mut report);
     assert_eq!(report.gpus.len(), 2);
     assert_eq!(report.gpus[1].uuid, GPU1);
     assert_eq!(report.gpus[1].bus_id, "00000000:5E:00.0");
-    assert_eq!(
-        report.gpus[1].reasons,
-        [xid(79, "GPU has fallen off the bus")]
-    );
+    let fell_off = xid(79, "GPU has fallen off the bus");
+    assert_eq!(report.gpus[1].reasons, [fell_off]);
 }
 
 // --------------------------------------------------------------------------- report and DCGM
 
 #[test]
 fn dcgm_incidents_join_the_report_by_index_or_uuid() {
-    let mut report = GpuHealthReport {
-        gpus: a100s(),
-        errors: vec![],
-    };
+    let mut report = report(a100s());
     let memory = UnhealthyReason::dcgm("memory", "GPU 1 had uncorrectable memory errors");
     assert!(report.add_reason(GpuRef::Index(1), memory.clone()));
     assert!(report.add_reason(GpuRef::Uuid(GPU1), memory.clone()));
@@ -414,37 +413,51 @@ fn dcgm_incidents_join_the_report_by_index_or_uuid() {
     assert_eq!(report.unhealthy().count(), 1);
 }
 
+/// Asserts that `reason` is `wire` in JSON, both ways.
+#[track_caller]
+fn assert_on_the_wire(reason: UnhealthyReason, wire: serde_json::Value) {
+    assert_eq!(serde_json::to_value(&reason).unwrap(), wire);
+    let back: UnhealthyReason = serde_json::from_value(wire).unwrap();
+    assert_eq!(back, reason);
+}
+
 #[test]
 fn reasons_on_the_wire() {
-    let json = |r: &UnhealthyReason| serde_json::to_value(r).unwrap();
-    assert_eq!(
-        json(&xid(79, "GPU has fallen off the bus")),
-        serde_json::json!({"kind": "xid", "code": 79, "message": "GPU has fallen off the bus"})
+    use UnhealthyReason::{RetiredPagesPending, RowRemapFailure, RowRemapPending};
+    assert_on_the_wire(
+        xid(79, "GPU has fallen off the bus"),
+        json!({"kind": "xid", "code": 79, "message": "GPU has fallen off the bus"}),
     );
-    assert_eq!(
-        json(&UnhealthyReason::RowRemapPending),
-        serde_json::json!({"kind": "row_remap_pending"})
+    assert_on_the_wire(
+        UnhealthyReason::dcgm("PCIe", "x"),
+        json!({"kind": "dcgm", "system": "PCIe", "message": "x"}),
     );
-    assert_eq!(
-        json(&UnhealthyReason::RetiredPagesPending),
-        serde_json::json!({"kind": "retired_pages_pending"})
-    );
-    assert_eq!(
-        json(&UnhealthyReason::dcgm("PCIe", "x")),
-        serde_json::json!({"kind": "dcgm", "system": "PCIe", "message": "x"})
-    );
-    let back: UnhealthyReason =
-        serde_json::from_value(serde_json::json!({"kind": "row_remap_failure"})).unwrap();
-    assert_eq!(back, UnhealthyReason::RowRemapFailure);
+    for (reason, kind) in [
+        (RowRemapPending, "row_remap_pending"),
+        (RowRemapFailure, "row_remap_failure"),
+        (RetiredPagesPending, "retired_pages_pending"),
+    ] {
+        assert_on_the_wire(reason, json!({ "kind": kind }));
+    }
     assert_eq!(xid(43, "").to_string(), "XID 43");
 }
 
 // ------------------------------------------------------------------------------------ probe
 
+/// A monitor of the kernel log at `kmsg`.
+fn monitor(kmsg: &Path, policy: XidPolicy) -> XidMonitor {
+    XidMonitor::new(Arc::new(Kmsg::at(kmsg)), policy)
+}
+
+/// `nvidia-smi -q` printing the fixture `name`.
+fn smi_q(name: &str) -> CommandOutput {
+    CommandOutput::ok(fixture(name))
+}
+
 /// A kernel log file the test appends records to.
 struct LogFile {
     _dir: tempfile::TempDir,
-    path: std::path::PathBuf,
+    path: PathBuf,
 }
 
 impl LogFile {
@@ -460,23 +473,21 @@ impl LogFile {
         fs_err::write(&self.path, format!("{old}{text}")).unwrap();
     }
 
-    fn monitor(&self, policy: XidPolicy) -> XidMonitor {
-        XidMonitor::new(Arc::new(Kmsg::at(&self.path)), policy)
+    /// A monitor of this log with the default policy.
+    fn monitor(&self) -> XidMonitor {
+        monitor(&self.path, XidPolicy::default())
     }
 }
 
 #[tokio::test]
 async fn probe_reports_nvidia_smi_reasons_and_xids() {
     let runner = ScriptedCommandRunner::new();
-    runner.push(
-        "nvidia-smi",
-        CommandOutput::ok(fixture("nvidia-smi-q-a100x2-row-remap.txt")),
-    );
+    runner.push("nvidia-smi", smi_q("nvidia-smi-q-a100x2-row-remap.txt"));
     let log = LogFile::new(&fixture("kmsg-xids.txt"));
-    let xids = log.monitor(XidPolicy::default());
+    let xids = log.monitor();
     let report = probe_nvidia_health(&runner, &xids).await;
     assert_eq!(runner.calls(), [["nvidia-smi", "-q"]]);
-    assert_eq!(report.errors, Vec::<String>::new());
+    assert_eq!(report.errors, NONE);
     assert_eq!(report.gpus.len(), 2);
     assert_eq!(report.gpus[0].reasons, [UnhealthyReason::RowRemapFailure]);
     assert_eq!(
@@ -488,25 +499,19 @@ async fn probe_reports_nvidia_smi_reasons_and_xids() {
     );
 
     // Recovery: the GPUs were reset and the driver reloaded; nvidia-smi shows them clean.
-    runner.push(
-        "nvidia-smi",
-        CommandOutput::ok(fixture("nvidia-smi-q-a100x2.txt")),
-    );
+    runner.push("nvidia-smi", smi_q("nvidia-smi-q-a100x2.txt"));
     log.append("6,5000,999000000,-;NVRM: loading NVIDIA UNIX x86_64 Kernel Module  535.129.03\n");
     let report = probe_nvidia_health(&runner, &xids).await;
-    assert_eq!(report.errors, Vec::<String>::new());
-    assert_eq!(report.unhealthy_ids(), Vec::<String>::new());
+    assert_eq!(report.errors, NONE);
+    assert_eq!(report.unhealthy_ids(), NONE);
 }
 
 #[tokio::test]
 async fn probe_counts_an_xid_once_across_probes() {
     let runner = ScriptedCommandRunner::new();
-    runner.always(
-        "nvidia-smi",
-        CommandOutput::ok(fixture("nvidia-smi-q-a100x2.txt")),
-    );
+    runner.always("nvidia-smi", smi_q("nvidia-smi-q-a100x2.txt"));
     let log = LogFile::new(&fixture("kmsg-xids.txt"));
-    let xids = log.monitor(XidPolicy::default());
+    let xids = log.monitor();
     probe_nvidia_health(&runner, &xids).await;
     // Only records written after the first probe are new.
     assert_eq!(xids.poll().await.unwrap(), []);
@@ -516,10 +521,8 @@ async fn probe_counts_an_xid_once_across_probes() {
     assert_eq!(events[0].uuid, GPU0);
     let report = probe_nvidia_health(&runner, &xids).await;
     assert_eq!(report.unhealthy_ids(), [GPU0, GPU1]);
-    assert_eq!(
-        report.get(GPU0).unwrap().reasons,
-        [xid(94, "Contained: SM (0x1)")]
-    );
+    let contained = xid(94, "Contained: SM (0x1)");
+    assert_eq!(report.get(GPU0).unwrap().reasons, [contained]);
     // An operator puts GPU 1 back; the record is not read again.
     assert!(xids.clear(GPU1));
     let report = probe_nvidia_health(&runner, &xids).await;
@@ -529,75 +532,53 @@ async fn probe_counts_an_xid_once_across_probes() {
 #[tokio::test]
 async fn probe_with_failing_nvidia_smi_still_reports_xids() {
     let runner = ScriptedCommandRunner::new();
-    runner.push(
-        "nvidia-smi",
-        CommandOutput::ok(fixture("nvidia-smi-q-a100x2.txt")),
-    );
+    runner.push("nvidia-smi", smi_q("nvidia-smi-q-a100x2.txt"));
     let log = LogFile::new("");
-    let xids = log.monitor(XidPolicy::default());
+    let xids = log.monitor();
     let report = probe_nvidia_health(&runner, &xids).await;
-    assert_eq!(report.unhealthy_ids(), Vec::<String>::new());
+    assert_eq!(report.unhealthy_ids(), NONE);
 
     // GPU 1 falls off the bus; nvidia-smi now fails.
     log.append(&fixture("kmsg-xids.txt"));
-    runner.push(
-        "nvidia-smi",
-        CommandOutput::exit(
-            255,
-            "Unable to determine the device handle for GPU0000:5E:00.0: Unknown Error",
-        ),
-    );
+    let failure = "Unable to determine the device handle for GPU0000:5E:00.0: Unknown Error";
+    runner.push("nvidia-smi", CommandOutput::exit(255, failure));
     let report = probe_nvidia_health(&runner, &xids).await;
-    assert_eq!(report.errors.len(), 1, "{:?}", report.errors);
-    assert!(
-        report.errors[0].starts_with("nvidia-smi -q failed"),
-        "{:?}",
-        report.errors
-    );
-    assert!(report.errors[0].contains("Unknown Error"));
+    let errors = &report.errors;
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].starts_with("nvidia-smi -q failed"), "{errors:?}");
+    assert!(errors[0].contains("Unknown Error"));
     assert_eq!(report.gpus.len(), 1);
     assert_eq!(report.gpus[0].uuid, GPU1);
-    assert_eq!(
-        report.gpus[0].reasons,
-        [xid(79, "GPU has fallen off the bus")]
-    );
+    let fell_off = xid(79, "GPU has fallen off the bus");
+    assert_eq!(report.gpus[0].reasons, [fell_off]);
 
     // nvidia-smi cannot even start.
     runner.push_spawn_error("nvidia-smi", "No such file or directory");
     let report = probe_nvidia_health(&runner, &xids).await;
-    assert_eq!(
-        report.errors,
-        ["cannot run nvidia-smi: No such file or directory"]
-    );
+    let cannot_run = "cannot run nvidia-smi: No such file or directory";
+    assert_eq!(report.errors, [cannot_run]);
     assert_eq!(report.unhealthy_ids(), [GPU1]);
 }
 
 #[tokio::test]
 async fn probe_with_unreadable_kernel_log_reports_nvidia_smi() {
     let runner = ScriptedCommandRunner::new();
-    runner.always(
-        "nvidia-smi",
-        CommandOutput::ok(fixture("nvidia-smi-q-v100-retired-pending.txt")),
-    );
+    runner.always("nvidia-smi", smi_q("nvidia-smi-q-v100-retired-pending.txt"));
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("no-kmsg");
-    let xids = XidMonitor::new(Arc::new(Kmsg::at(&missing)), XidPolicy::default());
+    let xids = monitor(&missing, XidPolicy::default());
     let report = probe_nvidia_health(&runner, &xids).await;
-    assert_eq!(report.errors.len(), 1);
-    assert!(
-        report.errors[0].starts_with(&format!("open {}", missing.display())),
-        "{:?}",
-        report.errors
-    );
-    assert_eq!(
-        report.gpus[0].reasons,
-        [UnhealthyReason::RetiredPagesPending]
-    );
+    let errors = &report.errors;
+    assert_eq!(errors.len(), 1);
+    let open_error = format!("open {}", missing.display());
+    assert!(errors[0].starts_with(&open_error), "{errors:?}");
+    let retired = UnhealthyReason::RetiredPagesPending;
+    assert_eq!(report.gpus[0].reasons, [retired]);
 
     // With XID checks off, the log is not read at all.
-    let xids = XidMonitor::new(Arc::new(Kmsg::at(&missing)), XidPolicy::disabled());
+    let xids = monitor(&missing, XidPolicy::disabled());
     let report = probe_nvidia_health(&runner, &xids).await;
-    assert_eq!(report.errors, Vec::<String>::new());
+    assert_eq!(report.errors, NONE);
 }
 
 #[tokio::test]

@@ -1,29 +1,19 @@
 //! authorized_keys against real files in temporary homes (no root needed).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // a test file: panics are failures
 
+mod common;
+
 use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use common::require_root;
 use shim_resources::keys::{MARKER, Rewrite, marked_line, parse_marked_line, render};
 use shim_resources::{
     AuthorizedKeys, AuthorizedKeysManager, ResourcesError, StaticUserDb, UserDb as _,
 };
 use shim_task::{PublicKey, TaskId};
-
-/// The first statement of a test that needs root (loop devices, mounts), which also carries the
-/// workspace's root `#[ignore]` reason: panics unless `SHIM_TEST_ROOT=1`, so that the test, run
-/// on purpose without its environment, fails instead of passing (the local copy of
-/// `shim_e2e::require_root`: this crate's tests do not depend on `shim-e2e`).
-#[track_caller]
-fn require_root() {
-    assert!(
-        std::env::var("SHIM_TEST_ROOT").is_ok_and(|v| v == "1"),
-        "this test needs root (loop devices, mounts): run it as root and set SHIM_TEST_ROOT=1 \
-         (SHIM_TEST_ROOT is not 1)"
-    );
-}
 
 // Generated with ssh-keygen; fingerprints as `ssh-keygen -l` printed them.
 const K1: &str =

@@ -3,28 +3,20 @@
 //! and then need `SHIM_TEST_ROOT=1` and fail loudly if any of it is missing.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // a test file: panics are failures
 
+mod common;
+
 use std::os::unix::fs::PermissionsExt as _;
+use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-use shim_resources::volumes::Probe;
+use common::require_root;
+use shim_resources::volumes::{Probe, is_mount_point_in};
 use shim_resources::{BlockVolumes, ResourcesError, VolumeConfig, VolumeManager};
 use shim_task::{MountedVolume, TaskName, VolumeBackend, VolumeSpec};
-use shim_util::SystemCommandRunner;
-
-/// The first statement of a test that needs root (loop devices, mounts), which also carries the
-/// workspace's root `#[ignore]` reason: panics unless `SHIM_TEST_ROOT=1`, so that the test, run
-/// on purpose without its environment, fails instead of passing (the local copy of
-/// `shim_e2e::require_root`: this crate's tests do not depend on `shim-e2e`).
-#[track_caller]
-fn require_root() {
-    assert!(
-        std::env::var("SHIM_TEST_ROOT").is_ok_and(|v| v == "1"),
-        "this test needs root (loop devices, mounts): run it as root and set SHIM_TEST_ROOT=1 \
-         (SHIM_TEST_ROOT is not 1)"
-    );
-}
+use shim_util::{CommandRunner, SystemCommandRunner};
 
 fn run(program: &str, args: &[&str]) -> String {
     let out = Command::new(program)
@@ -37,6 +29,17 @@ fn run(program: &str, args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// A GCP volume spec named `name` on the disk GCP calls `device_name`.
+fn gcp_spec(name: &str, device_name: &str, init_fs: bool) -> VolumeSpec {
+    VolumeSpec {
+        backend: VolumeBackend::Gcp,
+        name: TaskName::new(name).unwrap(),
+        volume_id: String::new(),
+        init_fs,
+        device_name: device_name.to_owned(),
+    }
 }
 
 /// A loop device over a temporary file, with a volumes root and a GCP-style by-id dir linking
@@ -59,68 +62,71 @@ fn write_mbr(img: &Path) {
 }
 
 impl Loop {
-    fn new(size_mib: u64, prepare_file: impl FnOnce(&Path)) -> Self {
+    /// A `size_mib` MiB file, written by `prepare_file`, attached by `losetup` with `flags`.
+    fn new(size_mib: u64, prepare_file: impl FnOnce(&Path), flags: &[&str]) -> Self {
         let tmp = tempfile::tempdir().unwrap();
         let img = tmp.path().join("disk.img");
         let f = fs_err::File::create(&img).unwrap();
         f.set_len(size_mib * 1024 * 1024).unwrap();
         drop(f);
         prepare_file(&img);
-        let dev = PathBuf::from(run("losetup", &["-f", "--show", img.to_str().unwrap()]));
-        fs_err::create_dir(tmp.path().join("by-id")).unwrap();
-        std::os::unix::fs::symlink(&dev, tmp.path().join("by-id/google-test-disk")).unwrap();
-        Self { tmp, dev }
+        let args = [flags, &["-f", "--show", img.to_str().unwrap()]].concat();
+        let dev = PathBuf::from(run("losetup", &args));
+        let lp = Self { tmp, dev };
+        fs_err::create_dir(lp.by_id_dir()).unwrap();
+        symlink(&lp.dev, lp.by_id("google-test-disk")).unwrap();
+        lp
     }
 
     /// A 32 MiB disk with an MBR and one partition (`write_mbr`), attached with its partitions
     /// scanned, and linked as GCP's udev rules link one: `google-test-disk` to the disk and
     /// `google-test-disk-part1` to its first partition, whose device this returns too.
     fn partitioned() -> (Self, PathBuf) {
-        let tmp = tempfile::tempdir().unwrap();
-        let img = tmp.path().join("disk.img");
-        let f = fs_err::File::create(&img).unwrap();
-        f.set_len(32 * 1024 * 1024).unwrap();
-        drop(f);
-        write_mbr(&img);
-        let dev = PathBuf::from(run(
-            "losetup",
-            &["-P", "-f", "--show", img.to_str().unwrap()],
-        ));
-        let part = PathBuf::from(format!("{}p1", dev.display()));
+        let lp = Self::new(32, write_mbr, &["-P"]);
+        let part = PathBuf::from(format!("{}p1", lp.dev.display()));
         // The kernel's scan at attach time does not always add the partition: ask again.
         if !part.exists() {
-            run("partx", &["-a", dev.to_str().unwrap()]);
+            run("partx", &["-a", lp.dev_str()]);
         }
-        assert!(part.exists(), "{} has no partition device", dev.display());
-        let by_id = tmp.path().join("by-id");
-        fs_err::create_dir(&by_id).unwrap();
-        std::os::unix::fs::symlink(&dev, by_id.join("google-test-disk")).unwrap();
-        std::os::unix::fs::symlink(&part, by_id.join("google-test-disk-part1")).unwrap();
-        (Self { tmp, dev }, part)
+        assert!(part.exists(), "{} has no partition device", lp.dev_str());
+        symlink(&part, lp.by_id("google-test-disk-part1")).unwrap();
+        (lp, part)
     }
 
     fn blank(size_mib: u64) -> Self {
-        Self::new(size_mib, |_| {})
+        Self::new(size_mib, |_| {}, &[])
+    }
+
+    /// The GCP-style by-id dir.
+    fn by_id_dir(&self) -> PathBuf {
+        self.tmp.path().join("by-id")
+    }
+
+    fn by_id(&self, name: &str) -> PathBuf {
+        self.by_id_dir().join(name)
     }
 
     fn root(&self) -> PathBuf {
         self.tmp.path().join("volumes")
     }
 
+    /// Where the volume of `spec` (named `data`) is mounted.
+    fn mount_point(&self) -> PathBuf {
+        self.root().join("data")
+    }
+
     fn manager(&self) -> BlockVolumes {
+        self.manager_with(Arc::new(SystemCommandRunner::default()))
+    }
+
+    fn manager_with(&self, runner: Arc<dyn CommandRunner>) -> BlockVolumes {
         let mut config = VolumeConfig::with_root(self.root()).fast();
-        config.gcp_by_id_dir = self.tmp.path().join("by-id");
-        BlockVolumes::new(config, Arc::new(SystemCommandRunner::default()))
+        config.gcp_by_id_dir = self.by_id_dir();
+        BlockVolumes::new(config, runner)
     }
 
     fn spec(&self, init_fs: bool) -> VolumeSpec {
-        VolumeSpec {
-            backend: VolumeBackend::Gcp,
-            name: TaskName::new("data").unwrap(),
-            volume_id: String::new(),
-            init_fs,
-            device_name: "test-disk".to_owned(),
-        }
+        gcp_spec("data", "test-disk", init_fs)
     }
 
     fn dev_str(&self) -> &str {
@@ -141,9 +147,9 @@ impl Loop {
 
 impl Drop for Loop {
     fn drop(&mut self) {
-        let mp = self.root().join("data");
+        let mp = self.mount_point();
         let table = fs_err::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-        if shim_resources::volumes::is_mount_point_in(&table, &mp) {
+        if is_mount_point_in(&table, &mp) {
             let _ = Command::new("umount").arg("-l").arg(&mp).status();
         }
         let _ = Command::new("losetup").arg("-d").arg(&self.dev).status();
@@ -152,11 +158,48 @@ impl Drop for Loop {
 
 fn is_mounted(p: &Path) -> bool {
     let table = fs_err::read_to_string("/proc/self/mountinfo").unwrap();
-    shim_resources::volumes::is_mount_point_in(&table, p)
+    is_mount_point_in(&table, p)
 }
 
 fn mode(p: &Path) -> u32 {
     fs_err::metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+/// Asserts that the root of the file system mounted at `mp` has the 0755 its owner left.
+#[track_caller]
+fn assert_mode_kept(mp: &Path) {
+    let msg = "a file system we did not create keeps its mode";
+    assert_eq!(mode(mp), 0o755, "{msg}");
+}
+
+/// Prepares each of `specs` in a task of its own, all at once.
+async fn prepare_all(m: &Arc<BlockVolumes>, specs: &[VolumeSpec]) -> Vec<MountedVolume> {
+    let tasks: Vec<_> = specs
+        .iter()
+        .map(|spec| {
+            let (m, spec) = (m.clone(), spec.clone());
+            tokio::spawn(async move { m.prepare(&spec).await })
+        })
+        .collect();
+    let mut vols = Vec::new();
+    for t in tasks {
+        vols.push(t.await.unwrap().unwrap());
+    }
+    vols
+}
+
+/// Releases each of `vols` in a task of its own, all at once.
+async fn release_all(m: &Arc<BlockVolumes>, vols: &[MountedVolume]) {
+    let tasks: Vec<_> = vols
+        .iter()
+        .map(|v| {
+            let (m, v) = (m.clone(), v.clone());
+            tokio::spawn(async move { m.release(&v).await })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
 }
 
 #[tokio::test]
@@ -166,15 +209,9 @@ async fn blank_device_with_init_fs_is_formatted_mounted_and_released() {
     let lp = Loop::blank(64);
     let m = lp.manager();
     let vol = m.prepare(&lp.spec(true)).await.unwrap();
-    let mp = lp.root().join("data");
+    let mp = lp.mount_point();
     assert_eq!(vol.mount_point, mp.to_string_lossy());
-    assert_eq!(
-        vol.device,
-        lp.tmp
-            .path()
-            .join("by-id/google-test-disk")
-            .to_string_lossy()
-    );
+    assert_eq!(vol.device, lp.by_id("google-test-disk").to_string_lossy());
     assert!(is_mounted(&mp));
     assert_eq!(
         mode(&mp),
@@ -216,16 +253,10 @@ async fn existing_filesystem_is_never_formatted_nor_chmodded() {
 
     let m = lp.manager();
     let vol = m.prepare(&lp.spec(true)).await.unwrap();
-    let mp = lp.root().join("data");
-    assert_eq!(
-        fs_err::read_to_string(mp.join("user-data")).unwrap(),
-        "precious"
-    );
-    assert_eq!(
-        mode(&mp),
-        0o755,
-        "a file system we did not create keeps its mode"
-    );
+    let mp = lp.mount_point();
+    let user_data = fs_err::read_to_string(mp.join("user-data")).unwrap();
+    assert_eq!(user_data, "precious");
+    assert_mode_kept(&mp);
     m.release(&vol).await.unwrap();
     assert!(!is_mounted(&mp));
 }
@@ -240,7 +271,7 @@ async fn blank_device_without_init_fs_is_an_error_and_stays_blank() {
     assert!(matches!(e, ResourcesError::NoFilesystem { .. }), "{e}");
     assert!(e.to_string().contains("init_fs"), "{e}");
     assert_eq!(lp.blkid().0, Some(2), "still blank");
-    assert!(!is_mounted(&lp.root().join("data")));
+    assert!(!is_mounted(&lp.mount_point()));
 }
 
 #[tokio::test]
@@ -249,12 +280,10 @@ async fn partitioned_device_is_never_formatted() {
     require_root();
     // An MBR with one Linux partition, written before attaching; only the disk is linked
     // (no `-part1` link), so the disk itself is what the volume names.
-    let lp = Loop::new(32, write_mbr);
+    let lp = Loop::new(32, write_mbr, &[]);
     let m = lp.manager();
-    assert_eq!(
-        m.probe(&lp.dev).await.unwrap(),
-        Probe::Other("partition table dos".to_owned())
-    );
+    let table = Probe::Other("partition table dos".to_owned());
+    assert_eq!(m.probe(&lp.dev).await.unwrap(), table);
     let e = m.prepare(&lp.spec(true)).await.unwrap_err();
     assert!(matches!(e, ResourcesError::NotAFilesystem { .. }), "{e}");
     let (code, out) = lp.blkid();
@@ -279,16 +308,14 @@ async fn partitioned_gcp_disk_is_mounted_by_its_first_partition() {
     require_root();
     let (lp, part) = Loop::partitioned();
     let m = lp.manager();
-    let part1 = lp.tmp.path().join("by-id/google-test-disk-part1");
+    let part1 = lp.by_id("google-test-disk-part1");
     assert_eq!(m.find_device(&lp.spec(true)).await.unwrap(), part1);
     let part_blkid = || run("blkid", &["-p", "-o", "export", part.to_str().unwrap()]);
-    let mp = lp.root().join("data");
+    let mp = lp.mount_point();
 
     // A partition without a file system: refused, not formatted.
-    assert_eq!(
-        m.probe(&part1).await.unwrap(),
-        Probe::Other("a partition (dos) without a file system".to_owned())
-    );
+    let no_fs = Probe::Other("a partition (dos) without a file system".to_owned());
+    assert_eq!(m.probe(&part1).await.unwrap(), no_fs);
     let e = m.prepare(&lp.spec(true)).await.unwrap_err();
     assert!(matches!(e, ResourcesError::NotAFilesystem { .. }), "{e}");
     assert!(!part_blkid().contains("TYPE=ext4"), "not formatted");
@@ -299,11 +326,7 @@ async fn partitioned_gcp_disk_is_mounted_by_its_first_partition() {
     let mounted = m.prepare(&lp.spec(true)).await.unwrap();
     assert_eq!(Path::new(&mounted.device), part1);
     assert!(is_mounted(&mp));
-    assert_eq!(
-        mode(&mp),
-        0o755,
-        "a file system we did not create keeps its mode"
-    );
+    assert_mode_kept(&mp);
     fs_err::write(mp.join("kept"), "data").unwrap();
     m.release(&mounted).await.unwrap();
     assert!(!is_mounted(&mp));
@@ -327,7 +350,7 @@ async fn busy_mount_fails_release_until_freed() {
     let lp = Loop::blank(32);
     let m = lp.manager();
     let vol = m.prepare(&lp.spec(true)).await.unwrap();
-    let mp = lp.root().join("data");
+    let mp = lp.mount_point();
     let open = fs_err::File::create(mp.join("open-file")).unwrap();
     let e = m.release(&vol).await.unwrap_err();
     assert!(matches!(e, ResourcesError::Unmount { .. }), "{e}");
@@ -359,7 +382,7 @@ async fn aws_fallback_resolves_a_real_device_with_real_lsblk() {
 #[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn zero_size_device_is_refused() {
     require_root();
-    let lp = Loop::new(0, |_| {});
+    let lp = Loop::blank(0);
     let m = lp.manager();
     let e = m.resolve_device(&lp.spec(true)).await.unwrap_err();
     assert!(e.to_string().contains("size is zero"), "{e}");
@@ -380,24 +403,30 @@ async fn release_of_recovered_volume_without_device() {
         ..vol
     };
     m.release(&recovered).await.unwrap();
-    assert!(!is_mounted(&lp.root().join("data")));
+    assert!(!is_mounted(&lp.mount_point()));
 }
 
 /// Delegates to the system runner and counts `mkfs.ext4` runs.
 #[derive(Default)]
 struct CountingRunner {
     inner: SystemCommandRunner,
-    mkfs: std::sync::atomic::AtomicUsize,
+    mkfs: AtomicUsize,
+}
+
+impl CountingRunner {
+    fn mkfs_runs(&self) -> usize {
+        self.mkfs.load(Ordering::SeqCst)
+    }
 }
 
 #[async_trait::async_trait]
-impl shim_util::CommandRunner for CountingRunner {
+impl CommandRunner for CountingRunner {
     async fn run(
         &self,
         command: &shim_util::Command,
     ) -> Result<shim_util::CommandOutput, shim_util::CommandError> {
         if command.get_program() == Path::new("mkfs.ext4") {
-            self.mkfs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.mkfs.fetch_add(1, Ordering::SeqCst);
         }
         self.inner.run(command).await
     }
@@ -409,25 +438,13 @@ async fn concurrent_prepares_of_one_blank_volume_format_it_once() {
     require_root();
     let lp = Loop::blank(64);
     let runner = Arc::new(CountingRunner::default());
-    let mut config = VolumeConfig::with_root(lp.root()).fast();
-    config.gcp_by_id_dir = lp.tmp.path().join("by-id");
-    let m = Arc::new(BlockVolumes::new(config, runner.clone()));
-    let spec = lp.spec(true);
-    let tasks: Vec<_> = (0..4)
-        .map(|_| {
-            let (m, spec) = (m.clone(), spec.clone());
-            tokio::spawn(async move { m.prepare(&spec).await })
-        })
-        .collect();
-    let mut vols = Vec::new();
-    for t in tasks {
-        vols.push(t.await.unwrap().unwrap());
-    }
-    assert_eq!(runner.mkfs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    let m = Arc::new(lp.manager_with(runner.clone()));
+    let vols = prepare_all(&m, &vec![lp.spec(true); 4]).await;
+    assert_eq!(runner.mkfs_runs(), 1);
     assert!(vols.windows(2).all(|w| w[0] == w[1]));
     // Mounted once, not stacked four times.
     let table = fs_err::read_to_string("/proc/self/mountinfo").unwrap();
-    let mp = lp.root().join("data");
+    let mp = lp.mount_point();
     let count = table
         .lines()
         .filter(|l| l.split(' ').nth(4) == Some(mp.to_str().unwrap()))
@@ -445,48 +462,17 @@ async fn two_volumes_prepare_and_release_in_parallel() {
     // unmounted side by side by one manager, each exactly once.
     let a = Loop::blank(32);
     let b = Loop::blank(32);
-    std::os::unix::fs::symlink(&b.dev, a.tmp.path().join("by-id/google-other-disk")).unwrap();
+    symlink(&b.dev, a.by_id("google-other-disk")).unwrap();
     let runner = Arc::new(CountingRunner::default());
-    let mut config = VolumeConfig::with_root(a.root()).fast();
-    config.gcp_by_id_dir = a.tmp.path().join("by-id");
-    let m = Arc::new(BlockVolumes::new(config, runner.clone()));
-    let specs = [
-        a.spec(true),
-        VolumeSpec {
-            name: TaskName::new("other").unwrap(),
-            device_name: "other-disk".to_owned(),
-            ..a.spec(true)
-        },
-    ];
-    let prepared: Vec<_> = specs
-        .iter()
-        .map(|spec| {
-            let (m, spec) = (m.clone(), spec.clone());
-            tokio::spawn(async move { m.prepare(&spec).await })
-        })
-        .collect();
-    let mut vols = Vec::new();
-    for p in prepared {
-        vols.push(p.await.unwrap().unwrap());
-    }
-    assert_eq!(runner.mkfs.load(std::sync::atomic::Ordering::SeqCst), 2);
-    assert_eq!(
-        Path::new(&vols[1].device),
-        a.tmp.path().join("by-id/google-other-disk")
-    );
+    let m = Arc::new(a.manager_with(runner.clone()));
+    let specs = [a.spec(true), gcp_spec("other", "other-disk", true)];
+    let vols = prepare_all(&m, &specs).await;
+    assert_eq!(runner.mkfs_runs(), 2);
+    assert_eq!(Path::new(&vols[1].device), a.by_id("google-other-disk"));
     for v in &vols {
         assert!(is_mounted(Path::new(&v.mount_point)), "{v:?}");
     }
-    let released: Vec<_> = vols
-        .iter()
-        .map(|v| {
-            let (m, v) = (m.clone(), v.clone());
-            tokio::spawn(async move { m.release(&v).await })
-        })
-        .collect();
-    for r in released {
-        r.await.unwrap().unwrap();
-    }
+    release_all(&m, &vols).await;
     for v in &vols {
         assert!(!is_mounted(Path::new(&v.mount_point)), "{v:?}");
     }
