@@ -344,7 +344,7 @@ in_worlds!(upstream_tasks_are_adopted_terminated_removed_and_released: fake, doc
 // `executor_error` ("never started"); a task cut short while pulling (a state file, no
 // container) ends `executor_error` and its directory is removable. Only the running task's
 // GPU is locked again. A second restart changes nothing. (What a real authorized_keys and a
-// real volume show of it: shim-engine's tests/docker.rs.)
+// real volume show of it: a_restart_releases_the_real_keys_and_volumes_of_tasks_that_ended.)
 async fn a_restart_restores_every_case<W: World>() {
     let mut w = W::new(Options::default()).await;
     for (id, gpu) in [("run", 1), ("exits", 1), ("user", 0), ("never", 0)] {
@@ -440,3 +440,69 @@ async fn a_restart_restores_every_case<W: World>() {
     }
 }
 in_worlds!(a_restart_restores_every_case: fake, docker, binary);
+
+// SPEC §5 with real resources held (every restore case in every world: above): the engine on
+// Docker with the real authorized_keys code and a real loop-device volume. After the shim
+// stopped, a task whose runner exited meanwhile has its key removed from the user's real
+// authorized_keys and its volume unmounted; a task cut short while pulling has its key
+// removed. Needs root (losetup, mount).
+#[test]
+#[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
+fn a_restart_releases_the_real_keys_and_volumes_of_tasks_that_ended() {
+    shim_e2e::require_root();
+    world::with_docker(async {
+        const KEY: &str = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAID1C4oAsnzrPpqMilIIwxvatSq1HhXjaqM9ge9X3BgAe user@host";
+        const OTHER: &str = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKzk3CWHbq3U5nQ6BHV1ToyN2NUxT9b3FbiIYDwGBtJd other@host";
+        let mut w = world::DockerWorld::new(Options::default()).await;
+        let name = format!("vol{}", shim_e2e::harness::run_tag());
+        let vol = w.loop_volume(&name);
+        let mut exits = w.task("exits", 1);
+        exits["host_ssh_user"] = "tester".into();
+        exits["host_ssh_keys"] = serde_json::json!([KEY]);
+        exits["volumes"] = serde_json::json!([{
+            "backend": "gcp", "name": name, "volume_id": "", "init_fs": true, "device_name": name,
+        }]);
+        exits["volume_mounts"] = serde_json::json!([{"name": name, "path": "/data"}]);
+        w.submit(&exits).await.unwrap();
+        let exits = w.wait_status("exits", "running").await;
+        let image = w.slow_image("world-restore-keys").await;
+        let mut cut = w.task("cut", 0);
+        image.for_task(&mut cut);
+        cut["host_ssh_user"] = "tester".into();
+        cut["host_ssh_keys"] = serde_json::json!([OTHER]);
+        w.submit(&cut).await.unwrap();
+        for _ in 0..3000 {
+            if w.info("cut").await.unwrap()["status"] == "pulling" {
+                break;
+            }
+            w.sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert!(w.authorized_keys().contains("user@host"));
+        assert!(w.authorized_keys().contains("other@host"));
+        assert!(vol.is_mounted());
+        w.stop().await;
+
+        w.exit_runner(&exits, 4).await;
+        let cid = exits["container_id"].as_str().unwrap();
+        for _ in 0..600 {
+            if w.container_running(cid).await == Some(false) {
+                break;
+            }
+            w.sleep(std::time::Duration::from_millis(50)).await;
+        }
+        w.start().await;
+        let e = w.info("exits").await.unwrap();
+        assert_eq!(
+            e["termination_reason"], "container_exited_with_error",
+            "{e}"
+        );
+        let keys = w.authorized_keys();
+        assert!(!keys.contains("user@host"), "{keys}");
+        assert!(!vol.is_mounted());
+        let c = w.info("cut").await.unwrap();
+        assert_eq!(c["termination_reason"], "executor_error", "{c}");
+        assert!(!w.authorized_keys().contains("other@host"));
+        w.remove("exits").await;
+        w.remove("cut").await;
+    });
+}

@@ -42,6 +42,59 @@ pub struct EngineWorld<const DOCKER: bool> {
     named: std::sync::Mutex<Vec<String>>,
 }
 
+impl DockerWorld {
+    /// The host user `tester`'s real `authorized_keys` (empty while there is none).
+    pub fn authorized_keys(&self) -> String {
+        fs_err::read_to_string(self.path("user/.ssh/authorized_keys")).unwrap_or_default()
+    }
+
+    /// A 32 MiB loop device named `name` with a GCP-style by-id link, as a task's volume
+    /// (`device_name`) finds it; where the engine mounts it; detached and unmounted on drop.
+    pub fn loop_volume(&self, name: &str) -> LoopVolume {
+        let file = self.path(&format!("{name}.img"));
+        fs_err::File::create(&file)
+            .unwrap()
+            .set_len(32 << 20)
+            .unwrap();
+        let out = Command::new("losetup")
+            .args(["-f", "--show"])
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "losetup: {out:?}");
+        let dev = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+        let link = self.path("by-id").join(format!("google-{name}"));
+        std::os::unix::fs::symlink(&dev, link).unwrap();
+        LoopVolume {
+            dev,
+            mount: self.path("volumes").join(name),
+        }
+    }
+}
+
+/// A loop device as a task's volume ([`DockerWorld::loop_volume`]).
+pub struct LoopVolume {
+    dev: String,
+    /// Where the engine mounts it.
+    pub mount: PathBuf,
+}
+
+impl LoopVolume {
+    /// Whether it is mounted now.
+    pub fn is_mounted(&self) -> bool {
+        let info = fs_err::read_to_string("/proc/self/mountinfo").unwrap();
+        let p = self.mount.to_str().unwrap();
+        info.lines().any(|l| l.split(' ').nth(4) == Some(p))
+    }
+}
+
+impl Drop for LoopVolume {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.mount).status();
+        let _ = Command::new("losetup").args(["-d", &self.dev]).status();
+    }
+}
+
 impl<const DOCKER: bool> EngineWorld<DOCKER> {
     fn path(&self, rel: &str) -> PathBuf {
         self.dir.path().join(rel)
