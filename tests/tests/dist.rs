@@ -38,7 +38,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde_json::json;
 use shim_e2e::harness::artifact::{self, Arch};
 use shim_e2e::harness::{
     ContainerSweeper, Request, ShimProcess, bridge_task, container_running, docker_socket,
@@ -56,16 +56,53 @@ const STATUS_BOUND: Duration = Duration::from_secs(90);
 /// The glibc the artifact may need at most (SPEC §9).
 const GLIBC_FLOOR: &str = "2.17";
 
-/// The artifact of `release` for this machine, which must exist.
-fn artifact_for(release: &str) -> PathBuf {
-    let path = dist_artifact(release);
+/// `path`, an artifact which must exist (`make` is the command that builds it).
+fn existing(path: PathBuf, make: &str) -> PathBuf {
     assert!(
         path.is_file(),
-        "{} is missing: run `cargo xtask dist --upstream-version {release}` (or set {})",
+        "{} is missing: run `{make}` (or set {})",
         path.display(),
         shim_e2e::ENV_DIST_DIR
     );
     path
+}
+
+/// The artifact of `release` for this machine, which must exist.
+fn artifact_for(release: &str) -> PathBuf {
+    let make = format!("cargo xtask dist --upstream-version {release}");
+    existing(dist_artifact(release), &make)
+}
+
+/// The Python with the dstack server package, which must exist.
+fn python() -> PathBuf {
+    let python = dstack_python();
+    assert!(
+        python.exists(),
+        "{} is missing: run `cargo xtask dev-env` or set {}",
+        python.display(),
+        shim_e2e::ENV_DSTACK_PYTHON
+    );
+    python
+}
+
+/// The stdout and stderr of `out`, for messages.
+fn text(out: &Output) -> String {
+    format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Runs `command --version` (`how` names it), which must print the version line of `release`.
+fn assert_version(command: &mut Command, release: &str, how: &str) {
+    let out = command.arg("--version").output().unwrap();
+    assert!(out.status.success(), "{how}: {}", text(&out));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim_end(),
+        artifact::version_line(release),
+        "{how}"
+    );
 }
 
 /// The checks CI makes of one artifact; `run` also runs its `--version` (this architecture).
@@ -114,12 +151,10 @@ fn check_artifact(path: &Path, release: &str, run: bool) {
     );
 
     if run {
-        let out = Command::new(path).arg("--version").output().unwrap();
-        assert!(out.status.success(), "{shown} --version: {out:?}");
-        assert_eq!(
-            String::from_utf8_lossy(&out.stdout).trim_end(),
-            artifact::version_line(release),
-            "{shown} --version"
+        assert_version(
+            &mut Command::new(path),
+            release,
+            &format!("{shown} --version"),
         );
     }
 }
@@ -150,13 +185,7 @@ fn other_arch() -> Arch {
 /// The artifact of [`other_arch`] for [`DSTACK_VERSION`], which must exist.
 fn other_artifact() -> PathBuf {
     let path = artifact::artifact_path(&dist_dir(), DSTACK_VERSION, other_arch());
-    assert!(
-        path.is_file(),
-        "{} is missing: run `cargo xtask dist --arch all` (or set {})",
-        path.display(),
-        shim_e2e::ENV_DIST_DIR
-    );
-    path
+    existing(path, "cargo xtask dist --arch all")
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -223,14 +252,6 @@ fn rootfs_glibc(rootfs: &Path) -> String {
         .to_owned()
 }
 
-fn text(out: &Output) -> String {
-    format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
 /// Issue 21 (Prove): the artifact serves the API and runs a task on this machine's Docker from
 /// inside a Debian 11 root file system (`debootstrap --variant=minbase bullseye`, made by
 /// `cargo xtask dev-env`), whose glibc 2.31 is the one of Ubuntu 20.04 and older than the 2.34
@@ -276,8 +297,10 @@ fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
     // The ordinary build of this machine does not start there.
     let host_build = work_path.join("dstack-shim-host-build");
     fs_err::copy(shim_binary(), &host_build).unwrap();
-    let mut version = in_rootfs(&rootfs, &work_path, &host_build);
-    let out = version.arg("--version").output().unwrap();
+    let out = in_rootfs(&rootfs, &work_path, &host_build)
+        .arg("--version")
+        .output()
+        .unwrap();
     assert!(
         !out.status.success() && text(&out).contains("GLIBC_2.3"),
         "the host build should need a newer glibc than the rootfs has: {}",
@@ -286,14 +309,11 @@ fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
     fs_err::remove_file(&host_build).unwrap();
 
     // The artifact prints its version there.
-    let out = in_rootfs(&rootfs, &work_path, &shim)
-        .arg("--version")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout).trim_end(),
-        artifact::version_line(DSTACK_VERSION)
+    let how = format!("{} --version in the rootfs", shim.display());
+    assert_version(
+        &mut in_rootfs(&rootfs, &work_path, &shim),
+        DSTACK_VERSION,
+        &how,
     );
 
     // It serves the API there and runs a task on the host's Docker.
@@ -310,12 +330,14 @@ fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
         .arg(work_path.join("volumes"))
         .args(["--shim-log-level", "5"]);
     let mut process = ShimProcess::from_command(command, port, &log).unwrap();
+    // A failure shows the end of the shim's log.
     let dump = |what: &str| format!("{what}\n{}", tail(&log, 80));
+    let fail = |e: std::io::Error| -> ! { panic!("{}", dump(&e.to_string())) };
     process
         .wait_answering(START_BOUND, Duration::from_millis(20))
         .unwrap_or_else(|e| panic!("{e}"));
-    let addr = process.addr();
-    let get = |path: &str| Request::get(path).send(addr).unwrap().ok();
+    let api = process.api();
+    let get = |path: &str| Request::get(path).send(api.addr).unwrap().ok();
     let version = artifact::version_line(DSTACK_VERSION);
     let version = version.rsplit(' ').next().unwrap();
     assert_eq!(get("/api/healthcheck")["version"], version);
@@ -324,12 +346,10 @@ fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
         .as_array()
         .unwrap()
         .iter()
-        .find(|c| c["name"] == "dstack-shim")
-        .cloned()
-        .unwrap_or(Value::Null);
+        .find(|c| c["name"] == "dstack-shim");
     assert_eq!(
         shim_component,
-        json!({"name": "dstack-shim", "version": version, "status": "installed"}),
+        Some(&json!({"name": "dstack-shim", "version": version, "status": "installed"})),
         "read from `{} --version` inside the rootfs: {components}",
         shim.display()
     );
@@ -346,29 +366,13 @@ fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
     let authorized_keys = root_home.join(".ssh/authorized_keys");
     let has_key =
         || fs_err::read_to_string(&authorized_keys).is_ok_and(|keys| keys.contains(&key_body));
-    let submitted = Request::post("/api/tasks")
-        .json(&config)
-        .send(addr)
-        .unwrap();
-    assert_eq!(submitted.status, 200, "{}", dump(&format!("{submitted:?}")));
-    let started = Instant::now();
-    let running = loop {
-        let info = get(&format!("/api/tasks/{id}"));
-        if info["status"] == "running" {
-            break info;
-        }
-        assert!(
-            info["status"] != "terminated",
-            "{}",
-            dump(&info.to_string())
-        );
-        assert!(
-            started.elapsed() < STATUS_BOUND,
-            "{}",
-            dump(&info.to_string())
-        );
-        std::thread::sleep(Duration::from_millis(50));
+    let wait_status = |status: &str| {
+        let waited = api.wait_status(id, status, Duration::from_millis(50), STATUS_BOUND);
+        waited.unwrap_or_else(|e| fail(e)).0
     };
+    api.call("POST", "/api/tasks", Some(&config), 200)
+        .unwrap_or_else(|e| fail(e));
+    let running = wait_status("running");
     let cid = running["container_id"].as_str().unwrap().to_owned();
     assert_eq!(container_running(None, &cid), Some(true), "{running}");
     // The runner's directory the container sees is the home's, on the host.
@@ -383,35 +387,10 @@ fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
     );
 
     write_runner_exit(&home, &running, 0).unwrap();
-    let started = Instant::now();
-    let done = loop {
-        let info = get(&format!("/api/tasks/{id}"));
-        if info["status"] == "terminated" {
-            break info;
-        }
-        assert!(
-            started.elapsed() < STATUS_BOUND,
-            "{}",
-            dump(&info.to_string())
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let done = wait_status("terminated");
     assert_eq!(done["termination_reason"], "done_by_runner", "{done}");
-    let started = Instant::now();
-    loop {
-        let removed = Request::post(&format!("/api/tasks/{id}/remove"))
-            .send(addr)
-            .unwrap();
-        if removed.status == 200 {
-            break;
-        }
-        assert!(
-            started.elapsed() < STATUS_BOUND,
-            "{}",
-            dump(&format!("{removed:?}"))
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    api.remove_retrying(id, STATUS_BOUND)
+        .unwrap_or_else(|e| fail(e));
     assert_eq!(
         container_running(None, &cid),
         None,
@@ -473,25 +452,31 @@ fn start_shim(binary: &Path, installed: &Path, runner_version: &str, root: &Path
 }
 
 /// Runs `tests/dstack-server/check_shim.py` against `shim` as a release server at
-/// `server_version` (the `DOWNLOAD_TEMPLATE` set), with `expect` (its `--expect` and
-/// `--expect-url` arguments), and fails the test unless every check passes.
-fn server_check(shim: &ShimProcess, server_version: &str, expect: &[&str]) {
-    let mut command = Command::new(dstack_python());
+/// `server_version` (the `DOWNLOAD_TEMPLATE` set), which must decide `expect` (`keep`, also as
+/// a dev server; `install-shim` from the URL [`download_url`] makes for `install`; `restart`),
+/// and fails the test unless every check passes.
+fn server_check(shim: &ShimProcess, server_version: &str, expect: &str, install: Option<&str>) {
+    let url = install.map(download_url);
+    let mut command = Command::new(python());
     command
         .arg(repo_root().join("tests/dstack-server/check_shim.py"))
         .arg(format!("http://{}", shim.addr()))
         .args(["--server-version", server_version])
         .args(["--shim-download-url", DOWNLOAD_TEMPLATE])
-        .args(expect);
-    if expect.first() != Some(&"--expect") || expect.get(1) != Some(&"keep") {
+        .args(["--expect", expect]);
+    if let Some(url) = &url {
+        command.args(["--expect-url", url]);
+    }
+    if expect != "keep" {
         command.arg("--no-dev");
     }
+    let expect = url.map_or(expect.to_owned(), |url| format!("{expect} from {url}"));
     let out = command.output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    eprintln!("check_shim.py --server-version {server_version} {expect:?}:\n{stdout}");
+    eprintln!("check_shim.py --server-version {server_version}, {expect}:\n{stdout}");
     assert!(
         out.status.success(),
-        "the dstack server {server_version} does not decide {expect:?} ({}):\n{stdout}\n{}\n\
+        "the dstack server {server_version} does not decide {expect} ({}):\n{stdout}\n{}\n\
          shim log:\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr),
@@ -525,13 +510,7 @@ fn server_check(shim: &ShimProcess, server_version: &str, expect: &[&str]) {
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn the_dstack_server_keeps_the_artifact_of_its_release_and_replaces_older_ones() {
     require_docker();
-    let python = dstack_python();
-    assert!(
-        python.exists(),
-        "{} is missing: run `cargo xtask dev-env` or set {}",
-        python.display(),
-        shim_e2e::ENV_DSTACK_PYTHON
-    );
+    python();
     let current = artifact_for(DSTACK_VERSION);
     let older = artifact_for(OLDER_DSTACK_VERSION);
     let newer = next_release(DSTACK_VERSION);
@@ -540,28 +519,17 @@ fn the_dstack_server_keeps_the_artifact_of_its_release_and_replaces_older_ones()
         .tempdir()
         .unwrap();
 
-    let shim = start_shim(&current, &current, &newer, root.path());
-    server_check(&shim, DSTACK_VERSION, &["--expect", "keep"]);
-    let url = download_url(&newer);
-    server_check(
-        &shim,
-        &newer,
-        &["--expect", "install-shim", "--expect-url", &url],
-    );
-    drop(shim);
+    let start = |running: &Path, on_disk: &Path| start_shim(running, on_disk, &newer, root.path());
 
-    let shim = start_shim(&older, &older, &newer, root.path());
-    let url = download_url(DSTACK_VERSION);
-    server_check(
-        &shim,
-        DSTACK_VERSION,
-        &["--expect", "install-shim", "--expect-url", &url],
-    );
+    let shim = start(&current, &current);
+    server_check(&shim, DSTACK_VERSION, "keep", None);
+    server_check(&shim, &newer, "install-shim", Some(&newer));
     drop(shim);
-
-    let shim = start_shim(&older, &current, &newer, root.path());
-    server_check(&shim, DSTACK_VERSION, &["--expect", "restart"]);
+    let shim = start(&older, &older);
+    server_check(&shim, DSTACK_VERSION, "install-shim", Some(DSTACK_VERSION));
     drop(shim);
+    let shim = start(&older, &current);
+    server_check(&shim, DSTACK_VERSION, "restart", None);
 }
 
 #[test]
@@ -588,13 +556,7 @@ const LIFECYCLE_BOUND: Duration = Duration::from_secs(900);
 /// this machine's Docker and the dev-env registry, and fails the test unless every check
 /// passed. Its home is swept of containers whatever happens. Returns how long it took.
 fn lifecycle(shim: &Path, prefix: Option<&Path>, env: &[(&str, &Path)]) -> Duration {
-    let python = dstack_python();
-    assert!(
-        python.exists(),
-        "{} is missing: run `cargo xtask dev-env` or set {}",
-        python.display(),
-        shim_e2e::ENV_DSTACK_PYTHON
-    );
+    let python = python();
     let work = tempfile::Builder::new()
         .prefix("shim-e2e-lifecycle-")
         .tempdir()
@@ -721,18 +683,9 @@ fn the_other_architectures_artifact_runs_under_qemu_through_a_task_lifecycle() {
         "{} is not an enabled binfmt_misc entry ({registered:?}): {dev_env}",
         entry.display()
     );
-    let version = artifact::version_line(DSTACK_VERSION);
-    let runs = |command: &mut Command, how: &str| {
-        let out = command.arg("--version").output().unwrap();
-        assert!(out.status.success(), "{how}: {}", text(&out));
-        assert_eq!(
-            String::from_utf8_lossy(&out.stdout).trim_end(),
-            version,
-            "{how}"
-        );
-    };
-    runs(
+    assert_version(
         Command::new(&qemu).arg("-L").arg(&sysroot).arg(&artifact),
+        DSTACK_VERSION,
         &format!(
             "{} -L {} {}",
             qemu.display(),
@@ -740,8 +693,9 @@ fn the_other_architectures_artifact_runs_under_qemu_through_a_task_lifecycle() {
             artifact.display()
         ),
     );
-    runs(
+    assert_version(
         Command::new(&artifact).env("QEMU_LD_PREFIX", &sysroot),
+        DSTACK_VERSION,
         &format!("{} through binfmt_misc", artifact.display()),
     );
 

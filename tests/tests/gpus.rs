@@ -40,9 +40,31 @@ fn require() {
     require_root();
 }
 
+/// A shim started inside `host`, with `args`.
+fn shim_on(host: &FakeGpuHost, args: &[&str]) -> TestShim {
+    TestShim::builder("gpus").gpu_host(host).args(args).start()
+}
+
 /// A task `id` asking for `gpu` GPUs.
 fn task(id: &str, gpu: i64) -> Value {
     bridge_task(id, &format!("gpu-{id}-{}", run_tag()), gpu)
+}
+
+/// Submits a task `id` asking for `gpu` GPUs and waits until it is `status`; its TaskInfo.
+fn submit_until(shim: &TestShim, id: &str, gpu: i64, status: &str) -> Value {
+    assert_eq!(shim.submit(&task(id, gpu)).status, 200);
+    shim.wait_status(id, status)
+}
+
+/// The `dstack_shim_gpu_device_mode` gauge of `mode`.
+fn device_mode(shim: &TestShim, mode: &str) -> Option<f64> {
+    shim.metrics()
+        .try_get("dstack_shim_gpu_device_mode", &[("mode", mode)])
+}
+
+/// A terminated task's `termination_message`.
+fn message(info: &Value) -> &str {
+    info["termination_message"].as_str().unwrap()
 }
 
 /// The GPU ids the API gave a task.
@@ -53,40 +75,43 @@ fn gpu_ids(info: &Value) -> BTreeSet<String> {
         .unwrap_or_default()
 }
 
+/// The indexes of `host`'s GPUs the API gave the task of `info` (NVIDIA's ids are the UUIDs,
+/// an AMD GPU's its render node).
+fn indexes(host: &FakeGpuHost, info: &Value) -> BTreeSet<usize> {
+    let ids = gpu_ids(info);
+    host.ids()
+        .iter()
+        .enumerate()
+        .filter(|(_, id)| ids.contains(*id))
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// The entries of `dir` in the container of a task.
+fn ls(info: &Value, dir: &str) -> BTreeSet<String> {
+    let cid = info["container_id"].as_str().unwrap();
+    let listed = docker_ok(&["exec", cid, "ls", dir]);
+    listed.split_whitespace().map(str::to_owned).collect()
+}
+
 /// What a task's container sees: its `/dev` entries and its main process's environment (what
 /// the engine gave it: CDI's edits reach the container's process, not `docker exec`'s).
 fn inside(info: &Value) -> (BTreeSet<String>, BTreeSet<String>) {
     let cid = info["container_id"].as_str().unwrap();
-    let dev = docker_ok(&["exec", cid, "ls", "/dev"]);
-    let env = docker_ok(&["exec", cid, "cat", "/proc/1/environ"]);
-    (
-        dev.split_whitespace().map(str::to_owned).collect(),
-        env.split('\0')
-            .filter(|v| !v.is_empty())
-            .map(str::to_owned)
-            .collect(),
-    )
-}
-
-/// The indexes of `host`'s GPUs whose UUIDs are `ids`.
-fn indexes(host: &FakeGpuHost, ids: &BTreeSet<String>) -> BTreeSet<usize> {
-    host.uuids()
-        .iter()
-        .enumerate()
-        .filter(|(_, u)| ids.contains(*u))
-        .map(|(i, _)| i)
-        .collect()
+    let environ = docker_ok(&["exec", cid, "cat", "/proc/1/environ"]);
+    let env = environ.split('\0').filter(|v| !v.is_empty());
+    (ls(info, "/dev"), env.map(str::to_owned).collect())
 }
 
 /// Checks that the container of `info` sees exactly the device nodes and the per-device
 /// environment of its GPUs (`/dev/nvidia<i>`, `DSTACK_FAKE_GPU_<i>`), and no other GPU's.
 fn assert_sees_exactly_its_gpus(host: &FakeGpuHost, info: &Value) {
-    let mine = indexes(host, &gpu_ids(info));
+    let mine = indexes(host, info);
     assert!(!mine.is_empty(), "{info}");
     let (dev, env) = inside(info);
-    for i in 0..host.uuids().len() {
+    for (i, uuid) in host.uuids().iter().enumerate() {
         let node = format!("nvidia{i}");
-        let var = format!("DSTACK_FAKE_GPU_{i}={}", host.uuids()[i]);
+        let var = format!("DSTACK_FAKE_GPU_{i}={uuid}");
         if mine.contains(&i) {
             assert!(dev.contains(&node), "{node} missing: {dev:?}");
             assert!(env.contains(&var), "{var} missing: {env:?}");
@@ -108,15 +133,8 @@ fn assert_sees_exactly_its_gpus(host: &FakeGpuHost, info: &Value) {
 fn gpu_tasks_get_exactly_their_gpus_through_cdi() {
     require();
     let host = FakeGpuHost::setup(FakeVendor::Nvidia, 4, &FakeGpuHostOptions::default());
-    let mut shim = TestShim::builder("gpus").gpu_host(&host).build();
-    shim.start();
-    assert_eq!(
-        shim.metrics()
-            .try_get("dstack_shim_gpu_device_mode", &[("mode", "cdi")]),
-        Some(1.0),
-        "{}",
-        shim.log_tail()
-    );
+    let mut shim = shim_on(&host, &[]);
+    assert_eq!(device_mode(&shim, "cdi"), Some(1.0), "{}", shim.log_tail());
     let info = shim.get("/api/instance/info").json_body();
     assert_eq!(info["gpu_vendor"], "nvidia", "{info}");
 
@@ -128,34 +146,27 @@ fn gpu_tasks_get_exactly_their_gpus_through_cdi() {
     assert!(gpu_ids(&a).is_disjoint(&gpu_ids(&b)), "{a}\n{b}");
     assert_sees_exactly_its_gpus(&host, &a);
     assert_sees_exactly_its_gpus(&host, &b);
-    assert_eq!(shim.submit(&task("none-left", 1)).status, 200);
-    let refused = shim.wait_status("none-left", "terminated");
+    let refused = submit_until(&shim, "none-left", 1, "terminated");
     assert_eq!(refused["termination_reason"], "executor_error", "{refused}");
     assert!(
-        refused["termination_message"]
-            .as_str()
-            .unwrap()
-            .contains("no capacity: 1 GPUs requested, 0 available"),
+        message(&refused).contains("no capacity: 1 GPUs requested, 0 available"),
         "{refused}"
     );
     shim.remove_retrying("none-left");
 
     // A crash: the running tasks keep their GPUs, and nobody else gets them.
-    shim.kill();
-    shim.start();
+    shim.restart();
     for (id, before) in [("a", &a), ("b", &b)] {
         let now = shim.wait_status(id, "running");
         assert_eq!(gpu_ids(&now), gpu_ids(before), "{now}");
     }
-    assert_eq!(shim.submit(&task("still-none", 1)).status, 200);
-    let refused = shim.wait_status("still-none", "terminated");
+    let refused = submit_until(&shim, "still-none", 1, "terminated");
     assert_eq!(refused["termination_reason"], "executor_error", "{refused}");
     shim.remove_retrying("still-none");
 
     // Removing a frees its GPUs for the next task.
     shim.finish("a");
-    assert_eq!(shim.submit(&task("c", 2)).status, 200);
-    let c = shim.wait_status("c", "running");
+    let c = submit_until(&shim, "c", 2, "running");
     assert_eq!(gpu_ids(&c), gpu_ids(&a));
     assert_sees_exactly_its_gpus(&host, &c);
     shim.finish("b");
@@ -174,10 +185,8 @@ fn every_naming_of_cdi_devices_is_understood() {
             ..FakeGpuHostOptions::default()
         };
         let host = FakeGpuHost::setup(FakeVendor::Nvidia, 2, &options);
-        let mut shim = TestShim::builder("gpus").gpu_host(&host).build();
-        shim.start();
-        assert_eq!(shim.submit(&task("one", 1)).status, 200);
-        let one = shim.wait_status("one", "running");
+        let shim = shim_on(&host, &[]);
+        let one = submit_until(&shim, "one", 1, "running");
         assert_sees_exactly_its_gpus(&host, &one);
         shim.finish("one");
         drop(shim);
@@ -199,20 +208,17 @@ fn gpus_are_placed_by_their_interconnect() {
         ..FakeGpuHostOptions::default()
     };
     let host = FakeGpuHost::setup(FakeVendor::Nvidia, 4, &options);
-    let mut shim = TestShim::builder("gpus").gpu_host(&host).build();
-    shim.start();
+    let shim = shim_on(&host, &[]);
     wait_for("the shim read the interconnect", WAIT, || {
         let log = shim.all_logs();
         log.contains("GPU interconnect read")
             .then_some(())
             .ok_or_else(|| shim.log_tail())
     });
-    assert_eq!(shim.submit(&task("first", 1)).status, 200);
-    let first = shim.wait_status("first", "running");
-    assert_eq!(indexes(&host, &gpu_ids(&first)), BTreeSet::from([0]));
-    assert_eq!(shim.submit(&task("pair", 2)).status, 200);
-    let pair = shim.wait_status("pair", "running");
-    assert_eq!(indexes(&host, &gpu_ids(&pair)), BTreeSet::from([2, 3]));
+    let first = submit_until(&shim, "first", 1, "running");
+    assert_eq!(indexes(&host, &first), BTreeSet::from([0]));
+    let pair = submit_until(&shim, "pair", 2, "running");
+    assert_eq!(indexes(&host, &pair), BTreeSet::from([2, 3]));
     assert_sees_exactly_its_gpus(&host, &pair);
     shim.finish("first");
     shim.finish("pair");
@@ -227,23 +233,20 @@ fn gpus_are_placed_by_their_interconnect() {
 fn an_unhealthy_gpu_is_kept_from_new_tasks_until_it_recovers() {
     require();
     let host = FakeGpuHost::setup(FakeVendor::Nvidia, 4, &FakeGpuHostOptions::default());
-    let mut shim = TestShim::builder("gpus")
-        .gpu_host(&host)
-        .args(["--gpu-health-interval", "1s"])
-        .build();
-    shim.start();
-    assert_eq!(shim.submit(&task("holder", 1)).status, 200);
-    let holder = shim.wait_status("holder", "running");
-    let held = indexes(&host, &gpu_ids(&holder));
+    let shim = shim_on(&host, &["--gpu-health-interval", "1s"]);
+    let holder = submit_until(&shim, "holder", 1, "running");
+    let held = indexes(&host, &holder);
     let bad = if held.contains(&1) { 2 } else { 1 };
     let bad_uuid = host.uuids()[bad].clone();
-    host.set_health(bad, FakeHealth::RetiredPagesPending);
-    wait_for("the GPU is seen unhealthy", WAIT, || {
-        let seen = shim.metrics().try_get(
+    let unhealthy = || {
+        shim.metrics().try_get(
             "dstack_shim_gpu_unhealthy",
             &[("gpu", &bad_uuid), ("reason", "retired pages pending")],
-        );
-        seen.map(|_| ()).ok_or_else(|| "not yet".to_owned())
+        )
+    };
+    host.set_health(bad, FakeHealth::RetiredPagesPending);
+    wait_for("the GPU is seen unhealthy", WAIT, || {
+        unhealthy().map(|_| ()).ok_or_else(|| "not yet".to_owned())
     });
     let health = shim.get("/api/instance/health").json_body();
     let listed = health["gpus"]
@@ -251,7 +254,6 @@ fn an_unhealthy_gpu_is_kept_from_new_tasks_until_it_recovers() {
         .unwrap()
         .iter()
         .find(|g| g["id"] == bad_uuid.as_str())
-        .cloned()
         .unwrap_or_else(|| panic!("{health}"));
     assert_eq!(listed["healthy"], false, "{health}");
     assert_eq!(listed["reasons"][0], "retired pages pending", "{health}");
@@ -260,12 +262,10 @@ fn an_unhealthy_gpu_is_kept_from_new_tasks_until_it_recovers() {
         "upstream's field stays: {health}"
     );
 
-    assert_eq!(shim.submit(&task("all-left", 3)).status, 200);
-    let refused = shim.wait_status("all-left", "terminated");
-    let message = refused["termination_message"].as_str().unwrap();
+    let refused = submit_until(&shim, "all-left", 3, "terminated");
     assert!(
-        message.contains("no capacity: 3 GPUs requested, 2 available")
-            && message.contains(&format!("{bad_uuid} (retired pages pending)")),
+        message(&refused).contains("no capacity: 3 GPUs requested, 2 available")
+            && message(&refused).contains(&format!("{bad_uuid} (retired pages pending)")),
         "{refused}"
     );
     shim.remove_retrying("all-left");
@@ -273,14 +273,9 @@ fn an_unhealthy_gpu_is_kept_from_new_tasks_until_it_recovers() {
 
     host.set_health(bad, FakeHealth::Healthy);
     wait_for("the GPU is healthy again", WAIT, || {
-        let seen = shim.metrics().try_get(
-            "dstack_shim_gpu_unhealthy",
-            &[("gpu", &bad_uuid), ("reason", "retired pages pending")],
-        );
-        seen.map_or(Ok(()), |_| Err("still unhealthy".to_owned()))
+        unhealthy().map_or(Ok(()), |_| Err("still unhealthy".to_owned()))
     });
-    assert_eq!(shim.submit(&task("all-three", 3)).status, 200);
-    let three = shim.wait_status("all-three", "running");
+    let three = submit_until(&shim, "all-three", 3, "running");
     assert!(gpu_ids(&three).contains(&bad_uuid), "{three}");
     shim.finish("holder");
     shim.finish("all-three");
@@ -295,37 +290,21 @@ fn an_unhealthy_gpu_is_kept_from_new_tasks_until_it_recovers() {
 fn a_device_request_the_engine_refuses_is_a_creating_container_error() {
     require();
     let host = FakeGpuHost::setup(FakeVendor::Nvidia, 2, &FakeGpuHostOptions::default());
-    let mut shim = TestShim::builder("gpus")
-        .gpu_host(&host)
-        .args(["--gpu-device-mode", "legacy"])
-        .build();
-    shim.start();
-    assert_eq!(
-        shim.metrics()
-            .try_get("dstack_shim_gpu_device_mode", &[("mode", "legacy")]),
-        Some(1.0)
-    );
-    assert_eq!(shim.submit(&task("legacy", 1)).status, 200);
-    let info = shim.wait_status("legacy", "terminated");
+    let shim = shim_on(&host, &["--gpu-device-mode", "legacy"]);
+    assert_eq!(device_mode(&shim, "legacy"), Some(1.0));
+    let info = submit_until(&shim, "legacy", 1, "terminated");
     assert_eq!(
         info["termination_reason"], "creating_container_error",
         "{info}"
     );
     assert!(
-        info["termination_message"]
-            .as_str()
-            .unwrap()
-            .contains("could not select device driver"),
+        message(&info).contains("could not select device driver"),
         "{info}"
     );
     shim.remove_retrying("legacy");
-    assert_eq!(shim.submit(&task("after", 2)).status, 200);
-    let after = shim.wait_status("after", "terminated");
+    let after = submit_until(&shim, "after", 2, "terminated");
     assert!(
-        !after["termination_message"]
-            .as_str()
-            .unwrap()
-            .contains("no capacity"),
+        !message(&after).contains("no capacity"),
         "the first task's GPU was released: {after}"
     );
     shim.remove_retrying("after");
@@ -346,36 +325,18 @@ fn amd_gpus_go_as_device_mappings_or_through_cdi() {
             ..FakeGpuHostOptions::default()
         };
         let host = FakeGpuHost::setup(FakeVendor::Amd, 2, &options);
-        let mut shim = TestShim::builder("gpus").gpu_host(&host).build();
-        shim.start();
-        assert_eq!(
-            shim.metrics()
-                .try_get("dstack_shim_gpu_device_mode", &[("mode", mode)]),
-            Some(1.0),
-            "{}",
-            shim.log_tail()
-        );
-        assert_eq!(shim.submit(&task("amd", 1)).status, 200);
-        let info = shim.wait_status("amd", "running");
-        let ids = gpu_ids(&info);
-        // An AMD GPU's id is its render node.
-        let mine: BTreeSet<usize> = host
-            .ids()
-            .iter()
-            .enumerate()
-            .filter(|(_, id)| ids.contains(*id))
-            .map(|(i, _)| i)
-            .collect();
+        let shim = shim_on(&host, &[]);
+        assert_eq!(device_mode(&shim, mode), Some(1.0), "{}", shim.log_tail());
+        let info = submit_until(&shim, "amd", 1, "running");
+        let mine = indexes(&host, &info);
         assert_eq!(mine.len(), 1, "{info}");
         let (dev, _) = inside(&info);
-        let cid = info["container_id"].as_str().unwrap();
-        let dri = docker_ok(&["exec", cid, "ls", "/dev/dri"]);
-        let nodes: BTreeSet<&str> = dri.split_whitespace().collect();
+        let nodes = ls(&info, "/dev/dri");
         assert!(dev.contains("kfd"), "{mode}: {dev:?}");
         for i in 0..2 {
             let node = format!("renderD{}", 128 + i);
             assert_eq!(
-                nodes.contains(node.as_str()),
+                nodes.contains(&node),
                 mine.contains(&i),
                 "{mode}: {node} in {nodes:?} (mine: {mine:?})"
             );
@@ -399,15 +360,10 @@ fn tenstorrent_devices_are_mapped() {
         ..FakeGpuHostOptions::default()
     };
     let host = FakeGpuHost::setup(FakeVendor::Tenstorrent, 2, &options);
-    let mut shim = TestShim::builder("gpus").gpu_host(&host).build();
-    shim.start();
-    assert_eq!(shim.submit(&task("tt", 1)).status, 200);
-    let info = shim.wait_status("tt", "running");
+    let shim = shim_on(&host, &[]);
+    let info = submit_until(&shim, "tt", 1, "running");
     let ids = gpu_ids(&info);
     assert_eq!(ids.len(), 1, "{info}");
-    let cid = info["container_id"].as_str().unwrap();
-    let listed = docker_ok(&["exec", cid, "ls", "/dev/tenstorrent"]);
-    let listed: BTreeSet<String> = listed.split_whitespace().map(str::to_owned).collect();
-    assert_eq!(listed, ids, "{info}");
+    assert_eq!(ls(&info, "/dev/tenstorrent"), ids, "{info}");
     shim.finish("tt");
 }

@@ -23,7 +23,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 use shim_e2e::harness::{
     FreshImage, LoopFs, PrivateDocker, TestShim, bridge_task, docker_ok, fs_usage, images_at,
     run_tag, status_of, take, try_docker, wait_for,
@@ -32,6 +32,11 @@ use shim_e2e::{image, registry_password, registry_user, require_docker, require_
 
 /// Bound of the waits (never a timed assertion: generous, only there so a hang fails).
 const WAIT: Duration = Duration::from_secs(60);
+const MIB: u64 = 1 << 20;
+/// The collection marks on the small disks ([`SmallDisk`]): above `HIGH` % of the file system,
+/// images are collected down to `LOW` %.
+const HIGH: u64 = 60;
+const LOW: u64 = 57;
 
 /// A task `id` of `image`, pulled with the test registry's credentials.
 fn task(id: &str, image: &str) -> Value {
@@ -40,6 +45,33 @@ fn task(id: &str, image: &str) -> Value {
     config["registry_username"] = json!(registry_user());
     config["registry_password"] = json!(registry_password());
     config
+}
+
+/// Submits task `id` of `image`, which the shim accepts.
+fn submit(shim: &TestShim, id: &str, image: &str) {
+    assert_eq!(shim.submit(&task(id, image)).status, 200);
+}
+
+/// Runs `id` to `running` and removes it.
+fn run_and_remove(shim: &TestShim, id: &str, image: &str) {
+    submit(shim, id, image);
+    shim.wait_status(id, "running");
+    shim.finish(id);
+}
+
+/// The arguments collecting images above `high` % of the image file system down to `low` %.
+fn gc_marks(high: u64, low: u64) -> [String; 4] {
+    [
+        "--image-gc-high-percent".to_owned(),
+        high.to_string(),
+        "--image-gc-low-percent".to_owned(),
+        low.to_string(),
+    ]
+}
+
+/// A counter or gauge of `/metrics` without labels.
+fn metric(shim: &TestShim, name: &str) -> Option<f64> {
+    shim.metrics().try_get(name, &[])
 }
 
 /// An image name in the one form the ledger records (Docker's reference normalisation): for
@@ -53,12 +85,15 @@ fn normalize(image: &str) -> String {
     image.to_owned()
 }
 
+/// The images the ledger at `path` records, by image id.
+fn ledger(path: &Path) -> Map<String, Value> {
+    let ledger: Value = serde_json::from_slice(&fs_err::read(path).unwrap()).unwrap();
+    ledger["images"].as_object().unwrap().clone()
+}
+
 /// Every name the ledger at `path` records.
 fn ledger_names(path: &Path) -> BTreeSet<String> {
-    let ledger: Value = serde_json::from_slice(&fs_err::read(path).unwrap()).unwrap();
-    ledger["images"]
-        .as_object()
-        .unwrap()
+    ledger(path)
         .values()
         .flat_map(|i| i["names"].as_array().unwrap().clone())
         .map(|n| n.as_str().unwrap().to_owned())
@@ -67,13 +102,7 @@ fn ledger_names(path: &Path) -> BTreeSet<String> {
 
 /// The image ids the ledger at `path` records.
 fn ledger_ids(path: &Path) -> BTreeSet<String> {
-    let ledger: Value = serde_json::from_slice(&fs_err::read(path).unwrap()).unwrap();
-    ledger["images"]
-        .as_object()
-        .unwrap()
-        .keys()
-        .cloned()
-        .collect()
+    ledger(path).keys().cloned().collect()
 }
 
 /// The id of the local image `name` (main engine), if present.
@@ -84,11 +113,11 @@ fn image_id(name: &str) -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
-/// Runs `id` to `running` and removes it.
-fn run_and_remove(shim: &TestShim, id: &str, image: &str) {
-    assert_eq!(shim.submit(&task(id, image)).status, 200);
-    shim.wait_status(id, "running");
-    shim.finish(id);
+/// Waits until the local image `id` (main engine) is gone.
+fn wait_image_gone(what: &str, id: &str) {
+    wait_for(what, WAIT, || {
+        image_id(id).map_or(Ok(()), |_| Err(format!("{id} still there")))
+    });
 }
 
 /// Waits until the shim has heard `n` image removals from the engine (its cache of images
@@ -101,6 +130,73 @@ fn wait_image_removals(shim: &TestShim, n: f64) {
         );
         (seen >= n).then_some(()).ok_or(format!("{seen}"))
     });
+}
+
+/// A shim on a Docker daemon of its own whose data root is a 192 MiB file system of its own,
+/// collecting images between [`HIGH`] and [`LOW`]. Dropped in field order: the shim,
+/// then the daemon, then the file system.
+struct SmallDisk {
+    shim: TestShim,
+    daemon: PrivateDocker,
+    fs: LoopFs,
+    _dir: tempfile::TempDir,
+}
+
+impl SmallDisk {
+    fn start() -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("shim-images-")
+            .tempdir()
+            .unwrap();
+        let fs = LoopFs::create(dir.path(), 192);
+        let daemon = PrivateDocker::start(&fs.mount.join("docker"));
+        let shim = TestShim::builder("images")
+            .home(&dir.path().join("home"), &dir.path().join("logs"))
+            .docker_host(daemon.host())
+            .args(gc_marks(HIGH, LOW))
+            .start();
+        Self {
+            shim,
+            daemon,
+            fs,
+            _dir: dir,
+        }
+    }
+
+    /// The images on the daemon.
+    fn images(&self) -> BTreeSet<String> {
+        images_at(self.daemon.host())
+    }
+
+    /// Fails unless every one of `images` is on the daemon.
+    fn assert_present(&self, images: &[&String]) {
+        let present = self.images();
+        for image in images {
+            assert!(present.contains(*image), "{image}: {present:?}");
+        }
+    }
+
+    /// Waits until none of `images` is on the daemon.
+    fn wait_gone(&self, what: &str, images: &[&String]) {
+        wait_for(what, WAIT, || {
+            let present = self.images();
+            (!images.iter().any(|i| present.contains(*i)))
+                .then_some(())
+                .ok_or(format!("{present:?}"))
+        });
+    }
+
+    /// The file system's (capacity, used) bytes.
+    fn usage(&self) -> (u64, u64) {
+        let (capacity, available) = fs_usage(&self.fs.mount);
+        (capacity, capacity - available)
+    }
+
+    /// The file system's use in percent.
+    fn used_percent(&self) -> f64 {
+        let (capacity, used) = self.usage();
+        used as f64 * 100.0 / capacity as f64
+    }
 }
 
 /// Issue 39 part 1, SPEC §4: an image removed behind the shim's back (what `docker image
@@ -116,19 +212,18 @@ fn a_pruned_image_is_pulled_again_in_the_pull_step() {
     // 6 MiB through the image's proxy (about 2 MiB/s): a pull of some seconds.
     let fresh = FreshImage::push("shim-images-prune", 6 << 20).unwrap();
     let image = fresh.reference().to_owned();
-    let mut shim = TestShim::builder("images").build();
-    shim.start();
+    let shim = TestShim::builder("images").start();
     run_and_remove(&shim, "first", &image);
     assert!(image_id(&image).is_some(), "pulled by the first task");
 
     docker_ok(&["rmi", &image]);
     wait_image_removals(&shim, 1.0);
-    assert_eq!(shim.submit(&task("again", &image)).status, 200);
+    submit(&shim, "again", &image);
     let mut seen = Vec::new();
     let started = Instant::now();
     let info = loop {
         let info = shim.info("again");
-        let status = info["status"].as_str().unwrap().to_owned();
+        let status = status_of(&info).to_owned();
         if seen.last() != Some(&status) {
             seen.push(status.clone());
         }
@@ -148,7 +243,7 @@ fn a_pruned_image_is_pulled_again_in_the_pull_step() {
     // Pruned again; this time the task is terminated while it pulls.
     docker_ok(&["rmi", &image]);
     wait_image_removals(&shim, 2.0);
-    assert_eq!(shim.submit(&task("cancelled", &image)).status, 200);
+    submit(&shim, "cancelled", &image);
     shim.wait_status("cancelled", "pulling");
     let asked = Instant::now();
     let done = shim
@@ -180,15 +275,7 @@ fn the_ledger_follows_image_ids_not_names() {
     let mut latest = FreshImage::push_latest("shim-images-moved", 1 << 20).unwrap();
     let pulled = FreshImage::push("shim-images-built-over", 1 << 20).unwrap();
     let other = FreshImage::push("shim-images-other", 1 << 20).unwrap();
-    let mut shim = TestShim::builder("images")
-        .args([
-            "--image-gc-high-percent",
-            "1",
-            "--image-gc-low-percent",
-            "0",
-        ])
-        .build();
-    shim.start();
+    let shim = TestShim::builder("images").args(gc_marks(1, 0)).start();
     let ledger = shim.home().join("images.json");
 
     // A moved tag.
@@ -196,50 +283,32 @@ fn the_ledger_follows_image_ids_not_names() {
     run_and_remove(&shim, "old-latest", &image);
     let old = image_id(&image).expect("pulled");
     latest.repush(1 << 20).unwrap();
-    assert_eq!(shim.submit(&task("new-latest", &image)).status, 200);
+    submit(&shim, "new-latest", &image);
     shim.wait_status("new-latest", "running");
     let new = image_id(&image).expect("pulled again");
     assert_ne!(old, new, "the tag moved");
-    wait_for("the old latest is collected", WAIT, || {
-        image_id(&old).map_or(Ok(()), |_| Err(format!("{old} still there")))
-    });
-    assert_eq!(
-        image_id(&image).as_deref(),
-        Some(new.as_str()),
-        "in use: kept"
-    );
-    assert!(
-        ledger_ids(&ledger).contains(&new),
-        "{:?}",
-        ledger_ids(&ledger)
-    );
-    assert!(!ledger_ids(&ledger).contains(&old));
+    wait_image_gone("the old latest is collected", &old);
+    assert_eq!(image_id(&image), Some(new.clone()), "in use: kept");
+    let ids = ledger_ids(&ledger);
+    assert!(ids.contains(&new) && !ids.contains(&old), "{ids:?}");
 
     // An operator's build over a pulled name.
     let name = pulled.reference().to_owned();
     run_and_remove(&shim, "built-over", &name);
     let pulled_id = image_id(&name).expect("pulled");
-    let import = std::process::Command::new("docker")
-        .args(["image", "import", "-", &name])
-        .stdin(std::process::Stdio::null())
-        .output()
-        .unwrap();
-    assert!(import.status.success(), "{import:?}");
+    docker_ok(&["image", "import", "-", &name]);
     let built = image_id(&name).unwrap();
     assert_ne!(built, pulled_id);
     // The next pull's passes.
     run_and_remove(&shim, "next", other.reference());
-    wait_for("the pulled image left dangling is collected", WAIT, || {
-        image_id(&pulled_id).map_or(Ok(()), |_| Err(format!("{pulled_id} still there")))
-    });
+    wait_image_gone("the pulled image left dangling is collected", &pulled_id);
     assert_eq!(
-        image_id(&name).as_deref(),
-        Some(built.as_str()),
+        image_id(&name),
+        Some(built.clone()),
         "the operator's build is never removed"
     );
     assert!(!ledger_ids(&ledger).contains(&built));
     docker_ok(&["rmi", &name]);
-    drop(shim);
 }
 
 /// Issue 39 part 4: the ledger is written by one writer in order. Four pulls finishing
@@ -254,17 +323,13 @@ fn the_ledger_survives_concurrent_pulls_a_crash_and_corruption() {
     let images: Vec<FreshImage> = (0..4)
         .map(|_| FreshImage::push("shim-images-ledger", 1 << 20).unwrap())
         .collect();
-    let mut shim = TestShim::builder("images").build();
-    shim.start();
-    for (i, fresh) in images.iter().enumerate() {
-        assert_eq!(
-            shim.submit(&task(&format!("t{i}"), fresh.reference()))
-                .status,
-            200
-        );
+    let ids: Vec<String> = (0..images.len()).map(|i| format!("t{i}")).collect();
+    let mut shim = TestShim::builder("images").start();
+    for (id, fresh) in ids.iter().zip(&images) {
+        submit(&shim, id, fresh.reference());
     }
-    for i in 0..images.len() {
-        shim.wait_status(&format!("t{i}"), "running");
+    for id in &ids {
+        shim.wait_status(id, "running");
     }
     shim.kill();
     let ledger = shim.home().join("images.json");
@@ -279,8 +344,7 @@ fn the_ledger_survives_concurrent_pulls_a_crash_and_corruption() {
     shim.start();
     // The first answer comes once the engine is open (the port listens before).
     assert_eq!(
-        shim.metrics()
-            .try_get("dstack_shim_image_ledger_corrupt_total", &[]),
+        metric(&shim, "dstack_shim_image_ledger_corrupt_total"),
         Some(1.0)
     );
     let aside: Vec<_> = fs_err::read_dir(shim.home())
@@ -299,8 +363,8 @@ fn the_ledger_survives_concurrent_pulls_a_crash_and_corruption() {
         "{}",
         shim.log_tail()
     );
-    for i in 0..images.len() {
-        shim.finish(&format!("t{i}"));
+    for id in &ids {
+        shim.finish(id);
     }
 }
 
@@ -316,77 +380,43 @@ fn the_ledger_survives_concurrent_pulls_a_crash_and_corruption() {
 fn freed_bytes_are_measured_on_the_file_system() {
     require_docker();
     require_root();
-    const MIB: u64 = 1 << 20;
-    let (high, low) = (60u64, 57u64);
-    let dir = tempfile::Builder::new()
-        .prefix("shim-images-")
-        .tempdir()
-        .unwrap();
-    let fs = LoopFs::create(dir.path(), 192);
-    let daemon = PrivateDocker::start(&fs.mount.join("docker"));
-    let mut shim = TestShim::builder("images")
-        .home(&dir.path().join("home"), &dir.path().join("logs"))
-        .docker_host(daemon.host())
-        .args([
-            "--image-gc-high-percent",
-            &high.to_string(),
-            "--image-gc-low-percent",
-            &low.to_string(),
-        ])
-        .build();
-    shim.start();
+    let disk = SmallDisk::start();
+    let shim = &disk.shim;
     let a = FreshImage::push("shim-images-shared", 24 << 20).unwrap();
     let b = FreshImage::push_on(&a, "shim-images-shared", 1 << 20).unwrap();
     let (ia, ib) = (a.direct_reference(), b.direct_reference());
-    run_and_remove(&shim, "b", &ib);
-    run_and_remove(&shim, "a", &ia);
-    let present = images_at(daemon.host());
-    assert!(
-        present.contains(&ia) && present.contains(&ib),
-        "{present:?}"
-    );
+    run_and_remove(shim, "b", &ib);
+    run_and_remove(shim, "a", &ia);
+    disk.assert_present(&[&ia, &ib]);
 
     // Over the high mark by about 12 MiB's worth.
-    let (capacity, available) = fs_usage(&fs.mount);
-    let used = capacity - available;
-    let target = capacity * high / 100 + 12 * MIB;
+    let (capacity, used) = disk.usage();
+    let target = capacity * HIGH / 100 + 12 * MIB;
     assert!(target > used + MIB, "the images alone are over the mark");
-    take(&fs, "filler", target - used);
+    take(&disk.fs, "filler", target - used);
     let c = FreshImage::push("shim-images-shared-c", MIB as usize).unwrap();
-    assert_eq!(shim.submit(&task("c", &c.direct_reference())).status, 200);
+    submit(shim, "c", &c.direct_reference());
     shim.wait_status("c", "running");
-    wait_for("both shared images are collected", WAIT, || {
-        let present = images_at(daemon.host());
-        (!present.contains(&ia) && !present.contains(&ib))
-            .then_some(())
-            .ok_or(format!("{present:?}"))
-    });
-    let (_, available) = fs_usage(&fs.mount);
-    let after = (capacity - available) as f64 * 100.0 / capacity as f64;
-    let freed = shim
-        .metrics()
-        .try_get("dstack_shim_image_gc_freed_bytes_total", &[])
-        .unwrap();
+    disk.wait_gone("both shared images are collected", &[&ia, &ib]);
+    let after = disk.used_percent();
+    let freed = metric(shim, "dstack_shim_image_gc_freed_bytes_total").unwrap();
     eprintln!(
-        "MEASURED shared layers: usage after {after:.1} % (high {high}, low {low}); freed {:.1} MiB as measured",
+        "MEASURED shared layers: usage after {after:.1} % (high {HIGH}, low {LOW}); freed {:.1} MiB as measured",
         freed / MIB as f64
     );
     assert!(
-        after < low as f64,
-        "usage {after:.1} % is not under {low} %"
+        after < LOW as f64,
+        "usage {after:.1} % is not under {LOW} %"
     );
     assert!(
         freed >= (24 * MIB) as f64 && freed < (40 * MIB) as f64,
         "freed {freed}: the disk's bytes (the shared layer once), not the two Sizes summed"
     );
     assert_eq!(
-        shim.metrics()
-            .try_get("dstack_shim_image_gc_removed_images_total", &[]),
+        metric(shim, "dstack_shim_image_gc_removed_images_total"),
         Some(2.0)
     );
     shim.finish("c");
-    drop(shim);
-    drop(daemon);
 }
 
 /// Issue 28 part 3 (kubelet's image GC is the reference: `pkg/kubelet/images/image_gc_manager.go`,
@@ -405,54 +435,28 @@ fn freed_bytes_are_measured_on_the_file_system() {
 fn pulled_images_are_collected_when_the_disk_fills_and_a_pull_that_cannot_fit_fails_at_once() {
     require_docker();
     require_root();
-    const MIB: u64 = 1 << 20;
-    let (high, low) = (60u64, 57u64);
-    let dir = tempfile::Builder::new()
-        .prefix("shim-images-")
-        .tempdir()
-        .unwrap();
-    let fs = LoopFs::create(dir.path(), 192);
-    let daemon = PrivateDocker::start(&fs.mount.join("docker"));
-    let mut shim = TestShim::builder("images")
-        .home(&dir.path().join("home"), &dir.path().join("logs"))
-        .docker_host(daemon.host())
-        .args([
-            "--image-gc-high-percent",
-            &high.to_string(),
-            "--image-gc-low-percent",
-            &low.to_string(),
-        ])
-        .build();
-    shim.start();
+    let disk = SmallDisk::start();
+    let shim = &disk.shim;
     let [a, b, c] = [16 * MIB, 16 * MIB, MIB]
         .map(|bytes| FreshImage::push("shim-faults-gc", usize::try_from(bytes).unwrap()).unwrap());
     // Pulled through its slow proxy: the layer's size comes long before its bytes.
     let d = FreshImage::push("shim-faults-gc", 64 << 20).unwrap();
-    let on = |id: &str, image: &str| task(id, image);
-    let (ia, ib, ic) = (
-        a.direct_reference(),
-        b.direct_reference(),
-        c.direct_reference(),
-    );
+    let [ia, ib, ic] = [&a, &b, &c].map(FreshImage::direct_reference);
     let test_image = image();
 
     // a: pulled, ran, removed: unused. b: pulled, ran, terminated and not removed.
     for (id, image) in [("a", &ia), ("b", &ib)] {
-        assert_eq!(shim.submit(&on(id, image)).status, 200);
+        submit(shim, id, image);
         shim.wait_status(id, "running");
         let done = shim.terminate(id, "terminated_by_user", "", 0).ok();
         assert_eq!(status_of(&done), "terminated", "{done}");
     }
     shim.remove_retrying("a");
-    let present = images_at(daemon.host());
-    for image in [&ia, &ib, &test_image] {
-        assert!(present.contains(image.as_str()), "{image}: {present:?}");
-    }
+    disk.assert_present(&[&ia, &ib, &test_image]);
 
     // Over the high mark by 2 points: a's 16 MiB take usage under the low one.
-    let (capacity, available) = fs_usage(&fs.mount);
-    let used = capacity - available;
-    let target = capacity * (high + 2) / 100;
+    let (capacity, used) = disk.usage();
+    let target = capacity * (HIGH + 2) / 100;
     eprintln!(
         "MEASURED image fs: {} MiB, {} MiB used before the filler ({:.1} %)",
         capacity / MIB,
@@ -460,47 +464,31 @@ fn pulled_images_are_collected_when_the_disk_fills_and_a_pull_that_cannot_fit_fa
         used as f64 * 100.0 / capacity as f64
     );
     assert!(target > used + MIB, "the images alone are over the mark");
-    take(&fs, "filler-1", target - used);
+    take(&disk.fs, "filler-1", target - used);
 
     // c's pull starts with a pass: a goes, b and the test image stay.
     let started = Instant::now();
-    assert_eq!(shim.submit(&on("c", &ic)).status, 200);
-    wait_for("a's image is collected", WAIT, || {
-        let present = images_at(daemon.host());
-        (!present.contains(&ia))
-            .then_some(())
-            .ok_or(format!("{present:?}"))
-    });
+    submit(shim, "c", &ic);
+    disk.wait_gone("a's image is collected", &[&ia]);
     let collected = started.elapsed();
     shim.wait_status("c", "running");
-    let present = images_at(daemon.host());
-    for image in [&ib, &ic, &test_image] {
-        assert!(present.contains(image.as_str()), "{image}: {present:?}");
-    }
-    let (_, available) = fs_usage(&fs.mount);
-    let after = (capacity - available) as f64 * 100.0 / capacity as f64;
+    disk.assert_present(&[&ib, &ic, &test_image]);
+    let after = disk.used_percent();
     eprintln!(
-        "MEASURED image GC: submit -> a's image gone {:.0} ms; usage after {after:.1} % (high {high}, low {low})",
+        "MEASURED image GC: submit -> a's image gone {:.0} ms; usage after {after:.1} % (high {HIGH}, low {LOW})",
         collected.as_secs_f64() * 1e3
     );
     assert!(
-        after < low as f64,
-        "usage {after:.1} % is not under {low} %"
+        after < LOW as f64,
+        "usage {after:.1} % is not under {LOW} %"
     );
     assert_eq!(
-        shim.metrics()
-            .try_get("dstack_shim_image_gc_removed_images_total", &[]),
+        metric(shim, "dstack_shim_image_gc_removed_images_total"),
         Some(1.0)
     );
-    let freed = shim
-        .metrics()
-        .try_get("dstack_shim_image_gc_freed_bytes_total", &[])
-        .unwrap();
+    let freed = metric(shim, "dstack_shim_image_gc_freed_bytes_total").unwrap();
     assert!(freed >= (16 * MIB) as f64, "{freed}");
-    let ratio = shim
-        .metrics()
-        .try_get("dstack_shim_image_fs_used_ratio", &[])
-        .unwrap();
+    let ratio = metric(shim, "dstack_shim_image_fs_used_ratio").unwrap();
     assert!(ratio > 0.0 && ratio < 1.0, "{ratio}");
     let ledger = shim.home().join("images.json");
     assert_eq!(
@@ -517,10 +505,10 @@ fn pulled_images_are_collected_when_the_disk_fills_and_a_pull_that_cannot_fit_fa
     // b is removed; 24 MiB are left; d's 64 MiB layer cannot fit, even without b's image
     // (collected before the pull: the disk is over the high mark).
     shim.remove_retrying("b");
-    let (_, available) = fs_usage(&fs.mount);
-    take(&fs, "filler-2", available - 24 * MIB);
+    let (_, available) = fs_usage(&disk.fs.mount);
+    take(&disk.fs, "filler-2", available - 24 * MIB);
     let started = Instant::now();
-    assert_eq!(shim.submit(&on("d", d.reference())).status, 200);
+    submit(shim, "d", d.reference());
     let info = shim.wait_status("d", "terminated");
     let failed = started.elapsed();
     eprintln!(
@@ -546,27 +534,19 @@ fn pulled_images_are_collected_when_the_disk_fills_and_a_pull_that_cannot_fit_fa
         failed < Duration::from_secs(20),
         "the pull ran {failed:?} before failing"
     );
-    let present = images_at(daemon.host());
+    let present = disk.images();
     assert!(
         !present.contains(&ib),
         "b's image is collected: {present:?}"
     );
     assert!(!present.contains(d.reference()), "{present:?}");
-    for image in [&ic, &test_image] {
-        assert!(present.contains(image.as_str()), "{image}: {present:?}");
+    disk.assert_present(&[&ic, &test_image]);
+    for (name, value) in [
+        ("dstack_shim_image_pulls_without_room_total", 1.0),
+        ("dstack_shim_image_gc_removed_images_total", 2.0),
+    ] {
+        assert_eq!(metric(shim, name), Some(value), "{name}");
     }
-    assert_eq!(
-        shim.metrics()
-            .try_get("dstack_shim_image_pulls_without_room_total", &[]),
-        Some(1.0)
-    );
-    assert_eq!(
-        shim.metrics()
-            .try_get("dstack_shim_image_gc_removed_images_total", &[]),
-        Some(2.0)
-    );
     shim.remove_retrying("d");
     shim.finish("c");
-    drop(shim);
-    drop(daemon);
 }

@@ -25,10 +25,11 @@
 
 use std::collections::BTreeMap;
 use std::io::{BufRead as _, BufReader, Write as _};
-use std::net::{SocketAddr, TcpListener};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::fs::PermissionsExt as _;
+use std::os::unix::process::ExitStatusExt as _;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, ExitStatus};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -36,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use shim_e2e::harness::supervisor::group_members;
-use shim_e2e::harness::{Request, TestShim, bridge_task, docker_ok, run_tag, wait_for};
+use shim_e2e::harness::{Request, TestShim, bridge_task, docker_ok, run_tag, wait_for, wait_until};
 use shim_e2e::{
     DSTACK_VERSION, OLDER_DSTACK_VERSION, dist_artifact, dstack_python, go_arch, repo_root,
     require_docker,
@@ -53,6 +54,8 @@ const BOUND: Duration = Duration::from_secs(120);
 /// connection (the server's SSH tunnel opens one per request): 100 requests/s.
 const LOAD_CLIENTS: usize = 4;
 const LOAD_EVERY: Duration = Duration::from_millis(40);
+/// The record of a rolled-back upgrade, in the shim's home.
+const ROLLBACK_RECORD: &str = "upgrade-rollback.json";
 
 // ---------------------------------------------------------------------------------------------
 // Fixtures
@@ -122,53 +125,58 @@ impl FileServer {
         let served = files.clone();
         std::thread::spawn(move || {
             for stream in listener.incoming() {
-                let Ok(mut stream) = stream else { return };
+                let Ok(stream) = stream else { return };
                 let files = served.clone();
-                std::thread::spawn(move || {
-                    let mut reader = BufReader::new(stream.try_clone().unwrap());
-                    let mut line = String::new();
-                    if reader.read_line(&mut line).is_err() {
-                        return;
-                    }
-                    loop {
-                        let mut header = String::new();
-                        match reader.read_line(&mut header) {
-                            Ok(0) | Err(_) => break,
-                            Ok(_) if header == "\r\n" => break,
-                            Ok(_) => {}
-                        }
-                    }
-                    let name = line
-                        .split(' ')
-                        .nth(1)
-                        .unwrap_or("/")
-                        .trim_start_matches('/');
-                    let body = files.lock().unwrap().get(name).cloned();
-                    let _ = match body {
-                        Some(body) => stream
-                            .write_all(
-                                format!(
-                                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: \
-                                     close\r\n\r\n",
-                                    body.len()
-                                )
-                                .as_bytes(),
-                            )
-                            .and_then(|()| stream.write_all(&body)),
-                        None => stream.write_all(
-                            b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
-                        ),
-                    };
-                });
+                std::thread::spawn(move || Self::answer(stream, &files));
             }
         });
         Self { addr, files }
+    }
+
+    /// Answers one request on `stream` (one request per connection).
+    fn answer(mut stream: TcpStream, files: &Mutex<BTreeMap<String, Vec<u8>>>) {
+        let mut reader = BufReader::new(stream.try_clone().unwrap());
+        let mut line = String::new();
+        if reader.read_line(&mut line).is_err() {
+            return;
+        }
+        // The headers, up to the empty line.
+        let mut header = String::new();
+        while reader
+            .read_line(&mut header)
+            .is_ok_and(|n| n > 0 && header != "\r\n")
+        {
+            header.clear();
+        }
+        let name = line
+            .split(' ')
+            .nth(1)
+            .unwrap_or("/")
+            .trim_start_matches('/');
+        let (status, body) = match files.lock().unwrap().get(name) {
+            Some(body) => ("200 OK", body.clone()),
+            None => ("404 Not Found", Vec::new()),
+        };
+        let head = format!(
+            "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        );
+        let _ = stream
+            .write_all(head.as_bytes())
+            .and_then(|()| stream.write_all(&body));
     }
 
     /// Serves `bytes` as `name`; its URL.
     fn serve(&self, name: &str, bytes: Vec<u8>) -> String {
         self.files.lock().unwrap().insert(name.to_owned(), bytes);
         format!("http://{}/{name}", self.addr)
+    }
+
+    /// Serves `binary` where the server's download URL puts `release`'s artifact for this
+    /// machine; its URL.
+    fn serve_release(&self, release: &str, binary: &Path) -> String {
+        let name = format!("{release}/dstack-shim-linux-{}", go_arch());
+        self.serve(&name, fs_err::read(binary).unwrap())
     }
 }
 
@@ -190,6 +198,31 @@ struct Sample {
 }
 
 impl Sample {
+    /// Sends `GET path` to `addr` (a new connection, the server's timeout); how it went.
+    fn take(addr: SocketAddr, path: &str) -> Self {
+        let sent = Instant::now();
+        let answer = Request::get(path).timeout(REQUEST_TIMEOUT).send(addr);
+        let latency = sent.elapsed();
+        let (outcome, version) = match answer {
+            Ok(r) => {
+                let version = (path == "/api/healthcheck" && r.status == 200)
+                    .then(|| r.json().ok())
+                    .flatten()
+                    .and_then(|v| v["version"].as_str().map(str::to_owned));
+                (Ok(r.status), version)
+            }
+            Err(e) => (Err(e.to_string()), None),
+        };
+        let path = path.to_owned();
+        Self {
+            sent,
+            latency,
+            path,
+            outcome,
+            version,
+        }
+    }
+
     fn failed(&self) -> bool {
         self.outcome != Ok(200)
     }
@@ -215,34 +248,15 @@ impl Load {
             .map(|n| {
                 let (stop, paths) = (stop.clone(), paths.clone());
                 std::thread::spawn(move || {
-                    let mut samples = Vec::new();
                     // Spread the clients over the period.
                     std::thread::sleep(LOAD_EVERY / LOAD_CLIENTS as u32 * n as u32);
+                    let mut samples = Vec::new();
                     let mut next = Instant::now();
-                    let mut i = n;
-                    while !stop.load(Ordering::SeqCst) {
-                        let path = &paths[i % paths.len()];
-                        i += 1;
-                        let sent = Instant::now();
-                        let answer = Request::get(path).timeout(REQUEST_TIMEOUT).send(addr);
-                        let latency = sent.elapsed();
-                        let (outcome, version) = match answer {
-                            Ok(r) => {
-                                let version = (path == "/api/healthcheck" && r.status == 200)
-                                    .then(|| r.json().ok())
-                                    .flatten()
-                                    .and_then(|v| v["version"].as_str().map(str::to_owned));
-                                (Ok(r.status), version)
-                            }
-                            Err(e) => (Err(e.to_string()), None),
-                        };
-                        samples.push(Sample {
-                            sent,
-                            latency,
-                            path: path.clone(),
-                            outcome,
-                            version,
-                        });
+                    for path in paths.iter().cycle().skip(n) {
+                        if stop.load(Ordering::SeqCst) {
+                            break;
+                        }
+                        samples.push(Sample::take(addr, path));
                         next += LOAD_EVERY;
                         let now = Instant::now();
                         if next > now {
@@ -286,6 +300,16 @@ fn figures(samples: &[Sample], from: Instant, to: Instant) -> (usize, Vec<Sample
     (window.len(), failed, longest)
 }
 
+/// When the first and the last answer of the healthchecks that `version` answered came.
+fn answers_from(samples: &[Sample], version: &str) -> (Instant, Instant) {
+    let answered = samples
+        .iter()
+        .filter(|s| s.version.as_deref() == Some(version))
+        .map(Sample::answered);
+    let first = answered.clone().min().unwrap();
+    (first, answered.max().unwrap())
+}
+
 // ---------------------------------------------------------------------------------------------
 // The shim and its tasks
 // ---------------------------------------------------------------------------------------------
@@ -305,27 +329,8 @@ fn supervised_shim(
     let builder = TestShim::builder(label)
         .supervised(RESTART_SEC)
         .binary(&path);
-    let mut shim = env.iter().fold(builder, |b, (k, v)| b.env(k, v)).build();
-    shim.start();
+    let shim = env.iter().fold(builder, |b, (k, v)| b.env(k, v)).start();
     (shim, path, dir)
-}
-
-/// Submits `n` tasks and waits until they run; their ids and container ids.
-fn running_tasks(shim: &TestShim, n: usize) -> BTreeMap<String, String> {
-    let ids: Vec<String> = (0..n).map(|i| shim.unique_id(&format!("up{i}"))).collect();
-    for id in &ids {
-        let config = bridge_task(id, &format!("up-{id}-{}", run_tag()), 1);
-        shim.submit(&config).ok();
-    }
-    ids.iter()
-        .map(|id| {
-            let info = shim.wait_status(id, "running");
-            (
-                id.clone(),
-                info["container_id"].as_str().unwrap().to_owned(),
-            )
-        })
-        .collect()
 }
 
 /// `docker inspect` of a container: (running, started at).
@@ -340,55 +345,106 @@ fn container_state(id: &str) -> (String, String) {
     (running.to_owned(), started.to_owned())
 }
 
-/// Every task is `running` with the same container, which runs since the same moment.
-fn assert_tasks_untouched(
-    shim: &TestShim,
-    tasks: &BTreeMap<String, String>,
-    started: &BTreeMap<String, (String, String)>,
-) {
-    for (id, cid) in tasks {
-        let info = shim.info(id);
-        assert_eq!(info["status"], "running", "{info}");
-        assert_eq!(info["container_id"], cid.as_str(), "{info}");
-        assert_eq!(
-            &container_state(cid),
-            &started[cid],
-            "container {cid} of {id}"
-        );
+/// Tasks running through an upgrade: each one's container, and the container's state
+/// ([`container_state`]) once they all ran.
+struct Tasks {
+    /// Task id → container id.
+    containers: BTreeMap<String, String>,
+    /// Container id → its state once they all ran.
+    started: BTreeMap<String, (String, String)>,
+}
+
+impl Tasks {
+    /// Submits `n` tasks and waits until they run.
+    fn start(shim: &TestShim, n: usize) -> Self {
+        let ids: Vec<String> = (0..n).map(|i| shim.unique_id(&format!("up{i}"))).collect();
+        for id in &ids {
+            let config = bridge_task(id, &format!("up-{id}-{}", run_tag()), 1);
+            shim.submit(&config).ok();
+        }
+        let containers: BTreeMap<String, String> = ids
+            .iter()
+            .map(|id| {
+                let info = shim.wait_status(id, "running");
+                let cid = info["container_id"].as_str().unwrap().to_owned();
+                (id.clone(), cid)
+            })
+            .collect();
+        let started = containers
+            .values()
+            .map(|cid| (cid.clone(), container_state(cid)))
+            .collect();
+        Self {
+            containers,
+            started,
+        }
+    }
+
+    fn ids(&self) -> Vec<String> {
+        self.containers.keys().cloned().collect()
+    }
+
+    /// Every container still runs since the same moment.
+    fn assert_containers_untouched(&self) {
+        for (cid, state) in &self.started {
+            assert_eq!(&container_state(cid), state, "container {cid}");
+        }
+    }
+
+    /// Every task is `running` with the same container, which runs since the same moment.
+    fn assert_untouched(&self, shim: &TestShim) {
+        for (id, cid) in &self.containers {
+            let info = shim.info(id);
+            assert_eq!(info["status"], "running", "{info}");
+            assert_eq!(info["container_id"], cid.as_str(), "{info}");
+        }
+        self.assert_containers_untouched();
+    }
+
+    fn finish(&self, shim: &TestShim) {
+        for id in self.containers.keys() {
+            shim.finish(id);
+        }
     }
 }
 
-fn components(shim: &TestShim) -> BTreeMap<String, (String, String)> {
+/// The `dstack-shim` component: [status, version] (every component must have the three).
+fn shim_component(shim: &TestShim) -> [String; 2] {
     let list = shim.get("/api/components").ok();
-    list["components"]
+    let mut components: BTreeMap<String, [String; 2]> = list["components"]
         .as_array()
         .unwrap()
         .iter()
         .map(|c| {
-            let field = |f: &str| c[f].as_str().unwrap().to_owned();
-            (field("name"), (field("status"), field("version")))
+            let [name, status, version] =
+                ["name", "status", "version"].map(|f| c[f].as_str().unwrap().to_owned());
+            (name, [status, version])
         })
-        .collect()
+        .collect();
+    components
+        .remove("dstack-shim")
+        .unwrap_or_else(|| panic!("{list}"))
 }
 
 /// Installs `url` as `dstack-shim` and waits until the install is over (the server's next
-/// instance check reads the list the same way); the component's (status, version).
-fn install(shim: &TestShim, url: &str) -> (String, String) {
+/// instance check reads the list the same way); the component's [status, version].
+fn install(shim: &TestShim, url: &str) -> [String; 2] {
     let answer = shim.post(
         "/api/components/install",
         &json!({"name": "dstack-shim", "url": url}),
     );
     answer.assert_empty_ok();
     wait_for("the install ends", BOUND, || {
-        let shim_component = components(shim)["dstack-shim"].clone();
-        if shim_component.0 == "installing" {
-            Err(format!("{shim_component:?}"))
+        let component = shim_component(shim);
+        if component[0] == "installing" {
+            Err(format!("{component:?}"))
         } else {
-            Ok(shim_component)
+            Ok(component)
         }
     })
 }
 
+/// `POST /api/shutdown` as the server sends it; when it was answered.
 fn shutdown(shim: &TestShim) -> Instant {
     let answer = shim.post("/api/shutdown", &json!({"force": false}));
     let at = Instant::now();
@@ -410,6 +466,26 @@ fn wait_version(shim: &TestShim, version: &str) {
     });
 }
 
+/// Waits until the supervisor has started the shim `n` times and the last start runs.
+fn wait_starts(shim: &TestShim, n: usize) {
+    wait_for("the supervisor starts the shim again", BOUND, || {
+        let starts = shim.supervisor().starts();
+        if starts.len() == n && shim.supervisor().pid().is_some() {
+            Ok(())
+        } else {
+            Err(format!("{starts:?}"))
+        }
+    });
+}
+
+/// Nothing restarted: the supervisor started the shim once, and `pid` (the process systemd
+/// watches) still runs it.
+fn assert_same_process(shim: &TestShim, pid: u32) {
+    let starts = shim.supervisor().starts();
+    assert_eq!(starts.len(), 1, "{starts:?}");
+    assert_eq!(shim.supervisor().pid(), Some(pid), "the same process");
+}
+
 /// The watchdog is gone: only the shim is left in its process group.
 fn wait_alone(shim: &TestShim) {
     let pid = shim.supervisor().pid().unwrap();
@@ -423,9 +499,15 @@ fn wait_alone(shim: &TestShim) {
     });
 }
 
+/// The record of the last rolled-back upgrade.
 fn record(shim: &TestShim) -> Value {
-    let path = shim.home().join("upgrade-rollback.json");
+    let path = shim.home().join(ROLLBACK_RECORD);
     serde_json::from_slice(&fs_err::read(&path).unwrap()).unwrap()
+}
+
+/// Why the last upgrade was rolled back.
+fn rollback_reason(shim: &TestShim) -> String {
+    record(shim)["reason"].as_str().unwrap().to_owned()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -445,25 +527,14 @@ fn an_upgrade_in_place_fails_no_request_and_keeps_every_task() {
     assert_ne!(old_version, new_version);
     let (shim, path, _bin) = supervised_shim("upgrade", &old, &[]);
     wait_version(&shim, &old_version);
-    let tasks = running_tasks(&shim, 3);
-    let started: BTreeMap<String, (String, String)> = tasks
-        .values()
-        .map(|cid| (cid.clone(), container_state(cid)))
-        .collect();
+    let tasks = Tasks::start(&shim, 3);
     let pid = shim.supervisor().pid().unwrap();
     let files = FileServer::start();
-    let url = files.serve(
-        &format!("{DSTACK_VERSION}/dstack-shim-linux-amd64"),
-        fs_err::read(&new).unwrap(),
-    );
+    let url = files.serve_release(DSTACK_VERSION, &new);
 
-    let ids: Vec<String> = tasks.keys().cloned().collect();
-    let load = Load::start(shim.addr(), &ids);
+    let load = Load::start(shim.addr(), &tasks.ids());
     std::thread::sleep(Duration::from_secs(1));
-    assert_eq!(
-        install(&shim, &url),
-        ("installed".into(), new_version.clone())
-    );
+    assert_eq!(install(&shim, &url), ["installed", &new_version]);
     let shutdown_at = shutdown(&shim);
     wait_version(&shim, &new_version);
     let new_answers = shutdown_at.elapsed();
@@ -471,18 +542,8 @@ fn an_upgrade_in_place_fails_no_request_and_keeps_every_task() {
     let samples = load.finish();
 
     let (total, failed, longest) = figures(&samples, samples[0].sent, Instant::now());
-    let first_new = samples
-        .iter()
-        .filter(|s| s.version.as_deref() == Some(new_version.as_str()))
-        .map(Sample::answered)
-        .min()
-        .unwrap();
-    let last_old = samples
-        .iter()
-        .filter(|s| s.version.as_deref() == Some(old_version.as_str()))
-        .map(Sample::answered)
-        .max()
-        .unwrap();
+    let (first_new, _) = answers_from(&samples, &new_version);
+    let (_, last_old) = answers_from(&samples, &old_version);
     let (after, _, longest_after) = figures(&samples, shutdown_at, Instant::now());
     eprintln!(
         "upgrade in place {old_version} -> {new_version}: {total} requests ({after} after the \
@@ -506,46 +567,30 @@ fn an_upgrade_in_place_fails_no_request_and_keeps_every_task() {
     );
 
     // The same process (systemd's main PID), now the new binary; nothing restarted.
-    let starts = shim.supervisor().starts();
-    assert_eq!(starts.len(), 1, "{starts:?}");
-    assert_eq!(shim.supervisor().pid(), Some(pid));
+    assert_same_process(&shim, pid);
     let exe = fs_err::read_link(format!("/proc/{pid}/exe")).unwrap();
     assert_eq!(exe, path, "the new binary runs from the path");
     assert!(same_bytes(&path, &new));
-    assert_eq!(
-        components(&shim)["dstack-shim"],
-        ("installed".into(), new_version.clone())
-    );
-    assert_tasks_untouched(&shim, &tasks, &started);
+    assert_eq!(shim_component(&shim), ["installed", &new_version]);
+    tasks.assert_untouched(&shim);
     wait_alone(&shim);
-    assert!(!shim.home().join("upgrade-rollback.json").exists());
+    assert!(!shim.home().join(ROLLBACK_RECORD).exists());
     let log = shim.all_logs();
-    assert!(
-        log.contains("serving the listening socket passed by the parent"),
-        "{log}"
-    );
-    assert!(
-        log.contains("the new dstack-shim answers: upgrade done"),
-        "{log}"
-    );
+    for line in [
+        "serving the listening socket passed by the parent",
+        "the new dstack-shim answers: upgrade done",
+    ] {
+        assert!(log.contains(line), "{line:?} missing: {log}");
+    }
 
     // A second shutdown with nothing new installed exits, as upstream's does; systemd (the
     // supervisor) starts it again, and the tasks are still there.
     shutdown(&shim);
-    wait_for("the shim exits and is started again", BOUND, || {
-        let starts = shim.supervisor().starts();
-        if starts.len() == 2 && shim.supervisor().pid().is_some() {
-            Ok(())
-        } else {
-            Err(format!("{starts:?}"))
-        }
-    });
+    wait_starts(&shim, 2);
     assert!(shim.supervisor().starts()[0].exit.unwrap().success());
     shim.wait_answering_supervised();
-    assert_tasks_untouched(&shim, &tasks, &started);
-    for id in tasks.keys() {
-        shim.finish(id);
-    }
+    tasks.assert_untouched(&shim);
+    tasks.finish(&shim);
 }
 
 /// Broken new binaries, under load with two tasks running; each time the host keeps a shim,
@@ -568,44 +613,46 @@ fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
         &current,
         &[("DSTACK_SHIM_UPGRADE_TIMEOUT", "5")],
     );
-    let tasks = running_tasks(&shim, 2);
-    let started: BTreeMap<String, (String, String)> = tasks
-        .values()
-        .map(|cid| (cid.clone(), container_state(cid)))
-        .collect();
+    let tasks = Tasks::start(&shim, 2);
     let files = FileServer::start();
-    let ids: Vec<String> = tasks.keys().cloned().collect();
-    let load = Load::start(shim.addr(), &ids);
+    let load = Load::start(shim.addr(), &tasks.ids());
     let mut phases: Vec<(&str, Instant, Instant)> = Vec::new();
-    let after_rollback = |shim: &TestShim, starts: usize| {
+    // An upgrade to `url` (installed as `installs`) that the pre-flight refuses: the running
+    // binary is put back and the same process serves on.
+    let refused = |url: &str, installs: [&str; 2]| {
+        let pid = shim.supervisor().pid().unwrap();
+        assert_eq!(install(&shim, url), installs);
+        shutdown(&shim);
+        wait_until("the running binary is put back", BOUND, || {
+            same_bytes(&path, &current)
+        });
+        std::thread::sleep(Duration::from_secs(1));
+        assert_eq!(shim.supervisor().pid(), Some(pid), "still the same process");
+    };
+    // An upgrade to `url` (installed as `installs`) whose binary is exec'd and ends: the
+    // supervisor then starts the shim for the `starts`-th time; how the new binary ended.
+    let exec_fails = |url: &str, installs: [&str; 2], starts: usize| -> ExitStatus {
+        assert_eq!(install(&shim, url), installs);
+        shutdown(&shim);
+        wait_starts(&shim, starts);
+        shim.supervisor().starts()[starts - 2].exit.unwrap()
+    };
+    // What every rollback leaves: `starts` starts, the old version answering from the path,
+    // the component in error, the tasks untouched, the watchdog gone.
+    let after_rollback = |starts: usize| {
         assert_eq!(shim.supervisor().starts().len(), starts);
-        wait_version(shim, &version);
+        wait_version(&shim, &version);
         assert!(same_bytes(&path, &current), "the running binary is back");
-        assert_eq!(
-            components(shim)["dstack-shim"],
-            ("error".into(), String::new())
-        );
-        assert_tasks_untouched(shim, &tasks, &started);
-        wait_alone(shim);
+        assert_eq!(shim_component(&shim), ["error", ""]);
+        tasks.assert_untouched(&shim);
+        wait_alone(&shim);
     };
 
     // Not an executable: refused before anything stops.
     let from = Instant::now();
-    let pid = shim.supervisor().pid().unwrap();
-    let garbage = files.serve("garbage", vec![0x5a; 4096]);
-    assert_eq!(install(&shim, &garbage), ("error".into(), String::new()));
-    shutdown(&shim);
-    wait_for("the running binary is put back", BOUND, || {
-        if same_bytes(&path, &current) {
-            Ok(())
-        } else {
-            Err("not yet".into())
-        }
-    });
-    std::thread::sleep(Duration::from_secs(1));
-    assert_eq!(shim.supervisor().pid(), Some(pid), "still the same process");
-    after_rollback(&shim, 1);
-    let reason = record(&shim)["reason"].as_str().unwrap().to_owned();
+    refused(&files.serve("garbage", vec![0x5a; 4096]), ["error", ""]);
+    after_rollback(1);
+    let reason = rollback_reason(&shim);
     assert!(reason.contains("does not report a version"), "{reason}");
     phases.push(("not an executable", from, Instant::now()));
 
@@ -615,26 +662,10 @@ fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
         "0.22.99+rust.0.1.0",
         "echo 'broken dstack-shim: exiting' >&2\nexit 1",
     );
-    let exits_url = files.serve("exits", exits.clone());
-    assert_eq!(
-        install(&shim, &exits_url),
-        ("installed".into(), "0.22.99+rust.0.1.0".into())
-    );
-    shutdown(&shim);
-    wait_for("the supervisor starts the shim again", BOUND, || {
-        if shim.supervisor().starts().len() == 2 && shim.supervisor().pid().is_some() {
-            Ok(())
-        } else {
-            Err(format!("{:?}", shim.supervisor().starts()))
-        }
-    });
-    let first = &shim.supervisor().starts()[0];
-    assert_eq!(
-        first.exit.unwrap().code(),
-        Some(1),
-        "the broken binary exited"
-    );
-    after_rollback(&shim, 2);
+    let exits_url = files.serve("exits", exits);
+    let exit = exec_fails(&exits_url, ["installed", "0.22.99+rust.0.1.0"], 2);
+    assert_eq!(exit.code(), Some(1), "the broken binary exited");
+    after_rollback(2);
     let rec = record(&shim);
     assert_eq!(rec["failed_version"], "0.22.99+rust.0.1.0", "{rec}");
     assert_eq!(rec["restored_version"], version.as_str(), "{rec}");
@@ -649,22 +680,8 @@ fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
 
     // The same binary again: refused without being started.
     let from = Instant::now();
-    let pid = shim.supervisor().pid().unwrap();
-    assert_eq!(
-        install(&shim, &exits_url),
-        ("installed".into(), "0.22.99+rust.0.1.0".into())
-    );
-    shutdown(&shim);
-    wait_for("the running binary is put back", BOUND, || {
-        if same_bytes(&path, &current) {
-            Ok(())
-        } else {
-            Err("not yet".into())
-        }
-    });
-    std::thread::sleep(Duration::from_secs(1));
-    assert_eq!(shim.supervisor().pid(), Some(pid), "still the same process");
-    after_rollback(&shim, 2);
+    refused(&exits_url, ["installed", "0.22.99+rust.0.1.0"]);
+    after_rollback(2);
     assert_eq!(
         record(&shim),
         rec,
@@ -677,26 +694,10 @@ fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
     // A good version that never answers: killed after the bound (5 s here), rolled back.
     let from = Instant::now();
     let hangs = files.serve("hangs", script("0.22.98+rust.0.1.0", "exec sleep 600"));
-    assert_eq!(
-        install(&shim, &hangs),
-        ("installed".into(), "0.22.98+rust.0.1.0".into())
-    );
-    shutdown(&shim);
-    wait_for("the supervisor starts the shim again", BOUND, || {
-        if shim.supervisor().starts().len() == 3 && shim.supervisor().pid().is_some() {
-            Ok(())
-        } else {
-            Err(format!("{:?}", shim.supervisor().starts()))
-        }
-    });
-    let killed = &shim.supervisor().starts()[1];
-    assert_eq!(
-        std::os::unix::process::ExitStatusExt::signal(&killed.exit.unwrap()),
-        Some(9),
-        "the hung binary was killed"
-    );
-    after_rollback(&shim, 3);
-    let reason = record(&shim)["reason"].as_str().unwrap().to_owned();
+    let exit = exec_fails(&hangs, ["installed", "0.22.98+rust.0.1.0"], 3);
+    assert_eq!(exit.signal(), Some(9), "the hung binary was killed");
+    after_rollback(3);
+    let reason = rollback_reason(&shim);
     assert!(reason.contains("it did not answer within 5s"), "{reason}");
     phases.push(("hangs", from, Instant::now()));
 
@@ -712,9 +713,7 @@ fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
             assert!(failed.is_empty(), "{name}: {failed:#?}");
         }
     }
-    for id in tasks.keys() {
-        shim.finish(id);
-    }
+    tasks.finish(&shim);
 }
 
 /// The dstack server's own instance check (`_maybe_install_components` of dstack 0.22.5, run
@@ -748,19 +747,11 @@ fn the_dstack_servers_own_instance_check_upgrades_it_in_place() {
         &old,
         &[("STUB_RUNNER_VERSION", DSTACK_VERSION)],
     );
-    let tasks = running_tasks(&shim, 2);
-    let started: BTreeMap<String, (String, String)> = tasks
-        .values()
-        .map(|cid| (cid.clone(), container_state(cid)))
-        .collect();
+    let tasks = Tasks::start(&shim, 2);
     let pid = shim.supervisor().pid().unwrap();
     let files = FileServer::start();
-    files.serve(
-        &format!("{DSTACK_VERSION}/dstack-shim-linux-{}", go_arch()),
-        fs_err::read(&new).unwrap(),
-    );
-    let ids: Vec<String> = tasks.keys().cloned().collect();
-    let load = Load::start(shim.addr(), &ids);
+    let url = files.serve_release(DSTACK_VERSION, &new);
+    let load = Load::start(shim.addr(), &tasks.ids());
     let from = Instant::now();
     let out = Command::new(&python)
         .arg(repo_root().join("tests/dstack-server/upgrade_shim.py"))
@@ -790,9 +781,7 @@ fn the_dstack_servers_own_instance_check_upgrades_it_in_place() {
         [
             (
                 "/api/components/install".to_owned(),
-                json!({"name": "dstack-shim", "url": format!(
-                    "http://{}/{DSTACK_VERSION}/dstack-shim-linux-{}", files.addr, go_arch()
-                )})
+                json!({"name": "dstack-shim", "url": url})
             ),
             ("/api/shutdown".to_owned(), json!({"force": false})),
         ],
@@ -809,14 +798,11 @@ fn the_dstack_servers_own_instance_check_upgrades_it_in_place() {
         longest.as_secs_f64()
     );
     assert!(failed.is_empty(), "failed requests: {failed:#?}");
-    assert_eq!(shim.supervisor().starts().len(), 1);
-    assert_eq!(shim.supervisor().pid(), Some(pid));
+    assert_same_process(&shim, pid);
     assert!(same_bytes(&path, &new));
-    assert_tasks_untouched(&shim, &tasks, &started);
+    tasks.assert_untouched(&shim);
     wait_alone(&shim);
-    for id in tasks.keys() {
-        shim.finish(id);
-    }
+    tasks.finish(&shim);
 }
 
 /// A new binary that is not this shim (its version lacks `+rust.`, as dstack's Go shim's)
@@ -831,11 +817,7 @@ fn a_binary_that_is_not_this_shim_binds_the_port_itself() {
     require_docker();
     let current = artifact(DSTACK_VERSION);
     let (shim, path, _bin) = supervised_shim("foreign", &current, &[]);
-    let tasks = running_tasks(&shim, 1);
-    let started: BTreeMap<String, (String, String)> = tasks
-        .values()
-        .map(|cid| (cid.clone(), container_state(cid)))
-        .collect();
+    let tasks = Tasks::start(&shim, 1);
     let pid = shim.supervisor().pid().unwrap();
     let foreign = script(
         "0.22.6",
@@ -856,7 +838,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
     let files = FileServer::start();
     let url = files.serve("foreign", foreign);
     let load = Load::start(shim.addr(), &[]);
-    assert_eq!(install(&shim, &url), ("installed".into(), "0.22.6".into()));
+    assert_eq!(install(&shim, &url), ["installed", "0.22.6"]);
     let from = shutdown(&shim);
     wait_version(&shim, "0.22.6");
     let answered = from.elapsed();
@@ -870,11 +852,8 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
         answered.as_secs_f64(),
         failed.len()
     );
-    assert_eq!(shim.supervisor().starts().len(), 1);
-    assert_eq!(shim.supervisor().pid(), Some(pid), "the same process");
-    assert!(!shim.home().join("upgrade-rollback.json").exists());
+    assert_same_process(&shim, pid);
+    assert!(!shim.home().join(ROLLBACK_RECORD).exists());
     assert!(!same_bytes(&path, &current), "not rolled back");
-    for (cid, state) in &started {
-        assert_eq!(&container_state(cid), state, "container {cid}");
-    }
+    tasks.assert_containers_untouched();
 }
