@@ -4,7 +4,7 @@
 //! `tests/gpu-host/README.md`): the shim detects the GPUs, chooses how they reach containers
 //! (CDI on an engine that applies it), and a container sees exactly its GPUs' device nodes and
 //! environment. Also: GPUs placed by the host's interconnect, unhealthy GPUs kept from new
-//! tasks, upstream's device request refused by an engine without NVIDIA's runtime, AMD's and
+//! tasks (a scenario of every world, `world/mod.rs`), upstream's device request refused by an engine without NVIDIA's runtime, AMD's and
 //! Tenstorrent's device mappings.
 //!
 //! One fake GPU host at a time on a machine (its CDI spec is global to the engine): the tests
@@ -26,10 +26,13 @@ use std::time::Duration;
 
 use serde_json::Value;
 use shim_e2e::harness::{
-    CdiName, FakeGpuHost, FakeGpuHostOptions, FakeHealth, FakeVendor, TestShim, bridge_task,
-    docker_ok, run_tag, wait_for,
+    CdiName, FakeGpuHost, FakeGpuHostOptions, FakeVendor, TestShim, bridge_task, docker_ok,
+    run_tag, wait_for,
 };
 use shim_e2e::{require_docker, require_root};
+use world::{GPUS, Options, World};
+
+mod world;
 
 /// Bound of the waits (never a timed assertion).
 const WAIT: Duration = Duration::from_secs(60);
@@ -224,62 +227,85 @@ fn gpus_are_placed_by_their_interconnect() {
     shim.finish("pair");
 }
 
-/// Issue 36: a GPU whose `nvidia-smi -q` reports retired pages pending is kept from new tasks
-/// (probed every second here): a task asking for all four gets upstream's error naming it and
-/// why; `/metrics` and the instance health answer say which GPU and why; a task already holding
-/// it keeps running; once healthy again, it is handed out.
-#[test]
-#[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
-fn an_unhealthy_gpu_is_kept_from_new_tasks_until_it_recovers() {
-    require();
-    let host = FakeGpuHost::setup(FakeVendor::Nvidia, 4, &FakeGpuHostOptions::default());
-    let shim = shim_on(&host, &["--gpu-health-interval", "1s"]);
-    let holder = submit_until(&shim, "holder", 1, "running");
-    let held = indexes(&host, &holder);
-    let bad = if held.contains(&1) { 2 } else { 1 };
-    let bad_uuid = host.uuids()[bad].clone();
-    let unhealthy = || {
-        shim.metrics().try_get(
-            "dstack_shim_gpu_unhealthy",
-            &[("gpu", &bad_uuid), ("reason", "retired pages pending")],
-        )
+// Issue 36: a GPU that goes unhealthy (retired pages pending) is kept from new tasks: a task
+// asking for more than the healthy free GPUs gets upstream's no-capacity error naming it and
+// why; `/metrics` says which GPU and why (and, from the binary, the instance health answer);
+// the task already holding a GPU that went bad keeps it and runs on; once healthy again, the
+// GPU is handed out. In the binary world the GPUs are a fake GPU host's and `nvidia-smi -q`
+// reports the bad pages.
+async fn an_unhealthy_gpu_is_kept_from_new_tasks_until_it_recovers<W: World>() {
+    let w = W::new(Options {
+        gpu_health: true,
+        ..Options::default()
+    })
+    .await;
+    let ids = w.gpu_ids();
+    w.submit(&w.task("holder", 1)).await.unwrap();
+    let holder = w.wait_status("holder", "running").await;
+    let held = ids.iter().position(|id| gpu_ids(&holder).contains(id));
+    let held = held.unwrap_or_else(|| panic!("{holder}"));
+    let bad = if held == 1 { 2 } else { 1 };
+    let unhealthy = async |i: usize| {
+        let labels = [
+            ("gpu", ids[i].as_str()),
+            ("reason", "retired pages pending"),
+        ];
+        w.metrics()
+            .await
+            .try_get("dstack_shim_gpu_unhealthy", &labels)
     };
-    host.set_health(bad, FakeHealth::RetiredPagesPending);
-    wait_for("the GPU is seen unhealthy", WAIT, || {
-        unhealthy().map(|_| ()).ok_or_else(|| "not yet".to_owned())
-    });
-    let health = shim.get("/api/instance/health").json_body();
-    let listed = health["gpus"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|g| g["id"] == bad_uuid.as_str())
-        .unwrap_or_else(|| panic!("{health}"));
-    assert_eq!(listed["healthy"], false, "{health}");
-    assert_eq!(listed["reasons"][0], "retired pages pending", "{health}");
-    assert!(
-        health.get("dcgm").is_some(),
-        "upstream's field stays: {health}"
-    );
+    w.set_gpu_healthy(held, false).await;
+    w.set_gpu_healthy(bad, false).await;
+    for _ in 0..600 {
+        if unhealthy(held).await.is_some() && unhealthy(bad).await.is_some() {
+            break;
+        }
+        w.sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(unhealthy(bad).await, Some(1.0), "{:?}", w.metrics().await);
+    assert_eq!(unhealthy(held).await, Some(1.0));
+    if let Some(shim) = w.binary() {
+        let health = shim.get("/api/instance/health").json_body();
+        let gpus = health["gpus"].as_array().unwrap();
+        let listed = gpus.iter().find(|g| g["id"] == ids[bad].as_str());
+        let listed = listed.unwrap_or_else(|| panic!("{health}"));
+        assert_eq!(listed["healthy"], false, "{health}");
+        assert_eq!(listed["reasons"][0], "retired pages pending", "{health}");
+        assert!(health.get("dcgm").is_some(), "upstream's field: {health}");
+    }
 
-    let refused = submit_until(&shim, "all-left", 3, "terminated");
-    assert!(
-        message(&refused).contains("no capacity: 3 GPUs requested, 2 available")
-            && message(&refused).contains(&format!("{bad_uuid} (retired pages pending)")),
-        "{refused}"
+    let rest = GPUS - 1;
+    w.submit(&w.task("all-left", rest as i64)).await.unwrap();
+    let refused = w.wait_status("all-left", "terminated").await;
+    assert_eq!(refused["termination_reason"], "executor_error", "{refused}");
+    let expected = format!(
+        "no capacity: {rest} GPUs requested, {} available (1 kept out as unhealthy: {} \
+         (retired pages pending))",
+        rest - 1,
+        ids[bad]
     );
-    shim.remove_retrying("all-left");
-    assert_eq!(shim.info("holder")["status"], "running");
+    assert!(message(&refused).contains(&expected), "{refused}");
+    w.remove("all-left").await;
+    let holder = w.info("holder").await.unwrap();
+    assert_eq!(holder["status"], "running", "running tasks are not touched");
 
-    host.set_health(bad, FakeHealth::Healthy);
-    wait_for("the GPU is healthy again", WAIT, || {
-        unhealthy().map_or(Ok(()), |_| Err("still unhealthy".to_owned()))
-    });
-    let three = submit_until(&shim, "all-three", 3, "running");
-    assert!(gpu_ids(&three).contains(&bad_uuid), "{three}");
-    shim.finish("holder");
-    shim.finish("all-three");
+    w.set_gpu_healthy(bad, true).await;
+    for _ in 0..600 {
+        if unhealthy(bad).await.is_none() {
+            break;
+        }
+        w.sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(unhealthy(bad).await, None);
+    w.submit(&w.task("all-rest", rest as i64)).await.unwrap();
+    let all = w.wait_status("all-rest", "running").await;
+    assert!(gpu_ids(&all).contains(&ids[bad]), "{all}");
+    for id in ["holder", "all-rest"] {
+        w.terminate(id, "terminated_by_server", "", 0).await;
+        w.remove(id).await;
+    }
 }
+in_worlds!(an_unhealthy_gpu_is_kept_from_new_tasks_until_it_recovers: fake, docker, binary);
 
 /// Issue 36: upstream's NVIDIA device request (`--gpu-device-mode legacy`) needs NVIDIA's
 /// runtime hook, which this host lacks: Docker refuses the start ("could not select device

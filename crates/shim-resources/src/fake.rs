@@ -1,6 +1,7 @@
 //! Fakes for the tests of this crate and the engine's (`cfg(test)` or feature
 //! `test-support`): volumes, the mount system calls and authorized_keys that record calls and
-//! fail on demand, and a fixed user table ([`StaticUserDb`]). GPUs need no fake: use
+//! fail on demand, a fixed user table ([`StaticUserDb`]) and a GPU health source set by hand
+//! ([`FakeGpuHealth`]). GPUs themselves need no fake: use
 //! [`crate::gpu::HostGpus::fake_nvidia`] with a real [`crate::gpu::GpuLock`], or a
 //! [`crate::gpu::GpuDetector`] over a temporary device root with a [`ScriptedCommandRunner`](shim_util::fake::ScriptedCommandRunner)
 //! (the command runner's fake, from [`shim_util`], re-exported here).
@@ -357,6 +358,51 @@ impl UserDb for StaticUserDb {
             .ok_or_else(|| ResourcesError::UnknownUser {
                 user: user.to_owned(),
             })
+    }
+}
+
+/// A GPU health source whose answer is set by hand: every GPU of a host healthy until
+/// [`FakeGpuHealth::set_reasons`] says otherwise.
+#[derive(Debug)]
+pub struct FakeGpuHealth {
+    report: Mutex<crate::gpu::GpuHealthReport>,
+}
+
+impl FakeGpuHealth {
+    /// Every GPU of `host` healthy.
+    pub fn new(host: &crate::gpu::HostGpus) -> Self {
+        let gpus = host.gpus.iter().map(|g| crate::gpu::GpuHealth {
+            uuid: g.id.clone(),
+            index: g.index,
+            bus_id: String::new(),
+            reasons: Vec::new(),
+        });
+        let report = crate::gpu::GpuHealthReport {
+            gpus: gpus.collect(),
+            errors: Vec::new(),
+        };
+        Self {
+            report: Mutex::new(report),
+        }
+    }
+
+    /// From the next probe on, the GPU at `position` in the host's list is unhealthy for
+    /// `reasons` (none: healthy). Returns false, changing nothing, past the end of the list.
+    pub fn set_reasons(&self, position: usize, reasons: Vec<crate::gpu::UnhealthyReason>) -> bool {
+        match lock(&self.report).gpus.get_mut(position) {
+            Some(gpu) => {
+                gpu.reasons = reasons;
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+#[async_trait]
+impl crate::gpu::GpuHealthSource for FakeGpuHealth {
+    async fn probe(&self) -> crate::gpu::GpuHealthReport {
+        lock(&self.report).clone()
     }
 }
 

@@ -6,10 +6,13 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
-use shim_e2e::harness::{NamedContainer, TestShim, container_name_of};
+use shim_e2e::harness::{
+    FakeGpuHost, FakeGpuHostOptions, FakeHealth, FakeVendor, NamedContainer, TestShim,
+    container_name_of,
+};
 
 use super::flaky::FlakyDocker;
-use super::{Options, World};
+use super::{GPUS, Options, World};
 
 /// `dstack-shim` over HTTP. Its calls block: each runs on tokio's blocking pool, so that a
 /// scenario's concurrent calls are concurrent requests.
@@ -21,6 +24,9 @@ pub struct BinaryWorld {
     /// Every submitted task's container, removed by name however the test ends (one that
     /// keeps an earlier owner identity escapes the shim's sweeper).
     named: Mutex<Vec<NamedContainer>>,
+    /// The fake GPU host the shim runs in ([`Options::gpu_health`]); torn down after the
+    /// shim stops (fields drop in order).
+    gpu_host: Option<FakeGpuHost>,
     /// Holds the proxy's socket.
     _dir: tempfile::TempDir,
 }
@@ -56,12 +62,20 @@ impl World for BinaryWorld {
             // Only the shim goes through the proxy: the clean-up talks to Docker directly.
             builder = builder.env("DOCKER_HOST", proxy.docker_host());
         }
+        let gpu_host = options.gpu_health.then(|| {
+            shim_e2e::require_root();
+            FakeGpuHost::setup(FakeVendor::Nvidia, GPUS, &FakeGpuHostOptions::default())
+        });
+        if let Some(host) = &gpu_host {
+            builder = builder.gpu_host(host).args(["--gpu-health-interval", "1s"]);
+        }
         let shim = tokio::task::spawn_blocking(move || {
             let shim = builder.start();
             assert_eq!(shim.get("/api/healthcheck").status, 200);
             shim
         });
         BinaryWorld {
+            gpu_host,
             relists: options.relist_every_s.is_some(),
             shim: Arc::new(shim.await.unwrap()),
             proxy,
@@ -72,6 +86,28 @@ impl World for BinaryWorld {
 
     async fn neighbour(&self) -> Self {
         Self::new(Options::default()).await
+    }
+
+    fn gpu_ids(&self) -> Vec<String> {
+        match &self.gpu_host {
+            Some(host) => host.ids(),
+            // `--fake-gpus`: the engine's fake NVIDIA GPUs.
+            None => shim_resources::HostGpus::fake_nvidia(GPUS as u32).ids(),
+        }
+    }
+
+    async fn set_gpu_healthy(&self, index: usize, healthy: bool) {
+        let host = self
+            .gpu_host
+            .as_ref()
+            .expect("a world made without Options::gpu_health");
+        host.set_health(
+            index,
+            match healthy {
+                true => FakeHealth::Healthy,
+                false => FakeHealth::RetiredPagesPending,
+            },
+        );
     }
 
     async fn submit(&self, task: &Value) -> Result<(), String> {

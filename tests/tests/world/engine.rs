@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 use shim_engine::{Clock, Deps, Engine, EngineConfig, Shutdown};
-use shim_resources::fake::{FakeAuthorizedKeys, FakeVolumes, StaticUserDb};
+use shim_resources::fake::{FakeAuthorizedKeys, FakeGpuHealth, FakeVolumes, StaticUserDb};
+use shim_resources::gpu::UnhealthyReason;
 use shim_resources::{AuthorizedKeysManager, BlockVolumes, HostGpus, VolumeConfig};
 use shim_runtime::fake::FakeRuntime;
 use shim_runtime::{ContainerState, DockerRuntime};
@@ -37,6 +38,9 @@ pub struct EngineWorld<const DOCKER: bool> {
     proxy: Option<FlakyDocker>,
     engine: Option<Engine>,
     clock: Clock,
+    gpus: HostGpus,
+    /// The GPUs' health source ([`Options::gpu_health`]), kept across restarts.
+    health: Option<Arc<FakeGpuHealth>>,
     /// Every submitted task's container name, removed however the test ends (one that keeps
     /// an earlier owner identity escapes a sweep by owner).
     named: std::sync::Mutex<Vec<String>>,
@@ -110,7 +114,6 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
     }
 
     async fn open(&self) -> Engine {
-        let gpus = HostGpus::fake_nvidia(GPUS as u32);
         let mut cfg = EngineConfig::new(self.path("home"));
         cfg.volumes_root = self.path("volumes");
         cfg.runner_binary_path = match (&self.options.runner, DOCKER) {
@@ -149,8 +152,12 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
                 deps
             }
         };
-        deps.host_gpus = gpus;
+        deps.host_gpus = self.gpus.clone();
         deps.clock = self.clock;
+        if let Some(health) = &self.health {
+            deps.gpu_health = Some(health.clone());
+            cfg.gpu_health_interval = Duration::from_secs(1);
+        }
         Engine::open(cfg, deps).await.unwrap()
     }
 
@@ -172,6 +179,10 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
             }
         };
         let proxy = (DOCKER && options.flaky_engine).then(|| FlakyDocker::start(dir.path()));
+        let gpus = HostGpus::fake_nvidia(GPUS as u32);
+        let health = options
+            .gpu_health
+            .then(|| Arc::new(FakeGpuHealth::new(&gpus)));
         let mut world = EngineWorld {
             dir: Arc::new(dir),
             options,
@@ -179,6 +190,8 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
             proxy,
             engine: None,
             named: std::sync::Mutex::new(Vec::new()),
+            gpus,
+            health,
             clock: if DOCKER {
                 Clock::system()
             } else {
@@ -223,6 +236,22 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
 
     async fn neighbour(&self) -> Self {
         Self::make(Options::default(), self.fake.clone()).await
+    }
+
+    fn gpu_ids(&self) -> Vec<String> {
+        self.gpus.ids()
+    }
+
+    async fn set_gpu_healthy(&self, index: usize, healthy: bool) {
+        let health = self
+            .health
+            .as_ref()
+            .expect("a world made without Options::gpu_health");
+        let reasons = match healthy {
+            true => vec![],
+            false => vec![UnhealthyReason::RetiredPagesPending],
+        };
+        assert!(health.set_reasons(index, reasons), "no GPU {index}");
     }
 
     async fn submit(&self, task: &Value) -> Result<(), String> {

@@ -71,6 +71,10 @@ pub struct Options {
     /// (by waiting for the next one); the default is the shim's own (an hour in the engine
     /// worlds).
     pub relist_every_s: Option<u64>,
+    /// GPUs whose health the scenario sets ([`World::set_gpu_healthy`]), probed every second:
+    /// in the engine worlds a health source set by hand, in the binary world a fake GPU host
+    /// (`tests/gpu-host`: device nodes, CDI spec, `nvidia-smi`; needs root).
+    pub gpu_health: bool,
 }
 
 /// A host with a shim on it, as a scenario sees it.
@@ -87,6 +91,13 @@ pub trait World: Sized {
         let name = format!("w-{id}-{}", shim_e2e::harness::run_tag());
         shim_e2e::harness::bridge_task(id, &name, gpu)
     }
+
+    /// The ids of the host's GPUs, in index order (the ids `gpus_ids` answers).
+    fn gpu_ids(&self) -> Vec<String>;
+
+    /// Makes GPU `index` healthy, or unhealthy for retired pages pending (needs
+    /// [`Options::gpu_health`]); the shim sees it at its next probe.
+    async fn set_gpu_healthy(&self, index: usize, healthy: bool);
 
     /// Submits; the error is the shim's message.
     async fn submit(&self, task: &Value) -> Result<(), String>;
