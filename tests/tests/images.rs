@@ -3,7 +3,8 @@
 //! the image was removed behind the shim's back; image collection records image ids with the
 //! names they were pulled as, never removes an image someone else built or tagged, collects
 //! what a moved tag left, measures what it freed on the file system, and keeps its ledger
-//! consistent across crashes and corruption.
+//! consistent across crashes and corruption; and a pull that stalls is given up (a scenario of
+//! every world, `world/mod.rs`).
 //!
 //! Gating as the other end-to-end tests: ignored unless run with `--run-ignored all`; needs
 //! Docker (`SHIM_TEST_DOCKER=1`), and root (`SHIM_TEST_ROOT=1`) for the tests on a daemon of
@@ -32,6 +33,8 @@ use shim_e2e::{image, registry_password, registry_user, require_docker, require_
 
 /// Bound of the waits (never a timed assertion: generous, only there so a hang fails).
 const WAIT: Duration = Duration::from_secs(60);
+
+mod world;
 const MIB: u64 = 1 << 20;
 /// The collection marks on the small disks ([`SmallDisk`]): above `HIGH` % of the file system,
 /// images are collected down to `LOW` %.
@@ -550,3 +553,58 @@ fn pulled_images_are_collected_when_the_disk_fills_and_a_pull_that_cannot_fit_fa
     shim.remove_retrying("d");
     shim.finish("c");
 }
+
+// Issue 28 part 1: a pull that stops moving (a registry that stops sending mid-layer; the
+// fake's pull that reports 3 MiB of 8 and then nothing) is given up after the stall timeout:
+// the task ends `creating_container_error` with a message in numbers; the change feed says so
+// (`pull_stalled`, with the bytes done of the total and how long nothing moved) right before
+// the `terminated` change; `dstack_shim_pull_stalls_total` and the pull's stalled errors count
+// it.
+async fn a_stalled_pull_is_a_change_a_termination_and_a_count<W: world::World>() {
+    let w = W::new(world::Options {
+        pull_stall_timeout_s: Some(3),
+        ..world::Options::default()
+    })
+    .await;
+    let image = w.stalled_image("shim-world-stall").await;
+    let mut changes = w.changes().await;
+    let mut task = w.task("stall", 0);
+    image.for_task(&mut task);
+    w.submit(&task).await.unwrap();
+    let seen = changes.of_task_until("stall", "terminated").await;
+    let info = w.wait_status("stall", "terminated").await;
+    assert_eq!(info["termination_reason"], "creating_container_error");
+    let kinds: Vec<&str> = seen.iter().map(|c| c["change"].as_str().unwrap()).collect();
+    assert_eq!(
+        kinds[kinds.len() - 2..],
+        ["pull_stalled", "terminated"],
+        "{seen:?}"
+    );
+    let stalled = &seen[seen.len() - 2];
+    assert_eq!(stalled["image"], image.reference.as_str(), "{stalled}");
+    let done = stalled["downloaded_bytes"].as_u64().unwrap();
+    let total = stalled["total_bytes"].as_u64().unwrap();
+    assert!(done > 0 && done < total && total >= 8 * MIB, "{stalled}");
+    let stalled_ms = stalled["stalled_ms"].as_u64().unwrap();
+    assert!((3000..4000).contains(&stalled_ms), "{stalled}");
+    assert!(stalled["elapsed_ms"].as_u64().unwrap() >= stalled_ms);
+    let message = info["termination_message"].as_str().unwrap();
+    let stalled_for = format!(
+        "pulling image {} stalled: nothing moved for 3",
+        image.reference
+    );
+    let numbers = format!("({done} of {total} bytes) downloaded in ");
+    assert!(
+        message.starts_with(&stalled_for) && message.contains(&numbers),
+        "{message}"
+    );
+    let metrics = w.metrics().await;
+    assert_eq!(metrics.get("dstack_shim_pull_stalls_total", &[]), 1.0);
+    let stalled_errors = [("op", "pull"), ("kind", "stalled")];
+    assert_eq!(
+        metrics.get("dstack_shim_docker_errors_total", &stalled_errors),
+        1.0
+    );
+    w.remove("stall").await;
+}
+in_worlds!(a_stalled_pull_is_a_change_a_termination_and_a_count: fake, docker, binary);

@@ -19,12 +19,10 @@
 mod world;
 
 use std::collections::BTreeSet;
-use std::io::{BufReader, Read as _};
-use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use shim_e2e::harness::{Body, Metrics, Request, SseEvent, SseParser, TestShim};
+use shim_e2e::harness::{EventStream, Metrics, Request, TestShim};
 use shim_e2e::{image, require_docker};
 
 /// How long the event stream may stay silent before the test gives up (keep-alives come
@@ -53,57 +51,9 @@ fn submit(shim: &TestShim, id: &str) -> Value {
     shim.submit(&config).ok()
 }
 
-// ---------------------------------------------------------------------------------------------
-// An SSE client (blocking; chunked decoding as it comes)
-// ---------------------------------------------------------------------------------------------
-
-struct Sse {
-    body: Body<BufReader<TcpStream>>,
-    parser: SseParser,
-}
-
-impl Sse {
-    /// Connects, checks the answer's head and returns the stream (the snapshot is next).
-    fn connect(addr: SocketAddr) -> Self {
-        let streamed = Request::get("/api/events")
-            .header("Accept", "text/event-stream")
-            .timeout(EVENT_BOUND)
-            .open(addr)
-            .unwrap();
-        assert_eq!(streamed.status, 200, "{streamed:?}");
-        assert_eq!(
-            streamed.header("content-type"),
-            Some("text/event-stream"),
-            "{streamed:?}"
-        );
-        assert_eq!(
-            streamed.header("transfer-encoding"),
-            Some("chunked"),
-            "{streamed:?}"
-        );
-        Self {
-            body: streamed.body,
-            parser: SseParser::new(),
-        }
-    }
-
-    /// The next event, keep-alive comments skipped.
-    fn next_event(&mut self) -> SseEvent {
-        loop {
-            match self.parser.next_block() {
-                Some(Ok(event)) if event.is_comment() => {}
-                Some(Ok(event)) => return event,
-                Some(Err(e)) => panic!("{e}"),
-                None => {
-                    // What arrived of the stream (chunked transfer decoded by the harness).
-                    let mut buf = [0u8; 16 * 1024];
-                    let n = self.body.read(&mut buf).unwrap();
-                    assert_ne!(n, 0, "the event stream ended");
-                    self.parser.push(&buf[..n]);
-                }
-            }
-        }
-    }
+/// The shim's event stream, connected (the snapshot is next).
+fn events(shim: &TestShim) -> EventStream {
+    EventStream::connect(shim.addr(), EVENT_BOUND).unwrap()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -121,8 +71,8 @@ impl Sse {
 fn events_follow_a_task_from_submit_to_removal_and_json_logs() {
     require_docker();
     let shim = start(&["--log-format", "json"]);
-    let mut sse = Sse::connect(shim.addr());
-    let snapshot = sse.next_event();
+    let mut sse = events(&shim);
+    let snapshot = sse.next_event().unwrap();
     assert_eq!(snapshot.event, "snapshot");
     assert_eq!(snapshot.id, None);
     let snapshot: Value = serde_json::from_str(&snapshot.data).unwrap();
@@ -132,8 +82,8 @@ fn events_follow_a_task_from_submit_to_removal_and_json_logs() {
     let id = id.as_str();
     submit(&shim, id);
     let info = shim.wait_status(id, "running");
-    let mut late = Sse::connect(shim.addr());
-    let late_snapshot: Value = serde_json::from_str(&late.next_event().data).unwrap();
+    let mut late = events(&shim);
+    let late_snapshot: Value = serde_json::from_str(&late.next_event().unwrap().data).unwrap();
     assert_eq!(
         late_snapshot,
         json!({"tasks": [{"id": id, "status": "running"}]})
@@ -146,7 +96,7 @@ fn events_follow_a_task_from_submit_to_removal_and_json_logs() {
     let mut seen = Vec::new();
     let mut last_id = 0;
     loop {
-        let event = sse.next_event();
+        let event = sse.next_event().unwrap();
         assert_eq!(event.event, "change", "{event:?}");
         let data: Value = serde_json::from_str(&event.data).unwrap();
         let event_id = event.id.expect("a change has an id");
@@ -286,85 +236,6 @@ fn operations_md_lists_every_metric() {
             "docs/OPERATIONS.md does not list {sample}"
         );
     }
-}
-
-/// Issue 28 part 1: a pull whose registry stops sending mid-layer (a [`SlowProxy`] that
-/// stalls after 4 MiB of answers, half the layer) is given up after `--pull-stall-timeout`; the event stream
-/// says so (`pull_stalled`, with the bytes done of the total and how long nothing moved)
-/// before the `terminated` change, the task ends `creating_container_error` with the numbers,
-/// and `dstack_shim_pull_stalls_total` counts it.
-///
-/// [`SlowProxy`]: shim_e2e::harness::SlowProxy
-#[test]
-#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
-fn a_stalled_pull_is_an_event_a_termination_and_a_count() {
-    require_docker();
-    let fresh = shim_e2e::harness::FreshImage::push("shim-observe-stall", 8 << 20).unwrap();
-    // The manifests and configs pass; the layer's first half too (whole MiB blocks: what the
-    // containerd store reports), then nothing.
-    fresh.proxy().stall_after(4 << 20);
-    let shim = start(&["--pull-stall-timeout", "3s"]);
-    let mut sse = Sse::connect(shim.addr());
-    assert_eq!(sse.next_event().event, "snapshot");
-    let id = shim.unique_id("stall");
-    let id = id.as_str();
-    let config = json!({
-        "id": id, "name": format!("observe-{id}"), "image_name": fresh.reference(),
-        "gpu": 0, "network_mode": "bridge", "container_user": "root",
-        "registry_username": shim_e2e::registry_user(),
-        "registry_password": shim_e2e::registry_password(),
-    });
-    shim.submit(&config).ok();
-    let info = shim.wait_status(id, "terminated");
-    assert_eq!(
-        info["termination_reason"], "creating_container_error",
-        "{info}"
-    );
-    let message = info["termination_message"].as_str().unwrap();
-    assert!(
-        message.contains(&format!(
-            "pulling image {} stalled: nothing moved for 3",
-            fresh.reference()
-        )) && message.contains("downloaded in"),
-        "{message}"
-    );
-    let mut changes = Vec::new();
-    while !changes.iter().any(|c: &Value| c["change"] == "terminated") {
-        let event = sse.next_event();
-        changes.push(serde_json::from_str::<Value>(&event.data).unwrap());
-    }
-    let kinds: Vec<&str> = changes
-        .iter()
-        .map(|c| c["change"].as_str().unwrap())
-        .collect();
-    eprintln!("MEASURED a stalled pull's changes: {changes:?}; message: {message}");
-    let stalled = changes
-        .iter()
-        .find(|c| c["change"] == "pull_stalled")
-        .unwrap_or_else(|| panic!("no pull_stalled before terminated: {kinds:?}"));
-    assert_eq!(stalled["task"], id);
-    assert_eq!(stalled["image"], fresh.reference());
-    let (done, total) = (
-        stalled["downloaded_bytes"].as_u64().unwrap(),
-        stalled["total_bytes"].as_u64().unwrap(),
-    );
-    assert!(
-        done > 0 && done < total && total >= fresh.layer_bytes(),
-        "{stalled}"
-    );
-    let stalled_ms = stalled["stalled_ms"].as_u64().unwrap();
-    assert!((3000..4000).contains(&stalled_ms), "{stalled}");
-    assert!(stalled["elapsed_ms"].as_u64().unwrap() >= stalled_ms);
-    assert_eq!(
-        kinds.iter().rev().take(2).collect::<Vec<_>>(),
-        [&"terminated", &"pull_stalled"],
-        "{kinds:?}"
-    );
-    assert_eq!(
-        shim.metrics().get("dstack_shim_pull_stalls_total", &[]),
-        1.0
-    );
-    shim.remove_retrying(id);
 }
 
 // The metrics move as tasks run: submitted, running, the GPUs locked, a create, the time to

@@ -19,7 +19,7 @@ use shim_resources::host::{FsProbe, FsUsage};
 use shim_runtime::fake::{Call, FakeRuntime, PullBehavior, StartBehavior};
 use shim_runtime::{BindMount, ContainerSpec, ContainerState, DeviceRequest};
 use shim_task::{
-    PublicKey, PullProgress, TaskConfig, TaskId, TaskInfo, TaskName, TaskStatus, TerminationReason,
+    PublicKey, TaskConfig, TaskId, TaskInfo, TaskName, TaskStatus, TerminationReason,
     VolumeBackend, VolumeMountPoint, VolumeSpec,
 };
 
@@ -707,62 +707,6 @@ async fn terminate_running_stops_with_timeout_and_releases() {
     ));
     assert!(engine.gpu_lock().locked().is_empty());
     assert!(w.keys.keys_of("ubuntu").is_empty());
-}
-
-/// A pull that stops moving for the stall timeout ends the task `creating_container_error`
-/// (as any failed pull) with a message in numbers, is counted, and subscribers see a
-/// `pull_stalled` change before the termination.
-#[tokio::test(start_paused = true)]
-async fn a_stalled_pull_fails_the_task_and_is_counted() {
-    let w = World::new(0);
-    let engine = w
-        .engine_with(|cfg| cfg.pull_stall_timeout = Some(Duration::from_millis(50)))
-        .await;
-    let mut changes = engine.subscribe();
-    w.runtime.set_pull_behavior(PullBehavior::Hang {
-        steps: vec![PullProgress {
-            downloaded_bytes: 3 << 20,
-            extracted_bytes: 0,
-            total_bytes: 8 << 20,
-            is_total_bytes_final: true,
-        }],
-    });
-    let info = failed_start(&engine, config("t1").with_image("img:latest")).await;
-    assert_reason(&info, "creating_container_error");
-    let message = &info.termination_message;
-    assert_contains(message, "stalled: nothing moved for ");
-    assert_contains(message, "3.0 MiB of 8.0 MiB (3145728 of 8388608 bytes)");
-    let metrics = scrape(&engine);
-    assert_contains(&metrics, "dstack_shim_pull_stalls_total 1\n");
-    assert_contains(
-        &metrics,
-        r#"dstack_shim_docker_errors_total{op="pull",kind="stalled"} 1"#,
-    );
-    let mut seen = Vec::new();
-    while let Some(Ok(change)) = changes.try_recv() {
-        seen.push(serde_json::to_value(&change.kind).unwrap());
-    }
-    let stalled = seen
-        .iter()
-        .position(|c| c["change"] == "pull_stalled")
-        .unwrap_or_else(|| panic!("no pull_stalled change: {seen:?}"));
-    let c = &seen[stalled];
-    assert_eq!(
-        serde_json::json!([
-            c["image"],
-            c["downloaded_bytes"],
-            c["total_bytes"],
-            c["stalled_ms"]
-        ]),
-        serde_json::json!(["img:latest", 3 << 20, 8 << 20, 50]),
-        "{c}"
-    );
-    assert!(
-        seen[stalled + 1..]
-            .iter()
-            .any(|c| c["change"] == "terminated"),
-        "the termination follows: {seen:?}"
-    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -36,7 +36,8 @@
 //! - [`shim`]: [`TestShim`], one test's shim under test (a home, the process across
 //!   restarts, its logs, its API with the checks the tests make, its containers) and its
 //!   clean-up;
-//! - [`sse`]: [`SseParser`], the one parser of the shim's Server-Sent Events (tests and bench);
+//! - [`sse`]: [`SseParser`], the one parser of the shim's Server-Sent Events (tests and bench),
+//!   and [`EventStream`], the tests' client of them;
 //! - [`supervisor`](mod@supervisor): [`Supervisor`], which runs a command as systemd runs the
 //!   shim's unit (restarted after a delay when it exits, its process group stopped first);
 //! - [`task`]: task configs as the server sends them, container names, fake GPU ids, SSH
@@ -90,7 +91,7 @@ pub use registry::{FreshImage, Layer, Registry, SlowProxy};
 pub use shim::{
     FAKE_GPUS, RUNNER_HTTP_PORT, RUNNER_SSH_PORT, TestShim, TestShimBuilder, WAIT_BOUND,
 };
-pub use sse::{SseEvent, SseParser, parse_block};
+pub use sse::{EventStream, SseEvent, SseParser, parse_block};
 pub use supervisor::Supervisor;
 pub use task::{
     KEY_MARKER, bridge_task, container_name, container_name_of, fake_gpu_ids, run_tag, ssh_key,

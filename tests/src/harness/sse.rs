@@ -1,6 +1,13 @@
 //! Server-Sent Events as the shim's `GET /api/events` sends them: the one parser of the
 //! workspace's tests and the bench. It works on decoded body bytes as they arrive (the HTTP
-//! client decodes the chunked transfer), so blocking and async readers share it.
+//! client decodes the chunked transfer), so blocking and async readers share it; and the
+//! tests' blocking client of the stream ([`EventStream`]).
+
+use std::io::{self, BufReader, Read as _};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+use super::http::{Body, Request};
 
 /// One SSE block: an event (`event:`, `id:`, `data:` lines; multi-line data joined by `\n`), or
 /// a comment (`event` is `":"`, `data` the comment's text after the colon).
@@ -74,6 +81,56 @@ pub fn parse_block(block: &str) -> Result<SseEvent, String> {
     }
     event.data = data.join("\n");
     Ok(event)
+}
+
+/// A blocking client of `GET /api/events`, the chunked transfer decoded as it comes.
+pub struct EventStream {
+    body: Body<BufReader<TcpStream>>,
+    parser: SseParser,
+}
+
+impl EventStream {
+    /// Connects to the shim at `addr` and checks the answer's head (200, `text/event-stream`,
+    /// chunked); the snapshot is the next event. A read waits at most `silence` (keep-alives
+    /// come every 15 s).
+    pub fn connect(addr: SocketAddr, silence: Duration) -> io::Result<Self> {
+        let streamed = Request::get("/api/events")
+            .header("Accept", "text/event-stream")
+            .timeout(silence)
+            .open(addr)?;
+        let head_ok = streamed.status == 200
+            && streamed.header("content-type") == Some("text/event-stream")
+            && streamed.header("transfer-encoding") == Some("chunked");
+        if !head_ok {
+            return Err(io::Error::other(format!(
+                "not an event stream: {streamed:?}"
+            )));
+        }
+        Ok(Self {
+            body: streamed.body,
+            parser: SseParser::new(),
+        })
+    }
+
+    /// The next event, keep-alive comments skipped; an error when the stream ends, stays
+    /// silent too long or sends what is not an event.
+    pub fn next_event(&mut self) -> io::Result<SseEvent> {
+        loop {
+            match self.parser.next_block() {
+                Some(Ok(event)) if event.is_comment() => {}
+                Some(Ok(event)) => return Ok(event),
+                Some(Err(e)) => return Err(io::Error::new(io::ErrorKind::InvalidData, e)),
+                None => {
+                    let mut buf = [0u8; 16 * 1024];
+                    let n = self.body.read(&mut buf)?;
+                    if n == 0 {
+                        return Err(io::ErrorKind::UnexpectedEof.into());
+                    }
+                    self.parser.push(&buf[..n]);
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -4,15 +4,16 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use serde_json::Value;
 use shim_e2e::harness::{
-    FakeGpuHost, FakeGpuHostOptions, FakeHealth, FakeVendor, NamedContainer, TestShim,
+    EventStream, FakeGpuHost, FakeGpuHostOptions, FakeHealth, FakeVendor, NamedContainer, TestShim,
     container_name_of,
 };
 
 use super::flaky::FlakyDocker;
-use super::{GPUS, Options, World};
+use super::{Changes, GPUS, Options, World};
 
 /// `dstack-shim` over HTTP. Its calls block: each runs on tokio's blocking pool, so that a
 /// scenario's concurrent calls are concurrent requests.
@@ -57,6 +58,9 @@ impl World for BinaryWorld {
         }
         if let Some(every) = options.relist_every_s {
             builder = builder.args(["--reconcile-interval".to_owned(), every.to_string()]);
+        }
+        if let Some(stall) = options.pull_stall_timeout_s {
+            builder = builder.args(["--pull-stall-timeout".to_owned(), format!("{stall}s")]);
         }
         if let Some(proxy) = &proxy {
             // Only the shim goes through the proxy: the clean-up talks to Docker directly.
@@ -122,6 +126,29 @@ impl World for BinaryWorld {
         } else {
             Err(answer.body)
         }
+    }
+
+    async fn changes(&self) -> Changes {
+        let addr = self.shim.addr();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        // Connected and past the snapshot before this returns: every later change is seen.
+        let mut stream = tokio::task::spawn_blocking(move || {
+            let mut stream = EventStream::connect(addr, Duration::from_secs(90)).unwrap();
+            assert_eq!(stream.next_event().unwrap().event, "snapshot");
+            stream
+        })
+        .await
+        .unwrap();
+        // Ends with the stream (the shim gone) or once nobody listens.
+        std::thread::spawn(move || {
+            while let Ok(event) = stream.next_event() {
+                let change = serde_json::from_str(&event.data).unwrap();
+                if event.event == "change" && tx.send(change).is_err() {
+                    return;
+                }
+            }
+        });
+        Changes::new(rx, None)
     }
 
     async fn info(&self, id: &str) -> Option<Value> {

@@ -19,7 +19,7 @@ use shim_task::{TaskConfig, TaskId, TerminationReason};
 use shim_util::SystemCommandRunner;
 
 use super::flaky::FlakyDocker;
-use super::{GPUS, Options, World};
+use super::{Changes, GPUS, Options, World};
 
 /// The engine on the fake runtime, on paused time.
 pub type FakeWorld = EngineWorld<false>;
@@ -124,6 +124,9 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
         };
         // Long unless asked: the worlds move by events and the engine's own relists only.
         cfg.reconcile_interval = Duration::from_secs(self.options.relist_every_s.unwrap_or(3600));
+        if let Some(stall) = self.options.pull_stall_timeout_s {
+            cfg.pull_stall_timeout = Some(Duration::from_secs(stall));
+        }
         let mut deps = match &self.fake {
             Some(fake) => Deps::new(
                 Arc::new(fake.clone()),
@@ -265,6 +268,19 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
             Ok(_) => Ok(()),
             Err(e) => Err(e.to_string()),
         }
+    }
+
+    async fn changes(&self) -> Changes {
+        let mut subscription = self.engine().subscribe();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let forward = tokio::spawn(async move {
+            while let Ok(change) = subscription.recv().await {
+                if tx.send(serde_json::to_value(&change).unwrap()).is_err() {
+                    return;
+                }
+            }
+        });
+        Changes::new(rx, Some(forward))
     }
 
     async fn info(&self, id: &str) -> Option<Value> {

@@ -60,6 +60,97 @@ impl SlowImage {
     }
 }
 
+/// [`World::slow_image`] and [`World::stalled_image`]: `bytes` of fresh content whose pull
+/// stops after `stall_after` bytes (`None`: goes on, slowly); in the fake world, a pull that
+/// reports some progress and hangs.
+async fn fresh_image(
+    fake: Option<&shim_runtime::fake::FakeRuntime>,
+    repo: &str,
+    bytes: usize,
+    stall_after: Option<u64>,
+) -> SlowImage {
+    if let Some(fake) = fake {
+        let total = bytes as u64;
+        fake.set_pull_behavior(shim_runtime::fake::PullBehavior::Hang {
+            steps: vec![shim_task::PullProgress {
+                downloaded_bytes: stall_after.map_or(total * 5 / 8, |_| 3 << 20),
+                extracted_bytes: 0,
+                total_bytes: total,
+                is_total_bytes_final: true,
+            }],
+        });
+        return SlowImage {
+            reference: format!("{repo}:latest"),
+            username: String::new(),
+            password: String::new(),
+            _fresh: None,
+        };
+    }
+    let repo = repo.to_owned();
+    let fresh = tokio::task::spawn_blocking(move || {
+        shim_e2e::harness::FreshImage::push(&repo, bytes).unwrap()
+    })
+    .await
+    .unwrap();
+    if let Some(after) = stall_after {
+        // The manifests and configs pass; the layer's first part too (whole MiB blocks: what
+        // the containerd store reports), then nothing.
+        fresh.proxy().stall_after(after);
+    }
+    SlowImage {
+        reference: fresh.reference().to_owned(),
+        username: shim_e2e::registry_user(),
+        password: shim_e2e::registry_password(),
+        _fresh: Some(fresh),
+    }
+}
+
+/// A shim's change feed ([`World::changes`]).
+pub struct Changes {
+    changes: tokio::sync::mpsc::UnboundedReceiver<Value>,
+    /// The engine world's forwarding job, stopped with the feed.
+    forward: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Changes {
+    /// The feed of what `changes` receives; `forward` is stopped when the feed is dropped.
+    pub fn new(
+        changes: tokio::sync::mpsc::UnboundedReceiver<Value>,
+        forward: Option<tokio::task::JoinHandle<()>>,
+    ) -> Self {
+        Self { changes, forward }
+    }
+
+    /// The changes of task `id` up to and with the first of kind `last`; fails the test if
+    /// the feed ends or stays silent for two minutes first.
+    pub async fn of_task_until(&mut self, id: &str, last: &str) -> Vec<Value> {
+        let mut seen = Vec::new();
+        loop {
+            let next = tokio::time::timeout(Duration::from_secs(120), self.changes.recv()).await;
+            match next {
+                Ok(Some(change)) if change["task"] == id => {
+                    let done = change["change"] == last;
+                    seen.push(change);
+                    if done {
+                        return seen;
+                    }
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("the change feed ended before {last}: {seen:?}"),
+                Err(_) => panic!("no {last} change of {id} in two minutes: {seen:?}"),
+            }
+        }
+    }
+}
+
+impl Drop for Changes {
+    fn drop(&mut self) {
+        if let Some(forward) = &self.forward {
+            forward.abort();
+        }
+    }
+}
+
 /// How a world is made.
 #[derive(Debug, Clone, Default)]
 pub struct Options {
@@ -75,6 +166,8 @@ pub struct Options {
     /// in the engine worlds a health source set by hand, in the binary world a fake GPU host
     /// (`tests/gpu-host`: device nodes, CDI spec, `nvidia-smi`; needs root).
     pub gpu_health: bool,
+    /// The pull stall timeout (seconds; default: the shim's own).
+    pub pull_stall_timeout_s: Option<u64>,
 }
 
 /// A host with a shim on it, as a scenario sees it.
@@ -242,39 +335,20 @@ pub trait World: Sized {
     /// the test registry behind a slow proxy; in the fake world, a pull that reports some
     /// progress and then hangs until cancelled (every later pull of the fake world too).
     async fn slow_image(&self, repo: &str) -> SlowImage {
-        match self.fake() {
-            Some(fake) => {
-                fake.set_pull_behavior(shim_runtime::fake::PullBehavior::Hang {
-                    steps: vec![shim_task::PullProgress {
-                        downloaded_bytes: 10 << 20,
-                        extracted_bytes: 0,
-                        total_bytes: 16 << 20,
-                        is_total_bytes_final: true,
-                    }],
-                });
-                SlowImage {
-                    reference: format!("{repo}:latest"),
-                    username: String::new(),
-                    password: String::new(),
-                    _fresh: None,
-                }
-            }
-            None => {
-                let repo = repo.to_owned();
-                let fresh = tokio::task::spawn_blocking(move || {
-                    shim_e2e::harness::FreshImage::push(&repo, 16 << 20).unwrap()
-                })
-                .await
-                .unwrap();
-                SlowImage {
-                    reference: fresh.reference().to_owned(),
-                    username: shim_e2e::registry_user(),
-                    password: shim_e2e::registry_password(),
-                    _fresh: Some(fresh),
-                }
-            }
-        }
+        fresh_image(self.fake(), repo, 16 << 20, None).await
     }
+
+    /// An image whose pull stops moving halfway: on a real daemon, fresh random content
+    /// (8 MiB) in `repo` of the test registry behind a proxy that stops sending after 4 MiB;
+    /// in the fake world, a pull that reports 3 MiB of 8 and then nothing (every later pull
+    /// of the fake world too).
+    async fn stalled_image(&self, repo: &str) -> SlowImage {
+        fresh_image(self.fake(), repo, 8 << 20, Some(4 << 20)).await
+    }
+
+    /// The shim's changes from now on, each as `GET /api/events` streams it (`TaskChange`
+    /// JSON: `seq`, `task`, `change`, ...).
+    async fn changes(&self) -> Changes;
 
     /// Replaces the task's container with one created from the same image, labels and mounts
     /// but never started: what the engine shows when the shim died between create and start.
