@@ -1,5 +1,7 @@
-//! A task's life, one scenario in every world (see `world/mod.rs`): it runs, its runner's exit
-//! ends it, a terminate stops it.
+//! A task's life: it runs, its runner's exit ends it, a terminate stops it, one scenario in
+//! every world (see `world/mod.rs`); then the HTTP API of SPEC §3 as the dstack server drives
+//! the built binary: the healthcheck's version, a whole lifecycle, bad input refused, what
+//! upstream accepts, and a real dstack server's SSH fleet.
 
 #![allow(
     clippy::unwrap_used,
@@ -9,7 +11,19 @@
 
 mod world;
 
-use std::time::Duration;
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use shim_e2e::harness::{
+    ContainerSweeper, FAKE_GPUS, HostUser, RUNNER_HTTP_PORT, Request, Response, ShimProcess,
+    TestShim, assert_running, container_running, entries, fake_gpu_ids, free_port, pending_info,
+    published_ports, runner_dir, server_task, shim_binary, ssh_key, task_entries,
+    wait_container_stopped, wait_until,
+};
+use shim_e2e::{docker_ok, dstack_python, repo_root, require_docker, require_root, runner_path};
 
 use world::{Options, World};
 
@@ -225,3 +239,785 @@ async fn terminate_during_a_pull_cancels_it<W: World>() {
     assert_eq!(w.containers().await, 0);
 }
 in_worlds!(terminate_during_a_pull_cancels_it: fake, docker, binary);
+
+// ---------------------------------------------------------------------------------------------
+// The binary only (real Docker, HTTP; ignored unless run with `--run-ignored all`)
+// ---------------------------------------------------------------------------------------------
+
+/// Bounds of the waits (never timed assertions: generous, only there so a hang fails).
+const START_BOUND: Duration = Duration::from_secs(60);
+const STATUS_BOUND: Duration = Duration::from_secs(90);
+
+/// The GPU ids of a task's `TaskInfo`.
+fn gpu_ids(info: &Value) -> BTreeSet<String> {
+    let ids = info["gpus_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{info}"));
+    ids.iter().map(|g| g.as_str().unwrap().to_owned()).collect()
+}
+
+/// SPEC §3: the healthcheck names the service and the one version string; `--version` shows
+/// the same string; instance info shows the (fake) NVIDIA GPUs. What the dstack server makes
+/// of the string (every feature gate on from 0.21.3, no reinstall, no restart) is checked
+/// against its own code by `started_as_ssh_fleets_start_it_the_dstack_server_keeps_it`.
+///
+/// dstack server: src/dstack/_internal/server/services/runner/client.py (ShimClient: version
+/// gates), src/dstack/_internal/server/background/pipeline_tasks/instances/check.py
+/// (_maybe_install_components: compares the installed and running versions).
+#[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+fn healthcheck_version_is_a_compatible_release() {
+    require_docker();
+    let shim = TestShim::builder("e2e").start();
+    let health = shim.get("/api/healthcheck").ok();
+    assert_eq!(health["service"], "dstack-shim", "{health}");
+    let version = health["version"].as_str().expect("version is a string");
+    assert_eq!(health.as_object().unwrap().len(), 2, "{health}");
+
+    let info = shim.get("/api/instance/info").ok();
+    assert_eq!(
+        info,
+        json!({"gpu_vendor": "nvidia", "gpu_driver_version": "0.0.0-fake"})
+    );
+
+    let out = Command::new(shim_binary())
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    // One version string: what the components list reads from `--version` is what the
+    // healthcheck answers (the server restarts a shim whose two strings differ).
+    assert_eq!(text, format!("dstack-shim version {version}\n"));
+    assert_eq!(
+        version,
+        format!(
+            "{}+rust.{}",
+            shim_e2e::DSTACK_VERSION,
+            env!("CARGO_PKG_VERSION")
+        ),
+        "<dstack release>+rust.<crate version>"
+    );
+    let components = shim.get("/api/components").ok();
+    assert_eq!(
+        components["components"][1]["version"], version,
+        "{components}"
+    );
+}
+
+/// SPEC §2–§4, the whole life of a task over HTTP: submit answers the exact pending TaskInfo;
+/// the task runs with published ports (the runner answers through them) and its GPUs; the list
+/// shows it; the runner exits 0 → `done_by_runner`; a later terminate keeps that reason;
+/// remove deletes the container and the task directory; the task is then unknown.
+#[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+fn full_lifecycle_over_http() {
+    require_docker();
+    let shim = TestShim::builder("e2e").start();
+    assert_eq!(shim.list(), BTreeMap::new());
+
+    let key = ssh_key("e2e@lifecycle");
+    let mut config = server_task("life-1", 2);
+    config["container_ssh_keys"] = json!([key]);
+    let submitted = shim.submit(&config).ok();
+    assert_eq!(submitted, pending_info(&config));
+    // The state file exists before the 200 (SPEC §4), outside the mounted runner directory.
+    assert!(shim.task_dir("life-1").join("task.json").is_file());
+
+    let info = shim.wait_status("life-1", "running");
+    assert_running(&info, &config, 2);
+    let cid = info["container_id"].as_str().unwrap().to_owned();
+    assert_eq!(
+        shim.list(),
+        BTreeMap::from([("life-1".to_owned(), "running".to_owned())])
+    );
+
+    // The runner's HTTP port is reachable through the published host port.
+    let runner_addr = SocketAddr::from(([127, 0, 0, 1], published_ports(&info)[&RUNNER_HTTP_PORT]));
+    let started = Instant::now();
+    let health = loop {
+        // docker-proxy accepts before the runner listens: retry, bounded.
+        match Request::get("/api/healthcheck").send(runner_addr) {
+            Ok(r) if r.status == 200 => break r.body,
+            other => {
+                assert!(
+                    started.elapsed() < STATUS_BOUND,
+                    "runner never answered: {other:?}"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    };
+    assert!(health.contains("\"dstack-runner\""), "{health}");
+    // The container SSH key reached the runner's command line.
+    let args =
+        fs_err::read_to_string(runner_dir(shim.home(), &info).join("stub-runner.args")).unwrap();
+    assert!(
+        args.contains(&format!("--ssh-authorized-key\n{key}\n")),
+        "{args}"
+    );
+
+    shim.exit_runner(&info, 0);
+    let done = shim.wait_status("life-1", "terminated");
+    assert_eq!(done["termination_reason"], "done_by_runner", "{done}");
+    assert_eq!(done["termination_message"], "", "{done}");
+    assert_eq!(done["container_id"], cid.as_str(), "{done}");
+    assert_eq!(container_running(None, &cid), Some(false));
+    assert_eq!(
+        shim.list(),
+        BTreeMap::from([("life-1".to_owned(), "terminated".to_owned())])
+    );
+
+    // The server always sends terminate, also for ended tasks: the first reason is kept.
+    let again = shim
+        .terminate("life-1", "terminated_by_server", "too late", 0)
+        .ok();
+    assert_eq!(again["status"], "terminated", "{again}");
+    assert_eq!(again["termination_reason"], "done_by_runner", "{again}");
+    assert_eq!(again["termination_message"], "", "{again}");
+
+    // Its GPUs were released: a task wanting all four gets them.
+    let all = server_task("life-2", FAKE_GPUS as i64);
+    shim.submit(&all).ok();
+    let info2 = shim.wait_status("life-2", "running");
+    assert_eq!(gpu_ids(&info2), fake_gpu_ids(), "{info2}");
+    shim.finish("life-2");
+
+    shim.remove("life-1").assert_empty_ok();
+    shim.get("/api/tasks/life-1").assert_error(404, "Not Found");
+    assert_eq!(
+        container_running(None, &cid),
+        None,
+        "the container was removed"
+    );
+    assert!(!shim.task_dir("life-1").exists());
+    assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(shim.list(), BTreeMap::new());
+    assert_eq!(shim.container_ids(), BTreeSet::new());
+}
+
+/// SPEC §2, §3: bad input is refused with the right status and a readable message, and
+/// changes nothing: the task list, the home and the tasks directory, and the shim's
+/// containers are the same afterwards; the running task is untouched.
+///
+/// The messages are upstream's: the body decoding ones from
+/// `runner/internal/common/api/api.go` (`DecodeJSONBody`), the missing fields from
+/// `runner/internal/shim/api/handlers.go` (`"empty id"`, `"empty name"`, `"empty image_name"`),
+/// the unknown route and method from Go's `net/http` `ServeMux` (`404 page not found`,
+/// `Method Not Allowed`).
+#[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+fn bad_input_is_refused_and_changes_nothing() {
+    require_docker();
+    let shim = TestShim::builder("e2e").start();
+    let good_key = ssh_key("e2e@bad-input");
+    let mut running = server_task("ok-1", 1);
+    running["container_ssh_keys"] = json!([good_key]);
+    shim.submit(&running).ok();
+    let before = shim.wait_status("ok-1", "running");
+    let cid = before["container_id"].as_str().unwrap().to_owned();
+
+    let list = shim.list();
+    let tasks = task_entries(&shim.tasks_dir());
+    let containers = shim.container_ids();
+    let home_entries = || {
+        let mut e = entries(shim.home());
+        e.remove("host_info.json"); // written once in the background after start
+        e
+    };
+    let home = home_entries();
+    let root = entries(shim.root());
+    let unchanged = |what: &str| {
+        assert_eq!(shim.list(), list, "{what}: the list changed");
+        assert_eq!(
+            task_entries(&shim.tasks_dir()),
+            tasks,
+            "{what}: a task directory appeared"
+        );
+        assert_eq!(home_entries(), home, "{what}: the home changed");
+        assert_eq!(
+            entries(shim.root()),
+            root,
+            "{what}: something appeared beside the home"
+        );
+        assert_eq!(
+            shim.container_ids(),
+            containers,
+            "{what}: a container appeared"
+        );
+    };
+
+    let submit_with = |field: &str, value: Value| {
+        let mut config = server_task("bad-1", 0);
+        config[field] = value;
+        config
+    };
+    let without = |field: &str| {
+        let mut config = server_task("bad-1", 0);
+        config.as_object_mut().unwrap().remove(field);
+        config
+    };
+
+    // Malformed bodies, content types, sizes.
+    let cases: Vec<(&str, Response, u16, &str, bool)> = vec![
+        (
+            "malformed JSON",
+            shim.post_raw("/api/tasks", Some("application/json"), b"{\"id\": \"x\", "),
+            400,
+            "Request body contains badly-formed JSON",
+            true,
+        ),
+        (
+            "trailing data",
+            shim.post_raw(
+                "/api/tasks",
+                Some("application/json"),
+                format!("{} {{}}", server_task("bad-1", 0)).as_bytes(),
+            ),
+            400,
+            "Request body must only contain a single JSON object",
+            true,
+        ),
+        (
+            "empty body",
+            shim.post_raw("/api/tasks", Some("application/json"), b""),
+            400,
+            "Request body must not be empty",
+            true,
+        ),
+        (
+            "a JSON array",
+            shim.post_raw("/api/tasks", Some("application/json"), b"[1]"),
+            400,
+            "Request body contains an invalid value for the \"\" field (at position 1)",
+            true,
+        ),
+        (
+            "wrong content type",
+            shim.post_raw(
+                "/api/tasks",
+                Some("text/plain"),
+                server_task("bad-1", 0).to_string().as_bytes(),
+            ),
+            415,
+            "Content-Type header is not application/json",
+            true,
+        ),
+        (
+            "form content type",
+            shim.post_raw(
+                "/api/tasks",
+                Some("application/x-www-form-urlencoded"),
+                b"id=bad-1",
+            ),
+            415,
+            "Content-Type header is not application/json",
+            true,
+        ),
+        (
+            "body over 1 MiB (Content-Length)",
+            shim.post_raw("/api/tasks", Some("application/json"), &big_config()),
+            413,
+            "Request body must not be larger than 1MB",
+            true,
+        ),
+        (
+            "body over 1 MiB (chunked)",
+            shim.send(
+                &Request::post("/api/tasks").chunked_body(Some("application/json"), big_config()),
+            ),
+            413,
+            "Request body must not be larger than 1MB",
+            true,
+        ),
+        (
+            "missing id",
+            shim.submit(&without("id")),
+            400,
+            "empty id",
+            true,
+        ),
+        (
+            "missing name",
+            shim.submit(&without("name")),
+            400,
+            "empty name",
+            true,
+        ),
+        (
+            "missing image_name",
+            shim.submit(&without("image_name")),
+            400,
+            "empty image_name",
+            true,
+        ),
+        (
+            "empty image_name",
+            shim.submit(&submit_with("image_name", json!(""))),
+            400,
+            "empty image_name",
+            true,
+        ),
+        (
+            "gpu -2",
+            shim.submit(&submit_with("gpu", json!(-2))),
+            400,
+            "invalid task config: gpu: must be -1 (all), 0 or a positive count",
+            true,
+        ),
+        (
+            "memory -1",
+            shim.submit(&submit_with("memory", json!(-1))),
+            400,
+            "invalid task config: memory: must be >= 0",
+            true,
+        ),
+        (
+            "network mode overlay",
+            shim.submit(&submit_with("network_mode", json!("overlay"))),
+            400,
+            "Request body contains an invalid value for the \"network_mode\" field",
+            false,
+        ),
+        (
+            "relative instance mount",
+            shim.submit(&submit_with(
+                "instance_mounts",
+                json!([{"instance_path": "rel/dir", "path": "/data"}]),
+            )),
+            400,
+            "invalid task config: instance_mounts[0].instance_path: \"rel/dir\" is not an absolute path",
+            true,
+        ),
+    ];
+    for (what, resp, status, message, exact) in &cases {
+        if *exact {
+            resp.assert_error(*status, message);
+        } else {
+            resp.assert_error_starts(*status, message);
+        }
+        unchanged(what);
+    }
+
+    // Ids and names that must never become a path or a container name.
+    let long = "a".repeat(129);
+    let max = "b".repeat(128);
+    for bad in [
+        "a/b",
+        "..",
+        "../escape",
+        "a b",
+        ".hidden",
+        "-dash",
+        "",
+        long.as_str(),
+    ] {
+        for field in ["id", "name"] {
+            let resp = shim.submit(&submit_with(field, json!(bad)));
+            if bad.is_empty() {
+                // Upstream's message for an empty id or name.
+                resp.assert_error(400, &format!("empty {field}"));
+            } else {
+                resp.assert_error_starts(
+                    400,
+                    &format!("Request body contains an invalid value for the {field:?} field"),
+                );
+                assert!(
+                    resp.body
+                        .contains(&format!(": {field} {bad:?} is invalid: ")),
+                    "{field} {bad:?}: {resp:?}"
+                );
+            }
+            unchanged(&format!("{field} {bad:?}"));
+        }
+    }
+    // 128 characters is still fine for a name (the positive control of the length rule).
+    let mut long_name = server_task("ok-long", 0);
+    long_name["name"] = json!(max);
+    assert_eq!(shim.submit(&long_name).ok(), pending_info(&long_name));
+    // Terminated only once running: terminate during start has its own (bug) tests below.
+    shim.wait_status("ok-long", "running");
+    shim.finish("ok-long");
+    unchanged("a 128-character name, submitted and removed");
+
+    // SSH keys: any line the server sends is accepted at submit, as upstream does (a host key
+    // that is not one plain OpenSSH key is skipped at start), but never one that could inject
+    // a second line into authorized_keys or the runner's command line.
+    let bad_keys = [
+        ("a line break", format!("{good_key}\n{}", ssh_key("second"))),
+        ("a carriage return", format!("{good_key}\r")),
+        ("a NUL", format!("{good_key}\0")),
+    ];
+    for (what, key) in &bad_keys {
+        for (field, extra) in [
+            ("container_ssh_keys", None),
+            ("host_ssh_keys", Some(("host_ssh_user", "root"))),
+        ] {
+            let mut config = submit_with(field, json!([key]));
+            if let Some((f, v)) = extra {
+                config[f] = json!(v);
+            }
+            let resp = shim.submit(&config);
+            resp.assert_error_starts(
+                400,
+                &format!("Request body contains an invalid value for the \"{field}.0\" field"),
+            );
+            assert!(
+                resp.body.contains(": invalid SSH public key "),
+                "{field} with {what}: {resp:?}"
+            );
+            unchanged(&format!("{field} with {what}"));
+        }
+    }
+
+    // Unknown tasks: 404 everywhere, with upstream's messages; an id in the path that is not
+    // a valid id names no task: 404 too (upstream: runner/internal/shim/api/handlers.go).
+    shim.get("/api/tasks/nope").assert_error(404, "Not Found");
+    shim.terminate("nope", "terminated_by_user", "", 0)
+        .assert_error(404, "task nope: not found");
+    shim.remove("nope")
+        .assert_error(404, "task nope: not found");
+    unchanged("unknown task");
+    shim.get("/api/tasks/...").assert_error(404, "Not Found");
+    shim.remove("a%2Fb")
+        .assert_error(404, "task a/b: not found");
+    shim.terminate("-x", "terminated_by_user", "", 0)
+        .assert_error(404, "task -x: not found");
+    unchanged("invalid ids in the path");
+
+    // Remove of a running task: 409, and it still runs.
+    shim.remove("ok-1").assert_error_starts(409, "");
+    let still = shim.info("ok-1");
+    assert_running(&still, &running, 1);
+    assert_eq!(still["container_id"], cid.as_str());
+    unchanged("remove of a running task");
+
+    // A duplicate id: 409, whatever else the config says; the first task is untouched.
+    shim.submit(&running).assert_error_starts(409, "");
+    let mut other = server_task("ok-1", 0);
+    other["name"] = json!("another-name");
+    shim.submit(&other).assert_error_starts(409, "");
+    assert_eq!(shim.info("ok-1"), before);
+    unchanged("duplicate id");
+
+    // Unknown routes and methods.
+    shim.get("/api/nothing-here")
+        .assert_error(404, "404 page not found");
+    shim.get("/api/shutdown")
+        .assert_error(405, "Method Not Allowed");
+    unchanged("unknown routes");
+
+    let messages: Vec<String> = [
+        shim.remove("ok-1"),
+        shim.submit(&running),
+        shim.get("/api/nothing-here"),
+        shim.get("/api/shutdown"),
+    ]
+    .iter()
+    .map(|r| format!("{} {}", r.status, r.body))
+    .collect();
+    eprintln!("error messages: {messages:#?}");
+    for m in &messages {
+        assert!(m.len() > 10, "a readable message: {m:?}");
+    }
+
+    shim.finish("ok-1");
+    assert_eq!(shim.container_ids(), BTreeSet::new());
+}
+
+/// A valid task config padded past 1 MiB with an unknown field.
+fn big_config() -> Vec<u8> {
+    let mut config = server_task("big-1", 0);
+    config["padding"] = json!("x".repeat(1024 * 1024 + 1));
+    serde_json::to_vec(&config).unwrap()
+}
+
+/// Issue 11: what upstream accepts is accepted. The server sends the keys of users' files
+/// "without any validation": a host key with options, a certificate and a garbage line are
+/// accepted (200), skipped at start and logged, and never written (the valid key is); a
+/// `gcp` volume without `device_name` and a backend this shim cannot attach are accepted and
+/// end the task at start with `executor_error` naming the volume (a 400 would make the server
+/// retry for ten minutes). The probes of `bad_input_is_refused_and_changes_nothing` still
+/// refuse.
+///
+/// upstream: runner/internal/shim/docker.go (Run: host keys appended without checks;
+/// prepareVolumes: GetBackend fails the task), runner/internal/shim/backends/backends.go.
+#[test]
+#[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
+fn what_upstream_accepts_is_accepted_and_ends_as_upstream_ends_it() {
+    require_docker();
+    // HostUser runs useradd: root.
+    require_root();
+    let shim = TestShim::builder("e2e").start();
+    let own = ssh_key("own@host");
+    let user = HostUser::create(shim.root());
+    user.add_line(&own);
+    let good = ssh_key("e2e@accepted");
+    let optioned = format!("no-pty,command=\"/bin/false\" {}", ssh_key("e2e@optioned"));
+    let cert = ssh_key("e2e@cert").replacen("ssh-ed25519 ", "ssh-ed25519-cert-v01@openssh.com ", 1);
+    let mut keys = server_task("keys-1", 0);
+    keys["host_ssh_user"] = json!(user.name());
+    keys["host_ssh_keys"] = json!([optioned, cert, "not a key at all", good]);
+    keys["container_ssh_keys"] = json!([cert, good]);
+    assert_eq!(shim.submit(&keys).ok(), pending_info(&keys));
+    shim.wait_status("keys-1", "running");
+    let lines = user.lines();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert_eq!(lines[0], own);
+    assert!(
+        lines[1].starts_with(&good) && lines[1].ends_with("# added by dstack-shim"),
+        "{lines:?}"
+    );
+    let log = fs_err::read_to_string(shim.log_path(1)).unwrap();
+    assert_eq!(
+        log.matches("host SSH key skipped").count(),
+        3,
+        "each skipped key is logged"
+    );
+
+    let mut gcp = server_task("gcp-1", 0);
+    gcp["volumes"] =
+        json!([{"backend": "gcp", "name": "disk-1", "volume_id": "v1", "init_fs": true}]);
+    gcp["volume_mounts"] = json!([{"name": "disk-1", "path": "/data"}]);
+    let mut azure = server_task("azure-1", 0);
+    azure["volumes"] = json!([{"backend": "azure", "name": "disk-2", "volume_id": "v2", "init_fs": false, "device_name": "sdb"}]);
+    for (config, volume) in [(&gcp, "disk-1"), (&azure, "disk-2")] {
+        let id = config["id"].as_str().unwrap();
+        assert_eq!(shim.submit(config).ok(), pending_info(config));
+        let ended = shim.wait_status(id, "terminated");
+        assert_eq!(ended["termination_reason"], "executor_error", "{ended}");
+        let message = ended["termination_message"].as_str().unwrap();
+        assert!(message.contains(volume), "names the volume: {message:?}");
+        assert_eq!(ended["container_id"], "", "{ended}");
+        shim.remove_retrying(id);
+    }
+
+    shim.finish("keys-1");
+    assert_eq!(user.lines(), [own]);
+    assert_eq!(shim.container_ids(), BTreeSet::new());
+}
+
+/// Issue 11, as an SSH fleet starts the shim and a dstack 0.22.5 server checks it: every
+/// setting from upstream's environment variables (no flag at all; `DSTACK_SERVICE_MODE="1"`
+/// as the server writes it into `shim.env`), host_info.json written, the settings in effect
+/// in a task's container; then the server's own code (PyPI `dstack[server]==0.22.5`, the venv
+/// `cargo xtask dev-env` makes) negotiates API v2 with every feature gate on and, as a
+/// release server and as one without a version, requests no install and no shutdown.
+///
+/// upstream: runner/cmd/shim/main.go (the flags' environment variables),
+/// src/dstack/_internal/server/services/ssh_fleets/provisioning.py (shim.env,
+/// DSTACK_SERVICE_MODE), runner/internal/shim/host_info.go.
+#[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+fn started_as_ssh_fleets_start_it_the_dstack_server_keeps_it() {
+    require_docker();
+    let python = dstack_python();
+    assert!(
+        python.exists(),
+        "{} is missing: run `cargo xtask dev-env` (it installs dstack[server]=={} in a venv) or \
+         set {}",
+        python.display(),
+        shim_e2e::DSTACK_VERSION,
+        shim_e2e::ENV_DSTACK_PYTHON
+    );
+    let root = tempfile::Builder::new()
+        .prefix("shim-e2e-env-")
+        .tempdir()
+        .unwrap();
+    let home = std::path::absolute(root.path().join("home")).unwrap();
+    let _sweeper = ContainerSweeper::for_home(&home);
+    let port = free_port().unwrap();
+    let (http_port, ssh_port) = (11999_u16, 11022_u16);
+    let env: Vec<(&str, String)> = vec![
+        ("DSTACK_SHIM_HOME", home.display().to_string()),
+        (
+            "DSTACK_SHIM_BINARY_PATH",
+            shim_binary().display().to_string(),
+        ),
+        ("DSTACK_SHIM_HTTP_PORT", port.to_string()),
+        ("DSTACK_SHIM_LOG_LEVEL", "5".to_owned()),
+        // Not fetched: the runner is there already (as upstream: installed only if missing).
+        (
+            "DSTACK_RUNNER_DOWNLOAD_URL",
+            "http://127.0.0.1:9/dstack-runner".to_owned(),
+        ),
+        (
+            "DSTACK_RUNNER_BINARY_PATH",
+            runner_path().display().to_string(),
+        ),
+        ("DSTACK_RUNNER_HTTP_PORT", http_port.to_string()),
+        ("DSTACK_RUNNER_SSH_PORT", ssh_port.to_string()),
+        ("DSTACK_RUNNER_SSH_LOG_LEVEL", "debug".to_owned()),
+        ("DSTACK_RUNNER_LOG_LEVEL", "5".to_owned()),
+        (
+            "DSTACK_DCGM_EXPORTER_HTTP_PORT",
+            free_port().unwrap().to_string(),
+        ),
+        ("DSTACK_DCGM_EXPORTER_INTERVAL", "5000".to_owned()),
+        ("DSTACK_DCGM_ADDRESS", String::new()),
+        ("DSTACK_DOCKER_PASS_ENV", "E2E_PASSED,E2E_UNSET".to_owned()),
+        ("DSTACK_DOCKER_PRIVILEGED", "0".to_owned()),
+        ("PJRT_DEVICE", "TPU".to_owned()),
+        ("DSTACK_SERVICE_MODE", "1".to_owned()),
+        ("E2E_PASSED", "yes".to_owned()),
+        // The stub runner reports the server's release, as an installed runner would.
+        ("STUB_RUNNER_VERSION", shim_e2e::DSTACK_VERSION.to_owned()),
+    ];
+    let mut command = Command::new(shim_binary());
+    command
+        .env_remove("RUST_LOG")
+        .env_remove("E2E_UNSET")
+        .env("NO_COLOR", "1")
+        .envs(env.iter().map(|(k, v)| (k, v)));
+    let log = root.path().join("shim.log");
+    let mut shim = ShimProcess::from_command(command, port, &log).unwrap();
+    let dump = |what: &str| format!("{what}\n{}", shim_e2e::harness::tail(&log, 80));
+    shim.wait_answering(START_BOUND, Duration::from_millis(20))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let addr = shim.addr();
+    let get = |path: &str| Request::get(path).send(addr).unwrap().ok();
+
+    // host_info.json, as upstream computes it.
+    let host_info = home.join("host_info.json");
+    wait_until("host_info.json is written", STATUS_BOUND, || {
+        host_info.exists()
+    });
+    let info: Value = serde_json::from_slice(&fs_err::read(&host_info).unwrap()).unwrap();
+    assert!(info["cpus"].as_u64().unwrap() > 0, "{info}");
+    assert!(info["memory"].as_u64().unwrap() > 0, "{info}");
+    assert!(
+        info["disk_size"].as_u64().unwrap() > 0,
+        "Docker's root directory is readable: {info}"
+    );
+    let addresses = info["addresses"].as_array().unwrap();
+    assert!(!addresses.is_empty(), "{info}");
+    assert!(
+        addresses
+            .iter()
+            .all(|a| !a.as_str().unwrap().starts_with("127.") && a != "::1/128"),
+        "no loopback address: {info}"
+    );
+
+    // One version string; the runner's version read from the binary the variable names.
+    let version = get("/api/healthcheck")["version"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let components = get("/api/components");
+    let by_name = |name: &str| {
+        components["components"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap_or_else(|| panic!("{components}"))
+            .clone()
+    };
+    assert_eq!(
+        by_name("dstack-shim")["version"],
+        version.as_str(),
+        "{components}"
+    );
+    assert_eq!(
+        by_name("dstack-runner")["version"],
+        shim_e2e::DSTACK_VERSION,
+        "{components}"
+    );
+
+    // The settings in effect in a task's container.
+    let config = server_task("env-1", 0);
+    let submitted = Request::post("/api/tasks")
+        .json(&config)
+        .send(addr)
+        .unwrap();
+    assert_eq!(submitted.status, 200, "{}", dump(&format!("{submitted:?}")));
+    let started = Instant::now();
+    let running = loop {
+        let info = get("/api/tasks/env-1");
+        if info["status"] == "running" {
+            break info;
+        }
+        assert!(
+            info["status"] != "terminated",
+            "{}",
+            dump(&info.to_string())
+        );
+        assert!(started.elapsed() < STATUS_BOUND, "{info}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(
+        published_ports(&running)
+            .keys()
+            .copied()
+            .collect::<Vec<_>>(),
+        [ssh_port, http_port],
+        "{running}"
+    );
+    let cid = running["container_id"].as_str().unwrap();
+    let container_env: Vec<String> =
+        serde_json::from_str(&docker_ok(&["inspect", "-f", "{{json .Config.Env}}", cid])).unwrap();
+    for wanted in ["PJRT_DEVICE=TPU", "E2E_PASSED=yes"] {
+        assert!(
+            container_env.iter().any(|e| e == wanted),
+            "{wanted}: {container_env:?}"
+        );
+    }
+    assert!(
+        !container_env.iter().any(|e| e.starts_with("E2E_UNSET")),
+        "{container_env:?}"
+    );
+    assert_eq!(
+        docker_ok(&["inspect", "-f", "{{.HostConfig.Privileged}}", cid]).trim(),
+        "false"
+    );
+    let args_file = runner_dir(&home, &running).join("stub-runner.args");
+    wait_until("the runner writes its arguments", STATUS_BOUND, || {
+        args_file.exists()
+    });
+    let args = fs_err::read_to_string(&args_file).unwrap();
+    let args: Vec<&str> = args.lines().collect();
+    for pair in [
+        ["--log-level", "5"],
+        ["--http-port", "11999"],
+        ["--ssh-port", "11022"],
+        ["--ssh-log-level", "debug"],
+    ] {
+        assert!(args.windows(2).any(|w| w == pair), "{pair:?} in {args:?}");
+    }
+
+    // The dstack server's own decisions about this shim.
+    let out = Command::new(&python)
+        .arg(repo_root().join("tests/dstack-server/check_shim.py"))
+        .arg(format!("http://{addr}"))
+        .arg("--host-info")
+        .arg(&host_info)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("check_shim.py:\n{stdout}");
+    assert!(
+        out.status.success(),
+        "the dstack server's checks fail ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    let last = stdout.lines().last().unwrap_or_default();
+    assert!(last.ends_with(" passed, 0 failed"), "{last}");
+
+    let terminated = Request::post("/api/tasks/env-1/terminate")
+        .json(&json!({"termination_reason": "terminated_by_server", "termination_message": "", "timeout": 0}))
+        .send(addr)
+        .unwrap();
+    assert_eq!(terminated.status, 200, "{terminated:?}");
+    wait_container_stopped(cid);
+    let started = Instant::now();
+    loop {
+        let removed = Request::post("/api/tasks/env-1/remove").send(addr).unwrap();
+        if removed.status == 200 {
+            break;
+        }
+        assert!(started.elapsed() < STATUS_BOUND, "{removed:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(shim);
+}

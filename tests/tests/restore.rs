@@ -1,5 +1,7 @@
-//! Restore and ownership, one scenario in every world (see `world/mod.rs`): what a shim
-//! recognises as its own across restarts, and what it never touches.
+//! Restore and ownership: what a shim recognises as its own across restarts, and what it never
+//! touches, one scenario in every world (see `world/mod.rs`); then what only the binary shows:
+//! a shutdown or SIGTERM leaves containers running, upstream's containers, state files and
+//! key lines followed by upstream's rules, the first release's home migrated.
 
 #![allow(
     clippy::unwrap_used,
@@ -8,6 +10,17 @@
 )]
 
 mod world;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use shim_e2e::harness::{
+    HostUser, NamedContainer, TestShim, assert_running, container_name_of, container_running,
+    owner_identity, server_task, ssh_key, wait_container_stopped, wait_until,
+};
+use shim_e2e::{docker_ok, image, require_docker, require_root};
 
 use world::{GPUS, Options, World};
 
@@ -505,4 +518,385 @@ fn a_restart_releases_the_real_keys_and_volumes_of_tasks_that_ended() {
         w.remove("exits").await;
         w.remove("cut").await;
     });
+}
+
+// ---------------------------------------------------------------------------------------------
+// The binary only (real Docker, HTTP; ignored unless run with `--run-ignored all`)
+// ---------------------------------------------------------------------------------------------
+
+/// Bound of the waits (never a timed assertion).
+const STATUS_BOUND: Duration = Duration::from_secs(90);
+
+/// Fails the test unless the container runs.
+fn assert_container_running(id: &str) {
+    assert_eq!(container_running(None, id), Some(true), "container {id}");
+}
+
+/// SPEC §3 shutdown and §1: `POST /api/shutdown` (graceful and forced) and SIGTERM stop the
+/// shim and leave the containers running; each restarted shim finds the task running in the
+/// same container.
+#[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+fn shutdown_and_sigterm_leave_containers_running() {
+    require_docker();
+    let mut shim = TestShim::builder("e2e").start();
+    let config = server_task("stays", 1);
+    shim.submit(&config).ok();
+    let before = shim.wait_status("stays", "running");
+    let cid = before["container_id"].as_str().unwrap().to_owned();
+
+    // A malformed shutdown request shuts nothing down.
+    shim.post_raw("/api/shutdown", Some("application/json"), b"{\"force\":")
+        .assert_error(400, "Request body contains badly-formed JSON");
+    shim.post("/api/shutdown", &json!({"force": "yes"}))
+        .assert_error(
+            400,
+            "Request body contains an invalid value for the \"force\" field (at position 14)",
+        );
+    assert_eq!(shim.info("stays")["status"], "running");
+
+    let check_restart = |shim: &mut TestShim, how: &str| {
+        assert_container_running(&cid);
+        shim.start();
+        let info = shim.info("stays");
+        assert_running(&info, &config, 1);
+        assert_eq!(info["container_id"], cid.as_str(), "after {how}: {info}");
+        assert_eq!(info["gpus_ids"], before["gpus_ids"], "after {how}: {info}");
+    };
+
+    for force in [false, true] {
+        shim.post("/api/shutdown", &json!({ "force": force }))
+            .assert_empty_ok();
+        let status = shim.wait_exit();
+        assert!(status.success(), "shutdown force={force}: {status}");
+        check_restart(&mut shim, &format!("shutdown force={force}"));
+    }
+
+    shim.sigterm();
+    let status = shim.wait_exit();
+    assert!(status.success(), "SIGTERM: {status}");
+    check_restart(&mut shim, "SIGTERM");
+
+    shim.finish("stays");
+    assert_eq!(shim.container_ids(), BTreeSet::new());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Upstream's on-host contract (a host switched to and from the upstream Go shim)
+// ---------------------------------------------------------------------------------------------
+
+/// Runs a container the way the upstream shim does for `config` (upstream
+/// `runner/internal/shim/docker.go`, `createContainer`): its two labels only, the runner
+/// directory `runner_dir`, runner ports published (bridge mode).
+fn run_upstream_container(config: &Value, runner_dir: &Path) -> (String, NamedContainer) {
+    let guard = NamedContainer(container_name_of(config));
+    let cid = world::run_upstream_container_on_docker(config, runner_dir, None);
+    (cid, guard)
+}
+
+/// Issue 11, the switch from the upstream shim: the key line upstream added for a task
+/// (verbatim, no marker) stays in the user's authorized_keys while the adopted task runs and
+/// across a restart of this shim, and goes with the task; the user's own line stays. (The
+/// adoption itself, in every world: restore.rs.)
+///
+/// upstream: runner/internal/shim/authorized_keys.go (keys appended verbatim, removed by
+/// fingerprint).
+#[test]
+#[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
+fn an_upstream_tasks_key_line_stays_while_it_runs_and_goes_with_it() {
+    require_docker();
+    // HostUser runs useradd: root.
+    require_root();
+    let mut shim = TestShim::builder("e2e").build();
+    let own_key = ssh_key("the-user's-own-key");
+    let task_key = ssh_key("upstream-task-key");
+    let user = HostUser::create(shim.root());
+    user.add_line(&own_key);
+    user.add_line(&task_key);
+    let mut config = server_task("upstream-k", 0);
+    config["host_ssh_user"] = json!(user.name());
+    config["host_ssh_keys"] = json!([task_key]);
+    let dir = shim.home().join("runners").join(container_name_of(&config));
+    fs_err::create_dir_all(dir.join("runner")).unwrap();
+    fs_err::write(
+        dir.join("task.json"),
+        world::upstream_state_file(&config, ""),
+    )
+    .unwrap();
+    let (cid, _guard) = run_upstream_container(&config, &dir.join("runner"));
+
+    shim.start();
+    assert_eq!(shim.info("upstream-k")["status"], "running");
+    assert_eq!(user.lines(), [own_key.clone(), task_key.clone()]);
+    shim.kill();
+    shim.start();
+    assert_eq!(user.lines(), [own_key.clone(), task_key.clone()]);
+
+    shim.terminate("upstream-k", "terminated_by_server", "switched", 2)
+        .ok();
+    wait_container_stopped(&cid);
+    wait_until("the upstream key line is removed", STATUS_BOUND, || {
+        user.lines() == [own_key.clone()]
+    });
+    shim.remove_retrying("upstream-k");
+    assert_eq!(user.lines(), [own_key]);
+}
+
+/// Issue 11, the switch the other way: what this shim leaves on the host is what the upstream
+/// shim adopts. Its container carries upstream's labels, mounts the task's `runner/`
+/// directory at `/tmp/runner`, and `task.json` decodes into upstream's state with Go's
+/// rules (format version 1, each field of `TaskConfig` present with its JSON type, integers
+/// where Go has integers, registry credentials blank); a reason appears only once terminated.
+///
+/// upstream: runner/internal/shim/docker.go (restoreStateFromContainers, DockerMounts),
+/// runner/internal/shim/models.go (TaskConfig).
+#[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+fn this_shims_containers_and_state_files_follow_upstreams_rules() {
+    require_docker();
+    let shim = TestShim::builder("e2e").start();
+    let mut config = server_task("ours-1", 1);
+    config["registry_username"] = json!("someone");
+    config["registry_password"] = json!("never-on-disk");
+    config["container_ssh_keys"] = json!([ssh_key("e2e@ours")]);
+    config["cpu"] = json!(1.5);
+    config["memory"] = json!(1_073_741_824_i64);
+    shim.submit(&config).ok();
+    let info = shim.wait_status("ours-1", "running");
+    let cid = info["container_id"].as_str().unwrap();
+    let dir = shim
+        .home()
+        .join("runners")
+        .join(info["container_name"].as_str().unwrap());
+
+    let labels: BTreeMap<String, String> = serde_json::from_str(&docker_ok(&[
+        "inspect",
+        "-f",
+        "{{json .Config.Labels}}",
+        cid,
+    ]))
+    .unwrap();
+    assert_eq!(labels["ai.dstack.shim.is-task"], "true", "{labels:?}");
+    assert_eq!(labels["ai.dstack.shim.task-id"], "ours-1", "{labels:?}");
+    let mounts: Vec<Value> =
+        serde_json::from_str(&docker_ok(&["inspect", "-f", "{{json .Mounts}}", cid])).unwrap();
+    let runner = mounts
+        .iter()
+        .find(|m| m["Destination"] == "/tmp/runner")
+        .unwrap_or_else(|| panic!("{mounts:?}"));
+    assert_eq!(
+        Path::new(runner["Source"].as_str().unwrap()),
+        dir.join("runner")
+    );
+
+    let bytes = fs_err::read(dir.join("task.json")).unwrap();
+    let text = String::from_utf8(bytes.clone()).unwrap();
+    assert!(
+        !text.contains("never-on-disk") && !text.contains("someone"),
+        "{text}"
+    );
+    let file: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(file["version"], 1, "{file}");
+    assert_eq!(file["id"], "ours-1", "{file}");
+    assert_eq!(file["termination_reason"], "", "{file}");
+    assert_eq!(file["termination_message"], "", "{file}");
+    assert_eq!(file["cleaned_up"], false, "{file}");
+    let stored = &file["config"];
+    // Go's TaskConfig: each field, its JSON type (an int field refuses 1.0).
+    let strings = [
+        "id",
+        "name",
+        "registry_username",
+        "registry_password",
+        "image_name",
+        "container_user",
+        "network_mode",
+        "host_ssh_user",
+    ];
+    for f in strings {
+        assert!(stored[f].is_string(), "{f}: {stored}");
+    }
+    for f in ["gpu", "memory", "shm_size"] {
+        assert!(stored[f].is_i64(), "{f} must be a JSON integer: {stored}");
+    }
+    assert!(stored["cpu"].is_number(), "{stored}");
+    assert!(stored["privileged"].is_boolean(), "{stored}");
+    for f in [
+        "volumes",
+        "volume_mounts",
+        "instance_mounts",
+        "gpu_devices",
+        "host_ssh_keys",
+        "container_ssh_keys",
+    ] {
+        assert!(stored[f].is_array() || stored[f].is_null(), "{f}: {stored}");
+    }
+    assert_eq!(stored.as_object().unwrap().len(), 19, "{stored}");
+    for f in [
+        "id",
+        "name",
+        "image_name",
+        "container_user",
+        "gpu",
+        "cpu",
+        "memory",
+        "network_mode",
+        "container_ssh_keys",
+    ] {
+        assert_eq!(stored[f], config[f], "{f}");
+    }
+    assert_eq!(stored["registry_username"], "");
+    assert_eq!(stored["registry_password"], "");
+
+    shim.terminate("ours-1", "terminated_by_user", "bye", 0)
+        .ok();
+    wait_until("the release is recorded", STATUS_BOUND, || {
+        let file: Value =
+            serde_json::from_slice(&fs_err::read(dir.join("task.json")).unwrap()).unwrap();
+        file["termination_reason"] == "terminated_by_user"
+            && file["termination_message"] == "bye"
+            && file["cleaned_up"] == true
+    });
+    shim.remove_retrying("ours-1");
+}
+
+/// A state file byte for byte as the first release of this shim wrote it (captured from that
+/// release's binary, commit 57e98cf, for a bridge-mode task with one GPU).
+fn first_release_state_file(id: &str, name: &str, cname: &str, cid: &str, gpu: &str) -> String {
+    format!(
+        r#"{{
+  "schema_version": 1,
+  "task": {{
+    "id": "{id}",
+    "name": "{name}",
+    "container_name": "{cname}",
+    "config": {{
+      "id": "{id}",
+      "name": "{name}",
+      "image_name": "{image}",
+      "registry_username": "",
+      "container_user": "root",
+      "privileged": false,
+      "gpu": 1,
+      "cpu": 0.0,
+      "memory": 0,
+      "shm_size": 0,
+      "network_mode": "bridge",
+      "volumes": [],
+      "volume_mounts": [],
+      "instance_mounts": [],
+      "gpu_devices": [],
+      "host_ssh_user": "",
+      "host_ssh_keys": [],
+      "container_ssh_keys": []
+    }},
+    "status": "running",
+    "termination_reason": null,
+    "termination_message": "",
+    "container_id": "{cid}",
+    "resources": {{
+      "gpus": [
+        "{gpu}"
+      ],
+      "host_keys": null,
+      "volumes": [],
+      "created_dirs": [],
+      "released": false
+    }},
+    "created_at_ms": 1796058356297,
+    "updated_at_ms": 1796058357104
+  }}
+}}
+"#,
+        image = image(),
+    )
+}
+
+/// Issue 11, the first upgrade: a home written by this shim's first release (`tasks/<id>/`,
+/// the `{"schema_version": 1, "task": ..}` envelope, containers labelled
+/// `ai.dstack.shim.task=true` with an owner derived from the home's path) is migrated at start
+/// with its task running: the task keeps its container and GPU, the home's owner identity is
+/// the one its containers carry, the state file moves to `runners/<container name>/task.json`
+/// in upstream's format, and the runner, whose bind-mounted directory moved with it, still
+/// ends the task through it. A second start finds everything migrated already.
+#[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+fn first_release_home_is_migrated_with_its_task_running() {
+    require_docker();
+    let mut shim = TestShim::builder("e2e").build();
+    // The first release derived its owner from the home's path: what the harness computes
+    // for a home without an owner-id file.
+    let legacy_owner = owner_identity(shim.home());
+    let id = "first-1";
+    let config = server_task(id, 1);
+    let name = config["name"].as_str().unwrap().to_owned();
+    let cname = container_name_of(&config);
+    let old_dir = shim.home().join("tasks").join(id);
+    fs_err::create_dir_all(old_dir.join("runner")).unwrap();
+    let gpu = "GPU-00000000-0000-4000-8000-000000000002";
+
+    let _guard = NamedContainer(cname.clone());
+    let labels = [
+        "ai.dstack.shim.task=true".to_owned(),
+        format!("ai.dstack.shim.task-id={id}"),
+        format!("ai.dstack.shim.owner={legacy_owner}"),
+        format!("ai.dstack.shim.gpus={gpu}"),
+    ];
+    let cid = world::run_foreign_container(&cname, &labels, &old_dir.join("runner"), true);
+    fs_err::write(
+        old_dir.join("task.json"),
+        first_release_state_file(id, &name, &cname, &cid, gpu),
+    )
+    .unwrap();
+
+    shim.start();
+    let info = shim.info(id);
+    assert_eq!(info["status"], "running", "{info}");
+    assert_eq!(info["container_id"], cid.as_str(), "{info}");
+    assert_eq!(info["gpus_ids"], json!([gpu]), "{info}");
+    assert_eq!(
+        fs_err::read_to_string(shim.home().join("owner-id"))
+            .unwrap()
+            .trim(),
+        legacy_owner
+    );
+    assert!(
+        !shim.home().join("tasks").exists(),
+        "the old layout is gone"
+    );
+    let new_dir = shim.home().join("runners").join(&cname);
+    let file: Value =
+        serde_json::from_slice(&fs_err::read(new_dir.join("task.json")).unwrap()).unwrap();
+    assert_eq!(file["version"], 1, "{file}");
+    assert_eq!(file["id"], id, "{file}");
+    assert_eq!(file["config"]["gpu"], config["gpu"], "{file}");
+    assert_container_running(&cid);
+
+    // Its GPU stays locked: four fake GPUs, one held, so four more cannot be had.
+    let greedy = server_task("first-greedy", 4);
+    shim.submit(&greedy).ok();
+    let refused = shim.wait_status("first-greedy", "terminated");
+    assert_eq!(refused["termination_reason"], "executor_error", "{refused}");
+
+    // Idempotent: a second start finds the new layout and the same task.
+    shim.kill();
+    shim.start();
+    let again = shim.info(id);
+    assert_eq!(again["status"], "running", "{again}");
+    assert_eq!(again["container_id"], cid.as_str(), "{again}");
+    assert_eq!(
+        fs_err::read_to_string(shim.home().join("owner-id"))
+            .unwrap()
+            .trim(),
+        legacy_owner
+    );
+
+    // The runner still sees its directory at the new path: it ends the task through it.
+    shim.exit_runner(&again, 0);
+    let done = shim.wait_status(id, "terminated");
+    assert_eq!(done["termination_reason"], "done_by_runner", "{done}");
+    shim.remove_retrying(id);
+    assert!(!new_dir.exists());
+    assert_eq!(container_running(None, &cid), None);
+    shim.remove_retrying("first-greedy");
 }

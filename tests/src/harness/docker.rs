@@ -127,6 +127,19 @@ pub fn container_running(host: Option<&str>, id: &str) -> Option<bool> {
     }
 }
 
+/// Waits until the container on the default daemon no longer runs (gone or stopped).
+#[allow(
+    clippy::panic,
+    reason = "a test helper: a container that keeps running fails the test"
+)]
+pub fn wait_container_stopped(id: &str) {
+    super::wait_until(
+        &format!("container {id} stops"),
+        std::time::Duration::from_secs(90),
+        || container_running(None, id) != Some(true),
+    );
+}
+
 /// Force-removes the container of this name (`docker rm -f`, on the default daemon) when
 /// dropped, however the test ends: for containers a test makes without the owner label a
 /// [`ContainerSweeper`] finds (fixtures of the upstream shim, of older releases).

@@ -70,7 +70,7 @@ pub mod wait;
 pub use docker::{
     ContainerSweeper, LABEL_OWNER, NamedContainer, RemoveImage, container_exists,
     container_running, containers_labelled, docker, docker_at, docker_at_ok, docker_ok,
-    owner_identity, try_docker, try_docker_within,
+    owner_identity, try_docker, try_docker_within, wait_container_stopped,
 };
 pub use gpu_host::{
     CdiName, ContainerRun, FakeGpuHost, FakeGpuHostOptions, FakeHealth, FakeVendor,
@@ -94,7 +94,8 @@ pub use shim::{
 pub use sse::{EventStream, SseEvent, SseParser, parse_block};
 pub use supervisor::Supervisor;
 pub use task::{
-    KEY_MARKER, bridge_task, container_name, container_name_of, fake_gpu_ids, run_tag, ssh_key,
+    KEY_MARKER, assert_running, bridge_task, container_name, container_name_of, fake_gpu_ids,
+    pending_info, published_ports, run_tag, server_task, ssh_key,
 };
 pub use user::HostUser;
 pub use wait::{wait_for, wait_until};

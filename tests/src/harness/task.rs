@@ -1,14 +1,14 @@
 //! Task configs and the names the shim derives from them, as the tests need them: a config as
-//! the dstack server sends it, the container name of SPEC §6, the fake GPUs' ids and valid
-//! SSH public keys.
+//! the dstack server sends it, the container name of SPEC §6, the fake GPUs' ids, valid SSH
+//! public keys, and what the answers about a task must look like.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use base64::Engine as _;
 use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
 
-use super::shim::FAKE_GPUS;
+use super::shim::{FAKE_GPUS, RUNNER_HTTP_PORT, RUNNER_SSH_PORT};
 
 /// A task config as the dstack server sends it: task `id` named `name`, `gpu` GPUs, bridge
 /// network mode, the local test image ([`crate::image`]), run as root, nothing else set.
@@ -33,6 +33,91 @@ pub fn bridge_task(id: &str, name: &str, gpu: i64) -> Value {
         "registry_username": "",
         "registry_password": "",
     })
+}
+
+/// [`bridge_task`] named for this run (`t-<id>-<run tag>`), with a field this shim does not
+/// know, as newer servers send them (ignored).
+pub fn server_task(id: &str, gpu: i64) -> Value {
+    let mut config = bridge_task(id, &format!("t-{id}-{}", run_tag()), gpu);
+    config["some_future_field"] = json!({"x": 1});
+    config
+}
+
+/// The exact answer of a submit: the TaskInfo of the new task with the Go field names of
+/// upstream's runner TaskInfo, which has no JSON tags (upstream:
+/// runner/internal/shim/api/handlers.go, TaskSubmitHandler; runner/internal/shim/models.go).
+pub fn pending_info(config: &Value) -> Value {
+    let id = config["id"].as_str().unwrap_or_default();
+    let name = config["name"].as_str().unwrap_or_default();
+    json!({
+        "ID": id,
+        "Status": "pending",
+        "TerminationReason": "",
+        "TerminationMessage": "",
+        "Ports": null,
+        "ImagePullProgress": null,
+        "ContainerName": container_name(name, id),
+        "ContainerID": "",
+        "GpuIDs": null,
+    })
+}
+
+/// The published ports of a running bridge-mode task's `TaskInfo`, container port → host
+/// port (never 0).
+#[allow(
+    clippy::panic,
+    reason = "a test helper: an answer without ports fails the test"
+)]
+pub fn published_ports(info: &Value) -> BTreeMap<u16, u16> {
+    let port = |p: &Value, key: &str| {
+        let port = p[key].as_u64().and_then(|p| u16::try_from(p).ok());
+        port.filter(|p| *p != 0)
+            .unwrap_or_else(|| panic!("no {key} port in {info}"))
+    };
+    let ports = info["ports"].as_array();
+    let ports = ports.unwrap_or_else(|| panic!("no ports: {info}"));
+    ports
+        .iter()
+        .map(|p| (port(p, "container"), port(p, "host")))
+        .collect()
+}
+
+/// Checks what a running task of a [`super::TestShim`] must look like, on the wire and in
+/// Docker: the task of `config`, `running` with no reason, its container name and 64-digit id,
+/// the runner's two ports published, `gpus` distinct fake GPUs; Docker runs the container under
+/// that name with the task's label.
+#[allow(
+    clippy::panic,
+    reason = "a test helper: a task that does not look running fails the test"
+)]
+pub fn assert_running(info: &Value, config: &Value, gpus: usize) {
+    let id = config["id"].as_str().unwrap_or_default();
+    let name = container_name(config["name"].as_str().unwrap_or_default(), id);
+    assert_eq!(info["id"], id, "{info}");
+    assert_eq!(info["status"], "running", "{info}");
+    assert_eq!(info["termination_reason"], "", "{info}");
+    assert_eq!(info["termination_message"], "", "{info}");
+    assert_eq!(info["container_name"], name.as_str(), "{info}");
+    let cid = info["container_id"].as_str().unwrap_or_default();
+    assert_eq!(cid.len(), 64, "{info}");
+    let published = published_ports(info);
+    let published: Vec<u16> = published.keys().copied().collect();
+    assert_eq!(published, [RUNNER_SSH_PORT, RUNNER_HTTP_PORT], "{info}");
+    let ids = info["gpus_ids"].as_array();
+    let ids: Vec<&str> = ids
+        .unwrap_or_else(|| panic!("{info}"))
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    let distinct: BTreeSet<String> = ids.iter().map(|&g| g.to_owned()).collect();
+    assert_eq!((ids.len(), distinct.len()), (gpus, gpus), "{info}");
+    assert!(
+        distinct.is_subset(&fake_gpu_ids()),
+        "unknown GPU ids: {info}"
+    );
+    let format = "{{.Name}} {{.State.Running}} {{index .Config.Labels \"ai.dstack.shim.task-id\"}}";
+    let inspected = super::docker_ok(&["inspect", "-f", format, cid]);
+    assert_eq!(inspected.trim(), format!("/{name} true {id}"));
 }
 
 /// A tag unique to this test process (8 hex digits of its pid and start time): task names
