@@ -1,0 +1,153 @@
+//! What a task costs the engine: the Docker requests of a start, an exit and an idle engine, and the state writes of a start.
+
+use super::*;
+
+/// The Docker requests a start makes, counted on the fake: create, start, and (bridge only)
+/// one inspect to read the published ports, plus an image check the first time an image is
+/// used. Nothing else: no list, and no request from the reconciler because a start returned.
+/// An image removed behind the engine's back is pulled when the create finds it missing.
+#[tokio::test(start_paused = true)]
+async fn a_start_makes_the_minimum_docker_requests() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    // The engine's one subscription to Docker's events is not a start's.
+    w.runtime
+        .wait_for_call(|c| matches!(c, Call::Events(..)))
+        .await;
+    use shim_task::NetworkMode::{Bridge, Host};
+    let cases: [(&str, _, &[&str]); 3] = [
+        ("first", Host, &["image_present", "create", "start"]),
+        ("bridge", Bridge, &["create", "start", "inspect"]),
+        ("host", Host, &["create", "start"]),
+    ];
+    for (id, network_mode, expected) in cases {
+        w.runtime.clear_calls();
+        let mut c = config(id);
+        c.network_mode = network_mode;
+        run(&engine, c).await;
+        // Let anything a finished start might trigger happen.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(ops(&w), expected, "{id}");
+    }
+
+    // The image is pruned behind the engine's back (issue 39): the engine's event says an
+    // image went, the next start asks for its image again and pulls it in its pull step
+    // (progress shown), then the image is known present again.
+    w.runtime.remove_image(IMAGE);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_scraped(
+        &engine,
+        "dstack_shim_events_received_total{kind=\"image_removed\"} 1",
+    );
+    w.runtime.clear_calls();
+    let info = run(&engine, config("pruned")).await;
+    // (Running tasks' containers are inspected once, in the background, for their cgroups.)
+    let start_ops = || -> Vec<&str> { ops(&w).into_iter().filter(|op| *op != "inspect").collect() };
+    assert_eq!(
+        start_ops(),
+        ["image_present", "pull", "inspect_image", "create", "start"]
+    );
+    assert!(
+        info.image_pull_progress
+            .is_some_and(|p| p.is_total_bytes_final),
+        "{info:?}"
+    );
+    w.runtime.clear_calls();
+    run(&engine, config("again")).await;
+    assert_eq!(start_ops(), ["create", "start"], "known present again");
+}
+
+/// A `die` event terminates the task with the code it carries: no inspect, no list; an error
+/// reads the last log lines; an `oom` before the `die` says so.
+#[tokio::test(start_paused = true)]
+async fn exits_come_from_events_without_an_inspect() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    let ended = end_running_tasks(
+        &w,
+        &engine,
+        &[
+            ("ok", &[], FakeRuntime::exit, 0),
+            ("bad", &["x", "boom"], FakeRuntime::exit, 2),
+            ("oom", &["killed"], FakeRuntime::exit_oom, 137),
+        ],
+    )
+    .await;
+    let oom_message = format!("killed\n{}", shim_task::machine::OOM_NOTE);
+    assert_eq!(
+        ended.iter().map(termination).collect::<Vec<_>>(),
+        [
+            ("done_by_runner", ""),
+            ("container_exited_with_error", "x\nboom"),
+            ("container_exited_with_error", oom_message.as_str()),
+        ]
+    );
+    let ops = ops(&w);
+    assert!(!ops.contains(&"inspect"), "{ops:?}");
+    assert!(!ops.contains(&"list"), "{ops:?}");
+    assert_eq!(w.runtime.count("logs_tail"), 2, "{ops:?}");
+
+    // A container whose exit went unannounced, then removed behind the shim's back: its
+    // `destroy` event says it vanished.
+    let gone = run(&engine, config("gone")).await;
+    assert!(w.runtime.exit_without_event(&gone.container_id, 0));
+    shim_runtime::ContainerRuntime::remove(&w.runtime, &gone.container_id)
+        .await
+        .unwrap();
+    let gone = wait_status(&engine, "gone", TaskStatus::Terminated).await;
+    assert_eq!(
+        termination(&gone),
+        ("executor_error", shim_task::machine::VANISHED_MESSAGE)
+    );
+}
+
+/// Idle, the engine asks Docker for nothing: no list every second (the full list is a
+/// backstop of minutes, an hour in this world), no retries when nothing failed, no request by
+/// the image collection's checks (one a minute). Paused time: half an hour runs in
+/// milliseconds.
+#[tokio::test(start_paused = true)]
+async fn idle_costs_no_docker_request() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    w.runtime
+        .wait_for_call(|c| matches!(c, Call::Events(..)))
+        .await;
+    for i in 0..5 {
+        run(&engine, config(&format!("t{i}"))).await;
+    }
+    w.runtime.clear_calls();
+    tokio::time::sleep(Duration::from_secs(1800)).await;
+    assert_eq!(w.runtime.calls(), [], "requests while idle");
+}
+
+/// The durable writes a start makes when nothing is acquired and the image is present:
+/// `pending` at submit and `running`. The statuses passed on the way (`preparing`, `pulling`,
+/// `creating`) and the new container's id are start progress, written with `running`, so a
+/// subscriber sees `running` only.
+#[tokio::test(start_paused = true)]
+async fn a_start_writes_the_state_file_twice() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    let writes = || {
+        scrape(&engine)
+            .lines()
+            .find_map(|l| l.strip_prefix("dstack_shim_state_write_seconds_count "))
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+    };
+    // The first start checks the image (and may write around that); the second is measured.
+    run(&engine, config("warm")).await;
+    let mut sub = engine.subscribe();
+    let before = writes();
+    run(&engine, config("t1")).await;
+    let mut kinds = Vec::new();
+    while let Ok(Ok(change)) = tokio::time::timeout(Duration::from_millis(200), sub.recv()).await {
+        kinds.push(change.kind);
+    }
+    let status = |status| ChangeKind::Status { status };
+    assert_eq!(kinds, [ChangeKind::Submitted, status(TaskStatus::Running)]);
+    assert_eq!(writes() - before, 2);
+    let record = state_file(&w, "t1");
+    assert_eq!(record["status"], "running", "{record}");
+}

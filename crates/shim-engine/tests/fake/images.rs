@@ -1,0 +1,88 @@
+//! Pulls and images: a pull shown as pulling, `latest` pulled at every start, an unused image collected when the data root fills.
+
+use super::*;
+
+/// Image collection on the fake runtime and a data root whose fullness the test sets (issue 28
+/// part 3; the same on a real loop file system: `tests/tests/faults.rs`): at 50 % used nothing
+/// is removed; a task's image this shim pulled stays while the task is known; once it is
+/// removed and the disk is 90 % used, the next background check (every minute) removes that
+/// image — and only it: the image the shim never pulled stays. What was freed is what the
+/// file system got back (issue 39).
+#[tokio::test(start_paused = true)]
+async fn an_unused_pulled_image_is_collected_when_the_data_root_fills() {
+    let w = World::new(0);
+    w.runtime.set_data_root(Some("/fake/docker".into()));
+    let engine = w.engine().await;
+    run(&engine, config("t1").with_image("old:1")).await;
+    w.runtime.set_image_size("old:1", 10 << 30);
+    let deletes = || {
+        w.runtime
+            .calls()
+            .into_iter()
+            .filter(|c| matches!(c, Call::DeleteImage(_)))
+            .collect::<Vec<_>>()
+    };
+    // 20 GiB available but for the 10 GiB image: 90 % used.
+    w.disk.set_available(20 << 30);
+    // The next minute's check measures 90 % (its statfs runs on a blocking thread: wait for it).
+    let full = "dstack_shim_image_fs_used_ratio 0.9";
+    poll_until(100, Duration::from_secs(1), async || {
+        scrape(&engine).contains(full)
+    })
+    .await;
+    assert_scraped(&engine, full);
+    assert_eq!(deletes(), [], "the image of a known task stays");
+
+    terminate_by_user(&engine, "t1").await;
+    engine.remove(&tid("t1")).await.unwrap();
+    poll_until(10, Duration::from_secs(30), async || !deletes().is_empty()).await;
+    assert_eq!(
+        deletes(),
+        [Call::DeleteImage("docker.io/library/old:1".into())],
+        "removed by the name it was pulled as"
+    );
+    assert!(w.runtime.image_id("old:1").is_none());
+    assert!(w.runtime.image_id(IMAGE).is_some(), "not pulled: kept");
+    let m = scrape(&engine);
+    assert_contains(&m, "dstack_shim_image_gc_removed_images_total 1");
+    assert_contains(
+        &m,
+        &format!("dstack_shim_image_gc_freed_bytes_total {}", 10u64 << 30),
+    );
+}
+
+/// An image tagged `:latest` is pulled at every start even when present (it may have moved);
+/// any other tag is only checked.
+///
+/// upstream: runner/internal/shim/docker.go (pullImage: `:latest` is always pulled, other
+/// images only when missing).
+#[tokio::test(start_paused = true)]
+async fn latest_is_pulled_at_every_start() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    w.runtime.add_image("img:latest");
+    for id in ["l1", "l2"] {
+        w.runtime.clear_calls();
+        run(&engine, config(id).with_image("img:latest")).await;
+        assert_eq!(w.runtime.count("pull"), 1, "{id}");
+        assert_eq!(w.runtime.count("image_present"), 0, "{id}");
+    }
+}
+
+/// A real pull shows `pulling` while it lasts, also for a task that acquires nothing: the
+/// engine writes the progress before it pulls.
+#[tokio::test(start_paused = true)]
+async fn a_real_pull_is_shown_as_pulling() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    w.runtime
+        .set_pull_behavior(PullBehavior::Hang { steps: vec![] });
+    let c = config("t1").with_image("img:latest");
+    engine.submit(c).await.unwrap();
+    let status = || engine.task_info(&tid("t1")).unwrap().status;
+    let pulling = poll_until(500, TICK, async || status() == TaskStatus::Pulling).await;
+    assert!(pulling, "task t1 never pulled");
+    assert_eq!(w.runtime.count("create"), 0);
+    w.runtime.release_pulls();
+    wait_status(&engine, "t1", TaskStatus::Running).await;
+}

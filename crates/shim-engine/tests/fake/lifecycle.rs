@@ -1,0 +1,486 @@
+//! A task's life on the engine: submit, start and its failures, terminate in every state and within its budget, remove, a failed state write, the engine's own shutdown.
+
+use super::*;
+
+// A submit answers `pending` with the container's name fixed; in the host's network a running
+// task publishes no ports (`[]`, not `null`), and its GPU is locked. (The runner's exit by its
+// code, in every world: tests/tests/lifecycle.rs.)
+#[tokio::test(start_paused = true)]
+async fn submit_answers_pending_and_host_network_publishes_no_ports() {
+    let w = World::new(2);
+    let engine = w.engine().await;
+    let info = engine.submit(config("t1").with_gpus(1)).await.unwrap();
+    assert_eq!(info.status, TaskStatus::Pending);
+    assert!(info.container_name.starts_with("job-"));
+    let info = wait_status(&engine, "t1", TaskStatus::Running).await;
+    assert_eq!(info.ports, Some(vec![]));
+    assert_eq!(engine.gpu_lock().locked(), info.gpu_ids.unwrap());
+}
+
+/// Issue 28: every task container's log is bounded. The engine's default config gives the
+/// container `json-file` limits of 100 MiB × 3; a configured size and count reach the spec as
+/// they are; `None` (the binary's `--container-log-max-size daemon`) leaves the spec without
+/// limits, so the daemon's own log configuration applies.
+#[tokio::test(start_paused = true)]
+async fn the_configured_log_limits_reach_the_containers_spec() {
+    use shim_runtime::LogLimits;
+    use std::num::{NonZeroU32, NonZeroU64};
+
+    let w = World::new(0);
+    let default = LogLimits::new(
+        EngineConfig::DEFAULT_CONTAINER_LOG_MAX_SIZE,
+        EngineConfig::DEFAULT_CONTAINER_LOG_MAX_FILES,
+    );
+    assert_eq!(default.total_bytes(), 300 << 20);
+    assert_eq!(
+        w.config().container_log,
+        Some(default),
+        "EngineConfig::new's default"
+    );
+    let custom = LogLimits::new(
+        NonZeroU64::new(1 << 20).unwrap(),
+        NonZeroU32::new(2).unwrap(),
+    );
+    for (i, (limits, expected)) in [
+        (None, Some(default)),
+        (Some(Some(custom)), Some(custom)),
+        (Some(None), None),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let engine = w
+            .engine_with(|cfg| {
+                if let Some(limits) = limits {
+                    cfg.container_log = limits;
+                }
+            })
+            .await;
+        let info = run(&engine, config(&format!("log{i}"))).await;
+        let spec = w.runtime.spec(&info.container_id).unwrap();
+        assert_eq!(spec.log, expected, "case {i}");
+        shut_down(engine).await;
+    }
+}
+
+/// Dropping the last handle of an engine stops its background jobs (the event listener, the
+/// reconciler, the retry pass): they hold the parts they use, never the handle. Once they
+/// ended, nothing holds the engine's change feed, so a subscription ends with `Closed`, and no
+/// Docker request is made any more.
+#[tokio::test(start_paused = true)]
+async fn dropping_the_last_engine_handle_stops_its_background_jobs() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    let mut changes = engine.subscribe();
+    run(&engine, config("t1")).await;
+    let clone = engine.clone();
+    drop(engine);
+    // A clone keeps it running.
+    assert!(clone.reconcile_now().await);
+    assert!(clone.health().events_connected);
+    drop(clone);
+    let closed = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            if let Err(e) = changes.recv().await {
+                return e;
+            }
+        }
+    })
+    .await;
+    assert_eq!(
+        closed,
+        Ok(shim_engine::SubscriptionError::Closed),
+        "the engine's jobs still run after its last handle was dropped"
+    );
+    // Nothing asks Docker any more (the retry pass and the listener are gone), and the
+    // container keeps running.
+    w.runtime.clear_calls();
+    w.runtime.break_event_streams();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        w.runtime.calls(),
+        [],
+        "requests after the engine was dropped"
+    );
+    assert_eq!(w.runtime.container_ids().len(), 1);
+}
+
+/// Shutdown does not wait for an event subscription in progress: subscribing asks the daemon,
+/// and a frozen one would hold it up to the request timeout (30 s; the engine gives its
+/// background jobs 10 s before it leaves them).
+#[tokio::test(start_paused = true)]
+async fn shutdown_does_not_wait_for_a_subscription_in_progress() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    let subscriptions = w.runtime.count("events");
+    w.runtime.hold_subscriptions();
+    w.runtime.break_event_streams();
+    w.runtime.wait_for_count("events", subscriptions).await;
+    let shutdown = tokio::time::timeout(Duration::from_secs(5), engine.shutdown(Shutdown::Now));
+    assert!(
+        shutdown.await.is_ok(),
+        "shutdown waited for the held subscription"
+    );
+    w.runtime.release_subscriptions();
+}
+
+#[tokio::test(start_paused = true)]
+async fn terminate_running_stops_with_timeout_and_releases() {
+    let w = World::new(1);
+    let engine = w.engine().await;
+    let info = run(&engine, config("t1").with_gpus(-1).with_host_key()).await;
+    assert_eq!(w.keys.keys_of("ubuntu").len(), 1);
+    let info2 = terminate(&engine, "t1", "bye", Duration::from_secs(7)).await;
+    assert_eq!(info2.status, TaskStatus::Terminated);
+    assert_reason(&info2, "terminated_by_user");
+    assert!(w.runtime.calls().iter().any(
+        |c| matches!(c, Call::Stop(id, t) if *id == info.container_id && *t == Duration::from_secs(7))
+    ));
+    assert!(engine.gpu_lock().locked().is_empty());
+    assert!(w.keys.keys_of("ubuntu").is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn terminate_during_container_start_stops_the_container() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    w.runtime.set_start_behavior(StartBehavior::Hang);
+    engine.submit(config("t1")).await.unwrap();
+    w.runtime
+        .wait_for_call(|c| matches!(c, Call::Start(_)))
+        .await;
+    // Terminate waits for start to let go; the hanging start proceeds a moment later.
+    let runtime = w.runtime.clone();
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        runtime.release_starts();
+    });
+    let info = terminate_by_user(&engine, "t1").await;
+    release.await.unwrap();
+    assert_eq!(info.status, TaskStatus::Terminated);
+    assert!(
+        !engine.is_starting(&tid("t1")).unwrap(),
+        "terminate returned after start"
+    );
+    // Start noticed at its next step and stopped the container it had just started.
+    let cid = info.container_id;
+    assert!(!cid.is_empty());
+    assert_eq!(w.runtime.state(&cid), Some(ContainerState::Exited));
+    // Nothing is left to release: a remove right away is accepted.
+    engine.remove(&tid("t1")).await.unwrap();
+    assert!(w.runtime.state(&cid).is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn start_step_failures_map_to_reasons() {
+    let w = World::new(1);
+    let engine = w.engine().await;
+
+    // Not enough GPUs → executor_error, nothing locked.
+    let info = failed_start(&engine, config("gpu").with_gpus(2)).await;
+    assert_reason(&info, "executor_error");
+    assert!(info.termination_message.contains("GPU"), "{info:?}");
+    assert!(engine.gpu_lock().locked().is_empty());
+
+    // SSH keys cannot be added → executor_error, GPUs released.
+    w.keys.set_fail(true);
+    let info = failed_start(&engine, config("keys").with_gpus(1).with_host_key()).await;
+    assert_reason(&info, "executor_error");
+    wait_released(&engine, "keys").await;
+    w.keys.set_fail(false);
+
+    // A volume cannot be prepared → executor_error.
+    w.volumes.fail_prepare("data", true);
+    let info = failed_start(&engine, config("vol").with_data_volume()).await;
+    assert_reason(&info, "executor_error");
+    assert!(info.termination_message.contains("data"), "{info:?}");
+
+    // Pull fails → creating_container_error with the daemon's message.
+    w.runtime.set_pull_behavior(PullBehavior::Fail {
+        steps: vec![],
+        message: "manifest unknown".into(),
+    });
+    let info = failed_start(&engine, config("pull").with_image("missing:2")).await;
+    assert_reason(&info, "creating_container_error");
+    assert_contains(&info.termination_message, "manifest unknown");
+
+    // Start fails → container_exited_with_error.
+    w.runtime
+        .set_start_behavior(StartBehavior::Fail("exec format error".into()));
+    let info = failed_start(&engine, config("start")).await;
+    assert_reason(&info, "container_exited_with_error");
+    assert_contains(&info.termination_message, "exec format error");
+}
+
+/// Found in review: a task that holds nothing and whose stop failed (the daemon did not
+/// answer) is stopped by the one-second retry pass once the daemon answers again, not only by
+/// the backstop list (an hour here) or by Docker's news.
+#[tokio::test(start_paused = true)]
+async fn a_failed_stop_is_retried_by_the_retry_pass() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    let info = run(&engine, config("t1")).await;
+    w.runtime.set_unreachable(true);
+    let answered = terminate_by_user(&engine, "t1").await;
+    // Terminated (durably); the stop failed and is left to the reconciler.
+    assert_eq!(answered.status, TaskStatus::Terminated);
+    let still_runs = || w.runtime.state(&info.container_id) == Some(ContainerState::Running);
+    assert!(still_runs());
+    w.runtime.set_unreachable(false);
+    // Looked at every 50 ms for 20 s.
+    let stopped = poll_until(400, Duration::from_millis(50), async || !still_runs()).await;
+    assert!(
+        stopped,
+        "the container still runs: the failed stop was not retried"
+    );
+    let t = engine.task_info(&tid("t1")).unwrap();
+    assert_reason(&t, "terminated_by_user");
+}
+
+#[tokio::test(start_paused = true)]
+async fn remove_only_terminated_and_deletes_everything() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    let info = run(&engine, config("t1")).await;
+    let err = engine.remove(&tid("t1")).await.unwrap_err();
+    assert!(matches!(err, EngineError::Conflict(_)), "{err}");
+    terminate_by_user(&engine, "t1").await;
+    assert!(w.task_json(&info.container_name).exists());
+    engine.remove(&tid("t1")).await.unwrap();
+    assert!(matches!(
+        engine.task_info(&tid("t1")),
+        Err(EngineError::NotFound(_))
+    ));
+    assert!(w.runtime.state(&info.container_id).is_none());
+    assert!(!w.runner_dir(&info.container_name).exists());
+    assert!(matches!(
+        engine.remove(&tid("t1")).await,
+        Err(EngineError::NotFound(_))
+    ));
+    // The id can be used again once removed.
+    engine.submit(config("t1")).await.unwrap();
+    assert!(matches!(
+        engine.submit(config("t1")).await,
+        Err(EngineError::AlreadyExists(_))
+    ));
+}
+
+/// A start (or create) whose answer is lost in transit (a request timeout on a loaded daemon)
+/// while the container did start (or was made) is not a failure: the engine looks at the
+/// container. Upstream puts no deadline on either: runner/internal/shim/api/handlers.go runs
+/// the task with `context.Background()`, and runner/internal/shim/docker.go passes that
+/// context to `ContainerCreate` and `ContainerStart`; this shim bounds every request (30 s),
+/// so a slow answer must not turn into a failed task.
+#[tokio::test(start_paused = true)]
+async fn a_start_whose_answer_was_lost_looks_at_the_container() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    w.runtime
+        .set_start_behavior(StartBehavior::StartsAnswerLost);
+    let info = run(&engine, config("t1")).await;
+    assert_eq!(
+        w.runtime.state(&info.container_id),
+        Some(ContainerState::Running)
+    );
+    // The same for a create: the container made under the task's name and labels is taken.
+    w.runtime.set_start_behavior(StartBehavior::Succeed);
+    w.runtime.lose_next_create_answer();
+    let info = run(&engine, config("t3")).await;
+    assert_eq!(
+        w.runtime.id_by_name(&info.container_name),
+        Some(info.container_id.clone())
+    );
+    // A start that failed for real still fails.
+    w.runtime
+        .set_start_behavior(StartBehavior::Fail("no such device".into()));
+    let info = failed_start(&engine, config("t2")).await;
+    assert_reason(&info, "container_exited_with_error");
+}
+
+// Issue 22, SPEC §4: terminate answers within `timeout` + its slack in every state, whatever
+// holds it up: a stop the daemon does not finish, a start in flight, a slow unmount. Each hold
+// is released only after the answer came; what was not done then finishes in the background
+// and the task converges (container stopped, everything released, remove accepted).
+#[tokio::test(start_paused = true)]
+async fn terminate_answers_within_its_budget_whatever_holds_it_up() {
+    let w = World::new(3);
+    let engine = w.engine_with(|cfg| cfg.terminate_slack = SLACK).await;
+
+    // A stop the daemon holds.
+    let running = run(&engine, config("t-stop").with_gpus(1)).await;
+    w.runtime.hold_stops();
+    let info = terminate_now(&engine, "t-stop", "a held stop").await;
+    assert_eq!(
+        info.status,
+        TaskStatus::Terminated,
+        "durable before the stop"
+    );
+    assert_reason(&info, "terminated_by_user");
+    assert_eq!(
+        w.runtime.state(&running.container_id),
+        Some(ContainerState::Running),
+        "the stop is still held"
+    );
+    assert_eq!(
+        engine.gpu_lock().locked().len(),
+        1,
+        "released after the stop"
+    );
+    w.runtime.release_stops();
+
+    // A start in flight (the daemon holds the container's start).
+    w.runtime.set_start_behavior(StartBehavior::Hang);
+    let starts = w.runtime.count("start");
+    engine.submit(config("t-start").with_gpus(1)).await.unwrap();
+    w.runtime.wait_for_count("start", starts).await;
+    let info = terminate_now(&engine, "t-start", "a start in flight").await;
+    assert_eq!(info.status, TaskStatus::Terminated);
+    assert!(engine.is_starting(&tid("t-start")).unwrap());
+    w.runtime.set_start_behavior(StartBehavior::Succeed);
+    w.runtime.release_starts();
+
+    // A slow unmount (the release of its volume is held).
+    run(&engine, config("t-unmount").with_gpus(1).with_data_volume()).await;
+    w.volumes.hold_releases();
+    let info = terminate_now(&engine, "t-unmount", "a slow unmount").await;
+    assert_eq!(info.status, TaskStatus::Terminated);
+    assert_eq!(w.volumes.mounted(), ["data"], "the unmount is still held");
+    w.volumes.let_releases_go();
+
+    // Everything converges in the background.
+    for id in ["t-stop", "t-start", "t-unmount"] {
+        poll_until(500, TICK, async || {
+            engine.reconcile_now().await;
+            !engine.is_starting(&tid(id)).unwrap() && engine.remove(&tid(id)).await.is_ok()
+        })
+        .await;
+        assert!(engine.task_info(&tid(id)).is_err(), "{id} not removed");
+    }
+    assert!(engine.gpu_lock().locked().is_empty());
+    assert!(w.volumes.mounted().is_empty());
+    assert!(w.runtime.container_ids().is_empty());
+}
+
+/// A remove behind a release in flight waits for it (bounded), woken by the step that ends
+/// the release rather than by polling, and then removes the task.
+#[tokio::test(start_paused = true)]
+async fn a_remove_behind_a_release_waits_for_it_then_removes() {
+    let w = World::new(1);
+    let engine = w.engine_with(|cfg| cfg.terminate_slack = SLACK).await;
+    run(&engine, config("t1").with_data_volume()).await;
+    w.volumes.hold_releases();
+    terminate_now(&engine, "t1", "a held unmount").await;
+    let remove = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.remove(&tid("t1")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!remove.is_finished(), "the remove waits for the release");
+    assert_eq!(w.volumes.mounted(), ["data"]);
+    w.volumes.let_releases_go();
+    tokio::time::timeout(Duration::from_secs(3), remove)
+        .await
+        .expect("the remove goes on once the release ends")
+        .unwrap()
+        .unwrap();
+    assert!(engine.task_info(&tid("t1")).is_err());
+    assert!(w.volumes.mounted().is_empty());
+}
+
+/// Makes every write of the task's state file fail, as a full disk does, without making the
+/// directory unusable: `task.json` becomes a non-empty directory, which the atomic rename of a
+/// new state file cannot replace (`false` puts a file back, as a freed disk would let it).
+fn break_state_file(w: &World, container_name: &str, broken: bool) {
+    let state = w.task_json(container_name);
+    if broken {
+        fs_err::remove_file(&state).unwrap();
+        fs_err::create_dir_all(state.join("blocker")).unwrap();
+    } else {
+        fs_err::remove_dir_all(&state).unwrap();
+    }
+}
+
+// Issue 22, SPEC §4: a failed state write never blocks a stop or a release. With the task's
+// state file unwritable, terminate answers `terminated` with its reason (issue 28: the
+// container no longer runs, so a crash could not undo it), the container is stopped and
+// everything released at once; a remove is accepted (the server's next request) and leaves
+// nothing. Once the file can be written again, the reconciler's retry pass writes the
+// termination with its reason, without a restart.
+#[tokio::test(start_paused = true)]
+async fn a_terminate_whose_write_fails_still_stops_and_releases() {
+    let w = World::new(2);
+    let engine = w.engine_with(|cfg| cfg.terminate_slack = SLACK).await;
+    let mut running = Vec::new();
+    for id in ["t-kept", "t-removed"] {
+        let c = config(id).with_gpus(1).with_host_key().with_data_volume();
+        running.push(run(&engine, c).await);
+    }
+    assert_eq!(engine.gpu_lock().locked().len(), 2);
+    for (info, id) in running.iter().zip(["t-kept", "t-removed"]) {
+        break_state_file(&w, &info.container_name, true);
+        let answer = terminate_now(&engine, id, "an unwritable state file").await;
+        assert_eq!(
+            (answer.status, termination(&answer)),
+            (TaskStatus::Terminated, ("terminated_by_user", "stop")),
+            "stopped: terminated at once, the record waiting for the disk"
+        );
+        assert_eq!(
+            w.runtime.state(&info.container_id),
+            Some(ContainerState::Exited),
+            "{id} stopped"
+        );
+        assert!(
+            w.volumes.calls().iter().any(|c| matches!(c,
+                FakeCall::Release(p) if p.ends_with("/data"))),
+            "{id}: volume released"
+        );
+    }
+    assert!(engine.gpu_lock().locked().is_empty(), "GPUs released");
+    assert!(w.keys.keys_of("ubuntu").is_empty(), "keys removed");
+    assert!(w.volumes.mounted().is_empty());
+
+    // The server's remove right after: accepted, nothing left.
+    let removed = &running[1];
+    engine.remove(&tid("t-removed")).await.unwrap();
+    assert!(engine.task_info(&tid("t-removed")).is_err());
+    assert_eq!(w.runtime.state(&removed.container_id), None);
+    assert!(!w.runner_dir(&removed.container_name).exists());
+
+    // The other converges once its file can be written: the retry pass runs every second.
+    let kept = &running[0];
+    assert_eq!(
+        read_state_file(&w, &kept.container_name),
+        None,
+        "not durable yet"
+    );
+    let mut registry = prometheus_client::registry::Registry::default();
+    engine.register_metrics(&mut registry);
+    let unwritten = || {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix("dstack_shim_unwritten_tasks "))
+            .map(str::to_owned)
+    };
+    assert_eq!(
+        unwritten().as_deref(),
+        Some("1.0"),
+        "one task's write failed"
+    );
+    break_state_file(&w, &kept.container_name, false);
+    // The file is renamed into place before the write's outcome is noted: wait for both.
+    poll_until(500, TICK, async || {
+        read_state_file(&w, &kept.container_name).is_some() && unwritten().as_deref() == Some("0.0")
+    })
+    .await;
+    let info = engine.task_info(&tid("t-kept")).unwrap();
+    assert_eq!(info.status, TaskStatus::Terminated, "{info:?}");
+    assert_reason(&info, "terminated_by_user");
+    assert_eq!(unwritten().as_deref(), Some("0.0"), "written since");
+    assert_eq!(info.termination_message, "stop");
+    let file = read_state_file(&w, &kept.container_name).unwrap();
+    assert_eq!(file["termination_reason"], "terminated_by_user", "{file}");
+    assert_eq!(file["cleaned_up"], true, "{file}");
+    engine.remove(&tid("t-kept")).await.unwrap();
+    assert!(w.runtime.container_ids().is_empty());
+}

@@ -1,0 +1,175 @@
+//! What the engine shows: records and readiness on the injected clock, the change feed of fifty concurrent tasks, per-task usage in the metrics.
+
+use super::*;
+
+/// The injected clock is the engine's only wall clock: a record is stamped with the virtual
+/// time of its submit and of its termination, and the readiness signal (the age of the last
+/// full cycle) grows by exactly what the test advances: ten virtual minutes without a cycle
+/// read as ten minutes, and a cycle brings the age back to zero.
+#[tokio::test(start_paused = true)]
+async fn records_and_readiness_follow_the_injected_clock() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    assert_eq!(engine.health().last_cycle_age, Some(Duration::ZERO));
+    let submitted_at = w.clock.now_ms();
+    assert!(submitted_at >= START_MS);
+    run(&engine, config("t1")).await;
+    let file = state_file(&w, "t1");
+    assert_eq!(file["created_at_ms"], submitted_at, "{file}");
+
+    let cycle_at = w.clock.now_ms();
+    engine.reconcile_now().await;
+    tokio::time::advance(Duration::from_secs(600)).await;
+    let age = engine.health().last_cycle_age.unwrap();
+    let expected = Duration::from_millis(w.clock.now_ms() - cycle_at);
+    assert!(
+        age >= Duration::from_secs(600) && age <= expected,
+        "{age:?}"
+    );
+    assert!(
+        engine.health().is_ready(),
+        "10 min is within the backstop's bound"
+    );
+    let terminated_at = w.clock.now_ms();
+    terminate(&engine, "t1", "bye", Duration::ZERO).await;
+    let file = state_file(&w, "t1");
+    assert_eq!(file["updated_at_ms"], terminated_at, "{file}");
+    assert_eq!(file["created_at_ms"], submitted_at, "{file}");
+    engine.reconcile_now().await;
+    assert_eq!(engine.health().last_cycle_age, Some(Duration::ZERO));
+}
+
+/// A subscriber sees every change of 50 concurrent tasks exactly once, in order per task,
+/// with increasing sequence numbers: submitted, each durable status, terminated, released,
+/// removed.
+#[tokio::test(start_paused = true)]
+async fn subscribers_see_every_change_of_fifty_concurrent_tasks_in_order() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    let mut sub = engine.subscribe();
+    let ids: Vec<String> = (0..50).map(|i| format!("c{i}")).collect();
+    let submits = ids.iter().map(|id| engine.submit(config(id)));
+    for r in futures_util::future::join_all(submits).await {
+        r.unwrap();
+    }
+    for id in &ids {
+        let info = wait_status(&engine, id, TaskStatus::Running).await;
+        assert!(w.runtime.exit(&info.container_id, 0));
+    }
+    for id in &ids {
+        wait_status(&engine, id, TaskStatus::Terminated).await;
+        wait_released(&engine, id).await;
+        engine.remove(&tid(id)).await.unwrap();
+    }
+    let mut seen: std::collections::BTreeMap<String, Vec<ChangeKind>> = Default::default();
+    let mut last_seq = 0;
+    while seen.values().map(Vec::len).sum::<usize>() < 50 * 5 {
+        let change = tokio::time::timeout(Duration::from_secs(5), sub.recv())
+            .await
+            .expect("a change is missing")
+            .unwrap();
+        assert!(change.seq > last_seq, "sequence numbers increase");
+        last_seq = change.seq;
+        seen.entry(change.task.to_string())
+            .or_default()
+            .push(change.kind);
+    }
+    assert!(sub.try_recv().is_none(), "no change twice");
+    let status = |status| ChangeKind::Status { status };
+    let expected = [
+        ChangeKind::Submitted,
+        // `preparing`, `pulling` and `creating` are start progress with nothing to do (no
+        // GPU, the image present): never written on their own, so never shown.
+        status(TaskStatus::Running),
+        ChangeKind::Terminated {
+            termination_reason: "done_by_runner".into(),
+            termination_message: String::new(),
+        },
+        ChangeKind::Released,
+        ChangeKind::Removed,
+    ];
+    assert_eq!(seen.len(), 50);
+    for (id, changes) in &seen {
+        assert_eq!(changes[..], expected[..], "{id}");
+    }
+}
+
+// Issue 28, part 4: each running task's usage in `/metrics`, read from its container's
+// control group (a cgroup v2 tree of the test's own here; the real engine's on a real
+// container in the runtime-level e2e test). The group is located once per container (one
+// inspect), then only its files are read; a task that stops running leaves the metrics.
+#[tokio::test(start_paused = true)]
+async fn running_tasks_show_their_cgroup_usage_in_the_metrics() {
+    let w = World::new(0);
+    let tree = tempfile::tempdir().unwrap();
+    let (root, proc) = (tree.path().join("cgroup"), tree.path().join("proc"));
+    let group = root.join("system.slice/docker-t.scope");
+    fs_err::create_dir_all(&group).unwrap();
+    fs_err::create_dir_all(proc.join("4242")).unwrap();
+    fs_err::write(root.join("cgroup.controllers"), "cpu memory\n").unwrap();
+    fs_err::write(
+        proc.join("4242/cgroup"),
+        "0::/system.slice/docker-t.scope\n",
+    )
+    .unwrap();
+    let set = |usec: u64, current: u64, peak: u64, ooms: u64| {
+        for (file, text) in [
+            ("cpu.stat", format!("usage_usec {usec}\n")),
+            ("memory.current", format!("{current}\n")),
+            ("memory.peak", format!("{peak}\n")),
+            ("memory.events", format!("oom 0\noom_kill {ooms}\n")),
+        ] {
+            fs_err::write(group.join(file), text).unwrap();
+        }
+    };
+    set(2_500_000, 1 << 20, 4 << 20, 0);
+    let mut deps = w.deps();
+    deps.cgroups = shim_resources::cgroup::Cgroups::at(&root, &proc);
+    let engine = Engine::open(w.config(), deps).await.unwrap();
+    let info = run(&engine, config("t-usage")).await;
+    w.runtime.set_pid(&info.container_id, Some(4242));
+    let sample = |text: &str, name: &str| -> Option<String> {
+        let prefix = format!("{name}{{task_id=\"t-usage\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .map(str::to_owned)
+    };
+    // The first scrape asks for the group; a later one shows the task.
+    let cpu = "dstack_shim_task_cpu_seconds_total";
+    poll_until(500, TICK, async || sample(&scrape(&engine), cpu).is_some()).await;
+    let text = scrape(&engine);
+    assert_eq!(
+        [
+            cpu,
+            "dstack_shim_task_memory_bytes",
+            "dstack_shim_task_memory_peak_bytes",
+            "dstack_shim_task_oom_kills_total"
+        ]
+        .map(|n| sample(&text, n)),
+        [
+            Some("2.5".to_owned()),
+            Some("1048576".to_owned()),
+            Some("4194304".to_owned()),
+            Some("0".to_owned())
+        ],
+        "{text}"
+    );
+    let located_with = w.runtime.count("inspect");
+    // The container works: its CPU seconds rise, an OOM kill is counted; no new inspect.
+    set(4_000_000, 2 << 20, 4 << 20, 1);
+    let text = scrape(&engine);
+    assert_eq!(sample(&text, cpu).as_deref(), Some("4.0"));
+    assert_eq!(
+        sample(&text, "dstack_shim_task_oom_kills_total").as_deref(),
+        Some("1")
+    );
+    assert_eq!(
+        w.runtime.count("inspect"),
+        located_with,
+        "the group is located once"
+    );
+    // Once terminated, the task leaves the usage metrics.
+    terminate_now(&engine, "t-usage", "usage").await;
+    let text = scrape(&engine);
+    assert_eq!(sample(&text, cpu), None, "{text}");
+}

@@ -1,0 +1,192 @@
+//! What a restart keeps: ownership by the runner mount, shared keys, GPU claims, upstream's tasks and what they hold.
+
+use super::*;
+
+/// A task container's spec as the upstream shim creates it: its two labels only (no owner,
+/// no GPU label), `/tmp/runner` bound from `runner_dir`.
+fn upstream_spec(id: &str, name: &str, runner_dir: &Path) -> ContainerSpec {
+    let mut spec = ContainerSpec::new(name, IMAGE);
+    spec.labels = [
+        ("ai.dstack.shim.is-task".to_owned(), "true".to_owned()),
+        ("ai.dstack.shim.task-id".to_owned(), id.to_owned()),
+    ]
+    .into();
+    spec.mounts = vec![BindMount {
+        source: runner_dir.to_path_buf(),
+        target: "/tmp/runner".to_owned(),
+        read_only: false,
+    }];
+    spec
+}
+
+// Issue 22, SPEC §5: ownership is the runner mount, not the label alone. A container whose
+// owner label is this shim's but whose runner directory lies in another home is neither
+// adopted nor touched, at start-up or at a restart. (The owner identity lost or replaced, two
+// homes on one engine: tests/tests/restore.rs, in every world.)
+#[tokio::test(start_paused = true)]
+async fn a_container_with_our_owner_label_but_another_homes_runner_dir_is_not_ours() {
+    let mut w = World::new(0);
+    let engine = w.engine().await;
+    let elsewhere = tempfile::tempdir().unwrap();
+    let runner_dir = elsewhere.path().join("runners/stray-0-01234567/runner");
+    let mut stray_spec = upstream_spec("stray", "stray-0-01234567", &runner_dir);
+    stray_spec
+        .labels
+        .insert("ai.dstack.shim.owner".into(), engine.owner().to_owned());
+    let stray = w
+        .runtime
+        .add_container(&stray_spec, ContainerState::Running, None);
+    assert!(engine.reconcile_now().await);
+    let engine = w.restart(engine).await;
+    assert!(engine.task_info(&tid("stray")).is_err(), "another home's");
+    assert!(engine.list().is_empty());
+    let touched: Vec<_> = w
+        .runtime
+        .calls()
+        .into_iter()
+        .filter(|c| matches!(c, Call::Stop(..) | Call::Remove(_)))
+        .collect();
+    assert!(touched.is_empty(), "{touched:?}");
+    assert_eq!(w.runtime.state(&stray), Some(ContainerState::Running));
+}
+
+#[tokio::test(start_paused = true)]
+async fn restart_keeps_shared_key_of_live_task() {
+    let mut w = World::new(0);
+    let engine = w.engine().await;
+    let a = run(&engine, config("a").with_host_key()).await;
+    run(&engine, config("b").with_host_key()).await;
+    shut_down(engine).await;
+    // The restarted process knows no task's keys: unless the engine registers b's before it
+    // releases a's, releasing a's would leave the user without the key b still needs.
+    w.runtime.exit_without_event(&a.container_id, 0);
+    let engine = w.fresh_process().await;
+    assert_eq!(
+        engine.task_info(&tid("a")).unwrap().status,
+        TaskStatus::Terminated
+    );
+    assert_eq!(w.keys.keys_of("ubuntu").len(), 1, "b still needs the key");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_duplicate_gpu_claim_after_restart_never_frees_a_gpu_in_use() {
+    let mut w = World::new(1);
+    let engine = w.engine().await;
+    let owner = run(&engine, config("owner").with_gpus(1)).await;
+    shut_down(engine).await;
+    // A second container claims the same GPU (e.g. left by an older shim without a state
+    // file) and has exited.
+    let mut spec = w.runtime.spec(&owner.container_id).unwrap();
+    spec.name = "stale-00000000".into();
+    spec.labels
+        .insert("ai.dstack.shim.task-id".into(), "a-stale".into());
+    w.runtime
+        .add_container(&spec, ContainerState::Exited, Some(0));
+    let engine = w.fresh_process().await;
+    let stale = engine.task_info(&tid("a-stale")).unwrap();
+    assert_eq!(stale.status, TaskStatus::Terminated);
+    // The stale task's id sorts first, but the running task gets the GPU; the stale one,
+    // which exited, locked nothing and must not unlock the GPU the running task uses.
+    assert_eq!(engine.gpu_lock().locked(), owner.gpu_ids.clone().unwrap());
+    assert_eq!(engine.gpu_lock().free_count(), 0);
+    let _ = w.restart(engine).await;
+}
+
+/// A state file as the upstream shim writes it (Go's `json.Marshal` of its state struct:
+/// `version`, `id`, `config` in `TaskConfig`'s field order, `termination_reason`,
+/// `termination_message`, `cleaned_up`; a slice the server did not send is `null`).
+fn upstream_task_json(id: &str, name: &str, gpu: i64, reason: &str, cleaned_up: bool) -> String {
+    format!(
+        concat!(
+            r#"{{"version":1,"id":"{id}","config":{{"id":"{id}","name":"{name}","#,
+            r#""registry_username":"","registry_password":"","image_name":"{IMAGE}","#,
+            r#""container_user":"root","privileged":false,"gpu":{gpu},"cpu":0,"memory":0,"#,
+            r#""shm_size":0,"network_mode":"bridge","#,
+            r#""volumes":[{{"backend":"aws","name":"vol1","volume_id":"vol-0123","init_fs":true,"device_name":""}}],"#,
+            r#""volume_mounts":[{{"name":"vol1","path":"/data"}}],"instance_mounts":null,"#,
+            r#""gpu_devices":null,"host_ssh_user":"ubuntu","host_ssh_keys":["{KEY}"],"#,
+            r#""container_ssh_keys":[]}},"termination_reason":"{reason}","#,
+            r#""termination_message":"","cleaned_up":{cleaned_up}}}"#
+        ),
+        id = id,
+        name = name,
+        IMAGE = IMAGE,
+        gpu = gpu,
+        KEY = KEY,
+        reason = reason,
+        cleaned_up = cleaned_up,
+    )
+}
+
+/// A running container as the upstream shim creates it ([`upstream_spec`]), its NVIDIA GPUs
+/// as one device request.
+fn upstream_container(w: &World, id: &str, name: &str, runner_dir: &Path, gpus: &[String]) {
+    let mut spec = upstream_spec(id, name, runner_dir);
+    spec.device_requests = vec![DeviceRequest {
+        driver: "nvidia".to_owned(),
+        device_ids: gpus.to_vec(),
+        capabilities: vec!["gpu".to_owned()],
+    }];
+    w.runtime
+        .add_container(&spec, ContainerState::Running, None);
+}
+
+// upstream: runner/internal/shim/docker.go (restoreStateFromContainers: NVIDIA GPUs from the
+// one device request), runner/internal/shim/models.go (TaskConfig). What an adopted upstream
+// task holds besides its container and directory (tests/tests/restore.rs, in every world):
+// its GPUs (locked again, never handed out twice, freed exactly), its volume and its key,
+// released with it; another home's upstream container's GPUs are not this shim's.
+#[tokio::test(start_paused = true)]
+async fn upstream_tasks_hold_and_release_exactly_their_gpus_keys_and_volumes() {
+    let w = World::new(4);
+    let all = w.host_gpus.ids();
+
+    // With a state file: two GPUs, a volume, a key.
+    let name_a = shim_task::naming::container_name(&TaskName::new("up-a").unwrap(), &tid("a1"));
+    let dir_a = w.runner_dir(&name_a);
+    fs_err::create_dir_all(dir_a.join("runner")).unwrap();
+    let json_a = upstream_task_json("a1", "up-a", 2, "", false);
+    fs_err::write(dir_a.join("task.json"), json_a).unwrap();
+    upstream_container(&w, "a1", &name_a, &dir_a.join("runner"), &all[..2]);
+    // Without a state file: one GPU.
+    let name_b = "up-b-0-0-12345678";
+    let dir_b = w.runner_dir(name_b);
+    fs_err::create_dir_all(&dir_b).unwrap();
+    upstream_container(&w, "b1", name_b, &dir_b, &all[2..3]);
+    // Another home's: its GPU is not ours to lock.
+    let elsewhere = tempfile::tempdir().unwrap();
+    upstream_container(&w, "c1", "up-c-0-0-87654321", elsewhere.path(), &all[3..]);
+
+    let engine = w.engine().await;
+    let a = engine.task_info(&tid("a1")).unwrap();
+    assert_eq!(a.gpu_ids, Some(all[..2].to_vec()));
+    let b = engine.task_info(&tid("b1")).unwrap();
+    assert_eq!(b.gpu_ids, Some(all[2..3].to_vec()));
+    assert!(engine.task_info(&tid("c1")).is_err(), "another home's task");
+    assert_eq!(engine.gpu_lock().locked(), all[..3].to_vec());
+    // Only one GPU is free: a task asking for two fails to start.
+    let big = failed_start(&engine, config("big").with_gpus(2)).await;
+    assert_reason(&big, "executor_error");
+
+    // Terminating a1 releases exactly its GPUs, its volume and its key.
+    terminate_by_user(&engine, "a1").await;
+    poll_until(500, TICK, async || {
+        engine.reconcile_now().await;
+        engine.gpu_lock().locked() == all[2..3]
+    })
+    .await;
+    assert_eq!(engine.gpu_lock().locked(), all[2..3].to_vec());
+    let volume_calls = w.volumes.calls();
+    assert!(
+        volume_calls.contains(&FakeCall::Release("/fake/volumes/vol1".into())),
+        "{volume_calls:?}"
+    );
+    assert!(
+        w.keys.calls().iter().any(|c| matches!(c,
+            FakeCall::RemoveKeys(t, u) if t.as_str() == "a1" && u == "ubuntu")),
+        "{:?}",
+        w.keys.calls()
+    );
+    terminate_by_user(&engine, "b1").await;
+    wait_released(&engine, "b1").await;
+}
