@@ -54,6 +54,10 @@ pub struct Deps {
     /// engine opens: the GPU lock places tasks by it from then on (first-free until then, or
     /// for good when it cannot be read). Default: none (first-free).
     pub gpu_topology: Option<Arc<GpuDetector>>,
+    /// Faults injected into the task store's writes (feature `test-support`): a test makes
+    /// the home's disk full with [`shim_fs::fault::Faults::set_full`]. Default: none.
+    #[cfg(feature = "test-support")]
+    pub store_faults: Option<Arc<shim_fs::fault::Faults>>,
 }
 
 /// How [`Deps::for_host`] sets an agent up on the host it runs on.
@@ -103,6 +107,8 @@ impl Deps {
             fs: Arc::new(HostFs),
             gpu_health: None,
             gpu_topology: None,
+            #[cfg(feature = "test-support")]
+            store_faults: None,
         }
     }
 

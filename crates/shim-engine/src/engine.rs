@@ -136,7 +136,7 @@ impl Engine {
             let runtime = runtime.clone();
             tokio::spawn(async move { list_waiting(runtime.as_ref(), &any_shim_filter()).await })
         };
-        let (records, home) = open_store(cfg.home.clone()).await?;
+        let (records, home) = open_store(cfg.home.clone(), &deps).await?;
         let owner = determine_owner(&home, deps.runtime.as_ref()).await?;
         let ownership = Ownership::of_home(home.path()).await?;
         let host_gpus = deps.host_gpus.clone();

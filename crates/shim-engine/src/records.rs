@@ -46,8 +46,16 @@ use crate::queue::Observed;
 
 /// Opens the task store under `home`: its record writes for the driver, the rest ([`Home`]) for
 /// everyone.
-pub(crate) async fn open_store(home: PathBuf) -> Result<(Records, Home)> {
-    let store = Arc::new(tokio::task::spawn_blocking(move || Store::open(home)).await??);
+pub(crate) async fn open_store(home: PathBuf, deps: &crate::Deps) -> Result<(Records, Home)> {
+    #[allow(unused_mut, reason = "mutated only with feature test-support")]
+    let mut store = tokio::task::spawn_blocking(move || Store::open(home)).await??;
+    #[cfg(feature = "test-support")]
+    if let Some(faults) = &deps.store_faults {
+        store.set_faults(faults.clone());
+    }
+    #[cfg(not(feature = "test-support"))]
+    let _ = deps;
+    let store = Arc::new(store);
     Ok((
         Records {
             store: store.clone(),

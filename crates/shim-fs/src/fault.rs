@@ -6,6 +6,10 @@
 //!   file) and returns the error, as for a real failure.
 //! - [`FaultKind::Crash`]: the process "dies" at this step: nothing after it runs and nothing is
 //!   cleaned up. At [`Step::Write`] half the bytes are written first (for byte writes).
+//!
+//! Apart from the one armed fault, [`Faults::set_full`] makes the file system full until said
+//! otherwise: every write step fails with the kernel's `ENOSPC` (as a full disk fails a write;
+//! creating, renaming and fsyncing still succeed), and cleans up as for a real failure.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -30,6 +34,7 @@ pub struct Faults {
 struct State {
     armed: Option<(Step, FaultKind)>,
     fired: Option<(Step, FaultKind)>,
+    full: bool,
 }
 
 impl Faults {
@@ -47,6 +52,17 @@ impl Faults {
         let mut s = self.state();
         s.armed = Some((step, kind));
         s.fired = None;
+    }
+
+    /// Makes the file system full (every write step fails with `ENOSPC`) or gives the space
+    /// back. Independent of the armed fault.
+    pub fn set_full(&self, full: bool) {
+        self.state().full = full;
+    }
+
+    /// Whether the file system is full ([`Faults::set_full`]).
+    pub fn is_full(&self) -> bool {
+        self.state().full
     }
 
     /// The fault that fired, if the write reached its step.

@@ -72,6 +72,39 @@ fn failure_at_each_step_keeps_the_old_content_and_cleans_up() {
 }
 
 #[test]
+fn a_full_file_system_fails_every_write_with_enospc_until_freed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = Dir::open(tmp.path()).unwrap();
+    let faults = Arc::new(Faults::new());
+    let opts = WriteOptions::new(0o600).faults(faults.clone());
+    dir.write_atomic("state", b"old\n", &opts).unwrap();
+    faults.set_full(true);
+    for _ in 0..2 {
+        let err = dir.write_atomic("state", b"new\n", &opts).unwrap_err();
+        assert_eq!(err.step(), Some(Step::Write), "{err}");
+        let source =
+            std::error::Error::source(&err).and_then(|e| e.downcast_ref::<std::io::Error>());
+        assert_eq!(
+            source.and_then(std::io::Error::raw_os_error),
+            Some(28),
+            "ENOSPC: {err:?}"
+        );
+        assert!(
+            injected(&err).is_none(),
+            "a real error, not an injected one"
+        );
+        assert_eq!(
+            (read(&dir, "state"), names(&dir)),
+            (b"old\n".to_vec(), vec!["state".to_owned()])
+        );
+    }
+    assert_eq!(faults.fired(), None, "the armed fault is apart");
+    faults.set_full(false);
+    dir.write_atomic("state", b"new\n", &opts).unwrap();
+    assert_eq!(read(&dir, "state"), b"new\n");
+}
+
+#[test]
 fn crash_at_each_step_leaves_old_or_new_and_a_recognisable_temp() {
     for step in STEPS {
         let tmp = tempfile::tempdir().unwrap();

@@ -138,8 +138,8 @@ pub struct Store {
     spares: Mutex<Vec<PreparedDir>>,
     /// The number in the next spare's name.
     next_spare: AtomicU64,
-    /// Faults injected into this store's atomic writes (unit tests).
-    #[cfg(test)]
+    /// Faults injected into this store's atomic writes (tests: [`Store::set_faults`]).
+    #[cfg(any(test, feature = "test-support"))]
     pub(crate) faults: std::sync::Arc<shim_fs::fault::Faults>,
 }
 
@@ -272,7 +272,7 @@ impl Store {
             runners_sync: GroupSync::new(),
             spares: Mutex::new(Vec::new()),
             next_spare: AtomicU64::new(0),
-            #[cfg(test)]
+            #[cfg(any(test, feature = "test-support"))]
             faults: std::sync::Arc::default(),
         })
     }
@@ -357,9 +357,16 @@ impl Store {
         self.runners_sync.gather_next(callers, bound);
     }
 
+    /// Injects `faults` into this store's writes from now on (a full disk:
+    /// [`shim_fs::fault::Faults::set_full`]).
+    #[cfg(any(test, feature = "test-support"))]
+    pub fn set_faults(&mut self, faults: std::sync::Arc<shim_fs::fault::Faults>) {
+        self.faults = faults;
+    }
+
     /// fsyncs the runners directory, sharing the fsync with concurrent callers.
     fn commit_runners(&self) -> std::result::Result<(), shim_fs::FsError> {
-        #[cfg(test)]
+        #[cfg(any(test, feature = "test-support"))]
         self.faults
             .fire(shim_fs::Step::SyncDir, &self.runners_dir)?;
         self.runners_sync.sync(&self.runners)
@@ -396,7 +403,7 @@ impl Store {
     /// How every file of the store is written: exactly 0600.
     fn write_options(&self) -> WriteOptions {
         let opts = WriteOptions::new(FILE_MODE);
-        #[cfg(test)]
+        #[cfg(any(test, feature = "test-support"))]
         let opts = opts.faults(self.faults.clone());
         opts
     }

@@ -61,8 +61,22 @@ pub fn runner_dir(home: &Path, info: &Value) -> PathBuf {
 pub fn write_runner_exit(home: &Path, info: &Value, code: i32) -> io::Result<()> {
     let dir = runner_dir(home, info);
     let tmp = dir.join(".exit.tmp");
-    fs_err::write(&tmp, format!("{code}\n"))?;
+    let line = format!("{code}\n");
+    // One staged by `stage_runner_exit` is only renamed: a rename needs no free block.
+    if fs_err::read_to_string(&tmp).ok().as_deref() != Some(line.as_str()) {
+        fs_err::write(&tmp, line)?;
+    }
     fs_err::rename(&tmp, dir.join(RUNNER_EXIT_FILE))
+}
+
+/// Writes the exit [`write_runner_exit`] will make the runner of `info` see (with the same
+/// `code`), beside its place, so that making it seen later needs only a rename (no free
+/// block: a full disk does not stop it).
+pub fn stage_runner_exit(home: &Path, info: &Value, code: i32) -> io::Result<()> {
+    fs_err::write(
+        runner_dir(home, info).join(".exit.tmp"),
+        format!("{code}\n"),
+    )
 }
 
 /// The names in `dir`, sorted; empty if it does not exist. Panics (failing the test) on any

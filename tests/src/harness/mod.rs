@@ -79,7 +79,8 @@ pub use gpu_host::{
 pub use host::{LoopFs, PrivateDocker, fs_usage, images_at, take};
 pub use http::{Api, Body, Request, Response, Streamed, status_of};
 pub use layout::{
-    SPARE_PREFIX, entries, runner_dir, task_dir, task_entries, tasks_dir, write_runner_exit,
+    SPARE_PREFIX, entries, runner_dir, stage_runner_exit, task_dir, task_entries, tasks_dir,
+    write_runner_exit,
 };
 pub use metrics::{Metrics, parse_openmetrics};
 pub use process::{

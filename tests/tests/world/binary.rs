@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 use shim_e2e::harness::{
-    EventStream, FakeGpuHost, FakeGpuHostOptions, FakeHealth, FakeVendor, NamedContainer, TestShim,
-    container_name_of,
+    EventStream, FakeGpuHost, FakeGpuHostOptions, FakeHealth, FakeVendor, LoopFs, NamedContainer,
+    TestShim, container_name_of,
 };
 
 use super::flaky::FlakyDocker;
@@ -25,6 +25,9 @@ pub struct BinaryWorld {
     /// Every submitted task's container, removed by name however the test ends (one that
     /// keeps an earlier owner identity escapes the shim's sweeper).
     named: Mutex<Vec<NamedContainer>>,
+    /// The home's file system ([`Options::fillable_home`]) and what fills it; unmounted after
+    /// the shim stops (fields drop in order).
+    disk: Option<(LoopFs, Mutex<Option<PathBuf>>)>,
     /// The fake GPU host the shim runs in ([`Options::gpu_health`]); torn down after the
     /// shim stops (fields drop in order).
     gpu_host: Option<FakeGpuHost>,
@@ -66,6 +69,13 @@ impl World for BinaryWorld {
             // Only the shim goes through the proxy: the clean-up talks to Docker directly.
             builder = builder.env("DOCKER_HOST", proxy.docker_host());
         }
+        let mut disk = None;
+        if options.fillable_home {
+            shim_e2e::require_root();
+            let fs = LoopFs::create(dir.path(), 16);
+            builder = builder.home(&fs.mount.join("home"), &dir.path().join("logs"));
+            disk = Some((fs, Mutex::new(None)));
+        }
         let gpu_host = options.gpu_health.then(|| {
             shim_e2e::require_root();
             FakeGpuHost::setup(FakeVendor::Nvidia, GPUS, &FakeGpuHostOptions::default())
@@ -79,6 +89,7 @@ impl World for BinaryWorld {
             shim
         });
         BinaryWorld {
+            disk,
             gpu_host,
             relists: options.relist_every_s.is_some(),
             shim: Arc::new(shim.await.unwrap()),
@@ -231,6 +242,19 @@ impl World for BinaryWorld {
 
     async fn container_exit_code(&self, container_id: &str) -> Option<i64> {
         super::engine::docker_exit_code(container_id)
+    }
+
+    async fn set_disk_full(&self, full: bool) {
+        let (fs, filler) = self
+            .disk
+            .as_ref()
+            .expect("a world made without Options::fillable_home");
+        let mut filler = filler.lock().unwrap();
+        match (full, filler.take()) {
+            (true, _) => *filler = Some(fs.fill()),
+            (false, Some(path)) => fs.free(&path),
+            (false, None) => {}
+        }
     }
 
     async fn set_engine_reachable(&self, reachable: bool) {

@@ -41,6 +41,9 @@ pub struct EngineWorld<const DOCKER: bool> {
     gpus: HostGpus,
     /// The GPUs' health source ([`Options::gpu_health`]), kept across restarts.
     health: Option<Arc<FakeGpuHealth>>,
+    /// The task store's faults ([`Options::fillable_home`]): its disk full or not, kept
+    /// across restarts.
+    disk: Option<Arc<shim_fs::fault::Faults>>,
     /// Every submitted task's container name, removed however the test ends (one that keeps
     /// an earlier owner identity escapes a sweep by owner).
     named: std::sync::Mutex<Vec<String>>,
@@ -157,6 +160,7 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
         };
         deps.host_gpus = self.gpus.clone();
         deps.clock = self.clock;
+        deps.store_faults = self.disk.clone();
         if let Some(health) = &self.health {
             deps.gpu_health = Some(health.clone());
             cfg.gpu_health_interval = Duration::from_secs(1);
@@ -183,6 +187,9 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
         };
         let proxy = (DOCKER && options.flaky_engine).then(|| FlakyDocker::start(dir.path()));
         let gpus = HostGpus::fake_nvidia(GPUS as u32);
+        let disk = options
+            .fillable_home
+            .then(|| Arc::new(shim_fs::fault::Faults::new()));
         let health = options
             .gpu_health
             .then(|| Arc::new(FakeGpuHealth::new(&gpus)));
@@ -195,6 +202,7 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
             named: std::sync::Mutex::new(Vec::new()),
             gpus,
             health,
+            disk,
             clock: if DOCKER {
                 Clock::system()
             } else {
@@ -266,7 +274,7 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
             .push(shim_task::naming::container_name(&config.name, &config.id));
         match self.engine().submit(config).await {
             Ok(_) => Ok(()),
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err(shim_util::error_chain(&e)),
         }
     }
 
@@ -317,7 +325,7 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
         self.engine()
             .remove(&tid(id))
             .await
-            .map_err(|e| e.to_string())
+            .map_err(|e| shim_util::error_chain(&e))
     }
 
     async fn stop(&mut self) {
@@ -482,6 +490,12 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
             }
             (None, None) => panic!("a world made without Options::flaky_engine"),
         }
+    }
+
+    async fn set_disk_full(&self, full: bool) {
+        let disk = self.disk.as_ref();
+        disk.expect("a world made without Options::fillable_home")
+            .set_full(full);
     }
 
     async fn relist(&self) -> Option<bool> {

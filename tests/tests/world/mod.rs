@@ -168,6 +168,10 @@ pub struct Options {
     pub gpu_health: bool,
     /// The pull stall timeout (seconds; default: the shim's own).
     pub pull_stall_timeout_s: Option<u64>,
+    /// A home whose disk the scenario can fill ([`World::set_disk_full`]): in the engine
+    /// worlds a task store whose writes fail with `ENOSPC`, in the binary world a home on a
+    /// 16 MiB loop-mounted ext4 (needs root).
+    pub fillable_home: bool,
 }
 
 /// A host with a shim on it, as a scenario sees it.
@@ -388,6 +392,11 @@ pub trait World: Sized {
             }
         }
     }
+
+    /// Fills the home's disk (a write fails with `ENOSPC`) or frees it again (needs
+    /// [`Options::fillable_home`]). Filling again after something was freed fills what it
+    /// gave back.
+    async fn set_disk_full(&self, full: bool);
 
     /// Cuts or restores the shim's way to the engine (needs [`Options::flaky_engine`]).
     async fn set_engine_reachable(&self, reachable: bool);
