@@ -1,19 +1,17 @@
 //! authorized_keys against real files in temporary homes (no root needed).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // a test file: panics are failures
 
-mod common;
-
 use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use common::require_root;
 use shim_resources::keys::{MARKER, Rewrite, marked_line, parse_marked_line, render};
 use shim_resources::{
     AuthorizedKeys, AuthorizedKeysManager, ResourcesError, StaticUserDb, UserDb as _,
 };
 use shim_task::{PublicKey, TaskId};
+use shim_util::testing::require_root;
 
 // Generated with ssh-keygen; fingerprints as `ssh-keygen -l` printed them.
 const K1: &str =

@@ -3,8 +3,6 @@
 //! and then need `SHIM_TEST_ROOT=1` and fail loudly if any of it is missing.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // a test file: panics are failures
 
-mod common;
-
 use std::os::unix::fs::PermissionsExt as _;
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
@@ -12,10 +10,10 @@ use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use common::require_root;
 use shim_resources::volumes::{Probe, is_mount_point_in};
 use shim_resources::{BlockVolumes, ResourcesError, VolumeConfig, VolumeManager};
 use shim_task::{MountedVolume, TaskName, VolumeBackend, VolumeSpec};
+use shim_util::testing::require_root;
 use shim_util::{CommandRunner, SystemCommandRunner};
 
 fn run(program: &str, args: &[&str]) -> String {

@@ -6,9 +6,10 @@ mod common;
 
 use std::io::Write as _;
 
-use common::{Tmpfs, names, record, require_root, umount};
+use common::{Tmpfs, names, record, umount};
 use shim_store::{ScanEntry, Store, StoreError};
 use shim_task::TaskStatus;
+use shim_util::testing::require_root;
 
 /// Fills the filesystem holding `path` with a file there until it is full; returns its size.
 fn fill(path: &std::path::Path) -> u64 {

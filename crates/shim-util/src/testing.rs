@@ -1,5 +1,5 @@
-//! The check of the workspace's error convention, for tests (`cfg(test)` or the
-//! `test-support` feature).
+//! For tests (`cfg(test)` or the `test-support` feature): the check of the workspace's error
+//! convention, and the gate of the tests that need root.
 
 use std::error::Error;
 
@@ -33,6 +33,19 @@ pub fn assert_each_cause_once(e: &dyn Error) -> String {
     let chain = crate::error_chain(e);
     assert_eq!(chain, levels.join(": "));
     chain
+}
+
+/// The first statement of a test that needs root (loop devices, mounts), which also carries the
+/// workspace's root `#[ignore]` reason: panics unless `SHIM_TEST_ROOT=1`, so that the test, run
+/// on purpose without its environment, fails instead of passing (`shim_e2e::require_root` for
+/// the crates below the end-to-end tests).
+#[track_caller]
+pub fn require_root() {
+    assert!(
+        std::env::var("SHIM_TEST_ROOT").is_ok_and(|v| v == "1"),
+        "this test needs root (loop devices, mounts): run it as root and set SHIM_TEST_ROOT=1 \
+         (SHIM_TEST_ROOT is not 1)"
+    );
 }
 
 #[cfg(test)]
