@@ -201,6 +201,53 @@ async fn a_task_removed_during_its_start_stays_removed<W: World>() {
 }
 in_worlds!(a_task_removed_during_its_start_stays_removed: fake, docker, binary);
 
+// SPEC §3–§4: only an ended task can be removed (a running one is refused, 409, and runs on);
+// a remove deletes the task's container and directory and forgets it (a second remove: 404);
+// its id can then be submitted again, once (a second submit of it: 409).
+async fn a_remove_is_for_ended_tasks_and_leaves_nothing<W: World>() {
+    let w = W::new(Options::default()).await;
+    let task = w.task("rm", 0);
+    w.submit(&task).await.unwrap();
+    let info = w.wait_status("rm", "running").await;
+    let cid = info["container_id"].as_str().unwrap();
+    let refused = w.try_remove("rm").await.unwrap_err();
+    assert!(
+        w.binary().is_none() || refused.starts_with("409"),
+        "{refused}"
+    );
+    assert_eq!(w.info("rm").await.unwrap()["status"], "running");
+    assert_eq!(w.container_running(cid).await, Some(true));
+
+    w.terminate("rm", "terminated_by_user", "", 0).await;
+    assert!(w.state_file(&info).is_some(), "kept until removed");
+    w.remove("rm").await;
+    assert!(w.info("rm").await.is_none());
+    assert_eq!(
+        w.container_running(cid).await,
+        None,
+        "the container is removed"
+    );
+    let dir = w
+        .home()
+        .join("runners")
+        .join(info["container_name"].as_str().unwrap());
+    assert!(!dir.exists(), "the task's directory is removed");
+    let gone = w.try_remove("rm").await.unwrap_err();
+    assert!(gone.starts_with("404"), "{gone}");
+
+    w.submit(&task).await.unwrap();
+    let twice = w.submit(&task).await.unwrap_err();
+    assert!(
+        twice.starts_with("409") && twice.contains("already exists"),
+        "{twice}"
+    );
+    w.wait_started_or_ended("rm").await;
+    w.terminate("rm", "terminated_by_server", "", 0).await;
+    w.remove("rm").await;
+    assert_eq!(w.containers().await, 0);
+}
+in_worlds!(a_remove_is_for_ended_tasks_and_leaves_nothing: fake, docker, binary);
+
 // SPEC §4: a terminate while the image is being downloaded stops the pull: the task ends at
 // once with the requested reason, its start returns at its next step, creates nothing and
 // releases its GPU; the pull's log (where there is one) holds the daemon's progress and never

@@ -135,7 +135,7 @@ impl World for BinaryWorld {
         if answer.status == 200 {
             Ok(())
         } else {
-            Err(answer.body)
+            Err(format!("{} {}", answer.status, answer.body))
         }
     }
 

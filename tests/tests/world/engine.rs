@@ -232,6 +232,18 @@ pub fn docker_exit_code(container_id: &str) -> Option<i64> {
     }
 }
 
+/// An engine error as the binary answers it: the HTTP status its kind documents
+/// (`shim_engine::ErrorKind`), then the whole chain.
+fn as_answered(e: &shim_engine::EngineError) -> String {
+    let status = match e.kind() {
+        shim_engine::ErrorKind::NotFound => 404,
+        shim_engine::ErrorKind::Conflict => 409,
+        shim_engine::ErrorKind::InvalidInput => 400,
+        _ => 500,
+    };
+    format!("{status} {}", shim_util::error_chain(e))
+}
+
 fn tid(id: &str) -> TaskId {
     TaskId::new(id).unwrap()
 }
@@ -274,7 +286,7 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
             .push(shim_task::naming::container_name(&config.name, &config.id));
         match self.engine().submit(config).await {
             Ok(_) => Ok(()),
-            Err(e) => Err(shim_util::error_chain(&e)),
+            Err(e) => Err(as_answered(&e)),
         }
     }
 
@@ -325,7 +337,7 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
         self.engine()
             .remove(&tid(id))
             .await
-            .map_err(|e| shim_util::error_chain(&e))
+            .map_err(|e| as_answered(&e))
     }
 
     async fn stop(&mut self) {

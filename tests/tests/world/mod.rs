@@ -196,7 +196,8 @@ pub trait World: Sized {
     /// [`Options::gpu_health`]); the shim sees it at its next probe.
     async fn set_gpu_healthy(&self, index: usize, healthy: bool);
 
-    /// Submits; the error is the shim's message.
+    /// Submits; the error is the HTTP status and the shim's message (the engine worlds: the
+    /// status the engine's error kind stands for).
     async fn submit(&self, task: &Value) -> Result<(), String>;
 
     /// The task's `TaskInfo`, `None` when the shim does not know it.
@@ -208,7 +209,8 @@ pub trait World: Sized {
     /// Terminates as the dstack server does; answers the `TaskInfo`.
     async fn terminate(&self, id: &str, reason: &str, message: &str, timeout_s: u64) -> Value;
 
-    /// Removes a task once; the error is the shim's answer.
+    /// Removes a task once; the error is the HTTP status and the shim's message, as
+    /// [`World::submit`]'s.
     async fn try_remove(&self, id: &str) -> Result<(), String>;
 
     /// Removes a terminated task, retrying while its start or release is under way.

@@ -237,34 +237,6 @@ async fn a_failed_stop_is_retried_by_the_retry_pass() {
     assert_reason(&t, "terminated_by_user");
 }
 
-#[tokio::test(start_paused = true)]
-async fn remove_only_terminated_and_deletes_everything() {
-    let w = World::new(0);
-    let engine = w.engine().await;
-    let info = run(&engine, config("t1")).await;
-    let err = engine.remove(&tid("t1")).await.unwrap_err();
-    assert!(matches!(err, EngineError::Conflict(_)), "{err}");
-    terminate_by_user(&engine, "t1").await;
-    assert!(w.task_json(&info.container_name).exists());
-    engine.remove(&tid("t1")).await.unwrap();
-    assert!(matches!(
-        engine.task_info(&tid("t1")),
-        Err(EngineError::NotFound(_))
-    ));
-    assert!(w.runtime.state(&info.container_id).is_none());
-    assert!(!w.runner_dir(&info.container_name).exists());
-    assert!(matches!(
-        engine.remove(&tid("t1")).await,
-        Err(EngineError::NotFound(_))
-    ));
-    // The id can be used again once removed.
-    engine.submit(config("t1")).await.unwrap();
-    assert!(matches!(
-        engine.submit(config("t1")).await,
-        Err(EngineError::AlreadyExists(_))
-    ));
-}
-
 /// A start (or create) whose answer is lost in transit (a request timeout on a loaded daemon)
 /// while the container did start (or was made) is not a failure: the engine looks at the
 /// container. Upstream puts no deadline on either: runner/internal/shim/api/handlers.go runs

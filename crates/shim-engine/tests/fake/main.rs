@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use shim_engine::{ChangeKind, Clock, Deps, Engine, EngineConfig, EngineError, Shutdown};
+use shim_engine::{ChangeKind, Clock, Deps, Engine, EngineConfig, Shutdown};
 use shim_resources::HostGpus;
 use shim_resources::fake::{FakeAuthorizedKeys, FakeCall, FakeVolumes};
 use shim_resources::host::{FsProbe, FsUsage};
