@@ -1,11 +1,11 @@
 //! Fault injection against the built `dstack-shim` on real Docker (SPEC §4–§5): the shim is
 //! SIGKILLed at random points of concurrent requests, its Docker daemon is frozen, stopped and
 //! restarted under running tasks, its home fills up during each kind of state write, its state
-//! files are corrupted, it is killed mid-submit and mid-delete, its home is spelled in other
-//! ways, and Docker's answers to a create, a start and a removal are lost. After each fault:
-//! what the API answered stays true, nothing is leaked or lost (containers, task directories,
-//! `authorized_keys` lines, GPU locks), and everything converges without a restart of the
-//! shim.
+//! files are corrupted, it is killed mid-submit and mid-delete, and Docker's answers to a
+//! create, a start and a removal are lost (the home spelled in other ways is a restore
+//! scenario now, `restore.rs`). After each fault: what the API answered stays true, nothing is
+//! leaked or lost (containers, task directories, `authorized_keys` lines, GPU locks), and
+//! everything converges without a restart of the shim.
 //!
 //! Each test has its own shim home (so its own owner identity: it never sees another test's
 //! containers), API port, fake GPUs, the stub runner, and tasks in bridge mode. What a test
@@ -35,7 +35,6 @@ mod world;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -1358,83 +1357,7 @@ fn kills_mid_submit_and_mid_delete_leave_nothing_after_a_restart() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 6. The spelling of the home
-// ---------------------------------------------------------------------------------------------
-
-/// SPEC §5: the owner identity is stored in the home, so it does not depend on how
-/// `--shim-home` is spelled. Started as `<dir>/home/`, then after each SIGKILL as
-/// `<dir>/./home`, through a symbolic link, and as `<dir>/home/../home`: the task is still
-/// running in the same container (never restarted), with the same GPUs held.
-#[test]
-#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
-fn the_owner_identity_does_not_depend_on_how_the_home_is_spelled() {
-    require(
-        "the_owner_identity_does_not_depend_on_how_the_home_is_spelled",
-        false,
-    );
-    let dir = tempfile::Builder::new()
-        .prefix("shim-faults-")
-        .tempdir()
-        .unwrap();
-    let root = std::path::absolute(dir.path()).unwrap();
-    let mut shim = TestShim::builder("faults")
-        .home(&root.join("home"), &root.join("logs"))
-        .build();
-    shim.spell_home_as(Path::new(&format!("{}/home/", root.display())));
-    shim.start();
-    let config = task("same", 2);
-    assert_eq!(shim.submit(&config).status, 200);
-    let before = shim.wait_status("same", "running");
-    let owner = shim.owner();
-    let cid = before["container_id"].as_str().unwrap().to_owned();
-    let started_at = docker_at_ok(None, &["inspect", "-f", "{{.State.StartedAt}}", &cid]);
-    std::os::unix::fs::symlink(root.join("home"), root.join("link")).unwrap();
-
-    for spelled in [
-        format!("{}/./home", root.display()),
-        format!("{}/link", root.display()),
-        format!("{}/home/../home", root.display()),
-    ] {
-        shim.kill();
-        shim.spell_home_as(Path::new(&spelled));
-        shim.start();
-        let info = shim.info("same");
-        assert_eq!(status_of(&info), "running", "home {spelled}: {info}");
-        for field in ["container_id", "gpus_ids", "ports"] {
-            assert_eq!(info[field], before[field], "home {spelled}: {field}");
-        }
-        assert_eq!(shim.owner(), owner, "home {spelled}");
-        assert_eq!(
-            docker_at_ok(
-                None,
-                &[
-                    "inspect",
-                    "-f",
-                    "{{.State.Running}} {{.State.StartedAt}}",
-                    &cid
-                ]
-            ),
-            format!("true {started_at}"),
-            "home {spelled}: the container was stopped or restarted"
-        );
-        assert_eq!(shim.containers().len(), 1, "home {spelled}");
-    }
-    // Its GPUs are still held: a task asking for the other two gets exactly those.
-    let probe = task("probe", 2);
-    assert_eq!(shim.submit(&probe).status, 200);
-    let probe_info = shim.wait_status("probe", "running");
-    let rest: BTreeSet<String> = fake_gpu_ids()
-        .difference(&gpu_ids(&before))
-        .cloned()
-        .collect();
-    assert_eq!(gpu_ids(&probe_info), rest, "{probe_info}");
-    shim.finish("probe");
-    shim.finish("same");
-    assert_eq!(shim.containers(), BTreeMap::new());
-}
-
-// ---------------------------------------------------------------------------------------------
-// 7. Lost answers
+// 6. Lost answers
 // ---------------------------------------------------------------------------------------------
 
 /// A create and a start whose answers never reach the shim (a proxy on the Docker socket

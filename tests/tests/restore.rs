@@ -114,6 +114,68 @@ async fn two_homes_never_touch_each_other<W: World>() {
 }
 in_worlds!(two_homes_never_touch_each_other: fake, docker, binary);
 
+// SPEC §5: the owner identity is stored in the home, so it does not depend on how the home is
+// spelled. Restarted with the home spelled `<home>/`, `<dir>/./home`, through a symbolic link
+// and as `<home>/../home`, the task still runs in the same container (never restarted) with
+// the same GPUs and ports, and the owner is the same; its GPUs stay held (a task asking for
+// the others gets exactly those).
+async fn the_owner_identity_does_not_depend_on_how_the_home_is_spelled<W: World>() {
+    let mut w = W::new(Options::default()).await;
+    w.submit(&w.task("same", 2)).await.unwrap();
+    let before = w.wait_status("same", "running").await;
+    let cid = before["container_id"].as_str().unwrap().to_owned();
+    let (owner, started) = (w.owner(), w.container_started(&cid).await);
+    let home = std::path::absolute(w.home()).unwrap();
+    let (dir, name) = (
+        home.parent().unwrap(),
+        home.file_name().unwrap().to_str().unwrap(),
+    );
+    let link = dir.join(format!("{name}-link"));
+    std::os::unix::fs::symlink(&home, &link).unwrap();
+    let spellings = [
+        format!("{}/", home.display()),
+        format!("{}/./{name}", dir.display()),
+        link.display().to_string(),
+        format!("{}/../{name}", home.display()),
+    ];
+    for spelled in spellings {
+        w.restart_spelling_home_as(std::path::Path::new(&spelled))
+            .await;
+        let info = w.info("same").await.unwrap();
+        assert_eq!(info["status"], "running", "home {spelled}: {info}");
+        for field in ["container_id", "gpus_ids", "ports"] {
+            assert_eq!(info[field], before[field], "home {spelled}: {field}");
+        }
+        assert_eq!(w.owner(), owner, "home {spelled}");
+        assert_eq!(
+            w.container_running(&cid).await,
+            Some(true),
+            "home {spelled}"
+        );
+        assert_eq!(
+            w.container_started(&cid).await,
+            started,
+            "home {spelled}: restarted"
+        );
+        assert_eq!(w.containers().await, 1, "home {spelled}");
+    }
+    let gpus = |info: &serde_json::Value| -> BTreeSet<String> {
+        let ids = info["gpus_ids"].as_array().unwrap().iter();
+        ids.map(|g| g.as_str().unwrap().to_owned()).collect()
+    };
+    let rest: BTreeSet<String> = w.gpu_ids().into_iter().collect();
+    let rest: BTreeSet<String> = rest.difference(&gpus(&before)).cloned().collect();
+    w.submit(&w.task("probe", 2)).await.unwrap();
+    let probe = w.wait_status("probe", "running").await;
+    assert_eq!(gpus(&probe), rest, "{probe}");
+    for id in ["probe", "same"] {
+        w.terminate(id, "terminated_by_server", "", 0).await;
+        w.remove(id).await;
+    }
+    assert_eq!(w.containers().await, 0);
+}
+in_worlds!(the_owner_identity_does_not_depend_on_how_the_home_is_spelled: fake, docker, binary);
+
 // SPEC §1, §4, §5: the shim stops with tasks running and starts again on the same home.
 // - a task that kept running is the same task (same container, ports, GPUs), still running;
 // - a task whose runner exited with 3 while the shim was down is `terminated` /

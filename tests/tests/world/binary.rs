@@ -207,6 +207,12 @@ impl World for BinaryWorld {
         assert_eq!(shim.get("/api/healthcheck").status, 200);
     }
 
+    async fn restart_spelling_home_as(&mut self, spelled: &std::path::Path) {
+        self.stop().await;
+        self.shim_mut().spell_home_as(spelled);
+        self.start().await;
+    }
+
     fn owner(&self) -> String {
         self.shim.owner()
     }

@@ -41,6 +41,8 @@ pub struct EngineWorld<const DOCKER: bool> {
     gpus: HostGpus,
     /// The GPUs' health source ([`Options::gpu_health`]), kept across restarts.
     health: Option<Arc<FakeGpuHealth>>,
+    /// How the home is spelled to the engine, if not as made.
+    spelled: Option<PathBuf>,
     /// The task store's faults ([`Options::fillable_home`]): its disk full or not, kept
     /// across restarts.
     disk: Option<Arc<shim_fs::fault::Faults>>,
@@ -117,7 +119,8 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
     }
 
     async fn open(&self) -> Engine {
-        let mut cfg = EngineConfig::new(self.path("home"));
+        let home = self.spelled.clone().unwrap_or_else(|| self.path("home"));
+        let mut cfg = EngineConfig::new(home);
         cfg.volumes_root = self.path("volumes");
         cfg.runner_binary_path = match (&self.options.runner, DOCKER) {
             (Some(runner), _) => runner.clone(),
@@ -202,6 +205,7 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
             named: std::sync::Mutex::new(Vec::new()),
             gpus,
             health,
+            spelled: None,
             disk,
             clock: if DOCKER {
                 Clock::system()
@@ -350,6 +354,12 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
 
     async fn start(&mut self) {
         self.engine = Some(self.open().await);
+    }
+
+    async fn restart_spelling_home_as(&mut self, spelled: &std::path::Path) {
+        self.stop().await;
+        self.spelled = Some(spelled.to_owned());
+        self.start().await;
     }
 
     fn owner(&self) -> String {

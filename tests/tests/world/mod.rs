@@ -232,6 +232,10 @@ pub trait World: Sized {
     /// The shim starts again on its home (after [`World::stop`]).
     async fn start(&mut self);
 
+    /// [`World::stop`], then [`World::start`] with the home spelled `spelled` (another path to
+    /// the same directory), from now on.
+    async fn restart_spelling_home_as(&mut self, spelled: &Path);
+
     /// [`World::stop`], then [`World::start`].
     async fn restart(&mut self) {
         self.stop().await;
