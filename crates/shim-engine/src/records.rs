@@ -8,8 +8,8 @@
 //!   task's step lock, and followed by its write before any other step of the task.
 //! - **Persist and the directory's deletion are carried out here, and only here.** A step
 //!   that returns [`Action::Persist`] has the record written at once, under the same lock, and
-//!   the write's outcome stepped ([`RecordKeeper::step`]); [`RecordKeeper::delete_dir`] removes the record's
-//!   directory once the record holds nothing. The store's record writes ([`Records`]) are
+//!   the write's outcome stepped ([`RecordKeeper::step`]); [`RecordKeeper::delete_dir`] removes
+//!   the record's directory once the record holds nothing. The store's record writes ([`Records`]) are
 //!   opened here and held here alone: everyone else sees the store as [`Home`], which writes
 //!   no record.
 //! - **Task changes are sent here**, under the task's mutex, so a task's changes reach
@@ -47,12 +47,12 @@ use crate::queue::Observed;
 /// Opens the task store under `home`: its record writes for the driver, the rest ([`Home`]) for
 /// everyone.
 pub(crate) async fn open_store(home: PathBuf, deps: &crate::Deps) -> Result<(Records, Home)> {
-    #[allow(unused_mut, reason = "mutated only with feature test-support")]
-    let mut store = tokio::task::spawn_blocking(move || Store::open(home)).await??;
+    let store = tokio::task::spawn_blocking(move || Store::open(home)).await??;
     #[cfg(feature = "test-support")]
-    if let Some(faults) = &deps.store_faults {
-        store.set_faults(faults.clone());
-    }
+    let store = match &deps.store_faults {
+        Some(faults) => store.with_faults(faults.clone()),
+        None => store,
+    };
     #[cfg(not(feature = "test-support"))]
     let _ = deps;
     let store = Arc::new(store);
@@ -307,7 +307,7 @@ impl<'a> Recorder<'a> {
             .extend(actions);
     }
 
-    /// RecordKeeper `event` (written at once when it changes the record); what it calls for is
+    /// Steps `event` (written at once when it changes the record); what it calls for is
     /// carried out after the action, also when the write failed: the step has marked those
     /// actions as out (a stop or a release the failure lets go), so dropping them would leave
     /// them out forever.
@@ -398,7 +398,7 @@ impl Drop for StartingGuard<'_> {
     }
 }
 
-/// RecordKeeper tasks and writes their records (see the module docs).
+/// Steps tasks and writes their records (see the module docs).
 pub(crate) struct RecordKeeper {
     records: Records,
     changes: Changes,
@@ -407,7 +407,7 @@ pub(crate) struct RecordKeeper {
 }
 
 impl RecordKeeper {
-    /// RecordKeeper writing through `records`, counting in `metrics`, stamping with `clock`.
+    /// The keeper writing through `records`, counting in `metrics`, stamping with `clock`.
     pub(crate) fn new(records: Records, metrics: Arc<Metrics>, clock: Clock) -> Self {
         Self {
             records,
@@ -462,7 +462,7 @@ impl RecordKeeper {
         Ok(info)
     }
 
-    /// RecordKeeper the state machine and tells subscribers and the metrics what the API now shows
+    /// Steps the state machine and tells subscribers and the metrics what the API now shows
     /// differently, in order: the changes are sent under the task's lock. Callers that may
     /// change the record hold the step lock ([`RecordKeeper::step`]).
     fn apply(&self, slot: &Slot, event: Event) -> Result<Vec<Action>> {
@@ -513,7 +513,7 @@ impl RecordKeeper {
         self.records.write(record).await
     }
 
-    /// RecordKeeper `event` under the task's step lock. A leading [`Action::Persist`] is carried out
+    /// Steps `event` under the task's step lock. A leading [`Action::Persist`] is carried out
     /// at once, under the same lock, and its outcome stepped; the actions returned are what
     /// remains to do. A failed write is reported as the second value (the task has recorded
     /// it; what it still wants goes out once a later write succeeds).

@@ -464,6 +464,106 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    /// An engine on the fake runtime whose next start hangs until released, with task `t1`
+    /// submitted and its start job in flight.
+    async fn engine_with_a_start_in_flight(
+        home: &std::path::Path,
+    ) -> (Engine, shim_runtime::fake::FakeRuntime) {
+        use shim_resources::fake::{FakeAuthorizedKeys, FakeVolumes};
+        let fake = shim_runtime::fake::FakeRuntime::new();
+        fake.add_image(&shim_e2e::image());
+        fake.queue_start_behavior(shim_runtime::fake::StartBehavior::Hang);
+        let mut cfg = shim_engine::EngineConfig::new(home.join("home"));
+        cfg.runner_binary_path = home.join("dstack-runner");
+        let deps = shim_engine::Deps::new(
+            Arc::new(fake.clone()),
+            Arc::new(FakeAuthorizedKeys::new()),
+            Arc::new(FakeVolumes::new(home.join("volumes"))),
+        );
+        let engine = Engine::open(cfg, deps).await.unwrap();
+        let task = shim_e2e::harness::bridge_task("t1", "t1", 0);
+        engine
+            .submit(serde_json::from_value(task).unwrap())
+            .await
+            .unwrap();
+        let id = TaskId::new("t1").unwrap();
+        while !engine.is_starting(&id).unwrap() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        (engine, fake)
+    }
+
+    /// The drain runs the agent's part first, then waits for a start in flight (here released
+    /// after 5 s), which ends with the task running; `finish` has nothing left to do. Bounded:
+    /// a start that never returns is left after the grace.
+    #[tokio::test(start_paused = true)]
+    async fn the_drain_lets_a_start_in_flight_finish_within_the_grace() {
+        let home = tempfile::tempdir().unwrap();
+        let (engine, fake) = engine_with_a_start_in_flight(home.path()).await;
+        let id = TaskId::new("t1").unwrap();
+        let down = EngineShutdown::new(engine.clone(), Duration::from_secs(30));
+        let first_ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let drain = down.drain({
+            let (first_ran, engine, id) = (first_ran.clone(), engine.clone(), id.clone());
+            async move {
+                assert!(
+                    engine.is_starting(&id).unwrap(),
+                    "the agent's part runs first"
+                );
+                first_ran.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        });
+        let began = tokio::time::Instant::now();
+        let release = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            fake.release_starts();
+        });
+        drain.await;
+        assert!(first_ran.load(std::sync::atomic::Ordering::SeqCst));
+        assert!(
+            began.elapsed() >= Duration::from_secs(5),
+            "the start was waited for"
+        );
+        assert_eq!(engine.task_info(&id).unwrap().status, TaskStatus::Running);
+        release.await.unwrap();
+        let finished = tokio::time::Instant::now();
+        down.finish().await;
+        assert!(
+            finished.elapsed() < Duration::from_secs(1),
+            "nothing left to do"
+        );
+
+        let home = tempfile::tempdir().unwrap();
+        let (engine, _fake) = engine_with_a_start_in_flight(home.path()).await;
+        let down = EngineShutdown::new(engine.clone(), Duration::from_secs(30));
+        let began = tokio::time::Instant::now();
+        down.drain(async {}).await;
+        let waited = began.elapsed();
+        assert!(
+            waited >= Duration::from_secs(30) && waited < Duration::from_secs(41),
+            "a start that never returns is left after the grace: {waited:?}"
+        );
+    }
+
+    /// Cut short (a forced shutdown: the drain never ran), `finish` shuts the engine down at
+    /// once, leaving the start in flight (its container keeps whatever state it has).
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_cut_short_is_finished_at_once() {
+        let home = tempfile::tempdir().unwrap();
+        let (engine, _fake) = engine_with_a_start_in_flight(home.path()).await;
+        let down = EngineShutdown::new(engine.clone(), Duration::from_secs(30));
+        drop(down.drain(async {}));
+        let began = tokio::time::Instant::now();
+        down.finish().await;
+        assert!(
+            began.elapsed() < Duration::from_secs(11),
+            "not the grace: {:?}",
+            began.elapsed()
+        );
+        let id = TaskId::new("t1").unwrap();
+        assert!(engine.is_starting(&id).unwrap(), "the start was left");
+    }
+
     /// Issue 28 part 4: a task's GPUs as DCGM measures them, joined by the GPU ids the shim
     /// gave the task (the recorded 8×A800 payload has utilisation for its whole GPUs; memory
     /// and MIG instances are added here as the exporter writes them).

@@ -138,7 +138,7 @@ pub struct Store {
     spares: Mutex<Vec<PreparedDir>>,
     /// The number in the next spare's name.
     next_spare: AtomicU64,
-    /// Faults injected into this store's atomic writes (tests: [`Store::set_faults`]).
+    /// Faults injected into this store's atomic writes (tests: [`Store::with_faults`]).
     #[cfg(any(test, feature = "test-support"))]
     pub(crate) faults: std::sync::Arc<shim_fs::fault::Faults>,
 }
@@ -357,11 +357,13 @@ impl Store {
         self.runners_sync.gather_next(callers, bound);
     }
 
-    /// Injects `faults` into this store's writes from now on (a full disk:
+    /// This store with `faults` injected into its writes (a full disk:
     /// [`shim_fs::fault::Faults::set_full`]).
     #[cfg(any(test, feature = "test-support"))]
-    pub fn set_faults(&mut self, faults: std::sync::Arc<shim_fs::fault::Faults>) {
+    #[must_use]
+    pub fn with_faults(mut self, faults: std::sync::Arc<shim_fs::fault::Faults>) -> Self {
         self.faults = faults;
+        self
     }
 
     /// fsyncs the runners directory, sharing the fsync with concurrent callers.

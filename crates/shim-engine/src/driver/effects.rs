@@ -34,7 +34,6 @@ use crate::records::{Recorder, Slot, Written};
 use crate::spec::{SpecContext, container_spec};
 use crate::table::TaskTable;
 
-/// What carries out the state machine's actions (see the module docs).
 /// What the effects are made of (the engine's parts they act on).
 pub(crate) struct EffectParts {
     /// The engine's configuration.
@@ -53,6 +52,7 @@ pub(crate) struct EffectParts {
     pub(crate) images: Arc<ImageGc>,
 }
 
+/// What carries out the state machine's effects (see the module docs).
 pub(super) struct Effects {
     cfg: EngineConfig,
     owner: String,

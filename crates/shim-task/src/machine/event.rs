@@ -225,12 +225,6 @@ pub enum Action {
     Effect(Effect),
 }
 
-impl From<Effect> for Action {
-    fn from(effect: Effect) -> Self {
-        Self::Effect(effect)
-    }
-}
-
 impl Action {
     /// Whether the action has an effect outside the task's memory and state file.
     pub fn is_side_effect(&self) -> bool {
