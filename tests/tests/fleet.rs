@@ -263,19 +263,6 @@ fn run_ok(program: &str, args: &[&str]) -> String {
     out
 }
 
-fn have_program(name: &str) -> bool {
-    [
-        "/usr/local/sbin",
-        "/usr/local/bin",
-        "/usr/sbin",
-        "/usr/bin",
-        "/sbin",
-        "/bin",
-    ]
-    .iter()
-    .any(|dir| Path::new(dir).join(name).is_file())
-}
-
 fn port_free(port: u16) -> bool {
     TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).is_ok()
         && TcpStream::connect_timeout(
@@ -495,7 +482,7 @@ fn prepare_host(claim: &Claim) {
         "nsenter",
     ] {
         assert!(
-            have_program(program),
+            shim_e2e::harness::procs::which_program(program).is_some(),
             "{program} is missing: run `cargo xtask dev-env` (it installs openssh-server, sudo \
              and curl)"
         );

@@ -7,6 +7,7 @@ use std::process::{Command, Stdio};
 
 use anyhow::{Context as _, Result, bail};
 use shim_e2e::harness::open_log;
+use shim_e2e::harness::procs::which_program;
 
 /// A new command for `program`, without the variables cargo set for xtask (see
 /// [`shim_e2e::harness::scrub_cargo_env`]).
@@ -82,20 +83,6 @@ pub fn find_program(name: &str) -> PathBuf {
 /// Whether `name` is a program found in `PATH` or in the system directories.
 pub fn have_program(name: &str) -> bool {
     which_program(name).is_some()
-}
-
-fn which_program(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    let system = [
-        "/usr/local/sbin",
-        "/usr/local/bin",
-        "/usr/sbin",
-        "/usr/bin",
-        "/sbin",
-        "/bin",
-    ];
-    let dirs = std::env::split_paths(&path).chain(system.map(PathBuf::from));
-    which::which_in(name, std::env::join_paths(dirs).ok(), "/").ok()
 }
 
 /// Starts `program args..` as a daemon in a new session (`setsid --fork`), stdin from

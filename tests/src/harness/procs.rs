@@ -1,6 +1,7 @@
 //! The host's processes as `xtask` and the bench see them: running programs found by name
 //! (without `pgrep`, which a fresh machine may lack), the `dockerd` that serves the default
-//! socket, and a command's line and output with errors that name it.
+//! socket, programs found on the `PATH` or in the system directories, and a command's line and
+//! output with errors that name it.
 
 use std::io;
 use std::process::{Command, Stdio};
@@ -117,6 +118,25 @@ pub fn output(command: &mut Command) -> io::Result<String> {
             format!("`{line}` printed invalid UTF-8"),
         )
     })
+}
+
+/// The system directories where programs live (daemons in `/usr/sbin`, which a non-login root
+/// `PATH` may lack).
+const SYSTEM_DIRS: [&str; 6] = [
+    "/usr/local/sbin",
+    "/usr/local/bin",
+    "/usr/sbin",
+    "/usr/bin",
+    "/sbin",
+    "/bin",
+];
+
+/// `name` found on the `PATH` or in the system directories.
+pub fn which_program(name: &str) -> Option<std::path::PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let system = SYSTEM_DIRS.map(std::path::PathBuf::from);
+    let dirs = std::env::split_paths(&path).chain(system);
+    which::which_in(name, std::env::join_paths(dirs).ok(), "/").ok()
 }
 
 #[cfg(test)]

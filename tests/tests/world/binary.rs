@@ -268,7 +268,9 @@ impl World for BinaryWorld {
             .as_ref()
             .expect("a world made without Options::flaky_engine")
             .set_down(!reachable);
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        if !reachable {
+            self.wait_events_connected(false).await;
+        }
     }
 
     /// Waits for the shim's next full relist (a cycle counted in its metrics) where it

@@ -503,14 +503,13 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
                     // As a proxy that cuts its connections: the event stream breaks (and the
                     // engine's stream sees it before anything else happens).
                     fake.break_event_streams();
-                    self.sleep(Duration::from_millis(100)).await;
                 }
             }
-            (None, Some(proxy)) => {
-                proxy.set_down(!reachable);
-                self.sleep(Duration::from_millis(100)).await;
-            }
+            (None, Some(proxy)) => proxy.set_down(!reachable),
             (None, None) => panic!("a world made without Options::flaky_engine"),
+        }
+        if !reachable {
+            self.wait_events_connected(false).await;
         }
     }
 

@@ -51,7 +51,7 @@ impl FlakyDocker {
     }
 
     /// Cuts every connection and refuses new ones (`down`), or lets them through again. The
-    /// cut is seen by the proxy's tasks a moment later: callers wait a little.
+    /// cut is seen by the proxy's tasks a moment later: callers wait for its effect.
     pub fn set_down(&self, down: bool) {
         self.down.store(down, Ordering::SeqCst);
         if down {

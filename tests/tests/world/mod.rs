@@ -404,11 +404,28 @@ pub trait World: Sized {
     /// gave back.
     async fn set_disk_full(&self, full: bool);
 
-    /// Cuts or restores the shim's way to the engine (needs [`Options::flaky_engine`]).
+    /// Cuts or restores the shim's way to the engine (needs [`Options::flaky_engine`]); a cut
+    /// returns once the shim saw its event stream break.
     async fn set_engine_reachable(&self, reachable: bool);
 
     /// Asks the shim to list the engine now, where the world can: `Some(whether it could)`.
     async fn relist(&self) -> Option<bool>;
+
+    /// Waits until the shim's metrics say its event stream is (or is not) connected.
+    async fn wait_events_connected(&self, connected: bool) {
+        let want = if connected { 1.0 } else { 0.0 };
+        for _ in 0..3000 {
+            let now = self
+                .metrics()
+                .await
+                .get("dstack_shim_events_connected", &[]);
+            if now == want {
+                return;
+            }
+            self.sleep(Duration::from_millis(20)).await;
+        }
+        panic!("the event stream never became connected={connected}");
+    }
 
     /// Lets time pass (virtual time in the fake world).
     async fn sleep(&self, how_long: Duration) {
