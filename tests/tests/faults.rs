@@ -1457,10 +1457,11 @@ in_worlds!(an_engine_away_for_a_while_changes_nothing: fake, docker, binary);
 // container that no longer runs is terminated at once): a home whose disk fills up under
 // running tasks. While full: a submit fails with the cause (ENOSPC) and leaves nothing; a
 // terminate answers `terminated` with its reason and stops the container although the record
-// cannot be written (the failed writes counted); a runner's exit is reported at once; the
-// server's terminate then remove of a task is accepted and leaves nothing. Once space
-// returns, without a restart: the failed terminate's reason lands in the state file and a
-// second terminate keeps it, the exit is recorded; after a restart every answered end stays.
+// cannot be written (the failed writes counted, the unwritten task shown); a runner's exit is
+// reported at once; the server's terminate then remove of a task is accepted and leaves
+// nothing. Once space returns, without a restart: the failed terminate's reason lands in the state file and a
+// second terminate keeps it, the exit is recorded, no task is left unwritten; after a restart
+// every answered end stays.
 async fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed<W: world::World>() {
     let mut w = W::new(world::Options {
         fillable_home: true,
@@ -1480,6 +1481,10 @@ async fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed<W: w
         metrics.get("dstack_shim_state_write_errors_total", &[])
     };
     let failed_before = failed_writes().await;
+    let unwritten = async || {
+        let metrics = w.metrics().await;
+        metrics.get("dstack_shim_unwritten_tasks", &[])
+    };
     w.set_disk_full(true).await;
 
     let t3 = w.task("t3", 0);
@@ -1508,6 +1513,7 @@ async fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed<W: w
         failed_writes().await > failed_before,
         "the failed writes are counted"
     );
+    assert!(unwritten().await >= 1.0, "t1's record waits for the disk");
 
     w.exit_runner(&running["t2"], 0).await;
     let t2 = w.wait_status("t2", "terminated").await;
@@ -1534,6 +1540,17 @@ async fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed<W: w
         f["termination_reason"] == "done_by_runner"
     })
     .await;
+    for _ in 0..600 {
+        if unwritten().await == 0.0 {
+            break;
+        }
+        w.sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        unwritten().await,
+        0.0,
+        "every record written once space returned"
+    );
 
     w.restart().await;
     assert_eq!(ending(&w.info("t1").await.unwrap()), ending(&first));

@@ -373,86 +373,39 @@ fn break_state_file(w: &World, container_name: &str, broken: bool) {
 }
 
 // Issue 22, SPEC §4: a failed state write never blocks a stop or a release. With the task's
-// state file unwritable, terminate answers `terminated` with its reason (issue 28: the
-// container no longer runs, so a crash could not undo it), the container is stopped and
-// everything released at once; a remove is accepted (the server's next request) and leaves
-// nothing. Once the file can be written again, the reconciler's retry pass writes the
-// termination with its reason, without a restart.
+// state file unwritable, terminate answers `terminated` with its reason at once, the container
+// is stopped and everything it held released: GPUs, host keys, its volume. (The rest of a
+// full disk, in every world, the convergence once it is freed included:
+// `a_full_home_fails_writes_with_their_cause_and_converges_when_freed` in package shim-e2e.)
 #[tokio::test(start_paused = true)]
 async fn a_terminate_whose_write_fails_still_stops_and_releases() {
-    let w = World::new(2);
+    let w = World::new(1);
     let engine = w.engine_with(|cfg| cfg.terminate_slack = SLACK).await;
-    let mut running = Vec::new();
-    for id in ["t-kept", "t-removed"] {
-        let c = config(id).with_gpus(1).with_host_key().with_data_volume();
-        running.push(run(&engine, c).await);
-    }
-    assert_eq!(engine.gpu_lock().locked().len(), 2);
-    for (info, id) in running.iter().zip(["t-kept", "t-removed"]) {
-        break_state_file(&w, &info.container_name, true);
-        let answer = terminate_now(&engine, id, "an unwritable state file").await;
-        assert_eq!(
-            (answer.status, termination(&answer)),
-            (TaskStatus::Terminated, ("terminated_by_user", "stop")),
-            "stopped: terminated at once, the record waiting for the disk"
-        );
-        assert_eq!(
-            w.runtime.state(&info.container_id),
-            Some(ContainerState::Exited),
-            "{id} stopped"
-        );
-        assert!(
-            w.volumes.calls().iter().any(|c| matches!(c,
-                FakeCall::Release(p) if p.ends_with("/data"))),
-            "{id}: volume released"
-        );
-    }
+    let c = config("t1").with_gpus(1).with_host_key().with_data_volume();
+    let info = run(&engine, c).await;
+    assert_eq!(engine.gpu_lock().locked().len(), 1);
+    break_state_file(&w, &info.container_name, true);
+    let answer = terminate_now(&engine, "t1", "an unwritable state file").await;
+    assert_eq!(
+        (answer.status, termination(&answer)),
+        (TaskStatus::Terminated, ("terminated_by_user", "stop")),
+        "stopped: terminated at once, the record waiting for the disk"
+    );
+    assert_eq!(
+        w.runtime.state(&info.container_id),
+        Some(ContainerState::Exited)
+    );
+    assert!(
+        w.volumes
+            .calls()
+            .iter()
+            .any(|c| matches!(c, FakeCall::Release(p) if p.ends_with("/data"))),
+        "volume released"
+    );
     assert!(engine.gpu_lock().locked().is_empty(), "GPUs released");
     assert!(w.keys.keys_of("ubuntu").is_empty(), "keys removed");
     assert!(w.volumes.mounted().is_empty());
-
-    // The server's remove right after: accepted, nothing left.
-    let removed = &running[1];
-    engine.remove(&tid("t-removed")).await.unwrap();
-    assert!(engine.task_info(&tid("t-removed")).is_err());
-    assert_eq!(w.runtime.state(&removed.container_id), None);
-    assert!(!w.runner_dir(&removed.container_name).exists());
-
-    // The other converges once its file can be written: the retry pass runs every second.
-    let kept = &running[0];
-    assert_eq!(
-        read_state_file(&w, &kept.container_name),
-        None,
-        "not durable yet"
-    );
-    let mut registry = prometheus_client::registry::Registry::default();
-    engine.register_metrics(&mut registry);
-    let unwritten = || {
-        let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
-        text.lines()
-            .find_map(|l| l.strip_prefix("dstack_shim_unwritten_tasks "))
-            .map(str::to_owned)
-    };
-    assert_eq!(
-        unwritten().as_deref(),
-        Some("1.0"),
-        "one task's write failed"
-    );
-    break_state_file(&w, &kept.container_name, false);
-    // The file is renamed into place before the write's outcome is noted: wait for both.
-    poll_until(500, TICK, async || {
-        read_state_file(&w, &kept.container_name).is_some() && unwritten().as_deref() == Some("0.0")
-    })
-    .await;
-    let info = engine.task_info(&tid("t-kept")).unwrap();
-    assert_eq!(info.status, TaskStatus::Terminated, "{info:?}");
-    assert_reason(&info, "terminated_by_user");
-    assert_eq!(unwritten().as_deref(), Some("0.0"), "written since");
-    assert_eq!(info.termination_message, "stop");
-    let file = read_state_file(&w, &kept.container_name).unwrap();
-    assert_eq!(file["termination_reason"], "terminated_by_user", "{file}");
-    assert_eq!(file["cleaned_up"], true, "{file}");
-    engine.remove(&tid("t-kept")).await.unwrap();
+    assert_eq!(read_state_file(&w, &info.container_name), None);
+    engine.remove(&tid("t1")).await.unwrap();
     assert!(w.runtime.container_ids().is_empty());
 }
