@@ -125,22 +125,6 @@ async fn shutdown_does_not_wait_for_a_subscription_in_progress() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn terminate_running_stops_with_timeout_and_releases() {
-    let w = World::new(1);
-    let engine = w.engine().await;
-    let info = run(&engine, config("t1").with_gpus(-1).with_host_key()).await;
-    assert_eq!(w.keys.keys_of("ubuntu").len(), 1);
-    let info2 = terminate(&engine, "t1", "bye", Duration::from_secs(7)).await;
-    assert_eq!(info2.status, TaskStatus::Terminated);
-    assert_reason(&info2, "terminated_by_user");
-    assert!(w.runtime.calls().iter().any(
-        |c| matches!(c, Call::Stop(id, t) if *id == info.container_id && *t == Duration::from_secs(7))
-    ));
-    assert!(engine.gpu_lock().locked().is_empty());
-    assert!(w.keys.keys_of("ubuntu").is_empty());
-}
-
-#[tokio::test(start_paused = true)]
 async fn terminate_during_container_start_stops_the_container() {
     let w = World::new(0);
     let engine = w.engine().await;
