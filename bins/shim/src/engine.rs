@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use shim_engine::{Deps, Engine, HostOptions};
+use shim_engine::{Clock, Deps, Engine, HostOptions};
 use shim_resources::gpu::{GpuHealthReport, GpuHealthSource, GpuRef, UnhealthyReason};
 use shim_resources::{GpuVendor, HostGpus};
 use shim_runtime::{ContainerRuntime as _, DockerRuntime};
@@ -27,6 +27,9 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
             .await
             .context("cannot connect to the Docker daemon")?,
     );
+    // The start-up list goes out before the GPUs are detected (`nvidia-smi` may take a
+    // while): a restart takes about one list.
+    let opening = Engine::begin(runtime.clone(), Clock::system());
     let mut options = HostOptions::new(&config.engine.volumes_root);
     options.fake_gpus = config.fake_gpus;
     options.gpu_health = config.gpu_health_interval.is_some();
@@ -74,7 +77,8 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
             "container logs: the daemon's own log configuration (--container-log-max-size daemon)"
         ),
     }
-    let engine = Engine::open(cfg, deps)
+    let engine = opening
+        .open(cfg, deps)
         .await
         .context("cannot restore tasks")?;
     tracing::info!(

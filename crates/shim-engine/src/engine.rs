@@ -20,6 +20,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::changes::Subscription;
+use crate::clock::Clock;
 use crate::config::EngineConfig;
 use crate::counters::Metrics;
 use crate::deps::Deps;
@@ -123,12 +124,18 @@ impl Engine {
     /// reconciler. When this returns the engine is ready to serve: containers that exited
     /// while the shim was down have been processed.
     pub async fn open(cfg: EngineConfig, deps: Deps) -> Result<Engine> {
-        // The start-up list goes out first, and everything local (the home, the state
-        // files) is read while the daemon answers it: a restart takes about one list.
-        let clock = deps.clock;
+        Engine::begin(deps.runtime.clone(), deps.clock)
+            .open(cfg, deps)
+            .await
+    }
+
+    /// The first step of [`Engine::open`], for a program with more to do before it can open
+    /// the engine (GPU detection, say): the start-up list of containers goes out to the
+    /// daemon now, so that a restart takes about one list however long the rest takes.
+    /// Every request on `runtime` is counted in the engine's metrics from here on.
+    pub fn begin(runtime: Arc<dyn ContainerRuntime>, clock: Clock) -> Opening {
         let metrics = Arc::new(Metrics::new());
-        let runtime: Arc<dyn ContainerRuntime> =
-            Arc::new(Metered::new(deps.runtime.clone(), metrics.clone()));
+        let runtime: Arc<dyn ContainerRuntime> = Arc::new(Metered::new(runtime, metrics.clone()));
         // Events are read from before the start-up list on: nothing falls between them.
         let since = clock.now_unix_ns();
         let listed_at = clock.mono_ns();
@@ -136,6 +143,43 @@ impl Engine {
             let runtime = runtime.clone();
             tokio::spawn(async move { list_waiting(runtime.as_ref(), &any_shim_filter()).await })
         };
+        Opening {
+            runtime,
+            metrics,
+            since,
+            listed_at,
+            listing,
+        }
+    }
+}
+
+/// An engine being opened: its start-up list is out ([`Engine::begin`]); [`Opening::open`]
+/// does the rest.
+pub struct Opening {
+    /// The runtime given to [`Engine::begin`], counted.
+    runtime: Arc<dyn ContainerRuntime>,
+    metrics: Arc<Metrics>,
+    /// Unix nanoseconds before the list: container events are read from then on.
+    since: i64,
+    /// When the list was requested ([`Clock::mono_ns`]).
+    listed_at: u64,
+    listing: JoinHandle<Result<Vec<shim_runtime::ContainerSummary>>>,
+}
+
+impl Opening {
+    /// Opens the engine as [`Engine::open`] does. `deps.runtime` and `deps.clock` must be
+    /// the runtime and clock given to [`Engine::begin`].
+    pub async fn open(self, cfg: EngineConfig, deps: Deps) -> Result<Engine> {
+        // Everything local (the home, the state files) is read while the daemon answers
+        // the start-up list: a restart takes about one list.
+        let Opening {
+            runtime,
+            metrics,
+            since,
+            listed_at,
+            listing,
+        } = self;
+        let clock = deps.clock;
         let (records, home) = open_store(cfg.home.clone(), &deps).await?;
         let owner = determine_owner(&home, deps.runtime.as_ref()).await?;
         let ownership = Ownership::of_home(home.path()).await?;
@@ -299,7 +343,9 @@ impl Engine {
             }),
         })
     }
+}
 
+impl Engine {
     /// The owner identity this shim stamps on its containers.
     pub fn owner(&self) -> &str {
         &self.inner.owner

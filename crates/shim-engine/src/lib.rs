@@ -78,7 +78,7 @@ pub use changes::{ChangeKind, Subscription, SubscriptionError, TaskChange};
 pub use clock::Clock;
 pub use config::{EngineConfig, default_pass_env};
 pub use deps::{Deps, HostOptions};
-pub use engine::{Engine, Shutdown};
+pub use engine::{Engine, Opening, Shutdown};
 pub use error::{EngineError, ErrorKind, Result};
 pub use gpus::GpuDeviceMode;
 pub use health::EngineHealth;

@@ -22,8 +22,10 @@ struct Plan {
     restart_at: Vec<usize>,
     /// Seconds of one CPU window.
     window: Duration,
-    /// Rounds of (with shim, without shim) windows, and of restarts.
+    /// Rounds of (with shim, without shim) windows.
     rounds: usize,
+    /// Rounds of restarts (each a few hundred milliseconds; the list's own spread is ±20 %).
+    restart_rounds: usize,
 }
 
 /// Figures (2), (6), (7), as selected.
@@ -35,6 +37,7 @@ pub fn scale(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
             restart_at: vec![10],
             window: Duration::from_secs(2),
             rounds: 1,
+            restart_rounds: 1,
         }
     } else {
         Plan {
@@ -43,6 +46,7 @@ pub fn scale(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
             restart_at: vec![300, 1000],
             window: Duration::from_secs(20),
             rounds: 2,
+            restart_rounds: 8,
         }
     };
     let mut steps = BTreeSet::new();
@@ -91,7 +95,7 @@ pub fn scale(ctx: &Ctx, out: &mut Vec<Comparison>) -> Result<()> {
                 ));
             }
             if ctx.wants(Fig::Restart) && plan.restart_at.contains(&step) {
-                out.push(restart(ctx, &mut shim, step, plan.rounds)?);
+                out.push(restart(ctx, &mut shim, step, plan.restart_rounds)?);
             }
         }
         Ok(())

@@ -238,14 +238,14 @@ async fn check_bind_sources(spec: &ContainerSpec) -> Result<()> {
 
 impl DockerRuntime {
     /// Connects through `DOCKER_HOST` or the default socket (`unix:///var/run/docker.sock`)
-    /// and negotiates the API version.
+    /// and reads which engine answers (one `/version` request).
     pub async fn connect() -> Result<Self> {
         let host = std::env::var("DOCKER_HOST").unwrap_or_else(|_| DEFAULT_DOCKER_HOST.to_owned());
         Self::connect_to(&host).await
     }
 
-    /// Connects to `host` (`unix:///path`, `tcp://…`, as in `DOCKER_HOST`) and negotiates the
-    /// API version. Over a Unix socket the connections are kept alive and reused (a pool of
+    /// Connects to `host` (`unix:///path`, `tcp://…`, as in `DOCKER_HOST`) and reads which
+    /// engine answers. Over a Unix socket the connections are kept alive and reused (a pool of
     /// at most [`POOL_MAX_IDLE`] idle ones, see [`DockerRuntime::connect_unix`]).
     pub async fn connect_to(host: &str) -> Result<Self> {
         match transport::unix_socket_of(host) {
@@ -268,18 +268,17 @@ impl DockerRuntime {
         Self::from_client(docker).await
     }
 
-    /// Wraps a bollard client, negotiating the API version and reading which engine answers
+    /// Wraps a bollard client, reading which engine answers
     /// (Docker or Podman: see `Flavour`). Every request gets at most `REQUEST_TIMEOUT` (30 s)
     /// for its response to begin (a frozen daemon does not hang the shim); a stop gets its
     /// grace period on top.
     pub async fn from_client(docker: Docker) -> Result<Self> {
-        let docker = docker
-            .with_timeout(REQUEST_TIMEOUT)
-            .negotiate_version()
-            .await
-            .map_err(|e| translate("negotiate version", "docker daemon".to_owned(), e))?;
-        // bollard's negotiation keeps only the API version of its `/version` answer: the
-        // engine is read from a second one, once per connection.
+        // No version negotiation: bollard's request paths are absolute and replace the
+        // `/v1.xx` prefix its URIs are built with (`uri.rs`: `url.join(path)`), so every
+        // request is unversioned and the daemon answers in its own API version whatever the
+        // client's is. Negotiating would only cost a second `/version` round trip (4 ms on
+        // Docker 28's containerd store) before the start-up list.
+        let docker = docker.with_timeout(REQUEST_TIMEOUT);
         let answer = docker
             .version()
             .await
