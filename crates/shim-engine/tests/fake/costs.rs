@@ -151,3 +151,26 @@ async fn a_start_writes_the_state_file_twice() {
     let record = state_file(&w, "t1");
     assert_eq!(record["status"], "running", "{record}");
 }
+
+/// A restart costs one list: [`Engine::begin`] sends the start-up list at once (the binary
+/// then detects the host's GPUs while Docker answers), and opening the engine asks for no
+/// second one; the first reconcile cycle judges the tasks against that list.
+#[tokio::test(start_paused = true)]
+async fn the_start_up_list_goes_out_at_begin_and_opening_lists_no_more() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    run(&engine, config("t0")).await;
+    shut_down(engine).await;
+    w.runtime.clear_calls();
+
+    let deps = w.deps();
+    let opening = Engine::begin(deps.runtime.clone(), deps.clock);
+    w.runtime
+        .wait_for_call(|c| matches!(c, Call::List(..)))
+        .await;
+    assert_eq!(ops(&w), ["list"], "before open");
+    let engine = opening.open(w.config(), deps).await.unwrap();
+    assert_eq!(w.runtime.count("list"), 1, "{:?}", ops(&w));
+    let info = engine.task_info(&tid("t0")).unwrap();
+    assert_eq!(info.status, TaskStatus::Running);
+}
