@@ -135,6 +135,7 @@ impl Engine {
     /// Every request on `runtime` is counted in the engine's metrics from here on.
     pub fn begin(runtime: Arc<dyn ContainerRuntime>, clock: Clock) -> Opening {
         let metrics = Arc::new(Metrics::new());
+        let given = runtime.clone();
         let runtime: Arc<dyn ContainerRuntime> = Arc::new(Metered::new(runtime, metrics.clone()));
         // Events are read from before the start-up list on: nothing falls between them.
         let since = clock.now_unix_ns();
@@ -144,6 +145,8 @@ impl Engine {
             tokio::spawn(async move { list_waiting(runtime.as_ref(), &any_shim_filter()).await })
         };
         Opening {
+            given,
+            clock,
             runtime,
             metrics,
             since,
@@ -156,7 +159,10 @@ impl Engine {
 /// An engine being opened: its start-up list is out ([`Engine::begin`]); [`Opening::open`]
 /// does the rest.
 pub struct Opening {
-    /// The runtime given to [`Engine::begin`], counted.
+    /// The runtime and clock given to [`Engine::begin`].
+    given: Arc<dyn ContainerRuntime>,
+    clock: Clock,
+    /// The runtime given, counted.
     runtime: Arc<dyn ContainerRuntime>,
     metrics: Arc<Metrics>,
     /// Unix nanoseconds before the list: container events are read from then on.
@@ -167,19 +173,25 @@ pub struct Opening {
 }
 
 impl Opening {
-    /// Opens the engine as [`Engine::open`] does. `deps.runtime` and `deps.clock` must be
-    /// the runtime and clock given to [`Engine::begin`].
+    /// Opens the engine as [`Engine::open`] does, on the runtime and clock given to
+    /// [`Engine::begin`] (they replace `deps.runtime` and `deps.clock`).
     pub async fn open(self, cfg: EngineConfig, deps: Deps) -> Result<Engine> {
         // Everything local (the home, the state files) is read while the daemon answers
         // the start-up list: a restart takes about one list.
         let Opening {
+            given,
+            clock,
             runtime,
             metrics,
             since,
             listed_at,
             listing,
         } = self;
-        let clock = deps.clock;
+        let deps = Deps {
+            runtime: given,
+            clock,
+            ..deps
+        };
         let (records, home) = open_store(cfg.home.clone(), &deps).await?;
         let owner = determine_owner(&home, deps.runtime.as_ref()).await?;
         let ownership = Ownership::of_home(home.path()).await?;

@@ -9,9 +9,9 @@
 //! - **Persist and the directory's deletion are carried out here, and only here.** A step
 //!   that returns [`Action::Persist`] has the record written at once, under the same lock, and
 //!   the write's outcome stepped ([`RecordKeeper::step`]); [`RecordKeeper::delete_dir`] removes
-//!   the record's directory once the record holds nothing. The store's record writes ([`Records`]) are
-//!   opened here and held here alone: everyone else sees the store as [`Home`], which writes
-//!   no record.
+//!   the record's directory once the record holds nothing. The store's record writes
+//!   ([`Records`]) are opened here and held here alone: everyone else sees the store as
+//!   [`Home`], which writes no record.
 //! - **Task changes are sent here**, under the task's mutex, so a task's changes reach
 //!   subscribers in the order they happened ([`crate::changes`]).
 //! - **The end of a start is stamped here**: the step of [`Event::StartFinished`] stamps the

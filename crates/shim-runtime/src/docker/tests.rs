@@ -290,6 +290,16 @@ async fn podman_events_are_asked_by_type_and_filtered_by_the_shim() {
     );
 }
 
+/// Connecting asks the engine one thing, `/version` (which engine answers): no version
+/// negotiation, whose second `/version` would change nothing since bollard's requests are
+/// unversioned, and would delay the start-up list.
+#[tokio::test]
+async fn connecting_makes_one_version_request() {
+    let engine = Engine::start(|_, _| None);
+    let _runtime = engine.runtime().await;
+    assert_eq!(engine.requests(), ["GET /version"]);
+}
+
 /// An engine that ORs label filters (Podman) answers containers carrying only one of two
 /// labels: the runtime keeps those carrying both, and reads a `stopped` one (a state bollard
 /// rejects) as a state to wait on. One label filter is sent.
