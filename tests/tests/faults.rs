@@ -912,15 +912,15 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
 /// What a full home means beyond `a_full_home_fails_writes_with_their_cause_and_converges_when_freed`
 /// (below, in every world), which only the binary on a real full disk with real keys shows.
 /// The home is on a 16 MiB ext4 filesystem that fills up (ENOSPC):
-/// - a start whose next write is `running` (after the pull, the create and the start, which are
-///   start progress and need no write of their own) is not given up: its container runs, and
-///   the task shows `running` at once (the container proves it), its record staying `pulling`
-///   until `running` can be written; the shim retries the write (counted) while full;
+/// - a start that reaches its container while full is not given up: the pull's end, the
+///   create, the start and `running` are start progress and need no write of their own, so
+///   its container runs and the task shows `running` at once (the container proves it), its
+///   record staying `pulling` (written before the pull) even once space returns;
 /// - a terminate stops the container and releases the task's `authorized_keys` line although
 ///   its record cannot be written (issue 22), and so does a runner's exit (`done_by_runner`).
 ///
-/// Once space returns, without a restart, the start is written and the keys are all gone;
-/// after a restart the started task runs on in its container.
+/// Once space returns, without a restart, the terminations are written and the keys are all
+/// gone; after a restart the started task runs on in its container.
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn on_a_full_home_a_start_runs_and_keys_go_before_their_records() {
@@ -1019,7 +1019,7 @@ fn on_a_full_home_a_start_runs_and_keys_go_before_their_records() {
         exited.elapsed()
     );
 
-    // The pull completes; the start goes on to `running`, whose write fails.
+    // The pull completes; the start goes on to `running`, which needs no write.
     proxy.open();
     wait_for("t4's image pulled", WAIT, || {
         if docker_at(None, &["image", "inspect", &pulled])
@@ -1043,10 +1043,9 @@ fn on_a_full_home_a_start_runs_and_keys_go_before_their_records() {
             .then_some(())
             .ok_or(format!("{before} -> {now}"))
     });
-    // The pull's end, `creating` and the new container's id are start progress, which needs
-    // no write of its own, and neither a create nor a start needs a record (the container
-    // carries the task's labels, so a restart finds it): the container runs. The start is not
-    // given up for the failed `running` write; the reconciler retries it.
+    // The pull's end, `creating`, the new container's id and `running` are start progress,
+    // which needs no write of its own, and neither a create nor a start needs a record (the
+    // container carries the task's labels, so a restart finds it): the container runs.
     let t4_cid = wait_for("t4's container runs", WAIT, || {
         match shim.containers().get(&container_name_of(&t4_config)) {
             Some((cid, true)) => Ok(cid.clone()),
@@ -1054,8 +1053,7 @@ fn on_a_full_home_a_start_runs_and_keys_go_before_their_records() {
         }
     });
     // The API shows `running` as soon as the container runs (SPEC §5: the container proves
-    // it, and a restart reads Docker first), while the record stays `pulling`: its `running`
-    // write waits for the disk.
+    // it, and a restart reads Docker first), while the record stays `pulling`.
     wait_for("t4 shows running", WAIT, || {
         let t4 = shim.info("t4");
         (status_of(&t4) == "running")
@@ -1071,23 +1069,31 @@ fn on_a_full_home_a_start_runs_and_keys_go_before_their_records() {
     assert_eq!(
         t4_record()["rust_shim"]["status"],
         "pulling",
-        "t4's `running` is not durable yet: {}",
+        "t4's `running` is not written on its own: {}",
         t4_record()
     );
 
-    // Space returns: the start is written (within a second or two), no restart needed.
+    // Space returns: the terminations are written (within a second or two), no restart
+    // needed; t4's record stays as it is.
+    let unwritten = || shim.metrics().try_get("dstack_shim_unwritten_tasks", &[]);
+    assert_eq!(unwritten(), Some(2.0), "t1's and t2's terminations");
     fs.free(&filler);
     let freed = Instant::now();
-    wait_for("t4's `running` lands in its record", WAIT, || {
-        let record = t4_record();
-        (record["rust_shim"]["status"] == "running")
-            .then_some(())
-            .ok_or(record.to_string())
-    });
+    wait_for(
+        "t1's and t2's terminations land in their records",
+        WAIT,
+        || {
+            let now = unwritten();
+            (now == Some(0.0))
+                .then_some(())
+                .ok_or(format!("{now:?} unwritten"))
+        },
+    );
     eprintln!(
-        "MEASURED space freed -> t4's start written: {:?}",
+        "MEASURED space freed -> the terminations written: {:?}",
         freed.elapsed()
     );
+    assert_eq!(t4_record()["rust_shim"]["status"], "pulling");
     assert_eq!(marked_keys(&user), BTreeSet::new());
 
     // Restart: the started task runs on in its container.

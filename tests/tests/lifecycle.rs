@@ -28,7 +28,8 @@ use shim_e2e::{docker_ok, dstack_python, repo_root, require_docker, require_root
 use world::{Options, World};
 
 // SPEC §2, §4: a task runs with the runner's two ports published (bridge network) and its
-// GPU; `running` is recorded in its state file; the runner's exit ends it by its code: 0 →
+// GPU, held in its state file (`running` is not written on its own: the container proves it,
+// SPEC §5); the runner's exit ends it by its code: 0 →
 // `done_by_runner` with no message, 3 → `container_exited_with_error` with the container's
 // last five log lines. The exit event is enough (the engine's relist period is an hour in the
 // engine worlds). Its resources are released, recorded as released, and its GPU is free again.
@@ -41,8 +42,9 @@ async fn a_runners_exit_ends_the_task_by_its_code<W: World>() {
     assert_eq!(ports.len(), 2, "the runner's http and ssh ports: {ok}");
     assert!(ports.iter().all(|p| p["host"].as_u64() > Some(0)), "{ok}");
     assert_eq!(ok["gpus_ids"].as_array().unwrap().len(), 1, "{ok}");
-    w.wait_state_file(&ok, "said running", |f| {
-        f["rust_shim"]["status"] == "running"
+    w.wait_state_file(&ok, "holds its GPU, running not written", |f| {
+        f["rust_shim"]["resources"]["gpus"].as_array().map(Vec::len) == Some(1)
+            && f["rust_shim"]["status"] != "running"
     })
     .await;
     if let Some(fake) = w.fake() {

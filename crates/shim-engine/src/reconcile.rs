@@ -265,7 +265,7 @@ impl Reconciler {
     /// Retries what a task still wants after a failure: a write, a stop, a release; and its
     /// queued events. Nothing is asked of Docker unless something is to do.
     pub(crate) async fn retry_task(self: &Arc<Self>, slot: &Arc<Slot>) {
-        let (in_flight, dirty) = slot.read(|t| (t.start_in_flight(), t.is_dirty()));
+        let (in_flight, dirty) = slot.read(|t| (t.start_in_flight(), t.needs_write()));
         if in_flight {
             return;
         }
@@ -303,7 +303,7 @@ impl Reconciler {
     /// The retry pass: every task, in memory only.
     async fn retry_all(self: &Arc<Self>) {
         for slot in self.parts.table.slots() {
-            let wants = slot.read(|t| !t.start_in_flight() && (t.is_dirty() || t.needs_retry()));
+            let wants = slot.read(|t| !t.start_in_flight() && (t.needs_write() || t.needs_retry()));
             if wants {
                 self.retry_task(&slot).await;
             } else {

@@ -172,9 +172,9 @@ fn is_start_status(s: TaskStatus) -> bool {
     )
 }
 
-/// `new` is `old` with only start progress: a start status further on (or the same), and the
-/// first container id, nothing else.
-fn only_progress(old: &TaskRecord, new: &TaskRecord) -> bool {
+/// `new` is `old` with only start progress: a start status further on (or the same), or
+/// `running` while the container `runs`, and the first container id, nothing else.
+fn only_progress(old: &TaskRecord, new: &TaskRecord, runs: bool) -> bool {
     let mut o = old.clone();
     o.status = new.status;
     if old.container_id.is_none() {
@@ -182,7 +182,9 @@ fn only_progress(old: &TaskRecord, new: &TaskRecord) -> bool {
     }
     same_record(&o, new)
         && new.status >= old.status
-        && (same_record(old, new) || is_start_status(new.status))
+        && (same_record(old, new)
+            || is_start_status(new.status)
+            || (new.status == TaskStatus::Running && runs))
 }
 
 fn config_from(gpu: i64, keys: bool, volumes: u8, dirs: u8, bridge: bool) -> TaskConfig {
@@ -312,8 +314,14 @@ impl Sim {
                 "pull progress changed the record"
             );
         }
-        // Statuses never move backwards; terminated absorbs every event and keeps the first
-        // reason and message.
+        // Statuses never move backwards, in the record or in the API's view; terminated
+        // absorbs every event and keeps the first reason and message.
+        assert!(
+            after.status() >= before.status(),
+            "shown {} -> {} on {event:?}",
+            before.status(),
+            after.status()
+        );
         assert!(
             after.record().status >= before.record().status,
             "{:?} -> {:?} on {event:?}",
@@ -356,10 +364,16 @@ impl Sim {
         let changed = !same_record(before.record(), after.record());
         let lazy = after.is_progress_only();
         if lazy && tr.actions.first() != Some(&Action::Persist) {
-            assert!(after.is_dirty() && after.start_in_flight());
+            // During a start, or at rest once it left the task running.
+            assert!(after.is_dirty());
+            assert!(
+                after.start_in_flight()
+                    || (after.record().status == TaskStatus::Running && after.container_runs()),
+                "{event:?}: progress unwritten at rest: {after:?}"
+            );
             let durable = self.world.persisted.as_ref().unwrap();
             assert!(
-                only_progress(durable, after.record()),
+                only_progress(durable, after.record(), after.container_runs()),
                 "{event:?}: more than progress unwritten"
             );
         }
@@ -452,7 +466,10 @@ impl Sim {
                     if tr.task.is_progress_only() {
                         // Only start progress is unwritten: the next start step may go.
                         assert!(a.is_start_step(), "{a:?} with a record not yet durable");
-                        assert!(only_progress(p(), tr.task.record()), "{a:?} unpersisted");
+                        assert!(
+                            only_progress(p(), tr.task.record(), tr.task.container_runs()),
+                            "{a:?} unpersisted"
+                        );
                     } else if tr.task.is_dirty() && ends_task(a) {
                         // The termination's write failed: its stop, pull cancel and release
                         // do not wait for the disk (SPEC §4).
@@ -553,11 +570,18 @@ impl Sim {
             return;
         };
         assert!(!task.start_in_flight());
+        // A record the container proves `running` (its progress never written) stays as it
+        // is; any other change is written first.
+        let deferred = record.as_ref().is_some_and(|r| {
+            !same_record(r, task.record()) && only_progress(r, task.record(), task.container_runs())
+        });
+        assert_eq!(task.is_progress_only(), deferred, "{task:?}");
         assert_eq!(
             actions.first() == Some(&Action::Persist),
             record
                 .as_ref()
                 .is_none_or(|r| !same_record(r, task.record()))
+                && !deferred
         );
         if !self.corrupted {
             // Nothing the API showed is lost: a status never goes back, and a termination it
@@ -1459,11 +1483,16 @@ proptest! {
             }
             prop_assert_eq!(a.status == TaskStatus::Terminated, a.termination_reason.is_some());
             if tr.task.is_progress_only() {
-                prop_assert!(tr.task.is_dirty() && tr.task.start_in_flight());
+                // During a start, or at rest once it left the task running.
+                prop_assert!(tr.task.is_dirty());
+                prop_assert!(
+                    tr.task.start_in_flight()
+                        || (a.status == TaskStatus::Running && tr.task.container_runs())
+                );
             }
             if !same_record(b, a) && tr.task.is_progress_only() {
                 // Start progress needs no write of its own.
-                prop_assert!(only_progress(b, a), "{:?} -> {:?}", b, a);
+                prop_assert!(only_progress(b, a, tr.task.container_runs()), "{:?} -> {:?}", b, a);
                 prop_assert!(!tr.actions.contains(&Action::Persist));
             } else if !same_record(b, a) && !is_write_failure {
                 prop_assert!(tr.actions.first() == Some(&Action::Persist));
@@ -1564,19 +1593,20 @@ fn a_terminate_on_a_full_disk_stops_and_releases_without_its_write() {
     for crash_before_the_write in [false, true] {
         let mut sim = Sim::faultless(config_from(2, true, 2, 0, true));
         sim.run_all();
-        assert_eq!(
-            sim.task.as_ref().unwrap().saved().status,
-            TaskStatus::Running
+        let t = sim.task.as_ref().unwrap();
+        assert_eq!(t.status(), TaskStatus::Running);
+        assert!(
+            t.saved().status < TaskStatus::Running,
+            "running is not written"
         );
         sim.disk_full = true;
         let full = terminate(TerminationReason::TerminatedByUser, "full", 0);
         sim.feed(full, None).unwrap();
         sim.run_all();
         let t = sim.task.clone().unwrap();
-        assert_eq!(
-            t.saved().status,
-            TaskStatus::Running,
-            "the API shows what is durable"
+        assert!(
+            t.saved().status < TaskStatus::Terminated,
+            "the termination is not durable"
         );
         assert!(t.is_dirty() && t.write_failed());
         assert!(!t.record().resources.holds_any(), "{t:?}");
@@ -1690,28 +1720,33 @@ fn a_failed_removal_makes_the_container_stop_before_any_release() {
     );
 }
 
-/// SPEC §5 (issue 37): `running` is shown as soon as the container runs, before its record is
-/// durable. A crash in that window (the record on disk still says what the start wrote last)
-/// restores the task as `running` from its running container, and it drains cleanly; so does
-/// a crash there after the container exited unseen.
+/// SPEC §5 (issue 37): `running` is shown as soon as the container runs and is never written
+/// on its own (the record on disk keeps what the start wrote last). A crash right after it
+/// was shown, or once the start has settled, restores the task as `running` from its running
+/// container, and it drains cleanly; so does a crash after the container exited unseen.
 #[test]
-fn a_crash_between_running_shown_and_its_write_restores_running() {
-    for exited_unseen in [false, true] {
+fn a_crash_after_running_was_shown_restores_running() {
+    for (settled, exited_unseen) in [(false, false), (true, false), (false, true), (true, true)] {
         let mut sim = Sim::faultless(config_from(1, false, 0, 0, true));
         sim.run_start_until(|op| matches!(op, Op::Deliver(Event::ContainerStarted { .. })));
         let durable = sim.world.persisted.clone().unwrap();
         assert!(durable.status < TaskStatus::Running, "{durable:?}");
-        sim.crash_at_next_write = !exited_unseen;
-        if exited_unseen {
-            // The step shows running; the container exits before the write, unseen.
-            sim.run_one(0, 1);
-            assert_eq!(sim.task.as_ref().unwrap().status(), TaskStatus::Running);
-            sim.world.container.as_mut().unwrap().state = Ctr::Exited(0);
-            sim.crash(false, 0);
-        } else {
-            sim.run_one(0, 1);
+        sim.run_one(0, 1);
+        if settled {
+            sim.run_all();
         }
-        assert!(sim.crashed);
+        let t = sim.task.as_ref().unwrap();
+        assert_eq!(t.status(), TaskStatus::Running);
+        assert!(t.is_progress_only() && !t.needs_write(), "{t:?}");
+        assert_eq!(
+            sim.world.persisted.as_ref(),
+            Some(&durable),
+            "no write of its own"
+        );
+        if exited_unseen {
+            sim.world.container.as_mut().unwrap().state = Ctr::Exited(0);
+        }
+        sim.crash(false, 0);
         let t = sim.task.clone().unwrap();
         assert_eq!(t.record().status, TaskStatus::Running, "{t:?}");
         assert_eq!(t.status(), TaskStatus::Running);

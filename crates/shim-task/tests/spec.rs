@@ -274,7 +274,7 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
     assert_eq!(t.record().status, TaskStatus::Creating);
     assert_eq!(t.status(), TaskStatus::Pulling);
     // The first container id is progress too (a restore finds the container by its labels):
-    // the start goes out at once, and `running` carries the id and `creating` to disk.
+    // the start goes out at once, and the next write carries the id along.
     let a = go(&mut t, created("cid"));
     assert_eq!(a, vec![Action::Effect(Effect::StartContainer)]);
     assert_eq!(t.status(), TaskStatus::Pulling);
@@ -290,16 +290,17 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
             ports: ports.clone(),
         },
     );
-    assert_eq!(
-        a,
-        vec![Action::Persist, Action::Effect(Effect::FinishStart)]
-    );
+    // `running`, once the container runs, is progress as well (the container proves it
+    // after a restart): shown at once, and written with the next change.
+    assert_eq!(a, vec![Action::Effect(Effect::FinishStart)]);
     assert_eq!(t.status(), TaskStatus::Running);
+    assert_eq!(t.saved().status, TaskStatus::Pulling);
     assert_eq!(t.info().ports, Some(ports));
     assert!(t.start_in_flight());
     assert_eq!(go(&mut t, Event::StartFinished), vec![]);
     assert!(!t.start_in_flight());
     assert!(!t.needs_release());
+    assert!(t.is_progress_only() && !t.needs_write());
 }
 
 /// A task that acquires nothing (no GPU, key, volume or directory) on a present image, its
@@ -332,14 +333,12 @@ fn minimal_created(cid: &str) -> Task {
 #[test]
 fn minimal_config_skips_keys_volumes_dirs_and_a_present_image() {
     let mut t = minimal_created("cid");
-    // The first write after submit is `running`, with the container id.
+    // `running` is progress too: a start that acquires nothing writes only at submit.
     let a = go(&mut t, Event::ContainerStarted { ports: vec![] });
-    assert_eq!(
-        a,
-        vec![Action::Persist, Action::Effect(Effect::FinishStart)]
-    );
+    assert_eq!(a, vec![Action::Effect(Effect::FinishStart)]);
     assert_eq!(t.status(), TaskStatus::Running);
-    assert!(!t.is_dirty() && !t.is_progress_only());
+    assert_eq!(t.saved().status, TaskStatus::Pending);
+    assert!(t.is_dirty() && t.is_progress_only());
     assert_eq!(t.record().container_id.as_deref(), Some("cid"));
 }
 
@@ -1200,7 +1199,7 @@ fn a_terminate_whose_write_fails_still_stops_and_releases() {
     // the record still waits for the disk (SPEC §4).
     let a = go_disk_full(&mut t, Event::ContainerStopped);
     assert_eq!(a, vec![release_of(&t)]);
-    assert_eq!(t.saved().status, TaskStatus::Running, "not durable");
+    assert_eq!(t.saved().status, TaskStatus::Pulling, "not durable");
     let info = t.info();
     assert_eq!(
         (
@@ -1262,7 +1261,7 @@ fn an_exit_whose_write_fails_releases_without_waiting_for_the_disk() {
     // SPEC §4: the container no longer runs, so the task reads terminated at once, its
     // record waiting for the disk.
     assert!(t.is_dirty() && t.write_failed());
-    assert_eq!(t.saved().status, TaskStatus::Running, "not durable");
+    assert_eq!(t.saved().status, TaskStatus::Pulling, "not durable");
     assert_eq!(t.status(), TaskStatus::Terminated, "shown at once");
     assert_eq!(t.info().termination_reason, "done_by_runner");
     // The release fails (busy); the reconciler's next cycle writes the exit once the disk
@@ -1309,28 +1308,55 @@ fn a_start_whose_write_fails_is_given_up_with_the_cause() {
     assert!(!t.needs_release());
 }
 
-/// The first write of a start that acquires nothing is `running`, after the container
-/// started: its failure does not give the start up (the container runs, and a restart would
-/// find it by its labels). The API shows `running` at once, as the container proves it (SPEC
-/// §5), while the record waits for the reconciler's retry, which writes `running` with the
-/// container id.
+/// SPEC §5 (issue 37): `running` is never written on its own. The container proves it: the
+/// API shows it at once, the reconciler asks for no write, a restart that finds the container
+/// running restores `running` from it and leaves the record as it is (`pending`, what submit
+/// wrote), and the next change (here a terminate) writes everything in one write.
 #[test]
-fn a_start_whose_running_write_fails_is_not_given_up() {
+fn running_is_written_with_the_next_change_only() {
     let mut t = minimal_created("cid");
-    let a = go_disk_full(&mut t, Event::ContainerStarted { ports: vec![] });
-    assert_eq!(
-        a,
-        vec![Action::Persist, Action::Effect(Effect::FinishStart)]
-    );
-    assert_eq!(t.record().status, TaskStatus::Running);
+    let on_disk = t.saved().clone();
+    assert_eq!(on_disk.status, TaskStatus::Pending);
+    let a = go(&mut t, Event::ContainerStarted { ports: vec![] });
+    assert_eq!(a, vec![Action::Effect(Effect::FinishStart)]);
+    assert_eq!(go(&mut t, Event::StartFinished), vec![]);
     assert_eq!(t.status(), TaskStatus::Running, "the container proves it");
-    assert_eq!(t.saved().status, TaskStatus::Pending, "not durable");
-    assert!(t.record().termination_reason.is_none());
-    go(&mut t, Event::StartFinished);
-    assert_eq!(go(&mut t, Event::PersistRequested), vec![Action::Persist]);
-    assert_eq!(t.status(), TaskStatus::Running);
-    assert!(!t.is_dirty());
-    assert_eq!(t.info().container_id, "cid");
+    assert_eq!(t.saved(), &on_disk, "not written");
+    assert!(t.is_dirty() && t.is_progress_only() && !t.needs_write());
+    // A restart: the record still says `pending`; the running container makes it `running`,
+    // with no write, and a second restart finds the same.
+    let mut pending = t.record().clone();
+    pending.status = TaskStatus::Pending;
+    pending.container_id = None;
+    let container = ObservedContainer {
+        id: "cid".into(),
+        name: format!("/{}", t.record().container_name),
+        task_id: t.record().id.clone(),
+        state: ObservedState::Running,
+        gpu_ids: vec![],
+        ports: vec![],
+        recovered_volumes: vec![],
+    };
+    let (r, actions) = restore(Some(pending.clone()), Some(container.clone()), 5_000).unwrap();
+    assert_eq!(actions, vec![]);
+    assert_eq!(r.status(), TaskStatus::Running);
+    assert_eq!(r.record().container_id.as_deref(), Some("cid"));
+    assert!(r.is_progress_only() && !r.needs_write());
+    // Without a running container the change is written first (an exited one ends it next).
+    let exited = ObservedContainer {
+        state: ObservedState::Exited { code: 0 },
+        ..container
+    };
+    let (_, actions) = restore(Some(pending), Some(exited), 5_000).unwrap();
+    assert_eq!(actions.first(), Some(&Action::Persist));
+    // The next change carries `running` and the container id along.
+    for mut t in [t, r] {
+        let a = go(&mut t, terminate(TerminatedByUser, "bye", 0));
+        assert_eq!(a[0], Action::Persist);
+        assert!(!t.is_dirty());
+        assert_eq!(t.record().container_id.as_deref(), Some("cid"));
+        assert_eq!(t.saved().status, TaskStatus::Terminated);
+    }
 }
 
 #[test]

@@ -51,13 +51,15 @@ pub(crate) fn record_changed(old: &TaskRecord, new: &TaskRecord) -> bool {
 }
 
 /// Whether `new` differs from `old` only by start progress: the status advanced to a start
-/// status (`preparing`, `pulling`, `creating`), or the first container id arrived during one.
-fn is_progress(old: &TaskRecord, new: &TaskRecord) -> bool {
-    let start_status = |s: TaskStatus| {
-        matches!(
-            s,
-            TaskStatus::Preparing | TaskStatus::Pulling | TaskStatus::Creating
-        )
+/// status (`preparing`, `pulling`, `creating`) or, while the container `runs`, to `running`;
+/// or the first container id arrived during one. A restart reads all of it from the
+/// container (SPEC §5: a record without a reason and a container is `running`, with that
+/// container's id), so none of it needs a write of its own.
+fn is_progress(old: &TaskRecord, new: &TaskRecord, runs: bool) -> bool {
+    let start_status = |s: TaskStatus| match s {
+        TaskStatus::Preparing | TaskStatus::Pulling | TaskStatus::Creating => true,
+        TaskStatus::Running => runs,
+        _ => false,
     };
     let advanced = new.status > old.status;
     let first_container = old.container_id.is_none() && new.container_id.is_some();
@@ -68,15 +70,20 @@ fn is_progress(old: &TaskRecord, new: &TaskRecord) -> bool {
             old,
             &TaskRecord {
                 status: old.status,
-                container_id: old.container_id.clone(),
+                // Only the first container id is progress; another one is a change.
+                container_id: if first_container {
+                    None
+                } else {
+                    new.container_id.clone()
+                },
                 ..new.clone()
             },
         )
 }
 
 /// Finishes a transition: a changed (or, when asked, a dirty) record is written first and
-/// alone, unless the change is start progress only ([`Task::is_progress_only`]); otherwise the
-/// side effects due go out.
+/// alone, unless all that is not yet written is start progress ([`Task::is_progress_only`]);
+/// otherwise the side effects due go out.
 pub(super) fn finish(
     before: &TaskRecord,
     t: &mut Task,
@@ -84,13 +91,28 @@ pub(super) fn finish(
     shape: Shape,
     now_ms: u64,
 ) {
+    let may_defer = t.start_in_flight;
+    finish_deferring(before, t, actions, shape, now_ms, may_defer);
+}
+
+/// [`finish`], where `may_defer` says whether start progress may wait for the next write (a
+/// start in flight, or a restore that found the container running).
+fn finish_deferring(
+    before: &TaskRecord,
+    t: &mut Task,
+    actions: &mut Vec<Action>,
+    shape: Shape,
+    now_ms: u64,
+    may_defer: bool,
+) {
     settle_released(t);
     let changed = record_changed(before, &t.record);
     if changed {
         t.record.updated_at_ms = now_ms.max(before.updated_at_ms);
         // Start progress stays progress only while nothing else waits to be written.
-        t.progress_only =
-            t.start_in_flight && (!t.dirty || t.progress_only) && is_progress(before, &t.record);
+        t.progress_only = may_defer
+            && (!t.dirty || t.progress_only)
+            && is_progress(before, &t.record, t.container_runs());
         t.dirty = true;
     }
     let write = t.dirty && !shape.no_write && ((changed && !t.progress_only) || shape.retry_write);
@@ -122,6 +144,9 @@ pub(crate) fn finish_restore(
             }
         }
     };
+    // A record the container proves `running` (its start progress unwritten before the
+    // restart) stays as it is: the next restart reads the same from the container.
+    let may_defer = before.is_some();
     let before = before.cloned().unwrap_or_else(|| t.record.clone());
-    finish(&before, t, actions, shape, now_ms);
+    finish_deferring(&before, t, actions, shape, now_ms, may_defer);
 }

@@ -36,14 +36,17 @@
 //! termination (above). Nothing is acquired without a durable record: start steps still wait.
 //!
 //! The exception is start progress ([`Task::is_progress_only`]): a step that only advances the
-//! status through `preparing`, `pulling` and `creating`, or records the id of the container
-//! just created, needs no write of its own. Nothing a restore does depends on it: without a
-//! container every start status restores as a start cut short, and a container is found by
-//! its labels, not by a recorded id. The API keeps showing the last durable status, so the
-//! next start step goes out at once and the next write carries the progress along.
-//! Everything a crash could lose (the write-ahead of keys and volumes, GPU ids, created
-//! directories, `running`, a termination) is still written before what follows it. This
-//! keeps a start's state-file writes at two (`pending` at submit, `running`) when nothing is
+//! status through `preparing`, `pulling`, `creating` and, once the container runs,
+//! `running`, or records the id of the container just created, needs no write of its own.
+//! Nothing a restore does depends on it: without a container every start status restores as
+//! a start cut short, a record without a reason whose container is there restores as
+//! `running`, and a container is found by its labels, not by a recorded id. The API keeps
+//! showing the last durable status (and `running` once the container runs, which the
+//! container itself proves), so the next start step goes out at once and the next write
+//! carries the progress along; a restore that finds the container running leaves the record
+//! as it is, for the same reason. Everything a crash could lose (the write-ahead of keys and
+//! volumes, GPU ids, created directories, a termination) is still written before what follows
+//! it. This keeps a start's state-file writes at one (`pending` at submit) when nothing is
 //! acquired and the image is present; the engine writes `pulling` before an image is really
 //! pulled, so a long pull shows it.
 //!
@@ -62,7 +65,7 @@
 //! - Carry out the actions of [`restore()`](crate::restore::restore) (GPU locks first) before
 //!   the reconciler's first cycle.
 //! - Reconciler, for each task whose start is not in flight: step
-//!   [`Event::PersistRequested`] if [`Task::is_dirty`], [`Event::Observed`] (for a terminated
+//!   [`Event::PersistRequested`] if [`Task::needs_write`], [`Event::Observed`] (for a terminated
 //!   task at least when its container runs), then [`Event::ReleaseRequested`] if
 //!   [`Task::needs_release`]. Failed writes, stops and releases are retried this way, never in
 //!   a tight loop.

@@ -155,11 +155,7 @@ impl Task {
 
     /// The task status as the API shows it ([`Task::shown`]).
     pub fn status(&self) -> TaskStatus {
-        if self.shows_record() {
-            self.record.status
-        } else {
-            self.saved.status
-        }
+        self.shown().status
     }
 
     /// The record: what the machine intends and persists (status, reason, resources, the
@@ -177,10 +173,17 @@ impl Task {
     /// itself proves more: a task whose container no longer runs shows its termination at
     /// once, and a task whose container was started and runs shows `running` at once, while
     /// the record waits for the disk. Nothing shown is undone by a crash but a requested
-    /// reason: a restart reads the end, or the running container, from Docker first.
+    /// reason: a restart reads the end, or the running container, from Docker first. A
+    /// termination whose record waits while the container still runs (its stop in flight)
+    /// shows `running`, never the start status last written: a status shown never goes back.
     pub fn shown(&self) -> Saved {
         if self.shows_record() {
             Saved::of(&self.record)
+        } else if self.container_runs() && self.saved.status < TaskStatus::Running {
+            Saved {
+                status: TaskStatus::Running,
+                ..self.saved.clone()
+            }
         } else {
             self.saved.clone()
         }
@@ -209,18 +212,24 @@ impl Task {
         self.runs && !self.ended
     }
 
-    /// The record changed since its last successful write: the reconciler steps
-    /// [`Event::PersistRequested`](super::Event::PersistRequested) until it is written.
+    /// The record changed since its last successful write (start progress included).
     pub fn is_dirty(&self) -> bool {
         self.dirty
     }
 
     /// Everything in the record not yet durable is start progress (the statuses `preparing`,
-    /// `pulling`, `creating`, or the first container id): the next start step goes out
-    /// without a write of its own, and the next write carries it (see the module docs).
-    /// [`Task::is_dirty`] is then true too.
+    /// `pulling`, `creating`, `running` while the container runs, or the first container id):
+    /// the next start step goes out without a write of its own, and the next write carries it
+    /// (see the module docs). [`Task::is_dirty`] is then true too.
     pub fn is_progress_only(&self) -> bool {
         self.progress_only
+    }
+
+    /// The record changed in more than start progress since its last successful write: the
+    /// reconciler steps [`Event::PersistRequested`](super::Event::PersistRequested) until it
+    /// is written.
+    pub fn needs_write(&self) -> bool {
+        self.dirty && !self.progress_only
     }
 
     /// The last write of the record failed and none succeeded since: what ends the task (a
