@@ -17,7 +17,8 @@
 //! ([`Task::container_runs`]) shows `running` at once, durable or not, since a restart reads
 //! Docker first and restores a task whose container runs as `running` whatever its record
 //! says (`pending` to `creating` included). So a start is shown `running` as soon as Docker
-//! says the container runs, while its `running` record is written. A step that changes the record returns exactly
+//! says the container runs, and `running` is never written on its own (start progress,
+//! below). A step that changes the record returns exactly
 //! `[Persist]` and nothing else (two exceptions below); every side effect that step calls for
 //! waits in the task as an intent (the next start step, a stop, a pull cancel, a release)
 //! and is emitted by the step of [`Event::Persisted`]. So a side effect never runs before the
