@@ -22,14 +22,15 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 /// Connects to Docker, detects the host, starts DCGM on NVIDIA hosts, restores tasks and
 /// runs the first reconcile cycle.
 pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<shim_dcgm::Dcgm>)> {
-    let runtime = Arc::new(
-        DockerRuntime::connect()
-            .await
-            .context("cannot connect to the Docker daemon")?,
-    );
-    // The start-up list goes out before the GPUs are detected (`nvidia-smi` may take a
-    // while): a restart takes about one list.
+    let runtime =
+        Arc::new(DockerRuntime::unconnected().context("cannot connect to the Docker daemon")?);
+    // The start-up list goes out first, side by side with the engine's `/version` and before
+    // the GPUs are detected (`nvidia-smi` may take a while): a restart takes about one list.
     let opening = Engine::begin(runtime.clone(), Clock::system());
+    runtime
+        .identify()
+        .await
+        .context("cannot connect to the Docker daemon")?;
     let mut options = HostOptions::new(&config.engine.volumes_root);
     options.fake_gpus = config.fake_gpus;
     options.gpu_health = config.gpu_health_interval.is_some();

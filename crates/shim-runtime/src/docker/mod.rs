@@ -9,6 +9,7 @@ mod tests;
 pub(crate) mod transport;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
@@ -49,8 +50,10 @@ pub use transport::{POOL_IDLE_TIMEOUT, POOL_MAX_IDLE};
 #[derive(Debug, Clone)]
 pub struct DockerRuntime {
     docker: Docker,
-    /// The engine behind the socket, read once at connect.
-    flavour: Flavour,
+    /// The engine behind the socket, read once (`GET /version`): at [`DockerRuntime::connect`],
+    /// or for a runtime made by [`DockerRuntime::unconnected`], by
+    /// [`DockerRuntime::identify`] or the first request that needs it.
+    flavour: Arc<tokio::sync::OnceCell<Flavour>>,
 }
 
 /// The engine behind the Docker API, as its version answer (`GET /version`) names it: Podman
@@ -240,22 +243,63 @@ impl DockerRuntime {
     /// Connects through `DOCKER_HOST` or the default socket (`unix:///var/run/docker.sock`)
     /// and reads which engine answers (one `/version` request).
     pub async fn connect() -> Result<Self> {
+        let runtime = Self::unconnected()?;
+        runtime.identify().await?;
+        Ok(runtime)
+    }
+
+    /// A runtime for `DOCKER_HOST` or the default socket that has sent nothing yet: its first
+    /// requests may go out at once, side by side with [`DockerRuntime::identify`] (a restart's
+    /// start-up list need not wait for the `/version` round trip). Fails only on an address
+    /// it cannot use.
+    pub fn unconnected() -> Result<Self> {
         let host = std::env::var("DOCKER_HOST").unwrap_or_else(|_| DEFAULT_DOCKER_HOST.to_owned());
-        Self::connect_to(&host).await
+        Self::client_for(&host).map(Self::wrap)
+    }
+
+    /// Reads which engine answers (one `GET /version`, once): the error says the daemon is not
+    /// there.
+    pub async fn identify(&self) -> Result<()> {
+        self.flavour().await.map(|_| ())
+    }
+
+    /// The engine behind the socket, read at the first call.
+    async fn flavour(&self) -> Result<&Flavour> {
+        self.flavour
+            .get_or_try_init(|| async {
+                let answer = self
+                    .docker
+                    .version()
+                    .await
+                    .map_err(|e| translate("version", "docker daemon".to_owned(), e))?;
+                let flavour = Flavour::of(&answer);
+                debug!(?flavour, api = ?answer.api_version, "connected to the engine");
+                Ok(flavour)
+            })
+            .await
     }
 
     /// Connects to `host` (`unix:///path`, `tcp://…`, as in `DOCKER_HOST`) and reads which
     /// engine answers. Over a Unix socket the connections are kept alive and reused (a pool of
     /// at most [`POOL_MAX_IDLE`] idle ones, see [`DockerRuntime::connect_unix`]).
     pub async fn connect_to(host: &str) -> Result<Self> {
+        let runtime = Self::wrap(Self::client_for(host)?);
+        runtime.identify().await?;
+        Ok(runtime)
+    }
+
+    /// The client for `host`; sends nothing.
+    fn client_for(host: &str) -> Result<Docker> {
         match transport::unix_socket_of(host) {
-            Some(path) => Self::connect_unix(&path, POOL_MAX_IDLE).await,
-            None => {
-                let docker = Docker::connect_with_host(host)
-                    .map_err(|e| translate("connect", format!("docker daemon at {host}"), e))?;
-                Self::from_client(docker).await
-            }
+            Some(path) => Self::unix_client(&path, POOL_MAX_IDLE),
+            None => Docker::connect_with_host(host)
+                .map_err(|e| translate("connect", format!("docker daemon at {host}"), e)),
         }
+    }
+
+    fn unix_client(path: &std::path::Path, max_idle: usize) -> Result<Docker> {
+        transport::pooled_unix(path, max_idle, POOL_IDLE_TIMEOUT, REQUEST_TIMEOUT)
+            .map_err(|e| translate("connect", format!("docker daemon at {}", path.display()), e))
     }
 
     /// Connects to the daemon's Unix socket at `path`, keeping at most `max_idle` idle
@@ -263,9 +307,7 @@ impl DockerRuntime {
     /// new connection per request, as bollard's `connect_with_unix` does (benchmarks compare
     /// the two).
     pub async fn connect_unix(path: &std::path::Path, max_idle: usize) -> Result<Self> {
-        let docker = transport::pooled_unix(path, max_idle, POOL_IDLE_TIMEOUT, REQUEST_TIMEOUT)
-            .map_err(|e| translate("connect", format!("docker daemon at {}", path.display()), e))?;
-        Self::from_client(docker).await
+        Self::from_client(Self::unix_client(path, max_idle)?).await
     }
 
     /// Wraps a bollard client, reading which engine answers
@@ -278,14 +320,18 @@ impl DockerRuntime {
         // request is unversioned and the daemon answers in its own API version whatever the
         // client's is. Negotiating would only cost a second `/version` round trip (4 ms on
         // Docker 28's containerd store) before the start-up list.
-        let docker = docker.with_timeout(REQUEST_TIMEOUT);
-        let answer = docker
-            .version()
-            .await
-            .map_err(|e| translate("version", "docker daemon".to_owned(), e))?;
-        let flavour = Flavour::of(&answer);
-        debug!(?flavour, api = ?answer.api_version, "connected to the engine");
-        Ok(Self { docker, flavour })
+        let runtime = Self::wrap(docker);
+        runtime.identify().await?;
+        Ok(runtime)
+    }
+
+    /// A runtime on `docker` whose engine is not read yet; every request gets at most
+    /// `REQUEST_TIMEOUT`.
+    fn wrap(docker: Docker) -> Self {
+        Self {
+            docker: docker.with_timeout(REQUEST_TIMEOUT),
+            flavour: Arc::default(),
+        }
     }
 
     /// The underlying bollard client (for tests that prepare the daemon).
@@ -488,7 +534,7 @@ impl ContainerRuntime for DockerRuntime {
     }
 
     async fn gpu_support(&self) -> Result<GpuSupport> {
-        self.flavour.gpu_support(&self.docker).await
+        self.flavour().await?.gpu_support(&self.docker).await
     }
 
     async fn data_root(&self) -> Result<Option<std::path::PathBuf>> {
@@ -552,7 +598,7 @@ impl ContainerRuntime for DockerRuntime {
     }
 
     async fn create(&self, spec: &ContainerSpec) -> Result<String> {
-        self.flavour.check_device_requests(spec)?;
+        self.flavour().await?.check_device_requests(spec)?;
         check_bind_sources(spec).await?;
         let options = CreateContainerOptionsBuilder::new()
             .name(&spec.name)

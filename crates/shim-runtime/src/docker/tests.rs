@@ -300,6 +300,38 @@ async fn connecting_makes_one_version_request() {
     assert_eq!(engine.requests(), ["GET /version"]);
 }
 
+/// An unconnected runtime sends nothing until asked: a list goes out before the engine is
+/// identified, `/version` is read once (by `identify`, not again by a create that needs the
+/// engine's flavour).
+#[tokio::test]
+async fn an_unconnected_runtime_lists_before_it_identifies_the_engine() {
+    let fixture = include_str!("fixtures/list-podman-4.3.json");
+    let engine = Engine::start(answering("GET", "/containers/json", 200, fixture));
+    let docker = Docker::connect_with_unix(
+        engine.socket.to_str().unwrap(),
+        5,
+        bollard::API_DEFAULT_VERSION,
+    )
+    .unwrap();
+    let runtime = DockerRuntime::wrap(docker);
+    assert_eq!(engine.requests(), Vec::<String>::new());
+    runtime.list(&[]).await.unwrap();
+    runtime.identify().await.unwrap();
+    runtime.identify().await.unwrap();
+    // This engine answers nothing else; what matters is that no second `/version` goes out.
+    let _ = runtime.gpu_support().await;
+    let requests = engine.requests();
+    assert!(
+        requests[0].starts_with("GET /containers/json?"),
+        "{requests:?}"
+    );
+    assert_eq!(
+        requests.iter().filter(|r| *r == "GET /version").count(),
+        1,
+        "{requests:?}"
+    );
+}
+
 /// An engine that ORs label filters (Podman) answers containers carrying only one of two
 /// labels: the runtime keeps those carrying both, and reads a `stopped` one (a state bollard
 /// rejects) as a state to wait on. One label filter is sent.
