@@ -82,22 +82,9 @@ fn is_progress(old: &TaskRecord, new: &TaskRecord, runs: bool) -> bool {
 }
 
 /// Finishes a transition: a changed (or, when asked, a dirty) record is written first and
-/// alone, unless all that is not yet written is start progress ([`Task::is_progress_only`]);
-/// otherwise the side effects due go out.
+/// alone, unless all that is not yet written is start progress ([`Task::is_progress_only`])
+/// and `may_defer` (a start in flight, or a restore); otherwise the side effects due go out.
 pub(super) fn finish(
-    before: &TaskRecord,
-    t: &mut Task,
-    actions: &mut Vec<Action>,
-    shape: Shape,
-    now_ms: u64,
-) {
-    let may_defer = t.start_in_flight;
-    finish_deferring(before, t, actions, shape, now_ms, may_defer);
-}
-
-/// [`finish`], where `may_defer` says whether start progress may wait for the next write (a
-/// start in flight, or a restore that found the container running).
-fn finish_deferring(
     before: &TaskRecord,
     t: &mut Task,
     actions: &mut Vec<Action>,
@@ -148,5 +135,5 @@ pub(crate) fn finish_restore(
     // restart) stays as it is: the next restart reads the same from the container.
     let may_defer = before.is_some();
     let before = before.cloned().unwrap_or_else(|| t.record.clone());
-    finish_deferring(&before, t, actions, shape, now_ms, may_defer);
+    finish(&before, t, actions, shape, now_ms, may_defer);
 }

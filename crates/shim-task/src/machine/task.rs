@@ -170,14 +170,17 @@ impl Task {
     }
 
     /// What the API shows (SPEC §4, §5): the last durable record, except where the container
-    /// itself proves more: a task whose container no longer runs shows its termination at
-    /// once, and a task whose container was started and runs shows `running` at once, while
-    /// the record waits for the disk. Nothing shown is undone by a crash but a requested
-    /// reason: a restart reads the end, or the running container, from Docker first. A
-    /// termination whose record waits while the container still runs (its stop in flight)
-    /// shows `running`, never the start status last written: a status shown never goes back.
+    /// itself proves more: a terminated task whose container no longer runs shows its
+    /// termination at once, and a task whose container was started and runs shows at least
+    /// `running` (whatever its record says: `running` is never written on its own, and a
+    /// termination waits for its write while the container still runs), while the record
+    /// waits for the disk. Nothing shown is undone by a crash but a requested reason: a
+    /// restart reads the end, or the running container, from Docker first.
     pub fn shown(&self) -> Saved {
-        if self.shows_record() {
+        if self.record.status == TaskStatus::Terminated
+            && self.ended
+            && self.saved.status != TaskStatus::Terminated
+        {
             Saved::of(&self.record)
         } else if self.container_runs() && self.saved.status < TaskStatus::Running {
             Saved {
@@ -186,18 +189,6 @@ impl Task {
             }
         } else {
             self.saved.clone()
-        }
-    }
-
-    /// The record is ahead of the disk where the container proves it: terminated, and the
-    /// container no longer runs; or running, and the container was started and runs.
-    fn shows_record(&self) -> bool {
-        match self.record.status {
-            TaskStatus::Terminated => self.ended && self.saved.status != TaskStatus::Terminated,
-            TaskStatus::Running => {
-                self.runs && !self.ended && self.saved.status < TaskStatus::Running
-            }
-            _ => false,
         }
     }
 

@@ -28,7 +28,8 @@ pub fn step(task: &Task, event: Event, now_ms: u64) -> Result<Transition, Transi
     let mut t = task.clone();
     let mut actions = Vec::new();
     let shape = apply(&mut t, event, &mut actions)?;
-    finish(&task.record, &mut t, &mut actions, shape, now_ms);
+    let may_defer = t.start_in_flight;
+    finish(&task.record, &mut t, &mut actions, shape, now_ms, may_defer);
     Ok(Transition { task: t, actions })
 }
 
