@@ -82,8 +82,14 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
         .open(cfg, deps)
         .await
         .context("cannot restore tasks")?;
+    let tasks = engine.list();
+    let running = tasks
+        .iter()
+        .filter(|(_, status)| *status == shim_task::TaskStatus::Running)
+        .count();
     tracing::info!(
-        tasks = engine.list().len(),
+        tasks = tasks.len(),
+        running,
         owner = engine.owner(),
         "engine ready"
     );

@@ -251,7 +251,13 @@ pub(crate) async fn restore(
         let Some((task, actions)) = restore_task(record, container, ctx.clock.now_ms()) else {
             continue;
         };
-        tracing::info!(task = %task.record().id, status = %task.status(), reason = ?task.record().termination_reason, "task restored");
+        // A task whose container runs comes back as it was: one line for all of them (the
+        // caller's count); what a restart changes or finds ended is said task by task.
+        if running {
+            tracing::debug!(task = %task.record().id, status = %task.status(), "task restored");
+        } else {
+            tracing::info!(task = %task.record().id, status = %task.status(), reason = ?task.record().termination_reason, "task restored");
+        }
         if whole_dir {
             tracing::warn!(task = %task.record().id, "container mounts its whole task directory (an upstream shim without state files made it): its state stays in memory");
         }
