@@ -18,7 +18,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use shim_e2e::harness::{
     HostUser, NamedContainer, TestShim, assert_running, container_name_of, container_running,
-    owner_identity, server_task, ssh_key, wait_container_stopped, wait_until,
+    owner_identity, server_task, ssh_key, task_entries, wait_container_stopped, wait_until,
 };
 use shim_e2e::{docker_ok, image, require_docker, require_root};
 
@@ -515,6 +515,83 @@ async fn a_restart_restores_every_case<W: World>() {
     }
 }
 in_worlds!(a_restart_restores_every_case: fake, docker, binary);
+
+// SPEC §5: what a kill between creating a task directory and its first state write leaves (a
+// directory with nothing but an empty `runner/`, or nothing at all) and what a kill during a
+// delete leaves (a `.trash-…` directory: the real one of a removed task, and one with files in
+// it) are gone after a restart; a directory with anything else in it is left alone, a running
+// task is untouched and keeps its GPU, and the removed task's GPU is free.
+async fn a_restart_clears_what_kills_mid_submit_and_mid_delete_left<W: World>() {
+    let mut w = W::new(Options::default()).await;
+    let (stays, removed) = (w.task("stays", 1), w.task("removed", 1));
+    w.submit(&stays).await.unwrap();
+    w.submit(&removed).await.unwrap();
+    let before = w.wait_status("stays", "running").await;
+    let removed_info = w.wait_status("removed", "running").await;
+    w.terminate("removed", "terminated_by_user", "gone", 0)
+        .await;
+    w.stop().await;
+
+    let runners = w.home().join("runners");
+    // A remove killed after its container was removed and its directory renamed to trash.
+    w.remove_container(removed_info["container_id"].as_str().unwrap())
+        .await;
+    let removed_name = container_name_of(&removed);
+    let trash = runners.join(format!(".trash-{removed_name}-1700000000000"));
+    fs_err::rename(runners.join(&removed_name), &trash).unwrap();
+    // A delete killed half-way through removing a tree.
+    let old_trash = runners.join(".trash-flt-old-89abcdef-1700000000001");
+    fs_err::create_dir_all(old_trash.join("runner/sub")).unwrap();
+    fs_err::write(old_trash.join("runner/sub/deep.txt"), "x").unwrap();
+    fs_err::write(old_trash.join("pull.log"), "{}").unwrap();
+    // Submits killed before their first state write.
+    fs_err::create_dir_all(runners.join("flt-skel-0123abcd/runner")).unwrap();
+    fs_err::create_dir_all(runners.join("flt-bare-0123abcd")).unwrap();
+    // Not ours to judge: anything else in a directory without a state file.
+    let keep = [
+        ("notes", "notes.txt"),
+        ("flt-busy-0123abcd", "runner/output.log"),
+        ("flt-extra-0123abcd", "pull.log"),
+    ];
+    for (d, f) in keep {
+        let file = runners.join(d).join(f);
+        fs_err::create_dir_all(file.parent().unwrap()).unwrap();
+        fs_err::write(&file, format!("keep {d}")).unwrap();
+    }
+    fs_err::create_dir_all(runners.join("flt-extra-0123abcd/runner")).unwrap();
+
+    w.start().await;
+    assert!(
+        w.info("removed").await.is_none(),
+        "a removed task came back"
+    );
+    let after = w.info("stays").await.unwrap();
+    assert_eq!(after["status"], "running", "{after}");
+    for field in ["container_id", "gpus_ids"] {
+        assert_eq!(after[field], before[field], "{field}: {after}");
+    }
+    let kept: BTreeSet<String> = keep.iter().map(|(d, _)| (*d).to_owned()).collect();
+    let mut expected = kept.clone();
+    expected.insert(container_name_of(&stays));
+    assert_eq!(task_entries(&runners), expected);
+    for (d, f) in keep {
+        let content = fs_err::read_to_string(runners.join(d).join(f)).unwrap();
+        assert_eq!(content, format!("keep {d}"));
+    }
+    // The removed task's GPU is free, the running task's is not.
+    w.submit(&w.task("probe", (GPUS - 1) as i64)).await.unwrap();
+    let probe = w.wait_status("probe", "running").await;
+    let held = after["gpus_ids"].as_array().unwrap();
+    let got = probe["gpus_ids"].as_array().unwrap();
+    assert!(got.iter().all(|g| !held.contains(g)), "{probe}");
+    for id in ["probe", "stays"] {
+        w.terminate(id, "terminated_by_server", "", 0).await;
+        w.remove(id).await;
+    }
+    assert_eq!(w.containers().await, 0);
+    assert_eq!(task_entries(&runners), kept);
+}
+in_worlds!(a_restart_clears_what_kills_mid_submit_and_mid_delete_left: fake, docker, binary);
 
 // SPEC §5 with real resources held (every restore case in every world: above): the engine on
 // Docker with the real authorized_keys code and a real loop-device volume. After the shim

@@ -399,6 +399,16 @@ pub trait World: Sized {
         }
     }
 
+    /// Removes a container behind the shim's back (`docker rm -f`; the fake forgets it).
+    async fn remove_container(&self, container_id: &str) {
+        match self.fake() {
+            Some(fake) => assert!(fake.vanish(container_id), "no container {container_id}"),
+            None => {
+                shim_e2e::docker_ok(&["rm", "-f", container_id]);
+            }
+        }
+    }
+
     /// Fills the home's disk (a write fails with `ENOSPC`) or frees it again (needs
     /// [`Options::fillable_home`]). Filling again after something was freed fills what it
     /// gave back.
