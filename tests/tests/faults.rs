@@ -5,7 +5,9 @@
 //! home spelled in other ways and kills mid-submit and mid-delete are restore scenarios now,
 //! `restore.rs`, in every world). After each fault: what the API answered stays true, nothing is
 //! leaked or lost (containers, task directories, `authorized_keys` lines, GPU locks), and
-//! everything converges without a restart of the shim.
+//! everything converges without a restart of the shim. Three faults are scenarios that also
+//! run in the engine worlds (see `world/mod.rs`): lost answers, the engine away for a while, a
+//! full home; the rest needs the binary (a SIGKILL, a frozen daemon, real keys).
 //!
 //! Each test has its own shim home (so its own owner identity: it never sees another test's
 //! containers), API port, fake GPUs, the stub runner, and tasks in bridge mode. What a test
@@ -41,10 +43,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use shim_e2e::harness::{
-    ContainerSweeper, FAKE_GPUS, HostUser, KEY_MARKER, LoopFs, LosingProxy, PrivateDocker,
-    RemoveImage, Request, Response, TestShim, bridge_task, container_name_of, docker_at,
-    docker_socket, entries, fake_gpu_ids, run_tag, ssh_key, status_of, task_entries,
-    try_docker_within, wait_for, write_runner_exit,
+    FAKE_GPUS, HostUser, KEY_MARKER, LoopFs, PrivateDocker, RemoveImage, Request, Response,
+    TestShim, bridge_task, container_name_of, docker_at, entries, fake_gpu_ids, run_tag, ssh_key,
+    status_of, task_entries, try_docker_within, wait_for, write_runner_exit,
 };
 use shim_e2e::{registry, registry_password, registry_user, require_docker, require_root};
 
@@ -1258,56 +1259,43 @@ fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
 // 5. Lost answers
 // ---------------------------------------------------------------------------------------------
 
-/// A create and a start whose answers never reach the shim (a proxy on the Docker socket
-/// passes both requests to Docker and closes the connection instead of answering, as a request
-/// timeout on a loaded daemon would look) do not fail the task: the shim looks at the
-/// container, takes the one made under the task's name and labels, finds it started, and the
-/// task runs in it. Upstream does not bound these requests (runner/internal/shim/docker.go
-/// creates and starts with the task's `context.Background()`); this shim bounds each at 30 s,
-/// so a slow answer must not become a failed task. A remove whose container removal answer is
-/// lost fails with the cause and keeps the task; the next remove (the server retries) finds
-/// the container gone and completes, leaving nothing behind.
-#[test]
-#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
-fn lost_docker_answers_neither_fail_the_task_nor_leak_it() {
-    require(
-        "lost_docker_answers_neither_fail_the_task_nor_leak_it",
-        false,
-    );
-    let proxy = LosingProxy::start(
-        &docker_socket(),
-        &["/containers/create", "/start ", "DELETE /"],
-    )
-    .unwrap();
-    let mut shim = TestShim::builder("faults")
-        .docker_host(&proxy.host())
-        .build();
-    // The proxy fronts the usual daemon: sweep the home's containers there however this ends.
-    let _sweeper = ContainerSweeper::for_home(shim.home());
-    shim.start();
-    let config = task("lost", 1);
-    assert_eq!(shim.submit(&config).status, 200);
-    let info = shim.wait_status("lost", "running");
-    let lost = proxy.lost();
-    assert_eq!(lost.len(), 2, "{lost:?}");
-    assert!(lost[0].contains("/containers/create"), "{lost:?}");
-    assert!(lost[1].contains("/start "), "{lost:?}");
+// A create and a start whose answers never reach the shim (the requests are carried out, the
+// answer is lost, as a request timeout on a loaded daemon would look) do not fail the task:
+// the shim looks at the container, takes the one made under the task's name and labels, finds
+// it started, and the task runs in it. Upstream does not bound these requests
+// (runner/internal/shim/docker.go creates and starts with the task's `context.Background()`);
+// this shim bounds each at 30 s, so a slow answer must not become a failed task. A remove
+// whose container removal answer is lost fails with the cause and keeps the task; the next
+// remove (the server retries) finds the container gone and completes, leaving nothing behind.
+async fn lost_engine_answers_neither_fail_the_task_nor_leak_it<W: world::World>() {
+    let w = W::new(world::Options {
+        losing_engine: true,
+        ..world::Options::default()
+    })
+    .await;
+    w.submit(&w.task("lost", 1)).await.unwrap();
+    let info = w.wait_status("lost", "running").await;
+    assert_eq!(w.answers_lost(), 2, "the create's and the start's");
     let cid = info["container_id"].as_str().unwrap();
-    assert_eq!(shim.running(cid), Some(true));
-    assert_eq!(shim.containers().len(), 1, "one container, made once");
+    assert_eq!(w.container_running(cid).await, Some(true));
+    assert_eq!(w.containers().await, 1, "one container, made once");
 
-    let done = shim.terminate("lost", "terminated_by_server", "", 0).ok();
-    assert_eq!(status_of(&done), "terminated", "{done}");
-    let r = shim.remove("lost");
-    assert_eq!(r.status, 500, "{r:?}");
-    assert!(r.body.contains("container runtime unavailable"), "{r:?}");
-    assert_eq!(proxy.lost().len(), 3, "{:?}", proxy.lost());
-    assert_eq!(status_of(&shim.info("lost")), "terminated");
-    shim.remove_retrying("lost");
-    assert!(shim.info_opt("lost").is_none());
-    assert_eq!(shim.containers(), BTreeMap::new());
-    assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
+    let done = w.terminate("lost", "terminated_by_server", "", 0).await;
+    assert_eq!(done["status"], "terminated", "{done}");
+    let refused = w.try_remove("lost").await.unwrap_err();
+    assert!(refused.starts_with("500 "), "{refused}");
+    assert!(
+        refused.contains("container runtime unavailable"),
+        "{refused}"
+    );
+    assert_eq!(w.answers_lost(), 3, "and the removal's");
+    assert_eq!(w.info("lost").await.unwrap()["status"], "terminated");
+    w.remove("lost").await;
+    assert!(w.info("lost").await.is_none());
+    assert_eq!(w.containers().await, 0);
+    assert_eq!(task_entries(&w.home().join("runners")), BTreeSet::new());
 }
+in_worlds!(lost_engine_answers_neither_fail_the_task_nor_leak_it: fake, docker, binary);
 
 // SPEC §5: the engine away for a while (its socket refuses every connection, the event stream
 // cut) changes no task: a runner that exits meanwhile is not judged, a relist fails and

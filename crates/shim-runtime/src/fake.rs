@@ -186,6 +186,10 @@ struct State {
     start_queue: VecDeque<StartBehavior>,
     /// The next create makes its container but fails as a request that timed out.
     lose_create_answer: bool,
+    /// The next removal removes its container but fails as a request that timed out.
+    lose_remove_answer: bool,
+    /// How many answers were lost so far (creates, starts, removals).
+    answers_lost: usize,
     stop_exit_code: Option<i64>,
     /// Every event sent so far, for replays (`since`), like the daemon's ring buffer.
     event_log: Vec<ContainerEvent>,
@@ -486,6 +490,18 @@ impl FakeRuntime {
     /// request that timed out does ([`RuntimeError::DaemonUnavailable`]).
     pub fn lose_next_create_answer(&self) {
         self.lock().lose_create_answer = true;
+    }
+
+    /// The next removal removes its container, but its answer is lost: the call fails as a
+    /// request that timed out does ([`RuntimeError::DaemonUnavailable`]).
+    pub fn lose_next_remove_answer(&self) {
+        self.lock().lose_remove_answer = true;
+    }
+
+    /// How many answers were lost so far: creates, starts and removals that happened but
+    /// failed as requests that timed out.
+    pub fn answers_lost(&self) -> usize {
+        self.lock().answers_lost
     }
 
     /// Lets every hanging start proceed (and succeed).
@@ -1017,6 +1033,7 @@ impl ContainerRuntime for FakeRuntime {
         }
         let id = Self::new_container(&mut state, spec);
         if std::mem::take(&mut state.lose_create_answer) {
+            state.answers_lost += 1;
             return Err(RuntimeError::DaemonUnavailable {
                 op: "create",
                 what: format!("container {}", spec.name),
@@ -1076,6 +1093,7 @@ impl ContainerRuntime for FakeRuntime {
         let id = c.id.clone();
         Self::assign_ports(&mut state, &id);
         if answer_lost {
+            state.answers_lost += 1;
             return Err(RuntimeError::DaemonUnavailable {
                 op: "start",
                 what: format!("container {id}"),
@@ -1174,6 +1192,14 @@ impl ContainerRuntime for FakeRuntime {
                 );
             }
             self.emit(&mut state, &c, EventKind::Destroy);
+        }
+        if std::mem::take(&mut state.lose_remove_answer) {
+            state.answers_lost += 1;
+            return Err(RuntimeError::DaemonUnavailable {
+                op: "remove",
+                what: format!("container {id}"),
+                source: "request timed out".into(),
+            });
         }
         Ok(())
     }

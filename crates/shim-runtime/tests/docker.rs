@@ -1406,8 +1406,8 @@ async fn an_event_subscription_fails_when_the_daemon_does_not_answer() {
 
 /// A create or start whose answer is lost (the daemon did the work; the connection closed
 /// before the answer reached the shim) is `DaemonUnavailable`, the error on which the engine
-/// looks at the container instead of failing the task (shim-engine's fake tests cover that
-/// part: `a_start_whose_answer_was_lost_looks_at_the_container`).
+/// looks at the container instead of failing the task (that part is the scenario
+/// `faults::lost_engine_answers_neither_fail_the_task_nor_leak_it`, in every world).
 #[tokio::test]
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn a_lost_answer_is_daemon_unavailable_though_the_work_was_done() {

@@ -22,6 +22,8 @@ pub struct BinaryWorld {
     /// Whether the shim relists often enough for [`World::relist`] to wait for one.
     relists: bool,
     proxy: Option<FlakyDocker>,
+    /// The proxy that loses answers ([`Options::losing_engine`]).
+    losing: Option<shim_e2e::harness::LosingProxy>,
     /// Every submitted task's container, removed by name however the test ends (one that
     /// keeps an earlier owner identity escapes the shim's sweeper).
     named: Mutex<Vec<NamedContainer>>,
@@ -69,6 +71,10 @@ impl World for BinaryWorld {
             // Only the shim goes through the proxy: the clean-up talks to Docker directly.
             builder = builder.env("DOCKER_HOST", proxy.docker_host());
         }
+        let losing = options.losing_engine.then(super::engine::losing_proxy);
+        if let Some(losing) = &losing {
+            builder = builder.env("DOCKER_HOST", losing.host());
+        }
         let mut disk = None;
         if options.fillable_home {
             shim_e2e::require_root();
@@ -94,6 +100,7 @@ impl World for BinaryWorld {
             relists: options.relist_every_s.is_some(),
             shim: Arc::new(shim.await.unwrap()),
             proxy,
+            losing,
             named: Mutex::new(Vec::new()),
             _dir: dir,
         }
@@ -240,6 +247,10 @@ impl World for BinaryWorld {
 
     async fn metrics(&self) -> shim_e2e::harness::Metrics {
         self.call(TestShim::metrics).await
+    }
+
+    fn answers_lost(&self) -> usize {
+        self.losing.as_ref().map_or(0, |l| l.lost().len())
     }
 
     fn binary(&self) -> Option<&TestShim> {

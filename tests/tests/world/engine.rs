@@ -36,6 +36,8 @@ pub struct EngineWorld<const DOCKER: bool> {
     /// The fake world's daemon (shared with its neighbours).
     fake: Option<FakeRuntime>,
     proxy: Option<FlakyDocker>,
+    /// The proxy that loses answers ([`Options::losing_engine`], the Docker world).
+    losing: Option<shim_e2e::harness::LosingProxy>,
     engine: Option<Engine>,
     clock: Clock,
     gpus: HostGpus,
@@ -141,9 +143,10 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
                 Arc::new(FakeVolumes::new(self.path("volumes"))),
             ),
             None => {
-                let runtime = match &self.proxy {
-                    Some(proxy) => DockerRuntime::connect_to(&proxy.docker_host()).await,
-                    None => DockerRuntime::connect().await,
+                let runtime = match (&self.proxy, &self.losing) {
+                    (Some(proxy), _) => DockerRuntime::connect_to(&proxy.docker_host()).await,
+                    (None, Some(losing)) => DockerRuntime::connect_to(&losing.host()).await,
+                    (None, None) => DockerRuntime::connect().await,
                 }
                 .unwrap();
                 let users = StaticUserDb::new().with_user("tester", self.path("user"));
@@ -189,6 +192,12 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
             }
         };
         let proxy = (DOCKER && options.flaky_engine).then(|| FlakyDocker::start(dir.path()));
+        let losing = (DOCKER && options.losing_engine).then(losing_proxy);
+        if let (Some(fake), true) = (&fake, options.losing_engine) {
+            fake.lose_next_create_answer();
+            fake.queue_start_behavior(shim_runtime::fake::StartBehavior::StartsAnswerLost);
+            fake.lose_next_remove_answer();
+        }
         let gpus = HostGpus::fake_nvidia(GPUS as u32);
         let disk = options
             .fillable_home
@@ -201,6 +210,7 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
             options,
             fake,
             proxy,
+            losing,
             engine: None,
             named: std::sync::Mutex::new(Vec::new()),
             gpus,
@@ -216,6 +226,16 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
         world.engine = Some(world.open().await);
         world
     }
+}
+
+/// A proxy on the Docker socket that loses the answers to the first create, start and
+/// container removal ([`Options::losing_engine`]).
+pub fn losing_proxy() -> shim_e2e::harness::LosingProxy {
+    shim_e2e::harness::LosingProxy::start(
+        &shim_e2e::harness::docker_socket(),
+        &["/containers/create", "/start ", "DELETE /containers/"],
+    )
+    .unwrap()
 }
 
 /// A stopped container's exit code as Docker reports it (`None`: none, or it runs).
@@ -489,6 +509,14 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
         let mut text = String::new();
         self.engine().encode_metrics(&mut text).unwrap();
         shim_e2e::harness::parse_openmetrics(&text).unwrap_or_else(|e| panic!("{e}\n{text}"))
+    }
+
+    fn answers_lost(&self) -> usize {
+        match (&self.fake, &self.losing) {
+            (Some(fake), _) => fake.answers_lost(),
+            (None, Some(losing)) => losing.lost().len(),
+            (None, None) => 0,
+        }
     }
 
     fn fake(&self) -> Option<&FakeRuntime> {

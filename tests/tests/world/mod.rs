@@ -172,6 +172,11 @@ pub struct Options {
     /// worlds a task store whose writes fail with `ENOSPC`, in the binary world a home on a
     /// 16 MiB loop-mounted ext4 (needs root).
     pub fillable_home: bool,
+    /// The engine's answers to the first container create, the first start and the first
+    /// container removal are lost (the requests are carried out): in the engine worlds by the
+    /// fake, in the others by a proxy on the Docker socket that closes the connection instead
+    /// of answering ([`World::answers_lost`]).
+    pub losing_engine: bool,
 }
 
 /// A host with a shim on it, as a scenario sees it.
@@ -398,6 +403,9 @@ pub trait World: Sized {
             }
         }
     }
+
+    /// How many of the engine's answers were lost so far ([`Options::losing_engine`]).
+    fn answers_lost(&self) -> usize;
 
     /// Removes a container behind the shim's back (`docker rm -f`; the fake forgets it).
     async fn remove_container(&self, container_id: &str) {

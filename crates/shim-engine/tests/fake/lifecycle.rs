@@ -221,38 +221,6 @@ async fn a_failed_stop_is_retried_by_the_retry_pass() {
     assert_reason(&t, "terminated_by_user");
 }
 
-/// A start (or create) whose answer is lost in transit (a request timeout on a loaded daemon)
-/// while the container did start (or was made) is not a failure: the engine looks at the
-/// container. Upstream puts no deadline on either: runner/internal/shim/api/handlers.go runs
-/// the task with `context.Background()`, and runner/internal/shim/docker.go passes that
-/// context to `ContainerCreate` and `ContainerStart`; this shim bounds every request (30 s),
-/// so a slow answer must not turn into a failed task.
-#[tokio::test(start_paused = true)]
-async fn a_start_whose_answer_was_lost_looks_at_the_container() {
-    let w = World::new(0);
-    let engine = w.engine().await;
-    w.runtime
-        .set_start_behavior(StartBehavior::StartsAnswerLost);
-    let info = run(&engine, config("t1")).await;
-    assert_eq!(
-        w.runtime.state(&info.container_id),
-        Some(ContainerState::Running)
-    );
-    // The same for a create: the container made under the task's name and labels is taken.
-    w.runtime.set_start_behavior(StartBehavior::Succeed);
-    w.runtime.lose_next_create_answer();
-    let info = run(&engine, config("t3")).await;
-    assert_eq!(
-        w.runtime.id_by_name(&info.container_name),
-        Some(info.container_id.clone())
-    );
-    // A start that failed for real still fails.
-    w.runtime
-        .set_start_behavior(StartBehavior::Fail("no such device".into()));
-    let info = failed_start(&engine, config("t2")).await;
-    assert_reason(&info, "container_exited_with_error");
-}
-
 // Issue 22, SPEC §4: terminate answers within `timeout` + its slack in every state, whatever
 // holds it up: a stop the daemon does not finish, a start in flight, a slow unmount. Each hold
 // is released only after the answer came; what was not done then finishes in the background
