@@ -5,9 +5,11 @@
 //! home spelled in other ways and kills mid-submit and mid-delete are restore scenarios now,
 //! `restore.rs`, in every world). After each fault: what the API answered stays true, nothing is
 //! leaked or lost (containers, task directories, `authorized_keys` lines, GPU locks), and
-//! everything converges without a restart of the shim. Three faults are scenarios that also
-//! run in the engine worlds (see `world/mod.rs`): lost answers, the engine away for a while, a
-//! full home; the rest needs the binary (a SIGKILL, a frozen daemon, real keys).
+//! everything converges without a restart of the shim. Four faults are scenarios that also
+//! run in the engine worlds (see `world/mod.rs`): lost answers, the engine away for a while and
+//! a full home in all three, unusable state files in the Docker world too (real key lines
+//! across a restart); the rest needs the binary (a SIGKILL, a frozen daemon, a start's write
+//! failing on a real full disk).
 //!
 //! Each test has its own shim home (so its own owner identity: it never sees another test's
 //! containers), API port, fake GPUs, the stub runner, and tasks in bridge mode. What a test
@@ -1120,51 +1122,43 @@ fn on_a_full_home_a_start_runs_and_keys_go_before_their_records() {
 // 4. Unusable state files
 // ---------------------------------------------------------------------------------------------
 
-/// SPEC §5, §7: state files that are garbage, truncated, of a future format version, or a
-/// directory, with their containers running. The shim starts; each task is restored from its
-/// container (running, same container) and can be terminated and removed; the bad file is
-/// moved aside as `task.json.corrupt-<ms>` (the directory too). The `authorized_keys` lines
-/// of those tasks, now of unknown origin, stay while any of them lives — even when another
-/// task of the same user is released — and go once the last of them is released; the user's
-/// own line is never touched.
-#[test]
-#[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
-fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
-    require(
-        "unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys",
-        true,
-    );
-    let dir = tempfile::Builder::new()
-        .prefix("shim-faults-")
-        .tempdir()
-        .unwrap();
-    let user = HostUser::create(dir.path());
+// SPEC §5, §7: state files that are garbage, truncated, of a future format version, or a
+// directory, with their containers running. The shim starts; each task is restored from its
+// container (running, same container) and can be terminated and removed; the bad file is
+// moved aside as `task.json.corrupt-<ms>` (the directory too). The `authorized_keys` lines
+// of those tasks, now of unknown origin, stay while any of them lives — even when another
+// task of the same user is released — and go once the last of them is released; the user's
+// own line is never touched. (Real key lines across a restart: not the fake world, whose keys
+// are new fakes at each start.)
+async fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys<W: world::World>() {
+    let mut w = W::new(world::Options {
+        host_user: true,
+        ..world::Options::default()
+    })
+    .await;
+    let keys = w.host_user().unwrap();
     let own = ssh_key("own@faults");
-    user.add_line(&own);
-    let mut shim = TestShim::builder("faults")
-        .home(&dir.path().join("home"), &dir.path().join("logs"))
-        .build();
-    shim.start();
+    w.add_own_key_line(&own);
     let kinds = ["garbage", "truncated", "future", "directory"];
     let ids: Vec<&str> = kinds.iter().copied().chain(["healthy"]).collect();
     let mut configs = BTreeMap::new();
     for id in &ids {
-        let config = with_host_keys(task(id, 0), user.name(), &[&ssh_key(id)]);
-        assert_eq!(shim.submit(&config).status, 200);
+        let config = with_host_keys(w.task(id, 0), &keys.user, &[&ssh_key(id)]);
+        w.submit(&config).await.unwrap();
         configs.insert(*id, config);
     }
     let mut before = BTreeMap::new();
     for id in &ids {
-        before.insert(*id, shim.wait_status(id, "running"));
+        before.insert(*id, w.wait_status(id, "running").await);
     }
     let all_keys: BTreeSet<String> = ids.iter().map(|id| key_blob(&ssh_key(id))).collect();
-    assert_eq!(marked_keys(&user), all_keys);
+    assert_eq!(keys.marked(), all_keys);
 
-    shim.kill();
+    w.stop().await;
+    let runners = w.home().join("runners");
     let mut bad = BTreeMap::new();
     for kind in kinds {
-        let file = shim
-            .tasks_dir()
+        let file = runners
             .join(container_name_of(&configs[kind]))
             .join("task.json");
         let good = fs_err::read(&file).unwrap();
@@ -1189,16 +1183,16 @@ fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
         }
         bad.insert(kind, content);
     }
-    shim.start();
+    w.start().await;
 
     for kind in kinds {
-        let info = shim.info(kind);
-        assert_eq!(status_of(&info), "running", "{kind}: {info}");
+        let info = w.info(kind).await.unwrap();
+        assert_eq!(info["status"], "running", "{kind}: {info}");
         assert_eq!(
             info["container_id"], before[kind]["container_id"],
             "{kind}: {info}"
         );
-        let task_dir = shim.tasks_dir().join(container_name_of(&configs[kind]));
+        let task_dir = runners.join(container_name_of(&configs[kind]));
         let aside: Vec<String> = entries(&task_dir)
             .into_iter()
             .filter(|n| n.starts_with("task.json.corrupt-"))
@@ -1214,12 +1208,8 @@ fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
             ),
         }
     }
-    assert_eq!(status_of(&shim.info("healthy")), "running");
-    assert_eq!(
-        marked_keys(&user),
-        all_keys,
-        "no key line lost at the restart"
-    );
+    assert_eq!(w.info("healthy").await.unwrap()["status"], "running");
+    assert_eq!(keys.marked(), all_keys, "no key line lost at the restart");
 
     // Released one by one: the unknown-origin lines stay while any restored task lives, also
     // when the healthy task (same user, known keys) is released.
@@ -1230,8 +1220,9 @@ fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
         .cloned()
         .collect();
     for id in ["garbage", "truncated", "healthy", "future"] {
-        shim.finish(id);
-        let marked = marked_keys(&user);
+        w.terminate(id, "terminated_by_server", "", 0).await;
+        w.remove(id).await;
+        let marked = keys.marked();
         assert!(
             unknown.is_subset(&marked),
             "after releasing {id}: lines of unknown origin went while a task with unknown keys \
@@ -1244,16 +1235,19 @@ fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys() {
             "after releasing {id}: the healthy task's line: {marked:?}"
         );
     }
-    shim.finish("directory");
+    w.terminate("directory", "terminated_by_server", "", 0)
+        .await;
+    w.remove("directory").await;
     assert_eq!(
-        marked_keys(&user),
+        keys.marked(),
         BTreeSet::new(),
         "the lines of unknown origin go once the last task with unknown keys is released"
     );
-    assert_eq!(user.lines(), vec![own]);
-    assert_eq!(shim.containers(), BTreeMap::new());
-    assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_eq!(keys.lines(), vec![own]);
+    assert_eq!(w.containers().await, 0);
+    assert_eq!(task_entries(&runners), BTreeSet::new());
 }
+in_worlds!(unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys: docker, binary);
 
 // ---------------------------------------------------------------------------------------------
 // 5. Lost answers

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 use shim_e2e::harness::{
-    EventStream, FakeGpuHost, FakeGpuHostOptions, FakeHealth, FakeVendor, LoopFs, NamedContainer,
-    TestShim, container_name_of,
+    EventStream, FakeGpuHost, FakeGpuHostOptions, FakeHealth, FakeVendor, HostUser, LoopFs,
+    NamedContainer, TestShim, container_name_of,
 };
 
 use super::flaky::FlakyDocker;
@@ -22,6 +22,8 @@ pub struct BinaryWorld {
     /// Whether the shim relists often enough for [`World::relist`] to wait for one.
     relists: bool,
     proxy: Option<FlakyDocker>,
+    /// The host user ([`Options::host_user`]); removed after the shim stops.
+    user: Option<HostUser>,
     /// The proxy that loses answers ([`Options::losing_engine`]).
     losing: Option<shim_e2e::harness::LosingProxy>,
     /// Every submitted task's container, removed by name however the test ends (one that
@@ -71,6 +73,10 @@ impl World for BinaryWorld {
             // Only the shim goes through the proxy: the clean-up talks to Docker directly.
             builder = builder.env("DOCKER_HOST", proxy.docker_host());
         }
+        let user = options.host_user.then(|| {
+            shim_e2e::require_root();
+            HostUser::create(dir.path())
+        });
         let losing = options.losing_engine.then(super::engine::losing_proxy);
         if let Some(losing) = &losing {
             builder = builder.env("DOCKER_HOST", losing.host());
@@ -100,6 +106,7 @@ impl World for BinaryWorld {
             relists: options.relist_every_s.is_some(),
             shim: Arc::new(shim.await.unwrap()),
             proxy,
+            user,
             losing,
             named: Mutex::new(Vec::new()),
             _dir: dir,
@@ -247,6 +254,17 @@ impl World for BinaryWorld {
 
     async fn metrics(&self) -> shim_e2e::harness::Metrics {
         self.call(TestShim::metrics).await
+    }
+
+    fn host_user(&self) -> Option<super::HostKeys> {
+        self.user.as_ref().map(|u| super::HostKeys {
+            user: u.name().to_owned(),
+            file: u.authorized_keys(),
+        })
+    }
+
+    fn add_own_key_line(&self, line: &str) {
+        self.user.as_ref().expect("a host user").add_line(line);
     }
 
     fn answers_lost(&self) -> usize {

@@ -511,6 +511,13 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
         shim_e2e::harness::parse_openmetrics(&text).unwrap_or_else(|e| panic!("{e}\n{text}"))
     }
 
+    fn host_user(&self) -> Option<super::HostKeys> {
+        DOCKER.then(|| super::HostKeys {
+            user: "tester".to_owned(),
+            file: self.path("user/.ssh/authorized_keys"),
+        })
+    }
+
     fn answers_lost(&self) -> usize {
         match (&self.fake, &self.losing) {
             (Some(fake), _) => fake.answers_lost(),

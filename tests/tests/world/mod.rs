@@ -177,6 +177,39 @@ pub struct Options {
     /// fake, in the others by a proxy on the Docker socket that closes the connection instead
     /// of answering ([`World::answers_lost`]).
     pub losing_engine: bool,
+    /// A host user whose real `authorized_keys` tasks' host keys go to
+    /// ([`World::host_user`]): in the Docker world `tester` (always there), in the binary
+    /// world a system user made for the test (needs root). The fake world's keys are fakes,
+    /// new at each restart: it has none.
+    pub host_user: bool,
+}
+
+/// A host user with a real `authorized_keys` ([`Options::host_user`]).
+pub struct HostKeys {
+    /// The user's name (a task's `host_ssh_user`).
+    pub user: String,
+    /// Its `authorized_keys`.
+    pub file: PathBuf,
+}
+
+impl HostKeys {
+    /// The file's lines (none while there is no file).
+    pub fn lines(&self) -> Vec<String> {
+        match fs_err::read_to_string(&self.file) {
+            Ok(text) => text.lines().map(str::to_owned).collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// The key blobs of the lines the shim marked as its own.
+    pub fn marked(&self) -> std::collections::BTreeSet<String> {
+        self.lines()
+            .iter()
+            .filter(|l| l.trim_end().ends_with(shim_e2e::harness::KEY_MARKER))
+            .filter_map(|l| l.split_whitespace().nth(1).map(str::to_owned))
+            .collect()
+    }
 }
 
 /// A host with a shim on it, as a scenario sees it.
@@ -402,6 +435,24 @@ pub trait World: Sized {
                 shim_e2e::docker_ok(&args);
             }
         }
+    }
+
+    /// The host user of [`Options::host_user`] (`None` in the fake world).
+    fn host_user(&self) -> Option<HostKeys> {
+        None
+    }
+
+    /// Adds `line` to the host user's `authorized_keys` as the user would (unmarked).
+    fn add_own_key_line(&self, line: &str) {
+        let keys = self.host_user().expect("a host user");
+        let mut text = keys.lines().join("\n");
+        if !text.is_empty() {
+            text.push('\n');
+        }
+        text.push_str(line);
+        text.push('\n');
+        fs_err::create_dir_all(keys.file.parent().unwrap()).unwrap();
+        fs_err::write(&keys.file, text).unwrap();
     }
 
     /// How many of the engine's answers were lost so far ([`Options::losing_engine`]).
