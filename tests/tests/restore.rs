@@ -17,10 +17,10 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use shim_e2e::harness::{
-    HostUser, NamedContainer, TestShim, assert_running, container_name_of, container_running,
-    owner_identity, server_task, ssh_key, task_entries, wait_container_stopped, wait_until,
+    NamedContainer, TestShim, assert_running, container_name_of, container_running, owner_identity,
+    server_task, ssh_key, task_entries, wait_until,
 };
-use shim_e2e::{docker_ok, image, require_docker, require_root};
+use shim_e2e::{docker_ok, image, require_docker};
 
 use world::{GPUS, Options, World};
 
@@ -724,62 +724,52 @@ fn shutdown_and_sigterm_leave_containers_running() {
 // Upstream's on-host contract (a host switched to and from the upstream Go shim)
 // ---------------------------------------------------------------------------------------------
 
-/// Runs a container the way the upstream shim does for `config` (upstream
-/// `runner/internal/shim/docker.go`, `createContainer`): its two labels only, the runner
-/// directory `runner_dir`, runner ports published (bridge mode).
-fn run_upstream_container(config: &Value, runner_dir: &Path) -> (String, NamedContainer) {
-    let guard = NamedContainer(container_name_of(config));
-    let cid = world::run_upstream_container_on_docker(config, runner_dir, None);
-    (cid, guard)
-}
-
-/// Issue 11, the switch from the upstream shim: the key line upstream added for a task
-/// (verbatim, no marker) stays in the user's authorized_keys while the adopted task runs and
-/// across a restart of this shim, and goes with the task; the user's own line stays. (The
-/// adoption itself, in every world: restore.rs.)
-///
-/// upstream: runner/internal/shim/authorized_keys.go (keys appended verbatim, removed by
-/// fingerprint).
-#[test]
-#[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
-fn an_upstream_tasks_key_line_stays_while_it_runs_and_goes_with_it() {
-    require_docker();
-    // HostUser runs useradd: root.
-    require_root();
-    let mut shim = TestShim::builder("e2e").build();
+// Issue 11, the switch from the upstream shim: the key line upstream added for a task
+// (verbatim, no marker) stays in the user's authorized_keys while the adopted task runs and
+// across a restart of this shim, and goes with the task; the user's own line stays. (The
+// adoption itself, in every world: above. Real key lines across a restart: not the fake world,
+// whose keys are new fakes at each start.)
+// upstream: runner/internal/shim/authorized_keys.go (keys appended verbatim, removed by
+// fingerprint).
+async fn an_upstream_tasks_key_line_stays_while_it_runs_and_goes_with_it<W: World>() {
+    let mut w = W::new(Options {
+        host_user: true,
+        ..Options::default()
+    })
+    .await;
+    let keys = w.host_user().unwrap();
     let own_key = ssh_key("the-user's-own-key");
     let task_key = ssh_key("upstream-task-key");
-    let user = HostUser::create(shim.root());
-    user.add_line(&own_key);
-    user.add_line(&task_key);
-    let mut config = server_task("upstream-k", 0);
-    config["host_ssh_user"] = json!(user.name());
+    w.add_own_key_line(&own_key);
+    w.add_own_key_line(&task_key);
+    let both = [own_key.clone(), task_key.clone()];
+    let mut config = w.task("upstream-k", 0);
+    config["host_ssh_user"] = json!(keys.user);
     config["host_ssh_keys"] = json!([task_key]);
-    let dir = shim.home().join("runners").join(container_name_of(&config));
-    fs_err::create_dir_all(dir.join("runner")).unwrap();
-    fs_err::write(
-        dir.join("task.json"),
-        world::upstream_state_file(&config, ""),
-    )
-    .unwrap();
-    let (cid, _guard) = run_upstream_container(&config, &dir.join("runner"));
+    w.stop().await;
+    let (_dir, cid) = w.plant_upstream_task(&config, Some(""), None).await;
 
-    shim.start();
-    assert_eq!(shim.info("upstream-k")["status"], "running");
-    assert_eq!(user.lines(), [own_key.clone(), task_key.clone()]);
-    shim.kill();
-    shim.start();
-    assert_eq!(user.lines(), [own_key.clone(), task_key.clone()]);
+    w.start().await;
+    assert_eq!(w.info("upstream-k").await.unwrap()["status"], "running");
+    assert_eq!(keys.lines(), both);
+    w.restart().await;
+    assert_eq!(keys.lines(), both);
 
-    shim.terminate("upstream-k", "terminated_by_server", "switched", 2)
-        .ok();
-    wait_container_stopped(&cid);
-    wait_until("the upstream key line is removed", STATUS_BOUND, || {
-        user.lines() == [own_key.clone()]
-    });
-    shim.remove_retrying("upstream-k");
-    assert_eq!(user.lines(), [own_key]);
+    w.terminate("upstream-k", "terminated_by_server", "switched", 2)
+        .await;
+    let own = vec![own_key];
+    for _ in 0..600 {
+        if keys.lines() == own {
+            break;
+        }
+        w.sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(keys.lines(), own, "the upstream key line goes");
+    w.remove("upstream-k").await;
+    assert_eq!(keys.lines(), own);
+    assert_eq!(w.container_running(&cid).await, None);
 }
+in_worlds!(an_upstream_tasks_key_line_stays_while_it_runs_and_goes_with_it: docker, binary);
 
 /// Issue 11, the switch the other way: what this shim leaves on the host is what the upstream
 /// shim adopts. Its container carries upstream's labels, mounts the task's `runner/`
