@@ -45,9 +45,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use shim_e2e::harness::{
-    FAKE_GPUS, HostUser, KEY_MARKER, LoopFs, PrivateDocker, RemoveImage, Request, Response,
-    TestShim, bridge_task, container_name_of, docker_at, entries, fake_gpu_ids, run_tag, ssh_key,
-    status_of, task_entries, try_docker_within, wait_for, write_runner_exit,
+    FAKE_GPUS, HostUser, LoopFs, PrivateDocker, RemoveImage, Request, Response, TestShim,
+    bridge_task, container_name_of, docker_at, entries, fake_gpu_ids, run_tag, ssh_key, status_of,
+    task_entries, try_docker_within, wait_for, write_runner_exit,
 };
 use shim_e2e::{registry, registry_password, registry_user, require_docker, require_root};
 
@@ -133,11 +133,11 @@ fn ending(info: &Value) -> [&str; 4] {
 
 /// The keys (base64 fields) of the lines the shim wrote in the user's `authorized_keys`.
 fn marked_keys(user: &HostUser) -> BTreeSet<String> {
-    user.lines()
-        .iter()
-        .filter(|l| l.trim_end().ends_with(KEY_MARKER))
-        .map(|l| key_blob(l))
-        .collect()
+    world::HostKeys {
+        user: user.name().to_owned(),
+        file: user.authorized_keys(),
+    }
+    .marked()
 }
 
 // ---------------------------------------------------------------------------------------------
