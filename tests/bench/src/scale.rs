@@ -220,6 +220,7 @@ fn restart(ctx: &Ctx, shim: &mut BenchShim, tasks: usize, rounds: usize) -> Resu
     let mut shim_s = Vec::new();
     let mut raw_s = Vec::new();
     let mut inspect_s = Vec::new();
+    let mut ratios = Vec::new();
     for round in 0..rounds {
         let shim_sample = |shim: &mut BenchShim| -> Result<f64> {
             let t = Instant::now();
@@ -263,22 +264,21 @@ fn restart(ctx: &Ctx, shim: &mut BenchShim, tasks: usize, rounds: usize) -> Resu
             );
             Ok((listed, inspected_too))
         };
-        let raw = |raw_s: &mut Vec<f64>, inspect_s: &mut Vec<f64>| -> Result<()> {
-            let (listed, inspected) = raw_sample()?;
-            raw_s.push(listed);
-            inspect_s.push(inspected);
-            Ok(())
-        };
-        if round % 2 == 0 {
-            shim_s.push(shim_sample(shim)?);
-            raw(&mut raw_s, &mut inspect_s)?;
-        } else {
-            raw(&mut raw_s, &mut inspect_s)?;
-            shim_s.push(shim_sample(shim)?);
-        }
+        // Paired: one list right before and one right after the shim's sample; the round's
+        // reference is their mean (the list's own spread from one minute to the next is
+        // larger than the shim's share, so a list taken at another moment says little).
+        let (before, _) = raw_sample()?;
+        let shim_round = shim_sample(shim)?;
+        let (after, inspected) = raw_sample()?;
+        let raw_round = (before + after) / 2.0;
+        shim_s.push(shim_round);
+        raw_s.push(raw_round);
+        inspect_s.push(inspected);
+        ratios.push(shim_round / raw_round);
         println!(
-            "  round {round}: shim {:.3} s, raw list {:.3} s (list + inspect, 8 at a time, {:.3} s)",
-            shim_s[round], raw_s[round], inspect_s[round]
+            "  round {round}: shim {shim_round:.3} s, raw list {before:.3} / {after:.3} s \
+             before / after ({:.2}x; list + inspect, 8 at a time, {inspected:.3} s)",
+            ratios[round]
         );
     }
     Ok(Comparison::new(
@@ -291,6 +291,7 @@ fn restart(ctx: &Ctx, shim: &mut BenchShim, tasks: usize, rounds: usize) -> Resu
     )
     .with_detail(json!({
         "tasks": tasks, "shim_s": shim_s, "raw_list_s": raw_s,
-        "raw_list_and_inspect_s": inspect_s,
+        "raw_list_and_inspect_s": inspect_s, "paired_ratios": ratios,
+        "paired_ratio_median": median(&ratios),
     })))
 }
