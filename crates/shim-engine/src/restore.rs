@@ -16,7 +16,7 @@ use shim_store::{Origin, ScanEntry};
 use shim_task::machine::Action;
 use shim_task::{
     HostKeysGrant, MountedVolume, ObservedContainer, ObservedState, PortMapping, TaskId,
-    TaskRecord, UnknownKeys, restore as restore_task,
+    TaskRecord, TaskStatus, UnknownKeys, restore as restore_task,
 };
 
 use crate::clock::Clock;
@@ -251,9 +251,10 @@ pub(crate) async fn restore(
         let Some((task, actions)) = restore_task(record, container, ctx.clock.now_ms()) else {
             continue;
         };
-        // A task whose container runs comes back as it was: one line for all of them (the
-        // caller's count); what a restart changes or finds ended is said task by task.
-        if running {
+        // A running task whose container runs comes back as it was: one line for all of them
+        // (the caller's count); a task a restart finds ended, or whose running container it
+        // stops (a recorded termination), is said task by task.
+        if running && task.status() == TaskStatus::Running {
             tracing::debug!(task = %task.record().id, status = %task.status(), "task restored");
         } else {
             tracing::info!(task = %task.record().id, status = %task.status(), reason = ?task.record().termination_reason, "task restored");

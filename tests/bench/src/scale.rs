@@ -244,7 +244,9 @@ fn restart(ctx: &Ctx, shim: &mut BenchShim, tasks: usize, rounds: usize) -> Resu
         };
         // What a program needs to learn the same from Docker: one list by label (its states
         // say running); until 2026-12-08 the raw side also inspected each container.
-        let raw_sample = || -> Result<(f64, f64)> {
+        // With `inspect`, also the time to list and then inspect each container (the raw
+        // figure before 2026-12-05); else that time is `None`.
+        let raw_sample = |inspect: bool| -> Result<(f64, Option<f64>)> {
             let t = Instant::now();
             let running = docker.running(LABEL_OWNER, &owner)?;
             let listed = t.elapsed().as_secs_f64();
@@ -253,6 +255,9 @@ fn restart(ctx: &Ctx, shim: &mut BenchShim, tasks: usize, rounds: usize) -> Resu
                 "raw: {} of {tasks} running",
                 running.len()
             );
+            if !inspect {
+                return Ok((listed, None));
+            }
             let inspected: Vec<_> = parallel(&running, 8, |id| docker.inspect(id))
                 .into_iter()
                 .collect::<Result<_>>()?;
@@ -262,14 +267,15 @@ fn restart(ctx: &Ctx, shim: &mut BenchShim, tasks: usize, rounds: usize) -> Resu
                 "raw: inspected {}",
                 inspected.len()
             );
-            Ok((listed, inspected_too))
+            Ok((listed, Some(inspected_too)))
         };
         // Paired: one list right before and one right after the shim's sample; the round's
         // reference is their mean (the list's own spread from one minute to the next is
         // larger than the shim's share, so a list taken at another moment says little).
-        let (before, _) = raw_sample()?;
+        let (before, _) = raw_sample(false)?;
         let shim_round = shim_sample(shim)?;
-        let (after, inspected) = raw_sample()?;
+        let (after, inspected) = raw_sample(true)?;
+        let inspected = inspected.unwrap_or_default();
         let raw_round = (before + after) / 2.0;
         shim_s.push(shim_round);
         raw_s.push(raw_round);
