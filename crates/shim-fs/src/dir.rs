@@ -284,19 +284,22 @@ impl Dir {
     ) -> Result<(Dir, bool)> {
         let name = check_name(&self.path, name)?;
         let path = self.join(name);
-        // Two rounds: a directory removed between a failed mkdir and the open is retried once.
+        // The mkdir goes first (a new directory is the common case: no lookup before it);
+        // when it fails, an existing directory is opened. Two rounds: a directory removed
+        // between the failed mkdir and the open is retried once.
         for _ in 0..2 {
-            if let Some(d) = self.open_dir(name)? {
-                return Ok((d, false));
-            }
             let made = self.tap.around(
                 || rustix::fs::mkdirat(&self.fd, name, Mode::from_raw_mode(mode as _)),
                 |s, ()| s.mkdir(self.fd.as_fd(), name, mode),
             );
-            match made {
-                Ok(()) => {}
-                Err(Errno::EXIST) => continue,
-                Err(e) => return Err(FsError::sys(Step::CreateDir, &path, e)),
+            if let Err(e) = made {
+                // Whatever the mkdir said (it exists; or a read-only file system, a
+                // permission the shim lacks), a directory already there is used as it is.
+                match self.open_dir(name)? {
+                    Some(d) => return Ok((d, false)),
+                    None if e == Errno::EXIST => continue,
+                    None => return Err(FsError::sys(Step::CreateDir, &path, e)),
+                }
             }
             let Some(d) = self.open_dir(name)? else {
                 continue;

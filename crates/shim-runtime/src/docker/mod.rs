@@ -214,29 +214,47 @@ fn container(id: &str) -> String {
 /// nothing is created. SPEC §6's rule (a missing runner binary touches nothing) must not
 /// depend on the engine refusing: Docker does (for `Mounts` of type `bind`), Podman creates
 /// an empty directory at the path. A lookup that fails otherwise (a permission the shim
-/// lacks) is left for the engine to judge.
+/// lacks) is left for the engine to judge. All the lookups go to the blocking pool at once
+/// (one hop a create, not one a mount).
 async fn check_bind_sources(spec: &ContainerSpec) -> Result<()> {
-    for mount in &spec.mounts {
-        match tokio::fs::metadata(&mount.source).await {
-            Ok(_) => {}
-            Err(source)
-                if matches!(
-                    source.kind(),
-                    std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
-                ) =>
-            {
-                return Err(RuntimeError::BindSourceMissing {
-                    what: container(&spec.name),
-                    path: mount.source.clone(),
-                    source,
-                });
-            }
-            Err(err) => {
-                debug!(container = %spec.name, source = %mount.source.display(), %err, "cannot look at a bind source; the engine decides");
+    if spec.mounts.is_empty() {
+        return Ok(());
+    }
+    let sources: Vec<PathBuf> = spec.mounts.iter().map(|m| m.source.clone()).collect();
+    let name = spec.name.clone();
+    let looked = tokio::task::spawn_blocking(move || {
+        for source in sources {
+            match fs_err::metadata(&source) {
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+                    ) =>
+                {
+                    return Err((source, e));
+                }
+                Err(err) => {
+                    debug!(container = %name, source = %source.display(), %err, "cannot look at a bind source; the engine decides");
+                }
             }
         }
+        Ok(())
+    })
+    .await;
+    match looked {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err((path, source))) => Err(RuntimeError::BindSourceMissing {
+            what: container(&spec.name),
+            path,
+            source,
+        }),
+        // The lookups panicked or the runtime is shutting down: the engine decides.
+        Err(err) => {
+            debug!(container = %spec.name, %err, "cannot look at the bind sources; the engine decides");
+            Ok(())
+        }
     }
-    Ok(())
 }
 
 impl DockerRuntime {
