@@ -31,8 +31,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, VERSION};
 
-/// The most async worker threads (one per core up to this).
-const MAX_WORKER_THREADS: usize = 4;
 /// The most threads for blocking work (durable writes, key files, mounts) at once.
 const MAX_BLOCKING_THREADS: usize = 32;
 
@@ -92,14 +90,12 @@ fn main() -> ExitCode {
     if watchdog {
         return upgrade::watch_main(&config);
     }
-    // The shim waits on Docker, the disk and its clients; it computes little. A few workers
-    // and a bounded blocking pool (state writes, authorized_keys, mounts) keep its threads,
-    // and with them glibc's per-thread malloc arenas, few on hosts with many cores.
-    let workers = std::thread::available_parallelism()
-        .map_or(2, std::num::NonZeroUsize::get)
-        .clamp(2, MAX_WORKER_THREADS);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(workers)
+    // The shim waits on Docker, the disk and its clients; it computes little: its async work
+    // runs on this one thread (no wake-ups between workers: 8 % less CPU a task than two
+    // workers, docs/BENCHMARKS.md), and a bounded blocking pool (state writes,
+    // authorized_keys, mounts, file lookups) takes whatever blocks, so the threads, and with
+    // them glibc's per-thread malloc arenas, stay few on hosts with many cores.
+    let runtime = match tokio::runtime::Builder::new_current_thread()
         .max_blocking_threads(MAX_BLOCKING_THREADS)
         .enable_all()
         .build()

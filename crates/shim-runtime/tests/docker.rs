@@ -399,14 +399,13 @@ touch /data/written && echo data-rw";
 
 /// Issue 22, SPEC §6: bind mounts are made as upstream makes them, Docker `Mounts` of type
 /// `bind` (upstream: runner/internal/shim/docker.go, `DockerMounts`, `getVolumeMounts`,
-/// `getInstanceMounts`), never `Binds`. A missing source (a runner binary whose download
-/// failed) fails the create with Docker's message naming the path, and nothing appears at that
-/// path (with `Binds`, Docker made a directory there). Present sources are mounted with their
-/// read-only flags, `/dev/shm` stays the exec tmpfs of `HostConfig.Tmpfs`, and the list and
-/// inspect report each mount's source (restore reads the runner directory's from the list).
+/// `getInstanceMounts`), never `Binds` (with which Docker made a directory at a missing
+/// source). Sources are mounted with their read-only flags, `/dev/shm` stays the exec tmpfs of
+/// `HostConfig.Tmpfs`, and the list and inspect report each mount's source (restore reads the
+/// runner directory's from the list). A missing source: the next test.
 #[tokio::test]
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
-async fn binds_are_mounts_and_a_missing_source_fails_the_create_creating_nothing() {
+async fn binds_are_mounts_with_their_flags_and_their_sources_listed() {
     require_docker();
     let (docker, run, guard) = setup("mounts").await;
     let dir = tempfile::tempdir().unwrap();
@@ -416,25 +415,6 @@ async fn binds_are_mounts_and_a_missing_source_fails_the_create_creating_nothing
     fs_err::create_dir_all(&data).unwrap();
     fs_err::write(runner_dir.join("hello"), "hello-from-host\n").unwrap();
 
-    // The runner binary is missing: no container, no directory at its path.
-    let missing = dir.path().join("no-runner").join("dstack-runner");
-    let name = format!("{run}-missing");
-    let mut inputs = runner_inputs(&name, guard.labels(), &runner_dir, NetworkMode::Host);
-    inputs.runner.binary_host_path = missing.clone();
-    let e = docker
-        .create(&build_container_spec(&inputs))
-        .await
-        .unwrap_err();
-    let text = e.to_string();
-    assert!(
-        text.contains(&missing.display().to_string()) && text.contains("does not exist"),
-        "the error names the missing path: {text}"
-    );
-    assert!(!missing.exists(), "Docker made something at {missing:?}");
-    assert!(!missing.parent().unwrap().exists());
-    assert!(docker.list(&guard.labels).await.unwrap().is_empty());
-
-    // Every source present: mounted, the runner binary read-only, with an exec /dev/shm.
     let mut inputs = runner_inputs(&run, guard.labels(), &runner_dir, NetworkMode::Host);
     inputs.mounts = vec![bind(&data, "/data", false)];
     inputs.shm_size = 64 << 20;
@@ -468,7 +448,8 @@ async fn binds_are_mounts_and_a_missing_source_fails_the_create_creating_nothing
     assert_eq!(by_target(&listed[0].mounts), expected);
 }
 
-/// Issue 27: a missing bind source is the shim's own error, whatever the engine would do
+/// Issues 22 and 27, SPEC §6: a missing bind source — the runner binary whose download
+/// failed, a volume's directory — is the shim's own error, whatever the engine would do
 /// (Docker refuses the create; Podman makes an empty directory at the path). The create fails
 /// with `BindSourceMissing` naming the path before the engine is asked: no container carries
 /// the run's label, and nothing appears at the path.
@@ -480,24 +461,43 @@ async fn a_missing_bind_source_is_the_shims_error_and_creates_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let runner_dir = dir.path().join("runner");
     fs_err::create_dir_all(&runner_dir).unwrap();
-    let missing = dir.path().join("no-volume").join("data");
-    let mut inputs = runner_inputs(&run, guard.labels(), &runner_dir, NetworkMode::Host);
-    inputs.mounts = vec![bind(&missing, "/data", false)];
-    let e = docker
-        .create(&build_container_spec(&inputs))
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(&e, RuntimeError::BindSourceMissing { path, .. } if *path == missing),
-        "{e:?}"
-    );
-    assert!(
-        e.to_string().contains(&missing.display().to_string()),
-        "the error names the path: {e}"
-    );
-    assert!(docker.list(&guard.labels).await.unwrap().is_empty());
-    assert!(docker.inspect(&run).await.unwrap_err().is_not_found());
-    assert!(!missing.parent().unwrap().exists(), "made: {missing:?}");
+    for what in ["runner binary", "volume"] {
+        let mut inputs = runner_inputs(&run, guard.labels(), &runner_dir, NetworkMode::Host);
+        let missing = if what == "volume" {
+            let missing = dir.path().join("no-volume").join("data");
+            inputs.mounts = vec![bind(&missing, "/data", false)];
+            missing
+        } else {
+            let missing = dir.path().join("no-runner").join("dstack-runner");
+            inputs.runner.binary_host_path = missing.clone();
+            missing
+        };
+        let e = docker
+            .create(&build_container_spec(&inputs))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, RuntimeError::BindSourceMissing { path, .. } if *path == missing),
+            "{what}: {e:?}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains(&missing.display().to_string()) && text.contains("does not exist"),
+            "{what}: the error names the missing path: {text}"
+        );
+        assert!(
+            docker.list(&guard.labels).await.unwrap().is_empty(),
+            "{what}"
+        );
+        assert!(
+            docker.inspect(&run).await.unwrap_err().is_not_found(),
+            "{what}"
+        );
+        assert!(
+            !missing.parent().unwrap().exists(),
+            "{what}: made {missing:?}"
+        );
+    }
 }
 
 async fn http_get(port: u16, path: &str) -> std::io::Result<String> {
