@@ -38,9 +38,10 @@ async fn a_missing_runner_binary_fails_the_task_with_the_path<W: World>() {
             "{info}"
         );
         let message = info["termination_message"].as_str().unwrap();
-        assert!(
-            message.contains(&missing.display().to_string()),
-            "the message names the missing path: {message}"
+        assert_eq!(
+            message.matches(&missing.display().to_string()).count(),
+            1,
+            "the message names the missing path, once: {message}"
         );
         assert!(!missing.parent().unwrap().exists(), "something was made");
         w.remove(id).await;

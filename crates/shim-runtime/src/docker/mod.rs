@@ -224,7 +224,9 @@ async fn check_bind_sources(spec: &ContainerSpec) -> Result<()> {
     let name = spec.name.clone();
     let looked = tokio::task::spawn_blocking(move || {
         for source in sources {
-            match fs_err::metadata(&source) {
+            // `Path::metadata`, not `fs_err`'s: the error (`BindSourceMissing`) names the path
+            // itself, so the OS's words stand alone in the task's termination message.
+            match source.metadata() {
                 Ok(_) => {}
                 Err(e)
                     if matches!(
