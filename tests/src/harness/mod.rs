@@ -98,5 +98,5 @@ pub use task::{
     KEY_MARKER, assert_running, bridge_task, container_name, container_name_of, fake_gpu_ids,
     pending_info, published_ports, run_tag, server_task, ssh_key,
 };
-pub use user::HostUser;
+pub use user::{HostUser, append_key_line};
 pub use wait::{wait_for, wait_until};

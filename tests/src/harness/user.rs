@@ -97,22 +97,10 @@ impl HostUser {
         }
     }
 
-    /// Appends `line` to its `authorized_keys` as the user would (no marker; `~/.ssh` and
-    /// the file created if missing), and gives its home to it (`chown -R`).
-    #[allow(clippy::panic, reason = "a test helper: a failed write fails the test")]
+    /// Appends `line` to its `authorized_keys` as the user would ([`append_key_line`]), and
+    /// gives its home to it (`chown -R`).
     pub fn add_line(&self, line: &str) {
-        let path = self.authorized_keys();
-        if let Some(ssh) = path.parent() {
-            fs_err::create_dir_all(ssh).unwrap_or_else(|e| panic!("{e}"));
-        }
-        let mut text = match fs_err::read_to_string(&path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-            Err(e) => panic!("{e}"),
-        };
-        text.push_str(line);
-        text.push('\n');
-        fs_err::write(&path, text).unwrap_or_else(|e| panic!("{e}"));
+        append_key_line(&self.authorized_keys(), line);
         let owner = format!("{0}:{0}", self.name);
         let out = run("chown", &["-R", &owner, &self.home.display().to_string()]);
         assert!(
@@ -122,6 +110,26 @@ impl HostUser {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+}
+
+/// Appends `line` to the `authorized_keys` file `path` as its user would: no marker, on a line
+/// of its own, the file and its directory created if missing.
+#[allow(clippy::panic, reason = "a test helper: a failed write fails the test")]
+pub fn append_key_line(path: &Path, line: &str) {
+    if let Some(ssh) = path.parent() {
+        fs_err::create_dir_all(ssh).unwrap_or_else(|e| panic!("{e}"));
+    }
+    let mut text = match fs_err::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => panic!("{e}"),
+    };
+    if !text.is_empty() && !text.ends_with('\n') {
+        text.push('\n');
+    }
+    text.push_str(line);
+    text.push('\n');
+    fs_err::write(path, text).unwrap_or_else(|e| panic!("{e}"));
 }
 
 impl Drop for HostUser {

@@ -445,14 +445,7 @@ pub trait World: Sized {
     /// Adds `line` to the host user's `authorized_keys` as the user would (unmarked).
     fn add_own_key_line(&self, line: &str) {
         let keys = self.host_user().expect("a host user");
-        let mut text = keys.lines().join("\n");
-        if !text.is_empty() {
-            text.push('\n');
-        }
-        text.push_str(line);
-        text.push('\n');
-        fs_err::create_dir_all(keys.file.parent().unwrap()).unwrap();
-        fs_err::write(&keys.file, text).unwrap();
+        shim_e2e::harness::append_key_line(&keys.file, line);
     }
 
     /// How many of the engine's answers were lost so far ([`Options::losing_engine`]).
