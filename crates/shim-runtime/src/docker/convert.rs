@@ -378,16 +378,30 @@ pub(super) fn summaries_from_json(json: &str) -> serde_json::Result<Vec<Containe
 
 /// The events a subscription asks the engine for: `type=container` and `type=image` (an image's
 /// removal tells the engine's cache of images seen present that one may be gone), the one
-/// event filter every engine honours. The label and event-name filters are the shim's
-/// ([`container_event`]): Podman's event filter on a label key alone matches nothing (Podman
-/// 4.3: libpod/events/filters.go, a `label` filter without `=` is false), and its event names
-/// are not Docker's.
-pub(super) fn event_filters() -> HashMap<String, Vec<String>> {
-    HashMap::from([(
+/// event filter every engine honours; and on Docker (`by_name`) only the events
+/// [`container_event`] keeps, by their names ([`DOCKER_ACTIONS`]), so that the daemon does not
+/// encode, nor the shim decode, every container's `create`, `start`, `kill` and `stop` (two of
+/// them a task start, with all the container's labels in each). The label filter stays the
+/// shim's ([`container_event`]), and on Podman the names too: Podman's event filter on a label
+/// key alone matches nothing (Podman 4.3: libpod/events/filters.go, a `label` filter without
+/// `=` is false), and it matches event names against its own (`died`, not `die`).
+pub(super) fn event_filters(by_name: bool) -> HashMap<String, Vec<String>> {
+    let mut filters = HashMap::from([(
         "type".to_owned(),
         vec!["container".to_owned(), "image".to_owned()],
-    )])
+    )]);
+    if by_name {
+        let names = DOCKER_ACTIONS.iter().map(|a| (*a).to_owned()).collect();
+        filters.insert("event".to_owned(), names);
+    }
+    filters
 }
+
+/// Docker's names of the events [`container_event`] keeps: a container's exit, OOM kill and
+/// removal; an image's untag, deletion and prune. Docker matches an `event` filter against the
+/// action exactly (daemon/events/filter.go, `matchEvent`), whatever the type, and the names of
+/// the two types do not overlap.
+const DOCKER_ACTIONS: [&str; 6] = ["die", "oom", "destroy", "untag", "delete", "prune"];
 
 /// How much earlier than asked the engine is asked for events (see [`since_param`]).
 const SINCE_MARGIN_NS: i64 = 1_000_000;
@@ -629,17 +643,39 @@ mod tests {
         vec![("ai.dstack.shim.task-id".to_owned(), String::new())]
     }
 
-    /// The engine is asked for container and image events only; no label and no event name
-    /// reach it.
+    /// The engine is asked for container and image events only, and Docker (not Podman, whose
+    /// names differ) only for those the shim keeps; no label reaches it.
     #[test]
     fn events_ask_the_engine_for_container_and_image_events_only() {
-        assert_eq!(
-            event_filters(),
-            HashMap::from([(
-                "type".to_owned(),
-                vec!["container".to_owned(), "image".to_owned()]
-            )])
+        let types = (
+            "type".to_owned(),
+            vec!["container".to_owned(), "image".to_owned()],
         );
+        assert_eq!(event_filters(false), HashMap::from([types.clone()]));
+        let names = ["die", "oom", "destroy", "untag", "delete", "prune"];
+        let names = ("event".to_owned(), names.map(str::to_owned).to_vec());
+        assert_eq!(event_filters(true), HashMap::from([types, names]));
+    }
+
+    /// What Docker is asked for by name is what the shim keeps: of the recorded Docker events
+    /// (20.10's containers, 28.5's images), an event passes the filter exactly when
+    /// [`container_event`] keeps it (no labels asked for).
+    #[test]
+    fn docker_is_asked_by_name_for_exactly_the_events_kept() {
+        let fixtures = [
+            include_str!("fixtures/events-docker-20.10.jsonl"),
+            include_str!("fixtures/events-docker-28-images.jsonl"),
+        ];
+        let (mut kept, mut dropped) = (0, 0);
+        for line in fixtures.iter().flat_map(|f| f.lines()) {
+            let msg = serde_json::from_str::<EventMessage>(line).unwrap();
+            let passes = DOCKER_ACTIONS.contains(&msg.action.as_deref().unwrap());
+            let is_kept = container_event(msg, &[], 0).is_some();
+            assert_eq!(is_kept, passes, "{line}");
+            kept += usize::from(is_kept);
+            dropped += usize::from(!is_kept);
+        }
+        assert!(kept >= 5 && dropped >= 5, "{kept} kept, {dropped} dropped");
     }
 
     /// Issue 39: Docker 28.5's image events (containerd store), recorded on this project's

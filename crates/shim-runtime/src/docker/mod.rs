@@ -770,13 +770,13 @@ impl ContainerRuntime for DockerRuntime {
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
         });
-        // Only `type=container` and `type=image` are asked of the engine, from a little before
-        // `since_ns`;
-        // labels, event names and the instant are checked here (see `event_filters` and
-        // `since_param`).
+        // Only `type=container` and `type=image` are asked of the engine (and of Docker, the
+        // events kept by their names), from a little before `since_ns`; labels, event names
+        // and the instant are checked here (see `event_filters` and `since_param`).
+        let by_name = matches!(self.flavour().await?, Flavour::Docker);
         let options = EventsOptionsBuilder::new()
             .since(&since_param(since_ns))
-            .filters(&event_filters())
+            .filters(&event_filters(by_name))
             .build();
         let labels = labels.to_vec();
         // bollard's stream connects only when first read: a daemon that is down would show

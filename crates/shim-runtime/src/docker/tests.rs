@@ -258,36 +258,46 @@ fn one_filter(name: &str, values: &[&str]) -> HashMap<String, Vec<String>> {
     HashMap::from([(name.to_owned(), strings(values))])
 }
 
-/// Podman 4.3's events through the runtime: the engine is asked for container and image events only,
-/// and the shim keeps the exits (`died` and `die`) and the removal of labelled containers.
+/// Podman 4.3's events through the runtime: the engine is asked for container and image events
+/// only (Docker, as well, only for the names the shim keeps: Podman's differ), and the shim
+/// keeps the exits (`died` and `die`) and the removal of labelled containers.
 #[tokio::test]
-async fn podman_events_are_asked_by_type_and_filtered_by_the_shim() {
+async fn events_are_asked_by_type_and_on_docker_by_name_and_filtered_by_the_shim() {
     let fixture = include_str!("fixtures/events-podman-4.3.jsonl");
-    let engine = Engine::start(answering("GET", "/events", 200, fixture));
-    let runtime = engine.runtime().await;
-    let seen: Vec<_> = runtime
-        .events(&task_label(), Some(1_700_000_000_000_000_000))
-        .await
-        .unwrap()
-        .map(|e| e.map(|e| (e.name, e.kind)).unwrap())
-        .collect()
-        .await;
-    let died = |code| EventKind::Die {
-        exit_code: Some(code),
-    };
-    assert_eq!(
-        seen,
-        [
-            ("t2-0-bbbb".to_owned(), died(3)),
-            ("t3-0-cccc".to_owned(), died(1)),
-            ("t2-0-bbbb".to_owned(), EventKind::Destroy),
-        ]
-    );
-    assert_eq!(
-        engine.filters("/events"),
-        one_filter("type", &["container", "image"]),
-        "no label and no event name is left to the engine"
-    );
+    let podman = VERSION_PODMAN_5_4.replace("5.4.2", "4.3.1").leak();
+    let by_type = one_filter("type", &["container", "image"]);
+    let mut by_name = by_type.clone();
+    by_name.extend(one_filter(
+        "event",
+        &["die", "oom", "destroy", "untag", "delete", "prune"],
+    ));
+    for (version, filters) in [(&*podman, by_type), (VERSION, by_name)] {
+        let engine = Engine::start_as(version, answering("GET", "/events", 200, fixture));
+        let runtime = engine.runtime().await;
+        let seen: Vec<_> = runtime
+            .events(&task_label(), Some(1_700_000_000_000_000_000))
+            .await
+            .unwrap()
+            .map(|e| e.map(|e| (e.name, e.kind)).unwrap())
+            .collect()
+            .await;
+        let died = |code| EventKind::Die {
+            exit_code: Some(code),
+        };
+        assert_eq!(
+            seen,
+            [
+                ("t2-0-bbbb".to_owned(), died(3)),
+                ("t3-0-cccc".to_owned(), died(1)),
+                ("t2-0-bbbb".to_owned(), EventKind::Destroy),
+            ]
+        );
+        assert_eq!(
+            engine.filters("/events"),
+            filters,
+            "no label is left to the engine"
+        );
+    }
 }
 
 /// Connecting asks the engine one thing, `/version` (which engine answers): no version
