@@ -12,12 +12,20 @@ pub const NAME_HASH_LEN: usize = 8;
 /// Two tasks with the same name (the server reuses names across runs) get different container
 /// names, and the name is a pure function of the task, so a restarted shim computes the same one.
 pub fn container_name(name: &TaskName, id: &TaskId) -> String {
-    let digest = Sha256::digest(format!("{name}/{id}").as_bytes());
-    let mut hex = String::with_capacity(NAME_HASH_LEN);
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let digest = Sha256::new()
+        .chain_update(name.as_str())
+        .chain_update("/")
+        .chain_update(id.as_str())
+        .finalize();
+    let mut out = String::with_capacity(name.as_str().len() + 1 + NAME_HASH_LEN);
+    out.push_str(name.as_str());
+    out.push('-');
     for byte in digest.iter().take(NAME_HASH_LEN / 2) {
-        hex.push_str(&format!("{byte:02x}"));
+        out.push(char::from(HEX[usize::from(byte >> 4)]));
+        out.push(char::from(HEX[usize::from(byte & 0xf)]));
     }
-    format!("{name}-{hex}")
+    out
 }
 
 /// The task name inside a container name made by [`container_name`], if it has that shape
