@@ -24,6 +24,7 @@
 //! are read too ([`Origin::Legacy`]), so their homes can be migrated.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -170,7 +171,7 @@ pub(crate) fn encode(record: &TaskRecord) -> serde_json::Result<Vec<u8>> {
     let file = FileOut {
         version: FORMAT_VERSION,
         id: record.id.as_str(),
-        config: record.config.as_ref().map(UpstreamConfig::of),
+        config: record.config.as_deref().map(UpstreamConfig::of),
         // Upstream reads an empty reason as "not terminated": a reason is only written once
         // the task is terminated.
         termination_reason: match (&record.termination_reason, record.status) {
@@ -309,7 +310,7 @@ pub(crate) fn decode(
                     id: file.id,
                     name: ext.name.into_owned(),
                     container_name: ext.container_name.into_owned(),
-                    config,
+                    config: config.map(Arc::new),
                     status: ext.status,
                     termination_reason: terminated.then(|| TerminationReason::parse(&reason)),
                     termination_message: message,
@@ -348,7 +349,7 @@ pub(crate) fn decode(
                     id: file.id,
                     name,
                     container_name: dir_name.to_owned(),
-                    config,
+                    config: config.map(Arc::new),
                     status: if terminated {
                         TaskStatus::Terminated
                     } else {

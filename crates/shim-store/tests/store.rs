@@ -5,6 +5,7 @@ mod common;
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use common::{all_files, id, names, record, stored_form};
 use proptest::prelude::*;
@@ -196,7 +197,7 @@ fn registry_password_never_reaches_the_disk() {
     let mut config2 = config.clone();
     config2.id = id("t2");
     let mut careless = TaskRecord::new(&config2, "job-2".into(), 1);
-    careless.config = Some(config2.clone());
+    careless.config = Some(Arc::new(config2.clone()));
     assert_eq!(
         careless.config.as_ref().unwrap().registry_password.expose(),
         PASSWORD
@@ -209,7 +210,7 @@ fn registry_password_never_reaches_the_disk() {
     let stored = back.config.unwrap();
     assert!(stored.registry_password.is_empty());
     assert!(stored.registry_username.is_empty());
-    assert_eq!(stored, config2.without_credentials());
+    assert_eq!(*stored, config2.without_credentials());
 
     // Through a scan (which may move files around) too.
     store.scan().unwrap();
@@ -617,7 +618,7 @@ fn task_record() -> impl Strategy<Value = TaskRecord> {
                         id: task.clone(),
                         name,
                         container_name,
-                        config,
+                        config: config.map(Arc::new),
                         status,
                         termination_reason,
                         termination_message,

@@ -1,6 +1,8 @@
 //! The persisted part of a task: what the shim must remember across restarts because the
 //! container cannot tell it. The store wraps it in a versioned envelope.
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::config::TaskConfig;
@@ -18,8 +20,9 @@ pub struct TaskRecord {
     /// The container's name, fixed at submit.
     pub container_name: String,
     /// The config without registry credentials; `None` for a task adopted from a container
-    /// that an older shim created without a state file.
-    pub config: Option<TaskConfig>,
+    /// that an older shim created without a state file. Shared: a record is cloned at each step
+    /// of its task (to tell whether it changed) and the config never changes after the submit.
+    pub config: Option<Arc<TaskConfig>>,
     /// Status at the last persisted change.
     pub status: TaskStatus,
     /// Set once terminated; the first reason is kept.
@@ -50,7 +53,7 @@ impl TaskRecord {
             id: config.id.clone(),
             name: config.name.clone(),
             container_name,
-            config: Some(config.without_credentials()),
+            config: Some(Arc::new(config.without_credentials())),
             status: TaskStatus::Pending,
             termination_reason: None,
             termination_message: String::new(),

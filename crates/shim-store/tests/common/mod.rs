@@ -8,6 +8,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 
 use shim_task::{TaskConfig, TaskId, TaskName, TaskRecord, TaskStatus, TerminationReason};
 
@@ -106,7 +107,10 @@ pub fn all_files(dir: &Path) -> Vec<PathBuf> {
 /// never keeps one otherwise).
 pub fn stored_form(r: &TaskRecord) -> TaskRecord {
     TaskRecord {
-        config: r.config.as_ref().map(TaskConfig::without_credentials),
+        config: r
+            .config
+            .as_deref()
+            .map(|c| Arc::new(c.without_credentials())),
         termination_reason: (r.status == TaskStatus::Terminated).then(|| {
             r.termination_reason
                 .clone()

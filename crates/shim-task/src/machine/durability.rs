@@ -1,9 +1,12 @@
 //! What a change means for the state file: a write first (alone), start progress that the
 //! next write carries, or nothing; and the side effects that may then go out.
 
+use std::sync::Arc;
+
 use super::due::{due, settle_released};
 use super::event::Action;
 use super::task::Task;
+use crate::config::TaskConfig;
 use crate::record::TaskRecord;
 use crate::status::TaskStatus;
 
@@ -21,6 +24,15 @@ pub(super) const PLAIN: Shape = Shape {
     retry_write: false,
     no_write: false,
 };
+
+/// Whether two records hold the same config: the same allocation (a step's `before` is a clone
+/// of the record, which shares it), or equal ones.
+fn same_config(old: Option<&Arc<TaskConfig>>, new: Option<&Arc<TaskConfig>>) -> bool {
+    match (old, new) {
+        (Some(old), Some(new)) => Arc::ptr_eq(old, new) || old == new,
+        (old, new) => old.is_none() && new.is_none(),
+    }
+}
 
 /// Whether two records differ in more than their update time. Exhaustive by construction: a
 /// new field of [`TaskRecord`] is a compile error here until it is compared.
@@ -41,7 +53,7 @@ pub(crate) fn record_changed(old: &TaskRecord, new: &TaskRecord) -> bool {
     *id != new.id
         || *name != new.name
         || *container_name != new.container_name
-        || *config != new.config
+        || !same_config(config.as_ref(), new.config.as_ref())
         || *status != new.status
         || *termination_reason != new.termination_reason
         || *termination_message != new.termination_message

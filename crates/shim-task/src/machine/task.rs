@@ -332,7 +332,7 @@ impl Task {
     }
 
     pub(super) fn config(&self) -> Option<&TaskConfig> {
-        self.record.config.as_ref()
+        self.record.config.as_deref()
     }
 
     /// Sets `terminated` with the reason and message unless already terminated (the first
