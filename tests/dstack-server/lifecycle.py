@@ -647,10 +647,13 @@ class Run:
         return found
 
     def wait_container_stopped(self, task: Task, timeout: float) -> dict[str, Any]:
+        # Until the engine has recorded the exit: Podman 4.3 shows a container whose process
+        # ended as `stopped` (not running, exit code 0, no finish time) until its clean-up
+        # process has run, and the shim reads that as still running (its code is unknown).
         deadline = time.monotonic() + timeout
         while True:
             found = self.container(task)
-            if not found["State"]["Running"]:
+            if found["State"]["Status"] in ("exited", "dead"):
                 return found
             if time.monotonic() > deadline:
                 raise CheckFailed(f"the container of {task.name} still runs after {timeout} s")
