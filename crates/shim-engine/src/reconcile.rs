@@ -14,7 +14,8 @@
 //!   this engine's containers: [`crate::labels`]) runs at start-up, on every
 //!   reconnection of the event stream (which resubscribes `since` the last event seen, so
 //!   Docker replays what it still has), and every `reconcile_interval` (minutes), never every
-//!   second. A failed list changes no task.
+//!   second, except while a task's container is still settling (Podman's `stopped`: see
+//!   [`Reconciler::cycle_with_since`]). A failed list changes no task.
 //! - **Retries cost nothing while idle.** Every second, tasks with a failed write, a failed
 //!   stop, a release to retry or queued events are driven again; in-memory checks only, no
 //!   Docker request when nothing is to do.
@@ -24,7 +25,7 @@
 //! ([`ReconcileState`]). It changes tasks only by asking the driver to step them.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -52,6 +53,9 @@ use crate::table::TaskTable;
 
 /// How often failed side effects and queued events are retried.
 const RETRY_EVERY: Duration = Duration::from_secs(1);
+/// How many lists in a row, one a retry tick apart, look again at containers still settling
+/// (see [`Reconciler::cycle_with_since`]) before they are left to the backstop.
+const SETTLING_RELISTS: u32 = 30;
 
 /// The exit code of a process killed by SIGKILL (128 + 9), as the OOM killer ends one.
 const SIGKILL_EXIT: i64 = 137;
@@ -143,6 +147,11 @@ pub(crate) struct Reconciler {
     events_since: AtomicI64,
     /// How many times the event stream connected.
     events_reconnects: AtomicU64,
+    /// The last list found a task's container still settling: the next retry tick lists
+    /// again.
+    relist_soon: AtomicBool,
+    /// How many lists in a row found one settling.
+    settling_lists: AtomicU32,
 }
 
 impl Reconciler {
@@ -156,6 +165,8 @@ impl Reconciler {
             relist: Notify::new(),
             events_since,
             events_reconnects: AtomicU64::new(0),
+            relist_soon: AtomicBool::new(false),
+            settling_lists: AtomicU32::new(0),
         }
     }
 
@@ -209,6 +220,11 @@ impl Reconciler {
 
     /// Every task against `containers`, a list requested at `listed_at`
     /// ([`Clock::mono_ns`]).
+    ///
+    /// A task's container in a state the engine has not settled (Podman 4.3's `stopped`, whose
+    /// process ended but whose clean-up has not run: no exit code yet) counts as running, and
+    /// the next retry tick lists again (at most [`SETTLING_RELISTS`] times in a row): its
+    /// `died` may have come while the shim was down, and no other event will tell.
     async fn cycle_with_since(self: &Arc<Self>, containers: Vec<ContainerSummary>, listed_at: u64) {
         let started = std::time::Instant::now();
         let by_task: HashMap<&str, &ContainerSummary> = containers
@@ -217,6 +233,7 @@ impl Reconciler {
             .collect();
         let by_name: HashMap<&str, &ContainerSummary> =
             containers.iter().map(|c| (c.name.as_str(), c)).collect();
+        let mut settling = false;
         for slot in self.parts.table.slots() {
             // Only tasks whose start had returned before the list was requested: a start that
             // returned since made a container the list may not show; judging it by this list
@@ -243,7 +260,10 @@ impl Reconciler {
             } else {
                 match summary {
                     None => Some(Observation::Missing),
-                    Some(c) if c.state.is_running() => None,
+                    Some(c) if c.state.is_running() => {
+                        settling |= matches!(c.state, ContainerState::Other(_));
+                        None
+                    }
                     Some(c) => Some(self.observe_stopped_slot(&slot, &c.id).await),
                 }
             };
@@ -255,6 +275,15 @@ impl Reconciler {
             }
             self.retry_task(&slot).await;
         }
+        let in_a_row = match settling {
+            true => self.settling_lists.fetch_add(1, Ordering::SeqCst) + 1,
+            false => {
+                self.settling_lists.store(0, Ordering::SeqCst);
+                0
+            }
+        };
+        self.relist_soon
+            .store(settling && in_a_row <= SETTLING_RELISTS, Ordering::SeqCst);
         self.state.cycle_done();
         self.parts
             .metrics
@@ -547,7 +576,12 @@ impl Reconciler {
                         _ = this.relist.notified() => {
                             this.cycle().await;
                         }
-                        _ = retry.tick() => this.retry_all().await,
+                        _ = retry.tick() => {
+                            if this.relist_soon.swap(false, Ordering::SeqCst) {
+                                this.cycle().await;
+                            }
+                            this.retry_all().await;
+                        }
                     }
                 }
                 tracing::debug!("reconciler stopped");

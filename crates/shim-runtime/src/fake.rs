@@ -728,6 +728,17 @@ impl FakeRuntime {
         self.lock().containers.get(id).map(|c| c.state.clone())
     }
 
+    /// Puts a container in `state` without an event (Podman 4.3's `stopped`: the process
+    /// ended, the engine's clean-up has not run, no exit code yet). Returns whether it exists.
+    pub fn set_state(&self, id: &str, state: ContainerState) -> bool {
+        let mut s = self.lock();
+        let Some(c) = s.containers.get_mut(id) else {
+            return false;
+        };
+        c.state = state;
+        true
+    }
+
     /// The ids of all containers.
     pub fn container_ids(&self) -> Vec<String> {
         self.lock().containers.keys().cloned().collect()

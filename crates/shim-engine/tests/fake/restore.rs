@@ -190,3 +190,31 @@ async fn upstream_tasks_hold_and_release_exactly_their_gpus_keys_and_volumes() {
     terminate_by_user(&engine, "b1").await;
     wait_released(&engine, "b1").await;
 }
+
+/// A task whose container is still settling when the shim starts (Podman 4.3's `stopped`: the
+/// process ended while the shim was down, the engine's clean-up has not run, so there is no
+/// exit code yet, and its `died` came before the subscription) is looked at again within
+/// seconds, not at the backstop: once the engine records the exit, the task ends with it.
+/// Found by the lifecycle script on Podman 4.3 (`exited-while-down`).
+#[tokio::test(start_paused = true)]
+async fn a_container_settling_at_start_up_is_listed_again_within_seconds() {
+    let mut w = World::new(0);
+    let engine = w.engine().await;
+    let info = run(&engine, config("t1")).await;
+    shut_down(engine).await;
+    let stopped = ContainerState::Other("stopped".to_owned());
+    assert!(w.runtime.set_state(&info.container_id, stopped));
+    let engine = w.fresh_process().await;
+    let before = engine.task_info(&tid("t1")).unwrap();
+    assert_eq!(before.status, TaskStatus::Running, "no exit code yet");
+    assert!(w.runtime.exit_without_event(&info.container_id, 7));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = engine.task_info(&tid("t1")).unwrap();
+    assert_eq!(after.status, TaskStatus::Terminated);
+    assert_reason(&after, "container_exited_with_error");
+    // Once nothing settles, lists go back to the backstop.
+    let lists = w.runtime.count("list");
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(w.runtime.count("list"), lists);
+    let _ = w.restart(engine).await;
+}
