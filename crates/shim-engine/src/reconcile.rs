@@ -275,6 +275,18 @@ impl Reconciler {
             }
             self.retry_task(&slot).await;
         }
+        self.relist_if_settling(settling);
+        self.state.cycle_done();
+        self.parts
+            .metrics
+            .cycle
+            .observe(started.elapsed().as_secs_f64());
+    }
+
+    /// Asks the next retry tick for a list while `settling` (a list found a container still
+    /// settling, or a list meant to look at one failed), [`SETTLING_RELISTS`] times in a row
+    /// at most; a list that finds none settling resets the count.
+    fn relist_if_settling(&self, settling: bool) {
         let in_a_row = match settling {
             true => self.settling_lists.fetch_add(1, Ordering::SeqCst) + 1,
             false => {
@@ -284,11 +296,6 @@ impl Reconciler {
         };
         self.relist_soon
             .store(settling && in_a_row <= SETTLING_RELISTS, Ordering::SeqCst);
-        self.state.cycle_done();
-        self.parts
-            .metrics
-            .cycle
-            .observe(started.elapsed().as_secs_f64());
     }
 
     /// Retries what a task still wants after a failure: a write, a stop, a release; and its
@@ -577,8 +584,10 @@ impl Reconciler {
                             this.cycle().await;
                         }
                         _ = retry.tick() => {
-                            if this.relist_soon.swap(false, Ordering::SeqCst) {
-                                this.cycle().await;
+                            if this.relist_soon.swap(false, Ordering::SeqCst)
+                                && !this.cycle().await
+                            {
+                                this.relist_if_settling(true);
                             }
                             this.retry_all().await;
                         }

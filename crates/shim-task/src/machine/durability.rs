@@ -30,7 +30,8 @@ pub(super) const PLAIN: Shape = Shape {
 fn same_config(old: Option<&Arc<TaskConfig>>, new: Option<&Arc<TaskConfig>>) -> bool {
     match (old, new) {
         (Some(old), Some(new)) => Arc::ptr_eq(old, new) || old == new,
-        (old, new) => old.is_none() && new.is_none(),
+        (None, None) => true,
+        _ => false,
     }
 }
 
