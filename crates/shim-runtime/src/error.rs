@@ -54,9 +54,10 @@ pub enum RuntimeError {
         message: String,
     },
     /// A bind mount's source is missing on the host, so the container was not created. The
-    /// shim checks this itself before asking the engine, because engines differ: Docker
-    /// refuses such a create, Podman makes an empty directory at the path (a missing runner
-    /// binary would become a directory there).
+    /// shim checks this itself, because engines differ: Docker refuses such a create (the
+    /// shim then names the path), Podman makes an empty directory at the path (a missing
+    /// runner binary would become a directory there), so it is asked only once the sources
+    /// are found.
     #[error("create {what}: bind source path does not exist: {}", path.display())]
     BindSourceMissing {
         /// The container concerned, e.g. `container abc`.

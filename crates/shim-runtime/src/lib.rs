@@ -78,9 +78,10 @@ pub trait ContainerRuntime: Send + Sync {
 
     /// Creates a container; returns its id. A name already in use is
     /// [`RuntimeError::Conflict`]; a missing image is [`RuntimeError::NotFound`].
-    /// [`DockerRuntime`] refuses a spec the engine would not honour before asking it, and
-    /// creates nothing: a missing bind source ([`RuntimeError::BindSourceMissing`]), device
-    /// requests the engine ignores ([`RuntimeError::DeviceRequestsIgnored`]).
+    /// [`DockerRuntime`] creates nothing where the engine would not honour the spec: a missing
+    /// bind source ([`RuntimeError::BindSourceMissing`]: looked at before asking Podman, which
+    /// would make a directory there, and after Docker refused the create), device requests
+    /// the engine ignores ([`RuntimeError::DeviceRequestsIgnored`], before asking it).
     async fn create(&self, spec: &ContainerSpec) -> Result<String>;
 
     /// Starts a created container. The error message of a failed start is the daemon's own

@@ -450,9 +450,9 @@ async fn binds_are_mounts_with_their_flags_and_their_sources_listed() {
 
 /// Issues 22 and 27, SPEC §6: a missing bind source — the runner binary whose download
 /// failed, a volume's directory — is the shim's own error, whatever the engine would do
-/// (Docker refuses the create; Podman makes an empty directory at the path). The create fails
-/// with `BindSourceMissing` naming the path before the engine is asked: no container carries
-/// the run's label, and nothing appears at the path.
+/// (Docker refuses the create; Podman makes an empty directory at the path, so it is not asked
+/// until the sources are found). The create fails with `BindSourceMissing` naming the path: no
+/// container carries the run's label, and nothing appears at the path.
 #[tokio::test]
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn a_missing_bind_source_is_the_shims_error_and_creates_nothing() {

@@ -209,13 +209,15 @@ fn container(id: &str) -> String {
     format!("container {id}")
 }
 
-/// Checks that every bind source of `spec` exists (following links, as the engine does),
-/// before the engine is asked: a missing one is [`RuntimeError::BindSourceMissing`] and
-/// nothing is created. SPEC §6's rule (a missing runner binary touches nothing) must not
-/// depend on the engine refusing: Docker does (for `Mounts` of type `bind`), Podman creates
-/// an empty directory at the path. A lookup that fails otherwise (a permission the shim
-/// lacks) is left for the engine to judge. All the lookups go to the blocking pool at once
-/// (one hop a create, not one a mount).
+/// Checks that every bind source of `spec` exists (following links, as the engine does): a
+/// missing one is [`RuntimeError::BindSourceMissing`]. SPEC §6's rule (a missing runner
+/// binary touches nothing) holds on both engines: Podman creates an empty directory at a
+/// missing source, so there this runs before the engine is asked; Docker refuses such a
+/// create (`Mounts` of type `bind`, every API version: `bind source path does not exist`)
+/// and creates nothing, so there it runs only after a refused create, to name the cause, and
+/// a start costs no trip to the blocking pool for it. A lookup that fails otherwise (a
+/// permission the shim lacks) is left for the engine to judge. All the lookups go to the
+/// blocking pool at once (one hop, not one a mount).
 async fn check_bind_sources(spec: &ContainerSpec) -> Result<()> {
     if spec.mounts.is_empty() {
         return Ok(());
@@ -618,8 +620,14 @@ impl ContainerRuntime for DockerRuntime {
     }
 
     async fn create(&self, spec: &ContainerSpec) -> Result<String> {
-        self.flavour().await?.check_device_requests(spec)?;
-        check_bind_sources(spec).await?;
+        let flavour = self.flavour().await?;
+        flavour.check_device_requests(spec)?;
+        // Podman would make a directory at a missing source: looked at first. Docker refuses
+        // such a create: looked at only when a create was refused.
+        let podman = matches!(flavour, Flavour::Podman { .. });
+        if podman {
+            check_bind_sources(spec).await?;
+        }
         let options = CreateContainerOptionsBuilder::new()
             .name(&spec.name)
             .build();
@@ -629,7 +637,13 @@ impl ContainerRuntime for DockerRuntime {
             .await
         {
             Ok(resp) => resp,
-            Err(err) => return Err(self.create_error(spec, err).await),
+            Err(err) => {
+                let err = self.create_error(spec, err).await;
+                if !podman && matches!(err, RuntimeError::Daemon { .. }) {
+                    check_bind_sources(spec).await?;
+                }
+                return Err(err);
+            }
         };
         for warning in &resp.warnings {
             warn!(container = %spec.name, %warning, "docker warning on create");

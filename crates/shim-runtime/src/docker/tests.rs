@@ -397,38 +397,70 @@ async fn an_unreadable_answer_is_an_error_without_its_text() {
     assert!(!shown.contains("hunter2"), "{shown}");
 }
 
-/// A bind source missing on the host fails the create before the engine is asked (Podman
-/// would make a directory there): nothing is created.
+/// A bind source missing on the host fails the create with the path, and nothing is made
+/// there. Podman (which would make a directory at the path) is never asked; Docker is asked
+/// and refuses, as it does, and the shim then names the missing source. A create Docker
+/// refuses with every source present keeps Docker's own error. Every source present: created.
 #[tokio::test]
-async fn a_missing_bind_source_creates_nothing() {
-    let engine = Engine::start(creating());
-    let runtime = engine.runtime().await;
-    let dir = tempfile::tempdir().unwrap();
-    let missing = dir.path().join("no-runner").join("dstack-runner");
-    let bind = |source: &Path, target: &str, read_only| BindMount {
-        source: source.to_owned(),
-        target: target.to_owned(),
-        read_only,
-    };
-    let mut spec = ContainerSpec::new("t5-0-eeee", "shim-test:1");
-    spec.mounts = vec![
-        bind(dir.path(), "/tmp/runner", false),
-        bind(&missing, "/usr/local/bin/dstack-runner", true),
-    ];
-    let e = runtime.create(&spec).await.unwrap_err();
-    assert!(
-        matches!(&e, RuntimeError::BindSourceMissing { path, .. } if *path == missing),
-        "{e:?}"
-    );
-    assert!(
-        e.to_string().contains(&missing.display().to_string()),
-        "{e}"
-    );
-    assert!(!missing.parent().unwrap().exists());
-    engine.assert_never_asked("/containers/create");
-    // Every source present: the engine is asked.
-    spec.mounts.pop();
-    assert_eq!(runtime.create(&spec).await.unwrap(), "c0ffee");
+async fn a_missing_bind_source_fails_the_create_with_its_path() {
+    for version in [VERSION_PODMAN_5_4, VERSION] {
+        let podman = version == VERSION_PODMAN_5_4;
+        // Docker's answer to a missing source (daemon/volume/mounts: `errBindSourceDoesNotExist`)
+        // while `refuse` holds; created otherwise.
+        let refuse = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let refusing = refuse.clone();
+        let engine = Engine::start_as(version, move |method, target| {
+            (method == "POST" && target.starts_with("/containers/create")).then(|| {
+                if refusing.load(std::sync::atomic::Ordering::SeqCst) {
+                    let message = "invalid mount config for type \\\"bind\\\": bind source path does not exist";
+                    (400, format!(r#"{{"message":"{message}"}}"#))
+                } else {
+                    (201, r#"{"Id":"c0ffee","Warnings":[]}"#.to_owned())
+                }
+            })
+        });
+        let runtime = engine.runtime().await;
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("no-runner").join("dstack-runner");
+        let bind = |source: &Path, target: &str, read_only| BindMount {
+            source: source.to_owned(),
+            target: target.to_owned(),
+            read_only,
+        };
+        let mut spec = ContainerSpec::new("t5-0-eeee", "shim-test:1");
+        spec.mounts = vec![
+            bind(dir.path(), "/tmp/runner", false),
+            bind(&missing, "/usr/local/bin/dstack-runner", true),
+        ];
+        let e = runtime.create(&spec).await.unwrap_err();
+        assert!(
+            matches!(&e, RuntimeError::BindSourceMissing { path, .. } if *path == missing),
+            "podman {podman}: {e:?}"
+        );
+        assert!(
+            e.to_string().contains(&missing.display().to_string()),
+            "{e}"
+        );
+        assert!(!missing.parent().unwrap().exists());
+        let creates = || {
+            engine
+                .requests()
+                .iter()
+                .filter(|r| r.contains("/containers/create"))
+                .count()
+        };
+        assert_eq!(creates(), usize::from(!podman), "podman {podman}");
+        spec.mounts.pop();
+        if !podman {
+            let e = runtime.create(&spec).await.unwrap_err();
+            assert!(
+                matches!(&e, RuntimeError::Daemon { status: 400, .. }),
+                "sources present, Docker's own refusal: {e:?}"
+            );
+        }
+        refuse.store(false, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(runtime.create(&spec).await.unwrap(), "c0ffee");
+    }
 }
 
 /// A spec of container `name` with one device request.
