@@ -5,7 +5,8 @@
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -405,60 +406,54 @@ async fn an_unreadable_answer_is_an_error_without_its_text() {
 async fn a_missing_bind_source_fails_the_create_with_its_path() {
     for version in [VERSION_PODMAN_5_4, VERSION] {
         let podman = version == VERSION_PODMAN_5_4;
-        // Docker's answer to a missing source (daemon/volume/mounts: `errBindSourceDoesNotExist`)
-        // while `refuse` holds; created otherwise.
-        let refuse = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        // Refuses as Docker does (moby's volume/mounts: `bind source path does not exist`)
+        // while `refuse` holds.
+        let refuse = Arc::new(AtomicBool::new(true));
         let refusing = refuse.clone();
         let engine = Engine::start_as(version, move |method, target| {
             (method == "POST" && target.starts_with("/containers/create")).then(|| {
-                if refusing.load(std::sync::atomic::Ordering::SeqCst) {
-                    let message = "invalid mount config for type \\\"bind\\\": bind source path does not exist";
-                    (400, format!(r#"{{"message":"{message}"}}"#))
-                } else {
-                    (201, r#"{"Id":"c0ffee","Warnings":[]}"#.to_owned())
+                match refusing.load(Ordering::SeqCst) {
+                    true => (
+                        400,
+                        r#"{"message":"bind source path does not exist"}"#.into(),
+                    ),
+                    false => (201, r#"{"Id":"c0ffee","Warnings":[]}"#.into()),
                 }
             })
         });
         let runtime = engine.runtime().await;
         let dir = tempfile::tempdir().unwrap();
         let missing = dir.path().join("no-runner").join("dstack-runner");
-        let bind = |source: &Path, target: &str, read_only| BindMount {
-            source: source.to_owned(),
-            target: target.to_owned(),
-            read_only,
-        };
         let mut spec = ContainerSpec::new("t5-0-eeee", "shim-test:1");
-        spec.mounts = vec![
-            bind(dir.path(), "/tmp/runner", false),
-            bind(&missing, "/usr/local/bin/dstack-runner", true),
-        ];
+        for (source, target) in [(dir.path(), "/tmp/runner"), (&*missing, "/usr/local/bin/r")] {
+            spec.mounts.push(BindMount {
+                source: source.to_owned(),
+                target: target.to_owned(),
+                read_only: false,
+            });
+        }
         let e = runtime.create(&spec).await.unwrap_err();
         assert!(
             matches!(&e, RuntimeError::BindSourceMissing { path, .. } if *path == missing),
             "podman {podman}: {e:?}"
         );
-        assert!(
-            e.to_string().contains(&missing.display().to_string()),
-            "{e}"
-        );
+        assert!(e.to_string().contains(&missing.display().to_string()));
         assert!(!missing.parent().unwrap().exists());
-        let creates = || {
-            engine
-                .requests()
-                .iter()
-                .filter(|r| r.contains("/containers/create"))
-                .count()
-        };
-        assert_eq!(creates(), usize::from(!podman), "podman {podman}");
+        let asked = engine
+            .requests()
+            .iter()
+            .filter(|r| r.contains("/create"))
+            .count();
+        assert_eq!(asked, usize::from(!podman), "podman {podman}");
         spec.mounts.pop();
         if !podman {
             let e = runtime.create(&spec).await.unwrap_err();
             assert!(
                 matches!(&e, RuntimeError::Daemon { status: 400, .. }),
-                "sources present, Docker's own refusal: {e:?}"
+                "{e:?}"
             );
         }
-        refuse.store(false, std::sync::atomic::Ordering::SeqCst);
+        refuse.store(false, Ordering::SeqCst);
         assert_eq!(runtime.create(&spec).await.unwrap(), "c0ffee");
     }
 }
