@@ -215,7 +215,9 @@ fn container(id: &str) -> String {
 /// missing source, so there this runs before the engine is asked; Docker refuses such a
 /// create (`Mounts` of type `bind`, every API version: `bind source path does not exist`)
 /// and creates nothing, so there it runs only after a refused create, to name the cause, and
-/// a start costs no trip to the blocking pool for it. A lookup that fails otherwise (a
+/// a start costs no trip to the blocking pool for it (an engine that does not name itself
+/// Podman in `/version` is taken for Docker, here as for events and GPUs; every engine CI
+/// runs passes the real-engine test of it). A lookup that fails otherwise (a
 /// permission the shim lacks) is left for the engine to judge. All the lookups go to the
 /// blocking pool at once (one hop, not one a mount).
 async fn check_bind_sources(spec: &ContainerSpec) -> Result<()> {
