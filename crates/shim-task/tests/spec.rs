@@ -715,6 +715,11 @@ fn an_outcome_of_a_step_not_awaited_is_an_error() {
     let r = running();
     assert!(step(&r, Event::StartBegan, 1).is_err());
     assert!(step(&r, Event::StartFinished, 1).is_err());
+    // A stop's outcome with no stop out: a `running` task would show `pending` again.
+    for stray in [Event::ContainerStopped, stop_failed("x")] {
+        let err = step(&r, stray, 1).unwrap_err();
+        assert!(matches!(err, TransitionError::Unexpected { .. }), "{err}");
+    }
 }
 
 // ---- SPEC §4: release ----
@@ -1266,10 +1271,9 @@ fn an_exit_whose_write_fails_releases_without_waiting_for_the_disk() {
     assert_eq!(t.info().termination_reason, "done_by_runner");
     // The release fails (busy); the reconciler's next cycle writes the exit once the disk
     // allows, and retries the release in the same cycle.
-    go_disk_full(&mut t, release_failed("busy"));
+    let retried = go_disk_full(&mut t, release_failed("busy"));
     // Backed off: nothing but the reconciler's next request retries the release.
     assert!(t.needs_release());
-    let retried = step(&t, Event::ContainerStopped, 200).unwrap().actions;
     assert_eq!(retried, vec![], "a failed release is not retried at once");
     let a = go(&mut t, Event::PersistRequested);
     assert_eq!(a, vec![Action::Persist, release_of(&t)]);
