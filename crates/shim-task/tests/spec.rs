@@ -715,8 +715,15 @@ fn an_outcome_of_a_step_not_awaited_is_an_error() {
     let r = running();
     assert!(step(&r, Event::StartBegan, 1).is_err());
     assert!(step(&r, Event::StartFinished, 1).is_err());
-    // A stop's outcome with no stop out: a `running` task would show `pending` again.
-    for stray in [Event::ContainerStopped, stop_failed("x")] {
+    // A stop's outcome with no stop out (a `running` task would show `pending` again), a
+    // release's with no release out (the record would drop what the task holds).
+    let strays = [
+        Event::ContainerStopped,
+        stop_failed("x"),
+        released(&["GPU-0"], true, &["vol0"]),
+        release_failed("x"),
+    ];
+    for stray in strays {
         let err = step(&r, stray, 1).unwrap_err();
         assert!(matches!(err, TransitionError::Unexpected { .. }), "{err}");
     }

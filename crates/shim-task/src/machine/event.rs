@@ -373,8 +373,8 @@ pub enum TransitionError {
         /// The task.
         id: TaskId,
     },
-    /// A start event, or a stop's outcome, that is not the outcome of an action the machine
-    /// is waiting on (an engine bug).
+    /// A start event, or a stop's or a release's outcome, that is not the outcome of an
+    /// action the machine is waiting on (an engine bug).
     #[error("task {id} ({status}): unexpected {event} while waiting on {awaited:?}")]
     Unexpected {
         /// The task.

@@ -64,10 +64,14 @@ fn apply(t: &mut Task, event: Event, actions: &mut Vec<Action>) -> Result<Shape,
             timeout_s,
         } => Ok(terminate_requested(t, reason, message, timeout_s)),
         Event::RemoveRequested => remove_requested(t, actions),
-        // A stop's outcome while none is out is an engine bug: taken, it would mark a running
-        // task's container ended and show a `running` task as `pending` again (found by the
-        // property test at 3 million cases).
+        // A stop's or a release's outcome while none is out is an engine bug: taken, a stray
+        // stop would mark a running task's container ended and show a `running` task as
+        // `pending` again (found by the property test at 3 million cases), a stray release
+        // would drop from the record what the task still holds.
         Event::ContainerStopped | Event::StopFailed { .. } if t.stop != StopState::InFlight => {
+            Err(t.unexpected(name))
+        }
+        Event::Released { .. } | Event::ReleaseFailed { .. } if !t.release_in_flight => {
             Err(t.unexpected(name))
         }
         Event::ContainerStopped => {
