@@ -201,7 +201,8 @@ const UNPUBLISHED: [&str; 4] = ["xtask", "shim-e2e", "shim-test-runner", "shim-b
 /// Cargo treats a registry crate of a given version as immutable: the unpacked sources of the
 /// previous run's packages (under `$CARGO_HOME/registry/src/<local registry>/`) and their
 /// compiled libraries would be reused as they are. Both are removed first, so each run checks
-/// the crates as they are now; third-party dependencies stay compiled.
+/// the crates as they are now. The build directory is removed after (GiBs: a second copy of
+/// every dependency, built when the disk is fullest).
 pub fn package(root: &Path) -> Result<()> {
     let metadata =
         cmd::output(cargo_in(root).args(["metadata", "--format-version", "1", "--no-deps"]))?;
@@ -249,20 +250,17 @@ pub fn package(root: &Path) -> Result<()> {
         }
     }
     let target = root.join("target").join("package-check");
-    let mut clean = cargo_in(root);
-    clean.args(["clean", "--target-dir"]).arg(&target);
-    for (package, _) in &packages {
-        clean.args(["-p", package]);
-    }
     if target.exists() {
-        cmd::run(&mut clean)?;
+        fs_err::remove_dir_all(&target)?;
     }
-    cmd::run(
+    let result = cmd::run(
         cargo_in(root)
             .args(["package", "--workspace", "--target-dir"])
             .arg(&target)
             .args(UNPUBLISHED.iter().flat_map(|p| ["--exclude", p])),
-    )
+    );
+    fs_err::remove_dir_all(&target)?;
+    result
 }
 
 /// The embedder's example (`examples/embed-agent`, a project of its own that takes the library

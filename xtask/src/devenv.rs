@@ -59,10 +59,13 @@ impl Timings {
         println!("\n=== {name}");
         let started = Instant::now();
         let result = phase();
-        let outcome = match &result {
-            Ok(_) => "ok".to_owned(),
-            Err(_) => "FAILED".to_owned(),
-        };
+        // The space left after each phase on the checkout's file system (the target
+        // directory's): a full disk is a failure of its own.
+        let free = shim_resources::host::fs_usage(&shim_e2e::repo_root()).map_or_else(
+            |_| String::new(),
+            |u| format!("  ({} GiB free)", u.available >> 30),
+        );
+        let outcome = format!("{}{free}", if result.is_ok() { "ok" } else { "FAILED" });
         self.rows
             .push((name.to_owned(), started.elapsed().as_secs_f64(), outcome));
         result

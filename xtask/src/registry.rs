@@ -132,6 +132,16 @@ pub fn ensure_running() -> Result<()> {
     let config_arg = config_path.to_string_lossy().into_owned();
     let running = shim_e2e::harness::procs::find("docker-registry", Some(&config_arg));
     if running.is_empty() {
+        // Each test run pushes fresh random layers (`FreshImage`, about 1.7 GB) and deletes
+        // their manifests; the blobs stay until a garbage collection, which must not run
+        // beside uploads: now, before the registry starts, is the safe moment.
+        let collected =
+            cmd::output(cmd::cmd("docker-registry").args(["garbage-collect", &config_arg]))
+                .context("could not collect the test registry's unreferenced blobs")?;
+        println!(
+            "registry: {}",
+            collected.lines().last().unwrap_or("collected")
+        );
         println!("registry: starting docker-registry on {REGISTRY}");
         cmd::spawn_daemon(
             &cmd::find_program("docker-registry"),
