@@ -135,13 +135,14 @@ pub fn ensure_running() -> Result<()> {
         // Each test run pushes fresh random layers (`FreshImage`, about 1.7 GB) and deletes
         // their manifests; the blobs stay until a garbage collection, which must not run
         // beside uploads: now, before the registry starts, is the safe moment.
-        let collected =
-            cmd::output(cmd::cmd("docker-registry").args(["garbage-collect", &config_arg]))
-                .context("could not collect the test registry's unreferenced blobs")?;
-        println!(
-            "registry: {}",
-            collected.lines().last().unwrap_or("collected")
-        );
+        // A failed collection only leaves the disk as it was: said, not fatal.
+        match cmd::output(cmd::cmd("docker-registry").args(["garbage-collect", &config_arg])) {
+            Ok(out) => {
+                let summary = out.lines().find(|l| l.contains("blobs marked"));
+                println!("registry: collected: {}", summary.unwrap_or("-"));
+            }
+            Err(e) => println!("registry: garbage collection failed, blobs kept: {e:#}"),
+        }
         println!("registry: starting docker-registry on {REGISTRY}");
         cmd::spawn_daemon(
             &cmd::find_program("docker-registry"),
