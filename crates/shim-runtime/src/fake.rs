@@ -133,6 +133,11 @@ pub enum StartBehavior {
     /// The container starts, but the answer is lost: the call fails as a request that timed
     /// out does ([`RuntimeError::DaemonUnavailable`]).
     StartsAnswerLost,
+    /// The container starts, but the answer does not come: the call waits until
+    /// [`FakeRuntime::release_starts`], then answers (a request whose answer is late while
+    /// the engine already shows the container running; counted by
+    /// [`FakeRuntime::answers_lost`]).
+    StartsAnswerLate,
 }
 
 /// How a container's exit is reported.
@@ -1069,8 +1074,11 @@ impl ContainerRuntime for FakeRuntime {
             }
         };
         let answer_lost = behavior == StartBehavior::StartsAnswerLost;
+        let answer_late = behavior == StartBehavior::StartsAnswerLate;
         match behavior {
-            StartBehavior::Succeed | StartBehavior::StartsAnswerLost => {}
+            StartBehavior::Succeed
+            | StartBehavior::StartsAnswerLost
+            | StartBehavior::StartsAnswerLate => {}
             StartBehavior::Fail(message) => {
                 let mut state = self.lock();
                 if let Some(c) = Self::resolve(&mut state, id) {
@@ -1089,22 +1097,30 @@ impl ContainerRuntime for FakeRuntime {
                 let _ = released.changed().await;
             }
         }
-        let mut state = self.lock();
-        let now = Self::timestamp(&mut state);
-        let Some(c) = Self::resolve(&mut state, id) else {
-            return Err(container_not_found(id));
+        let id = {
+            let mut state = self.lock();
+            let now = Self::timestamp(&mut state);
+            let Some(c) = Self::resolve(&mut state, id) else {
+                return Err(container_not_found(id));
+            };
+            if c.state != ContainerState::Running {
+                c.state = ContainerState::Running;
+                c.exit_code = Some(0);
+                c.error.clear();
+                c.started_at = Some(now);
+                c.finished_at = None;
+            }
+            let id = c.id.clone();
+            Self::assign_ports(&mut state, &id);
+            id
         };
-        if c.state != ContainerState::Running {
-            c.state = ContainerState::Running;
-            c.exit_code = Some(0);
-            c.error.clear();
-            c.started_at = Some(now);
-            c.finished_at = None;
+        if answer_late {
+            self.lock().answers_lost += 1;
+            // The sender lives as long as self.
+            let _ = released.changed().await;
         }
-        let id = c.id.clone();
-        Self::assign_ports(&mut state, &id);
         if answer_lost {
-            state.answers_lost += 1;
+            self.lock().answers_lost += 1;
             return Err(RuntimeError::DaemonUnavailable {
                 op: "start",
                 what: format!("container {id}"),

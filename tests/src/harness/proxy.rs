@@ -5,7 +5,9 @@
 //! flows), except the answer to the first request whose request line contains each of its
 //! patterns: that request reaches Docker, which carries it out and answers, and the client's
 //! connection is closed instead of the answer. This is what a request timeout on a loaded daemon
-//! looks like from the client: the work was done, the answer never came.
+//! looks like from the client: the work was done, the answer never came. Or, made with
+//! [`LosingProxy::holding`], the connection is kept open and silent instead: an answer that
+//! never comes, until the client gives up.
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -34,6 +36,17 @@ impl LosingProxy {
     /// answer to the first request matching each of `lose` (a substring of the request line,
     /// such as `"/start "` or `"/containers/create"`).
     pub fn start(upstream: &Path, lose: &[&str]) -> io::Result<Self> {
+        Self::with(upstream, lose, false)
+    }
+
+    /// [`LosingProxy::start`], but each answer it loses is held instead: the client's
+    /// connection stays open and silent until the client gives up and closes it (an answer
+    /// that never comes, where [`LosingProxy::start`]'s is cut off).
+    pub fn holding(upstream: &Path, hold: &[&str]) -> io::Result<Self> {
+        Self::with(upstream, hold, true)
+    }
+
+    fn with(upstream: &Path, lose: &[&str], hold: bool) -> io::Result<Self> {
         let dir = tempfile::Builder::new().prefix("losing-proxy-").tempdir()?;
         let path = dir.path().join("docker.sock");
         let listener = UnixListener::bind(&path)?;
@@ -56,7 +69,7 @@ impl LosingProxy {
                     (upstream.clone(), patterns.clone(), accepted_lost.clone());
                 std::thread::spawn(move || {
                     // An error ends this connection only (the client sees it closed).
-                    let _ = serve(client, &upstream, &patterns, &lost);
+                    let _ = serve(client, &upstream, &patterns, &lost, hold);
                 });
             }
         });
@@ -96,6 +109,7 @@ fn serve(
     upstream: &Path,
     patterns: &[(String, AtomicUsize)],
     lost: &Mutex<Vec<String>>,
+    hold: bool,
 ) -> io::Result<()> {
     let server = UnixStream::connect(upstream)?;
     let mut from_client = BufReader::new(client.try_clone()?);
@@ -120,6 +134,10 @@ fn serve(
             lost.lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .push(line);
+            if hold {
+                // Silent until the client closes its end.
+                io::copy(&mut from_client, &mut io::sink())?;
+            }
             return Ok(()); // both connections close: the answer is lost
         }
         to_client.write_all(&answer)?;

@@ -77,7 +77,8 @@ impl World for BinaryWorld {
             shim_e2e::require_root();
             HostUser::create(dir.path())
         });
-        let losing = options.losing_engine.then(super::engine::losing_proxy);
+        let losing = (options.losing_engine || options.late_engine)
+            .then(|| super::engine::losing_proxy(options.late_engine));
         if let Some(losing) = &losing {
             builder = builder.env("DOCKER_HOST", losing.host());
         }

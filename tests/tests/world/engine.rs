@@ -192,11 +192,15 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
             }
         };
         let proxy = (DOCKER && options.flaky_engine).then(|| FlakyDocker::start(dir.path()));
-        let losing = (DOCKER && options.losing_engine).then(losing_proxy);
+        let losing = (DOCKER && (options.losing_engine || options.late_engine))
+            .then(|| losing_proxy(options.late_engine));
         if let (Some(fake), true) = (&fake, options.losing_engine) {
             fake.lose_next_create_answer();
             fake.queue_start_behavior(shim_runtime::fake::StartBehavior::StartsAnswerLost);
             fake.lose_next_remove_answer();
+        }
+        if let (Some(fake), true) = (&fake, options.late_engine) {
+            fake.queue_start_behavior(shim_runtime::fake::StartBehavior::StartsAnswerLate);
         }
         let gpus = HostGpus::fake_nvidia(GPUS as u32);
         let disk = options
@@ -229,13 +233,19 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
 }
 
 /// A proxy on the Docker socket that loses the answers to the first create, start and
-/// container removal ([`Options::losing_engine`]).
-pub fn losing_proxy() -> shim_e2e::harness::LosingProxy {
-    shim_e2e::harness::LosingProxy::start(
-        &shim_e2e::harness::docker_socket(),
-        &["/containers/create", "/start ", "DELETE /containers/"],
-    )
-    .unwrap()
+/// container removal ([`Options::losing_engine`]), or (`late`) holds the answer to the first
+/// start ([`Options::late_engine`]).
+pub fn losing_proxy(late: bool) -> shim_e2e::harness::LosingProxy {
+    let socket = shim_e2e::harness::docker_socket();
+    if late {
+        shim_e2e::harness::LosingProxy::holding(&socket, &["/start "]).unwrap()
+    } else {
+        shim_e2e::harness::LosingProxy::start(
+            &socket,
+            &["/containers/create", "/start ", "DELETE /containers/"],
+        )
+        .unwrap()
+    }
 }
 
 /// A stopped container's exit code as Docker reports it (`None`: none, or it runs).

@@ -177,6 +177,11 @@ pub struct Options {
     /// fake, in the others by a proxy on the Docker socket that closes the connection instead
     /// of answering ([`World::answers_lost`]).
     pub losing_engine: bool,
+    /// The engine's answer to the first container start never comes (the start is carried
+    /// out): in the engine worlds by the fake, in the others by a proxy on the Docker socket
+    /// that holds the answer and keeps the connection open until the shim gives up
+    /// ([`World::answers_lost`] counts it).
+    pub late_engine: bool,
     /// A host user whose real `authorized_keys` tasks' host keys go to
     /// ([`World::host_user`]): in the Docker world `tester` (always there), in the binary
     /// world a system user made for the test (needs root). The fake world's keys are fakes,

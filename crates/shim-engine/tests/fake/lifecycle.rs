@@ -155,6 +155,35 @@ async fn terminate_during_container_start_stops_the_container() {
     assert!(w.runtime.state(&cid).is_none());
 }
 
+// A start that is slow (the container not running yet) is waited for, with a look at the
+// container every 5 s; one whose answer is late while the container already runs goes on at
+// the first look (every world: tests/tests/faults.rs,
+// a_start_whose_answer_never_comes_runs_in_seconds).
+#[tokio::test(start_paused = true)]
+async fn a_slow_start_is_waited_for_with_a_look_every_5_s() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    w.runtime.set_start_behavior(StartBehavior::Hang);
+    w.runtime.clear_calls();
+    engine.submit(config("slow")).await.unwrap();
+    w.runtime
+        .wait_for_call(|c| matches!(c, Call::Start(_)))
+        .await;
+    w.runtime.clear_calls();
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert_eq!(
+        engine.task_info(&tid("slow")).unwrap().status,
+        TaskStatus::Pending
+    );
+    assert_eq!(w.runtime.count("inspect"), 2, "a look at 5 s and at 10 s");
+    w.runtime.release_starts();
+    let info = wait_status(&engine, "slow", TaskStatus::Running).await;
+    assert_eq!(
+        w.runtime.state(&info.container_id),
+        Some(ContainerState::Running)
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn start_step_failures_map_to_reasons() {
     let w = World::new(1);
