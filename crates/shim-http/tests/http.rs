@@ -893,17 +893,6 @@ async fn healthcheck_on(stream: &mut TcpStream) -> Resp {
     parse_response(&buf[..n])
 }
 
-#[tokio::test]
-async fn keep_alive_connection_serves_several_requests() {
-    let s = start().await;
-    let mut stream = TcpStream::connect(s.addr).await.unwrap();
-    for _ in 0..3 {
-        assert_eq!(healthcheck_on(&mut stream).await.status, 200);
-    }
-    drop(stream);
-    stop(s).await;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Sockets.
 
