@@ -1294,7 +1294,7 @@ in_worlds!(lost_engine_answers_neither_fail_the_task_nor_leak_it: fake, docker, 
 // A start whose answer never comes while the container runs does not hold the task for the
 // request's 30 s bound: the shim looks at the container 5 s in, finds it running and goes on
 // (the held request is dropped). Seen in the throughput bench on Docker 28.5 (containerd
-// store): about one start in 20,000 went unanswered for the whole 30 s, the container running
+// store): three starts in about 150,000 went unanswered for the whole 30 s, the container running
 // all along. Upstream waits for the answer without a bound (runner/internal/shim/docker.go
 // starts with the task's `context.Background()`).
 async fn a_start_whose_answer_never_comes_runs_in_seconds<W: world::World>() {

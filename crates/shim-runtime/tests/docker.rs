@@ -1436,3 +1436,33 @@ async fn a_lost_answer_is_daemon_unavailable_though_the_work_was_done() {
     let made = direct.inspect(&name).await.unwrap();
     assert_eq!(made.state, ContainerState::Created);
 }
+
+/// A start whose answer is held (the daemon did the work; the connection stays open and
+/// silent) leaves the request waiting while the engine already shows the container running,
+/// through the same client: what the engine's look at a late start relies on, on every engine
+/// (the engine's side is the scenario `faults::a_start_whose_answer_never_comes_runs_in_seconds`).
+#[tokio::test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+async fn a_start_whose_answer_is_held_shows_the_container_running() {
+    require_docker();
+    let (direct, run, guard) = setup("held-answer").await;
+    let proxy = LosingProxy::holding(&docker_socket(), &["/start "]).unwrap();
+    let held = DockerRuntime::connect_to(&proxy.host()).await.unwrap();
+    let spec = shell_spec(&format!("{run}-s"), &guard.labels(), "sleep 60");
+    let id = direct.create(&spec).await.unwrap();
+    let start = held.start(&id);
+    tokio::pin!(start);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        tokio::select! {
+            answer = &mut start => panic!("the held start answered: {answer:?}"),
+            details = held.inspect(&id) => {
+                if details.unwrap().state == ContainerState::Running {
+                    break;
+                }
+            }
+        }
+        assert!(Instant::now() < deadline, "not running after 20 s");
+    }
+    assert_eq!(proxy.lost().len(), 1, "{:?}", proxy.lost());
+}

@@ -579,7 +579,7 @@ impl Effects {
     /// container started, whatever became of the answer, and the start goes on without it
     /// (the request is dropped). A start that answers, in time or late, is the answer.
     ///
-    /// Seen on Docker 28.5 (containerd store): about one start in 20,000 whose answer did not
+    /// Seen on Docker 28.5 (containerd store): three starts in about 150,000 whose answer did not
     /// come within the request's 30 s bound although the container was running, which made
     /// that task's start 30 s long. On Docker an inspect waits for a start in progress (the
     /// daemon holds the container's lock), so a slow start is simply waited for; an engine
