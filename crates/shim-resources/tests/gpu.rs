@@ -202,12 +202,13 @@ async fn amd_via_docker_with_fallback_without_driver_option() {
     let gpus = h.detect().await;
     assert_eq!(gpus.vendor, Some(GpuVendor::Amd));
     assert_eq!(gpus.driver_version, None);
-    let ids: Vec<_> = gpus.gpus.iter().map(|g| g.id.as_str()).collect();
     let dri = fs_err::canonicalize(h.dev().join("dri")).unwrap();
-    let node = |name| dri.join(name).to_string_lossy().into_owned();
-    assert_eq!(ids, [node("renderD128"), node("renderD136")]);
-    assert_eq!(gpus.gpus[0].name, "AMD Instinct MI300X");
-    assert_eq!(gpus.gpus[0].memory_mib, 196_592);
+    let mi300x = |node: &str| {
+        let id = dri.join(node).to_string_lossy().into_owned();
+        ("AMD Instinct MI300X".to_owned(), 196_592, id)
+    };
+    let want = [mi300x("renderD128"), mi300x("renderD136")];
+    assert_eq!(summary(&gpus.gpus), want);
     assert_eq!(h.runner.calls().len(), 2);
     h.assert_call(0, &format!("{} --driver", amd_smi_call()));
     h.assert_call(1, &amd_smi_call());
@@ -315,12 +316,8 @@ async fn tenstorrent_via_docker_with_the_driver_version_file() {
         0,
         &format!("docker run --rm --device /dev/tenstorrent {TT_SMI_IMAGE} -s"),
     );
-    assert_eq!(gpus.gpus.len(), 2);
-    for (i, g) in gpus.gpus.iter().enumerate() {
-        assert_eq!(g.name, "n300");
-        assert_eq!(g.memory_mib, 24 * 1024, "L + R chips");
-        assert_eq!(g.id, i.to_string());
-    }
+    let l_and_r_chips = alike(2, "n300", 24);
+    assert_eq!(summary(&gpus.gpus), l_and_r_chips);
     // upstream (getTenstorrentDriverVersion): only /sys/module/tenstorrent/version counts,
     // not tt-smi's host_info.Driver ("TT-KMD 1.34" in this fixture).
     assert_eq!(gpus.driver_version, None);
@@ -344,15 +341,16 @@ fn tt_devices(devices: &[(&str, &str, &str)]) -> Vec<GpuInfo> {
     parse_tt_smi(&serde_json::json!({ "device_info": list }).to_string()).unwrap()
 }
 
-/// Each GPU as (name, memory in GiB, id).
+/// Each GPU as (name, memory in MiB, id).
 fn summary(gpus: &[GpuInfo]) -> Vec<(String, u64, String)> {
     gpus.iter()
-        .map(|g| (g.name.clone(), g.memory_mib / 1024, g.id.clone()))
+        .map(|g| (g.name.clone(), g.memory_mib, g.id.clone()))
         .collect()
 }
 
-fn s(name: &str, gib: u64, id: usize) -> (String, u64, String) {
-    (name.to_owned(), gib, id.to_string())
+/// A GPU of [`summary`] with `gib` GiB and the id `id`.
+fn s(name: &str, gib: u64, id: impl ToString) -> (String, u64, String) {
+    (name.to_owned(), gib * 1024, id.to_string())
 }
 
 /// `n` GPUs named `name` with `gib` GiB each, ids 0 to n-1.
@@ -468,9 +466,7 @@ async fn intel_from_hl_smi() {
         "hl-smi --query-aip=name,memory.total,index --format=csv,noheader,nounits",
     );
     assert_eq!(gpus.driver_version, None);
-    let ids: Vec<_> = gpus.gpus.iter().map(|g| g.id.as_str()).collect();
-    assert_eq!(ids, ["0", "1", "2"]);
-    assert_eq!(gpus.gpus[2].memory_mib, 98304);
+    assert_eq!(summary(&gpus.gpus), alike(3, "HL-225", 96));
     assert!(parse_hl_smi("HL-205, 32768, x\n").is_err());
     assert!(parse_hl_smi("HL-205, 32768, 0, 1.19\n").is_err());
 }

@@ -8,11 +8,12 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use UnhealthyReason::{RetiredPagesPending, RowRemapFailure, RowRemapPending};
 use serde_json::json;
 use shim_resources::gpu::health::{
-    DEFAULT_SKIPPED_XIDS, GpuHealth, GpuHealthReport, GpuRef, KernelLog, Kmsg, PciAddress,
-    UnhealthyReason, XidEvent, XidLine, XidMonitor, XidPolicy, XidTracker,
-    parse_nvidia_smi_bus_ids, parse_nvidia_smi_query, parse_xid_line, probe_nvidia_health,
+    DEFAULT_SKIPPED_XIDS, GpuHealth, GpuHealthReport, GpuRef, KernelLog, Kmsg, UnhealthyReason,
+    XidEvent, XidLine, XidMonitor, XidPolicy, XidTracker, parse_nvidia_smi_bus_ids,
+    parse_nvidia_smi_query, parse_xid_line, probe_nvidia_health,
 };
 use shim_util::CommandOutput;
 use shim_util::fake::ScriptedCommandRunner;
@@ -20,6 +21,8 @@ use shim_util::fake::ScriptedCommandRunner;
 /// GPU 0 and 1 of the A100 fixtures.
 const GPU0: &str = "GPU-5f3e2b1a-7c4d-4e8f-9a0b-1c2d3e4f5a6b";
 const GPU1: &str = "GPU-0a1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d";
+const BUS0: &str = "00000000:3B:00.0";
+const BUS1: &str = "00000000:5E:00.0";
 
 /// No errors, no GPU ids.
 const NONE: &[String] = &[];
@@ -43,12 +46,12 @@ fn a100s() -> Vec<GpuHealth> {
     parse_nvidia_smi_query(&fixture("nvidia-smi-q-a100x2.txt")).unwrap()
 }
 
-fn healthy(uuid: &str, index: u32, bus_id: &str) -> GpuHealth {
+fn gpu(uuid: &str, index: u32, bus_id: &str, reasons: &[UnhealthyReason]) -> GpuHealth {
     GpuHealth {
         uuid: uuid.to_owned(),
         index,
         bus_id: bus_id.to_owned(),
-        reasons: vec![],
+        reasons: reasons.to_vec(),
     }
 }
 
@@ -77,12 +80,9 @@ fn xid(code: u32, message: &str) -> UnhealthyReason {
     }
 }
 
-fn xid_line(pci: &str, code: u32, message: &str) -> XidLine {
-    XidLine {
-        pci: PciAddress::parse(pci).unwrap(),
-        code,
-        message: message.to_owned(),
-    }
+/// The XID 79 of `kmsg-xids.txt` (GPU 1).
+fn fell_off() -> UnhealthyReason {
+    xid(79, "GPU has fallen off the bus")
 }
 
 // ------------------------------------------------------------------------------ nvidia-smi -q
@@ -94,13 +94,7 @@ fn healthy_output_has_no_reasons() {
     // with A100 values. The MIG Mode, Driver Model, GPU Operation Mode and ECC Mode sections'
     // `Pending` fields are not read.
     let gpus = a100s();
-    assert_eq!(
-        gpus,
-        [
-            healthy(GPU0, 0, "00000000:3B:00.0"),
-            healthy(GPU1, 1, "00000000:5E:00.0"),
-        ]
-    );
+    assert_eq!(gpus, [gpu(GPU0, 0, BUS0, &[]), gpu(GPU1, 1, BUS1, &[])]);
     assert!(gpus.iter().all(GpuHealth::is_healthy));
 }
 
@@ -111,16 +105,11 @@ fn row_remap_failure_and_pending_are_reasons_of_their_gpu() {
     // the recorded A100 excerpt with a pending remap in
     // https://github.com/stas00/ml-engineering/blob/15de338c6411c943fc083f7365017c1547acf9af/compute/accelerator/nvidia/debug.md
     let gpus = parse_nvidia_smi_query(&fixture("nvidia-smi-q-a100x2-row-remap.txt")).unwrap();
-    assert_eq!(gpus.len(), 2);
-    assert_eq!(gpus[0].uuid, GPU0);
-    assert_eq!(gpus[0].reasons, [UnhealthyReason::RowRemapFailure]);
-    assert_eq!(gpus[1].uuid, GPU1);
-    assert_eq!(gpus[1].reasons, [UnhealthyReason::RowRemapPending]);
-    assert_eq!(gpus[0].reasons[0].to_string(), "row remapping failed");
-    assert_eq!(
-        gpus[1].reasons[0].to_string(),
-        "row remapping pending (GPU reset needed)"
-    );
+    let failure = gpu(GPU0, 0, BUS0, &[RowRemapFailure]);
+    assert_eq!(gpus, [failure, gpu(GPU1, 1, BUS1, &[RowRemapPending])]);
+    assert_eq!(RowRemapFailure.to_string(), "row remapping failed");
+    let pending = "row remapping pending (GPU reset needed)";
+    assert_eq!(RowRemapPending.to_string(), pending);
 }
 
 #[test]
@@ -130,11 +119,12 @@ fn retired_pages_pending_is_a_reason_and_remapped_rows_na_is_none() {
     // https://github.com/leptonai/gpud/blob/5e217ececb9daf2adff67d96a0218d756e1e1021/components/accelerator/nvidia/query/testdata/nvidia-smi-query.560.35.03.out.0.valid
     // EDITED: `Double Bit ECC` 1 and `Pending Page Blacklist` flipped from N/A to Yes.
     let gpus = parse_nvidia_smi_query(&fixture("nvidia-smi-q-v100-retired-pending.txt")).unwrap();
-    assert_eq!(gpus.len(), 1);
-    assert_eq!(gpus[0].uuid, "GPU-9c8b7a65-4321-4fed-8cba-0987654321fe");
-    assert_eq!(gpus[0].bus_id, "00000000:86:00.0");
-    assert_eq!(gpus[0].reasons, [UnhealthyReason::RetiredPagesPending]);
-    assert_eq!(gpus[0].reasons[0].to_string(), "retired pages pending");
+    let uuid = "GPU-9c8b7a65-4321-4fed-8cba-0987654321fe";
+    assert_eq!(
+        gpus,
+        [gpu(uuid, 0, "00000000:86:00.0", &[RetiredPagesPending])]
+    );
+    assert_eq!(RetiredPagesPending.to_string(), "retired pages pending");
 }
 
 #[test]
@@ -150,10 +140,10 @@ fn unknown_values_and_gpus_without_uuid() {
             &format!("GPU UUID                              : {GPU1}"),
             "",
         );
-    let gpus = parse_nvidia_smi_query(&text).unwrap();
-    assert_eq!(gpus.len(), 1);
-    assert_eq!(gpus[0].uuid, GPU0);
-    assert!(gpus[0].is_healthy());
+    assert_eq!(
+        parse_nvidia_smi_query(&text).unwrap(),
+        [gpu(GPU0, 0, BUS0, &[])]
+    );
 }
 
 #[test]
@@ -170,7 +160,7 @@ fn output_without_gpus() {
 #[test]
 fn bus_ids_csv() {
     // `nvidia-smi --query-gpu=uuid,pci.bus_id --format=csv,noheader`
-    let out = format!("{GPU0}, 00000000:3B:00.0\n{GPU1}, 00000000:5E:00.0\n");
+    let out = format!("{GPU0}, {BUS0}\n{GPU1}, {BUS1}\n");
     let gpus = parse_nvidia_smi_bus_ids(&out).unwrap();
     let mut expected = a100s();
     for g in &mut expected {
@@ -192,48 +182,35 @@ fn xid_line_shapes() {
     // https://docs.nvidia.com/deploy/a100-gpu-mem-error-mgmt/user-visible-statistics.html, the
     // `pid='<unknown>', name=<unknown>` of
     // https://github.com/leptonai/gpud/blob/4a8de33a3f02e207f39e9023d67125592d599731/components/accelerator/nvidia/sxid/README.md
+    // Each parsed line as `XID <code> on <PCI address>: <message>`.
+    let shape = |l: XidLine| format!("XID {} on {}: {}", l.code, l.pci, l.message);
     let kmsg = fixture("kmsg-xids.txt");
-    for (pci, code, message) in [
-        ("0000:5e:00", 79, "GPU has fallen off the bus"),
-        (
-            "0000:3b:00",
-            109,
-            "Ch 00000010, errorString CTX SWITCH TIMEOUT, Info 0x2c014",
-        ),
-        (
-            "0000:3b:00",
-            13,
-            "Graphics SM Warp Exception on (GPC 0, TPC 0, SM 0): Out Of Range Address",
-        ),
+    for want in [
+        "XID 79 on 0000:5e:00: GPU has fallen off the bus",
+        "XID 109 on 0000:3b:00: Ch 00000010, errorString CTX SWITCH TIMEOUT, Info 0x2c014",
+        "XID 13 on 0000:3b:00: Graphics SM Warp Exception on (GPC 0, TPC 0, SM 0): \
+         Out Of Range Address",
     ] {
+        let code = want.split(' ').nth(1).unwrap();
         let line = line_with(&kmsg, &format!("): {code},"));
-        assert_eq!(parse_xid_line(line), Some(xid_line(pci, code, message)));
+        assert_eq!(parse_xid_line(line).map(shape).as_deref(), Some(want));
     }
 
-    let dmesg: Vec<XidLine> = fixture("dmesg-xids.txt")
+    let dmesg = fixture("dmesg-xids.txt");
+    let dmesg: Vec<_> = dmesg
         .lines()
-        .map(|l| parse_xid_line(l).unwrap())
+        .map(|l| shape(parse_xid_line(l).unwrap()))
         .collect();
     assert_eq!(
         dmesg,
         [
-            xid_line(
-                "0000:3b:00",
-                94,
-                "Contained: CE User Channel (0x9). RST: No, D-RST: No"
-            ),
+            "XID 94 on 0000:3b:00: Contained: CE User Channel (0x9). RST: No, D-RST: No",
             // MIG: the parent GPU's address.
-            xid_line(
-                "0000:5e:00",
-                63,
-                "Row Remapper: New row marked for remapping, reset gpu to activate"
-            ),
+            "XID 63 on 0000:5e:00: Row Remapper: New row marked for remapping, \
+             reset gpu to activate",
             // No `PCI:` tag.
-            xid_line(
-                "0000:3b:00",
-                74,
-                "NVLink: fatal error detected on link 3(0x0, 0x0, 0x10000, 0x0, 0x0, 0x0, 0x0)"
-            ),
+            "XID 74 on 0000:3b:00: NVLink: fatal error detected on link 3\
+             (0x0, 0x0, 0x10000, 0x0, 0x0, 0x0, 0x0)",
         ]
     );
 
@@ -264,11 +241,9 @@ fn xid_79_on_a_known_bus_marks_that_gpu() {
             message: "GPU has fallen off the bus".to_owned(),
         }]
     );
-    let reasons = t.reasons();
-    assert_eq!(reasons.len(), 1);
-    assert_eq!(reasons[GPU1], [xid(79, "GPU has fallen off the bus")]);
+    assert_eq!(t.reasons(), [(GPU1.to_owned(), vec![fell_off()])].into());
     assert_eq!(
-        reasons[GPU1][0].to_string(),
+        fell_off().to_string(),
         "XID 79 (GPU has fallen off the bus)"
     );
 
@@ -385,11 +360,8 @@ fn a_gpu_learnt_once_keeps_its_xids_when_missing_from_the_report() {
     t.scan(&fixture("kmsg-xids.txt"));
     let mut report = report(a100s().into_iter().take(1).collect());
     t.apply(&mut report);
-    assert_eq!(report.gpus.len(), 2);
-    assert_eq!(report.gpus[1].uuid, GPU1);
-    assert_eq!(report.gpus[1].bus_id, "00000000:5E:00.0");
-    let fell_off = xid(79, "GPU has fallen off the bus");
-    assert_eq!(report.gpus[1].reasons, [fell_off]);
+    let want = [gpu(GPU0, 0, BUS0, &[]), gpu(GPU1, 1, BUS1, &[fell_off()])];
+    assert_eq!(report.gpus, want);
 }
 
 // --------------------------------------------------------------------------- report and DCGM
@@ -423,9 +395,8 @@ fn assert_on_the_wire(reason: UnhealthyReason, wire: serde_json::Value) {
 
 #[test]
 fn reasons_on_the_wire() {
-    use UnhealthyReason::{RetiredPagesPending, RowRemapFailure, RowRemapPending};
     assert_on_the_wire(
-        xid(79, "GPU has fallen off the bus"),
+        fell_off(),
         json!({"kind": "xid", "code": 79, "message": "GPU has fallen off the bus"}),
     );
     assert_on_the_wire(
@@ -488,15 +459,8 @@ async fn probe_reports_nvidia_smi_reasons_and_xids() {
     let report = probe_nvidia_health(&runner, &xids).await;
     assert_eq!(runner.calls(), [["nvidia-smi", "-q"]]);
     assert_eq!(report.errors, NONE);
-    assert_eq!(report.gpus.len(), 2);
-    assert_eq!(report.gpus[0].reasons, [UnhealthyReason::RowRemapFailure]);
-    assert_eq!(
-        report.gpus[1].reasons,
-        [
-            UnhealthyReason::RowRemapPending,
-            xid(79, "GPU has fallen off the bus")
-        ]
-    );
+    let gpu1 = gpu(GPU1, 1, BUS1, &[RowRemapPending, fell_off()]);
+    assert_eq!(report.gpus, [gpu(GPU0, 0, BUS0, &[RowRemapFailure]), gpu1]);
 
     // Recovery: the GPUs were reset and the driver reloaded; nvidia-smi shows them clean.
     runner.push("nvidia-smi", smi_q("nvidia-smi-q-a100x2.txt"));
@@ -547,10 +511,7 @@ async fn probe_with_failing_nvidia_smi_still_reports_xids() {
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert!(errors[0].starts_with("nvidia-smi -q failed"), "{errors:?}");
     assert!(errors[0].contains("Unknown Error"));
-    assert_eq!(report.gpus.len(), 1);
-    assert_eq!(report.gpus[0].uuid, GPU1);
-    let fell_off = xid(79, "GPU has fallen off the bus");
-    assert_eq!(report.gpus[0].reasons, [fell_off]);
+    assert_eq!(report.gpus, [gpu(GPU1, 1, BUS1, &[fell_off()])]);
 
     // nvidia-smi cannot even start.
     runner.push_spawn_error("nvidia-smi", "No such file or directory");
@@ -572,8 +533,7 @@ async fn probe_with_unreadable_kernel_log_reports_nvidia_smi() {
     assert_eq!(errors.len(), 1);
     let open_error = format!("open {}", missing.display());
     assert!(errors[0].starts_with(&open_error), "{errors:?}");
-    let retired = UnhealthyReason::RetiredPagesPending;
-    assert_eq!(report.gpus[0].reasons, [retired]);
+    assert_eq!(report.gpus[0].reasons, [RetiredPagesPending]);
 
     // With XID checks off, the log is not read at all.
     let xids = monitor(&missing, XidPolicy::disabled());

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use shim_resources::gpu::{Link, SetScore, Topology, choose, parse_nvidia_topo};
 use shim_resources::{GpuDetector, ResourcesError};
-use shim_util::CommandOutput;
 use shim_util::fake::ScriptedCommandRunner;
+use shim_util::{CommandError, CommandOutput};
 
 fn fixture(name: &str) -> String {
     let p = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -211,22 +211,11 @@ fn first_free_without_topology_or_with_unknown_gpus() {
 #[test]
 fn set_scores_order() {
     let t = topo("a30-nvlink-pairs-4gpu.txt");
+    let score = |numa_nodes, links| SetScore { numa_nodes, links };
     let pair = t.score(&[2, 3]).unwrap();
     let across = t.score(&[1, 2]).unwrap();
-    assert_eq!(
-        pair,
-        SetScore {
-            numa_nodes: 1,
-            links: 400
-        }
-    );
-    assert_eq!(
-        across,
-        SetScore {
-            numa_nodes: 2,
-            links: 10
-        }
-    );
+    assert_eq!(pair, score(1, 400));
+    assert_eq!(across, score(2, 10));
     assert!(pair > across);
     assert_eq!(t.score(&[2, 2]), None);
     assert_eq!(t.score(&[2, 7]), None);
@@ -297,24 +286,18 @@ fn older_drivers_soc_and_one_gpu() {
 #[tokio::test]
 async fn detector_runs_nvidia_smi_topo() {
     let runner = Arc::new(ScriptedCommandRunner::new());
-    runner.push(
-        "nvidia-smi",
-        CommandOutput::ok(fixture("a30-nvlink-pairs-4gpu.txt")),
-    );
+    let matrix = CommandOutput::ok(fixture("a30-nvlink-pairs-4gpu.txt"));
+    runner.push("nvidia-smi", matrix);
     let detector = GpuDetector::new(runner.clone());
     let t = detector.topology().await.unwrap();
     assert_eq!(t.link(0, 1), Some(Link::NvLink(4)));
     assert_eq!(runner.calls(), [["nvidia-smi", "topo", "-m"]]);
 
-    runner.push(
-        "nvidia-smi",
-        CommandOutput::exit(9, "NVIDIA-SMI has failed"),
-    );
+    let failed = CommandOutput::exit(9, "NVIDIA-SMI has failed");
+    runner.push("nvidia-smi", failed);
     assert!(matches!(
         detector.topology().await,
-        Err(ResourcesError::Command(
-            shim_util::CommandError::Failed { .. }
-        ))
+        Err(ResourcesError::Command(CommandError::Failed { .. }))
     ));
     runner.push("nvidia-smi", CommandOutput::ok("No devices were found\n"));
     assert!(matches!(
@@ -338,25 +321,24 @@ fn any_link() -> impl Strategy<Value = Link> {
 
 /// A random topology of `0..n` (links and NUMA nodes, some unknown), a free list in random
 /// order and a `k` up to two more than it.
-fn any_request(max_gpus: usize) -> impl Strategy<Value = (Topology, Vec<u32>, usize)> {
+fn any_request(max_gpus: usize) -> impl Strategy<Value = Request> {
     request(1..=max_gpus, |n| (0..=n, 0..=n + 2))
 }
 
 /// Like [`any_request`], every GPU free and `k` in the middle: more than
 /// `EXHAUSTIVE_LIMIT` candidate sets, so the greedy search runs.
-fn large_request() -> impl Strategy<Value = (Topology, Vec<u32>, usize)> {
+fn large_request() -> impl Strategy<Value = Request> {
     request(17..=24, |n| (n..=n, 6..=n - 6))
 }
 
+/// A topology, a free list and how many GPUs to choose.
+type Request = (Topology, Vec<u32>, usize);
+type Counts = std::ops::RangeInclusive<usize>;
+
 fn request(
-    gpus: std::ops::RangeInclusive<usize>,
-    free_and_k: fn(
-        usize,
-    ) -> (
-        std::ops::RangeInclusive<usize>,
-        std::ops::RangeInclusive<usize>,
-    ),
-) -> impl Strategy<Value = (Topology, Vec<u32>, usize)> {
+    gpus: Counts,
+    free_and_k: fn(usize) -> (Counts, Counts),
+) -> impl Strategy<Value = Request> {
     gpus.prop_flat_map(move |n| {
         let gpus: Vec<u32> = (0..u32::try_from(n).unwrap()).collect();
         let (free_count, k) = free_and_k(n);

@@ -65,6 +65,22 @@ fn restore(m: &AuthorizedKeysManager, t: &str, user: &str, lines: &[&str]) {
     m.restore(&task(t), user, &keys(lines));
 }
 
+/// A rewrite that keeps `wanted`, releases `released` (and, as upstream would, the unmarked
+/// lines of `released_unmarked`), and prunes marked lines of unknown origin if `prune_unknown`.
+fn rewrite<'a>(
+    wanted: &'a [PublicKey],
+    released: &'a [PublicKey],
+    prune_unknown: bool,
+    released_unmarked: &'a [PublicKey],
+) -> Rewrite<'a> {
+    Rewrite {
+        wanted,
+        released,
+        prune_unknown,
+        released_unmarked,
+    }
+}
+
 /// `render` of `old` as text.
 fn rendered(old: &str, rw: &Rewrite<'_>) -> String {
     String::from_utf8(render(old.as_bytes(), rw)).unwrap()
@@ -174,18 +190,14 @@ async fn written_file_is_read_by_ssh_keygen() {
     let h = Home::new();
     add(&h.manager, "t1", "alice", &[K1, K4]).await;
     let out = std::process::Command::new("ssh-keygen")
-        .arg("-l")
-        .arg("-f")
+        .args(["-l", "-f"])
         .arg(h.file())
         .output();
     match out {
         Ok(out) => {
             let text = String::from_utf8_lossy(&out.stdout);
-            assert!(
-                out.status.success(),
-                "{text} {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{text} {err}");
             assert!(text.contains(K1_FP), "{text}");
             assert!(text.contains(MARKER), "{text}");
             assert_eq!(text.lines().count(), 2, "{text}");
@@ -235,11 +247,8 @@ async fn shared_key_survives_release_of_first_task() {
     let h = Home::new();
     add(&h.manager, "a", "alice", &[K1, K2]).await;
     add(&h.manager, "b", "alice", &[K2, K3]).await;
-    assert_eq!(
-        h.marked(),
-        vec![fp(K1), fp(K2), fp(K3)],
-        "no duplicate line for K2"
-    );
+    let all = vec![fp(K1), fp(K2), fp(K3)];
+    assert_eq!(h.marked(), all, "no duplicate line for K2");
     remove(&h.manager, "a", "alice", &[]).await;
     assert_eq!(h.marked(), vec![fp(K2), fp(K3)]);
     remove(&h.manager, "b", "alice", &[]).await;
@@ -477,11 +486,8 @@ async fn restart_with_a_held_task_removes_only_known_keys() {
     restore(&after, "a", "alice", &[K1]);
     after.hold_unknown(&task("up"), Some("alice"));
     remove(&after, "gone", "alice", &[K2]).await;
-    assert_eq!(
-        h.marked(),
-        vec![fp(K1), fp(K3)],
-        "K2 known and released; K3 held"
-    );
+    let msg = "K2 known and released; K3 held";
+    assert_eq!(h.marked(), vec![fp(K1), fp(K3)], "{msg}");
     // Add never removes, hold or not.
     add(&after, "d", "alice", &[K4]).await;
     assert_eq!(h.marked(), vec![fp(K1), fp(K3), fp(K4)]);
@@ -532,21 +538,13 @@ fn render_rules() {
     let old = format!("x\n{}\n{}\n{}\n", mark(K1), mark(K1), mark(K2));
     let wanted = keys(&[K1]);
     // Add: nothing dropped except the duplicate; wanted keys present.
-    let adding = Rewrite {
-        wanted: &wanted,
-        released: &[],
-        prune_unknown: false,
-        released_unmarked: &[],
-    };
+    let adding = rewrite(&wanted, &[], false, &[]);
     assert_eq!(
         rendered(&old, &adding),
         format!("x\n{}\n{}\n", mark(K1), mark(K2))
     );
     // A removal without holds keeps exactly the wanted keys.
-    let removal = Rewrite {
-        prune_unknown: true,
-        ..adding
-    };
+    let removal = rewrite(&wanted, &[], true, &[]);
     assert_eq!(rendered(&old, &removal), format!("x\n{}\n", mark(K1)));
     // The marker must be an exact trailing field.
     assert!(parse_marked_line(&format!("{K1}{MARKER}")).is_none());
@@ -580,19 +578,10 @@ fn rewrite_rule_known_and_unknown_origin() {
     let wanted = keys(&[K1]);
     let released = keys(&[K2, K1]);
     // No unknown hold: only the wanted key stays.
-    let rw = Rewrite {
-        wanted: &wanted,
-        released: &released,
-        prune_unknown: true,
-        released_unmarked: &[],
-    };
-    assert_eq!(keep(&rw), vec![fp(K1)]);
+    assert_eq!(keep(&rewrite(&wanted, &released, true, &[])), vec![fp(K1)]);
     // A hold covers the user: the released key goes, unknown-origin lines stay, the wanted
     // key stays even though the removed task also had it.
-    let rw = Rewrite {
-        prune_unknown: false,
-        ..rw
-    };
+    let rw = rewrite(&wanted, &released, false, &[]);
     assert_eq!(keep(&rw), vec![fp(K1), fp(K3), fp(K4)]);
     assert!(rw.keeps(&fp(K1)) && !rw.keeps(&fp(K2)) && rw.keeps(&fp(K3)));
 }
@@ -601,16 +590,10 @@ fn rewrite_rule_known_and_unknown_origin() {
 async fn symlinked_file_or_ssh_dir_is_refused_and_never_followed() {
     #[track_caller]
     fn assert_refused_as_a_link(e: &ResourcesError) {
-        assert!(
-            matches!(
-                e,
-                ResourcesError::Fs(shim_fs::FsError::WrongType {
-                    found: "a symbolic link",
-                    ..
-                })
-            ),
-            "{e}"
-        );
+        let ResourcesError::Fs(shim_fs::FsError::WrongType { found, .. }) = e else {
+            panic!("{e}");
+        };
+        assert_eq!(*found, "a symbolic link", "{e}");
     }
     let h = Home::new();
     let secret = h.beside("secret");
@@ -649,11 +632,8 @@ async fn planted_temp_file_symlink_is_not_written_through() {
 #[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn files_are_owned_by_the_user_when_run_as_root() {
     require_root();
-    assert_eq!(
-        nix::unistd::geteuid().as_raw(),
-        0,
-        "SHIM_TEST_ROOT=1 needs root"
-    );
+    let euid = nix::unistd::geteuid().as_raw();
+    assert_eq!(euid, 0, "SHIM_TEST_ROOT=1 needs root");
     let tmp = tempfile::tempdir().unwrap();
     let home = tmp.path().join("carol");
     fs_err::create_dir(&home).unwrap();
@@ -663,11 +643,8 @@ async fn files_are_owned_by_the_user_when_run_as_root() {
         gid: 54322,
     };
     let m = AuthorizedKeysManager::new(Arc::new(StaticUserDb::new().with_entry("carol", entry)));
-    let (ssh, file, backup) = (
-        home.join(".ssh"),
-        home.join(".ssh/authorized_keys"),
-        home.join(".ssh/authorized_keys.bak"),
-    );
+    let ssh = home.join(".ssh");
+    let (file, backup) = (ssh.join("authorized_keys"), ssh.join("authorized_keys.bak"));
     let assert_owned_with_mode = |p: &Path, want: u32| {
         let meta = fs_err::metadata(p).unwrap();
         assert_eq!((meta.uid(), meta.gid()), (54321, 54322), "{}", p.display());
@@ -700,16 +677,8 @@ fn ssh_dir_swapped_for_a_link_mid_update_is_never_written_through() {
     let swapper = {
         let (stop, swaps, ssh, link) = (stop.clone(), swaps.clone(), ssh.clone(), link.clone());
         std::thread::spawn(move || {
-            let swap = || {
-                nix::fcntl::renameat2(
-                    None,
-                    &ssh,
-                    None,
-                    &link,
-                    nix::fcntl::RenameFlags::RENAME_EXCHANGE,
-                )
-                .unwrap();
-            };
+            let exchange = nix::fcntl::RenameFlags::RENAME_EXCHANGE;
+            let swap = || nix::fcntl::renameat2(None, &ssh, None, &link, exchange).unwrap();
             while !stop.load(Ordering::Relaxed) {
                 swap();
                 swaps.fetch_add(1, Ordering::Relaxed);
@@ -718,11 +687,7 @@ fn ssh_dir_swapped_for_a_link_mid_update_is_never_written_through() {
                 std::thread::sleep(std::time::Duration::from_micros(50));
             }
             // Leave the real directory at ~/.ssh.
-            if fs_err::symlink_metadata(&ssh)
-                .unwrap()
-                .file_type()
-                .is_symlink()
-            {
+            if ssh.is_symlink() {
                 swap();
             }
         })
@@ -773,12 +738,7 @@ fn upstream_lines_go_as_upstream_removes_them() {
     );
     let released = keys(&[K1, K2]);
     let wanted = keys(&[K2]);
-    let rw = Rewrite {
-        wanted: &wanted,
-        released: &released,
-        prune_unknown: false,
-        released_unmarked: &released,
-    };
+    let rw = rewrite(&wanted, &released, false, &released);
     // K1's plain line goes; K2 stays (a live task wants it), as does its marked line; a line
     // with options is not a plain key line and is left alone. Upstream's RemovePublicKeys
     // (runner/internal/shim/authorized_keys.go, ssh.ParseAuthorizedKey) would remove it too;
@@ -788,10 +748,6 @@ fn upstream_lines_go_as_upstream_removes_them() {
         format!("# a comment\n{K2}\ncommand=\"x\" {K1}\n{}\n", mark(K2))
     );
     // Without the upstream flag nothing unmarked is touched.
-    let rw = Rewrite {
-        released_unmarked: &[],
-        ..rw
-    };
-    let out = rendered(&old, &rw);
+    let out = rendered(&old, &rewrite(&wanted, &released, false, &[]));
     assert!(out.contains(&format!("\n{K1}\n")), "{out}");
 }

@@ -61,7 +61,9 @@ fn write_mbr(img: &Path) {
 
 impl Loop {
     /// A `size_mib` MiB file, written by `prepare_file`, attached by `losetup` with `flags`.
+    /// Every test starts here, so this is where root is required.
     fn new(size_mib: u64, prepare_file: impl FnOnce(&Path), flags: &[&str]) -> Self {
+        require_root();
         let tmp = tempfile::tempdir().unwrap();
         let img = tmp.path().join("disk.img");
         let f = fs_err::File::create(&img).unwrap();
@@ -93,6 +95,13 @@ impl Loop {
 
     fn blank(size_mib: u64) -> Self {
         Self::new(size_mib, |_| {}, &[])
+    }
+
+    /// A blank disk and a manager of it.
+    fn blank_managed(size_mib: u64) -> (Self, BlockVolumes) {
+        let lp = Self::blank(size_mib);
+        let m = lp.manager();
+        (lp, m)
     }
 
     /// The GCP-style by-id dir.
@@ -131,6 +140,7 @@ impl Loop {
         self.dev.to_str().unwrap()
     }
 
+    /// `blkid -p` of the disk: its exit code and output.
     fn blkid(&self) -> (Option<i32>, String) {
         let out = Command::new("blkid")
             .args(["-p", "-o", "export", self.dev_str()])
@@ -203,19 +213,14 @@ async fn release_all(m: &Arc<BlockVolumes>, vols: &[MountedVolume]) {
 #[tokio::test]
 #[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn blank_device_with_init_fs_is_formatted_mounted_and_released() {
-    require_root();
-    let lp = Loop::blank(64);
-    let m = lp.manager();
+    let (lp, m) = Loop::blank_managed(64);
     let vol = m.prepare(&lp.spec(true)).await.unwrap();
     let mp = lp.mount_point();
     assert_eq!(vol.mount_point, mp.to_string_lossy());
     assert_eq!(vol.device, lp.by_id("google-test-disk").to_string_lossy());
     assert!(is_mounted(&mp));
-    assert_eq!(
-        mode(&mp),
-        0o777,
-        "root of a file system we created is world-writable"
-    );
+    let msg = "root of a file system we created is world-writable";
+    assert_eq!(mode(&mp), 0o777, "{msg}");
     let (code, out) = lp.blkid();
     assert_eq!(code, Some(0));
     assert!(out.contains("TYPE=ext4"), "{out}");
@@ -238,7 +243,6 @@ async fn blank_device_with_init_fs_is_formatted_mounted_and_released() {
 #[tokio::test]
 #[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn existing_filesystem_is_never_formatted_nor_chmodded() {
-    require_root();
     let lp = Loop::blank(64);
     run("mkfs.ext4", &["-q", "-F", lp.dev_str()]);
     // Put a file on it and make its root 0755, as a user-formatted volume would be.
@@ -262,9 +266,7 @@ async fn existing_filesystem_is_never_formatted_nor_chmodded() {
 #[tokio::test]
 #[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn blank_device_without_init_fs_is_an_error_and_stays_blank() {
-    require_root();
-    let lp = Loop::blank(32);
-    let m = lp.manager();
+    let (lp, m) = Loop::blank_managed(32);
     let e = m.prepare(&lp.spec(false)).await.unwrap_err();
     assert!(matches!(e, ResourcesError::NoFilesystem { .. }), "{e}");
     assert!(e.to_string().contains("init_fs"), "{e}");
@@ -275,7 +277,6 @@ async fn blank_device_without_init_fs_is_an_error_and_stays_blank() {
 #[tokio::test]
 #[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn partitioned_device_is_never_formatted() {
-    require_root();
     // An MBR with one Linux partition, written before attaching; only the disk is linked
     // (no `-part1` link), so the disk itself is what the volume names.
     let lp = Loop::new(32, write_mbr, &[]);
@@ -286,10 +287,8 @@ async fn partitioned_device_is_never_formatted() {
     assert!(matches!(e, ResourcesError::NotAFilesystem { .. }), "{e}");
     let (code, out) = lp.blkid();
     assert_eq!(code, Some(0));
-    assert!(
-        out.contains("PTTYPE=dos") && !out.contains("TYPE=ext4"),
-        "{out}"
-    );
+    assert!(out.contains("PTTYPE=dos"), "{out}");
+    assert!(!out.contains("TYPE=ext4"), "{out}");
 }
 
 /// A partitioned GCP disk is used by its first partition (upstream prefers
@@ -303,7 +302,6 @@ async fn partitioned_device_is_never_formatted() {
 #[tokio::test]
 #[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn partitioned_gcp_disk_is_mounted_by_its_first_partition() {
-    require_root();
     let (lp, part) = Loop::partitioned();
     let m = lp.manager();
     let part1 = lp.by_id("google-test-disk-part1");
@@ -330,10 +328,8 @@ async fn partitioned_gcp_disk_is_mounted_by_its_first_partition() {
     assert!(!is_mounted(&mp));
     let (code, disk_blkid) = lp.blkid();
     assert_eq!(code, Some(0));
-    assert!(
-        disk_blkid.contains("PTTYPE=dos"),
-        "the table stays: {disk_blkid}"
-    );
+    let msg = format!("the table stays: {disk_blkid}");
+    assert!(disk_blkid.contains("PTTYPE=dos"), "{msg}");
 
     let again = m.prepare(&lp.spec(false)).await.unwrap();
     assert_eq!(fs_err::read_to_string(mp.join("kept")).unwrap(), "data");
@@ -344,9 +340,7 @@ async fn partitioned_gcp_disk_is_mounted_by_its_first_partition() {
 #[tokio::test]
 #[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn busy_mount_fails_release_until_freed() {
-    require_root();
-    let lp = Loop::blank(32);
-    let m = lp.manager();
+    let (lp, m) = Loop::blank_managed(32);
     let vol = m.prepare(&lp.spec(true)).await.unwrap();
     let mp = lp.mount_point();
     let open = fs_err::File::create(mp.join("open-file")).unwrap();
@@ -361,9 +355,7 @@ async fn busy_mount_fails_release_until_freed() {
 #[tokio::test]
 #[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn aws_fallback_resolves_a_real_device_with_real_lsblk() {
-    require_root();
-    let lp = Loop::blank(32);
-    let m = lp.manager();
+    let (lp, m) = Loop::blank_managed(32);
     let spec = VolumeSpec {
         backend: VolumeBackend::Aws,
         volume_id: "vol-0123456789abcdef0".to_owned(),
@@ -379,9 +371,7 @@ async fn aws_fallback_resolves_a_real_device_with_real_lsblk() {
 #[tokio::test]
 #[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn zero_size_device_is_refused() {
-    require_root();
-    let lp = Loop::blank(0);
-    let m = lp.manager();
+    let (lp, m) = Loop::blank_managed(0);
     let e = m.resolve_device(&lp.spec(true)).await.unwrap_err();
     assert!(e.to_string().contains("size is zero"), "{e}");
     let e = m.prepare(&lp.spec(true)).await.unwrap_err();
@@ -391,9 +381,7 @@ async fn zero_size_device_is_refused() {
 #[tokio::test]
 #[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn release_of_recovered_volume_without_device() {
-    require_root();
-    let lp = Loop::blank(32);
-    let m = lp.manager();
+    let (lp, m) = Loop::blank_managed(32);
     let vol = m.prepare(&lp.spec(true)).await.unwrap();
     // What the engine builds from an old container's mounts: no device known.
     let recovered = MountedVolume {
@@ -433,7 +421,6 @@ impl CommandRunner for CountingRunner {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn concurrent_prepares_of_one_blank_volume_format_it_once() {
-    require_root();
     let lp = Loop::blank(64);
     let runner = Arc::new(CountingRunner::default());
     let m = Arc::new(lp.manager_with(runner.clone()));
@@ -455,7 +442,6 @@ async fn concurrent_prepares_of_one_blank_volume_format_it_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn two_volumes_prepare_and_release_in_parallel() {
-    require_root();
     // Locks are per mount point and per device: two blank volumes are formatted, mounted and
     // unmounted side by side by one manager, each exactly once.
     let a = Loop::blank(32);

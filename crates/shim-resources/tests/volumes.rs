@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // a test file: panics are failures
 
 use std::os::unix::ffi::OsStrExt as _;
+use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -31,11 +32,22 @@ fn aws(volume_id: &str, device_name: &str) -> VolumeSpec {
     }
 }
 
-fn manager(runner: Arc<ScriptedCommandRunner>, dev_dir: &Path) -> BlockVolumes {
+/// A manager of the devices under `dev_dir`, and the runner that scripts its tools.
+fn manager(dev_dir: &Path) -> (Arc<ScriptedCommandRunner>, BlockVolumes) {
+    let runner = Arc::new(ScriptedCommandRunner::new());
     let mut config = VolumeConfig::with_root("/nonexistent/volumes").fast();
     config.dev_dir = dev_dir.to_owned();
     config.gcp_by_id_dir = dev_dir.join("disk/by-id");
-    BlockVolumes::new(config, runner)
+    (runner.clone(), BlockVolumes::new(config, runner))
+}
+
+/// A GCP volume spec on the disk GCP calls `device_name`.
+fn gcp(device_name: &str) -> VolumeSpec {
+    VolumeSpec {
+        backend: VolumeBackend::Gcp,
+        device_name: device_name.to_owned(),
+        ..aws("", "")
+    }
 }
 
 #[test]
@@ -62,35 +74,22 @@ fn aws_device_name_fallback() {
     assert!(aws_fallback_names("/dev/../etc").is_empty());
     assert!(aws_fallback_names("/dev/").is_empty());
     let xen = fixture("xen.json");
-    let f = aws_fallback_names("/dev/sdf");
-    assert_eq!(
-        find_aws_device(&xen, "vol-0123", &f).unwrap().as_deref(),
-        Some("xvdf")
-    );
-    let g = aws_fallback_names("/dev/sdg");
-    assert_eq!(
-        find_aws_device(&xen, "vol-0123", &g).unwrap().as_deref(),
-        Some("xvdg1"),
-        "first partition of the fallback device"
-    );
-    assert_eq!(
-        find_aws_device(&xen, "", &aws_fallback_names("/dev/sdz")).unwrap(),
-        None
-    );
+    let find = |id: &str, dev: &str| find_aws_device(&xen, id, &aws_fallback_names(dev)).unwrap();
+    assert_eq!(find("vol-0123", "/dev/sdf").as_deref(), Some("xvdf"));
+    // The first partition of the fallback device.
+    assert_eq!(find("vol-0123", "/dev/sdg").as_deref(), Some("xvdg1"));
+    assert_eq!(find("", "/dev/sdz"), None);
 }
 
 #[tokio::test]
 async fn aws_device_appearing_late_is_polled_for() {
     let tmp = tempfile::tempdir().unwrap();
-    let runner = Arc::new(ScriptedCommandRunner::new());
+    let (runner, m) = manager(tmp.path());
     runner.push("lsblk", CommandOutput::ok(fixture("empty.json")));
     runner.push("lsblk", CommandOutput::ok(fixture("empty.json")));
     runner.always("lsblk", CommandOutput::ok(fixture("nitro.json")));
-    let m = manager(runner.clone(), tmp.path());
-    let dev = m
-        .find_device(&aws("vol-0123456789abcdef0", "/dev/sdf"))
-        .await
-        .unwrap();
+    let spec = aws("vol-0123456789abcdef0", "/dev/sdf");
+    let dev = m.find_device(&spec).await.unwrap();
     assert_eq!(dev, tmp.path().join("nvme1n1"));
     assert_eq!(runner.count("lsblk"), 3);
     assert_eq!(runner.calls()[0][1..], ["-J", "-o", "NAME,SERIAL,TYPE"]);
@@ -99,13 +98,10 @@ async fn aws_device_appearing_late_is_polled_for() {
 #[tokio::test]
 async fn aws_device_never_appearing_is_an_error_after_the_wait() {
     let tmp = tempfile::tempdir().unwrap();
-    let runner = Arc::new(ScriptedCommandRunner::new());
+    let (runner, m) = manager(tmp.path());
     runner.always("lsblk", CommandOutput::ok(fixture("empty.json")));
-    let m = manager(runner.clone(), tmp.path());
-    let e = m
-        .find_device(&aws("vol-0123456789abcdef0", "/dev/sdf"))
-        .await
-        .unwrap_err();
+    let spec = aws("vol-0123456789abcdef0", "/dev/sdf");
+    let e = m.find_device(&spec).await.unwrap_err();
     assert!(matches!(e, ResourcesError::DeviceNotFound { .. }), "{e}");
     assert!(runner.count("lsblk") >= 2, "polled");
 }
@@ -114,9 +110,8 @@ async fn aws_device_never_appearing_is_an_error_after_the_wait() {
 async fn aws_fallback_device_node_not_in_lsblk() {
     let tmp = tempfile::tempdir().unwrap();
     fs_err::write(tmp.path().join("xvdf"), "").unwrap();
-    let runner = Arc::new(ScriptedCommandRunner::new());
+    let (runner, m) = manager(tmp.path());
     runner.always("lsblk", CommandOutput::ok(fixture("empty.json")));
-    let m = manager(runner, tmp.path());
     let dev = m.find_device(&aws("vol-1", "/dev/sdf")).await.unwrap();
     assert_eq!(dev, tmp.path().join("xvdf"));
 }
@@ -124,23 +119,11 @@ async fn aws_fallback_device_node_not_in_lsblk() {
 #[tokio::test]
 async fn gcp_uses_the_by_id_path() {
     let tmp = tempfile::tempdir().unwrap();
-    let runner = Arc::new(ScriptedCommandRunner::new());
-    let m = manager(runner.clone(), tmp.path());
-    let spec = VolumeSpec {
-        backend: VolumeBackend::Gcp,
-        device_name: "pd-data".to_owned(),
-        ..aws("", "")
-    };
-    assert_eq!(
-        m.find_device(&spec).await.unwrap(),
-        tmp.path().join("disk/by-id/google-pd-data")
-    );
+    let (runner, m) = manager(tmp.path());
+    let by_id = tmp.path().join("disk/by-id/google-pd-data");
+    assert_eq!(m.find_device(&gcp("pd-data")).await.unwrap(), by_id);
     assert!(runner.calls().is_empty());
-    let bad = VolumeSpec {
-        device_name: "../sda".to_owned(),
-        ..spec
-    };
-    assert!(m.find_device(&bad).await.is_err());
+    assert!(m.find_device(&gcp("../sda")).await.is_err());
 }
 
 /// A partitioned GCP disk is used by its first partition, as upstream resolves it: the
@@ -152,84 +135,59 @@ async fn gcp_prefers_the_first_partition() {
     let tmp = tempfile::tempdir().unwrap();
     let by_id = tmp.path().join("disk/by-id");
     fs_err::create_dir_all(&by_id).unwrap();
-    std::os::unix::fs::symlink("../../sdb", by_id.join("google-pd-data")).unwrap();
-    std::os::unix::fs::symlink("../../sdb1", by_id.join("google-pd-data-part1")).unwrap();
-    std::os::unix::fs::symlink("../../sdc", by_id.join("google-pd-whole")).unwrap();
-    let runner = Arc::new(ScriptedCommandRunner::new());
-    let m = manager(runner.clone(), tmp.path());
-    let gcp = |device_name: &str| VolumeSpec {
-        backend: VolumeBackend::Gcp,
-        device_name: device_name.to_owned(),
-        ..aws("", "")
-    };
-    assert_eq!(
-        m.find_device(&gcp("pd-data")).await.unwrap(),
-        by_id.join("google-pd-data-part1")
-    );
-    assert_eq!(
-        m.find_device(&gcp("pd-whole")).await.unwrap(),
-        by_id.join("google-pd-whole")
-    );
-    // A partition link alone (its target not there yet) is still the partition.
-    std::os::unix::fs::symlink("../../sdd1", by_id.join("google-pd-late-part1")).unwrap();
-    assert_eq!(
-        m.find_device(&gcp("pd-late")).await.unwrap(),
-        by_id.join("google-pd-late-part1")
-    );
+    let (runner, m) = manager(tmp.path());
+    for (target, link) in [
+        ("sdb", "google-pd-data"),
+        ("sdb1", "google-pd-data-part1"),
+        ("sdc", "google-pd-whole"),
+        ("sdd1", "google-pd-late-part1"),
+    ] {
+        symlink(format!("../../{target}"), by_id.join(link)).unwrap();
+    }
+    for (name, found) in [
+        ("pd-data", "google-pd-data-part1"),
+        ("pd-whole", "google-pd-whole"),
+        // A partition link alone (its target not there yet) is still the partition.
+        ("pd-late", "google-pd-late-part1"),
+    ] {
+        let got = m.find_device(&gcp(name)).await.unwrap();
+        assert_eq!(got, by_id.join(found), "{name}");
+    }
     assert!(runner.calls().is_empty());
 }
 
 #[tokio::test]
 async fn missing_or_non_block_device_is_an_error_after_a_bounded_wait() {
     let tmp = tempfile::tempdir().unwrap();
-    let runner = Arc::new(ScriptedCommandRunner::new());
-    let m = manager(runner, tmp.path());
-    let e = m
-        .wait_block_device(&tmp.path().join("missing"))
-        .await
-        .unwrap_err();
+    let (_, m) = manager(tmp.path());
+    let missing = tmp.path().join("missing");
+    let e = m.wait_block_device(&missing).await.unwrap_err();
     assert!(matches!(e, ResourcesError::NotBlockDevice { .. }), "{e}");
     let file = tmp.path().join("regular");
     fs_err::write(&file, "data").unwrap();
-    let e = m.wait_block_device(&file).await.unwrap_err();
-    assert!(e.to_string().contains("not a block device"), "{e}");
     // A character device is not a block device either.
-    let e = m
-        .wait_block_device(Path::new("/dev/null"))
-        .await
-        .unwrap_err();
-    assert!(e.to_string().contains("not a block device"), "{e}");
+    for dev in [file.as_path(), Path::new("/dev/null")] {
+        let e = m.wait_block_device(dev).await.unwrap_err();
+        assert!(e.to_string().contains("not a block device"), "{e}");
+    }
 }
 
 #[test]
 fn blkid_output() {
+    let other = |what: &str| Some(Probe::Other(what.to_owned()));
     assert_eq!(parse_blkid(Some(2), ""), Some(Probe::Blank));
-    assert_eq!(
-        parse_blkid(
-            Some(0),
-            "DEVNAME=/dev/loop0\nUUID=ab\nBLOCK_SIZE=4096\nTYPE=ext4\nUSAGE=filesystem\n"
-        ),
-        Some(Probe::Filesystem("ext4".to_owned()))
-    );
-    assert_eq!(
-        parse_blkid(Some(0), "DEVNAME=/dev/loop0\nPTTYPE=dos\n"),
-        Some(Probe::Other("partition table dos".to_owned()))
-    );
+    let ext4 = "DEVNAME=/dev/loop0\nUUID=ab\nBLOCK_SIZE=4096\nTYPE=ext4\nUSAGE=filesystem\n";
+    let ext4_fs = Some(Probe::Filesystem("ext4".to_owned()));
+    assert_eq!(parse_blkid(Some(0), ext4), ext4_fs);
+    let table = "DEVNAME=/dev/loop0\nPTTYPE=dos\n";
+    assert_eq!(parse_blkid(Some(0), table), other("partition table dos"));
     // A partition that holds nothing (blkid 2.38 exits 0 with its table entry): never blank.
-    assert_eq!(
-        parse_blkid(
-            Some(0),
-            "DEVNAME=/dev/loop0p1\nPART_ENTRY_SCHEME=dos\nPART_ENTRY_TYPE=0x83\n\
-             PART_ENTRY_NUMBER=1\nPART_ENTRY_OFFSET=2048\nPART_ENTRY_SIZE=63488\n"
-        ),
-        Some(Probe::Other(
-            "a partition (dos) without a file system".to_owned()
-        ))
-    );
-    assert_eq!(
-        parse_blkid(Some(0), "TYPE=crypto_LUKS\nUSAGE=crypto\n"),
-        Some(Probe::Other("crypto_LUKS (crypto)".to_owned()))
-    );
+    let empty = "DEVNAME=/dev/loop0p1\nPART_ENTRY_SCHEME=dos\nPART_ENTRY_TYPE=0x83\n\
+                 PART_ENTRY_NUMBER=1\nPART_ENTRY_OFFSET=2048\nPART_ENTRY_SIZE=63488\n";
+    let no_fs = other("a partition (dos) without a file system");
+    assert_eq!(parse_blkid(Some(0), empty), no_fs);
+    let luks = "TYPE=crypto_LUKS\nUSAGE=crypto\n";
+    assert_eq!(parse_blkid(Some(0), luks), other("crypto_LUKS (crypto)"));
     assert_eq!(parse_blkid(Some(4), ""), None);
     assert_eq!(parse_blkid(None, ""), None);
 }
@@ -237,8 +195,7 @@ fn blkid_output() {
 #[tokio::test]
 async fn blank_must_be_confirmed_before_it_is_believed() {
     let tmp = tempfile::tempdir().unwrap();
-    let runner = Arc::new(ScriptedCommandRunner::new());
-    let m = manager(runner.clone(), tmp.path());
+    let (runner, m) = manager(tmp.path());
     let dev = PathBuf::from("/dev/fake");
     // A file system shows up on the third probe: not blank.
     runner.push("blkid", CommandOutput::exit(2, ""));
@@ -249,17 +206,15 @@ async fn blank_must_be_confirmed_before_it_is_believed() {
         Probe::Filesystem("xfs".to_owned())
     );
     // Blank every time: one probe plus three confirmations.
-    let runner = Arc::new(ScriptedCommandRunner::new());
+    let (runner, m) = manager(tmp.path());
     runner.always("blkid", CommandOutput::exit(2, ""));
-    let m = manager(runner.clone(), tmp.path());
     assert_eq!(m.probe_confirmed(&dev).await.unwrap(), Probe::Blank);
     assert_eq!(runner.count("blkid"), 4);
     assert_eq!(runner.calls()[0][1..], ["-p", "-o", "export", "/dev/fake"]);
     // A probe failure is an error, not "blank".
-    let runner = Arc::new(ScriptedCommandRunner::new());
+    let (runner, m) = manager(tmp.path());
     runner.push("blkid", CommandOutput::exit(2, ""));
     runner.push("blkid", CommandOutput::exit(8, "ambivalent result"));
-    let m = manager(runner, tmp.path());
     assert!(m.probe_confirmed(&dev).await.is_err());
 }
 
@@ -268,28 +223,21 @@ fn mount_points_from_mountinfo() {
     let table = "22 1 8:1 / / rw,relatime - ext4 /dev/vda1 rw\n\
                  43 22 7:0 / /mnt/disks/dstack-volumes/data rw,relatime - ext4 /dev/loop0 rw\n\
                  44 22 7:1 / /mnt/with\\040space rw - ext4 /dev/loop1 rw\n";
-    assert!(is_mount_point_in(
-        table,
-        Path::new("/mnt/disks/dstack-volumes/data")
-    ));
-    assert!(is_mount_point_in(table, Path::new("/mnt/with space")));
-    assert!(!is_mount_point_in(
-        table,
-        Path::new("/mnt/disks/dstack-volumes")
-    ));
-    assert!(!is_mount_point_in(table, Path::new("/mnt/with\\040space")));
+    for (path, mounted) in [
+        ("/mnt/disks/dstack-volumes/data", true),
+        ("/mnt/with space", true),
+        ("/mnt/disks/dstack-volumes", false),
+        ("/mnt/with\\040space", false),
+    ] {
+        assert_eq!(is_mount_point_in(table, Path::new(path)), mounted, "{path}");
+    }
     // Byte for byte: a name that is not UTF-8 is found as it is; a backslash not followed by
     // three octal digits is kept.
     let odd = "45 22 7:2 / /mnt/\\377x rw - ext4 /dev/loop2 rw\n\
                46 22 7:3 / /mnt/a\\09 rw - ext4 /dev/loop3 rw\n";
-    let points: Vec<std::path::PathBuf> = shim_resources::volumes::mount_points(odd).collect();
-    assert_eq!(
-        points,
-        [
-            std::path::PathBuf::from(std::ffi::OsStr::from_bytes(b"/mnt/\xffx")),
-            std::path::PathBuf::from("/mnt/a\\09"),
-        ]
-    );
+    let points: Vec<PathBuf> = shim_resources::volumes::mount_points(odd).collect();
+    let not_utf8 = PathBuf::from(std::ffi::OsStr::from_bytes(b"/mnt/\xffx"));
+    assert_eq!(points, [not_utf8, PathBuf::from("/mnt/a\\09")]);
 }
 
 #[tokio::test]
@@ -304,18 +252,13 @@ async fn release_outside_root_or_not_mounted_is_a_no_op() {
     .unwrap();
     config.mountinfo = mountinfo;
     let m = BlockVolumes::new(config, Arc::new(ScriptedCommandRunner::new()));
+    let under = |rel: &str| tmp.path().join(rel).to_string_lossy().into_owned();
     for mp in [
         "/proc".to_owned(),
         "/".to_owned(),
-        tmp.path().join("volumes").to_string_lossy().into_owned(),
-        tmp.path()
-            .join("volumes/../../x")
-            .to_string_lossy()
-            .into_owned(),
-        tmp.path()
-            .join("volumes/data")
-            .to_string_lossy()
-            .into_owned(),
+        under("volumes"),
+        under("volumes/../../x"),
+        under("volumes/data"),
     ] {
         let v = MountedVolume {
             name: "data".to_owned(),
