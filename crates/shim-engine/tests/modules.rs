@@ -21,14 +21,8 @@ fn module_graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
                 continue;
             }
             let rel = path.strip_prefix(src).unwrap().with_extension("");
-            let mut parts: Vec<String> = rel
-                .components()
-                .map(|c| c.as_os_str().to_string_lossy().into_owned())
-                .collect();
-            if parts.last().is_some_and(|p| p == "mod") {
-                parts.pop();
-            }
-            let name = parts.join("::");
+            let rel = rel.to_string_lossy();
+            let name = rel.strip_suffix("/mod").unwrap_or(&rel).replace('/', "::");
             if name != "lib" && name != "main" && path.extension().is_some_and(|e| e == "rs") {
                 files.insert(name, fs_err::read_to_string(&path).unwrap());
             }
@@ -44,14 +38,12 @@ fn module_graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
     };
     let mut graph = BTreeMap::new();
     for (name, text) in &files {
-        let code = text
-            .split("#[cfg(test)]\nmod tests")
-            .next()
-            .unwrap()
+        let code = text.split("#[cfg(test)]\nmod tests").next().unwrap();
+        let code: Vec<&str> = code
             .lines()
             .map(|l| l.split("//").next().unwrap())
-            .collect::<Vec<_>>()
-            .join("\n");
+            .collect();
+        let code = code.join("\n");
         let me: Vec<&str> = name.split("::").collect();
         let mut edges = BTreeSet::new();
         for (prefix, base) in [("crate::", &[][..]), ("super::", &me[..me.len() - 1])] {
@@ -172,13 +164,13 @@ fn a_circle_is_found() {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("src");
     fs_err::create_dir_all(src.join("a")).unwrap();
-    fs_err::write(
-        src.join("a/mod.rs"),
-        "mod b;\npub use b::f;\npub struct T;\n",
-    )
-    .unwrap();
-    fs_err::write(src.join("a/b.rs"), "use super::T;\npub fn f(_: T) {}\n").unwrap();
-    fs_err::write(src.join("c.rs"), "use crate::a::T; // crate::d\n").unwrap();
+    for (file, text) in [
+        ("a/mod.rs", "mod b;\npub use b::f;\npub struct T;\n"),
+        ("a/b.rs", "use super::T;\npub fn f(_: T) {}\n"),
+        ("c.rs", "use crate::a::T; // crate::d\n"),
+    ] {
+        fs_err::write(src.join(file), text).unwrap();
+    }
     let graph = module_graph(&src);
     assert_eq!(graph["c"], BTreeSet::from(["a".to_owned()]));
     assert_eq!(

@@ -8,12 +8,9 @@ use super::*;
 /// An image removed behind the engine's back is pulled when the create finds it missing.
 #[tokio::test(start_paused = true)]
 async fn a_start_makes_the_minimum_docker_requests() {
-    let w = World::new(0);
-    let engine = w.engine().await;
+    let (w, engine) = World::with_engine(0).await;
     // The engine's one subscription to Docker's events is not a start's.
-    w.runtime
-        .wait_for_call(|c| matches!(c, Call::Events(..)))
-        .await;
+    w.runtime.wait_for_count("events", 0).await;
     use shim_task::NetworkMode::{Bridge, Host};
     let cases: [(&str, _, &[&str]); 3] = [
         ("first", Host, &["image_present", "create", "start"]),
@@ -35,23 +32,16 @@ async fn a_start_makes_the_minimum_docker_requests() {
     // (progress shown), then the image is known present again.
     w.runtime.remove_image(IMAGE);
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_scraped(
-        &engine,
-        "dstack_shim_events_received_total{kind=\"image_removed\"} 1",
-    );
+    let image_removed = "dstack_shim_events_received_total{kind=\"image_removed\"} 1";
+    assert_scraped(&engine, image_removed);
     w.runtime.clear_calls();
     let info = run(&engine, config("pruned")).await;
     // (Running tasks' containers are inspected once, in the background, for their cgroups.)
     let start_ops = || -> Vec<&str> { ops(&w).into_iter().filter(|op| *op != "inspect").collect() };
-    assert_eq!(
-        start_ops(),
-        ["image_present", "pull", "inspect_image", "create", "start"]
-    );
-    assert!(
-        info.image_pull_progress
-            .is_some_and(|p| p.is_total_bytes_final),
-        "{info:?}"
-    );
+    let pulled = ["image_present", "pull", "inspect_image", "create", "start"];
+    assert_eq!(start_ops(), pulled);
+    let progress = info.image_pull_progress.as_ref();
+    assert!(progress.is_some_and(|p| p.is_total_bytes_final), "{info:?}");
     w.runtime.clear_calls();
     run(&engine, config("again")).await;
     assert_eq!(start_ops(), ["create", "start"], "known present again");
@@ -61,27 +51,16 @@ async fn a_start_makes_the_minimum_docker_requests() {
 /// reads the last log lines; an `oom` before the `die` says so.
 #[tokio::test(start_paused = true)]
 async fn exits_come_from_events_without_an_inspect() {
-    let w = World::new(0);
-    let engine = w.engine().await;
-    let ended = end_running_tasks(
-        &w,
-        &engine,
-        &[
-            ("ok", &[], FakeRuntime::exit, 0),
-            ("bad", &["x", "boom"], FakeRuntime::exit, 2),
-            ("oom", &["killed"], FakeRuntime::exit_oom, 137),
-        ],
-    )
-    .await;
-    let oom_message = format!("killed\n{}", shim_task::machine::OOM_NOTE);
-    assert_eq!(
-        ended.iter().map(termination).collect::<Vec<_>>(),
-        [
-            ("done_by_runner", ""),
-            ("container_exited_with_error", "x\nboom"),
-            ("container_exited_with_error", oom_message.as_str()),
-        ]
-    );
+    let (w, engine) = World::with_engine(0).await;
+    let oom = format!("killed\n{}", shim_task::machine::OOM_NOTE);
+    let error = "container_exited_with_error";
+    let (exit, exit_oom) = (FakeRuntime::exit, FakeRuntime::exit_oom);
+    let cases: [End<'_>; 3] = [
+        ("ok", &[], exit, 0, ("done_by_runner", "")),
+        ("bad", &["x", "boom"], exit, 2, (error, "x\nboom")),
+        ("oom", &["killed"], exit_oom, 137, (error, &oom)),
+    ];
+    end_running_tasks(&w, &engine, &cases).await;
     let ops = ops(&w);
     assert!(!ops.contains(&"inspect"), "{ops:?}");
     assert!(!ops.contains(&"list"), "{ops:?}");
@@ -91,14 +70,11 @@ async fn exits_come_from_events_without_an_inspect() {
     // `destroy` event says it vanished.
     let gone = run(&engine, config("gone")).await;
     assert!(w.runtime.exit_without_event(&gone.container_id, 0));
-    shim_runtime::ContainerRuntime::remove(&w.runtime, &gone.container_id)
-        .await
-        .unwrap();
+    let removed = shim_runtime::ContainerRuntime::remove(&w.runtime, &gone.container_id);
+    removed.await.unwrap();
     let gone = wait_status(&engine, "gone", TaskStatus::Terminated).await;
-    assert_eq!(
-        termination(&gone),
-        ("executor_error", shim_task::machine::VANISHED_MESSAGE)
-    );
+    let vanished = shim_task::machine::VANISHED_MESSAGE;
+    assert_eq!(termination(&gone), ("executor_error", vanished));
 }
 
 /// Idle, the engine asks Docker for nothing: no list every second (the full list is a
@@ -107,11 +83,8 @@ async fn exits_come_from_events_without_an_inspect() {
 /// milliseconds.
 #[tokio::test(start_paused = true)]
 async fn idle_costs_no_docker_request() {
-    let w = World::new(0);
-    let engine = w.engine().await;
-    w.runtime
-        .wait_for_call(|c| matches!(c, Call::Events(..)))
-        .await;
+    let (w, engine) = World::with_engine(0).await;
+    w.runtime.wait_for_count("events", 0).await;
     for i in 0..5 {
         run(&engine, config(&format!("t{i}"))).await;
     }
@@ -126,15 +99,10 @@ async fn idle_costs_no_docker_request() {
 /// (SPEC §5: a restart reads them from the container), so a subscriber sees `running` only.
 #[tokio::test(start_paused = true)]
 async fn a_start_writes_the_state_file_once() {
-    let w = World::new(0);
-    let engine = w.engine().await;
+    let (w, engine) = World::with_engine(0).await;
     let writes = || {
-        scrape(&engine)
-            .lines()
-            .find_map(|l| l.strip_prefix("dstack_shim_state_write_seconds_count "))
-            .unwrap()
-            .parse::<u64>()
-            .unwrap()
+        let count = sample(&scrape(&engine), "dstack_shim_state_write_seconds_count");
+        count.unwrap().parse::<u64>().unwrap()
     };
     // The first start checks the image (and may write around that); the second is measured.
     run(&engine, config("warm")).await;
@@ -147,11 +115,7 @@ async fn a_start_writes_the_state_file_once() {
     }
     let status = |status| ChangeKind::Status { status };
     assert_eq!(kinds, [ChangeKind::Submitted, status(TaskStatus::Running)]);
-    assert_eq!(
-        writes() - before,
-        1,
-        "submit's; running is not written on its own"
-    );
+    assert_eq!(writes() - before, 1, "submit's; running is not written");
     let record = state_file(&w, "t1");
     assert_eq!(record["status"], "pending", "{record}");
 }
@@ -161,20 +125,16 @@ async fn a_start_writes_the_state_file_once() {
 /// second one; the first reconcile cycle judges the tasks against that list.
 #[tokio::test(start_paused = true)]
 async fn the_start_up_list_goes_out_at_begin_and_opening_lists_no_more() {
-    let w = World::new(0);
-    let engine = w.engine().await;
+    let (w, engine) = World::with_engine(0).await;
     run(&engine, config("t0")).await;
     shut_down(engine).await;
     w.runtime.clear_calls();
 
     let deps = w.deps();
     let opening = Engine::begin(deps.runtime.clone(), deps.clock);
-    w.runtime
-        .wait_for_call(|c| matches!(c, Call::List(..)))
-        .await;
+    w.runtime.wait_for_count("list", 0).await;
     assert_eq!(ops(&w), ["list"], "before open");
     let engine = opening.open(w.config(), deps).await.unwrap();
     assert_eq!(w.runtime.count("list"), 1, "{:?}", ops(&w));
-    let info = engine.task_info(&tid("t0")).unwrap();
-    assert_eq!(info.status, TaskStatus::Running);
+    assert_eq!(info(&engine, "t0").status, TaskStatus::Running);
 }

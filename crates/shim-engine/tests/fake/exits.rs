@@ -2,51 +2,28 @@
 
 use super::*;
 
-#[tokio::test(start_paused = true)]
-async fn exit_without_event_is_found_by_relist_with_last_lines() {
-    let w = World::new(0);
-    let engine = w.engine().await;
-    let info = run(&engine, config("t1")).await;
-    let lines: Vec<String> = (1..=8).map(|i| format!("line {i}")).collect();
-    let refs: Vec<&str> = lines.iter().map(String::as_str).collect();
-    w.runtime.set_logs(&info.container_id, &refs);
-    assert!(w.runtime.exit_without_event(&info.container_id, 3));
-    assert!(engine.reconcile_now().await);
-    let info = engine.task_info(&tid("t1")).unwrap();
-    assert_eq!(info.status, TaskStatus::Terminated);
-    assert_reason(&info, "container_exited_with_error");
-    assert_eq!(
-        info.termination_message,
-        "line 4\nline 5\nline 6\nline 7\nline 8"
-    );
-}
-
 /// Issue 29 part 2: one builder of a container's end. Found by a list as by its event, an
 /// exit 0 reads no log line (it is `done_by_runner` with no message) and an exit with an error
-/// reads them once.
+/// reads them once: the last five of its eight.
 #[tokio::test(start_paused = true)]
 async fn an_exit_found_by_a_list_is_judged_as_its_event_would_be() {
-    let w = World::new(0);
-    let engine = w.engine().await;
+    let (w, engine) = World::with_engine(0).await;
+    let lines: Vec<String> = (1..=8).map(|i| format!("line {i}")).collect();
+    let lines: Vec<&str> = lines.iter().map(String::as_str).collect();
+    let last_five = "line 4\nline 5\nline 6\nline 7\nline 8";
     for (id, code, expected) in [
-        ("t0", 0, ("done_by_runner", "", 0)),
-        ("t3", 3, ("container_exited_with_error", "last words", 1)),
+        ("t0", 0, (("done_by_runner", ""), 0)),
+        ("t3", 3, (("container_exited_with_error", last_five), 1)),
     ] {
-        let info = run(&engine, config(id)).await;
-        w.runtime.set_logs(&info.container_id, &["last words"]);
+        let running = run(&engine, config(id)).await;
+        w.runtime.set_logs(&running.container_id, &lines);
         w.runtime.clear_calls();
-        assert!(w.runtime.exit_without_event(&info.container_id, code));
+        assert!(w.runtime.exit_without_event(&running.container_id, code));
         assert!(engine.reconcile_now().await);
-        let info = engine.task_info(&tid(id)).unwrap();
-        assert_eq!(
-            (
-                info.termination_reason.as_str(),
-                info.termination_message.as_str(),
-                w.runtime.count("logs_tail")
-            ),
-            expected,
-            "{id}"
-        );
+        let ended = info(&engine, id);
+        assert_eq!(ended.status, TaskStatus::Terminated, "{id}");
+        let logs_read = w.runtime.count("logs_tail");
+        assert_eq!((termination(&ended), logs_read), expected, "{id}");
     }
 }
 
@@ -58,8 +35,7 @@ async fn an_exit_found_by_a_list_is_judged_as_its_event_would_be() {
 /// between, judged it by the older list and could call its new container vanished.
 #[tokio::test(start_paused = true)]
 async fn a_list_requested_before_a_start_ended_does_not_judge_the_task() {
-    let w = World::new(0);
-    let engine = w.engine().await;
+    let (w, engine) = World::with_engine(0).await;
     let lists = w.runtime.count("list");
     w.runtime.hold_lists();
     let cycle = tokio::spawn({
@@ -67,22 +43,17 @@ async fn a_list_requested_before_a_start_ended_does_not_judge_the_task() {
         async move { engine.reconcile_now().await }
     });
     w.runtime.wait_for_count("list", lists).await;
-    let info = run(&engine, config("t1")).await;
+    let running = run(&engine, config("t1")).await;
     w.runtime.release_lists();
     assert!(cycle.await.unwrap(), "the held list answered");
-    let after = engine.task_info(&tid("t1")).unwrap();
+    let after = info(&engine, "t1");
     assert_eq!(after.status, TaskStatus::Running, "{after:?}");
-    assert_eq!(
-        w.runtime.state(&info.container_id),
-        Some(ContainerState::Running)
-    );
+    assert_eq!(w.state_of(&running), Some(ContainerState::Running));
     // A list requested after the start ended does judge it: here the container exited
     // without an event, and the cycle finds it.
-    assert!(w.runtime.exit_without_event(&info.container_id, 3));
+    assert!(w.runtime.exit_without_event(&running.container_id, 3));
     assert!(engine.reconcile_now().await);
-    let after = engine.task_info(&tid("t1")).unwrap();
-    assert_eq!(after.status, TaskStatus::Terminated, "{after:?}");
-    assert_reason(&after, "container_exited_with_error");
+    assert_reason(&info(&engine, "t1"), "container_exited_with_error");
 }
 
 /// A runtime whose event subscription fails only when its stream is read (bollard's, while
@@ -91,8 +62,7 @@ async fn a_list_requested_before_a_start_ended_does_not_judge_the_task() {
 /// daemon is back the engine subscribes again and lists.
 #[tokio::test(start_paused = true)]
 async fn an_event_stream_that_breaks_at_once_backs_off() {
-    let w = World::new(0);
-    let engine = w.engine().await;
+    let (w, engine) = World::with_engine(0).await;
     // Subscribed before the engine is handed out: a shim serves subscribed.
     assert!(engine.health().events_connected, "{:?}", engine.health());
     w.runtime.set_event_subscriptions_fail_late(true);
@@ -102,10 +72,7 @@ async fn an_event_stream_that_breaks_at_once_backs_off() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let attempts = w.runtime.count("events") - before;
     // At the shortest delay (200 ms) 7 or 8 would come; backing off (200, 400, 800 ms), 3.
-    assert!(
-        (1..=4).contains(&attempts),
-        "{attempts} subscriptions in 1.5 s"
-    );
+    assert!((1..=4).contains(&attempts), "{attempts} in 1.5 s");
     let lists = w.runtime.count("list");
     w.runtime.set_unreachable(false);
     poll_until(1000, TICK, async || {
@@ -125,13 +92,12 @@ async fn an_event_stream_that_breaks_at_once_backs_off() {
 async fn the_default_config_lists_only_at_start_up_and_on_reconnection() {
     let w = World::new(0);
     let cfg = EngineConfig::new(w.home.path());
-    assert_eq!(
-        cfg.reconcile_interval,
-        EngineConfig::DEFAULT_RECONCILE_INTERVAL
-    );
+    let default = EngineConfig::DEFAULT_RECONCILE_INTERVAL;
+    assert_eq!(cfg.reconcile_interval, default);
     let opened = tokio::time::Instant::now();
     let engine = Engine::open(cfg, w.deps()).await.unwrap();
-    assert_eq!(w.runtime.count("list"), 1, "the start-up list");
+    let lists = || w.runtime.count("list");
+    assert_eq!(lists(), 1, "the start-up list");
     assert_eq!(w.runtime.count("events"), 1, "the first subscription");
     // Tasks to look at: a cycle would have work (and requests to make).
     for i in 0..3 {
@@ -139,57 +105,36 @@ async fn the_default_config_lists_only_at_start_up_and_on_reconnection() {
     }
     let until = |s: u64| tokio::time::sleep_until(opened + Duration::from_secs(s));
     until(120).await;
-    assert_eq!(w.runtime.count("list"), 1, "lists in the first two minutes");
+    assert_eq!(lists(), 1, "lists in the first two minutes");
     // Docker restarts: the stream reconnects (`since` the last event) and lists once.
     w.runtime.break_event_streams();
     until(150).await;
     assert_eq!(w.runtime.count("events"), 2, "one resubscription");
     assert!(engine.health().events_connected, "{:?}", engine.health());
-    assert_eq!(w.runtime.count("list"), 2, "one list for the reconnection");
+    assert_eq!(lists(), 2, "one list for the reconnection");
     until(299).await;
-    assert_eq!(
-        w.runtime.count("list"),
-        2,
-        "lists in the first five minutes: the start-up list and one per reconnection"
-    );
+    // In the first five minutes: the start-up list and one per reconnection.
+    assert_eq!(lists(), 2, "lists in the first five minutes");
     // The backstop comes at five minutes.
     until(301).await;
-    assert_eq!(w.runtime.count("list"), 3, "the backstop list");
-    assert!(
-        engine.health().is_ready(),
-        "{:?}",
-        engine.health().reasons()
-    );
+    assert_eq!(lists(), 3, "the backstop list");
+    let health = engine.health();
+    assert!(health.is_ready(), "{:?}", health.reasons());
 }
 
 /// Podman sends no `oom` event: a `die` with 137 and no `oom` before it asks the container's
 /// state, whose OOM flag says so (one inspect); a 137 that was no OOM kill stays one.
 #[tokio::test(start_paused = true)]
 async fn an_oom_kill_without_an_oom_event_is_read_from_the_state() {
-    let w = World::new(0);
-    let engine = w.engine().await;
-    let ended = end_running_tasks(
-        &w,
-        &engine,
-        &[
-            (
-                "oom",
-                &["killed"],
-                FakeRuntime::exit_oom_without_oom_event,
-                137,
-            ),
-            ("killed", &["killed"], FakeRuntime::exit, 137),
-        ],
-    )
-    .await;
-    let oom_message = format!("killed\n{}", shim_task::machine::OOM_NOTE);
-    assert_eq!(
-        ended.iter().map(termination).collect::<Vec<_>>(),
-        [
-            ("container_exited_with_error", oom_message.as_str()),
-            ("container_exited_with_error", "killed"),
-        ]
-    );
+    let (w, engine) = World::with_engine(0).await;
+    let oom = format!("killed\n{}", shim_task::machine::OOM_NOTE);
+    let error = "container_exited_with_error";
+    let (silent_oom, exit) = (FakeRuntime::exit_oom_without_oom_event, FakeRuntime::exit);
+    let cases: [End<'_>; 2] = [
+        ("oom", &["killed"], silent_oom, 137, (error, &oom)),
+        ("killed", &["killed"], exit, 137, (error, "killed")),
+    ];
+    end_running_tasks(&w, &engine, &cases).await;
     let ops = ops(&w);
     assert_eq!(w.runtime.count("inspect"), 2, "{ops:?}");
     assert!(!ops.contains(&"list"), "{ops:?}");

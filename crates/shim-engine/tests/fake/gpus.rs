@@ -10,8 +10,7 @@ use super::*;
 /// shouldRetryWithoutNvidiaDisplayCapability, "remove container before retry").
 #[tokio::test(start_paused = true)]
 async fn nvidia_display_retry() {
-    let w = World::new(1);
-    let engine = w.engine().await;
+    let (w, engine) = World::with_engine(1).await;
     w.runtime.queue_start_behavior(StartBehavior::Fail(
         "error gathering device information while adding custom device \"/dev/nvidia-modeset\": no such file or directory".into(),
     ));
@@ -33,16 +32,10 @@ async fn a_gpu_task_on_podman_without_a_cdi_spec_fails_at_create() {
     w.runtime.as_podman(Some("5.4.2"));
     let engine = w.engine().await;
     let info = failed_start(&engine, config("t1").with_gpus(1)).await;
-    assert_reason(&info, "creating_container_error");
-    let message = &info.termination_message;
-    assert_contains(
-        message,
-        "Podman 5.4.2 ignores NVIDIA device requests through its Docker API",
-    );
-    assert_contains(
-        message,
-        "nvidia-ctk cdi generate --output=/var/run/cdi/nvidia.yaml",
-    );
+    let why = "Podman 5.4.2 ignores NVIDIA device requests through its Docker API";
+    assert_ended(&info, "creating_container_error", why);
+    let fix = "nvidia-ctk cdi generate --output=/var/run/cdi/nvidia.yaml";
+    assert_contains(&info.termination_message, fix);
     assert!(w.runtime.container_ids().is_empty());
     assert_scraped(&engine, "dstack_shim_gpu_device_mode{mode=\"refused\"} 1");
     wait_released(&engine, "t1").await;
@@ -68,14 +61,11 @@ fn cdi_spec_dir(host: &HostGpus) -> tempfile::TempDir {
 /// The device requests of the container created for `id`.
 fn device_requests_of(w: &World, id: &str) -> Vec<DeviceRequest> {
     let name = container_name(id);
-    w.runtime
-        .calls()
-        .into_iter()
-        .find_map(|c| match c {
-            Call::Create(spec) if spec.name == name => Some(spec.device_requests.clone()),
-            _ => None,
-        })
-        .unwrap_or_else(|| panic!("no create of {id}"))
+    let creates = w.calls_where(|c| matches!(c, Call::Create(spec) if spec.name == name));
+    let Some(Call::Create(spec)) = creates.first() else {
+        panic!("no create of {id}");
+    };
+    spec.device_requests.clone()
 }
 
 // Issue 36: where the engine applies CDI and a spec names the host's GPUs, a task's GPUs go as
@@ -86,26 +76,20 @@ fn device_requests_of(w: &World, id: &str) -> Vec<DeviceRequest> {
 async fn gpus_go_as_cdi_devices_where_the_engine_and_a_spec_allow() {
     let w = World::new(2);
     let specs = cdi_spec_dir(&w.host_gpus);
-    w.runtime.set_gpu_support(shim_runtime::GpuSupport::new(
-        "Docker 28.5.2",
-        Some(vec![specs.path().to_owned()]),
-        true,
-    ));
+    let cdi_dirs = Some(vec![specs.path().to_owned()]);
+    let support = shim_runtime::GpuSupport::new("Docker 28.5.2", cdi_dirs, true);
+    w.runtime.set_gpu_support(support);
     let engine = w.engine().await;
     // Decided at start-up.
     assert_scraped(&engine, "dstack_shim_gpu_device_mode{mode=\"cdi\"} 1");
     let info = run(&engine, config("both").with_gpus(2)).await;
-    let ids = info.gpu_ids.clone().unwrap();
-    let names: Vec<String> = ids
-        .iter()
-        .map(|id| {
-            if *id == w.host_gpus.gpus[0].id {
-                format!("nvidia.com/gpu={id}")
-            } else {
-                "nvidia.com/gpu=1".to_owned()
-            }
-        })
-        .collect();
+    // GPU 0 by its UUID, GPU 1 by its index, as the spec names them.
+    let uuid0 = &w.host_gpus.gpus[0].id;
+    let cdi_name = |id: &String| match id == uuid0 {
+        true => format!("nvidia.com/gpu={id}"),
+        false => "nvidia.com/gpu=1".to_owned(),
+    };
+    let names = info.gpu_ids.iter().flatten().map(cdi_name).collect();
     assert_eq!(
         device_requests_of(&w, "both"),
         [DeviceRequest {
@@ -138,8 +122,7 @@ async fn a_start_refused_for_devices_is_a_creating_container_error() {
         .set_start_behavior(StartBehavior::Fail(words.to_owned()));
     let engine = w.engine().await;
     let info = failed_start(&engine, config("t1").with_gpus(1)).await;
-    assert_reason(&info, "creating_container_error");
-    assert!(info.termination_message.contains(words), "{info:?}");
+    assert_ended(&info, "creating_container_error", words);
     wait_released(&engine, "t1").await;
     // A start that fails for another reason stays the container's failure.
     let info = failed_start(&engine, config("t2")).await;

@@ -15,13 +15,7 @@ async fn an_unused_pulled_image_is_collected_when_the_data_root_fills() {
     let engine = w.engine().await;
     run(&engine, config("t1").with_image("old:1")).await;
     w.runtime.set_image_size("old:1", 10 << 30);
-    let deletes = || {
-        w.runtime
-            .calls()
-            .into_iter()
-            .filter(|c| matches!(c, Call::DeleteImage(_)))
-            .collect::<Vec<_>>()
-    };
+    let deletes = || w.calls_where(|c| matches!(c, Call::DeleteImage(_)));
     // 20 GiB available but for the 10 GiB image: 90 % used.
     w.disk.set_available(20 << 30);
     // The next minute's check measures 90 % (its statfs runs on a blocking thread: wait for it).
@@ -36,19 +30,14 @@ async fn an_unused_pulled_image_is_collected_when_the_data_root_fills() {
     terminate_by_user(&engine, "t1").await;
     engine.remove(&tid("t1")).await.unwrap();
     poll_until(10, Duration::from_secs(30), async || !deletes().is_empty()).await;
-    assert_eq!(
-        deletes(),
-        [Call::DeleteImage("docker.io/library/old:1".into())],
-        "removed by the name it was pulled as"
-    );
+    let pulled_as = Call::DeleteImage("docker.io/library/old:1".into());
+    assert_eq!(deletes(), [pulled_as], "by the name it was pulled as");
     assert!(w.runtime.image_id("old:1").is_none());
     assert!(w.runtime.image_id(IMAGE).is_some(), "not pulled: kept");
     let m = scrape(&engine);
     assert_contains(&m, "dstack_shim_image_gc_removed_images_total 1");
-    assert_contains(
-        &m,
-        &format!("dstack_shim_image_gc_freed_bytes_total {}", 10u64 << 30),
-    );
+    let freed = format!("dstack_shim_image_gc_freed_bytes_total {}", 10u64 << 30);
+    assert_contains(&m, &freed);
 }
 
 /// An image tagged `:latest` is pulled at every start even when present (it may have moved);
@@ -58,14 +47,13 @@ async fn an_unused_pulled_image_is_collected_when_the_data_root_fills() {
 /// images only when missing).
 #[tokio::test(start_paused = true)]
 async fn latest_is_pulled_at_every_start() {
-    let w = World::new(0);
-    let engine = w.engine().await;
+    let (w, engine) = World::with_engine(0).await;
     w.runtime.add_image("img:latest");
     for id in ["l1", "l2"] {
         w.runtime.clear_calls();
         run(&engine, config(id).with_image("img:latest")).await;
-        assert_eq!(w.runtime.count("pull"), 1, "{id}");
-        assert_eq!(w.runtime.count("image_present"), 0, "{id}");
+        let counts = (w.runtime.count("pull"), w.runtime.count("image_present"));
+        assert_eq!(counts, (1, 0), "pulls and checks of {id}");
     }
 }
 
@@ -73,13 +61,12 @@ async fn latest_is_pulled_at_every_start() {
 /// engine writes the progress before it pulls.
 #[tokio::test(start_paused = true)]
 async fn a_real_pull_is_shown_as_pulling() {
-    let w = World::new(0);
-    let engine = w.engine().await;
+    let (w, engine) = World::with_engine(0).await;
     w.runtime
         .set_pull_behavior(PullBehavior::Hang { steps: vec![] });
     let c = config("t1").with_image("img:latest");
     engine.submit(c).await.unwrap();
-    let status = || engine.task_info(&tid("t1")).unwrap().status;
+    let status = || info(&engine, "t1").status;
     let pulling = poll_until(500, TICK, async || status() == TaskStatus::Pulling).await;
     assert!(pulling, "task t1 never pulled");
     assert_eq!(w.runtime.count("create"), 0);

@@ -7,8 +7,7 @@ use super::*;
 // code, in every world: tests/tests/lifecycle.rs.)
 #[tokio::test(start_paused = true)]
 async fn submit_answers_pending_and_host_network_publishes_no_ports() {
-    let w = World::new(2);
-    let engine = w.engine().await;
+    let (_w, engine) = World::with_engine(2).await;
     let info = engine.submit(config("t1").with_gpus(1)).await.unwrap();
     assert_eq!(info.status, TaskStatus::Pending);
     assert!(info.container_name.starts_with("job-"));
@@ -24,41 +23,25 @@ async fn submit_answers_pending_and_host_network_publishes_no_ports() {
 #[tokio::test(start_paused = true)]
 async fn the_configured_log_limits_reach_the_containers_spec() {
     use shim_runtime::LogLimits;
-    use std::num::{NonZeroU32, NonZeroU64};
-
     let w = World::new(0);
     let default = LogLimits::new(
         EngineConfig::DEFAULT_CONTAINER_LOG_MAX_SIZE,
         EngineConfig::DEFAULT_CONTAINER_LOG_MAX_FILES,
     );
     assert_eq!(default.total_bytes(), 300 << 20);
-    assert_eq!(
-        w.config().container_log,
-        Some(default),
-        "EngineConfig::new's default"
-    );
-    let custom = LogLimits::new(
-        NonZeroU64::new(1 << 20).unwrap(),
-        NonZeroU32::new(2).unwrap(),
-    );
-    for (i, (limits, expected)) in [
-        (None, Some(default)),
-        (Some(Some(custom)), Some(custom)),
-        (Some(None), None),
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    assert_eq!(w.config().container_log, Some(default), "the default");
+    let custom = LogLimits::new((1 << 20).try_into().unwrap(), 2.try_into().unwrap());
+    for (id, limits, expected) in [
+        ("default", None, Some(default)),
+        ("custom", Some(Some(custom)), Some(custom)),
+        ("daemon", Some(None), None),
+    ] {
         let engine = w
-            .engine_with(|cfg| {
-                if let Some(limits) = limits {
-                    cfg.container_log = limits;
-                }
-            })
+            .engine_with(|cfg| cfg.container_log = limits.unwrap_or(cfg.container_log))
             .await;
-        let info = run(&engine, config(&format!("log{i}"))).await;
+        let info = run(&engine, config(id)).await;
         let spec = w.runtime.spec(&info.container_id).unwrap();
-        assert_eq!(spec.log, expected, "case {i}");
+        assert_eq!(spec.log, expected, "{id}");
         shut_down(engine).await;
     }
 }
@@ -69,8 +52,7 @@ async fn the_configured_log_limits_reach_the_containers_spec() {
 /// Docker request is made any more.
 #[tokio::test(start_paused = true)]
 async fn dropping_the_last_engine_handle_stops_its_background_jobs() {
-    let w = World::new(0);
-    let engine = w.engine().await;
+    let (w, engine) = World::with_engine(0).await;
     let mut changes = engine.subscribe();
     run(&engine, config("t1")).await;
     let clone = engine.clone();
@@ -87,21 +69,14 @@ async fn dropping_the_last_engine_handle_stops_its_background_jobs() {
         }
     })
     .await;
-    assert_eq!(
-        closed,
-        Ok(shim_engine::SubscriptionError::Closed),
-        "the engine's jobs still run after its last handle was dropped"
-    );
+    let jobs_ended = Ok(shim_engine::SubscriptionError::Closed);
+    assert_eq!(closed, jobs_ended, "the jobs outlived the last handle");
     // Nothing asks Docker any more (the retry pass and the listener are gone), and the
     // container keeps running.
     w.runtime.clear_calls();
     w.runtime.break_event_streams();
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert_eq!(
-        w.runtime.calls(),
-        [],
-        "requests after the engine was dropped"
-    );
+    assert_eq!(w.runtime.calls(), [], "requests after the drop");
     assert_eq!(w.runtime.container_ids().len(), 1);
 }
 
@@ -110,29 +85,22 @@ async fn dropping_the_last_engine_handle_stops_its_background_jobs() {
 /// background jobs 10 s before it leaves them).
 #[tokio::test(start_paused = true)]
 async fn shutdown_does_not_wait_for_a_subscription_in_progress() {
-    let w = World::new(0);
-    let engine = w.engine().await;
+    let (w, engine) = World::with_engine(0).await;
     let subscriptions = w.runtime.count("events");
     w.runtime.hold_subscriptions();
     w.runtime.break_event_streams();
     w.runtime.wait_for_count("events", subscriptions).await;
     let shutdown = tokio::time::timeout(Duration::from_secs(5), engine.shutdown(Shutdown::Now));
-    assert!(
-        shutdown.await.is_ok(),
-        "shutdown waited for the held subscription"
-    );
+    assert!(shutdown.await.is_ok(), "waited for the subscription");
     w.runtime.release_subscriptions();
 }
 
 #[tokio::test(start_paused = true)]
 async fn terminate_during_container_start_stops_the_container() {
-    let w = World::new(0);
-    let engine = w.engine().await;
+    let (w, engine) = World::with_engine(0).await;
     w.runtime.set_start_behavior(StartBehavior::Hang);
     engine.submit(config("t1")).await.unwrap();
-    w.runtime
-        .wait_for_call(|c| matches!(c, Call::Start(_)))
-        .await;
+    w.runtime.wait_for_count("start", 0).await;
     // Terminate waits for start to let go; the hanging start proceeds a moment later.
     let runtime = w.runtime.clone();
     let release = tokio::spawn(async move {
@@ -141,18 +109,14 @@ async fn terminate_during_container_start_stops_the_container() {
     });
     let info = terminate_by_user(&engine, "t1").await;
     release.await.unwrap();
-    assert_eq!(info.status, TaskStatus::Terminated);
-    assert!(
-        !engine.is_starting(&tid("t1")).unwrap(),
-        "terminate returned after start"
-    );
+    assert_reason(&info, "terminated_by_user");
+    let starting = engine.is_starting(&tid("t1")).unwrap();
+    assert!(!starting, "terminate returned after start");
     // Start noticed at its next step and stopped the container it had just started.
-    let cid = info.container_id;
-    assert!(!cid.is_empty());
-    assert_eq!(w.runtime.state(&cid), Some(ContainerState::Exited));
+    assert_eq!(w.state_of(&info), Some(ContainerState::Exited));
     // Nothing is left to release: a remove right away is accepted.
     engine.remove(&tid("t1")).await.unwrap();
-    assert!(w.runtime.state(&cid).is_none());
+    assert_eq!(w.state_of(&info), None);
 }
 
 // A start that is slow (the container not running yet) is waited for, with a look at the
@@ -161,38 +125,27 @@ async fn terminate_during_container_start_stops_the_container() {
 // a_start_whose_answer_never_comes_runs_in_seconds).
 #[tokio::test(start_paused = true)]
 async fn a_slow_start_is_waited_for_with_a_look_every_5_s() {
-    let w = World::new(0);
-    let engine = w.engine().await;
+    let (w, engine) = World::with_engine(0).await;
     w.runtime.set_start_behavior(StartBehavior::Hang);
     w.runtime.clear_calls();
     engine.submit(config("slow")).await.unwrap();
-    w.runtime
-        .wait_for_call(|c| matches!(c, Call::Start(_)))
-        .await;
+    w.runtime.wait_for_count("start", 0).await;
     w.runtime.clear_calls();
     tokio::time::sleep(Duration::from_secs(12)).await;
-    assert_eq!(
-        engine.task_info(&tid("slow")).unwrap().status,
-        TaskStatus::Pending
-    );
+    assert_eq!(info(&engine, "slow").status, TaskStatus::Pending);
     assert_eq!(w.runtime.count("inspect"), 2, "a look at 5 s and at 10 s");
     w.runtime.release_starts();
-    let info = wait_status(&engine, "slow", TaskStatus::Running).await;
-    assert_eq!(
-        w.runtime.state(&info.container_id),
-        Some(ContainerState::Running)
-    );
+    let running = wait_status(&engine, "slow", TaskStatus::Running).await;
+    assert_eq!(w.state_of(&running), Some(ContainerState::Running));
 }
 
 #[tokio::test(start_paused = true)]
 async fn start_step_failures_map_to_reasons() {
-    let w = World::new(1);
-    let engine = w.engine().await;
+    let (w, engine) = World::with_engine(1).await;
 
     // Not enough GPUs → executor_error, nothing locked.
     let info = failed_start(&engine, config("gpu").with_gpus(2)).await;
-    assert_reason(&info, "executor_error");
-    assert!(info.termination_message.contains("GPU"), "{info:?}");
+    assert_ended(&info, "executor_error", "GPU");
     assert!(engine.gpu_lock().locked().is_empty());
 
     // SSH keys cannot be added → executor_error, GPUs released.
@@ -205,8 +158,7 @@ async fn start_step_failures_map_to_reasons() {
     // A volume cannot be prepared → executor_error.
     w.volumes.fail_prepare("data", true);
     let info = failed_start(&engine, config("vol").with_data_volume()).await;
-    assert_reason(&info, "executor_error");
-    assert!(info.termination_message.contains("data"), "{info:?}");
+    assert_ended(&info, "executor_error", "data");
 
     // Pull fails → creating_container_error with the daemon's message.
     w.runtime.set_pull_behavior(PullBehavior::Fail {
@@ -214,15 +166,13 @@ async fn start_step_failures_map_to_reasons() {
         message: "manifest unknown".into(),
     });
     let info = failed_start(&engine, config("pull").with_image("missing:2")).await;
-    assert_reason(&info, "creating_container_error");
-    assert_contains(&info.termination_message, "manifest unknown");
+    assert_ended(&info, "creating_container_error", "manifest unknown");
 
     // Start fails → container_exited_with_error.
     w.runtime
         .set_start_behavior(StartBehavior::Fail("exec format error".into()));
     let info = failed_start(&engine, config("start")).await;
-    assert_reason(&info, "container_exited_with_error");
-    assert_contains(&info.termination_message, "exec format error");
+    assert_ended(&info, "container_exited_with_error", "exec format error");
 }
 
 /// Found in review: a task that holds nothing and whose stop failed (the daemon did not
@@ -230,24 +180,19 @@ async fn start_step_failures_map_to_reasons() {
 /// the backstop list (an hour here) or by Docker's news.
 #[tokio::test(start_paused = true)]
 async fn a_failed_stop_is_retried_by_the_retry_pass() {
-    let w = World::new(0);
-    let engine = w.engine().await;
-    let info = run(&engine, config("t1")).await;
+    let (w, engine) = World::with_engine(0).await;
+    let running = run(&engine, config("t1")).await;
     w.runtime.set_unreachable(true);
     let answered = terminate_by_user(&engine, "t1").await;
     // Terminated (durably); the stop failed and is left to the reconciler.
-    assert_eq!(answered.status, TaskStatus::Terminated);
-    let still_runs = || w.runtime.state(&info.container_id) == Some(ContainerState::Running);
+    assert_reason(&answered, "terminated_by_user");
+    let still_runs = || w.state_of(&running) == Some(ContainerState::Running);
     assert!(still_runs());
     w.runtime.set_unreachable(false);
     // Looked at every 50 ms for 20 s.
     let stopped = poll_until(400, Duration::from_millis(50), async || !still_runs()).await;
-    assert!(
-        stopped,
-        "the container still runs: the failed stop was not retried"
-    );
-    let t = engine.task_info(&tid("t1")).unwrap();
-    assert_reason(&t, "terminated_by_user");
+    assert!(stopped, "the container runs: the stop was not retried");
+    assert_reason(&info(&engine, "t1"), "terminated_by_user");
 }
 
 // Issue 22, SPEC §4: terminate answers within `timeout` + its slack in every state, whatever
@@ -263,22 +208,10 @@ async fn terminate_answers_within_its_budget_whatever_holds_it_up() {
     let running = run(&engine, config("t-stop").with_gpus(1)).await;
     w.runtime.hold_stops();
     let info = terminate_now(&engine, "t-stop", "a held stop").await;
-    assert_eq!(
-        info.status,
-        TaskStatus::Terminated,
-        "durable before the stop"
-    );
+    // Durable before the stop, which is still held; the GPU is released after it.
     assert_reason(&info, "terminated_by_user");
-    assert_eq!(
-        w.runtime.state(&running.container_id),
-        Some(ContainerState::Running),
-        "the stop is still held"
-    );
-    assert_eq!(
-        engine.gpu_lock().locked().len(),
-        1,
-        "released after the stop"
-    );
+    assert_eq!(w.state_of(&running), Some(ContainerState::Running));
+    assert_eq!(engine.gpu_lock().locked().len(), 1);
     w.runtime.release_stops();
 
     // A start in flight (the daemon holds the container's start).
@@ -287,7 +220,7 @@ async fn terminate_answers_within_its_budget_whatever_holds_it_up() {
     engine.submit(config("t-start").with_gpus(1)).await.unwrap();
     w.runtime.wait_for_count("start", starts).await;
     let info = terminate_now(&engine, "t-start", "a start in flight").await;
-    assert_eq!(info.status, TaskStatus::Terminated);
+    assert_reason(&info, "terminated_by_user");
     assert!(engine.is_starting(&tid("t-start")).unwrap());
     w.runtime.set_start_behavior(StartBehavior::Succeed);
     w.runtime.release_starts();
@@ -296,7 +229,7 @@ async fn terminate_answers_within_its_budget_whatever_holds_it_up() {
     run(&engine, config("t-unmount").with_gpus(1).with_data_volume()).await;
     w.volumes.hold_releases();
     let info = terminate_now(&engine, "t-unmount", "a slow unmount").await;
-    assert_eq!(info.status, TaskStatus::Terminated);
+    assert_reason(&info, "terminated_by_user");
     assert_eq!(w.volumes.mounted(), ["data"], "the unmount is still held");
     w.volumes.let_releases_go();
 
@@ -342,15 +275,11 @@ async fn a_remove_behind_a_release_waits_for_it_then_removes() {
 
 /// Makes every write of the task's state file fail, as a full disk does, without making the
 /// directory unusable: `task.json` becomes a non-empty directory, which the atomic rename of a
-/// new state file cannot replace (`false` puts a file back, as a freed disk would let it).
-fn break_state_file(w: &World, container_name: &str, broken: bool) {
+/// new state file cannot replace.
+fn break_state_file(w: &World, container_name: &str) {
     let state = w.task_json(container_name);
-    if broken {
-        fs_err::remove_file(&state).unwrap();
-        fs_err::create_dir_all(state.join("blocker")).unwrap();
-    } else {
-        fs_err::remove_dir_all(&state).unwrap();
-    }
+    fs_err::remove_file(&state).unwrap();
+    fs_err::create_dir_all(state.join("blocker")).unwrap();
 }
 
 // Issue 22, SPEC §4: a failed state write never blocks a stop or a release. With the task's
@@ -365,24 +294,16 @@ async fn a_terminate_whose_write_fails_still_stops_and_releases() {
     let c = config("t1").with_gpus(1).with_host_key().with_data_volume();
     let info = run(&engine, c).await;
     assert_eq!(engine.gpu_lock().locked().len(), 1);
-    break_state_file(&w, &info.container_name, true);
+    break_state_file(&w, &info.container_name);
     let answer = terminate_now(&engine, "t1", "an unwritable state file").await;
     assert_eq!(
         (answer.status, termination(&answer)),
         (TaskStatus::Terminated, ("terminated_by_user", "stop")),
         "stopped: terminated at once, the record waiting for the disk"
     );
-    assert_eq!(
-        w.runtime.state(&info.container_id),
-        Some(ContainerState::Exited)
-    );
-    assert!(
-        w.volumes
-            .calls()
-            .iter()
-            .any(|c| matches!(c, FakeCall::Release(p) if p.ends_with("/data"))),
-        "volume released"
-    );
+    assert_eq!(w.state_of(&info), Some(ContainerState::Exited));
+    let release = FakeCall::Release("/fake/volumes/data".into());
+    assert_called(&w.volumes.calls(), &release);
     assert!(engine.gpu_lock().locked().is_empty(), "GPUs released");
     assert!(w.keys.keys_of("ubuntu").is_empty(), "keys removed");
     assert!(w.volumes.mounted().is_empty());

@@ -56,10 +56,9 @@ struct World {
     disk: Arc<FakeDisk>,
 }
 
-/// A data root whose fullness the test sets, less what the fake engine's images take (a
-/// removed image gives its bytes back).
+/// A data root of 100 GiB whose fullness the test sets, less what the fake engine's images
+/// take (a removed image gives its bytes back).
 struct FakeDisk {
-    capacity: u64,
     available: AtomicU64,
     runtime: FakeRuntime,
 }
@@ -73,12 +72,9 @@ impl FakeDisk {
 
 impl FsProbe for FakeDisk {
     fn usage(&self, _path: &Path) -> shim_resources::error::Result<FsUsage> {
-        Ok(FsUsage::new(
-            self.capacity,
-            self.available
-                .load(Ordering::SeqCst)
-                .saturating_sub(self.runtime.image_bytes()),
-        ))
+        let available = self.available.load(Ordering::SeqCst);
+        let images = self.runtime.image_bytes();
+        Ok(FsUsage::new(100 << 30, available.saturating_sub(images)))
     }
 }
 
@@ -90,7 +86,6 @@ impl World {
         World {
             home: tempfile::tempdir().unwrap(),
             disk: Arc::new(FakeDisk {
-                capacity: 100 << 30,
                 available: AtomicU64::new(50 << 30),
                 runtime: runtime.clone(),
             }),
@@ -102,12 +97,16 @@ impl World {
         }
     }
 
+    /// A world of `n_gpus` GPUs and an engine on it.
+    async fn with_engine(n_gpus: u32) -> (World, Engine) {
+        let w = World::new(n_gpus);
+        let engine = w.engine().await;
+        (w, engine)
+    }
+
     fn deps(&self) -> Deps {
-        let mut deps = Deps::new(
-            Arc::new(self.runtime.clone()),
-            self.keys.clone(),
-            self.volumes.clone(),
-        );
+        let runtime = Arc::new(self.runtime.clone());
+        let mut deps = Deps::new(runtime, self.keys.clone(), self.volumes.clone());
         deps.host_gpus = self.host_gpus.clone();
         deps.clock = self.clock;
         deps.fs = self.disk.clone();
@@ -155,13 +154,22 @@ impl World {
     fn task_json(&self, container_name: &str) -> PathBuf {
         self.runner_dir(container_name).join("task.json")
     }
+
+    /// The state of the task's container on the fake (`None`: there is none).
+    fn state_of(&self, info: &TaskInfo) -> Option<ContainerState> {
+        self.runtime.state(&info.container_id)
+    }
+
+    /// The Docker requests recorded since the calls were last cleared that `pick` matches.
+    fn calls_where(&self, pick: impl Fn(&Call) -> bool) -> Vec<Call> {
+        self.runtime.calls().into_iter().filter(pick).collect()
+    }
 }
 
 /// Stops `engine` gracefully (its start jobs get up to 5 s) and drops it.
 async fn shut_down(engine: Engine) {
-    engine
-        .shutdown(Shutdown::Graceful(Duration::from_secs(5)))
-        .await;
+    let graceful = Shutdown::Graceful(Duration::from_secs(5));
+    engine.shutdown(graceful).await;
 }
 
 fn config(id: &str) -> TaskConfig {
@@ -222,20 +230,24 @@ fn container_name(id: &str) -> String {
     shim_task::naming::container_name(&c.name, &c.id)
 }
 
+/// What the engine tells of task `id` now.
+fn info(engine: &Engine, id: &str) -> TaskInfo {
+    engine.task_info(&tid(id)).unwrap()
+}
+
 /// Waits until the task has `status` and its start job has returned (until then the
 /// reconciler leaves it alone).
 async fn wait_status(engine: &Engine, id: &str, status: TaskStatus) -> TaskInfo {
-    for _ in 0..500 {
-        let info = engine.task_info(&tid(id)).unwrap();
-        if info.status == status && !engine.is_starting(&tid(id)).unwrap() {
-            return info;
-        }
-        tokio::time::sleep(TICK).await;
-    }
-    panic!(
-        "task {id} never became {status}: {:?}",
-        engine.task_info(&tid(id))
+    let reached = poll_until(500, TICK, async || {
+        info(engine, id).status == status && !engine.is_starting(&tid(id)).unwrap()
+    })
+    .await;
+    assert!(
+        reached,
+        "{id} never became {status}: {:?}",
+        info(engine, id)
     );
+    info(engine, id)
 }
 
 /// Submits `c` and waits until its task runs.
@@ -265,11 +277,9 @@ async fn poll_until(tries: u32, step: Duration, mut done: impl AsyncFnMut() -> b
 
 /// Terminates task `id` as its user would, saying `message`, giving it `timeout` to stop.
 async fn terminate(engine: &Engine, id: &str, message: &str, timeout: Duration) -> TaskInfo {
-    let reason = TerminationReason::TerminatedByUser;
-    engine
-        .terminate(&tid(id), reason, message.into(), timeout)
-        .await
-        .unwrap()
+    let (id, reason) = (tid(id), TerminationReason::TerminatedByUser);
+    let answer = engine.terminate(&id, reason, message.into(), timeout);
+    answer.await.unwrap()
 }
 
 /// Terminates task `id` as its user would, with no message and no grace period.
@@ -277,10 +287,24 @@ async fn terminate_by_user(engine: &Engine, id: &str) -> TaskInfo {
     terminate(engine, id, "", Duration::ZERO).await
 }
 
-/// Asserts that the task ended for `reason`.
+/// Asserts that the task is terminated for `reason`.
 #[track_caller]
 fn assert_reason(info: &TaskInfo, reason: &str) {
-    assert_eq!(info.termination_reason, reason, "{info:?}");
+    let got = (info.status, info.termination_reason.as_str());
+    assert_eq!(got, (TaskStatus::Terminated, reason), "{info:?}");
+}
+
+/// Asserts that the task is terminated for `reason` with a message that contains `part`.
+#[track_caller]
+fn assert_ended(info: &TaskInfo, reason: &str, part: &str) {
+    assert_reason(info, reason);
+    assert_contains(&info.termination_message, part);
+}
+
+/// Asserts that `calls` (a fake host resource's) include `call`.
+#[track_caller]
+fn assert_called(calls: &[FakeCall], call: &FakeCall) {
+    assert!(calls.contains(call), "{call:?} is not in {calls:?}");
 }
 
 /// The engine's metrics as Prometheus text.
@@ -288,6 +312,13 @@ fn scrape(engine: &Engine) -> String {
     let mut out = String::new();
     engine.encode_metrics(&mut out).unwrap();
     out
+}
+
+/// The value of sample `name` (its labels included, if any) in metrics `text`.
+fn sample(text: &str, name: &str) -> Option<String> {
+    let prefix = format!("{name} ");
+    let value = text.lines().find_map(|l| l.strip_prefix(prefix.as_str()));
+    value.map(str::to_owned)
 }
 
 /// Asserts that `text` (metrics, a message) contains `part`.
@@ -307,19 +338,23 @@ fn ops(w: &World) -> Vec<&'static str> {
     w.runtime.calls().iter().map(Call::op).collect()
 }
 
+/// Runs cycles (up to 500, [`TICK`] apart) until `done` holds; says whether it did.
+async fn reconcile_until(engine: &Engine, done: impl Fn() -> bool) -> bool {
+    poll_until(500, TICK, async || {
+        engine.reconcile_now().await;
+        done()
+    })
+    .await
+}
+
 /// Runs cycles until task `id` is terminated and no GPU is locked any more.
 async fn wait_released(engine: &Engine, id: &str) {
-    let released = poll_until(500, TICK, async || {
-        engine.reconcile_now().await;
-        engine.task_info(&tid(id)).unwrap().status == TaskStatus::Terminated
-            && engine.gpu_lock().locked().is_empty()
+    let released = reconcile_until(engine, || {
+        info(engine, id).status == TaskStatus::Terminated && engine.gpu_lock().locked().is_empty()
     })
     .await;
-    assert!(
-        released,
-        "task {id} never released: {:?}",
-        engine.gpu_lock().locked()
-    );
+    let locked = engine.gpu_lock().locked();
+    assert!(released, "task {id} never released: {locked:?}");
 }
 
 /// The task's state file, if it can be read as JSON (`None` while it is missing or, as
@@ -339,13 +374,12 @@ fn state_file(w: &World, id: &str) -> serde_json::Value {
 /// How a test ends a task's container: one of the fake's `exit`s (container id, exit code).
 type Exit = fn(&FakeRuntime, &str, i64) -> bool;
 
-/// Runs a task for each `(id, last log lines, exit, code)`, then forgets the calls so far and
-/// ends their containers one after the other; returns each task once terminated, in order.
-async fn end_running_tasks(
-    w: &World,
-    engine: &Engine,
-    cases: &[(&str, &[&str], Exit, i64)],
-) -> Vec<TaskInfo> {
+/// A task's end: `(id, last log lines, exit, code, expected (reason, message))`.
+type End<'a> = (&'a str, &'a [&'a str], Exit, i64, (&'a str, &'a str));
+
+/// Runs a task for each [`End`], then forgets the calls so far and ends their containers one
+/// after the other; asserts each task's termination once it is terminated.
+async fn end_running_tasks(w: &World, engine: &Engine, cases: &[End<'_>]) {
     for (id, ..) in cases {
         engine.submit(config(id)).await.unwrap();
     }
@@ -358,14 +392,13 @@ async fn end_running_tasks(
         containers.push(info.container_id);
     }
     w.runtime.clear_calls();
-    for ((_, _, exit, code), container) in cases.iter().zip(&containers) {
+    for ((_, _, exit, code, _), container) in cases.iter().zip(&containers) {
         assert!(exit(&w.runtime, container, *code));
     }
-    let mut ended = Vec::new();
-    for (id, ..) in cases {
-        ended.push(wait_status(engine, id, TaskStatus::Terminated).await);
+    for (id, _, _, _, expected) in cases {
+        let ended = wait_status(engine, id, TaskStatus::Terminated).await;
+        assert_eq!(termination(&ended), *expected, "{id}");
     }
-    ended
 }
 
 /// A terminated task's `(termination_reason, termination_message)`.
@@ -385,14 +418,11 @@ const ANSWER_BOUND: Duration = Duration::from_secs(3);
 /// comes; prints how long it took (a figure, not an assertion).
 async fn terminate_now(engine: &Engine, id: &str, what: &str) -> TaskInfo {
     let started = std::time::Instant::now();
-    let info = tokio::time::timeout(ANSWER_BOUND, terminate(engine, id, "stop", Duration::ZERO))
-        .await
-        .unwrap_or_else(|_| {
-            panic!("terminate of {id} ({what}) not answered within {ANSWER_BOUND:?}")
-        });
-    eprintln!(
-        "MEASURED terminate answer with {what}: {:?} (budget {SLACK:?})",
-        started.elapsed()
-    );
+    let answer = terminate(engine, id, "stop", Duration::ZERO);
+    let Ok(info) = tokio::time::timeout(ANSWER_BOUND, answer).await else {
+        panic!("terminate of {id} ({what}) not answered within {ANSWER_BOUND:?}");
+    };
+    let took = started.elapsed();
+    eprintln!("MEASURED terminate answer with {what}: {took:?} (budget {SLACK:?})");
     info
 }

@@ -8,8 +8,7 @@ use super::*;
 /// read as ten minutes, and a cycle brings the age back to zero.
 #[tokio::test(start_paused = true)]
 async fn records_and_readiness_follow_the_injected_clock() {
-    let w = World::new(0);
-    let engine = w.engine().await;
+    let (w, engine) = World::with_engine(0).await;
     assert_eq!(engine.health().last_cycle_age, Some(Duration::ZERO));
     let submitted_at = w.clock.now_ms();
     assert!(submitted_at >= START_MS);
@@ -19,17 +18,12 @@ async fn records_and_readiness_follow_the_injected_clock() {
 
     let cycle_at = w.clock.now_ms();
     engine.reconcile_now().await;
-    tokio::time::advance(Duration::from_secs(600)).await;
+    let ten_minutes = Duration::from_secs(600);
+    tokio::time::advance(ten_minutes).await;
     let age = engine.health().last_cycle_age.unwrap();
     let expected = Duration::from_millis(w.clock.now_ms() - cycle_at);
-    assert!(
-        age >= Duration::from_secs(600) && age <= expected,
-        "{age:?}"
-    );
-    assert!(
-        engine.health().is_ready(),
-        "10 min is within the backstop's bound"
-    );
+    assert!((ten_minutes..=expected).contains(&age), "{age:?}");
+    assert!(engine.health().is_ready(), "within the backstop's bound");
     let terminated_at = w.clock.now_ms();
     terminate(&engine, "t1", "bye", Duration::ZERO).await;
     let file = state_file(&w, "t1");
@@ -44,8 +38,7 @@ async fn records_and_readiness_follow_the_injected_clock() {
 /// removed.
 #[tokio::test(start_paused = true)]
 async fn subscribers_see_every_change_of_fifty_concurrent_tasks_in_order() {
-    let w = World::new(0);
-    let engine = w.engine().await;
+    let (w, engine) = World::with_engine(0).await;
     let mut sub = engine.subscribe();
     let ids: Vec<String> = (0..50).map(|i| format!("c{i}")).collect();
     let submits = ids.iter().map(|id| engine.submit(config(id)));
@@ -103,15 +96,12 @@ async fn running_tasks_show_their_cgroup_usage_in_the_metrics() {
     let w = World::new(0);
     let tree = tempfile::tempdir().unwrap();
     let (root, proc) = (tree.path().join("cgroup"), tree.path().join("proc"));
-    let group = root.join("system.slice/docker-t.scope");
+    let scope = "system.slice/docker-t.scope";
+    let group = root.join(scope);
     fs_err::create_dir_all(&group).unwrap();
     fs_err::create_dir_all(proc.join("4242")).unwrap();
     fs_err::write(root.join("cgroup.controllers"), "cpu memory\n").unwrap();
-    fs_err::write(
-        proc.join("4242/cgroup"),
-        "0::/system.slice/docker-t.scope\n",
-    )
-    .unwrap();
+    fs_err::write(proc.join("4242/cgroup"), format!("0::/{scope}\n")).unwrap();
     let set = |usec: u64, current: u64, peak: u64, ooms: u64| {
         for (file, text) in [
             ("cpu.stat", format!("usage_usec {usec}\n")),
@@ -128,48 +118,28 @@ async fn running_tasks_show_their_cgroup_usage_in_the_metrics() {
     let engine = Engine::open(w.config(), deps).await.unwrap();
     let info = run(&engine, config("t-usage")).await;
     w.runtime.set_pid(&info.container_id, Some(4242));
-    let sample = |text: &str, name: &str| -> Option<String> {
-        let prefix = format!("{name}{{task_id=\"t-usage\"}} ");
-        text.lines()
-            .find_map(|l| l.strip_prefix(prefix.as_str()))
-            .map(str::to_owned)
-    };
+    let usage = |text: &str, name: &str| sample(text, &format!("{name}{{task_id=\"t-usage\"}}"));
+    let [cpu, memory, peak, ooms] = [
+        "dstack_shim_task_cpu_seconds_total",
+        "dstack_shim_task_memory_bytes",
+        "dstack_shim_task_memory_peak_bytes",
+        "dstack_shim_task_oom_kills_total",
+    ];
     // The first scrape asks for the group; a later one shows the task.
-    let cpu = "dstack_shim_task_cpu_seconds_total";
-    poll_until(500, TICK, async || sample(&scrape(&engine), cpu).is_some()).await;
+    poll_until(500, TICK, async || usage(&scrape(&engine), cpu).is_some()).await;
     let text = scrape(&engine);
-    assert_eq!(
-        [
-            cpu,
-            "dstack_shim_task_memory_bytes",
-            "dstack_shim_task_memory_peak_bytes",
-            "dstack_shim_task_oom_kills_total"
-        ]
-        .map(|n| sample(&text, n)),
-        [
-            Some("2.5".to_owned()),
-            Some("1048576".to_owned()),
-            Some("4194304".to_owned()),
-            Some("0".to_owned())
-        ],
-        "{text}"
-    );
+    let values = [cpu, memory, peak, ooms].map(|n| usage(&text, n));
+    let expected = ["2.5", "1048576", "4194304", "0"].map(|v| Some(v.to_owned()));
+    assert_eq!(values, expected, "{text}");
     let located_with = w.runtime.count("inspect");
     // The container works: its CPU seconds rise, an OOM kill is counted; no new inspect.
     set(4_000_000, 2 << 20, 4 << 20, 1);
     let text = scrape(&engine);
-    assert_eq!(sample(&text, cpu).as_deref(), Some("4.0"));
-    assert_eq!(
-        sample(&text, "dstack_shim_task_oom_kills_total").as_deref(),
-        Some("1")
-    );
-    assert_eq!(
-        w.runtime.count("inspect"),
-        located_with,
-        "the group is located once"
-    );
+    let values = [cpu, ooms].map(|n| usage(&text, n));
+    assert_eq!(values, [Some("4.0".into()), Some("1".into())], "{text}");
+    assert_eq!(w.runtime.count("inspect"), located_with, "located once");
     // Once terminated, the task leaves the usage metrics.
     terminate_now(&engine, "t-usage", "usage").await;
     let text = scrape(&engine);
-    assert_eq!(sample(&text, cpu), None, "{text}");
+    assert_eq!(usage(&text, cpu), None, "{text}");
 }

@@ -6,11 +6,11 @@ use super::*;
 /// no GPU label), `/tmp/runner` bound from `runner_dir`.
 fn upstream_spec(id: &str, name: &str, runner_dir: &Path) -> ContainerSpec {
     let mut spec = ContainerSpec::new(name, IMAGE);
-    spec.labels = [
-        ("ai.dstack.shim.is-task".to_owned(), "true".to_owned()),
-        ("ai.dstack.shim.task-id".to_owned(), id.to_owned()),
-    ]
-    .into();
+    let labels = [
+        ("ai.dstack.shim.is-task", "true"),
+        ("ai.dstack.shim.task-id", id),
+    ];
+    spec.labels = labels.map(|(k, v)| (k.to_owned(), v.to_owned())).into();
     spec.mounts = vec![BindMount {
         source: runner_dir.to_path_buf(),
         target: "/tmp/runner".to_owned(),
@@ -25,8 +25,7 @@ fn upstream_spec(id: &str, name: &str, runner_dir: &Path) -> ContainerSpec {
 // homes on one engine: tests/tests/restore.rs, in every world.)
 #[tokio::test(start_paused = true)]
 async fn a_container_with_our_owner_label_but_another_homes_runner_dir_is_not_ours() {
-    let mut w = World::new(0);
-    let engine = w.engine().await;
+    let (mut w, engine) = World::with_engine(0).await;
     let elsewhere = tempfile::tempdir().unwrap();
     let runner_dir = elsewhere.path().join("runners/stray-0-01234567/runner");
     let mut stray_spec = upstream_spec("stray", "stray-0-01234567", &runner_dir);
@@ -40,20 +39,14 @@ async fn a_container_with_our_owner_label_but_another_homes_runner_dir_is_not_ou
     let engine = w.restart(engine).await;
     assert!(engine.task_info(&tid("stray")).is_err(), "another home's");
     assert!(engine.list().is_empty());
-    let touched: Vec<_> = w
-        .runtime
-        .calls()
-        .into_iter()
-        .filter(|c| matches!(c, Call::Stop(..) | Call::Remove(_)))
-        .collect();
-    assert!(touched.is_empty(), "{touched:?}");
+    let touched = w.calls_where(|c| matches!(c, Call::Stop(..) | Call::Remove(_)));
+    assert_eq!(touched, [], "stopped or removed");
     assert_eq!(w.runtime.state(&stray), Some(ContainerState::Running));
 }
 
 #[tokio::test(start_paused = true)]
 async fn restart_keeps_shared_key_of_live_task() {
-    let mut w = World::new(0);
-    let engine = w.engine().await;
+    let (mut w, engine) = World::with_engine(0).await;
     let a = run(&engine, config("a").with_host_key()).await;
     run(&engine, config("b").with_host_key()).await;
     shut_down(engine).await;
@@ -61,17 +54,13 @@ async fn restart_keeps_shared_key_of_live_task() {
     // releases a's, releasing a's would leave the user without the key b still needs.
     w.runtime.exit_without_event(&a.container_id, 0);
     let engine = w.fresh_process().await;
-    assert_eq!(
-        engine.task_info(&tid("a")).unwrap().status,
-        TaskStatus::Terminated
-    );
+    assert_eq!(info(&engine, "a").status, TaskStatus::Terminated);
     assert_eq!(w.keys.keys_of("ubuntu").len(), 1, "b still needs the key");
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_duplicate_gpu_claim_after_restart_never_frees_a_gpu_in_use() {
-    let mut w = World::new(1);
-    let engine = w.engine().await;
+    let (mut w, engine) = World::with_engine(1).await;
     let owner = run(&engine, config("owner").with_gpus(1)).await;
     shut_down(engine).await;
     // A second container claims the same GPU (e.g. left by an older shim without a state
@@ -83,8 +72,7 @@ async fn a_duplicate_gpu_claim_after_restart_never_frees_a_gpu_in_use() {
     w.runtime
         .add_container(&spec, ContainerState::Exited, Some(0));
     let engine = w.fresh_process().await;
-    let stale = engine.task_info(&tid("a-stale")).unwrap();
-    assert_eq!(stale.status, TaskStatus::Terminated);
+    assert_eq!(info(&engine, "a-stale").status, TaskStatus::Terminated);
     // The stale task's id sorts first, but the running task gets the GPU; the stale one,
     // which exited, locked nothing and must not unlock the GPU the running task uses.
     assert_eq!(engine.gpu_lock().locked(), owner.gpu_ids.clone().unwrap());
@@ -96,26 +84,18 @@ async fn a_duplicate_gpu_claim_after_restart_never_frees_a_gpu_in_use() {
 /// `version`, `id`, `config` in `TaskConfig`'s field order, `termination_reason`,
 /// `termination_message`, `cleaned_up`; a slice the server did not send is `null`).
 fn upstream_task_json(id: &str, name: &str, gpu: i64, reason: &str, cleaned_up: bool) -> String {
-    format!(
-        concat!(
-            r#"{{"version":1,"id":"{id}","config":{{"id":"{id}","name":"{name}","#,
-            r#""registry_username":"","registry_password":"","image_name":"{IMAGE}","#,
-            r#""container_user":"root","privileged":false,"gpu":{gpu},"cpu":0,"memory":0,"#,
-            r#""shm_size":0,"network_mode":"bridge","#,
-            r#""volumes":[{{"backend":"aws","name":"vol1","volume_id":"vol-0123","init_fs":true,"device_name":""}}],"#,
-            r#""volume_mounts":[{{"name":"vol1","path":"/data"}}],"instance_mounts":null,"#,
-            r#""gpu_devices":null,"host_ssh_user":"ubuntu","host_ssh_keys":["{KEY}"],"#,
-            r#""container_ssh_keys":[]}},"termination_reason":"{reason}","#,
-            r#""termination_message":"","cleaned_up":{cleaned_up}}}"#
-        ),
-        id = id,
-        name = name,
-        IMAGE = IMAGE,
-        gpu = gpu,
-        KEY = KEY,
-        reason = reason,
-        cleaned_up = cleaned_up,
-    )
+    let parts: [&str; 9] = [
+        &format!(r#"{{"version":1,"id":"{id}","config":{{"id":"{id}","name":"{name}","#),
+        &format!(r#""registry_username":"","registry_password":"","image_name":"{IMAGE}","#),
+        &format!(r#""container_user":"root","privileged":false,"gpu":{gpu},"cpu":0,"memory":0,"#),
+        r#""shm_size":0,"network_mode":"bridge","#,
+        r#""volumes":[{"backend":"aws","name":"vol1","volume_id":"vol-0123","init_fs":true,"device_name":""}],"#,
+        r#""volume_mounts":[{"name":"vol1","path":"/data"}],"instance_mounts":null,"#,
+        &format!(r#""gpu_devices":null,"host_ssh_user":"ubuntu","host_ssh_keys":["{KEY}"],"#),
+        &format!(r#""container_ssh_keys":[]}},"termination_reason":"{reason}","#),
+        &format!(r#""termination_message":"","cleaned_up":{cleaned_up}}}"#),
+    ];
+    parts.concat()
 }
 
 /// A running container as the upstream shim creates it ([`upstream_spec`]), its NVIDIA GPUs
@@ -158,10 +138,8 @@ async fn upstream_tasks_hold_and_release_exactly_their_gpus_keys_and_volumes() {
     upstream_container(&w, "c1", "up-c-0-0-87654321", elsewhere.path(), &all[3..]);
 
     let engine = w.engine().await;
-    let a = engine.task_info(&tid("a1")).unwrap();
-    assert_eq!(a.gpu_ids, Some(all[..2].to_vec()));
-    let b = engine.task_info(&tid("b1")).unwrap();
-    assert_eq!(b.gpu_ids, Some(all[2..3].to_vec()));
+    assert_eq!(info(&engine, "a1").gpu_ids, Some(all[..2].to_vec()));
+    assert_eq!(info(&engine, "b1").gpu_ids, Some(all[2..3].to_vec()));
     assert!(engine.task_info(&tid("c1")).is_err(), "another home's task");
     assert_eq!(engine.gpu_lock().locked(), all[..3].to_vec());
     // Only one GPU is free: a task asking for two fails to start.
@@ -170,23 +148,12 @@ async fn upstream_tasks_hold_and_release_exactly_their_gpus_keys_and_volumes() {
 
     // Terminating a1 releases exactly its GPUs, its volume and its key.
     terminate_by_user(&engine, "a1").await;
-    poll_until(500, TICK, async || {
-        engine.reconcile_now().await;
-        engine.gpu_lock().locked() == all[2..3]
-    })
-    .await;
+    reconcile_until(&engine, || engine.gpu_lock().locked() == all[2..3]).await;
     assert_eq!(engine.gpu_lock().locked(), all[2..3].to_vec());
-    let volume_calls = w.volumes.calls();
-    assert!(
-        volume_calls.contains(&FakeCall::Release("/fake/volumes/vol1".into())),
-        "{volume_calls:?}"
-    );
-    assert!(
-        w.keys.calls().iter().any(|c| matches!(c,
-            FakeCall::RemoveKeys(t, u) if t.as_str() == "a1" && u == "ubuntu")),
-        "{:?}",
-        w.keys.calls()
-    );
+    let release = FakeCall::Release("/fake/volumes/vol1".into());
+    assert_called(&w.volumes.calls(), &release);
+    let remove_keys = FakeCall::RemoveKeys(tid("a1"), "ubuntu".into());
+    assert_called(&w.keys.calls(), &remove_keys);
     terminate_by_user(&engine, "b1").await;
     wait_released(&engine, "b1").await;
 }
@@ -199,24 +166,21 @@ async fn upstream_tasks_hold_and_release_exactly_their_gpus_keys_and_volumes() {
 /// 4.3 (`exited-while-down`).
 #[tokio::test(start_paused = true)]
 async fn a_container_settling_at_start_up_is_listed_again_within_seconds() {
-    let mut w = World::new(0);
-    let engine = w.engine().await;
-    let info = run(&engine, config("t1")).await;
+    let (mut w, engine) = World::with_engine(0).await;
+    let running = run(&engine, config("t1")).await;
     shut_down(engine).await;
     let stopped = ContainerState::Other("stopped".to_owned());
-    assert!(w.runtime.set_state(&info.container_id, stopped));
+    assert!(w.runtime.set_state(&running.container_id, stopped));
     let engine = w.fresh_process().await;
-    let before = engine.task_info(&tid("t1")).unwrap();
+    let before = info(&engine, "t1");
     assert_eq!(before.status, TaskStatus::Running, "no exit code yet");
     // The lists fail for a while (the event stream stays up): the next ones look again.
     w.runtime.set_unreachable(true);
     tokio::time::sleep(Duration::from_secs(3)).await;
-    assert!(w.runtime.exit_without_event(&info.container_id, 7));
+    assert!(w.runtime.exit_without_event(&running.container_id, 7));
     w.runtime.set_unreachable(false);
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let after = engine.task_info(&tid("t1")).unwrap();
-    assert_eq!(after.status, TaskStatus::Terminated);
-    assert_reason(&after, "container_exited_with_error");
+    assert_reason(&info(&engine, "t1"), "container_exited_with_error");
     // Once nothing settles, lists go back to the backstop.
     let lists = w.runtime.count("list");
     tokio::time::sleep(Duration::from_secs(10)).await;
