@@ -55,18 +55,12 @@ async fn task_metrics(exporter: &DcgmExporter, gpus: &[&str]) -> Result<String, 
 /// A fake `dcgm-exporter`: answers `-v` like the real one; otherwise records its arguments and
 /// a copy of its collectors file (`-f`), then sleeps until killed.
 fn fake_exporter(dir: &Path) -> PathBuf {
-    let d = dir.display();
-    script(
-        dir,
-        "dcgm-exporter",
-        &format!(
-            r#"if [ "$1" = "-v" ]; then echo "DCGM Exporter version 4.1.1-4.0.4"; exit 0; fi
-printf '%s\n' "$@" >> {d}/args
-cp "$2" {d}/counters.tmp && mv {d}/counters.tmp {d}/counters.csv
+    let body = r#"if [ "$1" = "-v" ]; then echo "DCGM Exporter version 4.1.1-4.0.4"; exit 0; fi
+printf '%s\n' "$@" >> $D/args
+cp "$2" $D/counters.tmp && mv $D/counters.tmp $D/counters.csv
 echo "listening on $4" >&2
-exec sleep 600"#
-        ),
-    )
+exec sleep 600"#;
+    script(dir, "dcgm-exporter", body)
 }
 
 // upstream: runner/internal/shim/dcgm/exporter.go (Start: `-f <counters.csv> -a
@@ -97,10 +91,8 @@ async fn serves_each_tasks_gpus_from_a_supervised_exporter() {
     assert_eq!(lines(&args_file), args);
     let name = counters.file_name().unwrap().to_str().unwrap();
     assert!(name.starts_with("counters-"), "{name}");
-    assert_eq!(
-        fs_err::read_to_string(dir.path().join("counters.csv")).unwrap(),
-        counters_csv(COUNTERS)
-    );
+    let collectors = fs_err::read_to_string(dir.path().join("counters.csv")).unwrap();
+    assert_eq!(collectors, counters_csv(COUNTERS));
     let pid = exporter.pid().expect("running");
     assert!(alive(pid));
 
@@ -178,10 +170,8 @@ async fn exporter_failures_are_upstream_errors() {
     let server = FakeExporter::start(Reply::Answer(500, "oops".into())).await;
     let exporter = spawn(&program, server.port);
     let err = task_metrics(&exporter, &[GPU1]).await.unwrap_err();
-    assert!(
-        matches!(err, DcgmError::Status { status: 500, .. }),
-        "{err}"
-    );
+    let status = matches!(err, DcgmError::Status { status: 500, .. });
+    assert!(status, "{err}");
     assert_eq!(err.kind(), DcgmErrorKind::Upstream);
     assert!(err.to_string().contains("status is not OK: 500"), "{err}");
     // Failures are not cached: the next call asks again.
@@ -213,12 +203,8 @@ async fn exporter_failures_are_upstream_errors() {
 #[tokio::test]
 async fn an_exporter_that_exits_is_restarted_with_backoff() {
     let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display();
-    let program = script(
-        dir.path(),
-        "dcgm-exporter",
-        &format!("date +%s.%N >> {d}/starts\necho 'Failed to initialize NVML' >&2\nexit 1"),
-    );
+    let body = "date +%s.%N >> $D/starts\necho 'Failed to initialize NVML' >&2\nexit 1";
+    let program = script(dir.path(), "dcgm-exporter", body);
     let exporter = spawn(&program, closed_port().await);
     let starts = dir.path().join("starts");
     wait_until("four starts", WAIT, || lines(&starts).len() >= 4).await;
@@ -237,13 +223,9 @@ async fn an_exporter_that_exits_is_restarted_with_backoff() {
 #[tokio::test]
 async fn shutdown_sends_sigterm_then_sigkill() {
     let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display();
     // Ignores SIGTERM (records it) and keeps running.
-    let stubborn = script(
-        dir.path(),
-        "stubborn",
-        &format!("trap 'echo TERM >> {d}/signals' TERM\nwhile true; do sleep 0.05; done"),
-    );
+    let body = "trap 'echo TERM >> $D/signals' TERM\nwhile true; do sleep 0.05; done";
+    let stubborn = script(dir.path(), "stubborn", body);
     let mut cfg = config(closed_port().await, &stubborn);
     cfg.stop_grace = Duration::from_millis(300);
     let exporter = DcgmExporter::spawn(&stubborn, &cfg).unwrap();
@@ -283,14 +265,9 @@ async fn dropping_the_exporter_kills_it() {
 #[tokio::test]
 async fn a_missing_or_broken_exporter_is_not_used() {
     let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display();
-    let broken = script(
-        dir.path(),
-        "dcgm-exporter",
-        &format!(
-            "echo ran >> {d}/ran\necho 'libdcgm.so.4: cannot open shared object file' >&2\nexit 1"
-        ),
-    );
+    let body = "echo ran >> $D/ran\n\
+        echo 'libdcgm.so.4: cannot open shared object file' >&2\nexit 1";
+    let broken = script(dir.path(), "dcgm-exporter", body);
     let missing = dir.path().join("nowhere/dcgm-exporter");
     for program in [&broken, &missing] {
         let exporter = DcgmExporter::start(&config(closed_port().await, program)).await;

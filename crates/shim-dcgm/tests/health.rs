@@ -18,27 +18,32 @@ use shim_util::SystemCommandRunner;
 /// dcgmi's connection error if `down` exists.
 fn fake_dcgmi(dir: &Path, report: &str) -> PathBuf {
     fs_err::write(dir.join("report.json"), testdata(report)).unwrap();
-    let d = dir.display();
-    script(
-        dir,
-        "dcgmi",
-        &format!(
-            r#"echo "$*" >> {d}/calls
-if [ -f {d}/down ]; then
+    let body = r#"echo "$*" >> $D/calls
+if [ -f $D/down ]; then
   echo "Error: unable to establish a connection to the specified host: localhost"
   echo "Error: Unable to connect to host engine. Host engine connection invalid/disconnected."
   exit 255
 fi
 case "$*" in
-  *" -s a") touch {d}/enabled; echo "Health monitor systems set successfully.";;
+  *" -s a") touch $D/enabled; echo "Health monitor systems set successfully.";;
   *" -c -j")
-    if [ ! -f {d}/enabled ]; then echo "Error: Health watches not enabled. Please enable watches. "; exit 1; fi
-    cat {d}/report.json;;
+    if [ ! -f $D/enabled ]; then echo "Error: Health watches not enabled. Please enable watches. "; exit 1; fi
+    cat $D/report.json;;
   *) echo "unexpected arguments: $*" >&2; exit 2;;
-esac"#
-        ),
-    )
+esac"#;
+    script(dir, "dcgmi", body)
 }
+
+/// The calls `fake_dcgmi` logged in `dir`, one `;` after each.
+fn calls(dir: &Path) -> String {
+    lines(&dir.join("calls"))
+        .iter()
+        .map(|l| format!("{l}; "))
+        .collect()
+}
+
+/// How long a test waits for a program to run.
+const WAIT: Duration = Duration::from_secs(10);
 
 fn health(dcgmi: PathBuf, host: Option<&str>) -> DcgmHealth {
     DcgmHealth::with_runner(
@@ -63,15 +68,8 @@ async fn a_healthy_host_through_dcgmi() {
         serde_json::to_string(&h.instance_health().await).unwrap(),
         r#"{"dcgm":{"overall_health":0,"incidents":[]}}"#
     );
-    assert_eq!(
-        lines(&dir.path().join("calls")),
-        [
-            "health -s a",
-            "health -c -j",
-            "health -c -j",
-            "health -c -j"
-        ]
-    );
+    let expected = "health -s a; health -c -j; health -c -j; health -c -j; ";
+    assert_eq!(calls(dir.path()), expected);
 }
 
 // upstream: runner/internal/shim/dcgm/wrapper_cgo_test.go (injected DBE + PCIe replays:
@@ -84,25 +82,15 @@ async fn incidents_through_dcgmi() {
     assert_eq!(json["dcgm"]["overall_health"], HEALTH_FAIL);
     let incidents = json["dcgm"]["incidents"].as_array().unwrap();
     assert_eq!(incidents.len(), 3);
-    assert_eq!(incidents[0]["system"], 0x1);
-    assert_eq!(incidents[0]["health"], 10);
-    assert!(
-        incidents[0]["error_message"]
-            .as_str()
-            .unwrap()
-            .contains("PCIe replay")
-    );
-    assert_eq!(incidents[1]["system"], 0x10);
-    assert_eq!(incidents[1]["health"], 20);
-    assert!(
-        incidents[1]["error_message"]
-            .as_str()
-            .unwrap()
-            .contains("volatile double-bit ECC error")
-    );
-    for i in &incidents[..2] {
-        assert_eq!(i["entity_group_id"], 1);
-        assert_eq!(i["entity_id"], 0);
+    // (system, health, entity group, entity) and a part of the message.
+    for (i, want, message) in [
+        (0, [0x1, 10, 1, 0], "PCIe replay"),
+        (1, [0x10, 20, 1, 0], "volatile double-bit ECC error"),
+    ] {
+        let got = ["system", "health", "entity_group_id", "entity_id"].map(|k| &incidents[i][k]);
+        assert_eq!(got, want, "incident {i}");
+        let text = incidents[i]["error_message"].as_str().unwrap();
+        assert!(text.contains(message), "incident {i}: {text}");
     }
     assert_eq!(incidents[2]["entity_id"], 1);
 }
@@ -115,17 +103,9 @@ async fn watches_lost_with_the_host_engine_are_enabled_again() {
     // The host engine restarted: its watches are gone.
     fs_err::remove_file(dir.path().join("enabled")).unwrap();
     assert_eq!(h.check().await.unwrap().overall_health, HEALTH_PASS);
-    assert_eq!(
-        lines(&dir.path().join("calls")),
-        [
-            "health -s a",
-            "health -c -j",
-            "health -c -j",
-            "health -s a",
-            "health -c -j",
-            "health -c -j"
-        ]
-    );
+    let expected =
+        "health -s a; health -c -j; health -c -j; health -s a; health -c -j; health -c -j; ";
+    assert_eq!(calls(dir.path()), expected);
 }
 
 // upstream: runner/internal/shim/api/handlers.go (InstanceHealthHandler: a GetHealth error is
@@ -177,12 +157,8 @@ async fn nothing_runs_off_nvidia_or_without_programs() {
 
     // Present programs on a host that is not NVIDIA: still nothing, nothing run.
     config.dcgmi_path = Some(fake_dcgmi(dir.path(), "dcgmi-health-healthy.json"));
-    let d = dir.path().display();
-    config.exporter_path = Some(script(
-        dir.path(),
-        "dcgm-exporter",
-        &format!("echo ran >> {d}/exporter-ran; exec sleep 600"),
-    ));
+    let body = "echo ran >> $D/exporter-ran; exec sleep 600";
+    config.exporter_path = Some(script(dir.path(), "dcgm-exporter", body));
     let dcgm = Dcgm::start(&config, false).await;
     assert!(dcgm.exporter.is_none() && dcgm.health.is_none());
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -195,12 +171,8 @@ async fn nothing_runs_off_nvidia_or_without_programs() {
 #[tokio::test]
 async fn a_private_host_engine_unless_an_address_is_given() {
     let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display();
-    let hostengine = script(
-        dir.path(),
-        "nv-hostengine",
-        &format!("printf '%s\\n' \"$@\" >> {d}/hostengine-args\nexec sleep 600"),
-    );
+    let body = "printf '%s\\n' \"$@\" >> $D/hostengine-args\nexec sleep 600";
+    let hostengine = script(dir.path(), "nv-hostengine", body);
     let logs = tempfile::tempdir().unwrap();
     let config = DcgmConfig {
         dcgmi_path: Some(fake_dcgmi(dir.path(), "dcgmi-health-healthy.json")),
@@ -212,44 +184,21 @@ async fn a_private_host_engine_unless_an_address_is_given() {
     assert!(dcgm.exporter.is_none());
     let health = dcgm.health.as_ref().expect("dcgmi is there");
     let host = health.host().expect("the private host engine").to_owned();
-    let socket = host
-        .strip_prefix("unix://")
-        .expect("a unix socket")
-        .to_owned();
+    let socket = host.strip_prefix("unix://").expect("a unix socket");
     assert!(socket.ends_with("/nv-hostengine.sock"), "{socket}");
 
     let args_file = dir.path().join("hostengine-args");
-    wait_until("nv-hostengine's arguments", Duration::from_secs(10), || {
-        lines(&args_file).len() == 7
-    })
-    .await;
-    let args = lines(&args_file);
+    let all_args = || lines(&args_file).len() == 7;
+    wait_until("nv-hostengine's arguments", WAIT, all_args).await;
     let socket_dir = Path::new(&socket).parent().unwrap();
-    assert_eq!(
-        args,
-        [
-            "-n",
-            "-d",
-            socket.as_str(),
-            "--pid",
-            socket_dir.join("nv-hostengine.pid").to_str().unwrap(),
-            "-f",
-            logs.path().join("nv-hostengine.log").to_str().unwrap(),
-        ]
-    );
+    let (run, log) = (socket_dir.display(), logs.path().display());
+    let args = format!("-n -d {socket} --pid {run}/nv-hostengine.pid -f {log}/nv-hostengine.log");
+    assert_eq!(lines(&args_file), args.split(' ').collect::<Vec<_>>());
     // The watches are enabled at start-up, through that host engine.
     let calls = dir.path().join("calls");
-    wait_until("enabling at start-up", Duration::from_secs(10), || {
-        lines(&calls).len() >= 2
-    })
-    .await;
-    assert_eq!(
-        lines(&calls)[..2],
-        [
-            format!("health --host {host} -s a"),
-            format!("health --host {host} -c -j")
-        ]
-    );
+    wait_until("enabling at start-up", WAIT, || lines(&calls).len() >= 2).await;
+    let enabling = format!("health --host {host} -s a;health --host {host} -c -j");
+    assert_eq!(lines(&calls)[..2], enabling.split(';').collect::<Vec<_>>());
     assert_eq!(health.check().await.unwrap().overall_health, HEALTH_PASS);
 
     let pid = health.hostengine_pid().expect("nv-hostengine runs");

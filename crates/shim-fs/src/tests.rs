@@ -30,6 +30,12 @@ fn read(dir: &Dir, name: &str) -> Vec<u8> {
     dir.read_file(name, 1 << 20).unwrap().unwrap().0
 }
 
+/// Writes `data` as `name` atomically, mode 0600, no faults.
+fn put(dir: &Dir, name: &str, data: &[u8]) {
+    let opts = WriteOptions::new(0o600);
+    dir.write_atomic(name, data, &opts).unwrap();
+}
+
 fn armed(step: Step, kind: FaultKind) -> (Arc<Faults>, WriteOptions) {
     let f = Arc::new(Faults::new());
     f.arm(step, kind);
@@ -43,30 +49,21 @@ fn failure_at_each_step_keeps_the_old_content_and_cleans_up() {
         let dir = Dir::open(tmp.path()).unwrap();
         let old = b"old content\n".to_vec();
         let new = vec![b'n'; 10_000];
-        dir.write_atomic("state", &old, &WriteOptions::new(0o600))
-            .unwrap();
+        put(&dir, "state", &old);
 
         let (faults, opts) = armed(step, FaultKind::Fail);
         let err = dir.write_atomic("state", &new, &opts).unwrap_err();
         let inj = injected(&err).unwrap_or_else(|| panic!("{step:?}: {err:?}"));
         assert_eq!((inj.step, err.step()), (step, Some(step)), "{err}");
-        assert_eq!(
-            faults.fired(),
-            Some((step, FaultKind::Fail)),
-            "{step:?} not reached"
-        );
-
-        if step == Step::SyncDir {
-            // The rename happened: the new content is in place (not yet known durable).
-            assert_eq!(read(&dir, "state"), new, "{step:?}");
-        } else {
-            assert_eq!(read(&dir, "state"), old, "{step:?}");
-        }
+        let fired = faults.fired();
+        assert_eq!(fired, Some((step, FaultKind::Fail)), "{step:?} not reached");
+        // At `SyncDir` the rename happened: the new content is in place (not yet known durable).
+        let expected = if step == Step::SyncDir { &new } else { &old };
+        assert_eq!(&read(&dir, "state"), expected, "{step:?}");
         // No temp file is left behind after a reported failure.
         assert_eq!(names(&dir), ["state"], "{step:?}");
         // And the next write goes through.
-        dir.write_atomic("state", &new, &WriteOptions::new(0o600))
-            .unwrap();
+        put(&dir, "state", &new);
         assert_eq!(read(&dir, "state"), new);
     }
 }
@@ -84,19 +81,14 @@ fn a_full_file_system_fails_every_write_with_enospc_until_freed() {
         assert_eq!(err.step(), Some(Step::Write), "{err}");
         let source =
             std::error::Error::source(&err).and_then(|e| e.downcast_ref::<std::io::Error>());
-        assert_eq!(
-            source.and_then(std::io::Error::raw_os_error),
-            Some(28),
-            "ENOSPC: {err:?}"
-        );
+        let errno = source.and_then(std::io::Error::raw_os_error);
+        assert_eq!(errno, Some(28), "ENOSPC: {err:?}");
         assert!(
             injected(&err).is_none(),
             "a real error, not an injected one"
         );
-        assert_eq!(
-            (read(&dir, "state"), names(&dir)),
-            (b"old\n".to_vec(), vec!["state".to_owned()])
-        );
+        assert_eq!(read(&dir, "state"), b"old\n");
+        assert_eq!(names(&dir), ["state"]);
     }
     assert_eq!(faults.fired(), None, "the armed fault is apart");
     faults.set_full(false);
@@ -111,8 +103,7 @@ fn crash_at_each_step_leaves_old_or_new_and_a_recognisable_temp() {
         let dir = Dir::open(tmp.path()).unwrap();
         let old = vec![b'o'; 5000];
         let new = vec![b'n'; 8000];
-        dir.write_atomic("state", &old, &WriteOptions::new(0o600))
-            .unwrap();
+        put(&dir, "state", &old);
         let (faults, opts) = armed(step, FaultKind::Crash);
         dir.write_atomic("state", &new, &opts).unwrap_err();
         assert_eq!(faults.fired(), Some((step, FaultKind::Crash)), "{step:?}");
@@ -153,9 +144,9 @@ fn writer_callback_failure_removes_the_temp_and_returns_its_error() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let dir = Dir::open(tmp.path()).unwrap();
-    dir.write_atomic("bin", b"v1", &WriteOptions::new(0o755))
-        .unwrap();
-    let r: Result<(), MyError> = dir.write_atomic_with("bin", &WriteOptions::new(0o755), |f| {
+    let opts = WriteOptions::new(0o755);
+    dir.write_atomic("bin", b"v1", &opts).unwrap();
+    let r: Result<(), MyError> = dir.write_atomic_with("bin", &opts, |f| {
         f.write_all(b"partial download")?;
         assert_eq!(f.written(), 16);
         Err(MyError::Mine("connection reset"))
@@ -164,19 +155,15 @@ fn writer_callback_failure_removes_the_temp_and_returns_its_error() {
     assert_eq!(read(&dir, "bin"), b"v1");
     assert_eq!(names(&dir), ["bin"]);
     // A fault inside the callback's steps comes back as the callback's error type.
-    let (_, opts) = armed(Step::SyncFile, FaultKind::Fail);
-    let r: Result<(), MyError> = dir.write_atomic_with("bin", &opts, |f| Ok(f.write_all(b"v2")?));
+    let (_, failing) = armed(Step::SyncFile, FaultKind::Fail);
+    let r: Result<(), MyError> =
+        dir.write_atomic_with("bin", &failing, |f| Ok(f.write_all(b"v2")?));
     assert!(
         matches!(r, Err(MyError::Fs(ref e)) if e.step() == Some(Step::SyncFile)),
         "{r:?}"
     );
     assert_eq!(names(&dir), ["bin"]);
-    let r: Result<(), MyError> =
-        dir.write_atomic_with(
-            "bin",
-            &WriteOptions::new(0o755),
-            |f| Ok(f.write_all(b"v2")?),
-        );
+    let r: Result<(), MyError> = dir.write_atomic_with("bin", &opts, |f| Ok(f.write_all(b"v2")?));
     r.unwrap();
     assert_eq!(read(&dir, "bin"), b"v2");
 }
@@ -202,14 +189,16 @@ fn names_must_be_one_component() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = Dir::open(tmp.path()).unwrap();
     for bad in ["", ".", "..", "a/b", "../x", "a\0b"] {
-        let e = dir
-            .write_atomic(bad, b"x", &WriteOptions::default())
-            .unwrap_err();
-        assert!(matches!(e, FsError::InvalidName { .. }), "{bad:?}: {e}");
-        assert!(matches!(
-            dir.read_file(bad, 10),
-            Err(FsError::InvalidName { .. })
-        ));
+        let e = dir.write_atomic(bad, b"x", &WriteOptions::default());
+        assert!(
+            matches!(e, Err(FsError::InvalidName { .. })),
+            "{bad:?}: {e:?}"
+        );
+        let e = dir.read_file(bad, 10);
+        assert!(
+            matches!(e, Err(FsError::InvalidName { .. })),
+            "{bad:?}: {e:?}"
+        );
     }
     assert!(names(&dir).is_empty());
 }

@@ -20,6 +20,14 @@ fn names(p: &Path) -> Vec<String> {
     v
 }
 
+/// What a refused object is (`WrongType`'s `found`); fails on any other result.
+fn found<T: std::fmt::Debug>(r: Result<T, FsError>) -> &'static str {
+    match r {
+        Err(FsError::WrongType { found, .. }) => found,
+        other => panic!("not refused for its type: {other:?}"),
+    }
+}
+
 #[test]
 fn a_link_where_a_directory_is_expected_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
@@ -28,57 +36,31 @@ fn a_link_where_a_directory_is_expected_is_refused() {
     symlink(&real, tmp.path().join("link")).unwrap();
     fs_err::write(tmp.path().join("file"), "x").unwrap();
 
-    let e = Dir::open_nofollow(tmp.path().join("link")).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            FsError::WrongType {
-                found: "a symbolic link",
-                step: Step::OpenDir,
-                ..
-            }
-        ),
-        "{e}"
-    );
-    let e = Dir::open_nofollow(tmp.path().join("file")).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            FsError::WrongType {
-                found: "a regular file",
-                ..
-            }
-        ),
-        "{e}"
-    );
-    // The trusted form follows it.
+    let link = Dir::open_nofollow(tmp.path().join("link"));
+    let step = link.as_ref().err().and_then(FsError::step);
     assert_eq!(
-        Dir::open(tmp.path().join("link"))
-            .unwrap()
-            .info()
-            .unwrap()
-            .kind,
-        FileKind::Directory
+        (step, found(link)),
+        (Some(Step::OpenDir), "a symbolic link")
     );
+    let file = Dir::open_nofollow(tmp.path().join("file"));
+    assert_eq!(found(file), "a regular file");
+    // The trusted form follows it.
+    let followed = Dir::open(tmp.path().join("link")).unwrap();
+    assert_eq!(followed.info().unwrap().kind, FileKind::Directory);
 
     let top = Dir::open_nofollow(tmp.path()).unwrap();
-    assert!(matches!(
-        top.open_dir("link"),
-        Err(FsError::WrongType { .. })
-    ));
+    assert_eq!(found(top.open_dir("link")), "a symbolic link");
     assert!(top.open_dir("missing").unwrap().is_none());
     // create_dir on a link neither follows it nor replaces it.
-    let e = top.create_dir("link", 0o700, None).unwrap_err();
-    assert!(matches!(e, FsError::WrongType { .. }), "{e}");
-    let e = top.create_dir_unsynced("link", 0o700, None).unwrap_err();
-    assert!(matches!(e, FsError::WrongType { .. }), "{e}");
-    assert!(names(&real).is_empty());
-    assert!(
-        fs_err::symlink_metadata(tmp.path().join("link"))
-            .unwrap()
-            .file_type()
-            .is_symlink()
+    assert_eq!(
+        found(top.create_dir("link", 0o700, None)),
+        "a symbolic link"
     );
+    let unsynced = top.create_dir_unsynced("link", 0o700, None);
+    assert_eq!(found(unsynced), "a symbolic link");
+    assert!(names(&real).is_empty());
+    let link = fs_err::symlink_metadata(tmp.path().join("link")).unwrap();
+    assert!(link.file_type().is_symlink());
 }
 
 #[test]
@@ -95,22 +77,18 @@ fn a_directory_swapped_for_a_link_after_open_redirects_nothing() {
     symlink(&elsewhere, &ssh).unwrap();
 
     assert_eq!(d.read_file("keys", 100).unwrap().unwrap().0, b"mine\n");
-    d.write_atomic(
-        "keys",
-        b"new\n",
-        &WriteOptions::new(0o600).preserve_existing(),
-    )
-    .unwrap();
-    d.write_atomic("keys.bak", b"mine\n", &WriteOptions::new(0o600))
-        .unwrap();
+    let (opts, preserve) = (
+        WriteOptions::new(0o600),
+        WriteOptions::new(0o600).preserve_existing(),
+    );
+    d.write_atomic("keys", b"new\n", &preserve).unwrap();
+    d.write_atomic("keys.bak", b"mine\n", &opts).unwrap();
     assert!(
         names(&elsewhere).is_empty(),
         "nothing written through the link"
     );
-    assert_eq!(
-        fs_err::read_to_string(tmp.path().join("moved/keys")).unwrap(),
-        "new\n"
-    );
+    let moved = fs_err::read_to_string(tmp.path().join("moved/keys")).unwrap();
+    assert_eq!(moved, "new\n");
     assert_eq!(names(&tmp.path().join("moved")), ["keys", "keys.bak"]);
 }
 
@@ -124,25 +102,11 @@ fn a_link_at_the_target_is_replaced_not_followed() {
     symlink(&victim, dir.join("target")).unwrap();
     let d = Dir::open(&dir).unwrap();
     // Reading through it is refused.
-    let e = d.read_file("target", 100).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            FsError::WrongType {
-                found: "a symbolic link",
-                ..
-            }
-        ),
-        "{e}"
-    );
+    assert_eq!(found(d.read_file("target", 100)), "a symbolic link");
     // Preserve takes nothing from a link (its target's mode is not ours to copy).
     fs_err::set_permissions(&victim, std::fs::Permissions::from_mode(0o666)).unwrap();
-    d.write_atomic(
-        "target",
-        b"new\n",
-        &WriteOptions::new(0o600).preserve_existing(),
-    )
-    .unwrap();
+    let preserve = WriteOptions::new(0o600).preserve_existing();
+    d.write_atomic("target", b"new\n", &preserve).unwrap();
     assert_eq!(fs_err::read_to_string(&victim).unwrap(), "keep me\n");
     let meta = fs_err::symlink_metadata(dir.join("target")).unwrap();
     assert!(meta.is_file());
@@ -167,32 +131,17 @@ fn bounded_reads_refuse_what_is_not_a_small_regular_file() {
     ));
     assert!(d.read_file("missing", 10).unwrap().is_none());
     fs_err::create_dir(tmp.path().join("dir")).unwrap();
-    assert!(matches!(
-        d.read_file("dir", 10),
-        Err(FsError::WrongType {
-            found: "a directory",
-            ..
-        })
-    ));
+    assert_eq!(found(d.read_file("dir", 10)), "a directory");
     // A FIFO: refused at once, never waited on.
     nix::unistd::mkfifo(&tmp.path().join("fifo"), nix::sys::stat::Mode::S_IRWXU).unwrap();
     let start = Instant::now();
-    assert!(matches!(
-        d.read_file("fifo", 10),
-        Err(FsError::WrongType {
-            found: "a named pipe",
-            ..
-        })
-    ));
+    assert_eq!(found(d.read_file("fifo", 10)), "a named pipe");
     assert!(start.elapsed() < Duration::from_secs(2));
     // The path form.
-    assert_eq!(
-        shim_fs::read_file(tmp.path().join("ten"), 100)
-            .unwrap()
-            .unwrap()
-            .0,
-        b"0123456789"
-    );
+    let (ten, _) = shim_fs::read_file(tmp.path().join("ten"), 100)
+        .unwrap()
+        .unwrap();
+    assert_eq!(ten, b"0123456789");
     // A missing directory is an error naming it.
     let e = Dir::open(tmp.path().join("nope")).unwrap_err();
     assert!(e.is_not_found(), "{e}");
@@ -203,9 +152,8 @@ fn bounded_reads_refuse_what_is_not_a_small_regular_file() {
 #[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn owners_are_set_and_preserved_as_root() {
     require_root();
-    assert_eq!(
-        nix::unistd::geteuid().as_raw(),
-        0,
+    assert!(
+        nix::unistd::geteuid().is_root(),
         "SHIM_TEST_ROOT=1 needs root"
     );
     let tmp = tempfile::tempdir().unwrap();
@@ -218,8 +166,8 @@ fn owners_are_set_and_preserved_as_root() {
     let (sub, created) = d.create_dir(".ssh", 0o700, Some(carol)).unwrap();
     assert!(created);
     assert_eq!(owner(&tmp.path().join(".ssh")), (54321, 54322, 0o700));
-    sub.write_atomic("keys", b"k\n", &WriteOptions::new(0o600).owner(carol))
-        .unwrap();
+    let opts = WriteOptions::new(0o600).owner(carol);
+    sub.write_atomic("keys", b"k\n", &opts).unwrap();
     let keys = tmp.path().join(".ssh/keys");
     assert_eq!(owner(&keys), (54321, 54322, 0o600));
     // Preserve keeps the existing owner and mode even when another owner is given.
@@ -230,15 +178,11 @@ fn owners_are_set_and_preserved_as_root() {
     )
     .unwrap();
     fs_err::set_permissions(&keys, std::fs::Permissions::from_mode(0o640)).unwrap();
-    sub.write_atomic(
-        "keys",
-        b"k2\n",
-        &WriteOptions::new(0o600).owner(carol).preserve_existing(),
-    )
-    .unwrap();
+    sub.write_atomic("keys", b"k2\n", &opts.preserve_existing())
+        .unwrap();
     assert_eq!(owner(&keys), (4242, 4343, 0o640));
     // A set-id bit survives the chown that precedes the chmod.
-    d.write_atomic("tool", b"#!", &WriteOptions::new(0o4755).owner(carol))
-        .unwrap();
+    let setuid = WriteOptions::new(0o4755).owner(carol);
+    d.write_atomic("tool", b"#!", &setuid).unwrap();
     assert_eq!(owner(&tmp.path().join("tool")), (54321, 54322, 0o4755));
 }

@@ -80,20 +80,15 @@ fn killed_writer_leaves_a_whole_version() {
 
         let names = d.names().unwrap();
         let temps = names.iter().filter(|n| is_temp_of("state", n)).count();
-        if temps > 0 {
-            interrupted += 1;
-        }
+        interrupted += usize::from(temps > 0);
         let (content, info) = d.read_file("state", 1 << 20).unwrap().unwrap();
         let n = version_of(&content);
         assert!(n >= 1, "round {round}: the child wrote");
         assert_eq!(content, variant(n), "round {round}: a whole version");
         assert_eq!(info.mode, 0o600, "round {round}");
         // This process is not the one that left them: they are stale, and removed.
-        assert_eq!(
-            d.remove_stale_temps("state").unwrap(),
-            temps,
-            "round {round}"
-        );
+        let removed = d.remove_stale_temps("state").unwrap();
+        assert_eq!(removed, temps, "round {round}");
         let mut names: Vec<_> = d.names().unwrap();
         names.sort();
         assert_eq!(names, ["state"], "round {round}: temp files removed");

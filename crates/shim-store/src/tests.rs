@@ -40,61 +40,73 @@ fn is_temp(name: &str) -> bool {
     shim_fs::is_temp_of("task.json", name)
 }
 
+/// A store in a fresh home holding task `old`: its directory and its first record.
+fn store_with(old: &TaskRecord) -> (tempfile::TempDir, Store, crate::TaskPaths) {
+    let home = tempfile::tempdir().unwrap();
+    let store = Store::open(home.path()).unwrap();
+    let paths = store.create_task_dir(&old.container_name).unwrap();
+    store.write(old).unwrap();
+    (home, store, paths)
+}
+
+/// A write that failed at `step`: the fault armed there fired, and its error is the one injected.
+fn assert_injected(store: &Store, step: Step, err: &crate::StoreError) {
+    assert!(format!("{err:?}").contains("Injected"), "{step:?}: {err:?}");
+    let fired = store.faults.fired();
+    assert_eq!(fired, Some((step, FaultKind::Fail)), "{step:?} not reached");
+}
+
+/// A create of `r` works: its record, and nothing else but `runner`, in its directory.
+fn assert_create_works(store: &Store, r: &TaskRecord) {
+    let paths = store.create(r).unwrap();
+    assert_eq!(store.read(&r.container_name).unwrap().as_ref(), Some(r));
+    assert_eq!(files_in(&paths.dir), ["runner", "task.json"]);
+}
+
+/// `new` is written, and read back.
+fn assert_next_write_goes_through(store: &Store, new: &TaskRecord) {
+    store.write(new).unwrap();
+    assert_eq!(store.read(&new.container_name).unwrap().as_ref(), Some(new));
+}
+
 #[test]
 fn failure_at_each_step_keeps_the_old_record_and_cleans_up() {
+    let old = record("t1", TaskStatus::Pending);
+    let new = TaskRecord {
+        status: TaskStatus::Terminated,
+        termination_reason: Some(TerminationReason::TerminatedByUser),
+        termination_message: "x".repeat(10_000),
+        ..old.clone()
+    };
     for step in STEPS {
-        let home = tempfile::tempdir().unwrap();
-        let store = Store::open(home.path()).unwrap();
-        let old = record("t1", TaskStatus::Pending);
-        let paths = store.create_task_dir(&old.container_name).unwrap();
-        store.write(&old).unwrap();
-
-        let mut new = old.clone();
-        new.status = TaskStatus::Terminated;
-        new.termination_reason = Some(TerminationReason::TerminatedByUser);
-        new.termination_message = "x".repeat(10_000);
+        let (_home, store, paths) = store_with(&old);
         store.faults.arm(step, FaultKind::Fail);
-        let err = store.write(&new).unwrap_err();
-        assert!(format!("{err:?}").contains("Injected"), "{step:?}: {err:?}");
-        assert_eq!(
-            store.faults.fired(),
-            Some((step, FaultKind::Fail)),
-            "{step:?} not reached"
-        );
-
+        assert_injected(&store, step, &store.write(&new).unwrap_err());
+        // At `SyncDir` the rename happened: the new record is in place (not yet known durable).
+        let expected = if step == Step::SyncDir { &new } else { &old };
         let got = store.read(&old.container_name).unwrap().unwrap();
-        if step == Step::SyncDir {
-            // The rename happened: the new record is in place (not yet known durable).
-            assert_eq!(got, new, "{step:?}");
-        } else {
-            assert_eq!(got, old, "{step:?}");
-        }
+        assert_eq!(&got, expected, "{step:?}");
         // No temp file is left behind after a reported failure.
         assert_eq!(files_in(&paths.dir), ["runner", "task.json"], "{step:?}");
-        // And the next write goes through.
-        store.write(&new).unwrap();
-        assert_eq!(store.read(&old.container_name).unwrap().unwrap(), new);
+        assert_next_write_goes_through(&store, &new);
     }
 }
 
 #[test]
 fn crash_at_each_step_leaves_old_or_new() {
+    let old = record("t1", TaskStatus::Running);
+    let new = TaskRecord {
+        status: TaskStatus::Terminated,
+        termination_reason: Some(TerminationReason::DoneByRunner),
+        container_id: Some("c".repeat(64)),
+        ..old.clone()
+    };
     for step in STEPS {
-        let home = tempfile::tempdir().unwrap();
-        let old = record("t1", TaskStatus::Running);
-        let mut new = old.clone();
-        new.status = TaskStatus::Terminated;
-        new.termination_reason = Some(TerminationReason::DoneByRunner);
-        new.container_id = Some("c".repeat(64));
-        let paths = {
-            let store = Store::open(home.path()).unwrap();
-            let paths = store.create_task_dir(&old.container_name).unwrap();
-            store.write(&old).unwrap();
-            store.faults.arm(step, FaultKind::Crash);
-            store.write(&new).unwrap_err();
-            assert!(store.faults.crashed(), "{step:?} not reached");
-            paths
-        };
+        let (home, store, paths) = store_with(&old);
+        store.faults.arm(step, FaultKind::Crash);
+        store.write(&new).unwrap_err();
+        assert!(store.faults.crashed(), "{step:?} not reached");
+        drop(store);
         let before = files_in(&paths.dir);
         let leaves_temp = matches!(step, Step::Write | Step::SyncFile | Step::Rename);
         assert_eq!(
@@ -107,25 +119,19 @@ fn crash_at_each_step_leaves_old_or_new() {
         // process removes it, see `scan_removes_only_other_processes_temp_files`).
         let store = Store::open(home.path()).unwrap();
         let entries = store.scan().unwrap();
-        assert_eq!(entries.len(), 1, "{step:?}");
-        let ScanEntry::Record { record: got, .. } = &entries[0] else {
-            panic!("{step:?}: {:?}", entries[0]);
+        let [ScanEntry::Record { record: got, .. }] = &entries[..] else {
+            panic!("{step:?}: {entries:?}");
         };
         let expected = if step == Step::SyncDir { &new } else { &old };
         assert_eq!(got, expected, "{step:?}");
-        // The next write goes through.
-        store.write(&new).unwrap();
-        assert_eq!(store.read(&old.container_name).unwrap().unwrap(), new);
+        assert_next_write_goes_through(&store, &new);
     }
 }
 
 #[test]
 fn scan_removes_only_other_processes_temp_files() {
-    let home = tempfile::tempdir().unwrap();
-    let store = Store::open(home.path()).unwrap();
     let r = record("t1", TaskStatus::Pending);
-    let paths = store.create_task_dir(&r.container_name).unwrap();
-    store.write(&r).unwrap();
+    let (_home, store, paths) = store_with(&r);
     store.faults.arm(Step::Rename, FaultKind::Crash);
     store.write(&r).unwrap_err();
     let own: Vec<String> = files_in(&paths.dir)
@@ -157,9 +163,7 @@ fn a_failed_create_leaves_no_state_file() {
         assert_eq!(store.prepare_spares().unwrap(), crate::SPARES);
         let r = record("t1", TaskStatus::Pending);
         store.faults.arm(step, FaultKind::Fail);
-        let err = store.create(&r).unwrap_err();
-        assert!(format!("{err:?}").contains("Injected"), "{step:?}: {err:?}");
-        assert_eq!(store.faults.fired(), Some((step, FaultKind::Fail)));
+        assert_injected(&store, step, &store.create(&r).unwrap_err());
         let dir = home.path().join("runners").join(&r.container_name);
         if step == Step::SyncDir {
             assert_eq!(files_in(&dir), ["runner"], "{step:?}");
@@ -169,9 +173,7 @@ fn a_failed_create_leaves_no_state_file() {
             assert!(!store.remove_skeleton(&r.container_name).unwrap());
         }
         assert!(!dir.exists());
-        let paths = store.create(&r).unwrap();
-        assert_eq!(store.read(&r.container_name).unwrap(), Some(r.clone()));
-        assert_eq!(files_in(&paths.dir), ["runner", "task.json"]);
+        assert_create_works(&store, &r);
         assert!(matches!(
             store.create(&r),
             Err(crate::StoreError::TaskExists { .. })
@@ -189,13 +191,10 @@ fn a_create_over_a_skeleton_reuses_it_and_a_failed_one_leaves_no_state_file() {
         let r = record("t1", TaskStatus::Pending);
         store.create_task_dir(&r.container_name).unwrap();
         store.faults.arm(step, FaultKind::Fail);
-        let err = store.create(&r).unwrap_err();
-        assert!(format!("{err:?}").contains("Injected"), "{step:?}: {err:?}");
+        assert_injected(&store, step, &store.create(&r).unwrap_err());
         let dir = home.path().join("runners").join(&r.container_name);
         assert_eq!(files_in(&dir), ["runner"], "{step:?}");
-        let paths = store.create(&r).unwrap();
-        assert_eq!(store.read(&r.container_name).unwrap(), Some(r.clone()));
-        assert_eq!(files_in(&paths.dir), ["runner", "task.json"]);
+        assert_create_works(&store, &r);
     }
 }
 

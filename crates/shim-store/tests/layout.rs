@@ -5,7 +5,9 @@
 
 mod common;
 
-use common::{names, record};
+use std::collections::BTreeSet;
+
+use common::{create_with_record, json, names, record, temp_store};
 use shim_store::{Origin, ScanEntry, Store};
 use shim_task::{TaskRecord, TaskStatus, TerminationReason};
 
@@ -30,8 +32,7 @@ const UPSTREAM_CONTAINER: &str = "vllm-0-0-cff1b8da";
 
 #[test]
 fn a_state_file_written_by_the_upstream_shim_is_adopted_as_is() {
-    let home = tempfile::tempdir().unwrap();
-    let store = Store::open(home.path()).unwrap();
+    let (_home, store) = temp_store();
     let p = store.create_task_dir(UPSTREAM_CONTAINER).unwrap();
     fs_err::write(&p.state_file, UPSTREAM_TASK_JSON).unwrap();
 
@@ -86,61 +87,35 @@ fn a_state_file_written_by_the_upstream_shim_is_adopted_as_is() {
 /// What the upstream shim needs from a file this shim wrote: its own fields, with its types.
 #[test]
 fn a_state_file_written_here_has_every_field_upstream_reads() {
-    let home = tempfile::tempdir().unwrap();
-    let store = Store::open(home.path()).unwrap();
-    let mut r = record("t1");
-    r.status = TaskStatus::Terminated;
-    r.termination_reason = Some(TerminationReason::DoneByRunner);
-    r.termination_message = "ok".into();
+    let (_home, store) = temp_store();
+    let mut r = TaskRecord {
+        status: TaskStatus::Terminated,
+        termination_reason: Some(TerminationReason::DoneByRunner),
+        termination_message: "ok".into(),
+        ..record("t1")
+    };
     r.resources.released = true;
-    let p = store.create_task_dir(&r.container_name).unwrap();
-    store.write(&r).unwrap();
-    let json: serde_json::Value =
-        serde_json::from_slice(&fs_err::read(&p.state_file).unwrap()).unwrap();
-    assert_eq!(json["version"], 1);
-    assert_eq!(json["id"], "t1");
-    assert_eq!(json["termination_reason"], "done_by_runner");
-    assert_eq!(json["termination_message"], "ok");
-    assert_eq!(json["cleaned_up"], true);
+    let written = json(&create_with_record(&store, &r).state_file);
+    assert_eq!(written["version"], 1);
+    assert_eq!(written["id"], "t1");
+    assert_eq!(written["termination_reason"], "done_by_runner");
+    assert_eq!(written["termination_message"], "ok");
+    assert_eq!(written["cleaned_up"], true);
     // The config carries every field of upstream's TaskConfig, in its order.
-    let config = json["config"].as_object().unwrap();
-    let keys: Vec<&str> = config.keys().map(String::as_str).collect();
-    let mut upstream = vec![
-        "id",
-        "name",
-        "registry_username",
-        "registry_password",
-        "image_name",
-        "container_user",
-        "privileged",
-        "gpu",
-        "cpu",
-        "memory",
-        "shm_size",
-        "network_mode",
-        "volumes",
-        "volume_mounts",
-        "instance_mounts",
-        "gpu_devices",
-        "host_ssh_user",
-        "host_ssh_keys",
-        "container_ssh_keys",
-    ];
-    upstream.sort_unstable();
-    let mut sorted = keys.clone();
-    sorted.sort_unstable();
-    assert_eq!(sorted, upstream);
+    let config = written["config"].as_object().unwrap();
+    let keys: BTreeSet<&str> = config.keys().map(String::as_str).collect();
+    let upstream = "id name registry_username registry_password image_name container_user \
+        privileged gpu cpu memory shm_size network_mode volumes volume_mounts instance_mounts \
+        gpu_devices host_ssh_user host_ssh_keys container_ssh_keys";
+    assert_eq!(keys, upstream.split_whitespace().collect());
     assert_eq!(config["registry_password"], "");
     // Not terminated: no reason for upstream to read.
-    let mut r2 = record("t2");
-    r2.status = TaskStatus::Running;
-    store.create_task_dir(&r2.container_name).unwrap();
-    store.write(&r2).unwrap();
-    let json: serde_json::Value = serde_json::from_slice(
-        &fs_err::read(store.paths(&r2.container_name).unwrap().state_file).unwrap(),
-    )
-    .unwrap();
-    assert_eq!(json["termination_reason"], "");
+    let r2 = TaskRecord {
+        status: TaskStatus::Running,
+        ..record("t2")
+    };
+    let written = json(&create_with_record(&store, &r2).state_file);
+    assert_eq!(written["termination_reason"], "");
     // And this shim reads back exactly what it wrote.
     assert_eq!(store.read(&r.container_name).unwrap().unwrap(), r);
 }
@@ -165,9 +140,11 @@ fn plant_legacy(home: &std::path::Path, r: &TaskRecord) -> std::path::PathBuf {
 fn homes_of_the_first_release_are_migrated_durably_and_idempotently() {
     let home = tempfile::tempdir().unwrap();
     let a = record("a");
-    let mut b = record("b");
-    b.status = TaskStatus::Terminated;
-    b.termination_reason = Some(TerminationReason::TerminatedByUser);
+    let b = TaskRecord {
+        status: TaskStatus::Terminated,
+        termination_reason: Some(TerminationReason::TerminatedByUser),
+        ..record("b")
+    };
     plant_legacy(home.path(), &a);
     plant_legacy(home.path(), &b);
     // A directory without a record (a submit cut short) and a foreign one.
@@ -187,9 +164,11 @@ fn homes_of_the_first_release_are_migrated_durably_and_idempotently() {
     let p = store.paths(&a.container_name).unwrap();
     assert_eq!(names(&p.dir), ["runner", "task.json"]);
     assert!(p.runner_dir.join("runner.log").exists());
-    let json: serde_json::Value =
-        serde_json::from_slice(&fs_err::read(&p.state_file).unwrap()).unwrap();
-    assert_eq!(json["version"], 1, "rewritten in the new format");
+    assert_eq!(
+        json(&p.state_file)["version"],
+        1,
+        "rewritten in the new format"
+    );
 
     // Again: nothing to do.
     let again = store.migrate_legacy().unwrap();
@@ -199,16 +178,9 @@ fn homes_of_the_first_release_are_migrated_durably_and_idempotently() {
     let home = tempfile::tempdir().unwrap();
     let dir = plant_legacy(home.path(), &a);
     let store = Store::open(home.path()).unwrap();
-    let rewritten = record("a");
-    let tmp = tempfile::tempdir().unwrap();
-    let side = Store::open(tmp.path()).unwrap();
-    side.create_task_dir(&rewritten.container_name).unwrap();
-    side.write(&rewritten).unwrap();
-    fs_err::copy(
-        side.paths(&rewritten.container_name).unwrap().state_file,
-        dir.join("task.json"),
-    )
-    .unwrap();
+    let (_side_home, side) = temp_store();
+    let rewritten = create_with_record(&side, &a).state_file;
+    fs_err::copy(rewritten, dir.join("task.json")).unwrap();
     let report = store.migrate_legacy().unwrap();
     assert_eq!(report.moved, 1);
     assert!(!home.path().join("tasks").exists());
@@ -217,11 +189,8 @@ fn homes_of_the_first_release_are_migrated_durably_and_idempotently() {
 
 #[test]
 fn a_delete_cut_short_leaves_only_trash_which_is_swept() {
-    let home = tempfile::tempdir().unwrap();
-    let store = Store::open(home.path()).unwrap();
-    let r = record("t1");
-    let p = store.create_task_dir(&r.container_name).unwrap();
-    store.write(&r).unwrap();
+    let (_home, store) = temp_store();
+    let p = create_with_record(&store, &record("t1"));
     fs_err::write(p.runner_dir.join("log"), b"x").unwrap();
     // A kill after the rename, before the removal: what delete leaves.
     let trash = store.runners_dir().join(".trash-job-t1-1");
@@ -234,8 +203,7 @@ fn a_delete_cut_short_leaves_only_trash_which_is_swept() {
 
 #[test]
 fn skeletons_of_submits_cut_short_are_recognised_and_removed() {
-    let home = tempfile::tempdir().unwrap();
-    let store = Store::open(home.path()).unwrap();
+    let (_home, store) = temp_store();
     // Directory and empty runner/, no state file: a submit killed before its first write.
     store.create_task_dir("cut-00000001").unwrap();
     // Only the directory.
@@ -264,8 +232,7 @@ fn skeletons_of_submits_cut_short_are_recognised_and_removed() {
 
 #[test]
 fn the_owner_identity_is_stored_once_in_the_home() {
-    let home = tempfile::tempdir().unwrap();
-    let store = Store::open(home.path()).unwrap();
+    let (home, store) = temp_store();
     assert_eq!(store.owner_id().unwrap(), None);
     assert_eq!(
         store.create_owner_id("0123abcd4567ef89").unwrap(),

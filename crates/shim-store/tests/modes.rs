@@ -5,12 +5,9 @@ mod common;
 
 use std::os::unix::fs::PermissionsExt as _;
 
+use common::{create_with_record, mode};
 use nix::sys::stat::{Mode, umask};
 use shim_store::Store;
-
-fn mode(p: &std::path::Path) -> u32 {
-    fs_err::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
-}
 
 #[test]
 fn modes_are_exact_whatever_the_umask() {
@@ -18,9 +15,7 @@ fn modes_are_exact_whatever_the_umask() {
         umask(Mode::from_bits_truncate(mask));
         let home = tempfile::tempdir().unwrap();
         let store = Store::open(home.path()).unwrap();
-        let r = common::record("t1");
-        let p = store.create_task_dir(&r.container_name).unwrap();
-        store.write(&r).unwrap();
+        let p = create_with_record(&store, &common::record("t1"));
         assert_eq!(mode(store.runners_dir()), 0o755, "umask {mask:o}");
         assert_eq!(mode(&p.dir), 0o700, "umask {mask:o}");
         assert_eq!(mode(&p.runner_dir), 0o755, "umask {mask:o}");
@@ -35,8 +30,7 @@ fn loose_modes_are_tightened() {
     let home = tempfile::tempdir().unwrap();
     let store = Store::open(home.path()).unwrap();
     let r = common::record("t1");
-    let p = store.create_task_dir(&r.container_name).unwrap();
-    store.write(&r).unwrap();
+    let p = create_with_record(&store, &r);
     for (path, m) in [
         (store.runners_dir(), 0o777),
         (p.dir.as_path(), 0o755),

@@ -6,9 +6,9 @@ mod common;
 
 use std::io::Write as _;
 
-use common::{Tmpfs, names, record, umount};
+use common::{Tmpfs, create_with_record, names, record, temp_store, umount};
 use shim_store::{ScanEntry, Store, StoreError};
-use shim_task::TaskStatus;
+use shim_task::{TaskStatus, TerminationReason};
 use shim_util::testing::require_root;
 
 /// Fills the filesystem holding `path` with a file there until it is full; returns its size.
@@ -48,14 +48,14 @@ fn a_full_filesystem_fails_the_write_and_keeps_the_old_record() {
     let mnt = Tmpfs::mount(&tmp.path().join("fs"), "1m");
     let store = Store::open(mnt.dir.join("home")).unwrap();
     let old = record("t1");
-    let paths = store.create_task_dir(&old.container_name).unwrap();
-    store.write(&old).unwrap();
-
-    let mut new = old.clone();
-    new.status = TaskStatus::Terminated;
-    new.termination_reason = Some(shim_task::TerminationReason::TerminatedByUser);
-    // Far larger than what will be free: the write fails part-way through.
-    new.termination_message = "m".repeat(256 * 1024);
+    let paths = create_with_record(&store, &old);
+    let new = shim_task::TaskRecord {
+        status: TaskStatus::Terminated,
+        termination_reason: Some(TerminationReason::TerminatedByUser),
+        // Far larger than what will be free: the write fails part-way through.
+        termination_message: "m".repeat(256 * 1024),
+        ..old.clone()
+    };
 
     let filler = mnt.dir.join("filler");
     let size = fill(&filler);
@@ -97,11 +97,9 @@ fn a_full_filesystem_fails_the_write_and_keeps_the_old_record() {
 #[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn an_undeletable_task_dir_goes_to_the_trash() {
     require_root();
-    let home = tempfile::tempdir().unwrap();
-    let store = Store::open(home.path()).unwrap();
+    let (_home, store) = temp_store();
     let r = record("t1");
-    let paths = store.create_task_dir(&r.container_name).unwrap();
-    store.write(&r).unwrap();
+    let paths = create_with_record(&store, &r);
     // A mount point inside the runner dir cannot be removed (EBUSY) while mounted.
     let inner = Tmpfs::mount(&paths.runner_dir.join("busy"), "64k");
     std::mem::forget(inner); // unmounted by hand below, at its new path.

@@ -3,42 +3,20 @@
 
 mod common;
 
-use std::os::unix::fs::PermissionsExt as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
-use common::{all_files, id, names, record, stored_form};
+use common::{
+    all_files, create_with_record, id, json, mode, names, record, stored_form, temp_store,
+};
 use proptest::prelude::*;
-use shim_store::{RecordError, ScanEntry, Store, StoreError, TaskPaths};
+use proptest::sample::select;
+use shim_store::{RecordError, ScanEntry, Store, StoreError};
 use shim_task::{
     GpuDevice, HostKeysGrant, InstanceMountPoint, MountedVolume, NetworkMode, PublicKey, Resources,
     Secret, TaskConfig, TaskId, TaskName, TaskRecord, TaskStatus, TerminationReason, VolumeBackend,
     VolumeMountPoint, VolumeSpec,
 };
-use tempfile::TempDir;
-
-fn mode(p: &Path) -> u32 {
-    fs_err::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
-}
-
-/// A store in a fresh temporary directory (the store's home).
-fn temp_store() -> (TempDir, Store) {
-    let home = tempfile::tempdir().unwrap();
-    let store = Store::open(home.path()).unwrap();
-    (home, store)
-}
-
-/// Task `r`'s directory and first record, made as a submit makes them.
-fn create_with_record(store: &Store, r: &TaskRecord) -> TaskPaths {
-    let p = store.create_task_dir(&r.container_name).unwrap();
-    store.write(r).unwrap();
-    p
-}
-
-/// A state file, as JSON.
-fn json(state_file: &Path) -> serde_json::Value {
-    serde_json::from_slice(&fs_err::read(state_file).unwrap()).unwrap()
-}
 
 #[test]
 fn store_is_send_and_sync() {
@@ -115,11 +93,8 @@ fn create_task_dir_refuses_a_taken_id_and_reuses_an_empty_dir() {
     store.write(&r).unwrap();
     let err = store.create_task_dir(&r.container_name).unwrap_err();
     assert!(matches!(err, StoreError::TaskExists { .. }), "{err:?}");
-    assert_eq!(
-        store.read(&r.container_name).unwrap().unwrap(),
-        r,
-        "the record is untouched"
-    );
+    let stored = store.read(&r.container_name).unwrap().unwrap();
+    assert_eq!(stored, r, "the record is untouched");
 }
 
 #[test]
@@ -129,10 +104,8 @@ fn read_and_write_without_a_directory() {
     assert!(store.read(&r.container_name).unwrap().is_none());
     let err = store.write(&r).unwrap_err();
     assert!(matches!(err, StoreError::NoTaskDir { .. }), "{err:?}");
-    assert!(
-        !store.paths(&r.container_name).unwrap().dir.exists(),
-        "write never creates the dir"
-    );
+    let dir = store.paths(&r.container_name).unwrap().dir;
+    assert!(!dir.exists(), "write never creates the dir");
 }
 
 #[test]
@@ -218,13 +191,9 @@ fn registry_password_never_reaches_the_disk() {
     assert!(files.len() >= 2, "{files:?}");
     for f in files {
         let bytes = fs_err::read(&f).unwrap();
-        let text = String::from_utf8_lossy(&bytes);
-        assert!(
-            !text.contains(PASSWORD),
-            "{} holds the password",
-            f.display()
-        );
-        assert!(!text.contains("shimtest"), "{} holds the user", f.display());
+        let (text, f) = (String::from_utf8_lossy(&bytes), f.display());
+        assert!(!text.contains(PASSWORD), "{f} holds the password");
+        assert!(!text.contains("shimtest"), "{f} holds the user");
     }
 }
 
@@ -427,208 +396,162 @@ fn key() -> impl Strategy<Value = PublicKey> {
 }
 
 fn status() -> impl Strategy<Value = TaskStatus> {
-    prop_oneof![
-        Just(TaskStatus::Pending),
-        Just(TaskStatus::Preparing),
-        Just(TaskStatus::Pulling),
-        Just(TaskStatus::Creating),
-        Just(TaskStatus::Running),
-        Just(TaskStatus::Terminated),
-    ]
+    use TaskStatus as S;
+    select(vec![
+        S::Pending,
+        S::Preparing,
+        S::Pulling,
+        S::Creating,
+        S::Running,
+        S::Terminated,
+    ])
 }
 
 fn reason() -> impl Strategy<Value = TerminationReason> {
+    use TerminationReason as R;
     prop_oneof![
-        Just(TerminationReason::ExecutorError),
-        Just(TerminationReason::CreatingContainerError),
-        Just(TerminationReason::ContainerExitedWithError),
-        Just(TerminationReason::DoneByRunner),
-        Just(TerminationReason::TerminatedByUser),
-        Just(TerminationReason::TerminatedByServer),
-        Just(TerminationReason::MaxDurationExceeded),
-        Just(TerminationReason::LogQuotaExceeded),
+        8 => select(vec![
+            R::ExecutorError,
+            R::CreatingContainerError,
+            R::ContainerExitedWithError,
+            R::DoneByRunner,
+            R::TerminatedByUser,
+            R::TerminatedByServer,
+            R::MaxDurationExceeded,
+            R::LogQuotaExceeded,
+        ]),
         // Known strings parse to the known variants, so `Other` carries only unknown ones.
-        ".*".prop_map(|s| TerminationReason::parse(&s)),
+        1 => ".*".prop_map(|s| TerminationReason::parse(&s)),
     ]
 }
 
-fn config(task: TaskId) -> impl Strategy<Value = TaskConfig> {
-    let volume = (
-        prop_oneof![Just(VolumeBackend::Aws), Just(VolumeBackend::Gcp)],
-        task_name(),
-        ".*",
-        any::<bool>(),
-        ".*",
-    )
-        .prop_map(
-            |(backend, name, volume_id, init_fs, device_name)| VolumeSpec {
-                backend,
-                name,
-                volume_id,
-                init_fs,
-                device_name,
-            },
-        );
-    (
-        (
-            task_name(),
-            ".*",
-            ".*",
-            ".*",
-            ".*",
-            any::<bool>(),
-            any::<i64>(),
-        ),
-        (
-            // Decimal CPU counts as a server sends them. (Arbitrary f64 may come back one ULP
-            // off: serde_json parses floats exactly only with its `float_roundtrip` feature.)
-            (0u32..=1_000_000).prop_map(|n| f64::from(n) / 1000.0),
-            any::<i64>(),
-            any::<i64>(),
-            any::<bool>(),
-        ),
-        (
-            proptest::collection::vec(volume, 0..3),
-            proptest::collection::vec(
-                (task_name(), ".*").prop_map(|(name, path)| VolumeMountPoint { name, path }),
-                0..3,
-            ),
-            proptest::collection::vec(
-                (".*", ".*").prop_map(|(instance_path, path)| InstanceMountPoint {
-                    instance_path,
-                    path,
-                }),
-                0..3,
-            ),
-            proptest::collection::vec(
-                (".*", ".*").prop_map(|(path_on_host, path_in_container)| GpuDevice {
-                    path_on_host,
-                    path_in_container,
-                }),
-                0..3,
-            ),
-        ),
-        (
-            ".*",
-            proptest::collection::vec(key(), 0..3),
-            proptest::collection::vec(key(), 0..3),
-        ),
-    )
-        .prop_map(
-            move |(
-                (name, image, user, password, container_user, privileged, gpu),
-                (cpu, memory, shm_size, bridge),
-                (volumes, volume_mounts, instance_mounts, gpu_devices),
-                (host_ssh_user, host_ssh_keys, container_ssh_keys),
-            )| {
-                let mut c = TaskConfig::new(task.clone(), name, image);
-                c.registry_username = user;
-                c.registry_password = Secret::new(password);
-                c.container_user = container_user;
-                c.privileged = privileged;
-                c.gpu = gpu;
-                c.cpu = cpu;
-                c.memory = memory;
-                c.shm_size = shm_size;
-                c.network_mode = if bridge {
-                    NetworkMode::Bridge
-                } else {
-                    NetworkMode::Host
-                };
-                c.volumes = volumes;
-                c.volume_mounts = volume_mounts;
-                c.instance_mounts = instance_mounts;
-                c.gpu_devices = gpu_devices;
-                c.host_ssh_user = host_ssh_user;
-                c.host_ssh_keys = host_ssh_keys.into_iter().map(Into::into).collect();
-                c.container_ssh_keys = container_ssh_keys.into_iter().map(Into::into).collect();
-                c
-            },
-        )
+/// Up to two of `s`.
+fn few<S: Strategy>(s: S) -> impl Strategy<Value = Vec<S::Value>> {
+    proptest::collection::vec(s, 0..3)
 }
 
-fn resources() -> impl Strategy<Value = Resources> {
-    (
-        proptest::collection::vec(".*", 0..4),
-        proptest::option::of(
-            (".*", proptest::collection::vec(key(), 0..3), any::<bool>()).prop_map(
-                |(user, keys, upstream)| HostKeysGrant {
-                    user,
-                    keys,
-                    upstream,
-                },
-            ),
-        ),
-        proptest::collection::vec(
-            (".*", ".*", ".*").prop_map(|(name, mount_point, device)| MountedVolume {
-                name,
-                mount_point,
-                device,
-            }),
-            0..3,
-        ),
-        proptest::collection::vec(".*", 0..3),
-        proptest::option::of(
-            proptest::option::of(".*").prop_map(|user| shim_task::UnknownKeys { user }),
-        ),
-        any::<bool>(),
-    )
-        .prop_map(
-            |(gpus, host_keys, volumes, created_dirs, unknown_keys, released)| Resources {
-                gpus,
-                host_keys,
-                volumes,
-                created_dirs,
-                unknown_keys,
-                released,
-            },
-        )
+prop_compose! {
+    fn volume()(
+        aws in any::<bool>(),
+        name in task_name(),
+        volume_id in ".*",
+        init_fs in any::<bool>(),
+        device_name in ".*",
+    ) -> VolumeSpec {
+        let backend = if aws { VolumeBackend::Aws } else { VolumeBackend::Gcp };
+        VolumeSpec { backend, name, volume_id, init_fs, device_name }
+    }
 }
 
-fn task_record() -> impl Strategy<Value = TaskRecord> {
-    id_str()
-        .prop_map(|s| TaskId::new(s).unwrap())
-        .prop_flat_map(|task| {
-            (
-                task_name(),
-                id_str(),
-                proptest::option::of(config(task.clone())),
-                status(),
-                proptest::option::of(reason()),
-                ".*",
-                // The file writes no container as `""`: an id is never empty.
-                proptest::option::of(".+"),
-                resources(),
-                any::<u64>(),
-                any::<u64>(),
-            )
-                .prop_map(
-                    move |(
-                        name,
-                        container_name,
-                        config,
-                        status,
-                        termination_reason,
-                        termination_message,
-                        container_id,
-                        resources,
-                        created_at_ms,
-                        updated_at_ms,
-                    )| TaskRecord {
-                        id: task.clone(),
-                        name,
-                        container_name,
-                        config: config.map(Arc::new),
-                        status,
-                        termination_reason,
-                        termination_message,
-                        container_id,
-                        resources,
-                        created_at_ms,
-                        updated_at_ms,
-                    },
-                )
-        })
+prop_compose! {
+    fn config(task: TaskId)(
+        name in task_name(),
+        image in ".*",
+        user in ".*",
+        password in ".*",
+        container_user in ".*",
+        privileged in any::<bool>(),
+        gpu in any::<i64>(),
+        // Decimal CPU counts as a server sends them. (Arbitrary f64 may come back one ULP
+        // off: serde_json parses floats exactly only with its `float_roundtrip` feature.)
+        cpu in (0u32..=1_000_000).prop_map(|n| f64::from(n) / 1000.0),
+        memory in any::<i64>(),
+        shm_size in any::<i64>(),
+        bridge in any::<bool>(),
+        volumes in few(volume()),
+        volume_mounts in few((task_name(), ".*")),
+        instance_mounts in few((".*", ".*")),
+        gpu_devices in few((".*", ".*")),
+        host_ssh_user in ".*",
+        host_ssh_keys in few(key()),
+        container_ssh_keys in few(key()),
+    ) -> TaskConfig {
+        let mut c = TaskConfig::new(task.clone(), name, image);
+        c.registry_username = user;
+        c.registry_password = Secret::new(password);
+        c.container_user = container_user;
+        c.privileged = privileged;
+        c.gpu = gpu;
+        c.cpu = cpu;
+        c.memory = memory;
+        c.shm_size = shm_size;
+        c.network_mode = if bridge { NetworkMode::Bridge } else { NetworkMode::Host };
+        c.volumes = volumes;
+        c.volume_mounts = volume_mounts
+            .into_iter()
+            .map(|(name, path)| VolumeMountPoint { name, path })
+            .collect();
+        c.instance_mounts = instance_mounts
+            .into_iter()
+            .map(|(instance_path, path)| InstanceMountPoint { instance_path, path })
+            .collect();
+        c.gpu_devices = gpu_devices
+            .into_iter()
+            .map(|(path_on_host, path_in_container)| GpuDevice {
+                path_on_host,
+                path_in_container,
+            })
+            .collect();
+        c.host_ssh_user = host_ssh_user;
+        c.host_ssh_keys = host_ssh_keys.into_iter().map(Into::into).collect();
+        c.container_ssh_keys = container_ssh_keys.into_iter().map(Into::into).collect();
+        c
+    }
+}
+
+prop_compose! {
+    fn resources()(
+        gpus in proptest::collection::vec(".*", 0..4),
+        host_keys in proptest::option::of((".*", few(key()), any::<bool>())),
+        volumes in few((".*", ".*", ".*")),
+        created_dirs in few(".*"),
+        unknown_keys in proptest::option::of(proptest::option::of(".*")),
+        released in any::<bool>(),
+    ) -> Resources {
+        Resources {
+            gpus,
+            host_keys: host_keys
+                .map(|(user, keys, upstream)| HostKeysGrant { user, keys, upstream }),
+            volumes: volumes
+                .into_iter()
+                .map(|(name, mount_point, device)| MountedVolume { name, mount_point, device })
+                .collect(),
+            created_dirs,
+            unknown_keys: unknown_keys.map(|user| shim_task::UnknownKeys { user }),
+            released,
+        }
+    }
+}
+
+prop_compose! {
+    fn task_record()(task in id_str().prop_map(|s| TaskId::new(s).unwrap()))(
+        id in Just(task.clone()),
+        name in task_name(),
+        container_name in id_str(),
+        config in proptest::option::of(config(task)),
+        status in status(),
+        termination_reason in proptest::option::of(reason()),
+        termination_message in ".*",
+        // The file writes no container as `""`: an id is never empty.
+        container_id in proptest::option::of(".+"),
+        resources in resources(),
+        created_at_ms in any::<u64>(),
+        updated_at_ms in any::<u64>(),
+    ) -> TaskRecord {
+        TaskRecord {
+            id,
+            name,
+            container_name,
+            config: config.map(Arc::new),
+            status,
+            termination_reason,
+            termination_message,
+            container_id,
+            resources,
+            created_at_ms,
+            updated_at_ms,
+        }
+    }
 }
 
 proptest! {

@@ -22,10 +22,11 @@ pub fn testdata(name: &str) -> String {
     .unwrap()
 }
 
-/// Writes an executable `#!/bin/sh` script.
+/// Writes an executable `#!/bin/sh` script in `dir`; `$D` is `dir` in its body.
 pub fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
     let path = dir.join(name);
-    fs_err::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+    let d = dir.display();
+    fs_err::write(&path, format!("#!/bin/sh\nD='{d}'\n{body}\n")).unwrap();
     fs_err::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
     path
 }

@@ -36,6 +36,29 @@ fn file<'t>(tree: &'t Tree, path: &str) -> Option<&'t [u8]> {
     }
 }
 
+/// The trees of the states at the end of `log` (every operation done, some not durable).
+fn at_end(log: &Log) -> Vec<Tree> {
+    let end = log.ops.len();
+    states(log)
+        .into_iter()
+        .filter(|(p, _, _)| *p == end)
+        .map(|(_, t, _)| t)
+        .collect()
+}
+
+/// How many operations of a log match a pattern (and guard).
+macro_rules! count {
+    ($ops:expr, $pattern:pat $(if $guard:expr)?) => {
+        $ops.iter().filter(|op| matches!(op, $pattern $(if $guard)?)).count()
+    };
+}
+
+/// Writes `data` as `name` atomically, mode 0600.
+fn put(dir: &Dir, name: &str, data: &[u8]) {
+    let opts = WriteOptions::new(0o600);
+    dir.write_atomic(name, data, &opts).unwrap();
+}
+
 /// The recorded tree equals the disk: nothing bypassed the recorder.
 fn assert_live_is_disk(log: &Log, root: &Path) {
     assert!(log.problems.is_empty(), "{:?}", log.problems);
@@ -47,30 +70,23 @@ fn an_atomic_write_leaves_the_old_or_the_new_content_in_every_crash_state() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = Dir::open(tmp.path()).unwrap();
     let (old, new) = (vec![b'o'; 3000], vec![b'n'; 5000]);
-    dir.write_atomic("state", &old, &WriteOptions::new(0o600))
-        .unwrap();
+    put(&dir, "state", &old);
     let (recorder, dir) = recording(tmp.path());
-    dir.write_atomic("state", &new, &WriteOptions::new(0o600))
-        .unwrap();
+    put(&dir, "state", &new);
     let log = recorder.log();
     // create, chmod, write, fsync, rename, fsync of the directory.
-    let kinds: Vec<&str> = log
-        .ops
-        .iter()
-        .map(|op| match op {
-            Op::Create { .. } => "create",
-            Op::SetMode { .. } => "chmod",
-            Op::Write { .. } => "write",
-            Op::Fsync { .. } => "fsync",
-            Op::Rename { .. } => "rename",
-            Op::FsyncDir { .. } => "fsync-dir",
-            _ => "other",
-        })
-        .collect();
-    assert_eq!(
-        kinds,
-        ["create", "chmod", "write", "fsync", "rename", "fsync-dir"]
+    let six = matches!(
+        &log.ops[..],
+        [
+            Op::Create { .. },
+            Op::SetMode { .. },
+            Op::Write { .. },
+            Op::Fsync { .. },
+            Op::Rename { .. },
+            Op::FsyncDir { .. }
+        ]
     );
+    assert!(six, "{:?}", log.ops);
     assert_live_is_disk(&log, tmp.path());
 
     let all = states(&log);
@@ -107,20 +123,14 @@ fn the_model_keeps_an_entry_until_its_directory_is_fsynced_and_data_until_its_fi
     dir.create_dir_unsynced("a", 0o700, None).unwrap();
     let log = recorder.log();
     // mkdir, chmod: at the end, "a" may or may not be there.
-    let end: Vec<bool> = states(&log)
-        .iter()
-        .filter(|(p, _, _)| *p == log.ops.len())
-        .map(|(_, t, _)| t.lookup("a").is_some())
-        .collect();
-    assert_eq!(end, [true, false]);
+    let there = |log: &Log| -> Vec<bool> {
+        let ends = at_end(log);
+        ends.iter().map(|t| t.lookup("a").is_some()).collect()
+    };
+    assert_eq!(there(&log), [true, false]);
     dir.sync().unwrap();
     let log = recorder.log();
-    let end: Vec<bool> = states(&log)
-        .iter()
-        .filter(|(p, _, _)| *p == log.ops.len())
-        .map(|(_, t, _)| t.lookup("a").is_some())
-        .collect();
-    assert_eq!(end, [true]);
+    assert_eq!(there(&log), [true]);
     assert_live_is_disk(&log, tmp.path());
 }
 
@@ -128,44 +138,32 @@ fn the_model_keeps_an_entry_until_its_directory_is_fsynced_and_data_until_its_fi
 fn a_write_left_unsynced_is_kept_dropped_or_torn_and_a_missing_fsync_is_caught() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = Dir::open(tmp.path()).unwrap();
-    dir.write_atomic("state", b"old!", &WriteOptions::new(0o600))
-        .unwrap();
+    put(&dir, "state", b"old!");
     let (recorder, dir) = recording(tmp.path());
     recorder.inject(Bug::SkipFileFsync);
-    dir.write_atomic("state", b"new-content", &WriteOptions::new(0o600))
-        .unwrap();
+    put(&dir, "state", b"new-content");
     let log = recorder.log();
-    assert!(!log.ops.iter().any(|op| matches!(op, Op::Fsync { .. })));
-    let at_end: std::collections::BTreeSet<Vec<u8>> = states(&log)
-        .into_iter()
-        .filter(|(p, _, _)| *p == log.ops.len())
-        .map(|(_, t, _)| file(&t, "state").unwrap().to_vec())
-        .collect();
+    assert_eq!(count!(log.ops, Op::Fsync { .. }), 0);
+    let ends = at_end(&log);
+    let contents: std::collections::BTreeSet<&[u8]> =
+        ends.iter().map(|t| file(t, "state").unwrap()).collect();
     // The rename is durable, the data is not: empty, half, whole.
-    assert_eq!(
-        at_end,
-        [b"".to_vec(), b"new-c".to_vec(), b"new-content".to_vec()].into()
-    );
+    assert_eq!(contents, [&b""[..], b"new-c", b"new-content"].into());
 }
 
 #[test]
 fn a_missing_directory_fsync_loses_an_acknowledged_write() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = Dir::open(tmp.path()).unwrap();
-    dir.write_atomic("state", b"old", &WriteOptions::new(0o600))
-        .unwrap();
+    put(&dir, "state", b"old");
     for bug in [Bug::SkipPublishDirFsync, Bug::SkipDirFsync] {
         let (recorder, dir) = recording(tmp.path());
         recorder.inject(bug);
-        dir.write_atomic("state", b"new", &WriteOptions::new(0o600))
-            .unwrap();
+        put(&dir, "state", b"new");
         let log = recorder.log();
-        let lost = states(&log)
-            .into_iter()
-            .any(|(p, t, _)| p == log.ops.len() && file(&t, "state") == Some(b"old"));
+        let lost = (at_end(&log).iter()).any(|t| file(t, "state") == Some(b"old"));
         assert!(lost, "{bug:?}");
-        dir.write_atomic("state", b"old", &WriteOptions::new(0o600))
-            .unwrap();
+        put(&dir, "state", b"old");
     }
 }
 
@@ -182,22 +180,12 @@ fn create_new_links_then_unlinks_the_temp() {
             .unwrap()
     );
     let log = recorder.log();
-    assert_eq!(
-        log.ops
-            .iter()
-            .filter(|op| matches!(op, Op::Link { .. }))
-            .count(),
-        1,
-        "the refused link is not recorded"
+    // The refused link is not recorded; both temp files are removed.
+    let links = (
+        count!(log.ops, Op::Link { .. }),
+        count!(log.ops, Op::Unlink { .. }),
     );
-    assert_eq!(
-        log.ops
-            .iter()
-            .filter(|op| matches!(op, Op::Unlink { .. }))
-            .count(),
-        2,
-        "both temp files are removed"
-    );
+    assert_eq!(links, (1, 2), "{:?}", log.ops);
     assert_live_is_disk(&log, tmp.path());
     for (point, tree, fates) in states(&log) {
         let got = file(&tree, "id");
@@ -210,16 +198,14 @@ fn moves_and_removals_on_handles_are_recorded() {
     let tmp = tempfile::tempdir().unwrap();
     let root = Dir::open(tmp.path()).unwrap();
     let (pre, _) = root.create_dir("pre", 0o755, None).unwrap();
-    pre.write_atomic("f", b"x", &WriteOptions::new(0o600))
-        .unwrap();
+    put(&pre, "f", b"x");
     // A hard link in the snapshot, and a symbolic link.
     rustix::fs::linkat(&pre, "f", &pre, "g", rustix::fs::AtFlags::empty()).unwrap();
     rustix::fs::symlinkat("f", &pre, "l").unwrap();
     let (recorder, root) = recording(tmp.path());
     let (a, _) = root.create_dir("a", 0o700, None).unwrap();
     let (b, _) = a.create_dir_unsynced("b", 0o755, None).unwrap();
-    b.write_atomic("x", b"1", &WriteOptions::new(0o600))
-        .unwrap();
+    put(&b, "x", b"1");
     b.write_atomic("y", b"2", &WriteOptions::new(0o640))
         .unwrap();
     b.rename("x", &root, "moved").unwrap();
@@ -234,13 +220,8 @@ fn moves_and_removals_on_handles_are_recorded() {
     assert!(!root.remove_dir("d").unwrap());
     let log = recorder.log();
     assert_live_is_disk(&log, tmp.path());
-    assert!(
-        log.ops
-            .iter()
-            .any(|op| matches!(op, Op::Rmdir { name, .. } if name == "pre")),
-        "{:?}",
-        log.ops
-    );
+    let pre_removed = count!(log.ops, Op::Rmdir { name, .. } if name == "pre");
+    assert!(pre_removed > 0, "{:?}", log.ops);
 }
 
 #[test]
@@ -266,26 +247,17 @@ fn a_tree_materialises_as_it_was_read() {
 fn concurrent_writers_are_recorded_in_the_order_their_calls_took_effect() {
     let tmp = tempfile::tempdir().unwrap();
     let (recorder, root) = recording(tmp.path());
-    let root = Arc::new(root);
-    let threads: Vec<_> = (0..4)
-        .map(|t| {
-            let root = root.clone();
-            std::thread::spawn(move || {
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let root = &root;
+            s.spawn(move || {
                 let (d, _) = root.create_dir(format!("t{t}"), 0o700, None).unwrap();
                 for i in 0..5 {
-                    d.write_atomic(
-                        "state",
-                        format!("{t}-{i}").as_bytes(),
-                        &WriteOptions::new(0o600),
-                    )
-                    .unwrap();
+                    put(&d, "state", format!("{t}-{i}").as_bytes());
                 }
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
+            });
+        }
+    });
     let log = recorder.log();
     assert_live_is_disk(&log, tmp.path());
     // 4 × (mkdir, chmod, fsync of the root, 5 × 6 operations).
@@ -346,41 +318,22 @@ fn a_published_prepared_directory_is_whole_or_absent_in_every_crash_state() {
     let log = recorder.log();
     assert_live_is_disk(&log, tmp.path());
     // One file fsync and one fsync of the parent after the preparation's own.
-    let syncs = |from: usize| {
-        log.ops[from..]
-            .iter()
-            .filter(|op| matches!(op, Op::Fsync { .. } | Op::FsyncDir { .. }))
-            .count()
-    };
-    let published_at = log
-        .ops
-        .iter()
-        .position(|op| matches!(op, Op::Write { .. }))
-        .unwrap();
-    assert_eq!(syncs(published_at), 2, "{:?}", log.ops);
+    let published_at = (log.ops.iter()).position(|op| matches!(op, Op::Write { .. }));
+    let after = &log.ops[published_at.unwrap()..];
+    let syncs = count!(after, Op::Fsync { .. } | Op::FsyncDir { .. });
+    assert_eq!(syncs, 2, "{:?}", log.ops);
     let mut whole = 0;
     for (point, tree, fates) in states(&log) {
+        let at = format!("point {point}: {fates:?}");
         match tree.lookup("job-1") {
-            None => {}
+            None => assert!(point < log.ops.len(), "durable at the end: {at}"),
             Some(Node::Dir { .. }) => {
-                assert_eq!(
-                    file(&tree, "job-1/task.json"),
-                    Some(&data[..]),
-                    "point {point}: {fates:?}"
-                );
-                assert!(
-                    matches!(tree.lookup("job-1/runner"), Some(Node::Dir { .. })),
-                    "point {point}: {fates:?}"
-                );
+                assert_eq!(file(&tree, "job-1/task.json"), Some(&data[..]), "{at}");
+                let runner = tree.lookup("job-1/runner");
+                assert!(matches!(runner, Some(Node::Dir { .. })), "{at}");
                 whole += 1;
             }
-            Some(other) => panic!("point {point}: {other:?}"),
-        }
-        if point == log.ops.len() {
-            assert!(
-                tree.lookup("job-1").is_some(),
-                "durable at the end: {fates:?}"
-            );
+            Some(other) => panic!("{at}: {other:?}"),
         }
     }
     assert!(whole > 0);
@@ -424,11 +377,5 @@ fn a_group_commit_shares_one_fsync_among_concurrent_callers() {
     });
     let stats = group.stats();
     assert_eq!((stats.callers, stats.fsyncs), (6, 3), "{stats:?}");
-    let dir_syncs = recorder
-        .log()
-        .ops
-        .iter()
-        .filter(|op| matches!(op, Op::FsyncDir { .. }))
-        .count();
-    assert_eq!(dir_syncs, 3);
+    assert_eq!(count!(recorder.log().ops, Op::FsyncDir { .. }), 3);
 }

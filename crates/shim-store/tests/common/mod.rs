@@ -6,10 +6,12 @@
     clippy::print_stderr
 )]
 
+use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
+use shim_store::{Store, TaskPaths};
 use shim_task::{TaskConfig, TaskId, TaskName, TaskRecord, TaskStatus, TerminationReason};
 
 /// A tmpfs of `size` mounted at `dir`, unmounted on drop.
@@ -75,6 +77,30 @@ pub fn id(s: &str) -> TaskId {
 pub fn record(task: &str) -> TaskRecord {
     let config = TaskConfig::new(id(task), TaskName::new("job").unwrap(), "shim-test:1");
     TaskRecord::new(&config, format!("job-{task}"), 1_700_000_000_000)
+}
+
+/// A store in a fresh temporary directory (the store's home).
+pub fn temp_store() -> (tempfile::TempDir, Store) {
+    let home = tempfile::tempdir().unwrap();
+    let store = Store::open(home.path()).unwrap();
+    (home, store)
+}
+
+/// Task `r`'s directory and first record, made as a submit makes them.
+pub fn create_with_record(store: &Store, r: &TaskRecord) -> TaskPaths {
+    let p = store.create_task_dir(&r.container_name).unwrap();
+    store.write(r).unwrap();
+    p
+}
+
+/// A state file, as JSON.
+pub fn json(state_file: &Path) -> serde_json::Value {
+    serde_json::from_slice(&fs_err::read(state_file).unwrap()).unwrap()
+}
+
+/// The permission bits of `p` (not following a link).
+pub fn mode(p: &Path) -> u32 {
+    fs_err::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
 }
 
 /// Names in a directory, sorted.
