@@ -6,8 +6,10 @@ use std::net::TcpStream;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use serde_json::json;
+use shim_e2e::harness::wait::wait_until;
 use shim_e2e::harness::{Request, ShimProcess, free_port};
 
 const BIN: &str = env!("CARGO_BIN_EXE_dstack-shim");
@@ -36,6 +38,25 @@ fn http(shim: &ShimProcess, method: &str, path: &str, body: Option<&str>) -> (u1
     (response.status, response.body)
 }
 
+fn healthcheck(shim: &ShimProcess) -> (u16, String) {
+    http(shim, "GET", "/api/healthcheck", None)
+}
+
+/// The healthcheck's answer.
+fn healthy() -> (u16, String) {
+    let body = json!({"service": "dstack-shim", "version": version()});
+    (200, format!("{body}\n"))
+}
+
+/// What `--version`, the healthcheck and the components list say (one string everywhere).
+fn version() -> String {
+    format!(
+        "{}+rust.{}",
+        env!("DSTACK_SHIM_UPSTREAM_VERSION"),
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
 /// Go's flag syntax, as upstream's urfave/cli takes it (upstream `runner/cmd/shim/main.go`):
 /// one dash or two, a value after `=` or as the next argument, Go booleans, the aliases `-v`
 /// and `-h`, and `help`; its refusals and their messages. `--version` prints exactly
@@ -45,30 +66,21 @@ fn http(shim: &ShimProcess, method: &str, path: &str, body: Option<&str>) -> (u1
 #[test]
 fn takes_gos_flag_syntax() {
     let run = |args: &[&str]| Command::new(BIN).args(args).output().unwrap();
-    let version = format!(
-        "dstack-shim version {}+rust.{}\n",
-        env!("DSTACK_SHIM_UPSTREAM_VERSION"),
-        env!("CARGO_PKG_VERSION")
-    );
+    let printed = format!("dstack-shim version {}\n", version());
     for flag in ["-version", "--version", "-v", "--v", "-version=true"] {
         let out = run(&[flag]);
         assert!(out.status.success(), "{flag}");
-        assert_eq!(String::from_utf8(out.stdout).unwrap(), version, "{flag}");
+        assert_eq!(String::from_utf8(out.stdout).unwrap(), printed, "{flag}");
     }
-    for args in [
-        &["-help"][..],
-        &["-h"],
-        &["--help"],
-        &["help"],
-        &["h", "-nope"],
-    ] {
-        let out = run(args);
-        assert!(out.status.success(), "{args:?}");
+    for args in ["-help", "-h", "--help", "help", "h -nope"] {
+        let out = run(&args.split(' ').collect::<Vec<_>>());
+        assert!(out.status.success(), "{args}");
         let text = String::from_utf8(out.stdout).unwrap();
-        assert!(text.contains("--shim-home"), "{args:?}: {text}");
+        assert!(text.contains("--shim-home"), "{args}: {text}");
     }
-    let home = tempfile::tempdir().unwrap();
-    let home_arg = format!("-shim-home={}", home.path().display());
+    let dir = tempfile::tempdir().unwrap();
+    let home = format!("-shim-home={}", dir.path().display());
+    let (home, loud) = (home.as_str(), "invalid log level: loud");
     for (args, message) in [
         (vec!["-nope"], "flag provided but not defined: -nope"),
         (
@@ -78,16 +90,10 @@ fn takes_gos_flag_syntax() {
         (vec!["-shim-home="], "flag needs an argument: -shim-home="),
         (vec!["-shim-home"], "flag needs an argument: -shim-home"),
         // Values given with one dash are read: the level is refused after parsing.
+        (vec![home, "-shim-log-level", "loud"], loud),
+        (vec![home, "-runner-log-level=loud"], loud),
         (
-            vec![home_arg.as_str(), "-shim-log-level", "loud"],
-            "invalid log level: loud",
-        ),
-        (
-            vec![home_arg.as_str(), "-runner-log-level=loud"],
-            "invalid log level: loud",
-        ),
-        (
-            vec![home_arg.as_str(), "-privileged=maybe"],
+            vec![home, "-privileged=maybe"],
             "could not parse \"maybe\" as bool value from the command line for flag privileged",
         ),
     ] {
@@ -100,7 +106,8 @@ fn takes_gos_flag_syntax() {
 
 /// A shim started with one-dash flags serves with them: the later `-shim-home` wins over the
 /// harness's `--shim-home` (the last of a flag wins, as in urfave/cli), the Unix socket is
-/// placed, and a positional argument (old servers start `dstack-shim docker`) is ignored.
+/// placed (mode 0600, served), and a positional argument (old servers start `dstack-shim
+/// docker`) is ignored. `POST /api/shutdown` stops it and removes the socket.
 #[test]
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn serves_with_one_dash_flags() {
@@ -119,27 +126,31 @@ fn serves_with_one_dash_flags() {
         "-service".to_owned(),
     ];
     let port = free_port().unwrap();
-    let mut shim = ShimProcess::spawn(
-        Path::new(BIN),
-        first.path(),
-        port,
-        &args,
-        &first.path().join("stdio.log"),
-    )
-    .unwrap();
+    let log = first.path().join("stdio.log");
+    let mut shim = ShimProcess::spawn(Path::new(BIN), first.path(), port, &args, &log).unwrap();
     shim.wait_listening(BOUND).unwrap();
-    let deadline = Instant::now() + BOUND;
-    while !(sock.exists() && home.path().join("host_info.json").exists()) {
-        assert!(
-            Instant::now() < deadline,
-            "no socket or host_info.json in the home given with one dash"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    // The TCP port is bound (and accepts) a moment before the socket is placed.
+    wait_until(
+        "a socket and host_info.json in the home given with one dash",
+        BOUND,
+        || sock.exists() && home.path().join("host_info.json").exists(),
+    );
     assert!(home.path().join("shim.log").exists());
     assert!(!first.path().join("shim.log").exists());
-    let (status, _) = http(&shim, "GET", "/api/healthcheck", None);
-    assert_eq!(status, 200);
+    assert_eq!(healthcheck(&shim), healthy());
+
+    let meta = fs_err::symlink_metadata(&sock).unwrap();
+    assert!(meta.file_type().is_socket());
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    let over_unix = Request::get("/api/healthcheck").timeout(BOUND);
+    assert_eq!(over_unix.send_unix(&sock).unwrap().status, 200);
+
+    // Upstream answers a handler that returns nothing with Go's `http.Error(w, "", 200)`.
+    let answer = http(&shim, "POST", "/api/shutdown", Some(r#"{"force":false}"#));
+    assert_eq!(answer, (200, "\n".to_owned()));
+    let status = shim.wait_exit(BOUND).unwrap();
+    assert!(status.success(), "{status}");
+    assert!(!sock.exists());
 }
 
 #[test]
@@ -149,39 +160,25 @@ fn serves_logs_and_stops_on_sigterm() {
     let home = tempfile::tempdir().unwrap();
     let shim = start(home.path(), &[]);
 
-    let (status, body) = http(&shim, "GET", "/api/healthcheck", None);
-    assert_eq!(status, 200);
-    // One version string everywhere (the healthcheck, `--version`, the components list).
-    let version = format!(
-        "{}+rust.{}",
-        env!("DSTACK_SHIM_UPSTREAM_VERSION"),
-        env!("CARGO_PKG_VERSION")
-    );
-    assert_eq!(
-        body,
-        format!("{{\"service\":\"dstack-shim\",\"version\":\"{version}\"}}\n")
-    );
+    assert_eq!(healthcheck(&shim), healthy());
 
     // The shim reports itself as an installed component, the runner as missing.
     let (status, body) = http(&shim, "GET", "/api/components", None);
     assert_eq!(status, 200);
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(
-        v["components"][0],
-        serde_json::json!({"name": "dstack-runner", "version": "", "status": "not-installed"})
-    );
-    assert_eq!(
-        v["components"][1],
-        serde_json::json!({"name": "dstack-shim", "version": version, "status": "installed"})
+        v["components"],
+        json!([
+            {"name": "dstack-runner", "version": "", "status": "not-installed"},
+            {"name": "dstack-shim", "version": version(), "status": "installed"},
+        ])
     );
 
     let log = home.path().join("shim.log");
     let text = fs_err::read_to_string(&log).unwrap();
     assert!(text.contains("starting dstack-shim"), "{text}");
-    assert_eq!(
-        fs_err::metadata(&log).unwrap().permissions().mode() & 0o777,
-        0o600
-    );
+    let mode = fs_err::metadata(&log).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600);
 
     let addr = shim.addr();
     shim.sigterm().unwrap();
@@ -226,40 +223,7 @@ fn a_second_shim_on_the_same_home_or_port_refuses_to_start() {
     let out = run(other.path(), first.addr().port());
     assert!(!out.status.success());
     assert!(!other.path().join("owner-id").exists());
-
-    let (status, _) = http(&first, "GET", "/api/healthcheck", None);
-    assert_eq!(status, 200);
-}
-
-#[test]
-#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
-fn stops_on_api_shutdown_and_serves_a_unix_socket() {
-    shim_e2e::require_docker();
-    let home = tempfile::tempdir().unwrap();
-    let sock = home.path().join("shim.sock");
-    let shim = start(home.path(), &["--unix-socket", sock.to_str().unwrap()]);
-    // The TCP port is bound (and accepts) a moment before the socket is placed.
-    let deadline = Instant::now() + BOUND;
-    while !sock.exists() {
-        assert!(Instant::now() < deadline, "the unix socket never appeared");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-
-    let meta = fs_err::symlink_metadata(&sock).unwrap();
-    assert!(meta.file_type().is_socket());
-    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
-    let over_unix = Request::get("/api/healthcheck")
-        .timeout(BOUND)
-        .send_unix(&sock)
-        .unwrap();
-    assert_eq!(over_unix.status, 200);
-
-    // Upstream answers a handler that returns nothing with Go's `http.Error(w, "", 200)`.
-    let (status, body) = http(&shim, "POST", "/api/shutdown", Some(r#"{"force":false}"#));
-    assert_eq!((status, body.as_str()), (200, "\n"));
-    let status = shim.wait_exit(BOUND).unwrap();
-    assert!(status.success(), "{status}");
-    assert!(!sock.exists());
+    assert_eq!(healthcheck(&first), healthy());
 }
 
 /// The binary's answers are upstream's, byte for byte, where the adapter decides them: an
@@ -274,35 +238,22 @@ fn unknown_tasks_and_unknown_health_are_answered_as_upstream() {
     shim_e2e::require_docker();
     let home = tempfile::tempdir().unwrap();
     let shim = start(home.path(), &[]);
-    for path in ["/api/tasks/abc", "/api/tasks/-x"] {
-        assert_eq!(
-            http(&shim, "GET", path, None),
-            (404, "Not Found\n".into()),
-            "{path}"
-        );
-    }
-    assert_eq!(
-        http(&shim, "POST", "/api/tasks/abc/remove", None),
-        (404, "task abc: not found\n".into())
-    );
-    assert_eq!(
-        http(&shim, "POST", "/api/tasks/abc/terminate", Some("{}")),
-        (404, "task abc: not found\n".into())
-    );
-    assert_eq!(
-        http(&shim, "GET", "/api/tasks", None),
-        (200, "{\"tasks\":[]}\n".into())
-    );
-    assert_eq!(
-        http(&shim, "GET", "/api/instance/health", None),
-        (200, "{\"dcgm\":null}\n".into())
-    );
-    for path in ["/metrics/tasks/abc", "/metrics/tasks/-x"] {
-        assert_eq!(
-            http(&shim, "GET", path, None),
-            (404, "DCGM Exporter is not available\n".into()),
-            "{path}"
-        );
+    let not_found = (404, "Not Found\n");
+    let no_task = (404, "task abc: not found\n");
+    let no_exporter = (404, "DCGM Exporter is not available\n");
+    let no_dcgm = (200, "{\"dcgm\":null}\n");
+    for (method, path, body, (status, answer)) in [
+        ("GET", "/api/tasks/abc", None, not_found),
+        ("GET", "/api/tasks/-x", None, not_found),
+        ("POST", "/api/tasks/abc/remove", None, no_task),
+        ("POST", "/api/tasks/abc/terminate", Some("{}"), no_task),
+        ("GET", "/api/tasks", None, (200, "{\"tasks\":[]}\n")),
+        ("GET", "/api/instance/health", None, no_dcgm),
+        ("GET", "/metrics/tasks/abc", None, no_exporter),
+        ("GET", "/metrics/tasks/-x", None, no_exporter),
+    ] {
+        let got = http(&shim, method, path, body);
+        assert_eq!(got, (status, answer.to_owned()), "{method} {path}");
     }
 }
 
@@ -314,11 +265,7 @@ fn service_mode_writes_host_info_once() {
     let path = home.path().join("host_info.json");
     {
         let _shim = start(home.path(), &["--service", "--fake-gpus", "2"]);
-        let deadline = Instant::now() + BOUND;
-        while !path.exists() {
-            assert!(Instant::now() < deadline, "host_info.json was not written");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_until("host_info.json is written", BOUND, || path.exists());
     }
     let info: serde_json::Value =
         serde_json::from_str(&fs_err::read_to_string(&path).unwrap()).unwrap();
@@ -382,13 +329,7 @@ fn stalled_connections_do_not_make_the_api_unreachable() {
             stream
         })
         .collect();
-    let (status, body) = http(&shim, "GET", "/api/healthcheck", None);
-    assert_eq!(status, 200);
-    assert!(
-        body.starts_with(r#"{"service":"dstack-shim","version":"#),
-        "{body}"
-    );
-    let (status, _) = http(&shim, "GET", "/api/tasks", None);
-    assert_eq!(status, 200);
+    assert_eq!(healthcheck(&shim), healthy());
+    assert_eq!(http(&shim, "GET", "/api/tasks", None).0, 200);
     drop(stalled);
 }

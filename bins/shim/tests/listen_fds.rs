@@ -11,8 +11,9 @@
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use shim_e2e::harness::wait::wait_until;
 use shim_e2e::harness::{Request, ShimProcess, free_port};
 
 const BIN: &str = env!("CARGO_BIN_EXE_dstack-shim");
@@ -86,11 +87,9 @@ fn serves_a_socket_passed_as_systemd_passes_it() {
         .unwrap();
     assert_eq!(answer.status, 200);
     assert!(shim.wait_exit(BOUND).unwrap().success());
-    let started = Instant::now();
-    while TcpStream::connect(("127.0.0.1", port)).is_ok() {
-        assert!(started.elapsed() < BOUND, "port {port} still accepts");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until(&format!("port {port} is free"), BOUND, || {
+        TcpStream::connect(("127.0.0.1", port)).is_err()
+    });
 }
 
 /// A passed socket bound to every address is refused: the API is loopback-only whoever made

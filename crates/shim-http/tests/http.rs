@@ -4,235 +4,29 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use common::{
-    Resp, Serving, exchange, get, parse_response, post, raw, request_bytes, serve_returns,
-    spawn_serve, unknown_task,
+    ANSWER_BOUND as BOUND, FakeComponents, FakeEngine, Resp, Server, exchange, get, parse_response,
+    post, raw, request_bytes, serve_returns, start_server, stop,
 };
 use serde_json::json;
-use shim_components::{ComponentInfo, ComponentName, ComponentStatus};
-use shim_http::{
-    ApiError, ComponentsApi, ConnectionLimits, HttpError, InstanceInfo, Listeners, ServerConfig,
-    ShimApi, serve,
-};
-use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
+use shim_components::ComponentName;
+use shim_http::{ConnectionLimits, HttpError, Listeners, ServerConfig, serve};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixStream};
-use tokio::sync::{Notify, oneshot};
+use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-const BOUND: Duration = Duration::from_secs(20);
-
 // ---------------------------------------------------------------------------------------------
-// The fake engine and installer.
-
-#[derive(Default)]
-struct FakeEngine {
-    tasks: Mutex<HashMap<TaskId, TaskInfo>>,
-    terminations: Mutex<Vec<(String, String, String, u64)>>,
-    /// `GET /api/tasks/slow` signals `entered` and waits for `release`.
-    entered: Notify,
-    release: Notify,
-    /// No DCGM exporter: `has_task_metrics` says so.
-    no_exporter: AtomicBool,
-}
-
-fn info(id: &TaskId, status: TaskStatus) -> TaskInfo {
-    TaskInfo {
-        id: id.clone(),
-        status,
-        termination_reason: String::new(),
-        termination_message: String::new(),
-        ports: None,
-        image_pull_progress: None,
-        container_name: format!("{id}-0123abcd"),
-        container_id: String::new(),
-        gpu_ids: None,
-    }
-}
-
-#[async_trait]
-impl ShimApi for FakeEngine {
-    async fn submit(&self, config: TaskConfig) -> Result<TaskInfo, ApiError> {
-        let mut tasks = self.tasks.lock().unwrap();
-        if tasks.contains_key(&config.id) {
-            return Err(ApiError::conflict(format!(
-                "task {} already exists",
-                config.id
-            )));
-        }
-        let i = info(&config.id, TaskStatus::Pending);
-        tasks.insert(config.id.clone(), i.clone());
-        Ok(i)
-    }
-
-    async fn task_info(&self, id: &TaskId) -> Result<TaskInfo, ApiError> {
-        if id.as_str() == "slow" {
-            self.entered.notify_one();
-            self.release.notified().await;
-            return Ok(info(id, TaskStatus::Running));
-        }
-        if id.as_str() == "boom" {
-            return Err(ApiError::internal("engine exploded"));
-        }
-        self.tasks
-            .lock()
-            .unwrap()
-            .get(id)
-            .cloned()
-            .ok_or_else(|| unknown_task(id))
-    }
-
-    async fn list_tasks(&self) -> Vec<(TaskId, TaskStatus)> {
-        let mut v: Vec<_> = self
-            .tasks
-            .lock()
-            .unwrap()
-            .values()
-            .map(|t| (t.id.clone(), t.status))
-            .collect();
-        v.sort();
-        v
-    }
-
-    async fn terminate(
-        &self,
-        id: &TaskId,
-        reason: TerminationReason,
-        message: String,
-        timeout_s: u64,
-    ) -> Result<TaskInfo, ApiError> {
-        self.terminations.lock().unwrap().push((
-            id.to_string(),
-            reason.to_string(),
-            message.clone(),
-            timeout_s,
-        ));
-        let mut tasks = self.tasks.lock().unwrap();
-        let t = tasks.get_mut(id).ok_or_else(|| unknown_task(id))?;
-        if t.status != TaskStatus::Terminated {
-            t.status = TaskStatus::Terminated;
-            t.termination_reason = reason.to_string();
-            t.termination_message = message;
-        }
-        Ok(t.clone())
-    }
-
-    async fn remove(&self, id: &TaskId) -> Result<(), ApiError> {
-        let mut tasks = self.tasks.lock().unwrap();
-        match tasks.get(id) {
-            None => Err(unknown_task(id)),
-            Some(t) if t.status != TaskStatus::Terminated => {
-                Err(ApiError::conflict(format!("task {id} is not terminated")))
-            }
-            Some(_) => {
-                tasks.remove(id);
-                Ok(())
-            }
-        }
-    }
-
-    async fn instance_info(&self) -> InstanceInfo {
-        InstanceInfo {
-            gpu_vendor: Some("nvidia".into()),
-            gpu_driver_version: None,
-        }
-    }
-
-    async fn instance_health(&self) -> serde_json::Value {
-        json!({ "dcgm": null })
-    }
-
-    async fn task_metrics(&self, id: &TaskId) -> Result<String, ApiError> {
-        match id.as_str() {
-            "metrics-ok" => Ok("DCGM_FI_DEV_GPU_UTIL{gpu=\"0\"} 42\n".into()),
-            "metrics-empty" => Ok(String::new()),
-            "metrics-bad" => Err(ApiError::bad_gateway("exporter: connection refused")),
-            _ => Err(unknown_task(id)),
-        }
-    }
-
-    fn has_task_metrics(&self) -> bool {
-        !self.no_exporter.load(Ordering::SeqCst)
-    }
-}
-
-#[derive(Default)]
-struct FakeComponents {
-    installs: Mutex<Vec<(ComponentName, String)>>,
-}
-
-#[async_trait]
-impl ComponentsApi for FakeComponents {
-    async fn list(&self) -> Vec<ComponentInfo> {
-        vec![
-            ComponentInfo {
-                name: ComponentName::Runner,
-                version: "1.2.3".into(),
-                status: ComponentStatus::Installed,
-            },
-            ComponentInfo {
-                name: ComponentName::Shim,
-                version: String::new(),
-                status: ComponentStatus::Installing,
-            },
-        ]
-    }
-
-    async fn install(&self, name: ComponentName, url: String) -> Result<(), ApiError> {
-        if name == ComponentName::Shim {
-            return Err(ApiError::conflict("already installing"));
-        }
-        self.installs.lock().unwrap().push((name, url));
-        Ok(())
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// A server under test (the raw HTTP/1.1 client, exact bytes in and out, is `common`'s).
-
-struct Server {
-    addr: SocketAddr,
-    engine: Arc<FakeEngine>,
-    components: Arc<FakeComponents>,
-    shutdown: CancellationToken,
-    force: CancellationToken,
-    handle: JoinHandle<Result<(), HttpError>>,
-}
-
-/// Starts a server on a loopback port (and on `unix`, if given) over fresh fakes, with the
-/// configuration `configure` makes of the default one.
-async fn start_server(
-    unix: Option<&Path>,
-    configure: impl FnOnce(ServerConfig) -> ServerConfig,
-) -> Server {
-    let engine = Arc::new(FakeEngine::default());
-    let components = Arc::new(FakeComponents::default());
-    let force = CancellationToken::new();
-    let config = configure(ServerConfig::new("0.22.0").with_force_shutdown(force.clone()));
-    let Serving {
-        addr,
-        shutdown,
-        handle,
-    } = spawn_serve(unix, engine.clone(), components.clone(), config).await;
-    Server {
-        addr,
-        engine,
-        components,
-        shutdown,
-        force,
-        handle,
-    }
-}
+// A server under test (the fakes and the raw HTTP/1.1 client, exact bytes in and out, are
+// `common`'s).
 
 async fn start() -> Server {
     start_server(None, |c| c).await
@@ -261,11 +55,6 @@ async fn start_draining() -> (Server, DrainCtl) {
     (s, DrainCtl { started, release })
 }
 
-async fn stop(server: Server) {
-    server.shutdown.cancel();
-    serve_returns(server.handle).await;
-}
-
 const KEY: &str =
     "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIAABAgMEBQYHCAkKCwwNDg8QERITFBUWFxgZGhscHR4f user@host";
 
@@ -286,68 +75,45 @@ fn submit_body(id: &str) -> String {
 // Routes.
 
 #[tokio::test]
-async fn healthcheck_and_instance_routes() {
-    let s = start().await;
-    for (path, body) in [
-        (
-            "/api/healthcheck",
-            "{\"service\":\"dstack-shim\",\"version\":\"0.22.0\"}\n",
-        ),
-        ("/api/instance/info", "{\"gpu_vendor\":\"nvidia\"}\n"),
-        ("/api/instance/health", "{\"dcgm\":null}\n"),
-    ] {
-        get(s.addr, path)
-            .await
-            .assert_answer(200, Some("application/json"), body);
-    }
-    stop(s).await;
-}
-
-#[tokio::test]
 async fn task_lifecycle_routes() {
     let s = start().await;
-    assert_eq!(get(s.addr, "/api/tasks").await.json(), json!({"tasks": []}));
+    assert_eq!(s.get("/api/tasks").await.json(), json!({"tasks": []}));
 
     // Submit answers with the Go field names of upstream's runner TaskInfo, which has no JSON
     // tags (upstream: runner/internal/shim/api/handlers.go, TaskSubmitHandler, returns
     // `s.runner.TaskInfo(..)`; runner/internal/shim/models.go, TaskInfo).
-    post(s.addr, "/api/tasks", &submit_body("t1"))
-        .await
-        .assert_answer(
-            200,
-            Some("application/json"),
-            "{\"ID\":\"t1\",\"Status\":\"pending\",\"TerminationReason\":\"\",\
-             \"TerminationMessage\":\"\",\"Ports\":null,\"ImagePullProgress\":null,\
-             \"ContainerName\":\"t1-0123abcd\",\"ContainerID\":\"\",\"GpuIDs\":null}\n",
-        );
+    let r = s.post("/api/tasks", &submit_body("t1")).await;
+    r.assert_answer(
+        200,
+        Some("application/json"),
+        "{\"ID\":\"t1\",\"Status\":\"pending\",\"TerminationReason\":\"\",\
+         \"TerminationMessage\":\"\",\"Ports\":null,\"ImagePullProgress\":null,\
+         \"ContainerName\":\"t1-0123abcd\",\"ContainerID\":\"\",\"GpuIDs\":null}\n",
+    );
+    let r = s.post("/api/tasks", &submit_body("t1")).await;
+    r.assert_error(409, "task t1 already exists");
 
-    post(s.addr, "/api/tasks", &submit_body("t1"))
-        .await
-        .assert_error(409, "task t1 already exists");
-
-    let v = get(s.addr, "/api/tasks").await.json();
+    let v = s.get("/api/tasks").await.json();
     assert_eq!(v, json!({"tasks": [{"id": "t1", "status": "pending"}]}));
     // Every other TaskInfo answer has upstream's JSON names (`gpus_ids`, so spelled).
     // upstream: runner/internal/shim/api/schemas.go (TaskInfoResponse).
-    get(s.addr, "/api/tasks/t1").await.assert_answer(
+    s.get("/api/tasks/t1").await.assert_answer(
         200,
         Some("application/json"),
         "{\"id\":\"t1\",\"status\":\"pending\",\"termination_reason\":\"\",\
          \"termination_message\":\"\",\"ports\":null,\"image_pull_progress\":null,\
          \"container_name\":\"t1-0123abcd\",\"container_id\":\"\",\"gpus_ids\":null}\n",
     );
-
-    post(s.addr, "/api/tasks/t1/remove", "{}")
-        .await
-        .assert_error(409, "task t1 is not terminated");
+    let r = s.post("/api/tasks/t1/remove", "{}").await;
+    r.assert_error(409, "task t1 is not terminated");
 
     // What the Python client sends.
-    let r = post(
-        s.addr,
-        "/api/tasks/t1/terminate",
-        r#"{"termination_reason":"terminated_by_user","termination_message":"bye","timeout":10}"#,
-    )
-    .await;
+    let r = s
+        .post(
+            "/api/tasks/t1/terminate",
+            r#"{"termination_reason":"terminated_by_user","termination_message":"bye","timeout":10}"#,
+        )
+        .await;
     assert_eq!(r.status, 200);
     let v = r.json();
     assert_eq!(v["status"], "terminated");
@@ -356,8 +122,8 @@ async fn task_lifecycle_routes() {
 
     // Every terminate field is optional.
     for body in ["{}", r#"{"termination_reason":null,"timeout":null}"#] {
-        let r = post(s.addr, "/api/tasks/t1/terminate", body).await;
-        assert_eq!(r.status, 200, "{body}: {r:?}");
+        let r = s.post("/api/tasks/t1/terminate", body).await;
+        assert_eq!(r.status, 200, "{r:?}");
     }
     assert_eq!(
         *s.engine.terminations.lock().unwrap(),
@@ -370,23 +136,20 @@ async fn task_lifecycle_routes() {
 
     // Remove sends no body at all (Python passes json=None); upstream answers it as every
     // handler that returns nothing.
-    raw(s.addr, "POST", "/api/tasks/t1/remove", &[], None)
+    s.bare("POST", "/api/tasks/t1/remove")
         .await
         .assert_empty_ok();
     // Unknown tasks: upstream's messages (handlers.go: TaskInfoHandler's bare 404; the
     // runner's `task %s: not found` for terminate and remove).
-    get(s.addr, "/api/tasks/t1")
-        .await
-        .assert_error(404, "Not Found");
-    post(s.addr, "/api/tasks/t1/remove", "")
-        .await
-        .assert_error(404, "task t1: not found");
-    post(s.addr, "/api/tasks/t1/terminate", "{}")
-        .await
-        .assert_error(404, "task t1: not found");
-    get(s.addr, "/api/tasks/boom")
-        .await
-        .assert_error(500, "engine exploded");
+    let gone = "task t1: not found";
+    for (r, status, message) in [
+        (s.get("/api/tasks/t1").await, 404, "Not Found"),
+        (s.post("/api/tasks/t1/remove", "").await, 404, gone),
+        (s.post("/api/tasks/t1/terminate", "{}").await, 404, gone),
+        (s.get("/api/tasks/boom").await, 500, "engine exploded"),
+    ] {
+        r.assert_error(status, message);
+    }
     stop(s).await;
 }
 
@@ -394,43 +157,33 @@ async fn task_lifecycle_routes() {
 async fn submit_validation() {
     let s = start().await;
     // upstream: runner/internal/shim/api/handlers.go (TaskSubmitHandler: `empty id`,
-    // `empty name`, `empty image_name`, in that order).
-    let cases = [
-        (json!({"name": "n", "image_name": "i"}), "empty id"),
-        (json!({"id": "a", "image_name": "i"}), "empty name"),
-        (json!({"id": "a", "name": "n"}), "empty image_name"),
-        (json!({"id": "", "name": "", "image_name": ""}), "empty id"),
+    // `empty name`, `empty image_name`, in that order). Then values Go's decoder refuses,
+    // named by their path as upstream names them (Go 1.27); upstream:
+    // runner/internal/common/api/api.go (DecodeJSONBody).
+    for (body, message) in [
+        (r#"{"image_name":"i","name":"n"}"#, "empty id"),
+        (r#"{"id":"a","image_name":"i"}"#, "empty name"),
+        (r#"{"id":"a","name":"n"}"#, "empty image_name"),
+        (r#"{"id":"","image_name":"","name":""}"#, "empty id"),
+        (r#"{"id":"a","image_name":"i","name":null}"#, "empty name"),
         (
-            json!({"id": "a", "name": null, "image_name": "i"}),
-            "empty name",
-        ),
-        (
-            json!({"id": "a", "name": "n", "image_name": ""}),
+            r#"{"id":"a","image_name":"","name":"n"}"#,
             "empty image_name",
         ),
         (
-            json!({"id": "a", "name": "n", "image_name": "i", "gpu": -2}),
+            r#"{"gpu":-2,"id":"a","image_name":"i","name":"n"}"#,
             "invalid task config: gpu: must be -1 (all), 0 or a positive count",
         ),
         (
-            json!({"id": "a", "name": "n", "image_name": "i", "network_mode": "none"}),
+            r#"{"id":"a","image_name":"i","name":"n","network_mode":"none"}"#,
             "Request body contains an invalid value for the \"network_mode\" field (at position 60): \
              network_mode must be \"host\" or \"bridge\", not \"none\"",
         ),
         (
-            json!({"id": "-a", "name": "n", "image_name": "i"}),
+            r#"{"id":"-a","image_name":"i","name":"n"}"#,
             "Request body contains an invalid value for the \"id\" field (at position 10): \
              id \"-a\" is invalid: must start with a letter or a digit",
         ),
-    ];
-    for (body, message) in cases {
-        post(s.addr, "/api/tasks", &body.to_string())
-            .await
-            .assert_error(400, message);
-    }
-    // Values Go's decoder refuses, named by their path as upstream names them (Go 1.27).
-    // upstream: runner/internal/common/api/api.go (DecodeJSONBody).
-    let bodies = [
         (
             r#"{"id": "a", "name": "job-1", "image_name": "i", "gpu": "x"}"#,
             "Request body contains an invalid value for the \"gpu\" field (at position 58)",
@@ -441,17 +194,15 @@ async fn submit_validation() {
         ),
         // `null` is an empty request to Go's decoder.
         ("null", "empty id"),
-    ];
-    for (body, message) in bodies {
-        post(s.addr, "/api/tasks", body)
-            .await
-            .assert_error(400, message);
+    ] {
+        s.post("/api/tasks", body).await.assert_error(400, message);
     }
+    let submit = async |body: serde_json::Value| s.post("/api/tasks", &body.to_string()).await;
     // A key line that could inject a second line is refused before anything is stored.
-    let bad_key = json!({
+    let r = submit(json!({
         "id": "a", "name": "n", "image_name": "i", "container_ssh_keys": [format!("{KEY}\n{KEY}")]
-    });
-    let r = post(s.addr, "/api/tasks", &bad_key.to_string()).await;
+    }))
+    .await;
     assert_eq!(r.status, 400, "{r:?}");
     assert!(r.body.contains("line break"), "{r:?}");
     assert!(s.engine.tasks.lock().unwrap().is_empty());
@@ -459,19 +210,19 @@ async fn submit_validation() {
     // A key with options is accepted as upstream accepts it (the runner gets it as given;
     // a host key like it is skipped at start): upstream runner/internal/shim/docker.go
     // (DockerShellCommands) passes container keys verbatim.
-    let optioned = json!({
+    let r = submit(json!({
         "id": "o", "name": "n", "image_name": "i", "container_ssh_keys": ["command=\"x\" ssh-ed25519 AAAA"],
         "host_ssh_keys": ["garbage"], "host_ssh_user": ""
-    });
-    let r = post(s.addr, "/api/tasks", &optioned.to_string()).await;
+    }))
+    .await;
     assert_eq!(r.status, 200, "{r:?}");
     s.engine.tasks.lock().unwrap().clear();
 
     // A valid key and null optional fields are fine.
-    let ok = json!({
+    let r = submit(json!({
         "id": "a", "name": "n", "image_name": "i", "container_ssh_keys": [KEY], "volumes": null
-    });
-    let r = post(s.addr, "/api/tasks", &ok.to_string()).await;
+    }))
+    .await;
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(s.engine.tasks.lock().unwrap().len(), 1);
     stop(s).await;
@@ -489,32 +240,30 @@ async fn invalid_ids_in_paths_are_unknown_tasks() {
         "/api/tasks/a%2Fb",
         "/api/tasks/a%20b",
     ] {
-        get(s.addr, path).await.assert_error(404, "Not Found");
+        s.get(path).await.assert_error(404, "Not Found");
     }
-    post(s.addr, "/api/tasks/-x/terminate", "{}")
+    let gone = "task -x: not found";
+    s.post("/api/tasks/-x/terminate", "{}")
         .await
-        .assert_error(404, "task -x: not found");
-    post(s.addr, "/api/tasks/-x/terminate", "garbage")
+        .assert_error(404, gone);
+    let r = s.post("/api/tasks/-x/terminate", "garbage").await;
+    r.assert_error(
+        400,
+        "Request body contains badly-formed JSON (at position 1)",
+    );
+    s.bare("POST", "/api/tasks/-x/remove")
         .await
-        .assert_error(
-            400,
-            "Request body contains badly-formed JSON (at position 1)",
-        );
-    raw(s.addr, "POST", "/api/tasks/-x/remove", &[], None)
-        .await
-        .assert_error(404, "task -x: not found");
-    get(s.addr, "/metrics/tasks/-x")
-        .await
-        .assert_error(404, "Task not found");
+        .assert_error(404, gone);
+    let r = s.get("/metrics/tasks/-x").await;
+    r.assert_error(404, "Task not found");
     assert!(s.engine.terminations.lock().unwrap().is_empty());
     // Segments are matched unescaped, as Go's ServeMux matches them; messages name the id so.
-    raw(s.addr, "POST", "/api/tasks/a%20b/remove", &[], None)
-        .await
-        .assert_error(404, "task a b: not found");
-    post(s.addr, "/api/tasks", &submit_body("t1")).await;
-    assert_eq!(get(s.addr, "/api/tasks/t%31").await.json()["id"], "t1");
-    assert_eq!(get(s.addr, "/api/%74asks").await.status, 200);
-    let r = get(s.addr, "/api/tasks/%zz").await;
+    let r = s.bare("POST", "/api/tasks/a%20b/remove").await;
+    r.assert_error(404, "task a b: not found");
+    s.post("/api/tasks", &submit_body("t1")).await;
+    assert_eq!(s.get("/api/tasks/t%31").await.json()["id"], "t1");
+    assert_eq!(s.get("/api/%74asks").await.status, 200);
+    let r = s.get("/api/tasks/%zz").await;
     assert_eq!(r.status, 400, "{r:?}");
     stop(s).await;
 }
@@ -527,9 +276,7 @@ async fn invalid_ids_in_paths_are_unknown_tasks() {
 async fn not_found_and_method_not_allowed() {
     let s = start().await;
     for path in ["/api/nope", "/api/tasks/", "/", "/api/tasks/a/b"] {
-        get(s.addr, path)
-            .await
-            .assert_error(404, "404 page not found");
+        s.get(path).await.assert_error(404, "404 page not found");
     }
 
     for (method, path, allow) in [
@@ -539,14 +286,13 @@ async fn not_found_and_method_not_allowed() {
         ("PUT", "/metrics/tasks/a", "GET, HEAD"),
         ("OPTIONS", "/api/tasks", "GET, HEAD, POST"),
     ] {
-        let r = raw(s.addr, method, path, &[], None).await;
+        let r = s.bare(method, path).await;
         r.assert_error(405, "Method Not Allowed");
         assert_eq!(r.header("allow"), Some(allow), "{method} {path}");
     }
 
-    raw(s.addr, "HEAD", "/api/healthcheck", &[], None)
-        .await
-        .assert_answer(200, Some("application/json"), "");
+    let r = s.bare("HEAD", "/api/healthcheck").await;
+    r.assert_answer(200, Some("application/json"), "");
     stop(s).await;
 }
 
@@ -556,23 +302,23 @@ async fn not_found_and_method_not_allowed() {
 #[tokio::test]
 async fn unclean_paths_are_redirected_as_go_does() {
     let s = start().await;
-    let r = get(s.addr, "/api//tasks").await;
+    let r = s.get("/api//tasks").await;
     r.assert_answer(
         307,
         Some("text/html; charset=utf-8"),
         "<a href=\"/api/tasks\">Temporary Redirect</a>.\n\n",
     );
     assert_eq!(r.header("location"), Some("/api/tasks"));
-    let r = get(s.addr, "/api/tasks/./t1?x=1&y=2").await;
+    let r = s.get("/api/tasks/./t1?x=1&y=2").await;
     assert_eq!(r.header("location"), Some("/api/tasks/t1?x=1&y=2"));
     assert_eq!(
         r.body,
         "<a href=\"/api/tasks/t1?x=1&amp;y=2\">Temporary Redirect</a>.\n\n"
     );
-    let r = get(s.addr, "/api/tasks/..").await;
+    let r = s.get("/api/tasks/..").await;
     assert_eq!((r.status, r.header("location")), (307, Some("/api")));
     // POST keeps its method through a 307: no type, no body.
-    let r = post(s.addr, "//api/shutdown", "{}").await;
+    let r = s.post("//api/shutdown", "{}").await;
     r.assert_answer(307, None, "");
     assert_eq!(r.header("location"), Some("/api/shutdown"));
     assert!(!s.shutdown.is_cancelled(), "nothing was served");
@@ -581,53 +327,45 @@ async fn unclean_paths_are_redirected_as_go_does() {
 
 /// The whole answer, as upstream's server writes it byte for byte (Go 1.27 serving upstream's
 /// handlers; the Date header aside): header names capitalized as Go writes them,
-/// `Content-Length`, the newline after JSON and after a message.
+/// `Content-Length`, the newline after JSON and after a message; the healthcheck's and the
+/// instance routes' JSON.
 ///
 /// upstream: runner/internal/common/api/api.go (JSONResponseHandler).
 #[tokio::test]
 async fn answers_are_upstreams_byte_for_byte() {
     let s = start().await;
+    let health = r#"{"service":"dstack-shim","version":"0.22.0"}"#;
+    for (path, json) in [
+        ("/api/healthcheck", health),
+        ("/api/instance/info", r#"{"gpu_vendor":"nvidia"}"#),
+        ("/api/instance/health", r#"{"dcgm":null}"#),
+    ] {
+        let head = ["HTTP/1.1 200 OK", "Content-Type: application/json"];
+        assert_whole_answer(&s.get(path).await, &head, json);
+    }
     assert_whole_answer(
-        &get(s.addr, "/api/healthcheck").await,
-        &[
-            "HTTP/1.1 200 OK",
-            "Content-Type: application/json",
-            "Content-Length: 45",
-            "Connection: close",
-        ],
-        "{\"service\":\"dstack-shim\",\"version\":\"0.22.0\"}\n",
-    );
-    assert_whole_answer(
-        &raw(s.addr, "DELETE", "/api/tasks", &[], None).await,
+        &s.bare("DELETE", "/api/tasks").await,
         &[
             "HTTP/1.1 405 Method Not Allowed",
             "Allow: GET, HEAD, POST",
             "Content-Type: text/plain; charset=utf-8",
             "X-Content-Type-Options: nosniff",
-            "Content-Length: 19",
-            "Connection: close",
         ],
-        "Method Not Allowed\n",
+        "Method Not Allowed",
     );
     assert_whole_answer(
-        &post(s.addr, "/api/shutdown", r#"{"force": "yes"}"#).await,
+        &s.post("/api/shutdown", r#"{"force": "yes"}"#).await,
         &[
             "HTTP/1.1 400 Bad Request",
             "Content-Type: text/plain; charset=utf-8",
             "X-Content-Type-Options: nosniff",
-            "Content-Length: 78",
-            "Connection: close",
         ],
-        "Request body contains an invalid value for the \"force\" field (at position 15)\n",
+        "Request body contains an invalid value for the \"force\" field (at position 15)",
     );
     // Go's encoder escapes <, >, & and U+2028/9 in strings.
-    post(s.addr, "/api/tasks", &submit_body("esc")).await;
-    let r = post(
-        s.addr,
-        "/api/tasks/esc/terminate",
-        "{\"termination_message\":\"a<b>&c\u{2028}\"}",
-    )
-    .await;
+    s.post("/api/tasks", &submit_body("esc")).await;
+    let message = "{\"termination_message\":\"a<b>&c\u{2028}\"}";
+    let r = s.post("/api/tasks/esc/terminate", message).await;
     assert!(
         r.body
             .contains(r#""termination_message":"a\u003cb\u003e\u0026c\u2028""#),
@@ -637,18 +375,21 @@ async fn answers_are_upstreams_byte_for_byte() {
 }
 
 /// Asserts the answer byte for byte but for its Date header: the status line and the header
-/// lines (in any order), then the body.
+/// lines of `head` (in any order) with `Content-Length` and `Connection: close`, then `line`
+/// and a newline (every answer here is one line).
 #[track_caller]
-fn assert_whole_answer(r: &Resp, head: &[&str], body: &str) {
+fn assert_whole_answer(r: &Resp, head: &[&str], line: &str) {
     let (got_head, got_body) = r.raw.split_once("\r\n\r\n").unwrap();
     let mut got: Vec<&str> = got_head
         .split("\r\n")
         .filter(|l| !l.starts_with("Date: "))
         .collect();
     got.sort_unstable();
-    let mut want = head.to_vec();
+    let body = format!("{line}\n");
+    let length = format!("Content-Length: {}", body.len());
+    let mut want = [head, &[&length, "Connection: close"]].concat();
     want.sort_unstable();
-    assert_eq!((got, got_body), (want, body));
+    assert_eq!((got, got_body), (want, body.as_str()), "{r:?}");
 }
 
 /// Request bodies as upstream's decoder takes them, with its messages.
@@ -658,22 +399,14 @@ fn assert_whole_answer(r: &Resp, head: &[&str], body: &str) {
 #[tokio::test]
 async fn body_rules() {
     let s = start().await;
-    let json = [("Content-Type", "application/json")];
     // 415
     for ct in [
         "text/plain",
         "application/x-www-form-urlencoded",
         "application/jsonx",
     ] {
-        raw(
-            s.addr,
-            "POST",
-            "/api/shutdown",
-            &[("Content-Type", ct)],
-            Some(b"{}"),
-        )
-        .await
-        .assert_error(415, "Content-Type header is not application/json");
+        let r = s.send("/api/shutdown", Some(ct), Some(b"{}")).await;
+        r.assert_error(415, "Content-Type header is not application/json");
     }
     // Parameters, other cases and what follows the media type are fine; so is a missing or
     // empty Content-Type.
@@ -687,21 +420,13 @@ async fn body_rules() {
     .into_iter()
     .enumerate()
     {
-        let headers: Vec<(&str, &str)> = ct.map(|c| ("Content-Type", c)).into_iter().collect();
-        let id = format!("ct{i}");
-        let r = raw(
-            s.addr,
-            "POST",
-            "/api/tasks",
-            &headers,
-            Some(submit_body(&id).as_bytes()),
-        )
-        .await;
+        let body = submit_body(&format!("ct{i}"));
+        let r = s.send("/api/tasks", ct, Some(body.as_bytes())).await;
         assert_eq!(r.status, 200, "{ct:?}: {r:?}");
     }
 
     // 400
-    let terminate = "/api/tasks/ct0/terminate";
+    let (terminate, json) = ("/api/tasks/ct0/terminate", Some("application/json"));
     for (body, message) in [
         (Some(""), "Request body must not be empty"),
         (None, "Request body must not be empty"),
@@ -726,12 +451,11 @@ async fn body_rules() {
             "Request body contains an invalid value for the \"timeout\" field (at position 14)",
         ),
     ] {
-        raw(s.addr, "POST", terminate, &json, body.map(str::as_bytes))
-            .await
-            .assert_error(400, message);
+        let r = s.send(terminate, json, body.map(str::as_bytes)).await;
+        r.assert_error(400, message);
     }
     // `null` is an empty request.
-    assert_eq!(post(s.addr, terminate, "null").await.status, 200);
+    assert_eq!(s.post(terminate, "null").await.status, 200);
 
     // 413 announced by Content-Length: answered without reading the body.
     let big = (shim_http::MAX_BODY_BYTES + 1).to_string();
@@ -753,14 +477,7 @@ async fn body_rules() {
     at_limit.resize(shim_http::MAX_BODY_BYTES - 2, b'x');
     at_limit.extend_from_slice(b"\"}");
     assert_eq!(at_limit.len(), shim_http::MAX_BODY_BYTES);
-    let r = raw(
-        s.addr,
-        "POST",
-        "/api/tasks/ct0/terminate",
-        &json,
-        Some(&at_limit),
-    )
-    .await;
+    let r = s.send(terminate, json, Some(&at_limit)).await;
     assert_eq!(r.status, 200, "{}", r.body);
 
     // 413 discovered while streaming (chunked, no Content-Length). The chunks stop right past
@@ -788,30 +505,25 @@ async fn metrics_route() {
     let s = start().await;
     // Upstream writes the text with no Content-Type: Go sniffs plain text, and sends none
     // for an empty body (upstream: runner/internal/shim/api/handlers.go, TaskMetricsHandler).
-    get(s.addr, "/metrics/tasks/metrics-ok")
-        .await
-        .assert_answer(
-            200,
-            Some("text/plain; charset=utf-8"),
-            "DCGM_FI_DEV_GPU_UTIL{gpu=\"0\"} 42\n",
-        );
-    let r = get(s.addr, "/metrics/tasks/metrics-empty").await;
+    s.get("/metrics/tasks/metrics-ok").await.assert_answer(
+        200,
+        Some("text/plain; charset=utf-8"),
+        "DCGM_FI_DEV_GPU_UTIL{gpu=\"0\"} 42\n",
+    );
+    let r = s.get("/metrics/tasks/metrics-empty").await;
     r.assert_answer(200, None, "");
     assert_eq!(r.header("content-length"), Some("0"));
-    get(s.addr, "/metrics/tasks/metrics-bad")
-        .await
-        .assert_error(502, "exporter: connection refused");
+    let r = s.get("/metrics/tasks/metrics-bad").await;
+    r.assert_error(502, "exporter: connection refused");
     // Upstream (`runner/internal/shim/api/handlers.go`, `TaskMetricsHandler`): an unknown
     // task is "Task not found"; without an exporter every request is "DCGM Exporter is not
     // available", checked before the task.
-    get(s.addr, "/metrics/tasks/t")
-        .await
-        .assert_error(404, "Task not found");
+    let r = s.get("/metrics/tasks/t").await;
+    r.assert_error(404, "Task not found");
     s.engine.no_exporter.store(true, Ordering::SeqCst);
+    let none = "DCGM Exporter is not available";
     for path in ["/metrics/tasks/metrics-ok", "/metrics/tasks/-x"] {
-        get(s.addr, path)
-            .await
-            .assert_error(404, "DCGM Exporter is not available");
+        s.get(path).await.assert_error(404, none);
     }
     stop(s).await;
 }
@@ -823,7 +535,7 @@ async fn metrics_route() {
 #[tokio::test]
 async fn component_routes() {
     let s = start().await;
-    let v = get(s.addr, "/api/components").await.json();
+    let v = s.get("/api/components").await.json();
     assert_eq!(
         v,
         json!({"components": [
@@ -831,25 +543,19 @@ async fn component_routes() {
             {"name": "dstack-shim", "version": "", "status": "installing"},
         ]})
     );
-    let install = async |body: &str| post(s.addr, "/api/components/install", body).await;
-    install(r#"{"name":"","url":"http://x/y"}"#)
-        .await
-        .assert_error(400, "empty name");
-    install(r#"{"url":"http://x/y"}"#)
-        .await
-        .assert_error(400, "empty name");
-    install(r#"{"name":"dstack-gateway","url":"http://x/y"}"#)
-        .await
-        .assert_error(400, "unknown component");
-    install(r#"{"name":"dstack-runner","url":""}"#)
-        .await
-        .assert_error(400, "empty url");
-    install(r#"{"name":"dstack-shim","url":"http://x/y"}"#)
-        .await
-        .assert_error(409, "already installing");
-    install(r#"{"name":"dstack-runner","url":"http://x/y"}"#)
-        .await
-        .assert_empty_ok();
+    let install = async |body: &str| s.post("/api/components/install", body).await;
+    let r = install(r#"{"name":"","url":"http://x/y"}"#).await;
+    r.assert_error(400, "empty name");
+    let r = install(r#"{"url":"http://x/y"}"#).await;
+    r.assert_error(400, "empty name");
+    let r = install(r#"{"name":"dstack-gateway","url":"http://x/y"}"#).await;
+    r.assert_error(400, "unknown component");
+    let r = install(r#"{"name":"dstack-runner","url":""}"#).await;
+    r.assert_error(400, "empty url");
+    let r = install(r#"{"name":"dstack-shim","url":"http://x/y"}"#).await;
+    r.assert_error(409, "already installing");
+    let r = install(r#"{"name":"dstack-runner","url":"http://x/y"}"#).await;
+    r.assert_empty_ok();
     assert_eq!(
         *s.components.installs.lock().unwrap(),
         vec![(ComponentName::Runner, "http://x/y".to_owned())]
@@ -874,7 +580,7 @@ async fn fifty_parallel_requests() {
     for j in joins {
         j.await.unwrap();
     }
-    let v = get(s.addr, "/api/tasks").await.json();
+    let v = s.get("/api/tasks").await.json();
     assert_eq!(v["tasks"].as_array().unwrap().len(), 50);
     stop(s).await;
 }
@@ -896,19 +602,21 @@ async fn healthcheck_on(stream: &mut TcpStream) -> Resp {
 // ---------------------------------------------------------------------------------------------
 // Sockets.
 
+/// What binding `tcp` (and `unix`, if given) fails with.
+async fn bind_error(tcp: &str, unix: Option<&Path>) -> HttpError {
+    let bound = Listeners::bind(tcp.parse().unwrap(), unix).await;
+    bound.expect_err("binding fails")
+}
+
 #[tokio::test]
 async fn refuses_non_loopback() {
-    let e = Listeners::bind("0.0.0.0:0".parse().unwrap(), None)
-        .await
-        .unwrap_err();
+    let e = bind_error("0.0.0.0:0", None).await;
     assert!(matches!(e, HttpError::NotLoopback { .. }), "{e}");
     assert_eq!(
         e.to_string(),
         "refusing to listen on 0.0.0.0:0: the shim API is loopback-only"
     );
-    let e = Listeners::bind("192.0.2.1:0".parse().unwrap(), None)
-        .await
-        .unwrap_err();
+    let e = bind_error("192.0.2.1:0", None).await;
     assert!(matches!(e, HttpError::NotLoopback { .. }), "{e}");
 }
 
@@ -918,17 +626,12 @@ async fn unix_socket_mode_0600_and_serves() {
     let path = dir.path().join("shim.sock");
     // A stale socket (nobody listens) is replaced.
     drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
-    assert!(
-        fs_err::symlink_metadata(&path)
-            .unwrap()
-            .file_type()
-            .is_socket()
-    );
+    let meta = || fs_err::symlink_metadata(&path).unwrap();
+    assert!(meta().file_type().is_socket());
 
     let s = start_server(Some(&path), |c| c).await;
-    let meta = fs_err::symlink_metadata(&path).unwrap();
-    assert!(meta.file_type().is_socket());
-    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    assert!(meta().file_type().is_socket());
+    assert_eq!(meta().permissions().mode() & 0o777, 0o600);
     // No temporary file left beside it.
     let names: Vec<_> = fs_err::read_dir(dir.path())
         .unwrap()
@@ -942,9 +645,7 @@ async fn unix_socket_mode_0600_and_serves() {
     assert_eq!(r.json()["version"], "0.22.0");
 
     // A live socket is not stolen.
-    let e = Listeners::bind("127.0.0.1:0".parse().unwrap(), Some(&path))
-        .await
-        .unwrap_err();
+    let e = bind_error("127.0.0.1:0", Some(&path)).await;
     assert!(matches!(e, HttpError::SocketInUse { .. }), "{e}");
 
     stop(s).await;
@@ -952,9 +653,7 @@ async fn unix_socket_mode_0600_and_serves() {
 
     // Something that is not a socket is never replaced.
     fs_err::write(&path, "precious").unwrap();
-    let e = Listeners::bind("127.0.0.1:0".parse().unwrap(), Some(&path))
-        .await
-        .unwrap_err();
+    let e = bind_error("127.0.0.1:0", Some(&path)).await;
     assert!(matches!(e, HttpError::NotASocket { .. }), "{e}");
     assert_eq!(fs_err::read_to_string(&path).unwrap(), "precious");
 }
@@ -1067,9 +766,8 @@ async fn forced_shutdown_interrupts_a_graceful_one() {
 #[tokio::test]
 async fn shutdown_endpoint_graceful() {
     let (s, ctl) = start_draining().await;
-    post(s.addr, "/api/shutdown", r#"{"force":false}"#)
-        .await
-        .assert_empty_ok();
+    let r = s.post("/api/shutdown", r#"{"force":false}"#).await;
+    r.assert_empty_ok();
     until_refused(s.addr).await;
     assert!(s.shutdown.is_cancelled());
     assert!(!s.force.is_cancelled());
@@ -1080,9 +778,8 @@ async fn shutdown_endpoint_graceful() {
 async fn shutdown_endpoint_force() {
     let (s, _ctl) = start_draining().await;
     let slow = start_slow_request(&s).await;
-    post(s.addr, "/api/shutdown", r#"{"force":true}"#)
-        .await
-        .assert_empty_ok();
+    let r = s.post("/api/shutdown", r#"{"force":true}"#).await;
+    r.assert_empty_ok();
     serve_returns(s.handle).await;
     assert!(s.force.is_cancelled());
     assert_slow_unanswered(slow).await;
@@ -1152,9 +849,9 @@ async fn stalled_connections_do_not_lock_out_a_normal_client() {
     let s = start_limited(limits).await;
     let mut stalled = stalled_connections(s.addr, 300).await;
 
-    let r = get(s.addr, "/api/healthcheck").await;
+    let r = s.get("/api/healthcheck").await;
     assert_eq!(r.status, 200, "{r:?}");
-    let r = get(s.addr, "/api/tasks").await;
+    let r = s.get("/api/tasks").await;
     assert_eq!(r.status, 200, "{r:?}");
 
     for stream in &mut stalled {
@@ -1192,7 +889,7 @@ async fn stalled_connections_are_closed_after_the_timeouts() {
     .await;
     assert!(trickled.is_ok(), "the trickling client was never cut off");
 
-    assert_eq!(get(s.addr, "/api/healthcheck").await.status, 200);
+    assert_eq!(s.get("/api/healthcheck").await.status, 200);
     for stream in &mut stalled {
         assert_closed_unanswered(stream).await;
     }
@@ -1237,17 +934,9 @@ async fn oversized_headers_are_refused() {
 
     let over = "a".repeat(max + 1);
     let mut stream = TcpStream::connect(s.addr).await.unwrap();
-    stream
-        .write_all(&request_bytes(
-            "GET",
-            "/api/healthcheck",
-            &[("X-Big", &over)],
-            None,
-        ))
-        .await
-        .unwrap();
-    let answer = until_closed(&mut stream).await;
-    let r = parse_response(&answer);
+    let request = request_bytes("GET", "/api/healthcheck", &[("X-Big", &over)], None);
+    stream.write_all(&request).await.unwrap();
+    let r = parse_response(&until_closed(&mut stream).await);
     assert_eq!(r.status, 431, "{r:?}");
     stop(s).await;
 }

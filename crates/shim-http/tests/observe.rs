@@ -7,163 +7,29 @@
 mod common;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
-use common::{Serving, get, serve_returns, spawn_serve, unknown_task};
-use shim_components::{ComponentInfo, ComponentName};
+use common::{Resp, Server, parse_response, serve_returns, start_server, stop};
 use shim_e2e::harness::{SseEvent, SseParser};
-use shim_http::{
-    ApiError, ChangeEvent, ChangeFeed, ComponentsApi, ConnectionLimits, EventsConfig, FeedError,
-    HttpError, InstanceInfo, Readiness, ServerConfig, ShimApi,
-};
-use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
+use shim_http::{ConnectionLimits, EventsConfig, FeedError, Readiness};
+use shim_task::TaskStatus;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpSocket, TcpStream};
-use tokio::sync::broadcast;
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
 
 /// Every wait is bounded by this (a safety bound, never a timing assertion).
 const BOUND: Duration = Duration::from_secs(30);
 
 // ---------------------------------------------------------------------------------------------
-// A fake engine: a task list, a broadcast of changes (or injected feed errors), metrics and a
-// settable readiness. `plain` fakes implement only the required methods.
+// A server over `common`'s fake engine with two tasks, its change feed (or injected feed
+// errors), metrics and a settable readiness.
 
-type Item = Result<ChangeEvent, FeedError>;
-
-struct Fake {
-    tasks: Vec<(TaskId, TaskStatus)>,
-    changes: broadcast::Sender<Item>,
-    readiness: Mutex<Readiness>,
-    plain: bool,
-}
-
-impl Fake {
-    fn new(plain: bool) -> Self {
-        Self {
-            tasks: vec![
-                (TaskId::new("a").unwrap(), TaskStatus::Running),
-                (TaskId::new("b").unwrap(), TaskStatus::Terminated),
-            ],
-            changes: broadcast::channel(16 * 1024).0,
-            readiness: Mutex::new(Readiness::ready()),
-            plain,
-        }
-    }
-
-    /// Sends a change to every subscriber (none is fine: the test then sees what is missing).
-    fn send(&self, seq: u64, json: impl Into<String>) {
-        let _ = self.changes.send(Ok(ChangeEvent {
-            seq,
-            json: json.into(),
-        }));
-    }
-}
-
-struct Feed(broadcast::Receiver<Item>);
-
-#[async_trait]
-impl ChangeFeed for Feed {
-    async fn recv(&mut self) -> Result<ChangeEvent, FeedError> {
-        match self.0.recv().await {
-            Ok(item) => item,
-            Err(broadcast::error::RecvError::Lagged(missed)) => Err(FeedError::Lagged { missed }),
-            Err(broadcast::error::RecvError::Closed) => Err(FeedError::Closed),
-        }
-    }
-}
-
-#[async_trait]
-impl ShimApi for Fake {
-    async fn submit(&self, _config: TaskConfig) -> Result<TaskInfo, ApiError> {
-        Err(ApiError::internal("not in this test"))
-    }
-    async fn task_info(&self, id: &TaskId) -> Result<TaskInfo, ApiError> {
-        Err(unknown_task(id))
-    }
-    async fn list_tasks(&self) -> Vec<(TaskId, TaskStatus)> {
-        self.tasks.clone()
-    }
-    async fn terminate(
-        &self,
-        id: &TaskId,
-        _reason: TerminationReason,
-        _message: String,
-        _timeout_s: u64,
-    ) -> Result<TaskInfo, ApiError> {
-        Err(unknown_task(id))
-    }
-    async fn remove(&self, id: &TaskId) -> Result<(), ApiError> {
-        Err(unknown_task(id))
-    }
-    async fn instance_info(&self) -> InstanceInfo {
-        InstanceInfo::default()
-    }
-    async fn instance_health(&self) -> serde_json::Value {
-        serde_json::json!({})
-    }
-    async fn task_metrics(&self, _id: &TaskId) -> Result<String, ApiError> {
-        Err(ApiError::not_found("no such task"))
-    }
-
-    fn subscribe(&self) -> Result<Box<dyn ChangeFeed>, ApiError> {
-        if self.plain {
-            return Err(ApiError::not_found("task change events are not available"));
-        }
-        Ok(Box::new(Feed(self.changes.subscribe())))
-    }
-
-    async fn metrics(&self) -> Result<String, ApiError> {
-        if self.plain {
-            return Err(ApiError::not_found("metrics are not available"));
-        }
-        Ok("# TYPE x counter\nx_total 1\n# EOF\n".to_owned())
-    }
-
-    async fn readiness(&self) -> Readiness {
-        self.readiness.lock().unwrap().clone()
-    }
-}
-
-struct NoComponents;
-
-#[async_trait]
-impl ComponentsApi for NoComponents {
-    async fn list(&self) -> Vec<ComponentInfo> {
-        Vec::new()
-    }
-    async fn install(&self, _name: ComponentName, _url: String) -> Result<(), ApiError> {
-        Err(ApiError::internal("not in this test"))
-    }
-}
-
-struct Server {
-    addr: SocketAddr,
-    fake: Arc<Fake>,
-    shutdown: CancellationToken,
-    handle: JoinHandle<Result<(), HttpError>>,
-}
-
-async fn start(fake: Fake, limits: ConnectionLimits, events: EventsConfig) -> Server {
-    let fake = Arc::new(fake);
-    let config = ServerConfig::new("0.22.0")
-        .with_limits(limits)
-        .with_events(events);
-    let Serving {
-        addr,
-        shutdown,
-        handle,
-    } = spawn_serve(None, fake.clone(), Arc::new(NoComponents), config).await;
-    Server {
-        addr,
-        fake,
-        shutdown,
-        handle,
-    }
+async fn start(limits: ConnectionLimits, events: EventsConfig) -> Server {
+    let s = start_server(None, |c| c.with_limits(limits).with_events(events)).await;
+    s.engine.insert("a", TaskStatus::Running);
+    s.engine.insert("b", TaskStatus::Terminated);
+    s
 }
 
 async fn start_default() -> Server {
@@ -171,18 +37,14 @@ async fn start_default() -> Server {
 }
 
 async fn start_events(events: EventsConfig) -> Server {
-    start(Fake::new(false), ConnectionLimits::default(), events).await
+    start(ConnectionLimits::default(), events).await
 }
 
-/// A server over a `plain` fake: no change feed, no metrics.
+/// A server without a change feed and without metrics.
 async fn start_plain() -> Server {
-    let plain = Fake::new(true);
-    start(plain, ConnectionLimits::default(), EventsConfig::default()).await
-}
-
-async fn stop(server: Server) {
-    server.shutdown.cancel();
-    serve_returns(server.handle).await;
+    let s = start_default().await;
+    s.engine.plain.store(true, Ordering::SeqCst);
+    s
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -200,8 +62,8 @@ enum Ended {
 
 struct Sse {
     reader: BufReader<TcpStream>,
-    status: u16,
-    headers: Vec<(String, String)>,
+    /// The answer's head (its body is empty).
+    head: Resp,
     /// Decoded body bytes not yet parsed into events.
     parser: SseParser,
 }
@@ -225,33 +87,16 @@ impl Sse {
             .await
             .unwrap();
         let mut reader = BufReader::new(stream);
-        let mut line = String::new();
-        bounded(reader.read_line(&mut line)).await.unwrap();
-        let status = line.split(' ').nth(1).unwrap().parse().unwrap();
-        let mut headers = Vec::new();
-        loop {
-            line.clear();
-            bounded(reader.read_line(&mut line)).await.unwrap();
-            let l = line.trim_end();
-            if l.is_empty() {
-                break;
-            }
-            let (k, v) = l.split_once(':').unwrap();
-            headers.push((k.trim().to_ascii_lowercase(), v.trim().to_owned()));
+        let mut head = Vec::new();
+        while !head.ends_with(b"\r\n\r\n") {
+            let n = bounded(reader.read_until(b'\n', &mut head)).await.unwrap();
+            assert!(n > 0, "the connection closed in the head");
         }
         Sse {
             reader,
-            status,
-            headers,
+            head: parse_response(&head),
             parser: SseParser::new(),
         }
-    }
-
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
     }
 
     /// Reads one chunk into `pending`; `Err` when the body ends.
@@ -323,6 +168,14 @@ async fn bounded<T>(f: impl Future<Output = std::io::Result<T>>) -> std::io::Res
         .expect("the server answered within the bound")
 }
 
+fn event(event: &str, id: Option<u64>, data: impl Into<String>) -> SseEvent {
+    SseEvent {
+        event: event.into(),
+        id,
+        data: data.into(),
+    }
+}
+
 fn change_json(seq: u64, task: &str, pad: usize) -> String {
     serde_json::json!({"seq": seq, "task": task, "change": "status", "status": "running",
         "pad": "x".repeat(pad)})
@@ -346,7 +199,7 @@ async fn eventually(what: &str, mut f: impl AsyncFnMut() -> bool) {
 /// Subscribed: the snapshot has been read, so changes sent from now on reach the client.
 async fn subscribed(addr: SocketAddr) -> Sse {
     let mut sse = Sse::connect(addr).await;
-    assert_eq!(sse.status, 200);
+    assert_eq!(sse.head.status, 200);
     let snapshot = sse.next_event().await.unwrap();
     assert_eq!(snapshot.event, "snapshot");
     sse
@@ -362,33 +215,22 @@ async fn subscribed(addr: SocketAddr) -> Sse {
 async fn events_snapshot_first_then_changes_in_order() {
     let s = start_default().await;
     let mut sse = Sse::connect(s.addr).await;
-    assert_eq!(sse.status, 200);
-    assert_eq!(sse.header("content-type"), Some("text/event-stream"));
-    assert_eq!(sse.header("cache-control"), Some("no-cache"));
-    assert_eq!(sse.header("transfer-encoding"), Some("chunked"));
+    assert_eq!(sse.head.status, 200);
+    assert_eq!(sse.head.header("content-type"), Some("text/event-stream"));
+    assert_eq!(sse.head.header("cache-control"), Some("no-cache"));
+    assert_eq!(sse.head.header("transfer-encoding"), Some("chunked"));
 
-    let snapshot = sse.next().await.unwrap();
-    assert_eq!(
-        snapshot,
-        SseEvent {
-            event: "snapshot".into(),
-            id: None,
-            data: r#"{"tasks":[{"id":"a","status":"running"},{"id":"b","status":"terminated"}]}"#
-                .into(),
-        }
-    );
+    let tasks = r#"{"tasks":[{"id":"a","status":"running"},{"id":"b","status":"terminated"}]}"#;
+    assert_eq!(sse.next().await.unwrap(), event("snapshot", None, tasks));
     for seq in 1..=3 {
-        s.fake.send(seq, change_json(seq, "a", 0));
+        s.engine.send(seq, change_json(seq, "a", 0));
     }
     // A value with a line break (not what serde_json writes, but any JSON a feed gives) is
     // sent as several data lines and read back whole.
-    s.fake.send(4, "{\"a\":\n1}");
+    s.engine.send(4, "{\"a\":\n1}");
     for seq in 1..=3 {
-        let event = sse.next().await.unwrap();
-        assert_eq!(event.event, "change");
-        assert_eq!(event.id, Some(seq));
-        let data: serde_json::Value = serde_json::from_str(&event.data).unwrap();
-        assert_eq!(data["seq"], seq);
+        let change = event("change", Some(seq), change_json(seq, "a", 0));
+        assert_eq!(sse.next().await.unwrap(), change);
     }
     assert_eq!(sse.next().await.unwrap().data, "{\"a\":\n1}");
 
@@ -423,7 +265,6 @@ async fn events_outlive_the_connection_timeouts() {
         ..ConnectionLimits::default()
     };
     let s = start(
-        Fake::new(false),
         limits,
         EventsConfig {
             keep_alive: Duration::from_secs(3600),
@@ -435,7 +276,7 @@ async fn events_outlive_the_connection_timeouts() {
     // Silence on the connection, longer than both timeouts (a lower bound: a slow machine
     // only makes it longer).
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    s.fake.send(1, change_json(1, "a", 0));
+    s.engine.send(1, change_json(1, "a", 0));
     let event = sse.next().await.expect("the stream is still open");
     assert_eq!((event.event.as_str(), event.id), ("change", Some(1)));
     stop(s).await;
@@ -447,20 +288,12 @@ async fn events_outlive_the_connection_timeouts() {
 async fn events_lagged_ends_the_stream() {
     let s = start_default().await;
     let mut sse = subscribed(s.addr).await;
-    s.fake.send(1, change_json(1, "a", 0));
-    s.fake
-        .changes
-        .send(Err(FeedError::Lagged { missed: 17 }))
-        .unwrap();
+    s.engine.send(1, change_json(1, "a", 0));
+    let behind = Err(FeedError::Lagged { missed: 17 });
+    s.engine.changes.send(behind).unwrap();
     assert_eq!(sse.next().await.unwrap().id, Some(1));
-    assert_eq!(
-        sse.next().await.unwrap(),
-        SseEvent {
-            event: "lagged".into(),
-            id: None,
-            data: r#"{"missed":17}"#.into(),
-        }
-    );
+    let lagged = event("lagged", None, r#"{"missed":17}"#);
+    assert_eq!(sse.next().await.unwrap(), lagged);
     assert_eq!(sse.until_end().await, Ended::Cleanly);
     let _again = subscribed(s.addr).await;
     stop(s).await;
@@ -471,7 +304,7 @@ async fn events_lagged_ends_the_stream() {
 async fn events_end_when_the_feed_closes() {
     let s = start_default().await;
     let mut sse = subscribed(s.addr).await;
-    s.fake.changes.send(Err(FeedError::Closed)).unwrap();
+    s.engine.changes.send(Err(FeedError::Closed)).unwrap();
     assert_eq!(sse.until_end().await, Ended::Cleanly);
     stop(s).await;
 }
@@ -541,12 +374,12 @@ async fn slow_client_is_disconnected(events: EventsConfig) {
             while seq > received.load(Ordering::Acquire) + 4 {
                 tokio::task::yield_now().await;
             }
-            let freed = seq % 64 == 0 && Sse::connect(s.addr).await.status == 200;
+            let freed = seq % 64 == 0 && Sse::connect(s.addr).await.head.status == 200;
             if freed {
                 // The last change: the reader stops after it.
                 last.store(seq, Ordering::Release);
             }
-            s.fake.send(seq, change_json(seq, "a", PAD));
+            s.engine.send(seq, change_json(seq, "a", PAD));
             tokio::task::yield_now().await;
             if freed {
                 return seq;
@@ -565,10 +398,10 @@ async fn slow_client_is_disconnected(events: EventsConfig) {
     let end = stalled.until_end().await;
     assert_eq!(end, Ended::Cut, "the stalled client was disconnected");
 
-    assert_eq!(get(s.addr, "/api/ready").await.status, 200);
+    assert_eq!(s.get("/api/ready").await.status, 200);
     // Its place under the cap (2) is free again: the reader and one more.
     eventually("the stalled client's place is given back", async || {
-        Sse::connect(s.addr).await.status == 200
+        Sse::connect(s.addr).await.head.status == 200
     })
     .await;
     drop(reader);
@@ -586,19 +419,15 @@ async fn events_client_cap() {
     .await;
     let first = subscribed(s.addr).await;
     let _second = subscribed(s.addr).await;
-    let refused = get(s.addr, "/api/events").await;
-    assert_eq!(refused.status, 503);
-    assert_eq!(
-        refused.body,
-        "too many event streams (at most 2); try again later\n"
-    );
+    let r = s.get("/api/events").await;
+    r.assert_error(503, "too many event streams (at most 2); try again later");
     // Other routes are unaffected.
-    assert_eq!(get(s.addr, "/api/healthcheck").await.status, 200);
+    assert_eq!(s.get("/api/healthcheck").await.status, 200);
 
     drop(first);
     eventually("a closed stream's place is given back", async || {
         let mut sse = Sse::connect(s.addr).await;
-        sse.status == 200 && sse.next_event().await.is_ok_and(|e| e.event == "snapshot")
+        sse.head.status == 200 && sse.next_event().await.is_ok_and(|e| e.event == "snapshot")
     })
     .await;
     stop(s).await;
@@ -608,9 +437,8 @@ async fn events_client_cap() {
 #[tokio::test]
 async fn events_without_a_feed_is_404() {
     let s = start_plain().await;
-    let r = get(s.addr, "/api/events").await;
-    assert_eq!(r.status, 404);
-    assert_eq!(r.body, "task change events are not available\n");
+    let r = s.get("/api/events").await;
+    r.assert_error(404, "task change events are not available");
     stop(s).await;
 }
 
@@ -621,21 +449,17 @@ async fn events_without_a_feed_is_404() {
 #[tokio::test]
 async fn metrics_route_and_content_type() {
     let s = start_default().await;
-    get(s.addr, "/metrics").await.assert_answer(
+    s.get("/metrics").await.assert_answer(
         200,
         Some("application/openmetrics-text; version=1.0.0; charset=utf-8"),
         "# TYPE x counter\nx_total 1\n# EOF\n",
     );
     // The task metrics route is still there, and distinct.
-    assert_eq!(get(s.addr, "/metrics/tasks/a").await.status, 404);
-    stop(s).await;
+    assert_eq!(s.get("/metrics/tasks/a").await.status, 404);
 
-    let s = start_plain().await;
-    let r = get(s.addr, "/metrics").await;
-    assert_eq!(
-        (r.status, r.body.as_str()),
-        (404, "metrics are not available\n")
-    );
+    s.engine.plain.store(true, Ordering::SeqCst);
+    let r = s.get("/metrics").await;
+    r.assert_error(404, "metrics are not available");
     stop(s).await;
 }
 
@@ -644,18 +468,18 @@ async fn metrics_route_and_content_type() {
 #[tokio::test]
 async fn readiness_200_and_503() {
     let s = start_default().await;
-    get(s.addr, "/api/ready").await.assert_answer(
+    s.get("/api/ready").await.assert_answer(
         200,
         Some("application/json"),
         "{\"ready\":true,\"reasons\":[]}\n",
     );
 
-    *s.fake.readiness.lock().unwrap() = Readiness::new(
+    *s.engine.readiness.lock().unwrap() = Readiness::new(
         false,
         vec!["Docker's event stream is disconnected".into()],
     )
     .with_runtime(false, Some(1.5), 600.0);
-    let r = get(s.addr, "/api/ready").await;
+    let r = s.get("/api/ready").await;
     assert_eq!(r.status, 503);
     assert_eq!(
         r.json(),
@@ -664,6 +488,6 @@ async fn readiness_200_and_503() {
             "reconcile_max_age_seconds": 600.0})
     );
     // The healthcheck says only that the process answers.
-    assert_eq!(get(s.addr, "/api/healthcheck").await.status, 200);
+    assert_eq!(s.get("/api/healthcheck").await.status, 200);
     stop(s).await;
 }

@@ -1,21 +1,30 @@
-//! What the HTTP tests share: `serve` spawned on a loopback port and awaited, a raw HTTP/1.1
-//! client that sends exact bytes and reads the whole answer (`Connection: close`), with the
-//! checks every test makes of an answer.
+//! What the HTTP tests share: a fake engine and installer, `serve` spawned on a loopback port
+//! over them and awaited, a raw HTTP/1.1 client that sends exact bytes and reads the whole
+//! answer (`Connection: close`), with the checks every test makes of an answer.
 
 #![allow(
     dead_code,
     reason = "each test file uses the part of this module it needs"
 )]
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use shim_http::{ApiError, ComponentsApi, HttpError, Listeners, ServerConfig, ShimApi, serve};
-use shim_task::TaskId;
+use async_trait::async_trait;
+use serde_json::json;
+use shim_components::{ComponentInfo, ComponentName, ComponentStatus};
+use shim_http::{
+    ApiError, ChangeEvent, ChangeFeed, ComponentsApi, FeedError, HttpError, InstanceInfo,
+    Listeners, Readiness, ServerConfig, ShimApi, serve,
+};
+use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::sync::{Notify, broadcast};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -24,6 +33,9 @@ pub const ANSWER_BOUND: Duration = Duration::from_secs(20);
 
 #[derive(Debug)]
 pub struct Resp {
+    /// What was asked (`METHOD /path`, and the body if any) when `raw` sent it, so that a
+    /// failed check names it; empty otherwise.
+    pub request: String,
     pub status: u16,
     pub headers: Vec<(String, String)>,
     pub body: String,
@@ -48,6 +60,7 @@ impl Resp {
     }
 
     /// Asserts a JSON answer as Go's encoder writes it (one line) and parses it.
+    #[track_caller]
     pub fn json(&self) -> serde_json::Value {
         assert_eq!(
             self.header("content-type"),
@@ -66,52 +79,24 @@ impl Resp {
     /// and a newline.
     ///
     /// upstream: runner/internal/common/api/api.go (JSONResponseHandler).
+    #[track_caller]
     pub fn assert_error(&self, status: u16, message: &str) {
-        assert_eq!(self.status, status, "{self:?}");
-        assert_eq!(
+        let got = (
+            self.status,
             self.header("content-type"),
-            Some("text/plain; charset=utf-8"),
-            "{self:?}"
-        );
-        assert_eq!(
             self.header("x-content-type-options"),
-            Some("nosniff"),
-            "{self:?}"
+            self.body.as_str(),
         );
-        assert_eq!(self.body, format!("{message}\n"), "{self:?}");
+        let text = Some("text/plain; charset=utf-8");
+        let want = (status, text, Some("nosniff"), &*format!("{message}\n"));
+        assert_eq!(got, want, "{self:?}");
     }
 
     /// Asserts upstream's answer of a handler that returns nothing (shutdown, remove,
     /// install): 200 and a lone newline as `text/plain`.
+    #[track_caller]
     pub fn assert_empty_ok(&self) {
         self.assert_error(200, "");
-    }
-}
-
-/// `serve` running in a task of its own.
-pub struct Serving {
-    pub addr: SocketAddr,
-    pub shutdown: CancellationToken,
-    pub handle: JoinHandle<Result<(), HttpError>>,
-}
-
-/// Spawns `serve` on a fresh loopback port (and on `unix`, if given).
-pub async fn spawn_serve(
-    unix: Option<&Path>,
-    api: Arc<dyn ShimApi>,
-    components: Arc<dyn ComponentsApi>,
-    config: ServerConfig,
-) -> Serving {
-    let listeners = Listeners::bind("127.0.0.1:0".parse().unwrap(), unix)
-        .await
-        .unwrap();
-    let addr = listeners.tcp_addr();
-    let shutdown = CancellationToken::new();
-    let handle = tokio::spawn(serve(listeners, api, components, config, shutdown.clone()));
-    Serving {
-        addr,
-        shutdown,
-        handle,
     }
 }
 
@@ -144,6 +129,7 @@ pub fn parse_response(raw: &[u8]) -> Resp {
         })
         .collect();
     Resp {
+        request: String::new(),
         status,
         headers,
         body: body.to_owned(),
@@ -187,12 +173,17 @@ pub async fn raw(
     body: Option<&[u8]>,
 ) -> Resp {
     let s = TcpStream::connect(addr).await.unwrap();
-    tokio::time::timeout(
-        ANSWER_BOUND,
-        exchange(s, &request_bytes(method, path, headers, body)),
-    )
-    .await
-    .expect("response within the bound")
+    let request = request_bytes(method, path, headers, body);
+    let answer = tokio::time::timeout(ANSWER_BOUND, exchange(s, &request)).await;
+    // The body's start names the request well enough.
+    let body: String = String::from_utf8_lossy(body.unwrap_or_default())
+        .chars()
+        .take(200)
+        .collect();
+    Resp {
+        request: format!("{method} {path} {body}"),
+        ..answer.expect("response within the bound")
+    }
 }
 
 pub async fn get(addr: SocketAddr, path: &str) -> Resp {
@@ -208,4 +199,294 @@ pub async fn post(addr: SocketAddr, path: &str, body: &str) -> Resp {
         Some(body.as_bytes()),
     )
     .await
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fake engine and installer every test file serves.
+
+type Item = Result<ChangeEvent, FeedError>;
+
+pub struct FakeEngine {
+    pub tasks: Mutex<HashMap<TaskId, TaskInfo>>,
+    pub terminations: Mutex<Vec<(String, String, String, u64)>>,
+    /// `GET /api/tasks/slow` signals `entered` and waits for `release`.
+    pub entered: Notify,
+    pub release: Notify,
+    /// No DCGM exporter: `has_task_metrics` says so.
+    pub no_exporter: AtomicBool,
+    /// What `GET /api/events` streams (or the feed errors injected).
+    pub changes: broadcast::Sender<Item>,
+    pub readiness: Mutex<Readiness>,
+    /// No change feed and no metrics: answered as the trait's defaults answer.
+    pub plain: AtomicBool,
+}
+
+impl Default for FakeEngine {
+    fn default() -> Self {
+        Self {
+            tasks: Mutex::default(),
+            terminations: Mutex::default(),
+            entered: Notify::new(),
+            release: Notify::new(),
+            no_exporter: AtomicBool::new(false),
+            changes: broadcast::channel(16 * 1024).0,
+            readiness: Mutex::new(Readiness::ready()),
+            plain: AtomicBool::new(false),
+        }
+    }
+}
+
+impl FakeEngine {
+    /// Adds a task as it would be in `status`.
+    pub fn insert(&self, id: &str, status: TaskStatus) {
+        let id = TaskId::new(id).unwrap();
+        self.tasks
+            .lock()
+            .unwrap()
+            .insert(id.clone(), info(&id, status));
+    }
+
+    /// Sends a change to every subscriber (none is fine: the test then sees what is missing).
+    pub fn send(&self, seq: u64, json: impl Into<String>) {
+        let json = json.into();
+        let _ = self.changes.send(Ok(ChangeEvent { seq, json }));
+    }
+}
+
+struct Feed(broadcast::Receiver<Item>);
+
+#[async_trait]
+impl ChangeFeed for Feed {
+    async fn recv(&mut self) -> Result<ChangeEvent, FeedError> {
+        match self.0.recv().await {
+            Ok(item) => item,
+            Err(broadcast::error::RecvError::Lagged(missed)) => Err(FeedError::Lagged { missed }),
+            Err(broadcast::error::RecvError::Closed) => Err(FeedError::Closed),
+        }
+    }
+}
+
+pub fn info(id: &TaskId, status: TaskStatus) -> TaskInfo {
+    TaskInfo {
+        id: id.clone(),
+        status,
+        termination_reason: String::new(),
+        termination_message: String::new(),
+        ports: None,
+        image_pull_progress: None,
+        container_name: format!("{id}-0123abcd"),
+        container_id: String::new(),
+        gpu_ids: None,
+    }
+}
+
+#[async_trait]
+impl ShimApi for FakeEngine {
+    async fn submit(&self, config: TaskConfig) -> Result<TaskInfo, ApiError> {
+        let id = &config.id;
+        let mut tasks = self.tasks.lock().unwrap();
+        if tasks.contains_key(id) {
+            return Err(ApiError::conflict(format!("task {id} already exists")));
+        }
+        let i = info(&config.id, TaskStatus::Pending);
+        tasks.insert(config.id.clone(), i.clone());
+        Ok(i)
+    }
+
+    async fn task_info(&self, id: &TaskId) -> Result<TaskInfo, ApiError> {
+        if id.as_str() == "slow" {
+            self.entered.notify_one();
+            self.release.notified().await;
+            return Ok(info(id, TaskStatus::Running));
+        }
+        if id.as_str() == "boom" {
+            return Err(ApiError::internal("engine exploded"));
+        }
+        let tasks = self.tasks.lock().unwrap();
+        tasks.get(id).cloned().ok_or_else(|| unknown_task(id))
+    }
+
+    async fn list_tasks(&self) -> Vec<(TaskId, TaskStatus)> {
+        let tasks = self.tasks.lock().unwrap();
+        let mut v: Vec<_> = tasks.values().map(|t| (t.id.clone(), t.status)).collect();
+        v.sort();
+        v
+    }
+
+    async fn terminate(
+        &self,
+        id: &TaskId,
+        reason: TerminationReason,
+        message: String,
+        timeout_s: u64,
+    ) -> Result<TaskInfo, ApiError> {
+        self.terminations.lock().unwrap().push((
+            id.to_string(),
+            reason.to_string(),
+            message.clone(),
+            timeout_s,
+        ));
+        let mut tasks = self.tasks.lock().unwrap();
+        let t = tasks.get_mut(id).ok_or_else(|| unknown_task(id))?;
+        if t.status != TaskStatus::Terminated {
+            t.status = TaskStatus::Terminated;
+            t.termination_reason = reason.to_string();
+            t.termination_message = message;
+        }
+        Ok(t.clone())
+    }
+
+    async fn remove(&self, id: &TaskId) -> Result<(), ApiError> {
+        let mut tasks = self.tasks.lock().unwrap();
+        match tasks.get(id) {
+            None => Err(unknown_task(id)),
+            Some(t) if t.status != TaskStatus::Terminated => {
+                Err(ApiError::conflict(format!("task {id} is not terminated")))
+            }
+            Some(_) => {
+                tasks.remove(id);
+                Ok(())
+            }
+        }
+    }
+
+    async fn instance_info(&self) -> InstanceInfo {
+        InstanceInfo {
+            gpu_vendor: Some("nvidia".into()),
+            gpu_driver_version: None,
+        }
+    }
+
+    async fn instance_health(&self) -> serde_json::Value {
+        json!({ "dcgm": null })
+    }
+
+    async fn task_metrics(&self, id: &TaskId) -> Result<String, ApiError> {
+        match id.as_str() {
+            "metrics-ok" => Ok("DCGM_FI_DEV_GPU_UTIL{gpu=\"0\"} 42\n".into()),
+            "metrics-empty" => Ok(String::new()),
+            "metrics-bad" => Err(ApiError::bad_gateway("exporter: connection refused")),
+            _ => Err(unknown_task(id)),
+        }
+    }
+
+    fn has_task_metrics(&self) -> bool {
+        !self.no_exporter.load(Ordering::SeqCst)
+    }
+
+    fn subscribe(&self) -> Result<Box<dyn ChangeFeed>, ApiError> {
+        if self.plain.load(Ordering::SeqCst) {
+            return Err(ApiError::not_found("task change events are not available"));
+        }
+        Ok(Box::new(Feed(self.changes.subscribe())))
+    }
+
+    async fn metrics(&self) -> Result<String, ApiError> {
+        if self.plain.load(Ordering::SeqCst) {
+            return Err(ApiError::not_found("metrics are not available"));
+        }
+        Ok("# TYPE x counter\nx_total 1\n# EOF\n".to_owned())
+    }
+
+    async fn readiness(&self) -> Readiness {
+        self.readiness.lock().unwrap().clone()
+    }
+}
+
+#[derive(Default)]
+pub struct FakeComponents {
+    pub installs: Mutex<Vec<(ComponentName, String)>>,
+}
+
+#[async_trait]
+impl ComponentsApi for FakeComponents {
+    async fn list(&self) -> Vec<ComponentInfo> {
+        vec![
+            ComponentInfo {
+                name: ComponentName::Runner,
+                version: "1.2.3".into(),
+                status: ComponentStatus::Installed,
+            },
+            ComponentInfo {
+                name: ComponentName::Shim,
+                version: String::new(),
+                status: ComponentStatus::Installing,
+            },
+        ]
+    }
+
+    async fn install(&self, name: ComponentName, url: String) -> Result<(), ApiError> {
+        if name == ComponentName::Shim {
+            return Err(ApiError::conflict("already installing"));
+        }
+        self.installs.lock().unwrap().push((name, url));
+        Ok(())
+    }
+}
+
+/// A server under test over fresh fakes: `serve` running in a task of its own.
+pub struct Server {
+    pub addr: SocketAddr,
+    pub engine: Arc<FakeEngine>,
+    pub components: Arc<FakeComponents>,
+    pub shutdown: CancellationToken,
+    pub force: CancellationToken,
+    pub handle: JoinHandle<Result<(), HttpError>>,
+}
+
+/// Starts a server on a loopback port (and on `unix`, if given) over fresh fakes, with the
+/// configuration `configure` makes of the default one.
+pub async fn start_server(
+    unix: Option<&Path>,
+    configure: impl FnOnce(ServerConfig) -> ServerConfig,
+) -> Server {
+    let engine = Arc::new(FakeEngine::default());
+    let components = Arc::new(FakeComponents::default());
+    let force = CancellationToken::new();
+    let config = configure(ServerConfig::new("0.22.0").with_force_shutdown(force.clone()));
+    let listeners = Listeners::bind("127.0.0.1:0".parse().unwrap(), unix)
+        .await
+        .unwrap();
+    let addr = listeners.tcp_addr();
+    let shutdown = CancellationToken::new();
+    let (api, installer) = (engine.clone(), components.clone());
+    let handle = tokio::spawn(serve(listeners, api, installer, config, shutdown.clone()));
+    Server {
+        addr,
+        engine,
+        components,
+        shutdown,
+        force,
+        handle,
+    }
+}
+
+pub async fn stop(server: Server) {
+    server.shutdown.cancel();
+    serve_returns(server.handle).await;
+}
+
+impl Server {
+    pub async fn get(&self, path: &str) -> Resp {
+        get(self.addr, path).await
+    }
+
+    /// A request with a JSON body.
+    pub async fn post(&self, path: &str, body: &str) -> Resp {
+        post(self.addr, path, body).await
+    }
+
+    /// A POST request with `content_type` (`None`: no such header) and `body` (`None`: none).
+    pub async fn send(&self, path: &str, content_type: Option<&str>, body: Option<&[u8]>) -> Resp {
+        let headers: Vec<_> = content_type
+            .map(|c| ("Content-Type", c))
+            .into_iter()
+            .collect();
+        raw(self.addr, "POST", path, &headers, body).await
+    }
+
+    /// A request with no body at all (and no Content-Type).
+    pub async fn bare(&self, method: &str, path: &str) -> Resp {
+        raw(self.addr, method, path, &[], None).await
+    }
 }
