@@ -105,10 +105,12 @@ impl World {
         held
     }
 
+    fn container_state(&self) -> Option<&Ctr> {
+        self.container.as_ref().map(|c| &c.state)
+    }
+
     fn container_runs(&self) -> bool {
-        self.container
-            .as_ref()
-            .is_some_and(|c| c.state == Ctr::Running)
+        self.container_state() == Some(&Ctr::Running)
     }
 }
 
@@ -146,6 +148,13 @@ fn trace(args: std::fmt::Arguments<'_>) {
     }
 }
 
+/// An event that says an action failed: `failed!(PrepareFailed, "volume {} not found", name)`.
+macro_rules! failed {
+    ($variant:ident, $($message:tt)+) => {
+        Event::$variant { message: format!($($message)+) }
+    };
+}
+
 fn terminate(reason: TerminationReason, message: &str, timeout_s: u64) -> Event {
     Event::TerminateRequested {
         reason,
@@ -163,6 +172,19 @@ fn ends_task(a: &Action) -> bool {
             | Action::Effect(Effect::CancelPull)
             | Action::Effect(Effect::Release(_))
     )
+}
+
+/// A record's reason and message.
+fn ending(r: &TaskRecord) -> (&Option<TerminationReason>, &str) {
+    (&r.termination_reason, &r.termination_message)
+}
+
+/// Terminated with an empty reason (the server's terminate of a dangling task), which a later
+/// terminate may still replace.
+fn empty_reason(r: &TaskRecord) -> bool {
+    r.termination_reason
+        .as_ref()
+        .is_some_and(|r| r.as_str().is_empty())
 }
 
 fn same_record(a: &TaskRecord, b: &TaskRecord) -> bool {
@@ -260,28 +282,45 @@ impl Sim {
         }
     }
 
-    /// Replays `choices` (regression sequences the property test found), then drains.
-    fn replay(config: TaskConfig, choices: &[(u8, u8, u8)]) {
+    /// Replays `choices` (regression sequences the property test found, written as the
+    /// `kind a b` of each choice, comma-separated), then drains.
+    fn replay(config: TaskConfig, choices: &str) {
         let mut sim = Sim::new(config);
-        for &c in choices {
-            sim.apply(c);
+        for choice in choices.split(',') {
+            let parse = |n: &str| n.parse::<u8>().unwrap();
+            let n: Vec<u8> = choice.split_whitespace().map(parse).collect();
+            sim.apply((n[0], n[1], n[2]));
         }
         sim.drain_and_check();
     }
 
     /// Runs the start job until `next` is its next op.
     fn run_start_until(&mut self, next: impl Fn(&Op) -> bool) {
-        while !self.jobs[0].front().is_some_and(&next) {
+        for _ in 0..10_000 {
+            if self.jobs[0].front().is_some_and(&next) {
+                return;
+            }
             self.run_one(0, 1);
         }
+        panic!("the start never reached the op awaited: {:?}", self.jobs);
+    }
+
+    /// A simulation of `config` in which no action fails, run until every job is done.
+    fn faultless_run(config: TaskConfig) -> Self {
+        let mut sim = Sim::faultless(config);
+        sim.run_all();
+        sim
+    }
+
+    /// The task (a test that asks knows there is one).
+    fn the_task(&self) -> &Task {
+        self.task.as_ref().expect("the task is known")
     }
 
     /// The outcome of writing `record` to the state file: it fails while the disk is full.
     fn write_state_file(&mut self, record: &TaskRecord) -> Event {
         if self.disk_full {
-            Event::PersistFailed {
-                message: "No space left on device (os error 28)".into(),
-            }
+            failed!(PersistFailed, "No space left on device (os error 28)")
         } else {
             self.world.persisted = Some(record.clone());
             Event::Persisted
@@ -314,42 +353,19 @@ impl Sim {
         // as it was.
         if matches!(event, Event::PullProgressed(_)) {
             assert_eq!(tr.actions, vec![], "pull progress took actions");
-            assert_eq!(
-                after.record(),
-                before.record(),
-                "pull progress changed the record"
-            );
+            let (old, new) = (before.record(), after.record());
+            assert_eq!(new, old, "pull progress changed the record");
         }
         // Statuses never move backwards, in the record or in the API's view; terminated
         // absorbs every event and keeps the first reason and message.
-        assert!(
-            after.status() >= before.status(),
-            "shown {} -> {} on {event:?}",
-            before.status(),
-            after.status()
-        );
-        assert!(
-            after.record().status >= before.record().status,
-            "{:?} -> {:?} on {event:?}",
-            before.record().status,
-            after.record().status
-        );
-        let empty_reason = before
-            .record()
-            .termination_reason
-            .as_ref()
-            .is_some_and(|r| r.as_str().is_empty());
+        let (was, is) = (before.status(), after.status());
+        assert!(is >= was, "shown {was} -> {is} on {event:?}");
+        let (was, is) = (before.record().status, after.record().status);
+        assert!(is >= was, "{was:?} -> {is:?} on {event:?}");
         if before.record().status == TaskStatus::Terminated {
             assert_eq!(after.record().status, TaskStatus::Terminated);
-            if !empty_reason {
-                assert_eq!(
-                    after.record().termination_reason,
-                    before.record().termination_reason
-                );
-                assert_eq!(
-                    after.record().termination_message,
-                    before.record().termination_message
-                );
+            if !empty_reason(before.record()) {
+                assert_eq!(ending(after.record()), ending(before.record()));
             }
         }
         if after.record().status == TaskStatus::Terminated {
@@ -372,27 +388,21 @@ impl Sim {
         if lazy && tr.actions.first() != Some(&Action::Persist) {
             // During a start, or at rest once it left the task running.
             assert!(after.is_dirty());
-            assert!(
-                after.start_in_flight()
-                    || (after.record().status == TaskStatus::Running && after.container_runs()),
-                "{event:?}: progress unwritten at rest: {after:?}"
-            );
+            let runs = after.container_runs();
+            let running = after.record().status == TaskStatus::Running && runs;
+            let started = after.start_in_flight() || running;
+            assert!(started, "{event:?}: progress unwritten at rest: {after:?}");
             let durable = self.world.persisted.as_ref().unwrap();
-            assert!(
-                only_progress(durable, after.record(), after.container_runs()),
-                "{event:?}: more than progress unwritten"
-            );
+            let progress = only_progress(durable, after.record(), runs);
+            assert!(progress, "{event:?}: more than progress unwritten");
         }
         if changed && !lazy {
             assert_eq!(tr.actions.first(), Some(&Action::Persist), "{event:?}");
         }
         if tr.actions.first() == Some(&Action::Persist) {
             assert!(after.is_dirty());
-            assert!(
-                tr.actions.iter().skip(1).all(|a| !a.needs_durable_record()),
-                "{event:?}: {:?}",
-                tr.actions
-            );
+            let durable = tr.actions.iter().skip(1).all(|a| !a.needs_durable_record());
+            assert!(durable, "{event:?}: {:?}", tr.actions);
         }
         assert!(!tr.actions.iter().skip(1).any(|a| *a == Action::Persist));
         assert!(after.record().updated_at_ms >= before.record().updated_at_ms);
@@ -403,14 +413,11 @@ impl Sim {
         // The durable view is what the disk holds; the API shows it, or what the container
         // itself proves (SPEC §5): `running` while it runs, `terminated` once it does not.
         if let Some(p) = &self.world.persisted {
-            assert_eq!(
-                *after.saved(),
-                Saved::of(p),
-                "the durable view is not the disk's"
-            );
+            let saved = after.saved();
+            assert_eq!(*saved, Saved::of(p), "the durable view is not the disk's");
             let shown = after.shown();
             if shown != Saved::of(p) {
-                let container = self.world.container.as_ref().map(|c| &c.state);
+                let container = self.world.container_state();
                 match shown.status {
                     // Started (it may have exited or vanished since, unseen: a restart then
                     // reads that from Docker, and the task moves on to its end).
@@ -446,12 +453,9 @@ impl Sim {
             if failed {
                 assert!(next.task.is_dirty() && next.task.write_failed());
                 // Only what ends a terminated task goes out without its write.
-                assert!(
-                    next.actions.iter().all(|a| !a.needs_durable_record()
-                        || (ends_task(a) && next.task.record().status == TaskStatus::Terminated)),
-                    "{:?}",
-                    next.actions
-                );
+                let terminated = next.task.record().status == TaskStatus::Terminated;
+                let ending = |a: &Action| !a.needs_durable_record() || (ends_task(a) && terminated);
+                assert!(next.actions.iter().all(ending), "{:?}", next.actions);
             } else {
                 assert!(!next.task.is_dirty());
                 assert_eq!(*next.task.saved(), Saved::of(next.task.record()));
@@ -472,10 +476,9 @@ impl Sim {
                     if tr.task.is_progress_only() {
                         // Only start progress is unwritten: the next start step may go.
                         assert!(a.is_start_step(), "{a:?} with a record not yet durable");
-                        assert!(
-                            only_progress(p(), tr.task.record(), tr.task.container_runs()),
-                            "{a:?} unpersisted"
-                        );
+                        let runs = tr.task.container_runs();
+                        let progress = only_progress(p(), tr.task.record(), runs);
+                        assert!(progress, "{a:?} unpersisted");
                     } else if tr.task.is_dirty() && ends_task(a) {
                         // The termination's write failed: its stop, pull cancel and release
                         // do not wait for the disk (SPEC §4).
@@ -506,7 +509,7 @@ impl Sim {
     }
 
     fn observation(&self) -> Observation {
-        match self.world.container.as_ref().map(|c| &c.state) {
+        match self.world.container_state() {
             None => Observation::Missing,
             Some(Ctr::Created) => Observation::NeverStarted,
             Some(Ctr::Running) => Observation::Running,
@@ -582,13 +585,11 @@ impl Sim {
             !same_record(r, task.record()) && only_progress(r, task.record(), task.container_runs())
         });
         assert_eq!(task.is_progress_only(), deferred, "{task:?}");
-        assert_eq!(
-            actions.first() == Some(&Action::Persist),
-            record
-                .as_ref()
-                .is_none_or(|r| !same_record(r, task.record()))
-                && !deferred
-        );
+        let changed = record
+            .as_ref()
+            .is_none_or(|r| !same_record(r, task.record()));
+        let persists = actions.first() == Some(&Action::Persist);
+        assert_eq!(persists, changed && !deferred);
         if !self.corrupted {
             // Nothing the API showed is lost: a status never goes back, and a termination it
             // showed (a terminate answered 200, an exit reported) keeps its reason and message.
@@ -598,28 +599,17 @@ impl Sim {
             // comes back from the container's end, which the first cycle reads before the
             // API answers (its requested reason may be lost).
             let shown = before.shown();
-            if shown.status == TaskStatus::Terminated {
-                assert!(
-                    task.record().status == TaskStatus::Terminated || task.container_ended(),
-                    "a shown termination is lost: {task:?}"
-                );
+            let (shown, back) = (shown.status, task.record().status);
+            if shown == TaskStatus::Terminated {
+                let ended = back == TaskStatus::Terminated || task.container_ended();
+                assert!(ended, "a shown termination is lost: {task:?}");
             } else {
-                assert!(
-                    task.record().status >= shown.status,
-                    "shown {} came back as {}",
-                    shown.status,
-                    task.record().status
-                );
+                assert!(back >= shown, "shown {shown} came back as {back}");
             }
-            if before.saved().status == TaskStatus::Terminated {
-                assert_eq!(
-                    task.record().termination_reason,
-                    before.saved().termination_reason
-                );
-                assert_eq!(
-                    task.record().termination_message,
-                    before.saved().termination_message
-                );
+            let (saved, view) = (before.saved(), Saved::of(task.record()));
+            if saved.status == TaskStatus::Terminated {
+                assert_eq!(view.termination_reason, saved.termination_reason);
+                assert_eq!(view.termination_message, saved.termination_message);
             }
         }
         if task.record().status == TaskStatus::Terminated {
@@ -628,10 +618,8 @@ impl Sim {
         // Restore is idempotent: restoring what it wrote changes nothing.
         let (again, again_actions) =
             restore(Some(task.record().clone()), container, self.now + 5).unwrap();
-        assert!(
-            same_record(again.record(), task.record()),
-            "restore is not idempotent"
-        );
+        let same = same_record(again.record(), task.record());
+        assert!(same, "restore is not idempotent");
         assert_eq!(*again.saved(), Saved::of(task.record()));
         assert!(!again_actions.contains(&Action::Persist));
 
@@ -686,13 +674,9 @@ impl Sim {
             }
             Op::PullRunning { reports } => {
                 let outcome = if self.world.pull_cancelled {
-                    Event::PullFailed {
-                        message: "pull cancelled".into(),
-                    }
+                    failed!(PullFailed, "pull cancelled")
                 } else if self.fail(b) {
-                    Event::PullFailed {
-                        message: "pull failed: 1000 bytes downloaded".into(),
-                    }
+                    failed!(PullFailed, "pull failed: 1000 bytes downloaded")
                 } else if reports < 3 && !b.is_multiple_of(3) {
                     self.jobs[j].push_front(Op::PullRunning {
                         reports: reports + 1,
@@ -722,9 +706,9 @@ impl Sim {
                     .is_some_and(|p| p.resources.volumes.iter().any(|v| v.name == volume.name));
                 if !recorded {
                     // The write-ahead failed (a full disk): the engine does not mount.
-                    self.jobs[j].push_front(Op::Deliver(Event::PrepareFailed {
-                        message: format!("cannot record volume {} ahead", volume.name),
-                    }));
+                    let message = format!("cannot record volume {} ahead", volume.name);
+                    let outcome = Event::PrepareFailed { message };
+                    self.jobs[j].push_front(Op::Deliver(outcome));
                     return;
                 }
                 assert!(self.world.volumes_mounted.insert(volume.name.clone()));
@@ -762,15 +746,10 @@ impl Sim {
                     .map(|g| g.to_string())
                     .filter(|g| !self.world.gpus_locked.contains(g))
                     .collect();
-                let want = if count < 0 {
-                    free.len()
-                } else {
-                    count as usize
-                };
+                // A negative count asks for every free GPU.
+                let want = usize::try_from(count).unwrap_or(free.len());
                 if fail || want > free.len() {
-                    Some(Event::PrepareFailed {
-                        message: format!("{want} GPUs unavailable"),
-                    })
+                    Some(failed!(PrepareFailed, "{want} GPUs unavailable"))
                 } else {
                     let ids: Vec<String> = free.into_iter().take(want).collect();
                     for g in &ids {
@@ -782,9 +761,7 @@ impl Sim {
             }
             Action::Effect(Effect::AddHostKeys(grant)) => {
                 if fail {
-                    Some(Event::PrepareFailed {
-                        message: "authorized_keys not writable".into(),
-                    })
+                    Some(failed!(PrepareFailed, "authorized_keys not writable"))
                 } else {
                     assert!(!self.world.keys_present);
                     assert_eq!(task.record().resources.host_keys.as_ref(), Some(&grant));
@@ -795,9 +772,7 @@ impl Sim {
             }
             Action::Effect(Effect::MountVolume(spec)) => {
                 if fail {
-                    Some(Event::PrepareFailed {
-                        message: format!("volume {} not found", spec.name),
-                    })
+                    Some(failed!(PrepareFailed, "volume {} not found", spec.name))
                 } else {
                     // Like the engine: record ahead (the outcome below is stepped first and
                     // persisted), then mount.
@@ -812,9 +787,7 @@ impl Sim {
                 }
             }
             Action::Effect(Effect::CreateDir(path)) => Some(if fail {
-                Event::PrepareFailed {
-                    message: format!("cannot create {path}"),
-                }
+                failed!(PrepareFailed, "cannot create {path}")
             } else if b.is_multiple_of(2) {
                 Event::DirCreated(path)
             } else {
@@ -836,9 +809,7 @@ impl Sim {
             Action::Effect(Effect::CreateContainer) => {
                 assert!(self.world.container.is_none());
                 if fail {
-                    Some(Event::CreateFailed {
-                        message: "create failed".into(),
-                    })
+                    Some(failed!(CreateFailed, "create failed"))
                 } else {
                     self.world.containers_made += 1;
                     let id = format!("c{}", self.world.containers_made);
@@ -865,15 +836,11 @@ impl Sim {
                         ports: c.ports.clone(),
                     })
                 }
-                _ => Some(Event::StartFailed {
-                    message: "start failed".into(),
-                }),
+                _ => Some(failed!(StartFailed, "start failed")),
             },
             Action::Effect(Effect::StopContainer { .. }) => {
                 if fail {
-                    Some(Event::StopFailed {
-                        message: "daemon busy".into(),
-                    })
+                    Some(failed!(StopFailed, "daemon busy"))
                 } else {
                     if let Some(c) = self.world.container.as_mut()
                         && c.state == Ctr::Running
@@ -887,10 +854,8 @@ impl Sim {
                 // Nothing is released while start is in flight, or for a task not terminated.
                 assert!(!task.start_in_flight(), "release while start is in flight");
                 // Nor while the container may still use the resources.
-                assert!(
-                    !self.world.container_runs(),
-                    "release while the container runs"
-                );
+                let runs = self.world.container_runs();
+                assert!(!runs, "release while the container runs");
                 assert_eq!(task.record().status, TaskStatus::Terminated);
                 assert!(!res.holds_any() || task.release_in_flight());
                 let mut freed_gpus = Vec::new();
@@ -924,24 +889,17 @@ impl Sim {
                     self.check_release_of(&format!("vol:{}", v.name), held);
                     freed_volumes.push(v.name.clone());
                 }
-                Some(
-                    if any_failed
-                        && freed_gpus.is_empty()
-                        && !freed_keys
-                        && freed_volumes.is_empty()
-                    {
-                        Event::ReleaseFailed {
-                            message: "umount: target is busy".into(),
-                        }
-                    } else {
-                        Event::Released {
-                            unknown_keys: res.unknown_keys.is_some(),
-                            gpus: freed_gpus,
-                            host_keys: freed_keys,
-                            volumes: freed_volumes,
-                        }
-                    },
-                )
+                let freed_any = !freed_gpus.is_empty() || freed_keys || !freed_volumes.is_empty();
+                Some(if any_failed && !freed_any {
+                    failed!(ReleaseFailed, "umount: target is busy")
+                } else {
+                    Event::Released {
+                        unknown_keys: res.unknown_keys.is_some(),
+                        gpus: freed_gpus,
+                        host_keys: freed_keys,
+                        volumes: freed_volumes,
+                    }
+                })
             }
             Action::Effect(Effect::RemoveContainer) => {
                 if fail {
@@ -1001,15 +959,12 @@ impl Sim {
         if !self.world.free(key.to_owned(), held) {
             // GPU locks are taken again on restore before anything is released.
             assert!(!key.starts_with("gpu:"), "release of {key}, not locked");
-            assert!(
-                self.crashed || (self.write_failed && (key == "keys" || key.starts_with("vol:"))),
-                "release of {key}, not held, without a crash"
-            );
+            let ahead = key == "keys" || key.starts_with("vol:");
+            let excused = self.crashed || (self.write_failed && ahead);
+            assert!(excused, "release of {key}, not held, without a crash");
             let released_before = self.world.released.get(key).copied().unwrap_or(0) > 0;
-            assert!(
-                released_before || ((key == "keys" || key.starts_with("vol:")) && !acquired),
-                "release of {key}, never acquired"
-            );
+            let excused = released_before || (ahead && !acquired);
+            assert!(excused, "release of {key}, never acquired");
         }
     }
 
@@ -1061,11 +1016,8 @@ impl Sim {
                     // The server's terminate of a dangling task carries no reason.
                     TerminationReason::Other(String::new()),
                 ];
-                let event = Event::TerminateRequested {
-                    reason: reasons[a as usize % reasons.len()].clone(),
-                    message: format!("terminate {b}"),
-                    timeout_s: u64::from(b % 3) * 10,
-                };
+                let reason = reasons[a as usize % reasons.len()].clone();
+                let event = terminate(reason, &format!("terminate {b}"), u64::from(b % 3) * 10);
                 self.feed(event, None).unwrap();
             }
             18 => {
@@ -1152,18 +1104,13 @@ impl Sim {
             self.run_all();
             self.reconcile(false);
             self.run_all();
+            let disk_full = self.disk_full;
             if let Some(t) = &self.task {
                 assert_eq!(t.record().status, TaskStatus::Terminated);
-                assert!(
-                    !t.record().resources.holds_any(),
-                    "not released (disk full: {}): {t:?}",
-                    self.disk_full
-                );
-                assert!(
-                    !self.world.container_runs(),
-                    "container still runs (disk full: {})",
-                    self.disk_full
-                );
+                let held = t.record().resources.holds_any();
+                assert!(!held, "not released (disk full: {disk_full}): {t:?}");
+                let runs = self.world.container_runs();
+                assert!(!runs, "container still runs (disk full: {disk_full})");
             }
             self.assert_nothing_held();
         }
@@ -1175,12 +1122,8 @@ impl Sim {
                 let drain = terminate(TerminationReason::TerminatedByServer, "drain", 0);
                 self.feed(drain, None).unwrap();
                 self.run_all();
-                let t = self.task.as_ref().unwrap();
-                assert_eq!(
-                    t.saved().status,
-                    TaskStatus::Terminated,
-                    "terminate not durable"
-                );
+                let saved = self.task.as_ref().unwrap().saved().status;
+                assert_eq!(saved, TaskStatus::Terminated, "terminate not durable");
             }
         }
         self.reconcile(false);
@@ -1190,20 +1133,14 @@ impl Sim {
             assert_eq!(t.saved().status, TaskStatus::Terminated);
             assert!(!t.is_dirty(), "not written within one cycle");
             assert!(!t.start_in_flight());
-            assert!(
-                !t.record().resources.holds_any(),
-                "not released within one cycle: {:?}",
-                t
-            );
+            let held = t.record().resources.holds_any();
+            assert!(!held, "not released within one cycle: {t:?}");
             assert!(t.record().resources.released);
             assert!(!t.needs_release());
             assert!(!self.world.container_runs(), "container still runs");
             // What the API shows of a terminated task.
-            let info = t.info();
-            assert_eq!(
-                info.termination_reason,
-                t.record().termination_reason.as_ref().unwrap().as_str()
-            );
+            let reason = t.record().termination_reason.as_ref().unwrap();
+            assert_eq!(t.info().termination_reason, reason.as_str());
         }
         // Every resource acquired was released exactly once per acquisition; nothing is held.
         self.assert_nothing_held();
@@ -1214,11 +1151,8 @@ impl Sim {
             if self.forgotten && key.starts_with("vol:") {
                 continue; // nothing names the forgotten task's volumes
             }
-            assert_eq!(
-                self.world.released.get(key),
-                Some(n),
-                "{key}: acquired {n} times"
-            );
+            let released = self.world.released.get(key);
+            assert_eq!(released, Some(n), "{key}: acquired {n} times");
         }
         for key in self.world.released.keys() {
             assert!(self.world.acquired.contains_key(key));
@@ -1272,17 +1206,7 @@ proptest! {
 fn restore_relocks_before_the_reconciler_releases() {
     Sim::replay(
         config_from(-1, false, 0, 0, false),
-        &[
-            (92, 0, 0),
-            (60, 0, 17),
-            (0, 0, 0),
-            (92, 0, 6),
-            (60, 0, 0),
-            (28, 0, 29),
-            (219, 0, 0),
-            (52, 0, 0),
-            (60, 29, 0),
-        ],
+        "92 0 0, 60 0 17, 0 0 0, 92 0 6, 60 0 0, 28 0 29, 219 0 0, 52 0 0, 60 29 0",
     );
 }
 
@@ -1290,25 +1214,23 @@ fn restore_relocks_before_the_reconciler_releases() {
 /// resource is acquired and released.
 #[test]
 fn simulator_happy_path_runs_and_releases() {
-    let mut sim = Sim::faultless(config_from(2, true, 2, 1, true));
-    sim.run_all();
-    let t = sim.task.clone().unwrap();
+    let mut sim = Sim::faultless_run(config_from(2, true, 2, 1, true));
+    let t = sim.the_task();
     assert_eq!(t.record().status, TaskStatus::Running);
     assert!(!t.start_in_flight());
-    assert_eq!(t.record().resources.gpus.len(), 2);
-    assert!(t.record().resources.host_keys.is_some());
-    assert_eq!(t.record().resources.volumes.len(), 2);
+    let held = &t.record().resources;
+    assert_eq!(held.gpus.len(), 2);
+    assert!(held.host_keys.is_some());
+    assert_eq!(held.volumes.len(), 2);
     assert_eq!(t.info().ports.unwrap().len(), 1);
     assert_eq!(sim.world.acquired.len(), 5);
     sim.world.container.as_mut().unwrap().state = Ctr::Exited(0);
     sim.reconcile(false);
     sim.run_all();
-    let t = sim.task.clone().unwrap();
-    assert_eq!(
-        t.record().termination_reason,
-        Some(TerminationReason::DoneByRunner)
-    );
-    assert!(t.record().resources.released);
+    let record = sim.the_task().record();
+    let done = Some(TerminationReason::DoneByRunner);
+    assert_eq!(record.termination_reason, done);
+    assert!(record.resources.released);
     assert_eq!(sim.world.released, sim.world.acquired);
     sim.drain_and_check();
 }
@@ -1332,23 +1254,11 @@ fn crash_at_every_point_of_a_clean_start() {
 fn crash_around_a_mount_leaks_nothing() {
     for extra in 0..3 {
         let mut sim = Sim::faultless(config_from(0, false, 1, 0, false));
-        let mut crashed = false;
-        for _ in 0..40 {
-            if sim
-                .jobs
-                .iter()
-                .any(|q| matches!(q.front(), Some(Op::Mount(_))))
-            {
-                for _ in 0..extra {
-                    sim.run_one(0, 1);
-                }
-                sim.crash(false, 1);
-                crashed = true;
-                break;
-            }
+        sim.run_start_until(|op| matches!(op, Op::Mount(_)));
+        for _ in 0..extra {
             sim.run_one(0, 1);
         }
-        assert!(crashed, "the start never reached the mount");
+        sim.crash(false, 1);
         sim.drain_and_check();
     }
 }
@@ -1487,19 +1397,15 @@ proptest! {
             let Ok(tr) = step(&task, event, now) else { continue };
             let (b, a) = (task.record(), tr.task.record());
             prop_assert!(a.status >= b.status);
-            let empty_reason = b.termination_reason.as_ref().is_some_and(|r| r.as_str().is_empty());
-            if b.status == TaskStatus::Terminated && !empty_reason {
-                prop_assert_eq!(&a.termination_reason, &b.termination_reason);
-                prop_assert_eq!(&a.termination_message, &b.termination_message);
+            if b.status == TaskStatus::Terminated && !empty_reason(b) {
+                prop_assert_eq!(ending(a), ending(b));
             }
             prop_assert_eq!(a.status == TaskStatus::Terminated, a.termination_reason.is_some());
             if tr.task.is_progress_only() {
                 // During a start, or at rest once it left the task running.
                 prop_assert!(tr.task.is_dirty());
-                prop_assert!(
-                    tr.task.start_in_flight()
-                        || (a.status == TaskStatus::Running && tr.task.container_runs())
-                );
+                let running = a.status == TaskStatus::Running && tr.task.container_runs();
+                prop_assert!(tr.task.start_in_flight() || running);
             }
             if !same_record(b, a) && tr.task.is_progress_only() {
                 // Start progress needs no write of its own.
@@ -1518,11 +1424,8 @@ proptest! {
                 let ending = tr.task.write_failed()
                     && a.status == TaskStatus::Terminated
                     && tr.actions.iter().filter(|x| x.needs_durable_record()).all(ends_task);
-                prop_assert!(
-                    !tr.task.is_dirty() || tr.task.is_progress_only() || ending,
-                    "{:?}",
-                    tr.actions
-                );
+                let allowed = !tr.task.is_dirty() || tr.task.is_progress_only() || ending;
+                prop_assert!(allowed, "{:?}", tr.actions);
             }
             // The durable view changes only with a write's success.
             if tr.task.saved() != task.saved() {
@@ -1546,10 +1449,8 @@ proptest! {
                 };
             if shown_after != shown_before && !running_ahead {
                 prop_assert_eq!(&shown_after, &Saved::of(a));
-                prop_assert!(
-                    !tr.task.is_dirty()
-                        || (a.status == TaskStatus::Terminated && tr.task.container_ended())
-                );
+                let ended = a.status == TaskStatus::Terminated && tr.task.container_ended();
+                prop_assert!(!tr.task.is_dirty() || ended);
             }
             if shown_before.status == TaskStatus::Terminated {
                 prop_assert_eq!(shown_after.status, TaskStatus::Terminated);
@@ -1586,16 +1487,14 @@ proptest! {
 /// one leak the simulator accepts, and only after this triple fault.
 #[test]
 fn an_adopted_task_never_written_is_forgotten_when_its_container_goes() {
-    let mut sim = Sim::faultless(config_from(1, false, 1, 0, false));
-    sim.run_all();
+    let mut sim = Sim::faultless_run(config_from(1, false, 1, 0, false));
     sim.disk_full = true;
     sim.crash(true, 0);
     assert!(sim.task.is_some(), "adopted from its container");
     assert!(sim.world.persisted.is_none(), "the disk is full");
     sim.world.container = None;
     sim.crash(false, 0);
-    assert!(sim.task.is_none());
-    assert!(sim.forgotten);
+    assert!(sim.task.is_none() && sim.forgotten);
     assert!(sim.world.gpus_locked.is_empty());
     assert_eq!(sim.world.volumes_mounted.len(), 1);
     sim.drain_and_check();
@@ -1611,46 +1510,35 @@ fn an_adopted_task_never_written_is_forgotten_when_its_container_goes() {
 #[test]
 fn a_terminate_on_a_full_disk_stops_and_releases_without_its_write() {
     for crash_before_the_write in [false, true] {
-        let mut sim = Sim::faultless(config_from(2, true, 2, 0, true));
-        sim.run_all();
-        let t = sim.task.as_ref().unwrap();
+        let mut sim = Sim::faultless_run(config_from(2, true, 2, 0, true));
+        let t = sim.the_task();
         assert_eq!(t.status(), TaskStatus::Running);
-        assert!(
-            t.saved().status < TaskStatus::Running,
-            "running is not written"
-        );
+        let unwritten = t.saved().status < TaskStatus::Running;
+        assert!(unwritten, "running is not written");
         sim.disk_full = true;
         let full = terminate(TerminationReason::TerminatedByUser, "full", 0);
         sim.feed(full, None).unwrap();
         sim.run_all();
-        let t = sim.task.clone().unwrap();
-        assert!(
-            t.saved().status < TaskStatus::Terminated,
-            "the termination is not durable"
-        );
+        let t = sim.the_task();
+        let unwritten = t.saved().status < TaskStatus::Terminated;
+        assert!(unwritten, "the termination is not durable");
         assert!(t.is_dirty() && t.write_failed());
         assert!(!t.record().resources.holds_any(), "{t:?}");
-        assert_eq!(
-            sim.world.container.as_ref().unwrap().state,
-            Ctr::Exited(137)
-        );
-        assert!(sim.world.gpus_locked.is_empty());
-        assert!(sim.world.volumes_mounted.is_empty());
-        assert!(!sim.world.keys_present);
+        assert_eq!(sim.world.container_state(), Some(&Ctr::Exited(137)));
+        // No crash yet: nothing is held, the keys and volumes included.
+        sim.assert_nothing_held();
         if crash_before_the_write {
             sim.crash(false, 0);
-            let t = sim.task.clone().unwrap();
+            let t = sim.the_task();
             assert_eq!(t.record().status, TaskStatus::Running, "the durable record");
             assert_eq!(sim.world.gpus_locked.len(), 2, "locked again at restore");
             sim.reconcile(false);
             sim.run_all();
-            let t = sim.task.clone().unwrap();
-            assert_eq!(
-                t.record().termination_reason,
-                Some(TerminationReason::ContainerExitedWithError),
-                "at worst the reason reads as the container's exit"
-            );
-            assert!(!t.record().resources.holds_any());
+            let record = sim.the_task().record();
+            let exit = Some(TerminationReason::ContainerExitedWithError);
+            let why = "at worst the reason reads as the container's exit";
+            assert_eq!(record.termination_reason, exit, "{why}");
+            assert!(!record.resources.holds_any());
             assert!(sim.world.gpus_locked.is_empty());
         } else {
             sim.remove_and_check_gone();
@@ -1669,12 +1557,11 @@ fn a_volume_recorded_ahead_on_a_full_disk_is_given_up_and_released_at_once() {
     sim.run_start_until(|op| matches!(op, Op::Do(Action::Effect(Effect::MountVolume(_)))));
     sim.disk_full = true;
     sim.run_all();
-    let t = sim.task.clone().unwrap();
+    let t = sim.the_task();
     assert!(t.write_failed() && !t.start_in_flight());
     assert_eq!(t.record().status, TaskStatus::Terminated);
     assert!(!t.record().resources.holds_any(), "{t:?}");
-    assert!(sim.world.volumes_mounted.is_empty());
-    assert!(sim.world.gpus_locked.is_empty());
+    assert!(sim.world.volumes_mounted.is_empty() && sim.world.gpus_locked.is_empty());
     sim.crash(true, 0);
     sim.drain_and_check();
 }
@@ -1686,22 +1573,8 @@ fn a_volume_recorded_ahead_on_a_full_disk_is_given_up_and_released_at_once() {
 fn a_remove_after_a_failed_stop_sends_no_stop() {
     Sim::replay(
         config_from(0, false, 0, 0, false),
-        &[
-            (0, 0, 0),
-            (0, 0, 1),
-            (29, 0, 0),
-            (29, 0, 16),
-            (29, 0, 0),
-            (29, 0, 5),
-            (27, 1, 0),
-            (16, 0, 0),
-            (0, 0, 88),
-            (219, 1, 3),
-            (121, 0, 0),
-            (0, 0, 1),
-            (29, 0, 0),
-            (148, 31, 0),
-        ],
+        "0 0 0, 0 0 1, 29 0 0, 29 0 16, 29 0 0, 29 0 5, 27 1 0, 16 0 0, 0 0 88, 219 1 3, 121 0 0, \
+         0 0 1, 29 0 0, 148 31 0",
     );
 }
 
@@ -1712,31 +1585,9 @@ fn a_remove_after_a_failed_stop_sends_no_stop() {
 fn a_failed_removal_makes_the_container_stop_before_any_release() {
     Sim::replay(
         config_from(1, false, 0, 1, false),
-        &[
-            (29, 0, 0),
-            (29, 0, 1),
-            (61, 0, 0),
-            (0, 0, 5),
-            (0, 0, 0),
-            (0, 0, 66),
-            (18, 0, 0),
-            (0, 0, 0),
-            (18, 0, 0),
-            (29, 0, 1),
-            (61, 0, 0),
-            (125, 0, 1),
-            (59, 0, 0),
-            (0, 0, 0),
-            (0, 0, 0),
-            (240, 0, 0),
-            (0, 0, 212),
-            (125, 0, 0),
-            (25, 0, 0),
-            (88, 0, 0),
-            (61, 0, 104),
-            (0, 0, 0),
-            (0, 0, 0),
-        ],
+        "29 0 0, 29 0 1, 61 0 0, 0 0 5, 0 0 0, 0 0 66, 18 0 0, 0 0 0, 18 0 0, 29 0 1, 61 0 0, \
+         125 0 1, 59 0 0, 0 0 0, 0 0 0, 240 0 0, 0 0 212, 125 0 0, 25 0 0, 88 0 0, 61 0 104, \
+         0 0 0, 0 0 0",
     );
 }
 
@@ -1755,19 +1606,16 @@ fn a_crash_after_running_was_shown_restores_running() {
         if settled {
             sim.run_all();
         }
-        let t = sim.task.as_ref().unwrap();
+        let t = sim.the_task();
         assert_eq!(t.status(), TaskStatus::Running);
         assert!(t.is_progress_only() && !t.needs_write(), "{t:?}");
-        assert_eq!(
-            sim.world.persisted.as_ref(),
-            Some(&durable),
-            "no write of its own"
-        );
+        let written = sim.world.persisted.as_ref();
+        assert_eq!(written, Some(&durable), "no write of its own");
         if exited_unseen {
             sim.world.container.as_mut().unwrap().state = Ctr::Exited(0);
         }
         sim.crash(false, 0);
-        let t = sim.task.clone().unwrap();
+        let t = sim.the_task();
         assert_eq!(t.record().status, TaskStatus::Running, "{t:?}");
         assert_eq!(t.status(), TaskStatus::Running);
         assert_eq!(t.container_ended(), exited_unseen);

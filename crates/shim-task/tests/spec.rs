@@ -7,9 +7,10 @@ use shim_task::TerminationReason::{
     ContainerExitedWithError, CreatingContainerError, DoneByRunner, ExecutorError,
     MaxDurationExceeded, TerminatedByServer, TerminatedByUser,
 };
-use shim_task::machine::{
-    Action, Effect, Event, Observation, StartStep, StopState, Task, TransitionError, step,
+use shim_task::machine::TransitionError::{
+    NotTerminated, ReleaseInFlight, StartInFlight, Unexpected,
 };
+use shim_task::machine::{Action, Effect, Event, Observation, StartStep, StopState, Task, step};
 use shim_task::machine::{EXIT_MESSAGE_LINES, NEVER_STARTED_MESSAGE, VANISHED_MESSAGE};
 use shim_task::naming::container_name;
 use shim_task::{
@@ -18,6 +19,8 @@ use shim_task::{
     TaskStatus, TerminationReason, VolumeBackend, VolumeSpec, restore,
 };
 
+/// The one instance mount of `config()`.
+const CACHE: &str = "/mnt/cache";
 const KEY: &str =
     "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAID1C4oAsnzrPpqMilIIwxvatSq1HhXjaqM9ge9X3BgAe k";
 
@@ -41,7 +44,7 @@ fn config() -> TaskConfig {
         device_name: String::new(),
     }];
     c.instance_mounts = vec![InstanceMountPoint {
-        instance_path: "/mnt/cache".into(),
+        instance_path: CACHE.into(),
         path: "/cache".into(),
     }];
     c
@@ -71,7 +74,43 @@ fn strings(items: &[&str]) -> Vec<String> {
     items.iter().map(|s| s.to_string()).collect()
 }
 
-// ---- Events and observations, one line each ----
+/// The one GPU a task of `config()` gets.
+fn gpu_a() -> Vec<String> {
+    strings(&["GPU-a"])
+}
+
+// ---- Actions, events and observations, one line each ----
+
+const PERSIST: Action = Action::Persist;
+const FINISH: Action = Action::Effect(Effect::FinishStart);
+const CREATE: Action = Action::Effect(Effect::CreateContainer);
+const START: Action = Action::Effect(Effect::StartContainer);
+const CANCEL_PULL: Action = Action::Effect(Effect::CancelPull);
+
+fn fx(effect: Effect) -> Action {
+    Action::Effect(effect)
+}
+
+fn stop(timeout_s: u64) -> Action {
+    fx(Effect::StopContainer { timeout_s })
+}
+
+fn pull(image: &str) -> Action {
+    let image = image.into();
+    fx(Effect::Pull { image })
+}
+
+fn lock_gpu_a() -> Action {
+    fx(Effect::LockGpus(gpu_a()))
+}
+
+/// What a remove carries out, with the release (if any) of what the task still holds.
+fn removal(release: Option<Action>) -> Vec<Action> {
+    let mut actions = vec![fx(Effect::RemoveContainer)];
+    actions.extend(release);
+    actions.extend([Action::DeleteTaskDir, fx(Effect::Forget)]);
+    actions
+}
 
 fn terminate(reason: TerminationReason, message: &str, timeout_s: u64) -> Event {
     Event::TerminateRequested {
@@ -90,6 +129,10 @@ fn exited(code: i64, lines: &[&str]) -> Observation {
     }
 }
 
+fn seen(observation: Observation) -> Event {
+    Event::Observed(observation)
+}
+
 fn created(id: &str) -> Event {
     let container_id = id.into();
     Event::ContainerCreated { container_id }
@@ -98,6 +141,10 @@ fn created(id: &str) -> Event {
 fn recreated(id: &str) -> Event {
     let container_id = id.into();
     Event::ContainerRecreated { container_id }
+}
+
+fn started() -> Event {
+    Event::ContainerStarted { ports: vec![] }
 }
 
 /// What a release freed.
@@ -110,20 +157,26 @@ fn released(gpus: &[&str], host_keys: bool, volumes: &[&str]) -> Event {
     }
 }
 
-fn prepare_failed(m: &str) -> Event {
-    Event::PrepareFailed { message: m.into() }
+/// `fn name(message) -> Event`: an action's failure, `Event::Variant { message }`.
+macro_rules! failure_events {
+    ($($name:ident: $variant:ident,)*) => {
+        $(
+            fn $name(message: &str) -> Event {
+                Event::$variant { message: message.into() }
+            }
+        )*
+    };
 }
 
-fn pull_failed(m: &str) -> Event {
-    Event::PullFailed { message: m.into() }
-}
-
-fn stop_failed(m: &str) -> Event {
-    Event::StopFailed { message: m.into() }
-}
-
-fn release_failed(m: &str) -> Event {
-    Event::ReleaseFailed { message: m.into() }
+failure_events! {
+    prepare_failed: PrepareFailed,
+    pull_failed: PullFailed,
+    create_failed: CreateFailed,
+    start_refused: StartRefused,
+    start_failed: StartFailed,
+    start_aborted: StartAborted,
+    stop_failed: StopFailed,
+    release_failed: ReleaseFailed,
 }
 
 /// The outcome of a write on a full disk.
@@ -134,65 +187,70 @@ fn disk_full() -> Event {
 
 // ---- Driving a task ----
 
-/// Steps `event` and returns the actions. A leading `Persist` is carried out as the engine
-/// does (under the same lock): its outcome `write` (`Persisted`, or `PersistFailed`) is
-/// stepped at once, and what that step returns follows the `Persist` in the returned list.
-fn go_writing(t: &mut Task, event: Event, write: Event) -> Vec<Action> {
-    let tr = step(t, event, 200).unwrap();
-    *t = tr.task;
-    let mut actions = tr.actions;
-    if actions.first() == Some(&Action::Persist) {
-        let written = write == Event::Persisted;
-        let tr = step(t, write, 200).unwrap();
-        *t = tr.task;
-        assert_eq!(t.is_dirty(), !written);
-        if written {
-            // Durable now: the API shows the record.
-            assert_eq!(t.info().status, t.record().status);
-        }
-        actions.extend(tr.actions);
+/// Driving a task through `step`, as the engine does.
+trait Drive {
+    /// Steps `event` and returns the actions. A leading `Persist` is carried out as the engine
+    /// does (under the same lock): its outcome `write` (`Persisted`, or `PersistFailed`) is
+    /// stepped at once, and what that step returns follows the `Persist` in the returned list.
+    fn go_writing(&mut self, event: Event, write: Event) -> Vec<Action>;
+
+    /// Steps `event`, its write (if any) succeeding.
+    fn go(&mut self, event: Event) -> Vec<Action> {
+        self.go_writing(event, Event::Persisted)
     }
-    actions
+
+    /// Steps `event` with the write failing (a full disk).
+    fn go_disk_full(&mut self, event: Event) -> Vec<Action> {
+        self.go_writing(event, disk_full())
+    }
+
+    /// Steps each event in turn (their writes succeeding): a history a test only sets up.
+    fn go_all(&mut self, events: impl IntoIterator<Item = Event>) {
+        for event in events {
+            self.go(event);
+        }
+    }
 }
 
-/// Steps `event`, its write (if any) succeeding.
-fn go(t: &mut Task, event: Event) -> Vec<Action> {
-    go_writing(t, event, Event::Persisted)
-}
-
-/// Steps `event` with the write failing (a full disk).
-fn go_disk_full(t: &mut Task, event: Event) -> Vec<Action> {
-    go_writing(t, event, disk_full())
+impl Drive for Task {
+    fn go_writing(&mut self, event: Event, write: Event) -> Vec<Action> {
+        let tr = step(self, event, 200).unwrap();
+        *self = tr.task;
+        let mut actions = tr.actions;
+        if actions.first() == Some(&Action::Persist) {
+            let written = write == Event::Persisted;
+            let tr = step(self, write, 200).unwrap();
+            *self = tr.task;
+            assert_eq!(self.is_dirty(), !written);
+            if written {
+                // Durable now: the API shows the record.
+                assert_eq!(self.info().status, self.record().status);
+            }
+            actions.extend(tr.actions);
+        }
+        actions
+    }
 }
 
 /// A task whose start has reached the awaited step `until` (all outcomes successful).
 fn started_until(until: StartStep) -> Task {
     let mut t = new_task(&config());
-    go(&mut t, Event::StartBegan);
+    t.go(Event::StartBegan);
     let outcomes = [
-        (
-            StartStep::AcquireGpus,
-            Event::GpusAcquired(strings(&["GPU-a"])),
-        ),
+        (StartStep::AcquireGpus, Event::GpusAcquired(gpu_a())),
         (StartStep::AddHostKeys, Event::HostKeysAdded(grant())),
         (StartStep::MountVolume(0), Event::VolumeMounted(volume())),
-        (
-            StartStep::CreateDir(0),
-            Event::DirCreated("/mnt/cache".into()),
-        ),
+        (StartStep::CreateDir(0), Event::DirCreated(CACHE.into())),
         (StartStep::Pull, Event::PullDone(PullProgress::default())),
         (StartStep::CreateContainer, created("cid")),
-        (
-            StartStep::StartContainer,
-            Event::ContainerStarted { ports: vec![] },
-        ),
+        (StartStep::StartContainer, started()),
     ];
     for (s, event) in outcomes {
         if t.start_step() == Some(until) {
             break;
         }
         assert_eq!(t.start_step(), Some(s));
-        go(&mut t, event);
+        t.go(event);
     }
     assert_eq!(t.start_step(), Some(until));
     t
@@ -200,22 +258,30 @@ fn started_until(until: StartStep) -> Task {
 
 fn running() -> Task {
     let mut t = started_until(StartStep::Finish);
-    go(&mut t, Event::StartFinished);
+    t.go(Event::StartFinished);
     assert_eq!(t.status(), TaskStatus::Running);
     t
 }
 
+/// The task is terminated with `reason` and `message`, in its record and in the API's view;
+/// `label` names the case in a failure.
+#[track_caller]
+fn assert_ended_as(label: &str, t: &Task, reason: TerminationReason, message: &str) {
+    let (record, info) = (t.record(), t.info());
+    assert_eq!(t.status(), TaskStatus::Terminated, "{label}");
+    assert_eq!(record.termination_reason, Some(reason.clone()), "{label}");
+    assert_eq!(record.termination_message, message, "{label}");
+    assert_eq!(info.termination_reason, reason.as_str(), "{label}");
+    assert_eq!(info.termination_message, message, "{label}");
+}
+
+#[track_caller]
 fn assert_ended(t: &Task, reason: TerminationReason, message: &str) {
-    assert_eq!(t.status(), TaskStatus::Terminated);
-    assert_eq!(t.record().termination_reason, Some(reason.clone()));
-    assert_eq!(t.record().termination_message, message);
-    let info = t.info();
-    assert_eq!(info.termination_reason, reason.as_str());
-    assert_eq!(info.termination_message, message);
+    assert_ended_as("", t, reason, message);
 }
 
 fn release_of(t: &Task) -> Action {
-    Action::Effect(Effect::Release(t.held()))
+    fx(Effect::Release(t.held()))
 }
 
 #[test]
@@ -225,58 +291,42 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
     assert!(t.start_in_flight());
     // `preparing` alone is start progress: no write of its own, the API still shows the
     // durable `pending`, and the first step goes out at once.
-    let a = go(&mut t, Event::StartBegan);
-    assert_eq!(a, vec![Action::Effect(Effect::AcquireGpus { count: 1 })]);
+    let a = t.go(Event::StartBegan);
+    assert_eq!(a, [fx(Effect::AcquireGpus { count: 1 })]);
     assert_eq!(t.record().status, TaskStatus::Preparing);
     assert_eq!(t.status(), TaskStatus::Pending);
     assert!(t.is_dirty() && t.is_progress_only());
     // GPU ids are recorded: written (with the progress) before the next step.
-    let a = go(&mut t, Event::GpusAcquired(strings(&["GPU-a"])));
-    assert_eq!(
-        a,
-        vec![
-            Action::Persist,
-            Action::Effect(Effect::AddHostKeys(grant()))
-        ]
-    );
+    let a = t.go(Event::GpusAcquired(gpu_a()));
+    assert_eq!(a, [PERSIST, fx(Effect::AddHostKeys(grant()))]);
     assert_eq!(t.status(), TaskStatus::Preparing);
     assert_eq!(t.record().resources.gpus, ["GPU-a"]);
     // The keys are recorded (and persisted) ahead of the add.
     assert_eq!(t.record().resources.host_keys, Some(grant()));
-    let a = go(&mut t, Event::HostKeysAdded(grant()));
-    assert_eq!(
-        a,
-        vec![Action::Effect(Effect::MountVolume(c.volumes[0].clone()))]
-    );
-    let a = go(&mut t, Event::VolumeMounted(volume()));
-    let create_dir = Action::Effect(Effect::CreateDir("/mnt/cache".into()));
-    assert_eq!(a, vec![Action::Persist, create_dir]);
+    let a = t.go(Event::HostKeysAdded(grant()));
+    assert_eq!(a, [fx(Effect::MountVolume(c.volumes[0].clone()))]);
+    let a = t.go(Event::VolumeMounted(volume()));
+    assert_eq!(a, [PERSIST, fx(Effect::CreateDir(CACHE.into()))]);
     assert_eq!(t.record().resources.volumes, [volume()]);
-    let a = go(&mut t, Event::DirCreated("/mnt/cache".into()));
-    let image = "img:1".into();
-    assert_eq!(
-        a,
-        vec![Action::Persist, Action::Effect(Effect::Pull { image })]
-    );
+    let a = t.go(Event::DirCreated(CACHE.into()));
+    assert_eq!(a, [PERSIST, pull("img:1")]);
     assert_eq!(t.status(), TaskStatus::Pulling);
-    assert_eq!(t.record().resources.created_dirs, ["/mnt/cache"]);
+    assert_eq!(t.record().resources.created_dirs, [CACHE]);
     let p = PullProgress {
         downloaded_bytes: 5,
         extracted_bytes: 0,
         total_bytes: 10,
         is_total_bytes_final: false,
     };
-    assert_eq!(go(&mut t, Event::PullProgressed(p)), vec![]);
+    assert_eq!(t.go(Event::PullProgressed(p)), vec![]);
     assert_eq!(t.info().image_pull_progress, Some(p));
     // `creating` is progress again: create goes out at once.
-    let a = go(&mut t, Event::PullDone(p));
-    assert_eq!(a, vec![Action::Effect(Effect::CreateContainer)]);
+    assert_eq!(t.go(Event::PullDone(p)), [CREATE]);
     assert_eq!(t.record().status, TaskStatus::Creating);
     assert_eq!(t.status(), TaskStatus::Pulling);
     // The first container id is progress too (a restore finds the container by its labels):
     // the start goes out at once, and the next write carries the id along.
-    let a = go(&mut t, created("cid"));
-    assert_eq!(a, vec![Action::Effect(Effect::StartContainer)]);
+    assert_eq!(t.go(created("cid")), [START]);
     assert_eq!(t.status(), TaskStatus::Pulling);
     assert!(t.is_dirty() && t.is_progress_only());
     assert_eq!(t.info().container_id, "cid");
@@ -284,22 +334,17 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
         host: 40000,
         container: 10999,
     }];
-    let a = go(
-        &mut t,
-        Event::ContainerStarted {
-            ports: ports.clone(),
-        },
-    );
+    let shown_ports = Some(ports.clone());
+    let a = t.go(Event::ContainerStarted { ports });
     // `running`, once the container runs, is progress as well (the container proves it
     // after a restart): shown at once, and written with the next change.
-    assert_eq!(a, vec![Action::Effect(Effect::FinishStart)]);
+    assert_eq!(a, [FINISH]);
     assert_eq!(t.status(), TaskStatus::Running);
     assert_eq!(t.saved().status, TaskStatus::Pulling);
-    assert_eq!(t.info().ports, Some(ports));
+    assert_eq!(t.info().ports, shown_ports);
     assert!(t.start_in_flight());
-    assert_eq!(go(&mut t, Event::StartFinished), vec![]);
-    assert!(!t.start_in_flight());
-    assert!(!t.needs_release());
+    assert_eq!(t.go(Event::StartFinished), vec![]);
+    assert!(!t.start_in_flight() && !t.needs_release());
     assert!(t.is_progress_only() && !t.needs_write());
 }
 
@@ -308,23 +353,20 @@ fn start_emits_each_step_with_persist_before_what_needs_it() {
 /// since `pending`, and each next start step went out at once.
 fn minimal_created(cid: &str) -> Task {
     let mut t = new_task(&bare_config("ubuntu"));
-    let a = go(&mut t, Event::StartBegan);
-    assert_eq!(a, vec![Action::Effect(Effect::AcquireGpus { count: 0 })]);
+    let a = t.go(Event::StartBegan);
+    assert_eq!(a, [fx(Effect::AcquireGpus { count: 0 })]);
     // Nothing recorded changed (no GPUs), only the status moved to pulling: start progress,
     // which needs no write of its own.
-    let a = go(&mut t, Event::GpusAcquired(vec![]));
-    let image = "ubuntu".into();
-    assert_eq!(a, vec![Action::Effect(Effect::Pull { image })]);
+    let a = t.go(Event::GpusAcquired(vec![]));
+    assert_eq!(a, [pull("ubuntu")]);
     assert_eq!(t.info().gpu_ids, Some(vec![]));
-    let a = go(&mut t, Event::PullSkipped);
-    assert_eq!(a, vec![Action::Effect(Effect::CreateContainer)]);
+    assert_eq!(t.go(Event::PullSkipped), [CREATE]);
     assert_eq!(t.info().image_pull_progress, None);
     // Three statuses on, the state file still holds `pending`, and the API shows it.
     assert_eq!(t.record().status, TaskStatus::Creating);
     assert_eq!(t.status(), TaskStatus::Pending);
     // The container id is progress as well: the start goes out without a write.
-    let a = go(&mut t, created(cid));
-    assert_eq!(a, vec![Action::Effect(Effect::StartContainer)]);
+    assert_eq!(t.go(created(cid)), [START]);
     assert_eq!(t.status(), TaskStatus::Pending);
     assert!(t.is_dirty() && t.is_progress_only());
     t
@@ -334,8 +376,7 @@ fn minimal_created(cid: &str) -> Task {
 fn minimal_config_skips_keys_volumes_dirs_and_a_present_image() {
     let mut t = minimal_created("cid");
     // `running` is progress too: a start that acquires nothing writes only at submit.
-    let a = go(&mut t, Event::ContainerStarted { ports: vec![] });
-    assert_eq!(a, vec![Action::Effect(Effect::FinishStart)]);
+    assert_eq!(t.go(started()), [FINISH]);
     assert_eq!(t.status(), TaskStatus::Running);
     assert_eq!(t.saved().status, TaskStatus::Pending);
     assert!(t.is_dirty() && t.is_progress_only());
@@ -347,8 +388,7 @@ fn minimal_config_skips_keys_volumes_dirs_and_a_present_image() {
 #[test]
 fn a_replaced_container_id_is_written_at_once() {
     let mut t = minimal_created("c1");
-    let a = go(&mut t, recreated("c2"));
-    assert_eq!(a, vec![Action::Persist]);
+    assert_eq!(t.go(recreated("c2")), [PERSIST]);
     assert!(!t.is_dirty() && !t.is_progress_only());
     assert_eq!(t.status(), TaskStatus::Creating);
     assert_eq!(t.record().container_id.as_deref(), Some("c2"));
@@ -359,28 +399,21 @@ fn a_replaced_container_id_is_written_at_once() {
 /// again.
 #[test]
 fn progress_is_written_with_the_next_record_or_when_asked() {
-    let pulling = || {
-        let mut t = new_task(&bare_config("ubuntu:22.04"));
-        go(&mut t, Event::StartBegan);
-        go(&mut t, Event::GpusAcquired(vec![]));
-        t
-    };
-    let mut t = pulling();
+    let mut t = new_task(&bare_config("ubuntu:22.04"));
+    t.go_all([Event::StartBegan, Event::GpusAcquired(vec![])]);
     assert_eq!(t.status(), TaskStatus::Pending);
     assert!(t.is_progress_only());
     // Asked: `pulling` is written and shown; the pull is out already, nothing goes again.
     let tr = step(&t, Event::PersistRequested, 300).unwrap();
-    assert_eq!(tr.actions, vec![Action::Persist]);
-    t = tr.task;
-    let tr = step(&t, Event::Persisted, 300).unwrap();
+    assert_eq!(tr.actions, [PERSIST]);
+    let tr = step(&tr.task, Event::Persisted, 300).unwrap();
     assert_eq!(tr.actions, vec![]);
-    t = tr.task;
-    assert_eq!(t.status(), TaskStatus::Pulling);
-    assert!(!t.is_dirty() && !t.is_progress_only());
-    // A terminate while progress is unwritten: one write with both, then the cancel.
-    let mut t = pulling();
-    let a = go(&mut t, terminate(TerminatedByUser, "bye", 0));
-    assert_eq!(a, vec![Action::Persist, Action::Effect(Effect::CancelPull)]);
+    assert_eq!(tr.task.status(), TaskStatus::Pulling);
+    assert!(!tr.task.is_dirty() && !tr.task.is_progress_only());
+    // A terminate while progress is unwritten (`t` is still pulling, its progress not
+    // written): one write with both, then the cancel.
+    let a = t.go(terminate(TerminatedByUser, "bye", 0));
+    assert_eq!(a, [PERSIST, CANCEL_PULL]);
     assert_eq!(t.status(), TaskStatus::Terminated);
     assert!(!t.is_progress_only());
 }
@@ -396,13 +429,40 @@ fn start_fails_at(
     message: &str,
 ) -> Task {
     let mut t = started_until(at);
-    let a = go(&mut t, failure(message));
-    assert_eq!(
-        a,
-        vec![Action::Persist, Action::Effect(Effect::FinishStart)]
-    );
+    assert_eq!(t.go(failure(message)), [PERSIST, FINISH]);
     assert_ended(&t, reason, message);
     t
+}
+
+/// One test per row of §2 where a start step fails and start returning has nothing more to
+/// check: `name: the step => its failure event, the reason, the message;`.
+macro_rules! start_step_fails {
+    ($($(#[$doc:meta])* $name:ident: $at:expr => $failure:expr, $reason:expr, $message:expr;)*) => {
+        $(
+            $(#[$doc])*
+            #[test]
+            fn $name() {
+                start_fails_at($at, $failure, $reason, $message);
+            }
+        )*
+    };
+}
+
+start_step_fails! {
+    instance_mount_failure_is_executor_error: StartStep::CreateDir(0)
+        => prepare_failed, ExecutorError, "mkdir /mnt/cache: read-only";
+    pull_failure_is_creating_container_error: StartStep::Pull
+        => pull_failed, CreatingContainerError, "pull timed out after 20m (1024 bytes downloaded)";
+    create_failure_is_creating_container_error: StartStep::CreateContainer
+        => create_failed, CreatingContainerError, "no such image";
+    /// Issue 36: a start the engine refuses for the container's devices (Docker's "CDI device
+    /// injection failed", "could not select device driver") ran nothing: the task ends as a
+    /// create the engine refused does, `creating_container_error`, with the engine's words.
+    a_start_refused_for_devices_is_creating_container_error: StartStep::StartContainer
+        => start_refused, CreatingContainerError,
+        "CDI device injection failed: unresolvable CDI devices nvidia.com/gpu=9";
+    start_failure_is_container_exited_with_error: StartStep::StartContainer
+        => start_failed, ContainerExitedWithError, "exec: /bin/sh: not found";
 }
 
 #[test]
@@ -414,8 +474,7 @@ fn gpus_unavailable_is_executor_error() {
         "2 GPUs requested, 1 available",
     );
     // Nothing held: start returning settles the task as released.
-    let a = go(&mut t, Event::StartFinished);
-    assert_eq!(a, vec![Action::Persist]);
+    assert_eq!(t.go(Event::StartFinished), [PERSIST]);
     assert!(t.record().resources.released);
 }
 
@@ -429,76 +488,18 @@ fn ssh_keys_failure_is_executor_error_and_releases_gpus_after_start_returns() {
     );
     // Still owned by start: no release yet.
     assert!(!t.needs_release());
-    let a = go(&mut t, Event::StartFinished);
-    assert_eq!(a, vec![release_of(&t)]);
+    assert_eq!(t.go(Event::StartFinished), [release_of(&t)]);
     assert_eq!(t.held().gpus, ["GPU-a"]);
     assert!(t.held().host_keys.is_none());
 }
 
 #[test]
 fn volume_failure_is_executor_error() {
-    let mut t = start_fails_at(
-        StartStep::MountVolume(0),
-        prepare_failed,
-        ExecutorError,
-        "volume vol-1 not found",
-    );
-    let a = go(&mut t, Event::StartFinished);
-    assert_eq!(a, vec![release_of(&t)]);
+    let message = "volume vol-1 not found";
+    let at = StartStep::MountVolume(0);
+    let mut t = start_fails_at(at, prepare_failed, ExecutorError, message);
+    assert_eq!(t.go(Event::StartFinished), [release_of(&t)]);
     assert_eq!(t.held().host_keys, Some(grant()));
-}
-
-#[test]
-fn instance_mount_failure_is_executor_error() {
-    start_fails_at(
-        StartStep::CreateDir(0),
-        prepare_failed,
-        ExecutorError,
-        "mkdir /mnt/cache: read-only",
-    );
-}
-
-#[test]
-fn pull_failure_is_creating_container_error() {
-    start_fails_at(
-        StartStep::Pull,
-        pull_failed,
-        CreatingContainerError,
-        "pull timed out after 20m (1024 bytes downloaded)",
-    );
-}
-
-#[test]
-fn create_failure_is_creating_container_error() {
-    start_fails_at(
-        StartStep::CreateContainer,
-        |m| Event::CreateFailed { message: m.into() },
-        CreatingContainerError,
-        "no such image",
-    );
-}
-
-/// Issue 36: a start the engine refuses for the container's devices (Docker's "CDI device
-/// injection failed", "could not select device driver") ran nothing: the task ends as a
-/// create the engine refused does, `creating_container_error`, with the engine's words.
-#[test]
-fn a_start_refused_for_devices_is_creating_container_error() {
-    start_fails_at(
-        StartStep::StartContainer,
-        |m| Event::StartRefused { message: m.into() },
-        CreatingContainerError,
-        "CDI device injection failed: unresolvable CDI devices nvidia.com/gpu=9",
-    );
-}
-
-#[test]
-fn start_failure_is_container_exited_with_error() {
-    start_fails_at(
-        StartStep::StartContainer,
-        |m| Event::StartFailed { message: m.into() },
-        ContainerExitedWithError,
-        "exec: /bin/sh: not found",
-    );
 }
 
 /// SPEC §2: exit 0 is `done_by_runner` with an empty message, also when Docker marks the
@@ -508,16 +509,14 @@ fn start_failure_is_container_exited_with_error() {
 fn exit_zero_is_done_by_runner_with_empty_message() {
     for oom_killed in [false, true] {
         let mut t = running();
-        let a = go(
-            &mut t,
-            Event::Observed(Observation::Exited {
-                oom_killed,
-                code: 0,
-                last_lines: vec!["bye".into()],
-            }),
-        );
-        assert_ended(&t, DoneByRunner, "");
-        assert_eq!(a, vec![Action::Persist, release_of(&t)]);
+        let exit = Observation::Exited {
+            oom_killed,
+            code: 0,
+            last_lines: vec!["bye".into()],
+        };
+        let a = t.go(seen(exit));
+        assert_ended_as(&format!("oom_killed: {oom_killed}"), &t, DoneByRunner, "");
+        assert_eq!(a, [PERSIST, release_of(&t)]);
     }
 }
 
@@ -533,15 +532,20 @@ fn exit_nonzero_is_container_exited_with_error_with_last_five_lines() {
         (137, &[], "container exited with code 137"),
     ] {
         let mut t = running();
-        go(&mut t, Event::Observed(exited(code, lines)));
-        assert_ended(&t, ContainerExitedWithError, message);
+        t.go(seen(exited(code, lines)));
+        assert_ended_as(
+            &format!("code {code}"),
+            &t,
+            ContainerExitedWithError,
+            message,
+        );
     }
 }
 
 #[test]
 fn never_started_is_executor_error_saying_so() {
     let mut t = running();
-    go(&mut t, Event::Observed(Observation::NeverStarted));
+    t.go(seen(Observation::NeverStarted));
     assert_ended(&t, ExecutorError, NEVER_STARTED_MESSAGE);
     assert!(NEVER_STARTED_MESSAGE.contains("never started"));
 }
@@ -549,7 +553,7 @@ fn never_started_is_executor_error_saying_so() {
 #[test]
 fn vanished_is_executor_error_saying_so() {
     let mut t = running();
-    go(&mut t, Event::Observed(Observation::Missing));
+    t.go(seen(Observation::Missing));
     assert_ended(&t, ExecutorError, VANISHED_MESSAGE);
     assert_eq!(VANISHED_MESSAGE, "container vanished");
 }
@@ -558,21 +562,14 @@ fn vanished_is_executor_error_saying_so() {
 fn terminate_request_stores_reason_and_message_as_given() {
     let mut t = running();
     let reason = TerminationReason::parse("brand_new_reason");
-    let a = go(&mut t, terminate(reason, "why not", 15));
-    assert_eq!(
-        a,
-        vec![
-            Action::Persist,
-            Action::Effect(Effect::StopContainer { timeout_s: 15 })
-        ]
-    );
+    let a = t.go(terminate(reason, "why not", 15));
+    assert_eq!(a, [PERSIST, stop(15)]);
     let reason = TerminationReason::Other("brand_new_reason".into());
     assert_ended(&t, reason, "why not");
     assert_eq!(t.info().termination_reason, "brand_new_reason");
     // Release waits for the stop.
     assert!(!t.needs_release());
-    let a = go(&mut t, Event::ContainerStopped);
-    assert_eq!(a, vec![release_of(&t)]);
+    assert_eq!(t.go(Event::ContainerStopped), [release_of(&t)]);
 }
 
 // ---- SPEC §2 / §4: terminated is final, terminate during start ----
@@ -580,13 +577,11 @@ fn terminate_request_stores_reason_and_message_as_given() {
 #[test]
 fn second_terminate_keeps_the_first_reason_and_changes_nothing() {
     let mut t = running();
-    go(&mut t, Event::Observed(exited(0, &[])));
-    go(&mut t, released(&["GPU-a"], true, &["data"]));
-    let before = t.clone();
-    let second = terminate(TerminatedByUser, "stop", 10);
-    let tr = step(&t, second, 999).unwrap();
-    assert_eq!(tr.task.record(), before.record());
-    assert_eq!(tr.task.saved(), before.saved());
+    t.go(seen(exited(0, &[])));
+    t.go(released(&["GPU-a"], true, &["data"]));
+    let tr = step(&t, terminate(TerminatedByUser, "stop", 10), 999).unwrap();
+    assert_eq!(tr.task.record(), t.record());
+    assert_eq!(tr.task.saved(), t.saved());
     assert_eq!(tr.actions, vec![]);
     assert_ended(&tr.task, DoneByRunner, "");
 }
@@ -594,31 +589,28 @@ fn second_terminate_keeps_the_first_reason_and_changes_nothing() {
 #[test]
 fn terminated_absorbs_every_observation() {
     let mut t = running();
-    go(&mut t, terminate(TerminatedByUser, "user", 0));
-    go(&mut t, Event::ContainerStopped);
+    t.go(terminate(TerminatedByUser, "user", 0));
+    t.go(Event::ContainerStopped);
     for obs in [
         exited(1, &["x"]),
         exited(0, &[]),
         Observation::NeverStarted,
         Observation::Missing,
     ] {
-        go(&mut t, Event::Observed(obs));
-        assert_ended(&t, TerminatedByUser, "user");
+        let label = format!("{obs:?}");
+        t.go(seen(obs));
+        assert_ended_as(&label, &t, TerminatedByUser, "user");
     }
 }
 
 #[test]
 fn terminate_while_pending_finishes_start_at_once() {
     let mut t = new_task(&config());
-    let a = go(&mut t, terminate(TerminatedByServer, "gone", 0));
-    assert_eq!(a, vec![Action::Persist]);
+    assert_eq!(t.go(terminate(TerminatedByServer, "gone", 0)), [PERSIST]);
     assert_ended(&t, TerminatedByServer, "gone");
     assert!(t.start_in_flight());
-    assert_eq!(
-        go(&mut t, Event::StartBegan),
-        vec![Action::Effect(Effect::FinishStart)]
-    );
-    go(&mut t, Event::StartFinished);
+    assert_eq!(t.go(Event::StartBegan), [FINISH]);
+    t.go(Event::StartFinished);
     assert!(!t.start_in_flight());
     assert!(t.record().resources.released);
 }
@@ -626,14 +618,11 @@ fn terminate_while_pending_finishes_start_at_once() {
 #[test]
 fn terminate_while_preparing_stops_start_at_its_next_step() {
     let mut t = started_until(StartStep::AddHostKeys);
-    let a = go(&mut t, terminate(TerminatedByUser, "", 0));
-    assert_eq!(a, vec![Action::Persist]);
+    assert_eq!(t.go(terminate(TerminatedByUser, "", 0)), [PERSIST]);
     // The keys step in progress completes (recorded ahead), then start finishes.
-    let a = go(&mut t, Event::HostKeysAdded(grant()));
-    assert_eq!(a, vec![Action::Effect(Effect::FinishStart)]);
+    assert_eq!(t.go(Event::HostKeysAdded(grant())), [FINISH]);
     assert_eq!(t.record().resources.host_keys, Some(grant()));
-    let a = go(&mut t, Event::StartFinished);
-    assert_eq!(a, vec![release_of(&t)]);
+    assert_eq!(t.go(Event::StartFinished), [release_of(&t)]);
     assert_eq!(t.held().gpus, ["GPU-a"]);
     assert_eq!(t.held().host_keys, Some(grant()));
 }
@@ -641,41 +630,28 @@ fn terminate_while_preparing_stops_start_at_its_next_step() {
 #[test]
 fn terminate_while_pulling_cancels_the_pull_at_once() {
     let mut t = started_until(StartStep::Pull);
-    let a = go(&mut t, terminate(TerminatedByUser, "cancel", 0));
-    assert_eq!(a, vec![Action::Persist, Action::Effect(Effect::CancelPull)]);
-    let a = go(&mut t, pull_failed("cancelled"));
-    assert_eq!(a, vec![Action::Effect(Effect::FinishStart)]);
+    let a = t.go(terminate(TerminatedByUser, "cancel", 0));
+    assert_eq!(a, [PERSIST, CANCEL_PULL]);
+    assert_eq!(t.go(pull_failed("cancelled")), [FINISH]);
     assert_ended(&t, TerminatedByUser, "cancel");
 }
 
 #[test]
 fn terminate_while_creating_does_not_start_the_created_container() {
     let mut t = started_until(StartStep::CreateContainer);
-    go(&mut t, terminate(TerminatedByUser, "", 30));
-    let a = go(&mut t, created("cid"));
-    assert_eq!(
-        a,
-        vec![Action::Persist, Action::Effect(Effect::FinishStart)]
-    );
+    t.go(terminate(TerminatedByUser, "", 30));
+    assert_eq!(t.go(created("cid")), [PERSIST, FINISH]);
     assert_eq!(t.record().container_id.as_deref(), Some("cid"));
 }
 
 #[test]
 fn container_started_after_terminate_is_stopped_then_released() {
     let mut t = started_until(StartStep::StartContainer);
-    go(&mut t, terminate(TerminatedByUser, "", 30));
-    let a = go(&mut t, Event::ContainerStarted { ports: vec![] });
-    assert_eq!(
-        a,
-        vec![
-            Action::Effect(Effect::StopContainer { timeout_s: 0 }),
-            Action::Effect(Effect::FinishStart)
-        ]
-    );
+    t.go(terminate(TerminatedByUser, "", 30));
+    assert_eq!(t.go(started()), [stop(0), FINISH]);
     assert_eq!(t.status(), TaskStatus::Terminated);
-    assert_eq!(go(&mut t, Event::ContainerStopped), vec![]);
-    let a = go(&mut t, Event::StartFinished);
-    assert_eq!(a, vec![release_of(&t)]);
+    assert_eq!(t.go(Event::ContainerStopped), vec![]);
+    assert_eq!(t.go(Event::StartFinished), [release_of(&t)]);
 }
 
 #[test]
@@ -686,24 +662,24 @@ fn observations_are_ignored_while_start_is_in_flight() {
         Observation::NeverStarted,
         exited(1, &[]),
     ] {
-        let tr = step(&t, Event::Observed(obs), 300).unwrap();
-        assert_eq!(tr.task, t);
-        assert!(tr.actions.is_empty());
+        let tr = step(&t, seen(obs.clone()), 300).unwrap();
+        assert_eq!(tr.task, t, "{obs:?}");
+        assert_eq!(tr.actions, vec![], "{obs:?}");
     }
 }
 
 #[test]
 fn start_returning_early_is_executor_error() {
     let mut t = started_until(StartStep::Pull);
-    let a = go(&mut t, Event::StartFinished);
-    assert_eq!(a[0], Action::Persist);
-    assert_eq!(a[1], release_of(&t));
+    let a = t.go(Event::StartFinished);
+    assert_eq!(a[..2], [PERSIST, release_of(&t)]);
     assert_eq!(t.record().termination_reason, Some(ExecutorError));
+    let message = "state file: disk full";
     start_fails_at(
         StartStep::CreateContainer,
-        |m| Event::StartAborted { message: m.into() },
+        start_aborted,
         ExecutorError,
-        "state file: disk full",
+        message,
     );
 }
 
@@ -711,7 +687,7 @@ fn start_returning_early_is_executor_error() {
 fn an_outcome_of_a_step_not_awaited_is_an_error() {
     let t = started_until(StartStep::Pull);
     let err = step(&t, created("x"), 1).unwrap_err();
-    assert!(matches!(err, TransitionError::Unexpected { .. }), "{err}");
+    assert!(matches!(err, Unexpected { .. }), "{err}");
     let r = running();
     assert!(step(&r, Event::StartBegan, 1).is_err());
     assert!(step(&r, Event::StartFinished, 1).is_err());
@@ -725,7 +701,7 @@ fn an_outcome_of_a_step_not_awaited_is_an_error() {
     ];
     for stray in strays {
         let err = step(&r, stray, 1).unwrap_err();
-        assert!(matches!(err, TransitionError::Unexpected { .. }), "{err}");
+        assert!(matches!(err, Unexpected { .. }), "{err}");
     }
 }
 
@@ -734,67 +710,51 @@ fn an_outcome_of_a_step_not_awaited_is_an_error() {
 #[test]
 fn partial_release_keeps_the_rest_for_the_next_cycle() {
     let mut t = running();
-    let a = go(&mut t, Event::Observed(Observation::Missing));
+    let a = t.go(seen(Observation::Missing));
     assert_eq!(a[1], release_of(&t));
-    assert!(t.release_in_flight());
-    assert!(!t.needs_release());
+    assert!(t.release_in_flight() && !t.needs_release());
     // Only the GPU and the keys were released.
-    let a = go(&mut t, released(&["GPU-a"], true, &[]));
-    assert_eq!(a, vec![Action::Persist]);
+    assert_eq!(t.go(released(&["GPU-a"], true, &[])), [PERSIST]);
     assert_eq!(t.held().volumes, [volume()]);
     assert!(t.held().gpus.is_empty() && t.held().host_keys.is_none());
     assert!(!t.record().resources.released);
     // The next cycle retries what is left.
     assert!(t.needs_release());
-    let a = go(&mut t, Event::ReleaseRequested);
-    assert_eq!(a, vec![release_of(&t)]);
-    let a = go(&mut t, release_failed("target is busy"));
-    assert_eq!(a, vec![]);
+    assert_eq!(t.go(Event::ReleaseRequested), [release_of(&t)]);
+    assert_eq!(t.go(release_failed("target is busy")), vec![]);
     assert!(t.needs_release());
-    go(&mut t, Event::ReleaseRequested);
-    let a = go(&mut t, released(&[], false, &["data"]));
-    assert_eq!(a, vec![Action::Persist]);
-    assert!(t.record().resources.released);
-    assert!(!t.needs_release());
+    t.go(Event::ReleaseRequested);
+    assert_eq!(t.go(released(&[], false, &["data"])), [PERSIST]);
+    assert!(t.record().resources.released && !t.needs_release());
     // The GPU ids stay visible after release.
-    assert_eq!(t.info().gpu_ids, Some(strings(&["GPU-a"])));
+    assert_eq!(t.info().gpu_ids, Some(gpu_a()));
     // The created dir is never part of a release.
-    assert_eq!(t.record().resources.created_dirs, ["/mnt/cache"]);
+    assert_eq!(t.record().resources.created_dirs, [CACHE]);
 }
 
 #[test]
 fn failed_stop_defers_release_until_a_stop_succeeds_or_the_container_is_seen_stopped() {
     let stop_failed_once = || {
         let mut t = running();
-        go(&mut t, terminate(TerminatedByUser, "", 10));
+        t.go(terminate(TerminatedByUser, "", 10));
         // No retry at once: the reconciler's next cycle retries.
-        assert_eq!(go(&mut t, stop_failed("timeout")), vec![]);
+        assert_eq!(t.go(stop_failed("timeout")), vec![]);
         assert_eq!(t.stop(), StopState::Failed);
         t
     };
     let mut t = stop_failed_once();
     // The reconciler's release request retries the stop first, never releases before.
     assert!(t.needs_release());
-    let a = go(&mut t, Event::ReleaseRequested);
-    assert_eq!(
-        a,
-        vec![Action::Effect(Effect::StopContainer { timeout_s: 0 })]
-    );
+    assert_eq!(t.go(Event::ReleaseRequested), [stop(0)]);
     assert!(!t.needs_release());
-    assert_eq!(go(&mut t, stop_failed("timeout")), vec![]);
+    assert_eq!(t.go(stop_failed("timeout")), vec![]);
     // Seen running: stopped again, at once.
-    let a = go(&mut t, Event::Observed(Observation::Running));
-    assert_eq!(
-        a,
-        vec![Action::Effect(Effect::StopContainer { timeout_s: 0 })]
-    );
-    let a = go(&mut t, Event::ContainerStopped);
-    assert_eq!(a, vec![release_of(&t)]);
+    assert_eq!(t.go(seen(Observation::Running)), [stop(0)]);
+    assert_eq!(t.go(Event::ContainerStopped), [release_of(&t)]);
     assert!(t.release_in_flight());
     // Seen not running after a failed stop: released without another stop.
     let mut t = stop_failed_once();
-    let a = go(&mut t, Event::Observed(Observation::Missing));
-    assert_eq!(a, vec![release_of(&t)]);
+    assert_eq!(t.go(seen(Observation::Missing)), [release_of(&t)]);
 }
 
 /// Found in review: a task that holds nothing (no GPU, keys, volume) and whose stop failed is
@@ -804,41 +764,26 @@ fn failed_stop_defers_release_until_a_stop_succeeds_or_the_container_is_seen_sto
 #[test]
 fn a_failed_stop_is_retried_when_the_task_holds_nothing() {
     let mut t = minimal_created("cid");
-    go(&mut t, Event::ContainerStarted { ports: vec![] });
-    go(&mut t, Event::StartFinished);
+    t.go_all([started(), Event::StartFinished]);
     assert_eq!(t.status(), TaskStatus::Running);
-    let a = go(&mut t, terminate(TerminatedByUser, "", 10));
-    assert_eq!(
-        a.last(),
-        Some(&Action::Effect(Effect::StopContainer { timeout_s: 10 }))
-    );
+    let a = t.go(terminate(TerminatedByUser, "", 10));
+    assert_eq!(a.last(), Some(&stop(10)));
     assert!(!t.record().resources.holds_any());
-    let a = go(&mut t, stop_failed("timeout"));
-    assert_eq!(a, vec![]);
+    assert_eq!(t.go(stop_failed("timeout")), vec![]);
     assert!(!t.needs_release(), "nothing to release");
-    assert!(
-        t.stop_failed() && t.needs_retry(),
-        "but the stop is to be retried"
-    );
-    let a = go(&mut t, Event::Observed(Observation::Running));
-    assert_eq!(
-        a,
-        vec![Action::Effect(Effect::StopContainer { timeout_s: 0 })]
-    );
+    let retried = t.stop_failed() && t.needs_retry();
+    assert!(retried, "but the stop is to be retried");
+    assert_eq!(t.go(seen(Observation::Running)), [stop(0)]);
     assert!(!t.needs_retry());
-    go(&mut t, Event::ContainerStopped);
+    t.go(Event::ContainerStopped);
     assert!(!t.needs_retry());
     assert_eq!(t.stop(), StopState::Idle);
     // A container found gone settles it without another stop.
     let mut gone = t.clone();
-    let a = go(&mut gone, Event::Observed(Observation::Running));
-    assert_eq!(
-        a,
-        vec![Action::Effect(Effect::StopContainer { timeout_s: 0 })]
-    );
-    go(&mut gone, stop_failed("timeout"));
+    assert_eq!(gone.go(seen(Observation::Running)), [stop(0)]);
+    gone.go(stop_failed("timeout"));
     assert_eq!(gone.stop(), StopState::Failed);
-    assert_eq!(go(&mut gone, Event::Observed(Observation::Missing)), vec![]);
+    assert_eq!(gone.go(seen(Observation::Missing)), vec![]);
     assert!(!gone.needs_retry());
 }
 
@@ -846,54 +791,33 @@ fn a_failed_stop_is_retried_when_the_task_holds_nothing() {
 
 #[test]
 fn remove_only_from_terminated() {
-    let remove = |t: &Task| step(t, Event::RemoveRequested, 1);
-    let t = running();
-    assert!(matches!(
-        remove(&t),
-        Err(TransitionError::NotTerminated {
+    let remove = |t: &Task| step(t, Event::RemoveRequested, 1).unwrap_err();
+    let err = remove(&running());
+    let not_terminated = matches!(
+        err,
+        NotTerminated {
             status: TaskStatus::Running,
             ..
-        })
-    ));
+        }
+    );
+    assert!(not_terminated, "{err}");
     let mut t = started_until(StartStep::Pull);
-    go(&mut t, terminate(TerminatedByUser, "", 0));
-    assert!(matches!(
-        remove(&t),
-        Err(TransitionError::StartInFlight { .. })
-    ));
-    go(&mut t, pull_failed("cancelled"));
-    let a = go(&mut t, Event::StartFinished);
-    assert_eq!(a, vec![release_of(&t)]);
-    assert!(matches!(
-        remove(&t),
-        Err(TransitionError::ReleaseInFlight { .. })
-    ));
-    go(&mut t, release_failed("x"));
-    let a = go(&mut t, Event::RemoveRequested);
-    let removal = vec![
-        Action::Effect(Effect::RemoveContainer),
-        release_of(&t),
-        Action::DeleteTaskDir,
-        Action::Effect(Effect::Forget),
-    ];
-    assert_eq!(a, removal);
+    t.go(terminate(TerminatedByUser, "", 0));
+    assert!(matches!(remove(&t), StartInFlight { .. }));
+    t.go(pull_failed("cancelled"));
+    assert_eq!(t.go(Event::StartFinished), [release_of(&t)]);
+    assert!(matches!(remove(&t), ReleaseInFlight { .. }));
+    t.go(release_failed("x"));
+    let a = t.go(Event::RemoveRequested);
+    assert_eq!(a, removal(Some(release_of(&t))));
 }
 
 #[test]
 fn remove_of_a_released_task_has_no_release() {
     let mut t = new_task(&config());
-    go(&mut t, terminate(TerminatedByUser, "", 0));
-    go(&mut t, Event::StartBegan);
-    go(&mut t, Event::StartFinished);
-    let a = go(&mut t, Event::RemoveRequested);
-    assert_eq!(
-        a,
-        [
-            Action::Effect(Effect::RemoveContainer),
-            Action::DeleteTaskDir,
-            Action::Effect(Effect::Forget)
-        ]
-    );
+    let end = terminate(TerminatedByUser, "", 0);
+    t.go_all([end, Event::StartBegan, Event::StartFinished]);
+    assert_eq!(t.go(Event::RemoveRequested), removal(None));
 }
 
 // ---- SPEC §3: TaskInfo ----
@@ -902,8 +826,7 @@ fn remove_of_a_released_task_has_no_release() {
 fn task_info_rules() {
     let mut c = config();
     c.network_mode = NetworkMode::Host;
-    let t = new_task(&c);
-    let info = t.info();
+    let info = new_task(&c).info();
     assert_eq!(info.status, TaskStatus::Pending);
     assert_eq!(info.termination_reason, "");
     assert_eq!(info.termination_message, "");
@@ -929,7 +852,7 @@ fn observed(state: ObservedState) -> ObservedContainer {
         name: format!("/{}", container_name(&c.name, &c.id)),
         task_id: c.id,
         state,
-        gpu_ids: strings(&["GPU-a"]),
+        gpu_ids: gpu_a(),
         ports: vec![PortMapping {
             host: 41000,
             container: 10999,
@@ -962,32 +885,22 @@ fn assert_idempotent(task: &Task, container: Option<ObservedContainer>) {
     assert!(!actions.contains(&Action::Persist));
 }
 
-fn lock_gpu_a() -> Action {
-    Action::Effect(Effect::LockGpus(strings(&["GPU-a"])))
-}
-
 #[test]
 fn restore_recorded_reason_wins_and_a_running_container_is_stopped() {
     let mut t = running();
-    go(&mut t, terminate(TerminatedByUser, "by user", 10));
+    t.go(terminate(TerminatedByUser, "by user", 10));
     // The shim died before the stop: the container still runs.
     let c = observed(ObservedState::Running);
     let (r, a) = restored(Some(t.record()), Some(c.clone()));
     assert_ended(&r, TerminatedByUser, "by user");
-    assert_eq!(
-        a,
-        vec![
-            lock_gpu_a(),
-            Action::Effect(Effect::StopContainer { timeout_s: 0 })
-        ]
-    );
+    assert_eq!(a, [lock_gpu_a(), stop(0)]);
     assert!(!r.start_in_flight());
     assert_idempotent(&r, Some(c));
     // Exited container: released at once, the exit code does not replace the reason.
     let c = observed(ObservedState::Exited { code: 1 });
     let (r, a) = restored(Some(t.record()), Some(c.clone()));
     assert_ended(&r, TerminatedByUser, "by user");
-    assert_eq!(a, vec![lock_gpu_a(), release_of(&r)]);
+    assert_eq!(a, [lock_gpu_a(), release_of(&r)]);
     assert_idempotent(&r, Some(c));
 }
 
@@ -1013,20 +926,20 @@ fn upstream_record(reason: TerminationReason) -> TaskRecord {
 #[test]
 fn restore_an_upstream_recorded_reason_wins_over_an_exited_container() {
     for code in [-1, 3, 0] {
+        let label = format!("code {code}");
         let record = upstream_record(TerminatedByUser);
         let c = observed(ObservedState::Exited { code });
         let (mut r, a) = restored(Some(&record), Some(c.clone()));
-        assert_ended(&r, TerminatedByUser, "stopped from the UI");
-        assert_eq!(r.info().container_id, "cid");
+        assert_ended_as(&label, &r, TerminatedByUser, "stopped from the UI");
+        assert_eq!(r.info().container_id, "cid", "{label}");
         let recorded = a.contains(&Action::Persist);
-        assert!(recorded, "the container id is recorded: {a:?}");
-        let stopped = a.contains(&Action::Effect(Effect::StopContainer { timeout_s: 0 }));
-        assert!(!stopped, "{a:?}");
+        assert!(recorded, "{label}: the container id is recorded: {a:?}");
+        assert!(!a.contains(&stop(0)), "{label}: {a:?}");
         assert_idempotent(&r, Some(c));
         // What the reconciler then sees of the container changes nothing.
         for obs in [exited(code, &["boom"]), Observation::Missing] {
-            go(&mut r, Event::Observed(obs));
-            assert_ended(&r, TerminatedByUser, "stopped from the UI");
+            r.go(seen(obs));
+            assert_ended_as(&label, &r, TerminatedByUser, "stopped from the UI");
         }
     }
 }
@@ -1036,17 +949,10 @@ fn restore_recorded_reason_with_a_created_container_stops_it_before_releasing() 
     // Terminated during start, and the shim was killed while Docker started the container:
     // the start-up list shows it created, and it runs a moment later.
     let mut t = started_until(StartStep::StartContainer);
-    go(&mut t, terminate(TerminatedByUser, "by user", 10));
-    let c = observed(ObservedState::Created);
-    let (r, a) = restored(Some(t.record()), Some(c));
+    t.go(terminate(TerminatedByUser, "by user", 10));
+    let (r, a) = restored(Some(t.record()), Some(observed(ObservedState::Created)));
     assert_ended(&r, TerminatedByUser, "by user");
-    assert_eq!(
-        a,
-        vec![
-            lock_gpu_a(),
-            Action::Effect(Effect::StopContainer { timeout_s: 0 })
-        ]
-    );
+    assert_eq!(a, [lock_gpu_a(), stop(0)]);
     assert!(!r.needs_release(), "released only after the stop");
 }
 
@@ -1057,13 +963,14 @@ fn restore_without_reason_with_container_is_running_with_the_containers_facts() 
     let c = observed(ObservedState::Created);
     let (mut r, a) = restored(Some(t.record()), Some(c.clone()));
     assert_eq!(r.status(), TaskStatus::Running);
-    assert_eq!(a, vec![Action::Persist, lock_gpu_a()]);
-    assert_eq!(r.info().container_id, "cid");
-    assert_eq!(r.info().ports, Some(c.ports.clone()));
-    assert_eq!(r.info().gpu_ids, Some(strings(&["GPU-a"])));
+    assert_eq!(a, [PERSIST, lock_gpu_a()]);
+    let info = r.info();
+    assert_eq!(info.container_id, "cid");
+    assert_eq!(info.ports, Some(c.ports.clone()));
+    assert_eq!(info.gpu_ids, Some(gpu_a()));
     assert_idempotent(&r, Some(c));
     // The reconciler then finds it never started.
-    go(&mut r, Event::Observed(Observation::NeverStarted));
+    r.go(seen(Observation::NeverStarted));
     assert_ended(&r, ExecutorError, NEVER_STARTED_MESSAGE);
 }
 
@@ -1078,11 +985,10 @@ fn restore_record_without_container_is_executor_error_saying_what_happened() {
          shim restarted (its start was cut short before the container was created, or the \
          container was removed while the shim was down)",
     );
-    assert_eq!(a, vec![Action::Persist, lock_gpu_a(), release_of(&r)]);
+    assert_eq!(a, [PERSIST, lock_gpu_a(), release_of(&r)]);
     assert_idempotent(&r, None);
 
-    let t = running();
-    let (r, _) = restored(Some(t.record()), None);
+    let (r, _) = restored(Some(running().record()), None);
     assert_eq!(r.record().termination_reason, Some(ExecutorError));
     let message = &r.record().termination_message;
     assert!(message.starts_with("container vanished"), "{message}");
@@ -1092,17 +998,17 @@ fn restore_record_without_container_is_executor_error_saying_what_happened() {
 #[test]
 fn restore_record_without_container_keeps_a_recorded_reason() {
     let mut t = started_until(StartStep::Pull);
-    go(&mut t, terminate(MaxDurationExceeded, "too long", 0));
+    t.go(terminate(MaxDurationExceeded, "too long", 0));
     let (r, a) = restored(Some(t.record()), None);
     assert_ended(&r, MaxDurationExceeded, "too long");
-    assert_eq!(a, vec![lock_gpu_a(), release_of(&r)]);
+    assert_eq!(a, [lock_gpu_a(), release_of(&r)]);
 }
 
 #[test]
 fn restore_of_a_released_task_locks_nothing() {
     let mut t = running();
-    go(&mut t, Event::Observed(Observation::Missing));
-    go(&mut t, released(&["GPU-a"], true, &["data"]));
+    t.go(seen(Observation::Missing));
+    t.go(released(&["GPU-a"], true, &["data"]));
     let c = observed(ObservedState::Exited { code: 0 });
     let (r, a) = restored(Some(t.record()), Some(c));
     assert_eq!(a, vec![]);
@@ -1117,13 +1023,14 @@ fn restore_container_without_record_adopts_it() {
     assert!(r.record().config.is_none());
     assert_eq!(r.record().name.as_str(), "job");
     assert_eq!(r.id().as_str(), "t1");
-    assert_eq!(r.record().resources.volumes, c.recovered_volumes);
-    assert_eq!(r.record().resources.host_keys, None);
-    assert_eq!(r.record().resources.gpus, ["GPU-a"]);
-    assert_eq!(a, vec![Action::Persist, lock_gpu_a()]);
+    let resources = &r.record().resources;
+    assert_eq!(resources.volumes, c.recovered_volumes);
+    assert_eq!(resources.host_keys, None);
+    assert_eq!(resources.gpus, ["GPU-a"]);
+    assert_eq!(a, [PERSIST, lock_gpu_a()]);
     assert_idempotent(&r, Some(c.clone()));
     // When it ends, its recovered volumes are released.
-    let a = go(&mut r, Event::Observed(exited(0, &[])));
+    let a = r.go(seen(exited(0, &[])));
     match &a[1] {
         Action::Effect(Effect::Release(res)) => assert_eq!(res.volumes, c.recovered_volumes),
         other => panic!("{other:?}"),
@@ -1133,10 +1040,9 @@ fn restore_container_without_record_adopts_it() {
 #[test]
 fn restore_with_neither_is_nothing_and_a_foreign_container_is_ignored() {
     assert!(restore(None, None, 1).is_none());
-    let t = running();
     let mut c = observed(ObservedState::Running);
     c.task_id = TaskId::new("other").unwrap();
-    let (r, _) = restored(Some(t.record()), Some(c));
+    let (r, _) = restored(Some(running().record()), Some(c));
     assert_eq!(r.status(), TaskStatus::Terminated);
 }
 
@@ -1145,16 +1051,13 @@ fn relock_keeps_only_the_gpus_newly_locked() {
     let (mut t, actions) = restored(None, Some(observed(ObservedState::Running)));
     assert!(actions.contains(&lock_gpu_a()));
     // Another restored task locked GPU-a first: this one must never free it.
-    let actions = go(&mut t, Event::GpusRelocked(vec![]));
+    let actions = t.go(Event::GpusRelocked(vec![]));
     assert!(t.record().resources.gpus.is_empty());
-    assert_eq!(actions.first(), Some(&Action::Persist));
-    let actions = go(&mut t, Event::Observed(exited(0, &[])));
-    assert!(
-        !actions
-            .iter()
-            .any(|a| matches!(a, Action::Effect(Effect::Release(r)) if !r.gpus.is_empty())),
-        "{actions:?}"
-    );
+    assert_eq!(actions.first(), Some(&PERSIST));
+    let actions = t.go(seen(exited(0, &[])));
+    let frees_a_gpu =
+        |a: &Action| matches!(a, Action::Effect(Effect::Release(r)) if !r.gpus.is_empty());
+    assert!(!actions.iter().any(frees_a_gpu), "{actions:?}");
 }
 
 /// Whether `actions` release the volume `data`.
@@ -1167,21 +1070,23 @@ fn releases_the_volume(actions: &[Action]) -> bool {
 
 #[test]
 fn a_volume_is_recorded_and_persisted_before_it_is_mounted() {
-    let mut t = started_until(StartStep::MountVolume(0));
-    let a = go(&mut t, Event::VolumeMounting(volume()));
-    assert_eq!(a, vec![Action::Persist], "persisted before the mount");
-    let awaited = Some(StartStep::MountVolume(0));
-    assert_eq!(t.start_step(), awaited, "still awaited");
-    assert!(t.record().resources.volumes.contains(&volume()));
+    let mounting = || {
+        let mut t = started_until(StartStep::MountVolume(0));
+        let a = t.go(Event::VolumeMounting(volume()));
+        assert_eq!(a, [PERSIST], "persisted before the mount");
+        let awaited = Some(StartStep::MountVolume(0));
+        assert_eq!(t.start_step(), awaited, "still awaited");
+        assert!(t.record().resources.volumes.contains(&volume()));
+        t
+    };
     // The shim dies during the mount: restored without a container, the volume is released.
-    let (r, actions) = restored(Some(t.record()), None);
+    let (r, actions) = restored(Some(mounting().record()), None);
     assert_eq!(r.status(), TaskStatus::Terminated);
     assert!(releases_the_volume(&actions), "{actions:?}");
     // A failed mount keeps the record (releasing it is a no-op) and ends the task.
-    let mut t = started_until(StartStep::MountVolume(0));
-    go(&mut t, Event::VolumeMounting(volume()));
-    go(&mut t, prepare_failed("no device"));
-    let a = go(&mut t, Event::StartFinished);
+    let mut t = mounting();
+    t.go(prepare_failed("no device"));
+    let a = t.go(Event::StartFinished);
     assert!(releases_the_volume(&a), "{a:?}");
 }
 
@@ -1193,55 +1098,37 @@ fn a_volume_is_recorded_and_persisted_before_it_is_mounted() {
 #[test]
 fn a_terminate_whose_write_fails_still_stops_and_releases() {
     let mut t = running();
-    let a = go_disk_full(&mut t, terminate(TerminatedByUser, "bye", 10));
+    let a = t.go_disk_full(terminate(TerminatedByUser, "bye", 10));
     // The stop goes out without waiting for the disk; until it is done the container may
     // still run, so the API still says running.
-    assert_eq!(
-        a,
-        vec![
-            Action::Persist,
-            Action::Effect(Effect::StopContainer { timeout_s: 10 })
-        ]
-    );
+    assert_eq!(a, [PERSIST, stop(10)]);
     assert!(t.is_dirty() && t.write_failed());
     assert_eq!(t.info().status, TaskStatus::Running);
     assert_eq!(t.info().termination_reason, "");
     // Then the release, and its record's write fails too: nothing is released twice. Once
     // the container is stopped the task reads terminated with the request's reason, though
     // the record still waits for the disk (SPEC §4).
-    let a = go_disk_full(&mut t, Event::ContainerStopped);
-    assert_eq!(a, vec![release_of(&t)]);
+    let a = t.go_disk_full(Event::ContainerStopped);
+    assert_eq!(a, [release_of(&t)]);
     assert_eq!(t.saved().status, TaskStatus::Pulling, "not durable");
     let info = t.info();
-    assert_eq!(
-        (
-            info.status,
-            info.termination_reason.as_str(),
-            info.termination_message.as_str()
-        ),
-        (TaskStatus::Terminated, "terminated_by_user", "bye")
+    let shown = (
+        info.status,
+        info.termination_reason.as_str(),
+        info.termination_message.as_str(),
     );
-    let a = go_disk_full(&mut t, released(&["GPU-a"], true, &["data"]));
-    assert_eq!(a, vec![Action::Persist]);
+    assert_eq!(shown, (TaskStatus::Terminated, "terminated_by_user", "bye"));
+    let a = t.go_disk_full(released(&["GPU-a"], true, &["data"]));
+    assert_eq!(a, [PERSIST]);
     assert!(!t.record().resources.holds_any() && t.record().resources.released);
     assert!(!t.needs_release() && !t.needs_retry());
     // A remove is accepted: it deletes the record the disk could not take.
-    let mut removed = t.clone();
-    let a = go_disk_full(&mut removed, Event::RemoveRequested);
-    assert_eq!(
-        a,
-        [
-            Action::Effect(Effect::RemoveContainer),
-            Action::DeleteTaskDir,
-            Action::Effect(Effect::Forget)
-        ]
-    );
+    let a = t.clone().go_disk_full(Event::RemoveRequested);
+    assert_eq!(a, removal(None));
     // The reconciler's retry fails while the disk is full; a second terminate once space is
     // back writes the first reason, released, and changes nothing else.
-    let a = go_disk_full(&mut t, Event::PersistRequested);
-    assert_eq!(a, vec![Action::Persist]);
-    let a = go(&mut t, terminate(TerminatedByServer, "second", 10));
-    assert_eq!(a, vec![Action::Persist]);
+    assert_eq!(t.go_disk_full(Event::PersistRequested), [PERSIST]);
+    assert_eq!(t.go(terminate(TerminatedByServer, "second", 10)), [PERSIST]);
     assert_ended(&t, TerminatedByUser, "bye");
     assert!(!t.write_failed() && t.saved().released);
 }
@@ -1249,27 +1136,23 @@ fn a_terminate_whose_write_fails_still_stops_and_releases() {
 #[test]
 fn a_terminate_during_a_pull_whose_write_fails_cancels_the_pull() {
     let mut t = started_until(StartStep::Pull);
-    let a = go_disk_full(&mut t, terminate(TerminatedByUser, "", 0));
-    assert_eq!(a, vec![Action::Persist, Action::Effect(Effect::CancelPull)]);
+    let a = t.go_disk_full(terminate(TerminatedByUser, "", 0));
+    assert_eq!(a, [PERSIST, CANCEL_PULL]);
     // Start stops at its next step and releases when it returns, the disk still full.
-    let a = go_disk_full(&mut t, pull_failed("cancelled"));
-    assert_eq!(a, vec![Action::Effect(Effect::FinishStart)]);
+    assert_eq!(t.go_disk_full(pull_failed("cancelled")), [FINISH]);
     assert_eq!(t.status(), TaskStatus::Pulling, "start still in flight");
-    let a = go_disk_full(&mut t, Event::StartFinished);
-    assert_eq!(a, vec![release_of(&t)]);
+    assert_eq!(t.go_disk_full(Event::StartFinished), [release_of(&t)]);
     // No container was made: the task reads terminated though its record waits.
-    assert_eq!(
-        (t.saved().status, t.status()),
-        (TaskStatus::Pulling, TaskStatus::Terminated)
-    );
+    assert_eq!(t.saved().status, TaskStatus::Pulling);
+    assert_eq!(t.status(), TaskStatus::Terminated);
     assert_eq!(t.info().termination_reason, "terminated_by_user");
 }
 
 #[test]
 fn an_exit_whose_write_fails_releases_without_waiting_for_the_disk() {
     let mut t = running();
-    let a = go_disk_full(&mut t, Event::Observed(exited(0, &[])));
-    assert_eq!(a, vec![Action::Persist, release_of(&t)]);
+    let a = t.go_disk_full(seen(exited(0, &[])));
+    assert_eq!(a, [PERSIST, release_of(&t)]);
     // SPEC §4: the container no longer runs, so the task reads terminated at once, its
     // record waiting for the disk.
     assert!(t.is_dirty() && t.write_failed());
@@ -1278,42 +1161,36 @@ fn an_exit_whose_write_fails_releases_without_waiting_for_the_disk() {
     assert_eq!(t.info().termination_reason, "done_by_runner");
     // The release fails (busy); the reconciler's next cycle writes the exit once the disk
     // allows, and retries the release in the same cycle.
-    let retried = go_disk_full(&mut t, release_failed("busy"));
+    let retried = t.go_disk_full(release_failed("busy"));
     // Backed off: nothing but the reconciler's next request retries the release.
     assert!(t.needs_release());
     assert_eq!(retried, vec![], "a failed release is not retried at once");
-    let a = go(&mut t, Event::PersistRequested);
-    assert_eq!(a, vec![Action::Persist, release_of(&t)]);
+    assert_eq!(t.go(Event::PersistRequested), [PERSIST, release_of(&t)]);
     assert_ended(&t, DoneByRunner, "");
 }
 
 #[test]
 fn a_start_whose_write_fails_is_given_up_with_the_cause() {
-    let mut t = started_until(StartStep::AddHostKeys);
     // The keys are recorded ahead, but the write fails: the add never goes out.
-    let mut t2 = new_task(&config());
-    go(&mut t2, Event::StartBegan);
-    let a = go_disk_full(&mut t2, Event::GpusAcquired(strings(&["GPU-a"])));
-    assert_eq!(
-        a,
-        vec![Action::Persist, Action::Effect(Effect::FinishStart)]
-    );
-    assert_eq!(t2.record().status, TaskStatus::Terminated);
-    let message = &t2.record().termination_message;
-    assert!(
-        message.starts_with("cannot write the task's state file: No space left"),
-        "{message}"
-    );
+    let mut t = new_task(&config());
+    t.go(Event::StartBegan);
+    let a = t.go_disk_full(Event::GpusAcquired(gpu_a()));
+    assert_eq!(a, [PERSIST, FINISH]);
+    assert_eq!(t.record().status, TaskStatus::Terminated);
+    let message = &t.record().termination_message;
+    let cause = "cannot write the task's state file: No space left";
+    assert!(message.starts_with(cause), "{message}");
     // What it acquired is released when it returns, without waiting for the disk (the keys
     // recorded ahead were never added: removing them is a no-op).
-    let a = go_disk_full(&mut t2, Event::StartFinished);
+    let a = t.go_disk_full(Event::StartFinished);
     assert!(
         matches!(&a[..], [Action::Effect(Effect::Release(r))] if r.gpus == ["GPU-a"] && r.host_keys.is_some()),
         "{a:?}"
     );
     // A step in flight is not given up by a write failure of another event.
-    let a = go_disk_full(&mut t, terminate(TerminatedByServer, "", 0));
-    assert_eq!(a, vec![Action::Persist]);
+    let mut t = started_until(StartStep::AddHostKeys);
+    let a = t.go_disk_full(terminate(TerminatedByServer, "", 0));
+    assert_eq!(a, [PERSIST]);
     assert_eq!(t.start_step(), Some(StartStep::AddHostKeys));
     // Start owns the task: nothing is released before it returns.
     assert!(!t.needs_release());
@@ -1330,8 +1207,8 @@ fn running_is_written_with_the_next_change_only() {
     assert_eq!(on_disk.status, TaskStatus::Pending);
     // Started (no write: `minimal_config_skips_keys_volumes_dirs_and_a_present_image`), and
     // the start settled: still none, and the reconciler asks for none.
-    go(&mut t, Event::ContainerStarted { ports: vec![] });
-    assert_eq!(go(&mut t, Event::StartFinished), vec![]);
+    t.go(started());
+    assert_eq!(t.go(Event::StartFinished), vec![]);
     assert_eq!(t.status(), TaskStatus::Running, "the container proves it");
     assert_eq!(t.saved(), &on_disk, "not written");
     assert!(t.is_dirty() && t.is_progress_only() && !t.needs_write());
@@ -1360,11 +1237,11 @@ fn running_is_written_with_the_next_change_only() {
         ..container
     };
     let (_, actions) = restore(Some(pending), Some(exited), 5_000).unwrap();
-    assert_eq!(actions.first(), Some(&Action::Persist));
+    assert_eq!(actions.first(), Some(&PERSIST));
     // The next change carries `running` and the container id along.
     for mut t in [t, r] {
-        let a = go(&mut t, terminate(TerminatedByUser, "bye", 0));
-        assert_eq!(a[0], Action::Persist);
+        let a = t.go(terminate(TerminatedByUser, "bye", 0));
+        assert_eq!(a[0], PERSIST);
         assert!(!t.is_dirty());
         assert_eq!(t.record().container_id.as_deref(), Some("cid"));
         assert_eq!(t.saved().status, TaskStatus::Terminated);
@@ -1374,26 +1251,19 @@ fn running_is_written_with_the_next_change_only() {
 #[test]
 fn an_abandoned_remove_leaves_nothing_in_flight() {
     let mut t = running();
-    go(&mut t, terminate(TerminatedByUser, "", 0));
-    go(&mut t, Event::ContainerStopped);
-    go(&mut t, release_failed("busy"));
-    let a = go(&mut t, Event::RemoveRequested);
-    assert_eq!(a[0], Action::Effect(Effect::RemoveContainer));
+    t.go(terminate(TerminatedByUser, "", 0));
+    t.go(Event::ContainerStopped);
+    t.go(release_failed("busy"));
+    let actions = t.go(Event::RemoveRequested);
+    assert_eq!(actions[0], fx(Effect::RemoveContainer));
     assert!(t.release_in_flight());
     // Docker refuses the container removal: the engine drops the rest and says so.
     let message = "cannot remove the container".into();
-    let a = go(
-        &mut t,
-        Event::ActionsAbandoned {
-            actions: a,
-            message,
-        },
-    );
-    assert_eq!(a, vec![]);
+    assert_eq!(t.go(Event::ActionsAbandoned { actions, message }), vec![]);
     assert!(!t.release_in_flight());
     // The next cycle releases; a later remove is accepted.
     assert!(t.needs_release());
-    go(&mut t, Event::RemoveRequested);
+    t.go(Event::RemoveRequested);
 }
 
 #[test]
@@ -1402,22 +1272,22 @@ fn a_reason_left_empty_takes_the_reason_of_a_later_terminate() {
     // task has an empty reason, a later terminated update replaces reason and message". The
     // server's terminate of a dangling task sends no reason.
     let mut t = running();
-    go(&mut t, terminate(TerminationReason::parse(""), "", 0));
+    t.go(terminate(TerminationReason::parse(""), "", 0));
     assert_eq!(t.info().status, TaskStatus::Terminated);
     assert_eq!(t.info().termination_reason, "");
-    let a = go(&mut t, terminate(TerminatedByServer, "later", 0));
-    assert_eq!(a.first(), Some(&Action::Persist));
+    let a = t.go(terminate(TerminatedByServer, "later", 0));
+    assert_eq!(a.first(), Some(&PERSIST));
     assert_ended(&t, TerminatedByServer, "later");
     // A non-empty reason is then final.
-    go(&mut t, terminate(TerminatedByUser, "again", 0));
+    t.go(terminate(TerminatedByUser, "again", 0));
     assert_ended(&t, TerminatedByServer, "later");
 }
 
 #[test]
 fn the_display_retry_records_the_new_container_through_an_event() {
     let mut t = started_until(StartStep::StartContainer);
-    let a = go(&mut t, recreated("cid2"));
-    assert_eq!(a, vec![Action::Persist], "the new id is durable first");
+    let a = t.go(recreated("cid2"));
+    assert_eq!(a, [PERSIST], "the new id is durable first");
     assert_eq!(t.record().container_id.as_deref(), Some("cid2"));
     let awaited = Some(StartStep::StartContainer);
     assert_eq!(t.start_step(), awaited, "still awaited");
