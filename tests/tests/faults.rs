@@ -47,7 +47,7 @@ use serde_json::{Value, json};
 use shim_e2e::harness::{
     FAKE_GPUS, HostUser, LoopFs, PrivateDocker, RemoveImage, Request, Response, TestShim,
     bridge_task, container_name_of, docker_at, entries, fake_gpu_ids, run_tag, ssh_key, status_of,
-    task_entries, try_docker_within, wait_for, write_runner_exit,
+    task_entries, try_docker_within, wait_for, wait_until, write_runner_exit,
 };
 use shim_e2e::{registry, registry_password, registry_user, require_docker, require_root};
 
@@ -57,15 +57,18 @@ const WAIT: Duration = Duration::from_secs(60);
 /// What the kernel's ENOSPC reads as in an error chain.
 const ENOSPC: &str = "No space left on device";
 
-// ---------------------------------------------------------------------------------------------
-// Gating
-// ---------------------------------------------------------------------------------------------
+// Gating ------------------------------------------------------------------------------------------
 
 /// The first statement of each test: it needs Docker, and root too when `root`
 /// ([`require_docker`], [`require_root`]), and the pieces must be there: Docker answers, and
 /// we are root.
 #[track_caller]
-fn require(test: &str, root: bool) {
+fn require(root: bool) {
+    // The test harness names each test's thread after the test.
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("this test")
+        .to_owned();
     require_docker();
     if root {
         require_root();
@@ -82,9 +85,13 @@ fn require(test: &str, root: bool) {
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Task configs
-// ---------------------------------------------------------------------------------------------
+/// The test's own directory (its shim's home and logs, and whatever else it makes).
+fn temp_dir() -> tempfile::TempDir {
+    let dir = tempfile::Builder::new().prefix("shim-faults-").tempdir();
+    dir.unwrap()
+}
+
+// Task configs ------------------------------------------------------------------------------------
 
 /// A task config as the server sends it: bridge mode, the local test image.
 /// Task `id` named `flt-<id>-<run tag>` (container names unique to this run).
@@ -116,6 +123,11 @@ fn gpu_ids(info: &Value) -> BTreeSet<String> {
     set
 }
 
+/// `Ok` if `done`, else `why`: a probe of [`wait_for`].
+fn ok_if(done: bool, why: impl std::fmt::Display) -> Result<(), String> {
+    if done { Ok(()) } else { Err(why.to_string()) }
+}
+
 /// Status, termination reason and message, and container of a TaskInfo.
 fn ending(info: &Value) -> [&str; 4] {
     [
@@ -127,9 +139,7 @@ fn ending(info: &Value) -> [&str; 4] {
     .map(|f| info[f].as_str().unwrap_or("?"))
 }
 
-// ---------------------------------------------------------------------------------------------
-// A host user's authorized_keys
-// ---------------------------------------------------------------------------------------------
+// A host user's authorized_keys -------------------------------------------------------------------
 
 /// The keys (base64 fields) of the lines the shim wrote in the user's `authorized_keys`.
 fn marked_keys(user: &HostUser) -> BTreeSet<String> {
@@ -140,9 +150,22 @@ fn marked_keys(user: &HostUser) -> BTreeSet<String> {
     .marked()
 }
 
-// ---------------------------------------------------------------------------------------------
-// A TCP proxy that holds connections until it is opened
-// ---------------------------------------------------------------------------------------------
+/// Nothing of the shim's tasks is left: no task, container, task directory, or (with `user`)
+/// marked key line.
+#[track_caller]
+fn assert_nothing_left(shim: &TestShim, user: Option<&HostUser>) {
+    let keys = user.map(marked_keys).unwrap_or_default();
+    let left = (
+        shim.list(),
+        shim.containers(),
+        task_entries(&shim.tasks_dir()),
+        keys,
+    );
+    let what = "left: (tasks, containers, task directories, marked key lines)";
+    assert_eq!(left, Default::default(), "{what}");
+}
+
+// A TCP proxy that holds connections until it is opened -------------------------------------------
 
 /// Accepts connections on a loopback port and forwards them to `upstream` once opened: a
 /// registry behind it makes a pull that waits as long as the test wants.
@@ -224,9 +247,7 @@ fn copy_then_close(mut from: TcpStream, mut to: TcpStream) {
     let _ = to.shutdown(Shutdown::Write);
 }
 
-// ---------------------------------------------------------------------------------------------
-// A seeded PRNG
-// ---------------------------------------------------------------------------------------------
+// A seeded PRNG -----------------------------------------------------------------------------------
 
 /// SplitMix64: small, seeded, good enough to pick delays and operations.
 struct Rng(u64);
@@ -257,9 +278,7 @@ fn seed() -> u64 {
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// 1. SIGKILL at random points of concurrent submit / terminate / remove
-// ---------------------------------------------------------------------------------------------
+// 1. SIGKILL at random points of concurrent submit / terminate / remove ---------------------------
 
 /// Rounds of the random test (each ends with a SIGKILL and a restart).
 const ROUNDS: u32 = 25;
@@ -269,7 +288,7 @@ const WORKERS: usize = 3;
 const MAX_LIVE: usize = 8;
 
 /// What the random test knows of one task.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 struct Tracked {
     /// The submit was answered 200 (false: no answer came, the task may or may not exist).
     submitted: bool,
@@ -348,16 +367,11 @@ impl Book {
             let gpu = rng.below(3);
             let key = ssh_key(&id);
             let config = with_host_keys(task(&id, gpu as i64), user, &[&key]);
-            self.tasks.insert(
-                id.clone(),
-                Tracked {
-                    submitted: false,
-                    terminated: None,
-                    remove_unanswered: false,
-                    gpu,
-                    busy: false,
-                },
-            );
+            let tracked = Tracked {
+                gpu,
+                ..Tracked::default()
+            };
+            self.tasks.insert(id.clone(), tracked);
             Op::Submit(id, config)
         } else if idle.is_empty() {
             return None;
@@ -365,12 +379,8 @@ impl Book {
             let id = idle[rng.below(idle.len() as u64) as usize].clone();
             // A terminated task is mostly removed (now and then terminated again: the first
             // reason stays); a running one mostly terminated (now and then removed: 409).
-            let remove = if self.tasks[&id].terminated.is_some() {
-                rng.below(10) < 7
-            } else {
-                rng.below(10) < 2
-            };
-            if remove {
+            let terminated = self.tasks[&id].terminated.is_some();
+            if rng.below(10) < if terminated { 7 } else { 2 } {
                 Op::Remove(id)
             } else {
                 let reason = ["terminated_by_user", "terminated_by_server"][rng.below(2) as usize];
@@ -416,17 +426,9 @@ impl Book {
             }
             (Op::Terminate(..), 200) => {
                 let info = json.unwrap_or_default();
-                let got = (
-                    info["termination_reason"]
-                        .as_str()
-                        .unwrap_or("?")
-                        .to_owned(),
-                    info["termination_message"]
-                        .as_str()
-                        .unwrap_or("?")
-                        .to_owned(),
-                );
-                if status_of(&info) != "terminated" {
+                let [status, reason, message, _] = ending(&info);
+                let got = (reason.to_owned(), message.to_owned());
+                if status != "terminated" {
                     self.errors
                         .push(format!("{op:?}: answered 200 but not terminated: {info}"));
                 } else if let Some(first) = &t.terminated
@@ -516,16 +518,12 @@ fn check_answers_survived(shim: &TestShim, book: &mut Book, round: u32) {
             "round {round}: task {id} was submitted (answered 200) and is lost after the restart"
         );
         if let Some((reason, message)) = &t.terminated {
-            let info = shim.info(&id);
-            assert_eq!(
-                (
-                    status_of(&info),
-                    info["termination_reason"].as_str().unwrap(),
-                    info["termination_message"].as_str().unwrap()
-                ),
-                ("terminated", reason.as_str(), message.as_str()),
+            assert_has!(
+                shim.info(&id),
+                {"status": "terminated", "termination_reason": reason,
+                 "termination_message": message},
                 "round {round}: task {id} was terminated (answered 200) and lost its reason \
-                 across the restart: {info}"
+                 across the restart:"
             );
         }
     }
@@ -633,18 +631,12 @@ fn check_gpus(
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn sigkill_at_random_points_of_concurrent_requests_loses_nothing() {
-    require(
-        "sigkill_at_random_points_of_concurrent_requests_loses_nothing",
-        true,
-    );
+    require(true);
     let seed = seed();
     eprintln!("seed {seed} (SHIM_FAULTS_SEED={seed} replays the choices)");
     let started = Instant::now();
     let mut rng = Rng(seed);
-    let dir = tempfile::Builder::new()
-        .prefix("shim-faults-")
-        .tempdir()
-        .unwrap();
+    let dir = temp_dir();
     let user = HostUser::create(dir.path());
     // A line of the user's own: never touched.
     let own = ssh_key("own@faults");
@@ -699,13 +691,7 @@ fn sigkill_at_random_points_of_concurrent_requests_loses_nothing() {
     let info = shim.wait_status("all-gpus", "running");
     assert_eq!(gpu_ids(&info), fake_gpu_ids(), "every GPU is free: {info}");
     shim.finish("all-gpus");
-    assert_eq!(shim.containers(), BTreeMap::new(), "containers left");
-    assert_eq!(
-        task_entries(&shim.tasks_dir()),
-        BTreeSet::new(),
-        "task directories left"
-    );
-    assert_eq!(marked_keys(&user), BTreeSet::new(), "marked key lines left");
+    assert_nothing_left(&shim, Some(&user));
     assert_eq!(
         user.lines(),
         vec![own],
@@ -722,9 +708,7 @@ fn sigkill_at_random_points_of_concurrent_requests_loses_nothing() {
     );
 }
 
-// ---------------------------------------------------------------------------------------------
-// 2. Docker frozen, stopped and restarted under running tasks
-// ---------------------------------------------------------------------------------------------
+// 2. Docker frozen, stopped and restarted under running tasks -------------------------------------
 
 /// Runs `f`, an API request answered from memory, and asserts that it did not wait for the
 /// frozen daemon: a request that waited on Docker would only come back once the runtime's
@@ -766,14 +750,8 @@ fn last_line(info: &Value) -> String {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn docker_frozen_stopped_and_restarted_under_running_tasks() {
-    require(
-        "docker_frozen_stopped_and_restarted_under_running_tasks",
-        true,
-    );
-    let dir = tempfile::Builder::new()
-        .prefix("shim-faults-")
-        .tempdir()
-        .unwrap();
+    require(true);
+    let dir = temp_dir();
     let mut daemon = PrivateDocker::start(&dir.path().join("docker"));
     let mut shim = TestShim::builder("faults")
         .home(&dir.path().join("home"), &dir.path().join("logs"))
@@ -804,15 +782,8 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
     let took = started.elapsed();
     assert_eq!(r.status, 200, "{r:?}");
     let answered = r.json().unwrap();
-    assert_eq!(
-        (
-            status_of(&answered),
-            answered["termination_reason"].as_str().unwrap(),
-            answered["termination_message"].as_str().unwrap()
-        ),
-        ("terminated", "terminated_by_user", "while frozen"),
-        "{answered}"
-    );
+    let end = ["terminated", "terminated_by_user", "while frozen"];
+    assert_eq!(ending(&answered)[..3], end, "{answered}");
     eprintln!("MEASURED terminate (timeout 2 s) with the daemon frozen answered in {took:?}");
     // Waiting for Docker's stop would take the grace period plus the stop call's own bound
     // (60 s more): the shim gives up on the frozen daemon well before that.
@@ -832,23 +803,15 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
     // Converges without a restart.
     wait_for("a stopped, b's exit reported", WAIT, || {
         let b = shim.info("b");
-        if shim.running(&cid("a")) != Some(false) {
-            return Err("a's container still runs".to_owned());
-        }
-        if status_of(&b) != "terminated" {
-            return Err(format!("b: {b}"));
-        }
-        Ok(())
+        ok_if(
+            shim.running(&cid("a")) == Some(false),
+            "a's container still runs",
+        )?;
+        ok_if(status_of(&b) == "terminated", format!("b: {b}"))
     });
     let b = shim.info("b");
-    assert_eq!(
-        (
-            b["termination_reason"].as_str().unwrap(),
-            last_line(&b).as_str()
-        ),
-        ("container_exited_with_error", "runner exiting with 5"),
-        "{b}"
-    );
+    assert_has!(b, {"termination_reason": "container_exited_with_error"});
+    assert_eq!(last_line(&b), "runner exiting with 5", "{b}");
     assert_eq!(shim.info("a"), answered, "a keeps its reason");
     for id in ["c", "d", "e"] {
         assert_eq!(status_of(&shim.info(id)), "running", "{id}");
@@ -868,31 +831,21 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
         WAIT,
         || {
             let (c, e) = (shim.info("c"), shim.info("e"));
-            if status_of(&c) == "terminated" && status_of(&e) == "terminated" {
-                Ok(())
-            } else {
-                Err(format!("{c} {e}"))
-            }
+            let ended = status_of(&c) == "terminated" && status_of(&e) == "terminated";
+            ok_if(ended, format!("{c} {e}"))
         },
     );
     // What a container prints while the daemon is down is lost (Docker reads its output), so
     // the exit codes tell: 0 is done, 3 an error, and the shim saw 3.
-    let c = shim.info("c");
-    assert_eq!(c["termination_reason"], "done_by_runner", "{c}");
-    let e = shim.info("e");
-    assert_eq!(
-        e["termination_reason"], "container_exited_with_error",
-        "{e}"
-    );
+    assert_has!(shim.info("c"), {"termination_reason": "done_by_runner"});
+    assert_has!(shim.info("e"), {"termination_reason": "container_exited_with_error"});
     assert!(
         shim.all_logs()
             .contains("task=e observation=Exited { code: 3,"),
         "e's exit code 3:\n{}",
         shim.log_tail()
     );
-    let d = shim.info("d");
-    assert_eq!(status_of(&d), "running", "{d}");
-    assert_eq!(d["container_id"], infos["d"]["container_id"], "{d}");
+    assert_has!(shim.info("d"), {"status": "running", "container_id": infos["d"]["container_id"]});
     assert_eq!(shim.running(&cid("d")), Some(true));
     let reconnects = shim.all_logs().matches("event stream reconnected").count();
     assert!(
@@ -904,13 +857,10 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
     for id in ids {
         shim.finish(id);
     }
-    assert_eq!(shim.containers(), BTreeMap::new());
-    assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
+    assert_nothing_left(&shim, None);
 }
 
-// ---------------------------------------------------------------------------------------------
-// 3. The home fills up
-// ---------------------------------------------------------------------------------------------
+// 3. The home fills up ----------------------------------------------------------------------------
 
 /// What a full home means beyond `a_full_home_fails_writes_with_their_cause_and_converges_when_freed`
 /// (below, in every world), which only the binary on a real full disk with real keys shows.
@@ -927,14 +877,8 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn on_a_full_home_a_start_runs_and_keys_go_before_their_records() {
-    require(
-        "on_a_full_home_a_start_runs_and_keys_go_before_their_records",
-        true,
-    );
-    let dir = tempfile::Builder::new()
-        .prefix("shim-faults-")
-        .tempdir()
-        .unwrap();
+    require(true);
+    let dir = temp_dir();
     let fs = LoopFs::create(dir.path(), 16);
     let user = HostUser::create(dir.path());
     let mut shim = TestShim::builder("faults")
@@ -971,12 +915,11 @@ fn on_a_full_home_a_start_runs_and_keys_go_before_their_records() {
     t4_config["registry_password"] = json!(registry_password());
     assert_eq!(shim.submit(&t4_config).status, 200);
     wait_for("t4 pulling through the proxy", WAIT, || {
-        let t4 = shim.info("t4");
-        if status_of(&t4) == "pulling" && proxy.accepted() > 0 {
-            Ok(())
-        } else {
-            Err(format!("{t4}, {} connections", proxy.accepted()))
-        }
+        let (t4, accepted) = (shim.info("t4"), proxy.accepted());
+        ok_if(
+            status_of(&t4) == "pulling" && accepted > 0,
+            format!("{t4}, {accepted} connections"),
+        )
     });
     assert_eq!(marked_keys(&user), [&k1, &k2].map(|k| key_blob(k)).into());
 
@@ -985,11 +928,7 @@ fn on_a_full_home_a_start_runs_and_keys_go_before_their_records() {
     // A terminate: the container stopped and the key released although nothing is written.
     let r = shim.terminate("t1", "terminated_by_user", "first", 0);
     assert_eq!(r.status, 200, "{r:?}");
-    assert_eq!(
-        shim.running(&t1_cid),
-        Some(false),
-        "t1's container is stopped"
-    );
+    assert_eq!(shim.running(&t1_cid), Some(false), "t1's container stops");
     assert!(
         !marked_keys(&user).contains(&key_blob(&k1)),
         "t1's key is released"
@@ -997,26 +936,17 @@ fn on_a_full_home_a_start_runs_and_keys_go_before_their_records() {
 
     // An exit: reported at once, its key released, its record waiting.
     write_runner_exit(shim.home(), &t2, 0).unwrap();
-    wait_for("t2's container exits", WAIT, || {
-        match shim.running(&t2_cid) {
-            Some(false) => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
+    wait_until("t2's container exits", WAIT, || {
+        shim.running(&t2_cid) == Some(false)
     });
     let exited = Instant::now();
-    wait_for(
-        "t2 reads terminated and its key goes, the disk full",
-        WAIT,
-        || {
-            let t2 = shim.info("t2");
-            let released = !marked_keys(&user).contains(&key_blob(&k2));
-            if ending(&t2)[..2] == ["terminated", "done_by_runner"] && released {
-                Ok(())
-            } else {
-                Err(format!("{t2} {:?}", marked_keys(&user)))
-            }
-        },
-    );
+    let what = "t2 reads terminated and its key goes, the disk full";
+    wait_for(what, WAIT, || {
+        let (t2, marked) = (shim.info("t2"), marked_keys(&user));
+        let released = !marked.contains(&key_blob(&k2));
+        let ended = ending(&t2)[..2] == ["terminated", "done_by_runner"];
+        ok_if(ended && released, format!("{t2} {marked:?}"))
+    });
     eprintln!(
         "MEASURED exit on a full home -> terminated shown, key released: {:?}",
         exited.elapsed()
@@ -1024,15 +954,10 @@ fn on_a_full_home_a_start_runs_and_keys_go_before_their_records() {
 
     // The pull completes; the start goes on to `running`, which needs no write.
     proxy.open();
-    wait_for("t4's image pulled", WAIT, || {
-        if docker_at(None, &["image", "inspect", &pulled])
+    wait_until("t4's image pulled", WAIT, || {
+        docker_at(None, &["image", "inspect", &pulled])
             .status
             .success()
-        {
-            Ok(())
-        } else {
-            Err("not yet".to_owned())
-        }
     });
     // Let the shim try (the retry pass runs every second): two more failed writes, counted.
     let failed = || {
@@ -1042,9 +967,7 @@ fn on_a_full_home_a_start_runs_and_keys_go_before_their_records() {
     let before = failed();
     wait_for("two more failed state writes (retries)", WAIT, || {
         let now = failed();
-        (now >= before + 2.0)
-            .then_some(())
-            .ok_or(format!("{before} -> {now}"))
+        ok_if(now >= before + 2.0, format!("{before} -> {now}"))
     });
     // The pull's end, `creating`, the new container's id and `running` are start progress,
     // which needs no write of its own, and neither a create nor a start needs a record (the
@@ -1057,18 +980,9 @@ fn on_a_full_home_a_start_runs_and_keys_go_before_their_records() {
     });
     // The API shows `running` as soon as the container runs (SPEC §5: the container proves
     // it, and a restart reads Docker first), while the record stays `pulling`.
-    wait_for("t4 shows running", WAIT, || {
-        let t4 = shim.info("t4");
-        (status_of(&t4) == "running")
-            .then_some(())
-            .ok_or(t4.to_string())
-    });
-    let t4_file = shim
-        .tasks_dir()
-        .join(container_name_of(&t4_config))
-        .join("task.json");
-    let t4_record =
-        || -> Value { serde_json::from_slice(&fs_err::read(&t4_file).unwrap()).unwrap() };
+    shim.wait_status("t4", "running");
+    let t4_file = shim.task_dir("t4").join("task.json");
+    let t4_record = || world::read_json(&t4_file);
     assert_eq!(
         t4_record()["rust_shim"]["status"],
         "pulling",
@@ -1082,16 +996,11 @@ fn on_a_full_home_a_start_runs_and_keys_go_before_their_records() {
     assert_eq!(unwritten(), Some(2.0), "t1's and t2's terminations");
     fs.free(&filler);
     let freed = Instant::now();
-    wait_for(
-        "t1's and t2's terminations land in their records",
-        WAIT,
-        || {
-            let now = unwritten();
-            (now == Some(0.0))
-                .then_some(())
-                .ok_or(format!("{now:?} unwritten"))
-        },
-    );
+    let what = "t1's and t2's terminations land in their records";
+    wait_for(what, WAIT, || {
+        let now = unwritten();
+        ok_if(now == Some(0.0), format!("{now:?} unwritten"))
+    });
     eprintln!(
         "MEASURED space freed -> the terminations written: {:?}",
         freed.elapsed()
@@ -1101,26 +1010,16 @@ fn on_a_full_home_a_start_runs_and_keys_go_before_their_records() {
 
     // Restart: the started task runs on in its container.
     shim.restart();
-    let t4 = shim.info("t4");
-    assert_eq!(
-        (status_of(&t4), t4["container_id"].as_str().unwrap()),
-        ("running", t4_cid.as_str()),
-        "{t4}"
-    );
+    assert_has!(shim.info("t4"), {"status": "running", "container_id": t4_cid});
     assert_eq!(shim.running(&t4_cid), Some(true));
     for id in ["t1", "t2", "t4"] {
         shim.terminate(id, "terminated_by_server", "", 0);
         shim.remove_retrying(id);
     }
-    assert_eq!(shim.list(), BTreeMap::new());
-    assert_eq!(shim.containers(), BTreeMap::new());
-    assert_eq!(task_entries(&shim.tasks_dir()), BTreeSet::new());
-    assert_eq!(marked_keys(&user), BTreeSet::new());
+    assert_nothing_left(&shim, Some(&user));
 }
 
-// ---------------------------------------------------------------------------------------------
-// 4. Unusable state files
-// ---------------------------------------------------------------------------------------------
+// 4. Unusable state files -------------------------------------------------------------------------
 
 // SPEC §5, §7: state files that are garbage, truncated, of a future format version, or a
 // directory, with their containers running. The shim starts; each task is restored from its
@@ -1131,11 +1030,7 @@ fn on_a_full_home_a_start_runs_and_keys_go_before_their_records() {
 // own line is never touched. (Real key lines across a restart: not the fake world, whose keys
 // are new fakes at each start.)
 async fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys<W: world::World>() {
-    let mut w = W::new(world::Options {
-        host_user: true,
-        ..world::Options::default()
-    })
-    .await;
+    let mut w = W::new(world::Options::with(|o| o.host_user = true)).await;
     let keys = w.host_user().unwrap();
     let own = ssh_key("own@faults");
     w.add_own_key_line(&own);
@@ -1187,11 +1082,8 @@ async fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys<W:
 
     for kind in kinds {
         let info = w.info(kind).await.unwrap();
-        assert_eq!(info["status"], "running", "{kind}: {info}");
-        assert_eq!(
-            info["container_id"], before[kind]["container_id"],
-            "{kind}: {info}"
-        );
+        let cid = &before[kind]["container_id"];
+        assert_has!(info, {"status": "running", "container_id": cid}, "{kind}:");
         let task_dir = runners.join(container_name_of(&configs[kind]));
         let aside: Vec<String> = entries(&task_dir)
             .into_iter()
@@ -1214,14 +1106,10 @@ async fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys<W:
     // Released one by one: the unknown-origin lines stay while any restored task lives, also
     // when the healthy task (same user, known keys) is released.
     let healthy = key_blob(&ssh_key("healthy"));
-    let unknown: BTreeSet<String> = all_keys
-        .iter()
-        .filter(|k| **k != healthy)
-        .cloned()
-        .collect();
+    let mut unknown = all_keys.clone();
+    unknown.remove(&healthy);
     for id in ["garbage", "truncated", "healthy", "future"] {
-        w.terminate(id, "terminated_by_server", "", 0).await;
-        w.remove(id).await;
+        w.finish(id).await;
         let marked = keys.marked();
         assert!(
             unknown.is_subset(&marked),
@@ -1249,9 +1137,7 @@ async fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys<W:
 }
 in_worlds!(unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys: docker, binary);
 
-// ---------------------------------------------------------------------------------------------
-// 5. Lost answers
-// ---------------------------------------------------------------------------------------------
+// 5. Lost answers ---------------------------------------------------------------------------------
 
 // A create and a start whose answers never reach the shim (the requests are carried out, the
 // answer is lost, as a request timeout on a loaded daemon would look) do not fail the task:
@@ -1262,13 +1148,8 @@ in_worlds!(unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys:
 // whose container removal answer is lost fails with the cause and keeps the task; the next
 // remove (the server retries) finds the container gone and completes, leaving nothing behind.
 async fn lost_engine_answers_neither_fail_the_task_nor_leak_it<W: world::World>() {
-    let w = W::new(world::Options {
-        losing_engine: true,
-        ..world::Options::default()
-    })
-    .await;
-    w.submit(&w.task("lost", 1)).await.unwrap();
-    let info = w.wait_status("lost", "running").await;
+    let w = W::new(world::Options::with(|o| o.losing_engine = true)).await;
+    let info = w.submitted("lost", 1, "running").await;
     assert_eq!(w.answers_lost(), 2, "the create's and the start's");
     let cid = info["container_id"].as_str().unwrap();
     assert_eq!(w.container_running(cid).await, Some(true));
@@ -1277,9 +1158,9 @@ async fn lost_engine_answers_neither_fail_the_task_nor_leak_it<W: world::World>(
     let done = w.terminate("lost", "terminated_by_server", "", 0).await;
     assert_eq!(done["status"], "terminated", "{done}");
     let refused = w.try_remove("lost").await.unwrap_err();
-    assert!(refused.starts_with("500 "), "{refused}");
+    let cause = "container runtime unavailable";
     assert!(
-        refused.contains("container runtime unavailable"),
+        refused.starts_with("500 ") && refused.contains(cause),
         "{refused}"
     );
     assert_eq!(w.answers_lost(), 3, "and the removal's");
@@ -1298,14 +1179,9 @@ in_worlds!(lost_engine_answers_neither_fail_the_task_nor_leak_it: fake, docker, 
 // all along. Upstream waits for the answer without a bound (runner/internal/shim/docker.go
 // starts with the task's `context.Background()`).
 async fn a_start_whose_answer_never_comes_runs_in_seconds<W: world::World>() {
-    let w = W::new(world::Options {
-        late_engine: true,
-        ..world::Options::default()
-    })
-    .await;
+    let w = W::new(world::Options::with(|o| o.late_engine = true)).await;
     let asked = tokio::time::Instant::now();
-    w.submit(&w.task("late", 1)).await.unwrap();
-    let info = w.wait_status("late", "running").await;
+    let info = w.submitted("late", 1, "running").await;
     let took = asked.elapsed();
     assert!(
         took < Duration::from_secs(20),
@@ -1315,8 +1191,7 @@ async fn a_start_whose_answer_never_comes_runs_in_seconds<W: world::World>() {
     let cid = info["container_id"].as_str().unwrap();
     assert_eq!(w.container_running(cid).await, Some(true));
     assert_eq!(w.containers().await, 1, "one container, started once");
-    w.terminate("late", "terminated_by_server", "", 0).await;
-    w.remove("late").await;
+    w.finish("late").await;
     assert_eq!(w.containers().await, 0);
 }
 in_worlds!(a_start_whose_answer_never_comes_runs_in_seconds: fake, docker, binary);
@@ -1326,24 +1201,13 @@ in_worlds!(a_start_whose_answer_never_comes_runs_in_seconds: fake, docker, binar
 // changes nothing; once the engine is back, the exit is found and judged as its event would
 // have been (`done_by_runner`).
 async fn an_engine_away_for_a_while_changes_nothing<W: world::World>() {
-    let w = W::new(world::Options {
-        flaky_engine: true,
-        ..world::Options::default()
-    })
-    .await;
-    w.submit(&w.task("flaky", 0)).await.unwrap();
-    let info = w.wait_status("flaky", "running").await;
+    let w = W::new(world::Options::with(|o| o.flaky_engine = true)).await;
+    let info = w.submitted("flaky", 0, "running").await;
     let cid = info["container_id"].as_str().unwrap();
 
     w.set_engine_reachable(false).await;
     w.exit_runner(&info, 0).await;
-    for _ in 0..600 {
-        if w.container_running(cid).await == Some(false) {
-            break;
-        }
-        w.sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(w.container_running(cid).await, Some(false));
+    w.wait_stopped(cid).await;
     for _ in 0..3 {
         if let Some(listed) = w.relist().await {
             assert!(!listed, "the list must fail while the engine is away");
@@ -1351,14 +1215,11 @@ async fn an_engine_away_for_a_while_changes_nothing<W: world::World>() {
         w.sleep(Duration::from_millis(300)).await;
     }
     let now = w.info("flaky").await.unwrap();
-    assert_eq!(
-        now["status"], "running",
-        "no task changes while the engine is away"
-    );
+    assert_has!(now, {"status": "running"}, "no task changes while the engine is away:");
 
     w.set_engine_reachable(true).await;
     let done = w.wait_status("flaky", "terminated").await;
-    assert_eq!(done["termination_reason"], "done_by_runner", "{done}");
+    assert_has!(done, {"termination_reason": "done_by_runner"});
     w.remove("flaky").await;
 }
 in_worlds!(an_engine_away_for_a_while_changes_nothing: fake, docker, binary);
@@ -1373,11 +1234,7 @@ in_worlds!(an_engine_away_for_a_while_changes_nothing: fake, docker, binary);
 // second terminate keeps it, the exit is recorded, no task is left unwritten; after a restart
 // every answered end stays.
 async fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed<W: world::World>() {
-    let mut w = W::new(world::Options {
-        fillable_home: true,
-        ..world::Options::default()
-    })
-    .await;
+    let mut w = W::new(world::Options::with(|o| o.fillable_home = true)).await;
     let mut running = BTreeMap::new();
     for id in ["t1", "t2", "t5"] {
         w.submit(&w.task(id, 1)).await.unwrap();
@@ -1415,10 +1272,7 @@ async fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed<W: w
     assert_eq!(ending(&w.info("t1").await.unwrap()), ending(&first));
     assert_eq!(w.container_running(&cid("t1")).await, Some(false));
     let t1_file = w.state_file(&running["t1"]).unwrap();
-    assert_eq!(
-        t1_file["termination_reason"], "",
-        "not durable yet: {t1_file}"
-    );
+    assert_has!(t1_file, {"termination_reason": ""}, "not durable yet:");
     assert!(
         failed_writes().await > failed_before,
         "the failed writes are counted"
@@ -1427,7 +1281,7 @@ async fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed<W: w
 
     w.exit_runner(&running["t2"], 0).await;
     let t2 = w.wait_status("t2", "terminated").await;
-    assert_eq!(t2["termination_reason"], "done_by_runner", "{t2}");
+    assert_has!(t2, {"termination_reason": "done_by_runner"});
 
     w.terminate("t5", "terminated_by_server", "", 0).await;
     w.try_remove("t5").await.unwrap();
@@ -1450,17 +1304,9 @@ async fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed<W: w
         f["termination_reason"] == "done_by_runner"
     })
     .await;
-    for _ in 0..600 {
-        if unwritten().await == 0.0 {
-            break;
-        }
-        w.sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(
-        unwritten().await,
-        0.0,
-        "every record written once space returned"
-    );
+    let written = async || unwritten().await == 0.0;
+    w.wait_until("every record written once space returned", written)
+        .await;
 
     w.restart().await;
     assert_eq!(ending(&w.info("t1").await.unwrap()), ending(&first));

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
 use shim_e2e::harness::{
-    FreshImage, LoopFs, PrivateDocker, TestShim, bridge_task, docker, docker_ok, fs_usage,
+    FreshImage, LoopFs, PrivateDocker, TestShim, bridge_task, docker, docker_ok, entries, fs_usage,
     images_at, pending_info, run_tag, server_task, status_of, take, try_docker, wait_for,
 };
 use shim_e2e::{image, registry_password, registry_user, require_docker, require_root};
@@ -42,13 +42,20 @@ const MIB: u64 = 1 << 20;
 const HIGH: u64 = 60;
 const LOW: u64 = 57;
 
-/// A task `id` of `image`, pulled with the test registry's credentials.
-fn task(id: &str, image: &str) -> Value {
-    let mut config = bridge_task(id, &format!("img-{id}-{}", run_tag()), 0);
+/// `config` with `image`, pulled with the test registry's credentials.
+fn from_registry(mut config: Value, image: &str) -> Value {
     config["image_name"] = json!(image);
     config["registry_username"] = json!(registry_user());
     config["registry_password"] = json!(registry_password());
     config
+}
+
+/// A task `id` of `image` ([`from_registry`]).
+fn task(id: &str, image: &str) -> Value {
+    from_registry(
+        bridge_task(id, &format!("img-{id}-{}", run_tag()), 0),
+        image,
+    )
 }
 
 /// Submits task `id` of `image`, which the shim accepts.
@@ -351,16 +358,12 @@ fn the_ledger_survives_concurrent_pulls_a_crash_and_corruption() {
         metric(&shim, "dstack_shim_image_ledger_corrupt_total"),
         Some(1.0)
     );
-    let aside: Vec<_> = fs_err::read_dir(shim.home())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("images.json.corrupt-"))
-        .collect();
-    assert_eq!(aside.len(), 1, "kept aside: {aside:?}");
-    assert!(
-        !stray.exists(),
-        "the interrupted write's temp file is removed"
-    );
+    let home = entries(shim.home());
+    let aside = home
+        .iter()
+        .filter(|n| n.starts_with("images.json.corrupt-"));
+    assert_eq!(aside.count(), 1, "kept aside: {home:?}");
+    assert!(!stray.exists(), "the interrupted write's temp file goes");
     assert!(
         shim.all_logs()
             .contains("the image ledger cannot be read: kept aside"),
@@ -408,10 +411,7 @@ fn freed_bytes_are_measured_on_the_file_system() {
         "MEASURED shared layers: usage after {after:.1} % (high {HIGH}, low {LOW}); freed {:.1} MiB as measured",
         freed / MIB as f64
     );
-    assert!(
-        after < LOW as f64,
-        "usage {after:.1} % is not under {LOW} %"
-    );
+    assert!(after < LOW as f64, "usage {after:.1} % over {LOW} %");
     assert!(
         freed >= (24 * MIB) as f64 && freed < (40 * MIB) as f64,
         "freed {freed}: the disk's bytes (the shared layer once), not the two Sizes summed"
@@ -482,10 +482,7 @@ fn pulled_images_are_collected_when_the_disk_fills_and_a_pull_that_cannot_fit_fa
         "MEASURED image GC: submit -> a's image gone {:.0} ms; usage after {after:.1} % (high {HIGH}, low {LOW})",
         collected.as_secs_f64() * 1e3
     );
-    assert!(
-        after < LOW as f64,
-        "usage {after:.1} % is not under {LOW} %"
-    );
+    assert!(after < LOW as f64, "usage {after:.1} % over {LOW} %");
     assert_eq!(
         metric(shim, "dstack_shim_image_gc_removed_images_total"),
         Some(1.0)
@@ -520,10 +517,7 @@ fn pulled_images_are_collected_when_the_disk_fills_and_a_pull_that_cannot_fit_fa
         failed.as_secs_f64() * 1e3,
         info["termination_message"]
     );
-    assert_eq!(
-        info["termination_reason"], "creating_container_error",
-        "{info}"
-    );
+    assert_has!(info, {"termination_reason": "creating_container_error"});
     let message = info["termination_message"].as_str().unwrap();
     assert!(
         message.contains(&format!("cannot pull image {}", d.reference()))
@@ -539,11 +533,8 @@ fn pulled_images_are_collected_when_the_disk_fills_and_a_pull_that_cannot_fit_fa
         "the pull ran {failed:?} before failing"
     );
     let present = disk.images();
-    assert!(
-        !present.contains(&ib),
-        "b's image is collected: {present:?}"
-    );
-    assert!(!present.contains(d.reference()), "{present:?}");
+    let gone = !present.contains(&ib) && !present.contains(d.reference());
+    assert!(gone, "b's image is collected, d's never came: {present:?}");
     disk.assert_present(&[&ic, &test_image]);
     for (name, value) in [
         ("dstack_shim_image_pulls_without_room_total", 1.0),
@@ -562,11 +553,7 @@ fn pulled_images_are_collected_when_the_disk_fills_and_a_pull_that_cannot_fit_fa
 // the `terminated` change; `dstack_shim_pull_stalls_total` and the pull's stalled errors count
 // it.
 async fn a_stalled_pull_is_a_change_a_termination_and_a_count<W: world::World>() {
-    let w = W::new(world::Options {
-        pull_stall_timeout_s: Some(3),
-        ..world::Options::default()
-    })
-    .await;
+    let w = W::new(world::Options::with(|o| o.pull_stall_timeout_s = Some(3))).await;
     let image = w.stalled_image("shim-world-stall").await;
     let mut changes = w.changes().await;
     let mut task = w.task("stall", 0);
@@ -574,7 +561,7 @@ async fn a_stalled_pull_is_a_change_a_termination_and_a_count<W: world::World>()
     w.submit(&task).await.unwrap();
     let seen = changes.of_task_until("stall", "terminated").await;
     let info = w.wait_status("stall", "terminated").await;
-    assert_eq!(info["termination_reason"], "creating_container_error");
+    assert_has!(info, {"termination_reason": "creating_container_error"});
     let kinds: Vec<&str> = seen.iter().map(|c| c["change"].as_str().unwrap()).collect();
     assert_eq!(
         kinds[kinds.len() - 2..],
@@ -636,13 +623,6 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
-/// Starts the shim after checking the image is not on the host (so its start-up cannot have
-/// pulled it either).
-fn start_with_image_check(shim: &mut TestShim, image: &str) {
-    assert!(!image_present(image), "{image} is still on the host");
-    shim.start();
-}
-
 /// SPEC §4 `pulling`: an image not on the host is pulled from the registry with the task's
 /// credentials; `image_pull_progress` ends with downloaded bytes > 0 and a final total; the
 /// password reaches no file of the home and no log.
@@ -657,12 +637,11 @@ fn pull_from_registry_with_credentials_reports_progress() {
     let fresh = FreshImage::push("shim-e2e-pull", usize::try_from(PAYLOAD_BYTES).unwrap()).unwrap();
     let pulled = fresh.reference().to_owned();
     let mut shim = TestShim::builder("e2e").build();
-    start_with_image_check(&mut shim, &pulled);
+    // Not on the host when the shim starts (so its start-up cannot have pulled it either).
+    assert!(!image_present(&pulled), "{pulled} is still on the host");
+    shim.start();
 
-    let mut config = server_task("pull-1", 0);
-    config["image_name"] = json!(pulled);
-    config["registry_username"] = json!(registry_user());
-    config["registry_password"] = json!(registry_password());
+    let config = from_registry(server_task("pull-1", 0), &pulled);
     let submitted = shim.submit(&config).ok();
     assert_eq!(submitted, pending_info(&config));
 
@@ -671,15 +650,10 @@ fn pull_from_registry_with_credentials_reports_progress() {
     eprintln!("MEASURED pull progress at running: {progress}");
     let downloaded = progress["downloaded_bytes"].as_u64().unwrap();
     assert!(downloaded >= PAYLOAD_BYTES, "{info}");
-    assert_eq!(progress["total_bytes"].as_u64(), Some(downloaded), "{info}");
-    assert_eq!(
-        progress["extracted_bytes"].as_u64(),
-        Some(downloaded),
-        "{info}"
-    );
-    assert_eq!(progress["is_total_bytes_final"], true, "{info}");
+    assert_has!(progress, {"total_bytes": downloaded, "extracted_bytes": downloaded,
+                           "is_total_bytes_final": true}, "{info}");
     assert!(image_present(&pulled));
-    assert_eq!(info["gpus_ids"], json!([]), "{info}");
+    assert_has!(info, {"gpus_ids": []});
 
     // The raw pull log is kept in the task directory; no credentials anywhere on disk.
     let pull_log = fs_err::read_to_string(shim.task_dir("pull-1").join("pull.log")).unwrap();

@@ -57,15 +57,11 @@ async fn a_runners_exit_ends_the_task_by_its_code<W: World>() {
 
     w.exit_runner(&ok, 0).await;
     let done = w.wait_status("ok", "terminated").await;
-    assert_eq!(done["termination_reason"], "done_by_runner", "{done}");
-    assert_eq!(done["termination_message"], "", "{done}");
+    assert_has!(done, {"termination_reason": "done_by_runner", "termination_message": ""});
 
     w.exit_runner(&bad, 3).await;
     let failed = w.wait_status("bad", "terminated").await;
-    assert_eq!(
-        failed["termination_reason"], "container_exited_with_error",
-        "{failed}"
-    );
+    assert_has!(failed, {"termination_reason": "container_exited_with_error"});
     let message = failed["termination_message"].as_str().unwrap();
     let lines: Vec<&str> = message.lines().collect();
     assert_eq!(lines.len(), 5, "{lines:?}");
@@ -101,15 +97,14 @@ async fn terminate_stops_a_running_task_and_keeps_the_first_reason<W: World>() {
     let info = w
         .terminate("now", "terminated_by_user", "stop now", 0)
         .await;
-    assert_eq!(info["status"], "terminated", "{info}");
-    assert_eq!(info["termination_reason"], "terminated_by_user", "{info}");
+    assert_has!(info, {"status": "terminated", "termination_reason": "terminated_by_user"});
     let code = w.container_exit_code(now_cid).await;
     assert!(matches!(code, Some(137 | 143)), "exit code {code:?}");
 
     let info = w
         .terminate("grace", "terminated_by_server", "stop nicely", 10)
         .await;
-    assert_eq!(info["termination_reason"], "terminated_by_server", "{info}");
+    assert_has!(info, {"termination_reason": "terminated_by_server"});
     assert_eq!(w.container_exit_code(grace_cid).await, Some(143));
     if let Some(fake) = w.fake() {
         use shim_runtime::fake::Call;
@@ -123,13 +118,10 @@ async fn terminate_stops_a_running_task_and_keeps_the_first_reason<W: World>() {
     }
 
     let again = w.terminate("now", "terminated_by_server", "again", 0).await;
-    assert_eq!(again["termination_reason"], "terminated_by_user", "{again}");
-    assert_eq!(again["termination_message"], "stop now", "{again}");
-    if let Some(listed) = w.relist().await {
-        assert!(listed);
-    }
-    let grace = w.info("grace").await.unwrap();
-    assert_eq!(grace["termination_message"], "stop nicely", "{grace}");
+    let first = "stop now";
+    assert_has!(again, {"termination_reason": "terminated_by_user", "termination_message": first});
+    assert_ne!(w.relist().await, Some(false), "a relist fails");
+    assert_has!(w.info("grace").await.unwrap(), {"termination_message": "stop nicely"});
 
     w.wait_all_gpus_free().await;
     w.remove("now").await;
@@ -152,18 +144,13 @@ async fn a_remove_right_after_a_terminate_during_start_is_accepted<W: World>() {
         w.submit(&w.task(&id, 1)).await.unwrap();
         w.sleep(Duration::from_millis(i % 8 * 5)).await;
         let info = w.terminate(&id, "terminated_by_user", "early", 0).await;
-        assert_eq!(info["status"], "terminated", "{info}");
-        assert_eq!(info["termination_reason"], "terminated_by_user", "{info}");
+        assert_has!(info, {"status": "terminated", "termination_reason": "terminated_by_user"});
         if let Err(e) = w.try_remove(&id).await {
             refused.push(format!("{id}: {e}"));
             w.remove(&id).await;
         }
     }
-    assert_eq!(
-        refused,
-        Vec::<String>::new(),
-        "removes refused after terminate"
-    );
+    assert_eq!(refused, [""; 0], "removes refused after terminate");
     assert_eq!(w.containers().await, 0);
 }
 in_worlds!(a_remove_right_after_a_terminate_during_start_is_accepted: fake, docker, binary);
@@ -224,15 +211,9 @@ async fn a_remove_is_for_ended_tasks_and_leaves_nothing<W: World>() {
     assert!(w.state_file(&info).is_some(), "kept until removed");
     w.remove("rm").await;
     assert!(w.info("rm").await.is_none());
-    assert_eq!(
-        w.container_running(cid).await,
-        None,
-        "the container is removed"
-    );
-    let dir = w
-        .home()
-        .join("runners")
-        .join(info["container_name"].as_str().unwrap());
+    assert_eq!(w.container_running(cid).await, None, "container removed");
+    let name = info["container_name"].as_str().unwrap();
+    let dir = w.home().join("runners").join(name);
     assert!(!dir.exists(), "the task's directory is removed");
     let gone = w.try_remove("rm").await.unwrap_err();
     assert!(gone.starts_with("404"), "{gone}");
@@ -244,8 +225,7 @@ async fn a_remove_is_for_ended_tasks_and_leaves_nothing<W: World>() {
         "{twice}"
     );
     w.wait_started_or_ended("rm").await;
-    w.terminate("rm", "terminated_by_server", "", 0).await;
-    w.remove("rm").await;
+    w.finish("rm").await;
     assert_eq!(w.containers().await, 0);
 }
 in_worlds!(a_remove_is_for_ended_tasks_and_leaves_nothing: fake, docker, binary);
@@ -260,18 +240,20 @@ async fn terminate_during_a_pull_cancels_it<W: World>() {
     let mut task = w.task("pull", 1);
     image.for_task(&mut task);
     w.submit(&task).await.unwrap();
-    let mut info = serde_json::Value::Null;
-    for _ in 0..3000 {
-        info = w.info("pull").await.unwrap();
-        if info["image_pull_progress"]["downloaded_bytes"].as_u64() > Some(0) {
-            break;
-        }
-        w.sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(info["status"], "pulling", "{info}");
+    let info = w
+        .poll("no pull progress", async || {
+            let info = w.info("pull").await.unwrap();
+            let downloaded = info["image_pull_progress"]["downloaded_bytes"].as_u64();
+            if downloaded > Some(0) {
+                Ok(info)
+            } else {
+                Err(info.to_string())
+            }
+        })
+        .await;
+    assert_has!(info, {"status": "pulling"});
     let done = w.terminate("pull", "terminated_by_user", "", 0).await;
-    assert_eq!(done["status"], "terminated", "{done}");
-    assert_eq!(done["termination_reason"], "terminated_by_user", "{done}");
+    assert_has!(done, {"status": "terminated", "termination_reason": "terminated_by_user"});
     w.wait_all_gpus_free().await;
     w.sleep(Duration::from_secs(1)).await;
     let after = w.info("pull").await.unwrap();
@@ -305,64 +287,48 @@ fn gpu_ids(info: &Value) -> BTreeSet<String> {
     ids.iter().map(|g| g.as_str().unwrap().to_owned()).collect()
 }
 
-/// SPEC §3: the healthcheck names the service and the one version string; `--version` shows
-/// the same string; instance info shows the (fake) NVIDIA GPUs. What the dstack server makes
-/// of the string (every feature gate on from 0.21.3, no reinstall, no restart) is checked
-/// against its own code by `started_as_ssh_fleets_start_it_the_dstack_server_keeps_it`.
+/// SPEC §2–§4, the whole life of a task over HTTP: the healthcheck names the service and the
+/// one version string, which `--version` shows too; instance info shows the (fake) NVIDIA GPUs;
+/// submit answers the exact pending TaskInfo; the task runs with published ports (the runner
+/// answers through them) and its GPUs; the list shows it; the runner exits 0 →
+/// `done_by_runner`; a later terminate keeps that reason; remove deletes the container and the
+/// task directory; the task is then unknown. What the dstack server makes of the version
+/// string (every feature gate on from 0.21.3, no reinstall, no restart) is checked against its
+/// own code by `started_as_ssh_fleets_start_it_the_dstack_server_keeps_it`.
 ///
 /// dstack server: src/dstack/_internal/server/services/runner/client.py (ShimClient: version
 /// gates), src/dstack/_internal/server/background/pipeline_tasks/instances/check.py
 /// (_maybe_install_components: compares the installed and running versions).
 #[test]
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
-fn healthcheck_version_is_a_compatible_release() {
-    require_docker();
-    let shim = TestShim::builder("e2e").start();
-    let health = shim.get("/api/healthcheck").ok();
-    assert_eq!(health["service"], "dstack-shim", "{health}");
-    let version = health["version"].as_str().expect("version is a string");
-    assert_eq!(health.as_object().unwrap().len(), 2, "{health}");
-
-    let info = shim.get("/api/instance/info").ok();
-    assert_eq!(
-        info,
-        json!({"gpu_vendor": "nvidia", "gpu_driver_version": "0.0.0-fake"})
-    );
-
-    let out = Command::new(shim_binary())
-        .arg("--version")
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let text = String::from_utf8(out.stdout).unwrap();
-    // One version string: what the components list reads from `--version` is what the
-    // healthcheck answers (the server restarts a shim whose two strings differ).
-    assert_eq!(text, format!("dstack-shim version {version}\n"));
-    assert_eq!(
-        version,
-        format!(
-            "{}+rust.{}",
-            shim_e2e::DSTACK_VERSION,
-            env!("CARGO_PKG_VERSION")
-        ),
-        "<dstack release>+rust.<crate version>"
-    );
-    let components = shim.get("/api/components").ok();
-    assert_eq!(
-        components["components"][1]["version"], version,
-        "{components}"
-    );
-}
-
-/// SPEC §2–§4, the whole life of a task over HTTP: submit answers the exact pending TaskInfo;
-/// the task runs with published ports (the runner answers through them) and its GPUs; the list
-/// shows it; the runner exits 0 → `done_by_runner`; a later terminate keeps that reason;
-/// remove deletes the container and the task directory; the task is then unknown.
-#[test]
-#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 fn full_lifecycle_over_http() {
     require_docker();
     let shim = TestShim::builder("e2e").start();
+    // The healthcheck's version is a compatible release (the healthcheck and instance info
+    // answered with no task yet).
+    let health = shim.get("/api/healthcheck").ok();
+    let version = health["version"].as_str().expect("version is a string");
+    let release = format!(
+        "{}+rust.{}",
+        shim_e2e::DSTACK_VERSION,
+        env!("CARGO_PKG_VERSION")
+    );
+    assert_eq!(
+        health,
+        json!({"service": "dstack-shim", "version": release})
+    );
+    let info = shim.get("/api/instance/info").ok();
+    let fake = json!({"gpu_vendor": "nvidia", "gpu_driver_version": "0.0.0-fake"});
+    assert_eq!(info, fake);
+    let out = Command::new(shim_binary()).arg("--version").output();
+    let out = out.unwrap();
+    assert!(out.status.success());
+    // One version string: what the components list reads from `--version` is what the
+    // healthcheck answers (the server restarts a shim whose two strings differ).
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(text, format!("dstack-shim version {version}\n"));
+    let components = shim.get("/api/components").ok();
+    assert_has!(components["components"][1], {"version": version}, "{components}");
     assert_eq!(shim.list(), BTreeMap::new());
 
     let key = ssh_key("e2e@lifecycle");
@@ -408,9 +374,8 @@ fn full_lifecycle_over_http() {
 
     shim.exit_runner(&info, 0);
     let done = shim.wait_status("life-1", "terminated");
-    assert_eq!(done["termination_reason"], "done_by_runner", "{done}");
-    assert_eq!(done["termination_message"], "", "{done}");
-    assert_eq!(done["container_id"], cid.as_str(), "{done}");
+    assert_has!(done, {"termination_reason": "done_by_runner", "termination_message": "",
+                       "container_id": cid});
     assert_eq!(container_running(None, &cid), Some(false));
     assert_eq!(
         shim.list(),
@@ -421,9 +386,8 @@ fn full_lifecycle_over_http() {
     let again = shim
         .terminate("life-1", "terminated_by_server", "too late", 0)
         .ok();
-    assert_eq!(again["status"], "terminated", "{again}");
-    assert_eq!(again["termination_reason"], "done_by_runner", "{again}");
-    assert_eq!(again["termination_message"], "", "{again}");
+    assert_has!(again, {"status": "terminated", "termination_reason": "done_by_runner",
+                        "termination_message": ""});
 
     // Its GPUs were released: a task wanting all four gets them.
     let all = server_task("life-2", FAKE_GPUS as i64);
@@ -466,34 +430,23 @@ fn bad_input_is_refused_and_changes_nothing() {
     let before = shim.wait_status("ok-1", "running");
     let cid = before["container_id"].as_str().unwrap().to_owned();
 
-    let list = shim.list();
-    let tasks = task_entries(&shim.tasks_dir());
-    let containers = shim.container_ids();
-    let home_entries = || {
-        let mut e = entries(shim.home());
-        e.remove("host_info.json"); // written once in the background after start
-        e
-    };
-    let home = home_entries();
-    let root = entries(shim.root());
-    let unchanged = |what: &str| {
-        assert_eq!(shim.list(), list, "{what}: the list changed");
-        assert_eq!(
-            task_entries(&shim.tasks_dir()),
+    // The list, the task directories, the home, what is beside it, the containers.
+    let state = || {
+        let mut home = entries(shim.home());
+        home.remove("host_info.json"); // written once in the background after start
+        let tasks = task_entries(&shim.tasks_dir());
+        (
+            shim.list(),
             tasks,
-            "{what}: a task directory appeared"
-        );
-        assert_eq!(home_entries(), home, "{what}: the home changed");
-        assert_eq!(
+            home,
             entries(shim.root()),
-            root,
-            "{what}: something appeared beside the home"
-        );
-        assert_eq!(
             shim.container_ids(),
-            containers,
-            "{what}: a container appeared"
-        );
+        )
+    };
+    let before_all = state();
+    let unchanged = |what: &str| {
+        let what = format!("{what}: (list, task directories, home, beside it, containers)");
+        assert_eq!(state(), before_all, "{what}");
     };
 
     let submit_with = |field: &str, value: Value| {
@@ -507,126 +460,90 @@ fn bad_input_is_refused_and_changes_nothing() {
         config
     };
 
-    // Malformed bodies, content types, sizes.
-    let cases: Vec<(&str, Response, u16, &str, bool)> = vec![
+    // Malformed bodies, content types, sizes; fields missing or out of range.
+    let post =
+        |content_type: &str, body: &[u8]| shim.post_raw("/api/tasks", Some(content_type), body);
+    let (json_type, valid) = ("application/json", server_task("bad-1", 0).to_string());
+    let chunked = Request::post("/api/tasks").chunked_body(Some(json_type), big_config());
+    let cases: Vec<(&str, Response, u16, &str)> = vec![
         (
             "malformed JSON",
-            shim.post_raw("/api/tasks", Some("application/json"), b"{\"id\": \"x\", "),
+            post(json_type, b"{\"id\": \"x\", "),
             400,
             "Request body contains badly-formed JSON",
-            true,
         ),
         (
             "trailing data",
-            shim.post_raw(
-                "/api/tasks",
-                Some("application/json"),
-                format!("{} {{}}", server_task("bad-1", 0)).as_bytes(),
-            ),
+            post(json_type, format!("{valid} {{}}").as_bytes()),
             400,
             "Request body must only contain a single JSON object",
-            true,
         ),
         (
             "empty body",
-            shim.post_raw("/api/tasks", Some("application/json"), b""),
+            post(json_type, b""),
             400,
             "Request body must not be empty",
-            true,
         ),
         (
             "a JSON array",
-            shim.post_raw("/api/tasks", Some("application/json"), b"[1]"),
+            post(json_type, b"[1]"),
             400,
             "Request body contains an invalid value for the \"\" field (at position 1)",
-            true,
         ),
         (
             "wrong content type",
-            shim.post_raw(
-                "/api/tasks",
-                Some("text/plain"),
-                server_task("bad-1", 0).to_string().as_bytes(),
-            ),
+            post("text/plain", valid.as_bytes()),
             415,
             "Content-Type header is not application/json",
-            true,
         ),
         (
             "form content type",
-            shim.post_raw(
-                "/api/tasks",
-                Some("application/x-www-form-urlencoded"),
-                b"id=bad-1",
-            ),
+            post("application/x-www-form-urlencoded", b"id=bad-1"),
             415,
             "Content-Type header is not application/json",
-            true,
         ),
         (
             "body over 1 MiB (Content-Length)",
-            shim.post_raw("/api/tasks", Some("application/json"), &big_config()),
+            post(json_type, &big_config()),
             413,
             "Request body must not be larger than 1MB",
-            true,
         ),
         (
             "body over 1 MiB (chunked)",
-            shim.send(
-                &Request::post("/api/tasks").chunked_body(Some("application/json"), big_config()),
-            ),
+            shim.send(&chunked),
             413,
             "Request body must not be larger than 1MB",
-            true,
         ),
-        (
-            "missing id",
-            shim.submit(&without("id")),
-            400,
-            "empty id",
-            true,
-        ),
+        ("missing id", shim.submit(&without("id")), 400, "empty id"),
         (
             "missing name",
             shim.submit(&without("name")),
             400,
             "empty name",
-            true,
         ),
         (
             "missing image_name",
             shim.submit(&without("image_name")),
             400,
             "empty image_name",
-            true,
         ),
         (
             "empty image_name",
             shim.submit(&submit_with("image_name", json!(""))),
             400,
             "empty image_name",
-            true,
         ),
         (
             "gpu -2",
             shim.submit(&submit_with("gpu", json!(-2))),
             400,
             "invalid task config: gpu: must be -1 (all), 0 or a positive count",
-            true,
         ),
         (
             "memory -1",
             shim.submit(&submit_with("memory", json!(-1))),
             400,
             "invalid task config: memory: must be >= 0",
-            true,
-        ),
-        (
-            "network mode overlay",
-            shim.submit(&submit_with("network_mode", json!("overlay"))),
-            400,
-            "Request body contains an invalid value for the \"network_mode\" field",
-            false,
         ),
         (
             "relative instance mount",
@@ -636,17 +553,18 @@ fn bad_input_is_refused_and_changes_nothing() {
             )),
             400,
             "invalid task config: instance_mounts[0].instance_path: \"rel/dir\" is not an absolute path",
-            true,
         ),
     ];
-    for (what, resp, status, message, exact) in &cases {
-        if *exact {
-            resp.assert_error(*status, message);
-        } else {
-            resp.assert_error_starts(*status, message);
-        }
+    for (what, resp, status, message) in &cases {
+        resp.assert_error(*status, message);
         unchanged(what);
     }
+    shim.submit(&submit_with("network_mode", json!("overlay")))
+        .assert_error_starts(
+            400,
+            "Request body contains an invalid value for the \"network_mode\" field",
+        );
+    unchanged("network mode overlay");
 
     // Ids and names that must never become a path or a container name.
     let long = "a".repeat(129);
@@ -834,10 +752,9 @@ fn what_upstream_accepts_is_accepted_and_ends_as_upstream_ends_it() {
         let id = config["id"].as_str().unwrap();
         assert_eq!(shim.submit(config).ok(), pending_info(config));
         let ended = shim.wait_status(id, "terminated");
-        assert_eq!(ended["termination_reason"], "executor_error", "{ended}");
+        assert_has!(ended, {"termination_reason": "executor_error", "container_id": ""});
         let message = ended["termination_message"].as_str().unwrap();
         assert!(message.contains(volume), "names the volume: {message:?}");
-        assert_eq!(ended["container_id"], "", "{ended}");
         shim.remove_retrying(id);
     }
 
@@ -875,49 +792,41 @@ fn started_as_ssh_fleets_start_it_the_dstack_server_keeps_it() {
         .unwrap();
     let home = std::path::absolute(root.path().join("home")).unwrap();
     let _sweeper = ContainerSweeper::for_home(&home);
-    let port = free_port().unwrap();
+    let (port, dcgm_port) = (free_port().unwrap(), free_port().unwrap());
     let (http_port, ssh_port) = (11999_u16, 11022_u16);
-    let env: Vec<(&str, String)> = vec![
-        ("DSTACK_SHIM_HOME", home.display().to_string()),
-        (
-            "DSTACK_SHIM_BINARY_PATH",
-            shim_binary().display().to_string(),
-        ),
-        ("DSTACK_SHIM_HTTP_PORT", port.to_string()),
-        ("DSTACK_SHIM_LOG_LEVEL", "5".to_owned()),
-        // Not fetched: the runner is there already (as upstream: installed only if missing).
-        (
-            "DSTACK_RUNNER_DOWNLOAD_URL",
-            "http://127.0.0.1:9/dstack-runner".to_owned(),
-        ),
-        (
-            "DSTACK_RUNNER_BINARY_PATH",
-            runner_path().display().to_string(),
-        ),
-        ("DSTACK_RUNNER_HTTP_PORT", http_port.to_string()),
-        ("DSTACK_RUNNER_SSH_PORT", ssh_port.to_string()),
-        ("DSTACK_RUNNER_SSH_LOG_LEVEL", "debug".to_owned()),
-        ("DSTACK_RUNNER_LOG_LEVEL", "5".to_owned()),
-        (
-            "DSTACK_DCGM_EXPORTER_HTTP_PORT",
-            free_port().unwrap().to_string(),
-        ),
-        ("DSTACK_DCGM_EXPORTER_INTERVAL", "5000".to_owned()),
-        ("DSTACK_DCGM_ADDRESS", String::new()),
-        ("DSTACK_DOCKER_PASS_ENV", "E2E_PASSED,E2E_UNSET".to_owned()),
-        ("DSTACK_DOCKER_PRIVILEGED", "0".to_owned()),
-        ("PJRT_DEVICE", "TPU".to_owned()),
-        ("DSTACK_SERVICE_MODE", "1".to_owned()),
-        ("E2E_PASSED", "yes".to_owned()),
-        // The stub runner reports the server's release, as an installed runner would.
-        ("STUB_RUNNER_VERSION", shim_e2e::DSTACK_VERSION.to_owned()),
-    ];
+    let (shim_path, runner) = (shim_binary(), runner_path());
+    let (home_dir, shim_path, runner) = (home.display(), shim_path.display(), runner.display());
+    let release = shim_e2e::DSTACK_VERSION;
+    // One `NAME=value` a line, as in `shim.env`. The runner is not fetched: it is there
+    // already (as upstream: installed only if missing). The stub runner reports the server's
+    // release (`STUB_RUNNER_VERSION`), as an installed runner would.
+    let env = format!(
+        "DSTACK_SHIM_HOME={home_dir}
+         DSTACK_SHIM_BINARY_PATH={shim_path}
+         DSTACK_SHIM_HTTP_PORT={port}
+         DSTACK_SHIM_LOG_LEVEL=5
+         DSTACK_RUNNER_DOWNLOAD_URL=http://127.0.0.1:9/dstack-runner
+         DSTACK_RUNNER_BINARY_PATH={runner}
+         DSTACK_RUNNER_HTTP_PORT={http_port}
+         DSTACK_RUNNER_SSH_PORT={ssh_port}
+         DSTACK_RUNNER_SSH_LOG_LEVEL=debug
+         DSTACK_RUNNER_LOG_LEVEL=5
+         DSTACK_DCGM_EXPORTER_HTTP_PORT={dcgm_port}
+         DSTACK_DCGM_EXPORTER_INTERVAL=5000
+         DSTACK_DCGM_ADDRESS=
+         DSTACK_DOCKER_PASS_ENV=E2E_PASSED,E2E_UNSET
+         DSTACK_DOCKER_PRIVILEGED=0
+         PJRT_DEVICE=TPU
+         DSTACK_SERVICE_MODE=1
+         E2E_PASSED=yes
+         STUB_RUNNER_VERSION={release}"
+    );
     let mut command = Command::new(shim_binary());
     command
         .env_remove("RUST_LOG")
         .env_remove("E2E_UNSET")
         .env("NO_COLOR", "1")
-        .envs(env.iter().map(|(k, v)| (k, v)));
+        .envs(env.lines().map(|l| l.trim().split_once('=').unwrap()));
     let log = root.path().join("shim.log");
     let mut shim = ShimProcess::from_command(command, port, &log).unwrap();
     let dump = |what: &str| format!("{what}\n{}", shim_e2e::harness::tail(&log, 80));
@@ -931,13 +840,11 @@ fn started_as_ssh_fleets_start_it_the_dstack_server_keeps_it() {
     wait_until("host_info.json is written", STATUS_BOUND, || {
         host_info.exists()
     });
-    let info: Value = serde_json::from_slice(&fs_err::read(&host_info).unwrap()).unwrap();
-    assert!(info["cpus"].as_u64().unwrap() > 0, "{info}");
-    assert!(info["memory"].as_u64().unwrap() > 0, "{info}");
-    assert!(
-        info["disk_size"].as_u64().unwrap() > 0,
-        "Docker's root directory is readable: {info}"
-    );
+    let info = world::read_json(&host_info);
+    for f in ["cpus", "memory", "disk_size"] {
+        // disk_size: Docker's root directory is readable.
+        assert!(info[f].as_u64().unwrap() > 0, "{f}: {info}");
+    }
     let addresses = info["addresses"].as_array().unwrap();
     assert!(!addresses.is_empty(), "{info}");
     assert!(
@@ -962,16 +869,8 @@ fn started_as_ssh_fleets_start_it_the_dstack_server_keeps_it() {
             .unwrap_or_else(|| panic!("{components}"))
             .clone()
     };
-    assert_eq!(
-        by_name("dstack-shim")["version"],
-        version.as_str(),
-        "{components}"
-    );
-    assert_eq!(
-        by_name("dstack-runner")["version"],
-        shim_e2e::DSTACK_VERSION,
-        "{components}"
-    );
+    assert_has!(by_name("dstack-shim"), {"version": version}, "{components}");
+    assert_has!(by_name("dstack-runner"), {"version": release}, "{components}");
 
     // The settings in effect in a task's container.
     let config = server_task("env-1", 0);

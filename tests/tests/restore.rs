@@ -17,12 +17,28 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use shim_e2e::harness::{
-    NamedContainer, TestShim, assert_running, container_name_of, container_running, owner_identity,
-    server_task, ssh_key, task_entries, wait_until,
+    NamedContainer, TestShim, assert_running, container_name_of, container_running, entries,
+    owner_identity, server_task, ssh_key, task_entries, wait_until,
 };
 use shim_e2e::{docker_ok, image, require_docker};
 
-use world::{GPUS, Options, World};
+use world::{GPUS, Options, World, read_json};
+
+/// What a restore keeps of a running task: its status, container, GPUs and ports.
+fn kept(info: &Value) -> Value {
+    world::pick(info, ["status", "container_id", "gpus_ids", "ports"])
+}
+
+/// A task's termination message.
+fn message(info: &Value) -> &str {
+    info["termination_message"].as_str().unwrap()
+}
+
+/// The ids of a task's GPUs.
+fn gpus(info: &Value) -> BTreeSet<String> {
+    let ids = info["gpus_ids"].as_array().unwrap().iter();
+    ids.map(|g| g.as_str().unwrap().to_owned()).collect()
+}
 
 // Issue 22, SPEC §5: ownership is the runner mount. With its `owner-id` deleted (first round)
 // or replaced by another identity (second round) while the shim is down, a running task is
@@ -34,12 +50,12 @@ async fn a_lost_or_replaced_owner_id_orphans_no_task<W: World>() {
     let mut w = W::new(Options::default()).await;
     let mut other = w.neighbour().await;
     let owner_file = w.home().join("owner-id");
-    for (round, (id, code)) in [("owner-lost", 0), ("owner-replaced", 3)]
-        .into_iter()
-        .enumerate()
-    {
-        w.submit(&w.task(id, 2)).await.unwrap();
-        let before = w.wait_status(id, "running").await;
+    let rounds = [
+        ("owner-lost", 0, "done_by_runner"),
+        ("owner-replaced", 3, "container_exited_with_error"),
+    ];
+    for (round, (id, code, reason)) in rounds.into_iter().enumerate() {
+        let before = w.submitted(id, 2, "running").await;
         let cid = before["container_id"].as_str().unwrap().to_owned();
         let started = w.container_started(&cid).await;
         let old_owner = w.owner();
@@ -53,35 +69,24 @@ async fn a_lost_or_replaced_owner_id_orphans_no_task<W: World>() {
         w.start().await;
         assert_ne!(w.owner(), old_owner);
         let after = w.info(id).await.unwrap();
-        assert_eq!(after["status"], "running", "{after}");
-        for field in ["container_id", "gpus_ids", "ports"] {
-            assert_eq!(after[field], before[field], "{field}: {after}");
-        }
+        assert_eq!(kept(&after), kept(&before), "{after}");
         assert_eq!(w.container_running(&cid).await, Some(true));
         assert_eq!(w.container_started(&cid).await, started, "restarted");
         // Its two GPUs are held: a task asking for three cannot have them.
         let greedy = format!("{id}-greedy");
-        w.submit(&w.task(&greedy, 3)).await.unwrap();
-        let refused = w.wait_status(&greedy, "terminated").await;
-        assert_eq!(refused["termination_reason"], "executor_error", "{refused}");
+        let refused = w.submitted(&greedy, 3, "terminated").await;
+        assert_has!(refused, {"termination_reason": "executor_error"});
         w.remove(&greedy).await;
 
         // The other home's shim, running and restarted, neither lists nor touches it.
-        if let Some(listed) = other.relist().await {
-            assert!(listed);
-        }
+        assert_ne!(other.relist().await, Some(false), "a relist fails");
         other.restart().await;
         assert!(other.list().await.is_empty());
         assert_eq!(w.container_running(&cid).await, Some(true));
 
         w.exit_runner(&after, code).await;
         let done = w.wait_status(id, "terminated").await;
-        let reason = if code == 0 {
-            "done_by_runner"
-        } else {
-            "container_exited_with_error"
-        };
-        assert_eq!(done["termination_reason"], reason, "{done}");
+        assert_has!(done, {"termination_reason": reason});
         w.remove(id).await;
         assert_eq!(w.container_running(&cid).await, None);
     }
@@ -96,12 +101,9 @@ async fn two_homes_never_touch_each_other<W: World>() {
     let w = W::new(Options::default()).await;
     let mut other = w.neighbour().await;
     assert_ne!(w.owner(), other.owner());
-    w.submit(&w.task("mine", 1)).await.unwrap();
-    let info = w.wait_status("mine", "running").await;
+    let info = w.submitted("mine", 1, "running").await;
     let cid = info["container_id"].as_str().unwrap();
-    if let Some(listed) = other.relist().await {
-        assert!(listed);
-    }
+    assert_ne!(other.relist().await, Some(false), "a relist fails");
     assert!(other.list().await.is_empty());
     other.restart().await;
     assert!(
@@ -109,8 +111,7 @@ async fn two_homes_never_touch_each_other<W: World>() {
         "the other shim adopted nothing"
     );
     assert_eq!(w.container_running(cid).await, Some(true));
-    w.terminate("mine", "terminated_by_server", "", 0).await;
-    w.remove("mine").await;
+    w.finish("mine").await;
 }
 in_worlds!(two_homes_never_touch_each_other: fake, docker, binary);
 
@@ -121,8 +122,7 @@ in_worlds!(two_homes_never_touch_each_other: fake, docker, binary);
 // the others gets exactly those).
 async fn the_owner_identity_does_not_depend_on_how_the_home_is_spelled<W: World>() {
     let mut w = W::new(Options::default()).await;
-    w.submit(&w.task("same", 2)).await.unwrap();
-    let before = w.wait_status("same", "running").await;
+    let before = w.submitted("same", 2, "running").await;
     let cid = before["container_id"].as_str().unwrap().to_owned();
     let (owner, started) = (w.owner(), w.container_started(&cid).await);
     let home = std::path::absolute(w.home()).unwrap();
@@ -139,38 +139,27 @@ async fn the_owner_identity_does_not_depend_on_how_the_home_is_spelled<W: World>
         format!("{}/../{name}", home.display()),
     ];
     for spelled in spellings {
-        w.restart_spelling_home_as(std::path::Path::new(&spelled))
-            .await;
+        w.restart_spelling_home_as(Path::new(&spelled)).await;
         let info = w.info("same").await.unwrap();
-        assert_eq!(info["status"], "running", "home {spelled}: {info}");
-        for field in ["container_id", "gpus_ids", "ports"] {
-            assert_eq!(info[field], before[field], "home {spelled}: {field}");
-        }
+        assert_eq!(kept(&info), kept(&before), "home {spelled}: {info}");
         assert_eq!(w.owner(), owner, "home {spelled}");
-        assert_eq!(
+        let container = (
             w.container_running(&cid).await,
-            Some(true),
-            "home {spelled}"
-        );
-        assert_eq!(
             w.container_started(&cid).await,
-            started,
-            "home {spelled}: restarted"
+            w.containers().await,
         );
-        assert_eq!(w.containers().await, 1, "home {spelled}");
+        let expected = (Some(true), started.clone(), 1);
+        assert_eq!(
+            container, expected,
+            "home {spelled}: (runs, started, containers)"
+        );
     }
-    let gpus = |info: &serde_json::Value| -> BTreeSet<String> {
-        let ids = info["gpus_ids"].as_array().unwrap().iter();
-        ids.map(|g| g.as_str().unwrap().to_owned()).collect()
-    };
     let rest: BTreeSet<String> = w.gpu_ids().into_iter().collect();
     let rest: BTreeSet<String> = rest.difference(&gpus(&before)).cloned().collect();
-    w.submit(&w.task("probe", 2)).await.unwrap();
-    let probe = w.wait_status("probe", "running").await;
+    let probe = w.submitted("probe", 2, "running").await;
     assert_eq!(gpus(&probe), rest, "{probe}");
     for id in ["probe", "same"] {
-        w.terminate(id, "terminated_by_server", "", 0).await;
-        w.remove(id).await;
+        w.finish(id).await;
     }
     assert_eq!(w.containers().await, 0);
 }
@@ -194,48 +183,28 @@ async fn a_restart_keeps_running_tasks_and_judges_exits_made_while_down<W: World
     w.stop().await;
     assert_eq!(w.container_running(keep_cid).await, Some(true));
     w.exit_runner(&exits, 3).await;
-    for _ in 0..600 {
-        if w.container_running(exits_cid).await == Some(false) {
-            break;
-        }
-        w.sleep(std::time::Duration::from_millis(50)).await;
-    }
-    assert_eq!(w.container_running(exits_cid).await, Some(false));
+    w.wait_stopped(exits_cid).await;
     w.start().await;
 
     let first = w.info("exits").await.unwrap();
-    assert_eq!(first["status"], "terminated", "{first}");
-    assert_eq!(
-        first["termination_reason"], "container_exited_with_error",
-        "{first}"
-    );
+    assert_has!(first, {"status": "terminated", "termination_reason": "container_exited_with_error",
+                        "container_id": exits_cid});
     let message = first["termination_message"].as_str().unwrap();
     let lines: Vec<&str> = message.lines().collect();
     assert!((1..=5).contains(&lines.len()), "{message:?}");
     assert_eq!(lines.last(), Some(&"runner exiting with 3"), "{message:?}");
-    assert_eq!(first["container_id"], exits_cid, "{first}");
-    let kept = w.info("keep").await.unwrap();
-    assert_eq!(kept["status"], "running", "{kept}");
-    for field in ["container_id", "ports", "gpus_ids"] {
-        assert_eq!(kept[field], keep[field], "{field}: {kept}");
-    }
+    let now = w.info("keep").await.unwrap();
+    assert_eq!(kept(&now), kept(&keep), "{now}");
     let list = w.list().await;
     assert_eq!(list.len(), 2, "{list:?}");
     assert_eq!(list["keep"], "running");
     assert_eq!(list["exits"], "terminated");
 
     // The ended task's two GPUs are free, the kept task's two are not.
-    w.submit(&w.task("more", 2)).await.unwrap();
-    let more = w.wait_status("more", "running").await;
-    let mut theirs: Vec<_> = exits["gpus_ids"].as_array().unwrap().clone();
-    let mut got: Vec<_> = more["gpus_ids"].as_array().unwrap().clone();
-    theirs.sort_by_key(ToString::to_string);
-    got.sort_by_key(ToString::to_string);
-    assert_eq!(got, theirs, "{more}");
-    w.submit(&w.task("none-left", 1)).await.unwrap();
-    let refused = w.wait_status("none-left", "terminated").await;
-    assert_eq!(refused["termination_reason"], "executor_error", "{refused}");
-    assert_eq!(refused["container_id"], "", "{refused}");
+    let more = w.submitted("more", 2, "running").await;
+    assert_eq!(gpus(&more), gpus(&exits), "{more}");
+    let refused = w.submitted("none-left", 1, "terminated").await;
+    assert_has!(refused, {"termination_reason": "executor_error", "container_id": ""});
 
     // `none-left` stays: its start job may still be writing its last state when its
     // termination shows, and a remove then races that write (see lifecycle.rs,
@@ -270,27 +239,20 @@ async fn an_upstream_recorded_reason_wins_over_its_containers_exit<W: World>() {
         .plant_upstream_task(&task, Some("terminated_by_user"), Some(3))
         .await;
     w.start().await;
-    let check = |info: Option<serde_json::Value>, when: &str| {
-        let info = info.unwrap();
-        assert_eq!(info["status"], "terminated", "{when}: {info}");
-        assert_eq!(
-            info["termination_reason"], "terminated_by_user",
-            "{when}: {info}"
-        );
-        assert_eq!(info["container_id"], cid.as_str(), "{when}: {info}");
+    let check = |info: Option<Value>, when: &str| {
+        let ended = "terminated_by_user";
+        assert_has!(info.unwrap(), {"status": "terminated", "termination_reason": ended,
+                                    "container_id": cid}, "{when}:");
     };
     check(w.info("upstream-r").await, "at start-up");
     for _ in 0..2 {
-        if let Some(listed) = w.relist().await {
-            assert!(listed);
-        }
+        assert_ne!(w.relist().await, Some(false), "a relist fails");
     }
     check(w.info("upstream-r").await, "after full relists");
     w.restart().await;
     check(w.info("upstream-r").await, "after a restart");
-    let file: serde_json::Value =
-        serde_json::from_slice(&fs_err::read(dir.join("task.json")).unwrap()).unwrap();
-    assert_eq!(file["termination_reason"], "terminated_by_user", "{file}");
+    let file = read_json(&dir.join("task.json"));
+    assert_has!(file, {"termination_reason": "terminated_by_user"});
     w.remove("upstream-r").await;
     assert!(!dir.exists());
     assert_eq!(w.container_running(&cid).await, None);
@@ -328,27 +290,20 @@ async fn upstream_tasks_are_adopted_terminated_removed_and_released<W: World>() 
         .await;
     w.start().await;
 
-    let expected = std::collections::BTreeMap::from([
+    let expected = BTreeMap::from([
         ("upstream-a".to_owned(), "running".to_owned()),
         ("upstream-b".to_owned(), "running".to_owned()),
         ("upstream-c".to_owned(), "terminated".to_owned()),
     ]);
     assert_eq!(w.list().await, expected);
+    let a_name = container_name_of(&with_file);
     let a = w.info("upstream-a").await.unwrap();
-    assert_eq!(a["container_id"], cid_a.as_str(), "{a}");
-    assert_eq!(
-        a["container_name"],
-        shim_e2e::harness::container_name_of(&with_file)
-    );
-    assert_eq!(
-        w.info("upstream-b").await.unwrap()["container_id"],
-        cid_b.as_str()
-    );
-    let c = w.info("upstream-c").await.unwrap();
-    assert_eq!(c["termination_reason"], "done_by_runner", "{c}");
-    assert_eq!(c["container_id"], cid_c.as_str(), "{c}");
+    assert_has!(a, {"container_id": cid_a, "container_name": a_name});
+    assert_has!(w.info("upstream-b").await.unwrap(), {"container_id": cid_b});
+    assert_has!(w.info("upstream-c").await.unwrap(),
+                {"termination_reason": "done_by_runner", "container_id": cid_c});
     let written_by_others = ["stub-runner.args", "stub-runner.pid"];
-    let left = shim_e2e::harness::entries(&dir_b);
+    let left = entries(&dir_b);
     assert!(
         left.iter().all(|e| written_by_others.contains(&e.as_str())),
         "{left:?}"
@@ -359,12 +314,8 @@ async fn upstream_tasks_are_adopted_terminated_removed_and_released<W: World>() 
     // This shim's own restart keeps them as they are.
     w.restart().await;
     assert_eq!(w.list().await, expected);
-    assert_eq!(
-        w.info("upstream-a").await.unwrap()["container_id"],
-        cid_a.as_str()
-    );
-    let c = w.info("upstream-c").await.unwrap();
-    assert_eq!(c["termination_reason"], "done_by_runner", "{c}");
+    assert_has!(w.info("upstream-a").await.unwrap(), {"container_id": cid_a});
+    assert_has!(w.info("upstream-c").await.unwrap(), {"termination_reason": "done_by_runner"});
 
     // Terminate and remove: each releases exactly its own.
     let t = w
@@ -372,20 +323,13 @@ async fn upstream_tasks_are_adopted_terminated_removed_and_released<W: World>() 
         .await;
     assert_eq!(t["status"], "terminated", "{t}");
     assert_eq!(w.container_running(&cid_a).await, Some(false));
-    let state = dir_a.join("task.json");
-    let file =
-        || -> serde_json::Value { serde_json::from_slice(&fs_err::read(&state).unwrap()).unwrap() };
-    for _ in 0..300 {
-        if file()["cleaned_up"] == true {
-            break;
-        }
-        w.sleep(std::time::Duration::from_millis(30)).await;
-    }
-    let file = file();
-    assert_eq!(file["version"], 1, "{file}");
-    assert_eq!(file["termination_reason"], "terminated_by_server", "{file}");
-    assert_eq!(file["termination_message"], "switched", "{file}");
-    assert_eq!(file["cleaned_up"], true, "{file}");
+    let file = || read_json(&dir_a.join("task.json"));
+    w.wait_until("a's release is recorded", async || {
+        file()["cleaned_up"] == true
+    })
+    .await;
+    assert_has!(file(), {"version": 1, "termination_reason": "terminated_by_server",
+                         "termination_message": "switched", "cleaned_up": true});
     assert_eq!(w.container_running(&cid_b).await, Some(true));
     w.remove("upstream-a").await;
     assert!(!dir_a.exists());
@@ -435,72 +379,41 @@ async fn a_restart_restores_every_case<W: World>() {
     let mut cut = w.task("cut", 0);
     image.for_task(&mut cut);
     w.submit(&cut).await.unwrap();
-    for _ in 0..3000 {
-        if w.info("cut").await.unwrap()["status"] == "pulling" {
-            break;
-        }
-        w.sleep(std::time::Duration::from_millis(20)).await;
-    }
+    let pulling = async || w.info("cut").await.unwrap()["status"] == "pulling";
+    w.wait_until("cut pulls", pulling).await;
     w.stop().await;
 
     w.exit_runner(&exits, 4).await;
-    let exits_cid = exits["container_id"].as_str().unwrap();
-    for _ in 0..600 {
-        if w.container_running(exits_cid).await == Some(false) {
-            break;
-        }
-        w.sleep(std::time::Duration::from_millis(50)).await;
-    }
+    w.wait_stopped(exits["container_id"].as_str().unwrap())
+        .await;
     w.replace_with_created(&never).await;
     w.start().await;
 
     let r = w.info("run").await.unwrap();
-    assert_eq!(r["status"], "running", "{r}");
-    assert_eq!(r["container_id"], run["container_id"], "{r}");
+    assert_has!(r, {"status": "running", "container_id": run["container_id"]});
     let e = w.info("exits").await.unwrap();
-    assert_eq!(
-        e["termination_reason"], "container_exited_with_error",
-        "{e}"
-    );
-    let message = e["termination_message"].as_str().unwrap().to_owned();
-    assert!(message.ends_with("runner exiting with 4"), "{e}");
+    assert_has!(e, {"termination_reason": "container_exited_with_error"});
+    let exit_message = message(&e).to_owned();
+    assert!(exit_message.ends_with("runner exiting with 4"), "{e}");
     let u = w.info("user").await.unwrap();
-    assert_eq!(u["termination_reason"], "terminated_by_user", "{u}");
-    assert_eq!(u["termination_message"], "user said so", "{u}");
+    assert_has!(u, {"termination_reason": "terminated_by_user",
+                    "termination_message": "user said so"});
     let n = w.info("never").await.unwrap();
-    assert_eq!(n["termination_reason"], "executor_error", "{n}");
-    assert!(
-        n["termination_message"]
-            .as_str()
-            .unwrap()
-            .contains("never started"),
-        "{n}"
-    );
+    assert_has!(n, {"termination_reason": "executor_error"});
+    assert!(message(&n).contains("never started"), "{n}");
     let c = w.info("cut").await.unwrap();
-    assert_eq!(c["status"], "terminated", "{c}");
-    assert_eq!(c["termination_reason"], "executor_error", "{c}");
-    assert!(
-        c["termination_message"]
-            .as_str()
-            .unwrap()
-            .contains("pulling"),
-        "{c}"
-    );
+    assert_has!(c, {"status": "terminated", "termination_reason": "executor_error"});
+    assert!(message(&c).contains("pulling"), "{c}");
     // Only the running task's GPU is held: all the others are free, and no more.
     w.submit(&w.task("rest", (GPUS - 1) as i64)).await.unwrap();
     w.wait_status("rest", "running").await;
-    w.terminate("rest", "terminated_by_server", "", 0).await;
-    w.remove("rest").await;
-    w.submit(&w.task("all", GPUS as i64)).await.unwrap();
-    let all = w.wait_status("all", "terminated").await;
-    assert_eq!(all["termination_reason"], "executor_error", "{all}");
+    w.finish("rest").await;
+    let all = w.submitted("all", GPUS as i64, "terminated").await;
+    assert_has!(all, {"termination_reason": "executor_error"});
 
     // Restoring again changes nothing.
     w.restart().await;
-    assert_eq!(
-        w.info("exits").await.unwrap()["termination_message"],
-        message.as_str()
-    );
+    assert_eq!(message(&w.info("exits").await.unwrap()), exit_message);
     assert_eq!(w.info("run").await.unwrap()["status"], "running");
     let dir = w
         .home()
@@ -566,10 +479,7 @@ async fn a_restart_clears_what_kills_mid_submit_and_mid_delete_left<W: World>() 
         "a removed task came back"
     );
     let after = w.info("stays").await.unwrap();
-    assert_eq!(after["status"], "running", "{after}");
-    for field in ["container_id", "gpus_ids"] {
-        assert_eq!(after[field], before[field], "{field}: {after}");
-    }
+    assert_eq!(kept(&after), kept(&before), "{after}");
     let kept: BTreeSet<String> = keep.iter().map(|(d, _)| (*d).to_owned()).collect();
     let mut expected = kept.clone();
     expected.insert(container_name_of(&stays));
@@ -581,12 +491,9 @@ async fn a_restart_clears_what_kills_mid_submit_and_mid_delete_left<W: World>() 
     // The removed task's GPU is free, the running task's is not.
     w.submit(&w.task("probe", (GPUS - 1) as i64)).await.unwrap();
     let probe = w.wait_status("probe", "running").await;
-    let held = after["gpus_ids"].as_array().unwrap();
-    let got = probe["gpus_ids"].as_array().unwrap();
-    assert!(got.iter().all(|g| !held.contains(g)), "{probe}");
+    assert!(gpus(&probe).is_disjoint(&gpus(&after)), "{probe}");
     for id in ["probe", "stays"] {
-        w.terminate(id, "terminated_by_server", "", 0).await;
-        w.remove(id).await;
+        w.finish(id).await;
     }
     assert_eq!(w.containers().await, 0);
     assert_eq!(task_entries(&runners), kept);
@@ -610,49 +517,36 @@ fn a_restart_releases_the_real_keys_and_volumes_of_tasks_that_ended() {
         let vol = w.loop_volume(&name);
         let mut exits = w.task("exits", 1);
         exits["host_ssh_user"] = "tester".into();
-        exits["host_ssh_keys"] = serde_json::json!([KEY]);
-        exits["volumes"] = serde_json::json!([{
+        exits["host_ssh_keys"] = json!([KEY]);
+        exits["volumes"] = json!([{
             "backend": "gcp", "name": name, "volume_id": "", "init_fs": true, "device_name": name,
         }]);
-        exits["volume_mounts"] = serde_json::json!([{"name": name, "path": "/data"}]);
+        exits["volume_mounts"] = json!([{"name": name, "path": "/data"}]);
         w.submit(&exits).await.unwrap();
         let exits = w.wait_status("exits", "running").await;
         let image = w.slow_image("world-restore-keys").await;
         let mut cut = w.task("cut", 0);
         image.for_task(&mut cut);
         cut["host_ssh_user"] = "tester".into();
-        cut["host_ssh_keys"] = serde_json::json!([OTHER]);
+        cut["host_ssh_keys"] = json!([OTHER]);
         w.submit(&cut).await.unwrap();
-        for _ in 0..3000 {
-            if w.info("cut").await.unwrap()["status"] == "pulling" {
-                break;
-            }
-            w.sleep(std::time::Duration::from_millis(20)).await;
-        }
+        let pulling = async || w.info("cut").await.unwrap()["status"] == "pulling";
+        w.wait_until("cut pulls", pulling).await;
         assert!(w.authorized_keys().contains("user@host"));
         assert!(w.authorized_keys().contains("other@host"));
         assert!(vol.is_mounted());
         w.stop().await;
 
         w.exit_runner(&exits, 4).await;
-        let cid = exits["container_id"].as_str().unwrap();
-        for _ in 0..600 {
-            if w.container_running(cid).await == Some(false) {
-                break;
-            }
-            w.sleep(std::time::Duration::from_millis(50)).await;
-        }
+        w.wait_stopped(exits["container_id"].as_str().unwrap())
+            .await;
         w.start().await;
         let e = w.info("exits").await.unwrap();
-        assert_eq!(
-            e["termination_reason"], "container_exited_with_error",
-            "{e}"
-        );
+        assert_has!(e, {"termination_reason": "container_exited_with_error"});
         let keys = w.authorized_keys();
         assert!(!keys.contains("user@host"), "{keys}");
         assert!(!vol.is_mounted());
-        let c = w.info("cut").await.unwrap();
-        assert_eq!(c["termination_reason"], "executor_error", "{c}");
+        assert_has!(w.info("cut").await.unwrap(), {"termination_reason": "executor_error"});
         assert!(!w.authorized_keys().contains("other@host"));
         w.remove("exits").await;
         w.remove("cut").await;
@@ -699,8 +593,7 @@ fn shutdown_and_sigterm_leave_containers_running() {
         shim.start();
         let info = shim.info("stays");
         assert_running(&info, &config, 1);
-        assert_eq!(info["container_id"], cid.as_str(), "after {how}: {info}");
-        assert_eq!(info["gpus_ids"], before["gpus_ids"], "after {how}: {info}");
+        assert_has!(info, {"container_id": cid, "gpus_ids": before["gpus_ids"]}, "after {how}:");
     };
 
     for force in [false, true] {
@@ -732,11 +625,7 @@ fn shutdown_and_sigterm_leave_containers_running() {
 // upstream: runner/internal/shim/authorized_keys.go (keys appended verbatim, removed by
 // fingerprint).
 async fn an_upstream_tasks_key_line_stays_while_it_runs_and_goes_with_it<W: World>() {
-    let mut w = W::new(Options {
-        host_user: true,
-        ..Options::default()
-    })
-    .await;
+    let mut w = W::new(Options::with(|o| o.host_user = true)).await;
     let keys = w.host_user().unwrap();
     let own_key = ssh_key("the-user's-own-key");
     let task_key = ssh_key("upstream-task-key");
@@ -758,13 +647,8 @@ async fn an_upstream_tasks_key_line_stays_while_it_runs_and_goes_with_it<W: Worl
     w.terminate("upstream-k", "terminated_by_server", "switched", 2)
         .await;
     let own = vec![own_key];
-    for _ in 0..600 {
-        if keys.lines() == own {
-            break;
-        }
-        w.sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(keys.lines(), own, "the upstream key line goes");
+    w.wait_until("the upstream key line goes", async || keys.lines() == own)
+        .await;
     w.remove("upstream-k").await;
     assert_eq!(keys.lines(), own);
     assert_eq!(w.container_running(&cid).await, None);
@@ -798,21 +682,16 @@ fn this_shims_containers_and_state_files_follow_upstreams_rules() {
         .join("runners")
         .join(info["container_name"].as_str().unwrap());
 
-    let labels: BTreeMap<String, String> = serde_json::from_str(&docker_ok(&[
-        "inspect",
-        "-f",
-        "{{json .Config.Labels}}",
-        cid,
-    ]))
-    .unwrap();
-    assert_eq!(labels["ai.dstack.shim.is-task"], "true", "{labels:?}");
-    assert_eq!(labels["ai.dstack.shim.task-id"], "ours-1", "{labels:?}");
-    let mounts: Vec<Value> =
-        serde_json::from_str(&docker_ok(&["inspect", "-f", "{{json .Mounts}}", cid])).unwrap();
-    let runner = mounts
-        .iter()
+    let inspect = |format: &str| -> Value {
+        serde_json::from_str(&docker_ok(&["inspect", "-f", format, cid])).unwrap()
+    };
+    let labels = inspect("{{json .Config.Labels}}");
+    assert_has!(labels, {"ai.dstack.shim.is-task": "true", "ai.dstack.shim.task-id": "ours-1"});
+    let mounts = inspect("{{json .Mounts}}");
+    let mut runner = mounts.as_array().unwrap().iter();
+    let runner = runner
         .find(|m| m["Destination"] == "/tmp/runner")
-        .unwrap_or_else(|| panic!("{mounts:?}"));
+        .unwrap_or_else(|| panic!("{mounts}"));
     assert_eq!(
         Path::new(runner["Source"].as_str().unwrap()),
         dir.join("runner")
@@ -825,24 +704,13 @@ fn this_shims_containers_and_state_files_follow_upstreams_rules() {
         "{text}"
     );
     let file: Value = serde_json::from_slice(&bytes).unwrap();
-    assert_eq!(file["version"], 1, "{file}");
-    assert_eq!(file["id"], "ours-1", "{file}");
-    assert_eq!(file["termination_reason"], "", "{file}");
-    assert_eq!(file["termination_message"], "", "{file}");
-    assert_eq!(file["cleaned_up"], false, "{file}");
+    assert_has!(file, {"version": 1, "id": "ours-1", "termination_reason": "",
+                       "termination_message": "", "cleaned_up": false});
     let stored = &file["config"];
     // Go's TaskConfig: each field, its JSON type (an int field refuses 1.0).
-    let strings = [
-        "id",
-        "name",
-        "registry_username",
-        "registry_password",
-        "image_name",
-        "container_user",
-        "network_mode",
-        "host_ssh_user",
-    ];
-    for f in strings {
+    let strings = "id name registry_username registry_password image_name container_user \
+                   network_mode host_ssh_user";
+    for f in strings.split_whitespace() {
         assert!(stored[f].is_string(), "{f}: {stored}");
     }
     for f in ["gpu", "memory", "shm_size"] {
@@ -850,38 +718,22 @@ fn this_shims_containers_and_state_files_follow_upstreams_rules() {
     }
     assert!(stored["cpu"].is_number(), "{stored}");
     assert!(stored["privileged"].is_boolean(), "{stored}");
-    for f in [
-        "volumes",
-        "volume_mounts",
-        "instance_mounts",
-        "gpu_devices",
-        "host_ssh_keys",
-        "container_ssh_keys",
-    ] {
+    let lists = "volumes volume_mounts instance_mounts gpu_devices host_ssh_keys \
+                 container_ssh_keys";
+    for f in lists.split_whitespace() {
         assert!(stored[f].is_array() || stored[f].is_null(), "{f}: {stored}");
     }
     assert_eq!(stored.as_object().unwrap().len(), 19, "{stored}");
-    for f in [
-        "id",
-        "name",
-        "image_name",
-        "container_user",
-        "gpu",
-        "cpu",
-        "memory",
-        "network_mode",
-        "container_ssh_keys",
-    ] {
+    let sent = "id name image_name container_user gpu cpu memory network_mode container_ssh_keys";
+    for f in sent.split_whitespace() {
         assert_eq!(stored[f], config[f], "{f}");
     }
-    assert_eq!(stored["registry_username"], "");
-    assert_eq!(stored["registry_password"], "");
+    assert_has!(stored, {"registry_username": "", "registry_password": ""});
 
     shim.terminate("ours-1", "terminated_by_user", "bye", 0)
         .ok();
     wait_until("the release is recorded", STATUS_BOUND, || {
-        let file: Value =
-            serde_json::from_slice(&fs_err::read(dir.join("task.json")).unwrap()).unwrap();
+        let file = read_json(&dir.join("task.json"));
         file["termination_reason"] == "terminated_by_user"
             && file["termination_message"] == "bye"
             && file["cleaned_up"] == true
@@ -979,25 +831,15 @@ fn first_release_home_is_migrated_with_its_task_running() {
     .unwrap();
 
     shim.start();
-    let info = shim.info(id);
-    assert_eq!(info["status"], "running", "{info}");
-    assert_eq!(info["container_id"], cid.as_str(), "{info}");
-    assert_eq!(info["gpus_ids"], json!([gpu]), "{info}");
-    assert_eq!(
-        fs_err::read_to_string(shim.home().join("owner-id"))
-            .unwrap()
-            .trim(),
-        legacy_owner
-    );
+    assert_has!(shim.info(id), {"status": "running", "container_id": cid, "gpus_ids": [gpu]});
+    assert_eq!(shim.owner(), legacy_owner);
     assert!(
         !shim.home().join("tasks").exists(),
         "the old layout is gone"
     );
     let new_dir = shim.home().join("runners").join(&cname);
-    let file: Value =
-        serde_json::from_slice(&fs_err::read(new_dir.join("task.json")).unwrap()).unwrap();
-    assert_eq!(file["version"], 1, "{file}");
-    assert_eq!(file["id"], id, "{file}");
+    let file = read_json(&new_dir.join("task.json"));
+    assert_has!(file, {"version": 1, "id": id});
     assert_eq!(file["config"]["gpu"], config["gpu"], "{file}");
     assert_container_running(&cid);
 
@@ -1005,25 +847,19 @@ fn first_release_home_is_migrated_with_its_task_running() {
     let greedy = server_task("first-greedy", 4);
     shim.submit(&greedy).ok();
     let refused = shim.wait_status("first-greedy", "terminated");
-    assert_eq!(refused["termination_reason"], "executor_error", "{refused}");
+    assert_has!(refused, {"termination_reason": "executor_error"});
 
     // Idempotent: a second start finds the new layout and the same task.
     shim.kill();
     shim.start();
     let again = shim.info(id);
-    assert_eq!(again["status"], "running", "{again}");
-    assert_eq!(again["container_id"], cid.as_str(), "{again}");
-    assert_eq!(
-        fs_err::read_to_string(shim.home().join("owner-id"))
-            .unwrap()
-            .trim(),
-        legacy_owner
-    );
+    assert_has!(again, {"status": "running", "container_id": cid});
+    assert_eq!(shim.owner(), legacy_owner);
 
     // The runner still sees its directory at the new path: it ends the task through it.
     shim.exit_runner(&again, 0);
     let done = shim.wait_status(id, "terminated");
-    assert_eq!(done["termination_reason"], "done_by_runner", "{done}");
+    assert_has!(done, {"termination_reason": "done_by_runner"});
     shim.remove_retrying(id);
     assert!(!new_dir.exists());
     assert_eq!(container_running(None, &cid), None);

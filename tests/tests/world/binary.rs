@@ -55,6 +55,14 @@ impl BinaryWorld {
     }
 }
 
+/// A 200 as `Ok`, an error as [`World::submit`] answers it: the status and the shim's message.
+fn answered(answer: shim_e2e::harness::Response) -> Result<(), String> {
+    match answer.status {
+        200 => Ok(()),
+        status => Err(format!("{status} {}", answer.body)),
+    }
+}
+
 impl World for BinaryWorld {
     async fn new(options: Options) -> Self {
         let dir = tempfile::tempdir().unwrap();
@@ -146,12 +154,7 @@ impl World for BinaryWorld {
             .unwrap()
             .push(NamedContainer(container_name_of(task)));
         let task = task.clone();
-        let answer = self.call(move |shim| shim.submit(&task)).await;
-        if answer.status == 200 {
-            Ok(())
-        } else {
-            Err(format!("{} {}", answer.status, answer.body))
-        }
+        answered(self.call(move |shim| shim.submit(&task)).await)
     }
 
     async fn changes(&self) -> Changes {
@@ -197,12 +200,7 @@ impl World for BinaryWorld {
 
     async fn try_remove(&self, id: &str) -> Result<(), String> {
         let id = id.to_owned();
-        let answer = self.call(move |shim| shim.remove(&id)).await;
-        if answer.status == 200 {
-            Ok(())
-        } else {
-            Err(format!("{} {}", answer.status, answer.body))
-        }
+        answered(self.call(move |shim| shim.remove(&id)).await)
     }
 
     async fn remove(&self, id: &str) {

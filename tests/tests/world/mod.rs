@@ -189,6 +189,15 @@ pub struct Options {
     pub host_user: bool,
 }
 
+impl Options {
+    /// The defaults, changed by `set` (`Options::with(|o| o.host_user = true)`).
+    pub fn with(set: impl FnOnce(&mut Self)) -> Self {
+        let mut options = Self::default();
+        set(&mut options);
+        options
+    }
+}
+
 /// A host user with a real `authorized_keys` ([`Options::host_user`]).
 pub struct HostKeys {
     /// The user's name (a task's `host_ssh_user`).
@@ -232,6 +241,20 @@ pub trait World: Sized {
         shim_e2e::harness::bridge_task(id, &name, gpu)
     }
 
+    /// Submits [`World::task`] `id` with `gpu` GPUs and waits until it has `status`
+    /// ([`World::wait_status`]); answers its `TaskInfo`.
+    async fn submitted(&self, id: &str, gpu: i64, status: &str) -> Value {
+        self.submit(&self.task(id, gpu)).await.unwrap();
+        self.wait_status(id, status).await
+    }
+
+    /// Terminates the task as the server does when it is done with it (at once, no message)
+    /// and removes it.
+    async fn finish(&self, id: &str) {
+        self.terminate(id, "terminated_by_server", "", 0).await;
+        self.remove(id).await;
+    }
+
     /// The ids of the host's GPUs, in index order (the ids `gpus_ids` answers).
     fn gpu_ids(&self) -> Vec<String>;
 
@@ -258,15 +281,8 @@ pub trait World: Sized {
 
     /// Removes a terminated task, retrying while its start or release is under way.
     async fn remove(&self, id: &str) {
-        let mut last = String::new();
-        for _ in 0..3000 {
-            match self.try_remove(id).await {
-                Ok(()) => return,
-                Err(e) => last = e,
-            }
-            self.sleep(Duration::from_millis(30)).await;
-        }
-        panic!("task {id} could not be removed: {last}");
+        let what = format!("task {id} could not be removed");
+        self.poll(&what, async || self.try_remove(id).await).await;
     }
 
     /// The shim stops: a kill where the world has a process (its containers go on).
@@ -335,13 +351,12 @@ pub trait World: Sized {
     /// Waits until the task's state file satisfies `ok` (what a record says is written a
     /// moment after the API shows it).
     async fn wait_state_file(&self, info: &Value, what: &str, ok: impl Fn(&Value) -> bool) {
-        for _ in 0..3000 {
-            if self.state_file(info).is_some_and(|file| ok(&file)) {
-                return;
-            }
-            self.sleep(Duration::from_millis(30)).await;
-        }
-        panic!("the state file never {what}: {:?}", self.state_file(info));
+        let what = format!("the state file never {what}");
+        self.poll(&what, async || match self.state_file(info) {
+            Some(file) if ok(&file) => Ok(()),
+            other => Err(format!("{other:?}")),
+        })
+        .await;
     }
 
     /// Runs a container as the upstream Go shim creates one for `task` (its two labels only,
@@ -481,17 +496,12 @@ pub trait World: Sized {
     /// Waits until the shim's metrics say its event stream is (or is not) connected.
     async fn wait_events_connected(&self, connected: bool) {
         let want = if connected { 1.0 } else { 0.0 };
-        for _ in 0..3000 {
-            let now = self
-                .metrics()
-                .await
-                .get("dstack_shim_events_connected", &[]);
-            if now == want {
-                return;
-            }
-            self.sleep(Duration::from_millis(20)).await;
-        }
-        panic!("the event stream never became connected={connected}");
+        let what = format!("the event stream never became connected={connected}");
+        self.wait_until(&what, async || {
+            let metrics = self.metrics().await;
+            metrics.get("dstack_shim_events_connected", &[]) == want
+        })
+        .await;
     }
 
     /// Lets time pass (virtual time in the fake world).
@@ -502,25 +512,15 @@ pub trait World: Sized {
     /// Waits until the task has `status` (and its start returned); fails the test if it
     /// ends otherwise or never gets there.
     async fn wait_status(&self, id: &str, status: &str) -> Value {
-        let mut last = None;
-        for _ in 0..3000 {
-            let info = self.info(id).await;
-            if let Some(info) = &info
-                && info["status"] == status
-                && self.settled(id).await
-            {
-                return info.clone();
+        let what = format!("task {id} never became {status}");
+        self.poll(&what, async || match self.info(id).await {
+            Some(info) if info["status"] == status && self.settled(id).await => Ok(info),
+            Some(info) if info["status"] == "terminated" && status != "terminated" => {
+                panic!("task {id} ended while waiting for {status}: {info}")
             }
-            if let Some(info) = &info
-                && info["status"] == "terminated"
-                && status != "terminated"
-            {
-                panic!("task {id} ended while waiting for {status}: {info}");
-            }
-            last = info;
-            self.sleep(Duration::from_millis(30)).await;
-        }
-        panic!("task {id} never became {status}: {last:?}");
+            other => Err(format!("{other:?}")),
+        })
+        .await
     }
 
     /// Whether the task's start job has returned (worlds that cannot tell: true).
@@ -549,17 +549,77 @@ pub trait World: Sized {
 
     /// Waits until the task runs or ends; answers its `TaskInfo`.
     async fn wait_started_or_ended(&self, id: &str) -> Value {
-        for _ in 0..3000 {
-            if let Some(info) = self.info(id).await
-                && (info["status"] == "running" || info["status"] == "terminated")
-                && self.settled(id).await
+        let what = format!("task {id} neither ran nor ended");
+        self.poll(&what, async || match self.info(id).await {
+            Some(info)
+                if (info["status"] == "running" || info["status"] == "terminated")
+                    && self.settled(id).await =>
             {
-                return info;
+                Ok(info)
+            }
+            other => Err(format!("{other:?}")),
+        })
+        .await
+    }
+
+    /// Waits until the container no longer runs.
+    async fn wait_stopped(&self, container_id: &str) {
+        let what = format!("container {container_id} never stopped");
+        self.wait_until(&what, async || {
+            self.container_running(container_id).await == Some(false)
+        })
+        .await;
+    }
+
+    /// Polls `probe` every 30 ms (virtual time in the fake world) until it answers `Ok`, and
+    /// answers that; fails the test with `what` and the last `Err` after 3000 tries.
+    async fn poll<T>(&self, what: &str, mut probe: impl AsyncFnMut() -> Result<T, String>) -> T {
+        let mut last = String::new();
+        for _ in 0..3000 {
+            match probe().await {
+                Ok(value) => return value,
+                Err(e) => last = e,
             }
             self.sleep(Duration::from_millis(30)).await;
         }
-        panic!("task {id} neither ran nor ended: {:?}", self.info(id).await);
+        panic!("{what}: {last}");
     }
+
+    /// Polls until `done` holds ([`World::poll`]).
+    async fn wait_until(&self, what: &str, done: impl AsyncFn() -> bool) {
+        let not_yet = || Err("not yet".to_owned());
+        self.poll(what, async || if done().await { Ok(()) } else { not_yet() })
+            .await;
+    }
+}
+
+/// The object of `value`'s fields `names` (a missing one is `null`): what [`assert_has!`]
+/// compares.
+pub fn pick<'a>(value: &Value, names: impl IntoIterator<Item = &'a str>) -> Value {
+    let fields = names.into_iter().map(|k| (k.to_owned(), value[k].clone()));
+    fields.collect()
+}
+
+/// The JSON file at `path`.
+pub fn read_json(path: &Path) -> Value {
+    serde_json::from_slice(&fs_err::read(path).unwrap()).unwrap()
+}
+
+/// `assert_has!(value, {"field": expected, ..})`: fails unless the JSON `value` has each
+/// field named with that value (its other fields are not compared), all compared at once;
+/// a third argument, `format!`'s, says which case it is.
+#[macro_export]
+macro_rules! assert_has {
+    ($value:expr, {$($fields:tt)*}) => {
+        $crate::assert_has!($value, {$($fields)*}, "")
+    };
+    ($value:expr, {$($fields:tt)*}, $($what:tt)+) => {{
+        let value: &serde_json::Value = &$value;
+        let expected = serde_json::json!({$($fields)*});
+        let what = format!($($what)+);
+        let names = expected.as_object().unwrap().keys().map(String::as_str);
+        assert_eq!($crate::world::pick(value, names), expected, "{what} {value}");
+    }};
 }
 
 /// A state file as the upstream shim writes it for `task` (Go's `json.Marshal` of its task
