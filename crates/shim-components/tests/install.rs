@@ -43,18 +43,13 @@ fn file_server() -> FileServer {
     std::thread::spawn(move || {
         for stream in listener.incoming() {
             let Ok(mut stream) = stream else { return };
-            let mut reader = BufReader::new(stream.try_clone().unwrap());
-            let mut line = String::new();
-            reader.read_line(&mut line).unwrap();
-            let path = line.split(' ').nth(1).unwrap_or("").to_owned();
-            loop {
-                let mut h = String::new();
-                if reader.read_line(&mut h).unwrap() == 0 || h == "\r\n" {
-                    break;
-                }
-            }
-            let path = path.split('?').next().unwrap().to_owned();
-            let (status, body) = match path.as_str() {
+            let mut lines = BufReader::new(stream.try_clone().unwrap()).lines();
+            let line = lines.next().unwrap().unwrap();
+            // The headers, up to the empty line.
+            lines.find(|h| h.as_ref().unwrap().is_empty());
+            // `GET /runner?sig=secret HTTP/1.1` → `/runner`.
+            let path = line.split([' ', '?']).nth(1).unwrap_or("");
+            let (status, body) = match path {
                 "/runner" => ("200 OK", script("dstack-runner version 1.2.3")),
                 "/runner2" => ("200 OK", script("dstack-runner version 2.0.0")),
                 "/shim" => ("200 OK", script("dstack-shim version 0.22.1")),
@@ -97,6 +92,11 @@ async fn wait_idle(c: &Components) {
         .expect("installs finish");
 }
 
+/// The error of an install of the runner from `url`.
+async fn install_err(c: &Components, url: &str) -> ComponentsError {
+    c.install(Runner, url).await.unwrap_err()
+}
+
 /// A component's status.
 async fn status(c: &Components, name: ComponentName) -> Status {
     c.info(name).await.status
@@ -137,9 +137,7 @@ async fn installs_in_the_background_atomically() {
     c.start_install(Runner, &server.url("/runner?sig=secret"))
         .unwrap();
     wait_idle(&c).await;
-    let runner = c.info(Runner).await;
-    assert_eq!(runner.status, Status::Installed);
-    assert_eq!(runner.version, "1.2.3");
+    assert_eq!(state(&c, Runner).await, (Status::Installed, "1.2.3".into()));
     let path = dir.path().join("bin/dstack-runner");
     let mode = fs_err::metadata(&path).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o755);
@@ -183,10 +181,7 @@ async fn failed_downloads_leave_the_target_alone() {
     let (dir, server, c) = setup();
 
     // Nothing installed yet: a failure shows as `error`.
-    let e = c
-        .install(Runner, &server.url("/missing?token=s3cr3t"))
-        .await
-        .unwrap_err();
+    let e = install_err(&c, &server.url("/missing?token=s3cr3t")).await;
     assert!(matches!(e, ComponentsError::Download { .. }), "{e}");
     assert!(!format!("{e:?}").contains("s3cr3t"), "{e:?}");
     assert_eq!(
@@ -198,26 +193,21 @@ async fn failed_downloads_leave_the_target_alone() {
     );
     assert_eq!(status(&c, Runner).await, Status::Error);
 
-    let e = c.install(Runner, &server.url("/empty")).await.unwrap_err();
+    let e = install_err(&c, &server.url("/empty")).await;
     assert!(matches!(e, ComponentsError::Size { .. }), "{e}");
 
     // With a working binary in place, a failed upgrade keeps it.
     c.install(Runner, &server.url("/runner")).await.unwrap();
-    c.install(Runner, &server.url("/missing"))
-        .await
-        .unwrap_err();
+    install_err(&c, &server.url("/missing")).await;
     assert_eq!(state(&c, Runner).await, (Status::Installed, "1.2.3".into()));
     assert_eq!(dir_entries(&dir.path().join("bin")), vec!["dstack-runner"]);
 
-    // Unreachable server.
+    // Unreachable server (a port bound and closed at once).
     let closed = TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap();
-    let e = c
-        .install(Runner, &format!("http://{closed}/runner"))
-        .await
-        .unwrap_err();
+    let e = install_err(&c, &format!("http://{closed}/runner")).await;
     assert!(matches!(e, ComponentsError::Download { .. }), "{e}");
 }
 
@@ -241,16 +231,13 @@ async fn a_url_that_is_not_http_fails_in_the_background() {
     c.start_install(Runner, "ftp://u:pw@x/y?token=s").unwrap();
     wait_idle(&c).await;
     assert_eq!(state(&c, Runner).await, (Status::Error, "".into()));
-    let e = c.install(Runner, "file:///bin/sh").await.unwrap_err();
+    let e = install_err(&c, "file:///bin/sh").await;
     assert!(matches!(e, ComponentsError::BadUrl { .. }), "{e}");
     assert_eq!(
         e.to_string(),
         "cannot install dstack-runner: only http and https are supported: file:///bin/sh"
     );
-    let e = c
-        .install(Runner, "ftp://u:pw@x/y?token=s")
-        .await
-        .unwrap_err();
+    let e = install_err(&c, "ftp://u:pw@x/y?token=s").await;
     assert_eq!(
         e.to_string(),
         "cannot install dstack-runner: only http and https are supported: ftp://x/y",
@@ -318,8 +305,7 @@ async fn versions_of_real_executables() {
     );
 
     let failing = write("failing", "#!/bin/sh\necho boom >&2\nexit 3\n");
-    let e = version(&failing, "dstack-runner", t).await.unwrap_err();
-    let e = error_chain(&e);
+    let e = error_chain(&version(&failing, "dstack-runner", t).await.unwrap_err());
     assert!(e.contains("exit status: 3: boom"), "{e}");
 
     let hanging = write("hanging", "#!/bin/sh\nexec sleep 600\n");

@@ -19,8 +19,8 @@ use shim_e2e::require_docker;
 use shim_runtime::{
     BindMount, ContainerDetails, ContainerEvent, ContainerInputs, ContainerRuntime, ContainerSpec,
     ContainerState, DeviceMapping, DeviceRequest, DockerRuntime, EventKind, EventStream, GpuConfig,
-    LogLimits, PullRequest, RegistryAuth, RunnerParams, RuntimeError, Ulimit, build_container_spec,
-    normalize_reference,
+    LogLimits, MountPoint, PullRequest, RegistryAuth, RunnerParams, RuntimeError, Ulimit,
+    build_container_spec, normalize_reference,
 };
 use shim_runtime::{RUNNER_DIR_IN_CONTAINER, runner_script};
 use shim_task::NetworkMode;
@@ -198,6 +198,31 @@ fn died(code: i64) -> EventKind {
     }
 }
 
+/// Fails unless `value` matches `pattern`, showing the value and the context, if given.
+macro_rules! assert_matches {
+    ($value:expr, $pattern:pat $(if $guard:expr)?) => {
+        assert_matches!($value, $pattern $(if $guard)?, "")
+    };
+    ($value:expr, $pattern:pat $(if $guard:expr)?, $($context:tt)+) => {
+        match &$value {
+            $pattern $(if $guard)? => {}
+            other => panic!(
+                "{}: {other:?} does not match {}",
+                format_args!($($context)+),
+                stringify!($pattern)
+            ),
+        }
+    };
+}
+
+/// Mounts by their target: source and whether writable.
+fn mounts_by_target(mounts: &[MountPoint]) -> BTreeMap<String, (String, bool)> {
+    mounts
+        .iter()
+        .map(|m| (m.destination.clone(), (m.source.clone(), m.read_write)))
+        .collect()
+}
+
 /// Creates a container of `spec` and starts it: its id.
 async fn create_and_start(docker: &DockerRuntime, spec: &ContainerSpec) -> String {
     let id = docker.create(spec).await.unwrap();
@@ -343,11 +368,8 @@ async fn dev_shm_is_noexec_by_default_and_exec_with_shm_size() {
     require_docker();
     let (docker, run, guard) = setup("shm").await;
 
-    let (details, logs) = run_to_exit(
-        &docker,
-        &shell_spec(&format!("{run}-default"), &guard.labels(), SHM_SCRIPT),
-    )
-    .await;
+    let spec = shell_spec(&format!("{run}-default"), &guard.labels(), SHM_SCRIPT);
+    let (details, logs) = run_to_exit(&docker, &spec).await;
     assert_eq!(details.exit_code, Some(0), "{logs:?}");
     let line = shm_line(&logs);
     assert!(line.contains("noexec"), "{line}");
@@ -426,12 +448,6 @@ async fn binds_are_mounts_with_their_flags_and_their_sources_listed() {
         assert!(logs.iter().any(|l| l == line), "{line} missing: {logs:?}");
     }
     assert!(data.join("written").exists());
-    let by_target = |mounts: &[shim_runtime::MountPoint]| -> BTreeMap<String, (String, bool)> {
-        mounts
-            .iter()
-            .map(|m| (m.destination.clone(), (m.source.clone(), m.read_write)))
-            .collect()
-    };
     // Docker reports a bind's source cleaned (`..` resolved, links kept).
     let binary = fs_err::canonicalize(runner_binary()).unwrap();
     let expected: BTreeMap<String, (String, bool)> = [
@@ -442,10 +458,10 @@ async fn binds_are_mounts_with_their_flags_and_their_sources_listed() {
     .into_iter()
     .map(|(target, source, rw)| (target.to_owned(), (source.display().to_string(), rw)))
     .collect();
-    assert_eq!(by_target(&details.mounts), expected);
+    assert_eq!(mounts_by_target(&details.mounts), expected);
     let listed = docker.list(&guard.labels).await.unwrap();
     assert_eq!(listed.len(), 1);
-    assert_eq!(by_target(&listed[0].mounts), expected);
+    assert_eq!(mounts_by_target(&listed[0].mounts), expected);
 }
 
 /// Issues 22 and 27, SPEC §6: a missing bind source — the runner binary whose download
@@ -476,27 +492,21 @@ async fn a_missing_bind_source_is_the_shims_error_and_creates_nothing() {
             .create(&build_container_spec(&inputs))
             .await
             .unwrap_err();
-        assert!(
-            matches!(&e, RuntimeError::BindSourceMissing { path, .. } if *path == missing),
-            "{what}: {e:?}"
+        assert_matches!(
+            e,
+            RuntimeError::BindSourceMissing { path, .. } if *path == missing,
+            "{what}"
         );
         let text = e.to_string();
         assert!(
             text.contains(&missing.display().to_string()) && text.contains("does not exist"),
             "{what}: the error names the missing path: {text}"
         );
-        assert!(
-            docker.list(&guard.labels).await.unwrap().is_empty(),
-            "{what}"
-        );
-        assert!(
-            docker.inspect(&run).await.unwrap_err().is_not_found(),
-            "{what}"
-        );
-        assert!(
-            !missing.parent().unwrap().exists(),
-            "{what}: made {missing:?}"
-        );
+        let listed = docker.list(&guard.labels).await.unwrap();
+        assert!(listed.is_empty(), "{what}: {listed:?}");
+        assert_matches!(docker.inspect(&run).await, Err(e) if e.is_not_found(), "{what}");
+        let made = missing.parent().unwrap();
+        assert!(!made.exists(), "{what}: made {missing:?}");
     }
 }
 
@@ -528,24 +538,14 @@ async fn runner_container_bridge_ports_exit_code_and_event() {
     let containers: Vec<u16> = details.ports.iter().map(|p| p.container).collect();
     assert_eq!(containers, [10022, 10999], "{:?}", details.ports);
     assert!(details.ports.iter().all(|p| p.host != 0));
-    let mounts: BTreeMap<&str, &str> = details
-        .mounts
-        .iter()
-        .map(|m| (m.destination.as_str(), m.source.as_str()))
-        .collect();
-    assert_eq!(
-        mounts[RUNNER_DIR_IN_CONTAINER],
-        dir.path().to_str().unwrap()
-    );
+    let mounts = mounts_by_target(&details.mounts);
+    let (runner_dir, _) = &mounts[RUNNER_DIR_IN_CONTAINER];
+    assert_eq!(runner_dir, dir.path().to_str().unwrap());
     assert!(mounts.contains_key("/usr/local/bin/dstack-runner"));
 
     // The runner answers through the published port (bounded wait while it starts).
-    let http = details
-        .ports
-        .iter()
-        .find(|p| p.container == 10999)
-        .unwrap()
-        .host;
+    let published = details.ports.iter().find(|p| p.container == 10999);
+    let http = published.unwrap().host;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         match http_get(http, "/api/healthcheck").await {
@@ -814,11 +814,7 @@ async fn list_finds_exactly_one_label_set_in_all_states() {
     assert_eq!(by_id[exited.id.as_str()], &ContainerState::Exited);
     assert_eq!(by_id[running.as_str()], &ContainerState::Running);
     let exited_summary = listed.iter().find(|c| c.id == exited.id).unwrap();
-    let sources: Vec<&str> = exited_summary
-        .mounts
-        .iter()
-        .map(|m| m.source.as_str())
-        .collect();
+    let sources: Vec<&str> = exited_summary.mounts.iter().map(|m| &*m.source).collect();
     assert_eq!(sources, [host_tmp.to_str().unwrap()]);
     assert!(
         mine.iter()
@@ -902,17 +898,14 @@ async fn limits_privileged_labels_and_devices_in_config() {
         // Podman's compat API ignores NVIDIA device requests (5.x reads only `cdi` ones, 4.3
         // none): the shim refuses them there, before the engine creates anything, rather than
         // run a GPU task without its GPUs.
-        match docker.create(&spec).await {
-            Err(RuntimeError::DeviceRequestsIgnored { driver, .. }) => {
-                assert_eq!(driver, "nvidia");
-            }
-            other => panic!("expected the NVIDIA request refused on Podman, got {other:?}"),
-        }
-        assert!(
-            matches!(
-                docker.inspect(&spec.name).await,
-                Err(RuntimeError::NotFound { .. })
-            ),
+        assert_matches!(
+            docker.create(&spec).await,
+            Err(RuntimeError::DeviceRequestsIgnored { driver, .. }) if driver == "nvidia",
+            "the NVIDIA request refused on Podman"
+        );
+        assert_matches!(
+            docker.inspect(&spec.name).await,
+            Err(RuntimeError::NotFound { .. }),
             "a refused create created {}",
             spec.name
         );
@@ -973,10 +966,10 @@ async fn limits_privileged_labels_and_devices_in_config() {
     }
 
     // A name in use is a conflict; an unknown container is not found / removed fine.
-    assert!(matches!(
+    assert_matches!(
         docker.create(&spec).await,
         Err(RuntimeError::Conflict { .. })
-    ));
+    );
     let nope = format!("{run}-nope");
     assert!(docker.inspect(&nope).await.unwrap_err().is_not_found());
     docker.remove(&nope).await.unwrap();
@@ -989,12 +982,10 @@ async fn limits_privileged_labels_and_devices_in_config() {
     let mut missing = spec.clone();
     missing.image = "shim-runtime-test-missing:1".to_owned();
     missing.name = format!("{run}-missing");
-    match docker.create(&missing).await {
-        Err(RuntimeError::NotFound { what }) => {
-            assert!(what.contains("shim-runtime-test-missing"), "{what}")
-        }
-        other => panic!("expected not found, got {other:?}"),
-    }
+    assert_matches!(
+        docker.create(&missing).await,
+        Err(RuntimeError::NotFound { what }) if what.contains("shim-runtime-test-missing")
+    );
 }
 
 #[tokio::test]
@@ -1015,24 +1006,6 @@ async fn unreachable_daemon_is_reported_as_such() {
     }
 }
 
-async fn remove_image(docker: &DockerRuntime, image: &str) {
-    match docker
-        .client()
-        .remove_image(
-            image,
-            None::<bollard::query_parameters::RemoveImageOptions>,
-            None,
-        )
-        .await
-    {
-        Ok(_) => {}
-        Err(bollard::errors::Error::DockerResponseServerError {
-            status_code: 404, ..
-        }) => {}
-        Err(e) => panic!("cannot remove {image} before pulling it: {e}"),
-    }
-}
-
 /// Issue 28 part 3, issue 39: what image collection asks of the engine. The data root is a
 /// directory of this host (the file system measured); a pulled image is described by its id
 /// (the same answer by name and by id), the names pointing to it (the name it was pulled as,
@@ -1047,11 +1020,8 @@ async fn remove_image(docker: &DockerRuntime, image: &str) {
 async fn an_image_is_described_kept_while_used_and_its_removal_is_an_event() {
     require_docker();
     let (docker, run, guard) = setup("gc").await;
-    let root = docker
-        .data_root()
-        .await
-        .unwrap()
-        .expect("the engine names its data root");
+    let root = docker.data_root().await.unwrap();
+    let root = root.expect("the engine names its data root");
     assert!(root.is_dir(), "{}", root.display());
     let fresh = FreshImage::push("shim-runtime-gc", 1 << 20).unwrap();
     let image = fresh.direct_reference();
@@ -1062,13 +1032,12 @@ async fn an_image_is_described_kept_while_used_and_its_removal_is_an_event() {
     pull(&docker, &request).await.unwrap();
     let details = docker.inspect_image(&image).await.unwrap().unwrap();
     assert!(!details.id.is_empty(), "{details:?}");
-    assert!(
-        details
-            .tags
-            .iter()
-            .any(|t| normalize_reference(t) == normalize_reference(&image)),
-        "{details:?}"
-    );
+    let normalized = normalize_reference(&image);
+    let tagged = details
+        .tags
+        .iter()
+        .any(|t| normalize_reference(t) == normalized);
+    assert!(tagged, "{details:?}");
     assert!(details.size >= 1 << 20, "{details:?} for {image}");
     assert_eq!(
         docker.inspect_image(&details.id).await.unwrap().as_ref(),
@@ -1079,10 +1048,11 @@ async fn an_image_is_described_kept_while_used_and_its_removal_is_an_event() {
     let mut spec = shell_spec(&run, &guard.labels(), "exit 0");
     spec.image = image.clone();
     let (container, _) = run_to_exit(&docker, &spec).await;
-    match docker.delete_image(&image).await {
-        Err(RuntimeError::Conflict { .. }) => {}
-        other => panic!("removing an image an exited container uses: {other:?}"),
-    }
+    assert_matches!(
+        docker.delete_image(&image).await,
+        Err(RuntimeError::Conflict { .. }),
+        "removing an image an exited container uses"
+    );
     assert_eq!(
         docker.inspect_image(&image).await.unwrap().as_ref(),
         Some(&details)
@@ -1133,7 +1103,7 @@ async fn pull_from_registry_with_and_without_credentials() {
         password: "wrong-password".to_owned(),
         ..registry_auth()
     };
-    remove_image(&docker, &small).await;
+    docker.delete_image(&small).await.unwrap(); // if an earlier run left it
     let (message, image) = pull_failure(&docker, &request(&small, Some(wrong))).await;
     // Engines word it differently ("unauthorized: authentication required" on Docker's
     // classic store, "401 Unauthorized" on its containerd store): match without case.
@@ -1208,31 +1178,20 @@ async fn pull_progress_cancel_and_timeout_of_a_fresh_image() {
     let (result, latency) = (cancelled.result, cancelled.after);
     assert!(cancelled.moved, "the pull never reported bytes: {result:?}");
     eprintln!("MEASURED pull cancellation returned {latency:?} after cancel");
-    assert!(
-        matches!(result, Err(RuntimeError::Cancelled { .. })),
-        "{result:?}"
-    );
+    assert_matches!(result, Err(RuntimeError::Cancelled { .. }));
     assert!(
         latency < Duration::from_secs(5),
         "cancellation took {latency:?}"
     );
     // The engine abandoned the pull (the whole of it would take about 8 s).
     tokio::time::sleep(Duration::from_secs(5)).await;
-    assert!(
-        !docker
-            .image_present(cancelled_image.reference())
-            .await
-            .unwrap(),
-        "the engine finished the cancelled pull"
-    );
+    let present = docker.image_present(cancelled_image.reference()).await;
+    assert!(!present.unwrap(), "the engine finished the cancelled pull");
 
     // A timeout.
     let timeout_request = request(&cancelled_image, Duration::from_millis(1));
     let result = pull(&docker, &timeout_request).await;
-    assert!(
-        matches!(result, Err(RuntimeError::PullTimeout { .. })),
-        "{result:?}"
-    );
+    assert_matches!(result, Err(RuntimeError::PullTimeout { .. }));
 
     // A whole pull: progress during, final after. The base layers are the local test image's
     // (already there: counted 0); the fresh layer is downloaded.
@@ -1303,27 +1262,26 @@ async fn a_stalled_pull_fails_and_a_slow_moving_one_does_not() {
         log.lines().last().unwrap_or_default()
     );
     assert!(halted.moved, "the pull never reported bytes: {result:?}");
-    match &result {
-        Err(
-            e @ RuntimeError::PullStalled {
-                stalled_for,
-                done_bytes,
-                total_bytes,
-                ..
-            },
-        ) => {
-            assert!(
-                *stalled_for >= STALL && *stalled_for < STALL + Duration::from_secs(1),
-                "{e}"
-            );
-            assert!(*done_bytes > 0, "{e}");
-            assert!(*total_bytes >= stalled.layer_bytes(), "{e}");
-            let message = e.to_string();
-            assert!(message.contains("stalled"), "{message}");
-            assert!(message.contains(&done_bytes.to_string()), "{message}");
-        }
-        other => panic!("not a stall: {other:?}"),
-    }
+    let Err(
+        e @ RuntimeError::PullStalled {
+            stalled_for,
+            done_bytes,
+            total_bytes,
+            ..
+        },
+    ) = &result
+    else {
+        panic!("not a stall: {result:?}");
+    };
+    assert!(
+        *stalled_for >= STALL && *stalled_for < STALL + Duration::from_secs(1),
+        "{e}"
+    );
+    assert!(*done_bytes > 0, "{e}");
+    assert!(*total_bytes >= stalled.layer_bytes(), "{e}");
+    let message = e.to_string();
+    assert!(message.contains("stalled"), "{message}");
+    assert!(message.contains(&done_bytes.to_string()), "{message}");
     // The stall timeout after the last message, which the engine may send a moment after
     // the registry stopped (what it had received by then).
     assert!(after >= STALL, "failed {after:?} after the stall");

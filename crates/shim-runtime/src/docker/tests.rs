@@ -25,7 +25,9 @@ type Answer = (u16, String);
 
 /// What the engine answers to a method and a request target (the API version prefix taken
 /// off, percent-decoded); `None`: 404.
-type Script = dyn Fn(&str, &str) -> Option<Answer> + Send + Sync;
+trait Script: Fn(&str, &str) -> Option<Answer> + Send + Sync + 'static {}
+
+impl<F: Fn(&str, &str) -> Option<Answer> + Send + Sync + 'static> Script for F {}
 
 /// A version answer without components: Docker's shape (the engine is told by the
 /// components; Docker's name one "Engine").
@@ -46,21 +48,14 @@ struct Engine {
 }
 
 impl Engine {
-    /// An engine answering `/version` as Docker does, and the rest as `script` says.
-    fn start(script: impl Fn(&str, &str) -> Option<Answer> + Send + Sync + 'static) -> Self {
-        Self::start_as(VERSION, script)
-    }
-
-    /// An engine answering `/version` with `version`, and the rest as `script` says.
-    fn start_as(
-        version: &'static str,
-        script: impl Fn(&str, &str) -> Option<Answer> + Send + Sync + 'static,
-    ) -> Self {
+    /// An engine answering `/version` with `version` (Docker's: [`VERSION`]), and the rest as
+    /// `script` says.
+    fn start(version: &'static str, script: impl Script) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("engine.sock");
         let listener = UnixListener::bind(&socket).unwrap();
         let requests = Arc::new(Mutex::new(Vec::new()));
-        let script: Arc<Script> = Arc::new(script);
+        let script: Arc<dyn Script> = Arc::new(script);
         let seen = requests.clone();
         std::thread::spawn(move || {
             for conn in listener.incoming() {
@@ -79,14 +74,17 @@ impl Engine {
         }
     }
 
-    async fn runtime(&self) -> DockerRuntime {
-        let docker = Docker::connect_with_unix(
-            self.socket.to_str().unwrap(),
-            5,
-            bollard::API_DEFAULT_VERSION,
-        )
-        .unwrap();
-        DockerRuntime::from_client(docker).await.unwrap()
+    /// An engine as [`Engine::start`] starts it, and a runtime connected to it.
+    async fn connect(version: &'static str, script: impl Script) -> (Self, DockerRuntime) {
+        let engine = Self::start(version, script);
+        let runtime = DockerRuntime::from_client(engine.client()).await.unwrap();
+        (engine, runtime)
+    }
+
+    /// A client of this engine.
+    fn client(&self) -> Docker {
+        let socket = self.socket.to_str().unwrap();
+        Docker::connect_with_unix(socket, 5, bollard::API_DEFAULT_VERSION).unwrap()
     }
 
     /// Every request so far, as `METHOD target`.
@@ -142,25 +140,21 @@ fn answering(
     prefix: &'static str,
     status: u16,
     body: impl Into<String>,
-) -> impl Fn(&str, &str) -> Option<Answer> + Send + Sync + 'static {
+) -> impl Script {
     let body = body.into();
     move |m, target| (m == method && target.starts_with(prefix)).then(|| (status, body.clone()))
 }
 
 /// An engine that creates every container it is asked to, as `c0ffee`.
-fn creating() -> impl Fn(&str, &str) -> Option<Answer> + Send + Sync + 'static {
-    answering(
-        "POST",
-        "/containers/create",
-        201,
-        r#"{"Id":"c0ffee","Warnings":[]}"#,
-    )
+fn creating() -> impl Script {
+    let created = r#"{"Id":"c0ffee","Warnings":[]}"#;
+    answering("POST", "/containers/create", 201, created)
 }
 
 fn serve(
     conn: UnixStream,
     version: &str,
-    script: &Script,
+    script: &dyn Script,
     seen: &Mutex<Vec<Request>>,
 ) -> std::io::Result<()> {
     let mut reader = BufReader::new(conn.try_clone()?);
@@ -224,26 +218,39 @@ fn serve(
 
 /// Percent-decoding of a request target (`+` stays: the targets here have no spaces).
 fn decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = bytes
-            .get(i + 1..i + 3)
-            .and_then(|h| std::str::from_utf8(h).ok())
-            .and_then(|h| u8::from_str_radix(h, 16).ok());
-        match (bytes[i], hex) {
-            (b'%', Some(b)) => {
-                out.push(b);
-                i += 3;
-            }
-            (b, _) => {
-                out.push(b);
-                i += 1;
-            }
+    let mut parts = s.split('%');
+    let mut out = parts.next().unwrap_or_default().as_bytes().to_vec();
+    for part in parts {
+        match part.get(..2).and_then(|h| u8::from_str_radix(h, 16).ok()) {
+            Some(b) => out.extend([b].iter().chain(&part.as_bytes()[2..])),
+            None => out.extend(b"%".iter().chain(part.as_bytes())),
         }
     }
     String::from_utf8(out).unwrap()
+}
+
+/// A fixture of `fixtures/`: what an engine sent.
+macro_rules! fixture {
+    ($name:literal) => {
+        include_str!(concat!("fixtures/", $name))
+    };
+}
+
+/// Fails unless `value` matches `pattern`, showing the value and the context, if given.
+macro_rules! assert_matches {
+    ($value:expr, $pattern:pat $(if $guard:expr)?) => {
+        assert_matches!($value, $pattern $(if $guard)?, "")
+    };
+    ($value:expr, $pattern:pat $(if $guard:expr)?, $($context:tt)+) => {
+        match &$value {
+            $pattern $(if $guard)? => {}
+            other => panic!(
+                "{}: {other:?} does not match {}",
+                format_args!($($context)+),
+                stringify!($pattern)
+            ),
+        }
+    };
 }
 
 fn task_label() -> Vec<(String, String)> {
@@ -264,7 +271,6 @@ fn one_filter(name: &str, values: &[&str]) -> HashMap<String, Vec<String>> {
 /// keeps the exits (`died` and `die`) and the removal of labelled containers.
 #[tokio::test]
 async fn events_are_asked_by_type_and_on_docker_by_name_and_filtered_by_the_shim() {
-    let fixture = include_str!("fixtures/events-podman-4.3.jsonl");
     let podman = VERSION_PODMAN_5_4.replace("5.4.2", "4.3.1").leak();
     let by_type = one_filter("type", &["container", "image"]);
     let mut by_name = by_type.clone();
@@ -272,9 +278,12 @@ async fn events_are_asked_by_type_and_on_docker_by_name_and_filtered_by_the_shim
         "event",
         &["die", "oom", "destroy", "untag", "delete", "prune"],
     ));
+    let died = |code| EventKind::Die {
+        exit_code: Some(code),
+    };
     for (version, filters) in [(&*podman, by_type), (VERSION, by_name)] {
-        let engine = Engine::start_as(version, answering("GET", "/events", 200, fixture));
-        let runtime = engine.runtime().await;
+        let events = answering("GET", "/events", 200, fixture!("events-podman-4.3.jsonl"));
+        let (engine, runtime) = Engine::connect(version, events).await;
         let seen: Vec<_> = runtime
             .events(&task_label(), Some(1_700_000_000_000_000_000))
             .await
@@ -282,9 +291,6 @@ async fn events_are_asked_by_type_and_on_docker_by_name_and_filtered_by_the_shim
             .map(|e| e.map(|e| (e.name, e.kind)).unwrap())
             .collect()
             .await;
-        let died = |code| EventKind::Die {
-            exit_code: Some(code),
-        };
         assert_eq!(
             seen,
             [
@@ -306,8 +312,7 @@ async fn events_are_asked_by_type_and_on_docker_by_name_and_filtered_by_the_shim
 /// unversioned, and would delay the start-up list.
 #[tokio::test]
 async fn connecting_makes_one_version_request() {
-    let engine = Engine::start(|_, _| None);
-    let _runtime = engine.runtime().await;
+    let (engine, _runtime) = Engine::connect(VERSION, |_, _| None).await;
     assert_eq!(engine.requests(), ["GET /version"]);
 }
 
@@ -316,15 +321,10 @@ async fn connecting_makes_one_version_request() {
 /// engine's flavour).
 #[tokio::test]
 async fn an_unconnected_runtime_lists_before_it_identifies_the_engine() {
-    let fixture = include_str!("fixtures/list-podman-4.3.json");
-    let engine = Engine::start(answering("GET", "/containers/json", 200, fixture));
-    let docker = Docker::connect_with_unix(
-        engine.socket.to_str().unwrap(),
-        5,
-        bollard::API_DEFAULT_VERSION,
-    )
-    .unwrap();
-    let runtime = DockerRuntime::wrap(docker);
+    let fixture = fixture!("list-podman-4.3.json");
+    let list = answering("GET", "/containers/json", 200, fixture);
+    let engine = Engine::start(VERSION, list);
+    let runtime = DockerRuntime::wrap(engine.client());
     assert_eq!(engine.requests(), Vec::<String>::new());
     runtime.list(&[]).await.unwrap();
     runtime.identify().await.unwrap();
@@ -348,9 +348,9 @@ async fn an_unconnected_runtime_lists_before_it_identifies_the_engine() {
 /// rejects) as a state to wait on. One label filter is sent.
 #[tokio::test]
 async fn a_list_keeps_only_containers_with_every_label() {
-    let fixture = include_str!("fixtures/list-podman-4.3.json");
-    let engine = Engine::start(answering("GET", "/containers/json", 200, fixture));
-    let runtime = engine.runtime().await;
+    let fixture = fixture!("list-podman-4.3.json");
+    let list = answering("GET", "/containers/json", 200, fixture);
+    let (engine, runtime) = Engine::connect(VERSION, list).await;
     let labels = vec![
         ("ai.dstack.shim.task-id".to_owned(), String::new()),
         ("ai.dstack.shim.owner".to_owned(), "me".to_owned()),
@@ -365,16 +365,15 @@ async fn a_list_keeps_only_containers_with_every_label() {
         engine.filters("/containers/json"),
         one_filter("label", &["ai.dstack.shim.owner=me"])
     );
-    let all = runtime.list(&[]).await.unwrap();
-    assert_eq!(all.len(), 3);
+    assert_eq!(runtime.list(&[]).await.unwrap().len(), 3);
 }
 
 /// Podman's `stopped` right after an exit: the inspect succeeds, with a state to wait on.
 #[tokio::test]
 async fn an_inspect_in_a_state_bollard_rejects_succeeds() {
-    let fixture = include_str!("fixtures/inspect-podman-4.3-stopped.json");
-    let engine = Engine::start(answering("GET", "/containers/t2-0-bbbb/json", 200, fixture));
-    let runtime = engine.runtime().await;
+    let fixture = fixture!("inspect-podman-4.3-stopped.json");
+    let inspect = answering("GET", "/containers/t2-0-bbbb/json", 200, fixture);
+    let (_engine, runtime) = Engine::connect(VERSION, inspect).await;
     let d = runtime.inspect("t2-0-bbbb").await.unwrap();
     assert_eq!(d.state, ContainerState::Other("stopped".to_owned()));
     assert!(d.state.is_running());
@@ -386,13 +385,13 @@ async fn an_inspect_in_a_state_bollard_rejects_succeeds() {
 /// (an inspect holds the container's environment).
 #[tokio::test]
 async fn an_unreadable_answer_is_an_error_without_its_text() {
-    let broken = include_str!("fixtures/inspect-podman-4.3-stopped.json")
+    let broken = fixture!("inspect-podman-4.3-stopped.json")
         .replace("\"container=podman\"", "\"TOKEN=hunter2\"")
         .replace("\"RestartCount\": 0", "\"RestartCount\": \"zero\"");
-    let engine = Engine::start(move |_, _| Some((200, broken.clone())));
-    let runtime = engine.runtime().await;
+    let (_engine, runtime) =
+        Engine::connect(VERSION, move |_, _| Some((200, broken.clone()))).await;
     let e = runtime.inspect("t2-0-bbbb").await.unwrap_err();
-    assert!(matches!(e, RuntimeError::Other { .. }), "{e:?}");
+    assert_matches!(e, RuntimeError::Other { .. });
     let shown = format!("{} {e:?}", shim_util::error_chain(&e));
     assert!(shown.contains("malformed answer"), "{shown}");
     assert!(!shown.contains("hunter2"), "{shown}");
@@ -410,18 +409,16 @@ async fn a_missing_bind_source_fails_the_create_with_its_path() {
         // while `refuse` holds.
         let refuse = Arc::new(AtomicBool::new(true));
         let refusing = refuse.clone();
-        let engine = Engine::start_as(version, move |method, target| {
-            (method == "POST" && target.starts_with("/containers/create")).then(|| {
-                match refusing.load(Ordering::SeqCst) {
-                    true => (
-                        400,
-                        r#"{"message":"bind source path does not exist"}"#.into(),
-                    ),
-                    false => (201, r#"{"Id":"c0ffee","Warnings":[]}"#.into()),
-                }
-            })
-        });
-        let runtime = engine.runtime().await;
+        let refusal = r#"{"message":"bind source path does not exist"}"#;
+        let refused = answering("POST", "/containers/create", 400, refusal);
+        let created = creating();
+        let (engine, runtime) = Engine::connect(version, move |method, target| {
+            match refusing.load(Ordering::SeqCst) {
+                true => refused(method, target),
+                false => created(method, target),
+            }
+        })
+        .await;
         let dir = tempfile::tempdir().unwrap();
         let missing = dir.path().join("no-runner").join("dstack-runner");
         let mut spec = ContainerSpec::new("t5-0-eeee", "shim-test:1");
@@ -433,25 +430,20 @@ async fn a_missing_bind_source_fails_the_create_with_its_path() {
             });
         }
         let e = runtime.create(&spec).await.unwrap_err();
-        assert!(
-            matches!(&e, RuntimeError::BindSourceMissing { path, .. } if *path == missing),
-            "podman {podman}: {e:?}"
+        assert_matches!(
+            e,
+            RuntimeError::BindSourceMissing { path, .. } if *path == missing,
+            "podman {podman}"
         );
         assert!(e.to_string().contains(&missing.display().to_string()));
         assert!(!missing.parent().unwrap().exists());
-        let asked = engine
-            .requests()
-            .iter()
-            .filter(|r| r.contains("/create"))
-            .count();
+        let requests = engine.requests();
+        let asked = requests.iter().filter(|r| r.contains("/create")).count();
         assert_eq!(asked, usize::from(!podman), "podman {podman}");
         spec.mounts.pop();
         if !podman {
             let e = runtime.create(&spec).await.unwrap_err();
-            assert!(
-                matches!(&e, RuntimeError::Daemon { status: 400, .. }),
-                "{e:?}"
-            );
+            assert_matches!(e, RuntimeError::Daemon { status: 400, .. });
         }
         refuse.store(false, Ordering::SeqCst);
         assert_eq!(runtime.create(&spec).await.unwrap(), "c0ffee");
@@ -471,12 +463,8 @@ fn spec_requesting(name: &str, driver: &str, ids: &[&str], capabilities: &[&str]
 
 /// A spec asking for two NVIDIA GPUs, as the engine makes it (`spec::apply_gpu`).
 fn nvidia_spec(name: &str) -> ContainerSpec {
-    spec_requesting(
-        name,
-        "nvidia",
-        &["GPU-aaaa", "GPU-bbbb"],
-        &["gpu", "utility"],
-    )
+    let gpus = ["GPU-aaaa", "GPU-bbbb"];
+    spec_requesting(name, "nvidia", &gpus, &["gpu", "utility"])
 }
 
 /// Podman's Docker API ignores NVIDIA device requests: a create that has some is refused
@@ -484,16 +472,12 @@ fn nvidia_spec(name: &str) -> ContainerSpec {
 /// GPUs. Plain device mappings (AMD's `/dev/kfd`, render nodes) are created as usual.
 #[tokio::test]
 async fn gpu_device_requests_are_refused_on_podman() {
-    let engine = Engine::start_as(VERSION_PODMAN_5_4, creating());
-    let runtime = engine.runtime().await;
+    let (engine, runtime) = Engine::connect(VERSION_PODMAN_5_4, creating()).await;
     let e = runtime.create(&nvidia_spec("t6-0-ffff")).await.unwrap_err();
-    assert!(
-        matches!(
-            &e,
-            RuntimeError::DeviceRequestsIgnored { engine, driver, .. }
-                if engine == "Podman 5.4.2" && driver == "nvidia"
-        ),
-        "{e:?}"
+    assert_matches!(
+        e,
+        RuntimeError::DeviceRequestsIgnored { engine, driver, .. }
+            if engine == "Podman 5.4.2" && driver == "nvidia"
     );
     assert_eq!(
         e.to_string(),
@@ -516,12 +500,9 @@ async fn gpu_device_requests_are_refused_on_podman() {
 /// On Docker the same create goes to the engine, with its device request.
 #[tokio::test]
 async fn gpu_device_requests_are_sent_to_docker() {
-    let engine = Engine::start(creating());
-    let runtime = engine.runtime().await;
-    assert_eq!(
-        runtime.create(&nvidia_spec("t6-0-ffff")).await.unwrap(),
-        "c0ffee"
-    );
+    let (engine, runtime) = Engine::connect(VERSION, creating()).await;
+    let created = runtime.create(&nvidia_spec("t6-0-ffff")).await.unwrap();
+    assert_eq!(created, "c0ffee");
     let body = engine.body("/containers/create");
     assert_eq!(
         body["HostConfig"]["DeviceRequests"],
@@ -538,20 +519,14 @@ async fn gpu_device_requests_are_sent_to_docker() {
 /// none. The engine is told by the version answer's components.
 #[test]
 fn which_device_requests_each_engine_honours() {
-    let docker = serde_json::from_str(VERSION).unwrap();
-    let podman = serde_json::from_str(VERSION_PODMAN_5_4).unwrap();
-    assert_eq!(Flavour::of(&docker), Flavour::Docker);
-    assert_eq!(
-        Flavour::of(&podman),
-        Flavour::Podman {
-            version: "5.4.2".to_owned()
-        }
-    );
-    let nvidia = nvidia_spec("t8-0-bbbb");
-    let cdi = spec_requesting("t8-0-bbbb", "cdi", &["nvidia.com/gpu=0"], &[]);
     let podman = |version: &str| Flavour::Podman {
         version: version.to_owned(),
     };
+    let flavour = |answer| Flavour::of(&serde_json::from_str(answer).unwrap());
+    assert_eq!(flavour(VERSION), Flavour::Docker);
+    assert_eq!(flavour(VERSION_PODMAN_5_4), podman("5.4.2"));
+    let nvidia = nvidia_spec("t8-0-bbbb");
+    let cdi = spec_requesting("t8-0-bbbb", "cdi", &["nvidia.com/gpu=0"], &[]);
     for (flavour, spec, honoured) in [
         (Flavour::Docker, &nvidia, true),
         (podman("5.4.2"), &nvidia, false),
@@ -580,41 +555,38 @@ async fn pull_progress_per_engine_through_the_runtime() {
     for (engine_name, fixture) in [
         (
             "docker 20.10 classic",
-            include_str!("fixtures/pull-docker-20.10-classic.jsonl"),
+            fixture!("pull-docker-20.10-classic.jsonl"),
         ),
         (
             "docker 28 containerd",
-            include_str!("fixtures/pull-docker-28-containerd.jsonl"),
+            fixture!("pull-docker-28-containerd.jsonl"),
         ),
         (
             "docker 26 containerd",
-            include_str!("fixtures/pull-docker-26-containerd.jsonl"),
+            fixture!("pull-docker-26-containerd.jsonl"),
         ),
-        ("podman 4.3", include_str!("fixtures/pull-podman-4.3.jsonl")),
+        ("podman 4.3", fixture!("pull-podman-4.3.jsonl")),
     ] {
-        let engine = Engine::start(answering("POST", "/images/create", 200, fixture));
-        let runtime = engine.runtime().await;
+        let pulling = answering("POST", "/images/create", 200, fixture);
+        let (_engine, runtime) = Engine::connect(VERSION, pulling).await;
         let seen = Mutex::new(Vec::<PullProgress>::new());
         let record = |p: PullProgress| seen.lock().unwrap().push(p);
         let done = runtime
             .pull(&request, &record, CancellationToken::new())
             .await
             .unwrap();
-        assert_eq!(
-            done,
-            PullProgress {
-                downloaded_bytes: 3000,
-                extracted_bytes: 3000,
-                total_bytes: 3000,
-                is_total_bytes_final: true,
-            },
-            "{engine_name}"
-        );
+        let all = PullProgress {
+            downloaded_bytes: 3000,
+            extracted_bytes: 3000,
+            total_bytes: 3000,
+            is_total_bytes_final: true,
+        };
+        assert_eq!(done, all, "{engine_name}");
         let seen = seen.into_inner().unwrap();
         assert_eq!(seen.last(), Some(&done), "{engine_name}");
+        let extracted = [0, 400, 1000, 3000];
         assert!(
-            seen.iter()
-                .all(|p| [0, 400, 1000, 3000].contains(&p.extracted_bytes)),
+            seen.iter().all(|p| extracted.contains(&p.extracted_bytes)),
             "{engine_name}: {seen:?}"
         );
     }
@@ -629,35 +601,26 @@ async fn pull_progress_per_engine_through_the_runtime() {
 /// whatever the disk does.
 #[tokio::test]
 async fn a_silent_unpack_is_judged_by_the_disk() {
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::atomic::AtomicU64;
     let downloads = "{\"status\":\"Pulling from library/x\",\"id\":\"1\"}\n\
 {\"status\":\"Downloading\",\"progressDetail\":{\"current\":500,\"total\":1000},\"id\":\"aaaaaaaaaaaa\"}\n";
     let done = "{\"status\":\"Download complete\",\"progressDetail\":{\"hidecounts\":true},\"id\":\"aaaaaaaaaaaa\"}\n";
     let end = "{\"status\":\"Digest: sha256:0123\"}\n{\"status\":\"Status: Downloaded newer image for 127.0.0.1:5799/x:1\"}\n";
     let silent_unpack = format!("{downloads}{done}#sleep 2500\n{end}");
     let silent_download = format!("{downloads}#sleep 2500\n{done}{end}");
-    // A disk that grows while `growing` is set.
-    let used = Arc::new(AtomicU64::new(0));
+    // A disk that has grown at every reading while `growing` is set (the watch compares
+    // readings).
     let growing = Arc::new(AtomicBool::new(false));
-    let stop = Arc::new(AtomicBool::new(false));
-    {
-        let (used, growing, stop) = (used.clone(), growing.clone(), stop.clone());
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::SeqCst) {
-                if growing.load(Ordering::SeqCst) {
-                    used.fetch_add(4096, Ordering::SeqCst);
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        });
-    }
     let probe = {
-        let used = used.clone();
-        crate::DiskProbe::new(move || Some(used.load(Ordering::SeqCst)))
+        let (used, growing) = (AtomicU64::new(0), growing.clone());
+        crate::DiskProbe::new(move || {
+            let step = u64::from(growing.load(Ordering::SeqCst)) * 4096;
+            Some(used.fetch_add(step, Ordering::SeqCst) + step)
+        })
     };
     let pull = |body: String, disk: Option<crate::DiskProbe>| async move {
-        let engine = Engine::start(answering("POST", "/images/create", 200, body));
-        let runtime = engine.runtime().await;
+        let pulling = answering("POST", "/images/create", 200, body);
+        let (_engine, runtime) = Engine::connect(VERSION, pulling).await;
         let request = PullRequest::new("127.0.0.1:5799/x:1")
             .with_stall_timeout(Some(Duration::from_secs(1)))
             .with_disk_probe(disk);
@@ -669,19 +632,16 @@ async fn a_silent_unpack_is_judged_by_the_disk() {
     let moving = pull(silent_unpack.clone(), Some(probe.clone())).await;
     assert!(moving.is_ok(), "a moving disk: {moving:?}");
     let before_downloads = pull(silent_download, Some(probe.clone())).await;
-    assert!(
-        matches!(before_downloads, Err(RuntimeError::PullStalled { .. })),
-        "silent while downloading: {before_downloads:?}"
+    assert_matches!(
+        before_downloads,
+        Err(RuntimeError::PullStalled { .. }),
+        "silent while downloading"
     );
     growing.store(false, Ordering::SeqCst);
     let still = pull(silent_unpack.clone(), Some(probe)).await;
-    assert!(
-        matches!(still, Err(RuntimeError::PullStalled { .. })),
-        "a still disk: {still:?}"
-    );
+    assert_matches!(still, Err(RuntimeError::PullStalled { .. }), "a still disk");
     let unwatched = pull(silent_unpack, None).await;
     assert!(unwatched.is_ok(), "no disk to watch: {unwatched:?}");
-    stop.store(true, Ordering::SeqCst);
 }
 
 /// A create whose name is in use is a conflict on every engine: Docker answers 409, Podman
@@ -698,37 +658,24 @@ async fn a_name_in_use_is_a_conflict_on_every_engine() {
         ),
         ("podman", 500, PODMAN),
     ] {
-        let engine = Engine::start(move |method, target| {
+        let (_engine, runtime) = Engine::connect(VERSION, move |method, target| {
             let create = method == "POST" && target.starts_with("/containers/create?");
             if create && target.contains("name=taken") {
                 Some((status, message.to_owned()))
             } else if create && target.contains("name=free") {
                 Some((500, r#"{"message":"fill out specgen: no"}"#.to_owned()))
             } else if method == "GET" && target.starts_with("/containers/taken/json") {
-                Some((
-                    200,
-                    include_str!("fixtures/inspect-podman-4.3-stopped.json").to_owned(),
-                ))
+                let stopped = fixture!("inspect-podman-4.3-stopped.json");
+                Some((200, stopped.to_owned()))
             } else {
                 None
             }
-        });
-        let runtime = engine.runtime().await;
-        let e = runtime
-            .create(&ContainerSpec::new("taken", "shim-test:1"))
-            .await
-            .unwrap_err();
-        assert!(
-            matches!(e, RuntimeError::Conflict { .. }),
-            "{engine_name}: {e:?}"
-        );
-        let e = runtime
-            .create(&ContainerSpec::new("free", "shim-test:1"))
-            .await
-            .unwrap_err();
-        assert!(
-            matches!(e, RuntimeError::Daemon { status: 500, .. }),
-            "{engine_name}: {e:?}"
-        );
+        })
+        .await;
+        let spec = |name| ContainerSpec::new(name, "shim-test:1");
+        let e = runtime.create(&spec("taken")).await.unwrap_err();
+        assert_matches!(e, RuntimeError::Conflict { .. }, "{engine_name}");
+        let e = runtime.create(&spec("free")).await.unwrap_err();
+        assert_matches!(e, RuntimeError::Daemon { status: 500, .. }, "{engine_name}");
     }
 }
