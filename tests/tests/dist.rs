@@ -396,10 +396,8 @@ fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
         None,
         "the container is removed"
     );
-    assert!(
-        !runner_dir(&home, &running).exists(),
-        "the task directory is removed"
-    );
+    let task_dir = runner_dir(&home, &running);
+    assert!(!task_dir.exists(), "the task directory is removed");
     assert!(!has_key(), "the host key is released with the task");
 
     process.sigterm().unwrap();
@@ -567,12 +565,9 @@ fn lifecycle(shim: &Path, prefix: Option<&Path>, env: &[(&str, &Path)]) -> Durat
     let mut command = Command::new(python);
     command
         .arg(repo_root().join("tests/dstack-server/lifecycle.py"))
-        .arg("--shim")
-        .arg(shim)
-        .arg("--work")
-        .arg(work.path())
-        .arg("--runner")
-        .arg(runner_path())
+        .arg(format!("--shim={}", shim.display()))
+        .arg(format!("--work={}", work.path().display()))
+        .arg(format!("--runner={}", runner_path().display()))
         .arg(format!(
             "--docker-host=unix://{}",
             docker_socket().display()

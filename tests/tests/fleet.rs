@@ -57,16 +57,17 @@
 )]
 
 use std::collections::BTreeSet;
-use std::io::{self, Read as _};
+use std::io;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
 use base64::Engine as _;
 use serde_json::{Value, json};
+use shim_e2e::harness::gpu_host::output_within;
 use shim_e2e::harness::{
     Api, ContainerSweeper, Request, build_test_runner, free_port, open_log, owner_identity, tail,
     wait_for, wait_until,
@@ -113,24 +114,23 @@ const DAEMON_STOP_GRACE: Duration = Duration::from_secs(20);
 // Processes
 // ---------------------------------------------------------------------------------------------
 
-/// The start time of process `pid` (`/proc/<pid>/stat` field 22), which tells a process from a
-/// later one that reuses its id; `None` if there is no such process.
-fn proc_start(pid: u32) -> Option<u64> {
+/// The fields of `/proc/<pid>/stat` after the process's name, from field 3 (its state) on;
+/// `None` if there is no such process.
+fn stat(pid: u32) -> Option<Vec<String>> {
     let stat = fs_err::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let after_name = stat.rsplit_once(')')?.1;
-    // Fields after the name start with field 3 (state); the start time is field 22.
-    after_name.split_whitespace().nth(19)?.parse().ok()
+    Some(after_name.split_whitespace().map(str::to_owned).collect())
+}
+
+/// The start time of process `pid` (field 22), which tells a process from a later one that
+/// reuses its id.
+fn proc_start(pid: u32) -> Option<u64> {
+    stat(pid)?.get(19)?.parse().ok()
 }
 
 /// Whether `pid` runs (a zombie does not).
 fn alive(pid: u32) -> bool {
-    fs_err::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|stat| {
-            stat.rsplit_once(')')
-                .and_then(|(_, rest)| rest.split_whitespace().next().map(|s| s != "Z"))
-        })
-        .unwrap_or(false)
+    stat(pid).is_some_and(|fields| fields.first().is_some_and(|state| state != "Z"))
 }
 
 /// Sends `signal` to `target` (a pid, or `-pgid` for a process group) with `kill(1)`.
@@ -182,6 +182,18 @@ impl Daemon {
         }
     }
 
+    /// Waits until it listens on loopback `port` (fails the test if it exits).
+    fn wait_listening(&mut self, port: u16) {
+        wait_until(
+            &format!("{} listens", self.name),
+            Duration::from_secs(30),
+            || {
+                self.assert_running();
+                TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_ok()
+            },
+        );
+    }
+
     fn stop(&mut self) {
         if self.child.try_wait().ok().flatten().is_some() {
             return;
@@ -210,45 +222,10 @@ impl Drop for Daemon {
 }
 
 /// Runs `command` (no stdin), killed after `bound`; its status, stdout and stderr.
-fn run_bounded(
-    mut command: Command,
-    bound: Duration,
-) -> (std::process::ExitStatus, String, String) {
-    let mut child = command
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {command:?}: {e}"));
-    let mut stdout = child.stdout.take().unwrap();
-    let mut stderr = child.stderr.take().unwrap();
-    let out = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stdout.read_to_string(&mut s);
-        s
-    });
-    let err = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stderr.read_to_string(&mut s);
-        s
-    });
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if started.elapsed() > bound {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "{command:?} did not finish within {bound:?}; stdout:\n{}\nstderr:\n{}",
-                out.join().unwrap(),
-                err.join().unwrap()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    (status, out.join().unwrap(), err.join().unwrap())
+fn run_bounded(mut command: Command, bound: Duration) -> (ExitStatus, String, String) {
+    let out = output_within(&mut command, bound).unwrap_or_else(|e| panic!("{e}"));
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    (out.status, text(&out.stdout), text(&out.stderr))
 }
 
 /// Runs `program args` and returns its stdout; fails the test unless it exits 0.
@@ -472,15 +449,7 @@ impl Drop for Claim {
 /// Checks that the host has what the test needs and nothing it would clobber, and records
 /// what it will make. Panics with what to do otherwise.
 fn prepare_host(claim: &Claim) {
-    for program in [
-        "sshd",
-        "ssh-keygen",
-        "ssh",
-        "sudo",
-        "curl",
-        "unshare",
-        "nsenter",
-    ] {
+    for program in "sshd ssh-keygen ssh sudo curl unshare nsenter".split(' ') {
         assert!(
             shim_e2e::harness::procs::which_program(program).is_some(),
             "{program} is missing: run `cargo xtask dev-env` (it installs openssh-server, sudo \
@@ -502,9 +471,9 @@ fn prepare_host(claim: &Claim) {
              needs the fixed ports {FIXED_PORTS:?}"
         );
     }
-    claim.will_create(SHIM_HOME);
-    claim.will_create(SHIM_INSTALLED);
-    claim.will_create(RUNNER_INSTALLED);
+    for path in [SHIM_HOME, SHIM_INSTALLED, RUNNER_INSTALLED] {
+        claim.will_create(path);
+    }
     if Path::new(SSH_DIR).exists() {
         claim.save(AUTHORIZED_KEYS);
         claim.save(&format!("{AUTHORIZED_KEYS}.bak"));
@@ -547,19 +516,10 @@ impl SshHost {
             (&host_key, "fleet-test-host"),
             (&identity, "fleet-test-client"),
         ] {
+            let key = key.to_str().unwrap();
             run_ok(
                 "ssh-keygen",
-                &[
-                    "-q",
-                    "-t",
-                    "ed25519",
-                    "-N",
-                    "",
-                    "-C",
-                    comment,
-                    "-f",
-                    key.to_str().unwrap(),
-                ],
+                &["-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", key],
             );
         }
         let authorized = dir.join("authorized_keys");
@@ -619,11 +579,8 @@ impl SshHost {
             );
         command.arg("sh").arg(&sbin).arg(&units).arg(&config);
         let log = dir.join("sshd.log");
-        let mut sshd = Daemon::spawn("sshd", command, &log, claim);
-        wait_until("the test sshd listens", Duration::from_secs(30), || {
-            sshd.assert_running();
-            TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_ok()
-        });
+        let mut sshd = Daemon::spawn("the test sshd", command, &log, claim);
+        sshd.wait_listening(port);
         Self {
             port,
             identity,
@@ -746,10 +703,10 @@ impl DstackServer {
         out
     }
 
-    /// `dstack apply -f <name>.dstack.yml -y -d` of `yaml`.
-    fn apply(&self, name: &str, yaml: &str) -> String {
+    /// `dstack apply -f <name>.dstack.yml -y -d` of task `name` ([`task_yaml`]).
+    fn apply(&self, name: &str, env: &[&str], commands: &[&str]) -> String {
         let file = format!("{name}.dstack.yml");
-        fs_err::write(self.project.join(&file), yaml).unwrap();
+        fs_err::write(self.project.join(&file), task_yaml(name, env, commands)).unwrap();
         self.cli(&["apply", "-f", &file, "-y", "-d"])
     }
 
@@ -761,11 +718,17 @@ impl DstackServer {
         )
     }
 
-    /// Waits until the latest submission of run `name`'s job is one of `statuses`; the run.
-    fn wait_job(&mut self, name: &str, statuses: &[&str], bound: Duration) -> Value {
-        self.wait_run(name, bound, |run| {
-            statuses.contains(&submission(run)["status"].as_str().unwrap_or(""))
-        })
+    /// Waits until the latest submission of run `name`'s job is `running` and the shim runs its
+    /// task; the task's id (the submission's).
+    fn wait_running_task(&mut self, name: &str) -> String {
+        let run = self.wait_run(name, JOB_BOUND, |run| {
+            submission(run)["status"] == "running"
+        });
+        let id = submission(&run)["id"].as_str().unwrap().to_owned();
+        wait_until(&format!("{name}'s task runs"), JOB_BOUND, || {
+            shim_api().task(&id).is_ok_and(|t| t["status"] == "running")
+        });
+        id
     }
 
     /// Waits until run `name` has ended (its status and its job's are final); the run.
@@ -881,6 +844,18 @@ fn submission(run: &Value) -> &Value {
         .as_array()
         .and_then(|s| s.last())
         .unwrap_or(&Value::Null)
+}
+
+/// Checks how run `run` ended: its status and its job's `status`, the job's termination
+/// `reason` and (when given) its `exit_status`; the job's submission id.
+fn assert_ended(run: &Value, status: &str, reason: &str, exit_status: Option<i64>) -> String {
+    let job = submission(run);
+    let got = [&run["status"], &job["status"], &job["termination_reason"]];
+    assert_eq!(got, [status, status, reason], "{run}");
+    if let Some(code) = exit_status {
+        assert_eq!(job["exit_status"], code, "{job}");
+    }
+    job["id"].as_str().unwrap().to_owned()
 }
 
 /// When an event was recorded, from its `recorded_at` (RFC 3339, UTC).
@@ -1022,38 +997,30 @@ fn assert_task_running(id: &str) -> String {
     assert_eq!(info["status"], "running", "{info}");
     let (cid, name) = task_container(id).unwrap_or_else(|| panic!("no container for task {id}"));
     assert_eq!(info["container_id"], cid.as_str(), "{info}");
-    assert_eq!(inspect(&cid, "{{.State.Running}}"), "true");
-    assert_eq!(inspect(&cid, "{{.RestartCount}}"), "0");
-    assert_eq!(inspect(&cid, "{{.HostConfig.NetworkMode}}"), "host");
+    let state = "{{.State.Running}} {{.RestartCount}} {{.HostConfig.NetworkMode}}";
+    assert_eq!(
+        inspect(&cid, state),
+        "true 0 host",
+        "running, restarts, network mode"
+    );
     assert!(runner_dirs().contains(&name), "{:?}", runner_dirs());
     assert_eq!(shim_key_lines(), 1, "the task's host key");
     cid
 }
 
-/// What the host shows once the server removed a job's task: nothing.
-fn assert_task_gone(id: &str) {
-    let answer = shim_api()
-        .request("GET", &format!("/api/tasks/{id}"), None)
-        .unwrap();
+/// Waits until the server removed the task of job submission `id` from the shim; then the
+/// host shows nothing of it.
+fn wait_task_removed(id: &str) {
+    let get = || shim_api().request("GET", &format!("/api/tasks/{id}"), None);
+    wait_until(&format!("the server removes task {id}"), JOB_BOUND, || {
+        get().is_ok_and(|r| r.status == 404)
+    });
+    let answer = get().unwrap();
     assert_eq!(answer.status, 404, "{answer:?}");
     assert_eq!(task_container(id), None);
     assert!(runner_dirs().is_empty(), "{:?}", runner_dirs());
-    assert_eq!(
-        shim_key_lines(),
-        0,
-        "{}",
-        fs_err::read_to_string(AUTHORIZED_KEYS).unwrap()
-    );
-}
-
-/// Waits until the server removed the task of job submission `id` from the shim.
-fn wait_task_removed(id: &str) {
-    wait_until(&format!("the server removes task {id}"), JOB_BOUND, || {
-        shim_api()
-            .request("GET", &format!("/api/tasks/{id}"), None)
-            .is_ok_and(|r| r.status == 404)
-    });
-    assert_task_gone(id);
+    let keys = fs_err::read_to_string(AUTHORIZED_KEYS).unwrap_or_default();
+    assert_eq!(shim_key_lines(), 0, "{keys}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1134,20 +1101,17 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     let dir = dir.path();
     // A killed run leaves it behind: the next one removes it.
     claim.will_create(dir.to_str().unwrap());
+    let systemd = claim.systemd_dir();
     let logs = Logs {
         started: test_started,
         files: vec![
             ("server.log", dir.join("server.log"), 80),
             (
                 "dstack-shim.journal",
-                claim.systemd_dir().join(format!("{UNIT}.journal")),
+                systemd.join(format!("{UNIT}.journal")),
                 60,
             ),
-            (
-                "systemctl.log",
-                claim.systemd_dir().join("systemctl.log"),
-                20,
-            ),
+            ("systemctl.log", systemd.join("systemctl.log"), 20),
             ("sshd.log", dir.join("sshd.log"), 20),
         ],
     };
@@ -1167,57 +1131,33 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
         .args(["-m", "http.server", "--bind", "127.0.0.1", "--directory"])
         .arg(&downloads)
         .arg(files_port.to_string());
-    let mut files = Daemon::spawn(
-        "the runner download server",
-        files_command,
-        &dir.join("files.log"),
-        &claim,
-    );
-    wait_until(
-        "the download server listens",
-        Duration::from_secs(30),
-        || {
-            files.assert_running();
-            TcpStream::connect((Ipv4Addr::LOCALHOST, files_port)).is_ok()
-        },
-    );
+    let log = dir.join("files.log");
+    let mut files = Daemon::spawn("the runner download server", files_command, &log, &claim);
+    files.wait_listening(files_port);
 
     // An empty offers catalog: the server's scheduled catalog download needs the internet.
     let catalog = dir.join("catalog");
-    run_ok(
-        python.to_str().unwrap(),
-        &[
-            repo_root()
-                .join("tests/fleet/offline_catalog.py")
-                .to_str()
-                .unwrap(),
-            catalog.to_str().unwrap(),
-        ],
-    );
+    let script = repo_root().join("tests/fleet/offline_catalog.py");
+    let args = [script.to_str().unwrap(), catalog.to_str().unwrap()];
+    run_ok(python.to_str().unwrap(), &args);
 
     logs.phase("the runner built and served, the offline catalog made");
     let host = SshHost::start(dir, &claim);
-    let mut server = DstackServer::start(
-        dir,
-        &claim,
-        &[
-            (
-                "DSTACK_SHIM_DOWNLOAD_URL",
-                format!(
-                    "file://{}/{{version}}/dstack-shim-linux-{{arch}}",
-                    dist.display()
-                ),
-            ),
-            (
-                "DSTACK_RUNNER_DOWNLOAD_URL",
-                format!("http://127.0.0.1:{files_port}/{{version}}/dstack-runner-linux-{{arch}}"),
-            ),
-            (
-                "GPUHUNT_CATALOG_URL",
-                format!("file://{}", catalog.display()),
-            ),
-        ],
+    let shim_url = format!(
+        "file://{}/{{version}}/dstack-shim-linux-{{arch}}",
+        dist.display()
     );
+    let runner_url =
+        format!("http://127.0.0.1:{files_port}/{{version}}/dstack-runner-linux-{{arch}}");
+    let env = [
+        ("DSTACK_SHIM_DOWNLOAD_URL", shim_url),
+        ("DSTACK_RUNNER_DOWNLOAD_URL", runner_url),
+        (
+            "GPUHUNT_CATALOG_URL",
+            format!("file://{}", catalog.display()),
+        ),
+    ];
+    let mut server = DstackServer::start(dir, &claim, &env);
     eprintln!(
         "fleet: server on 127.0.0.1:{}, sshd on 127.0.0.1:{}, files in {}",
         server.port,
@@ -1291,22 +1231,13 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
         "the server read host_info.json: {host_info}"
     );
     let health = shim_api().get("/api/healthcheck").unwrap();
-    assert!(
-        health["version"]
-            .as_str()
-            .unwrap()
-            .starts_with(DSTACK_VERSION),
-        "{health}"
-    );
+    let version = health["version"].as_str().unwrap();
+    assert!(version.starts_with(DSTACK_VERSION), "{health}");
     let components = shim_api().get("/api/components").unwrap();
+    let listed = components["components"].as_array().unwrap();
     let component = |name: &str| {
-        components["components"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["name"] == name)
-            .cloned()
-            .unwrap_or_else(|| panic!("{components}"))
+        let found = listed.iter().find(|c| c["name"] == name);
+        found.unwrap_or_else(|| panic!("{components}"))
     };
     assert_eq!(component("dstack-shim")["version"], health["version"]);
     assert_eq!(component("dstack-runner")["version"], DSTACK_VERSION);
@@ -1315,81 +1246,45 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
         fs_err::read(&runner).unwrap(),
         "the shim downloaded the runner from DSTACK_RUNNER_DOWNLOAD_URL"
     );
-    assert_eq!(
-        host.shim_starts().len(),
-        1,
-        "started once, by `systemctl restart`"
-    );
+    let starts = host.shim_starts().len();
+    assert_eq!(starts, 1, "started once, by `systemctl restart`");
 
     logs.phase("the fleet is idle");
 
     // ---- A job that ends `done`; its runner exits after the last pull (as with an attached
     // CLI), so its container ends by itself.
-    server.apply(
-        "fleet-done",
-        &task_yaml(
-            "fleet-done",
-            &[
-                &format!("{EXIT_AFTER_PULL}=1"),
-                "GREETING=hello from the fleet",
-            ],
-            &["echo \"$GREETING\"", "echo \"run $DSTACK_RUN_NAME\""],
-        ),
-    );
+    let exit_after_pull = format!("{EXIT_AFTER_PULL}=1");
+    let env = [exit_after_pull.as_str(), "GREETING=hello from the fleet"];
+    let commands = ["echo \"$GREETING\"", "echo \"run $DSTACK_RUN_NAME\""];
+    server.apply("fleet-done", &env, &commands);
     let run = server.wait_ended("fleet-done");
-    let job = submission(&run);
-    assert_eq!(job["status"], "done", "{job}");
-    assert_eq!(job["termination_reason"], "done_by_runner", "{job}");
-    assert_eq!(job["exit_status"], 0, "{job}");
-    assert_eq!(run["status"], "done", "{run}");
+    let id = assert_ended(&run, "done", "done_by_runner", Some(0));
     let job_logs = server.logs("fleet-done", false);
     assert!(job_logs.contains("hello from the fleet"), "{job_logs}");
     assert!(job_logs.contains("run fleet-done"), "{job_logs}");
     let runner_logs = server.logs("fleet-done", true);
-    assert!(
-        runner_logs.contains("Job state changed new=done"),
-        "{runner_logs}"
-    );
-    wait_task_removed(job["id"].as_str().unwrap());
+    let done = runner_logs.contains("Job state changed new=done");
+    assert!(done, "{runner_logs}");
+    wait_task_removed(&id);
 
     logs.phase("fleet-done ended");
 
     // ---- A job that fails with exit code 7; the server stops its container.
-    server.apply(
-        "fleet-failed",
-        &task_yaml("fleet-failed", &[], &["echo about to fail", "exit 7"]),
-    );
+    server.apply("fleet-failed", &[], &["echo about to fail", "exit 7"]);
     let run = server.wait_ended("fleet-failed");
-    let job = submission(&run);
-    assert_eq!(job["status"], "failed", "{job}");
-    assert_eq!(
-        job["termination_reason"], "container_exited_with_error",
-        "{job}"
-    );
-    assert_eq!(job["exit_status"], 7, "{job}");
-    assert_eq!(run["status"], "failed", "{run}");
+    let id = assert_ended(&run, "failed", "container_exited_with_error", Some(7));
     assert!(server.logs("fleet-failed", false).contains("about to fail"));
-    wait_task_removed(job["id"].as_str().unwrap());
+    wait_task_removed(&id);
 
     logs.phase("fleet-failed ended");
 
     // ---- A job stopped with `dstack stop` while it runs.
-    server.apply(
-        "fleet-stopped",
-        &task_yaml("fleet-stopped", &[], &["echo started", "sleep 600"]),
-    );
-    let run = server.wait_job("fleet-stopped", &["running"], JOB_BOUND);
-    let id = submission(&run)["id"].as_str().unwrap().to_owned();
-    wait_until("the stopped job's task runs", JOB_BOUND, || {
-        shim_api().task(&id).is_ok_and(|t| t["status"] == "running")
-    });
+    server.apply("fleet-stopped", &[], &["echo started", "sleep 600"]);
+    let id = server.wait_running_task("fleet-stopped");
     assert_task_running(&id);
     server.cli(&["stop", "fleet-stopped", "-y"]);
     let run = server.wait_ended("fleet-stopped");
-    let job = submission(&run);
-    assert_eq!(job["status"], "terminated", "{job}");
-    assert_eq!(job["termination_reason"], "terminated_by_user", "{job}");
-    assert_eq!(run["status"], "terminated", "{run}");
+    assert_ended(&run, "terminated", "terminated_by_user", None);
     assert!(server.logs("fleet-stopped", false).contains("started"));
     wait_task_removed(&id);
 
@@ -1397,19 +1292,9 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
 
     // ---- A job during which the shim is SIGKILLed: the stand-in restarts it after
     // RestartSec, the job ends `done` in the same container, never restarted.
-    server.apply(
-        "fleet-killed",
-        &task_yaml(
-            "fleet-killed",
-            &[],
-            &["echo before the kill", "sleep 25", "echo after the restart"],
-        ),
-    );
-    let run = server.wait_job("fleet-killed", &["running"], JOB_BOUND);
-    let id = submission(&run)["id"].as_str().unwrap().to_owned();
-    wait_until("the killed job's task runs", JOB_BOUND, || {
-        shim_api().task(&id).is_ok_and(|t| t["status"] == "running")
-    });
+    let commands = ["echo before the kill", "sleep 25", "echo after the restart"];
+    server.apply("fleet-killed", &[], &commands);
+    let id = server.wait_running_task("fleet-killed");
     let cid = assert_task_running(&id);
     let started_at = inspect(&cid, "{{.State.StartedAt}}");
     let old = host.shim_pid().unwrap();
@@ -1424,27 +1309,18 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     let restart = killed.elapsed();
     let down = (down_since, SystemTime::now());
     assert_eq!(assert_task_running(&id), cid, "the same container");
-    assert_eq!(
-        inspect(&cid, "{{.State.StartedAt}}"),
-        started_at,
-        "never restarted"
-    );
+    let started_again = inspect(&cid, "{{.State.StartedAt}}");
+    assert_eq!(started_again, started_at, "never restarted");
     let run = server.wait_ended("fleet-killed");
-    let job = submission(&run);
-    assert_eq!(job["status"], "done", "{job}");
-    assert_eq!(job["termination_reason"], "done_by_runner", "{job}");
-    assert_eq!(job["exit_status"], 0, "{job}");
+    assert_ended(&run, "done", "done_by_runner", Some(0));
     let job_logs = server.logs("fleet-killed", false);
     assert!(
         job_logs.contains("before the kill") && job_logs.contains("after the restart"),
         "{job_logs}"
     );
     wait_task_removed(&id);
-    assert_eq!(
-        host.shim_starts().len(),
-        2,
-        "once by the server, once after the SIGKILL"
-    );
+    let starts = host.shim_starts().len();
+    assert_eq!(starts, 2, "once by the server, once after the SIGKILL");
 
     logs.phase("fleet-killed ended");
 

@@ -4,8 +4,8 @@
 //! `tests/gpu-host/README.md`): the shim detects the GPUs, chooses how they reach containers
 //! (CDI on an engine that applies it), and a container sees exactly its GPUs' device nodes and
 //! environment. Also: GPUs placed by the host's interconnect, unhealthy GPUs kept from new
-//! tasks (a scenario of every world, `world/mod.rs`), upstream's device request refused by an engine without NVIDIA's runtime, AMD's and
-//! Tenstorrent's device mappings.
+//! tasks (a scenario of every world, `world/mod.rs`), upstream's device request refused by an
+//! engine without NVIDIA's runtime, AMD's and Tenstorrent's device mappings.
 //!
 //! One fake GPU host at a time on a machine (its CDI spec is global to the engine): the tests
 //! queue on its lock. Gating: ignored unless run with `--run-ignored all`; needs Docker
@@ -43,6 +43,17 @@ fn require() {
     require_root();
 }
 
+/// A fake host of `n` GPUs of `vendor`, its options the defaults changed by `set`.
+fn fake_host(
+    vendor: FakeVendor,
+    n: usize,
+    set: impl FnOnce(&mut FakeGpuHostOptions),
+) -> FakeGpuHost {
+    let mut options = FakeGpuHostOptions::default();
+    set(&mut options);
+    FakeGpuHost::setup(vendor, n, &options)
+}
+
 /// A shim started inside `host`, with `args`.
 fn shim_on(host: &FakeGpuHost, args: &[&str]) -> TestShim {
     TestShim::builder("gpus").gpu_host(host).args(args).start()
@@ -70,6 +81,19 @@ fn message(info: &Value) -> &str {
     info["termination_message"].as_str().unwrap()
 }
 
+/// Checks that a terminated task ended for `reason`, its message saying `words`.
+fn assert_ended(info: &Value, reason: &str, words: &str) {
+    assert_eq!(info["termination_reason"], reason, "{info}");
+    assert!(message(info).contains(words), "{info}");
+}
+
+/// Submits a task `id` asking for `gpu` GPUs, which must end for `reason` saying `words`, and
+/// removes it.
+fn submit_refused(shim: &TestShim, id: &str, gpu: i64, reason: &str, words: &str) {
+    assert_ended(&submit_until(shim, id, gpu, "terminated"), reason, words);
+    shim.remove_retrying(id);
+}
+
 /// The GPU ids the API gave a task.
 fn gpu_ids(info: &Value) -> BTreeSet<String> {
     info["gpus_ids"]
@@ -90,20 +114,16 @@ fn indexes(host: &FakeGpuHost, info: &Value) -> BTreeSet<usize> {
         .collect()
 }
 
-/// The entries of `dir` in the container of a task.
-fn ls(info: &Value, dir: &str) -> BTreeSet<String> {
+/// What `command` prints in the container of a task (`docker exec`).
+fn exec(info: &Value, command: &[&str]) -> String {
     let cid = info["container_id"].as_str().unwrap();
-    let listed = docker_ok(&["exec", cid, "ls", dir]);
-    listed.split_whitespace().map(str::to_owned).collect()
+    docker_ok(&[&["exec", cid], command].concat())
 }
 
-/// What a task's container sees: its `/dev` entries and its main process's environment (what
-/// the engine gave it: CDI's edits reach the container's process, not `docker exec`'s).
-fn inside(info: &Value) -> (BTreeSet<String>, BTreeSet<String>) {
-    let cid = info["container_id"].as_str().unwrap();
-    let environ = docker_ok(&["exec", cid, "cat", "/proc/1/environ"]);
-    let env = environ.split('\0').filter(|v| !v.is_empty());
-    (ls(info, "/dev"), env.map(str::to_owned).collect())
+/// The entries of `dir` in the container of a task.
+fn ls(info: &Value, dir: &str) -> BTreeSet<String> {
+    let listed = exec(info, &["ls", dir]);
+    listed.split_whitespace().map(str::to_owned).collect()
 }
 
 /// Checks that the container of `info` sees exactly the device nodes and the per-device
@@ -111,17 +131,15 @@ fn inside(info: &Value) -> (BTreeSet<String>, BTreeSet<String>) {
 fn assert_sees_exactly_its_gpus(host: &FakeGpuHost, info: &Value) {
     let mine = indexes(host, info);
     assert!(!mine.is_empty(), "{info}");
-    let (dev, env) = inside(info);
+    // The main process's environment is what the engine gave the container: CDI's edits
+    // reach it, not `docker exec`'s.
+    let (dev, environ) = (ls(info, "/dev"), exec(info, &["cat", "/proc/1/environ"]));
+    let env: BTreeSet<&str> = environ.split('\0').collect();
     for (i, uuid) in host.uuids().iter().enumerate() {
-        let node = format!("nvidia{i}");
-        let var = format!("DSTACK_FAKE_GPU_{i}={uuid}");
-        if mine.contains(&i) {
-            assert!(dev.contains(&node), "{node} missing: {dev:?}");
-            assert!(env.contains(&var), "{var} missing: {env:?}");
-        } else {
-            assert!(!dev.contains(&node), "{node} is another task's: {dev:?}");
-            assert!(!env.contains(&var), "{var} is another task's: {env:?}");
-        }
+        let (node, var) = (format!("nvidia{i}"), format!("DSTACK_FAKE_GPU_{i}={uuid}"));
+        let is_mine = mine.contains(&i);
+        let seen = (dev.contains(&node), env.contains(var.as_str()));
+        assert_eq!(seen, (is_mine, is_mine), "{node} {var}: {dev:?} {env:?}");
     }
     assert!(dev.contains("nvidiactl"), "the spec's common node: {dev:?}");
 }
@@ -135,7 +153,7 @@ fn assert_sees_exactly_its_gpus(host: &FakeGpuHost, info: &Value) {
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn gpu_tasks_get_exactly_their_gpus_through_cdi() {
     require();
-    let host = FakeGpuHost::setup(FakeVendor::Nvidia, 4, &FakeGpuHostOptions::default());
+    let host = fake_host(FakeVendor::Nvidia, 4, |_| ());
     let mut shim = shim_on(&host, &[]);
     assert_eq!(device_mode(&shim, "cdi"), Some(1.0), "{}", shim.log_tail());
     let info = shim.get("/api/instance/info").json_body();
@@ -149,13 +167,8 @@ fn gpu_tasks_get_exactly_their_gpus_through_cdi() {
     assert!(gpu_ids(&a).is_disjoint(&gpu_ids(&b)), "{a}\n{b}");
     assert_sees_exactly_its_gpus(&host, &a);
     assert_sees_exactly_its_gpus(&host, &b);
-    let refused = submit_until(&shim, "none-left", 1, "terminated");
-    assert_eq!(refused["termination_reason"], "executor_error", "{refused}");
-    assert!(
-        message(&refused).contains("no capacity: 1 GPUs requested, 0 available"),
-        "{refused}"
-    );
-    shim.remove_retrying("none-left");
+    let no_capacity = "no capacity: 1 GPUs requested, 0 available";
+    submit_refused(&shim, "none-left", 1, "executor_error", no_capacity);
 
     // A crash: the running tasks keep their GPUs, and nobody else gets them.
     shim.restart();
@@ -163,9 +176,7 @@ fn gpu_tasks_get_exactly_their_gpus_through_cdi() {
         let now = shim.wait_status(id, "running");
         assert_eq!(gpu_ids(&now), gpu_ids(before), "{now}");
     }
-    let refused = submit_until(&shim, "still-none", 1, "terminated");
-    assert_eq!(refused["termination_reason"], "executor_error", "{refused}");
-    shim.remove_retrying("still-none");
+    submit_refused(&shim, "still-none", 1, "executor_error", no_capacity);
 
     // Removing a frees its GPUs for the next task.
     shim.finish("a");
@@ -183,11 +194,7 @@ fn gpu_tasks_get_exactly_their_gpus_through_cdi() {
 fn every_naming_of_cdi_devices_is_understood() {
     require();
     for names in [vec![CdiName::Legacy], vec![CdiName::Uuid]] {
-        let options = FakeGpuHostOptions {
-            cdi_names: Some(names.clone()),
-            ..FakeGpuHostOptions::default()
-        };
-        let host = FakeGpuHost::setup(FakeVendor::Nvidia, 2, &options);
+        let host = fake_host(FakeVendor::Nvidia, 2, |o| o.cdi_names = Some(names.clone()));
         let shim = shim_on(&host, &[]);
         let one = submit_until(&shim, "one", 1, "running");
         assert_sees_exactly_its_gpus(&host, &one);
@@ -206,11 +213,8 @@ fn every_naming_of_cdi_devices_is_understood() {
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn gpus_are_placed_by_their_interconnect() {
     require();
-    let options = FakeGpuHostOptions {
-        topology: Some("a30-nvlink-pairs-4gpu".to_owned()),
-        ..FakeGpuHostOptions::default()
-    };
-    let host = FakeGpuHost::setup(FakeVendor::Nvidia, 4, &options);
+    let topology = Some("a30-nvlink-pairs-4gpu".to_owned());
+    let host = fake_host(FakeVendor::Nvidia, 4, |o| o.topology = topology);
     let shim = shim_on(&host, &[]);
     wait_for("the shim read the interconnect", WAIT, || {
         let log = shim.all_logs();
@@ -234,34 +238,29 @@ fn gpus_are_placed_by_their_interconnect() {
 // GPU is handed out. In the binary world the GPUs are a fake GPU host's and `nvidia-smi -q`
 // reports the bad pages.
 async fn an_unhealthy_gpu_is_kept_from_new_tasks_until_it_recovers<W: World>() {
+    const RETIRED: &str = "retired pages pending";
     let w = W::new(Options {
         gpu_health: true,
         ..Options::default()
     })
     .await;
     let ids = w.gpu_ids();
-    w.submit(&w.task("holder", 1)).await.unwrap();
-    let holder = w.wait_status("holder", "running").await;
+    let holder = w.submitted("holder", 1, "running").await;
     let held = ids.iter().position(|id| gpu_ids(&holder).contains(id));
     let held = held.unwrap_or_else(|| panic!("{holder}"));
     let bad = if held == 1 { 2 } else { 1 };
     let unhealthy = async |i: usize| {
-        let labels = [
-            ("gpu", ids[i].as_str()),
-            ("reason", "retired pages pending"),
-        ];
+        let labels = [("gpu", ids[i].as_str()), ("reason", RETIRED)];
         w.metrics()
             .await
             .try_get("dstack_shim_gpu_unhealthy", &labels)
     };
     w.set_gpu_healthy(held, false).await;
     w.set_gpu_healthy(bad, false).await;
-    for _ in 0..600 {
-        if unhealthy(held).await.is_some() && unhealthy(bad).await.is_some() {
-            break;
-        }
-        w.sleep(Duration::from_millis(100)).await;
-    }
+    w.wait_until("both GPUs are unhealthy", async || {
+        unhealthy(held).await.is_some() && unhealthy(bad).await.is_some()
+    })
+    .await;
     assert_eq!(unhealthy(bad).await, Some(1.0), "{:?}", w.metrics().await);
     assert_eq!(unhealthy(held).await, Some(1.0));
     if let Some(shim) = w.binary() {
@@ -269,40 +268,32 @@ async fn an_unhealthy_gpu_is_kept_from_new_tasks_until_it_recovers<W: World>() {
         let gpus = health["gpus"].as_array().unwrap();
         let listed = gpus.iter().find(|g| g["id"] == ids[bad].as_str());
         let listed = listed.unwrap_or_else(|| panic!("{health}"));
-        assert_eq!(listed["healthy"], false, "{health}");
-        assert_eq!(listed["reasons"][0], "retired pages pending", "{health}");
+        assert_has!(listed, {"healthy": false, "reasons": [RETIRED]}, "{health}");
         assert!(health.get("dcgm").is_some(), "upstream's field: {health}");
     }
 
     let rest = GPUS - 1;
-    w.submit(&w.task("all-left", rest as i64)).await.unwrap();
-    let refused = w.wait_status("all-left", "terminated").await;
-    assert_eq!(refused["termination_reason"], "executor_error", "{refused}");
+    let refused = w.submitted("all-left", rest as i64, "terminated").await;
     let expected = format!(
         "no capacity: {rest} GPUs requested, {} available (1 kept out as unhealthy: {} \
-         (retired pages pending))",
+         ({RETIRED}))",
         rest - 1,
         ids[bad]
     );
-    assert!(message(&refused).contains(&expected), "{refused}");
+    assert_ended(&refused, "executor_error", &expected);
     w.remove("all-left").await;
     let holder = w.info("holder").await.unwrap();
     assert_eq!(holder["status"], "running", "running tasks are not touched");
 
     w.set_gpu_healthy(bad, true).await;
-    for _ in 0..600 {
-        if unhealthy(bad).await.is_none() {
-            break;
-        }
-        w.sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(unhealthy(bad).await, None);
-    w.submit(&w.task("all-rest", rest as i64)).await.unwrap();
-    let all = w.wait_status("all-rest", "running").await;
+    w.wait_until("the GPU is healthy again", async || {
+        unhealthy(bad).await.is_none()
+    })
+    .await;
+    let all = w.submitted("all-rest", rest as i64, "running").await;
     assert!(gpu_ids(&all).contains(&ids[bad]), "{all}");
     for id in ["holder", "all-rest"] {
-        w.terminate(id, "terminated_by_server", "", 0).await;
-        w.remove(id).await;
+        w.finish(id).await;
     }
 }
 in_worlds!(an_unhealthy_gpu_is_kept_from_new_tasks_until_it_recovers: fake, docker, binary);
@@ -315,24 +306,14 @@ in_worlds!(an_unhealthy_gpu_is_kept_from_new_tasks_until_it_recovers: fake, dock
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn a_device_request_the_engine_refuses_is_a_creating_container_error() {
     require();
-    let host = FakeGpuHost::setup(FakeVendor::Nvidia, 2, &FakeGpuHostOptions::default());
+    let host = fake_host(FakeVendor::Nvidia, 2, |_| ());
     let shim = shim_on(&host, &["--gpu-device-mode", "legacy"]);
     assert_eq!(device_mode(&shim, "legacy"), Some(1.0));
-    let info = submit_until(&shim, "legacy", 1, "terminated");
-    assert_eq!(
-        info["termination_reason"], "creating_container_error",
-        "{info}"
-    );
-    assert!(
-        message(&info).contains("could not select device driver"),
-        "{info}"
-    );
-    shim.remove_retrying("legacy");
+    let refused = "could not select device driver";
+    submit_refused(&shim, "legacy", 1, "creating_container_error", refused);
     let after = submit_until(&shim, "after", 2, "terminated");
-    assert!(
-        !message(&after).contains("no capacity"),
-        "the first task's GPU was released: {after}"
-    );
+    let released = !message(&after).contains("no capacity");
+    assert!(released, "the first task's GPU was released: {after}");
     shim.remove_retrying("after");
 }
 
@@ -345,25 +326,22 @@ fn a_device_request_the_engine_refuses_is_a_creating_container_error() {
 fn amd_gpus_go_as_device_mappings_or_through_cdi() {
     require();
     for (names, mode) in [(Some(vec![]), "legacy"), (None, "cdi")] {
-        let options = FakeGpuHostOptions {
-            host_nodes: mode == "legacy",
-            cdi_names: names,
-            ..FakeGpuHostOptions::default()
-        };
-        let host = FakeGpuHost::setup(FakeVendor::Amd, 2, &options);
+        let host = fake_host(FakeVendor::Amd, 2, |o| {
+            o.host_nodes = mode == "legacy";
+            o.cdi_names = names;
+        });
         let shim = shim_on(&host, &[]);
         assert_eq!(device_mode(&shim, mode), Some(1.0), "{}", shim.log_tail());
         let info = submit_until(&shim, "amd", 1, "running");
         let mine = indexes(&host, &info);
         assert_eq!(mine.len(), 1, "{info}");
-        let (dev, _) = inside(&info);
-        let nodes = ls(&info, "/dev/dri");
+        let (dev, nodes) = (ls(&info, "/dev"), ls(&info, "/dev/dri"));
         assert!(dev.contains("kfd"), "{mode}: {dev:?}");
         for i in 0..2 {
             let node = format!("renderD{}", 128 + i);
+            let (seen, is_mine) = (nodes.contains(&node), mine.contains(&i));
             assert_eq!(
-                nodes.contains(&node),
-                mine.contains(&i),
+                seen, is_mine,
                 "{mode}: {node} in {nodes:?} (mine: {mine:?})"
             );
         }
@@ -381,11 +359,7 @@ fn amd_gpus_go_as_device_mappings_or_through_cdi() {
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn tenstorrent_devices_are_mapped() {
     require();
-    let options = FakeGpuHostOptions {
-        host_nodes: true,
-        ..FakeGpuHostOptions::default()
-    };
-    let host = FakeGpuHost::setup(FakeVendor::Tenstorrent, 2, &options);
+    let host = fake_host(FakeVendor::Tenstorrent, 2, |o| o.host_nodes = true);
     let shim = shim_on(&host, &[]);
     let info = submit_until(&shim, "tt", 1, "running");
     let ids = gpu_ids(&info);

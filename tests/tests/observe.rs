@@ -22,7 +22,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use shim_e2e::harness::{EventStream, Metrics, Request, TestShim};
+use shim_e2e::harness::{EventStream, Metrics, Request, TestShim, wait_for};
 use shim_e2e::{image, require_docker};
 
 /// How long the event stream may stay silent before the test gives up (keep-alives come
@@ -171,16 +171,11 @@ fn a_busy_task_shows_its_cpu_seconds_rise() {
     let cid = info["container_id"].as_str().unwrap().to_owned();
     let task = [("task_id", id)];
     // The first scrape has the shim locate the container's group (in the background).
-    let mut m = shim.metrics();
-    for _ in 0..200 {
-        if m.try_get("dstack_shim_task_cpu_seconds_total", &task)
-            .is_some()
-        {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(25));
-        m = shim.metrics();
-    }
+    let m = wait_for("the task's usage metrics", Duration::from_secs(5), || {
+        let m = shim.metrics();
+        let cpu = m.try_get("dstack_shim_task_cpu_seconds_total", &task);
+        cpu.map(|_| m).ok_or_else(|| "not yet".to_owned())
+    });
     let cpu_before = m.get("dstack_shim_task_cpu_seconds_total", &task);
     assert!(m.get("dstack_shim_task_memory_bytes", &task) > 0.0);
     assert_eq!(m.get("dstack_shim_task_oom_kills_total", &task), 0.0);
@@ -248,9 +243,7 @@ async fn metrics_move_as_tasks_run<W: world::World>() {
     if let Some(shim) = w.binary() {
         let ready = shim.send(&Request::get("/api/ready"));
         assert_eq!(ready.status, 200, "{ready:?}");
-        let ready = ready.json().unwrap();
-        assert_eq!(ready["ready"], true, "{ready}");
-        assert_eq!(ready["events_connected"], true, "{ready}");
+        assert_has!(ready.json().unwrap(), {"ready": true, "events_connected": true});
         let version = shim.ok(&Request::get("/api/healthcheck"))["version"]
             .as_str()
             .unwrap()
@@ -260,76 +253,66 @@ async fn metrics_move_as_tasks_run<W: world::World>() {
         let info = build.get("dstack_shim_build_info", &[("version", &version)]);
         assert_eq!(info, 1.0);
     }
-    let creates = |m: &Metrics| m.get("dstack_shim_docker_requests_total", &[("op", "create")]);
-    let exits = |m: &Metrics| m.get("dstack_shim_exit_to_terminated_seconds_count", &[]);
-    let tasks = |m: &Metrics, status: &str| m.get("dstack_shim_tasks", &[("status", status)]);
-    let submitted = |m: &Metrics| m.get("dstack_shim_tasks_submitted_total", &[]);
-    let locked = |m: &Metrics| m.get("dstack_shim_gpus_locked", &[]);
+    // The figures that move, by name; `expected` names them in this order.
+    let moving = |m: &Metrics| {
+        let get = |name, labels: &[(&str, &str)]| m.get(name, labels);
+        json!({
+            "submitted": get("dstack_shim_tasks_submitted_total", &[]),
+            "running": get("dstack_shim_tasks", &[("status", "running")]),
+            "locked": get("dstack_shim_gpus_locked", &[]),
+            "creates": get("dstack_shim_docker_requests_total", &[("op", "create")]),
+            "exits": get("dstack_shim_exit_to_terminated_seconds_count", &[]),
+        })
+    };
+    let expected = |submitted: f64, running: f64, locked: f64, creates: f64, exits: f64| {
+        json!({"submitted": submitted, "running": running, "locked": locked, "creates": creates,
+               "exits": exits})
+    };
 
     let before = w.metrics().await;
     assert_eq!(before.types["dstack_shim_tasks_submitted"], "counter");
     let histogram = &before.types["dstack_shim_exit_to_terminated_seconds"];
     assert_eq!(histogram, "histogram");
-    assert_eq!(
-        before.get("dstack_shim_gpus_total", &[]),
-        world::GPUS as f64
-    );
-    assert_eq!((submitted(&before), tasks(&before, "running")), (0.0, 0.0));
-    assert_eq!((creates(&before), exits(&before)), (0.0, 0.0));
+    let gpus = before.get("dstack_shim_gpus_total", &[]);
+    assert_eq!(gpus, world::GPUS as f64);
+    assert_eq!(moving(&before), expected(0.0, 0.0, 0.0, 0.0, 0.0));
 
-    w.submit(&w.task("m1", 1)).await.unwrap();
-    let info = w.wait_status("m1", "running").await;
+    let info = w.submitted("m1", 1, "running").await;
     let running = w.metrics().await;
-    assert_eq!(submitted(&running), 1.0);
-    assert_eq!(tasks(&running, "running"), 1.0);
-    assert_eq!(locked(&running), 1.0);
-    assert_eq!(creates(&running), 1.0);
+    assert_eq!(moving(&running), expected(1.0, 1.0, 1.0, 1.0, 0.0));
     let to_running = running.get("dstack_shim_submit_to_running_seconds_count", &[]);
     assert_eq!(to_running, 1.0);
-    assert_eq!(exits(&running), 0.0);
 
     w.exit_runner(&info, 0).await;
     w.wait_status("m1", "terminated").await;
     w.wait_all_gpus_free().await;
     let ended = w.metrics().await;
-    assert_eq!(tasks(&ended, "running"), 0.0);
-    assert_eq!(exits(&ended), 1.0);
+    // The wait for free GPUs submits probe tasks (one, or more when a probe came before the
+    // release): every probe counts as submitted, the one that got the GPUs as a create (m1's
+    // and the probe's).
+    let probes = ended.get("dstack_shim_tasks_submitted_total", &[]) - 1.0;
+    assert!(probes >= 1.0, "m1 and at least one GPU probe: {probes}");
+    assert_eq!(moving(&ended), expected(1.0 + probes, 0.0, 0.0, 2.0, 1.0));
     let reason = [("reason", "done_by_runner")];
-    assert_eq!(
-        ended.get("dstack_shim_tasks_terminated_total", &reason),
-        1.0
-    );
+    let terminated = ended.get("dstack_shim_tasks_terminated_total", &reason);
+    assert_eq!(terminated, 1.0);
     let dies = ended.get("dstack_shim_events_received_total", &[("kind", "die")]);
     assert!(dies >= 1.0, "{dies}");
-    assert_eq!(locked(&ended), 0.0);
-    assert!(
-        ended
-            .try_get("dstack_shim_reconcile_last_success_age_seconds", &[])
-            .is_some()
-    );
+    let reconciled = ended.try_get("dstack_shim_reconcile_last_success_age_seconds", &[]);
+    assert!(reconciled.is_some());
 
-    // The wait for free GPUs submits probe tasks (one, or more when a probe came before the
-    // release): every probe counts as submitted, the one that got the GPUs as a create.
-    let probes = submitted(&ended) - 1.0;
-    assert!(probes >= 1.0, "m1 and at least one GPU probe: {probes}");
-    assert_eq!(creates(&ended), 2.0, "m1 and the probe that got the GPUs");
     w.remove("m1").await;
     let removed = w.metrics().await;
-    assert_eq!(tasks(&removed, "terminated"), 0.0);
-    assert_eq!(
-        submitted(&removed),
-        1.0 + probes,
-        "a remove leaves the counters"
-    );
-    w.submit(&w.task("m2", 0)).await.unwrap();
-    let info = w.wait_status("m2", "running").await;
+    let terminated = removed.get("dstack_shim_tasks", &[("status", "terminated")]);
+    assert_eq!(terminated, 0.0);
+    let left = expected(1.0 + probes, 0.0, 0.0, 2.0, 1.0);
+    assert_eq!(moving(&removed), left, "a remove leaves the counters");
+    let info = w.submitted("m2", 0, "running").await;
     w.exit_runner(&info, 0).await;
     w.wait_status("m2", "terminated").await;
     w.remove("m2").await;
     let second = w.metrics().await;
-    assert_eq!(submitted(&second), 2.0 + probes);
-    assert_eq!(creates(&second), 3.0);
-    assert_eq!(exits(&second), 2.0);
+    assert_eq!(moving(&second), expected(2.0 + probes, 0.0, 0.0, 3.0, 2.0));
     assert_eq!(second.get("dstack_shim_events_connected", &[]), 1.0);
 }
 in_worlds!(metrics_move_as_tasks_run: fake, docker, binary);

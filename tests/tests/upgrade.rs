@@ -436,11 +436,9 @@ fn install(shim: &TestShim, url: &str) -> [String; 2] {
     answer.assert_empty_ok();
     wait_for("the install ends", BOUND, || {
         let component = shim_component(shim);
-        if component[0] == "installing" {
-            Err(format!("{component:?}"))
-        } else {
-            Ok(component)
-        }
+        let over = component[0] != "installing";
+        over.then(|| component.clone())
+            .ok_or_else(|| format!("{component:?}"))
     })
 }
 
@@ -470,11 +468,8 @@ fn wait_version(shim: &TestShim, version: &str) {
 fn wait_starts(shim: &TestShim, n: usize) {
     wait_for("the supervisor starts the shim again", BOUND, || {
         let starts = shim.supervisor().starts();
-        if starts.len() == n && shim.supervisor().pid().is_some() {
-            Ok(())
-        } else {
-            Err(format!("{starts:?}"))
-        }
+        let started = starts.len() == n && shim.supervisor().pid().is_some();
+        started.then_some(()).ok_or_else(|| format!("{starts:?}"))
     });
 }
 
@@ -491,11 +486,10 @@ fn wait_alone(shim: &TestShim) {
     let pid = shim.supervisor().pid().unwrap();
     wait_for("the upgrade watchdog exits", BOUND, || {
         let members = group_members(pid);
-        if members == [pid] {
-            Ok(())
-        } else {
-            Err(format!("process group {pid}: {members:?}"))
-        }
+        let alone = members == [pid];
+        alone
+            .then_some(())
+            .ok_or_else(|| format!("process group {pid}: {members:?}"))
     });
 }
 
@@ -770,23 +764,12 @@ fn the_dstack_servers_own_instance_check_upgrades_it_in_place() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{}\n{stdout}\n{stderr}", out.status);
     let summary: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
-    let sent: Vec<(String, Value)> = summary["sent"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| (r["path"].as_str().unwrap().to_owned(), r["body"].clone()))
-        .collect();
-    assert_eq!(
-        sent,
-        [
-            (
-                "/api/components/install".to_owned(),
-                json!({"name": "dstack-shim", "url": url})
-            ),
-            ("/api/shutdown".to_owned(), json!({"force": false})),
-        ],
-        "{summary}"
-    );
+    let install = json!({"name": "dstack-shim", "url": url});
+    let sent = json!([
+        {"method": "POST", "path": "/api/components/install", "body": install},
+        {"method": "POST", "path": "/api/shutdown", "body": {"force": false}},
+    ]);
+    assert_eq!(summary["sent"], sent, "{summary}");
     assert_eq!(summary["version"], new_version.as_str(), "{summary}");
     let (total, failed, longest) = figures(&samples, samples[0].sent, Instant::now());
     eprintln!(
