@@ -241,6 +241,32 @@ pub fn require_root() {
     );
 }
 
+/// [`require_docker`] and [`require_root`], for a test that needs both.
+#[track_caller]
+pub fn require_docker_and_root() {
+    require_docker();
+    require_root();
+}
+
+/// Fails unless `value` matches `pattern` (with its guard), showing the value and the
+/// context, if given.
+#[macro_export]
+macro_rules! assert_matches {
+    ($value:expr, $pattern:pat $(if $guard:expr)?) => {
+        $crate::assert_matches!($value, $pattern $(if $guard)?, "")
+    };
+    ($value:expr, $pattern:pat $(if $guard:expr)?, $($context:tt)+) => {
+        match &$value {
+            $pattern $(if $guard)? => {}
+            other => panic!(
+                "{}: {other:?} does not match {}",
+                format_args!($($context)+),
+                stringify!($pattern)
+            ),
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

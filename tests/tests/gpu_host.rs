@@ -26,7 +26,7 @@ use shim_e2e::harness::{
     CdiName, FakeGpuHost, FakeGpuHostOptions, FakeHealth, FakeVendor, TestShim, docker_socket,
     run_with_cdi_devices, wait_for, wait_until,
 };
-use shim_e2e::{image, require_docker, require_root};
+use shim_e2e::{image, require_docker_and_root};
 use shim_resources::gpu::health::{GpuHealth, parse_nvidia_smi_bus_ids, parse_nvidia_smi_query};
 use shim_resources::gpu::{AmdGpu, GpuInfo, GpuVendor, Link, UnhealthyReason};
 use shim_resources::gpu::{parse_amd_smi, parse_nvidia_smi, parse_nvidia_topo, parse_tt_smi};
@@ -39,23 +39,6 @@ const NVIDIA_SMI_LIST: [&str; 3] = [
 ];
 /// The bound of the waits below (a teardown by the holder, the shim's host info).
 const BOUND: Duration = Duration::from_secs(60);
-
-/// The gating of every test here.
-fn require() {
-    require_docker();
-    require_root();
-}
-
-/// A fake host of `n` GPUs of `vendor`, its options the defaults changed by `set`.
-fn fake_host(
-    vendor: FakeVendor,
-    n: usize,
-    set: impl FnOnce(&mut FakeGpuHostOptions),
-) -> FakeGpuHost {
-    let mut options = FakeGpuHostOptions::default();
-    set(&mut options);
-    FakeGpuHost::setup(vendor, n, &options)
-}
 
 /// The words of a command line.
 fn words(command: &str) -> Vec<&str> {
@@ -118,12 +101,12 @@ fn image_ids(host: &FakeGpuHost) -> Vec<String> {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn exec_shows_an_nvidia_host_that_the_host_itself_does_not_have() {
-    require();
+    require_docker_and_root();
     assert!(
         !Path::new("/dev/nvidiactl").exists(),
         "this machine has an NVIDIA driver: the fake host would hide nothing"
     );
-    let host = fake_host(FakeVendor::Nvidia, 3, |_| ());
+    let host = FakeGpuHost::with(FakeVendor::Nvidia, 3, |_| ());
     let uuids = host.uuids();
     assert_eq!(uuids.len(), 3);
     assert!(
@@ -183,8 +166,8 @@ fn exec_shows_an_nvidia_host_that_the_host_itself_does_not_have() {
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn nvidia_smi_q_reports_the_health_a_test_sets() {
     use UnhealthyReason::{RetiredPagesPending, RowRemapFailure, RowRemapPending};
-    require();
-    let host = fake_host(FakeVendor::Nvidia, 2, |_| ());
+    require_docker_and_root();
+    let host = FakeGpuHost::with(FakeVendor::Nvidia, 2, |_| ());
     let report = || parse_nvidia_smi_query(&host.exec_ok(&["nvidia-smi", "-q"])).unwrap();
     assert_eq!(report(), health(&host, [vec![], vec![]]));
     host.set_health(1, FakeHealth::RowRemapPending);
@@ -201,8 +184,8 @@ fn nvidia_smi_q_reports_the_health_a_test_sets() {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn a_recorded_topology_is_printed_as_recorded() {
-    require();
-    let host = fake_host(FakeVendor::Nvidia, 8, |o| {
+    require_docker_and_root();
+    let host = FakeGpuHost::with(FakeVendor::Nvidia, 8, |o| {
         o.topology = Some("h100-nvswitch-8gpu".to_owned());
         o.cdi_names = Some(vec![]);
     });
@@ -219,9 +202,9 @@ fn a_recorded_topology_is_printed_as_recorded() {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn a_container_gets_exactly_the_cdi_devices_it_asks_for() {
-    require();
+    require_docker_and_root();
     let names = vec![CdiName::Index, CdiName::Uuid, CdiName::Legacy];
-    let host = fake_host(FakeVendor::Nvidia, 2, |o| o.cdi_names = Some(names));
+    let host = FakeGpuHost::with(FakeVendor::Nvidia, 2, |o| o.cdi_names = Some(names));
     let spec = fs_err::read_to_string(host.spec_path().unwrap()).unwrap();
     assert!(spec.starts_with("---\ncdiVersion: 0.5.0\n"), "{spec}");
     let uuids = host.uuids();
@@ -259,8 +242,8 @@ fn a_container_gets_exactly_the_cdi_devices_it_asks_for() {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn amd_smi_runs_as_the_shim_runs_it() {
-    require();
-    let host = fake_host(FakeVendor::Amd, 2, |_| ());
+    require_docker_and_root();
+    let host = FakeGpuHost::with(FakeVendor::Amd, 2, |_| ());
     assert_eq!(host.images(), ["dstackai/amd-smi:latest"]);
     // As the shim runs it (`GpuDetector::amd_smi`), from inside the fake host, where the
     // docker of PATH hands the engine the fake nodes' host paths.
@@ -290,8 +273,8 @@ fn amd_smi_runs_as_the_shim_runs_it() {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn an_amd_container_gets_its_gpus_nodes_through_cdi() {
-    require();
-    let host = fake_host(FakeVendor::Amd, 2, |_| ());
+    require_docker_and_root();
+    let host = FakeGpuHost::with(FakeVendor::Amd, 2, |_| ());
     assert_eq!(host.cdi_devices(1), ["amd.com/gpu=1"]);
     let output = run_with(
         &["amd.com/gpu=1"],
@@ -308,8 +291,8 @@ fn an_amd_container_gets_its_gpus_nodes_through_cdi() {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn tt_smi_runs_as_the_shim_runs_it() {
-    require();
-    let host = fake_host(FakeVendor::Tenstorrent, 2, |_| ());
+    require_docker_and_root();
+    let host = FakeGpuHost::with(FakeVendor::Tenstorrent, 2, |_| ());
     assert_eq!(host.spec_path(), None);
     let json = host.exec_ok(&words(
         "docker run --rm --device /dev/tenstorrent dstackai/tt-smi:latest -s",
@@ -344,13 +327,13 @@ fn shim_host_info(host: &FakeGpuHost, label: &str) -> serde_json::Value {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn the_shim_detects_the_fake_gpus_as_a_real_hosts() {
-    require();
+    require_docker_and_root();
     for (vendor, n) in [
         (FakeVendor::Nvidia, 4),
         (FakeVendor::Amd, 2),
         (FakeVendor::Tenstorrent, 3),
     ] {
-        let host = fake_host(vendor, n, |_| ());
+        let host = FakeGpuHost::with(vendor, n, |_| ());
         let info = shim_host_info(&host, &format!("gpu-host-{}", vendor.as_str()));
         assert_eq!(info["gpu_vendor"], vendor.as_str(), "{info}");
         assert_eq!(info["gpu_count"], n, "{info}");
@@ -362,8 +345,8 @@ fn the_shim_detects_the_fake_gpus_as_a_real_hosts() {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn teardown_leaves_nothing_and_frees_the_lock() {
-    require();
-    let host = fake_host(FakeVendor::Amd, 2, |_| ());
+    require_docker_and_root();
+    let host = FakeGpuHost::with(FakeVendor::Amd, 2, |_| ());
     let dir = host.dir().to_owned();
     let spec = host.spec_path().unwrap();
     let record = PathBuf::from("/var/lib/dstack-shim-dev/fake-gpu-hosts")
@@ -397,11 +380,11 @@ fn teardown_leaves_nothing_and_frees_the_lock() {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn a_dead_owners_host_is_torn_down_by_its_holder() {
-    require();
+    require_docker_and_root();
     // A process that lives until killed: the host's owner.
     let mut owner = Command::new("sleep").arg("600").spawn().unwrap();
     let owner_pid = Some(owner.id());
-    let host = fake_host(FakeVendor::Tenstorrent, 1, |o| o.owner_pid = owner_pid);
+    let host = FakeGpuHost::with(FakeVendor::Tenstorrent, 1, |o| o.owner_pid = owner_pid);
     let dir = host.dir().to_owned();
     let images = image_ids(&host);
     assert!(image_exists(&images[0]));

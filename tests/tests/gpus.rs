@@ -26,33 +26,15 @@ use std::time::Duration;
 
 use serde_json::Value;
 use shim_e2e::harness::{
-    CdiName, FakeGpuHost, FakeGpuHostOptions, FakeVendor, TestShim, bridge_task, docker_ok,
-    run_tag, wait_for,
+    CdiName, FakeGpuHost, FakeVendor, TestShim, bridge_task, docker_ok, run_tag, wait_for,
 };
-use shim_e2e::{require_docker, require_root};
+use shim_e2e::require_docker_and_root;
 use world::{GPUS, Options, World};
 
 mod world;
 
 /// Bound of the waits (never a timed assertion).
 const WAIT: Duration = Duration::from_secs(60);
-
-/// The gating of every test here.
-fn require() {
-    require_docker();
-    require_root();
-}
-
-/// A fake host of `n` GPUs of `vendor`, its options the defaults changed by `set`.
-fn fake_host(
-    vendor: FakeVendor,
-    n: usize,
-    set: impl FnOnce(&mut FakeGpuHostOptions),
-) -> FakeGpuHost {
-    let mut options = FakeGpuHostOptions::default();
-    set(&mut options);
-    FakeGpuHost::setup(vendor, n, &options)
-}
 
 /// A shim started inside `host`, with `args`.
 fn shim_on(host: &FakeGpuHost, args: &[&str]) -> TestShim {
@@ -152,8 +134,8 @@ fn assert_sees_exactly_its_gpus(host: &FakeGpuHost, info: &Value) {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn gpu_tasks_get_exactly_their_gpus_through_cdi() {
-    require();
-    let host = fake_host(FakeVendor::Nvidia, 4, |_| ());
+    require_docker_and_root();
+    let host = FakeGpuHost::with(FakeVendor::Nvidia, 4, |_| ());
     let mut shim = shim_on(&host, &[]);
     assert_eq!(device_mode(&shim, "cdi"), Some(1.0), "{}", shim.log_tail());
     let info = shim.get("/api/instance/info").json_body();
@@ -192,9 +174,9 @@ fn gpu_tasks_get_exactly_their_gpus_through_cdi() {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn every_naming_of_cdi_devices_is_understood() {
-    require();
+    require_docker_and_root();
     for names in [vec![CdiName::Legacy], vec![CdiName::Uuid]] {
-        let host = fake_host(FakeVendor::Nvidia, 2, |o| o.cdi_names = Some(names.clone()));
+        let host = FakeGpuHost::with(FakeVendor::Nvidia, 2, |o| o.cdi_names = Some(names.clone()));
         let shim = shim_on(&host, &[]);
         let one = submit_until(&shim, "one", 1, "running");
         assert_sees_exactly_its_gpus(&host, &one);
@@ -212,9 +194,9 @@ fn every_naming_of_cdi_devices_is_understood() {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn gpus_are_placed_by_their_interconnect() {
-    require();
+    require_docker_and_root();
     let topology = Some("a30-nvlink-pairs-4gpu".to_owned());
-    let host = fake_host(FakeVendor::Nvidia, 4, |o| o.topology = topology);
+    let host = FakeGpuHost::with(FakeVendor::Nvidia, 4, |o| o.topology = topology);
     let shim = shim_on(&host, &[]);
     wait_for("the shim read the interconnect", WAIT, || {
         let log = shim.all_logs();
@@ -305,8 +287,8 @@ in_worlds!(an_unhealthy_gpu_is_kept_from_new_tasks_until_it_recovers: fake, dock
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn a_device_request_the_engine_refuses_is_a_creating_container_error() {
-    require();
-    let host = fake_host(FakeVendor::Nvidia, 2, |_| ());
+    require_docker_and_root();
+    let host = FakeGpuHost::with(FakeVendor::Nvidia, 2, |_| ());
     let shim = shim_on(&host, &["--gpu-device-mode", "legacy"]);
     assert_eq!(device_mode(&shim, "legacy"), Some(1.0));
     let refused = "could not select device driver";
@@ -324,9 +306,9 @@ fn a_device_request_the_engine_refuses_is_a_creating_container_error() {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn amd_gpus_go_as_device_mappings_or_through_cdi() {
-    require();
+    require_docker_and_root();
     for (names, mode) in [(Some(vec![]), "legacy"), (None, "cdi")] {
-        let host = fake_host(FakeVendor::Amd, 2, |o| {
+        let host = FakeGpuHost::with(FakeVendor::Amd, 2, |o| {
             o.host_nodes = mode == "legacy";
             o.cdi_names = names;
         });
@@ -358,8 +340,8 @@ fn amd_gpus_go_as_device_mappings_or_through_cdi() {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn tenstorrent_devices_are_mapped() {
-    require();
-    let host = fake_host(FakeVendor::Tenstorrent, 2, |o| o.host_nodes = true);
+    require_docker_and_root();
+    let host = FakeGpuHost::with(FakeVendor::Tenstorrent, 2, |o| o.host_nodes = true);
     let shim = shim_on(&host, &[]);
     let info = submit_until(&shim, "tt", 1, "running");
     let ids = gpu_ids(&info);

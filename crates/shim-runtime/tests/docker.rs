@@ -15,7 +15,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures_util::StreamExt;
 use shim_e2e::harness::{FreshImage, LosingProxy, docker_socket};
-use shim_e2e::require_docker;
+use shim_e2e::{assert_matches, require_docker};
 use shim_runtime::{
     BindMount, ContainerDetails, ContainerEvent, ContainerInputs, ContainerRuntime, ContainerSpec,
     ContainerState, DeviceMapping, DeviceRequest, DockerRuntime, EventKind, EventStream, GpuConfig,
@@ -196,23 +196,6 @@ fn died(code: i64) -> EventKind {
     EventKind::Die {
         exit_code: Some(code),
     }
-}
-
-/// Fails unless `value` matches `pattern`, showing the value and the context, if given.
-macro_rules! assert_matches {
-    ($value:expr, $pattern:pat $(if $guard:expr)?) => {
-        assert_matches!($value, $pattern $(if $guard)?, "")
-    };
-    ($value:expr, $pattern:pat $(if $guard:expr)?, $($context:tt)+) => {
-        match &$value {
-            $pattern $(if $guard)? => {}
-            other => panic!(
-                "{}: {other:?} does not match {}",
-                format_args!($($context)+),
-                stringify!($pattern)
-            ),
-        }
-    };
 }
 
 /// Mounts by their target: source and whether writable.

@@ -213,6 +213,17 @@ impl FakeGpuHost {
         Self::try_setup(vendor, gpus, options).unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// [`FakeGpuHost::setup`] with the default options changed by `set`.
+    pub fn with(
+        vendor: FakeVendor,
+        gpus: usize,
+        set: impl FnOnce(&mut FakeGpuHostOptions),
+    ) -> Self {
+        let mut options = FakeGpuHostOptions::default();
+        set(&mut options);
+        Self::setup(vendor, gpus, &options)
+    }
+
     /// [`FakeGpuHost::setup`], returning the script's failure (e.g. the lock not free within
     /// [`FakeGpuHostOptions::lock_timeout`]).
     pub fn try_setup(

@@ -18,6 +18,7 @@ use super::{DockerRuntime, Flavour};
 use crate::spec::{BindMount, ContainerSpec, DeviceMapping, DeviceRequest};
 use crate::types::{ContainerState, EventKind, PullRequest};
 use crate::{ContainerRuntime, RuntimeError};
+use shim_e2e::assert_matches;
 use shim_task::PullProgress;
 
 /// A status and a body.
@@ -233,23 +234,6 @@ fn decode(s: &str) -> String {
 macro_rules! fixture {
     ($name:literal) => {
         include_str!(concat!("fixtures/", $name))
-    };
-}
-
-/// Fails unless `value` matches `pattern`, showing the value and the context, if given.
-macro_rules! assert_matches {
-    ($value:expr, $pattern:pat $(if $guard:expr)?) => {
-        assert_matches!($value, $pattern $(if $guard)?, "")
-    };
-    ($value:expr, $pattern:pat $(if $guard:expr)?, $($context:tt)+) => {
-        match &$value {
-            $pattern $(if $guard)? => {}
-            other => panic!(
-                "{}: {other:?} does not match {}",
-                format_args!($($context)+),
-                stringify!($pattern)
-            ),
-        }
     };
 }
 
