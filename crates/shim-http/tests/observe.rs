@@ -433,7 +433,8 @@ async fn events_client_cap() {
     stop(s).await;
 }
 
-/// Without a change feed (the trait's default) the route answers 404.
+/// Without a change feed (`subscribe` answering `NotFound`) the route answers 404 with the
+/// message. The trait's own default is run by the crate README's example.
 #[tokio::test]
 async fn events_without_a_feed_is_404() {
     let s = start_plain().await;
@@ -445,7 +446,8 @@ async fn events_without_a_feed_is_404() {
 // ---------------------------------------------------------------------------------------------
 // Metrics and readiness
 
-/// `GET /metrics`: the text as given, as OpenMetrics; 404 without metrics (the default).
+/// `GET /metrics`: the text as given, as OpenMetrics; 404 without metrics (the trait's default
+/// is run by the crate README's example).
 #[tokio::test]
 async fn metrics_route_and_content_type() {
     let s = start_default().await;
@@ -464,7 +466,7 @@ async fn metrics_route_and_content_type() {
 }
 
 /// `GET /api/ready`: 200 with the readiness when ready, 503 with the same shape and the
-/// reasons when not; the default (a fake without health) is ready.
+/// reasons when not (the trait's default, ready, is run by the crate README's example).
 #[tokio::test]
 async fn readiness_200_and_503() {
     let s = start_default().await;
