@@ -98,8 +98,10 @@ fn normalize(image: &str) -> String {
 
 /// The images the ledger at `path` records, by image id.
 fn ledger(path: &Path) -> Map<String, Value> {
-    let ledger: Value = serde_json::from_slice(&fs_err::read(path).unwrap()).unwrap();
-    ledger["images"].as_object().unwrap().clone()
+    world::read_json(path)["images"]
+        .as_object()
+        .unwrap()
+        .clone()
 }
 
 /// Every name the ledger at `path` records.
