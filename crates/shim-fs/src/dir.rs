@@ -144,6 +144,9 @@ fn dir_flags() -> OFlags {
 }
 
 /// Checks that `name` is one path component and not `.` or `..`.
+/// How many directories [`Dir::remove_tree`] keeps open below the one it empties.
+pub const REMOVE_DEPTH: usize = 64;
+
 pub(crate) fn check_name<'a>(dir: &Path, name: &'a OsStr) -> Result<&'a OsStr> {
     let b = name.as_bytes();
     if b.is_empty() || b == b"." || b == b".." || b.contains(&b'/') || b.contains(&0) {
@@ -444,7 +447,8 @@ impl Dir {
     }
 
     /// Removes `name` whatever it is: a directory with everything in it (each subdirectory
-    /// opened relative to its parent, never through a link), or a file or link. `false` when
+    /// opened relative to its parent, never through a link; a tree of any depth, with a bounded
+    /// stack and at most [`REMOVE_DEPTH`] directories open), or a file or link. `false` when
     /// it did not exist. Nothing is fsynced: the removal is durable with this directory's
     /// next fsync.
     pub fn remove_tree(&self, name: impl AsRef<OsStr>) -> Result<bool> {
@@ -461,12 +465,84 @@ impl Dir {
         self.remove_dir(name)
     }
 
-    /// Removes everything in this directory.
+    /// Removes everything in this directory, depth first, with at most [`REMOVE_DEPTH`]
+    /// directories open below it: a subdirectory found deeper is moved up into this one under
+    /// a fresh name, and this directory is listed again until it is empty. A tree of any depth
+    /// (a container nests its writable directory as deep as it likes) takes neither more stack
+    /// nor more open files.
     fn empty_out(&self) -> Result<()> {
-        for name in self.names()? {
-            self.remove_tree(&name)?;
+        let mut moved = 0;
+        loop {
+            let names = self.names()?;
+            if names.is_empty() {
+                return Ok(());
+            }
+            for name in names {
+                self.remove_below(name, &mut moved)?;
+            }
         }
-        Ok(())
+    }
+
+    /// Removes `name` and everything below it, for [`Dir::empty_out`] (this directory is the
+    /// top of the removal); `moved` numbers the subdirectories moved up into it.
+    fn remove_below(&self, name: OsString, moved: &mut u64) -> Result<()> {
+        /// A directory being emptied: its name in its parent, and the names left in it.
+        struct Level {
+            name: OsString,
+            dir: Dir,
+            left: Vec<OsString>,
+        }
+        let mut levels: Vec<Level> = Vec::new();
+        let mut next = Some(name);
+        loop {
+            let parent = levels.last().map_or(self, |l| &l.dir);
+            match next.take() {
+                Some(child) => match parent.stat(&child)? {
+                    None => {}
+                    Some(info) if info.kind != FileKind::Directory => {
+                        parent.remove_file(&child)?;
+                    }
+                    Some(_) if levels.len() >= REMOVE_DEPTH => {
+                        let to = self.unused_name(moved)?;
+                        parent.rename(&child, self, &to)?;
+                    }
+                    Some(_) => {
+                        if let Some(dir) = parent.open_dir(&child)? {
+                            let left = dir.names()?;
+                            levels.push(Level {
+                                name: child,
+                                dir,
+                                left,
+                            });
+                        }
+                    }
+                },
+                None => {
+                    let Some(level) = levels.last_mut() else {
+                        return Ok(());
+                    };
+                    next = level.left.pop();
+                    if next.is_none() {
+                        // Emptied: removed from its parent.
+                        if let Some(done) = levels.pop() {
+                            let parent = levels.last().map_or(self, |l| &l.dir);
+                            parent.remove_dir(&done.name)?;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A name in this directory that nothing has, `.deep-<n>` from `*n` on.
+    fn unused_name(&self, n: &mut u64) -> Result<OsString> {
+        loop {
+            let name = OsString::from(format!(".deep-{n}"));
+            *n += 1;
+            if self.stat(&name)?.is_none() {
+                return Ok(name);
+            }
+        }
     }
 
     /// Renames `from` (in this directory) to `to` in `to_dir` (`renameat`; this directory or

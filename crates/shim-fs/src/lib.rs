@@ -53,7 +53,7 @@ pub use atomic::{
     TempFile, WriteOptions, create_new_atomic, is_temp_of, read_file, write_atomic,
     write_atomic_with,
 };
-pub use dir::{Dir, FileInfo, FileKind, Owner};
+pub use dir::{Dir, FileInfo, FileKind, Owner, REMOVE_DEPTH};
 pub use error::{FsError, Result, Step};
 pub use group::{GroupStats, GroupSync};
 pub use lock::FileLock;

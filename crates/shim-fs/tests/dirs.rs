@@ -92,6 +92,53 @@ fn a_directory_swapped_for_a_link_after_open_redirects_nothing() {
     assert_eq!(names(&tmp.path().join("moved")), ["keys", "keys.bak"]);
 }
 
+// A task's runner directory is the container's to write, and it goes with the task
+// (`Store::delete`, and the trash sweep at every start). Whatever is in it, the removal
+// follows no link (a link's target outside the tree stays whole) and takes neither more stack
+// nor more open files with the tree's depth: a chain of directories nested 5,000 deep (one
+// `mkdir d && cd d` loop in a container) is removed on a thread with a 256 KiB stack. Removed
+// recursively, one call per level, it overflowed the stack and aborted the shim, at every
+// start after (the sweep found the same tree). A name the removal uses for the deep parts it
+// moves up (`.deep-0`) already in the tree is kept clear of.
+#[test]
+fn a_tree_of_any_depth_is_removed_without_following_links() {
+    const DEPTH: usize = 5_000;
+    let tmp = tempfile::tempdir().unwrap();
+    let outside = tmp.path().join("outside");
+    fs_err::create_dir(&outside).unwrap();
+    fs_err::write(outside.join("keep"), "keep me\n").unwrap();
+    let top = Dir::open_nofollow(tmp.path()).unwrap();
+    let (tree, _) = top.create_dir_unsynced("tree", 0o755, None).unwrap();
+    let opts = WriteOptions::new(0o600);
+    tree.write_atomic(".deep-0", b"x", &opts).unwrap();
+    symlink(&outside, tmp.path().join("tree/link")).unwrap();
+    let mut level = tree;
+    for depth in 0..DEPTH {
+        if depth % 7 == 0 {
+            level.write_atomic("file", b"x", &opts).unwrap();
+        }
+        // Links by path, so where the path is short enough to name.
+        if depth % 7 == 0 && depth < 5 * shim_fs::REMOVE_DEPTH {
+            symlink(outside.join("keep"), level.join("to-keep")).unwrap();
+        }
+        level = level.create_dir_unsynced("d", 0o755, None).unwrap().0;
+    }
+    drop(level);
+    const { assert!(DEPTH > 50 * shim_fs::REMOVE_DEPTH) };
+
+    let removal = std::thread::Builder::new()
+        .stack_size(256 << 10)
+        .spawn(move || top.remove_tree("tree"))
+        .unwrap();
+    assert!(removal.join().unwrap().unwrap());
+    assert_eq!(names(tmp.path()), ["outside"]);
+    assert_eq!(names(&outside), ["keep"]);
+    assert_eq!(
+        fs_err::read_to_string(outside.join("keep")).unwrap(),
+        "keep me\n"
+    );
+}
+
 #[test]
 fn a_link_at_the_target_is_replaced_not_followed() {
     let tmp = tempfile::tempdir().unwrap();
