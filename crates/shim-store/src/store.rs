@@ -662,10 +662,12 @@ impl Store {
         }
     }
 
-    /// Deletes a task's directory: it is first renamed to a trash name in the same parent
-    /// (atomic: from then on the task is gone, even if the shim dies), then removed. A trash
-    /// directory that cannot be removed now (e.g. the container left files it cannot delete)
-    /// stays for [`Store::sweep_trash`]. An unknown task is `Ok`.
+    /// Deletes a task's directory: it is first renamed to a trash name in the same parent and
+    /// the parent fsynced (from then on the task is gone, even if the shim dies), then removed.
+    /// A trash directory that cannot be removed now (e.g. the container left files it cannot
+    /// delete) stays for [`Store::sweep_trash`]. An unknown task is `Ok` once the parent is
+    /// fsynced (a retry after a failed fsync finds the name gone: the rename is made durable
+    /// then). A failed fsync is the error: the task may be back after a crash.
     pub fn delete(&self, container_name: &str) -> Result<()> {
         let paths = self.paths(container_name)?;
         let ctx = || format!("deleting {}", paths.dir.display());
@@ -675,15 +677,14 @@ impl Store {
             .map_err(fs_err_ctx(ctx()))?
             .is_none()
         {
-            return Ok(());
+            return self.commit_runners().map_err(fs_err_ctx(ctx()));
         }
         let trash = free_name(&self.runners, &format!("{TRASH_PREFIX}{container_name}-"));
         self.runners
             .rename(container_name, &self.runners, &trash)
             .map_err(fs_err_ctx(ctx()))?;
-        if let Err(e) = self.commit_runners() {
-            tracing::warn!(error = %error_chain(&e), "cannot sync the runners directory after a delete");
-        }
+        // Not durable yet: the trash stays (swept later) and the caller hears of it.
+        self.commit_runners().map_err(fs_err_ctx(ctx()))?;
         if let Err(e) = self.runners.remove_tree(&trash) {
             tracing::warn!(trash = %self.runners.join(&trash).display(), error = %error_chain(&e), "cannot remove a deleted task's directory now; it is swept later");
         }

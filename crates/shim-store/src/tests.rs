@@ -240,3 +240,25 @@ fn spares_are_used_by_creates_and_removed_at_open() {
     assert_eq!(spares(&runners), 0);
     assert_eq!(store.scan().unwrap().len(), 2);
 }
+
+/// A delete whose rename is not made durable (the runners directory's fsync fails) is an
+/// error, and leaves the trash for the sweep: after a crash the task could be back, so a
+/// remove must not be answered yet (SPEC §5: a rename counts only after its directory is
+/// fsynced). The retry finds the name gone and makes the rename durable before its `Ok`.
+#[test]
+fn a_delete_whose_rename_is_not_durable_fails_and_its_retry_syncs() {
+    let r = record("t1", TaskStatus::Terminated);
+    let (home, store, _) = store_with(&r);
+    let runners = home.path().join("runners");
+    store.faults.arm(Step::SyncDir, FaultKind::Fail);
+    let err = store.delete(&r.container_name).unwrap_err();
+    assert_injected(&store, Step::SyncDir, &err);
+    let left = files_in(&runners);
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert!(left[0].starts_with(crate::store::TRASH_PREFIX), "{left:?}");
+    let before = store.runners_commits().fsyncs;
+    store.delete(&r.container_name).unwrap();
+    assert_eq!(store.runners_commits().fsyncs, before + 1);
+    assert_eq!(store.sweep_trash(), 1);
+    assert_eq!(files_in(&runners), Vec::<String>::new());
+}
