@@ -397,6 +397,27 @@ fn a_replaced_container_id_is_written_at_once() {
 /// A step that records something while progress is unwritten writes both; a write asked for
 /// (the engine's, before a real pull) makes the progress durable and shown, and sends nothing
 /// again.
+// Pull progress that lands while a terminate's write is out (the engine applies progress
+// outside the step lock) takes no action, after an earlier failed write too: the cancel the
+// terminate calls for goes out with the write's outcome, whether it succeeds or fails. Handed
+// to progress, the `CancelPull` was dropped with progress's actions and the pull ran on.
+#[test]
+fn pull_progress_during_a_terminates_write_leaves_the_cancel_to_its_outcome() {
+    for write in [Event::Persisted, disk_full()] {
+        let mut t = new_task(&bare_config("ubuntu:22.04"));
+        t.go_all([Event::StartBegan, Event::GpusAcquired(vec![])]);
+        assert_eq!(t.go_disk_full(Event::PersistRequested), [PERSIST]);
+        assert!(t.write_failed());
+        let tr = step(&t, terminate(TerminatedByUser, "", 0), 300).unwrap();
+        assert_eq!(tr.actions, [PERSIST]);
+        let progress = Event::PullProgressed(PullProgress::default());
+        let tr = step(&tr.task, progress, 300).unwrap();
+        assert_eq!(tr.actions, vec![], "{write:?}");
+        let tr = step(&tr.task, write.clone(), 300).unwrap();
+        assert_eq!(tr.actions, [CANCEL_PULL], "{write:?}");
+    }
+}
+
 #[test]
 fn progress_is_written_with_the_next_record_or_when_asked() {
     let mut t = new_task(&bare_config("ubuntu:22.04"));

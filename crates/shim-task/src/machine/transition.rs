@@ -27,7 +27,14 @@ pub struct Transition {
 pub fn step(task: &Task, event: Event, now_ms: u64) -> Result<Transition, TransitionError> {
     let mut t = task.clone();
     let mut actions = Vec::new();
+    // Pull progress changes the view only, and the engine applies it outside the step lock,
+    // maybe while a write it awaits is out: what is due waits for that write's outcome or the
+    // next step (a `CancelPull` handed to progress would be dropped, and the pull run on).
+    let progress = matches!(event, Event::PullProgressed(_));
     let shape = apply(&mut t, event, &mut actions)?;
+    if progress {
+        return Ok(Transition { task: t, actions });
+    }
     let may_defer = t.start_in_flight;
     finish(&task.record, &mut t, &mut actions, shape, now_ms, may_defer);
     Ok(Transition { task: t, actions })
