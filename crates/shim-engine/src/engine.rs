@@ -289,8 +289,22 @@ impl Opening {
             }
             rest.push((slot, others));
         }
-        // Then everything else (the restored state's write, a stop, a release).
+        // Then everything else (the restored state's write, a stop, a release). A release was
+        // computed from the record before the GPUs were locked again: it frees only the GPUs
+        // its task still names, those it locked itself (a GPU another restored task locked
+        // first, a stale record's, is that task's).
         for (slot, actions) in rest {
+            let kept = slot.read(|t| t.record().resources.gpus.clone());
+            let actions = actions
+                .into_iter()
+                .map(|a| match a {
+                    Action::Effect(Effect::Release(mut held)) => {
+                        held.gpus.retain(|g| kept.contains(g));
+                        Action::Effect(Effect::Release(held))
+                    }
+                    other => other,
+                })
+                .collect();
             if let Err(e) = driver.run_actions(&slot, actions).await {
                 tracing::error!(task = %slot.id, error = %chain(&e), "restore actions failed; the reconciler retries");
             }

@@ -80,6 +80,33 @@ async fn a_duplicate_gpu_claim_after_restart_never_frees_a_gpu_in_use() {
     let _ = w.restart(engine).await;
 }
 
+// A task terminated while its release was under way (its GPU freed at once, its volume's
+// unmount held), a second task given that GPU, and a restart before the first's release was
+// written: the first's record still names the GPU. The running task keeps it; the first's
+// release at start-up, computed from its record before the GPUs were locked again, frees only
+// what the first locked itself (nothing), so the GPU is not handed out twice.
+#[tokio::test(start_paused = true)]
+async fn a_stale_records_release_after_restart_never_frees_a_gpu_in_use() {
+    let (mut w, engine) = World::with_engine(1).await;
+    run(&engine, config("first").with_gpus(1).with_data_volume()).await;
+    w.volumes.hold_releases();
+    terminate_by_user(&engine, "first").await;
+    let second = run(&engine, config("second").with_gpus(1)).await;
+    shut_down(engine).await;
+    w.keys = Arc::new(FakeAuthorizedKeys::new());
+    let volumes = w.volumes.clone();
+    let (engine, ()) = tokio::join!(w.engine(), async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        volumes.let_releases_go();
+    });
+    // The restore's release ran before `open` returned.
+    assert_eq!(info(&engine, "first").status, TaskStatus::Terminated);
+    assert_eq!(engine.gpu_lock().locked(), second.gpu_ids.clone().unwrap());
+    assert_eq!(engine.gpu_lock().free_count(), 0);
+    assert_eq!(w.volumes.mounted(), Vec::<String>::new());
+    let _ = w.restart(engine).await;
+}
+
 /// A state file as the upstream shim writes it (Go's `json.Marshal` of its state struct:
 /// `version`, `id`, `config` in `TaskConfig`'s field order, `termination_reason`,
 /// `termination_message`, `cleaned_up`; a slice the server did not send is `null`).
