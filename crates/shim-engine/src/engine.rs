@@ -465,8 +465,20 @@ impl Engine {
 
     /// Submits a task: validates the config, creates the task directory and writes the state
     /// file, then launches start in the background and returns the `pending` task.
+    ///
+    /// The submit runs in a job of its own, to its end: a caller that goes away before the
+    /// answer (an HTTP client whose request timed out while the first write was slow) does not
+    /// cancel it half-way, which would leave the id taken and a `pending` record with no start
+    /// to follow. The task then starts as if the answer had been read, and the caller's retry
+    /// finds it (a conflict naming the id).
     pub async fn submit(&self, config: TaskConfig) -> Result<TaskInfo> {
         config.validate()?;
+        let engine = self.clone();
+        tokio::spawn(async move { engine.submit_to_its_end(config).await }).await?
+    }
+
+    /// [`Engine::submit`]'s work, in its own job.
+    async fn submit_to_its_end(&self, config: TaskConfig) -> Result<TaskInfo> {
         let inner = &self.inner;
         let id = config.id.clone();
         let slot = Arc::new(Slot::submitted(&config, self.inner.driver.clock().now_ms()));
@@ -565,9 +577,16 @@ impl Engine {
     /// deletes its directory (or renames it to a trash name) and forgets it.
     ///
     /// A terminated task whose start job or release is still running is waited for (bounded)
-    /// rather than refused.
+    /// rather than refused. Like [`Engine::submit`], the remove runs in a job of its own, to its
+    /// end: a caller that goes away does not stop a release half-way.
     pub async fn remove(&self, id: &TaskId) -> Result<()> {
         let slot = self.inner.table.get(id)?;
+        let engine = self.clone();
+        tokio::spawn(async move { engine.remove_to_its_end(slot).await }).await?
+    }
+
+    /// [`Engine::remove`]'s work, in its own job.
+    async fn remove_to_its_end(&self, slot: Arc<Slot>) -> Result<()> {
         match self.inner.driver.remove(&slot).await {
             // Forgotten: removed, whatever a write on the way said (the record went with its
             // directory).

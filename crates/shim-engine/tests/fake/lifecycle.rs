@@ -16,6 +16,40 @@ async fn submit_answers_pending_and_host_network_publishes_no_ports() {
     assert_eq!(engine.gpu_lock().locked(), info.gpu_ids.unwrap());
 }
 
+// A caller that goes away does not cancel a submit or a remove half-way (the dstack server's
+// client gives up after 9 s, and the HTTP server then drops the request's future): the task
+// still starts, and the remove still ends with the task forgotten, its GPU free and its
+// container gone. Dropped half-way, the submit left the id taken and the task `pending` with
+// no start to follow, and every remove of it a conflict. (Upstream's handlers run to their end
+// whatever the client does: runner/internal/shim/api/handlers.go.)
+#[tokio::test(start_paused = true)]
+async fn a_caller_that_goes_away_cancels_no_submit_or_remove() {
+    use futures_util::FutureExt;
+    let (w, engine) = World::with_engine(1).await;
+    let submit = engine.submit(config("t1").with_gpus(1)).now_or_never();
+    assert!(submit.is_none(), "the submit answered at once");
+    let known = async || engine.task_info(&tid("t1")).is_ok();
+    assert!(
+        poll_until(100, TICK, known).await,
+        "the submit went with its caller"
+    );
+    let info = wait_status(&engine, "t1", TaskStatus::Running).await;
+    assert_eq!(engine.gpu_lock().locked(), info.gpu_ids.unwrap());
+    terminate_by_user(&engine, "t1").await;
+    let id = tid("t1");
+    assert!(
+        engine.remove(&id).now_or_never().is_none(),
+        "the remove answered at once"
+    );
+    let gone = async || engine.task_info(&id).is_err();
+    assert!(
+        poll_until(100, Duration::from_millis(50), gone).await,
+        "the task stayed"
+    );
+    assert_eq!(engine.gpu_lock().locked(), Vec::<String>::new());
+    assert_eq!(w.runtime.container_ids().len(), 0);
+}
+
 /// Issue 28: every task container's log is bounded. The engine's default config gives the
 /// container `json-file` limits of 100 MiB × 3; a configured size and count reach the spec as
 /// they are; `None` (the binary's `--container-log-max-size daemon`) leaves the spec without

@@ -250,11 +250,15 @@ async fn wait_status(engine: &Engine, id: &str, status: TaskStatus) -> TaskInfo 
     info(engine, id)
 }
 
-/// Submits `c` and waits until its task runs.
+/// Submits `c` and waits until its task runs, and one tick more: on paused time a start may
+/// end in the instant the submit answers, and a list requested in that same instant would not
+/// count as later than the start's end (the reconciler judges a task only by a later list).
 async fn run(engine: &Engine, c: TaskConfig) -> TaskInfo {
     let id = c.id.as_str().to_owned();
     engine.submit(c).await.unwrap();
-    wait_status(engine, &id, TaskStatus::Running).await
+    let info = wait_status(engine, &id, TaskStatus::Running).await;
+    tokio::time::sleep(TICK).await;
+    info
 }
 
 /// Submits `c`, whose start is to fail, and waits until its task is terminated.
