@@ -20,6 +20,9 @@ pub enum ErrorKind {
     /// 409: the request conflicts with the current state (id already known, task not
     /// terminated, component already installing).
     Conflict,
+    /// 408: the request's body did not come whole within
+    /// [`crate::ConnectionLimits::body_read_timeout`].
+    RequestTimeout,
     /// 413: the body is larger than [`crate::MAX_BODY_BYTES`].
     PayloadTooLarge,
     /// 415: the body is not `application/json`.
@@ -40,6 +43,7 @@ impl ErrorKind {
             Self::NotFound => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::Conflict => StatusCode::CONFLICT,
+            Self::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,

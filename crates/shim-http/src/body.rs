@@ -19,6 +19,15 @@ use crate::api::{ApiError, ErrorKind};
 /// The largest JSON request body accepted (1 MiB); larger ones are answered 413.
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;
 
+/// How long a request's body may take to come whole, where the server did not say
+/// ([`crate::ConnectionLimits::body_read_timeout`]).
+const DEFAULT_BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The server's [`crate::ConnectionLimits::body_read_timeout`], carried to [`read_body`] in the
+/// request's extensions.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BodyReadTimeout(pub std::time::Duration);
+
 /// Reads a request body as one JSON object of type `T`, with the rules and the messages of
 /// upstream's decoder (`runner/internal/common/api/api.go`, `DecodeJSONBody`):
 ///
@@ -26,6 +35,8 @@ pub const MAX_BODY_BYTES: usize = 1024 * 1024;
 ///   lowercased) is not `application/json` is 415; a missing or empty one is accepted;
 /// - a body larger than [`MAX_BODY_BYTES`] is 413, whether announced by `Content-Length` or
 ///   only discovered while streaming;
+/// - a body that does not come whole in time is 408
+///   ([`crate::ConnectionLimits::body_read_timeout`]);
 /// - see [`parse_json`] for the rest (400s).
 pub async fn read_json<T, B>(req: http::Request<B>) -> Result<T, ApiError>
 where
@@ -59,16 +70,24 @@ where
     if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
         return Err(too_large());
     }
-    let collected = Limited::new(req.into_body(), MAX_BODY_BYTES)
-        .collect()
-        .await
-        .map_err(|e| {
-            if e.is::<http_body_util::LengthLimitError>() {
-                too_large()
-            } else {
-                ApiError::bad_request(format!("failed to read the request body: {e}"))
-            }
-        })?;
+    let limit = req
+        .extensions()
+        .get::<BodyReadTimeout>()
+        .map_or(DEFAULT_BODY_READ_TIMEOUT, |t| t.0);
+    let collect = Limited::new(req.into_body(), MAX_BODY_BYTES).collect();
+    let Ok(collected) = tokio::time::timeout(limit, collect).await else {
+        return Err(ApiError::new(
+            ErrorKind::RequestTimeout,
+            format!("the request body did not come whole within {limit:?}"),
+        ));
+    };
+    let collected = collected.map_err(|e| {
+        if e.is::<http_body_util::LengthLimitError>() {
+            too_large()
+        } else {
+            ApiError::bad_request(format!("failed to read the request body: {e}"))
+        }
+    })?;
     Ok(collected.to_bytes())
 }
 

@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::HttpError;
 use crate::api::{ComponentsApi, ShimApi, ShutdownRequest};
+use crate::body::BodyReadTimeout;
 use crate::events::{ConnectionClose, EventsConfig, EventsHub};
 use crate::handlers::{State, handle};
 
@@ -187,6 +188,10 @@ pub struct ConnectionLimits {
     /// A connection with no request in progress on which nothing has been received or sent for
     /// this long is closed: before its first request and between keep-alive requests.
     pub idle_timeout: Duration,
+    /// A request's body must be whole within this time of its head: one that stalls is
+    /// answered `408 Request Timeout` and its connection closed, so it holds neither a
+    /// connection (a request in progress is never idle, nor evicted) nor a graceful shutdown.
+    pub body_read_timeout: Duration,
     /// At most this many connections (TCP and Unix socket together) are served at once. A
     /// connection beyond it makes the server close the connection that has been idle longest
     /// (no request in progress), so stalled connections cannot lock a well-behaved client
@@ -198,11 +203,13 @@ pub struct ConnectionLimits {
 }
 
 impl Default for ConnectionLimits {
-    /// 30 s to send a request head, 15 s of silence, 512 connections, 16 KiB of headers.
+    /// 30 s to send a request head, 15 s of silence, 30 s to send a body, 512 connections,
+    /// 16 KiB of headers.
     fn default() -> Self {
         Self {
             header_read_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(15),
+            body_read_timeout: Duration::from_secs(30),
             max_connections: 512,
             max_header_bytes: 16 * 1024,
         }
@@ -637,6 +644,8 @@ async fn connection<I>(
             let in_flight = InFlight::new(activity.clone());
             req.extensions_mut()
                 .insert(ConnectionClose(activity.close.clone()));
+            req.extensions_mut()
+                .insert(BodyReadTimeout(limits.body_read_timeout));
             async move {
                 let mut response = handle(state, req).await;
                 response.body_mut().hold(in_flight);

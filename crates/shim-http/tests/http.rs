@@ -896,6 +896,28 @@ async fn stalled_connections_are_closed_after_the_timeouts() {
     stop(s).await;
 }
 
+/// A request whose body stalls (its head complete, its body never) is answered 408 and its
+/// connection closed once the body read timeout passes, so it holds neither the only
+/// connection the cap allows (a request in progress is never idle, nor evicted) nor a
+/// graceful shutdown. hyper times out request heads only.
+#[tokio::test]
+async fn a_stalled_body_is_answered_408_and_holds_nothing() {
+    let limits = ConnectionLimits {
+        max_connections: 1,
+        body_read_timeout: Duration::from_millis(500),
+        ..short_limits()
+    };
+    let s = start_limited(limits).await;
+    let mut stalled = TcpStream::connect(s.addr).await.unwrap();
+    let head = "POST /api/tasks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+                Content-Length: 10\r\n\r\n{";
+    stalled.write_all(head.as_bytes()).await.unwrap();
+    let r = parse_response(&until_closed(&mut stalled).await);
+    assert_eq!(r.status, 408, "{r:?}");
+    assert_eq!(s.get("/api/healthcheck").await.status, 200);
+    stop(s).await;
+}
+
 /// A keep-alive connection is served several times, then closed once idle.
 #[tokio::test]
 async fn idle_keep_alive_connections_are_closed() {
