@@ -219,6 +219,36 @@ async fn a_restart_keeps_running_tasks_and_judges_exits_made_while_down<W: World
 }
 in_worlds!(a_restart_keeps_running_tasks_and_judges_exits_made_while_down: fake, docker, binary);
 
+// An image made of a GPU task's container (`docker commit` keeps its labels, this shim's GPU
+// label among them) lends a task started from it no GPU: the task holds none, before a
+// restart and after, and the donor's GPU stays the donor's alone, so all the others can be
+// had and no more. The create sets the GPU label even when empty, and a create's labels win
+// over the image's; without it the restore believed the image's label, locked the donor's GPU
+// for the task without GPUs and, with both restored, could free it under the donor.
+async fn an_images_labels_lend_a_task_no_gpu<W: World>() {
+    let mut w = W::new(Options::default()).await;
+    let donor = w.submitted("donor", 1, "running").await;
+    let image = w.commit(donor["container_id"].as_str().unwrap()).await;
+    let mut task = w.task("plain", 0);
+    task["image_name"] = image.reference.clone().into();
+    w.submit(&task).await.unwrap();
+    let plain = w.wait_status("plain", "running").await;
+    assert_eq!(plain["gpus_ids"], json!([]), "{plain}");
+    w.restart().await;
+    assert_eq!(kept(&w.info("plain").await.unwrap()), kept(&plain));
+    assert_eq!(gpus(&w.info("donor").await.unwrap()), gpus(&donor));
+    let rest = w.submitted("rest", GPUS as i64 - 1, "running").await;
+    assert!(gpus(&rest).is_disjoint(&gpus(&donor)), "{rest}");
+    let refused = w.submitted("none-left", 1, "terminated").await;
+    assert_has!(refused, {"termination_reason": "executor_error"});
+    for id in ["donor", "plain", "rest"] {
+        w.terminate(id, "terminated_by_server", "", 0).await;
+        w.remove(id).await;
+    }
+    assert_eq!(w.containers().await, 0);
+}
+in_worlds!(an_images_labels_lend_a_task_no_gpu: fake, docker, binary);
+
 // Issue 22, SPEC §5: a termination reason the upstream shim recorded wins at adoption. Its
 // state file (no fields of this shim) says `terminated_by_user`; its container exited with
 // code 3 before this shim started. The task reads `terminated_by_user` (not

@@ -68,9 +68,10 @@ fn inputs(
     labels.insert(LABEL_IS_TASK.to_owned(), "true".to_owned());
     labels.insert(LABEL_TASK_ID.to_owned(), task.record().id.to_string());
     labels.insert(LABEL_OWNER.to_owned(), ctx.owner.to_owned());
-    if !gpus.is_empty() {
-        labels.insert(LABEL_GPUS.to_owned(), gpus.join(","));
-    }
+    // Set even when empty: a create's labels win over the image's, and an image made from a
+    // task's container (`docker commit` keeps its labels) would otherwise lend a task without
+    // GPUs that container's GPU ids, which a restore believes.
+    labels.insert(LABEL_GPUS.to_owned(), gpus.join(","));
     let network = config.network_mode;
     let mut mounts = Vec::new();
     for m in &config.volume_mounts {

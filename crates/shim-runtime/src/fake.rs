@@ -179,6 +179,8 @@ struct State {
     images: BTreeMap<String, String>,
     /// Every local image by id (dangling ones too) → its size.
     image_ids: BTreeMap<String, u64>,
+    /// The labels of images made by [`FakeRuntime::commit`], by id.
+    image_labels: BTreeMap<String, BTreeMap<String, String>>,
     /// The id the next pull of a name (normalised) gives (default: [`FakeRuntime::default_image_id`]).
     pull_ids: BTreeMap<String, String>,
     data_root: Option<std::path::PathBuf>,
@@ -398,6 +400,21 @@ impl FakeRuntime {
         state
             .images
             .insert(crate::normalize_reference(image), id.to_owned());
+    }
+
+    /// Makes an image named `image` of the container `id` with the container's labels, as
+    /// `docker commit` does; a container created from it gets those labels where its spec
+    /// sets none (Docker's create merges the image's labels under the spec's).
+    pub fn commit(&self, id: &str, image: &str) {
+        let mut state = self.lock();
+        let labels = Self::resolve(&mut state, id)
+            .map(|c| c.spec.labels.clone())
+            .unwrap_or_default();
+        let name = crate::normalize_reference(image);
+        let image_id = format!("sha256:fake-commit-{name}");
+        state.image_ids.entry(image_id.clone()).or_insert(0);
+        state.images.insert(name, image_id.clone());
+        state.image_labels.insert(image_id, labels);
     }
 
     /// The id the next pulls of `image` give (a tag moved in the registry).
@@ -1035,11 +1052,11 @@ impl ContainerRuntime for FakeRuntime {
                 }
             }
         }
-        if Self::resolve_image(&state, &spec.image).is_none() {
+        let Some(image_id) = Self::resolve_image(&state, &spec.image) else {
             return Err(RuntimeError::NotFound {
                 what: format!("image {}", spec.image),
             });
-        }
+        };
         if state.containers.values().any(|c| c.spec.name == spec.name) {
             return Err(RuntimeError::Conflict {
                 op: "create",
@@ -1047,7 +1064,13 @@ impl ContainerRuntime for FakeRuntime {
                 message: format!("the container name \"/{}\" is already in use", spec.name),
             });
         }
-        let id = Self::new_container(&mut state, spec);
+        let mut spec = spec.clone();
+        for (key, value) in state.image_labels.get(&image_id).into_iter().flatten() {
+            spec.labels
+                .entry(key.clone())
+                .or_insert_with(|| value.clone());
+        }
+        let id = Self::new_container(&mut state, &spec);
         if std::mem::take(&mut state.lose_create_answer) {
             state.answers_lost += 1;
             return Err(RuntimeError::DaemonUnavailable {

@@ -105,6 +105,21 @@ async fn fresh_image(
     }
 }
 
+/// An image made of a container ([`World::commit`]).
+pub struct Committed {
+    /// What a task names as its image.
+    pub reference: String,
+    on_docker: bool,
+}
+
+impl Drop for Committed {
+    fn drop(&mut self) {
+        if self.on_docker {
+            shim_e2e::docker(&["rmi", "-f", &self.reference]);
+        }
+    }
+}
+
 /// A shim's change feed ([`World::changes`]).
 pub struct Changes {
     changes: tokio::sync::mpsc::UnboundedReceiver<Value>,
@@ -337,6 +352,24 @@ pub trait World: Sized {
     /// container's spec); `None` elsewhere.
     fn fake(&self) -> Option<&shim_runtime::fake::FakeRuntime> {
         None
+    }
+
+    /// An image made of the container `container_id` with its labels, as `docker commit`
+    /// makes it (removed from the daemon when dropped); a task names it by its reference.
+    async fn commit(&self, container_id: &str) -> Committed {
+        let reference = format!("shim-test-commit:{}", shim_e2e::harness::run_tag());
+        if let Some(fake) = self.fake() {
+            fake.commit(container_id, &reference);
+            return Committed {
+                reference,
+                on_docker: false,
+            };
+        }
+        shim_e2e::docker_ok(&["commit", container_id, &reference]);
+        Committed {
+            reference,
+            on_docker: true,
+        }
     }
 
     /// The task's state file (`<home>/runners/<container name>/task.json`) as JSON; `None`
