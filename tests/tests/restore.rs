@@ -94,6 +94,34 @@ async fn a_lost_or_replaced_owner_id_orphans_no_task<W: World>() {
 }
 in_worlds!(a_lost_or_replaced_owner_id_orphans_no_task: fake, docker, binary);
 
+// SPEC §4–§5: a start on a full disk with no owner identity stored (deleted while the shim
+// was down; an upstream home switched to this shim looks the same) restores its tasks all the
+// same: the identity serves that run only, and the next start with room stores one. The
+// identity is a label; what makes a container this shim's is its runner mount. A start that
+// failed for it left every task unwatched until the disk had room again.
+async fn a_full_disk_without_an_owner_id_still_starts_and_restores<W: World>() {
+    let mut w = W::new(Options::with(|o| o.fillable_home = true)).await;
+    let before = w.submitted("full-start", 1, "running").await;
+    let owner_file = w.home().join("owner-id");
+    w.stop().await;
+    fs_err::remove_file(&owner_file).unwrap();
+    w.set_disk_full(true).await;
+    w.start().await;
+    assert_eq!(kept(&w.info("full-start").await.unwrap()), kept(&before));
+    assert!(!owner_file.exists(), "stored on a full disk");
+    w.set_disk_full(false).await;
+    w.restart().await;
+    assert!(owner_file.exists(), "not stored once there was room");
+    assert_eq!(kept(&w.info("full-start").await.unwrap()), kept(&before));
+    w.terminate("full-start", "terminated_by_server", "", 0)
+        .await;
+    w.remove("full-start").await;
+    assert_eq!(w.containers().await, 0);
+}
+// Not in the binary world: its full disk (a file filling a small file system) still takes a
+// file of a few bytes, so the owner identity is stored there and the scenario shows nothing.
+in_worlds!(a_full_disk_without_an_owner_id_still_starts_and_restores: fake, docker);
+
 // SPEC §5: two shims on two homes share one engine and never touch each other's tasks: the
 // other one lists nothing, relists without stopping anything, and adopts nothing when it
 // restarts.

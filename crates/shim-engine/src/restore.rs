@@ -52,7 +52,10 @@ pub(crate) async fn list_waiting(
 
 /// The owner identity of the home: the one stored in it, or, the first time, a new one — or,
 /// for a home of the first release (which derived it from the home's path as spelled), the
-/// identity its running containers carry, so they stay this shim's. Stored once.
+/// identity its running containers carry, so they stay this shim's. Stored once; where it
+/// cannot be stored (a full disk), it serves this run only and the next start stores one: the
+/// identity is a label, not the proof of ownership (the runner mount is), so a start never
+/// fails for it.
 pub(crate) async fn determine_owner(home: &Home, runtime: &dyn ContainerRuntime) -> Result<String> {
     if let Some(id) = home.owner_id().await? {
         return Ok(id);
@@ -77,9 +80,16 @@ pub(crate) async fn determine_owner(home: &Home, runtime: &dyn ContainerRuntime)
     } else {
         new_owner_identity(home.path())
     };
-    let stored = home.create_owner_id(id).await?;
-    tracing::info!(owner = %stored, "owner identity created and stored in the home");
-    Ok(stored)
+    match home.create_owner_id(id.clone()).await {
+        Ok(stored) => {
+            tracing::info!(owner = %stored, "owner identity created and stored in the home");
+            Ok(stored)
+        }
+        Err(e) => {
+            tracing::warn!(owner = %id, error = %chain(&e), "cannot store the owner identity; using it for this run only (the next start stores one; ownership is the runner mount, so no task is orphaned)");
+            Ok(id)
+        }
+    }
 }
 
 /// What the state files say about one container name.
