@@ -176,15 +176,23 @@ fn use_repo_hooks() -> Result<()> {
     Ok(())
 }
 
-/// Makes the venv with the dstack server package ([`shim_e2e::DSTACK_VERSION`] from PyPI) that
-/// the tests run the server's own code from, unless it has that version already.
+/// What the dstack server's own requirements leave open and its code cannot run with:
+/// `dstack[server]` asks for `sentry-sdk[fastapi]>=2.27.0`, and its background tasks call
+/// `sentry_sdk.start_transaction` (`server/utils/tracing.py`), which sentry-sdk 3.0 (on PyPI
+/// since 2026-12) no longer has: every pipeline fetch fails and no job is ever provisioned.
+const DSTACK_CONSTRAINTS: [&str; 1] = ["sentry-sdk<3"];
+
+/// Makes the venv with the dstack server package ([`shim_e2e::DSTACK_VERSION`] from PyPI,
+/// within [`DSTACK_CONSTRAINTS`]) that the tests run the server's own code from, unless it has
+/// that version already (and a sentry-sdk it runs with).
 fn ensure_dstack_venv() -> Result<()> {
     let venv = std::path::Path::new(shim_e2e::DSTACK_VENV);
     let python = venv.join("bin/python");
     let version = shim_e2e::DSTACK_VERSION;
     let probe = format!(
         "import importlib.metadata as m, sys; import dstack._internal.server.services.runner.client; \
-         sys.exit(m.version('dstack') != '{version}')"
+         sys.exit(m.version('dstack') != '{version}' \
+         or int(m.version('sentry-sdk').split('.')[0]) >= 3)"
     );
     if python.exists() && cmd::succeeds(cmd::cmd(&python).args(["-c", &probe])) {
         println!("dstack venv: {} has dstack {version}", venv.display());
@@ -198,12 +206,16 @@ fn ensure_dstack_venv() -> Result<()> {
         fs_err::remove_dir_all(venv)?;
     }
     cmd::run(cmd::cmd("python3").args(["-m", "venv"]).arg(venv))?;
-    cmd::run(cmd::cmd(venv.join("bin/pip")).args([
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-        &format!("dstack[server]=={version}"),
-    ]))?;
+    cmd::run(
+        cmd::cmd(venv.join("bin/pip"))
+            .args([
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                &format!("dstack[server]=={version}"),
+            ])
+            .args(DSTACK_CONSTRAINTS),
+    )?;
     if !cmd::succeeds(cmd::cmd(&python).args(["-c", &probe])) {
         bail!(
             "dstack venv: {} lacks dstack {version} after pip install",
