@@ -126,8 +126,16 @@ fn dcgm_system(bit: u32) -> String {
 impl GpuHealthSource for HostGpuHealth {
     async fn probe(&self) -> GpuHealthReport {
         let mut report = self.host.probe().await;
-        if let Some(health) = &self.dcgm.health
-            && let Some(dcgm) = health.instance_health().await.dcgm
+        let Some(health) = &self.dcgm.health else {
+            return report;
+        };
+        let Some(dcgm) = health.instance_health().await.dcgm else {
+            // Partial: a GPU DCGM marked bad must not read as healthy again for it.
+            report
+                .errors
+                .push("DCGM's health check could not be read".to_owned());
+            return report;
+        };
         {
             for incident in dcgm.incidents {
                 // Entity group 1: a GPU, by its DCGM id (nvidia-smi's index).

@@ -316,10 +316,12 @@ impl GpuHealthWatch {
         self.last.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// One probe: the lock keeps the unhealthy GPUs from new tasks; changes are logged.
+    /// One probe: the lock keeps the unhealthy GPUs from new tasks; changes are logged. A
+    /// partial report (a source that could not be read: [`GpuHealthReport::errors`]) adds
+    /// reasons but clears none: not being read is no sign of a GPU's recovery.
     pub(crate) async fn probe(&self, source: &dyn GpuHealthSource, lock: &GpuLock) {
         let report = source.probe().await;
-        let unhealthy: BTreeMap<String, Vec<String>> = report
+        let mut unhealthy: BTreeMap<String, Vec<String>> = report
             .unhealthy()
             .map(|g| {
                 (
@@ -329,6 +331,16 @@ impl GpuHealthWatch {
             })
             .collect();
         let before = lock.unhealthy();
+        if !report.errors.is_empty() {
+            for (gpu, reasons) in &before {
+                let now = unhealthy.entry(gpu.clone()).or_default();
+                for reason in reasons {
+                    if !now.contains(reason) {
+                        now.push(reason.clone());
+                    }
+                }
+            }
+        }
         for (gpu, reasons) in &unhealthy {
             if before.get(gpu) != Some(reasons) {
                 tracing::warn!(%gpu, ?reasons, "a GPU is unhealthy: it is not given to new tasks (tasks holding it keep it)");
@@ -370,7 +382,60 @@ impl GpuHealthWatch {
 
 #[cfg(test)]
 mod tests {
+    use shim_resources::gpu::{GpuHealth, UnhealthyReason};
+
     use super::*;
+
+    /// A health source that answers its reports in turn.
+    struct Reports(Mutex<Vec<GpuHealthReport>>);
+
+    #[async_trait::async_trait]
+    impl GpuHealthSource for Reports {
+        async fn probe(&self) -> GpuHealthReport {
+            self.0.lock().unwrap().remove(0)
+        }
+    }
+
+    // A partial health report (its source unreadable: `nvidia-smi` failing, DCGM not
+    // answering) adds what it read but clears no GPU: one kept out stays out until a complete
+    // report finds it healthy (SPEC §7: not given to new tasks while bad). It used to replace
+    // the whole set, so an `nvidia-smi` that failed once put a bad GPU back in service.
+    #[tokio::test]
+    async fn a_partial_health_report_clears_no_gpu() {
+        let gpu = |uuid: &str, index, bad: bool| GpuHealth {
+            uuid: uuid.into(),
+            index,
+            bus_id: String::new(),
+            reasons: match bad {
+                true => vec![UnhealthyReason::RetiredPagesPending],
+                false => vec![],
+            },
+        };
+        let complete = |a, b| GpuHealthReport {
+            gpus: vec![gpu("GPU-a", 0, a), gpu("GPU-b", 1, b)],
+            errors: vec![],
+        };
+        let partial = |gpus| GpuHealthReport {
+            gpus,
+            errors: vec!["nvidia-smi -q failed".into()],
+        };
+        let reports = vec![
+            complete(true, false),
+            partial(vec![]),
+            partial(vec![gpu("GPU-b", 1, true)]),
+            complete(false, false),
+        ];
+        let source = Reports(Mutex::new(reports));
+        let lock = GpuLock::new(["GPU-a".to_owned(), "GPU-b".to_owned()]);
+        let watch = GpuHealthWatch::new();
+        let kept = |lock: &GpuLock| lock.unhealthy().into_keys().collect::<Vec<_>>();
+        let expected: [&[&str]; 4] = [&["GPU-a"], &["GPU-a"], &["GPU-a", "GPU-b"], &[]];
+        for (probe, expected) in expected.into_iter().enumerate() {
+            watch.probe(&source, &lock).await;
+            assert_eq!(kept(&lock), expected, "probe {probe}");
+        }
+        assert_eq!(lock.acquire(2).unwrap().len(), 2);
+    }
 
     fn nvidia(n: u32) -> HostGpus {
         HostGpus::fake_nvidia(n)
