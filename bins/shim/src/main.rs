@@ -165,6 +165,10 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
         &config.engine.runner_binary_path,
         &shim_binary,
     ));
+    {
+        let components = components.clone();
+        tokio::task::spawn_blocking(move || components.remove_interrupted_downloads()).await?;
+    }
     let upgrader = upgrade::Upgrader::new(shim_binary, home.clone(), components.clone());
     upgrader.load_record().await;
     if !config.runner_download_url.is_empty() {

@@ -75,6 +75,7 @@ pub(crate) fn download(
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_global(Some(config.download_timeout))
         .timeout_connect(Some(Duration::from_secs(30)))
+        .timeout_per_read(Some(config.stall_timeout))
         .build()
         .into();
     let response = agent

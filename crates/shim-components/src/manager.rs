@@ -25,18 +25,24 @@ pub struct ComponentsConfig {
     pub version_timeout: Duration,
     /// How long a whole download may take.
     pub download_timeout: Duration,
+    /// How long a download may receive nothing before it fails (a connection that stalled
+    /// mid-file would otherwise hold the install, and a shutdown waiting for it, for the
+    /// whole `download_timeout`).
+    pub stall_timeout: Duration,
     /// The largest binary accepted.
     pub max_download_bytes: u64,
 }
 
 impl ComponentsConfig {
-    /// Defaults: 5 s for `--version`, 20 min per download, at most 1 GiB.
+    /// Defaults: 5 s for `--version`, 20 min per download and 60 s without a byte, at most
+    /// 1 GiB.
     pub fn new(runner_path: impl Into<PathBuf>, shim_path: impl Into<PathBuf>) -> Self {
         Self {
             runner_path: runner_path.into(),
             shim_path: shim_path.into(),
             version_timeout: Duration::from_secs(5),
             download_timeout: Duration::from_secs(20 * 60),
+            stall_timeout: Duration::from_secs(60),
             max_download_bytes: 1 << 30,
         }
     }
@@ -238,6 +244,53 @@ impl Components {
     pub async fn wait_idle(&self) {
         let mut rx = self.inner.jobs.subscribe();
         let _ = rx.wait_for(|n| *n == 0).await;
+    }
+
+    /// Removes what interrupted downloads left beside the components' binaries: their temp
+    /// files (a shim killed mid-download leaves one, up to `max_download_bytes`, each time)
+    /// untouched for longer than a download may take ([`ComponentsConfig::download_timeout`]),
+    /// so that none still being written, by this process or by another shim sharing the
+    /// path, is touched. What cannot be read or removed is logged. Returns how many were
+    /// removed. Blocking: the binary calls it at start-up, before any install.
+    pub fn remove_interrupted_downloads(&self) -> usize {
+        let old_enough = self.inner.config.download_timeout + Duration::from_secs(60);
+        let mut removed = 0;
+        for slot in [&self.inner.runner, &self.inner.shim] {
+            let (Some(dir), Some(name)) = (slot.path.parent(), slot.path.file_name()) else {
+                continue;
+            };
+            let dir = if dir.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                dir
+            };
+            let Ok(entries) = fs_err::read_dir(dir) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                let file = entry.file_name();
+                if !shim_fs::is_temp_of(name, &file) {
+                    continue;
+                }
+                let idle = entry
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .map(|t| t.elapsed().unwrap_or_default());
+                if !idle.is_ok_and(|idle| idle > old_enough) {
+                    continue;
+                }
+                match fs_err::remove_file(entry.path()) {
+                    Ok(()) => {
+                        tracing::info!(file = %entry.path().display(), "removed the temp file of an interrupted download");
+                        removed += 1;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot remove the temp file of an interrupted download");
+                    }
+                }
+            }
+        }
+        removed
     }
 
     /// Cancels running downloads (their temp files are removed, the targets left untouched).

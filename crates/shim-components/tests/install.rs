@@ -49,6 +49,15 @@ fn file_server() -> FileServer {
             lines.find(|h| h.as_ref().unwrap().is_empty());
             // `GET /runner?sig=secret HTTP/1.1` → `/runner`.
             let path = line.split([' ', '?']).nth(1).unwrap_or("");
+            if path == "/stall" {
+                // A million bytes announced, ten sent, then nothing (the connection kept).
+                std::thread::spawn(move || {
+                    let head = "HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n";
+                    let _ = write!(stream, "{head}0123456789");
+                    std::thread::sleep(BOUND);
+                });
+                continue;
+            }
             let (status, body) = match path {
                 "/runner" => ("200 OK", script("dstack-runner version 1.2.3")),
                 "/runner2" => ("200 OK", script("dstack-runner version 2.0.0")),
@@ -209,6 +218,60 @@ async fn failed_downloads_leave_the_target_alone() {
         .unwrap();
     let e = install_err(&c, &format!("http://{closed}/runner")).await;
     assert!(matches!(e, ComponentsError::Download { .. }), "{e}");
+}
+
+/// A download that stalls mid-file (its connection kept, nothing more sent) fails once
+/// nothing has come for `stall_timeout`, the target untouched, where it used to hold the
+/// install, and a shutdown waiting for it, for the whole 20 minutes of `download_timeout`.
+#[tokio::test]
+async fn a_stalled_download_fails_after_the_stall_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = file_server();
+    let mut config = ComponentsConfig::new(dir.path().join("bin/dstack-runner"), "/unused");
+    config.stall_timeout = Duration::from_secs(1);
+    let c = Components::new(config);
+    let began = std::time::Instant::now();
+    let e = tokio::time::timeout(BOUND, install_err(&c, &server.url("/stall")))
+        .await
+        .expect("the stalled download never failed");
+    assert!(matches!(e, ComponentsError::Body { .. }), "{e}");
+    assert!(began.elapsed() < BOUND, "{:?}", began.elapsed());
+    assert_eq!(dir_entries(&dir.path().join("bin")), Vec::<String>::new());
+}
+
+/// The temp files an interrupted download left beside a component's binary (a shim killed
+/// mid-download) are removed at start-up once older than a download may take; a younger one,
+/// which another shim sharing the path may still be writing, and other files stay.
+#[test]
+fn temp_files_of_interrupted_downloads_are_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let bin = dir.path().join("bin");
+    fs_err::create_dir(&bin).unwrap();
+    let c = components(dir.path());
+    let long_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
+    for (name, old) in [
+        (".dstack-runner.tmp-1-0.0", true),
+        (".dstack-runner.tmp-2-0.0", false),
+        ("dstack-runner", true),
+        ("other", true),
+    ] {
+        let file = fs_err::File::create(bin.join(name)).unwrap();
+        if old {
+            file.file().set_modified(long_ago).unwrap();
+        }
+    }
+    assert!(shim_fs::is_temp_of(
+        "dstack-runner",
+        ".dstack-runner.tmp-1-0.0"
+    ));
+    let shim_temp = dir.path().join(".dstack-shim.tmp-3-0.0");
+    let file = fs_err::File::create(&shim_temp).unwrap();
+    file.file().set_modified(long_ago).unwrap();
+
+    assert_eq!(c.remove_interrupted_downloads(), 2);
+    let left = [".dstack-runner.tmp-2-0.0", "dstack-runner", "other"];
+    assert_eq!(dir_entries(&bin), left);
+    assert!(!shim_temp.exists());
 }
 
 /// An empty URL is refused up front; any other URL is accepted and a scheme the downloader
