@@ -130,6 +130,9 @@ pub(crate) struct Candidate {
     /// What to remove: its recorded names that still point to it, or its id when no name
     /// does.
     pub(crate) remove: Vec<String>,
+    /// The names by digest it was pulled as (`repo@sha256:…`): a digest names one image for
+    /// good, and the engine lists it as no tag, so a task naming one keeps the image.
+    pub(crate) digests: Vec<String>,
     /// The engine's size (an upper bound of what removing it frees: the order only).
     pub(crate) size: u64,
     pub(crate) last_used_ms: u64,
@@ -648,10 +651,13 @@ impl ImageGc {
                     continue;
                 }
             };
-            let in_use = details
-                .tags
-                .iter()
-                .any(|t| referenced.contains(&normalize_reference(t)));
+            let digests: Vec<String> = (pulled.names.iter())
+                .filter(|n| n.contains('@'))
+                .cloned()
+                .collect();
+            let in_use = (details.tags.iter())
+                .any(|t| referenced.contains(&normalize_reference(t)))
+                || digests.iter().any(|d| referenced.contains(d));
             let remove = match standing(&pulled.names, &details.tags) {
                 Standing::Foreign => {
                     tracing::info!(image = %id, tags = ?details.tags, "an image this shim pulled is named only by names it did not pull it as: no longer collected");
@@ -667,6 +673,7 @@ impl ImageGc {
             candidates.push(Candidate {
                 id,
                 remove,
+                digests,
                 size: details.size,
                 last_used_ms: pulled.last_used_ms,
             });
@@ -724,7 +731,7 @@ impl ImageGc {
             }
             // Referred to since the list was made (a submit in between): kept.
             let referenced = self.referenced();
-            if c.remove.iter().any(|name| referenced.contains(name)) {
+            if (c.remove.iter().chain(&c.digests)).any(|name| referenced.contains(name)) {
                 continue;
             }
             if !self.remove(&c).await {
@@ -869,6 +876,7 @@ mod tests {
         let c = |id: &str, size, last_used_ms| Candidate {
             id: id.into(),
             remove: vec![id.into()],
+            digests: vec![],
             size,
             last_used_ms,
         };

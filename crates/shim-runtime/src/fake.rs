@@ -875,10 +875,13 @@ impl ContainerRuntime for FakeRuntime {
     async fn inspect_image(&self, image: &str) -> Result<Option<ImageDetails>> {
         let state = self.record(Call::InspectImage(image.to_owned()), image)?;
         Ok(Self::resolve_image(&state, image).map(|id| {
+            // A name by digest (`repo@sha256:…`) is not a tag here, as Docker's classic store
+            // has it: listed in `RepoDigests`, so an image pulled by digest only has no
+            // `RepoTags` (the containerd store lists the digest name among the tags too).
             let tags = state
                 .images
                 .iter()
-                .filter(|(_, i)| **i == id)
+                .filter(|(name, i)| **i == id && !name.contains('@'))
                 .map(|(name, _)| name.clone())
                 .collect();
             let size = state.image_ids.get(&id).copied().unwrap_or(0);
@@ -897,7 +900,10 @@ impl ContainerRuntime for FakeRuntime {
             message: message.to_owned(),
         };
         let by_id = state.image_ids.contains_key(image);
-        let names = state.images.values().filter(|i| **i == id).count();
+        // Names by digest hold nothing: they go with the image.
+        let names = (state.images.iter())
+            .filter(|(name, i)| **i == id && !name.contains('@'))
+            .count();
         if by_id && names > 0 {
             return Err(conflict("image is referenced in one or more repositories"));
         }
@@ -907,6 +913,7 @@ impl ContainerRuntime for FakeRuntime {
         }
         if by_id {
             state.image_ids.remove(&id);
+            state.images.retain(|_, i| *i != id);
             self.emit_image_removed(&mut state, &id, &id);
         } else {
             self.untag(&mut state, image);

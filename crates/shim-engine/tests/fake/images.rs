@@ -73,3 +73,39 @@ async fn a_real_pull_is_shown_as_pulling() {
     w.runtime.release_pulls();
     wait_status(&engine, "t1", TaskStatus::Running).await;
 }
+
+/// An image pulled by digest (`repo@sha256:…`) has no tag on Docker's classic store (the
+/// digest is listed apart, in `RepoDigests`; the containerd store lists it among the tags
+/// too, checked on Docker 28.5), so a task naming it by that digest must keep it all the same: while a known
+/// task names it (here one whose start failed before any container, so no container holds the
+/// image), a full data root collects nothing; once that task is removed, the image goes, by id.
+/// It used to be judged by its tags alone, so it was unused and removed under a task about to
+/// create from it, which then failed with the image vanished.
+#[tokio::test(start_paused = true)]
+async fn an_image_named_by_digest_stays_while_a_task_names_it() {
+    let w = World::new(0);
+    w.runtime.set_data_root(Some("/fake/docker".into()));
+    let engine = w.engine().await;
+    let image = format!("repo/img@sha256:{}", "d".repeat(64));
+    run(&engine, config("t1").with_image(&image)).await;
+    let id = w.runtime.image_id(&image).expect("pulled");
+    w.runtime.set_image_size(&image, 10 << 30);
+    terminate_by_user(&engine, "t1").await;
+    engine.remove(&tid("t1")).await.unwrap();
+    // Known, naming the image, and without a container: it asks for a GPU the host lacks.
+    failed_start(&engine, config("t2").with_image(&image).with_gpus(1)).await;
+    let deletes = || w.calls_where(|c| matches!(c, Call::DeleteImage(_)));
+    w.disk.set_available(20 << 30);
+    let full = "dstack_shim_image_fs_used_ratio 0.9";
+    poll_until(100, Duration::from_secs(1), async || {
+        scrape(&engine).contains(full)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    assert_eq!(deletes(), [], "the image a known task names stays");
+
+    engine.remove(&tid("t2")).await.unwrap();
+    poll_until(10, Duration::from_secs(30), async || !deletes().is_empty()).await;
+    assert_eq!(deletes(), [Call::DeleteImage(id)], "by id: it has no tag");
+    assert!(w.runtime.image_id(&image).is_none());
+}
