@@ -594,7 +594,8 @@ fn an_upgrade_in_place_fails_no_request_and_keeps_every_task() {
 ///   shim keeps serving (same PID, no failed request);
 /// - a good `--version` but exits when started as a shim (the hard case): it is exec'd, dies;
 ///   the watchdog puts the old binary back and systemd starts it after `RestartSec`;
-/// - the same binary installed again: refused without being started (it failed before);
+/// - the same binary installed again: refused at its install, never put at the path (it
+///   failed before);
 /// - a good `--version` that hangs: killed by the watchdog after its bound, rolled back.
 #[test]
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
@@ -672,9 +673,18 @@ fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
     );
     phases.push(("exits at start", from, Instant::now()));
 
-    // The same binary again: refused without being started.
+    // The same binary again: refused at its install, never put at the path systemd starts
+    // (a restart or a reboot would start it with no watchdog); the component reads `error`
+    // as after the rollback, so the server restarts nothing, and the same process serves on.
     let from = Instant::now();
-    refused(&exits_url, ["installed", "0.22.99+rust.0.1.0"]);
+    let pid = shim.supervisor().pid().unwrap();
+    assert_eq!(install(&shim, &exits_url), ["error", ""]);
+    assert!(
+        same_bytes(&path, &current),
+        "the path keeps the running binary"
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(shim.supervisor().pid(), Some(pid), "still the same process");
     after_rollback(2);
     assert_eq!(
         record(&shim),
@@ -682,7 +692,7 @@ fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
         "the record of the failure is kept as it was"
     );
     let log = shim.all_logs();
-    assert!(log.contains("the same binary failed to start"), "{log}");
+    assert!(log.contains("is the binary rolled back at"), "{log}");
     phases.push(("the same binary again", from, Instant::now()));
 
     // A good version that never answers: killed after the bound (5 s here), rolled back.

@@ -161,10 +161,11 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
     signals::spawn(signalled.clone(), force.clone()).context("cannot listen for signals")?;
 
     let shim_binary = config.shim_binary()?;
-    let components = Components::new(ComponentsConfig::new(
-        &config.engine.runner_binary_path,
-        &shim_binary,
-    ));
+    let mut components_config =
+        ComponentsConfig::new(&config.engine.runner_binary_path, &shim_binary);
+    // A shim binary an upgrade rolled back within the hour is not installed again.
+    components_config.rollback_home = Some(home.clone());
+    let components = Components::new(components_config);
     {
         let components = components.clone();
         tokio::task::spawn_blocking(move || components.remove_interrupted_downloads()).await?;

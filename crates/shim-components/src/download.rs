@@ -6,6 +6,7 @@ use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use sha2::Digest as _;
 use tokio_util::sync::CancellationToken;
 
 use crate::{ComponentName, ComponentsConfig, ComponentsError};
@@ -90,6 +91,9 @@ pub(crate) fn download(
 
     // Temp file beside the target (0755 from the start), streamed, fsynced, renamed over the
     // target, directory fsynced: a reader of the path sees the old binary or the new one.
+    // The shim's bytes are hashed on the way, for the rollback record's refusal.
+    let mut hasher =
+        (name == ComponentName::Shim && config.rollback_home.is_some()).then(sha2::Sha256::new);
     shim_fs::write_atomic_with(target, &shim_fs::WriteOptions::new(0o755), |file| {
         let mut buf = vec![0u8; 64 * 1024];
         loop {
@@ -115,6 +119,9 @@ pub(crate) fn download(
                     why: format!("larger than {} bytes", config.max_download_bytes),
                 });
             }
+            if let Some(hasher) = hasher.as_mut() {
+                hasher.update(&buf[..n]);
+            }
             file.write_all(&buf[..n])?;
         }
         if file.written() == 0 {
@@ -124,8 +131,41 @@ pub(crate) fn download(
                 why: "empty".into(),
             });
         }
+        if let Some(hasher) = hasher.take() {
+            refused(name, &shown, config, &hex(&hasher.finalize()))?;
+        }
         Ok(())
     })
+}
+
+/// The error of a shim download whose digest the home's rollback record refuses now: it
+/// must not reach the path systemd starts (a restart or a reboot would start it with no
+/// watchdog). A record that cannot be read refuses nothing (the shutdown's pre-flight reads
+/// it again).
+fn refused(
+    name: ComponentName,
+    shown: &str,
+    config: &ComponentsConfig,
+    sha256: &str,
+) -> Result<(), ComponentsError> {
+    let Some(home) = &config.rollback_home else {
+        return Ok(());
+    };
+    match crate::upgrade::RollbackRecord::read(home) {
+        Ok(Some(record)) if record.refuses(sha256, crate::upgrade::unix_now()) => {
+            Err(ComponentsError::Refused {
+                name,
+                url: shown.to_owned(),
+                failed_at_unix: record.at_unix,
+                reason: record.reason,
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

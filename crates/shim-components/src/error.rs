@@ -71,6 +71,21 @@ pub enum ComponentsError {
         #[source]
         source: io::Error,
     },
+    /// The downloaded shim is the binary an upgrade rolled back less than an hour ago (its
+    /// [`crate::upgrade::RollbackRecord`]): it is not put at the path systemd starts.
+    #[error(
+        "{name} from {url} is the binary rolled back at {failed_at_unix} ({reason}); not installed for an hour after"
+    )]
+    Refused {
+        /// The component.
+        name: ComponentName,
+        /// The URL without its query string.
+        url: String,
+        /// When it failed (seconds since the Unix epoch).
+        failed_at_unix: u64,
+        /// Why it was rolled back.
+        reason: String,
+    },
     /// The install was cancelled (shutdown).
     #[error("install of {name} was cancelled")]
     Cancelled {

@@ -31,6 +31,10 @@ pub struct ComponentsConfig {
     pub stall_timeout: Duration,
     /// The largest binary accepted.
     pub max_download_bytes: u64,
+    /// The shim's home, where an upgrade's rollback record is kept
+    /// ([`crate::upgrade::RollbackRecord`]): a shim download that is the binary the record
+    /// refuses is not put at the path (`None`: not looked at).
+    pub rollback_home: Option<PathBuf>,
 }
 
 impl ComponentsConfig {
@@ -44,6 +48,7 @@ impl ComponentsConfig {
             download_timeout: Duration::from_secs(20 * 60),
             stall_timeout: Duration::from_secs(60),
             max_download_bytes: 1 << 30,
+            rollback_home: None,
         }
     }
 }
@@ -332,6 +337,13 @@ impl Components {
             Ok(()) => {
                 slot.state().last_error = None;
                 tracing::info!(component = %name, path = %slot.path.display(), "component installed");
+            }
+            Err(e @ ComponentsError::Refused { .. }) => {
+                // The binary rolled back: reported as after the rollback itself (`error`), not
+                // by what stays at the path (the running binary).
+                let mut state = slot.state();
+                state.last_error = Some(error_chain(e));
+                state.rolled_back = Some(error_chain(e));
             }
             Err(e) => slot.state().last_error = Some(error_chain(e)),
         }

@@ -274,6 +274,54 @@ fn temp_files_of_interrupted_downloads_are_removed() {
     assert!(!shim_temp.exists());
 }
 
+/// A shim download that is the binary an upgrade rolled back within the hour (the home's
+/// rollback record names its digest) is not put at the path: systemd starts what is there on
+/// a restart or a reboot, with no watchdog, and the binary failed. The binary in place stays
+/// and the component reports `error`, as after the rollback; the same binary installs once
+/// the record no longer refuses it (an hour after its failure). The download used to be put
+/// in place, refused only by the next shutdown's pre-flight.
+#[tokio::test]
+async fn a_shim_binary_rolled_back_within_the_hour_is_not_installed_again() {
+    use shim_components::upgrade::{RollbackRecord, digest};
+    let dir = tempfile::tempdir().unwrap();
+    let server = file_server();
+    let home = dir.path().join("home");
+    fs_err::create_dir(&home).unwrap();
+    let mut config = ComponentsConfig::new(
+        dir.path().join("bin/dstack-runner"),
+        dir.path().join("dstack-shim"),
+    );
+    config.rollback_home = Some(home.clone());
+    let c = Components::new(config);
+    let target = dir.path().join("dstack-shim");
+    let failed = dir.path().join("failed");
+    fs_err::write(&failed, script("dstack-shim version 0.22.1")).unwrap();
+    let mut record = RollbackRecord::now(
+        "0.22.1",
+        &digest(&failed).unwrap(),
+        "it did not start",
+        "0.22.0",
+    );
+    record.write(&home).unwrap();
+    fs_err::write(&target, script("dstack-shim version 0.22.0")).unwrap();
+    fs_err::set_permissions(&target, std::fs::Permissions::from_mode(0o755)).unwrap();
+
+    let e = c.install(Shim, &server.url("/shim")).await.unwrap_err();
+    assert!(matches!(e, ComponentsError::Refused { .. }), "{e}");
+    assert!(error_chain(&e).contains("it did not start"), "{e}");
+    let kept = fs_err::read_to_string(&target).unwrap();
+    assert_eq!(kept, script("dstack-shim version 0.22.0"));
+    // Reported as after the rollback itself: `error`, no version (the server asks again at
+    // its next check, and restarts nothing, the path's binary being the running one).
+    assert_eq!(state(&c, Shim).await, (Status::Error, String::new()));
+    assert!(c.rolled_back(Shim).is_some());
+
+    record.at_unix -= 3600;
+    record.write(&home).unwrap();
+    c.install(Shim, &server.url("/shim")).await.unwrap();
+    assert_eq!(state(&c, Shim).await, (Status::Installed, "0.22.1".into()));
+}
+
 /// An empty URL is refused up front; any other URL is accepted and a scheme the downloader
 /// does not speak fails the install in the background: the component then reports what its
 /// check finds (`error` when no binary is left, the installed version otherwise), the target
