@@ -2,6 +2,18 @@
 
 use super::*;
 
+/// Leaves 20 GiB available beside a 10 GiB image, 90 % used, and waits until the engine's
+/// minute check has measured it (its statfs runs on a blocking thread).
+async fn fill_data_root(w: &World, engine: &Engine) {
+    w.disk.set_available(20 << 30);
+    let full = "dstack_shim_image_fs_used_ratio 0.9";
+    poll_until(100, Duration::from_secs(1), async || {
+        scrape(engine).contains(full)
+    })
+    .await;
+    assert_scraped(engine, full);
+}
+
 /// Image collection on the fake runtime and a data root whose fullness the test sets (issue 28
 /// part 3; the same on a real loop file system: `tests/tests/faults.rs`): at 50 % used nothing
 /// is removed; a task's image this shim pulled stays while the task is known; once it is
@@ -16,15 +28,7 @@ async fn an_unused_pulled_image_is_collected_when_the_data_root_fills() {
     run(&engine, config("t1").with_image("old:1")).await;
     w.runtime.set_image_size("old:1", 10 << 30);
     let deletes = || w.calls_where(|c| matches!(c, Call::DeleteImage(_)));
-    // 20 GiB available but for the 10 GiB image: 90 % used.
-    w.disk.set_available(20 << 30);
-    // The next minute's check measures 90 % (its statfs runs on a blocking thread: wait for it).
-    let full = "dstack_shim_image_fs_used_ratio 0.9";
-    poll_until(100, Duration::from_secs(1), async || {
-        scrape(&engine).contains(full)
-    })
-    .await;
-    assert_scraped(&engine, full);
+    fill_data_root(&w, &engine).await;
     assert_eq!(deletes(), [], "the image of a known task stays");
 
     terminate_by_user(&engine, "t1").await;
@@ -95,12 +99,7 @@ async fn an_image_named_by_digest_stays_while_a_task_names_it() {
     // Known, naming the image, and without a container: it asks for a GPU the host lacks.
     failed_start(&engine, config("t2").with_image(&image).with_gpus(1)).await;
     let deletes = || w.calls_where(|c| matches!(c, Call::DeleteImage(_)));
-    w.disk.set_available(20 << 30);
-    let full = "dstack_shim_image_fs_used_ratio 0.9";
-    poll_until(100, Duration::from_secs(1), async || {
-        scrape(&engine).contains(full)
-    })
-    .await;
+    fill_data_root(&w, &engine).await;
     tokio::time::sleep(Duration::from_secs(120)).await;
     assert_eq!(deletes(), [], "the image a known task names stays");
 
