@@ -132,7 +132,12 @@ pub(crate) fn download(
             });
         }
         if let Some(hasher) = hasher.take() {
-            refused(name, &shown, config, &hex(&hasher.finalize()))?;
+            refused(
+                name,
+                &shown,
+                config,
+                &crate::upgrade::hex(&hasher.finalize()),
+            )?;
         }
         Ok(())
     })
@@ -162,10 +167,6 @@ fn refused(
         }
         _ => Ok(()),
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

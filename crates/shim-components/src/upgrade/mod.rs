@@ -105,11 +105,12 @@ pub fn digest(path: &Path) -> Result<String, ComponentsError> {
         }
         hasher.update(&buf[..n]);
     }
-    Ok(hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect())
+    Ok(hex(&hasher.finalize()))
+}
+
+/// `bytes` in lower-case hex (a SHA-256 as the rollback record keeps it).
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Puts the running executable's bytes over `target` (mode 0755), atomically
