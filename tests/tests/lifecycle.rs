@@ -76,6 +76,30 @@ async fn a_runners_exit_ends_the_task_by_its_code<W: World>() {
 }
 in_worlds!(a_runners_exit_ends_the_task_by_its_code: fake, docker, binary);
 
+// SPEC §4: the exit code is the container's, whatever its image's labels say. Docker copies a
+// container's labels (its image's among them) into the `die` event after `exitCode` (moby
+// daemon/events.go, `LogContainerEventWithAttributes`), so an image labelled `exitCode=0`
+// made a runner's exit 3 read `done_by_runner`, kept for good. (Docker only: the fake engine's
+// events carry the code apart from the labels, and Podman sets its own after them.)
+async fn an_images_exit_code_label_names_no_exit<W: World>() {
+    let w = W::new(Options::default()).await;
+    let donor = w.submitted("donor", 0, "running").await;
+    let cid = donor["container_id"].as_str().unwrap();
+    let image = w
+        .commit(cid, &[("exitCode", "0"), ("containerExitCode", "0")])
+        .await;
+    w.finish("donor").await;
+    let mut task = w.task("labelled", 0);
+    task["image_name"] = image.reference.clone().into();
+    w.submit(&task).await.unwrap();
+    let running = w.wait_status("labelled", "running").await;
+    w.exit_runner(&running, 3).await;
+    let failed = w.wait_status("labelled", "terminated").await;
+    assert_has!(failed, {"termination_reason": "container_exited_with_error"});
+    w.finish("labelled").await;
+}
+in_worlds!(an_images_exit_code_label_names_no_exit: docker, binary);
+
 // SPEC §4: terminate stops a running task and answers once it is stopped. Timeout 0 is
 // `docker stop -t 0` (upstream: runner/internal/shim/docker.go, Terminate: ContainerStop with
 // the request's timeout): SIGTERM then SIGKILL at once, so the stub runner (which traps

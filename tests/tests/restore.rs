@@ -256,7 +256,7 @@ in_worlds!(a_restart_keeps_running_tasks_and_judges_exits_made_while_down: fake,
 async fn an_images_labels_lend_a_task_no_gpu<W: World>() {
     let mut w = W::new(Options::default()).await;
     let donor = w.submitted("donor", 1, "running").await;
-    let image = w.commit(donor["container_id"].as_str().unwrap()).await;
+    let image = w.commit(donor["container_id"].as_str().unwrap(), &[]).await;
     let mut task = w.task("plain", 0);
     task["image_name"] = image.reference.clone().into();
     w.submit(&task).await.unwrap();

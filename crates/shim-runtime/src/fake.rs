@@ -402,14 +402,19 @@ impl FakeRuntime {
             .insert(crate::normalize_reference(image), id.to_owned());
     }
 
-    /// Makes an image named `image` of the container `id` with the container's labels, as
-    /// `docker commit` does; a container created from it gets those labels where its spec
+    /// Makes an image named `image` of the container `id` with the container's labels and
+    /// `added`, as `docker commit --change 'LABEL k=v'` does; a container created from it gets those labels where its spec
     /// sets none (Docker's create merges the image's labels under the spec's).
-    pub fn commit(&self, id: &str, image: &str) {
+    pub fn commit(&self, id: &str, image: &str, added: &[(&str, &str)]) {
         let mut state = self.lock();
-        let labels = Self::resolve(&mut state, id)
+        let mut labels = Self::resolve(&mut state, id)
             .map(|c| c.spec.labels.clone())
             .unwrap_or_default();
+        labels.extend(
+            added
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+        );
         let name = crate::normalize_reference(image);
         let image_id = format!("sha256:fake-commit-{name}");
         state.image_ids.entry(image_id.clone()).or_insert(0);

@@ -354,18 +354,24 @@ pub trait World: Sized {
         None
     }
 
-    /// An image made of the container `container_id` with its labels, as `docker commit`
-    /// makes it (removed from the daemon when dropped); a task names it by its reference.
-    async fn commit(&self, container_id: &str) -> Committed {
+    /// An image made of the container `container_id` with its labels and `added`, as `docker
+    /// commit --change 'LABEL k=v'` makes it (removed from the daemon when dropped); a task
+    /// names it by its reference.
+    async fn commit(&self, container_id: &str, added: &[(&str, &str)]) -> Committed {
         let reference = format!("shim-test-commit:{}", shim_e2e::harness::run_tag());
         if let Some(fake) = self.fake() {
-            fake.commit(container_id, &reference);
+            fake.commit(container_id, &reference, added);
             return Committed {
                 reference,
                 on_docker: false,
             };
         }
-        shim_e2e::docker_ok(&["commit", container_id, &reference]);
+        let mut args = vec!["commit".to_owned()];
+        for (key, value) in added {
+            args.extend(["--change".to_owned(), format!("LABEL {key}={value}")]);
+        }
+        args.extend([container_id.to_owned(), reference.clone()]);
+        shim_e2e::docker_ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
         Committed {
             reference,
             on_docker: true,

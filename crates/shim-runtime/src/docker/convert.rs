@@ -443,12 +443,31 @@ fn event_time_ns(time_nano: Option<i64>, time: Option<i64>, since_ns: i64) -> Op
     )
 }
 
+/// The keys of `labels` (an image's) that would stand for the exit code in a `die` event of a
+/// container made of it on Docker, which copies the labels among the event's attributes after
+/// its `exitCode` (moby daemon/events.go, `LogContainerEventWithAttributes`): `exitCode`,
+/// and with it `containerExitCode`, which [`exit_code`] reads next. Empty when the image has
+/// no `exitCode` label.
+pub(super) fn shadowed_exit_labels(labels: Option<&HashMap<String, String>>) -> Vec<String> {
+    let Some(labels) = labels.filter(|l| l.contains_key("exitCode")) else {
+        return Vec::new();
+    };
+    EXIT_CODE_KEYS
+        .iter()
+        .filter(|key| labels.contains_key(**key))
+        .map(|key| (*key).to_owned())
+        .collect()
+}
+
+/// The attributes of a `die` event that may hold the exit code, in the order they are read.
+const EXIT_CODE_KEYS: [&str; 2] = ["exitCode", "containerExitCode"];
+
 /// The exit code of a `die` event: Docker's `exitCode` attribute, or Podman's
 /// `containerExitCode` (Podman's compat API copies it into `exitCode` when it renames `died`
 /// to `die`, pkg/api/handlers/compat/events.go; an event that kept its libpod name has only
 /// `containerExitCode`).
 fn exit_code(attributes: &HashMap<String, String>) -> Option<i64> {
-    ["exitCode", "containerExitCode"]
+    EXIT_CODE_KEYS
         .iter()
         .find_map(|key| attributes.get(*key)?.parse::<i64>().ok())
 }

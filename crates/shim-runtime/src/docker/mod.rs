@@ -8,6 +8,7 @@ mod progress;
 mod tests;
 pub(crate) mod transport;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -36,12 +37,14 @@ use shim_task::PullProgress;
 
 use convert::{
     container_event, create_body, details, details_from_json, event_filters, list_prefilter,
-    since_param, summaries_from_json, summary,
+    shadowed_exit_labels, since_param, summaries_from_json, summary,
 };
 use progress::{Activity, ProgressFolder, PullLog};
 
 /// How long any request may wait for the daemon's answer to begin (streams then run on).
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// How many image names [`DockerRuntime`] keeps what it learnt of their labels for.
+const KNOWN_IMAGES_MAX: usize = 1024;
 /// The daemon's address when `DOCKER_HOST` is not set.
 pub const DEFAULT_DOCKER_HOST: &str = "unix:///var/run/docker.sock";
 pub use transport::{POOL_IDLE_TIMEOUT, POOL_MAX_IDLE};
@@ -54,6 +57,10 @@ pub struct DockerRuntime {
     /// or for a runtime made by [`DockerRuntime::unconnected`], by
     /// [`DockerRuntime::identify`] or the first request that needs it.
     flavour: Arc<tokio::sync::OnceCell<Flavour>>,
+    /// Per image name (as the shim names it), the exit-code attributes its labels would
+    /// overwrite in a `die` event ([`convert::shadowed_exit_labels`]): learnt from every image
+    /// inspect, looked at by a create on Docker.
+    shadowed: Arc<std::sync::Mutex<HashMap<String, Vec<String>>>>,
 }
 
 /// The engine behind the Docker API, as its version answer (`GET /version`) names it: Podman
@@ -355,6 +362,56 @@ impl DockerRuntime {
         Self {
             docker: docker.with_timeout(REQUEST_TIMEOUT),
             flavour: Arc::default(),
+            shadowed: Arc::default(),
+        }
+    }
+
+    /// Notes which exit-code attributes the labels of `image` (`details`, just inspected)
+    /// would overwrite.
+    fn learn_labels(&self, image: &str, details: &bollard::models::ImageInspect) {
+        let labels = details.config.as_ref().and_then(|c| c.labels.as_ref());
+        let shadowed = shadowed_exit_labels(labels);
+        let mut known = self.shadowed.lock().unwrap_or_else(|p| p.into_inner());
+        // Names of images seen: a bound for a shim that runs for years (forgetting costs one
+        // inspect at the next create).
+        if known.len() >= KNOWN_IMAGES_MAX && !known.contains_key(image) {
+            known.clear();
+        }
+        known.insert(image.to_owned(), shadowed);
+    }
+
+    /// Docker copies a container's labels into its `die` event after the exit code, so an
+    /// image labelled `exitCode` (which the container inherits) would name the exit code of
+    /// every task made of it (`LABEL exitCode=0`: a failed task read as done). Such labels are
+    /// set empty in the create (a create's label wins over the image's), so the event carries
+    /// no number and the engine inspects the container for its code. Images are known from
+    /// the inspects before a create (the pull step's, see [`Self::learn_labels`]); one never
+    /// inspected is inspected here.
+    async fn shadow_exit_labels(
+        &self,
+        image: &str,
+        body: &mut bollard::models::ContainerCreateBody,
+    ) {
+        let known = self
+            .shadowed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(image)
+            .cloned();
+        let shadowed = match known {
+            Some(shadowed) => shadowed,
+            None => match self.docker.inspect_image(image).await {
+                Ok(details) => {
+                    self.learn_labels(image, &details);
+                    shadowed_exit_labels(details.config.as_ref().and_then(|c| c.labels.as_ref()))
+                }
+                // The create says what is wrong with the image.
+                Err(_) => Vec::new(),
+            },
+        };
+        let labels = body.labels.get_or_insert_with(HashMap::new);
+        for key in shadowed {
+            labels.insert(key, String::new());
         }
     }
 
@@ -512,7 +569,10 @@ impl DockerRuntime {
 impl ContainerRuntime for DockerRuntime {
     async fn image_present(&self, image: &str) -> Result<bool> {
         match self.docker.inspect_image(image).await {
-            Ok(_) => Ok(true),
+            Ok(details) => {
+                self.learn_labels(image, &details);
+                Ok(true)
+            }
             Err(err) => match translate("inspect image", format!("image {image}"), err) {
                 RuntimeError::NotFound { .. } => Ok(false),
                 other => Err(other),
@@ -523,7 +583,10 @@ impl ContainerRuntime for DockerRuntime {
     async fn inspect_image(&self, image: &str) -> Result<Option<ImageDetails>> {
         match self.docker.inspect_image(image).await {
             Ok(details) => Ok(Some(ImageDetails::new(
-                details.id.unwrap_or_default(),
+                {
+                    self.learn_labels(image, &details);
+                    details.id.clone().unwrap_or_default()
+                },
                 details
                     .repo_tags
                     .unwrap_or_default()
@@ -633,11 +696,11 @@ impl ContainerRuntime for DockerRuntime {
         let options = CreateContainerOptionsBuilder::new()
             .name(&spec.name)
             .build();
-        let resp = match self
-            .docker
-            .create_container(Some(options), create_body(spec))
-            .await
-        {
+        let mut body = create_body(spec);
+        if !podman {
+            self.shadow_exit_labels(&spec.image, &mut body).await;
+        }
+        let resp = match self.docker.create_container(Some(options), body).await {
             Ok(resp) => resp,
             Err(err) => {
                 let err = self.create_error(spec, err).await;

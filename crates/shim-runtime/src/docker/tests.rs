@@ -663,3 +663,69 @@ async fn a_name_in_use_is_a_conflict_on_every_engine() {
         assert_matches!(e, RuntimeError::Daemon { status: 500, .. }, "{engine_name}");
     }
 }
+
+/// An engine whose image `labelled:1` carries `exitCode` and `containerExitCode` labels and
+/// whose `plain:1` carries another, creating every container.
+fn images_and_creates() -> impl Script {
+    let labelled = r#"{"Id":"sha256:1a","Config":{"Labels":{"exitCode":"0","containerExitCode":"0","x":"y"}}}"#;
+    let plain = r#"{"Id":"sha256:2b","Config":{"Labels":{"x":"y"}}}"#;
+    let (labelled, plain, create) = (
+        answering("GET", "/images/labelled:1/json", 200, labelled),
+        answering("GET", "/images/plain:1/json", 200, plain),
+        creating(),
+    );
+    move |m: &str, t: &str| {
+        labelled(m, t)
+            .or_else(|| plain(m, t))
+            .or_else(|| create(m, t))
+    }
+}
+
+/// Docker copies a container's labels into its `die` event after the exit code (moby
+/// daemon/events.go), so an image labelled `exitCode=0` would make every task of it read as
+/// done: the create sets those labels empty (the event then carries no number, and the engine
+/// inspects the container), and leaves the image's other labels and every other image's
+/// alone. What the pull step's inspect learnt costs the create no request; an image it never
+/// saw is inspected once.
+#[tokio::test]
+async fn an_images_exit_code_labels_are_set_empty_in_the_create() {
+    let (engine, runtime) = Engine::connect(VERSION, images_and_creates()).await;
+    assert!(runtime.image_present("labelled:1").await.unwrap());
+    runtime
+        .create(&ContainerSpec::new("t-0-aaaa", "labelled:1"))
+        .await
+        .unwrap();
+    let body = engine.body("/containers/create");
+    assert_eq!(body["Labels"]["exitCode"], "", "{body}");
+    assert_eq!(body["Labels"]["containerExitCode"], "", "{body}");
+    assert!(body["Labels"].get("x").is_none(), "{body}");
+    let inspects = |engine: &Engine| {
+        let requests = engine.requests();
+        requests
+            .iter()
+            .filter(|r| r.starts_with("GET /images/"))
+            .count()
+    };
+    assert_eq!(inspects(&engine), 1);
+
+    let (engine, runtime) = Engine::connect(VERSION, images_and_creates()).await;
+    runtime
+        .create(&ContainerSpec::new("t-0-bbbb", "plain:1"))
+        .await
+        .unwrap();
+    runtime
+        .create(&ContainerSpec::new("t-1-bbbb", "plain:1"))
+        .await
+        .unwrap();
+    assert_eq!(inspects(&engine), 1, "one inspect for two creates");
+    let requests = engine.requests.lock().unwrap();
+    let creates: Vec<_> = requests
+        .iter()
+        .filter(|(line, _)| line.contains("/create"))
+        .collect();
+    assert_eq!(creates.len(), 2, "{requests:?}");
+    assert!(
+        creates.iter().all(|(_, body)| !body.contains("exitCode")),
+        "{creates:?}"
+    );
+}
