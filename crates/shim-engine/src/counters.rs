@@ -62,7 +62,13 @@ pub(crate) struct Metrics {
     pull_stalls: Counter,
     pub(crate) write: Histogram,
     pub(crate) write_errors: Counter,
+    /// The reasons that have a label value of their own ([`Metrics::reason_label`]).
+    reasons: std::sync::Mutex<std::collections::HashSet<String>>,
 }
+
+/// How many distinct termination reasons get a label value of their own (dstack's server
+/// knows 21).
+const REASON_LABELS_MAX: usize = 64;
 
 impl Metrics {
     pub(crate) fn new() -> Self {
@@ -79,15 +85,37 @@ impl Metrics {
             pull_stalls: Counter::default(),
             write: histogram(),
             write_errors: Counter::default(),
+            reasons: std::sync::Mutex::default(),
         }
     }
 
     pub(crate) fn terminated(&self, reason: &str) {
+        let reason = self.reason_label(reason);
         self.terminated
-            .get_or_create(&ReasonLabels {
-                reason: reason.to_owned(),
-            })
+            .get_or_create(&ReasonLabels { reason })
             .inc();
+    }
+
+    /// The `reason` label of a termination. A terminate's reason is the server's free text
+    /// (upstream keeps any string), and each label value is a series kept for the life of the
+    /// process: a reason shaped as the server's (lowercase letters, digits and `_`, at most
+    /// 64 bytes) is its own value while fewer than [`REASON_LABELS_MAX`] have been seen;
+    /// anything else is `other`.
+    fn reason_label(&self, reason: &str) -> String {
+        let token = !reason.is_empty()
+            && reason.len() <= 64
+            && reason
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+        if token {
+            let mut seen = self.reasons.lock().unwrap_or_else(|p| p.into_inner());
+            if seen.contains(reason)
+                || seen.len() < REASON_LABELS_MAX && seen.insert(reason.to_owned())
+            {
+                return reason.to_owned();
+            }
+        }
+        "other".to_owned()
     }
 
     pub(crate) fn event(&self, kind: &str) {
@@ -214,5 +242,40 @@ impl WriteTimer {
         if !ok {
             metrics.write_errors.inc();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A terminate's reason is the server's free text: a reason shaped as the server's is its
+    /// own label value, up to a bound; free text, and reasons past the bound, count as
+    /// `other`, so no terminate makes the metrics grow without end.
+    #[test]
+    fn termination_reasons_make_a_bounded_set_of_series() {
+        let metrics = Metrics::new();
+        metrics.terminated("done_by_runner");
+        metrics.terminated("a reason\nwith \"quotes\" and lines");
+        for i in 0..200 {
+            metrics.terminated(&format!("reason_{i}"));
+        }
+        metrics.terminated("done_by_runner");
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let series: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("dstack_shim_tasks_terminated_total{"))
+            .collect();
+        assert_eq!(series.len(), REASON_LABELS_MAX + 1, "{series:?}");
+        assert!(
+            series.contains(&r#"dstack_shim_tasks_terminated_total{reason="done_by_runner"} 2"#)
+        );
+        // done_by_runner and reason_0 … reason_62 have their own; the rest are other.
+        let others = 200 - (REASON_LABELS_MAX - 1) + 1;
+        let others = format!(r#"dstack_shim_tasks_terminated_total{{reason="other"}} {others}"#);
+        assert!(series.contains(&others.as_str()), "{series:?}");
     }
 }

@@ -16,7 +16,7 @@
 //! |---|---|---|
 //! | `dstack_shim_tasks{status}` | gauge | tasks by status as the API shows it |
 //! | `dstack_shim_tasks_submitted` | counter | submits accepted |
-//! | `dstack_shim_tasks_terminated{reason}` | counter | terminations (durable) |
+//! | `dstack_shim_tasks_terminated{reason}` | counter | terminations (durable); `other` for a reason of free text and past 64 distinct ones |
 //! | `dstack_shim_submit_to_running_seconds` | histogram | submit → `running` visible |
 //! | `dstack_shim_exit_to_terminated_seconds` | histogram | the container's exit → `terminated` visible; the exit's time is the `die` event's (dockerd's, a little after the container's `FinishedAt`) or, for an exit found by a list, `FinishedAt` |
 //! | `dstack_shim_reconcile_cycle_seconds` | histogram | full reconcile cycles (one list each) |
