@@ -42,6 +42,9 @@ enum Exit {
     Upgrade(upgrade::Handover),
 }
 
+/// How long the exit waits for the async runtime's last tasks and blocking threads.
+const RUNTIME_SHUTDOWN: std::time::Duration = std::time::Duration::from_secs(2);
+
 fn main() -> ExitCode {
     // First, before anything opens a file: a socket passed by systemd or by the image this
     // process replaced claims fd 3.
@@ -109,11 +112,15 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(config, inherited)) {
+    let result = runtime.block_on(run(config, inherited));
+    // What still runs on the blocking pool (a component download that stalls, which the
+    // shutdown cancelled) does not hold the exit: a drop of the runtime would wait for it.
+    runtime.shutdown_timeout(RUNTIME_SHUTDOWN);
+    match result {
         Ok(Exit::Stopped) => ExitCode::SUCCESS,
         Ok(Exit::Upgrade(handover)) => {
-            // No thread but this one from here on: the exec moves the socket to fd 3.
-            runtime.shutdown_timeout(std::time::Duration::from_secs(2));
+            // No thread but this one from here on (the runtime is shut down above): the
+            // exec moves the socket to fd 3.
             let e = upgrade::exec(handover);
             tracing::error!("{e:#}");
             #[allow(clippy::print_stderr)] // fd 3 (perhaps the log file) may be the socket now
@@ -175,10 +182,18 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
     if !config.runner_download_url.is_empty() {
         let url = config.runner_download_url.as_str();
         if !config.engine.runner_binary_path.exists() {
-            components
-                .install(ComponentName::Runner, url)
-                .await
-                .context("cannot install the runner")?;
+            // A signal stops the shim during the install too (the download is cancelled; one
+            // that stalls is left to the runtime's bounded shutdown).
+            tokio::select! {
+                installed = components.install(ComponentName::Runner, url) => {
+                    installed.context("cannot install the runner")?;
+                }
+                () = signalled.cancelled() => {
+                    components.cancel();
+                    tracing::info!("dstack-shim stopped by a signal while installing the runner");
+                    return Ok(Exit::Stopped);
+                }
+            }
         }
     }
 

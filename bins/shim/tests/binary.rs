@@ -192,6 +192,52 @@ fn serves_logs_and_stops_on_sigterm() {
     assert!(TcpStream::connect(addr).is_err());
 }
 
+/// A SIGTERM during the start-up install of the runner stops the shim within seconds, with
+/// success: the download (a server that sends its head and a few bytes, then nothing) is
+/// cancelled, not waited for until its stall timeout (60 s) fails the start.
+#[test]
+fn a_signal_during_the_runners_install_stops_the_shim() {
+    use std::io::{BufRead, BufReader, Write};
+    let server = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    server.set_nonblocking(true).unwrap();
+    let url = format!("http://{}/dstack-runner", server.local_addr().unwrap());
+    let home = tempfile::tempdir().unwrap();
+    let runner = home.path().join("runner");
+    let runner = runner.to_str().unwrap();
+    let args = [
+        "--runner-binary-path",
+        runner,
+        "--runner-download-url",
+        &url,
+    ];
+    let log = home.path().join("stdio.log");
+    let port = free_port().unwrap();
+    let shim = ShimProcess::spawn(Path::new(BIN), home.path(), port, &args, &log).unwrap();
+    let mut conn = None;
+    wait_until("the runner's download", BOUND, || {
+        conn = server.accept().ok().map(|(c, _)| c);
+        conn.is_some()
+    });
+    let mut conn = conn.unwrap();
+    conn.set_nonblocking(false).unwrap();
+    let mut reader = BufReader::new(conn.try_clone().unwrap());
+    let mut line = String::new();
+    while reader.read_line(&mut line).unwrap() > 2 {
+        line.clear();
+    }
+    conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\nabc")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    shim.sigterm().unwrap();
+    let status = shim.wait_exit(Duration::from_secs(10)).unwrap();
+    assert!(
+        status.success(),
+        "{status}: {}",
+        fs_err::read_to_string(&log).unwrap()
+    );
+    assert!(!Path::new(runner).exists());
+}
+
 /// A second shim on the same home refuses to start (it would restore, sweep and move aside
 /// what the first one uses), and so does one on a taken port, before it restores anything
 /// (the port is bound first). The first shim keeps serving.
