@@ -73,7 +73,10 @@ impl DcgmExporter {
     /// line. Returns at once; the exporter answers once it has started (until then, fetches
     /// fail). Must be called inside a tokio runtime.
     pub fn spawn(program: &Path, config: &DcgmConfig) -> Result<Self, DcgmError> {
+        let state_dir = config.state_dir.as_deref();
+        crate::scratch::sweep(state_dir, "dcgm-exporter");
         let counters = write_counters()?;
+        crate::scratch::record(state_dir, "dcgm-exporter", &counters);
         let listen = format!("localhost:{}", config.exporter_http_port);
         let args = vec![
             "-f".into(),
@@ -179,7 +182,7 @@ pub(crate) async fn check_version(
 fn write_counters() -> Result<tempfile::TempPath, DcgmError> {
     let err = |source| DcgmError::CountersFile { source };
     let mut file = tempfile::Builder::new()
-        .prefix("counters-")
+        .prefix(&format!("{}counters-", crate::scratch::PREFIX))
         .suffix(".csv")
         .tempfile()
         .map_err(err)?;

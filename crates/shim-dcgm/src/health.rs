@@ -439,10 +439,13 @@ fn start_hostengine(
     program: &Path,
     config: &DcgmConfig,
 ) -> Result<(Supervisor, tempfile::TempDir, PathBuf), DcgmError> {
+    let state_dir = config.state_dir.as_deref();
+    crate::scratch::sweep(state_dir, "nv-hostengine");
     let dir = tempfile::Builder::new()
-        .prefix("dstack-dcgm-")
+        .prefix(crate::scratch::PREFIX)
         .tempdir()
         .map_err(|source| DcgmError::TempDir { source })?;
+    crate::scratch::record(state_dir, "nv-hostengine", dir.path());
     let socket = dir.path().join("nv-hostengine.sock");
     let log = config
         .log_dir

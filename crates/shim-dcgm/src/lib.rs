@@ -31,6 +31,7 @@ mod error;
 mod exporter;
 mod health;
 mod prom;
+mod scratch;
 mod supervisor;
 
 pub use config::{

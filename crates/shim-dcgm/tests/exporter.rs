@@ -90,7 +90,7 @@ async fn serves_each_tasks_gpus_from_a_supervised_exporter() {
     let args = ["-f", counters_arg, "-a", &listen, "-c", "5000"];
     assert_eq!(lines(&args_file), args);
     let name = counters.file_name().unwrap().to_str().unwrap();
-    assert!(name.starts_with("counters-"), "{name}");
+    assert!(name.starts_with("dstack-dcgm-counters-"), "{name}");
     let collectors = fs_err::read_to_string(dir.path().join("counters.csv")).unwrap();
     assert_eq!(collectors, counters_csv(COUNTERS));
     let pid = exporter.pid().expect("running");
@@ -302,7 +302,8 @@ async fn with_home(dir: &Path) -> (PathBuf, DcgmConfig, PathBuf) {
 
 /// A shim killed without its shutdown (SIGKILL, a crash) leaves its exporter running, and the
 /// exporter keeps the port the next shim's exporter needs. The pid file in the shim's home
-/// lets the next shim stop it before starting its own; the file goes with a clean shutdown.
+/// lets the next shim stop it before starting its own, and remove the collectors file it left
+/// in the temporary directory; the pid file goes with a clean shutdown.
 #[tokio::test]
 async fn an_exporter_left_by_a_killed_shim_is_stopped_by_the_next_one() {
     let dir = tempfile::tempdir().unwrap();
@@ -316,24 +317,31 @@ async fn an_exporter_left_by_a_killed_shim_is_stopped_by_the_next_one() {
                 .enable_all()
                 .build()
                 .unwrap();
-            let pid = rt.block_on(async {
+            let left = rt.block_on(async {
                 let exporter = DcgmExporter::spawn(&program, &cfg).unwrap();
                 let pid = started(&exporter).await;
+                let counters = exporter.counters_path().to_path_buf();
                 std::mem::forget(exporter);
-                pid
+                (pid, counters)
             });
             std::mem::forget(rt);
-            pid
+            left
         })
         .join()
         .unwrap()
     };
+    let (killed, left_counters) = killed;
+    assert!(left_counters.exists());
     assert!(alive(killed));
     assert_eq!(lines(&pid_file), [pid_line(killed)]);
 
     let next = DcgmExporter::spawn(&program, &cfg).unwrap();
     let pid = started(&next).await;
     assert!(!alive(killed), "the killed shim's exporter still runs");
+    assert!(
+        !left_counters.exists(),
+        "the killed shim's counters file is left"
+    );
     assert_ne!(pid, killed);
     assert_eq!(lines(&pid_file), [pid_line(pid)]);
     next.shutdown().await;
