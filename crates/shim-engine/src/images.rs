@@ -16,7 +16,9 @@
 //! removed, never a name someone else gave it), or when no name points to it any more (a
 //! tag moved by a later pull: the old image is dangling, and it was this shim's). An image
 //! built or tagged by someone else under a name the shim once pulled has another id: it is
-//! never this shim's to remove.
+//! never this shim's to remove. A record goes when its image does: at a removal the engine
+//! reports ([`ImageGc::image_id_removed`]: asked once, forgotten if gone), or when a pass finds
+//! it gone.
 //!
 //! **Freed bytes are measured**, not taken from the engine's `Size`: images share layers (one
 //! CUDA base under many images), a name removed while another names the same image frees
@@ -413,6 +415,32 @@ impl ImageGc {
     pub(crate) fn image_removed(&self, name: &str) {
         tracing::debug!(image = %name, "the engine removed an image; images seen present are asked again");
         self.present().names.clear();
+    }
+
+    /// The engine reported a removal touching the image `id` (an untag or a deletion): if the
+    /// ledger records it, the engine is asked whether it is still there, and a record of an
+    /// image gone is forgotten at once (an operator's `docker image prune` would otherwise
+    /// leave its records until a pass that needs space looked at them).
+    pub(crate) fn image_id_removed(self: &Arc<Self>, id: &str) {
+        let bare = |i: &str| i.strip_prefix("sha256:").unwrap_or(i).to_owned();
+        let wanted = bare(id);
+        let recorded = self
+            .ledger()
+            .images
+            .keys()
+            .find(|k| bare(k) == wanted)
+            .cloned();
+        let Some(recorded) = recorded else {
+            return;
+        };
+        let room = Arc::clone(self);
+        tokio::spawn(async move {
+            if let Ok(None) = room.runtime.inspect_image(&recorded).await {
+                tracing::debug!(image = %recorded, "a recorded image is gone: forgotten");
+                room.forget(&recorded);
+                room.save().await;
+            }
+        });
     }
 
     /// The engine's event stream connected (`true`) or was lost: what was seen present is

@@ -354,6 +354,7 @@ impl Reconciler {
         if event.kind == EventKind::ImageRemoved {
             self.parts.metrics.event("image_removed");
             self.parts.images.image_removed(&event.name);
+            self.parts.images.image_id_removed(&event.container_id);
             return;
         }
         let Some(slot) = self.parts.table.by_container_name(&event.name) else {

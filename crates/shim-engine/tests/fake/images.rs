@@ -108,3 +108,27 @@ async fn an_image_named_by_digest_stays_while_a_task_names_it() {
     assert_eq!(deletes(), [Call::DeleteImage(id)], "by id: it has no tag");
     assert!(w.runtime.image_id(&image).is_none());
 }
+
+/// An image this shim pulled that an operator then removed (`docker image prune`) leaves the
+/// ledger when the engine reports the removal, not at the next pass that needs space (which a
+/// roomy disk never makes): the ledger does not grow with images long gone.
+#[tokio::test(start_paused = true)]
+async fn an_image_removed_by_hand_leaves_the_ledger() {
+    let (w, engine) = World::with_engine(0).await;
+    run(&engine, config("t1").with_image("old:1")).await;
+    let id = w.runtime.image_id("old:1").expect("pulled");
+    let ledger = w.home.path().join("images.json");
+    let recorded = || {
+        fs_err::read_to_string(&ledger)
+            .unwrap_or_default()
+            .contains(&id)
+    };
+    assert!(recorded(), "the pull is recorded");
+    terminate_by_user(&engine, "t1").await;
+    engine.remove(&tid("t1")).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    assert!(recorded(), "no pass needed space");
+    w.runtime.remove_image("old:1");
+    let forgotten = poll_until(10, Duration::from_millis(100), async || !recorded()).await;
+    assert!(forgotten, "{}", fs_err::read_to_string(&ledger).unwrap());
+}
