@@ -899,7 +899,9 @@ async fn stalled_connections_are_closed_after_the_timeouts() {
 /// A request whose body stalls (its head complete, its body never) is answered 408 and its
 /// connection closed once the body read timeout passes, so it holds neither the only
 /// connection the cap allows (a request in progress is never idle, nor evicted) nor a
-/// graceful shutdown. hyper times out request heads only.
+/// graceful shutdown. hyper times out request heads only. A departure from upstream, whose Go
+/// server sets no timeout (upstream: runner/internal/shim/api/server.go, `http.Server` with
+/// none of its timeouts): it would hold such a connection for ever.
 #[tokio::test]
 async fn a_stalled_body_is_answered_408_and_holds_nothing() {
     let limits = ConnectionLimits {
