@@ -52,7 +52,10 @@ pub use components_api::ComponentsHttp;
 #[cfg(feature = "engine")]
 pub use engine_api::{EngineApi, EngineShutdown};
 pub use events::EventsConfig;
-pub use server::{ConnectionLimits, DrainFuture, Listeners, ServerConfig, ShutdownHook, serve};
+pub use server::{
+    ConnectionLimits, DrainFuture, Listeners, REQUEST_DRAIN_TIMEOUT, ServerConfig, ShutdownHook,
+    serve,
+};
 
 /// The oldest healthcheck version with which the dstack server treats running tasks as
 /// restart-safe; the version the server is configured with must be a release at least this.

@@ -216,6 +216,9 @@ impl Default for ConnectionLimits {
     }
 }
 
+/// The default of [`ServerConfig::request_drain_timeout`].
+pub const REQUEST_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Server settings.
 pub struct ServerConfig {
     /// The healthcheck `version`. The dstack server gates features on it: it must parse as a
@@ -226,6 +229,11 @@ pub struct ServerConfig {
     pub force_shutdown: CancellationToken,
     /// Awaited during a graceful shutdown once requests have drained.
     pub drain: Option<DrainFuture>,
+    /// How long a graceful shutdown lets requests in flight finish (a terminate waits for its
+    /// container's stop, which may take the task's whole grace period); the connections still
+    /// busy then are closed, and the shutdown goes on with [`ServerConfig::drain`]. Upstream
+    /// gives 5 s (`runner/cmd/shim/main.go`: `Shutdown` with a 5 s context).
+    pub request_drain_timeout: Duration,
     /// Timeouts and caps of connections.
     pub limits: ConnectionLimits,
     /// Limits of `GET /api/events`.
@@ -242,6 +250,7 @@ impl ServerConfig {
             version: version.into(),
             force_shutdown: CancellationToken::new(),
             drain: None,
+            request_drain_timeout: REQUEST_DRAIN_TIMEOUT,
             limits: ConnectionLimits::default(),
             events: EventsConfig::default(),
             on_shutdown: None,
@@ -276,6 +285,13 @@ impl ServerConfig {
         self
     }
 
+    /// Sets how long a graceful shutdown lets requests in flight finish.
+    #[must_use]
+    pub fn with_request_drain_timeout(mut self, timeout: Duration) -> Self {
+        self.request_drain_timeout = timeout;
+        self
+    }
+
     /// Uses `token` as the forced-shutdown signal (e.g. a second SIGTERM).
     #[must_use]
     pub fn with_force_shutdown(mut self, token: CancellationToken) -> Self {
@@ -290,6 +306,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("version", &self.version)
             .field("force_shutdown", &self.force_shutdown.is_cancelled())
             .field("drain", &self.drain.is_some())
+            .field("request_drain_timeout", &self.request_drain_timeout)
             .field("limits", &self.limits)
             .field("events", &self.events)
             .field("on_shutdown", &self.on_shutdown.is_some())
@@ -304,7 +321,9 @@ impl std::fmt::Debug for ServerConfig {
 ///
 /// Shutdown: when `shutdown` is cancelled (by the caller, e.g. on SIGTERM, or by
 /// `POST /api/shutdown`), the server stops accepting, lets in-flight requests finish (idle
-/// keep-alive connections are closed), then awaits [`ServerConfig::drain`], and returns. When
+/// keep-alive connections are closed; those still busy after
+/// [`ServerConfig::request_drain_timeout`] are closed), then awaits [`ServerConfig::drain`],
+/// and returns. When
 /// [`ServerConfig::force_shutdown`] is cancelled (also by `{"force":true}`), it closes every
 /// connection at once and returns without draining. Containers are never touched here.
 ///
@@ -320,6 +339,7 @@ pub async fn serve(
         version,
         force_shutdown: force,
         drain,
+        request_drain_timeout,
         limits,
         events,
         on_shutdown,
@@ -395,6 +415,8 @@ pub async fn serve(
         in_flight = conns.len(),
         "graceful shutdown: draining connections"
     );
+    let deadline = tokio::time::sleep(request_drain_timeout);
+    tokio::pin!(deadline);
     loop {
         tokio::select! {
             biased;
@@ -404,6 +426,12 @@ pub async fn serve(
                 return Ok(());
             }
             joined = conns.join_next() => if joined.is_none() { break },
+            () = &mut deadline => {
+                tracing::warn!(in_flight = conns.len(), timeout = ?request_drain_timeout,
+                    "graceful shutdown: requests still in flight after the drain timeout; closing their connections");
+                conns.shutdown().await;
+                break;
+            }
         }
     }
     if let Some(drain) = drain {

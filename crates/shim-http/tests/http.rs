@@ -45,13 +45,20 @@ struct DrainCtl {
 
 /// A server with a drain hook the test controls.
 async fn start_draining() -> (Server, DrainCtl) {
+    start_draining_with(|c| c).await
+}
+
+/// [`start_draining`] with more settings.
+async fn start_draining_with(
+    configure: impl FnOnce(ServerConfig) -> ServerConfig,
+) -> (Server, DrainCtl) {
     let (started_tx, started) = oneshot::channel();
     let (release, release_rx) = oneshot::channel::<()>();
     let hook = async move {
         let _ = started_tx.send(());
         let _ = release_rx.await;
     };
-    let s = start_server(None, |c| c.with_drain(hook)).await;
+    let s = start_server(None, |c| configure(c.with_drain(hook))).await;
     (s, DrainCtl { started, release })
 }
 
@@ -738,6 +745,21 @@ async fn graceful_shutdown_finishes_in_flight_requests_then_drains() {
 
     // Requests drained; now the server waits for the background jobs.
     ctl.release_once_it_holds(s.handle).await;
+}
+
+/// A request still in flight when the request drain timeout passes (a terminate waiting for
+/// a long stop) holds a graceful shutdown no longer: its connection is closed unanswered and
+/// the shutdown goes on to the background jobs. Upstream bounds its shutdown likewise
+/// (runner/cmd/shim/main.go: `Shutdown` with a 5 s context).
+#[tokio::test]
+async fn a_request_in_flight_holds_a_graceful_shutdown_no_longer_than_the_drain_timeout() {
+    let timeout = Duration::from_millis(300);
+    let (s, ctl) = start_draining_with(|c| c.with_request_drain_timeout(timeout)).await;
+    let slow = start_slow_request(&s).await;
+    s.shutdown.cancel();
+    until_refused(s.addr).await;
+    ctl.release_once_it_holds(s.handle).await;
+    assert_slow_unanswered(slow).await;
 }
 
 #[tokio::test]
