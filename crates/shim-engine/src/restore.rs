@@ -224,6 +224,15 @@ pub(crate) async fn restore(
         };
         let running = container.as_ref().is_some_and(|c| c.state.is_running());
         let record = match found.remove(&name) {
+            // The container mounts its whole task directory (upstream before state files):
+            // a state file there is the container's to write, so it names nothing this shim
+            // may act on (host keys, volumes, GPUs, even the task's id). The task is restored
+            // from its container, as one without a state file.
+            Some(Found::Record(..)) if whole_dir => {
+                tracing::warn!(dir = %ctx.home.runners_dir().join(&name).display(),
+                    "a state file in a task directory its container mounts whole is the container's: not trusted");
+                None
+            }
             Some(Found::Record(mut r, origin)) => {
                 if origin == Origin::Upstream {
                     complete_upstream_record(ctx.volumes, &mut r);

@@ -155,10 +155,17 @@ async fn upstream_tasks_hold_and_release_exactly_their_gpus_keys_and_volumes() {
     let json_a = upstream_task_json("a1", "up-a", 2, "", false);
     fs_err::write(dir_a.join("task.json"), json_a).unwrap();
     upstream_container(&w, "a1", &name_a, &dir_a.join("runner"), &all[..2]);
-    // Without a state file: one GPU.
-    let name_b = "up-b-0-0-12345678";
+    // Without a state file: one GPU. It mounts its whole directory, so the state file its
+    // task wrote there (a key for the host's user, a volume, no GPU) is not trusted.
+    let name_b = shim_task::naming::container_name(&TaskName::new("up-b").unwrap(), &tid("b1"));
+    let name_b = name_b.as_str();
     let dir_b = w.runner_dir(name_b);
     fs_err::create_dir_all(&dir_b).unwrap();
+    fs_err::write(
+        dir_b.join("task.json"),
+        upstream_task_json("b1", "up-b", 0, "", false),
+    )
+    .unwrap();
     upstream_container(&w, "b1", name_b, &dir_b, &all[2..3]);
     // Another home's: its GPU is not ours to lock.
     let elsewhere = tempfile::tempdir().unwrap();
@@ -168,6 +175,12 @@ async fn upstream_tasks_hold_and_release_exactly_their_gpus_keys_and_volumes() {
     assert_eq!(info(&engine, "a1").gpu_ids, Some(all[..2].to_vec()));
     assert_eq!(info(&engine, "b1").gpu_ids, Some(all[2..3].to_vec()));
     assert!(engine.task_info(&tid("c1")).is_err(), "another home's task");
+    let calls = w.keys.calls();
+    assert!(
+        !calls.contains(&FakeCall::RestoreKeys(tid("b1"))),
+        "{calls:?}"
+    );
+    assert_called(&calls, &FakeCall::HoldUnknown(tid("b1"), None));
     assert_eq!(engine.gpu_lock().locked(), all[..3].to_vec());
     // Only one GPU is free: a task asking for two fails to start.
     let big = failed_start(&engine, config("big").with_gpus(2)).await;
