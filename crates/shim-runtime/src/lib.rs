@@ -29,6 +29,11 @@ pub use docker::{
     DEFAULT_DOCKER_HOST, DockerRuntime, POOL_IDLE_TIMEOUT, POOL_MAX_IDLE, REQUEST_TIMEOUT,
 };
 pub use error::RuntimeError;
+
+/// The most bytes [`ContainerRuntime::logs_tail`] answers: the end of what the engine sent.
+/// Docker splits a long line into 16 KiB entries, but Podman answers a line whole, and the
+/// log may hold a single line of its whole size (100 MiB by default).
+pub const LOGS_TAIL_MAX_BYTES: usize = 64 * 1024;
 pub use spec::{
     BindMount, CDI_DRIVER, ContainerInputs, ContainerSpec, DEFAULT_CDI_SPEC_DIRS, DeviceMapping,
     DeviceRequest, EXIT_NO_PACKAGE_MANAGER, EXIT_SSHD_INSTALL_FAILED, GpuConfig, HUGEPAGES_1G_PATH,
@@ -104,7 +109,8 @@ pub trait ContainerRuntime: Send + Sync {
     async fn remove(&self, id: &str) -> Result<()>;
 
     /// The last `n` lines of a container's log, stdout and stderr interleaved as the runtime
-    /// returns them, without trailing newlines.
+    /// returns them, without trailing newlines; at most [`LOGS_TAIL_MAX_BYTES`] of them in
+    /// all, the last ones (one line may be a whole log: a task that never printed a newline).
     async fn logs_tail(&self, id: &str, n: usize) -> Result<Vec<String>>;
 
     /// A local image by name or id: its id, the names pointing to it and its size as the

@@ -345,6 +345,28 @@ const SHM_SCRIPT: &str = "mount | grep ' /dev/shm '; \
 printf '#!/bin/sh\\necho shm-exec-ok\\n' > /dev/shm/x.sh && chmod +x /dev/shm/x.sh && /dev/shm/x.sh; \
 echo done";
 
+/// A task that prints one 300 KB line and exits: the tail of its log is
+/// its end, at most `LOGS_TAIL_MAX_BYTES` (Docker answers five 16 KiB pieces of the line,
+/// Podman the line whole), not the whole line held in memory.
+#[tokio::test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+async fn a_log_tail_of_one_huge_line_is_its_bounded_end() {
+    require_docker();
+    let (docker, run, guard) = setup("longline").await;
+    let script =
+        "i=0; while [ $i -lt 3000 ]; do printf '%0100d' $i; i=$((i+1)); done; echo END; exit 1";
+    let spec = shell_spec(&run, &guard.labels(), script);
+    let (details, logs) = run_to_exit(&docker, &spec).await;
+    assert_eq!(details.exit_code, Some(1));
+    let bytes: usize = logs.iter().map(String::len).sum();
+    assert!(bytes <= shim_runtime::LOGS_TAIL_MAX_BYTES, "{bytes} bytes");
+    assert!(bytes >= 16 << 10, "{bytes} bytes");
+    assert!(
+        logs.last().is_some_and(|l| l.ends_with("0002999END")),
+        "{logs:?}"
+    );
+}
+
 #[tokio::test]
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn dev_shm_is_noexec_by_default_and_exec_with_shm_size() {

@@ -11,7 +11,9 @@ use shim_task::machine::TransitionError::{
     NotTerminated, ReleaseInFlight, StartInFlight, Unexpected,
 };
 use shim_task::machine::{Action, Effect, Event, Observation, StartStep, StopState, Task, step};
-use shim_task::machine::{EXIT_MESSAGE_LINES, NEVER_STARTED_MESSAGE, VANISHED_MESSAGE};
+use shim_task::machine::{
+    EXIT_MESSAGE_LINES, EXIT_MESSAGE_MAX_BYTES, NEVER_STARTED_MESSAGE, VANISHED_MESSAGE,
+};
 use shim_task::naming::container_name;
 use shim_task::{
     HostKeysGrant, InstanceMountPoint, MountedVolume, NetworkMode, ObservedContainer,
@@ -561,6 +563,23 @@ fn exit_nonzero_is_container_exited_with_error_with_last_five_lines() {
             message,
         );
     }
+}
+
+/// A log line may be a whole log (a task that never printed a newline; Podman answers such a
+/// line whole): the message keeps its end, at most [`EXIT_MESSAGE_MAX_BYTES`], cut at a
+/// character, so that no task answer or state file carries megabytes.
+#[test]
+fn an_exit_message_keeps_the_end_of_huge_lines() {
+    let huge = format!("é{}", "é".repeat(EXIT_MESSAGE_MAX_BYTES));
+    let mut t = running();
+    t.go(seen(exited(1, &["first", &huge, "last words"])));
+    let message = t.info().termination_message;
+    assert!(
+        message.len() <= EXIT_MESSAGE_MAX_BYTES + "…".len(),
+        "{}",
+        message.len()
+    );
+    assert!(message.starts_with("…é") && message.ends_with("é\nlast words"));
 }
 
 #[test]

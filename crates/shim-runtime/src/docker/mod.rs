@@ -23,7 +23,7 @@ use bollard::query_parameters::{
     ListContainersOptionsBuilder, LogsOptionsBuilder, RemoveContainerOptionsBuilder,
     StopContainerOptionsBuilder,
 };
-use futures_util::{StreamExt, TryStreamExt};
+use futures_util::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
@@ -815,15 +815,19 @@ impl ContainerRuntime for DockerRuntime {
             .follow(false)
             .tail(&n.to_string())
             .build();
-        let chunks: Vec<_> = self
-            .docker
-            .logs(id, Some(options))
-            .try_collect()
-            .await
-            .map_err(|e| translate("logs", container(id), e))?;
-        let mut bytes = Vec::new();
-        for chunk in chunks {
+        // Only the end is kept while the answer streams in (see `LOGS_TAIL_MAX_BYTES`).
+        let max = crate::LOGS_TAIL_MAX_BYTES;
+        let mut stream = self.docker.logs(id, Some(options));
+        let mut bytes: Vec<u8> = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| translate("logs", container(id), e))?;
             bytes.extend_from_slice(&chunk.into_bytes());
+            if bytes.len() > 2 * max {
+                bytes.drain(..bytes.len() - max);
+            }
+        }
+        if bytes.len() > max {
+            bytes.drain(..bytes.len() - max);
         }
         let text = String::from_utf8_lossy(&bytes);
         let lines: Vec<String> = text

@@ -11,6 +11,10 @@ use crate::status::{TaskStatus, TerminationReason};
 /// How many log lines make the message of a container that exited with an error.
 pub const EXIT_MESSAGE_LINES: usize = 5;
 
+/// The most bytes of log lines the message of a container that exited with an error keeps (the
+/// end): the message is in every task answer and in the state file.
+pub const EXIT_MESSAGE_MAX_BYTES: usize = 16 * 1024;
+
 /// The message of a task whose container was created but never started.
 pub const NEVER_STARTED_MESSAGE: &str =
     "container was created but never started (the shim stopped between create and start)";

@@ -96,8 +96,8 @@ mod transition;
 
 pub(crate) use durability::finish_restore;
 pub use event::{
-    Action, EXIT_MESSAGE_LINES, Effect, Event, NEVER_STARTED_MESSAGE, OOM_NOTE, Observation,
-    StartStep, TransitionError, VANISHED_MESSAGE, WRITE_FAILED_PREFIX,
+    Action, EXIT_MESSAGE_LINES, EXIT_MESSAGE_MAX_BYTES, Effect, Event, NEVER_STARTED_MESSAGE,
+    OOM_NOTE, Observation, StartStep, TransitionError, VANISHED_MESSAGE, WRITE_FAILED_PREFIX,
 };
 pub use task::{Saved, StopState, Task};
 pub use transition::{Transition, exit_message, step};

@@ -4,8 +4,8 @@
 
 use super::durability::{PLAIN, Shape, finish};
 use super::event::{
-    Action, EXIT_MESSAGE_LINES, Effect, Event, NEVER_STARTED_MESSAGE, OOM_NOTE, Observation,
-    StartStep, TransitionError, VANISHED_MESSAGE, WRITE_FAILED_PREFIX,
+    Action, EXIT_MESSAGE_LINES, EXIT_MESSAGE_MAX_BYTES, Effect, Event, NEVER_STARTED_MESSAGE,
+    OOM_NOTE, Observation, StartStep, TransitionError, VANISHED_MESSAGE, WRITE_FAILED_PREFIX,
 };
 use super::start::{begin, on_start_event};
 use super::task::{Saved, StopState, Task};
@@ -381,14 +381,22 @@ fn event_name(e: &Event) -> &'static str {
     }
 }
 
-/// The message of a container that exited with an error: its last log lines (and a note when
-/// the OOM killer ended it).
+/// The message of a container that exited with an error: its last log lines, at most
+/// [`EXIT_MESSAGE_MAX_BYTES`] of them (the end, after `…`), and a note when the OOM killer
+/// ended it.
 pub fn exit_message(code: i64, last_lines: &[String], oom_killed: bool) -> String {
     let start = last_lines.len().saturating_sub(EXIT_MESSAGE_LINES);
     let mut message = match last_lines.get(start..) {
         Some(lines) if !lines.is_empty() => lines.join("\n"),
         _ => format!("container exited with code {code}"),
     };
+    if message.len() > EXIT_MESSAGE_MAX_BYTES {
+        let mut cut = message.len() - EXIT_MESSAGE_MAX_BYTES;
+        while !message.is_char_boundary(cut) {
+            cut += 1;
+        }
+        message = format!("…{}", &message[cut..]);
+    }
     if oom_killed {
         message.push('\n');
         message.push_str(OOM_NOTE);
