@@ -424,13 +424,18 @@ pub(super) fn since_param(since_ns: i64) -> String {
     )
 }
 
-/// An event's time in Unix nanoseconds, or `None` when it is earlier than `since_ns` (a
-/// replay's margin: see [`since_param`]). An event with seconds only is earlier only if in an
-/// earlier second.
+/// An event's time in Unix nanoseconds, or `None` when only the replay's margin brought it
+/// (see [`since_param`]): earlier than `since_ns` by at most the margin. An event with seconds
+/// only is dropped only in an earlier second that the margin reaches. An event earlier still
+/// was not replayed (the engine was not asked for it): it is a live one, stamped by a clock
+/// that was stepped back since the subscription's `since` was read, and it is kept.
 fn event_time_ns(time_nano: Option<i64>, time: Option<i64>, since_ns: i64) -> Option<i64> {
+    let asked = since_ns.saturating_sub(SINCE_MARGIN_NS);
     let early = match (time_nano, time) {
-        (Some(ns), _) => ns < since_ns,
-        (None, Some(secs)) => secs < since_ns.div_euclid(1_000_000_000),
+        (Some(ns), _) => asked <= ns && ns < since_ns,
+        (None, Some(secs)) => {
+            secs < since_ns.div_euclid(1_000_000_000) && secs >= asked.div_euclid(1_000_000_000)
+        }
         (None, None) => false,
     };
     if early {
@@ -808,19 +813,21 @@ mod tests {
                 .map(|e| e.kind)
                 .collect()
         };
-        // The die at .3 s: the OOM kill before it is left out, the die itself is in.
+        // Since half a millisecond after the OOM kill at 1.2 s: the kill, which only the
+        // margin brought, is left out; the die at 1.3 s is in.
+        let die = EventKind::Die {
+            exit_code: Some(137),
+        };
+        assert_eq!(since(1_700_000_001_200_500_000), [die, EventKind::Destroy]);
+        // Since just after the die: the die, in the margin, is left out. The OOM kill 100 ms
+        // earlier was not asked for: had the engine sent it, it would be a live event
+        // stamped by a clock stepped back since, and it is kept.
         assert_eq!(
-            since(1_700_000_001_300_000_000),
-            [
-                EventKind::Die {
-                    exit_code: Some(137)
-                },
-                EventKind::Destroy
-            ]
+            since(1_700_000_001_300_000_001),
+            [EventKind::Oom, EventKind::Destroy]
         );
-        assert_eq!(since(1_700_000_001_300_000_001), [EventKind::Destroy]);
         assert_eq!(since(0).len(), 3);
-        // An event with seconds only is earlier only in an earlier second.
+        // An event with seconds only is dropped only in an earlier second the margin reaches.
         let line = |time: i64| {
             format!(
                 r#"{{"Type":"container","Action":"die","Actor":{{"ID":"c1","Attributes":{{"ai.dstack.shim.task-id":"t1","exitCode":"1"}}}},"time":{time}}}"#
@@ -835,7 +842,14 @@ mod tests {
             .is_some()
         };
         assert!(at(1_700_000_001, 1_700_000_001_300_000_000));
-        assert!(!at(1_700_000_000, 1_700_000_001_300_000_000));
+        assert!(
+            !at(1_700_000_000, 1_700_000_001_000_500_000),
+            "in the margin"
+        );
+        assert!(
+            at(1_700_000_000, 1_700_000_001_300_000_000),
+            "before the margin: live"
+        );
     }
 
     /// An event of another type never becomes a container event, whatever its action.
