@@ -67,8 +67,10 @@ pub struct DcgmConfig {
     /// Where the supervised children's pid files live (`dcgm-exporter.pid`,
     /// `nv-hostengine.pid`; the shim passes its home). A child left running by a shim that was
     /// killed without its shutdown (SIGKILL, a crash) is stopped when the next one starts, so
-    /// it neither lingers nor keeps the port its successor needs, and the temporary files it
-    /// left are removed (recorded in `<child>.scratch`). `None`: no pid files, no records.
+    /// it neither lingers nor keeps the port its successor needs, and the host engine's
+    /// temporary directory it left is removed (recorded in `nv-hostengine.scratch`). The
+    /// exporter's collectors file lives here too (`dcgm-exporter-counters.csv`). `None`: no
+    /// pid files, no records, the collectors file in the temporary directory.
     pub state_dir: Option<PathBuf>,
     /// How long one fetch of the exporter's metrics may take (upstream: 10 s).
     pub fetch_timeout: Duration,

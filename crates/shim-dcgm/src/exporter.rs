@@ -26,7 +26,8 @@ const MAX_BODY_BYTES: usize = 32 << 20;
 ///
 /// Command line, as upstream (`runner/internal/shim/dcgm/exporter.go`, `Start`):
 /// `dcgm-exporter -f <collectors.csv> -a localhost:<port> -c <interval ms>`, where the
-/// collectors file (a temporary `counters-*.csv`, removed when the exporter stops) lists
+/// collectors file (`<state dir>/dcgm-exporter-counters.csv`, or without a state directory a
+/// temporary `dstack-dcgm-counters-*.csv` removed when the exporter stops) lists
 /// [`COUNTERS`]. Unlike upstream, an exporter that exits is restarted with backoff.
 #[derive(Debug)]
 pub struct DcgmExporter {
@@ -73,14 +74,11 @@ impl DcgmExporter {
     /// line. Returns at once; the exporter answers once it has started (until then, fetches
     /// fail). Must be called inside a tokio runtime.
     pub fn spawn(program: &Path, config: &DcgmConfig) -> Result<Self, DcgmError> {
-        let state_dir = config.state_dir.as_deref();
-        crate::scratch::sweep(state_dir, "dcgm-exporter");
-        let counters = write_counters()?;
-        crate::scratch::record(state_dir, "dcgm-exporter", &counters);
+        let (counters_path, counters) = write_counters(config.state_dir.as_deref())?;
         let listen = format!("localhost:{}", config.exporter_http_port);
         let args = vec![
             "-f".into(),
-            counters.as_os_str().to_owned(),
+            counters_path.clone().into_os_string(),
             "-a".into(),
             listen.clone().into(),
             "-c".into(),
@@ -89,8 +87,8 @@ impl DcgmExporter {
         let supervisor = Supervisor::spawn(ChildSpec::new("dcgm-exporter", program, args, config));
         Ok(Self {
             supervisor,
-            counters_path: counters.to_path_buf(),
-            counters: std::sync::Mutex::new(Some(counters)),
+            counters_path,
+            counters: std::sync::Mutex::new(counters),
             url: format!("http://{listen}/metrics"),
             port: config.exporter_http_port,
             fetch_timeout: config.fetch_timeout,
@@ -179,18 +177,37 @@ pub(crate) async fn check_version(
     Ok(())
 }
 
-fn write_counters() -> Result<tempfile::TempPath, DcgmError> {
+/// Writes the collectors file: `<state_dir>/dcgm-exporter-counters.csv` (written again at
+/// each start, kept: every restart of the exporter reads it, and a file in `/tmp` untouched
+/// for days is what the system's temp cleaner deletes), or without a state directory a
+/// temporary `dstack-dcgm-counters-*.csv`, removed at shutdown (the second value).
+fn write_counters(
+    state_dir: Option<&Path>,
+) -> Result<(PathBuf, Option<tempfile::TempPath>), DcgmError> {
     let err = |source| DcgmError::CountersFile { source };
+    let csv = counters_csv(COUNTERS);
+    if let Some(dir) = state_dir {
+        // Replaced whole (written beside, renamed over): a restart of a supervised exporter
+        // never reads half a file. Written again at every start, so no fsync.
+        let path = dir.join(COUNTERS_FILE);
+        let tmp = dir.join(format!(".{COUNTERS_FILE}.tmp"));
+        fs_err::write(&tmp, csv.as_bytes()).map_err(err)?;
+        fs_err::rename(&tmp, &path).map_err(err)?;
+        return Ok((path, None));
+    }
     let mut file = tempfile::Builder::new()
         .prefix(&format!("{}counters-", crate::scratch::PREFIX))
         .suffix(".csv")
         .tempfile()
         .map_err(err)?;
-    file.write_all(counters_csv(COUNTERS).as_bytes())
-        .map_err(err)?;
+    file.write_all(csv.as_bytes()).map_err(err)?;
     file.flush().map_err(err)?;
-    Ok(file.into_temp_path())
+    let temp = file.into_temp_path();
+    Ok((temp.to_path_buf(), Some(temp)))
 }
+
+/// The collectors file's name in the state directory.
+const COUNTERS_FILE: &str = "dcgm-exporter-counters.csv";
 
 /// One `GET` over a fresh HTTP/1.1 connection: the status and the whole body (at most
 /// [`MAX_BODY_BYTES`]). `host` may resolve to several addresses; each is tried in turn.

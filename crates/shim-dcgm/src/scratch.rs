@@ -1,9 +1,9 @@
-//! The temporary paths of the DCGM parts (the private host engine's socket directory, the
-//! exporter's collectors file) live in the system's temporary directory, named
-//! `dstack-dcgm-…` ([`PREFIX`]); a shutdown removes them. With a state directory
-//! ([`crate::DcgmConfig::state_dir`]), each is also recorded there (`<child>.scratch`), and
-//! the next start removes what a shim killed without its shutdown left, so that a host whose
-//! shim is killed now and then does not gather them.
+//! The temporary paths of the DCGM parts (the private host engine's socket directory; the
+//! exporter's collectors file when there is no state directory) live in the system's temporary
+//! directory, named `dstack-dcgm-…` ([`PREFIX`]); a shutdown removes them. With a state
+//! directory ([`crate::DcgmConfig::state_dir`]), the host engine's is also recorded there
+//! (`nv-hostengine.scratch`), and the next start removes what a shim killed without its
+//! shutdown left, so that a host whose shim is killed now and then does not gather them.
 
 use std::path::{Path, PathBuf};
 

@@ -302,8 +302,8 @@ async fn with_home(dir: &Path) -> (PathBuf, DcgmConfig, PathBuf) {
 
 /// A shim killed without its shutdown (SIGKILL, a crash) leaves its exporter running, and the
 /// exporter keeps the port the next shim's exporter needs. The pid file in the shim's home
-/// lets the next shim stop it before starting its own, and remove the collectors file it left
-/// in the temporary directory; the pid file goes with a clean shutdown.
+/// lets the next shim stop it before starting its own; the pid file goes with a clean shutdown.
+/// The collectors file lives in the home and is written again in place.
 #[tokio::test]
 async fn an_exporter_left_by_a_killed_shim_is_stopped_by_the_next_one() {
     let dir = tempfile::tempdir().unwrap();
@@ -330,18 +330,25 @@ async fn an_exporter_left_by_a_killed_shim_is_stopped_by_the_next_one() {
         .join()
         .unwrap()
     };
-    let (killed, left_counters) = killed;
-    assert!(left_counters.exists());
+    let (killed, counters) = killed;
+    // With a state directory the collectors file is there, not in /tmp, where the system's
+    // temp cleaner deletes what is untouched for days (every restart of the exporter reads it).
+    assert_eq!(
+        counters,
+        cfg.state_dir
+            .as_ref()
+            .unwrap()
+            .join("dcgm-exporter-counters.csv")
+    );
     assert!(alive(killed));
     assert_eq!(lines(&pid_file), [pid_line(killed)]);
 
     let next = DcgmExporter::spawn(&program, &cfg).unwrap();
     let pid = started(&next).await;
     assert!(!alive(killed), "the killed shim's exporter still runs");
-    assert!(
-        !left_counters.exists(),
-        "the killed shim's counters file is left"
-    );
+    assert_eq!(next.counters_path(), counters, "written again in place");
+    let collectors = fs_err::read_to_string(&counters).unwrap();
+    assert_eq!(collectors, counters_csv(COUNTERS));
     assert_ne!(pid, killed);
     assert_eq!(lines(&pid_file), [pid_line(pid)]);
     next.shutdown().await;
