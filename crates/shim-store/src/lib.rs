@@ -8,7 +8,7 @@
 //! <home>/runners/                0755
 //! <home>/runners/<container name>/ 0700  only the shim reads or writes here
 //!     task.json                  0600  upstream's format version 1 + this shim's "rust_shim" field
-//!     pull.log                         the daemon's raw pull progress
+//!     pull.log                         the daemon's pull progress (repeats left out, 16 MiB at most)
 //!     runner/                    0755  the only part bind-mounted into the container
 //! <home>/runners/.trash-<name>-<ms>    a task directory being deleted
 //! <home>/runners/.spare-<n>            a task directory made ahead of a submit (removed at open)

@@ -521,11 +521,13 @@ impl DockerRuntime {
             };
             match item {
                 Ok(info) => {
+                    // The engine's repeats (Docker 28's containerd store says each layer's
+                    // last line again every 100 ms) are neither activity nor logged.
                     if activity.is_new(&info) {
                         watchdog.moved();
-                    }
-                    if let Some(log) = log.as_mut() {
-                        log.write(&info).await?;
+                        if let Some(log) = log.as_mut() {
+                            log.write(&info).await?;
+                        }
                     }
                     if folder.feed(&info) {
                         progress(folder.progress(false));

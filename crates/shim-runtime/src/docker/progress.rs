@@ -206,11 +206,21 @@ impl Activity {
     }
 }
 
-/// Writes the pull's progress messages as JSON lines.
+/// Writes the pull's progress messages as JSON lines, at most [`PULL_LOG_MAX_BYTES`] (a pull
+/// that trickles for days, each count a line, does not fill the home); the caller leaves out
+/// the engine's repeats.
 pub(super) struct PullLog {
     path: std::path::PathBuf,
     out: tokio::io::BufWriter<tokio::fs::File>,
+    written: usize,
 }
+
+/// The most bytes of one pull's log.
+pub(super) const PULL_LOG_MAX_BYTES: usize = 16 << 20;
+
+/// The last line of a pull log that reached [`PULL_LOG_MAX_BYTES`].
+const PULL_LOG_FULL: &[u8] =
+    b"{\"status\":\"(the rest of this pull's messages are not logged: the log is full)\"}\n";
 
 impl PullLog {
     pub(super) async fn create(path: &Path) -> Result<Self> {
@@ -223,15 +233,23 @@ impl PullLog {
         Ok(Self {
             path: path.to_owned(),
             out: tokio::io::BufWriter::new(file),
+            written: 0,
         })
     }
 
     pub(super) async fn write(&mut self, info: &CreateImageInfo) -> Result<()> {
+        if self.written >= PULL_LOG_MAX_BYTES {
+            return Ok(());
+        }
         let mut line = serde_json::to_vec(info).map_err(|e| RuntimeError::PullLog {
             path: self.path.clone(),
             source: e.into(),
         })?;
         line.push(b'\n');
+        self.written += line.len();
+        if self.written >= PULL_LOG_MAX_BYTES {
+            line = PULL_LOG_FULL.to_vec();
+        }
         self.out
             .write_all(&line)
             .await

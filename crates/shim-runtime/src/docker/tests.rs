@@ -729,3 +729,42 @@ async fn an_images_exit_code_labels_are_set_empty_in_the_create() {
         "{creates:?}"
     );
 }
+
+/// The pull log keeps what the engine said once: Docker 28's containerd store repeats each
+/// layer's last line every 100 ms while nothing arrives, and a pull that trickles for hours
+/// would otherwise write them all into the home. Past `PULL_LOG_MAX_BYTES` a pull's messages
+/// are no longer written.
+#[tokio::test]
+async fn the_pull_log_keeps_no_repeats_and_is_bounded() {
+    let downloading = "{\"status\":\"Downloading\",\"progressDetail\":{\"current\":500,\"total\":1000},\"id\":\"aaaaaaaaaaaa\"}\n";
+    let done = "{\"status\":\"Download complete\",\"id\":\"aaaaaaaaaaaa\"}\n{\"status\":\"Digest: sha256:0123\"}\n";
+    let body = format!("{}{done}", downloading.repeat(1000));
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("pull.log");
+    let pulling = answering("POST", "/images/create", 200, body);
+    let (_engine, runtime) = Engine::connect(VERSION, pulling).await;
+    let request = PullRequest::new("127.0.0.1:5799/x:1").with_log_path(Some(log.clone()));
+    let cancel = CancellationToken::new();
+    runtime.pull(&request, &|_| {}, cancel).await.unwrap();
+    let text = fs_err::read_to_string(&log).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    assert!(lines[0].contains("Downloading"), "{lines:?}");
+
+    // A pull that says something new in every message, past the bound.
+    let many = (0..200_000)
+        .map(|i| format!("{{\"status\":\"Downloading\",\"progressDetail\":{{\"current\":{i},\"total\":1000000}},\"id\":\"aaaaaaaaaaaa\"}}\n"))
+        .collect::<String>();
+    let pulling = answering("POST", "/images/create", 200, many);
+    let (_engine, runtime) = Engine::connect(VERSION, pulling).await;
+    let cancel = CancellationToken::new();
+    runtime.pull(&request, &|_| {}, cancel).await.unwrap();
+    let size = fs_err::metadata(&log).unwrap().len();
+    assert!(size <= (16 << 20) + 200, "{size}");
+    let text = fs_err::read_to_string(&log).unwrap();
+    assert!(
+        text.ends_with("the log is full)\"}\n"),
+        "{}",
+        &text[text.len() - 200..]
+    );
+}
