@@ -590,8 +590,9 @@ fn an_upgrade_in_place_fails_no_request_and_keeps_every_task() {
 /// Broken new binaries, under load with two tasks running; each time the host keeps a shim,
 /// the path gets the running binary back, `dstack-shim` reports `error`, and the tasks keep
 /// their containers:
-/// - not an executable at all: refused by the pre-flight (`--version`), never started; the
-///   shim keeps serving (same PID, no failed request);
+/// - not an executable at all: refused at its install (`--version`), the running binary put
+///   back at once; copied to the path by hand, refused by the shutdown's pre-flight; never
+///   started either way; the shim keeps serving (same PID, no failed request);
 /// - a good `--version` but exits when started as a shim (the hard case): it is exec'd, dies;
 ///   the watchdog puts the old binary back and systemd starts it after `RestartSec`;
 /// - the same binary installed again: refused at its install, never put at the path (it
@@ -612,11 +613,10 @@ fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
     let files = FileServer::start();
     let load = Load::start(shim.addr(), &tasks.ids());
     let mut phases: Vec<(&str, Instant, Instant)> = Vec::new();
-    // An upgrade to `url` (installed as `installs`) that the pre-flight refuses: the running
-    // binary is put back and the same process serves on.
-    let refused = |url: &str, installs: [&str; 2]| {
+    // A shutdown whose pre-flight refuses the binary at the path: the running binary is put
+    // back and the same process serves on.
+    let refused = || {
         let pid = shim.supervisor().pid().unwrap();
-        assert_eq!(install(&shim, url), installs);
         shutdown(&shim);
         wait_until("the running binary is put back", BOUND, || {
             same_bytes(&path, &current)
@@ -643,9 +643,26 @@ fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
         wait_alone(&shim);
     };
 
-    // Not an executable: refused before anything stops.
+    // Not an executable: the running binary is back at the path as soon as the install
+    // ends, with no shutdown (the dstack server, seeing no version, sends none: it installs
+    // again), so a restart or a reboot never starts it.
     let from = Instant::now();
-    refused(&files.serve("garbage", vec![0x5a; 4096]), ["error", ""]);
+    let pid = shim.supervisor().pid().unwrap();
+    assert_eq!(
+        install(&shim, &files.serve("garbage", vec![0x5a; 4096])),
+        ["error", ""]
+    );
+    assert!(same_bytes(&path, &current), "the running binary is back");
+    assert_eq!(shim.supervisor().pid(), Some(pid), "still the same process");
+    after_rollback(1);
+    let log = shim.all_logs();
+    assert!(log.contains("does not report a version"), "{log}");
+    // Put at the path by other means (an operator's copy): refused by the shutdown's
+    // pre-flight, before anything stops.
+    let copied = path.with_extension("copied");
+    fs_err::write(&copied, vec![0x5a; 4096]).unwrap();
+    fs_err::rename(&copied, &path).unwrap();
+    refused();
     after_rollback(1);
     let reason = rollback_reason(&shim);
     assert!(reason.contains("does not report a version"), "{reason}");

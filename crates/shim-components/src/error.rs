@@ -86,6 +86,17 @@ pub enum ComponentsError {
         /// Why it was rolled back.
         reason: String,
     },
+    /// The downloaded shim does not answer `--version` here (another architecture, a
+    /// truncated or HTML body): the running binary was put back at the path systemd starts.
+    #[error("{name} from {url} does not run here: {why}; the running binary was put back")]
+    Unusable {
+        /// The component.
+        name: ComponentName,
+        /// The URL without its query string.
+        url: String,
+        /// What `--version` did.
+        why: String,
+    },
     /// The install was cancelled (shutdown).
     #[error("install of {name} was cancelled")]
     Cancelled {

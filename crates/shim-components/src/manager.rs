@@ -32,8 +32,11 @@ pub struct ComponentsConfig {
     /// The largest binary accepted.
     pub max_download_bytes: u64,
     /// The shim's home, where an upgrade's rollback record is kept
-    /// ([`crate::upgrade::RollbackRecord`]): a shim download that is the binary the record
-    /// refuses is not put at the path (`None`: not looked at).
+    /// ([`crate::upgrade::RollbackRecord`]); set by the binary that upgrades in place. With
+    /// it, a shim download that is the binary the record refuses is not put at the path, and
+    /// one put there that does not answer `--version` is replaced by the running binary at
+    /// once ([`ComponentsError::Unusable`]), so that what systemd starts at the next restart
+    /// or reboot runs (`None`: neither).
     pub rollback_home: Option<PathBuf>,
 }
 
@@ -333,12 +336,18 @@ impl Components {
         })
         .await
         .unwrap_or_else(|source| Err(ComponentsError::Join { name, source }));
+        let result = match result {
+            Ok(()) if name == ComponentName::Shim && self.inner.config.rollback_home.is_some() => {
+                self.check_installed_shim(url).await
+            }
+            other => other,
+        };
         match &result {
             Ok(()) => {
                 slot.state().last_error = None;
                 tracing::info!(component = %name, path = %slot.path.display(), "component installed");
             }
-            Err(e @ ComponentsError::Refused { .. }) => {
+            Err(e @ (ComponentsError::Refused { .. } | ComponentsError::Unusable { .. })) => {
                 // The binary rolled back: reported as after the rollback itself (`error`), not
                 // by what stays at the path (the running binary).
                 let mut state = slot.state();
@@ -348,5 +357,34 @@ impl Components {
             Err(e) => slot.state().last_error = Some(error_chain(e)),
         }
         result
+    }
+
+    /// The shim just put at its path must answer `--version`: one that does not (another
+    /// architecture, a truncated or HTML body) would be what systemd starts at the next
+    /// restart or reboot, with no pre-flight and no watchdog, and the server, seeing no
+    /// version, installs again rather than shutting down. The running binary goes back.
+    async fn check_installed_shim(&self, url: &str) -> Result<(), ComponentsError> {
+        let name = ComponentName::Shim;
+        let path = self.inner.slot(name).path.clone();
+        let runner = SystemCommandRunner::default();
+        let timeout = self.inner.config.version_timeout;
+        let Err(e) = binary_version(&runner, &path, name.as_str(), timeout).await else {
+            return Ok(());
+        };
+        let why = format!("it does not report a version ({})", error_chain(&e));
+        let target = path.clone();
+        let restored =
+            tokio::task::spawn_blocking(move || crate::upgrade::restore_running(&target))
+                .await
+                .unwrap_or_else(|source| Err(ComponentsError::Join { name, source }));
+        if let Err(e) = restored {
+            tracing::error!(path = %path.display(), error = %error_chain(&e),
+                "cannot put the running binary back over a shim that does not run");
+        }
+        Err(ComponentsError::Unusable {
+            name,
+            url: redact_url(url),
+            why,
+        })
     }
 }

@@ -67,6 +67,7 @@ fn file_server() -> FileServer {
                     ("200 OK", script("dstack-runner version 3.0.0"))
                 }
                 "/empty" => ("200 OK", String::new()),
+                "/html" => ("200 OK", "<html>an error page</html>".to_owned()),
                 _ => ("404 Not Found", "nope".to_owned()),
             };
             let _ = write!(
@@ -318,6 +319,37 @@ async fn a_shim_binary_rolled_back_within_the_hour_is_not_installed_again() {
 
     record.at_unix -= 3600;
     record.write(&home).unwrap();
+    c.install(Shim, &server.url("/shim")).await.unwrap();
+    assert_eq!(state(&c, Shim).await, (Status::Installed, "0.22.1".into()));
+}
+
+/// A shim download that does not run here (an HTML error page, another architecture) is not
+/// left at the path systemd starts: the dstack server, seeing no version, installs again
+/// rather than shutting down, so the pre-flight would never look at it, and the next restart
+/// or reboot would start it. The running binary is put back at once, and the component
+/// reports `error`, as after a rollback.
+#[tokio::test]
+async fn a_shim_download_that_does_not_run_is_replaced_by_the_running_binary() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = file_server();
+    let mut config = ComponentsConfig::new(
+        dir.path().join("bin/dstack-runner"),
+        dir.path().join("dstack-shim"),
+    );
+    config.rollback_home = Some(dir.path().to_path_buf());
+    let c = Components::new(config);
+    let target = dir.path().join("dstack-shim");
+    fs_err::write(&target, script("dstack-shim version 0.22.0")).unwrap();
+
+    let e = c.install(Shim, &server.url("/html")).await.unwrap_err();
+    assert!(matches!(e, ComponentsError::Unusable { .. }), "{e}");
+    assert!(error_chain(&e).contains("does not report a version"), "{e}");
+    let running = std::path::Path::new("/proc/self/exe");
+    assert!(shim_components::upgrade::same_content(&target, running).unwrap());
+    assert_eq!(state(&c, Shim).await, (Status::Error, String::new()));
+    assert!(c.rolled_back(Shim).is_some());
+
+    // A shim that runs is installed as before.
     c.install(Shim, &server.url("/shim")).await.unwrap();
     assert_eq!(state(&c, Shim).await, (Status::Installed, "0.22.1".into()));
 }
