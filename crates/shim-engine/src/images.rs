@@ -47,7 +47,8 @@
 //! the engine's event stream is connected: any image removal the engine reports (an
 //! operator's `docker image prune`, `docker rmi`, this room's own collection) forgets them
 //! all, and so does a lost connection. A task whose image was removed is pulled again in its
-//! pull step, in the open.
+//! pull step, in the open. A pull step does not decide while this room removes an image (a
+//! removal takes seconds on a large one): it waits, then finds the image gone.
 //!
 //! The room owns the ledger and the policy; the effects tell it what was pulled and used.
 
@@ -220,6 +221,12 @@ pub(crate) struct ImageGc {
     low: u8,
     /// One pass at a time.
     pass: tokio::sync::Mutex<()>,
+    /// Held (written) by a pass from its last look at what tasks refer to until its removal
+    /// ends, and (read) by a pull step while it decides whether its image is there
+    /// ([`ImageGc::presence`]): a task submitted during a removal that takes seconds waits,
+    /// then finds the image gone and pulls it, instead of skipping the pull for an image
+    /// about to vanish.
+    removing: tokio::sync::RwLock<()>,
     /// The engine's data root, once known.
     data_root: Mutex<Option<Option<PathBuf>>>,
     freed_bytes: AtomicU64,
@@ -374,6 +381,7 @@ impl ImageGc {
             high: high.min(100),
             low: low.min(high.min(100)),
             pass: tokio::sync::Mutex::new(()),
+            removing: tokio::sync::RwLock::new(()),
             data_root: Mutex::new(None),
             freed_bytes: AtomicU64::new(0),
             removed_images: AtomicU64::new(0),
@@ -388,6 +396,12 @@ impl ImageGc {
 
     fn present(&self) -> MutexGuard<'_, Present> {
         self.present.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// What a pull step holds while it decides whether its image is present (see
+    /// `removing`): it waits for a removal in progress.
+    pub(crate) async fn presence(&self) -> tokio::sync::RwLockReadGuard<'_, ()> {
+        self.removing.read().await
     }
 
     /// Whether `image` was seen present since the engine last reported an image removal
@@ -757,12 +771,19 @@ impl ImageGc {
             if bytes_to_free(usage, self.high, self.low, need) == 0 {
                 break;
             }
-            // Referred to since the list was made (a submit in between): kept.
+            // Referred to since the list was made (a submit in between): kept. From here to
+            // the removal's end no pull step decides its image is present.
+            let removing = self.removing.write().await;
             let referenced = self.referenced();
             if (c.remove.iter().chain(&c.digests)).any(|name| referenced.contains(name)) {
                 continue;
             }
-            if !self.remove(&c).await {
+            for name in &c.remove {
+                self.image_removed(name);
+            }
+            let removed = self.remove(&c).await;
+            drop(removing);
+            if !removed {
                 continue;
             }
             self.forget(&c.id);

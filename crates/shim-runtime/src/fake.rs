@@ -210,6 +210,8 @@ struct State {
     hold_subscriptions: bool,
     /// Stops answer only once released (the stop itself happens when released).
     hold_stops: bool,
+    /// Image removals answer only once released (the removal happens when released).
+    hold_image_deletes: bool,
     /// A create fails, as Docker's does, when a bind mount's source does not exist on this
     /// host.
     check_bind_sources: bool,
@@ -233,6 +235,7 @@ pub struct FakeRuntime {
     streams_broken: Arc<watch::Sender<u64>>,
     subscriptions_released: Arc<watch::Sender<u64>>,
     stops_released: Arc<watch::Sender<u64>>,
+    image_deletes_released: Arc<watch::Sender<u64>>,
 }
 
 impl Default for FakeRuntime {
@@ -289,6 +292,7 @@ impl FakeRuntime {
             streams_broken: Arc::new(watch::channel(0).0),
             subscriptions_released: Arc::new(watch::channel(0).0),
             stops_released: Arc::new(watch::channel(0).0),
+            image_deletes_released: Arc::new(watch::channel(0).0),
         }
     }
 
@@ -585,6 +589,18 @@ impl FakeRuntime {
     pub fn release_stops(&self) {
         self.lock().hold_stops = false;
         self.stops_released.send_modify(|n| *n += 1);
+    }
+
+    /// Makes every following image removal wait, before it removes anything, until
+    /// [`FakeRuntime::release_image_deletes`] (a large image's removal takes seconds).
+    pub fn hold_image_deletes(&self) {
+        self.lock().hold_image_deletes = true;
+    }
+
+    /// Lets every held image removal proceed, and the following ones at once.
+    pub fn release_image_deletes(&self) {
+        self.lock().hold_image_deletes = false;
+        self.image_deletes_released.send_modify(|n| *n += 1);
     }
 
     /// Makes creates check, as the Docker runtime does before it asks the engine, that every
@@ -895,7 +911,17 @@ impl ContainerRuntime for FakeRuntime {
     }
 
     async fn delete_image(&self, image: &str) -> Result<()> {
-        let mut state = self.record(Call::DeleteImage(image.to_owned()), image)?;
+        // Subscribed before the call is recorded (see `pull`).
+        let mut released = self.image_deletes_released.subscribe();
+        released.mark_unchanged();
+        let held = self
+            .record(Call::DeleteImage(image.to_owned()), image)?
+            .hold_image_deletes;
+        if held {
+            // The sender lives as long as self: changed() cannot fail here.
+            let _ = released.changed().await;
+        }
+        let mut state = self.lock();
         let Some(id) = Self::resolve_image(&state, image) else {
             return Ok(());
         };

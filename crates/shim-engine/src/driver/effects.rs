@@ -297,6 +297,8 @@ impl Effects {
         let runtime = &self.runtime;
         let image = shim_runtime::with_default_tag(&image);
         if !image.ends_with(":latest") {
+            // Not while image collection removes an image (it may be this one).
+            let _presence = self.images.presence().await;
             if self.images.known_present(&image) {
                 return Event::PullSkipped;
             }

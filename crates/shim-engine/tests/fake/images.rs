@@ -132,3 +132,33 @@ async fn an_image_removed_by_hand_leaves_the_ledger() {
     let forgotten = poll_until(10, Duration::from_millis(100), async || !recorded()).await;
     assert!(forgotten, "{}", fs_err::read_to_string(&ledger).unwrap());
 }
+
+/// A task submitted while image collection removes its image (a removal takes seconds on a
+/// large image) does not skip its pull for an image about to vanish, which ended it
+/// `creating_container_error`: its pull step waits for the removal, finds the image gone and
+/// pulls it again (SPEC §4: an image removed since it was last seen is pulled in the pull
+/// step).
+#[tokio::test(start_paused = true)]
+async fn a_task_submitted_during_its_images_removal_pulls_it_again() {
+    let w = World::new(0);
+    w.runtime.set_data_root(Some("/fake/docker".into()));
+    let engine = w.engine().await;
+    run(&engine, config("t1").with_image("old:1")).await;
+    w.runtime.set_image_size("old:1", 10 << 30);
+    terminate_by_user(&engine, "t1").await;
+    engine.remove(&tid("t1")).await.unwrap();
+    w.runtime.hold_image_deletes();
+    let deletes = || w.calls_where(|c| matches!(c, Call::DeleteImage(_)));
+    fill_data_root(&w, &engine).await;
+    assert!(poll_until(100, Duration::from_secs(1), async || !deletes().is_empty()).await);
+    let pulls = w.runtime.count("pull");
+    engine
+        .submit(config("t2").with_image("old:1"))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    w.runtime.release_image_deletes();
+    let t2 = wait_status(&engine, "t2", TaskStatus::Running).await;
+    assert_eq!(t2.termination_reason, "", "{t2:?}");
+    assert_eq!(w.runtime.count("pull"), pulls + 1, "pulled again");
+}
