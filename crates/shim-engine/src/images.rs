@@ -16,7 +16,9 @@
 //! removed, never a name someone else gave it), or when no name points to it any more (a
 //! tag moved by a later pull: the old image is dangling, and it was this shim's). An image
 //! built or tagged by someone else under a name the shim once pulled has another id: it is
-//! never this shim's to remove. A record goes when its image does: at a removal the engine
+//! never this shim's to remove. The name of an absent image is recorded before its pull (and
+//! resolved to an id by a later pass, should the shim stop before the pull's end is recorded).
+//! A record goes when its image does: at a removal the engine
 //! reports ([`ImageGc::image_id_removed`]: asked once, forgotten if gone), or when a pass finds
 //! it gone.
 //!
@@ -468,6 +470,30 @@ impl ImageGc {
 
     fn ledger(&self) -> MutexGuard<'_, Ledger> {
         self.ledger.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A pull of `image`, absent from the engine, begins: its name is recorded first, to be
+    /// resolved to the image it names at a later pass (as a first-format ledger's names are),
+    /// so that a shim killed between the pull's end and [`ImageGc::pulled`] still collects
+    /// the image it pulled (the next start finds it present and does not pull it again).
+    pub(crate) async fn pulling(&self, image: &str) {
+        let name = normalize_reference(image);
+        let now = self.clock.now_ms();
+        {
+            let mut ledger = self.ledger();
+            if ledger.unresolved.contains_key(&name) {
+                return;
+            }
+            ledger.unresolved.insert(
+                name,
+                Seen {
+                    pulled_ms: now,
+                    last_used_ms: now,
+                },
+            );
+            ledger.dirty = true;
+        }
+        self.save().await;
     }
 
     /// A pull of `image` by this shim succeeded: the image its name now points to is

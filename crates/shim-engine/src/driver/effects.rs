@@ -315,6 +315,11 @@ impl Effects {
                 }
             }
         }
+        // An absent image's name is in the ledger before the pull, so that a kill right after
+        // it does not leave an image this shim pulled out of the ledger for good.
+        if !image.ends_with(":latest") {
+            self.images.pulling(&image).await;
+        }
         // A real pull may take minutes: `pulling` is made durable, and so shown, before it
         // begins.
         recorder.pulling().await;

@@ -162,3 +162,38 @@ async fn a_task_submitted_during_its_images_removal_pulls_it_again() {
     assert_eq!(t2.termination_reason, "", "{t2:?}");
     assert_eq!(w.runtime.count("pull"), pulls + 1, "pulled again");
 }
+
+/// A shim stopped between a pull's end in the engine and its record in the ledger (a kill, an
+/// upgrade's exec) still collects the image it pulled: the name was recorded before the pull,
+/// and a later pass resolves it, although the next task finds the image present and pulls
+/// nothing. (The stop here is a shutdown during the pull, the image made present as the
+/// engine finishing the pull would.)
+#[tokio::test(start_paused = true)]
+async fn an_image_pulled_just_before_a_kill_is_still_collected() {
+    let mut w = World::new(0);
+    w.runtime.set_data_root(Some("/fake/docker".into()));
+    w.runtime
+        .set_pull_behavior(PullBehavior::Hang { steps: vec![] });
+    let engine = w.engine().await;
+    engine
+        .submit(config("t1").with_image("new:1"))
+        .await
+        .unwrap();
+    assert!(poll_until(100, TICK, async || w.runtime.count("pull") == 1).await);
+    shut_down(engine).await;
+    w.runtime.add_image("new:1");
+    w.runtime.set_image_size("new:1", 10 << 30);
+    let engine = w.fresh_process().await;
+    engine.remove(&tid("t1")).await.unwrap();
+    run(&engine, config("t2").with_image("new:1")).await;
+    assert_eq!(w.runtime.count("pull"), 1, "present: not pulled again");
+    terminate_by_user(&engine, "t2").await;
+    engine.remove(&tid("t2")).await.unwrap();
+    let deletes = || w.calls_where(|c| matches!(c, Call::DeleteImage(_)));
+    w.disk.set_available(20 << 30); // 90 % used: the next minute's pass collects
+    assert!(poll_until(10, Duration::from_secs(30), async || !deletes().is_empty()).await);
+    assert_eq!(
+        deletes(),
+        [Call::DeleteImage("docker.io/library/new:1".into())]
+    );
+}
