@@ -166,7 +166,14 @@ pub(crate) struct Slot {
     /// Told after every step that replaced the task (what a caller waiting for the task to
     /// move on, such as a remove behind a release, waits on instead of polling).
     stepped: tokio::sync::Notify,
+    /// The last failed release's errors and when they were logged as a warning
+    /// ([`Slot::release_failed_loudly`]).
+    release_warned: Mutex<Option<(String, tokio::time::Instant)>>,
 }
+
+/// How often one task's release that keeps failing the same way is logged as a warning (it is
+/// retried every second).
+const RELEASE_WARN_EVERY: std::time::Duration = std::time::Duration::from_secs(600);
 
 impl Slot {
     fn with(task: Task, auth: Option<RegistryAuth>, stateless: bool) -> Self {
@@ -181,7 +188,28 @@ impl Slot {
             pulling: Pulling::new(auth),
             observed: Observed::default(),
             stepped: tokio::sync::Notify::new(),
+            release_warned: Mutex::new(None),
         }
+    }
+
+    /// Whether a failed release with `errors` is worth a warning: the first failure, one whose
+    /// errors differ from the last warned, or the same again after [`RELEASE_WARN_EVERY`]. The
+    /// retries every second in between are logged at debug, so a release that keeps failing
+    /// (an unmount kept busy over a weekend) does not fill the log.
+    pub(crate) fn release_failed_loudly(&self, errors: &str) -> bool {
+        let now = tokio::time::Instant::now();
+        let mut warned = self
+            .release_warned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let loud = match &*warned {
+            Some((last, at)) => last != errors || now.duration_since(*at) >= RELEASE_WARN_EVERY,
+            None => true,
+        };
+        if loud {
+            *warned = Some((errors.to_owned(), now));
+        }
+        loud
     }
 
     /// A task being submitted with `config` (its first write is [`RecordKeeper::submit`]'s): its
@@ -590,4 +618,31 @@ fn describe(r: &Resources) -> String {
         });
     }
     parts.join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A release retried every second that keeps failing the same way warns once, then once
+    /// every ten minutes; a different failure warns at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_release_failing_the_same_way_warns_once_in_ten_minutes() {
+        let config = TaskConfig::new(
+            TaskId::new("t1").unwrap(),
+            shim_task::TaskName::new("job").unwrap(),
+            "img:1",
+        );
+        let slot = Slot::submitted(&config, 0);
+        let busy = "volume \"data\": device busy";
+        assert!(slot.release_failed_loudly(busy));
+        for _ in 0..599 {
+            tokio::time::advance(std::time::Duration::from_secs(1)).await;
+            assert!(!slot.release_failed_loudly(busy));
+        }
+        assert!(slot.release_failed_loudly("volume \"data\": no such device"));
+        assert!(slot.release_failed_loudly(busy));
+        tokio::time::advance(RELEASE_WARN_EVERY).await;
+        assert!(slot.release_failed_loudly(busy));
+    }
 }

@@ -669,8 +669,10 @@ impl Effects {
         }
         if errors.is_empty() {
             tracing::info!(task = %id, "resources released");
+        } else if slot.release_failed_loudly(&errors.join("; ")) {
+            tracing::warn!(task = %id, errors = ?errors, "release incomplete; will retry (the same failure is logged again in 10 minutes)");
         } else {
-            tracing::warn!(task = %id, errors = ?errors, "release incomplete; will retry");
+            tracing::debug!(task = %id, errors = ?errors, "release incomplete; will retry");
         }
         let any = !resources.gpus.is_empty() || host_keys || !volumes.is_empty() || unknown_keys;
         if !errors.is_empty() && !any {
