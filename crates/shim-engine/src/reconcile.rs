@@ -69,8 +69,9 @@ const RECONNECT_MAX: Duration = Duration::from_secs(5);
 pub(crate) struct ReconcileState {
     /// The event stream is connected.
     events_connected: AtomicBool,
-    /// Unix ms of the last successful full cycle.
-    last_cycle_ms: Mutex<Option<u64>>,
+    /// The last successful full cycle: Unix ms (shown) and [`Clock::mono_ns`] (its age, which
+    /// a step of the wall clock must not change).
+    last_cycle_ms: Mutex<Option<(u64, u64)>>,
     /// What the cycles are stamped with.
     clock: Clock,
 }
@@ -86,8 +87,10 @@ impl ReconcileState {
 
     /// Time since the last successful full cycle, if there was one.
     pub(crate) fn last_cycle_age(&self) -> Option<Duration> {
-        self.last_cycle_ms()
-            .map(|last| Duration::from_millis(self.clock.now_ms().saturating_sub(last)))
+        let (_, mono) = (*self.last_cycle_ms.lock().unwrap_or_else(|p| p.into_inner()))?;
+        Some(Duration::from_nanos(
+            self.clock.mono_ns().saturating_sub(mono),
+        ))
     }
 
     /// Whether Docker's event stream is connected.
@@ -97,7 +100,10 @@ impl ReconcileState {
 
     /// Unix ms of the last successful full cycle.
     pub(crate) fn last_cycle_ms(&self) -> Option<u64> {
-        *self.last_cycle_ms.lock().unwrap_or_else(|p| p.into_inner())
+        self.last_cycle_ms
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .map(|(ms, _)| ms)
     }
 
     fn set_connected(&self, connected: bool) {
@@ -105,7 +111,8 @@ impl ReconcileState {
     }
 
     fn cycle_done(&self) {
-        *self.last_cycle_ms.lock().unwrap_or_else(|p| p.into_inner()) = Some(self.clock.now_ms());
+        let stamp = (self.clock.now_ms(), self.clock.mono_ns());
+        *self.last_cycle_ms.lock().unwrap_or_else(|p| p.into_inner()) = Some(stamp);
     }
 }
 
