@@ -177,6 +177,11 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
         let components = components.clone();
         tokio::task::spawn_blocking(move || components.remove_interrupted_downloads()).await?;
     }
+    // Again later, for what was too young now (a kill mid-download, then systemd's restart).
+    tokio::spawn({
+        let (components, shutdown) = (components.clone(), shutdown.clone());
+        async move { components.sweep_interrupted_downloads(shutdown).await }
+    });
     let upgrader = upgrade::Upgrader::new(shim_binary, home.clone(), components.clone());
     upgrader.load_record().await;
     if !config.runner_download_url.is_empty() {

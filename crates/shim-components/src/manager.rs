@@ -301,6 +301,26 @@ impl Components {
         removed
     }
 
+    /// [`Components::remove_interrupted_downloads`] again every `download_timeout` + 60 s until
+    /// `stop` is cancelled: a shim killed mid-download and started again by systemd seconds
+    /// later finds the temp file too young for its start-up sweep (it may be another shim's
+    /// download in progress), so a later sweep removes it once it has aged.
+    pub async fn sweep_interrupted_downloads(&self, stop: CancellationToken) {
+        let every = self.inner.config.download_timeout + Duration::from_secs(60);
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(every) => {}
+            }
+            let this = self.clone();
+            if let Err(e) =
+                tokio::task::spawn_blocking(move || this.remove_interrupted_downloads()).await
+            {
+                tracing::warn!(error = %e, "the sweep of interrupted downloads failed");
+            }
+        }
+    }
+
     /// Cancels running downloads (their temp files are removed, the targets left untouched).
     pub fn cancel(&self) {
         self.inner.cancel.cancel();

@@ -275,6 +275,37 @@ fn temp_files_of_interrupted_downloads_are_removed() {
     assert!(!shim_temp.exists());
 }
 
+/// A temp file too young for the start-up sweep (a shim killed mid-download, started again
+/// seconds later) is removed by a later sweep, once it has aged past a download's time.
+#[tokio::test(start_paused = true)]
+async fn an_interrupted_download_is_swept_once_it_has_aged() {
+    let dir = tempfile::tempdir().unwrap();
+    let bin = dir.path().join("bin");
+    fs_err::create_dir(&bin).unwrap();
+    let c = components(dir.path());
+    let temp = bin.join(".dstack-runner.tmp-9-0.0");
+    let file = fs_err::File::create(&temp).unwrap();
+    assert_eq!(c.remove_interrupted_downloads(), 0, "too young at start-up");
+    let stop = tokio_util::sync::CancellationToken::new();
+    let sweeps = tokio::spawn({
+        let (c, stop) = (c.clone(), stop.clone());
+        async move { c.sweep_interrupted_downloads(stop).await }
+    });
+    // It ages (a download's time passes).
+    file.file()
+        .set_modified(std::time::SystemTime::now() - Duration::from_secs(3600))
+        .unwrap();
+    for _ in 0..100 {
+        if !temp.exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_secs(60)).await;
+    }
+    assert!(!temp.exists());
+    stop.cancel();
+    sweeps.await.unwrap();
+}
+
 /// A shim download that is the binary an upgrade rolled back within the hour (the home's
 /// rollback record names its digest) is not put at the path: systemd starts what is there on
 /// a restart or a reboot, with no watchdog, and the binary failed. The binary in place stays
