@@ -192,6 +192,19 @@ pub enum CommandError {
         /// The limit.
         timeout: Duration,
     },
+    /// An earlier run of the same command line ran past its limit and has not exited since,
+    /// although killed (a process in uninterruptible sleep: `nvidia-smi` on a wedged driver):
+    /// it is not started again until that one is gone, so that a periodic probe does not
+    /// pile up one stuck process per period.
+    #[error(
+        "{command} is not started: its run of {since_s} s ago has not exited (killed after its time limit; hung in the kernel?)"
+    )]
+    StillRunning {
+        /// The command line.
+        command: String,
+        /// How long ago the stuck run was started, in seconds.
+        since_s: u64,
+    },
     /// The program ended unsuccessfully ([`CommandOutput::check`]).
     #[error(
         "{command} failed: {status}{}",
@@ -244,15 +257,51 @@ impl Default for SystemCommandRunner {
     }
 }
 
+/// The runs that went past their limit and have not exited since they were killed, by command
+/// line (one process-wide list: every runner starts the same programs on the same host).
+static STUCK: std::sync::Mutex<Vec<(String, tokio::process::Child, std::time::Instant)>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// The most stuck runs remembered (the oldest is forgotten first).
+const STUCK_MAX: usize = 64;
+
+/// `Err` while an earlier run of `line` is stuck (killed, not exited); forgets those that have
+/// exited since.
+fn check_not_stuck(line: &str) -> Result<(), CommandError> {
+    let mut stuck = STUCK.lock().unwrap_or_else(|p| p.into_inner());
+    stuck.retain_mut(|(_, child, _)| matches!(child.try_wait(), Ok(None)));
+    match stuck.iter().find(|(l, _, _)| l == line) {
+        Some((_, _, at)) => Err(CommandError::StillRunning {
+            command: line.to_owned(),
+            since_s: at.elapsed().as_secs(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Keeps `child`, a run of `line` started at `started`, killed and not exited.
+fn remember_stuck(line: &str, child: tokio::process::Child, started: std::time::Instant) {
+    tracing::warn!(command = %line, "a command killed after its time limit has not exited; it is not started again until it has");
+    let mut stuck = STUCK.lock().unwrap_or_else(|p| p.into_inner());
+    if stuck.len() >= STUCK_MAX {
+        stuck.remove(0);
+    }
+    stuck.push((line.to_owned(), child, started));
+}
+
 #[async_trait]
 impl CommandRunner for SystemCommandRunner {
     async fn run(&self, command: &Command) -> Result<CommandOutput, CommandError> {
+        use tokio::io::AsyncReadExt as _;
         tracing::debug!(%command, "running a command");
+        let line = command.to_string();
+        check_not_stuck(&line)?;
         let spawn_error = |source| CommandError::Spawn {
             program: command.program.clone(),
             source,
         };
-        let child = tokio::process::Command::new(&command.program)
+        let started = std::time::Instant::now();
+        let mut child = tokio::process::Command::new(&command.program)
             .args(&command.args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -261,18 +310,54 @@ impl CommandRunner for SystemCommandRunner {
             .spawn()
             .map_err(spawn_error)?;
         let timeout = command.timeout.unwrap_or(self.timeout);
-        // On a timeout, dropping the future drops the child: kill_on_drop kills it.
-        let out = tokio::time::timeout(timeout, child.wait_with_output())
-            .await
-            .map_err(|_| CommandError::TimedOut {
-                command: command.to_string(),
+        let (mut stdout, mut stderr) = (child.stdout.take(), child.stderr.take());
+        let run = async {
+            let (mut out, mut err) = (Vec::new(), Vec::new());
+            let read_out = async {
+                match stdout.as_mut() {
+                    Some(s) => s.read_to_end(&mut out).await.map(drop),
+                    None => Ok(()),
+                }
+            };
+            let read_err = async {
+                match stderr.as_mut() {
+                    Some(s) => s.read_to_end(&mut err).await.map(drop),
+                    None => Ok(()),
+                }
+            };
+            let (o, e, status) = tokio::join!(read_out, read_err, child.wait());
+            o.and(e)?;
+            Ok::<_, std::io::Error>((status?, out, err))
+        };
+        let Ok(done) = tokio::time::timeout(timeout, run).await else {
+            // Killed; kept while it has not exited (see `STUCK`), reaped by tokio once it does.
+            if let Err(e) = child.start_kill() {
+                tracing::debug!(%command, error = %e, "cannot kill a command past its limit");
+            }
+            // A killed process is gone within milliseconds, unless it is stuck in the kernel:
+            // looked at for up to 100 ms of real time (this path is rare: a run past its
+            // limit), whatever the runtime's clock.
+            let mut alive = true;
+            for _ in 0..100 {
+                alive = matches!(child.try_wait(), Ok(None));
+                if !alive {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if alive {
+                remember_stuck(&line, child, started);
+            }
+            return Err(CommandError::TimedOut {
+                command: line,
                 timeout,
-            })?
-            .map_err(spawn_error)?;
+            });
+        };
+        let (status, out, err) = done.map_err(spawn_error)?;
         Ok(CommandOutput {
-            status: out.status,
-            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            status,
+            stdout: String::from_utf8_lossy(&out).into_owned(),
+            stderr: String::from_utf8_lossy(&err).into_owned(),
         })
     }
 }
@@ -339,6 +424,37 @@ mod tests {
             .unwrap_err();
         assert!(matches!(e, CommandError::TimedOut { .. }), "{e}");
         assert!(started.elapsed() < Duration::from_secs(30));
+    }
+
+    /// A run killed after its limit that has not exited (stuck in the kernel: a wedged
+    /// driver's `nvidia-smi`) keeps the same command line from starting again, so that a
+    /// probe every 30 s does not leave one stuck process per period; once it is gone, the
+    /// command runs again. (The stuck process is played by one never killed: a process in
+    /// uninterruptible sleep cannot be made here.)
+    #[tokio::test]
+    async fn a_command_whose_killed_run_has_not_exited_is_not_started_again() {
+        let cmd = sh("exec sleep 30 # stuck");
+        let line = cmd.to_string();
+        let child = tokio::process::Command::new("sleep")
+            .arg("30")
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let pid = child.id().unwrap();
+        remember_stuck(&line, child, std::time::Instant::now());
+        let e = SystemCommandRunner::default().run(&cmd).await.unwrap_err();
+        assert!(matches!(e, CommandError::StillRunning { .. }), "{e}");
+        let other = sh("echo other");
+        assert!(SystemCommandRunner::default().run(&other).await.is_ok());
+        let killed = std::process::Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+        assert!(killed.unwrap().success());
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while check_not_stuck(&line).is_err() {
+            assert!(std::time::Instant::now() < deadline, "still stuck");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     #[tokio::test]
