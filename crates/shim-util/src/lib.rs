@@ -13,6 +13,8 @@
 //!   describes its own level only and never repeats its source's text; the cause is the
 //!   `source()`. With `test-support`, `testing::assert_each_cause_once` checks an error
 //!   against it.
+//! - `keyed` — [`KeyedLocks`]: one async lock per key, made on demand (a mount point's
+//!   prepares and releases, in `shim-resources` and the engine).
 //!
 //! This crate depends on no other crate of the shim, so each of them can depend on it.
 
@@ -20,11 +22,13 @@ mod cmd;
 mod error;
 #[cfg(any(test, feature = "test-support"))]
 pub mod fake;
+mod keyed;
 #[cfg(any(test, feature = "test-support"))]
 pub mod testing;
 
 pub use cmd::{Command, CommandError, CommandOutput, CommandRunner, SystemCommandRunner};
 pub use error::{BoxError, error_chain};
+pub use keyed::KeyedLocks;
 
 /// The code in this crate's README, compiled as a doctest so it stays true.
 #[doc = include_str!("../README.md")]

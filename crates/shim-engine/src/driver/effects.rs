@@ -80,6 +80,10 @@ pub(super) struct Effects {
     clock: Clock,
     /// How GPUs reach containers.
     gpu_passing: Arc<GpuPassing>,
+    /// One lock per volume mount point, held by a task's write-ahead and mount, and by a
+    /// release's look at the other tasks and its unmount: a volume two tasks name stays
+    /// mounted until the last of them lets it go.
+    volume_holds: shim_util::KeyedLocks<String>,
 }
 
 impl Effects {
@@ -116,7 +120,22 @@ impl Effects {
             ownership,
             images,
             clock: deps.clock,
+            volume_holds: shim_util::KeyedLocks::default(),
         }
+    }
+
+    /// Whether a task other than `id` holds the volume mounted at `mount_point` and has not
+    /// ended (recorded, ahead of its mount or after it, and not released): its container uses
+    /// it, or will.
+    fn volume_held_by_another(&self, id: &TaskId, mount_point: &str) -> bool {
+        self.table.slots().iter().any(|slot| {
+            slot.id != *id
+                && slot.read(|t| {
+                    let record = t.record();
+                    record.status != shim_task::TaskStatus::Terminated
+                        && (record.resources.volumes.iter()).any(|v| v.mount_point == mount_point)
+                })
+        })
     }
 
     /// The GPU lock (which GPUs tasks hold now).
@@ -184,6 +203,10 @@ impl Effects {
                 })
             }
             Effect::MountVolume(spec) => {
+                let mount_point = self.volumes.mount_point(spec.name.as_str());
+                let _hold = (self.volume_holds)
+                    .lock(mount_point.to_string_lossy().into_owned())
+                    .await;
                 // Write-ahead: the volume is recorded (and persisted) before it is mounted.
                 let ahead = MountedVolume {
                     name: spec.name.to_string(),
@@ -662,6 +685,13 @@ impl Effects {
         }
         let mut volumes = Vec::new();
         for v in &resources.volumes {
+            let _hold = self.volume_holds.lock(v.mount_point.clone()).await;
+            if self.volume_held_by_another(id, &v.mount_point) {
+                tracing::info!(task = %id, volume = %v.name, mount_point = %v.mount_point,
+                    "another task holds the volume: left mounted for it");
+                volumes.push(v.name.clone());
+                continue;
+            }
             match self.volumes.release(v).await {
                 Ok(()) => volumes.push(v.name.clone()),
                 Err(e) => errors.push(format!("volume {:?}: {}", v.name, chain(&e))),

@@ -281,6 +281,25 @@ async fn terminate_answers_within_its_budget_whatever_holds_it_up() {
     assert!(w.runtime.container_ids().is_empty());
 }
 
+/// A volume two tasks name stays mounted until the last of them lets it go: the first one's
+/// release leaves it for the other (which found it mounted), whose container uses it. It used
+/// to unmount it under the running task, whose writes then went to the root disk.
+#[tokio::test(start_paused = true)]
+async fn a_volume_two_tasks_hold_stays_mounted_until_the_last_lets_it_go() {
+    let (w, engine) = World::with_engine(0).await;
+    run(&engine, config("t1").with_data_volume()).await;
+    run(&engine, config("t2").with_data_volume()).await;
+    assert_eq!(w.volumes.mounted(), ["data"]);
+    terminate_by_user(&engine, "t1").await;
+    wait_released(&engine, "t1").await;
+    engine.remove(&tid("t1")).await.unwrap();
+    assert_eq!(w.volumes.mounted(), ["data"], "t2 runs with it");
+    terminate_by_user(&engine, "t2").await;
+    wait_released(&engine, "t2").await;
+    engine.remove(&tid("t2")).await.unwrap();
+    assert!(w.volumes.mounted().is_empty(), "the last one unmounts it");
+}
+
 /// A remove behind a release in flight waits for it (bounded), woken by the step that ends
 /// the release rather than by polling, and then removes the task.
 #[tokio::test(start_paused = true)]

@@ -3,41 +3,21 @@
 //! blocking work runs on tokio's blocking pool; operations are locked per mount point and per
 //! device.
 
-use std::collections::HashMap;
 use std::io::{Seek as _, SeekFrom};
 use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use shim_task::{MountedVolume, VolumeBackend, VolumeSpec};
-use shim_util::{Command, CommandRunner, error_chain};
+use shim_util::{Command, CommandRunner, KeyedLocks, error_chain};
 
 use super::mounter::{Mounter, SystemMounter};
 use super::parse::{Probe, aws_fallback_names, find_aws_device, parse_blkid};
 use super::{VolumeConfig, VolumeManager};
 use crate::blocking::blocking;
 use crate::error::{ResourcesError, Result, io_err};
-
-/// One async lock per key (a mount point, a device), created on demand and dropped when no
-/// one holds or waits for it.
-#[derive(Debug, Default)]
-struct KeyedLocks {
-    locks: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
-}
-
-impl KeyedLocks {
-    async fn lock(&self, key: &Path) -> tokio::sync::OwnedMutexGuard<()> {
-        let lock = {
-            let mut map = self.locks.lock().unwrap_or_else(PoisonError::into_inner);
-            // Only the map refers to it: nobody holds or waits for it.
-            map.retain(|_, l| Arc::strong_count(l) > 1);
-            map.entry(key.to_owned()).or_default().clone()
-        };
-        lock.lock_owned().await
-    }
-}
 
 /// The real [`VolumeManager`]: block devices, `blkid`, `mkfs.ext4`, and a [`Mounter`]
 /// (mount(2), umount(2) by default).
@@ -49,8 +29,8 @@ pub struct BlockVolumes {
     config: VolumeConfig,
     runner: Arc<dyn CommandRunner>,
     mounter: Arc<dyn Mounter>,
-    mount_points: KeyedLocks,
-    devices: KeyedLocks,
+    mount_points: KeyedLocks<PathBuf>,
+    devices: KeyedLocks<PathBuf>,
 }
 
 impl std::fmt::Debug for BlockVolumes {
@@ -291,7 +271,7 @@ impl VolumeManager for BlockVolumes {
         };
         // Mount point first, then device: the same order everywhere, so no deadlock. The
         // device is locked by its resolved path, so two names of one disk share the lock.
-        let _mount_point = self.mount_points.lock(&mount_point).await;
+        let _mount_point = self.mount_points.lock(mount_point.clone()).await;
         let real_device = {
             let d = device.clone();
             blocking("resolve the device", move || {
@@ -299,7 +279,7 @@ impl VolumeManager for BlockVolumes {
             })
             .await?
         };
-        let _device = self.devices.lock(&real_device).await;
+        let _device = self.devices.lock(real_device.clone()).await;
         if self.is_mounted(&mount_point).await? {
             tracing::info!(volume = name, mount_point = %mount_point.display(),
                 "volume already mounted");
@@ -356,7 +336,7 @@ impl VolumeManager for BlockVolumes {
             tracing::warn!(mount_point = %mp.display(), "not unmounting a path with '..'");
             return Ok(());
         }
-        let _mount_point = self.mount_points.lock(&mp).await;
+        let _mount_point = self.mount_points.lock(mp.clone()).await;
         if !self.is_mounted(&mp).await? {
             tracing::debug!(mount_point = %mp.display(), "not mounted; nothing to release");
             return Ok(());
