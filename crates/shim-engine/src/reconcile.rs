@@ -343,15 +343,24 @@ impl Reconciler {
         self.kick_events(slot);
     }
 
-    /// The retry pass: every task, in memory only.
+    /// The retry pass: every task, in memory only. Each task's retry runs on its own (one at a
+    /// time per task), so a stop that hangs for its bound (a container stuck in the kernel)
+    /// delays no other task's write, release or stop.
     async fn retry_all(self: &Arc<Self>) {
         for slot in self.parts.table.slots() {
             let wants = slot.read(|t| !t.start_in_flight() && (t.needs_write() || t.needs_retry()));
-            if wants {
-                self.retry_task(&slot).await;
-            } else {
+            if !wants {
                 self.kick_events(&slot);
+                continue;
             }
+            let Some(out) = slot.begin_retry() else {
+                continue;
+            };
+            let this = Arc::clone(self);
+            tokio::spawn(async move {
+                this.retry_task(&slot).await;
+                drop(out);
+            });
         }
     }
 

@@ -169,6 +169,17 @@ pub(crate) struct Slot {
     /// The last failed release's errors and when they were logged as a warning
     /// ([`Slot::release_failed_loudly`]).
     release_warned: Mutex<Option<(String, tokio::time::Instant)>>,
+    /// A retry of the reconciler's is out for the task ([`Slot::begin_retry`]).
+    retrying: Arc<AtomicBool>,
+}
+
+/// A retry out for one task; the next may begin once it is dropped.
+pub(crate) struct RetryOut(Arc<AtomicBool>);
+
+impl Drop for RetryOut {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
 }
 
 /// How often one task's release that keeps failing the same way is logged as a warning (it is
@@ -189,7 +200,14 @@ impl Slot {
             observed: Observed::default(),
             stepped: tokio::sync::Notify::new(),
             release_warned: Mutex::new(None),
+            retrying: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    /// Claims the task's retry: `None` while one is out (a stop that hangs for its whole bound
+    /// is retried once at a time, on its own, holding up no other task's).
+    pub(crate) fn begin_retry(&self) -> Option<RetryOut> {
+        (!self.retrying.swap(true, Ordering::SeqCst)).then(|| RetryOut(self.retrying.clone()))
     }
 
     /// Whether a failed release with `errors` is worth a warning: the first failure, one whose

@@ -229,6 +229,36 @@ async fn a_failed_stop_is_retried_by_the_retry_pass() {
     assert_reason(&info(&engine, "t1"), "terminated_by_user");
 }
 
+/// One task's stop that hangs for its whole bound (a container stuck in the kernel) holds up
+/// no other task's retry: another task's release, failing until now, is retried within
+/// seconds of the fault clearing (SPEC §4), while the hung stop is still out.
+#[tokio::test(start_paused = true)]
+async fn a_hung_stop_holds_up_no_other_tasks_retry() {
+    let (w, engine) = World::with_engine(0).await;
+    run(&engine, config("t1")).await;
+    run(&engine, config("t2").with_data_volume()).await;
+    w.volumes.fail_release("data", true);
+    terminate_by_user(&engine, "t2").await;
+    assert_eq!(w.volumes.mounted(), ["data"], "its release failed");
+    w.runtime.set_unreachable(true);
+    terminate_by_user(&engine, "t1").await;
+    w.runtime.hold_stops();
+    w.runtime.set_unreachable(false);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        w.runtime.count("stop") >= 2,
+        "t1's stop is retried, and hangs"
+    );
+    w.volumes.fail_release("data", false);
+    let released = poll_until(30, Duration::from_millis(100), async || {
+        w.volumes.mounted().is_empty()
+    })
+    .await;
+    assert!(released, "t2's release waited behind t1's hung stop");
+    w.runtime.release_stops();
+    wait_released(&engine, "t1").await;
+}
+
 // Issue 22, SPEC §4: terminate answers within `timeout` + its slack in every state, whatever
 // holds it up: a stop the daemon does not finish, a start in flight, a slow unmount. Each hold
 // is released only after the answer came; what was not done then finishes in the background
