@@ -345,9 +345,9 @@ const SHM_SCRIPT: &str = "mount | grep ' /dev/shm '; \
 printf '#!/bin/sh\\necho shm-exec-ok\\n' > /dev/shm/x.sh && chmod +x /dev/shm/x.sh && /dev/shm/x.sh; \
 echo done";
 
-/// A task that prints one 300 KB line and exits: the tail of its log is
-/// its end, at most `LOGS_TAIL_MAX_BYTES` (Docker answers five 16 KiB pieces of the line,
-/// Podman the line whole), not the whole line held in memory.
+/// A task that prints one 300 KB line and exits: the tail of its log is its end, at most
+/// `LOGS_TAIL_MAX_BYTES` (Docker answers the line in 16 KiB pieces, Podman whole), not the
+/// whole line held in memory.
 #[tokio::test]
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn a_log_tail_of_one_huge_line_is_its_bounded_end() {

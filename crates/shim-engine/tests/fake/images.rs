@@ -14,6 +14,16 @@ async fn fill_data_root(w: &World, engine: &Engine) {
     assert_scraped(engine, full);
 }
 
+/// An engine with a data root, and task `t1` running the 10 GiB image `old:1` it pulled.
+async fn running_old_image() -> (World, Engine) {
+    let w = World::new(0);
+    w.runtime.set_data_root(Some("/fake/docker".into()));
+    let engine = w.engine().await;
+    run(&engine, config("t1").with_image("old:1")).await;
+    w.runtime.set_image_size("old:1", 10 << 30);
+    (w, engine)
+}
+
 /// Image collection on the fake runtime and a data root whose fullness the test sets (issue 28
 /// part 3; the same on a real loop file system: `tests/tests/faults.rs`): at 50 % used nothing
 /// is removed; a task's image this shim pulled stays while the task is known; once it is
@@ -22,11 +32,7 @@ async fn fill_data_root(w: &World, engine: &Engine) {
 /// file system got back (issue 39).
 #[tokio::test(start_paused = true)]
 async fn an_unused_pulled_image_is_collected_when_the_data_root_fills() {
-    let w = World::new(0);
-    w.runtime.set_data_root(Some("/fake/docker".into()));
-    let engine = w.engine().await;
-    run(&engine, config("t1").with_image("old:1")).await;
-    w.runtime.set_image_size("old:1", 10 << 30);
+    let (w, engine) = running_old_image().await;
     let deletes = || w.calls_where(|c| matches!(c, Call::DeleteImage(_)));
     fill_data_root(&w, &engine).await;
     assert_eq!(deletes(), [], "the image of a known task stays");
@@ -140,11 +146,7 @@ async fn an_image_removed_by_hand_leaves_the_ledger() {
 /// step).
 #[tokio::test(start_paused = true)]
 async fn a_task_submitted_during_its_images_removal_pulls_it_again() {
-    let w = World::new(0);
-    w.runtime.set_data_root(Some("/fake/docker".into()));
-    let engine = w.engine().await;
-    run(&engine, config("t1").with_image("old:1")).await;
-    w.runtime.set_image_size("old:1", 10 << 30);
+    let (w, engine) = running_old_image().await;
     terminate_by_user(&engine, "t1").await;
     engine.remove(&tid("t1")).await.unwrap();
     w.runtime.hold_image_deletes();
