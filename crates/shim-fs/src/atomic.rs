@@ -282,14 +282,44 @@ impl Dir {
     /// mid-write); returns how many. This process's own temp files are left alone (a write
     /// may be in flight).
     pub fn remove_stale_temps(&self, name: impl AsRef<OsStr>) -> Result<usize> {
+        self.remove_temps_unchanged_for(name, None)
+    }
+
+    /// [`Dir::remove_stale_temps`] for a directory other programs may write `name` in at the
+    /// same time (another shim on the same host, with another home, adding keys for the same
+    /// user): only temp files unchanged for at least `min_age` are removed, so that no write
+    /// in flight, whoever's, loses its temp file.
+    pub fn remove_temps_older_than(
+        &self,
+        name: impl AsRef<OsStr>,
+        min_age: std::time::Duration,
+    ) -> Result<usize> {
+        self.remove_temps_unchanged_for(name, Some(min_age))
+    }
+
+    fn remove_temps_unchanged_for(
+        &self,
+        name: impl AsRef<OsStr>,
+        min_age: Option<std::time::Duration>,
+    ) -> Result<usize> {
         let name = check_name(self.path(), name.as_ref())?;
+        let now_s = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
         let mut own = temp_prefix(name);
         own.push(process_token());
         own.push(".");
         let mut removed = 0;
         for file in self.names()? {
             let stale = is_temp_of(name, &file) && !file.as_bytes().starts_with(own.as_bytes());
-            if stale && self.remove_file(&file)? {
+            let old_enough = || match min_age {
+                None => Ok(true),
+                Some(age) => Ok::<_, FsError>(self.stat(&file)?.is_some_and(|info| {
+                    let age_s = i64::try_from(age.as_secs()).unwrap_or(i64::MAX);
+                    now_s.saturating_sub(info.modified_unix_s) >= age_s
+                })),
+            };
+            if stale && old_enough()? && self.remove_file(&file)? {
                 tracing::info!(file = %self.join(&file).display(),
                     "removed the temp file of an interrupted write");
                 removed += 1;

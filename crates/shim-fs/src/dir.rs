@@ -77,6 +77,8 @@ pub struct FileInfo {
     pub gid: u32,
     /// Its size in bytes.
     pub len: u64,
+    /// When its content last changed, in seconds since the Unix epoch.
+    pub modified_unix_s: i64,
 }
 
 impl FileInfo {
@@ -92,6 +94,11 @@ impl FileInfo {
             uid: st.st_uid,
             gid: st.st_gid,
             len: u64::try_from(st.st_size).unwrap_or(0),
+            #[allow(
+                clippy::unnecessary_cast,
+                reason = "st_mtime's type differs between platforms"
+            )]
+            modified_unix_s: st.st_mtime as i64,
         }
     }
 

@@ -539,6 +539,21 @@ pub fn render(old: &[u8], rewrite: &Rewrite<'_>) -> Vec<u8> {
     out
 }
 
+/// How long a temp file of an `authorized_keys` write must be unchanged to count as left by an
+/// interrupted write (a write takes milliseconds; another shim on the host may be in one).
+const TEMP_MIN_AGE: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Removes what writes of the file and its backup cut short by a kill left in `~/.ssh` (temp
+/// files holding the keys, which nothing else would ever remove). Failures are logged.
+fn remove_interrupted_writes(ssh: &Dir) {
+    for name in [FILE, BACKUP] {
+        if let Err(e) = ssh.remove_temps_older_than(name, TEMP_MIN_AGE) {
+            tracing::debug!(dir = %ssh.path().display(), error = %error_chain(&e),
+                "cannot look for the temp files of interrupted writes");
+        }
+    }
+}
+
 /// Applies `rewrite` to `user`'s file, relative to a handle of `~/.ssh` opened without
 /// following links. With `create`, a missing `~/.ssh` and file are created; without, a missing
 /// home, `~/.ssh` or file means there is nothing to do.
@@ -552,6 +567,9 @@ fn sync_user(users: &dyn UserDb, user: &str, rewrite: &Rewrite<'_>, create: bool
         Err(e) => return Err(e.into()),
     };
     let ssh = home.open_dir(SSH_DIR)?;
+    if let Some(ssh) = &ssh {
+        remove_interrupted_writes(ssh);
+    }
     let existing = match &ssh {
         Some(d) => d.read_file(FILE, MAX_FILE_BYTES)?,
         None => None,

@@ -615,6 +615,39 @@ async fn symlinked_file_or_ssh_dir_is_refused_and_never_followed() {
     assert_eq!(fs_err::read_dir(&elsewhere).unwrap().count(), 0);
 }
 
+/// What a write of the file or its backup cut short by a kill left in `~/.ssh` (a temp file
+/// holding keys) is removed by the next update of that user's file, once unchanged for ten
+/// minutes; a younger one may be another shim's write in flight and stays.
+#[tokio::test]
+async fn temp_files_of_interrupted_writes_are_removed_once_old() {
+    let h = Home::new();
+    h.write(&format!("{K4}\n"));
+    let ssh = h.home.join(".ssh");
+    let long_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    for (name, old) in [
+        (".authorized_keys.tmp-dead.1", true),
+        (".authorized_keys.bak.tmp-dead.2", true),
+        (".authorized_keys.tmp-other-shim.3", false),
+    ] {
+        let file = fs_err::File::create(ssh.join(name)).unwrap();
+        if old {
+            file.file().set_modified(long_ago).unwrap();
+        }
+    }
+    add(&h.manager, "a", "alice", &[K1]).await;
+    let mut left: Vec<String> = fs_err::read_dir(&ssh)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    left.sort();
+    let kept = [
+        ".authorized_keys.tmp-other-shim.3",
+        "authorized_keys",
+        "authorized_keys.bak",
+    ];
+    assert_eq!(left, kept);
+}
+
 #[tokio::test]
 async fn planted_temp_file_symlink_is_not_written_through() {
     let h = Home::new();
