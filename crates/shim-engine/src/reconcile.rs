@@ -280,7 +280,7 @@ impl Reconciler {
                     tracing::error!(task = %slot.id, error = %chain(&e), "reconcile step failed");
                 }
             }
-            self.retry_task(&slot).await;
+            self.spawn_retry(&slot);
         }
         self.relist_if_settling(settling);
         self.state.cycle_done();
@@ -353,15 +353,24 @@ impl Reconciler {
                 self.kick_events(&slot);
                 continue;
             }
-            let Some(out) = slot.begin_retry() else {
-                continue;
-            };
-            let this = Arc::clone(self);
-            tokio::spawn(async move {
-                this.retry_task(&slot).await;
-                drop(out);
-            });
+            self.spawn_retry(&slot);
         }
+    }
+
+    /// Retries what `slot` still wants ([`Reconciler::retry_task`]) in a job of its own, unless
+    /// one is out for it already; the job ends with the engine's shutdown.
+    fn spawn_retry(self: &Arc<Self>, slot: &Arc<Slot>) {
+        let Some(out) = slot.begin_retry() else {
+            return;
+        };
+        let (this, slot) = (Arc::clone(self), Arc::clone(slot));
+        tokio::spawn(async move {
+            tokio::select! {
+                () = this.parts.shutdown.cancelled() => {}
+                () = this.retry_task(&slot) => {}
+            }
+            drop(out);
+        });
     }
 
     /// Routes one event to its task (if it is one of ours), or an image's removal to the

@@ -124,16 +124,18 @@ impl Effects {
         }
     }
 
-    /// Whether a task other than `id` holds the volume mounted at `mount_point` and has not
-    /// ended (recorded, ahead of its mount or after it, and not released): its container uses
-    /// it, or will.
+    /// Whether a task other than `id` holds the volume mounted at `mount_point`: it records
+    /// the volume (ahead of its mount or after it) and its own release is not out. A task
+    /// whose release is out has a stopped container (a release waits for the stop); any other
+    /// may have a container that uses the volume or will (a terminated task's stop may still
+    /// be under way, or its start still creating the container).
     fn volume_held_by_another(&self, id: &TaskId, mount_point: &str) -> bool {
         self.table.slots().iter().any(|slot| {
             slot.id != *id
                 && slot.read(|t| {
-                    let record = t.record();
-                    record.status != shim_task::TaskStatus::Terminated
-                        && (record.resources.volumes.iter()).any(|v| v.mount_point == mount_point)
+                    !t.release_in_flight()
+                        && (t.record().resources.volumes.iter())
+                            .any(|v| v.mount_point == mount_point)
                 })
         })
     }

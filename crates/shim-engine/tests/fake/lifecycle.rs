@@ -330,6 +330,33 @@ async fn a_volume_two_tasks_hold_stays_mounted_until_the_last_lets_it_go() {
     assert!(w.volumes.mounted().is_empty(), "the last one unmounts it");
 }
 
+/// A task terminated but whose container's stop is still under way holds its volume too: the
+/// other task's release (its container exited) leaves the volume mounted for it.
+#[tokio::test(start_paused = true)]
+async fn a_volume_stays_mounted_while_another_tasks_stop_is_under_way() {
+    let (w, engine) = World::with_engine(0).await;
+    let t1 = run(&engine, config("t1").with_data_volume()).await;
+    run(&engine, config("t2").with_data_volume()).await;
+    w.runtime.hold_stops();
+    let terminate = tokio::spawn({
+        let engine = engine.clone();
+        async move { terminate(&engine, "t2", "", Duration::from_secs(60)).await }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(w.runtime.exit(&t1.container_id, 0));
+    wait_released(&engine, "t1").await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        w.volumes.mounted(),
+        ["data"],
+        "t2's container may still use it"
+    );
+    w.runtime.release_stops();
+    terminate.await.unwrap();
+    wait_released(&engine, "t2").await;
+    assert!(poll_until(30, TICK, async || w.volumes.mounted().is_empty()).await);
+}
+
 /// A remove behind a release in flight waits for it (bounded), woken by the step that ends
 /// the release rather than by polling, and then removes the task.
 #[tokio::test(start_paused = true)]
