@@ -17,7 +17,8 @@
 //! tag moved by a later pull: the old image is dangling, and it was this shim's). An image
 //! built or tagged by someone else under a name the shim once pulled has another id: it is
 //! never this shim's to remove. The name of an absent image is recorded before its pull (and
-//! resolved to an id by a later pass, should the shim stop before the pull's end is recorded).
+//! resolved to an id by a later pass, should the shim stop before the pull's end is recorded;
+//! a pull that fails takes its name back, and no pass resolves a name whose pull is out).
 //! A record goes when its image does: at a removal the engine
 //! reports ([`ImageGc::image_id_removed`]: asked once, forgotten if gone), or when a pass finds
 //! it gone.
@@ -229,6 +230,8 @@ pub(crate) struct ImageGc {
     /// then finds the image gone and pulls it, instead of skipping the pull for an image
     /// about to vanish.
     removing: tokio::sync::RwLock<()>,
+    /// The pulls out, by name ([`ImageGc::pulling`] to [`ImageGc::pull_ended`]).
+    pulls_out: Mutex<BTreeMap<String, usize>>,
     /// The engine's data root, once known.
     data_root: Mutex<Option<Option<PathBuf>>>,
     freed_bytes: AtomicU64,
@@ -384,6 +387,7 @@ impl ImageGc {
             low: low.min(high.min(100)),
             pass: tokio::sync::Mutex::new(()),
             removing: tokio::sync::RwLock::new(()),
+            pulls_out: Mutex::default(),
             data_root: Mutex::new(None),
             freed_bytes: AtomicU64::new(0),
             removed_images: AtomicU64::new(0),
@@ -479,6 +483,7 @@ impl ImageGc {
     pub(crate) async fn pulling(&self, image: &str) {
         let name = normalize_reference(image);
         let now = self.clock.now_ms();
+        *self.pulls_out().entry(name.clone()).or_insert(0) += 1;
         {
             let mut ledger = self.ledger();
             if ledger.unresolved.contains_key(&name) {
@@ -494,6 +499,43 @@ impl ImageGc {
             ledger.dirty = true;
         }
         self.save().await;
+    }
+
+    /// A pull announced by [`ImageGc::pulling`] ended (after [`ImageGc::pulled`] when it
+    /// succeeded). A failed or cancelled one leaves no name behind: resolved later, it could
+    /// name an image someone else pulled or loaded by hand.
+    pub(crate) async fn pull_ended(&self, image: &str, succeeded: bool) {
+        let name = normalize_reference(image);
+        let last = {
+            let mut out = self.pulls_out();
+            match out.get_mut(&name) {
+                Some(n) if *n > 1 => {
+                    *n -= 1;
+                    false
+                }
+                Some(_) => {
+                    out.remove(&name);
+                    true
+                }
+                None => false,
+            }
+        };
+        if succeeded || !last {
+            return;
+        }
+        let removed = {
+            let mut ledger = self.ledger();
+            let removed = ledger.unresolved.remove(&name).is_some();
+            ledger.dirty |= removed;
+            removed
+        };
+        if removed {
+            self.save().await;
+        }
+    }
+
+    fn pulls_out(&self) -> MutexGuard<'_, BTreeMap<String, usize>> {
+        self.pulls_out.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// A pull of `image` by this shim succeeded: the image its name now points to is
@@ -662,12 +704,16 @@ impl ImageGc {
             .collect()
     }
 
-    /// Resolves the first format's names to the ids they point to now.
+    /// Resolves the names not yet resolved (the first format's, and those of pulls that a stop
+    /// of the shim cut off before their end was recorded) to the ids they point to now; a
+    /// name whose pull is out waits for its end.
     async fn resolve_unresolved(&self) {
+        let out: BTreeSet<String> = self.pulls_out().keys().cloned().collect();
         let names: Vec<(String, Seen)> = self
             .ledger()
             .unresolved
             .iter()
+            .filter(|(n, _)| !out.contains(*n))
             .map(|(n, s)| (n.clone(), *s))
             .collect();
         for (name, seen) in names {

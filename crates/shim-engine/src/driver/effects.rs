@@ -342,7 +342,8 @@ impl Effects {
         }
         // An absent image's name is in the ledger before the pull, so that a kill right after
         // it does not leave an image this shim pulled out of the ledger for good.
-        if !image.ends_with(":latest") {
+        let announced = !image.ends_with(":latest");
+        if announced {
             self.images.pulling(&image).await;
         }
         // A real pull may take minutes: `pulling` is made durable, and so shown, before it
@@ -350,9 +351,15 @@ impl Effects {
         recorder.pulling().await;
         // The disk above its high mark is collected before the pull adds to it.
         let before = self.images.collect(0).await;
-        match self.pull_image(slot, &image, &before, recorder).await {
+        let pulled = self.pull_image(slot, &image, &before, recorder).await;
+        if pulled.is_ok() {
+            self.images.pulled(&image).await;
+        }
+        if announced {
+            self.images.pull_ended(&image, pulled.is_ok()).await;
+        }
+        match pulled {
             Ok(p) => {
-                self.images.pulled(&image).await;
                 self.images.seen_present(&image);
                 // What the pull added may have taken the disk over its high mark.
                 let images = self.images.clone();

@@ -168,8 +168,8 @@ async fn a_task_submitted_during_its_images_removal_pulls_it_again() {
 /// A shim stopped between a pull's end in the engine and its record in the ledger (a kill, an
 /// upgrade's exec) still collects the image it pulled: the name was recorded before the pull,
 /// and a later pass resolves it, although the next task finds the image present and pulls
-/// nothing. (The stop here is a shutdown during the pull, the image made present as the
-/// engine finishing the pull would.)
+/// nothing. (The kill is played by a shutdown during the pull, the ledger put back as it was
+/// at the kill, and the image made present as the engine finishing the pull would.)
 #[tokio::test(start_paused = true)]
 async fn an_image_pulled_just_before_a_kill_is_still_collected() {
     let mut w = World::new(0);
@@ -182,7 +182,14 @@ async fn an_image_pulled_just_before_a_kill_is_still_collected() {
         .await
         .unwrap();
     assert!(poll_until(100, TICK, async || w.runtime.count("pull") == 1).await);
+    let ledger = w.home.path().join("images.json");
+    let at_the_kill = fs_err::read_to_string(&ledger).unwrap();
+    assert!(
+        at_the_kill.contains("docker.io/library/new:1"),
+        "{at_the_kill}"
+    );
     shut_down(engine).await;
+    fs_err::write(&ledger, at_the_kill).unwrap();
     w.runtime.add_image("new:1");
     w.runtime.set_image_size("new:1", 10 << 30);
     let engine = w.fresh_process().await;
@@ -198,4 +205,28 @@ async fn an_image_pulled_just_before_a_kill_is_still_collected() {
         deletes(),
         [Call::DeleteImage("docker.io/library/new:1".into())]
     );
+}
+
+/// A pull that fails leaves no name in the ledger: resolved later, it would name whatever image
+/// the name points to then, such as one an operator pulled or loaded by hand, and collection
+/// would remove an image the shim never pulled.
+#[tokio::test(start_paused = true)]
+async fn a_failed_pull_claims_no_image_pulled_later_by_hand() {
+    let w = World::new(0);
+    w.runtime.set_data_root(Some("/fake/docker".into()));
+    w.runtime.set_pull_behavior(PullBehavior::Fail {
+        steps: vec![],
+        message: "unauthorized".into(),
+    });
+    let engine = w.engine().await;
+    failed_start(&engine, config("t1").with_image("org/app:1")).await;
+    engine.remove(&tid("t1")).await.unwrap();
+    let ledger = fs_err::read_to_string(w.home.path().join("images.json")).unwrap_or_default();
+    assert!(!ledger.contains("org/app"), "{ledger}");
+    w.runtime.add_image("org/app:1");
+    w.runtime.set_image_size("org/app:1", 10 << 30);
+    w.disk.set_available(20 << 30); // 90 % used
+    tokio::time::sleep(Duration::from_secs(180)).await;
+    let deletes = w.calls_where(|c| matches!(c, Call::DeleteImage(_)));
+    assert_eq!(deletes, [], "pulled by hand: never the shim's");
 }
