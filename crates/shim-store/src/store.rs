@@ -793,9 +793,8 @@ impl Store {
     /// envelope) to this layout (`runners/<container name>/`, upstream's format), durably and
     /// idempotently: each record is rewritten in the new format in place first, then its
     /// directory is renamed (running containers keep their bind mount: it follows the
-    /// directory). A directory without a readable record, or one that cannot be moved now (a
-    /// full disk fails its rewrite), is left where it is (logged; the next call moves what it
-    /// can), and `tasks/` is removed once empty.
+    /// directory). A directory without a readable record is left where it is (logged), and
+    /// `tasks/` is removed once empty.
     pub fn migrate_legacy(&self) -> Result<Migration> {
         let mut report = Migration::default();
         let Some(legacy) = self.legacy_dir()? else {
@@ -827,13 +826,29 @@ impl Store {
                 report.left += 1;
                 continue;
             }
-            // One directory that cannot be moved now (a full disk: its rewrite fails) stays
-            // where it is, for the next start; the rest of the home starts.
-            if let Err(e) = self.migrate_one(&legacy, handle, &name, &record, &dir, &target) {
-                tracing::warn!(from = %dir.display(), error = %error_chain(&e), "cannot migrate a legacy task directory now; left where it is");
-                report.left += 1;
-                continue;
-            }
+            let bytes = format::encode(&record).map_err(|source| StoreError::Serialize {
+                id: record.id.clone(),
+                source,
+            })?;
+            handle
+                .write_atomic(STATE_FILE, &bytes, &self.write_options())
+                .map_err(fs_err_ctx(format!(
+                    "rewriting {}",
+                    dir.join(STATE_FILE).display()
+                )))?;
+            legacy
+                .rename(&name, &self.runners, &record.container_name)
+                .map_err(fs_err_ctx(format!(
+                    "moving {} to {}",
+                    dir.display(),
+                    target.dir.display()
+                )))?;
+            self.runners
+                .sync()
+                .map_err(fs_err_ctx("syncing the runners directory"))?;
+            legacy
+                .sync()
+                .map_err(fs_err_ctx("syncing the legacy tasks directory"))?;
             tracing::info!(task = %record.id, from = %dir.display(), to = %target.dir.display(), "task directory migrated");
             report.moved += 1;
         }
@@ -850,45 +865,6 @@ impl Store {
             }
         }
         Ok(report)
-    }
-
-    /// Moves one legacy task directory `name` (its handle `handle`, its record `record`) to
-    /// `target`: the record rewritten in this format in place, the directory renamed (the
-    /// error: it was not), both directories fsynced.
-    fn migrate_one(
-        &self,
-        legacy: &Dir,
-        handle: &Dir,
-        name: &str,
-        record: &TaskRecord,
-        dir: &Path,
-        target: &TaskPaths,
-    ) -> Result<()> {
-        let bytes = format::encode(record).map_err(|source| StoreError::Serialize {
-            id: record.id.clone(),
-            source,
-        })?;
-        handle
-            .write_atomic(STATE_FILE, &bytes, &self.write_options())
-            .map_err(fs_err_ctx(format!(
-                "rewriting {}",
-                dir.join(STATE_FILE).display()
-            )))?;
-        legacy
-            .rename(name, &self.runners, &record.container_name)
-            .map_err(fs_err_ctx(format!(
-                "moving {} to {}",
-                dir.display(),
-                target.dir.display()
-            )))?;
-        // Moved. A sync that fails leaves the move not yet durable: a crash would put the
-        // directory back in `tasks/`, whose next migration moves it again.
-        for (what, parent) in [("runners", &self.runners), ("legacy tasks", legacy)] {
-            if let Err(e) = parent.sync() {
-                tracing::warn!(error = %error_chain(&e), "cannot sync the {what} directory");
-            }
-        }
-        Ok(())
     }
 }
 

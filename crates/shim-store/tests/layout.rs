@@ -187,37 +187,6 @@ fn homes_of_the_first_release_are_migrated_durably_and_idempotently() {
     assert_eq!(store.read(&a.container_name).unwrap().unwrap(), a);
 }
 
-/// A full disk at the one start that migrates a first-release home fails no start: what
-/// cannot be rewritten stays in `tasks/` (its record intact) for the next start, which moves
-/// it.
-#[test]
-fn a_full_disk_leaves_legacy_directories_for_the_next_start() {
-    let home = tempfile::tempdir().unwrap();
-    let (a, b) = (record("a"), record("b"));
-    plant_legacy(home.path(), &a);
-    plant_legacy(home.path(), &b);
-    let faults = std::sync::Arc::new(shim_fs::fault::Faults::new());
-    let store = Store::open(home.path())
-        .unwrap()
-        .with_faults(faults.clone());
-    faults.set_full(true);
-    let report = store.migrate_legacy().unwrap();
-    assert_eq!((report.moved, report.left), (0, 2));
-    assert_eq!(
-        store.legacy_records().len(),
-        2,
-        "both records intact in tasks/"
-    );
-    assert_eq!(store.read(&a.container_name).unwrap(), None);
-
-    faults.set_full(false);
-    let report = store.migrate_legacy().unwrap();
-    assert_eq!((report.moved, report.left), (2, 0));
-    assert!(!home.path().join("tasks").exists());
-    assert_eq!(store.read(&a.container_name).unwrap().unwrap(), a);
-    assert_eq!(store.read(&b.container_name).unwrap().unwrap(), b);
-}
-
 #[test]
 fn a_delete_cut_short_leaves_only_trash_which_is_swept() {
     let (_home, store) = temp_store();
