@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use shim_util::{Command, CommandRunner};
+use shim_util::{Command, CommandError, CommandRunner};
 
 use crate::ComponentsError;
 
@@ -20,6 +20,9 @@ pub fn parse_version(output: &str, name: &str) -> Option<String> {
     }
 }
 
+/// How many times `--version` is tried again while exec finds the binary busy (50 ms apart).
+const TEXT_BUSY_TRIES: u32 = 20;
+
 /// Runs `<path> --version` (killed after `timeout`) through `runner` and parses its standard
 /// output as the version of component `name` (see [`parse_version`]). A binary that cannot
 /// run, does not finish or fails is [`ComponentsError::VersionRun`]; one that prints anything else than
@@ -31,14 +34,28 @@ pub async fn binary_version(
     timeout: Duration,
 ) -> Result<String, ComponentsError> {
     let version = Command::new(path).arg("--version").timeout(timeout);
-    let out = runner
-        .run(&version)
-        .await
-        .and_then(|out| out.check(&version))
-        .map_err(|source| ComponentsError::VersionRun {
-            path: path.to_path_buf(),
-            source,
-        })?;
+    let mut busy_tries = 0;
+    let out = loop {
+        match runner.run(&version).await {
+            // A binary just written: a process forked elsewhere in this one (the runtime's
+            // other children) may still hold the temp file's write descriptor until it execs,
+            // and exec then fails with ETXTBSY for a moment. Tried again, briefly.
+            Err(CommandError::Spawn { source, .. })
+                if source.kind() == std::io::ErrorKind::ExecutableFileBusy
+                    && busy_tries < TEXT_BUSY_TRIES =>
+            {
+                busy_tries += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => break other,
+        }
+    };
+    let out =
+        out.and_then(|out| out.check(&version))
+            .map_err(|source| ComponentsError::VersionRun {
+                path: path.to_path_buf(),
+                source,
+            })?;
     parse_version(&out.stdout, name).ok_or_else(|| ComponentsError::VersionOutput {
         path: path.to_path_buf(),
         output: out.stdout.trim().to_owned(),
@@ -104,5 +121,33 @@ mod tests {
             parse_version("dstack-runner version", "dstack-runner"),
             None
         );
+    }
+
+    /// A binary still open for writing somewhere in this process (a write just done, or a
+    /// descriptor a forked child holds until it execs) cannot be executed for a moment
+    /// (ETXTBSY): `--version` is tried again until it can, so a fresh install does not read
+    /// as a binary that does not run. Found by CI: an install's check failed this way.
+    #[tokio::test]
+    async fn a_binary_busy_for_a_moment_is_asked_again() {
+        use std::io::Write as _;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dstack-shim");
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o755)
+            .open(&path)
+            .unwrap();
+        file.write_all(b"#!/bin/sh\necho dstack-shim version 1.0\n")
+            .unwrap();
+        let release = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            drop(file);
+        });
+        let runner = shim_util::SystemCommandRunner::default();
+        let version = binary_version(&runner, &path, "dstack-shim", Duration::from_secs(5)).await;
+        release.await.unwrap();
+        assert_eq!(version.unwrap(), "1.0");
     }
 }
