@@ -336,17 +336,22 @@ impl CommandRunner for SystemCommandRunner {
             }
             // A killed process is gone within milliseconds, unless it is stuck in the kernel:
             // looked at for up to 100 ms of real time (this path is rare: a run past its
-            // limit), whatever the runtime's clock.
-            let mut alive = true;
-            for _ in 0..100 {
-                alive = matches!(child.try_wait(), Ok(None));
-                if !alive {
-                    break;
+            // limit), whatever the runtime's clock, on the blocking pool (not this thread:
+            // the binary's runtime has one).
+            let looked = tokio::task::spawn_blocking(move || {
+                for _ in 0..100 {
+                    if !matches!(child.try_wait(), Ok(None)) {
+                        return (child, false);
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
                 }
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            if alive {
-                remember_stuck(&line, child, started);
+                (child, true)
+            })
+            .await;
+            match looked {
+                Ok((child, true)) => remember_stuck(&line, child, started),
+                Ok((_, false)) => {}
+                Err(e) => tracing::debug!(%command, error = %e, "cannot look at a killed command"),
             }
             return Err(CommandError::TimedOut {
                 command: line,
