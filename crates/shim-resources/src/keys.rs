@@ -34,10 +34,11 @@
 //! link after it was opened redirects nothing. Writes are atomic (temp file in `~/.ssh`,
 //! fsync, rename, fsync of the directory, through [`shim_fs`]), keep the file's mode and owner,
 //! and leave the previous content in `authorized_keys.bak`. `~/.ssh` (0700) and the file (0600)
-//! are created, owned by the user, when missing. Updates are serialized within a manager,
-//! which is meant to be a single instance per process.
+//! are created, owned by the user, when missing. Updates of one user's file are serialized
+//! within a manager, which is meant to be a single instance per process; another user's wait
+//! for nothing (a home that hangs holds up its own user only).
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -176,8 +177,10 @@ impl State {
 struct Inner {
     users: Arc<dyn UserDb>,
     state: Mutex<State>,
-    /// Serializes file updates (the state lock is never held across IO).
-    io: Mutex<()>,
+    /// One lock per user, serializing the updates of that user's file (the state lock is
+    /// never held across IO): a home that hangs (NFS, a passwd lookup through LDAP) holds
+    /// up its own user's updates, not every user's.
+    io: Mutex<HashMap<String, Arc<Mutex<()>>>>,
 }
 
 impl std::fmt::Debug for AuthorizedKeysManager {
@@ -195,9 +198,18 @@ impl Inner {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn io(&self) -> MutexGuard<'_, ()> {
-        self.io.lock().unwrap_or_else(PoisonError::into_inner)
+    /// `user`'s update lock (lock it with [`lock`]); dropped from the map once nobody holds
+    /// or waits for it.
+    fn io(&self, user: &str) -> Arc<Mutex<()>> {
+        let mut map = self.io.lock().unwrap_or_else(PoisonError::into_inner);
+        map.retain(|_, l| Arc::strong_count(l) > 1);
+        map.entry(user.to_owned()).or_default().clone()
     }
+}
+
+/// Locks `m`, whatever a panic left in it (it guards nothing but the order of updates).
+fn lock(m: &Mutex<()>) -> MutexGuard<'_, ()> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl AuthorizedKeysManager {
@@ -207,7 +219,7 @@ impl AuthorizedKeysManager {
             inner: Arc::new(Inner {
                 users,
                 state: Mutex::default(),
-                io: Mutex::new(()),
+                io: Mutex::default(),
             }),
         }
     }
@@ -226,7 +238,8 @@ impl AuthorizedKeysManager {
             return Err(ResourcesError::MissingUser { keys: keys.len() });
         }
         check_user(user)?;
-        let _io = self.inner.io();
+        let io = self.inner.io(user);
+        let _io = lock(&io);
         let (previous, previous_hold, wanted) = {
             let mut st = self.inner.state();
             st.seen.insert(user.to_owned());
@@ -278,7 +291,6 @@ impl AuthorizedKeysManager {
         keys: &[PublicKey],
         upstream: bool,
     ) -> Result<()> {
-        let _io = self.inner.io();
         let mut released = keys.to_vec();
         let mut users: Vec<String> = Vec::new();
         let mut push = |u: String| {
@@ -316,6 +328,8 @@ impl AuthorizedKeysManager {
                 tracing::debug!(task = %task, error = %e, "no authorized_keys to clean");
                 continue;
             }
+            let io = self.inner.io(u);
+            let _io = lock(&io);
             let (wanted, prune_unknown) = {
                 let st = self.inner.state();
                 (st.wanted(u), !st.unknown_covers(u))

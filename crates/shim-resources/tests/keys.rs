@@ -533,6 +533,58 @@ async fn concurrent_updates_are_serialized() {
     assert!(h.read().starts_with(&format!("{K4}\n")));
 }
 
+/// A user's passwd lookup (LDAP, NFS home) that hangs holds up that user's updates only:
+/// another user's keys are written meanwhile, and the first user's once it answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_whose_home_hangs_holds_up_no_other_user() {
+    /// Alice's lookups wait until the gate opens.
+    struct Hanging {
+        db: StaticUserDb,
+        gate: std::sync::Mutex<bool>,
+        opened: std::sync::Condvar,
+    }
+    impl shim_resources::UserDb for Hanging {
+        fn lookup(&self, user: &str) -> shim_resources::Result<shim_resources::UserEntry> {
+            if user == "alice" {
+                let mut open = self.gate.lock().unwrap();
+                while !*open {
+                    open = self.opened.wait(open).unwrap();
+                }
+            }
+            self.db.lookup(user)
+        }
+    }
+    let h = Home::new();
+    let db = Arc::new(Hanging {
+        db: StaticUserDb::new()
+            .with_user("alice", &h.home)
+            .with_user("bob", h.beside("bob")),
+        gate: std::sync::Mutex::new(false),
+        opened: std::sync::Condvar::new(),
+    });
+    fs_err::create_dir(h.beside("bob")).unwrap();
+    let m = AuthorizedKeysManager::new(db.clone());
+    let alice = tokio::spawn({
+        let m = m.clone();
+        async move { add(&m, "a", "alice", &[K1]).await }
+    });
+    // Alice's update holds her lock by now (or soon: bob's must pass either way).
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let bob = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        add(&m, "b", "bob", &[K2]).await;
+        remove(&m, "b", "bob", &[K2]).await;
+        add(&m, "b2", "bob", &[K3]).await;
+    });
+    let (bob, alice_waited) = (bob.await, !alice.is_finished());
+    *db.gate.lock().unwrap() = true;
+    db.opened.notify_all();
+    assert!(bob.is_ok(), "bob's updates waited for alice's lookup");
+    assert!(alice_waited, "alice's lookup hangs until the gate opens");
+    assert!(h.read_of("bob").contains(&mark(K3)));
+    alice.await.unwrap();
+    assert!(h.read().contains(&mark(K1)));
+}
+
 #[test]
 fn render_rules() {
     let old = format!("x\n{}\n{}\n{}\n", mark(K1), mark(K1), mark(K2));
