@@ -65,6 +65,20 @@ impl Home {
         blocking(&self.0, move |store| store.remove_skeleton(&container_name)).await
     }
 
+    /// Marks a task directory as mounted whole by its container, durably: its state file is
+    /// never read again ([`Store::mark_mounted_whole`](shim_store::Store::mark_mounted_whole)).
+    pub(crate) async fn mark_mounted_whole(&self, container_name: String) -> Result<()> {
+        blocking(&self.0, move |store| {
+            store.mark_mounted_whole(&container_name)
+        })
+        .await
+    }
+
+    /// Deletes a task directory (and its mark).
+    pub(crate) async fn delete(&self, container_name: String) -> Result<()> {
+        blocking(&self.0, move |store| store.delete(&container_name)).await
+    }
+
     /// Removes the trash directories; how many.
     pub(crate) async fn sweep_trash(&self) -> Result<usize> {
         blocking(&self.0, |store| Ok(store.sweep_trash())).await

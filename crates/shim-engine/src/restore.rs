@@ -97,6 +97,9 @@ enum Found {
     Record(Box<TaskRecord>, Origin),
     /// The state file was unreadable (moved aside).
     Corrupt,
+    /// A directory marked as mounted whole by its container: its state file, if any, is the
+    /// container's and was not read.
+    MountedWhole,
     /// A directory without a state file.
     Bare {
         skeleton: bool,
@@ -174,6 +177,9 @@ pub(crate) async fn restore(
                     Found::Record(Box::new(record), origin),
                 );
             }
+            ScanEntry::MountedWhole { name, .. } => {
+                found.insert(name, Found::MountedWhole);
+            }
             ScanEntry::NoRecord { name, skeleton, .. } => {
                 found.insert(name, Found::Bare { skeleton });
             }
@@ -212,6 +218,13 @@ pub(crate) async fn restore(
         // A container of the upstream version without state files mounts its whole task
         // directory: nothing the shim keeps may be written there.
         let whole_dir = ctx.ownership.mounts_whole_task_dir(&c.mounts).await?;
+        if whole_dir && !matches!(found.get(&o.name), Some(Found::MountedWhole)) {
+            // Marked beside the directory, durably: a state file the container writes there
+            // stays unread at every later start, its container gone or not.
+            if let Err(e) = ctx.home.mark_mounted_whole(o.name.clone()).await {
+                tracing::warn!(container = %o.id, error = %chain(&e), "cannot mark a task directory as mounted whole");
+            }
+        }
         observed.insert(o.name.clone(), (o, whole_dir));
     }
 
@@ -242,6 +255,28 @@ pub(crate) async fn restore(
             // Restored from its container, if it has one, as a container without a state
             // file: its keys cannot be named, so `restore` holds the unknown-origin lines.
             Some(Found::Corrupt) => None,
+            // Marked at an earlier start as mounted whole: restored from its container; once
+            // the container is gone (removed while no shim ran), the directory is deleted
+            // unless another container mounts something in it.
+            Some(Found::MountedWhole) => {
+                if container.is_none() {
+                    let dir = ctx.home.runners_dir().join(&name);
+                    if referenced.iter().any(|s| Path::new(s).starts_with(&dir)) {
+                        tracing::warn!(dir = %dir.display(), "a task directory mounted whole, its container gone, is mounted by another container; left alone");
+                    } else {
+                        match ctx.home.delete(name.clone()).await {
+                            Ok(()) => {
+                                tracing::info!(dir = %dir.display(), "removed the directory of an adopted task whose container is gone")
+                            }
+                            Err(e) => {
+                                tracing::warn!(dir = %dir.display(), error = %chain(&e), "cannot remove the directory of an adopted task whose container is gone")
+                            }
+                        }
+                    }
+                    continue;
+                }
+                None
+            }
             Some(Found::Bare { skeleton }) => {
                 if container.is_none() {
                     let dir = ctx.home.runners_dir().join(&name);

@@ -1,5 +1,6 @@
 //! The store itself: task directories, durable writes, scanning, deletion, migration.
 
+use std::collections::BTreeSet;
 use std::io;
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
@@ -46,6 +47,10 @@ pub const TRASH_PREFIX: &str = ".trash-";
 /// `task.json`, fsynced), so that the submit's record costs one fsync of the file and one
 /// fsync of `runners/` (shared with concurrent submits). Leftovers are removed at open.
 pub const SPARE_PREFIX: &str = ".spare-";
+/// Prefix of the mark, beside a task directory, that its container mounts it whole (upstream's
+/// containers from before state files): a state file in it is the container's to write and is
+/// never read ([`ScanEntry::MountedWhole`]), even once the container is gone.
+pub const MOUNTED_WHOLE_PREFIX: &str = ".mounted-whole-";
 /// How many spare task directories [`Store::prepare_spares`] keeps ready.
 pub const SPARES: usize = 8;
 
@@ -101,6 +106,14 @@ pub enum ScanEntry {
         /// Why the file was unusable; its `Display` says e.g. "written by a newer shim
         /// (schema 2)".
         error: RecordError,
+    },
+    /// A directory marked as mounted whole by its container ([`Store::mark_mounted_whole`]):
+    /// whatever state file it holds was the container's to write, and is not read.
+    MountedWhole {
+        /// The directory's name (the task's container name).
+        name: String,
+        /// The task directory.
+        dir: PathBuf,
     },
 }
 
@@ -586,6 +599,7 @@ impl Store {
     ///
     /// Call it before writing through this store (it is meant for startup).
     pub fn scan(&self) -> Result<Vec<ScanEntry>> {
+        let mut marked = self.mounted_whole_marks();
         let mut out = Vec::new();
         for name in list_dirs(&self.runners)? {
             let dir = self.runners_dir.join(&name);
@@ -593,9 +607,59 @@ impl Store {
                 tracing::debug!(dir = %dir.display(), "not a task directory; left alone");
                 continue;
             }
+            if marked.remove(&name) {
+                out.push(ScanEntry::MountedWhole { name, dir });
+                continue;
+            }
             out.push(self.scan_task(name, dir));
         }
+        // Marks whose directory is gone (a delete cut between the two).
+        for name in marked {
+            self.forget_mounted_whole(&name);
+        }
         Ok(out)
+    }
+
+    /// Marks the task directory `container_name` as mounted whole by its container, durably:
+    /// from then on [`Store::scan`] does not read its state file, until [`Store::delete`].
+    pub fn mark_mounted_whole(&self, container_name: &str) -> Result<()> {
+        let paths = self.paths(container_name)?;
+        self.runners
+            .create_new_atomic(
+                format!("{MOUNTED_WHOLE_PREFIX}{container_name}"),
+                b"",
+                &self.write_options(),
+            )
+            .map_err(fs_err_ctx(format!(
+                "marking {} as mounted whole",
+                paths.dir.display()
+            )))?;
+        Ok(())
+    }
+
+    /// The container names marked by [`Store::mark_mounted_whole`] (none when the runners
+    /// directory cannot be listed: logged).
+    fn mounted_whole_marks(&self) -> BTreeSet<String> {
+        match self.runners.names() {
+            Ok(names) => names
+                .iter()
+                .filter_map(|n| n.to_str()?.strip_prefix(MOUNTED_WHOLE_PREFIX))
+                .map(str::to_owned)
+                .collect(),
+            Err(e) => {
+                tracing::warn!(error = %error_chain(&e), "cannot list the runners directory for its marks");
+                BTreeSet::new()
+            }
+        }
+    }
+
+    /// Removes the mark of `container_name`, if any (a failure is logged: the next start
+    /// removes a mark whose directory is gone).
+    fn forget_mounted_whole(&self, container_name: &str) {
+        let mark = format!("{MOUNTED_WHOLE_PREFIX}{container_name}");
+        if let Err(e) = self.runners.remove_file(&mark) {
+            tracing::warn!(error = %error_chain(&e), "cannot remove a task directory's mark");
+        }
     }
 
     fn scan_task(&self, name: String, dir: PathBuf) -> ScanEntry {
@@ -677,7 +741,9 @@ impl Store {
             .map_err(fs_err_ctx(ctx()))?
             .is_none()
         {
-            return self.commit_runners().map_err(fs_err_ctx(ctx()));
+            self.commit_runners().map_err(fs_err_ctx(ctx()))?;
+            self.forget_mounted_whole(container_name);
+            return Ok(());
         }
         let trash = free_name(&self.runners, &format!("{TRASH_PREFIX}{container_name}-"));
         self.runners
@@ -688,6 +754,7 @@ impl Store {
         if let Err(e) = self.runners.remove_tree(&trash) {
             tracing::warn!(trash = %self.runners.join(&trash).display(), error = %error_chain(&e), "cannot remove a deleted task's directory now; it is swept later");
         }
+        self.forget_mounted_whole(container_name);
         Ok(())
     }
 

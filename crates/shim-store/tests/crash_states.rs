@@ -360,7 +360,10 @@ fn start_up(home: &Path) -> Startup {
                 record.container_name.clone(),
                 Found::Record(Box::new(record)),
             ),
-            ScanEntry::NoRecord { name, .. } => (name, Found::NoRecord),
+            // The workloads mark no directory as mounted whole.
+            ScanEntry::NoRecord { name, .. } | ScanEntry::MountedWhole { name, .. } => {
+                (name, Found::NoRecord)
+            }
             ScanEntry::Corrupt { name, error, .. } => (name, Found::Corrupt(error.to_string())),
         })
         .collect();

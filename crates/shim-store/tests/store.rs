@@ -267,7 +267,9 @@ fn unusable_state_files_are_moved_aside_and_the_scan_goes_on() {
     for e in &entries {
         match e {
             ScanEntry::Record { record: r, .. } => assert_eq!(*r, good),
-            ScanEntry::NoRecord { dir, .. } => panic!("unexpected NoRecord {}", dir.display()),
+            ScanEntry::NoRecord { dir, .. } | ScanEntry::MountedWhole { dir, .. } => {
+                panic!("unexpected entry {}", dir.display())
+            }
             ScanEntry::Corrupt {
                 name: id,
                 dir,
@@ -370,6 +372,39 @@ fn delete_removes_the_task_and_unknown_is_ok() {
     assert!(store.scan().unwrap().is_empty());
     // The id can be used again.
     store.create_task_dir(&r.container_name).unwrap();
+}
+
+/// A directory marked as mounted whole is reported as such, its state file neither read nor
+/// moved aside (it is its container's); a delete removes the mark with the directory, and a
+/// mark left without its directory is removed by the next scan.
+#[test]
+fn a_directory_marked_as_mounted_whole_is_never_read() {
+    let (_home, store) = temp_store();
+    let forged = plant(&store, "marked", b"{ not a record");
+    store.mark_mounted_whole("marked").unwrap();
+    store.mark_mounted_whole("marked").unwrap();
+    let entries = store.scan().unwrap();
+    assert!(
+        matches!(&entries[..], [ScanEntry::MountedWhole { name, .. }] if name == "marked"),
+        "{entries:?}"
+    );
+    assert_eq!(
+        fs_err::read(&forged).unwrap(),
+        b"{ not a record",
+        "left as it was"
+    );
+    store.delete("marked").unwrap();
+    assert!(names(store.runners_dir()).is_empty());
+    // A delete cut between the directory and its mark.
+    store.create_task_dir("gone").unwrap();
+    store.mark_mounted_whole("gone").unwrap();
+    fs_err::remove_dir_all(store.runners_dir().join("gone")).unwrap();
+    assert!(store.scan().unwrap().is_empty());
+    assert!(names(store.runners_dir()).is_empty());
+    assert!(
+        store.mark_mounted_whole("../x").is_err(),
+        "names are checked"
+    );
 }
 
 // --- round trip ---------------------------------------------------------------------------

@@ -198,6 +198,50 @@ async fn upstream_tasks_hold_and_release_exactly_their_gpus_keys_and_volumes() {
     wait_released(&engine, "b1").await;
 }
 
+/// A state file in a directory its container mounts whole (an adopted upstream container from
+/// before state files) stays the container's after the container is gone: removed while no
+/// shim ran, the next start neither lists the task nor acts on what the file names (a host
+/// key, a volume), and deletes the directory and its mark.
+#[tokio::test(start_paused = true)]
+async fn a_state_file_a_container_could_write_is_not_trusted_once_the_container_is_gone() {
+    let (mut w, engine) = World::with_engine(0).await;
+    let name = shim_task::naming::container_name(&TaskName::new("up-b").unwrap(), &tid("b1"));
+    let dir = w.runner_dir(&name);
+    fs_err::create_dir_all(&dir).unwrap();
+    upstream_container(&w, "b1", &name, &dir, &[]);
+    shut_down(engine).await;
+    let engine = w.fresh_process().await;
+    assert_eq!(info(&engine, "b1").status, TaskStatus::Running);
+    // The container writes a state file naming a host key and a volume, then is removed
+    // while no shim runs.
+    fs_err::write(
+        dir.join("task.json"),
+        upstream_task_json("b1", "up-b", 0, "", false),
+    )
+    .unwrap();
+    shut_down(engine).await;
+    assert!(w.runtime.vanish(&w.runtime.id_by_name(&name).unwrap()));
+    let engine = w.fresh_process().await;
+    assert!(
+        engine.task_info(&tid("b1")).is_err(),
+        "forgotten with its container"
+    );
+    let (keys, volumes) = (w.keys.calls(), w.volumes.calls());
+    assert!(
+        keys.is_empty() && volumes.is_empty(),
+        "{keys:?} {volumes:?}"
+    );
+    assert!(!dir.exists(), "its directory is deleted");
+    let runners = fs_err::read_dir(w.home.path().join("runners")).unwrap();
+    let names: Vec<_> = runners.map(|e| e.unwrap().file_name()).collect();
+    let left: Vec<_> = names
+        .iter()
+        .filter(|n| !n.to_string_lossy().starts_with(".spare-"))
+        .collect();
+    assert!(left.is_empty(), "its mark is deleted too: {left:?}");
+    let _ = w.restart(engine).await;
+}
+
 /// A task whose container is still settling when the shim starts (Podman 4.3's `stopped`: the
 /// process ended while the shim was down, the engine's clean-up has not run, so there is no
 /// exit code yet, and its `died` came before the subscription) is looked at again within
