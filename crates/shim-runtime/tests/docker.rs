@@ -867,6 +867,52 @@ async fn exit_event_carries_the_code_and_respects_labels() {
     assert_eq!(kinds, [died(42), EventKind::Destroy]);
 }
 
+/// A container made of an image labelled `exitCode` (and `containerExitCode`) is never told
+/// to have exited with the label's number: Docker copies a container's labels among its `die`
+/// event's attributes after the code (moby daemon/events.go), so the runtime sets such labels
+/// empty in the create and the event carries no code, or the true one. Run on every engine CI
+/// has (both Docker image stores, Podman).
+#[tokio::test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+async fn an_images_exit_code_label_names_no_containers_exit() {
+    use bollard::query_parameters::CommitContainerOptionsBuilder;
+    require_docker();
+    let (docker, run, guard) = setup("exit-label").await;
+    let donor = shell_spec(&format!("{run}-donor"), &guard.labels(), "exit 0");
+    let (donor, _) = run_to_exit(&docker, &donor).await;
+    let (repo, tag) = ("shim-test-exit-label", run.as_str());
+    let options = CommitContainerOptionsBuilder::default()
+        .container(&donor.id)
+        .repo(repo)
+        .tag(tag)
+        .changes("LABEL exitCode=0 containerExitCode=0")
+        .build();
+    let commit = docker
+        .client()
+        .commit_container(options, bollard::models::ContainerConfig::default());
+    commit.await.unwrap();
+    let image = format!("{repo}:{tag}");
+    let wanted: Vec<(String, String)> = guard.labels().into_iter().collect();
+    let mut events = docker.events(&wanted, None).await.unwrap();
+    let mut spec = shell_spec(&format!("{run}-labelled"), &guard.labels(), "exit 3");
+    spec.image = image.clone();
+    let id = create_and_start(&docker, &spec).await;
+    let event = next_event_where(&mut events, |e| e.container_id == id).await;
+    assert!(
+        matches!(
+            event.kind,
+            EventKind::Die {
+                exit_code: None | Some(3)
+            }
+        ),
+        "{event:?}"
+    );
+    assert_eq!(wait_exited(&docker, &id).await.exit_code, Some(3));
+    docker.remove(&id).await.unwrap();
+    docker.remove(&donor.id).await.unwrap();
+    docker.delete_image(&image).await.unwrap();
+}
+
 #[tokio::test]
 #[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
 async fn limits_privileged_labels_and_devices_in_config() {
