@@ -16,6 +16,7 @@ use crate::{ComponentInfo, ComponentName, ComponentStatus, ComponentsError};
 
 /// Where the components live and how long things may take.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ComponentsConfig {
     /// The runner binary (`--runner-binary-path`).
     pub runner_path: PathBuf,

@@ -66,6 +66,7 @@ impl FileKind {
 
 /// A file's type, permission bits, owner and size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct FileInfo {
     /// Its type.
     pub kind: FileKind,

@@ -220,6 +220,7 @@ impl Default for ConnectionLimits {
 pub const REQUEST_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Server settings.
+#[non_exhaustive]
 pub struct ServerConfig {
     /// The healthcheck `version`. The dstack server gates features on it: it must parse as a
     /// release `>= 0.21.3` (see [`crate::MIN_COMPATIBLE_VERSION`]).
