@@ -414,6 +414,35 @@ async fn upstream_tasks_are_adopted_terminated_removed_and_released<W: World>() 
 }
 in_worlds!(upstream_tasks_are_adopted_terminated_removed_and_released: fake, docker, binary);
 
+// SPEC §5 and §8 (nothing the container can write is trusted): an adopted upstream container
+// mounts its whole task directory, so a state file in it is the container's. One that says
+// the task ended (which, trusted, would stop the container at the next start) is ignored at
+// every start: the task runs on in its container; once the container is removed while no
+// shim runs, the next start forgets the task and deletes its directory.
+async fn a_state_file_an_upstream_container_could_write_is_never_read<W: World>() {
+    let mut w = W::new(Options::default()).await;
+    w.stop().await;
+    let task = w.task("upstream-w", 0);
+    let (dir, cid) = w.plant_upstream_task(&task, None, None).await;
+    w.start().await;
+    assert_has!(w.info("upstream-w").await.unwrap(), {"status": "running", "container_id": cid});
+    let forged = world::upstream_state_file(&task, "done_by_runner");
+    fs_err::write(dir.join("task.json"), forged).unwrap();
+    w.restart().await;
+    assert_has!(w.info("upstream-w").await.unwrap(), {"status": "running"});
+    assert_eq!(w.container_running(&cid).await, Some(true));
+    w.stop().await;
+    w.remove_container(&cid).await;
+    w.start().await;
+    assert!(
+        w.info("upstream-w").await.is_none(),
+        "forgotten with its container"
+    );
+    assert!(!dir.exists(), "its directory is deleted");
+    assert!(w.list().await.is_empty());
+}
+in_worlds!(a_state_file_an_upstream_container_could_write_is_never_read: fake, docker, binary);
+
 // SPEC §5, every restore case after the shim stopped with tasks in every state, and the
 // engine changed meanwhile: a task still running is the same task in the same container; one
 // whose runner exited meanwhile is `container_exited_with_error` with its last lines; a
