@@ -227,7 +227,15 @@ fn a_signal_during_the_runners_install_stops_the_shim() {
     }
     conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\nabc")
         .unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    // The three bytes are in the download's temp file beside the target: the shim waits for
+    // the rest.
+    wait_until("the download's first bytes", BOUND, || {
+        fs_err::read_dir(home.path()).unwrap().any(|e| {
+            let e = e.unwrap();
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.contains("runner") && name != "runner" && e.metadata().unwrap().len() == 3
+        })
+    });
     shim.sigterm().unwrap();
     let status = shim.wait_exit(Duration::from_secs(10)).unwrap();
     assert!(
