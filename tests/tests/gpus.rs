@@ -327,6 +327,16 @@ fn amd_gpus_go_as_device_mappings_or_through_cdi() {
                 "{mode}: {node} in {nodes:?} (mine: {mine:?})"
             );
         }
+        // Upstream's settings of an AMD container, whichever way the devices go (a CDI
+        // spec cannot carry them). upstream: runner/internal/shim/docker.go (configureGpus).
+        let cid = info["container_id"].as_str().unwrap();
+        let host_config =
+            "{{.HostConfig.IpcMode}} {{.HostConfig.CapAdd}} {{.HostConfig.SecurityOpt}}";
+        let settings = docker_ok(&["inspect", "-f", host_config, cid]);
+        let settings: Vec<&str> = settings.split(['[', ']', ' ', '\n']).collect();
+        for wanted in ["host", "SYS_PTRACE", "seccomp=unconfined"] {
+            assert!(settings.contains(&wanted), "{mode}: {settings:?}");
+        }
         eprintln!("MEASURED AMD {mode}: /dev/dri {nodes:?}");
         shim.finish("amd");
         drop(shim);

@@ -124,7 +124,7 @@ fn inputs(
                     message: message.clone(),
                 });
             }
-            (Some(GpuVendor::Nvidia | GpuVendor::Amd), Passing::Cdi(names)) => {
+            (Some(vendor @ (GpuVendor::Nvidia | GpuVendor::Amd)), Passing::Cdi(names)) => {
                 let devices = gpus
                     .iter()
                     .map(|id| {
@@ -136,7 +136,10 @@ fn inputs(
                             })
                     })
                     .collect::<Result<Vec<_>>>()?;
-                GpuConfig::Cdi { devices }
+                GpuConfig::Cdi {
+                    devices,
+                    amd: vendor == GpuVendor::Amd,
+                }
             }
             (Some(GpuVendor::Nvidia), _) => GpuConfig::Nvidia {
                 uuids: gpus.clone(),

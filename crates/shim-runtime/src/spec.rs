@@ -241,6 +241,10 @@ pub enum GpuConfig {
     Cdi {
         /// Fully qualified CDI device names.
         devices: Vec<String>,
+        /// AMD's GPUs: the container also gets what upstream gives AMD GPUs and a CDI spec
+        /// cannot carry (the host's IPC namespace, `SYS_PTRACE`, seccomp unconfined), as
+        /// [`GpuConfig::Amd`] does.
+        amd: bool,
     },
     /// AMD GPUs by render node (`/dev/dri/renderD128`).
     Amd {
@@ -475,6 +479,15 @@ fi ) || exit $?; exec ",
     script
 }
 
+/// What upstream gives a container of AMD GPUs besides the devices (`configureGpus`, the AMD
+/// case: ROCm's IPC between processes, debuggers and RCCL): the host's IPC namespace,
+/// `SYS_PTRACE` and seccomp unconfined.
+fn amd_process_settings(spec: &mut ContainerSpec) {
+    spec.ipc_mode = Some("host".to_owned());
+    spec.cap_add.push("SYS_PTRACE".to_owned());
+    spec.security_opt.push("seccomp=unconfined".to_owned());
+}
+
 /// Builds the task container's spec (SPEC §6) from its inputs.
 pub fn build_container_spec(inputs: &ContainerInputs) -> ContainerSpec {
     let mut spec = ContainerSpec {
@@ -547,22 +560,23 @@ fn apply_gpu(spec: &mut ContainerSpec, gpu: &GpuConfig, host: HostDevices) {
                 });
             }
         }
-        GpuConfig::Cdi { devices } => {
+        GpuConfig::Cdi { devices, amd } => {
             if !devices.is_empty() {
                 spec.device_requests.push(DeviceRequest {
                     driver: CDI_DRIVER.to_owned(),
                     device_ids: devices.clone(),
                     capabilities: Vec::new(),
                 });
+                if *amd {
+                    amd_process_settings(spec);
+                }
             }
         }
         GpuConfig::Amd { render_nodes } => {
             spec.devices.push(DeviceMapping::same_path("/dev/kfd"));
             spec.devices
                 .extend(render_nodes.iter().map(|n| DeviceMapping::same_path(n)));
-            spec.ipc_mode = Some("host".to_owned());
-            spec.cap_add.push("SYS_PTRACE".to_owned());
-            spec.security_opt.push("seccomp=unconfined".to_owned());
+            amd_process_settings(spec);
         }
         GpuConfig::Tenstorrent { ids } => {
             spec.devices.extend(
@@ -920,6 +934,7 @@ mod tests {
                 "nvidia.com/gpu=GPU-a".to_owned(),
                 "nvidia.com/gpu=1".to_owned(),
             ],
+            amd: false,
         };
         let spec = build_container_spec(&i);
         assert_eq!(
@@ -935,8 +950,29 @@ mod tests {
         );
         assert!(spec.devices.is_empty() && spec.cap_add.is_empty() && spec.ipc_mode.is_none());
         assert!(without_nvidia_display(&spec, "/dev/nvidia-modeset").is_none());
-        i.gpu = GpuConfig::Cdi { devices: vec![] };
+        i.gpu = GpuConfig::Cdi {
+            devices: vec![],
+            amd: false,
+        };
         assert!(build_container_spec(&i).device_requests.is_empty());
+    }
+
+    /// AMD's GPUs by CDI get what upstream gives AMD GPUs besides the devices (a CDI spec
+    /// cannot carry them): the host's IPC namespace, `SYS_PTRACE`, seccomp unconfined.
+    /// upstream: runner/internal/shim/docker.go (configureGpus, GpuVendorAmd).
+    #[test]
+    fn amd_cdi_devices_keep_amds_process_settings() {
+        let mut i = inputs();
+        i.gpu = GpuConfig::Cdi {
+            devices: vec!["amd.com/gpu=0".to_owned()],
+            amd: true,
+        };
+        let spec = build_container_spec(&i);
+        assert_eq!(spec.device_requests.len(), 1);
+        assert!(spec.devices.is_empty(), "the spec's to apply");
+        assert_eq!(spec.ipc_mode.as_deref(), Some("host"));
+        assert_eq!(spec.cap_add, ["SYS_PTRACE"]);
+        assert_eq!(spec.security_opt, ["seccomp=unconfined"]);
     }
 
     #[test]
