@@ -153,6 +153,39 @@ async fn terminate_during_container_start_stops_the_container() {
     assert_eq!(w.state_of(&info), None);
 }
 
+/// A start that fails where the container may run all the same (bridge mode: it started, and
+/// the inspect that reads its ports failed) ends the task, but its GPU is given back only
+/// once the container is stopped: a release right away left it running with a GPU the next
+/// task could be given.
+#[tokio::test(start_paused = true)]
+async fn a_start_that_may_have_run_is_stopped_before_its_gpu_goes() {
+    let (w, engine) = World::with_engine(1).await;
+    w.runtime.set_start_behavior(StartBehavior::Hang);
+    let mut c = config("t1").with_gpus(1);
+    c.network_mode = shim_task::NetworkMode::Bridge;
+    engine.submit(c).await.unwrap();
+    w.runtime.wait_for_count("start", 0).await;
+    w.runtime.set_unreachable(true);
+    w.runtime.release_starts();
+    let ended = poll_until(100, TICK, async || {
+        info(&engine, "t1").status == TaskStatus::Terminated
+    });
+    assert!(ended.await);
+    let t1 = info(&engine, "t1");
+    assert_ended(&t1, "container_exited_with_error", "cannot be inspected");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(w.state_of(&t1), Some(ContainerState::Running));
+    assert_eq!(engine.gpu_lock().locked().len(), 1, "held while it may run");
+    w.runtime.set_unreachable(false);
+    let released = poll_until(3000, TICK, async || engine.gpu_lock().locked().is_empty());
+    assert!(released.await);
+    assert_eq!(
+        w.state_of(&t1),
+        Some(ContainerState::Exited),
+        "stopped first"
+    );
+}
+
 // A start that is slow (the container not running yet) is waited for, with a look at the
 // container every 5 s; one whose answer is late while the container already runs goes on at
 // the first look (every world: tests/tests/faults.rs,

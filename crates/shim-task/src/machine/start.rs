@@ -281,9 +281,16 @@ pub(super) fn on_start_event(
                     format!("start ended while the task was {status}"),
                 );
             }
-            // Without a container, or with one never started, nothing of the task runs.
-            if t.record.container_id.is_none() || t.ports.is_none() {
+            if t.record.container_id.is_none() {
+                // Without a container, nothing of the task runs.
                 t.ended = true;
+            } else if t.ports.is_none() && t.stop == StopState::Idle {
+                // A container whose start failed may run all the same: the start's answer
+                // was lost and the look that would have told failed too, or it started and
+                // the inspect of its ports failed. It is stopped before anything is released
+                // (a container that never started stops at once), so that no GPU, volume or
+                // key is given back under a running container.
+                t.stop = StopState::Wanted { timeout_s: 0 };
             }
             t.start_in_flight = false;
             t.start_step = None;
