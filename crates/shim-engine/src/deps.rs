@@ -35,8 +35,11 @@ pub struct Deps {
     pub keys: Arc<dyn AuthorizedKeys>,
     /// Block volumes.
     pub volumes: Arc<dyn VolumeManager>,
-    /// Host device facts for the container spec. Default: no InfiniBand, no 1 GiB hugepages.
-    pub host_devices: HostDevices,
+    /// Host device facts for the container spec: `None` looks at the host at each create
+    /// ([`HostDevices::probe`], as upstream does: a `/dev/infiniband` that appears or goes
+    /// after the shim started counts from the next create). Default: `Some`, no InfiniBand,
+    /// no 1 GiB hugepages.
+    pub host_devices: Option<HostDevices>,
     /// Where containers' control groups are read for the per-task usage metrics. Default:
     /// the host's (`/sys/fs/cgroup`, `/proc`).
     pub cgroups: Cgroups,
@@ -101,7 +104,7 @@ impl Deps {
             fake_gpus: false,
             keys,
             volumes,
-            host_devices: HostDevices::default(),
+            host_devices: Some(HostDevices::default()),
             cgroups: Cgroups::system(),
             clock: Clock::system(),
             fs: Arc::new(HostFs),
@@ -139,7 +142,7 @@ impl Deps {
         );
         deps.host_gpus = host_gpus;
         deps.fake_gpus = fake_gpus;
-        deps.host_devices = HostDevices::probe();
+        deps.host_devices = None;
         if nvidia {
             if options.gpu_health {
                 let xids = XidMonitor::new(Arc::new(Kmsg::default()), options.xid_policy.clone());

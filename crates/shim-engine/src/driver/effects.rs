@@ -67,7 +67,8 @@ pub(super) struct Effects {
     gpus: Arc<GpuLock>,
     gpu_vendor: Option<GpuVendor>,
     fake_gpus: bool,
-    host_devices: HostDevices,
+    /// Fixed host device facts; `None`: looked at each create.
+    host_devices: Option<HostDevices>,
     keys: Arc<dyn AuthorizedKeys>,
     volumes: Arc<dyn VolumeManager>,
     /// Where a removed task is forgotten.
@@ -167,7 +168,8 @@ impl Effects {
             volumes: self.volumes.as_ref(),
             gpu_vendor: self.gpu_vendor,
             fake_gpus: self.fake_gpus,
-            host_devices: self.host_devices,
+            // Two `stat`s of device paths (devtmpfs: nothing to wait for).
+            host_devices: self.host_devices.unwrap_or_else(HostDevices::probe),
             passing,
         }
     }
