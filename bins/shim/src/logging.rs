@@ -27,10 +27,14 @@ pub fn init(level: LevelFilter, format: LogFormat, home: &Path) -> anyhow::Resul
         .mode(0o600)
         .open(&path)
         .context("cannot open the log file")?;
-    let filter = EnvFilter::builder()
-        .with_default_directive(level.into())
-        .from_env()
-        .context("invalid RUST_LOG")?;
+    let filter = if std::env::var_os(EnvFilter::DEFAULT_ENV).is_some() {
+        EnvFilter::builder()
+            .with_default_directive(level.into())
+            .from_env()
+            .context("invalid RUST_LOG")?
+    } else {
+        own_crates_at(level)?
+    };
     let registry = tracing_subscriber::registry().with(filter);
     let installed = match format {
         LogFormat::Text => registry
@@ -62,4 +66,38 @@ pub fn init(level: LevelFilter, format: LogFormat, home: &Path) -> anyhow::Resul
     };
     installed.context("cannot install the logger")?;
     Ok(())
+}
+
+/// The crates of this workspace, by their tracing targets.
+const OWN_CRATES: [&str; 11] = [
+    "dstack_shim",
+    "shim_components",
+    "shim_dcgm",
+    "shim_engine",
+    "shim_fs",
+    "shim_http",
+    "shim_resources",
+    "shim_runtime",
+    "shim_store",
+    "shim_task",
+    "shim_util",
+];
+
+/// `level` for this workspace's crates; the libraries under them (hyper's connection pool
+/// logs two lines a Docker request at debug) at `info` at most, unless `level` is `trace`.
+/// The dstack server starts every shim at debug (level 5), as it does upstream's, whose
+/// debug log has no such lines.
+fn own_crates_at(level: LevelFilter) -> anyhow::Result<EnvFilter> {
+    let others = if level == LevelFilter::TRACE {
+        level
+    } else {
+        level.min(LevelFilter::INFO)
+    };
+    OWN_CRATES.iter().try_fold(
+        EnvFilter::default().add_directive(others.into()),
+        |filter, krate| {
+            let directive = format!("{krate}={level}").parse()?;
+            Ok(filter.add_directive(directive))
+        },
+    )
 }

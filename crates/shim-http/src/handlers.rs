@@ -77,7 +77,9 @@ where
     let path = req.uri().path().to_owned();
     match dispatch(&state, req).await {
         Ok(resp) => {
-            tracing::debug!(%method, %path, status = resp.status().as_u16(), "request");
+            // Trace, as upstream logs a served request: the server polls every instance
+            // every few seconds at debug.
+            tracing::trace!(%method, %path, status = resp.status().as_u16(), "request");
             resp
         }
         Err(err) => {
