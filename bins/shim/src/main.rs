@@ -153,7 +153,7 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
     logging::init(config.shim_log_level, config.log_format, &home)?;
     tracing::info!(version = VERSION, dstack_api = config::DSTACK_VERSION, home = %home.display(), "starting dstack-shim");
     rlimit::raise_open_files_limit();
-    upgrade::reap_watchdog();
+    let watchdog = upgrade::reap_watchdog();
     // A download URL may carry credentials in its query (presigned URLs).
     let shown = Config {
         runner_download_url: shim_components::redact_url(&config.runner_download_url),
@@ -166,6 +166,15 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
     // A signal shuts down and rules out an upgrade in place (systemd stops the unit).
     let signalled = CancellationToken::new();
     signals::spawn(signalled.clone(), force.clone()).context("cannot listen for signals")?;
+    // A stop asked of this image before the upgrade that started it was confirmed is no
+    // failed start: the watchdog, which would roll the binary back, is dismissed.
+    tokio::spawn({
+        let signalled = signalled.clone();
+        async move {
+            signalled.cancelled().await;
+            watchdog.dismiss();
+        }
+    });
 
     let shim_binary = config.shim_binary()?;
     let mut components_config =
@@ -232,7 +241,7 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
         listeners.tcp_addr().port(),
     );
     {
-        let (handoff, shutdown) = (handoff.clone(), shutdown.clone());
+        let (handoff, shutdown, signalled) = (handoff.clone(), shutdown.clone(), signalled.clone());
         tokio::spawn(async move {
             signalled.cancelled().await;
             handoff.no_upgrade();
@@ -283,6 +292,15 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
     match handover {
         None => {
             tracing::info!("dstack-shim stopped; containers keep running");
+            Ok(Exit::Stopped)
+        }
+        // A stop (systemd's, a reboot's) came during the hand-off: it is honoured, and the
+        // new binary runs at the next start.
+        Some(handover) if signalled.is_cancelled() => {
+            handover.abandon();
+            tracing::info!(
+                "dstack-shim stopped by a signal during an upgrade in place; the new binary runs at the next start; containers keep running"
+            );
             Ok(Exit::Stopped)
         }
         Some(handover) => Ok(Exit::Upgrade(handover)),

@@ -295,6 +295,22 @@ impl Handover {
     pub fn start_watchdog(&mut self) {
         self.watchdog = Some(spawn_watchdog(&self.plan, self.port));
     }
+
+    /// Gives the upgrade up (a stop came during the hand-off: the process exits instead, and
+    /// the new binary, installed at its path, runs at the next start). Its watchdog, which
+    /// would take the exit for a failed start and roll the binary back, is killed and reaped.
+    pub fn abandon(self) {
+        if let Some(Ok(watchdog)) = self.watchdog {
+            let pid = nix::unistd::Pid::from_raw(i32::try_from(watchdog.pid).unwrap_or(i32::MAX));
+            if let Err(e) = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL) {
+                tracing::debug!(pid = watchdog.pid, error = %e, "cannot kill the upgrade watchdog");
+                return;
+            }
+            if let Err(e) = nix::sys::wait::waitpid(pid, None) {
+                tracing::debug!(pid = watchdog.pid, error = %e, "cannot reap the upgrade watchdog");
+            }
+        }
+    }
 }
 
 /// The shim's argv0 and arguments.
@@ -567,19 +583,61 @@ fn place_at_first_fd(socket: &OwnedFd) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The watchdog of the upgrade that started this image, while it may still roll back: a
+/// stop asked of this image (systemd's SIGTERM, during its restore or before its first
+/// answer) is no failed start, so [`WatchdogGuard::dismiss`] ends the watchdog before it
+/// sees this process go.
+#[derive(Debug, Clone, Default)]
+pub struct WatchdogGuard(Arc<Mutex<Option<i32>>>);
+
+impl WatchdogGuard {
+    /// Kills the watchdog (`SIGKILL`: it blocks the signals that stop the unit); nothing once
+    /// it has ended, or where there is none.
+    pub fn dismiss(&self) {
+        let mut pid = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        // Not reaped yet (the reaper takes the pid before it reaps): still this process's
+        // child, alive or a zombie, so the PID is its.
+        if let Some(pid) = pid.take() {
+            let killed = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            tracing::info!(
+                pid,
+                ?killed,
+                "stopped before the upgrade was confirmed: its watchdog is dismissed (no rollback)"
+            );
+        }
+    }
+}
+
 /// Reaps the watchdog the image before this one spawned (it is this process's child: the PID
 /// is the same), logging how it ended. Runs on a thread of its own; nothing if there is none.
-pub fn reap_watchdog() {
+/// The guard dismisses it while it runs.
+pub fn reap_watchdog() -> WatchdogGuard {
     let Some(pid) = std::env::var(ENV_WATCHDOG_PID)
         .ok()
         .and_then(|p| p.parse::<i32>().ok())
     else {
-        return;
+        return WatchdogGuard::default();
     };
+    watch_child(pid)
+}
+
+/// The guard of child `pid`, and the thread that reaps it: it waits for the child's end
+/// without reaping it, takes the pid from the guard, then reaps it (so that the guard never
+/// signals a PID that another process may have by then).
+fn watch_child(pid: i32) -> WatchdogGuard {
+    use nix::sys::wait::{Id, WaitPidFlag, waitid, waitpid};
+    let guard = WatchdogGuard(Arc::new(Mutex::new(Some(pid))));
+    let held = guard.clone();
     let spawned = std::thread::Builder::new()
         .name("upgrade-watchdog-reaper".into())
         .spawn(move || {
-            match nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None) {
+            let child = nix::unistd::Pid::from_raw(pid);
+            let ended = waitid(Id::Pid(child), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT);
+            held.0.lock().unwrap_or_else(PoisonError::into_inner).take();
+            match ended.and_then(|_| waitpid(child, None)) {
                 Ok(status) => tracing::debug!(pid, ?status, "the upgrade watchdog ended"),
                 // Not our child (the variable came from elsewhere): nothing to reap.
                 Err(e) => tracing::debug!(pid, error = %e, "no upgrade watchdog to reap"),
@@ -588,6 +646,7 @@ pub fn reap_watchdog() {
     if let Err(e) = spawned {
         tracing::debug!(error = %e, "cannot wait for the upgrade watchdog");
     }
+    guard
 }
 
 /// The watchdog's instructions.
@@ -962,5 +1021,70 @@ mod tests {
             assert!(!os.calls().contains(&"exec"), "{:?}", os.calls());
             assert!(!os.calls().contains(&"place_at_first_fd"));
         }
+    }
+
+    /// A child standing for a watchdog (it sleeps), and whether its PID is still there
+    /// (alive or a zombie not reaped).
+    fn sleeping_child() -> (i32, impl Fn() -> bool) {
+        #[allow(clippy::zombie_processes, reason = "reaped by the code under test")]
+        let child = Command::new("sleep").arg("30").spawn().unwrap();
+        let pid = i32::try_from(child.id()).unwrap();
+        (pid, move || Path::new(&format!("/proc/{pid}")).exists())
+    }
+
+    /// Waits (bounded) until `gone` holds.
+    fn until(gone: impl Fn() -> bool) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !gone() {
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        true
+    }
+
+    /// A stop during the hand-off gives the upgrade up: the watchdog, which would take the
+    /// exit for a failed start and roll the new binary back, is killed and reaped.
+    #[test]
+    fn an_abandoned_upgrade_kills_and_reaps_its_watchdog() {
+        let (_dir, path) = binary();
+        let (pid, exists) = sleeping_child();
+        let mut handover = handover(&path, true);
+        let (_tx, ready) = std::sync::mpsc::channel();
+        let pid_u32 = u32::try_from(pid).unwrap();
+        handover.watchdog = Some(Ok(Watchdog {
+            pid: pid_u32,
+            ready,
+        }));
+        handover.abandon();
+        assert!(!exists(), "killed and reaped at once");
+    }
+
+    /// The image an upgrade started, asked to stop before the upgrade was confirmed, dismisses
+    /// the watchdog (a stop is no failed start); one that ended on its own is reaped and not
+    /// signalled again.
+    #[test]
+    fn a_dismissed_watchdog_is_killed_and_reaped() {
+        let (pid, exists) = sleeping_child();
+        let guard = watch_child(pid);
+        assert!(exists());
+        guard.dismiss();
+        assert!(until(|| !exists()), "killed and reaped");
+        assert!(guard.0.lock().unwrap().is_none());
+
+        #[allow(clippy::zombie_processes, reason = "reaped by the code under test")]
+        let child = Command::new("true").spawn().unwrap();
+        let pid = i32::try_from(child.id()).unwrap();
+        let guard = watch_child(pid);
+        assert!(
+            until(|| guard.0.lock().unwrap().is_none()),
+            "its end is seen"
+        );
+        guard.dismiss();
+        assert!(
+            until(|| !Path::new(&format!("/proc/{pid}")).exists()),
+            "reaped"
+        );
     }
 }
