@@ -21,6 +21,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::os::unix::fs::DirBuilderExt;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use anyhow::Context;
 use shim_components::{ComponentName, Components, ComponentsConfig};
@@ -38,8 +39,9 @@ const MAX_BLOCKING_THREADS: usize = 32;
 enum Exit {
     /// Stopped: exit.
     Stopped,
-    /// Replace this process with the new binary.
-    Upgrade(upgrade::Handover),
+    /// Replace this process with the new binary, unless the flag says a stop signal came
+    /// ([`signals::stop_flag`]).
+    Upgrade(upgrade::Handover, Arc<AtomicBool>),
 }
 
 /// How long the exit waits for the async runtime's last tasks and blocking threads.
@@ -118,10 +120,14 @@ fn main() -> ExitCode {
     runtime.shutdown_timeout(RUNTIME_SHUTDOWN);
     match result {
         Ok(Exit::Stopped) => ExitCode::SUCCESS,
-        Ok(Exit::Upgrade(handover)) => {
+        Ok(Exit::Upgrade(handover, stopped)) => {
             // No thread but this one from here on (the runtime is shut down above): the
             // exec moves the socket to fd 3.
-            let e = upgrade::exec(handover);
+            let e = upgrade::exec(handover, &stopped);
+            if e.is::<upgrade::StoppedDuringHandoff>() {
+                tracing::info!("{e}; containers keep running");
+                return ExitCode::SUCCESS;
+            }
             tracing::error!("{e:#}");
             #[allow(clippy::print_stderr)] // fd 3 (perhaps the log file) may be the socket now
             {
@@ -166,6 +172,7 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
     // A signal shuts down and rules out an upgrade in place (systemd stops the unit).
     let signalled = CancellationToken::new();
     signals::spawn(signalled.clone(), force.clone()).context("cannot listen for signals")?;
+    let stopped = signals::stop_flag().context("cannot listen for signals")?;
     // A stop asked of this image before the upgrade that started it was confirmed is no
     // failed start: the watchdog, which would roll the binary back, is dismissed.
     tokio::spawn({
@@ -303,7 +310,7 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
             );
             Ok(Exit::Stopped)
         }
-        Some(handover) => Ok(Exit::Upgrade(handover)),
+        Some(handover) => Ok(Exit::Upgrade(handover, stopped)),
     }
 }
 

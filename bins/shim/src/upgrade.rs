@@ -35,6 +35,7 @@ use std::os::fd::{AsRawFd as _, OwnedFd};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -301,15 +302,21 @@ impl Handover {
     /// would take the exit for a failed start and roll the binary back, is killed and reaped.
     pub fn abandon(self) {
         if let Some(Ok(watchdog)) = self.watchdog {
-            let pid = nix::unistd::Pid::from_raw(i32::try_from(watchdog.pid).unwrap_or(i32::MAX));
-            if let Err(e) = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL) {
-                tracing::debug!(pid = watchdog.pid, error = %e, "cannot kill the upgrade watchdog");
-                return;
-            }
-            if let Err(e) = nix::sys::wait::waitpid(pid, None) {
-                tracing::debug!(pid = watchdog.pid, error = %e, "cannot reap the upgrade watchdog");
-            }
+            kill_and_reap(watchdog.pid);
         }
+    }
+}
+
+/// Kills (`SIGKILL`: it blocks the stop signals) and reaps the watchdog `pid`, this process's
+/// child not waited for yet.
+fn kill_and_reap(pid: u32) {
+    let child = nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap_or(i32::MAX));
+    if let Err(e) = nix::sys::signal::kill(child, nix::sys::signal::Signal::SIGKILL) {
+        tracing::debug!(pid, error = %e, "cannot kill the upgrade watchdog");
+        return;
+    }
+    if let Err(e) = nix::sys::wait::waitpid(child, None) {
+        tracing::debug!(pid, error = %e, "cannot reap the upgrade watchdog");
     }
 }
 
@@ -471,6 +478,8 @@ pub(crate) trait HandoffOs {
     fn exec(&self, command: &mut Command) -> std::io::Error;
     /// This process's argv0 and arguments, and its PID.
     fn own_args(&self) -> (OsString, Vec<OsString>, u32);
+    /// Kills and reaps the watchdog (the upgrade is given up).
+    fn dismiss_watchdog(&self, watchdog: &Watchdog);
 }
 
 /// The real operating system.
@@ -497,20 +506,39 @@ impl HandoffOs for System {
         let (argv0, args) = own_args();
         (argv0, args, std::process::id())
     }
+
+    fn dismiss_watchdog(&self, watchdog: &Watchdog) {
+        kill_and_reap(watchdog.pid);
+    }
 }
 
 /// Replaces this process with the planned binary (same PID, same argv and environment, the
 /// socket at fd 3 when it takes `LISTEN_FDS`), once the watchdog is ready. Returns only if
 /// that fails (the process then exits, as upstream's does). Call it with no other thread running (the async runtime shut down): from the
 /// socket's move to fd 3 on, nothing may write to a descriptor.
-pub fn exec(handover: Handover) -> anyhow::Error {
-    match exec_with(&System, handover) {
+///
+/// `stopped` is set by a stop signal ([`crate::signals::stop_flag`]), whenever it comes: one
+/// that came after the async side's last look gives the upgrade up here, before the exec
+/// ([`StoppedDuringHandoff`]; the watchdog is killed).
+pub fn exec(handover: Handover, stopped: &AtomicBool) -> anyhow::Error {
+    match exec_with(&System, handover, stopped) {
         Ok(never) => match never {},
         Err(e) => e,
     }
 }
 
-fn exec_with(os: &dyn HandoffOs, handover: Handover) -> anyhow::Result<std::convert::Infallible> {
+/// A stop signal came during the hand-off, after the async side's last look: the upgrade was
+/// given up (the process exits as a stop asks, and the new binary, at its path, runs at the
+/// next start).
+#[derive(Debug, thiserror::Error)]
+#[error("stopped by a signal during an upgrade in place; the new binary runs at the next start")]
+pub struct StoppedDuringHandoff;
+
+fn exec_with(
+    os: &dyn HandoffOs,
+    handover: Handover,
+    stopped: &AtomicBool,
+) -> anyhow::Result<std::convert::Infallible> {
     let Handover {
         plan,
         socket,
@@ -545,6 +573,11 @@ fn exec_with(os: &dyn HandoffOs, handover: Handover) -> anyhow::Result<std::conv
         takes_socket = plan.takes_socket,
         "replacing this process with the new binary"
     );
+    // The last look before the exec (the wait above may have taken a while).
+    if stopped.load(Ordering::SeqCst) {
+        os.dismiss_watchdog(&watchdog);
+        return Err(StoppedDuringHandoff.into());
+    }
     let (argv0, args, pid) = os.own_args();
 
     let mut command = Command::new(&plan.path);
@@ -900,6 +933,10 @@ mod tests {
             std::io::Error::other("recorded, not executed")
         }
 
+        fn dismiss_watchdog(&self, _watchdog: &Watchdog) {
+            self.call("dismiss_watchdog");
+        }
+
         fn own_args(&self) -> (OsString, Vec<OsString>, u32) {
             (
                 "dstack-shim".into(),
@@ -945,7 +982,7 @@ mod tests {
     fn an_upgrade_execs_the_checked_binary_with_the_socket_at_fd_3() {
         let (_dir, path) = binary();
         let os = os(&path, Some(true));
-        let e = exec_with(&os, handover(&path, true)).unwrap_err();
+        let e = exec_with(&os, handover(&path, true), &AtomicBool::new(false)).unwrap_err();
         assert!(format!("{e:#}").contains("cannot exec"), "{e:#}");
         assert_eq!(
             os.calls(),
@@ -974,7 +1011,7 @@ mod tests {
     fn a_binary_that_does_not_take_the_socket_gets_none() {
         let (_dir, path) = binary();
         let os = os(&path, Some(true));
-        exec_with(&os, handover(&path, false)).unwrap_err();
+        exec_with(&os, handover(&path, false), &AtomicBool::new(false)).unwrap_err();
         assert_eq!(os.calls(), ["file_key", "spawn_watchdog", "exec"]);
         let executed = os.exec.lock().unwrap().take().unwrap();
         for name in [
@@ -998,7 +1035,7 @@ mod tests {
         let handover = handover(&path, true);
         fs_err::write(&path, b"#!/bin/sh\nexit 1\n").unwrap();
         let os = os(&path, Some(true));
-        let e = exec_with(&os, handover).unwrap_err();
+        let e = exec_with(&os, handover, &AtomicBool::new(false)).unwrap_err();
         assert!(
             format!("{e:#}").contains("changed after the upgrade was decided"),
             "{e:#}"
@@ -1016,11 +1053,26 @@ mod tests {
             (None, "exiting instead of upgrading"),
         ] {
             let os = os(&path, watchdog);
-            let e = exec_with(&os, handover(&path, true)).unwrap_err();
+            let e = exec_with(&os, handover(&path, true), &AtomicBool::new(false)).unwrap_err();
             assert!(format!("{e:#}").contains(says), "{e:#}");
             assert!(!os.calls().contains(&"exec"), "{:?}", os.calls());
             assert!(!os.calls().contains(&"place_at_first_fd"));
         }
+    }
+
+    /// A stop signal that came after the async side's last look gives the upgrade up at the
+    /// exec's: no exec, the watchdog dismissed, and the error that makes the process exit
+    /// as the stop asks.
+    #[test]
+    fn a_stop_before_the_exec_gives_the_upgrade_up() {
+        let (_dir, path) = binary();
+        let os = os(&path, Some(true));
+        let e = exec_with(&os, handover(&path, true), &AtomicBool::new(true)).unwrap_err();
+        assert!(e.is::<StoppedDuringHandoff>(), "{e:#}");
+        assert_eq!(
+            os.calls(),
+            ["file_key", "spawn_watchdog", "dismiss_watchdog"]
+        );
     }
 
     /// A child standing for a watchdog (it sleeps), and whether its PID is still there
