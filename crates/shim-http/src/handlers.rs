@@ -77,9 +77,14 @@ where
     let path = req.uri().path().to_owned();
     match dispatch(&state, req).await {
         Ok(resp) => {
-            // Trace, as upstream logs a served request: the server polls every instance
-            // every few seconds at debug.
-            tracing::trace!(%method, %path, status = resp.status().as_u16(), "request");
+            let status = resp.status().as_u16();
+            // A read at trace, as upstream logs every served request: the server polls each
+            // instance every few seconds, at debug. What changes something is at debug.
+            if method == hyper::Method::GET || method == hyper::Method::HEAD {
+                tracing::trace!(%method, %path, status, "request");
+            } else {
+                tracing::debug!(%method, %path, status, "request");
+            }
             resp
         }
         Err(err) => {
