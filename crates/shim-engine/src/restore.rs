@@ -453,8 +453,10 @@ fn gpu_ids_from_label(labels: &BTreeMap<String, String>) -> Option<Vec<String>> 
     })
 }
 
-/// GPU ids of a container: our label first, then NVIDIA device requests, then AMD render
-/// nodes (as upstream recovers them: `docker.go`, `restoreStateFromContainers`).
+/// GPU ids of a container: our label first, then what upstream maps for each vendor, as it
+/// recovers them (`docker.go`, `restoreStateFromContainers`): NVIDIA's device request, AMD's
+/// render nodes, Tenstorrent's `/dev/tenstorrent/<id>` devices, Intel Gaudi's
+/// `HABANA_VISIBLE_DEVICES`.
 fn gpu_ids(d: &ContainerDetails) -> Vec<String> {
     if let Some(ids) = gpu_ids_from_label(&d.labels) {
         return ids;
@@ -467,9 +469,33 @@ fn gpu_ids(d: &ContainerDetails) -> Vec<String> {
     if !nvidia.is_empty() {
         return nvidia;
     }
-    d.devices
+    let amd: Vec<String> = d
+        .devices
         .iter()
         .filter(|m| shim_resources::gpu::is_render_node(Path::new(&m.path_on_host)))
         .map(|m| m.path_on_host.clone())
-        .collect()
+        .collect();
+    if !amd.is_empty() {
+        return amd;
+    }
+    let tenstorrent: Vec<String> = d
+        .devices
+        .iter()
+        .filter_map(|m| m.path_on_host.strip_prefix("/dev/tenstorrent/"))
+        .filter(|id| !id.is_empty())
+        .map(str::to_owned)
+        .collect();
+    if !tenstorrent.is_empty() {
+        return tenstorrent;
+    }
+    d.env
+        .iter()
+        .find_map(|e| e.strip_prefix("HABANA_VISIBLE_DEVICES="))
+        .map(|ids| {
+            ids.split(',')
+                .filter(|id| !id.is_empty())
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default()
 }

@@ -242,6 +242,55 @@ async fn a_state_file_a_container_could_write_is_not_trusted_once_the_container_
     let _ = w.restart(engine).await;
 }
 
+/// Upstream's Tenstorrent and Intel Gaudi containers carry no GPU label: their devices are
+/// read back from what upstream maps (`/dev/tenstorrent/<id>`, `HABANA_VISIBLE_DEVICES`) and
+/// locked again, so the next task is not given them too.
+/// upstream: runner/internal/shim/docker.go (restoreStateFromContainers).
+#[tokio::test(start_paused = true)]
+async fn upstream_tenstorrent_and_gaudi_tasks_keep_their_devices() {
+    use shim_resources::gpu::{GpuInfo, GpuVendor};
+    for vendor in [GpuVendor::Tenstorrent, GpuVendor::Intel] {
+        let mut w = World::new(0);
+        w.host_gpus = HostGpus {
+            vendor: Some(vendor),
+            driver_version: None,
+            gpus: (0..2)
+                .map(|i| GpuInfo {
+                    vendor,
+                    name: "accelerator".to_owned(),
+                    memory_mib: 0,
+                    id: i.to_string(),
+                    index: i,
+                })
+                .collect(),
+        };
+        let name = shim_task::naming::container_name(&TaskName::new("up").unwrap(), &tid("t1"));
+        let dir = w.runner_dir(&name);
+        fs_err::create_dir_all(dir.join("runner")).unwrap();
+        let mut spec = upstream_spec("t1", &name, &dir.join("runner"));
+        match vendor {
+            GpuVendor::Tenstorrent => spec
+                .devices
+                .push(shim_runtime::DeviceMapping::same_path("/dev/tenstorrent/1")),
+            _ => spec
+                .env
+                .push(("HABANA_VISIBLE_DEVICES".to_owned(), "1".to_owned())),
+        }
+        w.runtime
+            .add_container(&spec, ContainerState::Running, None);
+        let engine = w.engine().await;
+        assert_eq!(
+            info(&engine, "t1").gpu_ids,
+            Some(vec!["1".to_owned()]),
+            "{vendor:?}"
+        );
+        assert_eq!(engine.gpu_lock().locked(), ["1"], "{vendor:?}");
+        let next = run(&engine, config("next").with_gpus(1)).await;
+        assert_eq!(next.gpu_ids, Some(vec!["0".to_owned()]), "{vendor:?}");
+        shut_down(engine).await;
+    }
+}
+
 /// A task whose container is still settling when the shim starts (Podman 4.3's `stopped`: the
 /// process ended while the shim was down, the engine's clean-up has not run, so there is no
 /// exit code yet, and its `died` came before the subscription) is looked at again within
