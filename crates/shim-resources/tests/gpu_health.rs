@@ -493,6 +493,23 @@ async fn probe_counts_an_xid_once_across_probes() {
     assert_eq!(report.unhealthy_ids(), [GPU0]);
 }
 
+/// XIDs logged before the shim started count once the GPUs' buses are known, also when the
+/// first `nvidia-smi -q` fails: the kernel log is not read before (its records would be
+/// passed over as XIDs of no known GPU, and never read again).
+#[tokio::test]
+async fn xids_before_the_first_complete_probe_are_not_lost() {
+    let runner = ScriptedCommandRunner::new();
+    runner.push("nvidia-smi", CommandOutput::exit(255, "Unknown Error"));
+    runner.push("nvidia-smi", smi_q("nvidia-smi-q-a100x2.txt"));
+    let log = LogFile::new(&fixture("kmsg-xids.txt"));
+    let xids = log.monitor();
+    let first = probe_nvidia_health(&runner, &xids).await;
+    assert!(!first.errors.is_empty());
+    let report = probe_nvidia_health(&runner, &xids).await;
+    assert_eq!(report.errors, NONE);
+    assert_eq!(report.unhealthy_ids(), [GPU1]);
+}
+
 #[tokio::test]
 async fn probe_with_failing_nvidia_smi_still_reports_xids() {
     let runner = ScriptedCommandRunner::new();

@@ -965,6 +965,11 @@ impl XidMonitor {
         lock(&self.tracker).learn(gpus);
     }
 
+    /// Whether some GPU's PCI address is known ([`XidMonitor::learn`]).
+    pub fn knows_gpus(&self) -> bool {
+        !lock(&self.tracker).gpus.is_empty()
+    }
+
     /// Reads the log once and returns the new XIDs that count ([`XidTracker::scan`]).
     /// Nothing is read when the policy counts no XID. A read that fails is an error (logged
     /// when reads start failing and when they recover).
@@ -1048,7 +1053,12 @@ pub async fn probe_nvidia_health(runner: &dyn CommandRunner, xids: &XidMonitor) 
         }
     }
     xids.learn(&report.gpus);
-    if let Err(e) = xids.poll().await {
+    // Not before a GPU's bus is known: the records read would be passed over as XIDs of no
+    // known GPU, and never read again (an XID logged before a restart of the shim, whose
+    // first `nvidia-smi -q` failed, would put its GPU back in service).
+    if xids.knows_gpus()
+        && let Err(e) = xids.poll().await
+    {
         report.errors.push(error_chain(&e));
     }
     xids.apply(&mut report);
