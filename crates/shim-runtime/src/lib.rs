@@ -46,7 +46,7 @@ pub use types::{
     ContainerDetails, ContainerEvent, ContainerState, ContainerSummary, DiskProbe, EventKind,
     GpuSupport, ImageDetails, MountPoint, PublishedPort, PullRequest, RegistryAuth,
 };
-pub use watchdog::{EXTRACTION_POLL, EXTRACTION_STALL_TIMEOUT};
+pub use watchdog::{EXTRACTION_GROWTH_MIN, EXTRACTION_POLL, EXTRACTION_STALL_TIMEOUT};
 
 /// The result type of this crate.
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;

@@ -105,13 +105,19 @@ impl Watchdog {
     }
 }
 
+/// How much the engine's data on disk must grow to count as an unpack's progress: other
+/// writers on that file system (a running task's log, journald) move it by kilobytes, and
+/// must not keep a hung unpack from ever stalling; an unpack writes megabytes a second.
+pub const EXTRACTION_GROWTH_MIN: u64 = 8 << 20;
+
 /// Watches the engine's data on disk while it unpacks in silence: [`DiskWatch::moved`] reads
-/// the probe every [`EXTRACTION_POLL`] and tells whether the measure changed since it was
-/// last read.
+/// the probe every [`EXTRACTION_POLL`] and tells whether the measure grew by
+/// [`EXTRACTION_GROWTH_MIN`] since the last growth it counted (or since its lowest reading
+/// after that: space freed meanwhile lowers the mark).
 pub(crate) struct DiskWatch {
     probe: crate::DiskProbe,
     every: tokio::time::Interval,
-    last: Option<u64>,
+    mark: Option<u64>,
 }
 
 impl DiskWatch {
@@ -128,12 +134,12 @@ impl DiskWatch {
         Some(Self {
             probe,
             every,
-            last: None,
+            mark: None,
         })
     }
 
-    /// Waits for the next reading; whether the measure changed since the last one (the first
-    /// reading only sets it).
+    /// Waits for the next reading; whether the measure grew by [`EXTRACTION_GROWTH_MIN`] from
+    /// the mark (the first reading only sets it).
     pub(crate) async fn moved(&mut self) -> bool {
         self.every.tick().await;
         let probe = self.probe.clone();
@@ -141,11 +147,20 @@ impl DiskWatch {
             .await
             .ok()
             .flatten();
-        let moved = matches!((self.last, now), (Some(a), Some(b)) if a != b);
-        if now.is_some() {
-            self.last = now;
+        let Some(now) = now else {
+            return false;
+        };
+        match self.mark {
+            Some(mark) if now >= mark.saturating_add(EXTRACTION_GROWTH_MIN) => {
+                self.mark = Some(now);
+                true
+            }
+            Some(mark) if now >= mark => false,
+            _ => {
+                self.mark = Some(now);
+                false
+            }
         }
-        moved
     }
 }
 
@@ -271,9 +286,22 @@ mod tests {
         .unwrap();
         assert!(!watch.moved().await, "the first reading sets the mark");
         assert!(!watch.moved().await);
-        used.store(200, Ordering::SeqCst);
+        used.store(100 + EXTRACTION_GROWTH_MIN, Ordering::SeqCst);
         assert!(watch.moved().await);
         assert!(!watch.moved().await);
+        // Another writer's kilobytes, however many readings they last, are not an unpack's
+        // progress (a hung unpack must stall); they add up to it only once they reach the
+        // floor.
+        let base = used.load(Ordering::SeqCst);
+        for step in 1..=100 {
+            used.store(base + step * 4096, Ordering::SeqCst);
+            assert!(!watch.moved().await, "{step}");
+        }
+        // Space freed lowers the mark; growth counts from there.
+        used.store(50, Ordering::SeqCst);
+        assert!(!watch.moved().await);
+        used.store(50 + EXTRACTION_GROWTH_MIN, Ordering::SeqCst);
+        assert!(watch.moved().await);
         assert!(DiskWatch::new(None, None).is_none());
     }
 

@@ -592,13 +592,13 @@ async fn a_silent_unpack_is_judged_by_the_disk() {
     let end = "{\"status\":\"Digest: sha256:0123\"}\n{\"status\":\"Status: Downloaded newer image for 127.0.0.1:5799/x:1\"}\n";
     let silent_unpack = format!("{downloads}{done}#sleep 2500\n{end}");
     let silent_download = format!("{downloads}#sleep 2500\n{done}{end}");
-    // A disk that has grown at every reading while `growing` is set (the watch compares
-    // readings).
-    let growing = Arc::new(AtomicBool::new(false));
+    // A disk that grows by `growth` bytes at every reading: an unpack's megabytes, another
+    // writer's kilobytes (a task's log: not the unpack's progress), or nothing.
+    let growth = Arc::new(AtomicU64::new(0));
     let probe = {
-        let (used, growing) = (AtomicU64::new(0), growing.clone());
+        let (used, growth) = (AtomicU64::new(0), growth.clone());
         crate::DiskProbe::new(move || {
-            let step = u64::from(growing.load(Ordering::SeqCst)) * 4096;
+            let step = growth.load(Ordering::SeqCst);
             Some(used.fetch_add(step, Ordering::SeqCst) + step)
         })
     };
@@ -612,7 +612,7 @@ async fn a_silent_unpack_is_judged_by_the_disk() {
             .pull(&request, &|_| {}, CancellationToken::new())
             .await
     };
-    growing.store(true, Ordering::SeqCst);
+    growth.store(crate::EXTRACTION_GROWTH_MIN, Ordering::SeqCst);
     let moving = pull(silent_unpack.clone(), Some(probe.clone())).await;
     assert!(moving.is_ok(), "a moving disk: {moving:?}");
     let before_downloads = pull(silent_download, Some(probe.clone())).await;
@@ -621,7 +621,14 @@ async fn a_silent_unpack_is_judged_by_the_disk() {
         Err(RuntimeError::PullStalled { .. }),
         "silent while downloading"
     );
-    growing.store(false, Ordering::SeqCst);
+    growth.store(4096, Ordering::SeqCst);
+    let others = pull(silent_unpack.clone(), Some(probe.clone())).await;
+    assert_matches!(
+        others,
+        Err(RuntimeError::PullStalled { .. }),
+        "another writer's bytes"
+    );
+    growth.store(0, Ordering::SeqCst);
     let still = pull(silent_unpack.clone(), Some(probe)).await;
     assert_matches!(still, Err(RuntimeError::PullStalled { .. }), "a still disk");
     let unwatched = pull(silent_unpack, None).await;
