@@ -43,6 +43,9 @@ use progress::{Activity, ProgressFolder, PullLog};
 
 /// How long any request may wait for the daemon's answer to begin (streams then run on).
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long an image's removal may take (its layers' files are deleted before the answer).
+pub const IMAGE_DELETE_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 /// How many image names [`DockerRuntime`] keeps what it learnt of their labels for.
 const KNOWN_IMAGES_MAX: usize = 1024;
 /// The daemon's address when `DOCKER_HOST` is not set.
@@ -613,7 +616,11 @@ impl ContainerRuntime for DockerRuntime {
             .force(false)
             .noprune(false)
             .build();
-        match self.docker.remove_image(image, Some(options), None).await {
+        // The classic store answers once the layers' files are gone: minutes for a large
+        // image on a slow disk. Cut at 30 s, a removal still under way read as failed, and a
+        // collection went on removing more than it needed.
+        let docker = self.docker.clone().with_timeout(IMAGE_DELETE_TIMEOUT);
+        match docker.remove_image(image, Some(options), None).await {
             Ok(_) => Ok(()),
             Err(err) => match translate("remove image", format!("image {image}"), err) {
                 RuntimeError::NotFound { .. } => Ok(()),
