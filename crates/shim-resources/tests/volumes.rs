@@ -240,6 +240,30 @@ fn mount_points_from_mountinfo() {
     assert_eq!(points, [not_utf8, PathBuf::from("/mnt/a\\09")]);
 }
 
+/// The kernel lists a mount point by its resolved path: one reached through a symbolic link
+/// (a volumes root under a linked `/mnt`) is still seen mounted, so a release unmounts it and
+/// a prepare does not mount it again on top.
+#[test]
+fn a_mount_point_through_a_link_is_seen_mounted() {
+    use shim_resources::volumes::{Mounter as _, SystemMounter};
+    let tmp = tempfile::tempdir().unwrap();
+    let real = tmp.path().join("real");
+    fs_err::create_dir_all(real.join("data")).unwrap();
+    symlink(&real, tmp.path().join("link")).unwrap();
+    let resolved = fs_err::canonicalize(real.join("data")).unwrap();
+    let mountinfo = tmp.path().join("mountinfo");
+    let line = format!(
+        "43 22 7:0 / {} rw - ext4 /dev/loop0 rw\n",
+        resolved.display()
+    );
+    fs_err::write(&mountinfo, line).unwrap();
+    let mounter = SystemMounter::new(&mountinfo);
+    assert!(mounter.is_mounted(&tmp.path().join("link/data")).unwrap());
+    assert!(mounter.is_mounted(&real.join("data")).unwrap());
+    assert!(!mounter.is_mounted(&tmp.path().join("link")).unwrap());
+    assert!(!mounter.is_mounted(&tmp.path().join("link/gone")).unwrap());
+}
+
 #[tokio::test]
 async fn release_outside_root_or_not_mounted_is_a_no_op() {
     let tmp = tempfile::tempdir().unwrap();

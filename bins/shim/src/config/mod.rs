@@ -409,6 +409,14 @@ impl Config {
             &args.volumes_root,
             EngineConfig::DEFAULT_VOLUMES_ROOT,
         ));
+        // A relative (or empty) root would put mount points under the shim's working
+        // directory (`/`: a volume named `var` over `/var`).
+        if !engine.volumes_root.is_absolute() {
+            bail!(
+                "volumes-root must be an absolute path, not {:?}",
+                engine.volumes_root
+            );
+        }
         engine.reconcile_interval = Duration::from_secs(interval.unsigned_abs());
         engine.container_log = container_log;
         engine.pull_stall_timeout = pull_stall_timeout;
@@ -666,6 +674,12 @@ mod tests {
                 .is_empty()
         );
         assert!(resolve(&[], &[("DSTACK_SHIM_LOG_LEVEL", "")]).is_err());
+        // A relative or empty volumes root would put mount points under `/` (a volume named
+        // `var` over `/var`).
+        for root in ["", "vols"] {
+            let e = resolve(&[], &[("DSTACK_SHIM_VOLUMES_ROOT", root)]).unwrap_err();
+            assert!(e.to_string().contains("absolute"), "{e}");
+        }
         assert_eq!(ok(&[], &[("DSTACK_SHIM_HOME", "")]).shim_home, "");
         // The command line wins over the environment.
         assert_eq!(

@@ -64,6 +64,11 @@ impl Mounter for SystemMounter {
     fn is_mounted(&self, target: &Path) -> Result<bool> {
         let table =
             fs_err::read_to_string(&self.mountinfo).map_err(io_err("read", &self.mountinfo))?;
-        Ok(is_mount_point_in(&table, target))
+        // The kernel lists a mount point by its resolved path: a volumes root through a
+        // symbolic link (`/mnt` → `var/mnt`) would otherwise never be seen mounted, so
+        // releases unmounted nothing and prepares mounted again on top.
+        let resolved = fs_err::canonicalize(target).ok();
+        Ok(is_mount_point_in(&table, target)
+            || resolved.is_some_and(|r| is_mount_point_in(&table, &r)))
     }
 }
