@@ -248,7 +248,7 @@ pub(crate) async fn restore(
             }
             Some(Found::Record(mut r, origin)) => {
                 if origin == Origin::Upstream {
-                    complete_upstream_record(ctx.volumes, &mut r);
+                    complete_upstream_record(ctx.volumes, &mut r, container.as_ref());
                 }
                 Some(*r)
             }
@@ -356,7 +356,11 @@ pub(crate) async fn restore(
 
 /// Fills in what a state file of the upstream shim does not hold: the resources its config
 /// says the task acquired (unless upstream recorded them as cleaned up).
-fn complete_upstream_record(volumes: &dyn VolumeManager, r: &mut TaskRecord) {
+fn complete_upstream_record(
+    volumes: &dyn VolumeManager,
+    r: &mut TaskRecord,
+    container: Option<&ObservedContainer>,
+) {
     if r.resources.released {
         return;
     }
@@ -383,7 +387,14 @@ fn complete_upstream_record(volumes: &dyn VolumeManager, r: &mut TaskRecord) {
                 })
                 .collect();
         }
-        None => r.resources.unknown_keys = Some(UnknownKeys { user: None }),
+        None => {
+            r.resources.unknown_keys = Some(UnknownKeys { user: None });
+            // Its volumes as its container mounts them, as for a container without a state
+            // file: they are released with the task.
+            if let Some(c) = container {
+                r.resources.volumes = c.recovered_volumes.clone();
+            }
+        }
     }
 }
 

@@ -291,6 +291,35 @@ async fn upstream_tenstorrent_and_gaudi_tasks_keep_their_devices() {
     }
 }
 
+/// An upstream state file whose config this shim cannot read (here a task name it refuses)
+/// still releases the volumes its container mounts: taken from the container, as for a
+/// container without a state file (they were left mounted for ever).
+#[tokio::test(start_paused = true)]
+async fn an_upstream_task_whose_config_is_unreadable_releases_its_containers_volumes() {
+    let w = World::new(0);
+    let name = shim_task::naming::container_name(&TaskName::new("up-v").unwrap(), &tid("v1"));
+    let dir = w.runner_dir(&name);
+    fs_err::create_dir_all(dir.join("runner")).unwrap();
+    let json = upstream_task_json("v1", "up-v", 0, "", false)
+        .replace(r#""name":"up-v","#, r#""name":"not a task name!","#);
+    fs_err::write(dir.join("task.json"), json).unwrap();
+    let mut spec = upstream_spec("v1", &name, &dir.join("runner"));
+    spec.mounts.push(BindMount {
+        source: "/fake/volumes/vol1".into(),
+        target: "/data".to_owned(),
+        read_only: false,
+    });
+    let cid = w
+        .runtime
+        .add_container(&spec, ContainerState::Running, None);
+    let engine = w.engine().await;
+    assert_eq!(info(&engine, "v1").status, TaskStatus::Running);
+    assert!(w.runtime.exit(&cid, 0));
+    wait_released(&engine, "v1").await;
+    let release = FakeCall::Release("/fake/volumes/vol1".into());
+    assert_called(&w.volumes.calls(), &release);
+}
+
 /// A task whose container is still settling when the shim starts (Podman 4.3's `stopped`: the
 /// process ended while the shim was down, the engine's clean-up has not run, so there is no
 /// exit code yet, and its `died` came before the subscription) is looked at again within
