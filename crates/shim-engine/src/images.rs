@@ -63,7 +63,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use shim_resources::host::{FsProbe, FsUsage};
-use shim_runtime::{ContainerRuntime, RuntimeError, normalize_reference};
+use shim_runtime::{ContainerRuntime, ImageDetails, RuntimeError, normalize_reference};
 
 use crate::clock::Clock;
 use crate::error::chain;
@@ -769,8 +769,10 @@ impl ImageGc {
                 .filter(|n| n.contains('@'))
                 .cloned()
                 .collect();
-            let in_use = (details.tags.iter())
-                .any(|t| referenced.contains(&normalize_reference(t)))
+            // By any name it has now: its tags, its names by digest (which go with it: a task
+            // may name an image by the digest of an image pulled by tag), and the digests
+            // the ledger knows it by.
+            let in_use = engine_names(&details).any(|n| referenced.contains(&n))
                 || digests.iter().any(|d| referenced.contains(d));
             let remove = match standing(&pulled.names, &details.tags) {
                 Standing::Foreign => {
@@ -849,6 +851,20 @@ impl ImageGc {
             let referenced = self.referenced();
             if (c.remove.iter().chain(&c.digests)).any(|name| referenced.contains(name)) {
                 continue;
+            }
+            // Its names now (a pull may have tagged it again since the list: a removal by id
+            // would take that name with it).
+            match self.runtime.inspect_image(&c.id).await {
+                Ok(Some(now)) if engine_names(&now).any(|n| referenced.contains(&n)) => continue,
+                Ok(Some(_)) => {}
+                Ok(None) => {
+                    self.forget(&c.id);
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(image = %c.id, error = %chain(&e), "cannot inspect an image; it is not collected in this pass");
+                    continue;
+                }
             }
             for name in &c.remove {
                 self.image_removed(name);
@@ -955,6 +971,13 @@ impl ImageGc {
             }
         })
     }
+}
+
+/// Every name the engine gives `details` now (tags and names by digest), normalized.
+fn engine_names(details: &ImageDetails) -> impl Iterator<Item = String> + '_ {
+    (details.tags.iter())
+        .chain(&details.digests)
+        .map(|n| normalize_reference(n))
 }
 
 #[cfg(test)]

@@ -899,14 +899,14 @@ impl ContainerRuntime for FakeRuntime {
             // A name by digest (`repo@sha256:…`) is not a tag here, as Docker's classic store
             // has it: listed in `RepoDigests`, so an image pulled by digest only has no
             // `RepoTags` (the containerd store lists the digest name among the tags too).
-            let tags = state
+            let (digests, tags): (Vec<String>, Vec<String>) = state
                 .images
                 .iter()
-                .filter(|(name, i)| **i == id && !name.contains('@'))
+                .filter(|(_, i)| **i == id)
                 .map(|(name, _)| name.clone())
-                .collect();
+                .partition(|name| name.contains('@'));
             let size = state.image_ids.get(&id).copied().unwrap_or(0);
-            ImageDetails::new(id, tags, size)
+            ImageDetails::new(id, tags, size).with_digests(digests)
         }))
     }
 

@@ -185,6 +185,10 @@ pub struct ImageDetails {
     /// Its size as the engine reports it (its layers, shared ones included): not what its
     /// removal frees.
     pub size: u64,
+    /// The names by digest pointing to it (`RepoDigests`: `repo@sha256:…`), which Docker's
+    /// classic store does not count among its tags, and which go with the image's last tag
+    /// of their repository.
+    pub digests: Vec<String>,
 }
 
 impl ImageDetails {
@@ -194,7 +198,15 @@ impl ImageDetails {
             id: id.into(),
             tags,
             size,
+            digests: Vec::new(),
         }
+    }
+
+    /// The same, also named by `digests`.
+    #[must_use]
+    pub fn with_digests(mut self, digests: Vec<String>) -> Self {
+        self.digests = digests;
+        self
     }
 }
 

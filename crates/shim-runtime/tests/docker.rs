@@ -1080,6 +1080,21 @@ async fn an_image_is_described_kept_while_used_and_its_removal_is_an_event() {
     pull(&docker, &request).await.unwrap();
     let details = docker.inspect_image(&image).await.unwrap().unwrap();
     assert!(!details.id.is_empty(), "{details:?}");
+    // Pulled by tag from a registry, it is also named by its digest (`RepoDigests`).
+    let repo = image
+        .rsplit_once(':')
+        .map_or(image.as_str(), |(repo, _)| repo);
+    let digest_name = format!(
+        "{}@sha256:",
+        normalize_reference(repo).trim_end_matches(":latest")
+    );
+    assert!(
+        details
+            .digests
+            .iter()
+            .any(|d| normalize_reference(d).starts_with(&digest_name)),
+        "{details:?}"
+    );
     let normalized = normalize_reference(&image);
     let tagged = details
         .tags

@@ -115,6 +115,40 @@ async fn an_image_named_by_digest_stays_while_a_task_names_it() {
     assert!(w.runtime.image_id(&image).is_none());
 }
 
+/// A task may name by digest an image this shim pulled by tag (the digest name is the
+/// engine's, in `RepoDigests`, not the ledger's): while a known task names it so, a full data
+/// root collects nothing; once that task is removed, the image goes by its tag. It used to be
+/// judged by its tags and the ledger's names alone, and its removal took the digest name with
+/// it, under a task about to create from it.
+#[tokio::test(start_paused = true)]
+async fn an_image_a_task_names_by_its_digest_stays() {
+    let w = World::new(0);
+    w.runtime.set_data_root(Some("/fake/docker".into()));
+    let engine = w.engine().await;
+    run(&engine, config("t1").with_image("org/app:1")).await;
+    let id = w.runtime.image_id("org/app:1").expect("pulled");
+    w.runtime.set_image_size("org/app:1", 10 << 30);
+    let by_digest = format!("org/app@sha256:{}", "e".repeat(64));
+    w.runtime.add_image_with_id(&by_digest, &id);
+    terminate_by_user(&engine, "t1").await;
+    engine.remove(&tid("t1")).await.unwrap();
+    failed_start(&engine, config("t2").with_image(&by_digest).with_gpus(1)).await;
+    let deletes = || w.calls_where(|c| matches!(c, Call::DeleteImage(_)));
+    fill_data_root(&w, &engine).await;
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    assert_eq!(
+        deletes(),
+        [],
+        "the image a known task names by digest stays"
+    );
+
+    engine.remove(&tid("t2")).await.unwrap();
+    let removed = poll_until(10, Duration::from_secs(30), async || !deletes().is_empty());
+    assert!(removed.await);
+    let tag = Call::DeleteImage("docker.io/org/app:1".to_owned());
+    assert_eq!(deletes(), [tag]);
+}
+
 /// An image this shim pulled that an operator then removed (`docker image prune`) leaves the
 /// ledger when the engine reports the removal, not at the next pass that needs space (which a
 /// roomy disk never makes): the ledger does not grow with images long gone.

@@ -587,23 +587,22 @@ impl ContainerRuntime for DockerRuntime {
 
     async fn inspect_image(&self, image: &str) -> Result<Option<ImageDetails>> {
         match self.docker.inspect_image(image).await {
-            Ok(details) => Ok(Some(ImageDetails::new(
-                {
-                    self.learn_labels(image, &details);
-                    details.id.clone().unwrap_or_default()
-                },
-                details
-                    .repo_tags
-                    .unwrap_or_default()
-                    .into_iter()
-                    // Docker 20.10's classic store names a dangling image `<none>:<none>`.
-                    .filter(|t| !t.starts_with("<none>"))
-                    .collect(),
-                details
-                    .size
-                    .and_then(|s| u64::try_from(s).ok())
-                    .unwrap_or(0),
-            ))),
+            Ok(details) => {
+                self.learn_labels(image, &details);
+                // Docker 20.10's classic store names a dangling image `<none>:<none>` (and
+                // `<none>@<none>`).
+                let named = |names: Option<Vec<String>>| -> Vec<String> {
+                    (names.unwrap_or_default().into_iter())
+                        .filter(|t| !t.starts_with("<none>"))
+                        .collect()
+                };
+                let id = details.id.clone().unwrap_or_default();
+                let size = (details.size.and_then(|s| u64::try_from(s).ok())).unwrap_or(0);
+                Ok(Some(
+                    ImageDetails::new(id, named(details.repo_tags), size)
+                        .with_digests(named(details.repo_digests)),
+                ))
+            }
             Err(err) => match translate("inspect image", format!("image {image}"), err) {
                 RuntimeError::NotFound { .. } => Ok(None),
                 other => Err(other),
