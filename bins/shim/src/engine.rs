@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use shim_engine::{Clock, Deps, Engine, HostOptions};
-use shim_resources::gpu::{GpuHealthReport, GpuHealthSource, GpuRef, UnhealthyReason};
+use shim_resources::gpu::{
+    GpuHealthReport, GpuHealthSource, GpuRef, HealthSource, UnhealthyReason,
+};
 use shim_resources::{GpuVendor, HostGpus};
 use shim_runtime::{ContainerRuntime as _, DockerRuntime};
 use shim_util::error_chain;
@@ -131,9 +133,7 @@ impl GpuHealthSource for HostGpuHealth {
         };
         let Some(dcgm) = health.instance_health().await.dcgm else {
             // Partial: a GPU DCGM marked bad must not read as healthy again for it.
-            report
-                .errors
-                .push("DCGM's health check could not be read".to_owned());
+            report.unreadable(HealthSource::Dcgm, "DCGM's health check could not be read");
             return report;
         };
         {

@@ -29,7 +29,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use shim_resources::gpu::cdi::kind_of;
-use shim_resources::gpu::{GpuHealthReport, GpuHealthSource};
+use shim_resources::gpu::{GpuHealthReport, GpuHealthSource, UnhealthyReason};
 use shim_resources::{CdiRegistry, GpuLock, GpuVendor, HostGpus};
 use shim_runtime::{ContainerRuntime, GpuSupport};
 
@@ -301,6 +301,9 @@ impl GpuPassing {
 /// handed out again.
 pub(crate) struct GpuHealthWatch {
     last: Mutex<Option<GpuHealthReport>>,
+    /// The reasons the GPUs are kept out for now, by GPU, as their sources gave them (what
+    /// a partial report carries over of the sources it could not read).
+    kept: Mutex<BTreeMap<String, Vec<UnhealthyReason>>>,
 }
 
 impl GpuHealthWatch {
@@ -308,6 +311,7 @@ impl GpuHealthWatch {
     pub(crate) fn new() -> Self {
         Self {
             last: Mutex::new(None),
+            kept: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -317,30 +321,38 @@ impl GpuHealthWatch {
     }
 
     /// One probe: the lock keeps the unhealthy GPUs from new tasks; changes are logged. A
-    /// partial report (a source that could not be read: [`GpuHealthReport::errors`]) adds
-    /// reasons but clears none: not being read is no sign of a GPU's recovery.
+    /// partial report (a source that could not be read: [`GpuHealthReport::errors`]) clears
+    /// none of the reasons that source gave: not being read is no sign of a GPU's recovery;
+    /// the sources it did read clear theirs (DCGM failing for good does not keep a GPU out
+    /// that `nvidia-smi` finds healthy again).
     pub(crate) async fn probe(&self, source: &dyn GpuHealthSource, lock: &GpuLock) {
         let report = source.probe().await;
-        let mut unhealthy: BTreeMap<String, Vec<String>> = report
+        let mut now: BTreeMap<String, Vec<UnhealthyReason>> = report
             .unhealthy()
-            .map(|g| {
+            .map(|g| (g.uuid.clone(), g.reasons.clone()))
+            .collect();
+        {
+            let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+            for (gpu, reasons) in kept.iter() {
+                for reason in reasons.iter().filter(|r| report.missing(r.source())) {
+                    let list = now.entry(gpu.clone()).or_default();
+                    if !list.contains(reason) {
+                        list.push(reason.clone());
+                    }
+                }
+            }
+            kept.clone_from(&now);
+        }
+        let unhealthy: BTreeMap<String, Vec<String>> = now
+            .iter()
+            .map(|(gpu, reasons)| {
                 (
-                    g.uuid.clone(),
-                    g.reasons.iter().map(ToString::to_string).collect(),
+                    gpu.clone(),
+                    reasons.iter().map(ToString::to_string).collect(),
                 )
             })
             .collect();
         let before = lock.unhealthy();
-        if !report.errors.is_empty() {
-            for (gpu, reasons) in &before {
-                let now = unhealthy.entry(gpu.clone()).or_default();
-                for reason in reasons {
-                    if !now.contains(reason) {
-                        now.push(reason.clone());
-                    }
-                }
-            }
-        }
         for (gpu, reasons) in &unhealthy {
             if before.get(gpu) != Some(reasons) {
                 tracing::warn!(%gpu, ?reasons, "a GPU is unhealthy: it is not given to new tasks (tasks holding it keep it)");
@@ -396,10 +408,10 @@ mod tests {
         }
     }
 
-    // A partial health report (its source unreadable: `nvidia-smi` failing, DCGM not
-    // answering) adds what it read but clears no GPU: one kept out stays out until a complete
-    // report finds it healthy (SPEC §7: not given to new tasks while bad). It used to replace
-    // the whole set, so an `nvidia-smi` that failed once put a bad GPU back in service.
+    // A partial health report that does not say which source it could not read adds what it
+    // read but clears no GPU: one kept out stays out until a complete report finds it healthy
+    // (SPEC §7: not given to new tasks while bad). It used to replace the whole set, so an
+    // `nvidia-smi` that failed once put a bad GPU back in service.
     #[tokio::test]
     async fn a_partial_health_report_clears_no_gpu() {
         let gpu = |uuid: &str, index, bad: bool| GpuHealth {
@@ -413,11 +425,12 @@ mod tests {
         };
         let complete = |a, b| GpuHealthReport {
             gpus: vec![gpu("GPU-a", 0, a), gpu("GPU-b", 1, b)],
-            errors: vec![],
+            ..GpuHealthReport::default()
         };
         let partial = |gpus| GpuHealthReport {
             gpus,
             errors: vec!["nvidia-smi -q failed".into()],
+            ..GpuHealthReport::default()
         };
         let reports = vec![
             complete(true, false),
@@ -435,6 +448,47 @@ mod tests {
             assert_eq!(kept(&lock), expected, "probe {probe}");
         }
         assert_eq!(lock.acquire(2).unwrap().len(), 2);
+    }
+
+    // A source that cannot be read keeps only its own reasons: DCGM failing for good (its
+    // private host engine crash-looping) does not keep out a GPU whose row remapping
+    // `nvidia-smi` reads done, while a DCGM incident stays while DCGM cannot be read.
+    #[tokio::test]
+    async fn a_source_that_cannot_be_read_keeps_only_its_own_reasons() {
+        use shim_resources::gpu::HealthSource;
+        let gpu = |uuid: &str, index, reasons: Vec<UnhealthyReason>| GpuHealth {
+            uuid: uuid.into(),
+            index,
+            bus_id: String::new(),
+            reasons,
+        };
+        let remap = UnhealthyReason::RowRemapPending;
+        let incident = UnhealthyReason::dcgm("memory", "ECC errors");
+        let without_dcgm = |a: Vec<UnhealthyReason>| {
+            let mut report = GpuHealthReport {
+                gpus: vec![gpu("GPU-a", 0, a), gpu("GPU-b", 1, vec![])],
+                ..GpuHealthReport::default()
+            };
+            report.unreadable(HealthSource::Dcgm, "DCGM's health check could not be read");
+            report
+        };
+        let complete = GpuHealthReport {
+            gpus: vec![
+                gpu("GPU-a", 0, vec![remap.clone()]),
+                gpu("GPU-b", 1, vec![incident]),
+            ],
+            ..GpuHealthReport::default()
+        };
+        let reports = vec![complete, without_dcgm(vec![remap]), without_dcgm(vec![])];
+        let source = Reports(Mutex::new(reports));
+        let lock = GpuLock::new(["GPU-a".to_owned(), "GPU-b".to_owned()]);
+        let watch = GpuHealthWatch::new();
+        let kept = |lock: &GpuLock| lock.unhealthy().into_keys().collect::<Vec<_>>();
+        let expected: [&[&str]; 3] = [&["GPU-a", "GPU-b"], &["GPU-a", "GPU-b"], &["GPU-b"]];
+        for (probe, expected) in expected.into_iter().enumerate() {
+            watch.probe(&source, &lock).await;
+            assert_eq!(kept(&lock), expected, "probe {probe}");
+        }
     }
 
     fn nvidia(n: u32) -> HostGpus {

@@ -379,7 +379,7 @@ impl FakeGpuHealth {
         });
         let report = crate::gpu::GpuHealthReport {
             gpus: gpus.collect(),
-            errors: Vec::new(),
+            ..crate::gpu::GpuHealthReport::default()
         };
         Self {
             report: Mutex::new(report),

@@ -58,7 +58,7 @@ fn gpu(uuid: &str, index: u32, bus_id: &str, reasons: &[UnhealthyReason]) -> Gpu
 fn report(gpus: Vec<GpuHealth>) -> GpuHealthReport {
     GpuHealthReport {
         gpus,
-        errors: vec![],
+        ..GpuHealthReport::default()
     }
 }
 

@@ -156,6 +156,29 @@ impl UnhealthyReason {
             message: message.into(),
         }
     }
+
+    /// The source that tells it.
+    pub fn source(&self) -> HealthSource {
+        match self {
+            Self::RetiredPagesPending | Self::RowRemapPending | Self::RowRemapFailure => {
+                HealthSource::NvidiaSmi
+            }
+            Self::Xid { .. } => HealthSource::KernelLog,
+            Self::Dcgm { .. } => HealthSource::Dcgm,
+        }
+    }
+}
+
+/// Where a GPU's health is read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
+pub enum HealthSource {
+    /// `nvidia-smi -q`: retired pages and row remapping.
+    NvidiaSmi,
+    /// The kernel log's XIDs.
+    KernelLog,
+    /// DCGM's health watches.
+    Dcgm,
 }
 
 impl std::fmt::Display for UnhealthyReason {
@@ -215,6 +238,10 @@ pub struct GpuHealthReport {
     /// as messages. When not empty the report is partial: the reasons that source would have
     /// given are missing, and when `nvidia-smi` failed only GPUs with XIDs are listed.
     pub errors: Vec<String>,
+    /// The sources that could not be read ([`GpuHealthReport::unreadable`]): only their
+    /// reasons are missing. Errors without a source here leave every source in doubt.
+    #[serde(skip)]
+    pub unread: Vec<HealthSource>,
 }
 
 impl GpuHealthReport {
@@ -231,6 +258,20 @@ impl GpuHealthReport {
     /// The UUIDs of the GPUs with at least one reason, in index order.
     pub fn unhealthy_ids(&self) -> Vec<String> {
         self.unhealthy().map(|g| g.uuid.clone()).collect()
+    }
+
+    /// `source` could not be read, for `error`.
+    pub fn unreadable(&mut self, source: HealthSource, error: impl Into<String>) {
+        self.errors.push(error.into());
+        if !self.unread.contains(&source) {
+            self.unread.push(source);
+        }
+    }
+
+    /// Whether what `source` says is missing from this report: it could not be read, or
+    /// some source could not be and did not say which.
+    pub fn missing(&self, source: HealthSource) -> bool {
+        self.unread.contains(&source) || (!self.errors.is_empty() && self.unread.is_empty())
     }
 
     /// Adds `reason` to `gpu` (once). Returns false, changing nothing, when the report has no
@@ -1036,18 +1077,18 @@ pub const NVIDIA_SMI_QUERY_ARGS: [&str; 1] = ["-q"];
 pub async fn probe_nvidia_health(runner: &dyn CommandRunner, xids: &XidMonitor) -> GpuHealthReport {
     let mut report = GpuHealthReport::default();
     let command = Command::new("nvidia-smi").args(NVIDIA_SMI_QUERY_ARGS);
+    let smi = HealthSource::NvidiaSmi;
     match runner.run(&command).await {
-        Err(e) => report.errors.push(error_chain(&ResourcesError::from(e))),
+        Err(e) => report.unreadable(smi, error_chain(&ResourcesError::from(e))),
         Ok(out) => {
             if !out.success() {
-                report
-                    .errors
-                    .push(error_chain(&ResourcesError::from(out.failure(&command))));
+                let failure = ResourcesError::from(out.failure(&command));
+                report.unreadable(smi, error_chain(&failure));
             }
             match parse_nvidia_smi_query(&out.stdout) {
                 Ok(gpus) => report.gpus = gpus,
                 // A failed run has said why already.
-                Err(e) if out.success() => report.errors.push(error_chain(&e)),
+                Err(e) if out.success() => report.unreadable(smi, error_chain(&e)),
                 Err(_) => {}
             }
         }
@@ -1059,7 +1100,7 @@ pub async fn probe_nvidia_health(runner: &dyn CommandRunner, xids: &XidMonitor) 
     if xids.knows_gpus()
         && let Err(e) = xids.poll().await
     {
-        report.errors.push(error_chain(&e));
+        report.unreadable(HealthSource::KernelLog, error_chain(&e));
     }
     xids.apply(&mut report);
     for error in &report.errors {

@@ -46,8 +46,8 @@ pub mod topo;
 pub use cdi::{AMD_KIND, CdiDevice, CdiRegistry, NVIDIA_KIND};
 pub use detect::{AMD_SMI_IMAGE, GpuDetector, TT_SMI_IMAGE, WSL_NVIDIA_SMI};
 pub use health::{
-    GpuHealth, GpuHealthReport, GpuHealthSource, GpuRef, KernelLog, Kmsg, NvidiaHealth,
-    UnhealthyReason, XidMonitor, XidPolicy, probe_nvidia_health,
+    GpuHealth, GpuHealthReport, GpuHealthSource, GpuRef, HealthSource, KernelLog, Kmsg,
+    NvidiaHealth, UnhealthyReason, XidMonitor, XidPolicy, probe_nvidia_health,
 };
 pub use lock::GpuLock;
 pub use parse::{AmdGpu, parse_amd_smi, parse_hl_smi, parse_nvidia_smi, parse_tt_smi};
