@@ -115,7 +115,12 @@ impl CdiRegistry {
     /// directory is no error: a host without specs). Blocking (file IO).
     pub fn load(dirs: &[PathBuf]) -> Self {
         let mut registry = Self::default();
-        for dir in dirs {
+        // Which directory each device came from, and the devices two files of one directory
+        // define: the CDI cache drops those (`resolveConflict`: same priority), so the engine
+        // would refuse their names.
+        let mut origins: BTreeMap<(String, String), usize> = BTreeMap::new();
+        let mut conflicts: BTreeMap<(String, String), PathBuf> = BTreeMap::new();
+        for (priority, dir) in dirs.iter().enumerate() {
             let entries = match fs_err::read_dir(dir) {
                 Ok(entries) => entries,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
@@ -135,34 +140,57 @@ impl CdiRegistry {
                 .collect();
             files.sort();
             for file in files {
-                registry.add_file(&file);
+                for (kind, name) in registry.add_file(&file) {
+                    let key = (kind, name);
+                    if origins.insert(key.clone(), priority) == Some(priority) {
+                        conflicts.insert(key, dir.clone());
+                    } else {
+                        conflicts.remove(&key);
+                    }
+                }
             }
+        }
+        for ((kind, name), dir) in conflicts {
+            if let Some(devices) = registry.kinds.get_mut(&kind) {
+                devices.remove(&name);
+            }
+            registry.errors.push(format!(
+                "the CDI device {kind}={name} is defined by two spec files in {}: the engine \
+                 refuses it",
+                dir.display()
+            ));
         }
         registry
     }
 
     /// Reads one spec file (a later one's device of the same kind and name replaces an
-    /// earlier one's).
-    fn add_file(&mut self, path: &Path) {
+    /// earlier one's); the kinds and names of its devices.
+    fn add_file(&mut self, path: &Path) -> Vec<(String, String)> {
         let text = match fs_err::read_to_string(path) {
             Ok(text) => text,
             Err(e) => {
                 self.errors.push(e.to_string());
-                return;
+                return Vec::new();
             }
         };
         match parse_spec(path, &text) {
             Ok((kind, devices)) => {
                 self.files.push(path.to_owned());
-                let known = self.kinds.entry(kind).or_default();
+                let known = self.kinds.entry(kind.clone()).or_default();
+                let mut names = Vec::new();
                 for device in devices {
+                    names.push((kind.clone(), device.name.clone()));
                     known.insert(device.name.clone(), device);
                 }
+                names
             }
-            Err(why) => self.errors.push(format!(
-                "cannot read the CDI spec {}: {why}",
-                path.display()
-            )),
+            Err(why) => {
+                self.errors.push(format!(
+                    "cannot read the CDI spec {}: {why}",
+                    path.display()
+                ));
+                Vec::new()
+            }
         }
     }
 
@@ -335,5 +363,36 @@ mod tests {
         assert!(r.errors()[0].contains("broken.yaml"), "{:?}", r.errors());
         assert_eq!(r.files().len(), 2);
         assert!(r.kind(AMD_KIND).is_none());
+    }
+
+    /// Two spec files of one directory naming one device (`nvidia.yaml` and `nvidia.json`
+    /// both written): the CDI cache drops such a device (same priority: a conflict), so the
+    /// engine would refuse its name; it is not offered, and the error says why. A directory
+    /// of higher precedence that names it settles it.
+    #[test]
+    fn a_device_two_files_of_one_directory_name_is_not_offered() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = "{\"cdiVersion\":\"0.5.0\",\"kind\":\"nvidia.com/gpu\",\"devices\":[{\"name\":\"0\",\"containerEdits\":{\"deviceNodes\":[{\"path\":\"/dev/nvidia0\"}]}},{\"name\":\"1\",\"containerEdits\":{\"deviceNodes\":[{\"path\":\"/dev/nvidia1\"}]}}]}";
+        let only_one = spec.replace(
+            ",{\"name\":\"1\",\"containerEdits\":{\"deviceNodes\":[{\"path\":\"/dev/nvidia1\"}]}}",
+            "",
+        );
+        fs_err::write(dir.path().join("nvidia.json"), spec).unwrap();
+        fs_err::write(dir.path().join("other.json"), &only_one).unwrap();
+        let r = CdiRegistry::load(&[dir.path().to_owned()]);
+        let names: Vec<&String> = r.kind(NVIDIA_KIND).unwrap().keys().collect();
+        assert_eq!(names, ["1"]);
+        assert!(
+            r.errors().iter().any(|e| e.contains("nvidia.com/gpu=0")),
+            "{:?}",
+            r.errors()
+        );
+
+        let higher = tempfile::tempdir().unwrap();
+        fs_err::write(higher.path().join("nvidia.json"), &only_one).unwrap();
+        let r = CdiRegistry::load(&[dir.path().to_owned(), higher.path().to_owned()]);
+        let names: Vec<&String> = r.kind(NVIDIA_KIND).unwrap().keys().collect();
+        assert_eq!(names, ["0", "1"]);
+        assert_eq!(r.errors(), [] as [String; 0]);
     }
 }
