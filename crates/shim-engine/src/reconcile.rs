@@ -159,6 +159,9 @@ pub(crate) struct Reconciler {
     relist_soon: AtomicBool,
     /// How many lists in a row found one settling.
     settling_lists: AtomicU32,
+    /// A sweep of the home's trash is under way (beside the cycles: a container-written tree
+    /// of millions of files takes minutes to delete).
+    sweeping: Arc<AtomicBool>,
 }
 
 impl Reconciler {
@@ -174,7 +177,24 @@ impl Reconciler {
             events_reconnects: AtomicU64::new(0),
             relist_soon: AtomicBool::new(false),
             settling_lists: AtomicU32::new(0),
+            sweeping: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    /// Sweeps the home's trash in the background, unless a sweep is under way: the cycles do
+    /// not wait for it.
+    fn sweep_trash(&self) {
+        if self.sweeping.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let (home, sweeping) = (self.parts.home.clone(), self.sweeping.clone());
+        tokio::spawn(async move {
+            let swept = home.sweep_trash().await.unwrap_or(0);
+            if swept > 0 {
+                tracing::info!(swept, "removed trash directories");
+            }
+            sweeping.store(false, Ordering::SeqCst);
+        });
     }
 
     /// How it keeps up, shared with the metrics.
@@ -600,10 +620,7 @@ impl Reconciler {
                     tokio::select! {
                         _ = this.parts.shutdown.cancelled() => break,
                         _ = backstop.tick() => {
-                            let swept = this.parts.home.sweep_trash().await.unwrap_or(0);
-                            if swept > 0 {
-                                tracing::info!(swept, "removed trash directories");
-                            }
+                            this.sweep_trash();
                             this.cycle().await;
                         }
                         _ = this.relist.notified() => {
