@@ -334,7 +334,11 @@ impl GpuHealthWatch {
         {
             let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
             for (gpu, reasons) in kept.iter() {
-                for reason in reasons.iter().filter(|r| report.missing(r.source())) {
+                // A GPU the partial report does not list (`nvidia-smi`, which lists them,
+                // failed): no source could attach a reason to it, so all of its are kept.
+                let unlisted = !report.errors.is_empty() && report.get(gpu).is_none();
+                let carried = |r: &&UnhealthyReason| unlisted || report.missing(r.source());
+                for reason in reasons.iter().filter(carried) {
                     let list = now.entry(gpu.clone()).or_default();
                     if !list.contains(reason) {
                         list.push(reason.clone());
@@ -479,12 +483,26 @@ mod tests {
             ],
             ..GpuHealthReport::default()
         };
-        let reports = vec![complete, without_dcgm(vec![remap]), without_dcgm(vec![])];
+        // `nvidia-smi` failing: no GPU is listed, so DCGM's incident on GPU-b, though read,
+        // finds no GPU to attach to; GPU-b stays out all the same.
+        let mut without_smi = GpuHealthReport::default();
+        without_smi.unreadable(HealthSource::NvidiaSmi, "nvidia-smi -q failed");
+        let reports = vec![
+            complete,
+            without_dcgm(vec![remap]),
+            without_dcgm(vec![]),
+            without_smi,
+        ];
         let source = Reports(Mutex::new(reports));
         let lock = GpuLock::new(["GPU-a".to_owned(), "GPU-b".to_owned()]);
         let watch = GpuHealthWatch::new();
         let kept = |lock: &GpuLock| lock.unhealthy().into_keys().collect::<Vec<_>>();
-        let expected: [&[&str]; 3] = [&["GPU-a", "GPU-b"], &["GPU-a", "GPU-b"], &["GPU-b"]];
+        let expected: [&[&str]; 4] = [
+            &["GPU-a", "GPU-b"],
+            &["GPU-a", "GPU-b"],
+            &["GPU-b"],
+            &["GPU-b"],
+        ];
         for (probe, expected) in expected.into_iter().enumerate() {
             watch.probe(&source, &lock).await;
             assert_eq!(kept(&lock), expected, "probe {probe}");
