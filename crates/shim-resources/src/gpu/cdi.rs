@@ -141,11 +141,12 @@ impl CdiRegistry {
             files.sort();
             for file in files {
                 for (kind, name) in registry.add_file(&file) {
+                    // Once a conflict, always: the cache drops the device even where a
+                    // directory of higher precedence defines it too (`refresh` deletes every
+                    // conflicting name after its scan).
                     let key = (kind, name);
                     if origins.insert(key.clone(), priority) == Some(priority) {
-                        conflicts.insert(key, dir.clone());
-                    } else {
-                        conflicts.remove(&key);
+                        conflicts.entry(key).or_insert_with(|| dir.clone());
                     }
                 }
             }
@@ -368,7 +369,8 @@ mod tests {
     /// Two spec files of one directory naming one device (`nvidia.yaml` and `nvidia.json`
     /// both written): the CDI cache drops such a device (same priority: a conflict), so the
     /// engine would refuse its name; it is not offered, and the error says why. A directory
-    /// of higher precedence that names it settles it.
+    /// of higher precedence that names it too does not settle it: the cache deletes every
+    /// conflicting name after its scan (container-device-interface `cache.go`, `refresh`).
     #[test]
     fn a_device_two_files_of_one_directory_name_is_not_offered() {
         let dir = tempfile::tempdir().unwrap();
@@ -392,7 +394,11 @@ mod tests {
         fs_err::write(higher.path().join("nvidia.json"), &only_one).unwrap();
         let r = CdiRegistry::load(&[dir.path().to_owned(), higher.path().to_owned()]);
         let names: Vec<&String> = r.kind(NVIDIA_KIND).unwrap().keys().collect();
-        assert_eq!(names, ["0", "1"]);
-        assert_eq!(r.errors(), [] as [String; 0]);
+        assert_eq!(names, ["1"]);
+        assert!(
+            r.errors().iter().any(|e| e.contains("nvidia.com/gpu=0")),
+            "{:?}",
+            r.errors()
+        );
     }
 }
