@@ -381,24 +381,17 @@ mod tests {
         );
         fs_err::write(dir.path().join("nvidia.json"), spec).unwrap();
         fs_err::write(dir.path().join("other.json"), &only_one).unwrap();
-        let r = CdiRegistry::load(&[dir.path().to_owned()]);
-        let names: Vec<&String> = r.kind(NVIDIA_KIND).unwrap().keys().collect();
-        assert_eq!(names, ["1"]);
-        assert!(
-            r.errors().iter().any(|e| e.contains("nvidia.com/gpu=0")),
-            "{:?}",
-            r.errors()
-        );
-
         let higher = tempfile::tempdir().unwrap();
         fs_err::write(higher.path().join("nvidia.json"), &only_one).unwrap();
-        let r = CdiRegistry::load(&[dir.path().to_owned(), higher.path().to_owned()]);
-        let names: Vec<&String> = r.kind(NVIDIA_KIND).unwrap().keys().collect();
-        assert_eq!(names, ["1"]);
-        assert!(
-            r.errors().iter().any(|e| e.contains("nvidia.com/gpu=0")),
-            "{:?}",
-            r.errors()
-        );
+        for dirs in [
+            vec![dir.path().to_owned()],
+            vec![dir.path().to_owned(), higher.path().to_owned()],
+        ] {
+            let r = CdiRegistry::load(&dirs);
+            let names: Vec<&String> = r.kind(NVIDIA_KIND).unwrap().keys().collect();
+            assert_eq!(names, ["1"], "{dirs:?}");
+            let said = r.errors().iter().any(|e| e.contains("nvidia.com/gpu=0"));
+            assert!(said, "{dirs:?}: {:?}", r.errors());
+        }
     }
 }
