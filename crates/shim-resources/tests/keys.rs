@@ -542,10 +542,13 @@ async fn a_user_whose_home_hangs_holds_up_no_other_user() {
         db: StaticUserDb,
         gate: std::sync::Mutex<bool>,
         opened: std::sync::Condvar,
+        /// Set once alice's lookup waits (her update holds her lock then).
+        entered: tokio::sync::watch::Sender<bool>,
     }
     impl shim_resources::UserDb for Hanging {
         fn lookup(&self, user: &str) -> shim_resources::Result<shim_resources::UserEntry> {
             if user == "alice" {
+                self.entered.send_replace(true);
                 let mut open = self.gate.lock().unwrap();
                 while !*open {
                     open = self.opened.wait(open).unwrap();
@@ -561,15 +564,17 @@ async fn a_user_whose_home_hangs_holds_up_no_other_user() {
             .with_user("bob", h.beside("bob")),
         gate: std::sync::Mutex::new(false),
         opened: std::sync::Condvar::new(),
+        entered: tokio::sync::watch::Sender::new(false),
     });
+    let mut entered = db.entered.subscribe();
     fs_err::create_dir(h.beside("bob")).unwrap();
     let m = AuthorizedKeysManager::new(db.clone());
     let alice = tokio::spawn({
         let m = m.clone();
         async move { add(&m, "a", "alice", &[K1]).await }
     });
-    // Alice's update holds her lock by now (or soon: bob's must pass either way).
-    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    // Alice's update holds her lock once her lookup waits.
+    entered.wait_for(|e| *e).await.unwrap();
     let bob = tokio::time::timeout(std::time::Duration::from_secs(10), async {
         add(&m, "b", "bob", &[K2]).await;
         remove(&m, "b", "bob", &[K2]).await;
