@@ -2,7 +2,8 @@
 //! process): workloads of submits (into a spare directory made ahead, or one made on the
 //! spot; concurrent submits sharing one group commit of the runners directory), spares made
 //! ahead, adoptions (a task without a config, as restore adopts a
-//! container: `create_task_dir` then `write`), status writes, terminates, removes and the
+//! container: `create_task_dir` then `write`), marks of a directory as mounted whole (an
+//! upstream container's), status writes, terminates, removes and the
 //! owner identity's creation run on a store whose
 //! every durable operation is recorded (`Store::open_recorded`); `shim_fs::crash::explore`
 //! builds every state a crash could leave after each recorded operation (each operation not
@@ -16,6 +17,8 @@
 //! - a task's record is the last acknowledged one or a later one in flight, never an older
 //!   one, and never unusable (torn);
 //! - a task whose remove was acknowledged does not come back;
+//! - a directory whose mark as mounted whole was acknowledged is never read again, and one
+//!   never marked is never taken for marked;
 //! - the owner identity, once acknowledged, is there, and it is never unreadable;
 //! - (of the run itself) a submit that found a spare ready made one file fsync and one
 //!   directory fsync, one that did not one directory fsync more.
@@ -59,6 +62,8 @@ enum Step {
     Terminate(usize, TerminationReason),
     /// `Store::delete`.
     Remove(usize),
+    /// `Store::mark_mounted_whole` (no record is written to the task after it).
+    Mark(usize),
     /// `Store::create_owner_id` (once; a later one is dropped).
     Owner,
     /// `Store::prepare_spares_up_to` (spares made ahead of submits).
@@ -72,6 +77,7 @@ enum Action {
     Adopt(TaskRecord),
     Write(TaskRecord),
     Delete,
+    Mark,
     Owner(String),
     Prepare,
 }
@@ -101,6 +107,8 @@ fn resolve(steps: &[Step]) -> Vec<(usize, Action)> {
     enum Life {
         Unborn,
         Live(Box<TaskRecord>),
+        /// Marked as mounted whole: only a remove is left.
+        Marked,
         Gone,
     }
     let mut life = vec![Life::Unborn; TASKS];
@@ -122,7 +130,8 @@ fn resolve(steps: &[Step]) -> Vec<(usize, Action)> {
             | Step::Adopt(t)
             | Step::Status(t, _)
             | Step::Terminate(t, _)
-            | Step::Remove(t) => *t,
+            | Step::Remove(t)
+            | Step::Mark(t) => *t,
         };
         // A submit, or a write to a task not yet submitted (which submits it first).
         if let (Step::Submit(_) | Step::Status(..) | Step::Terminate(..), Life::Unborn) =
@@ -152,11 +161,13 @@ fn resolve(steps: &[Step]) -> Vec<(usize, Action)> {
                 updated_at_ms: last.updated_at_ms + 1,
                 ..(**last).clone()
             }),
-            (Step::Remove(_), Life::Live(_)) => Action::Delete,
+            (Step::Remove(_), Life::Live(_) | Life::Marked) => Action::Delete,
+            (Step::Mark(_), Life::Live(_)) => Action::Mark,
             _ => continue,
         };
         life[task] = match &action {
             Action::Adopt(r) | Action::Write(r) => Life::Live(Box::new(r.clone())),
+            Action::Mark => Life::Marked,
             _ => Life::Gone,
         };
         out.push((task, action));
@@ -174,6 +185,7 @@ fn perform(store: &Store, recorder: &Recorder, task: usize, action: Action) -> C
             .and_then(|_| store.write(r)),
         Action::Write(r) => store.write(r),
         Action::Delete => store.delete(&container(task)),
+        Action::Mark => store.mark_mounted_whole(&container(task)),
         Action::Owner(id) => store.create_owner_id(id).map(|got| assert_eq!(&got, id)),
         Action::Prepare => store.prepare_spares_up_to(SPARES).map(drop),
     };
@@ -318,6 +330,9 @@ enum Wrong {
     Gone,
     /// The owner identity is unreadable, or missing once acknowledged.
     Owner,
+    /// A directory whose mark as mounted whole was acknowledged is read (or is no longer
+    /// marked), or one never marked is taken for marked.
+    Mark,
 }
 
 /// One violating crash state: what is wrong, and the details.
@@ -332,6 +347,8 @@ enum Found {
     Record(Box<TaskRecord>),
     NoRecord,
     Corrupt(String),
+    /// Marked as mounted whole: not read.
+    Whole,
 }
 
 /// What start-up found in a state: every task directory by name, and the owner identity (or
@@ -360,10 +377,8 @@ fn start_up(home: &Path) -> Startup {
                 record.container_name.clone(),
                 Found::Record(Box::new(record)),
             ),
-            // The workloads mark no directory as mounted whole.
-            ScanEntry::NoRecord { name, .. } | ScanEntry::MountedWhole { name, .. } => {
-                (name, Found::NoRecord)
-            }
+            ScanEntry::NoRecord { name, .. } => (name, Found::NoRecord),
+            ScanEntry::MountedWhole { name, .. } => (name, Found::Whole),
             ScanEntry::Corrupt { name, error, .. } => (name, Found::Corrupt(error.to_string())),
         })
         .collect();
@@ -411,12 +426,18 @@ fn judge(calls: &[Call], point: usize, seen: &Seen) -> Vec<(Wrong, String)> {
         let removed = mine
             .iter()
             .any(|c| matches!(c.action, Action::Delete) && acked(c));
+        let marked = mine
+            .iter()
+            .any(|c| matches!(c.action, Action::Mark) && acked(c));
+        let marking = mine
+            .iter()
+            .any(|c| matches!(c.action, Action::Mark) && started(c));
         // The records it may hold: the last acknowledged, or a later one in flight.
         let writes: Vec<(&TaskRecord, &Call)> = mine
             .iter()
             .filter_map(|c| match &c.action {
                 Action::Create(r) | Action::Adopt(r) | Action::Write(r) => Some((r, *c)),
-                Action::Delete | Action::Owner(_) | Action::Prepare => None,
+                Action::Delete | Action::Mark | Action::Owner(_) | Action::Prepare => None,
             })
             .collect();
         let last_acked = writes.iter().rposition(|(_, c)| acked(c));
@@ -430,6 +451,15 @@ fn judge(calls: &[Call], point: usize, seen: &Seen) -> Vec<(Wrong, String)> {
             Some(_) if removed => wrong.push((
                 Wrong::CameBack,
                 format!("{name}: its remove was acknowledged, yet it came back"),
+            )),
+            Some(Found::Whole) if !marking => wrong.push((
+                Wrong::Mark,
+                format!("{name}: taken for mounted whole, yet never marked"),
+            )),
+            Some(Found::Whole) => {}
+            Some(_) if marked => wrong.push((
+                Wrong::Mark,
+                format!("{name}: its mark as mounted whole was acknowledged, yet it was read"),
             )),
             Some(Found::Corrupt(e)) => {
                 wrong.push((Wrong::Unusable, format!("{name}: an unusable record ({e})")));
@@ -510,7 +540,8 @@ fn step() -> impl Strategy<Value = Step> {
         3 => (task.clone(), status).prop_map(|(t, s)| Step::Status(t, s)),
         2 => (task.clone(), reason).prop_map(|(t, r)| Step::Terminate(t, r)),
         1 => task.clone().prop_map(Step::Remove),
-        1 => task.prop_map(Step::Adopt),
+        1 => task.clone().prop_map(Step::Adopt),
+        1 => task.prop_map(Step::Mark),
         1 => Just(Step::Owner),
         2 => Just(Step::Prepare),
     ]
@@ -535,7 +566,7 @@ proptest! {
 
 /// A fixed workload: spares made ahead, two submits (the first into a spare, the second into
 /// one made on the spot... or the second spare), a status write each, a terminate, a remove,
-/// an adoption and the owner identity.
+/// an adoption, its directory marked as mounted whole, and the owner identity.
 fn fixed() -> Vec<(usize, Action)> {
     resolve(&[
         Step::Owner,
@@ -548,6 +579,7 @@ fn fixed() -> Vec<(usize, Action)> {
         Step::Remove(1),
         Step::Status(0, TaskStatus::Terminated),
         Step::Adopt(2),
+        Step::Mark(2),
     ])
 }
 
@@ -587,12 +619,13 @@ fn a_missing_file_fsync_is_caught() {
 }
 
 /// The rename over `task.json` is not durable when the write returns: an acknowledged status
-/// write can give way to the record before it, an acknowledged submit to no record at all.
+/// write can give way to the record before it, an acknowledged submit to no record at all,
+/// an acknowledged mark as mounted whole to a directory read again.
 #[test]
 fn a_missing_directory_fsync_after_the_rename_is_caught() {
     assert_caught(
         Bug::SkipPublishDirFsync,
-        &[Wrong::Contradicts, Wrong::NoRecord],
+        &[Wrong::Contradicts, Wrong::NoRecord, Wrong::Mark],
     );
 }
 
