@@ -1369,6 +1369,30 @@ async fn a_stalled_pull_fails_and_a_slow_moving_one_does_not() {
     assert!(took > STALL, "not slow enough to prove anything: {took:?}");
 }
 
+/// A registry slow to answer at all (a token server, a mirror that is not there) holds back
+/// the engine's answer to a pull, whose head comes with its first message: the pull waits for
+/// it as long as its stall timeout allows, not only as long as the runtime waits for any
+/// other answer (here 2 s; the registry answers after 5).
+#[tokio::test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+async fn a_pull_whose_answer_is_slow_to_begin_waits_for_it() {
+    require_docker();
+    let docker = runtime().await.with_request_timeout(Duration::from_secs(2));
+    let image = FreshImage::push("shim-runtime-pull-late", 1 << 20).unwrap();
+    image.proxy().stall();
+    let request = PullRequest::new(image.reference())
+        .with_auth(Some(registry_auth()))
+        .with_stall_timeout(Some(Duration::from_secs(60)));
+    let resume = async {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        image.proxy().resume();
+    };
+    let pull = docker.pull(&request, &|_| {}, CancellationToken::new());
+    let (result, ()) = tokio::join!(pull, resume);
+    result.unwrap();
+    assert!(docker.image_present(image.reference()).await.unwrap());
+}
+
 #[test]
 fn runner_script_is_valid_sh() {
     let script = runner_script(&RunnerParams {

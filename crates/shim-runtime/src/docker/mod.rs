@@ -46,6 +46,11 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long an image's removal may take (its layers' files are deleted before the answer).
 pub const IMAGE_DELETE_TIMEOUT: Duration = Duration::from_secs(10 * 60);
+/// How long a pull's answer may take to begin, as bollard counts it: Docker sends the answer's
+/// head with its first progress message, which comes only once the registry has answered (a
+/// slow token server, an unreachable mirror's 30 s dial before the fallback). The pull's own
+/// stall timeout and time limit bound that wait instead ([`Watchdog`]).
+const PULL_ANSWER_TIMEOUT: Duration = Duration::from_secs(24 * 60 * 60);
 /// How many image names [`DockerRuntime`] keeps what it learnt of their labels for.
 const KNOWN_IMAGES_MAX: usize = 1024;
 /// The daemon's address when `DOCKER_HOST` is not set.
@@ -418,6 +423,15 @@ impl DockerRuntime {
         }
     }
 
+    /// This runtime with every request's answer awaited at most `timeout` (whole seconds;
+    /// [`REQUEST_TIMEOUT`] by default) before it counts as lost. A pull's answer is the
+    /// exception: its stall timeout bounds it.
+    #[must_use]
+    pub fn with_request_timeout(mut self, timeout: Duration) -> Self {
+        self.docker = self.docker.with_timeout(timeout);
+        self
+    }
+
     /// The underlying bollard client (for tests that prepare the daemon).
     pub fn client(&self) -> &Docker {
         &self.docker
@@ -478,7 +492,8 @@ impl DockerRuntime {
             password: Some(a.password.clone()),
             ..DockerCredentials::default()
         });
-        let mut stream = self.docker.create_image(Some(options), None, credentials);
+        let docker = self.docker.clone().with_timeout(PULL_ANSWER_TIMEOUT);
+        let mut stream = docker.create_image(Some(options), None, credentials);
         loop {
             // The watchdog fails the pull when no message says anything new for the stall
             // timeout (repeats are not progress: see `Activity`).
