@@ -59,6 +59,9 @@ const SETTLING_RELISTS: u32 = 30;
 
 /// The exit code of a process killed by SIGKILL (128 + 9), as the OOM killer ends one.
 const SIGKILL_EXIT: i64 = 137;
+/// The exit code of a container cut by the host going down, as Docker records it at its next
+/// start (moby's restore: 255).
+const UNRECORDED_END_EXIT: i64 = 255;
 
 /// The event stream's reconnection delays.
 const RECONNECT_MIN: Duration = Duration::from_millis(200);
@@ -669,7 +672,19 @@ impl Reconciler {
             Ok(d) => d,
         };
         let finished = d.finished_at.as_deref().and_then(docker_time_ns);
+        // A container that ran and has no end recorded was cut by the host going down. After
+        // a reboot Docker records it exited with 255; Podman's refresh instead puts it back to
+        // `created` (4.x) or to `exited` with the code it was given at its start, 0, and no
+        // finish time (5.x: libpod's `resetContainerState`), which would read as the runner's
+        // success. Both read as Docker's.
+        let ran = d.started_at.as_deref().and_then(docker_time_ns).is_some();
+        let cut = ran && finished.is_none();
         let observation = match d.state {
+            ContainerState::Created | ContainerState::Exited if cut => {
+                tracing::warn!(container = %container_id, state = ?d.state, "the container ran and has no end recorded: the host went down under it");
+                self.exited(slot, container_id, UNRECORDED_END_EXIT, Some(d.oom_killed))
+                    .await
+            }
             ContainerState::Created => Observation::NeverStarted,
             ref s if s.is_running() => Observation::Running,
             _ => {

@@ -320,6 +320,29 @@ async fn an_upstream_task_whose_config_is_unreadable_releases_its_containers_vol
     assert_called(&w.volumes.calls(), &release);
 }
 
+/// A container cut by the host going down has no end recorded. After the reboot Podman 5 shows
+/// it `exited` with the code it was given at its start (0) and no finish time (libpod's
+/// `resetContainerState`), Podman 4 `created` again (its refresh): neither is the runner's
+/// success nor a container never started. The task ends `container_exited_with_error`, as on
+/// Docker, which records 255.
+#[tokio::test(start_paused = true)]
+async fn a_container_cut_by_the_host_going_down_is_not_a_success() {
+    for state in [ContainerState::Exited, ContainerState::Created] {
+        let (mut w, engine) = World::with_engine(0).await;
+        let running = run(&engine, config("t1")).await;
+        shut_down(engine).await;
+        assert!(w.runtime.set_state(&running.container_id, state.clone()));
+        let engine = w.fresh_process().await;
+        let ended = wait_status(&engine, "t1", TaskStatus::Terminated).await;
+        assert_reason(&ended, "container_exited_with_error");
+        assert!(
+            ended.termination_message.contains("255"),
+            "{state:?}: {ended:?}"
+        );
+        let _ = w.restart(engine).await;
+    }
+}
+
 /// A task whose container is still settling when the shim starts (Podman 4.3's `stopped`: the
 /// process ended while the shim was down, the engine's clean-up has not run, so there is no
 /// exit code yet, and its `died` came before the subscription) is looked at again within
