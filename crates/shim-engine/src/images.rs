@@ -465,11 +465,18 @@ impl ImageGc {
 
     /// The engine's event stream connected (`true`) or was lost: what was seen present is
     /// forgotten either way (a removal may have gone unheard), and remembered again only
-    /// while connected.
+    /// while connected. A lost stream also forgets the engine's data root: the daemon may
+    /// come back with another (an operator moving `data-root` to a bigger disk restarts
+    /// Docker, not the shim).
     pub(crate) fn events_connected(&self, connected: bool) {
-        let mut present = self.present();
-        present.heard = connected;
-        present.names.clear();
+        {
+            let mut present = self.present();
+            present.heard = connected;
+            present.names.clear();
+        }
+        if !connected {
+            *self.data_root.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
     }
 
     fn ledger(&self) -> MutexGuard<'_, Ledger> {

@@ -264,3 +264,28 @@ async fn a_failed_pull_claims_no_image_pulled_later_by_hand() {
     let deletes = w.calls_where(|c| matches!(c, Call::DeleteImage(_)));
     assert_eq!(deletes, [], "pulled by hand: never the shim's");
 }
+
+/// The engine's data root is asked again once its event stream was lost: a daemon restarted
+/// with another (`data-root` moved to a bigger disk restarts Docker, not the shim) is measured
+/// there; here one that named none names one after its restart, and an unused image the shim
+/// pulled is collected when that disk fills.
+#[tokio::test(start_paused = true)]
+async fn the_data_root_is_asked_again_after_the_engine_restarts() {
+    let (w, engine) = World::with_engine(0).await;
+    run(&engine, config("t1").with_image("old:1")).await;
+    w.runtime.set_image_size("old:1", 10 << 30);
+    terminate_by_user(&engine, "t1").await;
+    engine.remove(&tid("t1")).await.unwrap();
+    w.disk.set_available(20 << 30);
+    tokio::time::sleep(Duration::from_secs(150)).await;
+    assert!(
+        w.runtime.image_id("old:1").is_some(),
+        "no data root: nothing measured"
+    );
+
+    w.runtime.set_data_root(Some("/fake/docker".into()));
+    w.runtime.break_event_streams();
+    let deletes = || w.calls_where(|c| matches!(c, Call::DeleteImage(_)));
+    poll_until(10, Duration::from_secs(30), async || !deletes().is_empty()).await;
+    assert!(w.runtime.image_id("old:1").is_none(), "{:?}", deletes());
+}
