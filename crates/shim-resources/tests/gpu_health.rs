@@ -214,7 +214,19 @@ fn xid_line_shapes() {
         ]
     );
 
+    // A caller id after the timestamp (CONFIG_PRINTK_CALLER).
+    let caller = "[ 7.5] [T1234] NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus";
+    assert_eq!(parse_xid_line(caller).map(|l| l.code), Some(79));
+
+    // The tag quoted inside another message: Yama's report of a ptrace attempt names the
+    // command line of the process, which a container sets as it likes.
+    let forged =
+        r#"ptrace attach of "sh"[1] was attempted by "NVRM: Xid (PCI:0000:3b:00): 79, x"[42]"#;
     for not_xid in [
+        &format!("5,2000,1,-;{forged}"),
+        &format!("[ 7.5] {forged}"),
+        // A record user space wrote to /dev/kmsg (facility 1, not the kernel's 0).
+        "12,2001,1,-;NVRM: Xid (PCI:0000:3b:00): 79, x",
         "6,1386,120400001,-;NVRM: GPU at PCI:0000:5e:00: GPU-0a1b",
         "NVRM: Xid error: xyz, invalid data",
         "NVRM: Xid (PCI:zz): 79, x",
@@ -335,6 +347,12 @@ fn a_driver_load_clears_the_xids_and_an_operator_can() {
     let reload = "6,2000,900000000,-;NVRM: loading NVIDIA UNIX Open Kernel Module for x86_64  \
                   550.127.05  Release Build  (dvs-builder@U16-I2-C03-12-4)  Tue Oct 15 00:13:24 \
                   UTC 2024";
+    // Quoted in another message (see `xid_line_shapes`), it clears nothing.
+    t.scan(&format!(
+        r#"5,1999,899000000,-;ptrace attach of "sh"[1] was attempted by "{}"[42]"#,
+        reload.split_once(';').unwrap().1
+    ));
+    assert!(!t.reasons().is_empty());
     t.scan(reload);
     assert!(t.reasons().is_empty());
     // Records before the load stay read.

@@ -545,10 +545,13 @@ pub struct XidLine {
 /// `[12345.678901] `, `dmesg -x`'s `kern  :err   : `, a syslog header), with or without the
 /// `PCI:` tag, with a MIG instance after the address (`(PCI:0000:01:00 GPU-I:05)`: the parent
 /// GPU's address counts). `None` for any other line.
+///
+/// The tag must begin the line's message: a message of another kind that quotes it (Yama's
+/// `ptrace attach of "…" was attempted by "<command line>"`, with a command line a container
+/// chose) is not an XID, nor is a `/dev/kmsg` record of a facility other than the kernel's.
 pub fn parse_xid_line(line: &str) -> Option<XidLine> {
     const TAG: &str = "NVRM: Xid (";
-    let at = line.find(TAG)?;
-    let (inside, rest) = line[at + TAG.len()..].split_once(')')?;
+    let (inside, rest) = kernel_message(line)?.strip_prefix(TAG)?.split_once(')')?;
     let inside = inside.trim();
     let address = inside
         .strip_prefix("PCI:")
@@ -572,6 +575,54 @@ pub fn parse_xid_line(line: &str) -> Option<XidLine> {
         code,
         message: message.trim_end_matches('.').trim_end().to_owned(),
     })
+}
+
+/// The message of a kernel log line, after what comes before it: `/dev/kmsg`'s
+/// `prio,seq,usec,flags[,…];` (`None` unless the record is of the kernel's own facility: one
+/// user space wrote is not the driver's), `dmesg -r`'s `<3>`, `dmesg -x`'s `kern  :err   : `,
+/// a syslog `… kernel: `, then a `[…]` timestamp and a `[T123]` caller id.
+fn kernel_message(line: &str) -> Option<&str> {
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if let Some((head, message)) = line.split_once(';') {
+        let fields: Vec<&str> = head.split(',').collect();
+        if let [prio, _, usec, _, ..] = fields.as_slice()
+            && digits(prio)
+            && digits(usec)
+        {
+            // The facility is `prio >> 3`; the kernel's is 0.
+            return (prio.parse::<u64>().ok()? < 8).then_some(message);
+        }
+    }
+    let mut rest = line.trim_start();
+    if let Some((level, after)) = rest.strip_prefix('<').and_then(|r| r.split_once('>'))
+        && digits(level)
+    {
+        rest = after;
+    }
+    let word = |s: &str| {
+        let s = s.trim();
+        !s.is_empty() && s.bytes().all(|b| b.is_ascii_lowercase())
+    };
+    if let Some((facility, after)) = rest.split_once(':')
+        && word(facility)
+        && let Some((level, after)) = after.split_once(':')
+        && word(level)
+    {
+        rest = after;
+    } else if let Some((_, after)) = rest.split_once(" kernel: ") {
+        rest = after;
+    }
+    rest = rest.trim_start();
+    if let Some((_, after)) = rest.strip_prefix('[').and_then(|r| r.split_once(']')) {
+        rest = after.trim_start();
+        if let Some((caller, after)) = rest.strip_prefix('[').and_then(|r| r.split_once(']'))
+            && let Some(id) = caller.trim().strip_prefix(['T', 'C'])
+            && digits(id)
+        {
+            rest = after.trim_start();
+        }
+    }
+    Some(rest)
 }
 
 /// Where a kernel log line sits, when its format says so.
@@ -812,7 +863,7 @@ impl XidTracker {
             if !self.cursor.advance(line) {
                 continue;
             }
-            if line.contains(DRIVER_LOADED) {
+            if kernel_message(line).is_some_and(|m| m.starts_with(DRIVER_LOADED)) {
                 if !self.xids.is_empty() {
                     tracing::info!(gpus = ?self.xids.keys().collect::<Vec<_>>(),
                         "NVIDIA driver loaded again; forgetting the GPUs' XIDs");
