@@ -1,9 +1,10 @@
 //! Instance mounts: host directories bind-mounted into containers.
 
-use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
 
-use crate::error::{ResourcesError, Result, io_err};
+use shim_fs::Dir;
+
+use crate::error::{ResourcesError, Result};
 
 /// Makes sure the host directory `path` exists. A missing one is created world-writable
 /// (0777, regardless of the umask) so any container user can write to it, its missing parents
@@ -22,41 +23,35 @@ pub fn ensure_instance_dir(path: &Path) -> Result<bool> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(ResourcesError::io("stat", path, e)),
     }
-    // Missing ancestors, outermost first.
-    let mut missing = Vec::new();
-    let mut p = path;
-    while let Some(parent) = p.parent() {
+    // Missing ancestors, outermost first, below the deepest one that exists.
+    let mut missing = vec![path];
+    let mut existing = path;
+    while let Some(parent) = existing.parent() {
+        existing = parent;
         match fs_err::symlink_metadata(parent) {
             Ok(_) => break,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                missing.push(parent.to_owned());
-                p = parent;
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => missing.push(parent),
             Err(e) => return Err(ResourcesError::io("stat", parent, e)),
         }
     }
-    for dir in missing.iter().rev() {
-        create_one(dir, 0o755)?;
+    // Each made through its parent's handle and opened without following a link before its
+    // mode is set: the directory may be one a task's container shares (an instance mount of
+    // another task), where a link swapped in after the mkdir would have the chmod change the
+    // mode of what it points to.
+    let mut dir = Dir::open(existing)?;
+    let mut created = false;
+    while let Some(next) = missing.pop() {
+        let name = next.file_name().ok_or_else(|| {
+            ResourcesError::io("create", next, std::io::ErrorKind::InvalidInput.into())
+        })?;
+        let mode = if missing.is_empty() { 0o777 } else { 0o755 };
+        (dir, created) = dir.create_dir_unsynced(name, mode, None)?;
     }
-    match fs_err::create_dir(path) {
-        Ok(()) => {}
-        // Created concurrently by someone else: theirs, leave it alone.
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(false),
-        Err(e) => return Err(ResourcesError::io("create", path, e)),
+    // Not created: made concurrently by someone else, theirs, left alone.
+    if created {
+        tracing::info!(path = %path.display(), "instance mount directory created");
     }
-    fs_err::set_permissions(path, std::fs::Permissions::from_mode(0o777))
-        .map_err(io_err("chmod", path))?;
-    tracing::info!(path = %path.display(), "instance mount directory created");
-    Ok(true)
-}
-
-fn create_one(dir: &Path, mode: u32) -> Result<()> {
-    match fs_err::create_dir(dir) {
-        Ok(()) => fs_err::set_permissions(dir, std::fs::Permissions::from_mode(mode))
-            .map_err(io_err("chmod", dir)),
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
-        Err(e) => Err(ResourcesError::io("create", dir, e)),
-    }
+    Ok(created)
 }
 
 #[cfg(test)]
