@@ -41,6 +41,9 @@ use tracing_subscriber::filter::LevelFilter;
 pub use args::{Args, command};
 use goparse::{docker_size, go_bool, go_duration, go_int, parse_level};
 
+/// The longest `--reconcile-interval`, in seconds: a day.
+const MAX_RECONCILE_INTERVAL_S: i64 = 86_400;
+
 /// The dstack release this build speaks for: chosen when it is built
 /// (`DSTACK_SHIM_UPSTREAM_VERSION`, set by `cargo xtask dist --upstream-version V`; default
 /// `bins/shim/upstream-version`, the release the tests run against). See `build.rs`.
@@ -314,8 +317,12 @@ impl Config {
             &args.reconcile_interval,
             default_interval,
         )?;
-        if interval <= 0 {
-            bail!("reconcile-interval must be a positive number of seconds, not {interval}");
+        // At most a day: tokio's interval adds its period to an `Instant`, which panics past
+        // the clock's range (the reconciler's task would die with the API still answering).
+        if !(1..=MAX_RECONCILE_INTERVAL_S).contains(&interval) {
+            bail!(
+                "reconcile-interval must be from 1 to {MAX_RECONCILE_INTERVAL_S} seconds, not {interval}"
+            );
         }
         let container_log =
             l.container_log(&args.container_log_max_size, &args.container_log_max_files)?;
@@ -680,6 +687,12 @@ mod tests {
             let e = resolve(&[], &[("DSTACK_SHIM_VOLUMES_ROOT", root)]).unwrap_err();
             assert!(e.to_string().contains("absolute"), "{e}");
         }
+        for interval in ["0", "-1", "86401", "9223372036854775807"] {
+            let e = resolve(&["--reconcile-interval", interval], &[]).unwrap_err();
+            assert!(e.to_string().contains("reconcile-interval"), "{e}");
+        }
+        let day = ok(&["--reconcile-interval", "86400"], &[]).engine;
+        assert_eq!(day.reconcile_interval, Duration::from_secs(86_400));
         assert_eq!(ok(&[], &[("DSTACK_SHIM_HOME", "")]).shim_home, "");
         // The command line wins over the environment.
         assert_eq!(

@@ -225,9 +225,11 @@ impl RollbackRecord {
     }
 
     /// Whether a binary with digest `sha256` is refused at `now` (seconds since the epoch):
-    /// it is the binary that failed, less than [`REFUSE_FOR`] ago.
+    /// it is the binary that failed, less than [`REFUSE_FOR`] ago. A failure recorded later
+    /// than `now` by more than that (the clock was ahead then and set right since) refuses
+    /// nothing: it would have refused for as long as the clock was wrong.
     pub fn refuses(&self, sha256: &str, now: u64) -> bool {
-        self.failed_sha256 == sha256 && now < self.at_unix.saturating_add(REFUSE_FOR.as_secs())
+        self.failed_sha256 == sha256 && now.abs_diff(self.at_unix) < REFUSE_FOR.as_secs()
     }
 }
 
@@ -314,6 +316,18 @@ mod tests {
         assert!(record.refuses(&"ab".repeat(32), 1_000 + 3_599));
         assert!(!record.refuses(&"ab".repeat(32), 1_000 + 3_600), "expired");
         assert!(!record.refuses(&"cd".repeat(32), 1_001), "another binary");
+        assert!(
+            record.refuses(&"ab".repeat(32), 999),
+            "the clock a moment back"
+        );
+        let ahead = RollbackRecord {
+            at_unix: 1_000 + 86_400,
+            ..record.clone()
+        };
+        assert!(
+            !ahead.refuses(&"ab".repeat(32), 1_000),
+            "recorded by a clock a day ahead, set right since"
+        );
 
         fs_err::write(&path, b"{\"failed_version\":").unwrap();
         let e = RollbackRecord::read(home.path()).unwrap_err();
