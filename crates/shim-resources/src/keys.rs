@@ -45,7 +45,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use async_trait::async_trait;
 use shim_fs::{Dir, Owner, WriteOptions};
 use shim_task::{PublicKey, TaskId};
-use shim_util::error_chain;
+use shim_util::{KeyedLocks, error_chain};
 
 use crate::blocking::blocking;
 use crate::error::{ResourcesError, Result};
@@ -181,6 +181,11 @@ struct Inner {
     /// never held across IO): a home that hangs (NFS, a passwd lookup through LDAP) holds
     /// up its own user's updates, not every user's.
     io: Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    /// The same per user for the async callers, taken before their update goes to the
+    /// blocking pool: the updates of a user whose home hangs wait here, holding one thread of
+    /// the pool between them, not one each (a pool filled with them would stop every file
+    /// write of the process).
+    queue: KeyedLocks<String>,
 }
 
 impl std::fmt::Debug for AuthorizedKeysManager {
@@ -220,6 +225,7 @@ impl AuthorizedKeysManager {
                 users,
                 state: Mutex::default(),
                 io: Mutex::default(),
+                queue: KeyedLocks::default(),
             }),
         }
     }
@@ -395,9 +401,15 @@ impl AuthorizedKeysManager {
         keys: &[PublicKey],
         op: fn(&Self, &TaskId, &str, &[PublicKey]) -> Result<()>,
     ) -> Result<()> {
+        // Held by the blocking job, until it ends, even if this future is dropped.
+        let queued = self.inner.queue.lock(user.to_owned()).await;
         let this = self.clone();
         let (task, user, keys) = (task.clone(), user.to_owned(), keys.to_vec());
-        blocking(what, move || op(&this, &task, &user, &keys)).await
+        blocking(what, move || {
+            let _queued = queued;
+            op(&this, &task, &user, &keys)
+        })
+        .await
     }
 }
 

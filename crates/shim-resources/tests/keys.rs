@@ -534,9 +534,21 @@ async fn concurrent_updates_are_serialized() {
 }
 
 /// A user's passwd lookup (LDAP, NFS home) that hangs holds up that user's updates only:
-/// another user's keys are written meanwhile, and the first user's once it answers.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_user_whose_home_hangs_holds_up_no_other_user() {
+/// another user's keys are written meanwhile, and the first user's once it answers. The
+/// hanging user's later updates wait without a thread of the blocking pool each: on a pool of
+/// two, one hung update and two more of the same user leave room for bob's.
+#[test]
+fn a_user_whose_home_hangs_holds_up_no_other_user() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(home_hangs());
+}
+
+async fn home_hangs() {
     /// Alice's lookups wait until the gate opens.
     struct Hanging {
         db: StaticUserDb,
@@ -575,6 +587,13 @@ async fn a_user_whose_home_hangs_holds_up_no_other_user() {
     });
     // Alice's update holds her lock once her lookup waits.
     entered.wait_for(|e| *e).await.unwrap();
+    let later: Vec<_> = ["a2", "a3"]
+        .map(|t| {
+            let m = m.clone();
+            tokio::spawn(async move { add(&m, t, "alice", &[K4]).await })
+        })
+        .into();
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     let bob = tokio::time::timeout(std::time::Duration::from_secs(10), async {
         add(&m, "b", "bob", &[K2]).await;
         remove(&m, "b", "bob", &[K2]).await;
@@ -587,7 +606,10 @@ async fn a_user_whose_home_hangs_holds_up_no_other_user() {
     assert!(alice_waited, "alice's lookup hangs until the gate opens");
     assert!(h.read_of("bob").contains(&mark(K3)));
     alice.await.unwrap();
-    assert!(h.read().contains(&mark(K1)));
+    for a in later {
+        a.await.unwrap();
+    }
+    assert!(h.read().contains(&mark(K1)) && h.read().contains(&mark(K4)));
 }
 
 #[test]
