@@ -19,6 +19,7 @@ mod upgrade;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -148,15 +149,31 @@ fn main() -> ExitCode {
 
 async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow::Result<Exit> {
     let home = config.home()?;
+    // The directories made for the home, innermost first.
+    let made: Vec<PathBuf> = home
+        .ancestors()
+        .take_while(|p| !p.as_os_str().is_empty() && std::fs::symlink_metadata(p).is_err())
+        .map(Path::to_owned)
+        .collect();
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(&home)
         .with_context(|| format!("cannot create the home directory {}", home.display()))?;
+    // Their entries made durable: a submit acknowledged into a home made just now survives a
+    // power cut (the store fsyncs only the home and what is under it).
+    let unsynced: Vec<String> = (made.iter())
+        .filter_map(|dir| dir.parent())
+        .filter_map(|parent| shim_fs::Dir::open(parent).and_then(|d| d.sync()).err())
+        .map(|e| e.to_string())
+        .collect();
     // One shim per home: a second one would restore, sweep and move aside what the first
     // one is using. Held until the process exits.
     let _home_lock = lock_home(&home)?;
     logging::init(config.shim_log_level, config.log_format, &home)?;
+    for error in unsynced {
+        tracing::warn!(home = %home.display(), %error, "cannot make the new home directory durable");
+    }
     tracing::info!(version = VERSION, dstack_api = config::DSTACK_VERSION, home = %home.display(), "starting dstack-shim");
     rlimit::raise_open_files_limit();
     let watchdog = upgrade::reap_watchdog();
