@@ -27,7 +27,7 @@ use crate::error::chain;
 use crate::table::TaskTable;
 
 /// How long a container whose group could not be found waits before it is looked for again.
-const RETRY_AFTER_MS: u64 = 60_000;
+const RETRY_AFTER_NS: u64 = 60_000_000_000;
 
 /// Where a task's control group is.
 #[derive(Debug, Clone)]
@@ -38,8 +38,8 @@ enum Located {
     Found(Cgroup),
     /// Not found (the container has no process, the file is unreadable) at this time.
     Failed {
-        /// When ([`Clock::now_ms`]).
-        at_ms: u64,
+        /// When ([`Clock::mono_ns`]: a step of the wall clock must not put off the next ask).
+        at_ns: u64,
     },
 }
 
@@ -128,7 +128,7 @@ impl Usage {
                 })
             })
             .collect();
-        let now = self.clock.now_ms();
+        let now = self.clock.mono_ns();
         let mut found = Vec::new();
         {
             let mut groups = self.lock();
@@ -141,9 +141,9 @@ impl Usage {
                 let ask = match groups.get(&id) {
                     None => true,
                     Some(Entry {
-                        located: Located::Failed { at_ms },
+                        located: Located::Failed { at_ns },
                         ..
-                    }) => now.saturating_sub(*at_ms) >= RETRY_AFTER_MS,
+                    }) => now.saturating_sub(*at_ns) >= RETRY_AFTER_NS,
                     Some(Entry {
                         located: Located::Found(cgroup),
                         ..
@@ -261,7 +261,7 @@ async fn locate(
     clock: Clock,
 ) -> (Located, Option<String>) {
     let failed = Located::Failed {
-        at_ms: clock.now_ms(),
+        at_ns: clock.mono_ns(),
     };
     let pid = match runtime.inspect(container_id).await {
         Ok(d) => d.pid,
