@@ -85,6 +85,9 @@ impl Drop for Shared {
     }
 }
 
+/// How long [`Engine::open`] waits for the restored tasks' side effects and its first cycle.
+const START_UP_EFFECTS_WAIT: Duration = Duration::from_secs(10);
+
 /// Reads the GPUs' interconnect (`nvidia-smi topo -m`) once, in the background, and gives it
 /// to the GPU lock, which places tasks by it from then on (first-free until then, or for good
 /// when it cannot be read).
@@ -289,27 +292,42 @@ impl Opening {
             }
             rest.push((slot, others));
         }
-        // Then everything else (the restored state's write, a stop, a release). A release was
-        // computed from the record before the GPUs were locked again: it frees only the GPUs
-        // its task still names, those it locked itself (a GPU another restored task locked
-        // first, a stale record's, is that task's).
-        for (slot, actions) in rest {
-            let kept = slot.read(|t| t.record().resources.gpus.clone());
-            let actions = actions
-                .into_iter()
-                .map(|a| match a {
-                    Action::Effect(Effect::Release(mut held)) => {
-                        held.gpus.retain(|g| kept.contains(g));
-                        Action::Effect(Effect::Release(held))
+        // Then everything else (the restored state's write, a stop, a release) and the first
+        // cycle, waited for at most START_UP_EFFECTS_WAIT: a release that hangs (a hung
+        // network home, a stuck unmount) finishes in the background instead of keeping the
+        // API down; the tasks are in the table already, and their steps take turns as usual.
+        let mut settling = tokio::spawn({
+            let (driver, reconciler) = (driver.clone(), reconciler.clone());
+            async move {
+                // A release was computed from the record before the GPUs were locked again:
+                // it frees only the GPUs its task still names, those it locked itself (a GPU
+                // another restored task locked first, a stale record's, is that task's).
+                for (slot, actions) in rest {
+                    let kept = slot.read(|t| t.record().resources.gpus.clone());
+                    let actions = actions
+                        .into_iter()
+                        .map(|a| match a {
+                            Action::Effect(Effect::Release(mut held)) => {
+                                held.gpus.retain(|g| kept.contains(g));
+                                Action::Effect(Effect::Release(held))
+                            }
+                            other => other,
+                        })
+                        .collect();
+                    if let Err(e) = driver.run_actions(&slot, actions).await {
+                        tracing::error!(task = %slot.id, error = %chain(&e), "restore actions failed; the reconciler retries");
                     }
-                    other => other,
-                })
-                .collect();
-            if let Err(e) = driver.run_actions(&slot, actions).await {
-                tracing::error!(task = %slot.id, error = %chain(&e), "restore actions failed; the reconciler retries");
+                }
+                reconciler.first_cycle(listed, listed_at).await;
             }
-        }
-        reconciler.first_cycle(listed, listed_at).await;
+        });
+        let settling = match tokio::time::timeout(START_UP_EFFECTS_WAIT, &mut settling).await {
+            Ok(_) => None,
+            Err(_) => {
+                tracing::warn!(wait = ?START_UP_EFFECTS_WAIT, "the restored tasks' side effects are not done (a release that hangs?); the API starts, they finish in the background");
+                Some(settling)
+            }
+        };
         // Spare task directories for the first submits (in the background).
         driver.prepare_spares();
         let first = subscribing.await.unwrap_or_else(|e| {
@@ -317,6 +335,7 @@ impl Opening {
             None
         });
         let mut background = reconciler.spawn(first);
+        background.extend(settling);
         let (usage, locator) = Usage::spawn(
             table.clone(),
             runtime.clone(),

@@ -236,6 +236,14 @@ impl GpuPassing {
         }
     }
 
+    /// Forgets what the engine said it can do with GPUs: asked again at the next GPU task's
+    /// create (an ask under way sets what it gets).
+    pub(crate) fn forget_support(&self) {
+        if let Ok(mut known) = self.support.try_lock() {
+            *known = None;
+        }
+    }
+
     /// How GPUs go to containers now (the specs read again; a change is logged).
     pub(crate) async fn current(&self) -> Passing {
         if self.host.gpus.is_empty() {

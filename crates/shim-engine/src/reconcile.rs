@@ -48,7 +48,7 @@ use crate::home::Home;
 use crate::images::ImageGc;
 use crate::labels::{LABEL_TASK_ID, any_shim_filter};
 use crate::ownership::Ownership;
-use crate::records::Slot;
+use crate::records::{Retried, Slot};
 use crate::table::TaskTable;
 
 /// How often failed side effects and queued events are retried.
@@ -56,6 +56,10 @@ const RETRY_EVERY: Duration = Duration::from_secs(1);
 /// How many lists in a row, one a retry tick apart, look again at containers still settling
 /// (see [`Reconciler::cycle_with_since`]) before they are left to the backstop.
 const SETTLING_RELISTS: u32 = 30;
+
+/// How long a cycle waits for its tasks' steps before it ends (see
+/// [`Reconciler::cycle_with_since`]).
+const CYCLE_STEPS_WAIT: Duration = Duration::from_secs(10);
 
 /// The exit code of a process killed by SIGKILL (128 + 9), as the OOM killer ends one.
 const SIGKILL_EXIT: i64 = 137;
@@ -264,6 +268,7 @@ impl Reconciler {
         let by_name: HashMap<&str, &ContainerSummary> =
             containers.iter().map(|c| (c.name.as_str(), c)).collect();
         let mut settling = false;
+        let mut steps = Vec::new();
         for slot in self.parts.table.slots() {
             // Only tasks whose start had returned before the list was requested: a start that
             // returned since made a container the list may not show; judging it by this list
@@ -297,13 +302,28 @@ impl Reconciler {
                     Some(c) => Some(self.observe_stopped_slot(&slot, &c.id).await),
                 }
             };
-            if let Some(obs) = observation {
-                tracing::info!(task = %slot.id, observation = ?obs, "container observed");
-                if let Err(e) = self.parts.driver.drive(&slot, Event::Observed(obs)).await {
+            let Some(obs) = observation else {
+                self.spawn_retry(&slot);
+                continue;
+            };
+            tracing::info!(task = %slot.id, observation = ?obs, "container observed");
+            let this = Arc::clone(self);
+            steps.push(tokio::spawn(async move {
+                if let Err(e) = this.parts.driver.drive(&slot, Event::Observed(obs)).await {
                     tracing::error!(task = %slot.id, error = %chain(&e), "reconcile step failed");
                 }
-            }
-            self.spawn_retry(&slot);
+                this.spawn_retry(&slot);
+            }));
+        }
+        // Each task's step in a job of its own, waited for at most CYCLE_STEPS_WAIT: one that
+        // hangs (a release blocked on a hung network home or a stuck unmount) holds up no
+        // other task's, nor the next cycles, relists and retries; it finishes on its own.
+        let stepping = futures_util::future::join_all(steps);
+        if tokio::time::timeout(CYCLE_STEPS_WAIT, stepping)
+            .await
+            .is_err()
+        {
+            tracing::warn!(wait = ?CYCLE_STEPS_WAIT, "a task's reconcile step is not done (a release or a stop that hangs?); it goes on in the background");
         }
         self.relist_if_settling(settling);
         self.state.cycle_done();
@@ -337,7 +357,8 @@ impl Reconciler {
         }
         if dirty && let Err(e) = self.parts.driver.drive(slot, Event::PersistRequested).await {
             // What ends the task does not wait for the disk: its stop and release go on.
-            tracing::warn!(task = %slot.id, error = %chain(&e), "state write still failing");
+            // Logged by the write itself (a warning at most every 10 minutes).
+            tracing::debug!(task = %slot.id, error = %chain(&e), "state write still failing");
         }
         let (needs_release, stop_failed, container_id) = slot.read(|t| {
             (
@@ -508,16 +529,23 @@ impl Reconciler {
         }
     }
 
-    /// The event stream connected or was lost: the state says so, and the images room trusts
-    /// what it saw present only while connected.
+    /// The event stream connected or was lost: the state says so, the images room trusts
+    /// what it saw present only while connected, and a lost stream (the daemon may come back
+    /// another version, with CDI on or off) has what the engine can do with GPUs asked again.
     fn connected(&self, connected: bool) {
         self.state.set_connected(connected);
         self.parts.images.events_connected(connected);
+        if !connected {
+            self.parts.driver.gpu_passing().forget_support();
+        }
     }
 
-    /// Subscribes to this shim's container events since the last one seen.
+    /// Subscribes to this shim's container events since the last one seen, or since now if
+    /// that is later: Podman applies `since` to the events it streams too, so a `since` ahead
+    /// of a clock set back would hide every event until the clock passed it.
     async fn subscribe(&self) -> shim_runtime::Result<EventStream> {
-        let since = self.events_since.load(Ordering::SeqCst);
+        let now = self.parts.driver.clock().now_unix_ns();
+        let since = self.events_since.load(Ordering::SeqCst).min(now);
         self.parts
             .runtime
             .events(&any_shim_filter(), Some(since))
@@ -666,7 +694,12 @@ impl Reconciler {
         let d = match self.parts.runtime.inspect(container_id).await {
             Err(RuntimeError::NotFound { .. }) => return (Some(Observation::Missing), None),
             Err(e) => {
-                tracing::warn!(container = %container_id, error = %chain(&e), "inspect failed");
+                let message = chain(&e);
+                if slot.failed_loudly(Retried::Container, &message) {
+                    tracing::warn!(container = %container_id, error = %message, "inspect failed; looked at again (the same failure is logged again in 10 minutes)");
+                } else {
+                    tracing::debug!(container = %container_id, error = %message, "inspect failed; looked at again");
+                }
                 return (None, None);
             }
             Ok(d) => d,

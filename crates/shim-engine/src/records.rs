@@ -166,9 +166,9 @@ pub(crate) struct Slot {
     /// Told after every step that replaced the task (what a caller waiting for the task to
     /// move on, such as a remove behind a release, waits on instead of polling).
     stepped: tokio::sync::Notify,
-    /// The last failed release's errors and when they were logged as a warning
-    /// ([`Slot::release_failed_loudly`]).
-    release_warned: Mutex<Option<(String, tokio::time::Instant)>>,
+    /// Per kind of failure retried every second, the last errors logged as a warning and
+    /// when ([`Slot::failed_loudly`]).
+    warned: Mutex<[Option<(String, tokio::time::Instant)>; Retried::COUNT]>,
     /// A retry of the reconciler's is out for the task ([`Slot::begin_retry`]).
     retrying: Arc<AtomicBool>,
 }
@@ -182,9 +182,24 @@ impl Drop for RetryOut {
     }
 }
 
-/// How often one task's release that keeps failing the same way is logged as a warning (it is
-/// retried every second).
-const RELEASE_WARN_EVERY: std::time::Duration = std::time::Duration::from_secs(600);
+/// How often one task's side effect that keeps failing the same way is logged as a warning
+/// (it is retried every second).
+const WARN_EVERY: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// What a task retries every second while it fails ([`Slot::failed_loudly`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Retried {
+    /// Its resources' release.
+    Release,
+    /// Its state file's write.
+    Write,
+    /// Its container's stop, or a look at it.
+    Container,
+}
+
+impl Retried {
+    const COUNT: usize = 3;
+}
 
 impl Slot {
     fn with(task: Task, auth: Option<RegistryAuth>, stateless: bool) -> Self {
@@ -199,7 +214,7 @@ impl Slot {
             pulling: Pulling::new(auth),
             observed: Observed::default(),
             stepped: tokio::sync::Notify::new(),
-            release_warned: Mutex::new(None),
+            warned: Mutex::new([None, None, None]),
             retrying: Arc::new(AtomicBool::new(false)),
         }
     }
@@ -210,22 +225,22 @@ impl Slot {
         (!self.retrying.swap(true, Ordering::SeqCst)).then(|| RetryOut(self.retrying.clone()))
     }
 
-    /// Whether a failed release with `errors` is worth a warning: the first failure, one whose
-    /// errors differ from the last warned, or the same again after [`RELEASE_WARN_EVERY`]. The
-    /// retries every second in between are logged at debug, so a release that keeps failing
-    /// (an unmount kept busy over a weekend) does not fill the log.
-    pub(crate) fn release_failed_loudly(&self, errors: &str) -> bool {
+    /// Whether a failure of `what` with `errors` is worth a warning: the first, one whose
+    /// errors differ from the last warned, or the same again after [`WARN_EVERY`]. The retries
+    /// every second in between are logged at debug, so a failure that lasts (an unmount kept
+    /// busy over a weekend, a home remounted read-only, Docker down) does not fill the log.
+    pub(crate) fn failed_loudly(&self, what: Retried, errors: &str) -> bool {
         let now = tokio::time::Instant::now();
-        let mut warned = self
-            .release_warned
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let loud = match &*warned {
-            Some((last, at)) => last != errors || now.duration_since(*at) >= RELEASE_WARN_EVERY,
+        let mut warned = self.warned.lock().unwrap_or_else(|p| p.into_inner());
+        let last = &mut warned[what as usize];
+        let loud = match &*last {
+            Some((errors_then, at)) => {
+                errors_then != errors || now.duration_since(*at) >= WARN_EVERY
+            }
             None => true,
         };
         if loud {
-            *warned = Some((errors.to_owned(), now));
+            *last = Some((errors.to_owned(), now));
         }
         loud
     }
@@ -581,7 +596,11 @@ impl RecordKeeper {
             Ok(()) => (Event::Persisted, None),
             Err(e) => {
                 let message = chain(&e);
-                tracing::warn!(task = %slot.id, error = %message, "cannot write the task's state; retried by the reconciler");
+                if slot.failed_loudly(Retried::Write, &message) {
+                    tracing::warn!(task = %slot.id, error = %message, "cannot write the task's state; retried by the reconciler (the same failure is logged again in 10 minutes)");
+                } else {
+                    tracing::debug!(task = %slot.id, error = %message, "cannot write the task's state; retried by the reconciler");
+                }
                 let failure = EngineError::StateWrite {
                     id: slot.id.clone(),
                     source: Box::new(e),
@@ -642,10 +661,10 @@ fn describe(r: &Resources) -> String {
 mod tests {
     use super::*;
 
-    /// A release retried every second that keeps failing the same way warns once, then once
-    /// every ten minutes; a different failure warns at once.
+    /// A release (or a write, a stop) retried every second that keeps failing the same way
+    /// warns once, then once every ten minutes; a different failure warns at once.
     #[tokio::test(start_paused = true)]
-    async fn a_release_failing_the_same_way_warns_once_in_ten_minutes() {
+    async fn a_failure_retried_the_same_way_warns_once_in_ten_minutes() {
         let config = TaskConfig::new(
             TaskId::new("t1").unwrap(),
             shim_task::TaskName::new("job").unwrap(),
@@ -653,14 +672,18 @@ mod tests {
         );
         let slot = Slot::submitted(&config, 0);
         let busy = "volume \"data\": device busy";
-        assert!(slot.release_failed_loudly(busy));
+        assert!(slot.failed_loudly(Retried::Release, busy));
         for _ in 0..599 {
             tokio::time::advance(std::time::Duration::from_secs(1)).await;
-            assert!(!slot.release_failed_loudly(busy));
+            assert!(!slot.failed_loudly(Retried::Release, busy));
         }
-        assert!(slot.release_failed_loudly("volume \"data\": no such device"));
-        assert!(slot.release_failed_loudly(busy));
-        tokio::time::advance(RELEASE_WARN_EVERY).await;
-        assert!(slot.release_failed_loudly(busy));
+        assert!(slot.failed_loudly(Retried::Release, "volume \"data\": no such device"));
+        assert!(slot.failed_loudly(Retried::Release, busy));
+        tokio::time::advance(WARN_EVERY).await;
+        assert!(slot.failed_loudly(Retried::Release, busy));
+        // Each kind on its own: a write failing is told even while the release is quiet.
+        assert!(!slot.failed_loudly(Retried::Release, busy));
+        assert!(slot.failed_loudly(Retried::Write, "No space left on device"));
+        assert!(!slot.failed_loudly(Retried::Write, "No space left on device"));
     }
 }

@@ -32,7 +32,7 @@ use crate::home::Home;
 use crate::images::{ImageGc, Pass};
 use crate::labels::LABEL_TASK_ID;
 use crate::ownership::Ownership;
-use crate::records::{Recorder, Slot, Written};
+use crate::records::{Recorder, Retried, Slot, Written};
 use crate::spec::{SpecContext, container_spec};
 use crate::table::TaskTable;
 
@@ -275,7 +275,11 @@ impl Effects {
                     Ok(()) | Err(RuntimeError::NotFound { .. }) => Some(Event::ContainerStopped),
                     Err(e) => {
                         let message = chain(&e);
-                        tracing::warn!(task = %id, container = %cid, error = %message, "stop failed");
+                        if slot.failed_loudly(Retried::Container, &message) {
+                            tracing::warn!(task = %id, container = %cid, error = %message, "stop failed; retried (the same failure is logged again in 10 minutes)");
+                        } else {
+                            tracing::debug!(task = %id, container = %cid, error = %message, "stop failed; retried");
+                        }
                         Some(Event::StopFailed { message })
                     }
                 }
@@ -410,7 +414,14 @@ impl Effects {
                         continue;
                     }
                     checked = bytes;
-                    if let Err(mut e) = images.make_room(bytes).await {
+                    // A pass of its own, run to its end even when the pull ends first and this
+                    // watcher is dropped: cut in the middle of a removal, it would let go of
+                    // the removal lock while the engine still deletes the image.
+                    let pass = tokio::spawn({
+                        let images = images.clone();
+                        async move { images.make_room(bytes).await }
+                    });
+                    if let Ok(Err(mut e)) = pass.await {
                         e.removed += removed_before;
                         e.freed += freed_before;
                         *no_room.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
@@ -710,7 +721,7 @@ impl Effects {
         }
         if errors.is_empty() {
             tracing::info!(task = %id, "resources released");
-        } else if slot.release_failed_loudly(&errors.join("; ")) {
+        } else if slot.failed_loudly(Retried::Release, &errors.join("; ")) {
             tracing::warn!(task = %id, errors = ?errors, "release incomplete; will retry (the same failure is logged again in 10 minutes)");
         } else {
             tracing::debug!(task = %id, errors = ?errors, "release incomplete; will retry");

@@ -111,6 +111,31 @@ async fn gpus_go_as_cdi_devices_where_the_engine_and_a_spec_allow() {
     assert_scraped(&engine, "dstack_shim_gpu_device_mode{mode=\"legacy\"} 1");
 }
 
+// A daemon restarted as another version (Docker upgraded to one that applies CDI) is asked
+// again what it can do with GPUs once its event stream was lost: the next GPU task gets CDI
+// devices, not what the engine of the shim's start could do.
+#[tokio::test(start_paused = true)]
+async fn what_the_engine_does_with_gpus_is_asked_again_after_it_restarts() {
+    let w = World::new(1);
+    let specs = cdi_spec_dir(&w.host_gpus);
+    let docker = |version: &str, cdi: bool| {
+        let dirs = cdi.then(|| vec![specs.path().to_owned()]);
+        shim_runtime::GpuSupport::new(version, dirs, true)
+    };
+    w.runtime.set_gpu_support(docker("Docker 27.5.1", false));
+    let engine = w.engine().await;
+    run(&engine, config("before").with_gpus(1)).await;
+    assert_eq!(device_requests_of(&w, "before")[0].driver, "nvidia");
+    terminate_by_user(&engine, "before").await;
+    wait_released(&engine, "before").await;
+
+    w.runtime.set_gpu_support(docker("Docker 28.5.2", true));
+    w.runtime.break_event_streams();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    run(&engine, config("after").with_gpus(1)).await;
+    assert_eq!(device_requests_of(&w, "after")[0].driver, "cdi");
+}
+
 // Issue 36: a start the engine refuses for the container's devices (here Docker's words for a
 // CDI device no spec names) ends the task `creating_container_error` with the engine's
 // words, not `container_exited_with_error`; its GPUs are released.

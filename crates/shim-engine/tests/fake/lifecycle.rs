@@ -292,6 +292,28 @@ async fn a_hung_stop_holds_up_no_other_tasks_retry() {
     wait_released(&engine, "t1").await;
 }
 
+/// One task's release that hangs in a cycle (its exit found by a list: an unmount stuck on a
+/// dead device) holds up neither another task's end found by the same list nor the cycle: the
+/// cycle ends, the next ones run, and the release finishes once the unmount does.
+#[tokio::test(start_paused = true)]
+async fn a_release_that_hangs_in_a_cycle_holds_up_no_other_task() {
+    let (w, engine) = World::with_engine(0).await;
+    let held = run(&engine, config("t1").with_data_volume()).await;
+    let other = run(&engine, config("t2")).await;
+    w.volumes.hold_releases();
+    for info in [&held, &other] {
+        let cid = &info.container_id;
+        assert!(w.runtime.exit_without_event(cid, 0));
+    }
+    let cycle = tokio::time::timeout(Duration::from_secs(60), engine.reconcile_now());
+    assert!(cycle.await.expect("the cycle waited for a hung release"));
+    assert_reason(&info(&engine, "t2"), "done_by_runner");
+    assert_eq!(info(&engine, "t1").status, TaskStatus::Terminated);
+    assert!(engine.reconcile_now().await, "the next cycle runs");
+    w.volumes.let_releases_go();
+    wait_released(&engine, "t1").await;
+}
+
 // Issue 22, SPEC §4: terminate answers within `timeout` + its slack in every state, whatever
 // holds it up: a stop the daemon does not finish, a start in flight, a slow unmount. Each hold
 // is released only after the answer came; what was not done then finishes in the background

@@ -107,6 +107,29 @@ async fn a_stale_records_release_after_restart_never_frees_a_gpu_in_use() {
     let _ = w.restart(engine).await;
 }
 
+/// A release that hangs at start-up (a stuck unmount, a hung network home) finishes in the
+/// background: `open` returns within its wait, the API answers (another task is terminated),
+/// and the release completes once the unmount does.
+#[tokio::test(start_paused = true)]
+async fn a_release_that_hangs_at_start_up_does_not_keep_the_api_down() {
+    let (mut w, engine) = World::with_engine(0).await;
+    run(&engine, config("held").with_data_volume()).await;
+    run(&engine, config("other")).await;
+    w.volumes.hold_releases();
+    terminate_by_user(&engine, "held").await;
+    shut_down(engine).await;
+    let opening = tokio::time::timeout(Duration::from_secs(60), w.fresh_process());
+    let engine = opening.await.expect("open waited for a release that hangs");
+    assert_eq!(info(&engine, "held").status, TaskStatus::Terminated);
+    assert_reason(
+        &terminate_by_user(&engine, "other").await,
+        "terminated_by_user",
+    );
+    w.volumes.let_releases_go();
+    wait_released(&engine, "held").await;
+    let _ = w.restart(engine).await;
+}
+
 /// A state file as the upstream shim writes it (Go's `json.Marshal` of its state struct:
 /// `version`, `id`, `config` in `TaskConfig`'s field order, `termination_reason`,
 /// `termination_message`, `cleaned_up`; a slice the server did not send is `null`).
