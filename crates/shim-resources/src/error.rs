@@ -55,6 +55,14 @@ pub enum ResourcesError {
         /// The user looked up.
         user: String,
     },
+    /// The user's home directory does not exist (yet: a network home not mounted).
+    #[error("the home {} of user {user:?} does not exist", home.display())]
+    HomeMissing {
+        /// The user.
+        user: String,
+        /// The home the passwd database names.
+        home: std::path::PathBuf,
+    },
     /// The passwd lookup itself failed.
     #[error("cannot look up user {user:?}")]
     UserLookup {

@@ -186,7 +186,17 @@ struct Inner {
     /// the pool between them, not one each (a pool filled with them would stop every file
     /// write of the process).
     queue: KeyedLocks<String>,
+    /// When the manager was made, and how long after that a live task's user or home that is
+    /// not there fails its keys' removal (retried) instead of counting as nothing to remove.
+    started: std::time::Instant,
+    grace: std::time::Duration,
 }
+
+/// How long after the shim starts a user or home that is not there may still come: at boot a
+/// network home (NFS, `_netdev`) or a directory's users (sssd, LDAP) come after the network,
+/// which is all the shim's unit waits for. Until then the keys of a live task of that user
+/// cannot be taken out of a file not there yet, and are kept to be taken out later.
+pub const USER_GRACE: std::time::Duration = std::time::Duration::from_secs(10 * 60);
 
 impl std::fmt::Debug for AuthorizedKeysManager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -226,8 +236,20 @@ impl AuthorizedKeysManager {
                 state: Mutex::default(),
                 io: Mutex::default(),
                 queue: KeyedLocks::default(),
+                started: std::time::Instant::now(),
+                grace: USER_GRACE,
             }),
         }
+    }
+
+    /// This manager with `grace` instead of [`USER_GRACE`] (called before it is cloned; a
+    /// clone keeps the grace it was made with).
+    #[must_use]
+    pub fn with_user_grace(mut self, grace: std::time::Duration) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.grace = grace;
+        }
+        self
     }
 
     /// A manager using the system's passwd database.
@@ -348,8 +370,18 @@ impl AuthorizedKeysManager {
             };
             match sync_user(&*self.inner.users, u, &rewrite, false) {
                 Ok(()) => {}
-                Err(ResourcesError::UnknownUser { .. }) => {
-                    tracing::debug!(task = %task, user = %u, "no such user; no keys to remove");
+                // A live task's keys were written there (or restored as written): a user or
+                // home not there yet, soon after the start, fails the removal, retried.
+                Err(
+                    e @ (ResourcesError::UnknownUser { .. } | ResourcesError::HomeMissing { .. }),
+                ) if (removed_live.is_some() || removed_unknown.is_some())
+                    && self.inner.started.elapsed() < self.inner.grace =>
+                {
+                    tracing::debug!(task = %task, user = %u, error = %e, "the user's keys cannot be removed yet (their home or account is not there yet); retried");
+                    first_err.get_or_insert(e);
+                }
+                Err(ResourcesError::UnknownUser { .. } | ResourcesError::HomeMissing { .. }) => {
+                    tracing::debug!(task = %task, user = %u, "no such user or home; no keys to remove");
                 }
                 Err(e) => {
                     tracing::warn!(task = %task, user = %u, error = %error_chain(&e), "cannot remove host SSH keys");
@@ -582,14 +614,20 @@ fn remove_interrupted_writes(ssh: &Dir) {
 
 /// Applies `rewrite` to `user`'s file, relative to a handle of `~/.ssh` opened without
 /// following links. With `create`, a missing `~/.ssh` and file are created; without, a missing
-/// home, `~/.ssh` or file means there is nothing to do.
+/// `~/.ssh` or file means there is nothing to do, and a missing home is
+/// [`ResourcesError::HomeMissing`].
 fn sync_user(users: &dyn UserDb, user: &str, rewrite: &Rewrite<'_>, create: bool) -> Result<()> {
     let entry = users.lookup(user)?;
     let owner = Owner::new(entry.uid, entry.gid);
     // The home comes from the passwd database: a trusted path, opened following links.
     let home = match Dir::open(&entry.home) {
         Ok(d) => d,
-        Err(e) if !create && e.is_not_found() => return Ok(()),
+        Err(e) if !create && e.is_not_found() => {
+            return Err(ResourcesError::HomeMissing {
+                user: user.to_owned(),
+                home: entry.home,
+            });
+        }
         Err(e) => return Err(e.into()),
     };
     let ssh = home.open_dir(SSH_DIR)?;

@@ -358,6 +358,48 @@ async fn unknown_or_invalid_user_is_an_error_and_registers_nothing() {
     assert!(!h.home.join(".ssh").exists(), "removal creates nothing");
 }
 
+/// At boot a network home, or a directory's users, may come after the shim. Within
+/// `USER_GRACE` of its start, removing the keys of a live task (here restored at a restart)
+/// whose home or user is not there yet fails, to be retried, and takes them out once the home
+/// is there; past the grace, as for a task never live (above), there is nothing to remove.
+#[tokio::test]
+async fn a_live_tasks_keys_wait_for_a_home_or_user_not_there_yet() {
+    let h = Home::new();
+    add(&h.manager, "a", "alice", &[K1]).await;
+    let unmounted = h.beside("alice-not-mounted");
+    fs_err::rename(&h.home, &unmounted).unwrap();
+    for grace in [None, Some(std::time::Duration::ZERO)] {
+        let m = match grace {
+            None => h.restarted(),
+            Some(g) => h.restarted().with_user_grace(g),
+        };
+        restore(&m, "a", "alice", &[K1]);
+        restore(&m, "m", "mallory", &[K2]);
+        let home = m.remove(&task("a"), "alice", &keys(&[K1])).await;
+        let user = m.remove(&task("m"), "mallory", &keys(&[K2])).await;
+        match grace {
+            None => {
+                assert!(
+                    matches!(home, Err(ResourcesError::HomeMissing { .. })),
+                    "{home:?}"
+                );
+                assert!(
+                    matches!(user, Err(ResourcesError::UnknownUser { .. })),
+                    "{user:?}"
+                );
+                fs_err::rename(&unmounted, &h.home).unwrap();
+                remove(&m, "a", "alice", &[K1]).await;
+                assert!(
+                    !h.read().contains(&mark(K1)),
+                    "taken out once the home is there"
+                );
+                fs_err::rename(&h.home, &unmounted).unwrap();
+            }
+            Some(_) => assert!(home.is_ok() && user.is_ok(), "{home:?} {user:?}"),
+        }
+    }
+}
+
 #[tokio::test]
 async fn any_name_the_passwd_database_knows_is_accepted() {
     // upstream: runner/internal/shim/authorized_keys.go looks any name up with user.Lookup;
