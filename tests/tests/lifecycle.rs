@@ -728,7 +728,7 @@ fn big_config() -> Vec<u8> {
 /// accepted (200), skipped at start and logged, and never written (the valid key is); a
 /// `gcp` volume without `device_name` and a backend this shim cannot attach are accepted and
 /// end the task at start with `executor_error` naming the volume (a 400 would make the server
-/// retry for ten minutes). The probes of `bad_input_is_refused_and_changes_nothing` still
+/// retry for ten minutes); an image name with whitespace ends it with the pull's error. The probes of `bad_input_is_refused_and_changes_nothing` still
 /// refuse.
 ///
 /// upstream: runner/internal/shim/docker.go (Run: host keys appended without checks;
@@ -781,6 +781,15 @@ fn what_upstream_accepts_is_accepted_and_ends_as_upstream_ends_it() {
         assert!(message.contains(volume), "names the volume: {message:?}");
         shim.remove_retrying(id);
     }
+
+    // An image name with a stray space (pasted from a web page) is the engine's to refuse,
+    // as upstream leaves it: the task ends with the pull's error.
+    let mut spaced = server_task("spaced-1", 0);
+    spaced["image_name"] = json!(format!("{} ", spaced["image_name"].as_str().unwrap()));
+    assert_eq!(shim.submit(&spaced).ok(), pending_info(&spaced));
+    let ended = shim.wait_status("spaced-1", "terminated");
+    assert_has!(ended, {"termination_reason": "creating_container_error"});
+    shim.remove_retrying("spaced-1");
 
     shim.finish("keys-1");
     assert_eq!(user.lines(), [own]);

@@ -303,9 +303,6 @@ impl TaskConfig {
         if self.image_name.trim().is_empty() {
             return Err(err("image_name", "must not be empty"));
         }
-        if self.image_name.contains(char::is_whitespace) {
-            return Err(err("image_name", "must not contain whitespace"));
-        }
         if self.gpu < -1 {
             return Err(err("gpu", "must be -1 (all), 0 or a positive count"));
         }

@@ -582,6 +582,17 @@ fn an_exit_message_keeps_the_end_of_huge_lines() {
     assert!(message.starts_with("…é") && message.ends_with("é\nlast words"));
 }
 
+/// Control characters a container prints (a NUL, an escape sequence, a carriage return) are
+/// not stored: the dstack server's Postgres refuses a NUL, and its job would stay stuck. Line
+/// breaks and tabs stay.
+#[test]
+fn an_exit_message_carries_no_control_characters() {
+    let mut t = running();
+    t.go(seen(exited(1, &["a\0b", "\u{1b}[31mred\r", "tab\there"])));
+    let message = t.info().termination_message;
+    assert_eq!(message, "a\u{FFFD}b\n\u{FFFD}[31mred\u{FFFD}\ntab\there");
+}
+
 #[test]
 fn never_started_is_executor_error_saying_so() {
     let mut t = running();
