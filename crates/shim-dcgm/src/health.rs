@@ -221,6 +221,8 @@ struct Inner {
     /// Whether the watches were enabled (and initialised) through this host engine. Also
     /// serialises the dcgmi runs.
     enabled: Mutex<bool>,
+    /// The last health a check read, and when ([`DcgmHealth::instance_health_within`]).
+    last: std::sync::Mutex<Option<(Health, tokio::time::Instant)>>,
 }
 
 impl std::fmt::Debug for Inner {
@@ -231,6 +233,10 @@ impl std::fmt::Debug for Inner {
             .finish_non_exhaustive()
     }
 }
+
+/// How old the last health read may be to answer for a check that is late
+/// ([`DcgmHealth::instance_health_within`]).
+pub const LAST_HEALTH_MAX_AGE: Duration = Duration::from_secs(5 * 60);
 
 /// How long start-up keeps trying to enable the watches (the host engine needs a moment).
 const ENABLE_ATTEMPTS: u32 = 30;
@@ -309,6 +315,7 @@ impl DcgmHealth {
                 host,
                 timeout,
                 enabled: Mutex::new(false),
+                last: std::sync::Mutex::new(None),
             }),
             enabler: std::sync::Mutex::new(None),
             hostengine: None,
@@ -344,11 +351,42 @@ impl DcgmHealth {
     /// logged) when the check fails.
     pub async fn instance_health(&self) -> InstanceHealth {
         match self.check().await {
-            Ok(health) => InstanceHealth { dcgm: Some(health) },
+            Ok(health) => {
+                let now = tokio::time::Instant::now();
+                *self.inner.last.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((health.clone(), now));
+                InstanceHealth { dcgm: Some(health) }
+            }
             Err(e) => {
                 tracing::error!(error = %error_chain(&e), "failed to get health from DCGM");
                 InstanceHealth::default()
             }
+        }
+    }
+
+    /// [`DcgmHealth::instance_health`] within `budget`: a check that takes longer (a host
+    /// engine that hangs with a wedged GPU, each `dcgmi` run killed only after its own
+    /// timeout) answers with the last health read, when it is at most [`LAST_HEALTH_MAX_AGE`]
+    /// old, else `{"dcgm": null}`. The dstack server gives the request 9 s, and an instance
+    /// whose health it cannot read counts as unreachable (terminated after 20 minutes).
+    pub async fn instance_health_within(&self, budget: Duration) -> InstanceHealth {
+        if let Ok(health) = tokio::time::timeout(budget, self.instance_health()).await {
+            return health;
+        }
+        let last = self
+            .inner
+            .last
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let fresh = last.filter(|(_, at)| at.elapsed() <= LAST_HEALTH_MAX_AGE);
+        tracing::warn!(
+            ?budget,
+            answered_last = fresh.is_some(),
+            "DCGM's health check is late; answering the last one read, if recent"
+        );
+        InstanceHealth {
+            dcgm: fresh.map(|(health, _)| health),
         }
     }
 

@@ -15,10 +15,11 @@ use shim_util::SystemCommandRunner;
 
 /// A fake `dcgmi health`: logs each call's arguments to `calls`; `-s a` creates `enabled`;
 /// `-c -j` prints `report.json` if `enabled` exists (else dcgmi's "not enabled" error), or
-/// dcgmi's connection error if `down` exists.
+/// dcgmi's connection error if `down` exists; hangs while `hung` exists.
 fn fake_dcgmi(dir: &Path, report: &str) -> PathBuf {
     fs_err::write(dir.join("report.json"), testdata(report)).unwrap();
     let body = r#"echo "$*" >> $D/calls
+while [ -f $D/hung ]; do sleep 0.1; done
 if [ -f $D/down ]; then
   echo "Error: unable to establish a connection to the specified host: localhost"
   echo "Error: Unable to connect to host engine. Host engine connection invalid/disconnected."
@@ -70,6 +71,23 @@ async fn a_healthy_host_through_dcgmi() {
     );
     let expected = "health -s a; health -c -j; health -c -j; health -c -j; ";
     assert_eq!(calls(dir.path()), expected);
+}
+
+/// A check late by its budget (a host engine that hangs with a wedged GPU, each dcgmi run
+/// killed only after its own 10 s) answers with the last health read, within the budget: the
+/// dstack server gives the request 9 s, and counts an instance it cannot read unreachable.
+#[tokio::test]
+async fn a_late_check_answers_with_the_last_health_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = health(fake_dcgmi(dir.path(), "dcgmi-health-incidents.json"), None);
+    let budget = Duration::from_secs(1);
+    let read = h.instance_health_within(budget).await;
+    assert_eq!(read.dcgm.as_ref().unwrap().overall_health, HEALTH_FAIL);
+    fs_err::write(dir.path().join("hung"), "").unwrap();
+    let asked = std::time::Instant::now();
+    assert_eq!(h.instance_health_within(budget).await, read);
+    assert!(asked.elapsed() < budget * 3, "{:?}", asked.elapsed());
+    fs_err::remove_file(dir.path().join("hung")).unwrap();
 }
 
 // upstream: runner/internal/shim/dcgm/wrapper_cgo_test.go (injected DBE + PCIe replays:

@@ -30,6 +30,10 @@ use shim_util::error_chain as chain;
 
 use crate::{ApiError, ChangeEvent, ChangeFeed, FeedError, InstanceInfo, Readiness, ShimApi};
 
+/// How long `GET /api/instance/health` waits for DCGM's check before it answers with the last
+/// one read: well within the dstack server's 9 s for the request.
+pub const INSTANCE_HEALTH_BUDGET: Duration = Duration::from_secs(5);
+
 /// The engine's part of a server's shutdown, the same for every agent that embeds it: the
 /// drain ([`EngineShutdown::drain`], given to [`ServerConfig::with_drain`](crate::ServerConfig::with_drain))
 /// runs what the agent must stop first, then shuts the engine down gracefully (start jobs in
@@ -274,13 +278,15 @@ impl ShimApi for EngineApi {
     }
 
     /// As upstream (`runner/internal/shim/api/handlers.go`, `InstanceHealthHandler`):
-    /// without DCGM, or when it fails, GPU health is unknown: `{"dcgm":null}`. Where the
+    /// without DCGM, or when it fails, GPU health is unknown: `{"dcgm":null}`; a DCGM check
+    /// late by [`INSTANCE_HEALTH_BUDGET`] answers with the last one read, if recent (the
+    /// server's 9 s would otherwise make the instance unreachable). Where the
     /// engine watches the GPUs' health (an NVIDIA host), also `"gpus"`: each GPU's id, index
     /// and the reasons it is kept from new tasks (`[]`: healthy), a field the dstack server
     /// ignores (its client reads answers with extra fields ignored).
     async fn instance_health(&self) -> serde_json::Value {
         let health = match self.dcgm.as_ref().and_then(|d| d.health.as_ref()) {
-            Some(h) => h.instance_health().await,
+            Some(h) => h.instance_health_within(INSTANCE_HEALTH_BUDGET).await,
             None => shim_dcgm::InstanceHealth::default(),
         };
         // Plain data: encoding cannot fail; were it to, the answer is still "unknown".
