@@ -397,6 +397,19 @@ async fn dev_shm_is_noexec_by_default_and_exec_with_shm_size() {
     inputs.shm_size = 128 << 20;
     let mut spec = build_container_spec(&inputs);
     spec.cmd = vec![SHM_SCRIPT.to_owned()];
+    // In the host's IPC namespace too (AMD and Gaudi tasks), where Podman refuses a ShmSize:
+    // the tmpfs carries the size on every engine.
+    let mut host_ipc = spec.clone();
+    host_ipc.name = format!("{run}-host-ipc");
+    host_ipc.ipc_mode = Some("host".to_owned());
+    let (_, logs) = run_to_exit(&docker, &host_ipc).await;
+    let line = shm_line(&logs);
+    assert!(
+        line.contains("size=131072k") && !line.contains("noexec"),
+        "{line}"
+    );
+    assert!(logs.iter().any(|l| l == "shm-exec-ok"), "{logs:?}");
+
     let (details, logs) = run_to_exit(&docker, &spec).await;
     assert_eq!(details.exit_code, Some(0), "{logs:?}");
     assert_eq!(details.shm_size, 128 << 20);
@@ -415,6 +428,20 @@ async fn dev_shm_is_noexec_by_default_and_exec_with_shm_size() {
     assert!(!line.contains("noexec"), "{line}");
     assert!(line.contains("size=131072k"), "{line}");
     assert!(logs.iter().any(|l| l == "shm-exec-ok"), "{logs:?}");
+}
+
+/// A task's container may start as many processes as the host allows, on every engine: Docker
+/// sets no limit (as under upstream's shim), Podman's default would be 2,048.
+#[tokio::test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+async fn a_container_has_no_process_limit() {
+    require_docker();
+    let (docker, run, guard) = setup("pids").await;
+    let script = "cat /sys/fs/cgroup/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids/pids.max";
+    let spec = shell_spec(&format!("{run}-pids"), &guard.labels(), script);
+    let (details, logs) = run_to_exit(&docker, &spec).await;
+    assert_eq!(details.exit_code, Some(0), "{logs:?}");
+    assert_eq!(logs.last().map(String::as_str), Some("max"), "{logs:?}");
 }
 
 const MOUNTS_SCRIPT: &str = "cat /tmp/runner/hello; \

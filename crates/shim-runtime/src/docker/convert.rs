@@ -176,7 +176,12 @@ pub(super) fn create_body(spec: &ContainerSpec) -> ContainerCreateBody {
         nano_cpus: (spec.nano_cpus > 0).then_some(spec.nano_cpus),
         memory: (spec.memory > 0).then_some(spec.memory),
         privileged: Some(spec.privileged),
-        shm_size: spec.shm_size,
+        // In the host's IPC namespace (AMD, Gaudi) Docker ignores the size and Podman refuses
+        // the create ("cannot set shmsize when running in the host IPC Namespace"): the
+        // `/dev/shm` tmpfs below carries it.
+        shm_size: spec
+            .shm_size
+            .filter(|_| spec.ipc_mode.as_deref() != Some("host")),
         tmpfs: (!spec.tmpfs.is_empty()).then(|| {
             spec.tmpfs
                 .iter()
@@ -615,6 +620,17 @@ mod tests {
         assert_eq!(b.host_ip.as_deref(), Some("127.0.0.1"));
         assert_eq!(b.host_port.as_deref(), Some(""));
         assert_eq!(body.exposed_ports.unwrap(), ["10999/tcp"]);
+
+        let host_ipc = create_body(&ContainerSpec {
+            ipc_mode: Some("host".to_owned()),
+            ..spec.clone()
+        });
+        let host_ipc = host_ipc.host_config.unwrap();
+        assert_eq!(
+            host_ipc.shm_size, None,
+            "Podman refuses a size in the host's IPC"
+        );
+        assert_eq!(host_ipc.tmpfs.unwrap()["/dev/shm"], "exec,size=1048576");
 
         let host_mode = create_body(&ContainerSpec {
             network: NetworkMode::Host,

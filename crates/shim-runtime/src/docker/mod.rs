@@ -114,8 +114,8 @@ impl Flavour {
     }
 
     /// What the engine can do with GPUs (see [`GpuSupport`]): Docker says where it reads CDI
-    /// specs in `/info` (nothing before 25, an empty list while CDI is off); Podman 5+ applies
-    /// CDI requests from its default spec dirs, Podman 4 none.
+    /// specs in `/info` (nothing before 25, an empty list while CDI is off); Podman 5.4+
+    /// applies CDI requests from its default spec dirs, earlier Podman none.
     async fn gpu_support(&self, docker: &Docker) -> Result<GpuSupport> {
         match self {
             Self::Podman { version } => {
@@ -143,14 +143,13 @@ impl Flavour {
     }
 }
 
-/// Whether Podman `version` applies CDI device requests through its Docker API (5.x does;
-/// 4.3 ignores every device request).
+/// Whether Podman `version` applies CDI device requests through its Docker API: from 5.4
+/// (its compat create reads `HostConfig.DeviceRequests` from then on); 4.x and 5.0 to 5.3
+/// ignore every device request, so a GPU task would run without its GPUs.
 pub(crate) fn podman_applies_cdi(version: &str) -> bool {
-    version
-        .split('.')
-        .next()
-        .and_then(|major| major.parse::<u32>().ok())
-        .is_some_and(|major| major >= 5)
+    let mut parts = version.split('.').map(|p| p.parse::<u32>().ok());
+    let (major, minor) = (parts.next().flatten(), parts.next().flatten());
+    major.zip(minor).is_some_and(|v| v >= (5, 4))
 }
 
 /// The first device request of `spec` that Podman `version`'s Docker API would ignore: all
@@ -720,7 +719,14 @@ impl ContainerRuntime for DockerRuntime {
             .name(&spec.name)
             .build();
         let mut body = create_body(spec);
-        if !podman {
+        if podman {
+            // Podman limits a container to 2,048 processes unless told otherwise (its
+            // `pids_limit` default); Docker, as upstream's shim runs there, to none. A task
+            // with many workers and threads (Ray, DataLoader workers) would fail to fork.
+            if let Some(host) = body.host_config.as_mut() {
+                host.pids_limit.get_or_insert(-1);
+            }
+        } else {
             self.shadow_exit_labels(&spec.image, &mut body).await;
         }
         let resp = match self.docker.create_container(Some(options), body).await {

@@ -499,8 +499,10 @@ async fn gpu_device_requests_are_sent_to_docker() {
     );
 }
 
-/// Which device requests each engine honours: Docker all; Podman 5 only CDI ones; Podman 4
-/// none. The engine is told by the version answer's components.
+/// Which device requests each engine honours: Docker all; Podman 5.4 and later only CDI ones;
+/// Podman 4 and 5.0 to 5.3 none (its Docker API reads `DeviceRequests` only from 5.4:
+/// "pkg/api: honor cdi devices from the hostconfig"). The engine is told by the version
+/// answer's components.
 #[test]
 fn which_device_requests_each_engine_honours() {
     let podman = |version: &str| Flavour::Podman {
@@ -518,6 +520,9 @@ fn which_device_requests_each_engine_honours() {
         (podman("4.3.1"), &nvidia, false),
         (podman("4.3.1"), &cdi, false),
         (podman("4.3.1"), &ContainerSpec::new("t8", "x:1"), true),
+        (podman("5.2.2"), &cdi, false),
+        (podman("5.3.2"), &cdi, false),
+        (podman("6.0.0"), &cdi, true),
     ] {
         assert_eq!(
             flavour.check_device_requests(spec).is_ok(),
