@@ -85,7 +85,8 @@ impl Drop for Shared {
     }
 }
 
-/// How long [`Engine::open`] waits for the restored tasks' side effects and its first cycle.
+/// How long [`Engine::open`] waits for the restored tasks' side effects (its first cycle's
+/// steps are bounded alike).
 const START_UP_EFFECTS_WAIT: Duration = Duration::from_secs(10);
 
 /// Reads the GPUs' interconnect (`nvidia-smi topo -m`) once, in the background, and gives it
@@ -125,7 +126,9 @@ impl Engine {
     /// every container whose runner directory lies in this home: [`crate::labels`]), runs the
     /// first reconcile cycle, subscribes to container events, then starts the background
     /// reconciler. When this returns the engine is ready to serve: containers that exited
-    /// while the shim was down have been processed.
+    /// while the shim was down have been processed. A side effect of that (a release, a stop)
+    /// is waited for at most 10 s per phase: one that hangs (a hung network home, a stuck
+    /// unmount) finishes in the background, the task shown as it is recorded meanwhile.
     pub async fn open(cfg: EngineConfig, deps: Deps) -> Result<Engine> {
         Engine::begin(deps.runtime.clone(), deps.clock)
             .open(cfg, deps)
@@ -292,42 +295,46 @@ impl Opening {
             }
             rest.push((slot, others));
         }
-        // Then everything else (the restored state's write, a stop, a release) and the first
-        // cycle, waited for at most START_UP_EFFECTS_WAIT: a release that hangs (a hung
-        // network home, a stuck unmount) finishes in the background instead of keeping the
-        // API down; the tasks are in the table already, and their steps take turns as usual.
-        let mut settling = tokio::spawn({
-            let (driver, reconciler) = (driver.clone(), reconciler.clone());
-            async move {
-                // A release was computed from the record before the GPUs were locked again:
-                // it frees only the GPUs its task still names, those it locked itself (a GPU
-                // another restored task locked first, a stale record's, is that task's).
-                for (slot, actions) in rest {
-                    let kept = slot.read(|t| t.record().resources.gpus.clone());
-                    let actions = actions
-                        .into_iter()
-                        .map(|a| match a {
-                            Action::Effect(Effect::Release(mut held)) => {
-                                held.gpus.retain(|g| kept.contains(g));
-                                Action::Effect(Effect::Release(held))
-                            }
-                            other => other,
-                        })
-                        .collect();
-                    if let Err(e) = driver.run_actions(&slot, actions).await {
-                        tracing::error!(task = %slot.id, error = %chain(&e), "restore actions failed; the reconciler retries");
+        // Then everything else (the restored state's write, a stop, a release), each task's
+        // in a job of its own, waited for at most START_UP_EFFECTS_WAIT: a release that hangs
+        // (a hung network home, a stuck unmount) finishes in the background, holding up
+        // neither another task's nor the API. A release was computed from the record before
+        // the GPUs were locked again: it frees only the GPUs its task still names, those it
+        // locked itself (a GPU another restored task locked first, a stale record's, is that
+        // task's).
+        let restoring: Vec<_> = rest
+            .into_iter()
+            .map(|(slot, actions)| {
+                let kept = slot.read(|t| t.record().resources.gpus.clone());
+                let actions: Vec<Action> = actions
+                    .into_iter()
+                    .map(|a| match a {
+                        Action::Effect(Effect::Release(mut held)) => {
+                            held.gpus.retain(|g| kept.contains(g));
+                            Action::Effect(Effect::Release(held))
+                        }
+                        other => other,
+                    })
+                    .collect();
+                let (driver, shutdown) = (driver.clone(), shutdown.clone());
+                tokio::spawn(async move {
+                    tokio::select! {
+                        () = shutdown.cancelled() => {}
+                        done = driver.run_actions(&slot, actions) => if let Err(e) = done {
+                            tracing::error!(task = %slot.id, error = %chain(&e), "restore actions failed; the reconciler retries");
+                        }
                     }
-                }
-                reconciler.first_cycle(listed, listed_at).await;
-            }
-        });
-        let settling = match tokio::time::timeout(START_UP_EFFECTS_WAIT, &mut settling).await {
-            Ok(_) => None,
-            Err(_) => {
-                tracing::warn!(wait = ?START_UP_EFFECTS_WAIT, "the restored tasks' side effects are not done (a release that hangs?); the API starts, they finish in the background");
-                Some(settling)
-            }
-        };
+                })
+            })
+            .collect();
+        let restored = futures_util::future::join_all(restoring);
+        if tokio::time::timeout(START_UP_EFFECTS_WAIT, restored)
+            .await
+            .is_err()
+        {
+            tracing::warn!(wait = ?START_UP_EFFECTS_WAIT, "a restored task's side effects are not done (a release that hangs?); they finish in the background");
+        }
+        reconciler.first_cycle(listed, listed_at).await;
         // Spare task directories for the first submits (in the background).
         driver.prepare_spares();
         let first = subscribing.await.unwrap_or_else(|e| {
@@ -335,7 +342,6 @@ impl Opening {
             None
         });
         let mut background = reconciler.spawn(first);
-        background.extend(settling);
         let (usage, locator) = Usage::spawn(
             table.clone(),
             runtime.clone(),

@@ -309,8 +309,12 @@ impl Reconciler {
             tracing::info!(task = %slot.id, observation = ?obs, "container observed");
             let this = Arc::clone(self);
             steps.push(tokio::spawn(async move {
-                if let Err(e) = this.parts.driver.drive(&slot, Event::Observed(obs)).await {
-                    tracing::error!(task = %slot.id, error = %chain(&e), "reconcile step failed");
+                let step = this.parts.driver.drive(&slot, Event::Observed(obs));
+                tokio::select! {
+                    () = this.parts.shutdown.cancelled() => return,
+                    done = step => if let Err(e) = done {
+                        tracing::error!(task = %slot.id, error = %chain(&e), "reconcile step failed");
+                    }
                 }
                 this.spawn_retry(&slot);
             }));
