@@ -330,7 +330,7 @@ impl AuthorizedKeysManager {
         // The holds are dropped before the rewrites (so the files no longer keep what they
         // covered) and put back if a rewrite fails, so that a retry, which may know neither
         // the user nor the keys, rewrites the same files.
-        let (removed_live, removed_unknown) = {
+        let (removed_live, removed_unknown, own) = {
             let mut st = self.inner.state();
             let removed_live = st.live.remove(task);
             if let Some((u, k)) = &removed_live {
@@ -338,8 +338,17 @@ impl AuthorizedKeysManager {
                 push(u.clone());
             }
             let removed_unknown = st.unknown.remove(task);
+            if let Some(Some(u)) = &removed_unknown {
+                push(u.clone());
+            }
+            // The users whose files hold the task's own lines (those a missing home may yet
+            // hide), not those rewritten only to prune a hold of unknown user.
+            let own: Vec<String> = std::iter::once(user.to_owned())
+                .chain(removed_live.as_ref().map(|(u, _)| u.clone()))
+                .chain(removed_unknown.clone().flatten())
+                .collect();
             match &removed_unknown {
-                Some(Some(u)) => push(u.clone()),
+                Some(Some(_)) => {}
                 // Its user is unknown too: the marked lines kept for it may be in the file of
                 // any user this manager knows; each is rewritten (and pruned unless another
                 // hold still covers it).
@@ -347,7 +356,7 @@ impl AuthorizedKeysManager {
                 None => {}
             }
             st.seen.extend(users.iter().cloned());
-            (removed_live, removed_unknown)
+            (removed_live, removed_unknown, own)
         };
         let mut first_err = None;
         for u in &users {
@@ -375,6 +384,7 @@ impl AuthorizedKeysManager {
                 Err(
                     e @ (ResourcesError::UnknownUser { .. } | ResourcesError::HomeMissing { .. }),
                 ) if (removed_live.is_some() || removed_unknown.is_some())
+                    && own.contains(u)
                     && self.inner.started.elapsed() < self.inner.grace =>
                 {
                     tracing::debug!(task = %task, user = %u, error = %e, "the user's keys cannot be removed yet (their home or account is not there yet); retried");
