@@ -341,7 +341,7 @@ impl Task {
         if self.record.status != TaskStatus::Terminated {
             self.record.status = TaskStatus::Terminated;
             self.record.termination_reason = Some(reason);
-            self.record.termination_message = message;
+            self.record.termination_message = without_nul(message);
         }
     }
 
@@ -362,5 +362,16 @@ impl Task {
             event,
             awaited: self.start_step,
         }
+    }
+}
+
+/// `message` without NUL characters (each becomes U+FFFD): a container's log, an image name
+/// or a terminate request may carry one, and the dstack server's Postgres refuses to store it
+/// (the job would stay stuck).
+pub(super) fn without_nul(message: String) -> String {
+    if message.contains('\0') {
+        message.replace('\0', "\u{FFFD}")
+    } else {
+        message
     }
 }

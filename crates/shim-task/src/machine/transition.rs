@@ -182,7 +182,7 @@ fn terminate_requested(
                 .is_some_and(|r| r.as_str().is_empty())
             {
                 t.record.termination_reason = Some(reason);
-                t.record.termination_message = message;
+                t.record.termination_message = super::task::without_nul(message);
             }
         }
         TaskStatus::Running => {
@@ -390,18 +390,6 @@ pub fn exit_message(code: i64, last_lines: &[String], oom_killed: bool) -> Strin
         Some(lines) if !lines.is_empty() => lines.join("\n"),
         _ => format!("container exited with code {code}"),
     };
-    // Control characters but line breaks and tabs are the container's to print and nobody's
-    // to store: a NUL is refused by the server's Postgres (its job would stay stuck).
-    if message.contains(|c: char| c.is_control() && c != '\n' && c != '\t') {
-        message = message
-            .chars()
-            .map(|c| match c {
-                '\n' | '\t' => c,
-                c if c.is_control() => '\u{FFFD}',
-                c => c,
-            })
-            .collect();
-    }
     if message.len() > EXIT_MESSAGE_MAX_BYTES {
         let mut cut = message.len() - EXIT_MESSAGE_MAX_BYTES;
         while !message.is_char_boundary(cut) {
