@@ -43,7 +43,7 @@ pub use error::{DcgmError, DcgmErrorKind};
 pub use exporter::DcgmExporter;
 pub use health::{
     DcgmHealth, HEALTH_FAIL, HEALTH_PASS, HEALTH_WARN, Health, HealthIncident, InstanceHealth,
-    parse_dcgmi_health,
+    LAST_HEALTH_MAX_AGE, parse_dcgmi_health,
 };
 pub use prom::{ParseError, Sample, UUID_LABELS, filter_metrics, parse_sample};
 

@@ -32,7 +32,7 @@ use crate::{ApiError, ChangeEvent, ChangeFeed, FeedError, InstanceInfo, Readines
 
 /// How long `GET /api/instance/health` waits for DCGM's check before it answers with the last
 /// one read: well within the dstack server's 9 s for the request.
-pub const INSTANCE_HEALTH_BUDGET: Duration = Duration::from_secs(5);
+pub(crate) const INSTANCE_HEALTH_BUDGET: Duration = Duration::from_secs(5);
 
 /// The engine's part of a server's shutdown, the same for every agent that embeds it: the
 /// drain ([`EngineShutdown::drain`], given to [`ServerConfig::with_drain`](crate::ServerConfig::with_drain))
@@ -279,7 +279,7 @@ impl ShimApi for EngineApi {
 
     /// As upstream (`runner/internal/shim/api/handlers.go`, `InstanceHealthHandler`):
     /// without DCGM, or when it fails, GPU health is unknown: `{"dcgm":null}`; a DCGM check
-    /// late by [`INSTANCE_HEALTH_BUDGET`] answers with the last one read, if recent (the
+    /// late by `INSTANCE_HEALTH_BUDGET` answers with the last one read, if recent (the
     /// server's 9 s would otherwise make the instance unreachable). Where the
     /// engine watches the GPUs' health (an NVIDIA host), also `"gpus"`: each GPU's id, index
     /// and the reasons it is kept from new tasks (`[]`: healthy), a field the dstack server

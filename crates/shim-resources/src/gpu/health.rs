@@ -541,8 +541,9 @@ pub struct XidLine {
 }
 
 /// Reads the XID of a kernel log line: `NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has
-/// fallen off the bus.` after any prefix (`/dev/kmsg`'s `3,1234,5678,-;`, `dmesg`'s
-/// `[12345.678901] `, `dmesg -x`'s `kern  :err   : `, a syslog header), with or without the
+/// fallen off the bus.` after the prefix of one of the formats it reads (the
+/// shim itself reads `/dev/kmsg`: `3,1234,5678,-;`; also `dmesg`'s `[12345.678901] `, `dmesg
+/// -x`'s `kern  :err   : `, a BSD syslog `… kernel: `), with or without the
 /// `PCI:` tag, with a MIG instance after the address (`(PCI:0000:01:00 GPU-I:05)`: the parent
 /// GPU's address counts). `None` for any other line.
 ///
