@@ -262,7 +262,7 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
             .tcp_fd()
             .try_clone_to_owned()
             .context("cannot duplicate the listening socket")?,
-        listeners.tcp_addr().port(),
+        listeners.tcp_addr(),
     );
     {
         let (handoff, shutdown, signalled) = (handoff.clone(), shutdown.clone(), signalled.clone());

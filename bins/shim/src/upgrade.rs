@@ -30,7 +30,7 @@
 
 use std::ffi::OsString;
 use std::io::{Read as _, Write as _};
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::os::fd::{AsRawFd as _, OwnedFd};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
@@ -270,12 +270,12 @@ fn roll_back(path: &Path, home: &Path, record: &RollbackRecord) {
 }
 
 /// What [`exec`] needs: the plan, the listening socket (a duplicate kept open across the
-/// server's end) and its port.
+/// server's end) and its address.
 #[derive(Debug)]
 pub struct Handover {
     plan: Plan,
     socket: OwnedFd,
-    port: u16,
+    addr: SocketAddr,
     watchdog: Option<anyhow::Result<Watchdog>>,
 }
 
@@ -294,7 +294,7 @@ impl Handover {
     /// Starts the watchdog now, so that it comes up while the engine stops; [`exec`] waits
     /// until it is ready.
     pub fn start_watchdog(&mut self) {
-        self.watchdog = Some(spawn_watchdog(&self.plan, self.port));
+        self.watchdog = Some(spawn_watchdog(&self.plan, self.addr));
     }
 
     /// Gives the upgrade up (a stop came during the hand-off: the process exits instead, and
@@ -327,14 +327,14 @@ fn own_args() -> (OsString, Vec<OsString>) {
     (argv0, args.collect())
 }
 
-fn spawn_watchdog(plan: &Plan, port: u16) -> anyhow::Result<Watchdog> {
+fn spawn_watchdog(plan: &Plan, addr: SocketAddr) -> anyhow::Result<Watchdog> {
     let timeout = std::env::var(ENV_TIMEOUT)
         .ok()
         .and_then(|s| s.trim().parse::<u64>().ok())
         .map_or(DEFAULT_TIMEOUT, Duration::from_secs);
     let spec = WatchSpec {
         parent: std::process::id(),
-        port,
+        addr,
         binary: plan.path.clone(),
         version: plan.version.clone(),
         sha256: plan.sha256.clone(),
@@ -374,7 +374,7 @@ fn spawn_watchdog(plan: &Plan, port: u16) -> anyhow::Result<Watchdog> {
 #[derive(Debug)]
 pub struct Handoff {
     state: Mutex<HandoffState>,
-    port: u16,
+    addr: SocketAddr,
 }
 
 #[derive(Debug)]
@@ -384,14 +384,15 @@ struct HandoffState {
 }
 
 impl Handoff {
-    /// Keeps `socket` (the API's, on `port`) for an upgrade.
-    pub fn new(socket: OwnedFd, port: u16) -> Arc<Self> {
+    /// Keeps `socket` (the API's, on `addr`: any loopback address an inherited socket may
+    /// have) for an upgrade.
+    pub fn new(socket: OwnedFd, addr: SocketAddr) -> Arc<Self> {
         Arc::new(Self {
             state: Mutex::new(HandoffState {
                 socket: Some(socket),
                 plan: None,
             }),
-            port,
+            addr,
         })
     }
 
@@ -422,7 +423,7 @@ impl Handoff {
         Some(Handover {
             plan: plan?,
             socket: socket?,
-            port: self.port,
+            addr: self.addr,
             watchdog: None,
         })
     }
@@ -470,8 +471,8 @@ pub fn shutdown_hook(
 pub(crate) trait HandoffOs {
     /// The identity of the file at `path` now.
     fn file_key(&self, path: &Path) -> anyhow::Result<FileKey>;
-    /// Starts the watchdog of an upgrade to `plan` (the API on `port`).
-    fn spawn_watchdog(&self, plan: &Plan, port: u16) -> anyhow::Result<Watchdog>;
+    /// Starts the watchdog of an upgrade to `plan` (the API on `addr`).
+    fn spawn_watchdog(&self, plan: &Plan, addr: SocketAddr) -> anyhow::Result<Watchdog>;
     /// Makes `socket` fd 3, inherited across `execve`.
     fn place_at_first_fd(&self, socket: &OwnedFd) -> anyhow::Result<()>;
     /// Replaces this process (`execve`); returns only when that fails.
@@ -490,8 +491,8 @@ impl HandoffOs for System {
         Ok(FileKey::at(path)?)
     }
 
-    fn spawn_watchdog(&self, plan: &Plan, port: u16) -> anyhow::Result<Watchdog> {
-        spawn_watchdog(plan, port)
+    fn spawn_watchdog(&self, plan: &Plan, addr: SocketAddr) -> anyhow::Result<Watchdog> {
+        spawn_watchdog(plan, addr)
     }
 
     fn place_at_first_fd(&self, socket: &OwnedFd) -> anyhow::Result<()> {
@@ -542,7 +543,7 @@ fn exec_with(
     let Handover {
         plan,
         socket,
-        port,
+        addr,
         watchdog,
     } = handover;
     // The file must still be the one checked (nothing installs while the server drains, but
@@ -557,7 +558,7 @@ fn exec_with(
     // new binary died at once), the new binary is not started unprotected: exit instead, as
     // upstream does.
     let watchdog = watchdog
-        .unwrap_or_else(|| os.spawn_watchdog(&plan, port))
+        .unwrap_or_else(|| os.spawn_watchdog(&plan, addr))
         .context("exiting instead of upgrading")?;
     let ready = watchdog.ready.recv_timeout(WATCHDOG_READY).unwrap_or(false);
     anyhow::ensure!(
@@ -687,8 +688,9 @@ fn watch_child(pid: i32) -> WatchdogGuard {
 struct WatchSpec {
     /// The PID being replaced (the watchdog's parent).
     parent: u32,
-    /// The API port on 127.0.0.1.
-    port: u16,
+    /// The API's address (a loopback address; an inherited socket's may be `[::1]` or any
+    /// of 127.0.0.0/8).
+    addr: SocketAddr,
     /// The new binary's path.
     binary: PathBuf,
     /// The version it must answer.
@@ -782,7 +784,7 @@ struct Failure {
 /// Polls the healthcheck until `spec.version` answers (`Ok`), the parent dies or the time
 /// is up ([`policy::watch`] judges each poll).
 fn watch(spec: &WatchSpec) -> Result<(), Failure> {
-    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, spec.port));
+    let addr = spec.addr;
     let timeout = Duration::from_millis(spec.timeout_ms);
     let deadline = Instant::now() + timeout;
     loop {
@@ -858,6 +860,37 @@ mod tests {
 
     use super::*;
 
+    /// The watchdog asks the address the API listens on, which an inherited socket may give
+    /// as any loopback address (`[::1]`, `127.0.0.2`), not `127.0.0.1`: a new shim answering
+    /// there was killed and rolled back.
+    #[test]
+    fn the_watchdog_asks_the_apis_own_address() {
+        use std::io::{Read as _, Write as _};
+        let listener = std::net::TcpListener::bind("[::1]:0")
+            .or_else(|_| std::net::TcpListener::bind("127.0.0.2:0"))
+            .unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                let mut request = [0u8; 1024];
+                let _ = stream.read(&mut request);
+                let body = r#"{"service":"dstack-shim","version":"0.22.5"}"#;
+                let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", body.len());
+                let _ = stream.write_all(format!("{head}{body}").as_bytes());
+            }
+        });
+        let spec = WatchSpec {
+            parent: std::os::unix::process::parent_id(),
+            addr,
+            binary: PathBuf::new(),
+            version: "0.22.5".into(),
+            sha256: String::new(),
+            timeout_ms: 10_000,
+        };
+        assert!(watch(&spec).is_ok(), "{addr} not asked");
+    }
+
     /// A recording operating system: what the hand-off asked of it, in order, and the
     /// command it would have executed.
     pub(crate) struct Recording {
@@ -902,7 +935,7 @@ mod tests {
             Ok(self.key)
         }
 
-        fn spawn_watchdog(&self, _plan: &Plan, _port: u16) -> anyhow::Result<Watchdog> {
+        fn spawn_watchdog(&self, _plan: &Plan, _addr: SocketAddr) -> anyhow::Result<Watchdog> {
             self.call("spawn_watchdog");
             let ready = self
                 .watchdog
@@ -959,7 +992,7 @@ mod tests {
                 takes_socket,
             },
             socket,
-            port: 10998,
+            addr: SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, 10998)),
             watchdog: None,
         }
     }

@@ -9,7 +9,7 @@ use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -543,6 +543,9 @@ struct Activity {
     in_flight: AtomicUsize,
     /// Cancelled to close the connection (evicted under the cap).
     close: CancellationToken,
+    /// A byte was ever received: a connection without one is fresh (its client's first
+    /// request may be on its way: through an SSH tunnel, one round trip after the accept).
+    received: AtomicBool,
 }
 
 impl Activity {
@@ -552,6 +555,7 @@ impl Activity {
             last_ms: AtomicU64::new(0),
             in_flight: AtomicUsize::new(0),
             close: CancellationToken::new(),
+            received: AtomicBool::new(false),
         };
         activity.touch();
         activity
@@ -609,6 +613,7 @@ impl<I: AsyncRead + Unpin> AsyncRead for Tracked<I> {
         let polled = Pin::new(&mut this.io).poll_read(cx, buf);
         if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
             this.activity.touch();
+            this.activity.received.store(true, Ordering::Release);
         }
         polled
     }
@@ -656,6 +661,12 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Tracked<I> {
 
 /// Serves one connection until it ends, is idle for too long, is evicted, or the server
 /// shuts down (gracefully: the request in progress finishes; forced: closed at once).
+/// How long a graceful shutdown leaves a connection that has received nothing yet for its
+/// first byte (see [`connection`]).
+const FRESH_CONNECTION_GRACE: Duration = Duration::from_secs(5);
+/// How often such a connection is looked at meanwhile.
+const FRESH_CONNECTION_POLL: Duration = Duration::from_millis(20);
+
 async fn connection<I>(
     io: I,
     activity: Arc<Activity>,
@@ -695,7 +706,18 @@ async fn connection<I>(
         .serve_connection(TokioIo::new(io), service);
     tokio::pin!(conn);
     let mut draining = false;
+    // A graceful shutdown came while the connection was fresh (nothing received yet): hyper
+    // would close it at once, and the request its client is sending would find it closed.
+    // It gets FRESH_CONNECTION_GRACE for its first byte, as Go's server gives a new
+    // connection 5 s before it counts as idle.
+    let mut fresh_until: Option<tokio::time::Instant> = None;
     loop {
+        if let Some(until) = fresh_until
+            && (activity.received.load(Ordering::Acquire) || tokio::time::Instant::now() >= until)
+        {
+            conn.as_mut().graceful_shutdown();
+            fresh_until = None;
+        }
         // While a request is in progress the connection is not idle: look again later.
         let idle_left = if activity.in_flight.load(Ordering::Acquire) > 0 {
             limits.idle_timeout
@@ -711,9 +733,14 @@ async fn connection<I>(
                 return;
             }
             () = shutdown.cancelled(), if !draining => {
-                conn.as_mut().graceful_shutdown();
                 draining = true;
+                if activity.received.load(Ordering::Acquire) {
+                    conn.as_mut().graceful_shutdown();
+                } else {
+                    fresh_until = Some(tokio::time::Instant::now() + FRESH_CONNECTION_GRACE);
+                }
             }
+            () = tokio::time::sleep(FRESH_CONNECTION_POLL), if fresh_until.is_some() => {}
             () = tokio::time::sleep(idle_left) => {
                 let idle = activity.in_flight.load(Ordering::Acquire) == 0
                     && activity.idle_for() >= limits.idle_timeout;
