@@ -578,25 +578,29 @@ pub fn parse_xid_line(line: &str) -> Option<XidLine> {
     })
 }
 
-/// The message of a kernel log line, after what comes before it: `/dev/kmsg`'s
-/// `prio,seq,usec,flags[,…];` (`None` unless the record is of the kernel's own facility: one
-/// user space wrote is not the driver's), `dmesg -r`'s `<3>`, `dmesg -x`'s `kern  :err   : `,
-/// a syslog `… kernel: `, then a `[…]` timestamp and a `[T123]` caller id.
-fn kernel_message(line: &str) -> Option<&str> {
-    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    if let Some((head, message)) = line.split_once(';') {
-        let fields: Vec<&str> = head.split(',').collect();
-        if let [prio, _, usec, _, ..] = fields.as_slice()
-            && digits(prio)
-            && digits(usec)
-        {
-            // The facility is `prio >> 3`; the kernel's is 0.
-            return (prio.parse::<u64>().ok()? < 8).then_some(message);
+fn all_digits(s: &str) -> bool {
+    !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// A `/dev/kmsg` record (`prio,seq,usec,flags[,…];message`): its priority, its sequence
+/// number (when it parses) and its message.
+fn kmsg_record(line: &str) -> Option<(u64, Option<u64>, &str)> {
+    let (head, message) = line.split_once(';')?;
+    let fields: Vec<&str> = head.split(',').collect();
+    match fields.as_slice() {
+        [prio, seq, usec, _, ..] if all_digits(prio) && all_digits(usec) => {
+            Some((prio.parse().ok()?, seq.parse().ok(), message))
         }
+        _ => None,
     }
+}
+
+/// A text log line after its header, trimmed: `dmesg -r`'s `<3>`, then `dmesg -x`'s
+/// `kern  :err   : ` or a BSD syslog `… kernel: `; what follows may be a `[…]` timestamp.
+fn after_text_header(line: &str) -> &str {
     let mut rest = line.trim_start();
     if let Some((level, after)) = rest.strip_prefix('<').and_then(|r| r.split_once('>'))
-        && digits(level)
+        && all_digits(level)
     {
         rest = after;
     }
@@ -613,12 +617,24 @@ fn kernel_message(line: &str) -> Option<&str> {
     } else if let Some((_, after)) = rest.split_once(" kernel: ") {
         rest = after;
     }
-    rest = rest.trim_start();
+    rest.trim_start()
+}
+
+/// The message of a kernel log line, after what comes before it: `/dev/kmsg`'s
+/// `prio,seq,usec,flags[,…];` (`None` unless the record is of the kernel's own facility: one
+/// user space wrote is not the driver's), `dmesg -r`'s `<3>`, `dmesg -x`'s `kern  :err   : `,
+/// a syslog `… kernel: `, then a `[…]` timestamp and a `[T123]` caller id.
+fn kernel_message(line: &str) -> Option<&str> {
+    if let Some((prio, _, message)) = kmsg_record(line) {
+        // The facility is `prio >> 3`; the kernel's is 0.
+        return (prio < 8).then_some(message);
+    }
+    let mut rest = after_text_header(line);
     if let Some((_, after)) = rest.strip_prefix('[').and_then(|r| r.split_once(']')) {
         rest = after.trim_start();
         if let Some((caller, after)) = rest.strip_prefix('[').and_then(|r| r.split_once(']'))
             && let Some(id) = caller.trim().strip_prefix(['T', 'C'])
-            && digits(id)
+            && all_digits(id)
         {
             rest = after.trim_start();
         }
@@ -639,36 +655,10 @@ enum Position {
 /// `dmesg` line whose first item is a `[seconds.fraction]` timestamp (after `dmesg -r`'s
 /// `<3>`, `dmesg -x`'s `kern  :err   : `, or a syslog `… kernel: `).
 fn position(line: &str) -> Option<Position> {
-    if let Some((head, _)) = line.split_once(';') {
-        let fields: Vec<&str> = head.split(',').collect();
-        let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-        if let [prio, seq, usec, _, ..] = fields.as_slice()
-            && digits(prio)
-            && digits(usec)
-        {
-            return seq.parse().ok().map(Position::Seq);
-        }
+    if let Some((_, seq, _)) = kmsg_record(line) {
+        return seq.map(Position::Seq);
     }
-    let mut rest = line.trim_start();
-    if let Some((level, after)) = rest.strip_prefix('<').and_then(|r| r.split_once('>'))
-        && level.bytes().all(|b| b.is_ascii_digit())
-    {
-        rest = after;
-    }
-    let word = |s: &str| {
-        let s = s.trim();
-        !s.is_empty() && s.bytes().all(|b| b.is_ascii_lowercase())
-    };
-    if let Some((facility, after)) = rest.split_once(':')
-        && word(facility)
-        && let Some((level, after)) = after.split_once(':')
-        && word(level)
-    {
-        rest = after;
-    } else if let Some((_, after)) = rest.split_once(" kernel: ") {
-        rest = after;
-    }
-    let (stamp, _) = rest.trim_start().strip_prefix('[')?.split_once(']')?;
+    let (stamp, _) = after_text_header(line).strip_prefix('[')?.split_once(']')?;
     let (seconds, fraction) = stamp.trim().split_once('.')?;
     if fraction.is_empty()
         || fraction.len() > 9
