@@ -773,7 +773,8 @@ async fn a_request_just_after_its_connection_and_a_graceful_shutdown_is_answered
     // Accepted: the listener takes connections in order, and a later one was answered.
     assert_eq!(s.get("/api/healthcheck").await.status, 200);
     s.shutdown.cancel();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The shutdown has reached the server (its listener is closed), and so the connection.
+    until_refused(s.addr).await;
     let request = b"GET /api/healthcheck HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
     fresh.write_all(request).await.unwrap();
     let answer = String::from_utf8_lossy(&until_closed(&mut fresh).await).into_owned();
