@@ -97,10 +97,7 @@ pub fn ci(skip_dev_env: bool) -> Result<()> {
             || main.store().to_owned(),
             |d| format!("{} ({d})", main.store()),
         ),
-        parts: Vec::new(),
-        seconds: 0.0,
-        note: String::new(),
-        gpu: String::new(),
+        ..Row::default()
     };
     let started = std::time::Instant::now();
     let result = timings.time("tests", || tests(&root, &mut main_row));
@@ -284,18 +281,15 @@ fn embed_example(root: &Path) -> Result<()> {
             .arg(&target)
             .args(["--", "-D", "warnings"]),
     )?;
-    cmd::run(
-        example("run")
-            .args(["--locked", "--target-dir"])
-            .arg(&target)
-            .env_remove(ENV_TEST_DOCKER),
-    )?;
-    cmd::run(
-        example("run")
-            .args(["--locked", "--target-dir"])
-            .arg(&target)
-            .env(ENV_TEST_DOCKER, "1"),
-    )
+    for docker in ["", "1"] {
+        cmd::run(
+            example("run")
+                .args(["--locked", "--target-dir"])
+                .arg(&target)
+                .env(ENV_TEST_DOCKER, docker),
+        )?;
+    }
+    Ok(())
 }
 
 /// Every test (Docker and root ones included) on the main engine; the row of the engine

@@ -142,10 +142,7 @@ pub fn run_engine(engine: &Engine, shim: &Path) -> Row {
         engine: engine.name.to_owned(),
         version: "-".to_owned(),
         store: engine.store().to_owned(),
-        parts: Vec::new(),
-        seconds: 0.0,
-        note: String::new(),
-        gpu: String::new(),
+        ..Row::default()
     };
     println!("\n=== conformance: {}", engine.name);
     match engine.start().and_then(|()| engine.load_test_image()) {

@@ -359,6 +359,11 @@ impl Engine {
         roots_dir().join("state").join(self.name)
     }
 
+    /// `main` for the main engine (the host's own paths), else the engine's `own`.
+    fn main_or(&self, main: impl Into<PathBuf>, own: impl FnOnce() -> PathBuf) -> PathBuf {
+        if self.is_main() { main.into() } else { own() }
+    }
+
     /// Its sockets, pid file and exec root. Short: Podman 4.3 refuses a run root (below this)
     /// of more than 50 characters.
     fn run_dir(&self) -> PathBuf {
@@ -371,20 +376,14 @@ impl Engine {
     /// restored machine snapshot) leaves no bundles for the next one to clean up before it
     /// answers.
     pub fn exec_root(&self) -> PathBuf {
-        if self.is_main() {
-            PathBuf::from("/var/run/docker")
-        } else {
-            self.run_dir().join("exec")
-        }
+        self.main_or("/var/run/docker", || self.run_dir().join("exec"))
     }
 
     /// The engine's API socket.
     pub fn socket(&self) -> PathBuf {
-        if self.is_main() {
-            PathBuf::from("/var/run/docker.sock")
-        } else {
+        self.main_or("/var/run/docker.sock", || {
             self.run_dir().join("engine.sock")
-        }
+        })
     }
 
     /// `DOCKER_HOST` for it.
@@ -393,11 +392,9 @@ impl Engine {
     }
 
     fn log(&self) -> PathBuf {
-        if self.is_main() {
-            main_log()
-        } else {
+        self.main_or(main_log(), || {
             paths::log_dir().join(format!("engine-{}.log", self.name))
-        }
+        })
     }
 
     /// The engine's program name (`/proc/<pid>/comm`).
@@ -861,7 +858,7 @@ fn terminate(pids: &[u32]) {
 }
 
 /// One row of the engine table.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Row {
     /// The engine's name.
     pub engine: String,
@@ -1092,8 +1089,8 @@ mod tests {
             store: "classic".into(),
             parts: vec![("runtime".into(), 45, 0)],
             seconds: 1.0,
-            note: String::new(),
             gpu: "cdi (Docker 28.5.2 applies CDI)".into(),
+            ..Row::default()
         };
         assert!(table(std::slice::from_ref(&row)).contains("Docker 28.5.2 applies CDI"));
         assert!(row.passed());
