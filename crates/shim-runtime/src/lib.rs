@@ -124,7 +124,9 @@ pub trait ContainerRuntime: Send + Sync {
     async fn delete_image(&self, image: &str) -> Result<()>;
 
     /// What the engine can do with GPUs, as it says itself: its name and version, whether and
-    /// from where it applies CDI specs, whether it applies NVIDIA device requests.
+    /// from where it applies CDI specs, whether it applies NVIDIA device requests. Asked of
+    /// the engine each time (the engine behind the socket may have been upgraded): callers
+    /// keep the answer as long as they trust it.
     async fn gpu_support(&self) -> Result<GpuSupport>;
 
     /// The directory the engine keeps its data in (Docker's `DockerRootDir`, Podman's graph

@@ -25,7 +25,7 @@ use bollard::query_parameters::{
 };
 use futures_util::StreamExt;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::spec::ContainerSpec;
 use crate::types::{
@@ -61,10 +61,12 @@ pub use transport::{POOL_IDLE_TIMEOUT, POOL_MAX_IDLE};
 #[derive(Debug, Clone)]
 pub struct DockerRuntime {
     docker: Docker,
-    /// The engine behind the socket, read once (`GET /version`): at [`DockerRuntime::connect`],
+    /// The engine behind the socket (`GET /version`): read at [`DockerRuntime::connect`],
     /// or for a runtime made by [`DockerRuntime::unconnected`], by
-    /// [`DockerRuntime::identify`] or the first request that needs it.
-    flavour: Arc<tokio::sync::OnceCell<Flavour>>,
+    /// [`DockerRuntime::identify`] or the first request that needs it; read again by every
+    /// [`ContainerRuntime::gpu_support`] (asked again after the event stream was lost: the
+    /// daemon may have come back another version).
+    flavour: Arc<std::sync::Mutex<Option<Arc<Flavour>>>>,
     /// Per image name (as the shim names it), the exit-code attributes its labels would
     /// overwrite in a `die` event ([`convert::shadowed_exit_labels`]): learnt from every image
     /// inspect, looked at by a create on Docker.
@@ -301,20 +303,40 @@ impl DockerRuntime {
         self.flavour().await.map(|_| ())
     }
 
-    /// The engine behind the socket, read at the first call.
-    async fn flavour(&self) -> Result<&Flavour> {
-        self.flavour
-            .get_or_try_init(|| async {
-                let answer = self
-                    .docker
-                    .version()
-                    .await
-                    .map_err(|e| translate("version", "docker daemon".to_owned(), e))?;
-                let flavour = Flavour::of(&answer);
-                debug!(?flavour, api = ?answer.api_version, "connected to the engine");
-                Ok(flavour)
-            })
+    /// The engine behind the socket, as last read (read now if never).
+    async fn flavour(&self) -> Result<Arc<Flavour>> {
+        let known = self
+            .flavour
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        match known {
+            Some(flavour) => Ok(flavour),
+            None => self.read_flavour().await,
+        }
+    }
+
+    /// Reads which engine answers now (one `GET /version`), and keeps it.
+    async fn read_flavour(&self) -> Result<Arc<Flavour>> {
+        let answer = self
+            .docker
+            .version()
             .await
+            .map_err(|e| translate("version", "docker daemon".to_owned(), e))?;
+        let flavour = Arc::new(Flavour::of(&answer));
+        let before = self
+            .flavour
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .replace(flavour.clone());
+        match before {
+            Some(before) if before != flavour => {
+                info!(?before, now = ?flavour, "the engine behind the socket changed");
+            }
+            Some(_) => {}
+            None => debug!(?flavour, api = ?answer.api_version, "connected to the engine"),
+        }
+        Ok(flavour)
     }
 
     /// Connects to `host` (`unix:///path`, `tcp://…`, as in `DOCKER_HOST`) and reads which
@@ -643,7 +665,7 @@ impl ContainerRuntime for DockerRuntime {
     }
 
     async fn gpu_support(&self) -> Result<GpuSupport> {
-        self.flavour().await?.gpu_support(&self.docker).await
+        self.read_flavour().await?.gpu_support(&self.docker).await
     }
 
     async fn data_root(&self) -> Result<Option<std::path::PathBuf>> {
@@ -711,7 +733,7 @@ impl ContainerRuntime for DockerRuntime {
         flavour.check_device_requests(spec)?;
         // Podman would make a directory at a missing source: looked at first. Docker refuses
         // such a create: looked at only when a create was refused.
-        let podman = matches!(flavour, Flavour::Podman { .. });
+        let podman = matches!(*flavour, Flavour::Podman { .. });
         if podman {
             check_bind_sources(spec).await?;
         }
@@ -885,7 +907,7 @@ impl ContainerRuntime for DockerRuntime {
         // Only `type=container` and `type=image` are asked of the engine (and of Docker, the
         // events kept by their names), from a little before `since_ns`; labels, event names
         // and the instant are checked here (see `event_filters` and `since_param`).
-        let by_name = matches!(self.flavour().await?, Flavour::Docker);
+        let by_name = matches!(*self.flavour().await?, Flavour::Docker);
         let options = EventsOptionsBuilder::new()
             .since(&since_param(since_ns))
             .filters(&event_filters(by_name))

@@ -45,6 +45,8 @@ type Request = (String, String);
 struct Engine {
     socket: PathBuf,
     requests: Arc<Mutex<Vec<Request>>>,
+    /// What `/version` answers.
+    version: Arc<Mutex<&'static str>>,
     _dir: tempfile::TempDir,
 }
 
@@ -57,22 +59,29 @@ impl Engine {
         let listener = UnixListener::bind(&socket).unwrap();
         let requests = Arc::new(Mutex::new(Vec::new()));
         let script: Arc<dyn Script> = Arc::new(script);
-        let seen = requests.clone();
+        let (seen, version) = (requests.clone(), Arc::new(Mutex::new(version)));
+        let answered = version.clone();
         std::thread::spawn(move || {
             for conn in listener.incoming() {
                 let Ok(conn) = conn else { return };
-                let (script, seen) = (script.clone(), seen.clone());
+                let (script, seen, version) = (script.clone(), seen.clone(), answered.clone());
                 std::thread::spawn(move || {
                     // An error ends this connection only.
-                    let _ = serve(conn, version, &*script, &seen);
+                    let _ = serve(conn, &version, &*script, &seen);
                 });
             }
         });
         Self {
             socket,
             requests,
+            version,
             _dir: dir,
         }
+    }
+
+    /// The engine is upgraded: `/version` answers `version` from now on.
+    fn set_version(&self, version: &'static str) {
+        *self.version.lock().unwrap() = version;
     }
 
     /// An engine as [`Engine::start`] starts it, and a runtime connected to it.
@@ -154,7 +163,7 @@ fn creating() -> impl Script {
 
 fn serve(
     conn: UnixStream,
-    version: &str,
+    version: &Mutex<&'static str>,
     script: &dyn Script,
     seen: &Mutex<Vec<Request>>,
 ) -> std::io::Result<()> {
@@ -193,7 +202,7 @@ fn serve(
     ));
     let path = target.split('?').next().unwrap_or_default();
     let (status, body) = match path {
-        "/version" => (200, version.to_owned()),
+        "/version" => (200, (*version.lock().unwrap()).to_owned()),
         "/_ping" => (200, "OK".to_owned()),
         _ => script(&method, &target)
             .unwrap_or_else(|| (404, r#"{"message":"no such route"}"#.to_owned())),
@@ -301,8 +310,8 @@ async fn connecting_makes_one_version_request() {
 }
 
 /// An unconnected runtime sends nothing until asked: a list goes out before the engine is
-/// identified, `/version` is read once (by `identify`, not again by a create that needs the
-/// engine's flavour).
+/// identified, `/version` is read once by `identify` (not again by a second `identify` or a
+/// create that needs the engine's flavour; a GPU support question reads it again).
 #[tokio::test]
 async fn an_unconnected_runtime_lists_before_it_identifies_the_engine() {
     let fixture = fixture!("list-podman-4.3.json");
@@ -314,7 +323,9 @@ async fn an_unconnected_runtime_lists_before_it_identifies_the_engine() {
     runtime.identify().await.unwrap();
     runtime.identify().await.unwrap();
     // This engine answers nothing else; what matters is that no second `/version` goes out.
-    let _ = runtime.gpu_support().await;
+    let _ = runtime
+        .create(&ContainerSpec::new("t1-0-aaaa", "shim-test:1"))
+        .await;
     let requests = engine.requests();
     assert!(
         requests[0].starts_with("GET /containers/json?"),
@@ -479,6 +490,30 @@ async fn gpu_device_requests_are_refused_on_podman() {
     let body = engine.body("/containers/create");
     assert_eq!(body["HostConfig"]["Devices"][0]["PathOnHost"], "/dev/kfd");
     assert!(body["HostConfig"]["DeviceRequests"].is_null(), "{body}");
+}
+
+/// The engine upgraded under a running shim (Podman 5.3 to 5.4, its service restarted): what
+/// it can do with GPUs is read from the engine again (the shim's engine asks again after its
+/// event stream was lost), and a CDI create that 5.3 would have ignored goes to 5.4.
+#[tokio::test]
+async fn gpu_support_reads_the_engine_again() {
+    let podman_5_3 = VERSION_PODMAN_5_4.replace("5.4.2", "5.3.1").leak();
+    let (engine, runtime) = Engine::connect(podman_5_3, creating()).await;
+    let support = runtime.gpu_support().await.unwrap();
+    assert_eq!(support.engine, "Podman 5.3.1");
+    assert_eq!(support.cdi_spec_dirs, None);
+    let cdi = spec_requesting("t6-0-ffff", "cdi", &["nvidia.com/gpu=0"], &[]);
+    let e = runtime.create(&cdi).await.unwrap_err();
+    assert_matches!(e, RuntimeError::DeviceRequestsIgnored { engine, .. } if engine == "Podman 5.3.1");
+    engine.set_version(VERSION_PODMAN_5_4);
+    let support = runtime.gpu_support().await.unwrap();
+    assert_eq!(support.engine, "Podman 5.4.2");
+    assert!(support.cdi_spec_dirs.is_some(), "{support:?}");
+    assert_eq!(runtime.create(&cdi).await.unwrap(), "c0ffee");
+    assert_eq!(
+        engine.body("/containers/create")["HostConfig"]["DeviceRequests"][0]["Driver"],
+        "cdi"
+    );
 }
 
 /// On Docker the same create goes to the engine, with its device request.
