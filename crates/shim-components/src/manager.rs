@@ -262,7 +262,11 @@ impl Components {
     /// path, is touched. What cannot be read or removed is logged. Returns how many were
     /// removed. Blocking: the binary calls it at start-up, before any install.
     pub fn remove_interrupted_downloads(&self) -> usize {
-        let old_enough = self.inner.config.download_timeout + Duration::from_secs(60);
+        let old_enough = self
+            .inner
+            .config
+            .download_timeout
+            .saturating_add(Duration::from_secs(60));
         let mut removed = 0;
         for slot in [&self.inner.runner, &self.inner.shim] {
             let (Some(dir), Some(name)) = (slot.path.parent(), slot.path.file_name()) else {
@@ -307,7 +311,11 @@ impl Components {
     /// later finds the temp file too young for its start-up sweep (it may be another shim's
     /// download in progress), so a later sweep removes it once it has aged.
     pub async fn sweep_interrupted_downloads(&self, stop: CancellationToken) {
-        let every = self.inner.config.download_timeout + Duration::from_secs(60);
+        let every = self
+            .inner
+            .config
+            .download_timeout
+            .saturating_add(Duration::from_secs(60));
         loop {
             tokio::select! {
                 () = stop.cancelled() => return,

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use shim_runtime::LogLimits;
+use shim_task::ConfigError;
 
 use crate::gpus::GpuDeviceMode;
 
@@ -168,6 +169,34 @@ impl EngineConfig {
             gpu_device_mode: GpuDeviceMode::Auto,
             gpu_health_interval: Self::DEFAULT_GPU_HEALTH_INTERVAL,
         }
+    }
+}
+
+impl EngineConfig {
+    /// The longest period of the engine's timers ([`Self::reconcile_interval`],
+    /// [`Self::gpu_health_interval`]): a day.
+    pub const MAX_PERIOD: Duration = Duration::from_secs(86_400);
+
+    /// Checks what [`crate::Engine::open`] cannot run with: a period of the engine's timers
+    /// that is zero or longer than [`Self::MAX_PERIOD`] (tokio's interval panics on a zero
+    /// period, and on one that takes an `Instant` past the clock's range: the reconciler or the
+    /// GPU health watch would die after the engine opened, with nothing else to run them).
+    pub fn check(&self) -> Result<(), ConfigError> {
+        for (field, period) in [
+            ("reconcile_interval", self.reconcile_interval),
+            ("gpu_health_interval", self.gpu_health_interval),
+        ] {
+            if period.is_zero() || period > Self::MAX_PERIOD {
+                return Err(ConfigError {
+                    field: field.to_owned(),
+                    why: format!(
+                        "must be more than 0 and at most {} s, not {period:?}",
+                        Self::MAX_PERIOD.as_secs()
+                    ),
+                });
+            }
+        }
+        Ok(())
     }
 }
 

@@ -129,6 +129,7 @@ impl Engine {
     /// while the shim was down have been processed. A side effect of that (a release, a stop)
     /// is waited for at most 10 s per phase: one that hangs (a hung network home, a stuck
     /// unmount) finishes in the background, the task shown as it is recorded meanwhile.
+    /// A config [`EngineConfig::check`] refuses is [`EngineError::InvalidConfig`].
     pub async fn open(cfg: EngineConfig, deps: Deps) -> Result<Engine> {
         Engine::begin(deps.runtime.clone(), deps.clock)
             .open(cfg, deps)
@@ -193,6 +194,7 @@ impl Opening {
             listed_at,
             listing,
         } = self;
+        cfg.check()?;
         let deps = Deps {
             runtime: given,
             clock,

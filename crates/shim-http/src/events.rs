@@ -26,7 +26,8 @@ pub struct EventsConfig {
     /// At most this many event streams at once; more are answered 503.
     pub max_clients: usize,
     /// A comment line (`: keep-alive`) is sent this often, so proxies and clients see a live
-    /// connection; also the period of the stalled-client check.
+    /// connection; also the period of the stalled-client check. Taken as 10 ms at least and
+    /// a day at most.
     pub keep_alive: Duration,
     /// At most about this many bytes of frames wait for one client; a client that lets more
     /// pile up is disconnected.
@@ -167,6 +168,8 @@ async fn forward(
     shutdown: CancellationToken,
     close: Option<CancellationToken>,
 ) {
+    // A zero period panics tokio's interval, one past the clock's range its `Instant`.
+    let keep_alive = keep_alive.clamp(Duration::from_millis(10), Duration::from_secs(86_400));
     let mut tick = tokio::time::interval_at(Instant::now() + keep_alive, keep_alive);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     // (taken, pushed) at the last keep-alive: frames that were already waiting then and of

@@ -183,7 +183,7 @@ pub struct ConnectionLimits {
     /// A request head (request line and headers) must be complete within this time of the
     /// server starting to wait for it: when the connection opens, and again after each answer.
     /// A client that trickles its headers is cut off. The connection is closed without an
-    /// answer.
+    /// answer. Taken as a day at most.
     pub header_read_timeout: Duration,
     /// A connection with no request in progress on which nothing has been received or sent for
     /// this long is closed: before its first request and between keep-alive requests.
@@ -701,7 +701,8 @@ async fn connection<I>(
         // Header names as Go writes them (`Content-Type`), not lowercase.
         .title_case_headers(true)
         .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
+        // hyper adds it to an `Instant`, which panics past the clock's range.
+        .header_read_timeout(limits.header_read_timeout.min(Duration::from_secs(86_400)))
         .max_header_size(limits.max_header_bytes)
         .serve_connection(TokioIo::new(io), service);
     tokio::pin!(conn);

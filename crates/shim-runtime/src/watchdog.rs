@@ -77,10 +77,14 @@ impl Watchdog {
     /// a longer one), with how long nothing moved; never where there is no limit.
     pub(crate) async fn stalled(&self, limit: Option<Duration>) -> Duration {
         match limit {
-            Some(limit) => {
-                tokio::time::sleep_until(self.moved + limit).await;
-                self.moved.elapsed()
-            }
+            // A limit past the clock's range is no limit.
+            Some(limit) => match self.moved.checked_add(limit) {
+                Some(deadline) => {
+                    tokio::time::sleep_until(deadline).await;
+                    self.moved.elapsed()
+                }
+                None => std::future::pending().await,
+            },
             None => std::future::pending().await,
         }
     }
@@ -234,6 +238,15 @@ mod tests {
         assert_eq!(stalled, limit);
         assert_eq!(seen, 3 + 16, "the repeats within the limit, 3.3 s to 7.8 s");
         assert_eq!(dog.elapsed(), Duration::from_secs(3 + 5));
+    }
+
+    /// A limit past the clock's range is no limit (the deadline's sum panicked the pull).
+    #[tokio::test(start_paused = true)]
+    async fn a_limit_past_the_clocks_range_never_fires() {
+        let dog = Watchdog::new(Some(Duration::MAX));
+        let year = Duration::from_secs(365 * 86_400);
+        let fired = tokio::time::timeout(year, dog.stalled(Some(Duration::MAX))).await;
+        assert!(fired.is_err(), "{fired:?}");
     }
 
     /// A gap longer than the limit is a stall even after many items.

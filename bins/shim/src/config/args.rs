@@ -117,7 +117,7 @@ pub struct Args {
     pub gpu_device_mode: Option<String>,
     /// How often the GPUs' health is probed on an NVIDIA host (`nvidia-smi -q` retired pages
     /// and row remapping, XIDs in the kernel log, DCGM where it runs; an unhealthy GPU is not
-    /// given to new tasks): a Go duration, or 0 for never [default: 30s]
+    /// given to new tasks): a Go duration up to 24h, or 0 for never [default: 30s]
     #[arg(long, value_name = "DURATION")]
     pub gpu_health_interval: Option<String>,
     /// XIDs that do not make a GPU unhealthy, beyond the application errors NVIDIA's device

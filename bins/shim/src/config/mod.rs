@@ -343,6 +343,10 @@ impl Config {
             &args.gpu_health_interval,
             Some(EngineConfig::DEFAULT_GPU_HEALTH_INTERVAL),
         )?;
+        // At most a day, for the reconcile interval's reason.
+        if gpu_health_interval.is_some_and(|every| every > EngineConfig::MAX_PERIOD) {
+            bail!("gpu-health-interval must be at most 24h (0 turns the probe off)");
+        }
         let xid_policy = shim_resources::gpu::XidPolicy::parse_skip_list(&l.string(
             "disable-gpu-healthchecks",
             &args.disable_gpu_healthchecks,
@@ -691,6 +695,10 @@ mod tests {
             let e = resolve(&["--reconcile-interval", interval], &[]).unwrap_err();
             assert!(e.to_string().contains("reconcile-interval"), "{e}");
         }
+        let e = resolve(&["--gpu-health-interval", "24h1s"], &[]).unwrap_err();
+        assert!(e.to_string().contains("gpu-health-interval"), "{e}");
+        let day = ok(&["--gpu-health-interval", "24h"], &[]).gpu_health_interval;
+        assert_eq!(day, Some(EngineConfig::MAX_PERIOD));
         let day = ok(&["--reconcile-interval", "86400"], &[]).engine;
         assert_eq!(day.reconcile_interval, Duration::from_secs(86_400));
         assert_eq!(ok(&[], &[("DSTACK_SHIM_HOME", "")]).shim_home, "");

@@ -84,6 +84,36 @@ async fn the_configured_log_limits_reach_the_containers_spec() {
 /// reconciler, the retry pass): they hold the parts they use, never the handle. Once they
 /// ended, nothing holds the engine's change feed, so a subscription ends with `Closed`, and no
 /// Docker request is made any more.
+// A period the engine's timers cannot run with (zero, or past the clock's range: tokio's
+// interval panics on both) is refused at open; taken, it killed the reconciler or the GPU
+// health watch after the engine had opened, with nothing else to run them.
+#[tokio::test(start_paused = true)]
+async fn a_timer_period_it_cannot_run_with_is_refused_at_open() {
+    let w = World::new(1);
+    for period in [
+        Duration::ZERO,
+        Duration::MAX,
+        EngineConfig::MAX_PERIOD + Duration::from_secs(1),
+    ] {
+        for set in [
+            (|c: &mut EngineConfig, p| c.reconcile_interval = p) as fn(&mut EngineConfig, Duration),
+            |c, p| c.gpu_health_interval = p,
+        ] {
+            let mut cfg = w.config();
+            set(&mut cfg, period);
+            let opened = Engine::open(cfg, w.deps()).await;
+            let invalid = matches!(opened, Err(shim_engine::EngineError::InvalidConfig(_)));
+            assert!(invalid, "{period:?}");
+        }
+    }
+    let mut cfg = w.config();
+    cfg.reconcile_interval = EngineConfig::MAX_PERIOD;
+    cfg.gpu_health_interval = EngineConfig::MAX_PERIOD;
+    let engine = Engine::open(cfg, w.deps()).await.unwrap();
+    engine.submit(config("t1")).await.unwrap();
+    wait_status(&engine, "t1", TaskStatus::Running).await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn dropping_the_last_engine_handle_stops_its_background_jobs() {
     let (w, engine) = World::with_engine(0).await;
