@@ -210,6 +210,8 @@ struct State {
     hold_subscriptions: bool,
     /// Stops answer only once released (the stop itself happens when released).
     hold_stops: bool,
+    /// Container removals answer only once released (the removal happens when released).
+    hold_removes: bool,
     /// Image removals answer only once released (the removal happens when released).
     hold_image_deletes: bool,
     /// A create fails, as Docker's does, when a bind mount's source does not exist on this
@@ -235,6 +237,7 @@ pub struct FakeRuntime {
     streams_broken: Arc<watch::Sender<u64>>,
     subscriptions_released: Arc<watch::Sender<u64>>,
     stops_released: Arc<watch::Sender<u64>>,
+    removes_released: Arc<watch::Sender<u64>>,
     image_deletes_released: Arc<watch::Sender<u64>>,
 }
 
@@ -292,6 +295,7 @@ impl FakeRuntime {
             streams_broken: Arc::new(watch::channel(0).0),
             subscriptions_released: Arc::new(watch::channel(0).0),
             stops_released: Arc::new(watch::channel(0).0),
+            removes_released: Arc::new(watch::channel(0).0),
             image_deletes_released: Arc::new(watch::channel(0).0),
         }
     }
@@ -589,6 +593,19 @@ impl FakeRuntime {
     pub fn release_stops(&self) {
         self.lock().hold_stops = false;
         self.stops_released.send_modify(|n| *n += 1);
+    }
+
+    /// Makes every following container removal wait, before it removes anything, until
+    /// [`FakeRuntime::release_removes`] (a force-remove kills first: a container stuck in the
+    /// kernel holds it up).
+    pub fn hold_removes(&self) {
+        self.lock().hold_removes = true;
+    }
+
+    /// Lets every held container removal proceed, and the following ones at once.
+    pub fn release_removes(&self) {
+        self.lock().hold_removes = false;
+        self.removes_released.send_modify(|n| *n += 1);
     }
 
     /// Makes every following image removal wait, before it removes anything, until
@@ -1265,7 +1282,14 @@ impl ContainerRuntime for FakeRuntime {
     }
 
     async fn remove(&self, id: &str) -> Result<()> {
-        let mut state = self.record(Call::Remove(id.to_owned()), id)?;
+        // Subscribed before the call is recorded (see `pull`).
+        let mut released = self.removes_released.subscribe();
+        released.mark_unchanged();
+        if self.record(Call::Remove(id.to_owned()), id)?.hold_removes {
+            // The sender lives as long as self: changed() cannot fail here.
+            let _ = released.changed().await;
+        }
+        let mut state = self.lock();
         let key = Self::resolve(&mut state, id).map(|c| c.id.clone());
         if let Some(key) = key
             && let Some(c) = state.containers.remove(&key)

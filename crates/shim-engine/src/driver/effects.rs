@@ -13,6 +13,7 @@
 //! 5 s ([`START_CHECK_EVERY`]): a container the engine shows running has started, answer or
 //! not.
 
+use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -85,6 +86,9 @@ pub(super) struct Effects {
     /// release's look at the other tasks and its unmount: a volume two tasks name stays
     /// mounted until the last of them lets it go.
     volume_holds: shim_util::KeyedLocks<String>,
+    /// The tasks whose container a remove is force-removing now: their release is out (it
+    /// follows the removal), but their container may run until the removal returns.
+    removing: Mutex<HashSet<TaskId>>,
 }
 
 impl Effects {
@@ -122,19 +126,27 @@ impl Effects {
             images,
             clock: deps.clock,
             volume_holds: shim_util::KeyedLocks::default(),
+            removing: Mutex::default(),
         }
     }
 
     /// Whether a task other than `id` holds the volume mounted at `mount_point`: it records
-    /// the volume (ahead of its mount or after it) and its own release is not out. A task
-    /// whose release is out has a stopped container (a release waits for the stop); any other
-    /// may have a container that uses the volume or will (a terminated task's stop may still
-    /// be under way, or its start still creating the container).
+    /// the volume (ahead of its mount or after it) and its own release is not out, or its
+    /// container is being removed. A task whose release is out has a stopped container (a
+    /// release waits for the stop) or, on a remove, one being force-removed, which may run
+    /// until the removal returns (a container stuck in the kernel holds it up, and it may
+    /// fail); any other may have a container that uses the volume or will (a terminated
+    /// task's stop may still be under way, or its start still creating the container).
     fn volume_held_by_another(&self, id: &TaskId, mount_point: &str) -> bool {
+        let removing = self
+            .removing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         self.table.slots().iter().any(|slot| {
             slot.id != *id
                 && slot.read(|t| {
-                    !t.release_in_flight()
+                    (!t.release_in_flight() || removing.contains(&slot.id))
                         && (t.record().resources.volumes.iter())
                             .any(|v| v.mount_point == mount_point)
                 })
@@ -287,6 +299,7 @@ impl Effects {
             Effect::Release(resources) => Some(self.release(slot, resources).await),
             Effect::RemoveContainer => {
                 let cid = container_ref(slot);
+                let _removing = Removing::start(&self.removing, &id);
                 self.runtime.remove(&cid).await?;
                 None
             }
@@ -777,4 +790,32 @@ fn container_ref(slot: &Slot) -> String {
             .clone()
             .unwrap_or_else(|| record.container_name.clone())
     })
+}
+
+/// A task in [`Effects::removing`] while its container's removal is out (taken out again when
+/// the removal returns, or its future is dropped).
+struct Removing<'a> {
+    set: &'a Mutex<HashSet<TaskId>>,
+    id: TaskId,
+}
+
+impl<'a> Removing<'a> {
+    fn start(set: &'a Mutex<HashSet<TaskId>>, id: &TaskId) -> Self {
+        set.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.clone());
+        Self {
+            set,
+            id: id.clone(),
+        }
+    }
+}
+
+impl Drop for Removing<'_> {
+    fn drop(&mut self) {
+        self.set
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.id);
+    }
 }

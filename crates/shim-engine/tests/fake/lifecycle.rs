@@ -442,6 +442,37 @@ async fn a_volume_stays_mounted_while_another_tasks_stop_is_under_way() {
     assert!(poll_until(30, TICK, async || w.volumes.mounted().is_empty()).await);
 }
 
+/// A removed task whose container is still being force-removed (its stop had failed: a
+/// container stuck in the kernel holds the kill up) holds its volume too: the other task's
+/// release leaves it mounted, and the last removal unmounts it. It used to count as let go as
+/// soon as its remove began, and the volume was unmounted under its container.
+#[tokio::test(start_paused = true)]
+async fn a_volume_stays_mounted_while_another_tasks_container_is_being_removed() {
+    let (w, engine) = World::with_engine(0).await;
+    let t1 = run(&engine, config("t1").with_data_volume()).await;
+    run(&engine, config("t2").with_data_volume()).await;
+    w.runtime.set_unreachable(true);
+    terminate_now(&engine, "t2", "the daemon is down").await;
+    w.runtime.set_unreachable(false);
+    w.runtime.hold_removes();
+    let remove = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.remove(&tid("t2")).await }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(w.runtime.exit(&t1.container_id, 0));
+    wait_released(&engine, "t1").await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        w.volumes.mounted(),
+        ["data"],
+        "t2's container may still use it"
+    );
+    w.runtime.release_removes();
+    remove.await.unwrap().unwrap();
+    assert!(w.volumes.mounted().is_empty(), "the last user unmounts it");
+}
+
 /// A remove behind a release in flight waits for it (bounded), woken by the step that ends
 /// the release rather than by polling, and then removes the task.
 #[tokio::test(start_paused = true)]
