@@ -25,7 +25,7 @@
 //! ([`ReconcileState`]). It changes tasks only by asking the driver to step them.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -159,8 +159,6 @@ pub(crate) struct Reconciler {
     relist: Notify,
     /// Unix ns of the newest container event seen (the resubscription's `since`).
     events_since: AtomicI64,
-    /// How many times the event stream connected.
-    events_reconnects: AtomicU64,
     /// The last list found a task's container still settling: the next retry tick lists
     /// again.
     relist_soon: AtomicBool,
@@ -181,7 +179,6 @@ impl Reconciler {
             state,
             relist: Notify::new(),
             events_since,
-            events_reconnects: AtomicU64::new(0),
             relist_soon: AtomicBool::new(false),
             settling_lists: AtomicU32::new(0),
             sweeping: Arc::new(AtomicBool::new(false)),
@@ -563,6 +560,9 @@ impl Reconciler {
     async fn run_events(self: Arc<Self>, mut first: Option<EventStream>) {
         let mut delay = RECONNECT_MIN;
         let mut seen: HashSet<(String, i64)> = HashSet::new();
+        // Only the subscription made beside the start-up list is covered by it: any other
+        // connection, the first one that succeeds after that one failed included, relists.
+        let mut covered = first.is_some();
         while !self.parts.shutdown.is_cancelled() {
             let subscribed = match first.take() {
                 Some(stream) => Ok(stream),
@@ -577,8 +577,8 @@ impl Reconciler {
                 Ok(mut stream) => {
                     self.connected(true);
                     self.parts.metrics.events_reconnects.inc();
-                    if self.events_reconnects.fetch_add(1, Ordering::SeqCst) > 0 {
-                        tracing::info!("container event stream reconnected; relisting");
+                    if !std::mem::take(&mut covered) {
+                        tracing::info!("container event stream connected; relisting");
                         self.relist.notify_one();
                     }
                     let connected = tokio::time::Instant::now();

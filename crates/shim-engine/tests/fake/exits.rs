@@ -122,6 +122,33 @@ async fn the_default_config_lists_only_at_start_up_and_on_reconnection() {
     assert!(health.is_ready(), "{:?}", health.reasons());
 }
 
+/// SPEC §4: a list runs whenever the event stream connects. When the subscription made beside
+/// the start-up list fails (the daemon restarting under the shim's restart), the first one
+/// that succeeds later lists too: an exit whose event the restarted daemon no longer has is
+/// found at once, not at the backstop five minutes on.
+#[tokio::test(start_paused = true)]
+async fn a_first_subscription_that_comes_late_lists() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    let t1 = run(&engine, config("t1")).await;
+    drop(engine);
+    w.runtime.hold_subscriptions();
+    let mut cfg = EngineConfig::new(w.home.path());
+    cfg.volumes_root = "/fake/volumes".into();
+    let engine = Engine::open(cfg, w.deps()).await.unwrap();
+    assert!(!engine.health().events_connected);
+    let lists = w.runtime.count("list");
+    assert!(w.runtime.exit_without_event(&t1.container_id, 1));
+    w.runtime.release_subscriptions();
+    let info = wait_status(&engine, "t1", TaskStatus::Terminated).await;
+    assert_eq!(
+        w.runtime.count("list"),
+        lists + 1,
+        "one list for the connection"
+    );
+    assert_eq!(info.termination_reason, "container_exited_with_error");
+}
+
 /// Podman sends no `oom` event: a `die` with 137 and no `oom` before it asks the container's
 /// state, whose OOM flag says so (one inspect); a 137 that was no OOM kill stays one.
 #[tokio::test(start_paused = true)]
