@@ -331,7 +331,7 @@ impl Effects {
     }
 
     /// The pull step, the one place an image is pulled (SPEC §4): a `:latest` image is always
-    /// pulled (as upstream does); another is pulled only when the engine does not have it
+    /// pulled, `:latest-gpu` and the like too ([`always_pulled`], as upstream does); another is pulled only when the engine does not have it
     /// (asked, unless the images room saw it present since the engine last reported an image
     /// removal: [`ImageGc::known_present`]), so an image removed since it was last used (an
     /// operator's prune, image collection) is pulled here again, in the open: the task reads
@@ -340,7 +340,7 @@ impl Effects {
     async fn pull(&self, slot: &Arc<Slot>, image: String, recorder: &Recorder<'_>) -> Event {
         let runtime = &self.runtime;
         let image = shim_runtime::with_default_tag(&image);
-        if !image.ends_with(":latest") {
+        if !always_pulled(&image) {
             // Not while image collection removes an image (it may be this one).
             let _presence = self.images.presence().await;
             if self.images.known_present(&image) {
@@ -361,7 +361,7 @@ impl Effects {
         }
         // An absent image's name is in the ledger before the pull, so that a kill right after
         // it does not leave an image this shim pulled out of the ledger for good.
-        let announced = !image.ends_with(":latest");
+        let announced = !always_pulled(&image);
         if announced {
             self.images.pulling(&image).await;
         }
@@ -790,6 +790,14 @@ fn container_ref(slot: &Slot) -> String {
             .clone()
             .unwrap_or_else(|| record.container_name.clone())
     })
+}
+
+/// Whether `image` (its tag made explicit) is pulled even when present: its name contains
+/// `:latest` (`ubuntu:latest`, `tensorflow/tensorflow:latest-gpu`), upstream's rule
+/// (`runner/internal/shim/docker.go`, `strings.Contains(taskConfig.ImageName, ":latest")`):
+/// a moving tag gets its newest image.
+fn always_pulled(image: &str) -> bool {
+    image.contains(":latest")
 }
 
 /// A task in [`Effects::removing`] while its container's removal is out (taken out again when

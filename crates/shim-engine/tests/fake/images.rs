@@ -50,21 +50,32 @@ async fn an_unused_pulled_image_is_collected_when_the_data_root_fills() {
     assert_contains(&m, &freed);
 }
 
-/// An image tagged `:latest` is pulled at every start even when present (it may have moved);
-/// any other tag is only checked.
+/// An image whose tag is `latest`, or starts so (`:latest-gpu`), is pulled at every start even
+/// when present (it may have moved); any other tag is only checked.
 ///
-/// upstream: runner/internal/shim/docker.go (pullImage: `:latest` is always pulled, other
-/// images only when missing).
+/// upstream: runner/internal/shim/docker.go (pullImage: a name containing `:latest` is always
+/// pulled, other images only when missing).
 #[tokio::test(start_paused = true)]
 async fn latest_is_pulled_at_every_start() {
     let (w, engine) = World::with_engine(0).await;
-    w.runtime.add_image("img:latest");
-    for id in ["l1", "l2"] {
-        w.runtime.clear_calls();
-        run(&engine, config(id).with_image("img:latest")).await;
-        let counts = (w.runtime.count("pull"), w.runtime.count("image_present"));
-        assert_eq!(counts, (1, 0), "pulls and checks of {id}");
+    for image in ["img:latest", "img:latest-gpu"] {
+        w.runtime.add_image(image);
+        for id in ["l1", "l2"] {
+            w.runtime.clear_calls();
+            let id = format!("{id}-{}", image.len());
+            run(&engine, config(&id).with_image(image)).await;
+            let counts = (w.runtime.count("pull"), w.runtime.count("image_present"));
+            assert_eq!(counts, (1, 0), "pulls and checks of {id} ({image})");
+        }
     }
+    w.runtime.add_image("img:1-latest");
+    w.runtime.clear_calls();
+    run(&engine, config("other").with_image("img:1-latest")).await;
+    assert_eq!(
+        w.runtime.count("pull"),
+        0,
+        "a tag that does not start with latest"
+    );
 }
 
 /// A real pull shows `pulling` while it lasts, also for a task that acquires nothing: the
