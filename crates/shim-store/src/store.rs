@@ -470,6 +470,9 @@ impl Store {
                 Ok(dir) => Some(dir),
                 // Made meanwhile: decided below.
                 Err(e) if e.io_kind() == Some(io::ErrorKind::AlreadyExists) => None,
+                // The spare was removed behind this store (a second `Store::open` on the home
+                // removes spares): the directory is made below instead.
+                Err(e) if e.io_kind() == Some(io::ErrorKind::NotFound) => None,
                 Err(e) => return Err(fs_err_ctx(writing(record))(e)),
             }
         };

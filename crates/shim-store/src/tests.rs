@@ -241,6 +241,24 @@ fn spares_are_used_by_creates_and_removed_at_open() {
     assert_eq!(store.scan().unwrap().len(), 2);
 }
 
+/// Spares removed behind a store (a second `Store::open` on the home, by a tool that reads
+/// it, removes them) cost a create nothing: it makes its directory instead. Each such create
+/// used to fail, as many as there were spares.
+#[test]
+fn a_create_whose_spare_was_removed_behind_the_store_succeeds() {
+    let home = tempfile::tempdir().unwrap();
+    let store = Store::open(home.path()).unwrap();
+    assert_eq!(store.prepare_spares().unwrap(), crate::SPARES);
+    let reader = Store::open(home.path()).unwrap();
+    assert!(reader.scan().unwrap().is_empty());
+    for i in 0..crate::SPARES + 1 {
+        let mut r = record(&format!("t{i}"), TaskStatus::Pending);
+        r.container_name = format!("job-{i:08x}");
+        store.create(&r).unwrap();
+    }
+    assert_eq!(reader.scan().unwrap().len(), crate::SPARES + 1);
+}
+
 /// A delete whose rename is not made durable (the runners directory's fsync fails) is an
 /// error, and leaves the trash for the sweep: after a crash the task could be back, so a
 /// remove must not be answered yet (SPEC §5: a rename counts only after its directory is
