@@ -229,10 +229,20 @@ impl Components {
     }
 
     /// Installs `name` from `url` and waits for it (e.g. the runner at startup when it is
-    /// missing and a download URL is configured).
+    /// missing and a download URL is configured). The install runs in a task of its own:
+    /// dropping this future does not cut it short (its download, the installed shim's check
+    /// and rollback still run, and [`Components::wait_idle`] waits for them);
+    /// [`Components::cancel`] stops it.
     pub async fn install(&self, name: ComponentName, url: &str) -> Result<(), ComponentsError> {
-        let _guard = self.begin(name, url)?;
-        self.run_install(name, url).await
+        let guard = self.begin(name, url)?;
+        let this = self.clone();
+        let url = url.to_owned();
+        tokio::spawn(async move {
+            let _guard = guard;
+            this.run_install(name, &url).await
+        })
+        .await
+        .unwrap_or_else(|source| Err(ComponentsError::Join { name, source }))
     }
 
     /// Records that the binary the last install of `name` put in place was rolled back

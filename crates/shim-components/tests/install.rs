@@ -186,6 +186,27 @@ async fn second_install_while_installing_is_a_conflict() {
     assert_eq!(state(&c, Runner).await, (Status::Installed, "3.0.0".into()));
 }
 
+/// An install whose caller stops waiting (its future dropped) still runs to its end, and
+/// counts as running meanwhile: a second install is a conflict, and `wait_idle` waits for it.
+/// Dropped, it used to look finished while its download went on, and a shim's would have
+/// skipped the check (and rollback) of the binary it put in place.
+#[tokio::test]
+async fn an_install_whose_caller_goes_away_runs_to_its_end() {
+    let (_dir, server, c) = setup();
+    let url = server.url("/gated");
+    let waited = tokio::time::timeout(Duration::from_millis(200), c.install(Runner, &url)).await;
+    assert!(waited.is_err(), "the gated install answered");
+    assert_eq!(status(&c, Runner).await, Status::Installing);
+    let e = c.start_install(Runner, &url).unwrap_err();
+    assert!(
+        matches!(e, ComponentsError::AlreadyInstalling { .. }),
+        "{e}"
+    );
+    server.gate.send(()).unwrap();
+    wait_idle(&c).await;
+    assert_eq!(state(&c, Runner).await, (Status::Installed, "3.0.0".into()));
+}
+
 #[tokio::test]
 async fn failed_downloads_leave_the_target_alone() {
     let (dir, server, c) = setup();
