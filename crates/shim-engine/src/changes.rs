@@ -20,6 +20,7 @@ use serde::Serialize;
 use shim_task::machine::Saved;
 use shim_task::{TaskId, TaskStatus};
 use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
 
 /// How many changes a subscriber may fall behind before it lags.
 pub const CHANGES_BUFFER: usize = 4096;
@@ -101,12 +102,26 @@ pub enum SubscriptionError {
 #[derive(Debug)]
 pub struct Subscription {
     rx: broadcast::Receiver<TaskChange>,
+    /// Cancelled when the engine shuts down: the subscription ends once it has given every
+    /// change sent before.
+    ended: CancellationToken,
 }
 
 impl Subscription {
+    /// Ends (after the changes already sent) when `ended` is cancelled.
+    pub(crate) fn until(mut self, ended: CancellationToken) -> Self {
+        self.ended = ended;
+        self
+    }
+
     /// The next change, in order; [`SubscriptionError::Lagged`] after changes were dropped.
     pub async fn recv(&mut self) -> Result<TaskChange, SubscriptionError> {
-        match self.rx.recv().await {
+        let received = tokio::select! {
+            biased;
+            received = self.rx.recv() => received,
+            () = self.ended.cancelled() => return Err(SubscriptionError::Closed),
+        };
+        match received {
             Ok(change) => Ok(change),
             Err(broadcast::error::RecvError::Lagged(missed)) => {
                 Err(SubscriptionError::Lagged { missed })
@@ -119,6 +134,9 @@ impl Subscription {
     pub fn try_recv(&mut self) -> Option<Result<TaskChange, SubscriptionError>> {
         match self.rx.try_recv() {
             Ok(change) => Some(Ok(change)),
+            Err(broadcast::error::TryRecvError::Empty) if self.ended.is_cancelled() => {
+                Some(Err(SubscriptionError::Closed))
+            }
             Err(broadcast::error::TryRecvError::Empty) => None,
             Err(broadcast::error::TryRecvError::Lagged(missed)) => {
                 Some(Err(SubscriptionError::Lagged { missed }))
@@ -146,6 +164,7 @@ impl Changes {
     pub(crate) fn subscribe(&self) -> Subscription {
         Subscription {
             rx: self.tx.subscribe(),
+            ended: CancellationToken::new(),
         }
     }
 

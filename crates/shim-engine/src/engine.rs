@@ -439,7 +439,10 @@ impl Engine {
     /// # }
     /// ```
     pub fn subscribe(&self) -> Subscription {
-        self.inner.driver.subscribe()
+        self.inner
+            .driver
+            .subscribe()
+            .until(self.inner.shutdown.clone())
     }
 
     /// The engine's metrics in Prometheus' text format (OpenMetrics, ending in `# EOF`), to
@@ -498,8 +501,13 @@ impl Engine {
     /// cancel it half-way, which would leave the id taken and a `pending` record with no start
     /// to follow. The task then starts as if the answer had been read, and the caller's retry
     /// finds it (a conflict naming the id).
+    ///
+    /// After [`Engine::shutdown`] a submit is [`EngineError::ShutDown`].
     pub async fn submit(&self, config: TaskConfig) -> Result<TaskInfo> {
         config.validate()?;
+        if self.inner.shutdown.is_cancelled() {
+            return Err(EngineError::ShutDown);
+        }
         let engine = self.clone();
         tokio::spawn(async move { engine.submit_to_its_end(config).await }).await?
     }
@@ -624,7 +632,9 @@ impl Engine {
 
     /// Stops the background jobs and waits for them to end. Containers keep running. A
     /// [`Shutdown::Graceful`] shutdown also waits (at most its bound) for start jobs in
-    /// flight, so no task is left half-started; [`Shutdown::Now`] leaves them.
+    /// flight, so no task is left half-started; [`Shutdown::Now`] leaves them. From then on
+    /// the engine is not ready ([`Engine::health`]: its event stream is disconnected) and
+    /// refuses submits.
     pub async fn shutdown(&self, how: Shutdown) {
         self.inner.shutdown.cancel();
         let background = take(&self.inner.background);

@@ -81,6 +81,10 @@ pub enum EngineError {
         /// Why, and what to do.
         message: String,
     },
+    /// The engine was shut down ([`crate::Engine::shutdown`]): it starts no task, since
+    /// nothing would watch its container.
+    #[error("the engine is shut down")]
+    ShutDown,
 }
 
 /// How an API answers an [`EngineError`] ([`EngineError::kind`]): the one mapping every
@@ -115,6 +119,7 @@ impl EngineError {
             | Self::RuntimeUnavailable(_)
             | Self::ImageVanished { .. }
             | Self::GpusUnavailable { .. }
+            | Self::ShutDown
             | Self::Join(_) => ErrorKind::Internal,
         }
     }

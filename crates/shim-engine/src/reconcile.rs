@@ -641,7 +641,11 @@ impl Reconciler {
     ) -> Vec<tokio::task::JoinHandle<()>> {
         let events = {
             let this = self.clone();
-            tokio::spawn(async move { this.run_events(first).await })
+            tokio::spawn(async move {
+                this.clone().run_events(first).await;
+                // Shut down: no stream is read any more.
+                this.connected(false);
+            })
         };
         let reconciler = {
             let this = self.clone();

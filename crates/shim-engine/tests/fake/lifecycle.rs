@@ -144,6 +144,36 @@ async fn dropping_the_last_engine_handle_stops_its_background_jobs() {
     assert_eq!(w.runtime.container_ids().len(), 1);
 }
 
+/// A shut-down engine does not look alive to its embedder: its change subscriptions end
+/// (after the changes sent before), it is not ready, and it refuses submits, whose containers
+/// nothing would watch. It used to stay ready, keep its subscriptions open for ever, and start
+/// tasks whose exits were never seen.
+#[tokio::test(start_paused = true)]
+async fn a_shut_down_engine_ends_its_subscriptions_is_not_ready_and_starts_nothing() {
+    let (w, engine) = World::with_engine(0).await;
+    let mut changes = engine.subscribe();
+    engine.submit(config("t1")).await.unwrap();
+    engine.shutdown(Shutdown::Now).await;
+    let mut ended = false;
+    for _ in 0..100 {
+        match tokio::time::timeout(Duration::from_secs(1), changes.recv()).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                assert_eq!(e, shim_engine::SubscriptionError::Closed);
+                ended = true;
+                break;
+            }
+            Err(_) => panic!("the subscription is still open"),
+        }
+    }
+    assert!(ended);
+    assert!(!engine.health().is_ready(), "{:?}", engine.health());
+    let creates = w.runtime.count("create");
+    let refused = engine.submit(config("t2")).await.unwrap_err();
+    assert_eq!(refused.to_string(), "the engine is shut down");
+    assert_eq!(w.runtime.count("create"), creates);
+}
+
 /// Shutdown does not wait for an event subscription in progress: subscribing asks the daemon,
 /// and a frozen one would hold it up to the request timeout (30 s; the engine gives its
 /// background jobs 10 s before it leaves them).
