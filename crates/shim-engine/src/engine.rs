@@ -6,7 +6,8 @@
 //! reconciler, the retry pass): they hold the parts they use, never the handle, and end at
 //! their next await once it is gone. Start and terminate jobs in flight run to their end;
 //! containers keep running; nothing is waited for. [`Engine::shutdown`] does the same and
-//! waits for the jobs (and, when graceful, for start jobs in flight).
+//! waits for the jobs (and, when graceful, for start jobs in flight, at most its bound: then
+//! a start job still in flight stops where it is, as a crash would stop it).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -77,6 +78,9 @@ struct Shared {
     background: Mutex<Vec<JoinHandle<()>>>,
     /// Start jobs in flight (graceful shutdown waits for them, with a bound).
     jobs: Mutex<Vec<JoinHandle<()>>>,
+    /// Cancelled by [`Engine::shutdown`] once it waited for start jobs as long as it would:
+    /// each still in flight stops at its next await, as a crash would stop it.
+    cut_starts: CancellationToken,
 }
 
 impl Drop for Shared {
@@ -393,6 +397,7 @@ impl Opening {
                 shutdown,
                 background: Mutex::new(background),
                 jobs: Mutex::new(Vec::new()),
+                cut_starts: CancellationToken::new(),
             }),
         })
     }
@@ -529,10 +534,16 @@ impl Engine {
         let job = {
             let driver = inner.driver.clone();
             let reconciler = inner.reconciler.clone();
+            let cut = inner.cut_starts.clone();
             tokio::spawn(async move {
-                driver.run_start(&slot).await;
-                // Events that came while start owned the task.
-                reconciler.kick_events(&slot);
+                tokio::select! {
+                    biased;
+                    () = cut.cancelled() => {}
+                    () = driver.run_start(&slot) => {
+                        // Events that came while start owned the task.
+                        reconciler.kick_events(&slot);
+                    }
+                }
             })
         };
         let mut jobs = inner.jobs.lock().unwrap_or_else(|p| p.into_inner());
@@ -632,9 +643,12 @@ impl Engine {
 
     /// Stops the background jobs and waits for them to end. Containers keep running. A
     /// [`Shutdown::Graceful`] shutdown also waits (at most its bound) for start jobs in
-    /// flight, so no task is left half-started; [`Shutdown::Now`] leaves them. From then on
-    /// the engine is not ready ([`Engine::health`]: its event stream is disconnected) and
-    /// refuses submits.
+    /// flight, so no task is left half-started; a start job still in flight then (a long
+    /// pull), or at once with [`Shutdown::Now`], stops at its next await as a crash would
+    /// stop it, its record left as it is: the engine opened next on the home (in this
+    /// process or another) finds the task as a restart does, and no job of this one writes
+    /// its record or starts its container behind it. From then on the engine is not ready
+    /// ([`Engine::health`]: its event stream is disconnected) and refuses submits.
     pub async fn shutdown(&self, how: Shutdown) {
         self.inner.shutdown.cancel();
         let background = take(&self.inner.background);
@@ -644,12 +658,18 @@ impl Engine {
             futures_util::future::join_all(background),
         )
         .await;
-        if let Shutdown::Graceful(grace) = how {
-            let wait = futures_util::future::join_all(take(&self.inner.jobs));
+        let jobs = take(&self.inner.jobs);
+        if let Shutdown::Graceful(grace) = how
+            && !jobs.is_empty()
+        {
+            let wait = futures_util::future::join_all(jobs);
             if tokio::time::timeout(grace, wait).await.is_err() {
-                tracing::warn!("shutdown: start jobs still running after {grace:?}; leaving them");
+                tracing::warn!(
+                    "shutdown: start jobs still running after {grace:?}; stopping them where they are"
+                );
             }
         }
+        self.inner.cut_starts.cancel();
     }
 
     /// Runs one full reconcile cycle now (one list request; the background job runs them on

@@ -174,6 +174,37 @@ async fn a_shut_down_engine_ends_its_subscriptions_is_not_ready_and_starts_nothi
     assert_eq!(w.runtime.count("create"), creates);
 }
 
+/// A start job still in flight when a shutdown has waited as long as it would (a long pull)
+/// stops where it is, as a crash would stop it: an engine opened next on the home (in the same
+/// process, by an embedder) finds the task as after a restart, and the old job neither
+/// creates its container nor writes its record behind the new engine. It used to run on,
+/// starting the container with GPUs the new engine then gave to another task.
+#[tokio::test(start_paused = true)]
+async fn a_start_still_pulling_at_shutdown_stops_where_it_is() {
+    let (w, engine) = World::with_engine(1).await;
+    w.runtime
+        .set_pull_behavior(PullBehavior::Hang { steps: vec![] });
+    let info = engine
+        .submit(config("t1").with_image("img:latest").with_gpus(1))
+        .await
+        .unwrap();
+    let status = || self::info(&engine, "t1").status;
+    assert!(poll_until(500, TICK, async || status() == TaskStatus::Pulling).await);
+    engine
+        .shutdown(Shutdown::Graceful(Duration::from_secs(1)))
+        .await;
+    let record = fs_err::read_to_string(w.task_json(&info.container_name)).unwrap();
+    w.runtime.release_pulls();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        w.runtime.count("create"),
+        0,
+        "a container started after the shutdown"
+    );
+    let after = fs_err::read_to_string(w.task_json(&info.container_name)).unwrap();
+    assert_eq!(after, record, "the record written after the shutdown");
+}
+
 /// Shutdown does not wait for an event subscription in progress: subscribing asks the daemon,
 /// and a frozen one would hold it up to the request timeout (30 s; the engine gives its
 /// background jobs 10 s before it leaves them).
