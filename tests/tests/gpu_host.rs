@@ -34,7 +34,7 @@ use shim_resources::gpu::{parse_amd_smi, parse_nvidia_smi, parse_nvidia_topo, pa
 /// The shim's `nvidia-smi` list invocation (`shim_resources::gpu::detect`).
 const NVIDIA_SMI_LIST: [&str; 3] = [
     "nvidia-smi",
-    "--query-gpu=name,memory.total,uuid,driver_version",
+    "--query-gpu=index,name,memory.total,uuid,driver_version",
     "--format=csv,noheader,nounits",
 ];
 /// The bound of the waits below (a teardown by the holder, the shim's host info).

@@ -50,9 +50,13 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
     }
     // DCGM's failed health watches join the host's own health sources.
     if let Some(host) = deps.gpu_health.take() {
+        let uuids = (deps.host_gpus.gpus.iter())
+            .map(|g| (g.index, g.id.clone()))
+            .collect();
         deps.gpu_health = Some(Arc::new(HostGpuHealth {
             host,
             dcgm: dcgm.clone(),
+            uuids,
         }));
     }
     let mut cfg = config.engine.clone();
@@ -104,6 +108,17 @@ pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<s
 struct HostGpuHealth {
     host: Arc<dyn GpuHealthSource>,
     dcgm: Arc<shim_dcgm::Dcgm>,
+    /// The UUID of each GPU by its index as `nvidia-smi` gave it at detection (DCGM's GPU
+    /// id): an incident goes to that UUID, not to the GPU at that position of a health probe's
+    /// list, which a GPU `nvidia-smi -q` could not read shifts.
+    uuids: std::collections::BTreeMap<u32, String>,
+}
+
+/// The GPU DCGM's entity `id` is: its UUID where detection knew the index, else the index.
+fn dcgm_gpu(uuids: &std::collections::BTreeMap<u32, String>, id: u32) -> GpuRef<'_> {
+    uuids
+        .get(&id)
+        .map_or(GpuRef::Index(id), |uuid| GpuRef::Uuid(uuid))
 }
 
 /// DCGM's health watch system, by its bit (`dcgmHealthSystems_t`).
@@ -141,7 +156,7 @@ impl GpuHealthSource for HostGpuHealth {
                 // Entity group 1: a GPU, by its DCGM id (nvidia-smi's index).
                 if incident.entity_group_id == 1 && incident.health == shim_dcgm::HEALTH_FAIL {
                     report.add_reason(
-                        GpuRef::Index(incident.entity_id),
+                        dcgm_gpu(&self.uuids, incident.entity_id),
                         UnhealthyReason::dcgm(dcgm_system(incident.system), incident.error_message),
                     );
                 }
@@ -172,9 +187,25 @@ fn spawn_host_info(home: &Path, runtime: Arc<DockerRuntime>, gpus: HostGpus) {
         .await;
         match written {
             Ok(Ok((path, true))) => tracing::info!(path = %path.display(), "host info written"),
-            Ok(Ok(_)) => {}
+            Ok(Ok((path, false))) => {
+                tracing::info!(path = %path.display(), "host info kept (written at an earlier start)");
+            }
             Ok(Err(e)) => tracing::warn!(error = %error_chain(&e), "cannot write host info"),
             Err(e) => tracing::warn!(error = %e, "host info job failed"),
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A DCGM incident names the GPU by its index; the shim goes by the UUID detection gave
+    /// that index, so a GPU missing from a health probe's list shifts nothing.
+    #[test]
+    fn a_dcgm_incident_goes_to_the_gpu_detection_numbered_so() {
+        let uuids = [(0, "GPU-a".to_owned()), (2, "GPU-c".to_owned())].into();
+        assert_eq!(dcgm_gpu(&uuids, 2), GpuRef::Uuid("GPU-c"));
+        assert_eq!(dcgm_gpu(&uuids, 1), GpuRef::Index(1));
+    }
 }

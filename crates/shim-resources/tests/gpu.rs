@@ -139,12 +139,32 @@ async fn nvidia_from_nvidia_smi() {
     assert_eq!(gpus.gpus[0].memory_mib, 81559);
     assert_eq!(gpus.gpus[1].id, "GPU-7a1c9e02-5b3d-4a51-9c0e-1f2d3e4a5b6c");
     assert_eq!(gpus.gpus[1].index, 1);
-    // upstream: runner/internal/shim/host/gpu.go (getNvidiaGpuInfo).
+    // upstream: runner/internal/shim/host/gpu.go (getNvidiaGpuInfo), with the index asked too.
     h.assert_call(
         0,
-        "nvidia-smi --query-gpu=name,memory.total,uuid,driver_version \
+        "nvidia-smi --query-gpu=index,name,memory.total,uuid,driver_version \
          --format=csv,noheader,nounits",
     );
+}
+
+/// One GPU the driver cannot reach (fallen off the bus after XID 79, or needing a reset) is
+/// an error line in its place and a failed exit; the others are listed all the same and are
+/// the host's GPUs, each with its own index. The whole list used to fail, leaving the host
+/// with no GPU until the shim restarted.
+#[tokio::test]
+async fn a_gpu_the_driver_cannot_reach_leaves_the_others_listed() {
+    let h = FakeHost::with_dev("nvidiactl");
+    let listed = "0, NVIDIA H100 80GB HBM3, 81559, GPU-0f4e2b1c, 550.90.07\n\
+                  Unable to determine the device handle for GPU1: 0000:2A:00.0: Unknown Error\n\
+                  2, NVIDIA H100 80GB HBM3, 81559, GPU-2a9c4d7e, 550.90.07\n";
+    h.runner.push(
+        "nvidia-smi",
+        CommandOutput::exit(15, "").with_stdout(listed),
+    );
+    let gpus = h.detect().await;
+    let found: Vec<_> = gpus.gpus.iter().map(|g| (g.index, g.id.as_str())).collect();
+    assert_eq!(found, [(0, "GPU-0f4e2b1c"), (2, "GPU-2a9c4d7e")]);
+    assert_eq!(gpus.driver_version.as_deref(), Some("550.90.07"));
 }
 
 #[tokio::test]
@@ -160,12 +180,16 @@ async fn failing_tool_yields_vendor_without_gpus() {
 
 #[test]
 fn nvidia_parse_errors_and_placeholders() {
-    assert!(parse_nvidia_smi("a, 1, GPU-x\n").is_err());
+    assert!(parse_nvidia_smi("0, a, 1, GPU-x\n").is_err(), "no GPU line");
+    assert!(
+        parse_nvidia_smi("x, a, 1, GPU-x, 570\n").is_err(),
+        "no index"
+    );
     // upstream: runner/internal/shim/host/gpu.go (normalizeDriverVersion, Atoi → 0).
-    let (gpus, driver) = parse_nvidia_smi("Tesla T4, [N/A], GPU-1, [Not Supported]\n").unwrap();
+    let (gpus, driver) = parse_nvidia_smi("0, Tesla T4, [N/A], GPU-1, [Not Supported]\n").unwrap();
     assert_eq!(gpus[0].memory_mib, 0);
     assert_eq!(driver, None);
-    let (_, driver) = parse_nvidia_smi("T4, 1, GPU-1,  570.86.15 \n").unwrap();
+    let (_, driver) = parse_nvidia_smi("0, T4, 1, GPU-1,  570.86.15 \n").unwrap();
     assert_eq!(driver.as_deref(), Some("570.86.15"));
     assert!(parse_nvidia_smi("").unwrap().0.is_empty());
 }

@@ -94,6 +94,23 @@ fn rtx4090_all_sys_parses() {
     assert_eq!(t.numa_nodes(4), Some(&[1][..]));
 }
 
+/// The header some drivers underline with terminal escapes (litgpt parses `\x1b[4mGPU0` for
+/// it): read as the plain one. It used to be taken for a row, and the matrix refused, so
+/// GPUs went first-free, across sockets.
+#[test]
+fn an_underlined_header_parses() {
+    let text = "\t\x1b[4mGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n\
+                GPU0\t X \tNV4\tSYS\tSYS\t0-23,48-71\t0\t\tN/A\n\
+                GPU1\tNV4\t X \tSYS\tSYS\t0-23,48-71\t0\t\tN/A\n\
+                GPU2\tSYS\tSYS\t X \tNV4\t24-47,72-95\t1\t\tN/A\n\
+                GPU3\tSYS\tSYS\tNV4\t X \t24-47,72-95\t1\t\tN/A\n";
+    let t = parse_nvidia_topo(text).unwrap();
+    assert_eq!(t.gpus(), [0, 1, 2, 3]);
+    assert_eq!(t.link(2, 3), Some(Link::NvLink(4)));
+    assert_eq!(t.numa_nodes(3), Some(&[1][..]));
+    assert_eq!(pick(&t, &[0], 2), [2, 3]);
+}
+
 /// 5 PCIe GPUs: one alone on NUMA node 1, four on node 0 (`PHB` pairs joined by `NODE`);
 /// copied from https://github.com/noonghunna/club-3090/issues/46
 #[test]

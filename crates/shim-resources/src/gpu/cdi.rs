@@ -9,7 +9,8 @@
 //! GPUs its lock gave a task.
 //!
 //! Read, not validated: the fields the shim needs (`kind`, `devices[].name`, the device nodes
-//! of each and of the spec), in JSON or YAML (`*.json`, `*.yaml`, `*.yml`), from the engine's
+//! of each and of the spec), in JSON or YAML (`*.json`, `*.yaml`: not `*.yml`, which the CDI
+//! library the engines vendor skips, `pkg/cdi/spec-dirs.go`), from the engine's
 //! spec directories in order of precedence (a later directory's device of the same kind and
 //! name replaces an earlier one's: `/var/run/cdi` over `/etc/cdi`, as the CDI registry
 //! resolves them). A file that cannot be read or parsed is reported in
@@ -134,7 +135,7 @@ impl CdiRegistry {
                 .filter(|p| {
                     matches!(
                         p.extension().and_then(|x| x.to_str()),
-                        Some("json" | "yaml" | "yml")
+                        Some("json" | "yaml")
                     )
                 })
                 .collect();
@@ -314,6 +315,23 @@ mod tests {
             r.name_for(AMD_KIND, &gpu(GpuVendor::Amd, "/dev/dri/renderD128", 0)),
             None
         );
+    }
+
+    /// A spec named `*.yml` is not read, as the engines' CDI library does not read it
+    /// (`pkg/cdi/spec-dirs.go`: `.json` and `.yaml` only): read, it made the shim ask for
+    /// devices the engine cannot resolve, or, beside a `*.yaml` with the same names, dropped
+    /// them all as conflicts.
+    #[test]
+    fn a_yml_spec_is_not_read_as_the_engines_do_not_read_it() {
+        let (_d, r) = registry(&[("nvidia.yml", BY_INDEX_AND_UUID)]);
+        assert!(r.kind(NVIDIA_KIND).is_none());
+        let both = [
+            ("nvidia.yml", BY_INDEX_AND_UUID),
+            ("nvidia.yaml", BY_INDEX_AND_UUID),
+        ];
+        let (_d, r) = registry(&both);
+        let nv = r.name_for(NVIDIA_KIND, &gpu(GpuVendor::Nvidia, "GPU-aaaa", 0));
+        assert_eq!(nv.as_deref(), Some("nvidia.com/gpu=GPU-aaaa"));
     }
 
     #[test]

@@ -25,7 +25,7 @@ pub const AMD_SMI_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The `nvidia-smi` arguments.
 pub const NVIDIA_SMI_ARGS: [&str; 2] = [
-    "--query-gpu=name,memory.total,uuid,driver_version",
+    "--query-gpu=index,name,memory.total,uuid,driver_version",
     "--format=csv,noheader,nounits",
 ];
 /// The `nvidia-smi` arguments of the interconnect matrix.
@@ -152,10 +152,23 @@ impl GpuDetector {
     pub async fn list(&self, vendor: GpuVendor) -> Result<(Vec<GpuInfo>, Option<String>)> {
         match vendor {
             GpuVendor::Nvidia => {
-                let out = self
-                    .run(&Command::new("nvidia-smi").args(NVIDIA_SMI_ARGS))
-                    .await?;
-                parse_nvidia_smi(&out.stdout)
+                let command = Command::new("nvidia-smi").args(NVIDIA_SMI_ARGS);
+                let out = self.runner.run(&command).await?;
+                if out.success() {
+                    return parse_nvidia_smi(&out.stdout);
+                }
+                // A GPU the driver cannot reach (fallen off the bus, needing a reset) is an
+                // error line in its place and a failed exit, the others listed all the same:
+                // those are the host's GPUs (each row names its own index), the lost one is
+                // left out. Nothing listed: the failure is the answer.
+                match parse_nvidia_smi(&out.stdout) {
+                    Ok((gpus, driver)) if !gpus.is_empty() => {
+                        tracing::warn!(error = %error_chain(&out.failure(&command)), count = gpus.len(),
+                            "nvidia-smi failed for some GPUs; the GPUs it listed are used");
+                        Ok((gpus, driver))
+                    }
+                    _ => Err(out.failure(&command).into()),
+                }
             }
             GpuVendor::Amd => self.list_amd().await,
             GpuVendor::Tenstorrent => {

@@ -36,26 +36,30 @@ fn csv_fields(line: &str) -> Vec<&str> {
 
 // ---------------------------------------------------------------------------------- NVIDIA
 
-/// Parses `nvidia-smi --query-gpu=name,memory.total,uuid,driver_version
-/// --format=csv,noheader,nounits` (upstream's `getNvidiaGpuInfo`): four fields a line; memory
-/// that is not a number is 0. Unlike upstream, a malformed line fails the whole list rather
-/// than silently dropping the GPUs after it.
+/// Parses `nvidia-smi --query-gpu=index,name,memory.total,uuid,driver_version
+/// --format=csv,noheader,nounits` (upstream's `getNvidiaGpuInfo`, which asks for the last four
+/// and numbers the GPUs by their position): five fields a line; memory that is not a number is
+/// 0. Each GPU keeps the index `nvidia-smi` gives it (CDI's index names and the topology use
+/// it), so a line that is not a GPU's (an error `nvidia-smi` prints in place of a GPU it cannot
+/// reach) is skipped, logged, and shifts no other GPU; output with lines but no GPU line is an
+/// error.
 pub fn parse_nvidia_smi(out: &str) -> Result<(Vec<GpuInfo>, Option<String>)> {
     let mut gpus = Vec::new();
     let mut driver = None;
+    let mut skipped = Vec::new();
     for line in out.lines().filter(|l| !l.trim().is_empty()) {
         let f = csv_fields(line);
-        let [name, mem, uuid, version] = f.as_slice() else {
-            return Err(ResourcesError::Parse {
-                tool: "nvidia-smi",
-                why: format!("expected 4 fields, got {}: {line:?}", f.len()),
-            });
+        let [index, name, mem, uuid, version] = f.as_slice() else {
+            skipped.push(format!("expected 5 fields, got {}: {line:?}", f.len()));
+            continue;
+        };
+        let Ok(index) = index.parse::<u32>() else {
+            skipped.push(format!("index {index:?} is not a number: {line:?}"));
+            continue;
         };
         if uuid.is_empty() {
-            return Err(ResourcesError::Parse {
-                tool: "nvidia-smi",
-                why: format!("empty uuid: {line:?}"),
-            });
+            skipped.push(format!("empty uuid: {line:?}"));
+            continue;
         }
         let memory_mib = parse_u64_field("nvidia-smi", "memory.total", mem).unwrap_or_else(|e| {
             tracing::warn!(error = %e, "unknown GPU memory");
@@ -67,8 +71,17 @@ pub fn parse_nvidia_smi(out: &str) -> Result<(Vec<GpuInfo>, Option<String>)> {
             name: (*name).to_owned(),
             memory_mib,
             id: (*uuid).to_owned(),
-            index: u32::try_from(gpus.len()).unwrap_or(u32::MAX),
+            index,
         });
+    }
+    if gpus.is_empty() && !skipped.is_empty() {
+        return Err(ResourcesError::Parse {
+            tool: "nvidia-smi",
+            why: skipped.join("; "),
+        });
+    }
+    for why in skipped {
+        tracing::warn!(%why, "nvidia-smi: a line that lists no GPU was skipped");
     }
     Ok((gpus, driver))
 }

@@ -287,6 +287,30 @@ fn column_names(words: &[&str]) -> Vec<String> {
     names
 }
 
+/// `text` without its terminal escape sequences (`ESC [` parameters, then one final letter).
+fn without_escapes(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.contains('\x1b') {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c != '\x1b' {
+            out.push(c);
+            continue;
+        }
+        if chars.clone().next() == Some('[') {
+            chars.next();
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// One GPU's row of the matrix: its links to the other GPUs, its NUMA affinity.
 type Row = (BTreeMap<u32, Link>, Option<Vec<u32>>);
 
@@ -301,6 +325,8 @@ fn matrix_error(line: Option<usize>, why: impl Into<String>) -> ResourcesError {
 /// between every two and each one's NUMA affinity. NICs, CPU affinity and the legend are
 /// ignored.
 pub fn parse_nvidia_topo(out: &str) -> Result<Topology> {
+    // Some drivers underline the header with terminal escapes (`\x1b[4mGPU0 … \x1b[0m`).
+    let out = without_escapes(out);
     let lines: Vec<&str> = out.lines().collect();
     let first_field = |l: &str| l.split_whitespace().next().and_then(gpu_label);
     let (header_at, header) = lines
