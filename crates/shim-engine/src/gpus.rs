@@ -29,7 +29,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use shim_resources::gpu::cdi::kind_of;
-use shim_resources::gpu::{GpuHealthReport, GpuHealthSource, UnhealthyReason};
+use shim_resources::gpu::{GpuHealth, GpuHealthReport, GpuHealthSource, GpuRef, UnhealthyReason};
 use shim_resources::{CdiRegistry, GpuLock, GpuVendor, HostGpus};
 use shim_runtime::{ContainerRuntime, GpuSupport};
 
@@ -303,6 +303,38 @@ impl GpuPassing {
     }
 }
 
+/// `report` as shown (the metrics' `gpu_unhealthy`, the instance health answer): each GPU with
+/// the reasons the lock keeps it out for (`kept`), those carried over from a source that
+/// could not be read included; a kept GPU the report does not list (`nvidia-smi` failed) is
+/// listed as `previous` showed it, in index order.
+fn with_kept_reasons(
+    mut report: GpuHealthReport,
+    kept: &BTreeMap<String, Vec<UnhealthyReason>>,
+    previous: Option<&GpuHealthReport>,
+) -> GpuHealthReport {
+    for (gpu, reasons) in kept {
+        for reason in reasons {
+            if !report.add_reason(GpuRef::Uuid(gpu), reason.clone()) {
+                let mut listed = previous
+                    .and_then(|p| p.get(gpu))
+                    .cloned()
+                    .unwrap_or_else(|| GpuHealth {
+                        uuid: gpu.clone(),
+                        index: u32::MAX,
+                        bus_id: String::new(),
+                        reasons: Vec::new(),
+                    });
+                listed.reasons.clone_from(reasons);
+                report.gpus.push(listed);
+                break;
+            }
+        }
+    }
+    // In index order, as a report lists them.
+    report.gpus.sort_by_key(|g| g.index);
+    report
+}
+
 /// The GPUs' health, watched: every interval the source is probed, the unhealthy GPUs are kept
 /// from new tasks by the lock (running tasks keep theirs), each change is logged, and the last
 /// report is kept for `/metrics` and the instance health answer. A GPU healthy again is
@@ -374,7 +406,9 @@ impl GpuHealthWatch {
             tracing::info!(%gpu, "a GPU is healthy again: it is given to new tasks");
         }
         lock.set_unhealthy(unhealthy);
-        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(report);
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let shown = with_kept_reasons(report, &now, last.as_ref());
+        *last = Some(shown);
     }
 
     /// Probes `source` now and then every `every` until `shutdown`.
@@ -458,6 +492,9 @@ mod tests {
         for (probe, expected) in expected.into_iter().enumerate() {
             watch.probe(&source, &lock).await;
             assert_eq!(kept(&lock), expected, "probe {probe}");
+            // What the metrics and the instance health answer show: the same GPUs.
+            let shown = watch.last().unwrap().unhealthy_ids();
+            assert_eq!(shown, expected, "shown at probe {probe}");
         }
         assert_eq!(lock.acquire(2).unwrap().len(), 2);
     }
@@ -514,6 +551,9 @@ mod tests {
         for (probe, expected) in expected.into_iter().enumerate() {
             watch.probe(&source, &lock).await;
             assert_eq!(kept(&lock), expected, "probe {probe}");
+            // What the metrics and the instance health answer show: the same GPUs.
+            let shown = watch.last().unwrap().unhealthy_ids();
+            assert_eq!(shown, expected, "shown at probe {probe}");
         }
     }
 

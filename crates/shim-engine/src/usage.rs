@@ -273,7 +273,7 @@ async fn locate(
     let Some(pid) = pid else {
         return (failed, None);
     };
-    match cgroups.locate(pid) {
+    match cgroups.locate_container(pid, container_id) {
         Ok(cgroup) => (Located::Found(cgroup), None),
         Err(e) => (failed, Some(format!("pid {pid}: {}", chain(&e)))),
     }

@@ -30,6 +30,10 @@ use shim_util::error_chain as chain;
 
 use crate::{ApiError, ChangeEvent, ChangeFeed, FeedError, InstanceInfo, Readiness, ShimApi};
 
+/// How long a `GET /metrics` waits for dcgm-exporter's answer (a hung exporter would hold
+/// every scrape for its fetch timeout, 10 s, Prometheus' own scrape timeout).
+const SCRAPE_GPUS_WAIT: Duration = Duration::from_secs(2);
+
 /// How long `GET /api/instance/health` waits for DCGM's check before it answers with the last
 /// one read: well within the dstack server's 9 s for the request.
 pub(crate) const INSTANCE_HEALTH_BUDGET: Duration = Duration::from_secs(5);
@@ -133,13 +137,19 @@ impl EngineApi {
     }
 
     /// Joins DCGM's figures with the GPUs each running task holds, for this scrape (nothing
-    /// without an exporter, or when it fails: the families are then absent).
+    /// without an exporter, or when it fails or takes more than [`SCRAPE_GPUS_WAIT`]: the
+    /// families are then absent, and the engine's own are answered at once).
     async fn refresh_task_gpus(&self) {
         let Some(exporter) = self.dcgm.as_ref().and_then(|d| d.exporter.as_ref()) else {
             return;
         };
-        let readings = match exporter.fetch().await {
-            Ok(text) => {
+        let fetched = tokio::time::timeout(SCRAPE_GPUS_WAIT, exporter.fetch()).await;
+        let readings = match fetched {
+            Err(_) => {
+                tracing::debug!(wait = ?SCRAPE_GPUS_WAIT, "no GPU figures for this scrape: the exporter did not answer in time");
+                Vec::new()
+            }
+            Ok(Ok(text)) => {
                 let tasks: Vec<(String, Vec<String>)> = self
                     .engine
                     .list()
@@ -152,7 +162,7 @@ impl EngineApi {
                     .collect();
                 join_task_gpus(&text, &tasks)
             }
-            Err(e) => {
+            Ok(Err(e)) => {
                 tracing::debug!(error = %chain(&e), "no GPU figures for this scrape: the exporter failed");
                 Vec::new()
             }
@@ -497,6 +507,42 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         (engine, fake)
+    }
+
+    /// A dcgm-exporter that takes connections and never answers (its DCGM calls stuck on a
+    /// wedged GPU) costs a scrape of `/metrics` at most `SCRAPE_GPUS_WAIT`: the engine's own
+    /// families come without the GPU ones. Each scrape used to wait the exporter's fetch
+    /// timeout (10 s, Prometheus' own scrape timeout), so every engine series went stale.
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_exporter_holds_a_metrics_scrape_two_seconds_at_most() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let home = tempfile::tempdir().unwrap();
+        let (engine, _fake) = engine_with_a_start_in_flight(home.path()).await;
+        // Takes connections (the kernel's backlog) and never answers.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let program = home.path().join("dcgm-exporter");
+        let script = "#!/bin/sh\n[ \"$1\" = -v ] && { echo 'DCGM Exporter version 4.1.1'; exit 0; }\nexec sleep 600\n";
+        fs_err::write(&program, script).unwrap();
+        fs_err::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let config = shim_dcgm::DcgmConfig {
+            exporter_http_port: silent.local_addr().unwrap().port(),
+            state_dir: Some(home.path().to_path_buf()),
+            ..shim_dcgm::DcgmConfig::default()
+        };
+        let exporter = shim_dcgm::DcgmExporter::spawn(&program, &config).unwrap();
+        let hung = tokio::time::timeout(Duration::from_secs(5), exporter.fetch()).await;
+        assert!(hung.is_err(), "the exporter answered: {hung:?}");
+        let dcgm = shim_dcgm::Dcgm {
+            exporter: Some(exporter),
+            health: None,
+        };
+        let api = EngineApi::new(engine, "0.0.0").with_dcgm(Arc::new(dcgm));
+        let began = tokio::time::Instant::now();
+        let text = api.metrics().await.unwrap();
+        // Not the exporter's fetch timeout (10 s).
+        let took = began.elapsed();
+        assert!(took <= Duration::from_secs(3), "{took:?}");
+        assert!(text.contains("dstack_shim_events_connected"), "{text}");
     }
 
     /// The drain runs the agent's part first, then waits for a start in flight (here released

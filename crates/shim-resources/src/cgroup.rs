@@ -87,23 +87,34 @@ impl Cgroups {
     /// The control group of process `pid` (a container's main process): its v1 `cpuacct` and
     /// `memory` groups when the host mounts those controllers, else its unified group.
     pub fn locate(&self, pid: u32) -> Result<Cgroup> {
+        self.locate_container(pid, "")
+    }
+
+    /// [`Cgroups::locate`] for the main process `pid` of container `container_id` (its full
+    /// id): the group is cut after the path component that names the container
+    /// (`docker-<id>.scope`, `/docker/<id>`, `libpod-<id>.scope`), so a process the
+    /// container moved into a subgroup of its own (Docker in Docker moves every process of
+    /// its container to `init/`) still reads the whole container. A path that names no
+    /// container is kept as it is.
+    pub fn locate_container(&self, pid: u32, container_id: &str) -> Result<Cgroup> {
         let file = self.proc.join(pid.to_string()).join("cgroup");
         let text = fs_err::read_to_string(&file).map_err(|source| ResourcesError::Io {
             action: "read",
             path: file.clone(),
             source,
         })?;
-        self.parse(&text).ok_or_else(|| ResourcesError::Parse {
-            tool: "cgroup",
-            why: format!(
-                "{}: no cgroup v1 cpuacct and memory groups, nor a v2 group under {}",
-                file.display(),
-                self.root.display()
-            ),
-        })
+        self.parse(&text, container_id)
+            .ok_or_else(|| ResourcesError::Parse {
+                tool: "cgroup",
+                why: format!(
+                    "{}: no cgroup v1 cpuacct and memory groups, nor a v2 group under {}",
+                    file.display(),
+                    self.root.display()
+                ),
+            })
     }
 
-    fn parse(&self, text: &str) -> Option<Cgroup> {
+    fn parse(&self, text: &str, container_id: &str) -> Option<Cgroup> {
         let (mut cpuacct, mut memory, mut unified) = (None, None, None);
         for line in text.lines() {
             // hierarchy-id:controller-list:path
@@ -113,7 +124,7 @@ impl Cgroups {
             else {
                 continue;
             };
-            let Some(relative) = relative(path) else {
+            let Some(relative) = relative(path).map(|r| cut_after(r, container_id)) else {
                 continue;
             };
             if controllers.is_empty() {
@@ -147,6 +158,26 @@ impl Cgroups {
             .into_iter()
             .find(|d| d.is_dir())
     }
+}
+
+/// `path` up to its first component that contains `container_id` (all of it when none does,
+/// or when the id is empty).
+fn cut_after(path: PathBuf, container_id: &str) -> PathBuf {
+    if container_id.is_empty() {
+        return path;
+    }
+    let mut cut = PathBuf::new();
+    for component in path.components() {
+        cut.push(component);
+        if component
+            .as_os_str()
+            .to_string_lossy()
+            .contains(container_id)
+        {
+            return cut;
+        }
+    }
+    path
 }
 
 /// The path of a cgroup line relative to its hierarchy's root, if it is one (`/` alone is
@@ -290,6 +321,34 @@ mod tests {
             "oom_kill_disable 0\nunder_oom 0\n",
         );
         assert_eq!(cg.usage().unwrap().oom_kills, None);
+    }
+
+    /// A container whose processes moved to a subgroup of their own (Docker in Docker:
+    /// `start-dockerd` moves all of them to `init/`) is read whole, from the group that names
+    /// it; a path naming no container is kept.
+    #[test]
+    fn a_container_that_moved_its_process_to_a_subgroup_is_read_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let (root, proc) = (dir.path().join("cg"), dir.path().join("proc"));
+        write(&root.join("cgroup.controllers"), "cpu memory\n");
+        let id = "0123abcd".repeat(8);
+        let scope = format!("system.slice/docker-{id}.scope");
+        write(&proc.join("7/cgroup"), &format!("0::/{scope}/init\n"));
+        let cgroups = Cgroups::at(&root, &proc);
+        let whole = Cgroup::V2 {
+            dir: root.join(&scope),
+        };
+        assert_eq!(cgroups.locate_container(7, &id).unwrap(), whole);
+        let init = Cgroup::V2 {
+            dir: root.join(&scope).join("init"),
+        };
+        assert_eq!(cgroups.locate(7).unwrap(), init);
+        assert_eq!(cgroups.locate_container(7, &"f".repeat(64)).unwrap(), init);
+        write(&proc.join("8/cgroup"), &format!("0::/docker/{id}/init\n"));
+        let cgroupfs = Cgroup::V2 {
+            dir: root.join("docker").join(&id),
+        };
+        assert_eq!(cgroups.locate_container(8, &id).unwrap(), cgroupfs);
     }
 
     #[test]
