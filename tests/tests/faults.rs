@@ -818,7 +818,10 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
     }
 
     // Restarted: c's and e's runners exit while the daemon is down.
-    let reconnects_before = shim.all_logs().matches("event stream reconnected").count();
+    let reconnects_before = shim
+        .all_logs()
+        .matches("event stream connected; relisting")
+        .count();
     daemon.stop();
     without_docker("task info (daemon down)", || shim.info("c"));
     write_runner_exit(shim.home(), &infos["c"], 0).unwrap();
@@ -847,7 +850,10 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
     );
     assert_has!(shim.info("d"), {"status": "running", "container_id": infos["d"]["container_id"]});
     assert_eq!(shim.running(&cid("d")), Some(true));
-    let reconnects = shim.all_logs().matches("event stream reconnected").count();
+    let reconnects = shim
+        .all_logs()
+        .matches("event stream connected; relisting")
+        .count();
     assert!(
         reconnects > reconnects_before,
         "the event stream did not reconnect:\n{}",

@@ -90,8 +90,9 @@ async fn fifty_concurrent_tasks_leave_nothing_behind<W: World>() {
     .await;
     for info in terminated {
         assert_eq!(info["termination_reason"], "terminated_by_user", "{info}");
-        let cid = info["container_id"].as_str().unwrap();
-        assert_eq!(w.container_running(cid).await, Some(false), "{info}");
+        // A terminate answers within its timeout + 5 s with what is done so far (SPEC §4):
+        // under fifty at once on a small machine a stop may finish after it.
+        w.wait_stopped(info["container_id"].as_str().unwrap()).await;
     }
     join_all(ids.iter().map(|id| w.remove(id))).await;
     assert!(w.list().await.is_empty());

@@ -340,7 +340,10 @@ fn service_mode_writes_host_info_once() {
     // Written once: a second start leaves it as it is.
     let before = fs_err::read(&path).unwrap();
     let _shim = start(home.path(), &["--service"]);
-    std::thread::sleep(Duration::from_millis(500));
+    let log = home.path().join("shim.log");
+    wait_until("the second start decides", BOUND, || {
+        fs_err::read_to_string(&log).is_ok_and(|text| text.contains("host info kept"))
+    });
     assert_eq!(fs_err::read(&path).unwrap(), before);
 }
 

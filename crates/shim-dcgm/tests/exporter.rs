@@ -224,13 +224,15 @@ async fn an_exporter_that_exits_is_restarted_with_backoff() {
 async fn shutdown_sends_sigterm_then_sigkill() {
     let dir = tempfile::tempdir().unwrap();
     // Ignores SIGTERM (records it) and keeps running.
-    let body = "trap 'echo TERM >> $D/signals' TERM\nwhile true; do sleep 0.05; done";
+    let body =
+        "trap 'echo TERM >> $D/signals' TERM\n: > $D/trapped\nwhile true; do sleep 0.05; done";
     let stubborn = script(dir.path(), "stubborn", body);
     let mut cfg = config(closed_port().await, &stubborn);
     cfg.stop_grace = Duration::from_millis(300);
     let exporter = DcgmExporter::spawn(&stubborn, &cfg).unwrap();
     let pid = started(&exporter).await;
-    tokio::time::sleep(Duration::from_millis(100)).await; // let the trap be installed
+    let trapped = dir.path().join("trapped");
+    wait_until("the trap", WAIT, || trapped.exists()).await;
     let stopping = Instant::now();
     exporter.shutdown().await;
     assert!(stopping.elapsed() >= Duration::from_millis(300));
@@ -363,12 +365,17 @@ async fn a_leftover_that_ignores_sigterm_is_killed() {
     let dir = tempfile::tempdir().unwrap();
     let (program, mut cfg, pid_file) = with_home(dir.path()).await;
     cfg.stop_grace = Duration::from_millis(300);
+    let trapped = dir.path().join("trapped");
+    let body = format!(
+        "trap '' TERM; : > '{}'; while true; do sleep 0.05; done",
+        trapped.display()
+    );
     let mut stubborn = std::process::Command::new("sh")
-        .args(["-c", "trap '' TERM; while true; do sleep 0.05; done"])
+        .args(["-c", &body])
         .spawn()
         .unwrap();
     let pid = stubborn.id();
-    tokio::time::sleep(Duration::from_millis(100)).await; // let the trap be installed
+    wait_until("the trap", WAIT, || trapped.exists()).await;
     fs_err::write(&pid_file, pid_line(pid)).unwrap();
     let exporter = DcgmExporter::spawn(&program, &cfg).unwrap();
     started(&exporter).await;

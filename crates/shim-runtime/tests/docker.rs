@@ -98,13 +98,21 @@ async fn setup(test: &str) -> (DockerRuntime, String, Cleanup) {
 /// Removes every container carrying this test's label when dropped.
 struct Cleanup {
     labels: Vec<(String, String)>,
+    /// Images the test made, removed after its containers (a failed test leaves none).
+    images: std::sync::Mutex<Vec<String>>,
 }
 
 impl Cleanup {
     fn new(value: &str) -> Self {
         Self {
             labels: vec![(TEST_LABEL.to_owned(), value.to_owned())],
+            images: std::sync::Mutex::default(),
         }
+    }
+
+    /// Removes `image` at the end too.
+    fn image(&self, image: &str) {
+        self.images.lock().unwrap().push(image.to_owned());
     }
 
     fn labels(&self) -> BTreeMap<String, String> {
@@ -122,6 +130,7 @@ impl Cleanup {
 impl Drop for Cleanup {
     fn drop(&mut self) {
         let labels = self.labels.clone();
+        let images = std::mem::take(&mut *self.images.lock().unwrap_or_else(|p| p.into_inner()));
         // A separate thread: the test's own runtime may be the one dropping us.
         let joined = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -132,6 +141,10 @@ impl Drop for Cleanup {
                 let docker = DockerRuntime::connect().await.unwrap();
                 for c in docker.list(&labels).await.unwrap() {
                     docker.remove(&c.id).await.unwrap();
+                }
+                for image in images {
+                    // Gone already where the test ended well.
+                    let _ = docker.delete_image(&image).await;
                 }
             });
         })
@@ -917,8 +930,9 @@ async fn an_images_exit_code_label_names_no_containers_exit() {
     let commit = docker
         .client()
         .commit_container(options, bollard::models::ContainerConfig::default());
-    commit.await.unwrap();
     let image = format!("{repo}:{tag}");
+    guard.image(&image);
+    commit.await.unwrap();
     let wanted: Vec<(String, String)> = guard.labels().into_iter().collect();
     let mut events = docker.events(&wanted, None).await.unwrap();
     let mut spec = shell_spec(&format!("{run}-labelled"), &guard.labels(), "exit 3");
@@ -1363,8 +1377,10 @@ async fn a_stalled_pull_fails_and_a_slow_moving_one_does_not() {
     else {
         panic!("not a stall: {result:?}");
     };
+    // At the stall timeout, give or take a loaded machine's late timer (well short of the
+    // pull's own 120 s limit).
     assert!(
-        *stalled_for >= STALL && *stalled_for < STALL + Duration::from_secs(1),
+        *stalled_for >= STALL && *stalled_for < STALL + Duration::from_secs(5),
         "{e}"
     );
     assert!(*done_bytes > 0, "{e}");
@@ -1373,9 +1389,12 @@ async fn a_stalled_pull_fails_and_a_slow_moving_one_does_not() {
     assert!(message.contains("stalled"), "{message}");
     assert!(message.contains(&done_bytes.to_string()), "{message}");
     // The stall timeout after the last message, which the engine may send a moment after
-    // the registry stopped (what it had received by then).
-    assert!(after >= STALL, "failed {after:?} after the stall");
-    assert!(after < STALL * 2, "failed {after:?} after the stall");
+    // the registry stopped (what it had received by then), or a moment before (nothing new
+    // after it): measured from the stop, only bounded above.
+    assert!(
+        after < STALL + Duration::from_secs(5),
+        "failed {after:?} after the stall"
+    );
     stalled.proxy().resume();
 
     // Slow but moving: well past the stall timeout, and done.
