@@ -62,6 +62,17 @@ impl TaskTable {
         self.lock().remove(id);
     }
 
+    /// Forgets `slot` if it is still the table's entry for its task (a task submitted again
+    /// under the same id is another slot, left alone); whether it was.
+    pub(crate) fn remove_slot(&self, slot: &Arc<Slot>) -> bool {
+        let mut table = self.lock();
+        let held = table.get(&slot.id).is_some_and(|s| Arc::ptr_eq(s, slot));
+        if held {
+            table.remove(&slot.id);
+        }
+        held
+    }
+
     /// Whether `slot` is still the table's entry for its task (not removed).
     pub(crate) fn holds(&self, slot: &Arc<Slot>) -> bool {
         self.lock()

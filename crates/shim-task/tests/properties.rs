@@ -1049,6 +1049,9 @@ impl Sim {
                         Err(TransitionError::ReleaseInFlight { .. }) => {
                             assert!(t.release_in_flight())
                         }
+                        Err(TransitionError::RemoveInFlight { .. }) => {
+                            assert!(t.remove_in_flight())
+                        }
                         Err(e) => panic!("remove: {e}"),
                     }
                 }

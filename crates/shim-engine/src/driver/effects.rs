@@ -304,9 +304,10 @@ impl Effects {
                 None
             }
             Effect::Forget => {
-                self.table.remove(&id);
-                recorder.removed();
-                tracing::info!(task = %id, "task removed");
+                if self.table.remove_slot(slot) {
+                    recorder.removed();
+                    tracing::info!(task = %id, "task removed");
+                }
                 None
             }
             // The driver stamps the start's end when it steps this.

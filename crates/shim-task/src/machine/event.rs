@@ -363,6 +363,12 @@ pub enum TransitionError {
         /// The task.
         id: TaskId,
     },
+    /// Remove while an earlier remove is being carried out (409).
+    #[error("task {id} is being removed")]
+    RemoveInFlight {
+        /// The task.
+        id: TaskId,
+    },
     /// [`Event::StartBegan`] for a task that is not pending.
     #[error("task {id} cannot start: it is {status}")]
     NotPending {

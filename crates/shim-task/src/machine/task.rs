@@ -94,6 +94,10 @@ pub struct Task {
     pub(crate) stop: StopState,
     /// An [`Effect::Release`](super::Effect::Release) is out and its outcome not yet stepped: no second one is emitted.
     pub(crate) release_in_flight: bool,
+    /// A remove was accepted and its actions are out (up to forgetting the task): a second
+    /// remove is refused, so it cannot delete or forget what the first left behind (a task
+    /// submitted again under the same id).
+    pub(crate) remove_in_flight: bool,
     /// A release or a stop just failed: the next one waits for the reconciler's next cycle
     /// ([`Event::ReleaseRequested`](super::Event::ReleaseRequested)), never a tight loop.
     pub(crate) release_backoff: bool,
@@ -131,6 +135,7 @@ impl Task {
             cancel_pull: false,
             stop: StopState::Idle,
             release_in_flight: false,
+            remove_in_flight: false,
             release_backoff: false,
             write_failed: false,
             ended: false,
@@ -249,6 +254,11 @@ impl Task {
     /// An [`Effect::Release`](super::Effect::Release) is out and its outcome not yet stepped.
     pub fn release_in_flight(&self) -> bool {
         self.release_in_flight
+    }
+
+    /// A remove was accepted and is being carried out.
+    pub fn remove_in_flight(&self) -> bool {
+        self.remove_in_flight
     }
 
     /// The API view (SPEC §3): status, reason and message as [`Task::shown`].

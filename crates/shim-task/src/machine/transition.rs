@@ -217,11 +217,17 @@ fn remove_requested(t: &mut Task, actions: &mut Vec<Action>) -> Result<Shape, Tr
             id: t.record.id.clone(),
         });
     }
+    if t.remove_in_flight {
+        return Err(TransitionError::RemoveInFlight {
+            id: t.record.id.clone(),
+        });
+    }
     if t.release_in_flight {
         return Err(TransitionError::ReleaseInFlight {
             id: t.record.id.clone(),
         });
     }
+    t.remove_in_flight = true;
     t.release_backoff = true;
     // The container is force-removed: a stop still wanted (its record's write failed) is
     // moot. Should the removal fail, the reconciler sees a running container and stops it.
@@ -331,6 +337,8 @@ fn actions_abandoned(t: &mut Task, abandoned: &[Action], message: String) {
                 t.stop = StopState::Failed;
             }
             Action::Effect(Effect::Release(_)) => t.release_in_flight = false,
+            // A remove cut short (its container's removal failed): it may be asked again.
+            Action::Effect(Effect::Forget) => t.remove_in_flight = false,
             Action::Effect(Effect::CancelPull) => t.cancel_pull = true,
             a if a.is_start_step() && t.start_in_flight && t.start_step_out => {
                 // The awaited outcome will never come: start is given up.
