@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use shim_engine::{Clock, Deps, Engine, HostOptions};
 use shim_resources::gpu::{
-    GpuHealthReport, GpuHealthSource, GpuRef, HealthSource, UnhealthyReason,
+    GpuHealth, GpuHealthReport, GpuHealthSource, GpuRef, HealthSource, UnhealthyReason,
 };
 use shim_resources::{GpuVendor, HostGpus};
 use shim_runtime::{ContainerRuntime as _, DockerRuntime};
@@ -114,11 +114,29 @@ struct HostGpuHealth {
     uuids: std::collections::BTreeMap<u32, String>,
 }
 
-/// The GPU DCGM's entity `id` is: its UUID where detection knew the index, else the index.
-fn dcgm_gpu(uuids: &std::collections::BTreeMap<u32, String>, id: u32) -> GpuRef<'_> {
-    uuids
-        .get(&id)
-        .map_or(GpuRef::Index(id), |uuid| GpuRef::Uuid(uuid))
+/// Adds DCGM's `reason` to its GPU entity `id` in `report`: the GPU detection gave that index
+/// (`uuids`), listed in the report if `nvidia-smi -q` could not read it (DCGM's incident on a
+/// GPU the driver lost must still keep it out). An index detection does not know is logged and
+/// left: it is no position in the report's list.
+fn add_dcgm_incident(
+    report: &mut GpuHealthReport,
+    uuids: &std::collections::BTreeMap<u32, String>,
+    id: u32,
+    reason: UnhealthyReason,
+) {
+    let Some(uuid) = uuids.get(&id) else {
+        tracing::warn!(gpu = id, %reason, "DCGM reports a GPU the shim did not detect; left out");
+        return;
+    };
+    if !report.add_reason(GpuRef::Uuid(uuid), reason.clone()) {
+        report.gpus.push(GpuHealth {
+            uuid: uuid.clone(),
+            index: id,
+            bus_id: String::new(),
+            reasons: vec![reason],
+        });
+        report.gpus.sort_by_key(|g| g.index);
+    }
 }
 
 /// DCGM's health watch system, by its bit (`dcgmHealthSystems_t`).
@@ -155,10 +173,9 @@ impl GpuHealthSource for HostGpuHealth {
             for incident in dcgm.incidents {
                 // Entity group 1: a GPU, by its DCGM id (nvidia-smi's index).
                 if incident.entity_group_id == 1 && incident.health == shim_dcgm::HEALTH_FAIL {
-                    report.add_reason(
-                        dcgm_gpu(&self.uuids, incident.entity_id),
-                        UnhealthyReason::dcgm(dcgm_system(incident.system), incident.error_message),
-                    );
+                    let reason =
+                        UnhealthyReason::dcgm(dcgm_system(incident.system), incident.error_message);
+                    add_dcgm_incident(&mut report, &self.uuids, incident.entity_id, reason);
                 }
             }
         }
@@ -201,11 +218,32 @@ mod tests {
     use super::*;
 
     /// A DCGM incident names the GPU by its index; the shim goes by the UUID detection gave
-    /// that index, so a GPU missing from a health probe's list shifts nothing.
+    /// that index: a GPU missing from a health probe's list (`nvidia-smi -q` lost it) shifts
+    /// nothing and is listed with the reason; an index detection does not know goes nowhere.
     #[test]
     fn a_dcgm_incident_goes_to_the_gpu_detection_numbered_so() {
-        let uuids = [(0, "GPU-a".to_owned()), (2, "GPU-c".to_owned())].into();
-        assert_eq!(dcgm_gpu(&uuids, 2), GpuRef::Uuid("GPU-c"));
-        assert_eq!(dcgm_gpu(&uuids, 1), GpuRef::Index(1));
+        let uuids = [(0, "GPU-a"), (1, "GPU-b"), (3, "GPU-d")]
+            .map(|(i, u)| (i, u.to_owned()))
+            .into();
+        let gpu = |uuid: &str, index| GpuHealth {
+            uuid: uuid.into(),
+            index,
+            bus_id: String::new(),
+            reasons: Vec::new(),
+        };
+        // GPU 2 lost at detection; `-q` lists the others at positions 0, 1, 2.
+        let mut report = GpuHealthReport {
+            gpus: vec![gpu("GPU-a", 0), gpu("GPU-b", 1), gpu("GPU-d", 2)],
+            ..GpuHealthReport::default()
+        };
+        let reason = || UnhealthyReason::dcgm("memory", "ECC errors");
+        add_dcgm_incident(&mut report, &uuids, 2, reason());
+        assert!(report.unhealthy_ids().is_empty(), "{report:?}");
+        add_dcgm_incident(&mut report, &uuids, 3, reason());
+        assert_eq!(report.unhealthy_ids(), ["GPU-d"]);
+        // `-q` could not read GPU-b: DCGM's incident lists it.
+        report.gpus.retain(|g| g.uuid != "GPU-b");
+        add_dcgm_incident(&mut report, &uuids, 1, reason());
+        assert_eq!(report.unhealthy_ids(), ["GPU-b", "GPU-d"]);
     }
 }

@@ -74,7 +74,7 @@ pub struct EngineConfig {
     /// How a task's GPUs reach its container: CDI where it can work, else upstream's way
     /// ([`GpuDeviceMode::Auto`], the default), or forced either way.
     pub gpu_device_mode: GpuDeviceMode,
-    /// How often the GPUs' health source is probed (`Deps::gpu_health`).
+    /// How often the GPUs' health source is probed (`Deps::gpu_health`); zero: never.
     pub gpu_health_interval: Duration,
 }
 
@@ -178,19 +178,21 @@ impl EngineConfig {
     pub const MAX_PERIOD: Duration = Duration::from_secs(86_400);
 
     /// Checks what [`crate::Engine::open`] cannot run with: a period of the engine's timers
-    /// that is zero or longer than [`Self::MAX_PERIOD`] (tokio's interval panics on a zero
-    /// period, and on one that takes an `Instant` past the clock's range: the reconciler or the
-    /// GPU health watch would die after the engine opened, with nothing else to run them).
+    /// longer than [`Self::MAX_PERIOD`], or a zero [`Self::reconcile_interval`] (tokio's
+    /// interval panics on a zero period, and on one that takes an `Instant` past the clock's
+    /// range: the reconciler or the GPU health watch would die after the engine opened, with
+    /// nothing else to run them). A zero [`Self::gpu_health_interval`] turns the watch off.
     pub fn check(&self) -> Result<(), ConfigError> {
-        for (field, period) in [
-            ("reconcile_interval", self.reconcile_interval),
-            ("gpu_health_interval", self.gpu_health_interval),
+        for (field, period, zero_ok) in [
+            ("reconcile_interval", self.reconcile_interval, false),
+            ("gpu_health_interval", self.gpu_health_interval, true),
         ] {
-            if period.is_zero() || period > Self::MAX_PERIOD {
+            if (period.is_zero() && !zero_ok) || period > Self::MAX_PERIOD {
                 return Err(ConfigError {
                     field: field.to_owned(),
                     why: format!(
-                        "must be more than 0 and at most {} s, not {period:?}",
+                        "must be {} and at most {} s, not {period:?}",
+                        if zero_ok { "0 (off)" } else { "more than 0" },
                         Self::MAX_PERIOD.as_secs()
                     ),
                 });

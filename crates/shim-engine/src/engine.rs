@@ -15,7 +15,7 @@ use std::time::Duration;
 use prometheus_client::registry::Registry;
 use shim_resources::{GpuLock, HostGpus};
 use shim_runtime::ContainerRuntime;
-use shim_task::machine::{Action, Effect, Event};
+use shim_task::machine::{Action, Effect, Event, TransitionError};
 use shim_task::{TaskConfig, TaskId, TaskInfo, TaskStatus, TerminationReason};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -361,7 +361,8 @@ impl Opening {
             background.push(spawn_topology(detector, gpus.clone(), shutdown.clone()));
         }
         let gpu_health = Arc::new(GpuHealthWatch::new());
-        if let Some(source) = health_source {
+        // A zero period: the health watch is off.
+        if let Some(source) = health_source.filter(|_| !cfg.gpu_health_interval.is_zero()) {
             background.push(gpu_health.spawn(
                 source,
                 gpus.clone(),
@@ -444,10 +445,12 @@ impl Engine {
     /// # }
     /// ```
     pub fn subscribe(&self) -> Subscription {
+        // Ended once a shutdown has waited for the start jobs: the changes they make while
+        // it waits still come.
         self.inner
             .driver
             .subscribe()
-            .until(self.inner.shutdown.clone())
+            .until(self.inner.cut_starts.clone())
     }
 
     /// The engine's metrics in Prometheus' text format (OpenMetrics, ending in `# EOF`), to
@@ -592,6 +595,9 @@ impl Engine {
         timeout: Duration,
     ) -> Result<TaskInfo> {
         let slot = self.inner.table.get(id)?;
+        if self.inner.shutdown.is_cancelled() {
+            return Err(EngineError::ShutDown);
+        }
         let budget = timeout.saturating_add(self.inner.terminate_slack);
         let deadline = tokio::time::Instant::now().checked_add(budget);
         let event = Event::TerminateRequested {
@@ -627,6 +633,9 @@ impl Engine {
     /// end: a caller that goes away does not stop a release half-way.
     pub async fn remove(&self, id: &TaskId) -> Result<()> {
         let slot = self.inner.table.get(id)?;
+        if self.inner.shutdown.is_cancelled() {
+            return Err(EngineError::ShutDown);
+        }
         let engine = self.clone();
         tokio::spawn(async move { engine.remove_to_its_end(slot).await }).await?
     }
@@ -637,6 +646,12 @@ impl Engine {
             // Forgotten: removed, whatever a write on the way said (the record went with its
             // directory).
             Err(EngineError::StateWrite { .. }) if !self.inner.table.holds(&slot) => Ok(()),
+            // Another remove took it meanwhile.
+            Err(EngineError::Conflict(TransitionError::RemoveInFlight { .. }))
+                if !self.inner.table.holds(&slot) =>
+            {
+                Err(EngineError::NotFound(slot.id.clone()))
+            }
             other => other,
         }
     }
@@ -646,9 +661,13 @@ impl Engine {
     /// flight, so no task is left half-started; a start job still in flight then (a long
     /// pull), or at once with [`Shutdown::Now`], stops at its next await as a crash would
     /// stop it, its record left as it is: the engine opened next on the home (in this
-    /// process or another) finds the task as a restart does, and no job of this one writes
-    /// its record or starts its container behind it. From then on the engine is not ready
-    /// ([`Engine::health`]: its event stream is disconnected) and refuses submits.
+    /// process or another) finds the task as a restart does, and no job of this one starts
+    /// its container or takes another step behind it (work the job had already handed to the
+    /// blocking pool, a record's write or an authorized_keys rewrite, still finishes: open the
+    /// home again a moment after, as after a process exit). From then on the engine is not
+    /// ready ([`Engine::health`]: its event stream is disconnected), its subscriptions end,
+    /// and it refuses submits, terminates and removes ([`EngineError::ShutDown`]); its views
+    /// answer as before.
     pub async fn shutdown(&self, how: Shutdown) {
         self.inner.shutdown.cancel();
         let background = take(&self.inner.background);

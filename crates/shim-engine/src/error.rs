@@ -81,8 +81,8 @@ pub enum EngineError {
         /// Why, and what to do.
         message: String,
     },
-    /// The engine was shut down ([`crate::Engine::shutdown`]): it starts no task, since
-    /// nothing would watch its container.
+    /// The engine was shut down ([`crate::Engine::shutdown`]): it starts, stops and removes
+    /// nothing more, since nothing would watch the containers; its views still answer.
     #[error("the engine is shut down")]
     ShutDown,
 }

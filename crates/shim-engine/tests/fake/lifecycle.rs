@@ -90,20 +90,20 @@ async fn the_configured_log_limits_reach_the_containers_spec() {
 #[tokio::test(start_paused = true)]
 async fn a_timer_period_it_cannot_run_with_is_refused_at_open() {
     let w = World::new(1);
-    for period in [
-        Duration::ZERO,
-        Duration::MAX,
-        EngineConfig::MAX_PERIOD + Duration::from_secs(1),
-    ] {
-        for set in [
-            (|c: &mut EngineConfig, p| c.reconcile_interval = p) as fn(&mut EngineConfig, Duration),
-            |c, p| c.gpu_health_interval = p,
-        ] {
+    type Set = fn(&mut EngineConfig, Duration);
+    // Each period, and whether zero is taken (the GPU health watch off).
+    let periods: [(Set, bool); 2] = [
+        (|c, p| c.reconcile_interval = p, false),
+        (|c, p| c.gpu_health_interval = p, true),
+    ];
+    let too_long = EngineConfig::MAX_PERIOD + Duration::from_secs(1);
+    for (set, zero_ok) in periods {
+        for period in [Duration::ZERO, Duration::MAX, too_long] {
             let mut cfg = w.config();
             set(&mut cfg, period);
             let opened = Engine::open(cfg, w.deps()).await;
             let invalid = matches!(opened, Err(shim_engine::EngineError::InvalidConfig(_)));
-            assert!(invalid, "{period:?}");
+            assert_eq!(invalid, !(period.is_zero() && zero_ok), "{period:?}");
         }
     }
     let mut cfg = w.config();
@@ -145,8 +145,8 @@ async fn dropping_the_last_engine_handle_stops_its_background_jobs() {
 }
 
 /// A shut-down engine does not look alive to its embedder: its change subscriptions end
-/// (after the changes sent before), it is not ready, and it refuses submits, whose containers
-/// nothing would watch. It used to stay ready, keep its subscriptions open for ever, and start
+/// (after the changes sent before), it is not ready, and it refuses submits, terminates and
+/// removes, whose containers nothing would watch; its views answer. It used to stay ready, keep its subscriptions open for ever, and start
 /// tasks whose exits were never seen.
 #[tokio::test(start_paused = true)]
 async fn a_shut_down_engine_ends_its_subscriptions_is_not_ready_and_starts_nothing() {
@@ -172,6 +172,17 @@ async fn a_shut_down_engine_ends_its_subscriptions_is_not_ready_and_starts_nothi
     let refused = engine.submit(config("t2")).await.unwrap_err();
     assert_eq!(refused.to_string(), "the engine is shut down");
     assert_eq!(w.runtime.count("create"), creates);
+    let user = TerminationReason::TerminatedByUser;
+    let t1 = tid("t1");
+    let stop = engine.terminate(&t1, user, String::new(), Duration::ZERO);
+    let stop = stop.await.unwrap_err();
+    assert_eq!(stop.to_string(), "the engine is shut down");
+    let remove = engine.remove(&tid("t1")).await.unwrap_err();
+    assert_eq!(remove.to_string(), "the engine is shut down");
+    assert!(
+        engine.task_info(&tid("t1")).is_ok(),
+        "its views still answer"
+    );
 }
 
 /// A start job still in flight when a shutdown has waited as long as it would (a long pull)
@@ -532,6 +543,42 @@ async fn a_volume_stays_mounted_while_another_tasks_container_is_being_removed()
     w.runtime.release_removes();
     remove.await.unwrap().unwrap();
     assert!(w.volumes.mounted().is_empty(), "the last user unmounts it");
+}
+
+/// A second remove of a task while the first is carried out is refused (409): accepted, it
+/// ran its own delete and forget, which could take the task submitted again under the same id
+/// (its directory deleted, itself forgotten, its GPU left locked). Once the first is done, the
+/// task is gone (404), and the one submitted again runs.
+#[tokio::test(start_paused = true)]
+async fn a_second_remove_while_the_first_runs_is_refused() {
+    let (w, engine) = World::with_engine(1).await;
+    let info = run(&engine, config("t1").with_gpus(1)).await;
+    terminate_by_user(&engine, "t1").await;
+    wait_released(&engine, "t1").await;
+    let mut changes = engine.subscribe();
+    w.runtime.hold_removes();
+    let first = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.remove(&tid("t1")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = tokio::time::timeout(Duration::from_secs(10), engine.remove(&tid("t1")))
+        .await
+        .expect("the second remove answers")
+        .unwrap_err();
+    assert_eq!(second.kind(), shim_engine::ErrorKind::Conflict, "{second}");
+    w.runtime.release_removes();
+    first.await.unwrap().unwrap();
+    let gone = engine.remove(&tid("t1")).await.unwrap_err();
+    assert_eq!(gone.kind(), shim_engine::ErrorKind::NotFound, "{gone}");
+    let again = run(&engine, config("t1").with_gpus(1)).await;
+    assert_eq!(again.container_name, info.container_name);
+    assert!(w.task_json(&again.container_name).exists());
+    let mut removed = 0;
+    while let Some(Ok(change)) = changes.try_recv() {
+        removed += usize::from(matches!(change.kind, ChangeKind::Removed));
+    }
+    assert_eq!(removed, 1);
 }
 
 /// A remove behind a release in flight waits for it (bounded), woken by the step that ends
