@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use shim_engine::{Clock, Deps, Engine, HostOptions};
 use shim_resources::gpu::{
-    GpuHealth, GpuHealthReport, GpuHealthSource, GpuRef, HealthSource, UnhealthyReason,
+    GpuHealth, GpuHealthReport, GpuHealthSource, HealthSource, UnhealthyReason,
 };
 use shim_resources::{GpuVendor, HostGpus};
 use shim_runtime::{ContainerRuntime as _, DockerRuntime};
@@ -128,15 +128,13 @@ fn add_dcgm_incident(
         tracing::warn!(gpu = id, %reason, "DCGM reports a GPU the shim did not detect; left out");
         return;
     };
-    if !report.add_reason(GpuRef::Uuid(uuid), reason.clone()) {
-        report.gpus.push(GpuHealth {
-            uuid: uuid.clone(),
-            index: id,
-            bus_id: String::new(),
-            reasons: vec![reason],
-        });
-        report.gpus.sort_by_key(|g| g.index);
-    }
+    let listed = GpuHealth {
+        uuid: uuid.clone(),
+        index: id,
+        bus_id: String::new(),
+        reasons: Vec::new(),
+    };
+    report.add_reason_listed(&listed, reason);
 }
 
 /// DCGM's health watch system, by its bit (`dcgmHealthSystems_t`).

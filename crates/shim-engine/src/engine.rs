@@ -513,11 +513,18 @@ impl Engine {
     /// After [`Engine::shutdown`] a submit is [`EngineError::ShutDown`].
     pub async fn submit(&self, config: TaskConfig) -> Result<TaskInfo> {
         config.validate()?;
+        self.refuse_after_shutdown()?;
+        let engine = self.clone();
+        tokio::spawn(async move { engine.submit_to_its_end(config).await }).await?
+    }
+
+    /// [`EngineError::ShutDown`] once [`Engine::shutdown`] began: nothing more is started,
+    /// stopped or removed.
+    fn refuse_after_shutdown(&self) -> Result<()> {
         if self.inner.shutdown.is_cancelled() {
             return Err(EngineError::ShutDown);
         }
-        let engine = self.clone();
-        tokio::spawn(async move { engine.submit_to_its_end(config).await }).await?
+        Ok(())
     }
 
     /// [`Engine::submit`]'s work, in its own job.
@@ -595,9 +602,7 @@ impl Engine {
         timeout: Duration,
     ) -> Result<TaskInfo> {
         let slot = self.inner.table.get(id)?;
-        if self.inner.shutdown.is_cancelled() {
-            return Err(EngineError::ShutDown);
-        }
+        self.refuse_after_shutdown()?;
         let budget = timeout.saturating_add(self.inner.terminate_slack);
         let deadline = tokio::time::Instant::now().checked_add(budget);
         let event = Event::TerminateRequested {
@@ -633,9 +638,7 @@ impl Engine {
     /// end: a caller that goes away does not stop a release half-way.
     pub async fn remove(&self, id: &TaskId) -> Result<()> {
         let slot = self.inner.table.get(id)?;
-        if self.inner.shutdown.is_cancelled() {
-            return Err(EngineError::ShutDown);
-        }
+        self.refuse_after_shutdown()?;
         let engine = self.clone();
         tokio::spawn(async move { engine.remove_to_its_end(slot).await }).await?
     }

@@ -29,7 +29,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use shim_resources::gpu::cdi::kind_of;
-use shim_resources::gpu::{GpuHealth, GpuHealthReport, GpuHealthSource, GpuRef, UnhealthyReason};
+use shim_resources::gpu::{GpuHealth, GpuHealthReport, GpuHealthSource, UnhealthyReason};
 use shim_resources::{CdiRegistry, GpuLock, GpuVendor, HostGpus};
 use shim_runtime::{ContainerRuntime, GpuSupport};
 
@@ -313,25 +313,20 @@ fn with_kept_reasons(
     previous: Option<&GpuHealthReport>,
 ) -> GpuHealthReport {
     for (gpu, reasons) in kept {
+        let listed = (report
+            .get(gpu)
+            .or_else(|| previous.and_then(|p| p.get(gpu)))
+            .cloned())
+        .unwrap_or_else(|| GpuHealth {
+            uuid: gpu.clone(),
+            index: u32::MAX,
+            bus_id: String::new(),
+            reasons: Vec::new(),
+        });
         for reason in reasons {
-            if !report.add_reason(GpuRef::Uuid(gpu), reason.clone()) {
-                let mut listed = previous
-                    .and_then(|p| p.get(gpu))
-                    .cloned()
-                    .unwrap_or_else(|| GpuHealth {
-                        uuid: gpu.clone(),
-                        index: u32::MAX,
-                        bus_id: String::new(),
-                        reasons: Vec::new(),
-                    });
-                listed.reasons.clone_from(reasons);
-                report.gpus.push(listed);
-                break;
-            }
+            report.add_reason_listed(&listed, reason.clone());
         }
     }
-    // In index order, as a report lists them.
-    report.gpus.sort_by_key(|g| g.index);
     report
 }
 

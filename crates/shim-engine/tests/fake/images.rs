@@ -83,13 +83,7 @@ async fn latest_is_pulled_at_every_start() {
 #[tokio::test(start_paused = true)]
 async fn a_real_pull_is_shown_as_pulling() {
     let (w, engine) = World::with_engine(0).await;
-    w.runtime
-        .set_pull_behavior(PullBehavior::Hang { steps: vec![] });
-    let c = config("t1").with_image("img:latest");
-    engine.submit(c).await.unwrap();
-    let status = || info(&engine, "t1").status;
-    let pulling = poll_until(500, TICK, async || status() == TaskStatus::Pulling).await;
-    assert!(pulling, "task t1 never pulled");
+    submit_held_in_its_pull(&w, &engine, config("t1").with_image("img:latest")).await;
     assert_eq!(w.runtime.count("create"), 0);
     w.runtime.release_pulls();
     wait_status(&engine, "t1", TaskStatus::Running).await;

@@ -193,14 +193,8 @@ async fn a_shut_down_engine_ends_its_subscriptions_is_not_ready_and_starts_nothi
 #[tokio::test(start_paused = true)]
 async fn a_start_still_pulling_at_shutdown_stops_where_it_is() {
     let (w, engine) = World::with_engine(1).await;
-    w.runtime
-        .set_pull_behavior(PullBehavior::Hang { steps: vec![] });
-    let info = engine
-        .submit(config("t1").with_image("img:latest").with_gpus(1))
-        .await
-        .unwrap();
-    let status = || self::info(&engine, "t1").status;
-    assert!(poll_until(500, TICK, async || status() == TaskStatus::Pulling).await);
+    let c = config("t1").with_image("img:latest").with_gpus(1);
+    let info = submit_held_in_its_pull(&w, &engine, c).await;
     engine
         .shutdown(Shutdown::Graceful(Duration::from_secs(1)))
         .await;
@@ -487,6 +481,16 @@ async fn a_volume_two_tasks_hold_stays_mounted_until_the_last_lets_it_go() {
     assert!(w.volumes.mounted().is_empty(), "the last one unmounts it");
 }
 
+/// Once t2 is letting go of the data volume (its stop or removal under way), `t1`'s container
+/// exits and its release leaves the volume mounted: t2's container may still use it.
+async fn t1_lets_the_volume_go_for_t2(w: &World, engine: &Engine, t1: &TaskInfo) {
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(w.runtime.exit(&t1.container_id, 0));
+    wait_released(engine, "t1").await;
+    let mounted = w.volumes.mounted();
+    assert_eq!(mounted, ["data"], "t2's container may still use it");
+}
+
 /// A task terminated but whose container's stop is still under way holds its volume too: the
 /// other task's release (its container exited) leaves the volume mounted for it.
 #[tokio::test(start_paused = true)]
@@ -499,15 +503,7 @@ async fn a_volume_stays_mounted_while_another_tasks_stop_is_under_way() {
         let engine = engine.clone();
         async move { terminate(&engine, "t2", "", Duration::from_secs(60)).await }
     });
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    assert!(w.runtime.exit(&t1.container_id, 0));
-    wait_released(&engine, "t1").await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(
-        w.volumes.mounted(),
-        ["data"],
-        "t2's container may still use it"
-    );
+    t1_lets_the_volume_go_for_t2(&w, &engine, &t1).await;
     w.runtime.release_stops();
     terminate.await.unwrap();
     wait_released(&engine, "t2").await;
@@ -531,15 +527,7 @@ async fn a_volume_stays_mounted_while_another_tasks_container_is_being_removed()
         let engine = engine.clone();
         async move { engine.remove(&tid("t2")).await }
     });
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    assert!(w.runtime.exit(&t1.container_id, 0));
-    wait_released(&engine, "t1").await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(
-        w.volumes.mounted(),
-        ["data"],
-        "t2's container may still use it"
-    );
+    t1_lets_the_volume_go_for_t2(&w, &engine, &t1).await;
     w.runtime.release_removes();
     remove.await.unwrap().unwrap();
     assert!(w.volumes.mounted().is_empty(), "the last user unmounts it");

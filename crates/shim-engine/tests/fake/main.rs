@@ -237,6 +237,20 @@ fn info(engine: &Engine, id: &str) -> TaskInfo {
 
 /// Waits until the task has `status` and its start job has returned (until then the
 /// reconciler leaves it alone).
+/// Submits `c` with every pull held (until `release_pulls`) and waits until it shows
+/// `pulling`; its answer.
+async fn submit_held_in_its_pull(w: &World, engine: &Engine, c: TaskConfig) -> TaskInfo {
+    w.runtime
+        .set_pull_behavior(PullBehavior::Hang { steps: vec![] });
+    let id = c.id.to_string();
+    let submitted = engine.submit(c).await.unwrap();
+    let pulling = poll_until(500, TICK, async || {
+        info(engine, &id).status == TaskStatus::Pulling
+    });
+    assert!(pulling.await, "task {id} never pulled");
+    submitted
+}
+
 async fn wait_status(engine: &Engine, id: &str, status: TaskStatus) -> TaskInfo {
     let reached = poll_until(500, TICK, async || {
         info(engine, id).status == status && !engine.is_starting(&tid(id)).unwrap()

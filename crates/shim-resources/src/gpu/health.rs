@@ -274,6 +274,21 @@ impl GpuHealthReport {
         self.unread.contains(&source) || (!self.errors.is_empty() && self.unread.is_empty())
     }
 
+    /// Adds `reason` to `gpu` (once), listing it first (as `gpu` has it, without its reasons)
+    /// where the report lacks it: a GPU its source could not read that another source blames
+    /// (the XIDs of a GPU fallen off the bus, DCGM's incident, a reason carried over from an
+    /// earlier probe). The list stays in index order.
+    pub fn add_reason_listed(&mut self, gpu: &GpuHealth, reason: UnhealthyReason) {
+        if self.get(&gpu.uuid).is_none() {
+            self.gpus.push(GpuHealth {
+                reasons: Vec::new(),
+                ..gpu.clone()
+            });
+            self.gpus.sort_by_key(|g| g.index);
+        }
+        self.add_reason(GpuRef::Uuid(&gpu.uuid), reason);
+    }
+
     /// Adds `reason` to `gpu` (once). Returns false, changing nothing, when the report has no
     /// such GPU.
     pub fn add_reason(&mut self, gpu: GpuRef<'_>, reason: UnhealthyReason) -> bool {
@@ -911,17 +926,15 @@ impl XidTracker {
     /// the bus, or `nvidia-smi` failed) is added from what was learnt of it.
     pub fn apply(&self, report: &mut GpuHealthReport) {
         for (uuid, reasons) in self.reasons() {
-            if report.get(&uuid).is_none() {
-                let Some(known) = self.gpus.values().find(|g| g.uuid == uuid) else {
-                    continue;
-                };
-                report.gpus.push(known.clone());
-            }
+            let listed = report.get(&uuid).cloned();
+            let Some(gpu) = listed.or_else(|| self.gpus.values().find(|g| g.uuid == uuid).cloned())
+            else {
+                continue;
+            };
             for reason in reasons {
-                report.add_reason(GpuRef::Uuid(&uuid), reason);
+                report.add_reason_listed(&gpu, reason);
             }
         }
-        report.gpus.sort_by_key(|g| g.index);
     }
 
     /// Forgets the XIDs of the GPU with this UUID (an operator's decision); returns whether it
