@@ -1,31 +1,25 @@
 //! Crash states, enumerated (the method of ALICE, OSDI '14, and CrashMonkey, OSDI '18, in
-//! process): workloads of submits (into a spare directory made ahead, or one made on the
-//! spot; concurrent submits sharing one group commit of the runners directory), spares made
-//! ahead, adoptions (a task without a config, as restore adopts a
-//! container: `create_task_dir` then `write`), marks of a directory as mounted whole (an
-//! upstream container's), status writes, terminates, removes and the
-//! owner identity's creation run on a store whose
-//! every durable operation is recorded (`Store::open_recorded`); `shim_fs::crash::explore`
-//! builds every state a crash could leave after each recorded operation (each operation not
-//! yet made durable by an fsync applied or undone, each unsynced write kept, dropped or torn);
-//! each state is written out, the store's start-up runs on it (open, legacy migration, trash
-//! sweep, scan), and what it finds is checked against what the store had acknowledged (the
-//! call returned `Ok`) before the crash point:
+//! process). Workloads of submits (into a spare made ahead or a directory made on the spot;
+//! concurrent ones sharing one group commit of the runners directory), spares made ahead,
+//! adoptions (`create_task_dir` then `write`, as restore adopts a container), marks as mounted
+//! whole, status writes, terminates, removes and the owner identity run on a recorded store
+//! (`Store::open_recorded`). `shim_fs::crash::explore` builds every state a crash could leave
+//! after each operation (each one not yet made durable applied or undone, each unsynced write
+//! kept, dropped or torn); the store's start-up (open, legacy migration, trash sweep, scan) runs
+//! on each, and what it finds is checked against what was acknowledged (`Ok`) before the crash:
 //!
 //! - start-up never fails;
-//! - a task whose submit was acknowledged is there, unless its remove had begun;
-//! - a task's record is the last acknowledged one or a later one in flight, never an older
-//!   one, and never unusable (torn);
-//! - a task whose remove was acknowledged does not come back;
-//! - a directory whose mark as mounted whole was acknowledged is never read again, and one
-//!   never marked is never taken for marked;
+//! - an acknowledged submit is there, unless its remove had begun;
+//! - a record is the last acknowledged one or a later one in flight, never older, never torn;
+//! - an acknowledged remove does not come back;
+//! - an acknowledged mark as mounted whole is never read again; an unmarked one never taken for
+//!   marked;
 //! - the owner identity, once acknowledged, is there, and it is never unreadable;
-//! - (of the run itself) a submit that found a spare ready made one file fsync and one
-//!   directory fsync, one that did not one directory fsync more.
+//! - (of the run itself) a submit into a ready spare made one file fsync and one directory
+//!   fsync, one without a spare one directory fsync more.
 //!
-//! With a step of the durable writes left out on purpose (`shim_fs::crash::Bug`), the same
-//! checks find violating states: the enumeration catches a missing file fsync and a missing
-//! directory fsync.
+//! With a step of the durable writes left out (`shim_fs::crash::Bug`), the same checks find
+//! violating states: a missing file fsync and a missing directory fsync are caught.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // test helpers
 
 mod common;
@@ -335,12 +329,6 @@ enum Wrong {
     Mark,
 }
 
-/// One violating crash state: what is wrong, and the details.
-struct Violation {
-    wrong: Wrong,
-    text: String,
-}
-
 /// What start-up found for one task directory.
 #[derive(Debug, Clone)]
 enum Found {
@@ -417,21 +405,18 @@ fn judge(calls: &[Call], point: usize, seen: &Seen) -> Vec<(Wrong, String)> {
         let mine: Vec<&Call> = calls.iter().filter(|c| c.task == task).collect();
         let acked = |c: &Call| c.ok && c.end <= point;
         let started = |c: &Call| c.start < point;
-        let created = mine
-            .iter()
-            .any(|c| matches!(c.action, Action::Create(_) | Action::Adopt(_)) && acked(c));
-        let removing = mine
-            .iter()
-            .any(|c| matches!(c.action, Action::Delete) && started(c));
-        let removed = mine
-            .iter()
-            .any(|c| matches!(c.action, Action::Delete) && acked(c));
-        let marked = mine
-            .iter()
-            .any(|c| matches!(c.action, Action::Mark) && acked(c));
-        let marking = mine
-            .iter()
-            .any(|c| matches!(c.action, Action::Mark) && started(c));
+        // Whether a call of `mine` that `is` holds `when`.
+        let any = |is: fn(&Action) -> bool, when: &dyn Fn(&Call) -> bool| {
+            mine.iter().any(|c| is(&c.action) && when(c))
+        };
+        let delete: fn(&Action) -> bool = |a| matches!(a, Action::Delete);
+        let mark: fn(&Action) -> bool = |a| matches!(a, Action::Mark);
+        let created = any(
+            |a| matches!(a, Action::Create(_) | Action::Adopt(_)),
+            &acked,
+        );
+        let (removing, removed) = (any(delete, &started), any(delete, &acked));
+        let (marking, marked) = (any(mark, &started), any(mark, &acked));
         // The records it may hold: the last acknowledged, or a later one in flight.
         let writes: Vec<(&TaskRecord, &Call)> = mine
             .iter()
@@ -447,42 +432,25 @@ fn judge(calls: &[Call], point: usize, seen: &Seen) -> Vec<(Wrong, String)> {
             .filter(|(i, (_, c))| Some(*i) == last_acked || (Some(*i) > last_acked && started(c)))
             .map(|(_, (r, _))| *r)
             .collect();
-        match found.get(&name) {
-            Some(_) if removed => wrong.push((
-                Wrong::CameBack,
-                format!("{name}: its remove was acknowledged, yet it came back"),
-            )),
-            Some(Found::Whole) if !marking => wrong.push((
-                Wrong::Mark,
-                format!("{name}: taken for mounted whole, yet never marked"),
-            )),
-            Some(Found::Whole) => {}
-            Some(_) if marked => wrong.push((
-                Wrong::Mark,
-                format!("{name}: its mark as mounted whole was acknowledged, yet it was read"),
-            )),
-            Some(Found::Corrupt(e)) => {
-                wrong.push((Wrong::Unusable, format!("{name}: an unusable record ({e})")));
+        let (kind, text) = match found.get(&name) {
+            Some(_) if removed => (Wrong::CameBack, "its acknowledged remove undone".into()),
+            Some(Found::Whole) if !marking => (Wrong::Mark, "whole, never marked".into()),
+            Some(Found::Whole) => continue,
+            Some(_) if marked => (Wrong::Mark, "read after its acknowledged mark".into()),
+            Some(Found::Corrupt(e)) => (Wrong::Unusable, format!("an unusable record ({e})")),
+            Some(Found::Record(r)) if !allowed.iter().any(|a| common::stored_form(a) == **r) => {
+                let versions: Vec<u64> = allowed.iter().map(|r| r.updated_at_ms).collect();
+                let (version, status) = (r.updated_at_ms, r.status);
+                let text = format!("record version {version} ({status:?}), allowed: {versions:?}");
+                (Wrong::Contradicts, text)
             }
-            Some(Found::Record(r)) => {
-                if !allowed.iter().any(|a| common::stored_form(a) == **r) {
-                    let versions: Vec<u64> = allowed.iter().map(|r| r.updated_at_ms).collect();
-                    let (version, status) = (r.updated_at_ms, r.status);
-                    let text = format!("record version {version} ({status:?})");
-                    let text = format!("{name}: {text}, allowed: {versions:?}");
-                    wrong.push((Wrong::Contradicts, text));
-                }
+            Some(Found::NoRecord) if created && !removing => {
+                (Wrong::NoRecord, "acknowledged submit, no record".into())
             }
-            Some(Found::NoRecord) if created && !removing => wrong.push((
-                Wrong::NoRecord,
-                format!("{name}: its submit was acknowledged, yet its directory has no record"),
-            )),
-            None if created && !removing => wrong.push((
-                Wrong::Gone,
-                format!("{name}: its submit was acknowledged, yet it is gone"),
-            )),
-            Some(Found::NoRecord) | None => {}
-        }
+            None if created && !removing => (Wrong::Gone, "acknowledged submit, gone".into()),
+            Some(Found::Record(_) | Found::NoRecord) | None => continue,
+        };
+        wrong.push((kind, format!("{name}: {text}")));
     }
     wrong
 }
@@ -490,7 +458,7 @@ fn judge(calls: &[Call], point: usize, seen: &Seen) -> Vec<(Wrong, String)> {
 /// Explores every crash state of `run`, start-up on each distinct tree once and its findings
 /// checked against what was acknowledged at each crash point; the violations found, the
 /// statistics, and on how many trees start-up ran.
-fn explore_run(run: &Run) -> (Vec<Violation>, Stats, usize) {
+fn explore_run(run: &Run) -> (Vec<(Wrong, String)>, Stats, usize) {
     let mut startups: HashMap<u64, Startup> = HashMap::new();
     let mut violations = Vec::new();
     let stats = explore(&run.log, &Limits::default(), |state: &CrashState| {
@@ -503,10 +471,12 @@ fn explore_run(run: &Run) -> (Vec<Violation>, Stats, usize) {
             Err(e) => vec![(Wrong::StartUp, format!("start-up failed: {e}"))],
             Ok(found) => judge(&run.calls, state.point, found),
         };
-        violations.extend(problems.into_iter().map(|(wrong, p)| Violation {
-            wrong,
-            text: format!("{p}\n  in {}", state.describe(&run.log)),
-        }));
+        let at = state.describe(&run.log);
+        violations.extend(
+            problems
+                .into_iter()
+                .map(|(w, p)| (w, format!("{p}\n  in {at}"))),
+        );
         ControlFlow::Continue(())
     });
     (violations, stats, startups.len())
@@ -517,12 +487,8 @@ fn assert_no_violating_state(run: &Run, what: &str) {
     let (violations, stats, started) = explore_run(run);
     let ops = run.log.ops.len();
     eprintln!("{what}, {ops} operations: {stats}; start-up run on {started}");
-    let n = violations.len();
-    assert!(
-        n == 0,
-        "{n} violating crash states; the first:\n{}",
-        violations[0].text
-    );
+    let (n, first) = (violations.len(), violations.first().map(|v| &v.1));
+    assert!(n == 0, "{n} violating crash states; the first:\n{first:?}");
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -595,8 +561,8 @@ fn assert_caught(bug: Bug, kinds: &[Wrong]) {
     let run = run(&fixed(), false, Some(bug));
     let (violations, stats, _) = explore_run(&run);
     let mut found: BTreeMap<Wrong, (usize, String)> = BTreeMap::new();
-    for v in violations {
-        found.entry(v.wrong).or_insert((0, v.text)).0 += 1;
+    for (wrong, text) in violations {
+        found.entry(wrong).or_insert((0, text)).0 += 1;
     }
     eprintln!("{bug:?}: {stats}");
     for (wrong, (n, first)) in &found {
