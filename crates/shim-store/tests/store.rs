@@ -30,8 +30,7 @@ fn store_is_send_and_sync() {
 /// all) fails here until the format writes it. The registry password is never serialized.
 #[test]
 fn every_config_field_is_written_in_upstreams_config() {
-    let home = tempfile::tempdir().unwrap();
-    let store = Store::open(home.path().join("home")).unwrap();
+    let (_home, store) = temp_store();
     let r = record("t1");
     let config = r.config.clone().unwrap();
     let json = json(&store.create(&r).unwrap().state_file);
@@ -41,10 +40,8 @@ fn every_config_field_is_written_in_upstreams_config() {
     // The listing is real: the config's fields are there.
     assert!(fields.len() >= 18, "{fields:?}");
     for field in fields.keys() {
-        assert!(
-            written.contains_key(field),
-            "{field} is not written: {written:?}"
-        );
+        let is_written = written.contains_key(field);
+        assert!(is_written, "{field} is not written: {written:?}");
     }
     assert_eq!(written["registry_password"], "");
 }
@@ -124,10 +121,8 @@ fn a_task_directory_that_is_a_link_is_never_used() {
     assert!(matches!(err, StoreError::UnsafePath { .. }), "{err:?}");
     assert!(store.read(&r.container_name).is_err());
     assert!(!store.remove_skeleton(&r.container_name).unwrap());
-    assert!(
-        names(&elsewhere).is_empty(),
-        "nothing written through the link"
-    );
+    let through = names(&elsewhere);
+    assert!(through.is_empty(), "written through the link: {through:?}");
     // The scan does not follow it either.
     assert!(store.scan().unwrap().is_empty());
 }
@@ -137,11 +132,8 @@ fn rewrite_replaces_the_record() {
     let (home, store) = temp_store();
     let mut r = record("t1");
     let p = store.create_task_dir(&r.container_name).unwrap();
-    for status in [
-        TaskStatus::Pending,
-        TaskStatus::Preparing,
-        TaskStatus::Running,
-    ] {
+    use TaskStatus::{Pending, Preparing, Running};
+    for status in [Pending, Preparing, Running] {
         r.status = status;
         store.write(&r).unwrap();
         assert_eq!(store.read(&r.container_name).unwrap().unwrap(), r);
@@ -171,10 +163,8 @@ fn registry_password_never_reaches_the_disk() {
     config2.id = id("t2");
     let mut careless = TaskRecord::new(&config2, "job-2".into(), 1);
     careless.config = Some(Arc::new(config2.clone()));
-    assert_eq!(
-        careless.config.as_ref().unwrap().registry_password.expose(),
-        PASSWORD
-    );
+    let careless_config = careless.config.as_ref().unwrap();
+    assert_eq!(careless_config.registry_password.expose(), PASSWORD);
     create_with_record(&store, &careless);
     careless.status = TaskStatus::Running;
     store.write(&careless).unwrap();
@@ -304,9 +294,8 @@ fn unusable_state_files_are_moved_aside_and_the_scan_goes_on() {
     let entries = store.scan().unwrap();
     let no_record = entries
         .iter()
-        .filter(|e| matches!(e, ScanEntry::NoRecord { .. }))
-        .count();
-    assert_eq!(no_record, cases.len() + 2);
+        .filter(|e| matches!(e, ScanEntry::NoRecord { .. }));
+    assert_eq!(no_record.count(), cases.len() + 2);
 }
 
 #[test]
@@ -336,14 +325,9 @@ fn foreign_directories_are_reported_and_never_touched() {
         .collect();
     dirs.sort();
     assert_eq!(dirs, ["no-record"]);
-    assert_eq!(
-        names(&tasks.join("lost+found")),
-        ["task.json", "task.json.tmp"]
-    );
-    assert_eq!(
-        fs_err::read(tasks.join("lost+found/task.json")).unwrap(),
-        b"garbage"
-    );
+    let lost = tasks.join("lost+found");
+    assert_eq!(names(&lost), ["task.json", "task.json.tmp"]);
+    assert_eq!(fs_err::read(lost.join("task.json")).unwrap(), b"garbage");
     assert_eq!(names(&tasks.join("no-record")), ["task.json.tmp"]);
 }
 
@@ -388,11 +372,8 @@ fn a_directory_marked_as_mounted_whole_is_never_read() {
         matches!(&entries[..], [ScanEntry::MountedWhole { name, .. }] if name == "marked"),
         "{entries:?}"
     );
-    assert_eq!(
-        fs_err::read(&forged).unwrap(),
-        b"{ not a record",
-        "left as it was"
-    );
+    let left = fs_err::read(&forged).unwrap();
+    assert_eq!(left, b"{ not a record", "left as it was");
     store.delete("marked").unwrap();
     assert!(names(store.runners_dir()).is_empty());
     // A delete cut between the directory and its mark.
@@ -401,10 +382,8 @@ fn a_directory_marked_as_mounted_whole_is_never_read() {
     fs_err::remove_dir_all(store.runners_dir().join("gone")).unwrap();
     assert!(store.scan().unwrap().is_empty());
     assert!(names(store.runners_dir()).is_empty());
-    assert!(
-        store.mark_mounted_whole("../x").is_err(),
-        "names are checked"
-    );
+    let bad_name = store.mark_mounted_whole("../x");
+    assert!(bad_name.is_err(), "names are checked");
 }
 
 // --- round trip ---------------------------------------------------------------------------
@@ -431,14 +410,9 @@ fn key() -> impl Strategy<Value = PublicKey> {
 }
 
 fn status() -> impl Strategy<Value = TaskStatus> {
-    use TaskStatus as S;
+    use TaskStatus::*;
     select(vec![
-        S::Pending,
-        S::Preparing,
-        S::Pulling,
-        S::Creating,
-        S::Running,
-        S::Terminated,
+        Pending, Preparing, Pulling, Creating, Running, Terminated,
     ])
 }
 
