@@ -16,8 +16,7 @@ async fn fill_data_root(w: &World, engine: &Engine) {
 
 /// An engine with a data root, and task `t1` running the 10 GiB image `old:1` it pulled.
 async fn running_old_image() -> (World, Engine) {
-    let w = World::new(0);
-    w.runtime.set_data_root(Some("/fake/docker".into()));
+    let w = World::new(0).with_data_root();
     let engine = w.engine().await;
     run(&engine, config("t1").with_image("old:1")).await;
     w.runtime.set_image_size("old:1", 10 << 30);
@@ -33,15 +32,16 @@ async fn running_old_image() -> (World, Engine) {
 #[tokio::test(start_paused = true)]
 async fn an_unused_pulled_image_is_collected_when_the_data_root_fills() {
     let (w, engine) = running_old_image().await;
-    let deletes = || w.calls_where(|c| matches!(c, Call::DeleteImage(_)));
     fill_data_root(&w, &engine).await;
-    assert_eq!(deletes(), [], "the image of a known task stays");
+    assert_eq!(w.deleted_images(), [], "the image of a known task stays");
 
-    terminate_by_user(&engine, "t1").await;
-    engine.remove(&tid("t1")).await.unwrap();
-    poll_until(10, Duration::from_secs(30), async || !deletes().is_empty()).await;
+    end_and_remove(&engine, "t1").await;
     let pulled_as = Call::DeleteImage("docker.io/library/old:1".into());
-    assert_eq!(deletes(), [pulled_as], "by the name it was pulled as");
+    assert_eq!(
+        wait_deleted(&w).await,
+        [pulled_as],
+        "by the name it was pulled as"
+    );
     assert!(w.runtime.image_id("old:1").is_none());
     assert!(w.runtime.image_id(IMAGE).is_some(), "not pulled: kept");
     let m = scrape(&engine);
@@ -91,32 +91,29 @@ async fn a_real_pull_is_shown_as_pulling() {
 
 /// An image pulled by digest (`repo@sha256:…`) has no tag on Docker's classic store (the
 /// digest is listed apart, in `RepoDigests`; the containerd store lists it among the tags
-/// too, checked on Docker 28.5), so a task naming it by that digest must keep it all the same: while a known
-/// task names it (here one whose start failed before any container, so no container holds the
-/// image), a full data root collects nothing; once that task is removed, the image goes, by id.
-/// It used to be judged by its tags alone, so it was unused and removed under a task about to
-/// create from it, which then failed with the image vanished.
+/// too, checked on Docker 28.5), so a task naming it by that digest must keep it all the same:
+/// while a known task names it (here one whose start failed before any container, so no
+/// container holds the image), a full data root collects nothing; once that task is removed,
+/// the image goes, by id. It used to be judged by its tags alone, so it was unused and removed
+/// under a task about to create from it, which then failed with the image vanished.
 #[tokio::test(start_paused = true)]
 async fn an_image_named_by_digest_stays_while_a_task_names_it() {
-    let w = World::new(0);
-    w.runtime.set_data_root(Some("/fake/docker".into()));
+    let w = World::new(0).with_data_root();
     let engine = w.engine().await;
     let image = format!("repo/img@sha256:{}", "d".repeat(64));
     run(&engine, config("t1").with_image(&image)).await;
     let id = w.runtime.image_id(&image).expect("pulled");
     w.runtime.set_image_size(&image, 10 << 30);
-    terminate_by_user(&engine, "t1").await;
-    engine.remove(&tid("t1")).await.unwrap();
+    end_and_remove(&engine, "t1").await;
     // Known, naming the image, and without a container: it asks for a GPU the host lacks.
     failed_start(&engine, config("t2").with_image(&image).with_gpus(1)).await;
-    let deletes = || w.calls_where(|c| matches!(c, Call::DeleteImage(_)));
     fill_data_root(&w, &engine).await;
     tokio::time::sleep(Duration::from_secs(120)).await;
-    assert_eq!(deletes(), [], "the image a known task names stays");
+    assert_eq!(w.deleted_images(), [], "the image a known task names stays");
 
     engine.remove(&tid("t2")).await.unwrap();
-    poll_until(10, Duration::from_secs(30), async || !deletes().is_empty()).await;
-    assert_eq!(deletes(), [Call::DeleteImage(id)], "by id: it has no tag");
+    let by_id = [Call::DeleteImage(id)];
+    assert_eq!(wait_deleted(&w).await, by_id, "by id: it has no tag");
     assert!(w.runtime.image_id(&image).is_none());
 }
 
@@ -127,31 +124,23 @@ async fn an_image_named_by_digest_stays_while_a_task_names_it() {
 /// it, under a task about to create from it.
 #[tokio::test(start_paused = true)]
 async fn an_image_a_task_names_by_its_digest_stays() {
-    let w = World::new(0);
-    w.runtime.set_data_root(Some("/fake/docker".into()));
+    let w = World::new(0).with_data_root();
     let engine = w.engine().await;
     run(&engine, config("t1").with_image("org/app:1")).await;
     let id = w.runtime.image_id("org/app:1").expect("pulled");
     w.runtime.set_image_size("org/app:1", 10 << 30);
     let by_digest = format!("org/app@sha256:{}", "e".repeat(64));
     w.runtime.add_image_with_id(&by_digest, &id);
-    terminate_by_user(&engine, "t1").await;
-    engine.remove(&tid("t1")).await.unwrap();
+    end_and_remove(&engine, "t1").await;
     failed_start(&engine, config("t2").with_image(&by_digest).with_gpus(1)).await;
-    let deletes = || w.calls_where(|c| matches!(c, Call::DeleteImage(_)));
     fill_data_root(&w, &engine).await;
     tokio::time::sleep(Duration::from_secs(120)).await;
-    assert_eq!(
-        deletes(),
-        [],
-        "the image a known task names by digest stays"
-    );
+    let kept = "the image a known task names by digest stays";
+    assert_eq!(w.deleted_images(), [], "{kept}");
 
     engine.remove(&tid("t2")).await.unwrap();
-    let removed = poll_until(10, Duration::from_secs(30), async || !deletes().is_empty());
-    assert!(removed.await);
     let tag = Call::DeleteImage("docker.io/org/app:1".to_owned());
-    assert_eq!(deletes(), [tag]);
+    assert_eq!(wait_deleted(&w).await, [tag]);
 }
 
 /// An image this shim pulled that an operator then removed (`docker image prune`) leaves the
@@ -169,8 +158,7 @@ async fn an_image_removed_by_hand_leaves_the_ledger() {
             .contains(&id)
     };
     assert!(recorded(), "the pull is recorded");
-    terminate_by_user(&engine, "t1").await;
-    engine.remove(&tid("t1")).await.unwrap();
+    end_and_remove(&engine, "t1").await;
     tokio::time::sleep(Duration::from_secs(120)).await;
     assert!(recorded(), "no pass needed space");
     w.runtime.remove_image("old:1");
@@ -186,12 +174,11 @@ async fn an_image_removed_by_hand_leaves_the_ledger() {
 #[tokio::test(start_paused = true)]
 async fn a_task_submitted_during_its_images_removal_pulls_it_again() {
     let (w, engine) = running_old_image().await;
-    terminate_by_user(&engine, "t1").await;
-    engine.remove(&tid("t1")).await.unwrap();
+    end_and_remove(&engine, "t1").await;
     w.runtime.hold_image_deletes();
-    let deletes = || w.calls_where(|c| matches!(c, Call::DeleteImage(_)));
     fill_data_root(&w, &engine).await;
-    assert!(poll_until(100, Duration::from_secs(1), async || !deletes().is_empty()).await);
+    let deleting = async || !w.deleted_images().is_empty();
+    assert!(poll_until(100, Duration::from_secs(1), deleting).await);
     let pulls = w.runtime.count("pull");
     engine
         .submit(config("t2").with_image("old:1"))
@@ -211,8 +198,7 @@ async fn a_task_submitted_during_its_images_removal_pulls_it_again() {
 /// at the kill, and the image made present as the engine finishing the pull would.)
 #[tokio::test(start_paused = true)]
 async fn an_image_pulled_just_before_a_kill_is_still_collected() {
-    let mut w = World::new(0);
-    w.runtime.set_data_root(Some("/fake/docker".into()));
+    let mut w = World::new(0).with_data_root();
     w.runtime
         .set_pull_behavior(PullBehavior::Hang { steps: vec![] });
     let engine = w.engine().await;
@@ -235,15 +221,10 @@ async fn an_image_pulled_just_before_a_kill_is_still_collected() {
     engine.remove(&tid("t1")).await.unwrap();
     run(&engine, config("t2").with_image("new:1")).await;
     assert_eq!(w.runtime.count("pull"), 1, "present: not pulled again");
-    terminate_by_user(&engine, "t2").await;
-    engine.remove(&tid("t2")).await.unwrap();
-    let deletes = || w.calls_where(|c| matches!(c, Call::DeleteImage(_)));
+    end_and_remove(&engine, "t2").await;
     w.disk.set_available(20 << 30); // 90 % used: the next minute's pass collects
-    assert!(poll_until(10, Duration::from_secs(30), async || !deletes().is_empty()).await);
-    assert_eq!(
-        deletes(),
-        [Call::DeleteImage("docker.io/library/new:1".into())]
-    );
+    let pulled_as = Call::DeleteImage("docker.io/library/new:1".into());
+    assert_eq!(wait_deleted(&w).await, [pulled_as]);
 }
 
 /// A pull that fails leaves no name in the ledger: resolved later, it would name whatever image
@@ -251,8 +232,7 @@ async fn an_image_pulled_just_before_a_kill_is_still_collected() {
 /// would remove an image the shim never pulled.
 #[tokio::test(start_paused = true)]
 async fn a_failed_pull_claims_no_image_pulled_later_by_hand() {
-    let w = World::new(0);
-    w.runtime.set_data_root(Some("/fake/docker".into()));
+    let w = World::new(0).with_data_root();
     w.runtime.set_pull_behavior(PullBehavior::Fail {
         steps: vec![],
         message: "unauthorized".into(),
@@ -266,8 +246,7 @@ async fn a_failed_pull_claims_no_image_pulled_later_by_hand() {
     w.runtime.set_image_size("org/app:1", 10 << 30);
     w.disk.set_available(20 << 30); // 90 % used
     tokio::time::sleep(Duration::from_secs(180)).await;
-    let deletes = w.calls_where(|c| matches!(c, Call::DeleteImage(_)));
-    assert_eq!(deletes, [], "pulled by hand: never the shim's");
+    assert_eq!(w.deleted_images(), [], "pulled by hand: never the shim's");
 }
 
 /// The engine's data root is asked again once its event stream was lost: a daemon restarted
@@ -279,8 +258,7 @@ async fn the_data_root_is_asked_again_after_the_engine_restarts() {
     let (w, engine) = World::with_engine(0).await;
     run(&engine, config("t1").with_image("old:1")).await;
     w.runtime.set_image_size("old:1", 10 << 30);
-    terminate_by_user(&engine, "t1").await;
-    engine.remove(&tid("t1")).await.unwrap();
+    end_and_remove(&engine, "t1").await;
     w.disk.set_available(20 << 30);
     tokio::time::sleep(Duration::from_secs(150)).await;
     assert!(
@@ -290,7 +268,6 @@ async fn the_data_root_is_asked_again_after_the_engine_restarts() {
 
     w.runtime.set_data_root(Some("/fake/docker".into()));
     w.runtime.break_event_streams();
-    let deletes = || w.calls_where(|c| matches!(c, Call::DeleteImage(_)));
-    poll_until(10, Duration::from_secs(30), async || !deletes().is_empty()).await;
-    assert!(w.runtime.image_id("old:1").is_none(), "{:?}", deletes());
+    let deleted = wait_deleted(&w).await;
+    assert!(w.runtime.image_id("old:1").is_none(), "{deleted:?}");
 }

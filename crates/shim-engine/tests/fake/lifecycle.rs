@@ -80,10 +80,6 @@ async fn the_configured_log_limits_reach_the_containers_spec() {
     }
 }
 
-/// Dropping the last handle of an engine stops its background jobs (the event listener, the
-/// reconciler, the retry pass): they hold the parts they use, never the handle. Once they
-/// ended, nothing holds the engine's change feed, so a subscription ends with `Closed`, and no
-/// Docker request is made any more.
 // A period the engine's timers cannot run with (zero, or past the clock's range: tokio's
 // interval panics on both) is refused at open; taken, it killed the reconciler or the GPU
 // health watch after the engine had opened, with nothing else to run them.
@@ -114,6 +110,10 @@ async fn a_timer_period_it_cannot_run_with_is_refused_at_open() {
     wait_status(&engine, "t1", TaskStatus::Running).await;
 }
 
+/// Dropping the last handle of an engine stops its background jobs (the event listener, the
+/// reconciler, the retry pass): they hold the parts they use, never the handle. Once they
+/// ended, nothing holds the engine's change feed, so a subscription ends with `Closed`, and no
+/// Docker request is made any more.
 #[tokio::test(start_paused = true)]
 async fn dropping_the_last_engine_handle_stops_its_background_jobs() {
     let (w, engine) = World::with_engine(0).await;
@@ -125,16 +125,8 @@ async fn dropping_the_last_engine_handle_stops_its_background_jobs() {
     assert!(clone.reconcile_now().await);
     assert!(clone.health().events_connected);
     drop(clone);
-    let closed = tokio::time::timeout(Duration::from_secs(5), async {
-        loop {
-            if let Err(e) = changes.recv().await {
-                return e;
-            }
-        }
-    })
-    .await;
-    let jobs_ended = Ok(shim_engine::SubscriptionError::Closed);
-    assert_eq!(closed, jobs_ended, "the jobs outlived the last handle");
+    let closed = until_closed(&mut changes, Duration::from_secs(5)).await;
+    assert_eq!(closed, shim_engine::SubscriptionError::Closed);
     // Nothing asks Docker any more (the retry pass and the listener are gone), and the
     // container keeps running.
     w.runtime.clear_calls();
@@ -146,43 +138,29 @@ async fn dropping_the_last_engine_handle_stops_its_background_jobs() {
 
 /// A shut-down engine does not look alive to its embedder: its change subscriptions end
 /// (after the changes sent before), it is not ready, and it refuses submits, terminates and
-/// removes, whose containers nothing would watch; its views answer. It used to stay ready, keep its subscriptions open for ever, and start
-/// tasks whose exits were never seen.
+/// removes, whose containers nothing would watch; its views answer. It used to stay ready,
+/// keep its subscriptions open for ever, and start tasks whose exits were never seen.
 #[tokio::test(start_paused = true)]
 async fn a_shut_down_engine_ends_its_subscriptions_is_not_ready_and_starts_nothing() {
     let (w, engine) = World::with_engine(0).await;
     let mut changes = engine.subscribe();
     engine.submit(config("t1")).await.unwrap();
     engine.shutdown(Shutdown::Now).await;
-    let mut ended = false;
-    for _ in 0..100 {
-        match tokio::time::timeout(Duration::from_secs(1), changes.recv()).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => {
-                assert_eq!(e, shim_engine::SubscriptionError::Closed);
-                ended = true;
-                break;
-            }
-            Err(_) => panic!("the subscription is still open"),
-        }
-    }
-    assert!(ended);
+    let closed = until_closed(&mut changes, Duration::from_secs(5)).await;
+    assert_eq!(closed, shim_engine::SubscriptionError::Closed);
     assert!(!engine.health().is_ready(), "{:?}", engine.health());
     let creates = w.runtime.count("create");
     let refused = engine.submit(config("t2")).await.unwrap_err();
     assert_eq!(refused.to_string(), "the engine is shut down");
     assert_eq!(w.runtime.count("create"), creates);
-    let user = TerminationReason::TerminatedByUser;
-    let t1 = tid("t1");
+    let (t1, user) = (tid("t1"), TerminationReason::TerminatedByUser);
     let stop = engine.terminate(&t1, user, String::new(), Duration::ZERO);
     let stop = stop.await.unwrap_err();
-    assert_eq!(stop.to_string(), "the engine is shut down");
-    let remove = engine.remove(&tid("t1")).await.unwrap_err();
-    assert_eq!(remove.to_string(), "the engine is shut down");
-    assert!(
-        engine.task_info(&tid("t1")).is_ok(),
-        "its views still answer"
-    );
+    let remove = engine.remove(&t1).await.unwrap_err();
+    for refused in [stop, remove] {
+        assert_eq!(refused.to_string(), "the engine is shut down");
+    }
+    assert!(engine.task_info(&t1).is_ok(), "its views still answer");
 }
 
 /// A start job still in flight when a shutdown has waited as long as it would (a long pull)
@@ -523,10 +501,7 @@ async fn a_volume_stays_mounted_while_another_tasks_container_is_being_removed()
     terminate_now(&engine, "t2", "the daemon is down").await;
     w.runtime.set_unreachable(false);
     w.runtime.hold_removes();
-    let remove = tokio::spawn({
-        let engine = engine.clone();
-        async move { engine.remove(&tid("t2")).await }
-    });
+    let remove = spawn_remove(&engine, "t2");
     t1_lets_the_volume_go_for_t2(&w, &engine, &t1).await;
     w.runtime.release_removes();
     remove.await.unwrap().unwrap();
@@ -545,10 +520,7 @@ async fn a_second_remove_while_the_first_runs_is_refused() {
     wait_released(&engine, "t1").await;
     let mut changes = engine.subscribe();
     w.runtime.hold_removes();
-    let first = tokio::spawn({
-        let engine = engine.clone();
-        async move { engine.remove(&tid("t1")).await }
-    });
+    let first = spawn_remove(&engine, "t1");
     tokio::time::sleep(Duration::from_millis(100)).await;
     let second = tokio::time::timeout(Duration::from_secs(10), engine.remove(&tid("t1")))
         .await
@@ -578,10 +550,7 @@ async fn a_remove_behind_a_release_waits_for_it_then_removes() {
     run(&engine, config("t1").with_data_volume()).await;
     w.volumes.hold_releases();
     terminate_now(&engine, "t1", "a held unmount").await;
-    let remove = tokio::spawn({
-        let engine = engine.clone();
-        async move { engine.remove(&tid("t1")).await }
-    });
+    let remove = spawn_remove(&engine, "t1");
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(!remove.is_finished(), "the remove waits for the release");
     assert_eq!(w.volumes.mounted(), ["data"]);

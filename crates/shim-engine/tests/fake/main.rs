@@ -164,6 +164,17 @@ impl World {
     fn calls_where(&self, pick: impl Fn(&Call) -> bool) -> Vec<Call> {
         self.runtime.calls().into_iter().filter(pick).collect()
     }
+
+    /// The image removals recorded since the calls were last cleared.
+    fn deleted_images(&self) -> Vec<Call> {
+        self.calls_where(|c| matches!(c, Call::DeleteImage(_)))
+    }
+
+    /// This world with an engine that names its data root (`/fake/docker`).
+    fn with_data_root(self) -> Self {
+        self.runtime.set_data_root(Some("/fake/docker".into()));
+        self
+    }
 }
 
 /// Stops `engine` gracefully (its start jobs get up to 5 s) and drops it.
@@ -235,8 +246,6 @@ fn info(engine: &Engine, id: &str) -> TaskInfo {
     engine.task_info(&tid(id)).unwrap()
 }
 
-/// Waits until the task has `status` and its start job has returned (until then the
-/// reconciler leaves it alone).
 /// Submits `c` with every pull held (until `release_pulls`) and waits until it shows
 /// `pulling`; its answer.
 async fn submit_held_in_its_pull(w: &World, engine: &Engine, c: TaskConfig) -> TaskInfo {
@@ -251,6 +260,8 @@ async fn submit_held_in_its_pull(w: &World, engine: &Engine, c: TaskConfig) -> T
     submitted
 }
 
+/// Waits until the task has `status` and its start job has returned (until then the
+/// reconciler leaves it alone).
 async fn wait_status(engine: &Engine, id: &str, status: TaskStatus) -> TaskInfo {
     let reached = poll_until(500, TICK, async || {
         info(engine, id).status == status && !engine.is_starting(&tid(id)).unwrap()
@@ -298,6 +309,43 @@ async fn terminate(engine: &Engine, id: &str, message: &str, timeout: Duration) 
     let (id, reason) = (tid(id), TerminationReason::TerminatedByUser);
     let answer = engine.terminate(&id, reason, message.into(), timeout);
     answer.await.unwrap()
+}
+
+/// Terminates task `id` as its user would, then removes it.
+async fn end_and_remove(engine: &Engine, id: &str) {
+    terminate_by_user(engine, id).await;
+    engine.remove(&tid(id)).await.unwrap();
+}
+
+/// Waits (up to five minutes of minute checks) until image collection removed an image; the
+/// removals.
+async fn wait_deleted(w: &World) -> Vec<Call> {
+    let deleted = poll_until(10, Duration::from_secs(30), async || {
+        !w.deleted_images().is_empty()
+    });
+    assert!(deleted.await, "no image was removed");
+    w.deleted_images()
+}
+
+/// Removes task `id` in a task of its own (the test holds something the remove waits for).
+fn spawn_remove(engine: &Engine, id: &str) -> tokio::task::JoinHandle<shim_engine::Result<()>> {
+    let (engine, id) = (engine.clone(), tid(id));
+    tokio::spawn(async move { engine.remove(&id).await })
+}
+
+/// Receives changes until the subscription ends (within `bound`); its end.
+async fn until_closed(
+    changes: &mut shim_engine::Subscription,
+    bound: Duration,
+) -> shim_engine::SubscriptionError {
+    let closed = tokio::time::timeout(bound, async {
+        loop {
+            if let Err(e) = changes.recv().await {
+                return e;
+            }
+        }
+    });
+    closed.await.expect("the subscription is still open")
 }
 
 /// Terminates task `id` as its user would, with no message and no grace period.

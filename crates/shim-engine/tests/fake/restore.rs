@@ -148,6 +148,14 @@ fn upstream_task_json(id: &str, name: &str, gpu: i64, reason: &str, cleaned_up: 
     parts.concat()
 }
 
+/// The container name of upstream task `id` named `name`, and its directory, made.
+fn upstream_dir(w: &World, id: &str, name: &str) -> (String, PathBuf) {
+    let name = shim_task::naming::container_name(&TaskName::new(name).unwrap(), &tid(id));
+    let dir = w.runner_dir(&name);
+    fs_err::create_dir_all(&dir).unwrap();
+    (name, dir)
+}
+
 /// A running container as the upstream shim creates it ([`upstream_spec`]), its NVIDIA GPUs
 /// as one device request.
 fn upstream_container(w: &World, id: &str, name: &str, runner_dir: &Path, gpus: &[String]) {
@@ -172,24 +180,17 @@ async fn upstream_tasks_hold_and_release_exactly_their_gpus_keys_and_volumes() {
     let all = w.host_gpus.ids();
 
     // With a state file: two GPUs, a volume, a key.
-    let name_a = shim_task::naming::container_name(&TaskName::new("up-a").unwrap(), &tid("a1"));
-    let dir_a = w.runner_dir(&name_a);
+    let (name_a, dir_a) = upstream_dir(&w, "a1", "up-a");
     fs_err::create_dir_all(dir_a.join("runner")).unwrap();
     let json_a = upstream_task_json("a1", "up-a", 2, "", false);
     fs_err::write(dir_a.join("task.json"), json_a).unwrap();
     upstream_container(&w, "a1", &name_a, &dir_a.join("runner"), &all[..2]);
     // Without a state file: one GPU. It mounts its whole directory, so the state file its
     // task wrote there (a key for the host's user, a volume, no GPU) is not trusted.
-    let name_b = shim_task::naming::container_name(&TaskName::new("up-b").unwrap(), &tid("b1"));
-    let name_b = name_b.as_str();
-    let dir_b = w.runner_dir(name_b);
-    fs_err::create_dir_all(&dir_b).unwrap();
-    fs_err::write(
-        dir_b.join("task.json"),
-        upstream_task_json("b1", "up-b", 0, "", false),
-    )
-    .unwrap();
-    upstream_container(&w, "b1", name_b, &dir_b, &all[2..3]);
+    let (name_b, dir_b) = upstream_dir(&w, "b1", "up-b");
+    let json_b = upstream_task_json("b1", "up-b", 0, "", false);
+    fs_err::write(dir_b.join("task.json"), json_b).unwrap();
+    upstream_container(&w, "b1", &name_b, &dir_b, &all[2..3]);
     // Another home's: its GPU is not ours to lock.
     let elsewhere = tempfile::tempdir().unwrap();
     upstream_container(&w, "c1", "up-c-0-0-87654321", elsewhere.path(), &all[3..]);
@@ -228,20 +229,15 @@ async fn upstream_tasks_hold_and_release_exactly_their_gpus_keys_and_volumes() {
 #[tokio::test(start_paused = true)]
 async fn a_state_file_a_container_could_write_is_not_trusted_once_the_container_is_gone() {
     let (mut w, engine) = World::with_engine(0).await;
-    let name = shim_task::naming::container_name(&TaskName::new("up-b").unwrap(), &tid("b1"));
-    let dir = w.runner_dir(&name);
-    fs_err::create_dir_all(&dir).unwrap();
+    let (name, dir) = upstream_dir(&w, "b1", "up-b");
     upstream_container(&w, "b1", &name, &dir, &[]);
     shut_down(engine).await;
     let engine = w.fresh_process().await;
     assert_eq!(info(&engine, "b1").status, TaskStatus::Running);
     // The container writes a state file naming a host key and a volume, then is removed
     // while no shim runs.
-    fs_err::write(
-        dir.join("task.json"),
-        upstream_task_json("b1", "up-b", 0, "", false),
-    )
-    .unwrap();
+    let json = upstream_task_json("b1", "up-b", 0, "", false);
+    fs_err::write(dir.join("task.json"), json).unwrap();
     shut_down(engine).await;
     assert!(w.runtime.vanish(&w.runtime.id_by_name(&name).unwrap()));
     let engine = w.fresh_process().await;
@@ -287,8 +283,7 @@ async fn upstream_tenstorrent_and_gaudi_tasks_keep_their_devices() {
                 })
                 .collect(),
         };
-        let name = shim_task::naming::container_name(&TaskName::new("up").unwrap(), &tid("t1"));
-        let dir = w.runner_dir(&name);
+        let (name, dir) = upstream_dir(&w, "t1", "up");
         fs_err::create_dir_all(dir.join("runner")).unwrap();
         let mut spec = upstream_spec("t1", &name, &dir.join("runner"));
         match vendor {
@@ -320,8 +315,7 @@ async fn upstream_tenstorrent_and_gaudi_tasks_keep_their_devices() {
 #[tokio::test(start_paused = true)]
 async fn an_upstream_task_whose_config_is_unreadable_releases_its_containers_volumes() {
     let w = World::new(0);
-    let name = shim_task::naming::container_name(&TaskName::new("up-v").unwrap(), &tid("v1"));
-    let dir = w.runner_dir(&name);
+    let (name, dir) = upstream_dir(&w, "v1", "up-v");
     fs_err::create_dir_all(dir.join("runner")).unwrap();
     let json = upstream_task_json("v1", "up-v", 0, "", false)
         .replace(r#""name":"up-v","#, r#""name":"not a task name!","#);
