@@ -5,19 +5,13 @@
 
 use std::path::Path;
 
-use shim_fs::Step;
+use shim_fs::Step::{self, CreateTemp, Rename, SyncDir, SyncFile, Write};
 use shim_fs::fault::FaultKind;
 use shim_task::{TaskConfig, TaskId, TaskName, TaskRecord, TaskStatus, TerminationReason};
 
 use crate::{ScanEntry, Store};
 
-const STEPS: [Step; 5] = [
-    Step::CreateTemp,
-    Step::Write,
-    Step::SyncFile,
-    Step::Rename,
-    Step::SyncDir,
-];
+const STEPS: [Step; 5] = [CreateTemp, Write, SyncFile, Rename, SyncDir];
 
 fn record(id: &str, status: TaskStatus) -> TaskRecord {
     let id = TaskId::new(id).unwrap();
@@ -109,11 +103,8 @@ fn crash_at_each_step_leaves_old_or_new() {
         drop(store);
         let before = files_in(&paths.dir);
         let leaves_temp = matches!(step, Step::Write | Step::SyncFile | Step::Rename);
-        assert_eq!(
-            before.iter().any(|f| is_temp(f)),
-            leaves_temp,
-            "{step:?}: {before:?}"
-        );
+        let has_temp = before.iter().any(|f| is_temp(f));
+        assert_eq!(has_temp, leaves_temp, "{step:?}: {before:?}");
 
         // The shim restarts (in this process: the temp file is still "its own"; a restarted
         // process removes it, see `scan_removes_only_other_processes_temp_files`).
@@ -134,19 +125,15 @@ fn scan_removes_only_other_processes_temp_files() {
     let (_home, store, paths) = store_with(&r);
     store.faults.arm(Step::Rename, FaultKind::Crash);
     store.write(&r).unwrap_err();
-    let own: Vec<String> = files_in(&paths.dir)
-        .into_iter()
-        .filter(|f| is_temp(f))
-        .collect();
-    assert_eq!(own.len(), 1);
+    let mut own = files_in(&paths.dir);
+    own.retain(|f| is_temp(f));
+    assert_eq!(own.len(), 1, "{own:?}");
     // What a process killed mid-write left (its pid and start time in the name).
     fs_err::write(paths.dir.join(".task.json.tmp-1-0.0"), b"{").unwrap();
     // This process (a write possibly in flight) keeps its own temp file; the other one goes.
     store.scan().unwrap();
-    assert_eq!(
-        files_in(&paths.dir),
-        [own[0].as_str(), "runner", "task.json"]
-    );
+    let left = files_in(&paths.dir);
+    assert_eq!(left, [own[0].as_str(), "runner", "task.json"]);
     assert_eq!(store.read(&r.container_name).unwrap().unwrap(), r);
 }
 
@@ -174,10 +161,9 @@ fn a_failed_create_leaves_no_state_file() {
         }
         assert!(!dir.exists());
         assert_create_works(&store, &r);
-        assert!(matches!(
-            store.create(&r),
-            Err(crate::StoreError::TaskExists { .. })
-        ));
+        let again = store.create(&r);
+        let exists = matches!(again, Err(crate::StoreError::TaskExists { .. }));
+        assert!(exists, "{step:?}: {again:?}");
     }
 }
 

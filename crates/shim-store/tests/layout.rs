@@ -51,10 +51,8 @@ fn a_state_file_written_by_the_upstream_shim_is_adopted_as_is() {
     assert_eq!(config.volumes[0].volume_id, "vol-0123");
     assert_eq!(config.host_keys().0.len(), 1);
     // The file is left as upstream wrote it until this shim writes the task.
-    assert_eq!(
-        fs_err::read_to_string(&p.state_file).unwrap(),
-        UPSTREAM_TASK_JSON
-    );
+    let left = fs_err::read_to_string(&p.state_file).unwrap();
+    assert_eq!(left, UPSTREAM_TASK_JSON);
 
     // Terminated by upstream: the reason says so.
     let terminated = UPSTREAM_TASK_JSON
@@ -65,10 +63,10 @@ fn a_state_file_written_by_the_upstream_shim_is_adopted_as_is() {
         .replace(r#""cleaned_up":false"#, r#""cleaned_up":true"#);
     fs_err::write(&p.state_file, terminated).unwrap();
     let r = store.read(UPSTREAM_CONTAINER).unwrap().unwrap();
-    assert_eq!(r.status, TaskStatus::Terminated);
+    let by_user = Some(TerminationReason::TerminatedByUser);
     assert_eq!(
-        r.termination_reason,
-        Some(TerminationReason::TerminatedByUser)
+        (r.status, &r.termination_reason),
+        (TaskStatus::Terminated, &by_user)
     );
     assert!(r.resources.released);
 
@@ -128,11 +126,8 @@ fn plant_legacy(home: &std::path::Path, r: &TaskRecord) -> std::path::PathBuf {
     let mut json = serde_json::json!({"schema_version": 1, "task": r});
     // It wrote "no container yet" as `""`.
     json["task"]["container_id"] = r.container_id.clone().unwrap_or_default().into();
-    fs_err::write(
-        dir.join("task.json"),
-        serde_json::to_vec_pretty(&json).unwrap(),
-    )
-    .unwrap();
+    let bytes = serde_json::to_vec_pretty(&json).unwrap();
+    fs_err::write(dir.join("task.json"), bytes).unwrap();
     dir
 }
 
@@ -164,11 +159,8 @@ fn homes_of_the_first_release_are_migrated_durably_and_idempotently() {
     let p = store.paths(&a.container_name).unwrap();
     assert_eq!(names(&p.dir), ["runner", "task.json"]);
     assert!(p.runner_dir.join("runner.log").exists());
-    assert_eq!(
-        json(&p.state_file)["version"],
-        1,
-        "rewritten in the new format"
-    );
+    let version = &json(&p.state_file)["version"];
+    assert_eq!(version, 1, "rewritten in the new format");
 
     // Again: nothing to do.
     let again = store.migrate_legacy().unwrap();
@@ -215,11 +207,7 @@ fn skeletons_of_submits_cut_short_are_recognised_and_removed() {
     let skeletons: Vec<&str> = entries
         .iter()
         .filter_map(|e| match e {
-            ScanEntry::NoRecord {
-                name,
-                skeleton: true,
-                ..
-            } => Some(name.as_str()),
+            ScanEntry::NoRecord { name, skeleton, .. } if *skeleton => Some(name.as_str()),
             _ => None,
         })
         .collect();
@@ -233,23 +221,15 @@ fn skeletons_of_submits_cut_short_are_recognised_and_removed() {
 #[test]
 fn the_owner_identity_is_stored_once_in_the_home() {
     let (home, store) = temp_store();
+    const FIRST: &str = "0123abcd4567ef89";
     assert_eq!(store.owner_id().unwrap(), None);
-    assert_eq!(
-        store.create_owner_id("0123abcd4567ef89").unwrap(),
-        "0123abcd4567ef89"
-    );
+    assert_eq!(store.create_owner_id(FIRST).unwrap(), FIRST);
     // Created once: a second identity is not stored, the first one is returned.
-    assert_eq!(
-        store.create_owner_id("fedcba9876543210").unwrap(),
-        "0123abcd4567ef89"
-    );
+    assert_eq!(store.create_owner_id("fedcba9876543210").unwrap(), FIRST);
     // Another spelling of the same home reads the same identity.
     let spelled = format!("{}/./", home.path().display());
     let again = Store::open(spelled).unwrap();
-    assert_eq!(
-        again.owner_id().unwrap().as_deref(),
-        Some("0123abcd4567ef89")
-    );
+    assert_eq!(again.owner_id().unwrap().as_deref(), Some(FIRST));
     // Something else in the file is refused, never used as a label.
     fs_err::write(home.path().join("owner-id"), b"a b\n").unwrap();
     assert!(store.owner_id().is_err());

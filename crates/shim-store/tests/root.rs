@@ -77,11 +77,8 @@ fn a_full_filesystem_fails_the_write_and_keeps_the_old_record() {
     let err = store.write(&new).unwrap_err();
     assert!(is_enospc(&err), "{err:?}");
     assert_eq!(store.read(&old.container_name).unwrap().unwrap(), old);
-    assert_eq!(
-        names(&paths.dir),
-        ["runner", "task.json"],
-        "temp file removed"
-    );
+    let left = names(&paths.dir);
+    assert_eq!(left, ["runner", "task.json"], "temp file removed");
     // Scan agrees.
     let entries = Store::open(mnt.dir.join("home")).unwrap().scan().unwrap();
     assert!(matches!(&entries[..], [ScanEntry::Record { record: r, .. }] if *r == old));

@@ -24,14 +24,9 @@ impl Tmpfs {
     /// Mounts it; fails the test if that fails.
     pub fn mount(dir: &Path, size: &str) -> Self {
         fs_err::create_dir_all(dir).unwrap();
+        let options = format!("size={size},mode=0755");
         let out = Command::new("mount")
-            .args([
-                "-t",
-                "tmpfs",
-                "-o",
-                &format!("size={size},mode=0755"),
-                "tmpfs",
-            ])
+            .args(["-t", "tmpfs", "-o", &options, "tmpfs"])
             .arg(dir)
             .output()
             .expect("running mount");
@@ -55,16 +50,11 @@ impl Drop for Tmpfs {
 
 /// Unmounts `dir`, reporting (not failing) errors.
 pub fn umount(dir: &Path) {
-    let out = Command::new("umount")
-        .arg(dir)
-        .output()
-        .expect("running umount");
+    let out = Command::new("umount").arg(dir).output();
+    let out = out.expect("running umount");
     if !out.status.success() {
-        eprintln!(
-            "umount {} failed: {}",
-            dir.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let (dir, err) = (dir.display(), String::from_utf8_lossy(&out.stderr));
+        eprintln!("umount {dir} failed: {err}");
     }
 }
 
