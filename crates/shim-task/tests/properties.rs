@@ -1,33 +1,22 @@
 //! Property tests of the state machine and the restore decision, driven by a small simulated
-//! engine that carries out the machine's actions against a model world (GPU locks, mounted
-//! volumes, host keys, one container, the state file) with random failures, random external
-//! events (terminate, container exits or vanishes, reconcile cycles, remove) and crashes of
-//! the shim at any point followed by `restore`.
+//! engine: it carries out the machine's actions against a model world (GPU locks, volumes,
+//! host keys, one container, the state file) with random failures, random external events and
+//! crashes of the shim at any point followed by `restore`.
 //!
-//! The simulated engine runs several jobs concurrently (the start job, request handlers, the
-//! reconciler); an action's effect and the delivery of its outcome are separate scheduling
-//! points, so any external event may come between them. A `Persist` is written together with
-//! the step that returned it, and its outcome (`Persisted`, or `PersistFailed` while the disk
-//! is full) is stepped at once: here the three are one scheduling point, as in the engine
-//! (`crates/shim-engine/src/engine.rs`), which holds the task's `step_lock` (an async mutex,
-//! one per task) across the step, its state write and the step of the write's outcome, so no
-//! other step of that task comes between them. The task itself sits behind a std mutex taken
-//! only for the instant of one step or one read, inside the step lock when both are held and
-//! never across an await; pull progress, which never changes the record, is stepped under that
-//! mutex alone.
+//! Several jobs run concurrently (start, request handlers, the reconciler); an action's effect
+//! and the delivery of its outcome are separate scheduling points. A `Persist`, its write and
+//! the step of its outcome are one point, as in `crates/shim-engine/src/engine.rs`, which holds
+//! the task's `step_lock` across all three; pull progress is stepped outside that lock.
 //!
-//! Faults: actions fail at random, the disk fills up and empties again (every write fails
-//! meanwhile), remove's container removal fails, and the shim crashes anywhere. Properties
-//! beyond the per-step rules: what the API showed (the durable view) survives every crash;
-//! a side effect never runs before the record that called for it is durable; and once the
-//! faults stop, one terminate and ONE reconcile cycle bring every task to its end: reason
-//! recorded, container stopped, everything released, remove accepted.
+//! Faults: actions fail, the disk fills up and empties again, remove's container removal
+//! fails, the shim crashes anywhere. Beyond the per-step rules: what the API showed survives
+//! every crash; no side effect runs before the record that called for it is durable; once the
+//! faults stop, one terminate and ONE reconcile cycle bring every task to its end.
 //!
 //! Each property runs 10,000 cases, or `PROPTEST_CASES` where that is more: a deep run before
-//! a change of the machine, e.g. `PROPTEST_CASES=3000000 cargo nextest run --release -p
-//! shim-task --test properties` (about 2.5 min on 2 cores), finds what 10,000 cases rarely do
-//! (a stray stop's outcome, `an_outcome_of_a_step_not_awaited_is_an_error`, first failed
-//! after 884,309 cases).
+//! a change of the machine (`PROPTEST_CASES=3000000 cargo nextest run --release -p shim-task
+//! --test properties`, about 2.5 min on 2 cores) finds what 10,000 cases rarely do (a stray
+//! stop's outcome, `an_outcome_of_a_step_not_awaited_is_an_error`, failed after 884,309).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)] // test helpers: panics are failures
 
@@ -35,7 +24,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use proptest::prelude::*;
 use shim_task::machine::Saved;
-use shim_task::machine::{Action, Effect, Event, Observation, Task, TransitionError, step};
+use shim_task::machine::{
+    Action, Effect, Event, Observation, Task, Transition, TransitionError, step,
+};
 use shim_task::naming::container_name;
 use shim_task::{
     InstanceMountPoint, MountedVolume, NetworkMode, ObservedContainer, ObservedState, PortMapping,
@@ -117,26 +108,22 @@ impl World {
 struct Sim {
     task: Option<Task>,
     world: World,
-    /// Job 0 is the start job; the others are handlers and the reconciler. A job created by a
-    /// remove request stops at its `DeleteTaskDir` once a release left something held.
+    /// Job 0 is the start job; the others are handlers and the reconciler.
     jobs: Vec<VecDeque<Op>>,
     now: u64,
     failures: bool,
     /// Every write fails while true (a full disk).
     disk_full: bool,
-    /// A write failed at some point (a volume recorded ahead in memory may then never have
-    /// been mounted: releasing it is a no-op).
+    /// A write failed at some point (a volume recorded ahead may never have been mounted).
     write_failed: bool,
     crashed: bool,
-    /// The shim crashes at the next write, after the step that called for it (whose change
-    /// the API already shows, where the container proves it) and before the write.
+    /// The shim crashes at the next write, after the step that called for it.
     crash_at_next_write: bool,
-    /// A crash lost the state file: the task was adopted from its container (SSH keys cannot
-    /// be recovered; the status may go back to running).
+    /// A crash lost the state file: the task was adopted from its container (its SSH keys
+    /// cannot be recovered; the status may go back to running).
     corrupted: bool,
-    /// An adopted task was forgotten: its record could not be written (a full disk), its
-    /// container was removed while the shim was down, and the shim restarted. Nothing on the
-    /// host names its volumes any more: they stay mounted (the one leak no shim can avoid).
+    /// An adopted task whose record a full disk refused lost its container while the shim was
+    /// down: nothing names its volumes any more (the one leak no shim can avoid).
     forgotten: bool,
     config: TaskConfig,
 }
@@ -160,6 +147,16 @@ fn terminate(reason: TerminationReason, message: &str, timeout_s: u64) -> Event 
         reason,
         message: message.into(),
         timeout_s,
+    }
+}
+
+/// A pull's progress (`last`: its total is final).
+fn progress(downloaded_bytes: u64, extracted_bytes: u64, total: u64, last: bool) -> PullProgress {
+    PullProgress {
+        downloaded_bytes,
+        extracted_bytes,
+        total_bytes: total,
+        is_total_bytes_final: last,
     }
 }
 
@@ -213,6 +210,50 @@ fn only_progress(old: &TaskRecord, new: &TaskRecord, runs: bool) -> bool {
         && (same_record(old, new)
             || is_start_status(new.status)
             || (new.status == TaskStatus::Running && runs))
+}
+
+/// The rules every step `step` accepts keeps, whatever the order of events: statuses never
+/// move back; terminated keeps its first reason and message (unless empty); a reason iff
+/// terminated; unwritten start progress only while a start runs or its container runs; a
+/// `Persist` only first, and nothing after it that needs the record durable; `released` only
+/// once nothing is held; remove only from terminated with its start returned.
+fn check_step(before: &Task, tr: &Transition, event: &Event) {
+    let (b, a) = (before.record(), tr.task.record());
+    assert!(
+        a.status >= b.status,
+        "{:?} -> {:?} on {event:?}",
+        b.status,
+        a.status
+    );
+    if b.status == TaskStatus::Terminated && !empty_reason(b) {
+        assert_eq!(ending(a), ending(b), "{event:?}");
+    }
+    let terminated = a.status == TaskStatus::Terminated;
+    assert_eq!(terminated, a.termination_reason.is_some(), "{event:?}");
+    if tr.task.is_progress_only() {
+        assert!(tr.task.is_dirty());
+        let running = a.status == TaskStatus::Running && tr.task.container_runs();
+        let started = tr.task.start_in_flight() || running;
+        assert!(
+            started,
+            "{event:?}: progress unwritten at rest: {:?}",
+            tr.task
+        );
+    }
+    if tr.actions.first() == Some(&Action::Persist) {
+        assert!(tr.task.is_dirty());
+        let durable = tr.actions.iter().skip(1).all(|a| !a.needs_durable_record());
+        assert!(durable, "{event:?}: {:?}", tr.actions);
+    }
+    assert!(!tr.actions.iter().skip(1).any(|a| *a == Action::Persist));
+    assert!(a.updated_at_ms >= b.updated_at_ms);
+    if a.resources.released {
+        assert!(!a.resources.holds_any());
+    }
+    if matches!(event, Event::RemoveRequested) {
+        assert_eq!(b.status, TaskStatus::Terminated);
+        assert!(!before.start_in_flight());
+    }
 }
 
 fn config_from(gpu: i64, keys: bool, volumes: u8, dirs: u8, bridge: bool) -> TaskConfig {
@@ -347,68 +388,33 @@ impl Sim {
                 return Err(e);
             }
         };
+        check_step(&before, &tr, &event);
         let after = &tr.task;
-        // Pull progress only changes the view: the engine applies it outside the step lock
-        // and carries out nothing it returns, so it must return nothing and leave the record
-        // as it was.
+        // Pull progress is applied outside the step lock and what it returns is not carried
+        // out: it must return nothing and leave the record as it was.
         if matches!(event, Event::PullProgressed(_)) {
             assert_eq!(tr.actions, vec![], "pull progress took actions");
             let (old, new) = (before.record(), after.record());
             assert_eq!(new, old, "pull progress changed the record");
         }
-        // Statuses never move backwards, in the record or in the API's view; terminated
-        // absorbs every event and keeps the first reason and message.
         let (was, is) = (before.status(), after.status());
         assert!(is >= was, "shown {was} -> {is} on {event:?}");
-        let (was, is) = (before.record().status, after.record().status);
-        assert!(is >= was, "{was:?} -> {is:?} on {event:?}");
-        if before.record().status == TaskStatus::Terminated {
-            assert_eq!(after.record().status, TaskStatus::Terminated);
-            if !empty_reason(before.record()) {
-                assert_eq!(ending(after.record()), ending(before.record()));
-            }
-        }
-        if after.record().status == TaskStatus::Terminated {
-            assert!(after.record().termination_reason.is_some());
-        } else {
-            assert!(after.record().termination_reason.is_none());
-        }
         // Remove only from terminated: durably, or with its write failed (remove deletes the
         // record).
         if is_remove {
             assert!(before.saved().status == TaskStatus::Terminated || before.write_failed());
-            assert_eq!(before.record().status, TaskStatus::Terminated);
-            assert!(!before.start_in_flight());
         }
-        // A changed record is persisted first, and Persist is only ever first; nothing that
-        // needs a durable record follows it.
-        // The one exception: start progress, while everything not yet written is progress.
+        // A changed record is persisted first, but for start progress while everything not
+        // yet written is progress.
         let changed = !same_record(before.record(), after.record());
         let lazy = after.is_progress_only();
         if lazy && tr.actions.first() != Some(&Action::Persist) {
-            // During a start, or at rest once it left the task running.
-            assert!(after.is_dirty());
-            let runs = after.container_runs();
-            let running = after.record().status == TaskStatus::Running && runs;
-            let started = after.start_in_flight() || running;
-            assert!(started, "{event:?}: progress unwritten at rest: {after:?}");
             let durable = self.world.persisted.as_ref().unwrap();
-            let progress = only_progress(durable, after.record(), runs);
+            let progress = only_progress(durable, after.record(), after.container_runs());
             assert!(progress, "{event:?}: more than progress unwritten");
         }
         if changed && !lazy {
             assert_eq!(tr.actions.first(), Some(&Action::Persist), "{event:?}");
-        }
-        if tr.actions.first() == Some(&Action::Persist) {
-            assert!(after.is_dirty());
-            let durable = tr.actions.iter().skip(1).all(|a| !a.needs_durable_record());
-            assert!(durable, "{event:?}: {:?}", tr.actions);
-        }
-        assert!(!tr.actions.iter().skip(1).any(|a| *a == Action::Persist));
-        assert!(after.record().updated_at_ms >= before.record().updated_at_ms);
-        // `released` only once nothing is held.
-        if after.record().resources.released {
-            assert!(!after.record().resources.holds_any());
         }
         // The durable view is what the disk holds; the API shows it, or what the container
         // itself proves (SPEC §5): `running` while it runs, `terminated` once it does not.
@@ -681,20 +687,9 @@ impl Sim {
                     self.jobs[j].push_front(Op::PullRunning {
                         reports: reports + 1,
                     });
-                    let p = PullProgress {
-                        downloaded_bytes: u64::from(reports) * 100,
-                        extracted_bytes: 0,
-                        total_bytes: 1000,
-                        is_total_bytes_final: false,
-                    };
-                    Event::PullProgressed(p)
+                    Event::PullProgressed(progress(u64::from(reports) * 100, 0, 1000, false))
                 } else {
-                    Event::PullDone(PullProgress {
-                        downloaded_bytes: 1000,
-                        extracted_bytes: 1000,
-                        total_bytes: 1000,
-                        is_total_bytes_final: true,
-                    })
+                    Event::PullDone(progress(1000, 1000, 1000, true))
                 };
                 self.jobs[j].push_front(Op::Deliver(outcome));
             }
@@ -1274,12 +1269,7 @@ fn any_event((kind, a, b): (u8, u8, u8)) -> Event {
         .take(usize::from(a % 3))
         .map(|g| g.to_string())
         .collect();
-    let progress = PullProgress {
-        downloaded_bytes: u64::from(b),
-        extracted_bytes: 0,
-        total_bytes: u64::from(b) * 2,
-        is_total_bytes_final: a % 2 == 0,
-    };
+    let progress = progress(u64::from(b), 0, u64::from(b) * 2, a % 2 == 0);
     let message = format!("m{b}");
     match kind % 34 {
         0 => Event::StartBegan,
@@ -1397,29 +1387,15 @@ proptest! {
             // A write's failure may change the record (a start given up) but never asks for
             // another write at once.
             let is_write_failure = matches!(event, Event::PersistFailed { .. });
-            let Ok(tr) = step(&task, event, now) else { continue };
+            let Ok(tr) = step(&task, event.clone(), now) else { continue };
+            check_step(&task, &tr, &event);
             let (b, a) = (task.record(), tr.task.record());
-            prop_assert!(a.status >= b.status);
-            if b.status == TaskStatus::Terminated && !empty_reason(b) {
-                prop_assert_eq!(ending(a), ending(b));
-            }
-            prop_assert_eq!(a.status == TaskStatus::Terminated, a.termination_reason.is_some());
-            if tr.task.is_progress_only() {
-                // During a start, or at rest once it left the task running.
-                prop_assert!(tr.task.is_dirty());
-                let running = a.status == TaskStatus::Running && tr.task.container_runs();
-                prop_assert!(tr.task.start_in_flight() || running);
-            }
             if !same_record(b, a) && tr.task.is_progress_only() {
                 // Start progress needs no write of its own.
                 prop_assert!(only_progress(b, a, tr.task.container_runs()), "{:?} -> {:?}", b, a);
                 prop_assert!(!tr.actions.contains(&Action::Persist));
             } else if !same_record(b, a) && !is_write_failure {
                 prop_assert!(tr.actions.first() == Some(&Action::Persist));
-            }
-            if tr.actions.first() == Some(&Action::Persist) {
-                prop_assert!(tr.task.is_dirty());
-                prop_assert!(tr.actions.iter().skip(1).all(|x| !x.needs_durable_record()));
             }
             if tr.actions.iter().any(Action::needs_durable_record) && !is_remove {
                 // Durable, or only start progress unwritten, or what ends a terminated task
@@ -1462,13 +1438,8 @@ proptest! {
                     &shown_before.termination_reason
                 );
             }
-            if a.resources.released {
-                prop_assert!(!a.resources.holds_any());
-            }
             if is_remove {
-                prop_assert_eq!(b.status, TaskStatus::Terminated);
                 prop_assert!(task.status() == TaskStatus::Terminated || task.write_failed());
-                prop_assert!(!task.start_in_flight());
                 prop_assert!(tr.actions.last() == Some(&Action::Effect(Effect::Forget)));
                 break;
             }

@@ -11,14 +11,12 @@ use shim_task::machine::TransitionError::{
     NotTerminated, ReleaseInFlight, StartInFlight, Unexpected,
 };
 use shim_task::machine::{Action, Effect, Event, Observation, StartStep, StopState, Task, step};
-use shim_task::machine::{
-    EXIT_MESSAGE_LINES, EXIT_MESSAGE_MAX_BYTES, NEVER_STARTED_MESSAGE, VANISHED_MESSAGE,
-};
+use shim_task::machine::{EXIT_MESSAGE_LINES, EXIT_MESSAGE_MAX_BYTES, NEVER_STARTED_MESSAGE};
 use shim_task::naming::container_name;
 use shim_task::{
     HostKeysGrant, InstanceMountPoint, MountedVolume, NetworkMode, ObservedContainer,
-    ObservedState, PortMapping, PublicKey, PullProgress, TaskConfig, TaskId, TaskName, TaskRecord,
-    TaskStatus, TerminationReason, VolumeBackend, VolumeSpec, restore,
+    ObservedState, PortMapping, PublicKey, PullProgress, Resources, TaskConfig, TaskId, TaskName,
+    TaskRecord, TaskStatus, TerminationReason, VolumeBackend, VolumeSpec, restore,
 };
 
 /// The one instance mount of `config()`.
@@ -282,6 +280,21 @@ fn assert_ended(t: &Task, reason: TerminationReason, message: &str) {
     assert_ended_as("", t, reason, message);
 }
 
+/// A release of `gpus`, the keys of `grant()` if `keys`, and `volume()` if `volume`.
+fn release(gpus: &[&str], keys: bool, volume: bool) -> Action {
+    fx(Effect::Release(Resources {
+        gpus: strings(gpus),
+        host_keys: keys.then(grant),
+        volumes: if volume { vec![self::volume()] } else { vec![] },
+        ..Resources::default()
+    }))
+}
+
+/// The release of everything a task of `config()` holds once started (its created dir stays).
+fn release_all() -> Action {
+    release(&["GPU-a"], true, true)
+}
+
 fn release_of(t: &Task) -> Action {
     fx(Effect::Release(t.held()))
 }
@@ -385,24 +398,24 @@ fn minimal_config_skips_keys_volumes_dirs_and_a_present_image() {
     assert_eq!(t.record().container_id.as_deref(), Some("cid"));
 }
 
-/// A replacement container (the NVIDIA display retry) is not the first id: it is written
-/// at once, while the start is still out.
+/// A replacement container (the NVIDIA display retry, recorded through an event) is not the
+/// first id: it is written at once, while the start is still out.
 #[test]
 fn a_replaced_container_id_is_written_at_once() {
-    let mut t = minimal_created("c1");
-    assert_eq!(t.go(recreated("c2")), [PERSIST]);
-    assert!(!t.is_dirty() && !t.is_progress_only());
-    assert_eq!(t.status(), TaskStatus::Creating);
-    assert_eq!(t.record().container_id.as_deref(), Some("c2"));
+    let display_retry = started_until(StartStep::StartContainer);
+    for (label, mut t) in [("minimal", minimal_created("cid")), ("full", display_retry)] {
+        assert_eq!(t.go(recreated("cid2")), [PERSIST], "{label}");
+        assert!(!t.is_dirty() && !t.is_progress_only(), "{label}");
+        assert_eq!(t.status(), TaskStatus::Creating, "{label}");
+        assert_eq!(t.record().container_id.as_deref(), Some("cid2"), "{label}");
+        let awaited = Some(StartStep::StartContainer);
+        assert_eq!(t.start_step(), awaited, "{label}: still awaited");
+    }
 }
 
-/// A step that records something while progress is unwritten writes both; a write asked for
-/// (the engine's, before a real pull) makes the progress durable and shown, and sends nothing
-/// again.
-// Pull progress that lands while a terminate's write is out (the engine applies progress
-// outside the step lock) takes no action, after an earlier failed write too: the cancel the
-// terminate calls for goes out with the write's outcome, whether it succeeds or fails. Handed
-// to progress, the `CancelPull` was dropped with progress's actions and the pull ran on.
+/// Pull progress that lands while a terminate's write is out (the engine applies progress
+/// outside the step lock) takes no action, after an earlier failed write too: the cancel goes
+/// out with the write's outcome, either way. (Handed to progress, it was dropped.)
 #[test]
 fn pull_progress_during_a_terminates_write_leaves_the_cancel_to_its_outcome() {
     for write in [Event::Persisted, disk_full()] {
@@ -420,6 +433,8 @@ fn pull_progress_during_a_terminates_write_leaves_the_cancel_to_its_outcome() {
     }
 }
 
+/// A write asked for (the engine's, before a real pull) makes the progress durable and shown,
+/// and sends nothing again; a step that records something while it is unwritten writes both.
 #[test]
 fn progress_is_written_with_the_next_record_or_when_asked() {
     let mut t = new_task(&bare_config("ubuntu:22.04"));
@@ -433,8 +448,7 @@ fn progress_is_written_with_the_next_record_or_when_asked() {
     assert_eq!(tr.actions, vec![]);
     assert_eq!(tr.task.status(), TaskStatus::Pulling);
     assert!(!tr.task.is_dirty() && !tr.task.is_progress_only());
-    // A terminate while progress is unwritten (`t` is still pulling, its progress not
-    // written): one write with both, then the cancel.
+    // `t` is still pulling, its progress unwritten: one write with both, then the cancel.
     let a = t.go(terminate(TerminatedByUser, "bye", 0));
     assert_eq!(a, [PERSIST, CANCEL_PULL]);
     assert_eq!(t.status(), TaskStatus::Terminated);
@@ -443,126 +457,103 @@ fn progress_is_written_with_the_next_record_or_when_asked() {
 
 // ---- SPEC §2: how a task ends ----
 
-/// Starts a task up to the awaited step `at` and fails that step with `failure(message)`: the
-/// task ends with `reason` and `message`, written before start is told to finish.
-fn start_fails_at(
-    at: StartStep,
-    failure: fn(&str) -> Event,
-    reason: TerminationReason,
-    message: &str,
-) -> Task {
-    let mut t = started_until(at);
-    assert_eq!(t.go(failure(message)), [PERSIST, FINISH]);
-    assert_ended(&t, reason, message);
-    t
-}
-
-/// One test per row of §2 where a start step fails and start returning has nothing more to
-/// check: `name: the step => its failure event, the reason, the message;`.
+/// One test per row of §2 where a start step fails: `name: the step awaited => its failure
+/// event, the reason, the message, then what start returning calls for;`. The end is written
+/// before start is told to finish; until start returns, it owns what it acquired.
 macro_rules! start_step_fails {
-    ($($(#[$doc:meta])* $name:ident: $at:expr => $failure:expr, $reason:expr, $message:expr;)*) => {
+    ($($(#[$doc:meta])* $name:ident: $at:expr => $failure:expr, $reason:expr, $message:expr,
+        then $then:expr;)*) => {
         $(
             $(#[$doc])*
             #[test]
             fn $name() {
-                start_fails_at($at, $failure, $reason, $message);
+                let mut t = started_until($at);
+                assert_eq!(t.go($failure($message)), [PERSIST, FINISH]);
+                assert_ended(&t, $reason, $message);
+                assert!(!t.needs_release(), "owned by start");
+                let a = t.go(Event::StartFinished);
+                assert_eq!(a, $then);
+                // What is released is what the task holds; holding nothing, it is settled.
+                let is_release = |a: &&Action| matches!(a, Action::Effect(Effect::Release(_)));
+                if let Some(release) = a.iter().find(is_release) {
+                    assert_eq!(release, &release_of(&t));
+                }
+                let resources = &t.record().resources;
+                assert_eq!(resources.released, !resources.holds_any());
             }
         )*
     };
 }
 
 start_step_fails! {
+    gpus_unavailable_is_executor_error: StartStep::AcquireGpus
+        => prepare_failed, ExecutorError, "2 GPUs requested, 1 available", then [PERSIST];
+    ssh_keys_failure_is_executor_error_and_releases_gpus_after_start_returns: StartStep::AddHostKeys
+        => prepare_failed, ExecutorError, "cannot write authorized_keys",
+        then [release(&["GPU-a"], false, false)];
+    volume_failure_is_executor_error: StartStep::MountVolume(0)
+        => prepare_failed, ExecutorError, "volume vol-1 not found",
+        then [release(&["GPU-a"], true, false)];
     instance_mount_failure_is_executor_error: StartStep::CreateDir(0)
-        => prepare_failed, ExecutorError, "mkdir /mnt/cache: read-only";
+        => prepare_failed, ExecutorError, "mkdir /mnt/cache: read-only", then [release_all()];
     pull_failure_is_creating_container_error: StartStep::Pull
-        => pull_failed, CreatingContainerError, "pull timed out after 20m (1024 bytes downloaded)";
+        => pull_failed, CreatingContainerError, "pull timed out after 20m (1024 bytes downloaded)",
+        then [release_all()];
     create_failure_is_creating_container_error: StartStep::CreateContainer
-        => create_failed, CreatingContainerError, "no such image";
+        => create_failed, CreatingContainerError, "no such image", then [release_all()];
     /// Issue 36: a start the engine refuses for the container's devices (Docker's "CDI device
     /// injection failed", "could not select device driver") ran nothing: the task ends as a
     /// create the engine refused does, `creating_container_error`, with the engine's words.
     a_start_refused_for_devices_is_creating_container_error: StartStep::StartContainer
         => start_refused, CreatingContainerError,
-        "CDI device injection failed: unresolvable CDI devices nvidia.com/gpu=9";
+        "CDI device injection failed: unresolvable CDI devices nvidia.com/gpu=9",
+        then [stop(0)];
+    /// A container whose start failed may still run: stopped before anything is released.
     start_failure_is_container_exited_with_error: StartStep::StartContainer
-        => start_failed, ContainerExitedWithError, "exec: /bin/sh: not found";
+        => start_failed, ContainerExitedWithError, "exec: /bin/sh: not found", then [stop(0)];
+    /// Start gave up on its own (a write failed) while a step was out.
+    start_aborted_is_executor_error: StartStep::CreateContainer
+        => start_aborted, ExecutorError, "state file: disk full", then [release_all()];
 }
 
-#[test]
-fn gpus_unavailable_is_executor_error() {
-    let mut t = start_fails_at(
-        StartStep::AcquireGpus,
-        prepare_failed,
-        ExecutorError,
-        "2 GPUs requested, 1 available",
-    );
-    // Nothing held: start returning settles the task as released.
-    assert_eq!(t.go(Event::StartFinished), [PERSIST]);
-    assert!(t.record().resources.released);
+/// One test per row of §2 where what is seen of a running task's container ends it:
+/// `name: the observation => the reason, the message;`. Each writes, then releases everything.
+macro_rules! seen_ends {
+    ($($(#[$doc:meta])* $name:ident: $seen:expr => $reason:expr, $message:expr;)*) => {
+        $(
+            $(#[$doc])*
+            #[test]
+            fn $name() {
+                let mut t = running();
+                assert_eq!(t.go(seen($seen)), [PERSIST, release_all()]);
+                assert_ended(&t, $reason, $message);
+            }
+        )*
+    };
 }
 
-#[test]
-fn ssh_keys_failure_is_executor_error_and_releases_gpus_after_start_returns() {
-    let mut t = start_fails_at(
-        StartStep::AddHostKeys,
-        prepare_failed,
-        ExecutorError,
-        "cannot write authorized_keys",
-    );
-    // Still owned by start: no release yet.
-    assert!(!t.needs_release());
-    assert_eq!(t.go(Event::StartFinished), [release_of(&t)]);
-    assert_eq!(t.held().gpus, ["GPU-a"]);
-    assert!(t.held().host_keys.is_none());
-}
+const EIGHT_LINES: [&str; 8] = [
+    "line 1", "line 2", "line 3", "line 4", "line 5", "line 6", "line 7", "line 8",
+];
 
-#[test]
-fn volume_failure_is_executor_error() {
-    let message = "volume vol-1 not found";
-    let at = StartStep::MountVolume(0);
-    let mut t = start_fails_at(at, prepare_failed, ExecutorError, message);
-    assert_eq!(t.go(Event::StartFinished), [release_of(&t)]);
-    assert_eq!(t.held().host_keys, Some(grant()));
-}
-
-/// SPEC §2: exit 0 is `done_by_runner` with an empty message, also when Docker marks the
-/// container OOM-killed (the kernel killed another of its processes; the runner itself ended
-/// well). Upstream: runner/internal/shim/docker.go, waitContainer, looks at the exit code only.
-#[test]
-fn exit_zero_is_done_by_runner_with_empty_message() {
-    for oom_killed in [false, true] {
-        let mut t = running();
-        let exit = Observation::Exited {
-            oom_killed,
-            code: 0,
-            last_lines: vec!["bye".into()],
-        };
-        let a = t.go(seen(exit));
-        assert_ended_as(&format!("oom_killed: {oom_killed}"), &t, DoneByRunner, "");
-        assert_eq!(a, [PERSIST, release_of(&t)]);
-    }
-}
-
-#[test]
-fn exit_nonzero_is_container_exited_with_error_with_last_five_lines() {
-    assert_eq!(EXIT_MESSAGE_LINES, 5);
-    let lines = [
-        "line 1", "line 2", "line 3", "line 4", "line 5", "line 6", "line 7", "line 8",
-    ];
-    for (code, lines, message) in [
-        (3, &lines[..], "line 4\nline 5\nline 6\nline 7\nline 8"),
-        // No log lines: the code is the message.
-        (137, &[], "container exited with code 137"),
-    ] {
-        let mut t = running();
-        t.go(seen(exited(code, lines)));
-        assert_ended_as(
-            &format!("code {code}"),
-            &t,
-            ContainerExitedWithError,
-            message,
-        );
-    }
+seen_ends! {
+    /// SPEC §2: exit 0 is `done_by_runner` with an empty message. Upstream:
+    /// runner/internal/shim/docker.go, waitContainer, looks at the exit code only.
+    exit_zero_is_done_by_runner_with_empty_message: exited(0, &["bye"]) => DoneByRunner, "";
+    /// Also when Docker marks it OOM-killed (the kernel killed another of its processes).
+    an_oom_killed_exit_zero_is_done_by_runner_too: Observation::Exited {
+        code: 0,
+        last_lines: strings(&["bye"]),
+        oom_killed: true,
+    } => DoneByRunner, "";
+    exit_nonzero_is_container_exited_with_error_with_last_five_lines: exited(3, &EIGHT_LINES)
+        => ContainerExitedWithError, "line 4\nline 5\nline 6\nline 7\nline 8";
+    an_exit_without_log_lines_has_its_code_as_the_message: exited(137, &[])
+        => ContainerExitedWithError, "container exited with code 137";
+    never_started_is_executor_error_saying_so: Observation::NeverStarted => ExecutorError,
+        "container was created but never started (the shim stopped between create and start)";
+    vanished_is_executor_error_saying_so: Observation::Missing
+        => ExecutorError, "container vanished";
 }
 
 /// A log line may be a whole log (a task that never printed a newline; Podman answers such a
@@ -570,6 +561,7 @@ fn exit_nonzero_is_container_exited_with_error_with_last_five_lines() {
 /// character, so that no task answer or state file carries megabytes.
 #[test]
 fn an_exit_message_keeps_the_end_of_huge_lines() {
+    assert_eq!(EXIT_MESSAGE_LINES, 5, "the last five lines (SPEC §2)");
     let huge = format!("é{}", "é".repeat(EXIT_MESSAGE_MAX_BYTES));
     let mut t = running();
     t.go(seen(exited(1, &["first", &huge, "last words"])));
@@ -590,22 +582,6 @@ fn an_exit_message_carries_no_nul() {
     t.go(seen(exited(1, &["a\0b", "\u{1b}[31mred\r", "tab\there"])));
     let message = t.info().termination_message;
     assert_eq!(message, "a\u{FFFD}b\n\u{1b}[31mred\r\ntab\there");
-}
-
-#[test]
-fn never_started_is_executor_error_saying_so() {
-    let mut t = running();
-    t.go(seen(Observation::NeverStarted));
-    assert_ended(&t, ExecutorError, NEVER_STARTED_MESSAGE);
-    assert!(NEVER_STARTED_MESSAGE.contains("never started"));
-}
-
-#[test]
-fn vanished_is_executor_error_saying_so() {
-    let mut t = running();
-    t.go(seen(Observation::Missing));
-    assert_ended(&t, ExecutorError, VANISHED_MESSAGE);
-    assert_eq!(VANISHED_MESSAGE, "container vanished");
 }
 
 #[test]
@@ -724,13 +700,6 @@ fn start_returning_early_is_executor_error() {
     let a = t.go(Event::StartFinished);
     assert_eq!(a[..2], [PERSIST, release_of(&t)]);
     assert_eq!(t.record().termination_reason, Some(ExecutorError));
-    let message = "state file: disk full";
-    start_fails_at(
-        StartStep::CreateContainer,
-        start_aborted,
-        ExecutorError,
-        message,
-    );
 }
 
 #[test]
@@ -843,14 +812,10 @@ fn a_failed_stop_is_retried_when_the_task_holds_nothing() {
 fn remove_only_from_terminated() {
     let remove = |t: &Task| step(t, Event::RemoveRequested, 1).unwrap_err();
     let err = remove(&running());
-    let not_terminated = matches!(
-        err,
-        NotTerminated {
-            status: TaskStatus::Running,
-            ..
-        }
-    );
-    assert!(not_terminated, "{err}");
+    let NotTerminated { status, .. } = &err else {
+        panic!("{err}")
+    };
+    assert_eq!(*status, TaskStatus::Running);
     let mut t = started_until(StartStep::Pull);
     t.go(terminate(TerminatedByUser, "", 0));
     assert!(matches!(remove(&t), StartInFlight { .. }));
@@ -1233,10 +1198,7 @@ fn a_start_whose_write_fails_is_given_up_with_the_cause() {
     // What it acquired is released when it returns, without waiting for the disk (the keys
     // recorded ahead were never added: removing them is a no-op).
     let a = t.go_disk_full(Event::StartFinished);
-    assert!(
-        matches!(&a[..], [Action::Effect(Effect::Release(r))] if r.gpus == ["GPU-a"] && r.host_keys.is_some()),
-        "{a:?}"
-    );
+    assert_eq!(a, [release(&["GPU-a"], true, false)]);
     // A step in flight is not given up by a write failure of another event.
     let mut t = started_until(StartStep::AddHostKeys);
     let a = t.go_disk_full(terminate(TerminatedByServer, "", 0));
@@ -1268,13 +1230,10 @@ fn running_is_written_with_the_next_change_only() {
     pending.status = TaskStatus::Pending;
     pending.container_id = None;
     let container = ObservedContainer {
-        id: "cid".into(),
-        name: format!("/{}", t.record().container_name),
-        task_id: t.record().id.clone(),
-        state: ObservedState::Running,
         gpu_ids: vec![],
         ports: vec![],
         recovered_volumes: vec![],
+        ..observed(ObservedState::Running)
     };
     let (r, actions) = restore(Some(pending.clone()), Some(container.clone()), 5_000).unwrap();
     assert_eq!(actions, vec![]);
@@ -1331,14 +1290,4 @@ fn a_reason_left_empty_takes_the_reason_of_a_later_terminate() {
     // A non-empty reason is then final.
     t.go(terminate(TerminatedByUser, "again", 0));
     assert_ended(&t, TerminatedByServer, "later");
-}
-
-#[test]
-fn the_display_retry_records_the_new_container_through_an_event() {
-    let mut t = started_until(StartStep::StartContainer);
-    let a = t.go(recreated("cid2"));
-    assert_eq!(a, [PERSIST], "the new id is durable first");
-    assert_eq!(t.record().container_id.as_deref(), Some("cid2"));
-    let awaited = Some(StartStep::StartContainer);
-    assert_eq!(t.start_step(), awaited, "still awaited");
 }
