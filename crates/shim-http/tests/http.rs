@@ -24,42 +24,12 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-// ---------------------------------------------------------------------------------------------
-// A server under test (the fakes and the raw HTTP/1.1 client, exact bytes in and out, are
-// `common`'s).
-
 async fn start() -> Server {
     start_server(None, |c| c).await
 }
 
 async fn start_limited(limits: ConnectionLimits) -> Server {
     start_server(None, |c| c.with_limits(limits)).await
-}
-
-/// The test's ends of a drain hook: `started` fires when the server awaits the hook,
-/// `release` ends it (as does dropping it).
-struct DrainCtl {
-    started: oneshot::Receiver<()>,
-    release: oneshot::Sender<()>,
-}
-
-/// A server with a drain hook the test controls.
-async fn start_draining() -> (Server, DrainCtl) {
-    start_draining_with(|c| c).await
-}
-
-/// [`start_draining`] with more settings.
-async fn start_draining_with(
-    configure: impl FnOnce(ServerConfig) -> ServerConfig,
-) -> (Server, DrainCtl) {
-    let (started_tx, started) = oneshot::channel();
-    let (release, release_rx) = oneshot::channel::<()>();
-    let hook = async move {
-        let _ = started_tx.send(());
-        let _ = release_rx.await;
-    };
-    let s = start_server(None, |c| configure(c.with_drain(hook))).await;
-    (s, DrainCtl { started, release })
 }
 
 const KEY: &str =
@@ -114,22 +84,16 @@ async fn task_lifecycle_routes() {
     let r = s.post("/api/tasks/t1/remove", "{}").await;
     r.assert_error(409, "task t1 is not terminated");
 
-    // What the Python client sends.
-    let r = s
-        .post(
-            "/api/tasks/t1/terminate",
-            r#"{"termination_reason":"terminated_by_user","termination_message":"bye","timeout":10}"#,
-        )
-        .await;
-    assert_eq!(r.status, 200);
-    let v = r.json();
+    // What the Python client sends, then every terminate field is optional.
+    let terminate = "POST /api/tasks/t1/terminate";
+    let by_user = "{\"termination_reason\":\"terminated_by_user\",\"termination_message\":\"bye\",\
+                   \"timeout\":10}";
+    let v = s.ask(&format!("{terminate} {by_user}")).await.json();
     assert_eq!(v["status"], "terminated");
     assert_eq!(v["termination_reason"], "terminated_by_user");
     assert_eq!(v["termination_message"], "bye");
-
-    // Every terminate field is optional.
     for body in ["{}", r#"{"termination_reason":null,"timeout":null}"#] {
-        let r = s.post("/api/tasks/t1/terminate", body).await;
+        let r = s.ask(&format!("{terminate} {body}")).await;
         assert_eq!(r.status, 200, "{r:?}");
     }
     assert_eq!(
@@ -143,20 +107,17 @@ async fn task_lifecycle_routes() {
 
     // Remove sends no body at all (Python passes json=None); upstream answers it as every
     // handler that returns nothing.
-    s.bare("POST", "/api/tasks/t1/remove")
-        .await
-        .assert_empty_ok();
+    s.ask("POST /api/tasks/t1/remove").await.assert_empty_ok();
     // Unknown tasks: upstream's messages (handlers.go: TaskInfoHandler's bare 404; the
     // runner's `task %s: not found` for terminate and remove).
-    let gone = "task t1: not found";
-    for (r, status, message) in [
-        (s.get("/api/tasks/t1").await, 404, "Not Found"),
-        (s.post("/api/tasks/t1/remove", "").await, 404, gone),
-        (s.post("/api/tasks/t1/terminate", "{}").await, 404, gone),
-        (s.get("/api/tasks/boom").await, 500, "engine exploded"),
-    ] {
-        r.assert_error(status, message);
-    }
+    let r = s.post("/api/tasks/t1/remove", "").await;
+    r.assert_error(404, "task t1: not found");
+    s.assert_refusals(&[
+        "info: GET /api/tasks/t1 => 404 Not Found",
+        "terminate: POST /api/tasks/t1/terminate {} => 404 task t1: not found",
+        "engine_error: GET /api/tasks/boom => 500 engine exploded",
+    ])
+    .await;
     stop(s).await;
 }
 
@@ -241,32 +202,21 @@ async fn submit_validation() {
 #[tokio::test]
 async fn invalid_ids_in_paths_are_unknown_tasks() {
     let s = start().await;
-    for path in [
-        "/api/tasks/-x",
-        "/api/tasks/...",
-        "/api/tasks/a%2Fb",
-        "/api/tasks/a%20b",
-    ] {
-        s.get(path).await.assert_error(404, "Not Found");
-    }
-    let gone = "task -x: not found";
-    s.post("/api/tasks/-x/terminate", "{}")
-        .await
-        .assert_error(404, gone);
-    let r = s.post("/api/tasks/-x/terminate", "garbage").await;
-    r.assert_error(
-        400,
-        "Request body contains badly-formed JSON (at position 1)",
-    );
-    s.bare("POST", "/api/tasks/-x/remove")
-        .await
-        .assert_error(404, gone);
-    let r = s.get("/metrics/tasks/-x").await;
-    r.assert_error(404, "Task not found");
+    s.assert_refusals(&[
+        "info_dash: GET /api/tasks/-x => 404 Not Found",
+        "info_dots: GET /api/tasks/... => 404 Not Found",
+        "info_escaped_slash: GET /api/tasks/a%2Fb => 404 Not Found",
+        "info_escaped_space: GET /api/tasks/a%20b => 404 Not Found",
+        "terminate: POST /api/tasks/-x/terminate {} => 404 task -x: not found",
+        "terminate_bad_body: POST /api/tasks/-x/terminate garbage => \
+         400 Request body contains badly-formed JSON (at position 1)",
+        "remove: POST /api/tasks/-x/remove => 404 task -x: not found",
+        "metrics: GET /metrics/tasks/-x => 404 Task not found",
+        // Segments are matched unescaped, as Go's ServeMux matches them; messages name the id so.
+        "remove_unescaped: POST /api/tasks/a%20b/remove => 404 task a b: not found",
+    ])
+    .await;
     assert!(s.engine.terminations.lock().unwrap().is_empty());
-    // Segments are matched unescaped, as Go's ServeMux matches them; messages name the id so.
-    let r = s.bare("POST", "/api/tasks/a%20b/remove").await;
-    r.assert_error(404, "task a b: not found");
     s.post("/api/tasks", &submit_body("t1")).await;
     assert_eq!(s.get("/api/tasks/t%31").await.json()["id"], "t1");
     assert_eq!(s.get("/api/%74asks").await.status, 200);
@@ -285,7 +235,6 @@ async fn not_found_and_method_not_allowed() {
     for path in ["/api/nope", "/api/tasks/", "/", "/api/tasks/a/b"] {
         s.get(path).await.assert_error(404, "404 page not found");
     }
-
     for (method, path, allow) in [
         ("DELETE", "/api/tasks", "GET, HEAD, POST"),
         ("GET", "/api/tasks/a/terminate", "POST"),
@@ -297,7 +246,6 @@ async fn not_found_and_method_not_allowed() {
         r.assert_error(405, "Method Not Allowed");
         assert_eq!(r.header("allow"), Some(allow), "{method} {path}");
     }
-
     let r = s.bare("HEAD", "/api/healthcheck").await;
     r.assert_answer(200, Some("application/json"), "");
     stop(s).await;
@@ -310,18 +258,16 @@ async fn not_found_and_method_not_allowed() {
 async fn unclean_paths_are_redirected_as_go_does() {
     let s = start().await;
     let r = s.get("/api//tasks").await;
-    r.assert_answer(
-        307,
+    let (html, body) = (
         Some("text/html; charset=utf-8"),
         "<a href=\"/api/tasks\">Temporary Redirect</a>.\n\n",
     );
+    r.assert_answer(307, html, body);
     assert_eq!(r.header("location"), Some("/api/tasks"));
     let r = s.get("/api/tasks/./t1?x=1&y=2").await;
     assert_eq!(r.header("location"), Some("/api/tasks/t1?x=1&y=2"));
-    assert_eq!(
-        r.body,
-        "<a href=\"/api/tasks/t1?x=1&amp;y=2\">Temporary Redirect</a>.\n\n"
-    );
+    let body = "<a href=\"/api/tasks/t1?x=1&amp;y=2\">Temporary Redirect</a>.\n\n";
+    assert_eq!(r.body, body);
     let r = s.get("/api/tasks/..").await;
     assert_eq!((r.status, r.header("location")), (307, Some("/api")));
     // POST keeps its method through a 307: no type, no body.
@@ -335,49 +281,34 @@ async fn unclean_paths_are_redirected_as_go_does() {
 /// The whole answer, as upstream's server writes it byte for byte (Go 1.27 serving upstream's
 /// handlers; the Date header aside): header names capitalized as Go writes them,
 /// `Content-Length`, the newline after JSON and after a message; the healthcheck's and the
-/// instance routes' JSON.
-///
-/// upstream: runner/internal/common/api/api.go (JSONResponseHandler).
+/// instance routes' JSON. upstream: runner/internal/common/api/api.go (JSONResponseHandler).
 #[tokio::test]
 async fn answers_are_upstreams_byte_for_byte() {
     let s = start().await;
+    let json = ["HTTP/1.1 200 OK", "Content-Type: application/json"];
     let health = r#"{"service":"dstack-shim","version":"0.22.0"}"#;
-    for (path, json) in [
+    for (path, body) in [
         ("/api/healthcheck", health),
         ("/api/instance/info", r#"{"gpu_vendor":"nvidia"}"#),
         ("/api/instance/health", r#"{"dcgm":null}"#),
     ] {
-        let head = ["HTTP/1.1 200 OK", "Content-Type: application/json"];
-        assert_whole_answer(&s.get(path).await, &head, json);
+        assert_whole_answer(&s.get(path).await, &json, body);
     }
-    assert_whole_answer(
-        &s.bare("DELETE", "/api/tasks").await,
-        &[
-            "HTTP/1.1 405 Method Not Allowed",
-            "Allow: GET, HEAD, POST",
-            "Content-Type: text/plain; charset=utf-8",
-            "X-Content-Type-Options: nosniff",
-        ],
-        "Method Not Allowed",
-    );
-    assert_whole_answer(
-        &s.post("/api/shutdown", r#"{"force": "yes"}"#).await,
-        &[
-            "HTTP/1.1 400 Bad Request",
-            "Content-Type: text/plain; charset=utf-8",
-            "X-Content-Type-Options: nosniff",
-        ],
-        "Request body contains an invalid value for the \"force\" field (at position 15)",
-    );
+    let text = "Content-Type: text/plain; charset=utf-8";
+    let nosniff = "X-Content-Type-Options: nosniff";
+    let r = s.bare("DELETE", "/api/tasks").await;
+    let allow = "Allow: GET, HEAD, POST";
+    let head = ["HTTP/1.1 405 Method Not Allowed", allow, text, nosniff];
+    assert_whole_answer(&r, &head, "Method Not Allowed");
+    let r = s.post("/api/shutdown", r#"{"force": "yes"}"#).await;
+    let message = "Request body contains an invalid value for the \"force\" field (at position 15)";
+    assert_whole_answer(&r, &["HTTP/1.1 400 Bad Request", text, nosniff], message);
     // Go's encoder escapes <, >, & and U+2028/9 in strings.
     s.post("/api/tasks", &submit_body("esc")).await;
     let message = "{\"termination_message\":\"a<b>&c\u{2028}\"}";
     let r = s.post("/api/tasks/esc/terminate", message).await;
-    assert!(
-        r.body
-            .contains(r#""termination_message":"a\u003cb\u003e\u0026c\u2028""#),
-        "{r:?}"
-    );
+    let escaped = r#""termination_message":"a\u003cb\u003e\u0026c\u2028""#;
+    assert!(r.body.contains(escaped), "{r:?}");
     stop(s).await;
 }
 
@@ -434,49 +365,33 @@ async fn body_rules() {
 
     // 400
     let (terminate, json) = ("/api/tasks/ct0/terminate", Some("application/json"));
-    for (body, message) in [
-        (Some(""), "Request body must not be empty"),
-        (None, "Request body must not be empty"),
-        (
-            Some("[]"),
-            "Request body contains an invalid value for the \"\" field (at position 1)",
-        ),
-        (
-            Some("{} {}"),
-            "Request body must only contain a single JSON object",
-        ),
-        (
-            Some("{\"timeout\": "),
-            "Request body contains badly-formed JSON",
-        ),
-        (
-            Some("{\"timeout\": x}"),
-            "Request body contains badly-formed JSON (at position 13)",
-        ),
-        (
-            Some(r#"{"timeout": -1}"#),
-            "Request body contains an invalid value for the \"timeout\" field (at position 14)",
-        ),
-    ] {
-        let r = s.send(terminate, json, body.map(str::as_bytes)).await;
-        r.assert_error(400, message);
+    for body in [Some(&b""[..]), None] {
+        let r = s.send(terminate, json, body).await;
+        r.assert_error(400, "Request body must not be empty");
     }
+    let r = s.post(terminate, "{\"timeout\": ").await;
+    r.assert_error(400, "Request body contains badly-formed JSON");
+    s.assert_refusals(&[
+        "an_array: POST /api/tasks/ct0/terminate [] => \
+         400 Request body contains an invalid value for the \"\" field (at position 1)",
+        "two_objects: POST /api/tasks/ct0/terminate {} {} => \
+         400 Request body must only contain a single JSON object",
+        "not_json: POST /api/tasks/ct0/terminate {\"timeout\": x} => \
+         400 Request body contains badly-formed JSON (at position 13)",
+        "a_negative_timeout: POST /api/tasks/ct0/terminate {\"timeout\": -1} => \
+         400 Request body contains an invalid value for the \"timeout\" field (at position 14)",
+    ])
+    .await;
     // `null` is an empty request.
     assert_eq!(s.post(terminate, "null").await.status, 200);
 
     // 413 announced by Content-Length: answered without reading the body.
     let big = (shim_http::MAX_BODY_BYTES + 1).to_string();
-    let r = raw(
-        s.addr,
-        "POST",
-        "/api/tasks",
-        &[
-            ("Content-Type", "application/json"),
-            ("Content-Length", &big),
-        ],
-        None,
-    )
-    .await;
+    let headers = [
+        ("Content-Type", "application/json"),
+        ("Content-Length", &big),
+    ];
+    let r = raw(s.addr, "POST", "/api/tasks", &headers, None).await;
     r.assert_error(413, "Request body must not be larger than 1MB");
 
     // Exactly the limit is accepted (and then judged as JSON).
@@ -520,23 +435,23 @@ async fn metrics_route() {
     let r = s.get("/metrics/tasks/metrics-empty").await;
     r.assert_answer(200, None, "");
     assert_eq!(r.header("content-length"), Some("0"));
-    let r = s.get("/metrics/tasks/metrics-bad").await;
-    r.assert_error(502, "exporter: connection refused");
-    // Upstream (`runner/internal/shim/api/handlers.go`, `TaskMetricsHandler`): an unknown
-    // task is "Task not found"; without an exporter every request is "DCGM Exporter is not
-    // available", checked before the task.
-    let r = s.get("/metrics/tasks/t").await;
-    r.assert_error(404, "Task not found");
+    // Upstream (same handler): an unknown task is "Task not found"; without an exporter every
+    // request is "DCGM Exporter is not available", checked before the task.
+    s.assert_refusals(&[
+        "exporter_error: GET /metrics/tasks/metrics-bad => 502 exporter: connection refused",
+        "unknown_task: GET /metrics/tasks/t => 404 Task not found",
+    ])
+    .await;
     s.engine.no_exporter.store(true, Ordering::SeqCst);
-    let none = "DCGM Exporter is not available";
-    for path in ["/metrics/tasks/metrics-ok", "/metrics/tasks/-x"] {
-        s.get(path).await.assert_error(404, none);
-    }
+    s.assert_refusals(&[
+        "no_exporter: GET /metrics/tasks/metrics-ok => 404 DCGM Exporter is not available",
+        "no_exporter_bad_id: GET /metrics/tasks/-x => 404 DCGM Exporter is not available",
+    ])
+    .await;
     stop(s).await;
 }
 
-/// The components routes' answers, including the refusals of an install request ("empty
-/// name", "unknown component", "empty url", 409 while installing).
+/// The components routes' answers, including the refusals of an install request.
 ///
 /// upstream: runner/internal/shim/api/handlers.go (ComponentInstallHandler).
 #[tokio::test]
@@ -550,18 +465,18 @@ async fn component_routes() {
             {"name": "dstack-shim", "version": "", "status": "installing"},
         ]})
     );
-    let install = async |body: &str| s.post("/api/components/install", body).await;
-    let r = install(r#"{"name":"","url":"http://x/y"}"#).await;
-    r.assert_error(400, "empty name");
-    let r = install(r#"{"url":"http://x/y"}"#).await;
-    r.assert_error(400, "empty name");
-    let r = install(r#"{"name":"dstack-gateway","url":"http://x/y"}"#).await;
-    r.assert_error(400, "unknown component");
-    let r = install(r#"{"name":"dstack-runner","url":""}"#).await;
-    r.assert_error(400, "empty url");
-    let r = install(r#"{"name":"dstack-shim","url":"http://x/y"}"#).await;
-    r.assert_error(409, "already installing");
-    let r = install(r#"{"name":"dstack-runner","url":"http://x/y"}"#).await;
+    s.assert_refusals(&[
+        r#"empty_name: POST /api/components/install {"name":"","url":"u"} => 400 empty name"#,
+        r#"no_name: POST /api/components/install {"url":"http://x/y"} => 400 empty name"#,
+        "unknown_component: POST /api/components/install \
+         {\"name\":\"dstack-gateway\",\"url\":\"http://x/y\"} => 400 unknown component",
+        r#"empty_url: POST /api/components/install {"name":"dstack-runner","url":""} => 400 empty url"#,
+        "while_installing: POST /api/components/install \
+         {\"name\":\"dstack-shim\",\"url\":\"http://x/y\"} => 409 already installing",
+    ])
+    .await;
+    let install = r#"{"name":"dstack-runner","url":"http://x/y"}"#;
+    let r = s.post("/api/components/install", install).await;
     r.assert_empty_ok();
     assert_eq!(
         *s.components.installs.lock().unwrap(),
@@ -592,20 +507,6 @@ async fn fifty_parallel_requests() {
     stop(s).await;
 }
 
-/// A healthcheck without `Connection: close`: the connection stays open after the answer.
-const KEEP_ALIVE_HEALTHCHECK: &[u8] = b"GET /api/healthcheck HTTP/1.1\r\nHost: x\r\n\r\n";
-
-/// Sends [`KEEP_ALIVE_HEALTHCHECK`] on `stream` and reads its answer (bounded; one read).
-async fn healthcheck_on(stream: &mut TcpStream) -> Resp {
-    stream.write_all(KEEP_ALIVE_HEALTHCHECK).await.unwrap();
-    let mut buf = vec![0u8; 4096];
-    let n = tokio::time::timeout(BOUND, stream.read(&mut buf))
-        .await
-        .unwrap()
-        .unwrap();
-    parse_response(&buf[..n])
-}
-
 // ---------------------------------------------------------------------------------------------
 // Sockets.
 
@@ -619,10 +520,8 @@ async fn bind_error(tcp: &str, unix: Option<&Path>) -> HttpError {
 async fn refuses_non_loopback() {
     let e = bind_error("0.0.0.0:0", None).await;
     assert!(matches!(e, HttpError::NotLoopback { .. }), "{e}");
-    assert_eq!(
-        e.to_string(),
-        "refusing to listen on 0.0.0.0:0: the shim API is loopback-only"
-    );
+    let message = "refusing to listen on 0.0.0.0:0: the shim API is loopback-only";
+    assert_eq!(e.to_string(), message);
     let e = bind_error("192.0.2.1:0", None).await;
     assert!(matches!(e, HttpError::NotLoopback { .. }), "{e}");
 }
@@ -668,48 +567,11 @@ async fn unix_socket_mode_0600_and_serves() {
 // ---------------------------------------------------------------------------------------------
 // Shutdown.
 
-/// Starts `GET /api/tasks/slow` and waits until the engine holds it.
-async fn start_slow_request(s: &Server) -> JoinHandle<Vec<u8>> {
-    let addr = s.addr;
-    let join = tokio::spawn(async move {
-        let mut stream = TcpStream::connect(addr).await.unwrap();
-        stream
-            .write_all(&request_bytes("GET", "/api/tasks/slow", &[], None))
-            .await
-            .unwrap();
-        let mut raw = Vec::new();
-        let _ = stream.read_to_end(&mut raw).await;
-        raw
-    });
-    tokio::time::timeout(BOUND, s.engine.entered.notified())
-        .await
-        .expect("the slow request reaches the engine");
-    join
-}
-
-/// What the slow request got before its connection closed (bounded).
-async fn slow_answer(slow: JoinHandle<Vec<u8>>) -> Vec<u8> {
-    tokio::time::timeout(BOUND, slow).await.unwrap().unwrap()
-}
-
-/// Asserts that the slow request's connection closed without an answer.
-async fn assert_slow_unanswered(slow: JoinHandle<Vec<u8>>) {
-    let raw = slow_answer(slow).await;
-    assert!(
-        raw.is_empty(),
-        "the in-flight request got no answer: {raw:?}"
-    );
-}
-
-/// Waits (bounded) until connecting to `addr` is refused.
-async fn until_refused(addr: SocketAddr) {
-    tokio::time::timeout(BOUND, async {
-        while TcpStream::connect(addr).await.is_ok() {
-            tokio::task::yield_now().await;
-        }
-    })
-    .await
-    .expect("the listener closes");
+/// The test's ends of a drain hook: `started` fires when the server awaits the hook,
+/// `release` ends it (as does dropping it).
+struct DrainCtl {
+    started: oneshot::Receiver<()>,
+    release: oneshot::Sender<()>,
 }
 
 impl DrainCtl {
@@ -726,23 +588,75 @@ impl DrainCtl {
     }
 }
 
+/// A server with a drain hook the test controls, and the settings `configure` adds.
+async fn start_draining(
+    configure: impl FnOnce(ServerConfig) -> ServerConfig,
+) -> (Server, DrainCtl) {
+    let (started_tx, started) = oneshot::channel();
+    let (release, release_rx) = oneshot::channel::<()>();
+    let hook = async move {
+        let _ = started_tx.send(());
+        let _ = release_rx.await;
+    };
+    let s = start_server(None, |c| configure(c.with_drain(hook))).await;
+    (s, DrainCtl { started, release })
+}
+
+/// Starts `GET /api/tasks/slow` and waits until the engine holds it; the handle gives what
+/// it got before its connection closed.
+async fn start_slow_request(s: &Server) -> JoinHandle<Vec<u8>> {
+    let addr = s.addr;
+    let join = tokio::spawn(async move {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        let request = request_bytes("GET", "/api/tasks/slow", &[], None);
+        stream.write_all(&request).await.unwrap();
+        let mut raw = Vec::new();
+        let _ = stream.read_to_end(&mut raw).await;
+        raw
+    });
+    tokio::time::timeout(BOUND, s.engine.entered.notified())
+        .await
+        .expect("the slow request reaches the engine");
+    join
+}
+
+/// What the slow request got before its connection closed (bounded).
+async fn slow_answer(slow: JoinHandle<Vec<u8>>) -> Vec<u8> {
+    tokio::time::timeout(BOUND, slow).await.unwrap().unwrap()
+}
+
+async fn assert_slow_unanswered(slow: JoinHandle<Vec<u8>>) {
+    let raw = slow_answer(slow).await;
+    assert!(
+        raw.is_empty(),
+        "the in-flight request got an answer: {raw:?}"
+    );
+}
+
+/// Waits (bounded) until connecting to `addr` is refused.
+async fn until_refused(addr: SocketAddr) {
+    tokio::time::timeout(BOUND, async {
+        while TcpStream::connect(addr).await.is_ok() {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the listener closes");
+}
+
 #[tokio::test]
 async fn graceful_shutdown_finishes_in_flight_requests_then_drains() {
-    let (s, ctl) = start_draining().await;
+    let (s, ctl) = start_draining(|c| c).await;
     let slow = start_slow_request(&s).await;
-
     s.shutdown.cancel();
     until_refused(s.addr).await;
-    assert!(
-        !s.handle.is_finished(),
-        "an in-flight request holds the server"
-    );
+    let held = "an in-flight request holds the server";
+    assert!(!s.handle.is_finished(), "{held}");
 
     s.engine.release.notify_one();
     let r = parse_response(&slow_answer(slow).await);
     assert_eq!(r.status, 200);
     assert_eq!(r.json()["status"], "running");
-
     // Requests drained; now the server waits for the background jobs.
     ctl.release_once_it_holds(s.handle).await;
 }
@@ -754,7 +668,7 @@ async fn graceful_shutdown_finishes_in_flight_requests_then_drains() {
 #[tokio::test]
 async fn a_request_in_flight_holds_a_graceful_shutdown_no_longer_than_the_drain_timeout() {
     let timeout = Duration::from_millis(300);
-    let (s, ctl) = start_draining_with(|c| c.with_request_drain_timeout(timeout)).await;
+    let (s, ctl) = start_draining(|c| c.with_request_drain_timeout(timeout)).await;
     let slow = start_slow_request(&s).await;
     s.shutdown.cancel();
     until_refused(s.addr).await;
@@ -768,7 +682,7 @@ async fn a_request_in_flight_holds_a_graceful_shutdown_no_longer_than_the_drain_
 /// Go's server does only after 5 s.
 #[tokio::test]
 async fn a_request_just_after_its_connection_and_a_graceful_shutdown_is_answered() {
-    let s = start_server(None, |c| c).await;
+    let s = start().await;
     let mut fresh = TcpStream::connect(s.addr).await.unwrap();
     // Accepted: the listener takes connections in order, and a later one was answered.
     assert_eq!(s.get("/api/healthcheck").await.status, 200);
@@ -784,9 +698,8 @@ async fn a_request_just_after_its_connection_and_a_graceful_shutdown_is_answered
 
 #[tokio::test]
 async fn forced_shutdown_closes_at_once() {
-    let (s, _ctl) = start_draining().await;
+    let (s, _ctl) = start_draining(|c| c).await;
     let slow = start_slow_request(&s).await;
-
     s.force.cancel();
     // serve returns although a request is in flight and the drain never completes.
     serve_returns(s.handle).await;
@@ -796,7 +709,7 @@ async fn forced_shutdown_closes_at_once() {
 
 #[tokio::test]
 async fn forced_shutdown_interrupts_a_graceful_one() {
-    let (s, _ctl) = start_draining().await;
+    let (s, _ctl) = start_draining(|c| c).await;
     let slow = start_slow_request(&s).await;
     s.shutdown.cancel();
     until_refused(s.addr).await;
@@ -807,7 +720,7 @@ async fn forced_shutdown_interrupts_a_graceful_one() {
 
 #[tokio::test]
 async fn shutdown_endpoint_graceful() {
-    let (s, ctl) = start_draining().await;
+    let (s, ctl) = start_draining(|c| c).await;
     let r = s.post("/api/shutdown", r#"{"force":false}"#).await;
     r.assert_empty_ok();
     until_refused(s.addr).await;
@@ -818,7 +731,7 @@ async fn shutdown_endpoint_graceful() {
 
 #[tokio::test]
 async fn shutdown_endpoint_force() {
-    let (s, _ctl) = start_draining().await;
+    let (s, _ctl) = start_draining(|c| c).await;
     let slow = start_slow_request(&s).await;
     let r = s.post("/api/shutdown", r#"{"force":true}"#).await;
     r.assert_empty_ok();
@@ -837,6 +750,17 @@ fn short_limits() -> ConnectionLimits {
         idle_timeout: Duration::from_millis(300),
         ..ConnectionLimits::default()
     }
+}
+
+/// A healthcheck without `Connection: close`: the connection stays open after the answer.
+const KEEP_ALIVE_HEALTHCHECK: &[u8] = b"GET /api/healthcheck HTTP/1.1\r\nHost: x\r\n\r\n";
+
+/// Sends [`KEEP_ALIVE_HEALTHCHECK`] on `stream` and reads its answer (bounded; one read).
+async fn healthcheck_on(stream: &mut TcpStream) -> Resp {
+    stream.write_all(KEEP_ALIVE_HEALTHCHECK).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let read = tokio::time::timeout(BOUND, stream.read(&mut buf)).await;
+    parse_response(&buf[..read.unwrap().unwrap()])
 }
 
 /// Reads until the server closes the connection (EOF or reset), bounded; returns what came.
@@ -869,10 +793,8 @@ async fn stalled_connections(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
     for i in 0..n {
         let mut stream = TcpStream::connect(addr).await.unwrap();
         if i % 2 == 1 {
-            stream
-                .write_all(b"GET /api/healthcheck HTTP/1.1\r\nHost: x\r\nX-Half: ")
-                .await
-                .unwrap();
+            let half = b"GET /api/healthcheck HTTP/1.1\r\nHost: x\r\nX-Half: ";
+            stream.write_all(half).await.unwrap();
         }
         stalled.push(stream);
     }
@@ -890,12 +812,10 @@ async fn stalled_connections_do_not_lock_out_a_normal_client() {
     };
     let s = start_limited(limits).await;
     let mut stalled = stalled_connections(s.addr, 300).await;
-
     let r = s.get("/api/healthcheck").await;
     assert_eq!(r.status, 200, "{r:?}");
     let r = s.get("/api/tasks").await;
     assert_eq!(r.status, 200, "{r:?}");
-
     for stream in &mut stalled {
         assert_closed_unanswered(stream).await;
     }
@@ -920,8 +840,8 @@ async fn stalled_connections_are_closed_after_the_timeouts() {
                 return;
             }
             let mut probe = [0u8; 1];
-            match tokio::time::timeout(Duration::from_millis(100), trickler.read(&mut probe)).await
-            {
+            let wait = Duration::from_millis(100);
+            match tokio::time::timeout(wait, trickler.read(&mut probe)).await {
                 Ok(Ok(0) | Err(_)) => return,
                 Ok(Ok(_)) => panic!("the trickling client got an answer"),
                 Err(_) => {}
@@ -1075,13 +995,17 @@ async fn the_listening_socket_is_handed_to_the_next_server() {
     let config = ServerConfig::new("0.22.0")
         .with_force_shutdown(force.clone())
         .with_shutdown_hook(hook);
-    let first = tokio::spawn(serve(
-        listeners,
-        Arc::new(FakeEngine::default()),
-        Arc::new(FakeComponents::default()),
-        config,
-        shutdown.clone(),
-    ));
+    let serve_on = |listeners, config, shutdown| {
+        let (engine, components) = (FakeEngine::default(), FakeComponents::default());
+        tokio::spawn(serve(
+            listeners,
+            Arc::new(engine),
+            Arc::new(components),
+            config,
+            shutdown,
+        ))
+    };
+    let first = serve_on(listeners, config, shutdown.clone());
     let r = post(addr, "/api/shutdown", r#"{"force":false}"#).await;
     assert_eq!((r.status, r.body.as_str()), (200, "\n"));
     serve_returns(first).await;
@@ -1090,27 +1014,16 @@ async fn the_listening_socket_is_handed_to_the_next_server() {
 
     // Nobody serves the port now, yet a client connects and sends its request.
     let mut waiting = TcpStream::connect(addr).await.unwrap();
-    waiting
-        .write_all(&request_bytes("GET", "/api/healthcheck", &[], None))
-        .await
-        .unwrap();
+    let request = request_bytes("GET", "/api/healthcheck", &[], None);
+    waiting.write_all(&request).await.unwrap();
 
-    let socket = std::net::TcpListener::from(kept);
-    let listeners = Listeners::from_tcp(socket, None).unwrap();
+    let listeners = Listeners::from_tcp(std::net::TcpListener::from(kept), None).unwrap();
     assert_eq!(listeners.tcp_addr(), addr);
     let shutdown = CancellationToken::new();
-    let second = tokio::spawn(serve(
-        listeners,
-        Arc::new(FakeEngine::default()),
-        Arc::new(FakeComponents::default()),
-        ServerConfig::new("0.22.1"),
-        shutdown.clone(),
-    ));
+    let second = serve_on(listeners, ServerConfig::new("0.22.1"), shutdown.clone());
     let mut answer = Vec::new();
-    tokio::time::timeout(BOUND, waiting.read_to_end(&mut answer))
-        .await
-        .unwrap()
-        .unwrap();
+    let read = tokio::time::timeout(BOUND, waiting.read_to_end(&mut answer)).await;
+    read.unwrap().unwrap();
     let answer = parse_response(&answer);
     assert_eq!(answer.status, 200);
     assert_eq!(answer.json()["version"], "0.22.1");
@@ -1125,8 +1038,6 @@ async fn an_inherited_socket_must_be_loopback() {
     let port = socket.local_addr().unwrap().port();
     let e = Listeners::from_tcp(socket, None).unwrap_err();
     assert!(matches!(e, HttpError::NotLoopback { .. }), "{e}");
-    assert_eq!(
-        e.to_string(),
-        format!("refusing to listen on 0.0.0.0:{port}: the shim API is loopback-only")
-    );
+    let message = format!("refusing to listen on 0.0.0.0:{port}: the shim API is loopback-only");
+    assert_eq!(e.to_string(), message);
 }

@@ -21,35 +21,28 @@ use tokio::net::{TcpSocket, TcpStream};
 /// Every wait is bounded by this (a safety bound, never a timing assertion).
 const BOUND: Duration = Duration::from_secs(30);
 
-// ---------------------------------------------------------------------------------------------
-// A server over `common`'s fake engine with two tasks, its change feed (or injected feed
-// errors), metrics and a settable readiness.
+/// A server over `common`'s fake engine with two tasks, with these events settings.
+async fn start(events: EventsConfig) -> Server {
+    start_limited(ConnectionLimits::default(), events).await
+}
 
-async fn start(limits: ConnectionLimits, events: EventsConfig) -> Server {
+async fn start_limited(limits: ConnectionLimits, events: EventsConfig) -> Server {
     let s = start_server(None, |c| c.with_limits(limits).with_events(events)).await;
     s.engine.insert("a", TaskStatus::Running);
     s.engine.insert("b", TaskStatus::Terminated);
     s
 }
 
-async fn start_default() -> Server {
-    start_events(EventsConfig::default()).await
-}
-
-async fn start_events(events: EventsConfig) -> Server {
-    start(ConnectionLimits::default(), events).await
-}
-
-/// A server without a change feed and without metrics.
-async fn start_plain() -> Server {
-    let s = start_default().await;
-    s.engine.plain.store(true, Ordering::SeqCst);
-    s
+/// The default events settings but for the keep-alive period.
+fn keep_alive(period: Duration) -> EventsConfig {
+    EventsConfig {
+        keep_alive: period,
+        ..EventsConfig::default()
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Clients: one request and its whole answer (`common::get`), and an SSE reader (chunked
-// decoding as it comes).
+// An SSE reader (chunked decoding as it comes).
 
 /// How a stream ended.
 #[derive(Debug, PartialEq, Eq)]
@@ -82,24 +75,23 @@ impl Sse {
     }
 
     async fn over(mut stream: TcpStream) -> Sse {
-        stream
-            .write_all(b"GET /api/events HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n\r\n")
-            .await
-            .unwrap();
+        let request = b"GET /api/events HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n\r\n";
+        stream.write_all(request).await.unwrap();
         let mut reader = BufReader::new(stream);
         let mut head = Vec::new();
         while !head.ends_with(b"\r\n\r\n") {
             let n = bounded(reader.read_until(b'\n', &mut head)).await.unwrap();
             assert!(n > 0, "the connection closed in the head");
         }
+        let (head, parser) = (parse_response(&head), SseParser::new());
         Sse {
             reader,
-            head: parse_response(&head),
-            parser: SseParser::new(),
+            head,
+            parser,
         }
     }
 
-    /// Reads one chunk into `pending`; `Err` when the body ends.
+    /// Reads one chunk into the parser; `Err` when the body ends.
     async fn chunk(&mut self) -> Result<(), Ended> {
         let mut line = String::new();
         match bounded(self.reader.read_line(&mut line)).await {
@@ -123,7 +115,8 @@ impl Sse {
         Ok(())
     }
 
-    /// The next event or comment; `Err` when the stream ends first.
+    /// The next event or comment (a comment is always a keep-alive); `Err` when the stream
+    /// ends first.
     async fn next(&mut self) -> Result<SseEvent, Ended> {
         loop {
             if let Some(block) = self.parser.next_block() {
@@ -150,30 +143,25 @@ impl Sse {
     /// Reads until the stream ends (bounded as a whole: keep-alives would go on forever),
     /// returning how; events in between are dropped.
     async fn until_end(&mut self) -> Ended {
-        tokio::time::timeout(BOUND, async {
+        let end = tokio::time::timeout(BOUND, async {
             loop {
                 if let Err(end) = self.next().await {
                     return end;
                 }
             }
-        })
-        .await
-        .expect("the stream ended within the bound")
+        });
+        end.await.expect("the stream ended within the bound")
     }
 }
 
 async fn bounded<T>(f: impl Future<Output = std::io::Result<T>>) -> std::io::Result<T> {
-    tokio::time::timeout(BOUND, f)
-        .await
-        .expect("the server answered within the bound")
+    let answered = tokio::time::timeout(BOUND, f).await;
+    answered.expect("the server answered within the bound")
 }
 
 fn event(event: &str, id: Option<u64>, data: impl Into<String>) -> SseEvent {
-    SseEvent {
-        event: event.into(),
-        id,
-        data: data.into(),
-    }
+    let (event, data) = (event.into(), data.into());
+    SseEvent { event, id, data }
 }
 
 fn change_json(seq: u64, task: &str, pad: usize) -> String {
@@ -185,23 +173,18 @@ fn change_json(seq: u64, task: &str, pad: usize) -> String {
 /// Waits (bounded) until `f` holds, checking every few milliseconds.
 async fn eventually(what: &str, mut f: impl AsyncFnMut() -> bool) {
     let found = tokio::time::timeout(BOUND, async {
-        loop {
-            if f().await {
-                return;
-            }
+        while !f().await {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-    })
-    .await;
-    assert!(found.is_ok(), "never: {what}");
+    });
+    assert!(found.await.is_ok(), "never: {what}");
 }
 
 /// Subscribed: the snapshot has been read, so changes sent from now on reach the client.
 async fn subscribed(addr: SocketAddr) -> Sse {
     let mut sse = Sse::connect(addr).await;
     assert_eq!(sse.head.status, 200);
-    let snapshot = sse.next_event().await.unwrap();
-    assert_eq!(snapshot.event, "snapshot");
+    assert_eq!(sse.next_event().await.unwrap().event, "snapshot");
     sse
 }
 
@@ -213,7 +196,7 @@ async fn subscribed(addr: SocketAddr) -> Sse {
 /// the server stops.
 #[tokio::test]
 async fn events_snapshot_first_then_changes_in_order() {
-    let s = start_default().await;
+    let s = start(EventsConfig::default()).await;
     let mut sse = Sse::connect(s.addr).await;
     assert_eq!(sse.head.status, 200);
     assert_eq!(sse.head.header("content-type"), Some("text/event-stream"));
@@ -243,11 +226,7 @@ async fn events_snapshot_first_then_changes_in_order() {
 /// A keep-alive comment is sent every keep-alive period.
 #[tokio::test]
 async fn events_keep_alive_comments() {
-    let s = start_events(EventsConfig {
-        keep_alive: Duration::from_millis(50),
-        ..EventsConfig::default()
-    })
-    .await;
+    let s = start(keep_alive(Duration::from_millis(50))).await;
     let mut sse = subscribed(s.addr).await;
     for _ in 0..3 {
         assert_eq!(sse.next().await.unwrap().event, ":");
@@ -264,14 +243,7 @@ async fn events_outlive_the_connection_timeouts() {
         idle_timeout: Duration::from_millis(200),
         ..ConnectionLimits::default()
     };
-    let s = start(
-        limits,
-        EventsConfig {
-            keep_alive: Duration::from_secs(3600),
-            ..EventsConfig::default()
-        },
-    )
-    .await;
+    let s = start_limited(limits, keep_alive(Duration::from_secs(3600))).await;
     let mut sse = subscribed(s.addr).await;
     // Silence on the connection, longer than both timeouts (a lower bound: a slow machine
     // only makes it longer).
@@ -282,31 +254,28 @@ async fn events_outlive_the_connection_timeouts() {
     stop(s).await;
 }
 
-/// A feed that fell behind: `event: lagged` with the number missed, then the stream ends
-/// (cleanly); a reconnect gets a new snapshot.
+/// A feed error ends the stream cleanly after the changes before it, and a reconnect gets a
+/// new snapshot: a feed that fell behind first sends `event: lagged` with the number
+/// missed; a feed whose producer closed sends nothing more.
 #[tokio::test]
-async fn events_lagged_ends_the_stream() {
-    let s = start_default().await;
-    let mut sse = subscribed(s.addr).await;
-    s.engine.send(1, change_json(1, "a", 0));
-    let behind = Err(FeedError::Lagged { missed: 17 });
-    s.engine.changes.send(behind).unwrap();
-    assert_eq!(sse.next().await.unwrap().id, Some(1));
+async fn events_end_on_a_lagged_or_closed_feed() {
     let lagged = event("lagged", None, r#"{"missed":17}"#);
-    assert_eq!(sse.next().await.unwrap(), lagged);
-    assert_eq!(sse.until_end().await, Ended::Cleanly);
-    let _again = subscribed(s.addr).await;
-    stop(s).await;
-}
-
-/// The producer closing ends the stream cleanly.
-#[tokio::test]
-async fn events_end_when_the_feed_closes() {
-    let s = start_default().await;
-    let mut sse = subscribed(s.addr).await;
-    s.engine.changes.send(Err(FeedError::Closed)).unwrap();
-    assert_eq!(sse.until_end().await, Ended::Cleanly);
-    stop(s).await;
+    for (name, error, last) in [
+        ("lagged", FeedError::Lagged { missed: 17 }, Some(lagged)),
+        ("closed", FeedError::Closed, None),
+    ] {
+        let s = start(EventsConfig::default()).await;
+        let mut sse = subscribed(s.addr).await;
+        s.engine.send(1, change_json(1, "a", 0));
+        s.engine.changes.send(Err(error)).unwrap();
+        assert_eq!(sse.next().await.unwrap().id, Some(1), "{name}");
+        if let Some(last) = last {
+            assert_eq!(sse.next().await.unwrap(), last, "{name}");
+        }
+        assert_eq!(sse.until_end().await, Ended::Cleanly, "{name}");
+        let _again = subscribed(s.addr).await;
+        stop(s).await;
+    }
 }
 
 /// A client that stops reading while changes pour in: a client that reads gets every change
@@ -315,30 +284,27 @@ async fn events_end_when_the_feed_closes() {
 /// is free again.
 #[tokio::test]
 async fn a_slow_client_is_disconnected_when_its_queue_is_full() {
-    slow_client_is_disconnected(EventsConfig {
-        max_clients: 2,
-        // Only the queue limit can catch it.
-        keep_alive: Duration::from_secs(3600),
-        max_queued_bytes: 64 * 1024,
-    })
-    .await;
+    // Only the queue limit can catch it.
+    let max_queued_bytes = 64 * 1024;
+    slow_client_is_disconnected(Duration::from_secs(3600), max_queued_bytes).await;
 }
 
 /// As above, caught by the other check: frames waiting a whole keep-alive period without
 /// the connection taking any (the queue limit is too large to be reached).
 #[tokio::test]
 async fn a_stalled_client_is_disconnected_after_a_keep_alive_period() {
-    slow_client_is_disconnected(EventsConfig {
-        max_clients: 2,
-        keep_alive: Duration::from_secs(1),
-        max_queued_bytes: 1 << 30,
-    })
-    .await;
+    slow_client_is_disconnected(Duration::from_secs(1), 1 << 30).await;
 }
 
-async fn slow_client_is_disconnected(events: EventsConfig) {
+/// The two tests above, with a cap of 2 streams.
+async fn slow_client_is_disconnected(keep_alive: Duration, max_queued_bytes: usize) {
     const PAD: usize = 4096;
-    let s = start_events(events).await;
+    let events = EventsConfig {
+        max_clients: 2,
+        keep_alive,
+        max_queued_bytes,
+    };
+    let s = start(events).await;
     let mut stalled = Sse::connect_small_buffer(s.addr).await;
     assert_eq!(stalled.next_event().await.unwrap().event, "snapshot");
     let mut reader = subscribed(s.addr).await;
@@ -357,11 +323,9 @@ async fn slow_client_is_disconnected(events: EventsConfig) {
             while seq < last.load(Ordering::Acquire) {
                 let event = reader.next_event().await.unwrap();
                 seq += 1;
-                assert_eq!(
-                    (event.event.as_str(), event.id),
-                    ("change", Some(seq)),
-                    "the reading client gets every change in order"
-                );
+                let got = (event.event.as_str(), event.id);
+                let in_order = "the reading client gets every change in order";
+                assert_eq!(got, ("change", Some(seq)), "{in_order}");
                 received.store(seq, Ordering::Release);
             }
             reader
@@ -412,7 +376,7 @@ async fn slow_client_is_disconnected(events: EventsConfig) {
 /// back.
 #[tokio::test]
 async fn events_client_cap() {
-    let s = start_events(EventsConfig {
+    let s = start(EventsConfig {
         max_clients: 2,
         ..EventsConfig::default()
     })
@@ -433,24 +397,15 @@ async fn events_client_cap() {
     stop(s).await;
 }
 
-/// Without a change feed (`subscribe` answering `NotFound`) the route answers 404 with the
-/// message. The trait's own default is run by the crate README's example.
-#[tokio::test]
-async fn events_without_a_feed_is_404() {
-    let s = start_plain().await;
-    let r = s.get("/api/events").await;
-    r.assert_error(404, "task change events are not available");
-    stop(s).await;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Metrics and readiness
 
-/// `GET /metrics`: the text as given, as OpenMetrics; 404 without metrics (the trait's default
-/// is run by the crate README's example).
+/// `GET /metrics`: the text as given, as OpenMetrics. Without metrics, or without a change
+/// feed (`subscribe` answering `NotFound`), `GET /metrics` and `GET /api/events` answer 404
+/// with the message (the trait's defaults are run by the crate README's example).
 #[tokio::test]
 async fn metrics_route_and_content_type() {
-    let s = start_default().await;
+    let s = start(EventsConfig::default()).await;
     s.get("/metrics").await.assert_answer(
         200,
         Some("application/openmetrics-text; version=1.0.0; charset=utf-8"),
@@ -460,8 +415,11 @@ async fn metrics_route_and_content_type() {
     assert_eq!(s.get("/metrics/tasks/a").await.status, 404);
 
     s.engine.plain.store(true, Ordering::SeqCst);
-    let r = s.get("/metrics").await;
-    r.assert_error(404, "metrics are not available");
+    s.assert_refusals(&[
+        "no_metrics: GET /metrics => 404 metrics are not available",
+        "no_feed: GET /api/events => 404 task change events are not available",
+    ])
+    .await;
     stop(s).await;
 }
 
@@ -469,25 +427,21 @@ async fn metrics_route_and_content_type() {
 /// reasons when not (the trait's default, ready, is run by the crate README's example).
 #[tokio::test]
 async fn readiness_200_and_503() {
-    let s = start_default().await;
-    s.get("/api/ready").await.assert_answer(
-        200,
-        Some("application/json"),
-        "{\"ready\":true,\"reasons\":[]}\n",
-    );
+    let s = start(EventsConfig::default()).await;
+    let ready = "{\"ready\":true,\"reasons\":[]}\n";
+    let r = s.get("/api/ready").await;
+    r.assert_answer(200, Some("application/json"), ready);
 
-    *s.engine.readiness.lock().unwrap() = Readiness::new(
-        false,
-        vec!["Docker's event stream is disconnected".into()],
-    )
-    .with_runtime(false, Some(1.5), 600.0);
+    let reason = "Docker's event stream is disconnected";
+    let not_ready =
+        Readiness::new(false, vec![reason.into()]).with_runtime(false, Some(1.5), 600.0);
+    *s.engine.readiness.lock().unwrap() = not_ready;
     let r = s.get("/api/ready").await;
     assert_eq!(r.status, 503);
     assert_eq!(
         r.json(),
-        serde_json::json!({"ready": false, "reasons": ["Docker's event stream is disconnected"],
-            "events_connected": false, "last_reconcile_age_seconds": 1.5,
-            "reconcile_max_age_seconds": 600.0})
+        serde_json::json!({"ready": false, "reasons": [reason], "events_connected": false,
+            "last_reconcile_age_seconds": 1.5, "reconcile_max_age_seconds": 600.0})
     );
     // The healthcheck says only that the process answers.
     assert_eq!(s.get("/api/healthcheck").await.status, 200);

@@ -1,6 +1,5 @@
-//! What the HTTP tests share: a fake engine and installer, `serve` spawned on a loopback port
-//! over them and awaited, a raw HTTP/1.1 client that sends exact bytes and reads the whole
-//! answer (`Connection: close`), with the checks every test makes of an answer.
+//! What the HTTP tests share: a fake engine and installer, `serve` over them on a loopback
+//! port, and a raw HTTP/1.1 client (exact bytes, `Connection: close`) with its checks.
 
 #![allow(
     dead_code,
@@ -33,8 +32,7 @@ pub const ANSWER_BOUND: Duration = Duration::from_secs(20);
 
 #[derive(Debug)]
 pub struct Resp {
-    /// What was asked (`METHOD /path`, and the body if any) when `raw` sent it, so that a
-    /// failed check names it; empty otherwise.
+    /// What was asked (and the table row asking it), so that a failed check names it.
     pub request: String,
     pub status: u16,
     pub headers: Vec<(String, String)>,
@@ -76,9 +74,7 @@ impl Resp {
 
     /// Asserts an error answer as Go's `http.Error` writes it (upstream's handlers answer
     /// every error so): status, `text/plain; charset=utf-8`, `nosniff`, the exact message
-    /// and a newline.
-    ///
-    /// upstream: runner/internal/common/api/api.go (JSONResponseHandler).
+    /// and a newline. upstream: runner/internal/common/api/api.go (JSONResponseHandler).
     #[track_caller]
     pub fn assert_error(&self, status: u16, message: &str) {
         let got = (
@@ -97,6 +93,12 @@ impl Resp {
     #[track_caller]
     pub fn assert_empty_ok(&self) {
         self.assert_error(200, "");
+    }
+
+    /// Names the table row that asked, for a failed check to print.
+    pub fn row(self, name: &str) -> Resp {
+        let request = format!("{name}: {}", self.request);
+        Resp { request, ..self }
     }
 }
 
@@ -401,18 +403,14 @@ pub struct FakeComponents {
 #[async_trait]
 impl ComponentsApi for FakeComponents {
     async fn list(&self) -> Vec<ComponentInfo> {
-        vec![
-            ComponentInfo {
-                name: ComponentName::Runner,
-                version: "1.2.3".into(),
-                status: ComponentStatus::Installed,
-            },
-            ComponentInfo {
-                name: ComponentName::Shim,
-                version: String::new(),
-                status: ComponentStatus::Installing,
-            },
-        ]
+        let runner = (ComponentName::Runner, "1.2.3", ComponentStatus::Installed);
+        let shim = (ComponentName::Shim, "", ComponentStatus::Installing);
+        let info = |(name, version, status): (_, &str, _)| ComponentInfo {
+            name,
+            version: version.into(),
+            status,
+        };
+        vec![info(runner), info(shim)]
     }
 
     async fn install(&self, name: ComponentName, url: String) -> Result<(), ApiError> {
@@ -488,5 +486,30 @@ impl Server {
     /// A request with no body at all (and no Content-Type).
     pub async fn bare(&self, method: &str, path: &str) -> Resp {
         raw(self.addr, method, path, &[], None).await
+    }
+
+    /// `request` is `METHOD /path`, then a space and a JSON body if there is one; without
+    /// one, no body and no Content-Type are sent.
+    pub async fn ask(&self, request: &str) -> Resp {
+        let mut parts = request.splitn(3, ' ');
+        let (method, path) = (parts.next().unwrap(), parts.next().unwrap());
+        match parts.next() {
+            Some(body) if method == "POST" => self.post(path, body).await,
+            Some(_) => panic!("only a POST has a body here: {request}"),
+            None => self.bare(method, path).await,
+        }
+    }
+
+    /// Asks each row's request in turn and asserts upstream's error answer: the status and
+    /// the exact message ([`Resp::assert_error`]). A row reads
+    /// `name: METHOD /path [JSON body] => STATUS message` (the request as [`Server::ask`]).
+    pub async fn assert_refusals(&self, rows: &[&str]) {
+        for row in rows {
+            let (name, exchange) = row.split_once(": ").unwrap();
+            let (request, answer) = exchange.split_once(" => ").unwrap();
+            let (status, message) = answer.split_once(' ').unwrap();
+            let r = self.ask(request).await.row(name);
+            r.assert_error(status.parse().unwrap(), message);
+        }
     }
 }
