@@ -4,24 +4,15 @@
 
 use std::sync::Arc;
 
+use crate::Step::{CreateTemp, Rename, SyncDir, SyncFile, Write};
 use crate::fault::{FaultKind, Faults, injected};
 use crate::{Dir, FsError, Step, WriteOptions, is_temp_of};
 
-const STEPS: [Step; 5] = [
-    Step::CreateTemp,
-    Step::Write,
-    Step::SyncFile,
-    Step::Rename,
-    Step::SyncDir,
-];
+const STEPS: [Step; 5] = [CreateTemp, Write, SyncFile, Rename, SyncDir];
 
 fn names(dir: &Dir) -> Vec<String> {
-    let mut v: Vec<String> = dir
-        .names()
-        .unwrap()
-        .into_iter()
-        .map(|n| n.into_string().unwrap())
-        .collect();
+    let names = dir.names().unwrap().into_iter();
+    let mut v: Vec<String> = names.map(|n| n.into_string().unwrap()).collect();
     v.sort();
     v
 }
@@ -32,8 +23,16 @@ fn read(dir: &Dir, name: &str) -> Vec<u8> {
 
 /// Writes `data` as `name` atomically, mode 0600, no faults.
 fn put(dir: &Dir, name: &str, data: &[u8]) {
-    let opts = WriteOptions::new(0o600);
-    dir.write_atomic(name, data, &opts).unwrap();
+    dir.write_atomic(name, data, &WriteOptions::new(0o600))
+        .unwrap();
+}
+
+/// A directory in a fresh temporary one holding `old` as `state`.
+fn holding(old: &[u8]) -> (tempfile::TempDir, Dir) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = Dir::open(tmp.path()).unwrap();
+    put(&dir, "state", old);
+    (tmp, dir)
 }
 
 fn armed(step: Step, kind: FaultKind) -> (Arc<Faults>, WriteOptions) {
@@ -45,12 +44,8 @@ fn armed(step: Step, kind: FaultKind) -> (Arc<Faults>, WriteOptions) {
 #[test]
 fn failure_at_each_step_keeps_the_old_content_and_cleans_up() {
     for step in STEPS {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = Dir::open(tmp.path()).unwrap();
-        let old = b"old content\n".to_vec();
-        let new = vec![b'n'; 10_000];
-        put(&dir, "state", &old);
-
+        let (old, new) = (b"old content\n".to_vec(), vec![b'n'; 10_000]);
+        let (_tmp, dir) = holding(&old);
         let (faults, opts) = armed(step, FaultKind::Fail);
         let err = dir.write_atomic("state", &new, &opts).unwrap_err();
         let inj = injected(&err).unwrap_or_else(|| panic!("{step:?}: {err:?}"));
@@ -83,10 +78,8 @@ fn a_full_file_system_fails_every_write_with_enospc_until_freed() {
             std::error::Error::source(&err).and_then(|e| e.downcast_ref::<std::io::Error>());
         let errno = source.and_then(std::io::Error::raw_os_error);
         assert_eq!(errno, Some(28), "ENOSPC: {err:?}");
-        assert!(
-            injected(&err).is_none(),
-            "a real error, not an injected one"
-        );
+        let inj = injected(&err);
+        assert!(inj.is_none(), "a real error, not an injected one: {inj:?}");
         assert_eq!(read(&dir, "state"), b"old\n");
         assert_eq!(names(&dir), ["state"]);
     }
@@ -99,11 +92,8 @@ fn a_full_file_system_fails_every_write_with_enospc_until_freed() {
 #[test]
 fn crash_at_each_step_leaves_old_or_new_and_a_recognisable_temp() {
     for step in STEPS {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = Dir::open(tmp.path()).unwrap();
-        let old = vec![b'o'; 5000];
-        let new = vec![b'n'; 8000];
-        put(&dir, "state", &old);
+        let (old, new) = (vec![b'o'; 5000], vec![b'n'; 8000]);
+        let (_tmp, dir) = holding(&old);
         let (faults, opts) = armed(step, FaultKind::Crash);
         dir.write_atomic("state", &new, &opts).unwrap_err();
         assert_eq!(faults.fired(), Some((step, FaultKind::Crash)), "{step:?}");
@@ -112,11 +102,8 @@ fn crash_at_each_step_leaves_old_or_new_and_a_recognisable_temp() {
         assert_eq!(&read(&dir, "state"), expected, "{step:?}");
         let leftovers: Vec<String> = names(&dir).into_iter().filter(|n| n != "state").collect();
         let leaves_temp = matches!(step, Step::Write | Step::SyncFile | Step::Rename);
-        assert_eq!(
-            !leftovers.is_empty(),
-            leaves_temp,
-            "{step:?}: {leftovers:?}"
-        );
+        let has_temp = !leftovers.is_empty();
+        assert_eq!(has_temp, leaves_temp, "{step:?}: {leftovers:?}");
         for l in &leftovers {
             assert!(is_temp_of("state", l), "{step:?}: {l}");
             if step == Step::Write {
@@ -158,10 +145,8 @@ fn writer_callback_failure_removes_the_temp_and_returns_its_error() {
     let (_, failing) = armed(Step::SyncFile, FaultKind::Fail);
     let r: Result<(), MyError> =
         dir.write_atomic_with("bin", &failing, |f| Ok(f.write_all(b"v2")?));
-    assert!(
-        matches!(r, Err(MyError::Fs(ref e)) if e.step() == Some(Step::SyncFile)),
-        "{r:?}"
-    );
+    let at_sync = matches!(r, Err(MyError::Fs(ref e)) if e.step() == Some(SyncFile));
+    assert!(at_sync, "{r:?}");
     assert_eq!(names(&dir), ["bin"]);
     let r: Result<(), MyError> = dir.write_atomic_with("bin", &opts, |f| Ok(f.write_all(b"v2")?));
     r.unwrap();
@@ -189,12 +174,14 @@ fn names_must_be_one_component() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = Dir::open(tmp.path()).unwrap();
     for bad in ["", ".", "..", "a/b", "../x", "a\0b"] {
-        let e = dir.write_atomic(bad, b"x", &WriteOptions::default());
+        let e = dir
+            .write_atomic(bad, b"x", &WriteOptions::default())
+            .map(drop);
         assert!(
             matches!(e, Err(FsError::InvalidName { .. })),
             "{bad:?}: {e:?}"
         );
-        let e = dir.read_file(bad, 10);
+        let e = dir.read_file(bad, 10).map(drop);
         assert!(
             matches!(e, Err(FsError::InvalidName { .. })),
             "{bad:?}: {e:?}"

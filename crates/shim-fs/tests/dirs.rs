@@ -38,10 +38,8 @@ fn a_link_where_a_directory_is_expected_is_refused() {
 
     let link = Dir::open_nofollow(tmp.path().join("link"));
     let step = link.as_ref().err().and_then(FsError::step);
-    assert_eq!(
-        (step, found(link)),
-        (Some(Step::OpenDir), "a symbolic link")
-    );
+    let refused = (step, found(link));
+    assert_eq!(refused, (Some(Step::OpenDir), "a symbolic link"));
     let file = Dir::open_nofollow(tmp.path().join("file"));
     assert_eq!(found(file), "a regular file");
     // The trusted form follows it.
@@ -52,10 +50,8 @@ fn a_link_where_a_directory_is_expected_is_refused() {
     assert_eq!(found(top.open_dir("link")), "a symbolic link");
     assert!(top.open_dir("missing").unwrap().is_none());
     // create_dir on a link neither follows it nor replaces it.
-    assert_eq!(
-        found(top.create_dir("link", 0o700, None)),
-        "a symbolic link"
-    );
+    let synced = top.create_dir("link", 0o700, None);
+    assert_eq!(found(synced), "a symbolic link");
     let unsynced = top.create_dir_unsynced("link", 0o700, None);
     assert_eq!(found(unsynced), "a symbolic link");
     assert!(names(&real).is_empty());
@@ -77,16 +73,12 @@ fn a_directory_swapped_for_a_link_after_open_redirects_nothing() {
     symlink(&elsewhere, &ssh).unwrap();
 
     assert_eq!(d.read_file("keys", 100).unwrap().unwrap().0, b"mine\n");
-    let (opts, preserve) = (
-        WriteOptions::new(0o600),
-        WriteOptions::new(0o600).preserve_existing(),
-    );
+    let opts = WriteOptions::new(0o600);
+    let preserve = opts.clone().preserve_existing();
     d.write_atomic("keys", b"new\n", &preserve).unwrap();
     d.write_atomic("keys.bak", b"mine\n", &opts).unwrap();
-    assert!(
-        names(&elsewhere).is_empty(),
-        "nothing written through the link"
-    );
+    let through = names(&elsewhere);
+    assert!(through.is_empty(), "written through the link: {through:?}");
     let moved = fs_err::read_to_string(tmp.path().join("moved/keys")).unwrap();
     assert_eq!(moved, "new\n");
     assert_eq!(names(&tmp.path().join("moved")), ["keys", "keys.bak"]);
@@ -133,10 +125,8 @@ fn a_tree_of_any_depth_is_removed_without_following_links() {
     assert!(removal.join().unwrap().unwrap());
     assert_eq!(names(tmp.path()), ["outside"]);
     assert_eq!(names(&outside), ["keep"]);
-    assert_eq!(
-        fs_err::read_to_string(outside.join("keep")).unwrap(),
-        "keep me\n"
-    );
+    let kept = fs_err::read_to_string(outside.join("keep")).unwrap();
+    assert_eq!(kept, "keep me\n");
 }
 
 #[test]
@@ -199,10 +189,8 @@ fn bounded_reads_refuse_what_is_not_a_small_regular_file() {
 #[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn owners_are_set_and_preserved_as_root() {
     require_root();
-    assert!(
-        nix::unistd::geteuid().is_root(),
-        "SHIM_TEST_ROOT=1 needs root"
-    );
+    let root = nix::unistd::geteuid().is_root();
+    assert!(root, "SHIM_TEST_ROOT=1 needs root");
     let tmp = tempfile::tempdir().unwrap();
     let d = Dir::open(tmp.path()).unwrap();
     let carol = Owner::new(54321, 54322);
@@ -218,12 +206,8 @@ fn owners_are_set_and_preserved_as_root() {
     let keys = tmp.path().join(".ssh/keys");
     assert_eq!(owner(&keys), (54321, 54322, 0o600));
     // Preserve keeps the existing owner and mode even when another owner is given.
-    nix::unistd::chown(
-        &keys,
-        Some(nix::unistd::Uid::from_raw(4242)),
-        Some(nix::unistd::Gid::from_raw(4343)),
-    )
-    .unwrap();
+    use nix::unistd::{Gid, Uid, chown};
+    chown(&keys, Some(Uid::from_raw(4242)), Some(Gid::from_raw(4343))).unwrap();
     fs_err::set_permissions(&keys, std::fs::Permissions::from_mode(0o640)).unwrap();
     sub.write_atomic("keys", b"k2\n", &opts.preserve_existing())
         .unwrap();

@@ -57,10 +57,8 @@ fn replace_sets_or_preserves_the_mode() {
     umask(Mode::from_bits_truncate(0o022));
     let tmp = tempfile::tempdir().unwrap();
     let d = Dir::open(tmp.path()).unwrap();
-    let (opts, preserve) = (
-        WriteOptions::new(0o600),
-        WriteOptions::new(0o600).preserve_existing(),
-    );
+    let opts = WriteOptions::new(0o600);
+    let preserve = opts.clone().preserve_existing();
     let p = tmp.path().join("f");
     d.write_atomic("f", b"1", &opts).unwrap();
     chmod(&p, 0o640);

@@ -171,14 +171,9 @@ fn a_missing_directory_fsync_loses_an_acknowledged_write() {
 fn create_new_links_then_unlinks_the_temp() {
     let tmp = tempfile::tempdir().unwrap();
     let (recorder, dir) = recording(tmp.path());
-    assert!(
-        dir.create_new_atomic("id", b"first", &WriteOptions::new(0o644))
-            .unwrap()
-    );
-    assert!(
-        !dir.create_new_atomic("id", b"second", &WriteOptions::new(0o644))
-            .unwrap()
-    );
+    let opts = WriteOptions::new(0o644);
+    assert!(dir.create_new_atomic("id", b"first", &opts).unwrap());
+    assert!(!dir.create_new_atomic("id", b"second", &opts).unwrap());
     let log = recorder.log();
     // The refused link is not recorded; both temp files are removed.
     let links = (
@@ -206,8 +201,8 @@ fn moves_and_removals_on_handles_are_recorded() {
     let (a, _) = root.create_dir("a", 0o700, None).unwrap();
     let (b, _) = a.create_dir_unsynced("b", 0o755, None).unwrap();
     put(&b, "x", b"1");
-    b.write_atomic("y", b"2", &WriteOptions::new(0o640))
-        .unwrap();
+    let o640 = WriteOptions::new(0o640);
+    b.write_atomic("y", b"2", &o640).unwrap();
     b.rename("x", &root, "moved").unwrap();
     a.set_mode(0o750).unwrap();
     assert!(root.remove_tree("pre").unwrap());
@@ -229,8 +224,8 @@ fn a_tree_materialises_as_it_was_read() {
     let tmp = tempfile::tempdir().unwrap();
     let root = Dir::open(tmp.path()).unwrap();
     let (a, _) = root.create_dir("a", 0o750, None).unwrap();
-    a.write_atomic("f", b"data", &WriteOptions::new(0o640))
-        .unwrap();
+    let o640 = WriteOptions::new(0o640);
+    a.write_atomic("f", b"data", &o640).unwrap();
     rustix::fs::linkat(&a, "f", &root, "hard", rustix::fs::AtFlags::empty()).unwrap();
     rustix::fs::symlinkat("a/f", &root, "soft").unwrap();
     let tree = Tree::read(tmp.path()).unwrap();
@@ -288,10 +283,8 @@ fn a_large_log_is_sampled_within_the_limits() {
     });
     assert_eq!(stats.points, log.ops.len() + 1);
     assert_eq!(stats.max_pending, 12);
-    assert!(
-        stats.sampled_points > 0 && stats.exhaustive_points > 0,
-        "{stats}"
-    );
+    let both = stats.sampled_points > 0 && stats.exhaustive_points > 0;
+    assert!(both, "{stats}");
     assert_eq!(at_end, 40);
     // The same seed builds the same states.
     let again = explore(&log, &limits, |_| ControlFlow::Continue(()));
@@ -344,16 +337,11 @@ fn a_published_prepared_directory_is_whole_or_absent_in_every_crash_state() {
     let err = taken
         .publish(&dir, "job-1", b"other", &WriteOptions::new(0o600))
         .unwrap_err();
-    assert_eq!(
-        err.io_kind(),
-        Some(std::io::ErrorKind::AlreadyExists),
-        "{err}"
-    );
+    let kind = err.io_kind();
+    assert_eq!(kind, Some(std::io::ErrorKind::AlreadyExists), "{err}");
     assert!(dir.stat(".spare-2").unwrap().is_none());
-    assert_eq!(
-        fs_err::read(tmp.path().join("job-1/task.json")).unwrap(),
-        data
-    );
+    let kept = fs_err::read(tmp.path().join("job-1/task.json")).unwrap();
+    assert_eq!(kept, data);
 }
 
 /// Concurrent callers share one fsync of the directory; alone, each call runs its own.
