@@ -544,8 +544,6 @@ impl Sim {
     }
 
     fn crash(&mut self, lose_state_file: bool, b: u8) {
-        // A crash may happen anywhere: GPU locks live in memory and vanish with the process,
-        // host keys and volumes are recorded ahead of their acquisition.
         if self.task.is_none() {
             return;
         }
@@ -553,9 +551,8 @@ impl Sim {
         if let Some(p) = &self.world.persisted {
             // What the API showed is exactly what is on disk.
             assert_eq!(*before.saved(), Saved::of(p));
-            // Not dirty: the disk holds the record. Dirty may be conservative: a change undone
-            // before its write (a volume recorded ahead while the disk was full, then released
-            // again) leaves the record as on disk, and costs one redundant write.
+            // Not dirty: the disk holds the record (dirty may be conservative: a change undone
+            // before its write costs one redundant write).
             assert!(before.is_dirty() || same_record(before.record(), p));
         }
         self.crashed = true;
@@ -597,13 +594,11 @@ impl Sim {
         let persists = actions.first() == Some(&Action::Persist);
         assert_eq!(persists, changed && !deferred);
         if !self.corrupted {
-            // Nothing the API showed is lost: a status never goes back, and a termination it
-            // showed (a terminate answered 200, an exit reported) keeps its reason and message.
+            // Nothing the API showed is lost: a status never goes back, and a durable termination
+            // keeps its reason and message. What it showed ahead of the record, the container
+            // proves: `running` comes back, and a termination from the container's end (its
+            // requested reason may be lost).
             assert!(task.record().status >= before.saved().status);
-            // What it showed ahead of the record, the container proves: `running` comes back
-            // (restore reads Docker first); a termination shown while its record waited
-            // comes back from the container's end, which the first cycle reads before the
-            // API answers (its requested reason may be lost).
             let shown = before.shown();
             let (shown, back) = (shown.status, task.record().status);
             if shown == TaskStatus::Terminated {
@@ -1084,16 +1079,14 @@ impl Sim {
         assert!(self.world.persisted.is_none());
     }
 
-    /// The faults stop. Then work in flight finishes, the server's terminate is answered
-    /// from a durable terminated state at once, and ONE reconcile cycle brings the task to its
-    /// end: reason recorded, container stopped, everything released, remove accepted. Checks
-    /// that nothing leaked, and removes the task.
+    /// The faults stop: work in flight finishes, and a terminate and ONE reconcile cycle bring
+    /// the task to its end (reason recorded, container stopped, everything released, nothing
+    /// leaked); then a remove takes it.
     fn drain_and_check(&mut self) {
         self.failures = false;
         self.crash_at_next_write = false;
-        // SPEC §4: whatever the disk does (it may still be full), a terminate and the
-        // reconciler's next cycle stop the container and release everything; a task that
-        // fills the disk must still be stoppable.
+        // SPEC §4: whatever the disk does (it may still be full), a terminate and the next
+        // cycle stop the container and release everything.
         self.run_all();
         if let Some(t) = self.task.clone() {
             assert!(!t.start_in_flight(), "start did not return");
@@ -1181,10 +1174,8 @@ proptest! {
         ..ProptestConfig::default()
     })]
 
-    /// Random event sequences with random failures and crashes: no panic, statuses never move
-    /// backwards, terminated absorbs everything, Persist precedes side effects, remove only
-    /// from terminated, restore idempotent, and after draining every acquired resource was
-    /// released exactly once.
+    /// Random event sequences with random failures and crashes keep every rule `Sim` checks;
+    /// after draining, every acquired resource was released exactly once.
     #[test]
     fn random_sequences_keep_the_invariants(
         config in config_strategy(),
@@ -1370,9 +1361,7 @@ proptest! {
     })]
 
     /// Arbitrary events in arbitrary order (an engine with bugs): `step` never panics, and
-    /// whatever it accepts keeps statuses monotonic, terminated final with its first reason,
-    /// Persist first after a record change, `released` only when nothing is held, and remove
-    /// only from terminated.
+    /// whatever it accepts keeps the rules of `check_step` and those below.
     #[test]
     fn arbitrary_events_never_break_the_rules(
         config in config_strategy(),
@@ -1412,12 +1401,9 @@ proptest! {
                 prop_assert_eq!(tr.task.saved(), &Saved::of(a));
             }
             // What is shown changes with a write's success, or is the end of a task whose
-            // container no longer runs (SPEC §4), or `running` of a task whose container was
-            // started and runs (SPEC §5); a shown end is never taken back, nor its reason
-            // changed.
+            // container no longer runs (SPEC §4), or `running` while its container runs, even
+            // over an unwritten termination (SPEC §5); a shown end is never taken back.
             let (shown_before, shown_after) = (task.shown(), tr.task.shown());
-            // `running` while the container runs, whatever the unwritten record says (a
-            // termination not yet durable included: a restart would read the same from Docker).
             let running_ahead = tr.task.container_runs()
                 && shown_after.status == TaskStatus::Running
                 && tr.task.saved().status < TaskStatus::Running
@@ -1454,11 +1440,9 @@ proptest! {
     }
 }
 
-/// Found by the property test (CI): the state file is lost and the task adopted from its
-/// container, the adopted record cannot be written (a full disk), the container is removed
-/// while the shim is down, and the shim restarts: nothing names the task any more and it is
-/// forgotten. Its GPUs are free (locks die with the process); its volume stays mounted, the
-/// one leak the simulator accepts, and only after this triple fault.
+/// Found by the property test (CI): a task adopted after its state file was lost, whose record
+/// a full disk refused and whose container was removed while the shim was down, is forgotten
+/// at the next restart; its volume stays mounted, the one leak accepted (after this triple fault).
 #[test]
 fn an_adopted_task_never_written_is_forgotten_when_its_container_goes() {
     let mut sim = Sim::faultless_run(config_from(1, false, 1, 0, false));
@@ -1475,12 +1459,9 @@ fn an_adopted_task_never_written_is_forgotten_when_its_container_goes() {
 }
 
 /// SPEC §4 (issue 22): a task on a full disk is still stoppable. A terminate whose write fails
-/// stops the container and releases everything at once, the API keeps showing the durable
-/// `running`, and a remove is accepted (it deletes the record the disk could not take). With
-/// a crash before the write instead, the restart restores the durable record (running, its
-/// container exited), the reconciler ends it with the container's exit, and the second
-/// release frees only the GPUs locked again at restore: nothing leaks, nothing is freed twice.
-/// (Replaces two regression tests of sequences that waited for the write.)
+/// stops the container and releases everything at once, and a remove is accepted. With a
+/// crash before the write instead, the restart restores the durable `running`, the reconciler
+/// ends it with the container's exit, and the second release frees only the GPUs locked again.
 #[test]
 fn a_terminate_on_a_full_disk_stops_and_releases_without_its_write() {
     for crash_before_the_write in [false, true] {
@@ -1521,10 +1502,9 @@ fn a_terminate_on_a_full_disk_stops_and_releases_without_its_write() {
     }
 }
 
-/// A volume recorded ahead in memory while the disk is full is never mounted (its write-ahead
-/// failed); the start is given up, and what it holds is released when it returns without
-/// waiting for the disk (the unmount of what was never mounted is a no-op). A crash then
-/// restores from the disk, which never named the volume: nothing is lost or leaked.
+/// A volume recorded ahead in memory while the disk is full is never mounted; the start is
+/// given up and what it holds released when it returns, without waiting for the disk. A crash
+/// then restores from the disk, which never named the volume: nothing is lost or leaked.
 #[test]
 fn a_volume_recorded_ahead_on_a_full_disk_is_given_up_and_released_at_once() {
     let mut sim = Sim::faultless(config_from(1, false, 1, 0, false));
@@ -1565,10 +1545,9 @@ fn a_failed_removal_makes_the_container_stop_before_any_release() {
     );
 }
 
-/// SPEC §5 (issue 37): `running` is shown as soon as the container runs and is never written
-/// on its own (the record on disk keeps what the start wrote last). A crash right after it
-/// was shown, or once the start has settled, restores the task as `running` from its running
-/// container, and it drains cleanly; so does a crash after the container exited unseen.
+/// SPEC §5 (issue 37): `running` is shown once the container runs and never written on its
+/// own. A crash right after it was shown, or once the start settled, restores `running` from
+/// the container, and it drains cleanly; so does a crash after the container exited unseen.
 #[test]
 fn a_crash_after_running_was_shown_restores_running() {
     for (settled, exited_unseen) in [(false, false), (true, false), (false, true), (true, true)] {

@@ -8,56 +8,19 @@ use std::path::Path;
 use std::process::Command;
 
 /// Crates that mean IO, async or a runtime: none may be a normal dependency of shim-task.
-const FORBIDDEN_CRATES: &[&str] = &[
-    "tokio",
-    "tokio-util",
-    "bollard",
-    "hyper",
-    "hyper-util",
-    "mio",
-    "reqwest",
-    "nix",
-    "libc",
-    "fs-err",
-    "async-trait",
-    "futures-util",
-    "tracing",
-];
+const FORBIDDEN_CRATES: &str = "tokio tokio-util bollard hyper hyper-util mio reqwest nix libc \
+    fs-err async-trait futures-util tracing";
 
 /// Source fragments that mean IO, processes, the environment or a clock.
-const FORBIDDEN_SOURCE: &[&str] = &[
-    "std::fs",
-    "fs::",
-    "std::net",
-    "std::process",
-    "process::",
-    "std::env",
-    "env::var",
-    "std::thread",
-    "thread::",
-    "SystemTime",
-    "Instant::now",
-    "tokio",
-    "bollard",
-    "hyper",
-    "std::io",
-    "io::",
-];
+const FORBIDDEN_SOURCE: &str = "std::fs fs:: std::net std::process process:: std::env env::var \
+    std::thread thread:: SystemTime Instant::now tokio bollard hyper std::io io::";
 
 #[test]
 fn no_io_or_async_crate_is_a_normal_dependency() {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_owned());
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
     let out = Command::new(cargo)
-        .args([
-            "tree",
-            "--offline",
-            "-e",
-            "normal",
-            "--prefix",
-            "none",
-            "--manifest-path",
-        ])
+        .args("tree --offline -e normal --prefix none --manifest-path".split(' '))
         .arg(&manifest)
         .args(["-p", "shim-task"])
         .output()
@@ -79,9 +42,9 @@ fn no_io_or_async_crate_is_a_normal_dependency() {
             "{expected} missing in:\n{stdout}"
         );
     }
-    for name in FORBIDDEN_CRATES {
+    for name in FORBIDDEN_CRATES.split_whitespace() {
         assert!(
-            !crates.contains(name),
+            !crates.contains(&name),
             "{name} is a dependency of shim-task:\n{stdout}"
         );
     }
@@ -114,7 +77,7 @@ fn sources_use_no_io_clock_or_runtime() {
     for file in &files {
         let text = fs_err::read_to_string(file).unwrap();
         for (n, line) in text.lines().enumerate() {
-            for pattern in FORBIDDEN_SOURCE {
+            for pattern in FORBIDDEN_SOURCE.split_whitespace() {
                 if line.contains(pattern) {
                     found.push(format!("{}:{}: {pattern}: {line}", file.display(), n + 1));
                 }
