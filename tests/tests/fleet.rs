@@ -1,47 +1,35 @@
 //! The dstack server's whole fleet path, as an operator runs it (issue 22): a real dstack
-//! server (PyPI `dstack[server]`, the venv `cargo xtask dev-env` makes) provisions an SSH fleet
-//! on this machine and runs jobs through the release artifact of the shim.
+//! server (PyPI `dstack[server]`, the venv of `cargo xtask dev-env`) provisions an SSH fleet on
+//! this machine and runs jobs through the shim's release artifact.
 //!
-//! - The fleet's host is `root@127.0.0.1` served by Debian's `openssh-server` on a free loopback
-//!   port, started by the test with a host key and a client key of its own (the client key is
-//!   authorized through the test sshd's `AuthorizedKeysFile`, never written to `/root/.ssh`).
-//! - The server provisions it as on any host: `uname -m`, its keys into
-//!   `~/.ssh/authorized_keys`, `curl` of the shim from `DSTACK_SHIM_DOWNLOAD_URL` (a `file://`
-//!   URL of the release layout, [`shim_e2e::dist_artifact`]) to `/usr/local/bin/dstack-shim`,
-//!   `shim.env` and the systemd unit, `systemctl restart`, `host_info.json`, the healthcheck.
-//! - No systemd as PID 1 (CI, containers): `tests/fleet/systemctl.py` stands in for
-//!   `systemctl` and honours the unit the server writes (`EnvironmentFile`, `ExecStart`,
-//!   `Restart=always`, `RestartSec=3`). sudo's `secure_path` puts `/usr/local/sbin` first, so
-//!   the test sshd runs in a mount namespace of its own where a directory of the test is
-//!   mounted over `/usr/local/sbin` (holding the stand-in) and another over
-//!   `/etc/systemd/system` (receiving the unit): nothing of the host's changes; the shim itself
-//!   runs in the test's mount namespace, as a service would.
-//! - The runner is `shim-test-runner` (`tests/runner`, built static by the harness), served as
-//!   `DSTACK_RUNNER_DOWNLOAD_URL` over HTTP on loopback (the shim downloads it as upstream's
-//!   does, by HTTP). It speaks the runner API the server uses and runs the job's commands with
-//!   the image's busybox `sh`.
-//! - Jobs (`dstack apply -d` of tasks, `user:` and `resources.cpu.arch` set so the server does
-//!   not read the image's config from a registry): one ends `done` (its runner exits after the
-//!   last pull, so the container ends by itself), one `failed` with its exit code, one is
-//!   stopped with `dstack stop`, and during one the shim is SIGKILLed and restarted by the
-//!   stand-in (the job still ends `done` in the same container, never restarted). Then
-//!   `dstack fleet delete`, and the shim is stopped.
-//! - Asserted from the server's side (its REST API with the admin token: job statuses,
-//!   termination reasons, exit codes, logs, events; its log holds no warning or error) and the
-//!   host's (Docker, files): afterwards no task container, no task directory in
-//!   `/root/.dstack/runners`, no shim line in `authorized_keys`.
+//! - The host is `root@127.0.0.1`, Debian's `sshd` on a free loopback port with keys of the
+//!   test's own (the client key authorized by `AuthorizedKeysFile`, never in `/root/.ssh`). The
+//!   server provisions it as any host: keys into `~/.ssh/authorized_keys`, the shim `curl`ed
+//!   from `DSTACK_SHIM_DOWNLOAD_URL` (a `file://` URL of the release layout), `shim.env`, the
+//!   unit, `systemctl restart`, `host_info.json`, the healthcheck.
+//! - No systemd as PID 1: `tests/fleet/systemctl.py` stands in for `systemctl`, honouring the
+//!   unit (`EnvironmentFile`, `ExecStart`, `Restart=always`, `RestartSec=3`). sshd runs in a
+//!   mount namespace where test directories cover `/usr/local/sbin` (first in sudo's
+//!   `secure_path`: the stand-in) and `/etc/systemd/system` (the unit): the host's stay as
+//!   they are.
+//! - The runner is `shim-test-runner` (`tests/runner`), served over HTTP on loopback as
+//!   `DSTACK_RUNNER_DOWNLOAD_URL`; it runs the job's commands with the image's busybox `sh`.
+//! - Jobs (`dstack apply -d`; `user:` and `resources.cpu.arch` set so the server reads no
+//!   registry): one ends `done`, one `failed` with its exit code, one is stopped with `dstack
+//!   stop`, and during one the shim is SIGKILLed and restarted by the stand-in (the job ends
+//!   `done` in the same, never restarted, container). Then `dstack fleet delete`.
+//! - Asserted from the server's side (statuses, termination reasons, exit codes, logs, events;
+//!   no warning or error in its log) and the host's: no task container, runner directory or
+//!   shim line in `authorized_keys` is left.
 //!
-//! The shim's home is `/root/.dstack` and the binaries go to `/usr/local/bin`, as the server's
-//! unit has them, and the shim and runner ports are the fixed ones (10998, 10999, 10022): the
-//! test refuses to run where any of these is taken by something else, serialises itself on one
-//! machine, and undoes everything it made (also what a killed earlier run left:
-//! `/var/lib/dstack-shim-dev/fleet-test` records it). It prints its run time, the time from
-//! applying the fleet to the instance being `idle`, and submit → `running` of each job, from
-//! the server's events.
+//! The shim's home, binaries and ports are the fixed ones of the server's unit (`/root/.dstack`,
+//! `/usr/local/bin`, 10998, 10999, 10022): the test refuses to run where one is taken, runs
+//! one at a time per machine, and undoes what it made (also what a killed run left:
+//! `/var/lib/dstack-shim-dev/fleet-test`). It prints the time to an idle instance and each
+//! job's submit → `running`, from the server's events.
 //!
 //! Run: `SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1 cargo nextest run -p shim-e2e --test fleet
-//! --run-ignored all` after `cargo xtask dev-env` and `cargo xtask dist` (the artifact it
-//! tests); without `--run-ignored all` it is ignored.
+//! --run-ignored all` after `cargo xtask dev-env` and `cargo xtask dist`.
 //!
 //! upstream: src/dstack/_internal/server/services/ssh_fleets/provisioning.py (every
 //! provisioning step, the unit, shim.env), .../background/pipeline_tasks/instances/ssh_deploy.py
@@ -57,20 +45,21 @@
 )]
 
 use std::collections::BTreeSet;
+use std::ffi::OsStr;
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
-use base64::Engine as _;
+use base64::{Engine as _, engine::general_purpose::STANDARD as BASE64};
 use serde_json::{Value, json};
 use shim_e2e::harness::gpu_host::output_within;
 use shim_e2e::harness::{
-    Api, ContainerSweeper, Request, build_test_runner, free_port, open_log, owner_identity, tail,
-    wait_for, wait_until,
+    Api, ContainerSweeper, KEY_MARKER, LABEL_OWNER, Request, build_test_runner, free_port,
+    open_log, owner_identity, tail, target_dir, task_entries, wait_for, wait_until,
 };
 use shim_e2e::{
     DSTACK_VERSION, dist_artifact, docker_ok, dstack_python, go_arch, image, repo_root,
@@ -82,7 +71,6 @@ use shim_e2e::{
 const SHIM_HOME: &str = "/root/.dstack";
 const SHIM_INSTALLED: &str = "/usr/local/bin/dstack-shim";
 const RUNNER_INSTALLED: &str = "/usr/local/bin/dstack-runner";
-/// Where the server's and the shim's keys go for the fleet's user, root.
 const SSH_DIR: &str = "/root/.ssh";
 const AUTHORIZED_KEYS: &str = "/root/.ssh/authorized_keys";
 /// The fixed ports of the shim and the runner (upstream: core/consts.py).
@@ -93,14 +81,11 @@ const SSHD_RUN_DIR: &str = "/run/sshd";
 /// What the test made on the host, so that a killed run is undone by the next one; its
 /// existence also serialises fleet tests on one machine.
 const CLAIM_DIR: &str = "/var/lib/dstack-shim-dev/fleet-test";
-/// The unit the server writes.
 const UNIT: &str = "dstack-shim.service";
-/// The server's admin token and project.
 const TOKEN: &str = "shim-fleet-test-admin-token";
 const PROJECT: &str = "main";
-/// The fleet's name.
 const FLEET: &str = "shim-fleet-test";
-/// The job env variable that makes the test runner exit after the last pull.
+/// Makes the test runner exit after the last pull.
 const EXIT_AFTER_PULL: &str = "SHIM_TEST_RUNNER_EXIT_AFTER_PULL";
 
 /// Bounds of the waits (never timed assertions: generous, only there so a hang fails).
@@ -110,9 +95,7 @@ const JOB_BOUND: Duration = Duration::from_secs(300);
 const CLI_BOUND: Duration = Duration::from_secs(300);
 const DAEMON_STOP_GRACE: Duration = Duration::from_secs(20);
 
-// ---------------------------------------------------------------------------------------------
-// Processes
-// ---------------------------------------------------------------------------------------------
+// ---- Processes
 
 /// The fields of `/proc/<pid>/stat` after the process's name, from field 3 (its state) on;
 /// `None` if there is no such process.
@@ -135,12 +118,11 @@ fn alive(pid: u32) -> bool {
 
 /// Sends `signal` to `target` (a pid, or `-pgid` for a process group) with `kill(1)`.
 fn kill(signal: &str, target: &str) {
-    let _ = Command::new("kill")
-        .args(["-s", signal, "--", target])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
+    let mut command = Command::new("kill");
+    let _ = output_within(
+        command.args(["-s", signal, "--", target]),
+        DAEMON_STOP_GRACE,
+    );
 }
 
 /// A background process of the test in a process group of its own (its log in a file),
@@ -154,29 +136,21 @@ struct Daemon {
 
 impl Daemon {
     fn spawn(name: &'static str, mut command: Command, log: &Path, claim: &Claim) -> Self {
-        command
-            .stdin(Stdio::null())
-            .stdout(open_log(log).unwrap())
-            .stderr(open_log(log).unwrap())
-            .process_group(0);
-        let child = command
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {name} ({command:?}): {e}"));
+        let out = || Stdio::from(open_log(log).unwrap());
+        command.stdin(Stdio::null()).stdout(out()).stderr(out());
+        let child = command.process_group(0).spawn();
+        let child = child.unwrap_or_else(|e| panic!("cannot start {name} ({command:?}): {e}"));
         claim.record_pid(child.id(), name);
-        Self {
-            name,
-            child,
-            log: log.to_owned(),
-        }
+        let log = log.to_owned();
+        Self { name, child, log }
     }
 
     /// Fails the test (with the end of its log) if it has exited.
     fn assert_running(&mut self) {
         if let Some(status) = self.child.try_wait().unwrap() {
+            let (name, log) = (self.name, self.log.display());
             panic!(
-                "{} exited ({status}); end of {}:\n{}",
-                self.name,
-                self.log.display(),
+                "{name} exited ({status}); end of {log}:\n{}",
                 tail(&self.log, 40)
             );
         }
@@ -184,60 +158,58 @@ impl Daemon {
 
     /// Waits until it listens on loopback `port` (fails the test if it exits).
     fn wait_listening(&mut self, port: u16) {
-        wait_until(
-            &format!("{} listens", self.name),
-            Duration::from_secs(30),
-            || {
-                self.assert_running();
-                TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_ok()
-            },
-        );
+        let what = format!("{} listens", self.name);
+        wait_until(&what, Duration::from_secs(30), || {
+            self.assert_running();
+            TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_ok()
+        });
     }
 
-    fn stop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_some() {
-            return;
-        }
-        let group = format!("-{}", self.child.id());
-        kill("TERM", &group);
-        let started = Instant::now();
-        while started.elapsed() < DAEMON_STOP_GRACE {
-            if self.child.try_wait().ok().flatten().is_some() {
-                // Whatever else of its group is left.
-                kill("KILL", &group);
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        eprintln!("fleet: {} did not stop on SIGTERM: SIGKILL", self.name);
-        kill("KILL", &group);
-        let _ = self.child.wait();
+    fn exited(&mut self) -> bool {
+        self.child.try_wait().ok().flatten().is_some()
     }
 }
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        self.stop();
+        if self.exited() {
+            return;
+        }
+        let group = format!("-{}", self.child.id());
+        kill("TERM", &group);
+        let started = Instant::now();
+        while !self.exited() && started.elapsed() < DAEMON_STOP_GRACE {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if !self.exited() {
+            eprintln!("fleet: {} did not stop on SIGTERM: SIGKILL", self.name);
+        }
+        // Also whatever else of its group is left.
+        kill("KILL", &group);
+        let _ = self.child.wait();
     }
 }
 
-/// Runs `command` (no stdin), killed after `bound`; its status, stdout and stderr.
-fn run_bounded(mut command: Command, bound: Duration) -> (ExitStatus, String, String) {
-    let out = output_within(&mut command, bound).unwrap_or_else(|e| panic!("{e}"));
+/// Runs `command` (no stdin, killed after `bound`) and returns its stdout; fails the test
+/// unless it exits 0 (`context` is added to the message).
+fn run_ok(command: &mut Command, bound: Duration, context: impl FnOnce() -> String) -> String {
+    let out = output_within(command, bound);
+    let out = out.unwrap_or_else(|e| panic!("{e}"));
     let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
-    (out.status, text(&out.stdout), text(&out.stderr))
-}
-
-/// Runs `program args` and returns its stdout; fails the test unless it exits 0.
-fn run_ok(program: &str, args: &[&str]) -> String {
-    let mut command = Command::new(program);
-    command.args(args);
-    let (status, out, err) = run_bounded(command, Duration::from_secs(120));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    let status = out.status;
     assert!(
         status.success(),
-        "{program} {args:?}: {status}\n{out}\n{err}"
+        "{command:?}: {status}\n{stdout}\n{stderr}{}",
+        context()
     );
-    out
+    stdout
+}
+
+/// [`run_ok`] of `program args`.
+fn run(program: impl AsRef<OsStr>, args: &[&str]) -> String {
+    let bound = Duration::from_secs(120);
+    run_ok(Command::new(program).args(args), bound, String::new)
 }
 
 fn port_free(port: u16) -> bool {
@@ -254,10 +226,8 @@ fn write_file(path: &Path, content: &str, mode: u32) {
     fs_err::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
 }
 
-// ---------------------------------------------------------------------------------------------
-// The claim on the host: what the test makes outside its temporary directory, undone however
-// the test ends (and by the next run if this one was killed)
-// ---------------------------------------------------------------------------------------------
+// ---- The claim on the host: what the test makes outside its temporary directory, undone
+// however the test ends (and by the next run if this one was killed)
 
 /// The claim: [`CLAIM_DIR`] holds `owner` (this process: pid and start time), `undo` (one
 /// action per line, appended before the change it undoes: `remove <path>` or `restore <path>`
@@ -275,44 +245,32 @@ impl Claim {
         fs_err::create_dir_all(dir.parent().unwrap()).unwrap();
         let started = Instant::now();
         let mut said = false;
-        loop {
-            // 0700: it holds copies of authorized_keys. Made atomically: the claim is a lock.
-            match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
-                Ok(()) => break,
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                    // Just made by another test that has not written its owner yet.
-                    let fresh = !dir.join("owner").exists()
-                        && fs_err::metadata(&dir)
-                            .and_then(|m| m.modified())
-                            .is_ok_and(|t| t.elapsed().is_ok_and(|e| e < Duration::from_secs(30)));
-                    if fresh {
-                        std::thread::sleep(Duration::from_secs(1));
-                        continue;
-                    }
-                    if let Some(pid) = Self::live_owner(&dir) {
-                        if !said {
-                            eprintln!("fleet: waiting for the fleet test of pid {pid} to end");
-                            said = true;
-                        }
-                        assert!(
-                            started.elapsed() < Duration::from_secs(3600),
-                            "the fleet test of pid {pid} holds {CLAIM_DIR} for an hour"
-                        );
-                        std::thread::sleep(Duration::from_secs(1));
-                        continue;
-                    }
-                    eprintln!("fleet: undoing what an earlier, killed fleet test left");
-                    Self::undo(&dir);
+        // 0700: it holds copies of authorized_keys. Made atomically: the claim is a lock.
+        while let Err(e) = std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            assert_eq!(e.kind(), io::ErrorKind::AlreadyExists, "{CLAIM_DIR}: {e}");
+            // Just made by another test that has not written its owner yet?
+            let age = fs_err::metadata(&dir).and_then(|m| m.modified());
+            let age = age.map(|t| t.elapsed().unwrap_or_default());
+            let fresh = !dir.join("owner").exists() && age.is_ok_and(|a| a.as_secs() < 30);
+            if let Some(pid) = Self::live_owner(&dir) {
+                if !said {
+                    eprintln!("fleet: waiting for the fleet test of pid {pid} to end");
+                    said = true;
                 }
-                Err(e) => panic!("cannot create {CLAIM_DIR}: {e}"),
+                assert!(
+                    started.elapsed() < Duration::from_secs(3600),
+                    "the fleet test of pid {pid} holds {CLAIM_DIR} for an hour"
+                );
+            } else if !fresh {
+                eprintln!("fleet: undoing what an earlier, killed fleet test left");
+                Self::undo(&dir);
+                continue;
             }
+            std::thread::sleep(Duration::from_secs(1));
         }
         let me = std::process::id();
-        write_file(
-            &dir.join("owner"),
-            &format!("{me} {}\n", proc_start(me).unwrap_or(0)),
-            0o600,
-        );
+        let owner = format!("{me} {}\n", proc_start(me).unwrap_or(0));
+        write_file(&dir.join("owner"), &owner, 0o600);
         fs_err::create_dir_all(dir.join("saved")).unwrap();
         fs_err::create_dir_all(dir.join("systemd")).unwrap();
         Self { dir }
@@ -321,15 +279,14 @@ impl Claim {
     /// The pid of the live process that holds the claim in `dir`, if any.
     fn live_owner(dir: &Path) -> Option<u32> {
         let owner = fs_err::read_to_string(dir.join("owner")).ok()?;
-        let mut words = owner.split_whitespace();
-        let pid: u32 = words.next()?.parse().ok()?;
-        let start: u64 = words.next()?.parse().ok()?;
+        let (pid, start) = pid_and_start(&owner)?;
         (alive(pid) && proc_start(pid) == Some(start)).then_some(pid)
     }
 
     fn append(&self, file: &str, line: &str) {
         use std::io::Write as _;
-        let mut f = fs_err::OpenOptions::new()
+        let mut options = fs_err::OpenOptions::new();
+        let mut f = options
             .create(true)
             .append(true)
             .open(self.dir.join(file))
@@ -339,10 +296,8 @@ impl Claim {
     }
 
     fn record_pid(&self, pid: u32, what: &str) {
-        self.append(
-            "pids",
-            &format!("{pid} {} {what}", proc_start(pid).unwrap_or(0)),
-        );
+        let start = proc_start(pid).unwrap_or(0);
+        self.append("pids", &format!("{pid} {start} {what}"));
     }
 
     /// Records that `path`, which does not exist yet, is the test's: removed when undone.
@@ -352,19 +307,12 @@ impl Claim {
 
     /// Records `path` as it is now (its content and mode, or its absence), to be put back.
     fn save(&self, path: &str) {
-        let p = Path::new(path);
-        match fs_err::metadata(p) {
+        match fs_err::metadata(path) {
             Ok(meta) if meta.is_file() => {
-                let n = fs_err::read_to_string(self.dir.join("undo"))
-                    .map(|u| u.lines().count())
-                    .unwrap_or(0);
-                let saved = self.dir.join("saved").join(n.to_string());
-                fs_err::copy(p, &saved).unwrap();
-                fs_err::set_permissions(
-                    &saved,
-                    std::fs::Permissions::from_mode(meta.permissions().mode()),
-                )
-                .unwrap();
+                let undo = fs_err::read_to_string(self.dir.join("undo"));
+                let n = undo.map(|u| u.lines().count()).unwrap_or(0);
+                // (`copy` copies the mode too.)
+                fs_err::copy(path, self.dir.join("saved").join(n.to_string())).unwrap();
                 self.append("undo", &format!("restore {path} {n}"));
             }
             Ok(_) => panic!("{path} is not a file"),
@@ -383,23 +331,16 @@ impl Claim {
         // The stand-in's supervisor and the shim it runs, then the test's daemons.
         let mut pids: Vec<(u32, Option<u64>)> = Vec::new();
         for file in [format!("{UNIT}.supervisor"), format!("{UNIT}.pid")] {
-            if let Ok(text) = fs_err::read_to_string(dir.join("systemd").join(file))
-                && let Ok(pid) = text.trim().parse()
-            {
-                pids.push((pid, None));
-            }
+            let text = fs_err::read_to_string(dir.join("systemd").join(file));
+            pids.extend(
+                text.ok()
+                    .and_then(|t| t.trim().parse().ok())
+                    .map(|p| (p, None)),
+            );
         }
-        if let Ok(text) = fs_err::read_to_string(dir.join("pids")) {
-            for line in text.lines() {
-                let mut words = line.split_whitespace();
-                if let (Some(Ok(pid)), Some(Ok(start))) = (
-                    words.next().map(str::parse::<u32>),
-                    words.next().map(str::parse::<u64>),
-                ) {
-                    pids.push((pid, Some(start)));
-                }
-            }
-        }
+        let recorded = fs_err::read_to_string(dir.join("pids")).unwrap_or_default();
+        let recorded = recorded.lines().filter_map(pid_and_start);
+        pids.extend(recorded.map(|(pid, start)| (pid, Some(start))));
         for (pid, start) in pids {
             // A recorded start time guards against a reused pid; the stand-in's files are
             // removed by it when its processes end, so a pid found there is still theirs.
@@ -424,20 +365,22 @@ impl Claim {
                     };
                 }
                 (Some("restore"), Some(path), Some(n)) => {
-                    let saved = dir.join("saved").join(n);
                     if let Some(parent) = Path::new(path).parent() {
                         let _ = fs_err::create_dir_all(parent);
                     }
-                    let _ = fs_err::copy(&saved, path);
-                    if let Ok(meta) = fs_err::metadata(&saved) {
-                        let _ = fs_err::set_permissions(path, meta.permissions());
-                    }
+                    let _ = fs_err::copy(dir.join("saved").join(n), path);
                 }
                 _ => eprintln!("fleet: unknown undo record {line:?}"),
             }
         }
         let _ = fs_err::remove_dir_all(dir);
     }
+}
+
+/// `<pid> <start time> …` (a claim's owner, a line of its `pids`).
+fn pid_and_start(line: &str) -> Option<(u32, u64)> {
+    let mut words = line.split_whitespace();
+    Some((words.next()?.parse().ok()?, words.next()?.parse().ok()?))
 }
 
 impl Drop for Claim {
@@ -482,14 +425,17 @@ fn prepare_host(claim: &Claim) {
     }
     if !Path::new(SSHD_RUN_DIR).exists() {
         claim.will_create(SSHD_RUN_DIR);
-        fs_err::create_dir_all(SSHD_RUN_DIR).unwrap();
-        fs_err::set_permissions(SSHD_RUN_DIR, std::fs::Permissions::from_mode(0o755)).unwrap();
+        make_dir(Path::new(SSHD_RUN_DIR));
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// The fleet's host: sshd in a mount namespace of its own, the stand-in systemctl
-// ---------------------------------------------------------------------------------------------
+/// Makes directory `dir` (and its parents), mode 0755.
+fn make_dir(dir: &Path) {
+    fs_err::create_dir_all(dir).unwrap();
+    fs_err::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+// ---- The fleet's host: sshd in a mount namespace of its own, the stand-in systemctl
 
 struct SshHost {
     port: u16,
@@ -506,50 +452,34 @@ struct SshHost {
 impl SshHost {
     fn start(dir: &Path, claim: &Claim) -> Self {
         let (sbin, units) = (dir.join("sbin"), dir.join("units"));
-        for d in [&sbin, &units] {
-            fs_err::create_dir_all(d).unwrap();
-            fs_err::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
-        }
-        let host_key = dir.join("ssh_host_ed25519_key");
-        let identity = dir.join("id_ed25519");
+        make_dir(&sbin);
+        make_dir(&units);
+        let (host_key, identity) = (dir.join("ssh_host_ed25519_key"), dir.join("id_ed25519"));
         for (key, comment) in [
             (&host_key, "fleet-test-host"),
             (&identity, "fleet-test-client"),
         ] {
-            let key = key.to_str().unwrap();
-            run_ok(
+            let args = ["-q", "-t", "ed25519", "-N", "", "-C", comment, "-f"];
+            run(
                 "ssh-keygen",
-                &["-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", key],
+                &[&args[..], &[key.to_str().unwrap()]].concat(),
             );
         }
         let authorized = dir.join("authorized_keys");
-        write_file(
-            &authorized,
-            &fs_err::read_to_string(identity.with_extension("pub")).unwrap(),
-            0o600,
-        );
+        let client_key = fs_err::read_to_string(identity.with_extension("pub")).unwrap();
+        write_file(&authorized, &client_key, 0o600);
 
         // The stand-in systemctl, run by the venv's Python, with its configuration beside it.
         let systemctl = sbin.join("systemctl");
         let script = fs_err::read_to_string(repo_root().join("tests/fleet/systemctl.py")).unwrap();
         let body = script.split_once('\n').unwrap().1;
-        write_file(
-            &systemctl,
-            &format!("#!{}\n{body}", dstack_python().display()),
-            0o755,
-        );
+        let shebang = format!("#!{}", dstack_python().display());
+        write_file(&systemctl, &format!("{shebang}\n{body}"), 0o755);
         let systemd = claim.systemd_dir();
-        write_file(
-            &sbin.join("systemctl.json"),
-            &json!({
-                "script": systemctl,
-                "unit_dir": units,
-                "state_dir": systemd,
-                "mount_ns": format!("/proc/{}/ns/mnt", std::process::id()),
-            })
-            .to_string(),
-            0o644,
-        );
+        let mount_ns = format!("/proc/{}/ns/mnt", std::process::id());
+        let json = json!({"script": systemctl, "unit_dir": units, "state_dir": systemd,
+                          "mount_ns": mount_ns});
+        write_file(&sbin.join("systemctl.json"), &json.to_string(), 0o644);
 
         let port = free_port().unwrap();
         let config = dir.join("sshd_config");
@@ -569,7 +499,7 @@ impl SshHost {
             0o644,
         );
         // sshd checks its configuration before it daemonises: a bad one fails here, readably.
-        run_ok("/usr/sbin/sshd", &["-t", "-f", config.to_str().unwrap()]);
+        run("/usr/sbin/sshd", &["-t", "-f", config.to_str().unwrap()]);
         let mut command = Command::new("unshare");
         command
             .args(["--mount", "--propagation", "slave", "--", "sh", "-c"])
@@ -594,34 +524,28 @@ impl SshHost {
     /// Runs the stand-in systemctl here (outside the sshd's namespace: it keeps its state by
     /// real paths).
     fn systemctl(&self, args: &[&str]) -> String {
-        run_ok(self.systemctl.to_str().unwrap(), args)
+        run(&self.systemctl, args)
     }
 
-    /// The shim's pid as the stand-in's supervisor started it last.
+    /// The stand-in's file `<unit>.<kind>`: `pid` (the shim's as the stand-in's supervisor
+    /// started it last), `starts` (a line per start of the shim), `journal` (its output).
+    fn unit_file(&self, kind: &str) -> PathBuf {
+        self.systemd.join(format!("{UNIT}.{kind}"))
+    }
+
     fn shim_pid(&self) -> Option<u32> {
-        fs_err::read_to_string(self.systemd.join(format!("{UNIT}.pid")))
-            .ok()
-            .and_then(|t| t.trim().parse().ok())
+        let text = fs_err::read_to_string(self.unit_file("pid")).ok();
+        text.and_then(|t| t.trim().parse().ok())
     }
 
-    /// The pids of every start of the shim so far.
-    fn shim_starts(&self) -> Vec<u32> {
-        fs_err::read_to_string(self.systemd.join(format!("{UNIT}.starts")))
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.split_whitespace().next()?.parse().ok())
-            .collect()
-    }
-
-    /// The shim's output (what a journal would hold).
-    fn shim_journal(&self) -> PathBuf {
-        self.systemd.join(format!("{UNIT}.journal"))
+    fn shim_starts(&self) -> usize {
+        let text = fs_err::read_to_string(self.unit_file("starts")).unwrap_or_default();
+        let pid = |l: &str| l.split_whitespace().next()?.parse::<u32>().ok();
+        text.lines().filter_map(pid).count()
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// The dstack server
-// ---------------------------------------------------------------------------------------------
+// ---- The dstack server
 
 struct DstackServer {
     port: u16,
@@ -640,13 +564,10 @@ impl DstackServer {
         fs_err::create_dir_all(&home).unwrap();
         fs_err::create_dir_all(&project).unwrap();
         let port = free_port().unwrap();
-        let mut command = Command::new(dstack_cli());
+        let mut command = dstack(&home, &home);
         command
             .args(["server", "--host", "127.0.0.1", "--port", &port.to_string()])
             .args(["--token", TOKEN, "--log-level", "DEBUG"])
-            .current_dir(&home)
-            .env_clear()
-            .envs(base_env(&home))
             .env("DSTACK_SERVER_LOG_FORMAT", "standard")
             // Its log's times are compared with the test's clock.
             .env("TZ", "UTC")
@@ -654,14 +575,11 @@ impl DstackServer {
             .envs(env.iter().map(|(k, v)| (k, v)));
         let log = dir.join("server.log");
         let mut daemon = Daemon::spawn("the dstack server", command, &log, claim);
-        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+        let healthcheck = Request::get("/healthcheck").timeout(Duration::from_secs(5));
         wait_until("the dstack server answers", SERVER_START_BOUND, || {
             daemon.assert_running();
-            Request::get("/healthcheck")
-                .timeout(Duration::from_secs(5))
-                .send(addr)
-                .is_ok_and(|r| r.status == 200)
-                && home.join(".dstack/config.yml").exists()
+            let answer = healthcheck.send((Ipv4Addr::LOCALHOST, port).into());
+            answer.is_ok_and(|r| r.status == 200) && home.join(".dstack/config.yml").exists()
         });
         Self {
             port,
@@ -685,22 +603,17 @@ impl DstackServer {
         answer.json_body()
     }
 
+    /// [`Self::api`] of `/api/project/<PROJECT>/<path>`.
+    fn project_api(&self, path: &str, body: &Value) -> Value {
+        self.api(&format!("/api/project/{PROJECT}/{path}"), body)
+    }
+
     /// Runs the `dstack` CLI against this server in the project directory; its stdout.
     fn cli(&self, args: &[&str]) -> String {
-        let mut command = Command::new(dstack_cli());
-        command
-            .args(args)
-            .current_dir(&self.project)
-            .env_clear()
-            .envs(base_env(&self.home))
-            .env("DSTACK_CLI_LOG_LEVEL", "INFO");
-        let (status, out, err) = run_bounded(command, CLI_BOUND);
-        assert!(
-            status.success(),
-            "dstack {args:?}: {status}\n{out}\n{err}\nend of the server's log:\n{}",
-            tail(&self.log, 60)
-        );
-        out
+        let mut command = dstack(&self.home, &self.project);
+        command.args(args).env("DSTACK_CLI_LOG_LEVEL", "INFO");
+        let log = || format!("\nend of the server's log:\n{}", tail(&self.log, 60));
+        run_ok(&mut command, CLI_BOUND, log)
     }
 
     /// `dstack apply -f <name>.dstack.yml -y -d` of task `name` ([`task_yaml`]).
@@ -712,18 +625,13 @@ impl DstackServer {
 
     /// The run `name` as the server has it.
     fn run(&self, name: &str) -> Value {
-        self.api(
-            &format!("/api/project/{PROJECT}/runs/get"),
-            &json!({"run_name": name}),
-        )
+        self.project_api("runs/get", &json!({"run_name": name}))
     }
 
     /// Waits until the latest submission of run `name`'s job is `running` and the shim runs its
     /// task; the task's id (the submission's).
     fn wait_running_task(&mut self, name: &str) -> String {
-        let run = self.wait_run(name, JOB_BOUND, |run| {
-            submission(run)["status"] == "running"
-        });
+        let run = self.wait_run(name, |run| submission(run)["status"] == "running");
         let id = submission(&run)["id"].as_str().unwrap().to_owned();
         wait_until(&format!("{name}'s task runs"), JOB_BOUND, || {
             shim_api().task(&id).is_ok_and(|t| t["status"] == "running")
@@ -734,21 +642,18 @@ impl DstackServer {
     /// Waits until run `name` has ended (its status and its job's are final); the run.
     fn wait_ended(&mut self, name: &str) -> Value {
         const FINAL: [&str; 4] = ["done", "failed", "terminated", "aborted"];
-        self.wait_run(name, JOB_BOUND, |run| {
+        self.wait_run(name, |run| {
             FINAL.contains(&run["status"].as_str().unwrap_or(""))
                 && FINAL.contains(&submission(run)["status"].as_str().unwrap_or(""))
         })
     }
 
-    fn wait_run(&mut self, name: &str, bound: Duration, done: impl Fn(&Value) -> bool) -> Value {
-        wait_for(&format!("run {name}"), bound, || {
+    fn wait_run(&mut self, name: &str, done: impl Fn(&Value) -> bool) -> Value {
+        wait_for(&format!("run {name}"), JOB_BOUND, || {
             self.daemon.assert_running();
             let run = self.run(name);
-            if done(&run) {
-                Ok(run)
-            } else {
-                Err(format!("run {}, job {}", run["status"], submission(&run)))
-            }
+            let state = format!("run {}, job {}", run["status"], submission(&run));
+            done(&run).then_some(run).ok_or(state)
         })
     }
 
@@ -759,21 +664,27 @@ impl DstackServer {
         let mut text = String::new();
         let mut next_token = Value::Null;
         loop {
-            let page = self.api(
-                &format!("/api/project/{PROJECT}/logs/poll"),
+            let page = self.project_api(
+                "logs/poll",
                 &json!({"run_name": name, "job_submission_id": id, "limit": 1000,
                         "diagnose": diagnose, "next_token": next_token}),
             );
             for event in page["logs"].as_array().unwrap() {
-                let bytes = base64::engine::general_purpose::STANDARD
-                    .decode(event["message"].as_str().unwrap())
-                    .unwrap();
+                let bytes = BASE64.decode(event["message"].as_str().unwrap()).unwrap();
                 text.push_str(&String::from_utf8_lossy(&bytes));
             }
             next_token = page["next_token"].clone();
             if next_token.is_null() {
                 return text;
             }
+        }
+    }
+
+    /// Fails the test unless the job logs of run `name` ([`Self::logs`]) hold each of `needles`.
+    fn assert_logged(&self, name: &str, diagnose: bool, needles: &[&str]) {
+        let logs = self.logs(name, diagnose);
+        for needle in needles {
+            assert!(logs.contains(needle), "{name}: no {needle:?} in {logs}");
         }
     }
 
@@ -822,20 +733,30 @@ fn dstack_cli() -> PathBuf {
     dstack_python().with_file_name("dstack")
 }
 
-/// The environment of the server and the CLI: nothing of the caller's (a developer's
-/// `DSTACK_*` must not leak in) but `PATH` (`ssh`), its own HOME, a locale.
-fn base_env(home: &Path) -> Vec<(String, String)> {
-    vec![
-        (
-            "PATH".to_owned(),
-            std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".to_owned()),
-        ),
-        ("HOME".to_owned(), home.display().to_string()),
-        ("LANG".to_owned(), "C.UTF-8".to_owned()),
-        ("PYTHONUNBUFFERED".to_owned(), "1".to_owned()),
-        ("NO_COLOR".to_owned(), "1".to_owned()),
-        ("COLUMNS".to_owned(), "200".to_owned()),
-    ]
+/// The `dstack` CLI (or server) with `home` as HOME, run in `dir`, with nothing of the
+/// caller's environment (a developer's `DSTACK_*` must not leak in) but `PATH` (`ssh`).
+fn dstack(home: &Path, dir: &Path) -> Command {
+    let path = std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".to_owned());
+    let mut command = Command::new(dstack_cli());
+    command
+        .current_dir(dir)
+        .env_clear()
+        .env("PATH", path)
+        .env("HOME", home);
+    let settings = [
+        ("LANG", "C.UTF-8"),
+        ("PYTHONUNBUFFERED", "1"),
+        ("NO_COLOR", "1"),
+    ];
+    command.envs(settings).env("COLUMNS", "200");
+    command
+}
+
+/// Fails the test unless each of `lines` is a whole line of `text`.
+fn assert_has_lines<'a>(text: &str, lines: impl IntoIterator<Item = &'a str>) {
+    for line in lines {
+        assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+    }
 }
 
 /// The latest submission of a run's (only) job.
@@ -863,45 +784,24 @@ fn recorded_at(event: &Value) -> SystemTime {
     parse_rfc3339(event["recorded_at"].as_str().unwrap())
 }
 
-/// `YYYY-MM-DDTHH:MM:SS[.ffffff](Z|+00:00)` as a time.
+/// An RFC 3339 time (`YYYY-MM-DDTHH:MM:SS[.ffffff](Z|+00:00)`), read by GNU `date`.
 fn parse_rfc3339(text: &str) -> SystemTime {
-    let (date, time) = text.split_once('T').unwrap();
-    let time = time.trim_end_matches('Z').trim_end_matches("+00:00");
-    let d: Vec<i64> = date.split('-').map(|p| p.parse().unwrap()).collect();
-    let (hms, frac) = time.split_once('.').unwrap_or((time, "0"));
-    let t: Vec<i64> = hms.split(':').map(|p| p.parse().unwrap()).collect();
-    // Days from the civil date (Howard Hinnant's algorithm).
-    let (y, m) = if d[1] <= 2 {
-        (d[0] - 1, d[1] + 9)
-    } else {
-        (d[0], d[1] - 3)
-    };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let doy = (153 * m + 2) / 5 + d[2] - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    let secs = days * 86_400 + t[0] * 3600 + t[1] * 60 + t[2];
-    let nanos: u32 = format!("{frac:0<9}")[..9].parse().unwrap();
-    SystemTime::UNIX_EPOCH
-        + Duration::from_secs(u64::try_from(secs).unwrap())
-        + Duration::from_nanos(u64::from(nanos))
+    let secs = run("date", &["-u", "-d", text, "+%s.%N"]);
+    SystemTime::UNIX_EPOCH + Duration::from_secs_f64(secs.trim().parse().unwrap())
 }
 
 /// Seconds from the first event matching `from` to the first later one matching `to`.
 fn between(events: &[Value], from: impl Fn(&Value) -> bool, to: impl Fn(&Value) -> bool) -> f64 {
-    let start = events
-        .iter()
-        .position(&from)
-        .unwrap_or_else(|| panic!("no such event in {events:#?}"));
-    let end = events[start..]
-        .iter()
-        .find(|e| to(e))
-        .unwrap_or_else(|| panic!("no later event in {events:#?}"));
-    recorded_at(end)
-        .duration_since(recorded_at(&events[start]))
-        .unwrap()
-        .as_secs_f64()
+    let start = events.iter().position(&from);
+    let start = start.unwrap_or_else(|| panic!("no such event in {events:#?}"));
+    let end = events[start..].iter().find(|e| to(e));
+    let end = end.unwrap_or_else(|| panic!("no later event in {events:#?}"));
+    let took = recorded_at(end).duration_since(recorded_at(&events[start]));
+    took.unwrap().as_secs_f64()
+}
+
+fn message(event: &Value) -> &str {
+    event["message"].as_str().unwrap()
 }
 
 fn targets(event: &Value, kind: &str, name: &str) -> bool {
@@ -916,26 +816,20 @@ fn submit_to_running(events: &[Value], name: &str) -> f64 {
     let job = format!("{name}-0-0");
     between(
         events,
-        |e| targets(e, "run", name) && e["message"].as_str().unwrap().starts_with("Run submitted"),
-        |e| targets(e, "job", &job) && e["message"].as_str().unwrap().ends_with("-> RUNNING"),
+        |e| targets(e, "run", name) && message(e).starts_with("Run submitted"),
+        |e| targets(e, "job", &job) && message(e).ends_with("-> RUNNING"),
     )
 }
 
-// ---------------------------------------------------------------------------------------------
-// Tasks and what the host shows of them
-// ---------------------------------------------------------------------------------------------
+// ---- Tasks and what the host shows of them
 
 /// A task configuration for the fleet's host: the local test image, `user:` and the CPU
 /// architecture set (otherwise the server reads the image's config from its registry), small
 /// resources (the defaults ask for a 100 GB disk).
 fn task_yaml(name: &str, env: &[&str], commands: &[&str]) -> String {
     let arch = if go_arch() == "arm64" { "arm" } else { "x86" };
-    let list = |items: &[&str]| -> String {
-        items
-            .iter()
-            .map(|i| format!("  - {}\n", serde_json::to_string(i).unwrap()))
-            .collect()
-    };
+    let item = |i: &&str| format!("  - {}\n", serde_json::to_string(i).unwrap());
+    let list = |items: &[&str]| items.iter().map(item).collect::<String>();
     let env = if env.is_empty() {
         String::new()
     } else {
@@ -951,25 +845,24 @@ fn task_yaml(name: &str, env: &[&str], commands: &[&str]) -> String {
 
 /// The shim's API on its fixed port.
 fn shim_api() -> Api {
-    Api {
-        addr: SocketAddr::from((Ipv4Addr::LOCALHOST, SHIM_PORT)),
-    }
+    let addr = (Ipv4Addr::LOCALHOST, SHIM_PORT).into();
+    Api { addr }
 }
 
 /// The container the shim runs for task `id` (the server's job submission id), by upstream's
 /// task label: `(id, name)`, or `None`.
 fn task_container(id: &str) -> Option<(String, String)> {
+    let label = format!("label=ai.dstack.shim.task-id={id}");
     let out = docker_ok(&[
         "ps",
         "-a",
         "--no-trunc",
         "--filter",
-        &format!("label=ai.dstack.shim.task-id={id}"),
+        &label,
         "--format",
         "{{.ID}} {{.Names}}",
     ]);
-    let line = out.lines().next()?;
-    let (cid, name) = line.split_once(' ')?;
+    let (cid, name) = out.lines().next()?.split_once(' ')?;
     Some((cid.to_owned(), name.to_owned()))
 }
 
@@ -978,15 +871,14 @@ fn inspect(cid: &str, format: &str) -> String {
 }
 
 fn shim_key_lines() -> usize {
-    fs_err::read_to_string(AUTHORIZED_KEYS)
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.trim_end().ends_with(shim_e2e::harness::KEY_MARKER))
+    let keys = fs_err::read_to_string(AUTHORIZED_KEYS).unwrap_or_default();
+    keys.lines()
+        .filter(|l| l.trim_end().ends_with(KEY_MARKER))
         .count()
 }
 
 fn runner_dirs() -> BTreeSet<String> {
-    shim_e2e::harness::task_entries(&Path::new(SHIM_HOME).join("runners"))
+    task_entries(&Path::new(SHIM_HOME).join("runners"))
 }
 
 /// What the host shows of a running job's task: the shim reports it running with the
@@ -1023,9 +915,7 @@ fn wait_task_removed(id: &str) {
     assert_eq!(shim_key_lines(), 0, "{keys}");
 }
 
-// ---------------------------------------------------------------------------------------------
-// The run's logs
-// ---------------------------------------------------------------------------------------------
+// ---- The run's logs
 
 /// The logs of a run (the server's, the shim's output, the stand-in's and sshd's): when
 /// dropped, copied to `<target>/fleet-test/` (replacing an earlier run's) and, if the test
@@ -1037,16 +927,14 @@ struct Logs {
 
 impl Logs {
     fn phase(&self, what: &str) {
-        eprintln!(
-            "fleet: [{:6.1} s] {what}",
-            self.started.elapsed().as_secs_f64()
-        );
+        let at = self.started.elapsed().as_secs_f64();
+        eprintln!("fleet: [{at:6.1} s] {what}");
     }
 }
 
 impl Drop for Logs {
     fn drop(&mut self) {
-        let keep = shim_e2e::harness::target_dir().join("fleet-test");
+        let keep = target_dir().join("fleet-test");
         let _ = fs_err::remove_dir_all(&keep);
         let _ = fs_err::create_dir_all(&keep);
         for (name, path, lines) in &self.files {
@@ -1062,10 +950,6 @@ impl Drop for Logs {
         eprintln!("fleet: logs kept in {}", keep.display());
     }
 }
-
-// ---------------------------------------------------------------------------------------------
-// The test
-// ---------------------------------------------------------------------------------------------
 
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
@@ -1094,37 +978,34 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
 
     let claim = Claim::take();
     prepare_host(&claim);
-    let dir = tempfile::Builder::new()
-        .prefix("shim-fleet-")
-        .tempdir()
-        .unwrap();
+    let dir = tempfile::Builder::new().prefix("shim-fleet-").tempdir();
+    let dir = dir.unwrap();
     let dir = dir.path();
     // A killed run leaves it behind: the next one removes it.
     claim.will_create(dir.to_str().unwrap());
     let systemd = claim.systemd_dir();
+    let files = vec![
+        ("server.log", dir.join("server.log"), 80),
+        (
+            "dstack-shim.journal",
+            systemd.join(format!("{UNIT}.journal")),
+            60,
+        ),
+        ("systemctl.log", systemd.join("systemctl.log"), 20),
+        ("sshd.log", dir.join("sshd.log"), 20),
+    ];
     let logs = Logs {
         started: test_started,
-        files: vec![
-            ("server.log", dir.join("server.log"), 80),
-            (
-                "dstack-shim.journal",
-                systemd.join(format!("{UNIT}.journal")),
-                60,
-            ),
-            ("systemctl.log", systemd.join("systemctl.log"), 20),
-            ("sshd.log", dir.join("sshd.log"), 20),
-        ],
+        files,
     };
 
     // The runner download: the test runner, laid out as the server's URL template wants it,
     // served over HTTP on loopback.
     let runner = build_test_runner(Duration::from_secs(600)).unwrap_or_else(|e| panic!("{e}"));
     let downloads = dir.join("downloads");
-    let runner_file = downloads
-        .join(DSTACK_VERSION)
-        .join(format!("dstack-runner-linux-{}", go_arch()));
-    fs_err::create_dir_all(runner_file.parent().unwrap()).unwrap();
-    fs_err::copy(&runner, &runner_file).unwrap();
+    let runner_path = format!("{DSTACK_VERSION}/dstack-runner-linux-{}", go_arch());
+    fs_err::create_dir_all(downloads.join(DSTACK_VERSION)).unwrap();
+    fs_err::copy(&runner, downloads.join(&runner_path)).unwrap();
     let files_port = free_port().unwrap();
     let mut files_command = Command::new(&python);
     files_command
@@ -1138,38 +1019,44 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     // An empty offers catalog: the server's scheduled catalog download needs the internet.
     let catalog = dir.join("catalog");
     let script = repo_root().join("tests/fleet/offline_catalog.py");
-    let args = [script.to_str().unwrap(), catalog.to_str().unwrap()];
-    run_ok(python.to_str().unwrap(), &args);
+    run(
+        &python,
+        &[script.to_str().unwrap(), catalog.to_str().unwrap()],
+    );
 
     logs.phase("the runner built and served, the offline catalog made");
     let host = SshHost::start(dir, &claim);
-    let shim_url = format!(
-        "file://{}/{{version}}/dstack-shim-linux-{{arch}}",
-        dist.display()
-    );
-    let runner_url =
-        format!("http://127.0.0.1:{files_port}/{{version}}/dstack-runner-linux-{{arch}}");
+    let files_url = format!("http://127.0.0.1:{files_port}");
     let env = [
-        ("DSTACK_SHIM_DOWNLOAD_URL", shim_url),
-        ("DSTACK_RUNNER_DOWNLOAD_URL", runner_url),
+        (
+            "DSTACK_SHIM_DOWNLOAD_URL",
+            format!(
+                "file://{}/{{version}}/dstack-shim-linux-{{arch}}",
+                dist.display()
+            ),
+        ),
+        (
+            "DSTACK_RUNNER_DOWNLOAD_URL",
+            format!("{files_url}/{{version}}/dstack-runner-linux-{{arch}}"),
+        ),
         (
             "GPUHUNT_CATALOG_URL",
             format!("file://{}", catalog.display()),
         ),
     ];
     let mut server = DstackServer::start(dir, &claim, &env);
+    let (ports, shown) = ((server.port, host.port), dir.display());
     eprintln!(
-        "fleet: server on 127.0.0.1:{}, sshd on 127.0.0.1:{}, files in {}",
-        server.port,
-        host.port,
-        dir.display()
+        "fleet: server on 127.0.0.1:{}, sshd on 127.0.0.1:{}, files in {shown}",
+        ports.0, ports.1
     );
 
     logs.phase("sshd and the dstack server started");
 
     // ---- The fleet: provisioned over SSH, the shim installed from the artifact, idle.
     let fleet_yaml = format!(
-        "type: fleet\nname: {FLEET}\nssh_config:\n  user: root\n  port: {}\n  identity_file: {}\n  hosts:\n    - 127.0.0.1\n",
+        "type: fleet\nname: {FLEET}\nssh_config:\n  user: root\n  port: {}\n  \
+         identity_file: {}\n  hosts:\n    - 127.0.0.1\n",
         host.port,
         host.identity.display()
     );
@@ -1177,10 +1064,7 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     server.cli(&["apply", "-f", "fleet.dstack.yml", "-y"]);
     let instance = wait_for("the fleet's instance is idle", FLEET_BOUND, || {
         server.daemon.assert_running();
-        let fleet = server.api(
-            &format!("/api/project/{PROJECT}/fleets/get"),
-            &json!({"name": FLEET}),
-        );
+        let fleet = server.project_api("fleets/get", &json!({"name": FLEET}));
         let instance = fleet["instances"][0].clone();
         match instance["status"].as_str() {
             Some("idle") => Ok(instance),
@@ -1195,37 +1079,29 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
 
     // The host as the server left it: the artifact installed, the unit, shim.env, host info,
     // the shim answering with the server's release, the runner downloaded from its URL.
-    assert_eq!(
-        fs_err::read(SHIM_INSTALLED).unwrap(),
-        fs_err::read(&artifact).unwrap(),
-        "{SHIM_INSTALLED} is the artifact, by bytes"
-    );
+    let same = |a: &Path, b: &Path| fs_err::read(a).unwrap() == fs_err::read(b).unwrap();
+    let installed = same(Path::new(SHIM_INSTALLED), &artifact);
+    assert!(installed, "{SHIM_INSTALLED} is the artifact, by bytes");
     let unit = fs_err::read_to_string(host.units.join(UNIT)).unwrap();
-    for line in [
+    let unit_lines = [
         "Restart=always",
         "RestartSec=3",
         "User=root",
         "WorkingDirectory=/root/.dstack",
         "EnvironmentFile=/root/.dstack/shim.env",
         "ExecStart=/usr/local/bin/dstack-shim",
-    ] {
-        assert!(unit.lines().any(|l| l == line), "{line} in\n{unit}");
-    }
+    ];
+    assert_has_lines(&unit, unit_lines);
     let env = fs_err::read_to_string(Path::new(SHIM_HOME).join("shim.env")).unwrap();
-    for line in [
-        "DSTACK_SHIM_HOME=\"/root/.dstack\"".to_owned(),
-        "DSTACK_SHIM_HTTP_PORT=\"10998\"".to_owned(),
-        "DSTACK_SERVICE_MODE=\"1\"".to_owned(),
-        format!(
-            "DSTACK_RUNNER_DOWNLOAD_URL=\"http://127.0.0.1:{files_port}/{DSTACK_VERSION}/dstack-runner-linux-{}\"",
-            go_arch()
-        ),
-    ] {
-        assert!(env.lines().any(|l| l == line), "{line} in\n{env}");
-    }
-    let host_info: Value =
-        serde_json::from_slice(&fs_err::read(Path::new(SHIM_HOME).join("host_info.json")).unwrap())
-            .unwrap();
+    let env_lines = [
+        "DSTACK_SHIM_HOME=\"/root/.dstack\"",
+        "DSTACK_SHIM_HTTP_PORT=\"10998\"",
+        "DSTACK_SERVICE_MODE=\"1\"",
+        &format!("DSTACK_RUNNER_DOWNLOAD_URL=\"{files_url}/{runner_path}\""),
+    ];
+    assert_has_lines(&env, env_lines);
+    let host_info = fs_err::read(Path::new(SHIM_HOME).join("host_info.json")).unwrap();
+    let host_info: Value = serde_json::from_slice(&host_info).unwrap();
     assert_eq!(
         instance["instance_type"]["resources"]["cpus"], host_info["cpus"],
         "the server read host_info.json: {host_info}"
@@ -1241,13 +1117,16 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     };
     assert_eq!(component("dstack-shim")["version"], health["version"]);
     assert_eq!(component("dstack-runner")["version"], DSTACK_VERSION);
-    assert_eq!(
-        fs_err::read(RUNNER_INSTALLED).unwrap(),
-        fs_err::read(&runner).unwrap(),
+    let downloaded = same(Path::new(RUNNER_INSTALLED), &runner);
+    assert!(
+        downloaded,
         "the shim downloaded the runner from DSTACK_RUNNER_DOWNLOAD_URL"
     );
-    let starts = host.shim_starts().len();
-    assert_eq!(starts, 1, "started once, by `systemctl restart`");
+    assert_eq!(
+        host.shim_starts(),
+        1,
+        "started once, by `systemctl restart`"
+    );
 
     logs.phase("the fleet is idle");
 
@@ -1259,12 +1138,12 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     server.apply("fleet-done", &env, &commands);
     let run = server.wait_ended("fleet-done");
     let id = assert_ended(&run, "done", "done_by_runner", Some(0));
-    let job_logs = server.logs("fleet-done", false);
-    assert!(job_logs.contains("hello from the fleet"), "{job_logs}");
-    assert!(job_logs.contains("run fleet-done"), "{job_logs}");
-    let runner_logs = server.logs("fleet-done", true);
-    let done = runner_logs.contains("Job state changed new=done");
-    assert!(done, "{runner_logs}");
+    server.assert_logged(
+        "fleet-done",
+        false,
+        &["hello from the fleet", "run fleet-done"],
+    );
+    server.assert_logged("fleet-done", true, &["Job state changed new=done"]);
     wait_task_removed(&id);
 
     logs.phase("fleet-done ended");
@@ -1273,7 +1152,7 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     server.apply("fleet-failed", &[], &["echo about to fail", "exit 7"]);
     let run = server.wait_ended("fleet-failed");
     let id = assert_ended(&run, "failed", "container_exited_with_error", Some(7));
-    assert!(server.logs("fleet-failed", false).contains("about to fail"));
+    server.assert_logged("fleet-failed", false, &["about to fail"]);
     wait_task_removed(&id);
 
     logs.phase("fleet-failed ended");
@@ -1285,7 +1164,7 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     server.cli(&["stop", "fleet-stopped", "-y"]);
     let run = server.wait_ended("fleet-stopped");
     assert_ended(&run, "terminated", "terminated_by_user", None);
-    assert!(server.logs("fleet-stopped", false).contains("started"));
+    server.assert_logged("fleet-stopped", false, &["started"]);
     wait_task_removed(&id);
 
     logs.phase("fleet-stopped ended");
@@ -1299,35 +1178,36 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     let started_at = inspect(&cid, "{{.State.StartedAt}}");
     let old = host.shim_pid().unwrap();
     kill("KILL", &old.to_string());
-    let killed = Instant::now();
-    let down_since = SystemTime::now();
+    let (killed, down_since) = (Instant::now(), SystemTime::now());
     wait_until(
         "the stand-in restarts the shim",
         Duration::from_secs(60),
         || host.shim_pid().is_some_and(|pid| pid != old) && shim_api().answers(),
     );
-    let restart = killed.elapsed();
-    let down = (down_since, SystemTime::now());
+    let (restart, down) = (killed.elapsed(), (down_since, SystemTime::now()));
     assert_eq!(assert_task_running(&id), cid, "the same container");
     let started_again = inspect(&cid, "{{.State.StartedAt}}");
     assert_eq!(started_again, started_at, "never restarted");
     let run = server.wait_ended("fleet-killed");
     assert_ended(&run, "done", "done_by_runner", Some(0));
-    let job_logs = server.logs("fleet-killed", false);
-    assert!(
-        job_logs.contains("before the kill") && job_logs.contains("after the restart"),
-        "{job_logs}"
+    server.assert_logged(
+        "fleet-killed",
+        false,
+        &["before the kill", "after the restart"],
     );
     wait_task_removed(&id);
-    let starts = host.shim_starts().len();
-    assert_eq!(starts, 2, "once by the server, once after the SIGKILL");
+    assert_eq!(
+        host.shim_starts(),
+        2,
+        "once by the server, once after the SIGKILL"
+    );
 
     logs.phase("fleet-killed ended");
 
     // ---- The fleet deleted; the shim stopped as its service would be.
     server.cli(&["fleet", "delete", FLEET, "-y"]);
     wait_until("the fleet is deleted", FLEET_BOUND, || {
-        let fleets = server.api(&format!("/api/project/{PROJECT}/fleets/list"), &json!({}));
+        let fleets = server.project_api("fleets/list", &json!({}));
         fleets
             .as_array()
             .unwrap()
@@ -1339,15 +1219,12 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     assert!(host.shim_pid().is_none());
 
     // Nothing left: no task container, no task directory, no shim line in authorized_keys.
-    let leftovers = ContainerSweeper::for_label(
-        shim_e2e::harness::LABEL_OWNER,
-        &owner_identity(Path::new(SHIM_HOME)),
-    )
-    .containers();
+    let owner = owner_identity(Path::new(SHIM_HOME));
+    let leftovers = ContainerSweeper::for_label(LABEL_OWNER, &owner).containers();
     assert!(leftovers.is_empty(), "task containers left: {leftovers:?}");
     assert!(runner_dirs().is_empty(), "{:?}", runner_dirs());
     assert_eq!(shim_key_lines(), 0);
-    let journal = fs_err::read_to_string(host.shim_journal()).unwrap();
+    let journal = fs_err::read_to_string(host.unit_file("journal")).unwrap();
     // The journal names the paths of requests that change something (the server runs the
     // shim at debug level; reads are at trace): the submits it made show it does, so the
     // absence below means something.
@@ -1364,19 +1241,16 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     // The one kind allowed: the instance check that found the shim down while it was (a
     // periodic check may fall into those seconds; the server tunnels to the shim's port, and
     // with nothing listening there the connection is reset).
+    let while_down = |at: SystemTime| {
+        at + Duration::from_secs(1) >= down.0 && at <= down.1 + Duration::from_secs(15)
+    };
     let (expected, problems): (Vec<String>, Vec<String>) =
         server.problems().into_iter().partition(|problem| {
-            let at = problem
-                .split(' ')
-                .nth(1)
-                .filter(|t| t.contains('T'))
-                .map(parse_rfc3339);
+            let at = problem.split(' ').nth(1).filter(|t| t.contains('T'));
             problem.starts_with("WARNING ")
                 && problem.contains("instances.check Instance ")
                 && problem.contains("reachable=False")
-                && at.is_some_and(|at| {
-                    at + Duration::from_secs(1) >= down.0 && at <= down.1 + Duration::from_secs(15)
-                })
+                && at.map(parse_rfc3339).is_some_and(while_down)
         });
     for line in &expected {
         eprintln!("fleet: expected, while the shim was down: {line}");
@@ -1391,16 +1265,8 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     // Figures, from the server's events.
     let idle = between(
         &events,
-        |e| {
-            targets(e, "fleet", FLEET)
-                && e["message"].as_str().unwrap().starts_with("Fleet created")
-        },
-        |e| {
-            e["message"]
-                .as_str()
-                .unwrap()
-                .starts_with("Instance status changed PENDING -> IDLE")
-        },
+        |e| targets(e, "fleet", FLEET) && message(e).starts_with("Fleet created"),
+        |e| message(e).starts_with("Instance status changed PENDING -> IDLE"),
     );
     eprintln!("fleet: apply of the fleet -> instance idle: {idle:.1} s");
     for run in [
@@ -1409,23 +1275,14 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
         "fleet-stopped",
         "fleet-killed",
     ] {
-        eprintln!(
-            "fleet: {run}: submit -> running: {:.1} s",
-            submit_to_running(&events, run)
-        );
+        let took = submit_to_running(&events, run);
+        eprintln!("fleet: {run}: submit -> running: {took:.1} s");
     }
-    eprintln!(
-        "fleet: the shim answered {:.1} s after its SIGKILL",
-        restart.as_secs_f64()
-    );
+    let restart = restart.as_secs_f64();
+    eprintln!("fleet: the shim answered {restart:.1} s after its SIGKILL");
     logs.phase("the fleet deleted, the shim stopped, nothing left");
-    drop(server);
-    drop(host);
-    drop(files);
-    drop(logs);
-    drop(claim);
-    eprintln!(
-        "fleet: the whole test: {:.0} s",
-        test_started.elapsed().as_secs_f64()
-    );
+    // In this order (a tuple's fields drop first to last): the claim's undo comes last.
+    drop((server, host, files, logs, claim));
+    let took = test_started.elapsed().as_secs_f64();
+    eprintln!("fleet: the whole test: {took:.0} s");
 }
