@@ -629,8 +629,9 @@ fn terminated_absorbs_every_observation() {
     }
 }
 
+/// Having acquired nothing, it is settled as released: a remove then has no release.
 #[test]
-fn terminate_while_pending_finishes_start_at_once() {
+fn terminate_while_pending_finishes_start_at_once_and_remove_has_no_release() {
     let mut t = new_task(&config());
     assert_eq!(t.go(terminate(TerminatedByServer, "gone", 0)), [PERSIST]);
     assert_ended(&t, TerminatedByServer, "gone");
@@ -639,6 +640,7 @@ fn terminate_while_pending_finishes_start_at_once() {
     t.go(Event::StartFinished);
     assert!(!t.start_in_flight());
     assert!(t.record().resources.released);
+    assert_eq!(t.go(Event::RemoveRequested), removal(None));
 }
 
 #[test]
@@ -825,14 +827,6 @@ fn remove_only_from_terminated() {
     t.go(release_failed("x"));
     let a = t.go(Event::RemoveRequested);
     assert_eq!(a, removal(Some(release_of(&t))));
-}
-
-#[test]
-fn remove_of_a_released_task_has_no_release() {
-    let mut t = new_task(&config());
-    let end = terminate(TerminatedByUser, "", 0);
-    t.go_all([end, Event::StartBegan, Event::StartFinished]);
-    assert_eq!(t.go(Event::RemoveRequested), removal(None));
 }
 
 // ---- SPEC §3: TaskInfo ----
