@@ -84,9 +84,28 @@ fn file_server() -> FileServer {
 }
 
 fn components(dir: &Path) -> Components {
+    components_with(dir, |_| {})
+}
+
+/// The components installed into `dir`, their config changed by `change`.
+fn components_with(dir: &Path, change: impl FnOnce(&mut ComponentsConfig)) -> Components {
     let mut config = ComponentsConfig::new(dir.join("bin/dstack-runner"), dir.join("dstack-shim"));
     config.version_timeout = Duration::from_secs(2);
+    change(&mut config);
     Components::new(config)
+}
+
+/// Writes `body` as the executable `path`.
+fn executable(path: &Path, body: &str) {
+    fs_err::write(path, body).unwrap();
+    fs_err::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+/// Asserts that `e` is `ComponentsError::$kind`.
+macro_rules! assert_kind {
+    ($e:expr, $kind:ident) => {
+        assert!(matches!($e, ComponentsError::$kind { .. }), "{}", $e)
+    };
 }
 
 /// A temporary directory, a file server and the components installed into the directory.
@@ -144,8 +163,8 @@ async fn nothing_installed() {
 async fn installs_in_the_background_atomically() {
     let (dir, server, c) = setup();
 
-    c.start_install(Runner, &server.url("/runner?sig=secret"))
-        .unwrap();
+    let signed = server.url("/runner?sig=secret");
+    c.start_install(Runner, &signed).unwrap();
     wait_idle(&c).await;
     assert_eq!(state(&c, Runner).await, (Status::Installed, "1.2.3".into()));
     let path = dir.path().join("bin/dstack-runner");
@@ -173,10 +192,7 @@ async fn second_install_while_installing_is_a_conflict() {
     assert_eq!(state(&c, Runner).await, (Status::Installing, "".into()));
 
     let e = c.start_install(Runner, &url).unwrap_err();
-    assert!(
-        matches!(e, ComponentsError::AlreadyInstalling { .. }),
-        "{e}"
-    );
+    assert_kind!(e, AlreadyInstalling);
     assert_eq!(e.to_string(), "dstack-runner is already installing");
     // The other component is independent.
     assert_eq!(status(&c, Shim).await, Status::NotInstalled);
@@ -198,10 +214,7 @@ async fn an_install_whose_caller_goes_away_runs_to_its_end() {
     assert!(waited.is_err(), "the gated install answered");
     assert_eq!(status(&c, Runner).await, Status::Installing);
     let e = c.start_install(Runner, &url).unwrap_err();
-    assert!(
-        matches!(e, ComponentsError::AlreadyInstalling { .. }),
-        "{e}"
-    );
+    assert_kind!(e, AlreadyInstalling);
     server.gate.send(()).unwrap();
     wait_idle(&c).await;
     assert_eq!(state(&c, Runner).await, (Status::Installed, "3.0.0".into()));
@@ -213,19 +226,17 @@ async fn failed_downloads_leave_the_target_alone() {
 
     // Nothing installed yet: a failure shows as `error`.
     let e = install_err(&c, &server.url("/missing?token=s3cr3t")).await;
-    assert!(matches!(e, ComponentsError::Download { .. }), "{e}");
+    assert_kind!(e, Download);
     assert!(!format!("{e:?}").contains("s3cr3t"), "{e:?}");
+    let missing = server.url("/missing");
     assert_eq!(
         e.to_string(),
-        format!(
-            "cannot download dstack-runner from {}",
-            server.url("/missing")
-        )
+        format!("cannot download dstack-runner from {missing}")
     );
     assert_eq!(status(&c, Runner).await, Status::Error);
 
     let e = install_err(&c, &server.url("/empty")).await;
-    assert!(matches!(e, ComponentsError::Size { .. }), "{e}");
+    assert_kind!(e, Size);
 
     // With a working binary in place, a failed upgrade keeps it.
     c.install(Runner, &server.url("/runner")).await.unwrap();
@@ -239,7 +250,7 @@ async fn failed_downloads_leave_the_target_alone() {
         .local_addr()
         .unwrap();
     let e = install_err(&c, &format!("http://{closed}/runner")).await;
-    assert!(matches!(e, ComponentsError::Download { .. }), "{e}");
+    assert_kind!(e, Download);
 }
 
 /// A download that stalls mid-file (its connection kept, nothing more sent) fails once
@@ -249,14 +260,12 @@ async fn failed_downloads_leave_the_target_alone() {
 async fn a_stalled_download_fails_after_the_stall_timeout() {
     let dir = tempfile::tempdir().unwrap();
     let server = file_server();
-    let mut config = ComponentsConfig::new(dir.path().join("bin/dstack-runner"), "/unused");
-    config.stall_timeout = Duration::from_secs(1);
-    let c = Components::new(config);
+    let c = components_with(dir.path(), |c| c.stall_timeout = Duration::from_secs(1));
     let began = std::time::Instant::now();
     let e = tokio::time::timeout(BOUND, install_err(&c, &server.url("/stall")))
         .await
         .expect("the stalled download never failed");
-    assert!(matches!(e, ComponentsError::Body { .. }), "{e}");
+    assert_kind!(e, Body);
     assert!(began.elapsed() < BOUND, "{:?}", began.elapsed());
     assert_eq!(dir_entries(&dir.path().join("bin")), Vec::<String>::new());
 }
@@ -282,10 +291,8 @@ fn temp_files_of_interrupted_downloads_are_removed() {
             file.file().set_modified(long_ago).unwrap();
         }
     }
-    assert!(shim_fs::is_temp_of(
-        "dstack-runner",
-        ".dstack-runner.tmp-1-0.0"
-    ));
+    let oldest = ".dstack-runner.tmp-1-0.0";
+    assert!(shim_fs::is_temp_of("dstack-runner", oldest));
     let shim_temp = dir.path().join(".dstack-shim.tmp-3-0.0");
     let file = fs_err::File::create(&shim_temp).unwrap();
     file.file().set_modified(long_ago).unwrap();
@@ -340,12 +347,7 @@ async fn a_shim_binary_rolled_back_within_the_hour_is_not_installed_again() {
     let server = file_server();
     let home = dir.path().join("home");
     fs_err::create_dir(&home).unwrap();
-    let mut config = ComponentsConfig::new(
-        dir.path().join("bin/dstack-runner"),
-        dir.path().join("dstack-shim"),
-    );
-    config.rollback_home = Some(home.clone());
-    let c = Components::new(config);
+    let c = components_with(dir.path(), |c| c.rollback_home = Some(home.clone()));
     let target = dir.path().join("dstack-shim");
     let failed = dir.path().join("failed");
     fs_err::write(&failed, script("dstack-shim version 0.22.1")).unwrap();
@@ -356,11 +358,10 @@ async fn a_shim_binary_rolled_back_within_the_hour_is_not_installed_again() {
         "0.22.0",
     );
     record.write(&home).unwrap();
-    fs_err::write(&target, script("dstack-shim version 0.22.0")).unwrap();
-    fs_err::set_permissions(&target, std::fs::Permissions::from_mode(0o755)).unwrap();
+    executable(&target, &script("dstack-shim version 0.22.0"));
 
     let e = c.install(Shim, &server.url("/shim")).await.unwrap_err();
-    assert!(matches!(e, ComponentsError::Refused { .. }), "{e}");
+    assert_kind!(e, Refused);
     assert!(error_chain(&e).contains("it did not start"), "{e}");
     let kept = fs_err::read_to_string(&target).unwrap();
     assert_eq!(kept, script("dstack-shim version 0.22.0"));
@@ -384,17 +385,12 @@ async fn a_shim_binary_rolled_back_within_the_hour_is_not_installed_again() {
 async fn a_shim_download_that_does_not_run_is_replaced_by_the_running_binary() {
     let dir = tempfile::tempdir().unwrap();
     let server = file_server();
-    let mut config = ComponentsConfig::new(
-        dir.path().join("bin/dstack-runner"),
-        dir.path().join("dstack-shim"),
-    );
-    config.rollback_home = Some(dir.path().to_path_buf());
-    let c = Components::new(config);
+    let c = components_with(dir.path(), |c| c.rollback_home = Some(dir.path().into()));
     let target = dir.path().join("dstack-shim");
     fs_err::write(&target, script("dstack-shim version 0.22.0")).unwrap();
 
     let e = c.install(Shim, &server.url("/html")).await.unwrap_err();
-    assert!(matches!(e, ComponentsError::Unusable { .. }), "{e}");
+    assert_kind!(e, Unusable);
     assert!(error_chain(&e).contains("does not report a version"), "{e}");
     let running = std::path::Path::new("/proc/self/exe");
     assert!(shim_components::upgrade::same_content(&target, running).unwrap());
@@ -419,7 +415,7 @@ async fn a_shim_download_that_does_not_run_is_replaced_by_the_running_binary() {
 async fn a_url_that_is_not_http_fails_in_the_background() {
     let (dir, server, c) = setup();
     let e = c.start_install(Runner, "").unwrap_err();
-    assert!(matches!(e, ComponentsError::BadUrl { .. }), "{e}");
+    assert_kind!(e, BadUrl);
     assert_eq!(e.to_string(), "cannot install dstack-runner: empty url");
     assert_eq!(status(&c, Runner).await, Status::NotInstalled);
 
@@ -427,7 +423,7 @@ async fn a_url_that_is_not_http_fails_in_the_background() {
     wait_idle(&c).await;
     assert_eq!(state(&c, Runner).await, (Status::Error, "".into()));
     let e = install_err(&c, "file:///bin/sh").await;
-    assert!(matches!(e, ComponentsError::BadUrl { .. }), "{e}");
+    assert_kind!(e, BadUrl);
     assert_eq!(
         e.to_string(),
         "cannot install dstack-runner: only http and https are supported: file:///bin/sh"
@@ -483,8 +479,7 @@ async fn versions_of_real_executables() {
     let dir = tempfile::tempdir().unwrap();
     let write = |name: &str, body: &str| {
         let p = dir.path().join(name);
-        fs_err::write(&p, body).unwrap();
-        fs_err::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        executable(&p, body);
         p
     };
     let t = Duration::from_secs(2);
@@ -493,11 +488,8 @@ async fn versions_of_real_executables() {
 
     let silent = write("silent", "#!/bin/sh\necho hello\n");
     let e = version(&silent, "dstack-runner", t).await.unwrap_err();
-    assert!(
-        e.to_string()
-            .ends_with("does not report a version: unexpected output \"hello\""),
-        "{e}"
-    );
+    let silent_end = "does not report a version: unexpected output \"hello\"";
+    assert!(e.to_string().ends_with(silent_end), "{e}");
 
     let failing = write("failing", "#!/bin/sh\necho boom >&2\nexit 3\n");
     let e = error_chain(&version(&failing, "dstack-runner", t).await.unwrap_err());
@@ -541,15 +533,10 @@ async fn versions_are_cached_per_file_version() {
     let write = |v: &str| {
         // Replace the file (new inode), as an install does.
         let tmp = dir.path().join("tmp");
-        fs_err::write(&tmp, body(v)).unwrap();
-        fs_err::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).unwrap();
+        executable(&tmp, &body(v));
         fs_err::rename(&tmp, &runner).unwrap();
     };
-    let runs = || {
-        fs_err::read_to_string(&counter)
-            .map(|s| s.lines().count())
-            .unwrap_or(0)
-    };
+    let runs = || fs_err::read_to_string(&counter).map_or(0, |s| s.lines().count());
     write("1.0.0");
     let c = Components::new(ComponentsConfig::new(&runner, dir.path().join("none")));
     assert_eq!(c.info(Runner).await.version, "1.0.0");
