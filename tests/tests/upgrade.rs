@@ -57,9 +57,7 @@ const LOAD_EVERY: Duration = Duration::from_millis(40);
 /// The record of a rolled-back upgrade, in the shim's home.
 const ROLLBACK_RECORD: &str = "upgrade-rollback.json";
 
-// ---------------------------------------------------------------------------------------------
-// Fixtures
-// ---------------------------------------------------------------------------------------------
+// ---- Fixtures
 
 /// The release artifact for `release`; fails the test loudly when it was not built.
 fn artifact(release: &str) -> PathBuf {
@@ -83,17 +81,6 @@ fn version_of(binary: &Path) -> String {
     );
     let text = String::from_utf8(out.stdout).unwrap();
     text.split_whitespace().nth(2).unwrap().to_owned()
-}
-
-/// Copies `from` to `<dir>/bin/dstack-shim` (0755), where the shim runs from and where
-/// installs put the new binary (`--shim-binary-path` defaults to the running executable).
-fn install_binary(from: &Path, dir: &Path) -> PathBuf {
-    let bin = dir.join("bin");
-    fs_err::create_dir_all(&bin).unwrap();
-    let path = bin.join("dstack-shim");
-    fs_err::copy(from, &path).unwrap();
-    fs_err::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-    path
 }
 
 fn same_bytes(a: &Path, b: &Path) -> bool {
@@ -136,12 +123,11 @@ impl FileServer {
     /// Answers one request on `stream` (one request per connection).
     fn answer(mut stream: TcpStream, files: &Mutex<BTreeMap<String, Vec<u8>>>) {
         let mut reader = BufReader::new(stream.try_clone().unwrap());
-        let mut line = String::new();
+        let (mut line, mut header) = (String::new(), String::new());
         if reader.read_line(&mut line).is_err() {
             return;
         }
         // The headers, up to the empty line.
-        let mut header = String::new();
         while reader
             .read_line(&mut header)
             .is_ok_and(|n| n > 0 && header != "\r\n")
@@ -180,9 +166,7 @@ impl FileServer {
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// The load
-// ---------------------------------------------------------------------------------------------
+// ---- The load
 
 /// One request of the load.
 #[derive(Debug, Clone)]
@@ -203,16 +187,13 @@ impl Sample {
         let sent = Instant::now();
         let answer = Request::get(path).timeout(REQUEST_TIMEOUT).send(addr);
         let latency = sent.elapsed();
-        let (outcome, version) = match answer {
-            Ok(r) => {
-                let version = (path == "/api/healthcheck" && r.status == 200)
-                    .then(|| r.json().ok())
-                    .flatten()
-                    .and_then(|v| v["version"].as_str().map(str::to_owned));
-                (Ok(r.status), version)
-            }
-            Err(e) => (Err(e.to_string()), None),
-        };
+        let version = answer
+            .as_ref()
+            .ok()
+            .filter(|r| path == "/api/healthcheck" && r.status == 200);
+        let version = version.and_then(|r| r.json().ok());
+        let version = version.and_then(|v| v["version"].as_str().map(str::to_owned));
+        let outcome = answer.map(|r| r.status).map_err(|e| e.to_string());
         let path = path.to_owned();
         Self {
             sent,
@@ -275,11 +256,8 @@ impl Load {
     /// Stops the clients; every request they made, by time sent.
     fn finish(self) -> Vec<Sample> {
         self.stop.store(true, Ordering::SeqCst);
-        let mut all: Vec<Sample> = self
-            .clients
-            .into_iter()
-            .flat_map(|c| c.join().unwrap())
-            .collect();
+        let all = self.clients.into_iter().flat_map(|c| c.join().unwrap());
+        let mut all: Vec<Sample> = all.collect();
         all.sort_by_key(|s| s.sent);
         all
     }
@@ -291,10 +269,10 @@ fn figures(samples: &[Sample], from: Instant, to: Instant) -> (usize, Vec<Sample
         .iter()
         .filter(|s| s.sent >= from && s.sent < to)
         .collect();
-    let failed: Vec<Sample> = window
+    let failed = window
         .iter()
         .filter(|s| s.failed())
-        .map(|s| (*s).clone())
+        .map(|&s| s.clone())
         .collect();
     let longest = window.iter().map(|s| s.latency).max().unwrap_or_default();
     (window.len(), failed, longest)
@@ -304,18 +282,16 @@ fn figures(samples: &[Sample], from: Instant, to: Instant) -> (usize, Vec<Sample
 fn answers_from(samples: &[Sample], version: &str) -> (Instant, Instant) {
     let answered = samples
         .iter()
-        .filter(|s| s.version.as_deref() == Some(version))
-        .map(Sample::answered);
-    let first = answered.clone().min().unwrap();
-    (first, answered.max().unwrap())
+        .filter(|s| s.version.as_deref() == Some(version));
+    let answered = answered.map(Sample::answered);
+    (answered.clone().min().unwrap(), answered.max().unwrap())
 }
 
-// ---------------------------------------------------------------------------------------------
-// The shim and its tasks
-// ---------------------------------------------------------------------------------------------
+// ---- The shim and its tasks
 
-/// A supervised shim running a copy of `binary` (in a directory of its own, returned too:
-/// keep it while the shim runs), with `env`; started.
+/// A supervised shim running a copy of `binary` at `<dir>/bin/dstack-shim` (0755), where
+/// installs put the new binary (`--shim-binary-path` defaults to the running executable); with
+/// `env`; started. Returns the path and its directory too (keep it while the shim runs).
 fn supervised_shim(
     label: &str,
     binary: &Path,
@@ -325,7 +301,10 @@ fn supervised_shim(
         .prefix(&format!("shim-{label}-bin-"))
         .tempdir()
         .unwrap();
-    let path = install_binary(binary, dir.path());
+    let path = dir.path().join("bin/dstack-shim");
+    fs_err::create_dir_all(path.parent().unwrap()).unwrap();
+    fs_err::copy(binary, &path).unwrap();
+    fs_err::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
     let builder = TestShim::builder(label)
         .supervised(RESTART_SEC)
         .binary(&path);
@@ -345,55 +324,48 @@ fn container_state(id: &str) -> (String, String) {
     (running.to_owned(), started.to_owned())
 }
 
-/// Tasks running through an upgrade: each one's container, and the container's state
-/// ([`container_state`]) once they all ran.
-struct Tasks {
-    /// Task id → container id.
-    containers: BTreeMap<String, String>,
-    /// Container id → its state once they all ran.
-    started: BTreeMap<String, (String, String)>,
-}
+/// Tasks running through an upgrade: task id → (container id, the container's state
+/// ([`container_state`]) once they all ran).
+struct Tasks(BTreeMap<String, (String, (String, String))>);
 
 impl Tasks {
     /// Submits `n` tasks and waits until they run.
     fn start(shim: &TestShim, n: usize) -> Self {
         let ids: Vec<String> = (0..n).map(|i| shim.unique_id(&format!("up{i}"))).collect();
         for id in &ids {
-            let config = bridge_task(id, &format!("up-{id}-{}", run_tag()), 1);
-            shim.submit(&config).ok();
+            shim.submit(&bridge_task(id, &format!("up-{id}-{}", run_tag()), 1))
+                .ok();
         }
-        let containers: BTreeMap<String, String> = ids
+        let containers: Vec<String> = ids
             .iter()
             .map(|id| {
-                let info = shim.wait_status(id, "running");
-                let cid = info["container_id"].as_str().unwrap().to_owned();
-                (id.clone(), cid)
+                shim.wait_status(id, "running")["container_id"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
             })
             .collect();
-        let started = containers
-            .values()
-            .map(|cid| (cid.clone(), container_state(cid)))
-            .collect();
-        Self {
-            containers,
-            started,
-        }
+        let tasks = ids.into_iter().zip(containers).map(|(id, cid)| {
+            let state = container_state(&cid);
+            (id, (cid, state))
+        });
+        Self(tasks.collect())
     }
 
     fn ids(&self) -> Vec<String> {
-        self.containers.keys().cloned().collect()
+        self.0.keys().cloned().collect()
     }
 
     /// Every container still runs since the same moment.
     fn assert_containers_untouched(&self) {
-        for (cid, state) in &self.started {
+        for (cid, state) in self.0.values() {
             assert_eq!(&container_state(cid), state, "container {cid}");
         }
     }
 
     /// Every task is `running` with the same container, which runs since the same moment.
     fn assert_untouched(&self, shim: &TestShim) {
-        for (id, cid) in &self.containers {
+        for (id, (cid, _)) in &self.0 {
             let info = shim.info(id);
             assert_eq!(info["status"], "running", "{info}");
             assert_eq!(info["container_id"], cid.as_str(), "{info}");
@@ -402,25 +374,19 @@ impl Tasks {
     }
 
     fn finish(&self, shim: &TestShim) {
-        for id in self.containers.keys() {
-            shim.finish(id);
-        }
+        self.0.keys().for_each(|id| shim.finish(id));
     }
 }
 
 /// The `dstack-shim` component: [status, version] (every component must have the three).
 fn shim_component(shim: &TestShim) -> [String; 2] {
     let list = shim.get("/api/components").ok();
-    let mut components: BTreeMap<String, [String; 2]> = list["components"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| {
-            let [name, status, version] =
-                ["name", "status", "version"].map(|f| c[f].as_str().unwrap().to_owned());
-            (name, [status, version])
-        })
-        .collect();
+    let components = list["components"].as_array().unwrap().iter().map(|c| {
+        let [name, status, version] =
+            ["name", "status", "version"].map(|f| c[f].as_str().unwrap().to_owned());
+        (name, [status, version])
+    });
+    let mut components: BTreeMap<String, [String; 2]> = components.collect();
     components
         .remove("dstack-shim")
         .unwrap_or_else(|| panic!("{list}"))
@@ -429,11 +395,9 @@ fn shim_component(shim: &TestShim) -> [String; 2] {
 /// Installs `url` as `dstack-shim` and waits until the install is over (the server's next
 /// instance check reads the list the same way); the component's [status, version].
 fn install(shim: &TestShim, url: &str) -> [String; 2] {
-    let answer = shim.post(
-        "/api/components/install",
-        &json!({"name": "dstack-shim", "url": url}),
-    );
-    answer.assert_empty_ok();
+    let install = json!({"name": "dstack-shim", "url": url});
+    shim.post("/api/components/install", &install)
+        .assert_empty_ok();
     wait_for("the install ends", BOUND, || {
         let component = shim_component(shim);
         let over = component[0] != "installing";
@@ -452,16 +416,16 @@ fn shutdown(shim: &TestShim) -> Instant {
 
 /// Waits until the healthcheck answers `version`.
 fn wait_version(shim: &TestShim, version: &str) {
-    wait_for(&format!("version {version} answers"), BOUND, || {
-        let answer = Request::get("/api/healthcheck")
-            .timeout(REQUEST_TIMEOUT)
-            .send(shim.addr());
-        match answer {
+    let healthcheck = Request::get("/api/healthcheck").timeout(REQUEST_TIMEOUT);
+    wait_for(
+        &format!("version {version} answers"),
+        BOUND,
+        || match healthcheck.send(shim.addr()) {
             Ok(r) if r.status == 200 && r.json_body()["version"] == version => Ok(()),
             Ok(r) => Err(format!("{r:?}")),
             Err(e) => Err(e.to_string()),
-        }
-    });
+        },
+    );
 }
 
 /// Waits until the supervisor has started the shim `n` times and the last start runs.
@@ -493,20 +457,27 @@ fn wait_alone(shim: &TestShim) {
     });
 }
 
+/// Fails the test unless the shim's logs hold each of `lines`.
+fn assert_logged(shim: &TestShim, lines: &[&str]) {
+    let log = shim.all_logs();
+    for line in lines {
+        assert!(log.contains(line), "{line:?} missing: {log}");
+    }
+}
+
 /// The record of the last rolled-back upgrade.
 fn record(shim: &TestShim) -> Value {
-    let path = shim.home().join(ROLLBACK_RECORD);
-    serde_json::from_slice(&fs_err::read(&path).unwrap()).unwrap()
+    serde_json::from_slice(&fs_err::read(shim.home().join(ROLLBACK_RECORD)).unwrap()).unwrap()
 }
 
-/// Why the last upgrade was rolled back.
-fn rollback_reason(shim: &TestShim) -> String {
-    record(shim)["reason"].as_str().unwrap().to_owned()
+/// Fails the test unless the last upgrade was rolled back for `reason` (a part of the record's).
+fn assert_rolled_back_for(shim: &TestShim, reason: &str) {
+    let record = record(shim);
+    let recorded = record["reason"].as_str().unwrap();
+    assert!(recorded.contains(reason), "{reason:?} not in {record}");
 }
 
-// ---------------------------------------------------------------------------------------------
-// The tests
-// ---------------------------------------------------------------------------------------------
+// ---- The tests
 
 /// Install + shutdown as the server does, from the older release to the current one, under
 /// 100 requests/s and with three tasks running: no request fails, the PID (the process
@@ -536,23 +507,18 @@ fn an_upgrade_in_place_fails_no_request_and_keeps_every_task() {
     let samples = load.finish();
 
     let (total, failed, longest) = figures(&samples, samples[0].sent, Instant::now());
-    let (first_new, _) = answers_from(&samples, &new_version);
-    let (_, last_old) = answers_from(&samples, &old_version);
     let (after, _, longest_after) = figures(&samples, shutdown_at, Instant::now());
+    let since_shutdown = |at: Instant| at.saturating_duration_since(shutdown_at).as_secs_f64();
+    let first_new = since_shutdown(answers_from(&samples, &new_version).0);
+    let last_old = since_shutdown(answers_from(&samples, &old_version).1);
+    let (n, new_answers) = (failed.len(), new_answers.as_secs_f64());
+    let (longest, longest_after) = (longest.as_secs_f64(), longest_after.as_secs_f64());
     eprintln!(
         "upgrade in place {old_version} -> {new_version}: {total} requests ({after} after the \
-         shutdown), {} failed; the new version answered {:.3} s after the shutdown's 200 \
-         (load: first new answer {:.3} s after it, last old answer {:.3} s); longest request \
-         {:.3} s ({:.3} s after the shutdown)",
-        failed.len(),
-        new_answers.as_secs_f64(),
-        first_new.duration_since(shutdown_at).as_secs_f64(),
-        last_old
-            .checked_duration_since(shutdown_at)
-            .unwrap_or_default()
-            .as_secs_f64(),
-        longest.as_secs_f64(),
-        longest_after.as_secs_f64(),
+         shutdown), {n} failed; the new version answered {new_answers:.3} s after the \
+         shutdown's 200 (load: first new answer {first_new:.3} s after it, last old answer \
+         {last_old:.3} s); longest request {longest:.3} s ({longest_after:.3} s after the \
+         shutdown)",
     );
     assert!(failed.is_empty(), "failed requests: {failed:#?}");
     assert!(
@@ -569,13 +535,13 @@ fn an_upgrade_in_place_fails_no_request_and_keeps_every_task() {
     tasks.assert_untouched(&shim);
     wait_alone(&shim);
     assert!(!shim.home().join(ROLLBACK_RECORD).exists());
-    let log = shim.all_logs();
-    for line in [
-        "serving the listening socket passed by the parent",
-        "the new dstack-shim answers: upgrade done",
-    ] {
-        assert!(log.contains(line), "{line:?} missing: {log}");
-    }
+    assert_logged(
+        &shim,
+        &[
+            "serving the listening socket passed by the parent",
+            "the new dstack-shim answers: upgrade done",
+        ],
+    );
 
     // A second shutdown with nothing new installed exits, as upstream's does; systemd (the
     // supervisor) starts it again, and the tasks are still there.
@@ -655,8 +621,7 @@ fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
     assert!(same_bytes(&path, &current), "the running binary is back");
     assert_eq!(shim.supervisor().pid(), Some(pid), "still the same process");
     after_rollback(1);
-    let log = shim.all_logs();
-    assert!(log.contains("does not report a version"), "{log}");
+    assert_logged(&shim, &["does not report a version"]);
     // Put at the path by other means (an operator's copy): refused by the shutdown's
     // pre-flight, before anything stops.
     let copied = path.with_extension("copied");
@@ -664,8 +629,7 @@ fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
     fs_err::rename(&copied, &path).unwrap();
     refused();
     after_rollback(1);
-    let reason = rollback_reason(&shim);
-    assert!(reason.contains("does not report a version"), "{reason}");
+    assert_rolled_back_for(&shim, "does not report a version");
     phases.push(("not an executable", from, Instant::now()));
 
     // A good version that does not start (the hard case).
@@ -681,13 +645,7 @@ fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
     let rec = record(&shim);
     assert_eq!(rec["failed_version"], "0.22.99+rust.0.1.0", "{rec}");
     assert_eq!(rec["restored_version"], version.as_str(), "{rec}");
-    assert!(
-        rec["reason"]
-            .as_str()
-            .unwrap()
-            .contains("it exited before it answered its healthcheck"),
-        "{rec}"
-    );
+    assert_rolled_back_for(&shim, "it exited before it answered its healthcheck");
     phases.push(("exits at start", from, Instant::now()));
 
     // The same binary again: refused at its install, never put at the path systemd starts
@@ -708,8 +666,7 @@ fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
         rec,
         "the record of the failure is kept as it was"
     );
-    let log = shim.all_logs();
-    assert!(log.contains("is the binary rolled back at"), "{log}");
+    assert_logged(&shim, &["is the binary rolled back at"]);
     phases.push(("the same binary again", from, Instant::now()));
 
     // A good version that never answers: killed after the bound (5 s here), rolled back.
@@ -718,18 +675,14 @@ fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
     let exit = exec_fails(&hangs, ["installed", "0.22.98+rust.0.1.0"], 3);
     assert_eq!(exit.signal(), Some(9), "the hung binary was killed");
     after_rollback(3);
-    let reason = rollback_reason(&shim);
-    assert!(reason.contains("it did not answer within 5s"), "{reason}");
+    assert_rolled_back_for(&shim, "it did not answer within 5s");
     phases.push(("hangs", from, Instant::now()));
 
     let samples = load.finish();
     for (name, from, to) in &phases {
         let (total, failed, longest) = figures(&samples, *from, *to);
-        eprintln!(
-            "rollback, {name}: {total} requests, {} failed, longest {:.3} s",
-            failed.len(),
-            longest.as_secs_f64()
-        );
+        let (n, longest) = (failed.len(), longest.as_secs_f64());
+        eprintln!("rollback, {name}: {total} requests, {n} failed, longest {longest:.3} s");
         if matches!(*name, "not an executable" | "the same binary again") {
             assert!(failed.is_empty(), "{name}: {failed:#?}");
         }
@@ -763,25 +716,27 @@ fn the_dstack_servers_own_instance_check_upgrades_it_in_place() {
     let new_version = version_of(&new);
     // The stub runner reports the server's release, as an installed runner would: the server
     // then installs only the shim.
-    let (shim, path, _bin) = supervised_shim(
-        "server-upgrade",
-        &old,
-        &[("STUB_RUNNER_VERSION", DSTACK_VERSION)],
-    );
+    let runner_version = [("STUB_RUNNER_VERSION", DSTACK_VERSION)];
+    let (shim, path, _bin) = supervised_shim("server-upgrade", &old, &runner_version);
     let tasks = Tasks::start(&shim, 2);
     let pid = shim.supervisor().pid().unwrap();
     let files = FileServer::start();
     let url = files.serve_release(DSTACK_VERSION, &new);
     let load = Load::start(shim.addr(), &tasks.ids());
     let from = Instant::now();
+    let template = format!(
+        "http://{}/{{version}}/dstack-shim-linux-{{arch}}",
+        files.addr
+    );
     let out = Command::new(&python)
         .arg(repo_root().join("tests/dstack-server/upgrade_shim.py"))
         .arg(format!("http://{}", shim.addr()))
-        .args(["--server-version", DSTACK_VERSION, "--download-url"])
-        .arg(format!(
-            "http://{}/{{version}}/dstack-shim-linux-{{arch}}",
-            files.addr
-        ))
+        .args([
+            "--server-version",
+            DSTACK_VERSION,
+            "--download-url",
+            &template,
+        ])
         .output()
         .unwrap();
     let took = from.elapsed();
@@ -799,12 +754,10 @@ fn the_dstack_servers_own_instance_check_upgrades_it_in_place() {
     assert_eq!(summary["sent"], sent, "{summary}");
     assert_eq!(summary["version"], new_version.as_str(), "{summary}");
     let (total, failed, longest) = figures(&samples, samples[0].sent, Instant::now());
+    let (took, checks, n) = (took.as_secs_f64(), &summary["checks"], failed.len());
     eprintln!(
-        "the dstack server's instance check upgraded the shim in {:.1} s ({} checks): {total} \
-         requests, {} failed, longest {:.3} s",
-        took.as_secs_f64(),
-        summary["checks"],
-        failed.len(),
+        "the dstack server's instance check upgraded the shim in {took:.1} s ({checks} checks): \
+         {total} requests, {n} failed, longest {:.3} s",
         longest.as_secs_f64()
     );
     assert!(failed.is_empty(), "failed requests: {failed:#?}");
