@@ -312,7 +312,7 @@ async fn an_exporter_left_by_a_killed_shim_is_stopped_by_the_next_one() {
     let (program, cfg, pid_file) = with_home(dir.path()).await;
     // The killed shim: its runtime never runs again and is never dropped, so nothing stops,
     // waits on or restarts its exporter, as after a SIGKILL.
-    let killed = {
+    let (killed, counters) = {
         let (program, cfg) = (program.clone(), cfg.clone());
         std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -332,16 +332,10 @@ async fn an_exporter_left_by_a_killed_shim_is_stopped_by_the_next_one() {
         .join()
         .unwrap()
     };
-    let (killed, counters) = killed;
     // With a state directory the collectors file is there, not in /tmp, where the system's
     // temp cleaner deletes what is untouched for days (every restart of the exporter reads it).
-    assert_eq!(
-        counters,
-        cfg.state_dir
-            .as_ref()
-            .unwrap()
-            .join("dcgm-exporter-counters.csv")
-    );
+    let in_home = dir.path().join("home/dcgm-exporter-counters.csv");
+    assert_eq!(counters, in_home);
     assert!(alive(killed));
     assert_eq!(lines(&pid_file), [pid_line(killed)]);
 

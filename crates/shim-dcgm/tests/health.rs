@@ -65,10 +65,8 @@ async fn a_healthy_host_through_dcgmi() {
     let report = h.check().await.unwrap();
     assert_eq!(report.overall_health, HEALTH_PASS);
     assert!(report.incidents.is_empty());
-    assert_eq!(
-        serde_json::to_string(&h.instance_health().await).unwrap(),
-        r#"{"dcgm":{"overall_health":0,"incidents":[]}}"#
-    );
+    let json = serde_json::to_string(&h.instance_health().await).unwrap();
+    assert_eq!(json, r#"{"dcgm":{"overall_health":0,"incidents":[]}}"#);
     let expected = "health -s a; health -c -j; health -c -j; health -c -j; ";
     assert_eq!(calls(dir.path()), expected);
 }
@@ -131,20 +129,16 @@ async fn watches_lost_with_the_host_engine_are_enabled_again() {
 #[tokio::test]
 async fn a_failing_dcgmi_leaves_health_unknown() {
     let dir = tempfile::tempdir().unwrap();
-    let h = health(
-        fake_dcgmi(dir.path(), "dcgmi-health-healthy.json"),
-        Some("10.0.0.9"),
-    );
+    let dcgmi = fake_dcgmi(dir.path(), "dcgmi-health-healthy.json");
+    let h = health(dcgmi, Some("10.0.0.9"));
     fs_err::write(dir.path().join("down"), "").unwrap();
     let err = h.check().await.unwrap_err();
     assert_eq!(err.kind(), DcgmErrorKind::Upstream);
     let text = err.to_string();
     assert!(text.contains("unable to establish a connection"), "{text}");
     assert!(text.contains("health --host 10.0.0.9 -s a"), "{text}");
-    assert_eq!(
-        serde_json::to_string(&h.instance_health().await).unwrap(),
-        r#"{"dcgm":null}"#
-    );
+    let json = serde_json::to_string(&h.instance_health().await).unwrap();
+    assert_eq!(json, r#"{"dcgm":null}"#);
 
     // Garbage on stdout with exit 0 is an error too.
     fs_err::remove_file(dir.path().join("down")).unwrap();

@@ -14,12 +14,8 @@ use tokio::net::TcpListener;
 
 /// The crate's `testdata/<name>`.
 pub fn testdata(name: &str) -> String {
-    fs_err::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("testdata")
-            .join(name),
-    )
-    .unwrap()
+    let path = format!("{}/testdata/{name}", env!("CARGO_MANIFEST_DIR"));
+    fs_err::read_to_string(path).unwrap()
 }
 
 /// Writes an executable `#!/bin/sh` script in `dir`; `$D` is `dir` in its body.
