@@ -37,11 +37,8 @@ async fn an_unused_pulled_image_is_collected_when_the_data_root_fills() {
 
     end_and_remove(&engine, "t1").await;
     let pulled_as = Call::DeleteImage("docker.io/library/old:1".into());
-    assert_eq!(
-        wait_deleted(&w).await,
-        [pulled_as],
-        "by the name it was pulled as"
-    );
+    let deleted = wait_deleted(&w).await;
+    assert_eq!(deleted, [pulled_as], "by the name it was pulled as");
     assert!(w.runtime.image_id("old:1").is_none());
     assert!(w.runtime.image_id(IMAGE).is_some(), "not pulled: kept");
     let m = scrape(&engine);
@@ -71,11 +68,8 @@ async fn latest_is_pulled_at_every_start() {
     w.runtime.add_image("img:1-latest");
     w.runtime.clear_calls();
     run(&engine, config("other").with_image("img:1-latest")).await;
-    assert_eq!(
-        w.runtime.count("pull"),
-        0,
-        "a tag that does not start with latest"
-    );
+    let pulls = w.runtime.count("pull");
+    assert_eq!(pulls, 0, "a tag that does not start with latest");
 }
 
 /// A real pull shows `pulling` while it lasts, also for a task that acquires nothing: the
@@ -209,10 +203,8 @@ async fn an_image_pulled_just_before_a_kill_is_still_collected() {
     assert!(poll_until(100, TICK, async || w.runtime.count("pull") == 1).await);
     let ledger = w.home.path().join("images.json");
     let at_the_kill = fs_err::read_to_string(&ledger).unwrap();
-    assert!(
-        at_the_kill.contains("docker.io/library/new:1"),
-        "{at_the_kill}"
-    );
+    let recorded = at_the_kill.contains("docker.io/library/new:1");
+    assert!(recorded, "{at_the_kill}");
     shut_down(engine).await;
     fs_err::write(&ledger, at_the_kill).unwrap();
     w.runtime.add_image("new:1");
@@ -261,10 +253,8 @@ async fn the_data_root_is_asked_again_after_the_engine_restarts() {
     end_and_remove(&engine, "t1").await;
     w.disk.set_available(20 << 30);
     tokio::time::sleep(Duration::from_secs(150)).await;
-    assert!(
-        w.runtime.image_id("old:1").is_some(),
-        "no data root: nothing measured"
-    );
+    let kept = w.runtime.image_id("old:1").is_some();
+    assert!(kept, "no data root: nothing measured");
 
     w.runtime.set_data_root(Some("/fake/docker".into()));
     w.runtime.break_event_streams();

@@ -28,24 +28,18 @@ async fn a_caller_that_goes_away_cancels_no_submit_or_remove() {
     let (w, engine) = World::with_engine(1).await;
     let submit = engine.submit(config("t1").with_gpus(1)).now_or_never();
     assert!(submit.is_none(), "the submit answered at once");
-    let known = async || engine.task_info(&tid("t1")).is_ok();
-    assert!(
-        poll_until(100, TICK, known).await,
-        "the submit went with its caller"
-    );
+    let known = poll_until(100, TICK, async || engine.task_info(&tid("t1")).is_ok());
+    assert!(known.await, "the submit went with its caller");
     let info = wait_status(&engine, "t1", TaskStatus::Running).await;
     assert_eq!(engine.gpu_lock().locked(), info.gpu_ids.unwrap());
     terminate_by_user(&engine, "t1").await;
     let id = tid("t1");
-    assert!(
-        engine.remove(&id).now_or_never().is_none(),
-        "the remove answered at once"
-    );
-    let gone = async || engine.task_info(&id).is_err();
-    assert!(
-        poll_until(100, Duration::from_millis(50), gone).await,
-        "the task stayed"
-    );
+    let remove = engine.remove(&id).now_or_never();
+    assert!(remove.is_none(), "the remove answered at once");
+    let gone = poll_until(100, Duration::from_millis(50), async || {
+        engine.task_info(&id).is_err()
+    });
+    assert!(gone.await, "the task stayed");
     assert_eq!(engine.gpu_lock().locked(), Vec::<String>::new());
     assert_eq!(w.runtime.container_ids().len(), 0);
 }
@@ -179,11 +173,8 @@ async fn a_start_still_pulling_at_shutdown_stops_where_it_is() {
     let record = fs_err::read_to_string(w.task_json(&info.container_name)).unwrap();
     w.runtime.release_pulls();
     tokio::time::sleep(Duration::from_secs(5)).await;
-    assert_eq!(
-        w.runtime.count("create"),
-        0,
-        "a container started after the shutdown"
-    );
+    let creates = w.runtime.count("create");
+    assert_eq!(creates, 0, "a container started after the shutdown");
     let after = fs_err::read_to_string(w.task_json(&info.container_name)).unwrap();
     assert_eq!(after, record, "the record written after the shutdown");
 }
@@ -253,11 +244,8 @@ async fn a_start_that_may_have_run_is_stopped_before_its_gpu_goes() {
     w.runtime.set_unreachable(false);
     let released = poll_until(3000, TICK, async || engine.gpu_lock().locked().is_empty());
     assert!(released.await);
-    assert_eq!(
-        w.state_of(&t1),
-        Some(ContainerState::Exited),
-        "stopped first"
-    );
+    let stopped = Some(ContainerState::Exited);
+    assert_eq!(w.state_of(&t1), stopped, "stopped first");
 }
 
 // A start that is slow (the container not running yet) is waited for, with a look at the
@@ -352,10 +340,8 @@ async fn a_hung_stop_holds_up_no_other_tasks_retry() {
     w.runtime.hold_stops();
     w.runtime.set_unreachable(false);
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(
-        w.runtime.count("stop") >= 2,
-        "t1's stop is retried, and hangs"
-    );
+    let stops = w.runtime.count("stop");
+    assert!(stops >= 2, "t1's stop is retried, and hangs");
     w.volumes.fail_release("data", false);
     let released = poll_until(30, Duration::from_millis(100), async || {
         w.volumes.mounted().is_empty()

@@ -267,12 +267,9 @@ async fn wait_status(engine: &Engine, id: &str, status: TaskStatus) -> TaskInfo 
         info(engine, id).status == status && !engine.is_starting(&tid(id)).unwrap()
     })
     .await;
-    assert!(
-        reached,
-        "{id} never became {status}: {:?}",
-        info(engine, id)
-    );
-    info(engine, id)
+    let now = info(engine, id);
+    assert!(reached, "{id} never became {status}: {now:?}");
+    now
 }
 
 /// Submits `c` and waits until its task runs, and one tick more: on paused time a start may

@@ -200,10 +200,8 @@ async fn upstream_tasks_hold_and_release_exactly_their_gpus_keys_and_volumes() {
     assert_eq!(info(&engine, "b1").gpu_ids, Some(all[2..3].to_vec()));
     assert!(engine.task_info(&tid("c1")).is_err(), "another home's task");
     let calls = w.keys.calls();
-    assert!(
-        !calls.contains(&FakeCall::RestoreKeys(tid("b1"))),
-        "{calls:?}"
-    );
+    let restored = calls.contains(&FakeCall::RestoreKeys(tid("b1")));
+    assert!(!restored, "{calls:?}");
     assert_called(&calls, &FakeCall::HoldUnknown(tid("b1"), None));
     assert_eq!(engine.gpu_lock().locked(), all[..3].to_vec());
     // Only one GPU is free: a task asking for two fails to start.
@@ -241,15 +239,11 @@ async fn a_state_file_a_container_could_write_is_not_trusted_once_the_container_
     shut_down(engine).await;
     assert!(w.runtime.vanish(&w.runtime.id_by_name(&name).unwrap()));
     let engine = w.fresh_process().await;
-    assert!(
-        engine.task_info(&tid("b1")).is_err(),
-        "forgotten with its container"
-    );
+    let forgotten = engine.task_info(&tid("b1")).is_err();
+    assert!(forgotten, "forgotten with its container");
     let (keys, volumes) = (w.keys.calls(), w.volumes.calls());
-    assert!(
-        keys.is_empty() && volumes.is_empty(),
-        "{keys:?} {volumes:?}"
-    );
+    let untouched = keys.is_empty() && volumes.is_empty();
+    assert!(untouched, "{keys:?} {volumes:?}");
     assert!(!dir.exists(), "its directory is deleted");
     let runners = fs_err::read_dir(w.home.path().join("runners")).unwrap();
     let names: Vec<_> = runners.map(|e| e.unwrap().file_name()).collect();
@@ -297,11 +291,8 @@ async fn upstream_tenstorrent_and_gaudi_tasks_keep_their_devices() {
         w.runtime
             .add_container(&spec, ContainerState::Running, None);
         let engine = w.engine().await;
-        assert_eq!(
-            info(&engine, "t1").gpu_ids,
-            Some(vec!["1".to_owned()]),
-            "{vendor:?}"
-        );
+        let kept = info(&engine, "t1").gpu_ids;
+        assert_eq!(kept, Some(vec!["1".to_owned()]), "{vendor:?}");
         assert_eq!(engine.gpu_lock().locked(), ["1"], "{vendor:?}");
         let next = run(&engine, config("next").with_gpus(1)).await;
         assert_eq!(next.gpu_ids, Some(vec!["0".to_owned()]), "{vendor:?}");
@@ -352,10 +343,8 @@ async fn a_container_cut_by_the_host_going_down_is_not_a_success() {
         let engine = w.fresh_process().await;
         let ended = wait_status(&engine, "t1", TaskStatus::Terminated).await;
         assert_reason(&ended, "container_exited_with_error");
-        assert!(
-            ended.termination_message.contains("255"),
-            "{state:?}: {ended:?}"
-        );
+        let as_docker_records = ended.termination_message.contains("255");
+        assert!(as_docker_records, "{state:?}: {ended:?}");
         let _ = w.restart(engine).await;
     }
 }

@@ -239,10 +239,13 @@ fn decode(s: &str) -> String {
     String::from_utf8(out).unwrap()
 }
 
-/// A fixture of `fixtures/`: what an engine sent.
+/// A fixture of `fixtures/`: what an engine sent (`named`: with its file name).
 macro_rules! fixture {
     ($name:literal) => {
         include_str!(concat!("fixtures/", $name))
+    };
+    (named $name:literal) => {
+        ($name, fixture!($name))
     };
 }
 
@@ -292,11 +295,8 @@ async fn events_are_asked_by_type_and_on_docker_by_name_and_filtered_by_the_shim
                 ("t2-0-bbbb".to_owned(), EventKind::Destroy),
             ]
         );
-        assert_eq!(
-            engine.filters("/events"),
-            filters,
-            "no label is left to the engine"
-        );
+        let asked = engine.filters("/events");
+        assert_eq!(asked, filters, "no label is left to the engine");
     }
 }
 
@@ -327,15 +327,10 @@ async fn an_unconnected_runtime_lists_before_it_identifies_the_engine() {
         .create(&ContainerSpec::new("t1-0-aaaa", "shim-test:1"))
         .await;
     let requests = engine.requests();
-    assert!(
-        requests[0].starts_with("GET /containers/json?"),
-        "{requests:?}"
-    );
-    assert_eq!(
-        requests.iter().filter(|r| *r == "GET /version").count(),
-        1,
-        "{requests:?}"
-    );
+    let listed_first = requests[0].starts_with("GET /containers/json?");
+    assert!(listed_first, "{requests:?}");
+    let versions = requests.iter().filter(|r| *r == "GET /version").count();
+    assert_eq!(versions, 1, "{requests:?}");
 }
 
 /// An engine that ORs label filters (Podman) answers containers carrying only one of two
@@ -352,14 +347,10 @@ async fn a_list_keeps_only_containers_with_every_label() {
     ];
     let list = runtime.list(&labels).await.unwrap();
     let seen: Vec<_> = list.iter().map(|c| (c.name.as_str(), &c.state)).collect();
-    assert_eq!(
-        seen,
-        [("t2-0-bbbb", &ContainerState::Other("stopped".to_owned()))]
-    );
-    assert_eq!(
-        engine.filters("/containers/json"),
-        one_filter("label", &["ai.dstack.shim.owner=me"])
-    );
+    let stopped = ContainerState::Other("stopped".to_owned());
+    assert_eq!(seen, [("t2-0-bbbb", &stopped)]);
+    let one_label = one_filter("label", &["ai.dstack.shim.owner=me"]);
+    assert_eq!(engine.filters("/containers/json"), one_label);
     assert_eq!(runtime.list(&[]).await.unwrap().len(), 3);
 }
 
@@ -510,10 +501,8 @@ async fn gpu_support_reads_the_engine_again() {
     assert_eq!(support.engine, "Podman 5.4.2");
     assert!(support.cdi_spec_dirs.is_some(), "{support:?}");
     assert_eq!(runtime.create(&cdi).await.unwrap(), "c0ffee");
-    assert_eq!(
-        engine.body("/containers/create")["HostConfig"]["DeviceRequests"][0]["Driver"],
-        "cdi"
-    );
+    let body = engine.body("/containers/create");
+    assert_eq!(body["HostConfig"]["DeviceRequests"][0]["Driver"], "cdi");
 }
 
 /// On Docker the same create goes to the engine, with its device request.
@@ -559,12 +548,11 @@ fn which_device_requests_each_engine_honours() {
         (podman("5.3.2"), &cdi, false),
         (podman("6.0.0"), &cdi, true),
     ] {
-        assert_eq!(
+        let (ok, requests) = (
             flavour.check_device_requests(spec).is_ok(),
-            honoured,
-            "{flavour:?} {:?}",
-            spec.device_requests
+            &spec.device_requests,
         );
+        assert_eq!(ok, honoured, "{flavour:?} {requests:?}");
     }
 }
 
@@ -577,19 +565,10 @@ async fn pull_progress_per_engine_through_the_runtime() {
         .with_timeout(Some(Duration::from_secs(30)))
         .with_stall_timeout(Some(Duration::from_secs(30)));
     for (engine_name, fixture) in [
-        (
-            "docker 20.10 classic",
-            fixture!("pull-docker-20.10-classic.jsonl"),
-        ),
-        (
-            "docker 28 containerd",
-            fixture!("pull-docker-28-containerd.jsonl"),
-        ),
-        (
-            "docker 26 containerd",
-            fixture!("pull-docker-26-containerd.jsonl"),
-        ),
-        ("podman 4.3", fixture!("pull-podman-4.3.jsonl")),
+        fixture!(named "pull-docker-20.10-classic.jsonl"),
+        fixture!(named "pull-docker-28-containerd.jsonl"),
+        fixture!(named "pull-docker-26-containerd.jsonl"),
+        fixture!(named "pull-podman-4.3.jsonl"),
     ] {
         let pulling = answering("POST", "/images/create", 200, fixture);
         let (_engine, runtime) = Engine::connect(VERSION, pulling).await;
@@ -609,10 +588,8 @@ async fn pull_progress_per_engine_through_the_runtime() {
         let seen = seen.into_inner().unwrap();
         assert_eq!(seen.last(), Some(&done), "{engine_name}");
         let extracted = [0, 400, 1000, 3000];
-        assert!(
-            seen.iter().all(|p| extracted.contains(&p.extracted_bytes)),
-            "{engine_name}: {seen:?}"
-        );
+        let known = seen.iter().all(|p| extracted.contains(&p.extracted_bytes));
+        assert!(known, "{engine_name}: {seen:?}");
     }
 }
 
@@ -652,27 +629,22 @@ async fn a_silent_unpack_is_judged_by_the_disk() {
             .pull(&request, &|_| {}, CancellationToken::new())
             .await
     };
-    growth.store(crate::EXTRACTION_GROWTH_MIN, Ordering::SeqCst);
-    let moving = pull(silent_unpack.clone(), Some(probe.clone())).await;
-    assert!(moving.is_ok(), "a moving disk: {moving:?}");
-    let before_downloads = pull(silent_download, Some(probe.clone())).await;
-    assert_matches!(
-        before_downloads,
-        Err(RuntimeError::PullStalled { .. }),
-        "silent while downloading"
-    );
-    growth.store(4096, Ordering::SeqCst);
-    let others = pull(silent_unpack.clone(), Some(probe.clone())).await;
-    assert_matches!(
-        others,
-        Err(RuntimeError::PullStalled { .. }),
-        "another writer's bytes"
-    );
-    growth.store(0, Ordering::SeqCst);
-    let still = pull(silent_unpack.clone(), Some(probe)).await;
-    assert_matches!(still, Err(RuntimeError::PullStalled { .. }), "a still disk");
-    let unwatched = pull(silent_unpack, None).await;
-    assert!(unwatched.is_ok(), "no disk to watch: {unwatched:?}");
+    let unpacks = crate::EXTRACTION_GROWTH_MIN;
+    // (row, the pull's answer, the disk's growth per reading, whether it is watched, whether
+    // the pull stalls), in this order: the disk's use adds up.
+    for (row, body, step, watched, stalls) in [
+        ("a_moving_disk", &silent_unpack, unpacks, true, false),
+        ("a_silent_download", &silent_download, unpacks, true, true),
+        ("another_writers_bytes", &silent_unpack, 4096, true, true),
+        ("a_still_disk", &silent_unpack, 0, true, true),
+        ("no_disk_to_watch", &silent_unpack, 0, false, false),
+    ] {
+        growth.store(step, Ordering::SeqCst);
+        let result = pull(body.clone(), watched.then(|| probe.clone())).await;
+        let stalled = matches!(result, Err(RuntimeError::PullStalled { .. }));
+        let got = (result.is_ok(), stalled);
+        assert_eq!(got, (!stalls, stalls), "{row}: {result:?}");
+    }
 }
 
 /// A create whose name is in use is a conflict on every engine: Docker answers 409, Podman
@@ -756,14 +728,9 @@ async fn an_images_exit_code_labels_are_set_empty_in_the_create() {
     assert_eq!(inspects(&engine), 1);
 
     let (engine, runtime) = Engine::connect(VERSION, images_and_creates()).await;
-    runtime
-        .create(&ContainerSpec::new("t-0-bbbb", "plain:1"))
-        .await
-        .unwrap();
-    runtime
-        .create(&ContainerSpec::new("t-1-bbbb", "plain:1"))
-        .await
-        .unwrap();
+    let plain = |name| ContainerSpec::new(name, "plain:1");
+    runtime.create(&plain("t-0-bbbb")).await.unwrap();
+    runtime.create(&plain("t-1-bbbb")).await.unwrap();
     assert_eq!(inspects(&engine), 1, "one inspect for two creates");
     let requests = engine.requests.lock().unwrap();
     let creates: Vec<_> = requests
@@ -771,10 +738,8 @@ async fn an_images_exit_code_labels_are_set_empty_in_the_create() {
         .filter(|(line, _)| line.contains("/create"))
         .collect();
     assert_eq!(creates.len(), 2, "{requests:?}");
-    assert!(
-        creates.iter().all(|(_, body)| !body.contains("exitCode")),
-        "{creates:?}"
-    );
+    let unlabelled = creates.iter().all(|(_, body)| !body.contains("exitCode"));
+    assert!(unlabelled, "{creates:?}");
 }
 
 /// The pull log keeps what the engine said once: Docker 28's containerd store repeats each
@@ -809,9 +774,6 @@ async fn the_pull_log_keeps_no_repeats_and_is_bounded() {
     let size = fs_err::metadata(&log).unwrap().len();
     assert!(size <= (16 << 20) + 200, "{size}");
     let text = fs_err::read_to_string(&log).unwrap();
-    assert!(
-        text.ends_with("the log is full)\"}\n"),
-        "{}",
-        &text[text.len() - 200..]
-    );
+    let end = &text[text.len() - 200..];
+    assert!(end.ends_with("the log is full)\"}\n"), "{end}");
 }
