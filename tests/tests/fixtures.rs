@@ -91,12 +91,11 @@ fn stub_runner_serves_http_and_exits_with_the_code_from_the_exit_file() {
         &script,
     ]);
     let port_line = docker_ok(&["port", &container.0, "10999/tcp"]);
-    let port: u16 = port_line
+    let port = port_line
         .lines()
         .next()
-        .and_then(|l| l.rsplit(':').next())
-        .and_then(|p| p.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no published port in {port_line:?}"));
+        .and_then(|l| l.rsplit(':').next()?.trim().parse().ok());
+    let port: u16 = port.unwrap_or_else(|| panic!("no published port in {port_line:?}"));
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
 
     // docker-proxy accepts before the runner listens: retry until the runner answers (bounded).
@@ -112,11 +111,12 @@ fn stub_runner_serves_http_and_exits_with_the_code_from_the_exit_file() {
     };
     assert!(body.contains("dstack-runner"), "{body}");
     let args = fs_err::read_to_string(temp_dir.path().join("stub-runner.args")).unwrap();
-    assert!(args.contains("--http-port\n10999\n"), "{args}");
-    assert!(
-        args.contains("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE0 test@fixture\n"),
-        "{args}"
-    );
+    for arg in [
+        "--http-port\n10999\n",
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE0 test@fixture\n",
+    ] {
+        assert!(args.contains(arg), "{arg:?} in {args}");
+    }
 
     fs_err::write(temp_dir.path().join(RUNNER_EXIT_FILE), "7\n").unwrap();
     let code = docker_ok(&["wait", &container.0]);
@@ -152,12 +152,10 @@ fn pulling_from_the_registry_without_credentials_is_refused() {
     require_docker();
     // An empty client config: whatever the user's ~/.docker holds does not count.
     let config = tempfile::tempdir().unwrap();
-    let output = Command::new("docker")
-        .env("DOCKER_CONFIG", config.path())
-        .args(["pull", &registry_small_image()])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+    let mut pull = Command::new("docker");
+    pull.env("DOCKER_CONFIG", config.path())
+        .args(["pull", &registry_small_image()]);
+    let output = pull.stdin(Stdio::null()).output().unwrap();
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(

@@ -18,15 +18,15 @@
     reason = "test code: a failed unwrap is a failed test"
 )]
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::time::Duration;
 
 use shim_e2e::harness::{
     CdiName, FakeGpuHost, FakeGpuHostOptions, FakeHealth, FakeVendor, TestShim, docker_socket,
     run_with_cdi_devices, wait_for, wait_until,
 };
-use shim_e2e::{image, require_docker_and_root};
+use shim_e2e::{docker, image, require_docker_and_root};
 use shim_resources::gpu::health::{GpuHealth, parse_nvidia_smi_bus_ids, parse_nvidia_smi_query};
 use shim_resources::gpu::{AmdGpu, GpuInfo, GpuVendor, Link, UnhealthyReason};
 use shim_resources::gpu::{parse_amd_smi, parse_nvidia_smi, parse_nvidia_topo, parse_tt_smi};
@@ -62,6 +62,18 @@ fn health<const N: usize>(
     gpus.collect()
 }
 
+/// Fails the test unless `output` has each of `present` as a whole line and none of `absent`
+/// (`what`: the run, for the message).
+fn assert_lines(what: &str, output: &str, present: &[&str], absent: &[&str]) {
+    let lines: Vec<&str> = output.lines().collect();
+    for line in present {
+        assert!(lines.contains(line), "{what}: no {line}: {output}");
+    }
+    for line in absent {
+        assert!(!lines.contains(line), "{what}: {line} too: {output}");
+    }
+}
+
 /// `command` run in a container of the test image given the CDI `devices` (exit 0); its
 /// output.
 fn run_with(devices: &[&str], command: &[&str]) -> String {
@@ -72,13 +84,7 @@ fn run_with(devices: &[&str], command: &[&str]) -> String {
 
 /// Whether `reference` is an image of the engine at `DOCKER_HOST`.
 fn image_exists(reference: &str) -> bool {
-    Command::new("docker")
-        .args(["image", "inspect", reference])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .unwrap()
-        .success()
+    docker(&["image", "inspect", reference]).status.success()
 }
 
 /// Whether a fake host's lock holder `pid` has exited (the lock is then its no more; another
@@ -90,11 +96,12 @@ fn gone(pid: u32) -> bool {
 /// The ids of the images `host` imported. Tests running beside this one import images of the
 /// same names once this host is gone, so what is checked is that these ids are gone.
 fn image_ids(host: &FakeGpuHost) -> Vec<String> {
+    let id = |image: &serde_json::Value| image["id"].as_str().unwrap().to_owned();
     host.record()["images"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|i| i["id"].as_str().unwrap().to_owned())
+        .map(id)
         .collect()
 }
 
@@ -109,10 +116,8 @@ fn exec_shows_an_nvidia_host_that_the_host_itself_does_not_have() {
     let host = FakeGpuHost::with(FakeVendor::Nvidia, 3, |_| ());
     let uuids = host.uuids();
     assert_eq!(uuids.len(), 3);
-    assert!(
-        uuids.iter().all(|u| u.starts_with("GPU-") && u.len() == 40),
-        "{uuids:?}"
-    );
+    let well_formed = uuids.iter().all(|u| u.starts_with("GPU-") && u.len() == 40);
+    assert!(well_formed, "{uuids:?}");
 
     // The nodes at their real paths, nvidia-smi first in PATH, for the command and its
     // children (a shell, here).
@@ -208,27 +213,18 @@ fn a_container_gets_exactly_the_cdi_devices_it_asks_for() {
     let spec = fs_err::read_to_string(host.spec_path().unwrap()).unwrap();
     assert!(spec.starts_with("---\ncdiVersion: 0.5.0\n"), "{spec}");
     let uuids = host.uuids();
+    let by_uuid = format!("nvidia.com/gpu={}", uuids[1]);
     assert_eq!(
         host.cdi_devices(1),
-        [
-            "nvidia.com/gpu=1".to_owned(),
-            format!("nvidia.com/gpu={}", uuids[1]),
-            "nvidia.com/gpu=gpu1".to_owned()
-        ]
+        ["nvidia.com/gpu=1", &by_uuid, "nvidia.com/gpu=gpu1"]
     );
     let env = format!("DSTACK_FAKE_GPU_1={}", uuids[1]);
     // The container's nvidia-smi numbers what it sees from 0, as the real one does.
     let listed = format!("GPU 0: {} (UUID: {})", host.gpu_name(), uuids[1]);
     for device in host.cdi_devices(1) {
         let output = run_with(&[&device], &["sh", "-c", "ls -1 /dev; env; nvidia-smi -L"]);
-        let lines: Vec<&str> = output.lines().collect();
-        for present in ["nvidia1", "nvidiactl", "nvidia-uvm", &env, &listed] {
-            assert!(lines.contains(&present), "{device}: no {present}: {output}");
-        }
-        assert!(
-            !lines.contains(&"nvidia0"),
-            "{device}: /dev/nvidia0 too: {output}"
-        );
+        let present = ["nvidia1", "nvidiactl", "nvidia-uvm", &env, &listed];
+        assert_lines(&device, &output, &present, &["nvidia0"]);
         assert!(!output.contains("DSTACK_FAKE_GPU_0="), "{device}: {output}");
     }
     let all = run_with(&["nvidia.com/gpu=all"], &NVIDIA_SMI_LIST);
@@ -280,12 +276,9 @@ fn an_amd_container_gets_its_gpus_nodes_through_cdi() {
         &["amd.com/gpu=1"],
         &["sh", "-c", "ls -1 /dev /dev/dri; env"],
     );
-    let lines: Vec<&str> = output.lines().collect();
     let env = "DSTACK_FAKE_GPU_1=/dev/dri/renderD129";
-    for present in ["kfd", "card1", "renderD129", env] {
-        assert!(lines.contains(&present), "no {present}: {output}");
-    }
-    assert!(!lines.contains(&"renderD128"), "{output}");
+    let present = ["kfd", "card1", "renderD129", env];
+    assert_lines("amd.com/gpu=1", &output, &present, &["renderD128"]);
 }
 
 #[test]
@@ -349,8 +342,8 @@ fn teardown_leaves_nothing_and_frees_the_lock() {
     let host = FakeGpuHost::with(FakeVendor::Amd, 2, |_| ());
     let dir = host.dir().to_owned();
     let spec = host.spec_path().unwrap();
-    let record = PathBuf::from("/var/lib/dstack-shim-dev/fake-gpu-hosts")
-        .join(format!("{}.json", host.record()["key"].as_str().unwrap()));
+    let key = host.record()["key"].as_str().unwrap().to_owned();
+    let record = Path::new("/var/lib/dstack-shim-dev/fake-gpu-hosts").join(format!("{key}.json"));
     for made in [&dir, &spec, &record] {
         assert!(made.exists(), "{}", made.display());
     }
