@@ -76,6 +76,7 @@ fn pcie_two_sockets_parse() {
     let t = topo("pcie-2socket-8gpu.txt");
     assert_eq!(t.gpus(), [0, 1, 2, 3, 4, 5, 6, 7]);
     assert_eq!(t.link(0, 1), Some(Link::Pix));
+    assert_eq!(t.link(2, 3), Some(Link::Pix));
     assert_eq!(t.link(0, 2), Some(Link::Pxb));
     assert_eq!(t.link(3, 4), Some(Link::Sys));
     assert_eq!(t.link(6, 7), Some(Link::Pix));
@@ -150,65 +151,56 @@ GPU7\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tPXB\t X \tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\tSYS\
 
 // ---------------------------------------------------------------------------- the placement
 
-#[test]
-fn bridged_pairs_go_together() {
-    let t = topo("a30-nvlink-pairs-4gpu.txt");
-    let two = pick(&t, &[], 2);
-    assert_eq!(two, [0, 1]);
-    assert_eq!(t.link(two[0], two[1]), Some(Link::NvLink(4)));
-    // GPU0 taken: the intact pair, not first-free's [1, 2] across sockets.
-    assert_eq!(pick(&t, &[0], 2), [2, 3]);
-    // One GPU with GPU0 taken: GPU1, which leaves the pair GPU2-GPU3 whole.
-    assert_eq!(pick(&t, &[0], 1), [1]);
-    assert_eq!(pick(&t, &[], 4), [0, 1, 2, 3]);
-}
+/// A row of `placement_on_recorded_boxes`: its name, the box, the GPUs taken, how many are
+/// asked for, the GPUs chosen.
+type Placement<'a> = (&'a str, &'a Topology, &'a [u32], usize, &'a [u32]);
 
+/// `choose` on the recorded boxes above, GPUs free in index order but those taken.
 #[test]
-fn pcie_two_sockets_keeps_to_one_socket() {
-    let t = topo("pcie-2socket-8gpu.txt");
-    assert_eq!(pick(&t, &[], 4), [0, 1, 2, 3]);
-    // GPU0 taken: the other socket's four, not [1, 2, 3, 4] across the sockets.
-    assert_eq!(pick(&t, &[0], 4), [4, 5, 6, 7]);
-    // Two: a PIX pair; with GPU0 taken the PIX pair GPU2-GPU3, not the PXB pair [1, 2].
-    let two = pick(&t, &[], 2);
-    assert_eq!(t.link(two[0], two[1]), Some(Link::Pix));
-    let two = pick(&t, &[0], 2);
-    assert_eq!(two, [2, 3]);
-    assert_eq!(t.link(2, 3), Some(Link::Pix));
-    // The order of the free list breaks ties: the first socket in that order.
-    let reversed: Vec<u32> = (0..8).rev().collect();
-    assert_eq!(choose(Some(&t), &reversed, 4).unwrap(), [7, 6, 5, 4]);
-}
-
-#[test]
-fn nvswitch_all_equal_is_first_free() {
-    let t = topo("h100-nvswitch-8gpu.txt");
+fn placement_on_recorded_boxes() {
+    let a30 = topo("a30-nvlink-pairs-4gpu.txt");
+    let pcie = topo("pcie-2socket-8gpu.txt");
+    let h100 = topo("h100-nvswitch-8gpu.txt");
+    let rtx = topo("rtx4090-2numa-8gpu.txt");
+    let mixed = topo("mixed-2numa-5gpu.txt");
+    let cases: [Placement<'_>; 18] = [
+        // The links of the pairs chosen are checked by the `*_parse` tests above.
+        ("a30_a_bridged_pair", &a30, &[], 2, &[0, 1]),
+        // Not first-free's [1, 2] across sockets.
+        ("a30_the_intact_pair", &a30, &[0], 2, &[2, 3]),
+        // GPU1, which leaves the pair GPU2-GPU3 whole.
+        ("a30_one_with_gpu0_taken", &a30, &[0], 1, &[1]),
+        ("a30_all_four", &a30, &[], 4, &[0, 1, 2, 3]),
+        ("pcie_4_on_a_socket", &pcie, &[], 4, &[0, 1, 2, 3]),
+        // Not [1, 2, 3, 4] across the sockets.
+        ("pcie_other_socket", &pcie, &[0], 4, &[4, 5, 6, 7]),
+        ("pcie_two_a_pix_pair", &pcie, &[], 2, &[0, 1]),
+        // The PIX pair GPU2-GPU3, not the PXB pair [1, 2].
+        ("pcie_the_pix_pair", &pcie, &[0], 2, &[2, 3]),
+        // All links equal: the NUMA preference still holds.
+        ("nvswitch_4_of_node_1", &h100, &[1], 4, &[4, 5, 6, 7]),
+        ("nvswitch_3_of_node_0", &h100, &[1], 3, &[0, 2, 3]),
+        ("all_sys_4_on_a_node", &rtx, &[], 4, &[0, 1, 2, 3]),
+        ("all_sys_4_of_node_1", &rtx, &[0], 4, &[4, 5, 6, 7]),
+        ("all_sys_3_of_node_0", &rtx, &[0], 3, &[1, 2, 3]),
+        ("all_sys_five", &rtx, &[], 5, &[0, 1, 2, 3, 4]),
+        ("mixed_a_phb_pair", &mixed, &[], 2, &[1, 2]),
+        ("mixed_other_phb_pair", &mixed, &[1], 2, &[3, 4]),
+        ("mixed_4_of_node_0", &mixed, &[], 4, &[1, 2, 3, 4]),
+        // The loner on node 1, which leaves node 0's four together.
+        ("mixed_one_spares_node_0", &mixed, &[], 1, &[0]),
+    ];
+    for (name, t, taken, k, want) in cases {
+        assert_eq!(pick(t, taken, k), want, "{name}");
+    }
+    // NVSwitch, all links equal: first-free for every k.
     let free: Vec<u32> = (0..8).collect();
     for k in 0..=8 {
-        assert_eq!(choose(Some(&t), &free, k).unwrap(), free[..k], "k={k}");
+        assert_eq!(choose(Some(&h100), &free, k).unwrap(), free[..k], "k={k}");
     }
-    // The NUMA preference still holds: GPU1 taken, four come from node 1.
-    assert_eq!(pick(&t, &[1], 4), [4, 5, 6, 7]);
-    assert_eq!(pick(&t, &[1], 3), [0, 2, 3]);
-}
-
-#[test]
-fn all_sys_box_follows_numa() {
-    let t = topo("rtx4090-2numa-8gpu.txt");
-    assert_eq!(pick(&t, &[], 4), [0, 1, 2, 3]);
-    assert_eq!(pick(&t, &[0], 4), [4, 5, 6, 7]);
-    assert_eq!(pick(&t, &[0], 3), [1, 2, 3]);
-    assert_eq!(pick(&t, &[], 5), [0, 1, 2, 3, 4]);
-}
-
-#[test]
-fn mixed_box_prefers_node_and_spares_islands() {
-    let t = topo("mixed-2numa-5gpu.txt");
-    assert_eq!(pick(&t, &[], 2), [1, 2]);
-    assert_eq!(pick(&t, &[1], 2), [3, 4]);
-    assert_eq!(pick(&t, &[], 4), [1, 2, 3, 4]);
-    // One GPU: the loner on node 1, which leaves node 0's four together.
-    assert_eq!(pick(&t, &[], 1), [0]);
+    // The order of the free list breaks ties: the first socket in that order.
+    let reversed: Vec<u32> = (0..8).rev().collect();
+    assert_eq!(choose(Some(&pcie), &reversed, 4).unwrap(), [7, 6, 5, 4]);
 }
 
 #[test]
@@ -242,33 +234,27 @@ fn set_scores_order() {
 
 #[test]
 fn unreadable_matrices_are_errors() {
-    let cases: [(&str, Option<usize>, &str); 7] = [
-        ("", None, "no header"),
-        ("NVIDIA-SMI has failed\n", None, "no header"),
+    // The rows of a two-GPU matrix under its header.
+    let two = |rows: &str| format!("\tGPU0\tGPU1\n{rows}");
+    let cases = [
+        (String::new(), None, "no header"),
+        ("NVIDIA-SMI has failed\n".to_owned(), None, "no header"),
+        (two("GPU0\t X \tNV4\nGPU1\tNV4\n"), Some(3), "1 cells"),
         (
-            "\tGPU0\tGPU1\nGPU0\t X \tNV4\nGPU1\tNV4\n",
-            Some(3),
-            "1 cells",
-        ),
-        (
-            "\tGPU0\tGPU1\nGPU0\t X \tABC\nGPU1\tABC\t X \n",
+            two("GPU0\t X \tABC\nGPU1\tABC\t X \n"),
             Some(2),
             "unknown link \"ABC\" between GPU0 and GPU1",
         ),
+        (two("GPU0\tPIX\tPIX\nGPU1\tPIX\t X \n"), Some(2), "own cell"),
+        (two("GPU0\t X \tPIX\n"), Some(1), "do not match"),
         (
-            "\tGPU0\tGPU1\nGPU0\tPIX\tPIX\nGPU1\tPIX\t X \n",
-            Some(2),
-            "own cell",
-        ),
-        ("\tGPU0\tGPU1\nGPU0\t X \tPIX\n", Some(1), "do not match"),
-        (
-            "\tGPU0\tGPU1\nGPU0\t X \tPIX\nGPU0\t X \tPIX\nGPU1\tPIX\t X \n",
+            two("GPU0\t X \tPIX\nGPU0\t X \tPIX\nGPU1\tPIX\t X \n"),
             Some(3),
             "two rows",
         ),
     ];
     for (out, line, why) in cases {
-        match parse_nvidia_topo(out) {
+        match parse_nvidia_topo(&out) {
             Err(ResourcesError::TopoMatrix { line: l, why: w }) => {
                 assert_eq!(l, line, "{out:?}");
                 assert!(w.contains(why), "{out:?}: {w}");
