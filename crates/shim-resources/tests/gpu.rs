@@ -157,10 +157,8 @@ async fn a_gpu_the_driver_cannot_reach_leaves_the_others_listed() {
     let listed = "0, NVIDIA H100 80GB HBM3, 81559, GPU-0f4e2b1c, 550.90.07\n\
                   Unable to determine the device handle for GPU1: 0000:2A:00.0: Unknown Error\n\
                   2, NVIDIA H100 80GB HBM3, 81559, GPU-2a9c4d7e, 550.90.07\n";
-    h.runner.push(
-        "nvidia-smi",
-        CommandOutput::exit(15, "").with_stdout(listed),
-    );
+    let exit_15 = CommandOutput::exit(15, "");
+    h.runner.push("nvidia-smi", exit_15.with_stdout(listed));
     let gpus = h.detect().await;
     let found: Vec<_> = gpus.gpus.iter().map(|g| (g.index, g.id.as_str())).collect();
     assert_eq!(found, [(0, "GPU-0f4e2b1c"), (2, "GPU-2a9c4d7e")]);
@@ -181,10 +179,8 @@ async fn failing_tool_yields_vendor_without_gpus() {
 #[test]
 fn nvidia_parse_errors_and_placeholders() {
     assert!(parse_nvidia_smi("0, a, 1, GPU-x\n").is_err(), "no GPU line");
-    assert!(
-        parse_nvidia_smi("x, a, 1, GPU-x, 570\n").is_err(),
-        "no index"
-    );
+    let no_index = parse_nvidia_smi("x, a, 1, GPU-x, 570\n");
+    assert!(no_index.is_err(), "no index");
     // upstream: runner/internal/shim/host/gpu.go (normalizeDriverVersion, Atoi → 0).
     let (gpus, driver) = parse_nvidia_smi("0, Tesla T4, [N/A], GPU-1, [Not Supported]\n").unwrap();
     assert_eq!(gpus[0].memory_mib, 0);
@@ -354,15 +350,15 @@ fn tt(file: &str) -> Vec<GpuInfo> {
     parse_tt_smi(&fixture(&format!("tenstorrent/{file}"))).unwrap()
 }
 
-/// tt-smi's answer listing boards of (type, board id, bus id), parsed.
-fn tt_devices(devices: &[(&str, &str, &str)]) -> Vec<GpuInfo> {
+/// tt-smi's answer listing boards of (type, board id, bus id), parsed, as [`summary`].
+fn tt_devices(devices: &[(&str, &str, &str)]) -> Vec<(String, u64, String)> {
     let list: Vec<serde_json::Value> = devices
         .iter()
         .map(|(t, id, bus)| {
             serde_json::json!({"board_info": {"board_type": t, "board_id": id, "bus_id": bus}})
         })
         .collect();
-    parse_tt_smi(&serde_json::json!({ "device_info": list }).to_string()).unwrap()
+    summary(&parse_tt_smi(&serde_json::json!({ "device_info": list }).to_string()).unwrap())
 }
 
 /// Each GPU as (name, memory in MiB, id).
@@ -413,19 +409,14 @@ fn tenstorrent_upstream_fixtures() {
 #[test]
 fn tenstorrent_upstream_synthetic_cases() {
     // upstream: gpu_test.go (…WormholePrefixMemoryCompatibility).
-    assert_eq!(
-        summary(&tt_devices(&[
-            ("n150-custom L", "100018000000001", ""),
-            ("n300-custom L", "100014000000001", ""),
-            ("n300-custom R", "100014000000001", ""),
-            ("tt-galaxy-wh-custom L", "100035000000001", ""),
-        ])),
-        vec![
-            s("n150-custom", 12, 0),
-            s("n300-custom", 24, 1),
-            s("tt-galaxy-wh-custom", 12, 2)
-        ]
-    );
+    let custom = tt_devices(&[
+        ("n150-custom L", "100018000000001", ""),
+        ("n300-custom L", "100014000000001", ""),
+        ("n300-custom R", "100014000000001", ""),
+        ("tt-galaxy-wh-custom L", "100035000000001", ""),
+    ]);
+    let (n150, n300) = (s("n150-custom", 12, 0), s("n300-custom", 24, 1));
+    assert_eq!(custom, [n150, n300, s("tt-galaxy-wh-custom", 12, 2)]);
     // (…BlackholeRevisions): three boards each read as p100a, p150 and p300.
     let revisions = tt_devices(&[
         ("bh-scrappy", "0000360000000000", ""),
@@ -440,42 +431,29 @@ fn tenstorrent_upstream_synthetic_cases() {
     ]);
     let names: Vec<_> = revisions
         .iter()
-        .map(|g| (g.name.as_str(), g.memory_mib / 1024))
+        .map(|g| (g.0.as_str(), g.1 / 1024))
         .collect();
     let want = [[("p100a", 28); 3], [("p150", 32); 3], [("p300", 32); 3]];
     assert_eq!(names, want.concat());
+    let (p300, on_bus_1) = ("0000450000000000", "0000:01:00.0");
     // (…BlackholeP300SameBoardID): two local chips of one board are two GPUs.
-    assert_eq!(
-        summary(&tt_devices(&[
-            ("p300a", "0000450000000000", "0000:01:00.0"),
-            ("p300a", "0000450000000000", "0000:02:00.0"),
-        ])),
-        alike(2, "p300", 32)
-    );
+    let same_board = tt_devices(&[("p300a", p300, on_bus_1), ("p300a", p300, "0000:02:00.0")]);
+    assert_eq!(same_board, alike(2, "p300", 32));
     // (…BlackholeP300RemoteChip): a remote chip adds its memory to the local one.
-    assert_eq!(
-        summary(&tt_devices(&[
-            ("p300a", "0000450000000000", "0000:01:00.0"),
-            ("p300a", "0000450000000000", "N/A"),
-        ])),
-        vec![s("p300", 64, 0)]
-    );
+    let remote = tt_devices(&[("p300a", p300, on_bus_1), ("p300a", p300, "N/A")]);
+    assert_eq!(remote, [s("p300", 64, 0)]);
     // L chips come first, then chips without a side; a Wormhole chip without a side joins a
     // GPU of its board.
-    assert_eq!(
-        summary(&tt_devices(&[
-            ("n150", "B1", "0000:02:00.0"),
-            ("n300 L", "B2", "0000:03:00.0"),
-            ("n300", "B2", "N/A"),
-        ])),
-        vec![s("n300", 24, 0), s("n150", 12, 1)]
-    );
+    let sides = tt_devices(&[
+        ("n150", "B1", "0000:02:00.0"),
+        ("n300 L", "B2", "0000:03:00.0"),
+        ("n300", "B2", "N/A"),
+    ]);
+    assert_eq!(sides, [s("n300", 24, 0), s("n150", 12, 1)]);
     // Our own captured mixed host: n150, p150a, p150b.
     let mixed = parse_tt_smi(&fixture("tt-smi-mixed.json")).unwrap();
-    assert_eq!(
-        summary(&mixed),
-        vec![s("n150", 12, 0), s("p150", 32, 1), s("p150", 32, 2)]
-    );
+    let want = [s("n150", 12, 0), s("p150", 32, 1), s("p150", 32, 2)];
+    assert_eq!(summary(&mixed), want);
 }
 
 #[tokio::test]
@@ -507,18 +485,16 @@ fn lock_acquire_counts() {
     assert_eq!(a, host.ids()[..3]);
     // Not enough: error, nothing locked.
     let e = lock.acquire(2).unwrap_err();
-    assert!(
-        matches!(
-            &e,
-            ResourcesError::NotEnoughGpus {
-                requested: 2,
-                free: 1,
-                total: 4,
-                unhealthy,
-            } if unhealthy.is_empty()
-        ),
-        "{e}"
-    );
+    let ResourcesError::NotEnoughGpus {
+        requested: 2,
+        free: 1,
+        total: 4,
+        unhealthy,
+    } = &e
+    else {
+        panic!("{e}");
+    };
+    assert!(unhealthy.is_empty(), "{e}");
     // Upstream's words (runner/internal/shim/resources.go, `ErrNoCapacity`).
     assert_eq!(e.to_string(), "no capacity: 2 GPUs requested, 1 available");
     assert_eq!(lock.free_count(), 1);
@@ -548,12 +524,8 @@ fn the_lock_places_by_interconnect() {
     let matrix = fixture("topo/a30-nvlink-pairs-4gpu.txt");
     lock.set_topology(Some(parse_nvidia_topo(&matrix).unwrap()));
     assert_eq!(lock.lock(&ids[..1]), ids[..1]);
-    let pair = lock.acquire(2).unwrap();
-    assert_eq!(
-        pair,
-        ids[2..4],
-        "the bridged pair, not first-free's GPU1+GPU2"
-    );
+    let msg = "the bridged pair, not first-free's GPU1+GPU2";
+    assert_eq!(lock.acquire(2).unwrap(), ids[2..4], "{msg}");
     assert_eq!(lock.acquire(1).unwrap(), ids[1..2]);
     lock.release(&ids);
     let first = lock.acquire(2).unwrap();
