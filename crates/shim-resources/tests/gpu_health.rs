@@ -120,10 +120,8 @@ fn retired_pages_pending_is_a_reason_and_remapped_rows_na_is_none() {
     // EDITED: `Double Bit ECC` 1 and `Pending Page Blacklist` flipped from N/A to Yes.
     let gpus = parse_nvidia_smi_query(&fixture("nvidia-smi-q-v100-retired-pending.txt")).unwrap();
     let uuid = "GPU-9c8b7a65-4321-4fed-8cba-0987654321fe";
-    assert_eq!(
-        gpus,
-        [gpu(uuid, 0, "00000000:86:00.0", &[RetiredPagesPending])]
-    );
+    let pending = gpu(uuid, 0, "00000000:86:00.0", &[RetiredPagesPending]);
+    assert_eq!(gpus, [pending]);
     assert_eq!(RetiredPagesPending.to_string(), "retired pages pending");
 }
 
@@ -245,19 +243,18 @@ fn xid_79_on_a_known_bus_marks_that_gpu() {
     let events = t.scan(&fixture("kmsg-xids.txt"));
     // The application XIDs on GPU 0 are skipped; XID 48 on 0000:af:00 (no known GPU) is
     // logged and ignored.
+    let message = "GPU has fallen off the bus".to_owned();
     assert_eq!(
         events,
         [XidEvent {
             uuid: GPU1.to_owned(),
             code: 79,
-            message: "GPU has fallen off the bus".to_owned(),
+            message
         }]
     );
     assert_eq!(t.reasons(), [(GPU1.to_owned(), vec![fell_off()])].into());
-    assert_eq!(
-        fell_off().to_string(),
-        "XID 79 (GPU has fallen off the bus)"
-    );
+    let words = "XID 79 (GPU has fallen off the bus)";
+    assert_eq!(fell_off().to_string(), words);
 
     let mut report = report(a100s());
     t.apply(&mut report);
@@ -392,14 +389,9 @@ fn dcgm_incidents_join_the_report_by_index_or_uuid() {
     assert!(report.add_reason(GpuRef::Uuid(GPU1), memory.clone()));
     assert!(!report.add_reason(GpuRef::Index(7), memory.clone()));
     assert!(!report.add_reason(GpuRef::Uuid("GPU-nope"), memory.clone()));
-    assert_eq!(
-        report.get(GPU1).unwrap().reasons,
-        std::slice::from_ref(&memory)
-    );
-    assert_eq!(
-        memory.to_string(),
-        "DCGM memory: GPU 1 had uncorrectable memory errors"
-    );
+    let words = "DCGM memory: GPU 1 had uncorrectable memory errors";
+    assert_eq!(memory.to_string(), words);
+    assert_eq!(report.get(GPU1).unwrap().reasons, [memory]);
     assert_eq!(report.unhealthy().count(), 1);
 }
 
@@ -468,12 +460,17 @@ impl LogFile {
     }
 }
 
+/// A runner with nothing scripted yet, a kernel log holding `log`, a monitor of it.
+fn probed_host(log: &str) -> (ScriptedCommandRunner, LogFile, XidMonitor) {
+    let log = LogFile::new(log);
+    let xids = log.monitor();
+    (ScriptedCommandRunner::new(), log, xids)
+}
+
 #[tokio::test]
 async fn probe_reports_nvidia_smi_reasons_and_xids() {
-    let runner = ScriptedCommandRunner::new();
+    let (runner, log, xids) = probed_host(&fixture("kmsg-xids.txt"));
     runner.push("nvidia-smi", smi_q("nvidia-smi-q-a100x2-row-remap.txt"));
-    let log = LogFile::new(&fixture("kmsg-xids.txt"));
-    let xids = log.monitor();
     let report = probe_nvidia_health(&runner, &xids).await;
     assert_eq!(runner.calls(), [["nvidia-smi", "-q"]]);
     assert_eq!(report.errors, NONE);
@@ -490,10 +487,8 @@ async fn probe_reports_nvidia_smi_reasons_and_xids() {
 
 #[tokio::test]
 async fn probe_counts_an_xid_once_across_probes() {
-    let runner = ScriptedCommandRunner::new();
+    let (runner, log, xids) = probed_host(&fixture("kmsg-xids.txt"));
     runner.always("nvidia-smi", smi_q("nvidia-smi-q-a100x2.txt"));
-    let log = LogFile::new(&fixture("kmsg-xids.txt"));
-    let xids = log.monitor();
     probe_nvidia_health(&runner, &xids).await;
     // Only records written after the first probe are new.
     assert_eq!(xids.poll().await.unwrap(), []);
@@ -516,11 +511,9 @@ async fn probe_counts_an_xid_once_across_probes() {
 /// passed over as XIDs of no known GPU, and never read again).
 #[tokio::test]
 async fn xids_before_the_first_complete_probe_are_not_lost() {
-    let runner = ScriptedCommandRunner::new();
+    let (runner, _log, xids) = probed_host(&fixture("kmsg-xids.txt"));
     runner.push("nvidia-smi", CommandOutput::exit(255, "Unknown Error"));
     runner.push("nvidia-smi", smi_q("nvidia-smi-q-a100x2.txt"));
-    let log = LogFile::new(&fixture("kmsg-xids.txt"));
-    let xids = log.monitor();
     let first = probe_nvidia_health(&runner, &xids).await;
     assert!(!first.errors.is_empty());
     let report = probe_nvidia_health(&runner, &xids).await;
@@ -530,10 +523,8 @@ async fn xids_before_the_first_complete_probe_are_not_lost() {
 
 #[tokio::test]
 async fn probe_with_failing_nvidia_smi_still_reports_xids() {
-    let runner = ScriptedCommandRunner::new();
+    let (runner, log, xids) = probed_host("");
     runner.push("nvidia-smi", smi_q("nvidia-smi-q-a100x2.txt"));
-    let log = LogFile::new("");
-    let xids = log.monitor();
     let report = probe_nvidia_health(&runner, &xids).await;
     assert_eq!(report.unhealthy_ids(), NONE);
 
@@ -588,8 +579,6 @@ async fn reads_the_real_kernel_log_without_blocking() {
         return;
     }
     let text = kmsg.read().await.unwrap();
-    assert!(
-        text.lines().all(|l| l.starts_with(' ') || l.contains(';')),
-        "{text}"
-    );
+    let records = text.lines().all(|l| l.starts_with(' ') || l.contains(';'));
+    assert!(records, "{text}");
 }
