@@ -32,13 +32,14 @@ fn aws(volume_id: &str, device_name: &str) -> VolumeSpec {
     }
 }
 
-/// A manager of the devices under `dev_dir`, and the runner that scripts its tools.
-fn manager(dev_dir: &Path) -> (Arc<ScriptedCommandRunner>, BlockVolumes) {
+/// A manager of the devices under a temporary dir, and the runner that scripts its tools.
+fn manager() -> (tempfile::TempDir, Arc<ScriptedCommandRunner>, BlockVolumes) {
+    let dev_dir = tempfile::tempdir().unwrap();
     let runner = Arc::new(ScriptedCommandRunner::new());
     let mut config = VolumeConfig::with_root("/nonexistent/volumes").fast();
-    config.dev_dir = dev_dir.to_owned();
-    config.gcp_by_id_dir = dev_dir.join("disk/by-id");
-    (runner.clone(), BlockVolumes::new(config, runner))
+    config.dev_dir = dev_dir.path().to_owned();
+    config.gcp_by_id_dir = dev_dir.path().join("disk/by-id");
+    (dev_dir, runner.clone(), BlockVolumes::new(config, runner))
 }
 
 /// A GCP volume spec on the disk GCP calls `device_name`.
@@ -83,8 +84,7 @@ fn aws_device_name_fallback() {
 
 #[tokio::test]
 async fn aws_device_appearing_late_is_polled_for() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (runner, m) = manager(tmp.path());
+    let (tmp, runner, m) = manager();
     runner.push("lsblk", CommandOutput::ok(fixture("empty.json")));
     runner.push("lsblk", CommandOutput::ok(fixture("empty.json")));
     runner.always("lsblk", CommandOutput::ok(fixture("nitro.json")));
@@ -97,8 +97,7 @@ async fn aws_device_appearing_late_is_polled_for() {
 
 #[tokio::test]
 async fn aws_device_never_appearing_is_an_error_after_the_wait() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (runner, m) = manager(tmp.path());
+    let (_tmp, runner, m) = manager();
     runner.always("lsblk", CommandOutput::ok(fixture("empty.json")));
     let spec = aws("vol-0123456789abcdef0", "/dev/sdf");
     let e = m.find_device(&spec).await.unwrap_err();
@@ -108,9 +107,8 @@ async fn aws_device_never_appearing_is_an_error_after_the_wait() {
 
 #[tokio::test]
 async fn aws_fallback_device_node_not_in_lsblk() {
-    let tmp = tempfile::tempdir().unwrap();
+    let (tmp, runner, m) = manager();
     fs_err::write(tmp.path().join("xvdf"), "").unwrap();
-    let (runner, m) = manager(tmp.path());
     runner.always("lsblk", CommandOutput::ok(fixture("empty.json")));
     let dev = m.find_device(&aws("vol-1", "/dev/sdf")).await.unwrap();
     assert_eq!(dev, tmp.path().join("xvdf"));
@@ -118,8 +116,7 @@ async fn aws_fallback_device_node_not_in_lsblk() {
 
 #[tokio::test]
 async fn gcp_uses_the_by_id_path() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (runner, m) = manager(tmp.path());
+    let (tmp, runner, m) = manager();
     let by_id = tmp.path().join("disk/by-id/google-pd-data");
     assert_eq!(m.find_device(&gcp("pd-data")).await.unwrap(), by_id);
     assert!(runner.calls().is_empty());
@@ -132,10 +129,9 @@ async fn gcp_uses_the_by_id_path() {
 /// upstream: runner/internal/shim/backends/gcp.go (GetRealDeviceName).
 #[tokio::test]
 async fn gcp_prefers_the_first_partition() {
-    let tmp = tempfile::tempdir().unwrap();
+    let (tmp, runner, m) = manager();
     let by_id = tmp.path().join("disk/by-id");
     fs_err::create_dir_all(&by_id).unwrap();
-    let (runner, m) = manager(tmp.path());
     for (target, link) in [
         ("sdb", "google-pd-data"),
         ("sdb1", "google-pd-data-part1"),
@@ -158,8 +154,7 @@ async fn gcp_prefers_the_first_partition() {
 
 #[tokio::test]
 async fn missing_or_non_block_device_is_an_error_after_a_bounded_wait() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (_, m) = manager(tmp.path());
+    let (tmp, _, m) = manager();
     let missing = tmp.path().join("missing");
     let e = m.wait_block_device(&missing).await.unwrap_err();
     assert!(matches!(e, ResourcesError::NotBlockDevice { .. }), "{e}");
@@ -194,25 +189,22 @@ fn blkid_output() {
 
 #[tokio::test]
 async fn blank_must_be_confirmed_before_it_is_believed() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (runner, m) = manager(tmp.path());
+    let (_tmp, runner, m) = manager();
     let dev = PathBuf::from("/dev/fake");
     // A file system shows up on the third probe: not blank.
     runner.push("blkid", CommandOutput::exit(2, ""));
     runner.push("blkid", CommandOutput::exit(2, ""));
     runner.push("blkid", CommandOutput::ok("TYPE=xfs\nUSAGE=filesystem\n"));
-    assert_eq!(
-        m.probe_confirmed(&dev).await.unwrap(),
-        Probe::Filesystem("xfs".to_owned())
-    );
+    let xfs = Probe::Filesystem("xfs".to_owned());
+    assert_eq!(m.probe_confirmed(&dev).await.unwrap(), xfs);
     // Blank every time: one probe plus three confirmations.
-    let (runner, m) = manager(tmp.path());
+    let (_tmp, runner, m) = manager();
     runner.always("blkid", CommandOutput::exit(2, ""));
     assert_eq!(m.probe_confirmed(&dev).await.unwrap(), Probe::Blank);
     assert_eq!(runner.count("blkid"), 4);
     assert_eq!(runner.calls()[0][1..], ["-p", "-o", "export", "/dev/fake"]);
     // A probe failure is an error, not "blank".
-    let (runner, m) = manager(tmp.path());
+    let (_tmp, runner, m) = manager();
     runner.push("blkid", CommandOutput::exit(2, ""));
     runner.push("blkid", CommandOutput::exit(8, "ambivalent result"));
     assert!(m.probe_confirmed(&dev).await.is_err());
