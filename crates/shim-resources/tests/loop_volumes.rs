@@ -180,6 +180,12 @@ fn assert_mode_kept(mp: &Path) {
     assert_eq!(mode(mp), 0o755, "{msg}");
 }
 
+/// Releases `vol` and asserts that its mount point is no longer mounted.
+async fn release(m: &BlockVolumes, vol: &MountedVolume) {
+    m.release(vol).await.unwrap();
+    assert!(!is_mounted(Path::new(&vol.mount_point)), "{vol:?}");
+}
+
 /// Prepares each of `specs` in a task of its own, all at once.
 async fn prepare_all(m: &Arc<BlockVolumes>, specs: &[VolumeSpec]) -> Vec<MountedVolume> {
     let tasks: Vec<_> = specs
@@ -230,14 +236,13 @@ async fn blank_device_with_init_fs_is_formatted_mounted_and_released() {
     let again = m.prepare(&lp.spec(true)).await.unwrap();
     assert_eq!(again, vol);
 
-    m.release(&vol).await.unwrap();
-    assert!(!is_mounted(&mp));
-    m.release(&vol).await.unwrap(); // idempotent
+    release(&m, &vol).await;
+    release(&m, &vol).await; // idempotent
 
     // Mounted again: the data is there, so it was not formatted a second time.
     let vol = m.prepare(&lp.spec(true)).await.unwrap();
     assert_eq!(fs_err::read_to_string(mp.join("keep.txt")).unwrap(), "data");
-    m.release(&vol).await.unwrap();
+    release(&m, &vol).await;
 }
 
 #[tokio::test]
@@ -259,8 +264,7 @@ async fn existing_filesystem_is_never_formatted_nor_chmodded() {
     let user_data = fs_err::read_to_string(mp.join("user-data")).unwrap();
     assert_eq!(user_data, "precious");
     assert_mode_kept(&mp);
-    m.release(&vol).await.unwrap();
-    assert!(!is_mounted(&mp));
+    release(&m, &vol).await;
 }
 
 #[tokio::test]
@@ -324,8 +328,7 @@ async fn partitioned_gcp_disk_is_mounted_by_its_first_partition() {
     assert!(is_mounted(&mp));
     assert_mode_kept(&mp);
     fs_err::write(mp.join("kept"), "data").unwrap();
-    m.release(&mounted).await.unwrap();
-    assert!(!is_mounted(&mp));
+    release(&m, &mounted).await;
     let (code, disk_blkid) = lp.blkid();
     assert_eq!(code, Some(0));
     let msg = format!("the table stays: {disk_blkid}");
@@ -333,8 +336,7 @@ async fn partitioned_gcp_disk_is_mounted_by_its_first_partition() {
 
     let again = m.prepare(&lp.spec(false)).await.unwrap();
     assert_eq!(fs_err::read_to_string(mp.join("kept")).unwrap(), "data");
-    m.release(&again).await.unwrap();
-    assert!(!is_mounted(&mp));
+    release(&m, &again).await;
 }
 
 #[tokio::test]
@@ -348,8 +350,7 @@ async fn busy_mount_fails_release_until_freed() {
     assert!(matches!(e, ResourcesError::Unmount { .. }), "{e}");
     assert!(is_mounted(&mp));
     drop(open);
-    m.release(&vol).await.unwrap();
-    assert!(!is_mounted(&mp));
+    release(&m, &vol).await;
 }
 
 #[tokio::test]
@@ -365,7 +366,7 @@ async fn aws_fallback_resolves_a_real_device_with_real_lsblk() {
     assert_eq!(m.resolve_device(&spec).await.unwrap(), lp.dev);
     let vol = m.prepare(&spec).await.unwrap();
     assert_eq!(vol.device, lp.dev_str());
-    m.release(&vol).await.unwrap();
+    release(&m, &vol).await;
 }
 
 #[tokio::test]
@@ -388,8 +389,7 @@ async fn release_of_recovered_volume_without_device() {
         device: String::new(),
         ..vol
     };
-    m.release(&recovered).await.unwrap();
-    assert!(!is_mounted(&lp.mount_point()));
+    release(&m, &recovered).await;
 }
 
 /// Delegates to the system runner and counts `mkfs.ext4` runs.
@@ -435,8 +435,7 @@ async fn concurrent_prepares_of_one_blank_volume_format_it_once() {
         .filter(|l| l.split(' ').nth(4) == Some(mp.to_str().unwrap()))
         .count();
     assert_eq!(count, 1, "{table}");
-    m.release(&vols[0]).await.unwrap();
-    assert!(!is_mounted(&mp));
+    release(&m, &vols[0]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
