@@ -148,6 +148,14 @@ impl Home {
         self.write_of("alice", content);
     }
 
+    #[track_caller]
+    fn assert_foreign_line_kept(&self) {
+        assert!(
+            self.read().starts_with(&format!("{K4}\n")),
+            "foreign line kept"
+        );
+    }
+
     /// Fingerprints of the marked lines, in file order.
     fn marked(&self) -> Vec<String> {
         self.read()
@@ -189,19 +197,12 @@ async fn creates_ssh_dir_and_file_with_modes_and_owner() {
 async fn written_file_is_read_by_ssh_keygen() {
     let h = Home::new();
     add(&h.manager, "t1", "alice", &[K1, K4]).await;
-    let out = std::process::Command::new("ssh-keygen")
+    let keygen = std::process::Command::new("ssh-keygen")
         .args(["-l", "-f"])
         .arg(h.file())
         .output();
-    match out {
-        Ok(out) => {
-            let text = String::from_utf8_lossy(&out.stdout);
-            let err = String::from_utf8_lossy(&out.stderr);
-            assert!(out.status.success(), "{text} {err}");
-            assert!(text.contains(K1_FP), "{text}");
-            assert!(text.contains(MARKER), "{text}");
-            assert_eq!(text.lines().count(), 2, "{text}");
-        }
+    let out = match keygen {
+        Ok(out) => out,
         Err(e) => {
             // Where the test command says the dev-env is there (SHIM_TEST_DOCKER=1: it
             // installs openssh), it must not skip.
@@ -210,9 +211,16 @@ async fn written_file_is_read_by_ssh_keygen() {
                 !dev_env,
                 "SHIM_TEST_DOCKER=1, but ssh-keygen cannot run: {e}"
             );
-            eprintln!("skipped the ssh-keygen cross-check: cannot run ssh-keygen: {e}");
+            return eprintln!("skipped the ssh-keygen cross-check: cannot run ssh-keygen: {e}");
         }
-    }
+    };
+    let (text, err) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{text} {err}");
+    assert!(text.contains(K1_FP) && text.contains(MARKER), "{text}");
+    assert_eq!(text.lines().count(), 2, "{text}");
 }
 
 #[tokio::test]
@@ -310,10 +318,7 @@ async fn restart_restore_then_remove_keeps_live_keys() {
     assert_eq!(h.marked(), vec![fp(K1), fp(K2), fp(K3)]);
     remove(&after, "a", "alice", &[K1, K2]).await;
     assert_eq!(h.marked(), vec![fp(K2), fp(K3)]);
-    assert!(
-        h.read().starts_with(&format!("{K4}\n")),
-        "foreign line kept"
-    );
+    h.assert_foreign_line_kept();
     let live: Vec<_> = after.live_tasks().into_iter().map(|(t, _)| t).collect();
     assert_eq!(live, vec![task("b"), task("c")]);
 }
@@ -459,7 +464,7 @@ async fn unknown_hold_keeps_marked_lines_of_unknown_origin_for_its_user() {
     // Releasing a: its own key goes (known origin), K3 of unknown origin stays.
     remove(&h.manager, "a", "alice", &[K1]).await;
     assert_eq!(h.marked(), vec![fp(K3)]);
-    assert!(h.read().starts_with(&format!("{K4}\n")));
+    h.assert_foreign_line_kept();
     // The hold covers alice only: bob's unknown-origin K4 goes with b's removal.
     remove(&h.manager, "b", "bob", &[K2]).await;
     assert_eq!(h.read_of("bob"), "");
@@ -491,16 +496,21 @@ async fn hold_without_user_covers_every_user_until_removed() {
     assert_eq!(h.read_of("bob"), "");
 }
 
-#[tokio::test]
-async fn lines_kept_for_a_task_of_unknown_user_go_when_it_is_released() {
-    // After a restart: a's keys are known; "lost" had its state file unreadable, so neither
-    // its user nor its keys are known, and K3 is of unknown origin.
+/// After a restart: a's keys are known, and it is released; "lost" had its state file
+/// unreadable, so neither its user nor its keys are known, and K3 is of unknown origin.
+async fn released_beside_a_lost_task() -> Home {
     let h = Home::new();
     h.write(&format!("{K4}\n{}\n{}\n", mark(K1), mark(K3)));
     restore(&h.manager, "a", "alice", &[K1]);
     h.manager.hold_unknown(&task("lost"), None);
     remove(&h.manager, "a", "alice", &[K1]).await;
     assert_eq!(h.marked(), vec![fp(K3)], "kept while the held task lives");
+    h
+}
+
+#[tokio::test]
+async fn lines_kept_for_a_task_of_unknown_user_go_when_it_is_released() {
+    let h = released_beside_a_lost_task().await;
     // Its release (the engine passes no user: none is known) rewrites alice's file too.
     remove(&h.manager, "lost", "", &[]).await;
     assert!(h.marked().is_empty(), "{}", h.read());
@@ -512,11 +522,7 @@ async fn lines_kept_for_a_task_of_unknown_user_go_when_it_is_released() {
 /// is gone (it used to drop the hold first and then rewrite nothing).
 #[tokio::test]
 async fn a_failed_release_of_a_task_of_unknown_user_is_redone_by_the_retry() {
-    let h = Home::new();
-    h.write(&format!("{K4}\n{}\n", mark(K3)));
-    restore(&h.manager, "a", "alice", &[K1]);
-    h.manager.hold_unknown(&task("lost"), None);
-    remove(&h.manager, "a", "alice", &[K1]).await;
+    let h = released_beside_a_lost_task().await;
     // alice's ~/.ssh cannot be opened as a directory: the rewrite fails.
     let ssh = h.home.join(".ssh");
     let aside = h.home.join(".ssh-aside");
@@ -586,7 +592,7 @@ async fn concurrent_updates_are_serialized() {
     let mut want: Vec<String> = lines.map(fp).to_vec();
     want.sort();
     assert_eq!(marked, want);
-    assert!(h.read().starts_with(&format!("{K4}\n")));
+    h.assert_foreign_line_kept();
 }
 
 /// A user's passwd lookup (LDAP, NFS home) that hangs holds up that user's updates only:
@@ -666,59 +672,6 @@ async fn home_hangs() {
         a.await.unwrap();
     }
     assert!(h.read().contains(&mark(K1)) && h.read().contains(&mark(K4)));
-}
-
-#[test]
-fn render_rules() {
-    let old = format!("x\n{}\n{}\n{}\n", mark(K1), mark(K1), mark(K2));
-    let wanted = keys(&[K1]);
-    // Add: nothing dropped except the duplicate; wanted keys present.
-    let adding = rewrite(&wanted, &[], false, &[]);
-    assert_eq!(
-        rendered(&old, &adding),
-        format!("x\n{}\n{}\n", mark(K1), mark(K2))
-    );
-    // A removal without holds keeps exactly the wanted keys.
-    let removal = rewrite(&wanted, &[], true, &[]);
-    assert_eq!(rendered(&old, &removal), format!("x\n{}\n", mark(K1)));
-    // The marker must be an exact trailing field.
-    assert!(parse_marked_line(&format!("{K1}{MARKER}")).is_none());
-    assert!(parse_marked_line(&format!("{K1} # added by dstack")).is_none());
-    assert!(parse_marked_line(&format!("{K1} {MARKER}")).is_some());
-    assert!(parse_marked_line(&format!("garbage {MARKER}")).is_none());
-}
-
-#[test]
-fn rewrite_rule_known_and_unknown_origin() {
-    // SPEC §7: key lines are removed only when they belong to a released task and no live
-    // task needs them; while a live task's keys are unknown, marked lines of unknown origin
-    // stay.
-    let foreign = format!("{K3}\n"); // the user's own line with K3: never ours to remove
-    let old = format!(
-        "{foreign}{}\n{}\n{}\n{}\n",
-        mark(K1),
-        mark(K2),
-        mark(K3),
-        mark(K4)
-    );
-    let keep = |rw: &Rewrite<'_>| -> Vec<String> {
-        let out = rendered(&old, rw);
-        assert!(out.starts_with(&foreign), "foreign line kept: {out}");
-        out.lines()
-            .filter_map(parse_marked_line)
-            .map(|k| k.fingerprint().to_owned())
-            .collect()
-    };
-    // K1 wanted (a live task), K2 released (the task removed), K3 and K4 of unknown origin.
-    let wanted = keys(&[K1]);
-    let released = keys(&[K2, K1]);
-    // No unknown hold: only the wanted key stays.
-    assert_eq!(keep(&rewrite(&wanted, &released, true, &[])), vec![fp(K1)]);
-    // A hold covers the user: the released key goes, unknown-origin lines stay, the wanted
-    // key stays even though the removed task also had it.
-    let rw = rewrite(&wanted, &released, false, &[]);
-    assert_eq!(keep(&rw), vec![fp(K1), fp(K3), fp(K4)]);
-    assert!(rw.keeps(&fp(K1)) && !rw.keeps(&fp(K2)) && rw.keeps(&fp(K3)));
 }
 
 #[tokio::test]
@@ -889,33 +842,78 @@ fn ssh_dir_swapped_for_a_link_mid_update_is_never_written_through() {
     assert!(swaps > 100 && ok > 0, "the race was not exercised");
     let leaked: Vec<_> = fs_err::read_dir(&elsewhere).unwrap().collect();
     assert!(leaked.is_empty(), "written through the link: {leaked:?}");
-    assert!(
-        h.read().starts_with(&format!("{K4}\n")),
-        "foreign line kept"
-    );
+    h.assert_foreign_line_kept();
 }
 
-/// Keys the upstream shim added carry no marker; it removes every line with the key
-/// (upstream `runner/internal/shim/authorized_keys.go`, `RemovePublicKeys`). A task adopted
-/// from an upstream state file releases them the same way, except lines a live task wants.
+/// `render` of a file under a [`Rewrite`]. SPEC §7: key lines are removed only when they
+/// belong to a released task and no live task needs them; while a live task's keys are
+/// unknown, marked lines of unknown origin stay.
 #[test]
-fn upstream_lines_go_as_upstream_removes_them() {
-    let old = format!(
-        "# a comment\n{K1}\n{K2}\ncommand=\"x\" {K1}\n{}\n",
-        mark(K2)
-    );
-    let released = keys(&[K1, K2]);
-    let wanted = keys(&[K2]);
-    let rw = rewrite(&wanted, &released, false, &released);
-    // K1's plain line goes; K2 stays (a live task wants it), as does its marked line; a line
-    // with options is not a plain key line and is left alone. Upstream's RemovePublicKeys
-    // (runner/internal/shim/authorized_keys.go, ssh.ParseAuthorizedKey) would remove it too;
-    // this shim removes only lines that are exactly the key, on purpose.
-    assert_eq!(
-        rendered(&old, &rw),
-        format!("# a comment\n{K2}\ncommand=\"x\" {K1}\n{}\n", mark(K2))
-    );
-    // Without the upstream flag nothing unmarked is touched.
-    let out = rendered(&old, &rewrite(&wanted, &released, false, &[]));
-    assert!(out.contains(&format!("\n{K1}\n")), "{out}");
+fn render_rules() {
+    let (m1, m2, m3, m4) = (mark(K1), mark(K2), mark(K3), mark(K4));
+    let dup = format!("x\n{m1}\n{m1}\n{m2}\n");
+    // The user's own line with K3 (never ours to remove); K1 wanted (a live task), K2
+    // released (the task removed), K3 and K4 marked, of unknown origin.
+    let held = format!("{K3}\n{m1}\n{m2}\n{m3}\n{m4}\n");
+    // Keys the upstream shim added carry no marker; it removes every line with the key
+    // (upstream `runner/internal/shim/authorized_keys.go`, `RemovePublicKeys`). A task adopted
+    // from an upstream state file releases them the same way, except lines a live task wants.
+    let upstream = format!("# a comment\n{K1}\n{K2}\ncommand=\"x\" {K1}\n{m2}\n");
+    let (k1, k2, k1_k2, k2_k1) = (keys(&[K1]), keys(&[K2]), keys(&[K1, K2]), keys(&[K2, K1]));
+    let cases = [
+        // Nothing dropped but the duplicate; wanted keys present.
+        (
+            "an_add_drops_only_duplicates",
+            &dup,
+            rewrite(&k1, &[], false, &[]),
+            format!("x\n{m1}\n{m2}\n"),
+        ),
+        (
+            "a_removal_without_holds_keeps_the_wanted",
+            &dup,
+            rewrite(&k1, &[], true, &[]),
+            format!("x\n{m1}\n"),
+        ),
+        (
+            "no_unknown_hold_keeps_only_the_wanted",
+            &held,
+            rewrite(&k1, &k2_k1, true, &[]),
+            format!("{K3}\n{m1}\n"),
+        ),
+        // The released key goes, unknown-origin lines stay, the wanted key stays even though
+        // the removed task also had it.
+        (
+            "a_hold_keeps_unknown_origin_lines",
+            &held,
+            rewrite(&k1, &k2_k1, false, &[]),
+            format!("{K3}\n{m1}\n{m3}\n{m4}\n"),
+        ),
+        // K1's plain line goes; K2 stays (a live task wants it), as does its marked line; a
+        // line with options is not a plain key line and is left alone. Upstream's
+        // RemovePublicKeys (runner/internal/shim/authorized_keys.go, ssh.ParseAuthorizedKey)
+        // would remove it too; this shim removes only lines that are exactly the key, on
+        // purpose.
+        (
+            "upstream_lines_go_as_upstream_removes_them",
+            &upstream,
+            rewrite(&k2, &k1_k2, false, &k1_k2),
+            format!("# a comment\n{K2}\ncommand=\"x\" {K1}\n{m2}\n"),
+        ),
+        (
+            "without_the_upstream_flag_nothing_unmarked_goes",
+            &upstream,
+            rewrite(&k2, &k1_k2, false, &[]),
+            upstream.clone(),
+        ),
+    ];
+    for (name, old, rw, want) in cases {
+        assert_eq!(rendered(old, &rw), want, "{name}");
+    }
+    let rw = rewrite(&k1, &k2_k1, false, &[]);
+    assert!(rw.keeps(&fp(K1)) && !rw.keeps(&fp(K2)) && rw.keeps(&fp(K3)));
+    // The marker must be an exact trailing field.
+    assert!(parse_marked_line(&format!("{K1}{MARKER}")).is_none());
+    assert!(parse_marked_line(&format!("{K1} # added by dstack")).is_none());
+    assert!(parse_marked_line(&format!("{K1} {MARKER}")).is_some());
+    assert!(parse_marked_line(&format!("garbage {MARKER}")).is_none());
 }
