@@ -219,12 +219,8 @@ fn only_progress(old: &TaskRecord, new: &TaskRecord, runs: bool) -> bool {
 /// once nothing is held; remove only from terminated with its start returned.
 fn check_step(before: &Task, tr: &Transition, event: &Event) {
     let (b, a) = (before.record(), tr.task.record());
-    assert!(
-        a.status >= b.status,
-        "{:?} -> {:?} on {event:?}",
-        b.status,
-        a.status
-    );
+    let (was, is) = (b.status, a.status);
+    assert!(is >= was, "{was:?} -> {is:?} on {event:?}");
     if b.status == TaskStatus::Terminated && !empty_reason(b) {
         assert_eq!(ending(a), ending(b), "{event:?}");
     }
@@ -234,11 +230,8 @@ fn check_step(before: &Task, tr: &Transition, event: &Event) {
         assert!(tr.task.is_dirty());
         let running = a.status == TaskStatus::Running && tr.task.container_runs();
         let started = tr.task.start_in_flight() || running;
-        assert!(
-            started,
-            "{event:?}: progress unwritten at rest: {:?}",
-            tr.task
-        );
+        let task = &tr.task;
+        assert!(started, "{event:?}: progress unwritten at rest: {task:?}");
     }
     if tr.actions.first() == Some(&Action::Persist) {
         assert!(tr.task.is_dirty());

@@ -26,27 +26,20 @@ fn no_io_or_async_crate_is_a_normal_dependency() {
         .output()
         .expect("run cargo tree");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "cargo tree failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "cargo tree failed: {stderr}");
     let crates: Vec<&str> = stdout
         .lines()
         .filter_map(|l| l.split_whitespace().next())
         .collect();
     // The listing is real: the crate itself and its known dependencies are in it.
     for expected in ["shim-task", "serde", "sha2", "thiserror"] {
-        assert!(
-            crates.contains(&expected),
-            "{expected} missing in:\n{stdout}"
-        );
+        let listed = crates.contains(&expected);
+        assert!(listed, "{expected} missing in:\n{stdout}");
     }
     for name in FORBIDDEN_CRATES.split_whitespace() {
-        assert!(
-            !crates.contains(&name),
-            "{name} is a dependency of shim-task:\n{stdout}"
-        );
+        let forbidden = crates.contains(&name);
+        assert!(!forbidden, "{name} is a dependency of shim-task:\n{stdout}");
     }
 }
 
@@ -68,10 +61,8 @@ fn sources_use_no_io_clock_or_runtime() {
     rust_files(&src, &mut files);
     // The scan sees the crate: its core modules are there.
     for module in ["lib.rs", "machine/mod.rs", "restore.rs", "record.rs"] {
-        assert!(
-            files.iter().any(|f| f.ends_with(module)),
-            "{module} not scanned"
-        );
+        let scanned = files.iter().any(|f| f.ends_with(module));
+        assert!(scanned, "{module} not scanned");
     }
     let mut found = Vec::new();
     for file in &files {

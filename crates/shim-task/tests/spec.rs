@@ -566,11 +566,8 @@ fn an_exit_message_keeps_the_end_of_huge_lines() {
     let mut t = running();
     t.go(seen(exited(1, &["first", &huge, "last words"])));
     let message = t.info().termination_message;
-    assert!(
-        message.len() <= EXIT_MESSAGE_MAX_BYTES + "…".len(),
-        "{}",
-        message.len()
-    );
+    let len = message.len();
+    assert!(len <= EXIT_MESSAGE_MAX_BYTES + "…".len(), "{len}");
     assert!(message.starts_with("…é") && message.ends_with("é\nlast words"));
 }
 
