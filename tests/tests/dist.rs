@@ -8,20 +8,17 @@
 //!   from inside a Debian 11 root file system (glibc 2.31, as Ubuntu 20.04), entered with
 //!   `chroot`, on this machine's Docker;
 //! - the dstack server's own instance check (PyPI `dstack[server]`) keeps the artifact built
-//!   for its release and replaces one built for an older release, and replaces the current one
+//!   for its release, replaces one built for an older release, and replaces the current one
 //!   when the server is a release newer;
 //! - the dstack server's own client and pipeline code drive each architecture's artifact
-//!   through a task's lifecycle on this machine's Docker (`tests/dstack-server/lifecycle.py`):
-//!   this machine's natively, the other one's (arm64 on an amd64 machine) under qemu-user,
-//!   whose binfmt_misc entry also runs the shim's own `--version` (only the shim is emulated:
-//!   the containers are this machine's).
+//!   through a task's lifecycle (`tests/dstack-server/lifecycle.py`): this machine's natively,
+//!   the other one's under qemu-user (whose binfmt_misc entry also runs the shim's own
+//!   `--version`; only the shim is emulated, the containers are this machine's).
 //!
-//! The artifacts are built by `cargo xtask ci` before its test step (`cargo xtask dist --arch
-//! all` and `cargo xtask dist --upstream-version 0.22.4`); a test whose artifact is missing
-//! fails and says which command makes it. Like the dev-env fixtures (qemu-user-static, the
-//! cross glibc and the binfmt_misc entry among them), they are expected when
-//! `SHIM_TEST_DOCKER=1` (CI), so the tests are ignored (and need that variable) like the other
-//! Docker tests.
+//! `cargo xtask ci` builds the artifacts before its test step (`cargo xtask dist --arch all`
+//! and `cargo xtask dist --upstream-version 0.22.4`); a test whose artifact is missing fails
+//! and says which command makes it. Like the dev-env fixtures (qemu-user-static, the cross
+//! glibc, the binfmt_misc entry), they are expected with `SHIM_TEST_DOCKER=1` (CI).
 //!
 //! Run: `cargo xtask dist --arch all && cargo xtask dist --upstream-version 0.22.4 &&
 //! SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1 cargo nextest run -p shim-e2e --test dist
@@ -42,7 +39,8 @@ use serde_json::json;
 use shim_e2e::harness::artifact::{self, Arch};
 use shim_e2e::harness::{
     ContainerSweeper, Request, ShimProcess, bridge_task, container_running, docker_socket,
-    free_port, run_tag, runner_dir, shim_binary, ssh_key, tail, wait_until, write_runner_exit,
+    free_port, open_log, run_tag, runner_dir, shim_binary, ssh_key, tail, wait_until,
+    write_runner_exit,
 };
 use shim_e2e::{
     DSTACK_VERSION, OLD_ROOTFS_SUITE, OLDER_DSTACK_VERSION, dist_artifact, dist_dir, dstack_python,
@@ -87,22 +85,16 @@ fn python() -> PathBuf {
 
 /// The stdout and stderr of `out`, for messages.
 fn text(out: &Output) -> String {
-    format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    format!("{}\n{}", text(&out.stdout), text(&out.stderr))
 }
 
 /// Runs `command --version` (`how` names it), which must print the version line of `release`.
 fn assert_version(command: &mut Command, release: &str, how: &str) {
     let out = command.arg("--version").output().unwrap();
     assert!(out.status.success(), "{how}: {}", text(&out));
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout).trim_end(),
-        artifact::version_line(release),
-        "{how}"
-    );
+    let line = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(line.trim_end(), artifact::version_line(release), "{how}");
 }
 
 /// The checks CI makes of one artifact; `run` also runs its `--version` (this architecture).
@@ -126,14 +118,13 @@ fn check_artifact(path: &Path, release: &str, run: bool) {
 
     // The checksum file, as the file module checks it and as an operator does.
     artifact::verify_sha256(path).unwrap();
-    let dir = path.parent().unwrap();
     let sha = artifact::sha256_file(path);
-    let checked = Command::new("sha256sum")
+    let mut check = Command::new("sha256sum");
+    check
         .arg("--check")
         .arg(sha.file_name().unwrap())
-        .current_dir(dir)
-        .output()
-        .unwrap();
+        .current_dir(path.parent().unwrap());
+    let checked = check.output().unwrap();
     assert!(checked.status.success(), "sha256sum --check: {checked:?}");
 
     // The debug info is beside it, and the binary names it.
@@ -188,9 +179,7 @@ fn other_artifact() -> PathBuf {
     existing(path, "cargo xtask dist --arch all")
 }
 
-// ---------------------------------------------------------------------------------------------
-// An older distribution
-// ---------------------------------------------------------------------------------------------
+// ---- An older distribution
 
 /// Runs `program args..` inside `rootfs` with `chroot`, in a mount namespace of its own (so
 /// every mount below goes away with the process, however the test ends): a private `/tmp` with
@@ -284,19 +273,22 @@ fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
         .tempdir_in("/tmp")
         .unwrap();
     let work_path = work.path().to_owned();
-    let home = work_path.join("home");
+    let (home, root_home) = (work_path.join("home"), work_path.join("root-home"));
     fs_err::create_dir_all(&home).unwrap();
-    let root_home = work_path.join("root-home");
     fs_err::create_dir_all(&root_home).unwrap();
     let _sweeper = ContainerSweeper::for_home(&home);
-    let shim = work_path.join("dstack-shim");
-    fs_err::copy(&artifact, &shim).unwrap();
-    let runner = work_path.join("dstack-runner");
-    fs_err::copy(runner_path(), &runner).unwrap();
+    let copy = |from: &Path, name: &str| {
+        let to = work_path.join(name);
+        fs_err::copy(from, &to).unwrap();
+        to
+    };
+    let (shim, runner) = (
+        copy(&artifact, "dstack-shim"),
+        copy(&runner_path(), "dstack-runner"),
+    );
 
     // The ordinary build of this machine does not start there.
-    let host_build = work_path.join("dstack-shim-host-build");
-    fs_err::copy(shim_binary(), &host_build).unwrap();
+    let host_build = copy(shim_binary(), "dstack-shim-host-build");
     let out = in_rootfs(&rootfs, &work_path, &host_build)
         .arg("--version")
         .output()
@@ -323,30 +315,24 @@ fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
     command
         .arg("--shim-home")
         .arg(&home)
-        .args(["--shim-http-port", &port.to_string()])
-        .arg("--runner-binary-path")
-        .arg(&runner)
-        .arg("--volumes-root")
-        .arg(work_path.join("volumes"))
-        .args(["--shim-log-level", "5"]);
+        .args(["--shim-http-port", &port.to_string()]);
+    command.arg("--runner-binary-path").arg(&runner);
+    command.arg("--volumes-root").arg(work_path.join("volumes"));
+    command.args(["--shim-log-level", "5"]);
     let mut process = ShimProcess::from_command(command, port, &log).unwrap();
     // A failure shows the end of the shim's log.
     let dump = |what: &str| format!("{what}\n{}", tail(&log, 80));
     let fail = |e: std::io::Error| -> ! { panic!("{}", dump(&e.to_string())) };
-    process
-        .wait_answering(START_BOUND, Duration::from_millis(20))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let answering = process.wait_answering(START_BOUND, Duration::from_millis(20));
+    answering.unwrap_or_else(|e| panic!("{e}"));
     let api = process.api();
     let get = |path: &str| Request::get(path).send(api.addr).unwrap().ok();
     let version = artifact::version_line(DSTACK_VERSION);
     let version = version.rsplit(' ').next().unwrap();
     assert_eq!(get("/api/healthcheck")["version"], version);
     let components = get("/api/components");
-    let shim_component = components["components"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "dstack-shim");
+    let listed = components["components"].as_array().unwrap();
+    let shim_component = listed.iter().find(|c| c["name"] == "dstack-shim");
     assert_eq!(
         shim_component,
         Some(&json!({"name": "dstack-shim", "version": version, "status": "installed"})),
@@ -405,9 +391,7 @@ fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
     assert!(status.success(), "{}", dump(&format!("{status:?}")));
 }
 
-// ---------------------------------------------------------------------------------------------
-// The dstack server's instance check
-// ---------------------------------------------------------------------------------------------
+// ---- The dstack server's instance check
 
 /// The server's `DSTACK_SHIM_DOWNLOAD_URL` in these runs (nothing is fetched: the check
 /// records install requests instead of sending them).
@@ -443,9 +427,8 @@ fn start_shim(binary: &Path, installed: &Path, runner_version: &str, root: &Path
     let env = [("STUB_RUNNER_VERSION", std::ffi::OsStr::new(runner_version))];
     let log = home.with_extension("log");
     let mut process = ShimProcess::spawn_with_env(binary, &home, port, &args, &env, &log).unwrap();
-    process
-        .wait_answering(START_BOUND, Duration::from_millis(20))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let answering = process.wait_answering(START_BOUND, Duration::from_millis(20));
+    answering.unwrap_or_else(|e| panic!("{e}"));
     process
 }
 
@@ -540,9 +523,7 @@ fn the_next_release_and_its_url() {
     );
 }
 
-// ---------------------------------------------------------------------------------------------
-// A task's lifecycle, driven by the dstack server's client, natively and under qemu
-// ---------------------------------------------------------------------------------------------
+// ---- A task's lifecycle, driven by the dstack server's client, natively and under qemu
 
 /// The checks `tests/dstack-server/lifecycle.py` makes (its last line counts them).
 const LIFECYCLE_CHECKS: usize = 11;
@@ -563,6 +544,7 @@ fn lifecycle(shim: &Path, prefix: Option<&Path>, env: &[(&str, &Path)]) -> Durat
     let _sweeper = ContainerSweeper::for_home(&work.path().join("home"));
     let output = work.path().join("lifecycle.out");
     let mut command = Command::new(python);
+    let log = || Stdio::from(open_log(&output).unwrap());
     command
         .arg(repo_root().join("tests/dstack-server/lifecycle.py"))
         .arg(format!("--shim={}", shim.display()))
@@ -576,8 +558,8 @@ fn lifecycle(shim: &Path, prefix: Option<&Path>, env: &[(&str, &Path)]) -> Durat
         .arg(format!("--registry-username={}", registry_user()))
         .arg(format!("--registry-password={}", registry_password()))
         .stdin(Stdio::null())
-        .stdout(shim_e2e::harness::open_log(&output).unwrap())
-        .stderr(shim_e2e::harness::open_log(&output).unwrap());
+        .stdout(log())
+        .stderr(log());
     if let Some(prefix) = prefix {
         command.arg(format!("--prefix={}", prefix.display()));
     }
@@ -630,10 +612,8 @@ fn lifecycle(shim: &Path, prefix: Option<&Path>, env: &[(&str, &Path)]) -> Durat
 fn the_dstack_servers_client_drives_the_artifact_through_a_task_lifecycle() {
     require_docker();
     let took = lifecycle(&artifact_for(DSTACK_VERSION), None, &[]);
-    eprintln!(
-        "MEASURED the lifecycle of the {} artifact: {took:.1?}",
-        Arch::host().go_name()
-    );
+    let arch = Arch::host().go_name();
+    eprintln!("MEASURED the lifecycle of the {arch} artifact: {took:.1?}");
 }
 
 /// qemu's name of `arch`'s CPU (`qemu-aarch64-static`, `/usr/aarch64-linux-gnu`).
@@ -678,26 +658,17 @@ fn the_other_architectures_artifact_runs_under_qemu_through_a_task_lifecycle() {
         "{} is not an enabled binfmt_misc entry ({registered:?}): {dev_env}",
         entry.display()
     );
-    assert_version(
-        Command::new(&qemu).arg("-L").arg(&sysroot).arg(&artifact),
-        DSTACK_VERSION,
-        &format!(
-            "{} -L {} {}",
-            qemu.display(),
-            sysroot.display(),
-            artifact.display()
-        ),
-    );
-    assert_version(
-        Command::new(&artifact).env("QEMU_LD_PREFIX", &sysroot),
-        DSTACK_VERSION,
-        &format!("{} through binfmt_misc", artifact.display()),
-    );
+    let (shown, sysroot_shown) = (artifact.display(), sysroot.display());
+    let mut under_qemu = Command::new(&qemu);
+    under_qemu.arg("-L").arg(&sysroot).arg(&artifact);
+    let how = format!("{} -L {sysroot_shown} {shown}", qemu.display());
+    assert_version(&mut under_qemu, DSTACK_VERSION, &how);
+    let mut through_binfmt = Command::new(&artifact);
+    through_binfmt.env("QEMU_LD_PREFIX", &sysroot);
+    let how = format!("{shown} through binfmt_misc");
+    assert_version(&mut through_binfmt, DSTACK_VERSION, &how);
 
     let took = lifecycle(&artifact, Some(&qemu), &[("QEMU_LD_PREFIX", &sysroot)]);
-    eprintln!(
-        "MEASURED the lifecycle of the {} artifact under {}: {took:.1?}",
-        arch.go_name(),
-        qemu.display()
-    );
+    let (arch, qemu) = (arch.go_name(), qemu.display());
+    eprintln!("MEASURED the lifecycle of the {arch} artifact under {qemu}: {took:.1?}");
 }
