@@ -162,10 +162,9 @@ fn bounded_reads_refuse_what_is_not_a_small_regular_file() {
     assert_eq!(d.read_file("ten", 10).unwrap().unwrap().0, b"0123456789");
     let (_, info) = d.read_file("ten", 10).unwrap().unwrap();
     assert_eq!((info.kind, info.len), (FileKind::Regular, 10));
-    assert!(matches!(
-        d.read_file("ten", 9),
-        Err(FsError::TooLarge { max: 9, .. })
-    ));
+    let nine = d.read_file("ten", 9);
+    let too_large = matches!(nine, Err(FsError::TooLarge { max: 9, .. }));
+    assert!(too_large, "{nine:?}");
     assert!(d.read_file("missing", 10).unwrap().is_none());
     fs_err::create_dir(tmp.path().join("dir")).unwrap();
     assert_eq!(found(d.read_file("dir", 10)), "a directory");

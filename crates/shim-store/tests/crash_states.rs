@@ -286,11 +286,8 @@ fn run(actions: &[(usize, Action)], concurrent: bool, bug: Option<Bug>) -> Run {
     }
     // Every operation went through the recorder: the recorded tree is the disk's.
     assert!(log.problems.is_empty(), "{:?}", log.problems);
-    assert_eq!(
-        log.live().listing(),
-        Tree::read(&home).unwrap().listing(),
-        "an operation bypassed the recorder"
-    );
+    let (live, disk) = (log.live().listing(), Tree::read(&home).unwrap().listing());
+    assert_eq!(live, disk, "an operation bypassed the recorder");
     Run {
         _tmp: tmp,
         log,
@@ -569,11 +566,8 @@ fn assert_caught(bug: Bug, kinds: &[Wrong]) {
         eprintln!("  {n} states {wrong:?}; the first: {first}");
     }
     for kind in kinds {
-        assert!(
-            found.contains_key(kind),
-            "{kind:?} not in {:?}",
-            found.keys()
-        );
+        let caught = found.contains_key(kind);
+        assert!(caught, "{kind:?} not in {:?}", found.keys());
     }
 }
 
@@ -637,11 +631,8 @@ fn concurrent_submits_sharing_one_group_commit_have_no_violating_crash_state() {
             _ => None,
         })
         .collect();
-    assert_eq!(
-        renames.len(),
-        TASKS,
-        "every submit renamed a spare into place"
-    );
+    let n = renames.len();
+    assert_eq!(n, TASKS, "every submit renamed a spare into place");
     let (first, runners) = renames[0];
     // One fsync of the runners directory after the last rename, before any submit returned.
     let last = renames[TASKS - 1].0;
@@ -654,10 +645,8 @@ fn concurrent_submits_sharing_one_group_commit_have_no_violating_crash_state() {
         .iter()
         .filter(|op| matches!(op, Op::FsyncDir { dir } if *dir == runners))
         .count();
-    assert!(
-        last < first_end,
-        "a submit returned before the others renamed"
-    );
+    let ordered = last < first_end;
+    assert!(ordered, "a submit returned before the others renamed");
     assert_eq!(commits, 1, "one shared fsync of the runners directory");
     assert_no_violating_state(&run, "three concurrent submits");
 }

@@ -63,11 +63,9 @@ fn a_state_file_written_by_the_upstream_shim_is_adopted_as_is() {
         .replace(r#""cleaned_up":false"#, r#""cleaned_up":true"#);
     fs_err::write(&p.state_file, terminated).unwrap();
     let r = store.read(UPSTREAM_CONTAINER).unwrap().unwrap();
+    assert_eq!(r.status, TaskStatus::Terminated);
     let by_user = Some(TerminationReason::TerminatedByUser);
-    assert_eq!(
-        (r.status, &r.termination_reason),
-        (TaskStatus::Terminated, &by_user)
-    );
+    assert_eq!(r.termination_reason, by_user);
     assert!(r.resources.released);
 
     // A config upstream stored but this shim would refuse (a key with a line break): the task

@@ -368,10 +368,8 @@ fn a_directory_marked_as_mounted_whole_is_never_read() {
     store.mark_mounted_whole("marked").unwrap();
     store.mark_mounted_whole("marked").unwrap();
     let entries = store.scan().unwrap();
-    assert!(
-        matches!(&entries[..], [ScanEntry::MountedWhole { name, .. }] if name == "marked"),
-        "{entries:?}"
-    );
+    let whole = matches!(&entries[..], [ScanEntry::MountedWhole { name, .. }] if name == "marked");
+    assert!(whole, "{entries:?}");
     let left = fs_err::read(&forged).unwrap();
     assert_eq!(left, b"{ not a record", "left as it was");
     store.delete("marked").unwrap();
