@@ -171,23 +171,19 @@ fn serves_logs_and_stops_on_sigterm() {
     let (status, body) = http(&shim, "GET", "/api/components", None);
     assert_eq!(status, 200);
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(
-        v["components"],
-        json!([
-            {"name": "dstack-runner", "version": "", "status": "not-installed"},
-            {"name": "dstack-shim", "version": version(), "status": "installed"},
-        ])
-    );
+    let components = json!([
+        {"name": "dstack-runner", "version": "", "status": "not-installed"},
+        {"name": "dstack-shim", "version": version(), "status": "installed"},
+    ]);
+    assert_eq!(v["components"], components);
 
     let log = home.path().join("shim.log");
     let text = fs_err::read_to_string(&log).unwrap();
     assert!(text.contains("starting dstack-shim"), "{text}");
     assert!(text.contains("DEBUG"), "{text}");
     assert!(!text.contains("/api/healthcheck"), "{text}");
-    assert!(
-        !text.contains("hyper_util"),
-        "the libraries log at info at most: {text}"
-    );
+    let libraries = "the libraries log at info at most";
+    assert!(!text.contains("hyper_util"), "{libraries}: {text}");
     let mode = fs_err::metadata(&log).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o600);
 
@@ -196,10 +192,8 @@ fn serves_logs_and_stops_on_sigterm() {
     let status = shim.wait_exit(BOUND).unwrap();
     assert!(status.success(), "{status}");
     let text = fs_err::read_to_string(&log).unwrap();
-    assert!(
-        text.contains("dstack-shim stopped; containers keep running"),
-        "{text}"
-    );
+    let stopped = "dstack-shim stopped; containers keep running";
+    assert!(text.contains(stopped), "{text}");
     assert!(TcpStream::connect(addr).is_err());
 }
 
@@ -249,11 +243,8 @@ fn a_signal_during_the_runners_install_stops_the_shim() {
     });
     shim.sigterm().unwrap();
     let status = shim.wait_exit(Duration::from_secs(10)).unwrap();
-    assert!(
-        status.success(),
-        "{status}: {}",
-        fs_err::read_to_string(&log).unwrap()
-    );
+    let output = fs_err::read_to_string(&log).unwrap();
+    assert!(status.success(), "{status}: {output}");
     assert!(!Path::new(runner).exists());
 }
 
@@ -267,20 +258,16 @@ fn a_second_shim_on_the_same_home_or_port_refuses_to_start() {
     let home = tempfile::tempdir().unwrap();
     let first = start(home.path(), &[]);
     let run = |home: &Path, port: u16| {
-        Command::new(BIN)
-            .args(["--shim-home", &home.display().to_string()])
-            .args(["--shim-http-port", &port.to_string()])
-            .output()
-            .unwrap()
+        let (home, port) = (home.display().to_string(), port.to_string());
+        let args = ["--shim-home", &home, "--shim-http-port", &port];
+        Command::new(BIN).args(args).output().unwrap()
     };
 
     let out = run(home.path(), free_port().unwrap());
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains("another dstack-shim uses the home"),
-        "{stderr}"
-    );
+    let in_use = "another dstack-shim uses the home";
+    assert!(stderr.contains(in_use), "{stderr}");
 
     // Another home, the first shim's port: refused before its restore runs (nothing of a
     // restore, such as the owner identity, is written).
@@ -370,29 +357,21 @@ fn stalled_connections_do_not_make_the_api_unreachable() {
     setrlimit(Resource::RLIMIT_NOFILE, soft, hard).unwrap();
     let shim = started.unwrap();
     let limits = fs_err::read_to_string(format!("/proc/{}/limits", shim.pid())).unwrap();
-    let open_files = limits
-        .lines()
-        .find(|l| l.starts_with("Max open files"))
-        .unwrap()
-        .split_whitespace()
-        .skip(3)
-        .take(2)
-        .map(|n| n.parse::<u64>().unwrap())
-        .collect::<Vec<_>>();
-    assert_eq!(open_files, [hard, hard], "{limits}");
+    // The soft and the hard limit, in the line's 4th and 5th fields.
+    let open_files = limits.lines().find(|l| l.starts_with("Max open files"));
+    let fields: Vec<_> = open_files.unwrap().split_whitespace().collect();
+    let (hard_text, got) = (hard.to_string(), &fields[3..5]);
+    assert_eq!(got, [hard_text.as_str(); 2], "{limits}");
     let log = fs_err::read_to_string(home.path().join("shim.log")).unwrap();
-    assert!(
-        log.contains("raised the open-files limit to the hard limit"),
-        "{log}"
-    );
+    let raised = "raised the open-files limit to the hard limit";
+    assert!(log.contains(raised), "{log}");
 
+    let half = b"GET /api/healthcheck HTTP/1.1\r\nHost: x\r\nX-Half: ";
     let stalled: Vec<TcpStream> = (0..300)
         .map(|i| {
             let mut stream = TcpStream::connect(shim.addr()).unwrap();
             if i % 2 == 1 {
-                stream
-                    .write_all(b"GET /api/healthcheck HTTP/1.1\r\nHost: x\r\nX-Half: ")
-                    .unwrap();
+                stream.write_all(half).unwrap();
             }
             stream
         })

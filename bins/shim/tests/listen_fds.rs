@@ -57,11 +57,12 @@ fn serves_a_socket_passed_as_systemd_passes_it() {
     shim_e2e::require_docker();
     let home = tempfile::tempdir().unwrap();
     let port = free_port().unwrap();
+    let port_arg = port.to_string();
     let command = activated(
         "127.0.0.1",
         port,
         home.path(),
-        &["--shim-http-port", &port.to_string()],
+        &["--shim-http-port", &port_arg],
     );
     let log = home.path().join("stdio.log");
     let mut shim = ShimProcess::from_command(command, port, &log).unwrap();
@@ -70,16 +71,14 @@ fn serves_a_socket_passed_as_systemd_passes_it() {
     let answer = Request::get("/api/healthcheck").send(shim.addr()).unwrap();
     assert_eq!(answer.status, 200);
     let fd3 = fs_err::read_link(format!("/proc/{}/fd/3", shim.pid())).unwrap();
+    let fd3 = fd3.to_string_lossy();
     assert!(
-        fd3.to_string_lossy().starts_with("socket:"),
-        "fd 3 is the passed socket: {}",
-        fd3.display()
+        fd3.starts_with("socket:"),
+        "fd 3 is the passed socket: {fd3}"
     );
     let text = fs_err::read_to_string(&log).unwrap();
-    assert!(
-        text.contains("serving the listening socket passed by the parent"),
-        "{text}"
-    );
+    let passed = "serving the listening socket passed by the parent";
+    assert!(text.contains(passed), "{text}");
     // Passed to no child: a shutdown (nothing new installed) exits, and the port is free.
     let answer = Request::post("/api/shutdown")
         .json(&serde_json::json!({"force": false}))
@@ -98,17 +97,12 @@ fn serves_a_socket_passed_as_systemd_passes_it() {
 fn refuses_a_passed_socket_that_is_not_loopback() {
     let home = tempfile::tempdir().unwrap();
     let port = free_port().unwrap();
-    let out = activated("0.0.0.0", port, home.path(), &[])
-        .output()
-        .unwrap();
+    let out = activated("0.0.0.0", port, home.path(), &[]).output();
+    let out = out.unwrap();
     assert!(!out.status.success(), "{out:?}");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains(&format!(
-            "refusing to listen on 0.0.0.0:{port}: the shim API is loopback-only"
-        )),
-        "{stderr}"
-    );
+    let refused = format!("refusing to listen on 0.0.0.0:{port}: the shim API is loopback-only");
+    assert!(stderr.contains(&refused), "{stderr}");
 }
 
 /// `LISTEN_PID` of another process (the parent's variables, inherited) is ignored: the binary
@@ -135,8 +129,6 @@ fn ignores_variables_for_another_process_and_refuses_bad_ones() {
         .unwrap();
     assert!(!out.status.success(), "{out:?}");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains("LISTEN_FDS=2: this shim serves one socket"),
-        "{stderr}"
-    );
+    let refused = "LISTEN_FDS=2: this shim serves one socket";
+    assert!(stderr.contains(refused), "{stderr}");
 }
