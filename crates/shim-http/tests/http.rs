@@ -88,7 +88,9 @@ async fn task_lifecycle_routes() {
     let terminate = "POST /api/tasks/t1/terminate";
     let by_user = "{\"termination_reason\":\"terminated_by_user\",\"termination_message\":\"bye\",\
                    \"timeout\":10}";
-    let v = s.ask(&format!("{terminate} {by_user}")).await.json();
+    let r = s.ask(&format!("{terminate} {by_user}")).await;
+    assert_eq!(r.status, 200, "{r:?}");
+    let v = r.json();
     assert_eq!(v["status"], "terminated");
     assert_eq!(v["termination_reason"], "terminated_by_user");
     assert_eq!(v["termination_message"], "bye");
@@ -96,14 +98,15 @@ async fn task_lifecycle_routes() {
         let r = s.ask(&format!("{terminate} {body}")).await;
         assert_eq!(r.status, 200, "{r:?}");
     }
-    assert_eq!(
-        *s.engine.terminations.lock().unwrap(),
-        vec![
-            ("t1".into(), "terminated_by_user".into(), "bye".into(), 10),
-            ("t1".into(), String::new(), String::new(), 0),
-            ("t1".into(), String::new(), String::new(), 0),
-        ]
+    let by_user = (
+        "t1".to_owned(),
+        "terminated_by_user".to_owned(),
+        "bye".to_owned(),
+        10,
     );
+    let defaults = || ("t1".to_owned(), String::new(), String::new(), 0);
+    let asked = [by_user, defaults(), defaults()];
+    assert_eq!(*s.engine.terminations.lock().unwrap(), asked);
 
     // Remove sends no body at all (Python passes json=None); upstream answers it as every
     // handler that returns nothing.
@@ -466,11 +469,13 @@ async fn component_routes() {
         ]})
     );
     s.assert_refusals(&[
-        r#"empty_name: POST /api/components/install {"name":"","url":"u"} => 400 empty name"#,
+        "empty_name: POST /api/components/install {\"name\":\"\",\"url\":\"http://x/y\"} => \
+         400 empty name",
         r#"no_name: POST /api/components/install {"url":"http://x/y"} => 400 empty name"#,
         "unknown_component: POST /api/components/install \
          {\"name\":\"dstack-gateway\",\"url\":\"http://x/y\"} => 400 unknown component",
-        r#"empty_url: POST /api/components/install {"name":"dstack-runner","url":""} => 400 empty url"#,
+        "empty_url: POST /api/components/install {\"name\":\"dstack-runner\",\"url\":\"\"} => \
+         400 empty url",
         "while_installing: POST /api/components/install \
          {\"name\":\"dstack-shim\",\"url\":\"http://x/y\"} => 409 already installing",
     ])
