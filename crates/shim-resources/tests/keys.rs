@@ -150,10 +150,8 @@ impl Home {
 
     #[track_caller]
     fn assert_foreign_line_kept(&self) {
-        assert!(
-            self.read().starts_with(&format!("{K4}\n")),
-            "foreign line kept"
-        );
+        let kept = self.read().starts_with(&format!("{K4}\n"));
+        assert!(kept, "foreign line kept");
     }
 
     /// Fingerprints of the marked lines, in file order.
@@ -180,10 +178,8 @@ async fn creates_ssh_dir_and_file_with_modes_and_owner() {
     assert_eq!(mode(&h.file()), 0o600);
     let meta = fs_err::metadata(h.file()).unwrap();
     assert_eq!(meta.uid(), nix::unistd::getuid().as_raw());
-    assert_eq!(
-        h.read(),
-        format!("{} {MARKER}\n{} {MARKER}\n", key(K1).line(), key(K4).line())
-    );
+    let want = format!("{} {MARKER}\n{} {MARKER}\n", key(K1).line(), key(K4).line());
+    assert_eq!(h.read(), want);
     // No backup of a file that did not exist; no temp file left.
     assert!(!h.home.join(".ssh/authorized_keys.bak").exists());
     let names: Vec<_> = fs_err::read_dir(h.home.join(".ssh"))
@@ -234,10 +230,8 @@ async fn preserves_foreign_lines_mode_and_keeps_backup() {
     add(&h.manager, "t1", "alice", &[K1]).await;
     assert_eq!(h.read(), format!("{original}{} {MARKER}\n", key(K1).line()));
     assert_eq!(mode(&h.file()), 0o640, "mode kept");
-    assert_eq!(
-        fs_err::read_to_string(h.home.join(".ssh/authorized_keys.bak")).unwrap(),
-        original
-    );
+    let backup = fs_err::read_to_string(h.home.join(".ssh/authorized_keys.bak")).unwrap();
+    assert_eq!(backup, original);
     remove(&h.manager, "t1", "alice", &[]).await;
     assert_eq!(h.read(), original, "back to the original byte for byte");
     assert_eq!(mode(&h.file()), 0o640);
@@ -352,10 +346,8 @@ async fn unknown_or_invalid_user_is_an_error_and_registers_nothing() {
     assert!(matches!(e, ResourcesError::UnknownUser { .. }), "{e}");
     for bad in ["../etc", "a/b", ".", "..", "a\nb", "a\rb", "a\0b"] {
         let e = add_err(&h.manager, "a", bad, &[K1]).await;
-        assert!(
-            matches!(e, ResourcesError::InvalidUser { .. }),
-            "{bad:?}: {e}"
-        );
+        let invalid = matches!(e, ResourcesError::InvalidUser { .. });
+        assert!(invalid, "{bad:?}: {e}");
     }
     // An empty user with keys fails with a clear error; without keys there is nothing to do.
     let e = add_err(&h.manager, "a", "", &[K1]).await;
@@ -382,41 +374,33 @@ async fn a_live_tasks_keys_wait_for_a_home_or_user_not_there_yet() {
     add(&h.manager, "a", "alice", &[K1]).await;
     let unmounted = h.beside("alice-not-mounted");
     fs_err::rename(&h.home, &unmounted).unwrap();
-    for grace in [None, Some(std::time::Duration::ZERO)] {
-        let m = match grace {
-            None => h.restarted(),
-            Some(g) => h.restarted().with_user_grace(g),
-        };
-        restore(&m, "a", "alice", &[K1]);
-        restore(&m, "m", "mallory", &[K2]);
+    // A restarted manager's removes of a's keys (alice's home not there) and m's (mallory
+    // unknown).
+    let removes = async |m: &AuthorizedKeysManager| {
+        restore(m, "a", "alice", &[K1]);
+        restore(m, "m", "mallory", &[K2]);
         let home = m.remove(&task("a"), "alice", &keys(&[K1])).await;
-        let user = m.remove(&task("m"), "mallory", &keys(&[K2])).await;
-        match grace {
-            None => {
-                assert!(
-                    matches!(home, Err(ResourcesError::HomeMissing { .. })),
-                    "{home:?}"
-                );
-                assert!(
-                    matches!(user, Err(ResourcesError::UnknownUser { .. })),
-                    "{user:?}"
-                );
-                // A hold of unknown user rewrites every user seen, these two included: not
-                // its own lines, so nothing of it waits for them.
-                m.hold_unknown(&task("u"), None);
-                let unknown = m.remove(&task("u"), "", &[]).await;
-                assert!(unknown.is_ok(), "{unknown:?}");
-                fs_err::rename(&unmounted, &h.home).unwrap();
-                remove(&m, "a", "alice", &[K1]).await;
-                assert!(
-                    !h.read().contains(&mark(K1)),
-                    "taken out once the home is there"
-                );
-                fs_err::rename(&h.home, &unmounted).unwrap();
-            }
-            Some(_) => assert!(home.is_ok() && user.is_ok(), "{home:?} {user:?}"),
-        }
-    }
+        (home, m.remove(&task("m"), "mallory", &keys(&[K2])).await)
+    };
+    let past_grace = h.restarted().with_user_grace(std::time::Duration::ZERO);
+    let (home, user) = removes(&past_grace).await;
+    assert!(home.is_ok() && user.is_ok(), "{home:?} {user:?}");
+
+    let m = h.restarted();
+    let (home, user) = removes(&m).await;
+    let home_missing = matches!(home, Err(ResourcesError::HomeMissing { .. }));
+    assert!(home_missing, "{home:?}");
+    let user_unknown = matches!(user, Err(ResourcesError::UnknownUser { .. }));
+    assert!(user_unknown, "{user:?}");
+    // A hold of unknown user rewrites every user seen, these two included: not its own lines,
+    // so nothing of it waits for them.
+    m.hold_unknown(&task("u"), None);
+    let unknown = m.remove(&task("u"), "", &[]).await;
+    assert!(unknown.is_ok(), "{unknown:?}");
+    fs_err::rename(&unmounted, &h.home).unwrap();
+    remove(&m, "a", "alice", &[K1]).await;
+    let taken_out = !h.read().contains(&mark(K1));
+    assert!(taken_out, "taken out once the home is there");
 }
 
 #[tokio::test]
@@ -482,11 +466,8 @@ async fn hold_without_user_covers_every_user_until_removed() {
     h.manager.hold_unknown(&task("lost"), None);
     add(&h.manager, "b", "bob", &[K2]).await;
     remove(&h.manager, "b", "bob", &[K2]).await;
-    assert_eq!(
-        h.read_of("bob"),
-        format!("{}\n", mark(K4)),
-        "unknown origin kept while a task of unknown user and keys lives"
-    );
+    let msg = "unknown origin kept while a task of unknown user and keys lives";
+    assert_eq!(h.read_of("bob"), format!("{}\n", mark(K4)), "{msg}");
     // The held task's keys become known (restore replaces the hold): K4 is no longer
     // protected, and the next rewrite for bob prunes it.
     restore(&h.manager, "lost", "alice", &[K1]);
