@@ -138,10 +138,8 @@ fn unknown_values_and_gpus_without_uuid() {
             &format!("GPU UUID                              : {GPU1}"),
             "",
         );
-    assert_eq!(
-        parse_nvidia_smi_query(&text).unwrap(),
-        [gpu(GPU0, 0, BUS0, &[])]
-    );
+    let gpus = parse_nvidia_smi_query(&text).unwrap();
+    assert_eq!(gpus, [gpu(GPU0, 0, BUS0, &[])]);
 }
 
 #[test]
@@ -243,11 +241,11 @@ fn xid_79_on_a_known_bus_marks_that_gpu() {
     let events = t.scan(&fixture("kmsg-xids.txt"));
     // The application XIDs on GPU 0 are skipped; XID 48 on 0000:af:00 (no known GPU) is
     // logged and ignored.
-    let message = "GPU has fallen off the bus".to_owned();
+    let (uuid, message) = (GPU1.to_owned(), "GPU has fallen off the bus".to_owned());
     assert_eq!(
         events,
         [XidEvent {
-            uuid: GPU1.to_owned(),
+            uuid,
             code: 79,
             message
         }]
