@@ -121,7 +121,8 @@ async fn serves_each_tasks_gpus_from_a_supervised_exporter() {
     assert_eq!(got.matches(GPU1).count(), 9);
     assert_eq!(got.matches(GPU7).count(), 9);
 
-    // No GPUs, or GPUs the exporter does not know: an empty body.
+    // No GPUs (upstream: runner/internal/shim/dcgm/metrics.go, FilterMetrics: no ids, nothing
+    // kept), or GPUs the exporter does not know: an empty body.
     assert_eq!(task_metrics(&exporter, &[]).await.unwrap(), "");
     let unknown = "GPU-00000000-0000-0000-0000-000000000000";
     assert_eq!(task_metrics(&exporter, &[unknown]).await.unwrap(), "");

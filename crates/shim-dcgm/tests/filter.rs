@@ -58,15 +58,6 @@ DCGM_FI_DEV_MEMORY_TEMP{gpu="3",UUID="GPU-fb615fb7-3f5a-5600-0ab1-debad8dc80ee",
     assert_eq!(filtered, expected);
 }
 
-// upstream: runner/internal/shim/dcgm/metrics.go (FilterMetrics: no ids, nothing kept)
-#[test]
-fn no_gpus_no_samples() {
-    assert_eq!(
-        filter_metrics(&testdata("dcgm-exporter-8xA800-mig.prom"), &[]),
-        ""
-    );
-}
-
 #[test]
 fn families_whose_samples_are_all_dropped_leave_no_metadata() {
     let text = "\
