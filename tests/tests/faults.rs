@@ -1,32 +1,16 @@
-//! Fault injection against the built `dstack-shim` on real Docker (SPEC §4–§5): the shim is
-//! SIGKILLed at random points of concurrent requests, its Docker daemon is frozen, stopped and
-//! restarted under running tasks, its home fills up during each kind of state write, its state
-//! files are corrupted, and Docker's answers to a create, a start and a removal are lost (the
-//! home spelled in other ways and kills mid-submit and mid-delete are restore scenarios now,
-//! `restore.rs`, in every world). After each fault: what the API answered stays true, nothing is
+//! Fault injection (SPEC §4–§5): the shim SIGKILLed at random points of concurrent requests,
+//! its Docker daemon frozen, stopped and restarted under running tasks, its home full during
+//! each kind of state write, its state files corrupted, the engine's answers lost or late, the
+//! engine away for a while. After each fault what the API answered stays true, nothing is
 //! leaked or lost (containers, task directories, `authorized_keys` lines, GPU locks), and
-//! everything converges without a restart of the shim. Four faults are scenarios that also
-//! run in the engine worlds (see `world/mod.rs`): lost answers, the engine away for a while and
-//! a full home in all three, unusable state files in the Docker world too (real key lines
-//! across a restart); the rest needs the binary (a SIGKILL, a frozen daemon, a start's write
-//! failing on a real full disk).
-//!
-//! Each test has its own shim home (so its own owner identity: it never sees another test's
-//! containers), API port, fake GPUs, the stub runner, and tasks in bridge mode. What a test
-//! makes is removed however it ends: the shim (killed) and the home's containers (swept), both
-//! by the harness's `TestShim`, test users (its `HostUser`), loop mounts, a private Docker
-//! daemon and its bridge, images it pulled. Waits are bounded; the few timed assertions (a frozen daemon must not hold the
-//! API) have generous bounds.
-//!
-//! Gating: every test is ignored unless run with `--run-ignored all`, and needs Docker
-//! (`SHIM_TEST_DOCKER=1`); those that need a host user's `authorized_keys`, a loop device or a
-//! Docker daemon of their own also need root (`SHIM_TEST_ROOT=1`). A missing variable or piece
-//! fails the test.
+//! everything converges without a restart. The scenarios at the end run in the worlds of
+//! `world/mod.rs`; the rest needs the binary (a SIGKILL, a frozen daemon, a real full disk).
+//! Each test has its own home (so its own owner identity), port and fake GPUs; what it makes is
+//! removed however it ends. Waits are bounded; the few timed assertions have generous bounds.
 //!
 //! Run: `SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1 cargo nextest run -p shim-e2e --test faults
-//! --run-ignored all`.
-//! The random test prints its seed; `SHIM_FAULTS_SEED=<seed>` replays its choices (thread
-//! timing still varies).
+//! --run-ignored all` (root: host users, loop devices, a daemon of the test's own). The random
+//! test prints its seed; `SHIM_FAULTS_SEED=<seed>` replays its choices (thread timing varies).
 
 #![allow(
     clippy::unwrap_used,
@@ -50,6 +34,7 @@ use shim_e2e::harness::{
     task_entries, try_docker_within, wait_for, wait_until, write_runner_exit,
 };
 use shim_e2e::{registry, registry_password, registry_user, require_docker, require_root};
+use world::{cid, gpu_ids};
 
 /// Bound of the waits for a status or for convergence (never a timed assertion: generous,
 /// only there so that a hang fails).
@@ -59,9 +44,7 @@ const ENOSPC: &str = "No space left on device";
 
 // Gating ------------------------------------------------------------------------------------------
 
-/// The first statement of each test: it needs Docker, and root too when `root`
-/// ([`require_docker`], [`require_root`]), and the pieces must be there: Docker answers, and
-/// we are root.
+/// The first statement of each test: Docker (and with `root`, root) asked for and there.
 #[track_caller]
 fn require(root: bool) {
     // The test harness names each test's thread after the test.
@@ -112,15 +95,6 @@ fn key_blob(line: &str) -> String {
         .nth(1)
         .unwrap_or_default()
         .to_owned()
-}
-
-fn gpu_ids(info: &Value) -> BTreeSet<String> {
-    let Some(ids) = info["gpus_ids"].as_array() else {
-        return BTreeSet::new();
-    };
-    let set: BTreeSet<String> = ids.iter().map(|g| g.as_str().unwrap().to_owned()).collect();
-    assert_eq!(set.len(), ids.len(), "duplicate GPU ids: {info}");
-    set
 }
 
 /// `Ok` if `done`, else `why`: a probe of [`wait_for`].
@@ -316,37 +290,18 @@ struct Book {
     next: u64,
 }
 
+/// One request of the random test: its kind (`submit`, `terminate` or `remove`) and task.
 #[derive(Debug)]
-enum Op {
-    Submit(String, Value),
-    Terminate(String, String, String, u64),
-    Remove(String),
+struct Op {
+    kind: &'static str,
+    id: String,
+    request: Request,
 }
 
 impl Op {
-    fn id(&self) -> &str {
-        match self {
-            Op::Submit(id, _) | Op::Terminate(id, ..) | Op::Remove(id) => id,
-        }
-    }
-
-    fn kind(&self) -> &'static str {
-        match self {
-            Op::Submit(..) => "submit",
-            Op::Terminate(..) => "terminate",
-            Op::Remove(..) => "remove",
-        }
-    }
-
-    fn request(&self) -> Request {
-        let request = match self {
-            Op::Submit(_, config) => Request::post("/api/tasks").json(config),
-            Op::Terminate(id, reason, message, timeout) => {
-                TestShim::terminate_request(id, reason, message, *timeout)
-            }
-            Op::Remove(id) => Request::post(&format!("/api/tasks/{id}/remove")),
-        };
-        request.timeout(Duration::from_secs(60))
+    fn new(kind: &'static str, id: String, request: Request) -> Self {
+        let request = request.timeout(Duration::from_secs(60));
+        Self { kind, id, request }
     }
 }
 
@@ -372,7 +327,7 @@ impl Book {
                 ..Tracked::default()
             };
             self.tasks.insert(id.clone(), tracked);
-            Op::Submit(id, config)
+            Op::new("submit", id, Request::post("/api/tasks").json(&config))
         } else if idle.is_empty() {
             return None;
         } else {
@@ -381,26 +336,28 @@ impl Book {
             // reason stays); a running one mostly terminated (now and then removed: 409).
             let terminated = self.tasks[&id].terminated.is_some();
             if rng.below(10) < if terminated { 7 } else { 2 } {
-                Op::Remove(id)
+                let remove = Request::post(&format!("/api/tasks/{id}/remove"));
+                Op::new("remove", id, remove)
             } else {
                 let reason = ["terminated_by_user", "terminated_by_server"][rng.below(2) as usize];
                 let message = format!("stop {} (round {round}, worker {w})", self.next);
                 self.next += 1;
-                Op::Terminate(id, reason.to_owned(), message, rng.below(2))
+                let request = TestShim::terminate_request(&id, reason, &message, rng.below(2));
+                Op::new("terminate", id, request)
             }
         };
-        self.tasks.get_mut(op.id()).unwrap().busy = true;
+        self.tasks.get_mut(&op.id).unwrap().busy = true;
         Some(op)
     }
 
     /// Records the outcome of `op`; `killed`: the shim had been killed when it came.
     fn record(&mut self, op: &Op, result: std::io::Result<Response>, killed: bool) {
-        let id = op.id().to_owned();
+        let id = op.id.clone();
         let t = self.tasks.get_mut(&id).unwrap();
         t.busy = false;
         let outcome = match &result {
-            Ok(r) => format!("{} {}", op.kind(), r.status),
-            Err(_) => format!("{} unanswered", op.kind()),
+            Ok(r) => format!("{} {}", op.kind, r.status),
+            Err(_) => format!("{} unanswered", op.kind),
         };
         *self.counts.entry(outcome).or_default() += 1;
         let r = match result {
@@ -410,7 +367,7 @@ impl Book {
                     self.errors
                         .push(format!("{op:?}: no answer while the shim was running: {e}"));
                 }
-                if matches!(op, Op::Remove(_)) {
+                if op.kind == "remove" {
                     t.remove_unanswered = true;
                 }
                 return;
@@ -419,12 +376,12 @@ impl Book {
         // Within a round every task is known to exist (the previous check resolved the
         // doubtful ones), so anything but these answers is wrong.
         let json = r.json().ok();
-        match (op, r.status) {
+        match (op.kind, r.status) {
             // Submit answers in the Go field names of upstream's runner TaskInfo.
-            (Op::Submit(..), 200) if json.as_ref().is_some_and(|j| j["Status"] == "pending") => {
+            ("submit", 200) if json.as_ref().is_some_and(|j| j["Status"] == "pending") => {
                 t.submitted = true;
             }
-            (Op::Terminate(..), 200) => {
+            ("terminate", 200) => {
                 let info = json.unwrap_or_default();
                 let [status, reason, message, _] = ending(&info);
                 let got = (reason.to_owned(), message.to_owned());
@@ -441,12 +398,12 @@ impl Book {
                     t.terminated = Some(got);
                 }
             }
-            (Op::Remove(..), 200) if r.body == "\n" => {
+            ("remove", 200) if r.body == "\n" => {
                 self.tasks.remove(&id);
                 self.removed.insert(id);
             }
             // Not terminated yet, or its start / a release is still settling.
-            (Op::Remove(..), 409) => {}
+            ("remove", 409) => {}
             _ => self.errors.push(format!("{op:?}: unexpected answer {r:?}")),
         }
     }
@@ -468,7 +425,7 @@ fn client(
             std::thread::sleep(Duration::from_millis(5));
             continue;
         };
-        let result = op.request().send(addr);
+        let result = op.request.send(addr);
         let killed_now = killed.load(Ordering::SeqCst);
         book.lock().unwrap().record(&op, result, killed_now);
         std::thread::sleep(Duration::from_millis(rng.below(15)));
@@ -818,10 +775,11 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
     }
 
     // Restarted: c's and e's runners exit while the daemon is down.
-    let reconnects_before = shim
-        .all_logs()
-        .matches("event stream connected; relisting")
-        .count();
+    let reconnects = || {
+        let logs = shim.all_logs();
+        logs.matches("event stream connected; relisting").count()
+    };
+    let reconnects_before = reconnects();
     daemon.stop();
     without_docker("task info (daemon down)", || shim.info("c"));
     write_runner_exit(shim.home(), &infos["c"], 0).unwrap();
@@ -850,12 +808,8 @@ fn docker_frozen_stopped_and_restarted_under_running_tasks() {
     );
     assert_has!(shim.info("d"), {"status": "running", "container_id": infos["d"]["container_id"]});
     assert_eq!(shim.running(&cid("d")), Some(true));
-    let reconnects = shim
-        .all_logs()
-        .matches("event stream connected; relisting")
-        .count();
     assert!(
-        reconnects > reconnects_before,
+        reconnects() > reconnects_before,
         "the event stream did not reconnect:\n{}",
         shim.log_tail()
     );
@@ -1129,9 +1083,7 @@ async fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys<W:
             "after releasing {id}: the healthy task's line: {marked:?}"
         );
     }
-    w.terminate("directory", "terminated_by_server", "", 0)
-        .await;
-    w.remove("directory").await;
+    w.finish("directory").await;
     assert_eq!(
         keys.marked(),
         BTreeSet::new(),
@@ -1241,14 +1193,9 @@ in_worlds!(an_engine_away_for_a_while_changes_nothing: fake, docker, binary);
 // every answered end stays.
 async fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed<W: world::World>() {
     let mut w = W::new(world::Options::with(|o| o.fillable_home = true)).await;
-    let mut running = BTreeMap::new();
-    for id in ["t1", "t2", "t5"] {
-        w.submit(&w.task(id, 1)).await.unwrap();
-        running.insert(id, w.wait_status(id, "running").await);
-    }
-    let cid = |id: &str| running[id]["container_id"].as_str().unwrap().to_owned();
+    let [t1, t2, t5] = w.all_running([("t1", 1), ("t2", 1), ("t5", 1)]).await;
     // t2's exit, ready to be renamed into place (a rename needs no free block).
-    shim_e2e::harness::stage_runner_exit(&w.home(), &running["t2"], 0).unwrap();
+    shim_e2e::harness::stage_runner_exit(&w.home(), &t2, 0).unwrap();
     let failed_writes = async || {
         let metrics = w.metrics().await;
         metrics.get("dstack_shim_state_write_errors_total", &[])
@@ -1276,8 +1223,8 @@ async fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed<W: w
     let t1_end = ["terminated", "terminated_by_user", "first"];
     assert_eq!(ending(&first)[..3], t1_end, "what was done: {first}");
     assert_eq!(ending(&w.info("t1").await.unwrap()), ending(&first));
-    assert_eq!(w.container_running(&cid("t1")).await, Some(false));
-    let t1_file = w.state_file(&running["t1"]).unwrap();
+    assert_eq!(w.container_running(cid(&t1)).await, Some(false));
+    let t1_file = w.state_file(&t1).unwrap();
     assert_has!(t1_file, {"termination_reason": ""}, "not durable yet:");
     assert!(
         failed_writes().await > failed_before,
@@ -1285,28 +1232,25 @@ async fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed<W: w
     );
     assert!(unwritten().await >= 1.0, "t1's record waits for the disk");
 
-    w.exit_runner(&running["t2"], 0).await;
-    let t2 = w.wait_status("t2", "terminated").await;
-    assert_has!(t2, {"termination_reason": "done_by_runner"});
+    w.exit_runner(&t2, 0).await;
+    let t2_end = w.wait_status("t2", "terminated").await;
+    assert_has!(t2_end, {"termination_reason": "done_by_runner"});
 
     w.terminate("t5", "terminated_by_server", "", 0).await;
     w.try_remove("t5").await.unwrap();
     assert!(w.info("t5").await.is_none());
-    assert_eq!(w.container_running(&cid("t5")).await, None);
-    let t5_dir = w
-        .home()
-        .join("runners")
-        .join(container_name_of(&running["t5"]));
+    assert_eq!(w.container_running(cid(&t5)).await, None);
+    let t5_dir = w.home().join("runners").join(container_name_of(&t5));
     assert!(!t5_dir.exists(), "t5's directory is gone");
 
     w.set_disk_full(false).await;
-    w.wait_state_file(&running["t1"], "records t1's termination", |f| {
+    w.wait_state_file(&t1, "records t1's termination", |f| {
         f["termination_reason"] == "terminated_by_user" && f["cleaned_up"] == true
     })
     .await;
     let second = w.terminate("t1", "terminated_by_server", "second", 0).await;
     assert_eq!(ending(&second), ending(&first), "the first reason stays");
-    w.wait_state_file(&running["t2"], "records t2's exit", |f| {
+    w.wait_state_file(&t2, "records t2's exit", |f| {
         f["termination_reason"] == "done_by_runner"
     })
     .await;

@@ -29,7 +29,7 @@ use shim_e2e::harness::{
     CdiName, FakeGpuHost, FakeVendor, TestShim, bridge_task, docker_ok, run_tag, wait_for,
 };
 use shim_e2e::require_docker_and_root;
-use world::{GPUS, Options, World};
+use world::{GPUS, Options, World, cid, gpu_ids, message};
 
 mod world;
 
@@ -58,11 +58,6 @@ fn device_mode(shim: &TestShim, mode: &str) -> Option<f64> {
         .try_get("dstack_shim_gpu_device_mode", &[("mode", mode)])
 }
 
-/// A terminated task's `termination_message`.
-fn message(info: &Value) -> &str {
-    info["termination_message"].as_str().unwrap()
-}
-
 /// Checks that a terminated task ended for `reason`, its message saying `words`.
 fn assert_ended(info: &Value, reason: &str, words: &str) {
     assert_eq!(info["termination_reason"], reason, "{info}");
@@ -74,14 +69,6 @@ fn assert_ended(info: &Value, reason: &str, words: &str) {
 fn submit_refused(shim: &TestShim, id: &str, gpu: i64, reason: &str, words: &str) {
     assert_ended(&submit_until(shim, id, gpu, "terminated"), reason, words);
     shim.remove_retrying(id);
-}
-
-/// The GPU ids the API gave a task.
-fn gpu_ids(info: &Value) -> BTreeSet<String> {
-    info["gpus_ids"]
-        .as_array()
-        .map(|a| a.iter().map(|v| v.as_str().unwrap().to_owned()).collect())
-        .unwrap_or_default()
 }
 
 /// The indexes of `host`'s GPUs the API gave the task of `info` (NVIDIA's ids are the UUIDs,
@@ -98,8 +85,7 @@ fn indexes(host: &FakeGpuHost, info: &Value) -> BTreeSet<usize> {
 
 /// What `command` prints in the container of a task (`docker exec`).
 fn exec(info: &Value, command: &[&str]) -> String {
-    let cid = info["container_id"].as_str().unwrap();
-    docker_ok(&[&["exec", cid], command].concat())
+    docker_ok(&[&["exec", cid(info)], command].concat())
 }
 
 /// The entries of `dir` in the container of a task.
@@ -221,11 +207,7 @@ fn gpus_are_placed_by_their_interconnect() {
 // reports the bad pages.
 async fn an_unhealthy_gpu_is_kept_from_new_tasks_until_it_recovers<W: World>() {
     const RETIRED: &str = "retired pages pending";
-    let w = W::new(Options {
-        gpu_health: true,
-        ..Options::default()
-    })
-    .await;
+    let w = W::new(Options::with(|o| o.gpu_health = true)).await;
     let ids = w.gpu_ids();
     let holder = w.submitted("holder", 1, "running").await;
     let held = ids.iter().position(|id| gpu_ids(&holder).contains(id));

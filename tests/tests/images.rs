@@ -27,10 +27,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
 use shim_e2e::harness::{
-    FreshImage, LoopFs, PrivateDocker, TestShim, bridge_task, docker, docker_ok, entries, fs_usage,
+    FreshImage, LoopFs, PrivateDocker, TestShim, bridge_task, docker_ok, entries, fs_usage,
     images_at, pending_info, run_tag, server_task, status_of, take, try_docker, wait_for,
 };
-use shim_e2e::{image, registry_password, registry_user, require_docker, require_root};
+use shim_e2e::{image, registry_password, registry_user, require_docker, require_docker_and_root};
 
 /// Bound of the waits (never a timed assertion: generous, only there so a hang fails).
 const WAIT: Duration = Duration::from_secs(60);
@@ -387,8 +387,7 @@ fn the_ledger_survives_concurrent_pulls_a_crash_and_corruption() {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn freed_bytes_are_measured_on_the_file_system() {
-    require_docker();
-    require_root();
+    require_docker_and_root();
     let disk = SmallDisk::start();
     let shim = &disk.shim;
     let a = FreshImage::push("shim-images-shared", 24 << 20).unwrap();
@@ -439,8 +438,7 @@ fn freed_bytes_are_measured_on_the_file_system() {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn pulled_images_are_collected_when_the_disk_fills_and_a_pull_that_cannot_fit_fails_at_once() {
-    require_docker();
-    require_root();
+    require_docker_and_root();
     let disk = SmallDisk::start();
     let shim = &disk.shim;
     let [a, b, c] = [16 * MIB, 16 * MIB, MIB]
@@ -599,11 +597,6 @@ async fn a_stalled_pull_is_a_change_a_termination_and_a_count<W: world::World>()
 }
 in_worlds!(a_stalled_pull_is_a_change_a_termination_and_a_count: fake, docker, binary);
 
-/// Whether the default daemon has `image`.
-fn image_present(image: &str) -> bool {
-    docker(&["image", "inspect", image]).status.success()
-}
-
 /// Bytes of random payload in the fresh image's top layer: over 1 MiB, the block in which the
 /// containerd image store copies a layer (it reports no bytes of a smaller one); through the
 /// [`FreshImage`]'s proxy (about 2 MiB/s) it downloads over several of the store's 100 ms
@@ -640,7 +633,7 @@ fn pull_from_registry_with_credentials_reports_progress() {
     let pulled = fresh.reference().to_owned();
     let mut shim = TestShim::builder("e2e").build();
     // Not on the host when the shim starts (so its start-up cannot have pulled it either).
-    assert!(!image_present(&pulled), "{pulled} is still on the host");
+    assert!(image_id(&pulled).is_none(), "{pulled} is still on the host");
     shim.start();
 
     let config = from_registry(server_task("pull-1", 0), &pulled);
@@ -654,7 +647,7 @@ fn pull_from_registry_with_credentials_reports_progress() {
     assert!(downloaded >= PAYLOAD_BYTES, "{info}");
     assert_has!(progress, {"total_bytes": downloaded, "extracted_bytes": downloaded,
                            "is_total_bytes_final": true}, "{info}");
-    assert!(image_present(&pulled));
+    assert!(image_id(&pulled).is_some());
     assert_has!(info, {"gpus_ids": []});
 
     // The raw pull log is kept in the task directory; no credentials anywhere on disk.

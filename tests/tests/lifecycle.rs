@@ -14,18 +14,20 @@ mod world;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 use shim_e2e::harness::{
     ContainerSweeper, FAKE_GPUS, HostUser, RUNNER_HTTP_PORT, Request, Response, ShimProcess,
     TestShim, assert_running, container_running, entries, fake_gpu_ids, free_port, pending_info,
     published_ports, runner_dir, server_task, shim_binary, ssh_key, task_entries,
-    wait_container_stopped, wait_until,
+    wait_container_stopped, wait_for, wait_until,
 };
-use shim_e2e::{docker_ok, dstack_python, repo_root, require_docker, require_root, runner_path};
+use shim_e2e::{
+    docker_ok, dstack_python, repo_root, require_docker, require_docker_and_root, runner_path,
+};
 
-use world::{Options, World};
+use world::{Options, World, cid, gpu_ids};
 
 // SPEC §2, §4: a task runs with the runner's two ports published (bridge network) and its
 // GPU, held in its state file (`running` is not written on its own: the container proves it,
@@ -35,9 +37,7 @@ use world::{Options, World};
 // engine worlds). Its resources are released, recorded as released, and its GPU is free again.
 async fn a_runners_exit_ends_the_task_by_its_code<W: World>() {
     let w = W::new(Options::default()).await;
-    w.submit(&w.task("ok", 1)).await.unwrap();
-    w.submit(&w.task("bad", 0)).await.unwrap();
-    let ok = w.wait_status("ok", "running").await;
+    let [ok, bad] = w.all_running([("ok", 1), ("bad", 0)]).await;
     let ports = ok["ports"].as_array().unwrap();
     assert_eq!(ports.len(), 2, "the runner's http and ssh ports: {ok}");
     assert!(ports.iter().all(|p| p["host"].as_u64() > Some(0)), "{ok}");
@@ -53,7 +53,6 @@ async fn a_runners_exit_ends_the_task_by_its_code<W: World>() {
         assert_eq!(spec.labels["ai.dstack.shim.task-id"], "ok");
         assert_eq!(spec.labels["ai.dstack.shim.owner"], w.owner());
     }
-    let bad = w.wait_status("bad", "running").await;
 
     w.exit_runner(&ok, 0).await;
     let done = w.wait_status("ok", "terminated").await;
@@ -109,14 +108,8 @@ in_worlds!(an_images_exit_code_label_names_no_exit: docker, binary);
 // container.
 async fn terminate_stops_a_running_task_and_keeps_the_first_reason<W: World>() {
     let w = W::new(Options::default()).await;
-    w.submit(&w.task("now", 1)).await.unwrap();
-    w.submit(&w.task("grace", 0)).await.unwrap();
-    let now = w.wait_status("now", "running").await;
-    let grace = w.wait_status("grace", "running").await;
-    let (now_cid, grace_cid) = (
-        now["container_id"].as_str().unwrap(),
-        grace["container_id"].as_str().unwrap(),
-    );
+    let [now, grace] = w.all_running([("now", 1), ("grace", 0)]).await;
+    let (now_cid, grace_cid) = (cid(&now), cid(&grace));
 
     let info = w
         .terminate("now", "terminated_by_user", "stop now", 0)
@@ -303,14 +296,6 @@ in_worlds!(terminate_during_a_pull_cancels_it: fake, docker, binary);
 const START_BOUND: Duration = Duration::from_secs(60);
 const STATUS_BOUND: Duration = Duration::from_secs(90);
 
-/// The GPU ids of a task's `TaskInfo`.
-fn gpu_ids(info: &Value) -> BTreeSet<String> {
-    let ids = info["gpus_ids"]
-        .as_array()
-        .unwrap_or_else(|| panic!("{info}"));
-    ids.iter().map(|g| g.as_str().unwrap().to_owned()).collect()
-}
-
 /// SPEC §2–§4, the whole life of a task over HTTP: the healthcheck names the service and the
 /// one version string, which `--version` shows too; instance info shows the (fake) NVIDIA GPUs;
 /// submit answers the exact pending TaskInfo; the task runs with published ports (the runner
@@ -373,20 +358,13 @@ fn full_lifecycle_over_http() {
 
     // The runner's HTTP port is reachable through the published host port.
     let runner_addr = SocketAddr::from(([127, 0, 0, 1], published_ports(&info)[&RUNNER_HTTP_PORT]));
-    let started = Instant::now();
-    let health = loop {
-        // docker-proxy accepts before the runner listens: retry, bounded.
+    // docker-proxy accepts before the runner listens: retry, bounded.
+    let health = wait_for("the runner answers", STATUS_BOUND, || {
         match Request::get("/api/healthcheck").send(runner_addr) {
-            Ok(r) if r.status == 200 => break r.body,
-            other => {
-                assert!(
-                    started.elapsed() < STATUS_BOUND,
-                    "runner never answered: {other:?}"
-                );
-                std::thread::sleep(Duration::from_millis(100));
-            }
+            Ok(r) if r.status == 200 => Ok(r.body),
+            other => Err(format!("{other:?}")),
         }
-    };
+    });
     assert!(health.contains("\"dstack-runner\""), "{health}");
     // The container SSH key reached the runner's command line.
     let args =
@@ -736,9 +714,7 @@ fn big_config() -> Vec<u8> {
 #[test]
 #[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
 fn what_upstream_accepts_is_accepted_and_ends_as_upstream_ends_it() {
-    require_docker();
-    // HostUser runs useradd: root.
-    require_root();
+    require_docker_and_root(); // HostUser runs useradd: root.
     let shim = TestShim::builder("e2e").start();
     let own = ssh_key("own@host");
     let user = HostUser::create(shim.root());
@@ -912,20 +888,11 @@ fn started_as_ssh_fleets_start_it_the_dstack_server_keeps_it() {
         .send(addr)
         .unwrap();
     assert_eq!(submitted.status, 200, "{}", dump(&format!("{submitted:?}")));
-    let started = Instant::now();
-    let running = loop {
-        let info = get("/api/tasks/env-1");
-        if info["status"] == "running" {
-            break info;
-        }
-        assert!(
-            info["status"] != "terminated",
-            "{}",
-            dump(&info.to_string())
-        );
-        assert!(started.elapsed() < STATUS_BOUND, "{info}");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let every = Duration::from_millis(50);
+    let running = shim
+        .api()
+        .wait_status("env-1", "running", every, STATUS_BOUND);
+    let (running, _) = running.unwrap_or_else(|e| panic!("{}", dump(&e.to_string())));
     assert_eq!(
         published_ports(&running)
             .keys()
@@ -985,20 +952,10 @@ fn started_as_ssh_fleets_start_it_the_dstack_server_keeps_it() {
     let last = stdout.lines().last().unwrap_or_default();
     assert!(last.ends_with(" passed, 0 failed"), "{last}");
 
-    let terminated = Request::post("/api/tasks/env-1/terminate")
-        .json(&json!({"termination_reason": "terminated_by_server", "termination_message": "", "timeout": 0}))
-        .send(addr)
+    let api = shim.api();
+    api.terminate("env-1", "terminated_by_server", "", 0)
         .unwrap();
-    assert_eq!(terminated.status, 200, "{terminated:?}");
     wait_container_stopped(cid);
-    let started = Instant::now();
-    loop {
-        let removed = Request::post("/api/tasks/env-1/remove").send(addr).unwrap();
-        if removed.status == 200 {
-            break;
-        }
-        assert!(started.elapsed() < STATUS_BOUND, "{removed:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    api.remove_retrying("env-1", STATUS_BOUND).unwrap();
     drop(shim);
 }

@@ -29,10 +29,6 @@ use shim_e2e::{image, require_docker};
 /// every 15 s).
 const EVENT_BOUND: Duration = Duration::from_secs(90);
 
-// ---------------------------------------------------------------------------------------------
-// The shim under test
-// ---------------------------------------------------------------------------------------------
-
 /// A new home and the shim started on it with `extra` arguments (waits until it answers).
 fn start(extra: &[&str]) -> TestShim {
     TestShim::builder("observe")
@@ -55,10 +51,6 @@ fn submit(shim: &TestShim, id: &str) -> Value {
 fn events(shim: &TestShim) -> EventStream {
     EventStream::connect(shim.addr(), EVENT_BOUND).unwrap()
 }
-
-// ---------------------------------------------------------------------------------------------
-// The tests
-// ---------------------------------------------------------------------------------------------
 
 /// An SSE client sees a task from submit to removal: the snapshot first, then submitted,
 /// each durable status (here only running), terminated with its reason, released,

@@ -12,7 +12,7 @@ mod world;
 use std::collections::BTreeSet;
 
 use futures_util::future::join_all;
-use world::{GPUS, Options, World};
+use world::{GPUS, Options, World, cid, gpu_ids};
 
 // Issue 22, SPEC §6: a runner binary that does not exist fails the create (Docker refuses a
 // bind mount of a missing file), and the task ends `creating_container_error` naming the path;
@@ -25,11 +25,7 @@ async fn a_missing_runner_binary_fails_the_task_with_the_path<W: World>() {
         .tempdir()
         .unwrap();
     let missing = std::path::absolute(dir.path().join("bin").join("dstack-runner")).unwrap();
-    let w = W::new(Options {
-        runner: Some(missing.clone()),
-        ..Options::default()
-    })
-    .await;
+    let w = W::new(Options::with(|o| o.runner = Some(missing.clone()))).await;
     for id in ["norunner-1", "norunner-2"] {
         w.submit(&w.task(id, GPUS as i64)).await.unwrap();
         let info = w.wait_status(id, "terminated").await;
@@ -92,7 +88,7 @@ async fn fifty_concurrent_tasks_leave_nothing_behind<W: World>() {
         assert_eq!(info["termination_reason"], "terminated_by_user", "{info}");
         // A terminate answers within its timeout + 5 s with what is done so far (SPEC §4):
         // under fifty at once on a small machine a stop may finish after it.
-        w.wait_stopped(info["container_id"].as_str().unwrap()).await;
+        w.wait_stopped(cid(&info)).await;
     }
     join_all(ids.iter().map(|id| w.remove(id))).await;
     assert!(w.list().await.is_empty());
@@ -102,9 +98,8 @@ async fn fifty_concurrent_tasks_leave_nothing_behind<W: World>() {
 
     w.submit(&w.task("all-gpus", GPUS as i64)).await.unwrap();
     let info = w.wait_status("all-gpus", "running").await;
-    assert_eq!(info["gpus_ids"].as_array().unwrap().len(), GPUS, "{info}");
-    w.terminate("all-gpus", "terminated_by_server", "", 0).await;
-    w.remove("all-gpus").await;
+    assert_eq!(gpu_ids(&info).len(), GPUS, "{info}");
+    w.finish("all-gpus").await;
     assert_eq!(w.containers().await, 0);
 }
 in_worlds!(fifty_concurrent_tasks_leave_nothing_behind: fake, docker, binary);

@@ -22,22 +22,11 @@ use shim_e2e::harness::{
 };
 use shim_e2e::{docker_ok, image, require_docker};
 
-use world::{GPUS, Options, World, read_json};
+use world::{GPUS, Options, World, cid, gpu_ids, message, read_json};
 
 /// What a restore keeps of a running task: its status, container, GPUs and ports.
 fn kept(info: &Value) -> Value {
     world::pick(info, ["status", "container_id", "gpus_ids", "ports"])
-}
-
-/// A task's termination message.
-fn message(info: &Value) -> &str {
-    info["termination_message"].as_str().unwrap()
-}
-
-/// The ids of a task's GPUs.
-fn gpus(info: &Value) -> BTreeSet<String> {
-    let ids = info["gpus_ids"].as_array().unwrap().iter();
-    ids.map(|g| g.as_str().unwrap().to_owned()).collect()
 }
 
 // Issue 22, SPEC §5: ownership is the runner mount. With its `owner-id` deleted (first round)
@@ -56,7 +45,7 @@ async fn a_lost_or_replaced_owner_id_orphans_no_task<W: World>() {
     ];
     for (round, (id, code, reason)) in rounds.into_iter().enumerate() {
         let before = w.submitted(id, 2, "running").await;
-        let cid = before["container_id"].as_str().unwrap().to_owned();
+        let cid = cid(&before).to_owned();
         let started = w.container_started(&cid).await;
         let old_owner = w.owner();
 
@@ -113,9 +102,7 @@ async fn a_full_disk_without_an_owner_id_still_starts_and_restores<W: World>() {
     w.restart().await;
     assert!(owner_file.exists(), "not stored once there was room");
     assert_eq!(kept(&w.info("full-start").await.unwrap()), kept(&before));
-    w.terminate("full-start", "terminated_by_server", "", 0)
-        .await;
-    w.remove("full-start").await;
+    w.finish("full-start").await;
     assert_eq!(w.containers().await, 0);
 }
 // Not in the binary world: its full disk (a file filling a small file system) still takes a
@@ -130,7 +117,7 @@ async fn two_homes_never_touch_each_other<W: World>() {
     let mut other = w.neighbour().await;
     assert_ne!(w.owner(), other.owner());
     let info = w.submitted("mine", 1, "running").await;
-    let cid = info["container_id"].as_str().unwrap();
+    let cid = cid(&info);
     assert_ne!(other.relist().await, Some(false), "a relist fails");
     assert!(other.list().await.is_empty());
     other.restart().await;
@@ -151,7 +138,7 @@ in_worlds!(two_homes_never_touch_each_other: fake, docker, binary);
 async fn the_owner_identity_does_not_depend_on_how_the_home_is_spelled<W: World>() {
     let mut w = W::new(Options::default()).await;
     let before = w.submitted("same", 2, "running").await;
-    let cid = before["container_id"].as_str().unwrap().to_owned();
+    let cid = cid(&before).to_owned();
     let (owner, started) = (w.owner(), w.container_started(&cid).await);
     let home = std::path::absolute(w.home()).unwrap();
     let (dir, name) = (
@@ -183,9 +170,9 @@ async fn the_owner_identity_does_not_depend_on_how_the_home_is_spelled<W: World>
         );
     }
     let rest: BTreeSet<String> = w.gpu_ids().into_iter().collect();
-    let rest: BTreeSet<String> = rest.difference(&gpus(&before)).cloned().collect();
+    let rest: BTreeSet<String> = rest.difference(&gpu_ids(&before)).cloned().collect();
     let probe = w.submitted("probe", 2, "running").await;
-    assert_eq!(gpus(&probe), rest, "{probe}");
+    assert_eq!(gpu_ids(&probe), rest, "{probe}");
     for id in ["probe", "same"] {
         w.finish(id).await;
     }
@@ -201,12 +188,9 @@ in_worlds!(the_owner_identity_does_not_depend_on_how_the_home_is_spelled: fake, 
 // - the kept task's GPUs are locked again (never handed out twice), the ended task's are free.
 async fn a_restart_keeps_running_tasks_and_judges_exits_made_while_down<W: World>() {
     let mut w = W::new(Options::default()).await;
-    w.submit(&w.task("keep", 2)).await.unwrap();
-    w.submit(&w.task("exits", 2)).await.unwrap();
-    let keep = w.wait_status("keep", "running").await;
-    let exits = w.wait_status("exits", "running").await;
-    let keep_cid = keep["container_id"].as_str().unwrap();
-    let exits_cid = exits["container_id"].as_str().unwrap();
+    let [keep, exits] = w.all_running([("keep", 2), ("exits", 2)]).await;
+    let keep_cid = cid(&keep);
+    let exits_cid = cid(&exits);
 
     w.stop().await;
     assert_eq!(w.container_running(keep_cid).await, Some(true));
@@ -230,7 +214,7 @@ async fn a_restart_keeps_running_tasks_and_judges_exits_made_while_down<W: World
 
     // The ended task's two GPUs are free, the kept task's two are not.
     let more = w.submitted("more", 2, "running").await;
-    assert_eq!(gpus(&more), gpus(&exits), "{more}");
+    assert_eq!(gpu_ids(&more), gpu_ids(&exits), "{more}");
     let refused = w.submitted("none-left", 1, "terminated").await;
     assert_has!(refused, {"termination_reason": "executor_error", "container_id": ""});
 
@@ -256,7 +240,7 @@ in_worlds!(a_restart_keeps_running_tasks_and_judges_exits_made_while_down: fake,
 async fn an_images_labels_lend_a_task_no_gpu<W: World>() {
     let mut w = W::new(Options::default()).await;
     let donor = w.submitted("donor", 1, "running").await;
-    let image = w.commit(donor["container_id"].as_str().unwrap(), &[]).await;
+    let image = w.commit(cid(&donor), &[]).await;
     let mut task = w.task("plain", 0);
     task["image_name"] = image.reference.clone().into();
     w.submit(&task).await.unwrap();
@@ -264,14 +248,13 @@ async fn an_images_labels_lend_a_task_no_gpu<W: World>() {
     assert_eq!(plain["gpus_ids"], json!([]), "{plain}");
     w.restart().await;
     assert_eq!(kept(&w.info("plain").await.unwrap()), kept(&plain));
-    assert_eq!(gpus(&w.info("donor").await.unwrap()), gpus(&donor));
+    assert_eq!(gpu_ids(&w.info("donor").await.unwrap()), gpu_ids(&donor));
     let rest = w.submitted("rest", GPUS as i64 - 1, "running").await;
-    assert!(gpus(&rest).is_disjoint(&gpus(&donor)), "{rest}");
+    assert!(gpu_ids(&rest).is_disjoint(&gpu_ids(&donor)), "{rest}");
     let refused = w.submitted("none-left", 1, "terminated").await;
     assert_has!(refused, {"termination_reason": "executor_error"});
     for id in ["donor", "plain", "rest"] {
-        w.terminate(id, "terminated_by_server", "", 0).await;
-        w.remove(id).await;
+        w.finish(id).await;
     }
     assert_eq!(w.containers().await, 0);
 }
@@ -286,11 +269,7 @@ in_worlds!(an_images_labels_lend_a_task_no_gpu: fake, docker, binary);
 // restores as terminated), runner/internal/shim/task.go (a terminated task keeps its first
 // reason).
 async fn an_upstream_recorded_reason_wins_over_its_containers_exit<W: World>() {
-    let mut w = W::new(Options {
-        relist_every_s: Some(1),
-        ..Options::default()
-    })
-    .await;
+    let mut w = W::new(Options::with(|o| o.relist_every_s = Some(1))).await;
     w.stop().await;
     let task = w.task("upstream-r", 0);
     let (dir, cid) = w
@@ -453,13 +432,8 @@ in_worlds!(a_state_file_an_upstream_container_could_write_is_never_read: fake, d
 // real volume show of it: a_restart_releases_the_real_keys_and_volumes_of_tasks_that_ended.)
 async fn a_restart_restores_every_case<W: World>() {
     let mut w = W::new(Options::default()).await;
-    for (id, gpu) in [("run", 1), ("exits", 1), ("user", 0), ("never", 0)] {
-        w.submit(&w.task(id, gpu)).await.unwrap();
-    }
-    let run = w.wait_status("run", "running").await;
-    let exits = w.wait_status("exits", "running").await;
-    w.wait_status("user", "running").await;
-    let never = w.wait_status("never", "running").await;
+    let tasks = [("run", 1), ("exits", 1), ("user", 0), ("never", 0)];
+    let [run, exits, _, never] = w.all_running(tasks).await;
     w.terminate("user", "terminated_by_user", "user said so", 0)
         .await;
     let image = w.slow_image("world-restore-pull").await;
@@ -471,8 +445,7 @@ async fn a_restart_restores_every_case<W: World>() {
     w.stop().await;
 
     w.exit_runner(&exits, 4).await;
-    w.wait_stopped(exits["container_id"].as_str().unwrap())
-        .await;
+    w.wait_stopped(cid(&exits)).await;
     w.replace_with_created(&never).await;
     w.start().await;
 
@@ -534,8 +507,7 @@ async fn a_restart_clears_what_kills_mid_submit_and_mid_delete_left<W: World>() 
 
     let runners = w.home().join("runners");
     // A remove killed after its container was removed and its directory renamed to trash.
-    w.remove_container(removed_info["container_id"].as_str().unwrap())
-        .await;
+    w.remove_container(cid(&removed_info)).await;
     let removed_name = container_name_of(&removed);
     let trash = runners.join(format!(".trash-{removed_name}-1700000000000"));
     fs_err::rename(runners.join(&removed_name), &trash).unwrap();
@@ -578,7 +550,7 @@ async fn a_restart_clears_what_kills_mid_submit_and_mid_delete_left<W: World>() 
     // The removed task's GPU is free, the running task's is not.
     w.submit(&w.task("probe", (GPUS - 1) as i64)).await.unwrap();
     let probe = w.wait_status("probe", "running").await;
-    assert!(gpus(&probe).is_disjoint(&gpus(&after)), "{probe}");
+    assert!(gpu_ids(&probe).is_disjoint(&gpu_ids(&after)), "{probe}");
     for id in ["probe", "stays"] {
         w.finish(id).await;
     }
@@ -625,8 +597,7 @@ fn a_restart_releases_the_real_keys_and_volumes_of_tasks_that_ended() {
         w.stop().await;
 
         w.exit_runner(&exits, 4).await;
-        w.wait_stopped(exits["container_id"].as_str().unwrap())
-            .await;
+        w.wait_stopped(cid(&exits)).await;
         w.start().await;
         let e = w.info("exits").await.unwrap();
         assert_has!(e, {"termination_reason": "container_exited_with_error"});
@@ -663,7 +634,7 @@ fn shutdown_and_sigterm_leave_containers_running() {
     let config = server_task("stays", 1);
     shim.submit(&config).ok();
     let before = shim.wait_status("stays", "running");
-    let cid = before["container_id"].as_str().unwrap().to_owned();
+    let cid = cid(&before).to_owned();
 
     // A malformed shutdown request shuts nothing down.
     shim.post_raw("/api/shutdown", Some("application/json"), b"{\"force\":")
@@ -763,7 +734,7 @@ fn this_shims_containers_and_state_files_follow_upstreams_rules() {
     config["memory"] = json!(1_073_741_824_i64);
     shim.submit(&config).ok();
     let info = shim.wait_status("ours-1", "running");
-    let cid = info["container_id"].as_str().unwrap();
+    let cid = cid(&info);
     let dir = shim
         .home()
         .join("runners")

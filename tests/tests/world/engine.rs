@@ -115,11 +115,6 @@ impl<const DOCKER: bool> EngineWorld<DOCKER> {
         self.engine.as_ref().expect("the engine runs")
     }
 
-    /// Whether the fake's container of `id` runs.
-    fn fake_state(&self, id: &str) -> Option<ContainerState> {
-        self.fake.as_ref().and_then(|f| f.state(id))
-    }
-
     async fn open(&self) -> Engine {
         let home = self.spelled.clone().unwrap_or_else(|| self.path("home"));
         let mut cfg = EngineConfig::new(home);
@@ -403,7 +398,7 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
     async fn exit_runner(&self, info: &Value, code: i32) {
         match &self.fake {
             Some(fake) => {
-                let cid = info["container_id"].as_str().unwrap();
+                let cid = super::cid(info);
                 // What the stub runner prints, ending as it does.
                 let last = format!("runner exiting with {code}");
                 let lines = [
@@ -422,16 +417,10 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
     }
 
     async fn container_running(&self, container_id: &str) -> Option<bool> {
-        if self.fake.is_some() {
-            return self.fake_state(container_id).map(|s| s.is_running());
+        match &self.fake {
+            Some(fake) => fake.state(container_id).map(|s| s.is_running()),
+            None => shim_e2e::harness::container_running(None, container_id),
         }
-        let out = Command::new("docker")
-            .args(["inspect", "-f", "{{.State.Running}}", container_id])
-            .output()
-            .unwrap();
-        out.status
-            .success()
-            .then(|| String::from_utf8_lossy(&out.stdout).trim() == "true")
     }
 
     async fn containers(&self) -> usize {
@@ -566,10 +555,6 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
 
     async fn relist(&self) -> Option<bool> {
         Some(self.engine().reconcile_now().await)
-    }
-
-    async fn sleep(&self, how_long: Duration) {
-        tokio::time::sleep(how_long).await;
     }
 }
 

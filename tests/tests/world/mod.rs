@@ -1,17 +1,13 @@
-//! One scenario, every world (issue 38): a behaviour is written once, as an async function
-//! generic over [`World`], and runs in each world where it means something, the world in the
-//! test's name (`owner_id_lost_or_replaced::fake`, `::docker`, `::binary`):
-//!
-//! - `fake`: the engine library on the fake runtime and fake host resources, on tokio's
-//!   paused time (a wait takes no wall time);
-//! - `docker`: the engine library on the real Docker daemon, real `authorized_keys` and volume
-//!   code, the stub runner;
-//! - `binary`: the built `dstack-shim` over HTTP, as the dstack server drives it.
+//! One scenario, every world (issue 38): a behaviour written once as an async function generic
+//! over [`World`], run in each world named in the test's name (`<scenario>::fake`, `::docker`,
+//! `::binary`): `fake`, the engine library on the fake runtime and fake host resources on
+//! tokio's paused time; `docker`, the engine library on the real Docker daemon with the real
+//! `authorized_keys` and volume code and the stub runner; `binary`, the built `dstack-shim`
+//! over HTTP, as the dstack server drives it.
 //!
 //! Every world has [`GPUS`] fake GPUs and a home of its own; tasks are the server's JSON
-//! ([`World::task`]), answers are the API's `TaskInfo` JSON. What only one world can show (a
-//! fake's call log, an HTTP status) stays in that world's own test file. The worlds that need
-//! Docker are ignored unless run with `--run-ignored all`, and then fail, never skip, without
+//! ([`World::task`]), answers the API's `TaskInfo` JSON. The worlds that need Docker are
+//! ignored unless run with `--run-ignored all`, and then fail, never skip, without
 //! `SHIM_TEST_DOCKER=1`.
 
 #![allow(
@@ -25,7 +21,7 @@ pub mod binary;
 pub mod engine;
 pub mod flaky;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -173,9 +169,8 @@ pub struct Options {
     pub runner: Option<PathBuf>,
     /// The engine reached through a proxy that [`World::set_engine_reachable`] can cut.
     pub flaky_engine: bool,
-    /// Full relists this often (seconds), so that the binary world can [`World::relist`]
-    /// (by waiting for the next one); the default is the shim's own (an hour in the engine
-    /// worlds).
+    /// Full relists this often (seconds), so that the binary world can [`World::relist`] (by
+    /// waiting for the next one); default: the shim's own (an hour in the engine worlds).
     pub relist_every_s: Option<u64>,
     /// GPUs whose health the scenario sets ([`World::set_gpu_healthy`]), probed every second:
     /// in the engine worlds a health source set by hand, in the binary world a fake GPU host
@@ -183,24 +178,20 @@ pub struct Options {
     pub gpu_health: bool,
     /// The pull stall timeout (seconds; default: the shim's own).
     pub pull_stall_timeout_s: Option<u64>,
-    /// A home whose disk the scenario can fill ([`World::set_disk_full`]): in the engine
-    /// worlds a task store whose writes fail with `ENOSPC`, in the binary world a home on a
-    /// 16 MiB loop-mounted ext4 (needs root).
+    /// A home whose disk the scenario can fill ([`World::set_disk_full`]): a task store whose
+    /// writes fail with `ENOSPC`, or (binary) a home on a 16 MiB loop-mounted ext4 (root).
     pub fillable_home: bool,
-    /// The engine's answers to the first container create, the first start and the first
-    /// container removal are lost (the requests are carried out): in the engine worlds by the
-    /// fake, in the others by a proxy on the Docker socket that closes the connection instead
-    /// of answering ([`World::answers_lost`]).
+    /// The engine's answers to the first container create, start and removal are lost (the
+    /// requests are carried out; [`World::answers_lost`]): by the fake, or by a proxy on the
+    /// Docker socket that closes the connection instead of answering.
     pub losing_engine: bool,
     /// The engine's answer to the first container start never comes (the start is carried
-    /// out): in the engine worlds by the fake, in the others by a proxy on the Docker socket
-    /// that holds the answer and keeps the connection open until the shim gives up
-    /// ([`World::answers_lost`] counts it).
+    /// out): by the fake, or by a proxy on the Docker socket that holds the answer until the
+    /// shim gives up ([`World::answers_lost`] counts it).
     pub late_engine: bool,
-    /// A host user whose real `authorized_keys` tasks' host keys go to
-    /// ([`World::host_user`]): in the Docker world `tester` (always there), in the binary
-    /// world a system user made for the test (needs root). The fake world's keys are fakes,
-    /// new at each restart: it has none.
+    /// A host user whose real `authorized_keys` tasks' host keys go to ([`World::host_user`]):
+    /// `tester` in the Docker world, a system user made for the test in the binary world
+    /// (root); none in the fake world, whose keys are fakes new at each restart.
     pub host_user: bool,
 }
 
@@ -261,6 +252,19 @@ pub trait World: Sized {
     async fn submitted(&self, id: &str, gpu: i64, status: &str) -> Value {
         self.submit(&self.task(id, gpu)).await.unwrap();
         self.wait_status(id, status).await
+    }
+
+    /// Submits [`World::task`] for each `(id, gpu)`, then waits until each runs; answers their
+    /// `TaskInfo`s in that order.
+    async fn all_running<const N: usize>(&self, tasks: [(&str, i64); N]) -> [Value; N] {
+        for (id, gpu) in tasks {
+            self.submit(&self.task(id, gpu)).await.unwrap();
+        }
+        let mut infos = Vec::new();
+        for (id, _) in tasks {
+            infos.push(self.wait_status(id, "running").await);
+        }
+        infos.try_into().unwrap()
     }
 
     /// Terminates the task as the server does when it is done with it (at once, no message)
@@ -461,7 +465,7 @@ pub trait World: Sized {
     /// but never started: what the engine shows when the shim died between create and start.
     /// Made while the shim is stopped.
     async fn replace_with_created(&self, info: &Value) {
-        let cid = info["container_id"].as_str().unwrap();
+        let cid = cid(info);
         match self.fake() {
             Some(fake) => {
                 let spec = fake.spec(cid).unwrap();
@@ -642,6 +646,25 @@ pub fn pick<'a>(value: &Value, names: impl IntoIterator<Item = &'a str>) -> Valu
 /// The JSON file at `path`.
 pub fn read_json(path: &Path) -> Value {
     serde_json::from_slice(&fs_err::read(path).unwrap()).unwrap()
+}
+
+/// A task's container id.
+pub fn cid(info: &Value) -> &str {
+    info["container_id"].as_str().unwrap()
+}
+
+/// A task's termination message.
+pub fn message(info: &Value) -> &str {
+    info["termination_message"].as_str().unwrap()
+}
+
+/// The ids of a task's GPUs (each once).
+pub fn gpu_ids(info: &Value) -> BTreeSet<String> {
+    let ids = info["gpus_ids"].as_array();
+    let ids = ids.unwrap_or_else(|| panic!("no gpus_ids: {info}"));
+    let set: BTreeSet<String> = ids.iter().map(|g| g.as_str().unwrap().to_owned()).collect();
+    assert_eq!(set.len(), ids.len(), "duplicate GPU ids: {info}");
+    set
 }
 
 /// `assert_has!(value, {"field": expected, ..})`: fails unless the JSON `value` has each
