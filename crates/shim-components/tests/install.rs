@@ -332,12 +332,11 @@ async fn an_interrupted_download_is_swept_once_it_has_aged() {
     sweeps.await.unwrap();
 }
 
-/// A shim download that is the binary an upgrade rolled back within the hour (the home's
-/// rollback record names its digest) is not put at the path: systemd starts what is there on
-/// a restart or a reboot, with no watchdog, and the binary failed. The binary in place stays
-/// and the component reports `error`, as after the rollback; the same binary installs once
-/// the record no longer refuses it (an hour after its failure). The download used to be put
-/// in place, refused only by the next shutdown's pre-flight.
+/// A shim download that is the binary an upgrade rolled back within the hour (the rollback
+/// record names its digest) is not put at the path systemd starts on a restart or reboot, with
+/// no watchdog: the binary in place stays and the component reports `error`, as after the
+/// rollback; it installs once the record no longer refuses it. It used to be put in place,
+/// refused only by the next shutdown's pre-flight.
 #[tokio::test]
 async fn a_shim_binary_rolled_back_within_the_hour_is_not_installed_again() {
     use shim_components::upgrade::{RollbackRecord, digest};
@@ -375,10 +374,9 @@ async fn a_shim_binary_rolled_back_within_the_hour_is_not_installed_again() {
 }
 
 /// A shim download that does not run here (an HTML error page, another architecture) is not
-/// left at the path systemd starts: the dstack server, seeing no version, installs again
-/// rather than shutting down, so the pre-flight would never look at it, and the next restart
-/// or reboot would start it. The running binary is put back at once, and the component
-/// reports `error`, as after a rollback.
+/// left at the path systemd starts (the server, seeing no version, installs again rather than
+/// shutting down, so no pre-flight would look at it): the running binary is put back at once,
+/// and the component reports `error`, as after a rollback.
 #[tokio::test]
 async fn a_shim_download_that_does_not_run_is_replaced_by_the_running_binary() {
     let dir = tempfile::tempdir().unwrap();
@@ -400,11 +398,8 @@ async fn a_shim_download_that_does_not_run_is_replaced_by_the_running_binary() {
     assert_eq!(state(&c, Shim).await, (Status::Installed, "0.22.1".into()));
 }
 
-/// An empty URL is refused up front; any other URL is accepted and a scheme the downloader
-/// does not speak fails the install in the background: the component then reports what its
-/// check finds (`error` when no binary is left, the installed version otherwise), the target
-/// untouched.
-///
+/// An empty URL is refused up front; a scheme the downloader does not speak fails the install
+/// in the background, the target untouched: the component reports what its check finds.
 /// upstream: runner/internal/shim/api/handlers.go (ComponentInstallHandler: 400 only for an
 /// empty name, an unknown component or an empty url, then the install runs in the
 /// background), runner/internal/shim/components/utils.go (downloadFile: the HTTP client
