@@ -111,10 +111,8 @@ fn check_artifact(path: &Path, release: &str, run: bool) {
         "{shown} needs GLIBC_{highest}, above {GLIBC_FLOOR}"
     );
     let unstripped = artifact::unstripped_sections(path).unwrap();
-    assert!(
-        unstripped.is_empty(),
-        "{shown} is not stripped: {unstripped:?}"
-    );
+    let stripped = unstripped.is_empty();
+    assert!(stripped, "{shown} is not stripped: {unstripped:?}");
 
     // The checksum file, as the file module checks it and as an operator does.
     artifact::verify_sha256(path).unwrap();
@@ -142,11 +140,8 @@ fn check_artifact(path: &Path, release: &str, run: bool) {
     );
 
     if run {
-        assert_version(
-            &mut Command::new(path),
-            release,
-            &format!("{shown} --version"),
-        );
+        let how = format!("{shown} --version");
+        assert_version(&mut Command::new(path), release, &how);
     }
 }
 
@@ -468,21 +463,16 @@ fn server_check(shim: &ShimProcess, server_version: &str, expect: &str, install:
 }
 
 /// Issue 21 (Prove), SPEC §3 (the version paragraph): the dstack server's own instance check
-/// (`_maybe_install_components` and `_check_instance_inner`, PyPI `dstack[server]`), run as
-/// two different releases:
+/// (`_maybe_install_components` and `_check_instance_inner`, PyPI `dstack[server]`) decides:
+/// - the artifact of the server's release: kept (no install, no restart), also by a dev server;
+/// - the same, the server one release newer: it installs its own release's shim from its
+///   `DSTACK_SHIM_DOWNLOAD_URL` (a host whose server was upgraded first);
+/// - the older release's artifact: replaced by the server's release, from the template's URL;
+/// - the older artifact running, the current one on disk (right after that install):
+///   restarted, gracefully, nothing installed.
 ///
-/// - the artifact built for the server's release: kept (no install, no restart), also by a
-///   dev server;
-/// - the same artifact, server one release newer: the server installs its own shim from its
-///   `DSTACK_SHIM_DOWNLOAD_URL` for its release (what happens to a host when the server is
-///   upgraded first);
-/// - the artifact built for the older release: replaced by the server's release, from the URL
-///   the template makes for it;
-/// - the older artifact running while the current one is the binary on disk (as right after
-///   that install): restarted, gracefully, and nothing installed.
-///
-/// The stub runner reports the newest of these releases, so no runner install is asked for
-/// and every request the check records is about the shim.
+/// The stub runner reports the newest of these releases: every request the check records is
+/// about the shim.
 ///
 /// upstream: src/dstack/_internal/server/background/pipeline_tasks/instances/check.py
 /// (`_maybe_install_components`, `_maybe_install_shim`, `_should_install_component`),
