@@ -105,6 +105,13 @@ fn a_state_file_written_here_has_every_field_upstream_reads() {
         gpu_devices host_ssh_user host_ssh_keys container_ssh_keys";
     assert_eq!(keys, upstream.split_whitespace().collect());
     assert_eq!(config["registry_password"], "");
+    // Every field of `TaskConfig` is written: it is `#[non_exhaustive]`, so the format's
+    // destructuring cannot list them all, and a field added fails here until it is written.
+    let fields = serde_json::to_value(r.config.as_deref().unwrap()).unwrap();
+    let fields = fields.as_object().unwrap().keys();
+    let fields: BTreeSet<&str> = fields.map(String::as_str).collect();
+    let all_written = fields.len() >= 18 && fields.is_subset(&keys);
+    assert!(all_written, "{fields:?} not all in {keys:?}");
     // Not terminated: no reason for upstream to read.
     let r2 = TaskRecord {
         status: TaskStatus::Running,
