@@ -131,43 +131,36 @@ async fn submit_validation() {
     // `empty name`, `empty image_name`, in that order). Then values Go's decoder refuses,
     // named by their path as upstream names them (Go 1.27); upstream:
     // runner/internal/common/api/api.go (DecodeJSONBody).
-    for (body, message) in [
-        (r#"{"image_name":"i","name":"n"}"#, "empty id"),
-        (r#"{"id":"a","image_name":"i"}"#, "empty name"),
-        (r#"{"id":"a","name":"n"}"#, "empty image_name"),
-        (r#"{"id":"","image_name":"","name":""}"#, "empty id"),
-        (r#"{"id":"a","image_name":"i","name":null}"#, "empty name"),
-        (
-            r#"{"id":"a","image_name":"","name":"n"}"#,
-            "empty image_name",
-        ),
-        (
-            r#"{"gpu":-2,"id":"a","image_name":"i","name":"n"}"#,
-            "invalid task config: gpu: must be -1 (all), 0 or a positive count",
-        ),
-        (
-            r#"{"id":"a","image_name":"i","name":"n","network_mode":"none"}"#,
-            "Request body contains an invalid value for the \"network_mode\" field (at position 60): \
-             network_mode must be \"host\" or \"bridge\", not \"none\"",
-        ),
-        (
-            r#"{"id":"-a","image_name":"i","name":"n"}"#,
-            "Request body contains an invalid value for the \"id\" field (at position 10): \
-             id \"-a\" is invalid: must start with a letter or a digit",
-        ),
-        (
-            r#"{"id": "a", "name": "job-1", "image_name": "i", "gpu": "x"}"#,
-            "Request body contains an invalid value for the \"gpu\" field (at position 58)",
-        ),
-        (
-            r#"{"id":"a","name":"n","image_name":"i","volumes":[{"init_fs":1}]}"#,
-            "Request body contains an invalid value for the \"volumes.0.init_fs\" field (at position 61)",
-        ),
+    s.assert_refusals(&[
+        r#"no_id: POST /api/tasks {"image_name":"i","name":"n"} => 400 empty id"#,
+        r#"no_name: POST /api/tasks {"id":"a","image_name":"i"} => 400 empty name"#,
+        r#"no_image_name: POST /api/tasks {"id":"a","name":"n"} => 400 empty image_name"#,
+        r#"all_empty: POST /api/tasks {"id":"","image_name":"","name":""} => 400 empty id"#,
+        r#"null_name: POST /api/tasks {"id":"a","image_name":"i","name":null} => 400 empty name"#,
+        "empty_image_name: POST /api/tasks {\"id\":\"a\",\"image_name\":\"\",\"name\":\"n\"} => \
+         400 empty image_name",
+        "gpu_below_minus_one: POST /api/tasks \
+         {\"gpu\":-2,\"id\":\"a\",\"image_name\":\"i\",\"name\":\"n\"} => \
+         400 invalid task config: gpu: must be -1 (all), 0 or a positive count",
+        "network_mode_none: POST /api/tasks \
+         {\"id\":\"a\",\"image_name\":\"i\",\"name\":\"n\",\"network_mode\":\"none\"} => \
+         400 Request body contains an invalid value for the \"network_mode\" field \
+         (at position 60): network_mode must be \"host\" or \"bridge\", not \"none\"",
+        "id_with_a_leading_dash: POST /api/tasks \
+         {\"id\":\"-a\",\"image_name\":\"i\",\"name\":\"n\"} => \
+         400 Request body contains an invalid value for the \"id\" field (at position 10): \
+         id \"-a\" is invalid: must start with a letter or a digit",
+        "gpu_a_string: POST /api/tasks \
+         {\"id\": \"a\", \"name\": \"job-1\", \"image_name\": \"i\", \"gpu\": \"x\"} => \
+         400 Request body contains an invalid value for the \"gpu\" field (at position 58)",
+        "volume_init_fs_a_number: POST /api/tasks \
+         {\"id\":\"a\",\"name\":\"n\",\"image_name\":\"i\",\"volumes\":[{\"init_fs\":1}]} => \
+         400 Request body contains an invalid value for the \"volumes.0.init_fs\" field \
+         (at position 61)",
         // `null` is an empty request to Go's decoder.
-        ("null", "empty id"),
-    ] {
-        s.post("/api/tasks", body).await.assert_error(400, message);
-    }
+        "null: POST /api/tasks null => 400 empty id",
+    ])
+    .await;
     let submit = async |body: serde_json::Value| s.post("/api/tasks", &body.to_string()).await;
     // A key line that could inject a second line is refused before anything is stored.
     let r = submit(json!({

@@ -193,14 +193,8 @@ pub async fn get(addr: SocketAddr, path: &str) -> Resp {
 }
 
 pub async fn post(addr: SocketAddr, path: &str, body: &str) -> Resp {
-    raw(
-        addr,
-        "POST",
-        path,
-        &[("Content-Type", "application/json")],
-        Some(body.as_bytes()),
-    )
-    .await
+    let json = [("Content-Type", "application/json")];
+    raw(addr, "POST", path, &json, Some(body.as_bytes())).await
 }
 
 // ---------------------------------------------------------------------------------------------
