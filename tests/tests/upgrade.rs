@@ -30,8 +30,8 @@ use std::os::unix::fs::PermissionsExt as _;
 use std::os::unix::process::ExitStatusExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -97,51 +97,42 @@ fn script(version: &str, then: &str) -> Vec<u8> {
     .into_bytes()
 }
 
-/// A tiny HTTP server for the installs: `GET /<name>` answers the bytes set for `name`
-/// (404 otherwise), as the server's download URL does.
+/// A tiny HTTP server for the installs: `GET /<name>` answers the file `name` of its
+/// directory (404 otherwise), as the server's download URL does.
 struct FileServer {
     addr: SocketAddr,
-    files: Arc<Mutex<BTreeMap<String, Vec<u8>>>>,
+    dir: tempfile::TempDir,
 }
 
 impl FileServer {
     fn start() -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let files: Arc<Mutex<BTreeMap<String, Vec<u8>>>> = Arc::default();
-        let served = files.clone();
+        let (addr, dir) = (listener.local_addr().unwrap(), tempfile::tempdir().unwrap());
+        let root = dir.path().to_owned();
         std::thread::spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(stream) = stream else { return };
-                let files = served.clone();
-                std::thread::spawn(move || Self::answer(stream, &files));
+            for stream in listener.incoming().map_while(Result::ok) {
+                let root = root.clone();
+                std::thread::spawn(move || Self::answer(stream, &root));
             }
         });
-        Self { addr, files }
+        Self { addr, dir }
     }
 
     /// Answers one request on `stream` (one request per connection).
-    fn answer(mut stream: TcpStream, files: &Mutex<BTreeMap<String, Vec<u8>>>) {
-        let mut reader = BufReader::new(stream.try_clone().unwrap());
-        let (mut line, mut header) = (String::new(), String::new());
-        if reader.read_line(&mut line).is_err() {
-            return;
-        }
+    fn answer(mut stream: TcpStream, root: &Path) {
+        let reader = BufReader::new(stream.try_clone().unwrap());
+        let mut lines = reader.lines().map_while(Result::ok);
+        let Some(request) = lines.next() else { return };
         // The headers, up to the empty line.
-        while reader
-            .read_line(&mut header)
-            .is_ok_and(|n| n > 0 && header != "\r\n")
-        {
-            header.clear();
-        }
-        let name = line
+        lines.find(String::is_empty);
+        let name = request
             .split(' ')
             .nth(1)
             .unwrap_or("/")
             .trim_start_matches('/');
-        let (status, body) = match files.lock().unwrap().get(name) {
-            Some(body) => ("200 OK", body.clone()),
-            None => ("404 Not Found", Vec::new()),
+        let (status, body) = match fs_err::read(root.join(name)) {
+            Ok(body) => ("200 OK", body),
+            Err(_) => ("404 Not Found", Vec::new()),
         };
         let head = format!(
             "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
@@ -154,7 +145,9 @@ impl FileServer {
 
     /// Serves `bytes` as `name`; its URL.
     fn serve(&self, name: &str, bytes: Vec<u8>) -> String {
-        self.files.lock().unwrap().insert(name.to_owned(), bytes);
+        let path = self.dir.path().join(name);
+        fs_err::create_dir_all(path.parent().unwrap()).unwrap();
+        fs_err::write(path, bytes).unwrap();
         format!("http://{}/{name}", self.addr)
     }
 
@@ -238,13 +231,9 @@ impl Load {
                             break;
                         }
                         samples.push(Sample::take(addr, path));
-                        next += LOAD_EVERY;
-                        let now = Instant::now();
-                        if next > now {
-                            std::thread::sleep(next - now);
-                        } else {
-                            next = now;
-                        }
+                        // The next request's time, never in the past.
+                        next = (next + LOAD_EVERY).max(Instant::now());
+                        std::thread::sleep(next.saturating_duration_since(Instant::now()));
                     }
                     samples
                 })
@@ -265,25 +254,18 @@ impl Load {
 
 /// The figures of the samples sent in `[from, to)`.
 fn figures(samples: &[Sample], from: Instant, to: Instant) -> (usize, Vec<Sample>, Duration) {
-    let window: Vec<&Sample> = samples
-        .iter()
-        .filter(|s| s.sent >= from && s.sent < to)
-        .collect();
-    let failed = window
-        .iter()
-        .filter(|s| s.failed())
-        .map(|&s| s.clone())
-        .collect();
+    let in_window = |s: &&Sample| s.sent >= from && s.sent < to;
+    let window: Vec<&Sample> = samples.iter().filter(in_window).collect();
+    let failed = window.iter().filter(|s| s.failed()).map(|&s| s.clone());
+    let failed = failed.collect();
     let longest = window.iter().map(|s| s.latency).max().unwrap_or_default();
     (window.len(), failed, longest)
 }
 
 /// When the first and the last answer of the healthchecks that `version` answered came.
 fn answers_from(samples: &[Sample], version: &str) -> (Instant, Instant) {
-    let answered = samples
-        .iter()
-        .filter(|s| s.version.as_deref() == Some(version));
-    let answered = answered.map(Sample::answered);
+    let by_version = |s: &&Sample| s.version.as_deref() == Some(version);
+    let answered = samples.iter().filter(by_version).map(Sample::answered);
     (answered.clone().min().unwrap(), answered.max().unwrap())
 }
 
@@ -333,19 +315,16 @@ impl Tasks {
     fn start(shim: &TestShim, n: usize) -> Self {
         let ids: Vec<String> = (0..n).map(|i| shim.unique_id(&format!("up{i}"))).collect();
         for id in &ids {
-            shim.submit(&bridge_task(id, &format!("up-{id}-{}", run_tag()), 1))
-                .ok();
+            let config = bridge_task(id, &format!("up-{id}-{}", run_tag()), 1);
+            shim.submit(&config).ok();
         }
-        let containers: Vec<String> = ids
-            .iter()
-            .map(|id| {
-                shim.wait_status(id, "running")["container_id"]
-                    .as_str()
-                    .unwrap()
-                    .to_owned()
-            })
-            .collect();
-        let tasks = ids.into_iter().zip(containers).map(|(id, cid)| {
+        let running = ids.into_iter().map(|id| {
+            let info = shim.wait_status(&id, "running");
+            (id, info["container_id"].as_str().unwrap().to_owned())
+        });
+        let running: Vec<(String, String)> = running.collect();
+        // The states once they all ran.
+        let tasks = running.into_iter().map(|(id, cid)| {
             let state = container_state(&cid);
             (id, (cid, state))
         });
@@ -396,8 +375,8 @@ fn shim_component(shim: &TestShim) -> [String; 2] {
 /// instance check reads the list the same way); the component's [status, version].
 fn install(shim: &TestShim, url: &str) -> [String; 2] {
     let install = json!({"name": "dstack-shim", "url": url});
-    shim.post("/api/components/install", &install)
-        .assert_empty_ok();
+    let answer = shim.post("/api/components/install", &install);
+    answer.assert_empty_ok();
     wait_for("the install ends", BOUND, || {
         let component = shim_component(shim);
         let over = component[0] != "installing";
@@ -417,15 +396,14 @@ fn shutdown(shim: &TestShim) -> Instant {
 /// Waits until the healthcheck answers `version`.
 fn wait_version(shim: &TestShim, version: &str) {
     let healthcheck = Request::get("/api/healthcheck").timeout(REQUEST_TIMEOUT);
-    wait_for(
-        &format!("version {version} answers"),
-        BOUND,
-        || match healthcheck.send(shim.addr()) {
+    wait_for(&format!("version {version} answers"), BOUND, || {
+        let answer = healthcheck.send(shim.addr());
+        match answer {
             Ok(r) if r.status == 200 && r.json_body()["version"] == version => Ok(()),
             Ok(r) => Err(format!("{r:?}")),
             Err(e) => Err(e.to_string()),
-        },
-    );
+        }
+    });
 }
 
 /// Waits until the supervisor has started the shim `n` times and the last start runs.
