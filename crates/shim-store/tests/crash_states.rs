@@ -406,12 +406,10 @@ fn judge(calls: &[Call], point: usize, seen: &Seen) -> Vec<(Wrong, String)> {
         let any = |is: fn(&Action) -> bool, when: &dyn Fn(&Call) -> bool| {
             mine.iter().any(|c| is(&c.action) && when(c))
         };
+        let create: fn(&Action) -> bool = |a| matches!(a, Action::Create(_) | Action::Adopt(_));
         let delete: fn(&Action) -> bool = |a| matches!(a, Action::Delete);
         let mark: fn(&Action) -> bool = |a| matches!(a, Action::Mark);
-        let created = any(
-            |a| matches!(a, Action::Create(_) | Action::Adopt(_)),
-            &acked,
-        );
+        let created = any(create, &acked);
         let (removing, removed) = (any(delete, &started), any(delete, &acked));
         let (marking, marked) = (any(mark, &started), any(mark, &acked));
         // The records it may hold: the last acknowledged, or a later one in flight.
@@ -469,11 +467,9 @@ fn explore_run(run: &Run) -> (Vec<(Wrong, String)>, Stats, usize) {
             Ok(found) => judge(&run.calls, state.point, found),
         };
         let at = state.describe(&run.log);
-        violations.extend(
-            problems
-                .into_iter()
-                .map(|(w, p)| (w, format!("{p}\n  in {at}"))),
-        );
+        for (wrong, p) in problems {
+            violations.push((wrong, format!("{p}\n  in {at}")));
+        }
         ControlFlow::Continue(())
     });
     (violations, stats, startups.len())
