@@ -21,12 +21,8 @@ fn variant(n: u64) -> Vec<u8> {
 
 fn version_of(content: &[u8]) -> u64 {
     let header = content.split(|&b| b == b'\n').next().unwrap();
-    std::str::from_utf8(header)
-        .unwrap()
-        .strip_prefix("version ")
-        .unwrap()
-        .parse()
-        .unwrap()
+    let header = std::str::from_utf8(header).unwrap();
+    header.strip_prefix("version ").unwrap().parse().unwrap()
 }
 
 /// Not a test by itself: the child process of `killed_writer_leaves_a_whole_version`, which
