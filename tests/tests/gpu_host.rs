@@ -96,12 +96,11 @@ fn gone(pid: u32) -> bool {
 /// The ids of the images `host` imported. Tests running beside this one import images of the
 /// same names once this host is gone, so what is checked is that these ids are gone.
 fn image_ids(host: &FakeGpuHost) -> Vec<String> {
-    let id = |image: &serde_json::Value| image["id"].as_str().unwrap().to_owned();
-    host.record()["images"]
-        .as_array()
-        .unwrap()
+    let record = host.record();
+    let images = record["images"].as_array().unwrap();
+    images
         .iter()
-        .map(id)
+        .map(|i| i["id"].as_str().unwrap().to_owned())
         .collect()
 }
 
@@ -129,10 +128,8 @@ fn exec_shows_an_nvidia_host_that_the_host_itself_does_not_have() {
     ]);
     let tool = format!("{}/bin/nvidia-smi", host.dir().display());
     assert!(seen.contains(&tool), "{seen}");
-    assert!(
-        !Path::new("/dev/nvidiactl").exists(),
-        "the host's /dev changed"
-    );
+    let untouched = !Path::new("/dev/nvidiactl").exists();
+    assert!(untouched, "the host's /dev changed");
 
     // The shim's invocations, read by the shim's own parsers.
     let csv = host.exec_ok(&NVIDIA_SMI_LIST);
@@ -146,14 +143,10 @@ fn exec_shows_an_nvidia_host_that_the_host_itself_does_not_have() {
     });
     let driver = Some("535.129.03".to_owned());
     assert_eq!(parse_nvidia_smi(&csv).unwrap(), (gpus.collect(), driver));
-    let buses = host.exec_ok(&words(
-        "nvidia-smi --query-gpu=uuid,pci.bus_id --format=csv,noheader",
-    ));
-    let no_reasons = [vec![], vec![], vec![]];
-    assert_eq!(
-        parse_nvidia_smi_bus_ids(&buses).unwrap(),
-        health(&host, no_reasons)
-    );
+    let query = "nvidia-smi --query-gpu=uuid,pci.bus_id --format=csv,noheader";
+    let buses = host.exec_ok(&words(query));
+    let no_reasons = health(&host, [vec![], vec![], vec![]]);
+    assert_eq!(parse_nvidia_smi_bus_ids(&buses).unwrap(), no_reasons);
     let topo = parse_nvidia_topo(&host.exec_ok(&["nvidia-smi", "topo", "-m"])).unwrap();
     assert_eq!(topo.gpus(), [0, 1, 2]);
     assert_eq!(topo.link(0, 2), Some(Link::Node));
@@ -214,10 +207,8 @@ fn a_container_gets_exactly_the_cdi_devices_it_asks_for() {
     assert!(spec.starts_with("---\ncdiVersion: 0.5.0\n"), "{spec}");
     let uuids = host.uuids();
     let by_uuid = format!("nvidia.com/gpu={}", uuids[1]);
-    assert_eq!(
-        host.cdi_devices(1),
-        ["nvidia.com/gpu=1", &by_uuid, "nvidia.com/gpu=gpu1"]
-    );
+    let names = ["nvidia.com/gpu=1", &by_uuid, "nvidia.com/gpu=gpu1"];
+    assert_eq!(host.cdi_devices(1), names);
     let env = format!("DSTACK_FAKE_GPU_1={}", uuids[1]);
     // The container's nvidia-smi numbers what it sees from 0, as the real one does.
     let listed = format!("GPU 0: {} (UUID: {})", host.gpu_name(), uuids[1]);
@@ -255,9 +246,8 @@ fn amd_smi_runs_as_the_shim_runs_it() {
     let driver = Some("6.10.5".to_owned());
     assert_eq!(parse_amd_smi(&json).unwrap(), (gpus.collect(), driver));
     // Without the devices the tool fails, as the real one does.
-    let bare = host.exec(&words(
-        "docker run --rm dstackai/amd-smi:latest static --json",
-    ));
+    let bare = words("docker run --rm dstackai/amd-smi:latest static --json");
+    let bare = host.exec(&bare);
     assert!(!bare.status.success());
     // The shim's render node lookup: /dev/dri/by-path/pci-<bdf>-render.
     for (bdf, id) in host.bus_ids().iter().zip(host.ids()) {
@@ -287,14 +277,10 @@ fn tt_smi_runs_as_the_shim_runs_it() {
     require_docker_and_root();
     let host = FakeGpuHost::with(FakeVendor::Tenstorrent, 2, |_| ());
     assert_eq!(host.spec_path(), None);
-    let json = host.exec_ok(&words(
-        "docker run --rm --device /dev/tenstorrent dstackai/tt-smi:latest -s",
-    ));
-    let gpus = parse_tt_smi(&json).unwrap();
-    assert_eq!(
-        gpus.iter().map(|g| g.id.as_str()).collect::<Vec<_>>(),
-        ["0", "1"]
-    );
+    let run = words("docker run --rm --device /dev/tenstorrent dstackai/tt-smi:latest -s");
+    let gpus = parse_tt_smi(&host.exec_ok(&run)).unwrap();
+    let ids: Vec<&str> = gpus.iter().map(|g| g.id.as_str()).collect();
+    assert_eq!(ids, ["0", "1"]);
     let version = host.exec_ok(&["cat", "/sys/module/tenstorrent/version"]);
     assert_eq!(version.trim(), "1.33");
 }
@@ -302,15 +288,12 @@ fn tt_smi_runs_as_the_shim_runs_it() {
 /// Starts the shim inside `host` as a service (so that it writes `host_info.json`) and
 /// returns what it wrote once it has.
 fn shim_host_info(host: &FakeGpuHost, label: &str) -> serde_json::Value {
-    let shim = TestShim::builder(label)
-        .gpu_host(host)
-        .args(["--service"])
-        .start();
+    let shim = TestShim::builder(label).gpu_host(host);
+    let shim = shim.args(["--service"]).start();
     let path = shim.home().join("host_info.json");
     let info = wait_for("the shim writes host_info.json", BOUND, || {
-        fs_err::read_to_string(&path)
-            .map_err(|e| e.to_string())
-            .and_then(|text| serde_json::from_str(&text).map_err(|e| e.to_string()))
+        let text = fs_err::read_to_string(&path).map_err(|e| e.to_string())?;
+        serde_json::from_str(&text).map_err(|e| e.to_string())
     });
     // The shim itself ran the vendor tool: an API request still answers.
     assert!(shim.api().answers());
@@ -343,7 +326,7 @@ fn teardown_leaves_nothing_and_frees_the_lock() {
     let dir = host.dir().to_owned();
     let spec = host.spec_path().unwrap();
     let key = host.record()["key"].as_str().unwrap().to_owned();
-    let record = Path::new("/var/lib/dstack-shim-dev/fake-gpu-hosts").join(format!("{key}.json"));
+    let record = format!("/var/lib/dstack-shim-dev/fake-gpu-hosts/{key}.json").into();
     for made in [&dir, &spec, &record] {
         assert!(made.exists(), "{}", made.display());
     }
