@@ -318,9 +318,8 @@ async fn an_interrupted_download_is_swept_once_it_has_aged() {
         async move { c.sweep_interrupted_downloads(stop).await }
     });
     // It ages (a download's time passes).
-    file.file()
-        .set_modified(std::time::SystemTime::now() - Duration::from_secs(3600))
-        .unwrap();
+    let long_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
+    file.file().set_modified(long_ago).unwrap();
     for _ in 0..100 {
         if !temp.exists() {
             break;
@@ -348,12 +347,8 @@ async fn a_shim_binary_rolled_back_within_the_hour_is_not_installed_again() {
     let target = dir.path().join("dstack-shim");
     let failed = dir.path().join("failed");
     fs_err::write(&failed, script("dstack-shim version 0.22.1")).unwrap();
-    let mut record = RollbackRecord::now(
-        "0.22.1",
-        &digest(&failed).unwrap(),
-        "it did not start",
-        "0.22.0",
-    );
+    let failed_digest = digest(&failed).unwrap();
+    let mut record = RollbackRecord::now("0.22.1", &failed_digest, "it did not start", "0.22.0");
     record.write(&home).unwrap();
     executable(&target, &script("dstack-shim version 0.22.0"));
 
