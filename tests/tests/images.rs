@@ -85,6 +85,12 @@ fn metric(shim: &TestShim, name: &str) -> Option<f64> {
     shim.metrics().try_get(name, &[])
 }
 
+/// Fails unless the counter or gauge `name` (no labels) is `value`.
+#[track_caller]
+fn assert_metric(shim: &TestShim, name: &str, value: f64) {
+    assert_eq!(metric(shim, name), Some(value), "{name}");
+}
+
 /// An image name in the one form the ledger records (Docker's reference normalisation): for
 /// the test registry's names (`127.0.0.1:<port>/<repo>:<tag>`, a registry and a tag already)
 /// the name itself.
@@ -356,10 +362,7 @@ fn the_ledger_survives_concurrent_pulls_a_crash_and_corruption() {
     fs_err::write(&stray, b"half a write").unwrap();
     shim.start();
     // The first answer comes once the engine is open (the port listens before).
-    assert_eq!(
-        metric(&shim, "dstack_shim_image_ledger_corrupt_total"),
-        Some(1.0)
-    );
+    assert_metric(&shim, "dstack_shim_image_ledger_corrupt_total", 1.0);
     let home = entries(shim.home());
     let aside = home
         .iter()
@@ -417,10 +420,7 @@ fn freed_bytes_are_measured_on_the_file_system() {
         freed >= (24 * MIB) as f64 && freed < (40 * MIB) as f64,
         "freed {freed}: the disk's bytes (the shared layer once), not the two Sizes summed"
     );
-    assert_eq!(
-        metric(shim, "dstack_shim_image_gc_removed_images_total"),
-        Some(2.0)
-    );
+    assert_metric(shim, "dstack_shim_image_gc_removed_images_total", 2.0);
     shim.finish("c");
 }
 
@@ -483,10 +483,7 @@ fn pulled_images_are_collected_when_the_disk_fills_and_a_pull_that_cannot_fit_fa
         collected.as_secs_f64() * 1e3
     );
     assert!(after < LOW as f64, "usage {after:.1} % over {LOW} %");
-    assert_eq!(
-        metric(shim, "dstack_shim_image_gc_removed_images_total"),
-        Some(1.0)
-    );
+    assert_metric(shim, "dstack_shim_image_gc_removed_images_total", 1.0);
     let freed = metric(shim, "dstack_shim_image_gc_freed_bytes_total").unwrap();
     assert!(freed >= (16 * MIB) as f64, "{freed}");
     let ratio = metric(shim, "dstack_shim_image_fs_used_ratio").unwrap();
@@ -536,12 +533,8 @@ fn pulled_images_are_collected_when_the_disk_fills_and_a_pull_that_cannot_fit_fa
     let gone = !present.contains(&ib) && !present.contains(d.reference());
     assert!(gone, "b's image is collected, d's never came: {present:?}");
     disk.assert_present(&[&ic, &test_image]);
-    for (name, value) in [
-        ("dstack_shim_image_pulls_without_room_total", 1.0),
-        ("dstack_shim_image_gc_removed_images_total", 2.0),
-    ] {
-        assert_eq!(metric(shim, name), Some(value), "{name}");
-    }
+    assert_metric(shim, "dstack_shim_image_pulls_without_room_total", 1.0);
+    assert_metric(shim, "dstack_shim_image_gc_removed_images_total", 2.0);
     shim.remove_retrying("d");
     shim.finish("c");
 }

@@ -50,6 +50,12 @@ impl BinaryWorld {
         tokio::task::spawn_blocking(move || f(&shim)).await.unwrap()
     }
 
+    /// Removes `task`'s container by name however the test ends.
+    fn remove_at_end(&self, task: &Value) {
+        let named = NamedContainer(container_name_of(task));
+        self.named.lock().unwrap().push(named);
+    }
+
     fn shim_mut(&mut self) -> &mut TestShim {
         Arc::get_mut(&mut self.shim).expect("no call in flight")
     }
@@ -149,10 +155,7 @@ impl World for BinaryWorld {
     }
 
     async fn submit(&self, task: &Value) -> Result<(), String> {
-        self.named
-            .lock()
-            .unwrap()
-            .push(NamedContainer(container_name_of(task)));
+        self.remove_at_end(task);
         let task = task.clone();
         answered(self.call(move |shim| shim.submit(&task)).await)
     }
@@ -327,10 +330,7 @@ impl World for BinaryWorld {
         runner_dir: &std::path::Path,
         exit_code: Option<i32>,
     ) -> String {
-        self.named
-            .lock()
-            .unwrap()
-            .push(NamedContainer(container_name_of(task)));
+        self.remove_at_end(task);
         super::run_upstream_container_on_docker(task, runner_dir, exit_code)
     }
 }
