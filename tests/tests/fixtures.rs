@@ -43,9 +43,8 @@ fn try_http(
 
 /// [`try_http`]'s status code; panics if nothing answers.
 fn status(addr: SocketAddr, method: &str, path: &str, auth: Option<&str>) -> u16 {
-    try_http(addr, method, path, auth)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .status
+    let answer = try_http(addr, method, path, auth);
+    answer.unwrap_or_else(|e| panic!("{e}")).status
 }
 
 fn base64(input: &str) -> String {
@@ -66,36 +65,26 @@ fn stub_runner_serves_http_and_exits_with_the_code_from_the_exit_file() {
     let runner_mount = format!("{}:{RUNNER_PATH_IN_CONTAINER}:ro", runner.display());
     let temp_mount = format!("{}:/tmp/runner", temp_dir.path().display());
     // The command the shim runs (SPEC §6), with the stub sshd in place of the package install.
+    let key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE0 test@fixture";
     let script = format!(
         "command -v sshd >/dev/null || exit 11; {RUNNER_PATH_IN_CONTAINER} --log-level 6 start \
-         --temp-dir /tmp/runner --http-port 10999 --ssh-port 10022 \
-         --ssh-authorized-key 'ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE0 test@fixture'"
+         --temp-dir /tmp/runner --http-port 10999 --ssh-port 10022 --ssh-authorized-key '{key}'"
     );
-    docker_ok(&[
-        "run",
-        "-d",
-        "--name",
-        &container.0,
-        "--label",
-        "dev.dstack-shim.test=fixtures",
-        "-v",
-        &runner_mount,
-        "-v",
-        &temp_mount,
-        "-p",
-        "127.0.0.1::10999",
-        "--entrypoint",
-        "/bin/sh",
-        &image(),
-        "-c",
-        &script,
-    ]);
+    let options = [
+        ("--name", container.0.as_str()),
+        ("--label", "dev.dstack-shim.test=fixtures"),
+        ("-v", &runner_mount),
+        ("-v", &temp_mount),
+        ("-p", "127.0.0.1::10999"),
+        ("--entrypoint", "/bin/sh"),
+    ];
+    let mut run = vec!["run", "-d"];
+    run.extend(options.into_iter().flat_map(|(o, value)| [o, value]));
+    docker_ok(&[&run[..], &[&image(), "-c", &script]].concat());
     let port_line = docker_ok(&["port", &container.0, "10999/tcp"]);
-    let port = port_line
-        .lines()
-        .next()
-        .and_then(|l| l.rsplit(':').next()?.trim().parse().ok());
-    let port: u16 = port.unwrap_or_else(|| panic!("no published port in {port_line:?}"));
+    let port = port_line.lines().next().and_then(|l| l.rsplit(':').next());
+    let port = port.and_then(|p| p.trim().parse::<u16>().ok());
+    let port = port.unwrap_or_else(|| panic!("no published port in {port_line:?}"));
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
 
     // docker-proxy accepts before the runner listens: retry until the runner answers (bounded).
@@ -111,11 +100,8 @@ fn stub_runner_serves_http_and_exits_with_the_code_from_the_exit_file() {
     };
     assert!(body.contains("dstack-runner"), "{body}");
     let args = fs_err::read_to_string(temp_dir.path().join("stub-runner.args")).unwrap();
-    for arg in [
-        "--http-port\n10999\n",
-        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE0 test@fixture\n",
-    ] {
-        assert!(args.contains(arg), "{arg:?} in {args}");
+    for arg in ["--http-port\n10999\n".to_owned(), format!("{key}\n")] {
+        assert!(args.contains(&arg), "{arg:?} in {args}");
     }
 
     fs_err::write(temp_dir.path().join(RUNNER_EXIT_FILE), "7\n").unwrap();
@@ -153,9 +139,10 @@ fn pulling_from_the_registry_without_credentials_is_refused() {
     // An empty client config: whatever the user's ~/.docker holds does not count.
     let config = tempfile::tempdir().unwrap();
     let mut pull = Command::new("docker");
-    pull.env("DOCKER_CONFIG", config.path())
-        .args(["pull", &registry_small_image()]);
-    let output = pull.stdin(Stdio::null()).output().unwrap();
+    let pull = pull
+        .args(["pull", &registry_small_image()])
+        .stdin(Stdio::null());
+    let output = pull.env("DOCKER_CONFIG", config.path()).output().unwrap();
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
