@@ -102,9 +102,8 @@ fn check_artifact(path: &Path, release: &str, run: bool) {
     let shown = path.display();
     // The artifact is linked against glibc (zig, not a static build): no GLIBC_ version at
     // all would mean the reading broke, not that the floor is met.
-    let highest = artifact::highest_glibc(path)
-        .unwrap()
-        .unwrap_or_else(|| panic!("{shown}: no GLIBC_ symbol version found"));
+    let highest = artifact::highest_glibc(path).unwrap();
+    let highest = highest.unwrap_or_else(|| panic!("{shown}: no GLIBC_ symbol version found"));
     eprintln!("{shown}: highest GLIBC_ version needed: {highest}");
     assert!(
         artifact::compare_versions(&highest, GLIBC_FLOOR).is_le(),
@@ -221,19 +220,13 @@ exec chroot "$root" "$@"
 /// The glibc release of `rootfs`, from `ldd --version` run there (`ldd (Debian GLIBC
 /// 2.31-13+deb11u11) 2.31`).
 fn rootfs_glibc(rootfs: &Path) -> String {
-    let out = Command::new("chroot")
-        .arg(rootfs)
-        .args(["ldd", "--version"])
-        .output()
-        .unwrap();
+    let mut ldd = Command::new("chroot");
+    let out = ldd.arg(rootfs).args(["ldd", "--version"]).output().unwrap();
     assert!(out.status.success(), "ldd --version in the rootfs: {out:?}");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let first = stdout.lines().next().unwrap_or_default();
-    first
-        .split_whitespace()
-        .last()
-        .unwrap_or_default()
-        .to_owned()
+    let version = first.split_whitespace().last();
+    version.unwrap_or_default().to_owned()
 }
 
 /// Issue 21 (Prove): the artifact serves the API and runs a task on this machine's Docker from
@@ -265,8 +258,8 @@ fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
     // Under /tmp (the namespace's private /tmp holds its mount point).
     let work = tempfile::Builder::new()
         .prefix("shim-e2e-dist-")
-        .tempdir_in("/tmp")
-        .unwrap();
+        .tempdir_in("/tmp");
+    let work = work.unwrap();
     let work_path = work.path().to_owned();
     let (home, root_home) = (work_path.join("home"), work_path.join("root-home"));
     fs_err::create_dir_all(&home).unwrap();
@@ -277,17 +270,13 @@ fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
         fs_err::copy(from, &to).unwrap();
         to
     };
-    let (shim, runner) = (
-        copy(&artifact, "dstack-shim"),
-        copy(&runner_path(), "dstack-runner"),
-    );
+    let shim = copy(&artifact, "dstack-shim");
+    let runner = copy(&runner_path(), "dstack-runner");
 
     // The ordinary build of this machine does not start there.
     let host_build = copy(shim_binary(), "dstack-shim-host-build");
-    let out = in_rootfs(&rootfs, &work_path, &host_build)
-        .arg("--version")
-        .output()
-        .unwrap();
+    let mut version = in_rootfs(&rootfs, &work_path, &host_build);
+    let out = version.arg("--version").output().unwrap();
     assert!(
         !out.status.success() && text(&out).contains("GLIBC_2.3"),
         "the host build should need a newer glibc than the rootfs has: {}",
@@ -351,16 +340,15 @@ fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
         let waited = api.wait_status(id, status, Duration::from_millis(50), STATUS_BOUND);
         waited.unwrap_or_else(|e| fail(e)).0
     };
-    api.call("POST", "/api/tasks", Some(&config), 200)
-        .unwrap_or_else(|e| fail(e));
+    let submitted = api.call("POST", "/api/tasks", Some(&config), 200);
+    submitted.unwrap_or_else(|e| fail(e));
     let running = wait_status("running");
     let cid = running["container_id"].as_str().unwrap().to_owned();
     assert_eq!(container_running(None, &cid), Some(true), "{running}");
     // The runner's directory the container sees is the home's, on the host.
     let args_file = runner_dir(&home, &running).join("stub-runner.args");
-    wait_until("the runner writes its arguments", STATUS_BOUND, || {
-        args_file.exists()
-    });
+    let started = || args_file.exists();
+    wait_until("the runner writes its arguments", STATUS_BOUND, started);
     assert!(
         has_key(),
         "root's authorized_keys in the rootfs lacks the task's host key: {}",
@@ -370,8 +358,8 @@ fn the_artifact_serves_and_runs_a_task_inside_a_debian_11_root() {
     write_runner_exit(&home, &running, 0).unwrap();
     let done = wait_status("terminated");
     assert_eq!(done["termination_reason"], "done_by_runner", "{done}");
-    api.remove_retrying(id, STATUS_BOUND)
-        .unwrap_or_else(|e| fail(e));
+    let removed = api.remove_retrying(id, STATUS_BOUND);
+    removed.unwrap_or_else(|e| fail(e));
     assert_eq!(
         container_running(None, &cid),
         None,
@@ -395,9 +383,8 @@ const DOWNLOAD_TEMPLATE: &str = "http://127.0.0.1:9/dstack-shim/{version}/dstack
 /// What [`DOWNLOAD_TEMPLATE`] makes for `release`. The check's instance has no provisioning
 /// data, so the server's `normalize_arch(None)` picks `amd64` whatever this machine is.
 fn download_url(release: &str) -> String {
-    DOWNLOAD_TEMPLATE
-        .replace("{version}", release)
-        .replace("{arch}", "amd64")
+    let url = DOWNLOAD_TEMPLATE.replace("{version}", release);
+    url.replace("{arch}", "amd64")
 }
 
 /// The release after `release` (`0.22.5` -> `0.22.6`).
@@ -487,8 +474,8 @@ fn the_dstack_server_keeps_the_artifact_of_its_release_and_replaces_older_ones()
     let newer = next_release(DSTACK_VERSION);
     let root = tempfile::Builder::new()
         .prefix("shim-e2e-dist-server-")
-        .tempdir()
-        .unwrap();
+        .tempdir();
+    let root = root.unwrap();
 
     let start = |running: &Path, on_disk: &Path| start_shim(running, on_disk, &newer, root.path());
 
@@ -528,8 +515,8 @@ fn lifecycle(shim: &Path, prefix: Option<&Path>, env: &[(&str, &Path)]) -> Durat
     let python = python();
     let work = tempfile::Builder::new()
         .prefix("shim-e2e-lifecycle-")
-        .tempdir()
-        .unwrap();
+        .tempdir();
+    let work = work.unwrap();
     // The script removes what it made; this is for a run that was killed.
     let _sweeper = ContainerSweeper::for_home(&work.path().join("home"));
     let output = work.path().join("lifecycle.out");
@@ -564,9 +551,8 @@ fn lifecycle(shim: &Path, prefix: Option<&Path>, env: &[(&str, &Path)]) -> Durat
         }
         if started.elapsed() > LIFECYCLE_BOUND {
             // SIGTERM: the script still removes what it made.
-            let _ = Command::new("kill")
-                .args(["-TERM", &child.id().to_string()])
-                .status();
+            let mut term = Command::new("kill");
+            let _ = term.args(["-TERM", &child.id().to_string()]).status();
             let stopping = Instant::now();
             while child.try_wait().unwrap().is_none() && stopping.elapsed() < START_BOUND {
                 std::thread::sleep(Duration::from_millis(100));
@@ -580,8 +566,8 @@ fn lifecycle(shim: &Path, prefix: Option<&Path>, env: &[(&str, &Path)]) -> Durat
     let took = started.elapsed();
     let text = fs_err::read_to_string(&output).unwrap_or_default();
     eprintln!("lifecycle.py on {} ({took:.1?}):\n{text}", shim.display());
-    let status = status
-        .unwrap_or_else(|| panic!("lifecycle.py did not end within {LIFECYCLE_BOUND:?}:\n{text}"));
+    let late = || panic!("lifecycle.py did not end within {LIFECYCLE_BOUND:?}:\n{text}");
+    let status = status.unwrap_or_else(late);
     assert!(status.success(), "lifecycle.py: {status}:\n{text}");
     let last = text.lines().last().unwrap_or_default();
     assert_eq!(
@@ -630,11 +616,12 @@ fn the_other_architectures_artifact_runs_under_qemu_through_a_task_lifecycle() {
     let cpu = qemu_cpu(arch);
     let dev_env = "run `cargo xtask dev-env` (it installs qemu-user-static and the cross glibc \
                    and registers the binfmt_misc entry)";
-    let qemu = ["/usr/bin", "/usr/local/bin"]
-        .iter()
-        .map(|dir| Path::new(dir).join(format!("qemu-{cpu}-static")))
-        .find(|path| path.is_file())
-        .unwrap_or_else(|| panic!("qemu-{cpu}-static is missing: {dev_env}"));
+    let qemu = ["/usr/bin", "/usr/local/bin"].map(|dir| format!("{dir}/qemu-{cpu}-static"));
+    let qemu = qemu
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|path| path.is_file());
+    let qemu = qemu.unwrap_or_else(|| panic!("qemu-{cpu}-static is missing: {dev_env}"));
     let sysroot = PathBuf::from(format!("/usr/{cpu}-linux-gnu"));
     assert!(
         sysroot.join("lib").is_dir(),
