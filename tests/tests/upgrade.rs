@@ -37,7 +37,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use shim_e2e::harness::supervisor::group_members;
-use shim_e2e::harness::{Request, TestShim, bridge_task, docker_ok, run_tag, wait_for, wait_until};
+use shim_e2e::harness::{
+    Request, Response, TestShim, bridge_task, docker_ok, run_tag, wait_for, wait_until,
+};
 use shim_e2e::{
     DSTACK_VERSION, OLDER_DSTACK_VERSION, dist_artifact, dstack_python, go_arch, repo_root,
     require_docker,
@@ -125,11 +127,8 @@ impl FileServer {
         let Some(request) = lines.next() else { return };
         // The headers, up to the empty line.
         lines.find(String::is_empty);
-        let name = request
-            .split(' ')
-            .nth(1)
-            .unwrap_or("/")
-            .trim_start_matches('/');
+        let target = request.split(' ').nth(1).unwrap_or("/");
+        let name = target.trim_start_matches('/');
         let (status, body) = match fs_err::read(root.join(name)) {
             Ok(body) => ("200 OK", body),
             Err(_) => ("404 Not Found", Vec::new()),
@@ -138,9 +137,8 @@ impl FileServer {
             "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
             body.len()
         );
-        let _ = stream
-            .write_all(head.as_bytes())
-            .and_then(|()| stream.write_all(&body));
+        let head = stream.write_all(head.as_bytes());
+        let _ = head.and_then(|()| stream.write_all(&body));
     }
 
     /// Serves `bytes` as `name`; its URL.
@@ -180,11 +178,12 @@ impl Sample {
         let sent = Instant::now();
         let answer = Request::get(path).timeout(REQUEST_TIMEOUT).send(addr);
         let latency = sent.elapsed();
+        let healthy = |r: &&Response| path == "/api/healthcheck" && r.status == 200;
         let version = answer
             .as_ref()
             .ok()
-            .filter(|r| path == "/api/healthcheck" && r.status == 200);
-        let version = version.and_then(|r| r.json().ok());
+            .filter(healthy)
+            .and_then(|r| r.json().ok());
         let version = version.and_then(|v| v["version"].as_str().map(str::to_owned));
         let outcome = answer.map(|r| r.status).map_err(|e| e.to_string());
         let path = path.to_owned();
@@ -279,17 +278,14 @@ fn supervised_shim(
     binary: &Path,
     env: &[(&str, &str)],
 ) -> (TestShim, PathBuf, tempfile::TempDir) {
-    let dir = tempfile::Builder::new()
-        .prefix(&format!("shim-{label}-bin-"))
-        .tempdir()
-        .unwrap();
+    let prefix = format!("shim-{label}-bin-");
+    let dir = tempfile::Builder::new().prefix(&prefix).tempdir().unwrap();
     let path = dir.path().join("bin/dstack-shim");
     fs_err::create_dir_all(path.parent().unwrap()).unwrap();
     fs_err::copy(binary, &path).unwrap();
     fs_err::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let builder = TestShim::builder(label)
-        .supervised(RESTART_SEC)
-        .binary(&path);
+    let builder = TestShim::builder(label).supervised(RESTART_SEC);
+    let builder = builder.binary(&path);
     let shim = env.iter().fold(builder, |b, (k, v)| b.env(k, v)).start();
     (shim, path, dir)
 }
@@ -366,9 +362,8 @@ fn shim_component(shim: &TestShim) -> [String; 2] {
         (name, [status, version])
     });
     let mut components: BTreeMap<String, [String; 2]> = components.collect();
-    components
-        .remove("dstack-shim")
-        .unwrap_or_else(|| panic!("{list}"))
+    let shim = components.remove("dstack-shim");
+    shim.unwrap_or_else(|| panic!("{list}"))
 }
 
 /// Installs `url` as `dstack-shim` and waits until the install is over (the server's next
@@ -379,9 +374,10 @@ fn install(shim: &TestShim, url: &str) -> [String; 2] {
     answer.assert_empty_ok();
     wait_for("the install ends", BOUND, || {
         let component = shim_component(shim);
-        let over = component[0] != "installing";
-        over.then(|| component.clone())
-            .ok_or_else(|| format!("{component:?}"))
+        let state = format!("{component:?}");
+        (component[0] != "installing")
+            .then_some(component)
+            .ok_or(state)
     })
 }
 
@@ -428,10 +424,8 @@ fn wait_alone(shim: &TestShim) {
     let pid = shim.supervisor().pid().unwrap();
     wait_for("the upgrade watchdog exits", BOUND, || {
         let members = group_members(pid);
-        let alone = members == [pid];
-        alone
-            .then_some(())
-            .ok_or_else(|| format!("process group {pid}: {members:?}"))
+        let state = format!("process group {pid}: {members:?}");
+        (members == [pid]).then_some(()).ok_or(state)
     });
 }
 
@@ -709,12 +703,8 @@ fn the_dstack_servers_own_instance_check_upgrades_it_in_place() {
     let out = Command::new(&python)
         .arg(repo_root().join("tests/dstack-server/upgrade_shim.py"))
         .arg(format!("http://{}", shim.addr()))
-        .args([
-            "--server-version",
-            DSTACK_VERSION,
-            "--download-url",
-            &template,
-        ])
+        .args(["--server-version", DSTACK_VERSION])
+        .args(["--download-url", &template])
         .output()
         .unwrap();
     let took = from.elapsed();
