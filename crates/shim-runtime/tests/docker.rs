@@ -274,6 +274,13 @@ async fn next_event(events: &mut EventStream) -> ContainerEvent {
     next_event_where(events, |e| e.kind != EventKind::ImageRemoved).await
 }
 
+/// Asserts that `message` contains one of `parts` (engines word the same failure differently).
+#[track_caller]
+fn assert_says_one_of(message: &str, parts: &[&str]) {
+    let says = parts.iter().any(|p| message.contains(p));
+    assert!(says, "none of {parts:?} in {message}");
+}
+
 /// What a pull returns.
 type Pulled = Result<PullProgress, RuntimeError>;
 
@@ -348,10 +355,16 @@ async fn pull_interrupted(
     }
 }
 
-fn shm_line(logs: &[String]) -> &str {
-    logs.iter()
-        .find(|l| l.contains(" /dev/shm "))
-        .unwrap_or_else(|| panic!("no /dev/shm mount line in {logs:?}"))
+/// Asserts what [`SHM_SCRIPT`] printed: `/dev/shm` mounted with `size_kib`, and whether a
+/// file there could be run (mounted `exec`).
+#[track_caller]
+fn assert_shm(logs: &[String], size_kib: i64, exec: bool) {
+    let line = logs.iter().find(|l| l.contains(" /dev/shm "));
+    let line = line.unwrap_or_else(|| panic!("no /dev/shm mount line in {logs:?}"));
+    assert!(line.contains(&format!("size={size_kib}k")), "{line}");
+    assert_eq!(!line.contains("noexec"), exec, "{line}");
+    let ran = logs.iter().any(|l| l == "shm-exec-ok");
+    assert_eq!(ran, exec, "{logs:?}");
 }
 
 const SHM_SCRIPT: &str = "mount | grep ' /dev/shm '; \
@@ -386,22 +399,14 @@ async fn dev_shm_is_noexec_by_default_and_exec_with_shm_size() {
     let spec = shell_spec(&format!("{run}-default"), &guard.labels(), SHM_SCRIPT);
     let (details, logs) = run_to_exit(&docker, &spec).await;
     assert_eq!(details.exit_code, Some(0), "{logs:?}");
-    let line = shm_line(&logs);
-    assert!(line.contains("noexec"), "{line}");
     // No shm_size: the engine's default, which differs per engine (Docker 64 MiB, Podman
     // 64000 KiB) and which the engine reports as the container's ShmSize; the mount has
     // that size.
-    assert!(
-        [64 << 20, 64_000 << 10].contains(&details.shm_size),
-        "neither Docker's nor Podman's default: {}",
-        details.shm_size
-    );
-    assert!(
-        line.contains(&format!("size={}k", details.shm_size >> 10)),
-        "{line}, ShmSize {}",
-        details.shm_size
-    );
-    assert!(!logs.iter().any(|l| l == "shm-exec-ok"), "{logs:?}");
+    let size = details.shm_size;
+    let defaults = [64 << 20, 64_000 << 10];
+    let default = defaults.contains(&size);
+    assert!(default, "neither Docker's nor Podman's: {size}");
+    assert_shm(&logs, size >> 10, false);
 
     // The spec built for a task with shm_size set.
     let runner_dir = tempfile::tempdir().unwrap();
@@ -416,12 +421,7 @@ async fn dev_shm_is_noexec_by_default_and_exec_with_shm_size() {
     host_ipc.name = format!("{run}-host-ipc");
     host_ipc.ipc_mode = Some("host".to_owned());
     let (_, logs) = run_to_exit(&docker, &host_ipc).await;
-    let line = shm_line(&logs);
-    assert!(
-        line.contains("size=131072k") && !line.contains("noexec"),
-        "{line}"
-    );
-    assert!(logs.iter().any(|l| l == "shm-exec-ok"), "{logs:?}");
+    assert_shm(&logs, 131_072, true);
 
     let (details, logs) = run_to_exit(&docker, &spec).await;
     assert_eq!(details.exit_code, Some(0), "{logs:?}");
@@ -432,15 +432,9 @@ async fn dev_shm_is_noexec_by_default_and_exec_with_shm_size() {
         .tmpfs
         .get("/dev/shm")
         .map_or(Vec::new(), |o| o.split(',').collect());
-    assert!(
-        options.contains(&"exec") && options.contains(&"size=134217728"),
-        "{options:?}"
-    );
-    assert!(!options.contains(&"noexec"), "{options:?}");
-    let line = shm_line(&logs);
-    assert!(!line.contains("noexec"), "{line}");
-    assert!(line.contains("size=131072k"), "{line}");
-    assert!(logs.iter().any(|l| l == "shm-exec-ok"), "{logs:?}");
+    let asked = options.contains(&"exec") && options.contains(&"size=134217728");
+    assert!(asked && !options.contains(&"noexec"), "{options:?}");
+    assert_shm(&logs, 131_072, true);
 }
 
 /// A task's container may start as many processes as the host allows, on every engine: Docker
@@ -540,10 +534,9 @@ async fn a_missing_bind_source_is_the_shims_error_and_creates_nothing() {
             "{what}"
         );
         let text = e.to_string();
-        assert!(
-            text.contains(&missing.display().to_string()) && text.contains("does not exist"),
-            "{what}: the error names the missing path: {text}"
-        );
+        let named = text.contains(&missing.display().to_string());
+        let says = named && text.contains("does not exist");
+        assert!(says, "{what}: the error names the missing path: {text}");
         let listed = docker.list(&guard.labels).await.unwrap();
         assert!(listed.is_empty(), "{what}: {listed:?}");
         assert_matches!(docker.inspect(&run).await, Err(e) if e.is_not_found(), "{what}");
@@ -621,11 +614,8 @@ async fn runner_container_bridge_ports_exit_code_and_event() {
     assert_eq!(details.exit_code, Some(42));
     assert!(details.finished_at.is_some() && details.started_at.is_some());
     let logs = docker.logs_tail(&id, 5).await.unwrap();
-    assert_eq!(
-        logs.last().map(String::as_str),
-        Some("runner exiting with 42"),
-        "{logs:?}"
-    );
+    let last = logs.last().map(String::as_str);
+    assert_eq!(last, Some("runner exiting with 42"), "{logs:?}");
 }
 
 #[tokio::test]
@@ -775,21 +765,14 @@ async fn a_flooding_containers_log_is_bounded_and_its_last_lines_readable() {
         "log flood: {written} bytes written, {kept} bytes kept in {files:?} \
          (cap {MAX_SIZE} x {MAX_FILES})"
     );
-    assert!(
-        current <= MAX_SIZE + MARGIN,
-        "{} is {current} bytes",
-        log_path.display()
-    );
+    let capped = current <= MAX_SIZE + MARGIN;
+    assert!(capped, "{} is {current} bytes", log_path.display());
     let max_files = if podman { 1 } else { u64::from(MAX_FILES) };
     assert!(files.len() as u64 <= max_files, "{files:?}");
-    assert!(
-        kept <= max_files * (MAX_SIZE + MARGIN),
-        "{kept} bytes kept: {files:?}"
-    );
-    assert!(
-        written > 2 * u64::from(MAX_FILES) * MAX_SIZE,
-        "the flood exceeds the cap"
-    );
+    let all_capped = kept <= max_files * (MAX_SIZE + MARGIN);
+    assert!(all_capped, "{kept} bytes kept: {files:?}");
+    let flood = written > 2 * u64::from(MAX_FILES) * MAX_SIZE;
+    assert!(flood, "the flood exceeds the cap");
 
     // The termination message's source: the last lines, through the runtime. (On Podman a
     // truncation just before `last-out-1`, one chance in ten thousand, would leave only the
@@ -817,10 +800,8 @@ async fn sshd_missing_and_no_package_manager_exits_11() {
     spec.mounts.push(bind(empty.path(), "/usr/sbin", true));
     let (details, logs) = run_to_exit(&docker, &spec).await;
     assert_eq!(details.exit_code, Some(11), "{logs:?}");
-    assert!(
-        logs.iter().any(|l| l.contains("no package manager")),
-        "{logs:?}"
-    );
+    let said = logs.iter().any(|l| l.contains("no package manager"));
+    assert!(said, "{logs:?}");
     assert!(!dir.path().join("stub-runner.args").exists());
 }
 
@@ -858,12 +839,9 @@ async fn list_finds_exactly_one_label_set_in_all_states() {
     let exited_summary = listed.iter().find(|c| c.id == exited.id).unwrap();
     let sources: Vec<&str> = exited_summary.mounts.iter().map(|m| &*m.source).collect();
     assert_eq!(sources, [host_tmp.to_str().unwrap()]);
-    assert!(
-        mine.iter()
-            .all(|(k, v)| exited_summary.labels.get(k) == Some(v)),
-        "{:?}",
-        exited_summary.labels
-    );
+    let labels = &exited_summary.labels;
+    let all = mine.iter().all(|(k, v)| labels.get(k) == Some(v));
+    assert!(all, "{labels:?}");
     // The run's label alone finds all four.
     assert_eq!(docker.list(&guard.labels).await.unwrap().len(), 4);
 }
@@ -883,10 +861,8 @@ async fn exit_event_carries_the_code_and_respects_labels() {
     let mine_spec = shell_spec(&format!("{run}-mine"), &mine, "exit 42");
     let id = create_and_start(&docker, &mine_spec).await;
     let event = next_event(&mut events).await;
-    assert_ne!(
-        event.container_id, other_exit.id,
-        "event of a container without the labels"
-    );
+    let unlabelled = "event of a container without the labels";
+    assert_ne!(event.container_id, other_exit.id, "{unlabelled}");
     assert_eq!(event.container_id, id);
     assert_eq!(event.kind, died(42));
     assert_eq!(event.labels.get("set").map(String::as_str), Some("mine"));
@@ -939,15 +915,8 @@ async fn an_images_exit_code_label_names_no_containers_exit() {
     spec.image = image.clone();
     let id = create_and_start(&docker, &spec).await;
     let event = next_event_where(&mut events, |e| e.container_id == id).await;
-    assert!(
-        matches!(
-            event.kind,
-            EventKind::Die {
-                exit_code: None | Some(3)
-            }
-        ),
-        "{event:?}"
-    );
+    let unnumbered = EventKind::Die { exit_code: None };
+    assert!([unnumbered, died(3)].contains(&event.kind), "{event:?}");
     assert_eq!(wait_exited(&docker, &id).await.exit_code, Some(3));
     docker.remove(&id).await.unwrap();
     docker.remove(&donor.id).await.unwrap();
@@ -1011,19 +980,13 @@ async fn limits_privileged_labels_and_devices_in_config() {
     assert!(d.privileged);
     assert_eq!(d.user, "root");
     // The image's own labels come along.
-    assert!(
-        labels.iter().all(|(k, v)| d.labels.get(k) == Some(v)),
-        "{:?}",
-        d.labels
-    );
+    let all = labels.iter().all(|(k, v)| d.labels.get(k) == Some(v));
+    assert!(all, "{:?}", d.labels);
     // The image as given, or the name an engine resolved the short name to (Podman reports
     // that: `localhost/shim-test:1`, or the registry's if the image came from one).
-    assert!(
-        d.image == image() || d.image.ends_with(&format!("/{}", image())),
-        "{} is not {}",
-        d.image,
-        image()
-    );
+    let (got, given) = (&d.image, image());
+    let resolved = *got == given || got.ends_with(&format!("/{given}"));
+    assert!(resolved, "{got} is not {given}");
     if podman {
         // Podman reports no devices of a privileged container (it gets all of the host's).
         // This fails once Podman reports them: then check what it does with them.
@@ -1044,14 +1007,11 @@ async fn limits_privileged_labels_and_devices_in_config() {
     let reported = docker.inspect(&unprivileged).await.unwrap().devices;
     assert_eq!(reported.len(), spec.devices.len(), "{reported:?}");
     for (got, want) in reported.iter().zip(&spec.devices) {
-        assert_eq!(
-            (&got.path_on_host, &got.path_in_container),
-            (&want.path_on_host, &want.path_in_container)
-        );
-        assert!(
-            got.cgroup_permissions.is_empty() || got.cgroup_permissions == want.cgroup_permissions,
-            "{got:?}"
-        );
+        let paths = |d: &DeviceMapping| (d.path_on_host.clone(), d.path_in_container.clone());
+        assert_eq!(paths(got), paths(want));
+        let permissions = &got.cgroup_permissions;
+        let as_asked = permissions.is_empty() || *permissions == want.cgroup_permissions;
+        assert!(as_asked, "{got:?}");
     }
 
     // A name in use is a conflict; an unknown container is not found / removed fine.
@@ -1129,13 +1089,8 @@ async fn an_image_is_described_kept_while_used_and_its_removal_is_an_event() {
         "{}@sha256:",
         normalize_reference(repo).trim_end_matches(":latest")
     );
-    assert!(
-        details
-            .digests
-            .iter()
-            .any(|d| normalize_reference(d).starts_with(&digest_name)),
-        "{details:?}"
-    );
+    let mut digests = details.digests.iter().map(|d| normalize_reference(d));
+    assert!(digests.any(|d| d.starts_with(&digest_name)), "{details:?}");
     let normalized = normalize_reference(&image);
     let tagged = details
         .tags
@@ -1143,11 +1098,8 @@ async fn an_image_is_described_kept_while_used_and_its_removal_is_an_event() {
         .any(|t| normalize_reference(t) == normalized);
     assert!(tagged, "{details:?}");
     assert!(details.size >= 1 << 20, "{details:?} for {image}");
-    assert_eq!(
-        docker.inspect_image(&details.id).await.unwrap().as_ref(),
-        Some(&details),
-        "by id as by name"
-    );
+    let by_id = docker.inspect_image(&details.id).await.unwrap();
+    assert_eq!(by_id.as_ref(), Some(&details), "by id as by name");
 
     let mut spec = shell_spec(&run, &guard.labels(), "exit 0");
     spec.image = image.clone();
@@ -1157,10 +1109,8 @@ async fn an_image_is_described_kept_while_used_and_its_removal_is_an_event() {
         Err(RuntimeError::Conflict { .. }),
         "removing an image an exited container uses"
     );
-    assert_eq!(
-        docker.inspect_image(&image).await.unwrap().as_ref(),
-        Some(&details)
-    );
+    let kept = docker.inspect_image(&image).await.unwrap();
+    assert_eq!(kept.as_ref(), Some(&details));
     docker.remove(&container.id).await.unwrap();
     // Subscribed with this run's labels, which no image carries.
     let mut events = docker.events(&guard.labels, Some(now_ns())).await.unwrap();
@@ -1211,25 +1161,15 @@ async fn pull_from_registry_with_and_without_credentials() {
     let (message, image) = pull_failure(&docker, &request(&small, Some(wrong))).await;
     // Engines word it differently ("unauthorized: authentication required" on Docker's
     // classic store, "401 Unauthorized" on its containerd store): match without case.
-    let lower = message.to_lowercase();
-    assert!(
-        lower.contains("unauthorized") || lower.contains("authentication"),
-        "{message}"
-    );
+    assert_says_one_of(&message.to_lowercase(), &["unauthorized", "authentication"]);
     assert_eq!(image, small);
     // No credentials.
     let (message, _) = pull_failure(&docker, &request(&small, None)).await;
-    assert!(
-        message.contains("no basic auth credentials") || message.contains("unauthorized"),
-        "{message}"
-    );
+    assert_says_one_of(&message, &["no basic auth credentials", "unauthorized"]);
     // A missing image.
     let missing = format!("{}/shim-runtime-missing:1", registry());
     let (message, _) = pull_failure(&docker, &request(&missing, Some(registry_auth()))).await;
-    assert!(
-        message.contains("not found") || message.contains("manifest unknown"),
-        "{message}"
-    );
+    assert_says_one_of(&message, &["not found", "manifest unknown"]);
     assert!(!docker.image_present(&small).await.unwrap());
 
     // Right credentials.
@@ -1283,10 +1223,8 @@ async fn pull_progress_cancel_and_timeout_of_a_fresh_image() {
     assert!(cancelled.moved, "the pull never reported bytes: {result:?}");
     eprintln!("MEASURED pull cancellation returned {latency:?} after cancel");
     assert_matches!(result, Err(RuntimeError::Cancelled { .. }));
-    assert!(
-        latency < Duration::from_secs(5),
-        "cancellation took {latency:?}"
-    );
+    let prompt = latency < Duration::from_secs(5);
+    assert!(prompt, "cancellation took {latency:?}");
     // The engine abandoned the pull (the whole of it would take about 8 s).
     tokio::time::sleep(Duration::from_secs(5)).await;
     let present = docker.image_present(cancelled_image.reference()).await;
@@ -1319,11 +1257,10 @@ async fn pull_progress_cancel_and_timeout_of_a_fresh_image() {
         .filter(|p| p.downloaded_bytes > 0 && p.downloaded_bytes < done.total_bytes)
         .count();
     assert!(during > 0, "no intermediate progress in {seen:?}");
-    assert!(
-        seen.windows(2)
-            .all(|w| w[0].downloaded_bytes <= w[1].downloaded_bytes),
-        "downloaded bytes went backwards: {seen:?}"
-    );
+    let rising = seen
+        .windows(2)
+        .all(|w| w[0].downloaded_bytes <= w[1].downloaded_bytes);
+    assert!(rising, "downloaded bytes went backwards: {seen:?}");
     assert!(docker.image_present(whole_image.reference()).await.unwrap());
 }
 
@@ -1379,10 +1316,8 @@ async fn a_stalled_pull_fails_and_a_slow_moving_one_does_not() {
     };
     // At the stall timeout, give or take a loaded machine's late timer (well short of the
     // pull's own 120 s limit).
-    assert!(
-        *stalled_for >= STALL && *stalled_for < STALL + Duration::from_secs(5),
-        "{e}"
-    );
+    let late = Duration::from_secs(5);
+    assert!(*stalled_for >= STALL && *stalled_for < STALL + late, "{e}");
     assert!(*done_bytes > 0, "{e}");
     assert!(*total_bytes >= stalled.layer_bytes(), "{e}");
     let message = e.to_string();
@@ -1391,10 +1326,7 @@ async fn a_stalled_pull_fails_and_a_slow_moving_one_does_not() {
     // The stall timeout after the last message, which the engine may send a moment after
     // the registry stopped (what it had received by then), or a moment before (nothing new
     // after it): measured from the stop, only bounded above.
-    assert!(
-        after < STALL + Duration::from_secs(5),
-        "failed {after:?} after the stall"
-    );
+    assert!(after < STALL + late, "failed {after:?} after the stall");
     stalled.proxy().resume();
 
     // Slow but moving: well past the stall timeout, and done.
@@ -1451,11 +1383,8 @@ fn runner_script_is_valid_sh() {
         .args(["-n", "-c", &script])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
 }
 
 // ---------------------------------------------------------------------------------------------

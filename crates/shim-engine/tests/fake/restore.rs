@@ -121,10 +121,8 @@ async fn a_release_that_hangs_at_start_up_does_not_keep_the_api_down() {
     let opening = tokio::time::timeout(Duration::from_secs(60), w.fresh_process());
     let engine = opening.await.expect("open waited for a release that hangs");
     assert_eq!(info(&engine, "held").status, TaskStatus::Terminated);
-    assert_reason(
-        &terminate_by_user(&engine, "other").await,
-        "terminated_by_user",
-    );
+    let other = terminate_by_user(&engine, "other").await;
+    assert_reason(&other, "terminated_by_user");
     w.volumes.let_releases_go();
     wait_released(&engine, "held").await;
     let _ = w.restart(engine).await;
