@@ -174,10 +174,8 @@ async fn a_task_submitted_during_its_images_removal_pulls_it_again() {
     let deleting = async || !w.deleted_images().is_empty();
     assert!(poll_until(100, Duration::from_secs(1), deleting).await);
     let pulls = w.runtime.count("pull");
-    engine
-        .submit(config("t2").with_image("old:1"))
-        .await
-        .unwrap();
+    let again = config("t2").with_image("old:1");
+    engine.submit(again).await.unwrap();
     tokio::time::sleep(Duration::from_secs(2)).await;
     w.runtime.release_image_deletes();
     let t2 = wait_status(&engine, "t2", TaskStatus::Running).await;
@@ -196,10 +194,8 @@ async fn an_image_pulled_just_before_a_kill_is_still_collected() {
     w.runtime
         .set_pull_behavior(PullBehavior::Hang { steps: vec![] });
     let engine = w.engine().await;
-    engine
-        .submit(config("t1").with_image("new:1"))
-        .await
-        .unwrap();
+    let t1 = config("t1").with_image("new:1");
+    engine.submit(t1).await.unwrap();
     assert!(poll_until(100, TICK, async || w.runtime.count("pull") == 1).await);
     let ledger = w.home.path().join("images.json");
     let at_the_kill = fs_err::read_to_string(&ledger).unwrap();

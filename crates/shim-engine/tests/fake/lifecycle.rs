@@ -167,9 +167,8 @@ async fn a_start_still_pulling_at_shutdown_stops_where_it_is() {
     let (w, engine) = World::with_engine(1).await;
     let c = config("t1").with_image("img:latest").with_gpus(1);
     let info = submit_held_in_its_pull(&w, &engine, c).await;
-    engine
-        .shutdown(Shutdown::Graceful(Duration::from_secs(1)))
-        .await;
+    let graceful = Shutdown::Graceful(Duration::from_secs(1));
+    engine.shutdown(graceful).await;
     let record = fs_err::read_to_string(w.task_json(&info.container_name)).unwrap();
     w.runtime.release_pulls();
     tokio::time::sleep(Duration::from_secs(5)).await;
