@@ -2,10 +2,6 @@
 //! events of `GET /api/events`, the metrics of `GET /metrics` (parsed with a strict OpenMetrics
 //! text parser) moving as a task runs, readiness, and JSON logs.
 //!
-//! Each test gets its own temporary home, API port, the stub runner and fake GPUs; its tasks
-//! run in bridge mode. The harness's `TestShim` kills the shim and force-removes the home's
-//! containers however the test ends; the shim's output is printed when a test fails.
-//!
 //! Run: `SHIM_TEST_DOCKER=1 cargo nextest run -p shim-e2e --test observe --run-ignored all`
 //! (the tests are ignored without `--run-ignored`).
 

@@ -593,13 +593,10 @@ pub trait World: Sized {
     /// Waits until the task runs or ends; answers its `TaskInfo`.
     async fn wait_started_or_ended(&self, id: &str) -> Value {
         let what = format!("task {id} neither ran nor ended");
+        let ran_or_ended =
+            |info: &Value| info["status"] == "running" || info["status"] == "terminated";
         self.poll(&what, async || match self.info(id).await {
-            Some(info)
-                if (info["status"] == "running" || info["status"] == "terminated")
-                    && self.settled(id).await =>
-            {
-                Ok(info)
-            }
+            Some(info) if ran_or_ended(&info) && self.settled(id).await => Ok(info),
             other => Err(format!("{other:?}")),
         })
         .await
