@@ -288,6 +288,9 @@ impl Opening {
         // GPUs first, for every task, before anything is released.
         let mut rest = Vec::new();
         for t in tasks {
+            if let Some(reason) = &t.ended {
+                metrics.terminated(reason);
+            }
             let slot = t.slot;
             if let Some(other) = table.insert(slot.clone()) {
                 tracing::warn!(task = %slot.id, first = %other.container_name, second = %slot.container_name, "two task directories or containers for one task id; the second one is used");

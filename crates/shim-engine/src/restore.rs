@@ -132,6 +132,9 @@ pub(crate) struct RestoredTask {
     pub(crate) slot: Arc<Slot>,
     /// What to do, in order.
     pub(crate) actions: Vec<Action>,
+    /// The reason, when this restore ended the task (its record, if any, was not
+    /// terminated): a termination like any other for the metrics.
+    pub(crate) ended: Option<String>,
 }
 
 /// What restore found.
@@ -302,9 +305,16 @@ pub(crate) async fn restore(
             }
             None => None,
         };
+        let was_terminated = record
+            .as_ref()
+            .is_some_and(|r| r.status == TaskStatus::Terminated);
         let Some((task, actions)) = restore_task(record, container, ctx.clock.now_ms()) else {
             continue;
         };
+        let ended = (!was_terminated && task.status() == TaskStatus::Terminated)
+            .then(|| task.record().termination_reason.as_ref())
+            .flatten()
+            .map(|r| r.as_str().to_owned());
         // A running task whose container runs comes back as it was: one line for all of them
         // (the caller's count); a task a restart finds ended, or whose running container it
         // stops (a recorded termination), is said task by task.
@@ -320,6 +330,7 @@ pub(crate) async fn restore(
             RestoredTask {
                 slot: Arc::new(Slot::restored(task, whole_dir)),
                 actions,
+                ended,
             },
             running,
         ));

@@ -143,3 +143,30 @@ async fn running_tasks_show_their_cgroup_usage_in_the_metrics() {
     let text = scrape(&engine);
     assert_eq!(usage(&text, cpu), None, "{text}");
 }
+
+/// Terminations made while no shim ran count in `tasks_terminated_total` like those seen live:
+/// an exit (judged by the first cycle) and a container gone (judged by restore itself); a task
+/// already terminated on disk is not counted again.
+#[tokio::test(start_paused = true)]
+async fn terminations_decided_at_a_restart_are_counted_once() {
+    let (mut w, engine) = World::with_engine(0).await;
+    let exits = run(&engine, config("t1")).await;
+    let vanishes = run(&engine, config("t2")).await;
+    run(&engine, config("t3")).await;
+    terminate(&engine, "t3", "bye", Duration::ZERO).await;
+    shut_down(engine).await;
+    assert!(w.runtime.exit_without_event(&exits.container_id, 3));
+    assert!(w.runtime.vanish(&vanishes.container_id));
+    let engine = w.fresh_process().await;
+    wait_status(&engine, "t1", TaskStatus::Terminated).await;
+    wait_status(&engine, "t2", TaskStatus::Terminated).await;
+    let metrics = scrape(&engine);
+    let counted = |reason: &str| {
+        let name = format!(r#"dstack_shim_tasks_terminated_total{{reason="{reason}"}}"#);
+        sample(&metrics, &name)
+    };
+    let exited = counted("container_exited_with_error");
+    assert_eq!(exited.as_deref(), Some("1"), "{metrics}");
+    assert_eq!(counted("executor_error").as_deref(), Some("1"), "{metrics}");
+    assert_eq!(counted("terminated_by_user"), None, "{metrics}");
+}
