@@ -213,12 +213,9 @@ fn run(program: impl AsRef<OsStr>, args: &[&str]) -> String {
 }
 
 fn port_free(port: u16) -> bool {
-    TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).is_ok()
-        && TcpStream::connect_timeout(
-            &SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
-            Duration::from_millis(300),
-        )
-        .is_err()
+    let loopback = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let answers = || TcpStream::connect_timeout(&loopback, Duration::from_millis(300)).is_ok();
+    TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).is_ok() && !answers()
 }
 
 fn write_file(path: &Path, content: &str, mode: u32) {
@@ -285,12 +282,8 @@ impl Claim {
 
     fn append(&self, file: &str, line: &str) {
         use std::io::Write as _;
-        let mut options = fs_err::OpenOptions::new();
-        let mut f = options
-            .create(true)
-            .append(true)
-            .open(self.dir.join(file))
-            .unwrap();
+        let (path, mut options) = (self.dir.join(file), fs_err::OpenOptions::new());
+        let mut f = options.create(true).append(true).open(path).unwrap();
         writeln!(f, "{line}").unwrap();
         f.sync_all().unwrap();
     }
@@ -330,13 +323,10 @@ impl Claim {
     fn undo(dir: &Path) {
         // The stand-in's supervisor and the shim it runs, then the test's daemons.
         let mut pids: Vec<(u32, Option<u64>)> = Vec::new();
-        for file in [format!("{UNIT}.supervisor"), format!("{UNIT}.pid")] {
-            let text = fs_err::read_to_string(dir.join("systemd").join(file));
-            pids.extend(
-                text.ok()
-                    .and_then(|t| t.trim().parse().ok())
-                    .map(|p| (p, None)),
-            );
+        for kind in ["supervisor", "pid"] {
+            let text = fs_err::read_to_string(dir.join(format!("systemd/{UNIT}.{kind}")));
+            let pid = text.ok().and_then(|t| t.trim().parse().ok());
+            pids.extend(pid.map(|pid| (pid, None)));
         }
         let recorded = fs_err::read_to_string(dir.join("pids")).unwrap_or_default();
         let recorded = recorded.lines().filter_map(pid_and_start);
@@ -483,21 +473,17 @@ impl SshHost {
 
         let port = free_port().unwrap();
         let config = dir.join("sshd_config");
-        write_file(
-            &config,
-            &format!(
-                "ListenAddress 127.0.0.1\nPort {port}\nHostKey {}\nPidFile {}\n\
-                 AuthorizedKeysFile .ssh/authorized_keys {}\n\
-                 # The test's files live under /tmp (world-writable).\nStrictModes no\n\
-                 PermitRootLogin prohibit-password\nPasswordAuthentication no\n\
-                 KbdInteractiveAuthentication no\nUsePAM no\nPrintMotd no\n\
-                 Subsystem sftp internal-sftp\n",
-                host_key.display(),
-                dir.join("sshd.pid").display(),
-                authorized.display()
-            ),
-            0o644,
+        let pid_file = dir.join("sshd.pid");
+        let (key, pid_file, keys) = (host_key.display(), pid_file.display(), authorized.display());
+        let sshd_config = format!(
+            "ListenAddress 127.0.0.1\nPort {port}\nHostKey {key}\nPidFile {pid_file}\n\
+             AuthorizedKeysFile .ssh/authorized_keys {keys}\n\
+             # The test's files live under /tmp (world-writable).\nStrictModes no\n\
+             PermitRootLogin prohibit-password\nPasswordAuthentication no\n\
+             KbdInteractiveAuthentication no\nUsePAM no\nPrintMotd no\n\
+             Subsystem sftp internal-sftp\n"
         );
+        write_file(&config, &sshd_config, 0o644);
         // sshd checks its configuration before it daemonises: a bad one fails here, readably.
         run("/usr/sbin/sshd", &["-t", "-f", config.to_str().unwrap()]);
         let mut command = Command::new("unshare");
@@ -761,10 +747,8 @@ fn assert_has_lines<'a>(text: &str, lines: impl IntoIterator<Item = &'a str>) {
 
 /// The latest submission of a run's (only) job.
 fn submission(run: &Value) -> &Value {
-    run["jobs"][0]["job_submissions"]
-        .as_array()
-        .and_then(|s| s.last())
-        .unwrap_or(&Value::Null)
+    let submissions = run["jobs"][0]["job_submissions"].as_array();
+    submissions.and_then(|s| s.last()).unwrap_or(&Value::Null)
 }
 
 /// Checks how run `run` ended: its status and its job's `status`, the job's termination
@@ -805,9 +789,10 @@ fn message(event: &Value) -> &str {
 }
 
 fn targets(event: &Value, kind: &str, name: &str) -> bool {
+    let target = |t: &Value| t["type"] == kind && t["name"] == name;
     event["targets"]
         .as_array()
-        .is_some_and(|t| t.iter().any(|t| t["type"] == kind && t["name"] == name))
+        .is_some_and(|t| t.iter().any(target))
 }
 
 /// Seconds from `dstack apply` of run `name` (its "Run submitted" event) to its job `running`,
@@ -872,9 +857,8 @@ fn inspect(cid: &str, format: &str) -> String {
 
 fn shim_key_lines() -> usize {
     let keys = fs_err::read_to_string(AUTHORIZED_KEYS).unwrap_or_default();
-    keys.lines()
-        .filter(|l| l.trim_end().ends_with(KEY_MARKER))
-        .count()
+    let shims = |l: &&str| l.trim_end().ends_with(KEY_MARKER);
+    keys.lines().filter(shims).count()
 }
 
 fn runner_dirs() -> BTreeSet<String> {
@@ -984,20 +968,15 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     // A killed run leaves it behind: the next one removes it.
     claim.will_create(dir.to_str().unwrap());
     let systemd = claim.systemd_dir();
+    let journal = systemd.join(format!("{UNIT}.journal"));
     let files = vec![
         ("server.log", dir.join("server.log"), 80),
-        (
-            "dstack-shim.journal",
-            systemd.join(format!("{UNIT}.journal")),
-            60,
-        ),
+        ("dstack-shim.journal", journal, 60),
         ("systemctl.log", systemd.join("systemctl.log"), 20),
         ("sshd.log", dir.join("sshd.log"), 20),
     ];
-    let logs = Logs {
-        started: test_started,
-        files,
-    };
+    let started = test_started;
+    let logs = Logs { started, files };
 
     // The runner download: the test runner, laid out as the server's URL template wants it,
     // served over HTTP on loopback.
@@ -1019,37 +998,29 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     // An empty offers catalog: the server's scheduled catalog download needs the internet.
     let catalog = dir.join("catalog");
     let script = repo_root().join("tests/fleet/offline_catalog.py");
-    run(
-        &python,
-        &[script.to_str().unwrap(), catalog.to_str().unwrap()],
-    );
+    let args = [script.to_str().unwrap(), catalog.to_str().unwrap()];
+    run(&python, &args);
 
     logs.phase("the runner built and served, the offline catalog made");
     let host = SshHost::start(dir, &claim);
     let files_url = format!("http://127.0.0.1:{files_port}");
+    let shim_url = format!(
+        "file://{}/{{version}}/dstack-shim-linux-{{arch}}",
+        dist.display()
+    );
+    let runner_url = format!("{files_url}/{{version}}/dstack-runner-linux-{{arch}}");
+    let catalog_url = format!("file://{}", catalog.display());
     let env = [
-        (
-            "DSTACK_SHIM_DOWNLOAD_URL",
-            format!(
-                "file://{}/{{version}}/dstack-shim-linux-{{arch}}",
-                dist.display()
-            ),
-        ),
-        (
-            "DSTACK_RUNNER_DOWNLOAD_URL",
-            format!("{files_url}/{{version}}/dstack-runner-linux-{{arch}}"),
-        ),
-        (
-            "GPUHUNT_CATALOG_URL",
-            format!("file://{}", catalog.display()),
-        ),
+        ("DSTACK_SHIM_DOWNLOAD_URL", shim_url),
+        ("DSTACK_RUNNER_DOWNLOAD_URL", runner_url),
+        ("GPUHUNT_CATALOG_URL", catalog_url),
     ];
     let mut server = DstackServer::start(dir, &claim, &env);
-    let (ports, shown) = ((server.port, host.port), dir.display());
-    eprintln!(
-        "fleet: server on 127.0.0.1:{}, sshd on 127.0.0.1:{}, files in {shown}",
-        ports.0, ports.1
+    let addrs = format!(
+        "server on 127.0.0.1:{}, sshd on 127.0.0.1:{}",
+        server.port, host.port
     );
+    eprintln!("fleet: {addrs}, files in {}", dir.display());
 
     logs.phase("sshd and the dstack server started");
 
@@ -1208,11 +1179,8 @@ fn a_dstack_server_provisions_an_ssh_fleet_and_runs_jobs_through_the_shim() {
     server.cli(&["fleet", "delete", FLEET, "-y"]);
     wait_until("the fleet is deleted", FLEET_BOUND, || {
         let fleets = server.project_api("fleets/list", &json!({}));
-        fleets
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|f| f["name"] != FLEET)
+        let fleets = fleets.as_array().unwrap();
+        fleets.iter().all(|f| f["name"] != FLEET)
     });
     let events = server.events();
     host.systemctl(&["stop", UNIT]);
