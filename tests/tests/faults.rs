@@ -1272,3 +1272,44 @@ async fn a_full_home_fails_writes_with_their_cause_and_converges_when_freed<W: w
     assert_eq!(w.containers().await, 0);
 }
 in_worlds!(a_full_home_fails_writes_with_their_cause_and_converges_when_freed: fake, docker, binary);
+
+// A terminate that comes while its task's submit is still writing (a slow disk), a write that
+// then fails (the disk full), is answered 404 like any later call on the task: the submit
+// failed, so the task never was (the server saw its 500). It was answered 200 `terminated`
+// for a task no list, info or remove knew. The binary world cannot hold a write.
+async fn a_terminate_racing_a_failing_submit_finds_no_task<W: world::World>() {
+    let w = W::new(world::Options::with(|o| o.fillable_home = true)).await;
+    let t1 = w.task("t1", 0);
+    w.set_disk_full(true).await;
+    w.hold_writes(true, 0).await;
+    let racing = async {
+        w.hold_writes(true, 1).await;
+        let terminate = w.try_terminate("t1", "terminated_by_user", "racing", 0);
+        let release = async {
+            // Lets the terminate reach the task, where the submit's write holds it up.
+            for _ in 0..100 {
+                tokio::task::yield_now().await;
+            }
+            w.hold_writes(false, 0).await;
+        };
+        tokio::join!(terminate, release).0
+    };
+    let (submitted, terminated) = tokio::join!(w.submit(&t1), racing);
+    let refused = submitted.unwrap_err();
+    assert!(
+        refused.starts_with("500") && refused.contains(ENOSPC),
+        "{refused}"
+    );
+    let gone = terminated.unwrap_err();
+    assert!(gone.starts_with("404"), "the terminate: {gone}");
+    assert!(w.info("t1").await.is_none());
+    let t1_dir = w.home().join("runners").join(container_name_of(&t1));
+    assert!(!t1_dir.exists(), "a failed submit left its directory");
+
+    // Nothing of it is left to stand in the way of the server's next submit.
+    w.set_disk_full(false).await;
+    w.submitted("t1", 0, "running").await;
+    w.finish("t1").await;
+    assert!(w.list().await.is_empty());
+}
+in_worlds!(a_terminate_racing_a_failing_submit_finds_no_task: fake, docker);

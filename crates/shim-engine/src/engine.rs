@@ -630,6 +630,11 @@ impl Engine {
                 tracing::warn!(task = %id, ?budget, "terminate: not done within its budget; answering with what is durable, the rest finishes in the background");
             }
         }
+        // A task whose submit failed while this terminate waited for it (its first write:
+        // a full disk) never was: answered as any later call on it is.
+        if !self.inner.table.holds(&slot) {
+            return Err(EngineError::NotFound(id.clone()));
+        }
         Ok(slot.info())
     }
 

@@ -104,6 +104,9 @@ impl Hooks<'_> {
         partial: &[u8],
         path: &Path,
     ) -> Result<()> {
+        if let Some(faults) = self.faults {
+            faults.wait_while_held();
+        }
         if self.faults.is_some_and(crate::fault::Faults::is_full) {
             let full = std::io::Error::from_raw_os_error(rustix::io::Errno::NOSPC.raw_os_error());
             return Err(FsError::io(Step::Write, path, full));

@@ -9,9 +9,11 @@
 //!
 //! Apart from the one armed fault, [`Faults::set_full`] makes the file system full until said
 //! otherwise: every write step fails with the kernel's `ENOSPC` (as a full disk fails a write;
-//! creating, renaming and fsyncing still succeed), and cleans up as for a real failure.
+//! creating, renaming and fsyncing still succeed), and cleans up as for a real failure; and
+//! [`Faults::hold_writes`] makes every write step wait until [`Faults::release_writes`] (a
+//! slow disk: a test acts while a write is under way).
 
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
 use crate::Step;
 
@@ -28,6 +30,8 @@ pub enum FaultKind {
 #[derive(Debug, Default)]
 pub struct Faults {
     state: Mutex<State>,
+    /// Signalled when held writes are released.
+    released: Condvar,
 }
 
 #[derive(Debug, Default)]
@@ -35,6 +39,9 @@ struct State {
     armed: Option<(Step, FaultKind)>,
     fired: Option<(Step, FaultKind)>,
     full: bool,
+    held: bool,
+    /// Writes waiting at their write step now.
+    waiting: usize,
 }
 
 impl Faults {
@@ -58,6 +65,38 @@ impl Faults {
     /// back. Independent of the armed fault.
     pub fn set_full(&self, full: bool) {
         self.state().full = full;
+    }
+
+    /// Makes every write step wait (on the writing thread) until [`Faults::release_writes`].
+    pub fn hold_writes(&self) {
+        self.state().held = true;
+    }
+
+    /// Lets the held writes go on.
+    pub fn release_writes(&self) {
+        self.state().held = false;
+        self.released.notify_all();
+    }
+
+    /// How many writes wait at their write step now ([`Faults::hold_writes`]).
+    pub fn writes_waiting(&self) -> usize {
+        self.state().waiting
+    }
+
+    /// Waits while writes are held (a write step calls this first).
+    pub(crate) fn wait_while_held(&self) {
+        let mut s = self.state();
+        if !s.held {
+            return;
+        }
+        s.waiting += 1;
+        while s.held {
+            s = self
+                .released
+                .wait(s)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        s.waiting -= 1;
     }
 
     /// Whether the file system is full ([`Faults::set_full`]).

@@ -192,13 +192,21 @@ impl World for BinaryWorld {
         self.call(TestShim::list).await
     }
 
-    async fn terminate(&self, id: &str, reason: &str, message: &str, timeout_s: u64) -> Value {
+    async fn try_terminate(
+        &self,
+        id: &str,
+        reason: &str,
+        message: &str,
+        timeout_s: u64,
+    ) -> Result<Value, String> {
         let (id, reason, message) = (id.to_owned(), reason.to_owned(), message.to_owned());
         let answer = self
             .call(move |shim| shim.terminate(&id, &reason, &message, timeout_s))
             .await;
-        assert_eq!(answer.status, 200, "{}", answer.body);
-        answer.json_body()
+        match answer.status {
+            200 => Ok(answer.json_body()),
+            status => Err(format!("{status} {}", answer.body)),
+        }
     }
 
     async fn try_remove(&self, id: &str) -> Result<(), String> {

@@ -348,18 +348,22 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
             .collect()
     }
 
-    async fn terminate(&self, id: &str, reason: &str, message: &str, timeout_s: u64) -> Value {
-        let info = self
+    async fn try_terminate(
+        &self,
+        id: &str,
+        reason: &str,
+        message: &str,
+        timeout_s: u64,
+    ) -> Result<Value, String> {
+        let (id, reason) = (tid(id), TerminationReason::parse(reason));
+        let timeout = Duration::from_secs(timeout_s);
+        let answer = self
             .engine()
-            .terminate(
-                &tid(id),
-                TerminationReason::parse(reason),
-                message.to_owned(),
-                Duration::from_secs(timeout_s),
-            )
+            .terminate(&id, reason, message.to_owned(), timeout);
+        answer
             .await
-            .unwrap();
-        json(&info)
+            .map(|info| json(&info))
+            .map_err(|e| as_answered(&e))
     }
 
     async fn try_remove(&self, id: &str) -> Result<(), String> {
@@ -555,6 +559,26 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
 
     async fn relist(&self) -> Option<bool> {
         Some(self.engine().reconcile_now().await)
+    }
+
+    async fn hold_writes(&self, held: bool, waiting: usize) {
+        let disk = self.disk.as_ref();
+        let disk = disk.expect("a world made without Options::fillable_home");
+        if !held {
+            disk.release_writes();
+            return;
+        }
+        disk.hold_writes();
+        // Real time: a held write waits on a thread of the blocking pool, which virtual time
+        // does not wait for.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while disk.writes_waiting() < waiting {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no write reached its hold"
+            );
+            tokio::task::yield_now().await;
+        }
     }
 }
 

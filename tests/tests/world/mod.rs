@@ -292,7 +292,20 @@ pub trait World: Sized {
     async fn list(&self) -> BTreeMap<String, String>;
 
     /// Terminates as the dstack server does; answers the `TaskInfo`.
-    async fn terminate(&self, id: &str, reason: &str, message: &str, timeout_s: u64) -> Value;
+    async fn terminate(&self, id: &str, reason: &str, message: &str, timeout_s: u64) -> Value {
+        let answer = self.try_terminate(id, reason, message, timeout_s).await;
+        answer.unwrap_or_else(|e| panic!("terminate {id}: {e}"))
+    }
+
+    /// Terminates once; the error is the HTTP status and the shim's message, as
+    /// [`World::submit`]'s.
+    async fn try_terminate(
+        &self,
+        id: &str,
+        reason: &str,
+        message: &str,
+        timeout_s: u64,
+    ) -> Result<Value, String>;
 
     /// Removes a task once; the error is the HTTP status and the shim's message, as
     /// [`World::submit`]'s.
@@ -528,6 +541,13 @@ pub trait World: Sized {
     /// [`Options::fillable_home`]). Filling again after something was freed fills what it
     /// gave back.
     async fn set_disk_full(&self, full: bool);
+
+    /// Makes the home's writes wait at their write step until released (a slow disk; needs
+    /// [`Options::fillable_home`]; the engine worlds only): returns once `waiting` writes wait.
+    async fn hold_writes(&self, held: bool, waiting: usize) {
+        let _ = (held, waiting);
+        unimplemented!("only the engine worlds hold their writes");
+    }
 
     /// Cuts or restores the shim's way to the engine (needs [`Options::flaky_engine`]); a cut
     /// returns once the shim saw its event stream break.
