@@ -589,9 +589,12 @@ impl RecordKeeper {
             return Ok((actions, None));
         }
         actions.remove(0);
-        let timer = WriteTimer::start();
+        // Timed only where a file is written (a removed or stateless task's record is not).
+        let timer = (!*deleted && !slot.stateless).then(WriteTimer::start);
         let written = self.write(slot, *deleted).await;
-        timer.done(&self.metrics, written.is_ok());
+        if let Some(timer) = timer {
+            timer.done(&self.metrics, written.is_ok());
+        }
         let (outcome, failure) = match written {
             Ok(()) => (Event::Persisted, None),
             Err(e) => {

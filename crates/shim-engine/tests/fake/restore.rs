@@ -376,3 +376,24 @@ async fn a_container_settling_at_start_up_is_listed_again_within_seconds() {
     assert_eq!(w.runtime.count("list"), lists);
     let _ = w.restart(engine).await;
 }
+
+/// A task whose container mounts its whole directory keeps its record in memory only: its
+/// steps write no file, so none is timed as a state write.
+#[tokio::test(start_paused = true)]
+async fn a_stateless_tasks_steps_are_not_timed_as_state_writes() {
+    let (mut w, engine) = World::with_engine(0).await;
+    let (name, dir) = upstream_dir(&w, "b1", "up-b");
+    upstream_container(&w, "b1", &name, &dir, &[]);
+    shut_down(engine).await;
+    let engine = w.fresh_process().await;
+    let writes = |engine: &Engine| {
+        let metrics = scrape(engine);
+        sample(&metrics, "dstack_shim_state_write_seconds_count").unwrap_or_default()
+    };
+    let before = writes(&engine);
+    let ended = terminate(&engine, "b1", "bye", Duration::ZERO).await;
+    assert_eq!(ended.status, TaskStatus::Terminated);
+    assert_eq!(writes(&engine), before, "its termination wrote no file");
+    assert!(!dir.join("task.json").exists());
+    let _ = w.restart(engine).await;
+}
