@@ -224,12 +224,14 @@ pub(crate) struct ImageGc {
     low: u8,
     /// One pass at a time.
     pass: tokio::sync::Mutex<()>,
-    /// Held (written) by a pass from its last look at what tasks refer to until its removal
-    /// ends, and (read) by a pull step while it decides whether its image is there
-    /// ([`ImageGc::presence`]): a task submitted during a removal that takes seconds waits,
-    /// then finds the image gone and pulls it, instead of skipping the pull for an image
-    /// about to vanish.
-    removing: tokio::sync::RwLock<()>,
+    /// The names (normalized) of the image a pass is removing, marked from its last look at
+    /// what tasks refer to (under this lock, so a task submitted later finds them here) until
+    /// its removal ends: a pull step of one of them waits ([`ImageGc::presence`]), then finds
+    /// the image gone and pulls it, instead of skipping the pull for an image about to vanish;
+    /// a pull step of another image does not wait for a removal that takes minutes.
+    removing: Mutex<BTreeSet<String>>,
+    /// Told when a removal ends (its names unmarked).
+    removal_ended: tokio::sync::Notify,
     /// The pulls out, by name ([`ImageGc::pulling`] to [`ImageGc::pull_ended`]).
     pulls_out: Mutex<BTreeMap<String, usize>>,
     /// The engine's data root, once known.
@@ -386,7 +388,8 @@ impl ImageGc {
             high: high.min(100),
             low: low.min(high.min(100)),
             pass: tokio::sync::Mutex::new(()),
-            removing: tokio::sync::RwLock::new(()),
+            removing: Mutex::default(),
+            removal_ended: tokio::sync::Notify::new(),
             pulls_out: Mutex::default(),
             data_root: Mutex::new(None),
             freed_bytes: AtomicU64::new(0),
@@ -404,10 +407,37 @@ impl ImageGc {
         self.present.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// What a pull step holds while it decides whether its image is present (see
-    /// `removing`): it waits for a removal in progress.
-    pub(crate) async fn presence(&self) -> tokio::sync::RwLockReadGuard<'_, ()> {
-        self.removing.read().await
+    /// Waits while a pass removes `image` (see `removing`); a pull step asks before it
+    /// decides whether its image is present. Its task refers to the image already (it is in
+    /// the task table), so no pass starts removing it afterwards.
+    pub(crate) async fn presence(&self, image: &str) {
+        let image = normalize_reference(image);
+        loop {
+            let ended = self.removal_ended.notified();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
+            if !self.removing_now().contains(&image) {
+                return;
+            }
+            ended.await;
+        }
+    }
+
+    fn removing_now(&self) -> MutexGuard<'_, BTreeSet<String>> {
+        self.removing.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Marks `names` as being removed unless a task refers to one of them (checked under the
+    /// same lock); the mark goes with the guard.
+    fn mark_removing(&self, names: impl IntoIterator<Item = String>) -> Option<Removing<'_>> {
+        let names: BTreeSet<String> = names.into_iter().collect();
+        let mut removing = self.removing_now();
+        let referenced = self.referenced();
+        if names.iter().any(|n| referenced.contains(n)) {
+            return None;
+        }
+        removing.extend(names.iter().cloned());
+        Some(Removing { gc: self, names })
     }
 
     /// Whether `image` was seen present since the engine last reported an image removal
@@ -853,17 +883,20 @@ impl ImageGc {
                 break;
             }
             // Referred to since the list was made (a submit in between): kept. From here to
-            // the removal's end no pull step decides its image is present.
-            let removing = self.removing.write().await;
-            let referenced = self.referenced();
-            if (c.remove.iter().chain(&c.digests)).any(|name| referenced.contains(name)) {
+            // the removal's end no pull step of these names decides its image is present.
+            let names = c.remove.iter().chain(&c.digests).cloned();
+            let Some(mut removing) = self.mark_removing(names) else {
                 continue;
-            }
+            };
             // Its names now (a pull may have tagged it again since the list: a removal by id
-            // would take that name with it).
+            // would take that name with it), marked too.
             match self.runtime.inspect_image(&c.id).await {
-                Ok(Some(now)) if engine_names(&now).any(|n| referenced.contains(&n)) => continue,
-                Ok(Some(_)) => {}
+                Ok(Some(now)) => {
+                    let Some(more) = self.mark_removing(engine_names(&now)) else {
+                        continue;
+                    };
+                    removing.names.extend(more.take());
+                }
                 Ok(None) => {
                     self.forget(&c.id);
                     continue;
@@ -977,6 +1010,34 @@ impl ImageGc {
                 room.collect(0).await;
             }
         })
+    }
+}
+
+/// Names a pass is removing ([`ImageGc::mark_removing`]): unmarked, and the pull steps
+/// waiting for them told, when dropped (the removal ended, or the pass was cut).
+struct Removing<'a> {
+    gc: &'a ImageGc,
+    names: BTreeSet<String>,
+}
+
+impl Removing<'_> {
+    /// The names, unmarked by the caller's own guard instead of this one.
+    fn take(mut self) -> BTreeSet<String> {
+        std::mem::take(&mut self.names)
+    }
+}
+
+impl Drop for Removing<'_> {
+    fn drop(&mut self) {
+        if self.names.is_empty() {
+            return;
+        }
+        let mut removing = self.gc.removing_now();
+        for name in &self.names {
+            removing.remove(name);
+        }
+        drop(removing);
+        self.gc.removal_ended.notify_waiters();
     }
 }
 

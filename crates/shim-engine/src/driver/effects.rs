@@ -343,7 +343,7 @@ impl Effects {
         let image = shim_runtime::with_default_tag(&image);
         if !always_pulled(&image) {
             // Not while image collection removes an image (it may be this one).
-            let _presence = self.images.presence().await;
+            self.images.presence(&image).await;
             if self.images.known_present(&image) {
                 return Event::PullSkipped;
             }

@@ -183,6 +183,25 @@ async fn a_task_submitted_during_its_images_removal_pulls_it_again() {
     assert_eq!(w.runtime.count("pull"), pulls + 1, "pulled again");
 }
 
+/// A task of another image does not wait for a removal (which on a large image takes
+/// minutes): it runs while the removal is still out.
+#[tokio::test(start_paused = true)]
+async fn a_task_of_another_image_does_not_wait_for_a_removal() {
+    let (w, engine) = running_old_image().await;
+    end_and_remove(&engine, "t1").await;
+    w.runtime.hold_image_deletes();
+    fill_data_root(&w, &engine).await;
+    let deleting = async || !w.deleted_images().is_empty();
+    assert!(poll_until(100, Duration::from_secs(1), deleting).await);
+    let other = run(&engine, config("t2")).await;
+    assert_eq!(other.status, TaskStatus::Running);
+    let still_out = w.runtime.image_id("old:1").is_some();
+    assert!(still_out, "the removal was still out");
+    w.runtime.release_image_deletes();
+    let old_deleted = async || w.runtime.image_id("old:1").is_none();
+    assert!(poll_until(100, Duration::from_secs(1), old_deleted).await);
+}
+
 /// A shim stopped between a pull's end in the engine and its record in the ledger (a kill, an
 /// upgrade's exec) still collects the image it pulled: the name was recorded before the pull,
 /// and a later pass resolves it, although the next task finds the image present and pulls
