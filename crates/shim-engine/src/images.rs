@@ -863,7 +863,21 @@ impl ImageGc {
     /// A pass: frees what [`bytes_to_free`] asks (`need`: bytes a pull still needs), judged
     /// by the file system measured again after each removal.
     pub(crate) async fn collect(&self, need: u64) -> Pass {
-        let _one = self.pass.lock().await;
+        let one = self.pass.lock().await;
+        self.run_pass(one, need).await
+    }
+
+    /// A pass, unless one is under way (it frees down to the low mark already): what a pull
+    /// makes before it begins, which need not wait for another image's removal.
+    pub(crate) async fn collect_unless_under_way(&self) -> Pass {
+        match self.pass.try_lock() {
+            Ok(one) => self.run_pass(one, 0).await,
+            Err(_) => Pass::default(),
+        }
+    }
+
+    /// [`ImageGc::collect`]'s work, `_one` held.
+    async fn run_pass(&self, _one: tokio::sync::MutexGuard<'_, ()>, need: u64) -> Pass {
         let Some((dir, mut usage)) = self.usage().await else {
             return Pass::default();
         };

@@ -369,8 +369,9 @@ impl Effects {
         // A real pull may take minutes: `pulling` is made durable, and so shown, before it
         // begins.
         recorder.pulling().await;
-        // The disk above its high mark is collected before the pull adds to it.
-        let before = self.images.collect(0).await;
+        // The disk above its high mark is collected before the pull adds to it (by the pass
+        // under way, if one is: the pull does not wait for its removals).
+        let before = self.images.collect_unless_under_way().await;
         let pulled = self.pull_image(slot, &image, &before, recorder).await;
         if pulled.is_ok() {
             self.images.pulled(&image).await;

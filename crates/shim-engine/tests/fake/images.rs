@@ -184,7 +184,7 @@ async fn a_task_submitted_during_its_images_removal_pulls_it_again() {
 }
 
 /// A task of another image does not wait for a removal (which on a large image takes
-/// minutes): it runs while the removal is still out.
+/// minutes), present or pulled: it runs while the removal is still out.
 #[tokio::test(start_paused = true)]
 async fn a_task_of_another_image_does_not_wait_for_a_removal() {
     let (w, engine) = running_old_image().await;
@@ -195,6 +195,10 @@ async fn a_task_of_another_image_does_not_wait_for_a_removal() {
     assert!(poll_until(100, Duration::from_secs(1), deleting).await);
     let other = run(&engine, config("t2")).await;
     assert_eq!(other.status, TaskStatus::Running);
+    // One absent: its pull goes out (the pass under way frees the disk meanwhile).
+    let pulls = w.runtime.count("pull");
+    run(&engine, config("t3").with_image("new:1")).await;
+    assert_eq!(w.runtime.count("pull"), pulls + 1);
     let still_out = w.runtime.image_id("old:1").is_some();
     assert!(still_out, "the removal was still out");
     w.runtime.release_image_deletes();
