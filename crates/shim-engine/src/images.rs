@@ -50,8 +50,9 @@
 //! the engine's event stream is connected: any image removal the engine reports (an
 //! operator's `docker image prune`, `docker rmi`, this room's own collection) forgets them
 //! all, and so does a lost connection. A task whose image was removed is pulled again in its
-//! pull step, in the open. A pull step does not decide while this room removes an image (a
-//! removal takes seconds on a large one): it waits, then finds the image gone.
+//! pull step, in the open. A pull step does not decide, nor pull, while this room removes its
+//! image (a removal takes seconds on a large one): it waits, then finds the image gone; a pull
+//! step of another image does not wait.
 //!
 //! The room owns the ledger and the policy; the effects tell it what was pulled and used.
 

@@ -341,9 +341,10 @@ impl Effects {
     async fn pull(&self, slot: &Arc<Slot>, image: String, recorder: &Recorder<'_>) -> Event {
         let runtime = &self.runtime;
         let image = shim_runtime::with_default_tag(&image);
+        // Not while image collection removes this image: neither decided present nor pulled
+        // (a `:latest` one too) before the removal ends.
+        self.images.presence(&image).await;
         if !always_pulled(&image) {
-            // Not while image collection removes an image (it may be this one).
-            self.images.presence(&image).await;
             if self.images.known_present(&image) {
                 return Event::PullSkipped;
             }
@@ -430,8 +431,8 @@ impl Effects {
                     }
                     checked = bytes;
                     // A pass of its own, run to its end even when the pull ends first and this
-                    // watcher is dropped: cut in the middle of a removal, it would let go of
-                    // the removal lock while the engine still deletes the image.
+                    // watcher is dropped: cut in the middle of a removal, it would unmark the
+                    // names it removes while the engine still deletes the image.
                     let pass = tokio::spawn({
                         let images = images.clone();
                         async move { images.make_room(bytes).await }
