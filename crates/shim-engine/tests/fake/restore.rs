@@ -154,6 +154,17 @@ fn upstream_dir(w: &World, id: &str, name: &str) -> (String, PathBuf) {
     (name, dir)
 }
 
+/// An engine that adopted upstream task `b1` (`up-b`, no GPU) from its running container,
+/// which mounts its whole directory (before state files): its container name and directory.
+async fn adopted_whole_dir_task() -> (World, Engine, String, PathBuf) {
+    let (mut w, engine) = World::with_engine(0).await;
+    let (name, dir) = upstream_dir(&w, "b1", "up-b");
+    upstream_container(&w, "b1", &name, &dir, &[]);
+    shut_down(engine).await;
+    let engine = w.fresh_process().await;
+    (w, engine, name, dir)
+}
+
 /// A running container as the upstream shim creates it ([`upstream_spec`]), its NVIDIA GPUs
 /// as one device request.
 fn upstream_container(w: &World, id: &str, name: &str, runner_dir: &Path, gpus: &[String]) {
@@ -224,11 +235,7 @@ async fn upstream_tasks_hold_and_release_exactly_their_gpus_keys_and_volumes() {
 /// key, a volume), and deletes the directory and its mark.
 #[tokio::test(start_paused = true)]
 async fn a_state_file_a_container_could_write_is_not_trusted_once_the_container_is_gone() {
-    let (mut w, engine) = World::with_engine(0).await;
-    let (name, dir) = upstream_dir(&w, "b1", "up-b");
-    upstream_container(&w, "b1", &name, &dir, &[]);
-    shut_down(engine).await;
-    let engine = w.fresh_process().await;
+    let (mut w, engine, name, dir) = adopted_whole_dir_task().await;
     assert_eq!(info(&engine, "b1").status, TaskStatus::Running);
     // The container writes a state file naming a host key and a volume, then is removed
     // while no shim runs.
@@ -381,11 +388,7 @@ async fn a_container_settling_at_start_up_is_listed_again_within_seconds() {
 /// steps write no file, so none is timed as a state write.
 #[tokio::test(start_paused = true)]
 async fn a_stateless_tasks_steps_are_not_timed_as_state_writes() {
-    let (mut w, engine) = World::with_engine(0).await;
-    let (name, dir) = upstream_dir(&w, "b1", "up-b");
-    upstream_container(&w, "b1", &name, &dir, &[]);
-    shut_down(engine).await;
-    let engine = w.fresh_process().await;
+    let (mut w, engine, _, dir) = adopted_whole_dir_task().await;
     let writes = |engine: &Engine| {
         let metrics = scrape(engine);
         sample(&metrics, "dstack_shim_state_write_seconds_count").unwrap_or_default()
