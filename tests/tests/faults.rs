@@ -1277,6 +1277,7 @@ in_worlds!(a_full_home_fails_writes_with_their_cause_and_converges_when_freed: f
 // then fails (the disk full), is answered 404 like any later call on the task: the submit
 // failed, so the task never was (the server saw its 500). It was answered 200 `terminated`
 // for a task no list, info or remove knew. The binary world cannot hold a write.
+// upstream: runner/internal/shim/api/handlers.go (TaskTerminateHandler: an unknown task, 404).
 async fn a_terminate_racing_a_failing_submit_finds_no_task<W: world::World>() {
     let w = W::new(world::Options::with(|o| o.fillable_home = true)).await;
     let t1 = w.task("t1", 0);
