@@ -412,12 +412,13 @@ impl ImageGc {
     /// decides whether its image is present. Its task refers to the image already (it is in
     /// the task table), so no pass starts removing it afterwards.
     pub(crate) async fn presence(&self, image: &str) {
-        let image = normalize_reference(image);
+        let mut wanted = Referenced::default();
+        wanted.add(image);
         loop {
             let ended = self.removal_ended.notified();
             tokio::pin!(ended);
             ended.as_mut().enable();
-            if !self.removing_now().contains(&image) {
+            if !self.removing_now().iter().any(|n| wanted.contains(n)) {
                 return;
             }
             ended.await;
@@ -725,21 +726,17 @@ impl ImageGc {
         }
     }
 
-    /// The images of every task this engine knows (any status, until it is removed), as
-    /// normalised names.
-    fn referenced(&self) -> BTreeSet<String> {
-        self.table
-            .slots()
-            .iter()
-            .filter_map(|slot| {
-                slot.read(|t| {
-                    t.record()
-                        .config
-                        .as_ref()
-                        .map(|c| normalize_reference(&c.image_name))
-                })
-            })
-            .collect()
+    /// The images of every task this engine knows (any status, until it is removed).
+    fn referenced(&self) -> Referenced {
+        let mut referenced = Referenced::default();
+        for slot in self.table.slots() {
+            slot.read(|t| {
+                if let Some(c) = &t.record().config {
+                    referenced.add(&c.image_name);
+                }
+            });
+        }
+        referenced
     }
 
     /// Resolves the names not yet resolved (the first format's, and those of pulls that a stop
@@ -811,7 +808,8 @@ impl ImageGc {
             // may name an image by the digest of an image pulled by tag), and the digests
             // the ledger knows it by.
             let in_use = engine_names(&details).any(|n| referenced.contains(&n))
-                || digests.iter().any(|d| referenced.contains(d));
+                || digests.iter().any(|d| referenced.contains(d))
+                || referenced.contains(&id);
             let remove = match standing(&pulled.names, &details.tags) {
                 Standing::Foreign => {
                     tracing::info!(image = %id, tags = ?details.tags, "an image this shim pulled is named only by names it did not pull it as: no longer collected");
@@ -899,7 +897,7 @@ impl ImageGc {
             }
             // Referred to since the list was made (a submit in between): kept. From here to
             // the removal's end no pull step of these names decides its image is present.
-            let names = c.remove.iter().chain(&c.digests).cloned();
+            let names = (c.remove.iter().chain(&c.digests)).chain([&c.id]).cloned();
             let Some(mut removing) = self.mark_removing(names) else {
                 continue;
             };
@@ -1057,6 +1055,51 @@ impl Drop for Removing<'_> {
 }
 
 /// Every name the engine gives `details` now (tags and names by digest), normalized.
+/// The images tasks name, in every form a name the engine gives an image, or its id, may
+/// match: the normalised reference; for `repo:tag@digest`, which an engine resolves by the
+/// digest alone, `repo@digest` too; and for a reference that may be an image id (`sha256:` and
+/// hex, or hex alone, which Docker also takes as the start of an id), that start. A name that
+/// only looks like an id keeps the images whose ids start so: collection errs on keeping.
+#[derive(Debug, Default)]
+struct Referenced {
+    names: BTreeSet<String>,
+    id_starts: Vec<String>,
+}
+
+impl Referenced {
+    fn add(&mut self, image: &str) {
+        let image = image.trim();
+        let hex = image.strip_prefix("sha256:").unwrap_or(image);
+        if is_hex_id(hex) {
+            self.id_starts.push(hex.to_owned());
+        }
+        let name = normalize_reference(image);
+        if let Some((named, digest)) = name.split_once('@') {
+            let last = named.rfind('/').map_or(0, |i| i + 1);
+            if let Some(colon) = named[last..].rfind(':') {
+                self.names
+                    .insert(format!("{}@{digest}", &named[..last + colon]));
+            }
+        }
+        self.names.insert(name);
+    }
+
+    /// Whether a task names `name`: a normalised name of an image, or an image id.
+    fn contains(&self, name: &str) -> bool {
+        match name.strip_prefix("sha256:") {
+            Some(hex) if is_hex_id(hex) => {
+                self.id_starts.iter().any(|s| hex.starts_with(s.as_str()))
+            }
+            _ => self.names.contains(name),
+        }
+    }
+}
+
+/// Lowercase hex of an image id's length or less (not empty).
+fn is_hex_id(s: &str) -> bool {
+    (1..=64).contains(&s.len()) && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
 fn engine_names(details: &ImageDetails) -> impl Iterator<Item = String> + '_ {
     (details.tags.iter())
         .chain(&details.digests)
@@ -1068,6 +1111,29 @@ mod tests {
     use super::*;
 
     const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn a_reference_matches_the_engines_names_and_ids_it_resolves_to() {
+        let d = format!("sha256:{}", "e".repeat(64));
+        let id = format!("sha256:{}", "0123456789abcdef".repeat(4));
+        let rows: [(&str, &str, bool); 9] = [
+            ("app:1", "docker.io/library/app:1", true),
+            ("app:1", "docker.io/library/app:2", false),
+            ("reg:5000/app:1@D", "reg:5000/app@D", true),
+            ("reg:5000/app:1@D", "reg:5000/app:1", false),
+            ("localhost:5000/app@D", "localhost:5000/app@D", true),
+            ("ID", "ID", true),
+            ("0123456789ab", "ID", true),
+            ("0123456789ac", "ID", false),
+            ("cafe", "docker.io/library/cafe:latest", true),
+        ];
+        for (task, engine, holds) in rows {
+            let mut r = Referenced::default();
+            r.add(&task.replace("ID", &id).replace('D', &d));
+            let engine = engine.replace("ID", &id).replace('D', &d);
+            assert_eq!(r.contains(&engine), holds, "{task} holds {engine}");
+        }
+    }
 
     #[test]
     fn above_high_frees_down_to_low_and_below_high_nothing() {

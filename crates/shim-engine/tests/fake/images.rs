@@ -111,30 +111,44 @@ async fn an_image_named_by_digest_stays_while_a_task_names_it() {
     assert!(w.runtime.image_id(&image).is_none());
 }
 
-/// A task may name by digest an image this shim pulled by tag (the digest name is the
-/// engine's, in `RepoDigests`, not the ledger's): while a known task names it so, a full data
-/// root collects nothing; once that task is removed, the image goes by its tag. It used to be
-/// judged by its tags and the ledger's names alone, and its removal took the digest name with
-/// it, under a task about to create from it.
+/// A task may name an image this shim pulled by tag by another name the engine resolves to it:
+/// its digest (the engine's name, in `RepoDigests`, not the ledger's), a tag and that digest
+/// (`repo:tag@sha256:…`, which the engine resolves by the digest alone), or its id, whole or
+/// its start, with or without `sha256:`. While a known task names it so, a full data root
+/// collects nothing; once that task is removed, the image goes by its tag. It used to be
+/// judged by its tags and the ledger's names alone (and the tag-and-digest and id forms until
+/// stop 57), and its removal took the name with it, under a task about to create from it.
 #[tokio::test(start_paused = true)]
-async fn an_image_a_task_names_by_its_digest_stays() {
-    let w = World::new(0).with_data_root();
-    let engine = w.engine().await;
-    run(&engine, config("t1").with_image("org/app:1")).await;
-    let id = w.runtime.image_id("org/app:1").expect("pulled");
-    w.runtime.set_image_size("org/app:1", 10 << 30);
-    let by_digest = format!("org/app@sha256:{}", "e".repeat(64));
-    w.runtime.add_image_with_id(&by_digest, &id);
-    end_and_remove(&engine, "t1").await;
-    failed_start(&engine, config("t2").with_image(&by_digest).with_gpus(1)).await;
-    fill_data_root(&w, &engine).await;
-    tokio::time::sleep(Duration::from_secs(120)).await;
-    let kept = "the image a known task names by digest stays";
-    assert_eq!(w.deleted_images(), [], "{kept}");
+async fn an_image_a_task_names_by_its_digest_or_id_stays() {
+    let hex = "0123456789abcdef".repeat(4);
+    let digest = format!("sha256:{}", "e".repeat(64));
+    let forms = [
+        format!("org/app@{digest}"),
+        format!("org/app:1@{digest}"),
+        format!("sha256:{hex}"),
+        hex.clone(),
+        hex[..12].to_owned(),
+    ];
+    for form in forms {
+        let w = World::new(0).with_data_root();
+        let engine = w.engine().await;
+        w.runtime.set_pull_id("org/app:1", &format!("sha256:{hex}"));
+        run(&engine, config("t1").with_image("org/app:1")).await;
+        let id = w.runtime.image_id("org/app:1").expect("pulled");
+        w.runtime.set_image_size("org/app:1", 10 << 30);
+        w.runtime
+            .add_image_with_id(&format!("org/app@{digest}"), &id);
+        end_and_remove(&engine, "t1").await;
+        failed_start(&engine, config("t2").with_image(&form).with_gpus(1)).await;
+        fill_data_root(&w, &engine).await;
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        let kept = format!("the image a known task names as {form} stays");
+        assert_eq!(w.deleted_images(), [], "{kept}");
 
-    engine.remove(&tid("t2")).await.unwrap();
-    let tag = Call::DeleteImage("docker.io/org/app:1".to_owned());
-    assert_eq!(wait_deleted(&w).await, [tag]);
+        engine.remove(&tid("t2")).await.unwrap();
+        let tag = Call::DeleteImage("docker.io/org/app:1".to_owned());
+        assert_eq!(wait_deleted(&w).await, [tag], "{form}");
+    }
 }
 
 /// An image this shim pulled that an operator then removed (`docker image prune`) leaves the
