@@ -583,8 +583,13 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
 }
 
 impl<const DOCKER: bool> Drop for EngineWorld<DOCKER> {
-    /// Removes every container of this home's engine however the test ends.
+    /// Lets held writes go (a failed check while they were held would otherwise leave a
+    /// thread of the blocking pool waiting, and the test's runtime with it), and removes
+    /// every container of this home's engine however the test ends.
     fn drop(&mut self) {
+        if let Some(disk) = &self.disk {
+            disk.release_writes();
+        }
         if !DOCKER {
             return;
         }
