@@ -196,7 +196,7 @@ pub(crate) async fn restore(
                     dir = %dir.display(),
                     moved_to = ?moved_to,
                     error = %chain(&error),
-                    "unreadable state file moved aside; the task is restored from its container if it has one"
+                    "unusable state file (moved aside unless it only could not be read now); the task is restored from its container if it has one"
                 );
                 found.insert(name, Found::Corrupt);
             }

@@ -93,15 +93,17 @@ pub enum ScanEntry {
         /// It holds nothing but an empty `runner/` (or nothing at all).
         skeleton: bool,
     },
-    /// A state file that could not be used. It has been moved aside (the task directory now has
-    /// no `task.json`) and a warning logged; the task should be restored from its container.
+    /// A state file that could not be used. One that could not be parsed has been moved aside
+    /// (the task directory now has no `task.json`); one that could not be read now (an I/O
+    /// error: it may read at the next start) is left in place. A warning is logged either way;
+    /// the task should be restored from its container.
     Corrupt {
         /// The directory's name (the task's container name).
         name: String,
         /// The task directory.
         dir: PathBuf,
-        /// Where the file went (`task.json.corrupt-<unix ms>`); `None` if moving it failed
-        /// (logged), in which case it is still `task.json`.
+        /// Where the file went (`task.json.corrupt-<unix ms>`); `None` if it was not moved
+        /// (unreadable now, or moving it failed: logged), in which case it is still `task.json`.
         moved_to: Option<PathBuf>,
         /// Why the file was unusable; its `Display` says e.g. "written by a newer shim
         /// (schema 2)".
@@ -682,7 +684,13 @@ impl Store {
             tracing::warn!(error = %error_chain(&e), "cannot remove stale temp files");
         }
         let state_file = dir.join(STATE_FILE);
-        let error = match read_record(&handle, Expect::Container(&name)) {
+        let read = read_record(&handle, Expect::Container(&name));
+        #[cfg(any(test, feature = "test-support"))]
+        let read = match self.faults.fire(shim_fs::Step::Read, &state_file) {
+            Ok(()) => read,
+            Err(e) => Err(RecordError::Io(fs_io(e))),
+        };
+        let error = match read {
             Ok(Some((record, Origin::Legacy))) => {
                 // Not where a legacy file lives: treat it as ours (a half-done migration
                 // rewrites it at the next write).
@@ -700,6 +708,10 @@ impl Store {
                     skeleton,
                 };
             }
+            // Not known to be corrupt: a bad sector, a full file table or memory, a stale
+            // handle may read at the next start. Moved aside, the task's volumes and keys
+            // would be forgotten for good.
+            Err(e @ RecordError::Io(_)) => return unreadable_now(name, dir, e),
             Err(e) => e,
         };
         let target = free_name(&handle, CORRUPT_PREFIX);
@@ -1000,6 +1012,22 @@ fn is_skeleton(dir: &Dir) -> bool {
             && matches!(dir.open_dir(RUNNER_DIR), Ok(Some(runner))
                 if runner.names().is_ok_and(|inner| inner.is_empty()))
     })
+}
+
+/// [`Store::scan`]'s entry for a state file that cannot be read now: left in place, read
+/// again at the next start.
+fn unreadable_now(name: String, dir: PathBuf, error: RecordError) -> ScanEntry {
+    tracing::warn!(
+        file = %dir.join(STATE_FILE).display(),
+        error = %error_chain(&error),
+        "cannot read a task state file now; left in place to be read at the next start, the task is restored from its container if any",
+    );
+    ScanEntry::Corrupt {
+        name,
+        dir,
+        moved_to: None,
+        error,
+    }
 }
 
 /// Reads and decodes the state file in a task directory (a bounded read of a regular file,

@@ -277,6 +277,43 @@ fn unusable_state_files_are_moved_aside_and_the_scan_goes_on() {
     assert_eq!(no_record.count(), cases.len() + 2);
 }
 
+/// A state file that only could not be read (an I/O error: a bad sector, a full file table)
+/// is not corrupt: it stays in place, reported as unusable this time, and reads at the next
+/// start. It used to be moved aside like garbage, and with it the task's volumes and keys
+/// were forgotten for good.
+#[test]
+fn a_state_file_that_cannot_be_read_now_stays_for_the_next_start() {
+    let home = tempfile::tempdir().unwrap();
+    let faults = Arc::new(shim_fs::fault::Faults::new());
+    let store = Store::open(home.path().join("home"))
+        .unwrap()
+        .with_faults(faults.clone());
+    let r = record("t1");
+    store.create(&r).unwrap();
+    faults.arm(shim_fs::Step::Read, shim_fs::fault::FaultKind::Fail);
+    let entries = store.scan().unwrap();
+    let [
+        ScanEntry::Corrupt {
+            moved_to, error, ..
+        },
+    ] = entries.as_slice()
+    else {
+        panic!("{entries:#?}");
+    };
+    assert!(matches!(error, RecordError::Io(_)), "{error:?}");
+    assert_eq!(*moved_to, None, "left in place");
+    assert_eq!(
+        names(&store.paths("job-t1").unwrap().dir),
+        ["runner", "task.json"]
+    );
+
+    let entries = store.scan().unwrap();
+    let [ScanEntry::Record { record, .. }] = entries.as_slice() else {
+        panic!("{entries:#?}");
+    };
+    assert_eq!(*record, r);
+}
+
 #[test]
 fn foreign_directories_are_reported_and_never_touched() {
     let (_home, store) = temp_store();
