@@ -244,6 +244,20 @@ impl GpuPassing {
         }
     }
 
+    /// How GPUs go while the engine cannot be asked (asked again next time): as last decided;
+    /// with nothing decided yet, upstream's way, unless the mode allows only CDI.
+    fn unasked(&self, e: &shim_runtime::RuntimeError) -> Passing {
+        let last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        match (last.as_ref(), self.mode) {
+            (Some(last), _) => last.clone(),
+            (None, GpuDeviceMode::Cdi) => Passing::Refused(format!(
+                "cannot ask the engine whether it applies CDI: {}",
+                chain(e)
+            )),
+            (None, _) => Passing::Legacy,
+        }
+    }
+
     /// How GPUs go to containers now (the specs read again; a change is logged).
     pub(crate) async fn current(&self) -> Passing {
         if self.host.gpus.is_empty() {
@@ -259,9 +273,8 @@ impl GpuPassing {
                         s
                     }
                     Err(e) => {
-                        // Not known yet: upstream's way this time, asked again next time.
                         tracing::warn!(error = %chain(&e), "cannot ask the engine what it can do with GPUs");
-                        return Passing::Legacy;
+                        return self.unasked(&e);
                     }
                 },
             }
@@ -438,6 +451,48 @@ mod tests {
     use shim_resources::gpu::{GpuHealth, UnhealthyReason};
 
     use super::*;
+
+    // The engine cannot be asked what it can do with GPUs (an `/info` that timed out) before
+    // any decision: a `cdi`-only shim refuses, saying why, where it used to send upstream's
+    // device request the operator had ruled out; `auto` goes upstream's way. After a decision,
+    // one failed ask keeps it (a CDI host stayed CDI on Podman, whose Docker API ignores the
+    // device request).
+    #[tokio::test]
+    async fn an_engine_that_cannot_be_asked_keeps_the_mode_or_the_last_decision() {
+        let host = HostGpus::fake_nvidia(1);
+        let runtime = Arc::new(shim_runtime::fake::FakeRuntime::new());
+        runtime.set_unreachable(true);
+        let passing = |mode| GpuPassing::new(mode, host.clone(), runtime.clone());
+        let cdi = passing(GpuDeviceMode::Cdi);
+        let refused = cdi.current().await;
+        let Passing::Refused(why) = &refused else {
+            panic!("{refused:?}");
+        };
+        assert!(
+            why.contains("cannot ask the engine whether it applies CDI"),
+            "{why}"
+        );
+        assert_eq!(
+            passing(GpuDeviceMode::Auto).current().await,
+            Passing::Legacy
+        );
+
+        let dir = tempfile::tempdir().unwrap();
+        let spec = format!(
+            "cdiVersion: 0.5.0\nkind: nvidia.com/gpu\ndevices:\n- name: {}\n  containerEdits:\n    deviceNodes:\n    - path: /dev/nvidia0\n",
+            host.gpus[0].id
+        );
+        fs_err::write(dir.path().join("nvidia.yaml"), spec).unwrap();
+        let dirs = Some(vec![dir.path().to_owned()]);
+        runtime.set_gpu_support(shim_runtime::GpuSupport::new("Podman 5.4.2", dirs, false));
+        runtime.set_unreachable(false);
+        let auto = passing(GpuDeviceMode::Auto);
+        let decided = auto.current().await;
+        assert!(matches!(decided, Passing::Cdi(_)), "{decided:?}");
+        auto.forget_support();
+        runtime.set_unreachable(true);
+        assert_eq!(auto.current().await, decided);
+    }
 
     /// A health source that answers its reports in turn.
     struct Reports(Mutex<Vec<GpuHealthReport>>);
