@@ -42,7 +42,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::Clock;
 use crate::counters::Metrics;
 use crate::driver::Driver;
-use crate::error::chain;
+use crate::error::{EngineError, chain};
 use crate::health::EngineHealth;
 use crate::home::Home;
 use crate::images::ImageGc;
@@ -370,7 +370,7 @@ impl Reconciler {
         });
         if needs_release {
             if let Err(e) = self.parts.driver.drive(slot, Event::ReleaseRequested).await {
-                tracing::warn!(task = %slot.id, error = %chain(&e), "release still failing");
+                still_failing(slot, &e, "release still failing");
             }
         } else if stop_failed && let Some(container_id) = container_id {
             // Its stop failed and it holds nothing: what does the container do now? A
@@ -382,7 +382,7 @@ impl Reconciler {
                 .drive(slot, Event::Observed(observation))
                 .await
             {
-                tracing::warn!(task = %slot.id, error = %chain(&e), "stop still failing");
+                still_failing(slot, &e, "stop still failing");
             }
         }
         self.kick_events(slot);
@@ -777,5 +777,15 @@ impl Reconciler {
             last_lines,
             oom_killed,
         }
+    }
+}
+
+/// A retried step that failed again. A failed state write was logged by the write itself (a
+/// warning at most every 10 minutes), so it is noted at debug here; anything else warns.
+fn still_failing(slot: &Slot, e: &EngineError, what: &str) {
+    if matches!(e, EngineError::StateWrite { .. }) {
+        tracing::debug!(task = %slot.id, error = %chain(e), "{what}");
+    } else {
+        tracing::warn!(task = %slot.id, error = %chain(e), "{what}");
     }
 }

@@ -230,6 +230,17 @@ impl Slot {
     /// every second in between are logged at debug, so a failure that lasts (an unmount kept
     /// busy over a weekend, a home remounted read-only, Docker down) does not fill the log.
     pub(crate) fn failed_loudly(&self, what: Retried, errors: &str) -> bool {
+        // Numbers masked: a write's temp file is named anew at each try
+        // (`.task.json.tmp-<pid>-<ns>.<n>`), which made every retry's text new.
+        let mut masked = String::with_capacity(errors.len());
+        for c in errors.chars() {
+            match c.is_ascii_digit() {
+                true if masked.ends_with('#') => {}
+                true => masked.push('#'),
+                false => masked.push(c),
+            }
+        }
+        let errors = masked.as_str();
         let now = tokio::time::Instant::now();
         let mut warned = self.warned.lock().unwrap_or_else(|p| p.into_inner());
         let last = &mut warned[what as usize];
@@ -688,5 +699,14 @@ mod tests {
         assert!(!slot.failed_loudly(Retried::Release, busy));
         assert!(slot.failed_loudly(Retried::Write, "No space left on device"));
         assert!(!slot.failed_loudly(Retried::Write, "No space left on device"));
+        // One failure, retried: only its temp file's name moved on.
+        let tmp = |n| {
+            format!(
+                "cannot write /h/runners/job-t1/.task.json.tmp-12-1765{n}.{n}: No space left on device (os error 28)"
+            )
+        };
+        assert!(slot.failed_loudly(Retried::Write, &tmp(7)));
+        assert!(!slot.failed_loudly(Retried::Write, &tmp(8)));
+        assert!(!slot.failed_loudly(Retried::Write, &tmp(19)));
     }
 }
