@@ -176,9 +176,12 @@ async fn run(spec: ChildSpec, mut stop: watch::Receiver<bool>, state: Arc<State>
                         }
                     }
                     () = stopped(&mut stop) => {
-                        terminate(name, &mut child, spec.stop_grace).await;
+                        let ended = terminate(name, &mut child, spec.stop_grace).await;
                         state.pid.store(0, Ordering::SeqCst);
-                        forget_pid(name, spec.pid_file.as_deref());
+                        // One left behind keeps its pid file: the next start stops it.
+                        if ended {
+                            forget_pid(name, spec.pid_file.as_deref());
+                        }
                         return;
                     }
                 }
@@ -229,27 +232,46 @@ async fn log_lines(name: &'static str, stream: &'static str, out: impl AsyncRead
     }
 }
 
+/// How long a child is waited for after SIGKILL. One stuck in the kernel (an NVML call into a
+/// wedged driver) does not die until that call returns, and a shutdown (an upgrade's, whose
+/// watchdog would roll back a binary that never ran) must not wait for it.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+
 /// SIGTERM, then SIGKILL if the child is still there after `grace` (upstream: `cmd.Cancel`
-/// sends SIGTERM, `cmd.WaitDelay = 5 * time.Second`).
-async fn terminate(name: &'static str, child: &mut Child, grace: Duration) {
+/// sends SIGTERM, `cmd.WaitDelay = 5 * time.Second`); whether it ended. One still there
+/// [`KILL_WAIT`] after its SIGKILL is left behind (tokio reaps it once it dies).
+async fn terminate(name: &'static str, child: &mut Child, grace: Duration) -> bool {
     let Some(pid) = child.id() else {
-        return; // already reaped
+        return true; // already reaped
     };
-    let Ok(raw) = i32::try_from(pid) else {
-        let _ = child.kill().await;
-        return;
-    };
-    if let Err(e) = kill(Pid::from_raw(raw), Signal::SIGTERM) {
-        tracing::debug!(name, pid, error = %e, "SIGTERM failed");
-    }
-    match tokio::time::timeout(grace, child.wait()).await {
-        Ok(Ok(status)) => tracing::info!(name, pid, %status, "stopped"),
-        Ok(Err(e)) => tracing::warn!(name, pid, error = %e, "waiting for the process failed"),
-        Err(_) => {
-            tracing::warn!(name, pid, ?grace, "did not stop on SIGTERM; killing");
-            if let Err(e) = child.kill().await {
-                tracing::warn!(name, pid, error = %e, "SIGKILL failed");
+    if let Ok(raw) = i32::try_from(pid) {
+        if let Err(e) = kill(Pid::from_raw(raw), Signal::SIGTERM) {
+            tracing::debug!(name, pid, error = %e, "SIGTERM failed");
+        }
+        match tokio::time::timeout(grace, child.wait()).await {
+            Ok(Ok(status)) => {
+                tracing::info!(name, pid, %status, "stopped");
+                return true;
             }
+            Ok(Err(e)) => {
+                tracing::warn!(name, pid, error = %e, "waiting for the process failed");
+                return false;
+            }
+            Err(_) => tracing::warn!(name, pid, ?grace, "did not stop on SIGTERM; killing"),
+        }
+    }
+    if let Err(e) = child.start_kill() {
+        tracing::warn!(name, pid, error = %e, "SIGKILL failed");
+    }
+    match tokio::time::timeout(KILL_WAIT, child.wait()).await {
+        Ok(Ok(_)) => true,
+        Ok(Err(e)) => {
+            tracing::warn!(name, pid, error = %e, "waiting for the process failed");
+            false
+        }
+        Err(_) => {
+            tracing::warn!(name, pid, wait = ?KILL_WAIT, "did not exit on SIGKILL (stuck in the kernel?); left behind, its pid file kept for the next start");
+            false
         }
     }
 }

@@ -385,6 +385,88 @@ async fn a_leftover_that_ignores_sigterm_is_killed() {
     exporter.shutdown().await;
 }
 
+/// A frozen file system (`fsfreeze`) on a loop device: a write to it blocks in the kernel,
+/// uninterruptibly, until it is thawed (at drop, before the unmount).
+struct Frozen {
+    mount: PathBuf,
+}
+
+impl Frozen {
+    fn new(dir: &Path) -> Self {
+        let image = dir.join("frozen.img");
+        let mount = dir.join("frozen");
+        fs_err::File::create(&image)
+            .unwrap()
+            .set_len(16 << 20)
+            .unwrap();
+        fs_err::create_dir(&mount).unwrap();
+        let run = |program: &str, args: &[&Path]| {
+            let status = std::process::Command::new(program)
+                .args(args)
+                .status()
+                .unwrap();
+            assert!(status.success(), "{program} {args:?}: {status}");
+        };
+        run("mkfs.ext4", &[Path::new("-q"), Path::new("-F"), &image]);
+        run(
+            "mount",
+            &[Path::new("-o"), Path::new("loop"), &image, &mount],
+        );
+        run("fsfreeze", &[Path::new("-f"), &mount]);
+        Self { mount }
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        for args in [&["-u"][..], &[]] {
+            let program = if args.is_empty() {
+                "umount"
+            } else {
+                "fsfreeze"
+            };
+            let _ = std::process::Command::new(program)
+                .args(args)
+                .arg(&self.mount)
+                .status();
+        }
+    }
+}
+
+/// An exporter stuck in the kernel (an NVML call into a wedged driver; here a write to a frozen
+/// file system) does not die on SIGKILL until the call returns. The shutdown waits for it a
+/// bounded while and goes on, its pid file kept for the next start; it used to wait for it
+/// forever, and with it the shim's exit (an upgrade's watchdog then rolled back a binary that
+/// never ran).
+#[tokio::test]
+#[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
+async fn a_shutdown_does_not_wait_for_an_exporter_stuck_in_the_kernel() {
+    shim_util::testing::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let frozen = Frozen::new(dir.path());
+    let (_, mut cfg, pid_file) = with_home(dir.path()).await;
+    cfg.stop_grace = Duration::from_millis(300);
+    let body = format!("echo x > '{}/f'", frozen.mount.display());
+    let stuck = script(dir.path(), "stuck", &body);
+    let exporter = DcgmExporter::spawn(&stuck, &cfg).unwrap();
+    let pid = started(&exporter).await;
+    let state = || {
+        let stat = fs_err::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        stat.rsplit_once(") ")
+            .and_then(|(_, rest)| rest.chars().next())
+    };
+    wait_until("the write blocks", WAIT, || state() == Some('D')).await;
+    let stopping = Instant::now();
+    let shutdown = tokio::time::timeout(Duration::from_secs(30), exporter.shutdown()).await;
+    assert!(shutdown.is_ok(), "the shutdown waited on");
+    let took = stopping.elapsed();
+    assert!(took < Duration::from_secs(15), "{took:?}");
+    assert!(alive(pid), "still stuck in the kernel");
+    assert!(pid_file.exists(), "the pid file stays for the next start");
+    drop(frozen);
+    wait_until("the exporter dies once thawed", WAIT, || !alive(pid)).await;
+}
+
 /// A pid file never makes the shim signal a process that merely has the recorded pid: one
 /// with another start time, or one of another boot (a reboot may give the pid and even the
 /// start time to another process).
