@@ -870,11 +870,28 @@ impl ContainerRuntime for DockerRuntime {
         let max = crate::LOGS_TAIL_MAX_BYTES;
         let mut stream = self.docker.logs(id, Some(options));
         let mut bytes: Vec<u8> = Vec::new();
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|e| translate("logs", container(id), e))?;
-            bytes.extend_from_slice(&chunk.into_bytes());
-            if bytes.len() > 2 * max {
-                bytes.drain(..bytes.len() - max);
+        // The whole answer bounded, not only its head: Docker 26+ sends the head before it
+        // reads the log, so a read that stalls (a hung data root) would hold the caller (an
+        // exit's settlement, the reconciler's cycle) for good.
+        let read = tokio::time::timeout(self.docker.timeout(), async {
+            while let Some(chunk) = stream.next().await {
+                let chunk = chunk.map_err(|e| translate("logs", container(id), e))?;
+                bytes.extend_from_slice(&chunk.into_bytes());
+                if bytes.len() > 2 * max {
+                    bytes.drain(..bytes.len() - max);
+                }
+            }
+            Ok::<(), RuntimeError>(())
+        })
+        .await;
+        match read {
+            Ok(read) => read?,
+            Err(_) => {
+                return Err(translate(
+                    "logs",
+                    container(id),
+                    BollardError::RequestTimeoutError,
+                ));
             }
         }
         if bytes.len() > max {

@@ -777,3 +777,24 @@ async fn the_pull_log_keeps_no_repeats_and_is_bounded() {
     let end = &text[text.len() - 200..];
     assert!(end.ends_with("the log is full)\"}\n"), "{end}");
 }
+
+/// A logs answer whose body stalls after its head (Docker 26+ sends the head before it reads
+/// the log; a hung data root then stalls the read) ends within the request timeout, as an
+/// error: it used to hold its caller (an exit's settlement, the reconciler's cycle, the first
+/// cycle before the API serves) for good, bollard's own bound ending at the head.
+#[tokio::test]
+async fn a_logs_answer_that_stalls_after_its_head_times_out() {
+    let stalled = "\n#sleep 60000\n";
+    let (_engine, runtime) = Engine::connect(
+        VERSION,
+        answering("GET", "/containers/x/logs", 200, stalled),
+    )
+    .await;
+    let runtime = runtime.with_request_timeout(Duration::from_secs(1));
+    let started = std::time::Instant::now();
+    let tail = tokio::time::timeout(Duration::from_secs(20), runtime.logs_tail("x", 5)).await;
+    let took = started.elapsed();
+    let tail = tail.expect("the read stalled on");
+    assert!(tail.is_err(), "{tail:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+}
