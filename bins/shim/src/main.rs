@@ -49,6 +49,13 @@ enum Exit {
 const RUNTIME_SHUTDOWN: std::time::Duration = std::time::Duration::from_secs(2);
 
 fn main() -> ExitCode {
+    let code = shim_main();
+    // The lines logged so far written (their writers are threads that die with the process).
+    logging::flush();
+    code
+}
+
+fn shim_main() -> ExitCode {
     // First, before anything opens a file: a socket passed by systemd or by the image this
     // process replaced claims fd 3.
     let inherited = match listen_fds::take() {

@@ -580,6 +580,9 @@ fn exec_with(
         return Err(StoppedDuringHandoff.into());
     }
     let (argv0, args, pid) = os.own_args();
+    // The lines logged so far written before the exec ends their writers (and before fd 3,
+    // perhaps the log file's, becomes the socket).
+    crate::logging::flush();
 
     let mut command = Command::new(&plan.path);
     command
