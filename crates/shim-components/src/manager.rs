@@ -34,10 +34,9 @@ pub struct ComponentsConfig {
     pub max_download_bytes: u64,
     /// The shim's home, where an upgrade's rollback record is kept
     /// ([`crate::upgrade::RollbackRecord`]); set by the binary that upgrades in place. With
-    /// it, a shim download that is the binary the record refuses is not put at the path, and
-    /// one put there that does not answer `--version` is replaced by the running binary at
-    /// once ([`ComponentsError::Unusable`]), so that what systemd starts at the next restart
-    /// or reboot runs (`None`: neither).
+    /// it, a shim download is fetched beside the path and put there only if the record does
+    /// not refuse it and it answers `--version` ([`ComponentsError::Unusable`] when it does
+    /// not), so that what systemd starts at the next restart or reboot runs (`None`: neither).
     pub rollback_home: Option<PathBuf>,
 }
 
@@ -366,7 +365,13 @@ impl Components {
         let slot = self.inner.slot(name);
         tracing::info!(component = %name, url = %redact_url(url), path = %slot.path.display(),
             "installing component");
-        let target = slot.path.clone();
+        // A shim is fetched beside its path and put there only once it answers `--version`.
+        let checked = name == ComponentName::Shim && self.inner.config.rollback_home.is_some();
+        let fetched = match checked {
+            true => beside(&slot.path),
+            false => slot.path.clone(),
+        };
+        let target = fetched.clone();
         let config = self.inner.config.clone();
         let cancel = self.inner.cancel.clone();
         let owned_url = url.to_owned();
@@ -376,9 +381,7 @@ impl Components {
         .await
         .unwrap_or_else(|source| Err(ComponentsError::Join { name, source }));
         let result = match result {
-            Ok(()) if name == ComponentName::Shim && self.inner.config.rollback_home.is_some() => {
-                self.check_installed_shim(url).await
-            }
+            Ok(()) if checked => self.check_fetched_shim(url, &fetched).await,
             other => other,
         };
         match &result {
@@ -398,32 +401,82 @@ impl Components {
         result
     }
 
-    /// The shim just put at its path must answer `--version`: one that does not (another
-    /// architecture, a truncated or HTML body) would be what systemd starts at the next
-    /// restart or reboot, with no pre-flight and no watchdog, and the server, seeing no
-    /// version, installs again rather than shutting down. The running binary goes back.
-    async fn check_installed_shim(&self, url: &str) -> Result<(), ComponentsError> {
+    /// The shim fetched beside its path (`fetched`) must answer `--version` before it is put
+    /// there: one that does not (another architecture, a truncated or HTML body) would be what
+    /// systemd starts at the next restart or reboot, with no pre-flight and no watchdog, and
+    /// the server, seeing no version, installs again rather than shutting down. It is
+    /// removed, and the binary at the path stays. (It used to be put at the path first and the
+    /// running binary copied back over it: a full disk, a crash or a power cut in between left
+    /// the broken one there.)
+    async fn check_fetched_shim(&self, url: &str, fetched: &Path) -> Result<(), ComponentsError> {
         let name = ComponentName::Shim;
         let path = self.inner.slot(name).path.clone();
         let runner = SystemCommandRunner::default();
         let timeout = self.inner.config.version_timeout;
-        let Err(e) = binary_version(&runner, &path, name.as_str(), timeout).await else {
-            return Ok(());
-        };
-        let why = format!("it does not report a version ({})", error_chain(&e));
-        let target = path.clone();
-        let restored =
-            tokio::task::spawn_blocking(move || crate::upgrade::restore_running(&target))
-                .await
-                .unwrap_or_else(|source| Err(ComponentsError::Join { name, source }));
-        if let Err(e) = restored {
-            tracing::error!(path = %path.display(), error = %error_chain(&e),
-                "cannot put the running binary back over a shim that does not run");
-        }
-        Err(ComponentsError::Unusable {
-            name,
-            url: redact_url(url),
-            why,
+        let answered = binary_version(&runner, fetched, name.as_str(), timeout).await;
+        let (fetched, target) = (fetched.to_owned(), path.clone());
+        let checked = answered.is_ok();
+        let placed = tokio::task::spawn_blocking(move || match checked {
+            true => put_in_place(&fetched, &target),
+            false => remove_fetched(&fetched),
         })
+        .await
+        .unwrap_or_else(|source| Err(ComponentsError::Join { name, source }));
+        match answered {
+            Ok(_) => placed,
+            Err(e) => {
+                if let Err(e) = placed {
+                    tracing::warn!(error = %error_chain(&e), "cannot remove a shim download that does not run");
+                }
+                let why = format!("it does not report a version ({})", error_chain(&e));
+                Err(ComponentsError::Unusable {
+                    name,
+                    url: redact_url(url),
+                    why,
+                })
+            }
+        }
     }
+}
+
+/// Where a checked download waits beside `path`: `.<name>.download` in its directory (a crash
+/// may leave it; the next install writes it again).
+fn beside(path: &Path) -> PathBuf {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    path.with_file_name(format!(".{name}.download"))
+}
+
+/// Renames `fetched` over `target` (the same directory), durably. Blocking.
+fn put_in_place(fetched: &Path, target: &Path) -> Result<(), ComponentsError> {
+    let io = |op, path: &Path| {
+        let path = path.to_owned();
+        move |e: shim_fs::FsError| ComponentsError::Io {
+            op,
+            path,
+            source: io::Error::other(e),
+        }
+    };
+    let dir = target.parent().unwrap_or(Path::new("."));
+    let handle = shim_fs::Dir::open(dir).map_err(io("open directory", dir))?;
+    let (from, to) = (file_name(fetched), file_name(target));
+    handle
+        .rename(from, &handle, to)
+        .map_err(io("rename into place", target))?;
+    handle.sync().map_err(io("fsync directory", dir))
+}
+
+/// Removes a download that is not put in place. Blocking.
+fn remove_fetched(fetched: &Path) -> Result<(), ComponentsError> {
+    match fs_err::remove_file(fetched) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(ComponentsError::Io {
+            op: "remove",
+            path: fetched.to_owned(),
+            source: e,
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn file_name(path: &Path) -> &std::ffi::OsStr {
+    path.file_name().unwrap_or_default()
 }

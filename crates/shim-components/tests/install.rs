@@ -368,23 +368,39 @@ async fn a_shim_binary_rolled_back_within_the_hour_is_not_installed_again() {
     assert_eq!(state(&c, Shim).await, (Status::Installed, "0.22.1".into()));
 }
 
-/// A shim download that does not run here (an HTML error page, another architecture) is not
-/// left at the path systemd starts (the server, seeing no version, installs again rather than
-/// shutting down, so no pre-flight would look at it): the running binary is put back at once,
-/// and the component reports `error`, as after a rollback.
+/// A shim download that does not run here (an HTML error page, another architecture) never
+/// reaches the path systemd starts (the server, seeing no version, installs again rather than
+/// shutting down, so no pre-flight would look at it): it is fetched beside the path, found not
+/// to answer `--version` and removed; the binary at the path is the same file as before, and
+/// the component reports `error`, as after a rollback. It used to be renamed over the path and
+/// the running binary copied back, which a full disk, a crash or a power cut in between left
+/// undone.
 #[tokio::test]
-async fn a_shim_download_that_does_not_run_is_replaced_by_the_running_binary() {
+async fn a_shim_download_that_does_not_run_never_reaches_the_path() {
+    use std::os::unix::fs::MetadataExt as _;
     let dir = tempfile::tempdir().unwrap();
     let server = file_server();
     let c = components_with(dir.path(), |c| c.rollback_home = Some(dir.path().into()));
     let target = dir.path().join("dstack-shim");
-    fs_err::write(&target, script("dstack-shim version 0.22.0")).unwrap();
+    let old = script("dstack-shim version 0.22.0");
+    executable(&target, &old);
+    let inode = fs_err::metadata(&target).unwrap().ino();
 
     let e = c.install(Shim, &server.url("/html")).await.unwrap_err();
     assert_kind!(e, Unusable);
     assert!(error_chain(&e).contains("does not report a version"), "{e}");
-    let running = std::path::Path::new("/proc/self/exe");
-    assert!(shim_components::upgrade::same_content(&target, running).unwrap());
+    assert_eq!(
+        fs_err::metadata(&target).unwrap().ino(),
+        inode,
+        "never replaced"
+    );
+    assert_eq!(fs_err::read_to_string(&target).unwrap(), old);
+    let left: Vec<_> = fs_err::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .filter(|n| n.to_string_lossy().contains("download"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
     assert_eq!(state(&c, Shim).await, (Status::Error, String::new()));
     assert!(c.rolled_back(Shim).is_some());
 
