@@ -581,16 +581,16 @@ fn a_broken_new_binary_is_rolled_back_and_the_host_keeps_a_shim() {
         wait_alone(&shim);
     };
 
-    // Not an executable: the running binary is back at the path as soon as the install
-    // ends, with no shutdown (the dstack server, seeing no version, sends none: it installs
-    // again), so a restart or a reboot never starts it.
+    // Not an executable: it never reaches the path (fetched beside it, refused there), with
+    // no shutdown (the dstack server, seeing no version, sends none: it installs again), so a
+    // restart or a reboot never starts it.
     let from = Instant::now();
     let pid = shim.supervisor().pid().unwrap();
     assert_eq!(
         install(&shim, &files.serve("garbage", vec![0x5a; 4096])),
         ["error", ""]
     );
-    assert!(same_bytes(&path, &current), "the running binary is back");
+    assert!(same_bytes(&path, &current), "the running binary stays");
     assert_eq!(shim.supervisor().pid(), Some(pid), "still the same process");
     after_rollback(1);
     assert_logged(&shim, &["does not report a version"]);
