@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use shim_e2e::harness::{
     FAKE_GPUS, HostUser, LoopFs, PrivateDocker, RemoveImage, Request, Response, TestShim,
-    bridge_task, container_name_of, docker_at, entries, fake_gpu_ids, run_tag, ssh_key, status_of,
-    task_entries, try_docker_within, wait_for, wait_until, write_runner_exit,
+    bridge_task, container_name_of, docker_at, docker_socket, entries, fake_gpu_ids, run_tag,
+    ssh_key, status_of, task_entries, try_docker_within, wait_for, wait_until, write_runner_exit,
 };
 use shim_e2e::{registry, registry_password, registry_user, require_docker, require_root};
 use world::{cid, gpu_ids};
@@ -666,6 +666,33 @@ fn sigkill_at_random_points_of_concurrent_requests_loses_nothing() {
 }
 
 // 2. Docker frozen, stopped and restarted under running tasks -------------------------------------
+
+/// A shim that starts while Docker does not answer yet (restarted by an operator or a package
+/// upgrade; an upgrade in place's new binary, whose watchdog would otherwise roll it back for
+/// Docker's doing) waits for it, as its start-up list does, and serves once it answers. It
+/// used to exit at once: `cannot connect to the Docker daemon`.
+#[test]
+#[ignore = "needs Docker and the dev-env fixtures: SHIM_TEST_DOCKER=1, run with --run-ignored all"]
+fn a_shim_started_before_docker_answers_waits_for_it() {
+    require_docker();
+    let dir = temp_dir();
+    let socket = dir.path().join("docker.sock");
+    let mut shim = TestShim::builder("faults")
+        .home(&dir.path().join("home"), &dir.path().join("logs"))
+        .docker_host(&format!("unix://{}", socket.display()))
+        .build();
+    let appears = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(3));
+        std::os::unix::fs::symlink(docker_socket(), &socket).unwrap();
+    });
+    let started = Instant::now();
+    shim.start();
+    appears.join().unwrap();
+    assert!(started.elapsed() >= Duration::from_secs(3));
+    assert_eq!(shim.submit(&task("t1", 0)).status, 200);
+    shim.wait_status("t1", "running");
+    shim.finish("t1");
+}
 
 /// Runs `f`, an API request answered from memory, and asserts that it did not wait for the
 /// frozen daemon: a request that waited on Docker would only come back once the runtime's
