@@ -291,7 +291,7 @@ impl Components {
             };
             for entry in entries.flatten() {
                 let file = entry.file_name();
-                if !shim_fs::is_temp_of(name, &file) {
+                if !shim_fs::is_temp_of(name, &file) && !is_fetched_of(name, &file) {
                     continue;
                 }
                 let idle = entry
@@ -439,11 +439,24 @@ impl Components {
     }
 }
 
-/// Where a checked download waits beside `path`: `.<name>.download` in its directory (a crash
-/// may leave it; the next install writes it again).
+/// Where a checked download waits beside `path`: `.<name>.download-<pid>-<n>` in its
+/// directory, a name of this install's own (another shim may share the path). One a kill
+/// left, and its temp file, go with [`Components::remove_interrupted_downloads`].
 fn beside(path: &Path) -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let name = path.file_name().unwrap_or_default().to_string_lossy();
-    path.with_file_name(format!(".{name}.download"))
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    path.with_file_name(format!(".{name}.download-{}-{n}", std::process::id()))
+}
+
+/// Whether `file` is a checked download of the binary `name` ([`beside`]) or its temp file.
+fn is_fetched_of(name: &std::ffi::OsStr, file: &std::ffi::OsStr) -> bool {
+    let (name, file) = (name.to_string_lossy(), file.to_string_lossy());
+    let fetched = format!(".{name}.download-");
+    file.starts_with(&fetched)
+        || file
+            .strip_prefix('.')
+            .is_some_and(|f| f.starts_with(&fetched))
 }
 
 /// Renames `fetched` over `target` (the same directory), durably. Blocking.

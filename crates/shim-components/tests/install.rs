@@ -291,14 +291,25 @@ fn temp_files_of_interrupted_downloads_are_removed() {
     }
     let oldest = ".dstack-runner.tmp-1-0.0";
     assert!(shim_fs::is_temp_of("dstack-runner", oldest));
-    let shim_temp = dir.path().join(".dstack-shim.tmp-3-0.0");
-    let file = fs_err::File::create(&shim_temp).unwrap();
-    file.file().set_modified(long_ago).unwrap();
+    // The shim's: a temp file of the path itself, and (fetched beside the path before its
+    // check) a download a kill left and that download's own temp file.
+    for name in [
+        ".dstack-shim.tmp-3-0.0",
+        ".dstack-shim.download-4-0",
+        "..dstack-shim.download-5-0.tmp-5-0.0",
+    ] {
+        let file = fs_err::File::create(dir.path().join(name)).unwrap();
+        file.file().set_modified(long_ago).unwrap();
+    }
 
-    assert_eq!(c.remove_interrupted_downloads(), 2);
+    assert_eq!(c.remove_interrupted_downloads(), 4);
     let left = [".dstack-runner.tmp-2-0.0", "dstack-runner", "other"];
     assert_eq!(dir_entries(&bin), left);
-    assert!(!shim_temp.exists());
+    let shim_left = dir_entries(dir.path());
+    assert!(
+        !shim_left.iter().any(|f| f.contains("dstack-shim")),
+        "{shim_left:?}"
+    );
 }
 
 /// A temp file too young for the start-up sweep (a shim killed mid-download, started again
