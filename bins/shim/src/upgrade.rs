@@ -574,15 +574,16 @@ fn exec_with(
         takes_socket = plan.takes_socket,
         "replacing this process with the new binary"
     );
-    // The last look before the exec (the wait above may have taken a while).
+    // The lines logged so far written before the exec ends their writers (and before fd 3,
+    // perhaps the log file's, becomes the socket); before the last look, which a slow log
+    // destination must not delay.
+    crate::logging::flush();
+    // The last look before the exec (the waits above may have taken a while).
     if stopped.load(Ordering::SeqCst) {
         os.dismiss_watchdog(&watchdog);
         return Err(StoppedDuringHandoff.into());
     }
     let (argv0, args, pid) = os.own_args();
-    // The lines logged so far written before the exec ends their writers (and before fd 3,
-    // perhaps the log file's, becomes the socket).
-    crate::logging::flush();
 
     let mut command = Command::new(&plan.path);
     command
