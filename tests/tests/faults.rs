@@ -29,9 +29,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use shim_e2e::harness::{
-    FAKE_GPUS, HostUser, LoopFs, PrivateDocker, RemoveImage, Request, Response, TestShim,
-    bridge_task, container_name_of, docker_at, docker_socket, entries, fake_gpu_ids, run_tag,
-    ssh_key, status_of, task_entries, try_docker_within, wait_for, wait_until, write_runner_exit,
+    FAKE_GPUS, HostUser, LoopFs, PrivateDocker, RemoveImage, Request, Response, ShimProcess,
+    TestShim, bridge_task, container_name_of, docker_at, docker_socket, entries, fake_gpu_ids,
+    free_port, run_tag, shim_binary, ssh_key, status_of, task_entries, try_docker_within, wait_for,
+    wait_until, write_runner_exit,
 };
 use shim_e2e::{registry, registry_password, registry_user, require_docker, require_root};
 use world::{cid, gpu_ids};
@@ -692,6 +693,26 @@ fn a_shim_started_before_docker_answers_waits_for_it() {
     assert_eq!(shim.submit(&task("t1", 0)).status, 200);
     shim.wait_status("t1", "running");
     shim.finish("t1");
+
+    // A stop while it waits is a stop: it exits at once, successfully, as after any signal.
+    let never = format!("unix://{}", dir.path().join("never.sock").display());
+    let env = [("DOCKER_HOST", std::ffi::OsStr::new(&never))];
+    let log = dir.path().join("waiting.log");
+    let args = ["--runner-binary-path", "/bin/true"];
+    let home = dir.path().join("home-2");
+    let port = free_port().unwrap();
+    let waiting = ShimProcess::spawn_with_env(shim_binary(), &home, port, &args, &env, &log);
+    let waiting = waiting.unwrap();
+    wait_until("the shim waits for Docker", Duration::from_secs(30), || {
+        fs_err::read_to_string(&log).is_ok_and(|l| l.contains("does not answer yet"))
+    });
+    waiting.sigterm().unwrap();
+    let status = waiting.wait_exit(Duration::from_secs(10)).unwrap();
+    assert!(
+        status.success(),
+        "{status}: {}",
+        fs_err::read_to_string(&log).unwrap()
+    );
 }
 
 /// Runs `f`, an API request answered from memory, and asserts that it did not wait for the

@@ -15,6 +15,7 @@ use shim_resources::gpu::{
 use shim_resources::{GpuVendor, HostGpus};
 use shim_runtime::{ContainerRuntime as _, DockerRuntime};
 use shim_util::error_chain;
+use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 
@@ -24,20 +25,34 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 /// How long start-up waits for Docker to answer (the engine's start-up list waits as long).
 const DOCKER_WAIT: Duration = Duration::from_secs(60);
 
-/// `attempt`'s answer, tried again every second while it fails, until `deadline`.
+/// A stop signal came while start-up waited for Docker.
+#[derive(Debug, thiserror::Error)]
+#[error("stopped by a signal while waiting for the Docker daemon")]
+pub struct StoppedWaiting;
+
+/// `attempt`'s answer, tried again every second while it fails, until `deadline` or until
+/// `stop` ([`StoppedWaiting`]).
 async fn until_docker_answers<T, E>(
     deadline: tokio::time::Instant,
+    stop: &CancellationToken,
     mut attempt: impl AsyncFnMut() -> Result<T, E>,
 ) -> anyhow::Result<T>
 where
     E: std::error::Error + Send + Sync + 'static,
 {
     loop {
-        match attempt().await {
+        let answer = tokio::select! {
+            answer = attempt() => answer,
+            () = stop.cancelled() => return Err(StoppedWaiting.into()),
+        };
+        match answer {
             Ok(answer) => return Ok(answer),
             Err(e) if tokio::time::Instant::now() < deadline => {
                 tracing::warn!(error = %error_chain(&e), "the Docker daemon does not answer yet; trying again");
-                tokio::time::sleep(Duration::from_secs(1)).await;
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    () = stop.cancelled() => return Err(StoppedWaiting.into()),
+                }
             }
             Err(e) => return Err(e).context("cannot connect to the Docker daemon"),
         }
@@ -46,17 +61,22 @@ where
 
 /// Connects to Docker, detects the host, starts DCGM on NVIDIA hosts, restores tasks and
 /// runs the first reconcile cycle.
-pub async fn open(config: &Config, home: &Path) -> anyhow::Result<(Engine, Arc<shim_dcgm::Dcgm>)> {
+pub async fn open(
+    config: &Config,
+    home: &Path,
+    stop: &CancellationToken,
+) -> anyhow::Result<(Engine, Arc<shim_dcgm::Dcgm>)> {
     // Docker is waited for a while, as the start-up list waits for it: one restarted by an
     // operator or a package upgrade while this shim starts (an upgrade in place's new binary,
     // whose watchdog would otherwise roll it back for Docker's doing) is no failed start.
     let deadline = tokio::time::Instant::now() + DOCKER_WAIT;
-    let runtime =
-        Arc::new(until_docker_answers(deadline, async || DockerRuntime::unconnected()).await?);
+    let runtime = Arc::new(
+        until_docker_answers(deadline, stop, async || DockerRuntime::unconnected()).await?,
+    );
     // The start-up list goes out first, side by side with the engine's `/version` and before
     // the GPUs are detected (`nvidia-smi` may take a while): a restart takes about one list.
     let opening = Engine::begin(runtime.clone(), Clock::system());
-    until_docker_answers(deadline, async || runtime.identify().await).await?;
+    until_docker_answers(deadline, stop, async || runtime.identify().await).await?;
     let mut options = HostOptions::new(&config.engine.volumes_root);
     options.fake_gpus = config.fake_gpus;
     options.gpu_health = config.gpu_health_interval.is_some();

@@ -279,7 +279,13 @@ async fn run(config: Config, inherited: Option<std::net::TcpListener>) -> anyhow
             shutdown.cancel();
         });
     }
-    let (engine, dcgm) = engine::open(&config, &home).await?;
+    let (engine, dcgm) = match engine::open(&config, &home, &signalled).await {
+        Err(e) if e.is::<engine::StoppedWaiting>() => {
+            tracing::info!("{e}");
+            return Ok(Exit::Stopped);
+        }
+        opened => opened?,
+    };
     let api: Arc<dyn ShimApi> =
         Arc::new(EngineApi::new(engine.clone(), VERSION).with_dcgm(dcgm.clone()));
 
