@@ -136,12 +136,7 @@ impl Queue {
                         false => 0,
                     };
                     if dropped > 0 {
-                        let notice =
-                            format!("{dropped} log line(s) dropped: this destination was too slow");
-                        let _ = match json {
-                            true => writeln!(out, r#"{{"level":"WARN","message":"{notice}"}}"#),
-                            false => writeln!(out, "WARN dstack_shim::logging: {notice}"),
-                        };
+                        let _ = out.write_all(dropped_notice(dropped, json).as_bytes());
                     }
                     let _ = out.flush();
                     queue.pending.fetch_sub(1, Ordering::AcqRel);
@@ -169,6 +164,23 @@ impl Queue {
             std::thread::sleep(Duration::from_millis(1));
         }
         true
+    }
+}
+
+/// The line that says `dropped` lines were dropped, in the shape of the others (a timestamp,
+/// the level, this module's target, the message; a JSON object with those keys where `json`).
+fn dropped_notice(dropped: u64, json: bool) -> String {
+    use tracing_subscriber::fmt::time::FormatTime as _;
+    let mut at = String::new();
+    let _ = tracing_subscriber::fmt::time::SystemTime
+        .format_time(&mut tracing_subscriber::fmt::format::Writer::new(&mut at));
+    let message = format!("{dropped} log line(s) dropped: this destination was too slow");
+    match json {
+        true => format!(
+            "{{\"timestamp\":\"{at}\",\"level\":\"WARN\",\"message\":\"{message}\",\"target\":\"{}\"}}\n",
+            module_path!()
+        ),
+        false => format!("{at}  WARN {}: {message}\n", module_path!()),
     }
 }
 
@@ -302,8 +314,17 @@ mod tests {
         assert!((QUEUE_LINES..QUEUE_LINES + 50).contains(&kept), "{kept}");
         let dropped = QUEUE_LINES + 50 - kept;
         let notice = format!(
-            "WARN dstack_shim::logging: {dropped} log line(s) dropped: this destination was too slow\n"
+            "  WARN dstack_shim::logging: {dropped} log line(s) dropped: this destination was too slow\n"
         );
         assert!(got.ends_with(&notice), "{got}");
+        let last = got.lines().last().unwrap_or_default();
+        assert!(last.starts_with("20") && last.contains("Z  WARN"), "{last}");
+        let json: serde_json::Value =
+            serde_json::from_str(dropped_notice(3, true).trim_end()).unwrap();
+        assert_eq!(json["target"], "dstack_shim::logging");
+        assert_eq!(json["level"], "WARN");
+        assert!(json["timestamp"].as_str().unwrap().ends_with('Z'), "{json}");
+        let message = "3 log line(s) dropped: this destination was too slow";
+        assert_eq!(json["message"], message);
     }
 }
