@@ -1143,6 +1143,51 @@ async fn unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys<W:
 }
 in_worlds!(unusable_state_files_are_moved_aside_and_their_tasks_keep_their_keys: docker, binary);
 
+// A state file that could not be read at a start (an I/O error: a bad sector, a full file
+// table) is not garbage. Its task's container running, the task is restored from the
+// container and the file's bytes are kept aside (`task.json.corrupt-<ms>`), not replaced by
+// the record written for the restored task; with no container, the file stays in place and
+// the task is back at the next start that reads it. Such a file used to be moved aside like
+// garbage, and a task without a container was forgotten for good (its volumes, its keys).
+async fn a_state_file_that_cannot_be_read_at_a_start_is_kept<W: world::World>() {
+    let mut w = W::new(world::Options::with(|o| o.fillable_home = true)).await;
+    let runners = w.home().join("runners");
+    let t1 = w.submitted("t1", 0, "running").await;
+    let dir = runners.join(container_name_of(&w.task("t1", 0)));
+    let bytes = fs_err::read(dir.join("task.json")).unwrap();
+    w.fail_next_state_read().await;
+    w.restart().await;
+    let info = w.wait_status("t1", "running").await;
+    assert_eq!(info["container_id"], t1["container_id"]);
+    let aside: Vec<String> = (entries(&dir).into_iter())
+        .filter(|n| n.starts_with("task.json.corrupt-"))
+        .collect();
+    assert_eq!(aside.len(), 1, "{:?}", entries(&dir));
+    assert_eq!(
+        fs_err::read(dir.join(&aside[0])).unwrap(),
+        bytes,
+        "kept as it was"
+    );
+    w.finish("t1").await;
+
+    let t2 = w.submitted("t2", 0, "running").await;
+    w.stop().await;
+    w.remove_container(&cid(&t2)).await;
+    w.fail_next_state_read().await;
+    w.start().await;
+    assert!(
+        w.info("t2").await.is_none(),
+        "not restored: no record read, no container"
+    );
+    let dir = runners.join(container_name_of(&w.task("t2", 0)));
+    assert!(dir.join("task.json").exists(), "left in place");
+    // Read at this start: known again, from its record alone (it has no container).
+    w.restart().await;
+    w.wait_status("t2", "terminated").await;
+    w.remove("t2").await;
+}
+in_worlds!(a_state_file_that_cannot_be_read_at_a_start_is_kept: fake, docker);
+
 // 5. Lost answers ---------------------------------------------------------------------------------
 
 // A create and a start whose answers never reach the shim (the requests are carried out, the

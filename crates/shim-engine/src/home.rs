@@ -74,6 +74,18 @@ impl Home {
         .await
     }
 
+    /// Moves a task directory's state file aside
+    /// ([`Store::set_aside_state_file`](shim_store::Store::set_aside_state_file)).
+    pub(crate) async fn set_aside_state_file(
+        &self,
+        container_name: String,
+    ) -> Result<Option<std::path::PathBuf>> {
+        blocking(&self.0, move |store| {
+            store.set_aside_state_file(&container_name)
+        })
+        .await
+    }
+
     /// Deletes a task directory (and its mark).
     pub(crate) async fn delete(&self, container_name: String) -> Result<()> {
         blocking(&self.0, move |store| store.delete(&container_name)).await

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use shim_resources::{AuthorizedKeys, VolumeManager};
 use shim_runtime::{ContainerDetails, ContainerRuntime, ContainerState, ContainerSummary};
-use shim_store::{Origin, ScanEntry};
+use shim_store::{Origin, RecordError, ScanEntry};
 use shim_task::machine::Action;
 use shim_task::{
     HostKeysGrant, MountedVolume, ObservedContainer, ObservedState, PortMapping, TaskId,
@@ -95,8 +95,11 @@ pub(crate) async fn determine_owner(home: &Home, runtime: &dyn ContainerRuntime)
 /// What the state files say about one container name.
 enum Found {
     Record(Box<TaskRecord>, Origin),
-    /// The state file was unreadable (moved aside).
-    Corrupt,
+    /// The state file was unusable: moved aside, or (`left`) left in place because it only
+    /// could not be read now.
+    Corrupt {
+        left: bool,
+    },
     /// A directory marked as mounted whole by its container: its state file, if any, is the
     /// container's and was not read.
     MountedWhole,
@@ -198,7 +201,8 @@ pub(crate) async fn restore(
                     error = %chain(&error),
                     "unusable state file (moved aside unless it only could not be read now); the task is restored from its container if it has one"
                 );
-                found.insert(name, Found::Corrupt);
+                let left = moved_to.is_none() && matches!(error, RecordError::Io(_));
+                found.insert(name, Found::Corrupt { left });
             }
         }
     }
@@ -256,8 +260,24 @@ pub(crate) async fn restore(
                 Some(*r)
             }
             // Restored from its container, if it has one, as a container without a state
-            // file: its keys cannot be named, so `restore` holds the unknown-origin lines.
-            Some(Found::Corrupt) => None,
+            // file: its keys cannot be named, so `restore` holds the unknown-origin lines. A
+            // file left in place (it could not be read now) is moved aside first when there
+            // is a container, whose task's record, written next, would replace its bytes;
+            // without one it stays, to be read at the next start.
+            Some(Found::Corrupt { left }) => {
+                if left && container.is_some() {
+                    match ctx.home.set_aside_state_file(name.clone()).await {
+                        Ok(moved_to) => {
+                            tracing::warn!(dir = %ctx.home.runners_dir().join(&name).display(), moved_to = ?moved_to,
+                                "a state file that could not be read, of a task restored from its container, moved aside")
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %chain(&e), "cannot move aside a state file that could not be read")
+                        }
+                    }
+                }
+                None
+            }
             // Marked at an earlier start as mounted whole: restored from its container; once
             // the container is gone (removed while no shim ran), the directory is deleted
             // unless another container mounts something in it.

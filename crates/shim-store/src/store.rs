@@ -625,6 +625,23 @@ impl Store {
         Ok(out)
     }
 
+    /// Moves the state file of task directory `container_name` aside
+    /// (`task.json.corrupt-<ms>`), as [`Store::scan`] moves an unusable one: for a file that
+    /// could not be read at the scan (left in place) whose task is restored from its
+    /// container, so that the record written for it next does not replace those bytes.
+    /// Where it went; `None` when there is no such directory or file, or it could not be
+    /// moved (logged).
+    pub fn set_aside_state_file(&self, container_name: &str) -> Result<Option<PathBuf>> {
+        let paths = self.paths(container_name)?;
+        let Ok(Some(handle)) = self.runners.open_dir(container_name) else {
+            return Ok(None);
+        };
+        match handle.stat(STATE_FILE) {
+            Ok(Some(_)) => Ok(set_aside(&handle, &paths.dir)),
+            _ => Ok(None),
+        }
+    }
+
     /// Marks the task directory `container_name` as mounted whole by its container, durably:
     /// from then on [`Store::scan`] does not read its state file, until [`Store::delete`].
     pub fn mark_mounted_whole(&self, container_name: &str) -> Result<()> {
@@ -714,19 +731,7 @@ impl Store {
             Err(e @ RecordError::Io(_)) => return unreadable_now(name, dir, e),
             Err(e) => e,
         };
-        let target = free_name(&handle, CORRUPT_PREFIX);
-        let moved_to = match handle.rename(STATE_FILE, &handle, &target) {
-            Ok(()) => {
-                if let Err(e) = handle.sync() {
-                    tracing::warn!(error = %error_chain(&e), "cannot sync a task directory");
-                }
-                Some(dir.join(&target))
-            }
-            Err(e) => {
-                tracing::warn!(dir = %dir.display(), error = %error_chain(&e), "cannot move an unusable state file aside");
-                None
-            }
-        };
+        let moved_to = set_aside(&handle, &dir);
         tracing::warn!(
             file = %state_file.display(),
             moved_to = ?moved_to,
@@ -1012,6 +1017,24 @@ fn is_skeleton(dir: &Dir) -> bool {
             && matches!(dir.open_dir(RUNNER_DIR), Ok(Some(runner))
                 if runner.names().is_ok_and(|inner| inner.is_empty()))
     })
+}
+
+/// Moves the state file in the task directory `handle` (at `dir`) aside as
+/// `task.json.corrupt-<ms>`, durably; where it went (`None`: it could not be moved, logged).
+fn set_aside(handle: &Dir, dir: &Path) -> Option<PathBuf> {
+    let target = free_name(handle, CORRUPT_PREFIX);
+    match handle.rename(STATE_FILE, handle, &target) {
+        Ok(()) => {
+            if let Err(e) = handle.sync() {
+                tracing::warn!(error = %error_chain(&e), "cannot sync a task directory");
+            }
+            Some(dir.join(&target))
+        }
+        Err(e) => {
+            tracing::warn!(dir = %dir.display(), error = %error_chain(&e), "cannot move an unusable state file aside");
+            None
+        }
+    }
 }
 
 /// [`Store::scan`]'s entry for a state file that cannot be read now: left in place, read

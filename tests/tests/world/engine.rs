@@ -561,6 +561,12 @@ impl<const DOCKER: bool> World for EngineWorld<DOCKER> {
         Some(self.engine().reconcile_now().await)
     }
 
+    async fn fail_next_state_read(&self) {
+        let disk = self.disk.as_ref();
+        let disk = disk.expect("a world made without Options::fillable_home");
+        disk.arm(shim_fs::Step::Read, shim_fs::fault::FaultKind::Fail);
+    }
+
     async fn hold_writes(&self, held: bool, waiting: usize) {
         let disk = self.disk.as_ref();
         let disk = disk.expect("a world made without Options::fillable_home");

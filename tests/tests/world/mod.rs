@@ -549,6 +549,12 @@ pub trait World: Sized {
         unimplemented!("only the engine worlds hold their writes");
     }
 
+    /// Makes the next read of a state file at a start fail with an I/O error, as a bad sector
+    /// would (needs [`Options::fillable_home`]; the engine worlds only).
+    async fn fail_next_state_read(&self) {
+        unimplemented!("only the engine worlds fail their reads");
+    }
+
     /// Cuts or restores the shim's way to the engine (needs [`Options::flaky_engine`]); a cut
     /// returns once the shim saw its event stream break.
     async fn set_engine_reachable(&self, reachable: bool);
