@@ -1172,7 +1172,7 @@ async fn a_state_file_that_cannot_be_read_at_a_start_is_kept<W: world::World>() 
 
     let t2 = w.submitted("t2", 0, "running").await;
     w.stop().await;
-    w.remove_container(&cid(&t2)).await;
+    w.remove_container(cid(&t2)).await;
     w.fail_next_state_read().await;
     w.start().await;
     assert!(
