@@ -165,6 +165,17 @@ pub enum ResourcesError {
         /// What `blkid` reported.
         signature: String,
     },
+    /// Another file system than the volume's device is mounted where the volume goes (an
+    /// operator's mount, a stale mount of an earlier volume of that name).
+    #[error("{} holds another file system than volume {volume:?}'s device {}; unmount it first", mount_point.display(), device.display())]
+    MountedElsewhere {
+        /// The volume's name.
+        volume: String,
+        /// Where it goes.
+        mount_point: PathBuf,
+        /// Its device.
+        device: PathBuf,
+    },
     /// Mounting failed.
     #[error("cannot mount {} on {}", device.display(), target.display())]
     Mount {

@@ -245,6 +245,40 @@ async fn blank_device_with_init_fs_is_formatted_mounted_and_released() {
     release(&m, &vol).await;
 }
 
+/// What someone else mounted at a volume's path (an operator's mount, a stale mount of an
+/// earlier volume of that name) is not the volume: its prepare refuses, saying so, and its
+/// release leaves that mount alone. It used to be taken for the volume already mounted: the
+/// task ran on another disk, and its release unmounted that disk.
+#[tokio::test]
+#[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
+async fn another_file_system_at_a_volumes_path_is_not_the_volume() {
+    let (lp, m) = Loop::blank_managed(64);
+    let other = Loop::blank(64);
+    run("mkfs.ext4", &["-q", "-F", other.dev_str()]);
+    let mp = lp.mount_point();
+    fs_err::create_dir_all(&mp).unwrap();
+    run("mount", &[other.dev_str(), mp.to_str().unwrap()]);
+    let e = m.prepare(&lp.spec(true)).await.unwrap_err();
+    assert!(
+        matches!(e, ResourcesError::MountedElsewhere { .. }),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("holds another file system"), "{e}");
+    let vol = MountedVolume {
+        name: "data".into(),
+        mount_point: mp.to_string_lossy().into_owned(),
+        device: lp.by_id("google-test-disk").to_string_lossy().into_owned(),
+    };
+    m.release(&vol).await.unwrap();
+    assert!(is_mounted(&mp), "the other mount is left alone");
+    run("umount", &[mp.to_str().unwrap()]);
+
+    // Its own file system, mounted here, is the volume: prepared again as is, and released.
+    let vol = m.prepare(&lp.spec(true)).await.unwrap();
+    assert_eq!(m.prepare(&lp.spec(true)).await.unwrap(), vol);
+    release(&m, &vol).await;
+}
+
 #[tokio::test]
 #[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
 async fn existing_filesystem_is_never_formatted_nor_chmodded() {

@@ -230,6 +230,19 @@ fn mount_points_from_mountinfo() {
     let points: Vec<PathBuf> = shim_resources::volumes::mount_points(odd).collect();
     let not_utf8 = PathBuf::from(std::ffi::OsStr::from_bytes(b"/mnt/\xffx"));
     assert_eq!(points, [not_utf8, PathBuf::from("/mnt/a\\09")]);
+
+    // What is mounted at a path: the topmost mount there (the table's last line for it), its
+    // device number and its source (optional fields before the separator skipped).
+    let stacked = "43 22 7:0 / /mnt/v rw shared:5 - ext4 /dev/loop0 rw\n\
+                   47 43 0:52 / /mnt/v rw - btrfs /dev/with\\040space rw\n";
+    let top = shim_resources::volumes::mount_at(stacked, Path::new("/mnt/v"));
+    assert_eq!(top, Some(((0, 52), PathBuf::from("/dev/with space"))));
+    let root = shim_resources::volumes::mount_at(table, Path::new("/"));
+    assert_eq!(root, Some(((8, 1), PathBuf::from("/dev/vda1"))));
+    assert_eq!(
+        shim_resources::volumes::mount_at(table, Path::new("/mnt")),
+        None
+    );
 }
 
 /// The kernel lists a mount point by its resolved path: one reached through a symbolic link

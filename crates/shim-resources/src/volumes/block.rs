@@ -190,6 +190,14 @@ impl BlockVolumes {
         let (mounter, path) = (self.mounter.clone(), path.to_owned());
         blocking("read the mount table", move || mounter.is_mounted(&path)).await
     }
+
+    async fn mounted_from(&self, path: &Path, device: &Path) -> Result<Option<bool>> {
+        let (mounter, path, device) = (self.mounter.clone(), path.to_owned(), device.to_owned());
+        blocking("read the mount table", move || {
+            mounter.mounted_from(&path, &device)
+        })
+        .await
+    }
 }
 
 /// A GCP disk's device, as upstream resolves it (`runner/internal/shim/backends/gcp.go`,
@@ -281,6 +289,15 @@ impl VolumeManager for BlockVolumes {
         };
         let _device = self.devices.lock(real_device.clone()).await;
         if self.is_mounted(&mount_point).await? {
+            // Only this volume's own file system counts as mounted (another task's of the
+            // same volume, one a restart found): not whatever is mounted at its path.
+            if self.mounted_from(&mount_point, &real_device).await? == Some(false) {
+                return Err(ResourcesError::MountedElsewhere {
+                    volume: name.to_owned(),
+                    mount_point,
+                    device,
+                });
+            }
             tracing::info!(volume = name, mount_point = %mount_point.display(),
                 "volume already mounted");
             return Ok(mounted);
@@ -339,6 +356,13 @@ impl VolumeManager for BlockVolumes {
         let _mount_point = self.mount_points.lock(mp.clone()).await;
         if !self.is_mounted(&mp).await? {
             tracing::debug!(mount_point = %mp.display(), "not mounted; nothing to release");
+            return Ok(());
+        }
+        if !volume.device.is_empty()
+            && self.mounted_from(&mp, Path::new(&volume.device)).await? == Some(false)
+        {
+            tracing::warn!(volume = %volume.name, mount_point = %mp.display(), device = %volume.device,
+                "another file system than the volume's is mounted there; left alone");
             return Ok(());
         }
         {

@@ -41,7 +41,8 @@ use crate::error::Result;
 pub use block::BlockVolumes;
 pub use mounter::{Mounter, SystemMounter};
 pub use parse::{
-    Probe, aws_fallback_names, find_aws_device, is_mount_point_in, mount_points, parse_blkid,
+    Probe, aws_fallback_names, find_aws_device, is_mount_point_in, mount_at, mount_points,
+    parse_blkid,
 };
 
 /// Where volumes are mounted by default.

@@ -135,6 +135,22 @@ pub fn is_mount_point_in(mountinfo: &str, path: &Path) -> bool {
     mount_points(mountinfo).any(|mp| mp == path)
 }
 
+/// What is mounted at `path` (the topmost mount there, the table's last line for it): its
+/// device number (`major:minor`, the table's third field) and its source (after the ` - `
+/// separator and the type), octal escapes undone.
+pub fn mount_at(mountinfo: &str, path: &Path) -> Option<((u64, u64), PathBuf)> {
+    mountinfo.lines().rev().find_map(|line| {
+        let fields: Vec<&str> = line.split(' ').collect();
+        if unescape_mountinfo(fields.get(4)?) != path {
+            return None;
+        }
+        let (major, minor) = fields.get(2)?.split_once(':')?;
+        let number = (major.parse().ok()?, minor.parse().ok()?);
+        let dash = fields.iter().position(|f| *f == "-")?;
+        Some((number, unescape_mountinfo(fields.get(dash + 2)?)))
+    })
+}
+
 /// The mount points of a mountinfo table's content (`/proc/<pid>/mountinfo`), in its order,
 /// byte for byte: its octal escapes (`\040` for a space, …) undone, no UTF-8 required.
 pub fn mount_points(mountinfo: &str) -> impl Iterator<Item = PathBuf> + '_ {
