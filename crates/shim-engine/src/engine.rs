@@ -93,6 +93,10 @@ impl Drop for Shared {
 /// steps are bounded alike).
 const START_UP_EFFECTS_WAIT: Duration = Duration::from_secs(10);
 
+/// How soon after the start-up list the first event subscription must connect to be covered
+/// by it (no list of its own), in nanoseconds.
+const FIRST_SUBSCRIPTION_COVERED_NS: u64 = 1_000_000_000;
+
 /// Reads the GPUs' interconnect (`nvidia-smi topo -m`) once, in the background, and gives it
 /// to the GPU lock, which places tasks by it from then on (first-free until then, or for good
 /// when it cannot be read).
@@ -262,9 +266,13 @@ impl Opening {
 
         // The event subscription is asked for now too (events since before the list are
         // kept for the reconciler), not after the first cycle.
+        let begun_at = listed_at;
         let subscribing = {
             let reconciler = reconciler.clone();
-            tokio::spawn(async move { reconciler.first_subscription().await })
+            tokio::spawn(async move {
+                let first = reconciler.first_subscription().await;
+                (first, clock.mono_ns())
+            })
         };
         let restored = restore(
             RestoreContext {
@@ -346,11 +354,16 @@ impl Opening {
         reconciler.first_cycle(listed, listed_at).await;
         // Spare task directories for the first submits (in the background).
         driver.prepare_spares();
-        let first = subscribing.await.unwrap_or_else(|e| {
+        let (first, subscribed_at) = subscribing.await.unwrap_or_else(|e| {
             tracing::warn!(error = %chain(&e), "subscribing to container events failed; retrying");
-            None
+            (None, 0)
         });
-        let mut background = reconciler.spawn(first);
+        // The start-up list covers a subscription made right after it: the daemon replays
+        // the events since then. One made later (a program that detected GPUs between
+        // `begin` and `open`, a slow daemon) relists: Docker replays only the last 256 events
+        // it buffered, none from before its own restart.
+        let covered = subscribed_at.saturating_sub(begun_at) <= FIRST_SUBSCRIPTION_COVERED_NS;
+        let mut background = reconciler.spawn(first, covered);
         let (usage, locator) = Usage::spawn(
             table.clone(),
             runtime.clone(),

@@ -557,12 +557,13 @@ impl Reconciler {
     /// its own subscriptions), reconnecting with a backoff; every reconnection resubscribes
     /// since the last event seen and asks for a full list (what the daemon no longer had is
     /// found that way).
-    async fn run_events(self: Arc<Self>, mut first: Option<EventStream>) {
+    async fn run_events(self: Arc<Self>, mut first: Option<EventStream>, covered: bool) {
         let mut delay = RECONNECT_MIN;
         let mut seen: HashSet<(String, i64)> = HashSet::new();
-        // Only the subscription made beside the start-up list is covered by it: any other
-        // connection, the first one that succeeds after that one failed included, relists.
-        let mut covered = first.is_some();
+        // Only the subscription made beside the start-up list (`covered`: soon after it) is
+        // covered by it: any other connection, the first one that succeeds after that one
+        // failed included, relists.
+        let mut covered = first.is_some() && covered;
         while !self.parts.shutdown.is_cancelled() {
             let subscribed = match first.take() {
                 Some(stream) => Ok(stream),
@@ -634,15 +635,17 @@ impl Reconciler {
     }
 
     /// Starts the background jobs: the event listener (on `first`, the subscription made at
-    /// start-up, if it succeeded), the retry pass and the backstop list.
+    /// start-up, if it succeeded; `covered`: made soon enough after the start-up list that it
+    /// needs no list of its own), the retry pass and the backstop list.
     pub(crate) fn spawn(
         self: &Arc<Self>,
         first: Option<EventStream>,
+        covered: bool,
     ) -> Vec<tokio::task::JoinHandle<()>> {
         let events = {
             let this = self.clone();
             tokio::spawn(async move {
-                this.clone().run_events(first).await;
+                this.clone().run_events(first, covered).await;
                 // Shut down: no stream is read any more.
                 this.connected(false);
             })

@@ -146,6 +146,33 @@ async fn a_first_subscription_that_comes_late_lists() {
     assert_eq!(info.termination_reason, "container_exited_with_error");
 }
 
+/// The same when the subscription made at start-up succeeds, but only seconds after the
+/// start-up list (a program that detects GPUs between `Engine::begin` and `open`, a slow
+/// daemon): Docker replays the events since the list only from the last 256 it buffered, none
+/// from before its own restart, so that connection lists too, and an exit the daemon no
+/// longer has is found at once. It was taken as covered by the start-up list: the task read
+/// `running` until the backstop list five minutes on.
+#[tokio::test(start_paused = true)]
+async fn a_first_subscription_that_connects_late_lists() {
+    let w = World::new(0);
+    let engine = w.engine().await;
+    let t1 = run(&engine, config("t1")).await;
+    drop(engine);
+    w.runtime.hold_subscriptions();
+    let mut cfg = EngineConfig::new(w.home.path());
+    cfg.volumes_root = "/fake/volumes".into();
+    let opening = tokio::spawn(Engine::open(cfg, w.deps()));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(w.runtime.exit_without_event(&t1.container_id, 1));
+    w.runtime.release_subscriptions();
+    let engine = opening.await.unwrap().unwrap();
+    assert!(engine.health().events_connected, "subscribed, late");
+    let ended = wait_status(&engine, "t1", TaskStatus::Terminated);
+    let info = tokio::time::timeout(Duration::from_secs(10), ended).await;
+    let info = info.expect("found at once, not at the backstop");
+    assert_eq!(info.termination_reason, "container_exited_with_error");
+}
+
 /// Podman sends no `oom` event: a `die` with 137 and no `oom` before it asks the container's
 /// state, whose OOM flag says so (one inspect); a 137 that was no OOM kill stays one.
 #[tokio::test(start_paused = true)]
