@@ -419,14 +419,10 @@ impl Frozen {
 
 impl Drop for Frozen {
     fn drop(&mut self) {
-        for args in [&["-u"][..], &[]] {
-            let program = if args.is_empty() {
-                "umount"
-            } else {
-                "fsfreeze"
-            };
+        // Lazily: the thawed writer may still hold its file open for a moment.
+        for (program, arg) in [("fsfreeze", "-u"), ("umount", "-l")] {
             let _ = std::process::Command::new(program)
-                .args(args)
+                .arg(arg)
                 .arg(&self.mount)
                 .status();
         }
