@@ -278,13 +278,17 @@ impl Effects {
                 Err(StartError::Refused(message)) => Event::StartRefused { message },
             }),
             Effect::StopContainer { timeout_s } => {
+                let stopped = match self.own_container(slot).await {
+                    Ok(Some(cid)) => {
+                        let stop = self.runtime.stop(&cid, Duration::from_secs(timeout_s));
+                        stop.await.map(|()| cid)
+                    }
+                    Ok(None) => Ok(String::new()),
+                    Err(e) => Err(e),
+                };
                 let cid = container_ref(slot);
-                match self
-                    .runtime
-                    .stop(&cid, Duration::from_secs(timeout_s))
-                    .await
-                {
-                    Ok(()) | Err(RuntimeError::NotFound { .. }) => Some(Event::ContainerStopped),
+                match stopped {
+                    Ok(_) | Err(RuntimeError::NotFound { .. }) => Some(Event::ContainerStopped),
                     Err(e) => {
                         let message = chain(&e);
                         if slot.failed_loudly(Retried::Container, &message) {
@@ -298,9 +302,10 @@ impl Effects {
             }
             Effect::Release(resources) => Some(self.release(slot, resources).await),
             Effect::RemoveContainer => {
-                let cid = container_ref(slot);
                 let _removing = Removing::start(&self.removing, &id);
-                self.runtime.remove(&cid).await?;
+                if let Some(cid) = self.own_container(slot).await? {
+                    self.runtime.remove(&cid).await?;
+                }
                 None
             }
             Effect::Forget => {
@@ -545,6 +550,28 @@ impl Effects {
 
     async fn is_own_leftover(&self, name: &str, id: &TaskId) -> bool {
         self.own_container_id(name, id).await.is_some()
+    }
+
+    /// The container to stop or remove for `slot`: the id its record has; without one (a
+    /// create whose answer was lost, or refused for a name in use), the container of its
+    /// name only if that one is this shim's and the task's ([`Effects::own_container_id`]), never
+    /// another home's of the same name; `None`: no such container. A look that fails is the
+    /// error (retried).
+    async fn own_container(&self, slot: &Slot) -> Result<Option<String>, RuntimeError> {
+        let (recorded, name) = slot.read(|t| {
+            let record = t.record();
+            (record.container_id.clone(), record.container_name.clone())
+        });
+        if let Some(id) = recorded {
+            return Ok(Some(id));
+        }
+        let d = match self.runtime.inspect(&name).await {
+            Ok(d) => d,
+            Err(RuntimeError::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let task = d.labels.get(LABEL_TASK_ID).map(String::as_str) == Some(slot.id.as_str());
+        Ok((task && self.ownership.owns(&d.mounts).await).then_some(d.id))
     }
 
     /// The id of the container named `name` if it is this shim's (its runner mount lies in

@@ -44,6 +44,29 @@ async fn a_container_with_our_owner_label_but_another_homes_runner_dir_is_not_ou
     assert_eq!(w.runtime.state(&stray), Some(ContainerState::Running));
 }
 
+// OPERATIONS: two shims on one engine never take each other's containers. A task whose
+// container name another home's container holds (the same name and id submitted to both: an
+// embedder's fixed ids) fails its create, as a name in use; its remove then acts on no
+// container, where it used to force-remove the other home's by that name.
+#[tokio::test(start_paused = true)]
+async fn a_task_whose_name_another_homes_container_holds_never_touches_it() {
+    let (w, engine) = World::with_engine(0).await;
+    let elsewhere = tempfile::tempdir().unwrap();
+    let name = container_name("t1");
+    let runner_dir = elsewhere.path().join("runners").join(&name).join("runner");
+    let other = (w.runtime).add_container(
+        &upstream_spec("t1", &name, &runner_dir),
+        ContainerState::Running,
+        None,
+    );
+    let info = failed_start(&engine, config("t1")).await;
+    assert_eq!(info.termination_reason, "creating_container_error");
+    engine.remove(&tid("t1")).await.unwrap();
+    let touched = w.calls_where(|c| matches!(c, Call::Stop(..) | Call::Remove(_)));
+    assert_eq!(touched, [], "stopped or removed");
+    assert_eq!(w.runtime.state(&other), Some(ContainerState::Running));
+}
+
 #[tokio::test(start_paused = true)]
 async fn restart_keeps_shared_key_of_live_task() {
     let (mut w, engine) = World::with_engine(0).await;
