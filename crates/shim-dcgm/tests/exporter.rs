@@ -385,50 +385,6 @@ async fn a_leftover_that_ignores_sigterm_is_killed() {
     exporter.shutdown().await;
 }
 
-/// A frozen file system (`fsfreeze`) on a loop device: a write to it blocks in the kernel,
-/// uninterruptibly, until it is thawed (at drop, before the unmount).
-struct Frozen {
-    mount: PathBuf,
-}
-
-impl Frozen {
-    fn new(dir: &Path) -> Self {
-        let image = dir.join("frozen.img");
-        let mount = dir.join("frozen");
-        fs_err::File::create(&image)
-            .unwrap()
-            .set_len(16 << 20)
-            .unwrap();
-        fs_err::create_dir(&mount).unwrap();
-        let run = |program: &str, args: &[&Path]| {
-            let status = std::process::Command::new(program)
-                .args(args)
-                .status()
-                .unwrap();
-            assert!(status.success(), "{program} {args:?}: {status}");
-        };
-        run("mkfs.ext4", &[Path::new("-q"), Path::new("-F"), &image]);
-        run(
-            "mount",
-            &[Path::new("-o"), Path::new("loop"), &image, &mount],
-        );
-        run("fsfreeze", &[Path::new("-f"), &mount]);
-        Self { mount }
-    }
-}
-
-impl Drop for Frozen {
-    fn drop(&mut self) {
-        // Lazily: the thawed writer may still hold its file open for a moment.
-        for (program, arg) in [("fsfreeze", "-u"), ("umount", "-l")] {
-            let _ = std::process::Command::new(program)
-                .arg(arg)
-                .arg(&self.mount)
-                .status();
-        }
-    }
-}
-
 /// An exporter stuck in the kernel (an NVML call into a wedged driver; here a write to a frozen
 /// file system) does not die on SIGKILL until the call returns. The shutdown waits for it a
 /// bounded while and goes on, its pid file kept for the next start; it used to wait for it
@@ -439,7 +395,7 @@ impl Drop for Frozen {
 async fn a_shutdown_does_not_wait_for_an_exporter_stuck_in_the_kernel() {
     shim_util::testing::require_root();
     let dir = tempfile::tempdir().unwrap();
-    let frozen = Frozen::new(dir.path());
+    let frozen = shim_util::testing::FrozenFs::new(dir.path());
     let (_, mut cfg, pid_file) = with_home(dir.path()).await;
     cfg.stop_grace = Duration::from_millis(300);
     let body = format!("echo x > '{}/f'", frozen.mount.display());

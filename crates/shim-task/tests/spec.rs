@@ -661,6 +661,24 @@ fn terminate_while_pulling_cancels_the_pull_at_once() {
     assert_ended(&t, TerminatedByUser, "cancel");
 }
 
+// The making of an instance directory is cancelled too: on a file system that does not
+// answer (a hung NFS mount) it never returns, and the start held the task's GPUs until it
+// did (a remove answered 409 meanwhile). Cancelled, it ends as a failed prepare; the first
+// reason stays.
+#[test]
+fn terminate_while_making_an_instance_directory_cancels_it() {
+    let mut t = started_until(StartStep::CreateDir(0));
+    let a = t.go(terminate(TerminatedByUser, "cancel", 0));
+    assert_eq!(a, [PERSIST, CANCEL_PULL]);
+    let cancelled = Event::PrepareFailed {
+        message: "terminated while instance mount directory was being made".into(),
+    };
+    assert_eq!(t.go(cancelled), [FINISH]);
+    assert_ended(&t, TerminatedByUser, "cancel");
+    assert_eq!(t.go(Event::StartFinished), [release_of(&t)]);
+    assert_eq!(t.held().gpus, ["GPU-a"], "released next");
+}
+
 #[test]
 fn terminate_while_creating_does_not_start_the_created_container() {
     let mut t = started_until(StartStep::CreateContainer);

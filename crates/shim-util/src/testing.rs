@@ -48,6 +48,64 @@ pub fn require_root() {
     );
 }
 
+/// A frozen file system (`fsfreeze`) of 16 MiB on a loop device, mounted at `mount` under the
+/// directory it is made in: a write or a `mkdir` there blocks in the kernel, uninterruptibly,
+/// as on a hung network file system, until it is thawed (at drop, before a lazy unmount: the
+/// thawed writer may hold its file a moment longer). Needs root ([`require_root`] first).
+#[derive(Debug)]
+pub struct FrozenFs {
+    /// Where it is mounted.
+    pub mount: std::path::PathBuf,
+}
+
+impl FrozenFs {
+    /// Makes, mounts and freezes it in `dir`.
+    #[allow(
+        clippy::panic,
+        clippy::unwrap_used,
+        reason = "test support: a set-up that fails fails the test"
+    )]
+    pub fn new(dir: &std::path::Path) -> Self {
+        let image = dir.join("frozen.img");
+        let mount = dir.join("frozen");
+        fs_err::File::create(&image)
+            .and_then(|f| f.set_len(16 << 20))
+            .unwrap();
+        fs_err::create_dir(&mount).unwrap();
+        let run = |program: &str, args: &[&std::ffi::OsStr]| {
+            let status = std::process::Command::new(program)
+                .args(args)
+                .status()
+                .unwrap();
+            assert!(status.success(), "{program} {args:?}: {status}");
+        };
+        run(
+            "mkfs.ext4",
+            &["-q".as_ref(), "-F".as_ref(), image.as_os_str()],
+        );
+        let loop_ = [
+            "-o".as_ref(),
+            "loop".as_ref(),
+            image.as_os_str(),
+            mount.as_os_str(),
+        ];
+        run("mount", &loop_);
+        run("fsfreeze", &["-f".as_ref(), mount.as_os_str()]);
+        Self { mount }
+    }
+}
+
+impl Drop for FrozenFs {
+    fn drop(&mut self) {
+        for (program, arg) in [("fsfreeze", "-u"), ("umount", "-l")] {
+            let _ = std::process::Command::new(program)
+                .arg(arg)
+                .arg(&self.mount)
+                .status();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

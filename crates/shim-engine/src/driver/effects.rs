@@ -247,9 +247,22 @@ impl Effects {
             }
             Effect::CreateDir(path) => {
                 let p = PathBuf::from(&path);
-                let r =
-                    tokio::task::spawn_blocking(move || shim_resources::ensure_instance_dir(&p))
-                        .await?;
+                let made =
+                    tokio::task::spawn_blocking(move || shim_resources::ensure_instance_dir(&p));
+                // A terminate cancels the wait (a file system that does not answer: a hung
+                // NFS mount), so that the start ends and releases the task's GPUs; the
+                // blocked call finishes on its own, a late directory harmless.
+                let cancelled = slot.pulling.token();
+                let r = tokio::select! {
+                    made = made => made?,
+                    () = cancelled.cancelled() => {
+                        return Ok(Some(Event::PrepareFailed {
+                            message: format!(
+                                "terminated while instance mount directory {path:?} was being made (its file system does not answer)"
+                            ),
+                        }));
+                    }
+                };
                 Some(match r {
                     Ok(true) => Event::DirCreated(path),
                     Ok(false) => Event::DirExisted(path),

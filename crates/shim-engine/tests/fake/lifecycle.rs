@@ -193,6 +193,45 @@ async fn shutdown_does_not_wait_for_a_subscription_in_progress() {
     w.runtime.release_subscriptions();
 }
 
+/// A terminate while an instance directory is being made on a file system that does not
+/// answer (a frozen one here; a hung NFS mount blocks the same way) ends the start at once: the
+/// task is terminated, its GPU released and its remove answered, while the blocked call waits
+/// on. It used to hold the GPU, and answer a remove 409, until the file system answered.
+/// (Real time: a blocked thread of the blocking pool holds paused time still.)
+#[tokio::test]
+#[ignore = "needs root (loop devices, mounts): SHIM_TEST_ROOT=1, run with --run-ignored all"]
+async fn a_terminate_while_an_instance_directory_hangs_releases_the_task() {
+    shim_util::testing::require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let frozen = shim_util::testing::FrozenFs::new(dir.path());
+    let (_w, engine) = World::with_engine(1).await;
+    let mut c = config("t1").with_gpus(1);
+    c.instance_mounts = vec![shim_task::InstanceMountPoint {
+        instance_path: frozen.mount.join("cache").to_string_lossy().into_owned(),
+        path: "/cache".into(),
+    }];
+    engine.submit(c).await.unwrap();
+    // A thread of this process blocked in the kernel: the `mkdir` on the frozen file system.
+    let blocked = || {
+        let tasks = fs_err::read_dir("/proc/self/task").unwrap();
+        tasks.flatten().any(|t| {
+            let stat = fs_err::read_to_string(t.path().join("stat")).unwrap_or_default();
+            stat.rsplit_once(") ")
+                .is_some_and(|(_, rest)| rest.starts_with('D'))
+        })
+    };
+    assert!(
+        poll_until(500, TICK, async || blocked()).await,
+        "no mkdir blocked"
+    );
+    let (t1, user) = (tid("t1"), TerminationReason::TerminatedByUser);
+    let stop = engine.terminate(&t1, user, String::new(), Duration::ZERO);
+    stop.await.unwrap();
+    wait_released(&engine, "t1").await;
+    engine.remove(&tid("t1")).await.unwrap();
+    drop(frozen);
+}
+
 #[tokio::test(start_paused = true)]
 async fn terminate_during_container_start_stops_the_container() {
     let (w, engine) = World::with_engine(0).await;

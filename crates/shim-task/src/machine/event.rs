@@ -301,8 +301,9 @@ pub enum Effect {
         /// The image as submitted (`image_name`).
         image: String,
     },
-    /// Cancel the pull in progress now (its outcome is still reported by the start job).
-    /// No outcome of its own.
+    /// Cancel the start's step in progress now, the pull or the making of an instance
+    /// directory (a file system that does not answer): its outcome is still reported by the
+    /// start job. No outcome of its own.
     CancelPull,
     /// Create the container. Outcome: [`Event::ContainerCreated`] or [`Event::CreateFailed`].
     CreateContainer,

@@ -185,6 +185,7 @@ pub(super) fn on_start_event(
         }
         Event::DirCreated(path) => {
             expect(t, name, |s| matches!(s, StartStep::CreateDir(_)))?;
+            t.cancel_pull = false;
             if !t.record.resources.created_dirs.contains(&path) {
                 t.record.resources.created_dirs.push(path);
             }
@@ -192,6 +193,7 @@ pub(super) fn on_start_event(
         }
         Event::DirExisted(_) => {
             expect(t, name, |s| matches!(s, StartStep::CreateDir(_)))?;
+            t.cancel_pull = false;
             advance(t);
         }
         Event::PrepareFailed { message } => {
@@ -200,6 +202,7 @@ pub(super) fn on_start_event(
                 // The add is atomic: it failed, so nothing was added.
                 t.record.resources.host_keys = None;
             }
+            t.cancel_pull = false;
             t.terminate(TerminationReason::ExecutorError, message);
             advance(t);
         }

@@ -88,7 +88,8 @@ pub struct Task {
     /// The action of `start_step` is out (its outcome is awaited); false while it waits to be
     /// emitted.
     pub(crate) start_step_out: bool,
-    /// A [`Effect::CancelPull`](super::Effect::CancelPull) is called for.
+    /// A [`Effect::CancelPull`](super::Effect::CancelPull) is called for (the pull, or the
+    /// making of an instance directory, is out and the task was terminated).
     pub(crate) cancel_pull: bool,
     /// Where stopping the container stands.
     pub(crate) stop: StopState,

@@ -191,7 +191,11 @@ fn terminate_requested(
         }
         _ => {
             t.terminate(reason, message);
-            if t.start_in_flight && t.start_step == Some(StartStep::Pull) && t.start_step_out {
+            let cancellable = matches!(
+                t.start_step,
+                Some(StartStep::Pull | StartStep::CreateDir(_))
+            );
+            if t.start_in_flight && cancellable && t.start_step_out {
                 t.cancel_pull = true;
             }
         }
