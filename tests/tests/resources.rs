@@ -104,6 +104,55 @@ async fn fifty_concurrent_tasks_leave_nothing_behind<W: World>() {
 }
 in_worlds!(fifty_concurrent_tasks_leave_nothing_behind: fake, docker, binary);
 
+// SPEC §7 (volumes): what someone else mounted at a volume's mount point (an operator's disk,
+// a tmpfs, a stale mount of an earlier volume of that name) is not the volume. The task that
+// names it ends `executor_error` saying so, and neither its end nor its remove unmounts that
+// file system. It used to run on it as if it were the volume, and its release unmounted it.
+// Needs root (losetup, mount).
+#[test]
+#[ignore = "needs Docker, the dev-env fixtures and root: SHIM_TEST_DOCKER=1 SHIM_TEST_ROOT=1, run with --run-ignored all"]
+fn a_file_system_someone_else_mounted_at_a_volumes_path_is_left_alone() {
+    shim_e2e::require_root();
+    let run = |args: &[&str]| {
+        let status = std::process::Command::new(args[0])
+            .args(&args[1..])
+            .status()
+            .unwrap();
+        assert!(status.success(), "{args:?}: {status}");
+    };
+    world::with_docker(async {
+        let w = world::DockerWorld::new(Options::default()).await;
+        for kind in ["ext4", "tmpfs"] {
+            let name = format!("taken{kind}{}", shim_e2e::harness::run_tag());
+            let vol = w.loop_volume(&name);
+            let other = w.loop_volume(&format!("{name}x"));
+            fs_err::create_dir_all(&vol.mount).unwrap();
+            let mp = vol.mount.to_str().unwrap();
+            match kind {
+                "ext4" => {
+                    run(&["mkfs.ext4", "-q", "-F", &other.dev]);
+                    run(&["mount", &other.dev, mp]);
+                }
+                _ => run(&["mount", "-t", "tmpfs", "tmpfs", mp]),
+            }
+            let id = format!("taken-{kind}");
+            let mut task = w.task(&id, 0);
+            task["volumes"] = serde_json::json!([{
+                "backend": "gcp", "name": name, "volume_id": "", "init_fs": true, "device_name": name,
+            }]);
+            task["volume_mounts"] = serde_json::json!([{"name": name, "path": "/data"}]);
+            w.submit(&task).await.unwrap();
+            let info = w.wait_status(&id, "terminated").await;
+            assert_eq!(info["termination_reason"], "executor_error", "{info}");
+            let message = info["termination_message"].as_str().unwrap_or_default();
+            assert!(message.contains("holds another file system"), "{info}");
+            w.remove(&id).await;
+            assert!(vol.is_mounted(), "{kind}: what was mounted there stays");
+            run(&["umount", mp]);
+        }
+    });
+}
+
 // SPEC §7 (volumes) with a real loop device: a volume two tasks name stays mounted until the
 // last of them lets it go. The first task's release leaves it mounted for the second, whose
 // container still uses it (an unmount under it sent its writes to the root disk); the

@@ -272,6 +272,16 @@ async fn another_file_system_at_a_volumes_path_is_not_the_volume() {
     m.release(&vol).await.unwrap();
     assert!(is_mounted(&mp), "the other mount is left alone");
     run("umount", &[mp.to_str().unwrap()]);
+    // A file system whose source is no device path (a tmpfs; NFS's `host:/export` alike).
+    run("mount", &["-t", "tmpfs", "tmpfs", mp.to_str().unwrap()]);
+    let e = m.prepare(&lp.spec(true)).await.unwrap_err();
+    assert!(
+        matches!(e, ResourcesError::MountedElsewhere { .. }),
+        "{e:?}"
+    );
+    m.release(&vol).await.unwrap();
+    assert!(is_mounted(&mp), "the tmpfs is left alone");
+    run("umount", &[mp.to_str().unwrap()]);
 
     // Its own file system, mounted here, is the volume: prepared again as is, and released.
     let vol = m.prepare(&lp.spec(true)).await.unwrap();

@@ -85,7 +85,8 @@ impl DockerWorld {
 
 /// A loop device as a task's volume ([`DockerWorld::loop_volume`]).
 pub struct LoopVolume {
-    dev: String,
+    /// Its loop device.
+    pub dev: String,
     /// Where the engine mounts it.
     pub mount: PathBuf,
 }

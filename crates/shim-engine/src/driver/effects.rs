@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use shim_resources::{AuthorizedKeys, GpuLock, GpuVendor, VolumeManager};
+use shim_resources::{AuthorizedKeys, GpuLock, GpuVendor, ResourcesError, VolumeManager};
 use shim_runtime::{ContainerRuntime, ContainerState, HostDevices, PullRequest, RuntimeError};
 use shim_task::machine::{Effect, Event};
 use shim_task::{MountedVolume, PortMapping, PullProgress, Resources, TaskId};
@@ -243,7 +243,7 @@ impl Effects {
                         ),
                     }));
                 }
-                Some(self.mount(&spec).await)
+                Some(self.mount(&spec, recorder).await?)
             }
             Effect::CreateDir(path) => {
                 let p = PathBuf::from(&path);
@@ -336,8 +336,26 @@ impl Effects {
 }
 
 impl Effects {
-    async fn mount(&self, spec: &shim_task::VolumeSpec) -> Event {
-        match self.volumes.prepare(spec).await {
+    async fn mount(&self, spec: &shim_task::VolumeSpec, recorder: &Recorder<'_>) -> Result<Event> {
+        let prepared = self.volumes.prepare(spec).await;
+        if let Err(ResourcesError::MountedElsewhere {
+            mount_point,
+            device,
+            ..
+        }) = &prepared
+        {
+            // Nothing of this task's is mounted there: the record ahead names the volume's
+            // device, so that its release leaves what is mounted there alone.
+            let named = MountedVolume {
+                name: spec.name.to_string(),
+                mount_point: mount_point.to_string_lossy().into_owned(),
+                device: device.to_string_lossy().into_owned(),
+            };
+            if let Written::Failed(e) = recorder.volume_mounting(named).await? {
+                tracing::warn!(volume = %spec.name, error = %chain(&e), "cannot record the device of a volume whose mount point holds another file system; its release may unmount that file system");
+            }
+        }
+        Ok(match prepared {
             Ok(v) => Event::VolumeMounted(v),
             Err(e) => Event::PrepareFailed {
                 message: format!(
@@ -346,7 +364,7 @@ impl Effects {
                     chain(&e)
                 ),
             },
-        }
+        })
     }
 
     /// The pull step, the one place an image is pulled (SPEC §4): a `:latest` image is always

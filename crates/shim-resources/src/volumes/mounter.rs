@@ -91,6 +91,11 @@ impl Mounter for SystemMounter {
         if device_number(meta.rdev()) == number {
             return Ok(Some(true));
         }
+        // A source that is no path (`tmpfs`, `host:/export`, a FUSE name) is never the
+        // volume's: the shim mounts a device by its path.
+        if !source.is_absolute() {
+            return Ok(Some(false));
+        }
         let (Ok(source), Ok(device)) =
             (fs_err::canonicalize(&source), fs_err::canonicalize(device))
         else {

@@ -166,16 +166,11 @@ pub(super) fn on_start_event(
             advance(t);
         }
         Event::VolumeMounting(volume) => {
+            // Recorded ahead of the mount; recorded again (its device named) when the mount
+            // point turns out to hold another file system.
             expect(t, name, |s| matches!(s, StartStep::MountVolume(_)))?;
-            if !t
-                .record
-                .resources
-                .volumes
-                .iter()
-                .any(|v| v.name == volume.name)
-            {
-                t.record.resources.volumes.push(volume);
-            }
+            t.record.resources.volumes.retain(|v| v.name != volume.name);
+            t.record.resources.volumes.push(volume);
         }
         Event::VolumeMounted(volume) => {
             expect(t, name, |s| matches!(s, StartStep::MountVolume(_)))?;
