@@ -122,6 +122,18 @@ async fn the_default_config_lists_only_at_start_up_and_on_reconnection() {
     assert!(health.is_ready(), "{:?}", health.reasons());
 }
 
+/// Task `t1` run on an engine of `w` that is then dropped, every later event subscription
+/// held, and the config to open the engine again.
+async fn t1_running_then_subscriptions_held(w: &World) -> (TaskInfo, EngineConfig) {
+    let engine = w.engine().await;
+    let t1 = run(&engine, config("t1")).await;
+    drop(engine);
+    w.runtime.hold_subscriptions();
+    let mut cfg = EngineConfig::new(w.home.path());
+    cfg.volumes_root = "/fake/volumes".into();
+    (t1, cfg)
+}
+
 /// SPEC §4: a list runs whenever the event stream connects. When the subscription made beside
 /// the start-up list fails (the daemon restarting under the shim's restart), the first one
 /// that succeeds later lists too: an exit whose event the restarted daemon no longer has is
@@ -129,12 +141,7 @@ async fn the_default_config_lists_only_at_start_up_and_on_reconnection() {
 #[tokio::test(start_paused = true)]
 async fn a_first_subscription_that_comes_late_lists() {
     let w = World::new(0);
-    let engine = w.engine().await;
-    let t1 = run(&engine, config("t1")).await;
-    drop(engine);
-    w.runtime.hold_subscriptions();
-    let mut cfg = EngineConfig::new(w.home.path());
-    cfg.volumes_root = "/fake/volumes".into();
+    let (t1, cfg) = t1_running_then_subscriptions_held(&w).await;
     let engine = Engine::open(cfg, w.deps()).await.unwrap();
     assert!(!engine.health().events_connected);
     let lists = w.runtime.count("list");
@@ -155,12 +162,7 @@ async fn a_first_subscription_that_comes_late_lists() {
 #[tokio::test(start_paused = true)]
 async fn a_first_subscription_that_connects_late_lists() {
     let w = World::new(0);
-    let engine = w.engine().await;
-    let t1 = run(&engine, config("t1")).await;
-    drop(engine);
-    w.runtime.hold_subscriptions();
-    let mut cfg = EngineConfig::new(w.home.path());
-    cfg.volumes_root = "/fake/volumes".into();
+    let (t1, cfg) = t1_running_then_subscriptions_held(&w).await;
     let opening = tokio::spawn(Engine::open(cfg, w.deps()));
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(w.runtime.exit_without_event(&t1.container_id, 1));
